@@ -1,0 +1,9 @@
+//! `tandem bench ddp` (not implemented yet).
+
+#[derive(clap::Args)]
+pub struct Args {}
+
+pub fn main(_args: Args) -> anyhow::Result<i32> {
+    eprintln!("tandem bench ddp: not yet implemented");
+    Ok(2)
+}

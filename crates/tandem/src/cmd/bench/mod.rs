@@ -1,0 +1,30 @@
+//! `tandem bench ...`: every benchmark prints ratios against a reference measured in the same run.
+use clap::Subcommand;
+
+pub mod allreduce;
+pub mod ckpt;
+pub mod ddp;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    which: Which,
+}
+
+#[derive(Subcommand)]
+enum Which {
+    /// all_reduce time, algbw, busbw and memcpy bandwidth per message size.
+    Allreduce(allreduce::Args),
+    /// samples/s of plain training vs Ddp with N ranks.
+    Ddp(ddp::Args),
+    /// checkpoint save/load throughput vs dd and torch.
+    Ckpt(ckpt::Args),
+}
+
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    match args.which {
+        Which::Allreduce(a) => allreduce::main(a),
+        Which::Ddp(a) => ddp::main(a),
+        Which::Ckpt(a) => ckpt::main(a),
+    }
+}
