@@ -1,5 +1,45 @@
 //! tandem-ckpt: reading and writing `.pt` (torch.save) and safetensors files, key
 //! canonicalisation with load reports, and atomic training checkpoints.
-//! Knows nothing of process groups: "save on rank 0 only" is the caller's business.
+//! Knows nothing of process groups (rank-0-only saving takes the caller's barrier) nor of tensor
+//! engines or devices: tensors are host bytes with PyTorch's storage/stride model, and
+//! `map_location` is validated and handed back, not acted on.
+pub mod atomic;
+pub mod error;
+pub mod keys;
+pub mod manager;
+mod pickle;
+pub mod pt;
+pub mod safetensors;
 pub mod value;
-pub use value::{DType, Tensor, Value};
+mod zip_writer;
+
+use std::path::Path;
+
+pub use error::CkptError;
+pub use keys::{canonicalize_keys, load_state_dict, LoadReport};
+pub use manager::{CheckpointManager, TrainingCheckpoint};
+pub use pt::{LoadOptions, MapLocation};
+pub use value::{DType, Storage, Tensor, Value};
+
+/// `torch.load(path, weights_only=True)`: reads a torch.save file (zip or legacy format; a
+/// safetensors file works too) into a value tree. Large files are memory-mapped.
+pub fn load(path: impl AsRef<Path>) -> Result<Value, CkptError> {
+    pt::load_with(path.as_ref(), &LoadOptions::default())
+}
+
+/// [`load`] with options (`map_location`, `mmap`, checksum verification).
+pub fn load_with(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Value, CkptError> {
+    pt::load_with(path.as_ref(), opts)
+}
+
+/// `torch.save(value, path)`: writes a zip-format `.pt` that `torch.load(weights_only=True)`
+/// reads back with the same values, nesting, dtypes, views and tied storages. Atomic: temp file,
+/// fsync, rename, fsync of the directory.
+pub fn save(path: impl AsRef<Path>, value: &Value) -> Result<(), CkptError> {
+    pt::save(path.as_ref(), value)
+}
+
+/// Serialises to an in-memory `.pt` image (what `save` writes).
+pub fn to_pt_bytes(value: &Value) -> Result<Vec<u8>, CkptError> {
+    pt::write_pt(value, Vec::new())
+}

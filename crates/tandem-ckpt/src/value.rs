@@ -75,6 +75,8 @@ impl fmt::Display for DType {
 enum StorageBytes {
     Owned(Vec<u8>),
     Mapped { map: Arc<memmap2::Mmap>, start: usize, len: usize },
+    /// A slice of a file read whole into memory (several storages share one buffer).
+    Shared { buf: Arc<Vec<u8>>, start: usize, len: usize },
 }
 
 /// The raw little-endian bytes of one storage. Cloning shares it: two tensors holding clones
@@ -96,10 +98,23 @@ impl Storage {
         Storage { bytes: Arc::new(StorageBytes::Mapped { map, start, len }) }
     }
 
+    /// A storage that is bytes `start..start+len` of a shared buffer.
+    /// Panics if the range lies outside the buffer; readers check ranges before calling.
+    pub fn from_shared(buf: Arc<Vec<u8>>, start: usize, len: usize) -> Self {
+        assert!(start.checked_add(len).is_some_and(|end| end <= buf.len()), "storage range outside buffer");
+        Storage { bytes: Arc::new(StorageBytes::Shared { buf, start, len }) }
+    }
+
+    /// True when the bytes live in a memory-mapped file.
+    pub fn is_mapped(&self) -> bool {
+        matches!(&*self.bytes, StorageBytes::Mapped { .. })
+    }
+
     pub fn bytes(&self) -> &[u8] {
         match &*self.bytes {
             StorageBytes::Owned(v) => v,
             StorageBytes::Mapped { map, start, len } => &map[*start..*start + *len],
+            StorageBytes::Shared { buf, start, len } => &buf[*start..*start + *len],
         }
     }
 
@@ -470,5 +485,32 @@ mod tests {
         let t = Tensor { shape: vec![2], stride: vec![1], storage_offset: 1, ..base };
         assert_eq!(t.to_i64_vec(), vec![-2, 3]);
         assert_eq!(t.to_f32_vec(), vec![-2.0, 3.0]);
+    }
+}
+
+impl Tensor {
+    /// A contiguous copy converted to `dtype` (what `param.copy_(src)` does across dtypes: floats
+    /// round to nearest, floats to ints truncate, anything to bool is `!= 0`).
+    pub fn to_dtype(&self, dtype: DType) -> Tensor {
+        if dtype == self.dtype {
+            return Tensor::from_bytes(dtype, &self.shape, self.contiguous_bytes().into_owned());
+        }
+        let vals = self.to_f64_vec();
+        let mut out = Vec::with_capacity(vals.len() * dtype.size());
+        for v in vals {
+            match dtype {
+                DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
+                DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+                DType::F16 => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+                DType::BF16 => out.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+                DType::I64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
+                DType::I32 => out.extend_from_slice(&(v as i64 as i32).to_le_bytes()),
+                DType::I16 => out.extend_from_slice(&(v as i64 as i16).to_le_bytes()),
+                DType::I8 => out.push(v as i64 as i8 as u8),
+                DType::U8 => out.push(v as i64 as u8),
+                DType::Bool => out.push((v != 0.0) as u8),
+            }
+        }
+        Tensor::from_bytes(dtype, &self.shape, out)
     }
 }

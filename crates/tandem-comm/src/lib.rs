@@ -1,3 +1,44 @@
 //! tandem-comm: the rendezvous store, process-group initialisation and CPU collectives
 //! (TCP ring and shared memory). Owns bytes, dtypes and ranks; knows nothing of tensors,
 //! candle, models or checkpoints.
+//!
+//! ```no_run
+//! let pg = tandem_comm::init()?;                       // torchrun / Slurm / OpenMPI / world of one
+//! let mut grads = vec![1.0f32; 1024];
+//! pg.all_reduce(&mut grads, tandem_comm::ReduceOp::Avg)?;
+//! pg.barrier()?;
+//! # Ok::<(), tandem_comm::CommError>(())
+//! ```
+mod collectives;
+mod element;
+mod env;
+mod error;
+mod frame;
+mod group;
+mod rendezvous;
+mod store;
+mod transport;
+mod work;
+
+pub use element::{DType, Element, ReduceOp};
+pub use env::{InitMethod, InitOptions};
+pub use error::CommError;
+pub use frame::MAX_FRAME;
+pub use group::ProcessGroup;
+pub use rendezvous::init_with;
+pub use store::{Store, StoreServer};
+pub use transport::TransportKind;
+pub use work::Work;
+
+/// Initialises the default group from the environment (torchrun's `env://` variables, Slurm,
+/// OpenMPI); with none of them, a world of one that needs no network.
+pub fn init() -> Result<ProcessGroup, CommError> {
+    init_from(&InitMethod::Env)
+}
+
+/// Initialises the default group from an explicit method, e.g.
+/// `InitMethod::tcp("tcp://10.0.0.1:29500", rank, world_size)`. Options come from the
+/// environment (TANDEM_TRANSPORT, TANDEM_TIMEOUT, ...); see `init_with` to set them in code.
+pub fn init_from(method: &InitMethod) -> Result<ProcessGroup, CommError> {
+    init_with(method, &InitOptions::from_env()?)
+}

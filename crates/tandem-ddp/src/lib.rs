@@ -1,2 +1,27 @@
-//! tandem-ddp: DistributedDataParallel and DataParallel on candle, optimizers, schedulers.
-//! The gradient reducer itself is engine-agnostic (named flat buffers in ready order).
+//! tandem-ddp: DistributedDataParallel and DataParallel on candle, optimizers, schedulers, and
+//! reference models. The gradient reducer itself (`reducer`, `bucket`) is engine-agnostic: named
+//! flat f32 buffers in ready order; `params`/`hook`/`ddp` are the candle adapter that feeds it.
+//! Collectives come through the `comm::GradComm` trait (implemented for tandem-comm's
+//! `ProcessGroup`); this crate knows nothing of sockets, launchers or checkpoint file formats.
+pub mod metrics;
+pub mod optim;
+pub mod sched;
+
+pub mod bucket;
+pub mod comm;
+pub mod convert;
+pub mod data_parallel;
+pub mod ddp;
+pub mod error;
+mod hook;
+pub mod models;
+pub mod module;
+pub mod params;
+pub mod reducer;
+
+pub use comm::{GradComm, LocalGroup, SingleProcess};
+pub use data_parallel::{chunk_sizes, DataParallel};
+pub use ddp::{Ddp, DdpOptions};
+pub use error::{DdpError, Result};
+pub use module::Module;
+pub use params::ParamSet;

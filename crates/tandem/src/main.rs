@@ -23,6 +23,8 @@ enum Command {
     Ckpt(cmd::ckpt::Args),
     /// Benchmarks that print ratios against a reference measured in the same run.
     Bench(cmd::bench::Args),
+    /// Check a launch: every rank joins the group, all_reduces its rank and verifies the sum.
+    Check(cmd::check::Args),
 }
 
 fn main() {
@@ -40,6 +42,7 @@ fn main() {
         Command::Sampler(a) => cmd::sampler::main(a),
         Command::Ckpt(a) => cmd::ckpt::main(a),
         Command::Bench(a) => cmd::bench::main(a),
+        Command::Check(a) => cmd::check::main(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

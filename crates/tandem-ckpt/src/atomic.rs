@@ -1,0 +1,53 @@
+//! Atomic file replacement: write a temp file in the target's directory, fsync it, rename it over
+//! the target, fsync the directory. A crash leaves either the old file or the new one, never a
+//! torn one (the torn temp file has a `.tmp` name that readers ignore).
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+
+use crate::error::{CkptError, Result};
+
+/// Creates `path` atomically with whatever `fill` writes into the file.
+pub fn write_atomic(path: &Path, fill: impl FnOnce(&mut File) -> std::io::Result<()>) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .suffix(".tmp")
+        .tempfile_in(&dir)
+        .map_err(|e| CkptError::io(&dir, e))?;
+    fill(tmp.as_file_mut()).map_err(|e| CkptError::io(path, e))?;
+    tmp.as_file_mut().flush().map_err(|e| CkptError::io(path, e))?;
+    tmp.as_file().sync_all().map_err(|e| CkptError::io(path, e))?;
+    tmp.persist(path).map_err(|e| CkptError::io(path, e.error))?;
+    sync_dir(&dir)
+}
+
+/// fsync of a directory, so a rename inside it survives a crash.
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    let d = File::open(dir).map_err(|e| CkptError::io(dir, e))?;
+    d.sync_all().map_err(|e| CkptError::io(dir, e))
+}
+
+/// Like [`write_atomic`] for writers that insist on opening a path themselves: `fill` gets the
+/// temp file's path.
+pub fn write_atomic_via_path(path: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .suffix(".tmp")
+        .tempfile_in(&dir)
+        .map_err(|e| CkptError::io(&dir, e))?
+        .into_temp_path();
+    fill(&tmp)?;
+    File::open(&tmp).and_then(|f| f.sync_all()).map_err(|e| CkptError::io(path, e))?;
+    tmp.persist(path).map_err(|e| CkptError::io(path, e.error))?;
+    sync_dir(&dir)
+}

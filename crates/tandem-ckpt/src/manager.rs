@@ -1,0 +1,202 @@
+//! Training checkpoints in a directory: one torch-loadable `.pt` per save, written atomically,
+//! `keep_last` retention, a `latest` pointer, and resume from the newest file that verifies
+//! (every zip entry's CRC-32), skipping corrupt ones with a warning.
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use crate::error::{CkptError, Result};
+use crate::keys::canonicalize_keys;
+use crate::pt::LoadOptions;
+use crate::value::Value;
+
+const PREFIX: &str = "checkpoint-";
+const SUFFIX: &str = ".pt";
+/// Name of the pointer file holding the newest checkpoint's file name.
+pub const LATEST: &str = "latest";
+
+/// The fields of a training checkpoint, as one dict PyTorch can open:
+/// `{epoch, global_step, model, optimizer, scheduler, sampler, rng, world_size, config, tandem_version}`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainingCheckpoint {
+    pub epoch: i64,
+    pub global_step: i64,
+    /// The model's state dict (saved with canonical keys).
+    pub model: Value,
+    /// `optimizer.state_dict()` layout.
+    pub optimizer: Value,
+    pub scheduler: Value,
+    pub sampler: Value,
+    pub rng: Value,
+    pub world_size: i64,
+    pub config: Value,
+}
+
+impl TrainingCheckpoint {
+    pub fn to_value(&self) -> Result<Value> {
+        Ok(Value::dict_from([
+            ("epoch", Value::Int(self.epoch)),
+            ("global_step", Value::Int(self.global_step)),
+            ("model", canonicalize_keys(&self.model)?),
+            ("optimizer", self.optimizer.clone()),
+            ("scheduler", self.scheduler.clone()),
+            ("sampler", self.sampler.clone()),
+            ("rng", self.rng.clone()),
+            ("world_size", Value::Int(self.world_size)),
+            ("config", self.config.clone()),
+            ("tandem_version", Value::Str(env!("CARGO_PKG_VERSION").to_string())),
+        ]))
+    }
+
+    /// Reads the fields back; a missing or mistyped field is an error naming it.
+    pub fn from_value(v: &Value) -> Result<Self> {
+        let field = |k: &str| v.get(k).ok_or_else(|| CkptError::NoStateDict(format!("training checkpoint has no `{k}` entry")));
+        let int = |k: &str| {
+            field(k)?.as_int().ok_or_else(|| CkptError::NoStateDict(format!("training checkpoint `{k}` is not an int")))
+        };
+        Ok(TrainingCheckpoint {
+            epoch: int("epoch")?,
+            global_step: int("global_step")?,
+            model: field("model")?.clone(),
+            optimizer: field("optimizer")?.clone(),
+            scheduler: v.get("scheduler").cloned().unwrap_or(Value::None),
+            sampler: v.get("sampler").cloned().unwrap_or(Value::None),
+            rng: v.get("rng").cloned().unwrap_or(Value::None),
+            world_size: int("world_size")?,
+            config: v.get("config").cloned().unwrap_or(Value::None),
+        })
+    }
+}
+
+/// A directory of checkpoints `checkpoint-<name>.pt` plus a `latest` pointer.
+#[derive(Clone, Debug)]
+pub struct CheckpointManager {
+    dir: PathBuf,
+    keep_last: usize,
+}
+
+impl CheckpointManager {
+    /// `keep_last == 0` keeps every checkpoint. Nothing touches the disk until the first save.
+    pub fn new(dir: impl Into<PathBuf>, keep_last: usize) -> Self {
+        CheckpointManager { dir: dir.into(), keep_last }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The file a save under `name` (e.g. `step-1200`, `epoch-3`) writes.
+    pub fn path_for(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("{PREFIX}{name}{SUFFIX}"))
+    }
+
+    fn err(&self, msg: impl Into<String>) -> CkptError {
+        CkptError::Manager { path: self.dir.clone(), msg: msg.into() }
+    }
+
+    /// Saves `value` (state dicts inside it get canonical keys) atomically, moves `latest` to it
+    /// and deletes the oldest checkpoints beyond `keep_last`. Call it on one rank only; see
+    /// [`save_on_rank`](Self::save_on_rank).
+    pub fn save(&self, name: &str, value: &Value) -> Result<PathBuf> {
+        if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
+            return Err(self.err(format!("checkpoint name `{name}` must be non-empty, without `/` and not start with `.`")));
+        }
+        std::fs::create_dir_all(&self.dir).map_err(|e| CkptError::io(&self.dir, e))?;
+        let path = self.path_for(name);
+        crate::pt::save(&path, &canonicalize_keys(value)?)?;
+        let file_name = format!("{PREFIX}{name}{SUFFIX}\n");
+        crate::atomic::write_atomic(&self.dir.join(LATEST), |f| std::io::Write::write_all(f, file_name.as_bytes()))?;
+        self.apply_retention(&path)?;
+        Ok(path)
+    }
+
+    /// The distributed save: rank 0 writes, then every rank (rank 0 included, even when its write
+    /// failed) calls `barrier`, so no rank can leave the others waiting. Ranks other than 0
+    /// return `Ok(None)`; rank 0 returns its write's result after the barrier. The barrier is
+    /// the caller's (tandem-ckpt knows nothing of process groups).
+    pub fn save_on_rank<E: std::fmt::Display>(
+        &self,
+        rank: usize,
+        name: &str,
+        value: &Value,
+        barrier: impl FnOnce() -> std::result::Result<(), E>,
+    ) -> Result<Option<PathBuf>> {
+        let written = if rank == 0 { self.save(name, value).map(Some) } else { Ok(None) };
+        let synced = barrier().map_err(|e| self.err(format!("barrier after saving `{name}` failed on rank {rank}: {e}")));
+        let written = written?;
+        synced?;
+        Ok(written)
+    }
+
+    /// Checkpoint files in the directory, newest first (modification time, then name).
+    pub fn list(&self) -> Result<Vec<PathBuf>> {
+        let rd = match std::fs::read_dir(&self.dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(CkptError::io(&self.dir, e)),
+        };
+        let mut files: Vec<(SystemTime, PathBuf)> = Vec::new();
+        for entry in rd {
+            let entry = entry.map_err(|e| CkptError::io(&self.dir, e))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !(name.starts_with(PREFIX) && name.ends_with(SUFFIX)) {
+                continue;
+            }
+            let mtime = entry.metadata().and_then(|m| m.modified()).unwrap_or(SystemTime::UNIX_EPOCH);
+            files.push((mtime, entry.path()));
+        }
+        files.sort_by(|a, b| b.cmp(a));
+        Ok(files.into_iter().map(|(_, p)| p).collect())
+    }
+
+    fn apply_retention(&self, just_written: &Path) -> Result<()> {
+        if self.keep_last == 0 {
+            return Ok(());
+        }
+        let files = self.list()?;
+        let mut kept = 0;
+        for f in files {
+            if f == just_written || kept < self.keep_last.saturating_sub(1) {
+                if f != just_written {
+                    kept += 1;
+                }
+                continue;
+            }
+            std::fs::remove_file(&f).map_err(|e| CkptError::io(&f, e))?;
+        }
+        Ok(())
+    }
+
+    /// The newest checkpoint that reads and verifies, with its value: the `latest` pointer's file
+    /// first, then the others newest first. Corrupt or unreadable files are skipped with a
+    /// warning. `Ok(None)` when there is none (a fresh start).
+    pub fn latest_valid(&self) -> Result<Option<(PathBuf, Value)>> {
+        self.latest_valid_with(&LoadOptions::default())
+    }
+
+    pub fn latest_valid_with(&self, opts: &LoadOptions) -> Result<Option<(PathBuf, Value)>> {
+        let mut candidates = Vec::new();
+        if let Ok(s) = std::fs::read_to_string(self.dir.join(LATEST)) {
+            let name = s.trim();
+            if name.starts_with(PREFIX) && !name.contains('/') {
+                candidates.push(self.dir.join(name));
+            }
+        }
+        for f in self.list()? {
+            if !candidates.contains(&f) {
+                candidates.push(f);
+            }
+        }
+        let opts = LoadOptions { verify_checksums: true, ..opts.clone() };
+        for path in candidates {
+            if !path.exists() {
+                tracing::warn!("checkpoint pointer names {}, which does not exist; looking for older ones", path.display());
+                continue;
+            }
+            match crate::pt::load_with(&path, &opts) {
+                Ok(v) => return Ok(Some((path, v))),
+                Err(e) => tracing::warn!("skipping checkpoint that does not verify: {e}"),
+            }
+        }
+        Ok(None)
+    }
+}

@@ -1,0 +1,344 @@
+//! `torch.save` files: reading the zip format (PyTorch >= 1.6) and the legacy format
+//! (`_use_new_zipfile_serialization=False`), and writing the zip format so that
+//! `torch.load(path, weights_only=True)` returns the same values.
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufWriter, Cursor, Read};
+use std::path::Path;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use crate::error::{CkptError, Result};
+use crate::pickle::read::{unpickle, PickleError, StorageRef, Unpickled};
+use crate::pickle::write::Pickler;
+use crate::value::{Storage, Value};
+use crate::zip_writer::ZipWriter;
+
+/// Where loaded tensors are meant to live, as `torch.load(map_location=...)` takes it.
+///
+/// tandem-ckpt knows nothing of devices: every tensor it returns is little-endian bytes in host
+/// memory (or a file mapping). The location is parsed and validated here and handed back to the
+/// caller (see [`LoadOptions`]), whose engine does the actual placement.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MapLocation {
+    #[default]
+    Cpu,
+    Cuda(usize),
+}
+
+impl FromStr for MapLocation {
+    type Err = CkptError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "cpu" => Ok(MapLocation::Cpu),
+            "cuda" => Ok(MapLocation::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(MapLocation::Cuda)
+                .ok_or_else(|| CkptError::MapLocation(s.to_string())),
+        }
+    }
+}
+
+impl std::fmt::Display for MapLocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MapLocation::Cpu => f.write_str("cpu"),
+            MapLocation::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// Files at least this big are memory-mapped when `mmap` is on.
+pub const MMAP_THRESHOLD: u64 = 16 << 20;
+
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// Recorded and validated only; see [`MapLocation`].
+    pub map_location: MapLocation,
+    /// Memory-map files of [`MMAP_THRESHOLD`] bytes or more instead of reading them (tensors
+    /// then borrow the mapping; the file must not be truncated while they live).
+    pub mmap: bool,
+    /// Check every zip entry's CRC-32 (a full read of the file); checkpoints resume with it on.
+    pub verify_checksums: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { map_location: MapLocation::Cpu, mmap: true, verify_checksums: false }
+    }
+}
+
+/// The file's bytes: a mapping or a buffer read whole. Storages are zero-copy slices of either.
+#[derive(Clone)]
+pub(crate) enum FileBytes {
+    Mapped(Arc<memmap2::Mmap>),
+    Read(Arc<Vec<u8>>),
+}
+
+impl FileBytes {
+    pub(crate) fn open(path: &Path, mmap: bool) -> Result<FileBytes> {
+        let file = File::open(path).map_err(|e| CkptError::io(path, e))?;
+        let len = file.metadata().map_err(|e| CkptError::io(path, e))?.len();
+        if mmap && len >= MMAP_THRESHOLD {
+            // SAFETY: the mapping is read-only; tandem writes checkpoints by rename, never in
+            // place. A file truncated by another process while mapped would fault, as with
+            // torch.load(mmap=True); that is documented on `LoadOptions::mmap`.
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| CkptError::io(path, e))?;
+            return Ok(FileBytes::Mapped(Arc::new(map)));
+        }
+        let mut buf = Vec::with_capacity(len as usize);
+        (&file).take(len).read_to_end(&mut buf).map_err(|e| CkptError::io(path, e))?;
+        Ok(FileBytes::Read(Arc::new(buf)))
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        match self {
+            FileBytes::Mapped(m) => m,
+            FileBytes::Read(v) => v,
+        }
+    }
+
+    /// A storage over `start..start+len` (the caller checked the range).
+    pub(crate) fn storage(&self, start: usize, len: usize) -> Storage {
+        match self {
+            FileBytes::Mapped(m) => Storage::from_mmap(m.clone(), start, len),
+            FileBytes::Read(v) => Storage::from_shared(v.clone(), start, len),
+        }
+    }
+}
+
+/// What kind of file a byte prefix is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FileKind {
+    TorchZip,
+    TorchLegacy,
+    Safetensors,
+}
+
+const LEGACY_MAGIC: &[u8] = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19.";
+
+pub(crate) fn detect(bytes: &[u8]) -> Option<FileKind> {
+    if bytes.starts_with(b"PK\x03\x04") || bytes.starts_with(b"PK\x05\x06") {
+        return Some(FileKind::TorchZip);
+    }
+    if bytes.starts_with(LEGACY_MAGIC) {
+        return Some(FileKind::TorchLegacy);
+    }
+    if bytes.len() >= 9 && bytes[8] == b'{' {
+        let n = u64::from_le_bytes(bytes[..8].try_into().ok()?);
+        if n <= bytes.len() as u64 - 8 {
+            return Some(FileKind::Safetensors);
+        }
+    }
+    None
+}
+
+fn pickle_error(path: &Path, what: &str, e: PickleError) -> CkptError {
+    match e {
+        PickleError::Forbidden(global) => CkptError::ForbiddenGlobal { path: path.into(), global },
+        PickleError::Msg(m) => CkptError::format(path, format!("{what}: {m}")),
+    }
+}
+
+/// Reads a torch.save (zip or legacy) or safetensors file into a value tree.
+pub fn load_with(path: &Path, opts: &LoadOptions) -> Result<Value> {
+    let fb = FileBytes::open(path, opts.mmap)?;
+    match detect(fb.bytes()) {
+        Some(FileKind::TorchZip) => read_zip(path, &fb, opts.verify_checksums),
+        Some(FileKind::TorchLegacy) => read_legacy(path, &fb),
+        Some(FileKind::Safetensors) => crate::safetensors::from_bytes(path, &fb),
+        None => {
+            let head: Vec<String> = fb.bytes().iter().take(8).map(|b| format!("{b:02x}")).collect();
+            let hint = if fb.bytes().is_empty() { "the file is empty".to_string() } else { format!("it starts with {}", head.join(" ")) };
+            Err(CkptError::format(path, format!("not a torch.save (zip or legacy) or safetensors file: {hint}")))
+        }
+    }
+}
+
+struct ZipEntry {
+    start: usize,
+    len: usize,
+    crc: u32,
+    stored: bool,
+    index: usize,
+}
+
+fn read_zip(path: &Path, fb: &FileBytes, verify: bool) -> Result<Value> {
+    let bytes = fb.bytes();
+    let zerr = |e: zip::result::ZipError| CkptError::format(path, format!("broken zip archive: {e}"));
+    let mut archive = zip::ZipArchive::new(Cursor::new(bytes)).map_err(zerr)?;
+    let mut entries: HashMap<String, ZipEntry> = HashMap::new();
+    for i in 0..archive.len() {
+        let f = archive.by_index_raw(i).map_err(zerr)?;
+        let name = f.name().map_err(zerr)?.to_string();
+        let start = f.data_start().ok_or_else(|| CkptError::format(path, format!("zip entry {name} has no data offset")))?;
+        let len = f.compressed_size();
+        let end = start.checked_add(len).filter(|&e| e <= bytes.len() as u64).ok_or_else(|| {
+            CkptError::format(path, format!("zip entry {name} ({len} bytes at {start}) runs past the end of the file ({} bytes): truncated?", bytes.len()))
+        })?;
+        let stored = f.compression() == zip::CompressionMethod::Stored;
+        if stored && f.size() != len {
+            return Err(CkptError::format(path, format!("zip entry {name}: stored size {len} != size {}", f.size())));
+        }
+        let _ = end;
+        entries.insert(name, ZipEntry { start: start as usize, len: len as usize, crc: f.crc32(), stored, index: i });
+    }
+    let pkl_name = entries
+        .keys()
+        .filter(|n| n.ends_with("/data.pkl") && n.matches('/').count() == 1)
+        .min()
+        .cloned()
+        .ok_or_else(|| CkptError::format(path, "zip archive has no <name>/data.pkl: not a torch.save file"))?;
+    let prefix = &pkl_name[..pkl_name.len() - "data.pkl".len()];
+
+    // Reads an entry: zero-copy when stored, decompressed (bounded) otherwise.
+    let mut entry_bytes = |name: &str| -> Result<Option<std::borrow::Cow<'_, [u8]>>> {
+        let Some(e) = entries.get(name) else { return Ok(None) };
+        let raw = &bytes[e.start..e.start + e.len];
+        if e.stored {
+            if verify && crc32fast::hash(raw) != e.crc {
+                return Err(CkptError::format(path, format!("zip entry {name} fails its CRC-32 check: file is corrupt")));
+            }
+            return Ok(Some(std::borrow::Cow::Borrowed(raw)));
+        }
+        let mut f = archive.by_index(e.index).map_err(zerr)?;
+        let size = f.size();
+        // Deflate expands at most ~1032x; a larger claim is a zip bomb.
+        if size > (e.len as u64).saturating_mul(1032).saturating_add(1024) {
+            return Err(CkptError::format(path, format!("zip entry {name} claims {size} bytes from {} compressed", e.len)));
+        }
+        let mut out = Vec::with_capacity(size as usize);
+        f.by_ref().take(size).read_to_end(&mut out).map_err(|e| CkptError::format(path, format!("zip entry {name}: {e}")))?;
+        Ok(Some(std::borrow::Cow::Owned(out)))
+    };
+
+    if let Some(order) = entry_bytes(&format!("{prefix}byteorder"))? {
+        if order.as_ref() != b"little" {
+            return Err(CkptError::format(path, format!("byteorder is `{}`; only little-endian files are supported", String::from_utf8_lossy(&order))));
+        }
+    }
+    let pkl = entry_bytes(&pkl_name)?.ok_or_else(|| CkptError::format(path, "data.pkl vanished"))?.into_owned();
+    let up = unpickle(&pkl).map_err(|e| pickle_error(path, &pkl_name, e))?;
+
+    let mut cache: HashMap<String, Storage> = HashMap::new();
+    let mut resolve = |s: &StorageRef| -> std::result::Result<Storage, String> {
+        if let Some(st) = cache.get(&s.key) {
+            return Ok(st.clone());
+        }
+        let name = format!("{prefix}data/{}", s.key);
+        let e = entries.get(&name).ok_or_else(|| format!("storage record {name} is missing"))?;
+        let need = s.numel.checked_mul(s.dtype.size() as u64).ok_or("storage size overflows")?;
+        if (e.len as u64) < need {
+            return Err(format!("storage record {name} has {} bytes, the pickle needs {need}", e.len));
+        }
+        if !e.stored {
+            return Err(format!("storage record {name} is compressed; torch.save never compresses storages"));
+        }
+        let raw = &bytes[e.start..e.start + e.len];
+        if verify && crc32fast::hash(raw) != e.crc {
+            return Err(format!("storage record {name} fails its CRC-32 check: file is corrupt"));
+        }
+        let st = fb.storage(e.start, need as usize);
+        cache.insert(s.key.clone(), st.clone());
+        Ok(st)
+    };
+    let value = up.to_value(&mut resolve).map_err(|m| CkptError::format(path, m))?;
+    if verify {
+        // Records nobody referenced still belong to the file's integrity.
+        for (name, e) in &entries {
+            if e.stored && crc32fast::hash(&bytes[e.start..e.start + e.len]) != e.crc {
+                return Err(CkptError::format(path, format!("zip entry {name} fails its CRC-32 check: file is corrupt")));
+            }
+        }
+    }
+    Ok(value)
+}
+
+/// Legacy format: five pickles back to back (magic number, protocol version, sys info, the
+/// value, the storage keys), then each storage as `<i64 numel><bytes>` in key order.
+fn read_legacy(path: &Path, fb: &FileBytes) -> Result<Value> {
+    let bytes = fb.bytes();
+    let mut pos = LEGACY_MAGIC.len();
+    let mut next = |what: &str, pos: &mut usize| -> Result<Unpickled> {
+        let up = unpickle(&bytes[*pos..]).map_err(|e| pickle_error(path, what, e))?;
+        *pos += up.consumed;
+        Ok(up)
+    };
+    let plain = |up: &Unpickled, what: &str| -> Result<Value> {
+        up.to_value(&mut |_| Err("unexpected storage".into())).map_err(|m| CkptError::format(path, format!("{what}: {m}")))
+    };
+    let version = plain(&next("protocol version", &mut pos)?, "protocol version")?;
+    if version.as_int() != Some(1001) {
+        return Err(CkptError::format(path, format!("legacy protocol version {version:?}, expected 1001")));
+    }
+    let sys_info = plain(&next("sys_info", &mut pos)?, "sys_info")?;
+    if sys_info.get("little_endian").and_then(Value::as_bool) == Some(false) {
+        return Err(CkptError::format(path, "saved on a big-endian machine; only little-endian files are supported"));
+    }
+    let main = next("data pickle", &mut pos)?;
+    let keys = plain(&next("storage keys", &mut pos)?, "storage keys")?;
+    let keys = keys.as_list().ok_or_else(|| CkptError::format(path, "storage key list is not a list"))?;
+    let mut dtype_of: HashMap<&str, crate::value::DType> = HashMap::new();
+    for s in main.storages() {
+        dtype_of.insert(&s.key, s.dtype);
+    }
+    let mut storages: HashMap<String, Storage> = HashMap::new();
+    for k in keys {
+        let k = k.as_str().ok_or_else(|| CkptError::format(path, "storage key is not a str"))?;
+        let dtype = *dtype_of.get(k).ok_or_else(|| CkptError::format(path, format!("storage {k} is listed but never used")))?;
+        let header = bytes.get(pos..pos + 8).ok_or_else(|| CkptError::format(path, format!("truncated before storage {k}")))?;
+        let numel = u64::from_le_bytes(header.try_into().expect("8 bytes"));
+        pos += 8;
+        let len = numel
+            .checked_mul(dtype.size() as u64)
+            .filter(|&l| l <= (bytes.len() - pos) as u64)
+            .ok_or_else(|| CkptError::format(path, format!("storage {k} claims {numel} elements, more than the file holds: truncated?")))?;
+        storages.insert(k.to_string(), fb.storage(pos, len as usize));
+        pos += len as usize;
+    }
+    let mut resolve = |s: &StorageRef| -> std::result::Result<Storage, String> {
+        storages.get(&s.key).cloned().ok_or_else(|| format!("storage {} has no data", s.key))
+    };
+    main.to_value(&mut resolve).map_err(|m| CkptError::format(path, m))
+}
+
+/// Serialises a value tree as a torch.save zip archive into `out`.
+pub(crate) fn write_pt<W: std::io::Write>(value: &Value, out: W) -> Result<W> {
+    let mut p = Pickler::new();
+    p.value(value, 0).map_err(|msg| CkptError::Unsupported { what: "value".into(), msg })?;
+    let (pkl, table) = p.finish();
+    let ioerr = |e: std::io::Error| CkptError::io("<archive>", e);
+    let mut z = ZipWriter::new(out);
+    z.add("archive/data.pkl", &pkl).map_err(ioerr)?;
+    z.add("archive/.format_version", b"1").map_err(ioerr)?;
+    z.add("archive/.storage_alignment", b"64").map_err(ioerr)?;
+    z.add("archive/byteorder", b"little").map_err(ioerr)?;
+    for (i, (_, st)) in table.storages.iter().enumerate() {
+        z.add(&format!("archive/data/{i}"), st.bytes()).map_err(ioerr)?;
+    }
+    z.add("archive/version", b"3\n").map_err(ioerr)?;
+    z.finish().map_err(ioerr)
+}
+
+/// Writes `value` to `path` atomically as a torch.save zip archive.
+pub fn save(path: &Path, value: &Value) -> Result<()> {
+    // Serialise first (errors in the value must not leave a temp file behind for long), then write.
+    let mut result = Ok(());
+    crate::atomic::write_atomic(path, |f| {
+        let w = BufWriter::with_capacity(1 << 20, f);
+        match write_pt(value, w) {
+            Ok(_) => Ok(()),
+            Err(CkptError::Io { source, .. }) => Err(source),
+            Err(e) => {
+                result = Err(e);
+                Err(std::io::Error::other("value cannot be saved"))
+            }
+        }
+    })
+    .or_else(|e| match result {
+        Err(inner) => Err(inner),
+        Ok(()) => Err(e),
+    })
+}

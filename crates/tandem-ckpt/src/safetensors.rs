@@ -1,0 +1,144 @@
+//! safetensors files (weights only), through the `safetensors` crate. A file is a flat
+//! `name -> tensor` map: nested dicts are flattened with `.` on save; tied tensors are written
+//! once per name (the format has no sharing).
+use std::borrow::Cow;
+use std::path::Path;
+
+use crate::error::{CkptError, Result};
+use crate::pt::{FileBytes, LoadOptions};
+use crate::value::{DType, Tensor, Value};
+
+fn to_st(d: DType) -> safetensors::Dtype {
+    use safetensors::Dtype as S;
+    match d {
+        DType::F64 => S::F64,
+        DType::F32 => S::F32,
+        DType::F16 => S::F16,
+        DType::BF16 => S::BF16,
+        DType::I64 => S::I64,
+        DType::I32 => S::I32,
+        DType::I16 => S::I16,
+        DType::I8 => S::I8,
+        DType::U8 => S::U8,
+        DType::Bool => S::BOOL,
+    }
+}
+
+fn from_st(d: safetensors::Dtype) -> Option<DType> {
+    use safetensors::Dtype as S;
+    Some(match d {
+        S::F64 => DType::F64,
+        S::F32 => DType::F32,
+        S::F16 => DType::F16,
+        S::BF16 => DType::BF16,
+        S::I64 => DType::I64,
+        S::I32 => DType::I32,
+        S::I16 => DType::I16,
+        S::I8 => DType::I8,
+        S::U8 => DType::U8,
+        S::BOOL => DType::Bool,
+        _ => return None,
+    })
+}
+
+struct View<'a>(&'a Tensor);
+
+impl safetensors::View for View<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        to_st(self.0.dtype)
+    }
+    fn shape(&self) -> &[usize] {
+        &self.0.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        self.0.contiguous_bytes()
+    }
+    fn data_len(&self) -> usize {
+        self.0.nbytes()
+    }
+}
+
+/// `name -> tensor` pairs of a (possibly nested) dict of tensors, names joined with `.`.
+/// Anything that is not a tensor or a str-keyed dict is an error naming its key.
+pub fn flatten_tensors(value: &Value) -> Result<Vec<(String, Tensor)>> {
+    fn walk(v: &Value, prefix: &str, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+        match v {
+            Value::Tensor(t) => {
+                out.push((prefix.to_string(), t.clone()));
+                Ok(())
+            }
+            Value::Dict(items) => {
+                for (k, v) in items {
+                    let k = match k {
+                        Value::Str(s) => s.clone(),
+                        Value::Int(i) => i.to_string(),
+                        other => {
+                            return Err(CkptError::Unsupported {
+                                what: format!("key under `{prefix}`"),
+                                msg: format!("a {} key cannot be a tensor name", other.type_name()),
+                            })
+                        }
+                    };
+                    let name = if prefix.is_empty() { k } else { format!("{prefix}.{k}") };
+                    walk(v, &name, out)?;
+                }
+                Ok(())
+            }
+            other => Err(CkptError::Unsupported {
+                what: format!("`{prefix}` as safetensors"),
+                msg: format!("it is a {}; safetensors holds tensors only (pick a sub-dict, e.g. --key model)", other.type_name()),
+            }),
+        }
+    }
+    let mut out = Vec::new();
+    walk(value, "", &mut out)?;
+    Ok(out)
+}
+
+/// Writes the tensors of `value` (a dict of tensors, nested dicts flattened) atomically.
+pub fn save(path: &Path, value: &Value) -> Result<()> {
+    let tensors = flatten_tensors(value)?;
+    let mut seen = std::collections::HashSet::new();
+    for (name, _) in &tensors {
+        if !seen.insert(name.as_str()) {
+            return Err(CkptError::Unsupported { what: format!("tensor `{name}`"), msg: "the name occurs twice after flattening".into() });
+        }
+    }
+    let views: Vec<(String, View)> = tensors.iter().map(|(n, t)| (n.clone(), View(t))).collect();
+    let meta = Some(std::collections::HashMap::from([("format".to_string(), "pt".to_string())]));
+    crate::atomic::write_atomic_via_path(path, |tmp| {
+        safetensors::serialize_to_file(views, meta, tmp)
+            .map_err(|e| CkptError::Unsupported { what: path.display().to_string(), msg: e.to_string() })
+    })
+}
+
+/// Reads a safetensors file into a dict `name -> tensor` in file order (memory-mapped when large).
+pub fn load(path: &Path) -> Result<Value> {
+    let fb = FileBytes::open(path, LoadOptions::default().mmap)?;
+    from_bytes(path, &fb)
+}
+
+pub(crate) fn from_bytes(path: &Path, fb: &FileBytes) -> Result<Value> {
+    let bytes = fb.bytes();
+    let st = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| CkptError::format(path, format!("not a valid safetensors file: {e}")))?;
+    let base = bytes.as_ptr() as usize;
+    let mut items: Vec<(usize, String, Tensor)> = Vec::new();
+    for (name, view) in st.iter() {
+        let dtype = from_st(view.dtype())
+            .ok_or_else(|| CkptError::format(path, format!("tensor `{name}` has dtype {:?}, which tandem does not support", view.dtype())))?;
+        let data = view.data();
+        let start = data.as_ptr() as usize - base;
+        let shape = view.shape().to_vec();
+        let t = Tensor {
+            dtype,
+            stride: crate::value::contiguous_stride(&shape),
+            shape,
+            storage_offset: 0,
+            storage: fb.storage(start, data.len()),
+        };
+        items.push((start, name.to_string(), t));
+    }
+    items.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+    Ok(Value::Dict(items.into_iter().map(|(_, n, t)| (Value::Str(n), Value::Tensor(t))).collect()))
+}

@@ -1,0 +1,311 @@
+//! Where a process learns its rank, world size and rendezvous address: torchrun's `env://`
+//! variables, Slurm, OpenMPI, an explicit `tcp://host:port`, or nothing (a world of one).
+//! Also the tuning variables (TANDEM_TRANSPORT, TANDEM_TIMEOUT, TANDEM_INIT_TIMEOUT,
+//! TANDEM_DEBUG, TANDEM_RUN_ID). Every bad value is an error naming its variable.
+use crate::error::CommError;
+use crate::transport::TransportKind;
+use std::time::Duration;
+
+/// How to initialise the default process group.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum InitMethod {
+    /// Detect from the environment: torchrun (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+    /// `MASTER_PORT`, ...), then Slurm, then OpenMPI; with none, a world of one.
+    Env,
+    /// A world of one: no network, no store.
+    Single,
+    /// Explicit rendezvous: `url` is `tcp://host:port` (rank 0 hosts the store there).
+    Tcp { url: String, rank: usize, world_size: usize },
+}
+
+impl InitMethod {
+    /// `InitMethod::Tcp` from a `tcp://host:port` url.
+    pub fn tcp(url: &str, rank: usize, world_size: usize) -> InitMethod {
+        InitMethod::Tcp { url: url.to_string(), rank, world_size }
+    }
+}
+
+/// Settings that are not part of the rendezvous itself. `InitOptions::from_env()` reads them
+/// from the environment; fields can be overridden.
+#[derive(Clone, Debug)]
+pub struct InitOptions {
+    /// Force a transport; `None` chooses shared memory when every rank is on one host.
+    pub transport: Option<TransportKind>,
+    /// A collective fails when a peer makes no progress for this long (default 10 s).
+    pub timeout: Duration,
+    /// How long rendezvous waits for the store and the other ranks (default 300 s).
+    pub init_timeout: Duration,
+    /// Identifies the job; connections carrying another run id are refused.
+    pub run_id: String,
+    /// Check every collective's (sequence, op, dtype, count) across ranks (TANDEM_DEBUG=detail).
+    pub desync_check: bool,
+}
+
+impl Default for InitOptions {
+    fn default() -> Self {
+        InitOptions {
+            transport: None,
+            timeout: Duration::from_secs(10),
+            init_timeout: Duration::from_secs(300),
+            run_id: "tandem".to_string(),
+            desync_check: false,
+        }
+    }
+}
+
+/// Reads variables: the process environment, or a map in tests.
+pub(crate) struct Env<'a>(pub &'a dyn Fn(&str) -> Option<String>);
+
+impl Env<'_> {
+    fn var(&self, name: &str) -> Option<String> {
+        (self.0)(name).filter(|v| !v.trim().is_empty())
+    }
+}
+
+pub(crate) fn process_env(name: &str) -> Option<String> {
+    std::env::e.var(name).ok()
+}
+
+fn seconds(e: &Env, name: &str) -> Result<Option<Duration>, CommError> {
+    match e.var(name) {
+        None => Ok(None),
+        Some(v) => match v.trim().parse::<f64>() {
+            Ok(s) if s.is_finite() && s > 0.0 => Ok(Some(Duration::from_secs_f64(s))),
+            _ => Err(CommError::env(name, &v, "expected a positive number of seconds")),
+        },
+    }
+}
+
+impl InitOptions {
+    pub fn from_env() -> Result<InitOptions, CommError> {
+        Self::from_vars(&Env(&process_env))
+    }
+
+    pub(crate) fn from_vars(e: &Env) -> Result<InitOptions, CommError> {
+        let mut o = InitOptions::default();
+        if let Some(v) = e.var("TANDEM_TRANSPORT") {
+            o.transport = match v.trim().to_ascii_lowercase().as_str() {
+                "tcp" => Some(TransportKind::Tcp),
+                "shm" => Some(TransportKind::Shm),
+                "auto" => None,
+                _ => return Err(CommError::env("TANDEM_TRANSPORT", &v, "expected tcp, shm or auto")),
+            };
+        }
+        if let Some(t) = seconds(e, "TANDEM_TIMEOUT")? {
+            o.timeout = t;
+        }
+        if let Some(t) = seconds(e, "TANDEM_INIT_TIMEOUT")? {
+            o.init_timeout = t;
+        }
+        if let Some(id) = e.var("TANDEM_RUN_ID").or_else(|| e.var("TORCHELASTIC_RUN_ID")).or_else(|| e.var("SLURM_JOB_ID")) {
+            o.run_id = id;
+        }
+        if let Some(v) = e.var("TANDEM_DEBUG") {
+            o.desync_check = match v.trim().to_ascii_lowercase().as_str() {
+                "detail" => true,
+                "off" | "info" | "0" => false,
+                _ => return Err(CommError::env("TANDEM_DEBUG", &v, "expected off, info or detail")),
+            };
+        }
+        Ok(o)
+    }
+}
+
+/// The resolved rendezvous of one process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Spec {
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: Option<usize>,
+    pub local_size: Option<usize>,
+    /// host, port, and the variable(s) they came from (for errors).
+    pub master: Option<(String, u16, String)>,
+    /// Rank 0 hosts the store unless a launcher already does.
+    pub host_store: bool,
+}
+
+fn parse_usize(e: &Env, name: &str) -> Result<Option<usize>, CommError> {
+    match e.var(name) {
+        None => Ok(None),
+        Some(v) => v
+            .trim()
+            .parse::<usize>()
+            .map(Some)
+            .map_err(|_| CommError::env(name, &v, "expected a non-negative integer")),
+    }
+}
+
+fn require_usize(e: &Env, name: &str) -> Result<usize, CommError> {
+    parse_usize(e, name)?.ok_or_else(|| CommError::env(name, "", "is not set (required alongside the other launcher variables)"))
+}
+
+fn check_rank(rank_var: &str, rank: usize, size_var: &str, size: usize) -> Result<(), CommError> {
+    if size == 0 {
+        return Err(CommError::env(size_var, "0", "world size must be at least 1"));
+    }
+    if rank >= size {
+        return Err(CommError::env(rank_var, &rank.to_string(), format!("must be less than {size_var}={size}")));
+    }
+    Ok(())
+}
+
+fn master_port(e: &Env, default: Option<u16>) -> Result<u16, CommError> {
+    match e.var("MASTER_PORT") {
+        Some(v) => match v.trim().parse::<u16>() {
+            Ok(p) if p > 0 => Ok(p),
+            _ => Err(CommError::env("MASTER_PORT", &v, "expected a port number 1-65535")),
+        },
+        None => default.ok_or_else(|| CommError::env("MASTER_PORT", "", "is not set")),
+    }
+}
+
+/// First host of a Slurm node list: `node[01-04,07],gpu5` -> `node01`.
+pub(crate) fn first_slurm_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    let mut depth = 0;
+    let mut end = list.len();
+    for (i, c) in list.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth == 0 => {
+                end = i;
+                break;
+            }
+            _ => {}
+        }
+    }
+    let first = &list[..end];
+    let host = match first.find('[') {
+        None => first.to_string(),
+        Some(open) => {
+            let close = first[open..].find(']')? + open;
+            let inner = &first[open + 1..close];
+            let item = inner.split(',').next()?;
+            let start = item.split('-').next()?;
+            format!("{}{}{}", &first[..open], start, &first[close + 1..])
+        }
+    };
+    (!host.is_empty()).then_some(host)
+}
+
+fn parse_tcp_url(url: &str) -> Result<(String, u16), CommError> {
+    let bad = |why: &str| CommError::invalid("init", format!("init method {url:?}: {why} (expected tcp://host:port)"));
+    let rest = url.strip_prefix("tcp://").ok_or_else(|| bad("not a tcp:// url"))?;
+    let rest = rest.trim_end_matches('/');
+    let (host, port) = rest.rsplit_once(':').ok_or_else(|| bad("missing port"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let port: u16 = port.parse().map_err(|_| bad("bad port"))?;
+    if host.is_empty() || port == 0 {
+        return Err(bad("empty host or port 0"));
+    }
+    Ok((host.to_string(), port))
+}
+
+pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
+    let agent_store = e.var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
+    match method {
+        InitMethod::Single => Ok(Spec { rank: 0, world_size: 1, local_rank: Some(0), local_size: Some(1), master: None, host_store: false }),
+        InitMethod::Tcp { url, rank, world_size } => {
+            let (host, port) = parse_tcp_url(url)?;
+            if *world_size == 0 || rank >= world_size {
+                return Err(CommError::invalid("init", format!("rank {rank} is out of range for world size {world_size}")));
+            }
+            Ok(Spec {
+                rank: *rank,
+                world_size: *world_size,
+                local_rank: None,
+                local_size: None,
+                master: Some((host, port, format!("init url {url}"))),
+                host_store: true,
+            })
+        }
+        InitMethod::Env => {
+            if e.var("RANK").is_some() || e.var("WORLD_SIZE").is_some() {
+                let rank = require_usize(e, "RANK")?;
+                let size = require_usize(e, "WORLD_SIZE")?;
+                check_rank("RANK", rank, "WORLD_SIZE", size)?;
+                let local_rank = parse_usize(e, "LOCAL_RANK")?;
+                let local_size = parse_usize(e, "LOCAL_WORLD_SIZE")?;
+                if let (Some(lr), Some(ls)) = (local_rank, local_size) {
+                    check_rank("LOCAL_RANK", lr, "LOCAL_WORLD_SIZE", ls)?;
+                }
+                let master = if size > 1 {
+                    let host = e.var("MASTER_ADDR").ok_or_else(|| CommError::env("MASTER_ADDR", "", "is not set (required when WORLD_SIZE > 1)"))?;
+                    Some((host, master_port(e, None)?, "MASTER_ADDR/MASTER_PORT".to_string()))
+                } else {
+                    None
+                };
+                return Ok(Spec { rank, world_size: size, local_rank, local_size, master, host_store: !agent_store });
+            }
+            if e.var("SLURM_PROCID").is_some() && e.var("SLURM_NTASKS").is_some() {
+                let rank = require_usize(e, "SLURM_PROCID")?;
+                let size = require_usize(e, "SLURM_NTASKS")?;
+                check_rank("SLURM_PROCID", rank, "SLURM_NTASKS", size)?;
+                let local_rank = parse_usize(e, "SLURM_LOCALID")?;
+                let master = if size > 1 {
+                    let (host, var_name) = match e.var("MASTER_ADDR") {
+                        Some(h) => (h, "MASTER_ADDR"),
+                        None => {
+                            let list = e.var("SLURM_JOB_NODELIST").or_else(|| e.var("SLURM_NODELIST")).ok_or_else(|| {
+                                CommError::env("SLURM_JOB_NODELIST", "", "is not set and MASTER_ADDR is not set either")
+                            })?;
+                            let h = first_slurm_host(&list)
+                                .ok_or_else(|| CommError::env("SLURM_JOB_NODELIST", &list, "cannot parse the first host"))?;
+                            (h, "SLURM_JOB_NODELIST")
+                        }
+                    };
+                    Some((host, master_port(e, Some(29500))?, format!("{var_name}/MASTER_PORT")))
+                } else {
+                    None
+                };
+                return Ok(Spec { rank, world_size: size, local_rank, local_size: None, master, host_store: true });
+            }
+            if e.var("OMPI_COMM_WORLD_RANK").is_some() || e.var("OMPI_COMM_WORLD_SIZE").is_some() {
+                let rank = require_usize(e, "OMPI_COMM_WORLD_RANK")?;
+                let size = require_usize(e, "OMPI_COMM_WORLD_SIZE")?;
+                check_rank("OMPI_COMM_WORLD_RANK", rank, "OMPI_COMM_WORLD_SIZE", size)?;
+                let local_rank = parse_usize(e, "OMPI_COMM_WORLD_LOCAL_RANK")?;
+                let local_size = parse_usize(e, "OMPI_COMM_WORLD_LOCAL_SIZE")?;
+                let master = if size > 1 {
+                    // All ranks on this host: loopback needs no configuration.
+                    let all_local = local_size == Some(size);
+                    let host = match e.var("MASTER_ADDR") {
+                        Some(h) => h,
+                        None if all_local => "127.0.0.1".to_string(),
+                        None => {
+                            return Err(CommError::env("MASTER_ADDR", "", "is not set (required for OpenMPI jobs spanning hosts)"))
+                        }
+                    };
+                    Some((host, master_port(e, Some(29500))?, "MASTER_ADDR/MASTER_PORT".to_string()))
+                } else {
+                    None
+                };
+                return Ok(Spec { rank, world_size: size, local_rank, local_size, master, host_store: true });
+            }
+            resolve(e, &InitMethod::Single)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slurm_first_host() {
+        assert_eq!(first_slurm_host("node[01-04,07],gpu5").as_deref(), Some("node01"));
+        assert_eq!(first_slurm_host("a1,b2").as_deref(), Some("a1"));
+        assert_eq!(first_slurm_host("host-[3-5]-ib").as_deref(), Some("host-3-ib"));
+        assert_eq!(first_slurm_host("single").as_deref(), Some("single"));
+        assert_eq!(first_slurm_host(""), None);
+    }
+
+    #[test]
+    fn tcp_urls() {
+        assert_eq!(parse_tcp_url("tcp://10.0.0.1:29500").unwrap(), ("10.0.0.1".to_string(), 29500));
+        assert_eq!(parse_tcp_url("tcp://[::1]:80").unwrap(), ("::1".to_string(), 80));
+        assert!(parse_tcp_url("env://").is_err());
+        assert!(parse_tcp_url("tcp://host:notaport").is_err());
+    }
+}

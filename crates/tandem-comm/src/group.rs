@@ -1,0 +1,549 @@
+//! `ProcessGroup`: the user-facing handle (PyTorch's `ProcessGroup`). Owns call ordering (calls
+//! run in the order they were issued on this rank, async ones included), sequence numbers,
+//! the optional desync check, and turning transport failures into errors that name the
+//! operation, its sequence number and the peer rank. After a failure the group is broken:
+//! later calls fail at once instead of running on desynchronised streams.
+use crate::collectives::{Ctx, ReduceFn};
+use crate::element::{reduce_bytes, DType, Element, ReduceOp};
+use crate::env::InitOptions;
+use crate::error::CommError;
+use crate::store::{Store, StoreServer};
+use crate::transport::{FailKind, PeerError, Recv, Transport, TransportKind};
+use crate::work::Work;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// A group of ranks that run collectives together. Cheap to clone; usable from any thread.
+#[derive(Clone)]
+pub struct ProcessGroup {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ProcessGroup(rank {}/{}, {})", self.inner.rank, self.inner.size, self.inner.name)
+    }
+}
+
+pub(crate) struct Inner {
+    pub rank: usize,
+    pub size: usize,
+    pub local_rank: usize,
+    pub local_size: usize,
+    /// Group rank -> world rank (for messages).
+    pub world_ranks: Vec<usize>,
+    /// Group id, also the store key prefix.
+    pub name: String,
+    pub store: Option<Store>,
+    pub opts: InitOptions,
+    pub kind: Option<TransportKind>,
+    pub local_ip: IpAddr,
+    pub timeout_ms: AtomicU64,
+    pub next_ticket: AtomicU64,
+    pub subgroups: AtomicU64,
+    pub state: Mutex<State>,
+    pub turn: Condvar,
+    pub _server: Option<Arc<StoreServer>>,
+}
+
+pub(crate) struct State {
+    pub serving: u64,
+    pub seq: u64,
+    pub broken: Option<String>,
+    pub transport: Box<dyn Transport>,
+    pub p2p_sent: Vec<u64>,
+    pub p2p_recvd: Vec<u64>,
+}
+
+/// The transport of a world of one: nothing to talk to.
+pub(crate) struct NoPeers;
+
+impl Transport for NoPeers {
+    fn exchange(&mut self, send: Option<(usize, &[u8])>, recv: Option<(usize, Recv<'_>)>, _t: Duration) -> Result<(), PeerError> {
+        let peer = send.map(|s| s.0).or(recv.map(|r| r.0)).unwrap_or(0);
+        Err(PeerError { peer, kind: FailKind::Io("a group of one rank has no peers".into()) })
+    }
+    fn abort(&mut self) {}
+}
+
+/// What a rank is calling, as compared across ranks by the desync check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Call {
+    op: &'static str,
+    dtype: Option<DType>,
+    count: u64,
+    /// Root, peer, or reduce operator code, depending on the op.
+    arg: u64,
+}
+
+const OPS: [&str; 12] = [
+    "all_reduce", "broadcast", "all_gather", "reduce_scatter", "gather", "scatter", "barrier",
+    "broadcast_bytes", "all_gather_bytes", "send", "recv", "unknown",
+];
+
+impl Call {
+    fn new(op: &'static str, dtype: Option<DType>, count: usize, arg: u64) -> Call {
+        Call { op, dtype, count: count as u64, arg }
+    }
+    fn encode(&self, seq: u64) -> [u8; 32] {
+        let mut b = [0u8; 32];
+        b[0..8].copy_from_slice(&seq.to_le_bytes());
+        b[8] = OPS.iter().position(|o| *o == self.op).unwrap_or(OPS.len() - 1) as u8;
+        b[9] = self.dtype.map_or(255, |d| d.code());
+        b[16..24].copy_from_slice(&self.count.to_le_bytes());
+        b[24..32].copy_from_slice(&self.arg.to_le_bytes());
+        b
+    }
+    fn describe(b: &[u8]) -> String {
+        let u = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().unwrap_or([0; 8]));
+        let op = OPS.get(b[8] as usize).copied().unwrap_or("unknown");
+        let dtype = DType::from_code(b[9]).map_or("bytes", |d| d.name());
+        let arg = u(24..32);
+        let arg = match op {
+            "all_reduce" | "reduce_scatter" => {
+                format!(", {}", [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::Product]
+                    .get(arg as usize).map_or("?", |o| o.name()))
+            }
+            "broadcast" | "gather" | "scatter" | "broadcast_bytes" => format!(", root {arg}"),
+            "send" => format!(", to {arg}"),
+            "recv" => format!(", from {arg}"),
+            _ => String::new(),
+        };
+        format!("{op}(#{}, {dtype}, {} elements{arg})", u(0..8), u(16..24))
+    }
+}
+
+fn op_code(op: ReduceOp) -> u64 {
+    match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Avg => 1,
+        ReduceOp::Max => 2,
+        ReduceOp::Min => 3,
+        ReduceOp::Product => 4,
+    }
+}
+
+/// Advances the turn when an operation ends, even by panic, so later calls never wait forever.
+struct Turn<'a> {
+    state: MutexGuard<'a, State>,
+    cv: &'a Condvar,
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        self.state.serving += 1;
+        self.cv.notify_all();
+    }
+}
+
+fn check_root(op: &'static str, root: usize, size: usize) -> Result<(), CommError> {
+    if root >= size {
+        return Err(CommError::invalid(op, format!("root {root} is out of range for a group of {size} ranks")));
+    }
+    Ok(())
+}
+
+fn divide<T: Element>(buf: &mut [T], n: usize) {
+    buf.iter_mut().for_each(|x| *x = x.div_count(n));
+}
+
+impl ProcessGroup {
+    pub(crate) fn from_inner(inner: Inner) -> ProcessGroup {
+        ProcessGroup { inner: Arc::new(inner) }
+    }
+    pub(crate) fn inner(&self) -> &Inner {
+        &self.inner
+    }
+
+    /// This process's rank in the group.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+    /// Number of ranks in the group.
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+    /// Rank among the group's ranks on this host.
+    pub fn local_rank(&self) -> usize {
+        self.inner.local_rank
+    }
+    /// Number of the group's ranks on this host.
+    pub fn local_size(&self) -> usize {
+        self.inner.local_size
+    }
+    /// The world rank of each group rank.
+    pub fn world_ranks(&self) -> &[usize] {
+        &self.inner.world_ranks
+    }
+    /// The transport in use (`None` for a group of one).
+    pub fn transport(&self) -> Option<TransportKind> {
+        self.inner.kind
+    }
+    /// The rendezvous store (None in a world of one).
+    pub fn store(&self) -> Option<&Store> {
+        self.inner.store.as_ref()
+    }
+    /// Collectives fail when a peer makes no progress for `t` (default 10 s, TANDEM_TIMEOUT).
+    pub fn set_timeout(&self, t: Duration) {
+        self.inner.timeout_ms.store(t.as_millis().max(1) as u64, Ordering::Relaxed);
+    }
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.inner.timeout_ms.load(Ordering::Relaxed))
+    }
+
+    fn ticket(&self) -> u64 {
+        self.inner.next_ticket.fetch_add(1, Ordering::AcqRel)
+    }
+
+    fn wait_turn(&self, ticket: u64) -> Turn<'_> {
+        let mut st = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        while st.serving != ticket {
+            st = self.inner.turn.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        Turn { state: st, cv: &self.inner.turn }
+    }
+
+    fn peer_error(&self, op: &'static str, seq: u64, e: PeerError) -> CommError {
+        let peer = self.inner.world_ranks.get(e.peer).copied().unwrap_or(e.peer);
+        let wr = |r: usize| self.inner.world_ranks.get(r).copied().unwrap_or(r);
+        match e.kind {
+            FailKind::Closed => CommError::Peer {
+                op,
+                seq,
+                peer,
+                reason: "closed its connection (process exited, crashed, or aborted this collective after its own failure)".into(),
+            },
+            FailKind::Timeout(after) => CommError::Timeout { op, seq, peer, after },
+            FailKind::Io(reason) => CommError::Peer { op, seq, peer, reason },
+            FailKind::Desync { rank_a, call_a, rank_b, call_b } => {
+                CommError::Desync { op, seq, rank_a: wr(rank_a), call_a, rank_b: wr(rank_b), call_b }
+            }
+        }
+    }
+
+    /// Runs a group-wide collective in issue order with sequence numbering, the optional
+    /// desync check, and failure bookkeeping.
+    fn collective<R>(
+        &self,
+        ticket: u64,
+        call: Call,
+        f: impl FnOnce(&mut Ctx<'_>) -> Result<R, PeerError>,
+    ) -> Result<R, CommError> {
+        let mut turn = self.wait_turn(ticket);
+        let st = &mut *turn.state;
+        let seq = st.seq;
+        st.seq += 1;
+        if let Some(first) = &st.broken {
+            return Err(CommError::Broken { op: call.op, seq, first: first.clone() });
+        }
+        let timeout = self.timeout();
+        let (rank, size) = (self.inner.rank, self.inner.size);
+        let mut ctx = Ctx { t: st.transport.as_mut(), rank, size, timeout };
+        let mut result = Ok(());
+        if self.inner.opts.desync_check && size > 1 {
+            result = desync_check(&mut ctx, &call.encode(seq));
+        }
+        let result = result.and_then(|_| f(&mut ctx));
+        result.map_err(|e| {
+            let err = self.peer_error(call.op, seq, e);
+            st.broken = Some(err.to_string());
+            st.transport.abort();
+            err
+        })
+    }
+
+    /// Reduces `buf` across ranks in place; every rank gets the result.
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        self.all_reduce_ticket(self.ticket(), buf, op)
+    }
+
+    fn all_reduce_ticket<T: Element>(&self, ticket: u64, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        let call = Call::new("all_reduce", Some(T::DTYPE), buf.len(), op_code(op));
+        let f = move |d: &mut [u8], s: &[u8]| reduce_bytes::<T>(op, d, s);
+        let f: ReduceFn<'_> = &f;
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        self.collective(ticket, call, |c| c.all_reduce(bytes, std::mem::size_of::<T>(), f))?;
+        if op == ReduceOp::Avg {
+            divide(buf, self.size());
+        }
+        Ok(())
+    }
+
+    /// Starts an all_reduce in the background; it runs after every call issued before it.
+    pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        let ticket = self.ticket();
+        let pg = self.clone();
+        Work::spawn("all_reduce", move || {
+            pg.all_reduce_ticket(ticket, &mut buf, op)?;
+            Ok(buf)
+        })
+    }
+
+    /// Copies `root`'s `buf` to every rank (all ranks pass the same length).
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<(), CommError> {
+        check_root("broadcast", root, self.size())?;
+        let call = Call::new("broadcast", Some(T::DTYPE), buf.len(), root as u64);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        self.collective(self.ticket(), call, |c| c.broadcast(bytes, root))
+    }
+
+    /// Starts a broadcast in the background.
+    pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
+        let pg = self.clone();
+        let ticket = self.ticket();
+        Work::spawn("broadcast", move || {
+            check_root("broadcast", root, pg.size())?;
+            let call = Call::new("broadcast", Some(T::DTYPE), buf.len(), root as u64);
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);
+            pg.collective(ticket, call, |c| c.broadcast(bytes, root))?;
+            Ok(buf)
+        })
+    }
+
+    /// `output` (size × input.len(), rank-major) receives every rank's `input`.
+    pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<(), CommError> {
+        let (n, m) = (self.size(), input.len());
+        if output.len() != n * m {
+            return Err(CommError::invalid(
+                "all_gather",
+                format!("output has {} elements, expected size {n} × input {m} = {}", output.len(), n * m),
+            ));
+        }
+        output[self.rank() * m..(self.rank() + 1) * m].copy_from_slice(input);
+        let es = std::mem::size_of::<T>();
+        let bounds: Vec<_> = (0..n).map(|r| r * m * es..(r + 1) * m * es).collect();
+        let call = Call::new("all_gather", Some(T::DTYPE), m, 0);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(output);
+        self.collective(self.ticket(), call, |c| c.all_gather_blocks(bytes, &bounds))
+    }
+
+    /// `input` is size blocks of `output.len()`; this rank gets the reduction of block `rank`.
+    pub fn reduce_scatter<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        let (n, m) = (self.size(), output.len());
+        if input.len() != n * m {
+            return Err(CommError::invalid(
+                "reduce_scatter",
+                format!("input has {} elements, expected size {n} × output {m} = {}", input.len(), n * m),
+            ));
+        }
+        let call = Call::new("reduce_scatter", Some(T::DTYPE), m, op_code(op));
+        let f = move |d: &mut [u8], s: &[u8]| reduce_bytes::<T>(op, d, s);
+        let f: ReduceFn<'_> = &f;
+        let inb: &[u8] = bytemuck::cast_slice(input);
+        let outb: &mut [u8] = bytemuck::cast_slice_mut(output);
+        self.collective(self.ticket(), call, |c| c.reduce_scatter(inb, outb, std::mem::size_of::<T>(), f))?;
+        if op == ReduceOp::Avg {
+            divide(output, n);
+        }
+        Ok(())
+    }
+
+    /// Root's `output` (size × input.len(), rank-major) receives every rank's `input`;
+    /// other ranks pass `None`.
+    pub fn gather<T: Element>(&self, input: &[T], output: Option<&mut [T]>, root: usize) -> Result<(), CommError> {
+        check_root("gather", root, self.size())?;
+        let (n, m) = (self.size(), input.len());
+        if self.rank() == root {
+            match &output {
+                Some(o) if o.len() == n * m => {}
+                Some(o) => {
+                    return Err(CommError::invalid("gather", format!("root output has {} elements, expected {}", o.len(), n * m)))
+                }
+                None => return Err(CommError::invalid("gather", "the root must pass an output buffer")),
+            }
+        }
+        let call = Call::new("gather", Some(T::DTYPE), m, root as u64);
+        let inb: &[u8] = bytemuck::cast_slice(input);
+        let outb: Option<&mut [u8]> = output.map(|o| bytemuck::cast_slice_mut(o));
+        self.collective(self.ticket(), call, |c| c.gather(inb, outb, root))
+    }
+
+    /// Rank r's `output` receives block r of root's `input` (size × output.len());
+    /// other ranks pass `None` as input.
+    pub fn scatter<T: Element>(&self, input: Option<&[T]>, output: &mut [T], root: usize) -> Result<(), CommError> {
+        check_root("scatter", root, self.size())?;
+        let (n, m) = (self.size(), output.len());
+        if self.rank() == root {
+            match input {
+                Some(i) if i.len() == n * m => {}
+                Some(i) => {
+                    return Err(CommError::invalid("scatter", format!("root input has {} elements, expected {}", i.len(), n * m)))
+                }
+                None => return Err(CommError::invalid("scatter", "the root must pass an input buffer")),
+            }
+        }
+        let call = Call::new("scatter", Some(T::DTYPE), m, root as u64);
+        let inb: Option<&[u8]> = input.map(|i| bytemuck::cast_slice(i));
+        let outb: &mut [u8] = bytemuck::cast_slice_mut(output);
+        self.collective(self.ticket(), call, |c| c.scatter(inb, outb, root))
+    }
+
+    /// Returns once every rank of the group has called it.
+    pub fn barrier(&self) -> Result<(), CommError> {
+        self.collective(self.ticket(), Call::new("barrier", None, 0, 0), |c| c.barrier())
+    }
+
+    /// Copies root's bytes (any length) to every rank; other ranks' `data` is replaced.
+    pub fn broadcast_bytes(&self, data: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+        check_root("broadcast_bytes", root, self.size())?;
+        let len = if self.rank() == root { data.len() } else { 0 };
+        let call = Call::new("broadcast_bytes", None, 0, root as u64);
+        self.collective(self.ticket(), call, |c| {
+            let mut len_buf = (len as u64).to_le_bytes();
+            c.broadcast(&mut len_buf, root)?;
+            let len = u64::from_le_bytes(len_buf) as usize;
+            if c.rank != root {
+                data.clear();
+                data.resize(len, 0);
+            }
+            c.broadcast(data, root)
+        })
+    }
+
+    /// Every rank's bytes (any length per rank), indexed by rank.
+    pub fn all_gather_bytes(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        let n = self.size();
+        let call = Call::new("all_gather_bytes", None, 0, 0);
+        let rank = self.rank();
+        self.collective(self.ticket(), call, |c| {
+            let mut lens = vec![0u8; 8 * n];
+            lens[8 * rank..8 * rank + 8].copy_from_slice(&(data.len() as u64).to_le_bytes());
+            let bounds: Vec<_> = (0..n).map(|r| 8 * r..8 * r + 8).collect();
+            c.all_gather_blocks(&mut lens, &bounds)?;
+            let lens: Vec<usize> =
+                lens.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize).collect();
+            let mut offs = vec![0usize; n + 1];
+            for r in 0..n {
+                offs[r + 1] = offs[r] + lens[r];
+            }
+            let mut all = vec![0u8; offs[n]];
+            all[offs[rank]..offs[rank + 1]].copy_from_slice(data);
+            let bounds: Vec<_> = (0..n).map(|r| offs[r]..offs[r + 1]).collect();
+            c.all_gather_blocks(&mut all, &bounds)?;
+            Ok(bounds.into_iter().map(|b| all[b].to_vec()).collect())
+        })
+    }
+
+    fn p2p(&self, op: &'static str, peer: usize, dtype: DType, count: usize, send: Option<&[u8]>, recv: Option<&mut [u8]>) -> Result<(), CommError> {
+        let n = self.size();
+        if peer >= n || peer == self.rank() {
+            return Err(CommError::invalid(op, format!("peer {peer} must be another rank of this {n}-rank group")));
+        }
+        let mut turn = self.wait_turn(self.ticket());
+        let st = &mut *turn.state;
+        let seq = if send.is_some() { &mut st.p2p_sent[peer] } else { &mut st.p2p_recvd[peer] };
+        let my_seq = *seq;
+        *seq += 1;
+        if let Some(first) = &st.broken {
+            return Err(CommError::Broken { op, seq: my_seq, first: first.clone() });
+        }
+        let timeout = self.timeout();
+        let detail = self.inner.opts.desync_check;
+        let me = self.rank();
+        let t = st.transport.as_mut();
+        let result = (|| {
+            if let Some(data) = send {
+                if detail {
+                    t.exchange(Some((peer, &Call::new("send", Some(dtype), count, peer as u64).encode(my_seq))), None, timeout)?;
+                }
+                t.exchange(Some((peer, data)), None, timeout)
+            } else {
+                if detail {
+                    let mut theirs = [0u8; 32];
+                    t.exchange(None, Some((peer, Recv::Copy(&mut theirs))), timeout)?;
+                    let expect = Call::new("send", Some(dtype), count, me as u64).encode(my_seq);
+                    if theirs != expect {
+                        let mine = Call::new("recv", Some(dtype), count, peer as u64).encode(my_seq);
+                        return Err(PeerError {
+                            peer,
+                            kind: FailKind::Desync {
+                                rank_a: me,
+                                call_a: Call::describe(&mine),
+                                rank_b: peer,
+                                call_b: Call::describe(&theirs),
+                            },
+                        });
+                    }
+                }
+                let buf = recv.unwrap_or(&mut []);
+                t.exchange(None, Some((peer, Recv::Copy(buf))), timeout)
+            }
+        })();
+        result.map_err(|e| {
+            let err = self.peer_error(op, my_seq, e);
+            st.broken = Some(err.to_string());
+            st.transport.abort();
+            err
+        })
+    }
+
+    /// Sends `buf` to rank `dst` (matched by a `recv` there, in order).
+    pub fn send<T: Element>(&self, buf: &[T], dst: usize) -> Result<(), CommError> {
+        self.p2p("send", dst, T::DTYPE, buf.len(), Some(bytemuck::cast_slice(buf)), None)
+    }
+
+    /// Receives into `buf` from rank `src` (which must send exactly `buf.len()` elements).
+    pub fn recv<T: Element>(&self, buf: &mut [T], src: usize) -> Result<(), CommError> {
+        let n = buf.len();
+        self.p2p("recv", src, T::DTYPE, n, None, Some(bytemuck::cast_slice_mut(buf)))
+    }
+
+    /// A group over `ranks` (ranks of this group). Every rank of this group must call it, in
+    /// the same order as its other `new_group` calls; non-members get `None`.
+    pub fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>, CommError> {
+        let n = self.size();
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != ranks.len() {
+            return Err(CommError::invalid("new_group", format!("ranks {ranks:?} contain duplicates")));
+        }
+        if let Some(bad) = ranks.iter().find(|&&r| r >= n) {
+            return Err(CommError::invalid("new_group", format!("rank {bad} is out of range for a group of {n} ranks")));
+        }
+        if ranks.is_empty() {
+            return Err(CommError::invalid("new_group", "ranks is empty"));
+        }
+        let id = self.inner.subgroups.fetch_add(1, Ordering::AcqRel);
+        let Some(my_index) = ranks.iter().position(|&r| r == self.rank()) else { return Ok(None) };
+        let name = format!("{}.{id}", self.inner.name);
+        let world_ranks: Vec<usize> = ranks.iter().map(|&r| self.inner.world_ranks[r]).collect();
+        let mut opts = self.inner.opts.clone();
+        opts.timeout = self.timeout();
+        crate::rendezvous::build_group(
+            self.inner.store.clone(),
+            None,
+            &name,
+            my_index,
+            world_ranks,
+            &opts,
+            self.inner.local_ip,
+            (None, None),
+        )
+        .map(Some)
+    }
+}
+
+/// All ranks exchange (sequence, op, dtype, count, arg); any difference names both ranks.
+fn desync_check(ctx: &mut Ctx<'_>, mine: &[u8; 32]) -> Result<(), PeerError> {
+    let n = ctx.size;
+    let mut all = vec![0u8; 32 * n];
+    all[32 * ctx.rank..32 * ctx.rank + 32].copy_from_slice(mine);
+    let bounds: Vec<_> = (0..n).map(|r| 32 * r..32 * r + 32).collect();
+    ctx.all_gather_blocks(&mut all, &bounds)?;
+    let first = &all[0..32];
+    if let Some(b) = (1..n).find(|&r| &all[32 * r..32 * r + 32] != first) {
+        return Err(PeerError {
+            peer: b,
+            kind: FailKind::Desync {
+                rank_a: 0,
+                call_a: Call::describe(first),
+                rank_b: b,
+                call_b: Call::describe(&all[32 * b..32 * b + 32]),
+            },
+        });
+    }
+    Ok(())
+}

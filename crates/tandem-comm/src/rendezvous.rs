@@ -1,0 +1,171 @@
+//! Turning a rendezvous (store + rank + members) into a ready `ProcessGroup`: find which ranks
+//! share a host, choose the transport (shared memory when the whole group is on one host,
+//! unless TANDEM_TRANSPORT says otherwise) and connect it.
+use crate::env::{self, Env, InitMethod, InitOptions};
+use crate::error::CommError;
+use crate::group::{Inner, NoPeers, ProcessGroup, State};
+use crate::store::{Store, StoreServer};
+use crate::transport::{shm, tcp, Transport, TransportKind};
+use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// Identifies a machine: hostname plus kernel boot id (containers may share a hostname).
+fn host_id() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) };
+    let name = if rc == 0 {
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        String::from_utf8_lossy(&buf[..end]).to_string()
+    } else {
+        "unknown-host".to_string()
+    };
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{name}/{}", boot.trim())
+}
+
+fn single(opts: &InitOptions, name: &str, world_rank: usize, store: Option<Store>, server: Option<Arc<StoreServer>>) -> ProcessGroup {
+    ProcessGroup::from_inner(Inner {
+        rank: 0,
+        size: 1,
+        local_rank: 0,
+        local_size: 1,
+        world_ranks: vec![world_rank],
+        name: name.to_string(),
+        store,
+        opts: opts.clone(),
+        kind: None,
+        local_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+        timeout_ms: AtomicU64::new(opts.timeout.as_millis() as u64),
+        next_ticket: AtomicU64::new(0),
+        subgroups: AtomicU64::new(0),
+        state: Mutex::new(State {
+            serving: 0,
+            seq: 0,
+            broken: None,
+            transport: Box::new(NoPeers),
+            p2p_sent: vec![0],
+            p2p_recvd: vec![0],
+        }),
+        turn: Condvar::new(),
+        _server: server,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn build_group(
+    store: Option<Store>,
+    server: Option<Arc<StoreServer>>,
+    name: &str,
+    rank: usize,
+    world_ranks: Vec<usize>,
+    opts: &InitOptions,
+    local_ip: IpAddr,
+    env_local: (Option<usize>, Option<usize>),
+) -> Result<ProcessGroup, CommError> {
+    let size = world_ranks.len();
+    let store = match store {
+        Some(s) if size > 1 => s,
+        s => return Ok(single(opts, name, world_ranks.first().copied().unwrap_or(0), s, server)),
+    };
+    let keys: Vec<String> = (0..size).map(|r| format!("{name}/host/{r}")).collect();
+    store.set(&keys[rank], host_id().as_bytes())?;
+    let key_refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+    store.wait_timeout(&key_refs, opts.init_timeout)?;
+    let hosts = keys.iter().map(|k| store.get(k)).collect::<Result<Vec<_>, _>>()?;
+    let same_host: Vec<usize> = (0..size).filter(|&r| hosts[r] == hosts[rank]).collect();
+    let local_rank = env_local.0.unwrap_or_else(|| same_host.iter().position(|&r| r == rank).unwrap_or(0));
+    let local_size = env_local.1.unwrap_or(same_host.len());
+    let all_local = same_host.len() == size;
+
+    let mesh = || -> Result<Box<dyn Transport>, CommError> {
+        Ok(Box::new(tcp::connect_mesh(&store, name, rank, size, &opts.run_id, local_ip, opts.init_timeout)?))
+    };
+    let (transport, kind): (Box<dyn Transport>, TransportKind) = match opts.transport {
+        Some(TransportKind::Tcp) => (mesh()?, TransportKind::Tcp),
+        Some(TransportKind::Shm) => {
+            if !all_local {
+                return Err(CommError::rendezvous(name, "TANDEM_TRANSPORT=shm but the ranks are on different hosts"));
+            }
+            match shm::setup(&store, name, rank, size, &opts.run_id, opts.init_timeout)? {
+                Ok(t) => (Box::new(t), TransportKind::Shm),
+                Err(why) => return Err(CommError::rendezvous(name, format!("TANDEM_TRANSPORT=shm: {why}"))),
+            }
+        }
+        None if all_local => match shm::setup(&store, name, rank, size, &opts.run_id, opts.init_timeout)? {
+            Ok(t) => (Box::new(t), TransportKind::Shm),
+            Err(why) => {
+                tracing::info!("group {name}: shared memory unavailable ({why}); using tcp");
+                (mesh()?, TransportKind::Tcp)
+            }
+        },
+        None => (mesh()?, TransportKind::Tcp),
+    };
+    Ok(ProcessGroup::from_inner(Inner {
+        rank,
+        size,
+        local_rank,
+        local_size,
+        world_ranks,
+        name: name.to_string(),
+        store: Some(store),
+        opts: opts.clone(),
+        kind: Some(kind),
+        local_ip,
+        timeout_ms: AtomicU64::new(opts.timeout.as_millis() as u64),
+        next_ticket: AtomicU64::new(0),
+        subgroups: AtomicU64::new(0),
+        state: Mutex::new(State {
+            serving: 0,
+            seq: 0,
+            broken: None,
+            transport,
+            p2p_sent: vec![0; size],
+            p2p_recvd: vec![0; size],
+        }),
+        turn: Condvar::new(),
+        _server: server,
+    }))
+}
+
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+fn is_loopback(addr: &str) -> bool {
+    addr.to_socket_addrs().map(|mut a| a.all(|a| a.ip().is_loopback())).unwrap_or(false)
+}
+
+/// Initialises the world group from `method` with `opts`.
+pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup, CommError> {
+    let spec = env::resolve(&Env(&env::process_env), method)?;
+    let world: Vec<usize> = (0..spec.world_size).collect();
+    let Some((host, port, var)) = spec.master.clone() else {
+        return Ok(single(opts, "w", spec.rank, None, None));
+    };
+    if spec.world_size == 1 {
+        return Ok(single(opts, "w", 0, None, None));
+    }
+    let addr = host_port(&host, port);
+    let server = if spec.rank == 0 && spec.host_store {
+        let bind = if is_loopback(&addr) { host_port("127.0.0.1", port) } else { host_port("0.0.0.0", port) };
+        let server = StoreServer::bind(&bind, &opts.run_id).map_err(|e| {
+            CommError::env("MASTER_PORT", &port.to_string(), format!("rank 0 cannot host the store on {bind}: {e}"))
+        })?;
+        Some(Arc::new(server))
+    } else {
+        None
+    };
+    let store = Store::connect(&addr, &opts.run_id, opts.init_timeout, &var)?;
+    let local_ip = store.local_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    build_group(Some(store), server, "w", spec.rank, world, opts, local_ip, (spec.local_rank, spec.local_size))
+}
+
+/// Test support: the default store timeout for clients made outside `init`.
+pub(crate) const _DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(300);

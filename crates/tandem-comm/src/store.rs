@@ -1,0 +1,386 @@
+//! The rendezvous key-value store (PyTorch's `TCPStore`): a server thread in rank 0 (or the
+//! launcher) and clients in every rank. Operations: set, get (waits for the key), wait for keys,
+//! add, compare-and-set, delete — each bounded by a timeout. Every connection starts with a
+//! handshake carrying the run id; a connection from another job is refused with an error that
+//! says so. Frames are size-bounded (see `frame::MAX_FRAME`).
+use crate::error::CommError;
+use crate::frame::{read_frame, write_frame, Dec, Enc, FrameError};
+use std::collections::HashMap;
+use std::io::{BufReader, BufWriter};
+use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+const MAGIC: &[u8] = b"tandem-store/1";
+const OP_SET: u8 = 1;
+const OP_GET: u8 = 2;
+const OP_WAIT: u8 = 3;
+const OP_ADD: u8 = 4;
+const OP_CAS: u8 = 5;
+const OP_DELETE: u8 = 6;
+const R_OK: u8 = 0;
+const R_REFUSED: u8 = 1;
+const R_TIMEOUT: u8 = 2;
+const R_ERROR: u8 = 3;
+
+#[derive(Default)]
+struct Table {
+    map: Mutex<HashMap<String, Vec<u8>>>,
+    changed: Condvar,
+}
+
+/// The server side, hosted by rank 0 (or a launcher). Stops accepting when dropped.
+pub struct StoreServer {
+    addr: std::net::SocketAddr,
+    stop: Arc<AtomicBool>,
+}
+
+impl StoreServer {
+    /// Binds `addr` ("host:port"; port 0 picks a free one) and serves clients of `run_id`.
+    pub fn bind(addr: &str, run_id: &str) -> std::io::Result<StoreServer> {
+        let listener = TcpListener::bind(addr)?;
+        let local = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let table = Arc::new(Table::default());
+        let run_id = run_id.to_string();
+        let stop2 = stop.clone();
+        std::thread::Builder::new().name("tandem-store".into()).spawn(move || {
+            for conn in listener.incoming() {
+                if stop2.load(Ordering::Acquire) {
+                    break;
+                }
+                let Ok(conn) = conn else { continue };
+                let table = table.clone();
+                let run_id = run_id.clone();
+                let _ = std::thread::Builder::new()
+                    .name("tandem-store-conn".into())
+                    .spawn(move || serve_client(conn, &table, &run_id));
+            }
+        })?;
+        Ok(StoreServer { addr: local, stop })
+    }
+
+    pub fn local_addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Wake the accept loop so the thread ends.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+    }
+}
+
+fn serve_client(conn: TcpStream, table: &Table, run_id: &str) {
+    let _ = conn.set_nodelay(true);
+    let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    let Ok(wconn) = conn.try_clone() else { return };
+    let mut r = BufReader::new(conn);
+    let mut w = BufWriter::new(wconn);
+    // Handshake: magic + run id. Strangers get a refusal carrying our run id.
+    let Ok(hello) = read_frame(&mut r) else { return };
+    let mut d = Dec(&hello);
+    let ok_magic = d.bytes() == Some(MAGIC);
+    let theirs = d.str().unwrap_or_default();
+    if !ok_magic || theirs != run_id {
+        tracing::warn!("store: refused connection from {peer}: run id {theirs:?} != {run_id:?}");
+        let _ = write_frame(&mut w, &Enc::default().u8(R_REFUSED).str(run_id).0);
+        return;
+    }
+    if write_frame(&mut w, &Enc::default().u8(R_OK).0).is_err() {
+        return;
+    }
+    loop {
+        let req = match read_frame(&mut r) {
+            Ok(req) => req,
+            Err(FrameError::TooLarge(n)) => {
+                tracing::warn!("store: {peer} sent a {n}-byte frame; closing the connection");
+                return;
+            }
+            Err(FrameError::Io(_)) => return,
+        };
+        let resp = handle(&req, table).unwrap_or_else(|| Enc::default().u8(R_ERROR).str("malformed request").0);
+        if write_frame(&mut w, &resp).is_err() {
+            return;
+        }
+    }
+}
+
+fn wait_until<'a>(
+    table: &'a Table,
+    deadline: Instant,
+    mut ready: impl FnMut(&HashMap<String, Vec<u8>>) -> bool,
+) -> (std::sync::MutexGuard<'a, HashMap<String, Vec<u8>>>, bool) {
+    let mut map = table.map.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        if ready(&map) {
+            return (map, true);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return (map, false);
+        }
+        map = table.changed.wait_timeout(map, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+    }
+}
+
+fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
+    let mut d = Dec(req);
+    let op = d.u8()?;
+    let resp = match op {
+        OP_SET => {
+            let key = d.str()?;
+            let val = d.bytes()?.to_vec();
+            table.map.lock().unwrap_or_else(|p| p.into_inner()).insert(key, val);
+            table.changed.notify_all();
+            Enc::default().u8(R_OK)
+        }
+        OP_GET => {
+            let key = d.str()?;
+            let deadline = Instant::now() + Duration::from_millis(d.u64()?);
+            let (map, ok) = wait_until(table, deadline, |m| m.contains_key(&key));
+            match (ok, map.get(&key)) {
+                (true, Some(v)) => Enc::default().u8(R_OK).bytes(v),
+                _ => Enc::default().u8(R_TIMEOUT).str(&key),
+            }
+        }
+        OP_WAIT => {
+            let n = d.u64()? as usize;
+            let mut keys = Vec::new();
+            for _ in 0..n.min(1 << 16) {
+                keys.push(d.str()?);
+            }
+            let deadline = Instant::now() + Duration::from_millis(d.u64()?);
+            let (map, ok) = wait_until(table, deadline, |m| keys.iter().all(|k| m.contains_key(k)));
+            if ok {
+                Enc::default().u8(R_OK)
+            } else {
+                let missing: Vec<&str> =
+                    keys.iter().filter(|k| !map.contains_key(*k)).map(|k| k.as_str()).collect();
+                Enc::default().u8(R_TIMEOUT).str(&missing.join(","))
+            }
+        }
+        OP_ADD => {
+            let key = d.str()?;
+            let delta = d.u64()? as i64;
+            let mut map = table.map.lock().unwrap_or_else(|p| p.into_inner());
+            let cur = match map.get(&key) {
+                None => 0,
+                Some(v) => match std::str::from_utf8(v).ok().and_then(|s| s.parse::<i64>().ok()) {
+                    Some(x) => x,
+                    None => return Some(Enc::default().u8(R_ERROR).str("value is not an integer").0),
+                },
+            };
+            let new = cur.wrapping_add(delta);
+            map.insert(key, new.to_string().into_bytes());
+            drop(map);
+            table.changed.notify_all();
+            Enc::default().u8(R_OK).u64(new as u64)
+        }
+        OP_CAS => {
+            let key = d.str()?;
+            let expected = d.bytes()?;
+            let desired = d.bytes()?;
+            let mut map = table.map.lock().unwrap_or_else(|p| p.into_inner());
+            // PyTorch semantics: a missing key matches an empty `expected`.
+            let matches = match map.get(&key) {
+                None => expected.is_empty(),
+                Some(cur) => cur.as_slice() == expected,
+            };
+            if matches {
+                map.insert(key.clone(), desired.to_vec());
+            }
+            let cur = map.get(&key).cloned().unwrap_or_default();
+            drop(map);
+            table.changed.notify_all();
+            Enc::default().u8(R_OK).bytes(&cur)
+        }
+        OP_DELETE => {
+            let key = d.str()?;
+            let existed = table.map.lock().unwrap_or_else(|p| p.into_inner()).remove(&key).is_some();
+            Enc::default().u8(R_OK).u8(existed as u8)
+        }
+        _ => Enc::default().u8(R_ERROR).str("unknown operation"),
+    };
+    Some(resp.0)
+}
+
+/// A client of the rendezvous store. Cheap to clone (one shared connection).
+#[derive(Clone)]
+pub struct Store {
+    addr: String,
+    conn: Arc<Mutex<TcpStream>>,
+    timeout_ms: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Store({})", self.addr)
+    }
+}
+
+impl Store {
+    /// Connects to the store at `addr` ("host:port"), retrying until `timeout`. `var` names the
+    /// setting the address came from (for the error message).
+    pub fn connect(addr: &str, run_id: &str, timeout: Duration, var: &str) -> Result<Store, CommError> {
+        let start = Instant::now();
+        let unreachable = |reason: String| CommError::StoreUnreachable {
+            addr: addr.to_string(),
+            var: var.to_string(),
+            after: start.elapsed(),
+            reason,
+        };
+        let mut last_err = String::from("no attempt made");
+        loop {
+            match addr.to_socket_addrs() {
+                Ok(addrs) => {
+                    for a in addrs {
+                        let left = timeout.saturating_sub(start.elapsed()).max(Duration::from_millis(50));
+                        match TcpStream::connect_timeout(&a, left.min(Duration::from_secs(5))) {
+                            Ok(s) => return Self::handshake(s, addr, run_id, timeout),
+                            Err(e) => last_err = e.to_string(),
+                        }
+                    }
+                }
+                Err(e) => last_err = format!("cannot resolve: {e}"),
+            }
+            if start.elapsed() >= timeout {
+                return Err(unreachable(last_err));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn handshake(s: TcpStream, addr: &str, run_id: &str, timeout: Duration) -> Result<Store, CommError> {
+        let io = |e: std::io::Error| CommError::StoreIo { op: "connect", key: String::new(), reason: e.to_string() };
+        s.set_nodelay(true).map_err(io)?;
+        s.set_read_timeout(Some(timeout.max(Duration::from_secs(1)))).map_err(io)?;
+        let mut s2 = s.try_clone().map_err(io)?;
+        write_frame(&mut s2, &Enc::default().bytes(MAGIC).str(run_id).0).map_err(io)?;
+        let resp = read_frame(&mut s2).map_err(|e| frame_err(e, "connect", "", addr))?;
+        let mut d = Dec(&resp);
+        match d.u8() {
+            Some(R_OK) => Ok(Store {
+                addr: addr.to_string(),
+                conn: Arc::new(Mutex::new(s)),
+                timeout_ms: Arc::new(AtomicU64::new(timeout.as_millis() as u64)),
+            }),
+            Some(R_REFUSED) => Err(CommError::RunIdMismatch {
+                addr: addr.to_string(),
+                ours: run_id.to_string(),
+                theirs: d.str().unwrap_or_default(),
+            }),
+            _ => Err(CommError::Protocol { from: addr.to_string(), reason: "bad handshake reply".into() }),
+        }
+    }
+
+    /// The local address of the connection to the store: an address the other ranks can reach.
+    pub(crate) fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner()).local_addr().ok().map(|a| a.ip())
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
+    }
+
+    /// Sets the timeout of every later operation.
+    pub fn set_timeout(&self, t: Duration) {
+        self.timeout_ms.store(t.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    fn request(&self, op: &'static str, key: &str, req: &[u8], wait: Duration) -> Result<Vec<u8>, CommError> {
+        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let io = |e: std::io::Error| CommError::StoreIo { op, key: key.to_string(), reason: e.to_string() };
+        // The server answers a waiting request at its deadline; allow it some slack.
+        conn.set_read_timeout(Some(wait + Duration::from_secs(5))).map_err(io)?;
+        conn.set_write_timeout(Some(wait + Duration::from_secs(5))).map_err(io)?;
+        let result = write_frame(&mut *conn, req)
+            .map_err(io)
+            .and_then(|_| read_frame(&mut *conn).map_err(|e| frame_err(e, op, key, &self.addr)));
+        if result.is_err() {
+            // The stream may be mid-frame: never reuse it.
+            let _ = conn.shutdown(Shutdown::Both);
+        }
+        let resp = result?;
+        match resp.first() {
+            Some(&R_OK) => Ok(resp[1..].to_vec()),
+            Some(&R_TIMEOUT) => Err(CommError::StoreTimeout {
+                op,
+                key: Dec(&resp[1..]).str().unwrap_or_else(|| key.to_string()),
+                after: wait,
+            }),
+            _ => Err(CommError::Protocol {
+                from: self.addr.clone(),
+                reason: format!("store {op} {key:?}: {}", Dec(resp.get(1..).unwrap_or(&[])).str().unwrap_or_default()),
+            }),
+        }
+    }
+
+    fn malformed(&self, op: &str) -> CommError {
+        CommError::Protocol { from: self.addr.clone(), reason: format!("malformed {op} reply") }
+    }
+
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
+        self.request("set", key, &Enc::default().u8(OP_SET).str(key).bytes(value).0, self.timeout())?;
+        Ok(())
+    }
+
+    /// The value of `key`, waiting for it to be set (up to the store timeout).
+    pub fn get(&self, key: &str) -> Result<Vec<u8>, CommError> {
+        let t = self.timeout();
+        let resp = self.request("get", key, &Enc::default().u8(OP_GET).str(key).u64(t.as_millis() as u64).0, t)?;
+        Dec(&resp).bytes().map(|v| v.to_vec()).ok_or_else(|| self.malformed("get"))
+    }
+
+    /// Waits until every key exists (up to the store timeout).
+    pub fn wait(&self, keys: &[&str]) -> Result<(), CommError> {
+        self.wait_timeout(keys, self.timeout())
+    }
+
+    pub fn wait_timeout(&self, keys: &[&str], timeout: Duration) -> Result<(), CommError> {
+        let mut e = Enc::default().u8(OP_WAIT).u64(keys.len() as u64);
+        for k in keys {
+            e = e.str(k);
+        }
+        let e = e.u64(timeout.as_millis() as u64);
+        self.request("wait", &keys.join(","), &e.0, timeout)?;
+        Ok(())
+    }
+
+    /// Adds `delta` to the integer at `key` (missing = 0) and returns the new value.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64, CommError> {
+        let resp = self.request("add", key, &Enc::default().u8(OP_ADD).str(key).u64(delta as u64).0, self.timeout())?;
+        Dec(&resp).u64().map(|v| v as i64).ok_or_else(|| self.malformed("add"))
+    }
+
+    /// Sets `key` to `desired` if its value is `expected` (a missing key matches an empty
+    /// `expected`); returns the value after the operation (PyTorch's `compare_set`).
+    pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>, CommError> {
+        let req = Enc::default().u8(OP_CAS).str(key).bytes(expected).bytes(desired).0;
+        let resp = self.request("compare_set", key, &req, self.timeout())?;
+        Dec(&resp).bytes().map(|v| v.to_vec()).ok_or_else(|| self.malformed("compare_set"))
+    }
+
+    /// Deletes `key`; returns whether it existed.
+    pub fn delete(&self, key: &str) -> Result<bool, CommError> {
+        let resp = self.request("delete", key, &Enc::default().u8(OP_DELETE).str(key).0, self.timeout())?;
+        Dec(&resp).u8().map(|v| v != 0).ok_or_else(|| self.malformed("delete"))
+    }
+}
+
+fn frame_err(e: FrameError, op: &'static str, key: &str, addr: &str) -> CommError {
+    match e {
+        FrameError::TooLarge(len) => CommError::FrameTooLarge { len, max: crate::frame::MAX_FRAME, from: addr.to_string() },
+        FrameError::Io(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            CommError::StoreIo { op, key: key.to_string(), reason: format!("no reply from {addr}: {e}") }
+        }
+        FrameError::Io(e) => CommError::StoreIo { op, key: key.to_string(), reason: format!("connection to {addr}: {e}") },
+    }
+}

@@ -1,0 +1,84 @@
+//! Point-to-point byte transports under the collectives. A transport moves bytes between group
+//! ranks; its one primitive, `exchange`, sends to one peer while receiving from another (the
+//! step of every ring algorithm), overlapping both directions, and can reduce received
+//! elements into the destination as they arrive (pipelining the reduction with the transfer).
+//! Timeouts are inactivity timeouts: no byte of progress for `timeout` fails the exchange.
+pub(crate) mod shm;
+pub(crate) mod tcp;
+
+use std::time::Duration;
+
+/// Which transport a group uses (`TANDEM_TRANSPORT=tcp|shm`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportKind {
+    /// Sockets: any hosts.
+    Tcp,
+    /// Shared memory: every rank of the group on one host.
+    Shm,
+}
+
+impl TransportKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Shm => "shm",
+        }
+    }
+}
+
+/// What to do with received bytes.
+pub(crate) enum Recv<'a> {
+    Copy(&'a mut [u8]),
+    /// Reduce received elements of `elem` bytes into `dst` with `f(dst_part, src_part)`.
+    Reduce { dst: &'a mut [u8], elem: usize, f: &'a (dyn Fn(&mut [u8], &[u8]) + Sync) },
+}
+
+impl Recv<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Recv::Copy(b) => b.len(),
+            Recv::Reduce { dst, .. } => dst.len(),
+        }
+    }
+}
+
+/// Why a transfer with `peer` (a group rank) failed.
+#[derive(Debug, Clone)]
+pub(crate) enum FailKind {
+    Closed,
+    Timeout(Duration),
+    Io(String),
+    /// Raised by the group (desync check), carried through the same path.
+    Desync { rank_a: usize, call_a: String, rank_b: usize, call_b: String },
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct PeerError {
+    pub peer: usize,
+    pub kind: FailKind,
+}
+
+pub(crate) trait Transport: Send {
+    /// Sends `send.1` to group rank `send.0` while receiving `recv`'s length from `recv.0`.
+    fn exchange(
+        &mut self,
+        send: Option<(usize, &[u8])>,
+        recv: Option<(usize, Recv<'_>)>,
+        timeout: Duration,
+    ) -> Result<(), PeerError>;
+
+    /// Called after a failure: make the peers' pending operations fail quickly too.
+    fn abort(&mut self);
+
+    /// The fast path for all_reduce, where the transport has one (shared memory).
+    /// Returns `None` when the caller should run the generic ring.
+    fn all_reduce_fast(
+        &mut self,
+        _buf: &mut [u8],
+        _elem: usize,
+        _f: &(dyn Fn(&mut [u8], &[u8]) + Sync),
+        _timeout: Duration,
+    ) -> Option<Result<(), PeerError>> {
+        None
+    }
+}

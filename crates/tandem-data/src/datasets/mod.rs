@@ -1,0 +1,61 @@
+//! The datasets a job can name: the embedded UCI digits (default), MNIST / Fashion-MNIST IDX
+//! files from a directory, and a synthetic set for benchmarks. Each spec yields a fixed
+//! (train, eval) pair.
+mod digits;
+mod idx;
+mod synthetic;
+
+pub use digits::{digits, digits_all, DIGITS_EVAL_LEN};
+pub use idx::{mnist, read_idx_images, read_idx_labels};
+pub use synthetic::synthetic;
+
+use crate::{DataError, InMemoryDataset};
+
+/// Defaults of the `synthetic` spec.
+pub const SYNTHETIC_DEFAULT_LEN: usize = 10_000;
+pub const SYNTHETIC_DEFAULT_DIM: usize = 64;
+pub const SYNTHETIC_DEFAULT_CLASSES: usize = 10;
+/// Seed of the `synthetic` spec's generator (train and eval come from one generated set).
+pub const SYNTHETIC_SPEC_SEED: u64 = 0;
+
+/// Resolves a dataset spec to (train, eval):
+/// * `digits` — the embedded UCI digits, see [`digits`];
+/// * `mnist:DIR` — MNIST or Fashion-MNIST IDX files in `DIR`, see [`mnist`];
+/// * `synthetic[:N[:DIM[:CLASSES]]]` — `N` train examples (default 10000) and `N / 5` eval
+///   examples (at least 1) of `DIM` features (64) in `CLASSES` classes (10), drawn from the
+///   same class centers with seed 0.
+pub fn from_spec(spec: &str) -> Result<(InMemoryDataset, InMemoryDataset), DataError> {
+    let bad = |reason: String| DataError::BadSpec { spec: spec.to_string(), reason };
+    if spec == "digits" {
+        return digits();
+    }
+    if let Some(dir) = spec.strip_prefix("mnist:") {
+        if dir.is_empty() {
+            return Err(bad("mnist: needs a directory after the colon".into()));
+        }
+        return mnist(dir);
+    }
+    if spec == "synthetic" || spec.starts_with("synthetic:") {
+        let parts: Vec<&str> = spec.split(':').skip(1).collect();
+        if parts.len() > 3 {
+            return Err(bad(format!("synthetic takes at most 3 numbers, got {}", parts.len())));
+        }
+        let defaults = [SYNTHETIC_DEFAULT_LEN, SYNTHETIC_DEFAULT_DIM, SYNTHETIC_DEFAULT_CLASSES];
+        let names = ["N", "DIM", "CLASSES"];
+        let mut values = defaults;
+        for (i, part) in parts.iter().enumerate() {
+            values[i] = part
+                .parse::<usize>()
+                .ok()
+                .filter(|&v| v > 0)
+                .ok_or_else(|| bad(format!("{} must be a positive integer, got {part:?}", names[i])))?;
+        }
+        let [n, dim, classes] = values;
+        let n_eval = (n / 5).max(1);
+        let all = synthetic(n + n_eval, dim, classes, SYNTHETIC_SPEC_SEED)?;
+        let train_idx: Vec<usize> = (0..n).collect();
+        let eval_idx: Vec<usize> = (n..n + n_eval).collect();
+        return Ok((all.subset("synthetic-train", &train_idx)?, all.subset("synthetic-eval", &eval_idx)?));
+    }
+    Err(bad("unknown dataset".into()))
+}

@@ -1,0 +1,205 @@
+//! The collectives the reducer needs, as a small trait (`GradComm`), so the reducer does not
+//! depend on which process group carries the bytes. Implemented for tandem-comm's
+//! `ProcessGroup` (the real thing) and for `LocalGroup`, an in-process group of threads used by
+//! unit tests and as a reference.
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use crate::error::CommSource;
+
+/// What Ddp asks of a process group. All calls are blocking collectives: every rank must make
+/// the same calls in the same order.
+pub trait GradComm: Send + Sync {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// Element-wise average over all ranks, in place.
+    fn all_reduce_avg(&self, buf: &mut [f32]) -> Result<(), CommSource>;
+    /// Element-wise sum over all ranks, in place.
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommSource>;
+    /// Overwrites `buf` on every rank with `root`'s.
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommSource>;
+    /// Every rank's bytes, indexed by rank.
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommSource>;
+}
+
+/// An in-process "process group": `LocalGroup::new(n)` returns one handle per rank, each to be
+/// moved to its own thread. Collectives rendezvous through shared memory with a timeout, so a
+/// rank that never arrives produces an error instead of a hang. Sums run in rank order, so
+/// every rank gets bit-identical results.
+#[derive(Clone)]
+pub struct LocalGroup {
+    rank: usize,
+    shared: Arc<LocalShared>,
+}
+
+struct LocalShared {
+    size: usize,
+    timeout: Duration,
+    slots: Mutex<Vec<Vec<u8>>>,
+    barrier: Mutex<(usize, u64)>,
+    cv: Condvar,
+}
+
+impl LocalGroup {
+    pub fn new(size: usize) -> Vec<LocalGroup> {
+        Self::with_timeout(size, Duration::from_secs(60))
+    }
+
+    pub fn with_timeout(size: usize, timeout: Duration) -> Vec<LocalGroup> {
+        let shared = Arc::new(LocalShared {
+            size,
+            timeout,
+            slots: Mutex::new(vec![Vec::new(); size]),
+            barrier: Mutex::new((0, 0)),
+            cv: Condvar::new(),
+        });
+        (0..size).map(|rank| LocalGroup { rank, shared: shared.clone() }).collect()
+    }
+
+    fn barrier(&self) -> Result<(), CommSource> {
+        let s = &self.shared;
+        let mut g = s.barrier.lock().map_err(|_| "local group poisoned")?;
+        let gen = g.1;
+        g.0 += 1;
+        if g.0 == s.size {
+            g.0 = 0;
+            g.1 += 1;
+            s.cv.notify_all();
+            return Ok(());
+        }
+        let (g, res) = s
+            .cv
+            .wait_timeout_while(g, s.timeout, |st| st.1 == gen)
+            .map_err(|_| "local group poisoned")?;
+        drop(g);
+        if res.timed_out() {
+            return Err(format!(
+                "LocalGroup rank {}: timed out after {:?} waiting for the other ranks",
+                self.rank, s.timeout
+            )
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Deposit my bytes, wait for all, read everyone's, wait again so slots can be reused.
+    fn exchange(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommSource> {
+        {
+            let mut slots = self.shared.slots.lock().map_err(|_| "local group poisoned")?;
+            slots[self.rank] = mine.to_vec();
+        }
+        self.barrier()?;
+        let all = self.shared.slots.lock().map_err(|_| "local group poisoned")?.clone();
+        self.barrier()?;
+        Ok(all)
+    }
+}
+
+fn f32s(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    bytes.chunks_exact(4).map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+}
+
+impl GradComm for LocalGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.shared.size
+    }
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommSource> {
+        let all = self.exchange(bytemuck::cast_slice(buf))?;
+        buf.iter_mut().for_each(|v| *v = 0.0);
+        for (r, bytes) in all.iter().enumerate() {
+            if bytes.len() != buf.len() * 4 {
+                return Err(format!("rank {r} contributed {} bytes, expected {}", bytes.len(), buf.len() * 4).into());
+            }
+            for (d, s) in buf.iter_mut().zip(f32s(bytes)) {
+                *d += s;
+            }
+        }
+        Ok(())
+    }
+    fn all_reduce_avg(&self, buf: &mut [f32]) -> Result<(), CommSource> {
+        self.all_reduce_sum(buf)?;
+        let n = self.shared.size as f32;
+        buf.iter_mut().for_each(|v| *v /= n);
+        Ok(())
+    }
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommSource> {
+        let all = self.exchange(bytemuck::cast_slice(buf))?;
+        let src = all.get(root).ok_or_else(|| format!("broadcast root {root} out of range"))?;
+        if src.len() != buf.len() * 4 {
+            return Err(format!("broadcast: root sent {} bytes, expected {}", src.len(), buf.len() * 4).into());
+        }
+        for (d, s) in buf.iter_mut().zip(f32s(src)) {
+            *d = s;
+        }
+        Ok(())
+    }
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommSource> {
+        self.exchange(bytes)
+    }
+}
+
+/// A world of one: every collective is the identity. What `Ddp` uses outside a launcher.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SingleProcess;
+
+impl GradComm for SingleProcess {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        1
+    }
+    fn all_reduce_avg(&self, _: &mut [f32]) -> Result<(), CommSource> {
+        Ok(())
+    }
+    fn all_reduce_sum(&self, _: &mut [f32]) -> Result<(), CommSource> {
+        Ok(())
+    }
+    fn broadcast(&self, _: &mut [f32], _: usize) -> Result<(), CommSource> {
+        Ok(())
+    }
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommSource> {
+        Ok(vec![bytes.to_vec()])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_group_all_reduce_broadcast_gather() {
+        let groups = LocalGroup::new(3);
+        let hs: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                std::thread::spawn(move || {
+                    let r = g.rank() as f32;
+                    let mut a = vec![r, 2.0 * r];
+                    g.all_reduce_avg(&mut a).unwrap();
+                    let mut b = vec![r + 10.0];
+                    g.broadcast(&mut b, 2).unwrap();
+                    let all = g.all_gather_bytes(&[g.rank() as u8]).unwrap();
+                    (a, b, all)
+                })
+            })
+            .collect();
+        for h in hs {
+            let (a, b, all) = h.join().unwrap();
+            assert_eq!(a, vec![1.0, 2.0]);
+            assert_eq!(b, vec![12.0]);
+            assert_eq!(all, vec![vec![0u8], vec![1], vec![2]]);
+        }
+    }
+
+    #[test]
+    fn local_group_times_out_instead_of_hanging() {
+        let mut groups = LocalGroup::with_timeout(2, Duration::from_millis(100));
+        let g0 = groups.remove(0);
+        let err = g0.all_reduce_avg(&mut [1.0]).unwrap_err();
+        assert!(err.to_string().contains("timed out"), "{err}");
+    }
+}

@@ -1,0 +1,85 @@
+//! candle `Tensor` <-> `tandem_ckpt::Tensor` (PyTorch's storage model), for checkpoints.
+//! Floating dtypes and i64/u8 map one to one; other checkpoint dtypes are an error naming the key.
+use candle_core::{DType as CDType, Device, Tensor};
+use tandem_ckpt::DType as KDType;
+
+use crate::error::{DdpError, Result};
+
+/// A contiguous checkpoint tensor with the same dtype, shape and values.
+pub fn to_ckpt(t: &Tensor) -> Result<tandem_ckpt::Tensor> {
+    let shape = t.dims().to_vec();
+    let flat = t.flatten_all()?;
+    Ok(match t.dtype() {
+        CDType::F32 => tandem_ckpt::Tensor::from_f32(&shape, &flat.to_vec1::<f32>()?),
+        CDType::F64 => tandem_ckpt::Tensor::from_f64(&shape, &flat.to_vec1::<f64>()?),
+        CDType::I64 => tandem_ckpt::Tensor::from_i64(&shape, &flat.to_vec1::<i64>()?),
+        CDType::F16 => {
+            let v = flat.to_vec1::<half::f16>()?;
+            tandem_ckpt::Tensor::from_bytes(KDType::F16, &shape, bytemuck::cast_slice(&v).to_vec())
+        }
+        CDType::BF16 => {
+            let v = flat.to_vec1::<half::bf16>()?;
+            tandem_ckpt::Tensor::from_bytes(KDType::BF16, &shape, bytemuck::cast_slice(&v).to_vec())
+        }
+        CDType::U8 => tandem_ckpt::Tensor::from_bytes(KDType::U8, &shape, flat.to_vec1::<u8>()?),
+        other => return Err(DdpError::StateDict(format!("no checkpoint dtype for candle {other:?}"))),
+    })
+}
+
+/// A candle tensor on `device` with the checkpoint tensor's dtype, shape and values.
+pub fn from_ckpt(t: &tandem_ckpt::Tensor, device: &Device) -> Result<Tensor> {
+    let shape = t.shape.clone();
+    let bytes = t.contiguous_bytes();
+    let le = cfg!(target_endian = "little");
+    if !le {
+        return Err(DdpError::StateDict("big-endian hosts are not supported".into()));
+    }
+    Ok(match t.dtype {
+        KDType::F32 => Tensor::from_vec(t.to_f32_vec(), shape, device)?,
+        KDType::F64 => Tensor::from_vec(t.to_f64_vec(), shape, device)?,
+        KDType::I64 => Tensor::from_vec(t.to_i64_vec(), shape, device)?,
+        KDType::F16 => Tensor::from_vec(bytemuck::pod_collect_to_vec::<u8, half::f16>(&bytes), shape, device)?,
+        KDType::BF16 => Tensor::from_vec(bytemuck::pod_collect_to_vec::<u8, half::bf16>(&bytes), shape, device)?,
+        KDType::U8 => Tensor::from_vec(bytes.to_vec(), shape, device)?,
+        other => return Err(DdpError::StateDict(format!("checkpoint dtype {} has no candle equivalent", other.torch_name()))),
+    })
+}
+
+/// `module.state_dict()` → checkpoint tensors (names unchanged).
+pub fn state_dict_to_ckpt(state: &[(String, Tensor)]) -> Result<Vec<(String, tandem_ckpt::Tensor)>> {
+    state
+        .iter()
+        .map(|(k, t)| Ok((k.clone(), to_ckpt(t).map_err(|e| DdpError::StateDict(format!("key `{k}`: {e}")))?)))
+        .collect()
+}
+
+/// Checkpoint tensors → what `Module::load_state_dict` takes.
+pub fn state_dict_from_ckpt(state: &[(String, tandem_ckpt::Tensor)], device: &Device) -> Result<Vec<(String, Tensor)>> {
+    state
+        .iter()
+        .map(|(k, t)| Ok((k.clone(), from_ckpt(t, device).map_err(|e| DdpError::StateDict(format!("key `{k}`: {e}")))?)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_f32_and_i64_and_rejects_bool() {
+        let d = Device::Cpu;
+        let t = Tensor::from_vec(vec![1.5f32, -2.0, 3.25, 0.0, 7.0, 8.0], (2, 3), &d).unwrap();
+        let k = to_ckpt(&t).unwrap();
+        assert_eq!(k.shape, vec![2, 3]);
+        assert_eq!(k.to_f32_vec(), vec![1.5, -2.0, 3.25, 0.0, 7.0, 8.0]);
+        let back = from_ckpt(&k, &d).unwrap();
+        assert_eq!(back.to_vec2::<f32>().unwrap(), t.to_vec2::<f32>().unwrap());
+        let i = Tensor::new(5i64, &d).unwrap();
+        let ki = to_ckpt(&i).unwrap();
+        assert_eq!(ki.shape, Vec::<usize>::new());
+        assert_eq!(from_ckpt(&ki, &d).unwrap().to_scalar::<i64>().unwrap(), 5);
+        let b = tandem_ckpt::Tensor::from_bytes(KDType::Bool, &[1], vec![1]);
+        let err = state_dict_from_ckpt(&[("mask".into(), b)], &d).unwrap_err().to_string();
+        assert!(err.contains("mask") && err.contains("bool"), "{err}");
+    }
+}

@@ -1,0 +1,69 @@
+//! The per-parameter backward hook candle lacks: an identity `CustomOp1` wrapped around a
+//! parameter. Candle runs a node's backward only after every consumer has added its share, so
+//! when `bwd` runs the parameter's gradient is complete; we hand it to Ddp and return no
+//! gradient for the `Var` itself (Ddp builds the `GradStore` from the averaged buckets).
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+
+/// Ddp's side of the hooks.
+pub(crate) trait ViewHooks: Send + Sync {
+    /// The first parameter read of a forward pass.
+    fn on_view_start(&self) -> candle_core::Result<()>;
+    /// Parameter `idx`'s local gradient is complete.
+    fn on_grad_ready(&self, idx: usize, grad: &Tensor) -> candle_core::Result<()>;
+}
+
+pub(crate) struct ReadyHook {
+    idx: usize,
+    name: String,
+    sink: Arc<dyn ViewHooks>,
+}
+
+impl ReadyHook {
+    pub(crate) fn new(idx: usize, name: &str, sink: Arc<dyn ViewHooks>) -> Self {
+        ReadyHook { idx, name: name.to_string(), sink }
+    }
+}
+
+impl CustomOp1 for ReadyHook {
+    fn name(&self) -> &'static str {
+        "ddp-grad-ready-hook"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("parameter `{}` is not contiguous", self.name)
+        };
+        let out = match storage {
+            CpuStorage::F32(v) => CpuStorage::F32(v[start..end].to_vec()),
+            CpuStorage::F64(v) => CpuStorage::F64(v[start..end].to_vec()),
+            CpuStorage::F16(v) => CpuStorage::F16(v[start..end].to_vec()),
+            CpuStorage::BF16(v) => CpuStorage::BF16(v[start..end].to_vec()),
+            other => candle_core::bail!("parameter `{}` has unsupported dtype {:?}", self.name, other.dtype()),
+        };
+        Ok((out, layout.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        self.sink.on_grad_ready(self.idx, grad)?;
+        Ok(None)
+    }
+}
+
+/// Runs `f` on the tensor's data as one contiguous f32 slice, copying only when the tensor is
+/// strided or not on the CPU.
+pub(crate) fn with_f32_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+    if t.dtype() != candle_core::DType::F32 {
+        candle_core::bail!("expected an f32 tensor, got {:?}", t.dtype())
+    }
+    if t.device().is_cpu() {
+        let t = t.contiguous()?;
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+            return Ok(f(&cpu.as_slice::<f32>()?[a..b]));
+        }
+    }
+    let v = t.flatten_all()?.to_vec1::<f32>()?;
+    Ok(f(&v))
+}

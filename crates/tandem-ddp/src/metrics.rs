@@ -1,0 +1,1 @@
+//! clip_grad_norm, AverageMeter and metrics averaged across ranks.

@@ -1,0 +1,143 @@
+//! `Cnn`: a small convolutional classifier for 8x8 (sklearn digits) or 28x28 (MNIST) inputs,
+//! laid out like this PyTorch module (same names, shapes and order, so state dicts move both ways):
+//! ```text
+//! conv1 = nn.Conv2d(C, 8, 3, padding=1); bn1 = nn.BatchNorm2d(8)
+//! conv2 = nn.Conv2d(8, 16, 3, padding=1); fc = nn.Linear(16 * (H/4) * (W/4), classes)
+//! forward: maxpool2(relu(bn1(conv1(x)))) -> maxpool2(relu(conv2(.))) -> flatten -> fc
+//! ```
+//! `bn1` has running statistics (buffers), which Ddp broadcasts from rank 0 each forward.
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use rand::SeedableRng;
+
+use super::init::{copy_vars, default_layer};
+use crate::error::{DdpError, Result};
+use crate::module::Module;
+use crate::params::ParamSet;
+
+const C1: usize = 8;
+const C2: usize = 16;
+const BN_EPS: f64 = 1e-5;
+const BN_MOMENTUM: f64 = 0.1;
+
+pub struct Cnn {
+    in_chw: (usize, usize, usize),
+    classes: usize,
+    params: ParamSet,
+    /// bn1.running_mean, bn1.running_var (f32) and bn1.num_batches_tracked (i64 scalar).
+    buffers: Vec<(String, Var)>,
+    training: AtomicBool,
+}
+
+// Parameter indices, in named_parameters() order.
+const CONV1_W: usize = 0;
+const CONV1_B: usize = 1;
+const BN1_W: usize = 2;
+const BN1_B: usize = 3;
+const CONV2_W: usize = 4;
+const CONV2_B: usize = 5;
+const FC_W: usize = 6;
+const FC_B: usize = 7;
+
+impl Cnn {
+    /// Input `[N, channels, height, width]`; height and width divisible by 4.
+    pub fn new(channels: usize, height: usize, width: usize, classes: usize, seed: u64, device: &Device) -> Result<Self> {
+        if channels == 0 || classes == 0 || height % 4 != 0 || width % 4 != 0 || height == 0 || width == 0 {
+            return Err(DdpError::InvalidOption {
+                what: "Cnn shape",
+                why: format!("channels {channels}, {height}x{width}, classes {classes}: need >0 and H, W divisible by 4"),
+            });
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let (c1w, c1b) = default_layer(&mut rng, &[C1, channels, 3, 3], device)?;
+        let (c2w, c2b) = default_layer(&mut rng, &[C2, C1, 3, 3], device)?;
+        let flat = C2 * (height / 4) * (width / 4);
+        let (fcw, fcb) = default_layer(&mut rng, &[classes, flat], device)?;
+        let named = vec![
+            ("conv1.weight".to_string(), c1w),
+            ("conv1.bias".to_string(), c1b),
+            ("bn1.weight".to_string(), Var::ones(C1, DType::F32, device)?),
+            ("bn1.bias".to_string(), Var::zeros(C1, DType::F32, device)?),
+            ("conv2.weight".to_string(), c2w),
+            ("conv2.bias".to_string(), c2b),
+            ("fc.weight".to_string(), fcw),
+            ("fc.bias".to_string(), fcb),
+        ];
+        let buffers = vec![
+            ("bn1.running_mean".to_string(), Var::zeros(C1, DType::F32, device)?),
+            ("bn1.running_var".to_string(), Var::ones(C1, DType::F32, device)?),
+            ("bn1.num_batches_tracked".to_string(), Var::from_tensor(&Tensor::new(0i64, device)?)?),
+        ];
+        Ok(Cnn { in_chw: (channels, height, width), classes, params: ParamSet::new(named), buffers, training: AtomicBool::new(true) })
+    }
+
+    /// Like `module.train()` / `module.eval()`: BatchNorm uses batch statistics (and updates the
+    /// running ones) in training mode, the running ones in eval mode.
+    pub fn set_training(&self, training: bool) {
+        self.training.store(training, Ordering::SeqCst);
+    }
+
+    fn batch_norm(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (rm, rv, nbt) = (&self.buffers[0].1, &self.buffers[1].1, &self.buffers[2].1);
+        let shape = (1, C1, 1, 1);
+        let (mean, var) = if self.training.load(Ordering::SeqCst) {
+            let (n, _, h, w) = x.dims4()?;
+            let mean = x.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
+            let var = x.broadcast_sub(&mean)?.sqr()?.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
+            let count = (n * h * w) as f64;
+            let unbiased = if count > 1.0 { (var.detach() * (count / (count - 1.0)))? } else { var.detach() };
+            rm.set(&((rm.as_tensor() * (1.0 - BN_MOMENTUM))? + (mean.detach().flatten_all()? * BN_MOMENTUM)?)?)?;
+            rv.set(&((rv.as_tensor() * (1.0 - BN_MOMENTUM))? + (unbiased.flatten_all()? * BN_MOMENTUM)?)?)?;
+            nbt.set(&nbt.as_tensor().broadcast_add(&Tensor::new(1i64, nbt.device())?)?)?;
+            (mean, var)
+        } else {
+            (rm.as_tensor().reshape(shape)?, rv.as_tensor().reshape(shape)?)
+        };
+        let xhat = x.broadcast_sub(&mean)?.broadcast_div(&(var + BN_EPS)?.sqrt()?)?;
+        let gamma = self.params.get(BN1_W)?.reshape(shape)?;
+        let beta = self.params.get(BN1_B)?.reshape(shape)?;
+        xhat.broadcast_mul(&gamma)?.broadcast_add(&beta)
+    }
+
+    fn conv(&self, x: &Tensor, w: usize, b: usize) -> candle_core::Result<Tensor> {
+        let bias = self.params.get(b)?;
+        let c = bias.dim(0)?;
+        x.conv2d(&self.params.get(w)?, 1, 1, 1, 1)?.broadcast_add(&bias.reshape((1, c, 1, 1))?)
+    }
+
+    /// Logits `[N, classes]` for `x: [N, C, H, W]` (or `[N, C*H*W]`, reshaped).
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (c, h, w) = self.in_chw;
+        let x = if x.rank() == 4 { x.clone() } else { x.reshape((x.dim(0)?, c, h, w))? };
+        let x = self.batch_norm(&self.conv(&x, CONV1_W, CONV1_B)?)?.relu()?.max_pool2d(2)?;
+        let x = self.conv(&x, CONV2_W, CONV2_B)?.relu()?.max_pool2d(2)?;
+        let x = x.flatten_from(1)?;
+        x.matmul(&self.params.get(FC_W)?.t()?)?.broadcast_add(&self.params.get(FC_B)?)
+    }
+
+    /// Mean cross-entropy, like `nn.CrossEntropyLoss()`.
+    pub fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+        let logits = self.forward(x)?;
+        debug_assert_eq!(logits.dim(D::Minus1).ok(), Some(self.classes));
+        candle_nn::loss::cross_entropy(&logits, y)
+    }
+}
+
+impl Module for Cnn {
+    fn params(&self) -> &ParamSet {
+        &self.params
+    }
+    fn named_buffers(&self) -> Vec<(String, Var)> {
+        self.buffers.clone()
+    }
+    fn replicate(&self, device: &Device) -> Result<Self> {
+        Ok(Cnn {
+            in_chw: self.in_chw,
+            classes: self.classes,
+            params: ParamSet::new(copy_vars(self.params.named(), device)?),
+            buffers: copy_vars(&self.buffers, device)?,
+            training: AtomicBool::new(self.training.load(Ordering::SeqCst)),
+        })
+    }
+}

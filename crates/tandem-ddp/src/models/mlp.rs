@@ -1,0 +1,72 @@
+//! `Mlp`: Linear → ReLU → … → Linear, layers named `fc1`, `fc2`, … with weights `[out, in]` as
+//! in `nn.Linear`, so state dicts move both ways with PyTorch's `fc1 = nn.Linear(in, H);
+//! fc2 = nn.Linear(H, classes)` (`Mlp::new(&[in, H, classes])`). The bench's deeper model is
+//! `Mlp::new(&[784, 1024, 1024, 10])` (fc1..fc3; PyTorch's `nn.Sequential` calls them 0, 2, 4).
+use candle_core::{DType, Device, Tensor};
+use rand::SeedableRng;
+
+use super::init::{copy_vars, default_layer};
+use crate::error::{DdpError, Result};
+use crate::module::Module;
+use crate::params::ParamSet;
+
+pub struct Mlp {
+    dims: Vec<usize>,
+    params: ParamSet,
+}
+
+impl Mlp {
+    /// `dims = [in, hidden.., classes]`, at least two entries; PyTorch-default init from `seed`.
+    pub fn new(dims: &[usize], seed: u64, device: &Device) -> Result<Self> {
+        if dims.len() < 2 || dims.contains(&0) {
+            return Err(DdpError::InvalidOption { what: "Mlp dims", why: format!("{dims:?}: need [in, .., out], all > 0") });
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut named = Vec::new();
+        for (i, w) in dims.windows(2).enumerate() {
+            let (weight, bias) = default_layer(&mut rng, &[w[1], w[0]], device)?;
+            named.push((format!("fc{}.weight", i + 1), weight));
+            named.push((format!("fc{}.bias", i + 1), bias));
+        }
+        Ok(Mlp { dims: dims.to_vec(), params: ParamSet::new(named) })
+    }
+
+    pub fn dims(&self) -> &[usize] {
+        &self.dims
+    }
+
+    /// Logits `[batch, classes]` for `x: [batch, in]` (other shapes are flattened from dim 1).
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let mut h = if x.rank() == 2 { x.clone() } else { x.flatten_from(1)? };
+        let layers = self.dims.len() - 1;
+        for l in 0..layers {
+            let w = self.params.get(2 * l)?;
+            let b = self.params.get(2 * l + 1)?;
+            h = h.matmul(&w.t()?)?.broadcast_add(&b)?;
+            if l + 1 < layers {
+                h = h.relu()?;
+            }
+        }
+        Ok(h)
+    }
+
+    /// Mean cross-entropy of `forward(x)` against class indices `y` (u32 or i64), like
+    /// `nn.CrossEntropyLoss()`.
+    pub fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+        candle_nn::loss::cross_entropy(&self.forward(x)?, y)
+    }
+}
+
+impl Module for Mlp {
+    fn params(&self) -> &ParamSet {
+        &self.params
+    }
+    fn replicate(&self, device: &Device) -> Result<Self> {
+        Ok(Mlp { dims: self.dims.clone(), params: ParamSet::new(copy_vars(self.params.named(), device)?) })
+    }
+}
+
+/// Class-index targets in the dtype cross_entropy wants.
+pub fn targets(labels: &[u32], device: &Device) -> candle_core::Result<Tensor> {
+    Tensor::from_slice(labels, labels.len(), device)?.to_dtype(DType::U32)
+}

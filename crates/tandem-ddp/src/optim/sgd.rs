@@ -1,0 +1,200 @@
+//! `torch.optim.SGD`: momentum, dampening, Nesterov and (coupled) weight decay, following
+//! torch's single-tensor update order:
+//! `d = g + wd*p; buf = d (first step) or momentum*buf + (1-dampening)*d;`
+//! `d = d + momentum*buf (nesterov) or buf; p = p - lr*d`.
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use tandem_ckpt::Value;
+
+use super::groups::{refuse_true, saved_bool, saved_f64, torch_number, Groups, Hyper, ParamState};
+use super::{OptimError, Optimizer};
+
+/// Hyperparameters of `torch.optim.SGD` (defaults as torch: lr 1e-3, everything else off).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SgdConfig {
+    pub lr: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub weight_decay: f64,
+    pub nesterov: bool,
+}
+
+impl Default for SgdConfig {
+    fn default() -> Self {
+        SgdConfig { lr: 1e-3, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false }
+    }
+}
+
+impl SgdConfig {
+    /// torch's constructor checks, with the same conditions.
+    fn validate(&self) -> Result<(), OptimError> {
+        let bad = |name, value: f64, why| Err(OptimError::InvalidConfig { name, value: value.to_string(), why });
+        if !(self.lr >= 0.0) {
+            return bad("lr", self.lr, "must be >= 0");
+        }
+        if !(self.momentum >= 0.0) {
+            return bad("momentum", self.momentum, "must be >= 0");
+        }
+        if !(self.weight_decay >= 0.0) {
+            return bad("weight_decay", self.weight_decay, "must be >= 0");
+        }
+        if !self.dampening.is_finite() {
+            return bad("dampening", self.dampening, "must be finite");
+        }
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return bad("nesterov", 1.0, "Nesterov momentum requires a momentum and zero dampening");
+        }
+        Ok(())
+    }
+}
+
+impl Hyper for SgdConfig {
+    fn lr(&self) -> f64 {
+        self.lr
+    }
+    fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+    fn entries(&self) -> Vec<(&'static str, Value)> {
+        vec![
+            ("lr", Value::Float(self.lr)),
+            ("momentum", torch_number(self.momentum)),
+            ("dampening", torch_number(self.dampening)),
+            ("weight_decay", torch_number(self.weight_decay)),
+            ("nesterov", Value::Bool(self.nesterov)),
+            ("maximize", Value::Bool(false)),
+            ("foreach", Value::None),
+            ("differentiable", Value::Bool(false)),
+            ("fused", Value::None),
+        ]
+    }
+    fn from_saved(&self, g: &Value, key: &str) -> Result<Self, OptimError> {
+        refuse_true(g, "maximize", key)?;
+        let cfg = SgdConfig {
+            lr: saved_f64(g, "lr", self.lr, key)?,
+            momentum: saved_f64(g, "momentum", self.momentum, key)?,
+            dampening: saved_f64(g, "dampening", self.dampening, key)?,
+            weight_decay: saved_f64(g, "weight_decay", self.weight_decay, key)?,
+            nesterov: saved_bool(g, "nesterov", self.nesterov, key)?,
+        };
+        cfg.validate().map_err(|e| OptimError::state(key, e.to_string()))?;
+        Ok(cfg)
+    }
+}
+
+const SGD_KEYS: &[&str] =
+    &["lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach", "differentiable", "fused"];
+
+/// `state[i]` of SGD: the momentum buffer, present once the parameter was stepped with
+/// momentum on.
+pub(crate) struct SgdState {
+    momentum_buffer: Option<Tensor>,
+}
+
+impl ParamState for SgdState {
+    fn to_value(&self, key: &str) -> Result<Value, OptimError> {
+        let buf = match &self.momentum_buffer {
+            Some(t) => Value::Tensor(super::tensor::to_ckpt(t, &format!("{key}.momentum_buffer"))?),
+            None => Value::None,
+        };
+        Ok(Value::dict_from([("momentum_buffer", buf)]))
+    }
+    fn from_value(saved: &Value, param: &Tensor, key: &str) -> Result<Self, OptimError> {
+        if saved.as_dict().is_none() {
+            return Err(OptimError::state(key, format!("expected a dict, found {}", saved.type_name())));
+        }
+        let momentum_buffer = match saved.get("momentum_buffer") {
+            None | Some(Value::None) => None,
+            Some(_) => Some(super::groups::saved_tensor(saved, "momentum_buffer", param, key)?),
+        };
+        Ok(SgdState { momentum_buffer })
+    }
+}
+
+/// Stochastic gradient descent with torch's semantics and state_dict layout.
+pub struct Sgd {
+    groups: Groups<SgdConfig, SgdState>,
+}
+
+impl Sgd {
+    /// One param group holding `params` (index i in the state_dict = `params[i]`).
+    pub fn new(params: Vec<Var>, config: SgdConfig) -> Result<Self, OptimError> {
+        Self::with_groups(vec![(params, config)])
+    }
+
+    /// Several param groups, each with its own hyperparameters (torch's
+    /// `SGD([{'params': ..., 'lr': ...}, ...])`); parameters are numbered across groups in order.
+    pub fn with_groups(groups: Vec<(Vec<Var>, SgdConfig)>) -> Result<Self, OptimError> {
+        for (_, c) in &groups {
+            c.validate()?;
+        }
+        Ok(Sgd { groups: Groups::new(groups)? })
+    }
+
+    /// The hyperparameters of each group.
+    pub fn configs(&self) -> Vec<SgdConfig> {
+        self.groups.groups.iter().map(|g| g.hyper.clone()).collect()
+    }
+
+    fn update(h: &SgdConfig, state: &mut Option<SgdState>, var: &Var, grad: &Tensor) -> candle_core::Result<()> {
+        let p = var.as_tensor().detach();
+        let mut d = grad.detach().to_dtype(p.dtype())?;
+        if h.weight_decay != 0.0 {
+            d = (d + p.affine(h.weight_decay, 0.0)?)?;
+        }
+        if h.momentum != 0.0 {
+            let prev = state.as_ref().and_then(|s| s.momentum_buffer.clone());
+            let buf = match prev {
+                None => d.copy()?,
+                Some(b) => (b.affine(h.momentum, 0.0)? + d.affine(1.0 - h.dampening, 0.0)?)?,
+            };
+            d = if h.nesterov { (d + buf.affine(h.momentum, 0.0)?)? } else { buf.clone() };
+            *state = Some(SgdState { momentum_buffer: Some(buf) });
+        }
+        var.set(&(p + d.affine(-h.lr, 0.0)?)?)
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self, grads: &GradStore) -> Result<(), OptimError> {
+        for (i, g, var) in self.groups.indices() {
+            let Some(grad) = grads.get(var.as_tensor()) else { continue };
+            check_grad_shape(i, &var, grad)?;
+            let h = &self.groups.groups[g].hyper;
+            Self::update(h, &mut self.groups.state[i], &var, grad)
+                .map_err(|source| OptimError::Step { index: i, source })?;
+        }
+        Ok(())
+    }
+    fn lr(&self) -> f64 {
+        self.groups.lr()
+    }
+    fn set_lr(&mut self, lr: f64) {
+        self.groups.set_lr(lr)
+    }
+    fn group_lrs(&self) -> Vec<f64> {
+        self.groups.group_lrs()
+    }
+    fn set_group_lrs(&mut self, lrs: &[f64]) -> Result<(), OptimError> {
+        self.groups.set_group_lrs(lrs)
+    }
+    fn params(&self) -> Vec<Var> {
+        self.groups.params()
+    }
+    fn state_dict(&self) -> Result<Value, OptimError> {
+        self.groups.state_dict()
+    }
+    fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), OptimError> {
+        self.groups.load_state_dict(state_dict, SGD_KEYS)
+    }
+}
+
+pub(crate) fn check_grad_shape(index: usize, var: &Var, grad: &Tensor) -> Result<(), OptimError> {
+    if grad.dims() != var.dims() {
+        return Err(OptimError::InvalidParam {
+            index,
+            why: format!("gradient shape {:?} differs from parameter shape {:?}", grad.dims(), var.dims()),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,380 @@
+//! The engine-agnostic gradient reducer. It knows parameters only as names and element counts
+//! and gradients only as `&[f32]` handed over as they become ready; it packs them into flat
+//! buckets, hands every full bucket to a communication thread (so all-reduce overlaps the rest of
+//! backward) and gives back averaged gradients. Buckets are launched strictly in bucket order on
+//! every rank, so collectives line up across ranks whatever order gradients arrive in.
+//!
+//! After the first synchronised iteration, buckets are rebuilt in the order gradients actually
+//! arrived (rank 0's order, broadcast so every rank agrees), as PyTorch's reducer does.
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crate::bucket::{assign_buckets, BucketPlan};
+use crate::comm::GradComm;
+use crate::error::{CommSource, DdpError, Result};
+
+#[derive(Clone, Copy, Debug)]
+pub struct ReducerConfig {
+    pub first_bucket_bytes: usize,
+    pub bucket_bytes: usize,
+    pub find_unused_parameters: bool,
+    /// Rebuild buckets in gradient arrival order after the first iteration.
+    pub rebuild_buckets: bool,
+}
+
+struct Bucket {
+    params: Vec<usize>,
+    /// `None` while the buffer is away at the communication thread.
+    data: Option<Vec<f32>>,
+    pending: usize,
+}
+
+struct Job {
+    bucket: usize,
+    data: Vec<f32>,
+}
+
+type Done = (usize, Vec<f32>, std::result::Result<(), CommSource>);
+
+pub struct Reducer {
+    names: Vec<String>,
+    numels: Vec<usize>,
+    cfg: ReducerConfig,
+    comm: Arc<dyn GradComm>,
+    buckets: Vec<Bucket>,
+    /// (bucket, offset in its buffer) of each parameter.
+    loc: Vec<(usize, usize)>,
+    ready: Vec<bool>,
+    locally_used: Vec<bool>,
+    globally_used: Vec<bool>,
+    arrival: Vec<usize>,
+    next_launch: usize,
+    in_flight: usize,
+    sync: bool,
+    rebuilt: bool,
+    /// Local gradients accumulated by `no_sync` backwards, folded into the next synced one.
+    accum: Vec<Option<Vec<f32>>>,
+    jobs: Option<Sender<Job>>,
+    done: Receiver<Done>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Reducer {
+    pub fn new(names: Vec<String>, numels: Vec<usize>, comm: Arc<dyn GradComm>, cfg: ReducerConfig) -> Result<Self> {
+        let n = names.len();
+        let (job_tx, job_rx) = channel::<Job>();
+        let (done_tx, done_rx) = channel::<Done>();
+        let thread_comm = comm.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("ddp-comm-r{}", comm.rank()))
+            .spawn(move || {
+                for mut job in job_rx {
+                    let r = thread_comm.all_reduce_avg(&mut job.data);
+                    if done_tx.send((job.bucket, job.data, r)).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| DdpError::comm("spawn communication thread", comm.rank(), e))?;
+        let reverse: Vec<usize> = (0..n).rev().collect();
+        let mut r = Reducer {
+            names,
+            numels,
+            cfg,
+            comm,
+            buckets: Vec::new(),
+            loc: vec![(0, 0); n],
+            ready: vec![false; n],
+            locally_used: vec![false; n],
+            globally_used: vec![true; n],
+            arrival: Vec::with_capacity(n),
+            next_launch: 0,
+            in_flight: 0,
+            sync: true,
+            rebuilt: !cfg.rebuild_buckets,
+            accum: vec![None; n],
+            jobs: Some(job_tx),
+            done: done_rx,
+            thread: Some(thread),
+        };
+        r.install_plans(assign_buckets(&reverse, &r.numels, cfg.first_bucket_bytes, cfg.bucket_bytes));
+        Ok(r)
+    }
+
+    fn install_plans(&mut self, plans: Vec<BucketPlan>) {
+        self.buckets.clear();
+        for (b, plan) in plans.into_iter().enumerate() {
+            let mut off = 0;
+            for &p in &plan.params {
+                self.loc[p] = (b, off);
+                off += self.numels[p];
+            }
+            self.buckets.push(Bucket { pending: plan.params.len(), params: plan.params, data: Some(vec![0.0; off]) });
+        }
+    }
+
+    /// Current bucket layout (parameter indices per bucket), for tests and diagnostics.
+    pub fn bucket_params(&self) -> Vec<Vec<usize>> {
+        self.buckets.iter().map(|b| b.params.clone()).collect()
+    }
+
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// Start a backward: `sync = false` inside `no_sync` (gradients accumulate locally).
+    pub fn prepare_for_backward(&mut self, sync: bool) {
+        self.sync = sync;
+        self.ready.iter_mut().for_each(|r| *r = false);
+        self.locally_used.iter_mut().for_each(|r| *r = false);
+        self.globally_used.iter_mut().for_each(|r| *r = true);
+        self.arrival.clear();
+        self.next_launch = 0;
+        for b in &mut self.buckets {
+            b.pending = b.params.len();
+        }
+    }
+
+    /// Parameter `idx`'s local gradient is complete.
+    pub fn mark_ready(&mut self, idx: usize, grad: &[f32]) -> Result<()> {
+        if idx >= self.names.len() || grad.len() != self.numels[idx] {
+            return Err(DdpError::StateDict(format!(
+                "gradient for parameter #{idx} has {} elements, expected {:?}",
+                grad.len(),
+                self.numels.get(idx)
+            )));
+        }
+        if self.ready[idx] {
+            return Err(DdpError::DoubleReady { name: self.names[idx].clone() });
+        }
+        self.ready[idx] = true;
+        self.locally_used[idx] = true;
+        self.arrival.push(idx);
+        if !self.sync {
+            match &mut self.accum[idx] {
+                Some(acc) => acc.iter_mut().zip(grad).for_each(|(a, g)| *a += g),
+                slot => *slot = Some(grad.to_vec()),
+            }
+            return Ok(());
+        }
+        self.place(idx, Some(grad))
+    }
+
+    /// Copy `grad` (+ any no_sync accumulation; zeros when `grad` is None) into its bucket slot.
+    fn place(&mut self, idx: usize, grad: Option<&[f32]>) -> Result<()> {
+        let (b, off) = self.loc[idx];
+        let n = self.numels[idx];
+        let acc = self.accum[idx].take();
+        let bucket = &mut self.buckets[b];
+        let data = bucket.data.as_mut().ok_or(DdpError::CommThreadGone)?;
+        let dst = &mut data[off..off + n];
+        match (grad, acc) {
+            (Some(g), None) => dst.copy_from_slice(g),
+            (Some(g), Some(a)) => dst.iter_mut().zip(g.iter().zip(&a)).for_each(|(d, (g, a))| *d = g + a),
+            (None, Some(a)) => dst.copy_from_slice(&a),
+            (None, None) => dst.iter_mut().for_each(|d| *d = 0.0),
+        }
+        bucket.pending -= 1;
+        self.launch_ready_buckets()
+    }
+
+    fn launch_ready_buckets(&mut self) -> Result<()> {
+        while self.next_launch < self.buckets.len() && self.buckets[self.next_launch].pending == 0 {
+            let b = self.next_launch;
+            let data = self.buckets[b].data.take().ok_or(DdpError::CommThreadGone)?;
+            let tx = self.jobs.as_ref().ok_or(DdpError::CommThreadGone)?;
+            tx.send(Job { bucket: b, data }).map_err(|_| DdpError::CommThreadGone)?;
+            self.in_flight += 1;
+            self.next_launch += 1;
+        }
+        Ok(())
+    }
+
+    fn wait_in_flight(&mut self) -> Result<()> {
+        let mut first_err = None;
+        while self.in_flight > 0 {
+            let (b, data, r) = self.done.recv().map_err(|_| DdpError::CommThreadGone)?;
+            self.in_flight -= 1;
+            self.buckets[b].data = Some(data);
+            if let Err(e) = r {
+                first_err.get_or_insert(DdpError::comm("all_reduce(avg) of a gradient bucket", self.comm.rank(), e));
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// End of backward: deal with parameters that got no gradient, wait for every bucket, and
+    /// (once) rebuild buckets in arrival order. Afterwards `grad(i)` gives the results.
+    pub fn finalize(&mut self) -> Result<()> {
+        let missing: Vec<usize> = (0..self.names.len()).filter(|&i| !self.ready[i]).collect();
+        if !self.sync {
+            // Unused parameters simply accumulate nothing in a no_sync step.
+            return Ok(());
+        }
+        if !missing.is_empty() && !self.cfg.find_unused_parameters {
+            // Let the buckets already launched finish so the comm thread is idle, then report.
+            self.wait_in_flight()?;
+            return Err(DdpError::UnusedParameters {
+                rank: self.comm.rank(),
+                names: missing.iter().map(|&i| self.names[i].clone()).collect(),
+            });
+        }
+        for &i in &missing {
+            self.ready[i] = true;
+            self.arrival.push(i);
+            self.place(i, None)?;
+        }
+        self.wait_in_flight()?;
+        if self.cfg.find_unused_parameters {
+            // As PyTorch: a parameter no rank used keeps "no gradient" rather than a zero one,
+            // so optimizers skip it instead of applying momentum/weight decay.
+            let mut used: Vec<f32> = self.locally_used.iter().map(|&u| if u { 1.0 } else { 0.0 }).collect();
+            self.comm
+                .all_reduce_sum(&mut used)
+                .map_err(|e| DdpError::comm("all_reduce(sum) of the used-parameter map", self.comm.rank(), e))?;
+            for (g, u) in self.globally_used.iter_mut().zip(&used) {
+                *g = *u > 0.0;
+            }
+        }
+        Ok(())
+    }
+
+    /// The gradient of parameter `idx` after `finalize`: averaged over the world in a synced
+    /// step, the local accumulation in a `no_sync` step; `None` when there is none.
+    pub fn grad(&self, idx: usize) -> Option<&[f32]> {
+        if !self.sync {
+            return self.accum[idx].as_deref();
+        }
+        if !self.globally_used[idx] {
+            return None;
+        }
+        let (b, off) = self.loc[idx];
+        self.buckets[b].data.as_deref().map(|d| &d[off..off + self.numels[idx]])
+    }
+
+    /// Called after the caller has read the gradients of a synced step: rebuild the buckets in
+    /// arrival order once (a collective: every rank calls it after the same step).
+    pub fn after_step(&mut self) -> Result<()> {
+        if !self.sync || self.rebuilt {
+            return Ok(());
+        }
+        self.rebuilt = true;
+        let mut order: Vec<f32> = self.arrival.iter().map(|&i| i as f32).collect();
+        self.comm
+            .broadcast(&mut order, 0)
+            .map_err(|e| DdpError::comm("broadcast of the bucket order", self.comm.rank(), e))?;
+        let order: Vec<usize> = order.iter().map(|&f| f as usize).collect();
+        let mut seen = vec![false; self.names.len()];
+        if order.len() != self.names.len() || order.iter().any(|&i| i >= seen.len() || std::mem::replace(&mut seen[i], true)) {
+            return Err(DdpError::StateDict("rank 0's gradient arrival order is not a permutation of the parameters".into()));
+        }
+        let plans = assign_buckets(&order, &self.numels, self.cfg.first_bucket_bytes, self.cfg.bucket_bytes);
+        self.install_plans(plans);
+        Ok(())
+    }
+}
+
+impl Drop for Reducer {
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::LocalGroup;
+
+    fn cfg(find_unused: bool) -> ReducerConfig {
+        ReducerConfig { first_bucket_bytes: 8, bucket_bytes: 8, find_unused_parameters: find_unused, rebuild_buckets: true }
+    }
+
+    fn run2<F, T>(f: F) -> Vec<T>
+    where
+        F: Fn(Arc<dyn GradComm>) -> T + Send + Sync + 'static + Clone,
+        T: Send + 'static,
+    {
+        let hs: Vec<_> = LocalGroup::new(2)
+            .into_iter()
+            .map(|g| {
+                let f = f.clone();
+                std::thread::spawn(move || f(Arc::new(g)))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn averages_over_ranks_and_rebuilds_in_arrival_order() {
+        let out = run2(|comm| {
+            let r = comm.rank() as f32;
+            let mut red = Reducer::new(vec!["a".into(), "b".into(), "c".into()], vec![2, 2, 2], comm, cfg(false)).unwrap();
+            assert_eq!(red.bucket_params(), vec![vec![2], vec![1], vec![0]]);
+            red.prepare_for_backward(true);
+            // Arrival order 0, 2, 1: bucket 0 (param 2) launches only after param 2 arrives.
+            red.mark_ready(0, &[r, r]).unwrap();
+            red.mark_ready(2, &[2.0 + r, 0.0]).unwrap();
+            red.mark_ready(1, &[10.0 * r, 1.0]).unwrap();
+            red.finalize().unwrap();
+            let g: Vec<Vec<f32>> = (0..3).map(|i| red.grad(i).unwrap().to_vec()).collect();
+            red.after_step().unwrap();
+            (g, red.bucket_params())
+        });
+        for (g, plans) in out {
+            assert_eq!(g, vec![vec![0.5, 0.5], vec![5.0, 1.0], vec![2.5, 0.0]]);
+            assert_eq!(plans, vec![vec![0], vec![2], vec![1]]);
+        }
+    }
+
+    #[test]
+    fn no_sync_accumulates_into_next_synced_step() {
+        let out = run2(|comm| {
+            let r = comm.rank() as f32;
+            let mut red = Reducer::new(vec!["w".into()], vec![1], comm, cfg(false)).unwrap();
+            red.prepare_for_backward(false);
+            red.mark_ready(0, &[r]).unwrap();
+            red.finalize().unwrap();
+            let local = red.grad(0).unwrap().to_vec();
+            red.prepare_for_backward(true);
+            red.mark_ready(0, &[1.0]).unwrap();
+            red.finalize().unwrap();
+            (local, red.grad(0).unwrap().to_vec())
+        });
+        assert_eq!(out[0], (vec![0.0], vec![1.0]));
+        assert_eq!(out[1], (vec![1.0], vec![1.5]));
+    }
+
+    #[test]
+    fn unused_parameter_is_named_or_zero_filled() {
+        let out = run2(|comm| {
+            let mut red = Reducer::new(vec!["used".into(), "head.weight".into()], vec![1, 1], comm.clone(), cfg(false)).unwrap();
+            red.prepare_for_backward(true);
+            red.mark_ready(0, &[1.0]).unwrap();
+            let err = red.finalize().unwrap_err().to_string();
+            drop(red);
+            let mut red = Reducer::new(vec!["used".into(), "head.weight".into()], vec![1, 1], comm.clone(), cfg(true)).unwrap();
+            red.prepare_for_backward(true);
+            red.mark_ready(0, &[1.0]).unwrap();
+            // rank 1 uses "head.weight", rank 0 does not: it counts as zero on rank 0.
+            if comm.rank() == 1 {
+                red.mark_ready(1, &[4.0]).unwrap();
+            }
+            red.finalize().unwrap();
+            let head = red.grad(1).map(|g| g.to_vec());
+            // Next step nobody uses it: no gradient at all.
+            red.prepare_for_backward(true);
+            red.mark_ready(0, &[1.0]).unwrap();
+            red.finalize().unwrap();
+            (err, head, red.grad(1).is_none())
+        });
+        for (err, head, globally_unused_is_none) in out {
+            assert!(err.contains("head.weight") && err.contains("find_unused_parameters: true"), "{err}");
+            assert_eq!(head, Some(vec![2.0]));
+            assert!(globally_unused_is_none);
+        }
+    }
+}

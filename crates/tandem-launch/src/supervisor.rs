@@ -1,0 +1,272 @@
+//! The attempt loop: start every worker, watch them, stop them all when one fails (or the
+//! launcher is signalled), and start the whole set again while restarts remain.
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+
+use crate::config::{available_cores, LaunchConfig};
+use crate::env::JobShape;
+use crate::error::LaunchError;
+use crate::outcome::{LaunchOutcome, WorkerExit, WorkerFailure};
+use crate::port::{mentions_addr_in_use, pick_master_port};
+use crate::signals::SignalWatch;
+use crate::worker::Worker;
+
+/// Attempts started again on a fresh port because the auto-picked one was taken; these do not
+/// count against `--max-restarts`.
+const MAX_PORT_RETRIES: u32 = 3;
+/// How long to wait for output threads once every process of an attempt is gone.
+const OUTPUT_DRAIN: Duration = Duration::from_secs(2);
+/// How long to wait for workers to be reaped after SIGKILL.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+const STOP_POLL: Duration = Duration::from_millis(20);
+
+enum AttemptEnd {
+    Succeeded,
+    /// Indices of the workers that failed by themselves, in the order seen.
+    Failed(Vec<(usize, WorkerExit)>),
+    Signalled(i32),
+}
+
+/// Starts the workers of this node and supervises them until the job succeeds, fails past
+/// `max_restarts`, or the launcher is signalled. Blocks until every worker is gone. Must stay
+/// on one thread: the workers' parent-death signal is tied to the thread that started them.
+pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
+    cfg.validate()?;
+    let nproc = cfg.nproc_per_node.resolve()?;
+    let cores = available_cores();
+    let signals = if cfg.forward_signals { SignalWatch::install()? } else { SignalWatch::disabled() };
+    let new_port = || {
+        pick_master_port().map_err(|source| LaunchError::NoFreePort { addr: cfg.master_addr.clone(), source })
+    };
+    let mut port = match cfg.master_port {
+        Some(p) => p,
+        None => new_port()?,
+    };
+    let job_log_dir = cfg.log_dir.as_ref().map(|d| d.join(&cfg.run_id));
+    if let Some(dir) = &job_log_dir {
+        std::fs::create_dir_all(dir).map_err(|source| LaunchError::LogFile { path: dir.clone(), source })?;
+    }
+    let mut restart_count = 0;
+    let mut port_retries = 0;
+    loop {
+        let shape = JobShape {
+            nnodes: cfg.nnodes,
+            nproc_per_node: nproc,
+            node_rank: cfg.node_rank,
+            master_addr: cfg.master_addr.clone(),
+            master_port: port,
+            restart_count,
+            max_restarts: cfg.max_restarts,
+            run_id: cfg.run_id.clone(),
+        };
+        let attempt_dir = job_log_dir.as_ref().map(|d| d.join(format!("attempt_{restart_count}")));
+        tracing::info!(restart_count, port, nproc, "starting workers");
+
+        let mut workers = Vec::with_capacity(nproc as usize);
+        for local_rank in 0..nproc {
+            match Worker::spawn(cfg, &shape, local_rank, cores, attempt_dir.as_deref()) {
+                Ok(w) => workers.push(w),
+                Err(e) => {
+                    stop_all(&mut workers, Signal::SIGTERM, cfg.stop_grace, &signals);
+                    drain_output(&mut workers);
+                    return Err(e);
+                }
+            }
+        }
+        let end = match watch(&mut workers, cfg.monitor_interval, &signals) {
+            Ok(end) => end,
+            Err(e) => {
+                stop_all(&mut workers, Signal::SIGTERM, cfg.stop_grace, &signals);
+                drain_output(&mut workers);
+                return Err(e);
+            }
+        };
+        let stop_with = match end {
+            AttemptEnd::Signalled(sig) => Signal::try_from(sig).unwrap_or(Signal::SIGTERM),
+            _ => Signal::SIGTERM,
+        };
+        // Always stop: on success this removes anything the workers left running.
+        stop_all(&mut workers, stop_with, cfg.stop_grace, &signals);
+        drain_output(&mut workers);
+
+        let outcome = |exit_code, failures, signal| LaunchOutcome {
+            exit_code,
+            restarts: restart_count,
+            failures,
+            signal,
+            master_port: port,
+            log_dir: job_log_dir.clone(),
+        };
+        match end {
+            AttemptEnd::Succeeded => return Ok(outcome(0, Vec::new(), None)),
+            AttemptEnd::Signalled(sig) => {
+                let o = outcome(128 + sig, Vec::new(), Some(sig));
+                eprint!("{}", o.summary(cfg.max_restarts));
+                return Ok(o);
+            }
+            AttemptEnd::Failed(failed) => {
+                let failures: Vec<WorkerFailure> = failed
+                    .iter()
+                    .map(|&(i, exit)| WorkerFailure {
+                        rank: workers[i].rank,
+                        local_rank: workers[i].local_rank,
+                        node_rank: cfg.node_rank,
+                        exit,
+                        stderr_tail: workers[i].stderr_lines(),
+                    })
+                    .collect();
+                let root = &failures[0];
+                let port_taken = cfg.master_port.is_none()
+                    && workers.iter().any(|w| w.stderr_lines().iter().any(|l| mentions_addr_in_use(l)));
+                if port_taken && port_retries < MAX_PORT_RETRIES {
+                    port_retries += 1;
+                    let old = port;
+                    port = new_port()?;
+                    eprintln!(
+                        "[launcher] MASTER_PORT {old} was taken before rank 0 could bind it; \
+                         starting again on port {port} (not counted as a restart)"
+                    );
+                    continue;
+                }
+                if restart_count < cfg.max_restarts {
+                    restart_count += 1;
+                    eprintln!(
+                        "[launcher] rank {} failed ({}); restarting all {nproc} worker(s) (restart {restart_count} of {})",
+                        root.rank, root.exit, cfg.max_restarts
+                    );
+                    if cfg.master_port.is_none() {
+                        port = new_port()?;
+                    }
+                    continue;
+                }
+                let o = outcome(root.exit.launcher_exit_code(), failures, None);
+                eprint!("{}", o.summary(cfg.max_restarts));
+                return Ok(o);
+            }
+        }
+    }
+}
+
+/// Polls the workers every `interval` until one fails, all succeed, or a signal arrives.
+fn watch(workers: &mut [Worker], interval: Duration, signals: &SignalWatch) -> Result<AttemptEnd, LaunchError> {
+    loop {
+        if let Some((sig, _)) = signals.received() {
+            return Ok(AttemptEnd::Signalled(sig));
+        }
+        let mut failed = Vec::new();
+        let mut running = 0;
+        for (i, w) in workers.iter_mut().enumerate() {
+            match w.poll()? {
+                None => running += 1,
+                Some(status) if !status.success() => failed.push((i, WorkerExit::from_status(status))),
+                Some(_) => {}
+            }
+        }
+        if !failed.is_empty() {
+            return Ok(AttemptEnd::Failed(failed));
+        }
+        if running == 0 {
+            return Ok(AttemptEnd::Succeeded);
+        }
+        // Sleep in short slices so a signal is acted on promptly even with a long interval.
+        let until = Instant::now() + interval;
+        while Instant::now() < until && signals.received().is_none() {
+            std::thread::sleep(interval.min(Duration::from_millis(50)));
+        }
+    }
+}
+
+/// Sends `sig` to every worker's process group, waits up to `grace` for every process in
+/// those groups to end, then SIGKILLs the groups and reaps the workers. A second signal to the
+/// launcher cuts the grace period short.
+fn stop_all(workers: &mut [Worker], sig: Signal, grace: Duration, signals: &SignalWatch) {
+    let signals_before = signals.received().map_or(0, |(_, n)| n);
+    for w in workers.iter_mut() {
+        if w.status.is_none() || group_has_live_members(w.pgid) {
+            send_to_group(w.pgid, sig);
+        }
+    }
+    let deadline = Instant::now() + grace;
+    loop {
+        for w in workers.iter_mut() {
+            let _ = w.poll();
+        }
+        let all_gone = workers.iter().all(|w| w.status.is_some() && !group_has_live_members(w.pgid));
+        if all_gone {
+            return;
+        }
+        let escalated = signals.received().map_or(0, |(_, n)| n) > signals_before;
+        if Instant::now() >= deadline || escalated {
+            break;
+        }
+        std::thread::sleep(STOP_POLL);
+    }
+    for w in workers.iter() {
+        send_to_group(w.pgid, Signal::SIGKILL);
+    }
+    let deadline = Instant::now() + KILL_WAIT;
+    while Instant::now() < deadline {
+        let mut pending = false;
+        for w in workers.iter_mut() {
+            pending |= matches!(w.poll(), Ok(None));
+        }
+        if !pending {
+            return;
+        }
+        std::thread::sleep(STOP_POLL);
+    }
+    for w in workers.iter() {
+        if w.status.is_none() {
+            tracing::warn!(rank = w.rank, "worker survived SIGKILL for {KILL_WAIT:?} (uninterruptible sleep?)");
+        }
+    }
+}
+
+fn send_to_group(pgid: i32, sig: Signal) {
+    match killpg(Pid::from_raw(pgid), sig) {
+        Ok(()) | Err(Errno::ESRCH) => {}
+        Err(e) => tracing::warn!(pgid, %e, "cannot signal process group"),
+    }
+}
+
+/// Whether any process of group `pgid` is still running. Zombies do not count: orphans that
+/// were re-parented to an init that has not reaped them yet are already dead.
+fn group_has_live_members(pgid: i32) -> bool {
+    if killpg(Pid::from_raw(pgid), None) == Err(Errno::ESRCH) {
+        return false;
+    }
+    let Ok(dir) = std::fs::read_dir("/proc") else { return true };
+    for entry in dir.filter_map(Result::ok) {
+        let name = entry.file_name();
+        if !name.as_encoded_bytes().iter().all(u8::is_ascii_digit) {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        // "pid (comm) state ppid pgrp ...": comm may contain spaces and parentheses.
+        let Some(after) = stat.rfind(')').map(|i| &stat[i + 1..]) else { continue };
+        let mut fields = after.split_whitespace();
+        let (state, _ppid, pgrp) = (fields.next(), fields.next(), fields.next());
+        if pgrp.and_then(|p| p.parse::<i32>().ok()) == Some(pgid) && !matches!(state, Some("Z") | Some("X")) {
+            return true;
+        }
+    }
+    false
+}
+
+/// Waits (bounded) for the output threads, so the last lines reach the console and the
+/// stderr tails are complete. A process that escaped its group could hold a pipe open forever;
+/// its thread is then left behind rather than hanging the launcher.
+fn drain_output(workers: &mut [Worker]) {
+    let deadline = Instant::now() + OUTPUT_DRAIN;
+    while Instant::now() < deadline && !workers.iter().all(|w| w.output_done()) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for w in workers.iter_mut() {
+        if w.output_done() {
+            w.join_output();
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! The training job's settings: command-line flags, their validation, and the `config.toml`
+//! written into every run directory (the effective settings, so a run can be reproduced).
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    Sgd,
+    Adamw,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    Mlp,
+    Cnn,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// shm for ranks on one host, tcp otherwise.
+    Auto,
+    Tcp,
+    Shm,
+    /// NVIDIA NCCL (needs the `cuda` build feature).
+    Nccl,
+}
+
+impl Backend {
+    /// The value of `TANDEM_TRANSPORT` this backend asks the process group for.
+    pub fn transport_env(self) -> Option<&'static str> {
+        match self {
+            Backend::Auto => None,
+            Backend::Tcp => Some("tcp"),
+            Backend::Shm => Some("shm"),
+            Backend::Nccl => Some("nccl"),
+        }
+    }
+}
+
+/// `tandem train` flags. Every field is also recorded in the run's `config.toml`.
+#[derive(Clone, Debug, clap::Args, Serialize, Deserialize)]
+pub struct TrainConfig {
+    /// Ranks to start on this host (ignored when already launched by tandem run / torchrun).
+    #[arg(long = "nproc-per-node", alias = "nproc_per_node", default_value_t = 2)]
+    pub nproc_per_node: usize,
+    /// Passes over the training data.
+    #[arg(long, default_value_t = 10)]
+    pub epochs: usize,
+    /// Stop after this many optimizer steps (overrides --epochs when reached first).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Samples per rank per step, as in DDP (global batch = batch-size x world size).
+    #[arg(long = "batch-size", default_value_t = 32)]
+    pub batch_size: usize,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.05)]
+    pub lr: f64,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
+    pub optimizer: OptimizerKind,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+    /// Weight decay (SGD: L2 added to the gradient; AdamW: decoupled).
+    #[arg(long = "weight-decay", default_value_t = 0.0)]
+    pub weight_decay: f64,
+    /// Model: mlp (fc1 -> ReLU -> fc2) or a small cnn.
+    #[arg(long, value_enum, default_value_t = ModelKind::Mlp)]
+    pub model: ModelKind,
+    /// Hidden width of the MLP.
+    #[arg(long, default_value_t = 128)]
+    pub hidden: usize,
+    /// Data: digits (embedded), mnist:DIR (IDX files) or synthetic.
+    #[arg(long, default_value = "digits")]
+    pub data: String,
+    /// Seed for model init and the sampler's shuffle.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Keep the dataset order (no per-epoch shuffle).
+    #[arg(long = "no-shuffle")]
+    pub no_shuffle: bool,
+    /// Run directory (default runs/<model>-<data>-<timestamp>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Save a checkpoint every N optimizer steps (0: at the end of each epoch only).
+    #[arg(long = "save-every", default_value_t = 0)]
+    pub save_every: u64,
+    /// Checkpoints to keep in the run directory.
+    #[arg(long = "keep-last", default_value_t = 3)]
+    pub keep_last: usize,
+    /// Continue from the newest valid checkpoint in --out.
+    #[arg(long)]
+    pub resume: bool,
+    /// Initial weights from a PyTorch or tandem checkpoint (any wrapping; strict key check).
+    #[arg(long = "init-from")]
+    pub init_from: Option<PathBuf>,
+    /// Write the final model weights here (.pt or .safetensors, canonical keys).
+    #[arg(long = "save-final")]
+    pub save_final: Option<PathBuf>,
+    /// Collective backend.
+    #[arg(long, value_enum, default_value_t = Backend::Auto)]
+    pub backend: Backend,
+    /// Write TensorBoard event files (loss, lr, accuracy, samples/s) into the run directory.
+    #[arg(long)]
+    pub tensorboard: bool,
+}
+
+impl TrainConfig {
+    /// Rejects settings that cannot train, naming the flag at fault.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.nproc_per_node == 0 {
+            bail!("--nproc-per-node must be at least 1");
+        }
+        if self.batch_size == 0 {
+            bail!("--batch-size must be at least 1");
+        }
+        if self.epochs == 0 && self.steps.is_none() {
+            bail!("--epochs must be at least 1 (or give --steps)");
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            bail!("--lr must be a positive number, got {}", self.lr);
+        }
+        if self.hidden == 0 {
+            bail!("--hidden must be at least 1");
+        }
+        if self.keep_last == 0 {
+            bail!("--keep-last must be at least 1");
+        }
+        if self.resume && self.out.is_none() {
+            bail!("--resume needs --out DIR (the run directory to continue)");
+        }
+        if self.backend == Backend::Nccl && !cfg!(feature = "cuda") {
+            bail!("--backend nccl needs a build with `--features cuda`");
+        }
+        Ok(())
+    }
+
+    /// The run directory: --out, or runs/<model>-<data>-<unix seconds>.
+    pub fn run_dir(&self) -> PathBuf {
+        if let Some(out) = &self.out {
+            return out.clone();
+        }
+        let data = self.data.split(':').next().unwrap_or("data");
+        let model = match self.model {
+            ModelKind::Mlp => "mlp",
+            ModelKind::Cnn => "cnn",
+        };
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        PathBuf::from("runs").join(format!("{model}-{data}-{secs}"))
+    }
+
+    pub fn to_toml(&self) -> anyhow::Result<String> {
+        toml::to_string_pretty(self).context("serialising config.toml")
+    }
+
+    /// The flags that reproduce this configuration (for re-launching the same job on each rank).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a: Vec<String> = Vec::new();
+        let mut push = |k: &str, v: String| {
+            a.push(k.to_string());
+            a.push(v);
+        };
+        push("--epochs", self.epochs.to_string());
+        if let Some(s) = self.steps {
+            push("--steps", s.to_string());
+        }
+        push("--batch-size", self.batch_size.to_string());
+        push("--lr", self.lr.to_string());
+        push("--optimizer", format!("{:?}", self.optimizer).to_lowercase());
+        push("--momentum", self.momentum.to_string());
+        push("--weight-decay", self.weight_decay.to_string());
+        push("--model", format!("{:?}", self.model).to_lowercase());
+        push("--hidden", self.hidden.to_string());
+        push("--data", self.data.clone());
+        push("--seed", self.seed.to_string());
+        if let Some(o) = &self.out {
+            push("--out", o.display().to_string());
+        }
+        push("--save-every", self.save_every.to_string());
+        push("--keep-last", self.keep_last.to_string());
+        if let Some(p) = &self.init_from {
+            push("--init-from", p.display().to_string());
+        }
+        if let Some(p) = &self.save_final {
+            push("--save-final", p.display().to_string());
+        }
+        push("--backend", format!("{:?}", self.backend).to_lowercase());
+        if self.no_shuffle {
+            a.push("--no-shuffle".into());
+        }
+        if self.resume {
+            a.push("--resume".into());
+        }
+        if self.tensorboard {
+            a.push("--tensorboard".into());
+        }
+        a
+    }
+}
