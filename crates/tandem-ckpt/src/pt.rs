@@ -119,7 +119,8 @@ pub enum FileKind {
 
 const LEGACY_MAGIC: &[u8] = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19.";
 
-pub(crate) fn detect(bytes: &[u8]) -> Option<FileKind> {
+/// Recognises a file by its first bytes.
+pub fn detect(bytes: &[u8]) -> Option<FileKind> {
     if bytes.starts_with(b"PK\x03\x04") || bytes.starts_with(b"PK\x05\x06") {
         return Some(FileKind::TorchZip);
     }
@@ -145,10 +146,20 @@ fn pickle_error(path: &Path, what: &str, e: PickleError) -> CkptError {
 /// Reads a torch.save (zip or legacy) or safetensors file into a value tree.
 pub fn load_with(path: &Path, opts: &LoadOptions) -> Result<Value> {
     let fb = FileBytes::open(path, opts.mmap)?;
+    load_file_bytes(path, &fb, opts)
+}
+
+/// Reads an in-memory file image (`name` is only used in error messages).
+pub fn load_from_bytes(name: &str, bytes: Vec<u8>, verify_checksums: bool) -> Result<Value> {
+    let opts = LoadOptions { verify_checksums, ..LoadOptions::default() };
+    load_file_bytes(Path::new(name), &FileBytes::Read(Arc::new(bytes)), &opts)
+}
+
+fn load_file_bytes(path: &Path, fb: &FileBytes, opts: &LoadOptions) -> Result<Value> {
     match detect(fb.bytes()) {
-        Some(FileKind::TorchZip) => read_zip(path, &fb, opts.verify_checksums),
-        Some(FileKind::TorchLegacy) => read_legacy(path, &fb),
-        Some(FileKind::Safetensors) => crate::safetensors::from_bytes(path, &fb),
+        Some(FileKind::TorchZip) => read_zip(path, fb, opts.verify_checksums),
+        Some(FileKind::TorchLegacy) => read_legacy(path, fb),
+        Some(FileKind::Safetensors) => crate::safetensors::from_bytes(path, fb),
         None => {
             let head: Vec<String> = fb.bytes().iter().take(8).map(|b| format!("{b:02x}")).collect();
             let hint = if fb.bytes().is_empty() { "the file is empty".to_string() } else { format!("it starts with {}", head.join(" ")) };
@@ -261,7 +272,7 @@ fn read_zip(path: &Path, fb: &FileBytes, verify: bool) -> Result<Value> {
 fn read_legacy(path: &Path, fb: &FileBytes) -> Result<Value> {
     let bytes = fb.bytes();
     let mut pos = LEGACY_MAGIC.len();
-    let mut next = |what: &str, pos: &mut usize| -> Result<Unpickled> {
+    let next = |what: &str, pos: &mut usize| -> Result<Unpickled> {
         let up = unpickle(&bytes[*pos..]).map_err(|e| pickle_error(path, what, e))?;
         *pos += up.consumed;
         Ok(up)

@@ -131,7 +131,8 @@ impl Ctx<'_> {
         let pos = (self.rank + n - root) % n;
         let (right, left) = (self.right(), self.left());
         let segs = buf.len().div_ceil(BCAST_SEGMENT);
-        let seg = |k: usize| k * BCAST_SEGMENT..((k + 1) * BCAST_SEGMENT).min(buf.len());
+        let len = buf.len();
+        let seg = |k: usize| k * BCAST_SEGMENT..((k + 1) * BCAST_SEGMENT).min(len);
         for k in 0..=segs {
             let (send_r, recv_r) = if pos == 0 {
                 (if k < segs { Some(seg(k)) } else { None }, None)

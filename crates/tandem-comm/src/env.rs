@@ -63,7 +63,7 @@ impl Env<'_> {
 }
 
 pub(crate) fn process_env(name: &str) -> Option<String> {
-    std::env::e.var(name).ok()
+    std::env::var(name).ok()
 }
 
 fn seconds(e: &Env, name: &str) -> Result<Option<Duration>, CommError> {

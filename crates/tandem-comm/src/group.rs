@@ -153,9 +153,6 @@ impl ProcessGroup {
     pub(crate) fn from_inner(inner: Inner) -> ProcessGroup {
         ProcessGroup { inner: Arc::new(inner) }
     }
-    pub(crate) fn inner(&self) -> &Inner {
-        &self.inner
-    }
 
     /// This process's rank in the group.
     pub fn rank(&self) -> usize {

@@ -4,6 +4,7 @@
 //! gradient for the `Var` itself (Ddp builds the `GradStore` from the averaged buckets).
 use std::sync::Arc;
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 /// Ddp's side of the hooks.

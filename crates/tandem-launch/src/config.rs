@@ -184,6 +184,14 @@ impl FromStr for StreamSpec {
     }
 }
 
+/// A fresh run id (16 hex digits) for jobs that did not name one, as `--standalone` does.
+pub fn random_run_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    format!("{:016x}", h.finish())
+}
+
 /// Parses `--local-ranks-filter`: a comma-separated list of local ranks (`0,1`).
 pub fn parse_local_ranks(s: &str) -> Result<Vec<u32>, String> {
     s.split(',')

@@ -110,7 +110,7 @@ impl Worker {
         let prefix = if cfg.prefix_output { format!("[rank {rank}] ").into_bytes() } else { Vec::new() };
         let stderr_tail: SharedTail = Arc::new(Mutex::new(TailBuffer::new(cfg.summary_tail_lines)));
         let mut pumps = Vec::with_capacity(2);
-        let mut worker_pumps = || -> std::io::Result<()> {
+        let worker_pumps = || -> std::io::Result<()> {
             if let Some(out) = child.stdout.take() {
                 let sinks = Sinks {
                     console: console.stdout.then(|| (Console::Stdout, prefix.clone())),

@@ -33,6 +33,8 @@ pub(crate) struct StorageRef {
     pub numel: u64,
     /// Legacy format only: offset in elements of a storage view into its root storage.
     pub view_offset: u64,
+    /// Device the tensor was saved from (`cpu`, `cuda:0`); bytes are host bytes regardless.
+    #[allow(dead_code)]
     pub location: String,
 }
 

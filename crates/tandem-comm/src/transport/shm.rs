@@ -1,29 +1,314 @@
-//! Shared-memory transport (being written).
+//! Shared-memory transport for ranks on one host. One file in /dev/shm per group, created by
+//! group rank 0, mapped by every rank, and unlinked as soon as all have mapped it (so nothing is
+//! left behind, even after a crash). It holds a header (per-rank pid and abort flag) and one
+//! single-producer/single-consumer byte ring per ordered pair of ranks. A transfer streams
+//! through the ring in pieces, so the receiver copies (or reduces) while the sender still
+//! writes. Waits spin, then yield, then sleep, and check the timeout, the peer's abort flag and
+//! whether the peer process is still alive. Hand-written: no crate offers cross-process rings
+//! with these failure semantics.
+use super::{FailKind, PeerError, Recv, Transport};
 use crate::error::CommError;
 use crate::store::Store;
-use std::time::Duration;
+use memmap2::MmapMut;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
-pub(crate) struct ShmTransport;
+const MAGIC: u64 = 0x7461_6e64_656d_7368; // "tandemsh"
+/// Bytes per ring. Small enough to stay in cache, large enough to keep both sides busy.
+const RING: usize = 1 << 20;
+/// Largest copy between two position updates: lets the consumer start early.
+const PIECE: usize = 128 << 10;
+const CTRL: usize = 128;
 
-impl super::Transport for ShmTransport {
-    fn exchange(
-        &mut self,
-        _send: Option<(usize, &[u8])>,
-        _recv: Option<(usize, super::Recv<'_>)>,
-        _timeout: Duration,
-    ) -> Result<(), super::PeerError> {
-        unreachable!()
-    }
-    fn abort(&mut self) {}
+fn header_size(n: usize) -> usize {
+    (64 + 64 * n).div_ceil(4096) * 4096
 }
 
+fn total_size(n: usize) -> usize {
+    header_size(n) + n * n * (CTRL + RING)
+}
+
+fn align8(x: usize) -> usize {
+    (x + 7) & !7
+}
+
+pub(crate) struct ShmTransport {
+    _map: MmapMut,
+    base: *mut u8,
+    rank: usize,
+    size: usize,
+    pids: Vec<libc::pid_t>,
+}
+
+// SAFETY: `base` points into `_map`, which the struct owns and which lives as long as it does.
+// Cross-process/thread access to the shared bytes goes through atomics (positions, flags) with
+// release/acquire ordering; each ring byte range is written by one side only while owned by it.
+unsafe impl Send for ShmTransport {}
+
+impl ShmTransport {
+    fn atomic(&self, offset: usize) -> &AtomicU64 {
+        // SAFETY: offset is 8-aligned and within the mapping (callers use layout helpers).
+        unsafe { &*(self.base.add(offset) as *const AtomicU64) }
+    }
+    fn rank_block(&self, r: usize) -> usize {
+        64 + 64 * r
+    }
+    fn pid_of(&self, r: usize) -> &AtomicU64 {
+        self.atomic(self.rank_block(r))
+    }
+    fn abort_of(&self, r: usize) -> &AtomicU64 {
+        self.atomic(self.rank_block(r) + 8)
+    }
+    fn ring(&self, from: usize, to: usize) -> usize {
+        header_size(self.size) + (from * self.size + to) * (CTRL + RING)
+    }
+    fn peer_gone(&self, peer: usize) -> bool {
+        if self.abort_of(peer).load(Ordering::Acquire) != 0 {
+            return true;
+        }
+        let pid = self.pids[peer];
+        // SAFETY: kill with signal 0 only checks for existence.
+        pid > 0 && unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    }
+}
+
+/// Backoff for waits: spin first (latency), then yield, then sleep (other ranks may need the core).
+struct Backoff {
+    idle: u32,
+}
+
+impl Backoff {
+    fn snooze(&mut self) {
+        self.idle += 1;
+        if self.idle < 64 {
+            std::hint::spin_loop();
+        } else if self.idle < 2048 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(if self.idle < 4096 { 20 } else { 200 }));
+        }
+    }
+}
+
+impl Transport for ShmTransport {
+    fn exchange(
+        &mut self,
+        send: Option<(usize, &[u8])>,
+        recv: Option<(usize, Recv<'_>)>,
+        timeout: Duration,
+    ) -> Result<(), PeerError> {
+        let (send_peer, send_buf) = send.unwrap_or((usize::MAX, &[]));
+        let (recv_peer, mut recv) = recv.unwrap_or((usize::MAX, Recv::Copy(&mut [])));
+        let (slen, rlen) = (send_buf.len(), recv.len());
+        let (s8, r8) = (align8(slen), align8(rlen));
+        for (peer, len) in [(send_peer, slen), (recv_peer, rlen)] {
+            if len > 0 && (peer >= self.size || peer == self.rank) {
+                return Err(PeerError { peer, kind: FailKind::Io("no channel to this rank".into()) });
+            }
+        }
+        let (mut sent, mut got) = (0usize, 0usize);
+        let out = if s8 > 0 { self.ring(self.rank, send_peer) } else { 0 };
+        let inp = if r8 > 0 { self.ring(recv_peer, self.rank) } else { 0 };
+        let mut backoff = Backoff { idle: 0 };
+        let mut last_progress = Instant::now();
+        let mut checks = 0u32;
+        while sent < s8 || got < r8 {
+            let mut progress = false;
+            if sent < s8 {
+                let (wpos, rpos) = (self.atomic(out), self.atomic(out + 64));
+                let w = wpos.load(Ordering::Relaxed) as usize;
+                let free = RING - (w - rpos.load(Ordering::Acquire) as usize);
+                let n = free.min(s8 - sent).min(PIECE).min(RING - w % RING);
+                if n > 0 {
+                    let real = n.min(slen.saturating_sub(sent));
+                    // SAFETY: [w % RING, +n) lies in this ring's data area, which the consumer
+                    // does not read until we publish the new write position below.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            send_buf.as_ptr().add(sent),
+                            self.base.add(out + CTRL + w % RING),
+                            real,
+                        )
+                    };
+                    wpos.store((w + n) as u64, Ordering::Release);
+                    sent += n;
+                    progress = true;
+                }
+            }
+            if got < r8 {
+                let (wpos, rpos) = (self.atomic(inp), self.atomic(inp + 64));
+                let r = rpos.load(Ordering::Relaxed) as usize;
+                let avail = wpos.load(Ordering::Acquire) as usize - r;
+                let mut n = avail.min(r8 - got).min(PIECE).min(RING - r % RING);
+                let mut real = n.min(rlen.saturating_sub(got));
+                if let Recv::Reduce { elem, .. } = &recv {
+                    let whole = real / *elem * *elem;
+                    if whole < real {
+                        // Never consume part of an element.
+                        real = whole;
+                        n = whole;
+                    }
+                }
+                if n > 0 {
+                    // SAFETY: the producer published these bytes (acquire above) and will not
+                    // overwrite them until we publish the new read position.
+                    let src = unsafe { std::slice::from_raw_parts(self.base.add(inp + CTRL + r % RING), real) };
+                    match &mut recv {
+                        Recv::Copy(dst) => dst[got..got + real].copy_from_slice(src),
+                        Recv::Reduce { dst, f, .. } => f(&mut dst[got..got + real], src),
+                    }
+                    rpos.store((r + n) as u64, Ordering::Release);
+                    got += n;
+                    progress = true;
+                }
+            }
+            if progress {
+                backoff.idle = 0;
+                last_progress = Instant::now();
+                continue;
+            }
+            backoff.snooze();
+            checks += 1;
+            if checks % 64 == 0 {
+                let waiting_on = if got < r8 { recv_peer } else { send_peer };
+                if self.peer_gone(waiting_on) {
+                    return Err(PeerError { peer: waiting_on, kind: FailKind::Closed });
+                }
+                if last_progress.elapsed() >= timeout {
+                    return Err(PeerError { peer: waiting_on, kind: FailKind::Timeout(timeout) });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self) {
+        self.abort_of(self.rank).store(1, Ordering::Release);
+    }
+}
+
+/// Removes the file when dropped (rank 0 unlinks once everyone mapped it, or on failure).
+struct Unlink(Option<std::path::PathBuf>);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+fn sanitize(s: &str) -> String {
+    s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' }).take(64).collect()
+}
+
+fn create(path: &std::path::Path, n: usize, nonce: u64) -> Result<MmapMut, String> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+    file.set_len(total_size(n) as u64).map_err(|e| format!("cannot size {}: {e}", path.display()))?;
+    // SAFETY: the file was just created by us; other processes only map it, and all shared
+    // access goes through the atomics/rings described in the module comment.
+    let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| format!("cannot map {}: {e}", path.display()))?;
+    map[0..8].copy_from_slice(&MAGIC.to_le_bytes());
+    map[8..16].copy_from_slice(&nonce.to_le_bytes());
+    map[16..24].copy_from_slice(&(n as u64).to_le_bytes());
+    Ok(map)
+}
+
+fn open(path: &str, n: usize, nonce: u64) -> Result<MmapMut, String> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| format!("cannot open {path}: {e}"))?;
+    let len = file.metadata().map_err(|e| e.to_string())?.len();
+    if len != total_size(n) as u64 {
+        return Err(format!("{path} has {len} bytes, expected {}", total_size(n)));
+    }
+    // SAFETY: see `create`.
+    let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| format!("cannot map {path}: {e}"))?;
+    let word = |o: usize| u64::from_le_bytes(map[o..o + 8].try_into().unwrap_or([0; 8]));
+    if word(0) != MAGIC || word(8) != nonce || word(16) != n as u64 {
+        return Err(format!("{path} is not this group's segment (another host's /dev/shm?)"));
+    }
+    Ok(map)
+}
+
+/// Sets up the transport. The outer error is a rendezvous failure (store); the inner one means
+/// shared memory cannot be used (every rank gets the same verdict, so all can fall back).
 pub(crate) fn setup(
-    _store: &Store,
-    _group: &str,
-    _rank: usize,
-    _size: usize,
-    _run_id: &str,
-    _timeout: Duration,
+    store: &Store,
+    group: &str,
+    rank: usize,
+    size: usize,
+    run_id: &str,
+    timeout: Duration,
 ) -> Result<Result<ShmTransport, String>, CommError> {
-    Ok(Err("not implemented yet".into()))
+    let key = format!("{group}/shm");
+    let mut unlink = Unlink(None);
+    let mapped: Result<MmapMut, String> = if rank == 0 {
+        let nonce = {
+            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            t.as_nanos() as u64 ^ ((std::process::id() as u64) << 32)
+        };
+        let path = std::path::PathBuf::from(format!(
+            "/dev/shm/tandem-{}-{}-{}-{nonce:x}",
+            sanitize(run_id),
+            std::process::id(),
+            sanitize(group)
+        ));
+        let made = create(&path, size, nonce);
+        if made.is_ok() {
+            unlink.0 = Some(path.clone());
+        }
+        match &made {
+            Ok(_) => store.set(&key, format!("{}\n{nonce}", path.display()).as_bytes())?,
+            Err(e) => store.set(&key, format!("!{e}").as_bytes())?,
+        }
+        made
+    } else {
+        let v = String::from_utf8_lossy(&store.get(&key)?).to_string();
+        match v.strip_prefix('!') {
+            Some(why) => Err(format!("rank 0: {why}")),
+            None => {
+                let (path, nonce) = v.split_once('\n').unwrap_or((&v, "0"));
+                open(path, size, nonce.parse().unwrap_or(0))
+            }
+        }
+    };
+    let mine = match &mapped {
+        Ok(_) => "ok".to_string(),
+        Err(e) => format!("!{e}"),
+    };
+    store.set(&format!("{group}/shm_ok/{rank}"), mine.as_bytes())?;
+    let keys: Vec<String> = (0..size).map(|r| format!("{group}/shm_ok/{r}")).collect();
+    let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+    store.wait_timeout(&refs, timeout)?;
+    let mut verdict = Ok(());
+    for (r, k) in keys.iter().enumerate() {
+        let v = String::from_utf8_lossy(&store.get(k)?).to_string();
+        if let Some(why) = v.strip_prefix('!') {
+            verdict = Err(format!("rank {r}: {why}"));
+            break;
+        }
+    }
+    drop(unlink); // everyone has mapped it (or gave up): the name is no longer needed
+    let mut map = match (verdict, mapped) {
+        (Ok(()), Ok(map)) => map,
+        (Err(e), _) | (Ok(()), Err(e)) => return Ok(Err(e)),
+    };
+    let base = map.as_mut_ptr();
+    let mut t = ShmTransport { _map: map, base, rank, size, pids: vec![0; size] };
+    t.pid_of(rank).store(std::process::id() as u64, Ordering::Release);
+    // Everyone must have written its pid before anyone reads them.
+    store.set(&format!("{group}/shm_pid/{rank}"), b"1")?;
+    let keys: Vec<String> = (0..size).map(|r| format!("{group}/shm_pid/{r}")).collect();
+    let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+    store.wait_timeout(&refs, timeout)?;
+    t.pids = (0..size).map(|r| t.pid_of(r).load(Ordering::Acquire) as libc::pid_t).collect();
+    Ok(Ok(t))
 }

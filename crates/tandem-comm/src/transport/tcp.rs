@@ -130,13 +130,11 @@ fn io_fail(peer: usize, e: std::io::Error) -> PeerError {
     PeerError { peer, kind }
 }
 
-impl TcpMesh {
-    fn stream(&self, peer: usize) -> Result<&TcpStream, PeerError> {
-        self.peers
+fn stream(peers: &[Option<TcpStream>], peer: usize) -> Result<&TcpStream, PeerError> {
+        peers
             .get(peer)
             .and_then(|s| s.as_ref())
             .ok_or(PeerError { peer, kind: FailKind::Io("no connection to this rank".into()) })
-    }
 }
 
 impl Transport for TcpMesh {
@@ -152,8 +150,8 @@ impl Transport for TcpMesh {
         if send_buf.is_empty() && recv_len == 0 {
             return Ok(());
         }
-        let send_stream = if send_buf.is_empty() { None } else { Some(self.stream(send_peer)?) };
-        let recv_stream = if recv_len == 0 { None } else { Some(self.stream(recv_peer)?) };
+        let send_stream = if send_buf.is_empty() { None } else { Some(stream(&self.peers, send_peer)?) };
+        let recv_stream = if recv_len == 0 { None } else { Some(stream(&self.peers, recv_peer)?) };
         let scratch = &mut self.scratch;
         if matches!(recv, Recv::Reduce { .. }) && scratch.len() < recv_len {
             scratch.resize(recv_len, 0);

@@ -1,9 +1,125 @@
-//! `tandem run` (not implemented yet).
+//! `tandem run [OPTIONS] -- PROGRAM [ARGS]`: torchrun's command line over `tandem_launch`.
+//! Flags accept torchrun's spellings (`--nproc-per-node` and `--nproc_per_node`).
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
 
-#[derive(clap::Args)]
-pub struct Args {}
+use anyhow::{bail, Context};
+use tandem_launch::{parse_local_ranks, parse_nnodes, random_run_id, LaunchConfig, NprocPerNode, StreamSpec};
 
-pub fn main(_args: Args) -> anyhow::Result<i32> {
-    eprintln!("tandem run: not yet implemented");
-    Ok(2)
+#[derive(clap::Args, Debug)]
+#[command(after_help = "Every worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, \
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, \
+and OMP_NUM_THREADS / RAYON_NUM_THREADS = max(1, cores / nproc) unless already set.\n\
+Example: tandem run --nproc-per-node 4 -- ./train --epochs 3")]
+pub struct Args {
+    /// Number of nodes: N, or MIN:MAX with MIN == MAX (no elastic ranges yet).
+    #[arg(long, value_name = "N", default_value = "1", value_parser = parse_nnodes)]
+    nnodes: u32,
+
+    /// Workers on this node: a count, `auto` (one per GPU, else per core), `cpu` or `gpu`.
+    #[arg(long = "nproc-per-node", alias = "nproc_per_node", value_name = "N", default_value = "1")]
+    nproc_per_node: NprocPerNode,
+
+    /// This node's index in 0..nnodes (becomes GROUP_RANK; ranks are node_rank * nproc + local).
+    #[arg(long = "node-rank", alias = "node_rank", value_name = "R", default_value_t = 0)]
+    node_rank: u32,
+
+    /// Address of the node running rank 0, where its store listens (MASTER_ADDR).
+    #[arg(long = "master-addr", alias = "master_addr", value_name = "HOST", default_value = "127.0.0.1")]
+    master_addr: String,
+
+    /// Port of rank 0's store (MASTER_PORT); required with --nnodes > 1, else a free one is picked.
+    #[arg(long = "master-port", alias = "master_port", value_name = "PORT")]
+    master_port: Option<u16>,
+
+    /// Single-node job on loopback: free port picked for you, random run id.
+    #[arg(long)]
+    standalone: bool,
+
+    /// Times the whole set of workers is restarted after a worker fails.
+    #[arg(long = "max-restarts", alias = "max_restarts", value_name = "N", default_value_t = 0)]
+    max_restarts: u32,
+
+    /// Seconds between checks of the workers' state.
+    #[arg(long = "monitor-interval", alias = "monitor_interval", value_name = "SECS", default_value_t = 0.1)]
+    monitor_interval: f64,
+
+    /// Job id exported as TORCHELASTIC_RUN_ID; also names the sub-directory of --log-dir.
+    #[arg(long = "run-id", alias = "run_id", value_name = "ID")]
+    run_id: Option<String>,
+
+    /// Write worker output to <DIR>/<run-id>/attempt_<k>/<local_rank>/{stdout,stderr}.log.
+    #[arg(long = "log-dir", alias = "log_dir", value_name = "DIR")]
+    log_dir: Option<PathBuf>,
+
+    /// Streams sent only to the log files: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank (0:3,1:2).
+    #[arg(short = 'r', long, value_name = "SPEC")]
+    redirects: Option<StreamSpec>,
+
+    /// Streams sent to the log files and the console too (same syntax as --redirects).
+    #[arg(short = 't', long, value_name = "SPEC")]
+    tee: Option<StreamSpec>,
+
+    /// Show only these local ranks' output on the console (e.g. 0,1); log files keep everything.
+    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter", value_name = "RANKS", value_parser = parse_local_ranks)]
+    local_ranks_filter: Option<Vec<u32>>,
+
+    /// Seconds between SIGTERM and SIGKILL when stopping workers.
+    #[arg(long = "stop-grace", alias = "stop_grace", value_name = "SECS", default_value_t = 5.0)]
+    stop_grace: f64,
+
+    /// Print worker output lines as they are, without the `[rank N] ` prefix.
+    #[arg(long = "no-prefix")]
+    no_prefix: bool,
+
+    /// The program every worker runs, and its arguments (put `--` before it).
+    #[arg(value_name = "PROGRAM [ARGS]", required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    command: Vec<OsString>,
+}
+
+fn seconds(flag: &str, secs: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(secs).with_context(|| format!("{flag}: `{secs}` is not a number of seconds"))
+}
+
+/// Turns the command line into a launch configuration, rejecting contradictory flags.
+pub fn config_from_args(args: Args) -> anyhow::Result<LaunchConfig> {
+    let mut command = args.command.into_iter();
+    let Some(program) = command.next() else { bail!("PROGRAM: nothing to run (tandem run -- PROGRAM [ARGS])") };
+    let mut cfg = LaunchConfig::new(program, command);
+    cfg.nnodes = args.nnodes;
+    cfg.nproc_per_node = args.nproc_per_node;
+    cfg.node_rank = args.node_rank;
+    cfg.master_addr = args.master_addr;
+    cfg.master_port = args.master_port;
+    cfg.max_restarts = args.max_restarts;
+    cfg.monitor_interval = seconds("--monitor-interval", args.monitor_interval)?;
+    cfg.stop_grace = seconds("--stop-grace", args.stop_grace)?;
+    cfg.log_dir = args.log_dir;
+    cfg.redirects = args.redirects.unwrap_or_default();
+    cfg.tee = args.tee.unwrap_or_default();
+    cfg.local_ranks_filter = args.local_ranks_filter;
+    cfg.prefix_output = !args.no_prefix;
+    if args.standalone {
+        if cfg.nnodes != 1 {
+            bail!("--standalone: is a single-node mode, but --nnodes is {}", cfg.nnodes);
+        }
+        if cfg.master_port.is_some() {
+            bail!("--standalone: picks its own free port; drop --master-port");
+        }
+        cfg.master_addr = "127.0.0.1".into();
+    }
+    cfg.run_id = match args.run_id {
+        Some(id) => id,
+        None if args.standalone => random_run_id(),
+        None => "none".into(),
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    let cfg = config_from_args(args)?;
+    let outcome = tandem_launch::launch(&cfg)?;
+    Ok(outcome.exit_code)
 }

@@ -1,0 +1,91 @@
+//! Reads torch-made fixtures (zip and legacy format) and compares every value, dtype, shape,
+//! stride and offset with what torch itself loaded (tests/fixtures/expected.json).
+mod common;
+
+use common::{describe, expected, fixture, normalise};
+use tandem_ckpt::{load, load_with, CkptError, DType, LoadOptions, Value};
+
+fn check(name: &str, file: &str) {
+    let v = load(fixture(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+    let got = normalise(&describe(&v));
+    let want = expected(name);
+    assert_eq!(got, want, "{file} differs from what torch loaded");
+}
+
+#[test]
+fn zip_format_matches_torch_for_all_fixtures() {
+    for name in ["all_dtypes", "views", "nested"] {
+        check(name, &format!("{name}.pt"));
+    }
+}
+
+#[test]
+fn legacy_format_matches_torch_for_all_fixtures() {
+    for name in ["all_dtypes", "views", "nested"] {
+        check(name, &format!("{name}_legacy.pt"));
+    }
+}
+
+#[test]
+fn every_dtype_is_read_with_its_dtype() {
+    let v = load(fixture("all_dtypes.pt")).unwrap();
+    let want = [
+        ("f64", DType::F64),
+        ("f32", DType::F32),
+        ("f16", DType::F16),
+        ("bf16", DType::BF16),
+        ("i64", DType::I64),
+        ("i32", DType::I32),
+        ("i16", DType::I16),
+        ("i8", DType::I8),
+        ("u8", DType::U8),
+        ("bool", DType::Bool),
+    ];
+    for (k, d) in want {
+        assert_eq!(v.get(k).and_then(Value::as_tensor).map(|t| t.dtype), Some(d), "{k}");
+    }
+    assert_eq!(v.get("i64_big").unwrap().as_tensor().unwrap().to_i64_vec(), vec![1 << 62, -(1 << 62), 1 << 40]);
+}
+
+#[test]
+fn views_and_tied_weights_share_storage() {
+    for file in ["views.pt", "views_legacy.pt"] {
+        let v = load(fixture(file)).unwrap();
+        let t = |k: &str| v.get(k).unwrap().as_tensor().unwrap().clone();
+        assert!(t("base").storage.same(&t("transposed").storage), "{file}: transpose shares storage");
+        assert!(t("base").storage.same(&t("slice").storage), "{file}");
+        assert!(t("tied_a").storage.same(&t("tied_b").storage), "{file}: tied weights stay tied");
+        assert!(t("tied_a").storage.same(&t("tied_view").storage), "{file}");
+        assert!(!t("base").storage.same(&t("tied_a").storage), "{file}");
+        assert_eq!(t("slice").storage_offset, 8);
+        assert_eq!(t("slice").to_f32_vec(), vec![8., 9., 10., 14., 15., 16.]);
+        assert!(t("scalar").shape.is_empty());
+        assert_eq!(t("scalar").to_f32_vec(), vec![3.25]);
+    }
+}
+
+#[test]
+fn mmap_and_read_paths_agree() {
+    let a = load_with(fixture("nested.pt"), &LoadOptions { mmap: false, ..Default::default() }).unwrap();
+    let b = load_with(fixture("nested.pt"), &LoadOptions { verify_checksums: true, ..Default::default() }).unwrap();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn pickled_module_is_refused_naming_the_global() {
+    let e = load(fixture("whole_module.pt")).unwrap_err();
+    match &e {
+        CkptError::ForbiddenGlobal { global, .. } => assert!(global.contains("Net") || global.contains("torch.nn"), "{global}"),
+        other => panic!("expected ForbiddenGlobal, got {other}"),
+    }
+    assert!(e.to_string().contains("whole_module.pt"), "{e}");
+}
+
+#[test]
+fn map_location_parses_cpu_and_cuda() {
+    use tandem_ckpt::MapLocation;
+    assert_eq!("cpu".parse::<MapLocation>().unwrap(), MapLocation::Cpu);
+    assert_eq!("cuda:3".parse::<MapLocation>().unwrap(), MapLocation::Cuda(3));
+    assert!("tpu:0".parse::<MapLocation>().is_err());
+    assert!("cuda:x".parse::<MapLocation>().is_err());
+}

@@ -1,0 +1,81 @@
+//! K steps of 2-rank Ddp (per-rank batch B/2) reach the same weights as K steps of one process
+//! on batch B: with and without no_sync accumulation, with one parameter per bucket and with
+//! everything in one bucket.
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::Device;
+use common::*;
+use tandem_ddp::comm::GradComm;
+use tandem_ddp::models::Mlp;
+use tandem_ddp::optim::{Optimizer, Sgd};
+use tandem_ddp::{Ddp, DdpOptions, Module};
+
+const STEPS: usize = 4;
+const BATCH: usize = 16;
+
+/// Rank r trains on rows [r*B/world, (r+1)*B/world) of each step's batch; `micro` no_sync
+/// micro-batches per step. Rank 1 starts from different weights: Ddp::new must broadcast rank 0's.
+fn ddp_rank(comm: Arc<dyn GradComm>, opts: DdpOptions, micro: usize) -> (Vec<(String, Vec<f32>)>, Vec<Vec<usize>>) {
+    let (rank, world) = (comm.rank(), comm.size());
+    let model = Mlp::new(&DIMS, 7 + rank as u64 * 1000, &Device::Cpu).unwrap();
+    let ddp = Ddp::with_comm(model, comm, opts).unwrap();
+    let mut opt = Sgd::new(ddp.params().vars(), sgd_cfg()).unwrap();
+    let per_rank = BATCH / world;
+    let m = per_rank / micro;
+    for s in 0..STEPS {
+        let (x, y) = data(BATCH, 100 + s as u64);
+        let x = x.narrow(0, rank * per_rank, per_rank).unwrap();
+        let y = y.narrow(0, rank * per_rank, per_rank).unwrap();
+        for k in 0..micro - 1 {
+            ddp.no_sync(|ddp| {
+                let loss = ddp.loss(&x.narrow(0, k * m, m).unwrap(), &y.narrow(0, k * m, m).unwrap()).unwrap();
+                ddp.backward(&loss).unwrap();
+            });
+        }
+        let k = micro - 1;
+        let loss = ddp.module().loss(&x.narrow(0, k * m, m).unwrap(), &y.narrow(0, k * m, m).unwrap()).unwrap();
+        let grads = ddp.backward(&loss).unwrap();
+        opt.step(&grads).unwrap();
+    }
+    (weights(ddp.module()), ddp.bucket_params())
+}
+
+fn check(opts: DdpOptions, micro: usize) -> Vec<Vec<usize>> {
+    let expect = reference(STEPS, BATCH, micro);
+    let out = run_local(2, move |c| ddp_rank(c, opts.clone(), micro));
+    for (rank, (w, _)) in out.iter().enumerate() {
+        let d = max_abs_diff(w, &expect);
+        assert!(d <= 1e-5, "rank {rank}: max |w_ddp - w_single| = {d}");
+    }
+    out.into_iter().next().unwrap().1
+}
+
+#[test]
+fn two_ranks_match_one_process_default_buckets() {
+    check(DdpOptions::default(), 1);
+}
+
+#[test]
+fn two_ranks_match_one_process_one_parameter_per_bucket() {
+    let opts = DdpOptions { bucket_cap_mb: 0.001, first_bucket_mb: 0.001, ..Default::default() };
+    let buckets = check(opts, 1);
+    // 0.001 MiB = 1048 bytes: every weight fills a bucket alone; a bias joins the next weight.
+    assert!(buckets.len() >= 3, "{buckets:?}");
+    // Rebuilt in arrival order: backward reaches the last layer first.
+    assert!(buckets[0].iter().all(|&p| p >= 4), "first bucket should hold fc3 params: {buckets:?}");
+}
+
+#[test]
+fn two_ranks_match_one_process_single_big_bucket() {
+    let opts = DdpOptions { bucket_cap_mb: 100.0, first_bucket_mb: 100.0, ..Default::default() };
+    let buckets = check(opts, 1);
+    assert_eq!(buckets.len(), 1);
+}
+
+#[test]
+fn two_ranks_with_no_sync_accumulation_match_one_process() {
+    check(DdpOptions::default(), 2);
+    check(DdpOptions { bucket_cap_mb: 0.001, first_bucket_mb: 0.001, ..Default::default() }, 2);
+}
