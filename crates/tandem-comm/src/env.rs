@@ -301,6 +301,95 @@ mod tests {
         assert_eq!(first_slurm_host(""), None);
     }
 
+    fn resolve_vars(vars: &[(&str, &str)]) -> Result<Spec, CommError> {
+        let map: std::collections::HashMap<String, String> =
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let get = move |k: &str| map.get(k).cloned();
+        resolve(&Env(&get), &InitMethod::Env)
+    }
+
+    fn err_text(vars: &[(&str, &str)]) -> String {
+        resolve_vars(vars).expect_err("should fail").to_string()
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let s = resolve_vars(&[
+            ("RANK", "2"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "10.1.2.3"), ("MASTER_PORT", "29501"),
+        ])
+        .unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank, s.local_size), (2, 4, Some(0), Some(2)));
+        assert_eq!(s.master.as_ref().map(|m| (m.0.as_str(), m.1)), Some(("10.1.2.3", 29501)));
+        assert!(s.host_store);
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        let base = [("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let mut v: Vec<(&str, &str)> = base.to_vec();
+            v.extend_from_slice(extra);
+            err_text(&v)
+        };
+        assert!(with(&[("RANK", "4"), ("WORLD_SIZE", "4")]).contains("RANK=\"4\""));
+        assert!(with(&[("RANK", "0"), ("WORLD_SIZE", "four")]).contains("WORLD_SIZE"));
+        assert!(with(&[("RANK", "0")]).contains("WORLD_SIZE"));
+        assert!(with(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "3"), ("LOCAL_WORLD_SIZE", "2")]).contains("LOCAL_RANK"));
+        assert!(err_text(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]).contains("MASTER_ADDR"));
+        assert!(err_text(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "99999")]).contains("MASTER_PORT"));
+        assert!(err_text(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "2")]).contains("SLURM_PROCID"));
+        assert!(err_text(&[("OMPI_COMM_WORLD_RANK", "x"), ("OMPI_COMM_WORLD_SIZE", "2")]).contains("OMPI_COMM_WORLD_RANK"));
+    }
+
+    #[test]
+    fn slurm_uses_first_node_when_master_addr_is_unset() {
+        let s = resolve_vars(&[
+            ("SLURM_PROCID", "1"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "1"),
+            ("SLURM_JOB_NODELIST", "gpu[07-08]"),
+        ])
+        .unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank), (1, 8, Some(1)));
+        assert_eq!(s.master.as_ref().map(|m| (m.0.as_str(), m.1)), Some(("gpu07", 29500)));
+    }
+
+    #[test]
+    fn openmpi_single_host_defaults_to_loopback() {
+        let s = resolve_vars(&[
+            ("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ])
+        .unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank, s.local_size), (1, 2, Some(1), Some(2)));
+        assert_eq!(s.master.as_ref().map(|m| m.0.as_str()), Some("127.0.0.1"));
+    }
+
+    #[test]
+    fn nothing_set_is_a_world_of_one() {
+        let s = resolve_vars(&[]).unwrap();
+        assert_eq!((s.rank, s.world_size, s.master.is_none()), (0, 1, true));
+    }
+
+    #[test]
+    fn options_from_variables() {
+        let map: std::collections::HashMap<&str, &str> =
+            [("TANDEM_TRANSPORT", "shm"), ("TANDEM_TIMEOUT", "2.5"), ("TORCHELASTIC_RUN_ID", "job7"), ("TANDEM_DEBUG", "detail")]
+                .into_iter()
+                .collect();
+        let get = |k: &str| map.get(k).map(|v| v.to_string());
+        let o = InitOptions::from_vars(&Env(&get)).unwrap();
+        assert_eq!(o.transport, Some(TransportKind::Shm));
+        assert_eq!(o.timeout, Duration::from_millis(2500));
+        assert_eq!(o.run_id, "job7");
+        assert!(o.desync_check);
+        let bad = |k: &'static str, v: &'static str| {
+            let get = move |q: &str| (q == k).then(|| v.to_string());
+            InitOptions::from_vars(&Env(&get)).expect_err("bad value").to_string()
+        };
+        assert!(bad("TANDEM_TRANSPORT", "ib").contains("TANDEM_TRANSPORT"));
+        assert!(bad("TANDEM_TIMEOUT", "-1").contains("TANDEM_TIMEOUT"));
+    }
+
     #[test]
     fn tcp_urls() {
         assert_eq!(parse_tcp_url("tcp://10.0.0.1:29500").unwrap(), ("10.0.0.1".to_string(), 29500));

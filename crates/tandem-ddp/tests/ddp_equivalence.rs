@@ -58,13 +58,19 @@ fn two_ranks_match_one_process_default_buckets() {
 }
 
 #[test]
-fn two_ranks_match_one_process_one_parameter_per_bucket() {
+fn two_ranks_match_one_process_tiny_buckets() {
+    // bucket_cap_mb 0.001 = 1048 bytes: several buckets (weights of >= 262 floats fill one alone).
     let opts = DdpOptions { bucket_cap_mb: 0.001, first_bucket_mb: 0.001, ..Default::default() };
     let buckets = check(opts, 1);
-    // 0.001 MiB = 1048 bytes: every weight fills a bucket alone; a bias joins the next weight.
-    assert!(buckets.len() >= 3, "{buckets:?}");
-    // Rebuilt in arrival order: backward reaches the last layer first.
-    assert!(buckets[0].iter().all(|&p| p >= 4), "first bucket should hold fc3 params: {buckets:?}");
+    assert!(buckets.len() >= 2, "{buckets:?}");
+    // A cap below every parameter's size: exactly one parameter per bucket.
+    let opts = DdpOptions { bucket_cap_mb: 1e-6, first_bucket_mb: 1e-6, ..Default::default() };
+    let buckets = check(opts, 1);
+    assert_eq!(buckets.len(), 6, "{buckets:?}");
+    assert!(buckets.iter().all(|b| b.len() == 1));
+    // Rebuilt in arrival order: backward reaches the last layer (fc3 = params 4, 5) first.
+    let first_two: Vec<usize> = buckets[..2].iter().map(|b| b[0]).collect();
+    assert!(first_two.contains(&4) && first_two.contains(&5), "{buckets:?}");
 }
 
 #[test]

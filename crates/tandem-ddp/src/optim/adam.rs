@@ -7,7 +7,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use tandem_ckpt::Value;
 
-use super::groups::{refuse_true, saved_bool, saved_f64, saved_tensor, torch_number, Groups, Hyper, ParamState};
+use super::groups::{only_keys, refuse_true, saved_bool, saved_f64, saved_tensor, torch_number, Groups, Hyper, ParamState};
 use super::sgd::check_grad_shape;
 use super::{OptimError, Optimizer};
 
@@ -168,9 +168,7 @@ impl ParamState for AdamState {
         Ok(Value::dict_from(items))
     }
     fn from_value(saved: &Value, param: &Tensor, key: &str) -> Result<Self, OptimError> {
-        if saved.as_dict().is_none() {
-            return Err(OptimError::state(key, format!("expected a dict, found {}", saved.type_name())));
-        }
+        only_keys(saved, &["step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"], key)?;
         // torch 2.x saves a 0-d tensor; torch 1.x saved a plain number.
         let step = match saved.get("step") {
             Some(Value::Tensor(t)) if t.numel() == 1 => t.to_f64_vec()[0],

@@ -246,6 +246,26 @@ pub(crate) fn torch_number(v: f64) -> Value {
     }
 }
 
+/// Refuses a saved per-parameter state with keys this optimizer does not write: loading
+/// another optimizer's state (Adam's into SGD) must fail loudly, not half-load.
+pub(crate) fn only_keys(saved: &Value, allowed: &[&str], key: &str) -> Result<(), OptimError> {
+    let items = saved
+        .as_dict()
+        .ok_or_else(|| OptimError::state(key, format!("expected a dict, found {}", saved.type_name())))?;
+    for (k, _) in items {
+        match k {
+            Value::Str(s) if allowed.contains(&s.as_str()) => {}
+            other => {
+                return Err(OptimError::state(
+                    key,
+                    format!("unexpected entry {other:?} (expected only {allowed:?}; state of another optimizer?)"),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Reads a state tensor under `name` from a parameter's saved state dict.
 pub(crate) fn saved_tensor(saved: &Value, name: &str, param: &Tensor, key: &str) -> Result<Tensor, OptimError> {
     let key = format!("{key}.{name}");

@@ -6,7 +6,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use tandem_ckpt::Value;
 
-use super::groups::{refuse_true, saved_bool, saved_f64, torch_number, Groups, Hyper, ParamState};
+use super::groups::{only_keys, refuse_true, saved_bool, saved_f64, torch_number, Groups, Hyper, ParamState};
 use super::{OptimError, Optimizer};
 
 /// Hyperparameters of `torch.optim.SGD` (defaults as torch: lr 1e-3, everything else off).
@@ -100,9 +100,7 @@ impl ParamState for SgdState {
         Ok(Value::dict_from([("momentum_buffer", buf)]))
     }
     fn from_value(saved: &Value, param: &Tensor, key: &str) -> Result<Self, OptimError> {
-        if saved.as_dict().is_none() {
-            return Err(OptimError::state(key, format!("expected a dict, found {}", saved.type_name())));
-        }
+        only_keys(saved, &["momentum_buffer"], key)?;
         let momentum_buffer = match saved.get("momentum_buffer") {
             None | Some(Value::None) => None,
             Some(_) => Some(super::groups::saved_tensor(saved, "momentum_buffer", param, key)?),

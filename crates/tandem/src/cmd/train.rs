@@ -1,9 +1,81 @@
-//! `tandem train` (not implemented yet).
+//! `tandem train`: the main job. Run plainly, it is its own launcher: it starts
+//! `--nproc-per-node` copies of itself through tandem-launch (console shows rank 0) and exits
+//! with the job's code. Started by `tandem run`, torchrun, Slurm or mpirun, it is one rank.
+use anyhow::Context;
+use tandem::train::config::TrainConfig;
+use tandem::train::worker;
+use tandem_launch::{LaunchConfig, NprocPerNode};
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    #[command(flatten)]
+    cfg: TrainConfig,
+}
 
-pub fn main(_args: Args) -> anyhow::Result<i32> {
-    eprintln!("tandem train: not yet implemented");
-    Ok(2)
+/// Marks a process started by `tandem train` itself (so it trains instead of launching again).
+const WORKER_MARK: &str = "TANDEM_TRAIN_WORKER";
+
+/// True when some launcher already described a world to this process.
+fn launched() -> bool {
+    ["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", WORKER_MARK].iter().any(|v| std::env::var_os(v).is_some())
+}
+
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    let mut cfg = args.cfg;
+    cfg.validate()?;
+    if !launched() && cfg.nproc_per_node > 1 {
+        return launch_ranks(cfg);
+    }
+    if cfg.out.is_none() && launched() {
+        // Ranks started by an outside launcher must agree on one run directory without talking.
+        let id = std::env::var("TORCHELASTIC_RUN_ID").or_else(|_| std::env::var("MASTER_PORT")).unwrap_or_else(|_| "job".into());
+        cfg.out = Some(std::path::PathBuf::from("runs").join(format!("train-{id}")));
+    }
+    let run_dir = cfg.run_dir();
+    let summary = worker::run(&cfg, &run_dir)?;
+    if summary.rank == 0 {
+        if !launched() {
+            write_config(&cfg, &run_dir)?;
+        }
+        println!(
+            "final: epochs={} steps={} eval_accuracy={:.4} samples_per_s={:.0} checkpoint={}",
+            summary.epochs,
+            summary.steps,
+            summary.eval_accuracy,
+            summary.samples_per_s,
+            summary.checkpoint.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "-".into())
+        );
+    }
+    Ok(0)
+}
+
+fn write_config(cfg: &TrainConfig, run_dir: &std::path::Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
+    let path = run_dir.join("config.toml");
+    std::fs::write(&path, cfg.to_toml()?).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Starts the ranks of this job on this host and waits for them.
+fn launch_ranks(mut cfg: TrainConfig) -> anyhow::Result<i32> {
+    let run_dir = cfg.run_dir();
+    cfg.out = Some(run_dir.clone());
+    write_config(&cfg, &run_dir)?;
+    let exe = std::env::current_exe().context("locating the tandem executable")?;
+    let mut args = vec!["train".to_string()];
+    args.extend(cfg.to_args());
+    let mut lc = LaunchConfig::new(exe, args);
+    lc.nproc_per_node = NprocPerNode::Count(cfg.nproc_per_node as u32);
+    lc.run_id = run_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "train".into());
+    // The console shows rank 0 as if it ran alone; the others' output reaches the failure summary.
+    lc.local_ranks_filter = Some(vec![0]);
+    lc.prefix_output = false;
+    lc.extra_env.push((WORKER_MARK.into(), "1".into()));
+    if let Some(t) = cfg.backend.transport_env() {
+        lc.extra_env.push(("TANDEM_TRANSPORT".into(), t.into()));
+    }
+    let outcome = tandem_launch::launch(&lc).context("starting the training ranks")?;
+    if !outcome.success() {
+        eprintln!("{}", outcome.summary(lc.max_restarts));
+    }
+    Ok(outcome.exit_code)
 }

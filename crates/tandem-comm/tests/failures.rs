@@ -1,0 +1,131 @@
+//! Failure semantics inside one process (threads with real sockets / shared memory): stalled
+//! peers time out with an error naming op, sequence number and peer; a failed group stays
+//! failed; desync detection names both ranks and both calls; bad arguments are errors.
+mod common;
+use common::{opts, run_world_with};
+use std::time::{Duration, Instant};
+use tandem_comm::{CommError, ReduceOp, TransportKind};
+
+#[test]
+fn stalled_peer_times_out_naming_op_seq_and_peer() {
+    for kind in [TransportKind::Tcp, TransportKind::Shm] {
+        let mut o = opts(kind);
+        o.timeout = Duration::from_millis(700);
+        let out = run_world_with(2, o, Duration::from_secs(20), |pg| {
+            let mut v = vec![1.0f32; 100];
+            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap(); // #0 succeeds on both
+            if pg.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(2500)); // stall, then leave
+                return None;
+            }
+            let t = Instant::now();
+            let e = pg.all_reduce(&mut v, ReduceOp::Sum).expect_err("must time out");
+            let took = t.elapsed();
+            let again = pg.all_reduce(&mut v, ReduceOp::Sum).expect_err("group is broken");
+            Some((e, took, again))
+        });
+        let (e, took, again) = out.into_iter().next().flatten().expect("rank 0 result");
+        assert!(matches!(e, CommError::Timeout { op: "all_reduce", seq: 1, peer: 1, .. }), "{kind:?}: {e}");
+        let msg = e.to_string();
+        assert!(msg.contains("all_reduce #1") && msg.contains("peer rank 1"), "{msg}");
+        assert!(took >= Duration::from_millis(650) && took < Duration::from_secs(2), "{kind:?} took {took:?}");
+        assert!(matches!(again, CommError::Broken { seq: 2, .. }), "{again}");
+    }
+}
+
+#[test]
+fn desync_names_both_ranks_and_calls() {
+    for kind in [TransportKind::Tcp, TransportKind::Shm] {
+        let mut o = opts(kind);
+        o.desync_check = true;
+        o.timeout = Duration::from_secs(5);
+        let out = run_world_with(3, o, Duration::from_secs(20), |pg| {
+            let mut v = vec![1.0f32; 10];
+            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap(); // agreeing calls pass the check
+            match pg.rank() {
+                2 => pg.broadcast(&mut v, 0).expect_err("desync"),
+                1 => pg.all_reduce(&mut vec![1.0f32; 11], ReduceOp::Sum).expect_err("desync"),
+                _ => pg.all_reduce(&mut v, ReduceOp::Sum).expect_err("desync"),
+            }
+        });
+        for e in &out {
+            let msg = e.to_string();
+            assert!(matches!(e, CommError::Desync { rank_a: 0, rank_b: 1, .. }), "{kind:?}: {msg}");
+            assert!(msg.contains("all_reduce(#1, f32, 10 elements, sum)"), "{msg}");
+            assert!(msg.contains("all_reduce(#1, f32, 11 elements, sum)"), "{msg}");
+        }
+    }
+}
+
+#[test]
+fn desync_in_point_to_point_names_both_calls() {
+    let mut o = opts(TransportKind::Tcp);
+    o.desync_check = true;
+    let out = run_world_with(2, o, Duration::from_secs(20), |pg| {
+        if pg.rank() == 0 {
+            let _ = pg.send(&[1i64, 2, 3], 1);
+            None
+        } else {
+            Some(pg.recv(&mut [0i32; 3], 0).expect_err("dtype mismatch"))
+        }
+    });
+    let e = out[1].as_ref().expect("rank 1 error");
+    let msg = e.to_string();
+    assert!(msg.contains("recv(#0, i32, 3 elements, from 0)") && msg.contains("send(#0, i64, 3 elements, to 1)"), "{msg}");
+}
+
+#[test]
+fn bad_arguments_are_errors_not_panics() {
+    let out = run_world_with(2, opts(TransportKind::Tcp), Duration::from_secs(20), |pg| {
+        let mut errs = Vec::new();
+        errs.push(pg.broadcast(&mut [0u8; 3], 2).expect_err("root out of range"));
+        errs.push(pg.all_gather(&[0f32; 3], &mut [0f32; 5]).expect_err("wrong output"));
+        errs.push(pg.reduce_scatter(&[0f32; 3], &mut [0f32; 2], ReduceOp::Sum).expect_err("wrong input"));
+        errs.push(pg.send(&[0u8], pg.rank()).expect_err("send to self"));
+        errs.push(pg.new_group(&[0, 0]).expect_err("duplicate"));
+        errs.push(pg.new_group(&[5]).expect_err("out of range"));
+        // the group still works: argument errors do not break it
+        let mut v = vec![1u8; 4];
+        pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v, vec![2; 4]);
+        errs.iter().map(|e| e.to_string()).collect::<Vec<_>>()
+    });
+    for msgs in out {
+        assert!(msgs[0].contains("broadcast") && msgs[0].contains("root 2"), "{}", msgs[0]);
+        assert!(msgs[1].contains("all_gather"), "{}", msgs[1]);
+        assert!(msgs[2].contains("reduce_scatter"), "{}", msgs[2]);
+        assert!(msgs[5].contains("rank 5"), "{}", msgs[5]);
+    }
+}
+
+#[test]
+fn world_of_one_needs_no_network() {
+    let pg = tandem_comm::init_from(&tandem_comm::InitMethod::Single).unwrap();
+    assert_eq!((pg.rank(), pg.size(), pg.local_rank(), pg.local_size()), (0, 1, 0, 1));
+    assert!(pg.store().is_none() && pg.transport().is_none());
+    let mut v = vec![3.0f64, 4.0];
+    pg.all_reduce(&mut v, ReduceOp::Avg).unwrap();
+    assert_eq!(v, vec![3.0, 4.0]);
+    pg.barrier().unwrap();
+    let mut b = b"x".to_vec();
+    pg.broadcast_bytes(&mut b, 0).unwrap();
+    assert_eq!(pg.all_gather_bytes(b"hi").unwrap(), vec![b"hi".to_vec()]);
+    let mut out = [0i32; 2];
+    pg.all_gather(&[7], &mut out[..1]).unwrap();
+    assert_eq!(out[0], 7);
+    assert!(pg.all_reduce_async(vec![1u8], ReduceOp::Sum).wait().is_ok());
+    assert!(pg.new_group(&[0]).unwrap().is_some());
+}
+
+#[test]
+fn unreachable_master_is_an_error_naming_the_address() {
+    let port = tandem_testutil::free_port();
+    let mut o = opts(TransportKind::Tcp);
+    o.init_timeout = Duration::from_millis(600);
+    let t = Instant::now();
+    let e = tandem_comm::init_with(&tandem_comm::InitMethod::tcp(&format!("tcp://127.0.0.1:{port}"), 1, 2), &o)
+        .expect_err("nobody listens");
+    assert!(t.elapsed() < Duration::from_secs(5));
+    let msg = e.to_string();
+    assert!(matches!(e, CommError::StoreUnreachable { .. }) && msg.contains(&format!("127.0.0.1:{port}")), "{msg}");
+}

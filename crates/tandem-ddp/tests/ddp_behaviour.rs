@@ -1,0 +1,276 @@
+//! Ddp's contract beyond numerics: construction checks, unused parameters, hooks overlapping
+//! backward, buffers, the wrapped model staying reachable, state dicts.
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{CpuStorage, CustomOp1, Device, Layout, Shape, Tensor, Var};
+use common::*;
+use tandem_ddp::comm::GradComm;
+use tandem_ddp::error::CommSource;
+use tandem_ddp::models::{Cnn, Mlp};
+use tandem_ddp::{Ddp, DdpError, DdpOptions, Module, ParamSet};
+
+#[test]
+fn construction_names_the_first_mismatch_and_the_ranks() {
+    let out = run_local(2, |comm| {
+        let hidden = if comm.rank() == 1 { 33 } else { 32 };
+        let model = Mlp::new(&[12, hidden, 5], 1, &Device::Cpu).unwrap();
+        Ddp::with_comm(model, comm, DdpOptions::default()).err().map(|e| e.to_string())
+    });
+    for err in out {
+        let err = err.expect("mismatched models must be refused");
+        assert!(err.contains("fc1.weight [32, 12]") && err.contains("fc1.weight [33, 12]"), "{err}");
+        assert!(err.contains("rank 0") && err.contains("rank 1"), "{err}");
+    }
+}
+
+#[test]
+fn construction_broadcasts_rank0_parameters_and_buffers() {
+    let out = run_local(2, |comm| {
+        let rank = comm.rank();
+        let model = Cnn::new(1, 8, 8, 10, 3 + rank as u64, &Device::Cpu).unwrap();
+        if rank == 1 {
+            model.named_buffers()[0].1.set(&Tensor::full(5f32, 8, &Device::Cpu).unwrap()).unwrap();
+        }
+        let ddp = Ddp::with_comm(model, comm, DdpOptions::default()).unwrap();
+        ddp.state_dict()
+            .into_iter()
+            .filter(|(_, t)| t.dtype() == candle_core::DType::F32)
+            .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+            .collect::<Vec<_>>()
+    });
+    let rank0_init = Cnn::new(1, 8, 8, 10, 3, &Device::Cpu).unwrap();
+    let expect: Vec<_> = rank0_init
+        .state_dict()
+        .into_iter()
+        .filter(|(_, t)| t.dtype() == candle_core::DType::F32)
+        .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect();
+    assert_eq!(out[0], expect);
+    assert_eq!(out[1], expect);
+}
+
+/// `trunk` always used; `head` only when `use_head` (a branch not taken).
+struct Branchy {
+    params: ParamSet,
+    use_head: AtomicBool,
+}
+
+impl Branchy {
+    fn new() -> Self {
+        let d = Device::Cpu;
+        let t = Var::from_tensor(&Tensor::arange(0f32, 12., &d).unwrap().reshape((4, 3)).unwrap().affine(0.1, 0.).unwrap()).unwrap();
+        let h = Var::from_tensor(&Tensor::ones((1, 4), candle_core::DType::F32, &d).unwrap()).unwrap();
+        Branchy { params: ParamSet::new(vec![("trunk.weight".into(), t), ("head.weight".into(), h)]), use_head: AtomicBool::new(true) }
+    }
+    fn loss(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let h = x.matmul(&self.params.get(0)?.t()?)?;
+        let h = if self.use_head.load(Ordering::SeqCst) { h.matmul(&self.params.get(1)?.t()?)? } else { h };
+        h.sqr()?.mean_all()
+    }
+}
+
+impl Module for Branchy {
+    fn params(&self) -> &ParamSet {
+        &self.params
+    }
+    fn replicate(&self, _: &Device) -> tandem_ddp::Result<Self> {
+        unimplemented!("not needed here")
+    }
+}
+
+#[test]
+fn unused_parameter_error_names_it_and_the_fix() {
+    let out = run_local(2, |comm| {
+        let ddp = Ddp::with_comm(Branchy::new(), comm, DdpOptions::default()).unwrap();
+        ddp.use_head.store(false, Ordering::SeqCst);
+        let x = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let err = ddp.backward(&ddp.loss(&x).unwrap()).unwrap_err();
+        assert!(matches!(err, DdpError::UnusedParameters { .. }));
+        // The wrapper stays usable: the next step with the branch taken works.
+        ddp.use_head.store(true, Ordering::SeqCst);
+        let ok = ddp.backward(&ddp.loss(&x).unwrap()).map(|g| g.get(ddp.params().named()[1].1.as_tensor()).is_some());
+        (err.to_string(), ok.unwrap())
+    });
+    for (err, ok) in out {
+        assert!(err.contains("head.weight") && err.contains("find_unused_parameters: true"), "{err}");
+        assert!(!err.contains("trunk.weight"), "{err}");
+        assert!(ok);
+    }
+}
+
+#[test]
+fn find_unused_parameters_counts_locally_unused_as_zero() {
+    let out = run_local(2, |comm| {
+        let rank = comm.rank();
+        let ddp = Ddp::with_comm(Branchy::new(), comm, DdpOptions { find_unused_parameters: true, ..Default::default() }).unwrap();
+        let x = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        // Rank 1 skips the head: the head's gradient is rank 0's divided by the world size.
+        ddp.use_head.store(rank == 0, Ordering::SeqCst);
+        let g = ddp.backward(&ddp.loss(&x).unwrap()).unwrap();
+        let head = g.get(ddp.params().named()[1].1.as_tensor()).map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        // Nobody uses the head: it gets no gradient at all (optimizers skip it, as in torch).
+        ddp.use_head.store(false, Ordering::SeqCst);
+        let g2 = ddp.backward(&ddp.loss(&x).unwrap()).unwrap();
+        (head, g2.get(ddp.params().named()[1].1.as_tensor()).is_none())
+    });
+    // Rank 0 alone: loss = mean((x W^T H^T)^2) with one output per row.
+    let single = Branchy::new();
+    let x = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let g = single.loss(&x).unwrap().backward().unwrap();
+    let want: Vec<f32> =
+        g.get(single.params.named()[1].1.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v / 2.0).collect();
+    for (head, none_when_globally_unused) in out {
+        let head = head.expect("head used on rank 0");
+        for (a, b) in head.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-6, "{head:?} vs {want:?}");
+        }
+        assert!(none_when_globally_unused);
+    }
+}
+
+/// Wraps a group and counts finished all-reduces (to observe overlap with backward).
+#[derive(Clone)]
+struct Counting<G> {
+    inner: G,
+    reduced: Arc<AtomicUsize>,
+}
+
+impl<G: GradComm> GradComm for Counting<G> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn all_reduce_avg(&self, buf: &mut [f32]) -> Result<(), CommSource> {
+        let r = self.inner.all_reduce_avg(buf);
+        self.reduced.fetch_add(1, Ordering::SeqCst);
+        r
+    }
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommSource> {
+        self.inner.all_reduce_sum(buf)
+    }
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommSource> {
+        self.inner.broadcast(buf, root)
+    }
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommSource> {
+        self.inner.all_gather_bytes(bytes)
+    }
+}
+
+/// Identity whose backward waits (bounded) until some bucket has been all-reduced, and records
+/// whether that happened: backward is still running at that point (fc1's gradient is not done).
+struct Probe {
+    reduced: Arc<AtomicUsize>,
+    seen: Arc<AtomicBool>,
+}
+
+impl CustomOp1 for Probe {
+    fn name(&self) -> &'static str {
+        "probe"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (a, b) = l.contiguous_offsets().unwrap();
+        Ok((CpuStorage::F32(s.as_slice::<f32>()?[a..b].to_vec()), l.shape().clone()))
+    }
+    fn bwd(&self, _: &Tensor, _: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let t0 = Instant::now();
+        while self.reduced.load(Ordering::SeqCst) == 0 && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.seen.store(self.reduced.load(Ordering::SeqCst) > 0, Ordering::SeqCst);
+        Ok(Some(g.clone()))
+    }
+}
+
+#[test]
+fn buckets_are_reduced_while_backward_is_still_running() {
+    let out = run_local(2, |comm| {
+        let reduced = Arc::new(AtomicUsize::new(0));
+        let counting = Counting { inner: comm, reduced: reduced.clone() };
+        let opts = DdpOptions { bucket_cap_mb: 1e-6, first_bucket_mb: 1e-6, ..Default::default() };
+        let ddp = Ddp::new(Mlp::new(&[6, 8, 3], 1, &Device::Cpu).unwrap(), &counting, opts).unwrap();
+        let seen = Arc::new(AtomicBool::new(false));
+        let (x, _) = (Tensor::ones((4, 6), candle_core::DType::F32, &Device::Cpu).unwrap(), ());
+        let p = ddp.params();
+        // fc1 -> probe -> relu -> fc2: the probe's backward runs after fc2's gradients, before fc1's.
+        let h = x.matmul(&p.get(0).unwrap().t().unwrap()).unwrap().broadcast_add(&p.get(1).unwrap()).unwrap();
+        let h = h.apply_op1(Probe { reduced: reduced.clone(), seen: seen.clone() }).unwrap().relu().unwrap();
+        let out = h.matmul(&p.get(2).unwrap().t().unwrap()).unwrap().broadcast_add(&p.get(3).unwrap()).unwrap();
+        ddp.backward(&out.sqr().unwrap().mean_all().unwrap()).unwrap();
+        (seen.load(Ordering::SeqCst), reduced.load(Ordering::SeqCst))
+    });
+    for (seen, reduced) in out {
+        assert!(seen, "no bucket was all-reduced before backward reached fc1");
+        assert_eq!(reduced, 4, "one all-reduce per parameter bucket");
+    }
+}
+
+/// A model that reads its Vars directly, bypassing the hooked view: Ddp still averages (after
+/// backward, without overlap).
+#[test]
+fn forward_that_bypasses_the_view_still_gets_averaged_gradients() {
+    let out = run_local(2, |comm| {
+        let rank = comm.rank() as f32;
+        let ddp = Ddp::with_comm(Mlp::new(&[2, 2], 1, &Device::Cpu).unwrap(), comm, DdpOptions::default()).unwrap();
+        let w = ddp.params().named()[0].1.clone();
+        let b = ddp.params().named()[1].1.clone();
+        let x = Tensor::new(&[[1f32 + rank, 2.0]], &Device::Cpu).unwrap();
+        let loss = x.matmul(&w.as_tensor().t().unwrap()).unwrap().broadcast_add(b.as_tensor()).unwrap().sum_all().unwrap();
+        let g = ddp.backward(&loss).unwrap();
+        g.get(w.as_tensor()).unwrap().to_vec2::<f32>().unwrap()
+    });
+    // d(sum(x W^T + b))/dW = [x; x]; averaged over x = [1,2] and [2,2].
+    for g in out {
+        assert_eq!(g, vec![vec![1.5, 2.0], vec![1.5, 2.0]]);
+    }
+}
+
+#[test]
+fn broadcast_buffers_copies_rank0_running_stats_every_forward() {
+    for broadcast_buffers in [true, false] {
+        let out = run_local(2, move |comm| {
+            let rank = comm.rank();
+            let ddp = Ddp::with_comm(Cnn::new(1, 8, 8, 10, 3, &Device::Cpu).unwrap(), comm, DdpOptions { broadcast_buffers, ..Default::default() })
+                .unwrap();
+            // Rank 1's statistics drift between steps; the same batch on both ranks.
+            if rank == 1 {
+                ddp.named_buffers()[0].1.set(&Tensor::full(9f32, 8, &Device::Cpu).unwrap()).unwrap();
+            }
+            let x = Tensor::arange(0f32, 2. * 64., &Device::Cpu).unwrap().reshape((2, 1, 8, 8)).unwrap().affine(0.01, 0.).unwrap();
+            let y = Tensor::new(&[1u32, 2], &Device::Cpu).unwrap();
+            let g = ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap();
+            assert_eq!(g.get(ddp.params().named()[2].1.as_tensor()).unwrap().dims(), &[8]);
+            ddp.named_buffers()[0].1.as_tensor().to_vec1::<f32>().unwrap()
+        });
+        assert_eq!(out[0] == out[1], broadcast_buffers, "broadcast_buffers={broadcast_buffers}: {out:?}");
+    }
+}
+
+#[test]
+fn wrapped_model_methods_and_state_dict_stay_reachable() {
+    let model = Mlp::new(&[4, 3, 2], 5, &Device::Cpu).unwrap();
+    let x = Tensor::ones((2, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let y = Tensor::new(&[0u32, 1], &Device::Cpu).unwrap();
+    let before = model.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap();
+    let ddp = Ddp::new(model, &tandem_ddp::SingleProcess, DdpOptions::default()).unwrap();
+    // Deref: the model's own loss() through the wrapper, and module().
+    assert_eq!(ddp.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(), before);
+    assert_eq!(ddp.module().loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(), before);
+    let keys: Vec<String> = ddp.state_dict().into_iter().map(|(k, _)| k).collect();
+    assert_eq!(keys, ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]);
+    // Load another model's state through the wrapper; a bad key is named.
+    let other = Mlp::new(&[4, 3, 2], 6, &Device::Cpu).unwrap();
+    ddp.load_state_dict(other.state_dict()).unwrap();
+    assert_eq!(ddp.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(), other.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap());
+    let mut bad = other.state_dict();
+    bad[0].0 = "module.fc1.weight".into();
+    let err = ddp.load_state_dict(bad).unwrap_err().to_string();
+    assert!(err.contains("module.fc1.weight") && err.contains("fc1.weight"), "{err}");
+    let inner = ddp.into_inner();
+    assert_eq!(inner.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(), other.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap());
+}

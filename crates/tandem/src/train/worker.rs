@@ -1,0 +1,357 @@
+//! One rank of `tandem train`: join the process group, build data, model, Ddp and optimizer,
+//! optionally resume or load initial weights, then train with per-epoch evaluation,
+//! rank-0 checkpoints, TensorBoard scalars and the final summary line.
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use candle_core::Device;
+use tandem_ckpt::{CheckpointManager, TrainingCheckpoint, Value};
+use tandem_comm::{ProcessGroup, ReduceOp};
+use tandem_data::{DataLoader, Dataset, DistributedSampler, EvalMetrics, InMemoryDataset, LoaderOptions, SamplerState};
+use tandem_ddp::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+use tandem_ddp::{Ddp, DdpOptions, Module};
+
+use super::config::{OptimizerKind, TrainConfig};
+use super::model::Net;
+use super::tfevents::EventWriter;
+
+/// What a finished run reports (rank 0 prints it as the `final:` line).
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    pub rank: usize,
+    pub epochs: u64,
+    pub steps: u64,
+    pub eval_accuracy: f64,
+    pub samples_per_s: f64,
+    pub checkpoint: Option<PathBuf>,
+}
+
+/// Trains on this rank. `run_dir` must be the same on every rank.
+pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
+    let group = tandem_comm::init().context("joining the process group")?;
+    let rank = group.rank();
+    let world = group.size();
+    let device = Device::Cpu;
+
+    let (train, eval) = tandem_data::datasets::from_spec(&cfg.data).with_context(|| format!("loading --data {}", cfg.data))?;
+    let net = Net::build(cfg.model, train.input_dim(), cfg.hidden, train.num_classes(), cfg.seed)?;
+    if let Some(path) = &cfg.init_from {
+        let report = load_weights(&net, path)?;
+        if rank == 0 {
+            eprintln!("init-from {}:\n{report}", path.display());
+        }
+    }
+    let ddp = Ddp::new(net, &group, DdpOptions::default()).context("wrapping the model in Ddp")?;
+    let mut opt = make_optimizer(cfg, ddp.module().named_parameters().into_iter().map(|(_, v)| v).collect())?;
+
+    let sampler = DistributedSampler::new(train.len(), world, rank, !cfg.no_shuffle, cfg.seed, false)?;
+    let options = LoaderOptions { batch_size: cfg.batch_size, drop_last: false, num_workers: 1, prefetch_factor: 2 };
+    let mut loader = DataLoader::new(Arc::new(train), sampler, options.clone(), device.clone())?;
+    let eval = Arc::new(eval);
+
+    let manager = CheckpointManager::new(run_dir.join("checkpoints"), cfg.keep_last);
+    let mut global_step: u64 = 0;
+    if cfg.resume {
+        match manager.latest_valid().context("looking for a checkpoint to resume")? {
+            Some((path, value)) => {
+                let ck = TrainingCheckpoint::from_value(&value).with_context(|| format!("reading {}", path.display()))?;
+                if ck.world_size as usize != world {
+                    bail!(
+                        "{} was written by a world of {} ranks; this run has {world} (resume needs the same world size)",
+                        path.display(),
+                        ck.world_size
+                    );
+                }
+                load_weights(ddp.module(), &path)?;
+                opt.load_state_dict(&ck.optimizer).with_context(|| format!("optimizer state in {}", path.display()))?;
+                loader.load_state(&sampler_state_from_value(&ck.sampler)?)?;
+                global_step = ck.global_step as u64;
+                if rank == 0 {
+                    eprintln!("resumed from {} (epoch {}, step {global_step})", path.display(), loader.epoch());
+                }
+            }
+            None => {
+                if rank == 0 {
+                    eprintln!("--resume: no checkpoint in {}, starting fresh", manager.dir().display());
+                }
+            }
+        }
+    }
+
+    let mut tb = if cfg.tensorboard && rank == 0 { Some(EventWriter::create(&run_dir.join("tensorboard"))?) } else { None };
+    let steps_per_epoch = loader.len() as u64;
+    let max_steps = cfg.steps.unwrap_or(u64::MAX).min(cfg.epochs as u64 * steps_per_epoch);
+    let progress = Progress::new(rank == 0, max_steps, global_step);
+
+    let mut train_time = 0.0f64;
+    let mut samples_seen: u64 = 0;
+    let mut last_eval = EvalMetrics::default();
+    let mut last_ckpt: Option<PathBuf> = None;
+    let save = |name: &str, loader: &DataLoader<InMemoryDataset>, opt: &dyn Optimizer, step: u64| -> anyhow::Result<Option<PathBuf>> {
+        let value = checkpoint_value(ddp.module(), opt, loader.state(), step, world, cfg)?;
+        Ok(manager.save_on_rank(rank, name, &value, || group.barrier())?)
+    };
+
+    while (loader.epoch() as usize) < cfg.epochs && global_step < max_steps {
+        let epoch = loader.epoch();
+        ddp.module().set_training(true);
+        let started = Instant::now();
+        let (mut loss_sum, mut loss_n) = (0.0f64, 0usize);
+        for batch in loader.iter()? {
+            let batch = batch?;
+            let loss = ddp.loss(&batch.x, &batch.y)?;
+            let grads = ddp.backward(&loss)?;
+            opt.step(&grads)?;
+            global_step += 1;
+            samples_seen += (batch.len() * world) as u64;
+            loss_sum += loss.to_scalar::<f32>()? as f64 * batch.len() as f64;
+            loss_n += batch.len();
+            progress.step(global_step, loss_sum / loss_n.max(1) as f64);
+            if cfg.save_every > 0 && global_step % cfg.save_every == 0 && global_step < max_steps {
+                last_ckpt = save(&format!("step-{global_step:08}"), &loader, opt.as_ref(), global_step)?.or(last_ckpt);
+            }
+            if global_step >= max_steps {
+                break;
+            }
+        }
+        train_time += started.elapsed().as_secs_f64();
+
+        ddp.module().set_training(false);
+        last_eval = evaluate(ddp.module(), &eval, &group, &options, &device)?;
+        let mut train_loss = [loss_sum, loss_n as f64];
+        group.all_reduce(&mut train_loss, ReduceOp::Sum)?;
+        let train_loss = train_loss[0] / train_loss[1].max(1.0);
+        let sps = samples_seen as f64 / train_time.max(1e-9);
+        if rank == 0 {
+            progress.line(&format!(
+                "epoch {}/{} step {global_step} loss={train_loss:.4} eval_loss={:.4} eval_accuracy={:.4} samples/s={sps:.0} lr={}",
+                epoch + 1,
+                cfg.epochs,
+                last_eval.mean_loss(),
+                last_eval.accuracy(),
+                opt.lr()
+            ));
+            if let Some(tb) = tb.as_mut() {
+                let s = global_step as i64;
+                tb.add_scalar("train/loss", train_loss as f32, s)?;
+                tb.add_scalar("train/lr", opt.lr() as f32, s)?;
+                tb.add_scalar("train/samples_per_s", sps as f32, s)?;
+                tb.add_scalar("eval/loss", last_eval.mean_loss() as f32, s)?;
+                tb.add_scalar("eval/accuracy", last_eval.accuracy() as f32, s)?;
+                tb.flush()?;
+            }
+        }
+        // End-of-epoch checkpoint, unless --save-every just wrote this step or the run is over
+        // (the final checkpoint is written below).
+        let just_saved = cfg.save_every > 0 && global_step % cfg.save_every == 0;
+        if global_step < max_steps && (loader.epoch() as usize) < cfg.epochs && !just_saved {
+            last_ckpt = save(&format!("step-{global_step:08}"), &loader, opt.as_ref(), global_step)?.or(last_ckpt);
+        }
+    }
+    progress.finish();
+
+    let final_name = format!("step-{global_step:08}");
+    let written = save(&final_name, &loader, opt.as_ref(), global_step)?;
+    last_ckpt = written.or(last_ckpt);
+    if let Some(path) = &cfg.save_final {
+        if rank == 0 {
+            save_weights(ddp.module(), path)?;
+        }
+        group.barrier()?;
+    }
+    Ok(RunSummary {
+        rank,
+        epochs: loader.epoch().min(cfg.epochs as u64),
+        steps: global_step,
+        eval_accuracy: last_eval.accuracy(),
+        samples_per_s: samples_seen as f64 / train_time.max(1e-9),
+        checkpoint: if rank == 0 { last_ckpt.or_else(|| Some(manager.path_for(&final_name))) } else { None },
+    })
+}
+
+fn make_optimizer(cfg: &TrainConfig, params: Vec<candle_core::Var>) -> anyhow::Result<Box<dyn Optimizer>> {
+    Ok(match cfg.optimizer {
+        OptimizerKind::Sgd => Box::new(Sgd::new(
+            params,
+            SgdConfig { lr: cfg.lr, momentum: cfg.momentum, dampening: 0.0, weight_decay: cfg.weight_decay, nesterov: false },
+        )?),
+        OptimizerKind::Adamw => {
+            Box::new(AdamW::new(params, AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..AdamWConfig::default() })?)
+        }
+    })
+}
+
+/// Exact distributed evaluation: every eval sample once, sums all-reduced.
+fn evaluate(
+    net: &Net,
+    eval: &Arc<InMemoryDataset>,
+    group: &ProcessGroup,
+    options: &LoaderOptions,
+    device: &Device,
+) -> anyhow::Result<EvalMetrics> {
+    let mut local = EvalMetrics::default();
+    for batch in tandem_data::eval_batches(Arc::clone(eval), group.size(), group.rank(), options, device.clone())? {
+        let batch = batch?;
+        let logits = net.forward(&batch.x)?;
+        let n = batch.len();
+        let loss = candle_nn::loss::cross_entropy(&logits, &batch.y)?.to_scalar::<f32>()? as f64 * n as f64;
+        let pred = logits.argmax(1)?.to_vec1::<u32>()?;
+        let truth = batch.y.to_vec1::<u32>()?;
+        let correct = pred.iter().zip(&truth).filter(|(p, t)| p == t).count() as i64;
+        local.add_batch(loss, correct, n as i64);
+    }
+    let mut sums = [local.loss_sum];
+    group.all_reduce(&mut sums, ReduceOp::Sum)?;
+    let mut counts = [local.correct, local.count];
+    group.all_reduce(&mut counts, ReduceOp::Sum)?;
+    Ok(EvalMetrics { loss_sum: sums[0], correct: counts[0], count: counts[1] })
+}
+
+fn ckpt_dtype(d: candle_core::DType) -> tandem_ckpt::DType {
+    use candle_core::DType as C;
+    use tandem_ckpt::DType as T;
+    match d {
+        C::F64 => T::F64,
+        C::F16 => T::F16,
+        C::BF16 => T::BF16,
+        C::I64 => T::I64,
+        C::U32 => T::I32,
+        C::U8 => T::U8,
+        _ => T::F32,
+    }
+}
+
+/// Loads weights from a PyTorch or tandem file (any container, any wrapping) through the
+/// LoadReport path: strict, so a missing or mis-shaped key is an error listing all of them.
+pub fn load_weights(net: &Net, path: &Path) -> anyhow::Result<tandem_ckpt::LoadReport> {
+    let value = tandem_ckpt::load(path).with_context(|| format!("reading {}", path.display()))?;
+    let targets: Vec<(String, Vec<usize>, tandem_ckpt::DType)> = net
+        .named_parameters()
+        .into_iter()
+        .chain(net.named_buffers())
+        .map(|(n, v)| (n, v.dims().to_vec(), ckpt_dtype(v.dtype())))
+        .collect();
+    let (tensors, report) =
+        tandem_ckpt::load_state_dict(&value, &targets, true).with_context(|| format!("loading weights from {}", path.display()))?;
+    let state = tandem_ddp::convert::state_dict_from_ckpt(&tensors, &Device::Cpu)?;
+    net.load_state_dict(state).with_context(|| format!("applying weights from {}", path.display()))?;
+    Ok(report)
+}
+
+fn model_value(net: &Net) -> anyhow::Result<Value> {
+    let tensors = tandem_ddp::convert::state_dict_to_ckpt(&net.state_dict())?;
+    Ok(Value::dict_from(tensors.into_iter().map(|(k, t)| (k, Value::Tensor(t)))))
+}
+
+/// Writes the model's weights with canonical keys: safetensors for `.safetensors`, else `.pt`.
+fn save_weights(net: &Net, path: &Path) -> anyhow::Result<()> {
+    let value = model_value(net)?;
+    let is_st = path.extension().is_some_and(|e| e == "safetensors");
+    if is_st {
+        tandem_ckpt::safetensors::save(path, &value)?;
+    } else {
+        tandem_ckpt::save(path, &value)?;
+    }
+    Ok(())
+}
+
+fn sampler_value(s: &SamplerState) -> Value {
+    Value::dict_from([
+        ("epoch", Value::Int(s.epoch as i64)),
+        ("consumed", Value::Int(s.consumed as i64)),
+        ("seed", Value::Int(s.seed as i64)),
+        ("len", Value::Int(s.len as i64)),
+        ("num_replicas", Value::Int(s.num_replicas as i64)),
+        ("shuffle", Value::Bool(s.shuffle)),
+        ("drop_last", Value::Bool(s.drop_last)),
+    ])
+}
+
+fn sampler_state_from_value(v: &Value) -> anyhow::Result<SamplerState> {
+    let int = |k: &str| -> anyhow::Result<i64> {
+        v.get(k).and_then(Value::as_int).with_context(|| format!("checkpoint `sampler` has no int `{k}`"))
+    };
+    let flag = |k: &str| -> anyhow::Result<bool> {
+        v.get(k).and_then(Value::as_bool).with_context(|| format!("checkpoint `sampler` has no bool `{k}`"))
+    };
+    Ok(SamplerState {
+        epoch: int("epoch")? as u64,
+        consumed: int("consumed")? as usize,
+        seed: int("seed")? as u64,
+        len: int("len")? as usize,
+        num_replicas: int("num_replicas")? as usize,
+        shuffle: flag("shuffle")?,
+        drop_last: flag("drop_last")?,
+    })
+}
+
+fn checkpoint_value(
+    net: &Net,
+    opt: &dyn Optimizer,
+    sampler: SamplerState,
+    step: u64,
+    world: usize,
+    cfg: &TrainConfig,
+) -> anyhow::Result<Value> {
+    let ck = TrainingCheckpoint {
+        epoch: sampler.epoch as i64,
+        global_step: step as i64,
+        model: model_value(net)?,
+        optimizer: opt.state_dict()?,
+        scheduler: Value::None,
+        sampler: sampler_value(&sampler),
+        // No random ops beyond the sampler's shuffle (seeded by seed + epoch): the seed is the state.
+        rng: Value::dict_from([("seed", Value::Int(cfg.seed as i64))]),
+        world_size: world as i64,
+        config: Value::Str(cfg.to_toml()?),
+    };
+    Ok(ck.to_value()?)
+}
+
+/// Rank 0's progress: an indicatif bar on a terminal, plain lines otherwise; silent elsewhere.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    enabled: bool,
+}
+
+impl Progress {
+    fn new(enabled: bool, total: u64, done: u64) -> Self {
+        let terminal = std::io::stderr().is_terminal() || std::env::var_os("TANDEM_PROGRESS_BAR").is_some();
+        let bar = (enabled && terminal).then(|| {
+            let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar.set_position(done);
+            bar
+        });
+        Progress { bar, enabled }
+    }
+
+    fn step(&self, step: u64, loss: f64) {
+        if let Some(bar) = &self.bar {
+            bar.set_position(step);
+            bar.set_message(format!("loss {loss:.4}"));
+        }
+    }
+
+    fn line(&self, text: &str) {
+        if !self.enabled {
+            return;
+        }
+        match &self.bar {
+            Some(bar) => bar.println(text),
+            None => println!("{text}"),
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
