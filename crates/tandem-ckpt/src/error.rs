@@ -6,12 +6,9 @@ use crate::keys::LoadReport;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CkptError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// (The io error is part of the message, not a `source`, so `{:#}` chains print it once.)
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     /// The file is not a torch.save / safetensors file we can read, or its structure is broken.
     #[error("{path}: {msg}")]
     Format { path: PathBuf, msg: String },
@@ -37,7 +34,7 @@ pub enum CkptError {
 
 impl CkptError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        CkptError::Io { path: path.into(), source }
+        CkptError::Io { path: path.into(), error: source }
     }
 
     pub(crate) fn format(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {

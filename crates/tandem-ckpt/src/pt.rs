@@ -341,7 +341,7 @@ pub fn save(path: &Path, value: &Value) -> Result<()> {
         let w = BufWriter::with_capacity(1 << 20, f);
         match write_pt(value, w) {
             Ok(_) => Ok(()),
-            Err(CkptError::Io { source, .. }) => Err(source),
+            Err(CkptError::Io { error, .. }) => Err(error),
             Err(e) => {
                 result = Err(e);
                 Err(std::io::Error::other("value cannot be saved"))

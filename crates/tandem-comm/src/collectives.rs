@@ -91,9 +91,6 @@ impl Ctx<'_> {
         if self.size == 1 || buf.is_empty() {
             return Ok(());
         }
-        if let Some(r) = self.t.all_reduce_fast(buf, elem, f, self.timeout) {
-            return r;
-        }
         let count = buf.len() / elem;
         let bounds: Vec<_> = (0..self.size).map(|i| bytes(chunk(count, self.size, i), elem)).collect();
         self.ring_reduce_scatter(buf, &bounds, 1, elem, f)?;

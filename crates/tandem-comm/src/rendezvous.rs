@@ -9,7 +9,6 @@ use crate::transport::{shm, tcp, Transport, TransportKind};
 use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
 
 /// Identifies a machine: hostname plus kernel boot id (containers may share a hostname).
 fn host_id() -> String {
@@ -71,10 +70,29 @@ pub(crate) fn build_group(
         s => return Ok(single(opts, name, world_ranks.first().copied().unwrap_or(0), s, server)),
     };
     let keys: Vec<String> = (0..size).map(|r| format!("{name}/host/{r}")).collect();
-    store.set(&keys[rank], host_id().as_bytes())?;
+    // Each rank publishes "<group size> <host id>": a rank that disagrees on the size is
+    // reported instead of leaving the others waiting.
+    store.set(&keys[rank], format!("{size} {}", host_id()).as_bytes())?;
     let key_refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-    store.wait_timeout(&key_refs, opts.init_timeout)?;
-    let hosts = keys.iter().map(|k| store.get(k)).collect::<Result<Vec<_>, _>>()?;
+    store.wait_timeout(&key_refs, opts.init_timeout).map_err(|e| match e {
+        CommError::StoreTimeout { key, after, .. } => CommError::rendezvous(
+            name,
+            format!("ranks did not join within {after:?} (missing keys {key}; world size here is {size})"),
+        ),
+        e => e,
+    })?;
+    let mut hosts = Vec::with_capacity(size);
+    for (r, k) in keys.iter().enumerate() {
+        let v = String::from_utf8_lossy(&store.get(k)?).to_string();
+        let (their_size, host) = v.split_once(' ').unwrap_or(("?", &v));
+        if their_size != size.to_string() {
+            return Err(CommError::rendezvous(
+                name,
+                format!("rank {r} was started with world size {their_size} but rank {rank} with {size}"),
+            ));
+        }
+        hosts.push(host.to_string());
+    }
     let same_host: Vec<usize> = (0..size).filter(|&r| hosts[r] == hosts[rank]).collect();
     let local_rank = env_local.0.unwrap_or_else(|| same_host.iter().position(|&r| r == rank).unwrap_or(0));
     let local_size = env_local.1.unwrap_or(same_host.len());
@@ -167,5 +185,3 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
     build_group(Some(store), server, "w", spec.rank, world, opts, local_ip, (spec.local_rank, spec.local_size))
 }
 
-/// Test support: the default store timeout for clients made outside `init`.
-pub(crate) const _DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(300);

@@ -4,8 +4,9 @@
 use std::sync::Arc;
 
 use candle_core::Device;
+use tandem_comm::{ProcessGroup, ReduceOp};
 
-use crate::loader::{BatchIter, LoaderOptions};
+use crate::loader::{Batch, BatchIter, LoaderOptions};
 use crate::{DataError, Dataset};
 
 /// This rank's evaluation indices: `rank, rank + R, rank + 2R, ...` below `len`. The shards of
@@ -21,7 +22,7 @@ pub fn eval_indices(len: usize, num_replicas: usize, rank: usize) -> Result<Vec<
 }
 
 /// Batches of this rank's evaluation shard, in index order.
-pub fn eval_batches<D: Dataset + 'static>(
+pub fn eval_batches<D: Dataset + ?Sized + 'static>(
     dataset: Arc<D>,
     num_replicas: usize,
     rank: usize,
@@ -29,7 +30,10 @@ pub fn eval_batches<D: Dataset + 'static>(
     device: Device,
 ) -> Result<BatchIter<D>, DataError> {
     let indices = eval_indices(dataset.len(), num_replicas, rank)?;
-    let options = LoaderOptions { drop_last: false, ..options.clone() };
+    let options = LoaderOptions {
+        drop_last: false,
+        ..options.clone()
+    };
     BatchIter::new(dataset, &indices, &options, device)
 }
 
@@ -71,4 +75,47 @@ impl EvalMetrics {
     pub fn merge(&mut self, other: &EvalMetrics) {
         self.add_batch(other.loss_sum, other.correct, other.count);
     }
+}
+
+/// Sums `local` over the ranks of `pg` (two all-reduces: the f64 loss sum, then the i64 counts).
+/// Every rank gets the totals.
+pub fn all_reduce_metrics(
+    pg: &ProcessGroup,
+    local: &EvalMetrics,
+) -> Result<EvalMetrics, DataError> {
+    let mut loss = [local.loss_sum];
+    pg.all_reduce(&mut loss, ReduceOp::Sum)?;
+    let mut counts = [local.correct, local.count];
+    pg.all_reduce(&mut counts, ReduceOp::Sum)?;
+    Ok(EvalMetrics {
+        loss_sum: loss[0],
+        correct: counts[0],
+        count: counts[1],
+    })
+}
+
+/// Distributed evaluation: runs `step` on every batch of this rank's share of `dataset` (each
+/// sample on exactly one rank) and returns the all-reduced totals, the same on every rank.
+/// `step` returns (sum of the batch's per-sample losses, number of correct predictions).
+/// Ranks with an empty share still join the all-reduce, so no rank waits forever.
+pub fn evaluate<D, F>(
+    pg: &ProcessGroup,
+    dataset: Arc<D>,
+    options: &LoaderOptions,
+    device: Device,
+    mut step: F,
+) -> Result<EvalMetrics, DataError>
+where
+    D: Dataset + ?Sized + 'static,
+    F: FnMut(&Batch) -> Result<(f64, i64), DataError>,
+{
+    let mut local = EvalMetrics::default();
+    // A local failure must not leave the other ranks blocked in the all-reduce: they fail on the
+    // collective timeout; this rank reports its own error.
+    for batch in eval_batches(dataset, pg.size(), pg.rank(), options, device)? {
+        let batch = batch?;
+        let (loss_sum, correct) = step(&batch)?;
+        local.add_batch(loss_sum, correct, batch.len() as i64);
+    }
+    all_reduce_metrics(pg, &local)
 }

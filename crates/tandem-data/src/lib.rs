@@ -13,7 +13,7 @@ mod sampler;
 
 pub use dataset::{Dataset, Example, InMemoryDataset};
 pub use error::DataError;
-pub use eval::{eval_batches, eval_indices, EvalMetrics};
+pub use eval::{all_reduce_metrics, eval_batches, eval_indices, evaluate, EvalMetrics};
 pub use loader::{collate, Batch, BatchIter, DataLoader, EpochIter, LoaderOptions};
 pub use randperm::torch_randperm;
 pub use sampler::{num_samples, DistributedSampler, SamplerState};

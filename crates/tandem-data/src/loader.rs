@@ -48,27 +48,40 @@ pub struct LoaderOptions {
 
 impl Default for LoaderOptions {
     fn default() -> Self {
-        Self { batch_size: 1, drop_last: false, num_workers: 0, prefetch_factor: 2 }
+        Self {
+            batch_size: 1,
+            drop_last: false,
+            num_workers: 0,
+            prefetch_factor: 2,
+        }
     }
 }
 
 impl LoaderOptions {
     pub fn new(batch_size: usize) -> Self {
-        Self { batch_size, ..Self::default() }
+        Self {
+            batch_size,
+            ..Self::default()
+        }
     }
     fn validate(&self) -> Result<(), DataError> {
         if self.batch_size == 0 {
             return Err(DataError::ZeroArgument { what: "batch_size" });
         }
         if self.num_workers > 0 && self.prefetch_factor == 0 {
-            return Err(DataError::ZeroArgument { what: "prefetch_factor" });
+            return Err(DataError::ZeroArgument {
+                what: "prefetch_factor",
+            });
         }
         Ok(())
     }
 }
 
 /// Gathers `indices` from `dataset` into a batch on the CPU.
-pub fn collate<D: Dataset + ?Sized>(dataset: &D, indices: &[usize]) -> Result<(Tensor, Tensor), DataError> {
+pub fn collate<D: Dataset + ?Sized>(
+    dataset: &D,
+    indices: &[usize],
+) -> Result<(Tensor, Tensor), DataError> {
     let dim = dataset.input_dim();
     let num_classes = dataset.num_classes();
     let mut x = Vec::with_capacity(indices.len() * dim);
@@ -76,16 +89,27 @@ pub fn collate<D: Dataset + ?Sized>(dataset: &D, indices: &[usize]) -> Result<(T
     for &index in indices {
         let ex = dataset.get(index)?;
         if ex.features.len() != dim {
-            return Err(DataError::FeatureLength { index, got: ex.features.len(), expected: dim });
+            return Err(DataError::FeatureLength {
+                index,
+                got: ex.features.len(),
+                expected: dim,
+            });
         }
         if ex.label < 0 || ex.label as u64 >= num_classes as u64 || ex.label > u32::MAX as i64 {
-            return Err(DataError::LabelOutOfRange { index, label: ex.label, num_classes });
+            return Err(DataError::LabelOutOfRange {
+                index,
+                label: ex.label,
+                num_classes,
+            });
         }
         x.extend_from_slice(&ex.features);
         y.push(ex.label as u32);
     }
     let b = indices.len();
-    Ok((Tensor::from_vec(x, (b, dim), &Device::Cpu)?, Tensor::from_vec(y, b, &Device::Cpu)?))
+    Ok((
+        Tensor::from_vec(x, (b, dim), &Device::Cpu)?,
+        Tensor::from_vec(y, b, &Device::Cpu)?,
+    ))
 }
 
 type Built = Result<(Tensor, Tensor), DataError>;
@@ -97,7 +121,7 @@ struct Worker {
 
 /// Iterates batches over a fixed list of index groups, optionally with prefetch workers.
 /// Stops after the first error. Dropping it early stops and joins the workers.
-pub struct BatchIter<D: Dataset + 'static> {
+pub struct BatchIter<D: Dataset + ?Sized + 'static> {
     dataset: Arc<D>,
     groups: Arc<Vec<Vec<usize>>>,
     next: usize,
@@ -106,12 +130,20 @@ pub struct BatchIter<D: Dataset + 'static> {
     failed: bool,
 }
 
-impl<D: Dataset + 'static> BatchIter<D> {
+impl<D: Dataset + ?Sized + 'static> BatchIter<D> {
     /// Splits `indices` into batches of `options.batch_size` (the short tail dropped with
     /// `drop_last`) and starts the workers.
-    pub fn new(dataset: Arc<D>, indices: &[usize], options: &LoaderOptions, device: Device) -> Result<Self, DataError> {
+    pub fn new(
+        dataset: Arc<D>,
+        indices: &[usize],
+        options: &LoaderOptions,
+        device: Device,
+    ) -> Result<Self, DataError> {
         options.validate()?;
-        let mut groups: Vec<Vec<usize>> = indices.chunks(options.batch_size).map(<[usize]>::to_vec).collect();
+        let mut groups: Vec<Vec<usize>> = indices
+            .chunks(options.batch_size)
+            .map(<[usize]>::to_vec)
+            .collect();
         if options.drop_last && groups.last().is_some_and(|g| g.len() < options.batch_size) {
             groups.pop();
         }
@@ -131,10 +163,23 @@ impl<D: Dataset + 'static> BatchIter<D> {
                         }
                     }
                 })
-                .map_err(|e| DataError::WorkerDied { worker: w, detail: Some(format!("could not start: {e}")) })?;
-            workers.push(Worker { rx, handle: Some(handle) });
+                .map_err(|e| DataError::WorkerDied {
+                    worker: w,
+                    detail: Some(format!("could not start: {e}")),
+                })?;
+            workers.push(Worker {
+                rx,
+                handle: Some(handle),
+            });
         }
-        Ok(Self { dataset, groups, next: 0, device, workers, failed: false })
+        Ok(Self {
+            dataset,
+            groups,
+            next: 0,
+            device,
+            workers,
+            failed: false,
+        })
     }
 
     /// Batches this iterator yields in total.
@@ -148,7 +193,11 @@ impl<D: Dataset + 'static> BatchIter<D> {
         }
         let w = k % self.workers.len();
         self.workers[w].rx.recv().map_err(|_| {
-            let detail = self.workers[w].handle.take().and_then(|h| h.join().err()).map(|p| panic_message(&*p));
+            let detail = self.workers[w]
+                .handle
+                .take()
+                .and_then(|h| h.join().err())
+                .map(|p| panic_message(&*p));
             DataError::WorkerDied { worker: w, detail }
         })?
     }
@@ -162,7 +211,7 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "panicked".to_string())
 }
 
-impl<D: Dataset + 'static> Iterator for BatchIter<D> {
+impl<D: Dataset + ?Sized + 'static> Iterator for BatchIter<D> {
     type Item = Result<Batch, DataError>;
 
     fn next(&mut self) -> Option<Self::Item> {
@@ -171,9 +220,15 @@ impl<D: Dataset + 'static> Iterator for BatchIter<D> {
         }
         let k = self.next;
         self.next += 1;
-        let built = self.build(k).and_then(|(x, y)| Ok((x.to_device(&self.device)?, y.to_device(&self.device)?)));
+        let built = self
+            .build(k)
+            .and_then(|(x, y)| Ok((x.to_device(&self.device)?, y.to_device(&self.device)?)));
         match built {
-            Ok((x, y)) => Some(Ok(Batch { x, y, indices: self.groups[k].clone() })),
+            Ok((x, y)) => Some(Ok(Batch {
+                x,
+                y,
+                indices: self.groups[k].clone(),
+            })),
             Err(e) => {
                 self.failed = true;
                 Some(Err(e))
@@ -182,7 +237,7 @@ impl<D: Dataset + 'static> Iterator for BatchIter<D> {
     }
 }
 
-impl<D: Dataset + 'static> Drop for BatchIter<D> {
+impl<D: Dataset + ?Sized + 'static> Drop for BatchIter<D> {
     fn drop(&mut self) {
         // Dropping the receivers makes any blocked `send` fail, so every worker returns.
         for worker in self.workers.drain(..) {
@@ -202,14 +257,14 @@ impl<D: Dataset + 'static> Drop for BatchIter<D> {
 /// received. When an epoch is iterated to the end the state moves on to (epoch + 1, 0): a
 /// checkpoint taken between epochs resumes at the next epoch, and a loop that forgets
 /// `set_epoch` still gets a fresh order each epoch (PyTorch silently repeats it).
-pub struct DataLoader<D: Dataset + 'static> {
+pub struct DataLoader<D: Dataset + ?Sized + 'static> {
     dataset: Arc<D>,
     sampler: Mutex<DistributedSampler>,
     options: LoaderOptions,
     device: Device,
 }
 
-impl<D: Dataset + 'static> DataLoader<D> {
+impl<D: Dataset + ?Sized + 'static> DataLoader<D> {
     pub fn new(
         dataset: Arc<D>,
         sampler: DistributedSampler,
@@ -223,12 +278,19 @@ impl<D: Dataset + 'static> DataLoader<D> {
                 dataset_len: dataset.len(),
             });
         }
-        Ok(Self { dataset, sampler: Mutex::new(sampler), options, device })
+        Ok(Self {
+            dataset,
+            sampler: Mutex::new(sampler),
+            options,
+            device,
+        })
     }
 
     fn sampler_lock(&self) -> MutexGuard<'_, DistributedSampler> {
         // The sampler holds plain numbers; a panic elsewhere cannot leave it half-updated.
-        self.sampler.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.sampler
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub fn dataset(&self) -> &Arc<D> {
@@ -275,26 +337,36 @@ impl<D: Dataset + 'static> DataLoader<D> {
             let s = self.sampler_lock();
             (s.epoch(), s.remaining())
         };
-        let inner = BatchIter::new(Arc::clone(&self.dataset), &remaining, &self.options, self.device.clone())?;
-        Ok(EpochIter { loader: self, inner, epoch, finished: false })
+        let inner = BatchIter::new(
+            Arc::clone(&self.dataset),
+            &remaining,
+            &self.options,
+            self.device.clone(),
+        )?;
+        Ok(EpochIter {
+            loader: self,
+            inner,
+            epoch,
+            finished: false,
+        })
     }
 }
 
 /// One epoch (or what is left of it) of a [`DataLoader`].
-pub struct EpochIter<'a, D: Dataset + 'static> {
+pub struct EpochIter<'a, D: Dataset + ?Sized + 'static> {
     loader: &'a DataLoader<D>,
     inner: BatchIter<D>,
     epoch: u64,
     finished: bool,
 }
 
-impl<D: Dataset + 'static> EpochIter<'_, D> {
+impl<D: Dataset + ?Sized + 'static> EpochIter<'_, D> {
     pub fn num_batches(&self) -> usize {
         self.inner.num_batches()
     }
 }
 
-impl<D: Dataset + 'static> Iterator for EpochIter<'_, D> {
+impl<D: Dataset + ?Sized + 'static> Iterator for EpochIter<'_, D> {
     type Item = Result<Batch, DataError>;
 
     fn next(&mut self) -> Option<Self::Item> {

@@ -58,7 +58,16 @@ impl DistributedSampler {
         if rank >= num_replicas {
             return Err(DataError::InvalidRank { rank, num_replicas });
         }
-        Ok(Self { len, num_replicas, rank, shuffle, seed, drop_last, epoch: 0, consumed: 0 })
+        Ok(Self {
+            len,
+            num_replicas,
+            rank,
+            shuffle,
+            seed,
+            drop_last,
+            epoch: 0,
+            consumed: 0,
+        })
     }
 
     /// Samples per rank per epoch (PyTorch's `num_samples`, `len(sampler)`).
@@ -135,7 +144,11 @@ impl DistributedSampler {
     pub fn advance(&mut self, n: usize) -> Result<(), DataError> {
         let remaining = self.len() - self.consumed;
         if n > remaining {
-            return Err(DataError::AdvancePastEnd { requested: n, remaining, epoch: self.epoch });
+            return Err(DataError::AdvancePastEnd {
+                requested: n,
+                remaining,
+                epoch: self.epoch,
+            });
         }
         self.consumed += n;
         Ok(())
@@ -156,11 +169,19 @@ impl DistributedSampler {
     /// Restores epoch and position after checking that the state was made by a sampler with the
     /// same dataset length, world size, seed, shuffle and drop_last (the rank may differ).
     pub fn load_state(&mut self, state: &SamplerState) -> Result<(), DataError> {
-        fn check<T: PartialEq + ToString>(field: &'static str, saved: T, current: T) -> Result<(), DataError> {
+        fn check<T: PartialEq + ToString>(
+            field: &'static str,
+            saved: T,
+            current: T,
+        ) -> Result<(), DataError> {
             if saved == current {
                 Ok(())
             } else {
-                Err(DataError::StateMismatch { field, saved: saved.to_string(), current: current.to_string() })
+                Err(DataError::StateMismatch {
+                    field,
+                    saved: saved.to_string(),
+                    current: current.to_string(),
+                })
             }
         }
         check("len", state.len, self.len)?;
@@ -211,10 +232,16 @@ fn shard_indices(
     if per_rank == 0 {
         return Vec::new();
     }
-    let order = if shuffle { torch_randperm(len, generator_seed) } else { (0..len).collect() };
+    let order = if shuffle {
+        torch_randperm(len, generator_seed)
+    } else {
+        (0..len).collect()
+    };
     // Position p of the padded (or trimmed) list is order[p % len]: padding repeats the list
     // from its start, as many times as needed.
-    (0..per_rank).map(|k| order[(rank + k * num_replicas) % len]).collect()
+    (0..per_rank)
+        .map(|k| order[(rank + k * num_replicas) % len])
+        .collect()
 }
 
 #[cfg(test)]
@@ -225,27 +252,51 @@ mod tests {
     fn rank_out_of_range_is_an_error() {
         let e = DistributedSampler::new(10, 4, 4, false, 0, false).unwrap_err();
         assert!(e.to_string().contains("rank 4"), "{e}");
-        assert!(matches!(DistributedSampler::new(10, 0, 0, false, 0, false), Err(DataError::NoReplicas)));
+        assert!(matches!(
+            DistributedSampler::new(10, 0, 0, false, 0, false),
+            Err(DataError::NoReplicas)
+        ));
     }
 
     #[test]
     fn padding_repeats_from_start_unshuffled() {
         // 10 samples over 4 ranks: padded to 12 with [0, 1].
-        let shards: Vec<Vec<usize>> =
-            (0..4).map(|r| DistributedSampler::new(10, 4, r, false, 0, false).unwrap().indices()).collect();
-        assert_eq!(shards, vec![vec![0, 4, 8], vec![1, 5, 9], vec![2, 6, 0], vec![3, 7, 1]]);
+        let shards: Vec<Vec<usize>> = (0..4)
+            .map(|r| {
+                DistributedSampler::new(10, 4, r, false, 0, false)
+                    .unwrap()
+                    .indices()
+            })
+            .collect();
+        assert_eq!(
+            shards,
+            vec![vec![0, 4, 8], vec![1, 5, 9], vec![2, 6, 0], vec![3, 7, 1]]
+        );
         // 2 samples over 5 ranks: padded to 5 by repeating the list several times.
-        let shards: Vec<Vec<usize>> =
-            (0..5).map(|r| DistributedSampler::new(2, 5, r, false, 0, false).unwrap().indices()).collect();
+        let shards: Vec<Vec<usize>> = (0..5)
+            .map(|r| {
+                DistributedSampler::new(2, 5, r, false, 0, false)
+                    .unwrap()
+                    .indices()
+            })
+            .collect();
         assert_eq!(shards, vec![vec![0], vec![1], vec![0], vec![1], vec![0]]);
     }
 
     #[test]
     fn drop_last_trims() {
-        let shards: Vec<Vec<usize>> =
-            (0..4).map(|r| DistributedSampler::new(10, 4, r, false, 0, true).unwrap().indices()).collect();
+        let shards: Vec<Vec<usize>> = (0..4)
+            .map(|r| {
+                DistributedSampler::new(10, 4, r, false, 0, true)
+                    .unwrap()
+                    .indices()
+            })
+            .collect();
         assert_eq!(shards, vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]);
-        assert!(DistributedSampler::new(3, 4, 1, true, 0, true).unwrap().indices().is_empty());
+        assert!(DistributedSampler::new(3, 4, 1, true, 0, true)
+            .unwrap()
+            .indices()
+            .is_empty());
     }
 
     #[test]

@@ -22,6 +22,48 @@ pub trait GradComm: Send + Sync {
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommSource>;
 }
 
+impl GradComm for tandem_comm::ProcessGroup {
+    fn rank(&self) -> usize {
+        tandem_comm::ProcessGroup::rank(self)
+    }
+    fn size(&self) -> usize {
+        tandem_comm::ProcessGroup::size(self)
+    }
+    fn all_reduce_avg(&self, buf: &mut [f32]) -> Result<(), CommSource> {
+        Ok(self.all_reduce(buf, tandem_comm::ReduceOp::Avg)?)
+    }
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommSource> {
+        Ok(self.all_reduce(buf, tandem_comm::ReduceOp::Sum)?)
+    }
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommSource> {
+        Ok(tandem_comm::ProcessGroup::broadcast(self, buf, root)?)
+    }
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommSource> {
+        Ok(tandem_comm::ProcessGroup::all_gather_bytes(self, bytes)?)
+    }
+}
+
+impl<T: GradComm + ?Sized> GradComm for Arc<T> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn size(&self) -> usize {
+        (**self).size()
+    }
+    fn all_reduce_avg(&self, buf: &mut [f32]) -> Result<(), CommSource> {
+        (**self).all_reduce_avg(buf)
+    }
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommSource> {
+        (**self).all_reduce_sum(buf)
+    }
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommSource> {
+        (**self).broadcast(buf, root)
+    }
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommSource> {
+        (**self).all_gather_bytes(bytes)
+    }
+}
+
 /// An in-process "process group": `LocalGroup::new(n)` returns one handle per rank, each to be
 /// moved to its own thread. Collectives rendezvous through shared memory with a timeout, so a
 /// rank that never arrives produces an error instead of a hang. Sums run in rank order, so

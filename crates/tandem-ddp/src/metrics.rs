@@ -6,6 +6,7 @@
 //! `max_norm / (total_norm + 1e-6)` when that is below 1.
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Var};
+use tandem_comm::{CommError, ProcessGroup, ReduceOp};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
@@ -21,6 +22,8 @@ pub enum MetricsError {
         #[source]
         source: candle_core::Error,
     },
+    #[error(transparent)]
+    Comm(#[from] CommError),
 }
 
 /// Clips the gradients of `params` in `grads` to a global L2 norm of at most `max_norm` and
@@ -82,4 +85,23 @@ impl AverageMeter {
         self.count += n as f64;
         self.avg = if self.count > 0.0 { self.sum / self.count } else { 0.0 };
     }
+
+    /// This meter over all ranks: sums and counts are added across `pg` (so ranks with more
+    /// samples weigh more, giving the true global average) and `val` is averaged. Every rank
+    /// must call it (a collective).
+    pub fn all_reduce(&self, pg: &ProcessGroup) -> Result<AverageMeter, MetricsError> {
+        let mut totals = [self.sum, self.count];
+        pg.all_reduce(&mut totals, ReduceOp::Sum)?;
+        let mut val = [self.val];
+        pg.all_reduce(&mut val, ReduceOp::Avg)?;
+        let [sum, count] = totals;
+        Ok(AverageMeter { val: val[0], sum, count, avg: if count > 0.0 { sum / count } else { 0.0 } })
+    }
+}
+
+/// Replaces each value with its mean over all ranks of `pg` (a collective: every rank calls it
+/// with the same number of values).
+pub fn all_reduce_mean(pg: &ProcessGroup, values: &mut [f64]) -> Result<(), MetricsError> {
+    pg.all_reduce(values, ReduceOp::Avg)?;
+    Ok(())
 }

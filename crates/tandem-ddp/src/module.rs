@@ -61,6 +61,7 @@ pub trait Module: Send + Sync {
         for (var, t) in plan {
             var.set(&t.to_device(var.device())?.to_dtype(var.dtype())?)?;
         }
+        self.params().refresh_view();
         Ok(())
     }
 }

@@ -93,6 +93,14 @@ impl ParamSet {
         v.started = false;
     }
 
+    /// Drops the current step's hooked copies so the next read sees the `Var`s' current values.
+    /// Ddp's backward does this; call it yourself after changing parameter values between a
+    /// forward and the next backward other than through an optimizer step after backward
+    /// (`Module::load_state_dict` calls it).
+    pub fn refresh_view(&self) {
+        self.lock().cache.iter_mut().for_each(|c| *c = None);
+    }
+
     /// Ends the current step's view; returns whether one had been started.
     pub(crate) fn end_view(&self) -> bool {
         let mut v = self.lock();

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{CpuStorage, CustomOp1, Device, Layout, Shape, Tensor, Var};
 use common::*;
+use tandem_comm::TransportKind;
 use tandem_ddp::comm::GradComm;
 use tandem_ddp::error::CommSource;
 use tandem_ddp::models::{Cnn, Mlp};
@@ -15,7 +16,7 @@ use tandem_ddp::{Ddp, DdpError, DdpOptions, Module, ParamSet};
 
 #[test]
 fn construction_names_the_first_mismatch_and_the_ranks() {
-    let out = run_local(2, |comm| {
+    let out = run_pg(2, TransportKind::Tcp, |comm| {
         let hidden = if comm.rank() == 1 { 33 } else { 32 };
         let model = Mlp::new(&[12, hidden, 5], 1, &Device::Cpu).unwrap();
         Ddp::with_comm(model, comm, DdpOptions::default()).err().map(|e| e.to_string())
@@ -29,7 +30,7 @@ fn construction_names_the_first_mismatch_and_the_ranks() {
 
 #[test]
 fn construction_broadcasts_rank0_parameters_and_buffers() {
-    let out = run_local(2, |comm| {
+    let out = run_pg(2, TransportKind::Tcp, |comm| {
         let rank = comm.rank();
         let model = Cnn::new(1, 8, 8, 10, 3 + rank as u64, &Device::Cpu).unwrap();
         if rank == 1 {
@@ -84,7 +85,7 @@ impl Module for Branchy {
 
 #[test]
 fn unused_parameter_error_names_it_and_the_fix() {
-    let out = run_local(2, |comm| {
+    let out = run_pg(2, TransportKind::Tcp, |comm| {
         let ddp = Ddp::with_comm(Branchy::new(), comm, DdpOptions::default()).unwrap();
         ddp.use_head.store(false, Ordering::SeqCst);
         let x = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
@@ -104,7 +105,7 @@ fn unused_parameter_error_names_it_and_the_fix() {
 
 #[test]
 fn find_unused_parameters_counts_locally_unused_as_zero() {
-    let out = run_local(2, |comm| {
+    let out = run_pg(2, TransportKind::Tcp, |comm| {
         let rank = comm.rank();
         let ddp = Ddp::with_comm(Branchy::new(), comm, DdpOptions { find_unused_parameters: true, ..Default::default() }).unwrap();
         let x = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
@@ -189,7 +190,7 @@ impl CustomOp1 for Probe {
 
 #[test]
 fn buckets_are_reduced_while_backward_is_still_running() {
-    let out = run_local(2, |comm| {
+    let out = run_pg(2, TransportKind::Tcp, |comm| {
         let reduced = Arc::new(AtomicUsize::new(0));
         let counting = Counting { inner: comm, reduced: reduced.clone() };
         let opts = DdpOptions { bucket_cap_mb: 1e-6, first_bucket_mb: 1e-6, ..Default::default() };
@@ -214,7 +215,7 @@ fn buckets_are_reduced_while_backward_is_still_running() {
 /// backward, without overlap).
 #[test]
 fn forward_that_bypasses_the_view_still_gets_averaged_gradients() {
-    let out = run_local(2, |comm| {
+    let out = run_pg(2, TransportKind::Tcp, |comm| {
         let rank = comm.rank() as f32;
         let ddp = Ddp::with_comm(Mlp::new(&[2, 2], 1, &Device::Cpu).unwrap(), comm, DdpOptions::default()).unwrap();
         let w = ddp.params().named()[0].1.clone();
@@ -233,7 +234,7 @@ fn forward_that_bypasses_the_view_still_gets_averaged_gradients() {
 #[test]
 fn broadcast_buffers_copies_rank0_running_stats_every_forward() {
     for broadcast_buffers in [true, false] {
-        let out = run_local(2, move |comm| {
+        let out = run_pg(2, TransportKind::Tcp, move |comm| {
             let rank = comm.rank();
             let ddp = Ddp::with_comm(Cnn::new(1, 8, 8, 10, 3, &Device::Cpu).unwrap(), comm, DdpOptions { broadcast_buffers, ..Default::default() })
                 .unwrap();

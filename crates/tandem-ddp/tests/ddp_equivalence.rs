@@ -10,6 +10,7 @@ use common::*;
 use tandem_ddp::comm::GradComm;
 use tandem_ddp::models::Mlp;
 use tandem_ddp::optim::{Optimizer, Sgd};
+use tandem_comm::TransportKind;
 use tandem_ddp::{Ddp, DdpOptions, Module};
 
 const STEPS: usize = 4;
@@ -43,8 +44,13 @@ fn ddp_rank(comm: Arc<dyn GradComm>, opts: DdpOptions, micro: usize) -> (Vec<(St
 }
 
 fn check(opts: DdpOptions, micro: usize) -> Vec<Vec<usize>> {
+    check_on(opts, micro, TransportKind::Tcp)
+}
+
+/// Over real `ProcessGroup`s (threads, loopback sockets).
+fn check_on(opts: DdpOptions, micro: usize, transport: TransportKind) -> Vec<Vec<usize>> {
     let expect = reference(STEPS, BATCH, micro);
-    let out = run_local(2, move |c| ddp_rank(c, opts.clone(), micro));
+    let out = run_pg(2, transport, move |c| ddp_rank(c, opts.clone(), micro));
     for (rank, (w, _)) in out.iter().enumerate() {
         let d = max_abs_diff(w, &expect);
         assert!(d <= 1e-5, "rank {rank}: max |w_ddp - w_single| = {d}");
@@ -84,4 +90,13 @@ fn two_ranks_match_one_process_single_big_bucket() {
 fn two_ranks_with_no_sync_accumulation_match_one_process() {
     check(DdpOptions::default(), 2);
     check(DdpOptions { bucket_cap_mb: 0.001, first_bucket_mb: 0.001, ..Default::default() }, 2);
+}
+
+#[test]
+fn shared_memory_transport_and_in_process_group_agree_too() {
+    check_on(DdpOptions::default(), 2, TransportKind::Shm);
+    let expect = reference(STEPS, BATCH, 1);
+    for (w, _) in run_local(2, |c| ddp_rank(c, DdpOptions::default(), 1)) {
+        assert!(max_abs_diff(&w, &expect) <= 1e-5);
+    }
 }

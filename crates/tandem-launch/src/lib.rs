@@ -15,6 +15,7 @@ mod error;
 mod outcome;
 mod output;
 mod port;
+mod reaper;
 mod signals;
 mod supervisor;
 mod worker;

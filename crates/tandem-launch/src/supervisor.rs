@@ -11,6 +11,7 @@ use crate::env::JobShape;
 use crate::error::LaunchError;
 use crate::outcome::{LaunchOutcome, WorkerExit, WorkerFailure};
 use crate::port::{mentions_addr_in_use, pick_master_port};
+use crate::reaper::GroupReaper;
 use crate::signals::SignalWatch;
 use crate::worker::Worker;
 
@@ -49,6 +50,13 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     if let Some(dir) = &job_log_dir {
         std::fs::create_dir_all(dir).map_err(|source| LaunchError::LogFile { path: dir.clone(), source })?;
     }
+    let mut reaper = match GroupReaper::start() {
+        Ok(r) => Some(r),
+        Err(e) => {
+            tracing::warn!(%e, "cannot start the watchdog; a killed launcher may leave grandchildren");
+            None
+        }
+    };
     let mut restart_count = 0;
     let mut port_retries = 0;
     loop {
@@ -68,7 +76,12 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         let mut workers = Vec::with_capacity(nproc as usize);
         for local_rank in 0..nproc {
             match Worker::spawn(cfg, &shape, local_rank, cores, attempt_dir.as_deref()) {
-                Ok(w) => workers.push(w),
+                Ok(w) => {
+                    if let Some(r) = &mut reaper {
+                        r.watch_group(w.pgid);
+                    }
+                    workers.push(w)
+                }
                 Err(e) => {
                     stop_all(&mut workers, Signal::SIGTERM, cfg.stop_grace, &signals);
                     drain_output(&mut workers);
@@ -91,6 +104,11 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         // Always stop: on success this removes anything the workers left running.
         stop_all(&mut workers, stop_with, cfg.stop_grace, &signals);
         drain_output(&mut workers);
+        if let Some(r) = &mut reaper {
+            for w in workers.iter().filter(|w| !group_has_live_members(w.pgid)) {
+                r.forget_group(w.pgid);
+            }
+        }
 
         let outcome = |exit_code, failures, signal| LaunchOutcome {
             exit_code,

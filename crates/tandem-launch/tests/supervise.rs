@@ -49,7 +49,11 @@ fn assert_no_survivors(pids: &[i32]) {
     while pids.iter().any(|&p| is_running(p)) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    let alive: Vec<_> = pids.iter().filter(|&&p| is_running(p)).collect();
+    let alive: Vec<i32> = pids.iter().copied().filter(|&p| is_running(p)).collect();
+    for &p in &alive {
+        // Clean up before failing, so a failed run leaves nothing behind either.
+        unsafe { libc::kill(p, libc::SIGKILL) };
+    }
     assert!(alive.is_empty(), "processes outlived the launch: {alive:?}");
 }
 

@@ -70,15 +70,4 @@ pub(crate) trait Transport: Send {
     /// Called after a failure: make the peers' pending operations fail quickly too.
     fn abort(&mut self);
 
-    /// The fast path for all_reduce, where the transport has one (shared memory).
-    /// Returns `None` when the caller should run the generic ring.
-    fn all_reduce_fast(
-        &mut self,
-        _buf: &mut [u8],
-        _elem: usize,
-        _f: &(dyn Fn(&mut [u8], &[u8]) + Sync),
-        _timeout: Duration,
-    ) -> Option<Result<(), PeerError>> {
-        None
-    }
 }

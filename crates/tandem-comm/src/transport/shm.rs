@@ -112,6 +112,7 @@ impl Transport for ShmTransport {
         let mut backoff = Backoff { idle: 0 };
         let mut last_progress = Instant::now();
         let mut checks = 0u32;
+        let mut peer_gone_seen = false;
         while sent < s8 || got < r8 {
             let mut progress = false;
             if sent < s8 {
@@ -172,7 +173,14 @@ impl Transport for ShmTransport {
             if checks % 64 == 0 {
                 let waiting_on = if got < r8 { recv_peer } else { send_peer };
                 if self.peer_gone(waiting_on) {
-                    return Err(PeerError { peer: waiting_on, kind: FailKind::Closed });
+                    // Bytes it wrote before leaving are visible now: take them first, and fail
+                    // only if the next pass still makes no progress.
+                    if peer_gone_seen {
+                        return Err(PeerError { peer: waiting_on, kind: FailKind::Closed });
+                    }
+                    peer_gone_seen = true;
+                    checks = 63;
+                    continue;
                 }
                 if last_progress.elapsed() >= timeout {
                     return Err(PeerError { peer: waiting_on, kind: FailKind::Timeout(timeout) });

@@ -110,8 +110,9 @@ impl Cnn {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (c, h, w) = self.in_chw;
         let x = if x.rank() == 4 { x.clone() } else { x.reshape((x.dim(0)?, c, h, w))? };
-        let x = self.batch_norm(&self.conv(&x, CONV1_W, CONV1_B)?)?.relu()?.max_pool2d(2)?;
-        let x = self.conv(&x, CONV2_W, CONV2_B)?.relu()?.max_pool2d(2)?;
+        let x = self.batch_norm(&self.conv(&x, CONV1_W, CONV1_B)?)?.relu()?;
+        let x = max_pool_2x2(&x)?;
+        let x = max_pool_2x2(&self.conv(&x, CONV2_W, CONV2_B)?.relu()?)?;
         let x = x.flatten_from(1)?;
         x.matmul(&self.params.get(FC_W)?.t()?)?.broadcast_add(&self.params.get(FC_B)?)
     }
@@ -122,6 +123,15 @@ impl Cnn {
         debug_assert_eq!(logits.dim(D::Minus1).ok(), Some(self.classes));
         candle_nn::loss::cross_entropy(&logits, y)
     }
+}
+
+/// 2x2 max pooling, stride 2, as a reshape and two max reductions. Not candle's `max_pool2d`:
+/// its backward (candle-core 0.11.1) multiplies the gradient by the window's fraction of maxima
+/// (1/4 for a single maximum) instead of dividing by the number of maxima, so gradients come out
+/// 4x too small; reductions have a correct backward.
+fn max_pool_2x2(x: &Tensor) -> candle_core::Result<Tensor> {
+    let (n, c, h, w) = x.dims4()?;
+    x.reshape((n, c, h / 2, 2, w / 2, 2))?.max(5)?.max(3)
 }
 
 impl Module for Cnn {

@@ -76,3 +76,48 @@ pub fn run_local<T: Send + 'static>(world: usize, f: impl Fn(Arc<dyn GradComm>) 
         .collect();
     handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
 }
+
+/// Runs `f(group)` on `world` threads, each with a real tandem-comm `ProcessGroup` rendezvoused
+/// over loopback TCP (`transport` picks TCP or shared-memory collectives). Panics, never hangs,
+/// if the world does not finish within 60 s.
+pub fn run_pg<T: Send + 'static>(
+    world: usize,
+    transport: tandem_comm::TransportKind,
+    f: impl Fn(Arc<dyn GradComm>) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    use std::sync::mpsc;
+    let port = tandem_testutil::free_port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let opts = tandem_comm::InitOptions {
+        transport: Some(transport),
+        timeout: Duration::from_secs(20),
+        init_timeout: Duration::from_secs(20),
+        run_id: "ddp-test".into(),
+        desync_check: false,
+    };
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..world {
+        let (tx, f, url, opts) = (tx.clone(), f.clone(), url.clone(), opts.clone());
+        std::thread::spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let pg = tandem_comm::init_with(&tandem_comm::InitMethod::tcp(&url, rank, world), &opts).expect("init process group");
+                f(Arc::new(pg))
+            }));
+            let _ = tx.send((rank, r));
+        });
+    }
+    drop(tx);
+    let mut out: Vec<Option<T>> = (0..world).map(|_| None).collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    for _ in 0..world {
+        match rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) {
+            Ok((rank, Ok(v))) => out[rank] = Some(v),
+            Ok((rank, Err(p))) => {
+                let msg = p.downcast_ref::<String>().cloned().or(p.downcast_ref::<&str>().map(|s| s.to_string()));
+                panic!("rank {rank} panicked: {msg:?}")
+            }
+            Err(_) => panic!("world of {world} did not finish within 60 s"),
+        }
+    }
+    out.into_iter().map(|v| v.expect("every rank reported")).collect()
+}

@@ -1,9 +1,362 @@
-//! `tandem ckpt` (not implemented yet).
+//! `tandem ckpt`: inspect, convert, diff and load-check checkpoints (.pt / .safetensors).
+//! Every subcommand reads through tandem-ckpt (never executing pickle code); unreadable input
+//! is one `error:` line and a non-zero exit.
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use clap::Subcommand;
+use serde_json::json;
+use tandem_ckpt::keys::{detect_wrapping, find_state_dicts, load_state_dict, strip_wrappers};
+use tandem_ckpt::{CkptError, Tensor, Value};
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    #[command(subcommand)]
+    which: Which,
+}
 
-pub fn main(_args: Args) -> anyhow::Result<i32> {
-    eprintln!("tandem ckpt: not yet implemented");
-    Ok(2)
+#[derive(Subcommand)]
+enum Which {
+    /// Container keys, each tensor's dtype/shape/bytes, detected wrapping, non-tensor values.
+    Inspect {
+        file: PathBuf,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Convert between .pt and .safetensors (by OUT's extension), optionally renaming keys.
+    Convert {
+        input: PathBuf,
+        output: PathBuf,
+        /// Remove this prefix from every key of the state dict (e.g. `module.`).
+        #[arg(long, conflicts_with = "add_prefix")]
+        strip_prefix: Option<String>,
+        /// Put this prefix in front of every key of the state dict.
+        #[arg(long)]
+        add_prefix: Option<String>,
+        /// Convert only the value under this key (`model`, or a path like `ckpt/model`).
+        #[arg(long)]
+        key: Option<String>,
+    },
+    /// Keys only in one file, shape/dtype differences and the max abs difference of tensors.
+    /// Exits 0 when the files hold the same values, 1 when they differ.
+    Diff { a: PathBuf, b: PathBuf },
+    /// The load report of loading FILE into a model shaped like REFERENCE's state dict.
+    /// Exits 0 when every key fits, 1 otherwise.
+    LoadCheck {
+        file: PathBuf,
+        #[arg(long = "into")]
+        reference: PathBuf,
+        /// Report as `strict=False` would (the exit code still says whether everything fit).
+        #[arg(long)]
+        non_strict: bool,
+    },
+}
+
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    match args.which {
+        Which::Inspect { file, json } => inspect(&file, json),
+        Which::Convert { input, output, strip_prefix, add_prefix, key } => {
+            convert(&input, &output, strip_prefix.as_deref(), add_prefix.as_deref(), key.as_deref())
+        }
+        Which::Diff { a, b } => diff(&a, &b),
+        Which::LoadCheck { file, reference, non_strict } => load_check(&file, &reference, !non_strict),
+    }
+}
+
+fn read(path: &Path) -> anyhow::Result<Value> {
+    Ok(tandem_ckpt::load(path)?)
+}
+
+fn format_name(path: &Path) -> anyhow::Result<&'static str> {
+    use std::io::Read;
+    let mut head = [0u8; 64];
+    let n = std::fs::File::open(path)
+        .and_then(|mut f| f.read(&mut head))
+        .with_context(|| format!("{}", path.display()))?;
+    Ok(match tandem_ckpt::pt::detect(&head[..n]) {
+        Some(tandem_ckpt::pt::FileKind::TorchZip) => "torch.save zip",
+        Some(tandem_ckpt::pt::FileKind::TorchLegacy) => "torch.save legacy (pre-1.6)",
+        Some(tandem_ckpt::pt::FileKind::Safetensors) => "safetensors",
+        None => "unknown",
+    })
+}
+
+/// Every leaf of the tree with its path (`model/features.0.weight`, `misc/3`).
+fn leaves<'a>(v: &'a Value, path: String, out: &mut Vec<(String, &'a Value)>) {
+    let join = |k: &str| if path.is_empty() { k.to_string() } else { format!("{path}/{k}") };
+    match v {
+        Value::Dict(items) if !items.is_empty() => {
+            for (k, x) in items {
+                let k = match k {
+                    Value::Str(s) => s.clone(),
+                    other => short_repr(other),
+                };
+                leaves(x, join(&k), out);
+            }
+        }
+        Value::List(items) | Value::Tuple(items) if !items.is_empty() => {
+            for (i, x) in items.iter().enumerate() {
+                leaves(x, join(&i.to_string()), out);
+            }
+        }
+        _ => out.push((path, v)),
+    }
+}
+
+fn short_repr(v: &Value) -> String {
+    let s = match v {
+        Value::None => "None".into(),
+        Value::Bool(b) => if *b { "True" } else { "False" }.into(),
+        Value::Int(i) => i.to_string(),
+        Value::Float(f) => format!("{f:?}"),
+        Value::Str(s) => format!("{s:?}"),
+        Value::Bytes(b) => format!("<{} bytes>", b.len()),
+        Value::List(v) if v.is_empty() => "[]".into(),
+        Value::Tuple(v) if v.is_empty() => "()".into(),
+        Value::Dict(v) if v.is_empty() => "{}".into(),
+        Value::List(v) | Value::Tuple(v) => format!("<{} items>", v.len()),
+        Value::Dict(v) => format!("<dict of {}>", v.len()),
+        Value::Tensor(t) => format!("tensor {} {:?}", t.dtype, t.shape),
+    };
+    if s.chars().count() > 80 {
+        format!("{}...", s.chars().take(77).collect::<String>())
+    } else {
+        s
+    }
+}
+
+fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
+    let v = read(file)?;
+    let format = format_name(file)?;
+    let container_keys: Vec<String> = v.as_dict().map(|d| d.iter().map(|(k, _)| short_key(k)).collect()).unwrap_or_default();
+    let mut all = Vec::new();
+    leaves(&v, String::new(), &mut all);
+    let tensors: Vec<(&String, &Tensor)> = all.iter().filter_map(|(p, x)| Some((p, x.as_tensor()?))).collect();
+    let others: Vec<(&String, &Value)> = all.iter().filter(|(_, x)| x.as_tensor().is_none()).map(|(p, x)| (p, *x)).collect();
+    let state_dicts = find_state_dicts(&v);
+    let wrapping: Vec<String> =
+        state_dicts.iter().flat_map(|(_, t)| detect_wrapping(t.iter().map(|(k, _)| k.as_str()))).collect();
+    let total: usize = tensors.iter().map(|(_, t)| t.nbytes()).sum();
+    if as_json {
+        let j = json!({
+            "file": file.display().to_string(),
+            "format": format,
+            "container_keys": container_keys,
+            "state_dicts": state_dicts.iter().map(|(c, t)| json!({"at": c, "tensors": t.len()})).collect::<Vec<_>>(),
+            "wrapping": wrapping,
+            "tensors": tensors.iter().map(|(p, t)| json!({"key": p, "dtype": t.dtype.torch_name(), "shape": t.shape, "bytes": t.nbytes()})).collect::<Vec<_>>(),
+            "values": others.iter().map(|(p, x)| json!({"key": p, "type": x.type_name(), "value": short_repr(x)})).collect::<Vec<_>>(),
+            "total_tensor_bytes": total,
+        });
+        println!("{}", serde_json::to_string_pretty(&j)?);
+        return Ok(0);
+    }
+    println!("{}: {format}", file.display());
+    if !container_keys.is_empty() {
+        println!("container keys: {}", container_keys.join(", "));
+    }
+    for (at, t) in &state_dicts {
+        println!("state dict at {at}: {} tensors", t.len());
+    }
+    if wrapping.is_empty() {
+        println!("wrapping detected: none");
+    } else {
+        println!("wrapping detected: {}", wrapping.join(", "));
+    }
+    println!("tensors ({}, {} bytes):", tensors.len(), total);
+    let width = tensors.iter().map(|(p, _)| p.len()).max().unwrap_or(0);
+    for (p, t) in &tensors {
+        println!("  {p:width$}  {:<8}  {:<16}  {}", t.dtype.torch_name(), format!("{:?}", t.shape), t.nbytes());
+    }
+    if !others.is_empty() {
+        println!("non-tensor values ({}):", others.len());
+        for (p, x) in &others {
+            println!("  {p} = {}", short_repr(x));
+        }
+    }
+    Ok(0)
+}
+
+fn short_key(k: &Value) -> String {
+    match k {
+        Value::Str(s) => s.clone(),
+        other => short_repr(other),
+    }
+}
+
+fn select<'a>(v: &'a Value, key: &str) -> anyhow::Result<&'a Value> {
+    let mut cur = v;
+    for part in key.split('/') {
+        cur = match cur.get(part) {
+            Some(x) => x,
+            None => {
+                let keys: Vec<String> = cur.as_dict().map(|d| d.iter().map(|(k, _)| short_key(k)).collect()).unwrap_or_default();
+                bail!("--key {key}: no `{part}` (keys there: {})", keys.join(", "))
+            }
+        };
+    }
+    Ok(cur)
+}
+
+fn rename_keys(v: &Value, f: &dyn Fn(&str) -> anyhow::Result<String>) -> anyhow::Result<Value> {
+    let Some(items) = v.as_dict() else { bail!("key renaming needs a dict, found a {}", v.type_name()) };
+    let mut out = Vec::with_capacity(items.len());
+    for (k, x) in items {
+        let k = match k {
+            Value::Str(s) => Value::Str(f(s)?),
+            other => other.clone(),
+        };
+        out.push((k, x.clone()));
+    }
+    Ok(Value::Dict(out))
+}
+
+fn convert(input: &Path, output: &Path, strip: Option<&str>, add: Option<&str>, key: Option<&str>) -> anyhow::Result<i32> {
+    let v = read(input)?;
+    let to_safetensors = output.extension().is_some_and(|e| e == "safetensors");
+    let mut selected = match key {
+        Some(k) => select(&v, k)?.clone(),
+        None => v,
+    };
+    let is_sd = tandem_ckpt::keys::is_state_dict(&selected);
+    if (to_safetensors || strip.is_some() || add.is_some()) && !is_sd {
+        // A training checkpoint: use its state dict when there is exactly one.
+        let found = find_state_dicts(&selected);
+        match found.as_slice() {
+            [(at, _)] if at != "(bare)" => {
+                eprintln!("note: converting the state dict under `{at}` (use --key to pick another value)");
+                let path = at.replace('.', "/");
+                selected = select(&selected, &path)?.clone();
+            }
+            _ => bail!(
+                "{}: not a plain state dict; pick one with --key (top-level keys: {})",
+                input.display(),
+                selected.as_dict().map(|d| d.iter().map(|(k, _)| short_key(k)).collect::<Vec<_>>().join(", ")).unwrap_or_default()
+            ),
+        }
+    }
+    if let Some(p) = strip {
+        let mut stripped = 0;
+        let counter = std::cell::Cell::new(0usize);
+        selected = rename_keys(&selected, &|k| {
+            Ok(match k.strip_prefix(p) {
+                Some(rest) => {
+                    counter.set(counter.get() + 1);
+                    rest.to_string()
+                }
+                None => k.to_string(),
+            })
+        })?;
+        stripped += counter.get();
+        if stripped == 0 {
+            eprintln!("warning: no key starts with `{p}`; nothing stripped");
+        }
+    }
+    if let Some(p) = add {
+        selected = rename_keys(&selected, &|k| Ok(format!("{p}{k}")))?;
+    }
+    if to_safetensors {
+        tandem_ckpt::safetensors::save(output, &selected)?;
+    } else {
+        tandem_ckpt::save(output, &selected)?;
+    }
+    eprintln!("wrote {}", output.display());
+    Ok(0)
+}
+
+fn canonical_leaves(v: &Value) -> (Vec<(String, &Value)>, bool) {
+    let mut all = Vec::new();
+    leaves(v, String::new(), &mut all);
+    let mut renamed = false;
+    let out = all
+        .into_iter()
+        .map(|(p, x)| {
+            let c = strip_wrappers(&p);
+            renamed |= c != p;
+            (c, x)
+        })
+        .collect();
+    (out, renamed)
+}
+
+fn diff(a: &Path, b: &Path) -> anyhow::Result<i32> {
+    let va = read(a)?;
+    let vb = read(b)?;
+    let (la, ra) = canonical_leaves(&va);
+    let (lb, rb) = canonical_leaves(&vb);
+    if ra || rb {
+        println!("note: keys compared without wrapper segments (`module.`, `_orig_mod.`)");
+    }
+    let mb: std::collections::HashMap<&str, &Value> = lb.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    let ma: std::collections::HashMap<&str, &Value> = la.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    let mut differences = 0;
+    let only_a: Vec<&str> = la.iter().map(|(k, _)| k.as_str()).filter(|k| !mb.contains_key(k)).collect();
+    let only_b: Vec<&str> = lb.iter().map(|(k, _)| k.as_str()).filter(|k| !ma.contains_key(k)).collect();
+    for (title, keys, file) in [("only in", &only_a, a), ("only in", &only_b, b)] {
+        if !keys.is_empty() {
+            println!("{title} {} ({}):", file.display(), keys.len());
+            for k in keys.iter() {
+                println!("  {k}");
+            }
+            differences += keys.len();
+        }
+    }
+    let mut max_abs = 0f64;
+    let mut compared = 0;
+    for (k, x) in &la {
+        let Some(y) = mb.get(k.as_str()) else { continue };
+        match (x, y) {
+            (Value::Tensor(s), Value::Tensor(t)) => {
+                if s.shape != t.shape || s.dtype != t.dtype {
+                    println!("{k}: {} {:?} vs {} {:?}", s.dtype, s.shape, t.dtype, t.shape);
+                    differences += 1;
+                    continue;
+                }
+                compared += 1;
+                let d = s
+                    .to_f64_vec()
+                    .iter()
+                    .zip(t.to_f64_vec())
+                    .map(|(p, q)| if p.is_nan() && q.is_nan() { 0.0 } else { (p - q).abs() })
+                    .fold(0f64, |m, d| if d.is_nan() || d > m { d } else { m });
+                if d != 0.0 {
+                    println!("{k}: max abs difference {d:e}");
+                    differences += 1;
+                }
+                if d.is_nan() || d > max_abs {
+                    max_abs = d;
+                }
+            }
+            (x, y) if x != y => {
+                println!("{k}: {} vs {}", short_repr(x), short_repr(y));
+                differences += 1;
+            }
+            _ => {}
+        }
+    }
+    println!("{compared} tensors compared, max abs difference {max_abs:e}, {differences} differences");
+    Ok(if differences == 0 { 0 } else { 1 })
+}
+
+fn load_check(file: &Path, reference: &Path, strict: bool) -> anyhow::Result<i32> {
+    let src = read(file)?;
+    let rf = read(reference)?;
+    let found = find_state_dicts(&rf);
+    let Some((_, target)) = found.first() else {
+        bail!("{}: holds no state dict to check against", reference.display())
+    };
+    let target: Vec<(String, Vec<usize>, tandem_ckpt::DType)> =
+        target.iter().map(|(k, t)| (k.clone(), t.shape.clone(), t.dtype)).collect();
+    match load_state_dict(&src, &target, strict) {
+        Ok((_, report)) => {
+            print!("{report}");
+            Ok(if report.is_complete() { 0 } else { 1 })
+        }
+        Err(CkptError::StateDictMismatch(report)) => {
+            print!("{report}");
+            Ok(1)
+        }
+        Err(e) => Err(e.into()),
+    }
 }

@@ -62,8 +62,8 @@ pub struct Args {
     tee: Option<StreamSpec>,
 
     /// Show only these local ranks' output on the console (e.g. 0,1); log files keep everything.
-    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter", value_name = "RANKS", value_parser = parse_local_ranks)]
-    local_ranks_filter: Option<Vec<u32>>,
+    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter", value_name = "RANKS", value_parser = parse_rank_list)]
+    local_ranks_filter: Option<RankList>,
 
     /// Seconds between SIGTERM and SIGKILL when stopping workers.
     #[arg(long = "stop-grace", alias = "stop_grace", value_name = "SECS", default_value_t = 5.0)]
@@ -76,6 +76,15 @@ pub struct Args {
     /// The program every worker runs, and its arguments (put `--` before it).
     #[arg(value_name = "PROGRAM [ARGS]", required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<OsString>,
+}
+
+/// A comma-separated list of local ranks, kept as one value (clap would otherwise treat a
+/// `Vec` as a repeatable flag).
+#[derive(Clone, Debug)]
+struct RankList(Vec<u32>);
+
+fn parse_rank_list(s: &str) -> Result<RankList, String> {
+    parse_local_ranks(s).map(RankList)
 }
 
 fn seconds(flag: &str, secs: f64) -> anyhow::Result<Duration> {
@@ -98,7 +107,7 @@ pub fn config_from_args(args: Args) -> anyhow::Result<LaunchConfig> {
     cfg.log_dir = args.log_dir;
     cfg.redirects = args.redirects.unwrap_or_default();
     cfg.tee = args.tee.unwrap_or_default();
-    cfg.local_ranks_filter = args.local_ranks_filter;
+    cfg.local_ranks_filter = args.local_ranks_filter.map(|l| l.0);
     cfg.prefix_output = !args.no_prefix;
     if args.standalone {
         if cfg.nnodes != 1 {

@@ -1,9 +1,65 @@
-//! `tandem sampler` (not implemented yet).
+//! `tandem sampler`: prints the sample indices one rank sees in one epoch, as a JSON array —
+//! exactly `list(iter(DistributedSampler(range(len), R, rank, shuffle, seed, drop_last)))`
+//! after `set_epoch(epoch)` in PyTorch, so the two can be diffed.
+use anyhow::Context;
+use tandem_data::DistributedSampler;
 
-#[derive(clap::Args)]
-pub struct Args {}
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Dataset length (samples).
+    #[arg(long = "len", value_name = "N")]
+    len: usize,
+    /// Number of ranks (num_replicas / world size).
+    #[arg(long, value_name = "R")]
+    replicas: usize,
+    /// The rank whose indices to print (0 <= K < R).
+    #[arg(long, value_name = "K")]
+    rank: usize,
+    /// Shuffle with torch.randperm seeded by seed + epoch (PyTorch's default is on; here it is
+    /// off unless given, as the flag form requires).
+    #[arg(long)]
+    shuffle: bool,
+    /// Sampler seed (PyTorch's default 0).
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    seed: u64,
+    /// Epoch passed to set_epoch.
+    #[arg(long, value_name = "E", default_value_t = 0)]
+    epoch: u64,
+    /// Trim the tail so every rank gets floor(N / R) samples instead of padding.
+    #[arg(long)]
+    drop_last: bool,
+}
 
-pub fn main(_args: Args) -> anyhow::Result<i32> {
-    eprintln!("tandem sampler: not yet implemented");
-    Ok(2)
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    let mut sampler = DistributedSampler::new(
+        args.len,
+        args.replicas,
+        args.rank,
+        args.shuffle,
+        args.seed,
+        args.drop_last,
+    )
+    .context("--rank / --replicas")?;
+    sampler.set_epoch(args.epoch);
+    let indices = sampler.indices();
+    let mut out = String::with_capacity(indices.len() * 8 + 2);
+    out.push('[');
+    for (i, index) in indices.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(&index.to_string());
+    }
+    out.push_str("]\n");
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(out.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Ok(()) => Ok(0),
+        // `tandem sampler ... | head` closing the pipe is not an error worth a message.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),
+        Err(e) => Err(e).context("writing to stdout"),
+    }
 }

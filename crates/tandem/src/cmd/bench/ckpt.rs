@@ -1,9 +1,195 @@
-//! `tandem bench ckpt` (not implemented yet).
+//! `tandem bench ckpt`: save and load throughput of a state dict of `--size-mib` MiB for tandem
+//! (.pt and safetensors) beside `dd conv=fsync` of the same size and, when a Python with torch is
+//! found, `torch.save` (+ fsync, as tandem's save syncs) and `torch.load(mmap=True)`, all measured
+//! in this run in the same directory. Prints min and median over `--repeat` runs and the ratios
+//! the targets are stated in. The page cache is not dropped: loads right after saves are warm for
+//! every contender alike.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use tandem_ckpt::{Tensor, Value};
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Total tensor bytes, in MiB.
+    #[arg(long, default_value_t = 512)]
+    size_mib: usize,
+    /// Tensors the size is split into.
+    #[arg(long, default_value_t = 32)]
+    tensors: usize,
+    /// Repetitions (min and median are reported).
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+    /// Directory for the files (default: a fresh directory under the current one, removed after).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Python with torch (default: $TANDEM_PYTHON, ./.venv-torch/bin/python, python3).
+    #[arg(long)]
+    python: Option<PathBuf>,
+}
 
-pub fn main(_args: Args) -> anyhow::Result<i32> {
-    eprintln!("tandem bench ckpt: not yet implemented");
-    Ok(2)
+fn find_python(explicit: Option<PathBuf>) -> Option<PathBuf> {
+    let mut c = Vec::new();
+    c.extend(explicit);
+    c.extend(std::env::var_os("TANDEM_PYTHON").map(PathBuf::from));
+    c.push(PathBuf::from(".venv-torch/bin/python"));
+    c.push(PathBuf::from("python3"));
+    c.into_iter().find(|p| Command::new(p).args(["-c", "import torch"]).output().is_ok_and(|o| o.status.success()))
+}
+
+fn state_dict(total: usize, n: usize) -> Value {
+    let per = (total / n / 4).max(1);
+    let mut x: u32 = 0x1234_5678;
+    let items = (0..n)
+        .map(|i| {
+            let data: Vec<f32> = (0..per)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    (x as f32) * 1e-9
+                })
+                .collect();
+            (format!("layers.{i}.weight"), Value::Tensor(Tensor::from_f32(&[per], &data)))
+        })
+        .collect::<Vec<_>>();
+    Value::dict_from(items)
+}
+
+fn time<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<f64> {
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+fn dd(path: &Path, mib: usize) -> anyhow::Result<()> {
+    let st = Command::new("dd")
+        .arg("if=/dev/zero")
+        .arg(format!("of={}", path.display()))
+        .args(["bs=1M", &format!("count={mib}"), "conv=fsync", "status=none"])
+        .status()
+        .context("running dd")?;
+    if !st.success() {
+        bail!("dd failed: {st}");
+    }
+    Ok(())
+}
+
+const TORCH_SCRIPT: &str = r#"
+import json, os, sys, time, torch
+d, total, n, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+per = max(total // n // 4, 1)
+g = torch.Generator().manual_seed(0)
+sd = {f"layers.{i}.weight": torch.rand(per, generator=g) for i in range(n)}
+p = os.path.join(d, "torch.pt")
+for _ in range(reps):
+    t = time.perf_counter()
+    torch.save(sd, p)
+    fd = os.open(p, os.O_RDONLY); os.fsync(fd); os.close(fd)
+    save = time.perf_counter() - t
+    t = time.perf_counter()
+    x = torch.load(p, mmap=True, weights_only=True)
+    load = time.perf_counter() - t
+    del x
+    print(json.dumps({"save": save, "load": load}), flush=True)
+os.remove(p)
+"#;
+
+fn stats(v: &[f64], bytes: f64) -> (f64, f64) {
+    // Throughput in MiB/s: min and median of the per-run throughputs.
+    let mut t: Vec<f64> = v.iter().map(|s| bytes / s / (1 << 20) as f64).collect();
+    t.sort_by(|a, b| a.total_cmp(b));
+    (t[0], t[t.len() / 2])
+}
+
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    if args.size_mib == 0 || args.tensors == 0 || args.repeat == 0 {
+        bail!("--size-mib, --tensors and --repeat must be positive");
+    }
+    let (dir, own_dir) = match &args.dir {
+        Some(d) => (d.clone(), false),
+        None => (PathBuf::from(format!("tandem-bench-ckpt-{}", std::process::id())), true),
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let result = run(&args, &dir);
+    if own_dir {
+        std::fs::remove_dir_all(&dir).ok();
+    }
+    result
+}
+
+fn run(args: &Args, dir: &Path) -> anyhow::Result<i32> {
+    let total = args.size_mib << 20;
+    eprintln!("building a {} MiB state dict of {} f32 tensors in {}", args.size_mib, args.tensors, dir.display());
+    let sd = state_dict(total, args.tensors);
+    let bytes = total as f64;
+    let (pt, st, ddf) = (dir.join("tandem.pt"), dir.join("tandem.safetensors"), dir.join("dd.bin"));
+    let mut rows: Vec<(&str, Vec<f64>)> = vec![
+        ("dd conv=fsync (write)", vec![]),
+        ("tandem save .pt", vec![]),
+        ("tandem save .safetensors", vec![]),
+        ("tandem load .pt (mmap)", vec![]),
+        ("tandem load .pt (read)", vec![]),
+        ("tandem load .safetensors", vec![]),
+    ];
+    for r in 0..args.repeat {
+        eprintln!("run {}/{}", r + 1, args.repeat);
+        rows[0].1.push(time(|| dd(&ddf, args.size_mib))?);
+        std::fs::remove_file(&ddf).ok();
+        rows[1].1.push(time(|| Ok(tandem_ckpt::save(&pt, &sd)?))?);
+        rows[2].1.push(time(|| Ok(tandem_ckpt::safetensors::save(&st, &sd)?))?);
+        rows[3].1.push(time(|| Ok(tandem_ckpt::load(&pt)?))?);
+        let no_mmap = tandem_ckpt::LoadOptions { mmap: false, ..Default::default() };
+        rows[4].1.push(time(|| Ok(tandem_ckpt::load_with(&pt, &no_mmap)?))?);
+        rows[5].1.push(time(|| Ok(tandem_ckpt::safetensors::load(&st)?))?);
+    }
+    std::fs::remove_file(&pt).ok();
+    std::fs::remove_file(&st).ok();
+    let mut torch_rows: Vec<(&str, Vec<f64>)> = vec![];
+    match find_python(args.python.clone()) {
+        Some(py) => {
+            eprintln!("torch runs with {}", py.display());
+            let out = Command::new(&py)
+                .args(["-c", TORCH_SCRIPT])
+                .arg(dir)
+                .args([total.to_string(), args.tensors.to_string(), args.repeat.to_string()])
+                .output()
+                .context("running torch")?;
+            if !out.status.success() {
+                bail!("torch benchmark failed: {}", String::from_utf8_lossy(&out.stderr));
+            }
+            let (mut s, mut l) = (vec![], vec![]);
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                let j: serde_json::Value = serde_json::from_str(line)?;
+                s.push(j["save"].as_f64().unwrap_or(f64::NAN));
+                l.push(j["load"].as_f64().unwrap_or(f64::NAN));
+            }
+            torch_rows.push(("torch.save + fsync", s));
+            torch_rows.push(("torch.load(mmap=True)", l));
+        }
+        None => eprintln!("no Python with torch found: torch rows skipped"),
+    }
+    println!("checkpoint of {} MiB ({} tensors), {} runs; throughput in MiB/s", args.size_mib, args.tensors, args.repeat);
+    println!("{:<28} {:>10} {:>10}", "", "min", "median");
+    let mut med = std::collections::HashMap::new();
+    for (name, v) in rows.iter().chain(torch_rows.iter()) {
+        let (mn, md) = stats(v, bytes);
+        med.insert(*name, md);
+        println!("{name:<28} {mn:>10.0} {md:>10.0}");
+    }
+    let ratio = |a: &str, b: &str| med.get(a).zip(med.get(b)).map(|(x, y)| x / y);
+    println!("ratios of medians:");
+    for (a, b, target) in [
+        ("tandem save .pt", "dd conv=fsync (write)", ">= 0.80"),
+        ("tandem save .safetensors", "dd conv=fsync (write)", ">= 0.80"),
+        ("tandem save .pt", "torch.save + fsync", ">= 1.00"),
+        ("tandem load .pt (mmap)", "torch.load(mmap=True)", ">= 1.00"),
+    ] {
+        if let Some(r) = ratio(a, b) {
+            println!("  {a} / {b}: {r:.2} (target {target})");
+        }
+    }
+    Ok(0)
 }

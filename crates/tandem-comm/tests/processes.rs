@@ -1,0 +1,240 @@
+//! Real processes: this test binary re-executes itself (`--exact worker --nocapture`) with the
+//! launcher variables of each rank. Covers env:// (torchrun), Slurm and OpenMPI detection and a
+//! rank killed with SIGKILL in the middle of all_reduce. Every child is bounded in time.
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tandem_comm::ReduceOp;
+
+const ROLE: &str = "TANDEM_TEST_ROLE";
+
+/// The child side: does nothing unless started by one of the tests below.
+#[test]
+fn worker() {
+    let Ok(role) = std::env::var(ROLE) else { return };
+    let pg = match tandem_comm::init() {
+        Ok(pg) => pg,
+        Err(e) => {
+            println!("INIT-ERROR {e}");
+            std::process::exit(3);
+        }
+    };
+    let (r, n) = (pg.rank(), pg.size());
+    match role.as_str() {
+        "sum" => {
+            let mut v: Vec<f64> = (0..1001).map(|i| (i * (r + 1)) as f64).collect();
+            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            let f: usize = (1..=n).sum();
+            assert!(v.iter().enumerate().all(|(i, x)| *x == (i * f) as f64));
+            let names = pg.all_gather_bytes(format!("rank{r}").as_bytes()).unwrap();
+            pg.barrier().unwrap();
+            println!(
+                "OK rank={r} size={n} local={}/{} transport={:?} names={}",
+                pg.local_rank(),
+                pg.local_size(),
+                pg.transport(),
+                names.iter().map(|b| String::from_utf8_lossy(b).to_string()).collect::<Vec<_>>().join(",")
+            );
+        }
+        "loop" => {
+            let mut v = vec![1.0f32; 1 << 20];
+            let mut i = 0u64;
+            loop {
+                if let Err(e) = pg.all_reduce(&mut v, ReduceOp::Sum) {
+                    println!("COMM-ERROR {e}");
+                    std::process::exit(4);
+                }
+                v.iter_mut().for_each(|x| *x = 1.0);
+                i += 1;
+                if i == 3 {
+                    println!("READY");
+                }
+            }
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+fn spawn(role: &str, vars: &[(String, String)]) -> Child {
+    let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
+    cmd.args(["--exact", "worker", "--nocapture", "--test-threads=1"]).env(ROLE, role);
+    for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TANDEM_TRANSPORT"] {
+        cmd.env_remove(k);
+    }
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    cmd.env("TANDEM_INIT_TIMEOUT", "20").stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd.spawn().expect("spawn worker")
+}
+
+fn finish(children: Vec<Child>, limit: Duration) -> Vec<(Option<i32>, String)> {
+    children
+        .into_iter()
+        .map(|c| {
+            let mut c = c;
+            let status = tandem_testutil::wait_with_deadline(&mut c, limit);
+            let out = c.wait_with_output().map(|o| String::from_utf8_lossy(&o.stdout).to_string()).unwrap_or_default();
+            (status.and_then(|s| s.code()), out)
+        })
+        .collect()
+}
+
+fn vars(pairs: &[(&str, String)]) -> Vec<(String, String)> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+}
+
+#[test]
+fn torchrun_env_world_of_three() {
+    let port = tandem_testutil::free_port().to_string();
+    let kids: Vec<Child> = (0..3)
+        .map(|r| {
+            spawn(
+                "sum",
+                &vars(&[
+                    ("RANK", r.to_string()),
+                    ("WORLD_SIZE", "3".into()),
+                    ("LOCAL_RANK", r.to_string()),
+                    ("LOCAL_WORLD_SIZE", "3".into()),
+                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_PORT", port.clone()),
+                    ("TORCHELASTIC_RUN_ID", "envtest".into()),
+                ]),
+            )
+        })
+        .collect();
+    for (r, (code, out)) in finish(kids, Duration::from_secs(60)).into_iter().enumerate() {
+        assert_eq!(code, Some(0), "rank {r}: {out}");
+        assert!(
+            out.contains(&format!("OK rank={r} size=3 local={r}/3 transport=Some(Shm) names=rank0,rank1,rank2")),
+            "rank {r}: {out}"
+        );
+    }
+}
+
+#[test]
+fn slurm_and_openmpi_variables() {
+    let port = tandem_testutil::free_port().to_string();
+    let slurm: Vec<Child> = (0..2)
+        .map(|r| {
+            spawn(
+                "sum",
+                &vars(&[
+                    ("SLURM_PROCID", r.to_string()),
+                    ("SLURM_NTASKS", "2".into()),
+                    ("SLURM_LOCALID", r.to_string()),
+                    ("SLURM_JOB_NODELIST", "localhost".into()),
+                    ("MASTER_PORT", port.clone()),
+                    ("TANDEM_TRANSPORT", "tcp".into()),
+                ]),
+            )
+        })
+        .collect();
+    for (r, (code, out)) in finish(slurm, Duration::from_secs(60)).into_iter().enumerate() {
+        assert_eq!(code, Some(0), "slurm rank {r}: {out}");
+        assert!(out.contains(&format!("OK rank={r} size=2 local={r}/2 transport=Some(Tcp)")), "{out}");
+    }
+    let port = tandem_testutil::free_port().to_string();
+    let mpi: Vec<Child> = (0..2)
+        .map(|r| {
+            spawn(
+                "sum",
+                &vars(&[
+                    ("OMPI_COMM_WORLD_RANK", r.to_string()),
+                    ("OMPI_COMM_WORLD_SIZE", "2".into()),
+                    ("OMPI_COMM_WORLD_LOCAL_RANK", r.to_string()),
+                    ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
+                    ("MASTER_PORT", port.clone()),
+                ]),
+            )
+        })
+        .collect();
+    for (r, (code, out)) in finish(mpi, Duration::from_secs(60)).into_iter().enumerate() {
+        assert_eq!(code, Some(0), "openmpi rank {r}: {out}");
+        assert!(out.contains(&format!("OK rank={r} size=2")), "{out}");
+    }
+}
+
+#[test]
+fn a_job_with_another_run_id_is_refused() {
+    let port = tandem_testutil::free_port().to_string();
+    let base = |r: usize, id: &str| {
+        vars(&[
+            ("RANK", r.to_string()),
+            ("WORLD_SIZE", "2".into()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", port.clone()),
+            ("TANDEM_RUN_ID", id.into()),
+        ])
+    };
+    let mut rank0 = spawn("sum", &base(0, "job-a"));
+    let intruder = spawn("sum", &base(1, "job-b"));
+    let (code, out) = finish(vec![intruder], Duration::from_secs(30)).remove(0);
+    let _ = rank0.kill();
+    let _ = rank0.wait();
+    assert_eq!(code, Some(3), "{out}");
+    assert!(out.contains("INIT-ERROR") && out.contains("\"job-a\"") && out.contains("\"job-b\""), "{out}");
+}
+
+/// SIGKILL one rank in the middle of a stream of 4 MiB all_reduces: every survivor's collective
+/// fails (no hang) within the default 10 s, naming the operation, its sequence number and a peer.
+fn kill_mid_all_reduce(transport: &str) {
+    let port = tandem_testutil::free_port().to_string();
+    let n = 3;
+    let mut kids: Vec<Child> = (0..n)
+        .map(|r| {
+            spawn(
+                "loop",
+                &vars(&[
+                    ("RANK", r.to_string()),
+                    ("WORLD_SIZE", n.to_string()),
+                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_PORT", port.clone()),
+                    ("TANDEM_TRANSPORT", transport.into()),
+                ]),
+            )
+        })
+        .collect();
+    // Wait until rank 1 has run a few all_reduces, then kill it mid-stream.
+    let mut out1 = kids[1].stdout.take().expect("stdout");
+    let ready = std::thread::spawn(move || {
+        use std::io::BufRead;
+        let lines = std::io::BufReader::new(&mut out1).lines();
+        for line in lines.map_while(Result::ok) {
+            if line.contains("READY") {
+                break;
+            }
+        }
+    });
+    let t0 = Instant::now();
+    while !ready.is_finished() && t0.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(ready.is_finished(), "rank 1 never reported READY");
+    std::thread::sleep(Duration::from_millis(30));
+    let killed_at = Instant::now();
+    kids[1].kill().expect("kill rank 1");
+    let _ = kids[1].wait();
+    let victim = kids.remove(1);
+    drop(victim);
+    let results = finish(kids, Duration::from_secs(25));
+    let took = killed_at.elapsed();
+    eprintln!("{transport}: survivors failed after {took:?}: {results:?}");
+    for (code, out) in &results {
+        assert_eq!(*code, Some(4), "{transport}: survivor did not fail cleanly: {out}");
+        assert!(out.contains("COMM-ERROR all_reduce #"), "{out}");
+        assert!(out.contains("peer rank"), "{out}");
+    }
+    assert!(took < Duration::from_secs(11), "{transport}: survivors took {took:?}");
+    // The direct neighbours name the dead rank.
+    assert!(results.iter().any(|(_, o)| o.contains("peer rank 1")), "{results:?}");
+}
+
+#[test]
+fn killed_rank_fails_survivors_tcp() {
+    kill_mid_all_reduce("tcp");
+}
+
+#[test]
+fn killed_rank_fails_survivors_shm() {
+    kill_mid_all_reduce("shm");
+}

@@ -1,0 +1,124 @@
+//! Uneven distributed evaluation on a real process group (ranks as threads over loopback TCP):
+//! every eval sample counted exactly once, and the totals equal a single process's.
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+use tandem_comm::{init_with, InitMethod, InitOptions, ProcessGroup, TransportKind};
+use tandem_data::{datasets, evaluate, Batch, DataError, EvalMetrics, LoaderOptions};
+
+/// Runs `f` on every rank of an `n`-rank world, one thread per rank; panics past the deadline.
+fn run_world<R: Send + 'static>(
+    n: usize,
+    f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let url = format!("tcp://127.0.0.1:{}", tandem_testutil::free_port());
+    let opts = InitOptions {
+        transport: Some(TransportKind::Tcp),
+        timeout: Duration::from_secs(10),
+        init_timeout: Duration::from_secs(20),
+        run_id: "tandem-data-eval-test".into(),
+        desync_check: false,
+    };
+    let f = Arc::new(f);
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..n {
+        let (tx, f, url, opts) = (tx.clone(), f.clone(), url.clone(), opts.clone());
+        std::thread::spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                f(init_with(&InitMethod::tcp(&url, rank, n), &opts).expect("init"))
+            }));
+            let _ = tx.send((rank, r.map_err(|_| format!("rank {rank} panicked"))));
+        });
+    }
+    drop(tx);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    for _ in 0..n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (rank, r) = rx.recv_timeout(left).expect("world finished within 60 s");
+        out[rank] = Some(r.unwrap_or_else(|e| panic!("{e}")));
+    }
+    out.into_iter().map(Option::unwrap).collect()
+}
+
+/// A fixed "model": predicts (rounded pixel sum) mod 10; per-sample loss is the pixel mean.
+fn step(batch: &Batch) -> Result<(f64, i64), DataError> {
+    let x = batch.x.to_vec2::<f32>()?;
+    let y = batch.y.to_vec1::<u32>()?;
+    let mut loss = 0f64;
+    let mut correct = 0;
+    for (row, &label) in x.iter().zip(&y) {
+        let sum: f32 = row.iter().sum();
+        loss += f64::from(sum) / row.len() as f64;
+        correct += i64::from((sum.round() as u32) % 10 == label);
+    }
+    Ok((loss, correct))
+}
+
+fn single_process() -> EvalMetrics {
+    let (_, eval) = datasets::digits().unwrap();
+    let pg = tandem_comm::init_from(&InitMethod::Single).unwrap();
+    evaluate(
+        &pg,
+        Arc::new(eval),
+        &LoaderOptions::new(32),
+        Device::Cpu,
+        step,
+    )
+    .unwrap()
+}
+
+#[test]
+fn distributed_eval_equals_single_process() {
+    let single = single_process();
+    assert_eq!(single.count, 297);
+    assert!(single.correct > 0 && single.correct < 297, "{single:?}");
+    // 297 samples over 4 ranks: 75/74/74/74; a padded DistributedSampler would count 300.
+    for world in [2, 4, 7] {
+        let results = run_world(world, |pg| {
+            let (_, eval) = datasets::digits().unwrap();
+            let opts = LoaderOptions {
+                batch_size: 16,
+                num_workers: 2,
+                ..LoaderOptions::default()
+            };
+            evaluate(&pg, Arc::new(eval), &opts, Device::Cpu, step).unwrap()
+        });
+        for (rank, m) in results.iter().enumerate() {
+            assert_eq!(
+                (m.correct, m.count),
+                (single.correct, single.count),
+                "world {world} rank {rank}"
+            );
+            assert_eq!(m.accuracy(), single.accuracy());
+            assert!(
+                (m.loss_sum - single.loss_sum).abs() <= 1e-9 * single.loss_sum.abs(),
+                "{m:?} vs {single:?}"
+            );
+            assert_eq!(m, &results[0], "every rank gets the same totals");
+        }
+    }
+}
+
+#[test]
+fn ranks_with_nothing_to_evaluate_still_join() {
+    // 3 samples, 5 ranks: ranks 3 and 4 have empty shares and must not hang the others.
+    let results = run_world(5, |pg| {
+        let ds = Arc::new(datasets::synthetic(3, 4, 2, 0).unwrap());
+        evaluate(&pg, ds, &LoaderOptions::new(2), Device::Cpu, |b| {
+            Ok((b.len() as f64 * 0.5, b.len() as i64))
+        })
+        .unwrap()
+    });
+    for m in results {
+        assert_eq!(
+            m,
+            EvalMetrics {
+                loss_sum: 1.5,
+                correct: 3,
+                count: 3
+            }
+        );
+    }
+}

@@ -1,0 +1,142 @@
+//! clip_grad_norm against torch.nn.utils.clip_grad_norm_ (fixture from
+//! tests/fixtures/optim/make_fixtures.py), AverageMeter, and metrics averaged across a real
+//! world of ranks (threads with loopback sockets, bounded in time).
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor, Var};
+use serde_json::Value as Json;
+use tandem_comm::{init_with, InitMethod, InitOptions, ProcessGroup, TransportKind};
+use tandem_ddp::metrics::{all_reduce_mean, clip_grad_norm, AverageMeter, MetricsError};
+
+fn fixture() -> Json {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/optim/optimizers.json");
+    serde_json::from_str(&std::fs::read_to_string(path).expect("read optimizers.json")).expect("parse optimizers.json")
+}
+
+fn tensor_of(j: &Json) -> Tensor {
+    let shape: Vec<usize> = j["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
+    let data: Vec<f32> = j["data"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+    Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+#[test]
+fn clip_grad_norm_matches_torch() {
+    let fx = fixture();
+    let first_grads = fx["grads"][0].as_array().unwrap();
+    let clip = fx["clip"].as_array().unwrap();
+    assert!(clip.iter().any(|c| c["max_norm"].as_f64().unwrap() < c["total_norm"].as_f64().unwrap()));
+    assert!(clip.iter().any(|c| c["max_norm"].as_f64().unwrap() > c["total_norm"].as_f64().unwrap()));
+    for case in clip {
+        let max_norm = case["max_norm"].as_f64().unwrap();
+        let grads: Vec<Tensor> = first_grads.iter().map(tensor_of).collect();
+        let params: Vec<Var> = grads.iter().map(|g| Var::zeros(g.dims(), g.dtype(), &Device::Cpu).unwrap()).collect();
+        let mut store = GradStore::default();
+        for (p, g) in params.iter().zip(&grads) {
+            store.insert(p.as_tensor(), g.clone());
+        }
+        let total = clip_grad_norm(&params, &mut store, max_norm).unwrap();
+        let want = case["total_norm"].as_f64().unwrap();
+        // torch returns a float32 norm.
+        assert!((total - want).abs() <= 1e-6 * want, "max_norm {max_norm}: norm {total} vs torch {want}");
+        for (i, (p, w)) in params.iter().zip(case["grads_after"].as_array().unwrap()).enumerate() {
+            let (ours, theirs) = (flat(store.get(p.as_tensor()).unwrap()), flat(&tensor_of(w)));
+            for (a, b) in ours.iter().zip(&theirs) {
+                assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "max_norm {max_norm}, grad {i}: {a} vs torch {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn clip_ignores_params_without_grads_and_refuses_non_finite_norms() {
+    let a = Var::zeros(2, candle_core::DType::F32, &Device::Cpu).unwrap();
+    let b = Var::zeros(2, candle_core::DType::F32, &Device::Cpu).unwrap();
+    let mut store = GradStore::default();
+    store.insert(a.as_tensor(), Tensor::new(&[3.0f32, 4.0], &Device::Cpu).unwrap());
+    let total = clip_grad_norm(&[a.clone(), b.clone()], &mut store, 1.0).unwrap();
+    assert!((total - 5.0).abs() < 1e-12);
+    let clipped = flat(store.get(a.as_tensor()).unwrap());
+    assert!((clipped[0] - 0.6).abs() < 1e-6 && (clipped[1] - 0.8).abs() < 1e-6, "{clipped:?}");
+    assert!(store.get(b.as_tensor()).is_none());
+
+    store.insert(b.as_tensor(), Tensor::new(&[f32::INFINITY, 1.0], &Device::Cpu).unwrap());
+    let before = flat(store.get(a.as_tensor()).unwrap());
+    assert!(matches!(clip_grad_norm(&[a.clone(), b.clone()], &mut store, 1.0), Err(MetricsError::NonFiniteNorm { .. })));
+    assert_eq!(flat(store.get(a.as_tensor()).unwrap()), before, "gradients changed on error");
+    assert!(matches!(clip_grad_norm(&[a], &mut store, f64::NAN), Err(MetricsError::InvalidMaxNorm(_))));
+}
+
+#[test]
+fn average_meter_accumulates_weighted_means() {
+    let mut m = AverageMeter::new();
+    m.update(2.0, 1);
+    m.update(5.0, 3);
+    assert_eq!((m.val, m.sum, m.count), (5.0, 17.0, 4.0));
+    assert!((m.avg - 4.25).abs() < 1e-15);
+    m.reset();
+    assert_eq!(m, AverageMeter::default());
+    m.update(1.5, 0);
+    assert_eq!((m.val, m.avg, m.count), (1.5, 0.0, 0.0));
+}
+
+/// Runs `f` on every rank of a fresh `n`-rank TCP world on loopback; panics (never hangs)
+/// past `limit`.
+fn run_world<R: Send + 'static>(n: usize, f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static) -> Vec<R> {
+    let limit = Duration::from_secs(30);
+    let url = format!("tcp://127.0.0.1:{}", tandem_testutil::free_port());
+    let opts = InitOptions {
+        transport: Some(TransportKind::Tcp),
+        timeout: Duration::from_secs(10),
+        init_timeout: Duration::from_secs(20),
+        run_id: "metrics-test".into(),
+        desync_check: false,
+    };
+    let f = std::sync::Arc::new(f);
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..n {
+        let (tx, f, url, opts) = (tx.clone(), f.clone(), url.clone(), opts.clone());
+        std::thread::spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                f(init_with(&InitMethod::tcp(&url, rank, n), &opts).expect("init"))
+            }));
+            let _ = tx.send((rank, r.is_ok(), r.ok()));
+        });
+    }
+    drop(tx);
+    let deadline = Instant::now() + limit;
+    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    for _ in 0..n {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok((rank, true, r)) => out[rank] = r,
+            Ok((rank, false, _)) => panic!("rank {rank} panicked"),
+            Err(_) => panic!("world of {n} did not finish within {limit:?}"),
+        }
+    }
+    out.into_iter().map(|r| r.expect("every rank reported")).collect()
+}
+
+#[test]
+fn metrics_are_averaged_across_ranks() {
+    let results = run_world(3, |pg| {
+        let rank = pg.rank() as f64;
+        let mut values = [rank, 10.0 * rank + 1.0];
+        all_reduce_mean(&pg, &mut values).unwrap();
+        // Rank r saw r+1 samples of loss r: the global average weighs ranks by their counts.
+        let mut meter = AverageMeter::new();
+        meter.update(rank, pg.rank() + 1);
+        let global = meter.all_reduce(&pg).unwrap();
+        (values, global)
+    });
+    for (values, global) in results {
+        assert_eq!(values, [1.0, 11.0]);
+        assert_eq!((global.sum, global.count), (0.0 + 2.0 + 6.0, 6.0));
+        assert!((global.avg - 8.0 / 6.0).abs() < 1e-15);
+        assert!((global.val - 1.0).abs() < 1e-15);
+    }
+}

@@ -1,0 +1,124 @@
+//! A backstop for a launcher that dies without cleaning up (SIGKILL, OOM killer, a panic in
+//! an embedding program). Workers get PR_SET_PDEATHSIG, but that reaches only the worker
+//! itself, not the processes it started. So `launch` forks a tiny watchdog before starting any
+//! worker: it is told each worker's process group through a pipe, and when the pipe reaches end
+//! of file, which the kernel guarantees when the launcher process is gone however it ended,
+//! it SIGKILLs every group still listed and exits.
+//!
+//! Hand-written rather than a crate because it is ~60 lines and must run between `fork` and
+//! `_exit` with only async-signal-safe calls (read, kill, close, signal): no allocation and no
+//! locks, since the launcher may have other threads.
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+/// Largest number of groups the watchdog remembers at once (one per worker of an attempt).
+const CAPACITY: usize = 4096;
+
+pub(crate) struct GroupReaper {
+    tx: Option<File>,
+    pid: libc::pid_t,
+}
+
+impl GroupReaper {
+    /// Forks the watchdog. Errors (no fork possible) are reported by the caller as a warning:
+    /// the launcher still works, with only PR_SET_PDEATHSIG as a backstop.
+    pub(crate) fn start() -> std::io::Result<GroupReaper> {
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: plain system call on a local array.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: both fds were just created and are owned here.
+        let (rx, tx) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        // SAFETY: the child runs only `watch`, which makes async-signal-safe calls and never
+        // returns.
+        match unsafe { libc::fork() } {
+            -1 => Err(std::io::Error::last_os_error()),
+            0 => unsafe { watch(rx.as_raw_fd()) },
+            pid => {
+                drop(rx);
+                Ok(GroupReaper { tx: Some(File::from(tx)), pid })
+            }
+        }
+    }
+
+    fn send(&mut self, value: i32) {
+        if let Some(tx) = &mut self.tx {
+            // 4 bytes is below PIPE_BUF, so each message arrives whole.
+            if tx.write_all(&value.to_ne_bytes()).is_err() {
+                self.tx = None;
+            }
+        }
+    }
+
+    /// Lists a worker's process group (`pgid > 0`).
+    pub(crate) fn watch_group(&mut self, pgid: i32) {
+        self.send(pgid);
+    }
+
+    /// Forgets a group once it is known to be empty, so its id can never hit a stranger.
+    pub(crate) fn forget_group(&mut self, pgid: i32) {
+        self.send(-pgid);
+    }
+}
+
+impl Drop for GroupReaper {
+    fn drop(&mut self) {
+        self.tx = None; // end of file: the watchdog kills what is still listed and exits
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(self.pid, &mut status, 0) };
+    }
+}
+
+/// The watchdog's whole life. Only async-signal-safe calls from here on.
+unsafe fn watch(rx: libc::c_int) -> ! {
+    // Stay alive through the terminal's Ctrl-C and a `kill` of the launcher's group: the
+    // launcher handles those itself; our job starts when it is gone.
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT, libc::SIGPIPE] {
+        libc::signal(sig, libc::SIG_IGN);
+    }
+    // Drop every other descriptor inherited from the launcher (its stdout, workers' pipes), so
+    // nobody waits for an end of file that the watchdog would hold back.
+    let closed_all = rx > 0
+        && libc::syscall(libc::SYS_close_range, 0u32, (rx - 1) as u32, 0u32) == 0
+        && libc::syscall(libc::SYS_close_range, (rx + 1) as u32, u32::MAX, 0u32) == 0;
+    if !closed_all {
+        // Kernels before 5.9 have no close_range.
+        for fd in 0..4096 {
+            if fd != rx {
+                libc::close(fd);
+            }
+        }
+    }
+    let mut groups = [0i32; CAPACITY];
+    let mut buf = [0u8; 4];
+    let mut have = 0usize;
+    loop {
+        let n = libc::read(rx, buf.as_mut_ptr().add(have).cast(), 4 - have);
+        if n < 0 && *libc::__errno_location() == libc::EINTR {
+            continue;
+        }
+        if n <= 0 {
+            break;
+        }
+        have += n as usize;
+        if have < 4 {
+            continue;
+        }
+        have = 0;
+        let v = i32::from_ne_bytes(buf);
+        if v > 0 {
+            if let Some(slot) = groups.iter_mut().find(|g| **g == 0) {
+                *slot = v;
+            }
+        } else if let Some(slot) = groups.iter_mut().find(|g| **g == -v) {
+            *slot = 0;
+        }
+    }
+    for &g in groups.iter().filter(|g| **g > 0) {
+        libc::kill(-g, libc::SIGKILL);
+    }
+    libc::_exit(0)
+}

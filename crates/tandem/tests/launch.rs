@@ -1,0 +1,316 @@
+//! `tandem run` end to end, with `tandem check` (or /bin/sh) as the worker: collectives across
+//! the launched world, failure exit codes, restarts, two launchers forming one world, signals,
+//! and that no process (grandchildren included) outlives the launcher.
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tandem_testutil::{free_port, output_with_deadline, wait_with_deadline};
+
+const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn tandem_run(args: &[&str]) -> Command {
+    let mut c = Command::new(TANDEM);
+    c.arg("run").args(args);
+    c.env_remove("OMP_NUM_THREADS").env_remove("RAYON_NUM_THREADS");
+    c
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn describe(o: &Output) -> String {
+    format!("status {:?}\nstdout:\n{}\nstderr:\n{}", o.status, text(&o.stdout), text(&o.stderr))
+}
+
+/// Lines `[rank N] ...` of the launcher's stdout, without the prefix, for rank N.
+fn rank_lines(stdout: &str, rank: u32) -> Vec<String> {
+    let prefix = format!("[rank {rank}] ");
+    stdout.lines().filter_map(|l| l.strip_prefix(&prefix)).map(str::to_string).collect()
+}
+
+fn is_running(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            let state = stat.rfind(')').and_then(|i| stat[i + 1..].split_whitespace().next());
+            !matches!(state, Some("Z") | Some("X"))
+        }
+        Err(_) => false,
+    }
+}
+
+fn recorded_pids(dir: &Path) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        if e.path().extension().is_some_and(|x| x == "pid") {
+            let s = std::fs::read_to_string(e.path()).unwrap();
+            pids.extend(s.split_whitespace().map(|p| p.parse::<i32>().unwrap()));
+        }
+    }
+    pids
+}
+
+fn assert_no_survivors(pids: &[i32]) {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while pids.iter().any(|&p| is_running(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let alive: Vec<_> = pids.iter().copied().filter(|&p| is_running(p)).collect();
+    for &p in &alive {
+        unsafe { libc::kill(p, libc::SIGKILL) };
+    }
+    assert!(alive.is_empty(), "processes outlived the launcher: {alive:?}");
+}
+
+fn wait_for_files(dir: &Path, ext: &str, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let count = std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == ext) && e.metadata().is_ok_and(|m| m.len() > 0))
+            .count();
+        if count >= n {
+            return;
+        }
+        assert!(Instant::now() < deadline, "only {count} of {n} .{ext} files appeared in {}", dir.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn help_explains_every_flag() {
+    let out = output_with_deadline(Command::new(TANDEM).args(["run", "--help"]), LIMIT);
+    assert!(out.status.success(), "{}", describe(&out));
+    let help = text(&out.stdout);
+    for flag in [
+        "--nnodes", "--nproc-per-node", "--node-rank", "--master-addr", "--master-port", "--standalone",
+        "--max-restarts", "--monitor-interval", "--run-id", "--log-dir", "--redirects", "--tee",
+        "--local-ranks-filter",
+    ] {
+        let line = help.lines().find(|l| l.trim_start().starts_with(flag) || l.contains(&format!(", {flag}")));
+        let line = line.unwrap_or_else(|| panic!("{flag} missing from help:\n{help}"));
+        assert!(line.split_once("  ").is_some_and(|(_, d)| d.trim().len() > 10), "{flag} has no explanation: {line}");
+    }
+}
+
+#[test]
+fn underscore_spellings_are_accepted() {
+    let out = output_with_deadline(
+        &mut tandem_run(&["--nproc_per_node", "2", "--max_restarts", "0", "--monitor_interval", "0.05", "--run_id", "u1", "--",
+            "sh", "-c", "echo ws=$WORLD_SIZE id=$TORCHELASTIC_RUN_ID"]),
+        LIMIT,
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+    let stdout = text(&out.stdout);
+    assert_eq!(rank_lines(&stdout, 0), vec!["ws=2 id=u1"]);
+    assert_eq!(rank_lines(&stdout, 1), vec!["ws=2 id=u1"]);
+}
+
+#[test]
+fn bad_flags_are_named() {
+    let out = output_with_deadline(&mut tandem_run(&["--nnodes", "2", "--", "true"]), LIMIT);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    assert!(text(&out.stderr).contains("--master-port"), "{}", describe(&out));
+    let out = output_with_deadline(&mut tandem_run(&["--nnodes", "1:2", "--", "true"]), LIMIT);
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+    assert!(text(&out.stderr).contains("--nnodes"), "{}", describe(&out));
+    let out = output_with_deadline(&mut tandem_run(&["--standalone", "--master-port", "1234", "--", "true"]), LIMIT);
+    assert!(text(&out.stderr).contains("--standalone"), "{}", describe(&out));
+}
+
+#[test]
+fn local_ranks_filter_limits_the_console() {
+    let out = output_with_deadline(
+        &mut tandem_run(&["--nproc-per-node", "3", "--local-ranks-filter", "1", "--", "sh", "-c", "echo hi $RANK"]),
+        LIMIT,
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+    assert_eq!(text(&out.stdout), "[rank 1] hi 1\n");
+}
+
+#[test]
+fn four_ranks_all_reduce_their_rank() {
+    let out = output_with_deadline(&mut tandem_run(&["--nproc-per-node", "4", "--", TANDEM, "check"]), LIMIT);
+    assert!(out.status.success(), "{}", describe(&out));
+    let stdout = text(&out.stdout);
+    for r in 0..4 {
+        assert_eq!(rank_lines(&stdout, r), vec![format!("rank {r}/4 local {r}/4 sum=6 ok")], "{}", describe(&out));
+    }
+    let out = output_with_deadline(
+        &mut tandem_run(&["--standalone", "--nproc-per-node", "3", "--", TANDEM, "check", "--dtype", "f64"]),
+        LIMIT,
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+    assert_eq!(rank_lines(&text(&out.stdout), 2), vec!["rank 2/3 local 2/3 sum=3 ok"]);
+}
+
+#[test]
+fn workers_see_the_launcher_environment() {
+    let port = free_port().to_string();
+    let out = output_with_deadline(
+        &mut tandem_run(&["--nproc-per-node", "2", "--master-port", &port, "--run-id", "envjob", "--max-restarts", "3",
+            "--", TANDEM, "check", "--print-env"]),
+        LIMIT,
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+    let stdout = text(&out.stdout);
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let threads = (cores / 2).max(1).to_string();
+    for r in 0..2u32 {
+        let lines = rank_lines(&stdout, r);
+        let json: serde_json::Value = serde_json::from_str(&lines[0]).expect("first line is the environment");
+        let expect = [
+            ("RANK", r.to_string()),
+            ("LOCAL_RANK", r.to_string()),
+            ("WORLD_SIZE", "2".into()),
+            ("LOCAL_WORLD_SIZE", "2".into()),
+            ("GROUP_RANK", "0".into()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", port.clone()),
+            ("TORCHELASTIC_RESTART_COUNT", "0".into()),
+            ("TORCHELASTIC_MAX_RESTARTS", "3".into()),
+            ("TORCHELASTIC_RUN_ID", "envjob".into()),
+            ("OMP_NUM_THREADS", threads.clone()),
+            ("RAYON_NUM_THREADS", threads.clone()),
+        ];
+        for (k, v) in expect {
+            assert_eq!(json[k].as_str(), Some(v.as_str()), "rank {r} {k} in {json}");
+        }
+        assert_eq!(lines[1], format!("rank {r}/2 local {r}/2 sum=1 ok"));
+    }
+    // An OMP_NUM_THREADS set by the user is left alone.
+    let out = output_with_deadline(
+        tandem_run(&["--nproc-per-node", "2", "--", TANDEM, "check", "--print-env"]).env("OMP_NUM_THREADS", "5"),
+        LIMIT,
+    );
+    let json: serde_json::Value = serde_json::from_str(&rank_lines(&text(&out.stdout), 1)[0]).unwrap();
+    assert_eq!(json["OMP_NUM_THREADS"].as_str(), Some("5"));
+}
+
+#[test]
+fn one_rank_exiting_3_stops_the_job_with_code_3_and_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    // Each worker leaves a grandchild; rank 1 exits 3 right after the check, the others would
+    // sleep for a minute.
+    let script = format!(
+        "sleep 60 & echo $! > {d}/grandchild.$RANK.pid; echo $$ > {d}/worker.$RANK.pid; \
+         exec {TANDEM} check --exit-code-on-rank 1:3 --sleep-secs 60"
+    );
+    let start = Instant::now();
+    let out = output_with_deadline(
+        &mut tandem_run(&["--nproc-per-node", "4", "--stop-grace", "3", "--", "sh", "-c", &script]),
+        LIMIT,
+    );
+    let took = start.elapsed();
+    assert_eq!(out.status.code(), Some(3), "{}", describe(&out));
+    assert!(took < Duration::from_secs(10), "launcher took {took:?}");
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("root cause: rank 1 (local rank 1 on node 0): exit code 3"), "{stderr}");
+    assert!(stderr.contains("| rank 1: exiting with code 3"), "summary shows rank 1's stderr:\n{stderr}");
+    let pids = recorded_pids(dir.path());
+    assert_eq!(pids.len(), 8);
+    assert_no_survivors(&pids);
+}
+
+#[test]
+fn a_worker_failing_on_its_first_attempt_succeeds_with_restarts() {
+    let out = output_with_deadline(
+        &mut tandem_run(&["--nproc-per-node", "2", "--max-restarts", "2", "--", TANDEM, "check", "--fail-on-first-attempt"]),
+        LIMIT,
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+    let stdout = text(&out.stdout);
+    // The check ran (and passed) on both attempts, then the second attempt exited cleanly.
+    assert_eq!(rank_lines(&stdout, 0), vec!["rank 0/2 local 0/2 sum=1 ok"; 2], "{}", describe(&out));
+    assert!(text(&out.stderr).contains("restart 1 of 2"), "{}", describe(&out));
+
+    let out = output_with_deadline(
+        &mut tandem_run(&["--nproc-per-node", "2", "--", TANDEM, "check", "--fail-on-first-attempt"]),
+        LIMIT,
+    );
+    assert_eq!(out.status.code(), Some(1), "without restarts the failure is final: {}", describe(&out));
+}
+
+#[test]
+fn two_launchers_form_one_world() {
+    let port = free_port().to_string();
+    let launcher = |node: &str| {
+        let mut c = tandem_run(&["--nnodes", "2", "--node-rank", node, "--nproc-per-node", "2",
+            "--master-addr", "127.0.0.1", "--master-port", &port, "--run-id", "two", "--", TANDEM, "check", "--print-env"]);
+        c.stdout(Stdio::piped()).stderr(Stdio::piped());
+        c
+    };
+    let node1 = std::thread::spawn({
+        let mut c = launcher("1");
+        move || output_with_deadline(&mut c, LIMIT)
+    });
+    let out0 = output_with_deadline(&mut launcher("0"), LIMIT);
+    let out1 = node1.join().unwrap();
+    assert!(out0.status.success(), "node 0: {}", describe(&out0));
+    assert!(out1.status.success(), "node 1: {}", describe(&out1));
+    for (node, out) in [(0u32, &out0), (1, &out1)] {
+        let stdout = text(&out.stdout);
+        for local in 0..2u32 {
+            let rank = node * 2 + local;
+            let lines = rank_lines(&stdout, rank);
+            let json: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
+            assert_eq!(json["GROUP_RANK"].as_str(), Some(node.to_string().as_str()));
+            assert_eq!(json["WORLD_SIZE"].as_str(), Some("4"));
+            assert_eq!(lines[1], format!("rank {rank}/4 local {local}/2 sum=6 ok"), "{}", describe(out));
+        }
+    }
+}
+
+/// Starts a launcher whose `n` sh workers record their pids, start a grandchild, and note the
+/// signal they get; waits until all are running.
+fn start_signal_job(dir: &Path, n: usize) -> std::process::Child {
+    let d = dir.display();
+    let script = format!(
+        "trap 'echo TERM > {d}/term.$RANK; exit 0' TERM; trap 'echo INT > {d}/int.$RANK; exit 0' INT; \
+         sleep 60 & echo $! > {d}/grandchild.$RANK.pid; echo $$ > {d}/worker.$RANK.pid; wait"
+    );
+    let child = tandem_run(&["--nproc-per-node", &n.to_string(), "--stop-grace", "3", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_files(dir, "pid", 2 * n);
+    child
+}
+
+#[test]
+fn sigterm_and_sigint_to_the_launcher_reach_every_worker() {
+    for (sig, name, code) in [(libc::SIGTERM, "term", 143), (libc::SIGINT, "int", 130)] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = start_signal_job(dir.path(), 3);
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let status = wait_with_deadline(&mut child, Duration::from_secs(20)).expect("launcher exits after a signal");
+        assert_eq!(status.code(), Some(code), "{name}");
+        for r in 0..3 {
+            let got = std::fs::read_to_string(dir.path().join(format!("{name}.{r}")));
+            assert!(got.is_ok(), "rank {r} did not receive SIG{}", name.to_uppercase());
+        }
+        assert_no_survivors(&recorded_pids(dir.path()));
+    }
+}
+
+#[test]
+fn a_sigkilled_launcher_takes_its_workers_along() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    // Workers die by PR_SET_PDEATHSIG; their grandchildren by the launcher's watchdog.
+    let script = format!("sleep 60 & echo $! > {d}/grandchild.$RANK.pid; echo $$ > {d}/worker.$RANK.pid; exec sleep 60");
+    let mut child = tandem_run(&["--nproc-per-node", "2", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_files(dir.path(), "pid", 4);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_no_survivors(&recorded_pids(dir.path()));
+}
