@@ -406,3 +406,98 @@ pub fn load_state_dict(
     }
     Ok((out, report))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sd(keys: &[&str]) -> Value {
+        Value::dict_from(keys.iter().map(|k| (k.to_string(), Value::Tensor(Tensor::from_f32(&[2], &[1.0, 2.0])))))
+    }
+
+    fn target(keys: &[&str]) -> Vec<(String, Vec<usize>, DType)> {
+        keys.iter().map(|k| (k.to_string(), vec![2], DType::F32)).collect()
+    }
+
+    #[test]
+    fn strip_wrappers_handles_every_position() {
+        assert_eq!(strip_wrappers("module.fc.weight"), "fc.weight");
+        assert_eq!(strip_wrappers("features.module.0.weight"), "features.0.weight");
+        assert_eq!(strip_wrappers("_orig_mod.module.fc.w"), "fc.w");
+        assert_eq!(strip_wrappers("modules.x"), "modules.x");
+    }
+
+    #[test]
+    fn dataparallel_on_a_submodule_loads_into_the_plain_model() {
+        let src = Value::dict_from([("model", sd(&["features.module.0.weight", "classifier.weight"]))]);
+        let (out, r) = load_state_dict(&src, &target(&["features.0.weight", "classifier.weight"]), true).unwrap();
+        assert_eq!(out.len(), 2);
+        assert_eq!(r.container, "model");
+        assert_eq!(r.source_renaming, Renaming::StripWrappers);
+        assert!(r.wrappings.iter().any(|w| w.contains("features.module.")), "{r}");
+    }
+
+    #[test]
+    fn lightning_prefix_is_removed_only_when_it_helps() {
+        let src = Value::dict_from([("state_dict", sd(&["model.fc.weight", "model.fc.bias"]))]);
+        let (_, r) = load_state_dict(&src, &target(&["fc.weight", "fc.bias"]), true).unwrap();
+        assert_eq!(r.source_renaming, Renaming::StripWrappersAndModel);
+        // A model that really has a `model` submodule keeps the names as they are.
+        let (_, r) = load_state_dict(&src, &target(&["model.fc.weight", "model.fc.bias"]), true).unwrap();
+        assert_eq!(r.source_renaming, Renaming::None);
+    }
+
+    #[test]
+    fn strict_mismatch_is_an_error_carrying_the_report() {
+        let src = sd(&["a.weight", "b.weight"]);
+        let e = load_state_dict(&src, &target(&["a.weight", "c.weight"]), true).unwrap_err();
+        match e {
+            CkptError::StateDictMismatch(r) => {
+                assert_eq!(r.missing, vec!["c.weight".to_string()]);
+                assert_eq!(r.unexpected, vec!["b.weight".to_string()]);
+                let text = r.to_string();
+                assert!(text.contains("1 matched, 1 missing, 1 unexpected"), "{text}");
+            }
+            other => panic!("{other}"),
+        }
+    }
+
+    #[test]
+    fn non_strict_returns_what_fits_and_reports_the_rest() {
+        let mut src = sd(&["a.weight", "b.weight"]);
+        src.insert("c.weight", Value::Tensor(Tensor::from_f32(&[3], &[0.0; 3])));
+        let (out, r) = load_state_dict(&src, &target(&["a.weight", "c.weight", "d.weight"]), false).unwrap();
+        assert_eq!(out.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["a.weight"]);
+        assert_eq!(r.missing, ["d.weight"]);
+        assert_eq!(r.unexpected, ["b.weight"]);
+        assert_eq!(r.shape_mismatches.len(), 1);
+        assert_eq!(r.shape_mismatches[0].checkpoint, vec![3]);
+        assert!(!r.is_complete());
+    }
+
+    #[test]
+    fn dtype_differences_convert_like_copy_() {
+        let src = Value::dict_from([("w", Value::Tensor(Tensor::from_f64(&[2], &[1.5, -2.25])))]);
+        let (out, r) = load_state_dict(&src, &[("w".into(), vec![2], DType::BF16)], true).unwrap();
+        assert_eq!(out[0].1.dtype, DType::BF16);
+        assert_eq!(out[0].1.to_f64_vec(), vec![1.5, -2.25]);
+        assert_eq!(r.dtype_conversions[0].checkpoint, DType::F64);
+    }
+
+    #[test]
+    fn no_state_dict_is_a_clear_error() {
+        let src = Value::dict_from([("epoch", Value::Int(1))]);
+        let e = load_state_dict(&src, &target(&["a"]), true).unwrap_err();
+        assert!(e.to_string().contains("\"epoch\""), "{e}");
+    }
+
+    #[test]
+    fn canonicalize_rewrites_state_dicts_inside_containers() {
+        let v = Value::dict_from([("model", sd(&["module.fc.weight"])), ("epoch", Value::Int(2))]);
+        let c = canonicalize_keys(&v).unwrap();
+        assert!(c.get("model").unwrap().get("fc.weight").is_some());
+        assert_eq!(c.get("epoch"), Some(&Value::Int(2)));
+        // Two keys that collapse into one are an error, not a silent overwrite.
+        assert!(canonicalize_keys(&sd(&["module.fc.weight", "fc.weight"])).is_err());
+    }
+}

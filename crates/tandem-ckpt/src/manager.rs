@@ -200,3 +200,117 @@ impl CheckpointManager {
         Ok(None)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::value::Tensor;
+
+    fn value(step: i64) -> Value {
+        Value::dict_from([
+            ("global_step", Value::Int(step)),
+            ("model", Value::dict_from([("module.w", Value::Tensor(Tensor::from_f32(&[2], &[step as f32, 1.0])))])),
+        ])
+    }
+
+    fn names(m: &CheckpointManager) -> Vec<String> {
+        let mut v: Vec<String> = m.list().unwrap().iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn keeps_last_n_moves_latest_and_writes_canonical_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = CheckpointManager::new(dir.path().join("ckpt"), 2);
+        for step in 1..=4 {
+            m.save(&format!("step-{step}"), &value(step)).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(15)); // distinct mtimes
+        }
+        assert_eq!(names(&m), ["checkpoint-step-3.pt", "checkpoint-step-4.pt"]);
+        let latest = std::fs::read_to_string(m.dir().join(LATEST)).unwrap();
+        assert_eq!(latest.trim(), "checkpoint-step-4.pt");
+        let (path, v) = m.latest_valid().unwrap().unwrap();
+        assert_eq!(path, m.path_for("step-4"));
+        assert_eq!(v.get("global_step"), Some(&Value::Int(4)));
+        assert!(v.get("model").unwrap().get("w").is_some(), "saved with canonical keys");
+        // No temp files are left behind.
+        let all: Vec<_> = std::fs::read_dir(m.dir()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(all.len(), 3, "{all:?}");
+    }
+
+    #[test]
+    fn resume_skips_corrupt_and_truncated_checkpoints() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = CheckpointManager::new(dir.path(), 0);
+        for step in 1..=3 {
+            m.save(&format!("s{step}"), &value(step)).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(15));
+        }
+        // Newest: one flipped byte inside the tensor data (CRC catches it).
+        let p3 = m.path_for("s3");
+        let mut b = std::fs::read(&p3).unwrap();
+        let i = b.windows(6).position(|w| w == b"data/0").unwrap() + 6;
+        let pos = (i + 4 + 63) & !63;
+        b[pos] ^= 0xff;
+        std::fs::write(&p3, &b).unwrap();
+        // Second newest: truncated.
+        let p2 = m.path_for("s2");
+        let b = std::fs::read(&p2).unwrap();
+        std::fs::write(&p2, &b[..b.len() - 30]).unwrap();
+        let (path, v) = m.latest_valid().unwrap().unwrap();
+        assert_eq!(path, m.path_for("s1"));
+        assert_eq!(v.get("global_step"), Some(&Value::Int(1)));
+    }
+
+    #[test]
+    fn empty_directory_means_fresh_start() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(CheckpointManager::new(dir.path().join("none"), 3).latest_valid().unwrap().is_none());
+    }
+
+    #[test]
+    fn every_rank_reaches_the_barrier_even_when_rank0_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        // A file where the directory should be makes rank 0's write fail.
+        let blocker = dir.path().join("blocked");
+        std::fs::write(&blocker, b"x").unwrap();
+        let m = CheckpointManager::new(&blocker, 1);
+        let mut reached = false;
+        let r = m.save_on_rank(0, "s", &value(1), || {
+            reached = true;
+            Ok::<(), String>(())
+        });
+        assert!(reached, "rank 0 must reach the barrier after a failed write");
+        assert!(r.is_err());
+        let good = CheckpointManager::new(dir.path().join("ok"), 1);
+        let mut calls = 0;
+        assert!(good.save_on_rank(1, "s", &value(1), || { calls += 1; Ok::<(), String>(()) }).unwrap().is_none());
+        assert_eq!(calls, 1);
+        assert!(good.list().unwrap().is_empty(), "only rank 0 writes");
+        let e = good.save_on_rank(0, "s", &value(1), || Err("peer died")).unwrap_err();
+        assert!(e.to_string().contains("peer died"), "{e}");
+    }
+
+    #[test]
+    fn training_checkpoint_round_trips_through_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = TrainingCheckpoint {
+            epoch: 3,
+            global_step: 300,
+            model: Value::dict_from([("w", Value::Tensor(Tensor::from_f32(&[1], &[0.5])))]),
+            optimizer: Value::dict_from([("state", Value::new_dict())]),
+            scheduler: Value::None,
+            sampler: Value::dict_from([("epoch", Value::Int(3))]),
+            rng: Value::Bytes(vec![1, 2, 3]),
+            world_size: 4,
+            config: Value::dict_from([("lr", Value::Float(0.1))]),
+        };
+        let m = CheckpointManager::new(dir.path(), 1);
+        m.save("epoch-3", &t.to_value().unwrap()).unwrap();
+        let (_, v) = m.latest_valid().unwrap().unwrap();
+        assert_eq!(TrainingCheckpoint::from_value(&v).unwrap(), t);
+        assert_eq!(v.get("tandem_version").and_then(Value::as_str), Some(env!("CARGO_PKG_VERSION")));
+        assert!(TrainingCheckpoint::from_value(&Value::new_dict()).unwrap_err().to_string().contains("epoch"));
+    }
+}

@@ -315,41 +315,35 @@ fn read_legacy(path: &Path, fb: &FileBytes) -> Result<Value> {
     main.to_value(&mut resolve).map_err(|m| CkptError::format(path, m))
 }
 
-/// Serialises a value tree as a torch.save zip archive into `out`.
-pub(crate) fn write_pt<W: std::io::Write>(value: &Value, out: W) -> Result<W> {
+/// The pickle of a value tree and the storages it references (errors in the value show here,
+/// before any file is created).
+fn pickle_value(value: &Value) -> Result<(Vec<u8>, crate::pickle::write::StorageTable)> {
     let mut p = Pickler::new();
     p.value(value, 0).map_err(|msg| CkptError::Unsupported { what: "value".into(), msg })?;
-    let (pkl, table) = p.finish();
-    let ioerr = |e: std::io::Error| CkptError::io("<archive>", e);
+    Ok(p.finish())
+}
+
+fn write_archive<W: std::io::Write>(pkl: &[u8], table: &crate::pickle::write::StorageTable, out: W) -> std::io::Result<W> {
     let mut z = ZipWriter::new(out);
-    z.add("archive/data.pkl", &pkl).map_err(ioerr)?;
-    z.add("archive/.format_version", b"1").map_err(ioerr)?;
-    z.add("archive/.storage_alignment", b"64").map_err(ioerr)?;
-    z.add("archive/byteorder", b"little").map_err(ioerr)?;
+    z.add("archive/data.pkl", pkl)?;
+    z.add("archive/.format_version", b"1")?;
+    z.add("archive/.storage_alignment", b"64")?;
+    z.add("archive/byteorder", b"little")?;
     for (i, (_, st)) in table.storages.iter().enumerate() {
-        z.add(&format!("archive/data/{i}"), st.bytes()).map_err(ioerr)?;
+        z.add(&format!("archive/data/{i}"), st.bytes())?;
     }
-    z.add("archive/version", b"3\n").map_err(ioerr)?;
-    z.finish().map_err(ioerr)
+    z.add("archive/version", b"3\n")?;
+    z.finish()
+}
+
+/// Serialises a value tree as a torch.save zip archive into `out`.
+pub(crate) fn write_pt<W: std::io::Write>(value: &Value, out: W) -> Result<W> {
+    let (pkl, table) = pickle_value(value)?;
+    write_archive(&pkl, &table, out).map_err(|e| CkptError::io("<archive>", e))
 }
 
 /// Writes `value` to `path` atomically as a torch.save zip archive.
 pub fn save(path: &Path, value: &Value) -> Result<()> {
-    // Serialise first (errors in the value must not leave a temp file behind for long), then write.
-    let mut result = Ok(());
-    crate::atomic::write_atomic(path, |f| {
-        let w = BufWriter::with_capacity(1 << 20, f);
-        match write_pt(value, w) {
-            Ok(_) => Ok(()),
-            Err(CkptError::Io { error, .. }) => Err(error),
-            Err(e) => {
-                result = Err(e);
-                Err(std::io::Error::other("value cannot be saved"))
-            }
-        }
-    })
-    .or_else(|e| match result {
-        Err(inner) => Err(inner),
-        Ok(()) => Err(e),
-    })
+    let (pkl, table) = pickle_value(value)?;
+    crate::atomic::write_atomic(path, |f| write_archive(&pkl, &table, BufWriter::with_capacity(1 << 20, f)).map(|_| ()))
 }

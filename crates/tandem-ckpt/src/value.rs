@@ -455,6 +455,33 @@ impl From<Vec<Value>> for Value {
     }
 }
 
+impl Tensor {
+    /// A contiguous copy converted to `dtype` (what `param.copy_(src)` does across dtypes: floats
+    /// round to nearest, floats to ints truncate, anything to bool is `!= 0`).
+    pub fn to_dtype(&self, dtype: DType) -> Tensor {
+        if dtype == self.dtype {
+            return Tensor::from_bytes(dtype, &self.shape, self.contiguous_bytes().into_owned());
+        }
+        let vals = self.to_f64_vec();
+        let mut out = Vec::with_capacity(vals.len() * dtype.size());
+        for v in vals {
+            match dtype {
+                DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
+                DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+                DType::F16 => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+                DType::BF16 => out.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+                DType::I64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
+                DType::I32 => out.extend_from_slice(&(v as i64 as i32).to_le_bytes()),
+                DType::I16 => out.extend_from_slice(&(v as i64 as i16).to_le_bytes()),
+                DType::I8 => out.push(v as i64 as i8 as u8),
+                DType::U8 => out.push(v as i64 as u8),
+                DType::Bool => out.push((v != 0.0) as u8),
+            }
+        }
+        Tensor::from_bytes(dtype, &self.shape, out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -485,32 +512,5 @@ mod tests {
         let t = Tensor { shape: vec![2], stride: vec![1], storage_offset: 1, ..base };
         assert_eq!(t.to_i64_vec(), vec![-2, 3]);
         assert_eq!(t.to_f32_vec(), vec![-2.0, 3.0]);
-    }
-}
-
-impl Tensor {
-    /// A contiguous copy converted to `dtype` (what `param.copy_(src)` does across dtypes: floats
-    /// round to nearest, floats to ints truncate, anything to bool is `!= 0`).
-    pub fn to_dtype(&self, dtype: DType) -> Tensor {
-        if dtype == self.dtype {
-            return Tensor::from_bytes(dtype, &self.shape, self.contiguous_bytes().into_owned());
-        }
-        let vals = self.to_f64_vec();
-        let mut out = Vec::with_capacity(vals.len() * dtype.size());
-        for v in vals {
-            match dtype {
-                DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
-                DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
-                DType::F16 => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
-                DType::BF16 => out.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
-                DType::I64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
-                DType::I32 => out.extend_from_slice(&(v as i64 as i32).to_le_bytes()),
-                DType::I16 => out.extend_from_slice(&(v as i64 as i16).to_le_bytes()),
-                DType::I8 => out.push(v as i64 as i8 as u8),
-                DType::U8 => out.push(v as i64 as u8),
-                DType::Bool => out.push((v != 0.0) as u8),
-            }
-        }
-        Tensor::from_bytes(dtype, &self.shape, out)
     }
 }

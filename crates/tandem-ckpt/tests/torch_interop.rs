@@ -143,3 +143,33 @@ fn tied_tensors_written_by_tandem_stay_tied_in_torch() {
     let out = output_with_deadline(Command::new(&python).args(["-c", check, ours.to_str().unwrap()]), Duration::from_secs(60));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn safetensors_cross_between_tandem_and_the_python_library() {
+    let Some(python) = torch_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let orig = fixture("all_dtypes.pt");
+    let ours = dir.path().join("ours.safetensors");
+    let theirs = dir.path().join("theirs.safetensors");
+    tandem_ckpt::safetensors::save(&ours, &load(&orig).unwrap()).unwrap();
+    let script = "import sys, torch\n\
+                  from safetensors.torch import load_file, save_file\n\
+                  ref = torch.load(sys.argv[1], weights_only=True)\n\
+                  got = load_file(sys.argv[2])\n\
+                  assert sorted(got) == sorted(ref), (sorted(got), sorted(ref))\n\
+                  for k in ref:\n\
+                  \x20   assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), k\n\
+                  save_file({k: v.contiguous() for k, v in ref.items()}, sys.argv[3])\n\
+                  print('OK')\n";
+    let out = output_with_deadline(
+        Command::new(&python).args(["-c", script, orig.to_str().unwrap(), ours.to_str().unwrap(), theirs.to_str().unwrap()]),
+        Duration::from_secs(60),
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let want = load(&orig).unwrap();
+    let got = load(&theirs).unwrap();
+    for (k, v) in want.as_dict().unwrap() {
+        let k = k.as_str().unwrap();
+        assert_eq!(got.get(k), Some(v), "{k}");
+    }
+}

@@ -129,3 +129,18 @@ fn unreachable_master_is_an_error_naming_the_address() {
     let msg = e.to_string();
     assert!(matches!(e, CommError::StoreUnreachable { .. }) && msg.contains(&format!("127.0.0.1:{port}")), "{msg}");
 }
+
+#[test]
+fn ranks_disagreeing_on_world_size_get_an_error() {
+    let port = tandem_testutil::free_port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let mut o = opts(TransportKind::Tcp);
+    o.init_timeout = Duration::from_secs(2);
+    let (u0, o0) = (url.clone(), o.clone());
+    let r0 = std::thread::spawn(move || tandem_comm::init_with(&tandem_comm::InitMethod::tcp(&u0, 0, 2), &o0).map(|_| ()));
+    let r1 = std::thread::spawn(move || tandem_comm::init_with(&tandem_comm::InitMethod::tcp(&url, 1, 3), &o).map(|_| ()));
+    let e0 = r0.join().unwrap().expect_err("rank 0 must refuse");
+    let e1 = r1.join().unwrap().expect_err("rank 1 must fail");
+    assert!(e0.to_string().contains("rank 1 was started with world size 3"), "{e0}");
+    assert!(e1.to_string().contains("did not join") || e1.to_string().contains("world size"), "{e1}");
+}

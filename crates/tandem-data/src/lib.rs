@@ -3,6 +3,24 @@
 //! uneven distributed evaluation, and the datasets (embedded UCI digits, MNIST IDX files,
 //! synthetic). Knows nothing of models, optimizers or checkpoint files; it uses tandem-comm
 //! only to all-reduce evaluation metrics.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use tandem_data::{datasets, DataLoader, Dataset, DistributedSampler, LoaderOptions};
+//!
+//! let (train, _eval) = datasets::digits()?; // 1500 / 297 examples, 64 features, 10 classes
+//! // Rank 1 of 4, shuffled like torch's DistributedSampler(seed=0).
+//! let sampler = DistributedSampler::new(train.len(), 4, 1, true, 0, false)?;
+//! let options = LoaderOptions { batch_size: 32, num_workers: 2, ..LoaderOptions::default() };
+//! let mut loader = DataLoader::new(Arc::new(train), sampler, options, candle_core::Device::Cpu)?;
+//! loader.set_epoch(0);
+//! for batch in loader.iter()? {
+//!     let batch = batch?; // batch.x: (B, 64) f32, batch.y: (B,) u32
+//!     assert_eq!(batch.x.dims()[1], 64);
+//! }
+//! assert_eq!(loader.state().epoch, 1); // a finished epoch moves the position to the next one
+//! # Ok::<(), tandem_data::DataError>(())
+//! ```
 mod dataset;
 pub mod datasets;
 mod error;

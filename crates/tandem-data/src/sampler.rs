@@ -43,7 +43,8 @@ pub struct SamplerState {
 
 impl DistributedSampler {
     /// Same arguments as PyTorch's constructor (`dataset` replaced by its length).
-    /// `rank >= num_replicas` and `num_replicas == 0` are errors.
+    /// `rank >= num_replicas` and `num_replicas == 0` are errors. A negative PyTorch seed `s`
+    /// is `s as u64` here (torch's `manual_seed` wraps it modulo 2^64 the same way).
     pub fn new(
         len: usize,
         num_replicas: usize,

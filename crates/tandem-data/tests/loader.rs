@@ -27,10 +27,11 @@ fn opts(batch_size: usize, drop_last: bool, num_workers: usize) -> LoaderOptions
     }
 }
 
-/// (indices, x rows, labels) of every batch of one epoch.
-fn run_epoch<D: Dataset + ?Sized + 'static>(
-    loader: &DataLoader<D>,
-) -> Vec<(Vec<usize>, Vec<Vec<f32>>, Vec<u32>)> {
+/// A batch read back: (indices, x rows, labels).
+type Rows = (Vec<usize>, Vec<Vec<f32>>, Vec<u32>);
+
+/// Every batch of one epoch.
+fn run_epoch<D: Dataset + ?Sized + 'static>(loader: &DataLoader<D>) -> Vec<Rows> {
     loader
         .iter()
         .unwrap()
@@ -283,4 +284,33 @@ fn works_with_a_trait_object_dataset() {
     let loader = DataLoader::new(ds, sampler.clone(), opts(6, false, 2), Device::Cpu).unwrap();
     let flat: Vec<usize> = run_epoch(&loader).into_iter().flat_map(|b| b.0).collect();
     assert_eq!(flat, sampler.indices());
+}
+
+#[test]
+fn a_panicking_worker_becomes_an_error_not_a_hang() {
+    struct Panics;
+    impl Dataset for Panics {
+        fn len(&self) -> usize {
+            20
+        }
+        fn input_dim(&self) -> usize {
+            1
+        }
+        fn num_classes(&self) -> usize {
+            2
+        }
+        fn get(&self, index: usize) -> Result<Example, DataError> {
+            if index == 9 {
+                panic!("decoder exploded on 9");
+            }
+            Ok(Example { features: vec![index as f32], label: 0 })
+        }
+    }
+    let sampler = DistributedSampler::new(20, 1, 0, false, 0, false).unwrap();
+    let loader = DataLoader::new(Arc::new(Panics), sampler, opts(4, false, 2), Device::Cpu).unwrap();
+    let results: Vec<_> = loader.iter().unwrap().collect();
+    // Batches 0 and 1 are fine; batch 2 (indices 8..12) was on worker 0, which panicked.
+    assert_eq!(results.len(), 3);
+    let err = results[2].as_ref().unwrap_err().to_string();
+    assert!(err.contains("worker 0") && err.contains("decoder exploded on 9"), "{err}");
 }

@@ -237,9 +237,22 @@ impl<M: Module> Ddp<M> {
         let mut r = self.shared.reducer();
         r.finalize()?;
         let mut grads = GradStore::default();
-        for (i, v) in vars.iter().enumerate() {
-            if let Some(g) = r.grad(i) {
-                grads.insert(v.as_tensor(), Tensor::from_slice(g, v.shape(), v.device())?);
+        if r.is_sync() {
+            // Synced: the gradients are views into the averaged bucket buffers (no copy on CPU).
+            for (data, params) in r.take_reduced() {
+                let len = data.len();
+                let device = vars.first().map(|v| v.device().clone()).unwrap_or(candle_core::Device::Cpu);
+                let bucket = Tensor::from_vec(data, len, &device)?;
+                for (i, off) in params {
+                    let v = &vars[i];
+                    grads.insert(v.as_tensor(), bucket.narrow(0, off, v.elem_count())?.reshape(v.shape())?);
+                }
+            }
+        } else {
+            for (i, v) in vars.iter().enumerate() {
+                if let Some(g) = r.grad(i) {
+                    grads.insert(v.as_tensor(), Tensor::from_slice(g, v.shape(), v.device())?);
+                }
             }
         }
         r.after_step()?;

@@ -6,7 +6,11 @@
 //! an identity-wrapped copy whose backward reports "this gradient is complete" to Ddp's reducer
 //! (candle has no per-parameter autograd hooks); the copy is cached so a parameter used twice in
 //! one forward is still one node, and the cache is dropped by `Ddp::backward`, so the next
-//! forward sees the optimizer's updated weights.
+//! forward sees the optimizer's updated weights. Changing weights between a forward and the next
+//! backward by other means (`Var::set`) needs `refresh_view()` (`load_state_dict` does it).
+//!
+//! Cost: the identity op copies each parameter once per step (a `CustomOp1` must return owned
+//! storage); `tandem bench ddp` measures what that and the bucket copies cost.
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{Tensor, Var};

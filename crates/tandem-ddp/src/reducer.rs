@@ -119,12 +119,19 @@ impl Reducer {
         self.buckets.iter().map(|b| b.params.clone()).collect()
     }
 
+    /// Whether the current step all-reduces (false inside `no_sync`).
+    pub fn is_sync(&self) -> bool {
+        self.sync
+    }
+
     pub fn names(&self) -> &[String] {
         &self.names
     }
 
     /// Start a backward: `sync = false` inside `no_sync` (gradients accumulate locally).
     pub fn prepare_for_backward(&mut self, sync: bool) {
+        // A backward that failed midway may have left buckets at the comm thread.
+        let _ = self.wait_in_flight();
         self.sync = sync;
         self.ready.iter_mut().for_each(|r| *r = false);
         self.locally_used.iter_mut().for_each(|r| *r = false);
@@ -133,6 +140,14 @@ impl Reducer {
         self.next_launch = 0;
         for b in &mut self.buckets {
             b.pending = b.params.len();
+        }
+        for (b, bucket) in self.buckets.iter_mut().enumerate() {
+            if bucket.data.is_none() {
+                // Handed out by `take_reduced` last step.
+                let len = bucket.params.iter().map(|&p| self.numels[p]).sum();
+                debug_assert!(bucket.params.iter().all(|&p| self.loc[p].0 == b));
+                bucket.data = Some(vec![0.0; len]);
+            }
         }
     }
 
@@ -253,6 +268,27 @@ impl Reducer {
         self.buckets[b].data.as_deref().map(|d| &d[off..off + self.numels[idx]])
     }
 
+    /// After `finalize` of a synchronised step: hands over the averaged bucket buffers without
+    /// copying, each with the (parameter, offset) pairs it holds; globally unused parameters are
+    /// left out. Fresh buffers are allocated at the next `prepare_for_backward`.
+    pub fn take_reduced(&mut self) -> Vec<(Vec<f32>, Vec<(usize, usize)>)> {
+        if !self.sync {
+            return Vec::new();
+        }
+        let mut out = Vec::with_capacity(self.buckets.len());
+        for bucket in &mut self.buckets {
+            let Some(data) = bucket.data.take() else { continue };
+            let params = bucket
+                .params
+                .iter()
+                .filter(|&&p| self.globally_used[p])
+                .map(|&p| (p, self.loc[p].1))
+                .collect();
+            out.push((data, params));
+        }
+        out
+    }
+
     /// Called after the caller has read the gradients of a synced step: rebuild the buckets in
     /// arrival order once (a collective: every rank calls it after the same step).
     pub fn after_step(&mut self) -> Result<()> {
@@ -344,7 +380,7 @@ mod tests {
             red.finalize().unwrap();
             (local, red.grad(0).unwrap().to_vec())
         });
-        assert_eq!(out[0], (vec![0.0], vec![1.0]));
+        assert_eq!(out[0], (vec![0.0], vec![1.5]));
         assert_eq!(out[1], (vec![1.0], vec![1.5]));
     }
 

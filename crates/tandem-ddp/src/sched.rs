@@ -11,6 +11,9 @@
 //! from the closed form by a few ulps; these follow the same recursion in the same operation
 //! order, so the rates equal torch's bit for bit (tests check 1e-12 relative).
 //!
+//! Hand-written: no crate reproduces torch's recursive forms or state layout, and each
+//! scheduler is a few lines of arithmetic.
+//!
 //! `state_dict()` has torch's keys (`last_epoch`, `base_lrs`, `_last_lr`, `_step_count`,
 //! `_is_initial`, `_get_lr_called_within_step` and each scheduler's own fields); a torch-made
 //! state_dict loads and continues the same sequence.
@@ -117,8 +120,10 @@ impl Core {
                 .ok_or_else(|| bad_state(key, "missing"))?
                 .as_list()
                 .ok_or_else(|| bad_state(key, "expected a list"))?;
-            let v: Vec<f64> =
-                list.iter().map(|x| x.as_float().ok_or_else(|| bad_state(key, "expected numbers"))).collect::<Result<_, _>>()?;
+            let v: Vec<f64> = list
+                .iter()
+                .map(|x| x.as_float().ok_or_else(|| bad_state(key, "expected numbers")))
+                .collect::<Result<_, _>>()?;
             if v.len() != self.base_lrs.len() {
                 return Err(bad_state(
                     key,
@@ -316,7 +321,11 @@ impl LinearLR {
             });
         }
         if !(0.0..=1.0).contains(&end_factor) {
-            return Err(SchedError::InvalidConfig { name: "end_factor", value: end_factor.to_string(), why: "must be in [0, 1]" });
+            return Err(SchedError::InvalidConfig {
+                name: "end_factor",
+                value: end_factor.to_string(),
+                why: "must be in [0, 1]",
+            });
         }
         Ok(())
     }
@@ -402,10 +411,18 @@ impl PolyScheduler {
 
     fn check(base_lr: f64, max_steps: i64, warmup_steps: i64) -> Result<(), SchedError> {
         if !base_lr.is_finite() {
-            return Err(SchedError::InvalidConfig { name: "base_lr", value: base_lr.to_string(), why: "must be finite" });
+            return Err(SchedError::InvalidConfig {
+                name: "base_lr",
+                value: base_lr.to_string(),
+                why: "must be finite",
+            });
         }
         if warmup_steps < 0 {
-            return Err(SchedError::InvalidConfig { name: "warmup_steps", value: warmup_steps.to_string(), why: "must be >= 0" });
+            return Err(SchedError::InvalidConfig {
+                name: "warmup_steps",
+                value: warmup_steps.to_string(),
+                why: "must be >= 0",
+            });
         }
         if max_steps <= warmup_steps {
             return Err(SchedError::InvalidConfig {
@@ -459,7 +476,8 @@ impl LrScheduler for PolyScheduler {
         let base_lr = get_float(sd, "base_lr")?;
         let max_steps = get_int(sd, "max_steps")?;
         let warmup_steps = get_int(sd, "warmup_steps")?;
-        Self::check(base_lr, max_steps, warmup_steps).map_err(|e| bad_state("base_lr/max_steps/warmup_steps", e.to_string()))?;
+        Self::check(base_lr, max_steps, warmup_steps)
+            .map_err(|e| bad_state("base_lr/max_steps/warmup_steps", e.to_string()))?;
         if let Some(p) = sd.get("power") {
             if p.as_float() != Some(POLY_POWER as f64) {
                 return Err(bad_state("power", format!("{p:?} is not supported (insightface's PolyScheduler uses 2)")));

@@ -67,7 +67,10 @@ fn clip_ignores_params_without_grads_and_refuses_non_finite_norms() {
 
     store.insert(b.as_tensor(), Tensor::new(&[f32::INFINITY, 1.0], &Device::Cpu).unwrap());
     let before = flat(store.get(a.as_tensor()).unwrap());
-    assert!(matches!(clip_grad_norm(&[a.clone(), b.clone()], &mut store, 1.0), Err(MetricsError::NonFiniteNorm { .. })));
+    assert!(matches!(
+        clip_grad_norm(&[a.clone(), b.clone()], &mut store, 1.0),
+        Err(MetricsError::NonFiniteNorm { .. })
+    ));
     assert_eq!(flat(store.get(a.as_tensor()).unwrap()), before, "gradients changed on error");
     assert!(matches!(clip_grad_norm(&[a], &mut store, f64::NAN), Err(MetricsError::InvalidMaxNorm(_))));
 }

@@ -23,9 +23,9 @@ fn decode(j: &Json) -> Value {
         Json::Number(n) => Value::Float(n.as_f64().unwrap()),
         Json::String(s) => Value::Str(s.clone()),
         Json::Array(a) => Value::List(a.iter().map(decode).collect()),
-        Json::Object(o) => Value::Dict(
-            o["__dict__"].as_array().unwrap().iter().map(|kv| (decode(&kv[0]), decode(&kv[1]))).collect(),
-        ),
+        Json::Object(o) => {
+            Value::Dict(o["__dict__"].as_array().unwrap().iter().map(|kv| (decode(&kv[0]), decode(&kv[1]))).collect())
+        }
     }
 }
 

@@ -76,8 +76,7 @@ fn visible_gpu_count() -> u32 {
         .filter(|e| {
             let name = e.file_name();
             let name = name.to_string_lossy();
-            name.strip_prefix("nvidia")
-                .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()))
+            name.strip_prefix("nvidia").is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()))
         })
         .count() as u32
 }
@@ -97,9 +96,7 @@ pub fn parse_nnodes(s: &str) -> Result<u32, String> {
         Some((min, max)) => {
             let (min, max) = (parse_one(min)?, parse_one(max)?);
             if min != max {
-                Err(format!(
-                    "`{s}`: elastic ranges are not supported yet; use MIN == MAX (e.g. `{max}:{max}`)"
-                ))
+                Err(format!("`{s}`: elastic ranges are not supported yet; use MIN == MAX (e.g. `{max}:{max}`)"))
             } else {
                 Ok(min)
             }
@@ -173,11 +170,9 @@ impl FromStr for StreamSpec {
         }
         let mut map = BTreeMap::new();
         for entry in s.split(',').filter(|e| !e.trim().is_empty()) {
-            let (rank, code) = entry
-                .split_once(':')
-                .ok_or_else(|| format!("`{entry}` is not LOCAL_RANK:CODE (e.g. `0:3,1:2`)"))?;
-            let rank: u32 =
-                rank.trim().parse().map_err(|_| format!("`{rank}` in `{entry}` is not a local rank"))?;
+            let (rank, code) =
+                entry.split_once(':').ok_or_else(|| format!("`{entry}` is not LOCAL_RANK:CODE (e.g. `0:3,1:2`)"))?;
+            let rank: u32 = rank.trim().parse().map_err(|_| format!("`{rank}` in `{entry}` is not a local rank"))?;
             map.insert(rank, Streams::from_code(code)?);
         }
         Ok(StreamSpec::PerLocalRank(map))
@@ -269,6 +264,14 @@ impl LaunchConfig {
             forward_signals: true,
             summary_tail_lines: 20,
         }
+    }
+
+    /// A launch of this very executable (how `tandem train` starts its own ranks): `args` are
+    /// the workers' arguments.
+    pub fn for_current_exe(args: impl IntoIterator<Item = impl Into<OsString>>) -> Result<Self, LaunchError> {
+        let exe = std::env::current_exe()
+            .map_err(|e| LaunchError::config("PROGRAM", format!("cannot find this executable to re-run it: {e}")))?;
+        Ok(LaunchConfig::new(exe, args))
     }
 
     /// Checks the combination of settings; each error names the flag at fault.

@@ -9,19 +9,36 @@ pub enum LaunchError {
     Config { flag: &'static str, message: String },
 
     #[error("cannot start rank {rank} ({program}): {source}")]
-    Spawn { rank: u32, program: String, #[source] source: io::Error },
+    Spawn {
+        rank: u32,
+        program: String,
+        #[source]
+        source: io::Error,
+    },
 
     #[error("cannot create log file {}: {source}", path.display())]
-    LogFile { path: PathBuf, #[source] source: io::Error },
+    LogFile {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
 
     #[error("cannot install signal handlers: {0}")]
     Signals(#[source] io::Error),
 
     #[error("cannot wait for rank {rank}: {source}")]
-    Wait { rank: u32, #[source] source: io::Error },
+    Wait {
+        rank: u32,
+        #[source]
+        source: io::Error,
+    },
 
     #[error("no free port for MASTER_PORT on {addr}: {source}")]
-    NoFreePort { addr: String, #[source] source: io::Error },
+    NoFreePort {
+        addr: String,
+        #[source]
+        source: io::Error,
+    },
 }
 
 impl LaunchError {

@@ -20,7 +20,9 @@ mod signals;
 mod supervisor;
 mod worker;
 
-pub use config::{available_cores, parse_local_ranks, parse_nnodes, random_run_id, LaunchConfig, NprocPerNode, StreamSpec, Streams};
+pub use config::{
+    available_cores, parse_local_ranks, parse_nnodes, random_run_id, LaunchConfig, NprocPerNode, StreamSpec, Streams,
+};
 pub use env::{threads_per_worker, JobShape, THREAD_VARS};
 pub use error::LaunchError;
 pub use outcome::{LaunchOutcome, WorkerExit, WorkerFailure};

@@ -99,7 +99,11 @@ impl LaunchOutcome {
         if root.stderr_tail.is_empty() {
             s.push_str(&format!("[launcher]   rank {} wrote nothing to stderr\n", root.rank));
         } else {
-            s.push_str(&format!("[launcher]   last {} line(s) of rank {}'s stderr:\n", root.stderr_tail.len(), root.rank));
+            s.push_str(&format!(
+                "[launcher]   last {} line(s) of rank {}'s stderr:\n",
+                root.stderr_tail.len(),
+                root.rank
+            ));
             for line in &root.stderr_tail {
                 s.push_str(&format!("[launcher]     | {line}\n"));
             }

@@ -122,3 +122,39 @@ unsafe fn watch(rx: libc::c_int) -> ! {
     }
     libc::_exit(0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::CommandExt;
+    use std::process::Command;
+    use std::time::{Duration, Instant};
+
+    fn gone(child: &mut std::process::Child) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        false
+    }
+
+    #[test]
+    fn listed_groups_die_when_the_pipe_closes_and_forgotten_ones_live() {
+        let mut listed = Command::new("sleep").arg("60").process_group(0).spawn().unwrap();
+        let mut forgotten = Command::new("sleep").arg("60").process_group(0).spawn().unwrap();
+        let mut reaper = GroupReaper::start().unwrap();
+        reaper.watch_group(listed.id() as i32);
+        reaper.watch_group(forgotten.id() as i32);
+        reaper.forget_group(forgotten.id() as i32);
+        drop(reaper); // same end of file the watchdog sees when the launcher dies
+        assert!(gone(&mut listed), "listed group survived");
+        assert_eq!(forgotten.try_wait().unwrap(), None, "forgotten group was killed");
+        forgotten.kill().unwrap();
+        forgotten.wait().unwrap();
+    }
+}

@@ -39,9 +39,8 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     let nproc = cfg.nproc_per_node.resolve()?;
     let cores = available_cores();
     let signals = if cfg.forward_signals { SignalWatch::install()? } else { SignalWatch::disabled() };
-    let new_port = || {
-        pick_master_port().map_err(|source| LaunchError::NoFreePort { addr: cfg.master_addr.clone(), source })
-    };
+    let new_port =
+        || pick_master_port().map_err(|source| LaunchError::NoFreePort { addr: cfg.master_addr.clone(), source });
     let mut port = match cfg.master_port {
         Some(p) => p,
         None => new_port()?,

@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 use crate::config::{LaunchConfig, Streams};
 use crate::env::{worker_env, JobShape};
 use crate::error::LaunchError;
-use crate::output::{spawn_pump, Console, Sinks, TailBuffer, SharedTail};
+use crate::output::{spawn_pump, Console, SharedTail, Sinks, TailBuffer};
 
 pub(crate) struct Worker {
     pub rank: u32,
@@ -158,5 +158,50 @@ impl Worker {
         for p in self.pumps.drain(..) {
             let _ = p.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::StreamSpec;
+
+    fn cfg() -> LaunchConfig {
+        LaunchConfig::new("true", Vec::<String>::new())
+    }
+
+    #[test]
+    fn console_only_without_log_dir() {
+        assert_eq!(stream_routes(&cfg(), 0), (Streams::NONE, Streams::BOTH));
+    }
+
+    #[test]
+    fn log_dir_alone_sends_everything_to_files() {
+        let mut c = cfg();
+        c.log_dir = Some("/tmp/x".into());
+        assert_eq!(stream_routes(&c, 3), (Streams::BOTH, Streams::NONE));
+    }
+
+    #[test]
+    fn redirects_hide_and_tee_copies() {
+        let mut c = cfg();
+        c.log_dir = Some("/tmp/x".into());
+        c.redirects = "0:2".parse::<StreamSpec>().unwrap();
+        c.tee = "1".parse::<StreamSpec>().unwrap();
+        let out_only = Streams { stdout: true, stderr: false };
+        // rank 0: stderr redirected (file only), stdout teed (file and console)
+        assert_eq!(stream_routes(&c, 0), (Streams::BOTH, out_only));
+        // rank 1: stdout teed, stderr console only
+        assert_eq!(stream_routes(&c, 1), (out_only, Streams::BOTH));
+    }
+
+    #[test]
+    fn filter_silences_other_ranks_on_the_console_only() {
+        let mut c = cfg();
+        c.log_dir = Some("/tmp/x".into());
+        c.tee = "3".parse::<StreamSpec>().unwrap();
+        c.local_ranks_filter = Some(vec![1]);
+        assert_eq!(stream_routes(&c, 0), (Streams::BOTH, Streams::NONE));
+        assert_eq!(stream_routes(&c, 1), (Streams::BOTH, Streams::BOTH));
     }
 }

@@ -71,9 +71,7 @@ fn each_worker_sees_the_launcher_environment() {
     let threads = tandem_launch::threads_per_worker(tandem_launch::available_cores(), 3).to_string();
     for rank in 0..3 {
         let env = read(dir.path().join(format!("env.{rank}")));
-        let get = |k: &str| {
-            env.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).map(str::to_string)
-        };
+        let get = |k: &str| env.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).map(str::to_string);
         assert_eq!(get("RANK").as_deref(), Some(rank.to_string().as_str()));
         assert_eq!(get("LOCAL_RANK").as_deref(), Some(rank.to_string().as_str()));
         assert_eq!(get("WORLD_SIZE").as_deref(), Some("3"));

@@ -86,8 +86,18 @@ fn help_explains_every_flag() {
     assert!(out.status.success(), "{}", describe(&out));
     let help = text(&out.stdout);
     for flag in [
-        "--nnodes", "--nproc-per-node", "--node-rank", "--master-addr", "--master-port", "--standalone",
-        "--max-restarts", "--monitor-interval", "--run-id", "--log-dir", "--redirects", "--tee",
+        "--nnodes",
+        "--nproc-per-node",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
+        "--standalone",
+        "--max-restarts",
+        "--monitor-interval",
+        "--run-id",
+        "--log-dir",
+        "--redirects",
+        "--tee",
         "--local-ranks-filter",
     ] {
         let line = help.lines().find(|l| l.trim_start().starts_with(flag) || l.contains(&format!(", {flag}")));
@@ -99,8 +109,20 @@ fn help_explains_every_flag() {
 #[test]
 fn underscore_spellings_are_accepted() {
     let out = output_with_deadline(
-        &mut tandem_run(&["--nproc_per_node", "2", "--max_restarts", "0", "--monitor_interval", "0.05", "--run_id", "u1", "--",
-            "sh", "-c", "echo ws=$WORLD_SIZE id=$TORCHELASTIC_RUN_ID"]),
+        &mut tandem_run(&[
+            "--nproc_per_node",
+            "2",
+            "--max_restarts",
+            "0",
+            "--monitor_interval",
+            "0.05",
+            "--run_id",
+            "u1",
+            "--",
+            "sh",
+            "-c",
+            "echo ws=$WORLD_SIZE id=$TORCHELASTIC_RUN_ID",
+        ]),
         LIMIT,
     );
     assert!(out.status.success(), "{}", describe(&out));
@@ -148,11 +170,38 @@ fn four_ranks_all_reduce_their_rank() {
 }
 
 #[test]
+fn a_master_port_in_use_is_reported_with_the_bind_error() {
+    // A fixed --master-port is the user's choice: no silent retry, but a clear summary.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let out = output_with_deadline(
+        &mut tandem_run(&["--nproc-per-node", "2", "--master-port", &port, "--", TANDEM, "check"]),
+        LIMIT,
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("root cause: rank 0"), "{stderr}");
+    assert!(stderr.contains("Address already in use"), "{stderr}");
+}
+
+#[test]
 fn workers_see_the_launcher_environment() {
     let port = free_port().to_string();
     let out = output_with_deadline(
-        &mut tandem_run(&["--nproc-per-node", "2", "--master-port", &port, "--run-id", "envjob", "--max-restarts", "3",
-            "--", TANDEM, "check", "--print-env"]),
+        &mut tandem_run(&[
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &port,
+            "--run-id",
+            "envjob",
+            "--max-restarts",
+            "3",
+            "--",
+            TANDEM,
+            "check",
+            "--print-env",
+        ]),
         LIMIT,
     );
     assert!(out.status.success(), "{}", describe(&out));
@@ -219,7 +268,16 @@ fn one_rank_exiting_3_stops_the_job_with_code_3_and_leaves_nothing_behind() {
 #[test]
 fn a_worker_failing_on_its_first_attempt_succeeds_with_restarts() {
     let out = output_with_deadline(
-        &mut tandem_run(&["--nproc-per-node", "2", "--max-restarts", "2", "--", TANDEM, "check", "--fail-on-first-attempt"]),
+        &mut tandem_run(&[
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "2",
+            "--",
+            TANDEM,
+            "check",
+            "--fail-on-first-attempt",
+        ]),
         LIMIT,
     );
     assert!(out.status.success(), "{}", describe(&out));
@@ -239,8 +297,24 @@ fn a_worker_failing_on_its_first_attempt_succeeds_with_restarts() {
 fn two_launchers_form_one_world() {
     let port = free_port().to_string();
     let launcher = |node: &str| {
-        let mut c = tandem_run(&["--nnodes", "2", "--node-rank", node, "--nproc-per-node", "2",
-            "--master-addr", "127.0.0.1", "--master-port", &port, "--run-id", "two", "--", TANDEM, "check", "--print-env"]);
+        let mut c = tandem_run(&[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            node,
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--run-id",
+            "two",
+            "--",
+            TANDEM,
+            "check",
+            "--print-env",
+        ]);
         c.stdout(Stdio::piped()).stderr(Stdio::piped());
         c
     };
@@ -303,7 +377,8 @@ fn a_sigkilled_launcher_takes_its_workers_along() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().display();
     // Workers die by PR_SET_PDEATHSIG; their grandchildren by the launcher's watchdog.
-    let script = format!("sleep 60 & echo $! > {d}/grandchild.$RANK.pid; echo $$ > {d}/worker.$RANK.pid; exec sleep 60");
+    let script =
+        format!("sleep 60 & echo $! > {d}/grandchild.$RANK.pid; echo $$ > {d}/worker.$RANK.pid; exec sleep 60");
     let mut child = tandem_run(&["--nproc-per-node", "2", "--", "sh", "-c", &script])
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -50,26 +50,29 @@ fn matches_live_torch() {
         return;
     };
     let cases = [
-        (1000usize, 8usize, 3usize, 17u64, 5u64, false),
+        (1000usize, 8usize, 3usize, 17i64, 5u64, false),
         (97, 4, 0, 0, 2, true),
         (5, 7, 6, 2, 1, false),
+        (300, 3, 1, -5, 3, false), // torch wraps negative seeds modulo 2^64
     ];
+    let py_cases = cases
+        .iter()
+        .map(|(n, r, k, s, e, d)| {
+            format!(
+                "({n}, {r}, {k}, {s}, {e}, {})",
+                if *d { "True" } else { "False" }
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
     // One interpreter for all cases: importing torch dominates the run time.
     let script = format!(
         "import json\nfrom torch.utils.data import DistributedSampler\nout = []\n\
-         for (n, r, rank, seed, epoch, dl) in {cases}:\n\
+         for (n, r, rank, seed, epoch, dl) in [{py_cases}]:\n\
          \x20   s = DistributedSampler(range(n), num_replicas=r, rank=rank, shuffle=True, seed=seed, drop_last=dl)\n\
          \x20   s.set_epoch(epoch)\n\
          \x20   out.append(list(iter(s)))\n\
-         print(json.dumps(out))",
-        cases = format!(
-            "[{}]",
-            cases
-                .iter()
-                .map(|(n, r, k, s, e, d)| format!("({n}, {r}, {k}, {s}, {e}, {})", if *d { "True" } else { "False" }))
-                .collect::<Vec<_>>()
-                .join(", ")
-        )
+         print(json.dumps(out))"
     );
     let out = tandem_testutil::output_with_deadline(
         Command::new(&python).args(["-c", &script]),

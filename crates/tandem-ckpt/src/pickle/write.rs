@@ -91,7 +91,7 @@ impl Pickler {
 
     fn tensor(&mut self, t: &Tensor) -> Result<(), String> {
         let es = t.dtype.size();
-        if t.storage.len() % es != 0 {
+        if !t.storage.len().is_multiple_of(es) {
             return Err(format!("a {} tensor's storage has {} bytes, not a multiple of {es}", t.dtype, t.storage.len()));
         }
         if t.shape.len() != t.stride.len() {

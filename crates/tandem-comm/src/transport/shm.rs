@@ -14,8 +14,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 const MAGIC: u64 = 0x7461_6e64_656d_7368; // "tandemsh"
-/// Bytes per ring. Small enough to stay in cache, large enough to keep both sides busy.
-const RING: usize = 1 << 20;
+/// Bytes per ring. Small enough to stay in cache, large enough to keep both sides busy. Large
+/// groups get smaller rings (n² of them exist; only touched pages of the file use memory).
+fn ring_size(n: usize) -> usize {
+    if n <= 16 {
+        1 << 20
+    } else {
+        256 << 10
+    }
+}
 /// Largest copy between two position updates: lets the consumer start early.
 const PIECE: usize = 128 << 10;
 const CTRL: usize = 128;
@@ -25,7 +32,7 @@ fn header_size(n: usize) -> usize {
 }
 
 fn total_size(n: usize) -> usize {
-    header_size(n) + n * n * (CTRL + RING)
+    header_size(n) + n * n * (CTRL + ring_size(n))
 }
 
 fn align8(x: usize) -> usize {
@@ -38,6 +45,7 @@ pub(crate) struct ShmTransport {
     rank: usize,
     size: usize,
     pids: Vec<libc::pid_t>,
+    ring: usize,
 }
 
 // SAFETY: `base` points into `_map`, which the struct owns and which lives as long as it does.
@@ -60,7 +68,7 @@ impl ShmTransport {
         self.atomic(self.rank_block(r) + 8)
     }
     fn ring(&self, from: usize, to: usize) -> usize {
-        header_size(self.size) + (from * self.size + to) * (CTRL + RING)
+        header_size(self.size) + (from * self.size + to) * (CTRL + self.ring)
     }
     fn peer_gone(&self, peer: usize) -> bool {
         if self.abort_of(peer).load(Ordering::Acquire) != 0 {
@@ -101,6 +109,7 @@ impl Transport for ShmTransport {
         let (recv_peer, mut recv) = recv.unwrap_or((usize::MAX, Recv::Copy(&mut [])));
         let (slen, rlen) = (send_buf.len(), recv.len());
         let (s8, r8) = (align8(slen), align8(rlen));
+        let ring = self.ring;
         for (peer, len) in [(send_peer, slen), (recv_peer, rlen)] {
             if len > 0 && (peer >= self.size || peer == self.rank) {
                 return Err(PeerError { peer, kind: FailKind::Io("no channel to this rank".into()) });
@@ -118,16 +127,16 @@ impl Transport for ShmTransport {
             if sent < s8 {
                 let (wpos, rpos) = (self.atomic(out), self.atomic(out + 64));
                 let w = wpos.load(Ordering::Relaxed) as usize;
-                let free = RING - (w - rpos.load(Ordering::Acquire) as usize);
-                let n = free.min(s8 - sent).min(PIECE).min(RING - w % RING);
+                let free = ring - (w - rpos.load(Ordering::Acquire) as usize);
+                let n = free.min(s8 - sent).min(PIECE).min(ring - w % ring);
                 if n > 0 {
                     let real = n.min(slen.saturating_sub(sent));
-                    // SAFETY: [w % RING, +n) lies in this ring's data area, which the consumer
+                    // SAFETY: [w % ring, +n) lies in this ring's data area, which the consumer
                     // does not read until we publish the new write position below.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             send_buf.as_ptr().add(sent),
-                            self.base.add(out + CTRL + w % RING),
+                            self.base.add(out + CTRL + w % ring),
                             real,
                         )
                     };
@@ -140,7 +149,7 @@ impl Transport for ShmTransport {
                 let (wpos, rpos) = (self.atomic(inp), self.atomic(inp + 64));
                 let r = rpos.load(Ordering::Relaxed) as usize;
                 let avail = wpos.load(Ordering::Acquire) as usize - r;
-                let mut n = avail.min(r8 - got).min(PIECE).min(RING - r % RING);
+                let mut n = avail.min(r8 - got).min(PIECE).min(ring - r % ring);
                 let mut real = n.min(rlen.saturating_sub(got));
                 if let Recv::Reduce { elem, .. } = &recv {
                     let whole = real / *elem * *elem;
@@ -153,7 +162,7 @@ impl Transport for ShmTransport {
                 if n > 0 {
                     // SAFETY: the producer published these bytes (acquire above) and will not
                     // overwrite them until we publish the new read position.
-                    let src = unsafe { std::slice::from_raw_parts(self.base.add(inp + CTRL + r % RING), real) };
+                    let src = unsafe { std::slice::from_raw_parts(self.base.add(inp + CTRL + r % ring), real) };
                     match &mut recv {
                         Recv::Copy(dst) => dst[got..got + real].copy_from_slice(src),
                         Recv::Reduce { dst, f, .. } => f(&mut dst[got..got + real], src),
@@ -310,7 +319,7 @@ pub(crate) fn setup(
         (Err(e), _) | (Ok(()), Err(e)) => return Ok(Err(e)),
     };
     let base = map.as_mut_ptr();
-    let mut t = ShmTransport { _map: map, base, rank, size, pids: vec![0; size] };
+    let mut t = ShmTransport { _map: map, base, rank, size, pids: vec![0; size], ring: ring_size(size) };
     t.pid_of(rank).store(std::process::id() as u64, Ordering::Release);
     // Everyone must have written its pid before anyone reads them.
     store.set(&format!("{group}/shm_pid/{rank}"), b"1")?;

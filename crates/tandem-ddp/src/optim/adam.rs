@@ -7,9 +7,11 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use tandem_ckpt::Value;
 
-use super::groups::{only_keys, refuse_true, saved_bool, saved_f64, saved_tensor, torch_number, Groups, Hyper, ParamState};
+use super::groups::{
+    only_keys, refuse_true, saved_bool, saved_f64, saved_tensor, torch_number, Groups, Hyper, ParamState,
+};
 use super::sgd::check_grad_shape;
-use super::{OptimError, Optimizer};
+use super::{non_negative, OptimError, Optimizer};
 
 /// Hyperparameters of `torch.optim.Adam` (torch's defaults).
 #[derive(Clone, Debug, PartialEq)]
@@ -60,10 +62,10 @@ impl AdamHyper {
     fn validate(&self) -> Result<(), OptimError> {
         let c = &self.cfg;
         let bad = |name, value: f64, why| Err(OptimError::InvalidConfig { name, value: value.to_string(), why });
-        if !(c.lr >= 0.0) {
+        if !non_negative(c.lr) {
             return bad("lr", c.lr, "must be >= 0");
         }
-        if !(c.eps >= 0.0) {
+        if !non_negative(c.eps) {
             return bad("eps", c.eps, "must be >= 0");
         }
         if !(0.0..1.0).contains(&c.betas.0) {
@@ -72,7 +74,7 @@ impl AdamHyper {
         if !(0.0..1.0).contains(&c.betas.1) {
             return bad("betas[1]", c.betas.1, "must be in [0, 1)");
         }
-        if !(c.weight_decay >= 0.0) {
+        if !non_negative(c.weight_decay) {
             return bad("weight_decay", c.weight_decay, "must be >= 0");
         }
         Ok(())
@@ -102,7 +104,7 @@ impl Hyper for AdamHyper {
             ("decoupled_weight_decay", Value::Bool(self.decoupled)),
         ]
     }
-    fn from_saved(&self, g: &Value, key: &str) -> Result<Self, OptimError> {
+    fn merge_saved(&self, g: &Value, key: &str) -> Result<Self, OptimError> {
         refuse_true(g, "maximize", key)?;
         let betas = match g.get("betas") {
             None => self.cfg.betas,

@@ -13,7 +13,7 @@ pub(crate) trait Hyper: Clone {
     fn entries(&self) -> Vec<(&'static str, Value)>;
     /// The hyperparameters of a saved group; a key the saved group lacks keeps `self`'s value
     /// (older torch versions wrote fewer keys). `key` names the group for errors.
-    fn from_saved(&self, saved: &Value, key: &str) -> Result<Self, OptimError>;
+    fn merge_saved(&self, saved: &Value, key: &str) -> Result<Self, OptimError>;
 }
 
 /// The optimizer state of one parameter (`state[i]` in the state_dict).
@@ -68,7 +68,7 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
         self.state.len()
     }
 
-    /// `(global index, group index)` for every parameter, in index order.
+    /// `(state_dict index, group index, parameter)` for every parameter, in index order.
     pub fn indices(&self) -> Vec<(usize, usize, Var)> {
         let mut out = Vec::with_capacity(self.len());
         for (g, group) in self.groups.iter().enumerate() {
@@ -179,7 +179,7 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
                 }
                 next += 1;
             }
-            new_hypers.push(ours.hyper.from_saved(saved, &key)?);
+            new_hypers.push(ours.hyper.merge_saved(saved, &key)?);
             let extra: Vec<(Value, Value)> = items
                 .iter()
                 .filter(|(k, _)| !matches!(k, Value::Str(s) if s == "params" || known_keys.contains(&s.as_str())))
@@ -195,9 +195,8 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
                 other => return Err(OptimError::state("state", format!("key {other:?} is not a parameter index"))),
             };
             let key = format!("state.{id}");
-            let &index = id_map
-                .get(&id)
-                .ok_or_else(|| OptimError::state(&key, "names no parameter listed in param_groups"))?;
+            let &index =
+                id_map.get(&id).ok_or_else(|| OptimError::state(&key, "names no parameter listed in param_groups"))?;
             new_state[index] = Some(S::from_value(v, params[index].as_tensor(), &key)?);
         }
         for ((g, h), extra) in self.groups.iter_mut().zip(new_hypers).zip(new_extras) {
@@ -216,7 +215,9 @@ pub(crate) fn saved_f64(group: &Value, name: &str, current: f64, key: &str) -> R
         None => Ok(current),
         Some(Value::Int(i)) => Ok(*i as f64),
         Some(Value::Float(f)) => Ok(*f),
-        Some(other) => Err(OptimError::state(format!("{key}.{name}"), format!("expected a number, found {}", other.type_name()))),
+        Some(other) => {
+            Err(OptimError::state(format!("{key}.{name}"), format!("expected a number, found {}", other.type_name())))
+        }
     }
 }
 
@@ -224,7 +225,9 @@ pub(crate) fn saved_bool(group: &Value, name: &str, current: bool, key: &str) ->
     match group.get(name) {
         None => Ok(current),
         Some(Value::Bool(b)) => Ok(*b),
-        Some(other) => Err(OptimError::state(format!("{key}.{name}"), format!("expected a bool, found {}", other.type_name()))),
+        Some(other) => {
+            Err(OptimError::state(format!("{key}.{name}"), format!("expected a bool, found {}", other.type_name())))
+        }
     }
 }
 

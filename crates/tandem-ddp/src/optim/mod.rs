@@ -50,6 +50,11 @@ impl OptimError {
     }
 }
 
+/// `v >= 0`, false for NaN (hyperparameter checks must refuse NaN too).
+pub(crate) fn non_negative(v: f64) -> bool {
+    v >= 0.0
+}
+
 /// The optimizer interface (as `torch.optim.Optimizer`, minus closures and `zero_grad`: a
 /// candle [`GradStore`] is fresh after every backward).
 pub trait Optimizer {

@@ -7,7 +7,7 @@ use candle_core::{Tensor, Var};
 use tandem_ckpt::Value;
 
 use super::groups::{only_keys, refuse_true, saved_bool, saved_f64, torch_number, Groups, Hyper, ParamState};
-use super::{OptimError, Optimizer};
+use super::{non_negative, OptimError, Optimizer};
 
 /// Hyperparameters of `torch.optim.SGD` (defaults as torch: lr 1e-3, everything else off).
 #[derive(Clone, Debug, PartialEq)]
@@ -29,13 +29,13 @@ impl SgdConfig {
     /// torch's constructor checks, with the same conditions.
     fn validate(&self) -> Result<(), OptimError> {
         let bad = |name, value: f64, why| Err(OptimError::InvalidConfig { name, value: value.to_string(), why });
-        if !(self.lr >= 0.0) {
+        if !non_negative(self.lr) {
             return bad("lr", self.lr, "must be >= 0");
         }
-        if !(self.momentum >= 0.0) {
+        if !non_negative(self.momentum) {
             return bad("momentum", self.momentum, "must be >= 0");
         }
-        if !(self.weight_decay >= 0.0) {
+        if !non_negative(self.weight_decay) {
             return bad("weight_decay", self.weight_decay, "must be >= 0");
         }
         if !self.dampening.is_finite() {
@@ -68,7 +68,7 @@ impl Hyper for SgdConfig {
             ("fused", Value::None),
         ]
     }
-    fn from_saved(&self, g: &Value, key: &str) -> Result<Self, OptimError> {
+    fn merge_saved(&self, g: &Value, key: &str) -> Result<Self, OptimError> {
         refuse_true(g, "maximize", key)?;
         let cfg = SgdConfig {
             lr: saved_f64(g, "lr", self.lr, key)?,
@@ -144,6 +144,8 @@ impl Sgd {
             let prev = state.as_ref().and_then(|s| s.momentum_buffer.clone());
             let buf = match prev {
                 None => d.copy()?,
+                // `1 - dampening == 1` is the common case: skip an exact but costly pass.
+                Some(b) if h.dampening == 0.0 => (b.affine(h.momentum, 0.0)? + &d)?,
                 Some(b) => (b.affine(h.momentum, 0.0)? + d.affine(1.0 - h.dampening, 0.0)?)?,
             };
             d = if h.nesterov { (d + buf.affine(h.momentum, 0.0)?)? } else { buf.clone() };

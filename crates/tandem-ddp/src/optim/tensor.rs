@@ -11,11 +11,9 @@ pub(crate) fn to_ckpt(t: &Tensor, key: &str) -> Result<CkptTensor, OptimError> {
     let out = match t.dtype() {
         DType::F32 => CkptTensor::from_f32(&shape, &flat.to_vec1::<f32>()?),
         DType::F64 => CkptTensor::from_f64(&shape, &flat.to_vec1::<f64>()?),
-        DType::F16 => CkptTensor::from_bytes(
-            CkptDType::F16,
-            &shape,
-            bytemuck::cast_slice(&flat.to_vec1::<half::f16>()?).to_vec(),
-        ),
+        DType::F16 => {
+            CkptTensor::from_bytes(CkptDType::F16, &shape, bytemuck::cast_slice(&flat.to_vec1::<half::f16>()?).to_vec())
+        }
         DType::BF16 => CkptTensor::from_bytes(
             CkptDType::BF16,
             &shape,

@@ -61,8 +61,7 @@ fn parse_rank_code(s: &str) -> Result<(usize, i32), String> {
 }
 
 fn launcher_env_json() -> String {
-    let vars: BTreeMap<&str, Option<String>> =
-        LAUNCHER_VARS.iter().map(|&k| (k, std::env::var(k).ok())).collect();
+    let vars: BTreeMap<&str, Option<String>> = LAUNCHER_VARS.iter().map(|&k| (k, std::env::var(k).ok())).collect();
     serde_json::to_string(&vars).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
 }
 

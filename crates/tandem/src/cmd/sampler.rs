@@ -19,8 +19,9 @@ pub struct Args {
     /// off unless given, as the flag form requires).
     #[arg(long)]
     shuffle: bool,
-    /// Sampler seed (PyTorch's default 0).
-    #[arg(long, value_name = "S", default_value_t = 0)]
+    /// Sampler seed (PyTorch's default 0). Negative seeds wrap to 2^64 + S as in
+    /// `torch.Generator.manual_seed`.
+    #[arg(long, value_name = "S", default_value = "0", allow_hyphen_values = true, value_parser = parse_seed)]
     seed: u64,
     /// Epoch passed to set_epoch.
     #[arg(long, value_name = "E", default_value_t = 0)]
@@ -28,6 +29,13 @@ pub struct Args {
     /// Trim the tail so every rank gets floor(N / R) samples instead of padding.
     #[arg(long)]
     drop_last: bool,
+}
+
+/// A torch seed: any integer in [-2^63, 2^64), negative ones taken modulo 2^64.
+fn parse_seed(s: &str) -> Result<u64, String> {
+    s.parse::<u64>()
+        .or_else(|_| s.parse::<i64>().map(|v| v as u64))
+        .map_err(|_| format!("{s:?} is not an integer in [-2^63, 2^64)"))
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {

@@ -1,9 +1,341 @@
-//! `tandem bench ddp` (not implemented yet).
+//! `tandem bench ddp`: training samples/s of plain single-process training and of Ddp, on the
+//! same global batch and the same synthetic MNIST-shaped data (as `shared/peers/torch_ddp_step.py`).
+//!
+//! * plain: one process, all cores, batch B, `loss.backward()` + SGD.
+//! * Ddp 1 rank: the same, wrapped in Ddp over a world of one (hooks, buckets, comm thread);
+//!   measured in rounds alternating with plain, overhead = 1 - median(ddp/plain per round).
+//! * Ddp N ranks: N copies of this executable on loopback, B/N per rank, cores/N threads each;
+//!   scaling efficiency = samples/s(N ranks) / samples/s(plain), i.e. against one process using
+//!   the same cores on the same global batch.
+//! * `--torch PYTHON`: runs the PyTorch DDP peer (gloo, same model, B/N per rank) beside it.
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use candle_core::{Device, Tensor};
+use tandem_ddp::models::{Cnn, Mlp};
+use tandem_ddp::optim::{Optimizer, Sgd, SgdConfig};
+use tandem_ddp::{Ddp, DdpOptions, Module};
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Ranks for the distributed run.
+    #[arg(long, default_value_t = 2)]
+    nproc: usize,
+    /// mlp: 784-1024-1024-10 (the peer script's model); cnn: tandem_ddp::models::Cnn on 1x28x28.
+    #[arg(long, default_value = "mlp", value_parser = ["mlp", "cnn"])]
+    model: String,
+    /// Global batch (split evenly over the ranks).
+    #[arg(long, default_value_t = 128)]
+    batch: usize,
+    /// Timed steps per round (after 3 warm-up steps).
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Rounds; the reported samples/s are medians over rounds.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// A Python with torch: also run the PyTorch DDP peer on the same work.
+    #[arg(long)]
+    torch: Option<PathBuf>,
+    /// The peer script (usage: WORLD STEPS PER_RANK_BATCH).
+    #[arg(long, default_value = "../shared/peers/torch_ddp_step.py")]
+    torch_script: PathBuf,
+    /// Internal: run as one rank of the distributed measurement (set by the parent).
+    #[arg(long, hide = true)]
+    worker: bool,
+}
 
-pub fn main(_args: Args) -> anyhow::Result<i32> {
-    eprintln!("tandem bench ddp: not yet implemented");
-    Ok(2)
+const WARMUP: usize = 3;
+const SGD_LR: f64 = 0.01;
+
+enum Net {
+    Mlp(Mlp),
+    Cnn(Cnn),
+}
+
+impl Net {
+    fn new(kind: &str) -> anyhow::Result<Net> {
+        Ok(match kind {
+            "mlp" => Net::Mlp(Mlp::new(&[784, 1024, 1024, 10], 0, &Device::Cpu)?),
+            _ => Net::Cnn(Cnn::new(1, 28, 28, 10, 0, &Device::Cpu)?),
+        })
+    }
+    fn describe(kind: &str) -> &'static str {
+        match kind {
+            "mlp" => "Mlp 784-1024-1024-10",
+            _ => "Cnn 1x28x28 (conv8-bn-conv16-fc)",
+        }
+    }
+}
+
+fn batch(kind: &str, n: usize, seed: u64) -> anyhow::Result<(Tensor, Tensor)> {
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1.0, n * 784, &dev)?;
+    let x = if kind == "mlp" { x.reshape((n, 784))? } else { x.reshape((n, 1, 28, 28))? };
+    let y = Tensor::from_vec((0..n as u32).map(|i| (i.wrapping_mul(7).wrapping_add(seed as u32)) % 10).collect::<Vec<u32>>(), n, &dev)?;
+    Ok((x, y))
+}
+
+/// One training step function, the same for plain and Ddp (Ddp adds its backward).
+trait Trainer {
+    fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()>;
+}
+
+struct Plain<M: Module> {
+    model: M,
+    loss: fn(&M, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    opt: Sgd,
+}
+
+impl<M: Module> Trainer for Plain<M> {
+    fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
+        let grads = (self.loss)(&self.model, x, y)?.backward()?;
+        self.opt.step(&grads)?;
+        Ok(())
+    }
+}
+
+struct Wrapped<M: Module> {
+    ddp: Ddp<M>,
+    loss: fn(&M, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    opt: Sgd,
+}
+
+impl<M: Module> Trainer for Wrapped<M> {
+    fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
+        let loss = (self.loss)(self.ddp.module(), x, y)?;
+        let grads = self.ddp.backward(&loss)?;
+        self.opt.step(&grads)?;
+        Ok(())
+    }
+}
+
+fn sgd(params: Vec<candle_core::Var>) -> anyhow::Result<Sgd> {
+    Ok(Sgd::new(params, SgdConfig { lr: SGD_LR, ..Default::default() })?)
+}
+
+fn trainer(kind: &str, comm: Option<&tandem_comm::ProcessGroup>) -> anyhow::Result<Box<dyn Trainer>> {
+    let opts = DdpOptions::default();
+    Ok(match (Net::new(kind)?, comm) {
+        (Net::Mlp(m), None) => Box::new(Plain { opt: sgd(m.params().vars())?, model: m, loss: Mlp::loss }),
+        (Net::Cnn(m), None) => Box::new(Plain { opt: sgd(m.params().vars())?, model: m, loss: Cnn::loss }),
+        (Net::Mlp(m), Some(pg)) => {
+            let ddp = Ddp::new(m, pg, opts)?;
+            Box::new(Wrapped { opt: sgd(ddp.params().vars())?, ddp, loss: Mlp::loss })
+        }
+        (Net::Cnn(m), Some(pg)) => {
+            let ddp = Ddp::new(m, pg, opts)?;
+            Box::new(Wrapped { opt: sgd(ddp.params().vars())?, ddp, loss: Cnn::loss })
+        }
+    })
+}
+
+/// Seconds for `steps` steps (after the warm-up steps).
+fn timed(t: &mut dyn Trainer, x: &Tensor, y: &Tensor, steps: usize, sync: &dyn Fn() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    sync()?;
+    let start = Instant::now();
+    for _ in 0..steps {
+        t.step(x, y)?;
+    }
+    sync()?;
+    Ok(start.elapsed().as_secs_f64())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn worker(args: &Args) -> anyhow::Result<i32> {
+    let pg = tandem_comm::init().context("worker: initialising the process group")?;
+    let per_rank = args.batch / pg.size();
+    let (x, y) = batch(&args.model, per_rank, pg.rank() as u64)?;
+    let mut t = trainer(&args.model, Some(&pg))?;
+    for _ in 0..WARMUP {
+        t.step(&x, &y)?;
+    }
+    let barrier = || pg.barrier().map_err(anyhow::Error::from);
+    let mut sps = Vec::new();
+    for _ in 0..args.rounds {
+        let secs = timed(t.as_mut(), &x, &y, args.steps, &barrier)?;
+        sps.push((args.steps * per_rank * pg.size()) as f64 / secs);
+    }
+    if pg.rank() == 0 {
+        println!("RESULT {}", median(sps));
+    }
+    pg.barrier()?;
+    Ok(0)
+}
+
+/// Plain vs 1-rank Ddp in this process, alternating rounds. Returns (plain, ddp, overhead).
+fn single_process(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
+    let (x, y) = batch(&args.model, args.batch, 0)?;
+    let one = tandem_comm::init_from(&tandem_comm::InitMethod::Single)?;
+    let mut plain = trainer(&args.model, None)?;
+    let mut ddp = trainer(&args.model, Some(&one))?;
+    for _ in 0..WARMUP {
+        plain.step(&x, &y)?;
+        ddp.step(&x, &y)?;
+    }
+    let none = || Ok(());
+    let (mut p, mut d, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..args.rounds {
+        let tp = timed(plain.as_mut(), &x, &y, args.steps, &none)?;
+        let td = timed(ddp.as_mut(), &x, &y, args.steps, &none)?;
+        let n = (args.steps * args.batch) as f64;
+        p.push(n / tp);
+        d.push(n / td);
+        ratio.push(tp / td);
+    }
+    Ok((median(p), median(d), 1.0 - median(ratio)))
+}
+
+fn distributed(args: &Args) -> anyhow::Result<f64> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let exe = std::env::current_exe().context("locating the tandem executable")?;
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let threads = (cores / args.nproc).max(1);
+    let mut children = Vec::new();
+    for rank in 0..args.nproc {
+        let mut cmd = Command::new(&exe);
+        cmd.args(["bench", "ddp", "--worker", "--model", &args.model])
+            .args(["--batch", &args.batch.to_string(), "--steps", &args.steps.to_string(), "--rounds", &args.rounds.to_string()])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", args.nproc.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", args.nproc.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("RAYON_NUM_THREADS", threads.to_string())
+            .env("TANDEM_RUN_ID", format!("bench-ddp-{}", std::process::id()))
+            .env("TANDEM_INIT_TIMEOUT", "60")
+            .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
+            .stderr(Stdio::inherit());
+        children.push(cmd.spawn().with_context(|| format!("spawning rank {rank}"))?);
+    }
+    let stdout = children[0].stdout.take().context("rank 0 stdout")?;
+    // Read rank 0's answer on a thread so a stuck world cannot hang us past the deadline.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(v) = line.strip_prefix("RESULT ").and_then(|v| v.trim().parse::<f64>().ok()) {
+                let _ = tx.send(v);
+            }
+        }
+    });
+    let budget = Duration::from_secs(600);
+    let result = rx.recv_timeout(budget).ok();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut failed = false;
+    for (rank, c) in children.iter_mut().enumerate() {
+        loop {
+            if let Some(st) = c.try_wait()? {
+                if !st.success() {
+                    eprintln!("rank {rank} exited with {st}");
+                    failed = true;
+                }
+                break;
+            }
+            if Instant::now() > deadline || result.is_none() {
+                let _ = c.kill();
+                let _ = c.wait();
+                eprintln!("rank {rank} did not exit; killed");
+                failed = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    match result {
+        Some(v) if !failed => Ok(v),
+        _ => bail!("the {}-rank Ddp run did not complete (see the ranks' errors above)", args.nproc),
+    }
+}
+
+/// The PyTorch DDP peer, `rounds` runs, median samples/s.
+fn torch_peer(args: &Args, python: &PathBuf) -> anyhow::Result<f64> {
+    if args.model != "mlp" {
+        bail!("--torch: the peer script trains the MLP only; use --model mlp");
+    }
+    let mut runs = Vec::new();
+    for _ in 0..args.rounds.clamp(1, 3) {
+        let out = Command::new(python)
+            .arg(&args.torch_script)
+            .args([args.nproc.to_string(), args.steps.to_string(), (args.batch / args.nproc).to_string()])
+            .stderr(Stdio::inherit())
+            .output()
+            .with_context(|| format!("running {} {}", python.display(), args.torch_script.display()))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let sps = text
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("samples/s=").and_then(|v| v.parse::<f64>().ok()))
+            .with_context(|| format!("{}: no samples/s in its output: {text:?}", args.torch_script.display()))?;
+        runs.push(sps);
+    }
+    Ok(median(runs))
+}
+
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    if args.nproc == 0 || args.batch == 0 || args.steps == 0 || args.rounds == 0 {
+        bail!("--nproc, --batch, --steps and --rounds must be at least 1");
+    }
+    if args.batch % args.nproc != 0 {
+        bail!("--batch {} is not divisible by --nproc {}", args.batch, args.nproc);
+    }
+    if args.worker {
+        return worker(&args);
+    }
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let (plain, ddp1, overhead) = single_process(&args)?;
+    let ddp_n = distributed(&args)?;
+    let torch = args.torch.as_ref().map(|py| torch_peer(&args, py)).transpose()?;
+    let efficiency = ddp_n / plain;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": args.model, "global_batch": args.batch, "nproc": args.nproc, "steps": args.steps,
+                "rounds": args.rounds, "cores": cores,
+                "plain_samples_per_s": plain, "ddp1_samples_per_s": ddp1, "ddp1_overhead": overhead,
+                "ddpN_samples_per_s": ddp_n, "scaling_efficiency": efficiency,
+                "torch_ddp_samples_per_s": torch, "ddpN_over_torch": torch.map(|t| ddp_n / t),
+            })
+        );
+        return Ok(0);
+    }
+    println!(
+        "{}, global batch {}, {} steps x {} rounds (medians), {} cores, SGD lr {SGD_LR}",
+        Net::describe(&args.model),
+        args.batch,
+        args.steps,
+        args.rounds,
+        cores
+    );
+    println!("{:<28} {:>5} {:>10} {:>11}  note", "config", "ranks", "batch/rank", "samples/s");
+    println!("{:<28} {:>5} {:>10} {:>11.0}  reference", "plain (one process)", 1, args.batch, plain);
+    println!("{:<28} {:>5} {:>10} {:>11.0}  overhead {:+.1}%", "tandem Ddp", 1, args.batch, ddp1, overhead * 100.0);
+    println!(
+        "{:<28} {:>5} {:>10} {:>11.0}  scaling efficiency {:.2} (vs plain, same cores)",
+        "tandem Ddp",
+        args.nproc,
+        args.batch / args.nproc,
+        ddp_n,
+        efficiency
+    );
+    if let Some(t) = torch {
+        println!(
+            "{:<28} {:>5} {:>10} {:>11.0}  tandem/torch {:.2}",
+            "torch DDP (gloo)",
+            args.nproc,
+            args.batch / args.nproc,
+            t,
+            ddp_n / t
+        );
+    }
+    Ok(0)
 }

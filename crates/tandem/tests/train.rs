@@ -1,0 +1,244 @@
+//! End-to-end tests of the main job, `tandem train`, with real ranks on loopback.
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use tandem_testutil::{output_with_deadline, torch_python};
+
+const LIMIT: Duration = Duration::from_secs(180);
+
+fn tandem() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"));
+    // Each test is its own job: never inherit a world from an outer launcher.
+    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TANDEM_TRAIN_WORKER", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"] {
+        c.env_remove(v);
+    }
+    c
+}
+
+fn run(args: &[&str]) -> Output {
+    let out = output_with_deadline(tandem().args(args), LIMIT);
+    if !out.status.success() {
+        panic!(
+            "tandem {args:?} failed ({:?})\nstdout:\n{}\nstderr:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    out
+}
+
+fn fixture(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
+}
+
+/// Parses `final: k=v k=v ...` (the one summary line) into pairs.
+fn final_line(stdout: &[u8]) -> Vec<(String, String)> {
+    let text = String::from_utf8_lossy(stdout);
+    let finals: Vec<&str> = text.lines().filter(|l| l.starts_with("final: ")).collect();
+    assert_eq!(finals.len(), 1, "exactly one final line expected in:\n{text}");
+    assert_eq!(text.lines().last(), Some(finals[0]), "the final line must be the last line:\n{text}");
+    finals[0]["final: ".len()..]
+        .split(' ')
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').expect("k=v");
+            (k.to_string(), v.to_string())
+        })
+        .collect()
+}
+
+fn get<'a>(kv: &'a [(String, String)], key: &str) -> &'a str {
+    &kv.iter().find(|(k, _)| k == key).unwrap_or_else(|| panic!("no `{key}` in final line {kv:?}")).1
+}
+
+fn weights(path: &Path) -> Vec<(String, tandem_ckpt::Tensor)> {
+    let v = tandem_ckpt::load(path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
+    let mut out: Vec<(String, tandem_ckpt::Tensor)> = v
+        .as_dict()
+        .expect("a state dict")
+        .iter()
+        .map(|(k, t)| (k.as_str().expect("str key").to_string(), t.as_tensor().expect("tensor").clone()))
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+#[test]
+fn two_ranks_learn_digits_and_leave_a_run_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("run");
+    let out = run(&["train", "--epochs", "4", "--out", out_dir.to_str().unwrap(), "--tensorboard"]);
+    let kv = final_line(&out.stdout);
+    assert_eq!(get(&kv, "epochs"), "4");
+    let acc: f64 = get(&kv, "eval_accuracy").parse().unwrap();
+    assert!(acc >= 0.9, "eval accuracy {acc} after 4 epochs on digits");
+    let steps: u64 = get(&kv, "steps").parse().unwrap();
+    // 1500 training digits over 2 ranks, 32 per rank per step: 24 steps an epoch.
+    assert_eq!(steps, 4 * 24);
+    let ckpt = PathBuf::from(get(&kv, "checkpoint"));
+    assert!(ckpt.starts_with(&out_dir), "checkpoint {ckpt:?} outside the run directory");
+    let value = tandem_ckpt::load(&ckpt).unwrap();
+    for key in ["epoch", "global_step", "model", "optimizer", "scheduler", "sampler", "rng", "world_size", "config", "tandem_version"] {
+        assert!(value.get(key).is_some(), "checkpoint lacks `{key}`");
+    }
+    assert_eq!(value.get("global_step").and_then(|v| v.as_int()), Some(steps as i64));
+    assert_eq!(value.get("world_size").and_then(|v| v.as_int()), Some(2));
+    let config = std::fs::read_to_string(out_dir.join("config.toml")).unwrap();
+    assert!(config.contains("epochs = 4"), "config.toml:\n{config}");
+    // One line per epoch before the summary.
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.lines().filter(|l| l.starts_with("epoch ")).count(), 4, "{text}");
+
+    // TensorBoard reads the event file (when a Python with tensorboard is around).
+    if let Some(py) = torch_python() {
+        let script = r#"
+import sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+acc = EventAccumulator(sys.argv[1]); acc.Reload()
+tags = acc.Tags()["scalars"]
+print(sorted(tags)); print(len(acc.Scalars("eval/accuracy")), acc.Scalars("eval/accuracy")[-1].value)
+"#;
+        let o = output_with_deadline(
+            Command::new(py).args(["-c", script, out_dir.join("tensorboard").to_str().unwrap()]),
+            Duration::from_secs(120),
+        );
+        let s = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "tensorboard could not read the events: {}", String::from_utf8_lossy(&o.stderr));
+        for tag in ["train/loss", "train/lr", "eval/accuracy", "train/samples_per_s"] {
+            assert!(s.contains(tag), "tag {tag} missing from {s}");
+        }
+        let last = s.lines().nth(1).unwrap();
+        let (n, v) = last.split_once(' ').unwrap();
+        assert_eq!(n, "4");
+        assert!((v.parse::<f64>().unwrap() - acc).abs() < 1e-4, "tensorboard {v} vs final {acc}");
+    }
+}
+
+#[test]
+fn interrupted_and_resumed_run_ends_with_bitwise_identical_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let common = ["--epochs", "2", "--batch-size", "50", "--hidden", "32"];
+    let whole = dir.path().join("whole.pt");
+    let a = dir.path().join("a");
+    let mut args = vec!["train", "--out", a.to_str().unwrap(), "--save-final", whole.to_str().unwrap()];
+    args.extend(common);
+    run(&args);
+
+    // Stop mid-epoch 1 (epoch has 15 steps), then resume to the end.
+    let b = dir.path().join("b");
+    let resumed = dir.path().join("resumed.pt");
+    let mut first = vec!["train", "--out", b.to_str().unwrap(), "--steps", "7"];
+    first.extend(common);
+    run(&first);
+    let mut second = vec!["train", "--out", b.to_str().unwrap(), "--resume", "--save-final", resumed.to_str().unwrap()];
+    second.extend(common);
+    let out = run(&second);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("resumed from"), "no resume message:\n{err}");
+    let kv = final_line(&out.stdout);
+    assert_eq!(get(&kv, "steps"), "30");
+
+    let (x, y) = (weights(&whole), weights(&resumed));
+    assert_eq!(x.len(), y.len());
+    for ((kx, tx), (ky, ty)) in x.iter().zip(&y) {
+        assert_eq!(kx, ky);
+        assert!(tx.contiguous_bytes() == ty.contiguous_bytes(), "{kx} differs after resume");
+    }
+}
+
+#[test]
+fn matches_pytorch_ddp_from_a_pytorch_init() {
+    // Fixture: crates/tandem/tests/fixtures/train_mnist/make_fixture.py (2 gloo ranks, SGD momentum).
+    let dir = tempfile::tempdir().unwrap();
+    let data = format!("mnist:{}", fixture("train_mnist/mnist").display());
+    let init = fixture("train_mnist/init.pt");
+    let out = dir.path().join("final.pt");
+    run(&[
+        "train",
+        "--data",
+        &data,
+        "--model",
+        "mlp",
+        "--hidden",
+        "32",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--momentum",
+        "0.9",
+        "--no-shuffle",
+        "--batch-size",
+        "8",
+        "--epochs",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--init-from",
+        init.to_str().unwrap(),
+        "--save-final",
+        out.to_str().unwrap(),
+        "--out",
+        dir.path().join("run").to_str().unwrap(),
+    ]);
+    let ours = weights(&out);
+    let torch = weights(&fixture("train_mnist/final.pt"));
+    assert_eq!(ours.len(), 4);
+    let mut moved = 0.0f64;
+    let init_w = weights(&init);
+    for (((k, t), (tk, tt)), (_, it)) in ours.iter().zip(&torch).zip(&init_w) {
+        assert_eq!(format!("module.{k}"), *tk, "torch saved DDP keys");
+        let (a, b, i) = (t.to_f64_vec(), tt.to_f64_vec(), it.to_f64_vec());
+        let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+        assert!(diff <= 1e-4, "{k}: max abs difference {diff} from PyTorch DDP");
+        moved = moved.max(b.iter().zip(&i).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max));
+    }
+    assert!(moved > 1e-3, "training must have moved the weights (max change {moved})");
+}
+
+#[test]
+fn bad_flags_and_files_are_named_in_the_error() {
+    let o = output_with_deadline(tandem().args(["train", "--batch-size", "0"]), LIMIT);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--batch-size"), "{}", String::from_utf8_lossy(&o.stderr));
+
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.pt");
+    let o = output_with_deadline(
+        tandem().args([
+            "train",
+            "--nproc-per-node",
+            "1",
+            "--epochs",
+            "1",
+            "--init-from",
+            missing.to_str().unwrap(),
+            "--out",
+            dir.path().join("r").to_str().unwrap(),
+        ]),
+        LIMIT,
+    );
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("nope.pt"), "error must name the file:\n{err}");
+
+    // A checkpoint of another model shape is refused with the key named, not loaded silently.
+    let o = output_with_deadline(
+        tandem().args([
+            "train",
+            "--nproc-per-node",
+            "1",
+            "--epochs",
+            "1",
+            "--init-from",
+            fixture("train_mnist/init.pt").to_str().unwrap(),
+            "--out",
+            dir.path().join("r2").to_str().unwrap(),
+        ]),
+        LIMIT,
+    );
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("fc1.weight"), "error must name the mismatched key:\n{err}");
+}
