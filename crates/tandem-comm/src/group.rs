@@ -390,10 +390,11 @@ impl ProcessGroup {
         self.collective(self.ticket(), call, |c| {
             let mut len_buf = (len as u64).to_le_bytes();
             c.broadcast(&mut len_buf, root)?;
-            let len = u64::from_le_bytes(len_buf) as usize;
+            let len = u64::from_le_bytes(len_buf);
             if c.rank != root {
                 data.clear();
-                data.resize(len, 0);
+                alloc_announced(data, len, root)?;
+                data.resize(len as usize, 0);
             }
             c.broadcast(data, root)
         })
@@ -413,9 +414,13 @@ impl ProcessGroup {
                 lens.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize).collect();
             let mut offs = vec![0usize; n + 1];
             for r in 0..n {
-                offs[r + 1] = offs[r] + lens[r];
+                offs[r + 1] = offs[r].saturating_add(lens[r]);
             }
-            let mut all = vec![0u8; offs[n]];
+            let mut all = Vec::new();
+            let total = lens.iter().fold(0u64, |a, &l| a.saturating_add(l as u64));
+            let biggest = (0..n).max_by_key(|&r| lens[r]).unwrap_or(0);
+            alloc_announced(&mut all, total, biggest)?;
+            all.resize(offs[n], 0);
             all[offs[rank]..offs[rank + 1]].copy_from_slice(data);
             let bounds: Vec<_> = (0..n).map(|r| offs[r]..offs[r + 1]).collect();
             c.all_gather_blocks(&mut all, &bounds)?;
@@ -521,6 +526,19 @@ impl ProcessGroup {
         )
         .map(Some)
     }
+}
+
+/// Reserves room for a length a peer announced; an absurd length (a peer in another collective
+/// without TANDEM_DEBUG=detail) is an error instead of an allocation failure.
+fn alloc_announced(v: &mut Vec<u8>, len: u64, peer: usize) -> Result<(), PeerError> {
+    let fail = || PeerError {
+        peer,
+        kind: FailKind::Io(format!(
+            "announced {len} bytes, which cannot be allocated (ranks calling different collectives? run with TANDEM_DEBUG=detail)"
+        )),
+    };
+    let len = usize::try_from(len).map_err(|_| fail())?;
+    v.try_reserve_exact(len).map_err(|_| fail())
 }
 
 /// All ranks exchange (sequence, op, dtype, count, arg); any difference names both ranks.

@@ -144,3 +144,44 @@ fn ranks_disagreeing_on_world_size_get_an_error() {
     assert!(e0.to_string().contains("rank 1 was started with world size 3"), "{e0}");
     assert!(e1.to_string().contains("did not join") || e1.to_string().contains("world size"), "{e1}");
 }
+
+#[test]
+fn handles_are_send_sync_clone() {
+    fn check<T: Send + Sync + Clone + 'static>() {}
+    check::<tandem_comm::ProcessGroup>();
+    check::<tandem_comm::Store>();
+    fn send<T: Send>() {}
+    send::<tandem_comm::Work<Vec<f32>>>();
+}
+
+#[test]
+fn blocking_calls_from_two_threads_run_in_issue_order_on_every_rank() {
+    // The DDP pattern: a communication thread all_reduces while the main thread also issues
+    // collectives; each rank issues in the same order, so results pair up correctly.
+    let out = run_world_with(2, opts(TransportKind::Shm), Duration::from_secs(30), |pg| {
+        let comm = pg.clone();
+        let (tx, rx) = std::sync::mpsc::channel::<usize>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            for k in rx {
+                let mut v = vec![k as f32; 1000];
+                comm.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                done_tx.send(v[0]).unwrap();
+            }
+        });
+        let mut got = Vec::new();
+        for k in 0..20 {
+            tx.send(k).unwrap();
+            got.push(done_rx.recv().unwrap());
+            let mut m = vec![pg.rank() as f64];
+            pg.all_reduce(&mut m, ReduceOp::Max).unwrap();
+            assert_eq!(m[0], 1.0);
+        }
+        drop(tx);
+        t.join().unwrap();
+        got
+    });
+    for got in out {
+        assert_eq!(got, (0..20).map(|k| 2.0 * k as f32).collect::<Vec<_>>());
+    }
+}

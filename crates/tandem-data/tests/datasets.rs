@@ -27,10 +27,15 @@ fn digits_split_and_values() {
             0.0
         ]
     );
-    // Eval is the file's tail: its first row is row 1500 of the whole set.
+    // Eval rows are sorted(torch.randperm(1797, generator=torch.Generator().manual_seed(0))[1500:])
+    // (values printed by torch 2.15): rows 1, 2, 5, 7, 18, ..., 1788, 1794, 1795; train starts 0, 3, 4.
     let all = datasets::digits_all().unwrap();
-    assert_eq!(eval.get(0).unwrap(), all.get(1500).unwrap());
-    assert_eq!(eval.get(296).unwrap(), all.get(1796).unwrap());
+    for (i, row) in [(0, 1), (1, 2), (2, 5), (3, 7), (4, 18), (294, 1788), (295, 1794), (296, 1795)] {
+        assert_eq!(eval.get(i).unwrap(), all.get(row).unwrap(), "eval row {i} should be file row {row}");
+    }
+    for (i, row) in [(0, 0), (1, 3), (2, 4)] {
+        assert_eq!(train.get(i).unwrap(), all.get(row).unwrap(), "train row {i} should be file row {row}");
+    }
     // Known class counts of the UCI digits test set (sklearn's load_digits): 178 zeros, 182 ones, ...
     let mut counts = [0usize; 10];
     for &l in all.labels() {

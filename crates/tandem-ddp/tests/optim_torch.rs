@@ -441,6 +441,7 @@ fn invalid_hyperparameters_are_refused() {
         AdamW::new(vars.clone(), AdamWConfig { eps: f64::NAN, ..Default::default() }),
         Err(OptimError::InvalidConfig { name: "eps", .. })
     ));
+    assert!(matches!(Sgd::new(vec![], SgdConfig::default()), Err(OptimError::InvalidConfig { name: "params", .. })));
     let int_param = Var::from_tensor(&Tensor::new(&[1i64, 2], &Device::Cpu).unwrap()).unwrap();
     assert!(matches!(Sgd::new(vec![int_param], SgdConfig::default()), Err(OptimError::InvalidParam { index: 0, .. })));
     assert!(matches!(

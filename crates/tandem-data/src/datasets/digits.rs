@@ -8,8 +8,10 @@ static DIGITS_CSV_GZ: &[u8] = include_bytes!("../../data/digits.csv.gz");
 pub const DIGITS_LEN: usize = 1797;
 pub const DIGITS_DIM: usize = 64;
 pub const DIGITS_CLASSES: usize = 10;
-/// The fixed split: the last 297 rows of the file are the eval set, the first 1500 train.
+/// Size of the fixed eval split (the other 1500 rows train).
 pub const DIGITS_EVAL_LEN: usize = 297;
+/// Seed of the `torch.randperm` that assigns rows to the split.
+pub const DIGITS_SPLIT_SEED: u64 = 0;
 
 /// All 1797 examples in file order; pixels (0..=16) scaled by 1/16 to [0, 1].
 pub fn digits_all() -> Result<InMemoryDataset, DataError> {
@@ -54,13 +56,18 @@ pub fn digits_all() -> Result<InMemoryDataset, DataError> {
     InMemoryDataset::new("digits", features, labels, DIGITS_DIM, DIGITS_CLASSES)
 }
 
-/// The fixed (train, eval) split of the digits: rows 0..1500 train, rows 1500..1797 eval
-/// (file order, no shuffle, so any tool reading the same file gets the same split).
+/// The fixed (train, eval) split of the digits: `perm = torch.randperm(1797, generator seeded
+/// with 0)`; eval = sorted(perm[1500:]), train = sorted(perm[:1500]), so PyTorch reproduces it
+/// in one line. A seeded shuffle rather than the file's tail: the file is ordered by writer, so
+/// its tail is a handful of unseen writers, a harder and less representative test set.
 pub fn digits() -> Result<(InMemoryDataset, InMemoryDataset), DataError> {
     let all = digits_all()?;
     let split = DIGITS_LEN - DIGITS_EVAL_LEN;
-    let train: Vec<usize> = (0..split).collect();
-    let eval: Vec<usize> = (split..DIGITS_LEN).collect();
+    let perm = crate::randperm::torch_randperm(DIGITS_LEN, DIGITS_SPLIT_SEED);
+    let mut train: Vec<usize> = perm[..split].to_vec();
+    let mut eval: Vec<usize> = perm[split..].to_vec();
+    train.sort_unstable();
+    eval.sort_unstable();
     Ok((
         all.subset("digits-train", &train)?,
         all.subset("digits-eval", &eval)?,

@@ -59,6 +59,13 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
                 index += 1;
             }
         }
+        if index == 0 {
+            return Err(OptimError::InvalidConfig {
+                name: "params",
+                value: "[]".into(),
+                why: "optimizer got an empty parameter list (torch refuses this too)",
+            });
+        }
         let groups: Vec<Group<H>> =
             groups.into_iter().map(|(params, hyper)| Group { params, hyper, extra: Vec::new() }).collect();
         Ok(Groups { groups, state: (0..index).map(|_| None).collect() })

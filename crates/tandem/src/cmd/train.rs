@@ -73,9 +73,7 @@ fn launch_ranks(mut cfg: TrainConfig) -> anyhow::Result<i32> {
     if let Some(t) = cfg.backend.transport_env() {
         lc.extra_env.push(("TANDEM_TRANSPORT".into(), t.into()));
     }
+    // launch() prints the failure summary (rank, exit code or signal, stderr tail) itself.
     let outcome = tandem_launch::launch(&lc).context("starting the training ranks")?;
-    if !outcome.success() {
-        eprintln!("{}", outcome.summary(lc.max_restarts));
-    }
     Ok(outcome.exit_code)
 }

@@ -49,7 +49,7 @@ pub struct TrainConfig {
     #[arg(long = "nproc-per-node", alias = "nproc_per_node", default_value_t = 2)]
     pub nproc_per_node: usize,
     /// Passes over the training data.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 20)]
     pub epochs: usize,
     /// Stop after this many optimizer steps (overrides --epochs when reached first).
     #[arg(long)]
@@ -134,8 +134,8 @@ impl TrainConfig {
         if self.resume && self.out.is_none() {
             bail!("--resume needs --out DIR (the run directory to continue)");
         }
-        if self.backend == Backend::Nccl && !cfg!(feature = "cuda") {
-            bail!("--backend nccl needs a build with `--features cuda`");
+        if self.backend == Backend::Nccl {
+            bail!("--backend nccl: this build has no NCCL support yet (CPU backends: auto, tcp, shm)");
         }
         Ok(())
     }

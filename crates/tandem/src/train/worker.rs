@@ -100,7 +100,14 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         ddp.module().set_training(true);
         let started = Instant::now();
         let (mut loss_sum, mut loss_n) = (0.0f64, 0usize);
-        for batch in loader.iter()? {
+        let mut batches = loader.iter()?;
+        let in_epoch = batches.num_batches();
+        let mut taken = 0usize;
+        while global_step < max_steps {
+            // Pulling past the last batch is what marks the epoch complete in the sampler state;
+            // never pull a batch the step budget will not use (it would count as consumed).
+            let Some(batch) = batches.next() else { break };
+            taken += 1;
             let batch = batch?;
             let loss = ddp.loss(&batch.x, &batch.y)?;
             let grads = ddp.backward(&loss)?;
@@ -113,10 +120,12 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
             if cfg.save_every > 0 && global_step % cfg.save_every == 0 && global_step < max_steps {
                 last_ckpt = save(&format!("step-{global_step:08}"), &loader, opt.as_ref(), global_step)?.or(last_ckpt);
             }
-            if global_step >= max_steps {
-                break;
-            }
         }
+        if taken == in_epoch {
+            // The epoch's batches are all used: let the loader close it (moves to the next epoch).
+            let _ = batches.next();
+        }
+        drop(batches);
         train_time += started.elapsed().as_secs_f64();
 
         ddp.module().set_training(false);
@@ -203,11 +212,7 @@ fn evaluate(
         let correct = pred.iter().zip(&truth).filter(|(p, t)| p == t).count() as i64;
         local.add_batch(loss, correct, n as i64);
     }
-    let mut sums = [local.loss_sum];
-    group.all_reduce(&mut sums, ReduceOp::Sum)?;
-    let mut counts = [local.correct, local.count];
-    group.all_reduce(&mut counts, ReduceOp::Sum)?;
-    Ok(EvalMetrics { loss_sum: sums[0], correct: counts[0], count: counts[1] })
+    Ok(tandem_data::eval::all_reduce_metrics(group, &local)?)
 }
 
 fn ckpt_dtype(d: candle_core::DType) -> tandem_ckpt::DType {

@@ -97,6 +97,27 @@ for _ in range(reps):
 os.remove(p)
 "#;
 
+/// One torch.save (+ fsync) and torch.load(mmap=True) of the same shapes, timed inside Python
+/// (interpreter start and tensor creation are not timed).
+fn torch_once(py: &Path, dir: &Path, total: usize, tensors: usize) -> anyhow::Result<(f64, f64)> {
+    let out = Command::new(py)
+        .args(["-c", TORCH_SCRIPT])
+        .arg(dir)
+        .args([total.to_string(), tensors.to_string(), "1".to_string()])
+        .output()
+        .context("running torch")?;
+    if !out.status.success() {
+        bail!("torch benchmark failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().last().context("torch benchmark printed nothing")?;
+    let j: serde_json::Value = serde_json::from_str(line)?;
+    match (j["save"].as_f64(), j["load"].as_f64()) {
+        (Some(s), Some(l)) => Ok((s, l)),
+        _ => bail!("torch benchmark printed {line}"),
+    }
+}
+
 fn stats(v: &[f64], bytes: f64) -> (f64, f64) {
     // Throughput in MiB/s: min and median of the per-run throughputs.
     let mut t: Vec<f64> = v.iter().map(|s| bytes / s / (1 << 20) as f64).collect();
@@ -134,8 +155,20 @@ fn run(args: &Args, dir: &Path) -> anyhow::Result<i32> {
         ("tandem load .pt (read)", vec![]),
         ("tandem load .safetensors", vec![]),
     ];
+    let python = find_python(args.python.clone());
+    match &python {
+        Some(py) => eprintln!("torch runs with {}", py.display()),
+        None => eprintln!("no Python with torch found: torch rows skipped"),
+    }
+    let mut torch_times = python.as_ref().map(|_| (vec![], vec![]));
+    // Contenders alternate within each run, so slow phases of the shared disk hit all of them.
     for r in 0..args.repeat {
         eprintln!("run {}/{}", r + 1, args.repeat);
+        if let (Some(py), Some((s, l))) = (&python, &mut torch_times) {
+            let (ts, tl) = torch_once(py, dir, total, args.tensors)?;
+            s.push(ts);
+            l.push(tl);
+        }
         rows[0].1.push(time(|| dd(&ddf, args.size_mib))?);
         std::fs::remove_file(&ddf).ok();
         rows[1].1.push(time(|| Ok(tandem_ckpt::save(&pt, &sd)?))?);
@@ -148,28 +181,9 @@ fn run(args: &Args, dir: &Path) -> anyhow::Result<i32> {
     std::fs::remove_file(&pt).ok();
     std::fs::remove_file(&st).ok();
     let mut torch_rows: Vec<(&str, Vec<f64>)> = vec![];
-    match find_python(args.python.clone()) {
-        Some(py) => {
-            eprintln!("torch runs with {}", py.display());
-            let out = Command::new(&py)
-                .args(["-c", TORCH_SCRIPT])
-                .arg(dir)
-                .args([total.to_string(), args.tensors.to_string(), args.repeat.to_string()])
-                .output()
-                .context("running torch")?;
-            if !out.status.success() {
-                bail!("torch benchmark failed: {}", String::from_utf8_lossy(&out.stderr));
-            }
-            let (mut s, mut l) = (vec![], vec![]);
-            for line in String::from_utf8_lossy(&out.stdout).lines() {
-                let j: serde_json::Value = serde_json::from_str(line)?;
-                s.push(j["save"].as_f64().unwrap_or(f64::NAN));
-                l.push(j["load"].as_f64().unwrap_or(f64::NAN));
-            }
-            torch_rows.push(("torch.save + fsync", s));
-            torch_rows.push(("torch.load(mmap=True)", l));
-        }
-        None => eprintln!("no Python with torch found: torch rows skipped"),
+    if let Some((s, l)) = torch_times {
+        torch_rows.push(("torch.save + fsync", s));
+        torch_rows.push(("torch.load(mmap=True)", l));
     }
     println!("checkpoint of {} MiB ({} tensors), {} runs; throughput in MiB/s", args.size_mib, args.tensors, args.repeat);
     println!("{:<28} {:>10} {:>10}", "", "min", "median");
