@@ -231,6 +231,9 @@ pub struct LaunchConfig {
     pub local_ranks_filter: Option<Vec<u32>>,
     /// Prefix console lines with `[rank N] `.
     pub prefix_output: bool,
+    /// This local rank's stdout is the launcher's stdout itself (not piped: no prefix, no log
+    /// file, and a terminal stays a terminal, e.g. for a progress bar). Library use only.
+    pub stdout_passthrough_local_rank: Option<u32>,
     /// Extra variables for every worker (applied after the inherited environment, before the
     /// launcher's own variables, which always win).
     pub extra_env: Vec<(OsString, OsString)>,
@@ -260,6 +263,7 @@ impl LaunchConfig {
             tee: StreamSpec::default(),
             local_ranks_filter: None,
             prefix_output: true,
+            stdout_passthrough_local_rank: None,
             extra_env: Vec::new(),
             forward_signals: true,
             summary_tail_lines: 20,

@@ -64,7 +64,11 @@ impl Worker {
         let mut cmd = Command::new(&cfg.program);
         cmd.args(&cfg.args);
         cmd.envs(worker_env(shape, local_rank, cores, &cfg.extra_env, |k| std::env::var_os(k).is_some()));
-        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        // A passthrough worker writes to the launcher's own stdout (a terminal stays a terminal,
+        // so it can draw progress bars); its stderr is still captured for the failure summary.
+        let passthrough = cfg.stdout_passthrough_local_rank == Some(local_rank);
+        let stdout = if passthrough { Stdio::inherit() } else { Stdio::piped() };
+        cmd.stdin(Stdio::null()).stdout(stdout).stderr(Stdio::piped());
         cmd.process_group(0);
         let launcher_pid = std::process::id() as libc::pid_t;
         // SAFETY: the closure runs between fork and exec and only makes async-signal-safe

@@ -69,6 +69,7 @@ fn launch_ranks(mut cfg: TrainConfig) -> anyhow::Result<i32> {
     // The console shows rank 0 as if it ran alone; the others' output reaches the failure summary.
     lc.local_ranks_filter = Some(vec![0]);
     lc.prefix_output = false;
+    lc.stdout_passthrough_local_rank = Some(0);
     lc.extra_env.push((WORKER_MARK.into(), "1".into()));
     if let Some(t) = cfg.backend.transport_env() {
         lc.extra_env.push(("TANDEM_TRANSPORT".into(), t.into()));

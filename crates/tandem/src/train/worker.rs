@@ -324,9 +324,9 @@ struct Progress {
 
 impl Progress {
     fn new(enabled: bool, total: u64, done: u64) -> Self {
-        let terminal = std::io::stderr().is_terminal() || std::env::var_os("TANDEM_PROGRESS_BAR").is_some();
-        let bar = (enabled && terminal).then(|| {
-            let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
+        // Drawn on stdout: under the self-launch only rank 0's stdout reaches the terminal as is.
+        let bar = (enabled && std::io::stdout().is_terminal()).then(|| {
+            let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stdout());
             bar.set_style(
                 indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]")
                     .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
