@@ -166,32 +166,18 @@ impl CheckpointManager {
         Ok(())
     }
 
-    /// The newest checkpoint that reads and verifies, with its value: the `latest` pointer's file
-    /// first, then the others newest first. Corrupt or unreadable files are skipped with a
-    /// warning. `Ok(None)` when there is none (a fresh start).
+    /// The newest checkpoint (by modification time) that reads and verifies, with its value.
+    /// Corrupt or unreadable files are skipped with a warning. `Ok(None)` when there is none (a
+    /// fresh start). The `latest` pointer is not trusted for this: a crash between writing a
+    /// checkpoint and moving the pointer would leave it naming an older file.
     pub fn latest_valid(&self) -> Result<Option<(PathBuf, Value)>> {
         self.latest_valid_with(&LoadOptions::default())
     }
 
     pub fn latest_valid_with(&self, opts: &LoadOptions) -> Result<Option<(PathBuf, Value)>> {
-        let mut candidates = Vec::new();
-        if let Ok(s) = std::fs::read_to_string(self.dir.join(LATEST)) {
-            let name = s.trim();
-            if name.starts_with(PREFIX) && !name.contains('/') {
-                candidates.push(self.dir.join(name));
-            }
-        }
-        for f in self.list()? {
-            if !candidates.contains(&f) {
-                candidates.push(f);
-            }
-        }
+        let candidates = self.list()?;
         let opts = LoadOptions { verify_checksums: true, ..opts.clone() };
         for path in candidates {
-            if !path.exists() {
-                tracing::warn!("checkpoint pointer names {}, which does not exist; looking for older ones", path.display());
-                continue;
-            }
             match crate::pt::load_with(&path, &opts) {
                 Ok(v) => return Ok(Some((path, v))),
                 Err(e) => tracing::warn!("skipping checkpoint that does not verify: {e}"),
@@ -261,6 +247,18 @@ mod tests {
         let (path, v) = m.latest_valid().unwrap().unwrap();
         assert_eq!(path, m.path_for("s1"));
         assert_eq!(v.get("global_step"), Some(&Value::Int(1)));
+    }
+
+    #[test]
+    fn a_stale_latest_pointer_does_not_hide_a_newer_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = CheckpointManager::new(dir.path(), 0);
+        m.save("a", &value(1)).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(15));
+        m.save("b", &value(2)).unwrap();
+        // As if the process died after writing `b` but before moving the pointer.
+        std::fs::write(dir.path().join(LATEST), "checkpoint-a.pt\n").unwrap();
+        assert_eq!(m.latest_valid().unwrap().unwrap().0, m.path_for("b"));
     }
 
     #[test]

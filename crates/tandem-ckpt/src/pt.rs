@@ -136,9 +136,17 @@ pub fn detect(bytes: &[u8]) -> Option<FileKind> {
     None
 }
 
+fn supported_dtypes() -> String {
+    crate::value::DType::ALL.iter().map(|d| d.torch_name()).collect::<Vec<_>>().join(", ")
+}
+
 fn pickle_error(path: &Path, what: &str, e: PickleError) -> CkptError {
     match e {
         PickleError::Forbidden(global) => CkptError::ForbiddenGlobal { path: path.into(), global },
+        PickleError::Unsupported(global) => CkptError::format(
+            path,
+            format!("{what} uses `{global}`, which tandem does not support (supported: dense tensors of {})", supported_dtypes()),
+        ),
         PickleError::Msg(m) => CkptError::format(path, format!("{what}: {m}")),
     }
 }

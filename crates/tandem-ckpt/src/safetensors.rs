@@ -99,7 +99,12 @@ pub fn flatten_tensors(value: &Value) -> Result<Vec<(String, Tensor)>> {
 pub fn save(path: &Path, value: &Value) -> Result<()> {
     let tensors = flatten_tensors(value)?;
     let mut seen = std::collections::HashSet::new();
-    for (name, _) in &tensors {
+    for (name, t) in &tensors {
+        if t.shape.len() != t.stride.len() {
+            return Err(CkptError::Unsupported { what: format!("tensor `{name}`"), msg: "size and stride differ in length".into() });
+        }
+        crate::pickle::read::check_view(&t.shape, &t.stride, t.storage_offset, t.dtype, t.storage.len())
+            .map_err(|msg| CkptError::Unsupported { what: format!("tensor `{name}`"), msg })?;
         if !seen.insert(name.as_str()) {
             return Err(CkptError::Unsupported { what: format!("tensor `{name}`"), msg: "the name occurs twice after flattening".into() });
         }

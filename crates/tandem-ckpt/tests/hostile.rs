@@ -185,3 +185,16 @@ fn random_mutations_of_fixtures_never_panic() {
         let _ = load_from_bytes("mutant.pt", f, true);
     }
 }
+
+#[test]
+fn saving_a_view_outside_its_storage_is_an_error() {
+    let base = tandem_ckpt::Tensor::from_f32(&[4], &[1., 2., 3., 4.]);
+    let bad = tandem_ckpt::Tensor { shape: vec![3], stride: vec![2], storage_offset: 0, ..base };
+    let v = tandem_ckpt::Value::dict_from([("w", tandem_ckpt::Value::Tensor(bad))]);
+    let dir = tempfile::tempdir().unwrap();
+    let e = tandem_ckpt::save(dir.path().join("a.pt"), &v).unwrap_err();
+    assert!(e.to_string().contains("storage has 16"), "{e}");
+    assert!(tandem_ckpt::safetensors::save(&dir.path().join("a.safetensors"), &v).is_err());
+    // Nothing was left behind: no target, no temp file.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}

@@ -89,3 +89,25 @@ fn map_location_parses_cpu_and_cuda() {
     assert!("tpu:0".parse::<MapLocation>().is_err());
     assert!("cuda:x".parse::<MapLocation>().is_err());
 }
+
+#[test]
+fn python_values_weights_only_allows_are_read() {
+    let v = load(fixture("python_values.pt")).unwrap();
+    let p = v.get("param").unwrap().as_tensor().unwrap();
+    assert_eq!((p.shape.clone(), p.to_f32_vec()), (vec![2, 2], vec![1.0; 4]));
+    assert_eq!(v.get("device"), Some(&Value::Str("cuda:1".into())));
+    assert_eq!(v.get("set"), Some(&Value::List(vec![Value::Int(1), Value::Int(2)])));
+    assert_eq!(v.get("frozenset"), Some(&Value::List(vec![Value::Int(3)])));
+    assert_eq!(v.get("size"), Some(&Value::Tuple(vec![Value::Int(2), Value::Int(3)])));
+    assert_eq!(v.get("dtype"), Some(&Value::Str("torch.float16".into())));
+    assert_eq!(v.get("bytearray"), Some(&Value::Bytes(b"xy".to_vec())));
+    assert!(v.get("nan").and_then(Value::as_float).is_some_and(f64::is_nan));
+}
+
+#[test]
+fn unsupported_torch_dtype_is_named_not_called_forbidden() {
+    let e = load(fixture("complex.pt")).unwrap_err();
+    assert!(matches!(e, CkptError::Format { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("torch.ComplexFloatStorage") && msg.contains("does not support"), "{msg}");
+}

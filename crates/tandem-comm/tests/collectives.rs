@@ -149,6 +149,25 @@ fn shm_collectives_world_1_to_4() {
 }
 
 #[test]
+fn large_buffers_stream_through_scratch_and_rings() {
+    // 3 MB per rank: larger than the TCP reduce scratch and the shared-memory rings.
+    for kind in [TransportKind::Tcp, TransportKind::Shm] {
+        for n in [2, 3] {
+            run_world(n, kind, |pg| {
+                let len = 750_001;
+                let mut v: Vec<f32> = (0..len).map(|i| ((i % 1000) * (pg.rank() + 1)) as f32).collect();
+                pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                let f: usize = (1..=pg.size()).sum();
+                assert!(v.iter().enumerate().all(|(i, x)| *x == ((i % 1000) * f) as f32));
+                let mut b: Vec<u8> = if pg.rank() == 1 { (0..len).map(|i| (i % 253) as u8).collect() } else { vec![0; len] };
+                pg.broadcast(&mut b, 1).unwrap();
+                assert!(b.iter().enumerate().all(|(i, x)| *x == (i % 253) as u8));
+            });
+        }
+    }
+}
+
+#[test]
 fn sub_groups_run_their_own_collectives() {
     for kind in [TransportKind::Tcp, TransportKind::Shm] {
         let out = run_world(4, kind, |pg| {

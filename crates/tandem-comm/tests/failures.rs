@@ -44,7 +44,7 @@ fn desync_names_both_ranks_and_calls() {
             pg.all_reduce(&mut v, ReduceOp::Sum).unwrap(); // agreeing calls pass the check
             match pg.rank() {
                 2 => pg.broadcast(&mut v, 0).expect_err("desync"),
-                1 => pg.all_reduce(&mut vec![1.0f32; 11], ReduceOp::Sum).expect_err("desync"),
+                1 => pg.all_reduce(&mut [1.0f32; 11], ReduceOp::Sum).expect_err("desync"),
                 _ => pg.all_reduce(&mut v, ReduceOp::Sum).expect_err("desync"),
             }
         });
@@ -77,13 +77,14 @@ fn desync_in_point_to_point_names_both_calls() {
 #[test]
 fn bad_arguments_are_errors_not_panics() {
     let out = run_world_with(2, opts(TransportKind::Tcp), Duration::from_secs(20), |pg| {
-        let mut errs = Vec::new();
-        errs.push(pg.broadcast(&mut [0u8; 3], 2).expect_err("root out of range"));
-        errs.push(pg.all_gather(&[0f32; 3], &mut [0f32; 5]).expect_err("wrong output"));
-        errs.push(pg.reduce_scatter(&[0f32; 3], &mut [0f32; 2], ReduceOp::Sum).expect_err("wrong input"));
-        errs.push(pg.send(&[0u8], pg.rank()).expect_err("send to self"));
-        errs.push(pg.new_group(&[0, 0]).expect_err("duplicate"));
-        errs.push(pg.new_group(&[5]).expect_err("out of range"));
+        let errs = [
+            pg.broadcast(&mut [0u8; 3], 2).expect_err("root out of range"),
+            pg.all_gather(&[0f32; 3], &mut [0f32; 5]).expect_err("wrong output"),
+            pg.reduce_scatter(&[0f32; 3], &mut [0f32; 2], ReduceOp::Sum).expect_err("wrong input"),
+            pg.send(&[0u8], pg.rank()).expect_err("send to self"),
+            pg.new_group(&[0, 0]).expect_err("duplicate"),
+            pg.new_group(&[5]).expect_err("out of range"),
+        ];
         // the group still works: argument errors do not break it
         let mut v = vec![1u8; 4];
         pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();

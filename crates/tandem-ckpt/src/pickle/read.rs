@@ -18,6 +18,9 @@ pub(crate) enum PickleError {
     Msg(String),
     /// A global outside the allowlist, as `module.name`.
     Forbidden(String),
+    /// A torch global that weights_only allows but tandem does not implement (complex or
+    /// quantized storages, sparse/nested tensors, dtypes outside [`DType`]), as `module.name`.
+    Unsupported(String),
 }
 
 fn err<T>(msg: impl Into<String>) -> Result<T, PickleError> {
@@ -85,9 +88,10 @@ fn lookup_global(module: &str, name: &str) -> Option<Global> {
         ("torch.nn.parameter", "Parameter") => ParameterClass,
         ("torch", "device") => Device,
         ("_codecs", "encode") => CodecsEncode,
-        ("builtins", "set") => Set,
-        ("builtins", "frozenset") => FrozenSet,
-        ("builtins", "bytearray") => ByteArray,
+        // Protocol 2 pickles use Python 2 module names (`__builtin__`).
+        ("builtins" | "__builtin__", "set") => Set,
+        ("builtins" | "__builtin__", "frozenset") => FrozenSet,
+        ("builtins" | "__builtin__", "bytearray") => ByteArray,
         ("torch.storage", "UntypedStorage") | ("torch", "UntypedStorage") => StorageClass(DType::U8),
         ("torch", n) if dtype_of_storage(n).is_some() => StorageClass(dtype_of_storage(n)?),
         ("torch", n) => DTypeObj(DType::ALL.iter().copied().find(|d| d.torch_name() == n)?),
@@ -241,7 +245,16 @@ impl Machine {
     }
     fn global(&mut self, module: &str, name: &str) -> Result<(), PickleError> {
         let full = format!("{module}.{name}");
-        let g = lookup_global(module, name).ok_or_else(|| PickleError::Forbidden(full.clone()))?;
+        let g = lookup_global(module, name).ok_or_else(|| {
+            // torch's own rebuild functions, storages and dtypes are safe but not implemented.
+            let torch_data = module == "torch._utils"
+                || (module == "torch" && (name.ends_with("Storage") || name.chars().next().is_some_and(|c| c.is_ascii_lowercase())));
+            if torch_data {
+                PickleError::Unsupported(full.clone())
+            } else {
+                PickleError::Forbidden(full.clone())
+            }
+        })?;
         self.push(Node::Global(g, full));
         Ok(())
     }

@@ -46,6 +46,7 @@ pub(crate) struct ShmTransport {
     size: usize,
     pids: Vec<libc::pid_t>,
     ring: usize,
+    piece: usize,
 }
 
 // SAFETY: `base` points into `_map`, which the struct owns and which lives as long as it does.
@@ -110,6 +111,7 @@ impl Transport for ShmTransport {
         let (slen, rlen) = (send_buf.len(), recv.len());
         let (s8, r8) = (align8(slen), align8(rlen));
         let ring = self.ring;
+        let piece = self.piece;
         for (peer, len) in [(send_peer, slen), (recv_peer, rlen)] {
             if len > 0 && (peer >= self.size || peer == self.rank) {
                 return Err(PeerError { peer, kind: FailKind::Io("no channel to this rank".into()) });
@@ -128,7 +130,7 @@ impl Transport for ShmTransport {
                 let (wpos, rpos) = (self.atomic(out), self.atomic(out + 64));
                 let w = wpos.load(Ordering::Relaxed) as usize;
                 let free = ring - (w - rpos.load(Ordering::Acquire) as usize);
-                let n = free.min(s8 - sent).min(PIECE).min(ring - w % ring);
+                let n = free.min(s8 - sent).min(piece).min(ring - w % ring);
                 if n > 0 {
                     let real = n.min(slen.saturating_sub(sent));
                     // SAFETY: [w % ring, +n) lies in this ring's data area, which the consumer
@@ -149,7 +151,7 @@ impl Transport for ShmTransport {
                 let (wpos, rpos) = (self.atomic(inp), self.atomic(inp + 64));
                 let r = rpos.load(Ordering::Relaxed) as usize;
                 let avail = wpos.load(Ordering::Acquire) as usize - r;
-                let mut n = avail.min(r8 - got).min(PIECE).min(ring - r % ring);
+                let mut n = avail.min(r8 - got).min(piece).min(ring - r % ring);
                 let mut real = n.min(rlen.saturating_sub(got));
                 if let Recv::Reduce { elem, .. } = &recv {
                     let whole = real / *elem * *elem;
@@ -179,7 +181,7 @@ impl Transport for ShmTransport {
             }
             backoff.snooze();
             checks += 1;
-            if checks % 64 == 0 {
+            if checks.is_multiple_of(64) {
                 let waiting_on = if got < r8 { recv_peer } else { send_peer };
                 if self.peer_gone(waiting_on) {
                     // Bytes it wrote before leaving are visible now: take them first, and fail
@@ -319,7 +321,7 @@ pub(crate) fn setup(
         (Err(e), _) | (Ok(()), Err(e)) => return Ok(Err(e)),
     };
     let base = map.as_mut_ptr();
-    let mut t = ShmTransport { _map: map, base, rank, size, pids: vec![0; size], ring: ring_size(size) };
+    let mut t = ShmTransport { _map: map, base, rank, size, pids: vec![0; size], ring: ring_size(size), piece: PIECE };
     t.pid_of(rank).store(std::process::id() as u64, Ordering::Release);
     // Everyone must have written its pid before anyone reads them.
     store.set(&format!("{group}/shm_pid/{rank}"), b"1")?;

@@ -12,6 +12,8 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 const MAGIC: &[u8] = b"tandem-mesh/1";
+/// Receive buffer for reductions (multiple of every element size).
+const SCRATCH: usize = 256 << 10;
 
 pub(crate) struct TcpMesh {
     peers: Vec<Option<TcpStream>>,
@@ -138,11 +140,13 @@ impl Transport for TcpMesh {
         }
         let send_stream = if send_buf.is_empty() { None } else { Some(stream(&self.peers, send_peer)?) };
         let recv_stream = if recv_len == 0 { None } else { Some(stream(&self.peers, recv_peer)?) };
+        // Reduce-receives land in a small scratch that stays in cache: read, reduce the whole
+        // elements, keep a partial element's bytes at the front, repeat.
         let scratch = &mut self.scratch;
-        if matches!(recv, Recv::Reduce { .. }) && scratch.len() < recv_len {
-            scratch.resize(recv_len, 0);
+        if matches!(recv, Recv::Reduce { .. }) && scratch.len() < SCRATCH {
+            scratch.resize(SCRATCH, 0);
         }
-        let (mut sent, mut got, mut reduced) = (0usize, 0usize, 0usize);
+        let (mut sent, mut got, mut reduced, mut fill) = (0usize, 0usize, 0usize, 0usize);
         let mut last_progress = Instant::now();
         loop {
             let mut progress = false;
@@ -163,7 +167,10 @@ impl Transport for TcpMesh {
                 if got < recv_len {
                     let target = match &mut recv {
                         Recv::Copy(b) => &mut b[got..],
-                        Recv::Reduce { .. } => &mut scratch[got..recv_len],
+                        Recv::Reduce { .. } => {
+                            let want = (recv_len - got).min(SCRATCH - fill);
+                            &mut scratch[fill..fill + want]
+                        }
                     };
                     match s.read(target) {
                         Ok(0) => return Err(PeerError { peer: recv_peer, kind: FailKind::Closed }),
@@ -171,10 +178,13 @@ impl Transport for TcpMesh {
                             got += n;
                             progress = true;
                             if let Recv::Reduce { dst, elem, f } = &mut recv {
-                                let upto = got / *elem * *elem;
-                                if upto > reduced {
-                                    f(&mut dst[reduced..upto], &scratch[reduced..upto]);
-                                    reduced = upto;
+                                fill += n;
+                                let whole = fill / *elem * *elem;
+                                if whole > 0 {
+                                    f(&mut dst[reduced..reduced + whole], &scratch[..whole]);
+                                    reduced += whole;
+                                    scratch.copy_within(whole..fill, 0);
+                                    fill -= whole;
                                 }
                             }
                         }

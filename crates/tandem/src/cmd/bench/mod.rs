@@ -4,6 +4,7 @@ use clap::Subcommand;
 pub mod allreduce;
 pub mod ckpt;
 pub mod ddp;
+pub mod report;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -19,6 +20,8 @@ enum Which {
     Ddp(ddp::Args),
     /// checkpoint save/load throughput vs dd and torch.
     Ckpt(ckpt::Args),
+    /// Runs all of the above beside PyTorch and writes docs/BENCHMARKS.md with PNG plots.
+    Report(report::Args),
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
@@ -26,5 +29,6 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         Which::Allreduce(a) => allreduce::main(a),
         Which::Ddp(a) => ddp::main(a),
         Which::Ckpt(a) => ckpt::main(a),
+        Which::Report(a) => report::main(a),
     }
 }

@@ -1,0 +1,164 @@
+//! `tandem bench report`: measures tandem and PyTorch on the same work in one run and writes
+//! docs/BENCHMARKS.md with PNG plots. tandem's figures come from this executable's own
+//! `tandem bench allreduce|ddp|ckpt` (run as subprocesses), PyTorch's from the peer scripts in
+//! `shared/peers/`; every figure is printed with its in-run reference (memcpy, plain training,
+//! dd) and the ratio, plus min/median/max over repeated runs and the machine's load.
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+
+mod child;
+mod machine;
+mod markdown;
+mod measure;
+mod plots;
+mod stats;
+mod table;
+mod torch;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Directory for BENCHMARKS.md and the PNGs (default: <repo>/docs).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Python with torch for the PyTorch columns (default: $TANDEM_PYTHON, else
+    /// <repo>/.venv-torch/bin/python). Without torch the report says "PyTorch not available".
+    #[arg(long)]
+    python: Option<PathBuf>,
+    /// Directory of the PyTorch peer scripts (default: <repo>/../shared/peers).
+    #[arg(long)]
+    peers: Option<PathBuf>,
+    /// A small version for tests: 3 sizes, 2 ranks only, 3 steps, an 8 MiB checkpoint, one run each.
+    #[arg(long)]
+    quick: bool,
+    /// Runs of each measurement (min/median/max are reported). Default 3, or 1 with --quick.
+    #[arg(long)]
+    repeats: Option<usize>,
+    /// Local ranks for all_reduce (tandem and gloo alike).
+    #[arg(long, default_value_t = 2)]
+    allreduce_nproc: usize,
+}
+
+/// The repository: the nearest ancestor of the working directory holding crates/tandem, else
+/// the checkout this binary was built from.
+fn repo_root() -> PathBuf {
+    if let Ok(cwd) = std::env::current_dir() {
+        if let Some(root) = cwd.ancestors().find(|d| d.join("crates/tandem/Cargo.toml").is_file()) {
+            return root.to_path_buf();
+        }
+    }
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    here.parent().and_then(Path::parent).unwrap_or(here).to_path_buf()
+}
+
+fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
+    let repeats = args.repeats.unwrap_or(if args.quick { 1 } else { 3 });
+    if repeats == 0 {
+        anyhow::bail!("--repeats must be at least 1");
+    }
+    if args.allreduce_nproc < 2 {
+        anyhow::bail!("--allreduce-nproc must be at least 2 (busbw of one rank is 0)");
+    }
+    const K: usize = 1 << 10;
+    const M: usize = 1 << 20;
+    Ok(if args.quick {
+        measure::Plan {
+            repeats,
+            allreduce_nproc: args.allreduce_nproc,
+            allreduce_sizes: vec![4, 4 * K, M],
+            seconds_per_size: 0.05,
+            ddp_ranks: vec![2],
+            ddp_batch: 32,
+            ddp_steps: 3,
+            ddp_rounds: 1,
+            ckpt_mib: 8,
+            ckpt_tensors: 8,
+        }
+    } else {
+        measure::Plan {
+            repeats,
+            allreduce_nproc: args.allreduce_nproc,
+            allreduce_sizes: vec![4, 64, K, 16 * K, 256 * K, M, 4 * M, 16 * M, 64 * M],
+            seconds_per_size: 0.5,
+            ddp_ranks: vec![1, 2, 4],
+            ddp_batch: 128,
+            ddp_steps: 20,
+            ddp_rounds: 3,
+            ckpt_mib: 256,
+            ckpt_tensors: 32,
+        }
+    })
+}
+
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    let started = Instant::now();
+    let plan = plan(&args)?;
+    let repo = repo_root();
+    let out = args.out.clone().unwrap_or_else(|| repo.join("docs"));
+    std::fs::create_dir_all(&out).with_context(|| format!("--out: creating {}", out.display()))?;
+    plots::register_font()?;
+    let peers = args.peers.clone().unwrap_or_else(|| repo.join("../shared/peers"));
+
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    candidates.extend(args.python.clone());
+    if args.python.is_none() {
+        candidates.extend(std::env::var_os("TANDEM_PYTHON").map(PathBuf::from));
+        candidates.push(repo.join(".venv-torch/bin/python"));
+    }
+    let mut torch = torch::find(&candidates);
+    if torch.is_ok() && !peers.join("torch_ddp_step.py").is_file() {
+        torch = Err(format!("torch found, but the peer scripts are not in {} (--peers)", peers.display()));
+    }
+    match &torch {
+        Ok(t) => eprintln!("report: PyTorch {} from {}", t.version, t.python.display()),
+        Err(why) => eprintln!("report: {} ({why})", torch::UNAVAILABLE),
+    }
+
+    let machine = machine::Machine::probe(&repo);
+    let load_before = machine::load_average();
+    let scratch = out.join(format!(".bench-report-{}", std::process::id()));
+    let mut ctx = measure::Ctx {
+        exe: std::env::current_exe().context("locating the tandem executable")?,
+        torch,
+        peers,
+        scratch: scratch.clone(),
+        failures: Vec::new(),
+    };
+    let allreduce = measure::allreduce(&mut ctx, &plan);
+    let ddp = measure::ddp(&mut ctx, &plan);
+    let ckpt = measure::ckpt(&mut ctx, &plan);
+    std::fs::remove_dir_all(&scratch).ok();
+    let load_after = machine::load_average();
+
+    let report = markdown::Report {
+        machine: &machine,
+        load_before,
+        load_after,
+        torch: ctx.torch.as_ref().map(|t| (t.version.clone(), t.python.display().to_string())).map_err(Clone::clone),
+        release_build: !cfg!(debug_assertions),
+        repeats: plan.repeats,
+        quick: args.quick,
+        wall_s: started.elapsed().as_secs_f64(),
+        allreduce_nproc: plan.allreduce_nproc,
+        allreduce: &allreduce,
+        ddp: &ddp,
+        ddp_batch: plan.ddp_batch,
+        ddp_steps: plan.ddp_steps,
+        ckpt: &ckpt,
+        ckpt_mib: plan.ckpt_mib,
+        failures: &ctx.failures,
+    };
+    let md = out.join("BENCHMARKS.md");
+    std::fs::write(&md, markdown::render(&report)).with_context(|| format!("writing {}", md.display()))?;
+    plots::allreduce(&allreduce, plan.allreduce_nproc, &out.join("allreduce_busbw.png"))?;
+    plots::ddp(&ddp, &out.join("ddp_samples_per_s.png"))?;
+    plots::ckpt(&ckpt, &out.join("ckpt_throughput.png"))?;
+    println!("wrote {} and 3 plots in {:.0} s", md.display(), started.elapsed().as_secs_f64());
+    if ctx.failures.is_empty() {
+        Ok(0)
+    } else {
+        eprintln!("report: {} measurement(s) failed; see the Failures section of {}", ctx.failures.len(), md.display());
+        Ok(1)
+    }
+}

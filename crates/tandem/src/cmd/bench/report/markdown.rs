@@ -1,0 +1,216 @@
+//! Renders docs/BENCHMARKS.md from the measured tables. Every figure row carries the median of
+//! its in-run reference and the ratio of the two medians, so a reader (and the integration test)
+//! can re-derive each ratio from the printed numbers.
+use std::fmt::Write;
+
+use super::machine::Machine;
+use super::stats::{ratio, sig, Figure};
+use super::table::{Row, Table};
+
+pub struct Report<'a> {
+    pub machine: &'a Machine,
+    pub load_before: String,
+    pub load_after: String,
+    pub torch: Result<(String, String), String>,
+    pub release_build: bool,
+    pub repeats: usize,
+    pub quick: bool,
+    pub wall_s: f64,
+    pub allreduce_nproc: usize,
+    pub allreduce: &'a Table,
+    pub ddp: &'a Table,
+    pub ddp_batch: usize,
+    pub ddp_steps: usize,
+    pub ckpt: &'a Table,
+    pub ckpt_mib: usize,
+    pub failures: &'a [String],
+}
+
+pub const REGENERATE: &str = "cargo run --release -p tandem -- bench report";
+
+fn table(out: &mut String, t: &Table) {
+    let _ = writeln!(
+        out,
+        "| case | contender | median ({u}) | min | max | {r} median | × {r} | × PyTorch |\n|---|---|--:|--:|--:|--:|--:|--:|",
+        u = t.unit,
+        r = t.reference_name
+    );
+    for row in &t.rows {
+        let reference = row.reference.map(sig).unwrap_or_else(|| "n/a".into());
+        let _ = match &row.figure {
+            Figure::Measured(s) => writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                row.case,
+                row.contender,
+                sig(s.median),
+                sig(s.min),
+                sig(s.max),
+                reference,
+                row.over_reference().map(ratio).unwrap_or_else(|| "n/a".into()),
+                row.over_torch().map(ratio).unwrap_or_else(|| "–".into()),
+            ),
+            Figure::Missing(why) => writeln!(out, "| {} | {} | {} | – | – | {reference} | – | – |", row.case, row.contender, why.replace('|', "/")),
+        };
+    }
+    out.push('\n');
+}
+
+/// "12.3 GB/s = 0.95× memcpy, 2.10× gloo" for the headline, or why it is missing.
+fn headline(row: Option<&Row>, unit: &str, reference: &str, torch: &str) -> String {
+    let Some(row) = row else { return "not measured".into() };
+    match &row.figure {
+        Figure::Missing(why) => why.clone(),
+        Figure::Measured(s) => {
+            let mut h = format!("{} {unit}", sig(s.median));
+            if let Some(r) = row.over_reference() {
+                let _ = write!(h, " = {}× {reference}", ratio(r));
+            }
+            match row.over_torch() {
+                Some(t) => {
+                    let _ = write!(h, ", {}× {torch}", ratio(t));
+                }
+                None => h.push_str(&format!(" ({torch}: not measured)")),
+            }
+            h
+        }
+    }
+}
+
+fn noise(out: &mut String, name: &str, t: &Table) {
+    let mut spreads: Vec<(f64, String)> = t
+        .rows
+        .iter()
+        .filter_map(|r| match &r.figure {
+            Figure::Measured(s) if s.runs > 1 => Some((s.spread(), format!("{} {}", r.contender, r.case))),
+            _ => None,
+        })
+        .filter(|(s, _)| s.is_finite())
+        .collect();
+    if spreads.is_empty() {
+        let _ = writeln!(out, "| {name} | – | – | – |");
+        return;
+    }
+    spreads.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let median = spreads[spreads.len() / 2].0;
+    let (worst, which) = spreads.last().cloned().unwrap_or_default();
+    let _ = writeln!(out, "| {name} | {} | {:.0}% | {:.0}% ({which}) |", spreads.len(), median * 100.0, worst * 100.0);
+}
+
+pub fn render(r: &Report) -> String {
+    let m = r.machine;
+    let mut out = String::new();
+    let _ = writeln!(out, "# tandem benchmarks\n");
+    let _ = writeln!(
+        out,
+        "Measured on {} by `tandem bench report`{}. Regenerate on your machine with one command:\n\n```sh\n{REGENERATE}\n```\n",
+        m.date_utc,
+        if r.quick { " --quick (a small smoke-test version: few sizes, few steps, small checkpoint)" } else { "" }
+    );
+    let _ = writeln!(
+        out,
+        "Every figure is divided by a reference measured in the same run on the same machine \
+         (memcpy for all_reduce, plain single-process training for DDP, dd for checkpoints) and, \
+         where PyTorch runs the same work, by PyTorch's figure. Each measurement was repeated {} \
+         time(s); tables give min / median / max over the runs and ratios of medians. Compare \
+         numbers only within one report: absolute figures depend on the machine and its load.\n",
+        r.repeats
+    );
+    if !r.release_build {
+        let _ = writeln!(out, "**Warning: this report was produced by a debug build; its tandem figures are not representative.**\n");
+    }
+
+    let _ = writeln!(out, "## Headline\n");
+    let big = r.allreduce.rows.iter().filter(|x| x.contender == "tandem shm").map(|x| x.case.clone()).last();
+    if let Some(case) = big {
+        let shm = r.allreduce.find(&case, "tandem shm");
+        let tcp = r.allreduce.find(&case, "tandem tcp");
+        let _ = writeln!(out, "- all_reduce {case}, {} ranks, tandem shm busbw: {}", r.allreduce_nproc, headline(shm, "GB/s", "memcpy", "gloo"));
+        let _ = writeln!(out, "- all_reduce {case}, {} ranks, tandem tcp busbw: {}", r.allreduce_nproc, headline(tcp, "GB/s", "memcpy", "gloo"));
+    }
+    for row in r.ddp.rows.iter().filter(|x| x.contender == "tandem Ddp") {
+        let _ = writeln!(out, "- DDP training, {}: {}", row.case, headline(Some(row), "samples/s", "plain", "PyTorch DDP"));
+    }
+    let _ = writeln!(out, "- checkpoint save, tandem .pt: {}", headline(r.ckpt.find("save", "tandem .pt"), "GB/s", "dd", "torch.save"));
+    let _ = writeln!(out, "- checkpoint load, tandem .pt (mmap): {}", headline(r.ckpt.find("load", "tandem .pt (mmap)"), "GB/s", "dd", "torch.load"));
+    out.push('\n');
+    let _ = writeln!(out, "![all_reduce busbw vs message size](allreduce_busbw.png)\n");
+
+    let _ = writeln!(out, "## Machine\n\n| | |\n|---|---|");
+    let _ = writeln!(out, "| CPU | {} |", m.cpu_model);
+    let _ = writeln!(out, "| cores | {} |", m.cores);
+    let _ = writeln!(out, "| memory | {} |", m.memory);
+    let _ = writeln!(out, "| OS | {} |", m.kernel);
+    let _ = writeln!(out, "| load average (1/5/15 min) before | {} |", r.load_before);
+    let _ = writeln!(out, "| load average (1/5/15 min) after | {} |", r.load_after);
+    let _ = writeln!(out, "| date | {} |", m.date_utc);
+    let _ = writeln!(out, "| git commit | {} |", m.git_commit);
+    let _ = writeln!(out, "| tandem build | {} |", if r.release_build { "release" } else { "debug (not representative)" });
+    let _ = match &r.torch {
+        Ok((version, python)) => writeln!(out, "| PyTorch | {version} (`{python}`) |"),
+        Err(why) => writeln!(out, "| PyTorch | {} ({}) |", super::torch::UNAVAILABLE, why.replace('|', "/")),
+    };
+    let _ = writeln!(out, "| repeats per measurement | {} |", r.repeats);
+    let _ = writeln!(out, "| wall time of the report | {:.0} s |\n", r.wall_s);
+
+    let _ = writeln!(out, "## Noise\n");
+    let _ = writeln!(
+        out,
+        "How far repeated runs of the same measurement landed apart: spread = (max − min) / median per figure. \
+         A load average above the core count means other work competed for the CPU.\n"
+    );
+    let _ = writeln!(out, "| section | figures | median spread | widest spread |\n|---|--:|--:|---|");
+    noise(&mut out, "all_reduce", r.allreduce);
+    noise(&mut out, "DDP", r.ddp);
+    noise(&mut out, "checkpoint", r.ckpt);
+    out.push('\n');
+
+    let _ = writeln!(out, "## all_reduce bus bandwidth\n");
+    let _ = writeln!(
+        out,
+        "f32 sum over {n} local ranks; busbw = algbw × 2(n−1)/n (nccl-tests convention), GB/s = 1e9 B/s. \
+         tandem: `tandem bench allreduce --nproc {n} --backend tcp|shm --json` (median per-iteration time of the \
+         slowest rank). Reference: memcpy of a buffer of the same size, measured by that same command before its \
+         ranks start. gloo: `shared/peers/torch_allreduce.py` (mean time; it takes whole MiB only and prints \
+         GiB/s with two decimals, converted here). × PyTorch = tandem / gloo at the same size.\n",
+        n = r.allreduce_nproc
+    );
+    let _ = writeln!(out, "![all_reduce busbw vs message size](allreduce_busbw.png)\n");
+    table(&mut out, r.allreduce);
+
+    let _ = writeln!(out, "## DDP training throughput\n");
+    let _ = writeln!(
+        out,
+        "MLP 784-1024-1024-10 on synthetic MNIST-shaped data, SGD, global batch {b} split over the ranks, \
+         {s} timed steps. Reference: plain single-process training (no Ddp, all cores) on the same global \
+         batch, measured by every `tandem bench ddp --json` run. tandem Ddp: that command's N-rank run \
+         (N processes on loopback, cores/N threads each). PyTorch DDP: `shared/peers/torch_ddp_step.py` \
+         (gloo, cores/N threads per rank). × PyTorch = tandem Ddp / PyTorch DDP with the same ranks.\n",
+        b = r.ddp_batch,
+        s = r.ddp_steps
+    );
+    let _ = writeln!(out, "![DDP samples/s](ddp_samples_per_s.png)\n");
+    table(&mut out, r.ddp);
+
+    let _ = writeln!(out, "## Checkpoint save / load\n");
+    let _ = writeln!(
+        out,
+        "A state dict of {mib} MiB of f32 tensors, saved and loaded in the same directory. tandem and torch \
+         rows: `tandem bench ckpt --repeat 1` per run (saves include fsync; torch.load uses mmap=True). \
+         References: for saves `dd if=/dev/zero bs=1M conv=fsync` of the same size (from that command), \
+         for loads `dd of=/dev/null bs=1M` of a file just written (page cache warm, as for every load here; \
+         measured by the report). × PyTorch = tandem / torch.save (saves) or torch.load (loads).\n",
+        mib = r.ckpt_mib
+    );
+    let _ = writeln!(out, "![checkpoint throughput](ckpt_throughput.png)\n");
+    table(&mut out, r.ckpt);
+
+    if !r.failures.is_empty() {
+        let _ = writeln!(out, "## Failures\n");
+        for f in r.failures {
+            let _ = writeln!(out, "- {}", f.replace('\n', " "));
+        }
+        out.push('\n');
+    }
+    out
+}

@@ -1,0 +1,401 @@
+//! The three measurements of the report. Each repeat runs every contender once, one after the
+//! other, so a busy phase of the machine hits all of them alike; tandem's figures come from the
+//! `tandem bench ...` subcommands of this same executable, PyTorch's from the peer scripts.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+use super::child::{output_of, stdout_of};
+use super::stats::Figure;
+use super::table::{Row, Table};
+use super::torch::{self, Torch, UNAVAILABLE};
+
+/// What to run; `--quick` picks a small one.
+pub struct Plan {
+    pub repeats: usize,
+    pub allreduce_nproc: usize,
+    pub allreduce_sizes: Vec<usize>,
+    pub seconds_per_size: f64,
+    pub ddp_ranks: Vec<usize>,
+    pub ddp_batch: usize,
+    pub ddp_steps: usize,
+    pub ddp_rounds: usize,
+    pub ckpt_mib: usize,
+    pub ckpt_tensors: usize,
+}
+
+pub struct Ctx {
+    pub exe: PathBuf,
+    /// Ok: torch found; Err: why not (the report prints it).
+    pub torch: Result<Torch, String>,
+    pub peers: PathBuf,
+    pub scratch: PathBuf,
+    /// Every measurement that failed, in words; the report lists them and the command exits 1.
+    pub failures: Vec<String>,
+}
+
+impl Ctx {
+    fn tandem(&self, args: &[String], limit: Duration, what: &str) -> anyhow::Result<String> {
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg("bench").args(args);
+        stdout_of(&mut cmd, limit, what)
+    }
+    fn torch(&self) -> Option<&Torch> {
+        self.torch.as_ref().ok()
+    }
+    fn note(&mut self, e: anyhow::Error) -> String {
+        let first = format!("{e:#}").lines().next().unwrap_or_default().to_string();
+        eprintln!("report: {e:#}");
+        self.failures.push(first.clone());
+        format!("failed: {first}")
+    }
+}
+
+const MIB: usize = 1 << 20;
+
+pub fn size_label(bytes: usize) -> String {
+    match bytes {
+        b if b >= MIB && b % MIB == 0 => format!("{} MiB", b / MIB),
+        b if b >= 1024 && b % 1024 == 0 => format!("{} KiB", b / 1024),
+        b => format!("{b} B"),
+    }
+}
+
+fn missing_reason(errors: &Option<String>, default: &str) -> String {
+    errors.clone().unwrap_or_else(|| default.to_string())
+}
+
+/// all_reduce busbw per size: tandem tcp and shm, gloo, and memcpy (the reference, measured by
+/// `tandem bench allreduce` itself before its ranks start).
+pub fn allreduce(ctx: &mut Ctx, plan: &Plan) -> Table {
+    let sizes = plan.allreduce_sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+    let mut bus: BTreeMap<(&str, usize), Vec<f64>> = BTreeMap::new();
+    let mut memcpy: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
+    let mut gloo: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
+    let mut err: BTreeMap<&str, String> = BTreeMap::new();
+    let gloo_sizes: Vec<usize> = plan.allreduce_sizes.iter().copied().filter(|s| s % MIB == 0).collect();
+    for rep in 0..plan.repeats {
+        for backend in ["tcp", "shm"] {
+            eprintln!("report: all_reduce {backend}, run {}/{}", rep + 1, plan.repeats);
+            let args = [
+                "allreduce", "--nproc", &plan.allreduce_nproc.to_string(), "--sizes", &sizes, "--backend", backend,
+                "--json", "--seconds-per-size", &plan.seconds_per_size.to_string(),
+            ]
+            .map(String::from);
+            match ctx.tandem(&args, Duration::from_secs(600), &format!("tandem bench allreduce --backend {backend}")).and_then(|o| parse_allreduce(&o)) {
+                Ok(rows) => {
+                    for (size, busbw, mem) in rows {
+                        bus.entry((backend, size)).or_default().push(busbw);
+                        memcpy.entry(size).or_default().push(mem);
+                    }
+                }
+                Err(e) => {
+                    let why = ctx.note(e);
+                    err.entry(backend).or_insert(why);
+                }
+            }
+        }
+        if let Some(t) = ctx.torch() {
+            let (python, version) = (t.python.clone(), t.version.clone());
+            let t = Torch { python, version };
+            for &size in &gloo_sizes {
+                eprintln!("report: all_reduce gloo {}, run {}/{}", size_label(size), rep + 1, plan.repeats);
+                // About half a second of all_reduce at gloo's usual ~1 GB/s.
+                let iters = ((0.5e9 / size as f64) as usize).clamp(5, 200);
+                match torch::gloo_busbw(&t, &ctx.peers, plan.allreduce_nproc, size / MIB, iters) {
+                    Ok(v) => gloo.entry(size).or_default().push(v),
+                    Err(e) => {
+                        let why = ctx.note(e);
+                        err.entry("gloo").or_insert(why);
+                    }
+                }
+            }
+        }
+    }
+    let torch_missing = match &ctx.torch {
+        Ok(_) => None,
+        Err(_) => Some(UNAVAILABLE.to_string()),
+    };
+    let mut rows = Vec::new();
+    for &size in &plan.allreduce_sizes {
+        let reference = memcpy.get(&size).map(|v| Figure::from_samples(v, String::new)).and_then(|f| f.median());
+        let gloo_fig = match (&torch_missing, gloo.get(&size)) {
+            (Some(why), _) => Figure::Missing(why.clone()),
+            (None, Some(v)) => Figure::from_samples(v, String::new),
+            (None, None) if size % MIB != 0 => Figure::Missing("not measured (the gloo peer takes whole MiB)".into()),
+            (None, None) => Figure::Missing(missing_reason(&err.get("gloo").cloned(), "failed")),
+        };
+        let torch = gloo_fig.median();
+        let row = |contender: &str, figure: Figure, torch: Option<f64>| Row {
+            x: size as f64,
+            case: size_label(size),
+            contender: contender.into(),
+            figure,
+            reference,
+            torch,
+        };
+        let memcpy_fig = Figure::from_samples(memcpy.get(&size).map(Vec::as_slice).unwrap_or(&[]), || "failed (no run completed)".into());
+        let tcp = Figure::from_samples(bus.get(&("tcp", size)).map(Vec::as_slice).unwrap_or(&[]), || missing_reason(&err.get("tcp").cloned(), "failed"));
+        let shm = Figure::from_samples(bus.get(&("shm", size)).map(Vec::as_slice).unwrap_or(&[]), || missing_reason(&err.get("shm").cloned(), "failed"));
+        let r = [row("memcpy", memcpy_fig, None), row("tandem tcp", tcp, torch), row("tandem shm", shm, torch), row("gloo (PyTorch)", gloo_fig, None)];
+        rows.extend(r);
+    }
+    Table { unit: "busbw GB/s", reference_name: "memcpy", rows }
+}
+
+/// (size, busbw GB/s, memcpy GB/s) per JSON line of `tandem bench allreduce --json`.
+fn parse_allreduce(out: &str) -> anyhow::Result<Vec<(usize, f64, f64)>> {
+    let mut rows = Vec::new();
+    for line in out.lines().filter(|l| l.trim_start().starts_with('{')) {
+        let j: serde_json::Value = serde_json::from_str(line).with_context(|| format!("bench allreduce printed {line:?}"))?;
+        match (j["size_bytes"].as_u64(), j["busbw_gbs"].as_f64(), j["memcpy_gbs"].as_f64()) {
+            (Some(s), Some(b), Some(m)) => rows.push((s as usize, b, m)),
+            _ => bail!("bench allreduce: a line lacks size_bytes/busbw_gbs/memcpy_gbs: {line}"),
+        }
+    }
+    if rows.is_empty() {
+        bail!("bench allreduce printed no JSON lines");
+    }
+    Ok(rows)
+}
+
+/// DDP training samples/s: plain single-process training (the reference, measured by every
+/// `tandem bench ddp` run), tandem Ddp and PyTorch DDP with 1, 2, 4 ranks on the same global batch.
+pub fn ddp(ctx: &mut Ctx, plan: &Plan) -> Table {
+    let mut plain = Vec::new();
+    let mut tandem: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
+    let mut pytorch: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
+    let mut err: BTreeMap<(&str, usize), String> = BTreeMap::new();
+    for rep in 0..plan.repeats {
+        for &n in &plan.ddp_ranks {
+            eprintln!("report: DDP with {n} rank(s), run {}/{}", rep + 1, plan.repeats);
+            let args = [
+                "ddp", "--nproc", &n.to_string(), "--model", "mlp", "--batch", &plan.ddp_batch.to_string(),
+                "--steps", &plan.ddp_steps.to_string(), "--rounds", &plan.ddp_rounds.to_string(), "--json",
+            ]
+            .map(String::from);
+            let parsed = ctx.tandem(&args, Duration::from_secs(900), &format!("tandem bench ddp --nproc {n}")).and_then(|o| {
+                let line = o.lines().rev().find(|l| l.trim_start().starts_with('{')).context("bench ddp printed no JSON")?;
+                let j: serde_json::Value = serde_json::from_str(line)?;
+                match (j["plain_samples_per_s"].as_f64(), j["ddpN_samples_per_s"].as_f64()) {
+                    (Some(p), Some(d)) => Ok((p, d)),
+                    _ => bail!("bench ddp: no plain_samples_per_s/ddpN_samples_per_s in {line}"),
+                }
+            });
+            match parsed {
+                Ok((p, d)) => {
+                    plain.push(p);
+                    tandem.entry(n).or_default().push(d);
+                }
+                Err(e) => {
+                    let why = ctx.note(e);
+                    err.entry(("tandem", n)).or_insert(why);
+                }
+            }
+            if let Some(t) = ctx.torch() {
+                let t = Torch { python: t.python.clone(), version: t.version.clone() };
+                match torch::ddp_samples_per_s(&t, &ctx.peers, n, plan.ddp_steps, plan.ddp_batch / n) {
+                    Ok(v) => pytorch.entry(n).or_default().push(v),
+                    Err(e) => {
+                        let why = ctx.note(e);
+                        err.entry(("torch", n)).or_insert(why);
+                    }
+                }
+            }
+        }
+    }
+    let plain_fig = Figure::from_samples(&plain, || "failed (no run completed)".into());
+    let reference = plain_fig.median();
+    let mut rows = vec![Row {
+        x: 0.0,
+        case: "1 process".into(),
+        contender: "plain (no Ddp)".into(),
+        figure: plain_fig,
+        reference,
+        torch: None,
+    }];
+    for &n in &plan.ddp_ranks {
+        let torch_fig = match &ctx.torch {
+            Err(_) => Figure::Missing(UNAVAILABLE.into()),
+            Ok(_) => Figure::from_samples(pytorch.get(&n).map(Vec::as_slice).unwrap_or(&[]), || missing_reason(&err.get(&("torch", n)).cloned(), "failed")),
+        };
+        let tandem_fig = Figure::from_samples(tandem.get(&n).map(Vec::as_slice).unwrap_or(&[]), || missing_reason(&err.get(&("tandem", n)).cloned(), "failed"));
+        let torch = torch_fig.median();
+        let case = format!("{n} rank{}", if n == 1 { "" } else { "s" });
+        rows.push(Row { x: n as f64, case: case.clone(), contender: "tandem Ddp".into(), figure: tandem_fig, reference, torch });
+        rows.push(Row { x: n as f64, case, contender: "PyTorch DDP (gloo)".into(), figure: torch_fig, reference, torch: None });
+    }
+    Table { unit: "samples/s", reference_name: "plain", rows }
+}
+
+const CKPT_ROWS: [(&str, &str, &str); 8] = [
+    // (name printed by `tandem bench ckpt`, case, contender in the report)
+    ("dd conv=fsync (write)", "save", "dd conv=fsync (write)"),
+    ("tandem save .pt", "save", "tandem .pt"),
+    ("tandem save .safetensors", "save", "tandem safetensors"),
+    ("torch.save + fsync", "save", "torch.save + fsync"),
+    ("tandem load .pt (mmap)", "load", "tandem .pt (mmap)"),
+    ("tandem load .pt (read)", "load", "tandem .pt (read)"),
+    ("tandem load .safetensors", "load", "tandem safetensors"),
+    ("torch.load(mmap=True)", "load", "torch.load(mmap=True)"),
+];
+const DD_READ: &str = "dd (read, warm cache)";
+
+/// Checkpoint save/load GB/s: tandem .pt and safetensors, torch.save / torch.load, dd (write:
+/// the save reference, measured by `tandem bench ckpt`; read: the load reference, measured here).
+pub fn ckpt(ctx: &mut Ctx, plan: &Plan) -> Table {
+    let mut samples: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut err: Option<String> = None;
+    let dir = ctx.scratch.join("ckpt");
+    for rep in 0..plan.repeats {
+        eprintln!("report: checkpoint {} MiB, run {}/{}", plan.ckpt_mib, rep + 1, plan.repeats);
+        let mut args = vec!["ckpt".to_string(), "--size-mib".into(), plan.ckpt_mib.to_string(), "--tensors".into(), plan.ckpt_tensors.to_string()];
+        args.extend(["--repeat".into(), "1".into(), "--dir".into(), dir.display().to_string()]);
+        if let Some(t) = ctx.torch() {
+            args.extend(["--python".into(), t.python.display().to_string()]);
+        }
+        let res = std::fs::create_dir_all(&dir)
+            .with_context(|| format!("creating {}", dir.display()))
+            .and_then(|_| ctx.tandem(&args, Duration::from_secs(900), "tandem bench ckpt"))
+            .and_then(|o| parse_ckpt(&o));
+        match res {
+            Ok(rows) => {
+                for (name, gbs) in rows {
+                    samples.entry(name).or_default().push(gbs);
+                }
+            }
+            Err(e) => {
+                let why = ctx.note(e);
+                err.get_or_insert(why);
+            }
+        }
+        match dd_read(&dir, plan.ckpt_mib) {
+            Ok(v) => samples.entry(DD_READ).or_default().push(v),
+            Err(e) => {
+                let why = ctx.note(e);
+                err.get_or_insert(why);
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    let fig = |samples: &BTreeMap<&str, Vec<f64>>, name: &str, torch_row: bool| -> Figure {
+        if torch_row && ctx.torch.is_err() {
+            return Figure::Missing(UNAVAILABLE.into());
+        }
+        Figure::from_samples(samples.get(name).map(Vec::as_slice).unwrap_or(&[]), || missing_reason(&err, "failed"))
+    };
+    let med = |name: &str| Figure::from_samples(samples.get(name).map(Vec::as_slice).unwrap_or(&[]), String::new).median();
+    let (save_ref, load_ref) = (med("dd conv=fsync (write)"), med(DD_READ));
+    let torch_ok = ctx.torch.is_ok();
+    let (torch_save, torch_load) = if torch_ok { (med("torch.save + fsync"), med("torch.load(mmap=True)")) } else { (None, None) };
+    let mut rows = Vec::new();
+    let mut push = |bench_name: &str, case: &str, contender: &str| {
+        let is_torch = bench_name.starts_with("torch");
+        let (reference, torch) = if case == "save" { (save_ref, torch_save) } else { (load_ref, torch_load) };
+        rows.push(Row {
+            x: rows.len() as f64,
+            case: case.into(),
+            contender: contender.into(),
+            figure: fig(&samples, bench_name, is_torch),
+            reference,
+            torch: if is_torch || bench_name.starts_with("dd") { None } else { torch },
+        });
+    };
+    for (bench_name, case, contender) in CKPT_ROWS.iter().take(4) {
+        push(bench_name, case, contender);
+    }
+    push(DD_READ, "load", DD_READ);
+    for (bench_name, case, contender) in CKPT_ROWS.iter().skip(4) {
+        push(bench_name, case, contender);
+    }
+    Table { unit: "GB/s", reference_name: "dd", rows }
+}
+
+/// (row, GB/s) from `tandem bench ckpt`'s text table (it has no --json): each row is its name
+/// and then min and median MiB/s; with --repeat 1 both are the one run.
+fn parse_ckpt(out: &str) -> anyhow::Result<Vec<(&'static str, f64)>> {
+    let mut rows = Vec::new();
+    for line in out.lines() {
+        for (name, _, _) in CKPT_ROWS {
+            let Some(rest) = line.strip_prefix(name) else { continue };
+            let nums: Vec<f64> = rest.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+            if let [_min, median] = nums[..] {
+                rows.push((name, median * MIB as f64 / 1e9));
+            }
+        }
+    }
+    if !rows.iter().any(|(n, _)| *n == "tandem save .pt") {
+        bail!("bench ckpt: no 'tandem save .pt' row in its output:\n{out}");
+    }
+    Ok(rows)
+}
+
+/// Seconds from dd's own transfer line ("... copied, 0.0512 s, 5.2 GB/s"), so that starting the
+/// dd process is not counted against it.
+fn dd_seconds(stderr: &str) -> Option<f64> {
+    let after = stderr.lines().rev().find_map(|l| l.split_once(" copied, ").map(|(_, rest)| rest))?;
+    after.split_whitespace().next()?.parse().ok()
+}
+
+/// GB/s of `dd` reading a just-written file of `mib` MiB to /dev/null (page cache warm, as the
+/// loads it is the reference for).
+fn dd_read(dir: &Path, mib: usize) -> anyhow::Result<f64> {
+    let file = dir.join("dd-read.bin");
+    let of = format!("of={}", file.display());
+    let count = format!("count={mib}");
+    let mut write = Command::new("dd");
+    write.args(["if=/dev/zero", &of, "bs=1M", &count, "conv=fsync", "status=none"]);
+    stdout_of(&mut write, Duration::from_secs(600), "dd (writing the read-reference file)")?;
+    let mut read = Command::new("dd");
+    read.args([&format!("if={}", file.display()), "of=/dev/null", "bs=1M"]).env("LC_ALL", "C");
+    let start = Instant::now();
+    let res = output_of(&mut read, Duration::from_secs(600), "dd (read)");
+    let wall = start.elapsed().as_secs_f64();
+    std::fs::remove_file(&file).ok();
+    let (_, stderr) = res?;
+    // A dd without the transfer line (not GNU coreutils): fall back to the wall time.
+    let secs = dd_seconds(&stderr).filter(|s| *s > 0.0).unwrap_or(wall);
+    Ok((mib * MIB) as f64 / secs / 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_bench_ckpt_text() {
+        let out = "checkpoint of 8 MiB (8 tensors), 1 runs; throughput in MiB/s\n                                    min     median\n\
+dd conv=fsync (write)              500        500\ntandem save .pt                   1000       1000\n\
+tandem load .pt (mmap)            2000       2000\nratios of medians:\n  tandem save .pt / dd conv=fsync (write): 2.00 (target >= 0.80)\n";
+        let rows = parse_ckpt(out).unwrap();
+        assert_eq!(rows.len(), 3);
+        assert_eq!(rows[1].0, "tandem save .pt");
+        assert!((rows[1].1 - 1000.0 * 1048576.0 / 1e9).abs() < 1e-9);
+        assert!(parse_ckpt("nothing").is_err());
+    }
+
+    #[test]
+    fn parses_bench_allreduce_json() {
+        let out = "{\"size_bytes\":4,\"busbw_gbs\":0.001,\"memcpy_gbs\":1.5}\n";
+        assert_eq!(parse_allreduce(out).unwrap(), vec![(4, 0.001, 1.5)]);
+        assert!(parse_allreduce("{\"size_bytes\":4}").is_err());
+        assert!(parse_allreduce("").is_err());
+    }
+
+    #[test]
+    fn reads_dd_transfer_time() {
+        let err = "2048+0 records in\n2048+0 records out\n8388608 bytes (8.4 MB, 8.0 MiB) copied, 0.00312 s, 2.7 GB/s\n";
+        assert_eq!(dd_seconds(err), Some(0.00312));
+        assert_eq!(dd_seconds("dd: error"), None);
+    }
+
+    #[test]
+    fn size_labels() {
+        assert_eq!(size_label(4), "4 B");
+        assert_eq!(size_label(4096), "4 KiB");
+        assert_eq!(size_label(64 << 20), "64 MiB");
+    }
+}

@@ -1,0 +1,318 @@
+//! Helpers for the reliability suite (crates/tandem/tests/reliability.rs): a seeded RNG whose
+//! seed goes into every failure message, child processes with captured output and a deadline,
+//! finding a launcher's rank processes through /proc, SIGKILL, the orphan check by a per-trial
+//! environment marker, and the per-scenario tally that prints the `reliability:` summary lines.
+#![allow(dead_code)]
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Environment variable holding a trial's unique marker; every process of the trial inherits it.
+pub const MARKER_VAR: &str = "TANDEM_TRIAL_ID";
+
+pub fn tandem_exe() -> &'static str {
+    env!("CARGO_BIN_EXE_tandem")
+}
+
+/// `tandem` with no world inherited from an outer launcher.
+pub fn tandem() -> Command {
+    let mut c = Command::new(tandem_exe());
+    clean_env(&mut c);
+    c
+}
+
+/// Removes every variable through which an outer launcher could describe a world.
+pub fn clean_env(c: &mut Command) {
+    for v in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TANDEM_TRAIN_WORKER",
+        "SLURM_NTASKS",
+        "OMPI_COMM_WORLD_SIZE",
+        "TORCHELASTIC_RUN_ID",
+        "TANDEM_RUN_ID",
+    ] {
+        c.env_remove(v);
+    }
+}
+
+/// SplitMix64: a few lines, and a seed is all it takes to replay a trial (no crate needed for
+/// drawing kill delays and victims).
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+    pub fn duration(&mut self, lo: Duration, hi: Duration) -> Duration {
+        lo + (hi - lo).mul_f64(self.unit())
+    }
+}
+
+/// The suite's base seed: `RELIABILITY_SEED` or a fixed default, so CI runs are reproducible.
+pub fn base_seed() -> u64 {
+    std::env::var("RELIABILITY_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261121)
+}
+
+/// Trials for a scenario: the count, or `RELIABILITY_TRIALS` (for quick local runs).
+pub fn trials(default: usize) -> usize {
+    std::env::var("RELIABILITY_TRIALS").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
+/// A spawned child whose stdout and stderr are drained by threads (so it never blocks on a pipe).
+pub struct Running {
+    pub child: Child,
+    out: Option<JoinHandle<Vec<u8>>>,
+    err: Option<JoinHandle<Vec<u8>>>,
+}
+
+pub struct Finished {
+    /// `None` when the deadline passed (the child was then killed).
+    pub status: Option<ExitStatus>,
+    /// When `wait` saw the exit (or gave up).
+    pub at: Instant,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Finished {
+    pub fn describe(&self) -> String {
+        format!("status {:?}\n--- stdout\n{}\n--- stderr\n{}", self.status, tail(&self.stdout, 40), tail(&self.stderr, 40))
+    }
+}
+
+pub fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+fn drain(mut r: impl Read + Send + 'static) -> JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = r.read_to_end(&mut b);
+        b
+    })
+}
+
+impl Running {
+    pub fn spawn(cmd: &mut Command) -> Running {
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null()).spawn().expect("spawn child");
+        let out = child.stdout.take().map(drain);
+        let err = child.stderr.take().map(drain);
+        Running { child, out, err }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Waits at most `limit` (polling every 2 ms so exit times are measured finely); past it the
+    /// child is killed and `status` is `None`.
+    pub fn wait(mut self, limit: Duration) -> Finished {
+        let start = Instant::now();
+        let (status, at) = loop {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                break (Some(s), Instant::now());
+            }
+            if start.elapsed() > limit {
+                let at = Instant::now();
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break (None, at);
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        let text = |h: Option<JoinHandle<Vec<u8>>>| String::from_utf8_lossy(&h.and_then(|h| h.join().ok()).unwrap_or_default()).into_owned();
+        Finished { status, at, stdout: text(self.out.take()), stderr: text(self.err.take()) }
+    }
+}
+
+fn proc_pids() -> Vec<i32> {
+    let Ok(rd) = std::fs::read_dir("/proc") else { return Vec::new() };
+    rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()
+}
+
+/// (parent pid, state letter) from /proc/PID/stat; the command name may hold spaces or parens.
+fn ppid_and_state(pid: i32) -> Option<(i32, char)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let mut f = rest.split(' ');
+    let state = f.next()?.chars().next()?;
+    let ppid = f.next()?.parse().ok()?;
+    Some((ppid, state))
+}
+
+fn environ(pid: i32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .map(|b| b.split(|&c| c == 0).map(|v| String::from_utf8_lossy(v).into_owned()).collect())
+        .unwrap_or_default()
+}
+
+/// The live children of `launcher` that carry a `RANK` variable, as (rank, pid), sorted by rank.
+pub fn rank_pids(launcher: i32) -> Vec<(u32, i32)> {
+    let mut out = Vec::new();
+    for pid in proc_pids() {
+        match ppid_and_state(pid) {
+            Some((ppid, state)) if ppid == launcher && state != 'Z' => {}
+            _ => continue,
+        }
+        if let Some(r) = environ(pid).iter().find_map(|v| v.strip_prefix("RANK=").and_then(|r| r.parse().ok())) {
+            out.push((r, pid));
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Polls until `launcher` has `n` rank children (None past `limit`).
+pub fn wait_for_ranks(launcher: i32, n: usize, limit: Duration) -> Option<Vec<(u32, i32)>> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        let r = rank_pids(launcher);
+        if r.len() == n {
+            return Some(r);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    None
+}
+
+/// Live (non-zombie) processes whose environment has `TANDEM_TRIAL_ID=marker`.
+pub fn marked_processes(marker: &str) -> Vec<i32> {
+    let needle = format!("{MARKER_VAR}={marker}");
+    proc_pids()
+        .into_iter()
+        .filter(|&pid| pid != std::process::id() as i32)
+        .filter(|&pid| matches!(ppid_and_state(pid), Some((_, s)) if s != 'Z'))
+        .filter(|&pid| environ(pid).iter().any(|v| *v == needle))
+        .collect()
+}
+
+/// Orphan check: waits up to `settle` for every process of the trial to be gone; returns the
+/// survivors after that (and SIGKILLs them so one failed trial cannot disturb the next).
+pub fn leftovers(marker: &str, settle: Duration) -> Vec<i32> {
+    let start = Instant::now();
+    loop {
+        let left = marked_processes(marker);
+        if left.is_empty() {
+            return left;
+        }
+        if start.elapsed() > settle {
+            for &p in &left {
+                sigkill(p);
+            }
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// SIGKILL; false when the process was already gone.
+pub fn sigkill(pid: i32) -> bool {
+    // SAFETY: kill(2) with a pid we found ourselves; no memory is involved.
+    unsafe { libc::kill(pid, libc::SIGKILL) == 0 }
+}
+
+/// Counts a scenario's trials, keeps each failure's description (with its seed), prints the
+/// `reliability:` summary line and fails the test when any trial failed.
+pub struct Tally {
+    scenario: String,
+    pub trials: usize,
+    pub failures: Vec<String>,
+    pub extra: Vec<(String, String)>,
+}
+
+impl Tally {
+    pub fn new(scenario: &str) -> Tally {
+        Tally { scenario: scenario.to_string(), trials: 0, failures: Vec::new(), extra: Vec::new() }
+    }
+
+    /// Records one trial: `Ok` passes, `Err(why)` fails with `why` (which should hold the seed).
+    pub fn record(&mut self, result: Result<(), String>) {
+        self.trials += 1;
+        if let Err(why) = result {
+            eprintln!("reliability: {} trial {} FAILED: {why}", self.scenario, self.trials);
+            self.failures.push(why);
+        }
+    }
+
+    pub fn note(&mut self, key: &str, value: impl std::fmt::Display) {
+        self.extra.push((key.to_string(), value.to_string()));
+    }
+
+    pub fn passed(&self) -> usize {
+        self.trials - self.failures.len()
+    }
+
+    /// Prints `reliability: <scenario> trials=N passed=M k=v ...` and panics on any failure.
+    pub fn finish(self) {
+        let mut line = format!("reliability: {} trials={} passed={}", self.scenario, self.trials, self.passed());
+        for (k, v) in &self.extra {
+            line.push_str(&format!(" {k}={v}"));
+        }
+        println!("{line}");
+        if let Some(path) = std::env::var_os("RELIABILITY_SUMMARY") {
+            use std::io::Write;
+            if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+                let _ = writeln!(f, "{line}");
+            }
+        }
+        assert!(self.failures.is_empty(), "{} of {} trials failed:\n{}", self.failures.len(), self.trials, self.failures.join("\n\n"));
+    }
+}
+
+/// The model weights of a `.pt` / `.safetensors` file as (key, raw bytes), sorted by key.
+pub fn weight_bytes(path: &Path) -> Result<Vec<(String, Vec<u8>)>, String> {
+    let v = tandem_ckpt::load(path).map_err(|e| format!("loading {}: {e}", path.display()))?;
+    let dict = v.as_dict().ok_or_else(|| format!("{} is not a dict", path.display()))?;
+    let mut out = Vec::new();
+    for (k, t) in dict {
+        let k = k.as_str().ok_or("non-string key")?.to_string();
+        let t = t.as_tensor().ok_or_else(|| format!("{k} is not a tensor"))?;
+        out.push((k, t.contiguous_bytes().into_owned()));
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Err naming the first differing key when two weight files are not bitwise equal.
+pub fn same_weights(a: &Path, b: &Path) -> Result<(), String> {
+    let (x, y) = (weight_bytes(a)?, weight_bytes(b)?);
+    if x.len() != y.len() {
+        return Err(format!("{} has {} tensors, {} has {}", a.display(), x.len(), b.display(), y.len()));
+    }
+    for ((kx, bx), (ky, by)) in x.iter().zip(&y) {
+        if kx != ky || bx != by {
+            return Err(format!("`{kx}` differs between {} and {}", a.display(), b.display()));
+        }
+    }
+    Ok(())
+}
+
+pub fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 temp path")
+}
+
+pub fn pathbuf(p: &Path, rel: &str) -> PathBuf {
+    p.join(rel)
+}
