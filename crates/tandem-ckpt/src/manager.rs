@@ -101,6 +101,7 @@ impl CheckpointManager {
             return Err(self.err(format!("checkpoint name `{name}` must be non-empty, without `/` and not start with `.`")));
         }
         std::fs::create_dir_all(&self.dir).map_err(|e| CkptError::io(&self.dir, e))?;
+        self.remove_stale_temps();
         let path = self.path_for(name);
         crate::pt::save(&path, &canonicalize_keys(value)?)?;
         let file_name = format!("{PREFIX}{name}{SUFFIX}\n");
@@ -125,6 +126,22 @@ impl CheckpointManager {
         let written = written?;
         synced?;
         Ok(written)
+    }
+
+    /// Deletes temp files of checkpoint writes that never finished (a writer killed mid-save
+    /// leaves one, as large as a checkpoint). Only the saving rank calls `save`, so no live write
+    /// of this job can be hit. Failures are only logged: they cost disk space, not correctness.
+    fn remove_stale_temps(&self) {
+        let Ok(rd) = std::fs::read_dir(&self.dir) else { return };
+        for entry in rd.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let ours = |target: &str| (target.starts_with(PREFIX) && target.ends_with(SUFFIX)) || target == LATEST;
+            if crate::atomic::is_temp_for(&name, ours) {
+                if let Err(e) = std::fs::remove_file(entry.path()) {
+                    tracing::warn!("cannot remove stale temp file {}: {e}", entry.path().display());
+                }
+            }
+        }
     }
 
     /// Checkpoint files in the directory, newest first (modification time, then name).
@@ -203,6 +220,23 @@ mod tests {
         let mut v: Vec<String> = m.list().unwrap().iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn save_removes_temp_files_of_killed_writes_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = CheckpointManager::new(dir.path(), 2);
+        let stale = dir.path().join(".checkpoint-step-3.pt.Ab12Cd.tmp");
+        let stale_ptr = dir.path().join(".latest.XyZ987.tmp");
+        let foreign = dir.path().join(".notes.txt.Qw34Er.tmp");
+        let plain = dir.path().join("checkpoint-step-3.pt.tmp");
+        for f in [&stale, &stale_ptr, &foreign, &plain] {
+            std::fs::write(f, b"partial").unwrap();
+        }
+        m.save("step-4", &value(4)).unwrap();
+        assert!(!stale.exists() && !stale_ptr.exists(), "temp files of checkpoint writes must go");
+        assert!(foreign.exists() && plain.exists(), "files that are not our temp files must stay");
+        assert_eq!(names(&m), vec!["checkpoint-step-4.pt"]);
     }
 
     #[test]

@@ -69,36 +69,62 @@ impl Ctx<'_> {
             let send_i = (self.rank + owner_offset + 2 * n - 1 - s) % n;
             let recv_i = (self.rank + owner_offset + 2 * n - 2 - s) % n;
             let (out, into) = split(buf, bounds[send_i].clone(), bounds[recv_i].clone());
-            self.t.exchange(Some((right, out)), Some((left, Recv::Reduce { dst: into, elem, f })), self.timeout)?;
+            self.t.exchange(
+                Some((right, out)),
+                Some((left, Recv::Reduce { dst: into, elem, f })),
+                self.timeout,
+            )?;
         }
         Ok(())
     }
 
     /// Ring all-gather over `bounds`: this rank starts with block `(rank + owner_offset) % n`.
-    fn ring_all_gather(&mut self, buf: &mut [u8], bounds: &[Range<usize>], owner_offset: usize) -> Result<(), PeerError> {
+    fn ring_all_gather(
+        &mut self,
+        buf: &mut [u8],
+        bounds: &[Range<usize>],
+        owner_offset: usize,
+    ) -> Result<(), PeerError> {
         let n = self.size;
         let (right, left) = (self.right(), self.left());
         for s in 0..n - 1 {
             let send_i = (self.rank + owner_offset + n - s) % n;
             let recv_i = (self.rank + owner_offset + 2 * n - 1 - s) % n;
             let (out, into) = split(buf, bounds[send_i].clone(), bounds[recv_i].clone());
-            self.t.exchange(Some((right, out)), Some((left, Recv::Copy(into))), self.timeout)?;
+            self.t.exchange(
+                Some((right, out)),
+                Some((left, Recv::Copy(into))),
+                self.timeout,
+            )?;
         }
         Ok(())
     }
 
-    pub fn all_reduce(&mut self, buf: &mut [u8], elem: usize, f: ReduceFn<'_>) -> Result<(), PeerError> {
+    pub fn all_reduce(
+        &mut self,
+        buf: &mut [u8],
+        elem: usize,
+        f: ReduceFn<'_>,
+    ) -> Result<(), PeerError> {
         if self.size == 1 || buf.is_empty() {
             return Ok(());
         }
         let count = buf.len() / elem;
-        let bounds: Vec<_> = (0..self.size).map(|i| bytes(chunk(count, self.size, i), elem)).collect();
+        let bounds: Vec<_> = (0..self.size)
+            .map(|i| bytes(chunk(count, self.size, i), elem))
+            .collect();
         self.ring_reduce_scatter(buf, &bounds, 1, elem, f)?;
         self.ring_all_gather(buf, &bounds, 1)
     }
 
     /// `input` is `size` blocks of `output.len()` bytes; this rank gets the reduction of block `rank`.
-    pub fn reduce_scatter(&mut self, input: &[u8], output: &mut [u8], elem: usize, f: ReduceFn<'_>) -> Result<(), PeerError> {
+    pub fn reduce_scatter(
+        &mut self,
+        input: &[u8],
+        output: &mut [u8],
+        elem: usize,
+        f: ReduceFn<'_>,
+    ) -> Result<(), PeerError> {
         let m = output.len();
         if self.size == 1 {
             output.copy_from_slice(input);
@@ -112,7 +138,11 @@ impl Ctx<'_> {
     }
 
     /// `buf` holds every rank's block at `bounds[r]`; this rank's own block is already in place.
-    pub fn all_gather_blocks(&mut self, buf: &mut [u8], bounds: &[Range<usize>]) -> Result<(), PeerError> {
+    pub fn all_gather_blocks(
+        &mut self,
+        buf: &mut [u8],
+        bounds: &[Range<usize>],
+    ) -> Result<(), PeerError> {
         if self.size == 1 {
             return Ok(());
         }
@@ -134,10 +164,18 @@ impl Ctx<'_> {
             let (send_r, recv_r) = if pos == 0 {
                 (if k < segs { Some(seg(k)) } else { None }, None)
             } else {
-                let fwd = if pos < n - 1 && k >= 1 { Some(seg(k - 1)) } else { None };
+                let fwd = if pos < n - 1 && k >= 1 {
+                    Some(seg(k - 1))
+                } else {
+                    None
+                };
                 (fwd, if k < segs { Some(seg(k)) } else { None })
             };
-            let (out, into) = split(buf, send_r.clone().unwrap_or(0..0), recv_r.clone().unwrap_or(0..0));
+            let (out, into) = split(
+                buf,
+                send_r.clone().unwrap_or(0..0),
+                recv_r.clone().unwrap_or(0..0),
+            );
             self.t.exchange(
                 send_r.map(|_| (right, out)),
                 recv_r.map(|_| (left, Recv::Copy(into))),
@@ -155,7 +193,12 @@ impl Ctx<'_> {
     }
 
     /// Root receives block r from rank r.
-    pub fn gather(&mut self, input: &[u8], output: Option<&mut [u8]>, root: usize) -> Result<(), PeerError> {
+    pub fn gather(
+        &mut self,
+        input: &[u8],
+        output: Option<&mut [u8]>,
+        root: usize,
+    ) -> Result<(), PeerError> {
         let m = input.len();
         if self.rank != root {
             return self.t.exchange(Some((root, input)), None, self.timeout);
@@ -165,24 +208,36 @@ impl Ctx<'_> {
             if r == root {
                 out[r * m..(r + 1) * m].copy_from_slice(input);
             } else {
-                self.t.exchange(None, Some((r, Recv::Copy(&mut out[r * m..(r + 1) * m]))), self.timeout)?;
+                self.t.exchange(
+                    None,
+                    Some((r, Recv::Copy(&mut out[r * m..(r + 1) * m]))),
+                    self.timeout,
+                )?;
             }
         }
         Ok(())
     }
 
     /// Root sends block r to rank r.
-    pub fn scatter(&mut self, input: Option<&[u8]>, output: &mut [u8], root: usize) -> Result<(), PeerError> {
+    pub fn scatter(
+        &mut self,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+        root: usize,
+    ) -> Result<(), PeerError> {
         let m = output.len();
         if self.rank != root {
-            return self.t.exchange(None, Some((root, Recv::Copy(output))), self.timeout);
+            return self
+                .t
+                .exchange(None, Some((root, Recv::Copy(output))), self.timeout);
         }
         let Some(inp) = input else { return Ok(()) };
         for r in 0..self.size {
             if r == root {
                 output.copy_from_slice(&inp[r * m..(r + 1) * m]);
             } else {
-                self.t.exchange(Some((r, &inp[r * m..(r + 1) * m])), None, self.timeout)?;
+                self.t
+                    .exchange(Some((r, &inp[r * m..(r + 1) * m])), None, self.timeout)?;
             }
         }
         Ok(())

@@ -15,13 +15,21 @@ pub enum InitMethod {
     /// A world of one: no network, no store.
     Single,
     /// Explicit rendezvous: `url` is `tcp://host:port` (rank 0 hosts the store there).
-    Tcp { url: String, rank: usize, world_size: usize },
+    Tcp {
+        url: String,
+        rank: usize,
+        world_size: usize,
+    },
 }
 
 impl InitMethod {
     /// `InitMethod::Tcp` from a `tcp://host:port` url.
     pub fn tcp(url: &str, rank: usize, world_size: usize) -> InitMethod {
-        InitMethod::Tcp { url: url.to_string(), rank, world_size }
+        InitMethod::Tcp {
+            url: url.to_string(),
+            rank,
+            world_size,
+        }
     }
 }
 
@@ -71,7 +79,11 @@ fn seconds(e: &Env, name: &str) -> Result<Option<Duration>, CommError> {
         None => Ok(None),
         Some(v) => match v.trim().parse::<f64>() {
             Ok(s) if s.is_finite() && s > 0.0 => Ok(Some(Duration::from_secs_f64(s))),
-            _ => Err(CommError::env(name, &v, "expected a positive number of seconds")),
+            _ => Err(CommError::env(
+                name,
+                &v,
+                "expected a positive number of seconds",
+            )),
         },
     }
 }
@@ -88,7 +100,13 @@ impl InitOptions {
                 "tcp" => Some(TransportKind::Tcp),
                 "shm" => Some(TransportKind::Shm),
                 "auto" => None,
-                _ => return Err(CommError::env("TANDEM_TRANSPORT", &v, "expected tcp, shm or auto")),
+                _ => {
+                    return Err(CommError::env(
+                        "TANDEM_TRANSPORT",
+                        &v,
+                        "expected tcp, shm or auto",
+                    ))
+                }
             };
         }
         if let Some(t) = seconds(e, "TANDEM_TIMEOUT")? {
@@ -97,14 +115,24 @@ impl InitOptions {
         if let Some(t) = seconds(e, "TANDEM_INIT_TIMEOUT")? {
             o.init_timeout = t;
         }
-        if let Some(id) = e.var("TANDEM_RUN_ID").or_else(|| e.var("TORCHELASTIC_RUN_ID")).or_else(|| e.var("SLURM_JOB_ID")) {
+        if let Some(id) = e
+            .var("TANDEM_RUN_ID")
+            .or_else(|| e.var("TORCHELASTIC_RUN_ID"))
+            .or_else(|| e.var("SLURM_JOB_ID"))
+        {
             o.run_id = id;
         }
         if let Some(v) = e.var("TANDEM_DEBUG") {
             o.desync_check = match v.trim().to_ascii_lowercase().as_str() {
                 "detail" => true,
                 "off" | "info" | "0" => false,
-                _ => return Err(CommError::env("TANDEM_DEBUG", &v, "expected off, info or detail")),
+                _ => {
+                    return Err(CommError::env(
+                        "TANDEM_DEBUG",
+                        &v,
+                        "expected off, info or detail",
+                    ))
+                }
             };
         }
         Ok(o)
@@ -136,15 +164,29 @@ fn parse_usize(e: &Env, name: &str) -> Result<Option<usize>, CommError> {
 }
 
 fn require_usize(e: &Env, name: &str) -> Result<usize, CommError> {
-    parse_usize(e, name)?.ok_or_else(|| CommError::env(name, "", "is not set (required alongside the other launcher variables)"))
+    parse_usize(e, name)?.ok_or_else(|| {
+        CommError::env(
+            name,
+            "",
+            "is not set (required alongside the other launcher variables)",
+        )
+    })
 }
 
 fn check_rank(rank_var: &str, rank: usize, size_var: &str, size: usize) -> Result<(), CommError> {
     if size == 0 {
-        return Err(CommError::env(size_var, "0", "world size must be at least 1"));
+        return Err(CommError::env(
+            size_var,
+            "0",
+            "world size must be at least 1",
+        ));
     }
     if rank >= size {
-        return Err(CommError::env(rank_var, &rank.to_string(), format!("must be less than {size_var}={size}")));
+        return Err(CommError::env(
+            rank_var,
+            &rank.to_string(),
+            format!("must be less than {size_var}={size}"),
+        ));
     }
     Ok(())
 }
@@ -153,7 +195,11 @@ fn master_port(e: &Env, default: Option<u16>) -> Result<u16, CommError> {
     match e.var("MASTER_PORT") {
         Some(v) => match v.trim().parse::<u16>() {
             Ok(p) if p > 0 => Ok(p),
-            _ => Err(CommError::env("MASTER_PORT", &v, "expected a port number 1-65535")),
+            _ => Err(CommError::env(
+                "MASTER_PORT",
+                &v,
+                "expected a port number 1-65535",
+            )),
         },
         None => default.ok_or_else(|| CommError::env("MASTER_PORT", "", "is not set")),
     }
@@ -190,8 +236,15 @@ pub(crate) fn first_slurm_host(list: &str) -> Option<String> {
 }
 
 fn parse_tcp_url(url: &str) -> Result<(String, u16), CommError> {
-    let bad = |why: &str| CommError::invalid("init", format!("init method {url:?}: {why} (expected tcp://host:port)"));
-    let rest = url.strip_prefix("tcp://").ok_or_else(|| bad("not a tcp:// url"))?;
+    let bad = |why: &str| {
+        CommError::invalid(
+            "init",
+            format!("init method {url:?}: {why} (expected tcp://host:port)"),
+        )
+    };
+    let rest = url
+        .strip_prefix("tcp://")
+        .ok_or_else(|| bad("not a tcp:// url"))?;
     let rest = rest.trim_end_matches('/');
     let (host, port) = rest.rsplit_once(':').ok_or_else(|| bad("missing port"))?;
     let host = host.trim_start_matches('[').trim_end_matches(']');
@@ -203,13 +256,29 @@ fn parse_tcp_url(url: &str) -> Result<(String, u16), CommError> {
 }
 
 pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
-    let agent_store = e.var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
+    let agent_store = e
+        .var("TORCHELASTIC_USE_AGENT_STORE")
+        .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
     match method {
-        InitMethod::Single => Ok(Spec { rank: 0, world_size: 1, local_rank: Some(0), local_size: Some(1), master: None, host_store: false }),
-        InitMethod::Tcp { url, rank, world_size } => {
+        InitMethod::Single => Ok(Spec {
+            rank: 0,
+            world_size: 1,
+            local_rank: Some(0),
+            local_size: Some(1),
+            master: None,
+            host_store: false,
+        }),
+        InitMethod::Tcp {
+            url,
+            rank,
+            world_size,
+        } => {
             let (host, port) = parse_tcp_url(url)?;
             if *world_size == 0 || rank >= world_size {
-                return Err(CommError::invalid("init", format!("rank {rank} is out of range for world size {world_size}")));
+                return Err(CommError::invalid(
+                    "init",
+                    format!("rank {rank} is out of range for world size {world_size}"),
+                ));
             }
             Ok(Spec {
                 rank: *rank,
@@ -231,12 +300,29 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
                     check_rank("LOCAL_RANK", lr, "LOCAL_WORLD_SIZE", ls)?;
                 }
                 let master = if size > 1 {
-                    let host = e.var("MASTER_ADDR").ok_or_else(|| CommError::env("MASTER_ADDR", "", "is not set (required when WORLD_SIZE > 1)"))?;
-                    Some((host, master_port(e, None)?, "MASTER_ADDR/MASTER_PORT".to_string()))
+                    let host = e.var("MASTER_ADDR").ok_or_else(|| {
+                        CommError::env(
+                            "MASTER_ADDR",
+                            "",
+                            "is not set (required when WORLD_SIZE > 1)",
+                        )
+                    })?;
+                    Some((
+                        host,
+                        master_port(e, None)?,
+                        "MASTER_ADDR/MASTER_PORT".to_string(),
+                    ))
                 } else {
                     None
                 };
-                return Ok(Spec { rank, world_size: size, local_rank, local_size, master, host_store: !agent_store });
+                return Ok(Spec {
+                    rank,
+                    world_size: size,
+                    local_rank,
+                    local_size,
+                    master,
+                    host_store: !agent_store,
+                });
             }
             if e.var("SLURM_PROCID").is_some() && e.var("SLURM_NTASKS").is_some() {
                 let rank = require_usize(e, "SLURM_PROCID")?;
@@ -247,19 +333,42 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
                     let (host, var_name) = match e.var("MASTER_ADDR") {
                         Some(h) => (h, "MASTER_ADDR"),
                         None => {
-                            let list = e.var("SLURM_JOB_NODELIST").or_else(|| e.var("SLURM_NODELIST")).ok_or_else(|| {
-                                CommError::env("SLURM_JOB_NODELIST", "", "is not set and MASTER_ADDR is not set either")
+                            let list = e
+                                .var("SLURM_JOB_NODELIST")
+                                .or_else(|| e.var("SLURM_NODELIST"))
+                                .ok_or_else(|| {
+                                    CommError::env(
+                                        "SLURM_JOB_NODELIST",
+                                        "",
+                                        "is not set and MASTER_ADDR is not set either",
+                                    )
+                                })?;
+                            let h = first_slurm_host(&list).ok_or_else(|| {
+                                CommError::env(
+                                    "SLURM_JOB_NODELIST",
+                                    &list,
+                                    "cannot parse the first host",
+                                )
                             })?;
-                            let h = first_slurm_host(&list)
-                                .ok_or_else(|| CommError::env("SLURM_JOB_NODELIST", &list, "cannot parse the first host"))?;
                             (h, "SLURM_JOB_NODELIST")
                         }
                     };
-                    Some((host, master_port(e, Some(29500))?, format!("{var_name}/MASTER_PORT")))
+                    Some((
+                        host,
+                        master_port(e, Some(29500))?,
+                        format!("{var_name}/MASTER_PORT"),
+                    ))
                 } else {
                     None
                 };
-                return Ok(Spec { rank, world_size: size, local_rank, local_size: None, master, host_store: true });
+                return Ok(Spec {
+                    rank,
+                    world_size: size,
+                    local_rank,
+                    local_size: None,
+                    master,
+                    host_store: true,
+                });
             }
             if e.var("OMPI_COMM_WORLD_RANK").is_some() || e.var("OMPI_COMM_WORLD_SIZE").is_some() {
                 let rank = require_usize(e, "OMPI_COMM_WORLD_RANK")?;
@@ -274,14 +383,29 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
                         Some(h) => h,
                         None if all_local => "127.0.0.1".to_string(),
                         None => {
-                            return Err(CommError::env("MASTER_ADDR", "", "is not set (required for OpenMPI jobs spanning hosts)"))
+                            return Err(CommError::env(
+                                "MASTER_ADDR",
+                                "",
+                                "is not set (required for OpenMPI jobs spanning hosts)",
+                            ))
                         }
                     };
-                    Some((host, master_port(e, Some(29500))?, "MASTER_ADDR/MASTER_PORT".to_string()))
+                    Some((
+                        host,
+                        master_port(e, Some(29500))?,
+                        "MASTER_ADDR/MASTER_PORT".to_string(),
+                    ))
                 } else {
                     None
                 };
-                return Ok(Spec { rank, world_size: size, local_rank, local_size, master, host_store: true });
+                return Ok(Spec {
+                    rank,
+                    world_size: size,
+                    local_rank,
+                    local_size,
+                    master,
+                    host_store: true,
+                });
             }
             resolve(e, &InitMethod::Single)
         }
@@ -294,16 +418,24 @@ mod tests {
 
     #[test]
     fn slurm_first_host() {
-        assert_eq!(first_slurm_host("node[01-04,07],gpu5").as_deref(), Some("node01"));
+        assert_eq!(
+            first_slurm_host("node[01-04,07],gpu5").as_deref(),
+            Some("node01")
+        );
         assert_eq!(first_slurm_host("a1,b2").as_deref(), Some("a1"));
-        assert_eq!(first_slurm_host("host-[3-5]-ib").as_deref(), Some("host-3-ib"));
+        assert_eq!(
+            first_slurm_host("host-[3-5]-ib").as_deref(),
+            Some("host-3-ib")
+        );
         assert_eq!(first_slurm_host("single").as_deref(), Some("single"));
         assert_eq!(first_slurm_host(""), None);
     }
 
     fn resolve_vars(vars: &[(&str, &str)]) -> Result<Spec, CommError> {
-        let map: std::collections::HashMap<String, String> =
-            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map: std::collections::HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         let get = move |k: &str| map.get(k).cloned();
         resolve(&Env(&get), &InitMethod::Env)
     }
@@ -315,12 +447,22 @@ mod tests {
     #[test]
     fn torchrun_variables() {
         let s = resolve_vars(&[
-            ("RANK", "2"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"),
-            ("MASTER_ADDR", "10.1.2.3"), ("MASTER_PORT", "29501"),
+            ("RANK", "2"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "0"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "10.1.2.3"),
+            ("MASTER_PORT", "29501"),
         ])
         .unwrap();
-        assert_eq!((s.rank, s.world_size, s.local_rank, s.local_size), (2, 4, Some(0), Some(2)));
-        assert_eq!(s.master.as_ref().map(|m| (m.0.as_str(), m.1)), Some(("10.1.2.3", 29501)));
+        assert_eq!(
+            (s.rank, s.world_size, s.local_rank, s.local_size),
+            (2, 4, Some(0), Some(2))
+        );
+        assert_eq!(
+            s.master.as_ref().map(|m| (m.0.as_str(), m.1)),
+            Some(("10.1.2.3", 29501))
+        );
         assert!(s.host_store);
     }
 
@@ -335,32 +477,60 @@ mod tests {
         assert!(with(&[("RANK", "4"), ("WORLD_SIZE", "4")]).contains("RANK=\"4\""));
         assert!(with(&[("RANK", "0"), ("WORLD_SIZE", "four")]).contains("WORLD_SIZE"));
         assert!(with(&[("RANK", "0")]).contains("WORLD_SIZE"));
-        assert!(with(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "3"), ("LOCAL_WORLD_SIZE", "2")]).contains("LOCAL_RANK"));
-        assert!(err_text(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]).contains("MASTER_ADDR"));
-        assert!(err_text(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "99999")]).contains("MASTER_PORT"));
+        assert!(with(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "3"),
+            ("LOCAL_WORLD_SIZE", "2")
+        ])
+        .contains("LOCAL_RANK"));
+        assert!(
+            err_text(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")])
+                .contains("MASTER_ADDR")
+        );
+        assert!(err_text(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "99999")
+        ])
+        .contains("MASTER_PORT"));
         assert!(err_text(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "2")]).contains("SLURM_PROCID"));
-        assert!(err_text(&[("OMPI_COMM_WORLD_RANK", "x"), ("OMPI_COMM_WORLD_SIZE", "2")]).contains("OMPI_COMM_WORLD_RANK"));
+        assert!(
+            err_text(&[("OMPI_COMM_WORLD_RANK", "x"), ("OMPI_COMM_WORLD_SIZE", "2")])
+                .contains("OMPI_COMM_WORLD_RANK")
+        );
     }
 
     #[test]
     fn slurm_uses_first_node_when_master_addr_is_unset() {
         let s = resolve_vars(&[
-            ("SLURM_PROCID", "1"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "1"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
             ("SLURM_JOB_NODELIST", "gpu[07-08]"),
         ])
         .unwrap();
         assert_eq!((s.rank, s.world_size, s.local_rank), (1, 8, Some(1)));
-        assert_eq!(s.master.as_ref().map(|m| (m.0.as_str(), m.1)), Some(("gpu07", 29500)));
+        assert_eq!(
+            s.master.as_ref().map(|m| (m.0.as_str(), m.1)),
+            Some(("gpu07", 29500))
+        );
     }
 
     #[test]
     fn openmpi_single_host_defaults_to_loopback() {
         let s = resolve_vars(&[
-            ("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2"),
-            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
         ])
         .unwrap();
-        assert_eq!((s.rank, s.world_size, s.local_rank, s.local_size), (1, 2, Some(1), Some(2)));
+        assert_eq!(
+            (s.rank, s.world_size, s.local_rank, s.local_size),
+            (1, 2, Some(1), Some(2))
+        );
         assert_eq!(s.master.as_ref().map(|m| m.0.as_str()), Some("127.0.0.1"));
     }
 
@@ -372,10 +542,14 @@ mod tests {
 
     #[test]
     fn options_from_variables() {
-        let map: std::collections::HashMap<&str, &str> =
-            [("TANDEM_TRANSPORT", "shm"), ("TANDEM_TIMEOUT", "2.5"), ("TORCHELASTIC_RUN_ID", "job7"), ("TANDEM_DEBUG", "detail")]
-                .into_iter()
-                .collect();
+        let map: std::collections::HashMap<&str, &str> = [
+            ("TANDEM_TRANSPORT", "shm"),
+            ("TANDEM_TIMEOUT", "2.5"),
+            ("TORCHELASTIC_RUN_ID", "job7"),
+            ("TANDEM_DEBUG", "detail"),
+        ]
+        .into_iter()
+        .collect();
         let get = |k: &str| map.get(k).map(|v| v.to_string());
         let o = InitOptions::from_vars(&Env(&get)).unwrap();
         assert_eq!(o.transport, Some(TransportKind::Shm));
@@ -384,7 +558,9 @@ mod tests {
         assert!(o.desync_check);
         let bad = |k: &'static str, v: &'static str| {
             let get = move |q: &str| (q == k).then(|| v.to_string());
-            InitOptions::from_vars(&Env(&get)).expect_err("bad value").to_string()
+            InitOptions::from_vars(&Env(&get))
+                .expect_err("bad value")
+                .to_string()
         };
         assert!(bad("TANDEM_TRANSPORT", "ib").contains("TANDEM_TRANSPORT"));
         assert!(bad("TANDEM_TIMEOUT", "-1").contains("TANDEM_TIMEOUT"));
@@ -392,8 +568,14 @@ mod tests {
 
     #[test]
     fn tcp_urls() {
-        assert_eq!(parse_tcp_url("tcp://10.0.0.1:29500").unwrap(), ("10.0.0.1".to_string(), 29500));
-        assert_eq!(parse_tcp_url("tcp://[::1]:80").unwrap(), ("::1".to_string(), 80));
+        assert_eq!(
+            parse_tcp_url("tcp://10.0.0.1:29500").unwrap(),
+            ("10.0.0.1".to_string(), 29500)
+        );
+        assert_eq!(
+            parse_tcp_url("tcp://[::1]:80").unwrap(),
+            ("::1".to_string(), 80)
+        );
         assert!(parse_tcp_url("env://").is_err());
         assert!(parse_tcp_url("tcp://host:notaport").is_err());
     }

@@ -23,7 +23,11 @@ pub struct ProcessGroup {
 
 impl std::fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "ProcessGroup(rank {}/{}, {})", self.inner.rank, self.inner.size, self.inner.name)
+        write!(
+            f,
+            "ProcessGroup(rank {}/{}, {})",
+            self.inner.rank, self.inner.size, self.inner.name
+        )
     }
 }
 
@@ -61,9 +65,17 @@ pub(crate) struct State {
 pub(crate) struct NoPeers;
 
 impl Transport for NoPeers {
-    fn exchange(&mut self, send: Option<(usize, &[u8])>, recv: Option<(usize, Recv<'_>)>, _t: Duration) -> Result<(), PeerError> {
+    fn exchange(
+        &mut self,
+        send: Option<(usize, &[u8])>,
+        recv: Option<(usize, Recv<'_>)>,
+        _t: Duration,
+    ) -> Result<(), PeerError> {
         let peer = send.map(|s| s.0).or(recv.map(|r| r.0)).unwrap_or(0);
-        Err(PeerError { peer, kind: FailKind::Io("a group of one rank has no peers".into()) })
+        Err(PeerError {
+            peer,
+            kind: FailKind::Io("a group of one rank has no peers".into()),
+        })
     }
     fn abort(&mut self) {}
 }
@@ -79,18 +91,36 @@ struct Call {
 }
 
 const OPS: [&str; 12] = [
-    "all_reduce", "broadcast", "all_gather", "reduce_scatter", "gather", "scatter", "barrier",
-    "broadcast_bytes", "all_gather_bytes", "send", "recv", "unknown",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "gather",
+    "scatter",
+    "barrier",
+    "broadcast_bytes",
+    "all_gather_bytes",
+    "send",
+    "recv",
+    "unknown",
 ];
 
 impl Call {
     fn new(op: &'static str, dtype: Option<DType>, count: usize, arg: u64) -> Call {
-        Call { op, dtype, count: count as u64, arg }
+        Call {
+            op,
+            dtype,
+            count: count as u64,
+            arg,
+        }
     }
     fn encode(&self, seq: u64) -> [u8; 32] {
         let mut b = [0u8; 32];
         b[0..8].copy_from_slice(&seq.to_le_bytes());
-        b[8] = OPS.iter().position(|o| *o == self.op).unwrap_or(OPS.len() - 1) as u8;
+        b[8] = OPS
+            .iter()
+            .position(|o| *o == self.op)
+            .unwrap_or(OPS.len() - 1) as u8;
         b[9] = self.dtype.map_or(255, |d| d.code());
         b[16..24].copy_from_slice(&self.count.to_le_bytes());
         b[24..32].copy_from_slice(&self.arg.to_le_bytes());
@@ -103,8 +133,18 @@ impl Call {
         let arg = u(24..32);
         let arg = match op {
             "all_reduce" | "reduce_scatter" => {
-                format!(", {}", [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::Product]
-                    .get(arg as usize).map_or("?", |o| o.name()))
+                format!(
+                    ", {}",
+                    [
+                        ReduceOp::Sum,
+                        ReduceOp::Avg,
+                        ReduceOp::Max,
+                        ReduceOp::Min,
+                        ReduceOp::Product
+                    ]
+                    .get(arg as usize)
+                    .map_or("?", |o| o.name())
+                )
             }
             "broadcast" | "gather" | "scatter" | "broadcast_bytes" => format!(", root {arg}"),
             "send" => format!(", to {arg}"),
@@ -140,7 +180,10 @@ impl Drop for Turn<'_> {
 
 fn check_root(op: &'static str, root: usize, size: usize) -> Result<(), CommError> {
     if root >= size {
-        return Err(CommError::invalid(op, format!("root {root} is out of range for a group of {size} ranks")));
+        return Err(CommError::invalid(
+            op,
+            format!("root {root} is out of range for a group of {size} ranks"),
+        ));
     }
     Ok(())
 }
@@ -151,7 +194,9 @@ fn divide<T: Element>(buf: &mut [T], n: usize) {
 
 impl ProcessGroup {
     pub(crate) fn from_inner(inner: Inner) -> ProcessGroup {
-        ProcessGroup { inner: Arc::new(inner) }
+        ProcessGroup {
+            inner: Arc::new(inner),
+        }
     }
 
     /// This process's rank in the group.
@@ -184,7 +229,9 @@ impl ProcessGroup {
     }
     /// Collectives fail when a peer makes no progress for `t` (default 10 s, TANDEM_TIMEOUT).
     pub fn set_timeout(&self, t: Duration) {
-        self.inner.timeout_ms.store(t.as_millis().max(1) as u64, Ordering::Relaxed);
+        self.inner
+            .timeout_ms
+            .store(t.as_millis().max(1) as u64, Ordering::Relaxed);
     }
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.inner.timeout_ms.load(Ordering::Relaxed))
@@ -199,11 +246,19 @@ impl ProcessGroup {
         while st.serving != ticket {
             st = self.inner.turn.wait(st).unwrap_or_else(|p| p.into_inner());
         }
-        Turn { state: st, cv: &self.inner.turn }
+        Turn {
+            state: st,
+            cv: &self.inner.turn,
+        }
     }
 
     fn peer_error(&self, op: &'static str, seq: u64, e: PeerError) -> CommError {
-        let peer = self.inner.world_ranks.get(e.peer).copied().unwrap_or(e.peer);
+        let peer = self
+            .inner
+            .world_ranks
+            .get(e.peer)
+            .copied()
+            .unwrap_or(e.peer);
         let wr = |r: usize| self.inner.world_ranks.get(r).copied().unwrap_or(r);
         match e.kind {
             FailKind::Closed => CommError::Peer {
@@ -220,6 +275,44 @@ impl ProcessGroup {
         }
     }
 
+    /// Records the group's first failure in the store (before this rank aborts its transport,
+    /// which is what makes the other ranks fail). A rank that only saw a neighbour abort gets
+    /// the original failure appended, so every rank's error leads to the rank that died.
+    fn record_failure(&self, err: CommError) -> CommError {
+        let Some(store) = &self.inner.store else {
+            return err;
+        };
+        let key = format!("{}/first_failure", self.inner.name);
+        let me = self
+            .inner
+            .world_ranks
+            .get(self.inner.rank)
+            .copied()
+            .unwrap_or(self.inner.rank);
+        let mine = format!("rank {me}: {err}");
+        let first =
+            match store.compare_set_within(&key, b"", mine.as_bytes(), Duration::from_secs(1)) {
+                Ok(first) if first != mine.as_bytes() => {
+                    String::from_utf8_lossy(&first).to_string()
+                }
+                _ => return err,
+            };
+        match err {
+            CommError::Peer {
+                op,
+                seq,
+                peer,
+                reason,
+            } => CommError::Peer {
+                op,
+                seq,
+                peer,
+                reason: format!("{reason}; first failure in this group: {first}"),
+            },
+            other => other,
+        }
+    }
+
     /// Runs a group-wide collective in issue order with sequence numbering, the optional
     /// desync check, and failure bookkeeping.
     fn collective<R>(
@@ -233,18 +326,27 @@ impl ProcessGroup {
         let seq = st.seq;
         st.seq += 1;
         if let Some(first) = &st.broken {
-            return Err(CommError::Broken { op: call.op, seq, first: first.clone() });
+            return Err(CommError::Broken {
+                op: call.op,
+                seq,
+                first: first.clone(),
+            });
         }
         let timeout = self.timeout();
         let (rank, size) = (self.inner.rank, self.inner.size);
-        let mut ctx = Ctx { t: st.transport.as_mut(), rank, size, timeout };
+        let mut ctx = Ctx {
+            t: st.transport.as_mut(),
+            rank,
+            size,
+            timeout,
+        };
         let mut result = Ok(());
         if self.inner.opts.desync_check && size > 1 {
             result = desync_check(&mut ctx, &call.encode(seq));
         }
         let result = result.and_then(|_| f(&mut ctx));
         result.map_err(|e| {
-            let err = self.peer_error(call.op, seq, e);
+            let err = self.record_failure(self.peer_error(call.op, seq, e));
             st.broken = Some(err.to_string());
             st.transport.abort();
             err
@@ -256,12 +358,19 @@ impl ProcessGroup {
         self.all_reduce_ticket(self.ticket(), buf, op)
     }
 
-    fn all_reduce_ticket<T: Element>(&self, ticket: u64, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+    fn all_reduce_ticket<T: Element>(
+        &self,
+        ticket: u64,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         let call = Call::new("all_reduce", Some(T::DTYPE), buf.len(), op_code(op));
         let f = move |d: &mut [u8], s: &[u8]| reduce_bytes::<T>(op, d, s);
         let f: ReduceFn<'_> = &f;
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
-        self.collective(ticket, call, |c| c.all_reduce(bytes, std::mem::size_of::<T>(), f))?;
+        self.collective(ticket, call, |c| {
+            c.all_reduce(bytes, std::mem::size_of::<T>(), f)
+        })?;
         if op == ReduceOp::Avg {
             divide(buf, self.size());
         }
@@ -305,7 +414,11 @@ impl ProcessGroup {
         if output.len() != n * m {
             return Err(CommError::invalid(
                 "all_gather",
-                format!("output has {} elements, expected size {n} × input {m} = {}", output.len(), n * m),
+                format!(
+                    "output has {} elements, expected size {n} × input {m} = {}",
+                    output.len(),
+                    n * m
+                ),
             ));
         }
         output[self.rank() * m..(self.rank() + 1) * m].copy_from_slice(input);
@@ -317,12 +430,21 @@ impl ProcessGroup {
     }
 
     /// `input` is size blocks of `output.len()`; this rank gets the reduction of block `rank`.
-    pub fn reduce_scatter<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         let (n, m) = (self.size(), output.len());
         if input.len() != n * m {
             return Err(CommError::invalid(
                 "reduce_scatter",
-                format!("input has {} elements, expected size {n} × output {m} = {}", input.len(), n * m),
+                format!(
+                    "input has {} elements, expected size {n} × output {m} = {}",
+                    input.len(),
+                    n * m
+                ),
             ));
         }
         let call = Call::new("reduce_scatter", Some(T::DTYPE), m, op_code(op));
@@ -330,7 +452,9 @@ impl ProcessGroup {
         let f: ReduceFn<'_> = &f;
         let inb: &[u8] = bytemuck::cast_slice(input);
         let outb: &mut [u8] = bytemuck::cast_slice_mut(output);
-        self.collective(self.ticket(), call, |c| c.reduce_scatter(inb, outb, std::mem::size_of::<T>(), f))?;
+        self.collective(self.ticket(), call, |c| {
+            c.reduce_scatter(inb, outb, std::mem::size_of::<T>(), f)
+        })?;
         if op == ReduceOp::Avg {
             divide(output, n);
         }
@@ -339,16 +463,29 @@ impl ProcessGroup {
 
     /// Root's `output` (size × input.len(), rank-major) receives every rank's `input`;
     /// other ranks pass `None`.
-    pub fn gather<T: Element>(&self, input: &[T], output: Option<&mut [T]>, root: usize) -> Result<(), CommError> {
+    pub fn gather<T: Element>(
+        &self,
+        input: &[T],
+        output: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<(), CommError> {
         check_root("gather", root, self.size())?;
         let (n, m) = (self.size(), input.len());
         if self.rank() == root {
             match &output {
                 Some(o) if o.len() == n * m => {}
                 Some(o) => {
-                    return Err(CommError::invalid("gather", format!("root output has {} elements, expected {}", o.len(), n * m)))
+                    return Err(CommError::invalid(
+                        "gather",
+                        format!("root output has {} elements, expected {}", o.len(), n * m),
+                    ))
                 }
-                None => return Err(CommError::invalid("gather", "the root must pass an output buffer")),
+                None => {
+                    return Err(CommError::invalid(
+                        "gather",
+                        "the root must pass an output buffer",
+                    ))
+                }
             }
         }
         let call = Call::new("gather", Some(T::DTYPE), m, root as u64);
@@ -359,16 +496,29 @@ impl ProcessGroup {
 
     /// Rank r's `output` receives block r of root's `input` (size × output.len());
     /// other ranks pass `None` as input.
-    pub fn scatter<T: Element>(&self, input: Option<&[T]>, output: &mut [T], root: usize) -> Result<(), CommError> {
+    pub fn scatter<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        output: &mut [T],
+        root: usize,
+    ) -> Result<(), CommError> {
         check_root("scatter", root, self.size())?;
         let (n, m) = (self.size(), output.len());
         if self.rank() == root {
             match input {
                 Some(i) if i.len() == n * m => {}
                 Some(i) => {
-                    return Err(CommError::invalid("scatter", format!("root input has {} elements, expected {}", i.len(), n * m)))
+                    return Err(CommError::invalid(
+                        "scatter",
+                        format!("root input has {} elements, expected {}", i.len(), n * m),
+                    ))
                 }
-                None => return Err(CommError::invalid("scatter", "the root must pass an input buffer")),
+                None => {
+                    return Err(CommError::invalid(
+                        "scatter",
+                        "the root must pass an input buffer",
+                    ))
+                }
             }
         }
         let call = Call::new("scatter", Some(T::DTYPE), m, root as u64);
@@ -379,7 +529,9 @@ impl ProcessGroup {
 
     /// Returns once every rank of the group has called it.
     pub fn barrier(&self) -> Result<(), CommError> {
-        self.collective(self.ticket(), Call::new("barrier", None, 0, 0), |c| c.barrier())
+        self.collective(self.ticket(), Call::new("barrier", None, 0, 0), |c| {
+            c.barrier()
+        })
     }
 
     /// Copies root's bytes (any length) to every rank; other ranks' `data` is replaced.
@@ -410,8 +562,10 @@ impl ProcessGroup {
             lens[8 * rank..8 * rank + 8].copy_from_slice(&(data.len() as u64).to_le_bytes());
             let bounds: Vec<_> = (0..n).map(|r| 8 * r..8 * r + 8).collect();
             c.all_gather_blocks(&mut lens, &bounds)?;
-            let lens: Vec<usize> =
-                lens.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize).collect();
+            let lens: Vec<usize> = lens
+                .chunks_exact(8)
+                .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize)
+                .collect();
             let mut offs = vec![0usize; n + 1];
             for r in 0..n {
                 offs[r + 1] = offs[r].saturating_add(lens[r]);
@@ -428,18 +582,37 @@ impl ProcessGroup {
         })
     }
 
-    fn p2p(&self, op: &'static str, peer: usize, dtype: DType, count: usize, send: Option<&[u8]>, recv: Option<&mut [u8]>) -> Result<(), CommError> {
+    fn p2p(
+        &self,
+        op: &'static str,
+        peer: usize,
+        dtype: DType,
+        count: usize,
+        send: Option<&[u8]>,
+        recv: Option<&mut [u8]>,
+    ) -> Result<(), CommError> {
         let n = self.size();
         if peer >= n || peer == self.rank() {
-            return Err(CommError::invalid(op, format!("peer {peer} must be another rank of this {n}-rank group")));
+            return Err(CommError::invalid(
+                op,
+                format!("peer {peer} must be another rank of this {n}-rank group"),
+            ));
         }
         let mut turn = self.wait_turn(self.ticket());
         let st = &mut *turn.state;
-        let seq = if send.is_some() { &mut st.p2p_sent[peer] } else { &mut st.p2p_recvd[peer] };
+        let seq = if send.is_some() {
+            &mut st.p2p_sent[peer]
+        } else {
+            &mut st.p2p_recvd[peer]
+        };
         let my_seq = *seq;
         *seq += 1;
         if let Some(first) = &st.broken {
-            return Err(CommError::Broken { op, seq: my_seq, first: first.clone() });
+            return Err(CommError::Broken {
+                op,
+                seq: my_seq,
+                first: first.clone(),
+            });
         }
         let timeout = self.timeout();
         let detail = self.inner.opts.desync_check;
@@ -448,7 +621,14 @@ impl ProcessGroup {
         let result = (|| {
             if let Some(data) = send {
                 if detail {
-                    t.exchange(Some((peer, &Call::new("send", Some(dtype), count, peer as u64).encode(my_seq))), None, timeout)?;
+                    t.exchange(
+                        Some((
+                            peer,
+                            &Call::new("send", Some(dtype), count, peer as u64).encode(my_seq),
+                        )),
+                        None,
+                        timeout,
+                    )?;
                 }
                 t.exchange(Some((peer, data)), None, timeout)
             } else {
@@ -457,7 +637,8 @@ impl ProcessGroup {
                     t.exchange(None, Some((peer, Recv::Copy(&mut theirs))), timeout)?;
                     let expect = Call::new("send", Some(dtype), count, me as u64).encode(my_seq);
                     if theirs != expect {
-                        let mine = Call::new("recv", Some(dtype), count, peer as u64).encode(my_seq);
+                        let mine =
+                            Call::new("recv", Some(dtype), count, peer as u64).encode(my_seq);
                         return Err(PeerError {
                             peer,
                             kind: FailKind::Desync {
@@ -474,7 +655,7 @@ impl ProcessGroup {
             }
         })();
         result.map_err(|e| {
-            let err = self.peer_error(op, my_seq, e);
+            let err = self.record_failure(self.peer_error(op, my_seq, e));
             st.broken = Some(err.to_string());
             st.transport.abort();
             err
@@ -483,13 +664,27 @@ impl ProcessGroup {
 
     /// Sends `buf` to rank `dst` (matched by a `recv` there, in order).
     pub fn send<T: Element>(&self, buf: &[T], dst: usize) -> Result<(), CommError> {
-        self.p2p("send", dst, T::DTYPE, buf.len(), Some(bytemuck::cast_slice(buf)), None)
+        self.p2p(
+            "send",
+            dst,
+            T::DTYPE,
+            buf.len(),
+            Some(bytemuck::cast_slice(buf)),
+            None,
+        )
     }
 
     /// Receives into `buf` from rank `src` (which must send exactly `buf.len()` elements).
     pub fn recv<T: Element>(&self, buf: &mut [T], src: usize) -> Result<(), CommError> {
         let n = buf.len();
-        self.p2p("recv", src, T::DTYPE, n, None, Some(bytemuck::cast_slice_mut(buf)))
+        self.p2p(
+            "recv",
+            src,
+            T::DTYPE,
+            n,
+            None,
+            Some(bytemuck::cast_slice_mut(buf)),
+        )
     }
 
     /// A group over `ranks` (ranks of this group). Every rank of this group must call it, in
@@ -500,16 +695,24 @@ impl ProcessGroup {
         sorted.sort_unstable();
         sorted.dedup();
         if sorted.len() != ranks.len() {
-            return Err(CommError::invalid("new_group", format!("ranks {ranks:?} contain duplicates")));
+            return Err(CommError::invalid(
+                "new_group",
+                format!("ranks {ranks:?} contain duplicates"),
+            ));
         }
         if let Some(bad) = ranks.iter().find(|&&r| r >= n) {
-            return Err(CommError::invalid("new_group", format!("rank {bad} is out of range for a group of {n} ranks")));
+            return Err(CommError::invalid(
+                "new_group",
+                format!("rank {bad} is out of range for a group of {n} ranks"),
+            ));
         }
         if ranks.is_empty() {
             return Err(CommError::invalid("new_group", "ranks is empty"));
         }
         let id = self.inner.subgroups.fetch_add(1, Ordering::AcqRel);
-        let Some(my_index) = ranks.iter().position(|&r| r == self.rank()) else { return Ok(None) };
+        let Some(my_index) = ranks.iter().position(|&r| r == self.rank()) else {
+            return Ok(None);
+        };
         let name = format!("{}.{id}", self.inner.name);
         let world_ranks: Vec<usize> = ranks.iter().map(|&r| self.inner.world_ranks[r]).collect();
         let mut opts = self.inner.opts.clone();
@@ -531,11 +734,13 @@ impl ProcessGroup {
 /// Reserves room for a length a peer announced; an absurd length (a peer in another collective
 /// without TANDEM_DEBUG=detail) is an error instead of an allocation failure.
 fn alloc_announced(v: &mut Vec<u8>, len: u64, peer: usize) -> Result<(), PeerError> {
-    let fail = || PeerError {
+    let fail = || {
+        PeerError {
         peer,
         kind: FailKind::Io(format!(
             "announced {len} bytes, which cannot be allocated (ranks calling different collectives? run with TANDEM_DEBUG=detail)"
         )),
+    }
     };
     let len = usize::try_from(len).map_err(|_| fail())?;
     v.try_reserve_exact(len).map_err(|_| fail())

@@ -25,7 +25,13 @@ fn host_id() -> String {
     format!("{name}/{}", boot.trim())
 }
 
-fn single(opts: &InitOptions, name: &str, world_rank: usize, store: Option<Store>, server: Option<Arc<StoreServer>>) -> ProcessGroup {
+fn single(
+    opts: &InitOptions,
+    name: &str,
+    world_rank: usize,
+    store: Option<Store>,
+    server: Option<Arc<StoreServer>>,
+) -> ProcessGroup {
     ProcessGroup::from_inner(Inner {
         rank: 0,
         size: 1,
@@ -67,7 +73,15 @@ pub(crate) fn build_group(
     let size = world_ranks.len();
     let store = match store {
         Some(s) if size > 1 => s,
-        s => return Ok(single(opts, name, world_ranks.first().copied().unwrap_or(0), s, server)),
+        s => {
+            return Ok(single(
+                opts,
+                name,
+                world_ranks.first().copied().unwrap_or(0),
+                s,
+                server,
+            ))
+        }
     };
     let keys: Vec<String> = (0..size).map(|r| format!("{name}/host/{r}")).collect();
     // Each rank publishes "<group size> <host id>": a rank that disagrees on the size is
@@ -88,37 +102,59 @@ pub(crate) fn build_group(
         if their_size != size.to_string() {
             return Err(CommError::rendezvous(
                 name,
-                format!("rank {r} was started with world size {their_size} but rank {rank} with {size}"),
+                format!(
+                    "rank {r} was started with world size {their_size} but rank {rank} with {size}"
+                ),
             ));
         }
         hosts.push(host.to_string());
     }
     let same_host: Vec<usize> = (0..size).filter(|&r| hosts[r] == hosts[rank]).collect();
-    let local_rank = env_local.0.unwrap_or_else(|| same_host.iter().position(|&r| r == rank).unwrap_or(0));
+    let local_rank = env_local
+        .0
+        .unwrap_or_else(|| same_host.iter().position(|&r| r == rank).unwrap_or(0));
     let local_size = env_local.1.unwrap_or(same_host.len());
     let all_local = same_host.len() == size;
 
     let mesh = || -> Result<Box<dyn Transport>, CommError> {
-        Ok(Box::new(tcp::connect_mesh(&store, name, rank, size, &opts.run_id, local_ip, opts.init_timeout)?))
+        Ok(Box::new(tcp::connect_mesh(
+            &store,
+            name,
+            rank,
+            size,
+            &opts.run_id,
+            local_ip,
+            opts.init_timeout,
+        )?))
     };
     let (transport, kind): (Box<dyn Transport>, TransportKind) = match opts.transport {
         Some(TransportKind::Tcp) => (mesh()?, TransportKind::Tcp),
         Some(TransportKind::Shm) => {
             if !all_local {
-                return Err(CommError::rendezvous(name, "TANDEM_TRANSPORT=shm but the ranks are on different hosts"));
+                return Err(CommError::rendezvous(
+                    name,
+                    "TANDEM_TRANSPORT=shm but the ranks are on different hosts",
+                ));
             }
             match shm::setup(&store, name, rank, size, &opts.run_id, opts.init_timeout)? {
                 Ok(t) => (Box::new(t), TransportKind::Shm),
-                Err(why) => return Err(CommError::rendezvous(name, format!("TANDEM_TRANSPORT=shm: {why}"))),
+                Err(why) => {
+                    return Err(CommError::rendezvous(
+                        name,
+                        format!("TANDEM_TRANSPORT=shm: {why}"),
+                    ))
+                }
             }
         }
-        None if all_local => match shm::setup(&store, name, rank, size, &opts.run_id, opts.init_timeout)? {
-            Ok(t) => (Box::new(t), TransportKind::Shm),
-            Err(why) => {
-                tracing::info!("group {name}: shared memory unavailable ({why}); using tcp");
-                (mesh()?, TransportKind::Tcp)
+        None if all_local => {
+            match shm::setup(&store, name, rank, size, &opts.run_id, opts.init_timeout)? {
+                Ok(t) => (Box::new(t), TransportKind::Shm),
+                Err(why) => {
+                    tracing::info!("group {name}: shared memory unavailable ({why}); using tcp");
+                    (mesh()?, TransportKind::Tcp)
+                }
             }
-        },
+        }
         None => (mesh()?, TransportKind::Tcp),
     };
     Ok(ProcessGroup::from_inner(Inner {
@@ -157,7 +193,9 @@ fn host_port(host: &str, port: u16) -> String {
 }
 
 fn is_loopback(addr: &str) -> bool {
-    addr.to_socket_addrs().map(|mut a| a.all(|a| a.ip().is_loopback())).unwrap_or(false)
+    addr.to_socket_addrs()
+        .map(|mut a| a.all(|a| a.ip().is_loopback()))
+        .unwrap_or(false)
 }
 
 /// Initialises the world group from `method` with `opts`.
@@ -172,9 +210,17 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
     }
     let addr = host_port(&host, port);
     let server = if spec.rank == 0 && spec.host_store {
-        let bind = if is_loopback(&addr) { host_port("127.0.0.1", port) } else { host_port("0.0.0.0", port) };
+        let bind = if is_loopback(&addr) {
+            host_port("127.0.0.1", port)
+        } else {
+            host_port("0.0.0.0", port)
+        };
         let server = StoreServer::bind(&bind, &opts.run_id).map_err(|e| {
-            CommError::env("MASTER_PORT", &port.to_string(), format!("rank 0 cannot host the store on {bind}: {e}"))
+            CommError::env(
+                "MASTER_PORT",
+                &port.to_string(),
+                format!("rank 0 cannot host the store on {bind}: {e}"),
+            )
         })?;
         Some(Arc::new(server))
     } else {
@@ -182,6 +228,14 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
     };
     let store = Store::connect(&addr, &opts.run_id, opts.init_timeout, &var)?;
     let local_ip = store.local_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
-    build_group(Some(store), server, "w", spec.rank, world, opts, local_ip, (spec.local_rank, spec.local_size))
+    build_group(
+        Some(store),
+        server,
+        "w",
+        spec.rank,
+        world,
+        opts,
+        local_ip,
+        (spec.local_rank, spec.local_size),
+    )
 }
-

@@ -45,19 +45,21 @@ impl StoreServer {
         let table = Arc::new(Table::default());
         let run_id = run_id.to_string();
         let stop2 = stop.clone();
-        std::thread::Builder::new().name("tandem-store".into()).spawn(move || {
-            for conn in listener.incoming() {
-                if stop2.load(Ordering::Acquire) {
-                    break;
+        std::thread::Builder::new()
+            .name("tandem-store".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if stop2.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let Ok(conn) = conn else { continue };
+                    let table = table.clone();
+                    let run_id = run_id.clone();
+                    let _ = std::thread::Builder::new()
+                        .name("tandem-store-conn".into())
+                        .spawn(move || serve_client(conn, &table, &run_id));
                 }
-                let Ok(conn) = conn else { continue };
-                let table = table.clone();
-                let run_id = run_id.clone();
-                let _ = std::thread::Builder::new()
-                    .name("tandem-store-conn".into())
-                    .spawn(move || serve_client(conn, &table, &run_id));
-            }
-        })?;
+            })?;
         Ok(StoreServer { addr: local, stop })
     }
 
@@ -81,7 +83,9 @@ fn serve_client(conn: TcpStream, table: &Table, run_id: &str) {
     let mut r = BufReader::new(conn);
     let mut w = BufWriter::new(wconn);
     // Handshake: magic + run id. Strangers get a refusal carrying our run id.
-    let Ok(hello) = read_frame(&mut r) else { return };
+    let Ok(hello) = read_frame(&mut r) else {
+        return;
+    };
     let mut d = Dec(&hello);
     let ok_magic = d.bytes() == Some(MAGIC);
     let theirs = d.str().unwrap_or_default();
@@ -102,7 +106,8 @@ fn serve_client(conn: TcpStream, table: &Table, run_id: &str) {
             }
             Err(FrameError::Io(_)) => return,
         };
-        let resp = handle(&req, table).unwrap_or_else(|| Enc::default().u8(R_ERROR).str("malformed request").0);
+        let resp = handle(&req, table)
+            .unwrap_or_else(|| Enc::default().u8(R_ERROR).str("malformed request").0);
         if write_frame(&mut w, &resp).is_err() {
             return;
         }
@@ -123,7 +128,11 @@ fn wait_until<'a>(
         if now >= deadline {
             return (map, false);
         }
-        map = table.changed.wait_timeout(map, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        map = table
+            .changed
+            .wait_timeout(map, deadline - now)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
     }
 }
 
@@ -134,7 +143,11 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
         OP_SET => {
             let key = d.str()?;
             let val = d.bytes()?.to_vec();
-            table.map.lock().unwrap_or_else(|p| p.into_inner()).insert(key, val);
+            table
+                .map
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(key, val);
             table.changed.notify_all();
             Enc::default().u8(R_OK)
         }
@@ -158,8 +171,11 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
             if ok {
                 Enc::default().u8(R_OK)
             } else {
-                let missing: Vec<&str> =
-                    keys.iter().filter(|k| !map.contains_key(*k)).map(|k| k.as_str()).collect();
+                let missing: Vec<&str> = keys
+                    .iter()
+                    .filter(|k| !map.contains_key(*k))
+                    .map(|k| k.as_str())
+                    .collect();
                 Enc::default().u8(R_TIMEOUT).str(&missing.join(","))
             }
         }
@@ -169,9 +185,14 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
             let mut map = table.map.lock().unwrap_or_else(|p| p.into_inner());
             let cur = match map.get(&key) {
                 None => 0,
-                Some(v) => match std::str::from_utf8(v).ok().and_then(|s| s.parse::<i64>().ok()) {
+                Some(v) => match std::str::from_utf8(v)
+                    .ok()
+                    .and_then(|s| s.parse::<i64>().ok())
+                {
                     Some(x) => x,
-                    None => return Some(Enc::default().u8(R_ERROR).str("value is not an integer").0),
+                    None => {
+                        return Some(Enc::default().u8(R_ERROR).str("value is not an integer").0)
+                    }
                 },
             };
             let new = cur.wrapping_add(delta);
@@ -200,7 +221,12 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
         }
         OP_DELETE => {
             let key = d.str()?;
-            let existed = table.map.lock().unwrap_or_else(|p| p.into_inner()).remove(&key).is_some();
+            let existed = table
+                .map
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&key)
+                .is_some();
             Enc::default().u8(R_OK).u8(existed as u8)
         }
         _ => Enc::default().u8(R_ERROR).str("unknown operation"),
@@ -225,7 +251,12 @@ impl std::fmt::Debug for Store {
 impl Store {
     /// Connects to the store at `addr` ("host:port"), retrying until `timeout`. `var` names the
     /// setting the address came from (for the error message).
-    pub fn connect(addr: &str, run_id: &str, timeout: Duration, var: &str) -> Result<Store, CommError> {
+    pub fn connect(
+        addr: &str,
+        run_id: &str,
+        timeout: Duration,
+        var: &str,
+    ) -> Result<Store, CommError> {
         let start = Instant::now();
         let unreachable = |reason: String| CommError::StoreUnreachable {
             addr: addr.to_string(),
@@ -238,7 +269,9 @@ impl Store {
             match addr.to_socket_addrs() {
                 Ok(addrs) => {
                     for a in addrs {
-                        let left = timeout.saturating_sub(start.elapsed()).max(Duration::from_millis(50));
+                        let left = timeout
+                            .saturating_sub(start.elapsed())
+                            .max(Duration::from_millis(50));
                         match TcpStream::connect_timeout(&a, left.min(Duration::from_secs(5))) {
                             Ok(s) => return Self::handshake(s, addr, run_id, timeout),
                             Err(e) => last_err = e.to_string(),
@@ -254,10 +287,20 @@ impl Store {
         }
     }
 
-    fn handshake(s: TcpStream, addr: &str, run_id: &str, timeout: Duration) -> Result<Store, CommError> {
-        let io = |e: std::io::Error| CommError::StoreIo { op: "connect", key: String::new(), reason: e.to_string() };
+    fn handshake(
+        s: TcpStream,
+        addr: &str,
+        run_id: &str,
+        timeout: Duration,
+    ) -> Result<Store, CommError> {
+        let io = |e: std::io::Error| CommError::StoreIo {
+            op: "connect",
+            key: String::new(),
+            reason: e.to_string(),
+        };
         s.set_nodelay(true).map_err(io)?;
-        s.set_read_timeout(Some(timeout.max(Duration::from_secs(1)))).map_err(io)?;
+        s.set_read_timeout(Some(timeout.max(Duration::from_secs(1))))
+            .map_err(io)?;
         let mut s2 = s.try_clone().map_err(io)?;
         write_frame(&mut s2, &Enc::default().bytes(MAGIC).str(run_id).0).map_err(io)?;
         let resp = read_frame(&mut s2).map_err(|e| frame_err(e, "connect", "", addr))?;
@@ -273,13 +316,21 @@ impl Store {
                 ours: run_id.to_string(),
                 theirs: d.str().unwrap_or_default(),
             }),
-            _ => Err(CommError::Protocol { from: addr.to_string(), reason: "bad handshake reply".into() }),
+            _ => Err(CommError::Protocol {
+                from: addr.to_string(),
+                reason: "bad handshake reply".into(),
+            }),
         }
     }
 
     /// The local address of the connection to the store: an address the other ranks can reach.
     pub(crate) fn local_ip(&self) -> Option<std::net::IpAddr> {
-        self.conn.lock().unwrap_or_else(|p| p.into_inner()).local_addr().ok().map(|a| a.ip())
+        self.conn
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .local_addr()
+            .ok()
+            .map(|a| a.ip())
     }
 
     pub fn addr(&self) -> &str {
@@ -292,15 +343,37 @@ impl Store {
 
     /// Sets the timeout of every later operation.
     pub fn set_timeout(&self, t: Duration) {
-        self.timeout_ms.store(t.as_millis() as u64, Ordering::Relaxed);
+        self.timeout_ms
+            .store(t.as_millis() as u64, Ordering::Relaxed);
     }
 
-    fn request(&self, op: &'static str, key: &str, req: &[u8], wait: Duration) -> Result<Vec<u8>, CommError> {
-        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        let io = |e: std::io::Error| CommError::StoreIo { op, key: key.to_string(), reason: e.to_string() };
+    fn request(
+        &self,
+        op: &'static str,
+        key: &str,
+        req: &[u8],
+        wait: Duration,
+    ) -> Result<Vec<u8>, CommError> {
         // The server answers a waiting request at its deadline; allow it some slack.
-        conn.set_read_timeout(Some(wait + Duration::from_secs(5))).map_err(io)?;
-        conn.set_write_timeout(Some(wait + Duration::from_secs(5))).map_err(io)?;
+        self.request_within(op, key, req, wait, wait + Duration::from_secs(5))
+    }
+
+    fn request_within(
+        &self,
+        op: &'static str,
+        key: &str,
+        req: &[u8],
+        wait: Duration,
+        io_limit: Duration,
+    ) -> Result<Vec<u8>, CommError> {
+        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let io = |e: std::io::Error| CommError::StoreIo {
+            op,
+            key: key.to_string(),
+            reason: e.to_string(),
+        };
+        conn.set_read_timeout(Some(io_limit)).map_err(io)?;
+        conn.set_write_timeout(Some(io_limit)).map_err(io)?;
         let result = write_frame(&mut *conn, req)
             .map_err(io)
             .and_then(|_| read_frame(&mut *conn).map_err(|e| frame_err(e, op, key, &self.addr)));
@@ -318,25 +391,48 @@ impl Store {
             }),
             _ => Err(CommError::Protocol {
                 from: self.addr.clone(),
-                reason: format!("store {op} {key:?}: {}", Dec(resp.get(1..).unwrap_or(&[])).str().unwrap_or_default()),
+                reason: format!(
+                    "store {op} {key:?}: {}",
+                    Dec(resp.get(1..).unwrap_or(&[])).str().unwrap_or_default()
+                ),
             }),
         }
     }
 
     fn malformed(&self, op: &str) -> CommError {
-        CommError::Protocol { from: self.addr.clone(), reason: format!("malformed {op} reply") }
+        CommError::Protocol {
+            from: self.addr.clone(),
+            reason: format!("malformed {op} reply"),
+        }
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
-        self.request("set", key, &Enc::default().u8(OP_SET).str(key).bytes(value).0, self.timeout())?;
+        self.request(
+            "set",
+            key,
+            &Enc::default().u8(OP_SET).str(key).bytes(value).0,
+            self.timeout(),
+        )?;
         Ok(())
     }
 
     /// The value of `key`, waiting for it to be set (up to the store timeout).
     pub fn get(&self, key: &str) -> Result<Vec<u8>, CommError> {
         let t = self.timeout();
-        let resp = self.request("get", key, &Enc::default().u8(OP_GET).str(key).u64(t.as_millis() as u64).0, t)?;
-        Dec(&resp).bytes().map(|v| v.to_vec()).ok_or_else(|| self.malformed("get"))
+        let resp = self.request(
+            "get",
+            key,
+            &Enc::default()
+                .u8(OP_GET)
+                .str(key)
+                .u64(t.as_millis() as u64)
+                .0,
+            t,
+        )?;
+        Dec(&resp)
+            .bytes()
+            .map(|v| v.to_vec())
+            .ok_or_else(|| self.malformed("get"))
     }
 
     /// Waits until every key exists (up to the store timeout).
@@ -356,31 +452,98 @@ impl Store {
 
     /// Adds `delta` to the integer at `key` (missing = 0) and returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64, CommError> {
-        let resp = self.request("add", key, &Enc::default().u8(OP_ADD).str(key).u64(delta as u64).0, self.timeout())?;
-        Dec(&resp).u64().map(|v| v as i64).ok_or_else(|| self.malformed("add"))
+        let resp = self.request(
+            "add",
+            key,
+            &Enc::default().u8(OP_ADD).str(key).u64(delta as u64).0,
+            self.timeout(),
+        )?;
+        Dec(&resp)
+            .u64()
+            .map(|v| v as i64)
+            .ok_or_else(|| self.malformed("add"))
+    }
+
+    /// `compare_set` that gives up after `limit` (used on failure paths, which must stay fast).
+    pub(crate) fn compare_set_within(
+        &self,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+        limit: Duration,
+    ) -> Result<Vec<u8>, CommError> {
+        let req = Enc::default()
+            .u8(OP_CAS)
+            .str(key)
+            .bytes(expected)
+            .bytes(desired)
+            .0;
+        let resp = self.request_within("compare_set", key, &req, limit, limit)?;
+        Dec(&resp)
+            .bytes()
+            .map(|v| v.to_vec())
+            .ok_or_else(|| self.malformed("compare_set"))
     }
 
     /// Sets `key` to `desired` if its value is `expected` (a missing key matches an empty
     /// `expected`); returns the value after the operation (PyTorch's `compare_set`).
-    pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>, CommError> {
-        let req = Enc::default().u8(OP_CAS).str(key).bytes(expected).bytes(desired).0;
+    pub fn compare_set(
+        &self,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+    ) -> Result<Vec<u8>, CommError> {
+        let req = Enc::default()
+            .u8(OP_CAS)
+            .str(key)
+            .bytes(expected)
+            .bytes(desired)
+            .0;
         let resp = self.request("compare_set", key, &req, self.timeout())?;
-        Dec(&resp).bytes().map(|v| v.to_vec()).ok_or_else(|| self.malformed("compare_set"))
+        Dec(&resp)
+            .bytes()
+            .map(|v| v.to_vec())
+            .ok_or_else(|| self.malformed("compare_set"))
     }
 
     /// Deletes `key`; returns whether it existed.
     pub fn delete(&self, key: &str) -> Result<bool, CommError> {
-        let resp = self.request("delete", key, &Enc::default().u8(OP_DELETE).str(key).0, self.timeout())?;
-        Dec(&resp).u8().map(|v| v != 0).ok_or_else(|| self.malformed("delete"))
+        let resp = self.request(
+            "delete",
+            key,
+            &Enc::default().u8(OP_DELETE).str(key).0,
+            self.timeout(),
+        )?;
+        Dec(&resp)
+            .u8()
+            .map(|v| v != 0)
+            .ok_or_else(|| self.malformed("delete"))
     }
 }
 
 fn frame_err(e: FrameError, op: &'static str, key: &str, addr: &str) -> CommError {
     match e {
-        FrameError::TooLarge(len) => CommError::FrameTooLarge { len, max: crate::frame::MAX_FRAME, from: addr.to_string() },
-        FrameError::Io(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-            CommError::StoreIo { op, key: key.to_string(), reason: format!("no reply from {addr}: {e}") }
+        FrameError::TooLarge(len) => CommError::FrameTooLarge {
+            len,
+            max: crate::frame::MAX_FRAME,
+            from: addr.to_string(),
+        },
+        FrameError::Io(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            CommError::StoreIo {
+                op,
+                key: key.to_string(),
+                reason: format!("no reply from {addr}: {e}"),
+            }
         }
-        FrameError::Io(e) => CommError::StoreIo { op, key: key.to_string(), reason: format!("connection to {addr}: {e}") },
+        FrameError::Io(e) => CommError::StoreIo {
+            op,
+            key: key.to_string(),
+            reason: format!("connection to {addr}: {e}"),
+        },
     }
 }

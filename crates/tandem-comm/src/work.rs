@@ -9,14 +9,22 @@ pub struct Work<T> {
 }
 
 impl<T: Send + 'static> Work<T> {
-    pub(crate) fn spawn(op: &'static str, f: impl FnOnce() -> Result<T, CommError> + Send + 'static) -> Work<T> {
+    pub(crate) fn spawn(
+        op: &'static str,
+        f: impl FnOnce() -> Result<T, CommError> + Send + 'static,
+    ) -> Work<T> {
         let handle = std::thread::Builder::new()
             .name(format!("tandem-{op}"))
             .spawn(f)
             .unwrap_or_else(|e| {
                 // Could not start a thread: report through wait() rather than panicking here.
                 let reason = e.to_string();
-                std::thread::spawn(move || Err(CommError::Internal { op, reason: format!("cannot spawn thread: {reason}") }))
+                std::thread::spawn(move || {
+                    Err(CommError::Internal {
+                        op,
+                        reason: format!("cannot spawn thread: {reason}"),
+                    })
+                })
             });
         Work { op, handle }
     }
@@ -24,9 +32,12 @@ impl<T: Send + 'static> Work<T> {
     /// Blocks until the operation finished; returns the buffer.
     pub fn wait(self) -> Result<T, CommError> {
         let op = self.op;
-        self.handle
-            .join()
-            .unwrap_or_else(|_| Err(CommError::Internal { op, reason: "the background operation panicked".into() }))
+        self.handle.join().unwrap_or_else(|_| {
+            Err(CommError::Internal {
+                op,
+                reason: "the background operation panicked".into(),
+            })
+        })
     }
 
     /// Whether `wait()` would return without blocking.

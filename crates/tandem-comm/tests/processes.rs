@@ -10,7 +10,9 @@ const ROLE: &str = "TANDEM_TEST_ROLE";
 /// The child side: does nothing unless started by one of the tests below.
 #[test]
 fn worker() {
-    let Ok(role) = std::env::var(ROLE) else { return };
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
     let pg = match tandem_comm::init() {
         Ok(pg) => pg,
         Err(e) => {
@@ -32,7 +34,11 @@ fn worker() {
                 pg.local_rank(),
                 pg.local_size(),
                 pg.transport(),
-                names.iter().map(|b| String::from_utf8_lossy(b).to_string()).collect::<Vec<_>>().join(",")
+                names
+                    .iter()
+                    .map(|b| String::from_utf8_lossy(b).to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
             );
         }
         "loop" => {
@@ -56,14 +62,25 @@ fn worker() {
 
 fn spawn(role: &str, vars: &[(String, String)]) -> Child {
     let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
-    cmd.args(["--exact", "worker", "--nocapture", "--test-threads=1"]).env(ROLE, role);
-    for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TANDEM_TRANSPORT"] {
+    cmd.args(["--exact", "worker", "--nocapture", "--test-threads=1"])
+        .env(ROLE, role);
+    for k in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TANDEM_TRANSPORT",
+    ] {
         cmd.env_remove(k);
     }
     for (k, v) in vars {
         cmd.env(k, v);
     }
-    cmd.env("TANDEM_INIT_TIMEOUT", "20").stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd.env("TANDEM_INIT_TIMEOUT", "20")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     cmd.spawn().expect("spawn worker")
 }
 
@@ -73,14 +90,20 @@ fn finish(children: Vec<Child>, limit: Duration) -> Vec<(Option<i32>, String)> {
         .map(|c| {
             let mut c = c;
             let status = tandem_testutil::wait_with_deadline(&mut c, limit);
-            let out = c.wait_with_output().map(|o| String::from_utf8_lossy(&o.stdout).to_string()).unwrap_or_default();
+            let out = c
+                .wait_with_output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+                .unwrap_or_default();
             (status.and_then(|s| s.code()), out)
         })
         .collect()
 }
 
 fn vars(pairs: &[(&str, String)]) -> Vec<(String, String)> {
-    pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect()
 }
 
 #[test]
@@ -102,10 +125,15 @@ fn torchrun_env_world_of_three() {
             )
         })
         .collect();
-    for (r, (code, out)) in finish(kids, Duration::from_secs(60)).into_iter().enumerate() {
+    for (r, (code, out)) in finish(kids, Duration::from_secs(60))
+        .into_iter()
+        .enumerate()
+    {
         assert_eq!(code, Some(0), "rank {r}: {out}");
         assert!(
-            out.contains(&format!("OK rank={r} size=3 local={r}/3 transport=Some(Shm) names=rank0,rank1,rank2")),
+            out.contains(&format!(
+                "OK rank={r} size=3 local={r}/3 transport=Some(Shm) names=rank0,rank1,rank2"
+            )),
             "rank {r}: {out}"
         );
     }
@@ -129,9 +157,17 @@ fn slurm_and_openmpi_variables() {
             )
         })
         .collect();
-    for (r, (code, out)) in finish(slurm, Duration::from_secs(60)).into_iter().enumerate() {
+    for (r, (code, out)) in finish(slurm, Duration::from_secs(60))
+        .into_iter()
+        .enumerate()
+    {
         assert_eq!(code, Some(0), "slurm rank {r}: {out}");
-        assert!(out.contains(&format!("OK rank={r} size=2 local={r}/2 transport=Some(Tcp)")), "{out}");
+        assert!(
+            out.contains(&format!(
+                "OK rank={r} size=2 local={r}/2 transport=Some(Tcp)"
+            )),
+            "{out}"
+        );
     }
     let port = tandem_testutil::free_port().to_string();
     let mpi: Vec<Child> = (0..2)
@@ -172,7 +208,10 @@ fn a_job_with_another_run_id_is_refused() {
     let _ = rank0.kill();
     let _ = rank0.wait();
     assert_eq!(code, Some(3), "{out}");
-    assert!(out.contains("INIT-ERROR") && out.contains("\"job-a\"") && out.contains("\"job-b\""), "{out}");
+    assert!(
+        out.contains("INIT-ERROR") && out.contains("\"job-a\"") && out.contains("\"job-b\""),
+        "{out}"
+    );
 }
 
 /// SIGKILL one rank in the middle of a stream of 4 MiB all_reduces: every survivor's collective
@@ -220,13 +259,23 @@ fn kill_mid_all_reduce(transport: &str) {
     let took = killed_at.elapsed();
     eprintln!("{transport}: survivors failed after {took:?}: {results:?}");
     for (code, out) in &results {
-        assert_eq!(*code, Some(4), "{transport}: survivor did not fail cleanly: {out}");
+        assert_eq!(
+            *code,
+            Some(4),
+            "{transport}: survivor did not fail cleanly: {out}"
+        );
         assert!(out.contains("COMM-ERROR all_reduce #"), "{out}");
         assert!(out.contains("peer rank"), "{out}");
     }
-    assert!(took < Duration::from_secs(11), "{transport}: survivors took {took:?}");
+    assert!(
+        took < Duration::from_secs(11),
+        "{transport}: survivors took {took:?}"
+    );
     // The direct neighbours name the dead rank.
-    assert!(results.iter().any(|(_, o)| o.contains("peer rank 1")), "{results:?}");
+    assert!(
+        results.iter().any(|(_, o)| o.contains("peer rank 1")),
+        "{results:?}"
+    );
 }
 
 #[test]
@@ -237,4 +286,67 @@ fn killed_rank_fails_survivors_tcp() {
 #[test]
 fn killed_rank_fails_survivors_shm() {
     kill_mid_all_reduce("shm");
+}
+
+/// Rank 0 cannot create the shared-memory file (RLIMIT_FSIZE = 0, as in a full /dev/shm):
+/// every rank falls back to TCP together and no file is left behind.
+#[test]
+fn shm_creation_failure_falls_back_to_tcp_and_leaves_no_file() {
+    use std::os::unix::process::CommandExt;
+    let port = tandem_testutil::free_port().to_string();
+    let run_id = format!("fsize{}", std::process::id());
+    let kids: Vec<Child> = (0..2)
+        .map(|r| {
+            let v = vars(&[
+                ("RANK", r.to_string()),
+                ("WORLD_SIZE", "2".into()),
+                ("MASTER_ADDR", "127.0.0.1".into()),
+                ("MASTER_PORT", port.clone()),
+                ("TANDEM_RUN_ID", run_id.clone()),
+            ]);
+            if r != 0 {
+                return spawn("sum", &v);
+            }
+            let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
+            cmd.args(["--exact", "worker", "--nocapture", "--test-threads=1"])
+                .env(ROLE, "sum");
+            cmd.env_remove("TANDEM_TRANSPORT")
+                .env("TANDEM_INIT_TIMEOUT", "20");
+            for (k, val) in &v {
+                cmd.env(k, val);
+            }
+            // SAFETY: only async-signal-safe calls between fork and exec.
+            unsafe {
+                cmd.pre_exec(|| {
+                    libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                    let lim = libc::rlimit {
+                        rlim_cur: 0,
+                        rlim_max: libc::RLIM_INFINITY,
+                    };
+                    libc::setrlimit(libc::RLIMIT_FSIZE, &lim);
+                    Ok(())
+                });
+            }
+            cmd.stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn rank 0")
+        })
+        .collect();
+    for (r, (code, out)) in finish(kids, Duration::from_secs(60))
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(code, Some(0), "rank {r}: {out}");
+        assert!(out.contains("transport=Some(Tcp)"), "rank {r}: {out}");
+    }
+    let left: Vec<_> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .filter(|n| n.contains(&run_id))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(left.is_empty(), "left behind: {left:?}");
 }

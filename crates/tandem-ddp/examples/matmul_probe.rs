@@ -10,7 +10,8 @@ fn main() -> candle_core::Result<()> {
     let x = Tensor::randn(0f32, 1., (64, 784), &d)?;
     let w = Tensor::randn(0f32, 1., (1024, 784), &d)?;
     let g = Tensor::randn(0f32, 1., (64, 1024), &d)?;
-    let cases: Vec<(&str, Box<dyn Fn() -> candle_core::Result<Tensor>>)> = vec![
+    type Case<'a> = (&'a str, Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>);
+    let cases: Vec<Case> = vec![
         ("fwd x@wT", Box::new(|| x.matmul(&w.t()?))),
         ("gw gT@x", Box::new(|| g.t()?.matmul(&x))),
         ("gx g@w", Box::new(|| g.matmul(&w))),

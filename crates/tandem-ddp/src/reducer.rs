@@ -37,6 +37,9 @@ struct Job {
 
 type Done = (usize, Vec<f32>, std::result::Result<(), CommSource>);
 
+/// An averaged bucket buffer and the (parameter index, offset) pairs it holds.
+pub type ReducedBucket = (Vec<f32>, Vec<(usize, usize)>);
+
 pub struct Reducer {
     names: Vec<String>,
     numels: Vec<usize>,
@@ -271,7 +274,7 @@ impl Reducer {
     /// After `finalize` of a synchronised step: hands over the averaged bucket buffers without
     /// copying, each with the (parameter, offset) pairs it holds; globally unused parameters are
     /// left out. Fresh buffers are allocated at the next `prepare_for_backward`.
-    pub fn take_reduced(&mut self) -> Vec<(Vec<f32>, Vec<(usize, usize)>)> {
+    pub fn take_reduced(&mut self) -> Vec<ReducedBucket> {
         if !self.sync {
             return Vec::new();
         }

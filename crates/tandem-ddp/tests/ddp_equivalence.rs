@@ -18,7 +18,9 @@ const BATCH: usize = 16;
 
 /// Rank r trains on rows [r*B/world, (r+1)*B/world) of each step's batch; `micro` no_sync
 /// micro-batches per step. Rank 1 starts from different weights: Ddp::new must broadcast rank 0's.
-fn ddp_rank(comm: Arc<dyn GradComm>, opts: DdpOptions, micro: usize) -> (Vec<(String, Vec<f32>)>, Vec<Vec<usize>>) {
+type Weights = Vec<(String, Vec<f32>)>;
+
+fn ddp_rank(comm: Arc<dyn GradComm>, opts: DdpOptions, micro: usize) -> (Weights, Vec<Vec<usize>>) {
     let (rank, world) = (comm.rank(), comm.size());
     let model = Mlp::new(&DIMS, 7 + rank as u64 * 1000, &Device::Cpu).unwrap();
     let ddp = Ddp::with_comm(model, comm, opts).unwrap();
@@ -53,6 +55,7 @@ fn check_on(opts: DdpOptions, micro: usize, transport: TransportKind) -> Vec<Vec
     let out = run_pg(2, transport, move |c| ddp_rank(c, opts.clone(), micro));
     for (rank, (w, _)) in out.iter().enumerate() {
         let d = max_abs_diff(w, &expect);
+        eprintln!("rank {rank}: max abs weight difference {d:e}");
         assert!(d <= 1e-5, "rank {rank}: max |w_ddp - w_single| = {d}");
     }
     out.into_iter().next().unwrap().1

@@ -53,6 +53,7 @@ fn two_rank_ddp_matches_torch_ddp_gloo_after_k_momentum_steps() {
     assert!(max_abs_diff(&init, &want) > 1e-2, "fixture's training must move the weights");
     for (rank, w) in out.iter().enumerate() {
         let d = max_abs_diff(w, &want);
+        eprintln!("rank {rank}: max abs weight difference {d:e}");
         assert!(d <= 1e-5, "rank {rank}: max |w_tandem - w_torch| = {d}");
     }
 }

@@ -36,6 +36,15 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Ckpt(_) | Command::Sampler(_)) {
+        // Pure output tools die quietly on a closed pipe (`tandem ckpt inspect f.pt | head`) like
+        // other Unix tools instead of panicking in println!. Not for ranks or the launcher: there
+        // a closed socket or pipe must surface as an error naming the peer.
+        // SAFETY: no other thread exists yet.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let result = match cli.command {
         Command::Run(a) => cmd::run::main(a),
         Command::Train(a) => cmd::train::main(a),

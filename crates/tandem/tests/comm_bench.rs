@@ -5,12 +5,25 @@ use std::time::Duration;
 fn run_bench(backend: &str) -> Vec<serde_json::Value> {
     let out = tandem_testutil::output_with_deadline(
         Command::new(env!("CARGO_BIN_EXE_tandem")).args([
-            "bench", "allreduce", "--nproc", "2", "--sizes", "4,4K,64K", "--backend", backend, "--json",
-            "--seconds-per-size", "0.02",
+            "bench",
+            "allreduce",
+            "--nproc",
+            "2",
+            "--sizes",
+            "4,4K,64K",
+            "--backend",
+            backend,
+            "--json",
+            "--seconds-per-size",
+            "0.02",
         ]),
         Duration::from_secs(60),
     );
-    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l:?}: {e}")))
@@ -29,8 +42,14 @@ fn bench_allreduce_json_has_every_field_per_size() {
             let alg = row["algbw_gbs"].as_f64().expect("algbw");
             let bus = row["busbw_gbs"].as_f64().expect("busbw");
             assert!(t > 0.0 && t < 1.0, "{row}");
-            assert!((alg - size as f64 / t / 1e9).abs() <= 1e-9 * alg.max(1.0), "{row}");
-            assert!((bus - alg).abs() <= 1e-12 + 1e-9 * alg, "2 ranks: busbw = algbw * 2(n-1)/n = algbw: {row}");
+            assert!(
+                (alg - size as f64 / t / 1e9).abs() <= 1e-9 * alg.max(1.0),
+                "{row}"
+            );
+            assert!(
+                (bus - alg).abs() <= 1e-12 + 1e-9 * alg,
+                "2 ranks: busbw = algbw * 2(n-1)/n = algbw: {row}"
+            );
             assert!(row["memcpy_gbs"].as_f64().expect("memcpy") > 0.0, "{row}");
         }
     }
@@ -43,5 +62,9 @@ fn bench_rejects_bad_sizes() {
         Duration::from_secs(30),
     );
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--sizes"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--sizes"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -30,7 +30,11 @@ impl TransportKind {
 pub(crate) enum Recv<'a> {
     Copy(&'a mut [u8]),
     /// Reduce received elements of `elem` bytes into `dst` with `f(dst_part, src_part)`.
-    Reduce { dst: &'a mut [u8], elem: usize, f: &'a (dyn Fn(&mut [u8], &[u8]) + Sync) },
+    Reduce {
+        dst: &'a mut [u8],
+        elem: usize,
+        f: &'a (dyn Fn(&mut [u8], &[u8]) + Sync),
+    },
 }
 
 impl Recv<'_> {
@@ -49,7 +53,12 @@ pub(crate) enum FailKind {
     Timeout(Duration),
     Io(String),
     /// Raised by the group (desync check), carried through the same path.
-    Desync { rank_a: usize, call_a: String, rank_b: usize, call_b: String },
+    Desync {
+        rank_a: usize,
+        call_a: String,
+        rank_b: usize,
+        call_b: String,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -69,5 +78,4 @@ pub(crate) trait Transport: Send {
 
     /// Called after a failure: make the peers' pending operations fail quickly too.
     fn abort(&mut self);
-
 }

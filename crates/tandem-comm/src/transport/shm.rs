@@ -10,7 +10,7 @@ use super::{FailKind, PeerError, Recv, Transport};
 use crate::error::CommError;
 use crate::store::Store;
 use memmap2::MmapMut;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 const MAGIC: u64 = 0x7461_6e64_656d_7368; // "tandemsh"
@@ -68,6 +68,23 @@ impl ShmTransport {
     fn abort_of(&self, r: usize) -> &AtomicU64 {
         self.atomic(self.rank_block(r) + 8)
     }
+    /// Rank r's doorbell: bumped (and futex-woken if r sleeps) whenever a ring r waits on moves.
+    fn bell_of(&self, r: usize) -> &AtomicU32 {
+        // SAFETY: 4-byte aligned, inside rank r's header block.
+        unsafe { &*(self.base.add(self.rank_block(r) + 16) as *const AtomicU32) }
+    }
+    fn sleeping_of(&self, r: usize) -> &AtomicU32 {
+        // SAFETY: as above.
+        unsafe { &*(self.base.add(self.rank_block(r) + 20) as *const AtomicU32) }
+    }
+    fn ring_bell(&self, r: usize) {
+        // SeqCst pairs with the sleeper's SeqCst store of `sleeping` then load of the bell:
+        // either we see it sleeping and wake it, or its futex_wait sees the new bell value.
+        self.bell_of(r).fetch_add(1, Ordering::SeqCst);
+        if self.sleeping_of(r).load(Ordering::SeqCst) != 0 {
+            futex_wake(self.bell_of(r));
+        }
+    }
     fn ring(&self, from: usize, to: usize) -> usize {
         header_size(self.size) + (from * self.size + to) * (CTRL + self.ring)
     }
@@ -77,25 +94,51 @@ impl ShmTransport {
         }
         let pid = self.pids[peer];
         // SAFETY: kill with signal 0 only checks for existence.
-        pid > 0 && unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+        pid > 0
+            && unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
     }
 }
 
-/// Backoff for waits: spin first (latency), then yield, then sleep (other ranks may need the core).
-struct Backoff {
-    idle: u32,
+/// Spin this long without progress before sleeping on the doorbell: a running partner answers
+/// within microseconds, and yielding instead could hand the core away for a whole time slice.
+const SPIN: Duration = Duration::from_micros(50);
+/// A futex sleep is cut at this length to re-check the peer's liveness and the timeout.
+const NAP: Duration = Duration::from_millis(10);
+
+fn futex_wait(word: &AtomicU32, expected: u32, max: Duration) {
+    let ts = libc::timespec {
+        tv_sec: max.as_secs() as libc::time_t,
+        tv_nsec: max.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a valid, 4-byte aligned u32 inside the shared mapping; FUTEX_WAIT (not
+    // private: the word is shared between processes) returns at once if it no longer holds
+    // `expected`, on a wake, a signal, or after `ts`.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            0usize,
+            0u32,
+        );
+    }
 }
 
-impl Backoff {
-    fn snooze(&mut self) {
-        self.idle += 1;
-        if self.idle < 64 {
-            std::hint::spin_loop();
-        } else if self.idle < 2048 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(if self.idle < 4096 { 20 } else { 200 }));
-        }
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: as above; wakes every waiter on the word.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            0usize,
+            0usize,
+            0u32,
+        );
     }
 }
 
@@ -114,17 +157,39 @@ impl Transport for ShmTransport {
         let piece = self.piece;
         for (peer, len) in [(send_peer, slen), (recv_peer, rlen)] {
             if len > 0 && (peer >= self.size || peer == self.rank) {
-                return Err(PeerError { peer, kind: FailKind::Io("no channel to this rank".into()) });
+                return Err(PeerError {
+                    peer,
+                    kind: FailKind::Io("no channel to this rank".into()),
+                });
             }
         }
         let (mut sent, mut got) = (0usize, 0usize);
-        let out = if s8 > 0 { self.ring(self.rank, send_peer) } else { 0 };
-        let inp = if r8 > 0 { self.ring(recv_peer, self.rank) } else { 0 };
-        let mut backoff = Backoff { idle: 0 };
+        let out = if s8 > 0 {
+            self.ring(self.rank, send_peer)
+        } else {
+            0
+        };
+        let inp = if r8 > 0 {
+            self.ring(recv_peer, self.rank)
+        } else {
+            0
+        };
+        let mut idle = 0u32;
+        let mut sleepy = false;
         let mut last_progress = Instant::now();
-        let mut checks = 0u32;
         let mut peer_gone_seen = false;
-        while sent < s8 || got < r8 {
+        let result = loop {
+            if sent >= s8 && got >= r8 {
+                break Ok(());
+            }
+            // After spinning and yielding, arm the doorbell before the last look at the rings.
+            let armed = if sleepy {
+                let bell = self.bell_of(self.rank).load(Ordering::SeqCst);
+                self.sleeping_of(self.rank).store(1, Ordering::SeqCst);
+                Some(bell)
+            } else {
+                None
+            };
             let mut progress = false;
             if sent < s8 {
                 let (wpos, rpos) = (self.atomic(out), self.atomic(out + 64));
@@ -143,6 +208,7 @@ impl Transport for ShmTransport {
                         )
                     };
                     wpos.store((w + n) as u64, Ordering::Release);
+                    self.ring_bell(send_peer);
                     sent += n;
                     progress = true;
                 }
@@ -164,45 +230,69 @@ impl Transport for ShmTransport {
                 if n > 0 {
                     // SAFETY: the producer published these bytes (acquire above) and will not
                     // overwrite them until we publish the new read position.
-                    let src = unsafe { std::slice::from_raw_parts(self.base.add(inp + CTRL + r % ring), real) };
+                    let src = unsafe {
+                        std::slice::from_raw_parts(self.base.add(inp + CTRL + r % ring), real)
+                    };
                     match &mut recv {
                         Recv::Copy(dst) => dst[got..got + real].copy_from_slice(src),
                         Recv::Reduce { dst, f, .. } => f(&mut dst[got..got + real], src),
                     }
                     rpos.store((r + n) as u64, Ordering::Release);
+                    self.ring_bell(recv_peer);
                     got += n;
                     progress = true;
                 }
             }
             if progress {
-                backoff.idle = 0;
+                if armed.is_some() {
+                    self.sleeping_of(self.rank).store(0, Ordering::SeqCst);
+                }
+                idle = 0;
+                sleepy = false;
                 last_progress = Instant::now();
                 continue;
             }
-            backoff.snooze();
-            checks += 1;
-            if checks.is_multiple_of(64) {
+            idle = idle.wrapping_add(1);
+            match armed {
+                Some(bell) => {
+                    futex_wait(self.bell_of(self.rank), bell, NAP);
+                    self.sleeping_of(self.rank).store(0, Ordering::SeqCst);
+                }
+                None => std::hint::spin_loop(),
+            }
+            if idle.is_multiple_of(16) && last_progress.elapsed() >= SPIN {
+                sleepy = true;
+            }
+            if armed.is_some() || idle.is_multiple_of(1024) {
                 let waiting_on = if got < r8 { recv_peer } else { send_peer };
                 if self.peer_gone(waiting_on) {
                     // Bytes it wrote before leaving are visible now: take them first, and fail
                     // only if the next pass still makes no progress.
                     if peer_gone_seen {
-                        return Err(PeerError { peer: waiting_on, kind: FailKind::Closed });
+                        break Err(PeerError {
+                            peer: waiting_on,
+                            kind: FailKind::Closed,
+                        });
                     }
                     peer_gone_seen = true;
-                    checks = 63;
                     continue;
                 }
                 if last_progress.elapsed() >= timeout {
-                    return Err(PeerError { peer: waiting_on, kind: FailKind::Timeout(timeout) });
+                    break Err(PeerError {
+                        peer: waiting_on,
+                        kind: FailKind::Timeout(timeout),
+                    });
                 }
             }
-        }
-        Ok(())
+        };
+        result
     }
 
     fn abort(&mut self) {
-        self.abort_of(self.rank).store(1, Ordering::Release);
+        self.abort_of(self.rank).store(1, Ordering::SeqCst);
+        for r in (0..self.size).filter(|&r| r != self.rank) {
+            self.ring_bell(r);
+        }
     }
 }
 
@@ -218,7 +308,16 @@ impl Drop for Unlink {
 }
 
 fn sanitize(s: &str) -> String {
-    s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' }).take(64).collect()
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect()
 }
 
 fn create(path: &std::path::Path, n: usize, nonce: u64) -> Result<MmapMut, String> {
@@ -228,10 +327,17 @@ fn create(path: &std::path::Path, n: usize, nonce: u64) -> Result<MmapMut, Strin
         .create_new(true)
         .open(path)
         .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
-    file.set_len(total_size(n) as u64).map_err(|e| format!("cannot size {}: {e}", path.display()))?;
+    // From here on a failure must not leave the file behind.
+    let cleanup = |why: String| {
+        let _ = std::fs::remove_file(path);
+        why
+    };
+    file.set_len(total_size(n) as u64)
+        .map_err(|e| cleanup(format!("cannot size {}: {e}", path.display())))?;
     // SAFETY: the file was just created by us; other processes only map it, and all shared
     // access goes through the atomics/rings described in the module comment.
-    let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| format!("cannot map {}: {e}", path.display()))?;
+    let mut map = unsafe { MmapMut::map_mut(&file) }
+        .map_err(|e| cleanup(format!("cannot map {}: {e}", path.display())))?;
     map[0..8].copy_from_slice(&MAGIC.to_le_bytes());
     map[8..16].copy_from_slice(&nonce.to_le_bytes());
     map[16..24].copy_from_slice(&(n as u64).to_le_bytes());
@@ -246,13 +352,18 @@ fn open(path: &str, n: usize, nonce: u64) -> Result<MmapMut, String> {
         .map_err(|e| format!("cannot open {path}: {e}"))?;
     let len = file.metadata().map_err(|e| e.to_string())?.len();
     if len != total_size(n) as u64 {
-        return Err(format!("{path} has {len} bytes, expected {}", total_size(n)));
+        return Err(format!(
+            "{path} has {len} bytes, expected {}",
+            total_size(n)
+        ));
     }
     // SAFETY: see `create`.
     let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| format!("cannot map {path}: {e}"))?;
     let word = |o: usize| u64::from_le_bytes(map[o..o + 8].try_into().unwrap_or([0; 8]));
     if word(0) != MAGIC || word(8) != nonce || word(16) != n as u64 {
-        return Err(format!("{path} is not this group's segment (another host's /dev/shm?)"));
+        return Err(format!(
+            "{path} is not this group's segment (another host's /dev/shm?)"
+        ));
     }
     Ok(map)
 }
@@ -271,7 +382,9 @@ pub(crate) fn setup(
     let mut unlink = Unlink(None);
     let mapped: Result<MmapMut, String> = if rank == 0 {
         let nonce = {
-            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
             t.as_nanos() as u64 ^ ((std::process::id() as u64) << 32)
         };
         let path = std::path::PathBuf::from(format!(
@@ -321,13 +434,24 @@ pub(crate) fn setup(
         (Err(e), _) | (Ok(()), Err(e)) => return Ok(Err(e)),
     };
     let base = map.as_mut_ptr();
-    let mut t = ShmTransport { _map: map, base, rank, size, pids: vec![0; size], ring: ring_size(size), piece: PIECE };
-    t.pid_of(rank).store(std::process::id() as u64, Ordering::Release);
+    let mut t = ShmTransport {
+        _map: map,
+        base,
+        rank,
+        size,
+        pids: vec![0; size],
+        ring: ring_size(size),
+        piece: PIECE,
+    };
+    t.pid_of(rank)
+        .store(std::process::id() as u64, Ordering::Release);
     // Everyone must have written its pid before anyone reads them.
     store.set(&format!("{group}/shm_pid/{rank}"), b"1")?;
     let keys: Vec<String> = (0..size).map(|r| format!("{group}/shm_pid/{r}")).collect();
     let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
     store.wait_timeout(&refs, timeout)?;
-    t.pids = (0..size).map(|r| t.pid_of(r).load(Ordering::Acquire) as libc::pid_t).collect();
+    t.pids = (0..size)
+        .map(|r| t.pid_of(r).load(Ordering::Acquire) as libc::pid_t)
+        .collect();
     Ok(Ok(t))
 }

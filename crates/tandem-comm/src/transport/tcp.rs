@@ -39,20 +39,35 @@ pub(crate) fn connect_mesh(
     let listener = TcpListener::bind(SocketAddr::new(local_ip, 0))
         .map_err(|e| rv(format!("cannot listen on {local_ip}: {e}")))?;
     let my_addr = listener.local_addr().map_err(|e| rv(e.to_string()))?;
-    store.set(&format!("{group}/addr/{rank}"), my_addr.to_string().as_bytes())?;
+    store.set(
+        &format!("{group}/addr/{rank}"),
+        my_addr.to_string().as_bytes(),
+    )?;
     let deadline = Instant::now() + timeout;
     let mut peers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
 
     for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
-        let addr = String::from_utf8_lossy(&store.get(&format!("{group}/addr/{peer}"))?).to_string();
-        let sa: SocketAddr = addr.parse().map_err(|_| rv(format!("rank {peer} published a bad address {addr:?}")))?;
-        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+        let addr =
+            String::from_utf8_lossy(&store.get(&format!("{group}/addr/{peer}"))?).to_string();
+        let sa: SocketAddr = addr
+            .parse()
+            .map_err(|_| rv(format!("rank {peer} published a bad address {addr:?}")))?;
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(100));
         let mut s = TcpStream::connect_timeout(&sa, left)
             .map_err(|e| rv(format!("cannot connect to rank {peer} at {addr}: {e}")))?;
-        s.set_read_timeout(Some(left)).map_err(|e| rv(e.to_string()))?;
-        let hello = Enc::default().bytes(MAGIC).str(run_id).str(group).u64(rank as u64).0;
+        s.set_read_timeout(Some(left))
+            .map_err(|e| rv(e.to_string()))?;
+        let hello = Enc::default()
+            .bytes(MAGIC)
+            .str(run_id)
+            .str(group)
+            .u64(rank as u64)
+            .0;
         write_frame(&mut s, &hello).map_err(|e| rv(format!("handshake with rank {peer}: {e}")))?;
-        let reply = read_frame(&mut s).map_err(|e| rv(format!("handshake with rank {peer} at {addr}: {e:?}")))?;
+        let reply = read_frame(&mut s)
+            .map_err(|e| rv(format!("handshake with rank {peer} at {addr}: {e:?}")))?;
         if reply.first() != Some(&0) {
             return Err(rv(format!(
                 "rank {peer} at {addr} refused the connection: {}",
@@ -62,22 +77,33 @@ pub(crate) fn connect_mesh(
         *slot = Some(s);
     }
 
-    listener.set_nonblocking(true).map_err(|e| rv(e.to_string()))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| rv(e.to_string()))?;
     let mut missing = size - rank - 1;
     while missing > 0 {
         match listener.accept() {
             Ok((mut s, from)) => {
                 s.set_nonblocking(false).map_err(|e| rv(e.to_string()))?;
-                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
-                s.set_read_timeout(Some(left)).map_err(|e| rv(e.to_string()))?;
-                let Ok(hello) = read_frame(&mut s) else { continue };
+                let left = deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(100));
+                s.set_read_timeout(Some(left))
+                    .map_err(|e| rv(e.to_string()))?;
+                let Ok(hello) = read_frame(&mut s) else {
+                    continue;
+                };
                 let mut d = Dec(&hello);
-                let (magic, theirs, their_group, their_rank) = (d.bytes(), d.str(), d.str(), d.u64());
+                let (magic, theirs, their_group, their_rank) =
+                    (d.bytes(), d.str(), d.str(), d.u64());
                 let refuse = |s: &mut TcpStream, why: String| {
                     tracing::warn!("mesh {group}: refused connection from {from}: {why}");
                     let _ = write_frame(s, &Enc::default().u8(1).str(&why).0);
                 };
-                if magic != Some(MAGIC) || theirs.as_deref() != Some(run_id) || their_group.as_deref() != Some(group) {
+                if magic != Some(MAGIC)
+                    || theirs.as_deref() != Some(run_id)
+                    || their_group.as_deref() != Some(group)
+                {
                     refuse(&mut s, format!("expected run {run_id:?} group {group:?}, got run {theirs:?} group {their_group:?}"));
                     continue;
                 }
@@ -86,14 +112,18 @@ pub(crate) fn connect_mesh(
                     refuse(&mut s, format!("unexpected rank {r}"));
                     continue;
                 }
-                write_frame(&mut s, &Enc::default().u8(0).0).map_err(|e| rv(format!("handshake with rank {r}: {e}")))?;
+                write_frame(&mut s, &Enc::default().u8(0).0)
+                    .map_err(|e| rv(format!("handshake with rank {r}: {e}")))?;
                 peers[r] = Some(s);
                 missing -= 1;
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
-                    let who: Vec<usize> = (rank + 1..size).filter(|&r| peers[r].is_none()).collect();
-                    return Err(rv(format!("ranks {who:?} did not connect within {timeout:?}")));
+                    let who: Vec<usize> =
+                        (rank + 1..size).filter(|&r| peers[r].is_none()).collect();
+                    return Err(rv(format!(
+                        "ranks {who:?} did not connect within {timeout:?}"
+                    )));
                 }
                 std::thread::sleep(Duration::from_millis(2));
             }
@@ -105,24 +135,28 @@ pub(crate) fn connect_mesh(
         s.set_nonblocking(true).map_err(|e| rv(e.to_string()))?;
         tune(s).map_err(|e| rv(e.to_string()))?;
     }
-    Ok(TcpMesh { peers, scratch: Vec::new() })
+    Ok(TcpMesh {
+        peers,
+        scratch: Vec::new(),
+    })
 }
 
 fn io_fail(peer: usize, e: std::io::Error) -> PeerError {
     let kind = match e.kind() {
-        ErrorKind::ConnectionReset | ErrorKind::BrokenPipe | ErrorKind::ConnectionAborted | ErrorKind::UnexpectedEof => {
-            FailKind::Closed
-        }
+        ErrorKind::ConnectionReset
+        | ErrorKind::BrokenPipe
+        | ErrorKind::ConnectionAborted
+        | ErrorKind::UnexpectedEof => FailKind::Closed,
         _ => FailKind::Io(e.to_string()),
     };
     PeerError { peer, kind }
 }
 
 fn stream(peers: &[Option<TcpStream>], peer: usize) -> Result<&TcpStream, PeerError> {
-        peers
-            .get(peer)
-            .and_then(|s| s.as_ref())
-            .ok_or(PeerError { peer, kind: FailKind::Io("no connection to this rank".into()) })
+    peers.get(peer).and_then(|s| s.as_ref()).ok_or(PeerError {
+        peer,
+        kind: FailKind::Io("no connection to this rank".into()),
+    })
 }
 
 impl Transport for TcpMesh {
@@ -138,8 +172,16 @@ impl Transport for TcpMesh {
         if send_buf.is_empty() && recv_len == 0 {
             return Ok(());
         }
-        let send_stream = if send_buf.is_empty() { None } else { Some(stream(&self.peers, send_peer)?) };
-        let recv_stream = if recv_len == 0 { None } else { Some(stream(&self.peers, recv_peer)?) };
+        let send_stream = if send_buf.is_empty() {
+            None
+        } else {
+            Some(stream(&self.peers, send_peer)?)
+        };
+        let recv_stream = if recv_len == 0 {
+            None
+        } else {
+            Some(stream(&self.peers, recv_peer)?)
+        };
         // Reduce-receives land in a small scratch that stays in cache: read, reduce the whole
         // elements, keep a partial element's bytes at the front, repeat.
         let scratch = &mut self.scratch;
@@ -153,12 +195,21 @@ impl Transport for TcpMesh {
             if let Some(mut s) = send_stream {
                 if sent < send_buf.len() {
                     match s.write(&send_buf[sent..]) {
-                        Ok(0) => return Err(PeerError { peer: send_peer, kind: FailKind::Closed }),
+                        Ok(0) => {
+                            return Err(PeerError {
+                                peer: send_peer,
+                                kind: FailKind::Closed,
+                            })
+                        }
                         Ok(n) => {
                             sent += n;
                             progress = true;
                         }
-                        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                ErrorKind::WouldBlock | ErrorKind::Interrupted
+                            ) => {}
                         Err(e) => return Err(io_fail(send_peer, e)),
                     }
                 }
@@ -173,7 +224,12 @@ impl Transport for TcpMesh {
                         }
                     };
                     match s.read(target) {
-                        Ok(0) => return Err(PeerError { peer: recv_peer, kind: FailKind::Closed }),
+                        Ok(0) => {
+                            return Err(PeerError {
+                                peer: recv_peer,
+                                kind: FailKind::Closed,
+                            })
+                        }
                         Ok(n) => {
                             got += n;
                             progress = true;
@@ -188,7 +244,11 @@ impl Transport for TcpMesh {
                                 }
                             }
                         }
-                        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                ErrorKind::WouldBlock | ErrorKind::Interrupted
+                            ) => {}
                         Err(e) => return Err(io_fail(recv_peer, e)),
                     }
                 }
@@ -203,17 +263,28 @@ impl Transport for TcpMesh {
             let idle = last_progress.elapsed();
             if idle >= timeout {
                 let peer = if got < recv_len { recv_peer } else { send_peer };
-                return Err(PeerError { peer, kind: FailKind::Timeout(timeout) });
+                return Err(PeerError {
+                    peer,
+                    kind: FailKind::Timeout(timeout),
+                });
             }
             let mut fds: Vec<libc::pollfd> = Vec::with_capacity(2);
             if let (Some(s), true) = (send_stream, sent < send_buf.len()) {
-                fds.push(libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLOUT, revents: 0 });
+                fds.push(libc::pollfd {
+                    fd: s.as_raw_fd(),
+                    events: libc::POLLOUT,
+                    revents: 0,
+                });
             }
             if let (Some(s), true) = (recv_stream, got < recv_len) {
                 let fd = s.as_raw_fd();
                 match fds.iter_mut().find(|p| p.fd == fd) {
                     Some(p) => p.events |= libc::POLLIN,
-                    None => fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 }),
+                    None => fds.push(libc::pollfd {
+                        fd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    }),
                 }
             }
             let wait_ms = (timeout - idle).as_millis().clamp(1, 200) as libc::c_int;

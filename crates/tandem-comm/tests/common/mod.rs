@@ -44,13 +44,18 @@ pub fn run_world_with<R: Send + 'static>(
         match rx.recv_timeout(left) {
             Ok((rank, Ok(r))) => out[rank] = Some(r),
             Ok((rank, Err(p))) => {
-                let msg = p.downcast_ref::<String>().cloned().or(p.downcast_ref::<&str>().map(|s| s.to_string()));
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or(p.downcast_ref::<&str>().map(|s| s.to_string()));
                 panic!("rank {rank} panicked: {msg:?}")
             }
             Err(_) => panic!("world of {n} did not finish within {limit:?}"),
         }
     }
-    out.into_iter().map(|r| r.expect("every rank reported")).collect()
+    out.into_iter()
+        .map(|r| r.expect("every rank reported"))
+        .collect()
 }
 
 pub fn run_world<R: Send + 'static>(

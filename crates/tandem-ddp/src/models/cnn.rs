@@ -43,7 +43,7 @@ const FC_B: usize = 7;
 impl Cnn {
     /// Input `[N, channels, height, width]`; height and width divisible by 4.
     pub fn new(channels: usize, height: usize, width: usize, classes: usize, seed: u64, device: &Device) -> Result<Self> {
-        if channels == 0 || classes == 0 || height % 4 != 0 || width % 4 != 0 || height == 0 || width == 0 {
+        if channels == 0 || classes == 0 || !height.is_multiple_of(4) || !width.is_multiple_of(4) || height == 0 || width == 0 {
             return Err(DdpError::InvalidOption {
                 what: "Cnn shape",
                 why: format!("channels {channels}, {height}x{width}, classes {classes}: need >0 and H, W divisible by 4"),

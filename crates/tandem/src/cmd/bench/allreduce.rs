@@ -38,7 +38,9 @@ fn parse_size(s: &str) -> anyhow::Result<usize> {
         Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    let n: usize = num.parse().with_context(|| format!("--sizes: cannot parse {s:?}"))?;
+    let n: usize = num
+        .parse()
+        .with_context(|| format!("--sizes: cannot parse {s:?}"))?;
     let bytes = n * mult;
     if bytes % 4 != 0 || bytes == 0 {
         bail!("--sizes: {s} is not a positive multiple of 4 bytes (the benchmark uses f32)");
@@ -91,7 +93,11 @@ fn worker(args: &Args, sizes: &[usize]) -> anyhow::Result<i32> {
         let mut med = [median(times)];
         pg.all_reduce(&mut med, ReduceOp::Max)?;
         if pg.rank() == 0 {
-            println!("RESULT {bytes} {} {iters} {:?}", med[0], pg.transport().map(|t| t.name()));
+            println!(
+                "RESULT {bytes} {} {iters} {:?}",
+                med[0],
+                pg.transport().map(|t| t.name())
+            );
         }
     }
     pg.barrier()?;
@@ -99,7 +105,11 @@ fn worker(args: &Args, sizes: &[usize]) -> anyhow::Result<i32> {
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
-    let sizes = args.sizes.split(',').map(parse_size).collect::<anyhow::Result<Vec<_>>>()?;
+    let sizes = args
+        .sizes
+        .split(',')
+        .map(parse_size)
+        .collect::<anyhow::Result<Vec<_>>>()?;
     if args.worker {
         return worker(&args, &sizes);
     }
@@ -107,9 +117,14 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         bail!("--nproc must be at least 1");
     }
     // memcpy reference, measured here before the ranks start (no competition for cores).
-    let memcpy: Vec<f64> = sizes.iter().map(|&b| b as f64 / memcpy_seconds(b, iterations(b, 0.2))).collect();
+    let memcpy: Vec<f64> = sizes
+        .iter()
+        .map(|&b| b as f64 / memcpy_seconds(b, iterations(b, 0.2)))
+        .collect();
 
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
     let exe = std::env::current_exe().context("locating the tandem executable")?;
     let mut children = Vec::new();
     for rank in 0..args.nproc {
@@ -122,15 +137,25 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
             .env("LOCAL_WORLD_SIZE", args.nproc.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
-            .env("TANDEM_RUN_ID", format!("bench-allreduce-{}", std::process::id()))
+            .env(
+                "TANDEM_RUN_ID",
+                format!("bench-allreduce-{}", std::process::id()),
+            )
             .env("TANDEM_INIT_TIMEOUT", "60")
-            .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
+            .stdout(if rank == 0 {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stderr(Stdio::inherit());
         match &args.backend {
             Some(b) => cmd.env("TANDEM_TRANSPORT", b),
             None => cmd.env_remove("TANDEM_TRANSPORT"),
         };
-        children.push(cmd.spawn().with_context(|| format!("spawning rank {rank}"))?);
+        children.push(
+            cmd.spawn()
+                .with_context(|| format!("spawning rank {rank}"))?,
+        );
     }
     let stdout = children[0].stdout.take().context("rank 0 stdout")?;
     let n = args.nproc as f64;
@@ -138,18 +163,40 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     if !args.json {
         println!(
             "{:>10} {:>12} {:>11} {:>11} {:>12} {:>14}   (nproc {}, f32 sum, GB/s = 1e9 B/s)",
-            "size", "time(us)", "algbw GB/s", "busbw GB/s", "memcpy GB/s", "busbw/memcpy", args.nproc
+            "size",
+            "time(us)",
+            "algbw GB/s",
+            "busbw GB/s",
+            "memcpy GB/s",
+            "busbw/memcpy",
+            args.nproc
         );
     }
     for line in BufReader::new(stdout).lines() {
         let line = line?;
-        let Some(rest) = line.strip_prefix("RESULT ") else { continue };
+        let Some(rest) = line.strip_prefix("RESULT ") else {
+            continue;
+        };
         let f: Vec<&str> = rest.split_whitespace().collect();
         let (bytes, secs): (usize, f64) = (f[0].parse()?, f[1].parse()?);
-        let transport = f.get(3).copied().unwrap_or("None").trim_start_matches("Some(").trim_end_matches(')').trim_matches('"');
+        let transport = f
+            .get(3)
+            .copied()
+            .unwrap_or("None")
+            .trim_start_matches("Some(")
+            .trim_end_matches(')')
+            .trim_matches('"');
         let algbw = bytes as f64 / secs / 1e9;
-        let busbw = if args.nproc > 1 { algbw * 2.0 * (n - 1.0) / n } else { 0.0 };
-        let mem = memcpy.get(sizes.iter().position(|&s| s == bytes).unwrap_or(0)).copied().unwrap_or(f64::NAN) / 1e9;
+        let busbw = if args.nproc > 1 {
+            algbw * 2.0 * (n - 1.0) / n
+        } else {
+            0.0
+        };
+        let mem = memcpy
+            .get(sizes.iter().position(|&s| s == bytes).unwrap_or(0))
+            .copied()
+            .unwrap_or(f64::NAN)
+            / 1e9;
         if args.json {
             println!(
                 "{}",
@@ -162,7 +209,12 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         } else {
             println!(
                 "{:>10} {:>12.2} {:>11.3} {:>11.3} {:>12.3} {:>14.3}   [{transport}]",
-                bytes, secs * 1e6, algbw, busbw, mem, busbw / mem
+                bytes,
+                secs * 1e6,
+                algbw,
+                busbw,
+                mem,
+                busbw / mem
             );
         }
         seen += 1;
@@ -189,7 +241,10 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         }
     }
     if failed || seen != sizes.len() {
-        bail!("benchmark incomplete: {seen} of {} sizes reported", sizes.len());
+        bail!(
+            "benchmark incomplete: {seen} of {} sizes reported",
+            sizes.len()
+        );
     }
     Ok(0)
 }

@@ -7,6 +7,8 @@
 //! * Ddp N ranks: N copies of this executable on loopback, B/N per rank, cores/N threads each;
 //!   scaling efficiency = samples/s(N ranks) / samples/s(plain), i.e. against one process using
 //!   the same cores on the same global batch.
+//! * N processes without Ddp: the same ranks each training alone (no all-reduce), an upper bound
+//!   that separates communication cost from the tensor engine's speed.
 //! * `--torch PYTHON`: runs the PyTorch DDP peer (gloo, same model, B/N per rank) beside it.
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -48,6 +50,9 @@ pub struct Args {
     /// Internal: run as one rank of the distributed measurement (set by the parent).
     #[arg(long, hide = true)]
     worker: bool,
+    /// Internal: the worker trains without Ddp (no communication), for the upper bound.
+    #[arg(long, hide = true)]
+    local_only: bool,
 }
 
 const WARMUP: usize = 3;
@@ -155,7 +160,7 @@ fn worker(args: &Args) -> anyhow::Result<i32> {
     let pg = tandem_comm::init().context("worker: initialising the process group")?;
     let per_rank = args.batch / pg.size();
     let (x, y) = batch(&args.model, per_rank, pg.rank() as u64)?;
-    let mut t = trainer(&args.model, Some(&pg))?;
+    let mut t = trainer(&args.model, if args.local_only { None } else { Some(&pg) })?;
     for _ in 0..WARMUP {
         t.step(&x, &y)?;
     }
@@ -184,9 +189,15 @@ fn single_process(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
     }
     let none = || Ok(());
     let (mut p, mut d, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..args.rounds {
-        let tp = timed(plain.as_mut(), &x, &y, args.steps, &none)?;
-        let td = timed(ddp.as_mut(), &x, &y, args.steps, &none)?;
+    for round in 0..args.rounds {
+        // Alternate which goes first so drift in machine load does not favour either.
+        let (tp, td) = if round % 2 == 0 {
+            let tp = timed(plain.as_mut(), &x, &y, args.steps, &none)?;
+            (tp, timed(ddp.as_mut(), &x, &y, args.steps, &none)?)
+        } else {
+            let td = timed(ddp.as_mut(), &x, &y, args.steps, &none)?;
+            (timed(plain.as_mut(), &x, &y, args.steps, &none)?, td)
+        };
         let n = (args.steps * args.batch) as f64;
         p.push(n / tp);
         d.push(n / td);
@@ -195,7 +206,9 @@ fn single_process(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
     Ok((median(p), median(d), 1.0 - median(ratio)))
 }
 
-fn distributed(args: &Args) -> anyhow::Result<f64> {
+/// N ranks: with Ddp, or (`local_only`) each rank training alone on its shard, which bounds
+/// what any communication scheme could reach on these cores.
+fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let exe = std::env::current_exe().context("locating the tandem executable")?;
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
@@ -204,7 +217,8 @@ fn distributed(args: &Args) -> anyhow::Result<f64> {
     for rank in 0..args.nproc {
         let mut cmd = Command::new(&exe);
         cmd.args(["bench", "ddp", "--worker", "--model", &args.model])
-            .args(["--batch", &args.batch.to_string(), "--steps", &args.steps.to_string(), "--rounds", &args.rounds.to_string()])
+            .args(["--batch", &args.batch.to_string(), "--steps", &args.steps.to_string(), "--rounds", "1"])
+            .args(if local_only { &["--local-only"][..] } else { &[][..] })
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", args.nproc.to_string())
             .env("LOCAL_RANK", rank.to_string())
@@ -257,34 +271,25 @@ fn distributed(args: &Args) -> anyhow::Result<f64> {
     }
 }
 
-/// The PyTorch DDP peer, `rounds` runs, median samples/s.
+/// One run of the PyTorch DDP peer: its samples/s.
 fn torch_peer(args: &Args, python: &PathBuf) -> anyhow::Result<f64> {
-    if args.model != "mlp" {
-        bail!("--torch: the peer script trains the MLP only; use --model mlp");
-    }
-    let mut runs = Vec::new();
-    for _ in 0..args.rounds.clamp(1, 3) {
-        let out = Command::new(python)
-            .arg(&args.torch_script)
-            .args([args.nproc.to_string(), args.steps.to_string(), (args.batch / args.nproc).to_string()])
-            .stderr(Stdio::inherit())
-            .output()
-            .with_context(|| format!("running {} {}", python.display(), args.torch_script.display()))?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        let sps = text
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("samples/s=").and_then(|v| v.parse::<f64>().ok()))
-            .with_context(|| format!("{}: no samples/s in its output: {text:?}", args.torch_script.display()))?;
-        runs.push(sps);
-    }
-    Ok(median(runs))
+    let out = Command::new(python)
+        .arg(&args.torch_script)
+        .args([args.nproc.to_string(), args.steps.to_string(), (args.batch / args.nproc).to_string()])
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("running {} {}", python.display(), args.torch_script.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .find_map(|w| w.strip_prefix("samples/s=").and_then(|v| v.parse::<f64>().ok()))
+        .with_context(|| format!("{}: no samples/s in its output: {text:?}", args.torch_script.display()))
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
     if args.nproc == 0 || args.batch == 0 || args.steps == 0 || args.rounds == 0 {
         bail!("--nproc, --batch, --steps and --rounds must be at least 1");
     }
-    if args.batch % args.nproc != 0 {
+    if !args.batch.is_multiple_of(args.nproc) {
         bail!("--batch {} is not divisible by --nproc {}", args.batch, args.nproc);
     }
     if args.worker {
@@ -292,8 +297,25 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     }
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let (plain, ddp1, overhead) = single_process(&args)?;
-    let ddp_n = distributed(&args)?;
-    let torch = args.torch.as_ref().map(|py| torch_peer(&args, py)).transpose()?;
+    if args.torch.is_some() && args.model != "mlp" {
+        bail!("--torch: the peer script trains the MLP only; use --model mlp");
+    }
+    // Multi-process measurements interleaved round by round (Ddp, no-communication bound,
+    // torch), so slow drift in machine load hits all of them alike; ratios are medians of
+    // per-round ratios.
+    let (mut dn, mut ln, mut tn) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..args.rounds {
+        dn.push(distributed(&args, false)?);
+        ln.push(distributed(&args, true)?);
+        if let Some(py) = &args.torch {
+            tn.push(torch_peer(&args, py)?);
+        }
+    }
+    let ratio = |a: &[f64], b: &[f64]| median(a.iter().zip(b).map(|(x, y)| x / y).collect());
+    let ddp_over_local = ratio(&dn, &ln);
+    let ddp_over_torch = (!tn.is_empty()).then(|| ratio(&dn, &tn));
+    let (ddp_n, local_n) = (median(dn), median(ln));
+    let torch = (!tn.is_empty()).then(|| median(tn));
     let efficiency = ddp_n / plain;
     if args.json {
         println!(
@@ -303,7 +325,8 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
                 "rounds": args.rounds, "cores": cores,
                 "plain_samples_per_s": plain, "ddp1_samples_per_s": ddp1, "ddp1_overhead": overhead,
                 "ddpN_samples_per_s": ddp_n, "scaling_efficiency": efficiency,
-                "torch_ddp_samples_per_s": torch, "ddpN_over_torch": torch.map(|t| ddp_n / t),
+                "localN_samples_per_s": local_n, "ddpN_over_localN": ddp_over_local,
+                "torch_ddp_samples_per_s": torch, "ddpN_over_torch": ddp_over_torch,
             })
         );
         return Ok(0);
@@ -327,14 +350,22 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         ddp_n,
         efficiency
     );
-    if let Some(t) = torch {
+    println!(
+        "{:<28} {:>5} {:>10} {:>11.0}  Ddp reaches {:.2} of this bound",
+        "N processes, no all-reduce",
+        args.nproc,
+        args.batch / args.nproc,
+        local_n,
+        ddp_over_local
+    );
+    if let (Some(t), Some(r)) = (torch, ddp_over_torch) {
         println!(
-            "{:<28} {:>5} {:>10} {:>11.0}  tandem/torch {:.2}",
+            "{:<28} {:>5} {:>10} {:>11.0}  tandem/torch {:.2} (median of per-round ratios)",
             "torch DDP (gloo)",
             args.nproc,
             args.batch / args.nproc,
             t,
-            ddp_n / t
+            r
         );
     }
     Ok(0)

@@ -97,6 +97,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let repo = repo_root();
     let out = args.out.clone().unwrap_or_else(|| repo.join("docs"));
     std::fs::create_dir_all(&out).with_context(|| format!("--out: creating {}", out.display()))?;
+    let out = out.canonicalize().with_context(|| format!("--out: resolving {}", out.display()))?;
     plots::register_font()?;
     let peers = args.peers.clone().unwrap_or_else(|| repo.join("../shared/peers"));
 
@@ -106,6 +107,10 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         candidates.extend(std::env::var_os("TANDEM_PYTHON").map(PathBuf::from));
         candidates.push(repo.join(".venv-torch/bin/python"));
     }
+    // Absolute paths, as some benches run in a scratch directory; not canonicalized, as a venv's
+    // python is a symlink that only works under its own name.
+    let candidates: Vec<PathBuf> =
+        candidates.into_iter().map(|p| if p.components().count() > 1 { std::path::absolute(&p).unwrap_or(p) } else { p }).collect();
     let mut torch = torch::find(&candidates);
     if torch.is_ok() && !peers.join("torch_ddp_step.py").is_file() {
         torch = Err(format!("torch found, but the peer scripts are not in {} (--peers)", peers.display()));
@@ -118,6 +123,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let machine = machine::Machine::probe(&repo);
     let load_before = machine::load_average();
     let scratch = out.join(format!(".bench-report-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).with_context(|| format!("creating {}", scratch.display()))?;
     let mut ctx = measure::Ctx {
         exe: std::env::current_exe().context("locating the tandem executable")?,
         torch,

@@ -57,7 +57,7 @@ fn table(out: &mut String, t: &Table) {
 }
 
 /// "12.3 GB/s = 0.95× memcpy, 2.10× gloo" for the headline, or why it is missing.
-fn headline(row: Option<&Row>, unit: &str, reference: &str, torch: &str) -> String {
+fn headline(row: Option<&Row>, unit: &str, reference: &str, torch: &str, torch_missing: bool) -> String {
     let Some(row) = row else { return "not measured".into() };
     match &row.figure {
         Figure::Missing(why) => why.clone(),
@@ -70,6 +70,7 @@ fn headline(row: Option<&Row>, unit: &str, reference: &str, torch: &str) -> Stri
                 Some(t) => {
                     let _ = write!(h, ", {}× {torch}", ratio(t));
                 }
+                None if torch_missing => h.push_str(&format!(" ({torch}: {})", super::torch::UNAVAILABLE)),
                 None => h.push_str(&format!(" ({torch}: not measured)")),
             }
             h
@@ -121,18 +122,19 @@ pub fn render(r: &Report) -> String {
     }
 
     let _ = writeln!(out, "## Headline\n");
+    let nt = r.torch.is_err();
     let big = r.allreduce.rows.iter().filter(|x| x.contender == "tandem shm").map(|x| x.case.clone()).last();
     if let Some(case) = big {
         let shm = r.allreduce.find(&case, "tandem shm");
         let tcp = r.allreduce.find(&case, "tandem tcp");
-        let _ = writeln!(out, "- all_reduce {case}, {} ranks, tandem shm busbw: {}", r.allreduce_nproc, headline(shm, "GB/s", "memcpy", "gloo"));
-        let _ = writeln!(out, "- all_reduce {case}, {} ranks, tandem tcp busbw: {}", r.allreduce_nproc, headline(tcp, "GB/s", "memcpy", "gloo"));
+        let _ = writeln!(out, "- all_reduce {case}, {} ranks, tandem shm busbw: {}", r.allreduce_nproc, headline(shm, "GB/s", "memcpy", "gloo", nt));
+        let _ = writeln!(out, "- all_reduce {case}, {} ranks, tandem tcp busbw: {}", r.allreduce_nproc, headline(tcp, "GB/s", "memcpy", "gloo", nt));
     }
     for row in r.ddp.rows.iter().filter(|x| x.contender == "tandem Ddp") {
-        let _ = writeln!(out, "- DDP training, {}: {}", row.case, headline(Some(row), "samples/s", "plain", "PyTorch DDP"));
+        let _ = writeln!(out, "- DDP training, {}: {}", row.case, headline(Some(row), "samples/s", "plain", "PyTorch DDP", nt));
     }
-    let _ = writeln!(out, "- checkpoint save, tandem .pt: {}", headline(r.ckpt.find("save", "tandem .pt"), "GB/s", "dd", "torch.save"));
-    let _ = writeln!(out, "- checkpoint load, tandem .pt (mmap): {}", headline(r.ckpt.find("load", "tandem .pt (mmap)"), "GB/s", "dd", "torch.load"));
+    let _ = writeln!(out, "- checkpoint save, tandem .pt: {}", headline(r.ckpt.find("save", "tandem .pt"), "GB/s", "dd", "torch.save", nt));
+    let _ = writeln!(out, "- checkpoint load, tandem .pt (mmap): {}", headline(r.ckpt.find("load", "tandem .pt (mmap)"), "GB/s", "dd", "torch.load", nt));
     out.push('\n');
     let _ = writeln!(out, "![all_reduce busbw vs message size](allreduce_busbw.png)\n");
 

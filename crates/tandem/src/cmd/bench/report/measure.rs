@@ -40,7 +40,9 @@ pub struct Ctx {
 impl Ctx {
     fn tandem(&self, args: &[String], limit: Duration, what: &str) -> anyhow::Result<String> {
         let mut cmd = Command::new(&self.exe);
-        cmd.arg("bench").args(args);
+        // Run in the scratch directory: `bench ckpt` looks for a Python with torch relative to its
+        // working directory when it is given none, which must not happen when torch is unavailable.
+        cmd.arg("bench").args(args).current_dir(&self.scratch);
         stdout_of(&mut cmd, limit, what)
     }
     fn torch(&self) -> Option<&Torch> {
