@@ -366,7 +366,19 @@ impl Store {
         wait: Duration,
         io_limit: Duration,
     ) -> Result<Vec<u8>, CommError> {
-        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        self.request_on(conn, op, key, req, wait, io_limit)
+    }
+
+    fn request_on(
+        &self,
+        mut conn: std::sync::MutexGuard<'_, TcpStream>,
+        op: &'static str,
+        key: &str,
+        req: &[u8],
+        wait: Duration,
+        io_limit: Duration,
+    ) -> Result<Vec<u8>, CommError> {
         let io = |e: std::io::Error| CommError::StoreIo {
             op,
             key: key.to_string(),
@@ -478,7 +490,19 @@ impl Store {
             .bytes(expected)
             .bytes(desired)
             .0;
-        let resp = self.request_within("compare_set", key, &req, limit, limit)?;
+        // Never queue behind another thread's long `wait` on the shared connection.
+        let conn = match self.conn.try_lock() {
+            Ok(c) => c,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                return Err(CommError::StoreIo {
+                    op: "compare_set",
+                    key: key.to_string(),
+                    reason: "connection busy".into(),
+                })
+            }
+        };
+        let resp = self.request_on(conn, "compare_set", key, &req, limit, limit)?;
         Dec(&resp)
             .bytes()
             .map(|v| v.to_vec())

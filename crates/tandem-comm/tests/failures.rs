@@ -47,7 +47,7 @@ fn stalled_peer_times_out_naming_op_seq_and_peer() {
             "{msg}"
         );
         assert!(
-            took >= Duration::from_millis(650) && took < Duration::from_secs(2),
+            took >= Duration::from_millis(650) && took < Duration::from_secs(5),
             "{kind:?} took {took:?}"
         );
         assert!(matches!(again, CommError::Broken { seq: 2, .. }), "{again}");

@@ -261,6 +261,9 @@ impl Reducer {
     /// The gradient of parameter `idx` after `finalize`: averaged over the world in a synced
     /// step, the local accumulation in a `no_sync` step; `None` when there is none.
     pub fn grad(&self, idx: usize) -> Option<&[f32]> {
+        if idx >= self.names.len() {
+            return None;
+        }
         if !self.sync {
             return self.accum[idx].as_deref();
         }

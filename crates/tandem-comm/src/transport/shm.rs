@@ -93,10 +93,46 @@ impl ShmTransport {
             return true;
         }
         let pid = self.pids[peer];
+        if pid <= 0 {
+            return false;
+        }
         // SAFETY: kill with signal 0 only checks for existence.
-        pid > 0
-            && unsafe { libc::kill(pid, 0) } != 0
-            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+        if unsafe { libc::kill(pid, 0) } != 0 {
+            return std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        }
+        // A killed peer stays a zombie until its parent reaps it, and kill(pid, 0) succeeds on
+        // zombies: without this check a rank started by hand would wait out the whole timeout.
+        is_dead_process(pid)
+    }
+}
+
+/// True when `/proc/<pid>/stat` shows a zombie (`Z`) or dead (`X`) process.
+fn is_dead_process(pid: libc::pid_t) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    // "pid (comm) S ...": comm may contain spaces and parentheses, the state follows the last ')'.
+    stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|state| state == "Z" || state == "X")
+}
+
+#[cfg(test)]
+mod liveness_tests {
+    use super::is_dead_process;
+
+    #[test]
+    fn a_zombie_child_counts_as_dead_and_a_live_one_does_not() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        let pid = child.id() as libc::pid_t;
+        assert!(!is_dead_process(pid), "a sleeping child is alive");
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        // Not reaped yet: it becomes a zombie.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !is_dead_process(pid) {
+            assert!(std::time::Instant::now() < deadline, "killed child never showed as a zombie");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        child.wait().unwrap();
+        assert!(!is_dead_process(pid), "a reaped pid has no /proc entry");
+        assert!(!is_dead_process(std::process::id() as libc::pid_t), "this process is alive");
     }
 }
 

@@ -84,7 +84,7 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             ddp_ranks: vec![1, 2, 4],
             ddp_batch: 128,
             ddp_steps: 20,
-            ddp_rounds: 3,
+            ddp_rounds: 2,
             ckpt_mib: 256,
             ckpt_tensors: 32,
         }
@@ -130,6 +130,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         peers,
         scratch: scratch.clone(),
         failures: Vec::new(),
+        retries: Vec::new(),
     };
     let allreduce = measure::allreduce(&mut ctx, &plan);
     let ddp = measure::ddp(&mut ctx, &plan);
@@ -154,6 +155,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         ckpt: &ckpt,
         ckpt_mib: plan.ckpt_mib,
         failures: &ctx.failures,
+        retries: &ctx.retries,
     };
     let md = out.join("BENCHMARKS.md");
     std::fs::write(&md, markdown::render(&report)).with_context(|| format!("writing {}", md.display()))?;

@@ -24,6 +24,7 @@ pub struct Report<'a> {
     pub ckpt: &'a Table,
     pub ckpt_mib: usize,
     pub failures: &'a [String],
+    pub retries: &'a [String],
 }
 
 pub const REGENERATE: &str = "cargo run --release -p tandem -- bench report";
@@ -207,10 +208,13 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(out, "![checkpoint throughput](ckpt_throughput.png)\n");
     table(&mut out, r.ckpt);
 
-    if !r.failures.is_empty() {
+    if !r.failures.is_empty() || !r.retries.is_empty() {
         let _ = writeln!(out, "## Failures\n");
         for f in r.failures {
-            let _ = writeln!(out, "- {}", f.replace('\n', " "));
+            let _ = writeln!(out, "- failed: {}", f.replace('\n', " "));
+        }
+        for f in r.retries {
+            let _ = writeln!(out, "- failed once, then run again: {}", f.replace('\n', " "));
         }
         out.push('\n');
     }

@@ -35,6 +35,19 @@ pub struct Ctx {
     pub scratch: PathBuf,
     /// Every measurement that failed, in words; the report lists them and the command exits 1.
     pub failures: Vec<String>,
+    /// PyTorch peer runs that failed once and were run again (the peers use fixed ports and
+    /// wait forever when a worker dies, so one bad run is retried rather than lost).
+    pub retries: Vec<String>,
+}
+
+/// Runs a PyTorch peer measurement, once more if the first try fails.
+fn retry_once<T>(retries: &mut Vec<String>, mut f: impl FnMut() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    f().or_else(|e| {
+        let first = format!("{e:#}").lines().next().unwrap_or_default().to_string();
+        eprintln!("report: {e:#}\nreport: retrying once");
+        retries.push(first);
+        f()
+    })
 }
 
 impl Ctx {
@@ -107,7 +120,8 @@ pub fn allreduce(ctx: &mut Ctx, plan: &Plan) -> Table {
                 eprintln!("report: all_reduce gloo {}, run {}/{}", size_label(size), rep + 1, plan.repeats);
                 // About half a second of all_reduce at gloo's usual ~1 GB/s.
                 let iters = ((0.5e9 / size as f64) as usize).clamp(5, 200);
-                match torch::gloo_busbw(&t, &ctx.peers, plan.allreduce_nproc, size / MIB, iters) {
+                let peers = ctx.peers.clone();
+                match retry_once(&mut ctx.retries, || torch::gloo_busbw(&t, &peers, plan.allreduce_nproc, size / MIB, iters)) {
                     Ok(v) => gloo.entry(size).or_default().push(v),
                     Err(e) => {
                         let why = ctx.note(e);
@@ -199,7 +213,8 @@ pub fn ddp(ctx: &mut Ctx, plan: &Plan) -> Table {
             }
             if let Some(t) = ctx.torch() {
                 let t = Torch { python: t.python.clone(), version: t.version.clone() };
-                match torch::ddp_samples_per_s(&t, &ctx.peers, n, plan.ddp_steps, plan.ddp_batch / n) {
+                let peers = ctx.peers.clone();
+                match retry_once(&mut ctx.retries, || torch::ddp_samples_per_s(&t, &peers, n, plan.ddp_steps, plan.ddp_batch / n)) {
                     Ok(v) => pytorch.entry(n).or_default().push(v),
                     Err(e) => {
                         let why = ctx.note(e);

@@ -41,7 +41,7 @@ pub fn gloo_busbw(t: &Torch, peers: &Path, world: usize, mib: usize, iters: usiz
     let script = peers.join("torch_allreduce.py");
     let mut cmd = Command::new(&t.python);
     cmd.arg(&script).args([world.to_string(), mib.to_string(), iters.to_string()]);
-    let out = stdout_of(&mut cmd, Duration::from_secs(300), &format!("{} (gloo, {mib} MiB)", script.display()))?;
+    let out = stdout_of(&mut cmd, Duration::from_secs(120), &format!("{} (gloo, {mib} MiB)", script.display()))?;
     let gib = number_after(&out, "busbw=", "GiB/s").with_context(|| format!("{}: no busbw=...GiB/s in {out:?}", script.display()))?;
     Ok(gib * (1u64 << 30) as f64 / 1e9)
 }
@@ -51,7 +51,7 @@ pub fn ddp_samples_per_s(t: &Torch, peers: &Path, world: usize, steps: usize, pe
     let script = peers.join("torch_ddp_step.py");
     let mut cmd = Command::new(&t.python);
     cmd.arg(&script).args([world.to_string(), steps.to_string(), per_rank.to_string()]);
-    let out = stdout_of(&mut cmd, Duration::from_secs(600), &format!("{} ({world} ranks)", script.display()))?;
+    let out = stdout_of(&mut cmd, Duration::from_secs(180), &format!("{} ({world} ranks)", script.display()))?;
     number_after(&out, "samples/s=", "").with_context(|| format!("{}: no samples/s=... in {out:?}", script.display()))
 }
 
