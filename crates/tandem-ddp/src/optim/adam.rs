@@ -10,7 +10,6 @@ use tandem_ckpt::Value;
 use super::groups::{
     only_keys, refuse_true, saved_bool, saved_f64, saved_tensor, torch_number, Groups, Hyper, ParamState,
 };
-use super::sgd::check_grad_shape;
 use super::{non_negative, OptimError, Optimizer};
 
 /// Hyperparameters of `torch.optim.Adam` (torch's defaults).
@@ -270,39 +269,7 @@ impl Adam {
     }
 }
 
-impl Optimizer for Adam {
-    fn step(&mut self, grads: &GradStore) -> Result<(), OptimError> {
-        for (i, g, var) in self.groups.indices() {
-            let Some(grad) = grads.get(var.as_tensor()) else { continue };
-            check_grad_shape(i, &var, grad)?;
-            let h = &self.groups.groups[g].hyper;
-            Self::update(h, &mut self.groups.state[i], &var, grad)
-                .map_err(|source| OptimError::Step { index: i, source })?;
-        }
-        Ok(())
-    }
-    fn lr(&self) -> f64 {
-        self.groups.lr()
-    }
-    fn set_lr(&mut self, lr: f64) {
-        self.groups.set_lr(lr)
-    }
-    fn group_lrs(&self) -> Vec<f64> {
-        self.groups.group_lrs()
-    }
-    fn set_group_lrs(&mut self, lrs: &[f64]) -> Result<(), OptimError> {
-        self.groups.set_group_lrs(lrs)
-    }
-    fn params(&self) -> Vec<Var> {
-        self.groups.params()
-    }
-    fn state_dict(&self) -> Result<Value, OptimError> {
-        self.groups.state_dict()
-    }
-    fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), OptimError> {
-        self.groups.load_state_dict(state_dict, ADAM_KEYS)
-    }
-}
+impl_optimizer_via_groups!(Adam, ADAM_KEYS);
 
 /// AdamW: Adam with decoupled weight decay (`p *= 1 - lr*weight_decay` before the update),
 /// state_dict identical to torch's `AdamW` (`decoupled_weight_decay: True`).

@@ -9,9 +9,50 @@
 //!
 //! Written here rather than taken from candle-nn: candle-nn's SGD has no momentum and its AdamW
 //! has neither torch's state layout nor Adam's coupled weight decay.
+/// The `Optimizer` impl shared by the optimizers here: step every parameter that has a gradient
+/// through the type's own `update` rule; everything else is the param groups' (`self.groups`).
+/// `$keys` are the hyperparameter names its state_dict groups carry.
+macro_rules! impl_optimizer_via_groups {
+    ($ty:ty, $keys:expr) => {
+        impl $crate::optim::Optimizer for $ty {
+            fn step(&mut self, grads: &candle_core::backprop::GradStore) -> Result<(), $crate::optim::OptimError> {
+                for (i, g, var) in self.groups.indices() {
+                    let Some(grad) = grads.get(var.as_tensor()) else { continue };
+                    $crate::optim::sgd::check_grad_shape(i, &var, grad)?;
+                    let h = &self.groups.groups[g].hyper;
+                    Self::update(h, &mut self.groups.state[i], &var, grad)
+                        .map_err(|source| $crate::optim::OptimError::Step { index: i, source })?;
+                }
+                Ok(())
+            }
+            fn lr(&self) -> f64 {
+                self.groups.lr()
+            }
+            fn set_lr(&mut self, lr: f64) {
+                self.groups.set_lr(lr)
+            }
+            fn group_lrs(&self) -> Vec<f64> {
+                self.groups.group_lrs()
+            }
+            fn set_group_lrs(&mut self, lrs: &[f64]) -> Result<(), $crate::optim::OptimError> {
+                self.groups.set_group_lrs(lrs)
+            }
+            fn params(&self) -> Vec<candle_core::Var> {
+                self.groups.params()
+            }
+            fn state_dict(&self) -> Result<tandem_ckpt::Value, $crate::optim::OptimError> {
+                self.groups.state_dict()
+            }
+            fn load_state_dict(&mut self, state_dict: &tandem_ckpt::Value) -> Result<(), $crate::optim::OptimError> {
+                self.groups.load_state_dict(state_dict, $keys)
+            }
+        }
+    };
+}
+
 mod adam;
 mod groups;
-mod sgd;
+pub(crate) mod sgd;
 mod tensor;
 
 pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};

@@ -2,12 +2,11 @@
 //! torch's single-tensor update order:
 //! `d = g + wd*p; buf = d (first step) or momentum*buf + (1-dampening)*d;`
 //! `d = d + momentum*buf (nesterov) or buf; p = p - lr*d`.
-use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use tandem_ckpt::Value;
 
 use super::groups::{only_keys, refuse_true, saved_bool, saved_f64, torch_number, Groups, Hyper, ParamState};
-use super::{non_negative, OptimError, Optimizer};
+use super::{non_negative, OptimError};
 
 /// Hyperparameters of `torch.optim.SGD` (defaults as torch: lr 1e-3, everything else off).
 #[derive(Clone, Debug, PartialEq)]
@@ -155,39 +154,7 @@ impl Sgd {
     }
 }
 
-impl Optimizer for Sgd {
-    fn step(&mut self, grads: &GradStore) -> Result<(), OptimError> {
-        for (i, g, var) in self.groups.indices() {
-            let Some(grad) = grads.get(var.as_tensor()) else { continue };
-            check_grad_shape(i, &var, grad)?;
-            let h = &self.groups.groups[g].hyper;
-            Self::update(h, &mut self.groups.state[i], &var, grad)
-                .map_err(|source| OptimError::Step { index: i, source })?;
-        }
-        Ok(())
-    }
-    fn lr(&self) -> f64 {
-        self.groups.lr()
-    }
-    fn set_lr(&mut self, lr: f64) {
-        self.groups.set_lr(lr)
-    }
-    fn group_lrs(&self) -> Vec<f64> {
-        self.groups.group_lrs()
-    }
-    fn set_group_lrs(&mut self, lrs: &[f64]) -> Result<(), OptimError> {
-        self.groups.set_group_lrs(lrs)
-    }
-    fn params(&self) -> Vec<Var> {
-        self.groups.params()
-    }
-    fn state_dict(&self) -> Result<Value, OptimError> {
-        self.groups.state_dict()
-    }
-    fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), OptimError> {
-        self.groups.load_state_dict(state_dict, SGD_KEYS)
-    }
-}
+impl_optimizer_via_groups!(Sgd, SGD_KEYS);
 
 pub(crate) fn check_grad_shape(index: usize, var: &Var, grad: &Tensor) -> Result<(), OptimError> {
     if grad.dims() != var.dims() {

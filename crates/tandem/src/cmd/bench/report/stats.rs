@@ -78,13 +78,17 @@ pub fn short(x: f64) -> String {
     }
 }
 
-/// Ratios with three decimals (a ratio's own precision, independent of the figures').
+/// Ratios with three decimals, or three significant digits below 0.1 (a ratio's own precision,
+/// independent of the figures').
 pub fn ratio(x: f64) -> String {
-    if x.is_finite() {
-        format!("{x:.3}")
-    } else {
-        "n/a".into()
+    if !x.is_finite() {
+        return "n/a".into();
     }
+    if x == 0.0 || x.abs() >= 0.1 {
+        return format!("{x:.3}");
+    }
+    let decimals = (2 - x.abs().log10().floor() as i32).max(3) as usize;
+    format!("{x:.decimals$}")
 }
 
 #[cfg(test)]
@@ -107,6 +111,9 @@ mod tests {
         assert_eq!(sig(12.3456), "12.35");
         assert_eq!(sig(0.00123456), "0.001235");
         assert_eq!(ratio(0.12345), "0.123");
+        assert_eq!(ratio(12.3456), "12.346");
+        assert_eq!(ratio(0.012345), "0.0123");
+        assert_eq!(ratio(0.00041849), "0.000418");
         assert_eq!(short(0.001), "0.001");
         assert_eq!(short(100.0), "100");
         assert_eq!(short(2.5), "2.5");
