@@ -175,7 +175,13 @@ impl<M: Module> Ddp<M> {
             sync: AtomicBool::new(true),
             hook_error: Mutex::new(None),
         });
-        module.params().attach(shared.clone());
+        // A world of one has no communication to overlap with backward, so it skips the hooks
+        // and with them the copy of every parameter that the identity op costs each forward;
+        // `backward` then reduces from candle's gradients, with the same semantics (averaging,
+        // unused-parameter check, no_sync accumulation).
+        if shared.comm.size() > 1 {
+            module.params().attach(shared.clone());
+        }
         Ok(Ddp { module, shared })
     }
 

@@ -124,7 +124,7 @@ pub fn render(r: &Report) -> String {
 
     let _ = writeln!(out, "## Headline\n");
     let nt = r.torch.is_err();
-    let big = r.allreduce.rows.iter().filter(|x| x.contender == "tandem shm").map(|x| x.case.clone()).last();
+    let big = r.allreduce.rows.iter().filter(|x| x.contender == "tandem shm").map(|x| x.case.clone()).next_back();
     if let Some(case) = big {
         let shm = r.allreduce.find(&case, "tandem shm");
         let tcp = r.allreduce.find(&case, "tandem tcp");
