@@ -228,6 +228,22 @@ impl<M: Module> Ddp<M> {
             }
         };
         let vars = self.module.params().vars();
+        let mut candle_grads = candle_grads;
+        if !viewed && self.shared.comm.size() == 1 && self.shared.sync.load(Ordering::SeqCst) {
+            // A world of one, nothing accumulated by no_sync, every parameter used: the average
+            // over the world is candle's gradient itself; skip the copy through the buckets.
+            // Anything else (an unused parameter, accumulation) takes the reducer's path below.
+            let all_used = vars.iter().all(|v| candle_grads.get(v.as_tensor()).is_some());
+            if all_used && !self.shared.reducer().has_accumulated() {
+                let mut grads = GradStore::default();
+                for v in &vars {
+                    if let Some(g) = candle_grads.remove(v.as_tensor()) {
+                        grads.insert(v.as_tensor(), g);
+                    }
+                }
+                return Ok(grads);
+            }
+        }
         if !viewed {
             // The forward did not read parameters through the view (no hooks fired): reduce
             // from candle's own gradients, without overlap.

@@ -122,6 +122,11 @@ impl Reducer {
         self.buckets.iter().map(|b| b.params.clone()).collect()
     }
 
+    /// Whether `no_sync` steps left local gradients waiting to be added to the next sync step.
+    pub fn has_accumulated(&self) -> bool {
+        self.accum.iter().any(Option::is_some)
+    }
+
     /// Whether the current step all-reduces (false inside `no_sync`).
     pub fn is_sync(&self) -> bool {
         self.sync

@@ -275,3 +275,42 @@ fn wrapped_model_methods_and_state_dict_stay_reachable() {
     let inner = ddp.into_inner();
     assert_eq!(inner.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(), other.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap());
 }
+
+/// A world of one skips hooks and buckets when it can; it must behave exactly like any world:
+/// gradients equal plain backward, an unused parameter is the same clear error, and no_sync
+/// accumulation adds up.
+#[test]
+fn world_of_one_keeps_ddp_semantics() {
+    let x = Tensor::new(&[[1f32, 2., 3., 4.], [0.5, -1., 2., 0.]], &Device::Cpu).unwrap();
+    let y = Tensor::new(&[0u32, 1], &Device::Cpu).unwrap();
+    let grads_of = |g: &candle_core::backprop::GradStore, vars: &[Var]| -> Vec<Vec<f32>> {
+        vars.iter().map(|v| g.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
+    };
+
+    // Plain candle backward on the same weights is the reference.
+    let plain = Mlp::new(&[4, 3, 2], 9, &Device::Cpu).unwrap();
+    let plain_vars = plain.params().vars();
+    let reference = grads_of(&plain.loss(&x, &y).unwrap().backward().unwrap(), &plain_vars);
+
+    let ddp = Ddp::new(Mlp::new(&[4, 3, 2], 9, &Device::Cpu).unwrap(), &tandem_ddp::SingleProcess, DdpOptions::default()).unwrap();
+    let vars = ddp.params().vars();
+    let g = ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap();
+    assert_eq!(grads_of(&g, &vars), reference);
+
+    // no_sync twice, then a synced step: the gradient is the sum of the three backwards.
+    ddp.no_sync(|d| d.backward(&d.loss(&x, &y).unwrap()).unwrap());
+    ddp.no_sync(|d| d.backward(&d.loss(&x, &y).unwrap()).unwrap());
+    let summed = grads_of(&ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap(), &vars);
+    for (s, r) in summed.iter().flatten().zip(reference.iter().flatten()) {
+        assert!((s - 3.0 * r).abs() <= 1e-5 * (1.0 + r.abs()), "accumulated {s} vs 3 x {r}");
+    }
+    // ...and the next step starts from scratch again.
+    assert_eq!(grads_of(&ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap(), &vars), reference);
+
+    // An unused parameter is the same error as in a bigger world.
+    let branchy = Ddp::new(Branchy::new(), &tandem_ddp::SingleProcess, DdpOptions::default()).unwrap();
+    branchy.use_head.store(false, Ordering::SeqCst);
+    let x3 = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let err = branchy.backward(&branchy.loss(&x3).unwrap()).unwrap_err().to_string();
+    assert!(err.contains("head.weight") && err.contains("find_unused_parameters: true"), "{err}");
+}
