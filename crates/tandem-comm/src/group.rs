@@ -290,13 +290,12 @@ impl ProcessGroup {
             .copied()
             .unwrap_or(self.inner.rank);
         let mine = format!("rank {me}: {err}");
-        let first =
-            match store.compare_set_within(&key, b"", mine.as_bytes(), Duration::from_secs(1)) {
-                Ok(first) if first != mine.as_bytes() => {
-                    String::from_utf8_lossy(&first).to_string()
-                }
-                _ => return err,
-            };
+        let recorded = store.compare_set_within(&key, b"", mine.as_bytes(), Duration::from_secs(1));
+        self.linger_for_readers(store);
+        let first = match recorded {
+            Ok(first) if first != mine.as_bytes() => String::from_utf8_lossy(&first).to_string(),
+            _ => return err,
+        };
         match err {
             CommError::Peer {
                 op,
@@ -310,6 +309,26 @@ impl ProcessGroup {
                 reason: format!("{reason}; first failure in this group: {first}"),
             },
             other => other,
+        }
+    }
+
+    /// Counts this rank as having read the first failure. The store lives in the hosting rank's
+    /// process, so that rank waits (at most 1 s, on the failure path only) until every other
+    /// survivor has read it: otherwise it could exit before a rank that only saw a neighbour
+    /// abort asks for the root cause, and that rank's error would name the neighbour instead.
+    fn linger_for_readers(&self, store: &Store) {
+        let key = format!("{}/first_failure_readers", self.inner.name);
+        if store.add(&key, 1).is_err() || self.inner._server.is_none() {
+            return;
+        }
+        // Everyone but at least one failed rank.
+        let survivors = self.inner.size.saturating_sub(1) as i64;
+        let deadline = std::time::Instant::now() + Duration::from_secs(1);
+        while std::time::Instant::now() < deadline {
+            match store.add(&key, 0) {
+                Ok(n) if n < survivors => std::thread::sleep(Duration::from_millis(2)),
+                _ => return,
+            }
         }
     }
 

@@ -1,6 +1,7 @@
 //! The supervisor driven in-process with `/bin/sh` workers: environment, failure propagation,
 //! restarts, port retry, log files, and that no process (grandchildren included) survives.
 use std::path::{Path, PathBuf};
+use tandem_testutil::{assert_no_survivors, recorded_pids};
 use std::time::{Duration, Instant};
 
 use tandem_launch::{launch, LaunchConfig, NprocPerNode, StreamSpec, Streams};
@@ -17,44 +18,6 @@ fn sh(script: &str, nproc: u32, dir: &Path) -> LaunchConfig {
 
 fn read(path: PathBuf) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-/// Running means: /proc entry exists and is not a zombie waiting for an init to reap it.
-fn is_running(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => {
-            let state = stat.rfind(')').and_then(|i| stat[i + 1..].split_whitespace().next());
-            !matches!(state, Some("Z") | Some("X"))
-        }
-        Err(_) => false,
-    }
-}
-
-/// Every pid recorded in `*.pid` files under `dir`.
-fn recorded_pids(dir: &Path) -> Vec<i32> {
-    let mut pids = Vec::new();
-    for e in std::fs::read_dir(dir).unwrap().flatten() {
-        if e.path().extension().is_some_and(|x| x == "pid") {
-            for p in read(e.path()).split_whitespace() {
-                pids.push(p.parse().unwrap());
-            }
-        }
-    }
-    pids
-}
-
-fn assert_no_survivors(pids: &[i32]) {
-    // Orphaned grandchildren are reaped by init asynchronously: allow a moment.
-    let deadline = Instant::now() + Duration::from_secs(2);
-    while pids.iter().any(|&p| is_running(p)) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let alive: Vec<i32> = pids.iter().copied().filter(|&p| is_running(p)).collect();
-    for &p in &alive {
-        // Clean up before failing, so a failed run leaves nothing behind either.
-        unsafe { libc::kill(p, libc::SIGKILL) };
-    }
-    assert!(alive.is_empty(), "processes outlived the launch: {alive:?}");
 }
 
 #[test]

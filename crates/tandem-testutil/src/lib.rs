@@ -98,3 +98,43 @@ pub fn output_with_deadline(cmd: &mut Command, limit: Duration) -> Output {
         ),
     }
 }
+
+/// Running means: a /proc entry exists and is not a zombie (`Z`) or dead (`X`) process waiting to
+/// be reaped. The command name in /proc/PID/stat may hold spaces or parentheses, so the state is
+/// read after the last `)`.
+pub fn is_running(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            let state = stat.rfind(')').and_then(|i| stat[i + 1..].split_whitespace().next());
+            !matches!(state, Some("Z") | Some("X"))
+        }
+        Err(_) => false,
+    }
+}
+
+/// Every pid written into `*.pid` files under `dir` (test workers record themselves and their
+/// children there).
+pub fn recorded_pids(dir: &Path) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())).flatten() {
+        if e.path().extension().is_some_and(|x| x == "pid") {
+            let s = std::fs::read_to_string(e.path()).unwrap_or_else(|err| panic!("{}: {err}", e.path().display()));
+            pids.extend(s.split_whitespace().map(|p| p.parse::<i32>().unwrap_or_else(|_| panic!("bad pid {p:?}"))));
+        }
+    }
+    pids
+}
+
+/// Fails the test if any of `pids` still runs after a short grace (orphaned grandchildren are
+/// reaped by init asynchronously); kills the survivors first so a failed run leaves nothing.
+pub fn assert_no_survivors(pids: &[i32]) {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while pids.iter().any(|&p| is_running(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let alive: Vec<i32> = pids.iter().copied().filter(|&p| is_running(p)).collect();
+    for &p in &alive {
+        let _ = Command::new("kill").args(["-9", &p.to_string()]).status();
+    }
+    assert!(alive.is_empty(), "processes outlived the launch: {alive:?}");
+}

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use tandem_testutil::{free_port, output_with_deadline, wait_with_deadline};
+use tandem_testutil::{assert_no_survivors, free_port, output_with_deadline, recorded_pids, wait_with_deadline};
 
 const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
 const LIMIT: Duration = Duration::from_secs(60);
@@ -29,39 +29,6 @@ fn describe(o: &Output) -> String {
 fn rank_lines(stdout: &str, rank: u32) -> Vec<String> {
     let prefix = format!("[rank {rank}] ");
     stdout.lines().filter_map(|l| l.strip_prefix(&prefix)).map(str::to_string).collect()
-}
-
-fn is_running(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => {
-            let state = stat.rfind(')').and_then(|i| stat[i + 1..].split_whitespace().next());
-            !matches!(state, Some("Z") | Some("X"))
-        }
-        Err(_) => false,
-    }
-}
-
-fn recorded_pids(dir: &Path) -> Vec<i32> {
-    let mut pids = Vec::new();
-    for e in std::fs::read_dir(dir).unwrap().flatten() {
-        if e.path().extension().is_some_and(|x| x == "pid") {
-            let s = std::fs::read_to_string(e.path()).unwrap();
-            pids.extend(s.split_whitespace().map(|p| p.parse::<i32>().unwrap()));
-        }
-    }
-    pids
-}
-
-fn assert_no_survivors(pids: &[i32]) {
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while pids.iter().any(|&p| is_running(p)) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let alive: Vec<_> = pids.iter().copied().filter(|&p| is_running(p)).collect();
-    for &p in &alive {
-        unsafe { libc::kill(p, libc::SIGKILL) };
-    }
-    assert!(alive.is_empty(), "processes outlived the launcher: {alive:?}");
 }
 
 fn wait_for_files(dir: &Path, ext: &str, n: usize) {

@@ -260,8 +260,12 @@ pub fn leftovers(marker: &str, settle: Duration) -> Vec<i32> {
     }
 }
 
-/// SIGKILL; false when the process was already gone.
+/// SIGKILL; false when the process was already gone — including a zombie, which has exited on
+/// its own but is not reaped yet (kill(2) still succeeds on it, without any effect).
 pub fn sigkill(pid: i32) -> bool {
+    if !tandem_testutil::is_running(pid) {
+        return false;
+    }
     // SAFETY: kill(2) with a pid we found ourselves; no memory is involved.
     unsafe { libc::kill(pid, libc::SIGKILL) == 0 }
 }
