@@ -4,8 +4,9 @@
 //! Bandwidths are in GB/s (1e9 bytes/s); times are medians over the iterations.
 use anyhow::{bail, Context};
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use super::local_ranks::{median, LocalRanks};
 use tandem_comm::ReduceOp;
 
 #[derive(clap::Args)]
@@ -52,11 +53,6 @@ fn iterations(bytes: usize, seconds: f64) -> usize {
     // A rough 1 GB/s guess sets the count; small messages are latency-bound.
     let per = (bytes as f64 / 1e9).max(20e-6);
     ((seconds / per) as usize).clamp(5, 5000)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 fn memcpy_seconds(bytes: usize, iters: usize) -> f64 {
@@ -122,42 +118,13 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         .map(|&b| b as f64 / memcpy_seconds(b, iterations(b, 0.2)))
         .collect();
 
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let exe = std::env::current_exe().context("locating the tandem executable")?;
-    let mut children = Vec::new();
-    for rank in 0..args.nproc {
-        let mut cmd = Command::new(&exe);
-        cmd.args(["bench", "allreduce", "--worker", "--sizes", &args.sizes])
-            .args(["--seconds-per-size", &args.seconds_per_size.to_string()])
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", args.nproc.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", args.nproc.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env(
-                "TANDEM_RUN_ID",
-                format!("bench-allreduce-{}", std::process::id()),
-            )
-            .env("TANDEM_INIT_TIMEOUT", "60")
-            .stdout(if rank == 0 {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stderr(Stdio::inherit());
-        match &args.backend {
-            Some(b) => cmd.env("TANDEM_TRANSPORT", b),
-            None => cmd.env_remove("TANDEM_TRANSPORT"),
-        };
-        children.push(
-            cmd.spawn()
-                .with_context(|| format!("spawning rank {rank}"))?,
-        );
-    }
-    let stdout = children[0].stdout.take().context("rank 0 stdout")?;
+    let args_vec = ["bench", "allreduce", "--worker", "--sizes", &args.sizes, "--seconds-per-size"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([args.seconds_per_size.to_string()])
+        .collect::<Vec<_>>();
+    let (mut ranks, stdout) =
+        LocalRanks::spawn(args.nproc, "bench-allreduce", &args_vec, &[("TANDEM_TRANSPORT", args.backend.clone())])?;
     let n = args.nproc as f64;
     let mut seen = 0;
     if !args.json {
@@ -219,27 +186,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         }
         seen += 1;
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut failed = false;
-    for (rank, c) in children.iter_mut().enumerate() {
-        loop {
-            if let Some(st) = c.try_wait()? {
-                failed |= !st.success();
-                if !st.success() {
-                    eprintln!("rank {rank} exited with {st}");
-                }
-                break;
-            }
-            if Instant::now() > deadline {
-                let _ = c.kill();
-                let _ = c.wait();
-                eprintln!("rank {rank} did not exit; killed");
-                failed = true;
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
+    let failed = !ranks.reap(Duration::from_secs(60), false)?;
     if failed || seen != sizes.len() {
         bail!(
             "benchmark incomplete: {seen} of {} sizes reported",

@@ -21,6 +21,8 @@ use tandem_ddp::models::{Cnn, Mlp};
 use tandem_ddp::optim::{Optimizer, Sgd, SgdConfig};
 use tandem_ddp::{Ddp, DdpOptions, Module};
 
+use super::local_ranks::{median, LocalRanks};
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Ranks for the distributed run.
@@ -151,11 +153,6 @@ fn timed(t: &mut dyn Trainer, x: &Tensor, y: &Tensor, steps: usize, sync: &dyn F
     Ok(start.elapsed().as_secs_f64())
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
 fn worker(args: &Args) -> anyhow::Result<i32> {
     let pg = tandem_comm::init().context("worker: initialising the process group")?;
     let per_rank = args.batch / pg.size();
@@ -209,30 +206,15 @@ fn single_process(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
 /// N ranks: with Ddp, or (`local_only`) each rank training alone on its shard, which bounds
 /// what any communication scheme could reach on these cores.
 fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let exe = std::env::current_exe().context("locating the tandem executable")?;
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let threads = (cores / args.nproc).max(1);
-    let mut children = Vec::new();
-    for rank in 0..args.nproc {
-        let mut cmd = Command::new(&exe);
-        cmd.args(["bench", "ddp", "--worker", "--model", &args.model])
-            .args(["--batch", &args.batch.to_string(), "--steps", &args.steps.to_string(), "--rounds", "1"])
-            .args(if local_only { &["--local-only"][..] } else { &[][..] })
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", args.nproc.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", args.nproc.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env("RAYON_NUM_THREADS", threads.to_string())
-            .env("TANDEM_RUN_ID", format!("bench-ddp-{}", std::process::id()))
-            .env("TANDEM_INIT_TIMEOUT", "60")
-            .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
-            .stderr(Stdio::inherit());
-        children.push(cmd.spawn().with_context(|| format!("spawning rank {rank}"))?);
+    let mut worker_args: Vec<String> = ["bench", "ddp", "--worker", "--model", &args.model].iter().map(|s| s.to_string()).collect();
+    worker_args.extend(["--batch".into(), args.batch.to_string(), "--steps".into(), args.steps.to_string(), "--rounds".into(), "1".into()]);
+    if local_only {
+        worker_args.push("--local-only".into());
     }
-    let stdout = children[0].stdout.take().context("rank 0 stdout")?;
+    let (mut ranks, stdout) =
+        LocalRanks::spawn(args.nproc, "bench-ddp", &worker_args, &[("RAYON_NUM_THREADS", Some(threads.to_string()))])?;
     // Read rank 0's answer on a thread so a stuck world cannot hang us past the deadline.
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -244,27 +226,7 @@ fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
     });
     let budget = Duration::from_secs(600);
     let result = rx.recv_timeout(budget).ok();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut failed = false;
-    for (rank, c) in children.iter_mut().enumerate() {
-        loop {
-            if let Some(st) = c.try_wait()? {
-                if !st.success() {
-                    eprintln!("rank {rank} exited with {st}");
-                    failed = true;
-                }
-                break;
-            }
-            if Instant::now() > deadline || result.is_none() {
-                let _ = c.kill();
-                let _ = c.wait();
-                eprintln!("rank {rank} did not exit; killed");
-                failed = true;
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
+    let failed = !ranks.reap(Duration::from_secs(30), result.is_none())?;
     match result {
         Some(v) if !failed => Ok(v),
         _ => bail!("the {}-rank Ddp run did not complete (see the ranks' errors above)", args.nproc),

@@ -4,6 +4,7 @@ use clap::Subcommand;
 pub mod allreduce;
 pub mod ckpt;
 pub mod ddp;
+mod local_ranks;
 pub mod report;
 
 #[derive(clap::Args)]

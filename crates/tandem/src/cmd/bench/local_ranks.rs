@@ -1,0 +1,100 @@
+//! What the multi-rank benchmarks share: starting N copies of this executable as the ranks of
+//! one loopback job (torchrun's variables, rank 0's stdout piped back for its `RESULT` lines),
+//! reaping them with a deadline so a stuck world never hangs the benchmark, and the median.
+//! The benchmarks need rank 0's stdout as a stream, so they spawn directly rather than through
+//! tandem-launch's supervisor.
+use std::ffi::OsStr;
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+/// The ranks of one benchmark job on this host.
+pub struct LocalRanks {
+    children: Vec<Child>,
+}
+
+impl LocalRanks {
+    /// Starts `nproc` ranks of `current_exe() ARGS`, each with RANK/WORLD_SIZE/LOCAL_RANK/
+    /// LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT, a run id naming `job`, and `env` on top.
+    /// Returns rank 0's stdout.
+    pub fn spawn<S: AsRef<OsStr>>(
+        nproc: usize,
+        job: &str,
+        args: &[S],
+        env: &[(&str, Option<String>)],
+    ) -> anyhow::Result<(LocalRanks, ChildStdout)> {
+        let port = tandem_launch::pick_master_port().context("picking a port for rank 0's store")?;
+        let exe = std::env::current_exe().context("locating the tandem executable")?;
+        let mut ranks = LocalRanks { children: Vec::with_capacity(nproc) };
+        for rank in 0..nproc {
+            let mut cmd = Command::new(&exe);
+            cmd.args(args)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", nproc.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", nproc.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("TANDEM_RUN_ID", format!("{job}-{}", std::process::id()))
+                .env("TANDEM_INIT_TIMEOUT", "60")
+                .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
+                .stderr(Stdio::inherit());
+            for (key, value) in env {
+                match value {
+                    Some(v) => cmd.env(key, v),
+                    None => cmd.env_remove(key),
+                };
+            }
+            // On an error here, Drop kills the ranks already started.
+            ranks.children.push(cmd.spawn().with_context(|| format!("spawning rank {rank}"))?);
+        }
+        let stdout = ranks.children[0].stdout.take().context("rank 0 stdout")?;
+        Ok((ranks, stdout))
+    }
+
+    /// Waits for every rank until `deadline` from now (killing those still running then, or at
+    /// once when `kill_now`); true when every rank exited successfully.
+    pub fn reap(&mut self, deadline: Duration, kill_now: bool) -> anyhow::Result<bool> {
+        let deadline = Instant::now() + deadline;
+        let mut ok = true;
+        for (rank, c) in self.children.iter_mut().enumerate() {
+            loop {
+                if let Some(st) = c.try_wait()? {
+                    if !st.success() {
+                        eprintln!("rank {rank} exited with {st}");
+                        ok = false;
+                    }
+                    break;
+                }
+                if kill_now || Instant::now() > deadline {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    eprintln!("rank {rank} did not exit; killed");
+                    ok = false;
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(ok)
+    }
+}
+
+impl Drop for LocalRanks {
+    /// No rank outlives the benchmark, whatever path it leaves by.
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            if let Ok(None) = c.try_wait() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
+/// The median (upper median for an even count) of a non-empty list.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
