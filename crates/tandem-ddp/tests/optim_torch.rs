@@ -1,6 +1,8 @@
 //! Optimizers against real torch output (fixtures made by
 //! tests/fixtures/optim/make_fixtures.py with torch 2.15): parameter trajectories, state_dict
 //! contents, resuming from a torch-made state_dict, and errors on state that does not fit.
+mod torch_json;
+
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use serde_json::Value as Json;
@@ -10,41 +12,10 @@ use tandem_ddp::optim::{Adam, AdamConfig, AdamW, AdamWConfig, OptimError, Optimi
 const TOL: f64 = 1e-6;
 
 fn fixture() -> Json {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/optim/optimizers.json");
-    serde_json::from_str(&std::fs::read_to_string(path).expect("read optimizers.json")).expect("parse optimizers.json")
+    torch_json::fixture("optimizers.json")
 }
 
-/// Rebuilds a checkpoint value from make_fixtures.py's JSON encoding.
-fn decode(j: &Json) -> Value {
-    match j {
-        Json::Null => Value::None,
-        Json::Bool(b) => Value::Bool(*b),
-        Json::Number(n) if n.is_i64() => Value::Int(n.as_i64().unwrap()),
-        Json::Number(n) => Value::Float(n.as_f64().unwrap()),
-        Json::String(s) => Value::Str(s.clone()),
-        Json::Array(a) => Value::List(a.iter().map(decode).collect()),
-        Json::Object(o) => {
-            if let Some(t) = o.get("__tensor__") {
-                let shape: Vec<usize> =
-                    t["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
-                let data: Vec<f64> = t["data"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
-                match t["dtype"].as_str().unwrap() {
-                    "float32" => Value::Tensor(tandem_ckpt::Tensor::from_f32(
-                        &shape,
-                        &data.iter().map(|&x| x as f32).collect::<Vec<_>>(),
-                    )),
-                    other => panic!("fixture dtype {other} not expected"),
-                }
-            } else if let Some(items) = o.get("__dict__") {
-                Value::Dict(items.as_array().unwrap().iter().map(|kv| (decode(&kv[0]), decode(&kv[1]))).collect())
-            } else if let Some(items) = o.get("__tuple__") {
-                Value::Tuple(items.as_array().unwrap().iter().map(decode).collect())
-            } else {
-                panic!("unknown encoded object {o:?}")
-            }
-        }
-    }
-}
+use torch_json::decode;
 
 fn tensor_of(j: &Json) -> Tensor {
     let shape: Vec<usize> = j["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();

@@ -1,6 +1,8 @@
 //! Schedulers against torch 2.15's real lr sequences and state_dicts (fixtures made by
 //! tests/fixtures/optim/make_fixtures.py; "poly" is insightface's PolyScheduler restated as a
 //! torch LRScheduler there), plus resuming from a torch state_dict and bad-state errors.
+mod torch_json;
+
 use candle_core::{Device, Tensor, Var};
 use serde_json::Value as Json;
 use tandem_ckpt::Value;
@@ -10,24 +12,10 @@ use tandem_ddp::sched::{CosineAnnealingLR, LinearLR, LrScheduler, PolyScheduler,
 const REL: f64 = 1e-12;
 
 fn fixture() -> Json {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/optim/schedulers.json");
-    serde_json::from_str(&std::fs::read_to_string(path).expect("read schedulers.json")).expect("parse schedulers.json")
+    torch_json::fixture("schedulers.json")
 }
 
-/// make_fixtures.py's encoding, restricted to what scheduler state holds.
-fn decode(j: &Json) -> Value {
-    match j {
-        Json::Null => Value::None,
-        Json::Bool(b) => Value::Bool(*b),
-        Json::Number(n) if n.is_i64() => Value::Int(n.as_i64().unwrap()),
-        Json::Number(n) => Value::Float(n.as_f64().unwrap()),
-        Json::String(s) => Value::Str(s.clone()),
-        Json::Array(a) => Value::List(a.iter().map(decode).collect()),
-        Json::Object(o) => {
-            Value::Dict(o["__dict__"].as_array().unwrap().iter().map(|kv| (decode(&kv[0]), decode(&kv[1]))).collect())
-        }
-    }
-}
+use torch_json::decode;
 
 fn close(a: f64, b: f64) -> bool {
     a == b || (a - b).abs() <= REL * b.abs()
