@@ -7,18 +7,21 @@ pub mod metrics;
 pub mod optim;
 pub mod sched;
 
+pub mod alloc;
 pub mod bucket;
 pub mod comm;
 pub mod convert;
 pub mod data_parallel;
 pub mod ddp;
 pub mod error;
+pub mod functional;
 mod hook;
 pub mod models;
 pub mod module;
 pub mod params;
 pub mod reducer;
 
+pub use alloc::tune_allocator;
 pub use comm::{GradComm, LocalGroup, SingleProcess};
 pub use data_parallel::{chunk_sizes, DataParallel};
 pub use ddp::{Ddp, DdpOptions};

@@ -113,29 +113,6 @@ fn is_dead_process(pid: libc::pid_t) -> bool {
     stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|state| state == "Z" || state == "X")
 }
 
-#[cfg(test)]
-mod liveness_tests {
-    use super::is_dead_process;
-
-    #[test]
-    fn a_zombie_child_counts_as_dead_and_a_live_one_does_not() {
-        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
-        let pid = child.id() as libc::pid_t;
-        assert!(!is_dead_process(pid), "a sleeping child is alive");
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        // Not reaped yet: it becomes a zombie.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while !is_dead_process(pid) {
-            assert!(std::time::Instant::now() < deadline, "killed child never showed as a zombie");
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        child.wait().unwrap();
-        assert!(!is_dead_process(pid), "a reaped pid has no /proc entry");
-        assert!(!is_dead_process(std::process::id() as libc::pid_t), "this process is alive");
-    }
-}
-
 /// Spin this long without progress before sleeping on the doorbell: a running partner answers
 /// within microseconds, and yielding instead could hand the core away for a whole time slice.
 const SPIN: Duration = Duration::from_micros(50);
@@ -490,4 +467,27 @@ pub(crate) fn setup(
         .map(|r| t.pid_of(r).load(Ordering::Acquire) as libc::pid_t)
         .collect();
     Ok(Ok(t))
+}
+
+#[cfg(test)]
+mod liveness_tests {
+    use super::is_dead_process;
+
+    #[test]
+    fn a_zombie_child_counts_as_dead_and_a_live_one_does_not() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        let pid = child.id() as libc::pid_t;
+        assert!(!is_dead_process(pid), "a sleeping child is alive");
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        // Not reaped yet: it becomes a zombie.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !is_dead_process(pid) {
+            assert!(std::time::Instant::now() < deadline, "killed child never showed as a zombie");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        child.wait().unwrap();
+        assert!(!is_dead_process(pid), "a reaped pid has no /proc entry");
+        assert!(!is_dead_process(std::process::id() as libc::pid_t), "this process is alive");
+    }
 }

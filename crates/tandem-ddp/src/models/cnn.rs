@@ -13,6 +13,7 @@ use rand::SeedableRng;
 
 use super::init::{copy_vars, default_layer};
 use crate::error::{DdpError, Result};
+use crate::functional::linear;
 use crate::module::Module;
 use crate::params::ParamSet;
 
@@ -114,7 +115,7 @@ impl Cnn {
         let x = max_pool_2x2(&x)?;
         let x = max_pool_2x2(&self.conv(&x, CONV2_W, CONV2_B)?.relu()?)?;
         let x = x.flatten_from(1)?;
-        x.matmul(&self.params.get(FC_W)?.t()?)?.broadcast_add(&self.params.get(FC_B)?)
+        linear(&x, &self.params.get(FC_W)?, Some(&self.params.get(FC_B)?))
     }
 
     /// Mean cross-entropy, like `nn.CrossEntropyLoss()`.

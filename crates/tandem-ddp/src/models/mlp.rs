@@ -7,6 +7,7 @@ use rand::SeedableRng;
 
 use super::init::{copy_vars, default_layer};
 use crate::error::{DdpError, Result};
+use crate::functional::linear;
 use crate::module::Module;
 use crate::params::ParamSet;
 
@@ -42,7 +43,7 @@ impl Mlp {
         for l in 0..layers {
             let w = self.params.get(2 * l)?;
             let b = self.params.get(2 * l + 1)?;
-            h = h.matmul(&w.t()?)?.broadcast_add(&b)?;
+            h = linear(&h, &w, Some(&b))?;
             if l + 1 < layers {
                 h = h.relu()?;
             }

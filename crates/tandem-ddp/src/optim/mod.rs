@@ -51,6 +51,7 @@ macro_rules! impl_optimizer_via_groups {
 }
 
 mod adam;
+mod fused;
 mod groups;
 pub(crate) mod sgd;
 mod tensor;

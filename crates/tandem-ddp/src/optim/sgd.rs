@@ -134,24 +134,40 @@ impl Sgd {
     }
 
     fn update(h: &SgdConfig, state: &mut Option<SgdState>, var: &Var, grad: &Tensor) -> candle_core::Result<()> {
-        let p = var.as_tensor().detach();
-        let mut d = grad.detach().to_dtype(p.dtype())?;
-        if h.weight_decay != 0.0 {
-            d = (d + p.affine(h.weight_decay, 0.0)?)?;
+        let prev = state.as_ref().and_then(|s| s.momentum_buffer.as_ref());
+        if super::fused::applies(var, grad, prev) {
+            if h.momentum == 0.0 {
+                super::fused::sgd_step(h, var, grad, None)?;
+            } else {
+                let prev = state.take().and_then(|s| s.momentum_buffer);
+                *state = Some(SgdState { momentum_buffer: super::fused::sgd_step(h, var, grad, prev)? });
+            }
+            return Ok(());
         }
-        if h.momentum != 0.0 {
-            let prev = state.as_ref().and_then(|s| s.momentum_buffer.clone());
-            let buf = match prev {
-                None => d.copy()?,
-                // `1 - dampening == 1` is the common case: skip an exact but costly pass.
-                Some(b) if h.dampening == 0.0 => (b.affine(h.momentum, 0.0)? + &d)?,
-                Some(b) => (b.affine(h.momentum, 0.0)? + d.affine(1.0 - h.dampening, 0.0)?)?,
-            };
-            d = if h.nesterov { (d + buf.affine(h.momentum, 0.0)?)? } else { buf.clone() };
-            *state = Some(SgdState { momentum_buffer: Some(buf) });
-        }
-        var.set(&(p + d.affine(-h.lr, 0.0)?)?)
+        update_tensor_form(h, state, var, grad)
     }
+}
+
+/// The update as candle tensor expressions: any dtype and device (the reference the fused CPU
+/// path reproduces bit for bit).
+pub(crate) fn update_tensor_form(h: &SgdConfig, state: &mut Option<SgdState>, var: &Var, grad: &Tensor) -> candle_core::Result<()> {
+    let p = var.as_tensor().detach();
+    let mut d = grad.detach().to_dtype(p.dtype())?;
+    if h.weight_decay != 0.0 {
+        d = (d + p.affine(h.weight_decay, 0.0)?)?;
+    }
+    if h.momentum != 0.0 {
+        let prev = state.as_ref().and_then(|s| s.momentum_buffer.clone());
+        let buf = match prev {
+            None => d.copy()?,
+            // `1 - dampening == 1` is the common case: skip an exact but costly pass.
+            Some(b) if h.dampening == 0.0 => (b.affine(h.momentum, 0.0)? + &d)?,
+            Some(b) => (b.affine(h.momentum, 0.0)? + d.affine(1.0 - h.dampening, 0.0)?)?,
+        };
+        d = if h.nesterov { (d + buf.affine(h.momentum, 0.0)?)? } else { buf.clone() };
+        *state = Some(SgdState { momentum_buffer: Some(buf) });
+    }
+    var.set(&(p + d.affine(-h.lr, 0.0)?)?)
 }
 
 impl_optimizer_via_groups!(Sgd, SGD_KEYS);
@@ -164,4 +180,105 @@ pub(crate) fn check_grad_shape(index: usize, var: &Var, grad: &Tensor) -> Result
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor, Var};
+
+    use super::{update_tensor_form, SgdConfig, SgdState};
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
+    /// The fused in-place CPU path gives the very bits of the tensor-expression form, for every
+    /// hyperparameter combination, over several steps (momentum buffers included).
+    #[test]
+    fn fused_cpu_update_is_bit_identical_to_the_tensor_form() {
+        let configs = [
+            SgdConfig {
+                lr: 0.1,
+                ..Default::default()
+            },
+            SgdConfig {
+                lr: 0.05,
+                weight_decay: 1e-2,
+                ..Default::default()
+            },
+            SgdConfig {
+                lr: 0.1,
+                momentum: 0.9,
+                ..Default::default()
+            },
+            SgdConfig {
+                lr: 0.1,
+                momentum: 0.9,
+                dampening: 0.3,
+                weight_decay: 5e-4,
+                ..Default::default()
+            },
+            SgdConfig {
+                lr: 0.02,
+                momentum: 0.8,
+                nesterov: true,
+                weight_decay: 1e-3,
+                ..Default::default()
+            },
+        ];
+        let dev = Device::Cpu;
+        for cfg in configs {
+            let init = Tensor::randn(0f32, 1.0, (37, 5), &dev).unwrap();
+            let (fused, reference) = (
+                Var::from_tensor(&init).unwrap(),
+                Var::from_tensor(&init.copy().unwrap()).unwrap(),
+            );
+            let (mut sf, mut sr): (Option<SgdState>, Option<SgdState>) = (None, None);
+            for step in 0..4 {
+                let g = Tensor::randn(0f32, 1.0, (37, 5), &dev).unwrap();
+                assert!(super::super::fused::applies(&fused, &g, None));
+                super::Sgd::update(&cfg, &mut sf, &fused, &g).unwrap();
+                update_tensor_form(&cfg, &mut sr, &reference, &g).unwrap();
+                assert_eq!(
+                    bits(fused.as_tensor()),
+                    bits(reference.as_tensor()),
+                    "{cfg:?} step {step}: parameter"
+                );
+                let buf = |s: &Option<SgdState>| {
+                    s.as_ref()
+                        .and_then(|s| s.momentum_buffer.as_ref())
+                        .map(bits)
+                };
+                assert_eq!(buf(&sf), buf(&sr), "{cfg:?} step {step}: momentum buffer");
+            }
+        }
+    }
+
+    /// f64 parameters take the tensor form (the fused kernel is f32-only) and still update.
+    #[test]
+    fn other_dtypes_take_the_tensor_form() {
+        let v = Var::from_tensor(&Tensor::new(&[1.0f64, 2.0], &Device::Cpu).unwrap()).unwrap();
+        let g = Tensor::new(&[0.5f64, -1.0], &Device::Cpu).unwrap();
+        assert!(!super::super::fused::applies(&v, &g, None));
+        let mut s = None;
+        super::Sgd::update(
+            &SgdConfig {
+                lr: 0.1,
+                momentum: 0.5,
+                ..Default::default()
+            },
+            &mut s,
+            &v,
+            &g,
+        )
+        .unwrap();
+        assert_eq!(v.as_tensor().to_vec1::<f64>().unwrap(), vec![0.95, 2.1]);
+        assert_eq!(v.dtype(), DType::F64);
+    }
 }

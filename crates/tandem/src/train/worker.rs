@@ -117,7 +117,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
             loss_sum += loss.to_scalar::<f32>()? as f64 * batch.len() as f64;
             loss_n += batch.len();
             progress.step(global_step, loss_sum / loss_n.max(1) as f64);
-            if cfg.save_every > 0 && global_step % cfg.save_every == 0 && global_step < max_steps {
+            if cfg.save_every > 0 && global_step.is_multiple_of(cfg.save_every) && global_step < max_steps {
                 last_ckpt = save(&format!("step-{global_step:08}"), &loader, opt.as_ref(), global_step)?.or(last_ckpt);
             }
         }
@@ -155,7 +155,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         }
         // End-of-epoch checkpoint, unless --save-every just wrote this step or the run is over
         // (the final checkpoint is written below).
-        let just_saved = cfg.save_every > 0 && global_step % cfg.save_every == 0;
+        let just_saved = cfg.save_every > 0 && global_step.is_multiple_of(cfg.save_every);
         if global_step < max_steps && (loader.epoch() as usize) < cfg.epochs && !just_saved {
             last_ckpt = save(&format!("step-{global_step:08}"), &loader, opt.as_ref(), global_step)?.or(last_ckpt);
         }

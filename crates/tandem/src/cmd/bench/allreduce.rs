@@ -43,7 +43,7 @@ fn parse_size(s: &str) -> anyhow::Result<usize> {
         .parse()
         .with_context(|| format!("--sizes: cannot parse {s:?}"))?;
     let bytes = n * mult;
-    if bytes % 4 != 0 || bytes == 0 {
+    if !bytes.is_multiple_of(4) || bytes == 0 {
         bail!("--sizes: {s} is not a positive multiple of 4 bytes (the benchmark uses f32)");
     }
     Ok(bytes)
