@@ -7,9 +7,10 @@ use candle_core::{Device, Tensor};
 
 fn main() -> candle_core::Result<()> {
     let d = Device::Cpu;
-    let x = Tensor::randn(0f32, 1., (64, 784), &d)?;
+    let b: usize = std::env::var("PROBE_BATCH").ok().and_then(|s| s.parse().ok()).unwrap_or(64);
+    let x = Tensor::randn(0f32, 1., (b, 784), &d)?;
     let w = Tensor::randn(0f32, 1., (1024, 784), &d)?;
-    let g = Tensor::randn(0f32, 1., (64, 1024), &d)?;
+    let g = Tensor::randn(0f32, 1., (b, 1024), &d)?;
     type Case<'a> = (&'a str, Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>);
     let cases: Vec<Case> = vec![
         ("fwd x@wT", Box::new(|| x.matmul(&w.t()?))),
@@ -23,7 +24,7 @@ fn main() -> candle_core::Result<()> {
             f()?;
         }
         let dt = t.elapsed().as_secs_f64() / 50.0;
-        println!("{name} {:.3} ms {:.1} GFLOP/s", dt * 1e3, 64.0 * 784.0 * 1024.0 * 2.0 / dt / 1e9);
+        println!("{name} {:.3} ms {:.1} GFLOP/s", dt * 1e3, b as f64 * 784.0 * 1024.0 * 2.0 / dt / 1e9);
     }
     Ok(())
 }

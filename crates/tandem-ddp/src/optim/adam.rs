@@ -53,8 +53,8 @@ impl From<AdamWConfig> for AdamConfig {
 /// One group's settings: the config plus torch's `decoupled_weight_decay` flag.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct AdamHyper {
-    cfg: AdamConfig,
-    decoupled: bool,
+    pub(crate) cfg: AdamConfig,
+    pub(crate) decoupled: bool,
 }
 
 impl AdamHyper {
@@ -227,46 +227,95 @@ impl Adam {
     }
 
     fn update(h: &AdamHyper, state: &mut Option<AdamState>, var: &Var, grad: &Tensor) -> candle_core::Result<()> {
-        let c = &h.cfg;
-        let (beta1, beta2) = c.betas;
-        let mut p = var.as_tensor().detach();
-        let mut d = grad.detach().to_dtype(p.dtype())?;
-        let st = match state.take() {
-            Some(s) => s,
-            None => AdamState {
-                step: 0.0,
-                exp_avg: p.zeros_like()?,
-                exp_avg_sq: p.zeros_like()?,
-                max_exp_avg_sq: if c.amsgrad { Some(p.zeros_like()?) } else { None },
-            },
-        };
-        let step = st.step + 1.0;
-        if c.weight_decay != 0.0 {
-            if h.decoupled {
-                p = p.affine(1.0 - c.lr * c.weight_decay, 0.0)?;
-            } else {
-                d = (d + p.affine(c.weight_decay, 0.0)?)?;
-            }
+        let held = state.iter().flat_map(|s| [Some(&s.exp_avg), Some(&s.exp_avg_sq), s.max_exp_avg_sq.as_ref()]).flatten();
+        if super::fused::applies(var, grad, held) {
+            return update_fused(h, state, var, grad);
         }
-        // exp_avg.lerp_(grad, 1 - beta1)
-        let exp_avg = (&st.exp_avg + (&d - &st.exp_avg)?.affine(1.0 - beta1, 0.0)?)?;
-        let exp_avg_sq = (st.exp_avg_sq.affine(beta2, 0.0)? + d.sqr()?.affine(1.0 - beta2, 0.0)?)?;
-        let bias_correction1 = 1.0 - beta1.powf(step);
-        let bias_correction2 = 1.0 - beta2.powf(step);
-        let step_size = c.lr / bias_correction1;
-        let bias_correction2_sqrt = bias_correction2.sqrt();
-        let max_exp_avg_sq = match (c.amsgrad, st.max_exp_avg_sq) {
-            (true, Some(m)) => Some(m.maximum(&exp_avg_sq)?),
-            (true, None) => Some(exp_avg_sq.clone()),
-            (false, kept) => kept,
-        };
-        let second = if c.amsgrad { max_exp_avg_sq.as_ref().unwrap_or(&exp_avg_sq) } else { &exp_avg_sq };
-        let denom = second.sqrt()?.affine(1.0 / bias_correction2_sqrt, c.eps)?;
-        let new_p = (p + (&exp_avg / &denom)?.affine(-step_size, 0.0)?)?;
-        var.set(&new_p)?;
-        *state = Some(AdamState { step, exp_avg, exp_avg_sq, max_exp_avg_sq });
-        Ok(())
+        update_tensor_form(h, state, var, grad)
     }
+}
+
+/// The in-place CPU f32 update (`fused::adam`), bit-identical to [`update_tensor_form`].
+fn update_fused(h: &AdamHyper, state: &mut Option<AdamState>, var: &Var, grad: &Tensor) -> candle_core::Result<()> {
+    use super::fused::adam::{running_max, update_moments, update_param, AdamStep};
+    let p = var.as_tensor();
+    let grad = grad.detach().contiguous()?;
+    let mut st = match state.take() {
+        Some(s) => AdamState {
+            step: s.step,
+            exp_avg: s.exp_avg.contiguous()?,
+            exp_avg_sq: s.exp_avg_sq.contiguous()?,
+            max_exp_avg_sq: s.max_exp_avg_sq.map(|m| m.contiguous()).transpose()?,
+        },
+        // The tensor form's starting point: zeros (and a zero maximum under amsgrad).
+        None => AdamState {
+            step: 0.0,
+            exp_avg: p.zeros_like()?,
+            exp_avg_sq: p.zeros_like()?,
+            max_exp_avg_sq: if h.cfg.amsgrad { Some(p.zeros_like()?) } else { None },
+        },
+    };
+    st.step += 1.0;
+    let k = AdamStep::new(h, st.step);
+    update_moments(k, var, &grad, &st.exp_avg, &st.exp_avg_sq)?;
+    if h.cfg.amsgrad {
+        match &st.max_exp_avg_sq {
+            Some(m) => running_max(m, &st.exp_avg_sq)?,
+            // amsgrad switched on for state saved without it: start from this step's value
+            // (a copy: both are updated in place from now on).
+            None => st.max_exp_avg_sq = Some(st.exp_avg_sq.copy()?),
+        }
+    }
+    let second = match (&st.max_exp_avg_sq, h.cfg.amsgrad) {
+        (Some(m), true) => m,
+        _ => &st.exp_avg_sq,
+    };
+    update_param(k, var, &st.exp_avg, second)?;
+    *state = Some(st);
+    Ok(())
+}
+
+/// The update as candle tensor expressions: any dtype and device.
+fn update_tensor_form(h: &AdamHyper, state: &mut Option<AdamState>, var: &Var, grad: &Tensor) -> candle_core::Result<()> {
+    let c = &h.cfg;
+    let (beta1, beta2) = c.betas;
+    let mut p = var.as_tensor().detach();
+    let mut d = grad.detach().to_dtype(p.dtype())?;
+    let st = match state.take() {
+        Some(s) => s,
+        None => AdamState {
+            step: 0.0,
+            exp_avg: p.zeros_like()?,
+            exp_avg_sq: p.zeros_like()?,
+            max_exp_avg_sq: if c.amsgrad { Some(p.zeros_like()?) } else { None },
+        },
+    };
+    let step = st.step + 1.0;
+    if c.weight_decay != 0.0 {
+        if h.decoupled {
+            p = p.affine(1.0 - c.lr * c.weight_decay, 0.0)?;
+        } else {
+            d = (d + p.affine(c.weight_decay, 0.0)?)?;
+        }
+    }
+    // exp_avg.lerp_(grad, 1 - beta1)
+    let exp_avg = (&st.exp_avg + (&d - &st.exp_avg)?.affine(1.0 - beta1, 0.0)?)?;
+    let exp_avg_sq = (st.exp_avg_sq.affine(beta2, 0.0)? + d.sqr()?.affine(1.0 - beta2, 0.0)?)?;
+    let bias_correction1 = 1.0 - beta1.powf(step);
+    let bias_correction2 = 1.0 - beta2.powf(step);
+    let step_size = c.lr / bias_correction1;
+    let bias_correction2_sqrt = bias_correction2.sqrt();
+    let max_exp_avg_sq = match (c.amsgrad, st.max_exp_avg_sq) {
+        (true, Some(m)) => Some(m.maximum(&exp_avg_sq)?),
+        (true, None) => Some(exp_avg_sq.clone()),
+        (false, kept) => kept,
+    };
+    let second = if c.amsgrad { max_exp_avg_sq.as_ref().unwrap_or(&exp_avg_sq) } else { &exp_avg_sq };
+    let denom = second.sqrt()?.affine(1.0 / bias_correction2_sqrt, c.eps)?;
+    let new_p = (p + (&exp_avg / &denom)?.affine(-step_size, 0.0)?)?;
+    var.set(&new_p)?;
+    *state = Some(AdamState { step, exp_avg, exp_avg_sq, max_exp_avg_sq });
+    Ok(())
 }
 
 impl_optimizer_via_groups!(Adam, ADAM_KEYS);
@@ -317,5 +366,71 @@ impl Optimizer for AdamW {
     }
     fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), OptimError> {
         self.inner.load_state_dict(state_dict)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor, Var};
+
+    use super::{update_fused, update_tensor_form, AdamConfig, AdamHyper, AdamState};
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// (step, exp_avg, exp_avg_sq, max_exp_avg_sq) as bits.
+    type StateBits = (u64, Vec<u32>, Vec<u32>, Option<Vec<u32>>);
+
+    fn state_bits(s: &Option<AdamState>) -> Option<StateBits> {
+        s.as_ref().map(|s| (s.step.to_bits(), bits(&s.exp_avg), bits(&s.exp_avg_sq), s.max_exp_avg_sq.as_ref().map(bits)))
+    }
+
+    /// The fused in-place CPU path gives the very bits of the tensor-expression form: Adam and
+    /// AdamW, with and without weight decay and amsgrad, over several steps, state included.
+    #[test]
+    fn fused_cpu_update_is_bit_identical_to_the_tensor_form() {
+        let cases = [
+            (AdamConfig::default(), false),
+            (AdamConfig { lr: 3e-3, weight_decay: 1e-2, ..Default::default() }, false),
+            (AdamConfig { lr: 1e-2, weight_decay: 1e-2, ..Default::default() }, true),
+            (AdamConfig { lr: 1e-2, betas: (0.8, 0.95), eps: 1e-6, amsgrad: true, ..Default::default() }, false),
+            (AdamConfig { lr: 5e-3, weight_decay: 0.1, amsgrad: true, ..Default::default() }, true),
+        ];
+        let dev = Device::Cpu;
+        for (cfg, decoupled) in cases {
+            let h = AdamHyper { cfg: cfg.clone(), decoupled };
+            let init = Tensor::randn(0f32, 1.0, (23, 7), &dev).unwrap();
+            let (fused, reference) = (Var::from_tensor(&init).unwrap(), Var::from_tensor(&init.copy().unwrap()).unwrap());
+            let (mut sf, mut sr) = (None, None);
+            for step in 0..5 {
+                // Gradients shrink over the steps so amsgrad's maximum both keeps and replaces.
+                let g = (Tensor::randn(0f32, 1.0, (23, 7), &dev).unwrap() * (1.0 / (step + 1) as f64)).unwrap();
+                update_fused(&h, &mut sf, &fused, &g).unwrap();
+                update_tensor_form(&h, &mut sr, &reference, &g).unwrap();
+                let ctx = format!("{cfg:?} decoupled={decoupled} step {step}");
+                assert_eq!(bits(fused.as_tensor()), bits(reference.as_tensor()), "{ctx}: parameter");
+                assert_eq!(state_bits(&sf), state_bits(&sr), "{ctx}: state");
+            }
+        }
+    }
+
+    /// amsgrad switched on for state saved without a maximum: both forms start it from this
+    /// step's exp_avg_sq, and the fused one's copy is not aliased to exp_avg_sq afterwards.
+    #[test]
+    fn amsgrad_turned_on_later_matches_and_does_not_alias() {
+        let dev = Device::Cpu;
+        let plain = AdamHyper { cfg: AdamConfig::default(), decoupled: false };
+        let ams = AdamHyper { cfg: AdamConfig { amsgrad: true, ..Default::default() }, decoupled: false };
+        let init = Tensor::randn(0f32, 1.0, 31, &dev).unwrap();
+        let (fused, reference) = (Var::from_tensor(&init).unwrap(), Var::from_tensor(&init.copy().unwrap()).unwrap());
+        let (mut sf, mut sr) = (None, None);
+        for (step, h) in [&plain, &ams, &ams, &ams].into_iter().enumerate() {
+            let g = (Tensor::randn(0f32, 1.0, 31, &dev).unwrap() * if step == 1 { 3.0 } else { 0.1 }).unwrap();
+            update_fused(h, &mut sf, &fused, &g).unwrap();
+            update_tensor_form(h, &mut sr, &reference, &g).unwrap();
+            assert_eq!(bits(fused.as_tensor()), bits(reference.as_tensor()), "step {step}");
+            assert_eq!(state_bits(&sf), state_bits(&sr), "step {step}");
+        }
     }
 }

@@ -137,10 +137,10 @@ impl Sgd {
         let prev = state.as_ref().and_then(|s| s.momentum_buffer.as_ref());
         if super::fused::applies(var, grad, prev) {
             if h.momentum == 0.0 {
-                super::fused::sgd_step(h, var, grad, None)?;
+                super::fused::sgd::step(h, var, grad, None)?;
             } else {
                 let prev = state.take().and_then(|s| s.momentum_buffer);
-                *state = Some(SgdState { momentum_buffer: super::fused::sgd_step(h, var, grad, prev)? });
+                *state = Some(SgdState { momentum_buffer: super::fused::sgd::step(h, var, grad, prev)? });
             }
             return Ok(());
         }

@@ -1,32 +1,13 @@
-//! In-place SGD update for f32 parameters on the CPU.
-//!
-//! The tensor-op form of `torch.optim.SGD` (see `sgd.rs`) allocates a new tensor per
-//! expression and then copies the result into the parameter: about six passes over every
-//! weight per step, which on the bench MLP cost as much as the backward's weight-gradient
-//! accumulation. Here each parameter is read and written once (twice with momentum: the buffer,
-//! then the weight), in place through candle's `InplaceOp3`. Every element is computed with the
-//! same f32 operations in the same order as the tensor form — `affine(x, m)` is `x * m + 0` as
-//! candle computes it — so results are bit-identical; other dtypes and devices use the tensor
-//! form.
-use candle_core::{CpuStorage, DType, InplaceOp3, Layout, Tensor, Var};
+//! In-place `torch.optim.SGD` step: each parameter is read and written once (twice with
+//! momentum: the buffer, then the weight).
+use candle_core::{CpuStorage, InplaceOp3, Layout, Tensor, Var};
 
-use super::sgd::SgdConfig;
-
-/// candle's `affine(mul, 0)` on one f32.
-#[inline(always)]
-fn aff(x: f32, mul: f32) -> f32 {
-    x * mul + 0.0
-}
-
-/// Whether the fused path applies: f32 parameter, gradient and buffer, all on the CPU.
-pub(crate) fn applies(var: &Var, grad: &Tensor, buf: Option<&Tensor>) -> bool {
-    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
-    cpu_f32(var.as_tensor()) && cpu_f32(grad) && buf.is_none_or(cpu_f32)
-}
+use super::{aff, operands};
+use crate::optim::sgd::SgdConfig;
 
 /// One SGD step of `var` with `grad`, updating `buf` (the momentum buffer) in place when
 /// momentum is on. `buf` is `None` on the first momentum step; the new buffer is returned.
-pub(crate) fn sgd_step(
+pub(crate) fn step(
     h: &SgdConfig,
     var: &Var,
     grad: &Tensor,
@@ -92,24 +73,6 @@ impl Kernel {
     }
 }
 
-fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
-        _ => candle_core::bail!("fused sgd: {what} is not a contiguous f32 tensor"),
-    }
-}
-
-fn slice_mut<'a>(
-    s: &'a mut CpuStorage,
-    l: &Layout,
-    what: &str,
-) -> candle_core::Result<&'a mut [f32]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((a, b))) => Ok(&mut v[a..b]),
-        _ => candle_core::bail!("fused sgd: {what} is not a contiguous f32 tensor"),
-    }
-}
-
 /// buf = momentum * buf + (1 - dampening) * d, with d = g + wd * p.
 struct MomentumUpdate(Kernel);
 
@@ -127,16 +90,7 @@ impl InplaceOp3 for MomentumUpdate {
         pl: &Layout,
     ) -> candle_core::Result<()> {
         let k = self.0;
-        let (g, p) = (slice(g, gl, "gradient")?, slice(p, pl, "parameter")?);
-        let b = slice_mut(b, bl, "momentum buffer")?;
-        if b.len() != g.len() || p.len() != g.len() {
-            candle_core::bail!(
-                "fused sgd: buffer, gradient and parameter sizes differ ({}, {}, {})",
-                b.len(),
-                g.len(),
-                p.len()
-            )
-        }
+        let (b, g, p) = operands((b, bl, "momentum buffer"), (g, gl, "gradient"), (p, pl, "parameter"))?;
         for ((b, &g), &p) in b.iter_mut().zip(g).zip(p) {
             let d = k.d(g, p);
             *b = match k.keep {
@@ -165,16 +119,7 @@ impl InplaceOp3 for ParamUpdate {
         bl: &Layout,
     ) -> candle_core::Result<()> {
         let k = self.0;
-        let (g, b) = (slice(g, gl, "gradient")?, slice(b, bl, "momentum buffer")?);
-        let p = slice_mut(p, pl, "parameter")?;
-        if b.len() != g.len() || p.len() != g.len() {
-            candle_core::bail!(
-                "fused sgd: buffer, gradient and parameter sizes differ ({}, {}, {})",
-                b.len(),
-                g.len(),
-                p.len()
-            )
-        }
+        let (p, g, b) = operands((p, pl, "parameter"), (g, gl, "gradient"), (b, bl, "momentum buffer"))?;
         for ((p, &g), &b) in p.iter_mut().zip(g).zip(b) {
             let step = match (k.use_buf, k.nesterov) {
                 (false, _) => k.d(g, *p),
