@@ -25,8 +25,13 @@ pub struct ReducerConfig {
 
 struct Bucket {
     params: Vec<usize>,
-    /// `None` while the buffer is away at the communication thread.
+    /// `None` while the buffer is away at the communication thread. While a synced backward
+    /// fills it, the Vec is empty with `len` elements of capacity: slots are written in
+    /// arrival order into the spare capacity and the length is set once all are written, so
+    /// the buffer never needs zeroing first.
     data: Option<Vec<f32>>,
+    /// Elements of the full bucket.
+    len: usize,
     pending: usize,
 }
 
@@ -113,7 +118,7 @@ impl Reducer {
                 self.loc[p] = (b, off);
                 off += self.numels[p];
             }
-            self.buckets.push(Bucket { pending: plan.params.len(), params: plan.params, data: Some(vec![0.0; off]) });
+            self.buckets.push(Bucket { pending: plan.params.len(), params: plan.params, data: Some(Vec::with_capacity(off)), len: off });
         }
     }
 
@@ -146,15 +151,13 @@ impl Reducer {
         self.globally_used.iter_mut().for_each(|r| *r = true);
         self.arrival.clear();
         self.next_launch = 0;
-        for b in &mut self.buckets {
-            b.pending = b.params.len();
-        }
-        for (b, bucket) in self.buckets.iter_mut().enumerate() {
-            if bucket.data.is_none() {
+        for bucket in &mut self.buckets {
+            bucket.pending = bucket.params.len();
+            match &mut bucket.data {
+                // Kept from a no_sync or failed step: refill from empty.
+                Some(data) => data.clear(),
                 // Handed out by `take_reduced` last step.
-                let len = bucket.params.iter().map(|&p| self.numels[p]).sum();
-                debug_assert!(bucket.params.iter().all(|&p| self.loc[p].0 == b));
-                bucket.data = Some(vec![0.0; len]);
+                None => bucket.data = Some(Vec::with_capacity(bucket.len)),
             }
         }
     }
@@ -191,14 +194,29 @@ impl Reducer {
         let acc = self.accum[idx].take();
         let bucket = &mut self.buckets[b];
         let data = bucket.data.as_mut().ok_or(DdpError::CommThreadGone)?;
-        let dst = &mut data[off..off + n];
+        debug_assert!(data.is_empty() && data.capacity() >= bucket.len);
+        let dst = &mut data.spare_capacity_mut()[off..off + n];
+        let copy = |dst: &mut [std::mem::MaybeUninit<f32>], src: &[f32]| {
+            // SAFETY: `dst` and `src` are both `n` f32s long and cannot overlap (`src` is a
+            // caller's slice or `acc`, `dst` this bucket's spare capacity).
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<f32>(), src.len()) }
+        };
         match (grad, acc) {
-            (Some(g), None) => dst.copy_from_slice(g),
-            (Some(g), Some(a)) => dst.iter_mut().zip(g.iter().zip(&a)).for_each(|(d, (g, a))| *d = g + a),
-            (None, Some(a)) => dst.copy_from_slice(&a),
-            (None, None) => dst.iter_mut().for_each(|d| *d = 0.0),
+            (Some(g), None) => copy(dst, g),
+            (Some(g), Some(a)) => dst.iter_mut().zip(g.iter().zip(&a)).for_each(|(d, (g, a))| {
+                d.write(g + a);
+            }),
+            (None, Some(a)) => copy(dst, &a),
+            (None, None) => dst.iter_mut().for_each(|d| {
+                d.write(0.0);
+            }),
         }
         bucket.pending -= 1;
+        if bucket.pending == 0 {
+            // SAFETY: every parameter of the bucket has been placed exactly once (`ready`
+            // guards repeats), and their slots tile [0, len): all `len` elements are written.
+            unsafe { data.set_len(bucket.len) };
+        }
         self.launch_ready_buckets()
     }
 
@@ -276,7 +294,8 @@ impl Reducer {
             return None;
         }
         let (b, off) = self.loc[idx];
-        self.buckets[b].data.as_deref().map(|d| &d[off..off + self.numels[idx]])
+        // A bucket left incomplete by a failed step is empty: no gradient rather than a panic.
+        self.buckets[b].data.as_deref().and_then(|d| d.get(off..off + self.numels[idx]))
     }
 
     /// After `finalize` of a synchronised step: hands over the averaged bucket buffers without
@@ -422,6 +441,32 @@ mod tests {
             assert!(err.contains("head.weight") && err.contains("find_unused_parameters: true"), "{err}");
             assert_eq!(head, Some(vec![2.0]));
             assert!(globally_unused_is_none);
+        }
+    }
+
+    /// A step that failed midway (an unused parameter) leaves a half-filled bucket: reading it
+    /// gives no gradient instead of uninitialised values, and the next step refills every
+    /// bucket from scratch with the right averages.
+    #[test]
+    fn a_failed_step_leaves_no_stale_or_uninitialised_gradients() {
+        let out = run2(|comm| {
+            let r = comm.rank() as f32;
+            let big = ReducerConfig { first_bucket_bytes: 1 << 20, bucket_bytes: 1 << 20, ..cfg(false) };
+            let mut red = Reducer::new(vec!["a".into(), "b".into()], vec![3, 2], comm, big).unwrap();
+            red.prepare_for_backward(true);
+            red.mark_ready(1, &[9.0, 9.0]).unwrap();
+            assert!(red.finalize().is_err());
+            let after_failure = (red.grad(0).is_none(), red.grad(1).is_none());
+            red.prepare_for_backward(true);
+            red.mark_ready(1, &[r, 2.0 * r]).unwrap();
+            red.mark_ready(0, &[1.0, r, 3.0]).unwrap();
+            red.finalize().unwrap();
+            (after_failure, red.grad(0).unwrap().to_vec(), red.grad(1).unwrap().to_vec())
+        });
+        for (after_failure, a, b) in out {
+            assert_eq!(after_failure, (true, true));
+            assert_eq!(a, vec![1.0, 0.5, 3.0]);
+            assert_eq!(b, vec![0.5, 1.0]);
         }
     }
 }
