@@ -1,6 +1,7 @@
 //! Splits one plain training step of the bench MLP (784-1024-1024-10, SGD) into forward+loss,
 //! backward and optimizer time, to see where the tensor engine spends it.
 //! `RAYON_NUM_THREADS=1 cargo run --release -p tandem-ddp --example step_probe -- 64`
+//! (PyTorch's counterpart for the same split: `scripts/torch_step_probe.py 64`)
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
@@ -14,9 +15,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|s| s.parse())
         .transpose()?
         .unwrap_or(64);
-    if std::env::var("PROBE_MALLOC").is_ok() {
-        println!("tuned: {}", tandem_ddp::tune_allocator());
-    }
+    // As `tandem::init()` does; `TANDEM_MALLOC=system` measures glibc's defaults.
+    let tuned = tandem_ddp::tune_allocator();
     let d = Device::Cpu;
     let m = Mlp::new(&[784, 1024, 1024, 10], 0, &d)?;
     let mut opt = Sgd::new(
@@ -49,6 +49,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     let ms = |t: f64| t / n as f64 * 1e3;
-    println!("batch {batch}: forward {:.2} ms backward {:.2} ms opt {:.2} ms total {:.2} ms ({:.0} samples/s)", ms(tf), ms(tb), ms(to), ms(tf + tb + to), batch as f64 * n as f64 / (tf + tb + to));
+    println!("batch {batch} (malloc kept: {tuned}): forward {:.2} ms backward {:.2} ms opt {:.2} ms total {:.2} ms ({:.0} samples/s)", ms(tf), ms(tb), ms(to), ms(tf + tb + to), batch as f64 * n as f64 / (tf + tb + to));
     Ok(())
 }
