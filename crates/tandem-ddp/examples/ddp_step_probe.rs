@@ -9,6 +9,8 @@ use tandem_ddp::optim::{Optimizer, Sgd, SgdConfig};
 use tandem_ddp::{Ddp, DdpOptions, Module, SingleProcess};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // As `tandem::init()` does (`TANDEM_MALLOC=system` to measure glibc's defaults).
+    tandem_ddp::tune_allocator();
     let d = Device::Cpu;
     let x = Tensor::randn(0f32, 1., (128, 784), &d)?;
     let y = Tensor::from_vec((0..128u32).map(|i| i % 10).collect::<Vec<_>>(), 128, &d)?;
