@@ -165,6 +165,22 @@ fn positive(name: &'static str, v: i64) -> Result<(), SchedError> {
     Ok(())
 }
 
+/// `step`, `last_lrs` and `last_epoch` of a scheduler built on `Core` with its own
+/// `advance(initial)`: the same for every scheduler here.
+macro_rules! core_scheduler_methods {
+    () => {
+        fn step(&mut self) {
+            self.advance(false)
+        }
+        fn last_lrs(&self) -> &[f64] {
+            &self.core.last_lrs
+        }
+        fn last_epoch(&self) -> i64 {
+            self.core.last_epoch
+        }
+    };
+}
+
 /// `torch.optim.lr_scheduler.StepLR`: multiplies the lr by `gamma` every `step_size` steps.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepLR {
@@ -197,15 +213,7 @@ impl StepLR {
 }
 
 impl LrScheduler for StepLR {
-    fn step(&mut self) {
-        self.advance(false)
-    }
-    fn last_lrs(&self) -> &[f64] {
-        &self.core.last_lrs
-    }
-    fn last_epoch(&self) -> i64 {
-        self.core.last_epoch
-    }
+    core_scheduler_methods!();
     fn state_dict(&self) -> Value {
         self.core.state_dict(vec![("step_size", Value::Int(self.step_size)), ("gamma", Value::Float(self.gamma))])
     }
@@ -267,15 +275,7 @@ impl CosineAnnealingLR {
 }
 
 impl LrScheduler for CosineAnnealingLR {
-    fn step(&mut self) {
-        self.advance(false)
-    }
-    fn last_lrs(&self) -> &[f64] {
-        &self.core.last_lrs
-    }
-    fn last_epoch(&self) -> i64 {
-        self.core.last_epoch
-    }
+    core_scheduler_methods!();
     fn state_dict(&self) -> Value {
         self.core.state_dict(vec![("T_max", Value::Int(self.t_max)), ("eta_min", Value::Float(self.eta_min))])
     }
@@ -350,15 +350,7 @@ impl LinearLR {
 }
 
 impl LrScheduler for LinearLR {
-    fn step(&mut self) {
-        self.advance(false)
-    }
-    fn last_lrs(&self) -> &[f64] {
-        &self.core.last_lrs
-    }
-    fn last_epoch(&self) -> i64 {
-        self.core.last_epoch
-    }
+    core_scheduler_methods!();
     fn state_dict(&self) -> Value {
         self.core.state_dict(vec![
             ("start_factor", Value::Float(self.start_factor)),
@@ -453,15 +445,7 @@ impl PolyScheduler {
 }
 
 impl LrScheduler for PolyScheduler {
-    fn step(&mut self) {
-        self.advance(false)
-    }
-    fn last_lrs(&self) -> &[f64] {
-        &self.core.last_lrs
-    }
-    fn last_epoch(&self) -> i64 {
-        self.core.last_epoch
-    }
+    core_scheduler_methods!();
     fn state_dict(&self) -> Value {
         self.core.state_dict(vec![
             ("base_lr", Value::Float(self.base_lr)),
