@@ -26,14 +26,19 @@ fn main() -> Result<()> {
     let mut opt = Sgd::new(params, SgdConfig { lr: 0.05, momentum: 0.9, ..Default::default() })?;
 
     let sampler = DistributedSampler::new(train.len(), world, rank, true, 0, false)?;
-    let mut loader = DataLoader::new(Arc::new(train), sampler, LoaderOptions::new(32), Device::Cpu)?;
+    let mut loader =
+        DataLoader::new(Arc::new(train), sampler, LoaderOptions::new(32), Device::Cpu)?;
 
     // Resume: every rank reads the newest checkpoint that verifies.
     let manager = CheckpointManager::new(&ckpt_dir, 2);
     let mut start_epoch = 0;
     if let Some((path, value)) = manager.latest_valid()? {
         let ck = TrainingCheckpoint::from_value(&value)?;
-        let names: Vec<_> = ddp.named_parameters().into_iter().map(|(n, v)| (n, v.dims().to_vec(), tandem::ckpt::DType::F32)).collect();
+        let names: Vec<_> = ddp
+            .named_parameters()
+            .into_iter()
+            .map(|(n, v)| (n, v.dims().to_vec(), tandem::ckpt::DType::F32))
+            .collect();
         let (tensors, _report) = tandem::ckpt::load_state_dict(&ck.model, &names, true)?;
         ddp.load_state_dict(tandem::ddp::convert::state_dict_from_ckpt(&tensors, &Device::Cpu)?)?;
         opt.load_state_dict(&ck.optimizer)?;
@@ -66,7 +71,12 @@ fn main() -> Result<()> {
             world_size: world as i64,
             config: Value::None,
         };
-        let saved = manager.save_on_rank(rank, &format!("epoch-{:03}", epoch + 1), &ck.to_value()?, || group.barrier())?;
+        let saved = manager.save_on_rank(
+            rank,
+            &format!("epoch-{:03}", epoch + 1),
+            &ck.to_value()?,
+            || group.barrier(),
+        )?;
         if let Some(path) = saved {
             println!("epoch {epoch}: last loss {last:.4}, saved {}", path.display());
         }

@@ -8,7 +8,11 @@ use tandem_ckpt::pt::load_from_bytes;
 fuzz_target!(|data: &[u8]| {
     for verify in [false, true] {
         if let Ok(v) = load_from_bytes("fuzz-input", data.to_vec(), verify) {
-            let _ = tandem_ckpt::keys::load_state_dict(&v, &[("w".into(), vec![2], tandem_ckpt::DType::F32)], false);
+            let _ = tandem_ckpt::keys::load_state_dict(
+                &v,
+                &[("w".into(), vec![2], tandem_ckpt::DType::F32)],
+                false,
+            );
             let _ = tandem_ckpt::to_pt_bytes(&v);
         }
     }

@@ -11,7 +11,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = std::env::args().nth(1).ok_or("usage: zip64_check OUT.pt")?;
     let len: usize = (4usize << 30) + 4096 + 3;
     let src = format!("{out}.src");
-    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&src)?;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&src)?;
     f.set_len(len as u64)?;
     {
         use std::os::unix::fs::FileExt;
@@ -19,7 +24,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     // SAFETY: the source file is private to this run and not modified while mapped.
     let map = Arc::new(unsafe { memmap2::Mmap::map(&f)? });
-    let big = Tensor { dtype: DType::U8, shape: vec![len], stride: vec![1], storage_offset: 0, storage: Storage::from_mmap(map, 0, len) };
+    let big = Tensor {
+        dtype: DType::U8,
+        shape: vec![len],
+        stride: vec![1],
+        storage_offset: 0,
+        storage: Storage::from_mmap(map, 0, len),
+    };
     // A second tensor after the big one: its local header offset is past 4 GiB.
     let small = Tensor::from_f32(&[3], &[1.5, 2.5, 3.5]);
     let v = Value::dict_from([("big", Value::Tensor(big)), ("small", Value::Tensor(small))]);
@@ -27,7 +38,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tandem_ckpt::save(&out, &v)?;
     eprintln!("saved {out} in {:.1}s", t.elapsed().as_secs_f64());
     std::fs::remove_file(&src)?;
-    let back = tandem_ckpt::load_with(&out, &tandem_ckpt::LoadOptions { verify_checksums: true, ..Default::default() })?;
+    let back = tandem_ckpt::load_with(
+        &out,
+        &tandem_ckpt::LoadOptions { verify_checksums: true, ..Default::default() },
+    )?;
     let b = back.get("big").and_then(Value::as_tensor).ok_or("no big")?;
     let s = back.get("small").and_then(Value::as_tensor).ok_or("no small")?;
     assert_eq!(b.shape, vec![len]);

@@ -8,7 +8,10 @@ use std::path::Path;
 use crate::error::{CkptError, Result};
 
 /// Creates `path` atomically with whatever `fill` writes into the file.
-pub fn write_atomic(path: &Path, fill: impl FnOnce(&mut File) -> std::io::Result<()>) -> Result<()> {
+pub fn write_atomic(
+    path: &Path,
+    fill: impl FnOnce(&mut File) -> std::io::Result<()>,
+) -> Result<()> {
     let (dir, mut tmp) = temp_beside(path)?;
     fill(tmp.as_file_mut()).map_err(|e| CkptError::io(path, e))?;
     tmp.as_file_mut().flush().map_err(|e| CkptError::io(path, e))?;
@@ -36,9 +39,13 @@ fn temp_beside(path: &Path) -> Result<(std::path::PathBuf, tempfile::NamedTempFi
 /// True when `file_name` is a temp file [`write_atomic`] makes for a target whose name passes
 /// `target_name_ok` (what a killed writer leaves behind).
 pub fn is_temp_for(file_name: &str, target_name_ok: impl Fn(&str) -> bool) -> bool {
-    let Some(inner) = file_name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")) else { return false };
+    let Some(inner) = file_name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")) else {
+        return false;
+    };
     // inner = "<target name>.<random>"
-    inner.rsplit_once('.').is_some_and(|(target, random)| !random.is_empty() && target_name_ok(target))
+    inner
+        .rsplit_once('.')
+        .is_some_and(|(target, random)| !random.is_empty() && target_name_ok(target))
 }
 
 /// fsync of a directory, so a rename inside it survives a crash.

@@ -11,7 +11,8 @@ use crate::value::{DType, Tensor, Value};
 /// Path segments that wrappers insert and that never belong to a canonical key.
 const WRAPPER_SEGMENTS: [&str; 2] = ["module", "_orig_mod"];
 /// Container keys under which training scripts keep the model's state dict, most specific first.
-pub const CONTAINER_KEYS: [&str; 6] = ["state_dict", "model_state_dict", "model", "module", "net", "network"];
+pub const CONTAINER_KEYS: [&str; 6] =
+    ["state_dict", "model_state_dict", "model", "module", "net", "network"];
 
 /// A renaming applied to one side's keys before matching.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,7 +26,8 @@ pub enum Renaming {
 }
 
 impl Renaming {
-    const ALL: [Renaming; 3] = [Renaming::None, Renaming::StripWrappers, Renaming::StripWrappersAndModel];
+    const ALL: [Renaming; 3] =
+        [Renaming::None, Renaming::StripWrappers, Renaming::StripWrappersAndModel];
 
     pub fn apply(self, key: &str) -> String {
         match self {
@@ -51,7 +53,9 @@ impl fmt::Display for Renaming {
         f.write_str(match self {
             Renaming::None => "none",
             Renaming::StripWrappers => "removed `module.`/`_orig_mod.` segments",
-            Renaming::StripWrappersAndModel => "removed `module.`/`_orig_mod.` segments and a leading `model.`",
+            Renaming::StripWrappersAndModel => {
+                "removed `module.`/`_orig_mod.` segments and a leading `model.`"
+            }
         })
     }
 }
@@ -81,7 +85,10 @@ pub fn detect_wrapping<'a>(keys: impl IntoIterator<Item = &'a str>) -> Vec<Strin
                 if i == 0 {
                     add("`module.` prefix (DistributedDataParallel / DataParallel)".into());
                 } else {
-                    add(format!("`{}.module.` (DataParallel on a submodule)", parts[..i].join(".")));
+                    add(format!(
+                        "`{}.module.` (DataParallel on a submodule)",
+                        parts[..i].join(".")
+                    ));
                 }
             } else if *p == "_orig_mod" {
                 add("`_orig_mod.` (torch.compile)".into());
@@ -124,7 +131,8 @@ pub fn canonicalize_keys(value: &Value) -> Result<Value> {
         Value::Dict(items) => {
             let mut out = Vec::with_capacity(items.len());
             for (k, v) in items {
-                let is_container = matches!(k, Value::Str(s) if CONTAINER_KEYS.contains(&s.as_str()));
+                let is_container =
+                    matches!(k, Value::Str(s) if CONTAINER_KEYS.contains(&s.as_str()));
                 out.push((k.clone(), if is_container { canonicalize_keys(v)? } else { v.clone() }));
             }
             Ok(Value::Dict(out))
@@ -163,7 +171,10 @@ pub fn find_state_dicts(source: &Value) -> Vec<(String, Vec<(String, Tensor)>)> 
     }
     fn walk(v: &Value, path: &str, depth: usize, out: &mut Vec<(String, Vec<(String, Tensor)>)>) {
         if is_state_dict(v) {
-            out.push((if path.is_empty() { "(bare)".to_string() } else { path.to_string() }, tensors_of(v)));
+            out.push((
+                if path.is_empty() { "(bare)".to_string() } else { path.to_string() },
+                tensors_of(v),
+            ));
             return;
         }
         if depth >= 3 {
@@ -267,7 +278,11 @@ impl fmt::Display for LoadReport {
         if !self.shape_mismatches.is_empty() {
             writeln!(f, "  shape mismatches ({}):", self.shape_mismatches.len())?;
             for m in &self.shape_mismatches {
-                writeln!(f, "    {}: checkpoint {:?} ({}) vs model {:?}", m.name, m.checkpoint, m.checkpoint_key, m.model)?;
+                writeln!(
+                    f,
+                    "    {}: checkpoint {:?} ({}) vs model {:?}",
+                    m.name, m.checkpoint, m.checkpoint_key, m.model
+                )?;
             }
         }
         if !self.dtype_conversions.is_empty() {
@@ -345,8 +360,15 @@ pub fn load_state_dict(
                     None => true,
                     Some(b) => {
                         // More matches wins; then no collisions; then the least renaming.
-                        (c.pairs.len(), std::cmp::Reverse(c.collisions), std::cmp::Reverse(c.src.cost() + c.tgt.cost()))
-                            > (b.pairs.len(), std::cmp::Reverse(b.collisions), std::cmp::Reverse(b.src.cost() + b.tgt.cost()))
+                        (
+                            c.pairs.len(),
+                            std::cmp::Reverse(c.collisions),
+                            std::cmp::Reverse(c.src.cost() + c.tgt.cost()),
+                        ) > (
+                            b.pairs.len(),
+                            std::cmp::Reverse(b.collisions),
+                            std::cmp::Reverse(b.src.cost() + b.tgt.cost()),
+                        )
                     }
                 };
                 if better {
@@ -389,7 +411,11 @@ pub fn load_state_dict(
             continue;
         }
         let t = if t.dtype != *dtype {
-            report.dtype_conversions.push(DTypeConversion { name: name.clone(), checkpoint: t.dtype, model: *dtype });
+            report.dtype_conversions.push(DTypeConversion {
+                name: name.clone(),
+                checkpoint: t.dtype,
+                model: *dtype,
+            });
             t.to_dtype(*dtype)
         } else {
             t.clone()
@@ -397,7 +423,8 @@ pub fn load_state_dict(
         report.matched.push(name.clone());
         out.push((name.clone(), t));
     }
-    report.unexpected = tensors.iter().zip(&used).filter(|(_, &u)| !u).map(|((k, _), _)| k.clone()).collect();
+    report.unexpected =
+        tensors.iter().zip(&used).filter(|(_, &u)| !u).map(|((k, _), _)| k.clone()).collect();
     if !report.is_complete() {
         if strict {
             return Err(CkptError::StateDictMismatch(Box::new(report)));
@@ -412,7 +439,10 @@ mod tests {
     use super::*;
 
     fn sd(keys: &[&str]) -> Value {
-        Value::dict_from(keys.iter().map(|k| (k.to_string(), Value::Tensor(Tensor::from_f32(&[2], &[1.0, 2.0])))))
+        Value::dict_from(
+            keys.iter()
+                .map(|k| (k.to_string(), Value::Tensor(Tensor::from_f32(&[2], &[1.0, 2.0])))),
+        )
     }
 
     fn target(keys: &[&str]) -> Vec<(String, Vec<usize>, DType)> {
@@ -429,8 +459,11 @@ mod tests {
 
     #[test]
     fn dataparallel_on_a_submodule_loads_into_the_plain_model() {
-        let src = Value::dict_from([("model", sd(&["features.module.0.weight", "classifier.weight"]))]);
-        let (out, r) = load_state_dict(&src, &target(&["features.0.weight", "classifier.weight"]), true).unwrap();
+        let src =
+            Value::dict_from([("model", sd(&["features.module.0.weight", "classifier.weight"]))]);
+        let (out, r) =
+            load_state_dict(&src, &target(&["features.0.weight", "classifier.weight"]), true)
+                .unwrap();
         assert_eq!(out.len(), 2);
         assert_eq!(r.container, "model");
         assert_eq!(r.source_renaming, Renaming::StripWrappers);
@@ -443,7 +476,8 @@ mod tests {
         let (_, r) = load_state_dict(&src, &target(&["fc.weight", "fc.bias"]), true).unwrap();
         assert_eq!(r.source_renaming, Renaming::StripWrappersAndModel);
         // A model that really has a `model` submodule keeps the names as they are.
-        let (_, r) = load_state_dict(&src, &target(&["model.fc.weight", "model.fc.bias"]), true).unwrap();
+        let (_, r) =
+            load_state_dict(&src, &target(&["model.fc.weight", "model.fc.bias"]), true).unwrap();
         assert_eq!(r.source_renaming, Renaming::None);
     }
 
@@ -466,7 +500,8 @@ mod tests {
     fn non_strict_returns_what_fits_and_reports_the_rest() {
         let mut src = sd(&["a.weight", "b.weight"]);
         src.insert("c.weight", Value::Tensor(Tensor::from_f32(&[3], &[0.0; 3])));
-        let (out, r) = load_state_dict(&src, &target(&["a.weight", "c.weight", "d.weight"]), false).unwrap();
+        let (out, r) =
+            load_state_dict(&src, &target(&["a.weight", "c.weight", "d.weight"]), false).unwrap();
         assert_eq!(out.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["a.weight"]);
         assert_eq!(r.missing, ["d.weight"]);
         assert_eq!(r.unexpected, ["b.weight"]);

@@ -49,9 +49,15 @@ impl TrainingCheckpoint {
 
     /// Reads the fields back; a missing or mistyped field is an error naming it.
     pub fn from_value(v: &Value) -> Result<Self> {
-        let field = |k: &str| v.get(k).ok_or_else(|| CkptError::NoStateDict(format!("training checkpoint has no `{k}` entry")));
+        let field = |k: &str| {
+            v.get(k).ok_or_else(|| {
+                CkptError::NoStateDict(format!("training checkpoint has no `{k}` entry"))
+            })
+        };
         let int = |k: &str| {
-            field(k)?.as_int().ok_or_else(|| CkptError::NoStateDict(format!("training checkpoint `{k}` is not an int")))
+            field(k)?.as_int().ok_or_else(|| {
+                CkptError::NoStateDict(format!("training checkpoint `{k}` is not an int"))
+            })
         };
         Ok(TrainingCheckpoint {
             epoch: int("epoch")?,
@@ -98,14 +104,18 @@ impl CheckpointManager {
     /// [`save_on_rank`](Self::save_on_rank).
     pub fn save(&self, name: &str, value: &Value) -> Result<PathBuf> {
         if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
-            return Err(self.err(format!("checkpoint name `{name}` must be non-empty, without `/` and not start with `.`")));
+            return Err(self.err(format!(
+                "checkpoint name `{name}` must be non-empty, without `/` and not start with `.`"
+            )));
         }
         std::fs::create_dir_all(&self.dir).map_err(|e| CkptError::io(&self.dir, e))?;
         self.remove_stale_temps();
         let path = self.path_for(name);
         crate::pt::save(&path, &canonicalize_keys(value)?)?;
         let file_name = format!("{PREFIX}{name}{SUFFIX}\n");
-        crate::atomic::write_atomic(&self.dir.join(LATEST), |f| std::io::Write::write_all(f, file_name.as_bytes()))?;
+        crate::atomic::write_atomic(&self.dir.join(LATEST), |f| {
+            std::io::Write::write_all(f, file_name.as_bytes())
+        })?;
         self.apply_retention(&path)?;
         Ok(path)
     }
@@ -122,7 +132,9 @@ impl CheckpointManager {
         barrier: impl FnOnce() -> std::result::Result<(), E>,
     ) -> Result<Option<PathBuf>> {
         let written = if rank == 0 { self.save(name, value).map(Some) } else { Ok(None) };
-        let synced = barrier().map_err(|e| self.err(format!("barrier after saving `{name}` failed on rank {rank}: {e}")));
+        let synced = barrier().map_err(|e| {
+            self.err(format!("barrier after saving `{name}` failed on rank {rank}: {e}"))
+        });
         let written = written?;
         synced?;
         Ok(written)
@@ -135,7 +147,9 @@ impl CheckpointManager {
         let Ok(rd) = std::fs::read_dir(&self.dir) else { return };
         for entry in rd.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            let ours = |target: &str| (target.starts_with(PREFIX) && target.ends_with(SUFFIX)) || target == LATEST;
+            let ours = |target: &str| {
+                (target.starts_with(PREFIX) && target.ends_with(SUFFIX)) || target == LATEST
+            };
             if crate::atomic::is_temp_for(&name, ours) {
                 if let Err(e) = std::fs::remove_file(entry.path()) {
                     tracing::warn!("cannot remove stale temp file {}: {e}", entry.path().display());
@@ -158,7 +172,8 @@ impl CheckpointManager {
             if !(name.starts_with(PREFIX) && name.ends_with(SUFFIX)) {
                 continue;
             }
-            let mtime = entry.metadata().and_then(|m| m.modified()).unwrap_or(SystemTime::UNIX_EPOCH);
+            let mtime =
+                entry.metadata().and_then(|m| m.modified()).unwrap_or(SystemTime::UNIX_EPOCH);
             files.push((mtime, entry.path()));
         }
         files.sort_by(|a, b| b.cmp(a));
@@ -212,12 +227,23 @@ mod tests {
     fn value(step: i64) -> Value {
         Value::dict_from([
             ("global_step", Value::Int(step)),
-            ("model", Value::dict_from([("module.w", Value::Tensor(Tensor::from_f32(&[2], &[step as f32, 1.0])))])),
+            (
+                "model",
+                Value::dict_from([(
+                    "module.w",
+                    Value::Tensor(Tensor::from_f32(&[2], &[step as f32, 1.0])),
+                )]),
+            ),
         ])
     }
 
     fn names(m: &CheckpointManager) -> Vec<String> {
-        let mut v: Vec<String> = m.list().unwrap().iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        let mut v: Vec<String> = m
+            .list()
+            .unwrap()
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
         v.sort();
         v
     }
@@ -255,7 +281,8 @@ mod tests {
         assert_eq!(v.get("global_step"), Some(&Value::Int(4)));
         assert!(v.get("model").unwrap().get("w").is_some(), "saved with canonical keys");
         // No temp files are left behind.
-        let all: Vec<_> = std::fs::read_dir(m.dir()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let all: Vec<_> =
+            std::fs::read_dir(m.dir()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(all.len(), 3, "{all:?}");
     }
 
@@ -298,7 +325,10 @@ mod tests {
     #[test]
     fn empty_directory_means_fresh_start() {
         let dir = tempfile::tempdir().unwrap();
-        assert!(CheckpointManager::new(dir.path().join("none"), 3).latest_valid().unwrap().is_none());
+        assert!(CheckpointManager::new(dir.path().join("none"), 3)
+            .latest_valid()
+            .unwrap()
+            .is_none());
     }
 
     #[test]
@@ -317,7 +347,13 @@ mod tests {
         assert!(r.is_err());
         let good = CheckpointManager::new(dir.path().join("ok"), 1);
         let mut calls = 0;
-        assert!(good.save_on_rank(1, "s", &value(1), || { calls += 1; Ok::<(), String>(()) }).unwrap().is_none());
+        assert!(good
+            .save_on_rank(1, "s", &value(1), || {
+                calls += 1;
+                Ok::<(), String>(())
+            })
+            .unwrap()
+            .is_none());
         assert_eq!(calls, 1);
         assert!(good.list().unwrap().is_empty(), "only rank 0 writes");
         let e = good.save_on_rank(0, "s", &value(1), || Err("peer died")).unwrap_err();
@@ -342,7 +378,13 @@ mod tests {
         m.save("epoch-3", &t.to_value().unwrap()).unwrap();
         let (_, v) = m.latest_valid().unwrap().unwrap();
         assert_eq!(TrainingCheckpoint::from_value(&v).unwrap(), t);
-        assert_eq!(v.get("tandem_version").and_then(Value::as_str), Some(env!("CARGO_PKG_VERSION")));
-        assert!(TrainingCheckpoint::from_value(&Value::new_dict()).unwrap_err().to_string().contains("epoch"));
+        assert_eq!(
+            v.get("tandem_version").and_then(Value::as_str),
+            Some(env!("CARGO_PKG_VERSION"))
+        );
+        assert!(TrainingCheckpoint::from_value(&Value::new_dict())
+            .unwrap_err()
+            .to_string()
+            .contains("epoch"));
     }
 }

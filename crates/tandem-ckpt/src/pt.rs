@@ -170,8 +170,15 @@ fn load_file_bytes(path: &Path, fb: &FileBytes, opts: &LoadOptions) -> Result<Va
         Some(FileKind::Safetensors) => crate::safetensors::from_bytes(path, fb),
         None => {
             let head: Vec<String> = fb.bytes().iter().take(8).map(|b| format!("{b:02x}")).collect();
-            let hint = if fb.bytes().is_empty() { "the file is empty".to_string() } else { format!("it starts with {}", head.join(" ")) };
-            Err(CkptError::format(path, format!("not a torch.save (zip or legacy) or safetensors file: {hint}")))
+            let hint = if fb.bytes().is_empty() {
+                "the file is empty".to_string()
+            } else {
+                format!("it starts with {}", head.join(" "))
+            };
+            Err(CkptError::format(
+                path,
+                format!("not a torch.save (zip or legacy) or safetensors file: {hint}"),
+            ))
         }
     }
 }
@@ -186,30 +193,41 @@ struct ZipEntry {
 
 fn read_zip(path: &Path, fb: &FileBytes, verify: bool) -> Result<Value> {
     let bytes = fb.bytes();
-    let zerr = |e: zip::result::ZipError| CkptError::format(path, format!("broken zip archive: {e}"));
+    let zerr =
+        |e: zip::result::ZipError| CkptError::format(path, format!("broken zip archive: {e}"));
     let mut archive = zip::ZipArchive::new(Cursor::new(bytes)).map_err(zerr)?;
     let mut entries: HashMap<String, ZipEntry> = HashMap::new();
     for i in 0..archive.len() {
         let f = archive.by_index_raw(i).map_err(zerr)?;
         let name = f.name().map_err(zerr)?.to_string();
-        let start = f.data_start().ok_or_else(|| CkptError::format(path, format!("zip entry {name} has no data offset")))?;
+        let start = f.data_start().ok_or_else(|| {
+            CkptError::format(path, format!("zip entry {name} has no data offset"))
+        })?;
         let len = f.compressed_size();
         let end = start.checked_add(len).filter(|&e| e <= bytes.len() as u64).ok_or_else(|| {
             CkptError::format(path, format!("zip entry {name} ({len} bytes at {start}) runs past the end of the file ({} bytes): truncated?", bytes.len()))
         })?;
         let stored = f.compression() == zip::CompressionMethod::Stored;
         if stored && f.size() != len {
-            return Err(CkptError::format(path, format!("zip entry {name}: stored size {len} != size {}", f.size())));
+            return Err(CkptError::format(
+                path,
+                format!("zip entry {name}: stored size {len} != size {}", f.size()),
+            ));
         }
         let _ = end;
-        entries.insert(name, ZipEntry { start: start as usize, len: len as usize, crc: f.crc32(), stored, index: i });
+        entries.insert(
+            name,
+            ZipEntry { start: start as usize, len: len as usize, crc: f.crc32(), stored, index: i },
+        );
     }
     let pkl_name = entries
         .keys()
         .filter(|n| n.ends_with("/data.pkl") && n.matches('/').count() == 1)
         .min()
         .cloned()
-        .ok_or_else(|| CkptError::format(path, "zip archive has no <name>/data.pkl: not a torch.save file"))?;
+        .ok_or_else(|| {
+            CkptError::format(path, "zip archive has no <name>/data.pkl: not a torch.save file")
+        })?;
     let prefix = &pkl_name[..pkl_name.len() - "data.pkl".len()];
 
     // Reads an entry: zero-copy when stored, decompressed (bounded) otherwise.
@@ -218,7 +236,10 @@ fn read_zip(path: &Path, fb: &FileBytes, verify: bool) -> Result<Value> {
         let raw = &bytes[e.start..e.start + e.len];
         if e.stored {
             if verify && crc32fast::hash(raw) != e.crc {
-                return Err(CkptError::format(path, format!("zip entry {name} fails its CRC-32 check: file is corrupt")));
+                return Err(CkptError::format(
+                    path,
+                    format!("zip entry {name} fails its CRC-32 check: file is corrupt"),
+                ));
             }
             return Ok(Some(std::borrow::Cow::Borrowed(raw)));
         }
@@ -226,19 +247,33 @@ fn read_zip(path: &Path, fb: &FileBytes, verify: bool) -> Result<Value> {
         let size = f.size();
         // Deflate expands at most ~1032x; a larger claim is a zip bomb.
         if size > (e.len as u64).saturating_mul(1032).saturating_add(1024) {
-            return Err(CkptError::format(path, format!("zip entry {name} claims {size} bytes from {} compressed", e.len)));
+            return Err(CkptError::format(
+                path,
+                format!("zip entry {name} claims {size} bytes from {} compressed", e.len),
+            ));
         }
         let mut out = Vec::with_capacity(size as usize);
-        f.by_ref().take(size).read_to_end(&mut out).map_err(|e| CkptError::format(path, format!("zip entry {name}: {e}")))?;
+        f.by_ref()
+            .take(size)
+            .read_to_end(&mut out)
+            .map_err(|e| CkptError::format(path, format!("zip entry {name}: {e}")))?;
         Ok(Some(std::borrow::Cow::Owned(out)))
     };
 
     if let Some(order) = entry_bytes(&format!("{prefix}byteorder"))? {
         if order.as_ref() != b"little" {
-            return Err(CkptError::format(path, format!("byteorder is `{}`; only little-endian files are supported", String::from_utf8_lossy(&order))));
+            return Err(CkptError::format(
+                path,
+                format!(
+                    "byteorder is `{}`; only little-endian files are supported",
+                    String::from_utf8_lossy(&order)
+                ),
+            ));
         }
     }
-    let pkl = entry_bytes(&pkl_name)?.ok_or_else(|| CkptError::format(path, "data.pkl vanished"))?.into_owned();
+    let pkl = entry_bytes(&pkl_name)?
+        .ok_or_else(|| CkptError::format(path, "data.pkl vanished"))?
+        .into_owned();
     let up = unpickle(&pkl).map_err(|e| pickle_error(path, &pkl_name, e))?;
 
     let mut cache: HashMap<String, Storage> = HashMap::new();
@@ -250,10 +285,15 @@ fn read_zip(path: &Path, fb: &FileBytes, verify: bool) -> Result<Value> {
         let e = entries.get(&name).ok_or_else(|| format!("storage record {name} is missing"))?;
         let need = s.numel.checked_mul(s.dtype.size() as u64).ok_or("storage size overflows")?;
         if (e.len as u64) < need {
-            return Err(format!("storage record {name} has {} bytes, the pickle needs {need}", e.len));
+            return Err(format!(
+                "storage record {name} has {} bytes, the pickle needs {need}",
+                e.len
+            ));
         }
         if !e.stored {
-            return Err(format!("storage record {name} is compressed; torch.save never compresses storages"));
+            return Err(format!(
+                "storage record {name} is compressed; torch.save never compresses storages"
+            ));
         }
         let raw = &bytes[e.start..e.start + e.len];
         if verify && crc32fast::hash(raw) != e.crc {
@@ -268,7 +308,10 @@ fn read_zip(path: &Path, fb: &FileBytes, verify: bool) -> Result<Value> {
         // Records nobody referenced still belong to the file's integrity.
         for (name, e) in &entries {
             if e.stored && crc32fast::hash(&bytes[e.start..e.start + e.len]) != e.crc {
-                return Err(CkptError::format(path, format!("zip entry {name} fails its CRC-32 check: file is corrupt")));
+                return Err(CkptError::format(
+                    path,
+                    format!("zip entry {name} fails its CRC-32 check: file is corrupt"),
+                ));
             }
         }
     }
@@ -286,19 +329,27 @@ fn read_legacy(path: &Path, fb: &FileBytes) -> Result<Value> {
         Ok(up)
     };
     let plain = |up: &Unpickled, what: &str| -> Result<Value> {
-        up.to_value(&mut |_| Err("unexpected storage".into())).map_err(|m| CkptError::format(path, format!("{what}: {m}")))
+        up.to_value(&mut |_| Err("unexpected storage".into()))
+            .map_err(|m| CkptError::format(path, format!("{what}: {m}")))
     };
     let version = plain(&next("protocol version", &mut pos)?, "protocol version")?;
     if version.as_int() != Some(1001) {
-        return Err(CkptError::format(path, format!("legacy protocol version {version:?}, expected 1001")));
+        return Err(CkptError::format(
+            path,
+            format!("legacy protocol version {version:?}, expected 1001"),
+        ));
     }
     let sys_info = plain(&next("sys_info", &mut pos)?, "sys_info")?;
     if sys_info.get("little_endian").and_then(Value::as_bool) == Some(false) {
-        return Err(CkptError::format(path, "saved on a big-endian machine; only little-endian files are supported"));
+        return Err(CkptError::format(
+            path,
+            "saved on a big-endian machine; only little-endian files are supported",
+        ));
     }
     let main = next("data pickle", &mut pos)?;
     let keys = plain(&next("storage keys", &mut pos)?, "storage keys")?;
-    let keys = keys.as_list().ok_or_else(|| CkptError::format(path, "storage key list is not a list"))?;
+    let keys =
+        keys.as_list().ok_or_else(|| CkptError::format(path, "storage key list is not a list"))?;
     let mut dtype_of: HashMap<&str, crate::value::DType> = HashMap::new();
     for s in main.storages() {
         dtype_of.insert(&s.key, s.dtype);
@@ -306,14 +357,25 @@ fn read_legacy(path: &Path, fb: &FileBytes) -> Result<Value> {
     let mut storages: HashMap<String, Storage> = HashMap::new();
     for k in keys {
         let k = k.as_str().ok_or_else(|| CkptError::format(path, "storage key is not a str"))?;
-        let dtype = *dtype_of.get(k).ok_or_else(|| CkptError::format(path, format!("storage {k} is listed but never used")))?;
-        let header = bytes.get(pos..pos + 8).ok_or_else(|| CkptError::format(path, format!("truncated before storage {k}")))?;
+        let dtype = *dtype_of.get(k).ok_or_else(|| {
+            CkptError::format(path, format!("storage {k} is listed but never used"))
+        })?;
+        let header = bytes
+            .get(pos..pos + 8)
+            .ok_or_else(|| CkptError::format(path, format!("truncated before storage {k}")))?;
         let numel = u64::from_le_bytes(header.try_into().expect("8 bytes"));
         pos += 8;
         let len = numel
             .checked_mul(dtype.size() as u64)
             .filter(|&l| l <= (bytes.len() - pos) as u64)
-            .ok_or_else(|| CkptError::format(path, format!("storage {k} claims {numel} elements, more than the file holds: truncated?")))?;
+            .ok_or_else(|| {
+                CkptError::format(
+                    path,
+                    format!(
+                        "storage {k} claims {numel} elements, more than the file holds: truncated?"
+                    ),
+                )
+            })?;
         storages.insert(k.to_string(), fb.storage(pos, len as usize));
         pos += len as usize;
     }
@@ -331,7 +393,11 @@ fn pickle_value(value: &Value) -> Result<(Vec<u8>, crate::pickle::write::Storage
     Ok(p.finish())
 }
 
-fn write_archive<W: std::io::Write>(pkl: &[u8], table: &crate::pickle::write::StorageTable, out: W) -> std::io::Result<W> {
+fn write_archive<W: std::io::Write>(
+    pkl: &[u8],
+    table: &crate::pickle::write::StorageTable,
+    out: W,
+) -> std::io::Result<W> {
     let mut z = ZipWriter::new(out);
     z.add("archive/data.pkl", pkl)?;
     z.add("archive/.format_version", b"1")?;
@@ -353,5 +419,7 @@ pub(crate) fn write_pt<W: std::io::Write>(value: &Value, out: W) -> Result<W> {
 /// Writes `value` to `path` atomically as a torch.save zip archive.
 pub fn save(path: &Path, value: &Value) -> Result<()> {
     let (pkl, table) = pickle_value(value)?;
-    crate::atomic::write_atomic(path, |f| write_archive(&pkl, &table, BufWriter::with_capacity(1 << 20, f)).map(|_| ()))
+    crate::atomic::write_atomic(path, |f| {
+        write_archive(&pkl, &table, BufWriter::with_capacity(1 << 20, f)).map(|_| ())
+    })
 }

@@ -101,19 +101,33 @@ pub fn save(path: &Path, value: &Value) -> Result<()> {
     let mut seen = std::collections::HashSet::new();
     for (name, t) in &tensors {
         if t.shape.len() != t.stride.len() {
-            return Err(CkptError::Unsupported { what: format!("tensor `{name}`"), msg: "size and stride differ in length".into() });
+            return Err(CkptError::Unsupported {
+                what: format!("tensor `{name}`"),
+                msg: "size and stride differ in length".into(),
+            });
         }
-        crate::pickle::read::check_view(&t.shape, &t.stride, t.storage_offset, t.dtype, t.storage.len())
-            .map_err(|msg| CkptError::Unsupported { what: format!("tensor `{name}`"), msg })?;
+        crate::pickle::read::check_view(
+            &t.shape,
+            &t.stride,
+            t.storage_offset,
+            t.dtype,
+            t.storage.len(),
+        )
+        .map_err(|msg| CkptError::Unsupported { what: format!("tensor `{name}`"), msg })?;
         if !seen.insert(name.as_str()) {
-            return Err(CkptError::Unsupported { what: format!("tensor `{name}`"), msg: "the name occurs twice after flattening".into() });
+            return Err(CkptError::Unsupported {
+                what: format!("tensor `{name}`"),
+                msg: "the name occurs twice after flattening".into(),
+            });
         }
     }
     let views: Vec<(String, View)> = tensors.iter().map(|(n, t)| (n.clone(), View(t))).collect();
     let meta = Some(std::collections::HashMap::from([("format".to_string(), "pt".to_string())]));
     crate::atomic::write_atomic_via_path(path, |tmp| {
-        safetensors::serialize_to_file(views, meta, tmp)
-            .map_err(|e| CkptError::Unsupported { what: path.display().to_string(), msg: e.to_string() })
+        safetensors::serialize_to_file(views, meta, tmp).map_err(|e| CkptError::Unsupported {
+            what: path.display().to_string(),
+            msg: e.to_string(),
+        })
     })
 }
 
@@ -130,8 +144,15 @@ pub(crate) fn from_bytes(path: &Path, fb: &FileBytes) -> Result<Value> {
     let base = bytes.as_ptr() as usize;
     let mut items: Vec<(usize, String, Tensor)> = Vec::new();
     for (name, view) in st.iter() {
-        let dtype = from_st(view.dtype())
-            .ok_or_else(|| CkptError::format(path, format!("tensor `{name}` has dtype {:?}, which tandem does not support", view.dtype())))?;
+        let dtype = from_st(view.dtype()).ok_or_else(|| {
+            CkptError::format(
+                path,
+                format!(
+                    "tensor `{name}` has dtype {:?}, which tandem does not support",
+                    view.dtype()
+                ),
+            )
+        })?;
         let data = view.data();
         let start = data.as_ptr() as usize - base;
         let shape = view.shape().to_vec();

@@ -74,9 +74,17 @@ impl fmt::Display for DType {
 
 enum StorageBytes {
     Owned(Vec<u8>),
-    Mapped { map: Arc<memmap2::Mmap>, start: usize, len: usize },
+    Mapped {
+        map: Arc<memmap2::Mmap>,
+        start: usize,
+        len: usize,
+    },
     /// A slice of a file read whole into memory (several storages share one buffer).
-    Shared { buf: Arc<Vec<u8>>, start: usize, len: usize },
+    Shared {
+        buf: Arc<Vec<u8>>,
+        start: usize,
+        len: usize,
+    },
 }
 
 /// The raw little-endian bytes of one storage. Cloning shares it: two tensors holding clones
@@ -94,14 +102,20 @@ impl Storage {
     /// A storage that lives in a memory-mapped file (bytes `start..start+len`).
     /// Panics if the range lies outside the map; readers check ranges before calling.
     pub fn from_mmap(map: Arc<memmap2::Mmap>, start: usize, len: usize) -> Self {
-        assert!(start.checked_add(len).is_some_and(|end| end <= map.len()), "storage range outside map");
+        assert!(
+            start.checked_add(len).is_some_and(|end| end <= map.len()),
+            "storage range outside map"
+        );
         Storage { bytes: Arc::new(StorageBytes::Mapped { map, start, len }) }
     }
 
     /// A storage that is bytes `start..start+len` of a shared buffer.
     /// Panics if the range lies outside the buffer; readers check ranges before calling.
     pub fn from_shared(buf: Arc<Vec<u8>>, start: usize, len: usize) -> Self {
-        assert!(start.checked_add(len).is_some_and(|end| end <= buf.len()), "storage range outside buffer");
+        assert!(
+            start.checked_add(len).is_some_and(|end| end <= buf.len()),
+            "storage range outside buffer"
+        );
         Storage { bytes: Arc::new(StorageBytes::Shared { buf, start, len }) }
     }
 
@@ -218,7 +232,8 @@ impl Tensor {
         let mut out = Vec::with_capacity(n * es);
         let mut index = vec![0usize; self.shape.len()];
         for _ in 0..n {
-            let off = self.storage_offset + index.iter().zip(&self.stride).map(|(i, s)| i * s).sum::<usize>();
+            let off = self.storage_offset
+                + index.iter().zip(&self.stride).map(|(i, s)| i * s).sum::<usize>();
             out.extend_from_slice(&all[off * es..off * es + es]);
             for d in (0..index.len()).rev() {
                 index[d] += 1;
@@ -235,8 +250,13 @@ impl Tensor {
     pub fn to_f64_vec(&self) -> Vec<f64> {
         let b = self.contiguous_bytes();
         match self.dtype {
-            DType::F64 => b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect(),
-            DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
+            DType::F64 => {
+                b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
+            }
+            DType::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+                .collect(),
             DType::F16 => b
                 .chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f64())
@@ -245,9 +265,18 @@ impl Tensor {
                 .chunks_exact(2)
                 .map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f64())
                 .collect(),
-            DType::I64 => b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
-            DType::I32 => b.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
-            DType::I16 => b.chunks_exact(2).map(|c| i16::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
+            DType::I64 => b
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)
+                .collect(),
+            DType::I32 => b
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as f64)
+                .collect(),
+            DType::I16 => b
+                .chunks_exact(2)
+                .map(|c| i16::from_le_bytes(c.try_into().unwrap()) as f64)
+                .collect(),
             DType::I8 => b.iter().map(|&x| x as i8 as f64).collect(),
             DType::U8 | DType::Bool => b.iter().map(|&x| x as f64).collect(),
         }
@@ -273,7 +302,9 @@ impl Tensor {
 /// Equal when dtype, shape and element bytes are equal (strides and storage sharing aside).
 impl PartialEq for Tensor {
     fn eq(&self, other: &Self) -> bool {
-        self.dtype == other.dtype && self.shape == other.shape && self.contiguous_bytes() == other.contiguous_bytes()
+        self.dtype == other.dtype
+            && self.shape == other.shape
+            && self.contiguous_bytes() == other.contiguous_bytes()
     }
 }
 
@@ -306,16 +337,19 @@ impl Value {
     /// The value under a string key of a dict.
     pub fn get(&self, key: &str) -> Option<&Value> {
         match self {
-            Value::Dict(items) => items.iter().find(|(k, _)| matches!(k, Value::Str(s) if s == key)).map(|(_, v)| v),
+            Value::Dict(items) => {
+                items.iter().find(|(k, _)| matches!(k, Value::Str(s) if s == key)).map(|(_, v)| v)
+            }
             _ => None,
         }
     }
 
     pub fn get_mut(&mut self, key: &str) -> Option<&mut Value> {
         match self {
-            Value::Dict(items) => {
-                items.iter_mut().find(|(k, _)| matches!(k, Value::Str(s) if s == key)).map(|(_, v)| v)
-            }
+            Value::Dict(items) => items
+                .iter_mut()
+                .find(|(k, _)| matches!(k, Value::Str(s) if s == key))
+                .map(|(_, v)| v),
             _ => None,
         }
     }
@@ -323,7 +357,9 @@ impl Value {
     /// The value under an int key of a dict (optimizer `state`).
     pub fn get_int(&self, key: i64) -> Option<&Value> {
         match self {
-            Value::Dict(items) => items.iter().find(|(k, _)| matches!(k, Value::Int(i) if *i == key)).map(|(_, v)| v),
+            Value::Dict(items) => {
+                items.iter().find(|(k, _)| matches!(k, Value::Int(i) if *i == key)).map(|(_, v)| v)
+            }
             _ => None,
         }
     }

@@ -115,12 +115,19 @@ fn exponential_sharing_hits_the_value_budget() {
 
 #[test]
 fn forbidden_globals_are_named() {
-    for (module, name) in [("os", "system"), ("builtins", "eval"), ("__main__", "Net"), ("torch.nn.modules.linear", "Linear")] {
+    for (module, name) in [
+        ("os", "system"),
+        ("builtins", "eval"),
+        ("__main__", "Net"),
+        ("torch.nn.modules.linear", "Linear"),
+    ] {
         let p = format!("\x63{module}\n{name}\n.");
         let mut pk = b"\x80\x02".to_vec();
         pk.extend_from_slice(p.as_bytes());
         match load_err(legacy_with(&pk)) {
-            CkptError::ForbiddenGlobal { global, .. } => assert_eq!(global, format!("{module}.{name}")),
+            CkptError::ForbiddenGlobal { global, .. } => {
+                assert_eq!(global, format!("{module}.{name}"))
+            }
             other => panic!("{other}"),
         }
     }
@@ -160,12 +167,14 @@ impl Rng {
 
 #[test]
 fn random_mutations_of_fixtures_never_panic() {
-    let seeds: Vec<Vec<u8>> = ["nested.pt", "nested_legacy.pt", "views.pt", "views_legacy.pt", "all_dtypes_legacy.pt"]
-        .iter()
-        .map(|n| std::fs::read(fixture(n)).unwrap())
-        .collect();
+    let seeds: Vec<Vec<u8>> =
+        ["nested.pt", "nested_legacy.pt", "views.pt", "views_legacy.pt", "all_dtypes_legacy.pt"]
+            .iter()
+            .map(|n| std::fs::read(fixture(n)).unwrap())
+            .collect();
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    let iters: usize = std::env::var("TANDEM_MUTATION_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(3000);
+    let iters: usize =
+        std::env::var("TANDEM_MUTATION_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(3000);
     for _ in 0..iters {
         let mut f = seeds[(rng.next() % seeds.len() as u64) as usize].clone();
         for _ in 0..1 + rng.next() % 8 {

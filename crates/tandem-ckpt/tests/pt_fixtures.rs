@@ -44,7 +44,10 @@ fn every_dtype_is_read_with_its_dtype() {
     for (k, d) in want {
         assert_eq!(v.get(k).and_then(Value::as_tensor).map(|t| t.dtype), Some(d), "{k}");
     }
-    assert_eq!(v.get("i64_big").unwrap().as_tensor().unwrap().to_i64_vec(), vec![1 << 62, -(1 << 62), 1 << 40]);
+    assert_eq!(
+        v.get("i64_big").unwrap().as_tensor().unwrap().to_i64_vec(),
+        vec![1 << 62, -(1 << 62), 1 << 40]
+    );
 }
 
 #[test]
@@ -52,7 +55,10 @@ fn views_and_tied_weights_share_storage() {
     for file in ["views.pt", "views_legacy.pt"] {
         let v = load(fixture(file)).unwrap();
         let t = |k: &str| v.get(k).unwrap().as_tensor().unwrap().clone();
-        assert!(t("base").storage.same(&t("transposed").storage), "{file}: transpose shares storage");
+        assert!(
+            t("base").storage.same(&t("transposed").storage),
+            "{file}: transpose shares storage"
+        );
         assert!(t("base").storage.same(&t("slice").storage), "{file}");
         assert!(t("tied_a").storage.same(&t("tied_b").storage), "{file}: tied weights stay tied");
         assert!(t("tied_a").storage.same(&t("tied_view").storage), "{file}");
@@ -66,8 +72,13 @@ fn views_and_tied_weights_share_storage() {
 
 #[test]
 fn mmap_and_read_paths_agree() {
-    let a = load_with(fixture("nested.pt"), &LoadOptions { mmap: false, ..Default::default() }).unwrap();
-    let b = load_with(fixture("nested.pt"), &LoadOptions { verify_checksums: true, ..Default::default() }).unwrap();
+    let a = load_with(fixture("nested.pt"), &LoadOptions { mmap: false, ..Default::default() })
+        .unwrap();
+    let b = load_with(
+        fixture("nested.pt"),
+        &LoadOptions { verify_checksums: true, ..Default::default() },
+    )
+    .unwrap();
     assert_eq!(a, b);
 }
 
@@ -75,7 +86,9 @@ fn mmap_and_read_paths_agree() {
 fn pickled_module_is_refused_naming_the_global() {
     let e = load(fixture("whole_module.pt")).unwrap_err();
     match &e {
-        CkptError::ForbiddenGlobal { global, .. } => assert!(global.contains("Net") || global.contains("torch.nn"), "{global}"),
+        CkptError::ForbiddenGlobal { global, .. } => {
+            assert!(global.contains("Net") || global.contains("torch.nn"), "{global}")
+        }
         other => panic!("expected ForbiddenGlobal, got {other}"),
     }
     assert!(e.to_string().contains("whole_module.pt"), "{e}");

@@ -14,7 +14,10 @@ use tandem_testutil::{output_with_deadline, torch_python};
 
 fn py(python: &Path, args: &[&str]) {
     let script = fixture("interop.py");
-    let out = output_with_deadline(Command::new(python).arg(&script).args(args), Duration::from_secs(120));
+    let out = output_with_deadline(
+        Command::new(python).arg(&script).args(args),
+        Duration::from_secs(120),
+    );
     assert!(
         out.status.success() && String::from_utf8_lossy(&out.stdout).contains("OK"),
         "interop.py {args:?} failed:\n{}\n{}",
@@ -40,7 +43,9 @@ fn torch_loads_what_tandem_writes_for_every_fixture() {
     let Some(python) = torch_python() else { return };
     let dir = tempfile::tempdir().unwrap();
     let mut args = vec!["compare".to_string()];
-    for name in ["all_dtypes", "views", "nested", "all_dtypes_legacy", "views_legacy", "nested_legacy"] {
+    for name in
+        ["all_dtypes", "views", "nested", "all_dtypes_legacy", "views_legacy", "nested_legacy"]
+    {
         let orig = fixture(&format!("{name}.pt"));
         let v = load(&orig).unwrap();
         let ours = dir.path().join(format!("{name}.pt"));
@@ -91,7 +96,8 @@ fn torch_to_tandem(dir: &Path) {
         }
     }
     // The renaming is reported: DDP keys into a plain model strip `module.`.
-    let (_, report) = load_state_dict(&load(dir.join("ddp.pt")).unwrap(), &target_names(dir, ""), true).unwrap();
+    let (_, report) =
+        load_state_dict(&load(dir.join("ddp.pt")).unwrap(), &target_names(dir, ""), true).unwrap();
     assert_eq!(report.source_renaming, Renaming::StripWrappers);
     assert!(report.wrappings.iter().any(|w| w.contains("module.")), "{report}");
 }
@@ -113,7 +119,10 @@ fn tandem_to_torch(python: &Path, dir: &Path) {
         epoch: 1,
         global_step: 10,
         model: Value::Dict(ddp_named),
-        optimizer: Value::dict_from([("state", Value::new_dict()), ("param_groups", Value::List(vec![]))]),
+        optimizer: Value::dict_from([
+            ("state", Value::new_dict()),
+            ("param_groups", Value::List(vec![])),
+        ]),
         scheduler: Value::None,
         sampler: Value::dict_from([("epoch", Value::Int(1))]),
         rng: Value::dict_from([("seed", Value::Int(0))]),
@@ -133,14 +142,21 @@ fn tied_tensors_written_by_tandem_stay_tied_in_torch() {
     let dir = tempfile::tempdir().unwrap();
     let w = Tensor::from_f32(&[2, 2], &[1., 2., 3., 4.]);
     let row = Tensor { shape: vec![2], stride: vec![1], storage_offset: 2, ..w.clone() };
-    let v = Value::dict_from([("a", Value::Tensor(w.clone())), ("b", Value::Tensor(w)), ("row", Value::Tensor(row))]);
+    let v = Value::dict_from([
+        ("a", Value::Tensor(w.clone())),
+        ("b", Value::Tensor(w)),
+        ("row", Value::Tensor(row)),
+    ]);
     let ours = dir.path().join("tied.pt");
     save(&ours, &v).unwrap();
     let check = "import sys,torch; d=torch.load(sys.argv[1],weights_only=True); \
                  p=lambda t: t.untyped_storage().data_ptr(); \
                  assert p(d['a'])==p(d['b'])==p(d['row']); d['a'][1,0]=9; \
                  assert d['b'][1,0]==9 and d['row'][0]==9 and d['row'].storage_offset()==2; print('OK')";
-    let out = output_with_deadline(Command::new(&python).args(["-c", check, ours.to_str().unwrap()]), Duration::from_secs(60));
+    let out = output_with_deadline(
+        Command::new(&python).args(["-c", check, ours.to_str().unwrap()]),
+        Duration::from_secs(60),
+    );
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
@@ -162,7 +178,13 @@ fn safetensors_cross_between_tandem_and_the_python_library() {
                   save_file({k: v.contiguous() for k, v in ref.items()}, sys.argv[3])\n\
                   print('OK')\n";
     let out = output_with_deadline(
-        Command::new(&python).args(["-c", script, orig.to_str().unwrap(), ours.to_str().unwrap(), theirs.to_str().unwrap()]),
+        Command::new(&python).args([
+            "-c",
+            script,
+            orig.to_str().unwrap(),
+            ours.to_str().unwrap(),
+            theirs.to_str().unwrap(),
+        ]),
         Duration::from_secs(60),
     );
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -91,11 +91,7 @@ impl Ctx<'_> {
             let send_i = (self.rank + owner_offset + n - s) % n;
             let recv_i = (self.rank + owner_offset + 2 * n - 1 - s) % n;
             let (out, into) = split(buf, bounds[send_i].clone(), bounds[recv_i].clone());
-            self.t.exchange(
-                Some((right, out)),
-                Some((left, Recv::Copy(into))),
-                self.timeout,
-            )?;
+            self.t.exchange(Some((right, out)), Some((left, Recv::Copy(into))), self.timeout)?;
         }
         Ok(())
     }
@@ -110,9 +106,8 @@ impl Ctx<'_> {
             return Ok(());
         }
         let count = buf.len() / elem;
-        let bounds: Vec<_> = (0..self.size)
-            .map(|i| bytes(chunk(count, self.size, i), elem))
-            .collect();
+        let bounds: Vec<_> =
+            (0..self.size).map(|i| bytes(chunk(count, self.size, i), elem)).collect();
         self.ring_reduce_scatter(buf, &bounds, 1, elem, f)?;
         self.ring_all_gather(buf, &bounds, 1)
     }
@@ -164,18 +159,11 @@ impl Ctx<'_> {
             let (send_r, recv_r) = if pos == 0 {
                 (if k < segs { Some(seg(k)) } else { None }, None)
             } else {
-                let fwd = if pos < n - 1 && k >= 1 {
-                    Some(seg(k - 1))
-                } else {
-                    None
-                };
+                let fwd = if pos < n - 1 && k >= 1 { Some(seg(k - 1)) } else { None };
                 (fwd, if k < segs { Some(seg(k)) } else { None })
             };
-            let (out, into) = split(
-                buf,
-                send_r.clone().unwrap_or(0..0),
-                recv_r.clone().unwrap_or(0..0),
-            );
+            let (out, into) =
+                split(buf, send_r.clone().unwrap_or(0..0), recv_r.clone().unwrap_or(0..0));
             self.t.exchange(
                 send_r.map(|_| (right, out)),
                 recv_r.map(|_| (left, Recv::Copy(into))),
@@ -227,17 +215,14 @@ impl Ctx<'_> {
     ) -> Result<(), PeerError> {
         let m = output.len();
         if self.rank != root {
-            return self
-                .t
-                .exchange(None, Some((root, Recv::Copy(output))), self.timeout);
+            return self.t.exchange(None, Some((root, Recv::Copy(output))), self.timeout);
         }
         let Some(inp) = input else { return Ok(()) };
         for r in 0..self.size {
             if r == root {
                 output.copy_from_slice(&inp[r * m..(r + 1) * m]);
             } else {
-                self.t
-                    .exchange(Some((r, &inp[r * m..(r + 1) * m])), None, self.timeout)?;
+                self.t.exchange(Some((r, &inp[r * m..(r + 1) * m])), None, self.timeout)?;
             }
         }
         Ok(())

@@ -39,17 +39,9 @@ impl DType {
         self as u8
     }
     pub(crate) fn from_code(c: u8) -> Option<DType> {
-        [
-            DType::F32,
-            DType::F64,
-            DType::F16,
-            DType::BF16,
-            DType::I32,
-            DType::I64,
-            DType::U8,
-        ]
-        .get(c as usize)
-        .copied()
+        [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8]
+            .get(c as usize)
+            .copied()
     }
 }
 

@@ -15,21 +15,13 @@ pub enum InitMethod {
     /// A world of one: no network, no store.
     Single,
     /// Explicit rendezvous: `url` is `tcp://host:port` (rank 0 hosts the store there).
-    Tcp {
-        url: String,
-        rank: usize,
-        world_size: usize,
-    },
+    Tcp { url: String, rank: usize, world_size: usize },
 }
 
 impl InitMethod {
     /// `InitMethod::Tcp` from a `tcp://host:port` url.
     pub fn tcp(url: &str, rank: usize, world_size: usize) -> InitMethod {
-        InitMethod::Tcp {
-            url: url.to_string(),
-            rank,
-            world_size,
-        }
+        InitMethod::Tcp { url: url.to_string(), rank, world_size }
     }
 }
 
@@ -79,11 +71,7 @@ fn seconds(e: &Env, name: &str) -> Result<Option<Duration>, CommError> {
         None => Ok(None),
         Some(v) => match v.trim().parse::<f64>() {
             Ok(s) if s.is_finite() && s > 0.0 => Ok(Some(Duration::from_secs_f64(s))),
-            _ => Err(CommError::env(
-                name,
-                &v,
-                "expected a positive number of seconds",
-            )),
+            _ => Err(CommError::env(name, &v, "expected a positive number of seconds")),
         },
     }
 }
@@ -101,11 +89,7 @@ impl InitOptions {
                 "shm" => Some(TransportKind::Shm),
                 "auto" => None,
                 _ => {
-                    return Err(CommError::env(
-                        "TANDEM_TRANSPORT",
-                        &v,
-                        "expected tcp, shm or auto",
-                    ))
+                    return Err(CommError::env("TANDEM_TRANSPORT", &v, "expected tcp, shm or auto"))
                 }
             };
         }
@@ -127,11 +111,7 @@ impl InitOptions {
                 "detail" => true,
                 "off" | "info" | "0" => false,
                 _ => {
-                    return Err(CommError::env(
-                        "TANDEM_DEBUG",
-                        &v,
-                        "expected off, info or detail",
-                    ))
+                    return Err(CommError::env("TANDEM_DEBUG", &v, "expected off, info or detail"))
                 }
             };
         }
@@ -165,21 +145,13 @@ fn parse_usize(e: &Env, name: &str) -> Result<Option<usize>, CommError> {
 
 fn require_usize(e: &Env, name: &str) -> Result<usize, CommError> {
     parse_usize(e, name)?.ok_or_else(|| {
-        CommError::env(
-            name,
-            "",
-            "is not set (required alongside the other launcher variables)",
-        )
+        CommError::env(name, "", "is not set (required alongside the other launcher variables)")
     })
 }
 
 fn check_rank(rank_var: &str, rank: usize, size_var: &str, size: usize) -> Result<(), CommError> {
     if size == 0 {
-        return Err(CommError::env(
-            size_var,
-            "0",
-            "world size must be at least 1",
-        ));
+        return Err(CommError::env(size_var, "0", "world size must be at least 1"));
     }
     if rank >= size {
         return Err(CommError::env(
@@ -195,11 +167,7 @@ fn master_port(e: &Env, default: Option<u16>) -> Result<u16, CommError> {
     match e.var("MASTER_PORT") {
         Some(v) => match v.trim().parse::<u16>() {
             Ok(p) if p > 0 => Ok(p),
-            _ => Err(CommError::env(
-                "MASTER_PORT",
-                &v,
-                "expected a port number 1-65535",
-            )),
+            _ => Err(CommError::env("MASTER_PORT", &v, "expected a port number 1-65535")),
         },
         None => default.ok_or_else(|| CommError::env("MASTER_PORT", "", "is not set")),
     }
@@ -237,14 +205,9 @@ pub(crate) fn first_slurm_host(list: &str) -> Option<String> {
 
 fn parse_tcp_url(url: &str) -> Result<(String, u16), CommError> {
     let bad = |why: &str| {
-        CommError::invalid(
-            "init",
-            format!("init method {url:?}: {why} (expected tcp://host:port)"),
-        )
+        CommError::invalid("init", format!("init method {url:?}: {why} (expected tcp://host:port)"))
     };
-    let rest = url
-        .strip_prefix("tcp://")
-        .ok_or_else(|| bad("not a tcp:// url"))?;
+    let rest = url.strip_prefix("tcp://").ok_or_else(|| bad("not a tcp:// url"))?;
     let rest = rest.trim_end_matches('/');
     let (host, port) = rest.rsplit_once(':').ok_or_else(|| bad("missing port"))?;
     let host = host.trim_start_matches('[').trim_end_matches(']');
@@ -268,11 +231,7 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
             master: None,
             host_store: false,
         }),
-        InitMethod::Tcp {
-            url,
-            rank,
-            world_size,
-        } => {
+        InitMethod::Tcp { url, rank, world_size } => {
             let (host, port) = parse_tcp_url(url)?;
             if *world_size == 0 || rank >= world_size {
                 return Err(CommError::invalid(
@@ -307,11 +266,7 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
                             "is not set (required when WORLD_SIZE > 1)",
                         )
                     })?;
-                    Some((
-                        host,
-                        master_port(e, None)?,
-                        "MASTER_ADDR/MASTER_PORT".to_string(),
-                    ))
+                    Some((host, master_port(e, None)?, "MASTER_ADDR/MASTER_PORT".to_string()))
                 } else {
                     None
                 };
@@ -353,11 +308,7 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
                             (h, "SLURM_JOB_NODELIST")
                         }
                     };
-                    Some((
-                        host,
-                        master_port(e, Some(29500))?,
-                        format!("{var_name}/MASTER_PORT"),
-                    ))
+                    Some((host, master_port(e, Some(29500))?, format!("{var_name}/MASTER_PORT")))
                 } else {
                     None
                 };
@@ -418,24 +369,16 @@ mod tests {
 
     #[test]
     fn slurm_first_host() {
-        assert_eq!(
-            first_slurm_host("node[01-04,07],gpu5").as_deref(),
-            Some("node01")
-        );
+        assert_eq!(first_slurm_host("node[01-04,07],gpu5").as_deref(), Some("node01"));
         assert_eq!(first_slurm_host("a1,b2").as_deref(), Some("a1"));
-        assert_eq!(
-            first_slurm_host("host-[3-5]-ib").as_deref(),
-            Some("host-3-ib")
-        );
+        assert_eq!(first_slurm_host("host-[3-5]-ib").as_deref(), Some("host-3-ib"));
         assert_eq!(first_slurm_host("single").as_deref(), Some("single"));
         assert_eq!(first_slurm_host(""), None);
     }
 
     fn resolve_vars(vars: &[(&str, &str)]) -> Result<Spec, CommError> {
-        let map: std::collections::HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let map: std::collections::HashMap<String, String> =
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let get = move |k: &str| map.get(k).cloned();
         resolve(&Env(&get), &InitMethod::Env)
     }
@@ -455,14 +398,8 @@ mod tests {
             ("MASTER_PORT", "29501"),
         ])
         .unwrap();
-        assert_eq!(
-            (s.rank, s.world_size, s.local_rank, s.local_size),
-            (2, 4, Some(0), Some(2))
-        );
-        assert_eq!(
-            s.master.as_ref().map(|m| (m.0.as_str(), m.1)),
-            Some(("10.1.2.3", 29501))
-        );
+        assert_eq!((s.rank, s.world_size, s.local_rank, s.local_size), (2, 4, Some(0), Some(2)));
+        assert_eq!(s.master.as_ref().map(|m| (m.0.as_str(), m.1)), Some(("10.1.2.3", 29501)));
         assert!(s.host_store);
     }
 
@@ -484,10 +421,8 @@ mod tests {
             ("LOCAL_WORLD_SIZE", "2")
         ])
         .contains("LOCAL_RANK"));
-        assert!(
-            err_text(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")])
-                .contains("MASTER_ADDR")
-        );
+        assert!(err_text(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")])
+            .contains("MASTER_ADDR"));
         assert!(err_text(&[
             ("RANK", "0"),
             ("WORLD_SIZE", "2"),
@@ -496,10 +431,8 @@ mod tests {
         ])
         .contains("MASTER_PORT"));
         assert!(err_text(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "2")]).contains("SLURM_PROCID"));
-        assert!(
-            err_text(&[("OMPI_COMM_WORLD_RANK", "x"), ("OMPI_COMM_WORLD_SIZE", "2")])
-                .contains("OMPI_COMM_WORLD_RANK")
-        );
+        assert!(err_text(&[("OMPI_COMM_WORLD_RANK", "x"), ("OMPI_COMM_WORLD_SIZE", "2")])
+            .contains("OMPI_COMM_WORLD_RANK"));
     }
 
     #[test]
@@ -512,10 +445,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((s.rank, s.world_size, s.local_rank), (1, 8, Some(1)));
-        assert_eq!(
-            s.master.as_ref().map(|m| (m.0.as_str(), m.1)),
-            Some(("gpu07", 29500))
-        );
+        assert_eq!(s.master.as_ref().map(|m| (m.0.as_str(), m.1)), Some(("gpu07", 29500)));
     }
 
     #[test]
@@ -527,10 +457,7 @@ mod tests {
             ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
         ])
         .unwrap();
-        assert_eq!(
-            (s.rank, s.world_size, s.local_rank, s.local_size),
-            (1, 2, Some(1), Some(2))
-        );
+        assert_eq!((s.rank, s.world_size, s.local_rank, s.local_size), (1, 2, Some(1), Some(2)));
         assert_eq!(s.master.as_ref().map(|m| m.0.as_str()), Some("127.0.0.1"));
     }
 
@@ -558,9 +485,7 @@ mod tests {
         assert!(o.desync_check);
         let bad = |k: &'static str, v: &'static str| {
             let get = move |q: &str| (q == k).then(|| v.to_string());
-            InitOptions::from_vars(&Env(&get))
-                .expect_err("bad value")
-                .to_string()
+            InitOptions::from_vars(&Env(&get)).expect_err("bad value").to_string()
         };
         assert!(bad("TANDEM_TRANSPORT", "ib").contains("TANDEM_TRANSPORT"));
         assert!(bad("TANDEM_TIMEOUT", "-1").contains("TANDEM_TIMEOUT"));
@@ -568,14 +493,8 @@ mod tests {
 
     #[test]
     fn tcp_urls() {
-        assert_eq!(
-            parse_tcp_url("tcp://10.0.0.1:29500").unwrap(),
-            ("10.0.0.1".to_string(), 29500)
-        );
-        assert_eq!(
-            parse_tcp_url("tcp://[::1]:80").unwrap(),
-            ("::1".to_string(), 80)
-        );
+        assert_eq!(parse_tcp_url("tcp://10.0.0.1:29500").unwrap(), ("10.0.0.1".to_string(), 29500));
+        assert_eq!(parse_tcp_url("tcp://[::1]:80").unwrap(), ("::1".to_string(), 80));
         assert!(parse_tcp_url("env://").is_err());
         assert!(parse_tcp_url("tcp://host:notaport").is_err());
     }

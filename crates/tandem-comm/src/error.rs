@@ -6,46 +6,25 @@ use std::time::Duration;
 pub enum CommError {
     /// A bad or inconsistent environment variable (RANK >= WORLD_SIZE, unparsable numbers, ...).
     #[error("environment variable {var}={value:?}: {reason}")]
-    Env {
-        var: String,
-        value: String,
-        reason: String,
-    },
+    Env { var: String, value: String, reason: String },
 
     /// The rendezvous store could not be reached (or bound) before the timeout.
     #[error(
         "cannot reach the rendezvous store at {addr} (set by {var}) within {after:?}: {reason}"
     )]
-    StoreUnreachable {
-        addr: String,
-        var: String,
-        after: Duration,
-        reason: String,
-    },
+    StoreUnreachable { addr: String, var: String, after: Duration, reason: String },
 
     /// The store (or a peer) belongs to another job.
     #[error("{addr} belongs to run {theirs:?} but this process is run {ours:?}: another job is using the same MASTER_ADDR:MASTER_PORT")]
-    RunIdMismatch {
-        addr: String,
-        ours: String,
-        theirs: String,
-    },
+    RunIdMismatch { addr: String, ours: String, theirs: String },
 
     /// A store operation did not complete in time.
     #[error("store {op} {key:?}: timed out after {after:?}")]
-    StoreTimeout {
-        op: &'static str,
-        key: String,
-        after: Duration,
-    },
+    StoreTimeout { op: &'static str, key: String, after: Duration },
 
     /// An I/O failure talking to the store.
     #[error("store {op} {key:?}: {reason}")]
-    StoreIo {
-        op: &'static str,
-        key: String,
-        reason: String,
-    },
+    StoreIo { op: &'static str, key: String, reason: String },
 
     /// A malformed message on the wire.
     #[error("protocol error from {from}: {reason}")]
@@ -57,21 +36,11 @@ pub enum CommError {
 
     /// A peer closed its connection or failed during a collective.
     #[error("{op} #{seq}: peer rank {peer} {reason}")]
-    Peer {
-        op: &'static str,
-        seq: u64,
-        peer: usize,
-        reason: String,
-    },
+    Peer { op: &'static str, seq: u64, peer: usize, reason: String },
 
     /// A peer made no progress for the timeout (stalled, hung or dead).
     #[error("{op} #{seq}: no progress from peer rank {peer} for {after:?} (peer stalled, dead, or called a different collective)")]
-    Timeout {
-        op: &'static str,
-        seq: u64,
-        peer: usize,
-        after: Duration,
-    },
+    Timeout { op: &'static str, seq: u64, peer: usize, after: Duration },
 
     /// Ranks called different collectives (detected with TANDEM_DEBUG=detail).
     #[error("{op} #{seq}: collective desync: rank {rank_a} called {call_a} but rank {rank_b} called {call_b}")]
@@ -86,11 +55,7 @@ pub enum CommError {
 
     /// The group failed earlier; collectives on it cannot resume in a consistent state.
     #[error("{op} #{seq}: this process group already failed ({first}); create a new one")]
-    Broken {
-        op: &'static str,
-        seq: u64,
-        first: String,
-    },
+    Broken { op: &'static str, seq: u64, first: String },
 
     /// A caller error (wrong buffer size, rank out of range, ...).
     #[error("{op}: {reason}")]
@@ -107,22 +72,12 @@ pub enum CommError {
 
 impl CommError {
     pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
-        CommError::InvalidArgument {
-            op,
-            reason: reason.into(),
-        }
+        CommError::InvalidArgument { op, reason: reason.into() }
     }
     pub(crate) fn env(var: &str, value: &str, reason: impl Into<String>) -> Self {
-        CommError::Env {
-            var: var.to_string(),
-            value: value.to_string(),
-            reason: reason.into(),
-        }
+        CommError::Env { var: var.to_string(), value: value.to_string(), reason: reason.into() }
     }
     pub(crate) fn rendezvous(group: &str, reason: impl Into<String>) -> Self {
-        CommError::Rendezvous {
-            group: group.to_string(),
-            reason: reason.into(),
-        }
+        CommError::Rendezvous { group: group.to_string(), reason: reason.into() }
     }
 }

@@ -17,10 +17,7 @@ pub(crate) fn write_frame(w: &mut impl Write, payload: &[u8]) -> std::io::Result
     if payload.len() > MAX_FRAME {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
-            format!(
-                "frame of {} bytes exceeds the {MAX_FRAME}-byte limit",
-                payload.len()
-            ),
+            format!("frame of {} bytes exceeds the {MAX_FRAME}-byte limit", payload.len()),
         ));
     }
     let mut buf = Vec::with_capacity(4 + payload.len());
@@ -116,12 +113,7 @@ mod tests {
 
     #[test]
     fn frames_and_fields_round_trip() {
-        let payload = Enc::default()
-            .u8(3)
-            .u64(1 << 40)
-            .str("key")
-            .bytes(&[1, 2, 3])
-            .0;
+        let payload = Enc::default().u8(3).u64(1 << 40).str("key").bytes(&[1, 2, 3]).0;
         let mut wire = Vec::new();
         write_frame(&mut wire, &payload).unwrap();
         let got = read_frame(&mut wire.as_slice()).unwrap();

@@ -23,11 +23,7 @@ pub struct ProcessGroup {
 
 impl std::fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "ProcessGroup(rank {}/{}, {})",
-            self.inner.rank, self.inner.size, self.inner.name
-        )
+        write!(f, "ProcessGroup(rank {}/{}, {})", self.inner.rank, self.inner.size, self.inner.name)
     }
 }
 
@@ -72,10 +68,7 @@ impl Transport for NoPeers {
         _t: Duration,
     ) -> Result<(), PeerError> {
         let peer = send.map(|s| s.0).or(recv.map(|r| r.0)).unwrap_or(0);
-        Err(PeerError {
-            peer,
-            kind: FailKind::Io("a group of one rank has no peers".into()),
-        })
+        Err(PeerError { peer, kind: FailKind::Io("a group of one rank has no peers".into()) })
     }
     fn abort(&mut self) {}
 }
@@ -107,20 +100,12 @@ const OPS: [&str; 12] = [
 
 impl Call {
     fn new(op: &'static str, dtype: Option<DType>, count: usize, arg: u64) -> Call {
-        Call {
-            op,
-            dtype,
-            count: count as u64,
-            arg,
-        }
+        Call { op, dtype, count: count as u64, arg }
     }
     fn encode(&self, seq: u64) -> [u8; 32] {
         let mut b = [0u8; 32];
         b[0..8].copy_from_slice(&seq.to_le_bytes());
-        b[8] = OPS
-            .iter()
-            .position(|o| *o == self.op)
-            .unwrap_or(OPS.len() - 1) as u8;
+        b[8] = OPS.iter().position(|o| *o == self.op).unwrap_or(OPS.len() - 1) as u8;
         b[9] = self.dtype.map_or(255, |d| d.code());
         b[16..24].copy_from_slice(&self.count.to_le_bytes());
         b[24..32].copy_from_slice(&self.arg.to_le_bytes());
@@ -135,15 +120,9 @@ impl Call {
             "all_reduce" | "reduce_scatter" => {
                 format!(
                     ", {}",
-                    [
-                        ReduceOp::Sum,
-                        ReduceOp::Avg,
-                        ReduceOp::Max,
-                        ReduceOp::Min,
-                        ReduceOp::Product
-                    ]
-                    .get(arg as usize)
-                    .map_or("?", |o| o.name())
+                    [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::Product]
+                        .get(arg as usize)
+                        .map_or("?", |o| o.name())
                 )
             }
             "broadcast" | "gather" | "scatter" | "broadcast_bytes" => format!(", root {arg}"),
@@ -194,9 +173,7 @@ fn divide<T: Element>(buf: &mut [T], n: usize) {
 
 impl ProcessGroup {
     pub(crate) fn from_inner(inner: Inner) -> ProcessGroup {
-        ProcessGroup {
-            inner: Arc::new(inner),
-        }
+        ProcessGroup { inner: Arc::new(inner) }
     }
 
     /// This process's rank in the group.
@@ -229,9 +206,7 @@ impl ProcessGroup {
     }
     /// Collectives fail when a peer makes no progress for `t` (default 10 s, TANDEM_TIMEOUT).
     pub fn set_timeout(&self, t: Duration) {
-        self.inner
-            .timeout_ms
-            .store(t.as_millis().max(1) as u64, Ordering::Relaxed);
+        self.inner.timeout_ms.store(t.as_millis().max(1) as u64, Ordering::Relaxed);
     }
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.inner.timeout_ms.load(Ordering::Relaxed))
@@ -246,19 +221,11 @@ impl ProcessGroup {
         while st.serving != ticket {
             st = self.inner.turn.wait(st).unwrap_or_else(|p| p.into_inner());
         }
-        Turn {
-            state: st,
-            cv: &self.inner.turn,
-        }
+        Turn { state: st, cv: &self.inner.turn }
     }
 
     fn peer_error(&self, op: &'static str, seq: u64, e: PeerError) -> CommError {
-        let peer = self
-            .inner
-            .world_ranks
-            .get(e.peer)
-            .copied()
-            .unwrap_or(e.peer);
+        let peer = self.inner.world_ranks.get(e.peer).copied().unwrap_or(e.peer);
         let wr = |r: usize| self.inner.world_ranks.get(r).copied().unwrap_or(r);
         match e.kind {
             FailKind::Closed => CommError::Peer {
@@ -283,12 +250,7 @@ impl ProcessGroup {
             return err;
         };
         let key = format!("{}/first_failure", self.inner.name);
-        let me = self
-            .inner
-            .world_ranks
-            .get(self.inner.rank)
-            .copied()
-            .unwrap_or(self.inner.rank);
+        let me = self.inner.world_ranks.get(self.inner.rank).copied().unwrap_or(self.inner.rank);
         let mine = format!("rank {me}: {err}");
         let recorded = store.compare_set_within(&key, b"", mine.as_bytes(), Duration::from_secs(1));
         self.linger_for_readers(store);
@@ -297,12 +259,7 @@ impl ProcessGroup {
             _ => return err,
         };
         match err {
-            CommError::Peer {
-                op,
-                seq,
-                peer,
-                reason,
-            } => CommError::Peer {
+            CommError::Peer { op, seq, peer, reason } => CommError::Peer {
                 op,
                 seq,
                 peer,
@@ -345,20 +302,11 @@ impl ProcessGroup {
         let seq = st.seq;
         st.seq += 1;
         if let Some(first) = &st.broken {
-            return Err(CommError::Broken {
-                op: call.op,
-                seq,
-                first: first.clone(),
-            });
+            return Err(CommError::Broken { op: call.op, seq, first: first.clone() });
         }
         let timeout = self.timeout();
         let (rank, size) = (self.inner.rank, self.inner.size);
-        let mut ctx = Ctx {
-            t: st.transport.as_mut(),
-            rank,
-            size,
-            timeout,
-        };
+        let mut ctx = Ctx { t: st.transport.as_mut(), rank, size, timeout };
         let mut result = Ok(());
         if self.inner.opts.desync_check && size > 1 {
             result = desync_check(&mut ctx, &call.encode(seq));
@@ -387,9 +335,7 @@ impl ProcessGroup {
         let f = move |d: &mut [u8], s: &[u8]| reduce_bytes::<T>(op, d, s);
         let f: ReduceFn<'_> = &f;
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
-        self.collective(ticket, call, |c| {
-            c.all_reduce(bytes, std::mem::size_of::<T>(), f)
-        })?;
+        self.collective(ticket, call, |c| c.all_reduce(bytes, std::mem::size_of::<T>(), f))?;
         if op == ReduceOp::Avg {
             divide(buf, self.size());
         }
@@ -500,10 +446,7 @@ impl ProcessGroup {
                     ))
                 }
                 None => {
-                    return Err(CommError::invalid(
-                        "gather",
-                        "the root must pass an output buffer",
-                    ))
+                    return Err(CommError::invalid("gather", "the root must pass an output buffer"))
                 }
             }
         }
@@ -533,10 +476,7 @@ impl ProcessGroup {
                     ))
                 }
                 None => {
-                    return Err(CommError::invalid(
-                        "scatter",
-                        "the root must pass an input buffer",
-                    ))
+                    return Err(CommError::invalid("scatter", "the root must pass an input buffer"))
                 }
             }
         }
@@ -548,9 +488,7 @@ impl ProcessGroup {
 
     /// Returns once every rank of the group has called it.
     pub fn barrier(&self) -> Result<(), CommError> {
-        self.collective(self.ticket(), Call::new("barrier", None, 0, 0), |c| {
-            c.barrier()
-        })
+        self.collective(self.ticket(), Call::new("barrier", None, 0, 0), |c| c.barrier())
     }
 
     /// Copies root's bytes (any length) to every rank; other ranks' `data` is replaced.
@@ -619,19 +557,11 @@ impl ProcessGroup {
         }
         let mut turn = self.wait_turn(self.ticket());
         let st = &mut *turn.state;
-        let seq = if send.is_some() {
-            &mut st.p2p_sent[peer]
-        } else {
-            &mut st.p2p_recvd[peer]
-        };
+        let seq = if send.is_some() { &mut st.p2p_sent[peer] } else { &mut st.p2p_recvd[peer] };
         let my_seq = *seq;
         *seq += 1;
         if let Some(first) = &st.broken {
-            return Err(CommError::Broken {
-                op,
-                seq: my_seq,
-                first: first.clone(),
-            });
+            return Err(CommError::Broken { op, seq: my_seq, first: first.clone() });
         }
         let timeout = self.timeout();
         let detail = self.inner.opts.desync_check;
@@ -683,27 +613,13 @@ impl ProcessGroup {
 
     /// Sends `buf` to rank `dst` (matched by a `recv` there, in order).
     pub fn send<T: Element>(&self, buf: &[T], dst: usize) -> Result<(), CommError> {
-        self.p2p(
-            "send",
-            dst,
-            T::DTYPE,
-            buf.len(),
-            Some(bytemuck::cast_slice(buf)),
-            None,
-        )
+        self.p2p("send", dst, T::DTYPE, buf.len(), Some(bytemuck::cast_slice(buf)), None)
     }
 
     /// Receives into `buf` from rank `src` (which must send exactly `buf.len()` elements).
     pub fn recv<T: Element>(&self, buf: &mut [T], src: usize) -> Result<(), CommError> {
         let n = buf.len();
-        self.p2p(
-            "recv",
-            src,
-            T::DTYPE,
-            n,
-            None,
-            Some(bytemuck::cast_slice_mut(buf)),
-        )
+        self.p2p("recv", src, T::DTYPE, n, None, Some(bytemuck::cast_slice_mut(buf)))
     }
 
     /// A group over `ranks` (ranks of this group). Every rank of this group must call it, in

@@ -73,15 +73,7 @@ pub(crate) fn build_group(
     let size = world_ranks.len();
     let store = match store {
         Some(s) if size > 1 => s,
-        s => {
-            return Ok(single(
-                opts,
-                name,
-                world_ranks.first().copied().unwrap_or(0),
-                s,
-                server,
-            ))
-        }
+        s => return Ok(single(opts, name, world_ranks.first().copied().unwrap_or(0), s, server)),
     };
     let keys: Vec<String> = (0..size).map(|r| format!("{name}/host/{r}")).collect();
     // Each rank publishes "<group size> <host id>": a rank that disagrees on the size is
@@ -110,9 +102,8 @@ pub(crate) fn build_group(
         hosts.push(host.to_string());
     }
     let same_host: Vec<usize> = (0..size).filter(|&r| hosts[r] == hosts[rank]).collect();
-    let local_rank = env_local
-        .0
-        .unwrap_or_else(|| same_host.iter().position(|&r| r == rank).unwrap_or(0));
+    let local_rank =
+        env_local.0.unwrap_or_else(|| same_host.iter().position(|&r| r == rank).unwrap_or(0));
     let local_size = env_local.1.unwrap_or(same_host.len());
     let all_local = same_host.len() == size;
 
@@ -139,10 +130,7 @@ pub(crate) fn build_group(
             match shm::setup(&store, name, rank, size, &opts.run_id, opts.init_timeout)? {
                 Ok(t) => (Box::new(t), TransportKind::Shm),
                 Err(why) => {
-                    return Err(CommError::rendezvous(
-                        name,
-                        format!("TANDEM_TRANSPORT=shm: {why}"),
-                    ))
+                    return Err(CommError::rendezvous(name, format!("TANDEM_TRANSPORT=shm: {why}")))
                 }
             }
         }
@@ -193,9 +181,7 @@ fn host_port(host: &str, port: u16) -> String {
 }
 
 fn is_loopback(addr: &str) -> bool {
-    addr.to_socket_addrs()
-        .map(|mut a| a.all(|a| a.ip().is_loopback()))
-        .unwrap_or(false)
+    addr.to_socket_addrs().map(|mut a| a.all(|a| a.ip().is_loopback())).unwrap_or(false)
 }
 
 /// Initialises the world group from `method` with `opts`.

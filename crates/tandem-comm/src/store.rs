@@ -45,21 +45,19 @@ impl StoreServer {
         let table = Arc::new(Table::default());
         let run_id = run_id.to_string();
         let stop2 = stop.clone();
-        std::thread::Builder::new()
-            .name("tandem-store".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if stop2.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let Ok(conn) = conn else { continue };
-                    let table = table.clone();
-                    let run_id = run_id.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("tandem-store-conn".into())
-                        .spawn(move || serve_client(conn, &table, &run_id));
+        std::thread::Builder::new().name("tandem-store".into()).spawn(move || {
+            for conn in listener.incoming() {
+                if stop2.load(Ordering::Acquire) {
+                    break;
                 }
-            })?;
+                let Ok(conn) = conn else { continue };
+                let table = table.clone();
+                let run_id = run_id.clone();
+                let _ = std::thread::Builder::new()
+                    .name("tandem-store-conn".into())
+                    .spawn(move || serve_client(conn, &table, &run_id));
+            }
+        })?;
         Ok(StoreServer { addr: local, stop })
     }
 
@@ -128,11 +126,7 @@ fn wait_until<'a>(
         if now >= deadline {
             return (map, false);
         }
-        map = table
-            .changed
-            .wait_timeout(map, deadline - now)
-            .unwrap_or_else(|p| p.into_inner())
-            .0;
+        map = table.changed.wait_timeout(map, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
     }
 }
 
@@ -143,11 +137,7 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
         OP_SET => {
             let key = d.str()?;
             let val = d.bytes()?.to_vec();
-            table
-                .map
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(key, val);
+            table.map.lock().unwrap_or_else(|p| p.into_inner()).insert(key, val);
             table.changed.notify_all();
             Enc::default().u8(R_OK)
         }
@@ -171,11 +161,8 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
             if ok {
                 Enc::default().u8(R_OK)
             } else {
-                let missing: Vec<&str> = keys
-                    .iter()
-                    .filter(|k| !map.contains_key(*k))
-                    .map(|k| k.as_str())
-                    .collect();
+                let missing: Vec<&str> =
+                    keys.iter().filter(|k| !map.contains_key(*k)).map(|k| k.as_str()).collect();
                 Enc::default().u8(R_TIMEOUT).str(&missing.join(","))
             }
         }
@@ -185,10 +172,7 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
             let mut map = table.map.lock().unwrap_or_else(|p| p.into_inner());
             let cur = match map.get(&key) {
                 None => 0,
-                Some(v) => match std::str::from_utf8(v)
-                    .ok()
-                    .and_then(|s| s.parse::<i64>().ok())
-                {
+                Some(v) => match std::str::from_utf8(v).ok().and_then(|s| s.parse::<i64>().ok()) {
                     Some(x) => x,
                     None => {
                         return Some(Enc::default().u8(R_ERROR).str("value is not an integer").0)
@@ -221,12 +205,8 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
         }
         OP_DELETE => {
             let key = d.str()?;
-            let existed = table
-                .map
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&key)
-                .is_some();
+            let existed =
+                table.map.lock().unwrap_or_else(|p| p.into_inner()).remove(&key).is_some();
             Enc::default().u8(R_OK).u8(existed as u8)
         }
         _ => Enc::default().u8(R_ERROR).str("unknown operation"),
@@ -269,9 +249,8 @@ impl Store {
             match addr.to_socket_addrs() {
                 Ok(addrs) => {
                     for a in addrs {
-                        let left = timeout
-                            .saturating_sub(start.elapsed())
-                            .max(Duration::from_millis(50));
+                        let left =
+                            timeout.saturating_sub(start.elapsed()).max(Duration::from_millis(50));
                         match TcpStream::connect_timeout(&a, left.min(Duration::from_secs(5))) {
                             Ok(s) => return Self::handshake(s, addr, run_id, timeout),
                             Err(e) => last_err = e.to_string(),
@@ -299,8 +278,7 @@ impl Store {
             reason: e.to_string(),
         };
         s.set_nodelay(true).map_err(io)?;
-        s.set_read_timeout(Some(timeout.max(Duration::from_secs(1))))
-            .map_err(io)?;
+        s.set_read_timeout(Some(timeout.max(Duration::from_secs(1)))).map_err(io)?;
         let mut s2 = s.try_clone().map_err(io)?;
         write_frame(&mut s2, &Enc::default().bytes(MAGIC).str(run_id).0).map_err(io)?;
         let resp = read_frame(&mut s2).map_err(|e| frame_err(e, "connect", "", addr))?;
@@ -325,12 +303,7 @@ impl Store {
 
     /// The local address of the connection to the store: an address the other ranks can reach.
     pub(crate) fn local_ip(&self) -> Option<std::net::IpAddr> {
-        self.conn
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .local_addr()
-            .ok()
-            .map(|a| a.ip())
+        self.conn.lock().unwrap_or_else(|p| p.into_inner()).local_addr().ok().map(|a| a.ip())
     }
 
     pub fn addr(&self) -> &str {
@@ -343,8 +316,7 @@ impl Store {
 
     /// Sets the timeout of every later operation.
     pub fn set_timeout(&self, t: Duration) {
-        self.timeout_ms
-            .store(t.as_millis() as u64, Ordering::Relaxed);
+        self.timeout_ms.store(t.as_millis() as u64, Ordering::Relaxed);
     }
 
     fn request(
@@ -412,10 +384,7 @@ impl Store {
     }
 
     fn malformed(&self, op: &str) -> CommError {
-        CommError::Protocol {
-            from: self.addr.clone(),
-            reason: format!("malformed {op} reply"),
-        }
+        CommError::Protocol { from: self.addr.clone(), reason: format!("malformed {op} reply") }
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
@@ -434,17 +403,10 @@ impl Store {
         let resp = self.request(
             "get",
             key,
-            &Enc::default()
-                .u8(OP_GET)
-                .str(key)
-                .u64(t.as_millis() as u64)
-                .0,
+            &Enc::default().u8(OP_GET).str(key).u64(t.as_millis() as u64).0,
             t,
         )?;
-        Dec(&resp)
-            .bytes()
-            .map(|v| v.to_vec())
-            .ok_or_else(|| self.malformed("get"))
+        Dec(&resp).bytes().map(|v| v.to_vec()).ok_or_else(|| self.malformed("get"))
     }
 
     /// Waits until every key exists (up to the store timeout).
@@ -470,10 +432,7 @@ impl Store {
             &Enc::default().u8(OP_ADD).str(key).u64(delta as u64).0,
             self.timeout(),
         )?;
-        Dec(&resp)
-            .u64()
-            .map(|v| v as i64)
-            .ok_or_else(|| self.malformed("add"))
+        Dec(&resp).u64().map(|v| v as i64).ok_or_else(|| self.malformed("add"))
     }
 
     /// `compare_set` that gives up after `limit` (used on failure paths, which must stay fast).
@@ -484,12 +443,7 @@ impl Store {
         desired: &[u8],
         limit: Duration,
     ) -> Result<Vec<u8>, CommError> {
-        let req = Enc::default()
-            .u8(OP_CAS)
-            .str(key)
-            .bytes(expected)
-            .bytes(desired)
-            .0;
+        let req = Enc::default().u8(OP_CAS).str(key).bytes(expected).bytes(desired).0;
         // Never queue behind another thread's long `wait` on the shared connection.
         let conn = match self.conn.try_lock() {
             Ok(c) => c,
@@ -503,10 +457,7 @@ impl Store {
             }
         };
         let resp = self.request_on(conn, "compare_set", key, &req, limit, limit)?;
-        Dec(&resp)
-            .bytes()
-            .map(|v| v.to_vec())
-            .ok_or_else(|| self.malformed("compare_set"))
+        Dec(&resp).bytes().map(|v| v.to_vec()).ok_or_else(|| self.malformed("compare_set"))
     }
 
     /// Sets `key` to `desired` if its value is `expected` (a missing key matches an empty
@@ -517,41 +468,24 @@ impl Store {
         expected: &[u8],
         desired: &[u8],
     ) -> Result<Vec<u8>, CommError> {
-        let req = Enc::default()
-            .u8(OP_CAS)
-            .str(key)
-            .bytes(expected)
-            .bytes(desired)
-            .0;
+        let req = Enc::default().u8(OP_CAS).str(key).bytes(expected).bytes(desired).0;
         let resp = self.request("compare_set", key, &req, self.timeout())?;
-        Dec(&resp)
-            .bytes()
-            .map(|v| v.to_vec())
-            .ok_or_else(|| self.malformed("compare_set"))
+        Dec(&resp).bytes().map(|v| v.to_vec()).ok_or_else(|| self.malformed("compare_set"))
     }
 
     /// Deletes `key`; returns whether it existed.
     pub fn delete(&self, key: &str) -> Result<bool, CommError> {
-        let resp = self.request(
-            "delete",
-            key,
-            &Enc::default().u8(OP_DELETE).str(key).0,
-            self.timeout(),
-        )?;
-        Dec(&resp)
-            .u8()
-            .map(|v| v != 0)
-            .ok_or_else(|| self.malformed("delete"))
+        let resp =
+            self.request("delete", key, &Enc::default().u8(OP_DELETE).str(key).0, self.timeout())?;
+        Dec(&resp).u8().map(|v| v != 0).ok_or_else(|| self.malformed("delete"))
     }
 }
 
 fn frame_err(e: FrameError, op: &'static str, key: &str, addr: &str) -> CommError {
     match e {
-        FrameError::TooLarge(len) => CommError::FrameTooLarge {
-            len,
-            max: crate::frame::MAX_FRAME,
-            from: addr.to_string(),
-        },
+        FrameError::TooLarge(len) => {
+            CommError::FrameTooLarge { len, max: crate::frame::MAX_FRAME, from: addr.to_string() }
+        }
         FrameError::Io(e)
             if matches!(
                 e.kind(),

@@ -13,10 +13,8 @@ impl<T: Send + 'static> Work<T> {
         op: &'static str,
         f: impl FnOnce() -> Result<T, CommError> + Send + 'static,
     ) -> Work<T> {
-        let handle = std::thread::Builder::new()
-            .name(format!("tandem-{op}"))
-            .spawn(f)
-            .unwrap_or_else(|e| {
+        let handle =
+            std::thread::Builder::new().name(format!("tandem-{op}")).spawn(f).unwrap_or_else(|e| {
                 // Could not start a thread: report through wait() rather than panicking here.
                 let reason = e.to_string();
                 std::thread::spawn(move || {
@@ -33,10 +31,7 @@ impl<T: Send + 'static> Work<T> {
     pub fn wait(self) -> Result<T, CommError> {
         let op = self.op;
         self.handle.join().unwrap_or_else(|_| {
-            Err(CommError::Internal {
-                op,
-                reason: "the background operation panicked".into(),
-            })
+            Err(CommError::Internal { op, reason: "the background operation panicked".into() })
         })
     }
 

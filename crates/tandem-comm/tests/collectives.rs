@@ -25,13 +25,7 @@ fn expected(n: usize, i: usize, op: ReduceOp) -> f64 {
 fn check_all_reduce(pg: &ProcessGroup) {
     let (r, n) = (pg.rank(), pg.size());
     for &len in &SIZES {
-        for op in [
-            ReduceOp::Sum,
-            ReduceOp::Avg,
-            ReduceOp::Max,
-            ReduceOp::Min,
-            ReduceOp::Product,
-        ] {
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::Product] {
             let mut a: Vec<f32> = (0..len).map(|i| val(r, i) as f32).collect();
             pg.all_reduce(&mut a, op).unwrap();
             for (i, x) in a.iter().enumerate() {
@@ -45,49 +39,37 @@ fn check_all_reduce(pg: &ProcessGroup) {
         let mut d: Vec<f64> = (0..len).map(|i| val(r, i)).collect();
         pg.all_reduce(&mut d, ReduceOp::Avg).unwrap();
         assert!(
-            d.iter()
-                .enumerate()
-                .all(|(i, x)| *x == expected(n, i, ReduceOp::Avg)),
+            d.iter().enumerate().all(|(i, x)| *x == expected(n, i, ReduceOp::Avg)),
             "f64 avg len {len}"
         );
         let mut h: Vec<f16> = (0..len).map(|i| f16::from_f64(val(r, i))).collect();
         pg.all_reduce(&mut h, ReduceOp::Sum).unwrap();
         assert!(
-            h.iter()
-                .enumerate()
-                .all(|(i, x)| x.to_f64() == expected(n, i, ReduceOp::Sum)),
+            h.iter().enumerate().all(|(i, x)| x.to_f64() == expected(n, i, ReduceOp::Sum)),
             "f16 len {len}"
         );
         let mut b: Vec<bf16> = (0..len).map(|i| bf16::from_f64(val(r, i))).collect();
         pg.all_reduce(&mut b, ReduceOp::Max).unwrap();
         assert!(
-            b.iter()
-                .enumerate()
-                .all(|(i, x)| x.to_f64() == expected(n, i, ReduceOp::Max)),
+            b.iter().enumerate().all(|(i, x)| x.to_f64() == expected(n, i, ReduceOp::Max)),
             "bf16 len {len}"
         );
         let mut k: Vec<i32> = (0..len).map(|i| val(r, i) as i32).collect();
         pg.all_reduce(&mut k, ReduceOp::Product).unwrap();
         assert!(
-            k.iter()
-                .enumerate()
-                .all(|(i, x)| *x as f64 == expected(n, i, ReduceOp::Product)),
+            k.iter().enumerate().all(|(i, x)| *x as f64 == expected(n, i, ReduceOp::Product)),
             "i32 len {len}"
         );
         let mut l: Vec<i64> = (0..len).map(|i| val(r, i) as i64 - 3).collect();
         pg.all_reduce(&mut l, ReduceOp::Min).unwrap();
         assert!(
-            l.iter()
-                .enumerate()
-                .all(|(i, x)| *x as f64 == expected(n, i, ReduceOp::Min) - 3.0),
+            l.iter().enumerate().all(|(i, x)| *x as f64 == expected(n, i, ReduceOp::Min) - 3.0),
             "i64 len {len}"
         );
         let mut u: Vec<u8> = (0..len).map(|i| val(r, i) as u8).collect();
         pg.all_reduce(&mut u, ReduceOp::Sum).unwrap();
         assert!(
-            u.iter()
-                .enumerate()
-                .all(|(i, x)| *x as f64 == expected(n, i, ReduceOp::Sum)),
+            u.iter().enumerate().all(|(i, x)| *x as f64 == expected(n, i, ReduceOp::Sum)),
             "u8 len {len}"
         );
     }
@@ -104,9 +86,7 @@ fn check_others(pg: &ProcessGroup) {
             };
             pg.broadcast(&mut b, root).unwrap();
             assert!(
-                b.iter()
-                    .enumerate()
-                    .all(|(i, x)| *x == i as i64 * 7 + root as i64),
+                b.iter().enumerate().all(|(i, x)| *x == i as i64 * 7 + root as i64),
                 "broadcast root {root} len {len}"
             );
         }
@@ -115,11 +95,7 @@ fn check_others(pg: &ProcessGroup) {
         pg.all_gather(&input, &mut out).unwrap();
         for q in 0..n {
             for i in 0..len {
-                assert_eq!(
-                    out[q * len + i],
-                    (q * 10000 + i) as f32,
-                    "all_gather len {len}"
-                );
+                assert_eq!(out[q * len + i], (q * 10000 + i) as f32, "all_gather len {len}");
             }
         }
         let big: Vec<i32> = (0..n * len).map(|i| (i * (r + 1)) as i32).collect();
@@ -127,56 +103,31 @@ fn check_others(pg: &ProcessGroup) {
         pg.reduce_scatter(&big, &mut mine, ReduceOp::Sum).unwrap();
         let factor: usize = (1..=n).sum();
         for (i, x) in mine.iter().enumerate() {
-            assert_eq!(
-                *x as usize,
-                (r * len + i) * factor,
-                "reduce_scatter len {len}"
-            );
+            assert_eq!(*x as usize, (r * len + i) * factor, "reduce_scatter len {len}");
         }
         let root = n - 1;
         let mut gathered = vec![0f64; n * len];
-        let out = if r == root {
-            Some(&mut gathered[..])
-        } else {
-            None
-        };
-        pg.gather(
-            &input.iter().map(|x| *x as f64).collect::<Vec<_>>(),
-            out,
-            root,
-        )
-        .unwrap();
+        let out = if r == root { Some(&mut gathered[..]) } else { None };
+        pg.gather(&input.iter().map(|x| *x as f64).collect::<Vec<_>>(), out, root).unwrap();
         if r == root {
             for q in 0..n {
                 for i in 0..len {
-                    assert_eq!(
-                        gathered[q * len + i],
-                        (q * 10000 + i) as f64,
-                        "gather len {len}"
-                    );
+                    assert_eq!(gathered[q * len + i], (q * 10000 + i) as f64, "gather len {len}");
                 }
             }
         }
         let src: Vec<u8> = (0..n * len).map(|i| (i % 251) as u8).collect();
         let mut part = vec![0u8; len];
-        pg.scatter(if r == 0 { Some(&src[..]) } else { None }, &mut part, 0)
-            .unwrap();
+        pg.scatter(if r == 0 { Some(&src[..]) } else { None }, &mut part, 0).unwrap();
         assert_eq!(&part[..], &src[r * len..(r + 1) * len], "scatter len {len}");
     }
     // variable-length bytes
     let mine: Vec<u8> = (0..r * 3 + 1).map(|i| (i + r) as u8).collect();
     let all = pg.all_gather_bytes(&mine).unwrap();
     for (q, v) in all.iter().enumerate() {
-        assert_eq!(
-            v,
-            &(0..q * 3 + 1).map(|i| (i + q) as u8).collect::<Vec<_>>()
-        );
+        assert_eq!(v, &(0..q * 3 + 1).map(|i| (i + q) as u8).collect::<Vec<_>>());
     }
-    let mut blob = if r == 0 {
-        b"config: 42".repeat(1000)
-    } else {
-        b"stale".to_vec()
-    };
+    let mut blob = if r == 0 { b"config: 42".repeat(1000) } else { b"stale".to_vec() };
     pg.broadcast_bytes(&mut blob, 0).unwrap();
     assert_eq!(blob, b"config: 42".repeat(1000));
     pg.barrier().unwrap();
@@ -196,9 +147,8 @@ fn check_others(pg: &ProcessGroup) {
         assert_eq!(got, vec![from as i64; 5]);
     }
     // async calls keep issue order
-    let works: Vec<_> = (0..4)
-        .map(|k| pg.all_reduce_async(vec![(k + r) as f32; 33], ReduceOp::Sum))
-        .collect();
+    let works: Vec<_> =
+        (0..4).map(|k| pg.all_reduce_async(vec![(k + r) as f32; 33], ReduceOp::Sum)).collect();
     for (k, w) in works.into_iter().enumerate() {
         let v = w.wait().unwrap();
         let want: usize = (0..n).map(|q| k + q).sum();
@@ -235,15 +185,11 @@ fn large_buffers_stream_through_scratch_and_rings() {
         for n in [2, 3] {
             run_world(n, kind, |pg| {
                 let len = 750_001;
-                let mut v: Vec<f32> = (0..len)
-                    .map(|i| ((i % 1000) * (pg.rank() + 1)) as f32)
-                    .collect();
+                let mut v: Vec<f32> =
+                    (0..len).map(|i| ((i % 1000) * (pg.rank() + 1)) as f32).collect();
                 pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
                 let f: usize = (1..=pg.size()).sum();
-                assert!(v
-                    .iter()
-                    .enumerate()
-                    .all(|(i, x)| *x == ((i % 1000) * f) as f32));
+                assert!(v.iter().enumerate().all(|(i, x)| *x == ((i % 1000) * f) as f32));
                 let mut b: Vec<u8> = if pg.rank() == 1 {
                     (0..len).map(|i| (i % 253) as u8).collect()
                 } else {

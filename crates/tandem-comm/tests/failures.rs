@@ -19,33 +19,18 @@ fn stalled_peer_times_out_naming_op_seq_and_peer() {
                 return None;
             }
             let t = Instant::now();
-            let e = pg
-                .all_reduce(&mut v, ReduceOp::Sum)
-                .expect_err("must time out");
+            let e = pg.all_reduce(&mut v, ReduceOp::Sum).expect_err("must time out");
             let took = t.elapsed();
-            let again = pg
-                .all_reduce(&mut v, ReduceOp::Sum)
-                .expect_err("group is broken");
+            let again = pg.all_reduce(&mut v, ReduceOp::Sum).expect_err("group is broken");
             Some((e, took, again))
         });
         let (e, took, again) = out.into_iter().next().flatten().expect("rank 0 result");
         assert!(
-            matches!(
-                e,
-                CommError::Timeout {
-                    op: "all_reduce",
-                    seq: 1,
-                    peer: 1,
-                    ..
-                }
-            ),
+            matches!(e, CommError::Timeout { op: "all_reduce", seq: 1, peer: 1, .. }),
             "{kind:?}: {e}"
         );
         let msg = e.to_string();
-        assert!(
-            msg.contains("all_reduce #1") && msg.contains("peer rank 1"),
-            "{msg}"
-        );
+        assert!(msg.contains("all_reduce #1") && msg.contains("peer rank 1"), "{msg}");
         assert!(
             took >= Duration::from_millis(650) && took < Duration::from_secs(5),
             "{kind:?} took {took:?}"
@@ -65,33 +50,15 @@ fn desync_names_both_ranks_and_calls() {
             pg.all_reduce(&mut v, ReduceOp::Sum).unwrap(); // agreeing calls pass the check
             match pg.rank() {
                 2 => pg.broadcast(&mut v, 0).expect_err("desync"),
-                1 => pg
-                    .all_reduce(&mut [1.0f32; 11], ReduceOp::Sum)
-                    .expect_err("desync"),
+                1 => pg.all_reduce(&mut [1.0f32; 11], ReduceOp::Sum).expect_err("desync"),
                 _ => pg.all_reduce(&mut v, ReduceOp::Sum).expect_err("desync"),
             }
         });
         for e in &out {
             let msg = e.to_string();
-            assert!(
-                matches!(
-                    e,
-                    CommError::Desync {
-                        rank_a: 0,
-                        rank_b: 1,
-                        ..
-                    }
-                ),
-                "{kind:?}: {msg}"
-            );
-            assert!(
-                msg.contains("all_reduce(#1, f32, 10 elements, sum)"),
-                "{msg}"
-            );
-            assert!(
-                msg.contains("all_reduce(#1, f32, 11 elements, sum)"),
-                "{msg}"
-            );
+            assert!(matches!(e, CommError::Desync { rank_a: 0, rank_b: 1, .. }), "{kind:?}: {msg}");
+            assert!(msg.contains("all_reduce(#1, f32, 10 elements, sum)"), "{msg}");
+            assert!(msg.contains("all_reduce(#1, f32, 11 elements, sum)"), "{msg}");
         }
     }
 }
@@ -121,12 +88,9 @@ fn desync_in_point_to_point_names_both_calls() {
 fn bad_arguments_are_errors_not_panics() {
     let out = run_world_with(2, opts(TransportKind::Tcp), Duration::from_secs(20), |pg| {
         let errs = [
-            pg.broadcast(&mut [0u8; 3], 2)
-                .expect_err("root out of range"),
-            pg.all_gather(&[0f32; 3], &mut [0f32; 5])
-                .expect_err("wrong output"),
-            pg.reduce_scatter(&[0f32; 3], &mut [0f32; 2], ReduceOp::Sum)
-                .expect_err("wrong input"),
+            pg.broadcast(&mut [0u8; 3], 2).expect_err("root out of range"),
+            pg.all_gather(&[0f32; 3], &mut [0f32; 5]).expect_err("wrong output"),
+            pg.reduce_scatter(&[0f32; 3], &mut [0f32; 2], ReduceOp::Sum).expect_err("wrong input"),
             pg.send(&[0u8], pg.rank()).expect_err("send to self"),
             pg.new_group(&[0, 0]).expect_err("duplicate"),
             pg.new_group(&[5]).expect_err("out of range"),
@@ -138,11 +102,7 @@ fn bad_arguments_are_errors_not_panics() {
         errs.iter().map(|e| e.to_string()).collect::<Vec<_>>()
     });
     for msgs in out {
-        assert!(
-            msgs[0].contains("broadcast") && msgs[0].contains("root 2"),
-            "{}",
-            msgs[0]
-        );
+        assert!(msgs[0].contains("broadcast") && msgs[0].contains("root 2"), "{}", msgs[0]);
         assert!(msgs[1].contains("all_gather"), "{}", msgs[1]);
         assert!(msgs[2].contains("reduce_scatter"), "{}", msgs[2]);
         assert!(msgs[5].contains("rank 5"), "{}", msgs[5]);
@@ -152,10 +112,7 @@ fn bad_arguments_are_errors_not_panics() {
 #[test]
 fn world_of_one_needs_no_network() {
     let pg = tandem_comm::init_from(&tandem_comm::InitMethod::Single).unwrap();
-    assert_eq!(
-        (pg.rank(), pg.size(), pg.local_rank(), pg.local_size()),
-        (0, 1, 0, 1)
-    );
+    assert_eq!((pg.rank(), pg.size(), pg.local_rank(), pg.local_size()), (0, 1, 0, 1));
     assert!(pg.store().is_none() && pg.transport().is_none());
     let mut v = vec![3.0f64, 4.0];
     pg.all_reduce(&mut v, ReduceOp::Avg).unwrap();
@@ -206,11 +163,7 @@ fn ranks_disagreeing_on_world_size_get_an_error() {
     });
     let e0 = r0.join().unwrap().expect_err("rank 0 must refuse");
     let e1 = r1.join().unwrap().expect_err("rank 1 must fail");
-    assert!(
-        e0.to_string()
-            .contains("rank 1 was started with world size 3"),
-        "{e0}"
-    );
+    assert!(e0.to_string().contains("rank 1 was started with world size 3"), "{e0}");
     assert!(
         e1.to_string().contains("did not join") || e1.to_string().contains("world size"),
         "{e1}"

@@ -62,8 +62,7 @@ fn worker() {
 
 fn spawn(role: &str, vars: &[(String, String)]) -> Child {
     let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
-    cmd.args(["--exact", "worker", "--nocapture", "--test-threads=1"])
-        .env(ROLE, role);
+    cmd.args(["--exact", "worker", "--nocapture", "--test-threads=1"]).env(ROLE, role);
     for k in [
         "RANK",
         "WORLD_SIZE",
@@ -78,9 +77,7 @@ fn spawn(role: &str, vars: &[(String, String)]) -> Child {
     for (k, v) in vars {
         cmd.env(k, v);
     }
-    cmd.env("TANDEM_INIT_TIMEOUT", "20")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    cmd.env("TANDEM_INIT_TIMEOUT", "20").stdout(Stdio::piped()).stderr(Stdio::piped());
     cmd.spawn().expect("spawn worker")
 }
 
@@ -100,10 +97,7 @@ fn finish(children: Vec<Child>, limit: Duration) -> Vec<(Option<i32>, String)> {
 }
 
 fn vars(pairs: &[(&str, String)]) -> Vec<(String, String)> {
-    pairs
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.clone()))
-        .collect()
+    pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
 }
 
 #[test]
@@ -125,10 +119,7 @@ fn torchrun_env_world_of_three() {
             )
         })
         .collect();
-    for (r, (code, out)) in finish(kids, Duration::from_secs(60))
-        .into_iter()
-        .enumerate()
-    {
+    for (r, (code, out)) in finish(kids, Duration::from_secs(60)).into_iter().enumerate() {
         assert_eq!(code, Some(0), "rank {r}: {out}");
         assert!(
             out.contains(&format!(
@@ -157,15 +148,10 @@ fn slurm_and_openmpi_variables() {
             )
         })
         .collect();
-    for (r, (code, out)) in finish(slurm, Duration::from_secs(60))
-        .into_iter()
-        .enumerate()
-    {
+    for (r, (code, out)) in finish(slurm, Duration::from_secs(60)).into_iter().enumerate() {
         assert_eq!(code, Some(0), "slurm rank {r}: {out}");
         assert!(
-            out.contains(&format!(
-                "OK rank={r} size=2 local={r}/2 transport=Some(Tcp)"
-            )),
+            out.contains(&format!("OK rank={r} size=2 local={r}/2 transport=Some(Tcp)")),
             "{out}"
         );
     }
@@ -259,26 +245,16 @@ fn kill_mid_all_reduce(transport: &str) {
     let took = killed_at.elapsed();
     eprintln!("{transport}: survivors failed after {took:?}: {results:?}");
     for (code, out) in &results {
-        assert_eq!(
-            *code,
-            Some(4),
-            "{transport}: survivor did not fail cleanly: {out}"
-        );
+        assert_eq!(*code, Some(4), "{transport}: survivor did not fail cleanly: {out}");
         assert!(out.contains("COMM-ERROR all_reduce #"), "{out}");
         assert!(out.contains("peer rank"), "{out}");
     }
-    assert!(
-        took < Duration::from_secs(11),
-        "{transport}: survivors took {took:?}"
-    );
+    assert!(took < Duration::from_secs(11), "{transport}: survivors took {took:?}");
     // Every survivor's error leads to the dead rank: directly, or through the group's first
     // failure, recorded in the store by the rank that saw it first.
     for (_, out) in &results {
         // libtest may print "test worker ... " on the same line first.
-        let line = out
-            .lines()
-            .find_map(|l| l.find("COMM-ERROR").map(|i| &l[i..]))
-            .unwrap_or("");
+        let line = out.lines().find_map(|l| l.find("COMM-ERROR").map(|i| &l[i..])).unwrap_or("");
         let direct =
             line.contains("COMM-ERROR all_reduce #") && line.contains("peer rank 1 closed");
         let via_first = line.contains("first failure in this group: rank") && line.ends_with("peer rank 1 closed its connection (process exited, crashed, or aborted this collective after its own failure)");
@@ -316,10 +292,8 @@ fn shm_creation_failure_falls_back_to_tcp_and_leaves_no_file() {
                 return spawn("sum", &v);
             }
             let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
-            cmd.args(["--exact", "worker", "--nocapture", "--test-threads=1"])
-                .env(ROLE, "sum");
-            cmd.env_remove("TANDEM_TRANSPORT")
-                .env("TANDEM_INIT_TIMEOUT", "20");
+            cmd.args(["--exact", "worker", "--nocapture", "--test-threads=1"]).env(ROLE, "sum");
+            cmd.env_remove("TANDEM_TRANSPORT").env("TANDEM_INIT_TIMEOUT", "20");
             for (k, val) in &v {
                 cmd.env(k, val);
             }
@@ -327,24 +301,15 @@ fn shm_creation_failure_falls_back_to_tcp_and_leaves_no_file() {
             unsafe {
                 cmd.pre_exec(|| {
                     libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-                    let lim = libc::rlimit {
-                        rlim_cur: 0,
-                        rlim_max: libc::RLIM_INFINITY,
-                    };
+                    let lim = libc::rlimit { rlim_cur: 0, rlim_max: libc::RLIM_INFINITY };
                     libc::setrlimit(libc::RLIMIT_FSIZE, &lim);
                     Ok(())
                 });
             }
-            cmd.stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn rank 0")
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn rank 0")
         })
         .collect();
-    for (r, (code, out)) in finish(kids, Duration::from_secs(60))
-        .into_iter()
-        .enumerate()
-    {
+    for (r, (code, out)) in finish(kids, Duration::from_secs(60)).into_iter().enumerate() {
         assert_eq!(code, Some(0), "rank {r}: {out}");
         assert!(out.contains("transport=Some(Tcp)"), "rank {r}: {out}");
     }

@@ -49,17 +49,10 @@ fn get_and_wait_block_until_set_or_timeout() {
     let t = Instant::now();
     let e = s.get("never").expect_err("times out");
     assert!(t.elapsed() >= Duration::from_millis(250) && t.elapsed() < Duration::from_secs(3));
-    assert!(
-        matches!(&e, CommError::StoreTimeout { op: "get", key, .. } if key == "never"),
-        "{e}"
-    );
-    let e = s
-        .wait_timeout(&["late", "missing"], Duration::from_millis(200))
-        .expect_err("times out");
-    assert!(
-        e.to_string().contains("missing") && !e.to_string().contains("late,"),
-        "{e}"
-    );
+    assert!(matches!(&e, CommError::StoreTimeout { op: "get", key, .. } if key == "never"), "{e}");
+    let e =
+        s.wait_timeout(&["late", "missing"], Duration::from_millis(200)).expect_err("times out");
+    assert!(e.to_string().contains("missing") && !e.to_string().contains("late,"), "{e}");
 }
 
 #[test]
@@ -102,11 +95,7 @@ fn hostile_length_prefix_is_dropped_and_server_keeps_serving() {
     raw.write_all(&u32::MAX.to_le_bytes()).unwrap(); // claims a 4 GiB handshake
     raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut buf = [0u8; 16];
-    assert_eq!(
-        raw.read(&mut buf).unwrap_or(0),
-        0,
-        "server must close the connection"
-    );
+    assert_eq!(raw.read(&mut buf).unwrap_or(0), 0, "server must close the connection");
     s.set("still", b"alive").unwrap();
     assert_eq!(s.get("still").unwrap(), b"alive");
 }
@@ -124,14 +113,5 @@ fn client_refuses_an_oversized_reply() {
         }
     });
     let e = Store::connect(&addr, "r", Duration::from_secs(5), "test").expect_err("oversized");
-    assert!(
-        matches!(
-            e,
-            CommError::FrameTooLarge {
-                len: 2147483648,
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert!(matches!(e, CommError::FrameTooLarge { len: 2147483648, .. }), "{e}");
 }

@@ -93,16 +93,11 @@ print(best(sampler), best(loader, 1))
     );
     let out = Command::new(python).args(["-c", &script]).output().ok()?;
     if !out.status.success() {
-        eprintln!(
-            "torch reference failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        eprintln!("torch reference failed: {}", String::from_utf8_lossy(&out.stderr));
         return None;
     }
     let text = String::from_utf8_lossy(&out.stdout);
-    let mut it = text
-        .split_whitespace()
-        .filter_map(|v| v.parse::<f64>().ok());
+    let mut it = text.split_whitespace().filter_map(|v| v.parse::<f64>().ok());
     Some((it.next()?, it.next()?))
 }
 
@@ -137,9 +132,7 @@ fn main() {
     };
     let l0 = loader_time(0);
     let l2 = loader_time(2);
-    let slow = Arc::new(Slow(Arc::new(
-        datasets::synthetic(4000, LOADER_DIM, 10, 0).unwrap(),
-    )));
+    let slow = Arc::new(Slow(Arc::new(datasets::synthetic(4000, LOADER_DIM, 10, 0).unwrap())));
     let slow_time = |workers: usize| {
         let sampler = DistributedSampler::new(slow.len(), 1, 0, true, 0, false).unwrap();
         let options = LoaderOptions {

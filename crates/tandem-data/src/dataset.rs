@@ -69,24 +69,12 @@ impl InMemoryDataset {
                 expected: input_dim,
             });
         }
-        if let Some((index, &label)) = labels
-            .iter()
-            .enumerate()
-            .find(|(_, &l)| l < 0 || l as u64 >= num_classes as u64)
+        if let Some((index, &label)) =
+            labels.iter().enumerate().find(|(_, &l)| l < 0 || l as u64 >= num_classes as u64)
         {
-            return Err(DataError::LabelOutOfRange {
-                index,
-                label,
-                num_classes,
-            });
+            return Err(DataError::LabelOutOfRange { index, label, num_classes });
         }
-        Ok(Self {
-            name: name.into(),
-            features,
-            labels,
-            input_dim,
-            num_classes,
-        })
+        Ok(Self { name: name.into(), features, labels, input_dim, num_classes })
     }
 
     pub fn name(&self) -> &str {
@@ -107,10 +95,7 @@ impl InMemoryDataset {
     /// Feature row `index` without copying.
     pub fn row(&self, index: usize) -> Result<&[f32], DataError> {
         if index >= self.labels.len() {
-            return Err(DataError::IndexOutOfRange {
-                index,
-                len: self.labels.len(),
-            });
+            return Err(DataError::IndexOutOfRange { index, len: self.labels.len() });
         }
         Ok(&self.features[index * self.input_dim..(index + 1) * self.input_dim])
     }
@@ -131,9 +116,6 @@ impl Dataset for InMemoryDataset {
         self.num_classes
     }
     fn get(&self, index: usize) -> Result<Example, DataError> {
-        Ok(Example {
-            features: self.row(index)?.to_vec(),
-            label: self.labels[index],
-        })
+        Ok(Example { features: self.row(index)?.to_vec(), label: self.labels[index] })
     }
 }

@@ -30,10 +30,7 @@ pub fn eval_batches<D: Dataset + ?Sized + 'static>(
     device: Device,
 ) -> Result<BatchIter<D>, DataError> {
     let indices = eval_indices(dataset.len(), num_replicas, rank)?;
-    let options = LoaderOptions {
-        drop_last: false,
-        ..options.clone()
-    };
+    let options = LoaderOptions { drop_last: false, ..options.clone() };
     BatchIter::new(dataset, &indices, &options, device)
 }
 
@@ -87,11 +84,7 @@ pub fn all_reduce_metrics(
     pg.all_reduce(&mut loss, ReduceOp::Sum)?;
     let mut counts = [local.correct, local.count];
     pg.all_reduce(&mut counts, ReduceOp::Sum)?;
-    Ok(EvalMetrics {
-        loss_sum: loss[0],
-        correct: counts[0],
-        count: counts[1],
-    })
+    Ok(EvalMetrics { loss_sum: loss[0], correct: counts[0], count: counts[1] })
 }
 
 /// Distributed evaluation: runs `step` on every batch of this rank's share of `dataset` (each

@@ -48,30 +48,20 @@ pub struct LoaderOptions {
 
 impl Default for LoaderOptions {
     fn default() -> Self {
-        Self {
-            batch_size: 1,
-            drop_last: false,
-            num_workers: 0,
-            prefetch_factor: 2,
-        }
+        Self { batch_size: 1, drop_last: false, num_workers: 0, prefetch_factor: 2 }
     }
 }
 
 impl LoaderOptions {
     pub fn new(batch_size: usize) -> Self {
-        Self {
-            batch_size,
-            ..Self::default()
-        }
+        Self { batch_size, ..Self::default() }
     }
     fn validate(&self) -> Result<(), DataError> {
         if self.batch_size == 0 {
             return Err(DataError::ZeroArgument { what: "batch_size" });
         }
         if self.num_workers > 0 && self.prefetch_factor == 0 {
-            return Err(DataError::ZeroArgument {
-                what: "prefetch_factor",
-            });
+            return Err(DataError::ZeroArgument { what: "prefetch_factor" });
         }
         Ok(())
     }
@@ -89,27 +79,16 @@ pub fn collate<D: Dataset + ?Sized>(
     for &index in indices {
         let ex = dataset.get(index)?;
         if ex.features.len() != dim {
-            return Err(DataError::FeatureLength {
-                index,
-                got: ex.features.len(),
-                expected: dim,
-            });
+            return Err(DataError::FeatureLength { index, got: ex.features.len(), expected: dim });
         }
         if ex.label < 0 || ex.label as u64 >= num_classes as u64 || ex.label > u32::MAX as i64 {
-            return Err(DataError::LabelOutOfRange {
-                index,
-                label: ex.label,
-                num_classes,
-            });
+            return Err(DataError::LabelOutOfRange { index, label: ex.label, num_classes });
         }
         x.extend_from_slice(&ex.features);
         y.push(ex.label as u32);
     }
     let b = indices.len();
-    Ok((
-        Tensor::from_vec(x, (b, dim), &Device::Cpu)?,
-        Tensor::from_vec(y, b, &Device::Cpu)?,
-    ))
+    Ok((Tensor::from_vec(x, (b, dim), &Device::Cpu)?, Tensor::from_vec(y, b, &Device::Cpu)?))
 }
 
 type Built = Result<(Tensor, Tensor), DataError>;
@@ -140,10 +119,8 @@ impl<D: Dataset + ?Sized + 'static> BatchIter<D> {
         device: Device,
     ) -> Result<Self, DataError> {
         options.validate()?;
-        let mut groups: Vec<Vec<usize>> = indices
-            .chunks(options.batch_size)
-            .map(<[usize]>::to_vec)
-            .collect();
+        let mut groups: Vec<Vec<usize>> =
+            indices.chunks(options.batch_size).map(<[usize]>::to_vec).collect();
         if options.drop_last && groups.last().is_some_and(|g| g.len() < options.batch_size) {
             groups.pop();
         }
@@ -167,19 +144,9 @@ impl<D: Dataset + ?Sized + 'static> BatchIter<D> {
                     worker: w,
                     detail: Some(format!("could not start: {e}")),
                 })?;
-            workers.push(Worker {
-                rx,
-                handle: Some(handle),
-            });
+            workers.push(Worker { rx, handle: Some(handle) });
         }
-        Ok(Self {
-            dataset,
-            groups,
-            next: 0,
-            device,
-            workers,
-            failed: false,
-        })
+        Ok(Self { dataset, groups, next: 0, device, workers, failed: false })
     }
 
     /// Batches this iterator yields in total.
@@ -224,11 +191,7 @@ impl<D: Dataset + ?Sized + 'static> Iterator for BatchIter<D> {
             .build(k)
             .and_then(|(x, y)| Ok((x.to_device(&self.device)?, y.to_device(&self.device)?)));
         match built {
-            Ok((x, y)) => Some(Ok(Batch {
-                x,
-                y,
-                indices: self.groups[k].clone(),
-            })),
+            Ok((x, y)) => Some(Ok(Batch { x, y, indices: self.groups[k].clone() })),
             Err(e) => {
                 self.failed = true;
                 Some(Err(e))
@@ -278,19 +241,12 @@ impl<D: Dataset + ?Sized + 'static> DataLoader<D> {
                 dataset_len: dataset.len(),
             });
         }
-        Ok(Self {
-            dataset,
-            sampler: Mutex::new(sampler),
-            options,
-            device,
-        })
+        Ok(Self { dataset, sampler: Mutex::new(sampler), options, device })
     }
 
     fn sampler_lock(&self) -> MutexGuard<'_, DistributedSampler> {
         // The sampler holds plain numbers; a panic elsewhere cannot leave it half-updated.
-        self.sampler
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.sampler.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub fn dataset(&self) -> &Arc<D> {
@@ -343,12 +299,7 @@ impl<D: Dataset + ?Sized + 'static> DataLoader<D> {
             &self.options,
             self.device.clone(),
         )?;
-        Ok(EpochIter {
-            loader: self,
-            inner,
-            epoch,
-            finished: false,
-        })
+        Ok(EpochIter { loader: self, inner, epoch, finished: false })
     }
 }
 

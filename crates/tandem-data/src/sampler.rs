@@ -59,16 +59,7 @@ impl DistributedSampler {
         if rank >= num_replicas {
             return Err(DataError::InvalidRank { rank, num_replicas });
         }
-        Ok(Self {
-            len,
-            num_replicas,
-            rank,
-            shuffle,
-            seed,
-            drop_last,
-            epoch: 0,
-            consumed: 0,
-        })
+        Ok(Self { len, num_replicas, rank, shuffle, seed, drop_last, epoch: 0, consumed: 0 })
     }
 
     /// Samples per rank per epoch (PyTorch's `num_samples`, `len(sampler)`).
@@ -145,11 +136,7 @@ impl DistributedSampler {
     pub fn advance(&mut self, n: usize) -> Result<(), DataError> {
         let remaining = self.len() - self.consumed;
         if n > remaining {
-            return Err(DataError::AdvancePastEnd {
-                requested: n,
-                remaining,
-                epoch: self.epoch,
-            });
+            return Err(DataError::AdvancePastEnd { requested: n, remaining, epoch: self.epoch });
         }
         self.consumed += n;
         Ok(())
@@ -233,16 +220,10 @@ fn shard_indices(
     if per_rank == 0 {
         return Vec::new();
     }
-    let order = if shuffle {
-        torch_randperm(len, generator_seed)
-    } else {
-        (0..len).collect()
-    };
+    let order = if shuffle { torch_randperm(len, generator_seed) } else { (0..len).collect() };
     // Position p of the padded (or trimmed) list is order[p % len]: padding repeats the list
     // from its start, as many times as needed.
-    (0..per_rank)
-        .map(|k| order[(rank + k * num_replicas) % len])
-        .collect()
+    (0..per_rank).map(|k| order[(rank + k * num_replicas) % len]).collect()
 }
 
 #[cfg(test)]
@@ -263,23 +244,12 @@ mod tests {
     fn padding_repeats_from_start_unshuffled() {
         // 10 samples over 4 ranks: padded to 12 with [0, 1].
         let shards: Vec<Vec<usize>> = (0..4)
-            .map(|r| {
-                DistributedSampler::new(10, 4, r, false, 0, false)
-                    .unwrap()
-                    .indices()
-            })
+            .map(|r| DistributedSampler::new(10, 4, r, false, 0, false).unwrap().indices())
             .collect();
-        assert_eq!(
-            shards,
-            vec![vec![0, 4, 8], vec![1, 5, 9], vec![2, 6, 0], vec![3, 7, 1]]
-        );
+        assert_eq!(shards, vec![vec![0, 4, 8], vec![1, 5, 9], vec![2, 6, 0], vec![3, 7, 1]]);
         // 2 samples over 5 ranks: padded to 5 by repeating the list several times.
         let shards: Vec<Vec<usize>> = (0..5)
-            .map(|r| {
-                DistributedSampler::new(2, 5, r, false, 0, false)
-                    .unwrap()
-                    .indices()
-            })
+            .map(|r| DistributedSampler::new(2, 5, r, false, 0, false).unwrap().indices())
             .collect();
         assert_eq!(shards, vec![vec![0], vec![1], vec![0], vec![1], vec![0]]);
     }
@@ -287,17 +257,10 @@ mod tests {
     #[test]
     fn drop_last_trims() {
         let shards: Vec<Vec<usize>> = (0..4)
-            .map(|r| {
-                DistributedSampler::new(10, 4, r, false, 0, true)
-                    .unwrap()
-                    .indices()
-            })
+            .map(|r| DistributedSampler::new(10, 4, r, false, 0, true).unwrap().indices())
             .collect();
         assert_eq!(shards, vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]);
-        assert!(DistributedSampler::new(3, 4, 1, true, 0, true)
-            .unwrap()
-            .indices()
-            .is_empty());
+        assert!(DistributedSampler::new(3, 4, 1, true, 0, true).unwrap().indices().is_empty());
     }
 
     #[test]

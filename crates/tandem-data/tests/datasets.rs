@@ -16,25 +16,25 @@ fn digits_split_and_values() {
     assert_eq!(first.label, 0);
     assert_eq!(
         &first.features[..8],
-        &[
-            0.0,
-            0.0,
-            5.0 / 16.0,
-            13.0 / 16.0,
-            9.0 / 16.0,
-            1.0 / 16.0,
-            0.0,
-            0.0
-        ]
+        &[0.0, 0.0, 5.0 / 16.0, 13.0 / 16.0, 9.0 / 16.0, 1.0 / 16.0, 0.0, 0.0]
     );
     // Eval rows are sorted(torch.randperm(1797, generator=torch.Generator().manual_seed(0))[1500:])
     // (values printed by torch 2.15): rows 1, 2, 5, 7, 18, ..., 1788, 1794, 1795; train starts 0, 3, 4.
     let all = datasets::digits_all().unwrap();
-    for (i, row) in [(0, 1), (1, 2), (2, 5), (3, 7), (4, 18), (294, 1788), (295, 1794), (296, 1795)] {
-        assert_eq!(eval.get(i).unwrap(), all.get(row).unwrap(), "eval row {i} should be file row {row}");
+    for (i, row) in [(0, 1), (1, 2), (2, 5), (3, 7), (4, 18), (294, 1788), (295, 1794), (296, 1795)]
+    {
+        assert_eq!(
+            eval.get(i).unwrap(),
+            all.get(row).unwrap(),
+            "eval row {i} should be file row {row}"
+        );
     }
     for (i, row) in [(0, 0), (1, 3), (2, 4)] {
-        assert_eq!(train.get(i).unwrap(), all.get(row).unwrap(), "train row {i} should be file row {row}");
+        assert_eq!(
+            train.get(i).unwrap(),
+            all.get(row).unwrap(),
+            "train row {i} should be file row {row}"
+        );
     }
     // Known class counts of the UCI digits test set (sklearn's load_digits): 178 zeros, 182 ones, ...
     let mut counts = [0usize; 10];
@@ -42,9 +42,7 @@ fn digits_split_and_values() {
         counts[l as usize] += 1;
     }
     assert_eq!(counts, [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]);
-    let max = (0..all.len())
-        .flat_map(|i| all.get(i).unwrap().features)
-        .fold(0f32, f32::max);
+    let max = (0..all.len()).flat_map(|i| all.get(i).unwrap().features).fold(0f32, f32::max);
     assert_eq!(max, 1.0);
     assert_eq!(datasets::from_spec("digits").unwrap().1, eval);
 }
@@ -69,17 +67,10 @@ fn write_mnist(dir: &Path, compress: bool) {
     let files = [
         (
             "train-images-idx3-ubyte",
-            idx_bytes(
-                3,
-                &[3, 2, 2],
-                &[0, 255, 51, 102, 1, 2, 3, 4, 255, 255, 0, 0],
-            ),
+            idx_bytes(3, &[3, 2, 2], &[0, 255, 51, 102, 1, 2, 3, 4, 255, 255, 0, 0]),
         ),
         ("train-labels-idx1-ubyte", idx_bytes(1, &[3], &[7, 0, 9])),
-        (
-            "t10k-images-idx3-ubyte",
-            idx_bytes(3, &[2, 2, 2], &[10, 20, 30, 40, 50, 60, 70, 80]),
-        ),
+        ("t10k-images-idx3-ubyte", idx_bytes(3, &[2, 2, 2], &[10, 20, 30, 40, 50, 60, 70, 80])),
         ("t10k-labels-idx1-ubyte", idx_bytes(1, &[2], &[3, 4])),
     ];
     for (name, bytes) in files {
@@ -98,10 +89,7 @@ fn mnist_reads_gz_and_raw_idx() {
         write_mnist(dir.path(), compress);
         let spec = format!("mnist:{}", dir.path().display());
         let (train, eval) = datasets::from_spec(&spec).unwrap();
-        assert_eq!(
-            (train.len(), train.input_dim(), train.num_classes()),
-            (3, 4, 10)
-        );
+        assert_eq!((train.len(), train.input_dim(), train.num_classes()), (3, 4, 10));
         let ex = train.get(0).unwrap();
         assert_eq!(ex.features, vec![0.0, 1.0, 0.2, 0.4]);
         assert_eq!(ex.label, 7);
@@ -124,88 +112,50 @@ fn mnist_errors_name_the_file() {
     // Wrong magic: a label file where the images should be.
     let dir = tempfile::tempdir().unwrap();
     write_mnist(dir.path(), false);
-    std::fs::write(
-        dir.path().join("train-images-idx3-ubyte"),
-        idx_bytes(1, &[3], &[0, 1, 2]),
-    )
-    .unwrap();
+    std::fs::write(dir.path().join("train-images-idx3-ubyte"), idx_bytes(1, &[3], &[0, 1, 2]))
+        .unwrap();
     let e = err_of(dir.path());
-    assert!(
-        e.contains("train-images-idx3-ubyte") && e.contains("magic"),
-        "{e}"
-    );
+    assert!(e.contains("train-images-idx3-ubyte") && e.contains("magic"), "{e}");
 
     // Truncated data.
     write_mnist(dir.path(), false);
     let full = idx_bytes(3, &[3, 2, 2], &[0; 12]);
-    std::fs::write(
-        dir.path().join("train-images-idx3-ubyte"),
-        &full[..full.len() - 5],
-    )
-    .unwrap();
+    std::fs::write(dir.path().join("train-images-idx3-ubyte"), &full[..full.len() - 5]).unwrap();
     let e = err_of(dir.path());
-    assert!(
-        e.contains("train-images-idx3-ubyte") && e.contains("truncated"),
-        "{e}"
-    );
+    assert!(e.contains("train-images-idx3-ubyte") && e.contains("truncated"), "{e}");
 
     // Truncated header.
     std::fs::write(dir.path().join("train-images-idx3-ubyte"), &full[..7]).unwrap();
     let e = err_of(dir.path());
-    assert!(
-        e.contains("train-images-idx3-ubyte") && e.contains("header"),
-        "{e}"
-    );
+    assert!(e.contains("train-images-idx3-ubyte") && e.contains("header"), "{e}");
 
     // Truncated gzip stream.
     write_mnist(dir.path(), false);
     std::fs::remove_file(dir.path().join("t10k-labels-idx1-ubyte")).unwrap();
     let z = gz(&idx_bytes(1, &[2], &[3, 4]));
-    std::fs::write(
-        dir.path().join("t10k-labels-idx1-ubyte.gz"),
-        &z[..z.len() - 6],
-    )
-    .unwrap();
+    std::fs::write(dir.path().join("t10k-labels-idx1-ubyte.gz"), &z[..z.len() - 6]).unwrap();
     let e = err_of(dir.path());
-    assert!(
-        e.contains("t10k-labels-idx1-ubyte.gz") && e.contains("gzip"),
-        "{e}"
-    );
+    assert!(e.contains("t10k-labels-idx1-ubyte.gz") && e.contains("gzip"), "{e}");
 
     // Label count disagrees with image count.
     write_mnist(dir.path(), false);
     std::fs::remove_file(dir.path().join("t10k-labels-idx1-ubyte.gz")).unwrap();
-    std::fs::write(
-        dir.path().join("t10k-labels-idx1-ubyte"),
-        idx_bytes(1, &[3], &[1, 2, 3]),
-    )
-    .unwrap();
+    std::fs::write(dir.path().join("t10k-labels-idx1-ubyte"), idx_bytes(1, &[3], &[1, 2, 3]))
+        .unwrap();
     let e = err_of(dir.path());
-    assert!(
-        e.contains("t10k-labels-idx1-ubyte") && e.contains("3 labels"),
-        "{e}"
-    );
+    assert!(e.contains("t10k-labels-idx1-ubyte") && e.contains("3 labels"), "{e}");
 
     // A label that is not a digit.
     write_mnist(dir.path(), false);
-    std::fs::write(
-        dir.path().join("train-labels-idx1-ubyte"),
-        idx_bytes(1, &[3], &[1, 12, 3]),
-    )
-    .unwrap();
+    std::fs::write(dir.path().join("train-labels-idx1-ubyte"), idx_bytes(1, &[3], &[1, 12, 3]))
+        .unwrap();
     let e = err_of(dir.path());
-    assert!(
-        e.contains("train-labels-idx1-ubyte") && e.contains("label 12"),
-        "{e}"
-    );
+    assert!(e.contains("train-labels-idx1-ubyte") && e.contains("label 12"), "{e}");
 
     // Missing file.
     let empty = tempfile::tempdir().unwrap();
     let e = err_of(empty.path());
-    assert!(
-        e.contains("train-images-idx3-ubyte") && e.contains("not found"),
-        "{e}"
-    );
+    assert!(e.contains("train-images-idx3-ubyte") && e.contains("not found"), "{e}");
 }
 
 #[test]
@@ -244,14 +194,9 @@ fn synthetic_is_deterministic_and_learnable() {
         .filter(|&i| {
             let ex = a.get(i).unwrap();
             let dist = |m: &Vec<f64>| {
-                m.iter()
-                    .zip(&ex.features)
-                    .map(|(m, f)| (m - f64::from(*f)).powi(2))
-                    .sum::<f64>()
+                m.iter().zip(&ex.features).map(|(m, f)| (m - f64::from(*f)).powi(2)).sum::<f64>()
             };
-            let best = (0..4)
-                .min_by(|&x, &y| dist(&means[x]).total_cmp(&dist(&means[y])))
-                .unwrap();
+            let best = (0..4).min_by(|&x, &y| dist(&means[x]).total_cmp(&dist(&means[y]))).unwrap();
             best as i64 == ex.label
         })
         .count();
@@ -261,23 +206,10 @@ fn synthetic_is_deterministic_and_learnable() {
 #[test]
 fn specs() {
     let (train, eval) = datasets::from_spec("synthetic:100:8:3").unwrap();
-    assert_eq!(
-        (
-            train.len(),
-            eval.len(),
-            train.input_dim(),
-            train.num_classes()
-        ),
-        (100, 20, 8, 3)
-    );
+    assert_eq!((train.len(), eval.len(), train.input_dim(), train.num_classes()), (100, 20, 8, 3));
     let (train, eval) = datasets::from_spec("synthetic").unwrap();
     assert_eq!(
-        (
-            train.len(),
-            eval.len(),
-            train.input_dim(),
-            train.num_classes()
-        ),
+        (train.len(), eval.len(), train.input_dim(), train.num_classes()),
         (10_000, 2000, 64, 10)
     );
     for (spec, needle) in [

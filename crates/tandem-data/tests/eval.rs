@@ -59,14 +59,7 @@ fn step(batch: &Batch) -> Result<(f64, i64), DataError> {
 fn single_process() -> EvalMetrics {
     let (_, eval) = datasets::digits().unwrap();
     let pg = tandem_comm::init_from(&InitMethod::Single).unwrap();
-    evaluate(
-        &pg,
-        Arc::new(eval),
-        &LoaderOptions::new(32),
-        Device::Cpu,
-        step,
-    )
-    .unwrap()
+    evaluate(&pg, Arc::new(eval), &LoaderOptions::new(32), Device::Cpu, step).unwrap()
 }
 
 #[test]
@@ -78,11 +71,7 @@ fn distributed_eval_equals_single_process() {
     for world in [2, 4, 7] {
         let results = run_world(world, |pg| {
             let (_, eval) = datasets::digits().unwrap();
-            let opts = LoaderOptions {
-                batch_size: 16,
-                num_workers: 2,
-                ..LoaderOptions::default()
-            };
+            let opts = LoaderOptions { batch_size: 16, num_workers: 2, ..LoaderOptions::default() };
             evaluate(&pg, Arc::new(eval), &opts, Device::Cpu, step).unwrap()
         });
         for (rank, m) in results.iter().enumerate() {
@@ -112,13 +101,6 @@ fn ranks_with_nothing_to_evaluate_still_join() {
         .unwrap()
     });
     for m in results {
-        assert_eq!(
-            m,
-            EvalMetrics {
-                loss_sum: 1.5,
-                correct: 3,
-                count: 3
-            }
-        );
+        assert_eq!(m, EvalMetrics { loss_sum: 1.5, correct: 3, count: 3 });
     }
 }

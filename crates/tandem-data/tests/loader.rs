@@ -11,20 +11,13 @@ use tandem_data::{
 
 fn small_dataset(n: usize) -> Arc<InMemoryDataset> {
     // Row i is [i, i + 0.5, -i], label i % 7: every value says where it came from.
-    let features: Vec<f32> = (0..n)
-        .flat_map(|i| [i as f32, i as f32 + 0.5, -(i as f32)])
-        .collect();
+    let features: Vec<f32> = (0..n).flat_map(|i| [i as f32, i as f32 + 0.5, -(i as f32)]).collect();
     let labels: Vec<i64> = (0..n).map(|i| (i % 7) as i64).collect();
     Arc::new(InMemoryDataset::new("rows", features, labels, 3, 7).unwrap())
 }
 
 fn opts(batch_size: usize, drop_last: bool, num_workers: usize) -> LoaderOptions {
-    LoaderOptions {
-        batch_size,
-        drop_last,
-        num_workers,
-        prefetch_factor: 2,
-    }
+    LoaderOptions { batch_size, drop_last, num_workers, prefetch_factor: 2 }
 }
 
 /// A batch read back: (indices, x rows, labels).
@@ -37,11 +30,7 @@ fn run_epoch<D: Dataset + ?Sized + 'static>(loader: &DataLoader<D>) -> Vec<Rows>
         .unwrap()
         .map(|b| {
             let b = b.unwrap();
-            (
-                b.indices.clone(),
-                b.x.to_vec2::<f32>().unwrap(),
-                b.y.to_vec1::<u32>().unwrap(),
-            )
+            (b.indices.clone(), b.x.to_vec2::<f32>().unwrap(), b.y.to_vec1::<u32>().unwrap())
         })
         .collect()
 }
@@ -54,13 +43,9 @@ fn batches_follow_sampler_order_and_rows_for_any_worker_count() {
     let want = sampler.indices();
     let mut reference = None;
     for workers in [0, 1, 3, 8] {
-        let loader = DataLoader::new(
-            ds.clone(),
-            sampler.clone(),
-            opts(5, false, workers),
-            Device::Cpu,
-        )
-        .unwrap();
+        let loader =
+            DataLoader::new(ds.clone(), sampler.clone(), opts(5, false, workers), Device::Cpu)
+                .unwrap();
         let batches = run_epoch(&loader);
         assert_eq!(batches.len(), loader.len());
         assert_eq!(batches.len(), 7); // 35 samples in batches of 5
@@ -117,8 +102,7 @@ fn resume_mid_epoch_gives_the_rest_of_the_epoch() {
 
     // Another process (here rank 1 again) restores it and runs the usual epoch loop.
     let mut b = DataLoader::new(ds, sampler, opts(8, false, 3), Device::Cpu).unwrap();
-    b.load_state(&serde_json::from_str(&serde_json::to_string(&saved).unwrap()).unwrap())
-        .unwrap();
+    b.load_state(&serde_json::from_str(&serde_json::to_string(&saved).unwrap()).unwrap()).unwrap();
     b.set_epoch(3);
     let rest: Vec<Vec<usize>> = run_epoch(&b).into_iter().map(|b| b.0).collect();
     assert_eq!(rest, full[3..].to_vec());
@@ -173,20 +157,14 @@ impl Dataset for Flaky {
         if index == self.bad {
             return Err(DataError::IndexOutOfRange { index, len: 0 });
         }
-        Ok(Example {
-            features: vec![0.0; 2],
-            label: (index % 2) as i64,
-        })
+        Ok(Example { features: vec![0.0; 2], label: (index % 2) as i64 })
     }
 }
 
 #[test]
 fn dataset_errors_surface_and_end_the_epoch() {
     for workers in [0, 3] {
-        let ds = Arc::new(Flaky {
-            bad: 17,
-            calls: AtomicUsize::new(0),
-        });
+        let ds = Arc::new(Flaky { bad: 17, calls: AtomicUsize::new(0) });
         let sampler = DistributedSampler::new(50, 1, 0, false, 0, false).unwrap();
         let loader = DataLoader::new(ds, sampler, opts(4, false, workers), Device::Cpu).unwrap();
         let results: Vec<_> = loader.iter().unwrap().collect();
@@ -214,15 +192,9 @@ fn bad_labels_and_shapes_are_errors() {
         }
         fn get(&self, index: usize) -> Result<Example, DataError> {
             Ok(if index == 0 {
-                Example {
-                    features: vec![0.0; 2],
-                    label: 0,
-                }
+                Example { features: vec![0.0; 2], label: 0 }
             } else {
-                Example {
-                    features: vec![0.0; 3],
-                    label: 9,
-                }
+                Example { features: vec![0.0; 3], label: 9 }
             })
         }
     }
@@ -307,7 +279,8 @@ fn a_panicking_worker_becomes_an_error_not_a_hang() {
         }
     }
     let sampler = DistributedSampler::new(20, 1, 0, false, 0, false).unwrap();
-    let loader = DataLoader::new(Arc::new(Panics), sampler, opts(4, false, 2), Device::Cpu).unwrap();
+    let loader =
+        DataLoader::new(Arc::new(Panics), sampler, opts(4, false, 2), Device::Cpu).unwrap();
     let results: Vec<_> = loader.iter().unwrap().collect();
     // Batches 0 and 1 are fine; batch 2 (indices 8..12) was on worker 0, which panicked.
     assert_eq!(results.len(), 3);

@@ -112,22 +112,10 @@ proptest! {
 fn load_state_rejects_changed_fields_by_name() {
     let a = DistributedSampler::new(100, 4, 0, true, 1, false).unwrap();
     for (b, field) in [
-        (
-            DistributedSampler::new(101, 4, 0, true, 1, false).unwrap(),
-            "len",
-        ),
-        (
-            DistributedSampler::new(100, 4, 0, true, 2, false).unwrap(),
-            "seed",
-        ),
-        (
-            DistributedSampler::new(100, 4, 0, false, 1, false).unwrap(),
-            "shuffle",
-        ),
-        (
-            DistributedSampler::new(100, 4, 0, true, 1, true).unwrap(),
-            "drop_last",
-        ),
+        (DistributedSampler::new(101, 4, 0, true, 1, false).unwrap(), "len"),
+        (DistributedSampler::new(100, 4, 0, true, 2, false).unwrap(), "seed"),
+        (DistributedSampler::new(100, 4, 0, false, 1, false).unwrap(), "shuffle"),
+        (DistributedSampler::new(100, 4, 0, true, 1, true).unwrap(), "drop_last"),
     ] {
         let mut b = b;
         let e = b.load_state(&a.state()).unwrap_err().to_string();
@@ -136,18 +124,11 @@ fn load_state_rejects_changed_fields_by_name() {
     let mut bad = a.state();
     bad.consumed = 26;
     let mut c = a.clone();
-    assert!(c
-        .load_state(&bad)
-        .unwrap_err()
-        .to_string()
-        .contains("consumed"));
+    assert!(c.load_state(&bad).unwrap_err().to_string().contains("consumed"));
 }
 
 #[test]
 fn eval_indices_rejects_bad_rank() {
-    assert!(eval_indices(10, 3, 3)
-        .unwrap_err()
-        .to_string()
-        .contains("rank 3"));
+    assert!(eval_indices(10, 3, 3).unwrap_err().to_string().contains("rank 3"));
     assert!(eval_indices(10, 0, 0).is_err());
 }

@@ -6,9 +6,7 @@ use serde_json::Value;
 use tandem_data::{torch_randperm, DistributedSampler};
 
 fn fixture(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name);
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
@@ -23,11 +21,7 @@ fn checksum(perm: &[usize]) -> u64 {
 }
 
 fn usizes(v: &Value) -> Vec<usize> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("index") as usize)
-        .collect()
+    v.as_array().expect("array").iter().map(|x| x.as_u64().expect("index") as usize).collect()
 }
 
 fn check_perm_summary(entry: &Value, perm: &[usize]) {
@@ -39,16 +33,8 @@ fn check_perm_summary(entry: &Value, perm: &[usize]) {
     } else {
         let head = usizes(&entry["head"]);
         let tail = usizes(&entry["tail"]);
-        assert_eq!(
-            &perm[..head.len()],
-            &head[..],
-            "randperm({n}) seed {seed}: head"
-        );
-        assert_eq!(
-            &perm[n - tail.len()..],
-            &tail[..],
-            "randperm({n}) seed {seed}: tail"
-        );
+        assert_eq!(&perm[..head.len()], &head[..], "randperm({n}) seed {seed}: head");
+        assert_eq!(&perm[n - tail.len()..], &tail[..], "randperm({n}) seed {seed}: tail");
     }
     let want: u64 = entry["checksum"].as_str().unwrap().parse().unwrap();
     assert_eq!(checksum(perm), want, "randperm({n}) seed {seed}: checksum");
@@ -74,10 +60,7 @@ fn randperm_matches_torch_at_large_n_threshold() {
     let fx = fixture("randperm_large.json");
     let perms = fx["perms"].as_array().unwrap();
     assert_eq!(perms.len(), 2);
-    assert_eq!(
-        perms[1]["n"].as_u64().unwrap() as usize,
-        tandem_data::randperm::LARGE_N_THRESHOLD
-    );
+    assert_eq!(perms[1]["n"].as_u64().unwrap() as usize, tandem_data::randperm::LARGE_N_THRESHOLD);
     for entry in perms {
         let n = entry["n"].as_u64().unwrap() as usize;
         check_perm_summary(entry, &torch_randperm(n, entry["seed"].as_u64().unwrap()));
@@ -97,12 +80,7 @@ fn check_case(case: &Value) {
         let mut s = DistributedSampler::new(len, replicas, rank, shuffle, seed, drop_last).unwrap();
         s.set_epoch(epoch);
         let want = usizes(want);
-        assert_eq!(
-            s.len(),
-            want.len(),
-            "len of {case_id}",
-            case_id = describe(case, rank)
-        );
+        assert_eq!(s.len(), want.len(), "len of {case_id}", case_id = describe(case, rank));
         assert_eq!(s.indices(), want, "{}", describe(case, rank));
     }
 }
@@ -154,11 +132,7 @@ json.dump(cases, sys.stdout)
         std::process::Command::new(python).args(["-c", script]),
         std::time::Duration::from_secs(120),
     );
-    assert!(
-        out.status.success(),
-        "torch script failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "torch script failed: {}", String::from_utf8_lossy(&out.stderr));
     let cases: Value = serde_json::from_slice(&out.stdout).unwrap();
     for case in cases.as_array().unwrap() {
         check_case(case);

@@ -16,7 +16,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let y = Tensor::from_vec((0..128u32).map(|i| i % 10).collect::<Vec<_>>(), 128, &d)?;
     let plain = Mlp::new(&[784, 1024, 1024, 10], 0, &d)?;
     let mut popt = Sgd::new(plain.params().vars(), SgdConfig { lr: 0.01, ..Default::default() })?;
-    let ddp = Ddp::new(Mlp::new(&[784, 1024, 1024, 10], 0, &d)?, &SingleProcess, DdpOptions::default())?;
+    let ddp =
+        Ddp::new(Mlp::new(&[784, 1024, 1024, 10], 0, &d)?, &SingleProcess, DdpOptions::default())?;
     let mut dopt = Sgd::new(ddp.params().vars(), SgdConfig { lr: 0.01, ..Default::default() })?;
     let (mut tp, mut td, mut tf, mut tb) = (0.0, 0.0, 0.0, 0.0);
     let (mut pf, mut pb, mut ps, mut ds) = (0.0, 0.0, 0.0, 0.0);
@@ -65,7 +66,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             std::hint::black_box(v.as_tensor().copy()?);
         }
     }
-    println!("copying all parameters once (fresh allocation): {:.2} ms", t.elapsed().as_secs_f64() / 20.0 * 1e3);
+    println!(
+        "copying all parameters once (fresh allocation): {:.2} ms",
+        t.elapsed().as_secs_f64() / 20.0 * 1e3
+    );
     let mut buf = vec![0f32; vars.iter().map(|v| v.elem_count()).sum()];
     let t = Instant::now();
     for _ in 0..20 {
@@ -76,8 +80,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             off += src.len();
         }
     }
-    println!("to_vec + copy into a reused buffer: {:.2} ms", t.elapsed().as_secs_f64() / 20.0 * 1e3);
-    println!("plain: forward {:.2} backward {:.2} step {:.2}; ddp step {:.2}", pf / n * 1e3, pb / n * 1e3, ps / n * 1e3, ds / n * 1e3);
-    println!("plain {:.2} ms/step, ddp {:.2} ms/step (forward {:.2}, backward {:.2}), overhead {:+.1}%", tp / n * 1e3, td / n * 1e3, tf / n * 1e3, tb / n * 1e3, (td / tp - 1.0) * 100.0);
+    println!(
+        "to_vec + copy into a reused buffer: {:.2} ms",
+        t.elapsed().as_secs_f64() / 20.0 * 1e3
+    );
+    println!(
+        "plain: forward {:.2} backward {:.2} step {:.2}; ddp step {:.2}",
+        pf / n * 1e3,
+        pb / n * 1e3,
+        ps / n * 1e3,
+        ds / n * 1e3
+    );
+    println!(
+        "plain {:.2} ms/step, ddp {:.2} ms/step (forward {:.2}, backward {:.2}), overhead {:+.1}%",
+        tp / n * 1e3,
+        td / n * 1e3,
+        tf / n * 1e3,
+        tb / n * 1e3,
+        (td / tp - 1.0) * 100.0
+    );
     Ok(())
 }

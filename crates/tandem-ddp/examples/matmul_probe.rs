@@ -24,7 +24,11 @@ fn main() -> candle_core::Result<()> {
             f()?;
         }
         let dt = t.elapsed().as_secs_f64() / 50.0;
-        println!("{name} {:.3} ms {:.1} GFLOP/s", dt * 1e3, b as f64 * 784.0 * 1024.0 * 2.0 / dt / 1e9);
+        println!(
+            "{name} {:.3} ms {:.1} GFLOP/s",
+            dt * 1e3,
+            b as f64 * 784.0 * 1024.0 * 2.0 / dt / 1e9
+        );
     }
     Ok(())
 }

@@ -14,7 +14,12 @@ pub struct BucketPlan {
 
 /// `order`: parameter indices in the order buckets should be filled; `numels[i]`: elements of
 /// parameter i; caps in bytes (elements are f32, 4 bytes).
-pub fn assign_buckets(order: &[usize], numels: &[usize], first_cap_bytes: usize, cap_bytes: usize) -> Vec<BucketPlan> {
+pub fn assign_buckets(
+    order: &[usize],
+    numels: &[usize],
+    first_cap_bytes: usize,
+    cap_bytes: usize,
+) -> Vec<BucketPlan> {
     let mut plans = Vec::new();
     let mut current = Vec::new();
     let mut bytes = 0usize;
@@ -41,7 +46,14 @@ mod tests {
     fn tiny_cap_gives_one_parameter_per_bucket() {
         let numels = [300, 400, 500];
         let plans = assign_buckets(&[2, 1, 0], &numels, 1000, 1000);
-        assert_eq!(plans, vec![BucketPlan { params: vec![2] }, BucketPlan { params: vec![1] }, BucketPlan { params: vec![0] }]);
+        assert_eq!(
+            plans,
+            vec![
+                BucketPlan { params: vec![2] },
+                BucketPlan { params: vec![1] },
+                BucketPlan { params: vec![0] }
+            ]
+        );
     }
 
     #[test]
@@ -51,6 +63,9 @@ mod tests {
         assert_eq!(one, vec![BucketPlan { params: vec![3, 2, 1, 0] }]);
         // First cap 4000 bytes = 1000 f32: bucket 0 closes after params 3 and 2.
         let split = assign_buckets(&[3, 2, 1, 0], &numels, 4000, 100 << 20);
-        assert_eq!(split, vec![BucketPlan { params: vec![3, 2] }, BucketPlan { params: vec![1, 0] }]);
+        assert_eq!(
+            split,
+            vec![BucketPlan { params: vec![3, 2] }, BucketPlan { params: vec![1, 0] }]
+        );
     }
 }

@@ -109,10 +109,9 @@ impl LocalGroup {
             s.cv.notify_all();
             return Ok(());
         }
-        let (g, res) = s
-            .cv
-            .wait_timeout_while(g, s.timeout, |st| st.1 == gen)
-            .map_err(|_| "local group poisoned")?;
+        let (g, res) =
+            s.cv.wait_timeout_while(g, s.timeout, |st| st.1 == gen)
+                .map_err(|_| "local group poisoned")?;
         drop(g);
         if res.timed_out() {
             return Err(format!(
@@ -153,7 +152,12 @@ impl GradComm for LocalGroup {
         buf.iter_mut().for_each(|v| *v = 0.0);
         for (r, bytes) in all.iter().enumerate() {
             if bytes.len() != buf.len() * 4 {
-                return Err(format!("rank {r} contributed {} bytes, expected {}", bytes.len(), buf.len() * 4).into());
+                return Err(format!(
+                    "rank {r} contributed {} bytes, expected {}",
+                    bytes.len(),
+                    buf.len() * 4
+                )
+                .into());
             }
             for (d, s) in buf.iter_mut().zip(f32s(bytes)) {
                 *d += s;
@@ -171,7 +175,12 @@ impl GradComm for LocalGroup {
         let all = self.exchange(bytemuck::cast_slice(buf))?;
         let src = all.get(root).ok_or_else(|| format!("broadcast root {root} out of range"))?;
         if src.len() != buf.len() * 4 {
-            return Err(format!("broadcast: root sent {} bytes, expected {}", src.len(), buf.len() * 4).into());
+            return Err(format!(
+                "broadcast: root sent {} bytes, expected {}",
+                src.len(),
+                buf.len() * 4
+            )
+            .into());
         }
         for (d, s) in buf.iter_mut().zip(f32s(src)) {
             *d = s;

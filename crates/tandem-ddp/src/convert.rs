@@ -22,7 +22,9 @@ pub fn to_ckpt(t: &Tensor) -> Result<tandem_ckpt::Tensor> {
             tandem_ckpt::Tensor::from_bytes(KDType::BF16, &shape, bytemuck::cast_slice(&v).to_vec())
         }
         CDType::U8 => tandem_ckpt::Tensor::from_bytes(KDType::U8, &shape, flat.to_vec1::<u8>()?),
-        other => return Err(DdpError::StateDict(format!("no checkpoint dtype for candle {other:?}"))),
+        other => {
+            return Err(DdpError::StateDict(format!("no checkpoint dtype for candle {other:?}")))
+        }
     })
 }
 
@@ -38,26 +40,47 @@ pub fn from_ckpt(t: &tandem_ckpt::Tensor, device: &Device) -> Result<Tensor> {
         KDType::F32 => Tensor::from_vec(t.to_f32_vec(), shape, device)?,
         KDType::F64 => Tensor::from_vec(t.to_f64_vec(), shape, device)?,
         KDType::I64 => Tensor::from_vec(t.to_i64_vec(), shape, device)?,
-        KDType::F16 => Tensor::from_vec(bytemuck::pod_collect_to_vec::<u8, half::f16>(&bytes), shape, device)?,
-        KDType::BF16 => Tensor::from_vec(bytemuck::pod_collect_to_vec::<u8, half::bf16>(&bytes), shape, device)?,
+        KDType::F16 => {
+            Tensor::from_vec(bytemuck::pod_collect_to_vec::<u8, half::f16>(&bytes), shape, device)?
+        }
+        KDType::BF16 => {
+            Tensor::from_vec(bytemuck::pod_collect_to_vec::<u8, half::bf16>(&bytes), shape, device)?
+        }
         KDType::U8 => Tensor::from_vec(bytes.to_vec(), shape, device)?,
-        other => return Err(DdpError::StateDict(format!("checkpoint dtype {} has no candle equivalent", other.torch_name()))),
+        other => {
+            return Err(DdpError::StateDict(format!(
+                "checkpoint dtype {} has no candle equivalent",
+                other.torch_name()
+            )))
+        }
     })
 }
 
 /// `module.state_dict()` → checkpoint tensors (names unchanged).
-pub fn state_dict_to_ckpt(state: &[(String, Tensor)]) -> Result<Vec<(String, tandem_ckpt::Tensor)>> {
+pub fn state_dict_to_ckpt(
+    state: &[(String, Tensor)],
+) -> Result<Vec<(String, tandem_ckpt::Tensor)>> {
     state
         .iter()
-        .map(|(k, t)| Ok((k.clone(), to_ckpt(t).map_err(|e| DdpError::StateDict(format!("key `{k}`: {e}")))?)))
+        .map(|(k, t)| {
+            Ok((k.clone(), to_ckpt(t).map_err(|e| DdpError::StateDict(format!("key `{k}`: {e}")))?))
+        })
         .collect()
 }
 
 /// Checkpoint tensors → what `Module::load_state_dict` takes.
-pub fn state_dict_from_ckpt(state: &[(String, tandem_ckpt::Tensor)], device: &Device) -> Result<Vec<(String, Tensor)>> {
+pub fn state_dict_from_ckpt(
+    state: &[(String, tandem_ckpt::Tensor)],
+    device: &Device,
+) -> Result<Vec<(String, Tensor)>> {
     state
         .iter()
-        .map(|(k, t)| Ok((k.clone(), from_ckpt(t, device).map_err(|e| DdpError::StateDict(format!("key `{k}`: {e}")))?)))
+        .map(|(k, t)| {
+            Ok((
+                k.clone(),
+                from_ckpt(t, device).map_err(|e| DdpError::StateDict(format!("key `{k}`: {e}")))?,
+            ))
+        })
         .collect()
 }
 

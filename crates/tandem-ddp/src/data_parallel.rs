@@ -48,7 +48,9 @@ impl<M: Module> DataParallel<M> {
         let Some(first) = device_ids.first().cloned() else {
             return Err(DdpError::DataParallel("device_ids is empty".into()));
         };
-        if let Some((name, v)) = all_vars(&module).into_iter().find(|(_, v)| !v.device().same_device(&first)) {
+        if let Some((name, v)) =
+            all_vars(&module).into_iter().find(|(_, v)| !v.device().same_device(&first))
+        {
             return Err(DdpError::DataParallel(format!(
                 "module must be on device_ids[0] ({first:?}) but `{name}` is on {:?}",
                 v.device()
@@ -93,11 +95,16 @@ impl<M: Module> DataParallel<M> {
 
     /// Splits every input along dim 0 and moves the pieces to their replica's device.
     fn scatter(&self, inputs: &[&Tensor]) -> Result<Vec<Vec<Tensor>>> {
-        let Some(first) = inputs.first() else { return Err(DdpError::DataParallel("no inputs".into())) };
+        let Some(first) = inputs.first() else {
+            return Err(DdpError::DataParallel("no inputs".into()));
+        };
         let n = first.dim(0)?;
         for (i, t) in inputs.iter().enumerate() {
             if t.dim(0)? != n {
-                return Err(DdpError::DataParallel(format!("input #{i} has {} rows, input #0 has {n}", t.dim(0)?)));
+                return Err(DdpError::DataParallel(format!(
+                    "input #{i} has {} rows, input #0 has {n}",
+                    t.dim(0)?
+                )));
             }
         }
         let sizes = chunk_sizes(n, self.devices.len());
@@ -132,7 +139,9 @@ impl<M: Module> DataParallel<M> {
             handles
                 .into_iter()
                 .enumerate()
-                .map(|(r, h)| h.join().map_err(|_| DdpError::DataParallel(format!("replica {r} panicked")))?)
+                .map(|(r, h)| {
+                    h.join().map_err(|_| DdpError::DataParallel(format!("replica {r} panicked")))?
+                })
                 .collect()
         })
     }
@@ -144,7 +153,9 @@ impl<M: Module> DataParallel<M> {
     {
         let chunks = self.scatter(&[x])?;
         self.refresh_replicas(chunks.len())?;
-        let outs = self.parallel(chunks, |_, m, c| Ok(f(m, &c[0])?.detach().to_device(&self.output_device)?))?;
+        let outs = self.parallel(chunks, |_, m, c| {
+            Ok(f(m, &c[0])?.detach().to_device(&self.output_device)?)
+        })?;
         Ok(Tensor::cat(&outs, 0)?)
     }
 
@@ -156,7 +167,8 @@ impl<M: Module> DataParallel<M> {
         F: Fn(&M, &[Tensor]) -> candle_core::Result<Tensor> + Sync,
     {
         let chunks = self.scatter(inputs)?;
-        let total: usize = chunks.iter().map(|c| c[0].dim(0)).sum::<candle_core::Result<usize>>()?;
+        let total: usize =
+            chunks.iter().map(|c| c[0].dim(0)).sum::<candle_core::Result<usize>>()?;
         self.refresh_replicas(chunks.len())?;
         let dev0 = &self.devices[0];
         let results = self.parallel(chunks, |_, m, c| {

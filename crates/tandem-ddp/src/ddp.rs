@@ -36,13 +36,22 @@ pub struct DdpOptions {
 
 impl Default for DdpOptions {
     fn default() -> Self {
-        DdpOptions { bucket_cap_mb: 25.0, first_bucket_mb: 1.0, broadcast_buffers: true, find_unused_parameters: false, rebuild_buckets: true }
+        DdpOptions {
+            bucket_cap_mb: 25.0,
+            first_bucket_mb: 1.0,
+            broadcast_buffers: true,
+            find_unused_parameters: false,
+            rebuild_buckets: true,
+        }
     }
 }
 
 fn mb_to_bytes(what: &'static str, mb: f64) -> Result<usize> {
     if !(mb.is_finite() && mb > 0.0) {
-        return Err(DdpError::InvalidOption { what, why: format!("{mb} is not a positive number of MiB") });
+        return Err(DdpError::InvalidOption {
+            what,
+            why: format!("{mb} is not a positive number of MiB"),
+        });
     }
     Ok(((mb * 1024.0 * 1024.0) as usize).max(1))
 }
@@ -92,7 +101,9 @@ fn broadcast_vars(comm: &dyn GradComm, vars: &[(String, Var)]) -> Result<()> {
     for (_, v) in vars {
         with_f32_slice(v.as_tensor(), |s| flat.extend_from_slice(s))?;
     }
-    comm.broadcast(&mut flat, 0).map_err(|e| DdpError::comm("broadcast of parameters/buffers from rank 0", comm.rank(), e))?;
+    comm.broadcast(&mut flat, 0).map_err(|e| {
+        DdpError::comm("broadcast of parameters/buffers from rank 0", comm.rank(), e)
+    })?;
     let mut off = 0;
     for (_, v) in vars {
         let n = v.elem_count();
@@ -110,7 +121,10 @@ fn check_same_params(comm: &dyn GradComm, vars: &[(String, Var)]) -> Result<()> 
     let all = comm
         .all_gather_bytes(mine.join("\n").as_bytes())
         .map_err(|e| DdpError::comm("all_gather of parameter descriptions", comm.rank(), e))?;
-    let lists: Vec<Vec<String>> = all.iter().map(|b| String::from_utf8_lossy(b).lines().map(str::to_string).collect()).collect();
+    let lists: Vec<Vec<String>> = all
+        .iter()
+        .map(|b| String::from_utf8_lossy(b).lines().map(str::to_string).collect())
+        .collect();
     let Some(reference) = lists.first() else { return Ok(()) };
     for (rank, list) in lists.iter().enumerate().skip(1) {
         for i in 0..reference.len().max(list.len()) {
@@ -137,7 +151,11 @@ pub struct Ddp<M: Module> {
 impl<M: Module> Ddp<M> {
     /// Checks that every rank holds the same parameters and buffers (names, shapes, dtypes),
     /// broadcasts them from rank 0, and attaches the gradient hooks. A collective.
-    pub fn new<G: GradComm + Clone + 'static>(module: M, group: &G, opts: DdpOptions) -> Result<Self> {
+    pub fn new<G: GradComm + Clone + 'static>(
+        module: M,
+        group: &G,
+        opts: DdpOptions,
+    ) -> Result<Self> {
         Self::with_comm(module, Arc::new(group.clone()), opts)
     }
 
@@ -149,10 +167,15 @@ impl<M: Module> Ddp<M> {
                 return Err(DdpError::UnsupportedDtype { name: name.clone(), dtype: v.dtype() });
             }
         }
-        let everything: Vec<(String, Var)> = params.iter().cloned().chain(buffers.iter().cloned()).collect();
+        let everything: Vec<(String, Var)> =
+            params.iter().cloned().chain(buffers.iter().cloned()).collect();
         check_same_params(comm.as_ref(), &everything)?;
         if comm.size() > 1 {
-            let floats: Vec<(String, Var)> = everything.iter().filter(|(_, v)| v.dtype() == candle_core::DType::F32).cloned().collect();
+            let floats: Vec<(String, Var)> = everything
+                .iter()
+                .filter(|(_, v)| v.dtype() == candle_core::DType::F32)
+                .cloned()
+                .collect();
             broadcast_vars(comm.as_ref(), &floats)?;
         }
         let cfg = ReducerConfig {
@@ -170,7 +193,10 @@ impl<M: Module> Ddp<M> {
         let shared = Arc::new(Shared {
             comm,
             reducer: Mutex::new(reducer),
-            buffers: buffers.into_iter().filter(|(_, v)| v.dtype() == candle_core::DType::F32).collect(),
+            buffers: buffers
+                .into_iter()
+                .filter(|(_, v)| v.dtype() == candle_core::DType::F32)
+                .collect(),
             broadcast_buffers: opts.broadcast_buffers,
             sync: AtomicBool::new(true),
             hook_error: Mutex::new(None),
@@ -223,7 +249,8 @@ impl<M: Module> Ddp<M> {
         let candle_grads = match loss.backward() {
             Ok(g) => g,
             Err(e) => {
-                let hooked = self.shared.hook_error.lock().unwrap_or_else(|p| p.into_inner()).take();
+                let hooked =
+                    self.shared.hook_error.lock().unwrap_or_else(|p| p.into_inner()).take();
                 return Err(hooked.unwrap_or(DdpError::Candle(e)));
             }
         };
@@ -263,11 +290,15 @@ impl<M: Module> Ddp<M> {
             // Synced: the gradients are views into the averaged bucket buffers (no copy on CPU).
             for (data, params) in r.take_reduced() {
                 let len = data.len();
-                let device = vars.first().map(|v| v.device().clone()).unwrap_or(candle_core::Device::Cpu);
+                let device =
+                    vars.first().map(|v| v.device().clone()).unwrap_or(candle_core::Device::Cpu);
                 let bucket = Tensor::from_vec(data, len, &device)?;
                 for (i, off) in params {
                     let v = &vars[i];
-                    grads.insert(v.as_tensor(), bucket.narrow(0, off, v.elem_count())?.reshape(v.shape())?);
+                    grads.insert(
+                        v.as_tensor(),
+                        bucket.narrow(0, off, v.elem_count())?.reshape(v.shape())?,
+                    );
                 }
             }
         } else {

@@ -24,11 +24,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result
         candle_core::bail!("linear: input has {last} features in its last dimension, the weight [{out_features}, {in_features}] expects {in_features}")
     }
     let rows: usize = lead.iter().product();
-    let x2 = if x.rank() == 2 {
-        x.clone()
-    } else {
-        x.reshape((rows, in_features))?
-    };
+    let x2 = if x.rank() == 2 { x.clone() } else { x.reshape((rows, in_features))? };
     let y = if x.device().is_cpu() && w.device().is_cpu() {
         x2.apply_op2(w, LinearNoBias)?
     } else {
@@ -83,16 +79,8 @@ impl CustomOp2 for LinearNoBias {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         // Only operands in the autograd graph get a gradient: the first layer's data input
         // needs none. Detached so the backward builds no graph of its own.
-        let gx = if x.track_op() {
-            Some(g.matmul(&w.detach())?)
-        } else {
-            None
-        };
-        let gw = if w.track_op() {
-            Some(g.t()?.matmul(&x.detach())?)
-        } else {
-            None
-        };
+        let gx = if x.track_op() { Some(g.matmul(&w.detach())?) } else { None };
+        let gw = if w.track_op() { Some(g.t()?.matmul(&x.detach())?) } else { None };
         Ok((gx, gw))
     }
 }
@@ -107,10 +95,7 @@ mod tests {
         let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
         let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(a.len(), b.len());
-        a.iter()
-            .zip(&b)
-            .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
-            .fold(0.0, f32::max)
+        a.iter().zip(&b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0, f32::max)
     }
 
     /// Two layers (data → hidden → out) through `linear` and through candle's
@@ -129,28 +114,14 @@ mod tests {
             linear(&h, &w2, None).unwrap()
         };
         let theirs = |x: &Tensor| {
-            let h = x
-                .matmul(&w1.t().unwrap())
-                .unwrap()
-                .broadcast_add(&b1)
-                .unwrap()
-                .relu()
-                .unwrap();
+            let h = x.matmul(&w1.t().unwrap()).unwrap().broadcast_add(&b1).unwrap().relu().unwrap();
             h.matmul(&w2.t().unwrap()).unwrap()
         };
         let (ya, yb) = (ours(&x), theirs(&x));
-        assert_eq!(
-            ya.to_vec2::<f32>().unwrap(),
-            yb.to_vec2::<f32>().unwrap(),
-            "forward differs"
-        );
+        assert_eq!(ya.to_vec2::<f32>().unwrap(), yb.to_vec2::<f32>().unwrap(), "forward differs");
         let loss = |y: &Tensor| (y - &target).unwrap().sqr().unwrap().sum_all().unwrap();
         let (ga, gb) = (loss(&ya).backward().unwrap(), loss(&yb).backward().unwrap());
-        for (name, v) in [
-            ("w1", w1.as_tensor()),
-            ("b1", b1.as_tensor()),
-            ("w2", w2.as_tensor()),
-        ] {
+        for (name, v) in [("w1", w1.as_tensor()), ("b1", b1.as_tensor()), ("w2", w2.as_tensor())] {
             let (a, b) = (ga.get(v).unwrap(), gb.get(v).unwrap());
             assert_eq!(a.dims(), b.dims(), "{name}");
             assert!(a.is_contiguous(), "{name}: gradient should be contiguous");
@@ -158,10 +129,7 @@ mod tests {
             assert!(d < 1e-5, "{name}: gradients differ by {d}");
         }
         assert!(ga.get(&x).is_none(), "data input got a gradient");
-        assert!(
-            gb.get(&x).is_some(),
-            "candle's expression computes one (the waste avoided)"
-        );
+        assert!(gb.get(&x).is_some(), "candle's expression computes one (the waste avoided)");
     }
 
     #[test]
@@ -176,13 +144,7 @@ mod tests {
         let g = y.sum_all().unwrap().backward().unwrap();
         // d(sum(x @ wᵀ))/dx = ones @ w: every row equals w's column sums.
         let col_sums: Vec<f32> = w.as_tensor().sum(0).unwrap().to_vec1().unwrap();
-        let gx: Vec<Vec<f32>> = g
-            .get(&x)
-            .unwrap()
-            .reshape((6, 5))
-            .unwrap()
-            .to_vec2()
-            .unwrap();
+        let gx: Vec<Vec<f32>> = g.get(&x).unwrap().reshape((6, 5)).unwrap().to_vec2().unwrap();
         for row in gx {
             for (a, b) in row.iter().zip(&col_sums) {
                 assert!((a - b).abs() < 1e-5);
@@ -196,9 +158,6 @@ mod tests {
         let x = Tensor::zeros((2, 6), candle_core::DType::F32, &dev).unwrap();
         let w = Tensor::zeros((3, 5), candle_core::DType::F32, &dev).unwrap();
         let err = linear(&x, &w, None).unwrap_err().to_string();
-        assert!(
-            err.contains("6 features") && err.contains("[3, 5]"),
-            "{err}"
-        );
+        assert!(err.contains("6 features") && err.contains("[3, 5]"), "{err}");
     }
 }

@@ -32,7 +32,11 @@ impl CustomOp1 for ReadyHook {
         "ddp-grad-ready-hook"
     }
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let Some((start, end)) = layout.contiguous_offsets() else {
             candle_core::bail!("parameter `{}` is not contiguous", self.name)
         };
@@ -41,12 +45,21 @@ impl CustomOp1 for ReadyHook {
             CpuStorage::F64(v) => CpuStorage::F64(v[start..end].to_vec()),
             CpuStorage::F16(v) => CpuStorage::F16(v[start..end].to_vec()),
             CpuStorage::BF16(v) => CpuStorage::BF16(v[start..end].to_vec()),
-            other => candle_core::bail!("parameter `{}` has unsupported dtype {:?}", self.name, other.dtype()),
+            other => candle_core::bail!(
+                "parameter `{}` has unsupported dtype {:?}",
+                self.name,
+                other.dtype()
+            ),
         };
         Ok((out, layout.shape().clone()))
     }
 
-    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
         self.sink.on_grad_ready(self.idx, grad)?;
         Ok(None)
     }
@@ -61,7 +74,9 @@ pub(crate) fn with_f32_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> cand
     if t.device().is_cpu() {
         let t = t.contiguous()?;
         let (storage, layout) = t.storage_and_layout();
-        if let (candle_core::Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+        if let (candle_core::Storage::Cpu(cpu), Some((a, b))) =
+            (&*storage, layout.contiguous_offsets())
+        {
             return Ok(f(&cpu.as_slice::<f32>()?[a..b]));
         }
     }

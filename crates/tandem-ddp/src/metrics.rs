@@ -29,7 +29,11 @@ pub enum MetricsError {
 /// Clips the gradients of `params` in `grads` to a global L2 norm of at most `max_norm` and
 /// returns the total norm before clipping. Parameters without a gradient are ignored. The norm
 /// is accumulated in f64 whatever the gradient dtype.
-pub fn clip_grad_norm(params: &[Var], grads: &mut GradStore, max_norm: f64) -> Result<f64, MetricsError> {
+pub fn clip_grad_norm(
+    params: &[Var],
+    grads: &mut GradStore,
+    max_norm: f64,
+) -> Result<f64, MetricsError> {
     if !(max_norm >= 0.0 && max_norm.is_finite()) {
         return Err(MetricsError::InvalidMaxNorm(max_norm));
     }
@@ -52,7 +56,8 @@ pub fn clip_grad_norm(params: &[Var], grads: &mut GradStore, max_norm: f64) -> R
     if coef < 1.0 {
         for (index, p) in params.iter().enumerate() {
             let Some(g) = grads.get(p.as_tensor()) else { continue };
-            let scaled = g.affine(coef, 0.0).map_err(|source| MetricsError::Candle { index, source })?;
+            let scaled =
+                g.affine(coef, 0.0).map_err(|source| MetricsError::Candle { index, source })?;
             grads.insert(p.as_tensor(), scaled);
         }
     }
@@ -95,7 +100,12 @@ impl AverageMeter {
         let mut val = [self.val];
         pg.all_reduce(&mut val, ReduceOp::Avg)?;
         let [sum, count] = totals;
-        Ok(AverageMeter { val: val[0], sum, count, avg: if count > 0.0 { sum / count } else { 0.0 } })
+        Ok(AverageMeter {
+            val: val[0],
+            sum,
+            count,
+            avg: if count > 0.0 { sum / count } else { 0.0 },
+        })
     }
 }
 

@@ -37,7 +37,8 @@ pub trait Module: Send + Sync {
     /// Loads values by canonical name. Strict: a missing, unexpected or shape-mismatched key is
     /// an error naming it, and nothing is written unless everything matches.
     fn load_state_dict(&self, state: Vec<(String, Tensor)>) -> Result<()> {
-        let targets: Vec<(String, Var)> = self.named_parameters().into_iter().chain(self.named_buffers()).collect();
+        let targets: Vec<(String, Var)> =
+            self.named_parameters().into_iter().chain(self.named_buffers()).collect();
         let mut given: HashMap<String, Tensor> = state.into_iter().collect();
         let mut plan = Vec::with_capacity(targets.len());
         let mut missing = Vec::new();
@@ -45,9 +46,11 @@ pub trait Module: Send + Sync {
         for (name, var) in &targets {
             match given.remove(name) {
                 None => missing.push(name.clone()),
-                Some(t) if t.dims() != var.dims() => {
-                    mismatched.push(format!("{name}: checkpoint {:?} vs model {:?}", t.dims(), var.dims()))
-                }
+                Some(t) if t.dims() != var.dims() => mismatched.push(format!(
+                    "{name}: checkpoint {:?} vs model {:?}",
+                    t.dims(),
+                    var.dims()
+                )),
                 Some(t) => plan.push((var, t)),
             }
         }

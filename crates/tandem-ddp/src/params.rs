@@ -32,7 +32,10 @@ struct View {
 impl ParamSet {
     pub fn new(named: Vec<(String, Var)>) -> Self {
         let n = named.len();
-        ParamSet { named, view: Mutex::new(View { hooks: None, cache: vec![None; n], started: false }) }
+        ParamSet {
+            named,
+            view: Mutex::new(View { hooks: None, cache: vec![None; n], started: false }),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, View> {
@@ -42,10 +45,12 @@ impl ParamSet {
 
     /// Parameter `idx` as the forward pass should use it (see the module docs).
     pub fn get(&self, idx: usize) -> candle_core::Result<Tensor> {
-        let (name, var) = self
-            .named
-            .get(idx)
-            .ok_or_else(|| candle_core::Error::Msg(format!("parameter index {idx} out of range ({} parameters)", self.named.len())))?;
+        let (name, var) = self.named.get(idx).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "parameter index {idx} out of range ({} parameters)",
+                self.named.len()
+            ))
+        })?;
         let hooks = {
             let mut v = self.lock();
             let Some(hooks) = v.hooks.clone() else { return Ok(var.as_tensor().clone()) };

@@ -69,7 +69,12 @@ pub struct Reducer {
 }
 
 impl Reducer {
-    pub fn new(names: Vec<String>, numels: Vec<usize>, comm: Arc<dyn GradComm>, cfg: ReducerConfig) -> Result<Self> {
+    pub fn new(
+        names: Vec<String>,
+        numels: Vec<usize>,
+        comm: Arc<dyn GradComm>,
+        cfg: ReducerConfig,
+    ) -> Result<Self> {
         let n = names.len();
         let (job_tx, job_rx) = channel::<Job>();
         let (done_tx, done_rx) = channel::<Done>();
@@ -106,7 +111,12 @@ impl Reducer {
             done: done_rx,
             thread: Some(thread),
         };
-        r.install_plans(assign_buckets(&reverse, &r.numels, cfg.first_bucket_bytes, cfg.bucket_bytes));
+        r.install_plans(assign_buckets(
+            &reverse,
+            &r.numels,
+            cfg.first_bucket_bytes,
+            cfg.bucket_bytes,
+        ));
         Ok(r)
     }
 
@@ -118,7 +128,12 @@ impl Reducer {
                 self.loc[p] = (b, off);
                 off += self.numels[p];
             }
-            self.buckets.push(Bucket { pending: plan.params.len(), params: plan.params, data: Some(Vec::with_capacity(off)), len: off });
+            self.buckets.push(Bucket {
+                pending: plan.params.len(),
+                params: plan.params,
+                data: Some(Vec::with_capacity(off)),
+                len: off,
+            });
         }
     }
 
@@ -199,7 +214,13 @@ impl Reducer {
         let copy = |dst: &mut [std::mem::MaybeUninit<f32>], src: &[f32]| {
             // SAFETY: `dst` and `src` are both `n` f32s long and cannot overlap (`src` is a
             // caller's slice or `acc`, `dst` this bucket's spare capacity).
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<f32>(), src.len()) }
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.as_ptr(),
+                    dst.as_mut_ptr().cast::<f32>(),
+                    src.len(),
+                )
+            }
         };
         match (grad, acc) {
             (Some(g), None) => copy(dst, g),
@@ -239,7 +260,11 @@ impl Reducer {
             self.in_flight -= 1;
             self.buckets[b].data = Some(data);
             if let Err(e) = r {
-                first_err.get_or_insert(DdpError::comm("all_reduce(avg) of a gradient bucket", self.comm.rank(), e));
+                first_err.get_or_insert(DdpError::comm(
+                    "all_reduce(avg) of a gradient bucket",
+                    self.comm.rank(),
+                    e,
+                ));
             }
         }
         first_err.map_or(Ok(()), Err)
@@ -270,10 +295,11 @@ impl Reducer {
         if self.cfg.find_unused_parameters {
             // As PyTorch: a parameter no rank used keeps "no gradient" rather than a zero one,
             // so optimizers skip it instead of applying momentum/weight decay.
-            let mut used: Vec<f32> = self.locally_used.iter().map(|&u| if u { 1.0 } else { 0.0 }).collect();
-            self.comm
-                .all_reduce_sum(&mut used)
-                .map_err(|e| DdpError::comm("all_reduce(sum) of the used-parameter map", self.comm.rank(), e))?;
+            let mut used: Vec<f32> =
+                self.locally_used.iter().map(|&u| if u { 1.0 } else { 0.0 }).collect();
+            self.comm.all_reduce_sum(&mut used).map_err(|e| {
+                DdpError::comm("all_reduce(sum) of the used-parameter map", self.comm.rank(), e)
+            })?;
             for (g, u) in self.globally_used.iter_mut().zip(&used) {
                 *g = *u > 0.0;
             }
@@ -332,10 +358,19 @@ impl Reducer {
             .map_err(|e| DdpError::comm("broadcast of the bucket order", self.comm.rank(), e))?;
         let order: Vec<usize> = order.iter().map(|&f| f as usize).collect();
         let mut seen = vec![false; self.names.len()];
-        if order.len() != self.names.len() || order.iter().any(|&i| i >= seen.len() || std::mem::replace(&mut seen[i], true)) {
-            return Err(DdpError::StateDict("rank 0's gradient arrival order is not a permutation of the parameters".into()));
+        if order.len() != self.names.len()
+            || order.iter().any(|&i| i >= seen.len() || std::mem::replace(&mut seen[i], true))
+        {
+            return Err(DdpError::StateDict(
+                "rank 0's gradient arrival order is not a permutation of the parameters".into(),
+            ));
         }
-        let plans = assign_buckets(&order, &self.numels, self.cfg.first_bucket_bytes, self.cfg.bucket_bytes);
+        let plans = assign_buckets(
+            &order,
+            &self.numels,
+            self.cfg.first_bucket_bytes,
+            self.cfg.bucket_bytes,
+        );
         self.install_plans(plans);
         Ok(())
     }
@@ -356,7 +391,12 @@ mod tests {
     use crate::comm::LocalGroup;
 
     fn cfg(find_unused: bool) -> ReducerConfig {
-        ReducerConfig { first_bucket_bytes: 8, bucket_bytes: 8, find_unused_parameters: find_unused, rebuild_buckets: true }
+        ReducerConfig {
+            first_bucket_bytes: 8,
+            bucket_bytes: 8,
+            find_unused_parameters: find_unused,
+            rebuild_buckets: true,
+        }
     }
 
     fn run2<F, T>(f: F) -> Vec<T>
@@ -378,7 +418,13 @@ mod tests {
     fn averages_over_ranks_and_rebuilds_in_arrival_order() {
         let out = run2(|comm| {
             let r = comm.rank() as f32;
-            let mut red = Reducer::new(vec!["a".into(), "b".into(), "c".into()], vec![2, 2, 2], comm, cfg(false)).unwrap();
+            let mut red = Reducer::new(
+                vec!["a".into(), "b".into(), "c".into()],
+                vec![2, 2, 2],
+                comm,
+                cfg(false),
+            )
+            .unwrap();
             assert_eq!(red.bucket_params(), vec![vec![2], vec![1], vec![0]]);
             red.prepare_for_backward(true);
             // Arrival order 0, 2, 1: bucket 0 (param 2) launches only after param 2 arrives.
@@ -417,12 +463,24 @@ mod tests {
     #[test]
     fn unused_parameter_is_named_or_zero_filled() {
         let out = run2(|comm| {
-            let mut red = Reducer::new(vec!["used".into(), "head.weight".into()], vec![1, 1], comm.clone(), cfg(false)).unwrap();
+            let mut red = Reducer::new(
+                vec!["used".into(), "head.weight".into()],
+                vec![1, 1],
+                comm.clone(),
+                cfg(false),
+            )
+            .unwrap();
             red.prepare_for_backward(true);
             red.mark_ready(0, &[1.0]).unwrap();
             let err = red.finalize().unwrap_err().to_string();
             drop(red);
-            let mut red = Reducer::new(vec!["used".into(), "head.weight".into()], vec![1, 1], comm.clone(), cfg(true)).unwrap();
+            let mut red = Reducer::new(
+                vec!["used".into(), "head.weight".into()],
+                vec![1, 1],
+                comm.clone(),
+                cfg(true),
+            )
+            .unwrap();
             red.prepare_for_backward(true);
             red.mark_ready(0, &[1.0]).unwrap();
             // rank 1 uses "head.weight", rank 0 does not: it counts as zero on rank 0.
@@ -438,7 +496,10 @@ mod tests {
             (err, head, red.grad(1).is_none())
         });
         for (err, head, globally_unused_is_none) in out {
-            assert!(err.contains("head.weight") && err.contains("find_unused_parameters: true"), "{err}");
+            assert!(
+                err.contains("head.weight") && err.contains("find_unused_parameters: true"),
+                "{err}"
+            );
             assert_eq!(head, Some(vec![2.0]));
             assert!(globally_unused_is_none);
         }
@@ -451,8 +512,10 @@ mod tests {
     fn a_failed_step_leaves_no_stale_or_uninitialised_gradients() {
         let out = run2(|comm| {
             let r = comm.rank() as f32;
-            let big = ReducerConfig { first_bucket_bytes: 1 << 20, bucket_bytes: 1 << 20, ..cfg(false) };
-            let mut red = Reducer::new(vec!["a".into(), "b".into()], vec![3, 2], comm, big).unwrap();
+            let big =
+                ReducerConfig { first_bucket_bytes: 1 << 20, bucket_bytes: 1 << 20, ..cfg(false) };
+            let mut red =
+                Reducer::new(vec!["a".into(), "b".into()], vec![3, 2], comm, big).unwrap();
             red.prepare_for_backward(true);
             red.mark_ready(1, &[9.0, 9.0]).unwrap();
             assert!(red.finalize().is_err());

@@ -83,9 +83,18 @@ impl Core {
             });
         }
         if let Some(&lr) = base_lrs.iter().find(|lr| !lr.is_finite()) {
-            return Err(SchedError::InvalidConfig { name: "base_lrs", value: lr.to_string(), why: "must be finite" });
+            return Err(SchedError::InvalidConfig {
+                name: "base_lrs",
+                value: lr.to_string(),
+                why: "must be finite",
+            });
         }
-        Ok(Core { base_lrs: base_lrs.to_vec(), last_lrs: base_lrs.to_vec(), last_epoch: -1, step_count: 0 })
+        Ok(Core {
+            base_lrs: base_lrs.to_vec(),
+            last_lrs: base_lrs.to_vec(),
+            last_epoch: -1,
+            step_count: 0,
+        })
     }
 
     /// torch's `LRScheduler.step()` without an epoch argument.
@@ -127,7 +136,11 @@ impl Core {
             if v.len() != self.base_lrs.len() {
                 return Err(bad_state(
                     key,
-                    format!("has {} entries, this scheduler has {} param groups", v.len(), self.base_lrs.len()),
+                    format!(
+                        "has {} entries, this scheduler has {} param groups",
+                        v.len(),
+                        self.base_lrs.len()
+                    ),
                 ));
             }
             Ok(v)
@@ -153,7 +166,9 @@ fn get_float(sd: &Value, key: &str) -> Result<f64, SchedError> {
     match sd.get(key) {
         Some(Value::Int(i)) => Ok(*i as f64),
         Some(Value::Float(f)) => Ok(*f),
-        Some(other) => Err(bad_state(key, format!("expected a number, found {}", other.type_name()))),
+        Some(other) => {
+            Err(bad_state(key, format!("expected a number, found {}", other.type_name())))
+        }
         None => Err(bad_state(key, "missing")),
     }
 }
@@ -215,7 +230,10 @@ impl StepLR {
 impl LrScheduler for StepLR {
     core_scheduler_methods!();
     fn state_dict(&self) -> Value {
-        self.core.state_dict(vec![("step_size", Value::Int(self.step_size)), ("gamma", Value::Float(self.gamma))])
+        self.core.state_dict(vec![
+            ("step_size", Value::Int(self.step_size)),
+            ("gamma", Value::Float(self.gamma)),
+        ])
     }
     fn load_state_dict(&mut self, sd: &Value) -> Result<(), SchedError> {
         let core = self.core.load(sd)?;
@@ -256,7 +274,10 @@ impl CosineAnnealingLR {
                 } else if c.step_count == 1 && e > 0 {
                     c.base_lrs
                         .iter()
-                        .map(|base| eta_min + (base - eta_min) * (1.0 + ((e as f64) * pi / t_max).cos()) / 2.0)
+                        .map(|base| {
+                            eta_min
+                                + (base - eta_min) * (1.0 + ((e as f64) * pi / t_max).cos()) / 2.0
+                        })
                         .collect()
                 } else if (e - 1 - t_max_i).rem_euclid(2 * t_max_i) == 0 {
                     c.base_lrs
@@ -265,7 +286,8 @@ impl CosineAnnealingLR {
                         .map(|(base, lr)| lr + (base - eta_min) * (1.0 - (pi / t_max).cos()) / 2.0)
                         .collect()
                 } else {
-                    let ratio = (1.0 + (pi * e as f64 / t_max).cos()) / (1.0 + (pi * (e - 1) as f64 / t_max).cos());
+                    let ratio = (1.0 + (pi * e as f64 / t_max).cos())
+                        / (1.0 + (pi * (e - 1) as f64 / t_max).cos());
                     c.last_lrs.iter().map(|lr| ratio * (lr - eta_min) + eta_min).collect()
                 }
             },
@@ -277,7 +299,10 @@ impl CosineAnnealingLR {
 impl LrScheduler for CosineAnnealingLR {
     core_scheduler_methods!();
     fn state_dict(&self) -> Value {
-        self.core.state_dict(vec![("T_max", Value::Int(self.t_max)), ("eta_min", Value::Float(self.eta_min))])
+        self.core.state_dict(vec![
+            ("T_max", Value::Int(self.t_max)),
+            ("eta_min", Value::Float(self.eta_min)),
+        ])
     }
     fn load_state_dict(&mut self, sd: &Value) -> Result<(), SchedError> {
         let core = self.core.load(sd)?;
@@ -300,7 +325,12 @@ pub struct LinearLR {
 }
 
 impl LinearLR {
-    pub fn new(base_lrs: &[f64], start_factor: f64, end_factor: f64, total_iters: i64) -> Result<Self, SchedError> {
+    pub fn new(
+        base_lrs: &[f64],
+        start_factor: f64,
+        end_factor: f64,
+        total_iters: i64,
+    ) -> Result<Self, SchedError> {
         Self::check(start_factor, end_factor)?;
         let mut s = LinearLR { core: Core::new(base_lrs)?, start_factor, end_factor, total_iters };
         s.advance(true);
@@ -340,7 +370,8 @@ impl LinearLR {
                 } else if is_initial || e > total {
                     c.last_lrs.clone()
                 } else {
-                    let f = 1.0 + (end - start) / (total as f64 * start + (e - 1) as f64 * (end - start));
+                    let f = 1.0
+                        + (end - start) / (total as f64 * start + (e - 1) as f64 * (end - start));
                     c.last_lrs.iter().map(|lr| lr * f).collect()
                 }
             },
@@ -362,7 +393,8 @@ impl LrScheduler for LinearLR {
         let core = self.core.load(sd)?;
         let start_factor = get_float(sd, "start_factor")?;
         let end_factor = get_float(sd, "end_factor")?;
-        Self::check(start_factor, end_factor).map_err(|e| bad_state("start_factor/end_factor", e.to_string()))?;
+        Self::check(start_factor, end_factor)
+            .map_err(|e| bad_state("start_factor/end_factor", e.to_string()))?;
         let total_iters = get_int(sd, "total_iters")?;
         *self = LinearLR { core, start_factor, end_factor, total_iters };
         Ok(())
@@ -393,7 +425,12 @@ const POLY_POWER: i64 = 2;
 const POLY_WARMUP_LR_INIT: f64 = 0.0001;
 
 impl PolyScheduler {
-    pub fn new(base_lrs: &[f64], base_lr: f64, max_steps: i64, warmup_steps: i64) -> Result<Self, SchedError> {
+    pub fn new(
+        base_lrs: &[f64],
+        base_lr: f64,
+        max_steps: i64,
+        warmup_steps: i64,
+    ) -> Result<Self, SchedError> {
         Self::check(base_lr, max_steps, warmup_steps)?;
         let mut s = PolyScheduler { core: Core::new(base_lrs)?, base_lr, max_steps, warmup_steps };
         s.advance(true);
@@ -464,7 +501,10 @@ impl LrScheduler for PolyScheduler {
             .map_err(|e| bad_state("base_lr/max_steps/warmup_steps", e.to_string()))?;
         if let Some(p) = sd.get("power") {
             if p.as_float() != Some(POLY_POWER as f64) {
-                return Err(bad_state("power", format!("{p:?} is not supported (insightface's PolyScheduler uses 2)")));
+                return Err(bad_state(
+                    "power",
+                    format!("{p:?} is not supported (insightface's PolyScheduler uses 2)"),
+                ));
             }
         }
         *self = PolyScheduler { core, base_lr, max_steps, warmup_steps };

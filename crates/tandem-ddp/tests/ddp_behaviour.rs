@@ -23,7 +23,10 @@ fn construction_names_the_first_mismatch_and_the_ranks() {
     });
     for err in out {
         let err = err.expect("mismatched models must be refused");
-        assert!(err.contains("fc1.weight [32, 12]") && err.contains("fc1.weight [33, 12]"), "{err}");
+        assert!(
+            err.contains("fc1.weight [32, 12]") && err.contains("fc1.weight [33, 12]"),
+            "{err}"
+        );
         assert!(err.contains("rank 0") && err.contains("rank 1"), "{err}");
     }
 }
@@ -63,13 +66,29 @@ struct Branchy {
 impl Branchy {
     fn new() -> Self {
         let d = Device::Cpu;
-        let t = Var::from_tensor(&Tensor::arange(0f32, 12., &d).unwrap().reshape((4, 3)).unwrap().affine(0.1, 0.).unwrap()).unwrap();
-        let h = Var::from_tensor(&Tensor::ones((1, 4), candle_core::DType::F32, &d).unwrap()).unwrap();
-        Branchy { params: ParamSet::new(vec![("trunk.weight".into(), t), ("head.weight".into(), h)]), use_head: AtomicBool::new(true) }
+        let t = Var::from_tensor(
+            &Tensor::arange(0f32, 12., &d)
+                .unwrap()
+                .reshape((4, 3))
+                .unwrap()
+                .affine(0.1, 0.)
+                .unwrap(),
+        )
+        .unwrap();
+        let h =
+            Var::from_tensor(&Tensor::ones((1, 4), candle_core::DType::F32, &d).unwrap()).unwrap();
+        Branchy {
+            params: ParamSet::new(vec![("trunk.weight".into(), t), ("head.weight".into(), h)]),
+            use_head: AtomicBool::new(true),
+        }
     }
     fn loss(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let h = x.matmul(&self.params.get(0)?.t()?)?;
-        let h = if self.use_head.load(Ordering::SeqCst) { h.matmul(&self.params.get(1)?.t()?)? } else { h };
+        let h = if self.use_head.load(Ordering::SeqCst) {
+            h.matmul(&self.params.get(1)?.t()?)?
+        } else {
+            h
+        };
         h.sqr()?.mean_all()
     }
 }
@@ -93,11 +112,16 @@ fn unused_parameter_error_names_it_and_the_fix() {
         assert!(matches!(err, DdpError::UnusedParameters { .. }));
         // The wrapper stays usable: the next step with the branch taken works.
         ddp.use_head.store(true, Ordering::SeqCst);
-        let ok = ddp.backward(&ddp.loss(&x).unwrap()).map(|g| g.get(ddp.params().named()[1].1.as_tensor()).is_some());
+        let ok = ddp
+            .backward(&ddp.loss(&x).unwrap())
+            .map(|g| g.get(ddp.params().named()[1].1.as_tensor()).is_some());
         (err.to_string(), ok.unwrap())
     });
     for (err, ok) in out {
-        assert!(err.contains("head.weight") && err.contains("find_unused_parameters: true"), "{err}");
+        assert!(
+            err.contains("head.weight") && err.contains("find_unused_parameters: true"),
+            "{err}"
+        );
         assert!(!err.contains("trunk.weight"), "{err}");
         assert!(ok);
     }
@@ -107,12 +131,19 @@ fn unused_parameter_error_names_it_and_the_fix() {
 fn find_unused_parameters_counts_locally_unused_as_zero() {
     let out = run_pg(2, TransportKind::Tcp, |comm| {
         let rank = comm.rank();
-        let ddp = Ddp::with_comm(Branchy::new(), comm, DdpOptions { find_unused_parameters: true, ..Default::default() }).unwrap();
+        let ddp = Ddp::with_comm(
+            Branchy::new(),
+            comm,
+            DdpOptions { find_unused_parameters: true, ..Default::default() },
+        )
+        .unwrap();
         let x = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
         // Rank 1 skips the head: the head's gradient is rank 0's divided by the world size.
         ddp.use_head.store(rank == 0, Ordering::SeqCst);
         let g = ddp.backward(&ddp.loss(&x).unwrap()).unwrap();
-        let head = g.get(ddp.params().named()[1].1.as_tensor()).map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        let head = g
+            .get(ddp.params().named()[1].1.as_tensor())
+            .map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
         // Nobody uses the head: it gets no gradient at all (optimizers skip it, as in torch).
         ddp.use_head.store(false, Ordering::SeqCst);
         let g2 = ddp.backward(&ddp.loss(&x).unwrap()).unwrap();
@@ -122,8 +153,16 @@ fn find_unused_parameters_counts_locally_unused_as_zero() {
     let single = Branchy::new();
     let x = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
     let g = single.loss(&x).unwrap().backward().unwrap();
-    let want: Vec<f32> =
-        g.get(single.params.named()[1].1.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v / 2.0).collect();
+    let want: Vec<f32> = g
+        .get(single.params.named()[1].1.as_tensor())
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v / 2.0)
+        .collect();
     for (head, none_when_globally_unused) in out {
         let head = head.expect("head used on rank 0");
         for (a, b) in head.iter().zip(&want) {
@@ -194,14 +233,27 @@ fn buckets_are_reduced_while_backward_is_still_running() {
         let reduced = Arc::new(AtomicUsize::new(0));
         let counting = Counting { inner: comm, reduced: reduced.clone() };
         let opts = DdpOptions { bucket_cap_mb: 1e-6, first_bucket_mb: 1e-6, ..Default::default() };
-        let ddp = Ddp::new(Mlp::new(&[6, 8, 3], 1, &Device::Cpu).unwrap(), &counting, opts).unwrap();
+        let ddp =
+            Ddp::new(Mlp::new(&[6, 8, 3], 1, &Device::Cpu).unwrap(), &counting, opts).unwrap();
         let seen = Arc::new(AtomicBool::new(false));
         let (x, _) = (Tensor::ones((4, 6), candle_core::DType::F32, &Device::Cpu).unwrap(), ());
         let p = ddp.params();
         // fc1 -> probe -> relu -> fc2: the probe's backward runs after fc2's gradients, before fc1's.
-        let h = x.matmul(&p.get(0).unwrap().t().unwrap()).unwrap().broadcast_add(&p.get(1).unwrap()).unwrap();
-        let h = h.apply_op1(Probe { reduced: reduced.clone(), seen: seen.clone() }).unwrap().relu().unwrap();
-        let out = h.matmul(&p.get(2).unwrap().t().unwrap()).unwrap().broadcast_add(&p.get(3).unwrap()).unwrap();
+        let h = x
+            .matmul(&p.get(0).unwrap().t().unwrap())
+            .unwrap()
+            .broadcast_add(&p.get(1).unwrap())
+            .unwrap();
+        let h = h
+            .apply_op1(Probe { reduced: reduced.clone(), seen: seen.clone() })
+            .unwrap()
+            .relu()
+            .unwrap();
+        let out = h
+            .matmul(&p.get(2).unwrap().t().unwrap())
+            .unwrap()
+            .broadcast_add(&p.get(3).unwrap())
+            .unwrap();
         ddp.backward(&out.sqr().unwrap().mean_all().unwrap()).unwrap();
         (seen.load(Ordering::SeqCst), reduced.load(Ordering::SeqCst))
     });
@@ -217,11 +269,22 @@ fn buckets_are_reduced_while_backward_is_still_running() {
 fn forward_that_bypasses_the_view_still_gets_averaged_gradients() {
     let out = run_pg(2, TransportKind::Tcp, |comm| {
         let rank = comm.rank() as f32;
-        let ddp = Ddp::with_comm(Mlp::new(&[2, 2], 1, &Device::Cpu).unwrap(), comm, DdpOptions::default()).unwrap();
+        let ddp = Ddp::with_comm(
+            Mlp::new(&[2, 2], 1, &Device::Cpu).unwrap(),
+            comm,
+            DdpOptions::default(),
+        )
+        .unwrap();
         let w = ddp.params().named()[0].1.clone();
         let b = ddp.params().named()[1].1.clone();
         let x = Tensor::new(&[[1f32 + rank, 2.0]], &Device::Cpu).unwrap();
-        let loss = x.matmul(&w.as_tensor().t().unwrap()).unwrap().broadcast_add(b.as_tensor()).unwrap().sum_all().unwrap();
+        let loss = x
+            .matmul(&w.as_tensor().t().unwrap())
+            .unwrap()
+            .broadcast_add(b.as_tensor())
+            .unwrap()
+            .sum_all()
+            .unwrap();
         let g = ddp.backward(&loss).unwrap();
         g.get(w.as_tensor()).unwrap().to_vec2::<f32>().unwrap()
     });
@@ -236,19 +299,35 @@ fn broadcast_buffers_copies_rank0_running_stats_every_forward() {
     for broadcast_buffers in [true, false] {
         let out = run_pg(2, TransportKind::Tcp, move |comm| {
             let rank = comm.rank();
-            let ddp = Ddp::with_comm(Cnn::new(1, 8, 8, 10, 3, &Device::Cpu).unwrap(), comm, DdpOptions { broadcast_buffers, ..Default::default() })
-                .unwrap();
+            let ddp = Ddp::with_comm(
+                Cnn::new(1, 8, 8, 10, 3, &Device::Cpu).unwrap(),
+                comm,
+                DdpOptions { broadcast_buffers, ..Default::default() },
+            )
+            .unwrap();
             // Rank 1's statistics drift between steps; the same batch on both ranks.
             if rank == 1 {
-                ddp.named_buffers()[0].1.set(&Tensor::full(9f32, 8, &Device::Cpu).unwrap()).unwrap();
+                ddp.named_buffers()[0]
+                    .1
+                    .set(&Tensor::full(9f32, 8, &Device::Cpu).unwrap())
+                    .unwrap();
             }
-            let x = Tensor::arange(0f32, 2. * 64., &Device::Cpu).unwrap().reshape((2, 1, 8, 8)).unwrap().affine(0.01, 0.).unwrap();
+            let x = Tensor::arange(0f32, 2. * 64., &Device::Cpu)
+                .unwrap()
+                .reshape((2, 1, 8, 8))
+                .unwrap()
+                .affine(0.01, 0.)
+                .unwrap();
             let y = Tensor::new(&[1u32, 2], &Device::Cpu).unwrap();
             let g = ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap();
             assert_eq!(g.get(ddp.params().named()[2].1.as_tensor()).unwrap().dims(), &[8]);
             ddp.named_buffers()[0].1.as_tensor().to_vec1::<f32>().unwrap()
         });
-        assert_eq!(out[0] == out[1], broadcast_buffers, "broadcast_buffers={broadcast_buffers}: {out:?}");
+        assert_eq!(
+            out[0] == out[1],
+            broadcast_buffers,
+            "broadcast_buffers={broadcast_buffers}: {out:?}"
+        );
     }
 }
 
@@ -267,13 +346,19 @@ fn wrapped_model_methods_and_state_dict_stay_reachable() {
     // Load another model's state through the wrapper; a bad key is named.
     let other = Mlp::new(&[4, 3, 2], 6, &Device::Cpu).unwrap();
     ddp.load_state_dict(other.state_dict()).unwrap();
-    assert_eq!(ddp.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(), other.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap());
+    assert_eq!(
+        ddp.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(),
+        other.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap()
+    );
     let mut bad = other.state_dict();
     bad[0].0 = "module.fc1.weight".into();
     let err = ddp.load_state_dict(bad).unwrap_err().to_string();
     assert!(err.contains("module.fc1.weight") && err.contains("fc1.weight"), "{err}");
     let inner = ddp.into_inner();
-    assert_eq!(inner.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(), other.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap());
+    assert_eq!(
+        inner.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(),
+        other.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap()
+    );
 }
 
 /// A world of one skips hooks and buckets when it can; it must behave exactly like any world:
@@ -284,7 +369,9 @@ fn world_of_one_keeps_ddp_semantics() {
     let x = Tensor::new(&[[1f32, 2., 3., 4.], [0.5, -1., 2., 0.]], &Device::Cpu).unwrap();
     let y = Tensor::new(&[0u32, 1], &Device::Cpu).unwrap();
     let grads_of = |g: &candle_core::backprop::GradStore, vars: &[Var]| -> Vec<Vec<f32>> {
-        vars.iter().map(|v| g.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
+        vars.iter()
+            .map(|v| g.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .collect()
     };
 
     // Plain candle backward on the same weights is the reference.
@@ -292,7 +379,12 @@ fn world_of_one_keeps_ddp_semantics() {
     let plain_vars = plain.params().vars();
     let reference = grads_of(&plain.loss(&x, &y).unwrap().backward().unwrap(), &plain_vars);
 
-    let ddp = Ddp::new(Mlp::new(&[4, 3, 2], 9, &Device::Cpu).unwrap(), &tandem_ddp::SingleProcess, DdpOptions::default()).unwrap();
+    let ddp = Ddp::new(
+        Mlp::new(&[4, 3, 2], 9, &Device::Cpu).unwrap(),
+        &tandem_ddp::SingleProcess,
+        DdpOptions::default(),
+    )
+    .unwrap();
     let vars = ddp.params().vars();
     let g = ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap();
     assert_eq!(grads_of(&g, &vars), reference);
@@ -308,7 +400,8 @@ fn world_of_one_keeps_ddp_semantics() {
     assert_eq!(grads_of(&ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap(), &vars), reference);
 
     // An unused parameter is the same error as in a bigger world.
-    let branchy = Ddp::new(Branchy::new(), &tandem_ddp::SingleProcess, DdpOptions::default()).unwrap();
+    let branchy =
+        Ddp::new(Branchy::new(), &tandem_ddp::SingleProcess, DdpOptions::default()).unwrap();
     branchy.use_head.store(false, Ordering::SeqCst);
     let x3 = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
     let err = branchy.backward(&branchy.loss(&x3).unwrap()).unwrap_err().to_string();

@@ -7,10 +7,10 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use common::*;
+use tandem_comm::TransportKind;
 use tandem_ddp::comm::GradComm;
 use tandem_ddp::models::Mlp;
 use tandem_ddp::optim::{Optimizer, Sgd};
-use tandem_comm::TransportKind;
 use tandem_ddp::{Ddp, DdpOptions, Module};
 
 const STEPS: usize = 4;
@@ -33,12 +33,17 @@ fn ddp_rank(comm: Arc<dyn GradComm>, opts: DdpOptions, micro: usize) -> (Weights
         let y = y.narrow(0, rank * per_rank, per_rank).unwrap();
         for k in 0..micro - 1 {
             ddp.no_sync(|ddp| {
-                let loss = ddp.loss(&x.narrow(0, k * m, m).unwrap(), &y.narrow(0, k * m, m).unwrap()).unwrap();
+                let loss = ddp
+                    .loss(&x.narrow(0, k * m, m).unwrap(), &y.narrow(0, k * m, m).unwrap())
+                    .unwrap();
                 ddp.backward(&loss).unwrap();
             });
         }
         let k = micro - 1;
-        let loss = ddp.module().loss(&x.narrow(0, k * m, m).unwrap(), &y.narrow(0, k * m, m).unwrap()).unwrap();
+        let loss = ddp
+            .module()
+            .loss(&x.narrow(0, k * m, m).unwrap(), &y.narrow(0, k * m, m).unwrap())
+            .unwrap();
         let grads = ddp.backward(&loss).unwrap();
         opt.step(&grads).unwrap();
     }

@@ -15,12 +15,17 @@ use tandem_ddp::optim::{Optimizer, Sgd, SgdConfig};
 use tandem_ddp::{Ddp, DdpOptions, Module};
 
 fn fixture() -> HashMap<String, Tensor> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ddp/torch_ddp_mlp.safetensors");
-    candle_core::safetensors::load(&path, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ddp/torch_ddp_mlp.safetensors");
+    candle_core::safetensors::load(&path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 fn prefixed(f: &HashMap<String, Tensor>, prefix: &str) -> Vec<(String, Tensor)> {
-    ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"].iter().map(|n| (n.to_string(), f[&format!("{prefix}{n}")].clone())).collect()
+    ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+        .iter()
+        .map(|n| (n.to_string(), f[&format!("{prefix}{n}")].clone()))
+        .collect()
 }
 
 #[test]
@@ -35,7 +40,13 @@ fn two_rank_ddp_matches_torch_ddp_gloo_after_k_momentum_steps() {
             model.load_state_dict(prefixed(&f, "init.")).unwrap();
         }
         let ddp = Ddp::with_comm(model, comm, DdpOptions::default()).unwrap();
-        let cfg = SgdConfig { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 1e-3, nesterov: false };
+        let cfg = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            dampening: 0.0,
+            weight_decay: 1e-3,
+            nesterov: false,
+        };
         let mut opt = Sgd::new(ddp.params().vars(), cfg).unwrap();
         for k in 0..steps {
             let x = f["x"].get(k).unwrap().get(rank).unwrap();
@@ -46,10 +57,14 @@ fn two_rank_ddp_matches_torch_ddp_gloo_after_k_momentum_steps() {
         }
         weights(ddp.module())
     });
-    let want: Vec<(String, Vec<f32>)> =
-        prefixed(&f, "final.").into_iter().map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect();
-    let init: Vec<(String, Vec<f32>)> =
-        prefixed(&f, "init.").into_iter().map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect();
+    let want: Vec<(String, Vec<f32>)> = prefixed(&f, "final.")
+        .into_iter()
+        .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect();
+    let init: Vec<(String, Vec<f32>)> = prefixed(&f, "init.")
+        .into_iter()
+        .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect();
     assert!(max_abs_diff(&init, &want) > 1e-2, "fixture's training must move the weights");
     for (rank, w) in out.iter().enumerate() {
         let d = max_abs_diff(w, &want);

@@ -12,12 +12,15 @@ use tandem_ddp::metrics::{all_reduce_mean, clip_grad_norm, AverageMeter, Metrics
 
 fn fixture() -> Json {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/optim/optimizers.json");
-    serde_json::from_str(&std::fs::read_to_string(path).expect("read optimizers.json")).expect("parse optimizers.json")
+    serde_json::from_str(&std::fs::read_to_string(path).expect("read optimizers.json"))
+        .expect("parse optimizers.json")
 }
 
 fn tensor_of(j: &Json) -> Tensor {
-    let shape: Vec<usize> = j["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
-    let data: Vec<f32> = j["data"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+    let shape: Vec<usize> =
+        j["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
+    let data: Vec<f32> =
+        j["data"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
     Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
 }
 
@@ -30,12 +33,17 @@ fn clip_grad_norm_matches_torch() {
     let fx = fixture();
     let first_grads = fx["grads"][0].as_array().unwrap();
     let clip = fx["clip"].as_array().unwrap();
-    assert!(clip.iter().any(|c| c["max_norm"].as_f64().unwrap() < c["total_norm"].as_f64().unwrap()));
-    assert!(clip.iter().any(|c| c["max_norm"].as_f64().unwrap() > c["total_norm"].as_f64().unwrap()));
+    assert!(clip
+        .iter()
+        .any(|c| c["max_norm"].as_f64().unwrap() < c["total_norm"].as_f64().unwrap()));
+    assert!(clip
+        .iter()
+        .any(|c| c["max_norm"].as_f64().unwrap() > c["total_norm"].as_f64().unwrap()));
     for case in clip {
         let max_norm = case["max_norm"].as_f64().unwrap();
         let grads: Vec<Tensor> = first_grads.iter().map(tensor_of).collect();
-        let params: Vec<Var> = grads.iter().map(|g| Var::zeros(g.dims(), g.dtype(), &Device::Cpu).unwrap()).collect();
+        let params: Vec<Var> =
+            grads.iter().map(|g| Var::zeros(g.dims(), g.dtype(), &Device::Cpu).unwrap()).collect();
         let mut store = GradStore::default();
         for (p, g) in params.iter().zip(&grads) {
             store.insert(p.as_tensor(), g.clone());
@@ -43,11 +51,17 @@ fn clip_grad_norm_matches_torch() {
         let total = clip_grad_norm(&params, &mut store, max_norm).unwrap();
         let want = case["total_norm"].as_f64().unwrap();
         // torch returns a float32 norm.
-        assert!((total - want).abs() <= 1e-6 * want, "max_norm {max_norm}: norm {total} vs torch {want}");
+        assert!(
+            (total - want).abs() <= 1e-6 * want,
+            "max_norm {max_norm}: norm {total} vs torch {want}"
+        );
         for (i, (p, w)) in params.iter().zip(case["grads_after"].as_array().unwrap()).enumerate() {
             let (ours, theirs) = (flat(store.get(p.as_tensor()).unwrap()), flat(&tensor_of(w)));
             for (a, b) in ours.iter().zip(&theirs) {
-                assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "max_norm {max_norm}, grad {i}: {a} vs torch {b}");
+                assert!(
+                    (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                    "max_norm {max_norm}, grad {i}: {a} vs torch {b}"
+                );
             }
         }
     }
@@ -72,7 +86,10 @@ fn clip_ignores_params_without_grads_and_refuses_non_finite_norms() {
         Err(MetricsError::NonFiniteNorm { .. })
     ));
     assert_eq!(flat(store.get(a.as_tensor()).unwrap()), before, "gradients changed on error");
-    assert!(matches!(clip_grad_norm(&[a], &mut store, f64::NAN), Err(MetricsError::InvalidMaxNorm(_))));
+    assert!(matches!(
+        clip_grad_norm(&[a], &mut store, f64::NAN),
+        Err(MetricsError::InvalidMaxNorm(_))
+    ));
 }
 
 #[test]
@@ -90,7 +107,10 @@ fn average_meter_accumulates_weighted_means() {
 
 /// Runs `f` on every rank of a fresh `n`-rank TCP world on loopback; panics (never hangs)
 /// past `limit`.
-fn run_world<R: Send + 'static>(n: usize, f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static) -> Vec<R> {
+fn run_world<R: Send + 'static>(
+    n: usize,
+    f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
+) -> Vec<R> {
     let limit = Duration::from_secs(30);
     let url = format!("tcp://127.0.0.1:{}", tandem_testutil::free_port());
     let opts = InitOptions {

@@ -8,19 +8,31 @@ use tandem_ddp::models::{Cnn, Mlp};
 use tandem_ddp::Module;
 
 fn fixture() -> HashMap<String, Tensor> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ddp/torch_models.safetensors");
-    candle_core::safetensors::load(&path, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ddp/torch_models.safetensors");
+    candle_core::safetensors::load(&path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 fn with_prefix(f: &HashMap<String, Tensor>, prefix: &str) -> Vec<(String, Tensor)> {
-    let mut v: Vec<_> = f.iter().filter_map(|(k, t)| k.strip_prefix(prefix).map(|n| (n.to_string(), t.clone()))).collect();
+    let mut v: Vec<_> = f
+        .iter()
+        .filter_map(|(k, t)| k.strip_prefix(prefix).map(|n| (n.to_string(), t.clone())))
+        .collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
 }
 
 fn close(a: &Tensor, b: &Tensor, tol: f32, what: &str) {
     assert_eq!(a.dims(), b.dims(), "{what}");
-    let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+    let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap();
     let d = d.to_scalar::<f32>().unwrap();
     assert!(d <= tol, "{what}: max abs diff {d}");
 }
@@ -34,7 +46,12 @@ fn check_grads(m: &impl Module, loss: &Tensor, f: &HashMap<String, Tensor>, pref
     torch_names.sort();
     assert_eq!(ours, torch_names, "same parameter names as torch's named_parameters()");
     for (n, v) in m.named_parameters() {
-        close(g.get(v.as_tensor()).unwrap(), &f[&format!("{prefix}{n}")], 1e-5, &format!("grad {n}"));
+        close(
+            g.get(v.as_tensor()).unwrap(),
+            &f[&format!("{prefix}{n}")],
+            1e-5,
+            &format!("grad {n}"),
+        );
     }
 }
 
@@ -60,11 +77,15 @@ fn cnn_with_batchnorm_matches_torch_in_train_and_eval_mode() {
     let loss = m.loss(&f["cnn_x"], &f["cnn_y"].to_dtype(DType::U32).unwrap()).unwrap();
     close(&loss.reshape(1).unwrap(), &f["cnn_loss"], 1e-5, "cnn loss");
     check_grads(&m, &loss, &f, "cnn_grad.");
-    let buffers: HashMap<String, Tensor> = m.named_buffers().into_iter().map(|(n, v)| (n, v.as_tensor().clone())).collect();
+    let buffers: HashMap<String, Tensor> =
+        m.named_buffers().into_iter().map(|(n, v)| (n, v.as_tensor().clone())).collect();
     for (n, t) in with_prefix(&f, "cnn_after.") {
         close(&buffers[&n], &t, 1e-6, &n);
     }
-    assert_eq!(buffers["bn1.num_batches_tracked"].to_scalar::<i64>().unwrap(), f["cnn.bn1.num_batches_tracked"].to_scalar::<i64>().unwrap() + 1);
+    assert_eq!(
+        buffers["bn1.num_batches_tracked"].to_scalar::<i64>().unwrap(),
+        f["cnn.bn1.num_batches_tracked"].to_scalar::<i64>().unwrap() + 1
+    );
     m.set_training(false);
     close(&m.forward(&f["cnn_x"]).unwrap(), &f["cnn_eval_logits"], 1e-5, "eval logits");
 }
@@ -74,7 +95,9 @@ fn default_init_is_seeded_and_within_pytorch_bounds() {
     let a = Mlp::new(&[784, 64, 10], 5, &Device::Cpu).unwrap();
     let b = Mlp::new(&[784, 64, 10], 5, &Device::Cpu).unwrap();
     let c = Mlp::new(&[784, 64, 10], 6, &Device::Cpu).unwrap();
-    let vals = |m: &Mlp, i: usize| m.named_parameters()[i].1.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let vals = |m: &Mlp, i: usize| {
+        m.named_parameters()[i].1.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
     assert_eq!(vals(&a, 0), vals(&b, 0));
     assert_ne!(vals(&a, 0), vals(&c, 0));
     // kaiming_uniform(a=sqrt(5)) and the bias rule both give U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
@@ -87,7 +110,8 @@ fn default_init_is_seeded_and_within_pytorch_bounds() {
         assert!(mean.abs() < 0.2 * bound, "param {i}: mean {mean}");
     }
     let cnn = Cnn::new(1, 28, 28, 10, 1, &Device::Cpu).unwrap();
-    let shapes: Vec<(String, Vec<usize>)> = cnn.named_parameters().into_iter().map(|(n, v)| (n, v.dims().to_vec())).collect();
+    let shapes: Vec<(String, Vec<usize>)> =
+        cnn.named_parameters().into_iter().map(|(n, v)| (n, v.dims().to_vec())).collect();
     assert_eq!(shapes[0], ("conv1.weight".to_string(), vec![8, 1, 3, 3]));
     assert_eq!(shapes[6], ("fc.weight".to_string(), vec![10, 16 * 7 * 7]));
 }

@@ -17,7 +17,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn time_ours(kind: &str) -> f64 {
-    let vars: Vec<Var> = (0..TENSORS).map(|_| Var::randn(0f32, 1f32, NUMEL, &Device::Cpu).unwrap()).collect();
+    let vars: Vec<Var> =
+        (0..TENSORS).map(|_| Var::randn(0f32, 1f32, NUMEL, &Device::Cpu).unwrap()).collect();
     let mut grads = GradStore::default();
     for v in &vars {
         grads.insert(v.as_tensor(), Tensor::randn(0f32, 1f32, NUMEL, &Device::Cpu).unwrap());
@@ -25,8 +26,11 @@ fn time_ours(kind: &str) -> f64 {
     let mut opt: Box<dyn Optimizer> = match kind {
         "adamw" => Box::new(AdamW::new(vars.clone(), AdamWConfig::default()).unwrap()),
         _ => Box::new(
-            Sgd::new(vars.clone(), SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 5e-4, ..Default::default() })
-                .unwrap(),
+            Sgd::new(
+                vars.clone(),
+                SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 5e-4, ..Default::default() },
+            )
+            .unwrap(),
         ),
     };
     let mut times = Vec::new();

@@ -7,7 +7,9 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use serde_json::Value as Json;
 use tandem_ckpt::Value;
-use tandem_ddp::optim::{Adam, AdamConfig, AdamW, AdamWConfig, OptimError, Optimizer, Sgd, SgdConfig};
+use tandem_ddp::optim::{
+    Adam, AdamConfig, AdamW, AdamWConfig, OptimError, Optimizer, Sgd, SgdConfig,
+};
 
 const TOL: f64 = 1e-6;
 
@@ -18,8 +20,10 @@ fn fixture() -> Json {
 use torch_json::decode;
 
 fn tensor_of(j: &Json) -> Tensor {
-    let shape: Vec<usize> = j["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
-    let data: Vec<f32> = j["data"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+    let shape: Vec<usize> =
+        j["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
+    let data: Vec<f32> =
+        j["data"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
     Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
 }
 
@@ -117,7 +121,15 @@ fn build(case: &Json, vars: &[Var]) -> Box<dyn Optimizer> {
         .unwrap()
         .iter()
         .map(|g| {
-            (g["params"].as_array().unwrap().iter().map(|i| vars[i.as_u64().unwrap() as usize].clone()).collect(), g)
+            (
+                g["params"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|i| vars[i.as_u64().unwrap() as usize].clone())
+                    .collect(),
+                g,
+            )
         })
         .collect();
     match case["optimizer"].as_str().unwrap() {
@@ -198,11 +210,17 @@ fn fixtures_are_reproduced_by_torch() {
         std::process::Command::new(python).arg(script).arg(&dir),
         std::time::Duration::from_secs(120),
     );
-    assert!(out.status.success(), "make_fixtures.py failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "make_fixtures.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for name in ["optimizers.json", "schedulers.json"] {
-        let fresh: Json = serde_json::from_str(&std::fs::read_to_string(dir.join(name)).unwrap()).unwrap();
+        let fresh: Json =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(name)).unwrap()).unwrap();
         let committed_path = format!("{}/tests/fixtures/optim/{name}", env!("CARGO_MANIFEST_DIR"));
-        let committed: Json = serde_json::from_str(&std::fs::read_to_string(committed_path).unwrap()).unwrap();
+        let committed: Json =
+            serde_json::from_str(&std::fs::read_to_string(committed_path).unwrap()).unwrap();
         // Exact equality is only promised by the torch release that made the fixtures; another
         // release may add state_dict keys or round differently, which the other tests then show.
         if fresh["torch_version"] != committed["torch_version"] {
@@ -212,7 +230,10 @@ fn fixtures_are_reproduced_by_torch() {
             );
             continue;
         }
-        assert!(fresh == committed, "{name} differs from what torch makes now; rerun make_fixtures.py");
+        assert!(
+            fresh == committed,
+            "{name} differs from what torch makes now; rerun make_fixtures.py"
+        );
     }
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -234,7 +255,11 @@ fn fixture_covers_every_optimizer_variant() {
         assert!(names.contains(&want), "fixture lacks {want}");
     }
     // The gradient sequence must include a step where a parameter has no gradient.
-    assert!(fx["grads"].as_array().unwrap().iter().any(|s| s.as_array().unwrap().iter().any(Json::is_null)));
+    assert!(fx["grads"].as_array().unwrap().iter().any(|s| s
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(Json::is_null)));
 }
 
 #[test]
@@ -262,7 +287,11 @@ fn state_dicts_match_torch() {
         for (s, step) in fx["grads"].as_array().unwrap().iter().enumerate() {
             opt.step(&grads_for(&vars, step)).unwrap();
             if let Some(theirs) = case["state_dict_after"].get((s + 1).to_string()) {
-                assert_value_close(&opt.state_dict().unwrap(), &decode(theirs), &format!("{name}@{}", s + 1));
+                assert_value_close(
+                    &opt.state_dict().unwrap(),
+                    &decode(theirs),
+                    &format!("{name}@{}", s + 1),
+                );
             }
         }
         assert!(case["state_dict_after"].get(resume_at.to_string()).is_some());
@@ -284,10 +313,18 @@ fn resuming_from_torch_state_dict_continues_torch_trajectory() {
         opt.load_state_dict(&decode(&case["state_dict_after"][resume_at.to_string()])).unwrap();
         for (s, step) in steps.iter().enumerate().skip(resume_at) {
             opt.step(&grads_for(&vars, step)).unwrap();
-            assert_params(&vars, &case["params_after_step"][s], &format!("{name} resumed, step {}", s + 1));
+            assert_params(
+                &vars,
+                &case["params_after_step"][s],
+                &format!("{name} resumed, step {}", s + 1),
+            );
         }
         let last = steps.len().to_string();
-        assert_value_close(&opt.state_dict().unwrap(), &decode(&case["state_dict_after"][last]), name);
+        assert_value_close(
+            &opt.state_dict().unwrap(),
+            &decode(&case["state_dict_after"][last]),
+            name,
+        );
     }
 }
 
@@ -320,7 +357,9 @@ fn torch_defaults_give_torch_identical_param_groups() {
 }
 
 fn sgd_momentum_state(vars: &[Var]) -> (Sgd, Value) {
-    let mut opt = Sgd::new(vars.to_vec(), SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() }).unwrap();
+    let mut opt =
+        Sgd::new(vars.to_vec(), SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() })
+            .unwrap();
     let mut g = GradStore::default();
     for v in vars {
         g.insert(v.as_tensor(), v.as_tensor().ones_like().unwrap());
@@ -358,7 +397,8 @@ fn mismatched_state_dicts_are_refused_with_the_key_at_fault() {
 
     // Same count, different shapes.
     let other = vec![
-        Var::from_tensor(&Tensor::zeros((3, 2), candle_core::DType::F32, &Device::Cpu).unwrap()).unwrap(),
+        Var::from_tensor(&Tensor::zeros((3, 2), candle_core::DType::F32, &Device::Cpu).unwrap())
+            .unwrap(),
         vars[1].clone(),
     ];
     let (mut shaped, _) = sgd_momentum_state(&other);
@@ -398,8 +438,12 @@ fn mismatched_state_dicts_are_refused_with_the_key_at_fault() {
 #[test]
 fn invalid_hyperparameters_are_refused() {
     let vars = vars_from(&fixture()["params_init"]);
-    let nesterov_damp = SgdConfig { lr: 0.1, momentum: 0.9, dampening: 0.1, nesterov: true, ..Default::default() };
-    assert!(matches!(Sgd::new(vars.clone(), nesterov_damp), Err(OptimError::InvalidConfig { name: "nesterov", .. })));
+    let nesterov_damp =
+        SgdConfig { lr: 0.1, momentum: 0.9, dampening: 0.1, nesterov: true, ..Default::default() };
+    assert!(matches!(
+        Sgd::new(vars.clone(), nesterov_damp),
+        Err(OptimError::InvalidConfig { name: "nesterov", .. })
+    ));
     assert!(matches!(
         Sgd::new(vars.clone(), SgdConfig { lr: -1.0, ..Default::default() }),
         Err(OptimError::InvalidConfig { name: "lr", .. })
@@ -412,9 +456,15 @@ fn invalid_hyperparameters_are_refused() {
         AdamW::new(vars.clone(), AdamWConfig { eps: f64::NAN, ..Default::default() }),
         Err(OptimError::InvalidConfig { name: "eps", .. })
     ));
-    assert!(matches!(Sgd::new(vec![], SgdConfig::default()), Err(OptimError::InvalidConfig { name: "params", .. })));
+    assert!(matches!(
+        Sgd::new(vec![], SgdConfig::default()),
+        Err(OptimError::InvalidConfig { name: "params", .. })
+    ));
     let int_param = Var::from_tensor(&Tensor::new(&[1i64, 2], &Device::Cpu).unwrap()).unwrap();
-    assert!(matches!(Sgd::new(vec![int_param], SgdConfig::default()), Err(OptimError::InvalidParam { index: 0, .. })));
+    assert!(matches!(
+        Sgd::new(vec![int_param], SgdConfig::default()),
+        Err(OptimError::InvalidParam { index: 0, .. })
+    ));
     assert!(matches!(
         Sgd::new(vec![vars[0].clone(), vars[0].clone()], SgdConfig::default()),
         Err(OptimError::InvalidParam { index: 1, .. })
@@ -447,7 +497,9 @@ fn learning_rates_per_group_and_gradient_shape_errors() {
 #[test]
 fn adam_first_step_is_lr_times_sign_in_f64() {
     let p = Var::from_tensor(&Tensor::new(&[1.0f64, -2.0, 3.0], &Device::Cpu).unwrap()).unwrap();
-    let mut opt = Adam::new(vec![p.clone()], AdamConfig { lr: 0.01, eps: 0.0, ..Default::default() }).unwrap();
+    let mut opt =
+        Adam::new(vec![p.clone()], AdamConfig { lr: 0.01, eps: 0.0, ..Default::default() })
+            .unwrap();
     let mut g = GradStore::default();
     g.insert(p.as_tensor(), Tensor::new(&[1e-3f64, -50.0, 7.0], &Device::Cpu).unwrap());
     opt.step(&g).unwrap();
@@ -457,7 +509,8 @@ fn adam_first_step_is_lr_times_sign_in_f64() {
         assert!((a - b).abs() < 1e-12, "{v:?}");
     }
     let sd = opt.state_dict().unwrap();
-    let exp_avg = sd.get("state").unwrap().get_int(0).unwrap().get("exp_avg").unwrap().as_tensor().unwrap();
+    let exp_avg =
+        sd.get("state").unwrap().get_int(0).unwrap().get("exp_avg").unwrap().as_tensor().unwrap();
     assert_eq!(exp_avg.dtype, tandem_ckpt::DType::F64);
 }
 
@@ -473,7 +526,9 @@ fn torch_state_is_cast_to_the_parameter_dtype_on_load() {
             .as_array()
             .unwrap()
             .iter()
-            .map(|p| Var::from_tensor(&tensor_of(p).to_dtype(candle_core::DType::F64).unwrap()).unwrap())
+            .map(|p| {
+                Var::from_tensor(&tensor_of(p).to_dtype(candle_core::DType::F64).unwrap()).unwrap()
+            })
             .collect();
         let mut opt = build(case, &vars);
         opt.load_state_dict(&decode(&case["state_dict_after"][resume_at.to_string()])).unwrap();
@@ -481,13 +536,22 @@ fn torch_state_is_cast_to_the_parameter_dtype_on_load() {
             let mut g = GradStore::default();
             for (v, gj) in vars.iter().zip(step.as_array().unwrap()) {
                 if !gj.is_null() {
-                    g.insert(v.as_tensor(), tensor_of(gj).to_dtype(candle_core::DType::F64).unwrap());
+                    g.insert(
+                        v.as_tensor(),
+                        tensor_of(gj).to_dtype(candle_core::DType::F64).unwrap(),
+                    );
                 }
             }
             opt.step(&g).unwrap();
-            let as_f32: Vec<Var> =
-                vars.iter().map(|v| Var::from_tensor(&v.to_dtype(candle_core::DType::F32).unwrap()).unwrap()).collect();
-            assert_params(&as_f32, &case["params_after_step"][s], &format!("{name} f64, step {}", s + 1));
+            let as_f32: Vec<Var> = vars
+                .iter()
+                .map(|v| Var::from_tensor(&v.to_dtype(candle_core::DType::F32).unwrap()).unwrap())
+                .collect();
+            assert_params(
+                &as_f32,
+                &case["params_after_step"][s],
+                &format!("{name} f64, step {}", s + 1),
+            );
         }
         let sd = opt.state_dict().unwrap();
         let state0 = sd.get("state").unwrap().get_int(0).unwrap();

@@ -7,7 +7,9 @@ use candle_core::{Device, Tensor, Var};
 use serde_json::Value as Json;
 use tandem_ckpt::Value;
 use tandem_ddp::optim::{Optimizer, Sgd, SgdConfig};
-use tandem_ddp::sched::{CosineAnnealingLR, LinearLR, LrScheduler, PolyScheduler, SchedError, StepLR};
+use tandem_ddp::sched::{
+    CosineAnnealingLR, LinearLR, LrScheduler, PolyScheduler, SchedError, StepLR,
+};
 
 const REL: f64 = 1e-12;
 
@@ -80,7 +82,11 @@ fn lr_sequences_and_state_dicts_match_torch() {
             s.step();
             assert_lrs(s.last_lrs(), &lrs_of(want), &format!("{name} step {i}"));
             assert_eq!(s.get_last_lr(), s.last_lrs()[0]);
-            assert_state(&s.state_dict(), &decode(&case["state_dicts"][i.to_string()]), &format!("{name}@{i}"));
+            assert_state(
+                &s.state_dict(),
+                &decode(&case["state_dicts"][i.to_string()]),
+                &format!("{name}@{i}"),
+            );
         }
     }
 }
@@ -169,9 +175,24 @@ fn bad_state_dicts_and_settings_are_refused() {
     assert_eq!(state_key(s.load_state_dict(&cosine)), "step_size");
     assert_eq!(s, before, "failed loads changed the scheduler");
 
-    assert!(matches!(StepLR::new(&[0.1], 0, 0.5), Err(SchedError::InvalidConfig { name: "step_size", .. })));
-    assert!(matches!(StepLR::new(&[], 1, 0.5), Err(SchedError::InvalidConfig { name: "base_lrs", .. })));
-    assert!(matches!(LinearLR::new(&[0.1], 0.0, 1.0, 5), Err(SchedError::InvalidConfig { name: "start_factor", .. })));
-    assert!(matches!(CosineAnnealingLR::new(&[0.1], 0, 0.0), Err(SchedError::InvalidConfig { name: "T_max", .. })));
-    assert!(matches!(PolyScheduler::new(&[0.1], 0.1, 4, 4), Err(SchedError::InvalidConfig { name: "max_steps", .. })));
+    assert!(matches!(
+        StepLR::new(&[0.1], 0, 0.5),
+        Err(SchedError::InvalidConfig { name: "step_size", .. })
+    ));
+    assert!(matches!(
+        StepLR::new(&[], 1, 0.5),
+        Err(SchedError::InvalidConfig { name: "base_lrs", .. })
+    ));
+    assert!(matches!(
+        LinearLR::new(&[0.1], 0.0, 1.0, 5),
+        Err(SchedError::InvalidConfig { name: "start_factor", .. })
+    ));
+    assert!(matches!(
+        CosineAnnealingLR::new(&[0.1], 0, 0.0),
+        Err(SchedError::InvalidConfig { name: "T_max", .. })
+    ));
+    assert!(matches!(
+        PolyScheduler::new(&[0.1], 0.1, 4, 4),
+        Err(SchedError::InvalidConfig { name: "max_steps", .. })
+    ));
 }

@@ -32,7 +32,9 @@ impl FromStr for NprocPerNode {
             other => match other.parse::<u32>() {
                 Ok(0) => Err("must be at least 1".into()),
                 Ok(n) => Ok(Self::Count(n)),
-                Err(_) => Err(format!("`{other}` is not a positive integer, `auto`, `cpu` or `gpu`")),
+                Err(_) => {
+                    Err(format!("`{other}` is not a positive integer, `auto`, `cpu` or `gpu`"))
+                }
             },
         }
     }
@@ -76,7 +78,8 @@ fn visible_gpu_count() -> u32 {
         .filter(|e| {
             let name = e.file_name();
             let name = name.to_string_lossy();
-            name.strip_prefix("nvidia").is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()))
+            name.strip_prefix("nvidia")
+                .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()))
         })
         .count() as u32
 }
@@ -170,9 +173,13 @@ impl FromStr for StreamSpec {
         }
         let mut map = BTreeMap::new();
         for entry in s.split(',').filter(|e| !e.trim().is_empty()) {
-            let (rank, code) =
-                entry.split_once(':').ok_or_else(|| format!("`{entry}` is not LOCAL_RANK:CODE (e.g. `0:3,1:2`)"))?;
-            let rank: u32 = rank.trim().parse().map_err(|_| format!("`{rank}` in `{entry}` is not a local rank"))?;
+            let (rank, code) = entry
+                .split_once(':')
+                .ok_or_else(|| format!("`{entry}` is not LOCAL_RANK:CODE (e.g. `0:3,1:2`)"))?;
+            let rank: u32 = rank
+                .trim()
+                .parse()
+                .map_err(|_| format!("`{rank}` in `{entry}` is not a local rank"))?;
             map.insert(rank, Streams::from_code(code)?);
         }
         Ok(StreamSpec::PerLocalRank(map))
@@ -245,7 +252,10 @@ pub struct LaunchConfig {
 }
 
 impl LaunchConfig {
-    pub fn new(program: impl Into<OsString>, args: impl IntoIterator<Item = impl Into<OsString>>) -> Self {
+    pub fn new(
+        program: impl Into<OsString>,
+        args: impl IntoIterator<Item = impl Into<OsString>>,
+    ) -> Self {
         LaunchConfig {
             program: program.into(),
             args: args.into_iter().map(Into::into).collect(),
@@ -272,16 +282,22 @@ impl LaunchConfig {
 
     /// A launch of this very executable (how `tandem train` starts its own ranks): `args` are
     /// the workers' arguments.
-    pub fn for_current_exe(args: impl IntoIterator<Item = impl Into<OsString>>) -> Result<Self, LaunchError> {
-        let exe = std::env::current_exe()
-            .map_err(|e| LaunchError::config("PROGRAM", format!("cannot find this executable to re-run it: {e}")))?;
+    pub fn for_current_exe(
+        args: impl IntoIterator<Item = impl Into<OsString>>,
+    ) -> Result<Self, LaunchError> {
+        let exe = std::env::current_exe().map_err(|e| {
+            LaunchError::config("PROGRAM", format!("cannot find this executable to re-run it: {e}"))
+        })?;
         Ok(LaunchConfig::new(exe, args))
     }
 
     /// Checks the combination of settings; each error names the flag at fault.
     pub fn validate(&self) -> Result<(), LaunchError> {
         if self.program.is_empty() {
-            return Err(LaunchError::config("PROGRAM", "no program to run was given (tandem run -- PROGRAM [ARGS])"));
+            return Err(LaunchError::config(
+                "PROGRAM",
+                "no program to run was given (tandem run -- PROGRAM [ARGS])",
+            ));
         }
         if self.nnodes == 0 {
             return Err(LaunchError::config("--nnodes", "must be at least 1"));
@@ -289,7 +305,10 @@ impl LaunchConfig {
         if self.node_rank >= self.nnodes {
             return Err(LaunchError::config(
                 "--node-rank",
-                format!("{} is out of range for --nnodes {} (valid: 0..{})", self.node_rank, self.nnodes, self.nnodes),
+                format!(
+                    "{} is out of range for --nnodes {} (valid: 0..{})",
+                    self.node_rank, self.nnodes, self.nnodes
+                ),
             ));
         }
         if self.nnodes > 1 && self.master_port.is_none() {
@@ -309,14 +328,24 @@ impl LaunchConfig {
         }
         if self.log_dir.is_none() {
             if self.redirects.any() {
-                return Err(LaunchError::config("--redirects", "needs --log-dir (where the files go)"));
+                return Err(LaunchError::config(
+                    "--redirects",
+                    "needs --log-dir (where the files go)",
+                ));
             }
             if self.tee.any() {
                 return Err(LaunchError::config("--tee", "needs --log-dir (where the files go)"));
             }
         }
-        if self.run_id.is_empty() || self.run_id.contains('/') || self.run_id == "." || self.run_id == ".." {
-            return Err(LaunchError::config("--run-id", format!("`{}` cannot name a log directory", self.run_id)));
+        if self.run_id.is_empty()
+            || self.run_id.contains('/')
+            || self.run_id == "."
+            || self.run_id == ".."
+        {
+            return Err(LaunchError::config(
+                "--run-id",
+                format!("`{}` cannot name a log directory", self.run_id),
+            ));
         }
         Ok(())
     }

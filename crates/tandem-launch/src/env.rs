@@ -134,8 +134,10 @@ mod tests {
 
     #[test]
     fn launcher_variables_win_over_extra_env() {
-        let extra =
-            vec![(OsString::from("RANK"), OsString::from("99")), (OsString::from("FOO"), OsString::from("bar"))];
+        let extra = vec![
+            (OsString::from("RANK"), OsString::from("99")),
+            (OsString::from("FOO"), OsString::from("bar")),
+        ];
         let v = worker_env(&shape(), 0, 1, &extra, |_| false);
         assert_eq!(get(&v, "RANK"), Some("3"));
         assert_eq!(get(&v, "FOO"), Some("bar"));

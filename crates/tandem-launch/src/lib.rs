@@ -21,7 +21,8 @@ mod supervisor;
 mod worker;
 
 pub use config::{
-    available_cores, parse_local_ranks, parse_nnodes, random_run_id, LaunchConfig, NprocPerNode, StreamSpec, Streams,
+    available_cores, parse_local_ranks, parse_nnodes, random_run_id, LaunchConfig, NprocPerNode,
+    StreamSpec, Streams,
 };
 pub use env::{threads_per_worker, JobShape, THREAD_VARS};
 pub use error::LaunchError;

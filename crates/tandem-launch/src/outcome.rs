@@ -84,7 +84,10 @@ impl LaunchOutcome {
         let mut s = String::new();
         if let Some(sig) = self.signal {
             let name = signal_hook::low_level::signal_name(sig).unwrap_or("signal");
-            s.push_str(&format!("[launcher] received {name}: stopped all workers, exiting with {}\n", self.exit_code));
+            s.push_str(&format!(
+                "[launcher] received {name}: stopped all workers, exiting with {}\n",
+                self.exit_code
+            ));
             return s;
         }
         let Some(root) = self.failures.first() else { return s };

@@ -105,7 +105,11 @@ fn pump(reader: impl Read, mut sinks: Sinks) {
 }
 
 /// Starts a thread that copies `reader` to `sinks` until end of file.
-pub(crate) fn spawn_pump(name: String, reader: impl Read + Send + 'static, sinks: Sinks) -> io::Result<JoinHandle<()>> {
+pub(crate) fn spawn_pump(
+    name: String,
+    reader: impl Read + Send + 'static,
+    sinks: Sinks,
+) -> io::Result<JoinHandle<()>> {
     std::thread::Builder::new().name(name).spawn(move || pump(reader, sinks))
 }
 
@@ -119,9 +123,16 @@ mod tests {
         let path = dir.path().join("err.log");
         let tail = Arc::new(Mutex::new(TailBuffer::new(2)));
         let input: &[u8] = b"one\ntwo\nthree\nno newline";
-        let sinks = Sinks { console: None, file: Some(File::create(&path).unwrap()), tail: Some(tail.clone()) };
+        let sinks = Sinks {
+            console: None,
+            file: Some(File::create(&path).unwrap()),
+            tail: Some(tail.clone()),
+        };
         spawn_pump("t".into(), input, sinks).unwrap().join().unwrap();
-        assert_eq!(tail.lock().unwrap().lines(), vec!["three".to_string(), "no newline".to_string()]);
+        assert_eq!(
+            tail.lock().unwrap().lines(),
+            vec!["three".to_string(), "no newline".to_string()]
+        );
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "one\ntwo\nthree\nno newline");
     }
 }

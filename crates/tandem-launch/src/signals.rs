@@ -41,7 +41,11 @@ impl SignalWatch {
 
     /// A watch that never fires (the caller handles signals itself).
     pub(crate) fn disabled() -> Self {
-        SignalWatch { ids: Vec::new(), last: Arc::new(AtomicUsize::new(0)), count: Arc::new(AtomicUsize::new(0)) }
+        SignalWatch {
+            ids: Vec::new(),
+            last: Arc::new(AtomicUsize::new(0)),
+            count: Arc::new(AtomicUsize::new(0)),
+        }
     }
 
     /// The last signal received and how many have arrived, if any.

@@ -38,16 +38,20 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     cfg.validate()?;
     let nproc = cfg.nproc_per_node.resolve()?;
     let cores = available_cores();
-    let signals = if cfg.forward_signals { SignalWatch::install()? } else { SignalWatch::disabled() };
-    let new_port =
-        || pick_master_port().map_err(|source| LaunchError::NoFreePort { addr: cfg.master_addr.clone(), source });
+    let signals =
+        if cfg.forward_signals { SignalWatch::install()? } else { SignalWatch::disabled() };
+    let new_port = || {
+        pick_master_port()
+            .map_err(|source| LaunchError::NoFreePort { addr: cfg.master_addr.clone(), source })
+    };
     let mut port = match cfg.master_port {
         Some(p) => p,
         None => new_port()?,
     };
     let job_log_dir = cfg.log_dir.as_ref().map(|d| d.join(&cfg.run_id));
     if let Some(dir) = &job_log_dir {
-        std::fs::create_dir_all(dir).map_err(|source| LaunchError::LogFile { path: dir.clone(), source })?;
+        std::fs::create_dir_all(dir)
+            .map_err(|source| LaunchError::LogFile { path: dir.clone(), source })?;
     }
     let mut reaper = match GroupReaper::start() {
         Ok(r) => Some(r),
@@ -137,7 +141,9 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
                     .collect();
                 let root = &failures[0];
                 let port_taken = cfg.master_port.is_none()
-                    && workers.iter().any(|w| w.stderr_lines().iter().any(|l| mentions_addr_in_use(l)));
+                    && workers
+                        .iter()
+                        .any(|w| w.stderr_lines().iter().any(|l| mentions_addr_in_use(l)));
                 if port_taken && port_retries < MAX_PORT_RETRIES {
                     port_retries += 1;
                     let old = port;
@@ -168,7 +174,11 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
 }
 
 /// Polls the workers every `interval` until one fails, all succeed, or a signal arrives.
-fn watch(workers: &mut [Worker], interval: Duration, signals: &SignalWatch) -> Result<AttemptEnd, LaunchError> {
+fn watch(
+    workers: &mut [Worker],
+    interval: Duration,
+    signals: &SignalWatch,
+) -> Result<AttemptEnd, LaunchError> {
     loop {
         if let Some((sig, _)) = signals.received() {
             return Ok(AttemptEnd::Signalled(sig));
@@ -178,7 +188,9 @@ fn watch(workers: &mut [Worker], interval: Duration, signals: &SignalWatch) -> R
         for (i, w) in workers.iter_mut().enumerate() {
             match w.poll()? {
                 None => running += 1,
-                Some(status) if !status.success() => failed.push((i, WorkerExit::from_status(status))),
+                Some(status) if !status.success() => {
+                    failed.push((i, WorkerExit::from_status(status)))
+                }
                 Some(_) => {}
             }
         }
@@ -211,7 +223,8 @@ fn stop_all(workers: &mut [Worker], sig: Signal, grace: Duration, signals: &Sign
         for w in workers.iter_mut() {
             let _ = w.poll();
         }
-        let all_gone = workers.iter().all(|w| w.status.is_some() && !group_has_live_members(w.pgid));
+        let all_gone =
+            workers.iter().all(|w| w.status.is_some() && !group_has_live_members(w.pgid));
         if all_gone {
             return;
         }
@@ -237,7 +250,10 @@ fn stop_all(workers: &mut [Worker], sig: Signal, grace: Duration, signals: &Sign
     }
     for w in workers.iter() {
         if w.status.is_none() {
-            tracing::warn!(rank = w.rank, "worker survived SIGKILL for {KILL_WAIT:?} (uninterruptible sleep?)");
+            tracing::warn!(
+                rank = w.rank,
+                "worker survived SIGKILL for {KILL_WAIT:?} (uninterruptible sleep?)"
+            );
         }
     }
 }
@@ -266,7 +282,9 @@ fn group_has_live_members(pgid: i32) -> bool {
         let Some(after) = stat.rfind(')').map(|i| &stat[i + 1..]) else { continue };
         let mut fields = after.split_whitespace();
         let (state, _ppid, pgrp) = (fields.next(), fields.next(), fields.next());
-        if pgrp.and_then(|p| p.parse::<i32>().ok()) == Some(pgid) && !matches!(state, Some("Z") | Some("X")) {
+        if pgrp.and_then(|p| p.parse::<i32>().ok()) == Some(pgid)
+            && !matches!(state, Some("Z") | Some("X"))
+        {
             return true;
         }
     }

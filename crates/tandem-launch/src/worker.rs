@@ -63,7 +63,9 @@ impl Worker {
         let rank = shape.rank(local_rank);
         let mut cmd = Command::new(&cfg.program);
         cmd.args(&cfg.args);
-        cmd.envs(worker_env(shape, local_rank, cores, &cfg.extra_env, |k| std::env::var_os(k).is_some()));
+        cmd.envs(worker_env(shape, local_rank, cores, &cfg.extra_env, |k| {
+            std::env::var_os(k).is_some()
+        }));
         // A passthrough worker writes to the launcher's own stdout (a terminal stays a terminal,
         // so it can draw progress bars); its stderr is still captured for the failure summary.
         let passthrough = cfg.stdout_passthrough_local_rank == Some(local_rank);
@@ -77,7 +79,8 @@ impl Worker {
             cmd.pre_exec(move || {
                 // If the launcher dies (even by SIGKILL) the worker is killed too. The signal is
                 // tied to the thread that forked: `launch` spawns and waits in one thread.
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0
+                {
                     return Err(std::io::Error::last_os_error());
                 }
                 // The launcher may have died before prctl took effect.
@@ -91,7 +94,8 @@ impl Worker {
         let rank_dir = match attempt_dir {
             Some(dir) if file.any() => {
                 let d = dir.join(local_rank.to_string());
-                std::fs::create_dir_all(&d).map_err(|source| LaunchError::LogFile { path: d.clone(), source })?;
+                std::fs::create_dir_all(&d)
+                    .map_err(|source| LaunchError::LogFile { path: d.clone(), source })?;
                 Some(d)
             }
             _ => None,
@@ -111,7 +115,8 @@ impl Worker {
             source,
         })?;
         let pgid = child.id() as i32;
-        let prefix = if cfg.prefix_output { format!("[rank {rank}] ").into_bytes() } else { Vec::new() };
+        let prefix =
+            if cfg.prefix_output { format!("[rank {rank}] ").into_bytes() } else { Vec::new() };
         let stderr_tail: SharedTail = Arc::new(Mutex::new(TailBuffer::new(cfg.summary_tail_lines)));
         let mut pumps = Vec::with_capacity(2);
         let worker_pumps = || -> std::io::Result<()> {
@@ -136,7 +141,11 @@ impl Worker {
         if let Err(source) = worker_pumps() {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(LaunchError::Spawn { rank, program: cfg.program.to_string_lossy().into_owned(), source });
+            return Err(LaunchError::Spawn {
+                rank,
+                program: cfg.program.to_string_lossy().into_owned(),
+                source,
+            });
         }
         Ok(Worker { rank, local_rank, child, pgid, status: None, stderr_tail, pumps })
     }
@@ -144,7 +153,10 @@ impl Worker {
     /// Reaps the worker if it has exited; returns its status once known.
     pub(crate) fn poll(&mut self) -> Result<Option<ExitStatus>, LaunchError> {
         if self.status.is_none() {
-            self.status = self.child.try_wait().map_err(|source| LaunchError::Wait { rank: self.rank, source })?;
+            self.status = self
+                .child
+                .try_wait()
+                .map_err(|source| LaunchError::Wait { rank: self.rank, source })?;
         }
         Ok(self.status)
     }

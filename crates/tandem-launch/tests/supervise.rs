@@ -1,8 +1,8 @@
 //! The supervisor driven in-process with `/bin/sh` workers: environment, failure propagation,
 //! restarts, port retry, log files, and that no process (grandchildren included) survives.
 use std::path::{Path, PathBuf};
-use tandem_testutil::{assert_no_survivors, recorded_pids};
 use std::time::{Duration, Instant};
+use tandem_testutil::{assert_no_survivors, recorded_pids};
 
 use tandem_launch::{launch, LaunchConfig, NprocPerNode, StreamSpec, Streams};
 
@@ -31,10 +31,13 @@ fn each_worker_sees_the_launcher_environment() {
     cfg.extra_env.push(("EXTRA_FOR_WORKERS".into(), "yes".into()));
     let out = launch(&cfg).unwrap();
     assert_eq!(out.exit_code, 0);
-    let threads = tandem_launch::threads_per_worker(tandem_launch::available_cores(), 3).to_string();
+    let threads =
+        tandem_launch::threads_per_worker(tandem_launch::available_cores(), 3).to_string();
     for rank in 0..3 {
         let env = read(dir.path().join(format!("env.{rank}")));
-        let get = |k: &str| env.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).map(str::to_string);
+        let get = |k: &str| {
+            env.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).map(str::to_string)
+        };
         assert_eq!(get("RANK").as_deref(), Some(rank.to_string().as_str()));
         assert_eq!(get("LOCAL_RANK").as_deref(), Some(rank.to_string().as_str()));
         assert_eq!(get("WORLD_SIZE").as_deref(), Some("3"));
@@ -82,7 +85,8 @@ fn failing_rank_stops_the_others_and_sets_the_exit_code() {
 #[test]
 fn worker_killed_by_a_signal_gives_128_plus_signal() {
     let dir = tempfile::tempdir().unwrap();
-    let out = launch(&sh(r#"if [ "$RANK" = 0 ]; then kill -9 $$; fi; sleep 30"#, 2, dir.path())).unwrap();
+    let out =
+        launch(&sh(r#"if [ "$RANK" = 0 ]; then kill -9 $$; fi; sleep 30"#, 2, dir.path())).unwrap();
     assert_eq!(out.exit_code, 137);
     assert_eq!(out.failures[0].exit, tandem_launch::WorkerExit::Signal(9));
 }

@@ -118,8 +118,12 @@ pub fn recorded_pids(dir: &Path) -> Vec<i32> {
     let mut pids = Vec::new();
     for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())).flatten() {
         if e.path().extension().is_some_and(|x| x == "pid") {
-            let s = std::fs::read_to_string(e.path()).unwrap_or_else(|err| panic!("{}: {err}", e.path().display()));
-            pids.extend(s.split_whitespace().map(|p| p.parse::<i32>().unwrap_or_else(|_| panic!("bad pid {p:?}"))));
+            let s = std::fs::read_to_string(e.path())
+                .unwrap_or_else(|err| panic!("{}: {err}", e.path().display()));
+            pids.extend(
+                s.split_whitespace()
+                    .map(|p| p.parse::<i32>().unwrap_or_else(|_| panic!("bad pid {p:?}"))),
+            );
         }
     }
     pids

@@ -9,14 +9,17 @@ use std::time::Duration;
 
 /// The table rows of the section whose heading starts with `heading`, keyed by (case, contender).
 fn section_rows(md: &str, heading: &str) -> HashMap<(String, String), Vec<String>> {
-    let start = md.find(&format!("\n## {heading}")).unwrap_or_else(|| panic!("no section {heading:?} in:\n{md}"));
+    let start = md
+        .find(&format!("\n## {heading}"))
+        .unwrap_or_else(|| panic!("no section {heading:?} in:\n{md}"));
     let body = &md[start + 1..];
     let end = body[3..].find("\n## ").map(|e| e + 3).unwrap_or(body.len());
     body[..end]
         .lines()
         .filter(|l| l.starts_with("| ") && !l.starts_with("| case"))
         .map(|l| {
-            let cells: Vec<String> = l.trim_matches('|').split('|').map(|c| c.trim().to_string()).collect();
+            let cells: Vec<String> =
+                l.trim_matches('|').split('|').map(|c| c.trim().to_string()).collect();
             ((cells[0].clone(), cells[1].clone()), cells)
         })
         .collect()
@@ -28,9 +31,16 @@ fn num(cell: &str, what: &str) -> f64 {
 
 /// Checks one measured row: min <= median <= max, its reference column is the reference row's
 /// median, and "× reference" = median / reference within the printed precision.
-fn check_row(rows: &HashMap<(String, String), Vec<String>>, case: &str, contender: &str, reference: (&str, &str)) -> f64 {
+fn check_row(
+    rows: &HashMap<(String, String), Vec<String>>,
+    case: &str,
+    contender: &str,
+    reference: (&str, &str),
+) -> f64 {
     let key = (case.to_string(), contender.to_string());
-    let r = rows.get(&key).unwrap_or_else(|| panic!("no row {key:?} in {:?}", rows.keys().collect::<Vec<_>>()));
+    let r = rows
+        .get(&key)
+        .unwrap_or_else(|| panic!("no row {key:?} in {:?}", rows.keys().collect::<Vec<_>>()));
     let what = format!("{case} {contender}");
     let (median, min, max) = (num(&r[2], &what), num(&r[3], &what), num(&r[4], &what));
     assert!(median > 0.0 && min <= median && median <= max, "{what}: {r:?}");
@@ -39,7 +49,11 @@ fn check_row(rows: &HashMap<(String, String), Vec<String>>, case: &str, contende
     let expected = median / num(&r[5], &what);
     let printed = num(&r[6], &what);
     // Figures carry 4 significant digits (<= 0.05% off each), ratios 3 decimals.
-    assert!((printed - expected).abs() <= 0.0005 + 0.0011 * expected, "{what}: ratio {printed} but {median}/{} = {expected}", r[5]);
+    assert!(
+        (printed - expected).abs() <= 0.0005 + 0.0011 * expected,
+        "{what}: ratio {printed} but {median}/{} = {expected}",
+        r[5]
+    );
     median
 }
 
@@ -67,9 +81,19 @@ fn quick_report_has_every_section_ratio_and_plot() {
     assert!(out.status.success(), "bench report failed:\n{stderr}");
     let md = std::fs::read_to_string(dir.path().join("BENCHMARKS.md")).unwrap();
 
-    assert!(md.contains("cargo run --release -p tandem -- bench report"), "the regenerate command is named");
-    for key in ["| CPU | ", "| cores | ", "| load average (1/5/15 min) before | ", "| load average (1/5/15 min) after | ", "| git commit | "] {
-        let line = md.lines().find(|l| l.starts_with(key)).unwrap_or_else(|| panic!("no {key:?} line"));
+    assert!(
+        md.contains("cargo run --release -p tandem -- bench report"),
+        "the regenerate command is named"
+    );
+    for key in [
+        "| CPU | ",
+        "| cores | ",
+        "| load average (1/5/15 min) before | ",
+        "| load average (1/5/15 min) after | ",
+        "| git commit | ",
+    ] {
+        let line =
+            md.lines().find(|l| l.starts_with(key)).unwrap_or_else(|| panic!("no {key:?} line"));
         assert!(line.len() > key.len() + 2, "{line}");
     }
     let load = md.lines().find(|l| l.starts_with("| load average (1/5/15 min) before")).unwrap();
@@ -79,7 +103,10 @@ fn quick_report_has_every_section_ratio_and_plot() {
     assert!(md.contains("## Noise"));
 
     let ar = section_rows(&md, "all_reduce bus bandwidth");
-    assert_eq!(check_row(&ar, "1 MiB", "memcpy", ("1 MiB", "memcpy")), num(&ar[&("1 MiB".into(), "memcpy".into())][5], "memcpy"));
+    assert_eq!(
+        check_row(&ar, "1 MiB", "memcpy", ("1 MiB", "memcpy")),
+        num(&ar[&("1 MiB".into(), "memcpy".into())][5], "memcpy")
+    );
     assert_eq!(ar[&("1 MiB".into(), "memcpy".into())][6], "1.000");
     for size in ["4 B", "4 KiB", "1 MiB"] {
         check_row(&ar, size, "tandem tcp", (size, "memcpy"));
@@ -98,15 +125,26 @@ fn quick_report_has_every_section_ratio_and_plot() {
         let shm_row = &ar[&("1 MiB".into(), "tandem shm".into())];
         let vs = num(&shm_row[7], "shm × PyTorch");
         let expected = num(&shm_row[2], "shm") / gloo;
-        assert!((vs - expected).abs() <= 0.0005 + 0.0011 * expected, "tandem shm / gloo: {vs} vs {expected}");
-        let torch_ddp = check_row(&ddp, "2 ranks", "PyTorch DDP (gloo)", ("1 process", "plain (no Ddp)"));
+        assert!(
+            (vs - expected).abs() <= 0.0005 + 0.0011 * expected,
+            "tandem shm / gloo: {vs} vs {expected}"
+        );
+        let torch_ddp =
+            check_row(&ddp, "2 ranks", "PyTorch DDP (gloo)", ("1 process", "plain (no Ddp)"));
         let vs = num(&ddp[&("2 ranks".into(), "tandem Ddp".into())][7], "Ddp × PyTorch");
-        assert!((vs - tandem_ddp / torch_ddp).abs() <= 0.0005 + 0.0011 * vs, "tandem Ddp / PyTorch DDP: {vs}");
+        assert!(
+            (vs - tandem_ddp / torch_ddp).abs() <= 0.0005 + 0.0011 * vs,
+            "tandem Ddp / PyTorch DDP: {vs}"
+        );
         check_row(&ck, "save", "torch.save + fsync", ("save", "dd conv=fsync (write)"));
         check_row(&ck, "load", "torch.load(mmap=True)", ("load", "dd (read, warm cache)"));
         assert!(!md.contains("PyTorch not available"), "torch was given: {md}");
     } else {
-        for (rows, key) in [(&ar, ("1 MiB", "gloo (PyTorch)")), (&ddp, ("2 ranks", "PyTorch DDP (gloo)")), (&ck, ("save", "torch.save + fsync"))] {
+        for (rows, key) in [
+            (&ar, ("1 MiB", "gloo (PyTorch)")),
+            (&ddp, ("2 ranks", "PyTorch DDP (gloo)")),
+            (&ck, ("save", "torch.save + fsync")),
+        ] {
             let r = &rows[&(key.0.to_string(), key.1.to_string())];
             assert_eq!(r[2], "PyTorch not available", "{r:?}");
         }
@@ -117,7 +155,8 @@ fn quick_report_has_every_section_ratio_and_plot() {
         check_png(&dir.path().join(png));
     }
     // Scratch files of the checkpoint runs are cleaned up.
-    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let left: Vec<_> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(left.len(), 4, "only the report and 3 plots remain: {left:?}");
 }
 
@@ -125,9 +164,15 @@ fn quick_report_has_every_section_ratio_and_plot() {
 fn report_rejects_zero_repeats() {
     let dir = tempfile::tempdir().unwrap();
     let out = tandem_testutil::output_with_deadline(
-        Command::new(env!("CARGO_BIN_EXE_tandem")).args(["bench", "report", "--quick", "--repeats", "0", "--out"]).arg(dir.path()),
+        Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["bench", "report", "--quick", "--repeats", "0", "--out"])
+            .arg(dir.path()),
         Duration::from_secs(30),
     );
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--repeats"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--repeats"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -8,7 +8,10 @@ use tandem_ckpt::{load, save, Tensor, Value};
 use tandem_testutil::output_with_deadline;
 
 fn tandem(args: &[&str]) -> Output {
-    output_with_deadline(Command::new(env!("CARGO_BIN_EXE_tandem")).args(args), Duration::from_secs(120))
+    output_with_deadline(
+        Command::new(env!("CARGO_BIN_EXE_tandem")).args(args),
+        Duration::from_secs(120),
+    )
 }
 
 fn fixture(name: &str) -> PathBuf {
@@ -26,7 +29,10 @@ fn stdout(o: &Output) -> String {
 /// A small model's state dict, with keys as `prefix` + name.
 fn state_dict(prefix: &str, scale: f32) -> Value {
     Value::dict_from([
-        (format!("{prefix}fc.weight"), Value::Tensor(Tensor::from_f32(&[2, 3], &[1., 2., 3., 4., 5., 6.].map(|x| x * scale)))),
+        (
+            format!("{prefix}fc.weight"),
+            Value::Tensor(Tensor::from_f32(&[2, 3], &[1., 2., 3., 4., 5., 6.].map(|x| x * scale))),
+        ),
         (format!("{prefix}fc.bias"), Value::Tensor(Tensor::from_f32(&[2], &[0.5, -0.5]))),
         (format!("{prefix}bn.num_batches_tracked"), Value::Tensor(Tensor::from_i64(&[], &[7]))),
     ])
@@ -37,31 +43,58 @@ fn inspect_lists_containers_tensors_values_and_wrapping() {
     let o = tandem(&["ckpt", "inspect", "--json", s(&fixture("nested.pt"))]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let j: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
-    let keys: Vec<&str> = j["container_keys"].as_array().unwrap().iter().map(|k| k.as_str().unwrap()).collect();
+    let keys: Vec<&str> =
+        j["container_keys"].as_array().unwrap().iter().map(|k| k.as_str().unwrap()).collect();
     assert_eq!(&keys[..3], ["epoch", "global_step", "model"]);
     let w = j["tensors"].as_array().unwrap().iter().find(|t| t["key"] == "model/0.weight").unwrap();
     assert_eq!(w["dtype"], "float32");
     assert_eq!(w["shape"], serde_json::json!([3, 4]));
     assert_eq!(w["bytes"], 48);
-    assert!(j["values"].as_array().unwrap().iter().any(|v| v["key"] == "epoch" && v["value"] == "3"));
+    assert!(j["values"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|v| v["key"] == "epoch" && v["value"] == "3"));
     assert_eq!(j["wrapping"], serde_json::json!([]));
 
     let dir = tempfile::tempdir().unwrap();
     let ddp = dir.path().join("ddp.pt");
-    save(&ddp, &Value::dict_from([("model", state_dict("module.", 1.0)), ("epoch", Value::Int(1))])).unwrap();
+    save(
+        &ddp,
+        &Value::dict_from([("model", state_dict("module.", 1.0)), ("epoch", Value::Int(1))]),
+    )
+    .unwrap();
     let o = tandem(&["ckpt", "inspect", s(&ddp)]);
     let text = stdout(&o);
     assert!(text.contains("wrapping detected: `module.` prefix"), "{text}");
-    assert!(text.contains("model/module.fc.weight") && text.contains("float32") && text.contains("[2, 3]"), "{text}");
+    assert!(
+        text.contains("model/module.fc.weight")
+            && text.contains("float32")
+            && text.contains("[2, 3]"),
+        "{text}"
+    );
 }
 
 #[test]
 fn convert_between_pt_and_safetensors_with_renaming() {
     let dir = tempfile::tempdir().unwrap();
     let ddp = dir.path().join("ddp.pt");
-    save(&ddp, &Value::dict_from([("model", state_dict("module.", 1.0)), ("epoch", Value::Int(1))])).unwrap();
+    save(
+        &ddp,
+        &Value::dict_from([("model", state_dict("module.", 1.0)), ("epoch", Value::Int(1))]),
+    )
+    .unwrap();
     let st = dir.path().join("w.safetensors");
-    let o = tandem(&["ckpt", "convert", s(&ddp), s(&st), "--key", "model", "--strip-prefix", "module."]);
+    let o = tandem(&[
+        "ckpt",
+        "convert",
+        s(&ddp),
+        s(&st),
+        "--key",
+        "model",
+        "--strip-prefix",
+        "module.",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     // safetensors keeps no key order (the crate sorts entries), so compare sorted.
     let sorted = |v: Value| {
@@ -76,7 +109,8 @@ fn convert_between_pt_and_safetensors_with_renaming() {
     assert_eq!(sorted(load(&back).unwrap()), sorted(state_dict("_orig_mod.", 1.0)));
     // A training dict cannot go to safetensors whole without saying which part.
     let mixed = dir.path().join("mixed.pt");
-    save(&mixed, &Value::dict_from([("a", state_dict("", 1.0)), ("b", state_dict("", 2.0))])).unwrap();
+    save(&mixed, &Value::dict_from([("a", state_dict("", 1.0)), ("b", state_dict("", 2.0))]))
+        .unwrap();
     let o = tandem(&["ckpt", "convert", s(&mixed), s(&dir.path().join("x.safetensors"))]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--key"));
@@ -85,7 +119,8 @@ fn convert_between_pt_and_safetensors_with_renaming() {
 #[test]
 fn diff_reports_differences_and_exit_code() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b, c) = (dir.path().join("a.pt"), dir.path().join("b.pt"), dir.path().join("c.safetensors"));
+    let (a, b, c) =
+        (dir.path().join("a.pt"), dir.path().join("b.pt"), dir.path().join("c.safetensors"));
     save(&a, &state_dict("", 1.0)).unwrap();
     save(&b, &state_dict("module.", 1.0)).unwrap();
     let o = tandem(&["ckpt", "diff", s(&a), s(&b)]);
@@ -133,13 +168,21 @@ fn unreadable_input_is_one_error_line() {
     std::fs::write(&truncated, &full[..full.len() / 2]).unwrap();
     let missing = dir.path().join("missing.pt");
     for f in [&garbage, &truncated, &missing] {
-        for args in [vec!["ckpt", "inspect", s(f)], vec!["ckpt", "diff", s(f), s(f)], vec!["ckpt", "load-check", s(f), "--into", s(f)]] {
+        for args in [
+            vec!["ckpt", "inspect", s(f)],
+            vec!["ckpt", "diff", s(f), s(f)],
+            vec!["ckpt", "load-check", s(f), "--into", s(f)],
+        ] {
             let o = tandem(&args);
             let err = String::from_utf8_lossy(&o.stderr);
             assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
             let lines: Vec<&str> = err.lines().collect();
             assert_eq!(lines.len(), 1, "{args:?}: {err}");
-            assert!(lines[0].starts_with("error: ") && lines[0].contains(f.file_name().unwrap().to_str().unwrap()), "{err}");
+            assert!(
+                lines[0].starts_with("error: ")
+                    && lines[0].contains(f.file_name().unwrap().to_str().unwrap()),
+                "{err}"
+            );
         }
     }
 }
@@ -150,7 +193,13 @@ fn bench_ckpt_prints_throughputs_and_ratios() {
     let o = tandem(&["bench", "ckpt", "--size-mib", "2", "--repeat", "1", "--dir", s(dir.path())]);
     let text = stdout(&o);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    for row in ["dd conv=fsync", "tandem save .pt", "tandem save .safetensors", "tandem load .pt (mmap)", "tandem load .safetensors"] {
+    for row in [
+        "dd conv=fsync",
+        "tandem save .pt",
+        "tandem save .safetensors",
+        "tandem load .pt (mmap)",
+        "tandem load .safetensors",
+    ] {
         assert!(text.contains(row), "{row} missing:\n{text}");
     }
     assert!(text.contains("tandem save .pt / dd conv=fsync (write)"), "{text}");

@@ -19,11 +19,7 @@ fn run_bench(backend: &str) -> Vec<serde_json::Value> {
         ]),
         Duration::from_secs(60),
     );
-    assert!(
-        out.status.success(),
-        "stderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l:?}: {e}")))
@@ -42,10 +38,7 @@ fn bench_allreduce_json_has_every_field_per_size() {
             let alg = row["algbw_gbs"].as_f64().expect("algbw");
             let bus = row["busbw_gbs"].as_f64().expect("busbw");
             assert!(t > 0.0 && t < 1.0, "{row}");
-            assert!(
-                (alg - size as f64 / t / 1e9).abs() <= 1e-9 * alg.max(1.0),
-                "{row}"
-            );
+            assert!((alg - size as f64 / t / 1e9).abs() <= 1e-9 * alg.max(1.0), "{row}");
             assert!(
                 (bus - alg).abs() <= 1e-12 + 1e-9 * alg,
                 "2 ranks: busbw = algbw * 2(n-1)/n = algbw: {row}"

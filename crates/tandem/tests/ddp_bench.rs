@@ -8,18 +8,29 @@ use std::time::Duration;
 fn bench_ddp_json_reports_all_configurations() {
     let out = tandem_testutil::output_with_deadline(
         Command::new(env!("CARGO_BIN_EXE_tandem"))
-            .args(["bench", "ddp", "--nproc", "2", "--batch", "8", "--steps", "2", "--rounds", "1", "--json"])
+            .args([
+                "bench", "ddp", "--nproc", "2", "--batch", "8", "--steps", "2", "--rounds", "1",
+                "--json",
+            ])
             .env("RAYON_NUM_THREADS", "1"),
         Duration::from_secs(120),
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "stdout {stdout}\nstderr {}", String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
-    for k in ["plain_samples_per_s", "ddp1_samples_per_s", "ddpN_samples_per_s", "scaling_efficiency"] {
+    assert!(
+        out.status.success(),
+        "stdout {stdout}\nstderr {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    for k in
+        ["plain_samples_per_s", "ddp1_samples_per_s", "ddpN_samples_per_s", "scaling_efficiency"]
+    {
         let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
         assert!(x.is_finite() && x > 0.0, "{k} = {x}");
     }
-    let ratio = v["ddpN_samples_per_s"].as_f64().unwrap() / v["plain_samples_per_s"].as_f64().unwrap();
+    let ratio =
+        v["ddpN_samples_per_s"].as_f64().unwrap() / v["plain_samples_per_s"].as_f64().unwrap();
     assert!((ratio - v["scaling_efficiency"].as_f64().unwrap()).abs() < 1e-9);
     assert_eq!(v["nproc"], 2);
 }
@@ -27,7 +38,8 @@ fn bench_ddp_json_reports_all_configurations() {
 #[test]
 fn bench_ddp_rejects_a_batch_that_does_not_split() {
     let out = tandem_testutil::output_with_deadline(
-        Command::new(env!("CARGO_BIN_EXE_tandem")).args(["bench", "ddp", "--nproc", "3", "--batch", "8"]),
+        Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["bench", "ddp", "--nproc", "3", "--batch", "8"]),
         Duration::from_secs(60),
     );
     assert!(!out.status.success());

@@ -5,7 +5,9 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use tandem_testutil::{assert_no_survivors, free_port, output_with_deadline, recorded_pids, wait_with_deadline};
+use tandem_testutil::{
+    assert_no_survivors, free_port, output_with_deadline, recorded_pids, wait_with_deadline,
+};
 
 const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
 const LIMIT: Duration = Duration::from_secs(60);
@@ -37,12 +39,19 @@ fn wait_for_files(dir: &Path, ext: &str, n: usize) {
         let count = std::fs::read_dir(dir)
             .unwrap()
             .flatten()
-            .filter(|e| e.path().extension().is_some_and(|x| x == ext) && e.metadata().is_ok_and(|m| m.len() > 0))
+            .filter(|e| {
+                e.path().extension().is_some_and(|x| x == ext)
+                    && e.metadata().is_ok_and(|m| m.len() > 0)
+            })
             .count();
         if count >= n {
             return;
         }
-        assert!(Instant::now() < deadline, "only {count} of {n} .{ext} files appeared in {}", dir.display());
+        assert!(
+            Instant::now() < deadline,
+            "only {count} of {n} .{ext} files appeared in {}",
+            dir.display()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -67,9 +76,14 @@ fn help_explains_every_flag() {
         "--tee",
         "--local-ranks-filter",
     ] {
-        let line = help.lines().find(|l| l.trim_start().starts_with(flag) || l.contains(&format!(", {flag}")));
+        let line = help
+            .lines()
+            .find(|l| l.trim_start().starts_with(flag) || l.contains(&format!(", {flag}")));
         let line = line.unwrap_or_else(|| panic!("{flag} missing from help:\n{help}"));
-        assert!(line.split_once("  ").is_some_and(|(_, d)| d.trim().len() > 10), "{flag} has no explanation: {line}");
+        assert!(
+            line.split_once("  ").is_some_and(|(_, d)| d.trim().len() > 10),
+            "{flag} has no explanation: {line}"
+        );
     }
 }
 
@@ -106,14 +120,26 @@ fn bad_flags_are_named() {
     let out = output_with_deadline(&mut tandem_run(&["--nnodes", "1:2", "--", "true"]), LIMIT);
     assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
     assert!(text(&out.stderr).contains("--nnodes"), "{}", describe(&out));
-    let out = output_with_deadline(&mut tandem_run(&["--standalone", "--master-port", "1234", "--", "true"]), LIMIT);
+    let out = output_with_deadline(
+        &mut tandem_run(&["--standalone", "--master-port", "1234", "--", "true"]),
+        LIMIT,
+    );
     assert!(text(&out.stderr).contains("--standalone"), "{}", describe(&out));
 }
 
 #[test]
 fn local_ranks_filter_limits_the_console() {
     let out = output_with_deadline(
-        &mut tandem_run(&["--nproc-per-node", "3", "--local-ranks-filter", "1", "--", "sh", "-c", "echo hi $RANK"]),
+        &mut tandem_run(&[
+            "--nproc-per-node",
+            "3",
+            "--local-ranks-filter",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            "echo hi $RANK",
+        ]),
         LIMIT,
     );
     assert!(out.status.success(), "{}", describe(&out));
@@ -122,14 +148,31 @@ fn local_ranks_filter_limits_the_console() {
 
 #[test]
 fn four_ranks_all_reduce_their_rank() {
-    let out = output_with_deadline(&mut tandem_run(&["--nproc-per-node", "4", "--", TANDEM, "check"]), LIMIT);
+    let out = output_with_deadline(
+        &mut tandem_run(&["--nproc-per-node", "4", "--", TANDEM, "check"]),
+        LIMIT,
+    );
     assert!(out.status.success(), "{}", describe(&out));
     let stdout = text(&out.stdout);
     for r in 0..4 {
-        assert_eq!(rank_lines(&stdout, r), vec![format!("rank {r}/4 local {r}/4 sum=6 ok")], "{}", describe(&out));
+        assert_eq!(
+            rank_lines(&stdout, r),
+            vec![format!("rank {r}/4 local {r}/4 sum=6 ok")],
+            "{}",
+            describe(&out)
+        );
     }
     let out = output_with_deadline(
-        &mut tandem_run(&["--standalone", "--nproc-per-node", "3", "--", TANDEM, "check", "--dtype", "f64"]),
+        &mut tandem_run(&[
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "--",
+            TANDEM,
+            "check",
+            "--dtype",
+            "f64",
+        ]),
         LIMIT,
     );
     assert!(out.status.success(), "{}", describe(&out));
@@ -177,7 +220,8 @@ fn workers_see_the_launcher_environment() {
     let threads = (cores / 2).max(1).to_string();
     for r in 0..2u32 {
         let lines = rank_lines(&stdout, r);
-        let json: serde_json::Value = serde_json::from_str(&lines[0]).expect("first line is the environment");
+        let json: serde_json::Value =
+            serde_json::from_str(&lines[0]).expect("first line is the environment");
         let expect = [
             ("RANK", r.to_string()),
             ("LOCAL_RANK", r.to_string()),
@@ -199,10 +243,12 @@ fn workers_see_the_launcher_environment() {
     }
     // An OMP_NUM_THREADS set by the user is left alone.
     let out = output_with_deadline(
-        tandem_run(&["--nproc-per-node", "2", "--", TANDEM, "check", "--print-env"]).env("OMP_NUM_THREADS", "5"),
+        tandem_run(&["--nproc-per-node", "2", "--", TANDEM, "check", "--print-env"])
+            .env("OMP_NUM_THREADS", "5"),
         LIMIT,
     );
-    let json: serde_json::Value = serde_json::from_str(&rank_lines(&text(&out.stdout), 1)[0]).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&rank_lines(&text(&out.stdout), 1)[0]).unwrap();
     assert_eq!(json["OMP_NUM_THREADS"].as_str(), Some("5"));
 }
 
@@ -225,8 +271,14 @@ fn one_rank_exiting_3_stops_the_job_with_code_3_and_leaves_nothing_behind() {
     assert_eq!(out.status.code(), Some(3), "{}", describe(&out));
     assert!(took < Duration::from_secs(10), "launcher took {took:?}");
     let stderr = text(&out.stderr);
-    assert!(stderr.contains("root cause: rank 1 (local rank 1 on node 0): exit code 3"), "{stderr}");
-    assert!(stderr.contains("| rank 1: exiting with code 3"), "summary shows rank 1's stderr:\n{stderr}");
+    assert!(
+        stderr.contains("root cause: rank 1 (local rank 1 on node 0): exit code 3"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("| rank 1: exiting with code 3"),
+        "summary shows rank 1's stderr:\n{stderr}"
+    );
     let pids = recorded_pids(dir.path());
     assert_eq!(pids.len(), 8);
     assert_no_survivors(&pids);
@@ -250,14 +302,31 @@ fn a_worker_failing_on_its_first_attempt_succeeds_with_restarts() {
     assert!(out.status.success(), "{}", describe(&out));
     let stdout = text(&out.stdout);
     // The check ran (and passed) on both attempts, then the second attempt exited cleanly.
-    assert_eq!(rank_lines(&stdout, 0), vec!["rank 0/2 local 0/2 sum=1 ok"; 2], "{}", describe(&out));
+    assert_eq!(
+        rank_lines(&stdout, 0),
+        vec!["rank 0/2 local 0/2 sum=1 ok"; 2],
+        "{}",
+        describe(&out)
+    );
     assert!(text(&out.stderr).contains("restart 1 of 2"), "{}", describe(&out));
 
     let out = output_with_deadline(
-        &mut tandem_run(&["--nproc-per-node", "2", "--", TANDEM, "check", "--fail-on-first-attempt"]),
+        &mut tandem_run(&[
+            "--nproc-per-node",
+            "2",
+            "--",
+            TANDEM,
+            "check",
+            "--fail-on-first-attempt",
+        ]),
         LIMIT,
     );
-    assert_eq!(out.status.code(), Some(1), "without restarts the failure is final: {}", describe(&out));
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "without restarts the failure is final: {}",
+        describe(&out)
+    );
 }
 
 #[test]
@@ -301,7 +370,12 @@ fn two_launchers_form_one_world() {
             let json: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
             assert_eq!(json["GROUP_RANK"].as_str(), Some(node.to_string().as_str()));
             assert_eq!(json["WORLD_SIZE"].as_str(), Some("4"));
-            assert_eq!(lines[1], format!("rank {rank}/4 local {local}/2 sum=6 ok"), "{}", describe(out));
+            assert_eq!(
+                lines[1],
+                format!("rank {rank}/4 local {local}/2 sum=6 ok"),
+                "{}",
+                describe(out)
+            );
         }
     }
 }
@@ -314,11 +388,20 @@ fn start_signal_job(dir: &Path, n: usize) -> std::process::Child {
         "trap 'echo TERM > {d}/term.$RANK; exit 0' TERM; trap 'echo INT > {d}/int.$RANK; exit 0' INT; \
          sleep 60 & echo $! > {d}/grandchild.$RANK.pid; echo $$ > {d}/worker.$RANK.pid; wait"
     );
-    let child = tandem_run(&["--nproc-per-node", &n.to_string(), "--stop-grace", "3", "--", "sh", "-c", &script])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let child = tandem_run(&[
+        "--nproc-per-node",
+        &n.to_string(),
+        "--stop-grace",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
     wait_for_files(dir, "pid", 2 * n);
     child
 }
@@ -329,7 +412,8 @@ fn sigterm_and_sigint_to_the_launcher_reach_every_worker() {
         let dir = tempfile::tempdir().unwrap();
         let mut child = start_signal_job(dir.path(), 3);
         unsafe { libc::kill(child.id() as i32, sig) };
-        let status = wait_with_deadline(&mut child, Duration::from_secs(20)).expect("launcher exits after a signal");
+        let status = wait_with_deadline(&mut child, Duration::from_secs(20))
+            .expect("launcher exits after a signal");
         assert_eq!(status.code(), Some(code), "{name}");
         for r in 0..3 {
             let got = std::fs::read_to_string(dir.path().join(format!("{name}.{r}")));

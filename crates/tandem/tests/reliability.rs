@@ -43,10 +43,7 @@ fn kill_one_rank_ends_the_job_fast_and_names_it() {
                 .map_err(|e| format!("seed {seed} (RELIABILITY_SEED={base}, trial {trial}): {e}")),
         );
     }
-    tally.note(
-        "max_exit_after_kill",
-        format!("{:.2}s", worst.as_secs_f64()),
-    );
+    tally.note("max_exit_after_kill", format!("{:.2}s", worst.as_secs_f64()));
     tally.note("root_cause_other_rank", misattributed);
     tally.finish();
 }
@@ -59,34 +56,20 @@ fn kill_rank_trial(seed: u64, id: &str) -> Result<(Duration, bool), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let run_dir = dir.path().join("run");
     let mut cmd = tandem();
-    cmd.args([
-        "train",
-        "--nproc-per-node",
-        "2",
-        "--epochs",
-        "50",
-        "--out",
-        s(&run_dir),
-    ])
-    .args(TINY)
-    .env(MARKER_VAR, id)
-    .env("TANDEM_TIMEOUT", COLLECTIVE_TIMEOUT_S);
+    cmd.args(["train", "--nproc-per-node", "2", "--epochs", "50", "--out", s(&run_dir)])
+        .args(TINY)
+        .env(MARKER_VAR, id)
+        .env("TANDEM_TIMEOUT", COLLECTIVE_TIMEOUT_S);
     let job = Running::spawn(&mut cmd);
     let ranks = wait_for_ranks(job.pid(), 2, Duration::from_secs(20));
     let Some(ranks) = ranks else {
         let f = job.wait(Duration::from_secs(5));
         let _ = leftovers(id, Duration::from_secs(2));
-        return Err(format!(
-            "the launcher never had 2 rank children\n{}",
-            f.describe()
-        ));
+        return Err(format!("the launcher never had 2 rank children\n{}", f.describe()));
     };
     std::thread::sleep(delay);
-    let pid = ranks
-        .iter()
-        .find(|(r, _)| *r == victim)
-        .map(|(_, p)| *p)
-        .ok_or("victim rank not found")?;
+    let pid =
+        ranks.iter().find(|(r, _)| *r == victim).map(|(_, p)| *p).ok_or("victim rank not found")?;
     let landed = sigkill(pid);
     let killed_at = Instant::now();
     let f = job.wait(HARD_LIMIT);
@@ -100,16 +83,10 @@ fn kill_rank_trial(seed: u64, id: &str) -> Result<(Duration, bool), String> {
         )
     };
     if !landed {
-        return Err(format!(
-            "rank {victim} was already gone when the kill came: {}",
-            ctx()
-        ));
+        return Err(format!("rank {victim} was already gone when the kill came: {}", ctx()));
     }
     let Some(status) = f.status else {
-        return Err(format!(
-            "launcher still running {HARD_LIMIT:?} after the kill: {}",
-            ctx()
-        ));
+        return Err(format!("launcher still running {HARD_LIMIT:?} after the kill: {}", ctx()));
     };
     if status.success() {
         return Err(format!("job exited 0 after a rank was killed: {}", ctx()));
@@ -122,15 +99,10 @@ fn kill_rank_trial(seed: u64, id: &str) -> Result<(Duration, bool), String> {
         ));
     }
     // The summary must name the dead rank and how it died.
-    let names_victim = f
-        .stderr
-        .lines()
-        .any(|l| l.contains(&format!("rank {victim} ")) && l.contains("SIGKILL"));
+    let names_victim =
+        f.stderr.lines().any(|l| l.contains(&format!("rank {victim} ")) && l.contains("SIGKILL"));
     if !names_victim {
-        return Err(format!(
-            "no summary line names rank {victim} and SIGKILL: {}",
-            ctx()
-        ));
+        return Err(format!("no summary line names rank {victim} and SIGKILL: {}", ctx()));
     }
     if !left.is_empty() {
         return Err(format!("processes left behind: {left:?}: {}", ctx()));
@@ -153,20 +125,9 @@ fn lone_survivor_trial(
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let out = dir.path().join("run");
     let port = tandem_testutil::free_port();
-    let args = [
-        "train",
-        "--epochs",
-        "50",
-        "--hidden",
-        "16",
-        "--batch-size",
-        "4",
-        "--out",
-        s(&out),
-    ];
-    let mut ranks: Vec<Option<Running>> = (0..2)
-        .map(|r| Some(rank(id, r, 2, "127.0.0.1", port, &[], &args)))
-        .collect();
+    let args = ["train", "--epochs", "50", "--hidden", "16", "--batch-size", "4", "--out", s(&out)];
+    let mut ranks: Vec<Option<Running>> =
+        (0..2).map(|r| Some(rank(id, r, 2, "127.0.0.1", port, &[], &args))).collect();
     std::thread::sleep(delay);
     let victim_proc = ranks[victim as usize].take().ok_or("no victim")?;
     // SAFETY: kill(2) on our own child.
@@ -176,10 +137,7 @@ fn lone_survivor_trial(
     // Reap the victim at once, as a shell or launcher would: the shm transport tells a dead peer
     // by kill(pid, 0) failing, which an unreaped zombie does not do.
     let reaper = std::thread::spawn(move || victim_proc.wait(HARD_LIMIT));
-    let survivor = ranks[1 - victim as usize]
-        .take()
-        .ok_or("no survivor")?
-        .wait(HARD_LIMIT);
+    let survivor = ranks[1 - victim as usize].take().ok_or("no survivor")?.wait(HARD_LIMIT);
     let after = survivor.at.saturating_duration_since(sent_at);
     sigkill(victim_pid);
     let v = reaper.join().map_err(|_| "reaper thread panicked")?;
@@ -193,10 +151,7 @@ fn lone_survivor_trial(
         )
     };
     if !landed {
-        return Err(format!(
-            "rank {victim} was gone before the signal: {}",
-            ctx()
-        ));
+        return Err(format!("rank {victim} was gone before the signal: {}", ctx()));
     }
     match survivor.status {
         None => return Err(format!("the surviving rank hung: {}", ctx())),
@@ -211,10 +166,7 @@ fn lone_survivor_trial(
         ));
     }
     if !survivor.stderr.contains(&format!("rank {victim}")) {
-        return Err(format!(
-            "the survivor's error does not name rank {victim}: {}",
-            ctx()
-        ));
+        return Err(format!("the survivor's error does not name rank {victim}: {}", ctx()));
     }
     if !left.is_empty() {
         return Err(format!("processes left behind: {left:?}"));
@@ -226,19 +178,9 @@ fn lone_survivor_trial(
 fn lone_survivor_fails_fast_when_its_peer_dies_or_stalls() {
     let base = base_seed();
     for (scenario, signal, n, bound) in [
-        (
-            "kill-rank-no-launcher",
-            libc::SIGKILL,
-            trials(20),
-            Duration::from_secs(10),
-        ),
+        ("kill-rank-no-launcher", libc::SIGKILL, trials(20), Duration::from_secs(10)),
         // The collective timeout (TANDEM_TIMEOUT=3) plus slack.
-        (
-            "stop-rank-no-launcher",
-            libc::SIGSTOP,
-            trials(20).min(5),
-            Duration::from_secs(6),
-        ),
+        ("stop-rank-no-launcher", libc::SIGSTOP, trials(20).min(5), Duration::from_secs(6)),
     ] {
         let mut tally = Tally::new(scenario);
         let mut worst = Duration::ZERO;
@@ -291,17 +233,9 @@ fn killed_rank_restarts_from_checkpoint_to_identical_weights() {
     // The uninterrupted reference, through the same launcher and flags.
     let ref_final = dir.path().join("reference.pt");
     let started = Instant::now();
-    let f = Running::spawn(&mut restartable_train(
-        &[],
-        &dir.path().join("reference"),
-        &ref_final,
-    ))
-    .wait(HARD_LIMIT);
-    assert!(
-        f.status.is_some_and(|s| s.success()),
-        "reference run failed:\n{}",
-        f.describe()
-    );
+    let f = Running::spawn(&mut restartable_train(&[], &dir.path().join("reference"), &ref_final))
+        .wait(HARD_LIMIT);
+    assert!(f.status.is_some_and(|s| s.success()), "reference run failed:\n{}", f.describe());
     let ref_time = started.elapsed();
 
     let mut tally = Tally::new("kill-rank-restart");
@@ -343,17 +277,11 @@ fn restart_trial(
     let Some(ranks) = wait_for_ranks(job.pid(), 2, Duration::from_secs(20)) else {
         let f = job.wait(Duration::from_secs(5));
         let _ = leftovers(id, Duration::from_secs(2));
-        return Err(format!(
-            "the launcher never had 2 rank children\n{}",
-            f.describe()
-        ));
+        return Err(format!("the launcher never had 2 rank children\n{}", f.describe()));
     };
     std::thread::sleep(delay);
-    let pid = ranks
-        .iter()
-        .find(|(r, _)| *r == victim)
-        .map(|(_, p)| *p)
-        .ok_or("victim rank not found")?;
+    let pid =
+        ranks.iter().find(|(r, _)| *r == victim).map(|(_, p)| *p).ok_or("victim rank not found")?;
     let landed = sigkill(pid);
     let f = job.wait(HARD_LIMIT);
     let left = leftovers(id, Duration::from_secs(2));
@@ -366,30 +294,19 @@ fn restart_trial(
     };
     match f.status {
         Some(s) if s.success() => {}
-        _ => {
-            return Err(format!(
-                "job did not complete with --max-restarts 3: {}",
-                ctx()
-            ))
-        }
+        _ => return Err(format!("job did not complete with --max-restarts 3: {}", ctx())),
     }
     let restarted = f.stderr.contains("restarting all 2 worker(s)");
     if landed && !restarted && !f.stderr.contains("SIGKILL") {
         // A kill that landed on a rank which had not yet exited must have been noticed.
-        return Err(format!(
-            "a live rank was killed but the launcher did not restart: {}",
-            ctx()
-        ));
+        return Err(format!("a live rank was killed but the launcher did not restart: {}", ctx()));
     }
     if restarted
         && !f.stdout.contains("resumed from")
         && !f.stderr.contains("resumed from")
         && !f.stderr.contains("starting fresh")
     {
-        return Err(format!(
-            "restarted workers did not report where they resumed: {}",
-            ctx()
-        ));
+        return Err(format!("restarted workers did not report where they resumed: {}", ctx()));
     }
     same_weights(ref_final, &fin).map_err(|e| format!("{e}: {}", ctx()))?;
     if !left.is_empty() {
@@ -408,30 +325,20 @@ const SAVER_LEN: usize = 256 * 1024;
 /// Deterministic checkpoint contents for `step`, so a loaded one can be checked value by value.
 fn saver_value(step: i64) -> tandem_ckpt::Value {
     use tandem_ckpt::{Tensor, Value};
-    let data: Vec<f32> = (0..SAVER_LEN)
-        .map(|i| (step as f32) * 1000.0 + (i % 997) as f32)
-        .collect();
+    let data: Vec<f32> =
+        (0..SAVER_LEN).map(|i| (step as f32) * 1000.0 + (i % 997) as f32).collect();
     Value::dict_from([
         ("global_step", Value::Int(step)),
-        (
-            "model",
-            Value::dict_from([("w", Value::Tensor(Tensor::from_f32(&[SAVER_LEN], &data)))]),
-        ),
+        ("model", Value::dict_from([("w", Value::Tensor(Tensor::from_f32(&[SAVER_LEN], &data)))])),
     ])
 }
 
 /// Err unless `v` is exactly what `saver_value` wrote for its `global_step`.
 fn check_saver_value(v: &tandem_ckpt::Value) -> Result<i64, String> {
-    let step = v
-        .get("global_step")
-        .and_then(|s| s.as_int())
-        .ok_or("no global_step")?;
+    let step = v.get("global_step").and_then(|s| s.as_int()).ok_or("no global_step")?;
     let want = saver_value(step);
-    let got = v
-        .get("model")
-        .and_then(|m| m.get("w"))
-        .and_then(|t| t.as_tensor())
-        .ok_or("no model.w")?;
+    let got =
+        v.get("model").and_then(|m| m.get("w")).and_then(|t| t.as_tensor()).ok_or("no model.w")?;
     let exp = want
         .get("model")
         .and_then(|m| m.get("w"))
@@ -455,9 +362,7 @@ fn ckpt_saver_child() {
     let mut step = 1;
     // Self-limit: never outlive a parent that failed to kill us.
     while start.elapsed() < Duration::from_secs(20) {
-        manager
-            .save(&format!("step-{step:08}"), &saver_value(step))
-            .expect("save");
+        manager.save(&format!("step-{step:08}"), &saver_value(step)).expect("save");
         println!("saved {step}");
         step += 1;
     }
@@ -498,25 +403,13 @@ fn save_kill_trial(seed: u64, exe: &Path) -> Result<SaveKillOutcome, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let ck = dir.path().join("ckpt");
     let mut cmd = Command::new(exe);
-    cmd.args([
-        "--exact",
-        "ckpt_saver_child",
-        "--nocapture",
-        "--test-threads",
-        "1",
-    ])
-    .env(SAVER_DIR_VAR, &ck);
+    cmd.args(["--exact", "ckpt_saver_child", "--nocapture", "--test-threads", "1"])
+        .env(SAVER_DIR_VAR, &ck);
     let job = Running::spawn(&mut cmd);
     std::thread::sleep(delay);
     let landed = sigkill(job.pid());
     let f = job.wait(Duration::from_secs(10));
-    let ctx = || {
-        format!(
-            "killed {:.3}s after start\n{}",
-            delay.as_secs_f64(),
-            f.describe()
-        )
-    };
+    let ctx = || format!("killed {:.3}s after start\n{}", delay.as_secs_f64(), f.describe());
     if !landed || f.status.is_none() {
         return Err(format!("the saver was not running at the kill: {}", ctx()));
     }
@@ -530,15 +423,9 @@ fn save_kill_trial(seed: u64, exe: &Path) -> Result<SaveKillOutcome, String> {
     let torn_tmp_left = names.iter().any(|n| n.ends_with(".tmp"));
     // Every file under a checkpoint name must be complete and hold what was saved.
     let mut newest_complete: Option<i64> = None;
-    for n in names
-        .iter()
-        .filter(|n| n.starts_with("checkpoint-") && n.ends_with(".pt"))
-    {
+    for n in names.iter().filter(|n| n.starts_with("checkpoint-") && n.ends_with(".pt")) {
         let p = ck.join(n);
-        let opts = tandem_ckpt::LoadOptions {
-            verify_checksums: true,
-            ..Default::default()
-        };
+        let opts = tandem_ckpt::LoadOptions { verify_checksums: true, ..Default::default() };
         let v = tandem_ckpt::load_with(&p, &opts)
             .map_err(|e| format!("{n} is visible but does not load: {e}: {}", ctx()))?;
         let step = check_saver_value(&v).map_err(|e| format!("{n}: {e}: {}", ctx()))?;
@@ -548,23 +435,16 @@ fn save_kill_trial(seed: u64, exe: &Path) -> Result<SaveKillOutcome, String> {
     if let Ok(name) = std::fs::read_to_string(ck.join("latest")) {
         let name = name.trim();
         if !names.iter().any(|n| n == name) {
-            return Err(format!(
-                "`latest` names {name}, which does not exist: {}",
-                ctx()
-            ));
+            return Err(format!("`latest` names {name}, which does not exist: {}", ctx()));
         }
     }
     let manager = tandem_ckpt::CheckpointManager::new(&ck, 3);
-    let picked = manager
-        .latest_valid()
-        .map_err(|e| format!("latest_valid failed: {e}: {}", ctx()))?;
+    let picked =
+        manager.latest_valid().map_err(|e| format!("latest_valid failed: {e}: {}", ctx()))?;
     let resumed_older = match (&picked, newest_complete) {
         (None, None) => false,
         (None, Some(s)) => {
-            return Err(format!(
-                "resume found nothing although step {s} is complete: {}",
-                ctx()
-            ))
+            return Err(format!("resume found nothing although step {s} is complete: {}", ctx()))
         }
         (Some((p, _)), None) => {
             return Err(format!(
@@ -579,11 +459,7 @@ fn save_kill_trial(seed: u64, exe: &Path) -> Result<SaveKillOutcome, String> {
             step < newest
         }
     };
-    Ok(SaveKillOutcome {
-        torn_tmp_left,
-        resumed_older,
-        no_checkpoint: newest_complete.is_none(),
-    })
+    Ok(SaveKillOutcome { torn_tmp_left, resumed_older, no_checkpoint: newest_complete.is_none() })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -629,14 +505,7 @@ impl Tmpfs {
         }
         std::fs::create_dir_all(at).ok()?;
         let ok = Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={size}"),
-                "tandem-reliability",
-                s(at),
-            ])
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tandem-reliability", s(at)])
             .status();
         ok.ok()?.success().then(|| Tmpfs(at.to_path_buf()))
     }
@@ -670,9 +539,7 @@ enum Squeeze<'a> {
 fn disk_trial(root: &Path, squeeze: Squeeze, expect: &str) -> Result<(), String> {
     let reference = root.join("reference.pt");
     run_ok(
-        disk_train(&mut tandem(), &root.join("ref-run"), 20)
-            .arg("--save-final")
-            .arg(&reference),
+        disk_train(&mut tandem(), &root.join("ref-run"), 20).arg("--save-final").arg(&reference),
         "reference run",
     )?;
     let run = match &squeeze {
@@ -737,10 +604,7 @@ fn disk_trial(root: &Path, squeeze: Squeeze, expect: &str) -> Result<(), String>
         .map_err(|e| e.to_string())?
         .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
         .collect();
-    if let Some(t) = names
-        .iter()
-        .find(|n| n.ends_with(".tmp") || n.contains("00000015"))
-    {
+    if let Some(t) = names.iter().find(|n| n.ends_with(".tmp") || n.contains("00000015")) {
         return Err(format!("the failed save left {t} in {}", ck.display()));
     }
     match tandem_ckpt::CheckpointManager::new(&ck, 2).latest_valid() {
@@ -759,10 +623,7 @@ fn disk_trial(root: &Path, squeeze: Squeeze, expect: &str) -> Result<(), String>
     // With room again the job resumes from step 10 and ends exactly where an uninterrupted run does.
     let fin = root.join("resumed.pt");
     run_ok(
-        disk_train(&mut tandem(), &run, 20)
-            .arg("--resume")
-            .arg("--save-final")
-            .arg(&fin),
+        disk_train(&mut tandem(), &run, 20).arg("--resume").arg("--save-final").arg(&fin),
         "resume after freeing space",
     )?;
     same_weights(&reference, &fin)
@@ -777,11 +638,7 @@ fn full_tmpfs_fails_the_save_cleanly_and_keeps_the_previous_checkpoint() {
     };
     let mut tally = Tally::new("full-disk-tmpfs");
     // 8 KiB free: config.toml still fits, a ~13 KB checkpoint does not.
-    tally.record(disk_trial(
-        dir.path(),
-        Squeeze::Fill(&mnt.0, 8192),
-        "No space left on device",
-    ));
+    tally.record(disk_trial(dir.path(), Squeeze::Fill(&mnt.0, 8192), "No space left on device"));
     tally.finish();
 }
 
@@ -834,11 +691,7 @@ fn misconfig(
     expect: &[&str],
 ) -> Result<Duration, String> {
     let done: Vec<Finished> = ranks.into_iter().map(|r| r.wait(HARD_LIMIT)).collect();
-    let slowest = done
-        .iter()
-        .map(|f| f.at.duration_since(started))
-        .max()
-        .unwrap_or_default();
+    let slowest = done.iter().map(|f| f.at.duration_since(started)).max().unwrap_or_default();
     let left = leftovers(id, Duration::from_secs(2));
     let all = done
         .iter()
@@ -846,10 +699,8 @@ fn misconfig(
         .map(|(i, f)| format!("[process {i}] {}", f.describe()))
         .collect::<Vec<_>>()
         .join("\n");
-    if let Some((i, _)) = done
-        .iter()
-        .enumerate()
-        .find(|(_, f)| !matches!(f.status, Some(s) if !s.success()))
+    if let Some((i, _)) =
+        done.iter().enumerate().find(|(_, f)| !matches!(f.status, Some(s) if !s.success()))
     {
         return Err(format!("process {i} did not fail:\n{all}"));
     }
@@ -913,48 +764,20 @@ fn misconfigured_ranks_fail_with_a_clear_error_never_a_hang() {
         let port = free_port();
         let t = Instant::now();
         let train = |hidden: &'static str| {
-            [
-                "train",
-                "--epochs",
-                "1",
-                "--hidden",
-                hidden,
-                "--out",
-                s(&out),
-            ]
-            .map(String::from)
+            ["train", "--epochs", "1", "--hidden", hidden, "--out", s(&out)].map(String::from)
         };
         let (a, b) = (train("16"), train("24"));
         let a: Vec<&str> = a.iter().map(String::as_str).collect();
         let b: Vec<&str> = b.iter().map(String::as_str).collect();
-        let ranks = vec![
-            rank(id, 0, 2, lo, port, &[], &a),
-            rank(id, 1, 2, lo, port, &[], &b),
-        ];
+        let ranks = vec![rank(id, 0, 2, lo, port, &[], &a), rank(id, 1, 2, lo, port, &[], &b)];
         misconfig(id, t, ranks, &["fc1.weight", "[16, 64]", "[24, 64]"])
     }));
     tallies.push(case("foreign-run-id", &|id| {
         let port = free_port();
         let t = Instant::now();
         let ranks = vec![
-            rank(
-                id,
-                0,
-                2,
-                lo,
-                port,
-                &[("TANDEM_RUN_ID", "job-a")],
-                &["check"],
-            ),
-            rank(
-                id,
-                1,
-                2,
-                lo,
-                port,
-                &[("TANDEM_RUN_ID", "job-b")],
-                &["check"],
-            ),
+            rank(id, 0, 2, lo, port, &[("TANDEM_RUN_ID", "job-a")], &["check"]),
+            rank(id, 1, 2, lo, port, &[("TANDEM_RUN_ID", "job-b")], &["check"]),
         ];
         misconfig(id, t, ranks, &["job-a", "job-b"])
     }));
@@ -978,10 +801,7 @@ fn misconfigured_ranks_fail_with_a_clear_error_never_a_hang() {
 
 /// Two ranks train `steps` steps with a checkpoint every 5; returns the checkpoint directory.
 fn small_run(out: &Path, steps: u32, extra: &[&str]) -> Result<Finished, String> {
-    run_ok(
-        disk_train(&mut tandem(), out, steps).args(extra),
-        &format!("training {steps} steps"),
-    )
+    run_ok(disk_train(&mut tandem(), out, steps).args(extra), &format!("training {steps} steps"))
 }
 
 /// Offset of a byte inside the first tensor's data of a tandem-written `.pt` (its zip entry
@@ -1008,11 +828,7 @@ torch.save({"model": Evil()}, sys.argv[1] + "/hostile-legacy.pt", _use_new_zipfi
         Command::new(py).args(["-c", script, s(dir)]),
         HARD_LIMIT,
     );
-    assert!(
-        o.status.success(),
-        "making hostile files: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    assert!(o.status.success(), "making hostile files: {}", String::from_utf8_lossy(&o.stderr));
     vec![dir.join("hostile-zip.pt"), dir.join("hostile-legacy.pt")]
 }
 
@@ -1020,11 +836,8 @@ torch.save({"model": Evil()}, sys.argv[1] + "/hostile-legacy.pt", _use_new_zipfi
 fn bad_checkpoint_files_are_one_clear_error_line() {
     let dir = tempfile::tempdir().unwrap();
     small_run(&dir.path().join("run"), 10, &[]).unwrap();
-    let good = std::fs::read(
-        dir.path()
-            .join("run/checkpoints/checkpoint-step-00000010.pt"),
-    )
-    .unwrap();
+    let good =
+        std::fs::read(dir.path().join("run/checkpoints/checkpoint-step-00000010.pt")).unwrap();
     let pkl = good.windows(8).position(|w| w == b"data.pkl").unwrap();
     let mut cases: Vec<(PathBuf, &str)> = Vec::new();
     let mut write = |name: &str, bytes: &[u8], expect: &'static str| {
@@ -1074,10 +887,7 @@ fn bad_checkpoint_files_are_one_clear_error_line() {
         tally.record(r);
     }
     tally.note("files", cases.len());
-    assert!(
-        !dir.path().join("pwned").exists(),
-        "a hostile pickle was executed"
-    );
+    assert!(!dir.path().join("pwned").exists(), "a hostile pickle was executed");
     tally.finish();
 }
 
@@ -1085,12 +895,7 @@ fn bad_checkpoint_files_are_one_clear_error_line() {
 fn resume_skips_a_corrupt_or_truncated_newest_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let reference = dir.path().join("reference.pt");
-    small_run(
-        &dir.path().join("ref"),
-        15,
-        &["--save-final", s(&reference)],
-    )
-    .unwrap();
+    small_run(&dir.path().join("ref"), 15, &["--save-final", s(&reference)]).unwrap();
     let mut tally = Tally::new("resume-skips-bad-newest");
     for damage in ["bit-flip", "truncated"] {
         let r = (|| -> Result<(), String> {
@@ -1119,10 +924,7 @@ fn resume_skips_a_corrupt_or_truncated_newest_checkpoint() {
             if !f.stderr.contains("resumed from")
                 || !f.stderr.contains("checkpoint-step-00000005.pt (epoch")
             {
-                return Err(format!(
-                    "{damage}: did not resume from step 5:\n{}",
-                    f.describe()
-                ));
+                return Err(format!("{damage}: did not resume from step 5:\n{}", f.describe()));
             }
             same_weights(&reference, &fin).map_err(|e| format!("{damage}: {e}"))
         })();
@@ -1137,11 +939,8 @@ fn resume_skips_a_corrupt_or_truncated_newest_checkpoint() {
 fn inspect_reports_a_bit_flip_in_tensor_data() {
     let dir = tempfile::tempdir().unwrap();
     small_run(&dir.path().join("run"), 5, &[]).unwrap();
-    let mut b = std::fs::read(
-        dir.path()
-            .join("run/checkpoints/checkpoint-step-00000005.pt"),
-    )
-    .unwrap();
+    let mut b =
+        std::fs::read(dir.path().join("run/checkpoints/checkpoint-step-00000005.pt")).unwrap();
     let at = tensor_data_offset(&b).unwrap();
     b[at] ^= 0x40;
     let p = dir.path().join("flipped.pt");

@@ -6,9 +6,7 @@ use std::time::Duration;
 
 fn tandem(args: &[&str]) -> std::process::Output {
     tandem_testutil::output_with_deadline(
-        Command::new(env!("CARGO_BIN_EXE_tandem"))
-            .arg("sampler")
-            .args(args),
+        Command::new(env!("CARGO_BIN_EXE_tandem")).arg("sampler").args(args),
         Duration::from_secs(60),
     )
 }
@@ -26,20 +24,9 @@ fn indices(args: &[&str]) -> Vec<usize> {
 #[test]
 fn unshuffled_padding_is_torchs() {
     // 10 samples over 4 ranks: rank 3 gets [3, 7] plus the padding sample 1.
+    assert_eq!(indices(&["--len", "10", "--replicas", "4", "--rank", "3"]), vec![3, 7, 1]);
     assert_eq!(
-        indices(&["--len", "10", "--replicas", "4", "--rank", "3"]),
-        vec![3, 7, 1]
-    );
-    assert_eq!(
-        indices(&[
-            "--len",
-            "10",
-            "--replicas",
-            "4",
-            "--rank",
-            "3",
-            "--drop-last"
-        ]),
+        indices(&["--len", "10", "--replicas", "4", "--rank", "3", "--drop-last"]),
         vec![3, 7]
     );
 }
@@ -58,10 +45,7 @@ fn matches_live_torch() {
     let py_cases = cases
         .iter()
         .map(|(n, r, k, s, e, d)| {
-            format!(
-                "({n}, {r}, {k}, {s}, {e}, {})",
-                if *d { "True" } else { "False" }
-            )
+            format!("({n}, {r}, {k}, {s}, {e}, {})", if *d { "True" } else { "False" })
         })
         .collect::<Vec<_>>()
         .join(", ");
@@ -78,20 +62,11 @@ fn matches_live_torch() {
         Command::new(&python).args(["-c", &script]),
         Duration::from_secs(120),
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let want: Vec<Vec<usize>> = serde_json::from_slice(&out.stdout).unwrap();
     for ((len, r, rank, seed, epoch, drop_last), want) in cases.iter().zip(want) {
-        let (len_s, r_s, rank_s, seed_s, epoch_s) = (
-            len.to_string(),
-            r.to_string(),
-            rank.to_string(),
-            seed.to_string(),
-            epoch.to_string(),
-        );
+        let (len_s, r_s, rank_s, seed_s, epoch_s) =
+            (len.to_string(), r.to_string(), rank.to_string(), seed.to_string(), epoch.to_string());
         let mut args = vec![
             "--len",
             &len_s,
@@ -140,10 +115,7 @@ fn rank_out_of_range_fails_naming_the_rank() {
     let out = tandem(&["--len", "10", "--replicas", "4", "--rank", "4"]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("rank 4") && err.contains("num_replicas 4"),
-        "{err}"
-    );
+    assert!(err.contains("rank 4") && err.contains("num_replicas 4"), "{err}");
     assert!(out.stdout.is_empty());
 }
 

@@ -10,7 +10,16 @@ const LIMIT: Duration = Duration::from_secs(180);
 fn tandem() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"));
     // Each test is its own job: never inherit a world from an outer launcher.
-    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TANDEM_TRAIN_WORKER", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"] {
+    for v in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TANDEM_TRAIN_WORKER",
+        "SLURM_NTASKS",
+        "OMPI_COMM_WORLD_SIZE",
+    ] {
         c.env_remove(v);
     }
     c
@@ -38,7 +47,11 @@ fn final_line(stdout: &[u8]) -> Vec<(String, String)> {
     let text = String::from_utf8_lossy(stdout);
     let finals: Vec<&str> = text.lines().filter(|l| l.starts_with("final: ")).collect();
     assert_eq!(finals.len(), 1, "exactly one final line expected in:\n{text}");
-    assert_eq!(text.lines().last(), Some(finals[0]), "the final line must be the last line:\n{text}");
+    assert_eq!(
+        text.lines().last(),
+        Some(finals[0]),
+        "the final line must be the last line:\n{text}"
+    );
     finals[0]["final: ".len()..]
         .split(' ')
         .map(|kv| {
@@ -49,7 +62,10 @@ fn final_line(stdout: &[u8]) -> Vec<(String, String)> {
 }
 
 fn get<'a>(kv: &'a [(String, String)], key: &str) -> &'a str {
-    &kv.iter().find(|(k, _)| k == key).unwrap_or_else(|| panic!("no `{key}` in final line {kv:?}")).1
+    &kv.iter()
+        .find(|(k, _)| k == key)
+        .unwrap_or_else(|| panic!("no `{key}` in final line {kv:?}"))
+        .1
 }
 
 fn weights(path: &Path) -> Vec<(String, tandem_ckpt::Tensor)> {
@@ -58,7 +74,9 @@ fn weights(path: &Path) -> Vec<(String, tandem_ckpt::Tensor)> {
         .as_dict()
         .expect("a state dict")
         .iter()
-        .map(|(k, t)| (k.as_str().expect("str key").to_string(), t.as_tensor().expect("tensor").clone()))
+        .map(|(k, t)| {
+            (k.as_str().expect("str key").to_string(), t.as_tensor().expect("tensor").clone())
+        })
         .collect();
     out.sort_by(|a, b| a.0.cmp(&b.0));
     out
@@ -79,7 +97,18 @@ fn two_ranks_learn_digits_and_leave_a_run_directory() {
     let ckpt = PathBuf::from(get(&kv, "checkpoint"));
     assert!(ckpt.starts_with(&out_dir), "checkpoint {ckpt:?} outside the run directory");
     let value = tandem_ckpt::load(&ckpt).unwrap();
-    for key in ["epoch", "global_step", "model", "optimizer", "scheduler", "sampler", "rng", "world_size", "config", "tandem_version"] {
+    for key in [
+        "epoch",
+        "global_step",
+        "model",
+        "optimizer",
+        "scheduler",
+        "sampler",
+        "rng",
+        "world_size",
+        "config",
+        "tandem_version",
+    ] {
         assert!(value.get(key).is_some(), "checkpoint lacks `{key}`");
     }
     assert_eq!(value.get("global_step").and_then(|v| v.as_int()), Some(steps as i64));
@@ -104,7 +133,11 @@ print(sorted(tags)); print(len(acc.Scalars("eval/accuracy")), acc.Scalars("eval/
             Duration::from_secs(120),
         );
         let s = String::from_utf8_lossy(&o.stdout);
-        assert!(o.status.success(), "tensorboard could not read the events: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.status.success(),
+            "tensorboard could not read the events: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         for tag in ["train/loss", "train/lr", "eval/accuracy", "train/samples_per_s"] {
             assert!(s.contains(tag), "tag {tag} missing from {s}");
         }
@@ -121,7 +154,8 @@ fn interrupted_and_resumed_run_ends_with_bitwise_identical_weights() {
     let common = ["--epochs", "2", "--batch-size", "50", "--hidden", "32"];
     let whole = dir.path().join("whole.pt");
     let a = dir.path().join("a");
-    let mut args = vec!["train", "--out", a.to_str().unwrap(), "--save-final", whole.to_str().unwrap()];
+    let mut args =
+        vec!["train", "--out", a.to_str().unwrap(), "--save-final", whole.to_str().unwrap()];
     args.extend(common);
     run(&args);
 
@@ -131,7 +165,14 @@ fn interrupted_and_resumed_run_ends_with_bitwise_identical_weights() {
     let mut first = vec!["train", "--out", b.to_str().unwrap(), "--steps", "7"];
     first.extend(common);
     run(&first);
-    let mut second = vec!["train", "--out", b.to_str().unwrap(), "--resume", "--save-final", resumed.to_str().unwrap()];
+    let mut second = vec![
+        "train",
+        "--out",
+        b.to_str().unwrap(),
+        "--resume",
+        "--save-final",
+        resumed.to_str().unwrap(),
+    ];
     second.extend(common);
     let out = run(&second);
     let err = String::from_utf8_lossy(&out.stderr);
@@ -201,7 +242,11 @@ fn matches_pytorch_ddp_from_a_pytorch_init() {
 fn bad_flags_and_files_are_named_in_the_error() {
     let o = output_with_deadline(tandem().args(["train", "--batch-size", "0"]), LIMIT);
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("--batch-size"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--batch-size"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("nope.pt");

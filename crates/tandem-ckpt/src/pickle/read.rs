@@ -73,9 +73,8 @@ enum Global {
 
 fn lookup_global(module: &str, name: &str) -> Option<Global> {
     use Global::*;
-    let dtype_of_storage = |n: &str| {
-        DType::ALL.iter().copied().find(|&d| super::storage_class(d) == n)
-    };
+    let dtype_of_storage =
+        |n: &str| DType::ALL.iter().copied().find(|&d| super::storage_class(d) == n);
     Some(match (module, name) {
         ("collections", "OrderedDict") => OrderedDict,
         ("torch._utils", "_rebuild_tensor_v2") => RebuildTensorV2,
@@ -92,7 +91,9 @@ fn lookup_global(module: &str, name: &str) -> Option<Global> {
         ("builtins" | "__builtin__", "set") => Set,
         ("builtins" | "__builtin__", "frozenset") => FrozenSet,
         ("builtins" | "__builtin__", "bytearray") => ByteArray,
-        ("torch.storage", "UntypedStorage") | ("torch", "UntypedStorage") => StorageClass(DType::U8),
+        ("torch.storage", "UntypedStorage") | ("torch", "UntypedStorage") => {
+            StorageClass(DType::U8)
+        }
         ("torch", n) if dtype_of_storage(n).is_some() => StorageClass(dtype_of_storage(n)?),
         ("torch", n) => DTypeObj(DType::ALL.iter().copied().find(|d| d.torch_name() == n)?),
         _ => return None,
@@ -158,7 +159,10 @@ impl<'a> Reader<'a> {
     fn len(&mut self, n: u64) -> Result<usize, PickleError> {
         let remaining = (self.data.len() - self.pos) as u64;
         if n > remaining {
-            return err(format!("pickle claims a {n}-byte item at offset {}, only {remaining} bytes left", self.pos));
+            return err(format!(
+                "pickle claims a {n}-byte item at offset {}, only {remaining} bytes left",
+                self.pos
+            ));
         }
         Ok(n as usize)
     }
@@ -168,11 +172,13 @@ impl<'a> Reader<'a> {
             return err("pickle truncated: unterminated text line");
         };
         self.pos += nl + 1;
-        std::str::from_utf8(&rest[..nl]).map_err(|_| PickleError::Msg("pickle text line is not UTF-8".into()))
+        std::str::from_utf8(&rest[..nl])
+            .map_err(|_| PickleError::Msg("pickle text line is not UTF-8".into()))
     }
     fn utf8(&mut self, n: usize) -> Result<String, PickleError> {
         let b = self.take(n)?;
-        String::from_utf8(b.to_vec()).map_err(|_| PickleError::Msg("pickle string is not UTF-8".into()))
+        String::from_utf8(b.to_vec())
+            .map_err(|_| PickleError::Msg("pickle string is not UTF-8".into()))
     }
 }
 
@@ -211,7 +217,9 @@ impl Machine {
         Ok(())
     }
     fn memo_get(&mut self, idx: u64) -> Result<(), PickleError> {
-        let Some(&id) = self.memo.get(&idx) else { return err(format!("pickle memo has no entry {idx}")) };
+        let Some(&id) = self.memo.get(&idx) else {
+            return err(format!("pickle memo has no entry {idx}"));
+        };
         self.stack.push(id);
         Ok(())
     }
@@ -248,7 +256,9 @@ impl Machine {
         let g = lookup_global(module, name).ok_or_else(|| {
             // torch's own rebuild functions, storages and dtypes are safe but not implemented.
             let torch_data = module == "torch._utils"
-                || (module == "torch" && (name.ends_with("Storage") || name.chars().next().is_some_and(|c| c.is_ascii_lowercase())));
+                || (module == "torch"
+                    && (name.ends_with("Storage")
+                        || name.chars().next().is_some_and(|c| c.is_ascii_lowercase())));
             if torch_data {
                 PickleError::Unsupported(full.clone())
             } else {
@@ -266,7 +276,9 @@ impl Machine {
         }
         let dtype = match &self.nodes[items[1]] {
             Node::Global(Global::StorageClass(d), _) => *d,
-            Node::Global(_, name) => return err(format!("persistent id names `{name}`, not a storage type")),
+            Node::Global(_, name) => {
+                return err(format!("persistent id names `{name}`, not a storage type"))
+            }
             other => return err(format!("persistent id storage type is a {}", node_kind(other))),
         };
         let key = match &self.nodes[items[2]] {
@@ -275,7 +287,8 @@ impl Machine {
             other => return err(format!("storage key is a {}", node_kind(other))),
         };
         let location = self.str_of(items[3])?.to_string();
-        let numel = u64::try_from(self.int_of(items[4])?).map_err(|_| PickleError::Msg("negative storage size".into()))?;
+        let numel = u64::try_from(self.int_of(items[4])?)
+            .map_err(|_| PickleError::Msg("negative storage size".into()))?;
         let mut sref = StorageRef { key, dtype, numel, view_offset: 0, location };
         // Legacy format: ('storage', type, root_key, location, root_numel, view_metadata).
         if let Some(&view) = items.get(5) {
@@ -286,8 +299,10 @@ impl Machine {
                 }
                 let off = self.int_of(v[1])?;
                 let size = self.int_of(v[2])?;
-                sref.view_offset = u64::try_from(off).map_err(|_| PickleError::Msg("negative view offset".into()))?;
-                sref.numel = u64::try_from(size).map_err(|_| PickleError::Msg("negative view size".into()))?;
+                sref.view_offset = u64::try_from(off)
+                    .map_err(|_| PickleError::Msg("negative view offset".into()))?;
+                sref.numel = u64::try_from(size)
+                    .map_err(|_| PickleError::Msg("negative view size".into()))?;
             }
         }
         Ok(self.new_node(Node::Storage(sref)))
@@ -301,7 +316,8 @@ impl Machine {
             Node::Storage(s) => s.clone(),
             other => return err(format!("tensor storage is a {}", node_kind(other))),
         };
-        let offset = usize::try_from(self.int_of(args[1])?).map_err(|_| PickleError::Msg("negative storage offset".into()))?;
+        let offset = usize::try_from(self.int_of(args[1])?)
+            .map_err(|_| PickleError::Msg("negative storage offset".into()))?;
         let shape = self.usizes_of(args[2], "size")?;
         let stride = self.usizes_of(args[3], "stride")?;
         if shape.len() != stride.len() {
@@ -328,7 +344,9 @@ impl Machine {
                 }
                 match &self.nodes[args[1]] {
                     Node::Global(Global::TensorClass | Global::ParameterClass, _) => {}
-                    _ => return err("_rebuild_from_type_v2 with a type other than Tensor/Parameter"),
+                    _ => {
+                        return err("_rebuild_from_type_v2 with a type other than Tensor/Parameter")
+                    }
                 }
                 self.call(args[0], args[2])?
             }
@@ -362,7 +380,9 @@ impl Machine {
                 self.new_node(Node::Str(s))
             }
             Global::CodecsEncode => {
-                let (Some(&text), enc) = (args.first(), args.get(1)) else { return err("_codecs.encode without arguments") };
+                let (Some(&text), enc) = (args.first(), args.get(1)) else {
+                    return err("_codecs.encode without arguments");
+                };
                 let text = self.str_of(text)?;
                 let enc = match enc {
                     Some(&e) => self.str_of(e)?.to_ascii_lowercase(),
@@ -371,7 +391,11 @@ impl Machine {
                 let bytes = match enc.as_str() {
                     "latin1" | "latin-1" | "iso-8859-1" => text
                         .chars()
-                        .map(|c| u8::try_from(c as u32).map_err(|_| PickleError::Msg("non-latin1 char in _codecs.encode".into())))
+                        .map(|c| {
+                            u8::try_from(c as u32).map_err(|_| {
+                                PickleError::Msg("non-latin1 char in _codecs.encode".into())
+                            })
+                        })
                         .collect::<Result<Vec<u8>, _>>()?,
                     "utf-8" | "utf8" => text.as_bytes().to_vec(),
                     other => return err(format!("_codecs.encode with encoding `{other}`")),
@@ -396,7 +420,10 @@ impl Machine {
                 };
                 self.new_node(Node::Bytes(b))
             }
-            Global::TensorClass | Global::ParameterClass | Global::StorageClass(_) | Global::DTypeObj(_) => {
+            Global::TensorClass
+            | Global::ParameterClass
+            | Global::StorageClass(_)
+            | Global::DTypeObj(_) => {
                 return err(format!("`{name}` cannot be called while unpickling"))
             }
         })
@@ -444,7 +471,8 @@ fn long_from_bytes(b: &[u8]) -> Result<i64, PickleError> {
 /// Runs one pickle from the start of `data` to its STOP.
 pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
     let mut r = Reader { data, pos: 0 };
-    let mut m = Machine { nodes: Vec::new(), stack: Vec::new(), marks: Vec::new(), memo: HashMap::new() };
+    let mut m =
+        Machine { nodes: Vec::new(), stack: Vec::new(), marks: Vec::new(), memo: HashMap::new() };
     loop {
         let code = r.u8()?;
         match code {
@@ -458,7 +486,10 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
                 r.u64()?;
             }
             op::STOP => {
-                let root = m.stack.pop().ok_or_else(|| PickleError::Msg("pickle STOP with an empty stack".into()))?;
+                let root = m
+                    .stack
+                    .pop()
+                    .ok_or_else(|| PickleError::Msg("pickle STOP with an empty stack".into()))?;
                 return Ok(Unpickled { nodes: m.nodes, root, consumed: r.pos });
             }
             op::MARK => m.marks.push(m.stack.len()),
@@ -496,7 +527,9 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
                 let node = match line {
                     "00" => Node::Bool(false),
                     "01" => Node::Bool(true),
-                    s => Node::Int(s.trim().parse().map_err(|_| PickleError::Msg(format!("bad INT `{s}`")))?),
+                    s => Node::Int(
+                        s.trim().parse().map_err(|_| PickleError::Msg(format!("bad INT `{s}`")))?,
+                    ),
                 };
                 m.push(node)
             }
@@ -636,7 +669,9 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
             }
             op::PUT => {
                 let line = r.line()?;
-                let i = line.parse().map_err(|_| PickleError::Msg(format!("bad PUT index `{line}`")))?;
+                let i = line
+                    .parse()
+                    .map_err(|_| PickleError::Msg(format!("bad PUT index `{line}`")))?;
                 m.memo_put(i)?
             }
             op::MEMOIZE => {
@@ -653,7 +688,9 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
             }
             op::GET => {
                 let line = r.line()?;
-                let i = line.parse().map_err(|_| PickleError::Msg(format!("bad GET index `{line}`")))?;
+                let i = line
+                    .parse()
+                    .map_err(|_| PickleError::Msg(format!("bad GET index `{line}`")))?;
                 m.memo_get(i)?
             }
             op::GLOBAL => {
@@ -677,11 +714,16 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
                 let args = m.pop()?;
                 let cls = m.pop()?;
                 match &m.nodes[cls] {
-                    Node::Global(Global::Set | Global::FrozenSet | Global::OrderedDict | Global::Size, _) => {
+                    Node::Global(
+                        Global::Set | Global::FrozenSet | Global::OrderedDict | Global::Size,
+                        _,
+                    ) => {
                         let out = m.call(cls, args)?;
                         m.stack.push(out)
                     }
-                    Node::Global(_, name) => return err(format!("NEWOBJ of `{name}` is not allowed")),
+                    Node::Global(_, name) => {
+                        return err(format!("NEWOBJ of `{name}` is not allowed"))
+                    }
                     other => return err(format!("NEWOBJ of a {}", node_kind(other))),
                 }
             }
@@ -701,7 +743,10 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
                 m.stack.push(s)
             }
             other => {
-                return err(format!("unsupported pickle opcode 0x{other:02x} at offset {}", r.pos - 1));
+                return err(format!(
+                    "unsupported pickle opcode 0x{other:02x} at offset {}",
+                    r.pos - 1
+                ));
             }
         }
     }
@@ -742,7 +787,10 @@ impl Converter<'_> {
             return Err(format!("values nested deeper than {MAX_DEPTH} levels"));
         }
         if self.budget == 0 {
-            return Err("pickle expands to too many values (shared references repeated beyond the limit)".into());
+            return Err(
+                "pickle expands to too many values (shared references repeated beyond the limit)"
+                    .into(),
+            );
         }
         self.budget -= 1;
         let up = self.up;
@@ -776,9 +824,13 @@ impl Converter<'_> {
             }
             Node::Global(g, name) => match g {
                 Global::DTypeObj(_) => Value::Str(name.clone()),
-                _ => return Err(format!("`{name}` appears as a value; tandem cannot represent it")),
+                _ => {
+                    return Err(format!("`{name}` appears as a value; tandem cannot represent it"))
+                }
             },
-            Node::Storage(s) => return Err(format!("a bare storage (key {}) is not supported as a value", s.key)),
+            Node::Storage(s) => {
+                return Err(format!("a bare storage (key {}) is not supported as a value", s.key))
+            }
             Node::Tensor(spec) => Value::Tensor(self.tensor(spec)?),
         })
     }
@@ -795,13 +847,25 @@ impl Converter<'_> {
             .ok_or("tensor storage offset overflows")?;
         check_view(&spec.shape, &spec.stride, offset, dtype, storage.len())
             .map_err(|e| format!("tensor in storage {}: {e}", spec.storage.key))?;
-        Ok(Tensor { dtype, shape: spec.shape.clone(), stride: spec.stride.clone(), storage_offset: offset, storage })
+        Ok(Tensor {
+            dtype,
+            shape: spec.shape.clone(),
+            stride: spec.stride.clone(),
+            storage_offset: offset,
+            storage,
+        })
     }
 }
 
 /// Checks that a view (shape, stride, offset, in elements) lies inside a storage of `storage_len`
 /// bytes, with overflow-checked arithmetic.
-pub(crate) fn check_view(shape: &[usize], stride: &[usize], offset: usize, dtype: DType, storage_len: usize) -> Result<(), String> {
+pub(crate) fn check_view(
+    shape: &[usize],
+    stride: &[usize],
+    offset: usize,
+    dtype: DType,
+    storage_len: usize,
+) -> Result<(), String> {
     let mut numel: usize = 1;
     for &s in shape {
         numel = numel.checked_mul(s).ok_or("tensor size overflows")?;
@@ -811,9 +875,15 @@ pub(crate) fn check_view(shape: &[usize], stride: &[usize], offset: usize, dtype
     }
     let mut last = offset;
     for (&s, &st) in shape.iter().zip(stride) {
-        last = (s - 1).checked_mul(st).and_then(|x| last.checked_add(x)).ok_or("tensor extent overflows")?;
+        last = (s - 1)
+            .checked_mul(st)
+            .and_then(|x| last.checked_add(x))
+            .ok_or("tensor extent overflows")?;
     }
-    let end = last.checked_add(1).and_then(|e| e.checked_mul(dtype.size())).ok_or("tensor extent overflows")?;
+    let end = last
+        .checked_add(1)
+        .and_then(|e| e.checked_mul(dtype.size()))
+        .ok_or("tensor extent overflows")?;
     if end > storage_len {
         return Err(format!(
             "view (size {shape:?}, stride {stride:?}, offset {offset}) needs {end} bytes, storage has {storage_len}"

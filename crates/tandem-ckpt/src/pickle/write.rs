@@ -92,10 +92,17 @@ impl Pickler {
     fn tensor(&mut self, t: &Tensor) -> Result<(), String> {
         let es = t.dtype.size();
         if !t.storage.len().is_multiple_of(es) {
-            return Err(format!("a {} tensor's storage has {} bytes, not a multiple of {es}", t.dtype, t.storage.len()));
+            return Err(format!(
+                "a {} tensor's storage has {} bytes, not a multiple of {es}",
+                t.dtype,
+                t.storage.len()
+            ));
         }
         if t.shape.len() != t.stride.len() {
-            return Err(format!("tensor size {:?} and stride {:?} differ in length", t.shape, t.stride));
+            return Err(format!(
+                "tensor size {:?} and stride {:?} differ in length",
+                t.shape, t.stride
+            ));
         }
         check_view(&t.shape, &t.stride, t.storage_offset, t.dtype, t.storage.len())?;
         let key = self.table.key_of(t);

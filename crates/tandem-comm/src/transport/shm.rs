@@ -110,7 +110,9 @@ impl ShmTransport {
 fn is_dead_process(pid: libc::pid_t) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
     // "pid (comm) S ...": comm may contain spaces and parentheses, the state follows the last ')'.
-    stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|state| state == "Z" || state == "X")
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .is_some_and(|state| state == "Z" || state == "X")
 }
 
 /// Spin this long without progress before sleeping on the doorbell: a running partner answers
@@ -177,16 +179,8 @@ impl Transport for ShmTransport {
             }
         }
         let (mut sent, mut got) = (0usize, 0usize);
-        let out = if s8 > 0 {
-            self.ring(self.rank, send_peer)
-        } else {
-            0
-        };
-        let inp = if r8 > 0 {
-            self.ring(recv_peer, self.rank)
-        } else {
-            0
-        };
+        let out = if s8 > 0 { self.ring(self.rank, send_peer) } else { 0 };
+        let inp = if r8 > 0 { self.ring(recv_peer, self.rank) } else { 0 };
         let mut idle = 0u32;
         let mut sleepy = false;
         let mut last_progress = Instant::now();
@@ -282,19 +276,13 @@ impl Transport for ShmTransport {
                     // Bytes it wrote before leaving are visible now: take them first, and fail
                     // only if the next pass still makes no progress.
                     if peer_gone_seen {
-                        break Err(PeerError {
-                            peer: waiting_on,
-                            kind: FailKind::Closed,
-                        });
+                        break Err(PeerError { peer: waiting_on, kind: FailKind::Closed });
                     }
                     peer_gone_seen = true;
                     continue;
                 }
                 if last_progress.elapsed() >= timeout {
-                    break Err(PeerError {
-                        peer: waiting_on,
-                        kind: FailKind::Timeout(timeout),
-                    });
+                    break Err(PeerError { peer: waiting_on, kind: FailKind::Timeout(timeout) });
                 }
             }
         };
@@ -322,13 +310,7 @@ impl Drop for Unlink {
 
 fn sanitize(s: &str) -> String {
     s.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
-                c
-            } else {
-                '_'
-            }
-        })
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' })
         .take(64)
         .collect()
 }
@@ -365,18 +347,13 @@ fn open(path: &str, n: usize, nonce: u64) -> Result<MmapMut, String> {
         .map_err(|e| format!("cannot open {path}: {e}"))?;
     let len = file.metadata().map_err(|e| e.to_string())?.len();
     if len != total_size(n) as u64 {
-        return Err(format!(
-            "{path} has {len} bytes, expected {}",
-            total_size(n)
-        ));
+        return Err(format!("{path} has {len} bytes, expected {}", total_size(n)));
     }
     // SAFETY: see `create`.
     let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| format!("cannot map {path}: {e}"))?;
     let word = |o: usize| u64::from_le_bytes(map[o..o + 8].try_into().unwrap_or([0; 8]));
     if word(0) != MAGIC || word(8) != nonce || word(16) != n as u64 {
-        return Err(format!(
-            "{path} is not this group's segment (another host's /dev/shm?)"
-        ));
+        return Err(format!("{path} is not this group's segment (another host's /dev/shm?)"));
     }
     Ok(map)
 }
@@ -456,16 +433,13 @@ pub(crate) fn setup(
         ring: ring_size(size),
         piece: PIECE,
     };
-    t.pid_of(rank)
-        .store(std::process::id() as u64, Ordering::Release);
+    t.pid_of(rank).store(std::process::id() as u64, Ordering::Release);
     // Everyone must have written its pid before anyone reads them.
     store.set(&format!("{group}/shm_pid/{rank}"), b"1")?;
     let keys: Vec<String> = (0..size).map(|r| format!("{group}/shm_pid/{r}")).collect();
     let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
     store.wait_timeout(&refs, timeout)?;
-    t.pids = (0..size)
-        .map(|r| t.pid_of(r).load(Ordering::Acquire) as libc::pid_t)
-        .collect();
+    t.pids = (0..size).map(|r| t.pid_of(r).load(Ordering::Acquire) as libc::pid_t).collect();
     Ok(Ok(t))
 }
 

@@ -39,10 +39,7 @@ pub(crate) fn connect_mesh(
     let listener = TcpListener::bind(SocketAddr::new(local_ip, 0))
         .map_err(|e| rv(format!("cannot listen on {local_ip}: {e}")))?;
     let my_addr = listener.local_addr().map_err(|e| rv(e.to_string()))?;
-    store.set(
-        &format!("{group}/addr/{rank}"),
-        my_addr.to_string().as_bytes(),
-    )?;
+    store.set(&format!("{group}/addr/{rank}"), my_addr.to_string().as_bytes())?;
     let deadline = Instant::now() + timeout;
     let mut peers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
 
@@ -52,19 +49,12 @@ pub(crate) fn connect_mesh(
         let sa: SocketAddr = addr
             .parse()
             .map_err(|_| rv(format!("rank {peer} published a bad address {addr:?}")))?;
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(100));
+        let left =
+            deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
         let mut s = TcpStream::connect_timeout(&sa, left)
             .map_err(|e| rv(format!("cannot connect to rank {peer} at {addr}: {e}")))?;
-        s.set_read_timeout(Some(left))
-            .map_err(|e| rv(e.to_string()))?;
-        let hello = Enc::default()
-            .bytes(MAGIC)
-            .str(run_id)
-            .str(group)
-            .u64(rank as u64)
-            .0;
+        s.set_read_timeout(Some(left)).map_err(|e| rv(e.to_string()))?;
+        let hello = Enc::default().bytes(MAGIC).str(run_id).str(group).u64(rank as u64).0;
         write_frame(&mut s, &hello).map_err(|e| rv(format!("handshake with rank {peer}: {e}")))?;
         let reply = read_frame(&mut s)
             .map_err(|e| rv(format!("handshake with rank {peer} at {addr}: {e:?}")))?;
@@ -77,9 +67,7 @@ pub(crate) fn connect_mesh(
         *slot = Some(s);
     }
 
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| rv(e.to_string()))?;
+    listener.set_nonblocking(true).map_err(|e| rv(e.to_string()))?;
     let mut missing = size - rank - 1;
     while missing > 0 {
         match listener.accept() {
@@ -88,8 +76,7 @@ pub(crate) fn connect_mesh(
                 let left = deadline
                     .saturating_duration_since(Instant::now())
                     .max(Duration::from_millis(100));
-                s.set_read_timeout(Some(left))
-                    .map_err(|e| rv(e.to_string()))?;
+                s.set_read_timeout(Some(left)).map_err(|e| rv(e.to_string()))?;
                 let Ok(hello) = read_frame(&mut s) else {
                     continue;
                 };
@@ -121,9 +108,7 @@ pub(crate) fn connect_mesh(
                 if Instant::now() >= deadline {
                     let who: Vec<usize> =
                         (rank + 1..size).filter(|&r| peers[r].is_none()).collect();
-                    return Err(rv(format!(
-                        "ranks {who:?} did not connect within {timeout:?}"
-                    )));
+                    return Err(rv(format!("ranks {who:?} did not connect within {timeout:?}")));
                 }
                 std::thread::sleep(Duration::from_millis(2));
             }
@@ -135,10 +120,7 @@ pub(crate) fn connect_mesh(
         s.set_nonblocking(true).map_err(|e| rv(e.to_string()))?;
         tune(s).map_err(|e| rv(e.to_string()))?;
     }
-    Ok(TcpMesh {
-        peers,
-        scratch: Vec::new(),
-    })
+    Ok(TcpMesh { peers, scratch: Vec::new() })
 }
 
 fn io_fail(peer: usize, e: std::io::Error) -> PeerError {
@@ -153,10 +135,10 @@ fn io_fail(peer: usize, e: std::io::Error) -> PeerError {
 }
 
 fn stream(peers: &[Option<TcpStream>], peer: usize) -> Result<&TcpStream, PeerError> {
-    peers.get(peer).and_then(|s| s.as_ref()).ok_or(PeerError {
-        peer,
-        kind: FailKind::Io("no connection to this rank".into()),
-    })
+    peers
+        .get(peer)
+        .and_then(|s| s.as_ref())
+        .ok_or(PeerError { peer, kind: FailKind::Io("no connection to this rank".into()) })
 }
 
 impl Transport for TcpMesh {
@@ -172,16 +154,9 @@ impl Transport for TcpMesh {
         if send_buf.is_empty() && recv_len == 0 {
             return Ok(());
         }
-        let send_stream = if send_buf.is_empty() {
-            None
-        } else {
-            Some(stream(&self.peers, send_peer)?)
-        };
-        let recv_stream = if recv_len == 0 {
-            None
-        } else {
-            Some(stream(&self.peers, recv_peer)?)
-        };
+        let send_stream =
+            if send_buf.is_empty() { None } else { Some(stream(&self.peers, send_peer)?) };
+        let recv_stream = if recv_len == 0 { None } else { Some(stream(&self.peers, recv_peer)?) };
         // Reduce-receives land in a small scratch that stays in cache: read, reduce the whole
         // elements, keep a partial element's bytes at the front, repeat.
         let scratch = &mut self.scratch;
@@ -195,12 +170,7 @@ impl Transport for TcpMesh {
             if let Some(mut s) = send_stream {
                 if sent < send_buf.len() {
                     match s.write(&send_buf[sent..]) {
-                        Ok(0) => {
-                            return Err(PeerError {
-                                peer: send_peer,
-                                kind: FailKind::Closed,
-                            })
-                        }
+                        Ok(0) => return Err(PeerError { peer: send_peer, kind: FailKind::Closed }),
                         Ok(n) => {
                             sent += n;
                             progress = true;
@@ -224,12 +194,7 @@ impl Transport for TcpMesh {
                         }
                     };
                     match s.read(target) {
-                        Ok(0) => {
-                            return Err(PeerError {
-                                peer: recv_peer,
-                                kind: FailKind::Closed,
-                            })
-                        }
+                        Ok(0) => return Err(PeerError { peer: recv_peer, kind: FailKind::Closed }),
                         Ok(n) => {
                             got += n;
                             progress = true;
@@ -263,28 +228,17 @@ impl Transport for TcpMesh {
             let idle = last_progress.elapsed();
             if idle >= timeout {
                 let peer = if got < recv_len { recv_peer } else { send_peer };
-                return Err(PeerError {
-                    peer,
-                    kind: FailKind::Timeout(timeout),
-                });
+                return Err(PeerError { peer, kind: FailKind::Timeout(timeout) });
             }
             let mut fds: Vec<libc::pollfd> = Vec::with_capacity(2);
             if let (Some(s), true) = (send_stream, sent < send_buf.len()) {
-                fds.push(libc::pollfd {
-                    fd: s.as_raw_fd(),
-                    events: libc::POLLOUT,
-                    revents: 0,
-                });
+                fds.push(libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLOUT, revents: 0 });
             }
             if let (Some(s), true) = (recv_stream, got < recv_len) {
                 let fd = s.as_raw_fd();
                 match fds.iter_mut().find(|p| p.fd == fd) {
                     Some(p) => p.events |= libc::POLLIN,
-                    None => fds.push(libc::pollfd {
-                        fd,
-                        events: libc::POLLIN,
-                        revents: 0,
-                    }),
+                    None => fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 }),
                 }
             }
             let wait_ms = (timeout - idle).as_millis().clamp(1, 200) as libc::c_int;

@@ -53,9 +53,7 @@ pub fn run_world_with<R: Send + 'static>(
             Err(_) => panic!("world of {n} did not finish within {limit:?}"),
         }
     }
-    out.into_iter()
-        .map(|r| r.expect("every rank reported"))
-        .collect()
+    out.into_iter().map(|r| r.expect("every rank reported")).collect()
 }
 
 pub fn run_world<R: Send + 'static>(

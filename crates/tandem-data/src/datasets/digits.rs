@@ -16,21 +16,14 @@ pub const DIGITS_SPLIT_SEED: u64 = 0;
 /// All 1797 examples in file order; pixels (0..=16) scaled by 1/16 to [0, 1].
 pub fn digits_all() -> Result<InMemoryDataset, DataError> {
     use std::io::Read;
-    let bad = |reason: String| DataError::Embedded {
-        name: "digits",
-        reason,
-    };
+    let bad = |reason: String| DataError::Embedded { name: "digits", reason };
     let mut text = String::new();
     flate2::read::GzDecoder::new(DIGITS_CSV_GZ)
         .read_to_string(&mut text)
         .map_err(|e| bad(format!("gunzip: {e}")))?;
     let mut features = Vec::with_capacity(DIGITS_LEN * DIGITS_DIM);
     let mut labels = Vec::with_capacity(DIGITS_LEN);
-    for (line_no, line) in text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-    {
+    for (line_no, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let values: Vec<&str> = line.split(',').collect();
         if values.len() != DIGITS_DIM + 1 {
             return Err(bad(format!(
@@ -41,9 +34,7 @@ pub fn digits_all() -> Result<InMemoryDataset, DataError> {
             )));
         }
         let parse = |s: &str| {
-            s.trim()
-                .parse::<u8>()
-                .map_err(|e| bad(format!("line {}: {s:?}: {e}", line_no + 1)))
+            s.trim().parse::<u8>().map_err(|e| bad(format!("line {}: {s:?}: {e}", line_no + 1)))
         };
         for v in &values[..DIGITS_DIM] {
             features.push(f32::from(parse(v)?) / 16.0);
@@ -68,8 +59,5 @@ pub fn digits() -> Result<(InMemoryDataset, InMemoryDataset), DataError> {
     let mut eval: Vec<usize> = perm[split..].to_vec();
     train.sort_unstable();
     eval.sort_unstable();
-    Ok((
-        all.subset("digits-train", &train)?,
-        all.subset("digits-eval", &eval)?,
-    ))
+    Ok((all.subset("digits-train", &train)?, all.subset("digits-eval", &eval)?))
 }

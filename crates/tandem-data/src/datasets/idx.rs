@@ -12,18 +12,13 @@ const LABELS_MAGIC: [u8; 4] = [0, 0, 0x08, 1];
 const MNIST_CLASSES: usize = 10;
 
 fn malformed(path: &Path, reason: impl Into<String>) -> DataError {
-    DataError::Malformed {
-        path: path.to_path_buf(),
-        reason: reason.into(),
-    }
+    DataError::Malformed { path: path.to_path_buf(), reason: reason.into() }
 }
 
 /// The file's bytes, gunzipped when it starts with the gzip magic (whatever its name).
 fn read_maybe_gz(path: &Path) -> Result<Vec<u8>, DataError> {
-    let raw = std::fs::read(path).map_err(|source| DataError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let raw =
+        std::fs::read(path).map_err(|source| DataError::Io { path: path.to_path_buf(), source })?;
     if raw.starts_with(&[0x1f, 0x8b]) {
         let mut out = Vec::new();
         flate2::read::GzDecoder::new(&raw[..])
@@ -45,10 +40,7 @@ fn parse_idx<'a>(
     if bytes.len() < 4 {
         return Err(malformed(
             path,
-            format!(
-                "{} bytes, too short for an IDX header ({what})",
-                bytes.len()
-            ),
+            format!("{} bytes, too short for an IDX header ({what})", bytes.len()),
         ));
     }
     if bytes[..4] != magic {
@@ -65,10 +57,7 @@ fn parse_idx<'a>(
     if bytes.len() < header_len {
         return Err(malformed(
             path,
-            format!(
-                "truncated header: {} bytes, expected {header_len}",
-                bytes.len()
-            ),
+            format!("truncated header: {} bytes, expected {header_len}", bytes.len()),
         ));
     }
     let dims: Vec<usize> = bytes[4..header_len]
@@ -87,50 +76,27 @@ fn parse_idx<'a>(
                 if data.len() < n { " (truncated)" } else { "" }
             ),
         )),
-        None => Err(malformed(
-            path,
-            format!("header dimensions {dims:?} overflow"),
-        )),
+        None => Err(malformed(path, format!("header dimensions {dims:?} overflow"))),
     }
 }
 
 /// An IDX3 image file: (count, rows * cols, pixels scaled to [0, 1]).
 pub fn read_idx_images(path: &Path) -> Result<(usize, usize, Vec<f32>), DataError> {
     let bytes = read_maybe_gz(path)?;
-    let (dims, data) = parse_idx(
-        path,
-        &bytes,
-        IMAGES_MAGIC,
-        "images: unsigned bytes, 3 dimensions",
-    )?;
+    let (dims, data) =
+        parse_idx(path, &bytes, IMAGES_MAGIC, "images: unsigned bytes, 3 dimensions")?;
     let pixels = dims[1] * dims[2];
     if pixels == 0 {
-        return Err(malformed(
-            path,
-            format!("images of {}x{} pixels", dims[1], dims[2]),
-        ));
+        return Err(malformed(path, format!("images of {}x{} pixels", dims[1], dims[2])));
     }
-    Ok((
-        dims[0],
-        pixels,
-        data.iter().map(|&b| f32::from(b) / 255.0).collect(),
-    ))
+    Ok((dims[0], pixels, data.iter().map(|&b| f32::from(b) / 255.0).collect()))
 }
 
 /// An IDX1 label file; every label must be a digit class 0..=9.
 pub fn read_idx_labels(path: &Path) -> Result<Vec<i64>, DataError> {
     let bytes = read_maybe_gz(path)?;
-    let (_, data) = parse_idx(
-        path,
-        &bytes,
-        LABELS_MAGIC,
-        "labels: unsigned bytes, 1 dimension",
-    )?;
-    if let Some((i, &l)) = data
-        .iter()
-        .enumerate()
-        .find(|(_, &l)| usize::from(l) >= MNIST_CLASSES)
-    {
+    let (_, data) = parse_idx(path, &bytes, LABELS_MAGIC, "labels: unsigned bytes, 1 dimension")?;
+    if let Some((i, &l)) = data.iter().enumerate().find(|(_, &l)| usize::from(l) >= MNIST_CLASSES) {
         return Err(malformed(
             path,
             format!("label {l} at position {i}, expected 0..{MNIST_CLASSES}"),
@@ -158,11 +124,7 @@ fn find_file(dir: &Path, stem: &str) -> Result<PathBuf, DataError> {
             std::io::ErrorKind::NotFound,
             format!(
                 "MNIST/Fashion-MNIST IDX file not found; tried {}",
-                tried
-                    .iter()
-                    .map(|p| p.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                tried.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
             ),
         ),
     })
@@ -176,11 +138,7 @@ fn load_split(dir: &Path, prefix: &str, name: &str) -> Result<InMemoryDataset, D
     if labels.len() != count {
         return Err(malformed(
             &labels_path,
-            format!(
-                "{} labels, but {} has {count} images",
-                labels.len(),
-                images_path.display()
-            ),
+            format!("{} labels, but {} has {count} images", labels.len(), images_path.display()),
         ));
     }
     tracing::debug!(images = %images_path.display(), count, pixels, "read IDX split");
@@ -190,8 +148,5 @@ fn load_split(dir: &Path, prefix: &str, name: &str) -> Result<InMemoryDataset, D
 /// (train, eval) = (`train-*`, `t10k-*`) IDX files of MNIST or Fashion-MNIST in `dir`.
 pub fn mnist(dir: impl AsRef<Path>) -> Result<(InMemoryDataset, InMemoryDataset), DataError> {
     let dir = dir.as_ref();
-    Ok((
-        load_split(dir, "train", "mnist-train")?,
-        load_split(dir, "t10k", "mnist-eval")?,
-    ))
+    Ok((load_split(dir, "train", "mnist-train")?, load_split(dir, "t10k", "mnist-eval")?))
 }

@@ -25,10 +25,7 @@ pub const SYNTHETIC_SPEC_SEED: u64 = 0;
 ///   examples (at least 1) of `DIM` features (64) in `CLASSES` classes (10), drawn from the
 ///   same class centers with seed 0.
 pub fn from_spec(spec: &str) -> Result<(InMemoryDataset, InMemoryDataset), DataError> {
-    let bad = |reason: String| DataError::BadSpec {
-        spec: spec.to_string(),
-        reason,
-    };
+    let bad = |reason: String| DataError::BadSpec { spec: spec.to_string(), reason };
     if spec == "digits" {
         return digits();
     }
@@ -41,29 +38,15 @@ pub fn from_spec(spec: &str) -> Result<(InMemoryDataset, InMemoryDataset), DataE
     if spec == "synthetic" || spec.starts_with("synthetic:") {
         let parts: Vec<&str> = spec.split(':').skip(1).collect();
         if parts.len() > 3 {
-            return Err(bad(format!(
-                "synthetic takes at most 3 numbers, got {}",
-                parts.len()
-            )));
+            return Err(bad(format!("synthetic takes at most 3 numbers, got {}", parts.len())));
         }
-        let defaults = [
-            SYNTHETIC_DEFAULT_LEN,
-            SYNTHETIC_DEFAULT_DIM,
-            SYNTHETIC_DEFAULT_CLASSES,
-        ];
+        let defaults = [SYNTHETIC_DEFAULT_LEN, SYNTHETIC_DEFAULT_DIM, SYNTHETIC_DEFAULT_CLASSES];
         let names = ["N", "DIM", "CLASSES"];
         let mut values = defaults;
         for (i, part) in parts.iter().enumerate() {
-            values[i] = part
-                .parse::<usize>()
-                .ok()
-                .filter(|&v| v > 0)
-                .ok_or_else(|| {
-                    bad(format!(
-                        "{} must be a positive integer, got {part:?}",
-                        names[i]
-                    ))
-                })?;
+            values[i] = part.parse::<usize>().ok().filter(|&v| v > 0).ok_or_else(|| {
+                bad(format!("{} must be a positive integer, got {part:?}", names[i]))
+            })?;
         }
         let [n, dim, classes] = values;
         let n_eval = (n / 5).max(1);

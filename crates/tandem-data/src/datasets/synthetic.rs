@@ -27,19 +27,14 @@ pub fn synthetic(
     seed: u64,
 ) -> Result<InMemoryDataset, DataError> {
     if dim == 0 {
-        return Err(DataError::ZeroArgument {
-            what: "synthetic dim",
-        });
+        return Err(DataError::ZeroArgument { what: "synthetic dim" });
     }
     if classes == 0 {
-        return Err(DataError::ZeroArgument {
-            what: "synthetic classes",
-        });
+        return Err(DataError::ZeroArgument { what: "synthetic classes" });
     }
     let mut center_rng = Mt64::new(seed);
-    let centers: Vec<f64> = (0..classes * dim)
-        .map(|_| CENTER_SCALE * normal(&mut center_rng))
-        .collect();
+    let centers: Vec<f64> =
+        (0..classes * dim).map(|_| CENTER_SCALE * normal(&mut center_rng)).collect();
     let mut rng = Mt64::new(seed ^ 0x9e37_79b9_7f4a_7c15);
     let mut features = Vec::with_capacity(n * dim);
     let mut labels = Vec::with_capacity(n);
@@ -49,11 +44,5 @@ pub fn synthetic(
         features.extend(center.iter().map(|c| (c + normal(&mut rng)) as f32));
         labels.push(label as i64);
     }
-    InMemoryDataset::new(
-        format!("synthetic-{n}x{dim}-{classes}c"),
-        features,
-        labels,
-        dim,
-        classes,
-    )
+    InMemoryDataset::new(format!("synthetic-{n}x{dim}-{classes}c"), features, labels, dim, classes)
 }

@@ -43,8 +43,21 @@ const FC_B: usize = 7;
 
 impl Cnn {
     /// Input `[N, channels, height, width]`; height and width divisible by 4.
-    pub fn new(channels: usize, height: usize, width: usize, classes: usize, seed: u64, device: &Device) -> Result<Self> {
-        if channels == 0 || classes == 0 || !height.is_multiple_of(4) || !width.is_multiple_of(4) || height == 0 || width == 0 {
+    pub fn new(
+        channels: usize,
+        height: usize,
+        width: usize,
+        classes: usize,
+        seed: u64,
+        device: &Device,
+    ) -> Result<Self> {
+        if channels == 0
+            || classes == 0
+            || !height.is_multiple_of(4)
+            || !width.is_multiple_of(4)
+            || height == 0
+            || width == 0
+        {
             return Err(DdpError::InvalidOption {
                 what: "Cnn shape",
                 why: format!("channels {channels}, {height}x{width}, classes {classes}: need >0 and H, W divisible by 4"),
@@ -70,7 +83,13 @@ impl Cnn {
             ("bn1.running_var".to_string(), Var::ones(C1, DType::F32, device)?),
             ("bn1.num_batches_tracked".to_string(), Var::from_tensor(&Tensor::new(0i64, device)?)?),
         ];
-        Ok(Cnn { in_chw: (channels, height, width), classes, params: ParamSet::new(named), buffers, training: AtomicBool::new(true) })
+        Ok(Cnn {
+            in_chw: (channels, height, width),
+            classes,
+            params: ParamSet::new(named),
+            buffers,
+            training: AtomicBool::new(true),
+        })
     }
 
     /// Like `module.train()` / `module.eval()`: BatchNorm uses batch statistics (and updates the
@@ -85,11 +104,19 @@ impl Cnn {
         let (mean, var) = if self.training.load(Ordering::SeqCst) {
             let (n, _, h, w) = x.dims4()?;
             let mean = x.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
-            let var = x.broadcast_sub(&mean)?.sqr()?.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
+            let var =
+                x.broadcast_sub(&mean)?.sqr()?.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
             let count = (n * h * w) as f64;
-            let unbiased = if count > 1.0 { (var.detach() * (count / (count - 1.0)))? } else { var.detach() };
-            rm.set(&((rm.as_tensor() * (1.0 - BN_MOMENTUM))? + (mean.detach().flatten_all()? * BN_MOMENTUM)?)?)?;
-            rv.set(&((rv.as_tensor() * (1.0 - BN_MOMENTUM))? + (unbiased.flatten_all()? * BN_MOMENTUM)?)?)?;
+            let unbiased =
+                if count > 1.0 { (var.detach() * (count / (count - 1.0)))? } else { var.detach() };
+            rm.set(
+                &((rm.as_tensor() * (1.0 - BN_MOMENTUM))?
+                    + (mean.detach().flatten_all()? * BN_MOMENTUM)?)?,
+            )?;
+            rv.set(
+                &((rv.as_tensor() * (1.0 - BN_MOMENTUM))?
+                    + (unbiased.flatten_all()? * BN_MOMENTUM)?)?,
+            )?;
             nbt.set(&nbt.as_tensor().broadcast_add(&Tensor::new(1i64, nbt.device())?)?)?;
             (mean, var)
         } else {

@@ -5,14 +5,23 @@ use candle_core::{Device, Tensor, Var};
 use rand::rngs::StdRng;
 use rand::Rng;
 
-pub(crate) fn uniform_var(rng: &mut StdRng, shape: &[usize], bound: f32, device: &Device) -> candle_core::Result<Var> {
+pub(crate) fn uniform_var(
+    rng: &mut StdRng,
+    shape: &[usize],
+    bound: f32,
+    device: &Device,
+) -> candle_core::Result<Var> {
     let n: usize = shape.iter().product();
     let data: Vec<f32> = (0..n).map(|_| rng.random_range(-bound..=bound)).collect();
     Var::from_tensor(&Tensor::from_vec(data, shape, device)?)
 }
 
 /// (weight, bias) for a layer whose weight has `shape` = [out, in, ...] (fan_in = in * ...).
-pub(crate) fn default_layer(rng: &mut StdRng, shape: &[usize], device: &Device) -> candle_core::Result<(Var, Var)> {
+pub(crate) fn default_layer(
+    rng: &mut StdRng,
+    shape: &[usize],
+    device: &Device,
+) -> candle_core::Result<(Var, Var)> {
     let fan_in: usize = shape[1..].iter().product();
     let bound = 1.0 / (fan_in as f32).sqrt();
     let w = uniform_var(rng, shape, bound, device)?;
@@ -21,6 +30,12 @@ pub(crate) fn default_layer(rng: &mut StdRng, shape: &[usize], device: &Device) 
 }
 
 /// Copies every var onto `device` as fresh vars (same names).
-pub(crate) fn copy_vars(named: &[(String, Var)], device: &Device) -> candle_core::Result<Vec<(String, Var)>> {
-    named.iter().map(|(n, v)| Ok((n.clone(), Var::from_tensor(&v.as_tensor().to_device(device)?.copy()?)?))).collect()
+pub(crate) fn copy_vars(
+    named: &[(String, Var)],
+    device: &Device,
+) -> candle_core::Result<Vec<(String, Var)>> {
+    named
+        .iter()
+        .map(|(n, v)| Ok((n.clone(), Var::from_tensor(&v.as_tensor().to_device(device)?.copy()?)?)))
+        .collect()
 }

@@ -20,7 +20,10 @@ impl Mlp {
     /// `dims = [in, hidden.., classes]`, at least two entries; PyTorch-default init from `seed`.
     pub fn new(dims: &[usize], seed: u64, device: &Device) -> Result<Self> {
         if dims.len() < 2 || dims.contains(&0) {
-            return Err(DdpError::InvalidOption { what: "Mlp dims", why: format!("{dims:?}: need [in, .., out], all > 0") });
+            return Err(DdpError::InvalidOption {
+                what: "Mlp dims",
+                why: format!("{dims:?}: need [in, .., out], all > 0"),
+            });
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mut named = Vec::new();
@@ -63,7 +66,10 @@ impl Module for Mlp {
         &self.params
     }
     fn replicate(&self, device: &Device) -> Result<Self> {
-        Ok(Mlp { dims: self.dims.clone(), params: ParamSet::new(copy_vars(self.params.named(), device)?) })
+        Ok(Mlp {
+            dims: self.dims.clone(),
+            params: ParamSet::new(copy_vars(self.params.named(), device)?),
+        })
     }
 }
 

@@ -8,7 +8,8 @@ use candle_core::{Tensor, Var};
 use tandem_ckpt::Value;
 
 use super::groups::{
-    only_keys, refuse_true, saved_bool, saved_f64, saved_tensor, torch_number, Groups, Hyper, ParamState,
+    only_keys, refuse_true, saved_bool, saved_f64, saved_tensor, torch_number, Groups, Hyper,
+    ParamState,
 };
 use super::{non_negative, OptimError, Optimizer};
 
@@ -46,7 +47,13 @@ impl Default for AdamWConfig {
 
 impl From<AdamWConfig> for AdamConfig {
     fn from(c: AdamWConfig) -> Self {
-        AdamConfig { lr: c.lr, betas: c.betas, eps: c.eps, weight_decay: c.weight_decay, amsgrad: c.amsgrad }
+        AdamConfig {
+            lr: c.lr,
+            betas: c.betas,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+            amsgrad: c.amsgrad,
+        }
     }
 }
 
@@ -60,7 +67,9 @@ pub(crate) struct AdamHyper {
 impl AdamHyper {
     fn validate(&self) -> Result<(), OptimError> {
         let c = &self.cfg;
-        let bad = |name, value: f64, why| Err(OptimError::InvalidConfig { name, value: value.to_string(), why });
+        let bad = |name, value: f64, why| {
+            Err(OptimError::InvalidConfig { name, value: value.to_string(), why })
+        };
         if !non_negative(c.lr) {
             return bad("lr", c.lr, "must be >= 0");
         }
@@ -110,9 +119,19 @@ impl Hyper for AdamHyper {
             Some(b) => match b.as_list() {
                 Some([b1, b2]) => match (b1.as_float(), b2.as_float()) {
                     (Some(b1), Some(b2)) => (b1, b2),
-                    _ => return Err(OptimError::state(format!("{key}.betas"), "expected two numbers")),
+                    _ => {
+                        return Err(OptimError::state(
+                            format!("{key}.betas"),
+                            "expected two numbers",
+                        ))
+                    }
                 },
-                _ => return Err(OptimError::state(format!("{key}.betas"), "expected a pair (beta1, beta2)")),
+                _ => {
+                    return Err(OptimError::state(
+                        format!("{key}.betas"),
+                        "expected a pair (beta1, beta2)",
+                    ))
+                }
             },
         };
         let h = AdamHyper {
@@ -176,12 +195,18 @@ impl ParamState for AdamState {
             Some(Value::Int(i)) => *i as f64,
             Some(Value::Float(f)) => *f,
             Some(other) => {
-                return Err(OptimError::state(format!("{key}.step"), format!("expected a scalar, found {other:?}")))
+                return Err(OptimError::state(
+                    format!("{key}.step"),
+                    format!("expected a scalar, found {other:?}"),
+                ))
             }
             None => return Err(OptimError::state(format!("{key}.step"), "missing")),
         };
         if !(step >= 0.0 && step.fract() == 0.0) {
-            return Err(OptimError::state(format!("{key}.step"), format!("{step} is not a step count")));
+            return Err(OptimError::state(
+                format!("{key}.step"),
+                format!("{step} is not a step count"),
+            ));
         }
         let max_exp_avg_sq = match saved.get("max_exp_avg_sq") {
             None | Some(Value::None) => None,
@@ -226,8 +251,16 @@ impl Adam {
         self.groups.groups.iter().map(|g| g.hyper.cfg.clone()).collect()
     }
 
-    fn update(h: &AdamHyper, state: &mut Option<AdamState>, var: &Var, grad: &Tensor) -> candle_core::Result<()> {
-        let held = state.iter().flat_map(|s| [Some(&s.exp_avg), Some(&s.exp_avg_sq), s.max_exp_avg_sq.as_ref()]).flatten();
+    fn update(
+        h: &AdamHyper,
+        state: &mut Option<AdamState>,
+        var: &Var,
+        grad: &Tensor,
+    ) -> candle_core::Result<()> {
+        let held = state
+            .iter()
+            .flat_map(|s| [Some(&s.exp_avg), Some(&s.exp_avg_sq), s.max_exp_avg_sq.as_ref()])
+            .flatten();
         if super::fused::applies(var, grad, held) {
             return update_fused(h, state, var, grad);
         }
@@ -236,7 +269,12 @@ impl Adam {
 }
 
 /// The in-place CPU f32 update (`fused::adam`), bit-identical to [`update_tensor_form`].
-fn update_fused(h: &AdamHyper, state: &mut Option<AdamState>, var: &Var, grad: &Tensor) -> candle_core::Result<()> {
+fn update_fused(
+    h: &AdamHyper,
+    state: &mut Option<AdamState>,
+    var: &Var,
+    grad: &Tensor,
+) -> candle_core::Result<()> {
     use super::fused::adam::{running_max, update_moments, update_param, AdamStep};
     let p = var.as_tensor();
     let grad = grad.detach().contiguous()?;
@@ -276,7 +314,12 @@ fn update_fused(h: &AdamHyper, state: &mut Option<AdamState>, var: &Var, grad: &
 }
 
 /// The update as candle tensor expressions: any dtype and device.
-fn update_tensor_form(h: &AdamHyper, state: &mut Option<AdamState>, var: &Var, grad: &Tensor) -> candle_core::Result<()> {
+fn update_tensor_form(
+    h: &AdamHyper,
+    state: &mut Option<AdamState>,
+    var: &Var,
+    grad: &Tensor,
+) -> candle_core::Result<()> {
     let c = &h.cfg;
     let (beta1, beta2) = c.betas;
     let mut p = var.as_tensor().detach();
@@ -310,7 +353,8 @@ fn update_tensor_form(h: &AdamHyper, state: &mut Option<AdamState>, var: &Var, g
         (true, None) => Some(exp_avg_sq.clone()),
         (false, kept) => kept,
     };
-    let second = if c.amsgrad { max_exp_avg_sq.as_ref().unwrap_or(&exp_avg_sq) } else { &exp_avg_sq };
+    let second =
+        if c.amsgrad { max_exp_avg_sq.as_ref().unwrap_or(&exp_avg_sq) } else { &exp_avg_sq };
     let denom = second.sqrt()?.affine(1.0 / bias_correction2_sqrt, c.eps)?;
     let new_p = (p + (&exp_avg / &denom)?.affine(-step_size, 0.0)?)?;
     var.set(&new_p)?;
@@ -383,7 +427,14 @@ mod tests {
     type StateBits = (u64, Vec<u32>, Vec<u32>, Option<Vec<u32>>);
 
     fn state_bits(s: &Option<AdamState>) -> Option<StateBits> {
-        s.as_ref().map(|s| (s.step.to_bits(), bits(&s.exp_avg), bits(&s.exp_avg_sq), s.max_exp_avg_sq.as_ref().map(bits)))
+        s.as_ref().map(|s| {
+            (
+                s.step.to_bits(),
+                bits(&s.exp_avg),
+                bits(&s.exp_avg_sq),
+                s.max_exp_avg_sq.as_ref().map(bits),
+            )
+        })
     }
 
     /// The fused in-place CPU path gives the very bits of the tensor-expression form: Adam and
@@ -394,22 +445,40 @@ mod tests {
             (AdamConfig::default(), false),
             (AdamConfig { lr: 3e-3, weight_decay: 1e-2, ..Default::default() }, false),
             (AdamConfig { lr: 1e-2, weight_decay: 1e-2, ..Default::default() }, true),
-            (AdamConfig { lr: 1e-2, betas: (0.8, 0.95), eps: 1e-6, amsgrad: true, ..Default::default() }, false),
+            (
+                AdamConfig {
+                    lr: 1e-2,
+                    betas: (0.8, 0.95),
+                    eps: 1e-6,
+                    amsgrad: true,
+                    ..Default::default()
+                },
+                false,
+            ),
             (AdamConfig { lr: 5e-3, weight_decay: 0.1, amsgrad: true, ..Default::default() }, true),
         ];
         let dev = Device::Cpu;
         for (cfg, decoupled) in cases {
             let h = AdamHyper { cfg: cfg.clone(), decoupled };
             let init = Tensor::randn(0f32, 1.0, (23, 7), &dev).unwrap();
-            let (fused, reference) = (Var::from_tensor(&init).unwrap(), Var::from_tensor(&init.copy().unwrap()).unwrap());
+            let (fused, reference) = (
+                Var::from_tensor(&init).unwrap(),
+                Var::from_tensor(&init.copy().unwrap()).unwrap(),
+            );
             let (mut sf, mut sr) = (None, None);
             for step in 0..5 {
                 // Gradients shrink over the steps so amsgrad's maximum both keeps and replaces.
-                let g = (Tensor::randn(0f32, 1.0, (23, 7), &dev).unwrap() * (1.0 / (step + 1) as f64)).unwrap();
+                let g = (Tensor::randn(0f32, 1.0, (23, 7), &dev).unwrap()
+                    * (1.0 / (step + 1) as f64))
+                    .unwrap();
                 update_fused(&h, &mut sf, &fused, &g).unwrap();
                 update_tensor_form(&h, &mut sr, &reference, &g).unwrap();
                 let ctx = format!("{cfg:?} decoupled={decoupled} step {step}");
-                assert_eq!(bits(fused.as_tensor()), bits(reference.as_tensor()), "{ctx}: parameter");
+                assert_eq!(
+                    bits(fused.as_tensor()),
+                    bits(reference.as_tensor()),
+                    "{ctx}: parameter"
+                );
                 assert_eq!(state_bits(&sf), state_bits(&sr), "{ctx}: state");
             }
         }
@@ -421,12 +490,16 @@ mod tests {
     fn amsgrad_turned_on_later_matches_and_does_not_alias() {
         let dev = Device::Cpu;
         let plain = AdamHyper { cfg: AdamConfig::default(), decoupled: false };
-        let ams = AdamHyper { cfg: AdamConfig { amsgrad: true, ..Default::default() }, decoupled: false };
+        let ams =
+            AdamHyper { cfg: AdamConfig { amsgrad: true, ..Default::default() }, decoupled: false };
         let init = Tensor::randn(0f32, 1.0, 31, &dev).unwrap();
-        let (fused, reference) = (Var::from_tensor(&init).unwrap(), Var::from_tensor(&init.copy().unwrap()).unwrap());
+        let (fused, reference) =
+            (Var::from_tensor(&init).unwrap(), Var::from_tensor(&init.copy().unwrap()).unwrap());
         let (mut sf, mut sr) = (None, None);
         for (step, h) in [&plain, &ams, &ams, &ams].into_iter().enumerate() {
-            let g = (Tensor::randn(0f32, 1.0, 31, &dev).unwrap() * if step == 1 { 3.0 } else { 0.1 }).unwrap();
+            let g = (Tensor::randn(0f32, 1.0, 31, &dev).unwrap()
+                * if step == 1 { 3.0 } else { 0.1 })
+            .unwrap();
             update_fused(h, &mut sf, &fused, &g).unwrap();
             update_tensor_form(h, &mut sr, &reference, &g).unwrap();
             assert_eq!(bits(fused.as_tensor()), bits(reference.as_tensor()), "step {step}");

@@ -47,7 +47,10 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
                 if !p.dtype().is_float() {
                     return Err(OptimError::InvalidParam {
                         index,
-                        why: format!("optimizers need floating-point parameters, found {:?}", p.dtype()),
+                        why: format!(
+                            "optimizers need floating-point parameters, found {:?}",
+                            p.dtype()
+                        ),
                     });
                 }
                 if !seen.insert(p.as_tensor().id()) {
@@ -66,8 +69,10 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
                 why: "optimizer got an empty parameter list (torch refuses this too)",
             });
         }
-        let groups: Vec<Group<H>> =
-            groups.into_iter().map(|(params, hyper)| Group { params, hyper, extra: Vec::new() }).collect();
+        let groups: Vec<Group<H>> = groups
+            .into_iter()
+            .map(|(params, hyper)| Group { params, hyper, extra: Vec::new() })
+            .collect();
         Ok(Groups { groups, state: (0..index).map(|_| None).collect() })
     }
 
@@ -156,7 +161,11 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
         if saved_groups.len() != self.groups.len() {
             return Err(OptimError::state(
                 "param_groups",
-                format!("has {} groups, this optimizer has {}", saved_groups.len(), self.groups.len()),
+                format!(
+                    "has {} groups, this optimizer has {}",
+                    saved_groups.len(),
+                    self.groups.len()
+                ),
             ));
         }
         let mut id_map = std::collections::HashMap::new();
@@ -165,24 +174,31 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
         let mut next = 0usize;
         for (gi, (saved, ours)) in saved_groups.iter().zip(&self.groups).enumerate() {
             let key = format!("param_groups.{gi}");
-            let items = saved.as_dict().ok_or_else(|| OptimError::state(&key, "expected a dict"))?;
-            let ids = saved
-                .get("params")
-                .and_then(Value::as_list)
-                .ok_or_else(|| OptimError::state(format!("{key}.params"), "missing or not a list"))?;
+            let items =
+                saved.as_dict().ok_or_else(|| OptimError::state(&key, "expected a dict"))?;
+            let ids = saved.get("params").and_then(Value::as_list).ok_or_else(|| {
+                OptimError::state(format!("{key}.params"), "missing or not a list")
+            })?;
             if ids.len() != ours.params.len() {
                 return Err(OptimError::state(
                     format!("{key}.params"),
-                    format!("lists {} parameters, this optimizer's group has {}", ids.len(), ours.params.len()),
+                    format!(
+                        "lists {} parameters, this optimizer's group has {}",
+                        ids.len(),
+                        ours.params.len()
+                    ),
                 ));
             }
             for id in ids {
-                let id = id
-                    .as_int()
-                    .filter(|_| !matches!(id, Value::Bool(_)))
-                    .ok_or_else(|| OptimError::state(format!("{key}.params"), format!("non-integer id {id:?}")))?;
+                let id =
+                    id.as_int().filter(|_| !matches!(id, Value::Bool(_))).ok_or_else(|| {
+                        OptimError::state(format!("{key}.params"), format!("non-integer id {id:?}"))
+                    })?;
                 if id_map.insert(id, next).is_some() {
-                    return Err(OptimError::state(format!("{key}.params"), format!("id {id} appears twice")));
+                    return Err(OptimError::state(
+                        format!("{key}.params"),
+                        format!("id {id} appears twice"),
+                    ));
                 }
                 next += 1;
             }
@@ -199,11 +215,17 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
         for (k, v) in saved_state {
             let id = match k {
                 Value::Int(i) => *i,
-                other => return Err(OptimError::state("state", format!("key {other:?} is not a parameter index"))),
+                other => {
+                    return Err(OptimError::state(
+                        "state",
+                        format!("key {other:?} is not a parameter index"),
+                    ))
+                }
             };
             let key = format!("state.{id}");
-            let &index =
-                id_map.get(&id).ok_or_else(|| OptimError::state(&key, "names no parameter listed in param_groups"))?;
+            let &index = id_map.get(&id).ok_or_else(|| {
+                OptimError::state(&key, "names no parameter listed in param_groups")
+            })?;
             new_state[index] = Some(S::from_value(v, params[index].as_tensor(), &key)?);
         }
         for ((g, h), extra) in self.groups.iter_mut().zip(new_hypers).zip(new_extras) {
@@ -217,31 +239,46 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
 
 /// A number under `name` in a saved group (int or float, as torch writes either); the current
 /// value when absent.
-pub(crate) fn saved_f64(group: &Value, name: &str, current: f64, key: &str) -> Result<f64, OptimError> {
+pub(crate) fn saved_f64(
+    group: &Value,
+    name: &str,
+    current: f64,
+    key: &str,
+) -> Result<f64, OptimError> {
     match group.get(name) {
         None => Ok(current),
         Some(Value::Int(i)) => Ok(*i as f64),
         Some(Value::Float(f)) => Ok(*f),
-        Some(other) => {
-            Err(OptimError::state(format!("{key}.{name}"), format!("expected a number, found {}", other.type_name())))
-        }
+        Some(other) => Err(OptimError::state(
+            format!("{key}.{name}"),
+            format!("expected a number, found {}", other.type_name()),
+        )),
     }
 }
 
-pub(crate) fn saved_bool(group: &Value, name: &str, current: bool, key: &str) -> Result<bool, OptimError> {
+pub(crate) fn saved_bool(
+    group: &Value,
+    name: &str,
+    current: bool,
+    key: &str,
+) -> Result<bool, OptimError> {
     match group.get(name) {
         None => Ok(current),
         Some(Value::Bool(b)) => Ok(*b),
-        Some(other) => {
-            Err(OptimError::state(format!("{key}.{name}"), format!("expected a bool, found {}", other.type_name())))
-        }
+        Some(other) => Err(OptimError::state(
+            format!("{key}.{name}"),
+            format!("expected a bool, found {}", other.type_name()),
+        )),
     }
 }
 
 /// Refuses torch features this crate does not implement (`maximize=True`), naming the key.
 pub(crate) fn refuse_true(group: &Value, name: &str, key: &str) -> Result<(), OptimError> {
     if saved_bool(group, name, false, key)? {
-        return Err(OptimError::state(format!("{key}.{name}"), "True is not supported by tandem's optimizers"));
+        return Err(OptimError::state(
+            format!("{key}.{name}"),
+            "True is not supported by tandem's optimizers",
+        ));
     }
     Ok(())
 }
@@ -259,9 +296,9 @@ pub(crate) fn torch_number(v: f64) -> Value {
 /// Refuses a saved per-parameter state with keys this optimizer does not write: loading
 /// another optimizer's state (Adam's into SGD) must fail loudly, not half-load.
 pub(crate) fn only_keys(saved: &Value, allowed: &[&str], key: &str) -> Result<(), OptimError> {
-    let items = saved
-        .as_dict()
-        .ok_or_else(|| OptimError::state(key, format!("expected a dict, found {}", saved.type_name())))?;
+    let items = saved.as_dict().ok_or_else(|| {
+        OptimError::state(key, format!("expected a dict, found {}", saved.type_name()))
+    })?;
     for (k, _) in items {
         match k {
             Value::Str(s) if allowed.contains(&s.as_str()) => {}
@@ -277,7 +314,12 @@ pub(crate) fn only_keys(saved: &Value, allowed: &[&str], key: &str) -> Result<()
 }
 
 /// Reads a state tensor under `name` from a parameter's saved state dict.
-pub(crate) fn saved_tensor(saved: &Value, name: &str, param: &Tensor, key: &str) -> Result<Tensor, OptimError> {
+pub(crate) fn saved_tensor(
+    saved: &Value,
+    name: &str,
+    param: &Tensor,
+    key: &str,
+) -> Result<Tensor, OptimError> {
     let key = format!("{key}.{name}");
     let t = saved
         .get(name)

@@ -15,7 +15,10 @@
 macro_rules! impl_optimizer_via_groups {
     ($ty:ty, $keys:expr) => {
         impl $crate::optim::Optimizer for $ty {
-            fn step(&mut self, grads: &candle_core::backprop::GradStore) -> Result<(), $crate::optim::OptimError> {
+            fn step(
+                &mut self,
+                grads: &candle_core::backprop::GradStore,
+            ) -> Result<(), $crate::optim::OptimError> {
                 for (i, g, var) in self.groups.indices() {
                     let Some(grad) = grads.get(var.as_tensor()) else { continue };
                     $crate::optim::sgd::check_grad_shape(i, &var, grad)?;
@@ -43,7 +46,10 @@ macro_rules! impl_optimizer_via_groups {
             fn state_dict(&self) -> Result<tandem_ckpt::Value, $crate::optim::OptimError> {
                 self.groups.state_dict()
             }
-            fn load_state_dict(&mut self, state_dict: &tandem_ckpt::Value) -> Result<(), $crate::optim::OptimError> {
+            fn load_state_dict(
+                &mut self,
+                state_dict: &tandem_ckpt::Value,
+            ) -> Result<(), $crate::optim::OptimError> {
                 self.groups.load_state_dict(state_dict, $keys)
             }
         }

@@ -5,7 +5,9 @@
 use candle_core::{Tensor, Var};
 use tandem_ckpt::Value;
 
-use super::groups::{only_keys, refuse_true, saved_bool, saved_f64, torch_number, Groups, Hyper, ParamState};
+use super::groups::{
+    only_keys, refuse_true, saved_bool, saved_f64, torch_number, Groups, Hyper, ParamState,
+};
 use super::{non_negative, OptimError};
 
 /// Hyperparameters of `torch.optim.SGD` (defaults as torch: lr 1e-3, everything else off).
@@ -27,7 +29,9 @@ impl Default for SgdConfig {
 impl SgdConfig {
     /// torch's constructor checks, with the same conditions.
     fn validate(&self) -> Result<(), OptimError> {
-        let bad = |name, value: f64, why| Err(OptimError::InvalidConfig { name, value: value.to_string(), why });
+        let bad = |name, value: f64, why| {
+            Err(OptimError::InvalidConfig { name, value: value.to_string(), why })
+        };
         if !non_negative(self.lr) {
             return bad("lr", self.lr, "must be >= 0");
         }
@@ -41,7 +45,11 @@ impl SgdConfig {
             return bad("dampening", self.dampening, "must be finite");
         }
         if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
-            return bad("nesterov", 1.0, "Nesterov momentum requires a momentum and zero dampening");
+            return bad(
+                "nesterov",
+                1.0,
+                "Nesterov momentum requires a momentum and zero dampening",
+            );
         }
         Ok(())
     }
@@ -81,8 +89,17 @@ impl Hyper for SgdConfig {
     }
 }
 
-const SGD_KEYS: &[&str] =
-    &["lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach", "differentiable", "fused"];
+const SGD_KEYS: &[&str] = &[
+    "lr",
+    "momentum",
+    "dampening",
+    "weight_decay",
+    "nesterov",
+    "maximize",
+    "foreach",
+    "differentiable",
+    "fused",
+];
 
 /// `state[i]` of SGD: the momentum buffer, present once the parameter was stepped with
 /// momentum on.
@@ -133,14 +150,21 @@ impl Sgd {
         self.groups.groups.iter().map(|g| g.hyper.clone()).collect()
     }
 
-    fn update(h: &SgdConfig, state: &mut Option<SgdState>, var: &Var, grad: &Tensor) -> candle_core::Result<()> {
+    fn update(
+        h: &SgdConfig,
+        state: &mut Option<SgdState>,
+        var: &Var,
+        grad: &Tensor,
+    ) -> candle_core::Result<()> {
         let prev = state.as_ref().and_then(|s| s.momentum_buffer.as_ref());
         if super::fused::applies(var, grad, prev) {
             if h.momentum == 0.0 {
                 super::fused::sgd::step(h, var, grad, None)?;
             } else {
                 let prev = state.take().and_then(|s| s.momentum_buffer);
-                *state = Some(SgdState { momentum_buffer: super::fused::sgd::step(h, var, grad, prev)? });
+                *state = Some(SgdState {
+                    momentum_buffer: super::fused::sgd::step(h, var, grad, prev)?,
+                });
             }
             return Ok(());
         }
@@ -150,7 +174,12 @@ impl Sgd {
 
 /// The update as candle tensor expressions: any dtype and device (the reference the fused CPU
 /// path reproduces bit for bit).
-pub(crate) fn update_tensor_form(h: &SgdConfig, state: &mut Option<SgdState>, var: &Var, grad: &Tensor) -> candle_core::Result<()> {
+pub(crate) fn update_tensor_form(
+    h: &SgdConfig,
+    state: &mut Option<SgdState>,
+    var: &Var,
+    grad: &Tensor,
+) -> candle_core::Result<()> {
     let p = var.as_tensor().detach();
     let mut d = grad.detach().to_dtype(p.dtype())?;
     if h.weight_decay != 0.0 {
@@ -176,7 +205,11 @@ pub(crate) fn check_grad_shape(index: usize, var: &Var, grad: &Tensor) -> Result
     if grad.dims() != var.dims() {
         return Err(OptimError::InvalidParam {
             index,
-            why: format!("gradient shape {:?} differs from parameter shape {:?}", grad.dims(), var.dims()),
+            why: format!(
+                "gradient shape {:?} differs from parameter shape {:?}",
+                grad.dims(),
+                var.dims()
+            ),
         });
     }
     Ok(())
@@ -189,13 +222,7 @@ mod tests {
     use super::{update_tensor_form, SgdConfig, SgdState};
 
     fn bits(t: &Tensor) -> Vec<u32> {
-        t.flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect()
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
     }
 
     /// The fused in-place CPU path gives the very bits of the tensor-expression form, for every
@@ -203,20 +230,9 @@ mod tests {
     #[test]
     fn fused_cpu_update_is_bit_identical_to_the_tensor_form() {
         let configs = [
-            SgdConfig {
-                lr: 0.1,
-                ..Default::default()
-            },
-            SgdConfig {
-                lr: 0.05,
-                weight_decay: 1e-2,
-                ..Default::default()
-            },
-            SgdConfig {
-                lr: 0.1,
-                momentum: 0.9,
-                ..Default::default()
-            },
+            SgdConfig { lr: 0.1, ..Default::default() },
+            SgdConfig { lr: 0.05, weight_decay: 1e-2, ..Default::default() },
+            SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() },
             SgdConfig {
                 lr: 0.1,
                 momentum: 0.9,
@@ -251,9 +267,7 @@ mod tests {
                     "{cfg:?} step {step}: parameter"
                 );
                 let buf = |s: &Option<SgdState>| {
-                    s.as_ref()
-                        .and_then(|s| s.momentum_buffer.as_ref())
-                        .map(bits)
+                    s.as_ref().and_then(|s| s.momentum_buffer.as_ref()).map(bits)
                 };
                 assert_eq!(buf(&sf), buf(&sr), "{cfg:?} step {step}: momentum buffer");
             }
@@ -268,11 +282,7 @@ mod tests {
         assert!(!super::super::fused::applies(&v, &g, None));
         let mut s = None;
         super::Sgd::update(
-            &SgdConfig {
-                lr: 0.1,
-                momentum: 0.5,
-                ..Default::default()
-            },
+            &SgdConfig { lr: 0.1, momentum: 0.5, ..Default::default() },
             &mut s,
             &v,
             &g,

@@ -11,15 +11,22 @@ pub(crate) fn to_ckpt(t: &Tensor, key: &str) -> Result<CkptTensor, OptimError> {
     let out = match t.dtype() {
         DType::F32 => CkptTensor::from_f32(&shape, &flat.to_vec1::<f32>()?),
         DType::F64 => CkptTensor::from_f64(&shape, &flat.to_vec1::<f64>()?),
-        DType::F16 => {
-            CkptTensor::from_bytes(CkptDType::F16, &shape, bytemuck::cast_slice(&flat.to_vec1::<half::f16>()?).to_vec())
-        }
+        DType::F16 => CkptTensor::from_bytes(
+            CkptDType::F16,
+            &shape,
+            bytemuck::cast_slice(&flat.to_vec1::<half::f16>()?).to_vec(),
+        ),
         DType::BF16 => CkptTensor::from_bytes(
             CkptDType::BF16,
             &shape,
             bytemuck::cast_slice(&flat.to_vec1::<half::bf16>()?).to_vec(),
         ),
-        other => return Err(OptimError::state(key, format!("cannot store optimizer state of dtype {other:?}"))),
+        other => {
+            return Err(OptimError::state(
+                key,
+                format!("cannot store optimizer state of dtype {other:?}"),
+            ))
+        }
     };
     Ok(out)
 }
@@ -28,7 +35,10 @@ pub(crate) fn to_ckpt(t: &Tensor, key: &str) -> Result<CkptTensor, OptimError> {
 /// loaded state to the parameter's dtype and device the same way). Shapes must match exactly.
 pub(crate) fn from_ckpt(t: &CkptTensor, like: &Tensor, key: &str) -> Result<Tensor, OptimError> {
     if !t.dtype.is_float() {
-        return Err(OptimError::state(key, format!("expected a floating-point tensor, found {}", t.dtype)));
+        return Err(OptimError::state(
+            key,
+            format!("expected a floating-point tensor, found {}", t.dtype),
+        ));
     }
     if t.shape != like.dims() {
         return Err(OptimError::state(

@@ -18,7 +18,10 @@ pub fn data(n: usize, seed: u64) -> (Tensor, Tensor) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let x: Vec<f32> = (0..n * DIMS[0]).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     let y: Vec<u32> = (0..n).map(|_| rng.random_range(0..DIMS[3] as u32)).collect();
-    (Tensor::from_vec(x, (n, DIMS[0]), &Device::Cpu).unwrap(), Tensor::from_vec(y, n, &Device::Cpu).unwrap())
+    (
+        Tensor::from_vec(x, (n, DIMS[0]), &Device::Cpu).unwrap(),
+        Tensor::from_vec(y, n, &Device::Cpu).unwrap(),
+    )
 }
 
 pub fn sgd_cfg() -> SgdConfig {
@@ -53,7 +56,9 @@ pub fn reference(steps: usize, batch: usize, micro: usize) -> Vec<(String, Vec<f
         let m = batch / micro;
         let mut total: Option<candle_core::backprop::GradStore> = None;
         for k in 0..micro {
-            let loss = model.loss(&x.narrow(0, k * m, m).unwrap(), &y.narrow(0, k * m, m).unwrap()).unwrap();
+            let loss = model
+                .loss(&x.narrow(0, k * m, m).unwrap(), &y.narrow(0, k * m, m).unwrap())
+                .unwrap();
             let g = loss.backward().unwrap();
             match &mut total {
                 None => total = Some(g),
@@ -66,7 +71,10 @@ pub fn reference(steps: usize, batch: usize, micro: usize) -> Vec<(String, Vec<f
 }
 
 /// Runs `f(rank, group)` on `world` threads over an in-process group.
-pub fn run_local<T: Send + 'static>(world: usize, f: impl Fn(Arc<dyn GradComm>) -> T + Send + Sync + Clone + 'static) -> Vec<T> {
+pub fn run_local<T: Send + 'static>(
+    world: usize,
+    f: impl Fn(Arc<dyn GradComm>) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
     let handles: Vec<_> = LocalGroup::with_timeout(world, Duration::from_secs(30))
         .into_iter()
         .map(|g| {
@@ -100,7 +108,9 @@ pub fn run_pg<T: Send + 'static>(
         let (tx, f, url, opts) = (tx.clone(), f.clone(), url.clone(), opts.clone());
         std::thread::spawn(move || {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let pg = tandem_comm::init_with(&tandem_comm::InitMethod::tcp(&url, rank, world), &opts).expect("init process group");
+                let pg =
+                    tandem_comm::init_with(&tandem_comm::InitMethod::tcp(&url, rank, world), &opts)
+                        .expect("init process group");
                 f(Arc::new(pg))
             }));
             let _ = tx.send((rank, r));
@@ -113,7 +123,10 @@ pub fn run_pg<T: Send + 'static>(
         match rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) {
             Ok((rank, Ok(v))) => out[rank] = Some(v),
             Ok((rank, Err(p))) => {
-                let msg = p.downcast_ref::<String>().cloned().or(p.downcast_ref::<&str>().map(|s| s.to_string()));
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or(p.downcast_ref::<&str>().map(|s| s.to_string()));
                 panic!("rank {rank} panicked: {msg:?}")
             }
             Err(_) => panic!("world of {world} did not finish within 60 s"),

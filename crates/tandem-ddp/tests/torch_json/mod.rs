@@ -8,8 +8,10 @@ use tandem_ckpt::Value;
 /// `tests/fixtures/optim/<name>`, parsed.
 pub fn fixture(name: &str) -> Json {
     let path = format!("{}/tests/fixtures/optim/{name}", env!("CARGO_MANIFEST_DIR"));
-    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {path}: {e}")))
-        .unwrap_or_else(|e| panic!("parse {path}: {e}"))
+    serde_json::from_str(
+        &std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {path}: {e}")),
+    )
+    .unwrap_or_else(|e| panic!("parse {path}: {e}"))
 }
 
 /// Rebuilds a checkpoint value from make_fixtures.py's JSON encoding.
@@ -23,9 +25,14 @@ pub fn decode(j: &Json) -> Value {
         Json::Array(a) => Value::List(a.iter().map(decode).collect()),
         Json::Object(o) => {
             if let Some(t) = o.get("__tensor__") {
-                let shape: Vec<usize> =
-                    t["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
-                let data: Vec<f64> = t["data"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+                let shape: Vec<usize> = t["shape"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_u64().unwrap() as usize)
+                    .collect();
+                let data: Vec<f64> =
+                    t["data"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
                 match t["dtype"].as_str().unwrap() {
                     "float32" => Value::Tensor(tandem_ckpt::Tensor::from_f32(
                         &shape,
@@ -34,7 +41,14 @@ pub fn decode(j: &Json) -> Value {
                     other => panic!("fixture dtype {other} not expected"),
                 }
             } else if let Some(items) = o.get("__dict__") {
-                Value::Dict(items.as_array().unwrap().iter().map(|kv| (decode(&kv[0]), decode(&kv[1]))).collect())
+                Value::Dict(
+                    items
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|kv| (decode(&kv[0]), decode(&kv[1])))
+                        .collect(),
+                )
             } else if let Some(items) = o.get("__tuple__") {
                 Value::Tuple(items.as_array().unwrap().iter().map(decode).collect())
             } else {

@@ -61,7 +61,8 @@ fn parse_rank_code(s: &str) -> Result<(usize, i32), String> {
 }
 
 fn launcher_env_json() -> String {
-    let vars: BTreeMap<&str, Option<String>> = LAUNCHER_VARS.iter().map(|&k| (k, std::env::var(k).ok())).collect();
+    let vars: BTreeMap<&str, Option<String>> =
+        LAUNCHER_VARS.iter().map(|&k| (k, std::env::var(k).ok())).collect();
     serde_json::to_string(&vars).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
 }
 
@@ -69,8 +70,9 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     if args.print_env {
         println!("{}", launcher_env_json());
     }
-    let sleep = Duration::try_from_secs_f64(args.sleep_secs)
-        .with_context(|| format!("--sleep-secs: `{}` is not a number of seconds", args.sleep_secs))?;
+    let sleep = Duration::try_from_secs_f64(args.sleep_secs).with_context(|| {
+        format!("--sleep-secs: `{}` is not a number of seconds", args.sleep_secs)
+    })?;
     let pg = tandem_comm::init().context("joining the process group")?;
     let (rank, size) = (pg.rank(), pg.size());
     let expected = size * size.saturating_sub(1) / 2;
@@ -86,7 +88,8 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
             buf[0].to_string()
         }
     };
-    let head = format!("rank {rank}/{size} local {}/{} sum={sum}", pg.local_rank(), pg.local_size());
+    let head =
+        format!("rank {rank}/{size} local {}/{} sum={sum}", pg.local_rank(), pg.local_size());
     if sum != expected.to_string() {
         println!("{head} MISMATCH (expected {expected})");
         bail!("rank {rank}: all_reduce sum {sum} != {expected} = n(n-1)/2 for n = {size}");
@@ -99,7 +102,9 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
             return Ok(code);
         }
     }
-    if args.fail_on_first_attempt && std::env::var("TORCHELASTIC_RESTART_COUNT").as_deref() == Ok("0") {
+    if args.fail_on_first_attempt
+        && std::env::var("TORCHELASTIC_RESTART_COUNT").as_deref() == Ok("0")
+    {
         eprintln!("rank {rank}: failing on the first attempt as asked by --fail-on-first-attempt");
         return Ok(1);
     }

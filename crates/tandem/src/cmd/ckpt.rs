@@ -60,7 +60,9 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
             convert(&input, &output, strip_prefix.as_deref(), add_prefix.as_deref(), key.as_deref())
         }
         Which::Diff { a, b } => diff(&a, &b),
-        Which::LoadCheck { file, reference, non_strict } => load_check(&file, &reference, !non_strict),
+        Which::LoadCheck { file, reference, non_strict } => {
+            load_check(&file, &reference, !non_strict)
+        }
     }
 }
 
@@ -132,14 +134,19 @@ fn short_repr(v: &Value) -> String {
 fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
     let v = read(file)?;
     let format = format_name(file)?;
-    let container_keys: Vec<String> = v.as_dict().map(|d| d.iter().map(|(k, _)| short_key(k)).collect()).unwrap_or_default();
+    let container_keys: Vec<String> =
+        v.as_dict().map(|d| d.iter().map(|(k, _)| short_key(k)).collect()).unwrap_or_default();
     let mut all = Vec::new();
     leaves(&v, String::new(), &mut all);
-    let tensors: Vec<(&String, &Tensor)> = all.iter().filter_map(|(p, x)| Some((p, x.as_tensor()?))).collect();
-    let others: Vec<(&String, &Value)> = all.iter().filter(|(_, x)| x.as_tensor().is_none()).map(|(p, x)| (p, *x)).collect();
+    let tensors: Vec<(&String, &Tensor)> =
+        all.iter().filter_map(|(p, x)| Some((p, x.as_tensor()?))).collect();
+    let others: Vec<(&String, &Value)> =
+        all.iter().filter(|(_, x)| x.as_tensor().is_none()).map(|(p, x)| (p, *x)).collect();
     let state_dicts = find_state_dicts(&v);
-    let wrapping: Vec<String> =
-        state_dicts.iter().flat_map(|(_, t)| detect_wrapping(t.iter().map(|(k, _)| k.as_str()))).collect();
+    let wrapping: Vec<String> = state_dicts
+        .iter()
+        .flat_map(|(_, t)| detect_wrapping(t.iter().map(|(k, _)| k.as_str())))
+        .collect();
     let total: usize = tensors.iter().map(|(_, t)| t.nbytes()).sum();
     if as_json {
         let j = json!({
@@ -170,7 +177,12 @@ fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
     println!("tensors ({}, {} bytes):", tensors.len(), total);
     let width = tensors.iter().map(|(p, _)| p.len()).max().unwrap_or(0);
     for (p, t) in &tensors {
-        println!("  {p:width$}  {:<8}  {:<16}  {}", t.dtype.torch_name(), format!("{:?}", t.shape), t.nbytes());
+        println!(
+            "  {p:width$}  {:<8}  {:<16}  {}",
+            t.dtype.torch_name(),
+            format!("{:?}", t.shape),
+            t.nbytes()
+        );
     }
     if !others.is_empty() {
         println!("non-tensor values ({}):", others.len());
@@ -194,7 +206,10 @@ fn select<'a>(v: &'a Value, key: &str) -> anyhow::Result<&'a Value> {
         cur = match cur.get(part) {
             Some(x) => x,
             None => {
-                let keys: Vec<String> = cur.as_dict().map(|d| d.iter().map(|(k, _)| short_key(k)).collect()).unwrap_or_default();
+                let keys: Vec<String> = cur
+                    .as_dict()
+                    .map(|d| d.iter().map(|(k, _)| short_key(k)).collect())
+                    .unwrap_or_default();
                 bail!("--key {key}: no `{part}` (keys there: {})", keys.join(", "))
             }
         };
@@ -203,7 +218,9 @@ fn select<'a>(v: &'a Value, key: &str) -> anyhow::Result<&'a Value> {
 }
 
 fn rename_keys(v: &Value, f: &dyn Fn(&str) -> anyhow::Result<String>) -> anyhow::Result<Value> {
-    let Some(items) = v.as_dict() else { bail!("key renaming needs a dict, found a {}", v.type_name()) };
+    let Some(items) = v.as_dict() else {
+        bail!("key renaming needs a dict, found a {}", v.type_name())
+    };
     let mut out = Vec::with_capacity(items.len());
     for (k, x) in items {
         let k = match k {
@@ -215,7 +232,13 @@ fn rename_keys(v: &Value, f: &dyn Fn(&str) -> anyhow::Result<String>) -> anyhow:
     Ok(Value::Dict(out))
 }
 
-fn convert(input: &Path, output: &Path, strip: Option<&str>, add: Option<&str>, key: Option<&str>) -> anyhow::Result<i32> {
+fn convert(
+    input: &Path,
+    output: &Path,
+    strip: Option<&str>,
+    add: Option<&str>,
+    key: Option<&str>,
+) -> anyhow::Result<i32> {
     let v = read(input)?;
     let to_safetensors = output.extension().is_some_and(|e| e == "safetensors");
     let mut selected = match key {
@@ -235,7 +258,10 @@ fn convert(input: &Path, output: &Path, strip: Option<&str>, add: Option<&str>, 
             _ => bail!(
                 "{}: not a plain state dict; pick one with --key (top-level keys: {})",
                 input.display(),
-                selected.as_dict().map(|d| d.iter().map(|(k, _)| short_key(k)).collect::<Vec<_>>().join(", ")).unwrap_or_default()
+                selected
+                    .as_dict()
+                    .map(|d| d.iter().map(|(k, _)| short_key(k)).collect::<Vec<_>>().join(", "))
+                    .unwrap_or_default()
             ),
         }
     }
@@ -291,11 +317,15 @@ fn diff(a: &Path, b: &Path) -> anyhow::Result<i32> {
     if ra || rb {
         println!("note: keys compared without wrapper segments (`module.`, `_orig_mod.`)");
     }
-    let mb: std::collections::HashMap<&str, &Value> = lb.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-    let ma: std::collections::HashMap<&str, &Value> = la.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    let mb: std::collections::HashMap<&str, &Value> =
+        lb.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    let ma: std::collections::HashMap<&str, &Value> =
+        la.iter().map(|(k, v)| (k.as_str(), *v)).collect();
     let mut differences = 0;
-    let only_a: Vec<&str> = la.iter().map(|(k, _)| k.as_str()).filter(|k| !mb.contains_key(k)).collect();
-    let only_b: Vec<&str> = lb.iter().map(|(k, _)| k.as_str()).filter(|k| !ma.contains_key(k)).collect();
+    let only_a: Vec<&str> =
+        la.iter().map(|(k, _)| k.as_str()).filter(|k| !mb.contains_key(k)).collect();
+    let only_b: Vec<&str> =
+        lb.iter().map(|(k, _)| k.as_str()).filter(|k| !ma.contains_key(k)).collect();
     for (title, keys, file) in [("only in", &only_a, a), ("only in", &only_b, b)] {
         if !keys.is_empty() {
             println!("{title} {} ({}):", file.display(), keys.len());
@@ -338,7 +368,9 @@ fn diff(a: &Path, b: &Path) -> anyhow::Result<i32> {
             _ => {}
         }
     }
-    println!("{compared} tensors compared, max abs difference {max_abs:e}, {differences} differences");
+    println!(
+        "{compared} tensors compared, max abs difference {max_abs:e}, {differences} differences"
+    );
     Ok(if differences == 0 { 0 } else { 1 })
 }
 

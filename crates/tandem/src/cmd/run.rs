@@ -5,20 +5,29 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use tandem_launch::{parse_local_ranks, parse_nnodes, random_run_id, LaunchConfig, NprocPerNode, StreamSpec};
+use tandem_launch::{
+    parse_local_ranks, parse_nnodes, random_run_id, LaunchConfig, NprocPerNode, StreamSpec,
+};
 
 #[derive(clap::Args, Debug)]
-#[command(after_help = "Every worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, \
+#[command(
+    after_help = "Every worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, \
 MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, \
 and OMP_NUM_THREADS / RAYON_NUM_THREADS = max(1, cores / nproc) unless already set.\n\
-Example: tandem run --nproc-per-node 4 -- ./train --epochs 3")]
+Example: tandem run --nproc-per-node 4 -- ./train --epochs 3"
+)]
 pub struct Args {
     /// Number of nodes: N, or MIN:MAX with MIN == MAX (no elastic ranges yet).
     #[arg(long, value_name = "N", default_value = "1", value_parser = parse_nnodes)]
     nnodes: u32,
 
     /// Workers on this node: a count, `auto` (one per GPU, else per core), `cpu` or `gpu`.
-    #[arg(long = "nproc-per-node", alias = "nproc_per_node", value_name = "N", default_value = "1")]
+    #[arg(
+        long = "nproc-per-node",
+        alias = "nproc_per_node",
+        value_name = "N",
+        default_value = "1"
+    )]
     nproc_per_node: NprocPerNode,
 
     /// This node's index in 0..nnodes (becomes GROUP_RANK; ranks are node_rank * nproc + local).
@@ -26,7 +35,12 @@ pub struct Args {
     node_rank: u32,
 
     /// Address of the node running rank 0, where its store listens (MASTER_ADDR).
-    #[arg(long = "master-addr", alias = "master_addr", value_name = "HOST", default_value = "127.0.0.1")]
+    #[arg(
+        long = "master-addr",
+        alias = "master_addr",
+        value_name = "HOST",
+        default_value = "127.0.0.1"
+    )]
     master_addr: String,
 
     /// Port of rank 0's store (MASTER_PORT); required with --nnodes > 1, else a free one is picked.
@@ -42,7 +56,12 @@ pub struct Args {
     max_restarts: u32,
 
     /// Seconds between checks of the workers' state.
-    #[arg(long = "monitor-interval", alias = "monitor_interval", value_name = "SECS", default_value_t = 0.1)]
+    #[arg(
+        long = "monitor-interval",
+        alias = "monitor_interval",
+        value_name = "SECS",
+        default_value_t = 0.1
+    )]
     monitor_interval: f64,
 
     /// Job id exported as TORCHELASTIC_RUN_ID; also names the sub-directory of --log-dir.
@@ -74,7 +93,12 @@ pub struct Args {
     no_prefix: bool,
 
     /// The program every worker runs, and its arguments (put `--` before it).
-    #[arg(value_name = "PROGRAM [ARGS]", required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    #[arg(
+        value_name = "PROGRAM [ARGS]",
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true
+    )]
     command: Vec<OsString>,
 }
 
@@ -88,13 +112,16 @@ fn parse_rank_list(s: &str) -> Result<RankList, String> {
 }
 
 fn seconds(flag: &str, secs: f64) -> anyhow::Result<Duration> {
-    Duration::try_from_secs_f64(secs).with_context(|| format!("{flag}: `{secs}` is not a number of seconds"))
+    Duration::try_from_secs_f64(secs)
+        .with_context(|| format!("{flag}: `{secs}` is not a number of seconds"))
 }
 
 /// Turns the command line into a launch configuration, rejecting contradictory flags.
 pub fn config_from_args(args: Args) -> anyhow::Result<LaunchConfig> {
     let mut command = args.command.into_iter();
-    let Some(program) = command.next() else { bail!("PROGRAM: nothing to run (tandem run -- PROGRAM [ARGS])") };
+    let Some(program) = command.next() else {
+        bail!("PROGRAM: nothing to run (tandem run -- PROGRAM [ARGS])")
+    };
     let mut cfg = LaunchConfig::new(program, command);
     cfg.nnodes = args.nnodes;
     cfg.nproc_per_node = args.nproc_per_node;

@@ -61,10 +61,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     out.push_str("]\n");
     use std::io::Write;
     let mut stdout = std::io::stdout().lock();
-    match stdout
-        .write_all(out.as_bytes())
-        .and_then(|()| stdout.flush())
-    {
+    match stdout.write_all(out.as_bytes()).and_then(|()| stdout.flush()) {
         Ok(()) => Ok(0),
         // `tandem sampler ... | head` closing the pipe is not an error worth a message.
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),

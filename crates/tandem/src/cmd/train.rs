@@ -17,7 +17,9 @@ const WORKER_MARK: &str = "TANDEM_TRAIN_WORKER";
 
 /// True when some launcher already described a world to this process.
 fn launched() -> bool {
-    ["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", WORKER_MARK].iter().any(|v| std::env::var_os(v).is_some())
+    ["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", WORKER_MARK]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
@@ -28,7 +30,9 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     }
     if cfg.out.is_none() && launched() {
         // Ranks started by an outside launcher must agree on one run directory without talking.
-        let id = std::env::var("TORCHELASTIC_RUN_ID").or_else(|_| std::env::var("MASTER_PORT")).unwrap_or_else(|_| "job".into());
+        let id = std::env::var("TORCHELASTIC_RUN_ID")
+            .or_else(|_| std::env::var("MASTER_PORT"))
+            .unwrap_or_else(|_| "job".into());
         cfg.out = Some(std::path::PathBuf::from("runs").join(format!("train-{id}")));
     }
     let run_dir = cfg.run_dir();
@@ -43,14 +47,19 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
             summary.steps,
             summary.eval_accuracy,
             summary.samples_per_s,
-            summary.checkpoint.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "-".into())
+            summary
+                .checkpoint
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|| "-".into())
         );
     }
     Ok(0)
 }
 
 fn write_config(cfg: &TrainConfig, run_dir: &std::path::Path) -> anyhow::Result<()> {
-    std::fs::create_dir_all(run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
+    std::fs::create_dir_all(run_dir)
+        .with_context(|| format!("creating run directory {}", run_dir.display()))?;
     let path = run_dir.join("config.toml");
     std::fs::write(&path, cfg.to_toml()?).with_context(|| format!("writing {}", path.display()))
 }
@@ -65,7 +74,10 @@ fn launch_ranks(mut cfg: TrainConfig) -> anyhow::Result<i32> {
     args.extend(cfg.to_args());
     let mut lc = LaunchConfig::new(exe, args);
     lc.nproc_per_node = NprocPerNode::Count(cfg.nproc_per_node as u32);
-    lc.run_id = run_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "train".into());
+    lc.run_id = run_dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "train".into());
     // The console shows rank 0 as if it ran alone; the others' output reaches the failure summary.
     lc.local_ranks_filter = Some(vec![0]);
     lc.prefix_output = false;

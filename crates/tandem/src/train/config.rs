@@ -135,7 +135,9 @@ impl TrainConfig {
             bail!("--resume needs --out DIR (the run directory to continue)");
         }
         if self.backend == Backend::Nccl {
-            bail!("--backend nccl: this build has no NCCL support yet (CPU backends: auto, tcp, shm)");
+            bail!(
+                "--backend nccl: this build has no NCCL support yet (CPU backends: auto, tcp, shm)"
+            );
         }
         Ok(())
     }

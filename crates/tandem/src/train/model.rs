@@ -14,7 +14,13 @@ pub enum Net {
 impl Net {
     /// `input_dim` features per sample; the CNN needs a square single-channel image
     /// (64 → 8x8 digits, 784 → 28x28 MNIST).
-    pub fn build(kind: ModelKind, input_dim: usize, hidden: usize, classes: usize, seed: u64) -> anyhow::Result<Net> {
+    pub fn build(
+        kind: ModelKind,
+        input_dim: usize,
+        hidden: usize,
+        classes: usize,
+        seed: u64,
+    ) -> anyhow::Result<Net> {
         let dev = Device::Cpu;
         Ok(match kind {
             ModelKind::Mlp => Net::Mlp(Mlp::new(&[input_dim, hidden, classes], seed, &dev)?),

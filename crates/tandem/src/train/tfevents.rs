@@ -18,8 +18,14 @@ impl EventWriter {
     /// Creates `dir/events.out.tfevents.<secs>.<host>.<pid>` and writes the file-version event.
     pub fn create(dir: &Path) -> std::io::Result<Self> {
         std::fs::create_dir_all(dir)?;
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "localhost".into());
-        let name = format!("events.out.tfevents.{}.{}.{}", unix_secs() as u64, host.trim(), std::process::id());
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .unwrap_or_else(|_| "localhost".into());
+        let name = format!(
+            "events.out.tfevents.{}.{}.{}",
+            unix_secs() as u64,
+            host.trim(),
+            std::process::id()
+        );
         let path = dir.join(name);
         let mut w = EventWriter { out: BufWriter::new(File::create(&path)?), path };
         let mut event = Vec::new();
@@ -126,7 +132,10 @@ mod tests {
         while pos < bytes.len() {
             let len_bytes = &bytes[pos..pos + 8];
             let len = u64::from_le_bytes(len_bytes.try_into().unwrap()) as usize;
-            assert_eq!(u32::from_le_bytes(bytes[pos + 8..pos + 12].try_into().unwrap()), masked_crc(len_bytes));
+            assert_eq!(
+                u32::from_le_bytes(bytes[pos + 8..pos + 12].try_into().unwrap()),
+                masked_crc(len_bytes)
+            );
             let payload = &bytes[pos + 12..pos + 12 + len];
             let crc = u32::from_le_bytes(bytes[pos + 12 + len..pos + 16 + len].try_into().unwrap());
             assert_eq!(crc, masked_crc(payload));

@@ -10,7 +10,10 @@ use anyhow::{bail, Context};
 use candle_core::Device;
 use tandem_ckpt::{CheckpointManager, TrainingCheckpoint, Value};
 use tandem_comm::{ProcessGroup, ReduceOp};
-use tandem_data::{DataLoader, Dataset, DistributedSampler, EvalMetrics, InMemoryDataset, LoaderOptions, SamplerState};
+use tandem_data::{
+    DataLoader, Dataset, DistributedSampler, EvalMetrics, InMemoryDataset, LoaderOptions,
+    SamplerState,
+};
 use tandem_ddp::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use tandem_ddp::{Ddp, DdpOptions, Module};
 
@@ -36,7 +39,8 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     let world = group.size();
     let device = Device::Cpu;
 
-    let (train, eval) = tandem_data::datasets::from_spec(&cfg.data).with_context(|| format!("loading --data {}", cfg.data))?;
+    let (train, eval) = tandem_data::datasets::from_spec(&cfg.data)
+        .with_context(|| format!("loading --data {}", cfg.data))?;
     let net = Net::build(cfg.model, train.input_dim(), cfg.hidden, train.num_classes(), cfg.seed)?;
     if let Some(path) = &cfg.init_from {
         let report = load_weights(&net, path)?;
@@ -45,10 +49,17 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         }
     }
     let ddp = Ddp::new(net, &group, DdpOptions::default()).context("wrapping the model in Ddp")?;
-    let mut opt = make_optimizer(cfg, ddp.module().named_parameters().into_iter().map(|(_, v)| v).collect())?;
+    let mut opt =
+        make_optimizer(cfg, ddp.module().named_parameters().into_iter().map(|(_, v)| v).collect())?;
 
-    let sampler = DistributedSampler::new(train.len(), world, rank, !cfg.no_shuffle, cfg.seed, false)?;
-    let options = LoaderOptions { batch_size: cfg.batch_size, drop_last: false, num_workers: 1, prefetch_factor: 2 };
+    let sampler =
+        DistributedSampler::new(train.len(), world, rank, !cfg.no_shuffle, cfg.seed, false)?;
+    let options = LoaderOptions {
+        batch_size: cfg.batch_size,
+        drop_last: false,
+        num_workers: 1,
+        prefetch_factor: 2,
+    };
     let mut loader = DataLoader::new(Arc::new(train), sampler, options.clone(), device.clone())?;
     let eval = Arc::new(eval);
 
@@ -57,7 +68,8 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     if cfg.resume {
         match manager.latest_valid().context("looking for a checkpoint to resume")? {
             Some((path, value)) => {
-                let ck = TrainingCheckpoint::from_value(&value).with_context(|| format!("reading {}", path.display()))?;
+                let ck = TrainingCheckpoint::from_value(&value)
+                    .with_context(|| format!("reading {}", path.display()))?;
                 if ck.world_size as usize != world {
                     bail!(
                         "{} was written by a world of {} ranks; this run has {world} (resume needs the same world size)",
@@ -66,22 +78,34 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
                     );
                 }
                 load_weights(ddp.module(), &path)?;
-                opt.load_state_dict(&ck.optimizer).with_context(|| format!("optimizer state in {}", path.display()))?;
+                opt.load_state_dict(&ck.optimizer)
+                    .with_context(|| format!("optimizer state in {}", path.display()))?;
                 loader.load_state(&sampler_state_from_value(&ck.sampler)?)?;
                 global_step = ck.global_step as u64;
                 if rank == 0 {
-                    eprintln!("resumed from {} (epoch {}, step {global_step})", path.display(), loader.epoch());
+                    eprintln!(
+                        "resumed from {} (epoch {}, step {global_step})",
+                        path.display(),
+                        loader.epoch()
+                    );
                 }
             }
             None => {
                 if rank == 0 {
-                    eprintln!("--resume: no checkpoint in {}, starting fresh", manager.dir().display());
+                    eprintln!(
+                        "--resume: no checkpoint in {}, starting fresh",
+                        manager.dir().display()
+                    );
                 }
             }
         }
     }
 
-    let mut tb = if cfg.tensorboard && rank == 0 { Some(EventWriter::create(&run_dir.join("tensorboard"))?) } else { None };
+    let mut tb = if cfg.tensorboard && rank == 0 {
+        Some(EventWriter::create(&run_dir.join("tensorboard"))?)
+    } else {
+        None
+    };
     let steps_per_epoch = loader.len() as u64;
     let max_steps = cfg.steps.unwrap_or(u64::MAX).min(cfg.epochs as u64 * steps_per_epoch);
     let progress = Progress::new(rank == 0, max_steps, global_step);
@@ -90,7 +114,11 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     let mut samples_seen: u64 = 0;
     let mut last_eval = EvalMetrics::default();
     let mut last_ckpt: Option<PathBuf> = None;
-    let save = |name: &str, loader: &DataLoader<InMemoryDataset>, opt: &dyn Optimizer, step: u64| -> anyhow::Result<Option<PathBuf>> {
+    let save = |name: &str,
+                loader: &DataLoader<InMemoryDataset>,
+                opt: &dyn Optimizer,
+                step: u64|
+     -> anyhow::Result<Option<PathBuf>> {
         let value = checkpoint_value(ddp.module(), opt, loader.state(), step, world, cfg)?;
         Ok(manager.save_on_rank(rank, name, &value, || group.barrier())?)
     };
@@ -117,8 +145,13 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
             loss_sum += loss.to_scalar::<f32>()? as f64 * batch.len() as f64;
             loss_n += batch.len();
             progress.step(global_step, loss_sum / loss_n.max(1) as f64);
-            if cfg.save_every > 0 && global_step.is_multiple_of(cfg.save_every) && global_step < max_steps {
-                last_ckpt = save(&format!("step-{global_step:08}"), &loader, opt.as_ref(), global_step)?.or(last_ckpt);
+            if cfg.save_every > 0
+                && global_step.is_multiple_of(cfg.save_every)
+                && global_step < max_steps
+            {
+                last_ckpt =
+                    save(&format!("step-{global_step:08}"), &loader, opt.as_ref(), global_step)?
+                        .or(last_ckpt);
             }
         }
         if taken == in_epoch {
@@ -157,7 +190,9 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         // (the final checkpoint is written below).
         let just_saved = cfg.save_every > 0 && global_step.is_multiple_of(cfg.save_every);
         if global_step < max_steps && (loader.epoch() as usize) < cfg.epochs && !just_saved {
-            last_ckpt = save(&format!("step-{global_step:08}"), &loader, opt.as_ref(), global_step)?.or(last_ckpt);
+            last_ckpt =
+                save(&format!("step-{global_step:08}"), &loader, opt.as_ref(), global_step)?
+                    .or(last_ckpt);
         }
     }
     progress.finish();
@@ -177,19 +212,33 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         steps: global_step,
         eval_accuracy: last_eval.accuracy(),
         samples_per_s: samples_seen as f64 / train_time.max(1e-9),
-        checkpoint: if rank == 0 { last_ckpt.or_else(|| Some(manager.path_for(&final_name))) } else { None },
+        checkpoint: if rank == 0 {
+            last_ckpt.or_else(|| Some(manager.path_for(&final_name)))
+        } else {
+            None
+        },
     })
 }
 
-fn make_optimizer(cfg: &TrainConfig, params: Vec<candle_core::Var>) -> anyhow::Result<Box<dyn Optimizer>> {
+fn make_optimizer(
+    cfg: &TrainConfig,
+    params: Vec<candle_core::Var>,
+) -> anyhow::Result<Box<dyn Optimizer>> {
     Ok(match cfg.optimizer {
         OptimizerKind::Sgd => Box::new(Sgd::new(
             params,
-            SgdConfig { lr: cfg.lr, momentum: cfg.momentum, dampening: 0.0, weight_decay: cfg.weight_decay, nesterov: false },
+            SgdConfig {
+                lr: cfg.lr,
+                momentum: cfg.momentum,
+                dampening: 0.0,
+                weight_decay: cfg.weight_decay,
+                nesterov: false,
+            },
         )?),
-        OptimizerKind::Adamw => {
-            Box::new(AdamW::new(params, AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..AdamWConfig::default() })?)
-        }
+        OptimizerKind::Adamw => Box::new(AdamW::new(
+            params,
+            AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..AdamWConfig::default() },
+        )?),
     })
 }
 
@@ -202,11 +251,18 @@ fn evaluate(
     device: &Device,
 ) -> anyhow::Result<EvalMetrics> {
     let mut local = EvalMetrics::default();
-    for batch in tandem_data::eval_batches(Arc::clone(eval), group.size(), group.rank(), options, device.clone())? {
+    for batch in tandem_data::eval_batches(
+        Arc::clone(eval),
+        group.size(),
+        group.rank(),
+        options,
+        device.clone(),
+    )? {
         let batch = batch?;
         let logits = net.forward(&batch.x)?;
         let n = batch.len();
-        let loss = candle_nn::loss::cross_entropy(&logits, &batch.y)?.to_scalar::<f32>()? as f64 * n as f64;
+        let loss = candle_nn::loss::cross_entropy(&logits, &batch.y)?.to_scalar::<f32>()? as f64
+            * n as f64;
         let pred = logits.argmax(1)?.to_vec1::<u32>()?;
         let truth = batch.y.to_vec1::<u32>()?;
         let correct = pred.iter().zip(&truth).filter(|(p, t)| p == t).count() as i64;
@@ -239,10 +295,11 @@ pub fn load_weights(net: &Net, path: &Path) -> anyhow::Result<tandem_ckpt::LoadR
         .chain(net.named_buffers())
         .map(|(n, v)| (n, v.dims().to_vec(), ckpt_dtype(v.dtype())))
         .collect();
-    let (tensors, report) =
-        tandem_ckpt::load_state_dict(&value, &targets, true).with_context(|| format!("loading weights from {}", path.display()))?;
+    let (tensors, report) = tandem_ckpt::load_state_dict(&value, &targets, true)
+        .with_context(|| format!("loading weights from {}", path.display()))?;
     let state = tandem_ddp::convert::state_dict_from_ckpt(&tensors, &Device::Cpu)?;
-    net.load_state_dict(state).with_context(|| format!("applying weights from {}", path.display()))?;
+    net.load_state_dict(state)
+        .with_context(|| format!("applying weights from {}", path.display()))?;
     Ok(report)
 }
 
@@ -277,10 +334,14 @@ fn sampler_value(s: &SamplerState) -> Value {
 
 fn sampler_state_from_value(v: &Value) -> anyhow::Result<SamplerState> {
     let int = |k: &str| -> anyhow::Result<i64> {
-        v.get(k).and_then(Value::as_int).with_context(|| format!("checkpoint `sampler` has no int `{k}`"))
+        v.get(k)
+            .and_then(Value::as_int)
+            .with_context(|| format!("checkpoint `sampler` has no int `{k}`"))
     };
     let flag = |k: &str| -> anyhow::Result<bool> {
-        v.get(k).and_then(Value::as_bool).with_context(|| format!("checkpoint `sampler` has no bool `{k}`"))
+        v.get(k)
+            .and_then(Value::as_bool)
+            .with_context(|| format!("checkpoint `sampler` has no bool `{k}`"))
     };
     Ok(SamplerState {
         epoch: int("epoch")? as u64,
@@ -326,10 +387,15 @@ impl Progress {
     fn new(enabled: bool, total: u64, done: u64) -> Self {
         // Drawn on stdout: under the self-launch only rank 0's stdout reaches the terminal as is.
         let bar = (enabled && std::io::stdout().is_terminal()).then(|| {
-            let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stdout());
+            let bar = indicatif::ProgressBar::with_draw_target(
+                Some(total),
+                indicatif::ProgressDrawTarget::stdout(),
+            );
             bar.set_style(
-                indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]")
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                indicatif::ProgressStyle::with_template(
+                    "{bar:40} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
             );
             bar.set_position(done);
             bar

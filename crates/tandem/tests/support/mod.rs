@@ -71,18 +71,12 @@ impl Rng {
 
 /// The suite's base seed: `RELIABILITY_SEED` or a fixed default, so CI runs are reproducible.
 pub fn base_seed() -> u64 {
-    std::env::var("RELIABILITY_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(20261121)
+    std::env::var("RELIABILITY_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261121)
 }
 
 /// Trials for a scenario: the count, or `RELIABILITY_TRIALS` (for quick local runs).
 pub fn trials(default: usize) -> usize {
-    std::env::var("RELIABILITY_TRIALS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default)
+    std::env::var("RELIABILITY_TRIALS").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
 }
 
 /// A spawned child whose stdout and stderr are drained by threads (so it never blocks on a pipe).
@@ -161,12 +155,7 @@ impl Running {
         let text = |h: Option<JoinHandle<Vec<u8>>>| {
             String::from_utf8_lossy(&h.and_then(|h| h.join().ok()).unwrap_or_default()).into_owned()
         };
-        Finished {
-            status,
-            at,
-            stdout: text(self.out.take()),
-            stderr: text(self.err.take()),
-        }
+        Finished { status, at, stdout: text(self.out.take()), stderr: text(self.err.take()) }
     }
 }
 
@@ -174,8 +163,7 @@ fn proc_pids() -> Vec<i32> {
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
-    rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .collect()
+    rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()
 }
 
 /// (parent pid, state letter) from /proc/PID/stat; the command name may hold spaces or parens.
@@ -190,11 +178,7 @@ fn ppid_and_state(pid: i32) -> Option<(i32, char)> {
 
 fn environ(pid: i32) -> Vec<String> {
     std::fs::read(format!("/proc/{pid}/environ"))
-        .map(|b| {
-            b.split(|&c| c == 0)
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-                .collect()
-        })
+        .map(|b| b.split(|&c| c == 0).map(|v| String::from_utf8_lossy(v).into_owned()).collect())
         .unwrap_or_default()
 }
 
@@ -206,9 +190,8 @@ pub fn rank_pids(launcher: i32) -> Vec<(u32, i32)> {
             Some((ppid, state)) if ppid == launcher && state != 'Z' => {}
             _ => continue,
         }
-        if let Some(r) = environ(pid)
-            .iter()
-            .find_map(|v| v.strip_prefix("RANK=").and_then(|r| r.parse().ok()))
+        if let Some(r) =
+            environ(pid).iter().find_map(|v| v.strip_prefix("RANK=").and_then(|r| r.parse().ok()))
         {
             out.push((r, pid));
         }
@@ -281,22 +264,14 @@ pub struct Tally {
 
 impl Tally {
     pub fn new(scenario: &str) -> Tally {
-        Tally {
-            scenario: scenario.to_string(),
-            trials: 0,
-            failures: Vec::new(),
-            extra: Vec::new(),
-        }
+        Tally { scenario: scenario.to_string(), trials: 0, failures: Vec::new(), extra: Vec::new() }
     }
 
     /// Records one trial: `Ok` passes, `Err(why)` fails with `why` (which should hold the seed).
     pub fn record(&mut self, result: Result<(), String>) {
         self.trials += 1;
         if let Err(why) = result {
-            eprintln!(
-                "reliability: {} trial {} FAILED: {why}",
-                self.scenario, self.trials
-            );
+            eprintln!("reliability: {} trial {} FAILED: {why}", self.scenario, self.trials);
             self.failures.push(why);
         }
     }
@@ -323,11 +298,7 @@ impl Tally {
         println!("{line}");
         if let Some(path) = std::env::var_os("RELIABILITY_SUMMARY") {
             use std::io::Write;
-            if let Ok(mut f) = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-            {
+            if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
                 let _ = writeln!(f, "{line}");
             }
         }
@@ -344,15 +315,11 @@ impl Tally {
 /// The model weights of a `.pt` / `.safetensors` file as (key, raw bytes), sorted by key.
 pub fn weight_bytes(path: &Path) -> Result<Vec<(String, Vec<u8>)>, String> {
     let v = tandem_ckpt::load(path).map_err(|e| format!("loading {}: {e}", path.display()))?;
-    let dict = v
-        .as_dict()
-        .ok_or_else(|| format!("{} is not a dict", path.display()))?;
+    let dict = v.as_dict().ok_or_else(|| format!("{} is not a dict", path.display()))?;
     let mut out = Vec::new();
     for (k, t) in dict {
         let k = k.as_str().ok_or("non-string key")?.to_string();
-        let t = t
-            .as_tensor()
-            .ok_or_else(|| format!("{k} is not a tensor"))?;
+        let t = t.as_tensor().ok_or_else(|| format!("{k} is not a tensor"))?;
         out.push((k, t.contiguous_bytes().into_owned()));
     }
     out.sort();
@@ -373,11 +340,7 @@ pub fn same_weights(a: &Path, b: &Path) -> Result<(), String> {
     }
     for ((kx, bx), (ky, by)) in x.iter().zip(&y) {
         if kx != ky || bx != by {
-            return Err(format!(
-                "`{kx}` differs between {} and {}",
-                a.display(),
-                b.display()
-            ));
+            return Err(format!("`{kx}` differs between {} and {}", a.display(), b.display()));
         }
     }
     Ok(())

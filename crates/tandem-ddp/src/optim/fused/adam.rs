@@ -52,7 +52,13 @@ impl AdamStep {
 /// Updates both moments in place (on the first step they are the zero tensors the tensor
 /// form starts from). Then the caller updates amsgrad's maximum ([`running_max`]) and the
 /// parameter ([`update_param`]).
-pub(crate) fn update_moments(k: AdamStep, var: &Var, grad: &Tensor, exp_avg: &Tensor, exp_avg_sq: &Tensor) -> candle_core::Result<()> {
+pub(crate) fn update_moments(
+    k: AdamStep,
+    var: &Var,
+    grad: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+) -> candle_core::Result<()> {
     let p = var.as_tensor();
     exp_avg.inplace_op3(grad, p, &FirstMoment(k))?;
     exp_avg_sq.inplace_op3(grad, p, &SecondMoment(k))
@@ -64,7 +70,12 @@ pub(crate) fn running_max(max: &Tensor, exp_avg_sq: &Tensor) -> candle_core::Res
 }
 
 /// `p = decay(p) - step_size * exp_avg / (sqrt(second) / sqrt(bc2) + eps)`.
-pub(crate) fn update_param(k: AdamStep, var: &Var, exp_avg: &Tensor, second: &Tensor) -> candle_core::Result<()> {
+pub(crate) fn update_param(
+    k: AdamStep,
+    var: &Var,
+    exp_avg: &Tensor,
+    second: &Tensor,
+) -> candle_core::Result<()> {
     var.as_tensor().inplace_op3(exp_avg, second, &ParamUpdate(k))
 }
 
@@ -75,7 +86,15 @@ impl InplaceOp3 for FirstMoment {
     fn name(&self) -> &'static str {
         "tandem-adam-exp-avg"
     }
-    fn cpu_fwd(&self, m: &mut CpuStorage, ml: &Layout, g: &CpuStorage, gl: &Layout, p: &CpuStorage, pl: &Layout) -> candle_core::Result<()> {
+    fn cpu_fwd(
+        &self,
+        m: &mut CpuStorage,
+        ml: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+        p: &CpuStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<()> {
         let k = self.0;
         let (m, g, p) = operands((m, ml, "exp_avg"), (g, gl, "gradient"), (p, pl, "parameter"))?;
         for ((m, &g), &p) in m.iter_mut().zip(g).zip(p) {
@@ -92,7 +111,15 @@ impl InplaceOp3 for SecondMoment {
     fn name(&self) -> &'static str {
         "tandem-adam-exp-avg-sq"
     }
-    fn cpu_fwd(&self, v: &mut CpuStorage, vl: &Layout, g: &CpuStorage, gl: &Layout, p: &CpuStorage, pl: &Layout) -> candle_core::Result<()> {
+    fn cpu_fwd(
+        &self,
+        v: &mut CpuStorage,
+        vl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+        p: &CpuStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<()> {
         let k = self.0;
         let (v, g, p) = operands((v, vl, "exp_avg_sq"), (g, gl, "gradient"), (p, pl, "parameter"))?;
         for ((v, &g), &p) in v.iter_mut().zip(g).zip(p) {
@@ -109,8 +136,17 @@ impl InplaceOp3 for RunningMax {
     fn name(&self) -> &'static str {
         "tandem-adam-max-exp-avg-sq"
     }
-    fn cpu_fwd(&self, mx: &mut CpuStorage, ml: &Layout, v: &CpuStorage, vl: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        let (mx, v, _) = operands((mx, ml, "max_exp_avg_sq"), (v, vl, "exp_avg_sq"), (v, vl, "exp_avg_sq"))?;
+    fn cpu_fwd(
+        &self,
+        mx: &mut CpuStorage,
+        ml: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        let (mx, v, _) =
+            operands((mx, ml, "max_exp_avg_sq"), (v, vl, "exp_avg_sq"), (v, vl, "exp_avg_sq"))?;
         // candle's `maximum`: `if a < b { b } else { a }` (NaN in `a` is kept).
         for (mx, &v) in mx.iter_mut().zip(v) {
             if *mx < v {
@@ -127,7 +163,15 @@ impl InplaceOp3 for ParamUpdate {
     fn name(&self) -> &'static str {
         "tandem-adam-param"
     }
-    fn cpu_fwd(&self, p: &mut CpuStorage, pl: &Layout, m: &CpuStorage, ml: &Layout, s: &CpuStorage, sl: &Layout) -> candle_core::Result<()> {
+    fn cpu_fwd(
+        &self,
+        p: &mut CpuStorage,
+        pl: &Layout,
+        m: &CpuStorage,
+        ml: &Layout,
+        s: &CpuStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<()> {
         let k = self.0;
         let (p, m, s) = operands((p, pl, "parameter"), (m, ml, "exp_avg"), (s, sl, "exp_avg_sq"))?;
         for ((p, &m), &s) in p.iter_mut().zip(m).zip(s) {

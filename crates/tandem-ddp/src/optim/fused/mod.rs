@@ -20,19 +20,31 @@ pub(super) fn aff(x: f32, mul: f32) -> f32 {
 }
 
 /// Whether the fused path applies: f32 parameter, gradient and state, all on the CPU.
-pub(crate) fn applies<'a>(var: &Var, grad: &Tensor, state: impl IntoIterator<Item = &'a Tensor>) -> bool {
+pub(crate) fn applies<'a>(
+    var: &Var,
+    grad: &Tensor,
+    state: impl IntoIterator<Item = &'a Tensor>,
+) -> bool {
     let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
     cpu_f32(var.as_tensor()) && cpu_f32(grad) && state.into_iter().all(cpu_f32)
 }
 
-pub(super) fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+pub(super) fn slice<'a>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<&'a [f32]> {
     match (s, l.contiguous_offsets()) {
         (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
         _ => candle_core::bail!("fused optimizer step: {what} is not a contiguous f32 tensor"),
     }
 }
 
-pub(super) fn slice_mut<'a>(s: &'a mut CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a mut [f32]> {
+pub(super) fn slice_mut<'a>(
+    s: &'a mut CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<&'a mut [f32]> {
     match (s, l.contiguous_offsets()) {
         (CpuStorage::F32(v), Some((a, b))) => Ok(&mut v[a..b]),
         _ => candle_core::bail!("fused optimizer step: {what} is not a contiguous f32 tensor"),
@@ -48,8 +60,15 @@ pub(super) fn operands<'a>(
     let (x, y) = (slice(a.0, a.1, a.2)?, slice(b.0, b.1, b.2)?);
     let d = slice_mut(dst.0, dst.1, dst.2)?;
     if d.len() != x.len() || y.len() != x.len() {
-        candle_core::bail!("fused optimizer step: {} ({}), {} ({}) and {} ({}) differ in size", dst.2, d.len(), a.2, x.len(), b.2, y.len())
+        candle_core::bail!(
+            "fused optimizer step: {} ({}), {} ({}) and {} ({}) differ in size",
+            dst.2,
+            d.len(),
+            a.2,
+            x.len(),
+            b.2,
+            y.len()
+        )
     }
     Ok((d, x, y))
 }
-

@@ -90,7 +90,8 @@ impl InplaceOp3 for MomentumUpdate {
         pl: &Layout,
     ) -> candle_core::Result<()> {
         let k = self.0;
-        let (b, g, p) = operands((b, bl, "momentum buffer"), (g, gl, "gradient"), (p, pl, "parameter"))?;
+        let (b, g, p) =
+            operands((b, bl, "momentum buffer"), (g, gl, "gradient"), (p, pl, "parameter"))?;
         for ((b, &g), &p) in b.iter_mut().zip(g).zip(p) {
             let d = k.d(g, p);
             *b = match k.keep {
@@ -119,7 +120,8 @@ impl InplaceOp3 for ParamUpdate {
         bl: &Layout,
     ) -> candle_core::Result<()> {
         let k = self.0;
-        let (p, g, b) = operands((p, pl, "parameter"), (g, gl, "gradient"), (b, bl, "momentum buffer"))?;
+        let (p, g, b) =
+            operands((p, pl, "parameter"), (g, gl, "gradient"), (b, bl, "momentum buffer"))?;
         for ((p, &g), &b) in p.iter_mut().zip(g).zip(b) {
             let step = match (k.use_buf, k.nesterov) {
                 (false, _) => k.d(g, *p),

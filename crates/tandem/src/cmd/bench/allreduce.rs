@@ -39,9 +39,7 @@ fn parse_size(s: &str) -> anyhow::Result<usize> {
         Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    let n: usize = num
-        .parse()
-        .with_context(|| format!("--sizes: cannot parse {s:?}"))?;
+    let n: usize = num.parse().with_context(|| format!("--sizes: cannot parse {s:?}"))?;
     let bytes = n * mult;
     if !bytes.is_multiple_of(4) || bytes == 0 {
         bail!("--sizes: {s} is not a positive multiple of 4 bytes (the benchmark uses f32)");
@@ -89,11 +87,7 @@ fn worker(args: &Args, sizes: &[usize]) -> anyhow::Result<i32> {
         let mut med = [median(times)];
         pg.all_reduce(&mut med, ReduceOp::Max)?;
         if pg.rank() == 0 {
-            println!(
-                "RESULT {bytes} {} {iters} {:?}",
-                med[0],
-                pg.transport().map(|t| t.name())
-            );
+            println!("RESULT {bytes} {} {iters} {:?}", med[0], pg.transport().map(|t| t.name()));
         }
     }
     pg.barrier()?;
@@ -101,11 +95,7 @@ fn worker(args: &Args, sizes: &[usize]) -> anyhow::Result<i32> {
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
-    let sizes = args
-        .sizes
-        .split(',')
-        .map(parse_size)
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let sizes = args.sizes.split(',').map(parse_size).collect::<anyhow::Result<Vec<_>>>()?;
     if args.worker {
         return worker(&args, &sizes);
     }
@@ -113,18 +103,20 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         bail!("--nproc must be at least 1");
     }
     // memcpy reference, measured here before the ranks start (no competition for cores).
-    let memcpy: Vec<f64> = sizes
-        .iter()
-        .map(|&b| b as f64 / memcpy_seconds(b, iterations(b, 0.2)))
-        .collect();
+    let memcpy: Vec<f64> =
+        sizes.iter().map(|&b| b as f64 / memcpy_seconds(b, iterations(b, 0.2))).collect();
 
     let args_vec = ["bench", "allreduce", "--worker", "--sizes", &args.sizes, "--seconds-per-size"]
         .iter()
         .map(|s| s.to_string())
         .chain([args.seconds_per_size.to_string()])
         .collect::<Vec<_>>();
-    let (mut ranks, stdout) =
-        LocalRanks::spawn(args.nproc, "bench-allreduce", &args_vec, &[("TANDEM_TRANSPORT", args.backend.clone())])?;
+    let (mut ranks, stdout) = LocalRanks::spawn(
+        args.nproc,
+        "bench-allreduce",
+        &args_vec,
+        &[("TANDEM_TRANSPORT", args.backend.clone())],
+    )?;
     let n = args.nproc as f64;
     let mut seen = 0;
     if !args.json {
@@ -154,11 +146,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
             .trim_end_matches(')')
             .trim_matches('"');
         let algbw = bytes as f64 / secs / 1e9;
-        let busbw = if args.nproc > 1 {
-            algbw * 2.0 * (n - 1.0) / n
-        } else {
-            0.0
-        };
+        let busbw = if args.nproc > 1 { algbw * 2.0 * (n - 1.0) / n } else { 0.0 };
         let mem = memcpy
             .get(sizes.iter().position(|&s| s == bytes).unwrap_or(0))
             .copied()
@@ -188,10 +176,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     }
     let failed = !ranks.reap(Duration::from_secs(60), false)?;
     if failed || seen != sizes.len() {
-        bail!(
-            "benchmark incomplete: {seen} of {} sizes reported",
-            sizes.len()
-        );
+        bail!("benchmark incomplete: {seen} of {} sizes reported", sizes.len());
     }
     Ok(0)
 }

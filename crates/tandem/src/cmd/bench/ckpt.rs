@@ -36,7 +36,9 @@ fn find_python(explicit: Option<PathBuf>) -> Option<PathBuf> {
     c.extend(std::env::var_os("TANDEM_PYTHON").map(PathBuf::from));
     c.push(PathBuf::from(".venv-torch/bin/python"));
     c.push(PathBuf::from("python3"));
-    c.into_iter().find(|p| Command::new(p).args(["-c", "import torch"]).output().is_ok_and(|o| o.status.success()))
+    c.into_iter().find(|p| {
+        Command::new(p).args(["-c", "import torch"]).output().is_ok_and(|o| o.status.success())
+    })
 }
 
 fn state_dict(total: usize, n: usize) -> Value {
@@ -143,7 +145,12 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 
 fn run(args: &Args, dir: &Path) -> anyhow::Result<i32> {
     let total = args.size_mib << 20;
-    eprintln!("building a {} MiB state dict of {} f32 tensors in {}", args.size_mib, args.tensors, dir.display());
+    eprintln!(
+        "building a {} MiB state dict of {} f32 tensors in {}",
+        args.size_mib,
+        args.tensors,
+        dir.display()
+    );
     let sd = state_dict(total, args.tensors);
     let bytes = total as f64;
     let (pt, st, ddf) = (dir.join("tandem.pt"), dir.join("tandem.safetensors"), dir.join("dd.bin"));
@@ -185,7 +192,10 @@ fn run(args: &Args, dir: &Path) -> anyhow::Result<i32> {
         torch_rows.push(("torch.save + fsync", s));
         torch_rows.push(("torch.load(mmap=True)", l));
     }
-    println!("checkpoint of {} MiB ({} tensors), {} runs; throughput in MiB/s", args.size_mib, args.tensors, args.repeat);
+    println!(
+        "checkpoint of {} MiB ({} tensors), {} runs; throughput in MiB/s",
+        args.size_mib, args.tensors, args.repeat
+    );
     println!("{:<28} {:>10} {:>10}", "", "min", "median");
     let mut med = std::collections::HashMap::new();
     for (name, v) in rows.iter().chain(torch_rows.iter()) {

@@ -84,7 +84,13 @@ fn batch(kind: &str, n: usize, seed: u64) -> anyhow::Result<(Tensor, Tensor)> {
     let dev = Device::Cpu;
     let x = Tensor::randn(0f32, 1.0, n * 784, &dev)?;
     let x = if kind == "mlp" { x.reshape((n, 784))? } else { x.reshape((n, 1, 28, 28))? };
-    let y = Tensor::from_vec((0..n as u32).map(|i| (i.wrapping_mul(7).wrapping_add(seed as u32)) % 10).collect::<Vec<u32>>(), n, &dev)?;
+    let y = Tensor::from_vec(
+        (0..n as u32)
+            .map(|i| (i.wrapping_mul(7).wrapping_add(seed as u32)) % 10)
+            .collect::<Vec<u32>>(),
+        n,
+        &dev,
+    )?;
     Ok((x, y))
 }
 
@@ -126,11 +132,18 @@ fn sgd(params: Vec<candle_core::Var>) -> anyhow::Result<Sgd> {
     Ok(Sgd::new(params, SgdConfig { lr: SGD_LR, ..Default::default() })?)
 }
 
-fn trainer(kind: &str, comm: Option<&tandem_comm::ProcessGroup>) -> anyhow::Result<Box<dyn Trainer>> {
+fn trainer(
+    kind: &str,
+    comm: Option<&tandem_comm::ProcessGroup>,
+) -> anyhow::Result<Box<dyn Trainer>> {
     let opts = DdpOptions::default();
     Ok(match (Net::new(kind)?, comm) {
-        (Net::Mlp(m), None) => Box::new(Plain { opt: sgd(m.params().vars())?, model: m, loss: Mlp::loss }),
-        (Net::Cnn(m), None) => Box::new(Plain { opt: sgd(m.params().vars())?, model: m, loss: Cnn::loss }),
+        (Net::Mlp(m), None) => {
+            Box::new(Plain { opt: sgd(m.params().vars())?, model: m, loss: Mlp::loss })
+        }
+        (Net::Cnn(m), None) => {
+            Box::new(Plain { opt: sgd(m.params().vars())?, model: m, loss: Cnn::loss })
+        }
         (Net::Mlp(m), Some(pg)) => {
             let ddp = Ddp::new(m, pg, opts)?;
             Box::new(Wrapped { opt: sgd(ddp.params().vars())?, ddp, loss: Mlp::loss })
@@ -143,7 +156,13 @@ fn trainer(kind: &str, comm: Option<&tandem_comm::ProcessGroup>) -> anyhow::Resu
 }
 
 /// Seconds for `steps` steps (after the warm-up steps).
-fn timed(t: &mut dyn Trainer, x: &Tensor, y: &Tensor, steps: usize, sync: &dyn Fn() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+fn timed(
+    t: &mut dyn Trainer,
+    x: &Tensor,
+    y: &Tensor,
+    steps: usize,
+    sync: &dyn Fn() -> anyhow::Result<()>,
+) -> anyhow::Result<f64> {
     sync()?;
     let start = Instant::now();
     for _ in 0..steps {
@@ -208,18 +227,33 @@ fn single_process(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
 fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let threads = (cores / args.nproc).max(1);
-    let mut worker_args: Vec<String> = ["bench", "ddp", "--worker", "--model", &args.model].iter().map(|s| s.to_string()).collect();
-    worker_args.extend(["--batch".into(), args.batch.to_string(), "--steps".into(), args.steps.to_string(), "--rounds".into(), "1".into()]);
+    let mut worker_args: Vec<String> = ["bench", "ddp", "--worker", "--model", &args.model]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    worker_args.extend([
+        "--batch".into(),
+        args.batch.to_string(),
+        "--steps".into(),
+        args.steps.to_string(),
+        "--rounds".into(),
+        "1".into(),
+    ]);
     if local_only {
         worker_args.push("--local-only".into());
     }
-    let (mut ranks, stdout) =
-        LocalRanks::spawn(args.nproc, "bench-ddp", &worker_args, &[("RAYON_NUM_THREADS", Some(threads.to_string()))])?;
+    let (mut ranks, stdout) = LocalRanks::spawn(
+        args.nproc,
+        "bench-ddp",
+        &worker_args,
+        &[("RAYON_NUM_THREADS", Some(threads.to_string()))],
+    )?;
     // Read rank 0's answer on a thread so a stuck world cannot hang us past the deadline.
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(v) = line.strip_prefix("RESULT ").and_then(|v| v.trim().parse::<f64>().ok()) {
+            if let Some(v) = line.strip_prefix("RESULT ").and_then(|v| v.trim().parse::<f64>().ok())
+            {
                 let _ = tx.send(v);
             }
         }
@@ -229,7 +263,9 @@ fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
     let failed = !ranks.reap(Duration::from_secs(30), result.is_none())?;
     match result {
         Some(v) if !failed => Ok(v),
-        _ => bail!("the {}-rank Ddp run did not complete (see the ranks' errors above)", args.nproc),
+        _ => {
+            bail!("the {}-rank Ddp run did not complete (see the ranks' errors above)", args.nproc)
+        }
     }
 }
 
@@ -237,14 +273,20 @@ fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
 fn torch_peer(args: &Args, python: &PathBuf) -> anyhow::Result<f64> {
     let out = Command::new(python)
         .arg(&args.torch_script)
-        .args([args.nproc.to_string(), args.steps.to_string(), (args.batch / args.nproc).to_string()])
+        .args([
+            args.nproc.to_string(),
+            args.steps.to_string(),
+            (args.batch / args.nproc).to_string(),
+        ])
         .stderr(Stdio::inherit())
         .output()
         .with_context(|| format!("running {} {}", python.display(), args.torch_script.display()))?;
     let text = String::from_utf8_lossy(&out.stdout);
     text.split_whitespace()
         .find_map(|w| w.strip_prefix("samples/s=").and_then(|v| v.parse::<f64>().ok()))
-        .with_context(|| format!("{}: no samples/s in its output: {text:?}", args.torch_script.display()))
+        .with_context(|| {
+            format!("{}: no samples/s in its output: {text:?}", args.torch_script.display())
+        })
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
@@ -302,8 +344,18 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         cores
     );
     println!("{:<28} {:>5} {:>10} {:>11}  note", "config", "ranks", "batch/rank", "samples/s");
-    println!("{:<28} {:>5} {:>10} {:>11.0}  reference", "plain (one process)", 1, args.batch, plain);
-    println!("{:<28} {:>5} {:>10} {:>11.0}  overhead {:+.1}%", "tandem Ddp", 1, args.batch, ddp1, overhead * 100.0);
+    println!(
+        "{:<28} {:>5} {:>10} {:>11.0}  reference",
+        "plain (one process)", 1, args.batch, plain
+    );
+    println!(
+        "{:<28} {:>5} {:>10} {:>11.0}  overhead {:+.1}%",
+        "tandem Ddp",
+        1,
+        args.batch,
+        ddp1,
+        overhead * 100.0
+    );
     println!(
         "{:<28} {:>5} {:>10} {:>11.0}  scaling efficiency {:.2} (vs plain, same cores)",
         "tandem Ddp",

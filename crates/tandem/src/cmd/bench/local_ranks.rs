@@ -24,7 +24,8 @@ impl LocalRanks {
         args: &[S],
         env: &[(&str, Option<String>)],
     ) -> anyhow::Result<(LocalRanks, ChildStdout)> {
-        let port = tandem_launch::pick_master_port().context("picking a port for rank 0's store")?;
+        let port =
+            tandem_launch::pick_master_port().context("picking a port for rank 0's store")?;
         let exe = std::env::current_exe().context("locating the tandem executable")?;
         let mut ranks = LocalRanks { children: Vec::with_capacity(nproc) };
         for rank in 0..nproc {

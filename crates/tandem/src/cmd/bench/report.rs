@@ -109,11 +109,16 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     }
     // Absolute paths, as some benches run in a scratch directory; not canonicalized, as a venv's
     // python is a symlink that only works under its own name.
-    let candidates: Vec<PathBuf> =
-        candidates.into_iter().map(|p| if p.components().count() > 1 { std::path::absolute(&p).unwrap_or(p) } else { p }).collect();
+    let candidates: Vec<PathBuf> = candidates
+        .into_iter()
+        .map(|p| if p.components().count() > 1 { std::path::absolute(&p).unwrap_or(p) } else { p })
+        .collect();
     let mut torch = torch::find(&candidates);
     if torch.is_ok() && !peers.join("torch_ddp_step.py").is_file() {
-        torch = Err(format!("torch found, but the peer scripts are not in {} (--peers)", peers.display()));
+        torch = Err(format!(
+            "torch found, but the peer scripts are not in {} (--peers)",
+            peers.display()
+        ));
     }
     match &torch {
         Ok(t) => eprintln!("report: PyTorch {} from {}", t.version, t.python.display()),
@@ -142,7 +147,11 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         machine: &machine,
         load_before,
         load_after,
-        torch: ctx.torch.as_ref().map(|t| (t.version.clone(), t.python.display().to_string())).map_err(Clone::clone),
+        torch: ctx
+            .torch
+            .as_ref()
+            .map(|t| (t.version.clone(), t.python.display().to_string()))
+            .map_err(Clone::clone),
         release_build: !cfg!(debug_assertions),
         repeats: plan.repeats,
         quick: args.quick,
@@ -158,7 +167,8 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         retries: &ctx.retries,
     };
     let md = out.join("BENCHMARKS.md");
-    std::fs::write(&md, markdown::render(&report)).with_context(|| format!("writing {}", md.display()))?;
+    std::fs::write(&md, markdown::render(&report))
+        .with_context(|| format!("writing {}", md.display()))?;
     plots::allreduce(&allreduce, plan.allreduce_nproc, &out.join("allreduce_busbw.png"))?;
     plots::ddp(&ddp, &out.join("ddp_samples_per_s.png"))?;
     plots::ckpt(&ckpt, &out.join("ckpt_throughput.png"))?;
@@ -166,7 +176,11 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     if ctx.failures.is_empty() {
         Ok(0)
     } else {
-        eprintln!("report: {} measurement(s) failed; see the Failures section of {}", ctx.failures.len(), md.display());
+        eprintln!(
+            "report: {} measurement(s) failed; see the Failures section of {}",
+            ctx.failures.len(),
+            md.display()
+        );
         Ok(1)
     }
 }

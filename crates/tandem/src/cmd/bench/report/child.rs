@@ -28,7 +28,11 @@ pub fn stdout_of(cmd: &mut Command, limit: Duration, what: &str) -> anyhow::Resu
 }
 
 /// (stdout, stderr) of `cmd` when it exits 0 within `limit`; as `stdout_of` otherwise.
-pub fn output_of(cmd: &mut Command, limit: Duration, what: &str) -> anyhow::Result<(String, String)> {
+pub fn output_of(
+    cmd: &mut Command,
+    limit: Duration,
+    what: &str,
+) -> anyhow::Result<(String, String)> {
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
     let mut child = match cmd.spawn() {
         Ok(c) => c,
@@ -72,7 +76,9 @@ pub fn output_of(cmd: &mut Command, limit: Duration, what: &str) -> anyhow::Resu
     let stdout = out_t.join().unwrap_or_default();
     let stderr = err_t.join().unwrap_or_default();
     match status {
-        None => bail!("{what}: no result within {} s (killed)\n{}", limit.as_secs(), tail(&stderr, 15)),
+        None => {
+            bail!("{what}: no result within {} s (killed)\n{}", limit.as_secs(), tail(&stderr, 15))
+        }
         Some(st) if !st.success() => bail!("{what}: exited with {st}\n{}", tail(&stderr, 15)),
         Some(_) => Ok((stdout, stderr)),
     }

@@ -18,7 +18,9 @@ impl Machine {
         let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
         let cpu_model = cpuinfo
             .lines()
-            .find(|l| l.starts_with("model name") || l.starts_with("Model") || l.starts_with("Hardware"))
+            .find(|l| {
+                l.starts_with("model name") || l.starts_with("Model") || l.starts_with("Hardware")
+            })
             .and_then(|l| l.split_once(':'))
             .map(|(_, v)| v.trim().to_string())
             .unwrap_or_else(|| "unknown".into());
@@ -26,14 +28,27 @@ impl Machine {
         let memory = std::fs::read_to_string("/proc/meminfo")
             .ok()
             .and_then(|m| {
-                let kib: f64 = m.lines().find(|l| l.starts_with("MemTotal:"))?.split_whitespace().nth(1)?.parse().ok()?;
+                let kib: f64 = m
+                    .lines()
+                    .find(|l| l.starts_with("MemTotal:"))?
+                    .split_whitespace()
+                    .nth(1)?
+                    .parse()
+                    .ok()?;
                 Some(format!("{:.1} GiB", kib / (1u64 << 20) as f64))
             })
             .unwrap_or_else(|| "unknown".into());
         let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|s| format!("Linux {}", s.trim()))
             .unwrap_or_else(|_| std::env::consts::OS.into());
-        Machine { cpu_model, cores, memory, kernel, date_utc: now_utc(), git_commit: git_commit(repo) }
+        Machine {
+            cpu_model,
+            cores,
+            memory,
+            kernel,
+            date_utc: now_utc(),
+            git_commit: git_commit(repo),
+        }
     }
 }
 
@@ -58,7 +73,8 @@ fn git_commit(repo: &Path) -> String {
     };
     match run(&["rev-parse", "--short=12", "HEAD"]) {
         Some(c) => {
-            let dirty = run(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+            let dirty = run(&["status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty());
             if dirty {
                 format!("{c} (with uncommitted changes)")
             } else {
@@ -71,7 +87,8 @@ fn git_commit(repo: &Path) -> String {
 
 /// "YYYY-MM-DD HH:MM UTC" from the system clock (civil-from-days, proleptic Gregorian).
 fn now_utc() -> String {
-    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
+    let secs =
+        SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     let (y, m, d) = civil_from_days(days);
     format!("{y:04}-{m:02}-{d:02} {:02}:{:02} UTC", rem / 3600, rem % 3600 / 60)

@@ -51,14 +51,26 @@ fn table(out: &mut String, t: &Table) {
                 row.over_reference().map(ratio).unwrap_or_else(|| "n/a".into()),
                 row.over_torch().map(ratio).unwrap_or_else(|| "–".into()),
             ),
-            Figure::Missing(why) => writeln!(out, "| {} | {} | {} | – | – | {reference} | – | – |", row.case, row.contender, why.replace('|', "/")),
+            Figure::Missing(why) => writeln!(
+                out,
+                "| {} | {} | {} | – | – | {reference} | – | – |",
+                row.case,
+                row.contender,
+                why.replace('|', "/")
+            ),
         };
     }
     out.push('\n');
 }
 
 /// "12.3 GB/s = 0.95× memcpy, 2.10× gloo" for the headline, or why it is missing.
-fn headline(row: Option<&Row>, unit: &str, reference: &str, torch: &str, torch_missing: bool) -> String {
+fn headline(
+    row: Option<&Row>,
+    unit: &str,
+    reference: &str,
+    torch: &str,
+    torch_missing: bool,
+) -> String {
     let Some(row) = row else { return "not measured".into() };
     match &row.figure {
         Figure::Missing(why) => why.clone(),
@@ -71,7 +83,9 @@ fn headline(row: Option<&Row>, unit: &str, reference: &str, torch: &str, torch_m
                 Some(t) => {
                     let _ = write!(h, ", {}× {torch}", ratio(t));
                 }
-                None if torch_missing => h.push_str(&format!(" ({torch}: {})", super::torch::UNAVAILABLE)),
+                None if torch_missing => {
+                    h.push_str(&format!(" ({torch}: {})", super::torch::UNAVAILABLE))
+                }
                 None => h.push_str(&format!(" ({torch}: not measured)")),
             }
             h
@@ -84,7 +98,9 @@ fn noise(out: &mut String, name: &str, t: &Table) {
         .rows
         .iter()
         .filter_map(|r| match &r.figure {
-            Figure::Measured(s) if s.runs > 1 => Some((s.spread(), format!("{} {}", r.contender, r.case))),
+            Figure::Measured(s) if s.runs > 1 => {
+                Some((s.spread(), format!("{} {}", r.contender, r.case)))
+            }
             _ => None,
         })
         .filter(|(s, _)| s.is_finite())
@@ -96,7 +112,13 @@ fn noise(out: &mut String, name: &str, t: &Table) {
     spreads.sort_by(|a, b| a.0.total_cmp(&b.0));
     let median = spreads[spreads.len() / 2].0;
     let (worst, which) = spreads.last().cloned().unwrap_or_default();
-    let _ = writeln!(out, "| {name} | {} | {:.0}% | {:.0}% ({which}) |", spreads.len(), median * 100.0, worst * 100.0);
+    let _ = writeln!(
+        out,
+        "| {name} | {} | {:.0}% | {:.0}% ({which}) |",
+        spreads.len(),
+        median * 100.0,
+        worst * 100.0
+    );
 }
 
 pub fn render(r: &Report) -> String {
@@ -124,22 +146,63 @@ pub fn render(r: &Report) -> String {
 
     let _ = writeln!(out, "## Headline\n");
     let nt = r.torch.is_err();
-    let big = r.allreduce.rows.iter().filter(|x| x.contender == "tandem shm").map(|x| x.case.clone()).next_back();
+    let big = r
+        .allreduce
+        .rows
+        .iter()
+        .filter(|x| x.contender == "tandem shm")
+        .map(|x| x.case.clone())
+        .next_back();
     if let Some(case) = big {
         let shm = r.allreduce.find(&case, "tandem shm");
         let tcp = r.allreduce.find(&case, "tandem tcp");
-        let _ = writeln!(out, "- all_reduce {case}, {} ranks, tandem shm busbw: {}", r.allreduce_nproc, headline(shm, "GB/s", "memcpy", "gloo", nt));
-        let _ = writeln!(out, "- all_reduce {case}, {} ranks, tandem tcp busbw: {}", r.allreduce_nproc, headline(tcp, "GB/s", "memcpy", "gloo", nt));
+        let _ = writeln!(
+            out,
+            "- all_reduce {case}, {} ranks, tandem shm busbw: {}",
+            r.allreduce_nproc,
+            headline(shm, "GB/s", "memcpy", "gloo", nt)
+        );
+        let _ = writeln!(
+            out,
+            "- all_reduce {case}, {} ranks, tandem tcp busbw: {}",
+            r.allreduce_nproc,
+            headline(tcp, "GB/s", "memcpy", "gloo", nt)
+        );
     }
     for row in r.ddp.rows.iter().filter(|x| x.contender == "tandem Ddp") {
-        let _ = writeln!(out, "- DDP training, {}: {}", row.case, headline(Some(row), "samples/s", "plain", "PyTorch DDP", nt));
+        let _ = writeln!(
+            out,
+            "- DDP training, {}: {}",
+            row.case,
+            headline(Some(row), "samples/s", "plain", "PyTorch DDP", nt)
+        );
     }
-    let _ = writeln!(out, "- checkpoint save, tandem .pt: {}", headline(r.ckpt.find("save", "tandem .pt"), "GB/s", "dd", "torch.save", nt));
-    let _ = writeln!(out, "- checkpoint load, tandem .pt (read, every byte): {}", headline(r.ckpt.find("load", "tandem .pt (read)"), "GB/s", "dd", "torch.load(mmap=True)", nt));
+    let _ = writeln!(
+        out,
+        "- checkpoint save, tandem .pt: {}",
+        headline(r.ckpt.find("save", "tandem .pt"), "GB/s", "dd", "torch.save", nt)
+    );
+    let _ = writeln!(
+        out,
+        "- checkpoint load, tandem .pt (read, every byte): {}",
+        headline(
+            r.ckpt.find("load", "tandem .pt (read)"),
+            "GB/s",
+            "dd",
+            "torch.load(mmap=True)",
+            nt
+        )
+    );
     let _ = writeln!(
         out,
         "- checkpoint load, tandem .pt (mmap; tensor bytes are read on first use): {}",
-        headline(r.ckpt.find("load", "tandem .pt (mmap)"), "GB/s", "dd", "torch.load(mmap=True)", nt)
+        headline(
+            r.ckpt.find("load", "tandem .pt (mmap)"),
+            "GB/s",
+            "dd",
+            "torch.load(mmap=True)",
+            nt
+        )
     );
     out.push('\n');
     let _ = writeln!(out, "![all_reduce busbw vs message size](allreduce_busbw.png)\n");
@@ -153,10 +216,16 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(out, "| load average (1/5/15 min) after | {} |", r.load_after);
     let _ = writeln!(out, "| date | {} |", m.date_utc);
     let _ = writeln!(out, "| git commit | {} |", m.git_commit);
-    let _ = writeln!(out, "| tandem build | {} |", if r.release_build { "release" } else { "debug (not representative)" });
+    let _ = writeln!(
+        out,
+        "| tandem build | {} |",
+        if r.release_build { "release" } else { "debug (not representative)" }
+    );
     let _ = match &r.torch {
         Ok((version, python)) => writeln!(out, "| PyTorch | {version} (`{python}`) |"),
-        Err(why) => writeln!(out, "| PyTorch | {} ({}) |", super::torch::UNAVAILABLE, why.replace('|', "/")),
+        Err(why) => {
+            writeln!(out, "| PyTorch | {} ({}) |", super::torch::UNAVAILABLE, why.replace('|', "/"))
+        }
     };
     let _ = writeln!(out, "| repeats per measurement | {} |", r.repeats);
     let _ = writeln!(out, "| wall time of the report | {:.0} s |\n", r.wall_s);
@@ -167,7 +236,8 @@ pub fn render(r: &Report) -> String {
         "How far repeated runs of the same measurement landed apart: spread = (max − min) / median per figure. \
          A load average above the core count means other work competed for the CPU.\n"
     );
-    let _ = writeln!(out, "| section | figures | median spread | widest spread |\n|---|--:|--:|---|");
+    let _ =
+        writeln!(out, "| section | figures | median spread | widest spread |\n|---|--:|--:|---|");
     noise(&mut out, "all_reduce", r.allreduce);
     noise(&mut out, "DDP", r.ddp);
     noise(&mut out, "checkpoint", r.ckpt);

@@ -41,7 +41,10 @@ pub struct Ctx {
 }
 
 /// Runs a PyTorch peer measurement, once more if the first try fails.
-fn retry_once<T>(retries: &mut Vec<String>, mut f: impl FnMut() -> anyhow::Result<T>) -> anyhow::Result<T> {
+fn retry_once<T>(
+    retries: &mut Vec<String>,
+    mut f: impl FnMut() -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
     f().or_else(|e| {
         let first = format!("{e:#}").lines().next().unwrap_or_default().to_string();
         eprintln!("report: {e:#}\nreport: retrying once");
@@ -91,16 +94,32 @@ pub fn allreduce(ctx: &mut Ctx, plan: &Plan) -> Table {
     let mut memcpy: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
     let mut gloo: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
     let mut err: BTreeMap<&str, String> = BTreeMap::new();
-    let gloo_sizes: Vec<usize> = plan.allreduce_sizes.iter().copied().filter(|s| s % MIB == 0).collect();
+    let gloo_sizes: Vec<usize> =
+        plan.allreduce_sizes.iter().copied().filter(|s| s % MIB == 0).collect();
     for rep in 0..plan.repeats {
         for backend in ["tcp", "shm"] {
             eprintln!("report: all_reduce {backend}, run {}/{}", rep + 1, plan.repeats);
             let args = [
-                "allreduce", "--nproc", &plan.allreduce_nproc.to_string(), "--sizes", &sizes, "--backend", backend,
-                "--json", "--seconds-per-size", &plan.seconds_per_size.to_string(),
+                "allreduce",
+                "--nproc",
+                &plan.allreduce_nproc.to_string(),
+                "--sizes",
+                &sizes,
+                "--backend",
+                backend,
+                "--json",
+                "--seconds-per-size",
+                &plan.seconds_per_size.to_string(),
             ]
             .map(String::from);
-            match ctx.tandem(&args, Duration::from_secs(600), &format!("tandem bench allreduce --backend {backend}")).and_then(|o| parse_allreduce(&o)) {
+            match ctx
+                .tandem(
+                    &args,
+                    Duration::from_secs(600),
+                    &format!("tandem bench allreduce --backend {backend}"),
+                )
+                .and_then(|o| parse_allreduce(&o))
+            {
                 Ok(rows) => {
                     for (size, busbw, mem) in rows {
                         bus.entry((backend, size)).or_default().push(busbw);
@@ -117,11 +136,18 @@ pub fn allreduce(ctx: &mut Ctx, plan: &Plan) -> Table {
             let (python, version) = (t.python.clone(), t.version.clone());
             let t = Torch { python, version };
             for &size in &gloo_sizes {
-                eprintln!("report: all_reduce gloo {}, run {}/{}", size_label(size), rep + 1, plan.repeats);
+                eprintln!(
+                    "report: all_reduce gloo {}, run {}/{}",
+                    size_label(size),
+                    rep + 1,
+                    plan.repeats
+                );
                 // About half a second of all_reduce at gloo's usual ~1 GB/s.
                 let iters = ((0.5e9 / size as f64) as usize).clamp(5, 200);
                 let peers = ctx.peers.clone();
-                match retry_once(&mut ctx.retries, || torch::gloo_busbw(&t, &peers, plan.allreduce_nproc, size / MIB, iters)) {
+                match retry_once(&mut ctx.retries, || {
+                    torch::gloo_busbw(&t, &peers, plan.allreduce_nproc, size / MIB, iters)
+                }) {
                     Ok(v) => gloo.entry(size).or_default().push(v),
                     Err(e) => {
                         let why = ctx.note(e);
@@ -137,11 +163,16 @@ pub fn allreduce(ctx: &mut Ctx, plan: &Plan) -> Table {
     };
     let mut rows = Vec::new();
     for &size in &plan.allreduce_sizes {
-        let reference = memcpy.get(&size).map(|v| Figure::from_samples(v, String::new)).and_then(|f| f.median());
+        let reference = memcpy
+            .get(&size)
+            .map(|v| Figure::from_samples(v, String::new))
+            .and_then(|f| f.median());
         let gloo_fig = match (&torch_missing, gloo.get(&size)) {
             (Some(why), _) => Figure::Missing(why.clone()),
             (None, Some(v)) => Figure::from_samples(v, String::new),
-            (None, None) if size % MIB != 0 => Figure::Missing("not measured (the gloo peer takes whole MiB)".into()),
+            (None, None) if size % MIB != 0 => {
+                Figure::Missing("not measured (the gloo peer takes whole MiB)".into())
+            }
             (None, None) => Figure::Missing(missing_reason(&err.get("gloo").cloned(), "failed")),
         };
         let torch = gloo_fig.median();
@@ -153,10 +184,24 @@ pub fn allreduce(ctx: &mut Ctx, plan: &Plan) -> Table {
             reference,
             torch,
         };
-        let memcpy_fig = Figure::from_samples(memcpy.get(&size).map(Vec::as_slice).unwrap_or(&[]), || "failed (no run completed)".into());
-        let tcp = Figure::from_samples(bus.get(&("tcp", size)).map(Vec::as_slice).unwrap_or(&[]), || missing_reason(&err.get("tcp").cloned(), "failed"));
-        let shm = Figure::from_samples(bus.get(&("shm", size)).map(Vec::as_slice).unwrap_or(&[]), || missing_reason(&err.get("shm").cloned(), "failed"));
-        let r = [row("memcpy", memcpy_fig, None), row("tandem tcp", tcp, torch), row("tandem shm", shm, torch), row("gloo (PyTorch)", gloo_fig, None)];
+        let memcpy_fig =
+            Figure::from_samples(memcpy.get(&size).map(Vec::as_slice).unwrap_or(&[]), || {
+                "failed (no run completed)".into()
+            });
+        let tcp =
+            Figure::from_samples(bus.get(&("tcp", size)).map(Vec::as_slice).unwrap_or(&[]), || {
+                missing_reason(&err.get("tcp").cloned(), "failed")
+            });
+        let shm =
+            Figure::from_samples(bus.get(&("shm", size)).map(Vec::as_slice).unwrap_or(&[]), || {
+                missing_reason(&err.get("shm").cloned(), "failed")
+            });
+        let r = [
+            row("memcpy", memcpy_fig, None),
+            row("tandem tcp", tcp, torch),
+            row("tandem shm", shm, torch),
+            row("gloo (PyTorch)", gloo_fig, None),
+        ];
         rows.extend(r);
     }
     Table { unit: "busbw GB/s", reference_name: "memcpy", rows }
@@ -166,7 +211,8 @@ pub fn allreduce(ctx: &mut Ctx, plan: &Plan) -> Table {
 fn parse_allreduce(out: &str) -> anyhow::Result<Vec<(usize, f64, f64)>> {
     let mut rows = Vec::new();
     for line in out.lines().filter(|l| l.trim_start().starts_with('{')) {
-        let j: serde_json::Value = serde_json::from_str(line).with_context(|| format!("bench allreduce printed {line:?}"))?;
+        let j: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("bench allreduce printed {line:?}"))?;
         match (j["size_bytes"].as_u64(), j["busbw_gbs"].as_f64(), j["memcpy_gbs"].as_f64()) {
             (Some(s), Some(b), Some(m)) => rows.push((s as usize, b, m)),
             _ => bail!("bench allreduce: a line lacks size_bytes/busbw_gbs/memcpy_gbs: {line}"),
@@ -189,18 +235,36 @@ pub fn ddp(ctx: &mut Ctx, plan: &Plan) -> Table {
         for &n in &plan.ddp_ranks {
             eprintln!("report: DDP with {n} rank(s), run {}/{}", rep + 1, plan.repeats);
             let args = [
-                "ddp", "--nproc", &n.to_string(), "--model", "mlp", "--batch", &plan.ddp_batch.to_string(),
-                "--steps", &plan.ddp_steps.to_string(), "--rounds", &plan.ddp_rounds.to_string(), "--json",
+                "ddp",
+                "--nproc",
+                &n.to_string(),
+                "--model",
+                "mlp",
+                "--batch",
+                &plan.ddp_batch.to_string(),
+                "--steps",
+                &plan.ddp_steps.to_string(),
+                "--rounds",
+                &plan.ddp_rounds.to_string(),
+                "--json",
             ]
             .map(String::from);
-            let parsed = ctx.tandem(&args, Duration::from_secs(900), &format!("tandem bench ddp --nproc {n}")).and_then(|o| {
-                let line = o.lines().rev().find(|l| l.trim_start().starts_with('{')).context("bench ddp printed no JSON")?;
-                let j: serde_json::Value = serde_json::from_str(line)?;
-                match (j["plain_samples_per_s"].as_f64(), j["ddpN_samples_per_s"].as_f64()) {
-                    (Some(p), Some(d)) => Ok((p, d)),
-                    _ => bail!("bench ddp: no plain_samples_per_s/ddpN_samples_per_s in {line}"),
-                }
-            });
+            let parsed = ctx
+                .tandem(&args, Duration::from_secs(900), &format!("tandem bench ddp --nproc {n}"))
+                .and_then(|o| {
+                    let line = o
+                        .lines()
+                        .rev()
+                        .find(|l| l.trim_start().starts_with('{'))
+                        .context("bench ddp printed no JSON")?;
+                    let j: serde_json::Value = serde_json::from_str(line)?;
+                    match (j["plain_samples_per_s"].as_f64(), j["ddpN_samples_per_s"].as_f64()) {
+                        (Some(p), Some(d)) => Ok((p, d)),
+                        _ => {
+                            bail!("bench ddp: no plain_samples_per_s/ddpN_samples_per_s in {line}")
+                        }
+                    }
+                });
             match parsed {
                 Ok((p, d)) => {
                     plain.push(p);
@@ -214,7 +278,9 @@ pub fn ddp(ctx: &mut Ctx, plan: &Plan) -> Table {
             if let Some(t) = ctx.torch() {
                 let t = Torch { python: t.python.clone(), version: t.version.clone() };
                 let peers = ctx.peers.clone();
-                match retry_once(&mut ctx.retries, || torch::ddp_samples_per_s(&t, &peers, n, plan.ddp_steps, plan.ddp_batch / n)) {
+                match retry_once(&mut ctx.retries, || {
+                    torch::ddp_samples_per_s(&t, &peers, n, plan.ddp_steps, plan.ddp_batch / n)
+                }) {
                     Ok(v) => pytorch.entry(n).or_default().push(v),
                     Err(e) => {
                         let why = ctx.note(e);
@@ -237,13 +303,34 @@ pub fn ddp(ctx: &mut Ctx, plan: &Plan) -> Table {
     for &n in &plan.ddp_ranks {
         let torch_fig = match &ctx.torch {
             Err(_) => Figure::Missing(UNAVAILABLE.into()),
-            Ok(_) => Figure::from_samples(pytorch.get(&n).map(Vec::as_slice).unwrap_or(&[]), || missing_reason(&err.get(&("torch", n)).cloned(), "failed")),
+            Ok(_) => {
+                Figure::from_samples(pytorch.get(&n).map(Vec::as_slice).unwrap_or(&[]), || {
+                    missing_reason(&err.get(&("torch", n)).cloned(), "failed")
+                })
+            }
         };
-        let tandem_fig = Figure::from_samples(tandem.get(&n).map(Vec::as_slice).unwrap_or(&[]), || missing_reason(&err.get(&("tandem", n)).cloned(), "failed"));
+        let tandem_fig =
+            Figure::from_samples(tandem.get(&n).map(Vec::as_slice).unwrap_or(&[]), || {
+                missing_reason(&err.get(&("tandem", n)).cloned(), "failed")
+            });
         let torch = torch_fig.median();
         let case = format!("{n} rank{}", if n == 1 { "" } else { "s" });
-        rows.push(Row { x: n as f64, case: case.clone(), contender: "tandem Ddp".into(), figure: tandem_fig, reference, torch });
-        rows.push(Row { x: n as f64, case, contender: "PyTorch DDP (gloo)".into(), figure: torch_fig, reference, torch: None });
+        rows.push(Row {
+            x: n as f64,
+            case: case.clone(),
+            contender: "tandem Ddp".into(),
+            figure: tandem_fig,
+            reference,
+            torch,
+        });
+        rows.push(Row {
+            x: n as f64,
+            case,
+            contender: "PyTorch DDP (gloo)".into(),
+            figure: torch_fig,
+            reference,
+            torch: None,
+        });
     }
     Table { unit: "samples/s", reference_name: "plain", rows }
 }
@@ -269,7 +356,13 @@ pub fn ckpt(ctx: &mut Ctx, plan: &Plan) -> Table {
     let dir = ctx.scratch.join("ckpt");
     for rep in 0..plan.repeats {
         eprintln!("report: checkpoint {} MiB, run {}/{}", plan.ckpt_mib, rep + 1, plan.repeats);
-        let mut args = vec!["ckpt".to_string(), "--size-mib".into(), plan.ckpt_mib.to_string(), "--tensors".into(), plan.ckpt_tensors.to_string()];
+        let mut args = vec![
+            "ckpt".to_string(),
+            "--size-mib".into(),
+            plan.ckpt_mib.to_string(),
+            "--tensors".into(),
+            plan.ckpt_tensors.to_string(),
+        ];
         args.extend(["--repeat".into(), "1".into(), "--dir".into(), dir.display().to_string()]);
         if let Some(t) = ctx.torch() {
             args.extend(["--python".into(), t.python.display().to_string()]);
@@ -302,16 +395,26 @@ pub fn ckpt(ctx: &mut Ctx, plan: &Plan) -> Table {
         if torch_row && ctx.torch.is_err() {
             return Figure::Missing(UNAVAILABLE.into());
         }
-        Figure::from_samples(samples.get(name).map(Vec::as_slice).unwrap_or(&[]), || missing_reason(&err, "failed"))
+        Figure::from_samples(samples.get(name).map(Vec::as_slice).unwrap_or(&[]), || {
+            missing_reason(&err, "failed")
+        })
     };
-    let med = |name: &str| Figure::from_samples(samples.get(name).map(Vec::as_slice).unwrap_or(&[]), String::new).median();
+    let med = |name: &str| {
+        Figure::from_samples(samples.get(name).map(Vec::as_slice).unwrap_or(&[]), String::new)
+            .median()
+    };
     let (save_ref, load_ref) = (med("dd conv=fsync (write)"), med(DD_READ));
     let torch_ok = ctx.torch.is_ok();
-    let (torch_save, torch_load) = if torch_ok { (med("torch.save + fsync"), med("torch.load(mmap=True)")) } else { (None, None) };
+    let (torch_save, torch_load) = if torch_ok {
+        (med("torch.save + fsync"), med("torch.load(mmap=True)"))
+    } else {
+        (None, None)
+    };
     let mut rows = Vec::new();
     let mut push = |bench_name: &str, case: &str, contender: &str| {
         let is_torch = bench_name.starts_with("torch");
-        let (reference, torch) = if case == "save" { (save_ref, torch_save) } else { (load_ref, torch_load) };
+        let (reference, torch) =
+            if case == "save" { (save_ref, torch_save) } else { (load_ref, torch_load) };
         rows.push(Row {
             x: rows.len() as f64,
             case: case.into(),
@@ -353,7 +456,8 @@ fn parse_ckpt(out: &str) -> anyhow::Result<Vec<(&'static str, f64)>> {
 /// Seconds from dd's own transfer line ("... copied, 0.0512 s, 5.2 GB/s"), so that starting the
 /// dd process is not counted against it.
 fn dd_seconds(stderr: &str) -> Option<f64> {
-    let after = stderr.lines().rev().find_map(|l| l.split_once(" copied, ").map(|(_, rest)| rest))?;
+    let after =
+        stderr.lines().rev().find_map(|l| l.split_once(" copied, ").map(|(_, rest)| rest))?;
     after.split_whitespace().next()?.parse().ok()
 }
 

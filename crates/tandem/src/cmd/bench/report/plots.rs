@@ -17,12 +17,15 @@ const FAMILY: &str = "sans-serif";
 const SIZE: (u32, u32) = (1100, 650);
 
 pub fn register_font() -> anyhow::Result<()> {
-    plotters::style::register_font(FAMILY, FontStyle::Normal, FONT).map_err(|_| anyhow!("the bundled DejaVuSans.ttf is not a font plotters can read"))
+    plotters::style::register_font(FAMILY, FontStyle::Normal, FONT)
+        .map_err(|_| anyhow!("the bundled DejaVuSans.ttf is not a font plotters can read"))
 }
 
 fn color(contender: &str) -> RGBColor {
     match contender {
-        c if c.starts_with("memcpy") || c.starts_with("dd") || c.starts_with("plain") => RGBColor(110, 110, 110),
+        c if c.starts_with("memcpy") || c.starts_with("dd") || c.starts_with("plain") => {
+            RGBColor(110, 110, 110)
+        }
         c if c.contains("tcp") => RGBColor(31, 119, 180),
         c if c.starts_with("tandem") => RGBColor(44, 160, 44),
         _ => RGBColor(214, 39, 40),
@@ -41,10 +44,13 @@ fn series(t: &Table, x: impl Fn(f64) -> f64) -> Vec<(String, Vec<(f64, Summary)>
             by.entry(row.contender.clone()).or_default().push((x(row.x), s.clone()));
         }
     }
-    order.into_iter().map(|c| {
-        let v = by.remove(&c).unwrap_or_default();
-        (c, v)
-    }).collect()
+    order
+        .into_iter()
+        .map(|c| {
+            let v = by.remove(&c).unwrap_or_default();
+            (c, v)
+        })
+        .collect()
 }
 
 fn err<E: std::fmt::Display>(path: &Path) -> impl Fn(E) -> anyhow::Error + '_ {
@@ -60,11 +66,17 @@ pub fn allreduce(t: &Table, nproc: usize, path: &Path) -> anyhow::Result<()> {
     let hi = all.iter().map(|s| s.max).fold(0.0, f64::max);
     let (lo, hi) = if lo.is_finite() && hi > 0.0 { (lo / 2.0, hi * 2.0) } else { (1e-4, 10.0) };
     let xs: Vec<f64> = t.rows.iter().map(|r| r.x.log2()).collect();
-    let (x0, x1) = (xs.iter().copied().fold(f64::INFINITY, f64::min) - 0.5, xs.iter().copied().fold(0.0, f64::max) + 0.5);
+    let (x0, x1) = (
+        xs.iter().copied().fold(f64::INFINITY, f64::min) - 0.5,
+        xs.iter().copied().fold(0.0, f64::max) + 0.5,
+    );
     let root = BitMapBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(&e)?;
     let mut chart = ChartBuilder::on(&root)
-        .caption(format!("all_reduce busbw, {nproc} ranks (median; bars: min–max of the runs)"), (FAMILY, 24))
+        .caption(
+            format!("all_reduce busbw, {nproc} ranks (median; bars: min–max of the runs)"),
+            (FAMILY, 24),
+        )
         .margin(20)
         .x_label_area_size(50)
         .y_label_area_size(80)
@@ -75,7 +87,13 @@ pub fn allreduce(t: &Table, nproc: usize, path: &Path) -> anyhow::Result<()> {
         .x_labels(16)
         .x_desc("message size")
         .y_desc("busbw, GB/s (log)")
-        .x_label_formatter(&|x| if (x - x.round()).abs() < 1e-6 && x.round() >= 0.0 { size_label(2f64.powi(x.round() as i32) as usize) } else { String::new() })
+        .x_label_formatter(&|x| {
+            if (x - x.round()).abs() < 1e-6 && x.round() >= 0.0 {
+                size_label(2f64.powi(x.round() as i32) as usize)
+            } else {
+                String::new()
+            }
+        })
         .y_label_formatter(&|y| short(*y))
         .label_style((FAMILY, 14))
         .draw()
@@ -88,8 +106,14 @@ pub fn allreduce(t: &Table, nproc: usize, path: &Path) -> anyhow::Result<()> {
             .map_err(&e)?
             .label(name.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(3)));
-        chart.draw_series(pts.iter().map(|(x, s)| Circle::new((*x, s.median), 4, c.filled()))).map_err(&e)?;
-        chart.draw_series(pts.iter().map(|(x, s)| ErrorBar::new_vertical(*x, s.min, s.median, s.max, c.stroke_width(1), 8))).map_err(&e)?;
+        chart
+            .draw_series(pts.iter().map(|(x, s)| Circle::new((*x, s.median), 4, c.filled())))
+            .map_err(&e)?;
+        chart
+            .draw_series(pts.iter().map(|(x, s)| {
+                ErrorBar::new_vertical(*x, s.min, s.median, s.max, c.stroke_width(1), 8)
+            }))
+            .map_err(&e)?;
     }
     chart
         .configure_series_labels()
@@ -109,11 +133,16 @@ pub fn ddp(t: &Table, path: &Path) -> anyhow::Result<()> {
     let lines = series(t, |x| x);
     let ranks: Vec<f64> = t.rows.iter().map(|r| r.x).filter(|x| *x > 0.0).collect();
     let max_rank = ranks.iter().copied().fold(1.0, f64::max);
-    let hi = lines.iter().flat_map(|(_, v)| v.iter().map(|(_, s)| s.max)).fold(0.0, f64::max).max(1.0) * 1.25;
+    let hi =
+        lines.iter().flat_map(|(_, v)| v.iter().map(|(_, s)| s.max)).fold(0.0, f64::max).max(1.0)
+            * 1.25;
     let root = BitMapBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(&e)?;
     let mut chart = ChartBuilder::on(&root)
-        .caption("DDP training throughput, MLP 784-1024-1024-10 (median; bars: min–max)", (FAMILY, 24))
+        .caption(
+            "DDP training throughput, MLP 784-1024-1024-10 (median; bars: min–max)",
+            (FAMILY, 24),
+        )
         .margin(20)
         .x_label_area_size(50)
         .y_label_area_size(80)
@@ -125,7 +154,13 @@ pub fn ddp(t: &Table, path: &Path) -> anyhow::Result<()> {
         .x_labels(2 * max_rank as usize + 2)
         .x_desc("ranks (processes)")
         .y_desc("samples/s")
-        .x_label_formatter(&move |x| if ranks_for_labels.iter().any(|r| (r - x).abs() < 1e-6) { format!("{}", x.round()) } else { String::new() })
+        .x_label_formatter(&move |x| {
+            if ranks_for_labels.iter().any(|r| (r - x).abs() < 1e-6) {
+                format!("{}", x.round())
+            } else {
+                String::new()
+            }
+        })
         .y_label_formatter(&|y| format!("{y:.0}"))
         .label_style((FAMILY, 14))
         .draw()
@@ -140,16 +175,27 @@ pub fn ddp(t: &Table, path: &Path) -> anyhow::Result<()> {
                 .draw_series(LineSeries::new([(0.5, m), (max_rank + 0.5, m)], c.stroke_width(2)))
                 .map_err(&e)?
                 .label(format!("{name} (reference)"))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(2))
+                });
             continue;
         }
         chart
-            .draw_series(LineSeries::new(pts.iter().map(|(x, s)| (*x, s.median)), c.stroke_width(3)))
+            .draw_series(LineSeries::new(
+                pts.iter().map(|(x, s)| (*x, s.median)),
+                c.stroke_width(3),
+            ))
             .map_err(&e)?
             .label(name.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(3)));
-        chart.draw_series(pts.iter().map(|(x, s)| Circle::new((*x, s.median), 5, c.filled()))).map_err(&e)?;
-        chart.draw_series(pts.iter().map(|(x, s)| ErrorBar::new_vertical(*x, s.min, s.median, s.max, c.stroke_width(1), 10))).map_err(&e)?;
+        chart
+            .draw_series(pts.iter().map(|(x, s)| Circle::new((*x, s.median), 5, c.filled())))
+            .map_err(&e)?;
+        chart
+            .draw_series(pts.iter().map(|(x, s)| {
+                ErrorBar::new_vertical(*x, s.min, s.median, s.max, c.stroke_width(1), 10)
+            }))
+            .map_err(&e)?;
     }
     chart
         .configure_series_labels()
@@ -167,7 +213,12 @@ pub fn ddp(t: &Table, path: &Path) -> anyhow::Result<()> {
 pub fn ckpt(t: &Table, path: &Path) -> anyhow::Result<()> {
     let e = err(path);
     let n = t.rows.len().max(1);
-    let measured = || t.rows.iter().filter_map(|r| match &r.figure { Figure::Measured(s) => Some(s), _ => None });
+    let measured = || {
+        t.rows.iter().filter_map(|r| match &r.figure {
+            Figure::Measured(s) => Some(s),
+            _ => None,
+        })
+    };
     // Log scale: lazy (mmap) loads land orders of magnitude above disk-bound saves.
     let hi = measured().map(|s| s.max).fold(0.0, f64::max).max(1e-3);
     let lo = measured().map(|s| s.min).filter(|v| *v > 0.0).fold(hi, f64::min) / 3.0;
@@ -196,13 +247,40 @@ pub fn ckpt(t: &Table, path: &Path) -> anyhow::Result<()> {
         let name = format!("{}: {}", row.case, row.contender);
         match &row.figure {
             Figure::Measured(s) => {
-                chart.draw_series([Rectangle::new([(lo, y - 0.32), (s.median, y + 0.32)], c.mix(0.8).filled())]).map_err(&e)?;
-                chart.draw_series([ErrorBar::new_horizontal(y, s.min, s.median, s.max, BLACK.stroke_width(1), 8)]).map_err(&e)?;
-                let ratio = row.over_reference().map(|r| format!(", {r:.2}× dd")).unwrap_or_default();
-                chart.draw_series([Text::new(format!("{name}  {} GB/s{ratio}", sig(s.median)), (s.max * 1.15, y), label.clone())]).map_err(&e)?;
+                chart
+                    .draw_series([Rectangle::new(
+                        [(lo, y - 0.32), (s.median, y + 0.32)],
+                        c.mix(0.8).filled(),
+                    )])
+                    .map_err(&e)?;
+                chart
+                    .draw_series([ErrorBar::new_horizontal(
+                        y,
+                        s.min,
+                        s.median,
+                        s.max,
+                        BLACK.stroke_width(1),
+                        8,
+                    )])
+                    .map_err(&e)?;
+                let ratio =
+                    row.over_reference().map(|r| format!(", {r:.2}× dd")).unwrap_or_default();
+                chart
+                    .draw_series([Text::new(
+                        format!("{name}  {} GB/s{ratio}", sig(s.median)),
+                        (s.max * 1.15, y),
+                        label.clone(),
+                    )])
+                    .map_err(&e)?;
             }
             Figure::Missing(why) => {
-                chart.draw_series([Text::new(format!("{name}  ({why})"), (lo * 1.15, y), label.clone())]).map_err(&e)?;
+                chart
+                    .draw_series([Text::new(
+                        format!("{name}  ({why})"),
+                        (lo * 1.15, y),
+                        label.clone(),
+                    )])
+                    .map_err(&e)?;
             }
         }
     }

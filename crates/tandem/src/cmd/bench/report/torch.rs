@@ -23,7 +23,11 @@ pub fn find(candidates: &[PathBuf]) -> Result<Torch, String> {
     for py in candidates {
         let mut cmd = Command::new(py);
         cmd.args(["-c", "import torch; print(torch.__version__)"]);
-        match stdout_of(&mut cmd, Duration::from_secs(180), &format!("{} -c 'import torch'", py.display())) {
+        match stdout_of(
+            &mut cmd,
+            Duration::from_secs(180),
+            &format!("{} -c 'import torch'", py.display()),
+        ) {
             Ok(out) => return Ok(Torch { python: py.clone(), version: out.trim().to_string() }),
             Err(e) => why.push(e.to_string().lines().next().unwrap_or_default().to_string()),
         }
@@ -37,22 +41,44 @@ fn number_after(text: &str, key: &str, suffix: &str) -> Option<f64> {
 
 /// gloo all_reduce busbw in GB/s (1e9 B/s) for `world` ranks and `mib` MiB. The peer prints
 /// GiB/s with two decimals; converted here.
-pub fn gloo_busbw(t: &Torch, peers: &Path, world: usize, mib: usize, iters: usize) -> anyhow::Result<f64> {
+pub fn gloo_busbw(
+    t: &Torch,
+    peers: &Path,
+    world: usize,
+    mib: usize,
+    iters: usize,
+) -> anyhow::Result<f64> {
     let script = peers.join("torch_allreduce.py");
     let mut cmd = Command::new(&t.python);
     cmd.arg(&script).args([world.to_string(), mib.to_string(), iters.to_string()]);
-    let out = stdout_of(&mut cmd, Duration::from_secs(120), &format!("{} (gloo, {mib} MiB)", script.display()))?;
-    let gib = number_after(&out, "busbw=", "GiB/s").with_context(|| format!("{}: no busbw=...GiB/s in {out:?}", script.display()))?;
+    let out = stdout_of(
+        &mut cmd,
+        Duration::from_secs(120),
+        &format!("{} (gloo, {mib} MiB)", script.display()),
+    )?;
+    let gib = number_after(&out, "busbw=", "GiB/s")
+        .with_context(|| format!("{}: no busbw=...GiB/s in {out:?}", script.display()))?;
     Ok(gib * (1u64 << 30) as f64 / 1e9)
 }
 
 /// PyTorch DDP (gloo, CPU) samples/s with `world` ranks and `per_rank` samples per rank.
-pub fn ddp_samples_per_s(t: &Torch, peers: &Path, world: usize, steps: usize, per_rank: usize) -> anyhow::Result<f64> {
+pub fn ddp_samples_per_s(
+    t: &Torch,
+    peers: &Path,
+    world: usize,
+    steps: usize,
+    per_rank: usize,
+) -> anyhow::Result<f64> {
     let script = peers.join("torch_ddp_step.py");
     let mut cmd = Command::new(&t.python);
     cmd.arg(&script).args([world.to_string(), steps.to_string(), per_rank.to_string()]);
-    let out = stdout_of(&mut cmd, Duration::from_secs(180), &format!("{} ({world} ranks)", script.display()))?;
-    number_after(&out, "samples/s=", "").with_context(|| format!("{}: no samples/s=... in {out:?}", script.display()))
+    let out = stdout_of(
+        &mut cmd,
+        Duration::from_secs(180),
+        &format!("{} ({world} ranks)", script.display()),
+    )?;
+    number_after(&out, "samples/s=", "")
+        .with_context(|| format!("{}: no samples/s=... in {out:?}", script.display()))
 }
 
 #[cfg(test)]
