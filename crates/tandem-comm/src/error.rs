@@ -57,6 +57,11 @@ pub enum CommError {
     #[error("{op} #{seq}: this process group already failed ({first}); create a new one")]
     Broken { op: &'static str, seq: u64, first: String },
 
+    /// A call waited its turn behind this rank's earlier calls on the group, and none of them
+    /// finished within the group timeout (an earlier async call is stuck).
+    #[error("{op}: not started: this rank's {ahead} earlier call(s) on the group made no progress for {waited:?} (an earlier async call is stuck or its peers never joined it); the group is now broken")]
+    QueueTimeout { op: &'static str, waited: Duration, ahead: u64 },
+
     /// A caller error (wrong buffer size, rank out of range, ...).
     #[error("{op}: {reason}")]
     InvalidArgument { op: &'static str, reason: String },

@@ -7,12 +7,13 @@ use crate::collectives::{Ctx, ReduceFn};
 use crate::element::{reduce_bytes, DType, Element, ReduceOp};
 use crate::env::InitOptions;
 use crate::error::CommError;
+use crate::order::{CallOrder, Ticket};
 use crate::store::{Store, StoreServer};
 use crate::transport::{FailKind, PeerError, Recv, Transport, TransportKind};
 use crate::work::Work;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// A group of ranks that run collectives together. Cheap to clone; usable from any thread.
@@ -41,17 +42,15 @@ pub(crate) struct Inner {
     pub kind: Option<TransportKind>,
     pub local_ip: IpAddr,
     pub timeout_ms: AtomicU64,
-    pub next_ticket: AtomicU64,
     pub subgroups: AtomicU64,
+    /// Issue order of this rank's calls; `state` is locked only by the call whose turn it is.
+    pub order: Arc<CallOrder>,
     pub state: Mutex<State>,
-    pub turn: Condvar,
     pub _server: Option<Arc<StoreServer>>,
 }
 
 pub(crate) struct State {
-    pub serving: u64,
     pub seq: u64,
-    pub broken: Option<String>,
     pub transport: Box<dyn Transport>,
     pub p2p_sent: Vec<u64>,
     pub p2p_recvd: Vec<u64>,
@@ -144,19 +143,6 @@ fn op_code(op: ReduceOp) -> u64 {
     }
 }
 
-/// Advances the turn when an operation ends, even by panic, so later calls never wait forever.
-struct Turn<'a> {
-    state: MutexGuard<'a, State>,
-    cv: &'a Condvar,
-}
-
-impl Drop for Turn<'_> {
-    fn drop(&mut self) {
-        self.state.serving += 1;
-        self.cv.notify_all();
-    }
-}
-
 fn check_root(op: &'static str, root: usize, size: usize) -> Result<(), CommError> {
     if root >= size {
         return Err(CommError::invalid(
@@ -212,16 +198,50 @@ impl ProcessGroup {
         Duration::from_millis(self.inner.timeout_ms.load(Ordering::Relaxed))
     }
 
-    fn ticket(&self) -> u64 {
-        self.inner.next_ticket.fetch_add(1, Ordering::AcqRel)
+    /// This call's place in the issue order. Every public call validates its arguments first
+    /// and only then takes a ticket (a dropped ticket gives its place up in any case).
+    fn ticket(&self) -> Ticket {
+        self.inner.order.ticket()
     }
 
-    fn wait_turn(&self, ticket: u64) -> Turn<'_> {
-        let mut st = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
-        while st.serving != ticket {
-            st = self.inner.turn.wait(st).unwrap_or_else(|p| p.into_inner());
+    /// Runs `body` when `ticket`'s turn comes (bounded by the group timeout), with the call's
+    /// sequence number from `seq_of`; refuses to run on a broken group; on failure records it,
+    /// breaks the group and aborts the transport so the other ranks fail too. Every collective
+    /// and p2p call, sync or async, goes through here.
+    fn ordered<R>(
+        &self,
+        ticket: Ticket,
+        op: &'static str,
+        seq_of: impl FnOnce(&mut State) -> u64,
+        body: impl FnOnce(&mut State, u64) -> Result<R, PeerError>,
+    ) -> Result<R, CommError> {
+        let turn = ticket.wait(op, self.timeout())?;
+        let mut guard = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        let st = &mut *guard;
+        let seq = seq_of(st);
+        if let Some(first) = self.inner.order.broken() {
+            return Err(CommError::Broken { op, seq, first });
         }
-        Turn { state: st, cv: &self.inner.turn }
+        let result = body(st, seq).map_err(|e| {
+            let err = self.record_failure(self.peer_error(op, seq, e));
+            self.inner.order.set_broken(err.to_string());
+            st.transport.abort();
+            err
+        });
+        drop(guard);
+        drop(turn);
+        result
+    }
+
+    /// Starts `f` with its ticket on a background thread. The ticket is taken here, in issue
+    /// order; a thread that cannot start drops `f` and with it the ticket, giving the place up.
+    fn spawn_ordered<T: Send + 'static>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&ProcessGroup, Ticket) -> Result<T, CommError> + Send + 'static,
+    ) -> Work<T> {
+        let (pg, ticket) = (self.clone(), self.ticket());
+        Work::spawn(op, move || f(&pg, ticket))
     }
 
     fn peer_error(&self, op: &'static str, seq: u64, e: PeerError) -> CommError {
@@ -293,30 +313,23 @@ impl ProcessGroup {
     /// desync check, and failure bookkeeping.
     fn collective<R>(
         &self,
-        ticket: u64,
+        ticket: Ticket,
         call: Call,
         f: impl FnOnce(&mut Ctx<'_>) -> Result<R, PeerError>,
     ) -> Result<R, CommError> {
-        let mut turn = self.wait_turn(ticket);
-        let st = &mut *turn.state;
-        let seq = st.seq;
-        st.seq += 1;
-        if let Some(first) = &st.broken {
-            return Err(CommError::Broken { op: call.op, seq, first: first.clone() });
-        }
+        let next_seq = |st: &mut State| {
+            st.seq += 1;
+            st.seq - 1
+        };
         let timeout = self.timeout();
         let (rank, size) = (self.inner.rank, self.inner.size);
-        let mut ctx = Ctx { t: st.transport.as_mut(), rank, size, timeout };
-        let mut result = Ok(());
-        if self.inner.opts.desync_check && size > 1 {
-            result = desync_check(&mut ctx, &call.encode(seq));
-        }
-        let result = result.and_then(|_| f(&mut ctx));
-        result.map_err(|e| {
-            let err = self.record_failure(self.peer_error(call.op, seq, e));
-            st.broken = Some(err.to_string());
-            st.transport.abort();
-            err
+        let desync_check_on = self.inner.opts.desync_check && size > 1;
+        self.ordered(ticket, call.op, next_seq, |st, seq| {
+            let mut ctx = Ctx { t: st.transport.as_mut(), rank, size, timeout };
+            if desync_check_on {
+                desync_check(&mut ctx, &call.encode(seq))?;
+            }
+            f(&mut ctx)
         })
     }
 
@@ -327,7 +340,7 @@ impl ProcessGroup {
 
     fn all_reduce_ticket<T: Element>(
         &self,
-        ticket: u64,
+        ticket: Ticket,
         buf: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
@@ -344,9 +357,7 @@ impl ProcessGroup {
 
     /// Starts an all_reduce in the background; it runs after every call issued before it.
     pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        let ticket = self.ticket();
-        let pg = self.clone();
-        Work::spawn("all_reduce", move || {
+        self.spawn_ordered("all_reduce", move |pg, ticket| {
             pg.all_reduce_ticket(ticket, &mut buf, op)?;
             Ok(buf)
         })
@@ -355,20 +366,28 @@ impl ProcessGroup {
     /// Copies `root`'s `buf` to every rank (all ranks pass the same length).
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<(), CommError> {
         check_root("broadcast", root, self.size())?;
-        let call = Call::new("broadcast", Some(T::DTYPE), buf.len(), root as u64);
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
-        self.collective(self.ticket(), call, |c| c.broadcast(bytes, root))
+        self.broadcast_ticket(self.ticket(), buf, root)
     }
 
-    /// Starts a broadcast in the background.
+    fn broadcast_ticket<T: Element>(
+        &self,
+        ticket: Ticket,
+        buf: &mut [T],
+        root: usize,
+    ) -> Result<(), CommError> {
+        let call = Call::new("broadcast", Some(T::DTYPE), buf.len(), root as u64);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        self.collective(ticket, call, |c| c.broadcast(bytes, root))
+    }
+
+    /// Starts a broadcast in the background. A bad `root` fails the returned `Work` without
+    /// taking a place in the call order.
     pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
-        let pg = self.clone();
-        let ticket = self.ticket();
-        Work::spawn("broadcast", move || {
-            check_root("broadcast", root, pg.size())?;
-            let call = Call::new("broadcast", Some(T::DTYPE), buf.len(), root as u64);
-            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);
-            pg.collective(ticket, call, |c| c.broadcast(bytes, root))?;
+        if let Err(e) = check_root("broadcast", root, self.size()) {
+            return Work::failed("broadcast", e);
+        }
+        self.spawn_ordered("broadcast", move |pg, ticket| {
+            pg.broadcast_ticket(ticket, &mut buf, root)?;
             Ok(buf)
         })
     }
@@ -555,19 +574,17 @@ impl ProcessGroup {
                 format!("peer {peer} must be another rank of this {n}-rank group"),
             ));
         }
-        let mut turn = self.wait_turn(self.ticket());
-        let st = &mut *turn.state;
-        let seq = if send.is_some() { &mut st.p2p_sent[peer] } else { &mut st.p2p_recvd[peer] };
-        let my_seq = *seq;
-        *seq += 1;
-        if let Some(first) = &st.broken {
-            return Err(CommError::Broken { op, seq: my_seq, first: first.clone() });
-        }
+        let sending = send.is_some();
+        let p2p_seq = |st: &mut State| {
+            let seq = if sending { &mut st.p2p_sent[peer] } else { &mut st.p2p_recvd[peer] };
+            *seq += 1;
+            *seq - 1
+        };
         let timeout = self.timeout();
         let detail = self.inner.opts.desync_check;
         let me = self.rank();
-        let t = st.transport.as_mut();
-        let result = (|| {
+        self.ordered(self.ticket(), op, p2p_seq, |st, my_seq| {
+            let t = st.transport.as_mut();
             if let Some(data) = send {
                 if detail {
                     t.exchange(
@@ -602,12 +619,6 @@ impl ProcessGroup {
                 let buf = recv.unwrap_or(&mut []);
                 t.exchange(None, Some((peer, Recv::Copy(buf))), timeout)
             }
-        })();
-        result.map_err(|e| {
-            let err = self.record_failure(self.peer_error(op, my_seq, e));
-            st.broken = Some(err.to_string());
-            st.transport.abort();
-            err
         })
     }
 

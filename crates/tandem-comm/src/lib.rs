@@ -15,6 +15,7 @@ mod env;
 mod error;
 mod frame;
 mod group;
+mod order;
 mod rendezvous;
 mod store;
 mod transport;

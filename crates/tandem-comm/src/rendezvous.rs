@@ -8,7 +8,7 @@ use crate::store::{Store, StoreServer};
 use crate::transport::{shm, tcp, Transport, TransportKind};
 use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs};
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 
 /// Identifies a machine: hostname plus kernel boot id (containers may share a hostname).
 fn host_id() -> String {
@@ -44,17 +44,14 @@ fn single(
         kind: None,
         local_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
         timeout_ms: AtomicU64::new(opts.timeout.as_millis() as u64),
-        next_ticket: AtomicU64::new(0),
         subgroups: AtomicU64::new(0),
+        order: Default::default(),
         state: Mutex::new(State {
-            serving: 0,
             seq: 0,
-            broken: None,
             transport: Box::new(NoPeers),
             p2p_sent: vec![0],
             p2p_recvd: vec![0],
         }),
-        turn: Condvar::new(),
         _server: server,
     })
 }
@@ -157,17 +154,14 @@ pub(crate) fn build_group(
         kind: Some(kind),
         local_ip,
         timeout_ms: AtomicU64::new(opts.timeout.as_millis() as u64),
-        next_ticket: AtomicU64::new(0),
         subgroups: AtomicU64::new(0),
+        order: Default::default(),
         state: Mutex::new(State {
-            serving: 0,
             seq: 0,
-            broken: None,
             transport,
             p2p_sent: vec![0; size],
             p2p_recvd: vec![0; size],
         }),
-        turn: Condvar::new(),
         _server: server,
     }))
 }

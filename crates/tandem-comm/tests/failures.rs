@@ -210,3 +210,58 @@ fn blocking_calls_from_two_threads_run_in_issue_order_on_every_rank() {
         assert_eq!(got, (0..20).map(|k| 2.0 * k as f32).collect::<Vec<_>>());
     }
 }
+
+#[test]
+fn bad_arguments_to_any_call_are_an_error_and_the_next_collective_still_runs() {
+    // Each bad call must fail at once with an error naming the op and the argument, and must
+    // not take a place in the call order (which used to block every later call forever).
+    let out = run_world_with(2, opts(TransportKind::Tcp), Duration::from_secs(30), |pg| {
+        let started = Instant::now();
+        let mut errors = Vec::new();
+        let mut record =
+            |r: Result<(), CommError>| errors.push(r.expect_err("bad call").to_string());
+        record(pg.broadcast_async(vec![1.0f32; 4], 2).wait().map(drop));
+        record(pg.broadcast(&mut [1.0f32; 4], 7));
+        let mut out = vec![0.0f32; 3];
+        record(pg.all_gather(&[1.0f32; 2], &mut out));
+        record(pg.reduce_scatter(&[1.0f32; 3], &mut [0.0f32; 2], ReduceOp::Sum));
+        record(pg.gather(&[1.0f32; 2], None, 5));
+        record(pg.scatter(None, &mut [0.0f32; 2], 9));
+        record(pg.broadcast_bytes(&mut vec![1u8], 3));
+        record(pg.send(&[1.0f32], pg.rank()));
+        record(pg.recv(&mut [0.0f32], 4));
+        // Then good ones, async and sync, in issue order.
+        let w = pg.all_reduce_async(vec![pg.rank() as f32 + 1.0; 8], ReduceOp::Sum);
+        let b = pg.broadcast_async(vec![pg.rank() as f32; 3], 1);
+        let mut v = vec![1.0f32; 5];
+        pg.all_reduce(&mut v, ReduceOp::Sum).expect("a good collective after the bad calls");
+        (
+            errors,
+            w.wait().expect("async all_reduce"),
+            b.wait().expect("async broadcast"),
+            v,
+            started.elapsed(),
+        )
+    });
+    for (errors, reduced, broadcast, v, took) in out {
+        let expect_prefix = [
+            "broadcast: root 2 is out of range for a group of 2 ranks",
+            "broadcast: root 7",
+            "all_gather: output has 3 elements",
+            "reduce_scatter: input has 3 elements",
+            "gather: root 5",
+            "scatter: root 9",
+            "broadcast_bytes: root 3",
+            "send: peer",
+            "recv: peer 4",
+        ];
+        assert_eq!(errors.len(), expect_prefix.len());
+        for (e, p) in errors.iter().zip(expect_prefix) {
+            assert!(e.starts_with(p), "expected {p:?}…, got {e:?}");
+        }
+        assert_eq!(reduced, vec![3.0; 8]);
+        assert_eq!(broadcast, vec![1.0; 3]);
+        assert_eq!(v, vec![2.0; 5]);
+        assert!(took < Duration::from_secs(5), "bad calls must fail at once, took {took:?}");
+    }
+}
