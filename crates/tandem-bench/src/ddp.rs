@@ -121,7 +121,7 @@ struct Wrapped<M: Module> {
 
 impl<M: Module> Trainer for Wrapped<M> {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
-        let loss = (self.loss)(self.ddp.module(), x, y)?;
+        let loss = (self.loss)(&self.ddp, x, y)?;
         let grads = self.ddp.backward(&loss)?;
         self.opt.step(&grads)?;
         Ok(())

@@ -1,4 +1,6 @@
-//! `tandem bench ...`: every benchmark prints ratios against a reference measured in the same run.
+//! tandem-bench: the `tandem bench ...` subcommands. Every benchmark prints ratios against a
+//! reference measured in the same run; `report` writes docs/BENCHMARKS.md with plots. Kept out
+//! of the `tandem` library so that users do not compile clap, plotters or the bundled font.
 use clap::Subcommand;
 
 pub mod allreduce;

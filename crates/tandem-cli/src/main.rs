@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod train;
 
 #[derive(Parser)]
 #[command(name = "tandem", version, about = "Distributed data-parallel training toolkit")]
@@ -22,7 +23,7 @@ enum Command {
     /// Inspect, convert, diff and load-check checkpoints (.pt / .safetensors).
     Ckpt(cmd::ckpt::Args),
     /// Benchmarks that print ratios against a reference measured in the same run.
-    Bench(cmd::bench::Args),
+    Bench(tandem_bench::Args),
     /// Check a launch: every rank joins the group, all_reduces its rank and verifies the sum.
     Check(cmd::check::Args),
 }
@@ -52,7 +53,7 @@ fn main() {
         Command::Train(a) => cmd::train::main(a),
         Command::Sampler(a) => cmd::sampler::main(a),
         Command::Ckpt(a) => cmd::ckpt::main(a),
-        Command::Bench(a) => cmd::bench::main(a),
+        Command::Bench(a) => tandem_bench::main(a),
         Command::Check(a) => cmd::check::main(a),
     };
     match result {

@@ -17,17 +17,24 @@ const MMAP_THRESHOLD_CAPPED: i32 = 32 << 20;
 /// Free memory at the top of the heap is returned to the system only above this.
 const TRIM_THRESHOLD: i32 = 1 << 30;
 
+static APPLIED: OnceLock<bool> = OnceLock::new();
+
 /// Applies the settings once per process (later calls return the first answer). Returns
 /// whether they are in effect: false off glibc, or when `TANDEM_MALLOC=system` asks to keep
-/// the allocator's defaults. `tandem::init()` and the `tandem` binary call this.
+/// the allocator's defaults. An opt-in for programs: the `tandem` binary calls it at start,
+/// `tandem::init()` does not (a library should not change its host's allocator unasked).
 pub fn tune_allocator() -> bool {
-    static APPLIED: OnceLock<bool> = OnceLock::new();
     *APPLIED.get_or_init(|| {
         if std::env::var("TANDEM_MALLOC").is_ok_and(|v| v == "system") {
             return false;
         }
         apply()
     })
+}
+
+/// Whether [`tune_allocator`] has been called in this process and its settings are in effect.
+pub fn allocator_tuned() -> bool {
+    APPLIED.get().copied().unwrap_or(false)
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]

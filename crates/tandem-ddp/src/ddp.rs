@@ -211,8 +211,14 @@ impl<M: Module> Ddp<M> {
         Ok(Ddp { module, shared })
     }
 
-    pub fn module(&self) -> &M {
-        &self.module
+    /// The wrapped model as a plain model, like PyTorch's `ddp.module`: a forward through it
+    /// starts no step, broadcasts no buffers and fires no gradient hooks, so one rank alone can
+    /// evaluate it (`if rank == 0 { ddp.module().forward(&x) }`) without the others. Reads go
+    /// around the hooks while the returned handle lives; a Ddp forward in that time still trains
+    /// correctly, its gradients reduced after backward instead of overlapped with it.
+    pub fn module(&self) -> Unhooked<'_, M> {
+        self.module.params().begin_plain();
+        Unhooked { module: &self.module }
     }
 
     /// Unwraps the model (hooks detached), e.g. to save or evaluate it without Ddp.
@@ -318,6 +324,26 @@ impl<M: Module> Ddp<M> {
     }
 }
 
+/// `Ddp::module()`'s handle: the wrapped model, read without Ddp's hooks while it lives.
+pub struct Unhooked<'a, M: Module> {
+    module: &'a M,
+}
+
+impl<M: Module> Deref for Unhooked<'_, M> {
+    type Target = M;
+    fn deref(&self) -> &M {
+        self.module
+    }
+}
+
+impl<M: Module> Drop for Unhooked<'_, M> {
+    fn drop(&mut self) {
+        self.module.params().end_plain();
+    }
+}
+
+/// The training path, like calling PyTorch's `ddp(x)`: the model's methods through the wrapper
+/// read parameters through Ddp's hooks (the first read of a forward starts a step).
 impl<M: Module> Deref for Ddp<M> {
     type Target = M;
     fn deref(&self) -> &M {

@@ -24,7 +24,7 @@ pub mod reducer;
 pub use alloc::tune_allocator;
 pub use comm::{GradComm, LocalGroup, SingleProcess};
 pub use data_parallel::{chunk_sizes, DataParallel};
-pub use ddp::{Ddp, DdpOptions};
+pub use ddp::{Ddp, DdpOptions, Unhooked};
 pub use error::{DdpError, Result};
 pub use module::Module;
 pub use params::ParamSet;

@@ -27,6 +27,8 @@ struct View {
     hooks: Option<Arc<dyn ViewHooks>>,
     cache: Vec<Option<Tensor>>,
     started: bool,
+    /// Live `Ddp::module()` handles: while any exists, reads bypass the hooks (plain model).
+    plain_readers: usize,
 }
 
 impl ParamSet {
@@ -34,7 +36,12 @@ impl ParamSet {
         let n = named.len();
         ParamSet {
             named,
-            view: Mutex::new(View { hooks: None, cache: vec![None; n], started: false }),
+            view: Mutex::new(View {
+                hooks: None,
+                cache: vec![None; n],
+                started: false,
+                plain_readers: 0,
+            }),
         }
     }
 
@@ -53,7 +60,10 @@ impl ParamSet {
         })?;
         let hooks = {
             let mut v = self.lock();
-            let Some(hooks) = v.hooks.clone() else { return Ok(var.as_tensor().clone()) };
+            let hooks = match v.hooks.clone() {
+                Some(hooks) if v.plain_readers == 0 => hooks,
+                _ => return Ok(var.as_tensor().clone()),
+            };
             if let Some(t) = &v.cache[idx] {
                 return Ok(t.clone());
             }
@@ -108,6 +118,16 @@ impl ParamSet {
     /// (`Module::load_state_dict` calls it).
     pub fn refresh_view(&self) {
         self.lock().cache.iter_mut().for_each(|c| *c = None);
+    }
+
+    /// Reads bypass the hooks until the matching `end_plain` (nested handles count).
+    pub(crate) fn begin_plain(&self) {
+        self.lock().plain_readers += 1;
+    }
+
+    pub(crate) fn end_plain(&self) {
+        let mut v = self.lock();
+        v.plain_readers = v.plain_readers.saturating_sub(1);
     }
 
     /// Ends the current step's view; returns whether one had been started.

@@ -12,6 +12,7 @@ use tandem_comm::TransportKind;
 use tandem_ddp::comm::GradComm;
 use tandem_ddp::error::CommSource;
 use tandem_ddp::models::{Cnn, Mlp};
+use tandem_ddp::optim::{Optimizer, Sgd};
 use tandem_ddp::{Ddp, DdpError, DdpOptions, Module, ParamSet};
 
 #[test]
@@ -406,4 +407,51 @@ fn world_of_one_keeps_ddp_semantics() {
     let x3 = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
     let err = branchy.backward(&branchy.loss(&x3).unwrap()).unwrap_err().to_string();
     assert!(err.contains("head.weight") && err.contains("find_unused_parameters: true"), "{err}");
+}
+
+/// PyTorch's `ddp.module` is the plain model: rank 0 alone evaluates mid-training (BatchNorm in
+/// eval mode) without starting a step or broadcasting buffers, which would wait for rank 1 until
+/// the group timeout. The result equals an unwrapped copy's, and training carries on after.
+#[test]
+fn module_is_the_plain_model_so_one_rank_can_evaluate_alone() {
+    let x = Tensor::arange(0f32, 4. * 64., &Device::Cpu)
+        .unwrap()
+        .reshape((4, 1, 8, 8))
+        .unwrap()
+        .affine(0.01, -0.5)
+        .unwrap();
+    let y = Tensor::new(&[1u32, 2, 3, 4], &Device::Cpu).unwrap();
+    let xe = x.clone();
+    // A hang would surface as run_pg's 20 s collective timeout: an error, then a panic here.
+    let out = run_pg(2, TransportKind::Tcp, move |comm| {
+        let rank = comm.rank();
+        let model = Cnn::new(1, 8, 8, 10, 3, &Device::Cpu).unwrap();
+        let ddp = Ddp::with_comm(model, comm, DdpOptions::default()).unwrap();
+        let mut opt = Sgd::new(ddp.params().vars(), sgd_cfg()).unwrap();
+        let mut train_step = || {
+            let g = ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap();
+            opt.step(&g).unwrap();
+        };
+        train_step();
+        let mut evaluated = None;
+        if rank == 0 {
+            let plain = ddp.module();
+            plain.set_training(false);
+            let logits = plain.forward(&xe).expect("rank 0 evaluates alone");
+            plain.set_training(true);
+            // The same weights and running statistics in a model Ddp never saw.
+            let copy = Cnn::new(1, 8, 8, 10, 99, &Device::Cpu).unwrap();
+            copy.load_state_dict(ddp.state_dict()).unwrap();
+            copy.set_training(false);
+            let expect = copy.forward(&xe).unwrap();
+            evaluated = Some((logits.to_vec2::<f32>().unwrap(), expect.to_vec2::<f32>().unwrap()));
+        }
+        // Both ranks keep training together afterwards, with hooks and buffer broadcasts.
+        train_step();
+        let w = weights(&*ddp.module());
+        (evaluated, w)
+    });
+    let (logits, expect) = out[0].0.clone().expect("rank 0 evaluated");
+    assert_eq!(logits, expect);
+    assert_eq!(out[0].1, out[1].1, "ranks diverged after the rank-0-only evaluation");
 }

@@ -40,14 +40,13 @@ fn ddp_rank(comm: Arc<dyn GradComm>, opts: DdpOptions, micro: usize) -> (Weights
             });
         }
         let k = micro - 1;
-        let loss = ddp
-            .module()
-            .loss(&x.narrow(0, k * m, m).unwrap(), &y.narrow(0, k * m, m).unwrap())
-            .unwrap();
+        let loss =
+            ddp.loss(&x.narrow(0, k * m, m).unwrap(), &y.narrow(0, k * m, m).unwrap()).unwrap();
         let grads = ddp.backward(&loss).unwrap();
         opt.step(&grads).unwrap();
     }
-    (weights(ddp.module()), ddp.bucket_params())
+    let w = weights(&*ddp.module());
+    (w, ddp.bucket_params())
 }
 
 fn check(opts: DdpOptions, micro: usize) -> Vec<Vec<usize>> {

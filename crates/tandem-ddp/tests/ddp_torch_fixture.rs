@@ -55,7 +55,8 @@ fn two_rank_ddp_matches_torch_ddp_gloo_after_k_momentum_steps() {
             let grads = ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap();
             opt.step(&grads).unwrap();
         }
-        weights(ddp.module())
+        let w = weights(&*ddp.module());
+        w
     });
     let want: Vec<(String, Vec<f32>)> = prefixed(&f, "final.")
         .into_iter()

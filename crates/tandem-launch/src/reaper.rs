@@ -61,14 +61,41 @@ impl GroupReaper {
     pub(crate) fn forget_group(&mut self, pgid: i32) {
         self.send(-pgid);
     }
+
+    /// The watchdog's pid.
+    pub(crate) fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Reaps the watchdog if it has died (somebody killed it): returns how it ended. It never
+    /// exits by itself while the launcher lives, so any end means the backstop is gone.
+    pub(crate) fn check_dead(&mut self) -> Option<String> {
+        if self.pid <= 0 {
+            return None;
+        }
+        let mut status = 0;
+        // SAFETY: non-blocking wait for our own child.
+        if unsafe { libc::waitpid(self.pid, &mut status, libc::WNOHANG) } != self.pid {
+            return None;
+        }
+        self.pid = 0; // reaped: Drop must not wait for it again
+        self.tx = None;
+        Some(if libc::WIFSIGNALED(status) {
+            format!("was killed by signal {}", libc::WTERMSIG(status))
+        } else {
+            format!("exited with code {}", libc::WEXITSTATUS(status))
+        })
+    }
 }
 
 impl Drop for GroupReaper {
     fn drop(&mut self) {
         self.tx = None; // end of file: the watchdog kills what is still listed and exits
-        let mut status = 0;
-        // SAFETY: waiting for our own child.
-        unsafe { libc::waitpid(self.pid, &mut status, 0) };
+        if self.pid > 0 {
+            let mut status = 0;
+            // SAFETY: waiting for our own child.
+            unsafe { libc::waitpid(self.pid, &mut status, 0) };
+        }
     }
 }
 
@@ -156,5 +183,25 @@ mod tests {
         assert_eq!(forgotten.try_wait().unwrap(), None, "forgotten group was killed");
         forgotten.kill().unwrap();
         forgotten.wait().unwrap();
+    }
+
+    #[test]
+    fn a_killed_watchdog_is_reaped_and_reported() {
+        let mut reaper = GroupReaper::start().unwrap();
+        assert_eq!(reaper.check_dead(), None);
+        let pid = reaper.pid();
+        // SAFETY: signalling our own child.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let how = loop {
+            if let Some(how) = reaper.check_dead() {
+                break how;
+            }
+            assert!(Instant::now() < deadline, "the dead watchdog was never reaped");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(how, "was killed by signal 9");
+        assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "left a zombie");
+        drop(reaper); // must not block on the already reaped pid
     }
 }

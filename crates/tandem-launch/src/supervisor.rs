@@ -92,7 +92,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
                 }
             }
         }
-        let end = match watch(&mut workers, cfg.monitor_interval, &signals) {
+        let end = match watch(&mut workers, cfg.monitor_interval, &signals, &mut reaper) {
             Ok(end) => end,
             Err(e) => {
                 stop_all(&mut workers, Signal::SIGTERM, cfg.stop_grace, &signals);
@@ -173,16 +173,19 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     }
 }
 
-/// Polls the workers every `interval` until one fails, all succeed, or a signal arrives.
+/// Polls the workers every `interval` until one fails, all succeed, or a signal arrives; keeps
+/// the watchdog alive meanwhile.
 fn watch(
     workers: &mut [Worker],
     interval: Duration,
     signals: &SignalWatch,
+    reaper: &mut Option<GroupReaper>,
 ) -> Result<AttemptEnd, LaunchError> {
     loop {
         if let Some((sig, _)) = signals.received() {
             return Ok(AttemptEnd::Signalled(sig));
         }
+        replace_dead_reaper(reaper, workers);
         let mut failed = Vec::new();
         let mut running = 0;
         for (i, w) in workers.iter_mut().enumerate() {
@@ -206,6 +209,31 @@ fn watch(
             std::thread::sleep(interval.min(Duration::from_millis(50)));
         }
     }
+}
+
+/// A watchdog that died (somebody killed it) is reaped, reported, and replaced by a new one that
+/// lists the running workers' groups, so the no-orphans guarantee holds again.
+fn replace_dead_reaper(reaper: &mut Option<GroupReaper>, workers: &[Worker]) {
+    let Some(old) = reaper.as_mut() else { return };
+    let old_pid = old.pid();
+    let Some(how) = old.check_dead() else { return };
+    *reaper = GroupReaper::start().ok();
+    let replaced = match reaper {
+        Some(r) => {
+            for w in workers.iter().filter(|w| w.status.is_none() || group_has_live_members(w.pgid))
+            {
+                r.watch_group(w.pgid);
+            }
+            format!("started a new one (pid {})", r.pid())
+        }
+        None => "could not start a new one: if this launcher is killed now, processes the \
+                 workers started may outlive it"
+            .to_string(),
+    };
+    eprintln!(
+        "[launcher] the watchdog that stops the workers' process groups if the launcher dies \
+         (pid {old_pid}) {how}; reaped it and {replaced}"
+    );
 }
 
 /// Sends `sig` to every worker's process group, waits up to `grace` for every process in

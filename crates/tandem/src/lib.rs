@@ -1,21 +1,23 @@
 //! tandem: distributed data-parallel training in Rust, with PyTorch's semantics.
 //!
-//! This crate is the facade a training binary depends on: `tandem::init()` joins the process
-//! group the launcher (or torchrun, Slurm, mpirun) described, and the sub-crates are re-exported
-//! under short names. It also holds the `tandem` command line's training job.
+//! This crate is what a training program depends on: [`init()`] joins the process group the
+//! launcher (or torchrun, Slurm, mpirun) described, and the sub-crates are re-exported under
+//! short names. It holds no command-line, progress-bar or plotting code: the `tandem` binary is
+//! the `tandem-cli` crate and the benchmarks are `tandem-bench`.
 pub use tandem_ckpt as ckpt;
 pub use tandem_comm as comm;
 pub use tandem_data as data;
 pub use tandem_ddp as ddp;
 pub use tandem_launch as launch;
 
-pub mod train;
+pub use tandem_ddp::alloc::{allocator_tuned, tune_allocator};
 
-/// Joins the process group the environment describes (`tandem_comm::init`: launcher, torchrun,
-/// Slurm, mpirun, or a world of one) and tunes this process's malloc to keep freed tensor
-/// memory for reuse ([`ddp::tune_allocator`]; `TANDEM_MALLOC=system` skips that), which makes
-/// CPU training steps markedly faster with candle.
+/// Joins the process group the environment describes: `tandem run` / torchrun variables,
+/// Slurm, OpenMPI, or, with none of them, a world of one. A collective on every rank.
+///
+/// It changes nothing else in the process. CPU training with candle runs markedly faster when
+/// glibc keeps freed tensor memory for reuse; opt in with [`tune_allocator()`] at the start of
+/// `main` (the `tandem` binary does).
 pub fn init() -> Result<comm::ProcessGroup, comm::CommError> {
-    tandem_ddp::tune_allocator();
     tandem_comm::init()
 }

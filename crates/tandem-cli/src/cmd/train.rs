@@ -1,9 +1,9 @@
 //! `tandem train`: the main job. Run plainly, it is its own launcher: it starts
 //! `--nproc-per-node` copies of itself through tandem-launch (console shows rank 0) and exits
 //! with the job's code. Started by `tandem run`, torchrun, Slurm or mpirun, it is one rank.
+use crate::train::config::TrainConfig;
+use crate::train::worker;
 use anyhow::Context;
-use tandem::train::config::TrainConfig;
-use tandem::train::worker;
 use tandem_launch::{LaunchConfig, NprocPerNode};
 
 #[derive(clap::Args)]

@@ -77,7 +77,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
                         ck.world_size
                     );
                 }
-                load_weights(ddp.module(), &path)?;
+                load_weights(&ddp.module(), &path)?;
                 opt.load_state_dict(&ck.optimizer)
                     .with_context(|| format!("optimizer state in {}", path.display()))?;
                 loader.load_state(&sampler_state_from_value(&ck.sampler)?)?;
@@ -102,7 +102,10 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     }
 
     let mut tb = if cfg.tensorboard && rank == 0 {
-        Some(EventWriter::create(&run_dir.join("tensorboard"))?)
+        let dir = run_dir.join("tensorboard");
+        let writer = EventWriter::create(&dir)
+            .with_context(|| format!("creating a TensorBoard event file in {}", dir.display()))?;
+        Some(writer)
     } else {
         None
     };
@@ -119,7 +122,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
                 opt: &dyn Optimizer,
                 step: u64|
      -> anyhow::Result<Option<PathBuf>> {
-        let value = checkpoint_value(ddp.module(), opt, loader.state(), step, world, cfg)?;
+        let value = checkpoint_value(&ddp.module(), opt, loader.state(), step, world, cfg)?;
         Ok(manager.save_on_rank(rank, name, &value, || group.barrier())?)
     };
 
@@ -162,7 +165,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         train_time += started.elapsed().as_secs_f64();
 
         ddp.module().set_training(false);
-        last_eval = evaluate(ddp.module(), &eval, &group, &options, &device)?;
+        last_eval = evaluate(&ddp.module(), &eval, &group, &options, &device)?;
         let mut train_loss = [loss_sum, loss_n as f64];
         group.all_reduce(&mut train_loss, ReduceOp::Sum)?;
         let train_loss = train_loss[0] / train_loss[1].max(1.0);
@@ -177,13 +180,18 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
                 opt.lr()
             ));
             if let Some(tb) = tb.as_mut() {
-                let s = global_step as i64;
-                tb.add_scalar("train/loss", train_loss as f32, s)?;
-                tb.add_scalar("train/lr", opt.lr() as f32, s)?;
-                tb.add_scalar("train/samples_per_s", sps as f32, s)?;
-                tb.add_scalar("eval/loss", last_eval.mean_loss() as f32, s)?;
-                tb.add_scalar("eval/accuracy", last_eval.accuracy() as f32, s)?;
-                tb.flush()?;
+                let write = |tb: &mut EventWriter| -> std::io::Result<()> {
+                    let s = global_step as i64;
+                    tb.add_scalar("train/loss", train_loss as f32, s)?;
+                    tb.add_scalar("train/lr", opt.lr() as f32, s)?;
+                    tb.add_scalar("train/samples_per_s", sps as f32, s)?;
+                    tb.add_scalar("eval/loss", last_eval.mean_loss() as f32, s)?;
+                    tb.add_scalar("eval/accuracy", last_eval.accuracy() as f32, s)?;
+                    tb.flush()
+                };
+                write(tb).with_context(|| {
+                    format!("writing TensorBoard events to {}", tb.path().display())
+                })?;
             }
         }
         // End-of-epoch checkpoint, unless --save-every just wrote this step or the run is over
@@ -202,7 +210,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     last_ckpt = written.or(last_ckpt);
     if let Some(path) = &cfg.save_final {
         if rank == 0 {
-            save_weights(ddp.module(), path)?;
+            save_weights(&ddp.module(), path)?;
         }
         group.barrier()?;
     }
