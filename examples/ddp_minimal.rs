@@ -11,10 +11,11 @@ use candle_core::Device;
 use tandem::ckpt::{CheckpointManager, TrainingCheckpoint, Value};
 use tandem::data::{datasets, DataLoader, Dataset, DistributedSampler, LoaderOptions};
 use tandem::ddp::models::Mlp;
-use tandem::ddp::optim::{Optimizer, Sgd, SgdConfig};
-use tandem::ddp::{Ddp, DdpOptions, Module};
+use tandem::ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
+use tandem::ddp::{Ddp, DdpOptions, ParamModule};
 
 fn main() -> Result<()> {
+    tandem::tune_allocator(); // opt-in: glibc keeps freed tensor memory for reuse (faster steps)
     let group = tandem::init()?; // env:// from the launcher, or a world of one
     let (rank, world) = (group.rank(), group.size());
     let ckpt_dir = std::env::args().nth(1).unwrap_or_else(|| "runs/ddp_minimal".into());
@@ -25,7 +26,7 @@ fn main() -> Result<()> {
     let params = ddp.named_parameters().into_iter().map(|(_, v)| v).collect();
     let mut opt = Sgd::new(params, SgdConfig { lr: 0.05, momentum: 0.9, ..Default::default() })?;
 
-    let sampler = DistributedSampler::new(train.len(), world, rank, true, 0, false)?;
+    let sampler = DistributedSampler::builder(train.len()).group(&group).build()?;
     let mut loader =
         DataLoader::new(Arc::new(train), sampler, LoaderOptions::new(32), Device::Cpu)?;
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reliability suite of issue #9 (crates/tandem/tests/reliability.rs): kills, restarts, kills
+# Reliability suite of issue #9 (crates/tandem-cli/tests/reliability.rs): kills, restarts, kills
 # during checkpoint writes, full disk, misconfiguration and bad checkpoint files. Prints every
 # scenario's `reliability:` line and then the README's Markdown table built from them.
 #
@@ -13,14 +13,20 @@ cd "$(dirname "$0")/.."
 summary=$(mktemp)
 trap 'rm -f "$summary"' EXIT
 start=$(date +%s)
-RELIABILITY_SUMMARY="$summary" cargo test -p tandem --test reliability -- --test-threads "${RELIABILITY_THREADS:-2}" "$@"
+RELIABILITY_SUMMARY="$summary" cargo test -p tandem-cli --test reliability -- --test-threads "${RELIABILITY_THREADS:-2}" "$@"
 status=$?
 elapsed=$(( $(date +%s) - start ))
 
+# A scenario that could not run here is a `reliability: NAME skipped reason=...` line: it is
+# listed as skipped, with no trials and nothing passed.
 table() {
     echo "| Scenario | Trials | Passed | Measured |"
     echo "|---|---:|---:|---|"
     sort "$summary" | while read -r _ name rest; do
+        if [[ $rest == skipped* ]]; then
+            echo "| $name | skipped | – | ${rest#skipped reason=} |"
+            continue
+        fi
         trials=$(sed -n 's/.*trials=\([0-9]*\).*/\1/p' <<<"$rest")
         passed=$(sed -n 's/.*passed=\([0-9]*\).*/\1/p' <<<"$rest")
         extra=$(sed -e 's/trials=[0-9]* *//' -e 's/passed=[0-9]* *//' <<<"$rest")
@@ -29,7 +35,8 @@ table() {
 }
 
 echo
-echo "== reliability summary (seed ${RELIABILITY_SEED:-20261121}, ${elapsed}s, cargo test exit $status)"
+skipped=$(grep -c ' skipped ' "$summary")
+echo "== reliability summary (seed ${RELIABILITY_SEED:-20261121}, ${elapsed}s, cargo test exit $status, $skipped scenario(s) skipped)"
 cat "$summary"
 echo
 table | tee "${RELIABILITY_TABLE:-/dev/null}"

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use candle_core::{Device, Tensor};
 use tandem_ddp::models::{Cnn, Mlp};
-use tandem_ddp::optim::{Optimizer, Sgd, SgdConfig};
-use tandem_ddp::{Ddp, DdpOptions, Module};
+use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
+use tandem_ddp::{Ddp, DdpOptions, ParamModule};
 
 use super::local_ranks::{median, LocalRanks};
 
@@ -99,13 +99,13 @@ trait Trainer {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()>;
 }
 
-struct Plain<M: Module> {
+struct Plain<M: ParamModule> {
     model: M,
     loss: fn(&M, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
     opt: Sgd,
 }
 
-impl<M: Module> Trainer for Plain<M> {
+impl<M: ParamModule> Trainer for Plain<M> {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
         let grads = (self.loss)(&self.model, x, y)?.backward()?;
         self.opt.step(&grads)?;
@@ -113,13 +113,13 @@ impl<M: Module> Trainer for Plain<M> {
     }
 }
 
-struct Wrapped<M: Module> {
+struct Wrapped<M: ParamModule> {
     ddp: Ddp<M>,
     loss: fn(&M, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
     opt: Sgd,
 }
 
-impl<M: Module> Trainer for Wrapped<M> {
+impl<M: ParamModule> Trainer for Wrapped<M> {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
         let loss = (self.loss)(&self.ddp, x, y)?;
         let grads = self.ddp.backward(&loss)?;

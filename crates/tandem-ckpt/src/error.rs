@@ -24,6 +24,9 @@ pub enum CkptError {
     /// The source value holds no state dict (no dict of tensors at any known container key).
     #[error("no state dict found: {0}")]
     NoStateDict(String),
+    /// A training checkpoint (`TrainingCheckpoint`) lacks a field or holds the wrong type.
+    #[error("training checkpoint field `{field}`: {problem}")]
+    TrainingField { field: String, problem: String },
     #[error("invalid map_location `{0}`: expected `cpu` or `cuda:N`")]
     MapLocation(String),
     /// Every checkpoint in a directory failed to verify is not an error (resume starts fresh),

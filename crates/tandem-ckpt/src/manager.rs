@@ -50,13 +50,16 @@ impl TrainingCheckpoint {
     /// Reads the fields back; a missing or mistyped field is an error naming it.
     pub fn from_value(v: &Value) -> Result<Self> {
         let field = |k: &str| {
-            v.get(k).ok_or_else(|| {
-                CkptError::NoStateDict(format!("training checkpoint has no `{k}` entry"))
+            v.get(k).ok_or_else(|| CkptError::TrainingField {
+                field: k.to_string(),
+                problem: "missing".into(),
             })
         };
         let int = |k: &str| {
-            field(k)?.as_int().ok_or_else(|| {
-                CkptError::NoStateDict(format!("training checkpoint `{k}` is not an int"))
+            let value = field(k)?;
+            value.as_int().ok_or_else(|| CkptError::TrainingField {
+                field: k.to_string(),
+                problem: format!("expected an int, found a {}", value.type_name()),
             })
         };
         Ok(TrainingCheckpoint {
@@ -386,5 +389,27 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("epoch"));
+    }
+
+    #[test]
+    fn a_missing_or_mistyped_training_field_is_named() {
+        let ck = |epoch: Option<Value>, world_size: Value| {
+            let mut items = vec![("global_step", Value::Int(10)), ("model", Value::new_dict())];
+            items.push(("optimizer", Value::new_dict()));
+            items.push(("world_size", world_size));
+            items.extend(epoch.map(|e| ("epoch", e)));
+            Value::dict_from(items)
+        };
+        match TrainingCheckpoint::from_value(&ck(None, Value::Int(2))) {
+            Err(CkptError::TrainingField { field, problem }) => {
+                assert_eq!((field.as_str(), problem.as_str()), ("epoch", "missing"))
+            }
+            other => panic!("expected TrainingField, got {other:?}"),
+        }
+        let err =
+            TrainingCheckpoint::from_value(&ck(Some(Value::Int(1)), Value::Str("two".into())))
+                .unwrap_err()
+                .to_string();
+        assert_eq!(err, "training checkpoint field `world_size`: expected an int, found a str");
     }
 }

@@ -17,6 +17,8 @@ enum Command {
     /// Start and supervise the ranks of a job on this host (torchrun-compatible).
     Run(cmd::run::Args),
     /// Train a model on the embedded digits data (or MNIST / synthetic) with DDP.
+    // `--lr -1` is a value to check (and reject with a reason), not an unknown flag `-1`.
+    #[command(allow_negative_numbers = true)]
     Train(cmd::train::Args),
     /// Print the sample indices one rank sees (DistributedSampler) as a JSON array.
     Sampler(cmd::sampler::Args),
@@ -59,8 +61,41 @@ fn main() {
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_chain(&e));
             std::process::exit(1);
         }
+    }
+}
+
+/// The error and its causes on one line, `outer: inner: ...`, leaving out a cause whose text the
+/// line already holds (an error that both shows its cause and returns it from `source()` would
+/// otherwise print it twice).
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut line = e.to_string();
+    for cause in e.chain().skip(1) {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_chain;
+
+    #[test]
+    fn a_cause_already_in_the_message_is_not_repeated() {
+        let os = std::io::Error::from_raw_os_error(2);
+        let e = anyhow::Error::new(std::io::Error::other(format!("cannot start x: {os}")))
+            .context("launching");
+        assert_eq!(
+            error_chain(&e),
+            "launching: cannot start x: No such file or directory (os error 2)"
+        );
+        let e = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(error_chain(&e), "outer: inner");
     }
 }

@@ -6,7 +6,8 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use tandem_testutil::{
-    assert_no_survivors, free_port, output_with_deadline, recorded_pids, wait_with_deadline,
+    assert_no_survivors, children_of, free_port, is_running, output_with_deadline, recorded_pids,
+    wait_with_deadline,
 };
 
 const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
@@ -125,6 +126,12 @@ fn bad_flags_are_named() {
         LIMIT,
     );
     assert!(text(&out.stderr).contains("--standalone"), "{}", describe(&out));
+    // A program that does not exist: named once with its OS error, which is not repeated.
+    let out = output_with_deadline(&mut tandem_run(&["--", "/nonexistent/program"]), LIMIT);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    assert!(err.contains("cannot start rank 0 (/nonexistent/program)"), "{err}");
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
 }
 
 #[test]
@@ -439,4 +446,58 @@ fn a_sigkilled_launcher_takes_its_workers_along() {
     child.kill().unwrap();
     child.wait().unwrap();
     assert_no_survivors(&recorded_pids(dir.path()));
+}
+
+#[test]
+fn a_killed_watchdog_is_reaped_reported_and_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let script =
+        format!("sleep 60 & echo $! > {d}/grandchild.pid; echo $$ > {d}/worker.pid; exec sleep 60");
+    let stderr_path = dir.path().join("launcher.stderr");
+    let mut launcher = tandem_run(&["--nproc-per-node", "1", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&stderr_path).unwrap())
+        .spawn()
+        .unwrap();
+    let launcher_pid = launcher.id() as i32;
+    wait_for_files(dir.path(), "pid", 2);
+    let worker: i32 =
+        std::fs::read_to_string(dir.path().join("worker.pid")).unwrap().trim().parse().unwrap();
+    // The launcher's children: its one worker and the forked watchdog.
+    let watchdogs = |exclude: i32| -> Vec<i32> {
+        children_of(launcher_pid)
+            .into_iter()
+            .filter(|(pid, _)| *pid != worker && *pid != exclude)
+            .map(|(pid, _)| pid)
+            .collect()
+    };
+    let old = watchdogs(0);
+    assert_eq!(old.len(), 1, "expected one watchdog beside the worker: {old:?}");
+    let old = old[0];
+    // SAFETY: SIGKILL to a pid we just found as the launcher's child.
+    assert_eq!(unsafe { libc::kill(old, libc::SIGKILL) }, 0);
+
+    // Reaped (no zombie left while the launcher runs) and replaced by a new watchdog.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let new = loop {
+        let reaped = tandem_comm::procfs::ProcStat::read(old).is_none();
+        match watchdogs(old).as_slice() {
+            [new] if reaped => break *new,
+            _ => assert!(Instant::now() < deadline, "watchdog {old} not reaped and replaced"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(is_running(new));
+    // The new watchdog holds the guarantee: SIGKILL the launcher, the grandchild dies too.
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    assert_no_survivors(&recorded_pids(dir.path()));
+    let stderr = std::fs::read_to_string(&stderr_path).unwrap();
+    assert!(
+        stderr.contains(&format!(
+            "(pid {old}) was killed by signal 9; reaped it and started a new one (pid {new})"
+        )),
+        "{stderr}"
+    );
 }

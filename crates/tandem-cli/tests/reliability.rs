@@ -2,7 +2,9 @@
 //! during checkpoint writes, a full disk, misconfigured ranks and bad checkpoint files. Every
 //! scenario counts its trials and prints `reliability: <scenario> trials=N passed=M ...`;
 //! random kill moments come from a seeded RNG (`RELIABILITY_SEED`) named in every failure.
-//! Run it all with scripts/reliability.sh.
+//! Run it all with scripts/reliability.sh. Built with `harness = false`: `main` is also the entry
+//! point of the checkpoint-saving child, and a scenario that cannot run here (the tmpfs one
+//! without mount rights) is reported as skipped, never as passed.
 mod support;
 
 use std::path::{Path, PathBuf};
@@ -10,6 +12,37 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use support::*;
+use tandem_testutil::harness::{self, Test};
+
+fn main() -> std::process::ExitCode {
+    if let Some(dir) = std::env::var_os(SAVER_DIR_VAR) {
+        save_checkpoints_until_killed(PathBuf::from(dir));
+        return std::process::ExitCode::SUCCESS;
+    }
+    let mut tests = tandem_testutil::tests![
+        kill_one_rank_ends_the_job_fast_and_names_it,
+        lone_survivor_fails_fast_when_its_peer_dies_or_stalls,
+        killed_rank_restarts_from_checkpoint_to_identical_weights,
+        kill_during_checkpoint_writes_never_exposes_a_partial_file,
+        write_error_fails_the_save_cleanly_and_keeps_the_previous_checkpoint,
+        misconfigured_ranks_fail_with_a_clear_error_never_a_hang,
+        bad_checkpoint_files_are_one_clear_error_line,
+        resume_skips_a_corrupt_or_truncated_newest_checkpoint,
+        inspect_reports_a_bit_flip_in_tensor_data,
+    ];
+    let tmpfs = Test::new(
+        "full_tmpfs_fails_the_save_cleanly_and_keeps_the_previous_checkpoint",
+        full_tmpfs_fails_the_save_cleanly_and_keeps_the_previous_checkpoint,
+    );
+    let no_tmpfs = (!Tmpfs::can_mount()).then(|| {
+        let reason = "mounting a tmpfs needs root and mount(8) (write-error-efbig covers the \
+                      write error without it)";
+        Tally::skipped("full-disk-tmpfs", reason);
+        reason.to_string()
+    });
+    tests.push(tmpfs.skip_if(no_tmpfs));
+    harness::main(tests)
+}
 
 /// Collective timeout for the ranks under test: a survivor stuck in a collective gives up after it.
 const COLLECTIVE_TIMEOUT_S: &str = "3";
@@ -26,7 +59,6 @@ fn marker(scenario: &str, trial: usize) -> String {
 // ---------------------------------------------------------------------------------------------
 // 1. kill -9 one rank at a random moment: the job ends fast, non-zero, naming the dead rank.
 
-#[test]
 fn kill_one_rank_ends_the_job_fast_and_names_it() {
     let mut tally = Tally::new("kill-rank");
     let (mut worst, mut misattributed) = (Duration::ZERO, 0usize);
@@ -174,7 +206,6 @@ fn lone_survivor_trial(
     Ok(after)
 }
 
-#[test]
 fn lone_survivor_fails_fast_when_its_peer_dies_or_stalls() {
     let base = base_seed();
     for (scenario, signal, n, bound) in [
@@ -227,7 +258,6 @@ fn restartable_train(run: &[&str], out: &Path, fin: &Path) -> Command {
     c
 }
 
-#[test]
 fn killed_rank_restarts_from_checkpoint_to_identical_weights() {
     let dir = tempfile::tempdir().unwrap();
     // The uninterrupted reference, through the same launcher and flags.
@@ -350,14 +380,10 @@ fn check_saver_value(v: &tandem_ckpt::Value) -> Result<i64, String> {
     Ok(step)
 }
 
-/// Not a test of its own: the child process of `kill_during_checkpoint_writes` (re-exec'd with
-/// RELIABILITY_SAVER_DIR set) saves checkpoints in a loop until it is killed.
-#[test]
-fn ckpt_saver_child() {
-    let Some(dir) = std::env::var_os(SAVER_DIR_VAR) else {
-        return;
-    };
-    let manager = tandem_ckpt::CheckpointManager::new(PathBuf::from(dir), 3);
+/// The child process of `kill_during_checkpoint_writes` (this binary re-run with
+/// RELIABILITY_SAVER_DIR set): saves checkpoints in a loop until it is killed.
+fn save_checkpoints_until_killed(dir: PathBuf) {
+    let manager = tandem_ckpt::CheckpointManager::new(dir, 3);
     let start = Instant::now();
     let mut step = 1;
     // Self-limit: never outlive a parent that failed to kill us.
@@ -368,7 +394,6 @@ fn ckpt_saver_child() {
     }
 }
 
-#[test]
 fn kill_during_checkpoint_writes_never_exposes_a_partial_file() {
     let mut tally = Tally::new("kill-during-save");
     let (mut with_tmp, mut older, mut none) = (0usize, 0usize, 0usize);
@@ -403,8 +428,7 @@ fn save_kill_trial(seed: u64, exe: &Path) -> Result<SaveKillOutcome, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let ck = dir.path().join("ckpt");
     let mut cmd = Command::new(exe);
-    cmd.args(["--exact", "ckpt_saver_child", "--nocapture", "--test-threads", "1"])
-        .env(SAVER_DIR_VAR, &ck);
+    cmd.env(SAVER_DIR_VAR, &ck);
     let job = Running::spawn(&mut cmd);
     std::thread::sleep(delay);
     let landed = sigkill(job.pid());
@@ -508,6 +532,14 @@ impl Tmpfs {
             .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tandem-reliability", s(at)])
             .status();
         ok.ok()?.success().then(|| Tmpfs(at.to_path_buf()))
+    }
+}
+
+impl Tmpfs {
+    /// Whether this process may mount a tmpfs (tried once, on a scratch directory).
+    fn can_mount() -> bool {
+        let Ok(dir) = tempfile::tempdir() else { return false };
+        Tmpfs::mount(&dir.path().join("probe"), "64k").is_some()
     }
 }
 
@@ -629,20 +661,15 @@ fn disk_trial(root: &Path, squeeze: Squeeze, expect: &str) -> Result<(), String>
     same_weights(&reference, &fin)
 }
 
-#[test]
 fn full_tmpfs_fails_the_save_cleanly_and_keeps_the_previous_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(mnt) = Tmpfs::mount(&dir.path().join("mnt"), "2m") else {
-        println!("reliability: full-disk-tmpfs skipped (needs root and mount(8); the RLIMIT_FSIZE scenario covers CI)");
-        return;
-    };
+    let mnt = Tmpfs::mount(&dir.path().join("mnt"), "2m").expect("mount a 2 MiB tmpfs");
     let mut tally = Tally::new("full-disk-tmpfs");
     // 8 KiB free: config.toml still fits, a ~13 KB checkpoint does not.
     tally.record(disk_trial(dir.path(), Squeeze::Fill(&mnt.0, 8192), "No space left on device"));
     tally.finish();
 }
 
-#[test]
 fn write_error_fails_the_save_cleanly_and_keeps_the_previous_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let mut tally = Tally::new("write-error-efbig");
@@ -723,7 +750,6 @@ fn misconfig(
     Ok(slowest)
 }
 
-#[test]
 fn misconfigured_ranks_fail_with_a_clear_error_never_a_hang() {
     use tandem_testutil::free_port;
     let lo = "127.0.0.1";
@@ -832,7 +858,6 @@ torch.save({"model": Evil()}, sys.argv[1] + "/hostile-legacy.pt", _use_new_zipfi
     vec![dir.join("hostile-zip.pt"), dir.join("hostile-legacy.pt")]
 }
 
-#[test]
 fn bad_checkpoint_files_are_one_clear_error_line() {
     let dir = tempfile::tempdir().unwrap();
     small_run(&dir.path().join("run"), 10, &[]).unwrap();
@@ -891,7 +916,6 @@ fn bad_checkpoint_files_are_one_clear_error_line() {
     tally.finish();
 }
 
-#[test]
 fn resume_skips_a_corrupt_or_truncated_newest_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let reference = dir.path().join("reference.pt");
@@ -935,7 +959,6 @@ fn resume_skips_a_corrupt_or_truncated_newest_checkpoint() {
 
 /// `tandem ckpt inspect` verifies every zip CRC-32: a flipped bit inside tensor data is an error,
 /// never printed as if the file were fine.
-#[test]
 fn inspect_reports_a_bit_flip_in_tensor_data() {
     let dir = tempfile::tempdir().unwrap();
     small_run(&dir.path().join("run"), 5, &[]).unwrap();

@@ -248,6 +248,14 @@ fn bad_flags_and_files_are_named_in_the_error() {
         String::from_utf8_lossy(&o.stderr)
     );
 
+    // A negative learning rate is a value with a reason, not clap's usage for an unknown `-1`.
+    for (lr, shown) in [("-1", "-1"), ("0", "0"), ("nan", "NaN")] {
+        let o = output_with_deadline(tandem().args(["train", "--lr", lr]), LIMIT);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "--lr {lr}: {err}");
+        assert!(err.contains(&format!("--lr must be a positive number, got {shown}")), "{err}");
+    }
+
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("nope.pt");
     let o = output_with_deadline(

@@ -16,6 +16,8 @@ mod error;
 mod frame;
 mod group;
 mod order;
+#[doc(hidden)]
+pub mod procfs;
 mod rendezvous;
 mod store;
 mod transport;

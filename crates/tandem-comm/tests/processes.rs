@@ -1,5 +1,6 @@
-//! Real processes: this test binary re-executes itself (`--exact worker --nocapture`) with the
-//! launcher variables of each rank. Covers env:// (torchrun), Slurm and OpenMPI detection and a
+//! Real processes: this test binary (`harness = false`) re-executes itself as each rank, with
+//! `TANDEM_TEST_ROLE` and the launcher variables of that rank; `main` starts the role before
+//! any test runs. Covers env:// (torchrun), Slurm and OpenMPI detection and a
 //! rank killed with SIGKILL in the middle of all_reduce. Every child is bounded in time.
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -7,12 +8,23 @@ use tandem_comm::ReduceOp;
 
 const ROLE: &str = "TANDEM_TEST_ROLE";
 
-/// The child side: does nothing unless started by one of the tests below.
-#[test]
-fn worker() {
-    let Ok(role) = std::env::var(ROLE) else {
-        return;
-    };
+fn main() -> std::process::ExitCode {
+    if let Ok(role) = std::env::var(ROLE) {
+        worker(&role);
+        return std::process::ExitCode::SUCCESS;
+    }
+    tandem_testutil::harness::main(tandem_testutil::tests![
+        torchrun_env_world_of_three,
+        slurm_and_openmpi_variables,
+        a_job_with_another_run_id_is_refused,
+        killed_rank_fails_survivors_tcp,
+        killed_rank_fails_survivors_shm,
+        shm_creation_failure_falls_back_to_tcp_and_leaves_no_file,
+    ])
+}
+
+/// The child side: one rank of a world the test started.
+fn worker(role: &str) {
     let pg = match tandem_comm::init() {
         Ok(pg) => pg,
         Err(e) => {
@@ -21,7 +33,7 @@ fn worker() {
         }
     };
     let (r, n) = (pg.rank(), pg.size());
-    match role.as_str() {
+    match role {
         "sum" => {
             let mut v: Vec<f64> = (0..1001).map(|i| (i * (r + 1)) as f64).collect();
             pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
@@ -62,7 +74,7 @@ fn worker() {
 
 fn spawn(role: &str, vars: &[(String, String)]) -> Child {
     let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
-    cmd.args(["--exact", "worker", "--nocapture", "--test-threads=1"]).env(ROLE, role);
+    cmd.env(ROLE, role);
     for k in [
         "RANK",
         "WORLD_SIZE",
@@ -100,7 +112,6 @@ fn vars(pairs: &[(&str, String)]) -> Vec<(String, String)> {
     pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
 }
 
-#[test]
 fn torchrun_env_world_of_three() {
     let port = tandem_testutil::free_port().to_string();
     let kids: Vec<Child> = (0..3)
@@ -130,7 +141,6 @@ fn torchrun_env_world_of_three() {
     }
 }
 
-#[test]
 fn slurm_and_openmpi_variables() {
     let port = tandem_testutil::free_port().to_string();
     let slurm: Vec<Child> = (0..2)
@@ -176,7 +186,6 @@ fn slurm_and_openmpi_variables() {
     }
 }
 
-#[test]
 fn a_job_with_another_run_id_is_refused() {
     let port = tandem_testutil::free_port().to_string();
     let base = |r: usize, id: &str| {
@@ -262,19 +271,16 @@ fn kill_mid_all_reduce(transport: &str) {
     }
 }
 
-#[test]
 fn killed_rank_fails_survivors_tcp() {
     kill_mid_all_reduce("tcp");
 }
 
-#[test]
 fn killed_rank_fails_survivors_shm() {
     kill_mid_all_reduce("shm");
 }
 
 /// Rank 0 cannot create the shared-memory file (RLIMIT_FSIZE = 0, as in a full /dev/shm):
 /// every rank falls back to TCP together and no file is left behind.
-#[test]
 fn shm_creation_failure_falls_back_to_tcp_and_leaves_no_file() {
     use std::os::unix::process::CommandExt;
     let port = tandem_testutil::free_port().to_string();

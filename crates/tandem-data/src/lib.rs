@@ -34,4 +34,4 @@ pub use error::DataError;
 pub use eval::{all_reduce_metrics, eval_batches, eval_indices, evaluate, EvalMetrics};
 pub use loader::{collate, Batch, BatchIter, DataLoader, EpochIter, LoaderOptions};
 pub use randperm::torch_randperm;
-pub use sampler::{num_samples, DistributedSampler, SamplerState};
+pub use sampler::{num_samples, DistributedSampler, SamplerBuilder, SamplerState};

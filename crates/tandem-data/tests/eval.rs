@@ -1,45 +1,19 @@
 //! Uneven distributed evaluation on a real process group (ranks as threads over loopback TCP):
 //! every eval sample counted exactly once, and the totals equal a single process's.
-use std::sync::{mpsc, Arc};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use candle_core::Device;
-use tandem_comm::{init_with, InitMethod, InitOptions, ProcessGroup, TransportKind};
+use tandem_comm::{InitMethod, ProcessGroup, TransportKind};
 use tandem_data::{datasets, evaluate, Batch, DataError, EvalMetrics, LoaderOptions};
 
-/// Runs `f` on every rank of an `n`-rank world, one thread per rank; panics past the deadline.
+/// Runs `f` on every rank of an `n`-rank TCP world on loopback (ranks as threads).
 fn run_world<R: Send + 'static>(
     n: usize,
     f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    let url = format!("tcp://127.0.0.1:{}", tandem_testutil::free_port());
-    let opts = InitOptions {
-        transport: Some(TransportKind::Tcp),
-        timeout: Duration::from_secs(10),
-        init_timeout: Duration::from_secs(20),
-        run_id: "tandem-data-eval-test".into(),
-        desync_check: false,
-    };
-    let f = Arc::new(f);
-    let (tx, rx) = mpsc::channel();
-    for rank in 0..n {
-        let (tx, f, url, opts) = (tx.clone(), f.clone(), url.clone(), opts.clone());
-        std::thread::spawn(move || {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                f(init_with(&InitMethod::tcp(&url, rank, n), &opts).expect("init"))
-            }));
-            let _ = tx.send((rank, r.map_err(|_| format!("rank {rank} panicked"))));
-        });
-    }
-    drop(tx);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
-    for _ in 0..n {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let (rank, r) = rx.recv_timeout(left).expect("world finished within 60 s");
-        out[rank] = Some(r.unwrap_or_else(|e| panic!("{e}")));
-    }
-    out.into_iter().map(Option::unwrap).collect()
+    let opts = tandem_testutil::test_options(TransportKind::Tcp);
+    tandem_testutil::run_world(n, opts, Duration::from_secs(60), f)
 }
 
 /// A fixed "model": predicts (rounded pixel sum) mod 10; per-sample loss is the pixel mean.

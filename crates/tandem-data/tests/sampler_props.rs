@@ -92,6 +92,20 @@ proptest! {
     }
 
     #[test]
+    fn the_builder_is_the_positional_constructor_with_named_values(len in 0usize..300, r in 1usize..8, k in 0usize..8, shuffle: bool, seed: u64, drop_last: bool) {
+        let built = DistributedSampler::builder(len)
+            .num_replicas(r)
+            .rank(k)
+            .shuffle(shuffle)
+            .seed(seed)
+            .drop_last(drop_last)
+            .build();
+        let positional = DistributedSampler::new(len, r, k, shuffle, seed, drop_last);
+        prop_assert_eq!(format!("{built:?}"), format!("{positional:?}"));
+        prop_assert_eq!(built.is_ok(), k < r);
+    }
+
+    #[test]
     fn eval_shards_partition_the_dataset(len in 0usize..500, r in 1usize..12) {
         let mut seen = vec![0u8; len];
         let mut lens = Vec::new();
@@ -131,4 +145,12 @@ fn load_state_rejects_changed_fields_by_name() {
 fn eval_indices_rejects_bad_rank() {
     assert!(eval_indices(10, 3, 3).unwrap_err().to_string().contains("rank 3"));
     assert!(eval_indices(10, 0, 0).is_err());
+}
+
+#[test]
+fn builder_defaults_are_pytorchs() {
+    let default = DistributedSampler::builder(17).build().unwrap();
+    assert_eq!(default, DistributedSampler::new(17, 1, 0, true, 0, false).unwrap());
+    let err = DistributedSampler::builder(17).rank(2).build().unwrap_err().to_string();
+    assert!(err.contains("rank 2"), "{err}");
 }

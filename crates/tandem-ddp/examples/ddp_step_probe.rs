@@ -5,8 +5,8 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use tandem_ddp::models::Mlp;
-use tandem_ddp::optim::{Optimizer, Sgd, SgdConfig};
-use tandem_ddp::{Ddp, DdpOptions, Module, SingleProcess};
+use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
+use tandem_ddp::{Ddp, DdpOptions, ParamModule, SingleProcess};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // As `tandem::init()` does (`TANDEM_MALLOC=system` to measure glibc's defaults).

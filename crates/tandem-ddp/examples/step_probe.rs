@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use tandem_ddp::models::Mlp;
-use tandem_ddp::optim::{Optimizer, Sgd, SgdConfig};
-use tandem_ddp::Module;
+use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
+use tandem_ddp::ParamModule;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let batch: usize = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(64);

@@ -23,7 +23,10 @@ pub fn to_ckpt(t: &Tensor) -> Result<tandem_ckpt::Tensor> {
         }
         CDType::U8 => tandem_ckpt::Tensor::from_bytes(KDType::U8, &shape, flat.to_vec1::<u8>()?),
         other => {
-            return Err(DdpError::StateDict(format!("no checkpoint dtype for candle {other:?}")))
+            return Err(DdpError::TensorConversion {
+                key: None,
+                reason: format!("candle dtype {other:?} has no checkpoint equivalent"),
+            })
         }
     })
 }
@@ -34,7 +37,10 @@ pub fn from_ckpt(t: &tandem_ckpt::Tensor, device: &Device) -> Result<Tensor> {
     let bytes = t.contiguous_bytes();
     let le = cfg!(target_endian = "little");
     if !le {
-        return Err(DdpError::StateDict("big-endian hosts are not supported".into()));
+        return Err(DdpError::TensorConversion {
+            key: None,
+            reason: "big-endian hosts are not supported".into(),
+        });
     }
     Ok(match t.dtype {
         KDType::F32 => Tensor::from_vec(t.to_f32_vec(), shape, device)?,
@@ -48,39 +54,42 @@ pub fn from_ckpt(t: &tandem_ckpt::Tensor, device: &Device) -> Result<Tensor> {
         }
         KDType::U8 => Tensor::from_vec(bytes.to_vec(), shape, device)?,
         other => {
-            return Err(DdpError::StateDict(format!(
-                "checkpoint dtype {} has no candle equivalent",
-                other.torch_name()
-            )))
+            return Err(DdpError::TensorConversion {
+                key: None,
+                reason: format!("checkpoint dtype {} has no candle equivalent", other.torch_name()),
+            })
         }
     })
+}
+
+/// Names the key in a conversion error (other errors pass through).
+fn with_key(e: DdpError, k: &str) -> DdpError {
+    match e {
+        DdpError::TensorConversion { reason, .. } => {
+            DdpError::TensorConversion { key: Some(k.to_string()), reason }
+        }
+        DdpError::Candle(e) => {
+            DdpError::TensorConversion { key: Some(k.to_string()), reason: e.to_string() }
+        }
+        other => other,
+    }
 }
 
 /// `module.state_dict()` → checkpoint tensors (names unchanged).
 pub fn state_dict_to_ckpt(
     state: &[(String, Tensor)],
 ) -> Result<Vec<(String, tandem_ckpt::Tensor)>> {
-    state
-        .iter()
-        .map(|(k, t)| {
-            Ok((k.clone(), to_ckpt(t).map_err(|e| DdpError::StateDict(format!("key `{k}`: {e}")))?))
-        })
-        .collect()
+    state.iter().map(|(k, t)| Ok((k.clone(), to_ckpt(t).map_err(|e| with_key(e, k))?))).collect()
 }
 
-/// Checkpoint tensors → what `Module::load_state_dict` takes.
+/// Checkpoint tensors → what `ParamModule::load_state_dict` takes.
 pub fn state_dict_from_ckpt(
     state: &[(String, tandem_ckpt::Tensor)],
     device: &Device,
 ) -> Result<Vec<(String, Tensor)>> {
     state
         .iter()
-        .map(|(k, t)| {
-            Ok((
-                k.clone(),
-                from_ckpt(t, device).map_err(|e| DdpError::StateDict(format!("key `{k}`: {e}")))?,
-            ))
-        })
+        .map(|(k, t)| Ok((k.clone(), from_ckpt(t, device).map_err(|e| with_key(e, k))?)))
         .collect()
 }
 

@@ -12,7 +12,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
 use crate::error::{DdpError, Result};
-use crate::module::Module;
+use crate::module::ParamModule;
 
 /// `torch.chunk(n, parts)` sizes along one dimension: chunks of `ceil(n / parts)`, the last one
 /// smaller, possibly fewer than `parts` chunks (30 → [15, 15] for 2; 10 → [3, 3, 3, 1] for 4;
@@ -32,17 +32,17 @@ pub fn chunk_sizes(n: usize, parts: usize) -> Vec<usize> {
     out
 }
 
-pub struct DataParallel<M: Module> {
+pub struct DataParallel<M: ParamModule> {
     replicas: Vec<M>,
     devices: Vec<Device>,
     output_device: Device,
 }
 
-fn all_vars<M: Module>(m: &M) -> Vec<(String, Var)> {
+fn all_vars<M: ParamModule>(m: &M) -> Vec<(String, Var)> {
     m.named_parameters().into_iter().chain(m.named_buffers()).collect()
 }
 
-impl<M: Module> DataParallel<M> {
+impl<M: ParamModule> DataParallel<M> {
     /// `module` must live on `device_ids[0]`; the output device is `device_ids[0]`.
     pub fn new(module: M, device_ids: Vec<Device>) -> Result<Self> {
         let Some(first) = device_ids.first().cloned() else {

@@ -20,7 +20,7 @@ use candle_core::{Tensor, Var};
 use crate::comm::GradComm;
 use crate::error::{DdpError, Result};
 use crate::hook::{with_f32_slice, ViewHooks};
-use crate::module::Module;
+use crate::module::ParamModule;
 use crate::reducer::{Reducer, ReducerConfig};
 
 /// PyTorch's DistributedDataParallel keyword arguments that apply here.
@@ -143,12 +143,12 @@ fn check_same_params(comm: &dyn GradComm, vars: &[(String, Var)]) -> Result<()> 
     Ok(())
 }
 
-pub struct Ddp<M: Module> {
+pub struct Ddp<M: ParamModule> {
     module: M,
     shared: Arc<Shared>,
 }
 
-impl<M: Module> Ddp<M> {
+impl<M: ParamModule> Ddp<M> {
     /// Checks that every rank holds the same parameters and buffers (names, shapes, dtypes),
     /// broadcasts them from rank 0, and attaches the gradient hooks. A collective.
     pub fn new<G: GradComm + Clone + 'static>(
@@ -325,18 +325,18 @@ impl<M: Module> Ddp<M> {
 }
 
 /// `Ddp::module()`'s handle: the wrapped model, read without Ddp's hooks while it lives.
-pub struct Unhooked<'a, M: Module> {
+pub struct Unhooked<'a, M: ParamModule> {
     module: &'a M,
 }
 
-impl<M: Module> Deref for Unhooked<'_, M> {
+impl<M: ParamModule> Deref for Unhooked<'_, M> {
     type Target = M;
     fn deref(&self) -> &M {
         self.module
     }
 }
 
-impl<M: Module> Drop for Unhooked<'_, M> {
+impl<M: ParamModule> Drop for Unhooked<'_, M> {
     fn drop(&mut self) {
         self.module.params().end_plain();
     }
@@ -344,7 +344,7 @@ impl<M: Module> Drop for Unhooked<'_, M> {
 
 /// The training path, like calling PyTorch's `ddp(x)`: the model's methods through the wrapper
 /// read parameters through Ddp's hooks (the first read of a forward starts a step).
-impl<M: Module> Deref for Ddp<M> {
+impl<M: ParamModule> Deref for Ddp<M> {
     type Target = M;
     fn deref(&self) -> &M {
         &self.module

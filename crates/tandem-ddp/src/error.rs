@@ -41,8 +41,25 @@ pub enum DdpError {
     #[error("invalid option {what}: {why}")]
     InvalidOption { what: &'static str, why: String },
 
-    #[error("state dict: {0}")]
-    StateDict(String),
+    /// A strict `load_state_dict` found keys that do not fit; nothing was written.
+    #[error(
+        "state dict does not fit the model: missing keys {missing:?}, unexpected keys \
+         {unexpected:?}, shape mismatches {mismatched:?}"
+    )]
+    StateDictMismatch { missing: Vec<String>, unexpected: Vec<String>, mismatched: Vec<String> },
+
+    /// A tensor that cannot move between candle and a checkpoint (dtype, byte order).
+    #[error("tensor {}: {reason}", key.as_deref().map_or("(unnamed)".to_string(), |k| format!("`{k}`")))]
+    TensorConversion { key: Option<String>, reason: String },
+
+    /// A gradient handed to the reducer has the wrong number of elements.
+    #[error("gradient of parameter #{index} (`{name}`) has {got} elements; the parameter has {expected}")]
+    GradientLength { index: usize, name: String, got: usize, expected: usize },
+
+    /// Rank 0's bucket order (broadcast after the first step) is not a permutation of the
+    /// parameters: the ranks do not hold the same model, or the broadcast was corrupted.
+    #[error("rank 0's gradient arrival order ({got} entries) is not a permutation of the {expected} parameters")]
+    BucketOrder { got: usize, expected: usize },
 
     #[error("the communication thread stopped unexpectedly")]
     CommThreadGone,

@@ -26,5 +26,5 @@ pub use comm::{GradComm, LocalGroup, SingleProcess};
 pub use data_parallel::{chunk_sizes, DataParallel};
 pub use ddp::{Ddp, DdpOptions, Unhooked};
 pub use error::{DdpError, Result};
-pub use module::Module;
+pub use module::ParamModule;
 pub use params::ParamSet;

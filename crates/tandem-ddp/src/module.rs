@@ -1,4 +1,4 @@
-//! The `Module` trait: what Ddp and DataParallel need from a model, plus state-dict helpers
+//! The `ParamModule` trait: what Ddp and DataParallel need from a model, plus state-dict helpers
 //! with canonical (never `module.`-prefixed) keys.
 use std::collections::HashMap;
 
@@ -7,7 +7,10 @@ use candle_core::{Device, Tensor, Var};
 use crate::error::{DdpError, Result};
 use crate::params::ParamSet;
 
-pub trait Module: Send + Sync {
+/// A model whose parameters Ddp and DataParallel can reach: named `Var`s read through a
+/// [`ParamSet`], buffers, and replication. Named apart from candle-nn's `Module` (the forward
+/// pass), which a model usually implements too.
+pub trait ParamModule: Send + Sync {
     /// Parameters in PyTorch `named_parameters()` order, read through the per-step view.
     fn params(&self) -> &ParamSet;
 
@@ -57,9 +60,7 @@ pub trait Module: Send + Sync {
         let mut unexpected: Vec<String> = given.into_keys().collect();
         unexpected.sort();
         if !missing.is_empty() || !unexpected.is_empty() || !mismatched.is_empty() {
-            return Err(DdpError::StateDict(format!(
-                "missing keys {missing:?}, unexpected keys {unexpected:?}, shape mismatches {mismatched:?}"
-            )));
+            return Err(DdpError::StateDictMismatch { missing, unexpected, mismatched });
         }
         for (var, t) in plan {
             var.set(&t.to_device(var.device())?.to_dtype(var.dtype())?)?;

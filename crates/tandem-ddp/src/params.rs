@@ -115,7 +115,7 @@ impl ParamSet {
     /// Drops the current step's hooked copies so the next read sees the `Var`s' current values.
     /// Ddp's backward does this; call it yourself after changing parameter values between a
     /// forward and the next backward other than through an optimizer step after backward
-    /// (`Module::load_state_dict` calls it).
+    /// (`ParamModule::load_state_dict` calls it).
     pub fn refresh_view(&self) {
         self.lock().cache.iter_mut().for_each(|c| *c = None);
     }

@@ -180,11 +180,12 @@ impl Reducer {
     /// Parameter `idx`'s local gradient is complete.
     pub fn mark_ready(&mut self, idx: usize, grad: &[f32]) -> Result<()> {
         if idx >= self.names.len() || grad.len() != self.numels[idx] {
-            return Err(DdpError::StateDict(format!(
-                "gradient for parameter #{idx} has {} elements, expected {:?}",
-                grad.len(),
-                self.numels.get(idx)
-            )));
+            return Err(DdpError::GradientLength {
+                index: idx,
+                name: self.names.get(idx).cloned().unwrap_or_else(|| "<out of range>".into()),
+                got: grad.len(),
+                expected: self.numels.get(idx).copied().unwrap_or(0),
+            });
         }
         if self.ready[idx] {
             return Err(DdpError::DoubleReady { name: self.names[idx].clone() });
@@ -361,9 +362,7 @@ impl Reducer {
         if order.len() != self.names.len()
             || order.iter().any(|&i| i >= seen.len() || std::mem::replace(&mut seen[i], true))
         {
-            return Err(DdpError::StateDict(
-                "rank 0's gradient arrival order is not a permutation of the parameters".into(),
-            ));
+            return Err(DdpError::BucketOrder { got: order.len(), expected: self.names.len() });
         }
         let plans = assign_buckets(
             &order,
@@ -530,6 +529,19 @@ mod tests {
             assert_eq!(after_failure, (true, true));
             assert_eq!(a, vec![1.0, 0.5, 3.0]);
             assert_eq!(b, vec![0.5, 1.0]);
+        }
+    }
+
+    #[test]
+    fn a_gradient_of_the_wrong_length_is_named_as_such() {
+        let comm: Arc<dyn GradComm> = Arc::new(crate::comm::SingleProcess);
+        let mut red = Reducer::new(vec!["fc.weight".into()], vec![6], comm, cfg(false)).unwrap();
+        red.prepare_for_backward(true);
+        match red.mark_ready(0, &[1.0; 4]) {
+            Err(DdpError::GradientLength { index: 0, name, got: 4, expected: 6 }) => {
+                assert_eq!(name, "fc.weight")
+            }
+            other => panic!("expected GradientLength, got {other:?}"),
         }
     }
 }

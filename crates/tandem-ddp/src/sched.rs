@@ -19,7 +19,7 @@
 //! state_dict loads and continues the same sequence.
 use tandem_ckpt::Value;
 
-use crate::optim::{OptimError, Optimizer};
+use crate::optim::{OptimError, TorchOptimizer};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SchedError {
@@ -54,11 +54,11 @@ pub trait LrScheduler {
     fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), SchedError>;
 
     /// Sets the optimizer's group learning rates to the scheduler's current ones.
-    fn apply(&self, opt: &mut dyn Optimizer) -> Result<(), SchedError> {
+    fn apply(&self, opt: &mut dyn TorchOptimizer) -> Result<(), SchedError> {
         Ok(opt.set_group_lrs(self.last_lrs())?)
     }
     /// `step()` then [`LrScheduler::apply`]: torch's `scheduler.step()` after `optimizer.step()`.
-    fn step_optimizer(&mut self, opt: &mut dyn Optimizer) -> Result<(), SchedError> {
+    fn step_optimizer(&mut self, opt: &mut dyn TorchOptimizer) -> Result<(), SchedError> {
         self.step();
         self.apply(opt)
     }

@@ -12,8 +12,8 @@ use tandem_comm::TransportKind;
 use tandem_ddp::comm::GradComm;
 use tandem_ddp::error::CommSource;
 use tandem_ddp::models::{Cnn, Mlp};
-use tandem_ddp::optim::{Optimizer, Sgd};
-use tandem_ddp::{Ddp, DdpError, DdpOptions, Module, ParamSet};
+use tandem_ddp::optim::{Sgd, TorchOptimizer};
+use tandem_ddp::{Ddp, DdpError, DdpOptions, ParamModule, ParamSet};
 
 #[test]
 fn construction_names_the_first_mismatch_and_the_ranks() {
@@ -94,7 +94,7 @@ impl Branchy {
     }
 }
 
-impl Module for Branchy {
+impl ParamModule for Branchy {
     fn params(&self) -> &ParamSet {
         &self.params
     }

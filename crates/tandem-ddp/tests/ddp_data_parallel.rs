@@ -8,10 +8,10 @@ use std::sync::Mutex;
 use candle_core::{Device, Tensor};
 use common::*;
 use tandem_ddp::models::{Cnn, Mlp};
-use tandem_ddp::optim::{Optimizer, Sgd};
-use tandem_ddp::{DataParallel, Module};
+use tandem_ddp::optim::{Sgd, TorchOptimizer};
+use tandem_ddp::{DataParallel, ParamModule};
 
-fn grads_of(m: &impl Module, g: &candle_core::backprop::GradStore) -> Vec<(String, Vec<f32>)> {
+fn grads_of(m: &impl ParamModule, g: &candle_core::backprop::GradStore) -> Vec<(String, Vec<f32>)> {
     m.named_parameters()
         .into_iter()
         .map(|(n, v)| {

@@ -10,8 +10,8 @@ use common::*;
 use tandem_comm::TransportKind;
 use tandem_ddp::comm::GradComm;
 use tandem_ddp::models::Mlp;
-use tandem_ddp::optim::{Optimizer, Sgd};
-use tandem_ddp::{Ddp, DdpOptions, Module};
+use tandem_ddp::optim::{Sgd, TorchOptimizer};
+use tandem_ddp::{Ddp, DdpOptions, ParamModule};
 
 const STEPS: usize = 4;
 const BATCH: usize = 16;

@@ -11,8 +11,8 @@ use candle_core::{DType, Device, Tensor};
 use common::*;
 use tandem_comm::TransportKind;
 use tandem_ddp::models::Mlp;
-use tandem_ddp::optim::{Optimizer, Sgd, SgdConfig};
-use tandem_ddp::{Ddp, DdpOptions, Module};
+use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
+use tandem_ddp::{Ddp, DdpOptions, ParamModule};
 
 fn fixture() -> HashMap<String, Tensor> {
     let path =

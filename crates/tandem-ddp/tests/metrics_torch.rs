@@ -1,13 +1,12 @@
 //! clip_grad_norm against torch.nn.utils.clip_grad_norm_ (fixture from
 //! tests/fixtures/optim/make_fixtures.py), AverageMeter, and metrics averaged across a real
 //! world of ranks (threads with loopback sockets, bounded in time).
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use serde_json::Value as Json;
-use tandem_comm::{init_with, InitMethod, InitOptions, ProcessGroup, TransportKind};
+use tandem_comm::{ProcessGroup, TransportKind};
 use tandem_ddp::metrics::{all_reduce_mean, clip_grad_norm, AverageMeter, MetricsError};
 
 fn fixture() -> Json {
@@ -105,43 +104,13 @@ fn average_meter_accumulates_weighted_means() {
     assert_eq!((m.val, m.avg, m.count), (1.5, 0.0, 0.0));
 }
 
-/// Runs `f` on every rank of a fresh `n`-rank TCP world on loopback; panics (never hangs)
-/// past `limit`.
+/// Runs `f` on every rank of an `n`-rank TCP world on loopback (ranks as threads).
 fn run_world<R: Send + 'static>(
     n: usize,
     f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    let limit = Duration::from_secs(30);
-    let url = format!("tcp://127.0.0.1:{}", tandem_testutil::free_port());
-    let opts = InitOptions {
-        transport: Some(TransportKind::Tcp),
-        timeout: Duration::from_secs(10),
-        init_timeout: Duration::from_secs(20),
-        run_id: "metrics-test".into(),
-        desync_check: false,
-    };
-    let f = std::sync::Arc::new(f);
-    let (tx, rx) = mpsc::channel();
-    for rank in 0..n {
-        let (tx, f, url, opts) = (tx.clone(), f.clone(), url.clone(), opts.clone());
-        std::thread::spawn(move || {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                f(init_with(&InitMethod::tcp(&url, rank, n), &opts).expect("init"))
-            }));
-            let _ = tx.send((rank, r.is_ok(), r.ok()));
-        });
-    }
-    drop(tx);
-    let deadline = Instant::now() + limit;
-    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
-    for _ in 0..n {
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok((rank, true, r)) => out[rank] = r,
-            Ok((rank, false, _)) => panic!("rank {rank} panicked"),
-            Err(_) => panic!("world of {n} did not finish within {limit:?}"),
-        }
-    }
-    out.into_iter().map(|r| r.expect("every rank reported")).collect()
+    let opts = tandem_testutil::test_options(TransportKind::Tcp);
+    tandem_testutil::run_world(n, opts, Duration::from_secs(30), f)
 }
 
 #[test]

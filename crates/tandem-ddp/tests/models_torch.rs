@@ -5,7 +5,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use tandem_ddp::models::{Cnn, Mlp};
-use tandem_ddp::Module;
+use tandem_ddp::ParamModule;
 
 fn fixture() -> HashMap<String, Tensor> {
     let path =
@@ -37,7 +37,7 @@ fn close(a: &Tensor, b: &Tensor, tol: f32, what: &str) {
     assert!(d <= tol, "{what}: max abs diff {d}");
 }
 
-fn check_grads(m: &impl Module, loss: &Tensor, f: &HashMap<String, Tensor>, prefix: &str) {
+fn check_grads(m: &impl ParamModule, loss: &Tensor, f: &HashMap<String, Tensor>, prefix: &str) {
     let g = loss.backward().unwrap();
     let names: Vec<String> = m.named_parameters().into_iter().map(|(n, _)| n).collect();
     let mut torch_names: Vec<String> = with_prefix(f, prefix).into_iter().map(|(n, _)| n).collect();

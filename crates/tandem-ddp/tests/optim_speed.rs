@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use tandem_ddp::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+use tandem_ddp::optim::{AdamW, AdamWConfig, Sgd, SgdConfig, TorchOptimizer};
 
 const NUMEL: usize = 1 << 20;
 const TENSORS: usize = 8;
@@ -23,7 +23,7 @@ fn time_ours(kind: &str) -> f64 {
     for v in &vars {
         grads.insert(v.as_tensor(), Tensor::randn(0f32, 1f32, NUMEL, &Device::Cpu).unwrap());
     }
-    let mut opt: Box<dyn Optimizer> = match kind {
+    let mut opt: Box<dyn TorchOptimizer> = match kind {
         "adamw" => Box::new(AdamW::new(vars.clone(), AdamWConfig::default()).unwrap()),
         _ => Box::new(
             Sgd::new(

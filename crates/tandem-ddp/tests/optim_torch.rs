@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor, Var};
 use serde_json::Value as Json;
 use tandem_ckpt::Value;
 use tandem_ddp::optim::{
-    Adam, AdamConfig, AdamW, AdamWConfig, OptimError, Optimizer, Sgd, SgdConfig,
+    Adam, AdamConfig, AdamW, AdamWConfig, OptimError, Sgd, SgdConfig, TorchOptimizer,
 };
 
 const TOL: f64 = 1e-6;
@@ -112,7 +112,7 @@ fn betas(j: &Json) -> Option<(f64, f64)> {
 }
 
 /// The optimizer a fixture case describes, over `vars` (its groups hold param indices).
-fn build(case: &Json, vars: &[Var]) -> Box<dyn Optimizer> {
+fn build(case: &Json, vars: &[Var]) -> Box<dyn TorchOptimizer> {
     let defaults = &case["defaults"];
     let pick = |g: &Json, k: &str| num(&g["options"], k).or(num(defaults, k));
     let pickb = |g: &Json, k: &str| boolean(&g["options"], k).or(boolean(defaults, k));

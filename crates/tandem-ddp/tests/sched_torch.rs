@@ -6,7 +6,7 @@ mod torch_json;
 use candle_core::{Device, Tensor, Var};
 use serde_json::Value as Json;
 use tandem_ckpt::Value;
-use tandem_ddp::optim::{Optimizer, Sgd, SgdConfig};
+use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
 use tandem_ddp::sched::{
     CosineAnnealingLR, LinearLR, LrScheduler, PolyScheduler, SchedError, StepLR,
 };

@@ -42,7 +42,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         if cfg.forward_signals { SignalWatch::install()? } else { SignalWatch::disabled() };
     let new_port = || {
         pick_master_port()
-            .map_err(|source| LaunchError::NoFreePort { addr: cfg.master_addr.clone(), source })
+            .map_err(|error| LaunchError::NoFreePort { addr: cfg.master_addr.clone(), error })
     };
     let mut port = match cfg.master_port {
         Some(p) => p,
@@ -51,7 +51,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     let job_log_dir = cfg.log_dir.as_ref().map(|d| d.join(&cfg.run_id));
     if let Some(dir) = &job_log_dir {
         std::fs::create_dir_all(dir)
-            .map_err(|source| LaunchError::LogFile { path: dir.clone(), source })?;
+            .map_err(|error| LaunchError::LogFile { path: dir.clone(), error })?;
     }
     let mut reaper = match GroupReaper::start() {
         Ok(r) => Some(r),

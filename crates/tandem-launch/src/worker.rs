@@ -47,7 +47,7 @@ pub(crate) fn stream_routes(cfg: &LaunchConfig, local_rank: u32) -> (Streams, St
 
 fn open_log(dir: &Path, name: &str) -> Result<File, LaunchError> {
     let path = dir.join(name);
-    File::create(&path).map_err(|source| LaunchError::LogFile { path, source })
+    File::create(&path).map_err(|error| LaunchError::LogFile { path, error })
 }
 
 impl Worker {
@@ -95,7 +95,7 @@ impl Worker {
             Some(dir) if file.any() => {
                 let d = dir.join(local_rank.to_string());
                 std::fs::create_dir_all(&d)
-                    .map_err(|source| LaunchError::LogFile { path: d.clone(), source })?;
+                    .map_err(|error| LaunchError::LogFile { path: d.clone(), error })?;
                 Some(d)
             }
             _ => None,
@@ -109,10 +109,10 @@ impl Worker {
             _ => None,
         };
 
-        let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
+        let mut child = cmd.spawn().map_err(|error| LaunchError::Spawn {
             rank,
             program: cfg.program.to_string_lossy().into_owned(),
-            source,
+            error,
         })?;
         let pgid = child.id() as i32;
         let prefix =
@@ -138,13 +138,13 @@ impl Worker {
             }
             Ok(())
         };
-        if let Err(source) = worker_pumps() {
+        if let Err(error) = worker_pumps() {
             let _ = child.kill();
             let _ = child.wait();
             return Err(LaunchError::Spawn {
                 rank,
                 program: cfg.program.to_string_lossy().into_owned(),
-                source,
+                error,
             });
         }
         Ok(Worker { rank, local_rank, child, pgid, status: None, stderr_tail, pumps })
@@ -156,7 +156,7 @@ impl Worker {
             self.status = self
                 .child
                 .try_wait()
-                .map_err(|source| LaunchError::Wait { rank: self.rank, source })?;
+                .map_err(|error| LaunchError::Wait { rank: self.rank, error })?;
         }
         Ok(self.status)
     }

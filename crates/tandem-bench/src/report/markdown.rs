@@ -27,7 +27,7 @@ pub struct Report<'a> {
     pub retries: &'a [String],
 }
 
-pub const REGENERATE: &str = "cargo run --release -p tandem -- bench report";
+pub const REGENERATE: &str = "cargo run --release -p tandem-cli -- bench report";
 
 fn table(out: &mut String, t: &Table) {
     let _ = writeln!(

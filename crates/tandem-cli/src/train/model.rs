@@ -1,7 +1,7 @@
 //! The models `tandem train` can build, behind one type so the loop is written once.
 use candle_core::{Device, Tensor};
 use tandem_ddp::models::{Cnn, Mlp};
-use tandem_ddp::module::Module;
+use tandem_ddp::module::ParamModule;
 use tandem_ddp::params::ParamSet;
 
 use super::config::ModelKind;
@@ -57,7 +57,7 @@ impl Net {
     }
 }
 
-impl Module for Net {
+impl ParamModule for Net {
     fn params(&self) -> &ParamSet {
         match self {
             Net::Mlp(m) => m.params(),

@@ -14,8 +14,8 @@ use tandem_data::{
     DataLoader, Dataset, DistributedSampler, EvalMetrics, InMemoryDataset, LoaderOptions,
     SamplerState,
 };
-use tandem_ddp::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
-use tandem_ddp::{Ddp, DdpOptions, Module};
+use tandem_ddp::optim::{AdamW, AdamWConfig, Sgd, SgdConfig, TorchOptimizer};
+use tandem_ddp::{Ddp, DdpOptions, ParamModule};
 
 use super::config::{OptimizerKind, TrainConfig};
 use super::model::Net;
@@ -52,8 +52,11 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     let mut opt =
         make_optimizer(cfg, ddp.module().named_parameters().into_iter().map(|(_, v)| v).collect())?;
 
-    let sampler =
-        DistributedSampler::new(train.len(), world, rank, !cfg.no_shuffle, cfg.seed, false)?;
+    let sampler = DistributedSampler::builder(train.len())
+        .group(&group)
+        .shuffle(!cfg.no_shuffle)
+        .seed(cfg.seed)
+        .build()?;
     let options = LoaderOptions {
         batch_size: cfg.batch_size,
         drop_last: false,
@@ -119,7 +122,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     let mut last_ckpt: Option<PathBuf> = None;
     let save = |name: &str,
                 loader: &DataLoader<InMemoryDataset>,
-                opt: &dyn Optimizer,
+                opt: &dyn TorchOptimizer,
                 step: u64|
      -> anyhow::Result<Option<PathBuf>> {
         let value = checkpoint_value(&ddp.module(), opt, loader.state(), step, world, cfg)?;
@@ -231,7 +234,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
 fn make_optimizer(
     cfg: &TrainConfig,
     params: Vec<candle_core::Var>,
-) -> anyhow::Result<Box<dyn Optimizer>> {
+) -> anyhow::Result<Box<dyn TorchOptimizer>> {
     Ok(match cfg.optimizer {
         OptimizerKind::Sgd => Box::new(Sgd::new(
             params,
@@ -364,7 +367,7 @@ fn sampler_state_from_value(v: &Value) -> anyhow::Result<SamplerState> {
 
 fn checkpoint_value(
     net: &Net,
-    opt: &dyn Optimizer,
+    opt: &dyn TorchOptimizer,
     sampler: SamplerState,
     step: u64,
     world: usize,

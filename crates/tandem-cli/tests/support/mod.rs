@@ -1,13 +1,14 @@
-//! Helpers for the reliability suite (crates/tandem/tests/reliability.rs): a seeded RNG whose
+//! Helpers for the reliability suite (crates/tandem-cli/tests/reliability.rs): a seeded RNG whose
 //! seed goes into every failure message, child processes with captured output and a deadline,
 //! finding a launcher's rank processes through /proc, SIGKILL, the orphan check by a per-trial
 //! environment marker, and the per-scenario tally that prints the `reliability:` summary lines.
 #![allow(dead_code)]
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::thread::JoinHandle;
+use std::process::Command;
+
 use std::time::{Duration, Instant};
+use tandem_comm::procfs::all_pids;
+use tandem_testutil::children_of;
 
 /// Environment variable holding a trial's unique marker; every process of the trial inherits it.
 pub const MARKER_VAR: &str = "TANDEM_TRIAL_ID";
@@ -79,102 +80,7 @@ pub fn trials(default: usize) -> usize {
     std::env::var("RELIABILITY_TRIALS").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
 }
 
-/// A spawned child whose stdout and stderr are drained by threads (so it never blocks on a pipe).
-pub struct Running {
-    pub child: Child,
-    out: Option<JoinHandle<Vec<u8>>>,
-    err: Option<JoinHandle<Vec<u8>>>,
-}
-
-pub struct Finished {
-    /// `None` when the deadline passed (the child was then killed).
-    pub status: Option<ExitStatus>,
-    /// When `wait` saw the exit (or gave up).
-    pub at: Instant,
-    pub stdout: String,
-    pub stderr: String,
-}
-
-impl Finished {
-    pub fn describe(&self) -> String {
-        format!(
-            "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
-            self.status,
-            tail(&self.stdout, 40),
-            tail(&self.stderr, 40)
-        )
-    }
-}
-
-pub fn tail(s: &str, n: usize) -> String {
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
-}
-
-fn drain(mut r: impl Read + Send + 'static) -> JoinHandle<Vec<u8>> {
-    std::thread::spawn(move || {
-        let mut b = Vec::new();
-        let _ = r.read_to_end(&mut b);
-        b
-    })
-}
-
-impl Running {
-    pub fn spawn(cmd: &mut Command) -> Running {
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn child");
-        let out = child.stdout.take().map(drain);
-        let err = child.stderr.take().map(drain);
-        Running { child, out, err }
-    }
-
-    pub fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    /// Waits at most `limit` (polling every 2 ms so exit times are measured finely); past it the
-    /// child is killed and `status` is `None`.
-    pub fn wait(mut self, limit: Duration) -> Finished {
-        let start = Instant::now();
-        let (status, at) = loop {
-            if let Ok(Some(s)) = self.child.try_wait() {
-                break (Some(s), Instant::now());
-            }
-            if start.elapsed() > limit {
-                let at = Instant::now();
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                break (None, at);
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        };
-        let text = |h: Option<JoinHandle<Vec<u8>>>| {
-            String::from_utf8_lossy(&h.and_then(|h| h.join().ok()).unwrap_or_default()).into_owned()
-        };
-        Finished { status, at, stdout: text(self.out.take()), stderr: text(self.err.take()) }
-    }
-}
-
-fn proc_pids() -> Vec<i32> {
-    let Ok(rd) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()
-}
-
-/// (parent pid, state letter) from /proc/PID/stat; the command name may hold spaces or parens.
-fn ppid_and_state(pid: i32) -> Option<(i32, char)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let mut f = rest.split(' ');
-    let state = f.next()?.chars().next()?;
-    let ppid = f.next()?.parse().ok()?;
-    Some((ppid, state))
-}
+pub use tandem_testutil::{Finished, Running};
 
 fn environ(pid: i32) -> Vec<String> {
     std::fs::read(format!("/proc/{pid}/environ"))
@@ -185,11 +91,7 @@ fn environ(pid: i32) -> Vec<String> {
 /// The live children of `launcher` that carry a `RANK` variable, as (rank, pid), sorted by rank.
 pub fn rank_pids(launcher: i32) -> Vec<(u32, i32)> {
     let mut out = Vec::new();
-    for pid in proc_pids() {
-        match ppid_and_state(pid) {
-            Some((ppid, state)) if ppid == launcher && state != 'Z' => {}
-            _ => continue,
-        }
+    for (pid, _) in children_of(launcher).into_iter().filter(|(_, s)| !s.is_dead()) {
         if let Some(r) =
             environ(pid).iter().find_map(|v| v.strip_prefix("RANK=").and_then(|r| r.parse().ok()))
         {
@@ -216,10 +118,10 @@ pub fn wait_for_ranks(launcher: i32, n: usize, limit: Duration) -> Option<Vec<(u
 /// Live (non-zombie) processes whose environment has `TANDEM_TRIAL_ID=marker`.
 pub fn marked_processes(marker: &str) -> Vec<i32> {
     let needle = format!("{MARKER_VAR}={marker}");
-    proc_pids()
+    all_pids()
         .into_iter()
         .filter(|&pid| pid != std::process::id() as i32)
-        .filter(|&pid| matches!(ppid_and_state(pid), Some((_, s)) if s != 'Z'))
+        .filter(|&pid| tandem_testutil::is_running(pid))
         .filter(|&pid| environ(pid).contains(&needle))
         .collect()
 }
@@ -284,6 +186,12 @@ impl Tally {
         self.trials - self.failures.len()
     }
 
+    /// A scenario that cannot run here (the harness prints `skipped: <test>: <reason>`): a
+    /// `reliability: <scenario> skipped reason=...` summary line that the table shows as skipped.
+    pub fn skipped(scenario: &str, reason: &str) {
+        append_summary(&format!("reliability: {scenario} skipped reason={reason}"));
+    }
+
     /// Prints `reliability: <scenario> trials=N passed=M k=v ...` and panics on any failure.
     pub fn finish(self) {
         let mut line = format!(
@@ -296,12 +204,7 @@ impl Tally {
             line.push_str(&format!(" {k}={v}"));
         }
         println!("{line}");
-        if let Some(path) = std::env::var_os("RELIABILITY_SUMMARY") {
-            use std::io::Write;
-            if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
-                let _ = writeln!(f, "{line}");
-            }
-        }
+        append_summary(&line);
         assert!(
             self.failures.is_empty(),
             "{} of {} trials failed:\n{}",
@@ -309,6 +212,16 @@ impl Tally {
             self.trials,
             self.failures.join("\n\n")
         );
+    }
+}
+
+/// Appends a line to `$RELIABILITY_SUMMARY` (scripts/reliability.sh builds its table from it).
+fn append_summary(line: &str) {
+    use std::io::Write;
+    if let Some(path) = std::env::var_os("RELIABILITY_SUMMARY") {
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+            let _ = writeln!(f, "{line}");
+        }
     }
 }
 

@@ -108,11 +108,7 @@ impl ShmTransport {
 
 /// True when `/proc/<pid>/stat` shows a zombie (`Z`) or dead (`X`) process.
 fn is_dead_process(pid: libc::pid_t) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
-    // "pid (comm) S ...": comm may contain spaces and parentheses, the state follows the last ')'.
-    stat.rsplit_once(')')
-        .and_then(|(_, rest)| rest.split_whitespace().next())
-        .is_some_and(|state| state == "Z" || state == "X")
+    crate::procfs::ProcStat::read(pid).is_some_and(|s| s.is_dead())
 }
 
 /// Spin this long without progress before sleeping on the doorbell: a running partner answers

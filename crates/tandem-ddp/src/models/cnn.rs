@@ -14,7 +14,7 @@ use rand::SeedableRng;
 use super::init::{copy_vars, default_layer};
 use crate::error::{DdpError, Result};
 use crate::functional::linear;
-use crate::module::Module;
+use crate::module::ParamModule;
 use crate::params::ParamSet;
 
 const C1: usize = 8;
@@ -162,7 +162,7 @@ fn max_pool_2x2(x: &Tensor) -> candle_core::Result<Tensor> {
     x.reshape((n, c, h / 2, 2, w / 2, 2))?.max(5)?.max(3)
 }
 
-impl Module for Cnn {
+impl ParamModule for Cnn {
     fn params(&self) -> &ParamSet {
         &self.params
     }

@@ -8,7 +8,7 @@ use rand::SeedableRng;
 use super::init::{copy_vars, default_layer};
 use crate::error::{DdpError, Result};
 use crate::functional::linear;
-use crate::module::Module;
+use crate::module::ParamModule;
 use crate::params::ParamSet;
 
 pub struct Mlp {
@@ -61,7 +61,7 @@ impl Mlp {
     }
 }
 
-impl Module for Mlp {
+impl ParamModule for Mlp {
     fn params(&self) -> &ParamSet {
         &self.params
     }

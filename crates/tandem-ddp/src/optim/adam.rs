@@ -11,7 +11,7 @@ use super::groups::{
     only_keys, refuse_true, saved_bool, saved_f64, saved_tensor, torch_number, Groups, Hyper,
     ParamState,
 };
-use super::{non_negative, OptimError, Optimizer};
+use super::{non_negative, OptimError, TorchOptimizer};
 
 /// Hyperparameters of `torch.optim.Adam` (torch's defaults).
 #[derive(Clone, Debug, PartialEq)]
@@ -386,7 +386,7 @@ impl AdamW {
     }
 }
 
-impl Optimizer for AdamW {
+impl TorchOptimizer for AdamW {
     fn step(&mut self, grads: &GradStore) -> Result<(), OptimError> {
         self.inner.step(grads)
     }

@@ -9,12 +9,12 @@
 //!
 //! Written here rather than taken from candle-nn: candle-nn's SGD has no momentum and its AdamW
 //! has neither torch's state layout nor Adam's coupled weight decay.
-/// The `Optimizer` impl shared by the optimizers here: step every parameter that has a gradient
+/// The `TorchOptimizer` impl shared by the optimizers here: step every parameter that has a gradient
 /// through the type's own `update` rule; everything else is the param groups' (`self.groups`).
 /// `$keys` are the hyperparameter names its state_dict groups carry.
 macro_rules! impl_optimizer_via_groups {
     ($ty:ty, $keys:expr) => {
-        impl $crate::optim::Optimizer for $ty {
+        impl $crate::optim::TorchOptimizer for $ty {
             fn step(
                 &mut self,
                 grads: &candle_core::backprop::GradStore,
@@ -104,8 +104,9 @@ pub(crate) fn non_negative(v: f64) -> bool {
 }
 
 /// The optimizer interface (as `torch.optim.Optimizer`, minus closures and `zero_grad`: a
-/// candle [`GradStore`] is fresh after every backward).
-pub trait Optimizer {
+/// candle [`GradStore`] is fresh after every backward): torch's update rules, param groups and
+/// `state_dict` layout. Named apart from candle-nn's `Optimizer`, which users import too.
+pub trait TorchOptimizer {
     /// One update of every parameter that has a gradient in `grads`.
     fn step(&mut self, grads: &GradStore) -> Result<(), OptimError>;
     /// The learning rate of the first param group.
@@ -121,7 +122,7 @@ pub trait Optimizer {
     /// The state in `torch.optim.Optimizer.state_dict()` layout. Fails only when a state tensor
     /// cannot be copied to the host.
     fn state_dict(&self) -> Result<Value, OptimError>;
-    /// Loads a state made by [`Optimizer::state_dict`] or by torch (same optimizer type, same
+    /// Loads a state made by [`TorchOptimizer::state_dict`] or by torch (same optimizer type, same
     /// group sizes). Hyperparameters, the learning rate included, come from the loaded groups,
     /// as in torch. Nothing changes when an error is returned.
     fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), OptimError>;

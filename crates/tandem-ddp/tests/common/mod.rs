@@ -8,8 +8,8 @@ use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use tandem_ddp::comm::{GradComm, LocalGroup};
 use tandem_ddp::models::Mlp;
-use tandem_ddp::optim::{Optimizer, Sgd, SgdConfig};
-use tandem_ddp::Module;
+use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
+use tandem_ddp::ParamModule;
 
 pub const DIMS: [usize; 4] = [12, 32, 16, 5];
 
@@ -28,7 +28,7 @@ pub fn sgd_cfg() -> SgdConfig {
     SgdConfig { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 1e-3, nesterov: false }
 }
 
-pub fn weights(m: &impl Module) -> Vec<(String, Vec<f32>)> {
+pub fn weights(m: &impl ParamModule) -> Vec<(String, Vec<f32>)> {
     m.named_parameters()
         .into_iter()
         .map(|(n, v)| (n, v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()))
@@ -86,51 +86,14 @@ pub fn run_local<T: Send + 'static>(
 }
 
 /// Runs `f(group)` on `world` threads, each with a real tandem-comm `ProcessGroup` rendezvoused
-/// over loopback TCP (`transport` picks TCP or shared-memory collectives). Panics, never hangs,
-/// if the world does not finish within 60 s.
+/// over loopback TCP (`transport` picks TCP or shared-memory collectives), with a 20 s
+/// collective timeout. Panics, never hangs, if the world does not finish within 60 s.
 pub fn run_pg<T: Send + 'static>(
     world: usize,
     transport: tandem_comm::TransportKind,
     f: impl Fn(Arc<dyn GradComm>) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    use std::sync::mpsc;
-    let port = tandem_testutil::free_port();
-    let url = format!("tcp://127.0.0.1:{port}");
-    let opts = tandem_comm::InitOptions {
-        transport: Some(transport),
-        timeout: Duration::from_secs(20),
-        init_timeout: Duration::from_secs(20),
-        run_id: "ddp-test".into(),
-        desync_check: false,
-    };
-    let (tx, rx) = mpsc::channel();
-    for rank in 0..world {
-        let (tx, f, url, opts) = (tx.clone(), f.clone(), url.clone(), opts.clone());
-        std::thread::spawn(move || {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let pg =
-                    tandem_comm::init_with(&tandem_comm::InitMethod::tcp(&url, rank, world), &opts)
-                        .expect("init process group");
-                f(Arc::new(pg))
-            }));
-            let _ = tx.send((rank, r));
-        });
-    }
-    drop(tx);
-    let mut out: Vec<Option<T>> = (0..world).map(|_| None).collect();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    for _ in 0..world {
-        match rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) {
-            Ok((rank, Ok(v))) => out[rank] = Some(v),
-            Ok((rank, Err(p))) => {
-                let msg = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or(p.downcast_ref::<&str>().map(|s| s.to_string()));
-                panic!("rank {rank} panicked: {msg:?}")
-            }
-            Err(_) => panic!("world of {world} did not finish within 60 s"),
-        }
-    }
-    out.into_iter().map(|v| v.expect("every rank reported")).collect()
+    let mut opts = tandem_testutil::test_options(transport);
+    opts.timeout = Duration::from_secs(20);
+    tandem_testutil::run_world(world, opts, Duration::from_secs(60), move |pg| f(Arc::new(pg)))
 }

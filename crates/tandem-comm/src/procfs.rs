@@ -1,0 +1,55 @@
+//! `/proc/<pid>/stat`, read once for the whole workspace: the shared-memory transport uses it to
+//! tell a dead (zombie) peer from a live one, and tandem's tests to find and check processes.
+//! Public but hidden from the docs: a helper, not part of tandem's API.
+
+/// The fields of `/proc/<pid>/stat` that tandem needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcStat {
+    /// `R`, `S`, `D`, `Z` (zombie), `X` (dead), ...
+    pub state: char,
+    pub ppid: i32,
+}
+
+impl ProcStat {
+    /// `None` when there is no such process (or /proc is not mounted).
+    pub fn read(pid: i32) -> Option<ProcStat> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        ProcStat::parse(&stat)
+    }
+
+    /// "pid (comm) S ppid ...": comm may hold spaces and parentheses, so the fields are read
+    /// after the last ')'.
+    pub fn parse(stat: &str) -> Option<ProcStat> {
+        let (_, rest) = stat.rsplit_once(')')?;
+        let mut fields = rest.split_whitespace();
+        let state = fields.next()?.chars().next()?;
+        let ppid = fields.next()?.parse().ok()?;
+        Some(ProcStat { state, ppid })
+    }
+
+    /// Exited but not reaped yet (`Z`), or being torn down (`X`).
+    pub fn is_dead(&self) -> bool {
+        matches!(self.state, 'Z' | 'X')
+    }
+}
+
+/// Every pid listed in /proc.
+pub fn all_pids() -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ProcStat;
+
+    #[test]
+    fn command_names_with_spaces_and_parentheses() {
+        let s = "4242 (my (odd) name) Z 17 4242 4242 0 -1 4194560";
+        assert_eq!(ProcStat::parse(s), Some(ProcStat { state: 'Z', ppid: 17 }));
+        assert!(ProcStat::parse(s).unwrap().is_dead());
+        assert_eq!(ProcStat::parse("garbage"), None);
+        let me = ProcStat::read(std::process::id() as i32).expect("this process");
+        assert!(!me.is_dead());
+    }
+}

@@ -1,0 +1,54 @@
+//! For test binaries built with `harness = false` whose `main` is also the entry point of the
+//! child processes they start (a child is recognised by an environment variable before any
+//! test runs). That replaces "child entry points" written as `#[test]` functions, which pass by
+//! doing nothing in a normal run. Output and filters are libtest's (libtest-mimic), and a test
+//! that cannot run here is reported as ignored with `skipped: <reason>`, never as passed.
+use std::process::ExitCode;
+
+use libtest_mimic::{Arguments, Trial};
+
+pub struct Test {
+    name: &'static str,
+    run: fn(),
+    skip: Option<String>,
+}
+
+impl Test {
+    pub fn new(name: &'static str, run: fn()) -> Test {
+        Test { name, run, skip: None }
+    }
+
+    /// Not run (reported as ignored) when `reason` is `Some`.
+    pub fn skip_if(mut self, reason: Option<String>) -> Test {
+        self.skip = reason;
+        self
+    }
+}
+
+/// `tests![a, b, c]`: the test functions `a`, `b`, `c`, named as they are spelled.
+#[macro_export]
+macro_rules! tests {
+    ($($f:ident),* $(,)?) => {
+        vec![$($crate::harness::Test::new(stringify!($f), $f)),*]
+    };
+}
+
+/// Runs `tests` with libtest's command-line arguments; a panic fails its test.
+pub fn main(tests: Vec<Test>) -> ExitCode {
+    let args = Arguments::from_args();
+    let trials = tests
+        .into_iter()
+        .map(|t| {
+            if let Some(reason) = &t.skip {
+                println!("skipped: {}: {reason}", t.name);
+            }
+            let run = t.run;
+            Trial::test(t.name, move || {
+                run();
+                Ok(())
+            })
+            .with_ignored_flag(t.skip.is_some())
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit_code()
+}
