@@ -10,6 +10,10 @@
 //! * N processes without Ddp: the same ranks each training alone (no all-reduce), an upper bound
 //!   that separates communication cost from the tensor engine's speed.
 //! * `--torch PYTHON`: runs the PyTorch DDP peer (gloo, same model, B/N per rank) beside it.
+//! * `--mode paramset|varmap`: how Ddp holds the model. paramset: the model reads its parameters
+//!   through Ddp's hooks, all-reduce overlaps backward. varmap: Ddp holds the same `Var`s as a
+//!   stock candle model's VarMap would (`NamedVars`), the model reads them directly, and the
+//!   gradients are reduced after backward. Same model code and kernels in both.
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -19,7 +23,7 @@ use anyhow::{bail, Context};
 use candle_core::{Device, Tensor};
 use tandem_ddp::models::{Cnn, Mlp};
 use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
-use tandem_ddp::{Ddp, DdpOptions, ParamModule};
+use tandem_ddp::{Ddp, DdpOptions, NamedVars, ParamModule};
 
 use super::local_ranks::{median, LocalRanks};
 
@@ -31,6 +35,10 @@ pub struct Args {
     /// mlp: 784-1024-1024-10 (the peer script's model); cnn: tandem_ddp::models::Cnn on 1x28x28.
     #[arg(long, default_value = "mlp", value_parser = ["mlp", "cnn"])]
     model: String,
+    /// How Ddp holds the model: through the ParamSet view (overlapped) or as plain named Vars
+    /// like a stock candle-nn model's VarMap (reduced after backward).
+    #[arg(long, default_value = "paramset", value_parser = ["paramset", "varmap"])]
+    mode: String,
     /// Global batch (split evenly over the ranks).
     #[arg(long, default_value_t = 128)]
     batch: usize,
@@ -128,16 +136,43 @@ impl<M: ParamModule> Trainer for Wrapped<M> {
     }
 }
 
+/// Ddp over the model's Vars as a stock candle model's VarMap holds them: the model reads its
+/// own (unhooked) parameters and Ddp reduces the gradients after backward.
+struct WrappedVars<M: ParamModule> {
+    ddp: Ddp<NamedVars>,
+    model: M,
+    loss: fn(&M, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    opt: Sgd,
+}
+
+impl<M: ParamModule> Trainer for WrappedVars<M> {
+    fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
+        let loss = (self.loss)(&self.model, x, y)?;
+        let grads = self.ddp.backward(&loss)?;
+        self.opt.step(&grads)?;
+        Ok(())
+    }
+}
+
 fn sgd(params: Vec<candle_core::Var>) -> anyhow::Result<Sgd> {
     Ok(Sgd::new(params, SgdConfig { lr: SGD_LR, ..Default::default() })?)
 }
 
 fn trainer(
     kind: &str,
+    mode: &str,
     comm: Option<&tandem_comm::ProcessGroup>,
 ) -> anyhow::Result<Box<dyn Trainer>> {
     let opts = DdpOptions::default();
     Ok(match (Net::new(kind)?, comm) {
+        (Net::Mlp(m), Some(pg)) if mode == "varmap" => {
+            let ddp = Ddp::new(as_varmap(&m), pg, opts)?;
+            Box::new(WrappedVars { opt: sgd(ddp.params().vars())?, ddp, model: m, loss: Mlp::loss })
+        }
+        (Net::Cnn(m), Some(pg)) if mode == "varmap" => {
+            let ddp = Ddp::new(as_varmap(&m), pg, opts)?;
+            Box::new(WrappedVars { opt: sgd(ddp.params().vars())?, ddp, model: m, loss: Cnn::loss })
+        }
         (Net::Mlp(m), None) => {
             Box::new(Plain { opt: sgd(m.params().vars())?, model: m, loss: Mlp::loss })
         }
@@ -153,6 +188,11 @@ fn trainer(
             Box::new(Wrapped { opt: sgd(ddp.params().vars())?, ddp, loss: Cnn::loss })
         }
     })
+}
+
+/// The model's parameters and buffers as a stock candle model's VarMap would hold them.
+fn as_varmap<M: ParamModule>(m: &M) -> NamedVars {
+    NamedVars::new(m.named_parameters().into_iter().chain(m.named_buffers()).collect())
 }
 
 /// Seconds for `steps` steps (after the warm-up steps).
@@ -176,7 +216,7 @@ fn worker(args: &Args) -> anyhow::Result<i32> {
     let pg = tandem_comm::init().context("worker: initialising the process group")?;
     let per_rank = args.batch / pg.size();
     let (x, y) = batch(&args.model, per_rank, pg.rank() as u64)?;
-    let mut t = trainer(&args.model, if args.local_only { None } else { Some(&pg) })?;
+    let mut t = trainer(&args.model, &args.mode, if args.local_only { None } else { Some(&pg) })?;
     for _ in 0..WARMUP {
         t.step(&x, &y)?;
     }
@@ -197,8 +237,8 @@ fn worker(args: &Args) -> anyhow::Result<i32> {
 fn single_process(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
     let (x, y) = batch(&args.model, args.batch, 0)?;
     let one = tandem_comm::init_from(&tandem_comm::InitMethod::Single)?;
-    let mut plain = trainer(&args.model, None)?;
-    let mut ddp = trainer(&args.model, Some(&one))?;
+    let mut plain = trainer(&args.model, &args.mode, None)?;
+    let mut ddp = trainer(&args.model, &args.mode, Some(&one))?;
     for _ in 0..WARMUP {
         plain.step(&x, &y)?;
         ddp.step(&x, &y)?;
@@ -227,10 +267,11 @@ fn single_process(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
 fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let threads = (cores / args.nproc).max(1);
-    let mut worker_args: Vec<String> = ["bench", "ddp", "--worker", "--model", &args.model]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let mut worker_args: Vec<String> =
+        ["bench", "ddp", "--worker", "--model", &args.model, "--mode", &args.mode]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
     worker_args.extend([
         "--batch".into(),
         args.batch.to_string(),
@@ -325,7 +366,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         println!(
             "{}",
             serde_json::json!({
-                "model": args.model, "global_batch": args.batch, "nproc": args.nproc, "steps": args.steps,
+                "model": args.model, "mode": args.mode, "global_batch": args.batch, "nproc": args.nproc, "steps": args.steps,
                 "rounds": args.rounds, "cores": cores,
                 "plain_samples_per_s": plain, "ddp1_samples_per_s": ddp1, "ddp1_overhead": overhead,
                 "ddpN_samples_per_s": ddp_n, "scaling_efficiency": efficiency,
@@ -336,8 +377,9 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         return Ok(0);
     }
     println!(
-        "{}, global batch {}, {} steps x {} rounds (medians), {} cores, SGD lr {SGD_LR}",
+        "{} (Ddp mode {}), global batch {}, {} steps x {} rounds (medians), {} cores, SGD lr {SGD_LR}",
         Net::describe(&args.model),
+        args.mode,
         args.batch,
         args.steps,
         args.rounds,

@@ -22,6 +22,7 @@ use crate::error::{DdpError, Result};
 use crate::hook::{with_f32_slice, ViewHooks};
 use crate::module::ParamModule;
 use crate::reducer::{Reducer, ReducerConfig};
+use crate::vars::NamedVars;
 
 /// PyTorch's DistributedDataParallel keyword arguments that apply here.
 #[derive(Clone, Debug)]
@@ -321,6 +322,21 @@ impl<M: ParamModule> Ddp<M> {
     /// Current bucket layout, parameter indices per bucket (diagnostics, tests).
     pub fn bucket_params(&self) -> Vec<Vec<usize>> {
         self.shared.reducer().bucket_params()
+    }
+}
+
+impl Ddp<NamedVars> {
+    /// Wraps a stock candle model by its `VarMap`: the model code is unchanged and keeps
+    /// reading its own `Var`s, which Ddp checks across ranks and overwrites with rank 0's
+    /// values. `backward` returns the world-averaged gradients as a `GradStore` keyed by those
+    /// `Var`s, for candle-nn's optimizers (`Optimizer::step(&GradStore)`) or tandem's. See
+    /// [`crate::vars`] for ordering and buffers.
+    pub fn from_varmap<G: GradComm + Clone + 'static>(
+        varmap: &candle_nn::VarMap,
+        group: &G,
+        opts: DdpOptions,
+    ) -> Result<Self> {
+        Self::new(NamedVars::from_varmap(varmap), group, opts)
     }
 }
 

@@ -20,6 +20,7 @@ pub mod models;
 pub mod module;
 pub mod params;
 pub mod reducer;
+pub mod vars;
 
 pub use alloc::tune_allocator;
 pub use comm::{GradComm, LocalGroup, SingleProcess};
@@ -28,3 +29,4 @@ pub use ddp::{Ddp, DdpOptions, Unhooked};
 pub use error::{DdpError, Result};
 pub use module::ParamModule;
 pub use params::ParamSet;
+pub use vars::NamedVars;
