@@ -5,6 +5,20 @@ use tandem_ckpt::DType as KDType;
 
 use crate::error::{DdpError, Result};
 
+/// The checkpoint dtype a candle tensor of dtype `d` is saved as (u32 has no torch dtype and is
+/// stored as int32).
+pub fn ckpt_dtype(d: CDType) -> KDType {
+    match d {
+        CDType::F64 => KDType::F64,
+        CDType::F16 => KDType::F16,
+        CDType::BF16 => KDType::BF16,
+        CDType::I64 => KDType::I64,
+        CDType::U32 => KDType::I32,
+        CDType::U8 => KDType::U8,
+        _ => KDType::F32,
+    }
+}
+
 /// A contiguous checkpoint tensor with the same dtype, shape and values.
 pub fn to_ckpt(t: &Tensor) -> Result<tandem_ckpt::Tensor> {
     let shape = t.dims().to_vec();

@@ -10,6 +10,10 @@ pub enum DdpError {
     #[error("tensor engine: {0}")]
     Candle(#[from] candle_core::Error),
 
+    /// Reading or writing a checkpoint file (the error names the file).
+    #[error(transparent)]
+    Checkpoint(#[from] tandem_ckpt::CkptError),
+
     #[error("collective `{op}` failed on rank {rank}: {source}")]
     Comm {
         op: &'static str,

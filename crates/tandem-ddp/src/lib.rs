@@ -21,6 +21,7 @@ pub mod module;
 pub mod params;
 pub mod reducer;
 pub mod vars;
+pub mod weights;
 
 pub use alloc::tune_allocator;
 pub use comm::{GradComm, LocalGroup, SingleProcess};

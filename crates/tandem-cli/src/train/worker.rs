@@ -282,53 +282,21 @@ fn evaluate(
     Ok(tandem_data::eval::all_reduce_metrics(group, &local)?)
 }
 
-fn ckpt_dtype(d: candle_core::DType) -> tandem_ckpt::DType {
-    use candle_core::DType as C;
-    use tandem_ckpt::DType as T;
-    match d {
-        C::F64 => T::F64,
-        C::F16 => T::F16,
-        C::BF16 => T::BF16,
-        C::I64 => T::I64,
-        C::U32 => T::I32,
-        C::U8 => T::U8,
-        _ => T::F32,
-    }
-}
-
 /// Loads weights from a PyTorch or tandem file (any container, any wrapping) through the
 /// LoadReport path: strict, so a missing or mis-shaped key is an error listing all of them.
 pub fn load_weights(net: &Net, path: &Path) -> anyhow::Result<tandem_ckpt::LoadReport> {
-    let value = tandem_ckpt::load(path).with_context(|| format!("reading {}", path.display()))?;
-    let targets: Vec<(String, Vec<usize>, tandem_ckpt::DType)> = net
-        .named_parameters()
-        .into_iter()
-        .chain(net.named_buffers())
-        .map(|(n, v)| (n, v.dims().to_vec(), ckpt_dtype(v.dtype())))
-        .collect();
-    let (tensors, report) = tandem_ckpt::load_state_dict(&value, &targets, true)
-        .with_context(|| format!("loading weights from {}", path.display()))?;
-    let state = tandem_ddp::convert::state_dict_from_ckpt(&tensors, &Device::Cpu)?;
-    net.load_state_dict(state)
-        .with_context(|| format!("applying weights from {}", path.display()))?;
-    Ok(report)
+    tandem_ddp::weights::load_weights(net, path, true)
+        .with_context(|| format!("loading weights from {}", path.display()))
 }
 
 fn model_value(net: &Net) -> anyhow::Result<Value> {
-    let tensors = tandem_ddp::convert::state_dict_to_ckpt(&net.state_dict())?;
-    Ok(Value::dict_from(tensors.into_iter().map(|(k, t)| (k, Value::Tensor(t)))))
+    Ok(tandem_ddp::weights::state_dict_value(net)?)
 }
 
 /// Writes the model's weights with canonical keys: safetensors for `.safetensors`, else `.pt`.
 fn save_weights(net: &Net, path: &Path) -> anyhow::Result<()> {
-    let value = model_value(net)?;
-    let is_st = path.extension().is_some_and(|e| e == "safetensors");
-    if is_st {
-        tandem_ckpt::safetensors::save(path, &value)?;
-    } else {
-        tandem_ckpt::save(path, &value)?;
-    }
-    Ok(())
+    tandem_ddp::weights::save_weights(net, path)
+        .with_context(|| format!("saving weights to {}", path.display()))
 }
 
 fn sampler_value(s: &SamplerState) -> Value {
