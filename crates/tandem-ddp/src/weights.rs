@@ -15,13 +15,13 @@ use crate::error::Result;
 use crate::module::ParamModule;
 
 /// The model's state dict (parameters, then buffers) as a checkpoint value.
-pub fn state_dict_value(model: &impl ParamModule) -> Result<Value> {
+pub fn state_dict_value(model: &(impl ParamModule + ?Sized)) -> Result<Value> {
     let tensors = state_dict_to_ckpt(&model.state_dict())?;
     Ok(Value::dict_from(tensors.into_iter().map(|(k, t)| (k, Value::Tensor(t)))))
 }
 
 /// Writes the model's weights: safetensors for a `.safetensors` path, else `.pt`.
-pub fn save_weights(model: &impl ParamModule, path: &Path) -> Result<()> {
+pub fn save_weights(model: &(impl ParamModule + ?Sized), path: &Path) -> Result<()> {
     let value = state_dict_value(model)?;
     if path.extension().is_some_and(|e| e == "safetensors") {
         tandem_ckpt::safetensors::save(path, &value)?;
@@ -32,14 +32,18 @@ pub fn save_weights(model: &impl ParamModule, path: &Path) -> Result<()> {
 }
 
 /// Loads weights from a PyTorch or tandem file into the model (see the module docs).
-pub fn load_weights(model: &impl ParamModule, path: &Path, strict: bool) -> Result<LoadReport> {
+pub fn load_weights(
+    model: &(impl ParamModule + ?Sized),
+    path: &Path,
+    strict: bool,
+) -> Result<LoadReport> {
     let value = tandem_ckpt::load(path)?;
     load_weights_from(model, &value, strict)
 }
 
 /// As [`load_weights`], from a value already read (e.g. a training checkpoint's `model`).
 pub fn load_weights_from(
-    model: &impl ParamModule,
+    model: &(impl ParamModule + ?Sized),
     value: &Value,
     strict: bool,
 ) -> Result<LoadReport> {

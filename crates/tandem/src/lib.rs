@@ -2,7 +2,8 @@
 //!
 //! This crate is what a training program depends on: [`init()`] joins the process group the
 //! launcher (or torchrun, Slurm, mpirun) described, and the sub-crates are re-exported under
-//! short names. It holds no command-line, progress-bar or plotting code: the `tandem` binary is
+//! short names; [`save_state`] / [`load_state`] checkpoint a whole training run in one call
+//! each. It holds no command-line, progress-bar or plotting code: the `tandem` binary is
 //! the `tandem-cli` crate and the benchmarks are `tandem-bench`.
 pub use tandem_ckpt as ckpt;
 pub use tandem_comm as comm;
@@ -10,6 +11,9 @@ pub use tandem_data as data;
 pub use tandem_ddp as ddp;
 pub use tandem_launch as launch;
 
+pub mod state;
+
+pub use state::{load_state, save_state, Resumed, StateError, TrainingState};
 pub use tandem_ddp::alloc::{allocator_tuned, tune_allocator};
 
 /// Joins the process group the environment describes: `tandem run` / torchrun variables,

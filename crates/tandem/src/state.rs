@@ -1,0 +1,201 @@
+//! The whole training state in one call each way, like Accelerate's `save_state`/`load_state`:
+//! model, optimizer, scheduler, loader position, step, epoch and world size go into one
+//! checkpoint file that rank 0 writes atomically (keep-last rotation, a `latest` pointer) while
+//! every rank meets at a barrier inside; loading picks the newest checkpoint that verifies and
+//! restores everything on every rank.
+//!
+//! ```ignore
+//! let mut state = TrainingState::new(&*ddp, &mut opt).loader(&mut loader);
+//! if let Some(r) = tandem::load_state("runs/ckpt", &mut state)? {
+//!     start_epoch = r.epoch;                    // model, optimizer and loader are restored
+//! }
+//! // ... after an epoch:
+//! let state = TrainingState::new(&*ddp, &mut opt).loader(&mut loader).epoch(epoch + 1);
+//! tandem::save_state(&group, "runs/ckpt", &state)?;
+//! ```
+use std::path::{Path, PathBuf};
+
+use tandem_ckpt::{CheckpointManager, TrainingCheckpoint, Value};
+use tandem_comm::ProcessGroup;
+use tandem_data::{DataLoader, Dataset, SamplerState};
+use tandem_ddp::optim::TorchOptimizer;
+use tandem_ddp::sched::LrScheduler;
+use tandem_ddp::weights::{load_weights_from, state_dict_value};
+use tandem_ddp::ParamModule;
+
+/// Checkpoints kept by [`save_state`] (older ones are deleted after a successful write).
+pub const KEEP_LAST: usize = 3;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error(transparent)]
+    Checkpoint(#[from] tandem_ckpt::CkptError),
+    #[error("model: {0}")]
+    Model(#[from] tandem_ddp::DdpError),
+    #[error("optimizer: {0}")]
+    Optimizer(#[from] tandem_ddp::optim::OptimError),
+    #[error("scheduler: {0}")]
+    Scheduler(#[from] tandem_ddp::sched::SchedError),
+    #[error("data loader position: {0}")]
+    Loader(#[from] tandem_data::DataError),
+    #[error("{path}: field `{field}`: {problem}", path = path.display())]
+    Field { path: PathBuf, field: &'static str, problem: String },
+}
+
+/// A data loader whose position goes into the training state.
+pub trait LoaderPosition {
+    fn position(&self) -> SamplerState;
+    fn set_position(&mut self, state: &SamplerState) -> Result<(), tandem_data::DataError>;
+}
+
+impl<D: Dataset + ?Sized + 'static> LoaderPosition for DataLoader<D> {
+    fn position(&self) -> SamplerState {
+        self.state()
+    }
+    fn set_position(&mut self, state: &SamplerState) -> Result<(), tandem_data::DataError> {
+        self.load_state(state)
+    }
+}
+
+/// What [`save_state`] writes and [`load_state`] restores. `step` and `epoch` are the caller's
+/// counters; the rest is read from (and restored into) the objects themselves.
+pub struct TrainingState<'a> {
+    pub model: &'a dyn ParamModule,
+    pub optimizer: &'a mut dyn TorchOptimizer,
+    pub scheduler: Option<&'a mut dyn LrScheduler>,
+    pub loader: Option<&'a mut dyn LoaderPosition>,
+    pub step: u64,
+    pub epoch: u64,
+}
+
+impl<'a> TrainingState<'a> {
+    pub fn new(model: &'a dyn ParamModule, optimizer: &'a mut dyn TorchOptimizer) -> Self {
+        TrainingState { model, optimizer, scheduler: None, loader: None, step: 0, epoch: 0 }
+    }
+    pub fn scheduler(mut self, scheduler: &'a mut dyn LrScheduler) -> Self {
+        self.scheduler = Some(scheduler);
+        self
+    }
+    pub fn loader(mut self, loader: &'a mut dyn LoaderPosition) -> Self {
+        self.loader = Some(loader);
+        self
+    }
+    pub fn step(mut self, step: u64) -> Self {
+        self.step = step;
+        self
+    }
+    pub fn epoch(mut self, epoch: u64) -> Self {
+        self.epoch = epoch;
+        self
+    }
+}
+
+/// Where [`load_state`] resumed from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resumed {
+    pub path: PathBuf,
+    pub step: u64,
+    pub epoch: u64,
+    /// The world size that wrote the checkpoint.
+    pub world_size: usize,
+}
+
+/// Saves the whole state as `dir/checkpoint-epoch-EEEE-step-SSSSSSSS.pt`: rank 0 writes (atomically, keeping
+/// the last [`KEEP_LAST`]), every rank passes the barrier inside. A collective: call it on every
+/// rank. Returns the file on rank 0, `None` elsewhere.
+pub fn save_state(
+    group: &ProcessGroup,
+    dir: impl AsRef<Path>,
+    state: &TrainingState<'_>,
+) -> Result<Option<PathBuf>, StateError> {
+    // Only rank 0 writes, but every rank builds the value: a failure building it (a dtype the
+    // file cannot hold) is then the same on every rank, before anyone waits at the barrier.
+    let value = to_value(state, group.size())?;
+    let manager = CheckpointManager::new(dir.as_ref(), KEEP_LAST);
+    let name = format!("epoch-{:04}-step-{:08}", state.epoch, state.step);
+    Ok(manager.save_on_rank(group.rank(), &name, &value, || group.barrier())?)
+}
+
+/// Restores the newest checkpoint in `dir` that verifies into `state` (on every rank; each rank
+/// reads the file). `Ok(None)` when there is none: a fresh start. A checkpoint that does not
+/// fit (another model, a missing field) is an error naming the file and what does not fit.
+pub fn load_state(
+    dir: impl AsRef<Path>,
+    state: &mut TrainingState<'_>,
+) -> Result<Option<Resumed>, StateError> {
+    let manager = CheckpointManager::new(dir.as_ref(), KEEP_LAST);
+    let Some((path, value)) = manager.latest_valid()? else { return Ok(None) };
+    let ck = TrainingCheckpoint::from_value(&value)?;
+    let field = |field: &'static str, problem: String| StateError::Field {
+        path: path.clone(),
+        field,
+        problem,
+    };
+    load_weights_from(state.model, &ck.model, true).map_err(|e| field("model", e.to_string()))?;
+    state
+        .optimizer
+        .load_state_dict(&ck.optimizer)
+        .map_err(|e| field("optimizer", e.to_string()))?;
+    if let Some(s) = state.scheduler.as_deref_mut() {
+        if ck.scheduler == Value::None {
+            return Err(field("scheduler", "missing (saved without a scheduler)".into()));
+        }
+        s.load_state_dict(&ck.scheduler).map_err(|e| field("scheduler", e.to_string()))?;
+    }
+    if let Some(l) = state.loader.as_deref_mut() {
+        let pos = sampler_state_from_value(&ck.sampler).map_err(|p| field("sampler", p))?;
+        l.set_position(&pos).map_err(|e| field("sampler", e.to_string()))?;
+    }
+    state.step = ck.global_step as u64;
+    state.epoch = ck.epoch as u64;
+    Ok(Some(Resumed {
+        path,
+        step: state.step,
+        epoch: state.epoch,
+        world_size: ck.world_size as usize,
+    }))
+}
+
+fn to_value(state: &TrainingState<'_>, world_size: usize) -> Result<Value, StateError> {
+    let ck = TrainingCheckpoint {
+        epoch: state.epoch as i64,
+        global_step: state.step as i64,
+        model: state_dict_value(state.model)?,
+        optimizer: state.optimizer.state_dict()?,
+        scheduler: state.scheduler.as_deref().map_or(Value::None, |s| s.state_dict()),
+        sampler: state.loader.as_deref().map_or(Value::None, |l| sampler_value(&l.position())),
+        // The loader's shuffle is seeded by (seed, epoch), which the sampler state holds.
+        rng: Value::None,
+        world_size: world_size as i64,
+        config: Value::None,
+    };
+    Ok(ck.to_value()?)
+}
+
+/// A sampler position as a checkpoint value (plain ints and bools: torch can read it).
+pub fn sampler_value(s: &SamplerState) -> Value {
+    Value::dict_from([
+        ("epoch", Value::Int(s.epoch as i64)),
+        ("consumed", Value::Int(s.consumed as i64)),
+        ("seed", Value::Int(s.seed as i64)),
+        ("len", Value::Int(s.len as i64)),
+        ("num_replicas", Value::Int(s.num_replicas as i64)),
+        ("shuffle", Value::Bool(s.shuffle)),
+        ("drop_last", Value::Bool(s.drop_last)),
+    ])
+}
+
+/// The inverse of [`sampler_value`]; the error names the missing or mistyped key.
+pub fn sampler_state_from_value(v: &Value) -> Result<SamplerState, String> {
+    let int = |k: &str| v.get(k).and_then(Value::as_int).ok_or_else(|| format!("no int `{k}`"));
+    let flag = |k: &str| v.get(k).and_then(Value::as_bool).ok_or_else(|| format!("no bool `{k}`"));
+    Ok(SamplerState {
+        epoch: int("epoch")? as u64,
+        consumed: int("consumed")? as usize,
+        seed: int("seed")? as u64,
+        len: int("len")? as usize,
+        num_replicas: int("num_replicas")? as usize,
+        shuffle: flag("shuffle")?,
+        drop_last: flag("drop_last")?,
+    })
+}
