@@ -17,6 +17,8 @@ use tandem_data::{
 use tandem_ddp::optim::{AdamW, AdamWConfig, Sgd, SgdConfig, TorchOptimizer};
 use tandem_ddp::{Ddp, DdpOptions, ParamModule};
 
+use tandem::state::{sampler_state_from_value, sampler_value};
+
 use super::config::{OptimizerKind, TrainConfig};
 use super::model::Net;
 use super::tfevents::EventWriter;
@@ -83,7 +85,10 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
                 load_weights(&ddp.module(), &path)?;
                 opt.load_state_dict(&ck.optimizer)
                     .with_context(|| format!("optimizer state in {}", path.display()))?;
-                loader.load_state(&sampler_state_from_value(&ck.sampler)?)?;
+                let position = sampler_state_from_value(&ck.sampler).map_err(|problem| {
+                    anyhow::anyhow!("{}: checkpoint `sampler`: {problem}", path.display())
+                })?;
+                loader.load_state(&position)?;
                 global_step = ck.global_step as u64;
                 if rank == 0 {
                     eprintln!(
@@ -297,40 +302,6 @@ fn model_value(net: &Net) -> anyhow::Result<Value> {
 fn save_weights(net: &Net, path: &Path) -> anyhow::Result<()> {
     tandem_ddp::weights::save_weights(net, path)
         .with_context(|| format!("saving weights to {}", path.display()))
-}
-
-fn sampler_value(s: &SamplerState) -> Value {
-    Value::dict_from([
-        ("epoch", Value::Int(s.epoch as i64)),
-        ("consumed", Value::Int(s.consumed as i64)),
-        ("seed", Value::Int(s.seed as i64)),
-        ("len", Value::Int(s.len as i64)),
-        ("num_replicas", Value::Int(s.num_replicas as i64)),
-        ("shuffle", Value::Bool(s.shuffle)),
-        ("drop_last", Value::Bool(s.drop_last)),
-    ])
-}
-
-fn sampler_state_from_value(v: &Value) -> anyhow::Result<SamplerState> {
-    let int = |k: &str| -> anyhow::Result<i64> {
-        v.get(k)
-            .and_then(Value::as_int)
-            .with_context(|| format!("checkpoint `sampler` has no int `{k}`"))
-    };
-    let flag = |k: &str| -> anyhow::Result<bool> {
-        v.get(k)
-            .and_then(Value::as_bool)
-            .with_context(|| format!("checkpoint `sampler` has no bool `{k}`"))
-    };
-    Ok(SamplerState {
-        epoch: int("epoch")? as u64,
-        consumed: int("consumed")? as usize,
-        seed: int("seed")? as u64,
-        len: int("len")? as usize,
-        num_replicas: int("num_replicas")? as usize,
-        shuffle: flag("shuffle")?,
-        drop_last: flag("drop_last")?,
-    })
 }
 
 fn checkpoint_value(
