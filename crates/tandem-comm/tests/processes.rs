@@ -74,18 +74,7 @@ fn worker(role: &str) {
 
 fn spawn(role: &str, vars: &[(String, String)]) -> Child {
     let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
-    cmd.env(ROLE, role);
-    for k in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TANDEM_TRANSPORT",
-    ] {
-        cmd.env_remove(k);
-    }
+    tandem_testutil::without_world(&mut cmd).env(ROLE, role);
     for (k, v) in vars {
         cmd.env(k, v);
     }

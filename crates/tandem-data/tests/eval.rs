@@ -1,20 +1,10 @@
 //! Uneven distributed evaluation on a real process group (ranks as threads over loopback TCP):
 //! every eval sample counted exactly once, and the totals equal a single process's.
 use std::sync::Arc;
-use std::time::Duration;
 
 use candle_core::Device;
-use tandem_comm::{InitMethod, ProcessGroup, TransportKind};
+use tandem_comm::InitMethod;
 use tandem_data::{datasets, evaluate, Batch, DataError, EvalMetrics, LoaderOptions};
-
-/// Runs `f` on every rank of an `n`-rank TCP world on loopback (ranks as threads).
-fn run_world<R: Send + 'static>(
-    n: usize,
-    f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
-) -> Vec<R> {
-    let opts = tandem_testutil::test_options(TransportKind::Tcp);
-    tandem_testutil::run_world(n, opts, Duration::from_secs(60), f)
-}
 
 /// A fixed "model": predicts (rounded pixel sum) mod 10; per-sample loss is the pixel mean.
 fn step(batch: &Batch) -> Result<(f64, i64), DataError> {
@@ -43,7 +33,7 @@ fn distributed_eval_equals_single_process() {
     assert!(single.correct > 0 && single.correct < 297, "{single:?}");
     // 297 samples over 4 ranks: 75/74/74/74; a padded DistributedSampler would count 300.
     for world in [2, 4, 7] {
-        let results = run_world(world, |pg| {
+        let results = tandem_testutil::run_tcp_world(world, |pg| {
             let (_, eval) = datasets::digits().unwrap();
             let opts = LoaderOptions { batch_size: 16, num_workers: 2, ..LoaderOptions::default() };
             evaluate(&pg, Arc::new(eval), &opts, Device::Cpu, step).unwrap()
@@ -67,7 +57,7 @@ fn distributed_eval_equals_single_process() {
 #[test]
 fn ranks_with_nothing_to_evaluate_still_join() {
     // 3 samples, 5 ranks: ranks 3 and 4 have empty shares and must not hang the others.
-    let results = run_world(5, |pg| {
+    let results = tandem_testutil::run_tcp_world(5, |pg| {
         let ds = Arc::new(datasets::synthetic(3, 4, 2, 0).unwrap());
         evaluate(&pg, ds, &LoaderOptions::new(2), Device::Cpu, |b| {
             Ok((b.len() as f64 * 0.5, b.len() as i64))

@@ -26,6 +26,7 @@ use candle_core::{Device, Var};
 use candle_nn::VarMap;
 
 use crate::error::Result;
+use crate::models::init::copy_vars;
 use crate::module::ParamModule;
 use crate::params::ParamSet;
 
@@ -76,18 +77,9 @@ impl ParamModule for NamedVars {
     /// Fresh copies on `device`: the model code itself is not replicated, so a DataParallel
     /// over a VarMap model needs one model per device built from these.
     fn replicate(&self, device: &Device) -> Result<Self> {
-        let copy = |named: &[(String, Var)]| -> Result<Vec<(String, Var)>> {
-            named
-                .iter()
-                .map(|(n, v)| {
-                    let t = v.as_tensor().to_device(device)?.copy()?;
-                    Ok((n.clone(), Var::from_tensor(&t)?))
-                })
-                .collect()
-        };
         Ok(NamedVars {
-            params: ParamSet::new(copy(self.params.named())?),
-            buffers: copy(&self.buffers)?,
+            params: ParamSet::new(copy_vars(self.params.named(), device)?),
+            buffers: copy_vars(&self.buffers, device)?,
         })
     }
 }

@@ -1,12 +1,10 @@
 //! clip_grad_norm against torch.nn.utils.clip_grad_norm_ (fixture from
 //! tests/fixtures/optim/make_fixtures.py), AverageMeter, and metrics averaged across a real
 //! world of ranks (threads with loopback sockets, bounded in time).
-use std::time::Duration;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use serde_json::Value as Json;
-use tandem_comm::{ProcessGroup, TransportKind};
 use tandem_ddp::metrics::{all_reduce_mean, clip_grad_norm, AverageMeter, MetricsError};
 
 fn fixture() -> Json {
@@ -104,18 +102,9 @@ fn average_meter_accumulates_weighted_means() {
     assert_eq!((m.val, m.avg, m.count), (1.5, 0.0, 0.0));
 }
 
-/// Runs `f` on every rank of an `n`-rank TCP world on loopback (ranks as threads).
-fn run_world<R: Send + 'static>(
-    n: usize,
-    f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
-) -> Vec<R> {
-    let opts = tandem_testutil::test_options(TransportKind::Tcp);
-    tandem_testutil::run_world(n, opts, Duration::from_secs(30), f)
-}
-
 #[test]
 fn metrics_are_averaged_across_ranks() {
-    let results = run_world(3, |pg| {
+    let results = tandem_testutil::run_tcp_world(3, |pg| {
         let rank = pg.rank() as f64;
         let mut values = [rank, 10.0 * rank + 1.0];
         all_reduce_mean(&pg, &mut values).unwrap();

@@ -5,6 +5,32 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// Every variable through which a launcher (tandem run, torchrun, Slurm, OpenMPI) could
+/// describe a world, or tandem's own markers of one.
+pub const WORLD_VARS: [&str; 13] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TANDEM_TRAIN_WORKER",
+    "TANDEM_TRANSPORT",
+    "TANDEM_RUN_ID",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_SIZE",
+];
+
+/// Removes [`WORLD_VARS`] from a child's environment: it starts in no world unless told.
+pub fn without_world(cmd: &mut Command) -> &mut Command {
+    for v in WORLD_VARS {
+        cmd.env_remove(v);
+    }
+    cmd
+}
+
 /// Polling period: fine enough to time how fast a job fails.
 const POLL: Duration = Duration::from_millis(2);
 

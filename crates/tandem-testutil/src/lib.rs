@@ -13,9 +13,11 @@ pub mod harness;
 pub mod procs;
 pub mod world;
 
-pub use child::{output_with_deadline, tail, wait_with_deadline, Finished, Running};
+pub use child::{
+    output_with_deadline, tail, wait_with_deadline, without_world, Finished, Running, WORLD_VARS,
+};
 pub use procs::{assert_no_survivors, children_of, is_running, recorded_pids};
-pub use world::{run_world, test_options};
+pub use world::{run_tcp_world, run_world, test_options};
 
 /// The workspace root (the directory holding the top-level Cargo.toml).
 pub fn workspace_root() -> PathBuf {

@@ -58,3 +58,11 @@ pub fn run_world<R: Send + 'static>(
     }
     out.into_iter().map(|r| r.expect("every rank reported")).collect()
 }
+
+/// [`run_world`] over TCP with the test defaults, bounded at 60 s.
+pub fn run_tcp_world<R: Send + 'static>(
+    n: usize,
+    f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    run_world(n, test_options(TransportKind::Tcp), Duration::from_secs(60), f)
+}

@@ -26,21 +26,7 @@ pub fn tandem() -> Command {
 
 /// Removes every variable through which an outer launcher could describe a world.
 pub fn clean_env(c: &mut Command) {
-    for v in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TANDEM_TRAIN_WORKER",
-        "SLURM_NTASKS",
-        "OMPI_COMM_WORLD_SIZE",
-        "TORCHELASTIC_RUN_ID",
-        "TANDEM_RUN_ID",
-    ] {
-        c.env_remove(v);
-    }
+    tandem_testutil::without_world(c);
 }
 
 /// SplitMix64: a few lines, and a seed is all it takes to replay a trial (no crate needed for

@@ -1,7 +1,7 @@
 //! Reference models for training jobs and benchmarks, with PyTorch's parameter names, layouts
 //! and default initialisation (seeded), read through `ParamSet` so Ddp can hook them.
 mod cnn;
-mod init;
+pub(crate) mod init;
 mod mlp;
 
 pub use cnn::Cnn;
