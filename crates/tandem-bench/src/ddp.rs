@@ -1,5 +1,5 @@
 //! `tandem bench ddp`: training samples/s of plain single-process training and of Ddp, on the
-//! same global batch and the same synthetic MNIST-shaped data (as `shared/peers/torch_ddp_step.py`).
+//! same global batch and the same synthetic MNIST-shaped data (as `scripts/peers/torch_ddp_step.py`).
 //!
 //! * plain: one process, all cores, batch B, `loss.backward()` + SGD.
 //! * Ddp 1 rank: the same, wrapped in Ddp over a world of one (hooks, buckets, comm thread);
@@ -54,9 +54,9 @@ pub struct Args {
     /// A Python with torch: also run the PyTorch DDP peer on the same work.
     #[arg(long)]
     torch: Option<PathBuf>,
-    /// The peer script (usage: WORLD STEPS PER_RANK_BATCH).
-    #[arg(long, default_value = "../shared/peers/torch_ddp_step.py")]
-    torch_script: PathBuf,
+    /// The peer script (usage: WORLD STEPS PER_RANK_BATCH); default <repo>/scripts/peers/torch_ddp_step.py.
+    #[arg(long)]
+    torch_script: Option<PathBuf>,
     /// Internal: run as one rank of the distributed measurement (set by the parent).
     #[arg(long, hide = true)]
     worker: bool,
@@ -312,8 +312,11 @@ fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
 
 /// One run of the PyTorch DDP peer: its samples/s.
 fn torch_peer(args: &Args, python: &PathBuf) -> anyhow::Result<f64> {
+    let script = args.torch_script.clone().unwrap_or_else(|| {
+        crate::report::repo_root().join(crate::PEERS_DIR).join("torch_ddp_step.py")
+    });
     let out = Command::new(python)
-        .arg(&args.torch_script)
+        .arg(&script)
         .args([
             args.nproc.to_string(),
             args.steps.to_string(),
@@ -321,13 +324,11 @@ fn torch_peer(args: &Args, python: &PathBuf) -> anyhow::Result<f64> {
         ])
         .stderr(Stdio::inherit())
         .output()
-        .with_context(|| format!("running {} {}", python.display(), args.torch_script.display()))?;
+        .with_context(|| format!("running {} {}", python.display(), script.display()))?;
     let text = String::from_utf8_lossy(&out.stdout);
     text.split_whitespace()
         .find_map(|w| w.strip_prefix("samples/s=").and_then(|v| v.parse::<f64>().ok()))
-        .with_context(|| {
-            format!("{}: no samples/s in its output: {text:?}", args.torch_script.display())
-        })
+        .with_context(|| format!("{}: no samples/s in its output: {text:?}", script.display()))
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {

@@ -3,6 +3,9 @@
 //! of the `tandem` library so that users do not compile clap, plotters or the bundled font.
 use clap::Subcommand;
 
+/// The PyTorch peer scripts (same work as tandem's benchmarks), relative to the repository root.
+pub const PEERS_DIR: &str = "scripts/peers";
+
 pub mod allreduce;
 pub mod ckpt;
 pub mod ddp;

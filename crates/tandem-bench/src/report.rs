@@ -1,7 +1,7 @@
 //! `tandem bench report`: measures tandem and PyTorch on the same work in one run and writes
 //! docs/BENCHMARKS.md with PNG plots. tandem's figures come from this executable's own
 //! `tandem bench allreduce|ddp|ckpt` (run as subprocesses), PyTorch's from the peer scripts in
-//! `shared/peers/`; every figure is printed with its in-run reference (memcpy, plain training,
+//! `scripts/peers/`; every figure is printed with its in-run reference (memcpy, plain training,
 //! dd) and the ratio, plus min/median/max over repeated runs and the machine's load.
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -26,7 +26,7 @@ pub struct Args {
     /// <repo>/.venv-torch/bin/python). Without torch the report says "PyTorch not available".
     #[arg(long)]
     python: Option<PathBuf>,
-    /// Directory of the PyTorch peer scripts (default: <repo>/../shared/peers).
+    /// Directory of the PyTorch peer scripts (default: <repo>/scripts/peers).
     #[arg(long)]
     peers: Option<PathBuf>,
     /// A small version for tests: 3 sizes, 2 ranks only, 3 steps, an 8 MiB checkpoint, one run each.
@@ -42,7 +42,7 @@ pub struct Args {
 
 /// The repository: the nearest ancestor of the working directory holding crates/tandem, else
 /// the checkout this binary was built from.
-fn repo_root() -> PathBuf {
+pub(crate) fn repo_root() -> PathBuf {
     if let Ok(cwd) = std::env::current_dir() {
         if let Some(root) = cwd.ancestors().find(|d| d.join("crates/tandem/Cargo.toml").is_file()) {
             return root.to_path_buf();
@@ -99,7 +99,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     std::fs::create_dir_all(&out).with_context(|| format!("--out: creating {}", out.display()))?;
     let out = out.canonicalize().with_context(|| format!("--out: resolving {}", out.display()))?;
     plots::register_font()?;
-    let peers = args.peers.clone().unwrap_or_else(|| repo.join("../shared/peers"));
+    let peers = args.peers.clone().unwrap_or_else(|| repo.join(crate::PEERS_DIR));
 
     let mut candidates: Vec<PathBuf> = Vec::new();
     candidates.extend(args.python.clone());

@@ -249,7 +249,7 @@ pub fn render(r: &Report) -> String {
         "f32 sum over {n} local ranks; busbw = algbw × 2(n−1)/n (nccl-tests convention), GB/s = 1e9 B/s. \
          tandem: `tandem bench allreduce --nproc {n} --backend tcp|shm --json` (median per-iteration time of the \
          slowest rank). Reference: memcpy of a buffer of the same size, measured by that same command before its \
-         ranks start. gloo: `shared/peers/torch_allreduce.py` (mean time; it takes whole MiB only and prints \
+         ranks start. gloo: `scripts/peers/torch_allreduce.py` (mean time; it takes whole MiB only and prints \
          GiB/s with two decimals, converted here). × PyTorch = tandem / gloo at the same size.\n",
         n = r.allreduce_nproc
     );
@@ -262,7 +262,7 @@ pub fn render(r: &Report) -> String {
         "MLP 784-1024-1024-10 on synthetic MNIST-shaped data, SGD, global batch {b} split over the ranks, \
          {s} timed steps. Reference: plain single-process training (no Ddp, all cores) on the same global \
          batch, measured by every `tandem bench ddp --json` run. tandem Ddp: that command's N-rank run \
-         (N processes on loopback, cores/N threads each). PyTorch DDP: `shared/peers/torch_ddp_step.py` \
+         (N processes on loopback, cores/N threads each). PyTorch DDP: `scripts/peers/torch_ddp_step.py` \
          (gloo, cores/N threads per rank). × PyTorch = tandem Ddp / PyTorch DDP with the same ranks.\n",
         b = r.ddp_batch,
         s = r.ddp_steps

@@ -1,5 +1,5 @@
 //! PyTorch's side of the report: finding a Python that imports torch, and running the peer
-//! scripts in `shared/peers/` (gloo all_reduce, DDP training) on the same work as tandem.
+//! scripts in `scripts/peers/` (gloo all_reduce, DDP training) on the same work as tandem.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
