@@ -295,3 +295,27 @@ fn bad_flags_and_files_are_named_in_the_error() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("fc1.weight"), "error must name the mismatched key:\n{err}");
 }
+
+#[test]
+fn the_cnn_trains_on_three_channel_cifar_shaped_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = output_with_deadline(
+        tandem().args([
+            "train",
+            "--nproc-per-node",
+            "1",
+            "--model",
+            "cnn",
+            "--data",
+            "synthetic-cifar:64",
+            "--epochs",
+            "1",
+            "--out",
+            dir.path().join("r").to_str().unwrap(),
+        ]),
+        LIMIT,
+    );
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("final: epochs=1"), "{out}\n{err}");
+}

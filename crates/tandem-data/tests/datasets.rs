@@ -223,3 +223,82 @@ fn specs() {
         assert!(e.contains(needle) && e.contains(spec), "{spec}: {e}");
     }
 }
+
+/// A CIFAR-10 binary batch of `labels.len()` records; record `r`'s pixel `p` is `(r*7 + p) % 256`.
+fn cifar_batch(labels: &[u8], salt: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (r, &l) in labels.iter().enumerate() {
+        out.push(l);
+        out.extend((0..3072).map(|p| ((r * 7 + p + salt) % 256) as u8));
+    }
+    out
+}
+
+fn write_cifar(dir: &Path) {
+    for i in 1..=5 {
+        std::fs::write(dir.join(format!("data_batch_{i}.bin")), cifar_batch(&[i as u8, 9], i))
+            .unwrap();
+    }
+    std::fs::write(dir.join("test_batch.bin"), cifar_batch(&[3], 100)).unwrap();
+}
+
+#[test]
+fn cifar10_reads_the_five_train_batches_in_order_and_the_test_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_cifar(tmp.path());
+    let (train, eval) = tandem_data::datasets::cifar10(tmp.path()).unwrap();
+    assert_eq!((train.len(), eval.len()), (10, 1));
+    assert_eq!((train.input_dim(), train.num_classes()), (3072, 10));
+    assert_eq!(train.labels(), &[1, 9, 2, 9, 3, 9, 4, 9, 5, 9]);
+    assert_eq!(eval.labels(), &[3]);
+    // Record 1 of data_batch_3 (the 6th example), channel 2 (blue), row 0, column 5: CHW,
+    // pixel byte / 255.
+    let row = train.row(5).unwrap();
+    let p = 2 * 1024 + 5;
+    assert_eq!(row[p], ((7 + p + 3) % 256) as f32 / 255.0);
+    assert!(row.iter().all(|&x| (0.0..=1.0).contains(&x)));
+    // The archive's own layout (`cifar-10-batches-bin/`) is found too, and the spec works.
+    let outer = tempfile::tempdir().unwrap();
+    let nested = outer.path().join("cifar-10-batches-bin");
+    std::fs::create_dir(&nested).unwrap();
+    write_cifar(&nested);
+    let spec = format!("cifar10:{}", outer.path().display());
+    let (t2, e2) = tandem_data::datasets::from_spec(&spec).unwrap();
+    assert_eq!((t2, e2), (train, eval));
+}
+
+#[test]
+fn cifar10_errors_name_the_file_and_the_record() {
+    let tmp = tempfile::tempdir().unwrap();
+    let err = |dir: &Path| tandem_data::datasets::cifar10(dir).unwrap_err().to_string();
+    write_cifar(tmp.path());
+    std::fs::remove_file(tmp.path().join("data_batch_4.bin")).unwrap();
+    let e = err(tmp.path());
+    assert!(e.contains("data_batch_4.bin"), "{e}");
+
+    write_cifar(tmp.path());
+    let mut truncated = cifar_batch(&[1, 2], 0);
+    truncated.truncate(3073 + 100);
+    std::fs::write(tmp.path().join("data_batch_2.bin"), truncated).unwrap();
+    let e = err(tmp.path());
+    assert!(e.contains("data_batch_2.bin") && e.contains("3173 bytes"), "{e}");
+
+    write_cifar(tmp.path());
+    std::fs::write(tmp.path().join("test_batch.bin"), cifar_batch(&[4, 0, 57], 0)).unwrap();
+    let e = err(tmp.path());
+    assert!(e.contains("test_batch.bin") && e.contains("record 2: label 57"), "{e}");
+
+    let e = tandem_data::datasets::from_spec("cifar10:").unwrap_err().to_string();
+    assert!(e.contains("needs a directory"), "{e}");
+}
+
+#[test]
+fn synthetic_cifar_is_deterministic_and_cifar_shaped() {
+    let (a, ae) = tandem_data::datasets::from_spec("synthetic-cifar:50").unwrap();
+    let (b, _) = tandem_data::datasets::synthetic_cifar(50, 0).unwrap();
+    assert_eq!(a, b);
+    assert_eq!((a.len(), ae.len(), a.input_dim(), a.num_classes()), (50, 10, 3072, 10));
+    let (c, _) = tandem_data::datasets::synthetic_cifar(50, 1).unwrap();
+    assert_ne!(a, c, "another seed, other data");
+    assert!(tandem_data::datasets::from_spec("synthetic-cifar:0").is_err());
+}

@@ -75,7 +75,8 @@ pub struct TrainConfig {
     /// Hidden width of the MLP.
     #[arg(long, default_value_t = 128)]
     pub hidden: usize,
-    /// Data: digits (embedded), mnist:DIR (IDX files) or synthetic.
+    /// Data: digits (embedded), mnist:DIR (IDX files), cifar10:DIR (binary batches),
+    /// synthetic[:N[:DIM[:CLASSES]]] or synthetic-cifar[:N].
     #[arg(long, default_value = "digits")]
     pub data: String,
     /// Seed for model init and the sampler's shuffle.

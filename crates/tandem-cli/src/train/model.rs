@@ -12,8 +12,8 @@ pub enum Net {
 }
 
 impl Net {
-    /// `input_dim` features per sample; the CNN needs a square single-channel image
-    /// (64 → 8x8 digits, 784 → 28x28 MNIST).
+    /// `input_dim` features per sample; the CNN needs square images, one channel or three
+    /// (64 → 1x8x8 digits, 784 → 1x28x28 MNIST, 3072 → 3x32x32 CIFAR-10).
     pub fn build(
         kind: ModelKind,
         input_dim: usize,
@@ -25,11 +25,19 @@ impl Net {
         Ok(match kind {
             ModelKind::Mlp => Net::Mlp(Mlp::new(&[input_dim, hidden, classes], seed, &dev)?),
             ModelKind::Cnn => {
-                let side = (input_dim as f64).sqrt().round() as usize;
-                if side * side != input_dim {
-                    anyhow::bail!("--model cnn needs square images; this dataset has {input_dim} features per sample");
-                }
-                Net::Cnn(Cnn::new(1, side, side, classes, seed, &dev)?)
+                let square_side = |n: usize| {
+                    let side = (n as f64).sqrt().round() as usize;
+                    (side * side == n).then_some(side)
+                };
+                let (channels, side) = match (square_side(input_dim), square_side(input_dim / 3)) {
+                    (Some(side), _) => (1, side),
+                    (None, Some(side)) if input_dim.is_multiple_of(3) => (3, side),
+                    _ => anyhow::bail!(
+                        "--model cnn needs square images with 1 or 3 channels; this dataset has \
+                         {input_dim} features per sample"
+                    ),
+                };
+                Net::Cnn(Cnn::new(channels, side, side, classes, seed, &dev)?)
             }
         })
     }

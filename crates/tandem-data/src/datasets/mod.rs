@@ -1,10 +1,15 @@
 //! The datasets a job can name: the embedded UCI digits (default), MNIST / Fashion-MNIST IDX
 //! files from a directory, and a synthetic set for benchmarks. Each spec yields a fixed
 //! (train, eval) pair.
+mod cifar;
 mod digits;
 mod idx;
 mod synthetic;
 
+pub use cifar::{
+    cifar10, read_cifar_batch, synthetic_cifar, CIFAR_CHANNELS, CIFAR_CLASSES, CIFAR_PIXELS,
+    CIFAR_SIDE,
+};
 pub use digits::{digits, digits_all, DIGITS_EVAL_LEN};
 pub use idx::{mnist, read_idx_images, read_idx_labels};
 pub use synthetic::synthetic;
@@ -21,6 +26,9 @@ pub const SYNTHETIC_SPEC_SEED: u64 = 0;
 /// Resolves a dataset spec to (train, eval):
 /// * `digits` — the embedded UCI digits, see [`digits`];
 /// * `mnist:DIR` — MNIST or Fashion-MNIST IDX files in `DIR`, see [`mnist`];
+/// * `cifar10:DIR` — CIFAR-10's binary batches in `DIR`, see [`cifar10`];
+/// * `synthetic-cifar[:N]` — CIFAR-shaped synthetic data, `N` train examples (default 10000),
+///   see [`synthetic_cifar`];
 /// * `synthetic[:N[:DIM[:CLASSES]]]` — `N` train examples (default 10000) and `N / 5` eval
 ///   examples (at least 1) of `DIM` features (64) in `CLASSES` classes (10), drawn from the
 ///   same class centers with seed 0.
@@ -34,6 +42,23 @@ pub fn from_spec(spec: &str) -> Result<(InMemoryDataset, InMemoryDataset), DataE
             return Err(bad("mnist: needs a directory after the colon".into()));
         }
         return mnist(dir);
+    }
+    if let Some(dir) = spec.strip_prefix("cifar10:") {
+        if dir.is_empty() {
+            return Err(bad("cifar10: needs a directory after the colon".into()));
+        }
+        return cifar10(dir);
+    }
+    if spec == "synthetic-cifar" || spec.starts_with("synthetic-cifar:") {
+        let n = match spec.strip_prefix("synthetic-cifar:") {
+            None => SYNTHETIC_DEFAULT_LEN,
+            Some(n) => n
+                .parse::<usize>()
+                .ok()
+                .filter(|&v| v > 0)
+                .ok_or_else(|| bad(format!("N must be a positive integer, got {n:?}")))?,
+        };
+        return synthetic_cifar(n, SYNTHETIC_SPEC_SEED);
     }
     if spec == "synthetic" || spec.starts_with("synthetic:") {
         let parts: Vec<&str> = spec.split(':').skip(1).collect();
