@@ -8,6 +8,8 @@ pub struct ProcStat {
     /// `R`, `S`, `D`, `Z` (zombie), `X` (dead), ...
     pub state: char,
     pub ppid: i32,
+    /// The kernel's task flags (`PF_*`).
+    pub flags: u64,
 }
 
 impl ProcStat {
@@ -24,7 +26,16 @@ impl ProcStat {
         let mut fields = rest.split_whitespace();
         let state = fields.next()?.chars().next()?;
         let ppid = fields.next()?.parse().ok()?;
-        Some(ProcStat { state, ppid })
+        // pgrp, session, tty_nr, tpgid, then flags.
+        let flags = fields.nth(4)?.parse().ok()?;
+        Some(ProcStat { state, ppid, flags })
+    }
+
+    /// Already inside exit (`PF_EXITING`): a signal sent now changes nothing, not even the exit
+    /// status.
+    pub fn is_exiting(&self) -> bool {
+        const PF_EXITING: u64 = 0x4;
+        self.flags & PF_EXITING != 0
     }
 
     /// Exited but not reaped yet (`Z`), or being torn down (`X`).
@@ -45,11 +56,11 @@ mod tests {
 
     #[test]
     fn command_names_with_spaces_and_parentheses() {
-        let s = "4242 (my (odd) name) Z 17 4242 4242 0 -1 4194560";
-        assert_eq!(ProcStat::parse(s), Some(ProcStat { state: 'Z', ppid: 17 }));
-        assert!(ProcStat::parse(s).unwrap().is_dead());
+        let s = "4242 (my (odd) name) Z 17 4242 4242 0 -1 4194564 0 0";
+        assert_eq!(ProcStat::parse(s), Some(ProcStat { state: 'Z', ppid: 17, flags: 4194564 }));
+        assert!(ProcStat::parse(s).unwrap().is_dead() && ProcStat::parse(s).unwrap().is_exiting());
         assert_eq!(ProcStat::parse("garbage"), None);
         let me = ProcStat::read(std::process::id() as i32).expect("this process");
-        assert!(!me.is_dead());
+        assert!(!me.is_dead() && !me.is_exiting());
     }
 }

@@ -131,10 +131,12 @@ pub fn leftovers(marker: &str, settle: Duration) -> Vec<i32> {
     }
 }
 
-/// SIGKILL; false when the process was already gone — including a zombie, which has exited on
-/// its own but is not reaped yet (kill(2) still succeeds on it, without any effect).
+/// SIGKILL; false when the process was already gone or going — a zombie, which has exited on
+/// its own but is not reaped yet, or a process already inside exit (`PF_EXITING`): kill(2)
+/// succeeds on both without any effect, and the process still exits with its own status.
 pub fn sigkill(pid: i32) -> bool {
-    if !tandem_testutil::is_running(pid) {
+    let stat = tandem_comm::procfs::ProcStat::read(pid);
+    if !stat.is_some_and(|s| !s.is_dead() && !s.is_exiting()) {
         return false;
     }
     // SAFETY: kill(2) with a pid we found ourselves; no memory is involved.
