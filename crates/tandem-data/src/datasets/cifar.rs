@@ -4,8 +4,6 @@
 //! no normalisation. Errors name the file and, for a bad label, the record.
 use std::path::{Path, PathBuf};
 
-use rand_mt::Mt64;
-
 use crate::{DataError, InMemoryDataset};
 
 pub const CIFAR_CHANNELS: usize = 3;
@@ -75,28 +73,11 @@ pub fn cifar10(dir: impl AsRef<Path>) -> Result<(InMemoryDataset, InMemoryDatase
     Ok((split(&TRAIN_FILES, "cifar10-train")?, split(&[TEST_FILE], "cifar10-eval")?))
 }
 
-/// CIFAR-shaped synthetic data (3x32x32 in [0, 1], 10 classes) for benchmarks: `n` train and
-/// `n / 5` eval examples, deterministic in `seed`, with a class-dependent mean so it is
-/// learnable.
+/// CIFAR-shaped synthetic data for benchmarks: [`super::synthetic_split`] with 3x32x32 = 3072
+/// features and 10 classes (`n` train and `n / 5` eval examples, deterministic in `seed`).
 pub fn synthetic_cifar(
     n: usize,
     seed: u64,
 ) -> Result<(InMemoryDataset, InMemoryDataset), DataError> {
-    let make = |count: usize, salt: u64, name: &str| {
-        let mut rng = Mt64::new(seed ^ salt);
-        let mut next = move || rng.next_u64();
-        let mut features = Vec::with_capacity(count * CIFAR_PIXELS);
-        let mut labels = Vec::with_capacity(count);
-        for _ in 0..count {
-            let label = next() % CIFAR_CLASSES as u64;
-            let base = 0.1 + 0.08 * label as f32;
-            labels.push(label as i64);
-            features.extend(
-                (0..CIFAR_PIXELS)
-                    .map(|_| base + 0.1 * ((next() >> 40) as f32 / (1u64 << 24) as f32)),
-            );
-        }
-        InMemoryDataset::new(name, features, labels, CIFAR_PIXELS, CIFAR_CLASSES)
-    };
-    Ok((make(n, 1, "synthetic-cifar-train")?, make((n / 5).max(1), 2, "synthetic-cifar-eval")?))
+    super::synthetic_split(n, CIFAR_PIXELS, CIFAR_CLASSES, seed, "synthetic-cifar")
 }

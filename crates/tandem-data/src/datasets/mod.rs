@@ -74,14 +74,26 @@ pub fn from_spec(spec: &str) -> Result<(InMemoryDataset, InMemoryDataset), DataE
             })?;
         }
         let [n, dim, classes] = values;
-        let n_eval = (n / 5).max(1);
-        let all = synthetic(n + n_eval, dim, classes, SYNTHETIC_SPEC_SEED)?;
-        let train_idx: Vec<usize> = (0..n).collect();
-        let eval_idx: Vec<usize> = (n..n + n_eval).collect();
-        return Ok((
-            all.subset("synthetic-train", &train_idx)?,
-            all.subset("synthetic-eval", &eval_idx)?,
-        ));
+        return synthetic_split(n, dim, classes, SYNTHETIC_SPEC_SEED, "synthetic");
     }
     Err(bad("unknown dataset".into()))
+}
+
+/// `n` train and `n / 5` (at least 1) eval examples of [`synthetic`] data, drawn from the same
+/// class centers, named `<name>-train` / `<name>-eval`.
+pub fn synthetic_split(
+    n: usize,
+    dim: usize,
+    classes: usize,
+    seed: u64,
+    name: &str,
+) -> Result<(InMemoryDataset, InMemoryDataset), DataError> {
+    let n_eval = (n / 5).max(1);
+    let all = synthetic(n + n_eval, dim, classes, seed)?;
+    let train_idx: Vec<usize> = (0..n).collect();
+    let eval_idx: Vec<usize> = (n..n + n_eval).collect();
+    Ok((
+        all.subset(format!("{name}-train"), &train_idx)?,
+        all.subset(format!("{name}-eval"), &eval_idx)?,
+    ))
 }
