@@ -319,3 +319,89 @@ fn the_cnn_trains_on_three_channel_cifar_shaped_data() {
     assert!(o.status.success(), "{out}\n{err}");
     assert!(out.contains("final: epochs=1"), "{out}\n{err}");
 }
+
+/// Largest absolute difference per key between two state dicts with the same keys, and the
+/// largest change of any float parameter (not a buffer) from `init` in `reference`.
+fn state_dict_gap(
+    ours: &[(String, tandem_ckpt::Tensor)],
+    reference: &[(String, tandem_ckpt::Tensor)],
+    init: &[(String, tandem_ckpt::Tensor)],
+) -> (f64, String, f64) {
+    let names =
+        |s: &[(String, tandem_ckpt::Tensor)]| s.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>();
+    assert_eq!(names(ours), names(reference), "the same keys as PyTorch's state dict");
+    let (mut worst, mut worst_key, mut moved) = (0.0f64, String::new(), 0.0f64);
+    for (((k, a), (_, b)), (_, i)) in ours.iter().zip(reference).zip(init) {
+        let (a, b, i) = (a.to_f64_vec(), b.to_f64_vec(), i.to_f64_vec());
+        let gap = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+        if gap > worst {
+            (worst, worst_key) = (gap, k.clone());
+        }
+        if !k.contains("running_") && !k.ends_with("num_batches_tracked") {
+            moved = moved.max(b.iter().zip(&i).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max));
+        }
+    }
+    (worst, worst_key, moved)
+}
+
+#[test]
+fn resnet18_matches_pytorch_ddp_and_sync_batchnorm() {
+    // Reference: tests/fixtures/train_resnet/reference.py (2 gloo ranks, DistributedSampler
+    // shuffle with seed 3, SGD momentum 0.9, batch 8 per rank, ResNet-18 at width 8).
+    let Some(python) = torch_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let port = tandem_testutil::free_port().to_string();
+    let script = fixture("train_resnet/reference.py");
+    let made = output_with_deadline(
+        Command::new(&python).args([script.to_str().unwrap(), d.to_str().unwrap(), &port]),
+        LIMIT,
+    );
+    assert!(
+        made.status.success(),
+        "reference.py failed:\n{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let init = weights(&d.join("init.pt"));
+    for (reference, sync) in [("ddp.pt", false), ("syncbn.pt", true)] {
+        let ours = d.join(format!("ours-{reference}"));
+        let data = format!("cifar10:{}", d.join("cifar").display());
+        let mut args = vec![
+            "train",
+            "--model",
+            "resnet18",
+            "--width",
+            "8",
+            "--data",
+            &data,
+            "--batch-size",
+            "8",
+            "--epochs",
+            "2",
+            "--lr",
+            "0.002",
+            "--momentum",
+            "0.9",
+            "--seed",
+            "3",
+            "--nproc-per-node",
+            "2",
+        ];
+        if sync {
+            args.push("--sync-batchnorm");
+        }
+        let init_path = d.join("init.pt");
+        let out_dir = d.join(format!("run-{sync}"));
+        args.extend(["--init-from", init_path.to_str().unwrap()]);
+        args.extend(["--save-final", ours.to_str().unwrap(), "--out", out_dir.to_str().unwrap()]);
+        let out = run(&args);
+        assert_eq!(get(&final_line(&out.stdout), "steps"), "6");
+        let (gap, key, moved) =
+            state_dict_gap(&weights(&ours), &weights(&d.join(reference)), &init);
+        eprintln!(
+            "{reference}: max |tandem - torch| = {gap:.3e} ({key}); weights moved {moved:.3e}"
+        );
+        assert!(gap <= 2e-3, "{reference}: `{key}` differs from PyTorch by {gap}");
+        assert!(moved > 5e-3, "{reference}: training must move the weights (max change {moved})");
+    }
+}

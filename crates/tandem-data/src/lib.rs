@@ -28,6 +28,7 @@ pub mod eval;
 mod loader;
 pub mod randperm;
 mod sampler;
+pub mod transforms;
 
 pub use dataset::{Dataset, Example, InMemoryDataset};
 pub use error::DataError;
@@ -35,3 +36,4 @@ pub use eval::{all_reduce_metrics, eval_batches, eval_indices, evaluate, EvalMet
 pub use loader::{collate, Batch, BatchIter, DataLoader, EpochIter, LoaderOptions};
 pub use randperm::torch_randperm;
 pub use sampler::{num_samples, DistributedSampler, SamplerBuilder, SamplerState};
+pub use transforms::{channel_stats, CropFlip, ImageTransforms, Transformed};

@@ -22,8 +22,11 @@
 //! a forward hook that broadcast happens in `backward`, after this step's forward has updated
 //! the statistics, so every rank leaves the step holding rank 0's, and the next forward uses
 //! them, as with PyTorch's broadcast before each forward.
-use candle_core::{Device, Var};
-use candle_nn::VarMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{VarBuilder, VarMap};
 
 use crate::error::Result;
 use crate::models::init::copy_vars;
@@ -62,6 +65,77 @@ impl NamedVars {
         let (buffers, params): (Vec<_>, Vec<_>) =
             named.into_iter().partition(|(name, _)| is_buffer(name));
         NamedVars { params: ParamSet::new(params), buffers }
+    }
+}
+
+/// A `VarMap` that remembers the order in which the model created its variables, like the
+/// registration order behind PyTorch's `named_parameters()`. Build the model from
+/// [`OrderedVarMap::var_builder`]; [`OrderedVarMap::named_vars`] then lists the variables in
+/// that order, so state dicts and optimizer states line up with the PyTorch module the model
+/// was written after (a plain `VarMap` can only be sorted by name).
+#[derive(Clone)]
+pub struct OrderedVarMap {
+    map: VarMap,
+    order: Arc<Mutex<Vec<String>>>,
+}
+
+impl OrderedVarMap {
+    pub fn new() -> Self {
+        OrderedVarMap { map: VarMap::new(), order: Arc::default() }
+    }
+
+    /// A `VarBuilder` creating (or reusing) variables in this map.
+    pub fn var_builder(&self, dtype: DType, device: &Device) -> VarBuilder<'static> {
+        VarBuilder::from_backend(Box::new(self.clone()), dtype, device.clone())
+    }
+
+    /// The underlying `VarMap` (for candle-nn optimizers, `save`/`load`, ...).
+    pub fn varmap(&self) -> &VarMap {
+        &self.map
+    }
+
+    /// Every variable with its name, in creation order.
+    pub fn named(&self) -> Vec<(String, Var)> {
+        let order = self.order.lock().unwrap_or_else(|p| p.into_inner());
+        let data = self.map.data().lock().unwrap_or_else(|p| p.into_inner());
+        order.iter().filter_map(|n| data.get(n).map(|v| (n.clone(), v.clone()))).collect()
+    }
+
+    /// The variables as Ddp wraps them: parameters and buffers, each in creation order.
+    pub fn named_vars(&self) -> NamedVars {
+        NamedVars::new(self.named())
+    }
+}
+
+impl Default for OrderedVarMap {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SimpleBackend for OrderedVarMap {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.map.get(s, name, h, dtype, dev)?;
+        let mut order = self.order.lock().unwrap_or_else(|p| p.into_inner());
+        if !order.iter().any(|n| n == name) {
+            order.push(name.to_string());
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        SimpleBackend::get_unchecked(&self.map, name, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        SimpleBackend::contains_tensor(&self.map, name)
     }
 }
 
@@ -111,5 +185,25 @@ mod tests {
             data["fc1.weight"].as_tensor().id(),
             vars.params().named()[3].1.as_tensor().id()
         );
+    }
+
+    #[test]
+    fn ordered_varmap_keeps_creation_order() {
+        let vars = OrderedVarMap::new();
+        let vb = vars.var_builder(DType::F32, &Device::Cpu);
+        candle_nn::linear(3, 4, vb.pp("fc2")).unwrap();
+        crate::nn::batch_norm2d(4, vb.pp("bn")).unwrap();
+        candle_nn::linear(2, 3, vb.pp("fc1")).unwrap();
+        // Asking again for an existing variable does not move it.
+        candle_nn::linear(3, 4, vb.pp("fc2")).unwrap();
+        let named = vars.named_vars();
+        let params: Vec<&str> = named.params().named().iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            params,
+            ["fc2.weight", "fc2.bias", "bn.weight", "bn.bias", "fc1.weight", "fc1.bias"]
+        );
+        let buffers: Vec<String> = named.named_buffers().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(buffers, ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]);
+        assert_eq!(vars.varmap().all_vars().len(), 9);
     }
 }

@@ -17,6 +17,8 @@ pub enum OptimizerKind {
 pub enum ModelKind {
     Mlp,
     Cnn,
+    /// ResNet-18 for CIFAR (torchvision names; 3x3 stem, no max-pool), a candle-nn model.
+    Resnet18,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -75,6 +77,19 @@ pub struct TrainConfig {
     /// Hidden width of the MLP.
     #[arg(long, default_value_t = 128)]
     pub hidden: usize,
+    /// Width of the ResNet's first stage (stages are w, 2w, 4w, 8w; torchvision's is 64).
+    #[arg(long, default_value_t = 64)]
+    pub width: usize,
+    /// Synchronise BatchNorm statistics across ranks (PyTorch's SyncBatchNorm; resnet18 only).
+    #[arg(long = "sync-batchnorm")]
+    pub sync_batchnorm: bool,
+    /// Normalise each image channel with the training set's mean and standard deviation.
+    #[arg(long)]
+    pub normalize: bool,
+    /// Augment training images: random crop after 4-pixel zero padding, then random
+    /// horizontal flip, drawn from --seed, the epoch and the example (same for any world size).
+    #[arg(long)]
+    pub augment: bool,
     /// Data: digits (embedded), mnist:DIR (IDX files), cifar10:DIR (binary batches),
     /// synthetic[:N[:DIM[:CLASSES]]] or synthetic-cifar[:N].
     #[arg(long, default_value = "digits")]
@@ -129,6 +144,12 @@ impl TrainConfig {
         if self.hidden == 0 {
             bail!("--hidden must be at least 1");
         }
+        if self.width == 0 {
+            bail!("--width must be at least 1");
+        }
+        if self.sync_batchnorm && self.model != ModelKind::Resnet18 {
+            bail!("--sync-batchnorm needs --model resnet18 (the model whose BatchNorm layers can synchronise)");
+        }
         if self.keep_last == 0 {
             bail!("--keep-last must be at least 1");
         }
@@ -152,6 +173,7 @@ impl TrainConfig {
         let model = match self.model {
             ModelKind::Mlp => "mlp",
             ModelKind::Cnn => "cnn",
+            ModelKind::Resnet18 => "resnet18",
         };
         let secs = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -182,6 +204,7 @@ impl TrainConfig {
         push("--weight-decay", self.weight_decay.to_string());
         push("--model", format!("{:?}", self.model).to_lowercase());
         push("--hidden", self.hidden.to_string());
+        push("--width", self.width.to_string());
         push("--data", self.data.clone());
         push("--seed", self.seed.to_string());
         if let Some(o) = &self.out {
@@ -204,6 +227,15 @@ impl TrainConfig {
         }
         if self.tensorboard {
             a.push("--tensorboard".into());
+        }
+        if self.sync_batchnorm {
+            a.push("--sync-batchnorm".into());
+        }
+        if self.normalize {
+            a.push("--normalize".into());
+        }
+        if self.augment {
+            a.push("--augment".into());
         }
         a
     }

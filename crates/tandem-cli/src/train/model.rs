@@ -1,41 +1,82 @@
 //! The models `tandem train` can build, behind one type so the loop is written once.
-use candle_core::{Device, Tensor};
-use tandem_ddp::models::{Cnn, Mlp};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use tandem_ddp::models::{Cnn, Mlp, ResNet};
 use tandem_ddp::module::ParamModule;
+use tandem_ddp::nn::convert_sync_batchnorm;
 use tandem_ddp::params::ParamSet;
+use tandem_ddp::{GradComm, NamedVars, OrderedVarMap};
 
 use super::config::ModelKind;
 
 pub enum Net {
     Mlp(Mlp),
     Cnn(Cnn),
+    /// A stock-style candle-nn model on a VarMap: Ddp wraps its variables, not the model.
+    ResNet18(Box<VarMapNet>),
+}
+
+pub struct VarMapNet {
+    model: ResNet,
+    vars: NamedVars,
+    training: AtomicBool,
+}
+
+/// What `Net::build` needs beyond the data's shape.
+pub struct NetSpec {
+    pub kind: ModelKind,
+    pub hidden: usize,
+    pub width: usize,
+    pub seed: u64,
+}
+
+/// The `[channels, height, width]` of square images with one or three channels, from the
+/// features per sample (64 -> 1x8x8 digits, 784 -> 1x28x28 MNIST, 3072 -> 3x32x32 CIFAR-10).
+pub fn image_shape(input_dim: usize) -> Option<(usize, usize, usize)> {
+    let square_side = |n: usize| {
+        let side = (n as f64).sqrt().round() as usize;
+        (side > 0 && side * side == n).then_some(side)
+    };
+    match (square_side(input_dim), square_side(input_dim / 3)) {
+        (Some(side), _) => Some((1, side, side)),
+        (None, Some(side)) if input_dim.is_multiple_of(3) => Some((3, side, side)),
+        _ => None,
+    }
 }
 
 impl Net {
     /// `input_dim` features per sample; the CNN needs square images, one channel or three
     /// (64 → 1x8x8 digits, 784 → 1x28x28 MNIST, 3072 → 3x32x32 CIFAR-10).
-    pub fn build(
-        kind: ModelKind,
-        input_dim: usize,
-        hidden: usize,
-        classes: usize,
-        seed: u64,
-    ) -> anyhow::Result<Net> {
+    pub fn build(spec: &NetSpec, input_dim: usize, classes: usize) -> anyhow::Result<Net> {
         let dev = Device::Cpu;
+        let NetSpec { kind, hidden, width, seed } = *spec;
         Ok(match kind {
+            ModelKind::Resnet18 => {
+                if input_dim != 3 * 32 * 32 {
+                    anyhow::bail!(
+                        "--model resnet18 needs 3x32x32 images (CIFAR-10); this dataset has \
+                         {input_dim} features per sample"
+                    );
+                }
+                let vars = OrderedVarMap::new();
+                let model =
+                    ResNet::resnet18_cifar(width, classes, vars.var_builder(DType::F32, &dev))?;
+                ResNet::reset_parameters(&vars.named(), seed)?;
+                Net::ResNet18(Box::new(VarMapNet {
+                    model,
+                    vars: vars.named_vars(),
+                    training: AtomicBool::new(true),
+                }))
+            }
             ModelKind::Mlp => Net::Mlp(Mlp::new(&[input_dim, hidden, classes], seed, &dev)?),
             ModelKind::Cnn => {
-                let square_side = |n: usize| {
-                    let side = (n as f64).sqrt().round() as usize;
-                    (side * side == n).then_some(side)
-                };
-                let (channels, side) = match (square_side(input_dim), square_side(input_dim / 3)) {
-                    (Some(side), _) => (1, side),
-                    (None, Some(side)) if input_dim.is_multiple_of(3) => (3, side),
-                    _ => anyhow::bail!(
+                let Some((channels, side, _)) = image_shape(input_dim) else {
+                    anyhow::bail!(
                         "--model cnn needs square images with 1 or 3 channels; this dataset has \
                          {input_dim} features per sample"
-                    ),
+                    )
                 };
                 Net::Cnn(Cnn::new(channels, side, side, classes, seed, &dev)?)
             }
@@ -46,6 +87,7 @@ impl Net {
         match self {
             Net::Mlp(m) => m.forward(x),
             Net::Cnn(m) => m.forward(x),
+            Net::ResNet18(m) => m.model.forward_t(x, m.training.load(Ordering::SeqCst)),
         }
     }
 
@@ -54,13 +96,27 @@ impl Net {
         match self {
             Net::Mlp(m) => m.loss(x, y),
             Net::Cnn(m) => m.loss(x, y),
+            Net::ResNet18(_) => candle_nn::loss::cross_entropy(&self.forward(x)?, y),
         }
     }
 
     /// Switches BatchNorm between batch statistics (training) and running statistics (eval).
     pub fn set_training(&self, training: bool) {
-        if let Net::Cnn(m) = self {
-            m.set_training(training);
+        match self {
+            Net::Cnn(m) => m.set_training(training),
+            Net::ResNet18(m) => m.training.store(training, Ordering::SeqCst),
+            Net::Mlp(_) => {}
+        }
+    }
+
+    /// Makes every BatchNorm a SyncBatchNorm over `comm`; an error for models without the
+    /// switch (only the ResNet has it).
+    pub fn convert_sync_batchnorm(&self, comm: Arc<dyn GradComm>) -> anyhow::Result<usize> {
+        match self {
+            Net::ResNet18(m) => Ok(convert_sync_batchnorm(&m.model, comm)),
+            _ => anyhow::bail!(
+                "--sync-batchnorm needs --model resnet18 (its BatchNorm layers can synchronise)"
+            ),
         }
     }
 }
@@ -70,6 +126,7 @@ impl ParamModule for Net {
         match self {
             Net::Mlp(m) => m.params(),
             Net::Cnn(m) => m.params(),
+            Net::ResNet18(m) => m.vars.params(),
         }
     }
 
@@ -77,6 +134,7 @@ impl ParamModule for Net {
         match self {
             Net::Mlp(m) => m.named_buffers(),
             Net::Cnn(m) => m.named_buffers(),
+            Net::ResNet18(m) => m.vars.named_buffers(),
         }
     }
 
@@ -84,6 +142,12 @@ impl ParamModule for Net {
         Ok(match self {
             Net::Mlp(m) => Net::Mlp(m.replicate(device)?),
             Net::Cnn(m) => Net::Cnn(m.replicate(device)?),
+            Net::ResNet18(_) => {
+                return Err(tandem_ddp::DdpError::InvalidOption {
+                    what: "replicate",
+                    why: "the ResNet is a VarMap model: build one per device instead".into(),
+                })
+            }
         })
     }
 }

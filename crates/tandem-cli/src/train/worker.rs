@@ -11,8 +11,8 @@ use candle_core::Device;
 use tandem_ckpt::{CheckpointManager, TrainingCheckpoint, Value};
 use tandem_comm::{ProcessGroup, ReduceOp};
 use tandem_data::{
-    DataLoader, Dataset, DistributedSampler, EvalMetrics, InMemoryDataset, LoaderOptions,
-    SamplerState,
+    channel_stats, CropFlip, DataLoader, Dataset, DistributedSampler, EvalMetrics, ImageTransforms,
+    InMemoryDataset, LoaderOptions, SamplerState, Transformed,
 };
 use tandem_ddp::optim::{AdamW, AdamWConfig, Sgd, SgdConfig, TorchOptimizer};
 use tandem_ddp::{Ddp, DdpOptions, ParamModule};
@@ -20,7 +20,7 @@ use tandem_ddp::{Ddp, DdpOptions, ParamModule};
 use tandem::state::{sampler_state_from_value, sampler_value};
 
 use super::config::{OptimizerKind, TrainConfig};
-use super::model::Net;
+use super::model::{image_shape, Net, NetSpec};
 use super::tfevents::EventWriter;
 
 /// What a finished run reports (rank 0 prints it as the `final:` line).
@@ -43,7 +43,14 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
 
     let (train, eval) = tandem_data::datasets::from_spec(&cfg.data)
         .with_context(|| format!("loading --data {}", cfg.data))?;
-    let net = Net::build(cfg.model, train.input_dim(), cfg.hidden, train.num_classes(), cfg.seed)?;
+    let spec = NetSpec { kind: cfg.model, hidden: cfg.hidden, width: cfg.width, seed: cfg.seed };
+    let net = Net::build(&spec, train.input_dim(), train.num_classes())?;
+    if cfg.sync_batchnorm {
+        // The ResNet is a VarMap model: Ddp reduces its buckets after backward, so the
+        // SyncBatchNorm collectives cannot interleave with them and may share the group.
+        net.convert_sync_batchnorm(Arc::new(group.clone()))?;
+    }
+    let (train, eval) = image_transforms(cfg, train, eval)?;
     if let Some(path) = &cfg.init_from {
         let report = load_weights(&net, path)?;
         if rank == 0 {
@@ -65,7 +72,8 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         num_workers: 1,
         prefetch_factor: 2,
     };
-    let mut loader = DataLoader::new(Arc::new(train), sampler, options.clone(), device.clone())?;
+    let train = Arc::new(train);
+    let mut loader = DataLoader::new(Arc::clone(&train), sampler, options.clone(), device.clone())?;
     let eval = Arc::new(eval);
 
     let manager = CheckpointManager::new(run_dir.join("checkpoints"), cfg.keep_last);
@@ -126,7 +134,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     let mut last_eval = EvalMetrics::default();
     let mut last_ckpt: Option<PathBuf> = None;
     let save = |name: &str,
-                loader: &DataLoader<InMemoryDataset>,
+                loader: &DataLoader<TrainData>,
                 opt: &dyn TorchOptimizer,
                 step: u64|
      -> anyhow::Result<Option<PathBuf>> {
@@ -139,6 +147,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         ddp.module().set_training(true);
         let started = Instant::now();
         let (mut loss_sum, mut loss_n) = (0.0f64, 0usize);
+        train.set_epoch(epoch);
         let mut batches = loader.iter()?;
         let in_epoch = batches.num_batches();
         let mut taken = 0usize;
@@ -236,6 +245,34 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     })
 }
 
+/// Examples as the model sees them (normalised and augmented as the flags ask).
+type TrainData = Transformed<InMemoryDataset>;
+
+/// Applies `--normalize` (statistics of the training set, to both sets) and `--augment`
+/// (training set only).
+fn image_transforms(
+    cfg: &TrainConfig,
+    train: InMemoryDataset,
+    eval: InMemoryDataset,
+) -> anyhow::Result<(TrainData, TrainData)> {
+    if !cfg.normalize && !cfg.augment {
+        return Ok((Transformed::identity(train), Transformed::identity(eval)));
+    }
+    let Some(chw) = image_shape(train.input_dim()) else {
+        bail!(
+            "--normalize/--augment need square images with 1 or 3 channels; --data {} has {} \
+             features per sample",
+            cfg.data,
+            train.input_dim()
+        )
+    };
+    let normalize = if cfg.normalize { Some(channel_stats(&train, chw.0)?) } else { None };
+    let crop_flip = cfg.augment.then_some(CropFlip { padding: 4, seed: cfg.seed });
+    let eval_t = ImageTransforms { chw, normalize: normalize.clone(), crop_flip: None };
+    let train_t = ImageTransforms { chw, normalize, crop_flip };
+    Ok((Transformed::new(train, train_t)?, Transformed::new(eval, eval_t)?))
+}
+
 fn make_optimizer(
     cfg: &TrainConfig,
     params: Vec<candle_core::Var>,
@@ -261,7 +298,7 @@ fn make_optimizer(
 /// Exact distributed evaluation: every eval sample once, sums all-reduced.
 fn evaluate(
     net: &Net,
-    eval: &Arc<InMemoryDataset>,
+    eval: &Arc<TrainData>,
     group: &ProcessGroup,
     options: &LoaderOptions,
     device: &Device,
