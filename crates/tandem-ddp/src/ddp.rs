@@ -47,6 +47,42 @@ impl Default for DdpOptions {
     }
 }
 
+/// `Ddp::join`'s settings (PyTorch's `DistributedDataParallel.join` arguments).
+#[derive(Clone, Copy, Debug)]
+pub struct JoinOptions {
+    /// Divide the summed gradients by the world size, as when every rank takes part (PyTorch's
+    /// default), so a step with fewer active ranks takes a proportionally smaller step. `false`
+    /// divides by the ranks still active: the step then equals one process training on the
+    /// union of their batches.
+    pub divide_by_initial_world_size: bool,
+}
+
+impl Default for JoinOptions {
+    fn default() -> Self {
+        JoinOptions { divide_by_initial_world_size: true }
+    }
+}
+
+/// What `Ddp::join` keeps while ranks may run out of data.
+struct JoinState {
+    opts: JoinOptions,
+    /// The ranks active in the latest round that had any: the last joiners hold the final model.
+    last_active: Vec<bool>,
+}
+
+/// One join round's answer: which ranks are still training, and whether any of them
+/// synchronises gradients this step (false when all are inside `no_sync`).
+struct Round {
+    active: Vec<bool>,
+    any_sync: bool,
+}
+
+impl Round {
+    fn root(&self) -> Option<usize> {
+        self.active.iter().position(|&a| a)
+    }
+}
+
 fn mb_to_bytes(what: &'static str, mb: f64) -> Result<usize> {
     if !(mb.is_finite() && mb > 0.0) {
         return Err(DdpError::InvalidOption {
@@ -65,18 +101,62 @@ struct Shared {
     sync: AtomicBool,
     /// First error raised inside a hook (candle would otherwise report it as a generic op error).
     hook_error: Mutex<Option<DdpError>>,
+    /// Set while inside `Ddp::join`.
+    join: Mutex<Option<JoinState>>,
 }
 
 impl Shared {
     fn reducer(&self) -> MutexGuard<'_, Reducer> {
         self.reducer.lock().unwrap_or_else(|p| p.into_inner())
     }
+    fn join_state(&self) -> MutexGuard<'_, Option<JoinState>> {
+        self.join.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn start_step(&self) -> Result<()> {
-        if self.broadcast_buffers && self.comm.size() > 1 && !self.buffers.is_empty() {
-            broadcast_vars(self.comm.as_ref(), &self.buffers)?;
+        let sync = self.sync.load(Ordering::SeqCst);
+        let mut root = 0;
+        let joining = self.join_state().as_ref().map(|j| j.opts);
+        if let Some(opts) = joining {
+            let round = self.join_round(true, sync)?;
+            root = round.root().unwrap_or(0);
+            let active = round.active.iter().filter(|&&a| a).count().max(1);
+            let scale = if opts.divide_by_initial_world_size {
+                1.0
+            } else {
+                self.comm.size() as f32 / active as f32
+            };
+            self.reducer().set_join_step(root, scale);
         }
-        self.reducer().prepare_for_backward(self.sync.load(Ordering::SeqCst));
+        if self.broadcast_buffers && self.comm.size() > 1 && !self.buffers.is_empty() {
+            broadcast_vars(self.comm.as_ref(), &self.buffers, root)?;
+        }
+        self.reducer().prepare_for_backward(sync);
         Ok(())
+    }
+
+    /// Every rank says whether it is still training (and synchronising): one small all-reduce
+    /// that each step of an active rank and each shadow step of a joined rank start with.
+    fn join_round(&self, active: bool, sync: bool) -> Result<Round> {
+        let n = self.comm.size();
+        let mut flags = vec![0f32; n + 1];
+        if active {
+            flags[self.comm.rank()] = 1.0;
+            flags[n] = if sync { 1.0 } else { 0.0 };
+        }
+        self.comm
+            .all_reduce_sum(&mut flags)
+            .map_err(|e| DdpError::comm("all_reduce of the join round", self.comm.rank(), e))?;
+        let round = Round {
+            active: flags[..n].iter().map(|&f| f > 0.5).collect(),
+            any_sync: flags[n] > 0.5,
+        };
+        if round.root().is_some() {
+            if let Some(j) = self.join_state().as_mut() {
+                j.last_active = round.active.clone();
+            }
+        }
+        Ok(round)
     }
     fn record(&self, e: DdpError) -> candle_core::Error {
         let msg = e.to_string();
@@ -96,14 +176,18 @@ impl ViewHooks for Shared {
     }
 }
 
-/// Concatenates the vars (f32), broadcasts them from rank 0 in one collective, writes back.
-fn broadcast_vars(comm: &dyn GradComm, vars: &[(String, Var)]) -> Result<()> {
+/// Concatenates the vars (f32), broadcasts them from `root` in one collective, writes back.
+fn broadcast_vars(comm: &dyn GradComm, vars: &[(String, Var)], root: usize) -> Result<()> {
     let mut flat = Vec::new();
     for (_, v) in vars {
         with_f32_slice(v.as_tensor(), |s| flat.extend_from_slice(s))?;
     }
-    comm.broadcast(&mut flat, 0).map_err(|e| {
-        DdpError::comm("broadcast of parameters/buffers from rank 0", comm.rank(), e)
+    comm.broadcast(&mut flat, root).map_err(|e| {
+        DdpError::comm(
+            "broadcast of parameters/buffers from the authoritative rank",
+            comm.rank(),
+            e,
+        )
     })?;
     let mut off = 0;
     for (_, v) in vars {
@@ -177,7 +261,7 @@ impl<M: ParamModule> Ddp<M> {
                 .filter(|(_, v)| v.dtype() == candle_core::DType::F32)
                 .cloned()
                 .collect();
-            broadcast_vars(comm.as_ref(), &floats)?;
+            broadcast_vars(comm.as_ref(), &floats, 0)?;
         }
         let cfg = ReducerConfig {
             first_bucket_bytes: mb_to_bytes("first_bucket_mb", opts.first_bucket_mb)?,
@@ -201,6 +285,7 @@ impl<M: ParamModule> Ddp<M> {
             broadcast_buffers: opts.broadcast_buffers,
             sync: AtomicBool::new(true),
             hook_error: Mutex::new(None),
+            join: Mutex::new(None),
         });
         // A world of one has no communication to overlap with backward, so it skips the hooks
         // and with them the copy of every parameter that the identity op costs each forward;
@@ -247,6 +332,68 @@ impl<M: ParamModule> Ddp<M> {
         }
         let _restore = Restore(&self.shared.sync, self.shared.sync.swap(false, Ordering::SeqCst));
         f(self)
+    }
+
+    /// Training with uneven inputs, PyTorch's `with Join([ddp]):` — ranks may run `f` over
+    /// different numbers of batches. While ranks are still training, a rank whose `f` has
+    /// returned keeps answering their collectives: each of their steps starts with a small
+    /// all-reduce saying who is still active, and the joined rank contributes zero gradients to
+    /// the bucket all-reduces and receives the buffers, which come from the first active rank.
+    /// When every rank is done, all ranks take the parameters and buffers of the last ones to
+    /// finish (the joined ranks skipped optimizer steps), and `join` returns `f`'s result.
+    ///
+    /// Gradients are summed over the active ranks and divided as `opts` says (see
+    /// [`JoinOptions`]). The optimizer state of a joined rank is left as it was. Collectives
+    /// made inside `f` other than Ddp's own (a SyncBatchNorm, a metric all-reduce) cannot be
+    /// answered by joined ranks: keep them outside `f`. If `f` fails on one rank, `join` returns
+    /// that error there, and the other ranks' next collective times out naming it.
+    pub fn join<T, E: From<DdpError>>(
+        &self,
+        opts: JoinOptions,
+        f: impl FnOnce(&Self) -> std::result::Result<T, E>,
+    ) -> std::result::Result<T, E> {
+        let world = self.shared.comm.size();
+        *self.shared.join_state() = Some(JoinState { opts, last_active: vec![true; world] });
+        struct Leave<'a>(&'a Shared);
+        impl Drop for Leave<'_> {
+            fn drop(&mut self) {
+                *self.0.join_state() = None;
+                self.0.reducer().set_join_step(0, 1.0);
+            }
+        }
+        let _leave = Leave(&self.shared);
+        let out = f(self)?;
+        self.shadow_until_all_joined()?;
+        Ok(out)
+    }
+
+    /// A joined rank's loop (see [`Ddp::join`]), then the final parameter broadcast.
+    fn shadow_until_all_joined(&self) -> Result<()> {
+        let shared = &self.shared;
+        loop {
+            let round = shared.join_round(false, false)?;
+            let Some(root) = round.root() else { break };
+            if shared.broadcast_buffers && shared.comm.size() > 1 && !shared.buffers.is_empty() {
+                broadcast_vars(shared.comm.as_ref(), &shared.buffers, root)?;
+            }
+            if round.any_sync {
+                let mut r = shared.reducer();
+                r.set_join_step(root, 1.0);
+                r.shadow_step()?;
+            }
+        }
+        let last = shared.join_state().as_ref().and_then(|j| j.last_active.iter().position(|&a| a));
+        if shared.comm.size() > 1 {
+            let everything: Vec<(String, Var)> = self
+                .module
+                .named_parameters()
+                .into_iter()
+                .chain(shared.buffers.iter().cloned())
+                .collect();
+            broadcast_vars(shared.comm.as_ref(), &everything, last.unwrap_or(0))?;
+            self.module.params().refresh_view();
+        }
+        Ok(())
     }
 
     /// Backward through `loss`, then the gradients: averaged over the world in a synchronised

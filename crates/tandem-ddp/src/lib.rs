@@ -27,7 +27,7 @@ pub mod weights;
 pub use alloc::tune_allocator;
 pub use comm::{GradComm, LocalGroup, SingleProcess};
 pub use data_parallel::{chunk_sizes, DataParallel};
-pub use ddp::{Ddp, DdpOptions, Unhooked};
+pub use ddp::{Ddp, DdpOptions, JoinOptions, Unhooked};
 pub use error::{DdpError, Result};
 pub use module::ParamModule;
 pub use params::ParamSet;

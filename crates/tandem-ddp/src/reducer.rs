@@ -63,6 +63,10 @@ pub struct Reducer {
     rebuilt: bool,
     /// Local gradients accumulated by `no_sync` backwards, folded into the next synced one.
     accum: Vec<Option<Vec<f32>>>,
+    /// Under `Ddp::join`: the rank whose bucket order counts (the first still-active rank; 0
+    /// otherwise) and the factor turning the world average into the active ranks' average.
+    root: usize,
+    scale: f32,
     jobs: Option<Sender<Job>>,
     done: Receiver<Done>,
     thread: Option<JoinHandle<()>>,
@@ -107,6 +111,8 @@ impl Reducer {
             sync: true,
             rebuilt: !cfg.rebuild_buckets,
             accum: vec![None; n],
+            root: 0,
+            scale: 1.0,
             jobs: Some(job_tx),
             done: done_rx,
             thread: Some(thread),
@@ -154,6 +160,39 @@ impl Reducer {
 
     pub fn names(&self) -> &[String] {
         &self.names
+    }
+
+    /// Set by `Ddp::join` for each step: `root` is the authoritative rank (bucket order comes
+    /// from it), `scale` multiplies the world-averaged gradients (world size / active ranks when
+    /// dividing by the active ranks; 1 otherwise).
+    pub fn set_join_step(&mut self, root: usize, scale: f32) {
+        self.root = root;
+        self.scale = scale;
+    }
+
+    /// A joined rank's part in a synchronised step it has no data for: a zero gradient for
+    /// every parameter, bucket by bucket in the order the active ranks launch theirs, the
+    /// used-parameter all-reduce (nothing used here) and the one-time bucket rebuild — the same
+    /// collectives an active rank's `mark_ready`/`finalize`/`after_step` make. The results are
+    /// discarded.
+    pub fn shadow_step(&mut self) -> Result<()> {
+        self.prepare_for_backward(true);
+        self.accum.iter_mut().for_each(|a| *a = None);
+        let order: Vec<usize> = self.buckets.iter().flat_map(|b| b.params.clone()).collect();
+        for p in order {
+            self.ready[p] = true;
+            self.arrival.push(p);
+            self.place(p, None)?;
+        }
+        self.wait_in_flight()?;
+        if self.cfg.find_unused_parameters {
+            let mut used = vec![0f32; self.names.len()];
+            self.comm.all_reduce_sum(&mut used).map_err(|e| {
+                DdpError::comm("all_reduce(sum) of the used-parameter map", self.comm.rank(), e)
+            })?;
+        }
+        drop(self.take_reduced());
+        self.after_step()
     }
 
     /// Start a backward: `sync = false` inside `no_sync` (gradients accumulate locally).
@@ -259,6 +298,10 @@ impl Reducer {
         while self.in_flight > 0 {
             let (b, data, r) = self.done.recv().map_err(|_| DdpError::CommThreadGone)?;
             self.in_flight -= 1;
+            let mut data = data;
+            if self.scale != 1.0 {
+                data.iter_mut().for_each(|v| *v *= self.scale);
+            }
             self.buckets[b].data = Some(data);
             if let Err(e) = r {
                 first_err.get_or_insert(DdpError::comm(
@@ -355,7 +398,7 @@ impl Reducer {
         self.rebuilt = true;
         let mut order: Vec<f32> = self.arrival.iter().map(|&i| i as f32).collect();
         self.comm
-            .broadcast(&mut order, 0)
+            .broadcast(&mut order, self.root)
             .map_err(|e| DdpError::comm("broadcast of the bucket order", self.comm.rank(), e))?;
         let order: Vec<usize> = order.iter().map(|&f| f as usize).collect();
         let mut seen = vec![false; self.names.len()];
