@@ -14,6 +14,8 @@
 //!   through Ddp's hooks, all-reduce overlaps backward. varmap: Ddp holds the same `Var`s as a
 //!   stock candle model's VarMap would (`NamedVars`), the model reads them directly, and the
 //!   gradients are reduced after backward. Same model code and kernels in both.
+//! * `--model resnet18 [--width N]`: tandem's ResNet-18 for CIFAR (candle-nn layers on an
+//!   OrderedVarMap, always the varmap way) on synthetic 3x32x32 data.
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -21,9 +23,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use candle_core::{Device, Tensor};
-use tandem_ddp::models::{Cnn, Mlp};
+use tandem_ddp::models::{Cnn, Mlp, ResNet};
 use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
-use tandem_ddp::{Ddp, DdpOptions, NamedVars, ParamModule};
+use tandem_ddp::{Ddp, DdpOptions, NamedVars, OrderedVarMap, ParamModule};
 
 use super::local_ranks::{median, LocalRanks};
 
@@ -32,9 +34,13 @@ pub struct Args {
     /// Ranks for the distributed run.
     #[arg(long, default_value_t = 2)]
     nproc: usize,
-    /// mlp: 784-1024-1024-10 (the peer script's model); cnn: tandem_ddp::models::Cnn on 1x28x28.
-    #[arg(long, default_value = "mlp", value_parser = ["mlp", "cnn"])]
+    /// mlp: 784-1024-1024-10 (the peer script's model); cnn: tandem_ddp::models::Cnn on 1x28x28;
+    /// resnet18: ResNet-18 for CIFAR on 3x32x32 (a VarMap model, reduced after backward).
+    #[arg(long, default_value = "mlp", value_parser = ["mlp", "cnn", "resnet18"])]
     model: String,
+    /// ResNet-18's first-stage width (stages w, 2w, 4w, 8w; torchvision: 64).
+    #[arg(long, default_value_t = 64)]
+    width: usize,
     /// How Ddp holds the model: through the ParamSet view (overlapped) or as plain named Vars
     /// like a stock candle-nn model's VarMap (reduced after backward).
     #[arg(long, default_value = "paramset", value_parser = ["paramset", "varmap"])]
@@ -80,18 +86,58 @@ impl Net {
             _ => Net::Cnn(Cnn::new(1, 28, 28, 10, 0, &Device::Cpu)?),
         })
     }
-    fn describe(kind: &str) -> &'static str {
+    fn describe(kind: &str, width: usize) -> String {
         match kind {
-            "mlp" => "Mlp 784-1024-1024-10",
-            _ => "Cnn 1x28x28 (conv8-bn-conv16-fc)",
+            "mlp" => "Mlp 784-1024-1024-10".into(),
+            "resnet18" => format!("ResNet-18 (CIFAR stem) width {width} on 3x32x32"),
+            _ => "Cnn 1x28x28 (conv8-bn-conv16-fc)".into(),
         }
+    }
+}
+
+/// ResNet-18 as users hold it: candle-nn layers on a VarMap, BatchNorm in training mode; Ddp
+/// (when given a group) wraps its variables.
+struct ResNetTrainer {
+    model: ResNet,
+    ddp: Option<Ddp<NamedVars>>,
+    opt: Sgd,
+}
+
+impl ResNetTrainer {
+    fn new(width: usize, comm: Option<&tandem_comm::ProcessGroup>) -> anyhow::Result<Self> {
+        let vars = OrderedVarMap::new();
+        let model = ResNet::resnet18_cifar(
+            width,
+            10,
+            vars.var_builder(candle_core::DType::F32, &Device::Cpu),
+        )?;
+        ResNet::reset_parameters(&vars.named(), 0)?;
+        let named = vars.named_vars();
+        let opt = sgd(named.params().vars())?;
+        let ddp = comm.map(|pg| Ddp::new(named, pg, DdpOptions::default())).transpose()?;
+        Ok(ResNetTrainer { model, ddp, opt })
+    }
+}
+
+impl Trainer for ResNetTrainer {
+    fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
+        let loss = candle_nn::loss::cross_entropy(&self.model.forward_t(x, true)?, y)?;
+        let grads = match &self.ddp {
+            Some(ddp) => ddp.backward(&loss)?,
+            None => loss.backward()?,
+        };
+        self.opt.step(&grads)?;
+        Ok(())
     }
 }
 
 fn batch(kind: &str, n: usize, seed: u64) -> anyhow::Result<(Tensor, Tensor)> {
     let dev = Device::Cpu;
-    let x = Tensor::randn(0f32, 1.0, n * 784, &dev)?;
-    let x = if kind == "mlp" { x.reshape((n, 784))? } else { x.reshape((n, 1, 28, 28))? };
+    let x = match kind {
+        "mlp" => Tensor::randn(0f32, 1.0, n * 784, &dev)?.reshape((n, 784))?,
+        "resnet18" => Tensor::randn(0f32, 1.0, n * 3072, &dev)?.reshape((n, 3, 32, 32))?,
+        _ => Tensor::randn(0f32, 1.0, n * 784, &dev)?.reshape((n, 1, 28, 28))?,
+    };
     let y = Tensor::from_vec(
         (0..n as u32)
             .map(|i| (i.wrapping_mul(7).wrapping_add(seed as u32)) % 10)
@@ -159,10 +205,13 @@ fn sgd(params: Vec<candle_core::Var>) -> anyhow::Result<Sgd> {
 }
 
 fn trainer(
-    kind: &str,
-    mode: &str,
+    args: &Args,
     comm: Option<&tandem_comm::ProcessGroup>,
 ) -> anyhow::Result<Box<dyn Trainer>> {
+    let (kind, mode) = (args.model.as_str(), args.mode.as_str());
+    if kind == "resnet18" {
+        return Ok(Box::new(ResNetTrainer::new(args.width, comm)?));
+    }
     let opts = DdpOptions::default();
     Ok(match (Net::new(kind)?, comm) {
         (Net::Mlp(m), Some(pg)) if mode == "varmap" => {
@@ -216,7 +265,7 @@ fn worker(args: &Args) -> anyhow::Result<i32> {
     let pg = tandem_comm::init().context("worker: initialising the process group")?;
     let per_rank = args.batch / pg.size();
     let (x, y) = batch(&args.model, per_rank, pg.rank() as u64)?;
-    let mut t = trainer(&args.model, &args.mode, if args.local_only { None } else { Some(&pg) })?;
+    let mut t = trainer(args, if args.local_only { None } else { Some(&pg) })?;
     for _ in 0..WARMUP {
         t.step(&x, &y)?;
     }
@@ -237,8 +286,8 @@ fn worker(args: &Args) -> anyhow::Result<i32> {
 fn single_process(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
     let (x, y) = batch(&args.model, args.batch, 0)?;
     let one = tandem_comm::init_from(&tandem_comm::InitMethod::Single)?;
-    let mut plain = trainer(&args.model, &args.mode, None)?;
-    let mut ddp = trainer(&args.model, &args.mode, Some(&one))?;
+    let mut plain = trainer(args, None)?;
+    let mut ddp = trainer(args, Some(&one))?;
     for _ in 0..WARMUP {
         plain.step(&x, &y)?;
         ddp.step(&x, &y)?;
@@ -272,6 +321,7 @@ fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
             .iter()
             .map(|s| s.to_string())
             .collect();
+    worker_args.extend(["--width".into(), args.width.to_string()]);
     worker_args.extend([
         "--batch".into(),
         args.batch.to_string(),
@@ -332,6 +382,8 @@ fn torch_peer(args: &Args, python: &PathBuf) -> anyhow::Result<f64> {
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
+    // The ResNet is a VarMap model: it always runs the varmap way.
+    let mode = if args.model == "resnet18" { "varmap" } else { args.mode.as_str() };
     if args.nproc == 0 || args.batch == 0 || args.steps == 0 || args.rounds == 0 {
         bail!("--nproc, --batch, --steps and --rounds must be at least 1");
     }
@@ -367,7 +419,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         println!(
             "{}",
             serde_json::json!({
-                "model": args.model, "mode": args.mode, "global_batch": args.batch, "nproc": args.nproc, "steps": args.steps,
+                "model": args.model, "width": args.width, "mode": mode, "global_batch": args.batch, "nproc": args.nproc, "steps": args.steps,
                 "rounds": args.rounds, "cores": cores,
                 "plain_samples_per_s": plain, "ddp1_samples_per_s": ddp1, "ddp1_overhead": overhead,
                 "ddpN_samples_per_s": ddp_n, "scaling_efficiency": efficiency,
@@ -379,8 +431,8 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     }
     println!(
         "{} (Ddp mode {}), global batch {}, {} steps x {} rounds (medians), {} cores, SGD lr {SGD_LR}",
-        Net::describe(&args.model),
-        args.mode,
+        Net::describe(&args.model, args.width),
+        mode,
         args.batch,
         args.steps,
         args.rounds,

@@ -46,3 +46,34 @@ fn bench_ddp_rejects_a_batch_that_does_not_split() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--batch 8") && err.contains("--nproc 3"), "{err}");
 }
+
+#[test]
+fn bench_ddp_runs_the_resnet() {
+    let out = tandem_testutil::output_with_deadline(
+        Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args([
+                "bench", "ddp", "--model", "resnet18", "--width", "4", "--nproc", "2", "--batch",
+                "4", "--steps", "1", "--rounds", "1", "--json",
+            ])
+            .env("RAYON_NUM_THREADS", "1"),
+        Duration::from_secs(180),
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stdout {stdout}\nstderr {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    assert_eq!(
+        (v["model"].as_str(), v["width"].as_u64(), v["mode"].as_str()),
+        (Some("resnet18"), Some(4), Some("varmap"))
+    );
+    for k in
+        ["plain_samples_per_s", "ddp1_samples_per_s", "ddpN_samples_per_s", "localN_samples_per_s"]
+    {
+        let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
+        assert!(x.is_finite() && x > 0.0, "{k} = {x}");
+    }
+}

@@ -405,3 +405,79 @@ fn resnet18_matches_pytorch_ddp_and_sync_batchnorm() {
         assert!(moved > 5e-3, "{reference}: training must move the weights (max change {moved})");
     }
 }
+
+#[test]
+fn resnet18_with_augmentation_resumes_mid_epoch_to_bitwise_identical_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    // 48 images, 2 ranks x batch 8: 3 steps per epoch, 6 in all.
+    let common = [
+        "--model",
+        "resnet18",
+        "--width",
+        "4",
+        "--data",
+        "synthetic-cifar:48",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "8",
+        "--normalize",
+        "--augment",
+        "--sync-batchnorm",
+        "--nproc-per-node",
+        "2",
+    ];
+    let whole = dir.path().join("whole.safetensors");
+    let a = dir.path().join("a");
+    let mut args =
+        vec!["train", "--out", a.to_str().unwrap(), "--save-final", whole.to_str().unwrap()];
+    args.extend(common);
+    let out = run(&args);
+    assert_eq!(get(&final_line(&out.stdout), "steps"), "6");
+    let config = std::fs::read_to_string(a.join("config.toml")).unwrap();
+    for line in ["model = \"resnet18\"", "width = 4", "augment = true", "normalize = true"] {
+        assert!(config.contains(line), "config.toml lacks `{line}`:\n{config}");
+    }
+
+    let b = dir.path().join("b");
+    let resumed = dir.path().join("resumed.safetensors");
+    let mut first = vec!["train", "--out", b.to_str().unwrap(), "--steps", "4"];
+    first.extend(common);
+    run(&first);
+    let mut second = vec![
+        "train",
+        "--out",
+        b.to_str().unwrap(),
+        "--resume",
+        "--save-final",
+        resumed.to_str().unwrap(),
+    ];
+    second.extend(common);
+    let out = run(&second);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("resumed from"));
+    let (x, y) = (weights(&whole), weights(&resumed));
+    assert_eq!(x.len(), 122, "62 parameters and 60 BatchNorm buffers");
+    for ((kx, tx), (ky, ty)) in x.iter().zip(&y) {
+        assert_eq!(kx, ky);
+        assert!(tx.contiguous_bytes() == ty.contiguous_bytes(), "{kx} differs after resume");
+    }
+}
+
+#[test]
+fn resnet_flags_that_cannot_apply_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r");
+    for (args, expect) in [
+        (vec!["--model", "mlp", "--sync-batchnorm"], "--sync-batchnorm"),
+        (vec!["--model", "resnet18", "--data", "digits"], "3x32x32"),
+        (vec!["--model", "resnet18", "--width", "0"], "--width"),
+        (vec!["--data", "synthetic:64:10:3", "--augment"], "--normalize/--augment"),
+    ] {
+        let mut all =
+            vec!["train", "--nproc-per-node", "1", "--epochs", "1", "--out", out.to_str().unwrap()];
+        all.extend(&args);
+        let o = output_with_deadline(tandem().args(&all), LIMIT);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(expect), "{args:?}: {err}");
+    }
+}
