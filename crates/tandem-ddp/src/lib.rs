@@ -16,6 +16,7 @@ pub mod ddp;
 pub mod error;
 pub mod functional;
 mod hook;
+pub mod kernels;
 pub mod models;
 pub mod module;
 pub mod nn;

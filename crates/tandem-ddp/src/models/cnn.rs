@@ -14,6 +14,7 @@ use rand::SeedableRng;
 use super::init::{copy_vars, default_layer};
 use crate::error::{DdpError, Result};
 use crate::functional::linear;
+use crate::kernels::conv2d::{conv2d, ConvParams};
 use crate::module::ParamModule;
 use crate::params::ParamSet;
 
@@ -131,7 +132,8 @@ impl Cnn {
     fn conv(&self, x: &Tensor, w: usize, b: usize) -> candle_core::Result<Tensor> {
         let bias = self.params.get(b)?;
         let c = bias.dim(0)?;
-        x.conv2d(&self.params.get(w)?, 1, 1, 1, 1)?.broadcast_add(&bias.reshape((1, c, 1, 1))?)
+        let p = ConvParams { stride: 1, padding: 1, dilation: 1 };
+        conv2d(x, &self.params.get(w)?, p)?.broadcast_add(&bias.reshape((1, c, 1, 1))?)
     }
 
     /// Logits `[N, classes]` for `x: [N, C, H, W]` (or `[N, C*H*W]`, reshaped).

@@ -8,13 +8,11 @@
 //! first halves the resolution in its first block, whose shortcut is `downsample.0` (1x1 conv,
 //! stride 2, no bias) and `downsample.1` (BatchNorm). Then global average pooling and `fc`.
 use candle_core::{Tensor, Var};
-use candle_nn::{
-    conv2d_no_bias, linear, Conv2d, Conv2dConfig, Linear, Module, ModuleT, VarBuilder,
-};
+use candle_nn::{linear, Conv2dConfig, Linear, Module, ModuleT, VarBuilder};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::nn::{batch_norm2d, BatchNorm2d, HasBatchNorm};
+use crate::nn::{batch_norm2d, conv2d_no_bias, BatchNorm2d, Conv2d, HasBatchNorm};
 
 struct BasicBlock {
     conv1: Conv2d,

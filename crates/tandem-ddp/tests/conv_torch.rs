@@ -1,0 +1,81 @@
+//! tandem's CPU conv2d kernels against PyTorch (fixtures/conv/make_fixture.py): outputs and the
+//! gradients of sum(y * r) for strides 1/2, padding 0/1/2, dilation 2, 1x1, batch 1, odd and
+//! non-square sizes — at 1 thread and at 3 (images spread over threads vs. inside the gemm).
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{Device, Tensor, Var};
+use tandem_ddp::kernels::conv2d::{conv2d, ConvParams};
+
+fn fixture() -> HashMap<String, Tensor> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/conv/conv2d.safetensors");
+    candle_core::safetensors::load(&path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Largest |a - b| relative to max(1, |b|).
+fn gap(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    let (a, b): (Vec<f32>, Vec<f32>) =
+        (a.flatten_all().unwrap().to_vec1().unwrap(), b.flatten_all().unwrap().to_vec1().unwrap());
+    a.iter().zip(&b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0, f32::max)
+}
+
+fn check_all_cases(threads: usize) {
+    let f = fixture();
+    let cases = (0..).take_while(|i| f.contains_key(&format!("case{i}.x"))).count();
+    assert!(cases >= 9, "fixture has {cases} cases");
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    pool.install(|| {
+        for i in 0..cases {
+            let t = |name: &str| f[&format!("case{i}.{name}")].clone();
+            let cfg: Vec<i64> = t("cfg").to_vec1().unwrap();
+            let p = ConvParams {
+                stride: cfg[0] as usize,
+                padding: cfg[1] as usize,
+                dilation: cfg[2] as usize,
+            };
+            let x = Var::from_tensor(&t("x")).unwrap();
+            let w = Var::from_tensor(&t("w")).unwrap();
+            let y = conv2d(x.as_tensor(), w.as_tensor(), p).unwrap();
+            let what =
+                format!("case {i} {:?} * {:?} {p:?}, {threads} thread(s)", x.dims(), w.dims());
+            let dy = gap(&y, &t("y"));
+            assert!(dy < 1e-4, "{what}: output differs by {dy}");
+            let grads = (y * t("r")).unwrap().sum_all().unwrap().backward().unwrap();
+            let dx = gap(grads.get(x.as_tensor()).unwrap(), &t("gx"));
+            let dw = gap(grads.get(w.as_tensor()).unwrap(), &t("gw"));
+            assert!(
+                dx < 1e-4 && dw < 1e-4,
+                "{what}: input gradient off by {dx}, weight gradient by {dw}"
+            );
+        }
+    });
+}
+
+#[test]
+fn outputs_and_gradients_match_pytorch_on_one_thread() {
+    check_all_cases(1);
+}
+
+#[test]
+fn outputs_and_gradients_match_pytorch_on_three_threads() {
+    check_all_cases(3);
+}
+
+#[test]
+fn data_inputs_get_no_gradient_and_bad_shapes_name_the_problem() {
+    let dev = Device::Cpu;
+    let x = Tensor::ones((1, 2, 5, 5), candle_core::DType::F32, &dev).unwrap();
+    let w = Var::ones((3, 2, 3, 3), candle_core::DType::F32, &dev).unwrap();
+    let p = ConvParams { stride: 1, padding: 0, dilation: 1 };
+    let g = conv2d(&x, w.as_tensor(), p).unwrap().sum_all().unwrap().backward().unwrap();
+    assert!(g.get(&x).is_none(), "the data needs no gradient");
+    assert_eq!(g.get(w.as_tensor()).unwrap().dims(), [3, 2, 3, 3]);
+    let bad = Tensor::ones((1, 4, 5, 5), candle_core::DType::F32, &dev).unwrap();
+    let err = conv2d(&bad, w.as_tensor(), p).unwrap_err().to_string();
+    assert!(err.contains("4 channels"), "{err}");
+    let small = Tensor::ones((1, 2, 2, 2), candle_core::DType::F32, &dev).unwrap();
+    let err = conv2d(&small, w.as_tensor(), p).unwrap_err().to_string();
+    assert!(err.contains("larger than the padded input"), "{err}");
+}
