@@ -79,3 +79,40 @@ fn data_inputs_get_no_gradient_and_bad_shapes_name_the_problem() {
     let err = conv2d(&small, w.as_tensor(), p).unwrap_err().to_string();
     assert!(err.contains("larger than the padded input"), "{err}");
 }
+
+/// `nn::BatchNorm2d` in training mode (the fused kernel) against torch's `BatchNorm2d`: output,
+/// input/weight/bias gradients, and the running statistics after one step.
+#[test]
+fn batch_norm_training_step_matches_pytorch() {
+    use candle_nn::{ModuleT, VarBuilder, VarMap};
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/conv/batch_norm.safetensors");
+    let f = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let cases = (0..).take_while(|i| f.contains_key(&format!("bn{i}.x"))).count();
+    assert!(cases >= 4);
+    for i in 0..cases {
+        let t = |name: &str| f[&format!("bn{i}.{name}")].clone();
+        let x = Var::from_tensor(&t("x")).unwrap();
+        let c = x.dim(1).unwrap();
+        let vm = VarMap::new();
+        let bn = tandem_ddp::nn::batch_norm2d(c, VarBuilder::from_varmap(&vm, candle_core::DType::F32, &Device::Cpu)).unwrap();
+        let (gamma, beta) = {
+            let data = vm.data().lock().unwrap();
+            data["weight"].set(&t("gamma")).unwrap();
+            data["bias"].set(&t("beta")).unwrap();
+            (data["weight"].clone(), data["bias"].clone())
+        };
+        let y = bn.forward_t(x.as_tensor(), true).unwrap();
+        let what = format!("batch-norm case {i} {:?}", x.dims());
+        assert!(gap(&y, &t("y")) < 1e-4, "{what}: output differs by {}", gap(&y, &t("y")));
+        let g = (y * t("r")).unwrap().sum_all().unwrap().backward().unwrap();
+        for (name, var) in [("gx", &x), ("ggamma", &gamma), ("gbeta", &beta)] {
+            let d = gap(g.get(var.as_tensor()).unwrap(), &t(name));
+            assert!(d < 1e-4, "{what}: {name} differs by {d}");
+        }
+        for name in ["running_mean", "running_var"] {
+            let ours = if name == "running_mean" { bn.running_mean() } else { bn.running_var() };
+            let d = gap(ours, &t(name));
+            assert!(d < 1e-5, "{what}: {name} differs by {d}");
+        }
+    }
+}
