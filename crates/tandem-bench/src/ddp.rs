@@ -9,7 +9,8 @@
 //!   the same cores on the same global batch.
 //! * N processes without Ddp: the same ranks each training alone (no all-reduce), an upper bound
 //!   that separates communication cost from the tensor engine's speed.
-//! * `--torch PYTHON`: runs the PyTorch DDP peer (gloo, same model, B/N per rank) beside it.
+//! * `--torch PYTHON`: runs the PyTorch DDP peer (gloo, same model, B/N per rank) beside it —
+//!   the MLP, the Cnn or the ResNet at the same width.
 //! * `--mode paramset|varmap`: how Ddp holds the model. paramset: the model reads its parameters
 //!   through Ddp's hooks, all-reduce overlaps backward. varmap: Ddp holds the same `Var`s as a
 //!   stock candle model's VarMap would (`NamedVars`), the model reads them directly, and the
@@ -60,7 +61,8 @@ pub struct Args {
     /// A Python with torch: also run the PyTorch DDP peer on the same work.
     #[arg(long)]
     torch: Option<PathBuf>,
-    /// The peer script (usage: WORLD STEPS PER_RANK_BATCH); default <repo>/scripts/peers/torch_ddp_step.py.
+    /// The peer script (usage: WORLD STEPS PER_RANK_BATCH MODEL WIDTH); default
+    /// <repo>/scripts/peers/torch_ddp_step.py, which trains the same three models.
     #[arg(long)]
     torch_script: Option<PathBuf>,
     /// Internal: run as one rank of the distributed measurement (set by the parent).
@@ -371,6 +373,8 @@ fn torch_peer(args: &Args, python: &PathBuf) -> anyhow::Result<f64> {
             args.nproc.to_string(),
             args.steps.to_string(),
             (args.batch / args.nproc).to_string(),
+            args.model.clone(),
+            args.width.to_string(),
         ])
         .stderr(Stdio::inherit())
         .output()
@@ -395,9 +399,6 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     }
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let (plain, ddp1, overhead) = single_process(&args)?;
-    if args.torch.is_some() && args.model != "mlp" {
-        bail!("--torch: the peer script trains the MLP only; use --model mlp");
-    }
     // Multi-process measurements interleaved round by round (Ddp, no-communication bound,
     // torch), so slow drift in machine load hits all of them alike; ratios are medians of
     // per-round ratios.

@@ -85,7 +85,8 @@ fn data_inputs_get_no_gradient_and_bad_shapes_name_the_problem() {
 #[test]
 fn batch_norm_training_step_matches_pytorch() {
     use candle_nn::{ModuleT, VarBuilder, VarMap};
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/conv/batch_norm.safetensors");
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/conv/batch_norm.safetensors");
     let f = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
     let cases = (0..).take_while(|i| f.contains_key(&format!("bn{i}.x"))).count();
     assert!(cases >= 4);
@@ -94,7 +95,11 @@ fn batch_norm_training_step_matches_pytorch() {
         let x = Var::from_tensor(&t("x")).unwrap();
         let c = x.dim(1).unwrap();
         let vm = VarMap::new();
-        let bn = tandem_ddp::nn::batch_norm2d(c, VarBuilder::from_varmap(&vm, candle_core::DType::F32, &Device::Cpu)).unwrap();
+        let bn = tandem_ddp::nn::batch_norm2d(
+            c,
+            VarBuilder::from_varmap(&vm, candle_core::DType::F32, &Device::Cpu),
+        )
+        .unwrap();
         let (gamma, beta) = {
             let data = vm.data().lock().unwrap();
             data["weight"].set(&t("gamma")).unwrap();
@@ -114,5 +119,27 @@ fn batch_norm_training_step_matches_pytorch() {
             let d = gap(ours, &t(name));
             assert!(d < 1e-5, "{what}: {name} differs by {d}");
         }
+    }
+}
+
+/// The max-pool kernel against torch's `max_pool2d`: outputs and gradients (ties included).
+#[test]
+fn max_pool_matches_pytorch() {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/conv/max_pool.safetensors");
+    let f = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let cases = (0..).take_while(|i| f.contains_key(&format!("pool{i}.x"))).count();
+    assert!(cases >= 4);
+    for i in 0..cases {
+        let t = |name: &str| f[&format!("pool{i}.{name}")].clone();
+        let cfg: Vec<i64> = t("cfg").to_vec1().unwrap();
+        let x = Var::from_tensor(&t("x")).unwrap();
+        let y =
+            tandem_ddp::kernels::pool::max_pool2d(x.as_tensor(), cfg[0] as usize, cfg[1] as usize)
+                .unwrap();
+        assert_eq!(gap(&y, &t("y")), 0.0, "max-pool case {i}: outputs are copies");
+        let g = (y * t("r")).unwrap().sum_all().unwrap().backward().unwrap();
+        let d = gap(g.get(x.as_tensor()).unwrap(), &t("gx"));
+        assert!(d < 1e-6, "max-pool case {i}: input gradient differs by {d}");
     }
 }

@@ -84,42 +84,43 @@ impl Geometry {
         self.kh == 1 && self.kw == 1 && self.p.stride == 1 && self.p.padding == 0
     }
 
-    /// Input coordinate of output `o` at kernel offset `k`, or None in the padding.
+    /// The outputs `o` whose input `o * stride + k * dilation - padding` lies in `0..size`.
     #[inline]
-    fn source(&self, o: usize, k: usize, size: usize) -> Option<usize> {
-        (o * self.p.stride + k * self.p.dilation).checked_sub(self.p.padding).filter(|&i| i < size)
+    fn valid(&self, k: usize, size: usize, outputs: usize) -> std::ops::Range<usize> {
+        let (s, offset) = (self.p.stride, k * self.p.dilation);
+        let lo = self.p.padding.saturating_sub(offset).div_ceil(s);
+        // Largest o with o * s + offset - padding <= size - 1.
+        let hi = (size + self.p.padding).checked_sub(offset + 1).map_or(0, |top| top / s + 1);
+        lo.min(outputs)..hi.min(outputs).max(lo.min(outputs))
     }
 
     /// `col[K, P]` of one image.
     fn im2col(&self, image: &[f32], col: &mut [f32]) {
-        let pixels = self.pixels();
+        let (pixels, s) = (self.pixels(), self.p.stride);
         for ci in 0..self.c {
             let plane = &image[ci * self.h * self.w..(ci + 1) * self.h * self.w];
             for ky in 0..self.kh {
+                let rows = self.valid(ky, self.h, self.ho);
                 for kx in 0..self.kw {
+                    let cols = self.valid(kx, self.w, self.wo);
                     let row = (ci * self.kh + ky) * self.kw + kx;
                     let dst = &mut col[row * pixels..(row + 1) * pixels];
                     for oy in 0..self.ho {
                         let line = &mut dst[oy * self.wo..(oy + 1) * self.wo];
-                        let Some(iy) = self.source(oy, ky, self.h) else {
-                            line.iter_mut().for_each(|v| *v = 0.0);
+                        if !rows.contains(&oy) || cols.is_empty() {
+                            line.fill(0.0);
                             continue;
-                        };
+                        }
+                        let iy = oy * s + ky * self.p.dilation - self.p.padding;
                         let src = &plane[iy * self.w..(iy + 1) * self.w];
-                        if self.p.stride == 1 && self.p.dilation == 1 {
-                            // Contiguous run: zeros, a slice copy, zeros.
-                            let shift = kx as isize - self.p.padding as isize;
-                            for (ox, v) in line.iter_mut().enumerate() {
-                                let ix = ox as isize + shift;
-                                *v = if ix >= 0 && (ix as usize) < self.w {
-                                    src[ix as usize]
-                                } else {
-                                    0.0
-                                };
-                            }
+                        line[..cols.start].fill(0.0);
+                        line[cols.end..].fill(0.0);
+                        let ix0 = cols.start * s + kx * self.p.dilation - self.p.padding;
+                        if s == 1 {
+                            line[cols.clone()].copy_from_slice(&src[ix0..ix0 + cols.len()]);
                         } else {
-                            for (ox, v) in line.iter_mut().enumerate() {
-                                *v = self.source(ox, kx, self.w).map_or(0.0, |ix| src[ix]);
+                            for (v, ix) in line[cols.clone()].iter_mut().zip((ix0..).step_by(s)) {
+                                *v = src[ix];
                             }
                         }
                     }
@@ -130,20 +131,31 @@ impl Geometry {
 
     /// Adds `col[K, P]` back into the image gradient (the adjoint of `im2col`).
     fn col2im(&self, col: &[f32], image: &mut [f32]) {
-        let pixels = self.pixels();
-        image.iter_mut().for_each(|v| *v = 0.0);
+        let (pixels, s) = (self.pixels(), self.p.stride);
+        image.fill(0.0);
         for ci in 0..self.c {
             let plane = &mut image[ci * self.h * self.w..(ci + 1) * self.h * self.w];
             for ky in 0..self.kh {
+                let rows = self.valid(ky, self.h, self.ho);
                 for kx in 0..self.kw {
+                    let cols = self.valid(kx, self.w, self.wo);
+                    if cols.is_empty() {
+                        continue;
+                    }
                     let row = (ci * self.kh + ky) * self.kw + kx;
                     let src = &col[row * pixels..(row + 1) * pixels];
-                    for oy in 0..self.ho {
-                        let Some(iy) = self.source(oy, ky, self.h) else { continue };
-                        let line = &src[oy * self.wo..(oy + 1) * self.wo];
+                    for oy in rows.clone() {
+                        let iy = oy * s + ky * self.p.dilation - self.p.padding;
+                        let line = &src[oy * self.wo + cols.start..oy * self.wo + cols.end];
                         let dst = &mut plane[iy * self.w..(iy + 1) * self.w];
-                        for (ox, v) in line.iter().enumerate() {
-                            if let Some(ix) = self.source(ox, kx, self.w) {
+                        let ix0 = cols.start * s + kx * self.p.dilation - self.p.padding;
+                        if s == 1 {
+                            dst[ix0..ix0 + line.len()]
+                                .iter_mut()
+                                .zip(line)
+                                .for_each(|(d, v)| *d += v);
+                        } else {
+                            for (v, ix) in line.iter().zip((ix0..).step_by(s)) {
                                 dst[ix] += v;
                             }
                         }

@@ -5,3 +5,4 @@
 pub mod batch_norm;
 pub mod conv2d;
 mod matmul;
+pub mod pool;

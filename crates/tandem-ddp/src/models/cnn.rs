@@ -14,7 +14,9 @@ use rand::SeedableRng;
 use super::init::{copy_vars, default_layer};
 use crate::error::{DdpError, Result};
 use crate::functional::linear;
+use crate::kernels::batch_norm::batch_norm_train;
 use crate::kernels::conv2d::{conv2d, ConvParams};
+use crate::kernels::pool::max_pool2d;
 use crate::module::ParamModule;
 use crate::params::ParamSet;
 
@@ -102,31 +104,25 @@ impl Cnn {
     fn batch_norm(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (rm, rv, nbt) = (&self.buffers[0].1, &self.buffers[1].1, &self.buffers[2].1);
         let shape = (1, C1, 1, 1);
-        let (mean, var) = if self.training.load(Ordering::SeqCst) {
-            let (n, _, h, w) = x.dims4()?;
-            let mean = x.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
-            let var =
-                x.broadcast_sub(&mean)?.sqr()?.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
-            let count = (n * h * w) as f64;
-            let unbiased =
-                if count > 1.0 { (var.detach() * (count / (count - 1.0)))? } else { var.detach() };
-            rm.set(
-                &((rm.as_tensor() * (1.0 - BN_MOMENTUM))?
-                    + (mean.detach().flatten_all()? * BN_MOMENTUM)?)?,
-            )?;
-            rv.set(
-                &((rv.as_tensor() * (1.0 - BN_MOMENTUM))?
-                    + (unbiased.flatten_all()? * BN_MOMENTUM)?)?,
-            )?;
-            nbt.set(&nbt.as_tensor().broadcast_add(&Tensor::new(1i64, nbt.device())?)?)?;
-            (mean, var)
-        } else {
-            (rm.as_tensor().reshape(shape)?, rv.as_tensor().reshape(shape)?)
-        };
-        let xhat = x.broadcast_sub(&mean)?.broadcast_div(&(var + BN_EPS)?.sqrt()?)?;
-        let gamma = self.params.get(BN1_W)?.reshape(shape)?;
-        let beta = self.params.get(BN1_B)?.reshape(shape)?;
-        xhat.broadcast_mul(&gamma)?.broadcast_add(&beta)
+        let gamma = self.params.get(BN1_W)?;
+        let beta = self.params.get(BN1_B)?;
+        if !self.training.load(Ordering::SeqCst) {
+            let mean = rm.as_tensor().reshape(shape)?;
+            let std = (rv.as_tensor().reshape(shape)? + BN_EPS)?.sqrt()?;
+            let xhat = x.broadcast_sub(&mean)?.broadcast_div(&std)?;
+            return xhat
+                .broadcast_mul(&gamma.reshape(shape)?)?
+                .broadcast_add(&beta.reshape(shape)?);
+        }
+        let (y, mean, var, count) = batch_norm_train(x, &gamma, &beta, BN_EPS)?;
+        let count = count as f64;
+        let unbiased = if count > 1.0 { count / (count - 1.0) } else { 1.0 };
+        let dev = x.device();
+        let (mean, var) = (Tensor::new(mean, dev)?, (Tensor::new(var, dev)? * unbiased)?);
+        rm.set(&((rm.as_tensor() * (1.0 - BN_MOMENTUM))? + (mean * BN_MOMENTUM)?)?)?;
+        rv.set(&((rv.as_tensor() * (1.0 - BN_MOMENTUM))? + (var * BN_MOMENTUM)?)?)?;
+        nbt.set(&nbt.as_tensor().broadcast_add(&Tensor::new(1i64, nbt.device())?)?)?;
+        Ok(y)
     }
 
     fn conv(&self, x: &Tensor, w: usize, b: usize) -> candle_core::Result<Tensor> {
@@ -155,13 +151,9 @@ impl Cnn {
     }
 }
 
-/// 2x2 max pooling, stride 2, as a reshape and two max reductions. Not candle's `max_pool2d`:
-/// its backward (candle-core 0.11.1) multiplies the gradient by the window's fraction of maxima
-/// (1/4 for a single maximum) instead of dividing by the number of maxima, so gradients come out
-/// 4x too small; reductions have a correct backward.
+/// 2x2 max pooling, stride 2 (the kernel keeps the argmax for backward).
 fn max_pool_2x2(x: &Tensor) -> candle_core::Result<Tensor> {
-    let (n, c, h, w) = x.dims4()?;
-    x.reshape((n, c, h / 2, 2, w / 2, 2))?.max(5)?.max(3)
+    max_pool2d(x, 2, 2)
 }
 
 impl ParamModule for Cnn {

@@ -22,8 +22,8 @@ use candle_core::{DType, Tensor, Var};
 use candle_nn::{Init, ModuleT, VarBuilder};
 
 use super::all_reduce::all_reduce_sum;
-use crate::kernels::batch_norm::batch_norm_train;
 use crate::comm::GradComm;
+use crate::kernels::batch_norm::batch_norm_train;
 
 const EPS: f64 = 1e-5;
 const MOMENTUM: f64 = 0.1;
