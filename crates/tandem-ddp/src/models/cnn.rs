@@ -15,7 +15,7 @@ use super::init::{copy_vars, default_layer};
 use crate::error::{DdpError, Result};
 use crate::functional::linear;
 use crate::kernels::batch_norm::batch_norm_train;
-use crate::kernels::conv2d::{conv2d, ConvParams};
+use crate::kernels::conv2d::{add_channel_bias, conv2d, ConvParams};
 use crate::kernels::pool::max_pool2d;
 use crate::module::ParamModule;
 use crate::params::ParamSet;
@@ -126,10 +126,8 @@ impl Cnn {
     }
 
     fn conv(&self, x: &Tensor, w: usize, b: usize) -> candle_core::Result<Tensor> {
-        let bias = self.params.get(b)?;
-        let c = bias.dim(0)?;
         let p = ConvParams { stride: 1, padding: 1, dilation: 1 };
-        conv2d(x, &self.params.get(w)?, p)?.broadcast_add(&bias.reshape((1, c, 1, 1))?)
+        add_channel_bias(&conv2d(x, &self.params.get(w)?, p)?, &self.params.get(b)?)
     }
 
     /// Logits `[N, classes]` for `x: [N, C, H, W]` (or `[N, C*H*W]`, reshaped).

@@ -5,7 +5,7 @@
 use candle_core::{Module, Tensor};
 use candle_nn::{Conv2dConfig, Init, VarBuilder};
 
-use crate::kernels::conv2d::{conv2d as conv2d_kernel, ConvParams};
+use crate::kernels::conv2d::{add_channel_bias, conv2d as conv2d_kernel, ConvParams};
 
 #[derive(Clone, Debug)]
 pub struct Conv2d {
@@ -38,7 +38,7 @@ impl Module for Conv2d {
             x.conv2d(&self.weight, c.padding, c.stride, c.dilation, c.groups)?
         };
         match &self.bias {
-            Some(b) => y.broadcast_add(&b.reshape((1, b.elem_count(), 1, 1))?),
+            Some(b) => add_channel_bias(&y, b),
             None => Ok(y),
         }
     }
