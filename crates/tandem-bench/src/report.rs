@@ -52,6 +52,22 @@ pub(crate) fn repo_root() -> PathBuf {
     here.parent().and_then(Path::parent).unwrap_or(here).to_path_buf()
 }
 
+fn workload(
+    model: &'static str,
+    width: usize,
+    ranks: Vec<usize>,
+    batch: usize,
+    steps: usize,
+    rounds: usize,
+) -> measure::Workload {
+    let title = match model {
+        "mlp" => "MLP 784-1024-1024-10".to_string(),
+        "cnn" => "Cnn 1x28x28 (conv8-bn-pool-conv16-pool-fc)".to_string(),
+        _ => format!("ResNet-18 (CIFAR) width {width}"),
+    };
+    measure::Workload { model, width: width.max(1), title, ranks, batch, steps, rounds }
+}
+
 fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
     let repeats = args.repeats.unwrap_or(if args.quick { 1 } else { 3 });
     if repeats == 0 {
@@ -68,10 +84,11 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             allreduce_nproc: args.allreduce_nproc,
             allreduce_sizes: vec![4, 4 * K, M],
             seconds_per_size: 0.05,
-            ddp_ranks: vec![2],
-            ddp_batch: 32,
-            ddp_steps: 3,
-            ddp_rounds: 1,
+            ddp: vec![
+                workload("mlp", 0, vec![2], 32, 3, 1),
+                workload("cnn", 0, vec![2], 16, 2, 1),
+                workload("resnet18", 4, vec![2], 8, 1, 1),
+            ],
             ckpt_mib: 8,
             ckpt_tensors: 8,
         }
@@ -81,10 +98,12 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             allreduce_nproc: args.allreduce_nproc,
             allreduce_sizes: vec![4, 64, K, 16 * K, 256 * K, M, 4 * M, 16 * M, 64 * M],
             seconds_per_size: 0.5,
-            ddp_ranks: vec![1, 2, 4],
-            ddp_batch: 128,
-            ddp_steps: 20,
-            ddp_rounds: 2,
+            ddp: vec![
+                workload("mlp", 0, vec![1, 2, 4], 128, 20, 2),
+                workload("cnn", 0, vec![1, 2], 128, 10, 2),
+                // The target shape: width 16, batch 32 per rank on 2 ranks.
+                workload("resnet18", 16, vec![2], 64, 4, 2),
+            ],
             ckpt_mib: 256,
             ckpt_tensors: 32,
         }
@@ -138,7 +157,8 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         retries: Vec::new(),
     };
     let allreduce = measure::allreduce(&mut ctx, &plan);
-    let ddp = measure::ddp(&mut ctx, &plan);
+    let ddp: Vec<(measure::Workload, table::Table)> =
+        plan.ddp.iter().map(|w| (w.clone(), measure::ddp(&mut ctx, plan.repeats, w))).collect();
     let ckpt = measure::ckpt(&mut ctx, &plan);
     std::fs::remove_dir_all(&scratch).ok();
     let load_after = machine::load_average();
@@ -159,8 +179,6 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         allreduce_nproc: plan.allreduce_nproc,
         allreduce: &allreduce,
         ddp: &ddp,
-        ddp_batch: plan.ddp_batch,
-        ddp_steps: plan.ddp_steps,
         ckpt: &ckpt,
         ckpt_mib: plan.ckpt_mib,
         failures: &ctx.failures,
@@ -170,9 +188,16 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     std::fs::write(&md, markdown::render(&report))
         .with_context(|| format!("writing {}", md.display()))?;
     plots::allreduce(&allreduce, plan.allreduce_nproc, &out.join("allreduce_busbw.png"))?;
-    plots::ddp(&ddp, &out.join("ddp_samples_per_s.png"))?;
+    for (w, t) in &ddp {
+        plots::ddp(t, &w.title, &out.join(markdown::ddp_plot_name(w.model)))?;
+    }
     plots::ckpt(&ckpt, &out.join("ckpt_throughput.png"))?;
-    println!("wrote {} and 3 plots in {:.0} s", md.display(), started.elapsed().as_secs_f64());
+    println!(
+        "wrote {} and {} plots in {:.0} s",
+        md.display(),
+        2 + ddp.len(),
+        started.elapsed().as_secs_f64()
+    );
     if ctx.failures.is_empty() {
         Ok(0)
     } else {

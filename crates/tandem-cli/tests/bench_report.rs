@@ -115,6 +115,16 @@ fn quick_report_has_every_section_ratio_and_plot() {
     let ddp = section_rows(&md, "DDP training throughput");
     check_row(&ddp, "1 process", "plain (no Ddp)", ("1 process", "plain (no Ddp)"));
     let tandem_ddp = check_row(&ddp, "2 ranks", "tandem Ddp", ("1 process", "plain (no Ddp)"));
+    for heading in [
+        "DDP training throughput, Cnn 1x28x28 (conv8-bn-pool-conv16-pool-fc)",
+        "DDP training throughput, ResNet-18 (CIFAR) width 4",
+    ] {
+        let rows = section_rows(&md, heading);
+        check_row(&rows, "2 ranks", "tandem Ddp", ("1 process", "plain (no Ddp)"));
+        if torch.is_some() {
+            check_row(&rows, "2 ranks", "PyTorch DDP (gloo)", ("1 process", "plain (no Ddp)"));
+        }
+    }
     let ck = section_rows(&md, "Checkpoint save / load");
     check_row(&ck, "save", "tandem .pt", ("save", "dd conv=fsync (write)"));
     check_row(&ck, "save", "tandem safetensors", ("save", "dd conv=fsync (write)"));
@@ -151,13 +161,19 @@ fn quick_report_has_every_section_ratio_and_plot() {
         assert!(md.lines().any(|l| l.starts_with("| PyTorch | PyTorch not available")), "{md}");
     }
 
-    for png in ["allreduce_busbw.png", "ddp_samples_per_s.png", "ckpt_throughput.png"] {
+    for png in [
+        "allreduce_busbw.png",
+        "ddp_samples_per_s.png",
+        "ddp_cnn_samples_per_s.png",
+        "ddp_resnet18_samples_per_s.png",
+        "ckpt_throughput.png",
+    ] {
         check_png(&dir.path().join(png));
     }
     // Scratch files of the checkpoint runs are cleaned up.
     let left: Vec<_> =
         std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
-    assert_eq!(left.len(), 4, "only the report and 3 plots remain: {left:?}");
+    assert_eq!(left.len(), 6, "only the report and 5 plots remain: {left:?}");
 }
 
 #[test]

@@ -4,6 +4,7 @@
 use std::fmt::Write;
 
 use super::machine::Machine;
+use super::measure::Workload;
 use super::stats::{ratio, sig, Figure};
 use super::table::{Row, Table};
 
@@ -18,13 +19,29 @@ pub struct Report<'a> {
     pub wall_s: f64,
     pub allreduce_nproc: usize,
     pub allreduce: &'a Table,
-    pub ddp: &'a Table,
-    pub ddp_batch: usize,
-    pub ddp_steps: usize,
+    pub ddp: &'a [(Workload, Table)],
     pub ckpt: &'a Table,
     pub ckpt_mib: usize,
     pub failures: &'a [String],
     pub retries: &'a [String],
+}
+
+/// The plot of one model's DDP table (the MLP's keeps its original name).
+pub fn ddp_plot_name(model: &str) -> String {
+    if model == "mlp" {
+        "ddp_samples_per_s.png".into()
+    } else {
+        format!("ddp_{model}_samples_per_s.png")
+    }
+}
+
+/// The section heading of one model's DDP table.
+fn ddp_heading(w: &Workload) -> String {
+    if w.model == "mlp" {
+        "DDP training throughput".into()
+    } else {
+        format!("DDP training throughput, {}", w.title)
+    }
 }
 
 pub const REGENERATE: &str = "cargo run --release -p tandem-cli -- bench report";
@@ -169,13 +186,16 @@ pub fn render(r: &Report) -> String {
             headline(tcp, "GB/s", "memcpy", "gloo", nt)
         );
     }
-    for row in r.ddp.rows.iter().filter(|x| x.contender == "tandem Ddp") {
-        let _ = writeln!(
-            out,
-            "- DDP training, {}: {}",
-            row.case,
-            headline(Some(row), "samples/s", "plain", "PyTorch DDP", nt)
-        );
+    for (w, t) in r.ddp {
+        for row in t.rows.iter().filter(|x| x.contender == "tandem Ddp") {
+            let _ = writeln!(
+                out,
+                "- DDP training, {}, {}: {}",
+                w.title,
+                row.case,
+                headline(Some(row), "samples/s", "plain", "PyTorch DDP", nt)
+            );
+        }
     }
     let _ = writeln!(
         out,
@@ -239,7 +259,9 @@ pub fn render(r: &Report) -> String {
     let _ =
         writeln!(out, "| section | figures | median spread | widest spread |\n|---|--:|--:|---|");
     noise(&mut out, "all_reduce", r.allreduce);
-    noise(&mut out, "DDP", r.ddp);
+    for (w, t) in r.ddp {
+        noise(&mut out, &format!("DDP {}", w.model), t);
+    }
     noise(&mut out, "checkpoint", r.ckpt);
     out.push('\n');
 
@@ -256,19 +278,25 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(out, "![all_reduce busbw vs message size](allreduce_busbw.png)\n");
     table(&mut out, r.allreduce);
 
-    let _ = writeln!(out, "## DDP training throughput\n");
-    let _ = writeln!(
-        out,
-        "MLP 784-1024-1024-10 on synthetic MNIST-shaped data, SGD, global batch {b} split over the ranks, \
-         {s} timed steps. Reference: plain single-process training (no Ddp, all cores) on the same global \
-         batch, measured by every `tandem bench ddp --json` run. tandem Ddp: that command's N-rank run \
-         (N processes on loopback, cores/N threads each). PyTorch DDP: `scripts/peers/torch_ddp_step.py` \
-         (gloo, cores/N threads per rank). × PyTorch = tandem Ddp / PyTorch DDP with the same ranks.\n",
-        b = r.ddp_batch,
-        s = r.ddp_steps
-    );
-    let _ = writeln!(out, "![DDP samples/s](ddp_samples_per_s.png)\n");
-    table(&mut out, r.ddp);
+    for (w, t) in r.ddp {
+        let _ = writeln!(out, "## {}\n", ddp_heading(w));
+        let _ = writeln!(
+            out,
+            "{title} on synthetic data, SGD, global batch {b} split over the ranks, {s} timed steps \
+             (`tandem bench ddp --model {m} --width {wd}`). Reference: plain single-process training \
+             (no Ddp, all cores) on the same global batch, measured by every `tandem bench ddp --json` run. \
+             tandem Ddp: that command's N-rank run (N processes on loopback, cores/N threads each). \
+             PyTorch DDP: `scripts/peers/torch_ddp_step.py` on the same model (gloo, cores/N threads per \
+             rank). × PyTorch = tandem Ddp / PyTorch DDP with the same ranks.\n",
+            title = w.title,
+            b = w.batch,
+            s = w.steps,
+            m = w.model,
+            wd = w.width,
+        );
+        let _ = writeln!(out, "![DDP samples/s, {}]({})\n", w.title, ddp_plot_name(w.model));
+        table(&mut out, t);
+    }
 
     let _ = writeln!(out, "## Checkpoint save / load\n");
     let _ = writeln!(

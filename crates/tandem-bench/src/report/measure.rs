@@ -19,12 +19,23 @@ pub struct Plan {
     pub allreduce_nproc: usize,
     pub allreduce_sizes: Vec<usize>,
     pub seconds_per_size: f64,
-    pub ddp_ranks: Vec<usize>,
-    pub ddp_batch: usize,
-    pub ddp_steps: usize,
-    pub ddp_rounds: usize,
+    pub ddp: Vec<Workload>,
     pub ckpt_mib: usize,
     pub ckpt_tensors: usize,
+}
+
+/// One model's DDP measurement: `tandem bench ddp --model M [--width W]` at these ranks, and
+/// the PyTorch peer on the same model.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    pub model: &'static str,
+    pub width: usize,
+    /// How the report names the model.
+    pub title: String,
+    pub ranks: Vec<usize>,
+    pub batch: usize,
+    pub steps: usize,
+    pub rounds: usize,
 }
 
 pub struct Ctx {
@@ -226,26 +237,28 @@ fn parse_allreduce(out: &str) -> anyhow::Result<Vec<(usize, f64, f64)>> {
 
 /// DDP training samples/s: plain single-process training (the reference, measured by every
 /// `tandem bench ddp` run), tandem Ddp and PyTorch DDP with 1, 2, 4 ranks on the same global batch.
-pub fn ddp(ctx: &mut Ctx, plan: &Plan) -> Table {
+pub fn ddp(ctx: &mut Ctx, repeats: usize, w: &Workload) -> Table {
     let mut plain = Vec::new();
     let mut tandem: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
     let mut pytorch: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
     let mut err: BTreeMap<(&str, usize), String> = BTreeMap::new();
-    for rep in 0..plan.repeats {
-        for &n in &plan.ddp_ranks {
-            eprintln!("report: DDP with {n} rank(s), run {}/{}", rep + 1, plan.repeats);
+    for rep in 0..repeats {
+        for &n in &w.ranks {
+            eprintln!("report: DDP {} with {n} rank(s), run {}/{repeats}", w.title, rep + 1);
             let args = [
                 "ddp",
                 "--nproc",
                 &n.to_string(),
                 "--model",
-                "mlp",
+                w.model,
+                "--width",
+                &w.width.to_string(),
                 "--batch",
-                &plan.ddp_batch.to_string(),
+                &w.batch.to_string(),
                 "--steps",
-                &plan.ddp_steps.to_string(),
+                &w.steps.to_string(),
                 "--rounds",
-                &plan.ddp_rounds.to_string(),
+                &w.rounds.to_string(),
                 "--json",
             ]
             .map(String::from);
@@ -279,7 +292,12 @@ pub fn ddp(ctx: &mut Ctx, plan: &Plan) -> Table {
                 let t = Torch { python: t.python.clone(), version: t.version.clone() };
                 let peers = ctx.peers.clone();
                 match retry_once(&mut ctx.retries, || {
-                    torch::ddp_samples_per_s(&t, &peers, n, plan.ddp_steps, plan.ddp_batch / n)
+                    torch::ddp_samples_per_s(
+                        &t,
+                        &peers,
+                        (n, w.steps, w.batch / n),
+                        (w.model, w.width),
+                    )
                 }) {
                     Ok(v) => pytorch.entry(n).or_default().push(v),
                     Err(e) => {
@@ -300,7 +318,7 @@ pub fn ddp(ctx: &mut Ctx, plan: &Plan) -> Table {
         reference,
         torch: None,
     }];
-    for &n in &plan.ddp_ranks {
+    for &n in &w.ranks {
         let torch_fig = match &ctx.torch {
             Err(_) => Figure::Missing(UNAVAILABLE.into()),
             Ok(_) => {

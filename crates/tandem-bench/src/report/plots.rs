@@ -128,7 +128,7 @@ pub fn allreduce(t: &Table, nproc: usize, path: &Path) -> anyhow::Result<()> {
 }
 
 /// samples/s vs ranks; the plain single-process reference as a horizontal line.
-pub fn ddp(t: &Table, path: &Path) -> anyhow::Result<()> {
+pub fn ddp(t: &Table, title: &str, path: &Path) -> anyhow::Result<()> {
     let e = err(path);
     let lines = series(t, |x| x);
     let ranks: Vec<f64> = t.rows.iter().map(|r| r.x).filter(|x| *x > 0.0).collect();
@@ -139,10 +139,7 @@ pub fn ddp(t: &Table, path: &Path) -> anyhow::Result<()> {
     let root = BitMapBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(&e)?;
     let mut chart = ChartBuilder::on(&root)
-        .caption(
-            "DDP training throughput, MLP 784-1024-1024-10 (median; bars: min–max)",
-            (FAMILY, 24),
-        )
+        .caption(format!("DDP training throughput, {title} (median; bars: min–max)"), (FAMILY, 24))
         .margin(20)
         .x_label_area_size(50)
         .y_label_area_size(80)

@@ -65,13 +65,18 @@ pub fn gloo_busbw(
 pub fn ddp_samples_per_s(
     t: &Torch,
     peers: &Path,
-    world: usize,
-    steps: usize,
-    per_rank: usize,
+    (world, steps, per_rank): (usize, usize, usize),
+    (model, width): (&str, usize),
 ) -> anyhow::Result<f64> {
     let script = peers.join("torch_ddp_step.py");
     let mut cmd = Command::new(&t.python);
-    cmd.arg(&script).args([world.to_string(), steps.to_string(), per_rank.to_string()]);
+    cmd.arg(&script).args([
+        world.to_string(),
+        steps.to_string(),
+        per_rank.to_string(),
+        model.to_string(),
+        width.to_string(),
+    ]);
     let out = stdout_of(
         &mut cmd,
         Duration::from_secs(180),
