@@ -8,6 +8,7 @@ pub const PEERS_DIR: &str = "scripts/peers";
 
 pub mod allreduce;
 pub mod ckpt;
+pub mod conv;
 pub mod ddp;
 mod local_ranks;
 pub mod report;
@@ -26,6 +27,8 @@ enum Which {
     Ddp(ddp::Args),
     /// checkpoint save/load throughput vs dd and torch.
     Ckpt(ckpt::Args),
+    /// per-op ms of the conv and BatchNorm kernels on ResNet-18's shapes vs torch.
+    Conv(conv::Args),
     /// Runs all of the above beside PyTorch and writes docs/BENCHMARKS.md with PNG plots.
     Report(report::Args),
 }
@@ -35,6 +38,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         Which::Allreduce(a) => allreduce::main(a),
         Which::Ddp(a) => ddp::main(a),
         Which::Ckpt(a) => ckpt::main(a),
+        Which::Conv(a) => conv::main(a),
         Which::Report(a) => report::main(a),
     }
 }
