@@ -53,14 +53,19 @@ fn check_all_cases(threads: usize) {
     });
 }
 
+/// Every case through both strategies (per-image gemms, one batched gemm) and thread counts;
+/// one test, as the strategy switch is process-wide.
 #[test]
-fn outputs_and_gradients_match_pytorch_on_one_thread() {
-    check_all_cases(1);
-}
-
-#[test]
-fn outputs_and_gradients_match_pytorch_on_three_threads() {
-    check_all_cases(3);
+fn outputs_and_gradients_match_pytorch_per_image_and_batched_on_one_and_three_threads() {
+    use std::sync::atomic::Ordering;
+    use tandem_ddp::kernels::conv2d::BATCHED_BELOW_PIXELS;
+    let default = BATCHED_BELOW_PIXELS.load(Ordering::Relaxed);
+    for below in [0, usize::MAX] {
+        BATCHED_BELOW_PIXELS.store(below, Ordering::Relaxed);
+        check_all_cases(1);
+        check_all_cases(3);
+    }
+    BATCHED_BELOW_PIXELS.store(default, Ordering::Relaxed);
 }
 
 #[test]

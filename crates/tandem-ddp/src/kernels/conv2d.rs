@@ -14,6 +14,7 @@
 //! spread over the rayon threads (`RAYON_NUM_THREADS`, which `tandem run` sets to cores per
 //! rank); a batch smaller than the thread count parallelises inside each gemm instead.
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+
 use rayon::prelude::*;
 
 use super::matmul::{matmul, View};
@@ -94,8 +95,8 @@ impl Geometry {
         lo.min(outputs)..hi.min(outputs).max(lo.min(outputs))
     }
 
-    /// `col[K, P]` of one image.
-    fn im2col(&self, image: &[f32], col: &mut [f32]) {
+    /// `col[K, P]` of one image, row `r` starting at `col[r * row_stride]`.
+    fn im2col(&self, image: &[f32], col: &mut [f32], row_stride: usize) {
         let (pixels, s) = (self.pixels(), self.p.stride);
         for ci in 0..self.c {
             let plane = &image[ci * self.h * self.w..(ci + 1) * self.h * self.w];
@@ -104,7 +105,7 @@ impl Geometry {
                 for kx in 0..self.kw {
                     let cols = self.valid(kx, self.w, self.wo);
                     let row = (ci * self.kh + ky) * self.kw + kx;
-                    let dst = &mut col[row * pixels..(row + 1) * pixels];
+                    let dst = &mut col[row * row_stride..row * row_stride + pixels];
                     for oy in 0..self.ho {
                         let line = &mut dst[oy * self.wo..(oy + 1) * self.wo];
                         if !rows.contains(&oy) || cols.is_empty() {
@@ -129,9 +130,10 @@ impl Geometry {
         }
     }
 
-    /// Adds `col[K, P]` back into the image gradient (the adjoint of `im2col`).
-    fn col2im(&self, col: &[f32], image: &mut [f32]) {
-        let (pixels, s) = (self.pixels(), self.p.stride);
+    /// Adds `col[K, P]` (row `r` at `col[r * row_stride]`) back into the image gradient (the
+    /// adjoint of `im2col`).
+    fn col2im(&self, col: &[f32], image: &mut [f32], row_stride: usize) {
+        let s = self.p.stride;
         image.fill(0.0);
         for ci in 0..self.c {
             let plane = &mut image[ci * self.h * self.w..(ci + 1) * self.h * self.w];
@@ -143,7 +145,7 @@ impl Geometry {
                         continue;
                     }
                     let row = (ci * self.kh + ky) * self.kw + kx;
-                    let src = &col[row * pixels..(row + 1) * pixels];
+                    let src = &col[row * row_stride..];
                     for oy in rows.clone() {
                         let iy = oy * s + ky * self.p.dilation - self.p.padding;
                         let line = &src[oy * self.wo + cols.start..oy * self.wo + cols.end];
@@ -170,8 +172,75 @@ fn threads() -> usize {
     rayon::current_num_threads().max(1)
 }
 
+/// Below this many output pixels per image, per-image gemms are too thin (inner dimension P in
+/// the weight gradient): the whole batch goes through one gemm over `[K, N·P]` instead.
+/// Settable only so tests can run every shape through both paths.
+#[doc(hidden)]
+pub static BATCHED_BELOW_PIXELS: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(256);
+
+fn batched(g: &Geometry) -> bool {
+    g.pixels() < BATCHED_BELOW_PIXELS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `col[K, N·P]`: image n's im2col in columns `n·P..(n+1)·P`.
+fn im2col_batch(g: &Geometry, x: &[f32]) -> Vec<f32> {
+    let (k, np) = (g.k(), g.n * g.pixels());
+    let mut col = vec![0f32; k * np];
+    for (n, image) in x.chunks(g.image_len()).enumerate() {
+        g.im2col(image, &mut col[n * g.pixels()..], np);
+    }
+    col
+}
+
+/// `[N, O, P]` <-> `[O, N·P]`.
+fn swap_batch_and_channels(src: &[f32], (a, b, p): (usize, usize, usize)) -> Vec<f32> {
+    let mut out = vec![0f32; src.len()];
+    for i in 0..a {
+        for j in 0..b {
+            out[(j * a + i) * p..(j * a + i + 1) * p].copy_from_slice(&src[(i * b + j) * p..(i * b + j + 1) * p]);
+        }
+    }
+    out
+}
+
+fn forward_batched(g: &Geometry, x: &[f32], w: &[f32], y: &mut [f32]) {
+    let (k, np) = (g.k(), g.n * g.pixels());
+    let col = im2col_batch(g, x);
+    let mut y_t = vec![0f32; g.o * np];
+    let weight = View { data: w, rs: k, cs: 1 };
+    matmul((g.o, np, k), &mut y_t, np, weight, View { data: &col, rs: np, cs: 1 }, false, threads());
+    y.copy_from_slice(&swap_batch_and_channels(&y_t, (g.o, g.n, g.pixels())));
+}
+
+fn weight_grad_batched(g: &Geometry, x: &[f32], gy: &[f32]) -> Vec<f32> {
+    let (k, np) = (g.k(), g.n * g.pixels());
+    let col = im2col_batch(g, x);
+    let gy_t = swap_batch_and_channels(gy, (g.n, g.o, g.pixels()));
+    let mut gw = vec![0f32; g.o * k];
+    let col_t = View { data: &col, rs: 1, cs: np };
+    matmul((g.o, k, np), &mut gw, k, View { data: &gy_t, rs: np, cs: 1 }, col_t, false, threads());
+    gw
+}
+
+fn input_grad_batched(g: &Geometry, w: &[f32], gy: &[f32]) -> Vec<f32> {
+    let (k, np) = (g.k(), g.n * g.pixels());
+    let gy_t = swap_batch_and_channels(gy, (g.n, g.o, g.pixels()));
+    let mut gcol = vec![0f32; k * np];
+    let w_t = View { data: w, rs: 1, cs: k };
+    matmul((k, np, g.o), &mut gcol, np, w_t, View { data: &gy_t, rs: np, cs: 1 }, false, threads());
+    let mut gx = vec![0f32; g.n * g.image_len()];
+    for (n, gx_n) in gx.chunks_mut(g.image_len()).enumerate() {
+        g.col2im(&gcol[n * g.pixels()..], gx_n, np);
+    }
+    gx
+}
+
 /// `y = conv2d(x, w)` into `y` (`[N, O, Ho, Wo]`).
 fn forward(g: &Geometry, x: &[f32], w: &[f32], y: &mut [f32]) {
+    if batched(g) {
+        return forward_batched(g, x, w, y);
+    }
     let (k, pixels, t) = (g.k(), g.pixels(), threads());
     let weight = View { data: w, rs: k, cs: 1 };
     let one = |image: &[f32], out: &mut [f32], col: &mut Vec<f32>, inner: usize| {
@@ -179,7 +248,7 @@ fn forward(g: &Geometry, x: &[f32], w: &[f32], y: &mut [f32]) {
             image
         } else {
             col.resize(k * pixels, 0.0);
-            g.im2col(image, col);
+            g.im2col(image, col, pixels);
             col
         };
         matmul(
@@ -203,6 +272,9 @@ fn forward(g: &Geometry, x: &[f32], w: &[f32], y: &mut [f32]) {
 
 /// `gw[O, K] = Σ gy_n · col_nᵀ`.
 fn weight_grad(g: &Geometry, x: &[f32], gy: &[f32]) -> Vec<f32> {
+    if batched(g) {
+        return weight_grad_batched(g, x, gy);
+    }
     let (k, pixels, t) = (g.k(), g.pixels(), threads());
     let chunks = t.min(g.n).max(1);
     let per_chunk = g.n.div_ceil(chunks);
@@ -218,7 +290,7 @@ fn weight_grad(g: &Geometry, x: &[f32], gy: &[f32]) -> Vec<f32> {
                     image
                 } else {
                     col.resize(k * pixels, 0.0);
-                    g.im2col(image, &mut col);
+                    g.im2col(image, &mut col, pixels);
                     &col[..]
                 };
                 let gy_i =
@@ -240,6 +312,9 @@ fn weight_grad(g: &Geometry, x: &[f32], gy: &[f32]) -> Vec<f32> {
 
 /// `gx_n = col2im(wᵀ · gy_n)`.
 fn input_grad(g: &Geometry, w: &[f32], gy: &[f32]) -> Vec<f32> {
+    if batched(g) {
+        return input_grad_batched(g, w, gy);
+    }
     let (k, pixels, t) = (g.k(), g.pixels(), threads());
     let mut gx = vec![0f32; g.n * g.image_len()];
     let w_t = View { data: w, rs: 1, cs: k };
@@ -250,7 +325,7 @@ fn input_grad(g: &Geometry, w: &[f32], gy: &[f32]) -> Vec<f32> {
         } else {
             col.resize(k * pixels, 0.0);
             matmul((k, pixels, g.o), col, pixels, w_t, gy_i, false, inner);
-            g.col2im(col, gx_i);
+            g.col2im(col, gx_i, pixels);
         }
     };
     let images = gy.chunks(g.out_len()).zip(gx.chunks_mut(g.image_len()));
