@@ -69,7 +69,8 @@ fn tandem_ops(a: &Args) -> anyhow::Result<Vec<Op>> {
     let mut ops = Vec::new();
     for (name, cin, cout, k, stride, side) in conv_shapes(a.width) {
         let x = Tensor::randn(0f32, 1.0, (a.batch, cin, side, side), &dev)?;
-        let x = if name.starts_with("stem") { x } else { Var::from_tensor(&x)?.as_tensor().clone() };
+        let x =
+            if name.starts_with("stem") { x } else { Var::from_tensor(&x)?.as_tensor().clone() };
         let w = Var::randn(0f32, 0.1, (cout, cin, k, k), &dev)?;
         let p = ConvParams { stride, padding: k / 2, dilation: 1 };
         let y = conv2d(&x, w.as_tensor(), p)?;
@@ -89,7 +90,12 @@ fn tandem_ops(a: &Args) -> anyhow::Result<Vec<Op>> {
         let fwdbwd_ms = median_ms(a.repeats, || {
             Ok(drop((bn.forward_t(x.as_tensor(), true)? * &r)?.sum_all()?.backward()?))
         })?;
-        ops.push(Op { kind: "batch_norm", name: format!("bn_{c}x{side}x{side}"), fwd_ms, fwdbwd_ms });
+        ops.push(Op {
+            kind: "batch_norm",
+            name: format!("bn_{c}x{side}x{side}"),
+            fwd_ms,
+            fwdbwd_ms,
+        });
     }
     Ok(ops)
 }
@@ -106,8 +112,11 @@ fn torch_ops(a: &Args, python: &PathBuf) -> anyhow::Result<HashMap<String, (f64,
     let text = String::from_utf8_lossy(&out.stdout);
     let mut m = HashMap::new();
     for line in text.lines() {
-        let kv: HashMap<&str, &str> = line.split_whitespace().filter_map(|w| w.split_once('=')).collect();
-        if let (Some(name), Some(f), Some(fb)) = (kv.get("name"), kv.get("fwd_ms"), kv.get("fwdbwd_ms")) {
+        let kv: HashMap<&str, &str> =
+            line.split_whitespace().filter_map(|w| w.split_once('=')).collect();
+        if let (Some(name), Some(f), Some(fb)) =
+            (kv.get("name"), kv.get("fwd_ms"), kv.get("fwdbwd_ms"))
+        {
             m.insert(name.to_string(), (f.parse()?, fb.parse()?));
         }
     }
@@ -131,11 +140,13 @@ pub fn main(a: Args) -> anyhow::Result<i32> {
     );
     for op in &ops {
         let t = torch.as_ref().and_then(|m| m.get(&op.name)).copied();
-        let cell = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.3}"));
+        let cell = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.4}"));
         // × torch: how many times faster tandem is (torch time / tandem time).
-        let ratio = |ours: f64, theirs: Option<f64>| theirs.map_or("–".into(), |t| format!("{:.2}", t / ours));
+        let ratio = |ours: f64, theirs: Option<f64>| {
+            theirs.map_or("–".into(), |t| format!("{:.2}", t / ours))
+        };
         println!(
-            "| {} | {} | {:.3} | {} | {} | {:.3} | {} | {} |",
+            "| {} | {} | {:.4} | {} | {} | {:.4} | {} | {} |",
             op.kind,
             op.name,
             op.fwd_ms,

@@ -89,6 +89,9 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
                 workload("cnn", 0, vec![2], 16, 2, 1),
                 workload("resnet18", 4, vec![2], 8, 1, 1),
             ],
+            conv_width: 4,
+            conv_batch: 4,
+            conv_repeats: 1,
             ckpt_mib: 8,
             ckpt_tensors: 8,
         }
@@ -104,6 +107,9 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
                 // The target shape: width 16, batch 32 per rank on 2 ranks.
                 workload("resnet18", 16, vec![2], 64, 4, 2),
             ],
+            conv_width: 16,
+            conv_batch: 32,
+            conv_repeats: 9,
             ckpt_mib: 256,
             ckpt_tensors: 32,
         }
@@ -159,6 +165,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let allreduce = measure::allreduce(&mut ctx, &plan);
     let ddp: Vec<(measure::Workload, table::Table)> =
         plan.ddp.iter().map(|w| (w.clone(), measure::ddp(&mut ctx, plan.repeats, w))).collect();
+    let conv_ops = measure::conv_ops(&mut ctx, plan.conv_width, plan.conv_batch, plan.conv_repeats);
     let ckpt = measure::ckpt(&mut ctx, &plan);
     std::fs::remove_dir_all(&scratch).ok();
     let load_after = machine::load_average();
@@ -179,6 +186,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         allreduce_nproc: plan.allreduce_nproc,
         allreduce: &allreduce,
         ddp: &ddp,
+        conv_ops: &conv_ops,
         ckpt: &ckpt,
         ckpt_mib: plan.ckpt_mib,
         failures: &ctx.failures,

@@ -125,6 +125,23 @@ fn quick_report_has_every_section_ratio_and_plot() {
             check_row(&rows, "2 ranks", "PyTorch DDP (gloo)", ("1 process", "plain (no Ddp)"));
         }
     }
+    let ops = section_rows(&md, "Conv-net kernels per op");
+    for (kind, name) in
+        [("conv2d", "stem_3x3"), ("conv2d", "layer2_1x1_s2"), ("batch_norm", "bn_4x32x32")]
+    {
+        let row = ops
+            .get(&(kind.to_string(), name.to_string()))
+            .unwrap_or_else(|| panic!("no {kind} {name} row in {ops:?}"));
+        assert!(
+            num(&row[2], "tandem fwd ms") > 0.0 && num(&row[5], "tandem fwd+bwd ms") > 0.0,
+            "{row:?}"
+        );
+        if torch.is_some() {
+            let ratio = num(&row[4], "× torch fwd");
+            let expected = num(&row[3], "torch fwd") / num(&row[2], "tandem fwd");
+            assert!((ratio - expected).abs() <= 0.006 + 0.01 * expected, "{row:?}");
+        }
+    }
     let ck = section_rows(&md, "Checkpoint save / load");
     check_row(&ck, "save", "tandem .pt", ("save", "dd conv=fsync (write)"));
     check_row(&ck, "save", "tandem safetensors", ("save", "dd conv=fsync (write)"));

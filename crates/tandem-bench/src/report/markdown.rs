@@ -20,6 +20,7 @@ pub struct Report<'a> {
     pub allreduce_nproc: usize,
     pub allreduce: &'a Table,
     pub ddp: &'a [(Workload, Table)],
+    pub conv_ops: &'a Result<String, String>,
     pub ckpt: &'a Table,
     pub ckpt_mib: usize,
     pub failures: &'a [String],
@@ -296,6 +297,23 @@ pub fn render(r: &Report) -> String {
         );
         let _ = writeln!(out, "![DDP samples/s, {}]({})\n", w.title, ddp_plot_name(w.model));
         table(&mut out, t);
+    }
+
+    let _ = writeln!(out, "## Conv-net kernels per op\n");
+    let _ = writeln!(
+        out,
+        "`tandem bench conv --torch PYTHON`: each distinct convolution of ResNet-18 for CIFAR and the \
+         BatchNorm of each stage, forward and forward + backward of sum(y·r), median ms, against PyTorch \
+         (`scripts/peers/torch_conv_ops.py`, same threads). × torch = torch ms / tandem ms (above 1: tandem \
+         is faster).\n"
+    );
+    match r.conv_ops {
+        Ok(table) => {
+            let _ = writeln!(out, "{table}\n");
+        }
+        Err(why) => {
+            let _ = writeln!(out, "Not measured: {why}\n");
+        }
     }
 
     let _ = writeln!(out, "## Checkpoint save / load\n");

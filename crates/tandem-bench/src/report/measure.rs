@@ -20,6 +20,10 @@ pub struct Plan {
     pub allreduce_sizes: Vec<usize>,
     pub seconds_per_size: f64,
     pub ddp: Vec<Workload>,
+    /// `tandem bench conv` settings (ResNet width, batch, repeats).
+    pub conv_width: usize,
+    pub conv_batch: usize,
+    pub conv_repeats: usize,
     pub ckpt_mib: usize,
     pub ckpt_tensors: usize,
 }
@@ -80,6 +84,36 @@ impl Ctx {
         eprintln!("report: {e:#}");
         self.failures.push(first.clone());
         format!("failed: {first}")
+    }
+}
+
+/// `tandem bench conv` (with the PyTorch peer when torch is available): its markdown table
+/// (header line first), or why it failed.
+pub fn conv_ops(
+    ctx: &mut Ctx,
+    width: usize,
+    batch: usize,
+    repeats: usize,
+) -> Result<String, String> {
+    eprintln!("report: per-op conv/BatchNorm times at width {width}, batch {batch}");
+    let mut args: Vec<String> =
+        ["conv", "--width", &width.to_string(), "--batch", &batch.to_string()]
+            .map(String::from)
+            .to_vec();
+    args.extend(["--repeats".to_string(), repeats.to_string()]);
+    if let Some(t) = ctx.torch() {
+        args.extend(["--torch".to_string(), t.python.display().to_string()]);
+    }
+    match ctx.tandem(&args, Duration::from_secs(600), "tandem bench conv") {
+        Ok(out) => {
+            let lines: Vec<&str> =
+                out.lines().skip_while(|l| !l.starts_with("ResNet-18")).collect();
+            if lines.len() < 3 {
+                return Err(ctx.note(anyhow::anyhow!("bench conv printed no table: {out:?}")));
+            }
+            Ok(lines.join("\n"))
+        }
+        Err(e) => Err(ctx.note(e)),
     }
 }
 

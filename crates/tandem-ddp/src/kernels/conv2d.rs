@@ -198,7 +198,8 @@ fn swap_batch_and_channels(src: &[f32], (a, b, p): (usize, usize, usize)) -> Vec
     let mut out = vec![0f32; src.len()];
     for i in 0..a {
         for j in 0..b {
-            out[(j * a + i) * p..(j * a + i + 1) * p].copy_from_slice(&src[(i * b + j) * p..(i * b + j + 1) * p]);
+            out[(j * a + i) * p..(j * a + i + 1) * p]
+                .copy_from_slice(&src[(i * b + j) * p..(i * b + j + 1) * p]);
         }
     }
     out
@@ -209,7 +210,15 @@ fn forward_batched(g: &Geometry, x: &[f32], w: &[f32], y: &mut [f32]) {
     let col = im2col_batch(g, x);
     let mut y_t = vec![0f32; g.o * np];
     let weight = View { data: w, rs: k, cs: 1 };
-    matmul((g.o, np, k), &mut y_t, np, weight, View { data: &col, rs: np, cs: 1 }, false, threads());
+    matmul(
+        (g.o, np, k),
+        &mut y_t,
+        np,
+        weight,
+        View { data: &col, rs: np, cs: 1 },
+        false,
+        threads(),
+    );
     y.copy_from_slice(&swap_batch_and_channels(&y_t, (g.o, g.n, g.pixels())));
 }
 
