@@ -36,7 +36,11 @@ struct Op {
     fwdbwd_ms: f64,
 }
 
-fn median_ms(repeats: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+/// Median ms of `f` over `repeats` runs after one warm-up (its result is dropped).
+fn median_ms<T>(
+    repeats: usize,
+    mut f: impl FnMut() -> candle_core::Result<T>,
+) -> anyhow::Result<f64> {
     f()?;
     let mut times = Vec::with_capacity(repeats);
     for _ in 0..repeats.max(1) {
@@ -75,10 +79,9 @@ fn tandem_ops(a: &Args) -> anyhow::Result<Vec<Op>> {
         let p = ConvParams { stride, padding: k / 2, dilation: 1 };
         let y = conv2d(&x, w.as_tensor(), p)?;
         let r = Tensor::randn(0f32, 1.0, y.shape(), &dev)?;
-        let fwd_ms = median_ms(a.repeats, || Ok(drop(conv2d(&x, w.as_tensor(), p)?)))?;
-        let fwdbwd_ms = median_ms(a.repeats, || {
-            Ok(drop((conv2d(&x, w.as_tensor(), p)? * &r)?.sum_all()?.backward()?))
-        })?;
+        let fwd_ms = median_ms(a.repeats, || conv2d(&x, w.as_tensor(), p))?;
+        let fwdbwd_ms =
+            median_ms(a.repeats, || (conv2d(&x, w.as_tensor(), p)? * &r)?.sum_all()?.backward())?;
         ops.push(Op { kind: "conv2d", name: name.replace(' ', "_"), fwd_ms, fwdbwd_ms });
     }
     for (c, side) in [(a.width, 32), (2 * a.width, 16), (4 * a.width, 8), (8 * a.width, 4)] {
@@ -86,9 +89,9 @@ fn tandem_ops(a: &Args) -> anyhow::Result<Vec<Op>> {
         let bn = tandem_ddp::nn::batch_norm2d(c, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
         let x = Var::randn(0f32, 1.0, (a.batch, c, side, side), &dev)?;
         let r = Tensor::randn(0f32, 1.0, x.shape(), &dev)?;
-        let fwd_ms = median_ms(a.repeats, || Ok(drop(bn.forward_t(x.as_tensor(), true)?)))?;
+        let fwd_ms = median_ms(a.repeats, || bn.forward_t(x.as_tensor(), true))?;
         let fwdbwd_ms = median_ms(a.repeats, || {
-            Ok(drop((bn.forward_t(x.as_tensor(), true)? * &r)?.sum_all()?.backward()?))
+            (bn.forward_t(x.as_tensor(), true)? * &r)?.sum_all()?.backward()
         })?;
         ops.push(Op {
             kind: "batch_norm",
