@@ -148,3 +148,31 @@ fn max_pool_matches_pytorch() {
         assert!(d < 1e-6, "max-pool case {i}: input gradient differs by {d}");
     }
 }
+
+/// The average-pooling kernels against torch's `avg_pool2d` and `adaptive_avg_pool2d`.
+#[test]
+fn average_pools_match_pytorch() {
+    use tandem_ddp::kernels::pool::{adaptive_avg_pool2d, avg_pool2d};
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/conv/avg_pool.safetensors");
+    let f = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let cases = (0..).take_while(|i| f.contains_key(&format!("avg{i}.x"))).count();
+    assert!(cases >= 5);
+    for i in 0..cases {
+        let t = |name: &str| f[&format!("avg{i}.{name}")].clone();
+        let cfg: Vec<i64> = t("cfg").to_vec1().unwrap();
+        let (a, b) = (cfg[1] as usize, cfg[2] as usize);
+        let x = Var::from_tensor(&t("x")).unwrap();
+        let y = if cfg[0] == 0 {
+            avg_pool2d(x.as_tensor(), a, b)
+        } else {
+            adaptive_avg_pool2d(x.as_tensor(), (a, b))
+        }
+        .unwrap();
+        let d = gap(&y, &t("y"));
+        assert!(d < 1e-5, "average-pool case {i} {cfg:?}: output differs by {d}");
+        let g = (y * t("r")).unwrap().sum_all().unwrap().backward().unwrap();
+        let d = gap(g.get(x.as_tensor()).unwrap(), &t("gx"));
+        assert!(d < 1e-5, "average-pool case {i} {cfg:?}: input gradient differs by {d}");
+    }
+}

@@ -105,3 +105,125 @@ pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize) -> candle_core::Resu
         x.max_pool2d_with_stride(kernel, stride)
     }
 }
+
+/// Average pooling windows of one spatial dimension: output `o` averages inputs `start..end`.
+/// PyTorch's rules: fixed windows for `avg_pool2d(kernel, stride)` (no padding), and for
+/// `adaptive_avg_pool2d(out)` start = floor(o·in/out), end = ceil((o+1)·in/out).
+fn windows(size: usize, spec: AvgSpec) -> Vec<(usize, usize)> {
+    match spec {
+        AvgSpec::Fixed { kernel, stride } => {
+            (0..(size - kernel) / stride + 1).map(|o| (o * stride, o * stride + kernel)).collect()
+        }
+        AvgSpec::Adaptive { out } => {
+            (0..out).map(|o| (o * size / out, ((o + 1) * size).div_ceil(out))).collect()
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum AvgSpec {
+    Fixed { kernel: usize, stride: usize },
+    Adaptive { out: usize },
+}
+
+struct AvgPool {
+    rows: Vec<(usize, usize)>,
+    cols: Vec<(usize, usize)>,
+}
+
+impl AvgPool {
+    fn new(h: usize, w: usize, spec: (AvgSpec, AvgSpec)) -> Self {
+        AvgPool { rows: windows(h, spec.0), cols: windows(w, spec.1) }
+    }
+
+    fn out_len(&self) -> usize {
+        self.rows.len() * self.cols.len()
+    }
+}
+
+struct AvgPoolOp(AvgSpec, AvgSpec);
+
+impl CustomOp1 for AvgPoolOp {
+    fn name(&self) -> &'static str {
+        "tandem-avg-pool2d"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (&[n, c, h, w], CpuStorage::F32(v), Some((a, b))) =
+            (l.dims(), s, l.contiguous_offsets())
+        else {
+            candle_core::bail!("avg_pool2d: contiguous f32 [N, C, H, W] only, got {:?}", l.dims())
+        };
+        let pool = AvgPool::new(h, w, (self.0, self.1));
+        let mut y = vec![0f32; n * c * pool.out_len()];
+        y.par_chunks_mut(pool.out_len()).zip(v[a..b].par_chunks(h * w)).for_each(|(y, x)| {
+            let mut o = 0;
+            for &(r0, r1) in &pool.rows {
+                for &(c0, c1) in &pool.cols {
+                    let mut sum = 0f32;
+                    for r in r0..r1 {
+                        sum += x[r * w + c0..r * w + c1].iter().sum::<f32>();
+                    }
+                    y[o] = sum / ((r1 - r0) * (c1 - c0)) as f32;
+                    o += 1;
+                }
+            }
+        });
+        Ok((CpuStorage::F32(y), Shape::from((n, c, pool.rows.len(), pool.cols.len()))))
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, gy: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let (n, c, h, w) = x.dims4()?;
+        let pool = AvgPool::new(h, w, (self.0, self.1));
+        let gx = with_f32_slice(&gy.contiguous()?, |gy| {
+            let mut gx = vec![0f32; n * c * h * w];
+            gx.par_chunks_mut(h * w).zip(gy.par_chunks(pool.out_len())).for_each(|(gx, gy)| {
+                let mut o = 0;
+                for &(r0, r1) in &pool.rows {
+                    for &(c0, c1) in &pool.cols {
+                        let share = gy[o] / ((r1 - r0) * (c1 - c0)) as f32;
+                        for r in r0..r1 {
+                            gx[r * w + c0..r * w + c1].iter_mut().for_each(|g| *g += share);
+                        }
+                        o += 1;
+                    }
+                }
+            });
+            gx
+        })?;
+        Ok(Some(Tensor::from_vec(gx, x.shape(), x.device())?))
+    }
+}
+
+fn avg_pool(x: &Tensor, spec: (AvgSpec, AvgSpec)) -> candle_core::Result<Tensor> {
+    if x.device().is_cpu() && x.dtype() == candle_core::DType::F32 {
+        return x.contiguous()?.apply_op1(AvgPoolOp(spec.0, spec.1));
+    }
+    candle_core::bail!(
+        "avg pooling kernels run on CPU f32 tensors; got {:?} on {:?}",
+        x.dtype(),
+        x.device()
+    )
+}
+
+/// `torch.nn.functional.avg_pool2d(x, kernel, stride)` (no padding) for `x: [N, C, H, W]`.
+pub fn avg_pool2d(x: &Tensor, kernel: usize, stride: usize) -> candle_core::Result<Tensor> {
+    let (_, _, h, w) = x.dims4()?;
+    if kernel == 0 || stride == 0 || kernel > h || kernel > w {
+        candle_core::bail!(
+            "avg_pool2d: kernel {kernel}, stride {stride} do not fit a {h}x{w} input"
+        )
+    }
+    let s = AvgSpec::Fixed { kernel, stride };
+    avg_pool(x, (s, s))
+}
+
+/// `torch.nn.functional.adaptive_avg_pool2d(x, (oh, ow))` for `x: [N, C, H, W]`
+/// (`(1, 1)` is global average pooling).
+pub fn adaptive_avg_pool2d(x: &Tensor, (oh, ow): (usize, usize)) -> candle_core::Result<Tensor> {
+    let (_, _, h, w) = x.dims4()?;
+    if oh == 0 || ow == 0 || oh > h || ow > w {
+        candle_core::bail!("adaptive_avg_pool2d: output {oh}x{ow} does not fit a {h}x{w} input")
+    }
+    avg_pool(x, (AvgSpec::Adaptive { out: oh }, AvgSpec::Adaptive { out: ow }))
+}

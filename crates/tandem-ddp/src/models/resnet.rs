@@ -12,6 +12,7 @@ use candle_nn::{linear, Conv2dConfig, Linear, Module, ModuleT, VarBuilder};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::kernels::pool::adaptive_avg_pool2d;
 use crate::nn::{batch_norm2d, conv2d_no_bias, BatchNorm2d, Conv2d, HasBatchNorm};
 
 struct BasicBlock {
@@ -128,7 +129,7 @@ impl ResNet {
         for block in self.layers.iter().flatten() {
             x = block.forward_t(&x, train)?;
         }
-        let pooled = x.mean((2, 3))?;
+        let pooled = adaptive_avg_pool2d(&x, (1, 1))?.flatten_from(1)?;
         self.fc.forward(&pooled)
     }
 }
