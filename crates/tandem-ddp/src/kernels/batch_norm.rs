@@ -9,6 +9,7 @@
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::relu::masked_by_positive;
 use crate::hook::with_f32_slice;
 
 /// Per-channel batch statistics of `x: [N, C, H, W]`: (mean, biased variance, count).
@@ -32,10 +33,12 @@ pub fn batch_stats(x: &[f32], (n, c, hw): (usize, usize, usize)) -> (Vec<f32>, V
     (stats.iter().map(|s| s.0).collect(), stats.iter().map(|s| s.1).collect(), n * hw)
 }
 
-/// The op: normalises with the given batch statistics, affine γ, β.
+/// The op: normalises with the given batch statistics, affine γ, β, then (when `relu`) clamps
+/// at zero — a BatchNorm followed by ReLU in one pass each way.
 struct BatchNormTrain {
     mean: Vec<f32>,
     invstd: Vec<f32>,
+    relu: bool,
 }
 
 fn dims(l: &Layout) -> candle_core::Result<(usize, usize, usize)> {
@@ -73,7 +76,11 @@ impl CustomOp3 for BatchNormTrain {
             let ch = plane % c;
             let scale = gamma[ch] * self.invstd[ch];
             let shift = beta[ch] - self.mean[ch] * scale;
-            y.iter_mut().zip(x).for_each(|(y, x)| *y = x * scale + shift);
+            if self.relu {
+                y.iter_mut().zip(x).for_each(|(y, x)| *y = (x * scale + shift).max(0.0));
+            } else {
+                y.iter_mut().zip(x).for_each(|(y, x)| *y = x * scale + shift);
+            }
         });
         Ok((CpuStorage::F32(y), xl.shape().clone()))
     }
@@ -83,13 +90,18 @@ impl CustomOp3 for BatchNormTrain {
         x: &Tensor,
         gamma: &Tensor,
         beta: &Tensor,
-        _y: &Tensor,
+        y: &Tensor,
         gy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (n, c, h, w) = x.dims4()?;
         let hw = h * w;
         let m = (n * hw) as f64;
-        let gy = gy.contiguous()?;
+        let gy = if self.relu {
+            // Through the ReLU first: the gradient where the output is positive.
+            Tensor::from_vec(masked_by_positive(&gy.contiguous()?, y)?, y.shape(), y.device())?
+        } else {
+            gy.contiguous()?
+        };
         // Per channel: Σ gy and Σ gy·x̂.
         let sums: Vec<(f64, f64)> = with_f32_slice(x, |x| {
             with_f32_slice(&gy, |gy| {
@@ -155,11 +167,22 @@ pub fn batch_norm_train(
     beta: &Tensor,
     eps: f64,
 ) -> candle_core::Result<(Tensor, Vec<f32>, Vec<f32>, usize)> {
+    batch_norm_train_act(x, gamma, beta, eps, false)
+}
+
+/// [`batch_norm_train`], followed by a ReLU in the same kernel when `relu`.
+pub fn batch_norm_train_act(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f64,
+    relu: bool,
+) -> candle_core::Result<(Tensor, Vec<f32>, Vec<f32>, usize)> {
     let x = x.contiguous()?;
     let (n, c, h, w) = x.dims4()?;
     let (mean, var, count) = with_f32_slice(&x, |s| batch_stats(s, (n, c, h * w)))?;
     let invstd = var.iter().map(|v| (1.0 / (*v as f64 + eps).sqrt()) as f32).collect();
-    let op = BatchNormTrain { mean: mean.clone(), invstd }; // the op keeps its own for backward
+    let op = BatchNormTrain { mean: mean.clone(), invstd, relu }; // the op keeps its own for backward
     let y = x.apply_op3(&gamma.contiguous()?, &beta.contiguous()?, op)?;
     Ok((y, mean, var, count))
 }

@@ -6,3 +6,4 @@ pub mod batch_norm;
 pub mod conv2d;
 mod matmul;
 pub mod pool;
+pub mod relu;

@@ -14,9 +14,10 @@ use rand::SeedableRng;
 use super::init::{copy_vars, default_layer};
 use crate::error::{DdpError, Result};
 use crate::functional::linear;
-use crate::kernels::batch_norm::batch_norm_train;
+use crate::kernels::batch_norm::batch_norm_train_act;
 use crate::kernels::conv2d::{add_channel_bias, conv2d, ConvParams};
 use crate::kernels::pool::max_pool2d;
+use crate::kernels::relu::relu;
 use crate::module::ParamModule;
 use crate::params::ParamSet;
 
@@ -101,7 +102,8 @@ impl Cnn {
         self.training.store(training, Ordering::SeqCst);
     }
 
-    fn batch_norm(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// relu(bn1(x)): one fused kernel in training mode.
+    fn batch_norm_relu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (rm, rv, nbt) = (&self.buffers[0].1, &self.buffers[1].1, &self.buffers[2].1);
         let shape = (1, C1, 1, 1);
         let gamma = self.params.get(BN1_W)?;
@@ -110,11 +112,13 @@ impl Cnn {
             let mean = rm.as_tensor().reshape(shape)?;
             let std = (rv.as_tensor().reshape(shape)? + BN_EPS)?.sqrt()?;
             let xhat = x.broadcast_sub(&mean)?.broadcast_div(&std)?;
-            return xhat
-                .broadcast_mul(&gamma.reshape(shape)?)?
-                .broadcast_add(&beta.reshape(shape)?);
+            return relu(
+                &xhat
+                    .broadcast_mul(&gamma.reshape(shape)?)?
+                    .broadcast_add(&beta.reshape(shape)?)?,
+            );
         }
-        let (y, mean, var, count) = batch_norm_train(x, &gamma, &beta, BN_EPS)?;
+        let (y, mean, var, count) = batch_norm_train_act(x, &gamma, &beta, BN_EPS, true)?;
         let count = count as f64;
         let unbiased = if count > 1.0 { count / (count - 1.0) } else { 1.0 };
         let dev = x.device();
@@ -134,9 +138,9 @@ impl Cnn {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (c, h, w) = self.in_chw;
         let x = if x.rank() == 4 { x.clone() } else { x.reshape((x.dim(0)?, c, h, w))? };
-        let x = self.batch_norm(&self.conv(&x, CONV1_W, CONV1_B)?)?.relu()?;
+        let x = self.batch_norm_relu(&self.conv(&x, CONV1_W, CONV1_B)?)?;
         let x = max_pool_2x2(&x)?;
-        let x = max_pool_2x2(&self.conv(&x, CONV2_W, CONV2_B)?.relu()?)?;
+        let x = max_pool_2x2(&relu(&self.conv(&x, CONV2_W, CONV2_B)?)?)?;
         let x = x.flatten_from(1)?;
         linear(&x, &self.params.get(FC_W)?, Some(&self.params.get(FC_B)?))
     }

@@ -13,6 +13,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::kernels::pool::adaptive_avg_pool2d;
+use crate::kernels::relu::relu;
 use crate::nn::{batch_norm2d, conv2d_no_bias, BatchNorm2d, Conv2d, HasBatchNorm};
 
 struct BasicBlock {
@@ -45,13 +46,13 @@ impl BasicBlock {
     }
 
     fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
-        let out = self.bn1.forward_t(&self.conv1.forward(x)?, train)?.relu()?;
+        let out = self.bn1.forward_t_relu(&self.conv1.forward(x)?, train)?;
         let out = self.bn2.forward_t(&self.conv2.forward(&out)?, train)?;
         let shortcut = match &self.downsample {
             Some((conv, bn)) => bn.forward_t(&conv.forward(x)?, train)?,
             None => x.clone(),
         };
-        (out + shortcut)?.relu()
+        relu(&(out + shortcut)?)
     }
 }
 
@@ -125,7 +126,7 @@ impl ResNet {
     /// uses batch statistics when `train`, the running ones otherwise.
     pub fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         let x = if x.rank() == 2 { x.reshape((x.dim(0)?, 3, 32, 32))? } else { x.clone() };
-        let mut x = self.bn1.forward_t(&self.conv1.forward(&x)?, train)?.relu()?;
+        let mut x = self.bn1.forward_t_relu(&self.conv1.forward(&x)?, train)?;
         for block in self.layers.iter().flatten() {
             x = block.forward_t(&x, train)?;
         }

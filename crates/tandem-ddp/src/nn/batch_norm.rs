@@ -23,7 +23,8 @@ use candle_nn::{Init, ModuleT, VarBuilder};
 
 use super::all_reduce::all_reduce_sum;
 use crate::comm::GradComm;
-use crate::kernels::batch_norm::batch_norm_train;
+use crate::kernels::batch_norm::{batch_norm_train, batch_norm_train_act};
+use crate::kernels::relu::relu;
 
 const EPS: f64 = 1e-5;
 const MOMENTUM: f64 = 0.1;
@@ -76,6 +77,32 @@ impl BatchNorm2d {
 
     pub fn running_var(&self) -> &Tensor {
         self.running_var.as_tensor()
+    }
+
+    /// `relu(self(x))`, fused into one kernel in training mode on the CPU (unsynchronised).
+    pub fn forward_t_relu(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        let sync = self.is_sync();
+        if train && !sync && x.device().is_cpu() && x.dtype() == DType::F32 && x.rank() == 4 {
+            self.check_input(x)?;
+            let (y, mean, var, count) =
+                batch_norm_train_act(x, &self.weight, &self.bias, EPS, true)?;
+            let (mean, var) = (Tensor::new(mean, x.device())?, Tensor::new(var, x.device())?);
+            self.update_running(&mean, &var, count as f64)?;
+            return Ok(y);
+        }
+        relu(&self.forward_t(x, train)?)
+    }
+
+    fn check_input(&self, x: &Tensor) -> candle_core::Result<()> {
+        if x.rank() != 4 || x.dim(1)? != self.weight.dim(0)? {
+            candle_core::bail!(
+                "BatchNorm2d `{}` expects [N, {}, H, W], got {:?}",
+                self.path,
+                self.weight.dim(0)?,
+                x.dims()
+            )
+        }
+        Ok(())
     }
 
     fn forward_train(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -143,14 +170,7 @@ impl BatchNorm2d {
 
 impl ModuleT for BatchNorm2d {
     fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
-        if x.rank() != 4 || x.dim(1)? != self.weight.dim(0)? {
-            candle_core::bail!(
-                "BatchNorm2d `{}` expects [N, {}, H, W], got {:?}",
-                self.path,
-                self.weight.dim(0)?,
-                x.dims()
-            )
-        }
+        self.check_input(x)?;
         if train {
             self.forward_train(x)
         } else {
@@ -190,6 +210,62 @@ mod tests {
             .map(|i| ((i as u32 * 7919 + seed * 104729) % 97) as f32 / 13.0)
             .collect();
         Tensor::from_vec(data, (n, 3, 2, 2), &Device::Cpu).unwrap()
+    }
+
+    /// The fused BatchNorm+ReLU equals ReLU after the BatchNorm (itself checked against torch in
+    /// tests/conv_torch.rs), values and gradients, and so does the ReLU kernel vs candle's.
+    #[test]
+    fn fused_relu_equals_relu_after_batch_norm() {
+        let run = |fused: bool| {
+            let vm = VarMap::new();
+            let bn =
+                batch_norm2d(3, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap();
+            vm.data().lock().unwrap()["bias"]
+                .set(&Tensor::new(&[0.3f32, -0.2, 0.0], &Device::Cpu).unwrap())
+                .unwrap();
+            let x =
+                Var::from_tensor(&Tensor::cat(&[&input(1, 2), &input(2, 3)], 0).unwrap()).unwrap();
+            let y = if fused {
+                bn.forward_t_relu(x.as_tensor(), true).unwrap()
+            } else {
+                bn.forward_t(x.as_tensor(), true).unwrap().relu().unwrap()
+            };
+            let weights = Tensor::arange(0f32, y.elem_count() as f32, &Device::Cpu)
+                .unwrap()
+                .reshape(y.shape())
+                .unwrap();
+            let g = (y.clone() * weights).unwrap().sum_all().unwrap().backward().unwrap();
+            let gw = g.get(&vm.data().lock().unwrap()["weight"]).unwrap().clone();
+            (y, g.get(x.as_tensor()).unwrap().clone(), gw, bn.running_var().clone())
+        };
+        let (a, b) = (run(true), run(false));
+        for (name, p, q) in [
+            ("y", &a.0, &b.0),
+            ("gx", &a.1, &b.1),
+            ("gweight", &a.2, &b.2),
+            ("running_var", &a.3, &b.3),
+        ] {
+            let d = (p - q).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(d < 1e-4, "{name}: {d}");
+        }
+        assert!(
+            a.0.flatten_all().unwrap().to_vec1::<f32>().unwrap().contains(&0.0),
+            "some outputs are clamped"
+        );
+        let x = Var::from_tensor(&(input(3, 2) - 3.0).unwrap()).unwrap();
+        let ours = crate::kernels::relu::relu(x.as_tensor()).unwrap();
+        let theirs = x.as_tensor().relu().unwrap();
+        assert_eq!(
+            ours.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            theirs.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+        let r = Tensor::arange(0f32, 24.0, &Device::Cpu).unwrap().reshape((2, 3, 2, 2)).unwrap();
+        let ga = (ours * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        let gb = (theirs * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_eq!(
+            ga.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            gb.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
     }
 
     /// Two synchronised ranks with halves of a batch give the outputs, statistics and input
