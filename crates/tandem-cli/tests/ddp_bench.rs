@@ -4,16 +4,15 @@
 use std::process::Command;
 use std::time::Duration;
 
-#[test]
-fn bench_ddp_json_reports_all_configurations() {
+/// `tandem bench ddp ARGS --json` with one thread per rank: its JSON object.
+fn bench_json(args: &[&str]) -> serde_json::Value {
     let out = tandem_testutil::output_with_deadline(
         Command::new(env!("CARGO_BIN_EXE_tandem"))
-            .args([
-                "bench", "ddp", "--nproc", "2", "--batch", "8", "--steps", "2", "--rounds", "1",
-                "--json",
-            ])
+            .args(["bench", "ddp"])
+            .args(args)
+            .arg("--json")
             .env("RAYON_NUM_THREADS", "1"),
-        Duration::from_secs(120),
+        Duration::from_secs(180),
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -21,8 +20,12 @@ fn bench_ddp_json_reports_all_configurations() {
         "stdout {stdout}\nstderr {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let v: serde_json::Value =
-        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
+#[test]
+fn bench_ddp_json_reports_all_configurations() {
+    let v = bench_json(&["--nproc", "2", "--batch", "8", "--steps", "2", "--rounds", "1"]);
     for k in
         ["plain_samples_per_s", "ddp1_samples_per_s", "ddpN_samples_per_s", "scaling_efficiency"]
     {
@@ -49,23 +52,10 @@ fn bench_ddp_rejects_a_batch_that_does_not_split() {
 
 #[test]
 fn bench_ddp_runs_the_resnet() {
-    let out = tandem_testutil::output_with_deadline(
-        Command::new(env!("CARGO_BIN_EXE_tandem"))
-            .args([
-                "bench", "ddp", "--model", "resnet18", "--width", "4", "--nproc", "2", "--batch",
-                "4", "--steps", "1", "--rounds", "1", "--json",
-            ])
-            .env("RAYON_NUM_THREADS", "1"),
-        Duration::from_secs(180),
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "stdout {stdout}\nstderr {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value =
-        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    let v = bench_json(&[
+        "--model", "resnet18", "--width", "4", "--nproc", "2", "--batch", "4", "--steps", "1",
+        "--rounds", "1",
+    ]);
     assert_eq!(
         (v["model"].as_str(), v["width"].as_u64(), v["mode"].as_str()),
         (Some("resnet18"), Some(4), Some("varmap"))

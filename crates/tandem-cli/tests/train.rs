@@ -148,21 +148,25 @@ print(sorted(tags)); print(len(acc.Scalars("eval/accuracy")), acc.Scalars("eval/
     }
 }
 
-#[test]
-fn interrupted_and_resumed_run_ends_with_bitwise_identical_weights() {
-    let dir = tempfile::tempdir().unwrap();
-    let common = ["--epochs", "2", "--batch-size", "50", "--hidden", "32"];
-    let whole = dir.path().join("whole.pt");
-    let a = dir.path().join("a");
+/// Trains `common` whole into `dir/a`, and again into `dir/b` stopped after `stop_at` steps then
+/// resumed; asserts the resume message and bit-identical final weights, and returns the whole
+/// run's output, run directory and final weights (written as `ext`).
+fn whole_and_resumed_agree(
+    dir: &Path,
+    common: &[&str],
+    stop_at: &str,
+    ext: &str,
+) -> (Output, PathBuf, Vec<(String, tandem_ckpt::Tensor)>) {
+    let whole = dir.join(format!("whole.{ext}"));
+    let a = dir.join("a");
     let mut args =
         vec!["train", "--out", a.to_str().unwrap(), "--save-final", whole.to_str().unwrap()];
     args.extend(common);
-    run(&args);
+    let whole_out = run(&args);
 
-    // Stop mid-epoch 1 (epoch has 15 steps), then resume to the end.
-    let b = dir.path().join("b");
-    let resumed = dir.path().join("resumed.pt");
-    let mut first = vec!["train", "--out", b.to_str().unwrap(), "--steps", "7"];
+    let b = dir.join("b");
+    let resumed = dir.join(format!("resumed.{ext}"));
+    let mut first = vec!["train", "--out", b.to_str().unwrap(), "--steps", stop_at];
     first.extend(common);
     run(&first);
     let mut second = vec![
@@ -177,8 +181,10 @@ fn interrupted_and_resumed_run_ends_with_bitwise_identical_weights() {
     let out = run(&second);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("resumed from"), "no resume message:\n{err}");
-    let kv = final_line(&out.stdout);
-    assert_eq!(get(&kv, "steps"), "30");
+    assert_eq!(
+        get(&final_line(&out.stdout), "steps"),
+        get(&final_line(&whole_out.stdout), "steps")
+    );
 
     let (x, y) = (weights(&whole), weights(&resumed));
     assert_eq!(x.len(), y.len());
@@ -186,6 +192,16 @@ fn interrupted_and_resumed_run_ends_with_bitwise_identical_weights() {
         assert_eq!(kx, ky);
         assert!(tx.contiguous_bytes() == ty.contiguous_bytes(), "{kx} differs after resume");
     }
+    (whole_out, a, x)
+}
+
+#[test]
+fn interrupted_and_resumed_run_ends_with_bitwise_identical_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let common = ["--epochs", "2", "--batch-size", "50", "--hidden", "32"];
+    // Stop mid-epoch 1 (epoch has 15 steps), then resume to the end.
+    let (out, _, _) = whole_and_resumed_agree(dir.path(), &common, "7", "pt");
+    assert_eq!(get(&final_line(&out.stdout), "steps"), "30");
 }
 
 #[test]
@@ -427,40 +443,13 @@ fn resnet18_with_augmentation_resumes_mid_epoch_to_bitwise_identical_weights() {
         "--nproc-per-node",
         "2",
     ];
-    let whole = dir.path().join("whole.safetensors");
-    let a = dir.path().join("a");
-    let mut args =
-        vec!["train", "--out", a.to_str().unwrap(), "--save-final", whole.to_str().unwrap()];
-    args.extend(common);
-    let out = run(&args);
+    let (out, a, x) = whole_and_resumed_agree(dir.path(), &common, "4", "safetensors");
     assert_eq!(get(&final_line(&out.stdout), "steps"), "6");
     let config = std::fs::read_to_string(a.join("config.toml")).unwrap();
     for line in ["model = \"resnet18\"", "width = 4", "augment = true", "normalize = true"] {
         assert!(config.contains(line), "config.toml lacks `{line}`:\n{config}");
     }
-
-    let b = dir.path().join("b");
-    let resumed = dir.path().join("resumed.safetensors");
-    let mut first = vec!["train", "--out", b.to_str().unwrap(), "--steps", "4"];
-    first.extend(common);
-    run(&first);
-    let mut second = vec![
-        "train",
-        "--out",
-        b.to_str().unwrap(),
-        "--resume",
-        "--save-final",
-        resumed.to_str().unwrap(),
-    ];
-    second.extend(common);
-    let out = run(&second);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("resumed from"));
-    let (x, y) = (weights(&whole), weights(&resumed));
     assert_eq!(x.len(), 122, "62 parameters and 60 BatchNorm buffers");
-    for ((kx, tx), (ky, ty)) in x.iter().zip(&y) {
-        assert_eq!(kx, ky);
-        assert!(tx.contiguous_bytes() == ty.contiguous_bytes(), "{kx} differs after resume");
-    }
 }
 
 #[test]
