@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub mod child;
 pub mod harness;
+pub mod netns;
 pub mod procs;
 pub mod world;
 
