@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Command, ExitCode};
 use std::time::Duration;
 
-use tandem_testutil::harness::{self, Test};
+use tandem_testutil::harness;
 use tandem_testutil::netns::Hosts;
 use tandem_testutil::{without_world, Finished, Running};
 
