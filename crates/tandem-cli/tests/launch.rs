@@ -118,7 +118,7 @@ fn bad_flags_are_named() {
     let out = output_with_deadline(&mut tandem_run(&["--nnodes", "2", "--", "true"]), LIMIT);
     assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
     assert!(text(&out.stderr).contains("--master-port"), "{}", describe(&out));
-    let out = output_with_deadline(&mut tandem_run(&["--nnodes", "1:2", "--", "true"]), LIMIT);
+    let out = output_with_deadline(&mut tandem_run(&["--nnodes", "3:2", "--", "true"]), LIMIT);
     assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
     assert!(text(&out.stderr).contains("--nnodes"), "{}", describe(&out));
     let out = output_with_deadline(

@@ -2,13 +2,20 @@
 //! (tandem_testutil::netns). Launchers on two hosts form one world over the switch; training
 //! across them equals training on one host. Needs root and iproute2 (CI has both); elsewhere the
 //! tests are reported as skipped with the reason. Built with `harness = false` for that.
+//!
+//! Faults across hosts: a worker killed on host 1 restarts every node together (coordinated
+//! restarts) and the job ends bitwise equal to an uninterrupted one; host 1's launcher SIGKILLed
+//! ends host 0 fast naming node 1 (fixed --nnodes) or lets it go on alone (--nnodes 1:2).
+mod support;
+
 use std::path::Path;
 use std::process::{Command, ExitCode};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use support::{leftovers, marked_processes_with, sigkill, Finished, Running, MARKER_VAR};
 use tandem_testutil::harness;
-use tandem_testutil::netns::Hosts;
-use tandem_testutil::{without_world, Finished, Running};
+use tandem_testutil::netns::{Hosts, Netem};
+use tandem_testutil::without_world;
 
 const LIMIT: Duration = Duration::from_secs(120);
 const PORT: &str = "29400";
@@ -18,8 +25,26 @@ fn main() -> ExitCode {
     let tests = tandem_testutil::tests![
         two_hosts_of_two_ranks_form_one_world,
         training_across_two_hosts_equals_training_on_one,
+        a_worker_killed_on_host_1_restarts_every_node_to_identical_weights,
+        host_1_launcher_killed_ends_host_0_naming_node_1,
+        elastic_job_goes_on_without_a_lost_node,
+        a_cut_link_ends_both_sides_in_time_naming_the_peer,
+        training_completes_through_ten_percent_packet_loss,
     ];
-    harness::main(tests.into_iter().map(|t| t.skip_if(why.clone())).collect())
+    let no_loss = Hosts::loss_unavailable();
+    harness::main(
+        tests
+            .into_iter()
+            .map(|t| {
+                let why = if t.name() == "training_completes_through_ten_percent_packet_loss" {
+                    no_loss.clone()
+                } else {
+                    why.clone()
+                };
+                t.skip_if(why)
+            })
+            .collect(),
+    )
 }
 
 fn tandem() -> &'static str {
@@ -28,16 +53,30 @@ fn tandem() -> &'static str {
 
 /// `tandem run` on every host (node rank = host index, master = host 0), each running `worker`.
 fn launch_on_all(hosts: &Hosts, nproc: usize, worker: &[&str]) -> Vec<Finished> {
+    start_on_all(hosts, nproc, &[], worker, "none").into_iter().map(|r| r.wait(LIMIT)).collect()
+}
+
+/// Starts `tandem run RUN_ARGS` on every host without waiting; every process carries the
+/// marker `marker` in its environment.
+fn start_on_all(
+    hosts: &Hosts,
+    nproc: usize,
+    run_args: &[&str],
+    worker: &[&str],
+    marker: &str,
+) -> Vec<Running> {
     let master = hosts.addr(0);
     let nnodes = hosts.len().to_string();
     let nproc = nproc.to_string();
-    let running: Vec<Running> = (0..hosts.len())
+    (0..hosts.len())
         .map(|i| {
             let node_rank = i.to_string();
-            let mut args = vec![
-                "run",
-                "--nnodes",
-                &nnodes,
+            // `--nnodes` in `run_args` replaces the fixed count.
+            let nnodes_flag: &[&str] =
+                if run_args.contains(&"--nnodes") { &[] } else { &["--nnodes", &nnodes] };
+            let mut args = vec!["run"];
+            args.extend(nnodes_flag);
+            args.extend([
                 "--node-rank",
                 &node_rank,
                 "--master-addr",
@@ -46,16 +85,22 @@ fn launch_on_all(hosts: &Hosts, nproc: usize, worker: &[&str]) -> Vec<Finished> 
                 PORT,
                 "--nproc-per-node",
                 &nproc,
-                "--",
-            ];
+                "--monitor-interval",
+                "0.05",
+            ]);
+            args.extend(run_args);
+            args.push("--");
             args.extend(worker);
             let mut cmd = hosts.command(i, tandem(), &args);
             without_world(&mut cmd);
+            cmd.env(MARKER_VAR, marker).env("TANDEM_TIMEOUT", COLLECTIVE_TIMEOUT_S);
             Running::spawn(&mut cmd)
         })
-        .collect();
-    running.into_iter().map(|r| r.wait(LIMIT)).collect()
+        .collect()
 }
+
+/// Collective timeout inside the fault tests (seconds).
+const COLLECTIVE_TIMEOUT_S: &str = "3";
 
 fn assert_all_succeeded(finished: &[Finished]) {
     for (i, f) in finished.iter().enumerate() {
@@ -135,4 +180,315 @@ fn training_across_two_hosts_equals_training_on_one() {
         // Same data, model and steps; only the all-reduce's summation order may differ.
         assert!(gap < 1e-4, "{k}: two hosts and one host differ by {gap}");
     }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Waits until `dir` holds a finished checkpoint (`checkpoint-*.pt`), up to `limit`.
+fn wait_for_checkpoint(dir: &Path, limit: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        let found = std::fs::read_dir(dir).into_iter().flatten().flatten().any(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.starts_with("checkpoint-") && n.ends_with(".pt")
+        });
+        if found {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}
+
+/// The one live process of trial `marker` with `RANK=rank` running `arg`, waiting up to 20 s.
+fn find_process(marker: &str, also: &[&str], arg: &str) -> i32 {
+    let start = Instant::now();
+    loop {
+        let found = marked_processes_with(marker, also, arg);
+        if let [pid] = found[..] {
+            return pid;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no single {also:?} `{arg}` process: {found:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn assert_no_leftovers(marker: &str) {
+    let left = leftovers(marker, Duration::from_secs(3));
+    assert!(left.is_empty(), "processes of the job outlived it: {left:?}");
+}
+
+/// Restartable training on two hosts x two ranks, checkpointing every 5 steps.
+fn restartable(out: &Path, fin: &Path) -> Vec<String> {
+    [
+        tandem(),
+        "train",
+        "--epochs",
+        "4",
+        "--hidden",
+        "16",
+        "--batch-size",
+        "4",
+        "--data",
+        "digits",
+        "--save-every",
+        "5",
+        "--resume",
+        "--out",
+        s(out),
+        "--save-final",
+        s(fin),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+fn a_worker_killed_on_host_1_restarts_every_node_to_identical_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = Hosts::new(2, None);
+    let marker = format!("mh-restart-{}", std::process::id());
+    let (ref_out, ref_fin) = (dir.path().join("ref"), dir.path().join("ref.pt"));
+    let worker = restartable(&ref_out, &ref_fin);
+    let worker: Vec<&str> = worker.iter().map(String::as_str).collect();
+    let reference: Vec<Finished> =
+        start_on_all(&hosts, 2, &[], &worker, &marker).into_iter().map(|r| r.wait(LIMIT)).collect();
+    assert_all_succeeded(&reference);
+
+    let (out, fin) = (dir.path().join("run"), dir.path().join("run.pt"));
+    let worker = restartable(&out, &fin);
+    let worker: Vec<&str> = worker.iter().map(String::as_str).collect();
+    let running = start_on_all(&hosts, 2, &["--max-restarts", "1"], &worker, &marker);
+    assert!(
+        wait_for_checkpoint(&out.join("checkpoints"), LIMIT),
+        "no checkpoint was written in {}",
+        out.display()
+    );
+    // Rank 2 is host 1's first worker.
+    let victim = find_process(&marker, &["RANK=2", "TORCHELASTIC_RESTART_COUNT=0"], "train");
+    assert!(
+        sigkill(victim),
+        "rank 2 (pid {victim}) was gone before the kill: the run is too short"
+    );
+    let finished: Vec<Finished> = running.into_iter().map(|r| r.wait(LIMIT)).collect();
+    assert_all_succeeded(&finished);
+    for (i, f) in finished.iter().enumerate() {
+        assert!(
+            f.stderr.contains("restarting all 2 worker(s)") && f.stderr.contains("restart 1 of 1"),
+            "host {i} did not restart with the others:\n{}",
+            f.stderr
+        );
+    }
+    // Host 0 learns the cause from host 1: the killed rank, its node and host.
+    assert!(
+        finished[0]
+            .stderr
+            .contains("rank 2 (local rank 0 on node 1, simhost1) failed with signal 9"),
+        "host 0 does not name the failed rank:\n{}",
+        finished[0].stderr
+    );
+    let resumed = finished
+        .iter()
+        .any(|f| f.stdout.contains("resumed from") || f.stderr.contains("resumed from"));
+    assert!(
+        resumed,
+        "the restarted workers did not resume from a checkpoint:\n{}",
+        finished[0].stdout
+    );
+    assert_eq!(
+        weights(&fin),
+        weights(&ref_fin),
+        "restarted run differs from the uninterrupted one"
+    );
+    assert_no_leftovers(&marker);
+}
+
+/// A worker that waits in its first attempt (so a launcher can be killed meanwhile), then
+/// checks the world it is given.
+fn waiting_then_check() -> Vec<String> {
+    let script = format!(
+        "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 60; fi; exec {} check",
+        tandem()
+    );
+    vec!["sh".into(), "-c".into(), script]
+}
+
+fn kill_host_1_launcher(marker: &str) -> Instant {
+    // The launcher is the `tandem run` process with --node-rank 1 (the netns and unshare
+    // wrappers exec into it, so it carries the marker but no RANK).
+    let start = Instant::now();
+    let launcher = loop {
+        let found: Vec<i32> = marked_processes_with(marker, &[], "run")
+            .into_iter()
+            .filter(|&pid| {
+                let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                let args: Vec<&[u8]> = cmd.split(|&c| c == 0).collect();
+                args.windows(2).any(|w| w[0] == b"--node-rank" && w[1] == b"1")
+                    && args.first().is_some_and(|a| a.ends_with(b"tandem"))
+            })
+            .collect();
+        // The launcher's forked watchdog has the same command line; keep the parent.
+        let parents: Vec<i32> = found
+            .iter()
+            .copied()
+            .filter(|&p| {
+                let ppid = tandem_comm::procfs::ProcStat::read(p).map(|s| s.ppid);
+                !ppid.is_some_and(|pp| found.contains(&pp))
+            })
+            .collect();
+        if let [pid] = parents[..] {
+            break pid;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "host 1's launcher not found: {found:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // Both nodes' workers are up before the kill.
+    find_process(marker, &["RANK=0"], "-c");
+    find_process(marker, &["RANK=2"], "-c");
+    assert!(sigkill(launcher), "host 1's launcher was already gone");
+    Instant::now()
+}
+
+fn host_1_launcher_killed_ends_host_0_naming_node_1() {
+    let hosts = Hosts::new(2, None);
+    let marker = format!("mh-lost-{}", std::process::id());
+    let worker = waiting_then_check();
+    let worker: Vec<&str> = worker.iter().map(String::as_str).collect();
+    let mut running = start_on_all(&hosts, 2, &["--max-restarts", "3"], &worker, &marker);
+    let killed_at = kill_host_1_launcher(&marker);
+    let host1 = running.pop().unwrap().wait(LIMIT);
+    let host0 = running.pop().unwrap().wait(LIMIT);
+    let took = host0.at.saturating_duration_since(killed_at);
+    assert!(!host0.status.is_some_and(|s| s.success()), "host 0 succeeded without node 1");
+    assert!(
+        host0.stderr.contains("node 1 (simhost1): its launcher is gone")
+            && host0.stderr.contains("cannot go on without that node"),
+        "host 0 does not name the lost node:\n{}",
+        host0.stderr
+    );
+    // Fail fast: no restart is attempted with a node missing, and the timeout is not waited out.
+    assert!(!host0.stderr.contains("restarting"), "{}", host0.stderr);
+    let limit = Duration::from_secs(COLLECTIVE_TIMEOUT_S.parse::<u64>().unwrap() + 1);
+    assert!(took < limit, "host 0 took {took:?} after the kill (limit {limit:?})");
+    assert!(host1.status.is_some_and(|s| !s.success()));
+    assert_no_leftovers(&marker);
+}
+
+fn elastic_job_goes_on_without_a_lost_node() {
+    let hosts = Hosts::new(2, None);
+    let marker = format!("mh-elastic-{}", std::process::id());
+    let worker = waiting_then_check();
+    let worker: Vec<&str> = worker.iter().map(String::as_str).collect();
+    let run_args = ["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-timeout", "20"];
+    let mut running = start_on_all(&hosts, 2, &run_args, &worker, &marker);
+    let _ = kill_host_1_launcher(&marker);
+    let _host1 = running.pop().unwrap().wait(LIMIT);
+    let host0 = running.pop().unwrap().wait(LIMIT);
+    assert_all_succeeded(std::slice::from_ref(&host0));
+    assert!(
+        host0.stderr.contains("node 1 (simhost1): its launcher is gone")
+            && host0.stderr.contains("restart 1 of 1"),
+        "{}",
+        host0.stderr
+    );
+    // The second round is node 0 alone: a world of 2, and its ranks check out.
+    for rank in 0..2 {
+        let expect = format!("rank {rank}/2 local {rank}/2 ");
+        assert!(
+            host0.stdout.lines().any(|l| l.contains(&expect) && l.trim_end().ends_with("ok")),
+            "no `{expect}` in:\n{}",
+            host0.stdout
+        );
+    }
+    assert_no_leftovers(&marker);
+}
+
+fn a_cut_link_ends_both_sides_in_time_naming_the_peer() {
+    let hosts = Hosts::new(2, None);
+    let marker = format!("mh-cut-{}", std::process::id());
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let worker = [
+        tandem(),
+        "train",
+        "--epochs",
+        "1000",
+        "--hidden",
+        "16",
+        "--batch-size",
+        "4",
+        "--out",
+        s(&out),
+    ];
+    let running = start_on_all(&hosts, 1, &[], &worker, &marker);
+    find_process(&marker, &["RANK=0"], "train");
+    find_process(&marker, &["RANK=1"], "train");
+    // Mid-training, all-reduces in flight.
+    std::thread::sleep(Duration::from_millis(500));
+    hosts.set_link(1, false).unwrap();
+    let cut_at = Instant::now();
+    let finished: Vec<Finished> = running.into_iter().map(|r| r.wait(LIMIT)).collect();
+    let timeout = Duration::from_secs(COLLECTIVE_TIMEOUT_S.parse().unwrap());
+    for (i, f) in finished.iter().enumerate() {
+        let took = f.at.saturating_duration_since(cut_at);
+        let peer = format!("rank {}", 1 - i);
+        assert!(!f.status.is_some_and(|s| s.success()), "host {i} succeeded across a cut link");
+        assert!(
+            took <= timeout + Duration::from_secs(1),
+            "host {i} took {took:?} after the cut (timeout {timeout:?})\n{}",
+            f.stderr
+        );
+        assert!(f.stderr.contains(&peer), "host {i} does not name {peer}:\n{}", f.stderr);
+        eprintln!("host {i}: ended {:.2}s after the cut", took.as_secs_f64());
+    }
+    assert_no_leftovers(&marker);
+}
+
+fn training_completes_through_ten_percent_packet_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = format!("mh-loss-{}", std::process::id());
+    let run = |netem: Option<Netem>, name: &str| -> Vec<(String, Vec<f64>)> {
+        let hosts = Hosts::new(2, netem);
+        let fin = dir.path().join(format!("{name}.pt"));
+        let worker = [
+            tandem(),
+            "train",
+            "--epochs",
+            "1",
+            "--hidden",
+            "16",
+            "--batch-size",
+            "8",
+            "--data",
+            "digits",
+            "--save-final",
+            s(&fin),
+        ];
+        let finished: Vec<Finished> = start_on_all(&hosts, 2, &[], &worker, &marker)
+            .into_iter()
+            .map(|r| r.wait(LIMIT))
+            .collect();
+        assert_all_succeeded(&finished);
+        if netem.is_some() {
+            let dropped: Vec<Option<u64>> = (0..2).map(|i| hosts.dropped_packets(i)).collect();
+            eprintln!("links: {}; packets dropped per host: {dropped:?}", hosts.shaping());
+            assert!(
+                dropped.iter().all(|d| d.is_some_and(|n| n > 0)),
+                "no packet was dropped: the loss was not applied ({dropped:?})"
+            );
+        }
+        weights(&fin)
+    };
+    let lossy = run(Some(Netem { delay_ms: 0.2, rate_mbit: None, loss_percent: 10.0 }), "lossy");
+    let clean = run(None, "clean");
+    // TCP retransmits: the same bytes arrive, so the same weights.
+    assert_eq!(lossy, clean, "training through 10% packet loss differs from a clean link");
+    assert_no_leftovers(&marker);
 }

@@ -272,7 +272,9 @@ impl ProcessGroup {
         let key = format!("{}/first_failure", self.inner.name);
         let me = self.inner.world_ranks.get(self.inner.rank).copied().unwrap_or(self.inner.rank);
         let mine = format!("rank {me}: {err}");
-        let recorded = store.compare_set_within(&key, b"", mine.as_bytes(), Duration::from_secs(1));
+        // Bounded tightly: with the link to the store cut, this must not delay the rank's exit.
+        let recorded =
+            store.compare_set_within(&key, b"", mine.as_bytes(), Duration::from_millis(500));
         self.linger_for_readers(store);
         let first = match recorded {
             Ok(first) if first != mine.as_bytes() => String::from_utf8_lossy(&first).to_string(),

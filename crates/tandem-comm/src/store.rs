@@ -1,6 +1,8 @@
 //! The rendezvous key-value store (PyTorch's `TCPStore`): a server thread in rank 0 (or the
 //! launcher) and clients in every rank. Operations: set, get (waits for the key), wait for keys,
-//! add, compare-and-set, delete — each bounded by a timeout. Every connection starts with a
+//! add, compare-and-set, delete — each bounded by a timeout. A key set with `set_owned` lives as
+//! long as the connection that set it (a ZooKeeper-style ephemeral node): launchers use it to see
+//! at once that another node's launcher died, since the kernel closes a dead process's sockets. Every connection starts with a
 //! handshake carrying the run id; a connection from another job is refused with an error that
 //! says so. Frames are size-bounded (see `frame::MAX_FRAME`).
 use crate::error::CommError;
@@ -19,6 +21,7 @@ const OP_WAIT: u8 = 3;
 const OP_ADD: u8 = 4;
 const OP_CAS: u8 = 5;
 const OP_DELETE: u8 = 6;
+const OP_SET_OWNED: u8 = 7;
 const R_OK: u8 = 0;
 const R_REFUSED: u8 = 1;
 const R_TIMEOUT: u8 = 2;
@@ -95,8 +98,28 @@ fn serve_client(conn: TcpStream, table: &Table, run_id: &str) {
     if write_frame(&mut w, &Enc::default().u8(R_OK).0).is_err() {
         return;
     }
+    let mut owned = Vec::new();
+    serve_requests(&mut r, &mut w, table, &peer, &mut owned);
+    // The connection is gone: so are the keys it owned.
+    if !owned.is_empty() {
+        let mut map = table.map.lock().unwrap_or_else(|p| p.into_inner());
+        for key in owned {
+            map.remove(&key);
+        }
+        drop(map);
+        table.changed.notify_all();
+    }
+}
+
+fn serve_requests(
+    r: &mut BufReader<TcpStream>,
+    w: &mut BufWriter<TcpStream>,
+    table: &Table,
+    peer: &str,
+    owned: &mut Vec<String>,
+) {
     loop {
-        let req = match read_frame(&mut r) {
+        let req = match read_frame(r) {
             Ok(req) => req,
             Err(FrameError::TooLarge(n)) => {
                 tracing::warn!("store: {peer} sent a {n}-byte frame; closing the connection");
@@ -104,9 +127,14 @@ fn serve_client(conn: TcpStream, table: &Table, run_id: &str) {
             }
             Err(FrameError::Io(_)) => return,
         };
+        if req.first() == Some(&OP_SET_OWNED) {
+            if let Some(key) = Dec(&req[1..]).str() {
+                owned.push(key);
+            }
+        }
         let resp = handle(&req, table)
             .unwrap_or_else(|| Enc::default().u8(R_ERROR).str("malformed request").0);
-        if write_frame(&mut w, &resp).is_err() {
+        if write_frame(w, &resp).is_err() {
             return;
         }
     }
@@ -134,7 +162,7 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
     let mut d = Dec(req);
     let op = d.u8()?;
     let resp = match op {
-        OP_SET => {
+        OP_SET | OP_SET_OWNED => {
             let key = d.str()?;
             let val = d.bytes()?.to_vec();
             table.map.lock().unwrap_or_else(|p| p.into_inner()).insert(key, val);
@@ -397,6 +425,34 @@ impl Store {
         Ok(())
     }
 
+    /// Sets `key` for as long as this connection lives: the server deletes it when the
+    /// connection closes (this process exited or was killed, or the client was dropped).
+    pub fn set_owned(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
+        self.request(
+            "set_owned",
+            key,
+            &Enc::default().u8(OP_SET_OWNED).str(key).bytes(value).0,
+            self.timeout(),
+        )?;
+        Ok(())
+    }
+
+    /// Which of `keys` do not exist now (does not wait).
+    pub fn missing(&self, keys: &[&str]) -> Result<Vec<String>, CommError> {
+        let mut e = Enc::default().u8(OP_WAIT).u64(keys.len() as u64);
+        for k in keys {
+            e = e.str(k);
+        }
+        let e = e.u64(0);
+        match self.request("check", &keys.join(","), &e.0, Duration::ZERO) {
+            Ok(_) => Ok(Vec::new()),
+            Err(CommError::StoreTimeout { key, .. }) => {
+                Ok(key.split(',').filter(|k| !k.is_empty()).map(str::to_string).collect())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// The value of `key`, waiting for it to be set (up to the store timeout).
     pub fn get(&self, key: &str) -> Result<Vec<u8>, CommError> {
         let t = self.timeout();
@@ -433,6 +489,20 @@ impl Store {
             self.timeout(),
         )?;
         Dec(&resp).u64().map(|v| v as i64).ok_or_else(|| self.malformed("add"))
+    }
+
+    /// `add` that gives up after `limit` whatever the store timeout (for failure paths).
+    pub fn add_within(&self, key: &str, delta: i64, limit: Duration) -> Result<i64, CommError> {
+        let req = Enc::default().u8(OP_ADD).str(key).u64(delta as u64).0;
+        let resp = self.request_within("add", key, &req, limit, limit)?;
+        Dec(&resp).u64().map(|v| v as i64).ok_or_else(|| self.malformed("add"))
+    }
+
+    /// `set` that gives up after `limit` whatever the store timeout (for failure paths).
+    pub fn set_within(&self, key: &str, value: &[u8], limit: Duration) -> Result<(), CommError> {
+        let req = Enc::default().u8(OP_SET).str(key).bytes(value).0;
+        self.request_within("set", key, &req, limit, limit)?;
+        Ok(())
     }
 
     /// `compare_set` that gives up after `limit` (used on failure paths, which must stay fast).

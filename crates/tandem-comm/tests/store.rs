@@ -115,3 +115,23 @@ fn client_refuses_an_oversized_reply() {
     let e = Store::connect(&addr, "r", Duration::from_secs(5), "test").expect_err("oversized");
     assert!(matches!(e, CommError::FrameTooLarge { len: 2147483648, .. }), "{e}");
 }
+
+#[test]
+fn owned_keys_vanish_with_their_connection() {
+    let (server, watcher) = pair("r");
+    let addr = server.local_addr().to_string();
+    let owner = Store::connect(&addr, "r", Duration::from_secs(5), "test").unwrap();
+    owner.set_owned("alive/a", b"host-a").unwrap();
+    watcher.set("plain", b"x").unwrap();
+    assert_eq!(watcher.get("alive/a").unwrap(), b"host-a");
+    assert!(watcher.missing(&["alive/a", "plain"]).unwrap().is_empty());
+    assert_eq!(watcher.missing(&["alive/a", "nope"]).unwrap(), vec!["nope".to_string()]);
+    drop(owner);
+    // The server notices the closed connection promptly and removes only the owned key.
+    let start = Instant::now();
+    while watcher.missing(&["alive/a"]).unwrap().is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(5), "owned key outlived its connection");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(watcher.missing(&["plain"]).unwrap().is_empty());
+}

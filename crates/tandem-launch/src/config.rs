@@ -84,9 +84,16 @@ fn visible_gpu_count() -> u32 {
         .count() as u32
 }
 
-/// Parses `--nnodes`: `N`, or `MIN:MAX` with `MIN == MAX` (elastic membership is not
-/// supported yet, so a range must be a single size).
-pub fn parse_nnodes(s: &str) -> Result<u32, String> {
+/// `--nnodes`: `N`, or `MIN:MAX` (an elastic job: each round starts with as many nodes as
+/// joined, at least MIN, at most MAX).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Nnodes {
+    pub min: u32,
+    pub max: u32,
+}
+
+/// Parses `--nnodes`: `N` or `MIN:MAX` with `1 <= MIN <= MAX`.
+pub fn parse_nnodes(s: &str) -> Result<Nnodes, String> {
     let parse_one = |part: &str| -> Result<u32, String> {
         match part.trim().parse::<u32>() {
             Ok(0) => Err("must be at least 1".into()),
@@ -95,13 +102,13 @@ pub fn parse_nnodes(s: &str) -> Result<u32, String> {
         }
     };
     match s.split_once(':') {
-        None => parse_one(s),
+        None => parse_one(s).map(|n| Nnodes { min: n, max: n }),
         Some((min, max)) => {
             let (min, max) = (parse_one(min)?, parse_one(max)?);
-            if min != max {
-                Err(format!("`{s}`: elastic ranges are not supported yet; use MIN == MAX (e.g. `{max}:{max}`)"))
+            if min > max {
+                Err(format!("`{s}`: MIN is larger than MAX"))
             } else {
-                Ok(min)
+                Ok(Nnodes { min, max })
             }
         }
     }
@@ -209,8 +216,12 @@ pub struct LaunchConfig {
     /// The executable each worker runs (looked up in PATH like a shell would).
     pub program: OsString,
     pub args: Vec<OsString>,
-    /// Number of nodes (launchers) in the job.
+    /// Number of nodes (launchers) in the job; with `min_nnodes`, the most nodes.
     pub nnodes: u32,
+    /// `--nnodes MIN:MAX`: rounds may start with as few as MIN nodes (`None`: exactly `nnodes`).
+    pub min_nnodes: Option<u32>,
+    /// How long the launchers of a multi-node job wait for each other to start a round.
+    pub rdzv_timeout: Duration,
     /// Workers on this node.
     pub nproc_per_node: NprocPerNode,
     /// This node's index in `0..nnodes`; becomes GROUP_RANK.
@@ -260,6 +271,8 @@ impl LaunchConfig {
             program: program.into(),
             args: args.into_iter().map(Into::into).collect(),
             nnodes: 1,
+            min_nnodes: None,
+            rdzv_timeout: Duration::from_secs(300),
             nproc_per_node: NprocPerNode::Count(1),
             node_rank: 0,
             master_addr: "127.0.0.1".into(),
@@ -289,6 +302,11 @@ impl LaunchConfig {
             LaunchError::config("PROGRAM", format!("cannot find this executable to re-run it: {e}"))
         })?;
         Ok(LaunchConfig::new(exe, args))
+    }
+
+    /// Whether launchers on several nodes must agree on each round.
+    pub fn is_multi_node(&self) -> bool {
+        self.nnodes > 1
     }
 
     /// Checks the combination of settings; each error names the flag at fault.
@@ -356,10 +374,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn nnodes_accepts_n_and_equal_range_only() {
-        assert_eq!(parse_nnodes("2"), Ok(2));
-        assert_eq!(parse_nnodes("3:3"), Ok(3));
-        assert!(parse_nnodes("1:2").unwrap_err().contains("MIN == MAX"));
+    fn nnodes_accepts_n_and_ranges() {
+        assert_eq!(parse_nnodes("2"), Ok(Nnodes { min: 2, max: 2 }));
+        assert_eq!(parse_nnodes("3:3"), Ok(Nnodes { min: 3, max: 3 }));
+        assert_eq!(parse_nnodes("1:4"), Ok(Nnodes { min: 1, max: 4 }));
+        assert!(parse_nnodes("3:2").unwrap_err().contains("MIN is larger"));
         assert!(parse_nnodes("0").is_err());
         assert!(parse_nnodes("x").unwrap_err().contains("`x`"));
     }

@@ -22,6 +22,10 @@ pub enum LaunchError {
     #[error("cannot wait for rank {rank}: {error}")]
     Wait { rank: u32, error: io::Error },
 
+    /// The launchers of a multi-node job could not agree on a round, or one of them is gone.
+    #[error("rendezvous: {0}")]
+    Rendezvous(String),
+
     #[error("no free port for MASTER_PORT on {addr}: {error}")]
     NoFreePort { addr: String, error: io::Error },
 }

@@ -12,6 +12,7 @@
 mod config;
 mod env;
 mod error;
+mod nodes;
 mod outcome;
 mod output;
 mod port;
@@ -21,8 +22,8 @@ mod supervisor;
 mod worker;
 
 pub use config::{
-    available_cores, parse_local_ranks, parse_nnodes, random_run_id, LaunchConfig, NprocPerNode,
-    StreamSpec, Streams,
+    available_cores, parse_local_ranks, parse_nnodes, random_run_id, LaunchConfig, Nnodes,
+    NprocPerNode, StreamSpec, Streams,
 };
 pub use env::{threads_per_worker, JobShape, THREAD_VARS};
 pub use error::LaunchError;

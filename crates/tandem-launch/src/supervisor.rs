@@ -9,6 +9,7 @@ use nix::unistd::Pid;
 use crate::config::{available_cores, LaunchConfig};
 use crate::env::JobShape;
 use crate::error::LaunchError;
+use crate::nodes::{Finish, NodeAgent, Remote, Round, RoundWatch};
 use crate::outcome::{LaunchOutcome, WorkerExit, WorkerFailure};
 use crate::port::{mentions_addr_in_use, pick_master_port};
 use crate::reaper::GroupReaper;
@@ -29,7 +30,18 @@ enum AttemptEnd {
     /// Indices of the workers that failed by themselves, in the order seen.
     Failed(Vec<(usize, WorkerExit)>),
     Signalled(i32),
+    /// The round ended on another node (multi-node jobs).
+    Remote(Remote),
 }
+
+/// How long the exit barrier waits for the other nodes once this node's workers succeeded
+/// (torchrun's `exit_barrier_timeout`).
+const EXIT_BARRIER: Duration = Duration::from_secs(300);
+/// After a local failure, how long to look for a remote cause (a node whose launcher died takes
+/// its workers with it, and ours fail a moment later talking to them).
+const REMOTE_CAUSE_WINDOW: Duration = Duration::from_millis(500);
+/// A store silent for this long (the watcher polls it every tick) is taken as unreachable.
+const STORE_SILENT: Duration = Duration::from_secs(1);
 
 /// Starts the workers of this node and supervises them until the job succeeds, fails past
 /// `max_restarts`, or the launcher is signalled. Blocks until every worker is gone. Must stay
@@ -60,13 +72,42 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
             None
         }
     };
+    let agent = match (cfg.is_multi_node(), cfg.master_port) {
+        (true, Some(rdzv_port)) => Some(NodeAgent::start(
+            &cfg.master_addr,
+            rdzv_port,
+            &cfg.run_id,
+            cfg.node_rank,
+            (cfg.min_nnodes.unwrap_or(cfg.nnodes), cfg.nnodes),
+            cfg.rdzv_timeout,
+        )?),
+        _ => None,
+    };
+    let mut next_round = 0;
     let mut restart_count = 0;
     let mut port_retries = 0;
     loop {
+        let round = match &agent {
+            Some(a) => {
+                let r = a.join(next_round, nproc, pick_master_port)?;
+                next_round = r.index + 1;
+                tracing::info!(
+                    round = r.index,
+                    nnodes = r.nnodes,
+                    node_rank = r.node_rank,
+                    "rendezvous"
+                );
+                port = r.worker_port;
+                Some(r)
+            }
+            None => None,
+        };
+        let (nnodes, node_rank) =
+            round.as_ref().map_or((cfg.nnodes, cfg.node_rank), |r| (r.nnodes, r.node_rank));
         let shape = JobShape {
-            nnodes: cfg.nnodes,
+            nnodes,
             nproc_per_node: nproc,
-            node_rank: cfg.node_rank,
+            node_rank,
             master_addr: cfg.master_addr.clone(),
             master_port: port,
             restart_count,
@@ -92,14 +133,20 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
                 }
             }
         }
-        let end = match watch(&mut workers, cfg.monitor_interval, &signals, &mut reaper) {
-            Ok(end) => end,
-            Err(e) => {
-                stop_all(&mut workers, Signal::SIGTERM, cfg.stop_grace, &signals);
-                drain_output(&mut workers);
-                return Err(e);
-            }
+        let round_watch = match (&agent, &round) {
+            (Some(a), Some(r)) => Some(a.watch(r, cfg.monitor_interval)?),
+            _ => None,
         };
+        let mut remote = || round_watch.as_ref().and_then(RoundWatch::seen);
+        let end =
+            match watch(&mut workers, cfg.monitor_interval, &signals, &mut reaper, &mut remote) {
+                Ok(end) => end,
+                Err(e) => {
+                    stop_all(&mut workers, Signal::SIGTERM, cfg.stop_grace, &signals);
+                    drain_output(&mut workers);
+                    return Err(e);
+                }
+            };
         let stop_with = match end {
             AttemptEnd::Signalled(sig) => Signal::try_from(sig).unwrap_or(Signal::SIGTERM),
             _ => Signal::SIGTERM,
@@ -112,6 +159,12 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
                 r.forget_group(w.pgid);
             }
         }
+
+        let end = match (&agent, &round, &round_watch) {
+            (Some(a), Some(r), Some(w)) => settle_with_nodes(a, r, w, end, &workers)?,
+            _ => end,
+        };
+        drop(round_watch);
 
         let outcome = |exit_code, failures, signal| LaunchOutcome {
             exit_code,
@@ -127,6 +180,27 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
                 let o = outcome(128 + sig, Vec::new(), Some(sig));
                 eprint!("{}", o.summary(cfg.max_restarts));
                 return Ok(o);
+            }
+            AttemptEnd::Remote(remote) => {
+                let fatal = remote.is_fatal(cfg.min_nnodes.is_some());
+                if !fatal && restart_count < cfg.max_restarts {
+                    restart_count += 1;
+                    eprintln!(
+                        "[launcher] {remote}; restarting all {nproc} worker(s) of this node \
+                         with the other nodes (restart {restart_count} of {})",
+                        cfg.max_restarts
+                    );
+                    continue;
+                }
+                eprintln!(
+                    "[launcher] the job failed: {remote}; stopped this node's workers{}",
+                    match (&remote, fatal) {
+                        (Remote::NodeLost { .. }, true) =>
+                            " (a fixed --nnodes cannot go on without that node)",
+                        _ => "",
+                    }
+                );
+                return Ok(outcome(1, Vec::new(), None));
             }
             AttemptEnd::Failed(failed) => {
                 let failures: Vec<WorkerFailure> = failed
@@ -144,7 +218,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
                     && workers
                         .iter()
                         .any(|w| w.stderr_lines().iter().any(|l| mentions_addr_in_use(l)));
-                if port_taken && port_retries < MAX_PORT_RETRIES {
+                if port_taken && agent.is_none() && port_retries < MAX_PORT_RETRIES {
                     port_retries += 1;
                     let old = port;
                     port = new_port()?;
@@ -180,10 +254,14 @@ fn watch(
     interval: Duration,
     signals: &SignalWatch,
     reaper: &mut Option<GroupReaper>,
+    remote: &mut dyn FnMut() -> Option<Remote>,
 ) -> Result<AttemptEnd, LaunchError> {
     loop {
         if let Some((sig, _)) = signals.received() {
             return Ok(AttemptEnd::Signalled(sig));
+        }
+        if let Some(r) = remote() {
+            return Ok(AttemptEnd::Remote(r));
         }
         replace_dead_reaper(reaper, workers);
         let mut failed = Vec::new();
@@ -208,6 +286,61 @@ fn watch(
         while Instant::now() < until && signals.received().is_none() {
             std::thread::sleep(interval.min(Duration::from_millis(50)));
         }
+    }
+}
+
+/// Squares this node's view of a round with the other nodes': a local failure is reported to
+/// them (unless a remote cause explains it), and a local success waits at the exit barrier.
+fn settle_with_nodes(
+    agent: &NodeAgent,
+    round: &Round,
+    watch: &RoundWatch,
+    end: AttemptEnd,
+    workers: &[Worker],
+) -> Result<AttemptEnd, LaunchError> {
+    match end {
+        AttemptEnd::Failed(failed) if watch.silent_for() > STORE_SILENT => {
+            // Cut off from the host: no report can come in or go out; do not wait for one.
+            eprintln!(
+                "[launcher] the rendezvous host has not answered for {:.1}s; the other nodes \
+                 are not told of this failure",
+                watch.silent_for().as_secs_f64()
+            );
+            Ok(AttemptEnd::Failed(failed))
+        }
+        AttemptEnd::Failed(failed) => {
+            // A worker killed by a signal is a root cause; one that exited with an error may
+            // have lost a peer on another node, whose launcher may be about to say so.
+            let window = match failed[0].1 {
+                WorkerExit::Signal(_) => Duration::ZERO,
+                WorkerExit::Code(_) => REMOTE_CAUSE_WINDOW,
+            };
+            let start = Instant::now();
+            loop {
+                if let Some(r) = watch.seen() {
+                    return Ok(AttemptEnd::Remote(r));
+                }
+                if start.elapsed() >= window {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let (i, exit) = failed[0];
+            let msg = format!(
+                "rank {} (local rank {} on node {}, {}) failed with {exit}",
+                workers[i].rank,
+                workers[i].local_rank,
+                round.node_rank,
+                agent.hostname()
+            );
+            agent.report_failure(round, &msg);
+            Ok(AttemptEnd::Failed(failed))
+        }
+        AttemptEnd::Succeeded => match agent.finish(round, watch, EXIT_BARRIER)? {
+            Finish::AllDone => Ok(AttemptEnd::Succeeded),
+            Finish::Remote(r) => Ok(AttemptEnd::Remote(r)),
+        },
+        other => Ok(other),
     }
 }
 

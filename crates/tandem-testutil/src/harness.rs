@@ -18,6 +18,10 @@ impl Test {
         Test { name, run, skip: None }
     }
 
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
     /// Not run (reported as ignored) when `reason` is `Some`.
     pub fn skip_if(mut self, reason: Option<String>) -> Test {
         self.skip = reason;

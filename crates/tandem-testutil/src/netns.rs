@@ -2,8 +2,11 @@
 //! (10.77.0.<i+1>/24 on a veth whose other end sits on a bridge in a "switch" namespace) and,
 //! for every command run in it, its own hostname (a fresh UTS namespace), so tandem's host
 //! detection sees different machines. An optional `tc netem` on each host's link delays,
-//! rate-limits or drops packets. Needs root and iproute2 (`ip`, `tc`) — CI has both; elsewhere
-//! [`Hosts::unavailable`] says why, and the test is reported as skipped, never as passed.
+//! rate-limits or drops packets. Kernels built without `sch_netem` (some VMs) get the same
+//! rate from a `tbf` qdisc and the same loss from an nftables rule (`numgen random`); only the
+//! delay is then left out, and [`Hosts::shaping`] says so. Needs root and iproute2 (`ip`, `tc`;
+//! `nft` for loss without netem) — CI has them; elsewhere [`Hosts::unavailable`] says why, and
+//! the test is reported as skipped, never as passed.
 //! Namespaces are removed when the `Hosts` value is dropped (their links go with them).
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -19,6 +22,7 @@ pub struct Netem {
 pub struct Hosts {
     names: Vec<String>,
     switch: String,
+    shaping: String,
 }
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -60,13 +64,41 @@ impl Hosts {
         }
     }
 
+    /// Why packet loss cannot be simulated here (no `sch_netem` in the kernel and no `nft`),
+    /// or `None`.
+    pub fn loss_unavailable() -> Option<String> {
+        if let Some(why) = Hosts::unavailable() {
+            return Some(why);
+        }
+        let probe = format!("tdm-lossprobe-{}", std::process::id());
+        sh(&["ip", "netns", "add", &probe]).ok()?;
+        let netem =
+            sh(&["ip", "-n", &probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
+                .and_then(|_| {
+                    sh(&[
+                        "ip", "netns", "exec", &probe, "tc", "qdisc", "add", "dev", "p0", "root",
+                        "netem", "loss", "1%",
+                    ])
+                });
+        let _ = sh(&["ip", "netns", "del", &probe]);
+        if netem.is_ok() || Command::new("nft").arg("--version").output().is_ok() {
+            None
+        } else {
+            Some(
+                "the kernel has no sch_netem and `nft` is not installed (apt install nftables)"
+                    .into(),
+            )
+        }
+    }
+
     /// `n` hosts on one switch, each link shaped by `netem` when given. Panics naming the
     /// failing command (callers check [`Hosts::unavailable`] first).
     pub fn new(n: usize, netem: Option<Netem>) -> Hosts {
         let id = format!("tdm{}x{}", std::process::id(), NEXT.fetch_add(1, Ordering::SeqCst));
-        let hosts = Hosts {
+        let mut hosts = Hosts {
             names: (0..n).map(|i| format!("{id}h{i}")).collect(),
             switch: format!("{id}sw"),
+            shaping: "none".into(),
         };
         if let Err(e) = hosts.build(netem) {
             panic!("building {n} simulated hosts: {e}");
@@ -74,12 +106,12 @@ impl Hosts {
         hosts
     }
 
-    fn build(&self, netem: Option<Netem>) -> Result<(), String> {
+    fn build(&mut self, netem: Option<Netem>) -> Result<(), String> {
         let sw = self.switch.as_str();
         sh(&["ip", "netns", "add", sw])?;
         sh(&["ip", "-n", sw, "link", "add", "br0", "type", "bridge"])?;
         sh(&["ip", "-n", sw, "link", "set", "br0", "up"])?;
-        for (i, ns) in self.names.iter().enumerate() {
+        for (i, ns) in self.names.clone().iter().enumerate() {
             let (host_if, port) = (format!("eth{i}"), format!("port{i}"));
             sh(&["ip", "netns", "add", ns])?;
             sh(&[
@@ -93,23 +125,16 @@ impl Hosts {
             sh(&["ip", "-n", ns, "link", "set", &host_if, "up"])?;
             sh(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
             if let Some(n) = netem {
-                let mut args: Vec<String> = [
-                    "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", &host_if, "root",
-                    "netem",
-                ]
-                .map(String::from)
-                .to_vec();
-                args.extend(["delay".into(), format!("{}ms", n.delay_ms)]);
-                if let Some(rate) = n.rate_mbit {
-                    args.extend(["rate".into(), format!("{rate}mbit")]);
-                }
-                if n.loss_percent > 0.0 {
-                    args.extend(["loss".into(), format!("{}%", n.loss_percent)]);
-                }
-                sh(&args.iter().map(String::as_str).collect::<Vec<_>>())?;
+                self.shaping = shape_link(ns, &host_if, n)?;
             }
         }
         Ok(())
+    }
+
+    /// How the links are shaped: `none`, `netem ...`, or the tbf/nftables fallback with what it
+    /// left out.
+    pub fn shaping(&self) -> &str {
+        &self.shaping
     }
 
     pub fn len(&self) -> usize {
@@ -141,6 +166,33 @@ impl Hosts {
         c
     }
 
+    /// Packets dropped so far by the loss shaping of host `i` (netem's or the nftables rule's
+    /// counter); `None` when it cannot be read.
+    pub fn dropped_packets(&self, i: usize) -> Option<u64> {
+        let ns = &self.names[i];
+        let run = |args: &[&str]| {
+            Command::new("ip")
+                .args(["netns", "exec", ns])
+                .args(args)
+                .output()
+                .ok()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        };
+        let number_after = |text: &str, word: &str| {
+            let rest = &text[text.find(word)? + word.len()..];
+            rest.split_whitespace().next()?.trim_end_matches(',').parse::<u64>().ok()
+        };
+        if self.shaping.starts_with("netem") {
+            let dev = format!("eth{i}");
+            number_after(&run(&["tc", "-s", "qdisc", "show", "dev", &dev])?, "dropped ")
+        } else {
+            number_after(
+                &run(&["nft", "list", "chain", "inet", "tdm_shape", "in"])?,
+                "counter packets ",
+            )
+        }
+    }
+
     /// Cuts (or restores) host `i`'s link.
     pub fn set_link(&self, i: usize, up: bool) -> Result<(), String> {
         let dev = format!("eth{i}");
@@ -154,4 +206,53 @@ impl Drop for Hosts {
             let _ = sh(&["ip", "netns", "del", ns]);
         }
     }
+}
+
+/// Applies `n` to the egress of `dev` in namespace `ns`: netem when the kernel has it, else tbf
+/// for the rate and nftables for the loss. Returns a description of what was applied.
+fn shape_link(ns: &str, dev: &str, n: Netem) -> Result<String, String> {
+    let tc = |rest: &[&str]| {
+        let mut args = vec!["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root"];
+        args.extend(rest);
+        sh(&args)
+    };
+    let mut netem = vec!["netem".to_string(), "delay".into(), format!("{}ms", n.delay_ms)];
+    if let Some(rate) = n.rate_mbit {
+        netem.extend(["rate".into(), format!("{rate}mbit")]);
+    }
+    if n.loss_percent > 0.0 {
+        netem.extend(["loss".into(), format!("{}%", n.loss_percent)]);
+    }
+    match tc(&netem.iter().map(String::as_str).collect::<Vec<_>>()) {
+        Ok(()) => return Ok(netem.join(" ")),
+        Err(e) if !e.contains("qdisc kind is unknown") => return Err(e),
+        Err(_) => {}
+    }
+    let mut applied = Vec::new();
+    if let Some(rate) = n.rate_mbit {
+        // A burst of ~1 ms at the rate (at least 64 KiB) keeps TCP near the configured rate.
+        let burst = ((rate * 1000 / 8) as usize).max(64 * 1024);
+        let (rate_s, burst_s) = (format!("{rate}mbit"), format!("{burst}b"));
+        tc(&["tbf", "rate", &rate_s, "burst", &burst_s, "latency", "50ms"])?;
+        applied.push(format!("tbf rate {rate}mbit"));
+    }
+    if n.loss_percent > 0.0 {
+        let nft = |rule: &str| sh(&["ip", "netns", "exec", ns, "nft", rule]);
+        nft("add table inet tdm_shape")?;
+        // Dropped on arrival: to the sender it is loss on the wire. (Dropping in the output hook
+        // would instead hand the sender EPERM, which TCP handles differently.)
+        nft("add chain inet tdm_shape in { type filter hook input priority 0 ; }")?;
+        let per_mille = (n.loss_percent * 10.0).round() as u32;
+        nft(&format!(
+            "add rule inet tdm_shape in iifname \"{dev}\" numgen random mod 1000 < {per_mille} counter drop"
+        ))?;
+        applied.push(format!("nftables drop {}%", n.loss_percent));
+    }
+    if n.delay_ms > 0.0 {
+        applied.push(format!(
+            "no delay (this kernel has no sch_netem; {} ms not applied)",
+            n.delay_ms
+        ));
+    }
+    Ok(applied.join(", "))
 }

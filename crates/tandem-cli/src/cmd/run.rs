@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use tandem_launch::{
-    parse_local_ranks, parse_nnodes, random_run_id, LaunchConfig, NprocPerNode, StreamSpec,
+    parse_local_ranks, parse_nnodes, random_run_id, LaunchConfig, Nnodes, NprocPerNode, StreamSpec,
 };
 
 #[derive(clap::Args, Debug)]
@@ -17,9 +17,19 @@ and OMP_NUM_THREADS / RAYON_NUM_THREADS = max(1, cores / nproc) unless already s
 Example: tandem run --nproc-per-node 4 -- ./train --epochs 3"
 )]
 pub struct Args {
-    /// Number of nodes: N, or MIN:MAX with MIN == MAX (no elastic ranges yet).
+    /// Number of nodes: N, or MIN:MAX (each round starts with the nodes that joined, at least
+    /// MIN; a lost node is replaced or dropped at the next restart).
     #[arg(long, value_name = "N", default_value = "1", value_parser = parse_nnodes)]
-    nnodes: u32,
+    nnodes: Nnodes,
+
+    /// Seconds the launchers of a multi-node job wait for each other at each (re)start.
+    #[arg(
+        long = "rdzv-timeout",
+        alias = "rdzv_timeout",
+        value_name = "SECS",
+        default_value_t = 300.0
+    )]
+    rdzv_timeout: f64,
 
     /// Workers on this node: a count, `auto` (one per GPU, else per core), `cpu` or `gpu`.
     #[arg(
@@ -31,6 +41,8 @@ pub struct Args {
     nproc_per_node: NprocPerNode,
 
     /// This node's index in 0..nnodes (becomes GROUP_RANK; ranks are node_rank * nproc + local).
+    /// Node 0's launcher hosts the launchers' rendezvous at MASTER_ADDR:MASTER_PORT. With
+    /// --nnodes MIN:MAX only 0 matters: the other nodes are numbered in the order they join.
     #[arg(long = "node-rank", alias = "node_rank", value_name = "R", default_value_t = 0)]
     node_rank: u32,
 
@@ -43,7 +55,9 @@ pub struct Args {
     )]
     master_addr: String,
 
-    /// Port of rank 0's store (MASTER_PORT); required with --nnodes > 1, else a free one is picked.
+    /// Port of rank 0's store (MASTER_PORT); required with --nnodes > 1, where it is the
+    /// launchers' rendezvous and node 0 picks a free port for the workers each round. Single
+    /// node: a free one is picked when not given.
     #[arg(long = "master-port", alias = "master_port", value_name = "PORT")]
     master_port: Option<u16>,
 
@@ -123,7 +137,9 @@ pub fn config_from_args(args: Args) -> anyhow::Result<LaunchConfig> {
         bail!("PROGRAM: nothing to run (tandem run -- PROGRAM [ARGS])")
     };
     let mut cfg = LaunchConfig::new(program, command);
-    cfg.nnodes = args.nnodes;
+    cfg.nnodes = args.nnodes.max;
+    cfg.min_nnodes = (args.nnodes.min != args.nnodes.max).then_some(args.nnodes.min);
+    cfg.rdzv_timeout = seconds("--rdzv-timeout", args.rdzv_timeout)?;
     cfg.nproc_per_node = args.nproc_per_node;
     cfg.node_rank = args.node_rank;
     cfg.master_addr = args.master_addr;

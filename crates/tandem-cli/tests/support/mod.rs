@@ -112,6 +112,23 @@ pub fn marked_processes(marker: &str) -> Vec<i32> {
         .collect()
 }
 
+/// Live processes of the trial `marker` whose environment also has every `VAR=value` of
+/// `also`, and whose command line contains `arg` (e.g. `train`, `run`).
+pub fn marked_processes_with(marker: &str, also: &[&str], arg: &str) -> Vec<i32> {
+    marked_processes(marker)
+        .into_iter()
+        .filter(|&pid| {
+            let env = environ(pid);
+            also.iter().all(|kv| env.iter().any(|e| e == kv))
+        })
+        .filter(|&pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|b| b.split(|&c| c == 0).any(|a| a == arg.as_bytes()))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
 /// Orphan check: waits up to `settle` for every process of the trial to be gone; returns the
 /// survivors after that (and SIGKILLs them so one failed trial cannot disturb the next).
 pub fn leftovers(marker: &str, settle: Duration) -> Vec<i32> {

@@ -1,0 +1,543 @@
+//! The launchers of a multi-node job agree on every attempt ("round"), as torchrun's c10d
+//! rendezvous does: they meet in a store hosted by the node-rank-0 launcher at
+//! `MASTER_ADDR:MASTER_PORT`, learn which nodes take part, their node ranks and the port of the
+//! workers' own store (the host picks a free one each round). A worker failure on any node ends
+//! the round on every node, and all of them start the next round together while restarts
+//! remain. Each launcher holds an owned key (deleted by the store when its connection closes),
+//! so a launcher that dies is seen by the others at once and named.
+//!
+//! Keys: `alive/<id>` (owned), `round` (the newest round opened), and per round `r<k>/count`
+//! (join counter), `r<k>/member/<j>`, `r<k>/closed`, `r<k>/failed` + `r<k>/failed/msg`,
+//! `r<k>/done`, `r<k>/left`.
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tandem_comm::{CommError, Store, StoreServer};
+
+use crate::error::LaunchError;
+
+/// With `--nnodes MIN:MAX`, how long the count of joined nodes must stay unchanged (at MIN or
+/// more) before the host closes the round without waiting for MAX.
+const LAST_CALL: Duration = Duration::from_secs(2);
+const POLL: Duration = Duration::from_millis(50);
+/// How long the host keeps the store up for the other launchers to read the job's end.
+const EXIT_LINGER: Duration = Duration::from_secs(10);
+/// Failure reports are best effort and must not hold up a launcher whose link is cut.
+const REPORT_LIMIT: Duration = Duration::from_millis(500);
+/// Store operations of the watcher thread and of the exit barrier.
+const OP_LIMIT: Duration = Duration::from_secs(5);
+
+/// Who takes part in one round, and what this node is in it.
+#[derive(Clone, Debug)]
+pub(crate) struct Round {
+    pub index: u32,
+    pub nnodes: u32,
+    pub node_rank: u32,
+    pub worker_port: u16,
+    /// By node rank: the member's owned key and its hostname.
+    members: Vec<Member>,
+}
+
+#[derive(Clone, Debug)]
+struct Member {
+    alive_key: String,
+    hostname: String,
+}
+
+/// How a round ended elsewhere, seen while this node's workers ran.
+#[derive(Clone, Debug)]
+pub(crate) enum Remote {
+    /// A worker on another node failed; the message names the node and rank.
+    Failed(String),
+    /// Another node's launcher is gone (its connection to the store closed).
+    NodeLost { node_rank: u32, hostname: String },
+    /// The store on node 0 stopped answering: its launcher died or the link to it is cut.
+    HostLost(String),
+}
+
+impl Remote {
+    /// Whether the job can go on after this: not without a node of a fixed-size job, and never
+    /// without the host.
+    pub fn is_fatal(&self, elastic: bool) -> bool {
+        match self {
+            Remote::Failed(_) => false,
+            Remote::NodeLost { .. } => !elastic,
+            Remote::HostLost(_) => true,
+        }
+    }
+}
+
+impl std::fmt::Display for Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Remote::Failed(m) => write!(f, "{m}"),
+            Remote::NodeLost { node_rank, hostname } => write!(
+                f,
+                "node {node_rank} ({hostname}): its launcher is gone (its connection to the \
+                 rendezvous store closed)"
+            ),
+            Remote::HostLost(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+/// How the exit barrier after a local success ended.
+pub(crate) enum Finish {
+    AllDone,
+    Remote(Remote),
+}
+
+pub(crate) struct NodeAgent {
+    store: Store,
+    _server: Option<StoreServer>,
+    run_id: String,
+    is_host: bool,
+    alive_key: String,
+    hostname: String,
+    endpoint: String,
+    static_node_rank: u32,
+    min_nodes: u32,
+    max_nodes: u32,
+    timeout: Duration,
+}
+
+fn lost_message(is_host: bool, endpoint: &str, e: &CommError) -> String {
+    if is_host {
+        format!("the rendezvous store on this node failed: {e}")
+    } else {
+        format!(
+            "lost the rendezvous host, node 0 at {endpoint} (its launcher died, or the network \
+             to it is cut): {e}"
+        )
+    }
+}
+
+fn hostname() -> String {
+    nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "unknown-host".into())
+}
+
+impl NodeAgent {
+    /// Hosts the store (node rank 0) or connects to it, and announces this launcher.
+    pub fn start(
+        master_addr: &str,
+        port: u16,
+        run_id: &str,
+        node_rank: u32,
+        (min_nodes, max_nodes): (u32, u32),
+        timeout: Duration,
+    ) -> Result<NodeAgent, LaunchError> {
+        let endpoint = format!("{master_addr}:{port}");
+        let is_host = node_rank == 0;
+        let server = if is_host {
+            // Every interface: MASTER_ADDR is how the others reach this host, whichever it is.
+            let server = StoreServer::bind(&format!("0.0.0.0:{port}"), run_id).map_err(|e| {
+                LaunchError::Rendezvous(format!(
+                    "node 0 cannot host the launchers' rendezvous on port {port} \
+                     (--master-port): {e}"
+                ))
+            })?;
+            Some(server)
+        } else {
+            None
+        };
+        let store = Store::connect(&endpoint, run_id, timeout, "--master-addr/--master-port")
+            .map_err(|e| LaunchError::Rendezvous(format!("node {node_rank}: {e}")))?;
+        let hostname = hostname();
+        let alive_key = format!("alive/{hostname}/{}", std::process::id());
+        let agent = NodeAgent {
+            store,
+            _server: server,
+            run_id: run_id.to_string(),
+            is_host,
+            alive_key,
+            hostname,
+            endpoint,
+            static_node_rank: node_rank,
+            min_nodes,
+            max_nodes,
+            timeout,
+        };
+        agent
+            .store
+            .set_owned(&agent.alive_key, agent.hostname.as_bytes())
+            .map_err(|e| agent.lost(e))?;
+        Ok(agent)
+    }
+
+    fn elastic(&self) -> bool {
+        self.min_nodes != self.max_nodes
+    }
+
+    /// A store error: for a non-host it almost always means the host's launcher is gone.
+    fn lost(&self, e: CommError) -> LaunchError {
+        LaunchError::Rendezvous(lost_message(self.is_host, &self.endpoint, &e))
+    }
+
+    fn int(&self, key: &str) -> Result<i64, LaunchError> {
+        self.store.add(key, 0).map_err(|e| self.lost(e))
+    }
+
+    fn text(&self, key: &str) -> Result<String, LaunchError> {
+        self.store
+            .get(key)
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+            .map_err(|e| self.lost(e))
+    }
+
+    /// Joins the first round numbered `at_least` or later that is still open, waits until it
+    /// closes, and returns it. `pick_port` gives the host a free port for the workers' store.
+    pub fn join(
+        &self,
+        at_least: u32,
+        nproc: u32,
+        pick_port: impl Fn() -> std::io::Result<u16>,
+    ) -> Result<Round, LaunchError> {
+        let opened = self.int("round")?.max(0) as u32;
+        let index = at_least.max(opened);
+        let pre = format!("r{index}");
+        let j = self.store.add(&format!("{pre}/count"), 1).map_err(|e| self.lost(e))?;
+        let rank_claim = match (self.elastic(), self.is_host) {
+            (false, _) => self.static_node_rank.to_string(),
+            (true, true) => "h".to_string(),
+            (true, false) => "-".to_string(),
+        };
+        self.store
+            .set(
+                &format!("{pre}/member/{j}"),
+                format!("{rank_claim} {nproc} {} {}", self.alive_key, self.hostname).as_bytes(),
+            )
+            .map_err(|e| self.lost(e))?;
+        if self.is_host {
+            self.close_round(index, pick_port)?;
+        }
+        let closed = self.wait_text(&format!("{pre}/closed"), self.timeout + LAST_CALL * 2)?;
+        let mut words = closed.splitn(3, ' ');
+        match (words.next(), words.next(), words.next()) {
+            (Some("ok"), Some(n), Some(port)) => {
+                let n: u32 = n.parse().unwrap_or(0);
+                let worker_port: u16 = port.parse().unwrap_or(0);
+                if j as u32 > n {
+                    return Err(LaunchError::Rendezvous(format!(
+                        "round {index} closed with {n} node(s) before this node joined; the \
+                         job has its nodes (--nnodes max is {})",
+                        self.max_nodes
+                    )));
+                }
+                self.assemble(index, n, worker_port, j as u32)
+            }
+            _ => Err(LaunchError::Rendezvous(
+                closed.strip_prefix("abort ").unwrap_or(&closed).to_string(),
+            )),
+        }
+    }
+
+    /// `get` with its own deadline, keeping the store's timeout for everything else.
+    fn wait_text(&self, key: &str, limit: Duration) -> Result<String, LaunchError> {
+        let before = self.store.timeout();
+        self.store.set_timeout(limit);
+        let r = self.text(key);
+        self.store.set_timeout(before);
+        r
+    }
+
+    /// The host's side of a round: wait for the nodes, check they agree, pick the port, close.
+    fn close_round(
+        &self,
+        index: u32,
+        pick_port: impl Fn() -> std::io::Result<u16>,
+    ) -> Result<(), LaunchError> {
+        let pre = format!("r{index}");
+        let start = Instant::now();
+        let (mut last_count, mut changed_at) = (0, Instant::now());
+        let n = loop {
+            let count = self.int(&format!("{pre}/count"))?;
+            if count != last_count {
+                (last_count, changed_at) = (count, Instant::now());
+            }
+            if count >= self.max_nodes as i64 {
+                break self.max_nodes;
+            }
+            if self.elastic() && count >= self.min_nodes as i64 && changed_at.elapsed() >= LAST_CALL
+            {
+                break count as u32;
+            }
+            if start.elapsed() >= self.timeout {
+                let joined = self.member_names(&pre, count as u32);
+                let need = if self.elastic() { self.min_nodes } else { self.max_nodes };
+                let msg = format!(
+                    "round {index}: only {count} of {need} node(s) joined within {:?} \
+                     (--rdzv-timeout); joined: {joined}",
+                    self.timeout
+                );
+                let _ = self.store.set(&format!("{pre}/closed"), format!("abort {msg}").as_bytes());
+                return Err(LaunchError::Rendezvous(msg));
+            }
+            std::thread::sleep(POLL);
+        };
+        if let Err(msg) = self.check_members(&pre, n) {
+            let _ = self.store.set(&format!("{pre}/closed"), format!("abort {msg}").as_bytes());
+            return Err(LaunchError::Rendezvous(msg));
+        }
+        let port = pick_port().map_err(|e| {
+            LaunchError::Rendezvous(format!("no free port for the workers' store: {e}"))
+        })?;
+        let cur = self.int("round")?;
+        self.store.add("round", index as i64 - cur).map_err(|e| self.lost(e))?;
+        self.store
+            .set(&format!("{pre}/closed"), format!("ok {n} {port}").as_bytes())
+            .map_err(|e| self.lost(e))
+    }
+
+    fn member(&self, pre: &str, j: u32) -> Result<(String, u32, String, String), LaunchError> {
+        let v = self.text(&format!("{pre}/member/{j}"))?;
+        let mut w = v.splitn(4, ' ');
+        let (claim, nproc, key, host) = (w.next(), w.next(), w.next(), w.next());
+        Ok((
+            claim.unwrap_or("-").to_string(),
+            nproc.and_then(|n| n.parse().ok()).unwrap_or(0),
+            key.unwrap_or_default().to_string(),
+            host.unwrap_or_default().to_string(),
+        ))
+    }
+
+    fn member_names(&self, pre: &str, count: u32) -> String {
+        let names: Vec<String> = (1..=count)
+            .filter_map(|j| self.member(pre, j).ok())
+            .map(|(claim, _, _, host)| format!("{host} (node rank {claim})"))
+            .collect();
+        if names.is_empty() {
+            "none".into()
+        } else {
+            names.join(", ")
+        }
+    }
+
+    /// Same worker count everywhere; with fixed node ranks, each rank exactly once.
+    fn check_members(&self, pre: &str, n: u32) -> Result<(), String> {
+        let members: Vec<_> = (1..=n)
+            .map(|j| self.member(pre, j))
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())?;
+        let (_, nproc0, _, host0) = &members[0];
+        for (claim, nproc, _, host) in &members {
+            if nproc != nproc0 {
+                return Err(format!(
+                    "--nproc-per-node differs between nodes: {host} runs {nproc} worker(s), \
+                     {host0} runs {nproc0}; every node must run the same number"
+                ));
+            }
+            if !self.elastic() {
+                let twice = members.iter().filter(|m| &m.0 == claim).count();
+                if twice > 1 {
+                    return Err(format!(
+                        "--node-rank {claim} was given to {twice} launchers (one is on {host}); \
+                         each node needs its own rank in 0..{n}"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every participant reads the members and derives the node ranks: the given ones for a
+    /// fixed size; for `MIN:MAX`, the host first and the others in the order they joined.
+    fn assemble(
+        &self,
+        index: u32,
+        n: u32,
+        worker_port: u16,
+        me: u32,
+    ) -> Result<Round, LaunchError> {
+        let pre = format!("r{index}");
+        let mut ranked = Vec::with_capacity(n as usize);
+        for j in 1..=n {
+            let (claim, _, alive_key, hostname) = self.member(&pre, j)?;
+            let rank = if self.elastic() { None } else { claim.parse::<u32>().ok() };
+            ranked.push((rank, j, Member { alive_key, hostname }));
+        }
+        if self.elastic() {
+            // The host first, then the others in the order they joined.
+            let host_key = self.host_alive_key(&pre, n);
+            ranked.sort_by_key(|(_, j, m)| (m.alive_key != host_key, *j));
+            for (i, r) in ranked.iter_mut().enumerate() {
+                r.0 = Some(i as u32);
+            }
+        }
+        ranked.sort_by_key(|r| r.0);
+        let node_rank = ranked
+            .iter()
+            .position(|(_, j, _)| *j == me)
+            .map(|p| ranked[p].0.unwrap_or(p as u32))
+            .unwrap_or(0);
+        Ok(Round {
+            index,
+            nnodes: n,
+            node_rank,
+            worker_port,
+            members: ranked.into_iter().map(|(_, _, m)| m).collect(),
+        })
+    }
+
+    fn host_alive_key(&self, pre: &str, n: u32) -> String {
+        (1..=n)
+            .filter_map(|j| self.member(pre, j).ok())
+            .find(|m| m.0 == "h")
+            .map(|m| m.2)
+            .unwrap_or_default()
+    }
+
+    /// Starts watching `round` on a thread of its own with its own connection, so that a cut
+    /// link never blocks the launcher's monitor loop.
+    pub fn watch(&self, round: &Round, tick: Duration) -> Result<RoundWatch, LaunchError> {
+        let store =
+            Store::connect(&self.endpoint, &self.run_id, OP_LIMIT, "--master-addr/--master-port")
+                .map_err(|e| self.lost(e))?;
+        store.set_timeout(OP_LIMIT);
+        let seen = Arc::new(Mutex::new(None));
+        let last_ok = Arc::new(Mutex::new(Instant::now()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (seen2, stop2, round2) = (seen.clone(), stop.clone(), round.clone());
+        let last_ok2 = last_ok.clone();
+        let (is_host, endpoint) = (self.is_host, self.endpoint.clone());
+        let thread = std::thread::Builder::new()
+            .name("tandem-round-watch".into())
+            .spawn(move || {
+                while !stop2.load(Ordering::Acquire) {
+                    let r = check_round(&store, &round2).unwrap_or_else(|e| {
+                        Some(Remote::HostLost(lost_message(is_host, &endpoint, &e)))
+                    });
+                    if let Some(r) = r {
+                        *seen2.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+                        return;
+                    }
+                    *last_ok2.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+                    std::thread::sleep(tick.min(POLL * 4));
+                }
+            })
+            .map_err(|e| LaunchError::Rendezvous(format!("cannot start the round watcher: {e}")))?;
+        Ok(RoundWatch { seen, last_ok, stop, thread: Some(thread) })
+    }
+
+    /// Tells the other nodes that this round failed here (the first report wins). Best effort,
+    /// bounded: a launcher cut off from the host must still end in time.
+    pub fn report_failure(&self, round: &Round, message: &str) {
+        let pre = format!("r{}", round.index);
+        let r = self.store.add_within(&format!("{pre}/failed"), 1, REPORT_LIMIT).and_then(|n| {
+            if n == 1 {
+                self.store.set_within(
+                    &format!("{pre}/failed/msg"),
+                    message.as_bytes(),
+                    REPORT_LIMIT,
+                )
+            } else {
+                Ok(())
+            }
+        });
+        if let Err(e) = r {
+            eprintln!("[launcher] could not tell the other nodes that this node failed: {e}");
+        }
+    }
+
+    /// The exit barrier after this node's workers all succeeded: wait (up to `limit`) for every
+    /// node to finish, or for the round to end elsewhere.
+    pub fn finish(
+        &self,
+        round: &Round,
+        watch: &RoundWatch,
+        limit: Duration,
+    ) -> Result<Finish, LaunchError> {
+        let pre = format!("r{}", round.index);
+        let done_key = format!("{pre}/done");
+        self.store.add_within(&done_key, 1, OP_LIMIT).map_err(|e| self.lost(e))?;
+        let start = Instant::now();
+        loop {
+            if self.store.add_within(&done_key, 0, OP_LIMIT).map_err(|e| self.lost(e))?
+                >= round.nnodes as i64
+            {
+                break;
+            }
+            if let Some(remote) = watch.seen() {
+                return Ok(Finish::Remote(remote));
+            }
+            if start.elapsed() >= limit {
+                return Err(LaunchError::Rendezvous(format!(
+                    "this node's workers finished, but the other nodes did not within {limit:?}"
+                )));
+            }
+            std::thread::sleep(POLL);
+        }
+        let left_key = format!("{pre}/left");
+        self.store.add_within(&left_key, 1, OP_LIMIT).map_err(|e| self.lost(e))?;
+        if self.is_host {
+            // Keep the store up until every launcher has read that the job is done.
+            let start = Instant::now();
+            while start.elapsed() < EXIT_LINGER
+                && self.store.add_within(&left_key, 0, OP_LIMIT).map_err(|e| self.lost(e))?
+                    < round.nnodes as i64
+            {
+                std::thread::sleep(POLL);
+            }
+        }
+        Ok(Finish::AllDone)
+    }
+
+    pub fn hostname(&self) -> &str {
+        &self.hostname
+    }
+}
+
+/// One look at a round from the watcher: a member's launcher gone, or a failure reported.
+fn check_round(store: &Store, round: &Round) -> Result<Option<Remote>, CommError> {
+    let keys: Vec<&str> = round.members.iter().map(|m| m.alive_key.as_str()).collect();
+    let gone = store.missing(&keys)?;
+    if let Some(key) = gone.first() {
+        let node_rank = keys.iter().position(|k| k == key).unwrap_or(0);
+        return Ok(Some(Remote::NodeLost {
+            node_rank: node_rank as u32,
+            hostname: round.members[node_rank].hostname.clone(),
+        }));
+    }
+    let pre = format!("r{}", round.index);
+    if store.add(&format!("{pre}/failed"), 0)? > 0 {
+        let msg = store.get(&format!("{pre}/failed/msg"))?;
+        return Ok(Some(Remote::Failed(String::from_utf8_lossy(&msg).into_owned())));
+    }
+    Ok(None)
+}
+
+/// The watcher of one round; stops its thread when dropped.
+pub(crate) struct RoundWatch {
+    seen: Arc<Mutex<Option<Remote>>>,
+    /// When the store last answered the watcher.
+    last_ok: Arc<Mutex<Instant>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl RoundWatch {
+    /// How long the store has not answered the watcher (zero while it answers every tick).
+    pub fn silent_for(&self) -> Duration {
+        self.last_ok.lock().unwrap_or_else(|p| p.into_inner()).elapsed()
+    }
+
+    /// How the round ended elsewhere, if it has (never blocks).
+    pub fn seen(&self) -> Option<Remote> {
+        self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl Drop for RoundWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // A watcher blocked on a cut link is left to finish on its own (bounded by OP_LIMIT).
+        if let Some(t) = self.thread.take() {
+            if t.is_finished() {
+                let _ = t.join();
+            }
+        }
+    }
+}
