@@ -24,6 +24,7 @@ fn main() -> ExitCode {
     let why = Hosts::unavailable();
     let tests = tandem_testutil::tests![
         two_hosts_of_two_ranks_form_one_world,
+        the_flat_ring_can_be_chosen_and_agrees,
         training_across_two_hosts_equals_training_on_one,
         a_worker_killed_on_host_1_restarts_every_node_to_identical_weights,
         host_1_launcher_killed_ends_host_0_naming_node_1,
@@ -130,6 +131,45 @@ fn two_hosts_of_two_ranks_form_one_world() {
     }
     // Host 1's launcher reports host 1's ranks.
     assert!(finished[1].stdout.contains("rank 2/4") && !finished[1].stdout.contains("rank 0/4"));
+    // Two hosts of two ranks: large all-reduces go hierarchically, and their results check out
+    // (`tandem check` verifies sum, average and max of a 1 MiB buffer of odd length).
+    assert_eq!(all.matches("allreduce=hierarchical ok").count(), 4, "{all}");
+}
+
+fn the_flat_ring_can_be_chosen_and_agrees() {
+    let hosts = Hosts::new(2, None);
+    let flat: Vec<Finished> = (0..2)
+        .map(|i| {
+            let node_rank = i.to_string();
+            let master = hosts.addr(0);
+            let args = [
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                &node_rank,
+                "--master-addr",
+                &master,
+                "--master-port",
+                PORT,
+                "--nproc-per-node",
+                "2",
+                "--",
+                tandem(),
+                "check",
+            ];
+            let mut cmd = hosts.command(i, tandem(), &args);
+            without_world(&mut cmd);
+            cmd.env("TANDEM_ALLREDUCE", "flat");
+            Running::spawn(&mut cmd)
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|r| r.wait(LIMIT))
+        .collect();
+    assert_all_succeeded(&flat);
+    let all: String = flat.iter().map(|f| f.stdout.clone()).collect();
+    assert_eq!(all.matches("allreduce=flat ok").count(), 4, "{all}");
 }
 
 fn weights(path: &Path) -> Vec<(String, Vec<f64>)> {

@@ -39,6 +39,10 @@ pub struct InitOptions {
     pub run_id: String,
     /// Check every collective's (sequence, op, dtype, count) across ranks (TANDEM_DEBUG=detail).
     pub desync_check: bool,
+    /// All-reduce of a group spanning several hosts: `None` (auto) goes hierarchical when every
+    /// host has the same number of ranks, more than one; `Some(false)` keeps the flat ring
+    /// (TANDEM_ALLREDUCE=auto|flat|hierarchical).
+    pub hierarchical: Option<bool>,
 }
 
 impl Default for InitOptions {
@@ -49,6 +53,7 @@ impl Default for InitOptions {
             init_timeout: Duration::from_secs(300),
             run_id: "tandem".to_string(),
             desync_check: false,
+            hierarchical: None,
         }
     }
 }
@@ -90,6 +95,20 @@ impl InitOptions {
                 "auto" => None,
                 _ => {
                     return Err(CommError::env("TANDEM_TRANSPORT", &v, "expected tcp, shm or auto"))
+                }
+            };
+        }
+        if let Some(v) = e.var("TANDEM_ALLREDUCE") {
+            o.hierarchical = match v.trim().to_ascii_lowercase().as_str() {
+                "flat" => Some(false),
+                "hierarchical" => Some(true),
+                "auto" => None,
+                _ => {
+                    return Err(CommError::env(
+                        "TANDEM_ALLREDUCE",
+                        &v,
+                        "expected auto, flat or hierarchical",
+                    ))
                 }
             };
         }

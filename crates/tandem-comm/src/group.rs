@@ -43,6 +43,10 @@ pub(crate) struct Inner {
     pub local_ip: IpAddr,
     pub timeout_ms: AtomicU64,
     pub subgroups: AtomicU64,
+    /// Host index (by first appearance) of every group rank.
+    pub hosts: Vec<usize>,
+    /// Sub-groups for the hierarchical all-reduce, once set up (multi-host groups only).
+    pub hierarchy: std::sync::OnceLock<crate::hierarchy::Hierarchy>,
     /// Issue order of this rank's calls; `state` is locked only by the call whose turn it is.
     pub order: Arc<CallOrder>,
     pub state: Mutex<State>,
@@ -346,6 +350,20 @@ impl ProcessGroup {
         buf: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
+        if let Some(h) = self.inner.hierarchy.get() {
+            if std::mem::size_of_val(buf) >= crate::hierarchy::MIN_BYTES {
+                let turn = ticket.wait("all_reduce", self.timeout())?;
+                if let Some(first) = self.inner.order.broken() {
+                    return Err(CommError::Broken { op: "all_reduce", seq: 0, first });
+                }
+                let r = h.all_reduce(buf, op, self.size());
+                if let Err(e) = &r {
+                    self.inner.order.set_broken(e.to_string());
+                }
+                drop(turn);
+                return r;
+            }
+        }
         let call = Call::new("all_reduce", Some(T::DTYPE), buf.len(), op_code(op));
         let f = move |d: &mut [u8], s: &[u8]| reduce_bytes::<T>(op, d, s);
         let f: ReduceFn<'_> = &f;
@@ -637,6 +655,20 @@ impl ProcessGroup {
 
     /// A group over `ranks` (ranks of this group). Every rank of this group must call it, in
     /// the same order as its other `new_group` calls; non-members get `None`.
+    /// Host index of every rank (by first appearance), as the rendezvous found them.
+    pub(crate) fn host_indices(&self) -> &[usize] {
+        &self.inner.hosts
+    }
+
+    pub(crate) fn set_hierarchy(&self, h: crate::hierarchy::Hierarchy) {
+        let _ = self.inner.hierarchy.set(h);
+    }
+
+    /// Whether large all-reduces go hierarchically (within hosts, then across).
+    pub fn is_hierarchical(&self) -> bool {
+        self.inner.hierarchy.get().is_some()
+    }
+
     pub fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>, CommError> {
         let n = self.size();
         let mut sorted = ranks.to_vec();

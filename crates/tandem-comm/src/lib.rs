@@ -15,6 +15,7 @@ mod env;
 mod error;
 mod frame;
 mod group;
+mod hierarchy;
 mod order;
 #[doc(hidden)]
 pub mod procfs;

@@ -45,6 +45,8 @@ fn single(
         local_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
         timeout_ms: AtomicU64::new(opts.timeout.as_millis() as u64),
         subgroups: AtomicU64::new(0),
+        hosts: vec![0],
+        hierarchy: Default::default(),
         order: Default::default(),
         state: Mutex::new(State {
             seq: 0,
@@ -99,6 +101,19 @@ pub(crate) fn build_group(
         hosts.push(host.to_string());
     }
     let same_host: Vec<usize> = (0..size).filter(|&r| hosts[r] == hosts[rank]).collect();
+    let host_indices: Vec<usize> = {
+        let mut seen: Vec<&String> = Vec::new();
+        hosts
+            .iter()
+            .map(|h| match seen.iter().position(|s| *s == h) {
+                Some(i) => i,
+                None => {
+                    seen.push(h);
+                    seen.len() - 1
+                }
+            })
+            .collect()
+    };
     let local_rank =
         env_local.0.unwrap_or_else(|| same_host.iter().position(|&r| r == rank).unwrap_or(0));
     let local_size = env_local.1.unwrap_or(same_host.len());
@@ -155,6 +170,8 @@ pub(crate) fn build_group(
         local_ip,
         timeout_ms: AtomicU64::new(opts.timeout.as_millis() as u64),
         subgroups: AtomicU64::new(0),
+        hosts: host_indices,
+        hierarchy: Default::default(),
         order: Default::default(),
         state: Mutex::new(State {
             seq: 0,
@@ -208,7 +225,7 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
     };
     let store = Store::connect(&addr, &opts.run_id, opts.init_timeout, &var)?;
     let local_ip = store.local_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
-    build_group(
+    let world = build_group(
         Some(store),
         server,
         "w",
@@ -217,5 +234,7 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
         opts,
         local_ip,
         (spec.local_rank, spec.local_size),
-    )
+    )?;
+    crate::hierarchy::setup(&world, opts.hierarchical)?;
+    Ok(world)
 }

@@ -5,6 +5,8 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use half::{bf16, f16};
+
 use crate::error::CommSource;
 
 /// What Ddp asks of a process group. All calls are blocking collectives: every rank must make
@@ -16,6 +18,15 @@ pub trait GradComm: Send + Sync {
     fn all_reduce_avg(&self, buf: &mut [f32]) -> Result<(), CommSource>;
     /// Element-wise sum over all ranks, in place.
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommSource>;
+    /// Element-wise sum in half precision (what the fp16 compression hook sends). Groups that
+    /// cannot reduce 16-bit floats keep the default, an error naming the hook's need.
+    fn all_reduce_sum_f16(&self, _buf: &mut [f16]) -> Result<(), CommSource> {
+        Err("this process group has no f16 all-reduce (needed by the fp16 comm hook)".into())
+    }
+    /// Element-wise sum in bfloat16 (what the bf16 compression hook sends).
+    fn all_reduce_sum_bf16(&self, _buf: &mut [bf16]) -> Result<(), CommSource> {
+        Err("this process group has no bf16 all-reduce (needed by the bf16 comm hook)".into())
+    }
     /// Overwrites `buf` on every rank with `root`'s.
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommSource>;
     /// Every rank's bytes, indexed by rank.
@@ -33,6 +44,12 @@ impl GradComm for tandem_comm::ProcessGroup {
         Ok(self.all_reduce(buf, tandem_comm::ReduceOp::Avg)?)
     }
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommSource> {
+        Ok(self.all_reduce(buf, tandem_comm::ReduceOp::Sum)?)
+    }
+    fn all_reduce_sum_f16(&self, buf: &mut [f16]) -> Result<(), CommSource> {
+        Ok(self.all_reduce(buf, tandem_comm::ReduceOp::Sum)?)
+    }
+    fn all_reduce_sum_bf16(&self, buf: &mut [bf16]) -> Result<(), CommSource> {
         Ok(self.all_reduce(buf, tandem_comm::ReduceOp::Sum)?)
     }
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommSource> {
@@ -55,6 +72,12 @@ impl<T: GradComm + ?Sized> GradComm for Arc<T> {
     }
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommSource> {
         (**self).all_reduce_sum(buf)
+    }
+    fn all_reduce_sum_f16(&self, buf: &mut [f16]) -> Result<(), CommSource> {
+        (**self).all_reduce_sum_f16(buf)
+    }
+    fn all_reduce_sum_bf16(&self, buf: &mut [bf16]) -> Result<(), CommSource> {
+        (**self).all_reduce_sum_bf16(buf)
     }
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommSource> {
         (**self).broadcast(buf, root)
@@ -123,6 +146,33 @@ impl LocalGroup {
         Ok(())
     }
 
+    /// Sum of 2-byte floats in rank order, rounding after every addition (as a ring of half
+    /// precision adds does).
+    fn half_sum<T: bytemuck::Pod>(
+        &self,
+        buf: &mut [T],
+        from_bytes: fn([u8; 2]) -> T,
+        to_f32: fn(T) -> f32,
+        from_f32: fn(f32) -> T,
+    ) -> Result<(), CommSource> {
+        let all = self.exchange(bytemuck::cast_slice(buf))?;
+        for (r, bytes) in all.iter().enumerate() {
+            if bytes.len() != buf.len() * 2 {
+                return Err(format!(
+                    "rank {r} contributed {} bytes, expected {}",
+                    bytes.len(),
+                    buf.len() * 2
+                )
+                .into());
+            }
+            for (d, c) in buf.iter_mut().zip(bytes.chunks_exact(2)) {
+                let v = from_bytes([c[0], c[1]]);
+                *d = if r == 0 { v } else { from_f32(to_f32(*d) + to_f32(v)) };
+            }
+        }
+        Ok(())
+    }
+
     /// Deposit my bytes, wait for all, read everyone's, wait again so slots can be reused.
     fn exchange(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommSource> {
         {
@@ -171,6 +221,12 @@ impl GradComm for LocalGroup {
         buf.iter_mut().for_each(|v| *v /= n);
         Ok(())
     }
+    fn all_reduce_sum_f16(&self, buf: &mut [f16]) -> Result<(), CommSource> {
+        self.half_sum(buf, |b| f16::from_bits(u16::from_ne_bytes(b)), f16::to_f32, f16::from_f32)
+    }
+    fn all_reduce_sum_bf16(&self, buf: &mut [bf16]) -> Result<(), CommSource> {
+        self.half_sum(buf, |b| bf16::from_bits(u16::from_ne_bytes(b)), bf16::to_f32, bf16::from_f32)
+    }
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommSource> {
         let all = self.exchange(bytemuck::cast_slice(buf))?;
         let src = all.get(root).ok_or_else(|| format!("broadcast root {root} out of range"))?;
@@ -207,6 +263,12 @@ impl GradComm for SingleProcess {
         Ok(())
     }
     fn all_reduce_sum(&self, _: &mut [f32]) -> Result<(), CommSource> {
+        Ok(())
+    }
+    fn all_reduce_sum_f16(&self, _: &mut [f16]) -> Result<(), CommSource> {
+        Ok(())
+    }
+    fn all_reduce_sum_bf16(&self, _: &mut [bf16]) -> Result<(), CommSource> {
         Ok(())
     }
     fn broadcast(&self, _: &mut [f32], _: usize) -> Result<(), CommSource> {

@@ -18,6 +18,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 
 use crate::comm::GradComm;
+use crate::comm_hooks::CommHook;
 use crate::error::{DdpError, Result};
 use crate::hook::{with_f32_slice, ViewHooks};
 use crate::module::ParamModule;
@@ -317,6 +318,31 @@ impl<M: ParamModule> Ddp<M> {
         self.shared.comm.rank()
     }
 
+    /// Sets what every gradient bucket goes through instead of the all-reduce average
+    /// (PyTorch's `register_comm_hook`), e.g. `comm_hooks::Fp16Compress`. A collective: every
+    /// rank registers, at the same point, a hook of the same name; a rank that registered
+    /// another is named in the error.
+    pub fn register_comm_hook(&self, hook: Arc<dyn CommHook>) -> Result<()> {
+        let rank = self.rank();
+        let names = self
+            .shared
+            .comm
+            .all_gather_bytes(hook.name().as_bytes())
+            .map_err(|e| DdpError::comm("all_gather of the comm hook names", rank, e))?;
+        if let Some((other, theirs)) =
+            names.iter().enumerate().find(|(_, n)| n.as_slice() != hook.name().as_bytes())
+        {
+            return Err(DdpError::CommHookMismatch {
+                rank,
+                ours: hook.name().to_string(),
+                other,
+                theirs: String::from_utf8_lossy(theirs).into_owned(),
+            });
+        }
+        self.shared.reducer().set_comm_hook(hook);
+        Ok(())
+    }
+
     pub fn world_size(&self) -> usize {
         self.shared.comm.size()
     }
@@ -410,7 +436,11 @@ impl<M: ParamModule> Ddp<M> {
         };
         let vars = self.module.params().vars();
         let mut candle_grads = candle_grads;
-        if !viewed && self.shared.comm.size() == 1 && self.shared.sync.load(Ordering::SeqCst) {
+        if !viewed
+            && self.shared.comm.size() == 1
+            && self.shared.sync.load(Ordering::SeqCst)
+            && self.shared.reducer().comm_hook_name() == "allreduce"
+        {
             // A world of one, nothing accumulated by no_sync, every parameter used: the average
             // over the world is candle's gradient itself; skip the copy through the buckets.
             // Anything else (an unused parameter, accumulation) takes the reducer's path below.

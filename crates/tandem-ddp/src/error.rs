@@ -29,6 +29,12 @@ pub enum DdpError {
     ParamMismatch { what: String, rank_a: usize, a: String, rank_b: usize, b: String },
 
     #[error(
+        "register_comm_hook: rank {rank} registered `{ours}` but rank {other} registered \
+         `{theirs}`; every rank must register the same hook"
+    )]
+    CommHookMismatch { rank: usize, ours: String, other: usize, theirs: String },
+
+    #[error(
         "parameter(s) {names:?} received no gradient in this backward (rank {rank}). \
          If they are unused on purpose (a branch not taken, a frozen head), construct Ddp with \
          DdpOptions {{ find_unused_parameters: true, .. }} so they count as zero gradients; \

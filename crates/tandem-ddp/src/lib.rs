@@ -10,6 +10,7 @@ pub mod sched;
 pub mod alloc;
 pub mod bucket;
 pub mod comm;
+pub mod comm_hooks;
 pub mod convert;
 pub mod data_parallel;
 pub mod ddp;
@@ -27,6 +28,7 @@ pub mod weights;
 
 pub use alloc::tune_allocator;
 pub use comm::{GradComm, LocalGroup, SingleProcess};
+pub use comm_hooks::{CommHook, GradBucket};
 pub use data_parallel::{chunk_sizes, DataParallel};
 pub use ddp::{Ddp, DdpOptions, JoinOptions, Unhooked};
 pub use error::{DdpError, Result};

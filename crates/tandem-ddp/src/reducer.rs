@@ -12,6 +12,7 @@ use std::thread::JoinHandle;
 
 use crate::bucket::{assign_buckets, BucketPlan};
 use crate::comm::GradComm;
+use crate::comm_hooks::{AllReduceAvg, CommHook, GradBucket};
 use crate::error::{CommSource, DdpError, Result};
 
 #[derive(Clone, Copy, Debug)]
@@ -38,6 +39,7 @@ struct Bucket {
 struct Job {
     bucket: usize,
     data: Vec<f32>,
+    hook: Arc<dyn CommHook>,
 }
 
 type Done = (usize, Vec<f32>, std::result::Result<(), CommSource>);
@@ -67,6 +69,7 @@ pub struct Reducer {
     /// otherwise) and the factor turning the world average into the active ranks' average.
     root: usize,
     scale: f32,
+    hook: Arc<dyn CommHook>,
     jobs: Option<Sender<Job>>,
     done: Receiver<Done>,
     thread: Option<JoinHandle<()>>,
@@ -87,7 +90,8 @@ impl Reducer {
             .name(format!("ddp-comm-r{}", comm.rank()))
             .spawn(move || {
                 for mut job in job_rx {
-                    let r = thread_comm.all_reduce_avg(&mut job.data);
+                    let bucket = GradBucket { index: job.bucket, buffer: &mut job.data };
+                    let r = job.hook.reduce(&*thread_comm, bucket);
                     if done_tx.send((job.bucket, job.data, r)).is_err() {
                         break;
                     }
@@ -113,6 +117,7 @@ impl Reducer {
             accum: vec![None; n],
             root: 0,
             scale: 1.0,
+            hook: Arc::new(AllReduceAvg),
             jobs: Some(job_tx),
             done: done_rx,
             thread: Some(thread),
@@ -124,6 +129,16 @@ impl Reducer {
             cfg.bucket_bytes,
         ));
         Ok(r)
+    }
+
+    /// Replaces what each bucket goes through (default: all-reduce average). Takes effect from
+    /// the next bucket launched.
+    pub fn set_comm_hook(&mut self, hook: Arc<dyn CommHook>) {
+        self.hook = hook;
+    }
+
+    pub fn comm_hook_name(&self) -> String {
+        self.hook.name().to_string()
     }
 
     fn install_plans(&mut self, plans: Vec<BucketPlan>) {
@@ -286,7 +301,8 @@ impl Reducer {
             let b = self.next_launch;
             let data = self.buckets[b].data.take().ok_or(DdpError::CommThreadGone)?;
             let tx = self.jobs.as_ref().ok_or(DdpError::CommThreadGone)?;
-            tx.send(Job { bucket: b, data }).map_err(|_| DdpError::CommThreadGone)?;
+            let hook = self.hook.clone();
+            tx.send(Job { bucket: b, data, hook }).map_err(|_| DdpError::CommThreadGone)?;
             self.in_flight += 1;
             self.next_launch += 1;
         }
@@ -305,7 +321,7 @@ impl Reducer {
             self.buckets[b].data = Some(data);
             if let Err(e) = r {
                 first_err.get_or_insert(DdpError::comm(
-                    "all_reduce(avg) of a gradient bucket",
+                    "the communication hook of a gradient bucket",
                     self.comm.rank(),
                     e,
                 ));

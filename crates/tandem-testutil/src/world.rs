@@ -14,6 +14,7 @@ pub fn test_options(kind: TransportKind) -> InitOptions {
         init_timeout: Duration::from_secs(20),
         run_id: "test-run".into(),
         desync_check: false,
+        hierarchical: None,
     }
 }
 

@@ -1,6 +1,8 @@
 //! `tandem check`: run under a launcher (tandem run, torchrun, srun, mpirun). Every rank joins
-//! the process group, all-reduces its rank, checks the sum is n(n-1)/2 and prints
-//! `rank R/W local L/LW sum=S ok`. The test-only options make it the launcher's end-to-end
+//! the process group, all-reduces its rank, checks the sum is n(n-1)/2, then all-reduces a
+//! 1 MiB buffer (sum, average and max of rank-dependent values, an odd length; large enough to
+//! take the hierarchical path on multi-host groups) and prints
+//! `rank R/W local L/LW sum=S allreduce=flat|hierarchical ok`. The test-only options make it the launcher's end-to-end
 //! worker: fail with a given code on one rank, fail on the first attempt only, linger.
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -88,11 +90,19 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
             buf[0].to_string()
         }
     };
-    let head =
-        format!("rank {rank}/{size} local {}/{} sum={sum}", pg.local_rank(), pg.local_size());
+    let algorithm = if pg.is_hierarchical() { "hierarchical" } else { "flat" };
+    let head = format!(
+        "rank {rank}/{size} local {}/{} sum={sum} allreduce={algorithm}",
+        pg.local_rank(),
+        pg.local_size()
+    );
     if sum != expected.to_string() {
         println!("{head} MISMATCH (expected {expected})");
         bail!("rank {rank}: all_reduce sum {sum} != {expected} = n(n-1)/2 for n = {size}");
+    }
+    if let Err(why) = check_large(&pg) {
+        println!("{head} MISMATCH ({why})");
+        bail!("rank {rank}: {why}");
     }
     println!("{head} ok");
 
@@ -111,4 +121,31 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     std::thread::sleep(sleep);
     pg.barrier().context("final barrier")?;
     Ok(0)
+}
+
+/// Sum, average and max of a 1 MiB f32 buffer whose values depend on the rank and the index;
+/// all exact in f32, so any wrong element is a bug, not rounding.
+fn check_large(pg: &tandem_comm::ProcessGroup) -> Result<(), String> {
+    const LEN: usize = (1 << 18) + 3; // odd: not divisible by any local group size
+    let (rank, size) = (pg.rank() as f32, pg.size() as f32);
+    let value = |i: usize| rank + (i % 7) as f32;
+    let ranks_sum = size * (size - 1.0) / 2.0;
+    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+        let mut buf: Vec<f32> = (0..LEN).map(value).collect();
+        pg.all_reduce(&mut buf, op).map_err(|e| format!("1 MiB all_reduce({op:?}): {e}"))?;
+        for (i, &got) in buf.iter().enumerate() {
+            let k = (i % 7) as f32;
+            let want = match op {
+                ReduceOp::Sum => ranks_sum + size * k,
+                ReduceOp::Avg => (ranks_sum + size * k) / size,
+                _ => size - 1.0 + k,
+            };
+            if got != want {
+                return Err(format!(
+                    "1 MiB all_reduce({op:?}): element {i} is {got}, expected {want}"
+                ));
+            }
+        }
+    }
+    Ok(())
 }

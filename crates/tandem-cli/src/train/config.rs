@@ -83,6 +83,10 @@ pub struct TrainConfig {
     /// Synchronise BatchNorm statistics across ranks (PyTorch's SyncBatchNorm; resnet18 only).
     #[arg(long = "sync-batchnorm")]
     pub sync_batchnorm: bool,
+    /// What gradient buckets go through: `none` (f32 all-reduce average), `fp16` or `bf16`
+    /// (compressed to 16 bits on the wire, PyTorch's fp16/bf16_compress_hook).
+    #[arg(long = "comm-hook", value_name = "HOOK", default_value = "none", value_parser = ["none", "fp16", "bf16"])]
+    pub comm_hook: String,
     /// Normalise each image channel with the training set's mean and standard deviation.
     #[arg(long)]
     pub normalize: bool,
@@ -219,6 +223,7 @@ impl TrainConfig {
             push("--save-final", p.display().to_string());
         }
         push("--backend", format!("{:?}", self.backend).to_lowercase());
+        push("--comm-hook", self.comm_hook.clone());
         if self.no_shuffle {
             a.push("--no-shuffle".into());
         }

@@ -58,6 +58,11 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         }
     }
     let ddp = Ddp::new(net, &group, DdpOptions::default()).context("wrapping the model in Ddp")?;
+    if cfg.comm_hook != "none" {
+        let hook = tandem_ddp::comm_hooks::builtin(&cfg.comm_hook)
+            .with_context(|| format!("--comm-hook: unknown hook `{}`", cfg.comm_hook))?;
+        ddp.register_comm_hook(hook).context("--comm-hook")?;
+    }
     let mut opt =
         make_optimizer(cfg, ddp.module().named_parameters().into_iter().map(|(_, v)| v).collect())?;
 

@@ -1,0 +1,148 @@
+//! DDP communication hooks (PyTorch's `DistributedDataParallel.register_comm_hook`): what
+//! happens to each flat gradient bucket between "every gradient of this bucket is ready" and
+//! "the optimizer reads the averaged gradients". The default is a plain all-reduce average.
+//! [`Fp16Compress`] and [`Bf16Compress`] halve the bytes on the wire, as PyTorch's
+//! `fp16_compress_hook` / `bf16_compress_hook` do: cast the bucket to the 16-bit type, divide by
+//! the world size, all-reduce (sum) in that type, cast back. Your own hook implements
+//! [`CommHook`]; it runs on the reducer's communication thread, bucket by bucket in launch order,
+//! and must make the same collective calls on every rank.
+use std::sync::Arc;
+
+use half::{bf16, f16};
+
+use crate::comm::GradComm;
+use crate::error::CommSource;
+
+/// One bucket handed to a hook (PyTorch's `GradBucket`).
+pub struct GradBucket<'a> {
+    /// The bucket's position in launch order (0 is launched first).
+    pub index: usize,
+    /// This rank's gradients on entry; what every rank uses on return (normally the average).
+    pub buffer: &'a mut [f32],
+}
+
+/// A communication hook. `reduce` is a collective: every rank calls it for the same buckets in
+/// the same order.
+pub trait CommHook: Send + Sync {
+    /// Shown in errors, and compared across ranks when the hook is registered.
+    fn name(&self) -> &str;
+    fn reduce(&self, comm: &dyn GradComm, bucket: GradBucket<'_>) -> Result<(), CommSource>;
+}
+
+/// The default: all-reduce average in f32.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AllReduceAvg;
+
+impl CommHook for AllReduceAvg {
+    fn name(&self) -> &str {
+        "allreduce"
+    }
+    fn reduce(&self, comm: &dyn GradComm, bucket: GradBucket<'_>) -> Result<(), CommSource> {
+        comm.all_reduce_avg(bucket.buffer)
+    }
+}
+
+/// fp16 compression: half the bytes; values beyond ±65504 become infinite and tiny ones lose
+/// precision, as with PyTorch's hook.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Fp16Compress;
+
+impl CommHook for Fp16Compress {
+    fn name(&self) -> &str {
+        "fp16"
+    }
+    fn reduce(&self, comm: &dyn GradComm, bucket: GradBucket<'_>) -> Result<(), CommSource> {
+        let n = comm.size() as f32;
+        let mut wire: Vec<f16> =
+            bucket.buffer.iter().map(|&g| f16::from_f32(f16::from_f32(g).to_f32() / n)).collect();
+        comm.all_reduce_sum_f16(&mut wire)?;
+        bucket.buffer.iter_mut().zip(&wire).for_each(|(g, w)| *g = w.to_f32());
+        Ok(())
+    }
+}
+
+/// bf16 compression: half the bytes, f32's range, 8 bits of mantissa.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Bf16Compress;
+
+impl CommHook for Bf16Compress {
+    fn name(&self) -> &str {
+        "bf16"
+    }
+    fn reduce(&self, comm: &dyn GradComm, bucket: GradBucket<'_>) -> Result<(), CommSource> {
+        let n = comm.size() as f32;
+        let mut wire: Vec<bf16> =
+            bucket.buffer.iter().map(|&g| bf16::from_f32(bf16::from_f32(g).to_f32() / n)).collect();
+        comm.all_reduce_sum_bf16(&mut wire)?;
+        bucket.buffer.iter_mut().zip(&wire).for_each(|(g, w)| *g = w.to_f32());
+        Ok(())
+    }
+}
+
+/// The built-in hooks by name, as `tandem train --comm-hook` spells them.
+pub fn builtin(name: &str) -> Option<Arc<dyn CommHook>> {
+    match name {
+        "none" | "allreduce" => Some(Arc::new(AllReduceAvg)),
+        "fp16" => Some(Arc::new(Fp16Compress)),
+        "bf16" => Some(Arc::new(Bf16Compress)),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::LocalGroup;
+
+    fn run3(hook: Arc<dyn CommHook>, per_rank: fn(usize) -> Vec<f32>) -> Vec<Vec<f32>> {
+        let hs: Vec<_> = LocalGroup::new(3)
+            .into_iter()
+            .map(|g| {
+                let hook = hook.clone();
+                std::thread::spawn(move || {
+                    let mut buf = per_rank(g.rank());
+                    hook.reduce(&g, GradBucket { index: 0, buffer: &mut buf }).unwrap();
+                    buf
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    fn grads(rank: usize) -> Vec<f32> {
+        vec![
+            0.1 * rank as f32 + 0.3,
+            -1.5e-3 * (rank + 1) as f32,
+            1000.37 + 1.13 * rank as f32,
+            3e-8,
+        ]
+    }
+
+    #[test]
+    fn compressed_average_is_the_average_to_the_wire_type_precision() {
+        let exact: Vec<f32> =
+            (0..4).map(|i| (0..3).map(|r| grads(r)[i]).sum::<f32>() / 3.0).collect();
+        for (hook, rel) in [(builtin("fp16").unwrap(), 2e-3), (builtin("bf16").unwrap(), 1.6e-2)] {
+            let out = run3(hook.clone(), grads);
+            assert!(out.iter().all(|o| o == &out[0]), "{}: ranks disagree", hook.name());
+            for (i, (&got, &want)) in out[0].iter().zip(&exact).enumerate().take(3) {
+                let err = ((got - want) / want).abs();
+                assert!(err < rel, "{} element {i}: {got} vs {want} (rel {err})", hook.name());
+                // And not exact: the compression really happened.
+                assert_ne!(got, want, "{} element {i} is exact: no compression?", hook.name());
+            }
+        }
+        // 3e-8 is below fp16's smallest subnormal (6e-8) once divided by 3: it flushes to 0,
+        // as PyTorch's fp16 hook does; bf16 keeps f32's exponent range.
+        assert_eq!(run3(builtin("fp16").unwrap(), grads)[0][3], 0.0);
+        assert!(run3(builtin("bf16").unwrap(), grads)[0][3] > 2.9e-8);
+    }
+
+    #[test]
+    fn the_default_hook_is_the_plain_average() {
+        let out = run3(builtin("none").unwrap(), grads);
+        let direct = run3(Arc::new(AllReduceAvg), grads);
+        assert_eq!(out, direct);
+        assert!(builtin("powersgd").is_none());
+    }
+}
