@@ -164,7 +164,7 @@ fn four_ranks_all_reduce_their_rank() {
     for r in 0..4 {
         assert_eq!(
             rank_lines(&stdout, r),
-            vec![format!("rank {r}/4 local {r}/4 sum=6 ok")],
+            vec![format!("rank {r}/4 local {r}/4 sum=6 allreduce=flat ok")],
             "{}",
             describe(&out)
         );
@@ -183,7 +183,10 @@ fn four_ranks_all_reduce_their_rank() {
         LIMIT,
     );
     assert!(out.status.success(), "{}", describe(&out));
-    assert_eq!(rank_lines(&text(&out.stdout), 2), vec!["rank 2/3 local 2/3 sum=3 ok"]);
+    assert_eq!(
+        rank_lines(&text(&out.stdout), 2),
+        vec!["rank 2/3 local 2/3 sum=3 allreduce=flat ok"]
+    );
 }
 
 #[test]
@@ -246,7 +249,7 @@ fn workers_see_the_launcher_environment() {
         for (k, v) in expect {
             assert_eq!(json[k].as_str(), Some(v.as_str()), "rank {r} {k} in {json}");
         }
-        assert_eq!(lines[1], format!("rank {r}/2 local {r}/2 sum=1 ok"));
+        assert_eq!(lines[1], format!("rank {r}/2 local {r}/2 sum=1 allreduce=flat ok"));
     }
     // An OMP_NUM_THREADS set by the user is left alone.
     let out = output_with_deadline(
@@ -311,7 +314,7 @@ fn a_worker_failing_on_its_first_attempt_succeeds_with_restarts() {
     // The check ran (and passed) on both attempts, then the second attempt exited cleanly.
     assert_eq!(
         rank_lines(&stdout, 0),
-        vec!["rank 0/2 local 0/2 sum=1 ok"; 2],
+        vec!["rank 0/2 local 0/2 sum=1 allreduce=flat ok"; 2],
         "{}",
         describe(&out)
     );
@@ -379,7 +382,7 @@ fn two_launchers_form_one_world() {
             assert_eq!(json["WORLD_SIZE"].as_str(), Some("4"));
             assert_eq!(
                 lines[1],
-                format!("rank {rank}/4 local {local}/2 sum=6 ok"),
+                format!("rank {rank}/4 local {local}/2 sum=6 allreduce=flat ok"),
                 "{}",
                 describe(out)
             );

@@ -132,7 +132,7 @@ fn two_hosts_of_two_ranks_form_one_world() {
     // Host 1's launcher reports host 1's ranks.
     assert!(finished[1].stdout.contains("rank 2/4") && !finished[1].stdout.contains("rank 0/4"));
     // Two hosts of two ranks: large all-reduces go hierarchically, and their results check out
-    // (`tandem check` verifies sum, average and max of a 1 MiB buffer of odd length).
+    // (`tandem check` verifies sum, average and max of a 8 MiB buffer of odd length, in several pipeline pieces).
     assert_eq!(all.matches("allreduce=hierarchical ok").count(), 4, "{all}");
 }
 

@@ -3,6 +3,10 @@
 //! parallel, over TCP), all-gather within each host. Every byte crosses the network once per
 //! host instead of once per rank, so a host's link carries 2(H-1)/H of the buffer instead of
 //! the flat ring's 2(N-1)/N (H hosts, N ranks) — and the intra-host steps run at memory speed.
+//! The buffer goes through in pieces, pipelined: while piece k crosses the network, piece k+1
+//! is reduced within the host and piece k-1 gathered back, so the intra-host steps hide behind
+//! the network instead of adding to it. Each sub-group is driven by one thread in a fixed
+//! order, the same on every rank.
 //! Chosen automatically when every host has the same number of ranks (more than one);
 //! `TANDEM_ALLREDUCE=flat` keeps the flat ring. Small buffers stay flat: three latency-bound
 //! steps would cost more than they save.
@@ -62,6 +66,9 @@ pub(crate) fn setup(world: &ProcessGroup, wanted: Option<bool>) -> Result<(), Co
     Ok(())
 }
 
+/// Pieces of at most this many bytes go through the pipeline.
+const PIECE_BYTES: usize = 4 << 20;
+
 impl Hierarchy {
     /// All-reduce of `buf` over the whole group (`world_size` ranks) through the sub-groups.
     pub(crate) fn all_reduce<T: Element>(
@@ -70,18 +77,64 @@ impl Hierarchy {
         op: ReduceOp,
         world_size: usize,
     ) -> Result<(), CommError> {
-        let l = self.local.size();
-        let shard = buf.len().div_ceil(l);
-        // Avg is a sum divided once at the end; padding elements only meet other padding.
+        // Avg is a sum divided once at the end.
         let inner = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
-        let mut padded: Vec<T> = Vec::with_capacity(shard * l);
-        padded.extend_from_slice(buf);
-        padded.resize(shard * l, T::zeroed());
-        let mut mine = vec![T::zeroed(); shard];
-        self.local.reduce_scatter(&padded, &mut mine, inner)?;
-        self.cross.all_reduce(&mut mine, inner)?;
-        self.local.all_gather(&mine, &mut padded)?;
-        buf.copy_from_slice(&padded[..buf.len()]);
+        let per_piece = (PIECE_BYTES / std::mem::size_of::<T>()).max(1);
+        let mut pieces: Vec<&mut [T]> = buf.chunks_mut(per_piece).collect();
+        let l = self.local.size();
+        // Local thread: reduce-scatter piece k+1 before gathering piece k back; the cross
+        // thread all-reduces each piece's shard as soon as it is reduced.
+        let (to_cross, cross_in) = std::sync::mpsc::channel::<(usize, Vec<T>)>();
+        let (to_local, local_in) = std::sync::mpsc::channel::<(usize, Vec<T>)>();
+        std::thread::scope(|scope| {
+            let cross = scope.spawn(move || -> Result<(), CommError> {
+                for (k, mut shard) in cross_in {
+                    self.cross.all_reduce(&mut shard, inner)?;
+                    if to_local.send((k, shard)).is_err() {
+                        break;
+                    }
+                }
+                Ok(())
+            });
+            let mut local = || -> Result<(), CommError> {
+                let n = pieces.len();
+                let mut gathered = 0;
+                for k in 0..=n {
+                    if k < n {
+                        let shard_len = pieces[k].len().div_ceil(l);
+                        let mut padded: Vec<T> = Vec::with_capacity(shard_len * l);
+                        padded.extend_from_slice(pieces[k]);
+                        // Padding elements only meet other padding.
+                        padded.resize(shard_len * l, T::zeroed());
+                        let mut shard = vec![T::zeroed(); shard_len];
+                        self.local.reduce_scatter(&padded, &mut shard, inner)?;
+                        if to_cross.send((k, shard)).is_err() {
+                            return Ok(()); // the cross thread failed; its error is returned
+                        }
+                    }
+                    if k >= 1 || k == n {
+                        // Gather the oldest piece in flight (all the rest once every piece is sent).
+                        let upto = if k == n { n } else { k };
+                        while gathered < upto {
+                            let Ok((j, shard)) = local_in.recv() else { return Ok(()) };
+                            let mut padded = vec![T::zeroed(); shard.len() * l];
+                            self.local.all_gather(&shard, &mut padded)?;
+                            let piece = &mut pieces[j];
+                            let len = piece.len();
+                            piece.copy_from_slice(&padded[..len]);
+                            gathered += 1;
+                        }
+                    }
+                }
+                Ok(())
+            };
+            let local_result = local();
+            drop(to_cross);
+            let cross_result = cross.join().unwrap_or_else(|_| {
+                Err(CommError::invalid("all_reduce", "the cross-host thread panicked"))
+            });
+            local_result.and(cross_result)
+        })?;
         if op == ReduceOp::Avg {
             buf.iter_mut().for_each(|x| *x = x.div_count(world_size));
         }

@@ -1,6 +1,6 @@
 //! `tandem check`: run under a launcher (tandem run, torchrun, srun, mpirun). Every rank joins
 //! the process group, all-reduces its rank, checks the sum is n(n-1)/2, then all-reduces a
-//! 1 MiB buffer (sum, average and max of rank-dependent values, an odd length; large enough to
+//! 8 MiB buffer (sum, average and max of rank-dependent values, an odd length; large enough to
 //! take the hierarchical path on multi-host groups) and prints
 //! `rank R/W local L/LW sum=S allreduce=flat|hierarchical ok`. The test-only options make it the launcher's end-to-end
 //! worker: fail with a given code on one rank, fail on the first attempt only, linger.
@@ -123,16 +123,18 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-/// Sum, average and max of a 1 MiB f32 buffer whose values depend on the rank and the index;
+/// Sum, average and max of an 8 MiB f32 buffer whose values depend on the rank and the index;
 /// all exact in f32, so any wrong element is a bug, not rounding.
 fn check_large(pg: &tandem_comm::ProcessGroup) -> Result<(), String> {
-    const LEN: usize = (1 << 18) + 3; // odd: not divisible by any local group size
+    // 8 MiB + 3 elements: several pipeline pieces of the hierarchical all-reduce, the last one
+    // tiny, and a length no local group size divides.
+    const LEN: usize = (1 << 21) + 3;
     let (rank, size) = (pg.rank() as f32, pg.size() as f32);
     let value = |i: usize| rank + (i % 7) as f32;
     let ranks_sum = size * (size - 1.0) / 2.0;
     for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
         let mut buf: Vec<f32> = (0..LEN).map(value).collect();
-        pg.all_reduce(&mut buf, op).map_err(|e| format!("1 MiB all_reduce({op:?}): {e}"))?;
+        pg.all_reduce(&mut buf, op).map_err(|e| format!("8 MiB all_reduce({op:?}): {e}"))?;
         for (i, &got) in buf.iter().enumerate() {
             let k = (i % 7) as f32;
             let want = match op {
@@ -142,7 +144,7 @@ fn check_large(pg: &tandem_comm::ProcessGroup) -> Result<(), String> {
             };
             if got != want {
                 return Err(format!(
-                    "1 MiB all_reduce({op:?}): element {i} is {got}, expected {want}"
+                    "8 MiB all_reduce({op:?}): element {i} is {got}, expected {want}"
                 ));
             }
         }
