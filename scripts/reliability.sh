@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Reliability suite of issue #9 (crates/tandem-cli/tests/reliability.rs): kills, restarts, kills
-# during checkpoint writes, full disk, misconfiguration and bad checkpoint files. Prints every
+# during checkpoint writes, full disk, misconfiguration and bad checkpoint files; and the faults
+# across simulated hosts (crates/tandem-cli/tests/multihost.rs: killed worker or launcher on
+# another host, cut link, packet loss; needs root, else listed as skipped). Prints every
 # scenario's `reliability:` line and then the README's Markdown table built from them.
 #
 #   scripts/reliability.sh                   # the issue's trial counts (20 / 20 / 50)
@@ -15,6 +17,7 @@ trap 'rm -f "$summary"' EXIT
 start=$(date +%s)
 RELIABILITY_SUMMARY="$summary" cargo test -p tandem-cli --test reliability -- --test-threads "${RELIABILITY_THREADS:-2}" "$@"
 status=$?
+RELIABILITY_SUMMARY="$summary" cargo test -p tandem-cli --test multihost -- "$@" || status=$?
 elapsed=$(( $(date +%s) - start ))
 
 # A scenario that could not run here is a `reliability: NAME skipped reason=...` line: it is

@@ -191,6 +191,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         ckpt_mib: plan.ckpt_mib,
         failures: &ctx.failures,
         retries: &ctx.retries,
+        several_hosts: std::fs::read_to_string(out.join("several_hosts.md")).ok(),
     };
     let md = out.join("BENCHMARKS.md");
     std::fs::write(&md, markdown::render(&report))

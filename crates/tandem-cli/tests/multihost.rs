@@ -12,7 +12,9 @@ use std::path::Path;
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
-use support::{leftovers, marked_processes_with, sigkill, Finished, Running, MARKER_VAR};
+use support::{
+    leftovers, marked_processes_with, sigkill, trials, Finished, Running, Tally, MARKER_VAR,
+};
 use tandem_testutil::harness;
 use tandem_testutil::netns::{Hosts, Netem};
 use tandem_testutil::without_world;
@@ -33,7 +35,18 @@ fn main() -> ExitCode {
         training_completes_through_ten_percent_packet_loss,
     ];
     let no_loss = Hosts::loss_unavailable();
-    harness::main(
+    // The reliability suite lists scenarios that could not run here as skipped.
+    for (scenario, reason) in [
+        ("hosts-worker-killed-restart-all", &why),
+        ("hosts-launcher-killed", &why),
+        ("hosts-link-cut", &why),
+        ("hosts-packet-loss-10pct", &no_loss),
+    ] {
+        if let Some(reason) = reason {
+            Tally::skipped(scenario, reason);
+        }
+    }
+    harness::main_serial(
         tests
             .into_iter()
             .map(|t| {
@@ -288,7 +301,7 @@ fn restartable(out: &Path, fin: &Path) -> Vec<String> {
     .to_vec()
 }
 
-fn a_worker_killed_on_host_1_restarts_every_node_to_identical_weights() {
+fn a_worker_killed_on_host_1_restarts_every_node_to_identical_weights_trial() -> f64 {
     let dir = tempfile::tempdir().unwrap();
     let hosts = Hosts::new(2, None);
     let marker = format!("mh-restart-{}", std::process::id());
@@ -345,6 +358,7 @@ fn a_worker_killed_on_host_1_restarts_every_node_to_identical_weights() {
         "restarted run differs from the uninterrupted one"
     );
     assert_no_leftovers(&marker);
+    0.0
 }
 
 /// A worker that waits in its first attempt (so a launcher can be killed meanwhile), then
@@ -396,7 +410,7 @@ fn kill_host_1_launcher(marker: &str) -> Instant {
     Instant::now()
 }
 
-fn host_1_launcher_killed_ends_host_0_naming_node_1() {
+fn host_1_launcher_killed_ends_host_0_naming_node_1_trial() -> f64 {
     let hosts = Hosts::new(2, None);
     let marker = format!("mh-lost-{}", std::process::id());
     let worker = waiting_then_check();
@@ -419,6 +433,7 @@ fn host_1_launcher_killed_ends_host_0_naming_node_1() {
     assert!(took < limit, "host 0 took {took:?} after the kill (limit {limit:?})");
     assert!(host1.status.is_some_and(|s| !s.success()));
     assert_no_leftovers(&marker);
+    took.as_secs_f64()
 }
 
 fn elastic_job_goes_on_without_a_lost_node() {
@@ -450,7 +465,7 @@ fn elastic_job_goes_on_without_a_lost_node() {
     assert_no_leftovers(&marker);
 }
 
-fn a_cut_link_ends_both_sides_in_time_naming_the_peer() {
+fn a_cut_link_ends_both_sides_in_time_naming_the_peer_trial() -> f64 {
     let hosts = Hosts::new(2, None);
     let marker = format!("mh-cut-{}", std::process::id());
     let dir = tempfile::tempdir().unwrap();
@@ -476,6 +491,7 @@ fn a_cut_link_ends_both_sides_in_time_naming_the_peer() {
     let cut_at = Instant::now();
     let finished: Vec<Finished> = running.into_iter().map(|r| r.wait(LIMIT)).collect();
     let timeout = Duration::from_secs(COLLECTIVE_TIMEOUT_S.parse().unwrap());
+    let mut slowest = 0f64;
     for (i, f) in finished.iter().enumerate() {
         let took = f.at.saturating_duration_since(cut_at);
         let peer = format!("rank {}", 1 - i);
@@ -487,13 +503,16 @@ fn a_cut_link_ends_both_sides_in_time_naming_the_peer() {
         );
         assert!(f.stderr.contains(&peer), "host {i} does not name {peer}:\n{}", f.stderr);
         eprintln!("host {i}: ended {:.2}s after the cut", took.as_secs_f64());
+        slowest = slowest.max(took.as_secs_f64());
     }
     assert_no_leftovers(&marker);
+    slowest
 }
 
-fn training_completes_through_ten_percent_packet_loss() {
+fn training_completes_through_ten_percent_packet_loss_trial() -> f64 {
     let dir = tempfile::tempdir().unwrap();
     let marker = format!("mh-loss-{}", std::process::id());
+    let dropped_total = std::cell::Cell::new(0u64);
     let run = |netem: Option<Netem>, name: &str| -> Vec<(String, Vec<f64>)> {
         let hosts = Hosts::new(2, netem);
         let fin = dir.path().join(format!("{name}.pt"));
@@ -523,6 +542,7 @@ fn training_completes_through_ten_percent_packet_loss() {
                 dropped.iter().all(|d| d.is_some_and(|n| n > 0)),
                 "no packet was dropped: the loss was not applied ({dropped:?})"
             );
+            dropped_total.set(dropped.iter().flatten().sum());
         }
         weights(&fin)
     };
@@ -531,4 +551,70 @@ fn training_completes_through_ten_percent_packet_loss() {
     // TCP retransmits: the same bytes arrive, so the same weights.
     assert_eq!(lossy, clean, "training through 10% packet loss differs from a clean link");
     assert_no_leftovers(&marker);
+    dropped_total.get() as f64
+}
+
+fn a_worker_killed_on_host_1_restarts_every_node_to_identical_weights() {
+    scenario(
+        "hosts-worker-killed-restart-all",
+        2,
+        None,
+        a_worker_killed_on_host_1_restarts_every_node_to_identical_weights_trial,
+    );
+}
+
+fn host_1_launcher_killed_ends_host_0_naming_node_1() {
+    scenario(
+        "hosts-launcher-killed",
+        3,
+        Some("slowest_exit_after_kill"),
+        host_1_launcher_killed_ends_host_0_naming_node_1_trial,
+    );
+}
+
+fn a_cut_link_ends_both_sides_in_time_naming_the_peer() {
+    scenario(
+        "hosts-link-cut",
+        3,
+        Some("slowest_exit_after_cut"),
+        a_cut_link_ends_both_sides_in_time_naming_the_peer_trial,
+    );
+}
+
+fn training_completes_through_ten_percent_packet_loss() {
+    scenario(
+        "hosts-packet-loss-10pct",
+        1,
+        Some("packets_dropped"),
+        training_completes_through_ten_percent_packet_loss_trial,
+    );
+}
+
+/// Runs `trial` the scenario's number of times (or `RELIABILITY_TRIALS`), each failed assertion
+/// a failed trial, and prints the reliability suite's summary line (`scripts/reliability.sh`
+/// builds the README table from those): the largest of the trials' measurements under `key`.
+fn scenario(name: &str, default_trials: usize, key: Option<&str>, trial: fn() -> f64) {
+    let mut tally = Tally::new(name);
+    let mut worst = 0f64;
+    for t in 0..trials(default_trials) {
+        match std::panic::catch_unwind(trial) {
+            Ok(v) => {
+                worst = worst.max(v);
+                tally.record(Ok(()));
+            }
+            Err(p) => {
+                let why = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                tally.record(Err(format!("trial {t}: {why}")));
+            }
+        }
+    }
+    if let Some(key) = key {
+        let shown = if worst.fract() == 0.0 { format!("{worst}") } else { format!("{worst:.2}") };
+        tally.note(key, shown);
+    }
+    tally.finish();
 }

@@ -278,7 +278,7 @@ impl ProcessGroup {
         let mine = format!("rank {me}: {err}");
         // Bounded tightly: with the link to the store cut, this must not delay the rank's exit.
         let recorded =
-            store.compare_set_within(&key, b"", mine.as_bytes(), Duration::from_millis(500));
+            store.compare_set_within(&key, b"", mine.as_bytes(), Duration::from_millis(300));
         self.linger_for_readers(store);
         let first = match recorded {
             Ok(first) if first != mine.as_bytes() => String::from_utf8_lossy(&first).to_string(),

@@ -39,7 +39,7 @@ enum AttemptEnd {
 const EXIT_BARRIER: Duration = Duration::from_secs(300);
 /// After a local failure, how long to look for a remote cause (a node whose launcher died takes
 /// its workers with it, and ours fail a moment later talking to them).
-const REMOTE_CAUSE_WINDOW: Duration = Duration::from_millis(500);
+const REMOTE_CAUSE_WINDOW: Duration = Duration::from_millis(300);
 /// A store silent for this long (the watcher polls it every tick) is taken as unreachable.
 const STORE_SILENT: Duration = Duration::from_secs(1);
 

@@ -39,7 +39,19 @@ macro_rules! tests {
 
 /// Runs `tests` with libtest's command-line arguments; a panic fails its test.
 pub fn main(tests: Vec<Test>) -> ExitCode {
-    let args = Arguments::from_args();
+    run(tests, Arguments::from_args())
+}
+
+/// Like [`main`], one test at a time unless `--test-threads` says otherwise: for tests that
+/// time how fast something fails and start many processes each, which would otherwise
+/// compete for the cores.
+pub fn main_serial(tests: Vec<Test>) -> ExitCode {
+    let mut args = Arguments::from_args();
+    args.test_threads.get_or_insert(1);
+    run(tests, args)
+}
+
+fn run(tests: Vec<Test>, args: Arguments) -> ExitCode {
     let trials = tests
         .into_iter()
         .map(|t| {

@@ -25,6 +25,9 @@ pub struct Report<'a> {
     pub ckpt_mib: usize,
     pub failures: &'a [String],
     pub retries: &'a [String],
+    /// `docs/several_hosts.md` as `scripts/bench_two_hosts.sh` wrote it (it needs root and
+    /// network namespaces, so the report includes its last output rather than rerunning it).
+    pub several_hosts: Option<String>,
 }
 
 /// The plot of one model's DDP table (the MLP's keeps its original name).
@@ -331,6 +334,18 @@ pub fn render(r: &Report) -> String {
     );
     let _ = writeln!(out, "![checkpoint throughput](ckpt_throughput.png)\n");
     table(&mut out, r.ckpt);
+
+    if let Some(hosts) = &r.several_hosts {
+        let _ = writeln!(out, "## Several hosts (simulated)\n");
+        let _ = writeln!(
+            out,
+            "Hosts are network namespaces on one bridge, each host's link rate-limited; every rank \
+             still runs on this machine's cores. Measured by `sudo scripts/bench_two_hosts.sh \
+             HOSTS` (root needed, so `tandem bench report` includes its last output, \
+             docs/several_hosts.md, instead of rerunning it).\n"
+        );
+        let _ = writeln!(out, "{}\n", hosts.trim_end());
+    }
 
     if !r.failures.is_empty() || !r.retries.is_empty() {
         let _ = writeln!(out, "## Failures\n");
