@@ -13,11 +13,68 @@ use tandem_testutil::{
 const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
 const LIMIT: Duration = Duration::from_secs(60);
 
+/// Kubeflow's trainer sets these for torchrun; `tandem run` takes them as flag defaults.
+const PET_VARS: [&str; 7] = [
+    "PET_NNODES",
+    "PET_NPROC_PER_NODE",
+    "PET_NODE_RANK",
+    "PET_MASTER_ADDR",
+    "PET_MASTER_PORT",
+    "PET_MAX_RESTARTS",
+    "PET_RDZV_ID",
+];
+
 fn tandem_run(args: &[&str]) -> Command {
     let mut c = Command::new(TANDEM);
     c.arg("run").args(args);
     c.env_remove("OMP_NUM_THREADS").env_remove("RAYON_NUM_THREADS");
+    for v in PET_VARS {
+        c.env_remove(v);
+    }
     c
+}
+
+#[test]
+fn kubeflow_pet_variables_are_flag_defaults_and_flags_win() {
+    let port = free_port().to_string();
+    let pet = |c: &mut Command| {
+        c.env("PET_NNODES", "1")
+            .env("PET_NPROC_PER_NODE", "3")
+            .env("PET_NODE_RANK", "0")
+            .env("PET_MASTER_ADDR", "127.0.0.1")
+            .env("PET_MASTER_PORT", &port)
+            .env("PET_MAX_RESTARTS", "2")
+            .env("PET_RDZV_ID", "k8s-job");
+    };
+    let mut cmd = tandem_run(&["--", TANDEM, "check", "--print-env"]);
+    pet(&mut cmd);
+    let out = output_with_deadline(&mut cmd, LIMIT);
+    assert!(out.status.success(), "{}", describe(&out));
+    let stdout = text(&out.stdout);
+    for r in 0..3u32 {
+        let lines = rank_lines(&stdout, r);
+        let json: serde_json::Value = serde_json::from_str(&lines[0]).expect("environment line");
+        assert_eq!(json["WORLD_SIZE"].as_str(), Some("3"), "{json}");
+        assert_eq!(json["MASTER_PORT"].as_str(), Some(port.as_str()), "{json}");
+        assert_eq!(json["TORCHELASTIC_MAX_RESTARTS"].as_str(), Some("2"), "{json}");
+        assert_eq!(json["TORCHELASTIC_RUN_ID"].as_str(), Some("k8s-job"), "{json}");
+    }
+    // A flag on the command line wins over its PET_ variable.
+    let mut cmd = tandem_run(&["--nproc-per-node", "2", "--", TANDEM, "check"]);
+    pet(&mut cmd);
+    let out = output_with_deadline(&mut cmd, LIMIT);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert_eq!(
+        rank_lines(&text(&out.stdout), 1),
+        vec!["rank 1/2 local 1/2 sum=1 allreduce=flat ok"]
+    );
+    assert!(rank_lines(&text(&out.stdout), 2).is_empty());
+    // A bad value names the flag.
+    let mut cmd = tandem_run(&["--", "true"]);
+    cmd.env("PET_NNODES", "zero");
+    let out = output_with_deadline(&mut cmd, LIMIT);
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+    assert!(text(&out.stderr).contains("--nnodes"), "{}", describe(&out));
 }
 
 fn text(b: &[u8]) -> String {

@@ -14,12 +14,15 @@ use tandem_launch::{
     after_help = "Every worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, \
 MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, \
 and OMP_NUM_THREADS / RAYON_NUM_THREADS = max(1, cores / nproc) unless already set.\n\
+As with torchrun, PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT, \
+PET_MAX_RESTARTS and PET_RDZV_ID (what Kubeflow's trainer sets for torchrun) are the defaults \
+of their flags; a flag on the command line wins.\n\
 Example: tandem run --nproc-per-node 4 -- ./train --epochs 3"
 )]
 pub struct Args {
     /// Number of nodes: N, or MIN:MAX (each round starts with the nodes that joined, at least
     /// MIN; a lost node is replaced or dropped at the next restart).
-    #[arg(long, value_name = "N", default_value = "1", value_parser = parse_nnodes)]
+    #[arg(long, env = "PET_NNODES", value_name = "N", default_value = "1", value_parser = parse_nnodes)]
     nnodes: Nnodes,
 
     /// Seconds the launchers of a multi-node job wait for each other at each (re)start.
@@ -35,6 +38,7 @@ pub struct Args {
     #[arg(
         long = "nproc-per-node",
         alias = "nproc_per_node",
+        env = "PET_NPROC_PER_NODE",
         value_name = "N",
         default_value = "1"
     )]
@@ -43,13 +47,20 @@ pub struct Args {
     /// This node's index in 0..nnodes (becomes GROUP_RANK; ranks are node_rank * nproc + local).
     /// Node 0's launcher hosts the launchers' rendezvous at MASTER_ADDR:MASTER_PORT. With
     /// --nnodes MIN:MAX only 0 matters: the other nodes are numbered in the order they join.
-    #[arg(long = "node-rank", alias = "node_rank", value_name = "R", default_value_t = 0)]
+    #[arg(
+        long = "node-rank",
+        alias = "node_rank",
+        env = "PET_NODE_RANK",
+        value_name = "R",
+        default_value_t = 0
+    )]
     node_rank: u32,
 
     /// Address of the node running rank 0, where its store listens (MASTER_ADDR).
     #[arg(
         long = "master-addr",
         alias = "master_addr",
+        env = "PET_MASTER_ADDR",
         value_name = "HOST",
         default_value = "127.0.0.1"
     )]
@@ -58,7 +69,12 @@ pub struct Args {
     /// Port of rank 0's store (MASTER_PORT); required with --nnodes > 1, where it is the
     /// launchers' rendezvous and node 0 picks a free port for the workers each round. Single
     /// node: a free one is picked when not given.
-    #[arg(long = "master-port", alias = "master_port", value_name = "PORT")]
+    #[arg(
+        long = "master-port",
+        alias = "master_port",
+        env = "PET_MASTER_PORT",
+        value_name = "PORT"
+    )]
     master_port: Option<u16>,
 
     /// Single-node job on loopback: free port picked for you, random run id.
@@ -66,7 +82,13 @@ pub struct Args {
     standalone: bool,
 
     /// Times the whole set of workers is restarted after a worker fails.
-    #[arg(long = "max-restarts", alias = "max_restarts", value_name = "N", default_value_t = 0)]
+    #[arg(
+        long = "max-restarts",
+        alias = "max_restarts",
+        env = "PET_MAX_RESTARTS",
+        value_name = "N",
+        default_value_t = 0
+    )]
     max_restarts: u32,
 
     /// Seconds between checks of the workers' state.
@@ -79,7 +101,7 @@ pub struct Args {
     monitor_interval: f64,
 
     /// Job id exported as TORCHELASTIC_RUN_ID; also names the sub-directory of --log-dir.
-    #[arg(long = "run-id", alias = "run_id", value_name = "ID")]
+    #[arg(long = "run-id", alias = "run_id", env = "PET_RDZV_ID", value_name = "ID")]
     run_id: Option<String>,
 
     /// Write worker output to <DIR>/<run-id>/attempt_<k>/<local_rank>/{stdout,stderr}.log.
