@@ -255,20 +255,23 @@ fn wait_for_checkpoint(dir: &Path, limit: Duration) -> bool {
     false
 }
 
-/// The one live process of trial `marker` with `RANK=rank` running `arg`, waiting up to 20 s.
-fn find_process(marker: &str, also: &[&str], arg: &str) -> i32 {
+/// Polls `look` every 20 ms until it finds exactly one pid; panics after 20 s with `what` and
+/// the last candidates.
+fn one_process(what: &str, mut look: impl FnMut() -> Vec<i32>) -> i32 {
     let start = Instant::now();
     loop {
-        let found = marked_processes_with(marker, also, arg);
+        let found = look();
         if let [pid] = found[..] {
             return pid;
         }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "no single {also:?} `{arg}` process: {found:?}"
-        );
+        assert!(start.elapsed() < Duration::from_secs(20), "no single {what}: {found:?}");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The one live process of trial `marker` with the variables `also`, running `arg`.
+fn find_process(marker: &str, also: &[&str], arg: &str) -> i32 {
+    one_process(&format!("{also:?} `{arg}` process"), || marked_processes_with(marker, also, arg))
 }
 
 fn assert_no_leftovers(marker: &str) {
@@ -374,8 +377,7 @@ fn waiting_then_check() -> Vec<String> {
 fn kill_host_1_launcher(marker: &str) -> Instant {
     // The launcher is the `tandem run` process with --node-rank 1 (the netns and unshare
     // wrappers exec into it, so it carries the marker but no RANK).
-    let start = Instant::now();
-    let launcher = loop {
+    let launcher = one_process("launcher of host 1", || {
         let found: Vec<i32> = marked_processes_with(marker, &[], "run")
             .into_iter()
             .filter(|&pid| {
@@ -386,23 +388,15 @@ fn kill_host_1_launcher(marker: &str) -> Instant {
             })
             .collect();
         // The launcher's forked watchdog has the same command line; keep the parent.
-        let parents: Vec<i32> = found
+        found
             .iter()
             .copied()
             .filter(|&p| {
                 let ppid = tandem_comm::procfs::ProcStat::read(p).map(|s| s.ppid);
                 !ppid.is_some_and(|pp| found.contains(&pp))
             })
-            .collect();
-        if let [pid] = parents[..] {
-            break pid;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "host 1's launcher not found: {found:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+            .collect()
+    });
     // Both nodes' workers are up before the kill.
     find_process(marker, &["RANK=0"], "-c");
     find_process(marker, &["RANK=2"], "-c");

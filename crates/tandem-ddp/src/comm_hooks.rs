@@ -52,13 +52,24 @@ impl CommHook for Fp16Compress {
         "fp16"
     }
     fn reduce(&self, comm: &dyn GradComm, bucket: GradBucket<'_>) -> Result<(), CommSource> {
-        let n = comm.size() as f32;
-        let mut wire: Vec<f16> =
-            bucket.buffer.iter().map(|&g| f16::from_f32(f16::from_f32(g).to_f32() / n)).collect();
-        comm.all_reduce_sum_f16(&mut wire)?;
-        bucket.buffer.iter_mut().zip(&wire).for_each(|(g, w)| *g = w.to_f32());
-        Ok(())
+        compressed(comm, bucket.buffer, f16::from_f32, f16::to_f32, |c, w| c.all_reduce_sum_f16(w))
     }
+}
+
+/// Cast to the wire type, divide by the world size (in that type, as PyTorch's hooks do),
+/// all-reduce the sum in that type, cast back.
+fn compressed<W: Copy>(
+    comm: &dyn GradComm,
+    buffer: &mut [f32],
+    to_wire: fn(f32) -> W,
+    from_wire: fn(W) -> f32,
+    sum: impl Fn(&dyn GradComm, &mut [W]) -> Result<(), CommSource>,
+) -> Result<(), CommSource> {
+    let n = comm.size() as f32;
+    let mut wire: Vec<W> = buffer.iter().map(|&g| to_wire(from_wire(to_wire(g)) / n)).collect();
+    sum(comm, &mut wire)?;
+    buffer.iter_mut().zip(&wire).for_each(|(g, &w)| *g = from_wire(w));
+    Ok(())
 }
 
 /// bf16 compression: half the bytes, f32's range, 8 bits of mantissa.
@@ -70,12 +81,9 @@ impl CommHook for Bf16Compress {
         "bf16"
     }
     fn reduce(&self, comm: &dyn GradComm, bucket: GradBucket<'_>) -> Result<(), CommSource> {
-        let n = comm.size() as f32;
-        let mut wire: Vec<bf16> =
-            bucket.buffer.iter().map(|&g| bf16::from_f32(bf16::from_f32(g).to_f32() / n)).collect();
-        comm.all_reduce_sum_bf16(&mut wire)?;
-        bucket.buffer.iter_mut().zip(&wire).for_each(|(g, w)| *g = w.to_f32());
-        Ok(())
+        compressed(comm, bucket.buffer, bf16::from_f32, bf16::to_f32, |c, w| {
+            c.all_reduce_sum_bf16(w)
+        })
     }
 }
 
