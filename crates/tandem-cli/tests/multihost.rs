@@ -67,7 +67,10 @@ fn tandem() -> &'static str {
 
 /// `tandem run` on every host (node rank = host index, master = host 0), each running `worker`.
 fn launch_on_all(hosts: &Hosts, nproc: usize, worker: &[&str]) -> Vec<Finished> {
-    start_on_all(hosts, nproc, &[], worker, "none").into_iter().map(|r| r.wait(LIMIT)).collect()
+    start_on_all(hosts, nproc, &[], worker, "none", &[])
+        .into_iter()
+        .map(|r| r.wait(LIMIT))
+        .collect()
 }
 
 /// Starts `tandem run RUN_ARGS` on every host without waiting; every process carries the
@@ -78,6 +81,7 @@ fn start_on_all(
     run_args: &[&str],
     worker: &[&str],
     marker: &str,
+    env: &[(&str, &str)],
 ) -> Vec<Running> {
     let master = hosts.addr(0);
     let nnodes = hosts.len().to_string();
@@ -108,6 +112,7 @@ fn start_on_all(
             let mut cmd = hosts.command(i, tandem(), &args);
             without_world(&mut cmd);
             cmd.env(MARKER_VAR, marker).env("TANDEM_TIMEOUT", COLLECTIVE_TIMEOUT_S);
+            cmd.envs(env.iter().copied());
             Running::spawn(&mut cmd)
         })
         .collect()
@@ -151,32 +156,8 @@ fn two_hosts_of_two_ranks_form_one_world() {
 
 fn the_flat_ring_can_be_chosen_and_agrees() {
     let hosts = Hosts::new(2, None);
-    let flat: Vec<Finished> = (0..2)
-        .map(|i| {
-            let node_rank = i.to_string();
-            let master = hosts.addr(0);
-            let args = [
-                "run",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                &node_rank,
-                "--master-addr",
-                &master,
-                "--master-port",
-                PORT,
-                "--nproc-per-node",
-                "2",
-                "--",
-                tandem(),
-                "check",
-            ];
-            let mut cmd = hosts.command(i, tandem(), &args);
-            without_world(&mut cmd);
-            cmd.env("TANDEM_ALLREDUCE", "flat");
-            Running::spawn(&mut cmd)
-        })
-        .collect::<Vec<_>>()
+    let env = [("TANDEM_ALLREDUCE", "flat")];
+    let flat: Vec<Finished> = start_on_all(&hosts, 2, &[], &[tandem(), "check"], "none", &env)
         .into_iter()
         .map(|r| r.wait(LIMIT))
         .collect();
@@ -311,14 +292,16 @@ fn a_worker_killed_on_host_1_restarts_every_node_to_identical_weights_trial() ->
     let (ref_out, ref_fin) = (dir.path().join("ref"), dir.path().join("ref.pt"));
     let worker = restartable(&ref_out, &ref_fin);
     let worker: Vec<&str> = worker.iter().map(String::as_str).collect();
-    let reference: Vec<Finished> =
-        start_on_all(&hosts, 2, &[], &worker, &marker).into_iter().map(|r| r.wait(LIMIT)).collect();
+    let reference: Vec<Finished> = start_on_all(&hosts, 2, &[], &worker, &marker, &[])
+        .into_iter()
+        .map(|r| r.wait(LIMIT))
+        .collect();
     assert_all_succeeded(&reference);
 
     let (out, fin) = (dir.path().join("run"), dir.path().join("run.pt"));
     let worker = restartable(&out, &fin);
     let worker: Vec<&str> = worker.iter().map(String::as_str).collect();
-    let running = start_on_all(&hosts, 2, &["--max-restarts", "1"], &worker, &marker);
+    let running = start_on_all(&hosts, 2, &["--max-restarts", "1"], &worker, &marker, &[]);
     assert!(
         wait_for_checkpoint(&out.join("checkpoints"), LIMIT),
         "no checkpoint was written in {}",
@@ -409,7 +392,7 @@ fn host_1_launcher_killed_ends_host_0_naming_node_1_trial() -> f64 {
     let marker = format!("mh-lost-{}", std::process::id());
     let worker = waiting_then_check();
     let worker: Vec<&str> = worker.iter().map(String::as_str).collect();
-    let mut running = start_on_all(&hosts, 2, &["--max-restarts", "3"], &worker, &marker);
+    let mut running = start_on_all(&hosts, 2, &["--max-restarts", "3"], &worker, &marker, &[]);
     let killed_at = kill_host_1_launcher(&marker);
     let host1 = running.pop().unwrap().wait(LIMIT);
     let host0 = running.pop().unwrap().wait(LIMIT);
@@ -436,7 +419,7 @@ fn elastic_job_goes_on_without_a_lost_node() {
     let worker = waiting_then_check();
     let worker: Vec<&str> = worker.iter().map(String::as_str).collect();
     let run_args = ["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-timeout", "20"];
-    let mut running = start_on_all(&hosts, 2, &run_args, &worker, &marker);
+    let mut running = start_on_all(&hosts, 2, &run_args, &worker, &marker, &[]);
     let _ = kill_host_1_launcher(&marker);
     let _host1 = running.pop().unwrap().wait(LIMIT);
     let host0 = running.pop().unwrap().wait(LIMIT);
@@ -476,7 +459,7 @@ fn a_cut_link_ends_both_sides_in_time_naming_the_peer_trial() -> f64 {
         "--out",
         s(&out),
     ];
-    let running = start_on_all(&hosts, 1, &[], &worker, &marker);
+    let running = start_on_all(&hosts, 1, &[], &worker, &marker, &[]);
     find_process(&marker, &["RANK=0"], "train");
     find_process(&marker, &["RANK=1"], "train");
     // Mid-training, all-reduces in flight.
@@ -524,7 +507,7 @@ fn training_completes_through_ten_percent_packet_loss_trial() -> f64 {
             "--save-final",
             s(&fin),
         ];
-        let finished: Vec<Finished> = start_on_all(&hosts, 2, &[], &worker, &marker)
+        let finished: Vec<Finished> = start_on_all(&hosts, 2, &[], &worker, &marker, &[])
             .into_iter()
             .map(|r| r.wait(LIMIT))
             .collect();
