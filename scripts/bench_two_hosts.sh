@@ -7,6 +7,7 @@
 #   sudo scripts/bench_two_hosts.sh [HOSTS] [RATE_MBIT] [REPEATS] [TRAIN_RATE_MBIT]
 #   (defaults: 2 1000 3 100: all-reduce on 1 Gbit/s links, training on 100 Mbit/s links)
 #
+# BENCH_PARTS=allreduce skips the training table.
 # Rate limiting uses netem (rate + 0.2 ms delay) when the kernel has sch_netem, else a tbf
 # qdisc (rate only); the table header says which.
 set -euo pipefail
@@ -96,6 +97,7 @@ for size in 16M 64M; do
   ratio=$(awk -v h="${med[hierarchical]}" -v f="${med[flat]}" 'BEGIN { printf "%.2fx", h / f }')
   echo "$row| $ratio |"
 done
+[ "${BENCH_PARTS:-all}" = allreduce ] && exit 0
 # Training: a link slow enough for gradients to matter.
 for i in $(seq 0 $((hosts - 1))); do
   if [ "${shaping#netem}" != "$shaping" ]; then

@@ -3,7 +3,7 @@
 //! parallel, over TCP), all-gather within each host. Every byte crosses the network once per
 //! host instead of once per rank, so a host's link carries 2(H-1)/H of the buffer instead of
 //! the flat ring's 2(N-1)/N (H hosts, N ranks) — and the intra-host steps run at memory speed.
-//! The buffer goes through in pieces, pipelined: while piece k crosses the network, piece k+1
+//! The buffer goes through in pieces (1–4 MiB), pipelined: while piece k crosses the network, piece k+1
 //! is reduced within the host and piece k-1 gathered back, so the intra-host steps hide behind
 //! the network instead of adding to it. Each sub-group is driven by one thread in a fixed
 //! order, the same on every rank.
@@ -66,8 +66,9 @@ pub(crate) fn setup(world: &ProcessGroup, wanted: Option<bool>) -> Result<(), Co
     Ok(())
 }
 
-/// Pieces of at most this many bytes go through the pipeline.
-const PIECE_BYTES: usize = 4 << 20;
+/// Pieces go through the pipeline: about 1/16 of the buffer (a short pipeline fill), between
+/// these bounds (per-piece latency below, memory and fill time above).
+const PIECE_BYTES: (usize, usize) = (1 << 20, 4 << 20);
 
 impl Hierarchy {
     /// All-reduce of `buf` over the whole group (`world_size` ranks) through the sub-groups.
@@ -79,7 +80,8 @@ impl Hierarchy {
     ) -> Result<(), CommError> {
         // Avg is a sum divided once at the end.
         let inner = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
-        let per_piece = (PIECE_BYTES / std::mem::size_of::<T>()).max(1);
+        let piece_bytes = (std::mem::size_of_val(buf) / 16).clamp(PIECE_BYTES.0, PIECE_BYTES.1);
+        let per_piece = (piece_bytes / std::mem::size_of::<T>()).max(1);
         let mut pieces: Vec<&mut [T]> = buf.chunks_mut(per_piece).collect();
         let l = self.local.size();
         // Local thread: reduce-scatter piece k+1 before gathering piece k back; the cross

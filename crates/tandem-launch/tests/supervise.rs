@@ -96,7 +96,12 @@ fn a_worker_that_fails_only_on_its_first_attempt_succeeds_after_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let script = r#"
         echo "$TORCHELASTIC_RESTART_COUNT" >> "$OUT/attempts.$RANK"
-        if [ "$RANK" = 1 ] && [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then exit 4; fi
+        if [ "$RANK" = 1 ] && [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then
+            # Fail only once rank 0 has recorded its start (at most 5 s): the failure stops
+            # rank 0, which on a loaded machine might otherwise not have started yet.
+            i=0; while [ ! -s "$OUT/attempts.0" ] && [ $i -lt 500 ]; do sleep 0.01; i=$((i+1)); done
+            exit 4
+        fi
         sleep 0.2
     "#;
     let mut cfg = sh(script, 2, dir.path());
