@@ -31,6 +31,7 @@ fn main() -> ExitCode {
         a_worker_killed_on_host_1_restarts_every_node_to_identical_weights,
         host_1_launcher_killed_ends_host_0_naming_node_1,
         elastic_job_goes_on_without_a_lost_node,
+        two_launchers_claiming_node_rank_0_are_refused_by_name,
         a_cut_link_ends_both_sides_in_time_naming_the_peer,
         training_completes_through_ten_percent_packet_loss,
     ];
@@ -594,4 +595,46 @@ fn scenario(name: &str, default_trials: usize, key: Option<&str>, trial: fn() ->
         tally.note(key, shown);
     }
     tally.finish();
+}
+
+fn two_launchers_claiming_node_rank_0_are_refused_by_name() {
+    let hosts = Hosts::new(2, None);
+    let master = hosts.addr(0);
+    let finished: Vec<Finished> = (0..2)
+        .map(|i| {
+            // Both say --node-rank 0: each hosts a store, both meet in host 0's.
+            let args = [
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "0",
+                "--master-addr",
+                &master,
+                "--master-port",
+                PORT,
+                "--rdzv-timeout",
+                "3",
+                "--",
+                tandem(),
+                "check",
+            ];
+            let mut cmd = hosts.command(i, tandem(), &args);
+            without_world(&mut cmd);
+            Running::spawn(&mut cmd)
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|r| r.wait(LIMIT))
+        .collect();
+    let all: String = finished.iter().map(|f| f.describe()).collect::<Vec<_>>().join("\n");
+    let refused: Vec<&Finished> =
+        finished.iter().filter(|f| f.stderr.contains("--node-rank 0 is already taken")).collect();
+    assert_eq!(refused.len(), 1, "exactly one launcher must be refused:\n{all}");
+    assert!(refused[0].stderr.contains("simhost"), "{}", refused[0].stderr);
+    // Neither succeeds: the other waits for a second node that never comes, and says so.
+    for f in &finished {
+        assert!(!f.status.is_some_and(|s| s.success()), "{}", f.describe());
+    }
+    assert!(finished.iter().any(|f| f.stderr.contains("only 1 of 2 node(s) joined")), "{all}");
 }

@@ -165,7 +165,29 @@ impl NodeAgent {
             .store
             .set_owned(&agent.alive_key, agent.hostname.as_bytes())
             .map_err(|e| agent.lost(e))?;
+        if agent.is_host {
+            agent.claim_host()?;
+        }
         Ok(agent)
+    }
+
+    /// Node rank 0 hosts the rendezvous; a second launcher started with `--node-rank 0` on
+    /// another machine would host a store of its own and close rounds too: refuse it by name.
+    fn claim_host(&self) -> Result<(), LaunchError> {
+        let holder = self
+            .store
+            .compare_set("host", b"", self.alive_key.as_bytes())
+            .map_err(|e| self.lost(e))?;
+        if holder != self.alive_key.as_bytes() {
+            // "alive/<hostname>/<pid>"
+            let holder = String::from_utf8_lossy(&holder).into_owned();
+            let who = holder.strip_prefix("alive/").unwrap_or(&holder).replace('/', " pid ");
+            return Err(LaunchError::Rendezvous(format!(
+                "--node-rank 0 is already taken by the launcher on {who}; every other node \
+                 needs its own --node-rank (with --nnodes MIN:MAX, any value but 0)"
+            )));
+        }
+        Ok(())
     }
 
     fn elastic(&self) -> bool {
