@@ -7,7 +7,7 @@
 #   sudo scripts/bench_two_hosts.sh [HOSTS] [RATE_MBIT] [REPEATS] [TRAIN_RATE_MBIT]
 #   (defaults: 2 1000 3 100: all-reduce on 1 Gbit/s links, training on 100 Mbit/s links)
 #
-# BENCH_PARTS=allreduce skips the training table.
+# BENCH_PARTS=allreduce or BENCH_PARTS=train runs one of the two tables.
 # Rate limiting uses netem (rate + 0.2 ms delay) when the kernel has sch_netem, else a tbf
 # qdisc (rate only); the table header says which.
 set -euo pipefail
@@ -73,7 +73,9 @@ on_all() {
 stats() { sort -g | awk '{ v[NR] = $1 } END { printf "%.3f / %.3f / %.3f", v[1], v[int((NR + 1) / 2)], v[NR] }'; }
 
 world=$((hosts * 2))
+parts=${BENCH_PARTS:-all}
 echo "### $hosts hosts x 2 ranks, $shaping"
+if [ "$parts" != train ]; then
 echo
 echo "All-reduce (f32 sum), busbw = algbw x 2(n-1)/n with n = $world, GB/s min / median / max of $repeats runs:"
 echo
@@ -97,7 +99,8 @@ for size in 16M 64M; do
   ratio=$(awk -v h="${med[hierarchical]}" -v f="${med[flat]}" 'BEGIN { printf "%.2fx", h / f }')
   echo "$row| $ratio |"
 done
-[ "${BENCH_PARTS:-all}" = allreduce ] && exit 0
+fi
+[ "$parts" = allreduce ] && exit 0
 # Training: a link slow enough for gradients to matter.
 for i in $(seq 0 $((hosts - 1))); do
   if [ "${shaping#netem}" != "$shaping" ]; then
@@ -111,7 +114,7 @@ echo "DDP training across the hosts on ${train_rate} Mbit/s links (\`tandem trai
 echo
 echo "| gradients on the wire | samples/s | eval loss (last run) | eval accuracy (last run) |"
 echo "|---|--:|--:|--:|"
-for hook in none fp16 bf16; do
+for hook in none fp16 bf16 powersgd; do
   vals=()
   last=""
   for _ in $(seq "$repeats"); do

@@ -3,7 +3,8 @@
 //! "the optimizer reads the averaged gradients". The default is a plain all-reduce average.
 //! [`Fp16Compress`] and [`Bf16Compress`] halve the bytes on the wire, as PyTorch's
 //! `fp16_compress_hook` / `bf16_compress_hook` do: cast the bucket to the 16-bit type, divide by
-//! the world size, all-reduce (sum) in that type, cast back. Your own hook implements
+//! the world size, all-reduce (sum) in that type, cast back.
+//! [`crate::powersgd::PowerSgd`] sends low-rank approximations with error feedback. Your own hook implements
 //! [`CommHook`]; it runs on the reducer's communication thread, bucket by bucket in launch order,
 //! and must make the same collective calls on every rank.
 use std::sync::Arc;
@@ -19,6 +20,24 @@ pub struct GradBucket<'a> {
     pub index: usize,
     /// This rank's gradients on entry; what every rank uses on return (normally the average).
     pub buffer: &'a mut [f32],
+    /// The parameters whose gradients the buffer holds (PyTorch's `bucket.parameters()`).
+    pub params: &'a [BucketParam],
+}
+
+/// Where one parameter's gradient sits in a bucket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketParam {
+    /// The parameter's index in the model's parameter order (stable across bucket rebuilds).
+    pub index: usize,
+    /// First element in the bucket buffer.
+    pub offset: usize,
+    pub shape: Vec<usize>,
+}
+
+impl BucketParam {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
 }
 
 /// A communication hook. `reduce` is a collective: every rank calls it for the same buckets in
@@ -93,6 +112,9 @@ pub fn builtin(name: &str) -> Option<Arc<dyn CommHook>> {
         "none" | "allreduce" => Some(Arc::new(AllReduceAvg)),
         "fp16" => Some(Arc::new(Fp16Compress)),
         "bf16" => Some(Arc::new(Bf16Compress)),
+        "powersgd" => Some(Arc::new(crate::powersgd::PowerSgd::new(
+            crate::powersgd::PowerSgdOptions::default(),
+        ))),
         _ => None,
     }
 }
@@ -109,7 +131,9 @@ mod tests {
                 let hook = hook.clone();
                 std::thread::spawn(move || {
                     let mut buf = per_rank(g.rank());
-                    hook.reduce(&g, GradBucket { index: 0, buffer: &mut buf }).unwrap();
+                    let params = [BucketParam { index: 0, offset: 0, shape: vec![buf.len()] }];
+                    hook.reduce(&g, GradBucket { index: 0, buffer: &mut buf, params: &params })
+                        .unwrap();
                     buf
                 })
             })

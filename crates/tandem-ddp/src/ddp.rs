@@ -270,12 +270,13 @@ impl<M: ParamModule> Ddp<M> {
             find_unused_parameters: opts.find_unused_parameters,
             rebuild_buckets: opts.rebuild_buckets,
         };
-        let reducer = Reducer::new(
+        let mut reducer = Reducer::new(
             params.iter().map(|(n, _)| n.clone()).collect(),
             params.iter().map(|(_, v)| v.elem_count()).collect(),
             comm.clone(),
             cfg,
         )?;
+        reducer.set_param_shapes(params.iter().map(|(_, v)| v.dims().to_vec()).collect())?;
         let shared = Arc::new(Shared {
             comm,
             reducer: Mutex::new(reducer),

@@ -22,13 +22,14 @@ pub mod models;
 pub mod module;
 pub mod nn;
 pub mod params;
+pub mod powersgd;
 pub mod reducer;
 pub mod vars;
 pub mod weights;
 
 pub use alloc::tune_allocator;
 pub use comm::{GradComm, LocalGroup, SingleProcess};
-pub use comm_hooks::{CommHook, GradBucket};
+pub use comm_hooks::{BucketParam, CommHook, GradBucket};
 pub use data_parallel::{chunk_sizes, DataParallel};
 pub use ddp::{Ddp, DdpOptions, JoinOptions, Unhooked};
 pub use error::{DdpError, Result};

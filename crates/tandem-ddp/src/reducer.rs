@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 
 use crate::bucket::{assign_buckets, BucketPlan};
 use crate::comm::GradComm;
-use crate::comm_hooks::{AllReduceAvg, CommHook, GradBucket};
+use crate::comm_hooks::{AllReduceAvg, BucketParam, CommHook, GradBucket};
 use crate::error::{CommSource, DdpError, Result};
 
 #[derive(Clone, Copy, Debug)]
@@ -39,6 +39,7 @@ struct Bucket {
 struct Job {
     bucket: usize,
     data: Vec<f32>,
+    params: Vec<BucketParam>,
     hook: Arc<dyn CommHook>,
 }
 
@@ -50,6 +51,8 @@ pub type ReducedBucket = (Vec<f32>, Vec<(usize, usize)>);
 pub struct Reducer {
     names: Vec<String>,
     numels: Vec<usize>,
+    /// Parameter shapes for comm hooks (flat `[numel]` unless set).
+    shapes: Vec<Vec<usize>>,
     cfg: ReducerConfig,
     comm: Arc<dyn GradComm>,
     buckets: Vec<Bucket>,
@@ -90,7 +93,11 @@ impl Reducer {
             .name(format!("ddp-comm-r{}", comm.rank()))
             .spawn(move || {
                 for mut job in job_rx {
-                    let bucket = GradBucket { index: job.bucket, buffer: &mut job.data };
+                    let bucket = GradBucket {
+                        index: job.bucket,
+                        buffer: &mut job.data,
+                        params: &job.params,
+                    };
                     let r = job.hook.reduce(&*thread_comm, bucket);
                     if done_tx.send((job.bucket, job.data, r)).is_err() {
                         break;
@@ -99,9 +106,11 @@ impl Reducer {
             })
             .map_err(|e| DdpError::comm("spawn communication thread", comm.rank(), e))?;
         let reverse: Vec<usize> = (0..n).rev().collect();
+        let shapes = numels.iter().map(|&n| vec![n]).collect();
         let mut r = Reducer {
             names,
             numels,
+            shapes,
             cfg,
             comm,
             buckets: Vec::new(),
@@ -135,6 +144,21 @@ impl Reducer {
     /// the next bucket launched.
     pub fn set_comm_hook(&mut self, hook: Arc<dyn CommHook>) {
         self.hook = hook;
+    }
+
+    /// The parameters' shapes, handed to comm hooks (PowerSGD needs the matrices).
+    pub fn set_param_shapes(&mut self, shapes: Vec<Vec<usize>>) -> Result<()> {
+        for (i, s) in shapes.iter().enumerate() {
+            let n: usize = s.iter().product();
+            if self.numels.get(i) != Some(&n) || shapes.len() != self.numels.len() {
+                return Err(DdpError::InvalidOption {
+                    what: "param shapes",
+                    why: format!("parameter {i}: shape {s:?} does not match its element count"),
+                });
+            }
+        }
+        self.shapes = shapes;
+        Ok(())
     }
 
     pub fn comm_hook_name(&self) -> String {
@@ -302,7 +326,16 @@ impl Reducer {
             let data = self.buckets[b].data.take().ok_or(DdpError::CommThreadGone)?;
             let tx = self.jobs.as_ref().ok_or(DdpError::CommThreadGone)?;
             let hook = self.hook.clone();
-            tx.send(Job { bucket: b, data, hook }).map_err(|_| DdpError::CommThreadGone)?;
+            let params = self.buckets[b]
+                .params
+                .iter()
+                .map(|&p| BucketParam {
+                    index: p,
+                    offset: self.loc[p].1,
+                    shape: self.shapes[p].clone(),
+                })
+                .collect();
+            tx.send(Job { bucket: b, data, params, hook }).map_err(|_| DdpError::CommThreadGone)?;
             self.in_flight += 1;
             self.next_launch += 1;
         }

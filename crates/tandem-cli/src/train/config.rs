@@ -84,8 +84,9 @@ pub struct TrainConfig {
     #[arg(long = "sync-batchnorm")]
     pub sync_batchnorm: bool,
     /// What gradient buckets go through: `none` (f32 all-reduce average), `fp16` or `bf16`
-    /// (compressed to 16 bits on the wire, PyTorch's fp16/bf16_compress_hook).
-    #[arg(long = "comm-hook", value_name = "HOOK", default_value = "none", value_parser = ["none", "fp16", "bf16"])]
+    /// (compressed to 16 bits on the wire, PyTorch's fp16/bf16_compress_hook), `powersgd`
+    /// (rank-2 PowerSGD with error feedback after 10 plain steps).
+    #[arg(long = "comm-hook", value_name = "HOOK", default_value = "none", value_parser = ["none", "fp16", "bf16", "powersgd"])]
     pub comm_hook: String,
     /// Normalise each image channel with the training set's mean and standard deviation.
     #[arg(long)]
