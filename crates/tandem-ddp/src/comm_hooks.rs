@@ -175,6 +175,7 @@ mod tests {
         let out = run3(builtin("none").unwrap(), grads);
         let direct = run3(Arc::new(AllReduceAvg), grads);
         assert_eq!(out, direct);
-        assert!(builtin("powersgd").is_none());
+        assert!(builtin("topk").is_none());
+        assert_eq!(builtin("powersgd").unwrap().name(), "powersgd");
     }
 }
