@@ -70,6 +70,43 @@ impl Default for LoadOptions {
     }
 }
 
+/// Files at least this large that are read whole (not mapped) go into an anonymous mapping
+/// advised to use huge pages, read by several threads at once: faulting in a fresh heap buffer
+/// 4 KiB at a time, and one thread both faulting and copying, held a full read to ~1 GB/s
+/// (0.08x `dd`, which reuses one hot 1 MiB buffer).
+const READ_INTO_HUGE_PAGES: u64 = 4 << 20;
+/// Each thread reads pieces of this size at their offsets (`pread`).
+const READ_PIECE: usize = 8 << 20;
+
+fn read_into_anonymous_map(path: &Path, file: &File, len: usize) -> Result<FileBytes> {
+    use std::os::unix::fs::FileExt;
+    let mut map = memmap2::MmapMut::map_anon(len).map_err(|e| CkptError::io(path, e))?;
+    // Only a hint: without transparent huge pages the read still works, more slowly.
+    #[cfg(target_os = "linux")]
+    let _ = map.advise(memmap2::Advice::HugePage);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
+    let mut work: Vec<Vec<(u64, &mut [u8])>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, piece) in map.chunks_mut(READ_PIECE).enumerate() {
+        work[i % threads].push(((i * READ_PIECE) as u64, piece));
+    }
+    let result = std::thread::scope(|scope| {
+        let handles: Vec<_> = work
+            .into_iter()
+            .map(|pieces| {
+                scope.spawn(move || {
+                    pieces.into_iter().try_for_each(|(at, buf)| file.read_exact_at(buf, at))
+                })
+            })
+            .collect();
+        handles.into_iter().try_for_each(|h| {
+            h.join().unwrap_or_else(|_| Err(std::io::Error::other("a reader thread panicked")))
+        })
+    });
+    result.map_err(|e| CkptError::io(path, e))?;
+    let map = map.make_read_only().map_err(|e| CkptError::io(path, e))?;
+    Ok(FileBytes::Mapped(Arc::new(map)))
+}
+
 /// The file's bytes: a mapping or a buffer read whole. Storages are zero-copy slices of either.
 #[derive(Clone)]
 pub(crate) enum FileBytes {
@@ -87,6 +124,9 @@ impl FileBytes {
             // torch.load(mmap=True); that is documented on `LoadOptions::mmap`.
             let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| CkptError::io(path, e))?;
             return Ok(FileBytes::Mapped(Arc::new(map)));
+        }
+        if len >= READ_INTO_HUGE_PAGES {
+            return read_into_anonymous_map(path, &file, len as usize);
         }
         let mut buf = Vec::with_capacity(len as usize);
         (&file).take(len).read_to_end(&mut buf).map_err(|e| CkptError::io(path, e))?;

@@ -119,7 +119,8 @@ impl Storage {
         Storage { bytes: Arc::new(StorageBytes::Shared { buf, start, len }) }
     }
 
-    /// True when the bytes live in a memory-mapped file.
+    /// True when the bytes live in a memory mapping: a mapped file, or the anonymous mapping a
+    /// large file was read into.
     pub fn is_mapped(&self) -> bool {
         matches!(&*self.bytes, StorageBytes::Mapped { .. })
     }
