@@ -30,7 +30,7 @@ pub use error::CommError;
 pub use frame::MAX_FRAME;
 pub use group::ProcessGroup;
 pub use rendezvous::init_with;
-pub use store::{Store, StoreServer};
+pub use store::{Store, StoreServer, SERVER_ID_KEY};
 pub use transport::TransportKind;
 pub use work::Work;
 

@@ -37,7 +37,12 @@ struct Table {
 pub struct StoreServer {
     addr: std::net::SocketAddr,
     stop: Arc<AtomicBool>,
+    id: String,
 }
+
+/// Key under which every server stores its own [`StoreServer::id`], so a client can tell
+/// which server it reached.
+pub const SERVER_ID_KEY: &str = "__server_id";
 
 impl StoreServer {
     /// Binds `addr` ("host:port"; port 0 picks a free one) and serves clients of `run_id`.
@@ -46,6 +51,15 @@ impl StoreServer {
         let local = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
         let table = Arc::new(Table::default());
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let id = format!("{}-{}-{nanos}", std::process::id(), local);
+        table
+            .map
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(SERVER_ID_KEY.to_string(), id.clone().into_bytes());
         let run_id = run_id.to_string();
         let stop2 = stop.clone();
         std::thread::Builder::new().name("tandem-store".into()).spawn(move || {
@@ -61,7 +75,13 @@ impl StoreServer {
                     .spawn(move || serve_client(conn, &table, &run_id));
             }
         })?;
-        Ok(StoreServer { addr: local, stop })
+        Ok(StoreServer { addr: local, stop, id })
+    }
+
+    /// Unique to this server (process, address, start time); clients read it at
+    /// [`SERVER_ID_KEY`].
+    pub fn id(&self) -> &str {
+        &self.id
     }
 
     pub fn local_addr(&self) -> std::net::SocketAddr {

@@ -171,23 +171,24 @@ impl NodeAgent {
         Ok(agent)
     }
 
-    /// Node rank 0 hosts the rendezvous; a second launcher started with `--node-rank 0` on
-    /// another machine would host a store of its own and close rounds too: refuse it by name.
+    /// Node rank 0 hosts the rendezvous. A second launcher started with `--node-rank 0` on
+    /// another machine also binds a store, but the one it reaches at `--master-addr` is not its
+    /// own: it is refused, naming the launcher that hosts the rendezvous.
     fn claim_host(&self) -> Result<(), LaunchError> {
-        let holder = self
-            .store
-            .compare_set("host", b"", self.alive_key.as_bytes())
-            .map_err(|e| self.lost(e))?;
-        if holder != self.alive_key.as_bytes() {
-            // "alive/<hostname>/<pid>"
-            let holder = String::from_utf8_lossy(&holder).into_owned();
-            let who = holder.strip_prefix("alive/").unwrap_or(&holder).replace('/', " pid ");
-            return Err(LaunchError::Rendezvous(format!(
-                "--node-rank 0 is already taken by the launcher on {who}; every other node \
-                 needs its own --node-rank (with --nnodes MIN:MAX, any value but 0)"
-            )));
+        let own = self._server.as_ref().map(|s| s.id().to_string()).unwrap_or_default();
+        let reached = self.text(tandem_comm::SERVER_ID_KEY)?;
+        if reached == own {
+            return self.store.set("host", self.alive_key.as_bytes()).map_err(|e| self.lost(e));
         }
-        Ok(())
+        // The real host records itself right after connecting; wait for that (bounded).
+        let holder = self.wait_text("host", Duration::from_secs(10)).unwrap_or_default();
+        let who = holder.strip_prefix("alive/").unwrap_or(&holder).replace('/', " pid ");
+        Err(LaunchError::Rendezvous(format!(
+            "--node-rank 0 is already taken: the rendezvous at {} is hosted by the launcher on \
+             {who}; every other node needs its own --node-rank (with --nnodes MIN:MAX, any value \
+             but 0)",
+            self.endpoint
+        )))
     }
 
     fn elastic(&self) -> bool {
