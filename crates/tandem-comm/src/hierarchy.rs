@@ -80,10 +80,12 @@ impl Hierarchy {
     ) -> Result<(), CommError> {
         // Avg is a sum divided once at the end.
         let inner = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
-        let piece_bytes = (std::mem::size_of_val(buf) / 16).clamp(PIECE_BYTES.0, PIECE_BYTES.1);
-        let per_piece = (piece_bytes / std::mem::size_of::<T>()).max(1);
-        let mut pieces: Vec<&mut [T]> = buf.chunks_mut(per_piece).collect();
         let l = self.local.size();
+        let piece_bytes = (std::mem::size_of_val(buf) / 16).clamp(PIECE_BYTES.0, PIECE_BYTES.1);
+        // A multiple of the local size: every piece but the last splits evenly into shards and
+        // is reduced and gathered in place; only a ragged last piece needs a padded copy.
+        let per_piece = (piece_bytes / std::mem::size_of::<T>() / l).max(1) * l;
+        let mut pieces: Vec<&mut [T]> = buf.chunks_mut(per_piece).collect();
         // Local thread: reduce-scatter piece k+1 before gathering piece k back; the cross
         // thread all-reduces each piece's shard as soon as it is reduced.
         let (to_cross, cross_in) = std::sync::mpsc::channel::<(usize, Vec<T>)>();
@@ -104,28 +106,33 @@ impl Hierarchy {
                 for k in 0..=n {
                     if k < n {
                         let shard_len = pieces[k].len().div_ceil(l);
-                        let mut padded: Vec<T> = Vec::with_capacity(shard_len * l);
-                        padded.extend_from_slice(pieces[k]);
-                        // Padding elements only meet other padding.
-                        padded.resize(shard_len * l, T::zeroed());
                         let mut shard = vec![T::zeroed(); shard_len];
-                        self.local.reduce_scatter(&padded, &mut shard, inner)?;
+                        if pieces[k].len() == shard_len * l {
+                            self.local.reduce_scatter(pieces[k], &mut shard, inner)?;
+                        } else {
+                            // Padding elements only meet other padding.
+                            let mut padded = pieces[k].to_vec();
+                            padded.resize(shard_len * l, T::zeroed());
+                            self.local.reduce_scatter(&padded, &mut shard, inner)?;
+                        }
                         if to_cross.send((k, shard)).is_err() {
                             return Ok(()); // the cross thread failed; its error is returned
                         }
                     }
-                    if k >= 1 || k == n {
-                        // Gather the oldest piece in flight (all the rest once every piece is sent).
-                        let upto = if k == n { n } else { k };
-                        while gathered < upto {
-                            let Ok((j, shard)) = local_in.recv() else { return Ok(()) };
+                    // Gather the oldest pieces in flight: up to piece k-1 while piece k crosses
+                    // (all of them once every piece is sent).
+                    while gathered < k {
+                        let Ok((j, shard)) = local_in.recv() else { return Ok(()) };
+                        let piece = &mut pieces[j];
+                        if piece.len() == shard.len() * l {
+                            self.local.all_gather(&shard, piece)?;
+                        } else {
                             let mut padded = vec![T::zeroed(); shard.len() * l];
                             self.local.all_gather(&shard, &mut padded)?;
-                            let piece = &mut pieces[j];
                             let len = piece.len();
                             piece.copy_from_slice(&padded[..len]);
-                            gathered += 1;
                         }
+                        gathered += 1;
                     }
                 }
                 Ok(())

@@ -440,7 +440,7 @@ impl<M: ParamModule> Ddp<M> {
         if !viewed
             && self.shared.comm.size() == 1
             && self.shared.sync.load(Ordering::SeqCst)
-            && self.shared.reducer().comm_hook_name() == "allreduce"
+            && self.shared.reducer().has_default_hook()
         {
             // A world of one, nothing accumulated by no_sync, every parameter used: the average
             // over the world is candle's gradient itself; skip the copy through the buckets.

@@ -34,12 +34,14 @@ struct Bucket {
     /// Elements of the full bucket.
     len: usize,
     pending: usize,
+    /// Its parameters' places and shapes, handed to the comm hook with every launch.
+    layout: Arc<[BucketParam]>,
 }
 
 struct Job {
     bucket: usize,
     data: Vec<f32>,
-    params: Vec<BucketParam>,
+    params: Arc<[BucketParam]>,
     hook: Arc<dyn CommHook>,
 }
 
@@ -73,6 +75,8 @@ pub struct Reducer {
     root: usize,
     scale: f32,
     hook: Arc<dyn CommHook>,
+    /// No hook was registered: buckets are plainly averaged.
+    default_hook: bool,
     jobs: Option<Sender<Job>>,
     done: Receiver<Done>,
     thread: Option<JoinHandle<()>>,
@@ -127,6 +131,7 @@ impl Reducer {
             root: 0,
             scale: 1.0,
             hook: Arc::new(AllReduceAvg),
+            default_hook: true,
             jobs: Some(job_tx),
             done: done_rx,
             thread: Some(thread),
@@ -144,13 +149,25 @@ impl Reducer {
     /// the next bucket launched.
     pub fn set_comm_hook(&mut self, hook: Arc<dyn CommHook>) {
         self.hook = hook;
+        self.default_hook = false;
+    }
+
+    /// True until a comm hook is registered.
+    pub fn has_default_hook(&self) -> bool {
+        self.default_hook
     }
 
     /// The parameters' shapes, handed to comm hooks (PowerSGD needs the matrices).
     pub fn set_param_shapes(&mut self, shapes: Vec<Vec<usize>>) -> Result<()> {
+        if shapes.len() != self.numels.len() {
+            return Err(DdpError::InvalidOption {
+                what: "param shapes",
+                why: format!("{} shapes for {} parameters", shapes.len(), self.numels.len()),
+            });
+        }
         for (i, s) in shapes.iter().enumerate() {
             let n: usize = s.iter().product();
-            if self.numels.get(i) != Some(&n) || shapes.len() != self.numels.len() {
+            if self.numels[i] != n {
                 return Err(DdpError::InvalidOption {
                     what: "param shapes",
                     why: format!("parameter {i}: shape {s:?} does not match its element count"),
@@ -158,11 +175,10 @@ impl Reducer {
             }
         }
         self.shapes = shapes;
+        for b in 0..self.buckets.len() {
+            self.buckets[b].layout = self.layout(&self.buckets[b].params);
+        }
         Ok(())
-    }
-
-    pub fn comm_hook_name(&self) -> String {
-        self.hook.name().to_string()
     }
 
     fn install_plans(&mut self, plans: Vec<BucketPlan>) {
@@ -173,13 +189,27 @@ impl Reducer {
                 self.loc[p] = (b, off);
                 off += self.numels[p];
             }
+            let layout = self.layout(&plan.params);
             self.buckets.push(Bucket {
                 pending: plan.params.len(),
                 params: plan.params,
                 data: Some(Vec::with_capacity(off)),
                 len: off,
+                layout,
             });
         }
+    }
+
+    /// Where each of `params` sits in its bucket, with its shape (`loc` must be set).
+    fn layout(&self, params: &[usize]) -> Arc<[BucketParam]> {
+        params
+            .iter()
+            .map(|&p| BucketParam {
+                index: p,
+                offset: self.loc[p].1,
+                shape: self.shapes[p].clone(),
+            })
+            .collect()
     }
 
     /// Current bucket layout (parameter indices per bucket), for tests and diagnostics.
@@ -326,15 +356,7 @@ impl Reducer {
             let data = self.buckets[b].data.take().ok_or(DdpError::CommThreadGone)?;
             let tx = self.jobs.as_ref().ok_or(DdpError::CommThreadGone)?;
             let hook = self.hook.clone();
-            let params = self.buckets[b]
-                .params
-                .iter()
-                .map(|&p| BucketParam {
-                    index: p,
-                    offset: self.loc[p].1,
-                    shape: self.shapes[p].clone(),
-                })
-                .collect();
+            let params = self.buckets[b].layout.clone();
             tx.send(Job { bucket: b, data, params, hook }).map_err(|_| DdpError::CommThreadGone)?;
             self.in_flight += 1;
             self.next_launch += 1;
