@@ -162,8 +162,14 @@ fn a_fixed_port_is_not_retried() {
 fn log_dir_gets_per_rank_files_per_attempt() {
     let dir = tempfile::tempdir().unwrap();
     let logs = dir.path().join("logs");
+    // Rank 1 fails its first attempt only once rank 0 has written both lines (at most 5 s): the
+    // failure stops rank 0, which on a loaded machine might not have written them yet.
     let script = r#"echo "out of $RANK try $TORCHELASTIC_RESTART_COUNT"; echo "err of $RANK" >&2
-                    if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then exit 2; fi"#;
+                    touch "$OUT/wrote.$RANK.$TORCHELASTIC_RESTART_COUNT"
+                    if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then
+                        i=0; while [ ! -e "$OUT/wrote.0.0" ] && [ $i -lt 500 ]; do sleep 0.01; i=$((i+1)); done
+                        exit 2
+                    fi"#;
     let mut cfg = sh(script, 2, dir.path());
     cfg.log_dir = Some(logs.clone());
     cfg.run_id = "job1".into();
