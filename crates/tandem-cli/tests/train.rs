@@ -204,6 +204,52 @@ fn interrupted_and_resumed_run_ends_with_bitwise_identical_weights() {
     assert_eq!(get(&final_line(&out.stdout), "steps"), "30");
 }
 
+/// `--resume` with another `--nproc-per-node` (2 -> 3 -> 2, and 4 -> 1): the rest of the epoch is
+/// split over the new world, so the step counts are those of each sample seen once.
+#[test]
+fn resume_on_another_world_size_splits_the_rest_of_the_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let out = out.to_str().unwrap();
+    let train = |extra: &[&str]| {
+        let mut args = vec!["train", "--out", out];
+        args.extend(extra);
+        let o = run(&args);
+        (final_line(&o.stdout), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    // 1500 digits, 32 per rank per step. 2 ranks: 24 steps an epoch; 30 steps end 6 steps
+    // (384 samples) into epoch 1.
+    train(&["--steps", "30"]);
+    // 3 ranks: 1116 samples left, 96 a step: 10 steps stop mid-split, 960 more samples used.
+    let (kv, err) = train(&["--resume", "--nproc-per-node", "3", "--steps", "40"]);
+    assert_eq!(get(&kv, "steps"), "40");
+    assert!(
+        err.contains("written by 2 ranks, this run has 3")
+            && err.contains("the rest of epoch 1 (1116 samples not yet seen, after the first 384"),
+        "{err}"
+    );
+    let ck = tandem_ckpt::load(get(&kv, "checkpoint")).unwrap();
+    let sampler = ck.get("sampler").unwrap();
+    assert_eq!(sampler.get("start").and_then(|v| v.as_int()), Some(384));
+    assert_eq!(sampler.get("num_replicas").and_then(|v| v.as_int()), Some(3));
+    // Back to 2 ranks: 1500 - 384 - 960 = 156 left, 64 a step: 3 steps close epoch 1, then
+    // epoch 2 is an ordinary 24-step epoch.
+    let (kv, err) = train(&["--resume", "--epochs", "3"]);
+    assert!(err.contains("156 samples not yet seen, after the first 1344"), "{err}");
+    assert_eq!(get(&kv, "steps"), (40 + 3 + 24).to_string());
+    assert_eq!(get(&kv, "epochs"), "3");
+
+    // 4 -> 1: 12 steps an epoch (375 per rank); 10 steps use 1280; 220 left for 1 rank: 7 steps.
+    let four = dir.path().join("four");
+    let four = four.to_str().unwrap();
+    run(&["train", "--out", four, "--nproc-per-node", "4", "--steps", "10"]);
+    let o = run(&["train", "--out", four, "--nproc-per-node", "1", "--resume", "--epochs", "1"]);
+    let kv = final_line(&o.stdout);
+    assert_eq!(get(&kv, "steps"), "17");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("written by 4 ranks, this run has 1"), "{err}");
+}
+
 #[test]
 fn matches_pytorch_ddp_from_a_pytorch_init() {
     // Fixture: crates/tandem/tests/fixtures/train_mnist/make_fixture.py (2 gloo ranks, SGD momentum).

@@ -287,12 +287,26 @@ impl<D: Dataset + ?Sized + 'static> DataLoader<D> {
         self.len() == 0
     }
 
+    /// Batches left in the current epoch (all of them at its start).
+    pub fn batches_left(&self) -> usize {
+        let n = self.remaining_indices().len();
+        if self.options.drop_last {
+            n / self.options.batch_size
+        } else {
+            n.div_ceil(self.options.batch_size)
+        }
+    }
+
+    /// The rest of the epoch, with the same number of batches on every rank (an epoch resumed
+    /// from another world size may need it: see `DistributedSampler::remaining_in_batches`).
+    fn remaining_indices(&self) -> Vec<usize> {
+        self.sampler_lock().remaining_in_batches(self.options.batch_size, self.options.drop_last)
+    }
+
     /// The rest of the current epoch, batch by batch.
     pub fn iter(&self) -> Result<EpochIter<'_, D>, DataError> {
-        let (epoch, remaining) = {
-            let s = self.sampler_lock();
-            (s.epoch(), s.remaining())
-        };
+        let epoch = self.epoch();
+        let remaining = self.remaining_indices();
         let inner = BatchIter::new(
             Arc::clone(&self.dataset),
             &remaining,
@@ -326,7 +340,12 @@ impl<D: Dataset + ?Sized + 'static> Iterator for EpochIter<'_, D> {
         }
         match self.inner.next() {
             Some(Ok(batch)) => {
-                if let Err(e) = self.loader.sampler_lock().advance(batch.len()) {
+                let mut sampler = self.loader.sampler_lock();
+                // A sample repeated to even out the batch count is not part of the share.
+                let left = sampler.epoch_len().saturating_sub(sampler.consumed());
+                let advanced = sampler.advance(batch.len().min(left));
+                drop(sampler);
+                if let Err(e) = advanced {
                     self.finished = true;
                     return Some(Err(e));
                 }

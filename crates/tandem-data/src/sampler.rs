@@ -1,6 +1,17 @@
 //! `DistributedSampler` with `torch.utils.data.DistributedSampler`'s exact semantics, plus a
 //! resumable position: the state (epoch, samples already consumed) can be checkpointed, and a
-//! sampler restored mid-epoch yields exactly the rest of that epoch.
+//! sampler restored mid-epoch yields exactly the rest of that epoch — on the same world size, or
+//! on another one.
+//!
+//! Resuming on another world size: after `consumed` samples per rank, a world of `R` ranks has
+//! used exactly the first `R * consumed` entries of the epoch's order (rank `r` takes positions
+//! `r, r + R, ...`). A sampler of another world size loading that state starts its split of
+//! the epoch there: the rest of the order, `order[R * consumed..]`, is dealt out round-robin
+//! over the new ranks (`start` in [`SamplerState`]). No sample of that epoch is seen twice or
+//! skipped; the shares may differ by one sample (no padding; with `drop_last` the tail that does
+//! not divide evenly is dropped, as PyTorch drops it). The next epoch is PyTorch's split again.
+//! [`remaining_in_batches`](DistributedSampler::remaining_in_batches) evens out the number of
+//! batches per rank, which data-parallel steps need.
 use serde::{Deserialize, Serialize};
 
 use crate::randperm::torch_randperm;
@@ -23,13 +34,18 @@ pub struct DistributedSampler {
     drop_last: bool,
     epoch: u64,
     consumed: usize,
+    /// Where in the epoch's order this world's split begins: 0 for PyTorch's split, else the
+    /// samples another world size had consumed before this sampler resumed the epoch.
+    start: usize,
 }
 
 /// The checkpointable part of a sampler. `consumed` counts this rank's samples already handed
-/// out in `epoch`; it is the same on every rank (all shards have equal length), so a state saved
-/// by rank 0 restores every rank. The remaining fields are checked on `load_state` so that a
-/// resume with a different dataset, world size, seed or mode fails loudly instead of silently
-/// yielding a different sample order.
+/// out in `epoch`; it is the same on every rank mid-epoch (shares differ only in their last
+/// batch), so a state saved by rank 0 restores every rank. `start` is where this world's split of
+/// the epoch began (0 unless the epoch was resumed from another world size). `len`, `seed`,
+/// `shuffle` and `drop_last` are checked on `load_state` so that a resume with a different dataset
+/// or mode fails loudly instead of silently yielding a different sample order; `num_replicas`
+/// may differ (the rest of the epoch is re-split, see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SamplerState {
     pub epoch: u64,
@@ -39,6 +55,9 @@ pub struct SamplerState {
     pub num_replicas: usize,
     pub shuffle: bool,
     pub drop_last: bool,
+    /// Absent in checkpoints written before resharding existed: 0, PyTorch's split.
+    #[serde(default)]
+    pub start: usize,
 }
 
 impl DistributedSampler {
@@ -59,7 +78,17 @@ impl DistributedSampler {
         if rank >= num_replicas {
             return Err(DataError::InvalidRank { rank, num_replicas });
         }
-        Ok(Self { len, num_replicas, rank, shuffle, seed, drop_last, epoch: 0, consumed: 0 })
+        Ok(Self {
+            len,
+            num_replicas,
+            rank,
+            shuffle,
+            seed,
+            drop_last,
+            epoch: 0,
+            consumed: 0,
+            start: 0,
+        })
     }
 
     /// Named settings with PyTorch's defaults (shuffle on, seed 0, no drop_last, a world of
@@ -113,6 +142,25 @@ impl DistributedSampler {
     pub fn consumed(&self) -> usize {
         self.consumed
     }
+    /// Where this world's split of the current epoch begins in the epoch's order: 0 unless the
+    /// epoch was resumed from a state saved by another world size.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+    /// This rank's samples in the current epoch: [`len`](Self::len), except in an epoch resumed
+    /// from another world size, where it is this rank's share of the rest.
+    pub fn epoch_len(&self) -> usize {
+        self.layout().share(self.rank)
+    }
+
+    fn layout(&self) -> EpochLayout {
+        EpochLayout {
+            len: self.len,
+            num_replicas: self.num_replicas,
+            drop_last: self.drop_last,
+            start: self.start,
+        }
+    }
 
     /// Selects the epoch whose order `indices` returns. Moving to a different epoch restarts the
     /// position at 0; setting the epoch the sampler already has keeps the position, so the usual
@@ -122,19 +170,38 @@ impl DistributedSampler {
         if epoch != self.epoch {
             self.epoch = epoch;
             self.consumed = 0;
+            self.start = 0;
         }
     }
 
-    /// This rank's full list for the current epoch: `list(iter(sampler))` in PyTorch.
+    /// This rank's full list for the current epoch: `list(iter(sampler))` in PyTorch (in an
+    /// epoch resumed from another world size: this rank's share of the rest of the epoch).
     pub fn indices(&self) -> Vec<usize> {
-        shard_indices(
-            self.len,
-            self.num_replicas,
-            self.rank,
-            self.shuffle,
-            self.seed.wrapping_add(self.epoch),
-            self.drop_last,
-        )
+        let generator_seed = self.seed.wrapping_add(self.epoch);
+        if self.start == 0 {
+            return shard_indices(
+                self.len,
+                self.num_replicas,
+                self.rank,
+                self.shuffle,
+                generator_seed,
+                self.drop_last,
+            );
+        }
+        let end = self.layout().end();
+        if end <= self.start + self.rank {
+            return Vec::new();
+        }
+        let order = self.order(generator_seed);
+        (self.start + self.rank..end).step_by(self.num_replicas).map(|p| order[p]).collect()
+    }
+
+    fn order(&self, generator_seed: u64) -> Vec<usize> {
+        if self.shuffle {
+            torch_randperm(self.len, generator_seed)
+        } else {
+            (0..self.len).collect()
+        }
     }
 
     /// What is left of this epoch: `indices()[consumed..]`.
@@ -144,9 +211,35 @@ impl DistributedSampler {
         all
     }
 
+    /// [`remaining`](Self::remaining) adjusted so that every rank has the same number of batches
+    /// of `batch_size` (with the loader's `drop_last`), which data-parallel training needs. Only
+    /// an epoch resumed from another world size can need it, its shares differing by one sample:
+    /// a rank whose share would end a batch early gets one sample of the epoch repeated (at
+    /// most `num_replicas - 1` repeats, and only when the rest of the epoch leaves fewer samples
+    /// than ranks for the last step); with `drop_last` every rank stops after the batches the
+    /// smallest share fills. The repeated sample does not count as consumed.
+    pub fn remaining_in_batches(&self, batch_size: usize, drop_last: bool) -> Vec<usize> {
+        let mut rest = self.remaining();
+        if self.start == 0 || batch_size == 0 {
+            return rest;
+        }
+        let layout = self.layout();
+        let left = |rank: usize| layout.share(rank).saturating_sub(self.consumed);
+        // Shares are largest at rank 0 and smallest at the last rank.
+        let (most, least) = (left(0), left(self.num_replicas - 1));
+        if drop_last {
+            rest.truncate((least / batch_size) * batch_size);
+        } else if rest.len().div_ceil(batch_size) < most.div_ceil(batch_size) {
+            let span = layout.end() - self.start;
+            let order = self.order(self.seed.wrapping_add(self.epoch));
+            rest.push(order[self.start + self.rank % span]);
+        }
+        rest
+    }
+
     /// Records that `n` more samples of this epoch were handed out.
     pub fn advance(&mut self, n: usize) -> Result<(), DataError> {
-        let remaining = self.len() - self.consumed;
+        let remaining = self.epoch_len() - self.consumed;
         if n > remaining {
             return Err(DataError::AdvancePastEnd { requested: n, remaining, epoch: self.epoch });
         }
@@ -163,11 +256,13 @@ impl DistributedSampler {
             num_replicas: self.num_replicas,
             shuffle: self.shuffle,
             drop_last: self.drop_last,
+            start: self.start,
         }
     }
 
     /// Restores epoch and position after checking that the state was made by a sampler with the
-    /// same dataset length, world size, seed, shuffle and drop_last (the rank may differ).
+    /// same dataset length, seed, shuffle and drop_last. The rank may differ, and so may the
+    /// world size: then the rest of the saved epoch is split over this world (module docs).
     pub fn load_state(&mut self, state: &SamplerState) -> Result<(), DataError> {
         fn check<T: PartialEq + ToString>(
             field: &'static str,
@@ -185,19 +280,47 @@ impl DistributedSampler {
             }
         }
         check("len", state.len, self.len)?;
-        check("num_replicas", state.num_replicas, self.num_replicas)?;
         check("seed", state.seed, self.seed)?;
         check("shuffle", state.shuffle, self.shuffle)?;
         check("drop_last", state.drop_last, self.drop_last)?;
-        if state.consumed > self.len() {
+        if state.num_replicas == 0 {
             return Err(DataError::StateMismatch {
-                field: "consumed",
-                saved: state.consumed.to_string(),
-                current: format!("at most {} samples per epoch", self.len()),
+                field: "num_replicas",
+                saved: "0".into(),
+                current: "at least 1".into(),
             });
         }
-        self.epoch = state.epoch;
-        self.consumed = state.consumed;
+        let saved = state.layout();
+        if state.start > self.len || state.consumed > saved.share(0) {
+            return Err(DataError::StateMismatch {
+                field: if state.start > self.len { "start" } else { "consumed" },
+                saved: format!("start {} consumed {}", state.start, state.consumed),
+                current: format!(
+                    "at most {} samples per rank from start {} (dataset of {})",
+                    saved.share(0),
+                    state.start,
+                    self.len
+                ),
+            });
+        }
+        if state.num_replicas == self.num_replicas {
+            self.epoch = state.epoch;
+            self.consumed = state.consumed;
+            self.start = state.start;
+            return Ok(());
+        }
+        // Another world size: the saved world used the first `used` entries of the order.
+        let used = state.start + state.consumed * state.num_replicas;
+        let here = EpochLayout { start: used, ..self.layout() };
+        if used >= saved.end() || here.end() <= used {
+            // Only padding (or a tail too short to split) was left of that epoch: it is complete.
+            self.epoch = state.epoch + 1;
+            self.start = 0;
+        } else {
+            self.epoch = state.epoch;
+            self.start = used;
+        }
+        self.consumed = 0;
         Ok(())
     }
 }
@@ -258,7 +381,57 @@ impl SamplerBuilder {
 impl SamplerState {
     /// True when every sample of `epoch` was handed out (the next epoch starts from 0).
     pub fn epoch_complete(&self) -> bool {
-        self.consumed == num_samples(self.len, self.num_replicas, self.drop_last)
+        self.consumed >= self.layout().share(0)
+    }
+
+    /// Samples of `epoch` left for the whole world after this position (no padding counted).
+    pub fn samples_left(&self) -> usize {
+        let layout = self.layout();
+        layout.end().saturating_sub(self.start + self.consumed * self.num_replicas)
+    }
+
+    fn layout(&self) -> EpochLayout {
+        EpochLayout {
+            len: self.len,
+            num_replicas: self.num_replicas.max(1),
+            drop_last: self.drop_last,
+            start: self.start,
+        }
+    }
+}
+
+/// How one epoch is split over a world: PyTorch's split (`start == 0`), or the rest of the
+/// epoch from `start` on, dealt round-robin without padding.
+struct EpochLayout {
+    len: usize,
+    num_replicas: usize,
+    drop_last: bool,
+    start: usize,
+}
+
+impl EpochLayout {
+    /// One past the last position of the order this split uses (PyTorch's padding beyond `len`
+    /// is not counted: it repeats positions already used).
+    fn end(&self) -> usize {
+        if self.drop_last {
+            let span = self.len.saturating_sub(self.start);
+            self.start + self.num_replicas * (span / self.num_replicas)
+        } else {
+            self.len
+        }
+    }
+
+    /// Samples `rank` gets in this epoch.
+    fn share(&self, rank: usize) -> usize {
+        if self.start == 0 {
+            return num_samples(self.len, self.num_replicas, self.drop_last);
+        }
+        let end = self.end();
+        if end <= self.start + rank {
+            0
+        } else {
+            (end - self.start - rank).div_ceil(self.num_replicas)
+        }
     }
 }
 
@@ -346,13 +519,28 @@ mod tests {
     }
 
     #[test]
-    fn load_state_rejects_other_world_size() {
-        let a = DistributedSampler::new(100, 4, 0, true, 1, false).unwrap();
-        let mut b = DistributedSampler::new(100, 2, 0, true, 1, false).unwrap();
-        let e = b.load_state(&a.state()).unwrap_err();
-        assert!(e.to_string().contains("num_replicas"), "{e}");
-        // Another rank of the same job accepts it.
-        let mut c = DistributedSampler::new(100, 4, 3, true, 1, false).unwrap();
-        c.load_state(&a.state()).unwrap();
+    fn load_state_from_another_world_size_splits_the_rest() {
+        // 10 samples, 2 ranks, 2 consumed each: positions 0..4 used; 4..10 go round-robin to 3.
+        let mut a = DistributedSampler::new(10, 2, 0, false, 0, false).unwrap();
+        a.advance(2).unwrap();
+        let shares: Vec<Vec<usize>> = (0..3)
+            .map(|r| {
+                let mut b = DistributedSampler::new(10, 3, r, false, 0, false).unwrap();
+                b.load_state(&a.state()).unwrap();
+                assert_eq!((b.epoch(), b.start(), b.consumed()), (0, 4, 0));
+                b.remaining()
+            })
+            .collect();
+        assert_eq!(shares, vec![vec![4, 7], vec![5, 8], vec![6, 9]]);
+        // 4 ranks after 3 each: 12 >= 10, only padding was left, so epoch 0 is complete.
+        let mut c = DistributedSampler::new(10, 4, 0, false, 0, false).unwrap();
+        c.advance(3).unwrap();
+        let mut d = DistributedSampler::new(10, 1, 0, false, 0, false).unwrap();
+        d.load_state(&c.state()).unwrap();
+        assert_eq!((d.epoch(), d.start(), d.consumed()), (1, 0, 0));
+        // A state without `start` (older checkpoints) reads as PyTorch's split.
+        let old = r#"{"epoch":2,"consumed":1,"seed":0,"len":10,"num_replicas":2,"shuffle":false,"drop_last":false}"#;
+        let state: SamplerState = serde_json::from_str(old).unwrap();
+        assert_eq!(state.start, 0);
     }
 }

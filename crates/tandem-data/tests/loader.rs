@@ -110,6 +110,42 @@ fn resume_mid_epoch_gives_the_rest_of_the_epoch() {
 }
 
 #[test]
+fn an_epoch_resumed_on_another_world_size_has_equal_batch_counts_and_no_repeats() {
+    // 203 samples, 2 ranks of batch 8 take 5 steps (80 samples); 3 ranks take the other 123.
+    let (len, batch) = (203, 8);
+    let ds = small_dataset(len);
+    let mut seen = Vec::new();
+    let mut saved = None;
+    for rank in 0..2 {
+        let sampler = DistributedSampler::new(len, 2, rank, true, 3, false).unwrap();
+        let mut a =
+            DataLoader::new(ds.clone(), sampler, opts(batch, false, 1), Device::Cpu).unwrap();
+        a.set_epoch(2);
+        for b in a.iter().unwrap().take(5) {
+            seen.extend(b.unwrap().indices);
+        }
+        saved.get_or_insert(a.state());
+    }
+    let saved = saved.unwrap();
+    let mut steps = Vec::new();
+    for rank in 0..3 {
+        let sampler = DistributedSampler::new(len, 3, rank, true, 3, false).unwrap();
+        let mut b =
+            DataLoader::new(ds.clone(), sampler, opts(batch, false, 2), Device::Cpu).unwrap();
+        b.load_state(&saved).unwrap();
+        assert_eq!(b.batches_left(), 123usize.div_ceil(3 * batch));
+        let batches = run_epoch(&b);
+        steps.push(batches.len());
+        seen.extend(batches.into_iter().flat_map(|r| r.0));
+        // The epoch closed: the next one is PyTorch's split for 3 ranks.
+        assert_eq!((b.epoch(), b.state().start, b.state().consumed), (3, 0, 0));
+    }
+    assert_eq!(steps, vec![6, 6, 6]);
+    seen.sort_unstable();
+    assert_eq!(seen, (0..len).collect::<Vec<_>>());
+}
+
+#[test]
 fn epochs_differ_and_repeat_with_the_same_seed() {
     let ds = small_dataset(64);
     let sampler = DistributedSampler::new(64, 2, 0, true, 1, false).unwrap();

@@ -182,10 +182,12 @@ pub fn sampler_value(s: &SamplerState) -> Value {
         ("num_replicas", Value::Int(s.num_replicas as i64)),
         ("shuffle", Value::Bool(s.shuffle)),
         ("drop_last", Value::Bool(s.drop_last)),
+        ("start", Value::Int(s.start as i64)),
     ])
 }
 
-/// The inverse of [`sampler_value`]; the error names the missing or mistyped key.
+/// The inverse of [`sampler_value`]; the error names the missing or mistyped key. `start` is
+/// optional (checkpoints from before resharding lack it: 0).
 pub fn sampler_state_from_value(v: &Value) -> Result<SamplerState, String> {
     let int = |k: &str| v.get(k).and_then(Value::as_int).ok_or_else(|| format!("no int `{k}`"));
     let flag = |k: &str| v.get(k).and_then(Value::as_bool).ok_or_else(|| format!("no bool `{k}`"));
@@ -197,5 +199,9 @@ pub fn sampler_state_from_value(v: &Value) -> Result<SamplerState, String> {
         num_replicas: int("num_replicas")? as usize,
         shuffle: flag("shuffle")?,
         drop_last: flag("drop_last")?,
+        start: match v.get("start") {
+            None => 0,
+            Some(s) => s.as_int().ok_or("`start` is not an int")? as usize,
+        },
     })
 }

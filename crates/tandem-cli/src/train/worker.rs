@@ -88,20 +88,15 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
             Some((path, value)) => {
                 let ck = TrainingCheckpoint::from_value(&value)
                     .with_context(|| format!("reading {}", path.display()))?;
-                if ck.world_size as usize != world {
-                    bail!(
-                        "{} was written by a world of {} ranks; this run has {world} (resume needs the same world size)",
-                        path.display(),
-                        ck.world_size
-                    );
-                }
                 load_weights(&ddp.module(), &path)?;
                 opt.load_state_dict(&ck.optimizer)
                     .with_context(|| format!("optimizer state in {}", path.display()))?;
                 let position = sampler_state_from_value(&ck.sampler).map_err(|problem| {
                     anyhow::anyhow!("{}: checkpoint `sampler`: {problem}", path.display())
                 })?;
-                loader.load_state(&position)?;
+                loader.load_state(&position).with_context(|| {
+                    format!("{}: checkpoint `sampler` does not fit this run", path.display())
+                })?;
                 global_step = ck.global_step as u64;
                 if rank == 0 {
                     eprintln!(
@@ -109,6 +104,9 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
                         path.display(),
                         loader.epoch()
                     );
+                    if ck.world_size as usize != world {
+                        eprintln!("{}", reshard_message(&position, world, &loader));
+                    }
                 }
             }
             None => {
@@ -130,8 +128,14 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     } else {
         None
     };
-    let steps_per_epoch = loader.len() as u64;
-    let max_steps = cfg.steps.unwrap_or(u64::MAX).min(cfg.epochs as u64 * steps_per_epoch);
+    // Steps to the end of --epochs from where the loader stands (a resumed epoch may have been
+    // split over another world size, so count its batches rather than assume a full epoch).
+    let epochs_left = (cfg.epochs as u64).saturating_sub(loader.epoch());
+    let steps_to_end = match epochs_left {
+        0 => 0,
+        n => loader.batches_left() as u64 + (n - 1) * loader.len() as u64,
+    };
+    let max_steps = cfg.steps.unwrap_or(u64::MAX).min(global_step + steps_to_end);
     let progress = Progress::new(rank == 0, max_steps, global_step);
 
     let mut train_time = 0.0f64;
@@ -248,6 +252,31 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
             None
         },
     })
+}
+
+/// What a resume on another world size did with the epoch it resumed (rank 0 prints it).
+fn reshard_message(saved: &SamplerState, world: usize, loader: &DataLoader<TrainData>) -> String {
+    let was =
+        format!("the checkpoint was written by {} ranks, this run has {world}", saved.num_replicas);
+    let now = loader.state();
+    if now.epoch != saved.epoch {
+        format!(
+            "{was}: epoch {} was complete (only padding was left); epoch {} starts with the usual \
+             split over {world} ranks",
+            saved.epoch, now.epoch
+        )
+    } else if now.start == 0 {
+        format!("{was}: epoch {} had not started; it is split over {world} ranks", now.epoch)
+    } else {
+        format!(
+            "{was}: the rest of epoch {} ({} samples not yet seen, after the first {} of its \
+             order) is split over {world} ranks, {} steps; later epochs use the usual split",
+            now.epoch,
+            now.samples_left(),
+            now.start,
+            loader.batches_left()
+        )
+    }
 }
 
 /// Examples as the model sees them (normalised and augmented as the flags ask).
