@@ -12,6 +12,7 @@ pub mod conv;
 pub mod ddp;
 mod local_ranks;
 pub mod report;
+pub mod save_stall;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -27,6 +28,8 @@ enum Which {
     Ddp(ddp::Args),
     /// checkpoint save/load throughput vs dd and torch.
     Ckpt(ckpt::Args),
+    /// how long a checkpoint save stops training: synchronous vs background writes.
+    SaveStall(save_stall::Args),
     /// per-op ms of the conv and BatchNorm kernels on ResNet-18's shapes vs torch.
     Conv(conv::Args),
     /// Runs all of the above beside PyTorch and writes docs/BENCHMARKS.md with PNG plots.
@@ -39,6 +42,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         Which::Ddp(a) => ddp::main(a),
         Which::Ckpt(a) => ckpt::main(a),
         Which::Conv(a) => conv::main(a),
+        Which::SaveStall(a) => save_stall::main(a),
         Which::Report(a) => report::main(a),
     }
 }

@@ -94,6 +94,9 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             conv_repeats: 1,
             ckpt_mib: 8,
             ckpt_tensors: 8,
+            stall_mib: 8,
+            stall_steps: 4,
+            stall_every: 2,
         }
     } else {
         measure::Plan {
@@ -112,6 +115,9 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             conv_repeats: 9,
             ckpt_mib: 256,
             ckpt_tensors: 32,
+            stall_mib: 256,
+            stall_steps: 12,
+            stall_every: 4,
         }
     })
 }
@@ -167,6 +173,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         plan.ddp.iter().map(|w| (w.clone(), measure::ddp(&mut ctx, plan.repeats, w))).collect();
     let conv_ops = measure::conv_ops(&mut ctx, plan.conv_width, plan.conv_batch, plan.conv_repeats);
     let ckpt = measure::ckpt(&mut ctx, &plan);
+    let save_stall = measure::save_stall(&mut ctx, &plan);
     std::fs::remove_dir_all(&scratch).ok();
     let load_after = machine::load_average();
 
@@ -189,6 +196,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         conv_ops: &conv_ops,
         ckpt: &ckpt,
         ckpt_mib: plan.ckpt_mib,
+        save_stall: &save_stall,
         failures: &ctx.failures,
         retries: &ctx.retries,
         several_hosts: std::fs::read_to_string(out.join("several_hosts.md")).ok(),

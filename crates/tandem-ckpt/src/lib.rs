@@ -3,6 +3,7 @@
 //! Knows nothing of process groups (rank-0-only saving takes the caller's barrier) nor of tensor
 //! engines or devices: tensors are host bytes with PyTorch's storage/stride model, and
 //! `map_location` is validated and handed back, not acted on.
+pub mod async_save;
 pub mod atomic;
 pub mod error;
 pub mod keys;
@@ -15,6 +16,7 @@ mod zip_writer;
 
 use std::path::Path;
 
+pub use async_save::AsyncCheckpointManager;
 pub use error::CkptError;
 pub use keys::{canonicalize_keys, load_state_dict, LoadReport};
 pub use manager::{CheckpointManager, TrainingCheckpoint};

@@ -98,6 +98,16 @@ impl CheckpointManager {
         self.dir.join(format!("{PREFIX}{name}{SUFFIX}"))
     }
 
+    /// Names become file names: non-empty, no path separators, not hidden.
+    pub(crate) fn check_name(&self, name: &str) -> Result<()> {
+        if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
+            return Err(self.err(format!(
+                "checkpoint name `{name}` must be non-empty, without `/` and not start with `.`"
+            )));
+        }
+        Ok(())
+    }
+
     fn err(&self, msg: impl Into<String>) -> CkptError {
         CkptError::Manager { path: self.dir.clone(), msg: msg.into() }
     }
@@ -106,11 +116,7 @@ impl CheckpointManager {
     /// and deletes the oldest checkpoints beyond `keep_last`. Call it on one rank only; see
     /// [`save_on_rank`](Self::save_on_rank).
     pub fn save(&self, name: &str, value: &Value) -> Result<PathBuf> {
-        if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
-            return Err(self.err(format!(
-                "checkpoint name `{name}` must be non-empty, without `/` and not start with `.`"
-            )));
-        }
+        self.check_name(name)?;
         std::fs::create_dir_all(&self.dir).map_err(|e| CkptError::io(&self.dir, e))?;
         self.remove_stale_temps();
         let path = self.path_for(name);

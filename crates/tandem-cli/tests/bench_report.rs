@@ -146,6 +146,23 @@ fn quick_report_has_every_section_ratio_and_plot() {
     check_row(&ck, "save", "tandem .pt", ("save", "dd conv=fsync (write)"));
     check_row(&ck, "save", "tandem safetensors", ("save", "dd conv=fsync (write)"));
     check_row(&ck, "load", "tandem .pt (mmap)", ("load", "dd (read, warm cache)"));
+    // The save-stall section holds the bench's table: every row with three positive numbers.
+    let stall = md
+        .split("\n## Checkpoint save stall: synchronous vs background writes")
+        .nth(1)
+        .expect("a save-stall section");
+    for row in [
+        "training step without a save",
+        "stall of a save step: synchronous",
+        "stall of a save step: background",
+        "run time added per save: background",
+    ] {
+        let line = stall.lines().find(|l| l.starts_with(row)).unwrap_or_else(|| panic!("no {row}"));
+        let values: Vec<f64> = line[row.len()..].split_whitespace().map(|v| num(v, row)).collect();
+        assert_eq!(values.len(), 3, "{line}");
+        assert!(values[0] <= values[1] && values[1] <= values[2], "min <= median <= max: {line}");
+    }
+    assert!(stall.contains("stall synchronous / background (medians): "), "{stall}");
 
     if torch.is_some() {
         let gloo = check_row(&ar, "1 MiB", "gloo (PyTorch)", ("1 MiB", "memcpy"));

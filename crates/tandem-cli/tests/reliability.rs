@@ -24,7 +24,9 @@ fn main() -> std::process::ExitCode {
         lone_survivor_fails_fast_when_its_peer_dies_or_stalls,
         killed_rank_restarts_from_checkpoint_to_identical_weights,
         kill_during_checkpoint_writes_never_exposes_a_partial_file,
+        kill_during_async_checkpoint_writes_never_exposes_a_partial_file,
         write_error_fails_the_save_cleanly_and_keeps_the_previous_checkpoint,
+        write_error_in_a_background_save_fails_the_run_and_keeps_the_previous_checkpoint,
         misconfigured_ranks_fail_with_a_clear_error_never_a_hang,
         bad_checkpoint_files_are_one_clear_error_line,
         resume_skips_a_corrupt_or_truncated_newest_checkpoint,
@@ -349,6 +351,8 @@ fn restart_trial(
 // 3. kill -9 the saving process during checkpoint writes (library level, re-exec'd helper).
 
 const SAVER_DIR_VAR: &str = "RELIABILITY_SAVER_DIR";
+/// Set (to anything) for the saver to write through `AsyncCheckpointManager`.
+const SAVER_ASYNC_VAR: &str = "RELIABILITY_SAVER_ASYNC";
 /// Elements of the tensor in each saved checkpoint (1 MiB of f32: writes take a while).
 const SAVER_LEN: usize = 256 * 1024;
 
@@ -382,26 +386,42 @@ fn check_saver_value(v: &tandem_ckpt::Value) -> Result<i64, String> {
 
 /// The child process of `kill_during_checkpoint_writes` (this binary re-run with
 /// RELIABILITY_SAVER_DIR set): saves checkpoints in a loop until it is killed.
+/// With RELIABILITY_SAVER_ASYNC the saves go through the background writer, the loop going on
+/// (building the next value, as training would) while the previous one is written.
 fn save_checkpoints_until_killed(dir: PathBuf) {
     let manager = tandem_ckpt::CheckpointManager::new(dir, 3);
+    let mut background = std::env::var_os(SAVER_ASYNC_VAR)
+        .map(|_| tandem_ckpt::AsyncCheckpointManager::new(manager.clone()));
     let start = Instant::now();
     let mut step = 1;
     // Self-limit: never outlive a parent that failed to kill us.
     while start.elapsed() < Duration::from_secs(20) {
-        manager.save(&format!("step-{step:08}"), &saver_value(step)).expect("save");
+        let name = format!("step-{step:08}");
+        match background.as_mut() {
+            Some(b) => drop(b.save(&name, saver_value(step)).expect("save")),
+            None => drop(manager.save(&name, &saver_value(step)).expect("save")),
+        }
         println!("saved {step}");
         step += 1;
     }
 }
 
 fn kill_during_checkpoint_writes_never_exposes_a_partial_file() {
-    let mut tally = Tally::new("kill-during-save");
+    kill_during_writes("kill-during-save", false);
+}
+
+fn kill_during_async_checkpoint_writes_never_exposes_a_partial_file() {
+    kill_during_writes("kill-during-async-save", true);
+}
+
+fn kill_during_writes(scenario: &str, background: bool) {
+    let mut tally = Tally::new(scenario);
     let (mut with_tmp, mut older, mut none) = (0usize, 0usize, 0usize);
     let base = base_seed();
     let exe = std::env::current_exe().unwrap();
     for trial in 0..trials(50) {
         let seed = base.wrapping_add(2000 + trial as u64);
-        let r = save_kill_trial(seed, &exe).map(|o| {
+        let r = save_kill_trial(seed, &exe, background).map(|o| {
             with_tmp += usize::from(o.torn_tmp_left);
             older += usize::from(o.resumed_older);
             none += usize::from(o.no_checkpoint);
@@ -422,13 +442,16 @@ struct SaveKillOutcome {
     no_checkpoint: bool,
 }
 
-fn save_kill_trial(seed: u64, exe: &Path) -> Result<SaveKillOutcome, String> {
+fn save_kill_trial(seed: u64, exe: &Path, background: bool) -> Result<SaveKillOutcome, String> {
     let mut rng = Rng::new(seed);
     let delay = rng.duration(Duration::from_millis(20), Duration::from_millis(400));
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let ck = dir.path().join("ckpt");
     let mut cmd = Command::new(exe);
     cmd.env(SAVER_DIR_VAR, &ck);
+    if background {
+        cmd.env(SAVER_ASYNC_VAR, "1");
+    }
     let job = Running::spawn(&mut cmd);
     std::thread::sleep(delay);
     let landed = sigkill(job.pid());
@@ -568,17 +591,21 @@ enum Squeeze<'a> {
 /// Trains 10 steps, squeezes the disk, resumes towards 20 (must fail cleanly at the step-15
 /// save with the previous checkpoint untouched), then resumes with room to spare and must end
 /// bitwise equal to an uninterrupted 20-step run.
-fn disk_trial(root: &Path, squeeze: Squeeze, expect: &str) -> Result<(), String> {
+/// `extra` flags go to every run (`--async-save`).
+fn disk_trial(root: &Path, squeeze: Squeeze, expect: &str, extra: &[&str]) -> Result<(), String> {
     let reference = root.join("reference.pt");
     run_ok(
-        disk_train(&mut tandem(), &root.join("ref-run"), 20).arg("--save-final").arg(&reference),
+        disk_train(&mut tandem(), &root.join("ref-run"), 20)
+            .args(extra)
+            .arg("--save-final")
+            .arg(&reference),
         "reference run",
     )?;
     let run = match &squeeze {
         Squeeze::Fill(mnt, _) => mnt.join("run"),
         Squeeze::Fsize(_) => root.join("run"),
     };
-    run_ok(disk_train(&mut tandem(), &run, 10), "first 10 steps")?;
+    run_ok(disk_train(&mut tandem(), &run, 10).args(extra), "first 10 steps")?;
     let ck = run.join("checkpoints");
     let newest = ck.join("checkpoint-step-00000010.pt");
     let before = std::fs::read(&newest).map_err(|e| format!("{}: {e}", newest.display()))?;
@@ -603,7 +630,7 @@ fn disk_trial(root: &Path, squeeze: Squeeze, expect: &str) -> Result<(), String>
             c
         }
     };
-    disk_train(&mut squeezed, &run, 20);
+    disk_train(&mut squeezed, &run, 20).args(extra);
     squeezed.arg("--resume").env(MARKER_VAR, marker("disk", 0));
     let f = Running::spawn(&mut squeezed).wait(HARD_LIMIT);
     let left = leftovers(&marker("disk", 0), Duration::from_secs(2));
@@ -655,7 +682,11 @@ fn disk_trial(root: &Path, squeeze: Squeeze, expect: &str) -> Result<(), String>
     // With room again the job resumes from step 10 and ends exactly where an uninterrupted run does.
     let fin = root.join("resumed.pt");
     run_ok(
-        disk_train(&mut tandem(), &run, 20).arg("--resume").arg("--save-final").arg(&fin),
+        disk_train(&mut tandem(), &run, 20)
+            .args(extra)
+            .arg("--resume")
+            .arg("--save-final")
+            .arg(&fin),
         "resume after freeing space",
     )?;
     same_weights(&reference, &fin)
@@ -666,7 +697,12 @@ fn full_tmpfs_fails_the_save_cleanly_and_keeps_the_previous_checkpoint() {
     let mnt = Tmpfs::mount(&dir.path().join("mnt"), "2m").expect("mount a 2 MiB tmpfs");
     let mut tally = Tally::new("full-disk-tmpfs");
     // 8 KiB free: config.toml still fits, a ~13 KB checkpoint does not.
-    tally.record(disk_trial(dir.path(), Squeeze::Fill(&mnt.0, 8192), "No space left on device"));
+    tally.record(disk_trial(
+        dir.path(),
+        Squeeze::Fill(&mnt.0, 8192),
+        "No space left on device",
+        &[],
+    ));
     tally.finish();
 }
 
@@ -674,7 +710,16 @@ fn write_error_fails_the_save_cleanly_and_keeps_the_previous_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let mut tally = Tally::new("write-error-efbig");
     // 8 blocks of 512 bytes: config.toml still fits, a ~13 KB checkpoint does not.
-    tally.record(disk_trial(dir.path(), Squeeze::Fsize(8), "File too large"));
+    tally.record(disk_trial(dir.path(), Squeeze::Fsize(8), "File too large", &[]));
+    tally.finish();
+}
+
+/// The same with `--async-save`: the step-15 write fails on the background thread; the run
+/// learns of it at its next save (the final one) and fails naming the file.
+fn write_error_in_a_background_save_fails_the_run_and_keeps_the_previous_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut tally = Tally::new("write-error-efbig-async-save");
+    tally.record(disk_trial(dir.path(), Squeeze::Fsize(8), "File too large", &["--async-save"]));
     tally.finish();
 }
 

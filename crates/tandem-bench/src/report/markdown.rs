@@ -23,6 +23,8 @@ pub struct Report<'a> {
     pub conv_ops: &'a Result<String, String>,
     pub ckpt: &'a Table,
     pub ckpt_mib: usize,
+    /// `tandem bench save-stall`'s table, or why it failed.
+    pub save_stall: &'a Result<String, String>,
     pub failures: &'a [String],
     pub retries: &'a [String],
     /// `docs/several_hosts.md` as `scripts/bench_two_hosts.sh` wrote it (it needs root and
@@ -334,6 +336,25 @@ pub fn render(r: &Report) -> String {
     );
     let _ = writeln!(out, "![checkpoint throughput](ckpt_throughput.png)\n");
     table(&mut out, r.ckpt);
+
+    let _ = writeln!(out, "## Checkpoint save stall: synchronous vs background writes\n");
+    let _ = writeln!(
+        out,
+        "How long a save stops training: an MLP and its SGD momentum buffers trained on one \
+         process, the same steps run without saves, with synchronous saves (`tandem train`) and \
+         with background saves (`tandem train --async-save`: training waits only while the state is \
+         copied to host memory). A save step's stall is its time minus the median step without \
+         saves of the same run; `run time added per save` also counts the slowdown of the steps \
+         that overlap a background write. Measured by `tandem bench save-stall`, all runs here.\n"
+    );
+    match r.save_stall {
+        Ok(t) => {
+            let _ = writeln!(out, "```\n{}\n```\n", t.trim_end());
+        }
+        Err(why) => {
+            let _ = writeln!(out, "Not measured: {why}\n");
+        }
+    }
 
     if let Some(hosts) = &r.several_hosts {
         let _ = writeln!(out, "## Several hosts (simulated)\n");

@@ -26,6 +26,10 @@ pub struct Plan {
     pub conv_repeats: usize,
     pub ckpt_mib: usize,
     pub ckpt_tensors: usize,
+    /// `tandem bench save-stall` settings: state MiB, steps, a save every N steps.
+    pub stall_mib: usize,
+    pub stall_steps: usize,
+    pub stall_every: usize,
 }
 
 /// One model's DDP measurement: `tandem bench ddp --model M [--width W]` at these ranks, and
@@ -85,6 +89,29 @@ impl Ctx {
         self.failures.push(first.clone());
         format!("failed: {first}")
     }
+}
+
+/// `tandem bench save-stall`: its printed table (min/median/max over the plan's repeats), or
+/// why it failed.
+pub fn save_stall(ctx: &mut Ctx, plan: &Plan) -> Result<String, String> {
+    eprintln!("report: checkpoint save stall, {} MiB of state", plan.stall_mib);
+    let dir = ctx.scratch.join("save-stall");
+    let args: Vec<String> = vec![
+        "save-stall".into(),
+        "--size-mib".into(),
+        plan.stall_mib.to_string(),
+        "--steps".into(),
+        plan.stall_steps.to_string(),
+        "--save-every".into(),
+        plan.stall_every.to_string(),
+        "--repeat".into(),
+        plan.repeats.to_string(),
+        "--dir".into(),
+        dir.display().to_string(),
+    ];
+    let out = ctx.tandem(&args, Duration::from_secs(900), "tandem bench save-stall");
+    std::fs::remove_dir_all(&dir).ok();
+    out.map_err(|e| ctx.note(e))
 }
 
 /// `tandem bench conv` (with the PyTorch peer when torch is available): its markdown table

@@ -114,6 +114,12 @@ pub struct TrainConfig {
     /// Checkpoints to keep in the run directory.
     #[arg(long = "keep-last", default_value_t = 3)]
     pub keep_last: usize,
+    /// Write checkpoints on a background thread: training waits only while the state is copied
+    /// to host memory. At most one save in flight; a failed write stops the run at the next save
+    /// or at the end, naming the file.
+    #[arg(long = "async-save")]
+    #[serde(default)]
+    pub async_save: bool,
     /// Continue from the newest valid checkpoint in --out.
     #[arg(long)]
     pub resume: bool,
@@ -230,6 +236,9 @@ impl TrainConfig {
         }
         if self.resume {
             a.push("--resume".into());
+        }
+        if self.async_save {
+            a.push("--async-save".into());
         }
         if self.tensorboard {
             a.push("--tensorboard".into());

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use candle_core::Device;
-use tandem_ckpt::{CheckpointManager, TrainingCheckpoint, Value};
+use tandem_ckpt::{AsyncCheckpointManager, CheckpointManager, TrainingCheckpoint, Value};
 use tandem_comm::{ProcessGroup, ReduceOp};
 use tandem_data::{
     channel_stats, CropFlip, DataLoader, Dataset, DistributedSampler, EvalMetrics, ImageTransforms,
@@ -142,13 +142,14 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     let mut samples_seen: u64 = 0;
     let mut last_eval = EvalMetrics::default();
     let mut last_ckpt: Option<PathBuf> = None;
-    let save = |name: &str,
-                loader: &DataLoader<TrainData>,
-                opt: &dyn TorchOptimizer,
-                step: u64|
+    let mut saver = Saver::new(manager.clone(), cfg.async_save);
+    let mut save = |name: &str,
+                    loader: &DataLoader<TrainData>,
+                    opt: &dyn TorchOptimizer,
+                    step: u64|
      -> anyhow::Result<Option<PathBuf>> {
         let value = checkpoint_value(&ddp.module(), opt, loader.state(), step, world, cfg)?;
-        Ok(manager.save_on_rank(rank, name, &value, || group.barrier())?)
+        saver.save(rank, name, value, &group)
     };
 
     while (loader.epoch() as usize) < cfg.epochs && global_step < max_steps {
@@ -234,6 +235,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     let final_name = format!("step-{global_step:08}");
     let written = save(&final_name, &loader, opt.as_ref(), global_step)?;
     last_ckpt = written.or(last_ckpt);
+    saver.finish(rank, &group)?;
     if let Some(path) = &cfg.save_final {
         if rank == 0 {
             save_weights(&ddp.module(), path)?;
@@ -252,6 +254,55 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
             None
         },
     })
+}
+
+/// Rank 0's checkpoint writes, synchronous or on a background thread (`--async-save`).
+enum Saver {
+    Sync(CheckpointManager),
+    Async(AsyncCheckpointManager),
+}
+
+impl Saver {
+    fn new(manager: CheckpointManager, background: bool) -> Self {
+        if background {
+            Saver::Async(AsyncCheckpointManager::new(manager))
+        } else {
+            Saver::Sync(manager)
+        }
+    }
+
+    /// A collective. Synchronous: rank 0 writes, every rank meets at the barrier. Background:
+    /// rank 0 hands the (host) copy to the writer thread, first waiting for the previous save and
+    /// failing with its error; the other ranks go straight on (they meet rank 0 at the next
+    /// collective). Returns the file rank 0 writes.
+    fn save(
+        &mut self,
+        rank: usize,
+        name: &str,
+        value: Value,
+        group: &ProcessGroup,
+    ) -> anyhow::Result<Option<PathBuf>> {
+        match self {
+            Saver::Sync(m) => Ok(m.save_on_rank(rank, name, &value, || group.barrier())?),
+            Saver::Async(m) if rank == 0 => Ok(Some(m.save(name, value).with_context(|| {
+                "a background checkpoint save failed (the run stops here; the files before it are intact)"
+            })?)),
+            Saver::Async(_) => Ok(None),
+        }
+    }
+
+    /// At the end: rank 0 waits for the save in flight (its error ends the run, naming the
+    /// file), then every rank meets at a barrier, so no rank reports success before the last
+    /// checkpoint is on disk.
+    fn finish(&mut self, rank: usize, group: &ProcessGroup) -> anyhow::Result<()> {
+        if let Saver::Async(m) = self {
+            let written = if rank == 0 { m.wait().map(|_| ()) } else { Ok(()) };
+            let synced = group.barrier();
+            written.context("the last background checkpoint save failed")?;
+            synced.context("barrier after the last checkpoint save")?;
+        }
+        Ok(())
+    }
 }
 
 /// What a resume on another world size did with the epoch it resumed (rank 0 prints it).

@@ -1,0 +1,215 @@
+//! `tandem bench save-stall`: how long a checkpoint save stops training, written synchronously
+//! (`CheckpointManager::save`, as `tandem train`) or in the background (`AsyncCheckpointManager`,
+//! `tandem train --async-save`). The state is real: an MLP and its SGD momentum buffers,
+//! `--size-mib` MiB in all, trained on random data. Each repetition runs the same steps three
+//! ways — no saves, synchronous saves, background saves — and a save step's stall is its time
+//! minus the median step without saves of that repetition. Background saves also slow the steps
+//! around them (the writer shares the cores and the memory bus): that cost is shown as the
+//! whole run's extra time over the run without saves, per save; the wait for the last write at
+//! the end is shown on its own.
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use candle_core::{Device, Tensor};
+use tandem_ckpt::{AsyncCheckpointManager, CheckpointManager, TrainingCheckpoint, Value};
+use tandem_ddp::models::Mlp;
+use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
+use tandem_ddp::weights::state_dict_value;
+use tandem_ddp::ParamModule;
+
+use super::local_ranks::median;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Size of the saved state (weights + momentum buffers), in MiB.
+    #[arg(long, default_value_t = 256)]
+    size_mib: usize,
+    /// Training steps per run.
+    #[arg(long, default_value_t = 12)]
+    steps: usize,
+    /// A save after every N steps.
+    #[arg(long, default_value_t = 4)]
+    save_every: usize,
+    /// Repetitions (min/median/max reported).
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+    /// Directory for the checkpoints (default: a fresh one under the current directory, removed after).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+}
+
+const INPUT: usize = 256;
+const BATCH: usize = 64;
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Mode {
+    NoSave,
+    Sync,
+    Background,
+}
+
+/// One run: every step's seconds, which steps saved, and the time to drain the last write.
+struct RunTimes {
+    steps: Vec<f64>,
+    saved: Vec<bool>,
+    copy: Vec<f64>,
+    drain: f64,
+}
+
+impl RunTimes {
+    /// The steps' time; the final wait for the last write is reported on its own (a run pays
+    /// it once, at the end).
+    fn total(&self) -> f64 {
+        self.steps.iter().sum::<f64>()
+    }
+}
+
+/// Hidden width `h` of a 2-hidden-layer MLP whose weights and momentum take `bytes`.
+fn hidden_for(bytes: usize) -> usize {
+    // Parameters (f32, twice with momentum): INPUT*h + h + h*h + h + 10*h + 10.
+    let params = bytes as f64 / 8.0;
+    let b = (INPUT + 12) as f64;
+    ((-b + (b * b + 4.0 * params).sqrt()) / 2.0).max(1.0) as usize
+}
+
+fn run_once(
+    mode: Mode,
+    args: &Args,
+    hidden: usize,
+    dir: &std::path::Path,
+) -> anyhow::Result<RunTimes> {
+    let device = Device::Cpu;
+    let model = Mlp::new(&[INPUT, hidden, hidden, 10], 0, &device)?;
+    let params = model.named_parameters().into_iter().map(|(_, v)| v).collect();
+    let mut opt = Sgd::new(params, SgdConfig { lr: 1e-3, momentum: 0.9, ..Default::default() })?;
+    let x = Tensor::randn(0f32, 1.0, (BATCH, INPUT), &device)?;
+    let y = Tensor::from_vec((0..BATCH as u32).map(|i| i % 10).collect(), BATCH, &device)?;
+    let manager = CheckpointManager::new(dir.join(format!("{mode:?}")), 2);
+    let mut background = AsyncCheckpointManager::new(manager.clone());
+    let mut times = RunTimes { steps: vec![], saved: vec![], copy: vec![], drain: 0.0 };
+    for step in 1..=args.steps {
+        let started = Instant::now();
+        let grads = model.loss(&x, &y)?.backward()?;
+        opt.step(&grads)?;
+        let save = mode != Mode::NoSave && step % args.save_every == 0;
+        if save {
+            let copying = Instant::now();
+            let value = TrainingCheckpoint {
+                epoch: 0,
+                global_step: step as i64,
+                model: state_dict_value(&model)?,
+                optimizer: opt.state_dict()?,
+                scheduler: Value::None,
+                sampler: Value::None,
+                rng: Value::None,
+                world_size: 1,
+                config: Value::None,
+            }
+            .to_value()?;
+            times.copy.push(copying.elapsed().as_secs_f64());
+            let name = format!("step-{step:04}");
+            match mode {
+                Mode::Sync => drop(manager.save(&name, &value)?),
+                Mode::Background => drop(background.save(&name, value)?),
+                Mode::NoSave => unreachable!(),
+            }
+        }
+        times.steps.push(started.elapsed().as_secs_f64());
+        times.saved.push(save);
+    }
+    let draining = Instant::now();
+    background.wait()?;
+    times.drain = draining.elapsed().as_secs_f64();
+    Ok(times)
+}
+
+fn min_med_max(v: &[f64]) -> String {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    format!("{:>8.3} {:>8.3} {:>8.3}", s[0], s[s.len() / 2], s[s.len() - 1])
+}
+
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    if args.size_mib == 0 || args.steps == 0 || args.repeat == 0 || args.save_every == 0 {
+        bail!("--size-mib, --steps, --save-every and --repeat must be positive");
+    }
+    if args.save_every > args.steps {
+        bail!(
+            "--save-every {} is more than --steps {}: no save would happen",
+            args.save_every,
+            args.steps
+        );
+    }
+    let (dir, own_dir) = match &args.dir {
+        Some(d) => (d.clone(), false),
+        None => (PathBuf::from(format!("tandem-bench-save-stall-{}", std::process::id())), true),
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let result = run(&args, &dir);
+    if own_dir {
+        std::fs::remove_dir_all(&dir).ok();
+    }
+    result
+}
+
+fn run(args: &Args, dir: &std::path::Path) -> anyhow::Result<i32> {
+    let hidden = hidden_for(args.size_mib << 20);
+    let state_mib = {
+        let p = INPUT * hidden + hidden + hidden * hidden + hidden + 10 * hidden + 10;
+        (p * 8) as f64 / (1 << 20) as f64
+    };
+    eprintln!(
+        "MLP {INPUT}-{hidden}-{hidden}-10 + SGD momentum: {state_mib:.0} MiB of state; {} steps, a save every {}; {}",
+        args.steps,
+        args.save_every,
+        dir.display()
+    );
+    let (mut step, mut sync_stall, mut bg_stall, mut copy) = (vec![], vec![], vec![], vec![]);
+    let (mut sync_extra, mut bg_extra, mut drain) = (vec![], vec![], vec![]);
+    for r in 0..args.repeat {
+        eprintln!("run {}/{}", r + 1, args.repeat);
+        let none = run_once(Mode::NoSave, args, hidden, dir)?;
+        let sync = run_once(Mode::Sync, args, hidden, dir)?;
+        let bg = run_once(Mode::Background, args, hidden, dir)?;
+        // The first step warms allocations up: leave it out of the typical step.
+        let typical = median(none.steps[1..].to_vec());
+        let stall = |t: &RunTimes| {
+            let v: Vec<f64> = t
+                .steps
+                .iter()
+                .zip(&t.saved)
+                .filter(|(_, s)| **s)
+                .map(|(x, _)| x - typical)
+                .collect();
+            v.iter().sum::<f64>() / v.len() as f64
+        };
+        step.push(typical);
+        sync_stall.push(stall(&sync));
+        bg_stall.push(stall(&bg));
+        copy.push(bg.copy.iter().sum::<f64>() / bg.copy.len() as f64);
+        let saves = bg.copy.len() as f64;
+        sync_extra.push((sync.total() - none.total()) / saves);
+        bg_extra.push((bg.total() - none.total()) / saves);
+        drain.push(bg.drain);
+    }
+    println!(
+        "checkpoint save stall, {state_mib:.0} MiB of state (MLP {INPUT}-{hidden}-{hidden}-10 + momentum), {} runs; seconds",
+        args.repeat
+    );
+    println!("{:<44} {:>8} {:>8} {:>8}", "", "min", "median", "max");
+    for (name, v) in [
+        ("training step without a save", &step),
+        ("stall of a save step: synchronous", &sync_stall),
+        ("stall of a save step: background", &bg_stall),
+        ("  of which copying the state to host memory", &copy),
+        ("run time added per save: synchronous", &sync_extra),
+        ("run time added per save: background", &bg_extra),
+        ("waiting for the last background write", &drain),
+    ] {
+        println!("{name:<44} {}", min_med_max(v));
+    }
+    let ratio = median(sync_stall.clone()) / median(bg_stall.clone()).max(1e-9);
+    println!("stall synchronous / background (medians): {ratio:.1}x");
+    Ok(0)
+}
