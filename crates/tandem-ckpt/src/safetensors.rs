@@ -1,7 +1,7 @@
 //! safetensors files (weights only), through the `safetensors` crate. A file is a flat
 //! `name -> tensor` map: nested dicts are flattened with `.` on save; tied tensors are written
 //! once per name (the format has no sharing).
-use std::borrow::Cow;
+use std::io::Write;
 use std::path::Path;
 
 use crate::error::{CkptError, Result};
@@ -39,23 +39,6 @@ fn from_st(d: safetensors::Dtype) -> Option<DType> {
         S::BOOL => DType::Bool,
         _ => return None,
     })
-}
-
-struct View<'a>(&'a Tensor);
-
-impl safetensors::View for View<'_> {
-    fn dtype(&self) -> safetensors::Dtype {
-        to_st(self.0.dtype)
-    }
-    fn shape(&self) -> &[usize] {
-        &self.0.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        self.0.contiguous_bytes()
-    }
-    fn data_len(&self) -> usize {
-        self.0.nbytes()
-    }
 }
 
 /// `name -> tensor` pairs of a (possibly nested) dict of tensors, names joined with `.`.
@@ -121,13 +104,40 @@ pub fn save(path: &Path, value: &Value) -> Result<()> {
             });
         }
     }
-    let views: Vec<(String, View)> = tensors.iter().map(|(n, t)| (n.clone(), View(t))).collect();
+    // The layout safetensors' own writer uses (descending dtype alignment, then name; header
+    // from the crate's `Metadata`, padded to 8 bytes), written straight into our atomic temp
+    // file: `serialize_to_file` would pre-size a second temp file and rename it over ours.
+    let mut order: Vec<&(String, Tensor)> = tensors.iter().collect();
+    order.sort_by(|(ln, lt), (rn, rt)| to_st(rt.dtype).cmp(&to_st(lt.dtype)).then(ln.cmp(rn)));
+    let mut infos = Vec::with_capacity(order.len());
+    let mut offset = 0;
+    for (name, t) in &order {
+        let n = t.nbytes();
+        infos.push((
+            name.clone(),
+            safetensors::tensor::TensorInfo {
+                dtype: to_st(t.dtype),
+                shape: t.shape.clone(),
+                data_offsets: (offset, offset + n),
+            },
+        ));
+        offset += n;
+    }
+    let unsupported =
+        |msg: String| CkptError::Unsupported { what: path.display().to_string(), msg };
     let meta = Some(std::collections::HashMap::from([("format".to_string(), "pt".to_string())]));
-    crate::atomic::write_atomic_via_path(path, |tmp| {
-        safetensors::serialize_to_file(views, meta, tmp).map_err(|e| CkptError::Unsupported {
-            what: path.display().to_string(),
-            msg: e.to_string(),
-        })
+    let metadata =
+        safetensors::tensor::Metadata::new(meta, infos).map_err(|e| unsupported(e.to_string()))?;
+    let mut header = serde_json::to_vec(&metadata).map_err(|e| unsupported(e.to_string()))?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+    crate::atomic::write_atomic(path, |f| {
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        w.write_all(&(header.len() as u64).to_le_bytes())?;
+        w.write_all(&header)?;
+        for (_, t) in &order {
+            w.write_all(&t.contiguous_bytes())?;
+        }
+        w.flush()
     })
 }
 
@@ -167,4 +177,47 @@ pub(crate) fn from_bytes(path: &Path, fb: &FileBytes) -> Result<Value> {
     }
     items.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
     Ok(Value::Dict(items.into_iter().map(|(_, n, t)| (Value::Str(n), Value::Tensor(t))).collect()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use super::*;
+
+    struct View<'a>(&'a Tensor);
+
+    impl safetensors::View for View<'_> {
+        fn dtype(&self) -> safetensors::Dtype {
+            to_st(self.0.dtype)
+        }
+        fn shape(&self) -> &[usize] {
+            &self.0.shape
+        }
+        fn data(&self) -> Cow<'_, [u8]> {
+            self.0.contiguous_bytes()
+        }
+        fn data_len(&self) -> usize {
+            self.0.nbytes()
+        }
+    }
+
+    #[test]
+    fn our_writer_writes_the_crates_bytes() {
+        let value = Value::dict_from([
+            ("b.weight", Value::Tensor(Tensor::from_f32(&[2, 3], &[1., 2., 3., 4., 5., 6.]))),
+            ("a.bias", Value::Tensor(Tensor::from_f32(&[3], &[7., 8., 9.]))),
+            ("steps", Value::Tensor(Tensor::from_i64(&[2], &[3, 4]))),
+            ("z", Value::dict_from([("h", Value::Tensor(Tensor::from_f32(&[1], &[0.5])))])),
+        ]);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.safetensors");
+        save(&path, &value).unwrap();
+        let tensors = flatten_tensors(&value).unwrap();
+        let views: Vec<(String, View)> =
+            tensors.iter().map(|(n, t)| (n.clone(), View(t))).collect();
+        let meta = Some(std::collections::HashMap::from([("format".into(), "pt".into())]));
+        let expected = safetensors::serialize(views, meta).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), expected);
+    }
 }

@@ -192,34 +192,72 @@ fn master_port(e: &Env, default: Option<u16>) -> Result<u16, CommError> {
     }
 }
 
-/// First host of a Slurm node list: `node[01-04,07],gpu5` -> `node01`.
-pub(crate) fn first_slurm_host(list: &str) -> Option<String> {
-    let list = list.trim();
-    let mut depth = 0;
-    let mut end = list.len();
-    for (i, c) in list.char_indices() {
-        match c {
-            '[' => depth += 1,
-            ']' => depth -= 1,
-            ',' if depth == 0 => {
-                end = i;
-                break;
+/// A task started by `srun`: rank and size from SLURM_PROCID/SLURM_NTASKS, the local rank and
+/// the tasks on this node from SLURM_LOCALID and SLURM_TASKS_PER_NODE/SLURM_NODEID, the store on
+/// the first host of SLURM_JOB_NODELIST (or MASTER_ADDR) at MASTER_PORT, else at a port derived
+/// from SLURM_JOB_ID (see `slurm::port_for_job`), else 29500.
+fn slurm_spec(e: &Env) -> Result<Spec, CommError> {
+    let rank = require_usize(e, "SLURM_PROCID")?;
+    let size = require_usize(e, "SLURM_NTASKS")?;
+    check_rank("SLURM_PROCID", rank, "SLURM_NTASKS", size)?;
+    let local_rank = parse_usize(e, "SLURM_LOCALID")?;
+    let local_size = match (e.var("SLURM_TASKS_PER_NODE"), parse_usize(e, "SLURM_NODEID")?) {
+        (Some(spec), Some(node)) => {
+            let per_node = crate::slurm::tasks_per_node(&spec)
+                .map_err(|why| CommError::env("SLURM_TASKS_PER_NODE", &spec, &why))?;
+            let here = per_node.get(node).copied().ok_or_else(|| {
+                CommError::env(
+                    "SLURM_NODEID",
+                    &node.to_string(),
+                    format!("SLURM_TASKS_PER_NODE={spec} lists {} node(s)", per_node.len()),
+                )
+            })?;
+            if let Some(lr) = local_rank {
+                check_rank("SLURM_LOCALID", lr, "SLURM_TASKS_PER_NODE", here)?;
             }
-            _ => {}
+            Some(here)
         }
-    }
-    let first = &list[..end];
-    let host = match first.find('[') {
-        None => first.to_string(),
-        Some(open) => {
-            let close = first[open..].find(']')? + open;
-            let inner = &first[open + 1..close];
-            let item = inner.split(',').next()?;
-            let start = item.split('-').next()?;
-            format!("{}{}{}", &first[..open], start, &first[close + 1..])
-        }
+        _ => None,
     };
-    (!host.is_empty()).then_some(host)
+    let master = if size > 1 {
+        let (host, var_name) = match e.var("MASTER_ADDR") {
+            Some(h) => (h, "MASTER_ADDR"),
+            None => {
+                let (var, list) = match e.var("SLURM_JOB_NODELIST") {
+                    Some(l) => ("SLURM_JOB_NODELIST", l),
+                    None => (
+                        "SLURM_NODELIST",
+                        e.var("SLURM_NODELIST").ok_or_else(|| {
+                            CommError::env(
+                                "SLURM_JOB_NODELIST",
+                                "",
+                                "is not set and MASTER_ADDR is not set either",
+                            )
+                        })?,
+                    ),
+                };
+                let hosts = crate::slurm::expand_nodelist(&list)
+                    .map_err(|why| CommError::env(var, &list, &why))?;
+                (hosts[0].clone(), var)
+            }
+        };
+        let job_port = match e.var("SLURM_JOB_ID") {
+            Some(id) => match id.trim().parse::<u64>() {
+                Ok(id) => Some(crate::slurm::port_for_job(id)),
+                Err(_) => return Err(CommError::env("SLURM_JOB_ID", &id, "expected a number")),
+            },
+            None => None,
+        };
+        let port = master_port(e, Some(job_port.unwrap_or(29500)))?;
+        let how = match (e.var("MASTER_PORT"), job_port) {
+            (None, Some(_)) => format!("{var_name}/SLURM_JOB_ID"),
+            _ => format!("{var_name}/MASTER_PORT"),
+        };
+        Some((host, port, how))
+    } else {
+        None
+    };
+    Ok(Spec { rank, world_size: size, local_rank, local_size, master, host_store: true })
 }
 
 fn parse_tcp_url(url: &str) -> Result<(String, u16), CommError> {
@@ -299,46 +337,7 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
                 });
             }
             if e.var("SLURM_PROCID").is_some() && e.var("SLURM_NTASKS").is_some() {
-                let rank = require_usize(e, "SLURM_PROCID")?;
-                let size = require_usize(e, "SLURM_NTASKS")?;
-                check_rank("SLURM_PROCID", rank, "SLURM_NTASKS", size)?;
-                let local_rank = parse_usize(e, "SLURM_LOCALID")?;
-                let master = if size > 1 {
-                    let (host, var_name) = match e.var("MASTER_ADDR") {
-                        Some(h) => (h, "MASTER_ADDR"),
-                        None => {
-                            let list = e
-                                .var("SLURM_JOB_NODELIST")
-                                .or_else(|| e.var("SLURM_NODELIST"))
-                                .ok_or_else(|| {
-                                    CommError::env(
-                                        "SLURM_JOB_NODELIST",
-                                        "",
-                                        "is not set and MASTER_ADDR is not set either",
-                                    )
-                                })?;
-                            let h = first_slurm_host(&list).ok_or_else(|| {
-                                CommError::env(
-                                    "SLURM_JOB_NODELIST",
-                                    &list,
-                                    "cannot parse the first host",
-                                )
-                            })?;
-                            (h, "SLURM_JOB_NODELIST")
-                        }
-                    };
-                    Some((host, master_port(e, Some(29500))?, format!("{var_name}/MASTER_PORT")))
-                } else {
-                    None
-                };
-                return Ok(Spec {
-                    rank,
-                    world_size: size,
-                    local_rank,
-                    local_size: None,
-                    master,
-                    host_store: true,
-                });
+                return slurm_spec(e);
             }
             if e.var("OMPI_COMM_WORLD_RANK").is_some() || e.var("OMPI_COMM_WORLD_SIZE").is_some() {
                 let rank = require_usize(e, "OMPI_COMM_WORLD_RANK")?;
@@ -387,12 +386,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn slurm_first_host() {
-        assert_eq!(first_slurm_host("node[01-04,07],gpu5").as_deref(), Some("node01"));
-        assert_eq!(first_slurm_host("a1,b2").as_deref(), Some("a1"));
-        assert_eq!(first_slurm_host("host-[3-5]-ib").as_deref(), Some("host-3-ib"));
-        assert_eq!(first_slurm_host("single").as_deref(), Some("single"));
-        assert_eq!(first_slurm_host(""), None);
+    fn slurm_tasks_per_node_give_the_local_size_and_the_job_id_a_port() {
+        let base = [
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "7"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_TASKS_PER_NODE", "2(x3),1"),
+            ("SLURM_JOB_NODELIST", "rack[1-2]-n[07-08]"),
+            ("SLURM_JOB_ID", "123456"),
+        ];
+        let s = resolve_vars(&base).unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank, s.local_size), (5, 7, Some(1), Some(2)));
+        let (host, port, how) = s.master.unwrap();
+        assert_eq!((host.as_str(), port), ("rack1-n07", 23456));
+        assert!(how.contains("SLURM_JOB_ID"), "{how}");
+        // MASTER_PORT wins over the job id.
+        let mut with_port = base.to_vec();
+        with_port.push(("MASTER_PORT", "31000"));
+        assert_eq!(resolve_vars(&with_port).unwrap().master.unwrap().1, 31000);
+        // Inconsistent values are named.
+        let mut bad_node = base.to_vec();
+        bad_node[3] = ("SLURM_NODEID", "4");
+        assert!(err_text(&bad_node).contains("SLURM_NODEID"));
+        let mut bad_local = base.to_vec();
+        bad_local[2] = ("SLURM_LOCALID", "2");
+        assert!(err_text(&bad_local).contains("SLURM_LOCALID"));
+        let mut bad_list = base.to_vec();
+        bad_list[5] = ("SLURM_JOB_NODELIST", "n[01-");
+        assert!(err_text(&bad_list).contains("SLURM_JOB_NODELIST"));
+        let mut bad_job = base.to_vec();
+        bad_job[6] = ("SLURM_JOB_ID", "abc");
+        assert!(err_text(&bad_job).contains("SLURM_JOB_ID"));
     }
 
     fn resolve_vars(vars: &[(&str, &str)]) -> Result<Spec, CommError> {

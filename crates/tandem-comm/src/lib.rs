@@ -20,6 +20,7 @@ mod order;
 #[doc(hidden)]
 pub mod procfs;
 mod rendezvous;
+pub mod slurm;
 mod store;
 mod transport;
 mod work;

@@ -31,6 +31,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     if cfg.out.is_none() && launched() {
         // Ranks started by an outside launcher must agree on one run directory without talking.
         let id = std::env::var("TORCHELASTIC_RUN_ID")
+            .or_else(|_| std::env::var("SLURM_JOB_ID"))
             .or_else(|_| std::env::var("MASTER_PORT"))
             .unwrap_or_else(|_| "job".into());
         cfg.out = Some(std::path::PathBuf::from("runs").join(format!("train-{id}")));
