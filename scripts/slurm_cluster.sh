@@ -72,6 +72,8 @@ start_munge() {
 
 start() {
   install
+  # slurmctld and slurmd find this node by its short name.
+  getent hosts "$host" >/dev/null || echo "127.0.0.1 $host" >>/etc/hosts
   write_conf
   start_munge
   pgrep -x slurmctld >/dev/null || slurmctld
