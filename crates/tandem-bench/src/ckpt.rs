@@ -131,16 +131,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     if args.size_mib == 0 || args.tensors == 0 || args.repeat == 0 {
         bail!("--size-mib, --tensors and --repeat must be positive");
     }
-    let (dir, own_dir) = match &args.dir {
-        Some(d) => (d.clone(), false),
-        None => (PathBuf::from(format!("tandem-bench-ckpt-{}", std::process::id())), true),
-    };
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let result = run(&args, &dir);
-    if own_dir {
-        std::fs::remove_dir_all(&dir).ok();
-    }
-    result
+    crate::in_scratch_dir(args.dir.as_deref(), "tandem-bench-ckpt", |dir| run(&args, dir))
 }
 
 fn run(args: &Args, dir: &Path) -> anyhow::Result<i32> {

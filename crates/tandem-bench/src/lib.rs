@@ -36,6 +36,26 @@ enum Which {
     Report(report::Args),
 }
 
+/// Runs `f` in `dir`, or in a fresh `<prefix>-<pid>` directory under the current one that is
+/// removed afterwards (benchmarks writing files: checkpoints, dd output).
+pub(crate) fn in_scratch_dir<T>(
+    dir: Option<&std::path::Path>,
+    prefix: &str,
+    f: impl FnOnce(&std::path::Path) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    use anyhow::Context;
+    let (dir, own_dir) = match dir {
+        Some(d) => (d.to_path_buf(), false),
+        None => (std::path::PathBuf::from(format!("{prefix}-{}", std::process::id())), true),
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let result = f(&dir);
+    if own_dir {
+        std::fs::remove_dir_all(&dir).ok();
+    }
+    result
+}
+
 pub fn main(args: Args) -> anyhow::Result<i32> {
     match args.which {
         Which::Allreduce(a) => allreduce::main(a),

@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use candle_core::{Device, Tensor};
 use tandem_ckpt::{AsyncCheckpointManager, CheckpointManager, TrainingCheckpoint, Value};
 use tandem_ddp::models::Mlp;
@@ -141,16 +141,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
             args.steps
         );
     }
-    let (dir, own_dir) = match &args.dir {
-        Some(d) => (d.clone(), false),
-        None => (PathBuf::from(format!("tandem-bench-save-stall-{}", std::process::id())), true),
-    };
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let result = run(&args, &dir);
-    if own_dir {
-        std::fs::remove_dir_all(&dir).ok();
-    }
-    result
+    crate::in_scratch_dir(args.dir.as_deref(), "tandem-bench-save-stall", |dir| run(&args, dir))
 }
 
 fn run(args: &Args, dir: &std::path::Path) -> anyhow::Result<i32> {

@@ -276,12 +276,7 @@ impl<D: Dataset + ?Sized + 'static> DataLoader<D> {
 
     /// Batches in a full epoch of this rank.
     pub fn len(&self) -> usize {
-        let n = self.sampler_lock().len();
-        if self.options.drop_last {
-            n / self.options.batch_size
-        } else {
-            n.div_ceil(self.options.batch_size)
-        }
+        self.batches_of(self.sampler_lock().len())
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -289,7 +284,11 @@ impl<D: Dataset + ?Sized + 'static> DataLoader<D> {
 
     /// Batches left in the current epoch (all of them at its start).
     pub fn batches_left(&self) -> usize {
-        let n = self.remaining_indices().len();
+        self.batches_of(self.remaining_indices().len())
+    }
+
+    /// Batches `n` samples make (a short last one dropped with `drop_last`).
+    fn batches_of(&self, n: usize) -> usize {
         if self.options.drop_last {
             n / self.options.batch_size
         } else {
