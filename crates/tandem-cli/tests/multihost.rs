@@ -494,9 +494,12 @@ fn training_completes_through_ten_percent_packet_loss_trial() -> f64 {
     let run = |netem: Option<Netem>, name: &str| -> Vec<(String, Vec<f64>)> {
         let hosts = Hosts::new(2, netem);
         let fin = dir.path().join(format!("{name}.pt"));
+        let out = dir.path().join(format!("{name}-run"));
         let worker = [
             tandem(),
             "train",
+            "--out",
+            s(&out),
             "--epochs",
             "1",
             "--hidden",
