@@ -65,9 +65,14 @@ impl RunTimes {
     }
 }
 
-/// Hidden width `h` of a 2-hidden-layer MLP whose weights and momentum take `bytes`.
+/// Bytes of weights and momentum (f32 each) of the MLP INPUT-h-h-10.
+fn state_bytes(h: usize) -> usize {
+    8 * (INPUT * h + h + h * h + h + 10 * h + 10)
+}
+
+/// Hidden width `h` whose [`state_bytes`] come closest to `bytes` from below.
 fn hidden_for(bytes: usize) -> usize {
-    // Parameters (f32, twice with momentum): INPUT*h + h + h*h + h + 10*h + 10.
+    // state_bytes(h) / 8 = h^2 + (INPUT + 12) h + 10: the positive root.
     let params = bytes as f64 / 8.0;
     let b = (INPUT + 12) as f64;
     ((-b + (b * b + 4.0 * params).sqrt()) / 2.0).max(1.0) as usize
@@ -146,10 +151,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 
 fn run(args: &Args, dir: &std::path::Path) -> anyhow::Result<i32> {
     let hidden = hidden_for(args.size_mib << 20);
-    let state_mib = {
-        let p = INPUT * hidden + hidden + hidden * hidden + hidden + 10 * hidden + 10;
-        (p * 8) as f64 / (1 << 20) as f64
-    };
+    let state_mib = state_bytes(hidden) as f64 / (1 << 20) as f64;
     eprintln!(
         "MLP {INPUT}-{hidden}-{hidden}-10 + SGD momentum: {state_mib:.0} MiB of state; {} steps, a save every {}; {}",
         args.steps,
