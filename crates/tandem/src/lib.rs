@@ -10,6 +10,7 @@ pub use tandem_comm as comm;
 pub use tandem_data as data;
 pub use tandem_ddp as ddp;
 pub use tandem_launch as launch;
+pub use tandem_onnx as onnx;
 
 pub mod state;
 

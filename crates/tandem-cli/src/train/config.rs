@@ -129,6 +129,10 @@ pub struct TrainConfig {
     /// Write the final model weights here (.pt or .safetensors, canonical keys).
     #[arg(long = "save-final")]
     pub save_final: Option<PathBuf>,
+    /// At the end, rank 0 writes the trained model (eval mode) as ONNX here.
+    #[arg(long = "export-onnx", value_name = "FILE")]
+    #[serde(default)]
+    pub export_onnx: Option<PathBuf>,
     /// Collective backend.
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
     pub backend: Backend,
@@ -166,6 +170,13 @@ impl TrainConfig {
         }
         if self.resume && self.out.is_none() {
             bail!("--resume needs --out DIR (the run directory to continue)");
+        }
+        if let Some(path) = &self.export_onnx {
+            // Found out before training, not after it.
+            let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+            if dir.is_some_and(|d| !d.is_dir()) {
+                bail!("--export-onnx {}: its directory does not exist", path.display());
+            }
         }
         if self.backend == Backend::Nccl {
             bail!(
@@ -228,6 +239,9 @@ impl TrainConfig {
         }
         if let Some(p) = &self.save_final {
             push("--save-final", p.display().to_string());
+        }
+        if let Some(p) = &self.export_onnx {
+            push("--export-onnx", p.display().to_string());
         }
         push("--backend", format!("{:?}", self.backend).to_lowercase());
         push("--comm-hook", self.comm_hook.clone());

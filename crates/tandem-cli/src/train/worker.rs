@@ -242,6 +242,14 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         }
         group.barrier()?;
     }
+    if let Some(path) = &cfg.export_onnx {
+        if rank == 0 {
+            let summary = crate::cmd::export::write(cfg.model, &model_value(&ddp.module())?, path)
+                .context("--export-onnx")?;
+            eprintln!("{summary}");
+        }
+        group.barrier()?;
+    }
     Ok(RunSummary {
         rank,
         epochs: loader.epoch().min(cfg.epochs as u64),

@@ -1,0 +1,63 @@
+//! `tandem export CHECKPOINT --model M FILE.onnx`: a built-in model's weights as an ONNX model
+//! (eval mode) that onnxruntime and other ONNX tools run. `tandem train --export-onnx` writes
+//! the same file at the end of training.
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use tandem_onnx::{Architecture, Dim};
+
+use crate::train::config::ModelKind;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A tandem training checkpoint, a weights file (`--save-final`) or a PyTorch state dict
+    /// (.pt or .safetensors; `module.` and other wrappers are fine).
+    checkpoint: PathBuf,
+    /// The architecture of the weights; layer sizes are read from them.
+    #[arg(long, value_enum)]
+    model: ModelKind,
+    /// The ONNX file to write.
+    output: PathBuf,
+}
+
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    let value = tandem_ckpt::load(&args.checkpoint)
+        .with_context(|| format!("reading {}", args.checkpoint.display()))?;
+    let summary = write(args.model, &value, &args.output)
+        .with_context(|| format!("exporting {}", args.checkpoint.display()))?;
+    println!("{summary}");
+    Ok(0)
+}
+
+pub fn architecture(kind: ModelKind) -> Architecture {
+    match kind {
+        ModelKind::Mlp => Architecture::Mlp,
+        ModelKind::Cnn => Architecture::Cnn,
+        ModelKind::Resnet18 => Architecture::ResNet18,
+    }
+}
+
+/// Exports the state dict in `value` and writes it atomically to `path`; returns a one-line
+/// summary such as `wrote m.onnx: cnn, input [batch, 1, 8, 8] -> logits [batch, 10], ...`.
+pub fn write(kind: ModelKind, value: &tandem_ckpt::Value, path: &Path) -> anyhow::Result<String> {
+    let exported = tandem_onnx::export_value(architecture(kind), value)?;
+    tandem_onnx::save(path, &exported)?;
+    let dims: Vec<String> = exported
+        .input
+        .iter()
+        .map(|d| match d {
+            Dim::Fixed(n) => n.to_string(),
+            Dim::Named(s) => s.to_string(),
+        })
+        .collect();
+    Ok(format!(
+        "wrote {}: {}, input [{}] -> logits [batch, {}], {} weights, ONNX IR {} opset {}",
+        path.display(),
+        architecture(kind).name(),
+        dims.join(", "),
+        exported.classes,
+        exported.weights,
+        tandem_onnx::graph::IR_VERSION,
+        tandem_onnx::graph::OPSET,
+    ))
+}

@@ -1,0 +1,271 @@
+//! The inference graphs of tandem's built-in models, in eval mode (BatchNorm with its running
+//! statistics), as `torch.onnx.export(model.eval(), ...)` writes them: the same layers, the
+//! weights as initializers under their state-dict names. Sizes come from the weights' shapes,
+//! so one checkpoint is all an export needs.
+//!
+//! - `mlp`: `fc1 .. fcN` (Gemm, ReLU between), input `[batch, in]`.
+//! - `cnn`: conv1 → bn1 → relu → maxpool 2 → conv2 → relu → maxpool 2 → flatten → fc, input
+//!   `[batch, C, H, H]` (H from `fc`'s in-features, square images as `tandem train` feeds).
+//! - `resnet18`: torchvision's BasicBlock ResNet-18 with the CIFAR stem, input
+//!   `[batch, 3, height, width]` (global average pooling makes any size ≥ 8 work).
+//!
+//! Output `logits`, `[batch, classes]`. The batch (and the ResNet's height and width) are
+//! symbolic dimensions, so one file serves any batch size.
+use crate::error::{OnnxError, Result};
+use crate::graph::{float, int, ints, Dim, GraphBuilder};
+use crate::proto::ModelProto;
+use crate::weights::{StateDict, Weight};
+
+/// BatchNorm's epsilon in every built-in model (PyTorch's default).
+const BN_EPS: f32 = 1e-5;
+
+/// The architectures `tandem train --model` builds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    Mlp,
+    Cnn,
+    ResNet18,
+}
+
+impl Architecture {
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::Mlp => "mlp",
+            Architecture::Cnn => "cnn",
+            Architecture::ResNet18 => "resnet18",
+        }
+    }
+}
+
+impl std::str::FromStr for Architecture {
+    type Err = OnnxError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "mlp" => Ok(Architecture::Mlp),
+            "cnn" => Ok(Architecture::Cnn),
+            "resnet18" => Ok(Architecture::ResNet18),
+            other => Err(OnnxError::UnknownModel(other.into())),
+        }
+    }
+}
+
+/// What was exported: the graph, and its input and output shapes for messages.
+pub struct Exported {
+    pub model: ModelProto,
+    pub input: Vec<Dim>,
+    pub classes: usize,
+    /// Float values stored in the file (the weights).
+    pub weights: usize,
+}
+
+/// The ONNX model of `arch` with the weights of `state` (a state dict, any wrapping).
+pub fn export(arch: Architecture, state: &[(String, tandem_ckpt::Tensor)]) -> Result<Exported> {
+    let mut sd = StateDict::new(arch.name(), state);
+    let mut g = Graphs { b: GraphBuilder::new(&format!("tandem_{}", arch.name())), weights: 0 };
+    let (input, logits, classes) = match arch {
+        Architecture::Mlp => g.mlp(&mut sd)?,
+        Architecture::Cnn => g.cnn(&mut sd)?,
+        Architecture::ResNet18 => g.resnet18(&mut sd)?,
+    };
+    sd.finish()?;
+    let Graphs { mut b, weights } = g;
+    let out = [Dim::Named("batch"), Dim::Fixed(classes)];
+    b.output(&logits, "logits", &out);
+    if weights * 4 >= i32::MAX as usize {
+        return Err(OnnxError::TooLarge { bytes: weights * 4 });
+    }
+    let doc = format!("tandem {} (eval mode): input -> logits", arch.name());
+    let model = b.finish(&doc, &[("tandem.model", arch.name().to_string())]);
+    Ok(Exported { model, input, classes, weights })
+}
+
+struct Graphs {
+    b: GraphBuilder,
+    weights: usize,
+}
+
+impl Graphs {
+    fn init(&mut self, w: Weight) -> String {
+        self.weights += w.data.len();
+        self.b.initializer(&w.name, &w.dims, &w.data)
+    }
+
+    /// `x @ W^T + b` for `nn.Linear` weights `[out, in]`; returns the output and `out`.
+    fn linear(
+        &mut self,
+        sd: &mut StateDict,
+        prefix: &str,
+        x: &str,
+        inputs: usize,
+    ) -> Result<(String, usize)> {
+        let w = sd.take(&format!("{prefix}.weight"), &[None, Some(inputs)])?;
+        let out = w.dims[0];
+        let b = sd.take(&format!("{prefix}.bias"), &[Some(out)])?;
+        let (w, b) = (self.init(w), self.init(b));
+        Ok((self.b.node("Gemm", &[x, &w, &b], vec![int("transB", 1)]), out))
+    }
+
+    /// A square convolution with `pads` on every side; `bias` when the layer has one.
+    fn conv(
+        &mut self,
+        sd: &mut StateDict,
+        prefix: &str,
+        x: &str,
+        (cin, cout, kernel): (usize, Option<usize>, usize),
+        stride: usize,
+        bias: bool,
+    ) -> Result<(String, usize)> {
+        let w =
+            sd.take(&format!("{prefix}.weight"), &[cout, Some(cin), Some(kernel), Some(kernel)])?;
+        let cout = w.dims[0];
+        let mut inputs = vec![x.to_string(), self.init(w)];
+        if bias {
+            let b = sd.take(&format!("{prefix}.bias"), &[Some(cout)])?;
+            inputs.push(self.init(b));
+        }
+        let pad = (kernel / 2) as i64;
+        let attrs = vec![
+            ints("kernel_shape", &[kernel as i64, kernel as i64]),
+            ints("pads", &[pad, pad, pad, pad]),
+            ints("strides", &[stride as i64, stride as i64]),
+            ints("dilations", &[1, 1]),
+            int("group", 1),
+        ];
+        let refs: Vec<&str> = inputs.iter().map(String::as_str).collect();
+        Ok((self.b.node("Conv", &refs, attrs), cout))
+    }
+
+    /// Eval-mode BatchNorm2d: `(x - running_mean) / sqrt(running_var + eps) * weight + bias`.
+    fn batch_norm(
+        &mut self,
+        sd: &mut StateDict,
+        prefix: &str,
+        x: &str,
+        channels: usize,
+    ) -> Result<String> {
+        let mut inputs = vec![x.to_string()];
+        for part in ["weight", "bias", "running_mean", "running_var"] {
+            let w = sd.take(&format!("{prefix}.{part}"), &[Some(channels)])?;
+            inputs.push(self.init(w));
+        }
+        let refs: Vec<&str> = inputs.iter().map(String::as_str).collect();
+        Ok(self.b.node("BatchNormalization", &refs, vec![float("epsilon", BN_EPS)]))
+    }
+
+    fn relu(&mut self, x: &str) -> String {
+        self.b.node("Relu", &[x], vec![])
+    }
+
+    fn max_pool_2x2(&mut self, x: &str) -> String {
+        let attrs = vec![ints("kernel_shape", &[2, 2]), ints("strides", &[2, 2])];
+        self.b.node("MaxPool", &[x], attrs)
+    }
+
+    fn flatten(&mut self, x: &str) -> String {
+        self.b.node("Flatten", &[x], vec![int("axis", 1)])
+    }
+
+    fn mlp(&mut self, sd: &mut StateDict) -> Result<(Vec<Dim>, String, usize)> {
+        let inputs = sd.dims("fc1.weight", 2)?[1];
+        let input = vec![Dim::Named("batch"), Dim::Fixed(inputs)];
+        let mut x = self.b.input("input", &input);
+        let mut width = inputs;
+        for layer in 1.. {
+            (x, width) = self.linear(sd, &format!("fc{layer}"), &x, width)?;
+            if !sd.contains(&format!("fc{}.weight", layer + 1)) {
+                break;
+            }
+            x = self.relu(&x);
+        }
+        Ok((input, x, width))
+    }
+
+    fn cnn(&mut self, sd: &mut StateDict) -> Result<(Vec<Dim>, String, usize)> {
+        const C1: usize = 8;
+        const C2: usize = 16;
+        // The image side comes from fc's in-features: 16 channels of (side/4)².
+        let fc_in = sd.dims("fc.weight", 2)?[1];
+        let quarter = ((fc_in / C2) as f64).sqrt().round() as usize;
+        if quarter == 0 || C2 * quarter * quarter != fc_in {
+            return Err(OnnxError::Shape {
+                model: "cnn",
+                key: "fc.weight".into(),
+                got: sd.dims("fc.weight", 2)?.to_vec(),
+                expected: "[classes, 16·(H/4)²] for square H×H images".into(),
+            });
+        }
+        let side = 4 * quarter;
+        let channels = sd.dims("conv1.weight", 4)?[1];
+        let input =
+            vec![Dim::Named("batch"), Dim::Fixed(channels), Dim::Fixed(side), Dim::Fixed(side)];
+        let x = self.b.input("input", &input);
+        let (x, _) = self.conv(sd, "conv1", &x, (channels, Some(C1), 3), 1, true)?;
+        let x = self.batch_norm(sd, "bn1", &x, C1)?;
+        let x = self.relu(&x);
+        let x = self.max_pool_2x2(&x);
+        let (x, _) = self.conv(sd, "conv2", &x, (C1, Some(C2), 3), 1, true)?;
+        let x = self.relu(&x);
+        let x = self.max_pool_2x2(&x);
+        let x = self.flatten(&x);
+        let (logits, classes) = self.linear(sd, "fc", &x, fc_in)?;
+        Ok((input, logits, classes))
+    }
+
+    fn resnet18(&mut self, sd: &mut StateDict) -> Result<(Vec<Dim>, String, usize)> {
+        let input =
+            vec![Dim::Named("batch"), Dim::Fixed(3), Dim::Named("height"), Dim::Named("width")];
+        let x = self.b.input("input", &input);
+        let (x, width) = self.conv(sd, "conv1", &x, (3, None, 3), 1, false)?;
+        let x = self.batch_norm(sd, "bn1", &x, width)?;
+        let mut x = self.relu(&x);
+        let mut cin = width;
+        for (stage, mult) in [1, 2, 4, 8].into_iter().enumerate() {
+            let cout = width * mult;
+            for block in 0..2 {
+                let stride = if stage > 0 && block == 0 { 2 } else { 1 };
+                let prefix = format!("layer{}.{block}", stage + 1);
+                x = self.basic_block(sd, &prefix, &x, cin, cout, stride)?;
+                cin = cout;
+            }
+        }
+        let pooled = self.b.node("GlobalAveragePool", &[&x], vec![]);
+        let flat = self.flatten(&pooled);
+        let (logits, classes) = self.linear(sd, "fc", &flat, cin)?;
+        Ok((input, logits, classes))
+    }
+
+    /// relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)), the shortcut a strided 1x1
+    /// convolution and BatchNorm where the shape changes.
+    fn basic_block(
+        &mut self,
+        sd: &mut StateDict,
+        prefix: &str,
+        x: &str,
+        cin: usize,
+        cout: usize,
+        stride: usize,
+    ) -> Result<String> {
+        let (h, _) =
+            self.conv(sd, &format!("{prefix}.conv1"), x, (cin, Some(cout), 3), stride, false)?;
+        let h = self.batch_norm(sd, &format!("{prefix}.bn1"), &h, cout)?;
+        let h = self.relu(&h);
+        let (h, _) =
+            self.conv(sd, &format!("{prefix}.conv2"), &h, (cout, Some(cout), 3), 1, false)?;
+        let h = self.batch_norm(sd, &format!("{prefix}.bn2"), &h, cout)?;
+        let shortcut = if stride != 1 || cin != cout {
+            let (s, _) = self.conv(
+                sd,
+                &format!("{prefix}.downsample.0"),
+                x,
+                (cin, Some(cout), 1),
+                stride,
+                false,
+            )?;
+            self.batch_norm(sd, &format!("{prefix}.downsample.1"), &s, cout)?
+        } else {
+            x.to_string()
+        };
+        let sum = self.b.node("Add", &[&h, &shortcut], vec![]);
+        Ok(self.relu(&sum))
+    }
+}
