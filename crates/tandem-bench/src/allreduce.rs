@@ -17,8 +17,9 @@ pub struct Args {
     /// Message sizes in bytes (suffixes K, M, G are powers of 1024), comma-separated.
     #[arg(long, default_value = "4,4K,1M,16M,64M")]
     sizes: String,
-    /// Transport (default: shared memory when all ranks are on this host).
-    #[arg(long, value_parser = ["tcp", "shm"])]
+    /// Transport (default: shared memory when all ranks are on this host). `mpi` starts the
+    /// ranks with mpirun and uses MPI's all_reduce (a build with the `mpi` feature).
+    #[arg(long, value_parser = ["tcp", "shm", "mpi"])]
     backend: Option<String>,
     /// One JSON object per size on its own line.
     #[arg(long)]
@@ -111,12 +112,12 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         .map(|s| s.to_string())
         .chain([args.seconds_per_size.to_string()])
         .collect::<Vec<_>>();
-    let (mut ranks, stdout) = LocalRanks::spawn(
-        args.nproc,
-        "bench-allreduce",
-        &args_vec,
-        &[("TANDEM_TRANSPORT", args.backend.clone())],
-    )?;
+    let env = [("TANDEM_TRANSPORT", args.backend.clone())];
+    let (mut ranks, stdout) = if args.backend.as_deref() == Some("mpi") {
+        LocalRanks::spawn_mpirun(args.nproc, "bench-allreduce", &args_vec, &env)?
+    } else {
+        LocalRanks::spawn(args.nproc, "bench-allreduce", &args_vec, &env)?
+    };
     let n = args.nproc as f64;
     let mut seen = 0;
     if !args.json {

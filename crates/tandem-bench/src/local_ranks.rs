@@ -54,6 +54,40 @@ impl LocalRanks {
         Ok((ranks, stdout))
     }
 
+    /// As [`LocalRanks::spawn`], with the ranks started by `mpirun` (OpenMPI's variables name
+    /// them; `env` and a fresh MASTER_PORT are passed on with `-x`). The one child is mpirun;
+    /// the returned stdout is all ranks' (only rank 0 prints results).
+    pub fn spawn_mpirun<S: AsRef<OsStr>>(
+        nproc: usize,
+        job: &str,
+        args: &[S],
+        env: &[(&str, Option<String>)],
+    ) -> anyhow::Result<(LocalRanks, ChildStdout)> {
+        let port =
+            tandem_launch::pick_master_port().context("picking a port for rank 0's store")?;
+        let exe = std::env::current_exe().context("locating the tandem executable")?;
+        let mut cmd = Command::new("mpirun");
+        // --allow-run-as-root: CI and containers run as root; --oversubscribe: more ranks
+        // than cores is allowed, as for the other backends.
+        cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", &nproc.to_string()]);
+        let mut pass = vec![
+            ("MASTER_PORT".to_string(), port.to_string()),
+            ("TANDEM_RUN_ID".to_string(), format!("{job}-{}", std::process::id())),
+            ("TANDEM_INIT_TIMEOUT".to_string(), "60".to_string()),
+        ];
+        pass.extend(env.iter().filter_map(|(k, v)| Some((k.to_string(), v.clone()?))));
+        for (k, v) in &pass {
+            cmd.env(k, v).arg("-x").arg(k);
+        }
+        for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"] {
+            cmd.env_remove(v);
+        }
+        cmd.arg(&exe).args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        let mut child = cmd.spawn().context("starting mpirun (Debian: apt install openmpi-bin)")?;
+        let stdout = child.stdout.take().context("mpirun stdout")?;
+        Ok((LocalRanks { children: vec![child] }, stdout))
+    }
+
     /// Waits for every rank until `deadline` from now (killing those still running then, or at
     /// once when `kill_now`); true when every rank exited successfully.
     pub fn reap(&mut self, deadline: Duration, kill_now: bool) -> anyhow::Result<bool> {

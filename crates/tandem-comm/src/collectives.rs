@@ -2,6 +2,7 @@
 //! all-gather for all_reduce (bandwidth-optimal: each rank sends 2(n-1)/n of the buffer), a
 //! pipelined chain for broadcast, rings for all_gather / reduce_scatter / barrier, and direct
 //! sends for gather / scatter. Ranks here are group ranks.
+use crate::element::{DType, ReduceOp};
 use crate::transport::{PeerError, Recv, Transport};
 use std::ops::Range;
 use std::time::Duration;
@@ -96,6 +97,36 @@ impl Ctx<'_> {
         Ok(())
     }
 
+    /// The library's all_reduce where the transport has one for this type; `Ok(false)` when
+    /// tandem's ring must run instead.
+    pub fn native_all_reduce(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<bool, PeerError> {
+        let timeout = self.timeout;
+        match self.t.native() {
+            Some(n) if self.size > 1 => n.all_reduce(buf, dtype, op, timeout),
+            _ => Ok(false),
+        }
+    }
+
+    /// As [`Ctx::native_all_reduce`], for reduce_scatter.
+    pub fn native_reduce_scatter(
+        &mut self,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<bool, PeerError> {
+        let timeout = self.timeout;
+        match self.t.native() {
+            Some(n) if self.size > 1 => n.reduce_scatter(input, output, dtype, op, timeout),
+            _ => Ok(false),
+        }
+    }
+
     pub fn all_reduce(
         &mut self,
         buf: &mut [u8],
@@ -141,6 +172,10 @@ impl Ctx<'_> {
         if self.size == 1 {
             return Ok(());
         }
+        let timeout = self.timeout;
+        if let Some(n) = self.t.native() {
+            return n.all_gather_blocks(buf, bounds, timeout);
+        }
         self.ring_all_gather(buf, bounds, 0)
     }
 
@@ -149,6 +184,10 @@ impl Ctx<'_> {
         let n = self.size;
         if n == 1 || buf.is_empty() {
             return Ok(());
+        }
+        let timeout = self.timeout;
+        if let Some(native) = self.t.native() {
+            return native.broadcast(buf, root, timeout);
         }
         let pos = (self.rank + n - root) % n;
         let (right, left) = (self.right(), self.left());
@@ -175,6 +214,10 @@ impl Ctx<'_> {
 
     /// Every rank has arrived once the ring has carried a token from every rank.
     pub fn barrier(&mut self) -> Result<(), PeerError> {
+        let timeout = self.timeout;
+        if let Some(n) = self.t.native() {
+            return n.barrier(timeout);
+        }
         let mut tokens = vec![0u8; self.size];
         let bounds: Vec<_> = (0..self.size).map(|i| i..i + 1).collect();
         self.all_gather_blocks(&mut tokens, &bounds)
@@ -187,6 +230,10 @@ impl Ctx<'_> {
         output: Option<&mut [u8]>,
         root: usize,
     ) -> Result<(), PeerError> {
+        let timeout = self.timeout;
+        if let Some(n) = self.t.native() {
+            return n.gather(input, output, root, timeout);
+        }
         let m = input.len();
         if self.rank != root {
             return self.t.exchange(Some((root, input)), None, self.timeout);
@@ -213,6 +260,10 @@ impl Ctx<'_> {
         output: &mut [u8],
         root: usize,
     ) -> Result<(), PeerError> {
+        let timeout = self.timeout;
+        if let Some(n) = self.t.native() {
+            return n.scatter(input, output, root, timeout);
+        }
         let m = output.len();
         if self.rank != root {
             return self.t.exchange(None, Some((root, Recv::Copy(output))), self.timeout);

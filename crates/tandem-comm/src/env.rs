@@ -88,15 +88,17 @@ impl InitOptions {
 
     pub(crate) fn from_vars(e: &Env) -> Result<InitOptions, CommError> {
         let mut o = InitOptions::default();
-        if let Some(v) = e.var("TANDEM_TRANSPORT") {
-            o.transport = match v.trim().to_ascii_lowercase().as_str() {
-                "tcp" => Some(TransportKind::Tcp),
-                "shm" => Some(TransportKind::Shm),
-                "auto" => None,
-                _ => {
-                    return Err(CommError::env("TANDEM_TRANSPORT", &v, "expected tcp, shm or auto"))
-                }
-            };
+        // TANDEM_BACKEND=mpi is the spelling `--backend mpi` users know; TANDEM_TRANSPORT wins.
+        for var in ["TANDEM_BACKEND", "TANDEM_TRANSPORT"] {
+            if let Some(v) = e.var(var) {
+                o.transport = match v.trim().to_ascii_lowercase().as_str() {
+                    "tcp" => Some(TransportKind::Tcp),
+                    "shm" => Some(TransportKind::Shm),
+                    "mpi" => Some(TransportKind::Mpi),
+                    "auto" => None,
+                    _ => return Err(CommError::env(var, &v, "expected tcp, shm, mpi or auto")),
+                };
+            }
         }
         if let Some(v) = e.var("TANDEM_ALLREDUCE") {
             o.hierarchical = match v.trim().to_ascii_lowercase().as_str() {

@@ -368,7 +368,12 @@ impl ProcessGroup {
         let f = move |d: &mut [u8], s: &[u8]| reduce_bytes::<T>(op, d, s);
         let f: ReduceFn<'_> = &f;
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
-        self.collective(ticket, call, |c| c.all_reduce(bytes, std::mem::size_of::<T>(), f))?;
+        self.collective(ticket, call, |c| {
+            if c.native_all_reduce(bytes, T::DTYPE, op)? {
+                return Ok(());
+            }
+            c.all_reduce(bytes, std::mem::size_of::<T>(), f)
+        })?;
         if op == ReduceOp::Avg {
             divide(buf, self.size());
         }
@@ -457,6 +462,9 @@ impl ProcessGroup {
         let inb: &[u8] = bytemuck::cast_slice(input);
         let outb: &mut [u8] = bytemuck::cast_slice_mut(output);
         self.collective(self.ticket(), call, |c| {
+            if c.native_reduce_scatter(inb, outb, T::DTYPE, op)? {
+                return Ok(());
+            }
             c.reduce_scatter(inb, outb, std::mem::size_of::<T>(), f)
         })?;
         if op == ReduceOp::Avg {

@@ -156,6 +156,7 @@ pub(crate) fn build_group(
             }
         }
         None => (mesh()?, TransportKind::Tcp),
+        Some(TransportKind::Mpi) => (mpi_transport(name, rank, &world_ranks)?, TransportKind::Mpi),
     };
     Ok(ProcessGroup::from_inner(Inner {
         rank,
@@ -181,6 +182,30 @@ pub(crate) fn build_group(
         }),
         _server: server,
     }))
+}
+
+#[cfg(feature = "mpi")]
+fn mpi_transport(
+    name: &str,
+    rank: usize,
+    world_ranks: &[usize],
+) -> Result<Box<dyn Transport>, CommError> {
+    let t = crate::transport::mpi::connect(name, rank, world_ranks)
+        .map_err(|why| CommError::rendezvous(name, format!("TANDEM_TRANSPORT=mpi: {why}")))?;
+    Ok(Box::new(t))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_transport(
+    name: &str,
+    _rank: usize,
+    _world_ranks: &[usize],
+) -> Result<Box<dyn Transport>, CommError> {
+    Err(CommError::rendezvous(
+        name,
+        "TANDEM_TRANSPORT=mpi: this build has no MPI support (rebuild with `--features mpi`; \
+         it needs an MPI library, e.g. Debian's libopenmpi-dev)",
+    ))
 }
 
 fn host_port(host: &str, port: u16) -> String {
@@ -235,6 +260,9 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
         local_ip,
         (spec.local_rank, spec.local_size),
     )?;
-    crate::hierarchy::setup(&world, opts.hierarchical)?;
+    if opts.transport != Some(TransportKind::Mpi) {
+        // MPI arranges its own intra- and inter-host stages.
+        crate::hierarchy::setup(&world, opts.hierarchical)?;
+    }
     Ok(world)
 }

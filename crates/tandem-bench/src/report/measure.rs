@@ -158,7 +158,7 @@ fn missing_reason(errors: &Option<String>, default: &str) -> String {
     errors.clone().unwrap_or_else(|| default.to_string())
 }
 
-/// all_reduce busbw per size: tandem tcp and shm, gloo, and memcpy (the reference, measured by
+/// all_reduce busbw per size: tandem tcp, shm and mpi, gloo, and memcpy (the reference, measured by
 /// `tandem bench allreduce` itself before its ranks start).
 pub fn allreduce(ctx: &mut Ctx, plan: &Plan) -> Table {
     let sizes = plan.allreduce_sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
@@ -169,7 +169,9 @@ pub fn allreduce(ctx: &mut Ctx, plan: &Plan) -> Table {
     let gloo_sizes: Vec<usize> =
         plan.allreduce_sizes.iter().copied().filter(|s| s % MIB == 0).collect();
     for rep in 0..plan.repeats {
-        for backend in ["tcp", "shm"] {
+        // mpi: the ranks under mpirun with MPI's own all_reduce (a row saying why, when this
+        // build lacks the `mpi` feature or there is no mpirun).
+        for backend in ["tcp", "shm", "mpi"] {
             eprintln!("report: all_reduce {backend}, run {}/{}", rep + 1, plan.repeats);
             let args = [
                 "allreduce",
@@ -268,10 +270,15 @@ pub fn allreduce(ctx: &mut Ctx, plan: &Plan) -> Table {
             Figure::from_samples(bus.get(&("shm", size)).map(Vec::as_slice).unwrap_or(&[]), || {
                 missing_reason(&err.get("shm").cloned(), "failed")
             });
+        let mpi =
+            Figure::from_samples(bus.get(&("mpi", size)).map(Vec::as_slice).unwrap_or(&[]), || {
+                missing_reason(&err.get("mpi").cloned(), "failed")
+            });
         let r = [
             row("memcpy", memcpy_fig, None),
             row("tandem tcp", tcp, torch),
             row("tandem shm", shm, torch),
+            row("tandem mpi (OpenMPI's all_reduce)", mpi, torch),
             row("gloo (PyTorch)", gloo_fig, None),
         ];
         rows.extend(r);

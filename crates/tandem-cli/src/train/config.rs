@@ -28,6 +28,8 @@ pub enum Backend {
     Auto,
     Tcp,
     Shm,
+    /// The MPI library of a job started by mpirun (needs the `mpi` build feature).
+    Mpi,
     /// NVIDIA NCCL (needs the `cuda` build feature).
     Nccl,
 }
@@ -39,7 +41,19 @@ impl Backend {
             Backend::Auto => None,
             Backend::Tcp => Some("tcp"),
             Backend::Shm => Some("shm"),
+            Backend::Mpi => Some("mpi"),
             Backend::Nccl => Some("nccl"),
+        }
+    }
+
+    /// The transport the process group is asked for (`None`: its own choice).
+    pub fn transport(self) -> Option<tandem_comm::TransportKind> {
+        use tandem_comm::TransportKind;
+        match self {
+            Backend::Auto | Backend::Nccl => None,
+            Backend::Tcp => Some(TransportKind::Tcp),
+            Backend::Shm => Some(TransportKind::Shm),
+            Backend::Mpi => Some(TransportKind::Mpi),
         }
     }
 }
@@ -180,7 +194,7 @@ impl TrainConfig {
         }
         if self.backend == Backend::Nccl {
             bail!(
-                "--backend nccl: this build has no NCCL support yet (CPU backends: auto, tcp, shm)"
+                "--backend nccl: this build has no NCCL support yet (CPU backends: auto, tcp, shm, mpi)"
             );
         }
         Ok(())

@@ -36,7 +36,13 @@ pub struct RunSummary {
 
 /// Trains on this rank. `run_dir` must be the same on every rank.
 pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
-    let group = tandem_comm::init().context("joining the process group")?;
+    // --backend applies under any launcher (mpirun, srun, torchrun), not only our own.
+    let mut opts = tandem_comm::InitOptions::from_env().context("reading TANDEM_* settings")?;
+    if let Some(kind) = cfg.backend.transport() {
+        opts.transport = Some(kind);
+    }
+    let group = tandem_comm::init_with(&tandem_comm::InitMethod::Env, &opts)
+        .context("joining the process group")?;
     let rank = group.rank();
     let world = group.size();
     let device = Device::Cpu;

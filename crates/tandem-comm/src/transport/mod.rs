@@ -3,18 +3,26 @@
 //! step of every ring algorithm), overlapping both directions, and can reduce received
 //! elements into the destination as they arrive (pipelining the reduction with the transfer).
 //! Timeouts are inactivity timeouts: no byte of progress for `timeout` fails the exchange.
+#[cfg(feature = "mpi")]
+pub(crate) mod mpi;
 pub(crate) mod shm;
 pub(crate) mod tcp;
 
+use std::ops::Range;
 use std::time::Duration;
 
-/// Which transport a group uses (`TANDEM_TRANSPORT=tcp|shm`).
+use crate::element::{DType, ReduceOp};
+
+/// Which transport a group uses (`TANDEM_TRANSPORT=tcp|shm|mpi`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TransportKind {
     /// Sockets: any hosts.
     Tcp,
     /// Shared memory: every rank of the group on one host.
     Shm,
+    /// The MPI library the job was started with (`mpirun`): its collectives, its interconnect.
+    /// Needs the `mpi` build feature.
+    Mpi,
 }
 
 impl TransportKind {
@@ -22,6 +30,7 @@ impl TransportKind {
         match self {
             TransportKind::Tcp => "tcp",
             TransportKind::Shm => "shm",
+            TransportKind::Mpi => "mpi",
         }
     }
 }
@@ -78,4 +87,59 @@ pub(crate) trait Transport: Send {
 
     /// Called after a failure: make the peers' pending operations fail quickly too.
     fn abort(&mut self);
+
+    /// Collectives the transport's library runs itself (MPI's); `None` (the default) runs
+    /// tandem's algorithms over `exchange`.
+    fn native(&mut self) -> Option<&mut dyn NativeCollectives> {
+        None
+    }
+}
+
+/// Collectives on raw bytes that a library implements (ranks are group ranks; every wait is
+/// bounded by `timeout`). The reductions return `Ok(false)` for an element type or operator
+/// the library has no equivalent of (f16, bf16), which then runs over `exchange`.
+pub(crate) trait NativeCollectives {
+    fn all_reduce(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<bool, PeerError>;
+    fn reduce_scatter(
+        &mut self,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<bool, PeerError>;
+    fn broadcast(
+        &mut self,
+        buf: &mut [u8],
+        root: usize,
+        timeout: Duration,
+    ) -> Result<(), PeerError>;
+    /// Rank r's block is `buf[bounds[r]]`; this rank's own block is already in place.
+    fn all_gather_blocks(
+        &mut self,
+        buf: &mut [u8],
+        bounds: &[Range<usize>],
+        timeout: Duration,
+    ) -> Result<(), PeerError>;
+    fn barrier(&mut self, timeout: Duration) -> Result<(), PeerError>;
+    fn gather(
+        &mut self,
+        input: &[u8],
+        output: Option<&mut [u8]>,
+        root: usize,
+        timeout: Duration,
+    ) -> Result<(), PeerError>;
+    fn scatter(
+        &mut self,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+        root: usize,
+        timeout: Duration,
+    ) -> Result<(), PeerError>;
 }

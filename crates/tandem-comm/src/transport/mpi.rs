@@ -1,0 +1,490 @@
+//! The MPI transport (build feature `mpi`, `TANDEM_TRANSPORT=mpi`): for jobs started by
+//! `mpirun`/`srun --mpi`, whose MPI library reaches the interconnect (InfiniBand, shared memory)
+//! better than sockets. The collectives are MPI's own — `MPI_Iallreduce`, `MPI_Ibcast`,
+//! `MPI_Iallgatherv`, `MPI_Ireduce_scatter_block`, `MPI_Igather`, `MPI_Iscatter`,
+//! `MPI_Ibarrier` — and point-to-point (send/recv, the desync check, and f16/bf16 reductions,
+//! which MPI has no types for, run as tandem's ring) is `MPI_Isend`/`MPI_Irecv`. Sub-groups are
+//! `MPI_Comm_create_group` over the members only, as `new_group` is called by members only.
+//!
+//! Bounded waits: every call is non-blocking and polled with `MPI_Testall` until it completes
+//! or the group timeout passes (MPI itself would wait forever on a stalled rank). MPI cannot
+//! cancel a started collective and would still write into the caller's buffers, so a timeout
+//! prints what stalled and calls `MPI_Abort`, which ends the whole job. A rank that dies is
+//! reported by mpirun, which ends the job (`mpirun noticed that process rank 1 ... exited on
+//! signal 9`).
+//!
+//! MPI is initialised once per process with `MPI_THREAD_MULTIPLE` (async work and sub-groups
+//! call from several threads) and finalised at exit; after a failure the exit calls
+//! `MPI_Abort` instead, so no rank is left waiting in a collective.
+//!
+//! There is no `MPI_IN_PLACE` in the `mpi` crate's portable constants, so the in-place
+//! all_reduce and all_gather send from a copy of the input (one memcpy per call).
+use std::ffi::{c_int, c_void};
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use mpi::ffi;
+use mpi::raw::AsRaw;
+use mpi::topology::{Communicator, Group, SimpleCommunicator};
+use mpi::traits::Equivalence;
+
+use super::{FailKind, NativeCollectives, PeerError, Recv, Transport};
+use crate::element::{DType, ReduceOp};
+
+/// Set after a failure: the exit must abort the job instead of finalising.
+static BROKEN: AtomicBool = AtomicBool::new(false);
+/// The outcome of initialising MPI in this process.
+static INIT: OnceLock<Result<(), String>> = OnceLock::new();
+/// MPI counts are C ints: larger buffers go in pieces of this many elements.
+const MAX_COUNT: usize = 1 << 30;
+
+fn ensure_init() -> Result<(), String> {
+    INIT.get_or_init(|| {
+        let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
+            .ok_or("MPI was already initialised by other code in this process")?;
+        // Finalised by the exit handler below, not by a drop.
+        std::mem::forget(universe);
+        // SAFETY: registers a plain `extern "C" fn` with no captured state.
+        unsafe { libc::atexit(finalize_at_exit) };
+        if level < mpi::Threading::Multiple {
+            return Err(format!(
+                "the MPI library offers thread level {level:?}; tandem needs MPI_THREAD_MULTIPLE \
+                 (OpenMPI and MPICH builds from Debian provide it)"
+            ));
+        }
+        Ok(())
+    })
+    .clone()
+}
+
+extern "C" fn finalize_at_exit() {
+    // SAFETY: MPI was initialised (this handler is registered after init) and is finalised or
+    // aborted once, here.
+    unsafe {
+        if BROKEN.load(Ordering::SeqCst) {
+            ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1);
+        } else {
+            ffi::MPI_Finalize();
+        }
+    }
+}
+
+/// A communicator usable from any thread (MPI_THREAD_MULTIPLE).
+struct Comm(SimpleCommunicator);
+// SAFETY: with MPI_THREAD_MULTIPLE (checked at init) MPI handles may be used from any thread;
+// the group serialises calls on one communicator.
+unsafe impl Send for Comm {}
+
+pub(crate) struct MpiTransport {
+    comm: Comm,
+    rank: usize,
+}
+
+/// Connects group rank `rank` of the group whose members are `world_ranks` (MPI_COMM_WORLD
+/// ranks). `name` tags the sub-group's creation.
+pub(crate) fn connect(
+    name: &str,
+    rank: usize,
+    world_ranks: &[usize],
+) -> Result<MpiTransport, String> {
+    ensure_init()?;
+    let world = SimpleCommunicator::world();
+    let (mpi_rank, mpi_size) = (world.rank() as usize, world.size() as usize);
+    let me = world_ranks[rank];
+    if me != mpi_rank || world_ranks.iter().any(|&r| r >= mpi_size) {
+        return Err(format!(
+            "tandem's rank {me} (of ranks {world_ranks:?}) is MPI_COMM_WORLD rank {mpi_rank} of \
+             {mpi_size}: with TANDEM_TRANSPORT=mpi the job must be started by mpirun (or srun \
+             --mpi) with one process per rank, and RANK/WORLD_SIZE must not be overridden"
+        ));
+    }
+    let comm =
+        if world_ranks.len() == mpi_size && world_ranks.iter().enumerate().all(|(i, &r)| i == r) {
+            world
+        } else {
+            let ranks: Vec<i32> = world_ranks.iter().map(|&r| r as i32).collect();
+            let group = world.group().include(&ranks);
+            // The tag keeps concurrent creations of different sub-groups apart.
+            let tag = name.bytes().fold(17i32, |h, b| (h.wrapping_mul(31) + b as i32) & 0x7fff);
+            world.split_by_subgroup_with_tag(&group, tag).ok_or_else(|| {
+                format!("MPI_Comm_create_group for ranks {world_ranks:?} gave no communicator")
+            })?
+        };
+    Ok(MpiTransport { comm: Comm(comm), rank })
+}
+
+fn datatype(dtype: DType) -> Option<ffi::MPI_Datatype> {
+    Some(match dtype {
+        DType::F32 => f32::equivalent_datatype().as_raw(),
+        DType::F64 => f64::equivalent_datatype().as_raw(),
+        DType::I32 => i32::equivalent_datatype().as_raw(),
+        DType::I64 => i64::equivalent_datatype().as_raw(),
+        DType::U8 => u8::equivalent_datatype().as_raw(),
+        DType::F16 | DType::BF16 => return None,
+    })
+}
+
+fn operator(op: ReduceOp) -> ffi::MPI_Op {
+    use mpi::collective::SystemOperation;
+    match op {
+        // The group divides after a sum for Avg.
+        ReduceOp::Sum | ReduceOp::Avg => SystemOperation::sum().as_raw(),
+        ReduceOp::Max => SystemOperation::max().as_raw(),
+        ReduceOp::Min => SystemOperation::min().as_raw(),
+        ReduceOp::Product => SystemOperation::product().as_raw(),
+    }
+}
+
+fn bytes_type() -> ffi::MPI_Datatype {
+    u8::equivalent_datatype().as_raw()
+}
+
+fn count(n: usize, what: &str) -> Result<c_int, PeerError> {
+    c_int::try_from(n).map_err(|_| PeerError {
+        peer: 0,
+        kind: FailKind::Io(format!("{what}: {n} exceeds MPI's 32-bit counts")),
+    })
+}
+
+impl MpiTransport {
+    fn raw(&self) -> ffi::MPI_Comm {
+        self.comm.0.as_raw()
+    }
+
+    /// Polls `reqs` until all complete; past `timeout`, says what stalled and aborts the job
+    /// (the library would still write into buffers the caller gets back).
+    fn wait(
+        &self,
+        reqs: &mut [ffi::MPI_Request],
+        what: &str,
+        timeout: Duration,
+    ) -> Result<(), PeerError> {
+        let deadline = Instant::now() + timeout;
+        let mut polls = 0u64;
+        loop {
+            let mut done: c_int = 0;
+            // SAFETY: `reqs` are requests started by this transport and not yet completed.
+            let rc = unsafe {
+                ffi::MPI_Testall(
+                    reqs.len() as c_int,
+                    reqs.as_mut_ptr(),
+                    &mut done,
+                    ffi::RSMPI_STATUSES_IGNORE,
+                )
+            };
+            if rc != 0 {
+                return Err(PeerError {
+                    peer: self.rank,
+                    kind: FailKind::Io(format!("{what}: MPI error code {rc}")),
+                });
+            }
+            if done != 0 {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                BROKEN.store(true, Ordering::SeqCst);
+                eprintln!(
+                    "tandem: rank {}: {what} did not complete within {timeout:?} (a rank is \
+                     stalled, dead, or called a different collective; MPI does not say which): \
+                     aborting the MPI job",
+                    self.comm.0.rank()
+                );
+                // SAFETY: aborts every process of the job; does not return.
+                unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) };
+                std::process::exit(1);
+            }
+            polls += 1;
+            if polls > 2000 {
+                std::thread::sleep(Duration::from_micros(50));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    fn check(&self, rc: c_int, what: &str) -> Result<(), PeerError> {
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(PeerError {
+                peer: self.rank,
+                kind: FailKind::Io(format!("{what}: MPI error code {rc}")),
+            })
+        }
+    }
+
+    fn new_request() -> ffi::MPI_Request {
+        // SAFETY: reads an immutable constant exported by the MPI shim.
+        unsafe { ffi::RSMPI_REQUEST_NULL }
+    }
+}
+
+impl Transport for MpiTransport {
+    fn exchange(
+        &mut self,
+        send: Option<(usize, &[u8])>,
+        recv: Option<(usize, Recv<'_>)>,
+        timeout: Duration,
+    ) -> Result<(), PeerError> {
+        let mut reqs = Vec::with_capacity(2);
+        let mut scratch = Vec::new();
+        let (recv_peer, mut recv) = match recv {
+            Some((p, r)) => (Some(p), Some(r)),
+            None => (None, None),
+        };
+        if let (Some(peer), Some(r)) = (recv_peer, recv.as_mut()) {
+            let into: &mut [u8] = match r {
+                Recv::Copy(b) => b,
+                Recv::Reduce { dst, .. } => {
+                    scratch.resize(dst.len(), 0);
+                    &mut scratch
+                }
+            };
+            let mut req = Self::new_request();
+            let n = count(into.len(), "MPI_Irecv")?;
+            // SAFETY: `into` outlives the request, which completes in `wait` below (or the
+            // job is aborted there).
+            let rc = unsafe {
+                ffi::MPI_Irecv(
+                    into.as_mut_ptr() as *mut c_void,
+                    n,
+                    bytes_type(),
+                    peer as c_int,
+                    0,
+                    self.raw(),
+                    &mut req,
+                )
+            };
+            self.check(rc, "MPI_Irecv")?;
+            reqs.push(req);
+        }
+        if let Some((peer, data)) = send {
+            let mut req = Self::new_request();
+            let n = count(data.len(), "MPI_Isend")?;
+            // SAFETY: as above; MPI only reads `data`.
+            let rc = unsafe {
+                ffi::MPI_Isend(
+                    data.as_ptr() as *const c_void,
+                    n,
+                    bytes_type(),
+                    peer as c_int,
+                    0,
+                    self.raw(),
+                    &mut req,
+                )
+            };
+            self.check(rc, "MPI_Isend")?;
+            reqs.push(req);
+        }
+        let what = match (send, recv_peer) {
+            (Some((s, _)), Some(r)) => format!("MPI send to rank {s} / receive from rank {r}"),
+            (Some((s, _)), None) => format!("MPI send to rank {s}"),
+            (None, Some(r)) => format!("MPI receive from rank {r}"),
+            (None, None) => return Ok(()),
+        };
+        self.wait(&mut reqs, &what, timeout)?;
+        if let Some(Recv::Reduce { dst, elem, f }) = recv {
+            for (d, s) in dst.chunks_mut(elem * 4096).zip(scratch.chunks(elem * 4096)) {
+                f(d, s);
+            }
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self) {
+        // Not MPI_Abort here: the caller still reports the error. The exit aborts the job.
+        BROKEN.store(true, Ordering::SeqCst);
+    }
+
+    fn native(&mut self) -> Option<&mut dyn NativeCollectives> {
+        Some(self)
+    }
+}
+
+impl NativeCollectives for MpiTransport {
+    fn all_reduce(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<bool, PeerError> {
+        let Some(ty) = datatype(dtype) else { return Ok(false) };
+        let elem = dtype.size();
+        for piece in buf.chunks_mut(MAX_COUNT * elem) {
+            let input = piece.to_vec();
+            let mut req = Self::new_request();
+            // SAFETY: `input` and `piece` outlive the request, completed in `wait`.
+            let rc = unsafe {
+                ffi::MPI_Iallreduce(
+                    input.as_ptr() as *const c_void,
+                    piece.as_mut_ptr() as *mut c_void,
+                    (piece.len() / elem) as c_int,
+                    ty,
+                    operator(op),
+                    self.raw(),
+                    &mut req,
+                )
+            };
+            self.check(rc, "MPI_Iallreduce")?;
+            self.wait(&mut [req], &format!("MPI_Iallreduce of {} bytes", piece.len()), timeout)?;
+        }
+        Ok(true)
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<bool, PeerError> {
+        let Some(ty) = datatype(dtype) else { return Ok(false) };
+        let n = count(output.len() / dtype.size(), "MPI_Ireduce_scatter_block")?;
+        let mut req = Self::new_request();
+        // SAFETY: both buffers outlive the request, completed in `wait`.
+        let rc = unsafe {
+            ffi::MPI_Ireduce_scatter_block(
+                input.as_ptr() as *const c_void,
+                output.as_mut_ptr() as *mut c_void,
+                n,
+                ty,
+                operator(op),
+                self.raw(),
+                &mut req,
+            )
+        };
+        self.check(rc, "MPI_Ireduce_scatter_block")?;
+        self.wait(&mut [req], "MPI_Ireduce_scatter_block", timeout)?;
+        Ok(true)
+    }
+
+    fn broadcast(
+        &mut self,
+        buf: &mut [u8],
+        root: usize,
+        timeout: Duration,
+    ) -> Result<(), PeerError> {
+        for piece in buf.chunks_mut(MAX_COUNT) {
+            let mut req = Self::new_request();
+            // SAFETY: `piece` outlives the request, completed in `wait`.
+            let rc = unsafe {
+                ffi::MPI_Ibcast(
+                    piece.as_mut_ptr() as *mut c_void,
+                    piece.len() as c_int,
+                    bytes_type(),
+                    root as c_int,
+                    self.raw(),
+                    &mut req,
+                )
+            };
+            self.check(rc, "MPI_Ibcast")?;
+            self.wait(
+                &mut [req],
+                &format!("MPI_Ibcast of {} bytes from rank {root}", piece.len()),
+                timeout,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn all_gather_blocks(
+        &mut self,
+        buf: &mut [u8],
+        bounds: &[Range<usize>],
+        timeout: Duration,
+    ) -> Result<(), PeerError> {
+        let mut counts = Vec::with_capacity(bounds.len());
+        let mut displs = Vec::with_capacity(bounds.len());
+        for b in bounds {
+            counts.push(count(b.len(), "MPI_Iallgatherv")?);
+            displs.push(count(b.start, "MPI_Iallgatherv")?);
+        }
+        let own = buf[bounds[self.rank].clone()].to_vec();
+        let mut req = Self::new_request();
+        // SAFETY: `own`, `buf`, `counts` and `displs` outlive the request, completed in `wait`.
+        let rc = unsafe {
+            ffi::MPI_Iallgatherv(
+                own.as_ptr() as *const c_void,
+                own.len() as c_int,
+                bytes_type(),
+                buf.as_mut_ptr() as *mut c_void,
+                counts.as_ptr(),
+                displs.as_ptr(),
+                bytes_type(),
+                self.raw(),
+                &mut req,
+            )
+        };
+        self.check(rc, "MPI_Iallgatherv")?;
+        self.wait(&mut [req], "MPI_Iallgatherv", timeout)
+    }
+
+    fn barrier(&mut self, timeout: Duration) -> Result<(), PeerError> {
+        let mut req = Self::new_request();
+        // SAFETY: the request completes in `wait`.
+        let rc = unsafe { ffi::MPI_Ibarrier(self.raw(), &mut req) };
+        self.check(rc, "MPI_Ibarrier")?;
+        self.wait(&mut [req], "MPI_Ibarrier", timeout)
+    }
+
+    fn gather(
+        &mut self,
+        input: &[u8],
+        output: Option<&mut [u8]>,
+        root: usize,
+        timeout: Duration,
+    ) -> Result<(), PeerError> {
+        let n = count(input.len(), "MPI_Igather")?;
+        let out = output.map_or(std::ptr::null_mut(), |o| o.as_mut_ptr() as *mut c_void);
+        let mut req = Self::new_request();
+        // SAFETY: `input` and the root's output outlive the request, completed in `wait`;
+        // the receive buffer is read by MPI at the root only.
+        let rc = unsafe {
+            ffi::MPI_Igather(
+                input.as_ptr() as *const c_void,
+                n,
+                bytes_type(),
+                out,
+                n,
+                bytes_type(),
+                root as c_int,
+                self.raw(),
+                &mut req,
+            )
+        };
+        self.check(rc, "MPI_Igather")?;
+        self.wait(&mut [req], &format!("MPI_Igather to rank {root}"), timeout)
+    }
+
+    fn scatter(
+        &mut self,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+        root: usize,
+        timeout: Duration,
+    ) -> Result<(), PeerError> {
+        let n = count(output.len(), "MPI_Iscatter")?;
+        let inp = input.map_or(std::ptr::null(), |i| i.as_ptr() as *const c_void);
+        let mut req = Self::new_request();
+        // SAFETY: as for gather, mirrored.
+        let rc = unsafe {
+            ffi::MPI_Iscatter(
+                inp,
+                n,
+                bytes_type(),
+                output.as_mut_ptr() as *mut c_void,
+                n,
+                bytes_type(),
+                root as c_int,
+                self.raw(),
+                &mut req,
+            )
+        };
+        self.check(rc, "MPI_Iscatter")?;
+        self.wait(&mut [req], &format!("MPI_Iscatter from rank {root}"), timeout)
+    }
+}
