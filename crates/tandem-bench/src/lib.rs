@@ -13,6 +13,7 @@ pub mod ddp;
 mod local_ranks;
 pub mod report;
 pub mod save_stall;
+pub mod zero;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -30,6 +31,8 @@ enum Which {
     Ckpt(ckpt::Args),
     /// how long a checkpoint save stops training: synchronous vs background writes.
     SaveStall(save_stall::Args),
+    /// optimizer-state bytes per rank with ZeroRedundancyOptimizer vs unsharded.
+    Zero(zero::Args),
     /// per-op ms of the conv and BatchNorm kernels on ResNet-18's shapes vs torch.
     Conv(conv::Args),
     /// Runs all of the above beside PyTorch and writes docs/BENCHMARKS.md with PNG plots.
@@ -63,6 +66,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         Which::Ckpt(a) => ckpt::main(a),
         Which::Conv(a) => conv::main(a),
         Which::SaveStall(a) => save_stall::main(a),
+        Which::Zero(a) => zero::main(a),
         Which::Report(a) => report::main(a),
     }
 }

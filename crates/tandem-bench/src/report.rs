@@ -97,6 +97,8 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             stall_mib: 8,
             stall_steps: 4,
             stall_every: 2,
+            zero_nproc: "2".into(),
+            zero_dims: "64,32,32,10".into(),
         }
     } else {
         measure::Plan {
@@ -118,6 +120,8 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             stall_mib: 256,
             stall_steps: 12,
             stall_every: 4,
+            zero_nproc: "2,4".into(),
+            zero_dims: "784,1024,1024,1024,1024,1024,1024,1024,1024,10".into(),
         }
     })
 }
@@ -174,6 +178,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let conv_ops = measure::conv_ops(&mut ctx, plan.conv_width, plan.conv_batch, plan.conv_repeats);
     let ckpt = measure::ckpt(&mut ctx, &plan);
     let save_stall = measure::save_stall(&mut ctx, &plan);
+    let zero = measure::zero(&mut ctx, &plan);
     std::fs::remove_dir_all(&scratch).ok();
     let load_after = machine::load_average();
 
@@ -197,6 +202,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         ckpt: &ckpt,
         ckpt_mib: plan.ckpt_mib,
         save_stall: &save_stall,
+        zero: &zero,
         failures: &ctx.failures,
         retries: &ctx.retries,
         several_hosts: std::fs::read_to_string(out.join("several_hosts.md")).ok(),

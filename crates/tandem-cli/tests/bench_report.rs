@@ -163,6 +163,16 @@ fn quick_report_has_every_section_ratio_and_plot() {
         assert!(values[0] <= values[1] && values[1] <= values[2], "min <= median <= max: {line}");
     }
     assert!(stall.contains("stall synchronous / background (medians): "), "{stall}");
+    // The ZeRO section: one row per rank of the 2-rank run; the shares add up to the whole.
+    let zero = md.split("\n## ZeRO-1: optimizer state per rank").nth(1).expect("a ZeRO section");
+    let shares: Vec<f64> = zero
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|f| f.len() == 6 && f[0] == "2")
+        .map(|f| num(f[3], "x unsharded"))
+        .collect();
+    assert_eq!(shares.len(), 2, "{zero}");
+    assert!((shares.iter().sum::<f64>() - 1.0).abs() < 0.01, "{shares:?}");
 
     if torch.is_some() {
         let gloo = check_row(&ar, "1 MiB", "gloo (PyTorch)", ("1 MiB", "memcpy"));

@@ -204,3 +204,69 @@ fn bench_ckpt_prints_throughputs_and_ratios() {
     }
     assert!(text.contains("tandem save .pt / dd conv=fsync (write)"), "{text}");
 }
+
+/// A ZeroRedundancyOptimizer checkpoint of 3 ranks (SGD with momentum, 2 steps) in `dir`.
+fn sharded_checkpoint(dir: &Path) {
+    use candle_core::{Device, Tensor as CTensor, Var};
+    use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer, ZeroRedundancyOptimizer};
+    let dir = dir.to_path_buf();
+    tandem_testutil::run_tcp_world(3, move |pg| {
+        let ps: Vec<Var> = [&[4usize, 3][..], &[4], &[2, 4], &[2]]
+            .iter()
+            .map(|s| {
+                Var::from_tensor(&CTensor::ones(*s, candle_core::DType::F32, &Device::Cpu).unwrap())
+                    .unwrap()
+            })
+            .collect();
+        let mut opt = ZeroRedundancyOptimizer::new(ps.clone(), std::sync::Arc::new(pg), |shard| {
+            let cfg = SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() };
+            Ok(Box::new(Sgd::new(shard, cfg)?))
+        })
+        .unwrap();
+        for _ in 0..2 {
+            let loss = ps
+                .iter()
+                .map(|p| p.as_tensor().sqr().unwrap().sum_all().unwrap())
+                .reduce(|a, b| (a + b).unwrap())
+                .unwrap();
+            opt.step(&loss.backward().unwrap()).unwrap();
+        }
+        opt.save_sharded(&dir).unwrap();
+    });
+}
+
+#[test]
+fn sharded_optimizer_checkpoints_inspect_and_convert_to_one_state_dict() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("optim");
+    sharded_checkpoint(&dir);
+    let out = tandem(&["ckpt", "inspect", s(&dir)]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("3 ranks, 4 parameters"), "{text}");
+    for r in 0..3 {
+        assert!(text.contains(&format!("rank {r}: optim-rank-0000{r}-of-00003.pt")), "{text}");
+    }
+    let j: serde_json::Value =
+        serde_json::from_str(&stdout(&tandem(&["ckpt", "inspect", "--json", s(&dir)]))).unwrap();
+    // Momentum buffers of 12 + 4 + 8 + 2 f32 elements, split over the ranks.
+    assert_eq!(j["total_state_bytes"], 26 * 4);
+    let per_rank: Vec<u64> =
+        j["ranks"].as_array().unwrap().iter().map(|r| r["state_bytes"].as_u64().unwrap()).collect();
+    assert!(per_rank.iter().all(|&b| b > 0 && b < 26 * 4), "{per_rank:?}");
+
+    let merged = tmp.path().join("optim.pt");
+    let out = tandem(&["ckpt", "convert", s(&dir), s(&merged)]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v = load(&merged).unwrap();
+    assert_eq!(v, tandem_ddp::optim::zero::consolidate_sharded(&dir).unwrap());
+    let ids = v.get("param_groups").unwrap().as_list().unwrap()[0].get("params").unwrap().clone();
+    assert_eq!(ids, Value::List((0..4).map(Value::Int).collect()));
+    assert_eq!(v.get("state").unwrap().as_dict().unwrap().len(), 4);
+
+    // A save that did not finish (no manifest) is named, not read.
+    std::fs::remove_file(dir.join("manifest.json")).unwrap();
+    let out = tandem(&["ckpt", "inspect", s(&dir)]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("manifest.json"));
+}

@@ -25,6 +25,7 @@ pub struct Report<'a> {
     pub ckpt_mib: usize,
     /// `tandem bench save-stall`'s table, or why it failed.
     pub save_stall: &'a Result<String, String>,
+    pub zero: &'a Result<String, String>,
     pub failures: &'a [String],
     pub retries: &'a [String],
     /// `docs/several_hosts.md` as `scripts/bench_two_hosts.sh` wrote it (it needs root and
@@ -348,6 +349,25 @@ pub fn render(r: &Report) -> String {
          that overlap a background write. Measured by `tandem bench save-stall`, all runs here.\n"
     );
     match r.save_stall {
+        Ok(t) => {
+            let _ = writeln!(out, "```\n{}\n```\n", t.trim_end());
+        }
+        Err(why) => {
+            let _ = writeln!(out, "Not measured: {why}\n");
+        }
+    }
+
+    let _ = writeln!(out, "## ZeRO-1: optimizer state per rank\n");
+    let _ = writeln!(
+        out,
+        "`ZeroRedundancyOptimizer` (PyTorch's ZeRO stage 1) over AdamW: each rank keeps the state \
+         of its share of the parameters (whole parameters, split largest first) and broadcasts \
+         its updated share after the step. State bytes are exact (the tensors each rank holds); \
+         the reference is the unsharded AdamW on one process in the same run. `x ideal` = bytes \
+         × N / unsharded (1.0 is a perfect split). Step ms includes the broadcasts (local ranks \
+         share this machine's cores). Measured by `tandem bench zero`.\n"
+    );
+    match r.zero {
         Ok(t) => {
             let _ = writeln!(out, "```\n{}\n```\n", t.trim_end());
         }

@@ -30,6 +30,9 @@ pub struct Plan {
     pub stall_mib: usize,
     pub stall_steps: usize,
     pub stall_every: usize,
+    /// `tandem bench zero` settings: world sizes ("2,4") and MLP layer sizes.
+    pub zero_nproc: String,
+    pub zero_dims: String,
 }
 
 /// One model's DDP measurement: `tandem bench ddp --model M [--width W]` at these ranks, and
@@ -114,6 +117,14 @@ pub fn save_stall(ctx: &mut Ctx, plan: &Plan) -> Result<String, String> {
     out.map_err(|e| ctx.note(e))
 }
 
+/// `tandem bench zero`: its table (optimizer-state bytes per rank vs unsharded), or why it failed.
+pub fn zero(ctx: &mut Ctx, plan: &Plan) -> Result<String, String> {
+    eprintln!("report: ZeRO-1 optimizer state per rank, ranks {}", plan.zero_nproc);
+    let args: Vec<String> =
+        ["zero", "--nproc", &plan.zero_nproc, "--dims", &plan.zero_dims].map(String::from).to_vec();
+    ctx.tandem(&args, Duration::from_secs(600), "tandem bench zero").map_err(|e| ctx.note(e))
+}
+
 /// `tandem bench conv` (with the PyTorch peer when torch is available): its markdown table
 /// (header line first), or why it failed.
 pub fn conv_ops(
@@ -154,6 +165,21 @@ pub fn size_label(bytes: usize) -> String {
     }
 }
 
+/// Why the MPI all_reduce cannot be measured here, if so.
+fn mpi_unavailable() -> Option<String> {
+    if !cfg!(feature = "mpi") {
+        return Some(
+            "not measured: built without the `mpi` feature (cargo run --release -p tandem-cli \
+             --features mpi -- bench report)"
+                .into(),
+        );
+    }
+    match std::process::Command::new("mpirun").arg("--version").output() {
+        Ok(o) if o.status.success() => None,
+        _ => Some("not measured: no mpirun on PATH".into()),
+    }
+}
+
 fn missing_reason(errors: &Option<String>, default: &str) -> String {
     errors.clone().unwrap_or_else(|| default.to_string())
 }
@@ -168,10 +194,17 @@ pub fn allreduce(ctx: &mut Ctx, plan: &Plan) -> Table {
     let mut err: BTreeMap<&str, String> = BTreeMap::new();
     let gloo_sizes: Vec<usize> =
         plan.allreduce_sizes.iter().copied().filter(|s| s % MIB == 0).collect();
+    // mpi: the ranks under mpirun with MPI's own all_reduce, where this build and machine
+    // have it; otherwise its row says why (not a failure of the report).
+    let mut backends = vec!["tcp", "shm"];
+    match mpi_unavailable() {
+        None => backends.push("mpi"),
+        Some(why) => {
+            err.insert("mpi", why);
+        }
+    }
     for rep in 0..plan.repeats {
-        // mpi: the ranks under mpirun with MPI's own all_reduce (a row saying why, when this
-        // build lacks the `mpi` feature or there is no mpirun).
-        for backend in ["tcp", "shm", "mpi"] {
+        for &backend in &backends {
             eprintln!("report: all_reduce {backend}, run {}/{}", rep + 1, plan.repeats);
             let args = [
                 "allreduce",

@@ -17,14 +17,16 @@ pub struct Args {
 
 #[derive(Subcommand)]
 enum Which {
-    /// Container keys, each tensor's dtype/shape/bytes, detected wrapping, non-tensor values.
+    /// Container keys, each tensor's dtype/shape/bytes, detected wrapping, non-tensor values;
+    /// for a sharded optimizer checkpoint (directory), its ranks and their state.
     Inspect {
         file: PathBuf,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
     },
-    /// Convert between .pt and .safetensors (by OUT's extension), optionally renaming keys.
+    /// Convert between .pt and .safetensors (by OUT's extension), optionally renaming keys. A
+    /// sharded optimizer checkpoint (a directory with manifest.json) becomes one .pt state dict.
     Convert {
         input: PathBuf,
         output: PathBuf,
@@ -67,8 +69,12 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 }
 
 /// Reads with every zip entry's CRC-32 verified: a tool asked whether a file is sound must not
-/// report a bit-flipped one as fine.
+/// report a bit-flipped one as fine. A directory is a sharded optimizer checkpoint
+/// (ZeroRedundancyOptimizer's rank files + manifest), read as its consolidated state dict.
 fn read(path: &Path) -> anyhow::Result<Value> {
+    if path.is_dir() {
+        return Ok(tandem_ddp::optim::zero::consolidate_sharded(path)?);
+    }
     let opts = tandem_ckpt::LoadOptions { verify_checksums: true, ..Default::default() };
     Ok(tandem_ckpt::load_with(path, &opts)?)
 }
@@ -131,7 +137,50 @@ fn short_repr(v: &Value) -> String {
     }
 }
 
+/// A sharded optimizer checkpoint: its manifest, each rank's file, parameters and state bytes.
+fn inspect_sharded(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
+    use tandem_ddp::optim::zero::{read_manifest, state_bytes};
+    let m = read_manifest(dir)?;
+    let mut ranks = Vec::new();
+    for (r, f) in m.files.iter().enumerate() {
+        let v = read(&dir.join(f))?;
+        let params = m.partition.of(r);
+        ranks.push((r, f, params, state_bytes(&v)));
+    }
+    let total: usize = ranks.iter().map(|r| r.3).sum();
+    if as_json {
+        let j = json!({
+            "dir": dir.display().to_string(),
+            "format": m.format,
+            "world_size": m.world_size,
+            "parameters": m.shapes.len(),
+            "ranks": ranks.iter().map(|(r, f, p, b)| json!({"rank": r, "file": f, "params": p, "state_bytes": b})).collect::<Vec<_>>(),
+            "total_state_bytes": total,
+        });
+        println!("{}", serde_json::to_string_pretty(&j)?);
+        return Ok(0);
+    }
+    println!(
+        "{}: sharded optimizer state ({}), {} ranks, {} parameters, {total} bytes of state",
+        dir.display(),
+        m.format,
+        m.world_size,
+        m.shapes.len()
+    );
+    for (r, f, p, b) in &ranks {
+        println!("  rank {r}: {f}  parameters {p:?}  {b} bytes");
+    }
+    println!(
+        "(`tandem ckpt convert {} optim.pt` writes the consolidated, torch-loadable state dict)",
+        dir.display()
+    );
+    Ok(0)
+}
+
 fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
+    if file.is_dir() {
+        return inspect_sharded(file, as_json);
+    }
     let v = read(file)?;
     let format = format_name(file)?;
     let container_keys: Vec<String> =

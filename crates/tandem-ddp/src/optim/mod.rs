@@ -61,9 +61,11 @@ mod fused;
 mod groups;
 pub(crate) mod sgd;
 mod tensor;
+pub mod zero;
 
 pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
 pub use sgd::{Sgd, SgdConfig};
+pub use zero::{ShardOptimizer, ZeroRedundancyOptimizer};
 
 use candle_core::backprop::GradStore;
 use tandem_ckpt::Value;
@@ -87,6 +89,13 @@ pub enum OptimError {
         index: usize,
         #[source]
         source: candle_core::Error,
+    },
+    /// A collective of the sharded optimizer failed (a peer died, timed out, ...).
+    #[error("ZeroRedundancyOptimizer {op}: {source}")]
+    Collective {
+        op: &'static str,
+        #[source]
+        source: crate::error::CommSource,
     },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
