@@ -516,3 +516,62 @@ fn resnet_flags_that_cannot_apply_are_named() {
         assert!(!o.status.success() && err.contains(expect), "{args:?}: {err}");
     }
 }
+
+/// `--zero` (ZeRO-1): the same weights and optimizer state as the unsharded optimizer, bit for
+/// bit; its checkpoints hold the whole (consolidated) optimizer state, so a run resumes on
+/// another world size and another mode.
+#[test]
+fn zero_sharded_optimizer_trains_the_same_weights_and_resumes_anywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let base = ["train", "--optimizer", "adamw", "--lr", "0.01", "--model", "cnn", "--steps", "10"];
+    let mut finals = Vec::new();
+    for (name, extra) in [("zero", &["--zero"][..]), ("plain", &[][..])] {
+        let mut args: Vec<String> = base.iter().map(|s| s.to_string()).collect();
+        args.extend([
+            "--out".into(),
+            path(name),
+            "--save-final".into(),
+            path(&format!("{name}.pt")),
+        ]);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let o = run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let ck = tandem_ckpt::load(get(&final_line(&o.stdout), "checkpoint")).unwrap();
+        finals.push((weights(Path::new(&path(&format!("{name}.pt")))), ck));
+    }
+    let ((zw, zck), (pw, pck)) = (&finals[0], &finals[1]);
+    assert_eq!(zw, pw, "--zero changed the weights");
+    assert_eq!(zck.get("optimizer"), pck.get("optimizer"), "--zero changed the optimizer state");
+    let groups = zck.get("optimizer").unwrap().get("param_groups").unwrap().as_list().unwrap();
+    let listed = groups[0].get("params").unwrap().as_list().unwrap().len();
+    assert_eq!(
+        listed,
+        zw.iter().filter(|(k, _)| !k.contains("running") && !k.contains("num_batches")).count()
+    );
+
+    // The --zero run resumed on 3 ranks (with --zero) and the plain run resumed with --zero.
+    for (name, ranks) in [("zero", "3"), ("plain", "2")] {
+        let o = run(&[
+            "train",
+            "--optimizer",
+            "adamw",
+            "--lr",
+            "0.01",
+            "--model",
+            "cnn",
+            "--steps",
+            "14",
+            "--out",
+            &path(name),
+            "--resume",
+            "--zero",
+            "--nproc-per-node",
+            ranks,
+        ]);
+        let kv = final_line(&o.stdout);
+        assert_eq!(get(&kv, "steps"), "14", "{name}");
+        assert!(String::from_utf8_lossy(&o.stderr).contains("resumed from"), "{name}");
+        let ck = tandem_ckpt::load(get(&kv, "checkpoint")).unwrap();
+        assert_eq!(ck.get("world_size").and_then(|v| v.as_int()), Some(ranks.parse().unwrap()));
+    }
+}

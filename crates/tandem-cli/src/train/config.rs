@@ -143,6 +143,11 @@ pub struct TrainConfig {
     /// Write the final model weights here (.pt or .safetensors, canonical keys).
     #[arg(long = "save-final")]
     pub save_final: Option<PathBuf>,
+    /// Shard the optimizer state over the ranks (ZeRO-1, PyTorch's ZeroRedundancyOptimizer):
+    /// each rank keeps the state of its share of the parameters; same weights as without.
+    #[arg(long)]
+    #[serde(default)]
+    pub zero: bool,
     /// At the end, rank 0 writes the trained model (eval mode) as ONNX here.
     #[arg(long = "export-onnx", value_name = "FILE")]
     #[serde(default)]
@@ -267,6 +272,9 @@ impl TrainConfig {
         }
         if self.async_save {
             a.push("--async-save".into());
+        }
+        if self.zero {
+            a.push("--zero".into());
         }
         if self.tensorboard {
             a.push("--tensorboard".into());

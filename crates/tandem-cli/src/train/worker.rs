@@ -14,13 +14,13 @@ use tandem_data::{
     channel_stats, CropFlip, DataLoader, Dataset, DistributedSampler, EvalMetrics, ImageTransforms,
     InMemoryDataset, LoaderOptions, SamplerState, Transformed,
 };
-use tandem_ddp::optim::{AdamW, AdamWConfig, Sgd, SgdConfig, TorchOptimizer};
 use tandem_ddp::{Ddp, DdpOptions, ParamModule};
 
 use tandem::state::{sampler_state_from_value, sampler_value};
 
-use super::config::{OptimizerKind, TrainConfig};
+use super::config::TrainConfig;
 use super::model::{image_shape, Net, NetSpec};
+use super::optimizer::TrainOptimizer;
 use super::tfevents::EventWriter;
 
 /// What a finished run reports (rank 0 prints it as the `final:` line).
@@ -69,8 +69,8 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
             .with_context(|| format!("--comm-hook: unknown hook `{}`", cfg.comm_hook))?;
         ddp.register_comm_hook(hook).context("--comm-hook")?;
     }
-    let mut opt =
-        make_optimizer(cfg, ddp.module().named_parameters().into_iter().map(|(_, v)| v).collect())?;
+    let params = ddp.module().named_parameters().into_iter().map(|(_, v)| v).collect();
+    let mut opt = TrainOptimizer::new(cfg, params, &group)?;
 
     let sampler = DistributedSampler::builder(train.len())
         .group(&group)
@@ -95,7 +95,8 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
                 let ck = TrainingCheckpoint::from_value(&value)
                     .with_context(|| format!("reading {}", path.display()))?;
                 load_weights(&ddp.module(), &path)?;
-                opt.load_state_dict(&ck.optimizer)
+                opt.get_mut()
+                    .load_state_dict(&ck.optimizer)
                     .with_context(|| format!("optimizer state in {}", path.display()))?;
                 let position = sampler_state_from_value(&ck.sampler).map_err(|problem| {
                     anyhow::anyhow!("{}: checkpoint `sampler`: {problem}", path.display())
@@ -151,10 +152,11 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     let mut saver = Saver::new(manager.clone(), cfg.async_save);
     let mut save = |name: &str,
                     loader: &DataLoader<TrainData>,
-                    opt: &dyn TorchOptimizer,
+                    opt: &mut TrainOptimizer,
                     step: u64|
      -> anyhow::Result<Option<PathBuf>> {
-        let value = checkpoint_value(&ddp.module(), opt, loader.state(), step, world, cfg)?;
+        let optimizer = opt.checkpoint_state(rank)?;
+        let value = checkpoint_value(&ddp.module(), optimizer, loader.state(), step, world, cfg)?;
         saver.save(rank, name, value, &group)
     };
 
@@ -175,7 +177,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
             let batch = batch?;
             let loss = ddp.loss(&batch.x, &batch.y)?;
             let grads = ddp.backward(&loss)?;
-            opt.step(&grads)?;
+            opt.get_mut().step(&grads)?;
             global_step += 1;
             samples_seen += (batch.len() * world) as u64;
             loss_sum += loss.to_scalar::<f32>()? as f64 * batch.len() as f64;
@@ -186,7 +188,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
                 && global_step < max_steps
             {
                 last_ckpt =
-                    save(&format!("step-{global_step:08}"), &loader, opt.as_ref(), global_step)?
+                    save(&format!("step-{global_step:08}"), &loader, &mut opt, global_step)?
                         .or(last_ckpt);
             }
         }
@@ -210,13 +212,13 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
                 cfg.epochs,
                 last_eval.mean_loss(),
                 last_eval.accuracy(),
-                opt.lr()
+                opt.get().lr()
             ));
             if let Some(tb) = tb.as_mut() {
                 let write = |tb: &mut EventWriter| -> std::io::Result<()> {
                     let s = global_step as i64;
                     tb.add_scalar("train/loss", train_loss as f32, s)?;
-                    tb.add_scalar("train/lr", opt.lr() as f32, s)?;
+                    tb.add_scalar("train/lr", opt.get().lr() as f32, s)?;
                     tb.add_scalar("train/samples_per_s", sps as f32, s)?;
                     tb.add_scalar("eval/loss", last_eval.mean_loss() as f32, s)?;
                     tb.add_scalar("eval/accuracy", last_eval.accuracy() as f32, s)?;
@@ -231,15 +233,14 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         // (the final checkpoint is written below).
         let just_saved = cfg.save_every > 0 && global_step.is_multiple_of(cfg.save_every);
         if global_step < max_steps && (loader.epoch() as usize) < cfg.epochs && !just_saved {
-            last_ckpt =
-                save(&format!("step-{global_step:08}"), &loader, opt.as_ref(), global_step)?
-                    .or(last_ckpt);
+            last_ckpt = save(&format!("step-{global_step:08}"), &loader, &mut opt, global_step)?
+                .or(last_ckpt);
         }
     }
     progress.finish();
 
     let final_name = format!("step-{global_step:08}");
-    let written = save(&final_name, &loader, opt.as_ref(), global_step)?;
+    let written = save(&final_name, &loader, &mut opt, global_step)?;
     last_ckpt = written.or(last_ckpt);
     saver.finish(rank, &group)?;
     if let Some(path) = &cfg.save_final {
@@ -372,28 +373,6 @@ fn image_transforms(
     Ok((Transformed::new(train, train_t)?, Transformed::new(eval, eval_t)?))
 }
 
-fn make_optimizer(
-    cfg: &TrainConfig,
-    params: Vec<candle_core::Var>,
-) -> anyhow::Result<Box<dyn TorchOptimizer>> {
-    Ok(match cfg.optimizer {
-        OptimizerKind::Sgd => Box::new(Sgd::new(
-            params,
-            SgdConfig {
-                lr: cfg.lr,
-                momentum: cfg.momentum,
-                dampening: 0.0,
-                weight_decay: cfg.weight_decay,
-                nesterov: false,
-            },
-        )?),
-        OptimizerKind::Adamw => Box::new(AdamW::new(
-            params,
-            AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..AdamWConfig::default() },
-        )?),
-    })
-}
-
 /// Exact distributed evaluation: every eval sample once, sums all-reduced.
 fn evaluate(
     net: &Net,
@@ -442,7 +421,7 @@ fn save_weights(net: &Net, path: &Path) -> anyhow::Result<()> {
 
 fn checkpoint_value(
     net: &Net,
-    opt: &dyn TorchOptimizer,
+    optimizer: Value,
     sampler: SamplerState,
     step: u64,
     world: usize,
@@ -452,7 +431,7 @@ fn checkpoint_value(
         epoch: sampler.epoch as i64,
         global_step: step as i64,
         model: model_value(net)?,
-        optimizer: opt.state_dict()?,
+        optimizer,
         scheduler: Value::None,
         sampler: sampler_value(&sampler),
         // No random ops beyond the sampler's shuffle (seeded by seed + epoch): the seed is the state.

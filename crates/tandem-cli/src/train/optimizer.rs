@@ -1,0 +1,79 @@
+//! The run's optimizer: `--optimizer sgd|adamw` over every parameter, or with `--zero` the same
+//! optimizer sharded over the ranks (ZeroRedundancyOptimizer: each rank keeps the state of its
+//! share of the parameters; the weights are the same bit for bit).
+use std::sync::Arc;
+
+use candle_core::Var;
+use tandem_ckpt::Value;
+use tandem_comm::ProcessGroup;
+use tandem_ddp::optim::{
+    AdamW, AdamWConfig, OptimError, Sgd, SgdConfig, ShardOptimizer, TorchOptimizer,
+    ZeroRedundancyOptimizer,
+};
+
+use super::config::{OptimizerKind, TrainConfig};
+
+pub enum TrainOptimizer {
+    Plain(ShardOptimizer),
+    Zero(ZeroRedundancyOptimizer),
+}
+
+/// The optimizer `cfg` names over `params`.
+fn plain(cfg: &TrainConfig, params: Vec<Var>) -> Result<ShardOptimizer, OptimError> {
+    Ok(match cfg.optimizer {
+        OptimizerKind::Sgd => Box::new(Sgd::new(
+            params,
+            SgdConfig {
+                lr: cfg.lr,
+                momentum: cfg.momentum,
+                dampening: 0.0,
+                weight_decay: cfg.weight_decay,
+                nesterov: false,
+            },
+        )?),
+        OptimizerKind::Adamw => Box::new(AdamW::new(
+            params,
+            AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..AdamWConfig::default() },
+        )?),
+    })
+}
+
+impl TrainOptimizer {
+    pub fn new(cfg: &TrainConfig, params: Vec<Var>, group: &ProcessGroup) -> anyhow::Result<Self> {
+        Ok(if cfg.zero {
+            let comm = Arc::new(group.clone());
+            TrainOptimizer::Zero(ZeroRedundancyOptimizer::new(params, comm, |shard| {
+                plain(cfg, shard)
+            })?)
+        } else {
+            TrainOptimizer::Plain(plain(cfg, params)?)
+        })
+    }
+
+    pub fn get(&self) -> &dyn TorchOptimizer {
+        match self {
+            TrainOptimizer::Plain(o) => o.as_ref(),
+            TrainOptimizer::Zero(z) => z,
+        }
+    }
+
+    pub fn get_mut(&mut self) -> &mut dyn TorchOptimizer {
+        match self {
+            TrainOptimizer::Plain(o) => o.as_mut(),
+            TrainOptimizer::Zero(z) => z,
+        }
+    }
+
+    /// The whole optimizer state for rank 0's checkpoint, in torch's layout. A collective with
+    /// `--zero` (every rank sends its shard to rank 0; the others get `Value::None`, as they
+    /// write nothing), so every rank calls it at every save.
+    pub fn checkpoint_state(&mut self, rank: usize) -> anyhow::Result<Value> {
+        match self {
+            TrainOptimizer::Plain(o) => Ok(o.state_dict()?),
+            TrainOptimizer::Zero(z) => {
+                z.consolidate_state_dict(0)?;
+                Ok(if rank == 0 { z.state_dict()? } else { Value::None })
+            }
+        }
+    }
+}
