@@ -12,22 +12,12 @@ use tandem_testutil::{harness, output_with_deadline, without_world};
 const LIMIT: Duration = Duration::from_secs(180);
 
 fn main() -> ExitCode {
-    let why = if !cfg!(feature = "mpi") {
-        Some(
-            "built without the `mpi` feature (cargo test -p tandem-cli --features mpi)".to_string(),
-        )
-    } else if !Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success()) {
-        Some("no mpirun on PATH (Debian: apt install openmpi-bin libopenmpi-dev)".to_string())
+    let why = if cfg!(feature = "mpi") {
+        harness::mpirun_missing()
     } else {
-        None
+        Some("built without the `mpi` feature (cargo test -p tandem-cli --features mpi)".into())
     };
-    let why = match (why, std::env::var_os("TANDEM_REQUIRE_MPI")) {
-        (Some(reason), Some(_)) => {
-            eprintln!("TANDEM_REQUIRE_MPI is set but: {reason}");
-            None
-        }
-        (why, _) => why,
-    };
+    let why = harness::skip_unless_required(why, "TANDEM_REQUIRE_MPI");
     let tests = tandem_testutil::tests![
         mpi_backend_trains_like_the_tcp_ring,
         a_rank_killed_under_mpirun_ends_the_training_job,

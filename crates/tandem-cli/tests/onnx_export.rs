@@ -15,15 +15,7 @@ const LIMIT: Duration = Duration::from_secs(300);
 const TOLERANCE: f64 = 1e-4;
 
 fn main() -> ExitCode {
-    let why = onnxruntime_missing();
-    let why = match (why, std::env::var_os("TANDEM_REQUIRE_ONNX")) {
-        (Some(reason), Some(_)) => {
-            // Run the tests anyway: they fail, saying why, instead of being skipped.
-            eprintln!("TANDEM_REQUIRE_ONNX is set but: {reason}");
-            None
-        }
-        (why, _) => why,
-    };
+    let why = harness::skip_unless_required(python().err(), "TANDEM_REQUIRE_ONNX");
     let mut tests = tandem_testutil::tests![
         pytorch_weights_exported_run_in_onnxruntime_like_pytorch,
         train_export_onnx_equals_the_export_of_its_final_weights,
@@ -49,10 +41,6 @@ fn python() -> Result<PathBuf, String> {
             python.display()
         ))
     }
-}
-
-fn onnxruntime_missing() -> Option<String> {
-    python().err()
 }
 
 fn script() -> PathBuf {

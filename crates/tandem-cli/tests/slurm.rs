@@ -12,15 +12,7 @@ use tandem_testutil::{harness, output_with_deadline, without_world};
 const LIMIT: Duration = Duration::from_secs(180);
 
 fn main() -> ExitCode {
-    let why = unavailable();
-    let why = match (why, std::env::var_os("TANDEM_REQUIRE_SLURM")) {
-        (Some(reason), Some(_)) => {
-            // Run the tests anyway: they fail, saying why, instead of being skipped.
-            eprintln!("TANDEM_REQUIRE_SLURM is set but: {reason}");
-            None
-        }
-        (why, _) => why,
-    };
+    let why = harness::skip_unless_required(unavailable(), "TANDEM_REQUIRE_SLURM");
     let tests = tandem_testutil::tests![
         srun_two_tasks_pass_tandem_check,
         srun_trains_and_every_task_takes_its_rank_from_slurm,

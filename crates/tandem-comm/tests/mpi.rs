@@ -21,14 +21,7 @@ fn main() -> ExitCode {
         #[allow(unreachable_code)]
         return ExitCode::SUCCESS;
     }
-    let why = unavailable();
-    let why = match (why, std::env::var_os("TANDEM_REQUIRE_MPI")) {
-        (Some(reason), Some(_)) => {
-            eprintln!("TANDEM_REQUIRE_MPI is set but: {reason}");
-            None
-        }
-        (why, _) => why,
-    };
+    let why = harness::skip_unless_required(unavailable(), "TANDEM_REQUIRE_MPI");
     let tests = tandem_testutil::tests![
         mpi_collectives_give_the_defined_results_on_three_ranks,
         a_rank_killed_with_sigkill_ends_the_job_and_mpirun_names_it,
@@ -43,10 +36,7 @@ fn unavailable() -> Option<String> {
             "built without the `mpi` feature (cargo test -p tandem-comm --features mpi)".into(),
         );
     }
-    match Command::new("mpirun").arg("--version").output() {
-        Ok(o) if o.status.success() => None,
-        _ => Some("no mpirun on PATH (Debian: apt install openmpi-bin libopenmpi-dev)".into()),
-    }
+    harness::mpirun_missing()
 }
 
 /// `mpirun -np N` of this binary in `role`, with extra `-x VAR=value` settings.

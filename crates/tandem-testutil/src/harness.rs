@@ -37,6 +37,27 @@ macro_rules! tests {
     };
 }
 
+/// The skip reason for tests that need something this machine may lack (`why`), unless the
+/// environment variable `require` is set (CI sets it): then the tests run anyway and fail,
+/// saying why, instead of being skipped.
+pub fn skip_unless_required(why: Option<String>, require: &str) -> Option<String> {
+    match (why, std::env::var_os(require)) {
+        (Some(reason), Some(_)) => {
+            eprintln!("{require} is set but: {reason}");
+            None
+        }
+        (why, _) => why,
+    }
+}
+
+/// Why `mpirun` (OpenMPI) cannot be used here, if so.
+pub fn mpirun_missing() -> Option<String> {
+    match std::process::Command::new("mpirun").arg("--version").output() {
+        Ok(o) if o.status.success() => None,
+        _ => Some("no mpirun on PATH (Debian: apt install openmpi-bin libopenmpi-dev)".into()),
+    }
+}
+
 /// Runs `tests` with libtest's command-line arguments; a panic fails its test.
 pub fn main(tests: Vec<Test>) -> ExitCode {
     run(tests, Arguments::from_args())

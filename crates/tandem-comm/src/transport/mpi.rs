@@ -204,6 +204,20 @@ impl MpiTransport {
         }
     }
 
+    /// Starts one non-blocking call (`start` fills in the request and returns MPI's code) and
+    /// waits for it: the shape of every collective here.
+    fn call(
+        &self,
+        what: &str,
+        timeout: Duration,
+        start: impl FnOnce(&mut ffi::MPI_Request) -> c_int,
+    ) -> Result<(), PeerError> {
+        let mut req = Self::new_request();
+        let rc = start(&mut req);
+        self.check(rc, what)?;
+        self.wait(&mut [req], what, timeout)
+    }
+
     fn check(&self, rc: c_int, what: &str) -> Result<(), PeerError> {
         if rc == 0 {
             Ok(())
@@ -303,6 +317,9 @@ impl Transport for MpiTransport {
     }
 }
 
+// SAFETY (every `unsafe` call below): the buffers handed to MPI outlive the request, which
+// `call` completes before returning (or the job is aborted there); receive buffers are as long
+// as the counts say; MPI only reads the send buffers.
 impl NativeCollectives for MpiTransport {
     fn all_reduce(
         &mut self,
@@ -315,21 +332,19 @@ impl NativeCollectives for MpiTransport {
         let elem = dtype.size();
         for piece in buf.chunks_mut(MAX_COUNT * elem) {
             let input = piece.to_vec();
-            let mut req = Self::new_request();
-            // SAFETY: `input` and `piece` outlive the request, completed in `wait`.
-            let rc = unsafe {
+            let n = (piece.len() / elem) as c_int;
+            let what = format!("MPI_Iallreduce of {} bytes", piece.len());
+            self.call(&what, timeout, |req| unsafe {
                 ffi::MPI_Iallreduce(
                     input.as_ptr() as *const c_void,
                     piece.as_mut_ptr() as *mut c_void,
-                    (piece.len() / elem) as c_int,
+                    n,
                     ty,
                     operator(op),
                     self.raw(),
-                    &mut req,
+                    req,
                 )
-            };
-            self.check(rc, "MPI_Iallreduce")?;
-            self.wait(&mut [req], &format!("MPI_Iallreduce of {} bytes", piece.len()), timeout)?;
+            })?;
         }
         Ok(true)
     }
@@ -344,9 +359,7 @@ impl NativeCollectives for MpiTransport {
     ) -> Result<bool, PeerError> {
         let Some(ty) = datatype(dtype) else { return Ok(false) };
         let n = count(output.len() / dtype.size(), "MPI_Ireduce_scatter_block")?;
-        let mut req = Self::new_request();
-        // SAFETY: both buffers outlive the request, completed in `wait`.
-        let rc = unsafe {
+        self.call("MPI_Ireduce_scatter_block", timeout, |req| unsafe {
             ffi::MPI_Ireduce_scatter_block(
                 input.as_ptr() as *const c_void,
                 output.as_mut_ptr() as *mut c_void,
@@ -354,11 +367,9 @@ impl NativeCollectives for MpiTransport {
                 ty,
                 operator(op),
                 self.raw(),
-                &mut req,
+                req,
             )
-        };
-        self.check(rc, "MPI_Ireduce_scatter_block")?;
-        self.wait(&mut [req], "MPI_Ireduce_scatter_block", timeout)?;
+        })?;
         Ok(true)
     }
 
@@ -369,24 +380,18 @@ impl NativeCollectives for MpiTransport {
         timeout: Duration,
     ) -> Result<(), PeerError> {
         for piece in buf.chunks_mut(MAX_COUNT) {
-            let mut req = Self::new_request();
-            // SAFETY: `piece` outlives the request, completed in `wait`.
-            let rc = unsafe {
+            let what = format!("MPI_Ibcast of {} bytes from rank {root}", piece.len());
+            self.call(&what, timeout, |req| unsafe {
+                let ptr = piece.as_mut_ptr() as *mut c_void;
                 ffi::MPI_Ibcast(
-                    piece.as_mut_ptr() as *mut c_void,
+                    ptr,
                     piece.len() as c_int,
                     bytes_type(),
                     root as c_int,
                     self.raw(),
-                    &mut req,
+                    req,
                 )
-            };
-            self.check(rc, "MPI_Ibcast")?;
-            self.wait(
-                &mut [req],
-                &format!("MPI_Ibcast of {} bytes from rank {root}", piece.len()),
-                timeout,
-            )?;
+            })?;
         }
         Ok(())
     }
@@ -404,9 +409,7 @@ impl NativeCollectives for MpiTransport {
             displs.push(count(b.start, "MPI_Iallgatherv")?);
         }
         let own = buf[bounds[self.rank].clone()].to_vec();
-        let mut req = Self::new_request();
-        // SAFETY: `own`, `buf`, `counts` and `displs` outlive the request, completed in `wait`.
-        let rc = unsafe {
+        self.call("MPI_Iallgatherv", timeout, |req| unsafe {
             ffi::MPI_Iallgatherv(
                 own.as_ptr() as *const c_void,
                 own.len() as c_int,
@@ -416,19 +419,13 @@ impl NativeCollectives for MpiTransport {
                 displs.as_ptr(),
                 bytes_type(),
                 self.raw(),
-                &mut req,
+                req,
             )
-        };
-        self.check(rc, "MPI_Iallgatherv")?;
-        self.wait(&mut [req], "MPI_Iallgatherv", timeout)
+        })
     }
 
     fn barrier(&mut self, timeout: Duration) -> Result<(), PeerError> {
-        let mut req = Self::new_request();
-        // SAFETY: the request completes in `wait`.
-        let rc = unsafe { ffi::MPI_Ibarrier(self.raw(), &mut req) };
-        self.check(rc, "MPI_Ibarrier")?;
-        self.wait(&mut [req], "MPI_Ibarrier", timeout)
+        self.call("MPI_Ibarrier", timeout, |req| unsafe { ffi::MPI_Ibarrier(self.raw(), req) })
     }
 
     fn gather(
@@ -439,13 +436,12 @@ impl NativeCollectives for MpiTransport {
         timeout: Duration,
     ) -> Result<(), PeerError> {
         let n = count(input.len(), "MPI_Igather")?;
+        // The receive buffer is used at the root only.
         let out = output.map_or(std::ptr::null_mut(), |o| o.as_mut_ptr() as *mut c_void);
-        let mut req = Self::new_request();
-        // SAFETY: `input` and the root's output outlive the request, completed in `wait`;
-        // the receive buffer is read by MPI at the root only.
-        let rc = unsafe {
+        let inp = input.as_ptr() as *const c_void;
+        self.call(&format!("MPI_Igather to rank {root}"), timeout, |req| unsafe {
             ffi::MPI_Igather(
-                input.as_ptr() as *const c_void,
+                inp,
                 n,
                 bytes_type(),
                 out,
@@ -453,11 +449,9 @@ impl NativeCollectives for MpiTransport {
                 bytes_type(),
                 root as c_int,
                 self.raw(),
-                &mut req,
+                req,
             )
-        };
-        self.check(rc, "MPI_Igather")?;
-        self.wait(&mut [req], &format!("MPI_Igather to rank {root}"), timeout)
+        })
     }
 
     fn scatter(
@@ -468,23 +462,21 @@ impl NativeCollectives for MpiTransport {
         timeout: Duration,
     ) -> Result<(), PeerError> {
         let n = count(output.len(), "MPI_Iscatter")?;
+        // The send buffer is used at the root only.
         let inp = input.map_or(std::ptr::null(), |i| i.as_ptr() as *const c_void);
-        let mut req = Self::new_request();
-        // SAFETY: as for gather, mirrored.
-        let rc = unsafe {
+        let out = output.as_mut_ptr() as *mut c_void;
+        self.call(&format!("MPI_Iscatter from rank {root}"), timeout, |req| unsafe {
             ffi::MPI_Iscatter(
                 inp,
                 n,
                 bytes_type(),
-                output.as_mut_ptr() as *mut c_void,
+                out,
                 n,
                 bytes_type(),
                 root as c_int,
                 self.raw(),
-                &mut req,
+                req,
             )
-        };
-        self.check(rc, "MPI_Iscatter")?;
-        self.wait(&mut [req], &format!("MPI_Iscatter from rank {root}"), timeout)
+        })
     }
 }
