@@ -151,7 +151,7 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(out, "# tandem benchmarks\n");
     let _ = writeln!(
         out,
-        "Measured on {} by `tandem bench report`{}. Regenerate on your machine with one command:\n\n```sh\n{REGENERATE}\n```\n",
+        "Measured on {} by `tandem bench report`{}. Regenerate on your machine with one command:\n\n```sh\n{REGENERATE}\n```\n\n(With `--features mpi` after `-p tandem-cli` and OpenMPI installed, the all_reduce table also measures the MPI backend.)\n",
         m.date_utc,
         if r.quick { " --quick (a small smoke-test version: few sizes, few steps, small checkpoint)" } else { "" }
     );
@@ -276,8 +276,8 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(
         out,
         "f32 sum over {n} local ranks; busbw = algbw × 2(n−1)/n (nccl-tests convention), GB/s = 1e9 B/s. \
-         tandem: `tandem bench allreduce --nproc {n} --backend tcp|shm --json` (median per-iteration time of the \
-         slowest rank). Reference: memcpy of a buffer of the same size, measured by that same command before its \
+         tandem: `tandem bench allreduce --nproc {n} --backend tcp|shm|mpi --json` (median per-iteration time of the \
+         slowest rank; mpi: the ranks under mpirun, MPI's own all_reduce). Reference: memcpy of a buffer of the same size, measured by that same command before its \
          ranks start. gloo: `scripts/peers/torch_allreduce.py` (mean time; it takes whole MiB only and prints \
          GiB/s with two decimals, converted here). × PyTorch = tandem / gloo at the same size.\n",
         n = r.allreduce_nproc
