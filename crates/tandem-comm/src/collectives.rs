@@ -12,6 +12,15 @@ const BCAST_SEGMENT: usize = 256 << 10;
 
 pub(crate) type ReduceFn<'a> = &'a (dyn Fn(&mut [u8], &[u8]) + Sync);
 
+/// A reduction: the element type and operator (what a library such as MPI runs natively) and
+/// the byte-level function tandem's ring applies.
+#[derive(Clone, Copy)]
+pub(crate) struct Reduction<'a> {
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub f: ReduceFn<'a>,
+}
+
 pub(crate) struct Ctx<'a> {
     pub t: &'a mut dyn Transport,
     pub rank: usize,
@@ -97,49 +106,23 @@ impl Ctx<'_> {
         Ok(())
     }
 
-    /// The library's all_reduce where the transport has one for this type; `Ok(false)` when
-    /// tandem's ring must run instead.
-    pub fn native_all_reduce(
-        &mut self,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<bool, PeerError> {
-        let timeout = self.timeout;
-        match self.t.native() {
-            Some(n) if self.size > 1 => n.all_reduce(buf, dtype, op, timeout),
-            _ => Ok(false),
-        }
-    }
-
-    /// As [`Ctx::native_all_reduce`], for reduce_scatter.
-    pub fn native_reduce_scatter(
-        &mut self,
-        input: &[u8],
-        output: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<bool, PeerError> {
-        let timeout = self.timeout;
-        match self.t.native() {
-            Some(n) if self.size > 1 => n.reduce_scatter(input, output, dtype, op, timeout),
-            _ => Ok(false),
-        }
-    }
-
-    pub fn all_reduce(
-        &mut self,
-        buf: &mut [u8],
-        elem: usize,
-        f: ReduceFn<'_>,
-    ) -> Result<(), PeerError> {
+    /// The transport library's all_reduce where it has one for this type (MPI), else the ring
+    /// reduce-scatter + all-gather.
+    pub fn all_reduce(&mut self, buf: &mut [u8], r: Reduction<'_>) -> Result<(), PeerError> {
         if self.size == 1 || buf.is_empty() {
             return Ok(());
         }
+        let timeout = self.timeout;
+        if let Some(n) = self.t.native() {
+            if n.all_reduce(buf, r.dtype, r.op, timeout)? {
+                return Ok(());
+            }
+        }
+        let elem = r.dtype.size();
         let count = buf.len() / elem;
         let bounds: Vec<_> =
             (0..self.size).map(|i| bytes(chunk(count, self.size, i), elem)).collect();
-        self.ring_reduce_scatter(buf, &bounds, 1, elem, f)?;
+        self.ring_reduce_scatter(buf, &bounds, 1, elem, r.f)?;
         self.ring_all_gather(buf, &bounds, 1)
     }
 
@@ -148,17 +131,22 @@ impl Ctx<'_> {
         &mut self,
         input: &[u8],
         output: &mut [u8],
-        elem: usize,
-        f: ReduceFn<'_>,
+        r: Reduction<'_>,
     ) -> Result<(), PeerError> {
         let m = output.len();
         if self.size == 1 {
             output.copy_from_slice(input);
             return Ok(());
         }
+        let timeout = self.timeout;
+        if let Some(n) = self.t.native() {
+            if n.reduce_scatter(input, output, r.dtype, r.op, timeout)? {
+                return Ok(());
+            }
+        }
         let mut work = input.to_vec();
         let bounds: Vec<_> = (0..self.size).map(|i| i * m..(i + 1) * m).collect();
-        self.ring_reduce_scatter(&mut work, &bounds, 0, elem, f)?;
+        self.ring_reduce_scatter(&mut work, &bounds, 0, r.dtype.size(), r.f)?;
         output.copy_from_slice(&work[bounds[self.rank].clone()]);
         Ok(())
     }

@@ -3,7 +3,7 @@
 //! the optional desync check, and turning transport failures into errors that name the
 //! operation, its sequence number and the peer rank. After a failure the group is broken:
 //! later calls fail at once instead of running on desynchronised streams.
-use crate::collectives::{Ctx, ReduceFn};
+use crate::collectives::{Ctx, ReduceFn, Reduction};
 use crate::element::{reduce_bytes, DType, Element, ReduceOp};
 use crate::env::InitOptions;
 use crate::error::CommError;
@@ -368,12 +368,8 @@ impl ProcessGroup {
         let f = move |d: &mut [u8], s: &[u8]| reduce_bytes::<T>(op, d, s);
         let f: ReduceFn<'_> = &f;
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
-        self.collective(ticket, call, |c| {
-            if c.native_all_reduce(bytes, T::DTYPE, op)? {
-                return Ok(());
-            }
-            c.all_reduce(bytes, std::mem::size_of::<T>(), f)
-        })?;
+        let r = Reduction { dtype: T::DTYPE, op, f };
+        self.collective(ticket, call, |c| c.all_reduce(bytes, r))?;
         if op == ReduceOp::Avg {
             divide(buf, self.size());
         }
@@ -461,12 +457,8 @@ impl ProcessGroup {
         let f: ReduceFn<'_> = &f;
         let inb: &[u8] = bytemuck::cast_slice(input);
         let outb: &mut [u8] = bytemuck::cast_slice_mut(output);
-        self.collective(self.ticket(), call, |c| {
-            if c.native_reduce_scatter(inb, outb, T::DTYPE, op)? {
-                return Ok(());
-            }
-            c.reduce_scatter(inb, outb, std::mem::size_of::<T>(), f)
-        })?;
+        let r = Reduction { dtype: T::DTYPE, op, f };
+        self.collective(self.ticket(), call, |c| c.reduce_scatter(inb, outb, r))?;
         if op == ReduceOp::Avg {
             divide(output, n);
         }
