@@ -88,8 +88,8 @@ pub struct ZeroRedundancyOptimizer {
     comm: Arc<dyn GradComm>,
     params: Vec<Var>,
     partition: Partition,
-    /// Global indices of this rank's parameters (the local optimizer's order).
-    mine: Vec<usize>,
+    /// Global indices of each rank's parameters (computed once: the step broadcasts by them).
+    owned: Vec<Vec<usize>>,
     /// `None` on a rank that owns no parameter (more ranks than parameters).
     local: Option<ShardOptimizer>,
     consolidated: Option<Value>,
@@ -119,17 +119,23 @@ impl ZeroRedundancyOptimizer {
         }
         let numels: Vec<usize> = params.iter().map(|p| p.elem_count()).collect();
         let partition = Partition::new(&numels, comm.size());
-        let mine = partition.of(comm.rank());
+        let owned: Vec<Vec<usize>> = (0..comm.size()).map(|r| partition.of(r)).collect();
+        let mine = &owned[comm.rank()];
         let local = if mine.is_empty() {
             None
         } else {
             Some(make(mine.iter().map(|&i| params[i].clone()).collect())?)
         };
-        Ok(ZeroRedundancyOptimizer { comm, params, partition, mine, local, consolidated: None })
+        Ok(ZeroRedundancyOptimizer { comm, params, partition, owned, local, consolidated: None })
     }
 
     pub fn partition(&self) -> &Partition {
         &self.partition
+    }
+
+    /// Global indices of this rank's parameters (the local optimizer's order).
+    fn mine(&self) -> &[usize] {
+        &self.owned[self.comm.rank()]
     }
 
     /// Bytes of optimizer state tensors this rank holds (momentum buffers, Adam moments, ...).
@@ -143,12 +149,11 @@ impl ZeroRedundancyOptimizer {
     /// Every rank's updated shard to every rank: one broadcast per rank of its parameters,
     /// flattened.
     fn sync_params(&self) -> Result<(), OptimError> {
-        for r in 0..self.comm.size() {
-            let owned = self.partition.of(r);
+        for (r, owned) in self.owned.iter().enumerate() {
             let len: usize = owned.iter().map(|&i| self.params[i].elem_count()).sum();
             let mut flat = Vec::with_capacity(len);
             if r == self.comm.rank() {
-                for &i in &owned {
+                for &i in owned {
                     flat.extend(self.params[i].flatten_all()?.to_vec1::<f32>()?);
                 }
             } else {
@@ -157,7 +162,7 @@ impl ZeroRedundancyOptimizer {
             self.comm.broadcast(&mut flat, r).map_err(comm_error("parameter broadcast"))?;
             if r != self.comm.rank() {
                 let mut at = 0;
-                for &i in &owned {
+                for &i in owned {
                     let p = &self.params[i];
                     let n = p.elem_count();
                     let t =
@@ -179,7 +184,7 @@ impl ZeroRedundancyOptimizer {
                 ("param_groups", Value::List(vec![])),
             ]));
         };
-        relabel(&local.state_dict()?, &self.mine)
+        relabel(&local.state_dict()?, self.mine())
     }
 
     /// Gathers every rank's shard on rank `to`, whose [`TorchOptimizer::state_dict`] then
@@ -240,13 +245,13 @@ impl ZeroRedundancyOptimizer {
         let manifest = read_manifest(dir)?;
         check_shapes(&manifest, &self.params)?;
         let needed: std::collections::BTreeSet<usize> =
-            self.mine.iter().map(|&i| manifest.partition.owner[i]).collect();
+            self.mine().iter().map(|&i| manifest.partition.owner[i]).collect();
         let mut shards = Vec::new();
         for r in needed {
             shards.push(read_shard(dir, &manifest, r)?);
         }
         // Rank 0's file carries the hyperparameters even where it holds none of ours.
-        if shards.is_empty() || !self.mine.iter().any(|&i| manifest.partition.owner[i] == 0) {
+        if shards.is_empty() || !self.mine().iter().any(|&i| manifest.partition.owner[i] == 0) {
             shards.push(read_shard(dir, &manifest, 0)?);
         }
         let full = merge_shards(&shards, self.params.len())?;
@@ -256,7 +261,9 @@ impl ZeroRedundancyOptimizer {
     /// Loads this rank's part of a state dict over all parameters (entries of other ranks'
     /// parameters may be absent).
     fn load_full(&mut self, full: &Value) -> Result<(), OptimError> {
-        let Some(local) = &mut self.local else { return Ok(()) };
+        if self.local.is_none() {
+            return Ok(());
+        }
         let groups = full
             .get("param_groups")
             .and_then(Value::as_list)
@@ -280,18 +287,22 @@ impl ZeroRedundancyOptimizer {
             .and_then(Value::as_dict)
             .ok_or_else(|| OptimError::state("state", "missing or not a dict"))?;
         let mut local_state = Vec::new();
-        for (j, &g) in self.mine.iter().enumerate() {
+        for (j, &g) in self.mine().iter().enumerate() {
             if let Some((_, v)) = state.iter().find(|(k, _)| k.as_int() == Some(g as i64)) {
                 local_state.push((Value::Int(j as i64), v.clone()));
             }
         }
         let mut group = groups[0].clone();
-        group.insert("params", Value::List((0..self.mine.len() as i64).map(Value::Int).collect()));
+        group
+            .insert("params", Value::List((0..self.mine().len() as i64).map(Value::Int).collect()));
         let sd = Value::dict_from([
             ("state", Value::Dict(local_state)),
             ("param_groups", Value::List(vec![group])),
         ]);
-        local.load_state_dict(&sd)
+        match &mut self.local {
+            Some(local) => local.load_state_dict(&sd),
+            None => Ok(()),
+        }
     }
 }
 
