@@ -4,6 +4,7 @@
 //! The benchmarks need rank 0's stdout as a stream, so they spawn directly rather than through
 //! tandem-launch's supervisor.
 use std::ffi::OsStr;
+use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -12,6 +13,19 @@ use anyhow::Context;
 /// The ranks of one benchmark job on this host.
 pub struct LocalRanks {
     children: Vec<Child>,
+}
+
+/// What every rank of job `job` gets, however it is started: this executable, and the store
+/// port, run id and init timeout.
+fn job_basics(job: &str) -> anyhow::Result<(PathBuf, [(&'static str, String); 3])> {
+    let port = tandem_launch::pick_master_port().context("picking a port for rank 0's store")?;
+    let exe = std::env::current_exe().context("locating the tandem executable")?;
+    let vars = [
+        ("MASTER_PORT", port.to_string()),
+        ("TANDEM_RUN_ID", format!("{job}-{}", std::process::id())),
+        ("TANDEM_INIT_TIMEOUT", "60".to_string()),
+    ];
+    Ok((exe, vars))
 }
 
 impl LocalRanks {
@@ -24,9 +38,7 @@ impl LocalRanks {
         args: &[S],
         env: &[(&str, Option<String>)],
     ) -> anyhow::Result<(LocalRanks, ChildStdout)> {
-        let port =
-            tandem_launch::pick_master_port().context("picking a port for rank 0's store")?;
-        let exe = std::env::current_exe().context("locating the tandem executable")?;
+        let (exe, job_vars) = job_basics(job)?;
         let mut ranks = LocalRanks { children: Vec::with_capacity(nproc) };
         for rank in 0..nproc {
             let mut cmd = Command::new(&exe);
@@ -36,9 +48,7 @@ impl LocalRanks {
                 .env("LOCAL_RANK", rank.to_string())
                 .env("LOCAL_WORLD_SIZE", nproc.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("TANDEM_RUN_ID", format!("{job}-{}", std::process::id()))
-                .env("TANDEM_INIT_TIMEOUT", "60")
+                .envs(job_vars.iter().map(|(k, v)| (k, v)))
                 .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
                 .stderr(Stdio::inherit());
             for (key, value) in env {
@@ -63,20 +73,13 @@ impl LocalRanks {
         args: &[S],
         env: &[(&str, Option<String>)],
     ) -> anyhow::Result<(LocalRanks, ChildStdout)> {
-        let port =
-            tandem_launch::pick_master_port().context("picking a port for rank 0's store")?;
-        let exe = std::env::current_exe().context("locating the tandem executable")?;
+        let (exe, job_vars) = job_basics(job)?;
         let mut cmd = Command::new("mpirun");
         // --allow-run-as-root: CI and containers run as root; --oversubscribe: more ranks
         // than cores is allowed, as for the other backends.
         cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", &nproc.to_string()]);
-        let mut pass = vec![
-            ("MASTER_PORT".to_string(), port.to_string()),
-            ("TANDEM_RUN_ID".to_string(), format!("{job}-{}", std::process::id())),
-            ("TANDEM_INIT_TIMEOUT".to_string(), "60".to_string()),
-        ];
-        pass.extend(env.iter().filter_map(|(k, v)| Some((k.to_string(), v.clone()?))));
-        for (k, v) in &pass {
+        let given = env.iter().filter_map(|(k, v)| Some((*k, v.clone()?)));
+        for (k, v) in job_vars.into_iter().chain(given) {
             cmd.env(k, v).arg("-x").arg(k);
         }
         for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"] {
