@@ -84,9 +84,6 @@ fn launch_ranks(mut cfg: TrainConfig) -> anyhow::Result<i32> {
     lc.prefix_output = false;
     lc.stdout_passthrough_local_rank = Some(0);
     lc.extra_env.push((WORKER_MARK.into(), "1".into()));
-    if let Some(t) = cfg.backend.transport_env() {
-        lc.extra_env.push(("TANDEM_TRANSPORT".into(), t.into()));
-    }
     // launch() prints the failure summary (rank, exit code or signal, stderr tail) itself.
     let outcome = tandem_launch::launch(&lc).context("starting the training ranks")?;
     Ok(outcome.exit_code)

@@ -35,18 +35,8 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// The value of `TANDEM_TRANSPORT` this backend asks the process group for.
-    pub fn transport_env(self) -> Option<&'static str> {
-        match self {
-            Backend::Auto => None,
-            Backend::Tcp => Some("tcp"),
-            Backend::Shm => Some("shm"),
-            Backend::Mpi => Some("mpi"),
-            Backend::Nccl => Some("nccl"),
-        }
-    }
-
-    /// The transport the process group is asked for (`None`: its own choice).
+    /// The transport the process group is asked for (`None`: its own choice). Each rank's
+    /// worker applies it, under tandem's own launcher or any other.
     pub fn transport(self) -> Option<tandem_comm::TransportKind> {
         use tandem_comm::TransportKind;
         match self {
