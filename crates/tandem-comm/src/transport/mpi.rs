@@ -299,10 +299,8 @@ impl Transport for MpiTransport {
             (None, None) => return Ok(()),
         };
         self.wait(&mut reqs, &what, timeout)?;
-        if let Some(Recv::Reduce { dst, elem, f }) = recv {
-            for (d, s) in dst.chunks_mut(elem * 4096).zip(scratch.chunks(elem * 4096)) {
-                f(d, s);
-            }
+        if let Some(Recv::Reduce { dst, f, .. }) = recv {
+            f(dst, &scratch);
         }
         Ok(())
     }
