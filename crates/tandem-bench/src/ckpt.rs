@@ -1,9 +1,17 @@
 //! `tandem bench ckpt`: save and load throughput of a state dict of `--size-mib` MiB for tandem
 //! (.pt and safetensors) beside `dd conv=fsync` of the same size and, when a Python with torch is
-//! found, `torch.save` (+ fsync, as tandem's save syncs) and `torch.load(mmap=True)`, all measured
-//! in this run in the same directory. Prints min and median over `--repeat` runs and the ratios
-//! the targets are stated in. The page cache is not dropped: loads right after saves are warm for
-//! every contender alike.
+//! found, `torch.save` (+ fsync, as tandem's save syncs), `torch.load(mmap=True)` and a plain
+//! `torch.load` (every byte read), all measured in this run in the same directory. Prints min and
+//! median over `--repeat` runs and the ratios the targets are stated in. The page cache is not
+//! dropped: loads right after saves are warm for every contender alike.
+//!
+//! A full read (`.pt (read)`) copies the file into memory the process has not used yet, so it
+//! pays for the kernel zeroing — and, in a virtual machine that hands idle memory back to its
+//! host (virtio-balloon free page reporting), the host backing — every new page. `fresh memory
+//! (first touch)` measures that cost alone: writing every byte of a new buffer of the same size,
+//! kept alive during the full read so the read cannot reuse its pages. `.pt (read, memory
+//! reused)` is a second full read right after the first, into the pages the first freed: the
+//! read's own speed once the memory is there.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -79,6 +87,31 @@ fn dd(path: &Path, mib: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Seconds `dd` takes to read `path` (page cache warm) to /dev/null in 1 MiB blocks, from dd's own
+/// transfer line, so that starting the process is not counted.
+fn dd_read(path: &Path) -> anyhow::Result<f64> {
+    let out = Command::new("dd")
+        .arg(format!("if={}", path.display()))
+        .args(["of=/dev/null", "bs=1M"])
+        .env("LC_ALL", "C")
+        .output()
+        .context("running dd")?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        bail!("dd (read) failed: {stderr}");
+    }
+    dd_seconds(&stderr)
+        .filter(|s| *s > 0.0)
+        .with_context(|| format!("dd (read) printed no transfer time: {stderr}"))
+}
+
+/// Seconds from dd's transfer line ("... copied, 0.0512 s, 5.2 GB/s").
+fn dd_seconds(stderr: &str) -> Option<f64> {
+    let after =
+        stderr.lines().rev().find_map(|l| l.split_once(" copied, ").map(|(_, rest)| rest))?;
+    after.split_whitespace().next()?.parse().ok()
+}
+
 const TORCH_SCRIPT: &str = r#"
 import json, os, sys, time, torch
 d, total, n, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -95,13 +128,23 @@ for _ in range(reps):
     x = torch.load(p, mmap=True, weights_only=True)
     load = time.perf_counter() - t
     del x
-    print(json.dumps({"save": save, "load": load}), flush=True)
+    t = time.perf_counter()
+    x = torch.load(p, weights_only=True)
+    load_read = time.perf_counter() - t
+    del x
+    print(json.dumps({"save": save, "load": load, "load_read": load_read}), flush=True)
 os.remove(p)
 "#;
 
-/// One torch.save (+ fsync) and torch.load(mmap=True) of the same shapes, timed inside Python
-/// (interpreter start and tensor creation are not timed).
-fn torch_once(py: &Path, dir: &Path, total: usize, tensors: usize) -> anyhow::Result<(f64, f64)> {
+/// Seconds of one torch.save (+ fsync), torch.load(mmap=True) and plain torch.load of the same
+/// shapes, timed inside Python (interpreter start and tensor creation are not timed).
+struct TorchTimes {
+    save: f64,
+    load_mmap: f64,
+    load_read: f64,
+}
+
+fn torch_once(py: &Path, dir: &Path, total: usize, tensors: usize) -> anyhow::Result<TorchTimes> {
     let out = Command::new(py)
         .args(["-c", TORCH_SCRIPT])
         .arg(dir)
@@ -114,10 +157,22 @@ fn torch_once(py: &Path, dir: &Path, total: usize, tensors: usize) -> anyhow::Re
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text.lines().last().context("torch benchmark printed nothing")?;
     let j: serde_json::Value = serde_json::from_str(line)?;
-    match (j["save"].as_f64(), j["load"].as_f64()) {
-        (Some(s), Some(l)) => Ok((s, l)),
+    match (j["save"].as_f64(), j["load"].as_f64(), j["load_read"].as_f64()) {
+        (Some(save), Some(load_mmap), Some(load_read)) => {
+            Ok(TorchTimes { save, load_mmap, load_read })
+        }
         _ => bail!("torch benchmark printed {line}"),
     }
+}
+
+/// A new anonymous mapping of `len` bytes, advised to use huge pages as the full read's buffer is,
+/// with every byte written once.
+fn touch_fresh_memory(len: usize) -> anyhow::Result<memmap2::MmapMut> {
+    let mut map = memmap2::MmapMut::map_anon(len).context("mapping fresh memory")?;
+    #[cfg(target_os = "linux")]
+    let _ = map.advise(memmap2::Advice::HugePage);
+    map.fill(1);
+    Ok(std::hint::black_box(map))
 }
 
 fn stats(v: &[f64], bytes: f64) -> (f64, f64) {
@@ -150,7 +205,10 @@ fn run(args: &Args, dir: &Path) -> anyhow::Result<i32> {
         ("tandem save .pt", vec![]),
         ("tandem save .safetensors", vec![]),
         ("tandem load .pt (mmap)", vec![]),
+        ("dd (read, warm cache)", vec![]),
+        ("fresh memory (first touch)", vec![]),
         ("tandem load .pt (read)", vec![]),
+        ("tandem load .pt (read, memory reused)", vec![]),
         ("tandem load .safetensors", vec![]),
     ];
     let python = find_python(args.python.clone());
@@ -158,41 +216,56 @@ fn run(args: &Args, dir: &Path) -> anyhow::Result<i32> {
         Some(py) => eprintln!("torch runs with {}", py.display()),
         None => eprintln!("no Python with torch found: torch rows skipped"),
     }
-    let mut torch_times = python.as_ref().map(|_| (vec![], vec![]));
-    // Contenders alternate within each run, so slow phases of the shared disk hit all of them.
+    let mut torch_times: Option<Vec<TorchTimes>> = python.as_ref().map(|_| vec![]);
+    let no_mmap = tandem_ckpt::LoadOptions { mmap: false, ..Default::default() };
     for r in 0..args.repeat {
         eprintln!("run {}/{}", r + 1, args.repeat);
-        if let (Some(py), Some((s, l))) = (&python, &mut torch_times) {
-            let (ts, tl) = torch_once(py, dir, total, args.tensors)?;
-            s.push(ts);
-            l.push(tl);
+        if let (Some(py), Some(times)) = (&python, &mut torch_times) {
+            times.push(torch_once(py, dir, total, args.tensors)?);
         }
-        rows[0].1.push(time(|| dd(&ddf, args.size_mib))?);
-        std::fs::remove_file(&ddf).ok();
-        rows[1].1.push(time(|| Ok(tandem_ckpt::save(&pt, &sd)?))?);
-        rows[2].1.push(time(|| Ok(tandem_ckpt::safetensors::save(&st, &sd)?))?);
+        // The writers take turns going first: on a shared disk the first writer after a pause
+        // is measurably faster, and a fixed order would hand that to one of them.
+        for i in 0..3 {
+            match (i + r) % 3 {
+                0 => {
+                    rows[0].1.push(time(|| dd(&ddf, args.size_mib))?);
+                    std::fs::remove_file(&ddf).ok();
+                }
+                1 => rows[1].1.push(time(|| Ok(tandem_ckpt::save(&pt, &sd)?))?),
+                _ => rows[2].1.push(time(|| Ok(tandem_ckpt::safetensors::save(&st, &sd)?))?),
+            }
+        }
         rows[3].1.push(time(|| Ok(tandem_ckpt::load(&pt)?))?);
-        let no_mmap = tandem_ckpt::LoadOptions { mmap: false, ..Default::default() };
-        rows[4].1.push(time(|| Ok(tandem_ckpt::load_with(&pt, &no_mmap)?))?);
-        rows[5].1.push(time(|| Ok(tandem_ckpt::safetensors::load(&st)?))?);
+        // Times of whole-file reads are scaled to the tensor bytes, as every other row is.
+        let file_len = std::fs::metadata(&pt).context("reading the .pt file's size")?.len();
+        let per_tensor_byte = total as f64 / file_len as f64;
+        rows[4].1.push(dd_read(&pt)? * per_tensor_byte);
+        let mut held = None;
+        let secs = time(|| Ok(held = Some(touch_fresh_memory(file_len as usize)?)))?;
+        rows[5].1.push(secs * per_tensor_byte);
+        rows[6].1.push(time(|| Ok(tandem_ckpt::load_with(&pt, &no_mmap)?))?);
+        drop(held);
+        rows[7].1.push(time(|| Ok(tandem_ckpt::load_with(&pt, &no_mmap)?))?);
+        rows[8].1.push(time(|| Ok(tandem_ckpt::safetensors::load(&st)?))?);
+        std::fs::remove_file(&pt).ok();
+        std::fs::remove_file(&st).ok();
     }
-    std::fs::remove_file(&pt).ok();
-    std::fs::remove_file(&st).ok();
     let mut torch_rows: Vec<(&str, Vec<f64>)> = vec![];
-    if let Some((s, l)) = torch_times {
-        torch_rows.push(("torch.save + fsync", s));
-        torch_rows.push(("torch.load(mmap=True)", l));
+    if let Some(times) = torch_times {
+        torch_rows.push(("torch.save + fsync", times.iter().map(|t| t.save).collect()));
+        torch_rows.push(("torch.load(mmap=True)", times.iter().map(|t| t.load_mmap).collect()));
+        torch_rows.push(("torch.load (read)", times.iter().map(|t| t.load_read).collect()));
     }
     println!(
         "checkpoint of {} MiB ({} tensors), {} runs; throughput in MiB/s",
         args.size_mib, args.tensors, args.repeat
     );
-    println!("{:<28} {:>10} {:>10}", "", "min", "median");
+    println!("{:<40} {:>10} {:>10}", "", "min", "median");
     let mut med = std::collections::HashMap::new();
     for (name, v) in rows.iter().chain(torch_rows.iter()) {
         let (mn, md) = stats(v, bytes);
         med.insert(*name, md);
-        println!("{name:<28} {mn:>10.0} {md:>10.0}");
+        println!("{name:<40} {mn:>10.0} {md:>10.0}");
     }
     let ratio = |a: &str, b: &str| med.get(a).zip(med.get(b)).map(|(x, y)| x / y);
     println!("ratios of medians:");
@@ -201,10 +274,26 @@ fn run(args: &Args, dir: &Path) -> anyhow::Result<i32> {
         ("tandem save .safetensors", "dd conv=fsync (write)", ">= 0.80"),
         ("tandem save .pt", "torch.save + fsync", ">= 1.00"),
         ("tandem load .pt (mmap)", "torch.load(mmap=True)", ">= 1.00"),
+        ("tandem load .pt (read)", "torch.load (read)", ">= 1.00"),
+        ("tandem load .pt (read)", "dd (read, warm cache)", ">= 0.50"),
+        ("tandem load .pt (read, memory reused)", "dd (read, warm cache)", ">= 0.50"),
+        ("fresh memory (first touch)", "dd (read, warm cache)", "-"),
     ] {
         if let Some(r) = ratio(a, b) {
             println!("  {a} / {b}: {r:.2} (target {target})");
         }
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_dd_transfer_time() {
+        let err = "2048+0 records in\n2048+0 records out\n8388608 bytes (8.4 MB, 8.0 MiB) copied, 0.00312 s, 2.7 GB/s\n";
+        assert_eq!(dd_seconds(err), Some(0.00312));
+        assert_eq!(dd_seconds("dd: error"), None);
+    }
 }

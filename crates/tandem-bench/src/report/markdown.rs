@@ -95,6 +95,23 @@ fn headline(
     torch: &str,
     torch_missing: bool,
 ) -> String {
+    let mut h = against_reference(row, unit, reference);
+    if let Some(Figure::Measured(_)) = row.map(|r| &r.figure) {
+        match row.and_then(Row::over_torch) {
+            Some(t) => {
+                let _ = write!(h, ", {}× {torch}", ratio(t));
+            }
+            None if torch_missing => {
+                h.push_str(&format!(" ({torch}: {})", super::torch::UNAVAILABLE))
+            }
+            None => h.push_str(&format!(" ({torch}: not measured)")),
+        }
+    }
+    h
+}
+
+/// "median unit = ratio× reference", or why the row has no figure.
+fn against_reference(row: Option<&Row>, unit: &str, reference: &str) -> String {
     let Some(row) = row else { return "not measured".into() };
     match &row.figure {
         Figure::Missing(why) => why.clone(),
@@ -102,15 +119,6 @@ fn headline(
             let mut h = format!("{} {unit}", sig(s.median));
             if let Some(r) = row.over_reference() {
                 let _ = write!(h, " = {}× {reference}", ratio(r));
-            }
-            match row.over_torch() {
-                Some(t) => {
-                    let _ = write!(h, ", {}× {torch}", ratio(t));
-                }
-                None if torch_missing => {
-                    h.push_str(&format!(" ({torch}: {})", super::torch::UNAVAILABLE))
-                }
-                None => h.push_str(&format!(" ({torch}: not measured)")),
             }
             h
         }
@@ -211,12 +219,24 @@ pub fn render(r: &Report) -> String {
     );
     let _ = writeln!(
         out,
-        "- checkpoint load, tandem .pt (read, every byte): {}",
+        "- checkpoint load, tandem .pt (read, every byte, into new memory): {}; writing new memory alone: {}",
         headline(
             r.ckpt.find("load", "tandem .pt (read)"),
             "GB/s",
             "dd",
-            "torch.load(mmap=True)",
+            "torch.load (read)",
+            nt
+        ),
+        against_reference(r.ckpt.find("load", "fresh memory (first touch)"), "GB/s", "dd")
+    );
+    let _ = writeln!(
+        out,
+        "- checkpoint load, tandem .pt (read, every byte, into memory the process used before): {}",
+        headline(
+            r.ckpt.find("load", "tandem .pt (read, memory reused)"),
+            "GB/s",
+            "dd",
+            "torch.load (read)",
             nt
         )
     );
@@ -325,14 +345,22 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(out, "## Checkpoint save / load\n");
     let _ = writeln!(
         out,
-        "A state dict of {mib} MiB of f32 tensors, saved and loaded in the same directory. tandem and torch \
-         rows: `tandem bench ckpt --repeat 1` per run (saves include fsync; torch.load uses mmap=True). \
-         References: for saves `dd if=/dev/zero bs=1M conv=fsync` of the same size (from that command), \
-         for loads `dd of=/dev/null bs=1M` of a file just written (page cache warm, as for every load here; \
-         measured by the report). × PyTorch = tandem / torch.save (saves) or torch.load (loads). \
-         Caution: the mmap loads (tandem .pt (mmap), safetensors, torch.load(mmap=True)) map the file and \
-         touch tensor bytes only on first use, so figures far above dd's read speed measure how little they \
-         read, not a read bandwidth; `tandem .pt (read)` reads every byte. The plot's axis is logarithmic.\n",
+        "A state dict of {mib} MiB of f32 tensors, saved and loaded in the same directory, all rows \
+         from `tandem bench ckpt --repeat 1` per run (the three writers take turns going first; saves \
+         include fsync). References: for saves `dd if=/dev/zero bs=1M conv=fsync` of the same size, \
+         for loads `dd of=/dev/null bs=1M` of the .pt file just written (page cache warm, as for every \
+         load here; dd reuses one 1 MiB buffer). × PyTorch compares like with like: saves with \
+         torch.save, full reads with a plain torch.load, mapped loads with torch.load(mmap=True).\n\n\
+         A full read copies the file into memory the process has not used yet, and pays for the \
+         kernel zeroing — and in a virtual machine that returns idle memory to its host, the host \
+         backing — each new page before a byte is copied. `fresh memory (first touch)` is that cost \
+         alone: writing every byte of a new buffer of the file's size (huge-page advised, as the read's \
+         buffer), measured just before the full read and held during it so the read cannot reuse its \
+         pages. `tandem .pt (read, memory reused)` is a second full read right after the first, into \
+         the pages the first one freed. Caution: the mmap loads (tandem .pt (mmap), safetensors, \
+         torch.load(mmap=True)) map the file and touch tensor bytes only on first use, so figures far \
+         above dd's read speed measure how little they read, not a read bandwidth. The plot's axis is \
+         logarithmic.\n",
         mib = r.ckpt_mib
     );
     let _ = writeln!(out, "![checkpoint throughput](ckpt_throughput.png)\n");

@@ -2,13 +2,13 @@
 //! other, so a busy phase of the machine hits all of them alike; tandem's figures come from the
 //! `tandem bench ...` subcommands of this same executable, PyTorch's from the peer scripts.
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 
-use super::child::{output_of, stdout_of};
+use super::child::stdout_of;
 use super::stats::Figure;
 use super::table::{Row, Table};
 use super::torch::{self, Torch, UNAVAILABLE};
@@ -454,21 +454,25 @@ pub fn ddp(ctx: &mut Ctx, repeats: usize, w: &Workload) -> Table {
     Table { unit: "samples/s", reference_name: "plain", rows }
 }
 
-const CKPT_ROWS: [(&str, &str, &str); 8] = [
+const CKPT_ROWS: [(&str, &str, &str); 12] = [
     // (name printed by `tandem bench ckpt`, case, contender in the report)
     ("dd conv=fsync (write)", "save", "dd conv=fsync (write)"),
     ("tandem save .pt", "save", "tandem .pt"),
     ("tandem save .safetensors", "save", "tandem safetensors"),
     ("torch.save + fsync", "save", "torch.save + fsync"),
-    ("tandem load .pt (mmap)", "load", "tandem .pt (mmap)"),
+    (DD_READ, "load", DD_READ),
+    ("fresh memory (first touch)", "load", "fresh memory (first touch)"),
     ("tandem load .pt (read)", "load", "tandem .pt (read)"),
+    ("torch.load (read)", "load", "torch.load (read)"),
+    ("tandem load .pt (read, memory reused)", "load", "tandem .pt (read, memory reused)"),
+    ("tandem load .pt (mmap)", "load", "tandem .pt (mmap)"),
     ("tandem load .safetensors", "load", "tandem safetensors"),
     ("torch.load(mmap=True)", "load", "torch.load(mmap=True)"),
 ];
 const DD_READ: &str = "dd (read, warm cache)";
 
-/// Checkpoint save/load GB/s: tandem .pt and safetensors, torch.save / torch.load, dd (write:
-/// the save reference, measured by `tandem bench ckpt`; read: the load reference, measured here).
+/// Checkpoint save/load GB/s: tandem .pt and safetensors, torch.save / torch.load, and the
+/// references dd write (saves) and dd read (loads), all measured by `tandem bench ckpt`.
 pub fn ckpt(ctx: &mut Ctx, plan: &Plan) -> Table {
     let mut samples: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut err: Option<String> = None;
@@ -501,13 +505,6 @@ pub fn ckpt(ctx: &mut Ctx, plan: &Plan) -> Table {
                 err.get_or_insert(why);
             }
         }
-        match dd_read(&dir, plan.ckpt_mib) {
-            Ok(v) => samples.entry(DD_READ).or_default().push(v),
-            Err(e) => {
-                let why = ctx.note(e);
-                err.get_or_insert(why);
-            }
-        }
     }
     std::fs::remove_dir_all(&dir).ok();
     let fig = |samples: &BTreeMap<&str, Vec<f64>>, name: &str, torch_row: bool| -> Figure {
@@ -523,33 +520,31 @@ pub fn ckpt(ctx: &mut Ctx, plan: &Plan) -> Table {
             .median()
     };
     let (save_ref, load_ref) = (med("dd conv=fsync (write)"), med(DD_READ));
-    let torch_ok = ctx.torch.is_ok();
-    let (torch_save, torch_load) = if torch_ok {
-        (med("torch.save + fsync"), med("torch.load(mmap=True)"))
-    } else {
-        (None, None)
+    // Each tandem row is compared with torch doing the same: a save, a full read, a mapped load.
+    let torch_peer = |bench_name: &str| -> Option<f64> {
+        let peer = if bench_name.starts_with("tandem save") {
+            "torch.save + fsync"
+        } else if bench_name.starts_with("tandem load .pt (read") {
+            "torch.load (read)"
+        } else if bench_name.starts_with("tandem load") {
+            "torch.load(mmap=True)"
+        } else {
+            return None;
+        };
+        ctx.torch.is_ok().then(|| med(peer)).flatten()
     };
-    let mut rows = Vec::new();
-    let mut push = |bench_name: &str, case: &str, contender: &str| {
-        let is_torch = bench_name.starts_with("torch");
-        let (reference, torch) =
-            if case == "save" { (save_ref, torch_save) } else { (load_ref, torch_load) };
-        rows.push(Row {
-            x: rows.len() as f64,
-            case: case.into(),
-            contender: contender.into(),
-            figure: fig(&samples, bench_name, is_torch),
-            reference,
-            torch: if is_torch || bench_name.starts_with("dd") { None } else { torch },
-        });
-    };
-    for (bench_name, case, contender) in CKPT_ROWS.iter().take(4) {
-        push(bench_name, case, contender);
-    }
-    push(DD_READ, "load", DD_READ);
-    for (bench_name, case, contender) in CKPT_ROWS.iter().skip(4) {
-        push(bench_name, case, contender);
-    }
+    let rows = CKPT_ROWS
+        .iter()
+        .enumerate()
+        .map(|(i, (bench_name, case, contender))| Row {
+            x: i as f64,
+            case: case.to_string(),
+            contender: contender.to_string(),
+            figure: fig(&samples, bench_name, bench_name.starts_with("torch")),
+            reference: if *case == "save" { save_ref } else { load_ref },
+            torch: torch_peer(bench_name),
+        })
+        .collect();
     Table { unit: "GB/s", reference_name: "dd", rows }
 }
 
@@ -570,35 +565,6 @@ fn parse_ckpt(out: &str) -> anyhow::Result<Vec<(&'static str, f64)>> {
         bail!("bench ckpt: no 'tandem save .pt' row in its output:\n{out}");
     }
     Ok(rows)
-}
-
-/// Seconds from dd's own transfer line ("... copied, 0.0512 s, 5.2 GB/s"), so that starting the
-/// dd process is not counted against it.
-fn dd_seconds(stderr: &str) -> Option<f64> {
-    let after =
-        stderr.lines().rev().find_map(|l| l.split_once(" copied, ").map(|(_, rest)| rest))?;
-    after.split_whitespace().next()?.parse().ok()
-}
-
-/// GB/s of `dd` reading a just-written file of `mib` MiB to /dev/null (page cache warm, as the
-/// loads it is the reference for).
-fn dd_read(dir: &Path, mib: usize) -> anyhow::Result<f64> {
-    let file = dir.join("dd-read.bin");
-    let of = format!("of={}", file.display());
-    let count = format!("count={mib}");
-    let mut write = Command::new("dd");
-    write.args(["if=/dev/zero", &of, "bs=1M", &count, "conv=fsync", "status=none"]);
-    stdout_of(&mut write, Duration::from_secs(600), "dd (writing the read-reference file)")?;
-    let mut read = Command::new("dd");
-    read.args([&format!("if={}", file.display()), "of=/dev/null", "bs=1M"]).env("LC_ALL", "C");
-    let start = Instant::now();
-    let res = output_of(&mut read, Duration::from_secs(600), "dd (read)");
-    let wall = start.elapsed().as_secs_f64();
-    std::fs::remove_file(&file).ok();
-    let (_, stderr) = res?;
-    // A dd without the transfer line (not GNU coreutils): fall back to the wall time.
-    let secs = dd_seconds(&stderr).filter(|s| *s > 0.0).unwrap_or(wall);
-    Ok((mib * MIB) as f64 / secs / 1e9)
 }
 
 #[cfg(test)]
@@ -623,13 +589,6 @@ tandem load .pt (mmap)            2000       2000\nratios of medians:\n  tandem 
         assert_eq!(parse_allreduce(out).unwrap(), vec![(4, 0.001, 1.5)]);
         assert!(parse_allreduce("{\"size_bytes\":4}").is_err());
         assert!(parse_allreduce("").is_err());
-    }
-
-    #[test]
-    fn reads_dd_transfer_time() {
-        let err = "2048+0 records in\n2048+0 records out\n8388608 bytes (8.4 MB, 8.0 MiB) copied, 0.00312 s, 2.7 GB/s\n";
-        assert_eq!(dd_seconds(err), Some(0.00312));
-        assert_eq!(dd_seconds("dd: error"), None);
     }
 
     #[test]
