@@ -3,6 +3,7 @@
 //! flat f32 buffers in ready order; `params`/`hook`/`ddp` are the candle adapter that feeds it.
 //! Collectives come through the `comm::GradComm` trait (implemented for tandem-comm's
 //! `ProcessGroup`); this crate knows nothing of sockets, launchers or checkpoint file formats.
+pub mod amp;
 pub mod metrics;
 pub mod optim;
 pub mod sched;
