@@ -110,6 +110,7 @@ fn run_once(
                 rng: Value::None,
                 world_size: 1,
                 config: Value::None,
+                scaler: Value::None,
             }
             .to_value()?;
             times.copy.push(copying.elapsed().as_secs_f64());

@@ -29,11 +29,14 @@ pub struct TrainingCheckpoint {
     pub rng: Value,
     pub world_size: i64,
     pub config: Value,
+    /// `GradScaler.state_dict()` of a float16 mixed-precision run (torch's recipe saves it
+    /// under `scaler`); `Value::None` otherwise, and then not written.
+    pub scaler: Value,
 }
 
 impl TrainingCheckpoint {
     pub fn to_value(&self) -> Result<Value> {
-        Ok(Value::dict_from([
+        let mut v = Value::dict_from([
             ("epoch", Value::Int(self.epoch)),
             ("global_step", Value::Int(self.global_step)),
             ("model", canonicalize_keys(&self.model)?),
@@ -44,7 +47,13 @@ impl TrainingCheckpoint {
             ("world_size", Value::Int(self.world_size)),
             ("config", self.config.clone()),
             ("tandem_version", Value::Str(env!("CARGO_PKG_VERSION").to_string())),
-        ]))
+        ]);
+        if !matches!(self.scaler, Value::None) {
+            if let Value::Dict(items) = &mut v {
+                items.push((Value::Str("scaler".into()), self.scaler.clone()));
+            }
+        }
+        Ok(v)
     }
 
     /// Reads the fields back; a missing or mistyped field is an error naming it.
@@ -72,6 +81,7 @@ impl TrainingCheckpoint {
             rng: v.get("rng").cloned().unwrap_or(Value::None),
             world_size: int("world_size")?,
             config: v.get("config").cloned().unwrap_or(Value::None),
+            scaler: v.get("scaler").cloned().unwrap_or(Value::None),
         })
     }
 }
@@ -382,6 +392,7 @@ mod tests {
             rng: Value::Bytes(vec![1, 2, 3]),
             world_size: 4,
             config: Value::dict_from([("lr", Value::Float(0.1))]),
+            scaler: Value::None,
         };
         let m = CheckpointManager::new(dir.path(), 1);
         m.save("epoch-3", &t.to_value().unwrap()).unwrap();

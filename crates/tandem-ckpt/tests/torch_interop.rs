@@ -128,6 +128,7 @@ fn tandem_to_torch(python: &Path, dir: &Path) {
         rng: Value::dict_from([("seed", Value::Int(0))]),
         world_size: 2,
         config: Value::dict_from([("lr", Value::Float(0.1))]),
+        scaler: Value::None,
     };
     let from_ddp = mgr.save("step-10", &ckpt.to_value().unwrap()).unwrap();
     // The DDP-named state dict was saved with canonical keys.

@@ -575,3 +575,70 @@ fn zero_sharded_optimizer_trains_the_same_weights_and_resumes_anywhere() {
         assert_eq!(ck.get("world_size").and_then(|v| v.as_int()), Some(ranks.parse().unwrap()));
     }
 }
+
+/// `--precision bf16|f16`: the MLP computes in 16 bits over float32 weights (the weights differ
+/// from a float32 run's but learn as well); f16 runs a GradScaler whose state is in every
+/// checkpoint and continues on resume; a float32 checkpoint resumed with f16 says it starts a
+/// fresh scale; models without 16-bit kernels are refused naming the flag.
+#[test]
+fn mixed_precision_trains_and_its_grad_scaler_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let mut finals = Vec::new();
+    for precision in ["f32", "bf16", "f16"] {
+        let o = run(&[
+            "train",
+            "--precision",
+            precision,
+            "--steps",
+            "48",
+            "--out",
+            &path(precision),
+            "--save-final",
+            &path(&format!("{precision}.pt")),
+        ]);
+        let kv = final_line(&o.stdout);
+        let acc: f64 = get(&kv, "eval_accuracy").parse().unwrap();
+        assert!(acc >= 0.85, "--precision {precision}: eval accuracy {acc} after 2 epochs");
+        let w = weights(Path::new(&path(&format!("{precision}.pt"))));
+        assert!(w.iter().all(|(_, t)| t.dtype == tandem_ckpt::DType::F32), "{precision}");
+        let ck = tandem_ckpt::load(get(&kv, "checkpoint")).unwrap();
+        finals.push((w, ck, String::from_utf8_lossy(&o.stdout).to_string()));
+    }
+    let (f32w, f32ck, _) = &finals[0];
+    let (bf16w, _, _) = &finals[1];
+    let (_, f16ck, f16out) = &finals[2];
+    assert_ne!(f32w, bf16w, "bf16 computation left the weights bit-identical to float32's");
+    assert!(f32ck.get("scaler").is_none(), "a float32 run has no scaler state");
+    assert!(f16out.contains("loss_scale="), "{f16out}");
+    let scaler = f16ck.get("scaler").expect("the f16 checkpoint holds the GradScaler");
+    let num = |v: &tandem_ckpt::Value, k: &str| match v.get(k) {
+        Some(tandem_ckpt::Value::Float(f)) => *f,
+        Some(tandem_ckpt::Value::Int(i)) => *i as f64,
+        other => panic!("scaler `{k}`: {other:?}"),
+    };
+    assert_eq!(num(scaler, "growth_interval"), 2000.0);
+    let (scale, tracker) = (num(scaler, "scale"), num(scaler, "_growth_tracker"));
+    assert!(scale > 0.0 && (1.0..=48.0).contains(&tracker), "scale {scale}, tracker {tracker}");
+
+    // Resumed for 12 more steps, the scaler continues from the checkpoint (this run skips no
+    // step: the tracker adds up).
+    let o =
+        run(&["train", "--precision", "f16", "--steps", "60", "--out", &path("f16"), "--resume"]);
+    let ck = tandem_ckpt::load(get(&final_line(&o.stdout), "checkpoint")).unwrap();
+    let after = ck.get("scaler").unwrap();
+    assert_eq!(num(after, "scale"), scale);
+    assert_eq!(num(after, "_growth_tracker"), tracker + 12.0);
+    // A float32 checkpoint resumed in f16: a fresh scaler, said so.
+    let o =
+        run(&["train", "--precision", "f16", "--steps", "50", "--out", &path("f32"), "--resume"]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains("no GradScaler state"), "{stderr}");
+
+    let o = output_with_deadline(
+        tandem().args(["train", "--precision", "bf16", "--model", "cnn", "--out", &path("cnn")]),
+        LIMIT,
+    );
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && stderr.contains("--precision bf16"), "{stderr}");
+}

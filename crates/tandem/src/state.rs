@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use tandem_ckpt::{CheckpointManager, TrainingCheckpoint, Value};
 use tandem_comm::ProcessGroup;
 use tandem_data::{DataLoader, Dataset, SamplerState};
+use tandem_ddp::amp::GradScaler;
 use tandem_ddp::optim::TorchOptimizer;
 use tandem_ddp::sched::LrScheduler;
 use tandem_ddp::weights::{load_weights_from, state_dict_value};
@@ -64,13 +65,27 @@ pub struct TrainingState<'a> {
     pub optimizer: &'a mut dyn TorchOptimizer,
     pub scheduler: Option<&'a mut dyn LrScheduler>,
     pub loader: Option<&'a mut dyn LoaderPosition>,
+    /// The loss scaler of float16 mixed-precision training.
+    pub scaler: Option<&'a mut GradScaler>,
     pub step: u64,
     pub epoch: u64,
 }
 
 impl<'a> TrainingState<'a> {
     pub fn new(model: &'a dyn ParamModule, optimizer: &'a mut dyn TorchOptimizer) -> Self {
-        TrainingState { model, optimizer, scheduler: None, loader: None, step: 0, epoch: 0 }
+        TrainingState {
+            model,
+            optimizer,
+            scheduler: None,
+            loader: None,
+            scaler: None,
+            step: 0,
+            epoch: 0,
+        }
+    }
+    pub fn scaler(mut self, scaler: &'a mut GradScaler) -> Self {
+        self.scaler = Some(scaler);
+        self
     }
     pub fn scheduler(mut self, scheduler: &'a mut dyn LrScheduler) -> Self {
         self.scheduler = Some(scheduler);
@@ -142,6 +157,12 @@ pub fn load_state(
         }
         s.load_state_dict(&ck.scheduler).map_err(|e| field("scheduler", e.to_string()))?;
     }
+    if let Some(s) = state.scaler.as_deref_mut() {
+        if ck.scaler == Value::None {
+            return Err(field("scaler", "missing (saved without a GradScaler)".into()));
+        }
+        s.load_state_dict(&ck.scaler).map_err(|e| field("scaler", e.to_string()))?;
+    }
     if let Some(l) = state.loader.as_deref_mut() {
         let pos = sampler_state_from_value(&ck.sampler).map_err(|p| field("sampler", p))?;
         l.set_position(&pos).map_err(|e| field("sampler", e.to_string()))?;
@@ -168,6 +189,7 @@ fn to_value(state: &TrainingState<'_>, world_size: usize) -> Result<Value, State
         rng: Value::None,
         world_size: world_size as i64,
         config: Value::None,
+        scaler: state.scaler.as_deref().map_or(Value::None, |s| s.state_dict()),
     };
     Ok(ck.to_value()?)
 }

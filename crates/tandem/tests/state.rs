@@ -121,3 +121,47 @@ fn another_model_is_refused_naming_file_and_field_and_an_empty_dir_is_a_fresh_st
     let err = load_state(dir.path(), &mut st).unwrap_err().to_string();
     assert!(err.contains("field `scheduler`: missing"), "{err}");
 }
+
+/// A GradScaler handed to TrainingState is saved and restored with the rest; asked for but not
+/// in the file, it is named.
+#[test]
+fn a_grad_scaler_is_saved_and_restored() {
+    use tandem::ddp::amp::{GradScaler, GradScalerConfig};
+    let group = tandem::comm::init_from(&tandem::comm::InitMethod::Single).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = run(&group, 16);
+    let mut scaler = GradScaler::new(GradScalerConfig {
+        init_scale: 256.0,
+        growth_interval: 5,
+        ..Default::default()
+    })
+    .unwrap();
+    // Three clean steps and a skipped one: scale 128, tracker 0 after the skip; then two clean.
+    let var = r.opt.params()[0].clone();
+    for bad in [false, false, false, true, false, false] {
+        let mut g = candle_core::backprop::GradStore::default();
+        let v = if bad { f32::INFINITY } else { 0.0 };
+        g.insert(
+            var.as_tensor(),
+            var.as_tensor().ones_like().unwrap().affine(0.0, v as f64).unwrap(),
+        );
+        scaler.step(&mut r.opt, &mut g).unwrap();
+        scaler.update().unwrap();
+    }
+    assert_eq!((scaler.get_scale(), scaler.growth_tracker()), (128.0, 2));
+    let st = TrainingState::new(&*r.ddp, &mut r.opt).scaler(&mut scaler).step(6);
+    save_state(&group, dir.path(), &st).unwrap();
+
+    let mut fresh = GradScaler::new(GradScalerConfig::default()).unwrap();
+    let mut r2 = run(&group, 16);
+    let mut st = TrainingState::new(&*r2.ddp, &mut r2.opt).scaler(&mut fresh);
+    load_state(dir.path(), &mut st).unwrap().expect("a checkpoint");
+    assert_eq!((fresh.get_scale(), fresh.growth_tracker()), (128.0, 2));
+    assert_eq!(fresh.state_dict(), scaler.state_dict());
+
+    let other = tempfile::tempdir().unwrap();
+    save_state(&group, other.path(), &TrainingState::new(&*r.ddp, &mut r.opt)).unwrap();
+    let mut st = TrainingState::new(&*r2.ddp, &mut r2.opt).scaler(&mut fresh);
+    let err = load_state(other.path(), &mut st).unwrap_err().to_string();
+    assert!(err.contains("field `scaler`: missing"), "{err}");
+}

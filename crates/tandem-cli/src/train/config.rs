@@ -21,6 +21,19 @@ pub enum ModelKind {
     Resnet18,
 }
 
+/// What the model computes in; parameters and optimizer state stay float32 either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    F32,
+    /// bf16 autocast: layers compute in bf16 over float32 weights (no loss scaling needed).
+    Bf16,
+    /// f16 autocast with a GradScaler: dynamic loss scale, steps with inf/NaN gradients
+    /// skipped, the scaler's state in every checkpoint.
+    F16,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
@@ -142,6 +155,10 @@ pub struct TrainConfig {
     #[arg(long = "export-onnx", value_name = "FILE")]
     #[serde(default)]
     pub export_onnx: Option<PathBuf>,
+    /// Mixed precision (PyTorch's autocast + GradScaler recipe); --model mlp only.
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    #[serde(default)]
+    pub precision: Precision,
     /// Collective backend.
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
     pub backend: Backend,
@@ -173,6 +190,13 @@ impl TrainConfig {
         }
         if self.sync_batchnorm && self.model != ModelKind::Resnet18 {
             bail!("--sync-batchnorm needs --model resnet18 (the model whose BatchNorm layers can synchronise)");
+        }
+        if self.precision != Precision::F32 && self.model != ModelKind::Mlp {
+            bail!(
+                "--precision {}: mixed precision is supported for --model mlp only (the cnn and \
+                 resnet18 convolution kernels compute in f32)",
+                format!("{:?}", self.precision).to_lowercase()
+            );
         }
         if self.keep_last == 0 {
             bail!("--keep-last must be at least 1");
@@ -254,6 +278,7 @@ impl TrainConfig {
         }
         push("--backend", format!("{:?}", self.backend).to_lowercase());
         push("--comm-hook", self.comm_hook.clone());
+        push("--precision", format!("{:?}", self.precision).to_lowercase());
         if self.no_shuffle {
             a.push("--no-shuffle".into());
         }

@@ -30,6 +30,8 @@ pub struct NetSpec {
     pub hidden: usize,
     pub width: usize,
     pub seed: u64,
+    /// What the layers compute in (mixed precision; the MLP only).
+    pub compute_dtype: DType,
 }
 
 /// The `[channels, height, width]` of square images with one or three channels, from the
@@ -51,7 +53,10 @@ impl Net {
     /// (64 → 1x8x8 digits, 784 → 1x28x28 MNIST, 3072 → 3x32x32 CIFAR-10).
     pub fn build(spec: &NetSpec, input_dim: usize, classes: usize) -> anyhow::Result<Net> {
         let dev = Device::Cpu;
-        let NetSpec { kind, hidden, width, seed } = *spec;
+        let NetSpec { kind, hidden, width, seed, compute_dtype } = *spec;
+        if compute_dtype != DType::F32 && kind != ModelKind::Mlp {
+            anyhow::bail!("{kind:?} computes in f32 only (mixed precision is for the MLP)");
+        }
         Ok(match kind {
             ModelKind::Resnet18 => {
                 if input_dim != 3 * 32 * 32 {
@@ -70,7 +75,10 @@ impl Net {
                     training: AtomicBool::new(true),
                 }))
             }
-            ModelKind::Mlp => Net::Mlp(Mlp::new(&[input_dim, hidden, classes], seed, &dev)?),
+            ModelKind::Mlp => Net::Mlp(
+                Mlp::new(&[input_dim, hidden, classes], seed, &dev)?
+                    .with_compute_dtype(compute_dtype),
+            ),
             ModelKind::Cnn => {
                 let Some((channels, side, _)) = image_shape(input_dim) else {
                     anyhow::bail!(

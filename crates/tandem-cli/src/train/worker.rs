@@ -14,11 +14,12 @@ use tandem_data::{
     channel_stats, CropFlip, DataLoader, Dataset, DistributedSampler, EvalMetrics, ImageTransforms,
     InMemoryDataset, LoaderOptions, SamplerState, Transformed,
 };
+use tandem_ddp::amp::{GradScaler, GradScalerConfig};
 use tandem_ddp::{Ddp, DdpOptions, ParamModule};
 
 use tandem::state::{sampler_state_from_value, sampler_value};
 
-use super::config::TrainConfig;
+use super::config::{Precision, TrainConfig};
 use super::model::{image_shape, Net, NetSpec};
 use super::optimizer::TrainOptimizer;
 use super::tfevents::EventWriter;
@@ -49,7 +50,18 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
 
     let (train, eval) = tandem_data::datasets::from_spec(&cfg.data)
         .with_context(|| format!("loading --data {}", cfg.data))?;
-    let spec = NetSpec { kind: cfg.model, hidden: cfg.hidden, width: cfg.width, seed: cfg.seed };
+    let compute_dtype = match cfg.precision {
+        Precision::F32 => candle_core::DType::F32,
+        Precision::Bf16 => candle_core::DType::BF16,
+        Precision::F16 => candle_core::DType::F16,
+    };
+    let spec = NetSpec {
+        kind: cfg.model,
+        hidden: cfg.hidden,
+        width: cfg.width,
+        seed: cfg.seed,
+        compute_dtype,
+    };
     let net = Net::build(&spec, train.input_dim(), train.num_classes())?;
     if cfg.sync_batchnorm {
         // The ResNet is a VarMap model: Ddp reduces its buckets after backward, so the
@@ -71,6 +83,12 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     }
     let params = ddp.module().named_parameters().into_iter().map(|(_, v)| v).collect();
     let mut opt = TrainOptimizer::new(cfg, params, &group)?;
+    // float16 needs loss scaling (its range is narrow); bf16 has float32's range and does not.
+    let mut scaler = match cfg.precision {
+        Precision::F16 => Some(GradScaler::new(GradScalerConfig::default())?),
+        _ => None,
+    };
+    let mut skipped_steps: u64 = 0;
 
     let sampler = DistributedSampler::builder(train.len())
         .group(&group)
@@ -104,6 +122,22 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
                 loader.load_state(&position).with_context(|| {
                     format!("{}: checkpoint `sampler` does not fit this run", path.display())
                 })?;
+                match (scaler.as_mut(), &ck.scaler) {
+                    (Some(s), Value::None) => {
+                        if rank == 0 {
+                            eprintln!(
+                                "{}: no GradScaler state (written without --precision f16); the \
+                                 loss scale starts at {}",
+                                path.display(),
+                                s.get_scale()
+                            );
+                        }
+                    }
+                    (Some(s), state) => s
+                        .load_state_dict(state)
+                        .with_context(|| format!("GradScaler state in {}", path.display()))?,
+                    (None, _) => {}
+                }
                 global_step = ck.global_step as u64;
                 if rank == 0 {
                     eprintln!(
@@ -153,10 +187,13 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     let mut save = |name: &str,
                     loader: &DataLoader<TrainData>,
                     opt: &mut TrainOptimizer,
+                    scaler: &Option<GradScaler>,
                     step: u64|
      -> anyhow::Result<Option<PathBuf>> {
         let optimizer = opt.checkpoint_state(rank)?;
-        let value = checkpoint_value(&ddp.module(), optimizer, loader.state(), step, world, cfg)?;
+        let scaler = scaler.as_ref().map_or(Value::None, GradScaler::state_dict);
+        let state = CheckpointState { optimizer, scaler, sampler: loader.state(), step };
+        let value = checkpoint_value(&ddp.module(), state, world, cfg)?;
         saver.save(rank, name, value, &group)
     };
 
@@ -176,8 +213,20 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
             taken += 1;
             let batch = batch?;
             let loss = ddp.loss(&batch.x, &batch.y)?;
-            let grads = ddp.backward(&loss)?;
-            opt.get_mut().step(&grads)?;
+            match scaler.as_mut() {
+                // torch's recipe: backward of the scaled loss, step (skipped on inf/NaN), update.
+                Some(s) => {
+                    let mut grads = ddp.backward(&s.scale(&loss)?)?;
+                    if !s.step(opt.get_mut(), &mut grads)? {
+                        skipped_steps += 1;
+                    }
+                    s.update()?;
+                }
+                None => {
+                    let grads = ddp.backward(&loss)?;
+                    opt.get_mut().step(&grads)?;
+                }
+            }
             global_step += 1;
             samples_seen += (batch.len() * world) as u64;
             loss_sum += loss.to_scalar::<f32>()? as f64 * batch.len() as f64;
@@ -187,9 +236,8 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
                 && global_step.is_multiple_of(cfg.save_every)
                 && global_step < max_steps
             {
-                last_ckpt =
-                    save(&format!("step-{global_step:08}"), &loader, &mut opt, global_step)?
-                        .or(last_ckpt);
+                let name = format!("step-{global_step:08}");
+                last_ckpt = save(&name, &loader, &mut opt, &scaler, global_step)?.or(last_ckpt);
             }
         }
         if taken == in_epoch {
@@ -206,8 +254,11 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         let train_loss = train_loss[0] / train_loss[1].max(1.0);
         let sps = samples_seen as f64 / train_time.max(1e-9);
         if rank == 0 {
+            let amp = scaler.as_ref().map_or(String::new(), |s| {
+                format!(" loss_scale={} skipped_steps={skipped_steps}", s.get_scale())
+            });
             progress.line(&format!(
-                "epoch {}/{} step {global_step} loss={train_loss:.4} eval_loss={:.4} eval_accuracy={:.4} samples/s={sps:.0} lr={}",
+                "epoch {}/{} step {global_step} loss={train_loss:.4} eval_loss={:.4} eval_accuracy={:.4} samples/s={sps:.0} lr={}{amp}",
                 epoch + 1,
                 cfg.epochs,
                 last_eval.mean_loss(),
@@ -233,14 +284,14 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         // (the final checkpoint is written below).
         let just_saved = cfg.save_every > 0 && global_step.is_multiple_of(cfg.save_every);
         if global_step < max_steps && (loader.epoch() as usize) < cfg.epochs && !just_saved {
-            last_ckpt = save(&format!("step-{global_step:08}"), &loader, &mut opt, global_step)?
-                .or(last_ckpt);
+            let name = format!("step-{global_step:08}");
+            last_ckpt = save(&name, &loader, &mut opt, &scaler, global_step)?.or(last_ckpt);
         }
     }
     progress.finish();
 
     let final_name = format!("step-{global_step:08}");
-    let written = save(&final_name, &loader, &mut opt, global_step)?;
+    let written = save(&final_name, &loader, &mut opt, &scaler, global_step)?;
     last_ckpt = written.or(last_ckpt);
     saver.finish(rank, &group)?;
     if let Some(path) = &cfg.save_final {
@@ -419,14 +470,22 @@ fn save_weights(net: &Net, path: &Path) -> anyhow::Result<()> {
         .with_context(|| format!("saving weights to {}", path.display()))
 }
 
-fn checkpoint_value(
-    net: &Net,
+/// The training state a checkpoint holds beside the model.
+struct CheckpointState {
     optimizer: Value,
+    /// The GradScaler's state (`Value::None` without --precision f16).
+    scaler: Value,
     sampler: SamplerState,
     step: u64,
+}
+
+fn checkpoint_value(
+    net: &Net,
+    state: CheckpointState,
     world: usize,
     cfg: &TrainConfig,
 ) -> anyhow::Result<Value> {
+    let CheckpointState { optimizer, scaler, sampler, step } = state;
     let ck = TrainingCheckpoint {
         epoch: sampler.epoch as i64,
         global_step: step as i64,
@@ -438,6 +497,7 @@ fn checkpoint_value(
         rng: Value::dict_from([("seed", Value::Int(cfg.seed as i64))]),
         world_size: world as i64,
         config: Value::Str(cfg.to_toml()?),
+        scaler,
     };
     Ok(ck.to_value()?)
 }

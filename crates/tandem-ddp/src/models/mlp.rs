@@ -14,6 +14,8 @@ use crate::params::ParamSet;
 pub struct Mlp {
     dims: Vec<usize>,
     params: ParamSet,
+    /// The dtype the layers compute in (autocast); parameters stay float32.
+    compute_dtype: DType,
 }
 
 impl Mlp {
@@ -32,7 +34,20 @@ impl Mlp {
             named.push((format!("fc{}.weight", i + 1), weight));
             named.push((format!("fc{}.bias", i + 1), bias));
         }
-        Ok(Mlp { dims: dims.to_vec(), params: ParamSet::new(named) })
+        Ok(Mlp { dims: dims.to_vec(), params: ParamSet::new(named), compute_dtype: DType::F32 })
+    }
+
+    /// Computes the layers in `dtype` (bf16 or f16) over the float32 parameters, as under
+    /// `torch.autocast`: input, weights and biases are cast on every forward (the casts are
+    /// differentiable, so gradients arrive in float32) and the logits come back as float32 for
+    /// the loss.
+    pub fn with_compute_dtype(mut self, dtype: DType) -> Self {
+        self.compute_dtype = dtype;
+        self
+    }
+
+    pub fn compute_dtype(&self) -> DType {
+        self.compute_dtype
     }
 
     pub fn dims(&self) -> &[usize] {
@@ -41,17 +56,19 @@ impl Mlp {
 
     /// Logits `[batch, classes]` for `x: [batch, in]` (other shapes are flattened from dim 1).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let dt = self.compute_dtype;
         let mut h = if x.rank() == 2 { x.clone() } else { x.flatten_from(1)? };
+        h = h.to_dtype(dt)?;
         let layers = self.dims.len() - 1;
         for l in 0..layers {
-            let w = self.params.get(2 * l)?;
-            let b = self.params.get(2 * l + 1)?;
+            let w = self.params.get(2 * l)?.to_dtype(dt)?;
+            let b = self.params.get(2 * l + 1)?.to_dtype(dt)?;
             h = linear(&h, &w, Some(&b))?;
             if l + 1 < layers {
                 h = h.relu()?;
             }
         }
-        Ok(h)
+        h.to_dtype(DType::F32)
     }
 
     /// Mean cross-entropy of `forward(x)` against class indices `y` (u32 or i64), like
@@ -69,6 +86,7 @@ impl ParamModule for Mlp {
         Ok(Mlp {
             dims: self.dims.clone(),
             params: ParamSet::new(copy_vars(self.params.named(), device)?),
+            compute_dtype: self.compute_dtype,
         })
     }
 }
