@@ -36,6 +36,10 @@ pub struct Args {
     /// Python with torch (default: $TANDEM_PYTHON, ./.venv-torch/bin/python, python3).
     #[arg(long)]
     python: Option<PathBuf>,
+    /// Which writer goes first in the first run (0 dd, 1 .pt, 2 safetensors); later runs rotate.
+    /// The report runs one repetition per process and passes its run index.
+    #[arg(long, default_value_t = 0, hide = true)]
+    first_writer: usize,
 }
 
 fn find_python(explicit: Option<PathBuf>) -> Option<PathBuf> {
@@ -226,7 +230,7 @@ fn run(args: &Args, dir: &Path) -> anyhow::Result<i32> {
         // The writers take turns going first: on a shared disk the first writer after a pause
         // is measurably faster, and a fixed order would hand that to one of them.
         for i in 0..3 {
-            match (i + r) % 3 {
+            match (i + r + args.first_writer) % 3 {
                 0 => {
                     rows[0].1.push(time(|| dd(&ddf, args.size_mib))?);
                     std::fs::remove_file(&ddf).ok();

@@ -418,11 +418,27 @@ struct AutocastBackend {
 }
 
 impl AutocastBackend {
-    fn lock(&self) -> candle_core::Result<std::sync::MutexGuard<'_, HashMap<String, Var>>> {
-        self.vars
-            .data()
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("autocast: the VarMap's lock is poisoned".into()))
+    /// The master variable `name` on `dev`, cast to the compute dtype; its shape checked against
+    /// `shape` when the model states one.
+    fn cast_master(
+        &self,
+        name: &str,
+        shape: Option<&candle_core::Shape>,
+        dev: &candle_core::Device,
+    ) -> candle_core::Result<Tensor> {
+        let data = self.vars.data().lock().map_err(|_| {
+            candle_core::Error::Msg("autocast: the VarMap's lock is poisoned".into())
+        })?;
+        let Some(var) = data.get(name) else {
+            candle_core::bail!("autocast: no master variable `{name}` (build the model once from a VarBuilder over the VarMap first)")
+        };
+        if let Some(s) = shape.filter(|s| *s != var.shape()) {
+            candle_core::bail!(
+                "autocast: variable `{name}` has shape {:?}, the model asks for {s:?}",
+                var.shape()
+            )
+        }
+        var.as_tensor().to_device(dev)?.to_dtype(self.dtype)
     }
 }
 
@@ -435,17 +451,7 @@ impl SimpleBackend for AutocastBackend {
         _dtype: DType,
         dev: &candle_core::Device,
     ) -> candle_core::Result<Tensor> {
-        let data = self.lock()?;
-        let Some(var) = data.get(name) else {
-            candle_core::bail!("autocast: no master variable `{name}` (build the model once from a VarBuilder over the VarMap first)")
-        };
-        if var.shape() != &s {
-            candle_core::bail!(
-                "autocast: variable `{name}` has shape {:?}, the model asks for {s:?}",
-                var.shape()
-            )
-        }
-        var.as_tensor().to_device(dev)?.to_dtype(self.dtype)
+        self.cast_master(name, Some(&s), dev)
     }
 
     fn get_unchecked(
@@ -454,11 +460,7 @@ impl SimpleBackend for AutocastBackend {
         _dtype: DType,
         dev: &candle_core::Device,
     ) -> candle_core::Result<Tensor> {
-        let data = self.lock()?;
-        let Some(var) = data.get(name) else {
-            candle_core::bail!("autocast: no master variable `{name}`")
-        };
-        var.as_tensor().to_device(dev)?.to_dtype(self.dtype)
+        self.cast_master(name, None, dev)
     }
 
     fn contains_tensor(&self, name: &str) -> bool {

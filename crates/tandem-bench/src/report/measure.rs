@@ -487,6 +487,8 @@ pub fn ckpt(ctx: &mut Ctx, plan: &Plan) -> Table {
             plan.ckpt_tensors.to_string(),
         ];
         args.extend(["--repeat".into(), "1".into(), "--dir".into(), dir.display().to_string()]);
+        // One repetition per process: rotate which writer goes first across the runs.
+        args.extend(["--first-writer".into(), rep.to_string()]);
         if let Some(t) = ctx.torch() {
             args.extend(["--python".into(), t.python.display().to_string()]);
         }

@@ -23,7 +23,8 @@ pub fn register_font() -> anyhow::Result<()> {
 
 fn color(contender: &str) -> RGBColor {
     match contender {
-        c if c.starts_with("memcpy") || c.starts_with("dd") || c.starts_with("plain") => {
+        // References: grey.
+        c if ["memcpy", "dd", "plain", "fresh memory"].iter().any(|r| c.starts_with(r)) => {
             RGBColor(110, 110, 110)
         }
         c if c.contains("tcp") => RGBColor(31, 119, 180),
