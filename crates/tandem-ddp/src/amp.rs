@@ -87,7 +87,7 @@ impl Default for GradScalerConfig {
 impl GradScalerConfig {
     fn validate(&self) -> Result<(), AmpError> {
         let bad = |name, value: String, why| Err(AmpError::InvalidConfig { name, value, why });
-        if !(self.init_scale > 0.0 && (self.init_scale as f32).is_finite()) {
+        if !valid_scale(self.init_scale) {
             return bad(
                 "init_scale",
                 self.init_scale.to_string(),
@@ -189,18 +189,24 @@ impl GradScaler {
             return Ok(());
         }
         let params = optimizer.params();
-        let key = key_of(&params);
-        if self.stages.contains_key(&key) {
-            return Err(match self.stages[&key] {
+        if let Some(stage) = self.stages.get(&key_of(&params)) {
+            return Err(match stage {
                 Stage::Unscaled { .. } => AmpError::AlreadyUnscaled,
                 Stage::Stepped { .. } => AmpError::AlreadyStepped,
             });
         }
+        self.unscale_params(&params, grads)?;
+        Ok(())
+    }
+
+    /// Unscales the gradients of `params` and records the stage under their key; returns whether
+    /// any held an inf or NaN.
+    fn unscale_params(&mut self, params: &[Var], grads: &mut GradStore) -> Result<bool, AmpError> {
         // The reciprocal in f64, rounded to f32, as torch's `_scale.double().reciprocal().float()`.
         let inv_scale = (1.0 / self.scale as f64) as f32;
-        let found_inf = unscale_grads(&params, grads, inv_scale)?;
-        self.stages.insert(key, Stage::Unscaled { found_inf });
-        Ok(())
+        let found_inf = unscale_grads(params, grads, inv_scale)?;
+        self.stages.insert(key_of(params), Stage::Unscaled { found_inf });
+        Ok(found_inf)
     }
 
     /// Unscales (unless [`GradScaler::unscale_`] already did) and steps `optimizer` when no
@@ -214,13 +220,12 @@ impl GradScaler {
             optimizer.step(grads)?;
             return Ok(true);
         }
-        let key = key_of(&optimizer.params());
-        if !self.stages.contains_key(&key) {
-            self.unscale_(&*optimizer, grads)?;
-        }
-        let found_inf = match self.stages[&key] {
-            Stage::Stepped { .. } => return Err(AmpError::AlreadyStepped),
-            Stage::Unscaled { found_inf } => found_inf,
+        let params = optimizer.params();
+        let key = key_of(&params);
+        let found_inf = match self.stages.get(&key) {
+            None => self.unscale_params(&params, grads)?,
+            Some(Stage::Unscaled { found_inf }) => *found_inf,
+            Some(Stage::Stepped { .. }) => return Err(AmpError::AlreadyStepped),
         };
         if !found_inf {
             optimizer.step(grads)?;
@@ -265,7 +270,7 @@ impl GradScaler {
         if !self.cfg.enabled {
             return Ok(());
         }
-        if !(new_scale > 0.0 && (new_scale as f32).is_finite()) {
+        if !valid_scale(new_scale) {
             return Err(AmpError::InvalidConfig {
                 name: "new_scale",
                 value: new_scale.to_string(),
@@ -350,6 +355,11 @@ impl GradScaler {
         self.stages.clear();
         Ok(())
     }
+}
+
+/// A loss scale GradScaler can hold: positive and finite as a float32.
+fn valid_scale(v: f64) -> bool {
+    v > 0.0 && (v as f32).is_finite()
 }
 
 fn key_of(params: &[Var]) -> Vec<TensorId> {

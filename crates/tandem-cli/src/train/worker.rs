@@ -50,17 +50,12 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
 
     let (train, eval) = tandem_data::datasets::from_spec(&cfg.data)
         .with_context(|| format!("loading --data {}", cfg.data))?;
-    let compute_dtype = match cfg.precision {
-        Precision::F32 => candle_core::DType::F32,
-        Precision::Bf16 => candle_core::DType::BF16,
-        Precision::F16 => candle_core::DType::F16,
-    };
     let spec = NetSpec {
         kind: cfg.model,
         hidden: cfg.hidden,
         width: cfg.width,
         seed: cfg.seed,
-        compute_dtype,
+        compute_dtype: cfg.precision.compute_dtype(),
     };
     let net = Net::build(&spec, train.input_dim(), train.num_classes())?;
     if cfg.sync_batchnorm {
