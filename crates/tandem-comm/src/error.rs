@@ -70,6 +70,14 @@ pub enum CommError {
     #[error("rendezvous of group {group}: {reason}")]
     Rendezvous { group: String, reason: String },
 
+    /// A shared library (NCCL, the CUDA runtime) could not be loaded.
+    #[error("cannot load {library}{}: {hint}", if tried.is_empty() { String::new() } else { format!(" (tried {tried})") })]
+    Library { library: String, tried: String, hint: String },
+
+    /// NCCL or the CUDA runtime reported an error (or a device collective timed out).
+    #[error("{op}: {reason}")]
+    Nccl { op: &'static str, reason: String },
+
     /// A background operation panicked (a bug; reported instead of propagating the panic).
     #[error("{op}: internal error: {reason}")]
     Internal { op: &'static str, reason: String },

@@ -51,6 +51,9 @@ pub(crate) struct Inner {
     pub order: Arc<CallOrder>,
     pub state: Mutex<State>,
     pub _server: Option<Arc<StoreServer>>,
+    /// The group's NCCL communicator, made by the first `nccl()` call.
+    #[cfg(feature = "nccl")]
+    pub nccl: Mutex<Option<crate::nccl::NcclComm>>,
 }
 
 pub(crate) struct State {
@@ -194,6 +197,38 @@ impl ProcessGroup {
     pub fn store(&self) -> Option<&Store> {
         self.inner.store.as_ref()
     }
+    /// The group's NCCL communicator on CUDA device `device` (PyTorch's NCCL backend), made on
+    /// the first call — a collective call: every rank of the group must make it. Later calls
+    /// return the same communicator; asking for another device is an error.
+    #[cfg(feature = "nccl")]
+    pub fn nccl(&self, device: i32) -> Result<crate::nccl::NcclComm, CommError> {
+        let mut slot = self.inner.nccl.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = slot.as_ref() {
+            if c.device() != device {
+                return Err(CommError::invalid(
+                    "nccl",
+                    format!(
+                        "this group's communicator is on cuda:{}, not cuda:{device} (one device per rank)",
+                        c.device()
+                    ),
+                ));
+            }
+            return Ok(c.clone());
+        }
+        let comm = crate::nccl::NcclComm::new(
+            crate::nccl::Rendezvous {
+                store: self.inner.store.as_ref(),
+                prefix: self.inner.name.clone(),
+                rank: self.inner.rank,
+                size: self.inner.size,
+                timeout: self.timeout(),
+            },
+            device,
+        )?;
+        *slot = Some(comm.clone());
+        Ok(comm)
+    }
+
     /// Collectives fail when a peer makes no progress for `t` (default 10 s, TANDEM_TIMEOUT).
     pub fn set_timeout(&self, t: Duration) {
         self.inner.timeout_ms.store(t.as_millis().max(1) as u64, Ordering::Relaxed);

@@ -16,6 +16,8 @@ mod error;
 mod frame;
 mod group;
 mod hierarchy;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod order;
 #[doc(hidden)]
 pub mod procfs;

@@ -55,6 +55,8 @@ fn single(
             p2p_recvd: vec![0],
         }),
         _server: server,
+        #[cfg(feature = "nccl")]
+        nccl: Default::default(),
     })
 }
 
@@ -181,6 +183,8 @@ pub(crate) fn build_group(
             p2p_recvd: vec![0; size],
         }),
         _server: server,
+        #[cfg(feature = "nccl")]
+        nccl: Default::default(),
     }))
 }
 

@@ -1,0 +1,400 @@
+//! Finding and loading libnccl and the CUDA runtime when a group first needs them.
+//!
+//! Why not cudarc's `nccl` module: candle 0.11 builds cudarc with `dynamic-linking`, and cudarc
+//! refuses `dynamic-loading` beside it, so through cudarc every binary built with `cuda` would
+//! need libnccl at start-up (the dynamic loader's one-line error, no hint), and cudarc's own
+//! loader panics when a library is missing. Loading the few functions we call ourselves lets a
+//! build with `nccl` start anywhere, look where pip and Debian install NCCL (pip's wheel ships
+//! only `libnccl.so.2`), and say what to install. Signatures and constants are NCCL's and the
+//! CUDA runtime's public C API (nccl.h, cuda_runtime_api.h).
+use crate::error::CommError;
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+pub(crate) type RawComm = *mut c_void;
+pub(crate) type RawStream = *mut c_void;
+pub(crate) type RawEvent = *mut c_void;
+
+/// `ncclUniqueId`: 128 opaque bytes made by rank 0 and handed to every rank.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct UniqueId(pub [u8; 128]);
+
+/// `ncclConfig_t` as of NCCL 2.17 (the fields we set); newer NCCLs read `size` bytes of it and
+/// keep their defaults for the rest.
+#[repr(C)]
+pub(crate) struct Config {
+    size: usize,
+    magic: c_uint,
+    version: c_uint,
+    pub blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+}
+
+impl Config {
+    /// NCCL_CONFIG_INITIALIZER for the 2.17 layout: every field "undefined" (NCCL's default).
+    pub(crate) fn new() -> Config {
+        const UNDEF: c_int = c_int::MIN;
+        Config {
+            size: std::mem::size_of::<Config>(),
+            magic: 0xcafe_beef,
+            version: 21700,
+            blocking: UNDEF,
+            cga_cluster_size: UNDEF,
+            min_ctas: UNDEF,
+            max_ctas: UNDEF,
+            net_name: std::ptr::null(),
+            split_share: UNDEF,
+        }
+    }
+}
+
+pub(crate) const NCCL_SUCCESS: c_int = 0;
+pub(crate) const NCCL_IN_PROGRESS: c_int = 7;
+pub(crate) const CUDA_SUCCESS: c_int = 0;
+pub(crate) const CUDA_ERROR_NOT_READY: c_int = 600;
+const CUDA_STREAM_NON_BLOCKING: c_uint = 1;
+const CUDA_EVENT_DISABLE_TIMING: c_uint = 2;
+
+type CommOp = unsafe extern "C" fn(RawComm) -> c_int;
+
+/// The NCCL and CUDA runtime functions tandem calls, resolved once per process.
+pub(crate) struct Libraries {
+    pub nccl_path: String,
+    pub cudart_path: String,
+    pub get_version: unsafe extern "C" fn(*mut c_int) -> c_int,
+    pub get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> c_int,
+    pub comm_init_rank_config:
+        unsafe extern "C" fn(*mut RawComm, c_int, UniqueId, c_int, *mut Config) -> c_int,
+    pub comm_get_async_error: unsafe extern "C" fn(RawComm, *mut c_int) -> c_int,
+    pub comm_abort: CommOp,
+    pub all_reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        RawComm,
+        RawStream,
+    ) -> c_int,
+    pub broadcast: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        RawComm,
+        RawStream,
+    ) -> c_int,
+    pub all_gather:
+        unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, RawComm, RawStream) -> c_int,
+    pub reduce_scatter: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        RawComm,
+        RawStream,
+    ) -> c_int,
+    pub nccl_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
+    pub nccl_last_error: unsafe extern "C" fn(RawComm) -> *const c_char,
+    pub set_device: unsafe extern "C" fn(c_int) -> c_int,
+    pub stream_create: unsafe extern "C" fn(*mut RawStream, c_uint) -> c_int,
+    pub stream_destroy: unsafe extern "C" fn(RawStream) -> c_int,
+    pub stream_wait_event: unsafe extern "C" fn(RawStream, RawEvent, c_uint) -> c_int,
+    pub event_create: unsafe extern "C" fn(*mut RawEvent, c_uint) -> c_int,
+    pub event_record: unsafe extern "C" fn(RawEvent, RawStream) -> c_int,
+    pub event_query: unsafe extern "C" fn(RawEvent) -> c_int,
+    pub event_destroy: unsafe extern "C" fn(RawEvent) -> c_int,
+    pub malloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int,
+    pub free: unsafe extern "C" fn(*mut c_void) -> c_int,
+    pub cuda_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
+    // Keeps the symbols above valid for the life of the process.
+    _nccl: libloading::Library,
+    _cudart: libloading::Library,
+}
+
+/// The loaded libraries; the first failure is kept and returned to every later caller.
+pub(crate) fn libraries() -> Result<&'static Libraries, CommError> {
+    static LIBS: OnceLock<Result<Libraries, CommError>> = OnceLock::new();
+    match LIBS.get_or_init(load) {
+        Ok(l) => Ok(l),
+        Err(CommError::Library { library, tried, hint }) => Err(CommError::Library {
+            library: library.clone(),
+            tried: tried.clone(),
+            hint: hint.clone(),
+        }),
+        Err(other) => Err(CommError::Internal { op: "load NCCL", reason: other.to_string() }),
+    }
+}
+
+/// What was loaded: NCCL's version and the files NCCL and the CUDA runtime came from.
+#[derive(Clone, Debug)]
+pub struct NcclLibraryInfo {
+    /// `major * 10000 + minor * 100 + patch` (2.32.3 → 23203).
+    pub version: u32,
+    pub nccl: String,
+    pub cudart: String,
+}
+
+impl NcclLibraryInfo {
+    /// "2.32.3".
+    pub fn version_string(&self) -> String {
+        let v = self.version;
+        format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100)
+    }
+}
+
+/// Loads NCCL and the CUDA runtime (once per process) and says which; needs no GPU.
+pub fn nccl_library() -> Result<NcclLibraryInfo, CommError> {
+    let l = libraries()?;
+    let mut v = 0;
+    // SAFETY: ncclGetVersion writes one int.
+    check_nccl(l, "ncclGetVersion", unsafe { (l.get_version)(&mut v) })?;
+    Ok(NcclLibraryInfo {
+        version: v as u32,
+        nccl: l.nccl_path.clone(),
+        cudart: l.cudart_path.clone(),
+    })
+}
+
+fn load() -> Result<Libraries, CommError> {
+    let (nccl, nccl_path) = open_first(&NCCL)?;
+    let (cudart, cudart_path) = open_first(&CUDART)?;
+    // SAFETY: each symbol is looked up by its C name and given its C signature from the
+    // headers; the libraries stay loaded in the returned struct.
+    unsafe {
+        macro_rules! sym {
+            ($lib:expr, $path:expr, $name:literal) => {
+                *$lib.get(concat!($name, "\0").as_bytes()).map_err(|e| CommError::Library {
+                    library: $path.clone(),
+                    tried: String::new(),
+                    hint: format!("it has no symbol {}: {e} (too old?)", $name),
+                })?
+            };
+        }
+        Ok(Libraries {
+            get_version: sym!(nccl, nccl_path, "ncclGetVersion"),
+            get_unique_id: sym!(nccl, nccl_path, "ncclGetUniqueId"),
+            comm_init_rank_config: sym!(nccl, nccl_path, "ncclCommInitRankConfig"),
+            comm_get_async_error: sym!(nccl, nccl_path, "ncclCommGetAsyncError"),
+            comm_abort: sym!(nccl, nccl_path, "ncclCommAbort"),
+            all_reduce: sym!(nccl, nccl_path, "ncclAllReduce"),
+            broadcast: sym!(nccl, nccl_path, "ncclBroadcast"),
+            all_gather: sym!(nccl, nccl_path, "ncclAllGather"),
+            reduce_scatter: sym!(nccl, nccl_path, "ncclReduceScatter"),
+            nccl_error_string: sym!(nccl, nccl_path, "ncclGetErrorString"),
+            nccl_last_error: sym!(nccl, nccl_path, "ncclGetLastError"),
+            set_device: sym!(cudart, cudart_path, "cudaSetDevice"),
+            stream_create: sym!(cudart, cudart_path, "cudaStreamCreateWithFlags"),
+            stream_destroy: sym!(cudart, cudart_path, "cudaStreamDestroy"),
+            stream_wait_event: sym!(cudart, cudart_path, "cudaStreamWaitEvent"),
+            event_create: sym!(cudart, cudart_path, "cudaEventCreateWithFlags"),
+            event_record: sym!(cudart, cudart_path, "cudaEventRecord"),
+            event_query: sym!(cudart, cudart_path, "cudaEventQuery"),
+            event_destroy: sym!(cudart, cudart_path, "cudaEventDestroy"),
+            malloc: sym!(cudart, cudart_path, "cudaMalloc"),
+            free: sym!(cudart, cudart_path, "cudaFree"),
+            cuda_error_string: sym!(cudart, cudart_path, "cudaGetErrorString"),
+            nccl_path,
+            cudart_path,
+            _nccl: nccl,
+            _cudart: cudart,
+        })
+    }
+}
+
+/// Where one library is looked for and what to tell a user who has none.
+pub(crate) struct Search {
+    what: &'static str,
+    /// Names for the dynamic loader (LD_LIBRARY_PATH, the ld.so cache, the binary's RUNPATH).
+    sonames: &'static [&'static str],
+    /// Paths inside a Python `site-packages` where pip's NVIDIA wheels put the library.
+    pip_paths: &'static [&'static str],
+    /// An explicit file that replaces the whole search.
+    env_var: &'static str,
+    install: &'static str,
+}
+
+pub(crate) const NCCL: Search = Search {
+    what: "NCCL",
+    sonames: &["libnccl.so.2", "libnccl.so"],
+    pip_paths: &["nvidia/nccl/lib/libnccl.so.2"],
+    env_var: "TANDEM_NCCL_LIBRARY",
+    install: "install NCCL with `pip install nvidia-nccl-cu13` (or -cu12, to match your CUDA) or \
+              `apt install libnccl2`, or point TANDEM_NCCL_LIBRARY at libnccl.so.2",
+};
+
+const CUDART: Search = Search {
+    what: "the CUDA runtime",
+    sonames: &["libcudart.so.13", "libcudart.so.12", "libcudart.so"],
+    pip_paths: &["nvidia/cu13/lib/libcudart.so.13", "nvidia/cuda_runtime/lib/libcudart.so.12"],
+    env_var: "TANDEM_CUDART_LIBRARY",
+    install: "install it with `pip install nvidia-cuda-runtime` or the CUDA toolkit, or point \
+              TANDEM_CUDART_LIBRARY at libcudart.so",
+};
+
+/// Opens the first candidate of `s` that loads; the error lists every place tried and why each
+/// failed.
+pub(crate) fn open_first(s: &Search) -> Result<(libloading::Library, String), CommError> {
+    let mut tried = Vec::new();
+    for candidate in candidates(s) {
+        // SAFETY: loading runs the library's initialisers; NCCL's and cudart's are benign.
+        match unsafe { libloading::Library::new(&candidate) } {
+            Ok(lib) => return Ok((lib, candidate)),
+            Err(e) => tried.push(format!("{candidate} ({})", dlerror_text(&candidate, &e))),
+        }
+    }
+    Err(CommError::Library {
+        library: s.what.to_string(),
+        tried: tried.join(", "),
+        hint: s.install.to_string(),
+    })
+}
+
+/// dlerror's words for one candidate, without the candidate's name it repeats.
+fn dlerror_text(candidate: &str, e: &libloading::Error) -> String {
+    use std::error::Error;
+    let text = e.source().map_or_else(|| e.to_string(), |s| s.to_string());
+    text.strip_prefix(candidate).map_or(text.clone(), |t| t.trim_start_matches(": ").to_string())
+}
+
+fn candidates(s: &Search) -> Vec<String> {
+    if let Some(p) = std::env::var_os(s.env_var) {
+        return vec![p.to_string_lossy().into_owned()];
+    }
+    let mut out: Vec<String> = s.sonames.iter().map(|n| n.to_string()).collect();
+    for sp in site_packages() {
+        for rel in s.pip_paths {
+            let p = sp.join(rel);
+            if !out.iter().any(|o| Path::new(o) == p) {
+                out.push(p.to_string_lossy().into_owned());
+            }
+        }
+    }
+    out
+}
+
+/// Python `site-packages` directories where pip may have put NVIDIA's wheels: the active venv
+/// or conda env, the interpreter the tests use (TANDEM_PYTHON), the user's, the system's.
+fn site_packages() -> Vec<PathBuf> {
+    let mut roots: Vec<PathBuf> = Vec::new();
+    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
+        if let Some(v) = std::env::var_os(var) {
+            roots.push(PathBuf::from(v));
+        }
+    }
+    if let Some(py) = std::env::var_os("TANDEM_PYTHON") {
+        // <venv>/bin/python -> <venv>
+        if let Some(root) = Path::new(&py).parent().and_then(Path::parent) {
+            roots.push(root.to_path_buf());
+        }
+    }
+    if let Some(home) = std::env::var_os("HOME") {
+        roots.push(Path::new(&home).join(".local"));
+    }
+    roots.extend(["/usr/local", "/usr"].map(PathBuf::from));
+    let mut out = Vec::new();
+    for root in roots {
+        let Ok(entries) = std::fs::read_dir(root.join("lib")) else { continue };
+        let mut pythons: Vec<PathBuf> = entries
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
+            .map(|e| e.path())
+            .collect();
+        pythons.sort();
+        for py in pythons {
+            for sub in ["site-packages", "dist-packages"] {
+                let sp = py.join(sub);
+                if sp.is_dir() && !out.contains(&sp) {
+                    out.push(sp);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// An NCCL status as an error naming the call and NCCL's own words.
+pub(crate) fn check_nccl(l: &Libraries, call: &'static str, rc: c_int) -> Result<(), CommError> {
+    if rc == NCCL_SUCCESS || rc == NCCL_IN_PROGRESS {
+        return Ok(());
+    }
+    Err(CommError::Nccl { op: call, reason: nccl_reason(l, rc, std::ptr::null_mut()) })
+}
+
+pub(crate) fn nccl_reason(l: &Libraries, rc: c_int, comm: RawComm) -> String {
+    // SAFETY: both return static, NUL-terminated strings (or null).
+    let text = |p: *const c_char| {
+        (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    };
+    let base = text(unsafe { (l.nccl_error_string)(rc) }).unwrap_or_default();
+    match text(unsafe { (l.nccl_last_error)(comm) }).filter(|s| !s.is_empty()) {
+        Some(last) => format!("NCCL error {rc} ({base}): {last}"),
+        None => format!("NCCL error {rc} ({base})"),
+    }
+}
+
+/// A CUDA runtime status as an error naming the call and CUDA's own words.
+pub(crate) fn check_cuda(l: &Libraries, call: &'static str, rc: c_int) -> Result<(), CommError> {
+    if rc == CUDA_SUCCESS {
+        return Ok(());
+    }
+    // SAFETY: cudaGetErrorString returns a static string.
+    let p = unsafe { (l.cuda_error_string)(rc) };
+    let text = if p.is_null() {
+        String::new()
+    } else {
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into()
+    };
+    Err(CommError::Nccl { op: call, reason: format!("CUDA error {rc}: {text}") })
+}
+
+impl Libraries {
+    pub(crate) fn new_stream(&self) -> Result<RawStream, CommError> {
+        let mut s = std::ptr::null_mut();
+        // SAFETY: writes one stream handle.
+        check_cuda(self, "cudaStreamCreateWithFlags", unsafe {
+            (self.stream_create)(&mut s, CUDA_STREAM_NON_BLOCKING)
+        })?;
+        Ok(s)
+    }
+
+    pub(crate) fn new_event(&self) -> Result<RawEvent, CommError> {
+        let mut e = std::ptr::null_mut();
+        // SAFETY: writes one event handle.
+        check_cuda(self, "cudaEventCreateWithFlags", unsafe {
+            (self.event_create)(&mut e, CUDA_EVENT_DISABLE_TIMING)
+        })?;
+        Ok(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_library_names_every_place_tried_and_what_to_install() {
+        let s = Search {
+            what: "NCCL",
+            sonames: &["libtandem-no-such-nccl.so.2"],
+            pip_paths: &["nvidia/no-such/libnccl.so.2"],
+            env_var: "TANDEM_TEST_NO_SUCH_VAR",
+            install: NCCL.install,
+        };
+        let Err(err) = open_first(&s) else {
+            panic!("a library that does not exist must not load")
+        };
+        let msg = err.to_string();
+        assert!(msg.contains("libtandem-no-such-nccl.so.2"), "{msg}");
+        assert!(msg.contains("pip install nvidia-nccl-cu13"), "{msg}");
+        assert!(msg.contains("TANDEM_NCCL_LIBRARY"), "{msg}");
+    }
+}

@@ -1,0 +1,510 @@
+//! NCCL collectives on device buffers (feature `nccl`), for groups whose ranks each drive one
+//! GPU: PyTorch's NCCL process group behind tandem's `ProcessGroup` (`pg.nccl(device)`).
+//!
+//! - One communicator per group, made on first use: rank 0's `ncclUniqueId` goes through the
+//!   group's TCP store; every rank first checks in there, so a rank that never arrives is named
+//!   instead of NCCL's init hanging.
+//! - Collectives are ordered on the communicator's own stream: it waits (an event) for the
+//!   caller's stream, where the data was produced, and each call records a completion event
+//!   that its [`NcclWork`] waits on — on the host (`wait`) or on another stream (`wait_stream`).
+//! - A watchdog thread polls the oldest unfinished call. When it has not finished within the
+//!   group timeout, or NCCL reports an asynchronous error (a peer died), the watchdog names the
+//!   ranks that did not reach the call (through the store), aborts the communicator
+//!   (`ncclCommAbort`, which also unblocks the GPU), and every later call fails with that
+//!   reason instead of hanging.
+//!
+//! tandem-comm knows nothing of tensors: buffers are raw device pointers ([`DeviceBuffer`]) and
+//! streams raw handles ([`CudaStream`]); tandem-ddp takes them from candle's CUDA storage.
+mod library;
+mod watchdog;
+
+use crate::element::{DType, ReduceOp};
+use crate::error::CommError;
+use crate::store::Store;
+use library::{check_cuda, check_nccl, libraries, nccl_reason, Libraries, RawComm, RawStream};
+use std::ffi::{c_int, c_void};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub use library::{nccl_library, NcclLibraryInfo};
+
+/// A device buffer: a CUDA device pointer, its length in elements and their dtype.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceBuffer {
+    pub ptr: u64,
+    pub len: usize,
+    pub dtype: DType,
+}
+
+/// A CUDA stream owned by the caller (`cudaStream_t`; a driver `CUstream` is the same object).
+#[derive(Clone, Copy, Debug)]
+pub struct CudaStream(pub *mut c_void);
+// SAFETY: a stream handle is a process-wide CUDA object, usable from any thread.
+unsafe impl Send for CudaStream {}
+unsafe impl Sync for CudaStream {}
+
+/// A raw handle shared with the watchdog thread.
+#[derive(Clone, Copy)]
+struct Handle(*mut c_void);
+// SAFETY: NCCL communicators, CUDA streams, events and device pointers may be used from any
+// thread; every use of the communicator is serialised by `Shared::issue` or is ncclCommAbort /
+// ncclCommGetAsyncError, which NCCL allows concurrently.
+unsafe impl Send for Handle {}
+unsafe impl Sync for Handle {}
+
+/// The communicator of one group on one device. Cheap to clone.
+#[derive(Clone)]
+pub struct NcclComm {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "NcclComm(rank {}/{}, cuda:{})",
+            self.shared.rank,
+            self.shared.size,
+            self.device()
+        )
+    }
+}
+
+struct Shared {
+    libs: &'static Libraries,
+    comm: Handle,
+    stream: Handle,
+    /// One f32 on the device, all-reduced by `barrier`.
+    scratch: Handle,
+    device: i32,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    /// Enqueue order: NCCL needs every rank to issue calls in the same order; one at a time.
+    issue: Mutex<u64>,
+    pending: Mutex<std::collections::VecDeque<watchdog::Pending>>,
+    /// The first failure; once set, the communicator is aborted and every call fails.
+    broken: Mutex<Option<String>>,
+    reporter: Option<watchdog::Reporter>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let l = self.libs;
+        // SAFETY: the handles were made by the matching create calls and are not used after
+        // this. Abort rather than destroy: it never blocks on a peer that has gone.
+        unsafe {
+            (l.set_device)(self.device);
+            if self.broken.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
+                (l.comm_abort)(self.comm.0);
+            }
+            (l.free)(self.scratch.0);
+            (l.stream_destroy)(self.stream.0);
+        }
+    }
+}
+
+/// Where the group's rendezvous happens; `ProcessGroup::nccl` fills it from the group.
+pub(crate) struct Rendezvous<'a> {
+    pub store: Option<&'a Store>,
+    /// Store key prefix, unique to the group.
+    pub prefix: String,
+    pub rank: usize,
+    pub size: usize,
+    pub timeout: Duration,
+}
+
+impl NcclComm {
+    pub(crate) fn new(rv: Rendezvous<'_>, device: i32) -> Result<NcclComm, CommError> {
+        let op = "nccl init";
+        let l = libraries()?;
+        // The rendezvous first: a missing rank is named even where the device fails too.
+        let id = unique_id(l, &rv)?;
+        // SAFETY: plain CUDA runtime calls with valid out-pointers.
+        check_cuda(l, "cudaSetDevice", unsafe { (l.set_device)(device) })?;
+        let mut comm: RawComm = std::ptr::null_mut();
+        let mut cfg = library::Config::new();
+        cfg.blocking = 0; // returns at once; we poll with a deadline and can abort
+        let rc = unsafe {
+            (l.comm_init_rank_config)(&mut comm, rv.size as c_int, id, rv.rank as c_int, &mut cfg)
+        };
+        check_nccl(l, "ncclCommInitRankConfig", rc)?;
+        if let Err(e) = settle(l, comm, Instant::now() + rv.timeout) {
+            unsafe { (l.comm_abort)(comm) };
+            return Err(CommError::Nccl {
+                op,
+                reason: format!("rank {} of {}: {e}", rv.rank, rv.size),
+            });
+        }
+        let stream = l.new_stream()?;
+        let mut scratch = std::ptr::null_mut();
+        check_cuda(l, "cudaMalloc", unsafe { (l.malloc)(&mut scratch, 4) })?;
+        let shared = Arc::new(Shared {
+            libs: l,
+            comm: Handle(comm),
+            stream: Handle(stream),
+            scratch: Handle(scratch),
+            device,
+            rank: rv.rank,
+            size: rv.size,
+            timeout: rv.timeout,
+            issue: Mutex::new(0),
+            pending: Mutex::new(Default::default()),
+            broken: Mutex::new(None),
+            reporter: rv.store.map(|s| watchdog::Reporter::new(s.clone(), &rv.prefix)),
+        });
+        watchdog::spawn(&shared)?;
+        Ok(NcclComm { shared })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.shared.rank
+    }
+    pub fn size(&self) -> usize {
+        self.shared.size
+    }
+    /// The CUDA device ordinal this communicator runs on.
+    pub fn device(&self) -> i32 {
+        self.shared.device
+    }
+    /// The communicator's own stream, on which every collective runs in issue order.
+    pub fn stream(&self) -> CudaStream {
+        CudaStream(self.shared.stream.0)
+    }
+
+    /// In-place all-reduce of `buf` on every rank.
+    ///
+    /// # Safety
+    /// `buf.ptr` must point to `buf.len` elements of `buf.dtype` on this communicator's device,
+    /// valid until the returned work completes; `after` (if any) must be a live stream of that
+    /// device — the collective starts after the work queued on it so far.
+    pub unsafe fn all_reduce(
+        &self,
+        buf: DeviceBuffer,
+        op: ReduceOp,
+        after: Option<CudaStream>,
+    ) -> Result<NcclWork, CommError> {
+        let f = self.shared.libs.all_reduce;
+        let (p, n, t, o) = (buf.ptr as *mut c_void, buf.len, nccl_dtype(buf.dtype), nccl_op(op));
+        self.enqueue("all_reduce", after, |c, s| unsafe { f(p, p, n, t, o, c, s) })
+    }
+
+    /// In-place broadcast of `buf` from `root`.
+    ///
+    /// # Safety
+    /// As for [`NcclComm::all_reduce`].
+    pub unsafe fn broadcast(
+        &self,
+        buf: DeviceBuffer,
+        root: usize,
+        after: Option<CudaStream>,
+    ) -> Result<NcclWork, CommError> {
+        if root >= self.shared.size {
+            return Err(CommError::invalid(
+                "broadcast",
+                format!("root {root} is out of range for a group of {} ranks", self.shared.size),
+            ));
+        }
+        let f = self.shared.libs.broadcast;
+        let (p, n, t) = (buf.ptr as *mut c_void, buf.len, nccl_dtype(buf.dtype));
+        self.enqueue("broadcast", after, |c, s| unsafe { f(p, p, n, t, root as c_int, c, s) })
+    }
+
+    /// `recv` (size × `send.len` elements) gets every rank's `send`, in rank order.
+    ///
+    /// # Safety
+    /// As for [`NcclComm::all_reduce`], for both buffers.
+    pub unsafe fn all_gather(
+        &self,
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        after: Option<CudaStream>,
+    ) -> Result<NcclWork, CommError> {
+        self.check_pair("all_gather", &send, &recv, send.len * self.shared.size, recv.len)?;
+        let f = self.shared.libs.all_gather;
+        let (sp, rp, n, t) =
+            (send.ptr as *const c_void, recv.ptr as *mut c_void, send.len, nccl_dtype(send.dtype));
+        self.enqueue("all_gather", after, |c, s| unsafe { f(sp, rp, n, t, c, s) })
+    }
+
+    /// `recv` gets this rank's block (`recv.len` elements) of the reduction of every rank's
+    /// `send` (size × `recv.len` elements).
+    ///
+    /// # Safety
+    /// As for [`NcclComm::all_reduce`], for both buffers.
+    pub unsafe fn reduce_scatter(
+        &self,
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        op: ReduceOp,
+        after: Option<CudaStream>,
+    ) -> Result<NcclWork, CommError> {
+        self.check_pair("reduce_scatter", &send, &recv, send.len, recv.len * self.shared.size)?;
+        let f = self.shared.libs.reduce_scatter;
+        let (sp, rp, n) = (send.ptr as *const c_void, recv.ptr as *mut c_void, recv.len);
+        let (t, o) = (nccl_dtype(send.dtype), nccl_op(op));
+        self.enqueue("reduce_scatter", after, |c, s| unsafe { f(sp, rp, n, t, o, c, s) })
+    }
+
+    /// Returns once every rank has reached it (an all-reduce of one value, waited on the host).
+    pub fn barrier(&self) -> Result<(), CommError> {
+        let buf = DeviceBuffer { ptr: self.shared.scratch.0 as u64, len: 1, dtype: DType::F32 };
+        // SAFETY: the scratch value lives as long as the communicator.
+        unsafe { self.all_reduce(buf, ReduceOp::Sum, None) }?.wait()
+    }
+
+    fn check_pair(
+        &self,
+        op: &'static str,
+        send: &DeviceBuffer,
+        recv: &DeviceBuffer,
+        want: usize,
+        got: usize,
+    ) -> Result<(), CommError> {
+        if send.dtype != recv.dtype {
+            return Err(CommError::invalid(
+                op,
+                format!("send is {} but recv is {}", send.dtype.name(), recv.dtype.name()),
+            ));
+        }
+        if want != got {
+            return Err(CommError::invalid(
+                op,
+                format!(
+                    "buffer lengths do not match a group of {}: {want} != {got} elements",
+                    self.shared.size
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn enqueue(
+        &self,
+        op: &'static str,
+        after: Option<CudaStream>,
+        launch: impl FnOnce(RawComm, RawStream) -> c_int,
+    ) -> Result<NcclWork, CommError> {
+        let sh = &self.shared;
+        let l = sh.libs;
+        let mut seq = sh.issue.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(first) = sh.broken_reason() {
+            return Err(CommError::Broken { op, seq: *seq, first });
+        }
+        // SAFETY: handles made by this communicator; `after` is the caller's live stream.
+        unsafe {
+            check_cuda(l, "cudaSetDevice", (l.set_device)(sh.device))?;
+            if let Some(producer) = after {
+                let ready = l.new_event()?;
+                let r = (l.event_record)(ready, producer.0);
+                let w = if r == 0 { (l.stream_wait_event)(sh.stream.0, ready, 0) } else { r };
+                (l.event_destroy)(ready); // released once the wait has happened
+                check_cuda(l, "cudaStreamWaitEvent", w)?;
+            }
+        }
+        let rc = launch(sh.comm.0, sh.stream.0);
+        let settled = if rc == library::NCCL_IN_PROGRESS {
+            settle(l, sh.comm.0, Instant::now() + sh.timeout)
+        } else if rc != library::NCCL_SUCCESS {
+            Err(nccl_reason(l, rc, sh.comm.0))
+        } else {
+            Ok(())
+        };
+        if let Err(reason) = settled {
+            let why = format!("{op} #{} could not be enqueued: {reason}", *seq);
+            sh.fail(&why);
+            return Err(CommError::Nccl { op, reason: why });
+        }
+        let done = watchdog::Event::record(l, sh.stream.0)?;
+        *seq += 1;
+        sh.pending.lock().unwrap_or_else(|p| p.into_inner()).push_back(watchdog::Pending {
+            event: done.clone(),
+            op,
+            seq: *seq,
+            since: Instant::now(),
+        });
+        Ok(NcclWork { shared: self.shared.clone(), event: done, op, seq: *seq })
+    }
+}
+
+impl Shared {
+    fn broken_reason(&self) -> Option<String> {
+        self.broken.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Marks the communicator failed (first reason wins) and aborts it, which also ends any
+    /// NCCL kernel still waiting on a peer.
+    fn fail(&self, reason: &str) {
+        let mut b = self.broken.lock().unwrap_or_else(|p| p.into_inner());
+        if b.is_none() {
+            *b = Some(reason.to_string());
+            tracing::error!("NCCL communicator aborted: {reason}");
+            // SAFETY: ncclCommAbort may be called from any thread, with calls in flight.
+            unsafe { (self.libs.comm_abort)(self.comm.0) };
+        }
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+}
+
+/// A collective in flight on the communicator's stream.
+pub struct NcclWork {
+    shared: Arc<Shared>,
+    event: Arc<watchdog::Event>,
+    op: &'static str,
+    seq: u64,
+}
+
+impl NcclWork {
+    /// Blocks the host until the collective has finished on the device. A collective that
+    /// cannot finish fails within the group timeout (the watchdog aborts it).
+    pub fn wait(self) -> Result<(), CommError> {
+        let mut nap = Duration::from_micros(20);
+        loop {
+            if let Some(first) = self.shared.broken_reason() {
+                return Err(CommError::Nccl {
+                    op: self.op,
+                    reason: format!("#{}: {first}", self.seq),
+                });
+            }
+            if self.event.is_done(self.op)? {
+                return Ok(());
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(2));
+        }
+    }
+
+    /// Makes `stream` wait for the collective without blocking the host (PyTorch's
+    /// `work.wait()` on a CUDA stream).
+    pub fn wait_stream(&self, stream: CudaStream) -> Result<(), CommError> {
+        let l = self.shared.libs;
+        // SAFETY: the event is live (held by self); the stream is the caller's.
+        check_cuda(l, "cudaStreamWaitEvent", unsafe {
+            (l.stream_wait_event)(stream.0, self.event.raw(), 0)
+        })
+    }
+
+    /// Whether the collective has finished (false once the communicator is broken).
+    pub fn is_completed(&self) -> bool {
+        self.shared.broken_reason().is_none() && self.event.is_done(self.op).unwrap_or(false)
+    }
+}
+
+/// Polls a non-blocking communicator until its last call has been taken, or the deadline.
+fn settle(l: &Libraries, comm: RawComm, deadline: Instant) -> Result<(), String> {
+    loop {
+        let mut state = 0;
+        // SAFETY: valid communicator, one int written.
+        let rc = unsafe { (l.comm_get_async_error)(comm, &mut state) };
+        if rc != library::NCCL_SUCCESS {
+            return Err(nccl_reason(l, rc, comm));
+        }
+        match state {
+            library::NCCL_SUCCESS => return Ok(()),
+            library::NCCL_IN_PROGRESS if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_micros(100))
+            }
+            library::NCCL_IN_PROGRESS => return Err("not finished before the timeout".into()),
+            other => return Err(nccl_reason(l, other, comm)),
+        }
+    }
+}
+
+/// Rank 0 makes the id; every rank checks in through the store first, so a rank that never
+/// arrives is named here rather than NCCL hanging in init.
+fn unique_id(l: &Libraries, rv: &Rendezvous<'_>) -> Result<library::UniqueId, CommError> {
+    let mut id = library::UniqueId([0; 128]);
+    let make = |id: &mut library::UniqueId| {
+        // SAFETY: writes the 128-byte id.
+        check_nccl(l, "ncclGetUniqueId", unsafe { (l.get_unique_id)(id) })
+    };
+    let Some(store) = rv.store else {
+        make(&mut id)?;
+        return Ok(id);
+    };
+    let key = format!("{}/nccl/unique_id", rv.prefix);
+    if rv.rank == 0 {
+        make(&mut id)?;
+        store.set(&key, &id.0)?;
+    }
+    store.set(&format!("{}/nccl/joined/{}", rv.prefix, rv.rank), b"1")?;
+    let joined: Vec<String> =
+        (0..rv.size).map(|r| format!("{}/nccl/joined/{r}", rv.prefix)).collect();
+    let keys: Vec<&str> = joined.iter().map(String::as_str).collect();
+    if store.wait_timeout(&keys, rv.timeout).is_err() {
+        let missing = store.missing(&keys)?;
+        let ranks: Vec<String> =
+            missing.iter().filter_map(|k| k.rsplit('/').next()).map(str::to_string).collect();
+        return Err(CommError::Nccl {
+            op: "nccl init",
+            reason: format!(
+                "rank(s) {} did not reach the NCCL rendezvous within {:?} (dead, or not calling pg.nccl())",
+                ranks.join(", "),
+                rv.timeout
+            ),
+        });
+    }
+    if rv.rank != 0 {
+        let bytes = store.get(&key)?;
+        if bytes.len() != 128 {
+            return Err(CommError::Protocol {
+                from: format!("store key {key}"),
+                reason: format!("an ncclUniqueId has 128 bytes, got {}", bytes.len()),
+            });
+        }
+        id.0.copy_from_slice(&bytes);
+    }
+    Ok(id)
+}
+
+/// `ncclDataType_t`.
+fn nccl_dtype(d: DType) -> c_int {
+    match d {
+        DType::U8 => 1,
+        DType::I32 => 2,
+        DType::I64 => 4,
+        DType::F16 => 6,
+        DType::F32 => 7,
+        DType::F64 => 8,
+        DType::BF16 => 9,
+    }
+}
+
+/// `ncclRedOp_t`.
+fn nccl_op(op: ReduceOp) -> c_int {
+    match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Product => 1,
+        ReduceOp::Max => 2,
+        ReduceOp::Min => 3,
+        ReduceOp::Avg => 4,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dtypes_and_ops_have_nccl_s_codes() {
+        // nccl.h: ncclUint8 = 1, ncclInt32 = 2, ncclInt64 = 4, ncclFloat16 = 6,
+        // ncclFloat32 = 7, ncclFloat64 = 8, ncclBfloat16 = 9; ncclSum = 0 ... ncclAvg = 4.
+        let codes: Vec<c_int> =
+            [DType::U8, DType::I32, DType::I64, DType::F16, DType::F32, DType::F64, DType::BF16]
+                .map(nccl_dtype)
+                .to_vec();
+        assert_eq!(codes, [1, 2, 4, 6, 7, 8, 9]);
+        let ops: Vec<c_int> =
+            [ReduceOp::Sum, ReduceOp::Product, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg]
+                .map(nccl_op)
+                .to_vec();
+        assert_eq!(ops, [0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn the_config_struct_has_nccl_2_17_s_layout() {
+        // size_t size; unsigned magic, version; int blocking, cgaClusterSize, minCTAs,
+        // maxCTAs; const char *netName; int splitShare → 48 bytes on 64-bit Linux.
+        assert_eq!(std::mem::size_of::<library::Config>(), 48);
+    }
+}
