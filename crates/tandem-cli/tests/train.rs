@@ -310,6 +310,19 @@ fn bad_flags_and_files_are_named_in_the_error() {
         String::from_utf8_lossy(&o.stderr)
     );
 
+    // The GPU flags: nccl needs CUDA buffers; a CPU-only build says how to get CUDA.
+    let o = output_with_deadline(tandem().args(["train", "--backend", "nccl"]), LIMIT);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("--backend nccl reduces GPU buffers: add --device cuda"), "{err}");
+    if !cfg!(feature = "cuda") {
+        let o = output_with_deadline(tandem().args(["train", "--device", "cuda"]), LIMIT);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains("--device cuda: this build has no CUDA support"), "{err}");
+        assert!(err.contains("--features cuda"), "{err}");
+    }
+
     // A negative learning rate is a value with a reason, not clap's usage for an unknown `-1`.
     for (lr, shown) in [("-1", "-1"), ("0", "0"), ("nan", "NaN")] {
         let o = output_with_deadline(tandem().args(["train", "--lr", lr]), LIMIT);

@@ -229,6 +229,13 @@ impl ProcessGroup {
         Ok(comm)
     }
 
+    /// The communicator made by an earlier [`ProcessGroup::nccl`] call, if any: once a group
+    /// has one, Ddp reduces CUDA gradients with it (otherwise through host memory).
+    #[cfg(feature = "nccl")]
+    pub fn nccl_comm(&self) -> Option<crate::nccl::NcclComm> {
+        self.inner.nccl.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// Collectives fail when a peer makes no progress for `t` (default 10 s, TANDEM_TIMEOUT).
     pub fn set_timeout(&self, t: Duration) {
         self.inner.timeout_ms.store(t.as_millis().max(1) as u64, Ordering::Relaxed);

@@ -38,6 +38,7 @@ fn unavailable() -> Option<String> {
 }
 
 /// A GPU that this process could use (the NVIDIA driver's device node).
+#[cfg(feature = "nccl")]
 fn has_gpu() -> bool {
     std::path::Path::new("/dev/nvidia0").exists()
 }

@@ -31,6 +31,12 @@ pub trait GradComm: Send + Sync {
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommSource>;
     /// Every rank's bytes, indexed by rank.
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommSource>;
+    /// The NCCL communicator that reduces CUDA gradients on the device, if the group has one;
+    /// without it CUDA gradients are staged through host memory and reduced by the group.
+    #[cfg(feature = "cuda")]
+    fn nccl(&self) -> Option<tandem_comm::nccl::NcclComm> {
+        None
+    }
 }
 
 impl GradComm for tandem_comm::ProcessGroup {
@@ -58,6 +64,10 @@ impl GradComm for tandem_comm::ProcessGroup {
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommSource> {
         Ok(tandem_comm::ProcessGroup::all_gather_bytes(self, bytes)?)
     }
+    #[cfg(feature = "cuda")]
+    fn nccl(&self) -> Option<tandem_comm::nccl::NcclComm> {
+        self.nccl_comm()
+    }
 }
 
 impl<T: GradComm + ?Sized> GradComm for Arc<T> {
@@ -84,6 +94,10 @@ impl<T: GradComm + ?Sized> GradComm for Arc<T> {
     }
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommSource> {
         (**self).all_gather_bytes(bytes)
+    }
+    #[cfg(feature = "cuda")]
+    fn nccl(&self) -> Option<tandem_comm::nccl::NcclComm> {
+        (**self).nccl()
     }
 }
 

@@ -293,7 +293,16 @@ impl<M: ParamModule> Ddp<M> {
         // and with them the copy of every parameter that the identity op costs each forward;
         // `backward` then reduces from candle's gradients, with the same semantics (averaging,
         // unused-parameter check, no_sync accumulation).
-        if shared.comm.size() > 1 {
+        // CUDA parameters in a group with an NCCL communicator skip them too: their gradients
+        // are reduced on the device after backward (`device.rs`), not copied to the host.
+        #[cfg(feature = "cuda")]
+        let on_device = crate::device::reduces_on_device(
+            shared.comm.nccl().as_ref(),
+            &params.iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(),
+        );
+        #[cfg(not(feature = "cuda"))]
+        let on_device = false;
+        if shared.comm.size() > 1 && !on_device {
             module.params().attach(shared.clone());
         }
         Ok(Ddp { module, shared })
@@ -456,6 +465,12 @@ impl<M: ParamModule> Ddp<M> {
                 return Ok(grads);
             }
         }
+        #[cfg(feature = "cuda")]
+        if !viewed {
+            if let Some(grads) = self.reduce_on_device(&vars, &candle_grads)? {
+                return Ok(grads);
+            }
+        }
         if !viewed {
             // The forward did not read parameters through the view (no hooks fired): reduce
             // from candle's own gradients, without overlap.
@@ -495,6 +510,31 @@ impl<M: ParamModule> Ddp<M> {
         }
         r.after_step()?;
         Ok(grads)
+    }
+
+    /// The NCCL path for CUDA gradients (see `device.rs`): a synchronised step with the default
+    /// hook, nothing accumulated, not joining, and every gradient present on the device. Any
+    /// other step (`no_sync`, a comm hook, unused parameters, `join`) takes the host path,
+    /// which handles them all. `None`: not taken.
+    #[cfg(feature = "cuda")]
+    fn reduce_on_device(&self, vars: &[Var], grads: &GradStore) -> Result<Option<GradStore>> {
+        let sh = &self.shared;
+        let Some(comm) = sh.comm.nccl() else { return Ok(None) };
+        let eligible = crate::device::reduces_on_device(Some(&comm), vars)
+            && sh.sync.load(Ordering::SeqCst)
+            && sh.join_state().is_none()
+            && vars.iter().all(|v| grads.get(v.as_tensor()).is_some_and(|g| g.device().is_cuda()));
+        let buckets = {
+            let r = sh.reducer();
+            if !eligible || !r.has_default_hook() || r.has_accumulated() {
+                return Ok(None);
+            }
+            r.bucket_params()
+        };
+        if sh.broadcast_buffers && sh.comm.size() > 1 && !sh.buffers.is_empty() {
+            broadcast_vars(sh.comm.as_ref(), &sh.buffers, 0)?;
+        }
+        crate::device::all_reduce_buckets(&comm, vars, grads, &buckets).map(Some)
     }
 
     /// Current bucket layout, parameter indices per bucket (diagnostics, tests).

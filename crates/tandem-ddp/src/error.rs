@@ -74,6 +74,10 @@ pub enum DdpError {
     #[error("the communication thread stopped unexpectedly")]
     CommThreadGone,
 
+    /// A CUDA tensor that the NCCL path cannot hand to NCCL (not f32, not contiguous, ...).
+    #[error("CUDA gradients: {0}")]
+    Device(String),
+
     #[error("DataParallel: {0}")]
     DataParallel(String),
 }

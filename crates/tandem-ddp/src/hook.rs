@@ -54,6 +54,21 @@ impl CustomOp1 for ReadyHook {
         Ok((out, layout.shape().clone()))
     }
 
+    /// The same identity on a CUDA parameter: a device-side copy into fresh storage.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendDevice;
+        let shape = layout.shape().clone();
+        // SAFETY: every element is written by the strided copy below before anyone reads it.
+        let mut out = unsafe { storage.device().alloc_uninit(&shape, storage.dtype())? };
+        storage.copy_strided_src(&mut out, 0, layout)?;
+        Ok((out, shape))
+    }
+
     fn bwd(
         &self,
         _arg: &Tensor,

@@ -15,6 +15,8 @@ pub mod comm_hooks;
 pub mod convert;
 pub mod data_parallel;
 pub mod ddp;
+#[cfg(feature = "cuda")]
+mod device;
 pub mod error;
 pub mod functional;
 mod hook;

@@ -58,6 +58,36 @@ pub enum Backend {
     Nccl,
 }
 
+/// Where each rank trains.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    #[default]
+    Cpu,
+    /// GPU `LOCAL_RANK` of the host, as torchrun's recipe does (needs the `cuda` build feature).
+    Cuda,
+}
+
+impl DeviceKind {
+    /// The device of the rank with this local rank.
+    pub fn device(self, local_rank: usize) -> anyhow::Result<candle_core::Device> {
+        match self {
+            DeviceKind::Cpu => Ok(candle_core::Device::Cpu),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda => candle_core::Device::new_cuda(local_rank).with_context(|| {
+                format!("--device cuda: opening cuda:{local_rank} (this rank's LOCAL_RANK)")
+            }),
+            #[cfg(not(feature = "cuda"))]
+            DeviceKind::Cuda => bail!("--device cuda (cuda:{local_rank}): {NO_CUDA}"),
+        }
+    }
+}
+
+/// Why a CPU-only build refuses the GPU flags.
+#[cfg(not(feature = "cuda"))]
+const NO_CUDA: &str = "this build has no CUDA support; rebuild with `cargo build --release \
+    --features cuda` (needs the CUDA toolkit's nvcc; NCCL is loaded at run time)";
+
 impl Backend {
     /// The transport the process group is asked for (`None`: its own choice). Each rank's
     /// worker applies it, under tandem's own launcher or any other.
@@ -170,9 +200,14 @@ pub struct TrainConfig {
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     #[serde(default)]
     pub precision: Precision,
-    /// Collective backend.
+    /// Collective backend. nccl reduces CUDA gradients on the GPUs (with --device cuda); the
+    /// others stage them through host memory.
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
     pub backend: Backend,
+    /// Where each rank trains: cpu, or cuda (rank r on GPU LOCAL_RANK).
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    #[serde(default)]
+    pub device: DeviceKind,
     /// Write TensorBoard event files (loss, lr, accuracy, samples/s) into the run directory.
     #[arg(long)]
     pub tensorboard: bool,
@@ -222,10 +257,12 @@ impl TrainConfig {
                 bail!("--export-onnx {}: its directory does not exist", path.display());
             }
         }
-        if self.backend == Backend::Nccl {
-            bail!(
-                "--backend nccl: this build has no NCCL support yet (CPU backends: auto, tcp, shm, mpi)"
-            );
+        if self.backend == Backend::Nccl && self.device != DeviceKind::Cuda {
+            bail!("--backend nccl reduces GPU buffers: add --device cuda (CPU backends: auto, tcp, shm, mpi)");
+        }
+        #[cfg(not(feature = "cuda"))]
+        if self.device == DeviceKind::Cuda {
+            bail!("--device cuda: {NO_CUDA}");
         }
         Ok(())
     }
@@ -288,6 +325,7 @@ impl TrainConfig {
             push("--export-onnx", p.display().to_string());
         }
         push("--backend", format!("{:?}", self.backend).to_lowercase());
+        push("--device", format!("{:?}", self.device).to_lowercase());
         push("--comm-hook", self.comm_hook.clone());
         push("--precision", format!("{:?}", self.precision).to_lowercase());
         if self.no_shuffle {

@@ -51,8 +51,30 @@ pub fn image_shape(input_dim: usize) -> Option<(usize, usize, usize)> {
 impl Net {
     /// `input_dim` features per sample; the CNN needs square images, one channel or three
     /// (64 → 1x8x8 digits, 784 → 1x28x28 MNIST, 3072 → 3x32x32 CIFAR-10).
-    pub fn build(spec: &NetSpec, input_dim: usize, classes: usize) -> anyhow::Result<Net> {
-        let dev = Device::Cpu;
+    ///
+    /// On a CUDA device the model starts from the same values as on the CPU (built there, then
+    /// copied), so a run's initial weights do not depend on the device.
+    pub fn build(
+        spec: &NetSpec,
+        input_dim: usize,
+        classes: usize,
+        device: &Device,
+    ) -> anyhow::Result<Net> {
+        let net = Self::build_on(spec, input_dim, classes, &Device::Cpu)?;
+        if device.is_cpu() {
+            return Ok(net);
+        }
+        let moved = Self::build_on(spec, input_dim, classes, device)?;
+        moved.load_state_dict(net.state_dict())?;
+        Ok(moved)
+    }
+
+    fn build_on(
+        spec: &NetSpec,
+        input_dim: usize,
+        classes: usize,
+        dev: &Device,
+    ) -> anyhow::Result<Net> {
         let NetSpec { kind, hidden, width, seed, compute_dtype } = *spec;
         if compute_dtype != DType::F32 && kind != ModelKind::Mlp {
             anyhow::bail!("{kind:?} computes in f32 only (mixed precision is for the MLP)");
@@ -67,7 +89,7 @@ impl Net {
                 }
                 let vars = OrderedVarMap::new();
                 let model =
-                    ResNet::resnet18_cifar(width, classes, vars.var_builder(DType::F32, &dev))?;
+                    ResNet::resnet18_cifar(width, classes, vars.var_builder(DType::F32, dev))?;
                 ResNet::reset_parameters(&vars.named(), seed)?;
                 Net::ResNet18(Box::new(VarMapNet {
                     model,
@@ -76,7 +98,7 @@ impl Net {
                 }))
             }
             ModelKind::Mlp => Net::Mlp(
-                Mlp::new(&[input_dim, hidden, classes], seed, &dev)?
+                Mlp::new(&[input_dim, hidden, classes], seed, dev)?
                     .with_compute_dtype(compute_dtype),
             ),
             ModelKind::Cnn => {
@@ -86,7 +108,7 @@ impl Net {
                          {input_dim} features per sample"
                     )
                 };
-                Net::Cnn(Cnn::new(channels, side, side, classes, seed, &dev)?)
+                Net::Cnn(Cnn::new(channels, side, side, classes, seed, dev)?)
             }
         })
     }

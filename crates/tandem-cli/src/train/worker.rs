@@ -46,7 +46,18 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         .context("joining the process group")?;
     let rank = group.rank();
     let world = group.size();
-    let device = Device::Cpu;
+    let device = cfg.device.device(group.local_rank())?;
+    // (Without the `cuda` feature, validate() has refused --backend nccl.)
+    #[cfg(feature = "cuda")]
+    if cfg.backend == super::config::Backend::Nccl {
+        // Made now, collectively, so Ddp reduces the CUDA gradients with it.
+        let comm = group
+            .nccl(group.local_rank() as i32)
+            .context("--backend nccl: making the NCCL communicator")?;
+        if rank == 0 {
+            eprintln!("nccl: {world} rank(s), rank 0 on cuda:{}", comm.device());
+        }
+    }
 
     let (train, eval) = tandem_data::datasets::from_spec(&cfg.data)
         .with_context(|| format!("loading --data {}", cfg.data))?;
@@ -57,7 +68,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         seed: cfg.seed,
         compute_dtype: cfg.precision.compute_dtype(),
     };
-    let net = Net::build(&spec, train.input_dim(), train.num_classes())?;
+    let net = Net::build(&spec, train.input_dim(), train.num_classes(), &device)?;
     if cfg.sync_batchnorm {
         // The ResNet is a VarMap model: Ddp reduces its buckets after backward, so the
         // SyncBatchNorm collectives cannot interleave with them and may share the group.
