@@ -65,6 +65,15 @@ pub struct Args {
     /// <repo>/scripts/peers/torch_ddp_step.py, which trains the same three models.
     #[arg(long)]
     torch_script: Option<PathBuf>,
+    /// Where every rank trains: cpu, or cuda (rank r on GPU LOCAL_RANK; needs the `cuda` build
+    /// feature). The PyTorch peer then uses the same GPUs with NCCL.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
+    /// With --device cuda, how the N-rank run reduces gradients: nccl on the GPUs (one GPU per
+    /// rank: NCCL refuses two ranks on one GPU), or host (copied to host memory and reduced by
+    /// the shm/tcp transport — what works for several ranks on one GPU).
+    #[arg(long, default_value = "nccl", value_parser = ["nccl", "host"])]
+    backend: String,
     /// Internal: run as one rank of the distributed measurement (set by the parent).
     #[arg(long, hide = true)]
     worker: bool,
@@ -82,10 +91,10 @@ enum Net {
 }
 
 impl Net {
-    fn new(kind: &str) -> anyhow::Result<Net> {
+    fn new(kind: &str, dev: &Device) -> anyhow::Result<Net> {
         Ok(match kind {
-            "mlp" => Net::Mlp(Mlp::new(&[784, 1024, 1024, 10], 0, &Device::Cpu)?),
-            _ => Net::Cnn(Cnn::new(1, 28, 28, 10, 0, &Device::Cpu)?),
+            "mlp" => Net::Mlp(Mlp::new(&[784, 1024, 1024, 10], 0, dev)?),
+            _ => Net::Cnn(Cnn::new(1, 28, 28, 10, 0, dev)?),
         })
     }
     fn describe(kind: &str, width: usize) -> String {
@@ -106,13 +115,14 @@ struct ResNetTrainer {
 }
 
 impl ResNetTrainer {
-    fn new(width: usize, comm: Option<&tandem_comm::ProcessGroup>) -> anyhow::Result<Self> {
+    fn new(
+        width: usize,
+        comm: Option<&tandem_comm::ProcessGroup>,
+        dev: &Device,
+    ) -> anyhow::Result<Self> {
         let vars = OrderedVarMap::new();
-        let model = ResNet::resnet18_cifar(
-            width,
-            10,
-            vars.var_builder(candle_core::DType::F32, &Device::Cpu),
-        )?;
+        let model =
+            ResNet::resnet18_cifar(width, 10, vars.var_builder(candle_core::DType::F32, dev))?;
         ResNet::reset_parameters(&vars.named(), 0)?;
         let named = vars.named_vars();
         let opt = sgd(named.params().vars())?;
@@ -133,21 +143,21 @@ impl Trainer for ResNetTrainer {
     }
 }
 
-fn batch(kind: &str, n: usize, seed: u64) -> anyhow::Result<(Tensor, Tensor)> {
-    let dev = Device::Cpu;
+fn batch(kind: &str, n: usize, seed: u64, dev: &Device) -> anyhow::Result<(Tensor, Tensor)> {
+    let (host, dev) = (dev, &Device::Cpu);
     let x = match kind {
-        "mlp" => Tensor::randn(0f32, 1.0, n * 784, &dev)?.reshape((n, 784))?,
-        "resnet18" => Tensor::randn(0f32, 1.0, n * 3072, &dev)?.reshape((n, 3, 32, 32))?,
-        _ => Tensor::randn(0f32, 1.0, n * 784, &dev)?.reshape((n, 1, 28, 28))?,
+        "mlp" => Tensor::randn(0f32, 1.0, n * 784, dev)?.reshape((n, 784))?,
+        "resnet18" => Tensor::randn(0f32, 1.0, n * 3072, dev)?.reshape((n, 3, 32, 32))?,
+        _ => Tensor::randn(0f32, 1.0, n * 784, dev)?.reshape((n, 1, 28, 28))?,
     };
     let y = Tensor::from_vec(
         (0..n as u32)
             .map(|i| (i.wrapping_mul(7).wrapping_add(seed as u32)) % 10)
             .collect::<Vec<u32>>(),
         n,
-        &dev,
+        dev,
     )?;
-    Ok((x, y))
+    Ok((x.to_device(host)?, y.to_device(host)?))
 }
 
 /// One training step function, the same for plain and Ddp (Ddp adds its backward).
@@ -209,13 +219,14 @@ fn sgd(params: Vec<candle_core::Var>) -> anyhow::Result<Sgd> {
 fn trainer(
     args: &Args,
     comm: Option<&tandem_comm::ProcessGroup>,
+    dev: &Device,
 ) -> anyhow::Result<Box<dyn Trainer>> {
     let (kind, mode) = (args.model.as_str(), args.mode.as_str());
     if kind == "resnet18" {
-        return Ok(Box::new(ResNetTrainer::new(args.width, comm)?));
+        return Ok(Box::new(ResNetTrainer::new(args.width, comm, dev)?));
     }
     let opts = DdpOptions::default();
-    Ok(match (Net::new(kind)?, comm) {
+    Ok(match (Net::new(kind, dev)?, comm) {
         (Net::Mlp(m), Some(pg)) if mode == "varmap" => {
             let ddp = Ddp::new(as_varmap(&m), pg, opts)?;
             Box::new(WrappedVars { opt: sgd(ddp.params().vars())?, ddp, model: m, loss: Mlp::loss })
@@ -246,35 +257,57 @@ fn as_varmap<M: ParamModule>(m: &M) -> NamedVars {
     NamedVars::new(m.named_parameters().into_iter().chain(m.named_buffers()).collect())
 }
 
-/// Seconds for `steps` steps (after the warm-up steps).
+/// Seconds for `steps` steps (after the warm-up steps). A GPU's queued work is waited for at
+/// both ends, so the time is the device's, not only the host's.
 fn timed(
     t: &mut dyn Trainer,
-    x: &Tensor,
-    y: &Tensor,
+    (x, y): (&Tensor, &Tensor),
     steps: usize,
     sync: &dyn Fn() -> anyhow::Result<()>,
 ) -> anyhow::Result<f64> {
+    x.device().synchronize()?;
     sync()?;
     let start = Instant::now();
     for _ in 0..steps {
         t.step(x, y)?;
     }
+    x.device().synchronize()?;
     sync()?;
     Ok(start.elapsed().as_secs_f64())
+}
+
+/// This rank's device for `--device`.
+fn device(args: &Args, local_rank: usize) -> anyhow::Result<Device> {
+    match args.device.as_str() {
+        "cpu" => Ok(Device::Cpu),
+        #[cfg(feature = "cuda")]
+        _ => Device::new_cuda(local_rank)
+            .with_context(|| format!("--device cuda: opening cuda:{local_rank} (LOCAL_RANK)")),
+        #[cfg(not(feature = "cuda"))]
+        _ => bail!(
+            "--device cuda (cuda:{local_rank}): this build has no CUDA support; rebuild with \
+             --features cuda"
+        ),
+    }
 }
 
 fn worker(args: &Args) -> anyhow::Result<i32> {
     let pg = tandem_comm::init().context("worker: initialising the process group")?;
     let per_rank = args.batch / pg.size();
-    let (x, y) = batch(&args.model, per_rank, pg.rank() as u64)?;
-    let mut t = trainer(args, if args.local_only { None } else { Some(&pg) })?;
+    let dev = device(args, pg.local_rank())?;
+    #[cfg(feature = "cuda")]
+    if dev.is_cuda() && args.backend == "nccl" && !args.local_only {
+        pg.nccl(pg.local_rank() as i32).context("--backend nccl: making the communicator")?;
+    }
+    let (x, y) = batch(&args.model, per_rank, pg.rank() as u64, &dev)?;
+    let mut t = trainer(args, if args.local_only { None } else { Some(&pg) }, &dev)?;
     for _ in 0..WARMUP {
         t.step(&x, &y)?;
     }
     let barrier = || pg.barrier().map_err(anyhow::Error::from);
     let mut sps = Vec::new();
     for _ in 0..args.rounds {
-        let secs = timed(t.as_mut(), &x, &y, args.steps, &barrier)?;
+        let secs = timed(t.as_mut(), (&x, &y), args.steps, &barrier)?;
         sps.push((args.steps * per_rank * pg.size()) as f64 / secs);
     }
     if pg.rank() == 0 {
@@ -286,10 +319,11 @@ fn worker(args: &Args) -> anyhow::Result<i32> {
 
 /// Plain vs 1-rank Ddp in this process, alternating rounds. Returns (plain, ddp, overhead).
 fn single_process(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
-    let (x, y) = batch(&args.model, args.batch, 0)?;
+    let dev = device(args, 0)?;
+    let (x, y) = batch(&args.model, args.batch, 0, &dev)?;
     let one = tandem_comm::init_from(&tandem_comm::InitMethod::Single)?;
-    let mut plain = trainer(args, None)?;
-    let mut ddp = trainer(args, Some(&one))?;
+    let mut plain = trainer(args, None, &dev)?;
+    let mut ddp = trainer(args, Some(&one), &dev)?;
     for _ in 0..WARMUP {
         plain.step(&x, &y)?;
         ddp.step(&x, &y)?;
@@ -299,11 +333,11 @@ fn single_process(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
     for round in 0..args.rounds {
         // Alternate which goes first so drift in machine load does not favour either.
         let (tp, td) = if round % 2 == 0 {
-            let tp = timed(plain.as_mut(), &x, &y, args.steps, &none)?;
-            (tp, timed(ddp.as_mut(), &x, &y, args.steps, &none)?)
+            let tp = timed(plain.as_mut(), (&x, &y), args.steps, &none)?;
+            (tp, timed(ddp.as_mut(), (&x, &y), args.steps, &none)?)
         } else {
-            let td = timed(ddp.as_mut(), &x, &y, args.steps, &none)?;
-            (timed(plain.as_mut(), &x, &y, args.steps, &none)?, td)
+            let td = timed(ddp.as_mut(), (&x, &y), args.steps, &none)?;
+            (timed(plain.as_mut(), (&x, &y), args.steps, &none)?, td)
         };
         let n = (args.steps * args.batch) as f64;
         p.push(n / tp);
@@ -324,6 +358,8 @@ fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
             .map(|s| s.to_string())
             .collect();
     worker_args.extend(["--width".into(), args.width.to_string()]);
+    worker_args.extend(["--device".into(), args.device.clone()]);
+    worker_args.extend(["--backend".into(), args.backend.clone()]);
     worker_args.extend([
         "--batch".into(),
         args.batch.to_string(),
@@ -375,6 +411,7 @@ fn torch_peer(args: &Args, python: &PathBuf) -> anyhow::Result<f64> {
             (args.batch / args.nproc).to_string(),
             args.model.clone(),
             args.width.to_string(),
+            args.device.clone(),
         ])
         .stderr(Stdio::inherit())
         .output()
@@ -421,7 +458,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
             "{}",
             serde_json::json!({
                 "model": args.model, "width": args.width, "mode": mode, "global_batch": args.batch, "nproc": args.nproc, "steps": args.steps,
-                "rounds": args.rounds, "cores": cores,
+                "rounds": args.rounds, "cores": cores, "device": args.device, "backend": args.backend,
                 "plain_samples_per_s": plain, "ddp1_samples_per_s": ddp1, "ddp1_overhead": overhead,
                 "ddpN_samples_per_s": ddp_n, "scaling_efficiency": efficiency,
                 "localN_samples_per_s": local_n, "ddpN_over_localN": ddp_over_local,
@@ -430,8 +467,12 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         );
         return Ok(0);
     }
+    let on = match args.device.as_str() {
+        "cpu" => "cpu".to_string(),
+        _ => format!("cuda, N ranks reduce via {}", args.backend),
+    };
     println!(
-        "{} (Ddp mode {}), global batch {}, {} steps x {} rounds (medians), {} cores, SGD lr {SGD_LR}",
+        "{} (Ddp mode {}) on {on}, global batch {}, {} steps x {} rounds (medians), {} cores, SGD lr {SGD_LR}",
         Net::describe(&args.model, args.width),
         mode,
         args.batch,

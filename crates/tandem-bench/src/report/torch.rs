@@ -92,7 +92,7 @@ mod tests {
     fn parses_the_peers_output() {
         let line = "torch-gloo world=2 size=1MiB time=2.18ms algbw=0.45GiB/s busbw=0.45GiB/s";
         assert_eq!(super::number_after(line, "busbw=", "GiB/s"), Some(0.45));
-        let line = "torch-ddp-gloo world=2 batch/rank=64 samples/s=3327";
+        let line = "torch-ddp model=mlp device=cpu world=2 batch/rank=64 samples/s=3327";
         assert_eq!(super::number_after(line, "samples/s=", ""), Some(3327.0));
         assert_eq!(super::number_after("nothing here", "samples/s=", ""), None);
     }
