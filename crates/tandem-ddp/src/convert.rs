@@ -1,7 +1,7 @@
 //! candle `Tensor` <-> `tandem_ckpt::Tensor` (PyTorch's storage model), for checkpoints.
 //! Floating dtypes and i64/u8 map one to one; other checkpoint dtypes are an error naming the key.
 use candle_core::{DType as CDType, Device, Tensor};
-use tandem_ckpt::DType as KDType;
+use tandem_ckpt::{DType as KDType, MapLocation};
 
 use crate::error::{DdpError, Result};
 
@@ -107,9 +107,63 @@ pub fn state_dict_from_ckpt(
         .collect()
 }
 
+/// The candle device of a `map_location` (`cpu`, `cuda:N`). Each rank names its own GPU, so
+/// loading never allocates on GPU 0 for the others (the bytes are read into host memory and
+/// copied once, straight to the named device).
+pub fn map_location_device(loc: MapLocation) -> Result<Device> {
+    match loc {
+        MapLocation::Cpu => Ok(Device::Cpu),
+        #[cfg(feature = "cuda")]
+        MapLocation::Cuda(i) => Device::new_cuda(i).map_err(|e| DdpError::TensorConversion {
+            key: None,
+            reason: format!("map_location cuda:{i}: {e}"),
+        }),
+        #[cfg(not(feature = "cuda"))]
+        MapLocation::Cuda(i) => Err(DdpError::TensorConversion {
+            key: None,
+            reason: format!(
+                "map_location cuda:{i}: this build has no CUDA support (build with the `cuda` feature)"
+            ),
+        }),
+    }
+}
+
+/// `torch.load(path, map_location=...)` for a state dict: every tensor of the file (nested
+/// dicts flattened to dotted keys), on the device `map_location` names.
+pub fn load_tensors(
+    path: &std::path::Path,
+    map_location: MapLocation,
+) -> Result<Vec<(String, Tensor)>> {
+    let device = map_location_device(map_location)?;
+    let opts = tandem_ckpt::LoadOptions { map_location, ..Default::default() };
+    let value = tandem_ckpt::load_with(path, &opts)?;
+    state_dict_from_ckpt(&tandem_ckpt::safetensors::flatten_tensors(&value)?, &device)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn map_location_places_tensors_and_refuses_a_gpu_this_build_lacks() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sd.pt");
+        let t = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], 3, &Device::Cpu).unwrap();
+        let value = tandem_ckpt::Value::dict_from([(
+            "fc.weight",
+            tandem_ckpt::Value::Tensor(to_ckpt(&t).unwrap()),
+        )]);
+        tandem_ckpt::save(&path, &value).unwrap();
+        let loaded = load_tensors(&path, "cpu".parse().unwrap()).unwrap();
+        assert_eq!(loaded.len(), 1);
+        assert_eq!(loaded[0].0, "fc.weight");
+        assert!(loaded[0].1.device().is_cpu());
+        assert_eq!(loaded[0].1.to_vec1::<f32>().unwrap(), [1.0, 2.0, 3.0]);
+        if !cfg!(feature = "cuda") {
+            let err = load_tensors(&path, "cuda:1".parse().unwrap()).unwrap_err().to_string();
+            assert!(err.contains("map_location cuda:1") && err.contains("`cuda` feature"), "{err}");
+        }
+    }
 
     #[test]
     fn round_trips_f32_and_i64_and_rejects_bool() {
