@@ -1,5 +1,5 @@
 //! CUDA gradients reduced on the device by NCCL (feature `cuda`), for groups with a
-//! communicator (`pg.nccl(device)`): each bucket of the reducer's plan becomes one device
+//! communicator (`pg.nccl(device)`, made before wrapping the model): each bucket of the reducer's plan becomes one device
 //! buffer (its gradients concatenated), averaged in place by `ncclAllReduce(ncclAvg)` on the
 //! communicator's stream once candle's stream has produced it. All buckets are queued before
 //! candle's stream is made to wait for the last one, so the host never blocks and the optimizer
@@ -14,9 +14,10 @@ use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
 use candle_core::cuda::cudarc::driver::DevicePtr;
 use candle_core::{DType, Tensor, Var};
-use tandem_comm::nccl::{CudaStream, DeviceBuffer, NcclComm};
+use tandem_comm::nccl::{CudaStream, DeviceBuffer, NcclComm, NcclWork};
 use tandem_comm::ReduceOp;
 
+use crate::bucketed::{reduce_buckets, FlatReducer};
 use crate::error::{DdpError, Result};
 
 /// Whether `vars` live on a CUDA device and `comm` can reduce there.
@@ -32,43 +33,41 @@ pub(crate) fn all_reduce_buckets(
     grads: &GradStore,
     buckets: &[Vec<usize>],
 ) -> Result<GradStore> {
-    let mut out = GradStore::default();
-    let mut last = None;
-    for bucket in buckets {
-        let mut parts = Vec::with_capacity(bucket.len());
-        for &i in bucket {
-            let g = grads.get(vars[i].as_tensor()).ok_or_else(|| {
-                DdpError::Device(format!(
-                    "the gradient of parameter {i} vanished between the check and its bucket"
-                ))
-            })?;
-            parts.push(g.flatten_all()?);
-        }
-        // A fresh contiguous buffer on the device, owned by the returned views.
-        let flat = Tensor::cat(&parts, 0)?;
+    reduce_buckets(&mut NcclReducer { comm, last: None }, vars, grads, buckets)
+}
+
+/// Each bucket all-reduced in place on the communicator's stream.
+struct NcclReducer<'a> {
+    comm: &'a NcclComm,
+    /// The latest collective and the candle stream that must wait for it.
+    last: Option<(NcclWork, CudaStream)>,
+}
+
+impl FlatReducer for NcclReducer<'_> {
+    fn reduce(&mut self, flat: Tensor) -> Result<Tensor> {
         let (buf, stream) = device_buffer(&flat)?;
         // SAFETY: `flat` is a live f32 device buffer of `buf.len` elements on the communicator's
         // device (checked by device_buffer); it outlives the reduction because the returned
-        // gradients hold it, and candle's stream waits for the reduction below before any
+        // gradients hold it, and candle's stream waits for the reduction (`finish`) before any
         // later kernel can read or free it.
-        let work = unsafe { comm.all_reduce(buf, ReduceOp::Avg, Some(stream)) }.map_err(|e| {
-            DdpError::comm("all_reduce of a gradient bucket (NCCL)", comm.rank(), e)
-        })?;
-        let mut off = 0;
-        for &i in bucket {
-            let v = &vars[i];
-            out.insert(v.as_tensor(), flat.narrow(0, off, v.elem_count())?.reshape(v.shape())?);
-            off += v.elem_count();
+        let work =
+            unsafe { self.comm.all_reduce(buf, ReduceOp::Avg, Some(stream)) }.map_err(|e| {
+                DdpError::comm("all_reduce of a gradient bucket (NCCL)", self.comm.rank(), e)
+            })?;
+        self.last = Some((work, stream));
+        Ok(flat)
+    }
+
+    /// The communicator's stream runs its collectives in order: waiting for the last one waits
+    /// for all, on the device; the host does not block.
+    fn finish(&mut self) -> Result<()> {
+        if let Some((work, stream)) = self.last.take() {
+            work.wait_stream(stream).map_err(|e| {
+                DdpError::comm("wait for the gradient buckets (NCCL)", self.comm.rank(), e)
+            })?;
         }
-        last = Some((work, stream));
+        Ok(())
     }
-    // The communicator's stream runs its collectives in order: waiting for the last one waits
-    // for all.
-    if let Some((work, stream)) = last {
-        work.wait_stream(stream)
-            .map_err(|e| DdpError::comm("wait for the gradient buckets (NCCL)", comm.rank(), e))?;
-    }
-    Ok(out)
 }
 
 /// The device pointer of a contiguous f32 CUDA tensor, and the candle stream that writes it.

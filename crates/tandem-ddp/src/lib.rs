@@ -10,6 +10,8 @@ pub mod sched;
 
 pub mod alloc;
 pub mod bucket;
+#[cfg(any(feature = "cuda", test))]
+mod bucketed;
 pub mod comm;
 pub mod comm_hooks;
 pub mod convert;

@@ -122,6 +122,9 @@ impl NcclComm {
         let id = unique_id(l, &rv)?;
         // SAFETY: plain CUDA runtime calls with valid out-pointers.
         check_cuda(l, "cudaSetDevice", unsafe { (l.set_device)(device) })?;
+        // Setting up NCCL's own connections can take a while on many hosts; the ranks are
+        // known to be alive (they all checked in), so allow at least a minute.
+        let init_deadline = Instant::now() + rv.timeout.max(Duration::from_secs(60));
         let mut comm: RawComm = std::ptr::null_mut();
         let mut cfg = library::Config::new();
         cfg.blocking = 0; // returns at once; we poll with a deadline and can abort
@@ -129,7 +132,7 @@ impl NcclComm {
             (l.comm_init_rank_config)(&mut comm, rv.size as c_int, id, rv.rank as c_int, &mut cfg)
         };
         check_nccl(l, "ncclCommInitRankConfig", rc)?;
-        if let Err(e) = settle(l, comm, Instant::now() + rv.timeout) {
+        if let Err(e) = settle(l, comm, init_deadline) {
             unsafe { (l.comm_abort)(comm) };
             return Err(CommError::Nccl {
                 op,
@@ -292,16 +295,17 @@ impl NcclComm {
             return Err(CommError::Broken { op, seq: *seq, first });
         }
         // SAFETY: handles made by this communicator; `after` is the caller's live stream.
-        unsafe {
-            check_cuda(l, "cudaSetDevice", (l.set_device)(sh.device))?;
-            if let Some(producer) = after {
-                let ready = l.new_event()?;
-                let r = (l.event_record)(ready, producer.0);
-                let w = if r == 0 { (l.stream_wait_event)(sh.stream.0, ready, 0) } else { r };
-                (l.event_destroy)(ready); // released once the wait has happened
-                check_cuda(l, "cudaStreamWaitEvent", w)?;
+        check_cuda(l, "cudaSetDevice", unsafe { (l.set_device)(sh.device) })?;
+        let ready = match after {
+            Some(producer) => {
+                let ready = watchdog::Event::record(l, producer.0)?;
+                check_cuda(l, "cudaStreamWaitEvent", unsafe {
+                    (l.stream_wait_event)(sh.stream.0, ready.raw(), 0)
+                })?;
+                Some(ready)
             }
-        }
+            None => None,
+        };
         let rc = launch(sh.comm.0, sh.stream.0);
         let settled = if rc == library::NCCL_IN_PROGRESS {
             settle(l, sh.comm.0, Instant::now() + sh.timeout)
@@ -319,9 +323,10 @@ impl NcclComm {
         *seq += 1;
         sh.pending.lock().unwrap_or_else(|p| p.into_inner()).push_back(watchdog::Pending {
             event: done.clone(),
+            ready,
             op,
             seq: *seq,
-            since: Instant::now(),
+            since: None,
         });
         Ok(NcclWork { shared: self.shared.clone(), event: done, op, seq: *seq })
     }

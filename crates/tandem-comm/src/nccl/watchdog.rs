@@ -49,10 +49,17 @@ impl Drop for Event {
 
 /// A collective the watchdog is watching.
 pub(super) struct Pending {
+    /// Recorded after the collective on the communicator's stream.
     pub event: Arc<Event>,
+    /// Recorded on the caller's stream when the collective was queued: its inputs are ready
+    /// once this completes.
+    pub ready: Option<Arc<Event>>,
     pub op: &'static str,
     pub seq: u64,
-    pub since: Instant,
+    /// When the watchdog first saw the collective able to run (inputs ready, everything before
+    /// it on the communicator done): the timeout counts from here, so time spent waiting for
+    /// the caller's own kernels (a long backward queued ahead) is not held against the peers.
+    pub since: Option<Instant>,
 }
 
 /// Asks the other ranks, through the store, which call they are stuck in.
@@ -132,8 +139,15 @@ fn run(weak: Weak<Shared>) {
             return;
         }
         let front = {
-            let q = sh.pending.lock().unwrap_or_else(|p| p.into_inner());
-            q.front().map(|p| (p.event.clone(), p.op, p.seq, p.since))
+            let mut q = sh.pending.lock().unwrap_or_else(|p| p.into_inner());
+            q.front_mut().map(|p| {
+                if p.since.is_none()
+                    && p.ready.as_ref().is_none_or(|r| r.is_done(p.op).unwrap_or(true))
+                {
+                    p.since = Some(Instant::now());
+                }
+                (p.event.clone(), p.op, p.seq, p.since)
+            })
         };
         let Some((event, op, seq, since)) = front else {
             drop(sh);
@@ -157,7 +171,7 @@ fn run(weak: Weak<Shared>) {
         let mut state = 0;
         // SAFETY: NCCL allows querying a communicator's async error from another thread.
         unsafe { (sh.libs.comm_get_async_error)(sh.comm.0, &mut state) };
-        let late = since.elapsed() > sh.timeout;
+        let late = since.is_some_and(|t| t.elapsed() > sh.timeout);
         if state != super::library::NCCL_SUCCESS && state != super::library::NCCL_IN_PROGRESS {
             let reason = nccl_reason(sh.libs, state, sh.comm.0);
             let who = sh.report(seq);
