@@ -62,6 +62,17 @@ const CUDA_STREAM_NON_BLOCKING: c_uint = 1;
 const CUDA_EVENT_DISABLE_TIMING: c_uint = 2;
 
 type CommOp = unsafe extern "C" fn(RawComm) -> c_int;
+/// ncclAllReduce / ncclReduceScatter (send, recv, count, datatype, op, comm, stream) and
+/// ncclBroadcast (send, recv, count, datatype, root, comm, stream).
+type Collective = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    RawComm,
+    RawStream,
+) -> c_int;
 
 /// The NCCL and CUDA runtime functions tandem calls, resolved once per process.
 pub(crate) struct Libraries {
@@ -73,35 +84,11 @@ pub(crate) struct Libraries {
         unsafe extern "C" fn(*mut RawComm, c_int, UniqueId, c_int, *mut Config) -> c_int,
     pub comm_get_async_error: unsafe extern "C" fn(RawComm, *mut c_int) -> c_int,
     pub comm_abort: CommOp,
-    pub all_reduce: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        RawComm,
-        RawStream,
-    ) -> c_int,
-    pub broadcast: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        RawComm,
-        RawStream,
-    ) -> c_int,
+    pub all_reduce: Collective,
+    pub broadcast: Collective,
     pub all_gather:
         unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, RawComm, RawStream) -> c_int,
-    pub reduce_scatter: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        RawComm,
-        RawStream,
-    ) -> c_int,
+    pub reduce_scatter: Collective,
     pub nccl_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
     pub nccl_last_error: unsafe extern "C" fn(RawComm) -> *const c_char,
     pub set_device: unsafe extern "C" fn(c_int) -> c_int,
@@ -331,11 +318,8 @@ pub(crate) fn check_nccl(l: &Libraries, call: &'static str, rc: c_int) -> Result
 
 pub(crate) fn nccl_reason(l: &Libraries, rc: c_int, comm: RawComm) -> String {
     // SAFETY: both return static, NUL-terminated strings (or null).
-    let text = |p: *const c_char| {
-        (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
-    };
-    let base = text(unsafe { (l.nccl_error_string)(rc) }).unwrap_or_default();
-    match text(unsafe { (l.nccl_last_error)(comm) }).filter(|s| !s.is_empty()) {
+    let base = c_text(unsafe { (l.nccl_error_string)(rc) }).unwrap_or_default();
+    match c_text(unsafe { (l.nccl_last_error)(comm) }).filter(|s| !s.is_empty()) {
         Some(last) => format!("NCCL error {rc} ({base}): {last}"),
         None => format!("NCCL error {rc} ({base})"),
     }
@@ -348,31 +332,42 @@ pub(crate) fn check_cuda(l: &Libraries, call: &'static str, rc: c_int) -> Result
     }
     // SAFETY: cudaGetErrorString returns a static string.
     let p = unsafe { (l.cuda_error_string)(rc) };
-    let text = if p.is_null() {
-        String::new()
-    } else {
-        unsafe { CStr::from_ptr(p) }.to_string_lossy().into()
-    };
+    let text = c_text(p).unwrap_or_default();
     Err(CommError::Nccl { op: call, reason: format!("CUDA error {rc}: {text}") })
+}
+
+/// A static C string from a library (None for null).
+fn c_text(p: *const c_char) -> Option<String> {
+    // SAFETY: the libraries return static, NUL-terminated strings or null.
+    (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
 }
 
 impl Libraries {
     pub(crate) fn new_stream(&self) -> Result<RawStream, CommError> {
-        let mut s = std::ptr::null_mut();
+        let create = self.stream_create;
         // SAFETY: writes one stream handle.
-        check_cuda(self, "cudaStreamCreateWithFlags", unsafe {
-            (self.stream_create)(&mut s, CUDA_STREAM_NON_BLOCKING)
-        })?;
-        Ok(s)
+        self.create("cudaStreamCreateWithFlags", |out| unsafe {
+            create(out, CUDA_STREAM_NON_BLOCKING)
+        })
     }
 
     pub(crate) fn new_event(&self) -> Result<RawEvent, CommError> {
-        let mut e = std::ptr::null_mut();
+        let create = self.event_create;
         // SAFETY: writes one event handle.
-        check_cuda(self, "cudaEventCreateWithFlags", unsafe {
-            (self.event_create)(&mut e, CUDA_EVENT_DISABLE_TIMING)
-        })?;
-        Ok(e)
+        self.create("cudaEventCreateWithFlags", |out| unsafe {
+            create(out, CUDA_EVENT_DISABLE_TIMING)
+        })
+    }
+
+    /// A CUDA object made by a `create(&mut handle)` call.
+    fn create(
+        &self,
+        call: &'static str,
+        create: impl FnOnce(*mut *mut c_void) -> c_int,
+    ) -> Result<*mut c_void, CommError> {
+        let mut handle = std::ptr::null_mut();
+        check_cuda(self, call, create(&mut handle))?;
+        Ok(handle)
     }
 }
 
