@@ -144,7 +144,8 @@ impl Trainer for ResNetTrainer {
 }
 
 fn batch(kind: &str, n: usize, seed: u64, dev: &Device) -> anyhow::Result<(Tensor, Tensor)> {
-    let (host, dev) = (dev, &Device::Cpu);
+    // Drawn on the CPU (the same numbers on any device), then moved.
+    let (target, dev) = (dev, &Device::Cpu);
     let x = match kind {
         "mlp" => Tensor::randn(0f32, 1.0, n * 784, dev)?.reshape((n, 784))?,
         "resnet18" => Tensor::randn(0f32, 1.0, n * 3072, dev)?.reshape((n, 3, 32, 32))?,
@@ -157,7 +158,7 @@ fn batch(kind: &str, n: usize, seed: u64, dev: &Device) -> anyhow::Result<(Tenso
         n,
         dev,
     )?;
-    Ok((x.to_device(host)?, y.to_device(host)?))
+    Ok((x.to_device(target)?, y.to_device(target)?))
 }
 
 /// One training step function, the same for plain and Ddp (Ddp adds its backward).
@@ -278,17 +279,12 @@ fn timed(
 
 /// This rank's device for `--device`.
 fn device(args: &Args, local_rank: usize) -> anyhow::Result<Device> {
-    match args.device.as_str() {
-        "cpu" => Ok(Device::Cpu),
-        #[cfg(feature = "cuda")]
-        _ => Device::new_cuda(local_rank)
-            .with_context(|| format!("--device cuda: opening cuda:{local_rank} (LOCAL_RANK)")),
-        #[cfg(not(feature = "cuda"))]
-        _ => bail!(
-            "--device cuda (cuda:{local_rank}): this build has no CUDA support; rebuild with \
-             --features cuda"
-        ),
-    }
+    let location = match args.device.as_str() {
+        "cpu" => tandem_ckpt::MapLocation::Cpu,
+        _ => tandem_ckpt::MapLocation::Cuda(local_rank),
+    };
+    tandem_ddp::convert::map_location_device(location)
+        .with_context(|| format!("--device {} (LOCAL_RANK {local_rank})", args.device))
 }
 
 fn worker(args: &Args) -> anyhow::Result<i32> {

@@ -114,17 +114,13 @@ pub fn map_location_device(loc: MapLocation) -> Result<Device> {
     match loc {
         MapLocation::Cpu => Ok(Device::Cpu),
         #[cfg(feature = "cuda")]
-        MapLocation::Cuda(i) => Device::new_cuda(i).map_err(|e| DdpError::TensorConversion {
-            key: None,
-            reason: format!("map_location cuda:{i}: {e}"),
-        }),
+        MapLocation::Cuda(i) => {
+            Device::new_cuda(i).map_err(|e| DdpError::Device(format!("map_location cuda:{i}: {e}")))
+        }
         #[cfg(not(feature = "cuda"))]
-        MapLocation::Cuda(i) => Err(DdpError::TensorConversion {
-            key: None,
-            reason: format!(
-                "map_location cuda:{i}: this build has no CUDA support (build with the `cuda` feature)"
-            ),
-        }),
+        MapLocation::Cuda(i) => Err(DdpError::Device(format!(
+            "map_location cuda:{i}: this build has no CUDA support (build with the `cuda` feature)"
+        ))),
     }
 }
 

@@ -298,7 +298,7 @@ impl<M: ParamModule> Ddp<M> {
         #[cfg(feature = "cuda")]
         let on_device = crate::device::reduces_on_device(
             shared.comm.nccl().as_ref(),
-            &params.iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(),
+            params.first().map(|(_, v)| v),
         );
         #[cfg(not(feature = "cuda"))]
         let on_device = false;
@@ -520,7 +520,7 @@ impl<M: ParamModule> Ddp<M> {
     fn reduce_on_device(&self, vars: &[Var], grads: &GradStore) -> Result<Option<GradStore>> {
         let sh = &self.shared;
         let Some(comm) = sh.comm.nccl() else { return Ok(None) };
-        let eligible = crate::device::reduces_on_device(Some(&comm), vars)
+        let eligible = crate::device::reduces_on_device(Some(&comm), vars.first())
             && sh.sync.load(Ordering::SeqCst)
             && sh.join_state().is_none()
             && vars.iter().all(|v| grads.get(v.as_tensor()).is_some_and(|g| g.device().is_cuda()));

@@ -1,7 +1,7 @@
 //! CUDA gradients reduced on the device by NCCL (feature `cuda`), for groups with a
-//! communicator (`pg.nccl(device)`, made before wrapping the model): each bucket of the reducer's plan becomes one device
-//! buffer (its gradients concatenated), averaged in place by `ncclAllReduce(ncclAvg)` on the
-//! communicator's stream once candle's stream has produced it. All buckets are queued before
+//! communicator (`pg.nccl(device)`, made before wrapping the model): each bucket of the
+//! reducer's plan becomes one device buffer (its gradients concatenated), averaged in place by
+//! `ncclAllReduce(ncclAvg)` on the communicator's stream once candle's stream has produced it. All buckets are queued before
 //! candle's stream is made to wait for the last one, so the host never blocks and the optimizer
 //! step that follows is ordered after the reduction. The returned gradients are views into the
 //! buckets, as on the host path.
@@ -20,9 +20,9 @@ use tandem_comm::ReduceOp;
 use crate::bucketed::{reduce_buckets, FlatReducer};
 use crate::error::{DdpError, Result};
 
-/// Whether `vars` live on a CUDA device and `comm` can reduce there.
-pub(crate) fn reduces_on_device(comm: Option<&NcclComm>, vars: &[Var]) -> bool {
-    comm.is_some() && vars.first().is_some_and(|v| v.device().is_cuda())
+/// Whether parameters starting with `first` live on a CUDA device and `comm` can reduce there.
+pub(crate) fn reduces_on_device(comm: Option<&NcclComm>, first: Option<&Var>) -> bool {
+    comm.is_some() && first.is_some_and(|v| v.device().is_cuda())
 }
 
 /// Averages `grads` (one per var, every one present, f32 on the device) over the group, one

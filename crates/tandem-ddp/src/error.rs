@@ -74,8 +74,9 @@ pub enum DdpError {
     #[error("the communication thread stopped unexpectedly")]
     CommThreadGone,
 
-    /// A CUDA tensor that the NCCL path cannot hand to NCCL (not f32, not contiguous, ...).
-    #[error("CUDA gradients: {0}")]
+    /// A device that cannot be opened, or a CUDA tensor the NCCL path cannot hand to NCCL
+    /// (not f32, not contiguous, ...).
+    #[error("CUDA: {0}")]
     Device(String),
 
     #[error("DataParallel: {0}")]

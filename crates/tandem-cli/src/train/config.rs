@@ -71,15 +71,14 @@ pub enum DeviceKind {
 impl DeviceKind {
     /// The device of the rank with this local rank.
     pub fn device(self, local_rank: usize) -> anyhow::Result<candle_core::Device> {
-        match self {
-            DeviceKind::Cpu => Ok(candle_core::Device::Cpu),
-            #[cfg(feature = "cuda")]
-            DeviceKind::Cuda => candle_core::Device::new_cuda(local_rank).with_context(|| {
-                format!("--device cuda: opening cuda:{local_rank} (this rank's LOCAL_RANK)")
-            }),
-            #[cfg(not(feature = "cuda"))]
-            DeviceKind::Cuda => bail!("--device cuda (cuda:{local_rank}): {NO_CUDA}"),
-        }
+        let location = match self {
+            DeviceKind::Cpu => tandem_ckpt::MapLocation::Cpu,
+            DeviceKind::Cuda => tandem_ckpt::MapLocation::Cuda(local_rank),
+        };
+        tandem_ddp::convert::map_location_device(location).with_context(|| {
+            let flag = format!("{self:?}").to_lowercase();
+            format!("--device {flag} (this rank's LOCAL_RANK is {local_rank})")
+        })
     }
 }
 

@@ -360,7 +360,7 @@ impl Libraries {
     }
 
     /// A CUDA object made by a `create(&mut handle)` call.
-    fn create(
+    pub(crate) fn create(
         &self,
         call: &'static str,
         create: impl FnOnce(*mut *mut c_void) -> c_int,

@@ -140,8 +140,9 @@ impl NcclComm {
             });
         }
         let stream = l.new_stream()?;
-        let mut scratch = std::ptr::null_mut();
-        check_cuda(l, "cudaMalloc", unsafe { (l.malloc)(&mut scratch, 4) })?;
+        let malloc = l.malloc;
+        // SAFETY: allocates one f32 on the current device.
+        let scratch = l.create("cudaMalloc", |out| unsafe { malloc(out, 4) })?;
         let shared = Arc::new(Shared {
             libs: l,
             comm: Handle(comm),
