@@ -145,20 +145,20 @@ impl Trainer for ResNetTrainer {
 
 fn batch(kind: &str, n: usize, seed: u64, dev: &Device) -> anyhow::Result<(Tensor, Tensor)> {
     // Drawn on the CPU (the same numbers on any device), then moved.
-    let (target, dev) = (dev, &Device::Cpu);
+    let cpu = &Device::Cpu;
     let x = match kind {
-        "mlp" => Tensor::randn(0f32, 1.0, n * 784, dev)?.reshape((n, 784))?,
-        "resnet18" => Tensor::randn(0f32, 1.0, n * 3072, dev)?.reshape((n, 3, 32, 32))?,
-        _ => Tensor::randn(0f32, 1.0, n * 784, dev)?.reshape((n, 1, 28, 28))?,
+        "mlp" => Tensor::randn(0f32, 1.0, n * 784, cpu)?.reshape((n, 784))?,
+        "resnet18" => Tensor::randn(0f32, 1.0, n * 3072, cpu)?.reshape((n, 3, 32, 32))?,
+        _ => Tensor::randn(0f32, 1.0, n * 784, cpu)?.reshape((n, 1, 28, 28))?,
     };
     let y = Tensor::from_vec(
         (0..n as u32)
             .map(|i| (i.wrapping_mul(7).wrapping_add(seed as u32)) % 10)
             .collect::<Vec<u32>>(),
         n,
-        dev,
+        cpu,
     )?;
-    Ok((x.to_device(target)?, y.to_device(target)?))
+    Ok((x.to_device(dev)?, y.to_device(dev)?))
 }
 
 /// One training step function, the same for plain and Ddp (Ddp adds its backward).

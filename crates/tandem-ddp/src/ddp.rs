@@ -520,7 +520,8 @@ impl<M: ParamModule> Ddp<M> {
     fn reduce_on_device(&self, vars: &[Var], grads: &GradStore) -> Result<Option<GradStore>> {
         let sh = &self.shared;
         let Some(comm) = sh.comm.nccl() else { return Ok(None) };
-        let eligible = crate::device::reduces_on_device(Some(&comm), vars.first())
+        // Every gradient on the GPU implies the parameters are there too.
+        let eligible = !vars.is_empty()
             && sh.sync.load(Ordering::SeqCst)
             && sh.join_state().is_none()
             && vars.iter().all(|v| grads.get(v.as_tensor()).is_some_and(|g| g.device().is_cuda()));

@@ -1,10 +1,10 @@
 //! CUDA gradients reduced on the device by NCCL (feature `cuda`), for groups with a
 //! communicator (`pg.nccl(device)`, made before wrapping the model): each bucket of the
 //! reducer's plan becomes one device buffer (its gradients concatenated), averaged in place by
-//! `ncclAllReduce(ncclAvg)` on the communicator's stream once candle's stream has produced it. All buckets are queued before
-//! candle's stream is made to wait for the last one, so the host never blocks and the optimizer
-//! step that follows is ordered after the reduction. The returned gradients are views into the
-//! buckets, as on the host path.
+//! `ncclAllReduce(ncclAvg)` on the communicator's stream once candle's stream has produced it.
+//! All buckets are queued before candle's stream is made to wait for the last one, so the host
+//! never blocks and the optimizer step that follows is ordered after the reduction. The
+//! returned gradients are views into the buckets, as on the host path.
 //!
 //! Without a communicator (tcp, shm, mpi groups) CUDA gradients take the host path: the reducer
 //! copies each one to host memory, reduces it there, and the averaged bucket is copied back.
