@@ -149,8 +149,18 @@ pub(crate) struct Spec {
     pub local_size: Option<usize>,
     /// host, port, and the variable(s) they came from (for errors).
     pub master: Option<(String, u16, String)>,
-    /// Rank 0 hosts the store unless a launcher already does.
-    pub host_store: bool,
+    /// Who hosts the rendezvous store.
+    pub store: StoreHost,
+}
+
+/// Who hosts the rendezvous store at the master address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum StoreHost {
+    /// Rank 0 hosts tandem's store (plain env, tcp://, Slurm, OpenMPI, `tandem run`).
+    Rank0,
+    /// torchrun's agent hosts PyTorch's TCPStore (`TORCHELASTIC_USE_AGENT_STORE=True`); every
+    /// rank is a client. `run_id` is `TORCHELASTIC_RUN_ID`, which scopes tandem's keys there.
+    TorchAgent { run_id: String },
 }
 
 fn parse_usize(e: &Env, name: &str) -> Result<Option<usize>, CommError> {
@@ -259,7 +269,7 @@ fn slurm_spec(e: &Env) -> Result<Spec, CommError> {
     } else {
         None
     };
-    Ok(Spec { rank, world_size: size, local_rank, local_size, master, host_store: true })
+    Ok(Spec { rank, world_size: size, local_rank, local_size, master, store: StoreHost::Rank0 })
 }
 
 fn parse_tcp_url(url: &str) -> Result<(String, u16), CommError> {
@@ -288,7 +298,7 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
             local_rank: Some(0),
             local_size: Some(1),
             master: None,
-            host_store: false,
+            store: StoreHost::Rank0,
         }),
         InitMethod::Tcp { url, rank, world_size } => {
             let (host, port) = parse_tcp_url(url)?;
@@ -304,7 +314,7 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
                 local_rank: None,
                 local_size: None,
                 master: Some((host, port, format!("init url {url}"))),
-                host_store: true,
+                store: StoreHost::Rank0,
             })
         }
         InitMethod::Env => {
@@ -335,7 +345,13 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
                     local_rank,
                     local_size,
                     master,
-                    host_store: !agent_store,
+                    store: if agent_store {
+                        StoreHost::TorchAgent {
+                            run_id: e.var("TORCHELASTIC_RUN_ID").unwrap_or_else(|| "none".into()),
+                        }
+                    } else {
+                        StoreHost::Rank0
+                    },
                 });
             }
             if e.var("SLURM_PROCID").is_some() && e.var("SLURM_NTASKS").is_some() {
@@ -375,7 +391,7 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
                     local_rank,
                     local_size,
                     master,
-                    host_store: true,
+                    store: StoreHost::Rank0,
                 });
             }
             resolve(e, &InitMethod::Single)
@@ -446,7 +462,7 @@ mod tests {
         .unwrap();
         assert_eq!((s.rank, s.world_size, s.local_rank, s.local_size), (2, 4, Some(0), Some(2)));
         assert_eq!(s.master.as_ref().map(|m| (m.0.as_str(), m.1)), Some(("10.1.2.3", 29501)));
-        assert!(s.host_store);
+        assert_eq!(s.store, StoreHost::Rank0);
     }
 
     #[test]

@@ -14,6 +14,10 @@ pub enum CommError {
     )]
     StoreUnreachable { addr: String, var: String, after: Duration, reason: String },
 
+    /// Something answered at the store's address, but not the expected store protocol.
+    #[error("the rendezvous store at {addr} (set by {var}): {reason}")]
+    StoreHandshake { addr: String, var: String, reason: String },
+
     /// The store (or a peer) belongs to another job.
     #[error("{addr} belongs to run {theirs:?} but this process is run {ours:?}: another job is using the same MASTER_ADDR:MASTER_PORT")]
     RunIdMismatch { addr: String, ours: String, theirs: String },

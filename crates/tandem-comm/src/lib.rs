@@ -9,6 +9,7 @@
 //! pg.barrier()?;
 //! # Ok::<(), tandem_comm::CommError>(())
 //! ```
+mod agent_store;
 mod collectives;
 mod element;
 mod env;
@@ -33,7 +34,7 @@ pub use error::CommError;
 pub use frame::MAX_FRAME;
 pub use group::ProcessGroup;
 pub use rendezvous::init_with;
-pub use store::{Store, StoreServer, SERVER_ID_KEY};
+pub use store::{Store, StoreServer, StoreWire, HANDSHAKE_LIMIT, SERVER_ID_KEY};
 pub use transport::TransportKind;
 pub use work::Work;
 

@@ -1,7 +1,7 @@
 //! Turning a rendezvous (store + rank + members) into a ready `ProcessGroup`: find which ranks
 //! share a host, choose the transport (shared memory when the whole group is on one host,
 //! unless TANDEM_TRANSPORT says otherwise) and connect it.
-use crate::env::{self, Env, InitMethod, InitOptions};
+use crate::env::{self, Env, InitMethod, InitOptions, StoreHost};
 use crate::error::CommError;
 use crate::group::{Inner, NoPeers, ProcessGroup, State};
 use crate::store::{Store, StoreServer};
@@ -10,19 +10,23 @@ use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
-/// Identifies a machine: hostname plus kernel boot id (containers may share a hostname).
-fn host_id() -> String {
+/// This machine's hostname ("unknown-host" when it cannot be read).
+pub(crate) fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname writes at most buf.len() bytes into buf.
     let rc = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) };
-    let name = if rc == 0 {
+    if rc == 0 {
         let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
         String::from_utf8_lossy(&buf[..end]).to_string()
     } else {
         "unknown-host".to_string()
-    };
+    }
+}
+
+/// Identifies a machine: hostname plus kernel boot id (containers may share a hostname).
+fn host_id() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    format!("{name}/{}", boot.trim())
+    format!("{}/{}", hostname(), boot.trim())
 }
 
 fn single(
@@ -89,8 +93,8 @@ pub(crate) fn build_group(
         e => e,
     })?;
     let mut hosts = Vec::with_capacity(size);
-    for (r, k) in keys.iter().enumerate() {
-        let v = String::from_utf8_lossy(&store.get(k)?).to_string();
+    for (r, v) in store.multi_get(&key_refs)?.iter().enumerate() {
+        let v = String::from_utf8_lossy(v).to_string();
         let (their_size, host) = v.split_once(' ').unwrap_or(("?", &v));
         if their_size != size.to_string() {
             return Err(CommError::rendezvous(
@@ -235,7 +239,14 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
         return Ok(single(opts, "w", 0, None, None));
     }
     let addr = host_port(&host, port);
-    let server = if spec.rank == 0 && spec.host_store {
+    if let StoreHost::TorchAgent { run_id } = &spec.store {
+        let via = format!("{var} (torchrun's agent store)");
+        let agent = Store::connect_torch(&addr, opts.init_timeout, &via)?;
+        let store =
+            crate::agent_store::join_generation(&agent, run_id, spec.rank, spec.world_size)?;
+        return finish_world(store, None, &spec, world, opts);
+    }
+    let server = if spec.rank == 0 {
         let bind = if is_loopback(&addr) {
             host_port("127.0.0.1", port)
         } else {
@@ -253,6 +264,17 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
         None
     };
     let store = Store::connect(&addr, &opts.run_id, opts.init_timeout, &var)?;
+    finish_world(store, server, &spec, world, opts)
+}
+
+/// The world group over a connected store: rendezvous, transports, hierarchy.
+fn finish_world(
+    store: Store,
+    server: Option<Arc<StoreServer>>,
+    spec: &env::Spec,
+    world: Vec<usize>,
+    opts: &InitOptions,
+) -> Result<ProcessGroup, CommError> {
     let local_ip = store.local_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
     let world = build_group(
         Some(store),
