@@ -466,6 +466,27 @@ mod tests {
     }
 
     #[test]
+    fn torchrun_agent_store_makes_every_rank_a_client_scoped_by_run_id() {
+        let base =
+            [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "29500")];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let mut v: Vec<(&str, &str)> = base.to_vec();
+            v.extend_from_slice(extra);
+            resolve_vars(&v).unwrap().store
+        };
+        assert_eq!(
+            with(&[("TORCHELASTIC_USE_AGENT_STORE", "True"), ("TORCHELASTIC_RUN_ID", "job7")]),
+            StoreHost::TorchAgent { run_id: "job7".into() }
+        );
+        assert_eq!(
+            with(&[("TORCHELASTIC_USE_AGENT_STORE", "True")]),
+            StoreHost::TorchAgent { run_id: "none".into() }
+        );
+        // `tandem run` sets False: rank 0 hosts tandem's store.
+        assert_eq!(with(&[("TORCHELASTIC_USE_AGENT_STORE", "False")]), StoreHost::Rank0);
+    }
+
+    #[test]
     fn bad_values_name_the_variable() {
         let base = [("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
         let with = |extra: &[(&'static str, &'static str)]| {

@@ -128,6 +128,23 @@ impl Hosts {
                 self.shaping = shape_link(ns, &host_if, n)?;
             }
         }
+        self.write_etc_hosts()
+    }
+
+    /// Every host's name resolves to its address inside every namespace (programs such as
+    /// torchrun look their own hostname up): `ip netns exec` bind-mounts `/etc/netns/NS/hosts`
+    /// over `/etc/hosts`.
+    fn write_etc_hosts(&self) -> Result<(), String> {
+        let mut table = String::from("127.0.0.1 localhost\n::1 localhost\n");
+        for i in 0..self.names.len() {
+            table.push_str(&format!("{} {}\n", self.addr(i), self.hostname(i)));
+        }
+        for ns in &self.names {
+            let dir = format!("/etc/netns/{ns}");
+            std::fs::create_dir_all(&dir)
+                .and_then(|_| std::fs::write(format!("{dir}/hosts"), &table))
+                .map_err(|e| format!("writing {dir}/hosts: {e}"))?;
+        }
         Ok(())
     }
 
@@ -204,6 +221,7 @@ impl Drop for Hosts {
     fn drop(&mut self) {
         for ns in self.names.iter().chain(std::iter::once(&self.switch)) {
             let _ = sh(&["ip", "netns", "del", ns]);
+            let _ = std::fs::remove_dir_all(format!("/etc/netns/{ns}"));
         }
     }
 }
