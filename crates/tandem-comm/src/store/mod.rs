@@ -335,7 +335,8 @@ impl Store {
                 ..Store::new(addr, s, timeout, StoreWire::Torch)
             }),
             Err(torch::Handshake::Silent) => Err(fail(format!(
-                "nothing answered PyTorch's TCPStore handshake (validate + ping) within {limit:?}"
+                "nothing answered PyTorch's TCPStore handshake (validate + ping) within {limit:?} \
+                 (a torch older than 2.3 does not answer it)"
             ))),
             Err(torch::Handshake::Closed) => Err(fail(
                 "the server closed the connection on PyTorch's TCPStore handshake (validate + \

@@ -1,11 +1,13 @@
 //! Layers for stock-style candle models (built from a `VarBuilder`, used through candle-nn's
 //! `Module`/`ModuleT`) that need something candle-nn does not have: a BatchNorm that can
 //! synchronise its batch statistics across ranks (PyTorch's `SyncBatchNorm`), the
-//! differentiable all-reduce it is built on, and convolutions on tandem's CPU kernels.
+//! differentiable all-reduce it is built on and a differentiable all-gather, and convolutions on tandem's CPU kernels.
+mod all_gather;
 mod all_reduce;
 mod batch_norm;
 mod conv;
 
+pub use all_gather::{all_gather, GatherGrad};
 pub use all_reduce::all_reduce_sum;
 pub use batch_norm::{batch_norm2d, convert_sync_batchnorm, BatchNorm2d, HasBatchNorm};
 pub use conv::{conv2d, conv2d_no_bias, Conv2d};

@@ -1,0 +1,43 @@
+//! PartialFC for candle (insightface's arcface_torch, `partial_fc_v2.py` and `losses.py`): the
+//! classification head of face recognition, whose class centres are **split across the ranks**
+//! (model parallel: millions of identities never fit one device) while the backbone is data
+//! parallel under `Ddp`.
+//!
+//! Each step every rank all-gathers the embeddings (with gradient) and labels of the global
+//! batch, scores them against its own centres (cosines of L2-normalised embeddings and centres),
+//! applies the margin ([`CombinedMarginLoss`]: ArcFace, CosFace) and computes the softmax
+//! cross-entropy over all ranks' classes without gathering the logits ([`dist_cross_entropy`]:
+//! the global max, the global sum of exponentials and the target probability by all-reduce).
+//! At `sample_rate < 1` only the positive centres and a random subset of negatives take part.
+//!
+//! ```no_run
+//! # use std::sync::Arc;
+//! # use candle_core::{Device, Tensor};
+//! # use tandem_ddp::GradComm;
+//! # use tandem_partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig};
+//! # fn f(comm: Arc<dyn GradComm>, embeddings: Tensor, labels: Vec<i64>) -> Result<(), Box<dyn std::error::Error>> {
+//! let margin = CombinedMarginLoss::arcface(64.0, 0.5);
+//! let mut head = PartialFc::new(PartialFcConfig::new(93_431, 512, margin), comm, &Device::Cpu)?;
+//! let loss = head.forward(&embeddings, &labels)?; // backbone embeddings [B, 512], labels in 0..C
+//! let grads = loss.backward()?;                   // reaches the backbone and this rank's centres
+//! # Ok(()) }
+//! ```
+//!
+//! The centres ([`PartialFc::weight`]) are rank-local: they are not part of the `Ddp` model, so
+//! nothing all-reduces them, and their optimizer state is per rank. One optimizer takes backbone
+//! and head as two parameter groups (`tandem_ddp::optim::Sgd::with_groups`), as arcface_torch
+//! does.
+mod cross_entropy;
+mod error;
+mod margin;
+mod partial_fc;
+mod sample;
+mod split;
+
+pub use cross_entropy::dist_cross_entropy;
+pub use error::PartialFcError;
+pub use margin::CombinedMarginLoss;
+pub use partial_fc::{PartialFc, PartialFcConfig};
+pub use sample::{SampleRequest, Sampler};
+pub use split::ClassSplit;
+pub use tandem_ddp::nn::GatherGrad;

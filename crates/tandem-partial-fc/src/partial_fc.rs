@@ -1,0 +1,285 @@
+//! The PartialFC head (see the crate docs): configuration, the rank-local centres and one
+//! forward step from this rank's embeddings and labels to the loss of the global batch.
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use rand::SeedableRng;
+use rand_distr::Distribution;
+use tandem_ddp::nn::{all_gather, GatherGrad};
+use tandem_ddp::GradComm;
+
+use crate::cross_entropy::dist_cross_entropy;
+use crate::error::PartialFcError;
+use crate::margin::CombinedMarginLoss;
+use crate::sample::{self, SampleRequest, Sampler, UniformNegatives};
+use crate::split::ClassSplit;
+
+/// How a [`PartialFc`] is built.
+#[derive(Clone, Debug)]
+pub struct PartialFcConfig {
+    pub num_classes: usize,
+    pub embedding_size: usize,
+    pub margin: CombinedMarginLoss,
+    /// Fraction of each rank's centres that take part in a step, positives always included
+    /// (arcface_torch's `sample_rate`; 1.0 = all of them).
+    pub sample_rate: f64,
+    /// The gradient the gathered embeddings send back: arcface_torch's `SumTimesWorld` (the
+    /// default) makes Ddp's averaging of the backbone's gradients yield their sum.
+    pub gather_grad: GatherGrad,
+    /// The dtype of the head's matmul under autocast (`BF16`/`F16`); logits go back to f32
+    /// before the clamp and the margin. `None`: f32 throughout.
+    pub autocast: Option<DType>,
+    /// Seeds the initial centres (N(0, 0.01), one draw per class whatever the world size) and
+    /// the negative sampling.
+    pub seed: u64,
+}
+
+impl PartialFcConfig {
+    pub fn new(num_classes: usize, embedding_size: usize, margin: CombinedMarginLoss) -> Self {
+        PartialFcConfig {
+            num_classes,
+            embedding_size,
+            margin,
+            sample_rate: 1.0,
+            gather_grad: GatherGrad::SumTimesWorld,
+            autocast: None,
+            seed: 0,
+        }
+    }
+
+    fn check(&self) -> Result<(), PartialFcError> {
+        let bad = |why: String| Err(PartialFcError::Config(why));
+        if self.num_classes == 0 || self.embedding_size == 0 {
+            return bad(format!(
+                "num_classes {} and embedding_size {} must be positive",
+                self.num_classes, self.embedding_size
+            ));
+        }
+        if !(self.sample_rate > 0.0 && self.sample_rate <= 1.0) {
+            return bad(format!("sample_rate {} must be in (0, 1]", self.sample_rate));
+        }
+        if let Some(dt) = self.autocast {
+            if !matches!(dt, DType::BF16 | DType::F16) {
+                return bad(format!("autocast dtype {dt:?}: use bf16 or f16"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The model-parallel classification head. Holds this rank's centres as a [`Var`] (give it to
+/// the optimizer as its own parameter group; never to `Ddp`).
+pub struct PartialFc {
+    cfg: PartialFcConfig,
+    split: ClassSplit,
+    weight: Var,
+    comm: Arc<dyn GradComm>,
+    sampler: Box<dyn Sampler>,
+    last_index: Option<Vec<usize>>,
+    step: u64,
+}
+
+impl std::fmt::Debug for PartialFc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PartialFc").field("cfg", &self.cfg).field("split", &self.split).finish()
+    }
+}
+
+/// Row `class` of the initial centres: N(0, 0.01) drawn from `(seed, class)`, so the matrix is
+/// the same for every world size.
+fn initial_row(seed: u64, class: usize, e: usize) -> Vec<f32> {
+    let mut rng =
+        rand::rngs::StdRng::seed_from_u64(seed ^ (class as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93));
+    let normal = rand_distr::Normal::new(0.0f32, 0.01).expect("a valid standard deviation");
+    (0..e).map(|_| normal.sample(&mut rng)).collect()
+}
+
+impl PartialFc {
+    /// This rank's share of `cfg.num_classes` centres, initialised N(0, 0.01) from `cfg.seed`.
+    pub fn new(
+        cfg: PartialFcConfig,
+        comm: Arc<dyn GradComm>,
+        device: &Device,
+    ) -> Result<Self, PartialFcError> {
+        cfg.check()?;
+        let split = ClassSplit::new(cfg.num_classes, comm.size(), comm.rank());
+        let e = cfg.embedding_size;
+        let mut rows = Vec::with_capacity(split.len * e);
+        for c in split.start..split.start + split.len {
+            rows.extend(initial_row(cfg.seed, c, e));
+        }
+        let weight = Var::from_tensor(&Tensor::from_vec(rows, (split.len, e), device)?)?;
+        Ok(Self::with_weight(cfg, comm, split, weight))
+    }
+
+    /// This rank's rows of the full `[num_classes, embedding_size]` matrix `full` (e.g. loaded
+    /// from a checkpoint written on another world size).
+    pub fn from_full_weight(
+        cfg: PartialFcConfig,
+        comm: Arc<dyn GradComm>,
+        full: &Tensor,
+    ) -> Result<Self, PartialFcError> {
+        cfg.check()?;
+        let dims = full.dims();
+        if dims != [cfg.num_classes, cfg.embedding_size] {
+            return Err(PartialFcError::Config(format!(
+                "the full weight has shape {dims:?}, expected [{}, {}] (num_classes, embedding_size)",
+                cfg.num_classes, cfg.embedding_size
+            )));
+        }
+        let split = ClassSplit::new(cfg.num_classes, comm.size(), comm.rank());
+        let rows = full.narrow(0, split.start, split.len)?.to_dtype(DType::F32)?.contiguous()?;
+        let weight = Var::from_tensor(&rows.copy()?)?;
+        Ok(Self::with_weight(cfg, comm, split, weight))
+    }
+
+    fn with_weight(cfg: PartialFcConfig, comm: Arc<dyn GradComm>, split: ClassSplit, weight: Var) -> Self {
+        let sampler = Box::new(UniformNegatives { seed: cfg.seed });
+        PartialFc { cfg, split, weight, comm, sampler, last_index: None, step: 0 }
+    }
+
+    /// Replaces the negative sampler (for example to replay a recorded choice).
+    pub fn with_sampler(mut self, sampler: impl Sampler + 'static) -> Self {
+        self.sampler = Box::new(sampler);
+        self
+    }
+
+    /// This rank's centres, `[split().len, embedding_size]`.
+    pub fn weight(&self) -> &Var {
+        &self.weight
+    }
+
+    pub fn split(&self) -> ClassSplit {
+        self.split
+    }
+
+    pub fn config(&self) -> &PartialFcConfig {
+        &self.cfg
+    }
+
+    /// The centres that took part in the last step (local indices, sorted); `None` before the
+    /// first step. At `sample_rate < 1` only these rows got a gradient.
+    pub fn last_index(&self) -> Option<&[usize]> {
+        self.last_index.as_deref()
+    }
+
+    /// The loss of the global batch from this rank's `embeddings` `[B, E]` and `labels` (global
+    /// classes, `B` of them). A collective: every rank calls it each step with the same `B`.
+    /// Bad input on any rank — another embedding size or batch size, a label outside
+    /// `0..num_classes` — is an error on every rank naming the rank and the value.
+    pub fn forward(&mut self, embeddings: &Tensor, labels: &[i64]) -> Result<Tensor, PartialFcError> {
+        let rank = self.comm.rank();
+        let global = self.gather_labels(embeddings, labels)?;
+        let gathered = all_gather(embeddings, &self.comm, self.cfg.gather_grad, "PartialFc embeddings")?;
+        let mut local: Vec<i64> = global
+            .iter()
+            .map(|&l| self.split.local(l).map_or(-1, |c| c as i64))
+            .collect();
+        let num_sample = (self.cfg.sample_rate * self.split.len as f64) as usize;
+        let index = if self.cfg.sample_rate < 1.0 {
+            let mut positives: Vec<usize> = local.iter().filter_map(|&l| usize::try_from(l).ok()).collect();
+            positives.sort_unstable();
+            positives.dedup();
+            let index = if num_sample >= positives.len() {
+                let req = SampleRequest {
+                    rank,
+                    step: self.step,
+                    num_local: self.split.len,
+                    num_sample,
+                    positives: &positives,
+                };
+                let index = self.sampler.sample(&req);
+                sample::check(&index, &req).map_err(|what| PartialFcError::Batch { rank, what })?;
+                index
+            } else {
+                positives
+            };
+            for l in local.iter_mut().filter(|l| **l >= 0) {
+                *l = index.binary_search(&(*l as usize)).map_or(-1, |i| i as i64);
+            }
+            index
+        } else {
+            (0..self.split.len).collect()
+        };
+        let active = if index.len() == self.split.len {
+            self.weight.as_tensor().clone()
+        } else {
+            let ids: Vec<u32> = index.iter().map(|&i| i as u32).collect();
+            let ids = Tensor::from_vec(ids, index.len(), self.weight.device())?;
+            self.weight.as_tensor().index_select(&ids, 0)?
+        };
+        let (ne, nw) = (normalize(&gathered)?, normalize(&active.to_device(gathered.device())?)?);
+        let logits = match self.cfg.autocast {
+            Some(dt) => ne.to_dtype(dt)?.matmul(&nw.to_dtype(dt)?.t()?)?.to_dtype(DType::F32)?,
+            None => ne.matmul(&nw.t()?)?,
+        };
+        let logits = logits.clamp(-1f32, 1f32)?;
+        let logits = self.cfg.margin.forward(&logits, &local)?;
+        let loss = dist_cross_entropy(&logits, &local, &self.comm)?;
+        self.last_index = Some(index);
+        self.step += 1;
+        Ok(loss)
+    }
+
+    /// Gathers every rank's batch size, embedding size and labels, and checks them all on every
+    /// rank (so that every rank fails together, naming the culprit, instead of some waiting in
+    /// the next collective). Returns the labels of the global batch in rank order.
+    fn gather_labels(&self, embeddings: &Tensor, labels: &[i64]) -> Result<Vec<i64>, PartialFcError> {
+        let rank = self.comm.rank();
+        let dims = embeddings.dims().to_vec();
+        let mut msg: Vec<i64> = vec![dims.len() as i64];
+        msg.extend(dims.iter().map(|&d| d as i64));
+        msg.push(labels.len() as i64);
+        msg.extend_from_slice(labels);
+        let all = self.comm.all_gather_bytes(bytemuck::cast_slice(&msg)).map_err(|e| {
+            PartialFcError::Comm { rank, op: "all_gather of labels", reason: e.to_string() }
+        })?;
+        let mut batch = None;
+        let mut global = Vec::new();
+        for (r, bytes) in all.iter().enumerate() {
+            let words: Vec<i64> = bytes
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect();
+            let bad = |what: String| PartialFcError::Batch { rank: r, what };
+            let nd = *words.first().ok_or_else(|| bad("sent an empty message".into()))? as usize;
+            let their_dims = words.get(1..1 + nd).ok_or_else(|| bad("sent a malformed message".into()))?;
+            let n_labels = *words.get(1 + nd).ok_or_else(|| bad("sent a malformed message".into()))? as usize;
+            let their_labels = words.get(2 + nd..2 + nd + n_labels).ok_or_else(|| bad("sent a malformed message".into()))?;
+            let [b, e] = their_dims else {
+                return Err(bad(format!("embeddings have shape {their_dims:?}, expected [batch, {}]", self.cfg.embedding_size)));
+            };
+            if *e as usize != self.cfg.embedding_size {
+                return Err(bad(format!("embeddings have size {e}, expected {}", self.cfg.embedding_size)));
+            }
+            if *b == 0 {
+                return Err(bad("has an empty batch (every rank needs the same batch size)".into()));
+            }
+            if n_labels != *b as usize {
+                return Err(bad(format!("has {n_labels} labels for a batch of {b}")));
+            }
+            match batch {
+                None => batch = Some((*b, r)),
+                Some((b0, r0)) if b0 != *b => {
+                    return Err(bad(format!(
+                        "has a batch of {b} but rank {r0} has {b0}: every rank needs the same batch size"
+                    )))
+                }
+                Some(_) => {}
+            }
+            for (i, &l) in their_labels.iter().enumerate() {
+                if l < 0 || l as usize >= self.cfg.num_classes {
+                    return Err(PartialFcError::Label { rank: r, index: i, label: l, classes: self.cfg.num_classes });
+                }
+            }
+            global.extend_from_slice(their_labels);
+        }
+        Ok(global)
+    }
+}
+
+/// Rows scaled to unit L2 norm (PyTorch's `F.normalize`: `x / max(||x||, 1e-12)`).
+fn normalize(x: &Tensor) -> candle_core::Result<Tensor> {
+    let norm = x.sqr()?.sum_keepdim(1)?.sqrt()?.maximum(1e-12)?;
+    x.broadcast_div(&norm)
+}
