@@ -11,6 +11,7 @@ pub mod ckpt;
 pub mod conv;
 pub mod ddp;
 mod local_ranks;
+pub mod partial_fc;
 pub mod report;
 pub mod save_stall;
 pub mod zero;
@@ -33,6 +34,8 @@ enum Which {
     SaveStall(save_stall::Args),
     /// optimizer-state bytes per rank with ZeroRedundancyOptimizer vs unsharded.
     Zero(zero::Args),
+    /// PartialFC class-centre memory per rank (centres + momentum) vs C*E*4*2/W.
+    PartialFc(partial_fc::Args),
     /// per-op ms of the conv and BatchNorm kernels on ResNet-18's shapes vs torch.
     Conv(conv::Args),
     /// Runs all of the above beside PyTorch and writes docs/BENCHMARKS.md with PNG plots.
@@ -67,6 +70,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         Which::Conv(a) => conv::main(a),
         Which::SaveStall(a) => save_stall::main(a),
         Which::Zero(a) => zero::main(a),
+        Which::PartialFc(a) => partial_fc::main(a),
         Which::Report(a) => report::main(a),
     }
 }

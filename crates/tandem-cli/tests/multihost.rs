@@ -13,7 +13,8 @@ use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
 use support::{
-    leftovers, marked_processes_with, sigkill, trials, Finished, Running, Tally, MARKER_VAR,
+    leftovers, marked_processes_with, restartable_train_args, sigkill, trials, wait_for_checkpoint,
+    weights, Finished, Running, Tally, MARKER_VAR,
 };
 use tandem_testutil::harness;
 use tandem_testutil::netns::{Hosts, Netem};
@@ -167,18 +168,6 @@ fn the_flat_ring_can_be_chosen_and_agrees() {
     assert_eq!(all.matches("allreduce=flat ok").count(), 4, "{all}");
 }
 
-fn weights(path: &Path) -> Vec<(String, Vec<f64>)> {
-    let v = tandem_ckpt::load(path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
-    let mut out: Vec<(String, Vec<f64>)> = v
-        .as_dict()
-        .expect("a state dict")
-        .iter()
-        .map(|(k, t)| (k.as_str().unwrap().to_string(), t.as_tensor().unwrap().to_f64_vec()))
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
-
 fn training_across_two_hosts_equals_training_on_one() {
     let dir = tempfile::tempdir().unwrap();
     let common = ["--epochs", "2", "--batch-size", "16", "--hidden", "32", "--model", "cnn"];
@@ -221,22 +210,6 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// Waits until `dir` holds a finished checkpoint (`checkpoint-*.pt`), up to `limit`.
-fn wait_for_checkpoint(dir: &Path, limit: Duration) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        let found = std::fs::read_dir(dir).into_iter().flatten().flatten().any(|e| {
-            let n = e.file_name().to_string_lossy().into_owned();
-            n.starts_with("checkpoint-") && n.ends_with(".pt")
-        });
-        if found {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    false
-}
-
 /// Polls `look` every 20 ms until it finds exactly one pid; panics after 20 s with `what` and
 /// the last candidates.
 fn one_process(what: &str, mut look: impl FnMut() -> Vec<i32>) -> i32 {
@@ -263,27 +236,9 @@ fn assert_no_leftovers(marker: &str) {
 
 /// Restartable training on two hosts x two ranks, checkpointing every 5 steps.
 fn restartable(out: &Path, fin: &Path) -> Vec<String> {
-    [
-        tandem(),
-        "train",
-        "--epochs",
-        "4",
-        "--hidden",
-        "16",
-        "--batch-size",
-        "4",
-        "--data",
-        "digits",
-        "--save-every",
-        "5",
-        "--resume",
-        "--out",
-        s(out),
-        "--save-final",
-        s(fin),
-    ]
-    .map(String::from)
-    .to_vec()
+    let mut worker = vec![tandem().to_string()];
+    worker.extend(restartable_train_args(out, fin));
+    worker
 }
 
 fn a_worker_killed_on_host_1_restarts_every_node_to_identical_weights_trial() -> f64 {

@@ -15,7 +15,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
-use support::{marked_processes_with, sigkill, Finished, Running, MARKER_VAR};
+use support::{
+    marked_processes_with, restartable_train_args as restartable, sigkill, wait_for_checkpoint,
+    weights, Finished, Running, MARKER_VAR,
+};
 use tandem_testutil::harness;
 use tandem_testutil::netns::Hosts;
 use tandem_testutil::without_world;
@@ -76,18 +79,6 @@ fn assert_succeeded(what: &str, f: &Finished) {
     );
 }
 
-fn weights(path: &Path) -> Vec<(String, Vec<f64>)> {
-    let v = tandem_ckpt::load(path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
-    let mut out: Vec<(String, Vec<f64>)> = v
-        .as_dict()
-        .expect("a state dict")
-        .iter()
-        .map(|(k, t)| (k.as_str().unwrap().to_string(), t.as_tensor().unwrap().to_f64_vec()))
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
-
 /// Same data, model and steps: only the all-reduce's summation order may differ.
 fn assert_close(a: &Path, b: &Path, what: &str) {
     let (a, b) = (weights(a), weights(b));
@@ -143,32 +134,6 @@ fn torchrun_training_equals_the_same_job_under_tandem() {
     assert_close(&via_torchrun, &via_tandem, "torchrun vs tandem run");
 }
 
-/// A run long enough to kill a worker after its first checkpoint.
-fn restartable(out: &Path, fin: &Path) -> Vec<String> {
-    [
-        "train",
-        "--model",
-        "mlp",
-        "--epochs",
-        "4",
-        "--hidden",
-        "16",
-        "--batch-size",
-        "4",
-        "--data",
-        "digits",
-        "--save-every",
-        "5",
-        "--resume",
-        "--out",
-        s(out),
-        "--save-final",
-        s(fin),
-    ]
-    .map(String::from)
-    .to_vec()
-}
-
 /// The one live `train` process of trial `marker` with the variables `also` (20 s to appear).
 fn one_process(marker: &str, also: &[&str]) -> i32 {
     let start = Instant::now();
@@ -180,21 +145,6 @@ fn one_process(marker: &str, also: &[&str]) -> i32 {
         assert!(start.elapsed() < Duration::from_secs(20), "no single {also:?} process: {found:?}");
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-fn wait_for_checkpoint(dir: &Path, limit: Duration) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        let found = std::fs::read_dir(dir).into_iter().flatten().flatten().any(|e| {
-            let n = e.file_name().to_string_lossy().into_owned();
-            n.starts_with("checkpoint-") && n.ends_with(".pt")
-        });
-        if found {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    false
 }
 
 fn a_worker_killed_under_torchrun_resumes_from_tandem_checkpoint() {

@@ -124,6 +124,30 @@ impl LocalGroup {
         Self::with_timeout(size, Duration::from_secs(60))
     }
 
+    /// Runs `f` on `size` threads, one per rank of a new group, and returns their results in
+    /// rank order. A rank that panics fails the call (after the others end: each collective is
+    /// bounded by the group's timeout).
+    pub fn run<R: Send + 'static>(
+        size: usize,
+        f: impl Fn(Arc<dyn GradComm>) -> R + Send + Sync + 'static,
+    ) -> Vec<R> {
+        let f = Arc::new(f);
+        let handles: Vec<_> = Self::new(size)
+            .into_iter()
+            .map(|g| {
+                let f = f.clone();
+                std::thread::spawn(move || f(Arc::new(g)))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(r, h)| {
+                h.join().unwrap_or_else(|_| panic!("rank {r} of the local group panicked"))
+            })
+            .collect()
+    }
+
     pub fn with_timeout(size: usize, timeout: Duration) -> Vec<LocalGroup> {
         let shared = Arc::new(LocalShared {
             size,

@@ -435,8 +435,30 @@ impl<M: ParamModule> Ddp<M> {
     /// Backward through `loss`, then the gradients: averaged over the world in a synchronised
     /// step, this rank's accumulated ones inside `no_sync`. Keyed by the parameter `Var`s.
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        self.backward_with_local(loss, &[])
+    }
+
+    /// [`Ddp::backward`], plus the gradients of `local`: parameters kept outside this `Ddp` on
+    /// purpose, such as the class centres of a model-parallel head (`tandem-partial-fc`), each
+    /// rank holding different ones. Their gradients come back exactly as autograd computed
+    /// them, never all-reduced, so one optimizer can step the model and them together (as two
+    /// parameter groups). A `local` parameter that is also one of this `Ddp`'s is refused.
+    pub fn backward_with_local(&self, loss: &Tensor, local: &[Var]) -> Result<GradStore> {
+        let vars = self.module.params().vars();
+        if let Some(i) =
+            local.iter().position(|l| vars.iter().any(|v| v.as_tensor().id() == l.as_tensor().id()))
+        {
+            return Err(DdpError::InvalidOption {
+                what: "backward_with_local",
+                why: format!(
+                    "local parameter {i} is also a parameter of this Ddp model, whose gradients \
+                     are averaged over the ranks; keep rank-local parameters out of the model \
+                     given to Ddp"
+                ),
+            });
+        }
         let viewed = self.module.params().end_view();
-        let candle_grads = match loss.backward() {
+        let mut candle_grads = match loss.backward() {
             Ok(g) => g,
             Err(e) => {
                 let hooked =
@@ -444,7 +466,24 @@ impl<M: ParamModule> Ddp<M> {
                 return Err(hooked.unwrap_or(DdpError::Candle(e)));
             }
         };
-        let vars = self.module.params().vars();
+        let local_grads: Vec<(Tensor, Tensor)> = local
+            .iter()
+            .filter_map(|v| candle_grads.remove(v.as_tensor()).map(|g| (v.as_tensor().clone(), g)))
+            .collect();
+        let mut grads = self.reduce_grads(viewed, vars, candle_grads)?;
+        for (param, g) in local_grads {
+            grads.insert(&param, g);
+        }
+        Ok(grads)
+    }
+
+    /// The model's gradients from candle's: averaged over the world (see [`Ddp::backward`]).
+    fn reduce_grads(
+        &self,
+        viewed: bool,
+        vars: Vec<Var>,
+        candle_grads: GradStore,
+    ) -> Result<GradStore> {
         let mut candle_grads = candle_grads;
         if !viewed
             && self.shared.comm.size() == 1

@@ -517,14 +517,7 @@ mod tests {
         F: Fn(Arc<dyn GradComm>) -> T + Send + Sync + 'static + Clone,
         T: Send + 'static,
     {
-        let hs: Vec<_> = LocalGroup::new(2)
-            .into_iter()
-            .map(|g| {
-                let f = f.clone();
-                std::thread::spawn(move || f(Arc::new(g)))
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+        LocalGroup::run(2, f)
     }
 
     #[test]

@@ -161,3 +161,44 @@ fn batchnorm_statistics_are_buffers_broadcast_from_rank0_and_torch_exact_optimiz
     }
     assert!(max_diff(&out[0].1, &out[1].1) == 0.0, "parameters diverged");
 }
+
+#[test]
+fn rank_local_parameters_keep_their_own_gradients_beside_the_averaged_model() {
+    let out = run_pg(2, TransportKind::Tcp, |comm| {
+        let rank = comm.rank();
+        let varmap = VarMap::new();
+        let net =
+            Net::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu), false).unwrap();
+        let ddp = Ddp::from_varmap(&varmap, &comm, DdpOptions::default()).unwrap();
+        // A rank-local parameter (a model-parallel head's share): different on every rank.
+        let local = candle_core::Var::new(&[1.0f32 + rank as f32, 2.0], &Device::Cpu).unwrap();
+        let (x, y) = batch(0, 4);
+        let x = x.narrow(0, rank * 2, 2).unwrap();
+        let y = y.narrow(0, rank * 2, 2).unwrap();
+        let loss = (net.loss(&x, &y).unwrap()
+            + local.as_tensor().sqr().unwrap().sum_all().unwrap())
+        .unwrap();
+        let grads = ddp.backward_with_local(&loss, std::slice::from_ref(&local)).unwrap();
+        let g_local: Vec<f32> = grads.get(local.as_tensor()).unwrap().to_vec1().unwrap();
+        let fc2_bias = varmap.data().lock().unwrap()["fc2.bias"].clone();
+        let g_model: Vec<f32> = grads.get(fc2_bias.as_tensor()).unwrap().to_vec1().unwrap();
+        // One optimizer, two parameter groups.
+        let sgd = SgdConfig { lr: 0.1, ..Default::default() };
+        let mut opt =
+            Sgd::with_groups(vec![(varmap.all_vars(), sgd.clone()), (vec![local.clone()], sgd)])
+                .unwrap();
+        opt.step(&grads).unwrap();
+        let refused = ddp
+            .backward_with_local(&net.loss(&x, &y).unwrap(), &[varmap.all_vars()[0].clone()])
+            .unwrap_err()
+            .to_string();
+        (g_local, g_model, local.as_tensor().to_vec1::<f32>().unwrap(), refused)
+    });
+    // d(sum local^2)/d local = 2 * local: this rank's own, not averaged with the other rank's.
+    assert_eq!(out[0].0, [2.0, 4.0]);
+    assert_eq!(out[1].0, [4.0, 4.0]);
+    assert_eq!(out[0].1, out[1].1, "the model's gradients are averaged");
+    assert_eq!(out[0].2, [0.8, 1.6]);
+    assert_eq!(out[1].2, [1.6, 1.6]);
+    assert!(out[0].3.contains("also a parameter of this Ddp model"), "{}", out[0].3);
+}

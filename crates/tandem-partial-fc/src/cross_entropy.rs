@@ -34,7 +34,10 @@ impl CustomOp1 for DistCrossEntropy {
         let (n, k) = layout.shape().dims2()?;
         let (Some((start, end)), CpuStorage::F32(v)) = (layout.contiguous_offsets(), storage)
         else {
-            candle_core::bail!("dist_cross_entropy needs contiguous f32 logits, got {:?}", storage.dtype())
+            candle_core::bail!(
+                "dist_cross_entropy needs contiguous f32 logits, got {:?}",
+                storage.dtype()
+            )
         };
         let x = &v[start..end];
         let rank = self.comm.rank();

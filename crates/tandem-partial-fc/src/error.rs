@@ -11,7 +11,9 @@ pub enum PartialFcError {
     Batch { rank: usize, what: String },
 
     /// A label outside `0..classes`.
-    #[error("PartialFc: rank {rank}: label {label} at batch index {index} is outside 0..{classes}")]
+    #[error(
+        "PartialFc: rank {rank}: label {label} at batch index {index} is outside 0..{classes}"
+    )]
     Label { rank: usize, index: usize, label: i64, classes: usize },
 
     /// A collective failed (a peer died, timed out, or the group broke).

@@ -24,9 +24,17 @@
 //! ```
 //!
 //! The centres ([`PartialFc::weight`]) are rank-local: they are not part of the `Ddp` model, so
-//! nothing all-reduces them, and their optimizer state is per rank. One optimizer takes backbone
-//! and head as two parameter groups (`tandem_ddp::optim::Sgd::with_groups`), as arcface_torch
-//! does.
+//! nothing all-reduces them (`Ddp::backward_with_local` returns their gradients untouched beside
+//! the model's averaged ones), and their optimizer state is per rank. One optimizer takes
+//! backbone and head as two parameter groups (`tandem_ddp::optim::Sgd::with_groups`), as
+//! arcface_torch does.
+//!
+//! At `sample_rate < 1` the centres that did not take part in a step get a zero gradient (the
+//! sampled rows are selected with `index_select`, whose backward scatters into a dense gradient),
+//! exactly as arcface_torch's `weight[index]`. The optimizer still updates those rows: with SGD
+//! their momentum decays and keeps moving them (`v = 0.9 v + wd * w`, `w -= lr * v`) and weight
+//! decay shrinks them; with Adam(W) their moments decay and the bias correction advances. The
+//! state of every row is kept, sampled or not, so a row sampled later resumes from it.
 mod cross_entropy;
 mod error;
 mod margin;

@@ -45,7 +45,7 @@ impl CombinedMarginLoss {
                  CosFace (1, 0, m3 > 0), the two arcface_torch computes"
             )));
         };
-        if !(s.is_finite() && s > 0.0) || !(0.0..1.0).contains(&threshold) {
+        if !(s.is_finite() && s > 0.0 && (0.0..1.0).contains(&threshold)) {
             return Err(PartialFcError::Config(format!(
                 "scale s = {s} must be positive and the inter-class filtering threshold \
                  {threshold} in [0, 1)"
@@ -56,12 +56,26 @@ impl CombinedMarginLoss {
 
     /// ArcFace `(s, 1, m, 0)`: arcface_torch's default is `(64, 0.5)`.
     pub fn arcface(s: f64, m: f64) -> Self {
-        CombinedMarginLoss { s, m1: 1.0, m2: m, m3: 0.0, interclass_filtering_threshold: 0.0, kind: Kind::ArcFace }
+        CombinedMarginLoss {
+            s,
+            m1: 1.0,
+            m2: m,
+            m3: 0.0,
+            interclass_filtering_threshold: 0.0,
+            kind: Kind::ArcFace,
+        }
     }
 
     /// CosFace `(s, 1, 0, m)`: arcface_torch's configs use `(64, 0.4)`.
     pub fn cosface(s: f64, m: f64) -> Self {
-        CombinedMarginLoss { s, m1: 1.0, m2: 0.0, m3: m, interclass_filtering_threshold: 0.0, kind: Kind::CosFace }
+        CombinedMarginLoss {
+            s,
+            m1: 1.0,
+            m2: 0.0,
+            m3: m,
+            interclass_filtering_threshold: 0.0,
+            kind: Kind::CosFace,
+        }
     }
 
     /// The scaled, margin-adjusted logits of `logits` `[N, K]` (cosines), where `labels[i]` is
@@ -165,6 +179,9 @@ mod tests {
             assert!((a - b).abs() < 1e-6, "{v:?}");
         }
         let g = y.sum_all().unwrap().backward().unwrap();
-        assert_eq!(g.get(&x).unwrap().to_vec2::<f32>().unwrap(), [[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]]);
+        assert_eq!(
+            g.get(&x).unwrap().to_vec2::<f32>().unwrap(),
+            [[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]]
+        );
     }
 }

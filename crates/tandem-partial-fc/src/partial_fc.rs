@@ -88,8 +88,9 @@ impl std::fmt::Debug for PartialFc {
 /// Row `class` of the initial centres: N(0, 0.01) drawn from `(seed, class)`, so the matrix is
 /// the same for every world size.
 fn initial_row(seed: u64, class: usize, e: usize) -> Vec<f32> {
-    let mut rng =
-        rand::rngs::StdRng::seed_from_u64(seed ^ (class as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93));
+    let mut rng = rand::rngs::StdRng::seed_from_u64(
+        seed ^ (class as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93),
+    );
     let normal = rand_distr::Normal::new(0.0f32, 0.01).expect("a valid standard deviation");
     (0..e).map(|_| normal.sample(&mut rng)).collect()
 }
@@ -133,7 +134,12 @@ impl PartialFc {
         Ok(Self::with_weight(cfg, comm, split, weight))
     }
 
-    fn with_weight(cfg: PartialFcConfig, comm: Arc<dyn GradComm>, split: ClassSplit, weight: Var) -> Self {
+    fn with_weight(
+        cfg: PartialFcConfig,
+        comm: Arc<dyn GradComm>,
+        split: ClassSplit,
+        weight: Var,
+    ) -> Self {
         let sampler = Box::new(UniformNegatives { seed: cfg.seed });
         PartialFc { cfg, split, weight, comm, sampler, last_index: None, step: 0 }
     }
@@ -167,17 +173,21 @@ impl PartialFc {
     /// classes, `B` of them). A collective: every rank calls it each step with the same `B`.
     /// Bad input on any rank — another embedding size or batch size, a label outside
     /// `0..num_classes` — is an error on every rank naming the rank and the value.
-    pub fn forward(&mut self, embeddings: &Tensor, labels: &[i64]) -> Result<Tensor, PartialFcError> {
+    pub fn forward(
+        &mut self,
+        embeddings: &Tensor,
+        labels: &[i64],
+    ) -> Result<Tensor, PartialFcError> {
         let rank = self.comm.rank();
         let global = self.gather_labels(embeddings, labels)?;
-        let gathered = all_gather(embeddings, &self.comm, self.cfg.gather_grad, "PartialFc embeddings")?;
-        let mut local: Vec<i64> = global
-            .iter()
-            .map(|&l| self.split.local(l).map_or(-1, |c| c as i64))
-            .collect();
+        let gathered =
+            all_gather(embeddings, &self.comm, self.cfg.gather_grad, "PartialFc embeddings")?;
+        let mut local: Vec<i64> =
+            global.iter().map(|&l| self.split.local(l).map_or(-1, |c| c as i64)).collect();
         let num_sample = (self.cfg.sample_rate * self.split.len as f64) as usize;
         let index = if self.cfg.sample_rate < 1.0 {
-            let mut positives: Vec<usize> = local.iter().filter_map(|&l| usize::try_from(l).ok()).collect();
+            let mut positives: Vec<usize> =
+                local.iter().filter_map(|&l| usize::try_from(l).ok()).collect();
             positives.sort_unstable();
             positives.dedup();
             let index = if num_sample >= positives.len() {
@@ -224,7 +234,11 @@ impl PartialFc {
     /// Gathers every rank's batch size, embedding size and labels, and checks them all on every
     /// rank (so that every rank fails together, naming the culprit, instead of some waiting in
     /// the next collective). Returns the labels of the global batch in rank order.
-    fn gather_labels(&self, embeddings: &Tensor, labels: &[i64]) -> Result<Vec<i64>, PartialFcError> {
+    fn gather_labels(
+        &self,
+        embeddings: &Tensor,
+        labels: &[i64],
+    ) -> Result<Vec<i64>, PartialFcError> {
         let rank = self.comm.rank();
         let dims = embeddings.dims().to_vec();
         let mut msg: Vec<i64> = vec![dims.len() as i64];
@@ -243,17 +257,29 @@ impl PartialFc {
                 .collect();
             let bad = |what: String| PartialFcError::Batch { rank: r, what };
             let nd = *words.first().ok_or_else(|| bad("sent an empty message".into()))? as usize;
-            let their_dims = words.get(1..1 + nd).ok_or_else(|| bad("sent a malformed message".into()))?;
-            let n_labels = *words.get(1 + nd).ok_or_else(|| bad("sent a malformed message".into()))? as usize;
-            let their_labels = words.get(2 + nd..2 + nd + n_labels).ok_or_else(|| bad("sent a malformed message".into()))?;
+            let their_dims =
+                words.get(1..1 + nd).ok_or_else(|| bad("sent a malformed message".into()))?;
+            let n_labels =
+                *words.get(1 + nd).ok_or_else(|| bad("sent a malformed message".into()))? as usize;
+            let their_labels = words
+                .get(2 + nd..2 + nd + n_labels)
+                .ok_or_else(|| bad("sent a malformed message".into()))?;
             let [b, e] = their_dims else {
-                return Err(bad(format!("embeddings have shape {their_dims:?}, expected [batch, {}]", self.cfg.embedding_size)));
+                return Err(bad(format!(
+                    "embeddings have shape {their_dims:?}, expected [batch, {}]",
+                    self.cfg.embedding_size
+                )));
             };
             if *e as usize != self.cfg.embedding_size {
-                return Err(bad(format!("embeddings have size {e}, expected {}", self.cfg.embedding_size)));
+                return Err(bad(format!(
+                    "embeddings have size {e}, expected {}",
+                    self.cfg.embedding_size
+                )));
             }
             if *b == 0 {
-                return Err(bad("has an empty batch (every rank needs the same batch size)".into()));
+                return Err(
+                    bad("has an empty batch (every rank needs the same batch size)".into()),
+                );
             }
             if n_labels != *b as usize {
                 return Err(bad(format!("has {n_labels} labels for a batch of {b}")));
@@ -269,7 +295,12 @@ impl PartialFc {
             }
             for (i, &l) in their_labels.iter().enumerate() {
                 if l < 0 || l as usize >= self.cfg.num_classes {
-                    return Err(PartialFcError::Label { rank: r, index: i, label: l, classes: self.cfg.num_classes });
+                    return Err(PartialFcError::Label {
+                        rank: r,
+                        index: i,
+                        label: l,
+                        classes: self.cfg.num_classes,
+                    });
                 }
             }
             global.extend_from_slice(their_labels);

@@ -40,9 +40,12 @@ pub struct UniformNegatives {
 
 impl Sampler for UniformNegatives {
     fn sample(&mut self, req: &SampleRequest<'_>) -> Vec<usize> {
-        let mix = self.seed ^ (req.rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ req.step.rotate_left(32);
+        let mix = self.seed
+            ^ (req.rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            ^ req.step.rotate_left(32);
         let mut rng = rand::rngs::StdRng::seed_from_u64(mix);
-        let mut draw: Vec<(f32, usize)> = (0..req.num_local).map(|c| (rng.random::<f32>(), c)).collect();
+        let mut draw: Vec<(f32, usize)> =
+            (0..req.num_local).map(|c| (rng.random::<f32>(), c)).collect();
         for &p in req.positives {
             draw[p].0 = 2.0;
         }
@@ -57,13 +60,20 @@ impl Sampler for UniformNegatives {
 /// Checks a sampler's answer: sorted, unique, in range, `num_sample` long, every positive in it.
 pub(crate) fn check(index: &[usize], req: &SampleRequest<'_>) -> Result<(), String> {
     if index.len() != req.num_sample {
-        return Err(format!("the sampler returned {} centres, expected {}", index.len(), req.num_sample));
+        return Err(format!(
+            "the sampler returned {} centres, expected {}",
+            index.len(),
+            req.num_sample
+        ));
     }
     if index.windows(2).any(|w| w[0] >= w[1]) {
         return Err("the sampler's index is not sorted and unique".into());
     }
     if let Some(bad) = index.iter().find(|&&c| c >= req.num_local) {
-        return Err(format!("the sampler returned centre {bad}, this rank holds {}", req.num_local));
+        return Err(format!(
+            "the sampler returned centre {bad}, this rank holds {}",
+            req.num_local
+        ));
     }
     if let Some(p) = req.positives.iter().find(|p| index.binary_search(p).is_err()) {
         return Err(format!("the sampler left out positive centre {p}"));
@@ -78,7 +88,8 @@ mod tests {
     #[test]
     fn keeps_every_positive_and_draws_the_rest_reproducibly() {
         let positives = [1, 7, 8];
-        let req = SampleRequest { rank: 1, step: 3, num_local: 20, num_sample: 6, positives: &positives };
+        let req =
+            SampleRequest { rank: 1, step: 3, num_local: 20, num_sample: 6, positives: &positives };
         let a = UniformNegatives { seed: 5 }.sample(&req);
         assert_eq!(check(&a, &req), Ok(()));
         assert_eq!(a, UniformNegatives { seed: 5 }.sample(&req));

@@ -15,7 +15,11 @@ pub struct ClassSplit {
 impl ClassSplit {
     pub fn new(classes: usize, world: usize, rank: usize) -> ClassSplit {
         let (base, extra) = (classes / world, classes % world);
-        ClassSplit { start: base * rank + rank.min(extra), len: base + usize::from(rank < extra), classes }
+        ClassSplit {
+            start: base * rank + rank.min(extra),
+            len: base + usize::from(rank < extra),
+            classes,
+        }
     }
 
     /// The local index of global class `label`, if this rank holds it.

@@ -37,26 +37,21 @@ fn assert_close(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         assert_eq!(g.len(), w.len(), "{what}: row {i}");
         for (j, (a, b)) in g.iter().zip(w).enumerate() {
-            assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{what}[{i}][{j}]: tandem {a}, torch {b}");
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "{what}[{i}][{j}]: tandem {a}, torch {b}"
+            );
         }
     }
 }
 
-/// Runs `f(rank's fixture, comm)` on `world` threads over one in-process group.
+/// Runs `f(rank's fixture, comm)` on one thread per rank over one in-process group.
 fn on_ranks<R: Send + 'static>(
     ranks: &[Value],
     f: impl Fn(Value, Arc<dyn GradComm>) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    let f = Arc::new(f);
-    let handles: Vec<_> = LocalGroup::new(ranks.len())
-        .into_iter()
-        .zip(ranks.to_vec())
-        .map(|(g, fx)| {
-            let f = f.clone();
-            std::thread::spawn(move || f(fx, Arc::new(g)))
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let ranks = ranks.to_vec();
+    LocalGroup::run(ranks.len(), move |comm| f(ranks[comm.rank()].clone(), comm))
 }
 
 #[test]
@@ -75,7 +70,8 @@ fn all_gather_gradient_matches_torch_at_2_and_3_ranks() {
             });
             let scale = if mode == GatherGrad::SumTimesWorld { ranks.len() as f32 } else { 1.0 };
             for (r, (got, want)) in out.iter().enumerate() {
-                let want: Vec<Vec<f32>> = want.iter().map(|row| row.iter().map(|v| v * scale).collect()).collect();
+                let want: Vec<Vec<f32>> =
+                    want.iter().map(|row| row.iter().map(|v| v * scale).collect()).collect();
                 assert_close(&format!("world {world} rank {r} {mode:?} grad x"), got, &want);
             }
         }
@@ -90,7 +86,8 @@ struct Outcome {
 }
 
 fn run_case(fx: &Value, comm: Arc<dyn GradComm>, classes: usize, e: usize) -> Outcome {
-    let m: Vec<f64> = fx["margin"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    let m: Vec<f64> =
+        fx["margin"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
     let margin = CombinedMarginLoss::new(m[0], m[1], m[2], m[3], m[4]).unwrap();
     let mut cfg = PartialFcConfig::new(classes, e, margin);
     cfg.sample_rate = fx["sample_rate"].as_f64().unwrap();
@@ -101,7 +98,8 @@ fn run_case(fx: &Value, comm: Arc<dyn GradComm>, classes: usize, e: usize) -> Ou
         .unwrap()
         .with_sampler(move |_: &SampleRequest<'_>| replay.clone());
     let emb = Var::from_tensor(&tensor(&fx["embeddings"])).unwrap();
-    let labels: Vec<i64> = fx["labels"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
+    let labels: Vec<i64> =
+        fx["labels"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
     let loss = head.forward(emb.as_tensor(), &labels).unwrap();
     let grads = loss.backward().unwrap();
     Outcome {
@@ -128,12 +126,28 @@ fn partial_fc_loss_and_gradients_match_torch() {
             for (r, (o, fx)) in out.iter().zip(&per_rank).enumerate() {
                 let what = format!("world {world} {name} rank {r}");
                 let want = fx["loss"].as_f64().unwrap() as f32;
-                assert!((o.loss - want).abs() <= 1e-5 * want.abs().max(1.0), "{what} loss: {} vs {want}", o.loss);
-                let index: Vec<usize> =
-                    fx["index"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
+                assert!(
+                    (o.loss - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "{what} loss: {} vs {want}",
+                    o.loss
+                );
+                let index: Vec<usize> = fx["index"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_u64().unwrap() as usize)
+                    .collect();
                 assert_eq!(o.index, index, "{what}: sampled index");
-                assert_close(&format!("{what} embedding grad"), &o.grad_embeddings, &mat(&fx["grad_embeddings"]));
-                assert_close(&format!("{what} centre grad"), &o.grad_weight, &mat(&fx["grad_weight"]));
+                assert_close(
+                    &format!("{what} embedding grad"),
+                    &o.grad_embeddings,
+                    &mat(&fx["grad_embeddings"]),
+                );
+                assert_close(
+                    &format!("{what} centre grad"),
+                    &o.grad_weight,
+                    &mat(&fx["grad_weight"]),
+                );
                 checked += 1;
             }
         }

@@ -11,6 +11,7 @@ pub use tandem_data as data;
 pub use tandem_ddp as ddp;
 pub use tandem_launch as launch;
 pub use tandem_onnx as onnx;
+pub use tandem_partial_fc as partial_fc;
 
 pub mod state;
 

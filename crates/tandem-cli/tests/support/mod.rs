@@ -271,3 +271,58 @@ pub fn s(p: &Path) -> &str {
 pub fn pathbuf(p: &Path, rel: &str) -> PathBuf {
     p.join(rel)
 }
+
+/// The weights of a saved state dict, sorted by name, as f64 (for comparing runs).
+pub fn weights(path: &Path) -> Vec<(String, Vec<f64>)> {
+    let v = tandem_ckpt::load(path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
+    let mut out: Vec<(String, Vec<f64>)> = v
+        .as_dict()
+        .expect("a state dict")
+        .iter()
+        .map(|(k, t)| (k.as_str().unwrap().to_string(), t.as_tensor().unwrap().to_f64_vec()))
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Waits until `dir` holds a finished checkpoint (`checkpoint-*.pt`), up to `limit`.
+pub fn wait_for_checkpoint(dir: &Path, limit: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        let found = std::fs::read_dir(dir).into_iter().flatten().flatten().any(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.starts_with("checkpoint-") && n.ends_with(".pt")
+        });
+        if found {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}
+
+/// `tandem train` arguments for a run long enough to kill a worker after its first checkpoint
+/// (every 5 steps) and resume it from `out`; the final weights go to `fin`.
+pub fn restartable_train_args(out: &Path, fin: &Path) -> Vec<String> {
+    let (out, fin) = (out.to_str().unwrap(), fin.to_str().unwrap());
+    [
+        "train",
+        "--epochs",
+        "4",
+        "--hidden",
+        "16",
+        "--batch-size",
+        "4",
+        "--data",
+        "digits",
+        "--save-every",
+        "5",
+        "--resume",
+        "--out",
+        out,
+        "--save-final",
+        fin,
+    ]
+    .map(String::from)
+    .to_vec()
+}

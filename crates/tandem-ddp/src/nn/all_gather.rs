@@ -124,7 +124,8 @@ fn decode(bytes: &[u8]) -> Option<(Vec<usize>, &[u8])> {
     if rank > 16 {
         return None;
     }
-    let dims: Vec<usize> = (0..rank).map(|i| word(1 + i).map(|d| d as usize)).collect::<Option<_>>()?;
+    let dims: Vec<usize> =
+        (0..rank).map(|i| word(1 + i).map(|d| d as usize)).collect::<Option<_>>()?;
     let data = bytes.get(8 * (1 + rank)..)?;
     let n: usize = dims.iter().product();
     (data.len() == n * 4).then_some((dims, data))
@@ -143,7 +144,11 @@ pub fn all_gather(
     let op = AllGather { comm: comm.clone(), what: what.into(), grad };
     let device = x.device().clone();
     let dtype = x.dtype();
-    let y = x.to_dtype(candle_core::DType::F32)?.to_device(&Device::Cpu)?.contiguous()?.apply_op1(op)?;
+    let y = x
+        .to_dtype(candle_core::DType::F32)?
+        .to_device(&Device::Cpu)?
+        .contiguous()?
+        .apply_op1(op)?;
     y.to_device(&device)?.to_dtype(dtype)
 }
 
@@ -157,15 +162,7 @@ mod tests {
         n: usize,
         f: impl Fn(Arc<dyn GradComm>) -> R + Send + Sync + 'static,
     ) -> Vec<R> {
-        let f = Arc::new(f);
-        let hs: Vec<_> = LocalGroup::new(n)
-            .into_iter()
-            .map(|g| {
-                let f = f.clone();
-                std::thread::spawn(move || f(Arc::new(g)))
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+        LocalGroup::run(n, f)
     }
 
     #[test]
@@ -197,8 +194,16 @@ mod tests {
             let x = Tensor::zeros((1, cols), candle_core::DType::F32, &Device::Cpu).unwrap();
             all_gather(&x, &comm, GatherGrad::Sum, "embeddings").unwrap_err().to_string()
         });
-        assert!(out[0].contains("rank 1 has shape [1, 3] but rank 0 has shape [1, 2]"), "{}", out[0]);
-        assert!(out[1].contains("rank 0 has shape [1, 2] but rank 1 has shape [1, 3]"), "{}", out[1]);
+        assert!(
+            out[0].contains("rank 1 has shape [1, 3] but rank 0 has shape [1, 2]"),
+            "{}",
+            out[0]
+        );
+        assert!(
+            out[1].contains("rank 0 has shape [1, 2] but rank 1 has shape [1, 3]"),
+            "{}",
+            out[1]
+        );
         assert!(out[0].contains("embeddings"), "{}", out[0]);
     }
 }
