@@ -55,13 +55,22 @@ impl CustomOp1 for AllReduceSum {
 
 /// The element-wise sum of `x` over all ranks of `comm`, differentiable (see the module docs).
 /// A collective: every rank must call it with the same shape, and in backward every rank runs
-/// the matching all-reduce of the gradient. `what` names the caller in errors.
+/// the matching all-reduce of the gradient. `what` names the caller in errors. PyTorch's
+/// `torch.distributed.nn.functional.all_reduce` with `op=SUM`; any device and float dtype.
 pub fn all_reduce_sum(
     x: &Tensor,
     comm: &Arc<dyn GradComm>,
     what: &str,
 ) -> candle_core::Result<Tensor> {
-    x.contiguous()?.apply_op1(AllReduceSum { comm: comm.clone(), what: what.into() })
+    let op = AllReduceSum { comm: comm.clone(), what: what.into() };
+    if x.device().is_cpu() && x.dtype() == candle_core::DType::F32 {
+        return x.contiguous()?.apply_op1(op);
+    }
+    // Other devices and dtypes: the bytes travel through host memory as f32 (both moves are
+    // differentiable, so the gradient comes back the same way).
+    let (device, dtype) = (x.device().clone(), x.dtype());
+    let y = x.to_dtype(candle_core::DType::F32)?.to_device(&candle_core::Device::Cpu)?;
+    y.contiguous()?.apply_op1(op)?.to_device(&device)?.to_dtype(dtype)
 }
 
 #[cfg(test)]
@@ -92,6 +101,27 @@ mod tests {
             let (y, g) = h.join().unwrap();
             assert_eq!(y, [3.0, 3.0]);
             assert_eq!(g, [6.0, 6.0]);
+        }
+    }
+
+    #[test]
+    fn half_precision_inputs_come_back_in_their_dtype_with_gradients() {
+        let out = LocalGroup::run(2, |comm| {
+            let x = Var::new(&[1.0f32 + comm.rank() as f32, 2.0], &Device::Cpu).unwrap();
+            let half = x.as_tensor().to_dtype(candle_core::DType::BF16).unwrap();
+            let y = all_reduce_sum(&half, &comm, "test").unwrap();
+            let g =
+                y.to_dtype(candle_core::DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+            (
+                y.dtype(),
+                y.to_dtype(candle_core::DType::F32).unwrap().to_vec1::<f32>().unwrap(),
+                g.get(&x).unwrap().to_vec1::<f32>().unwrap(),
+            )
+        });
+        for (dtype, y, g) in out {
+            assert_eq!(dtype, candle_core::DType::BF16);
+            assert_eq!(y, [3.0, 4.0]);
+            assert_eq!(g, [2.0, 2.0]);
         }
     }
 }
