@@ -323,7 +323,7 @@ impl Store {
             var: var.to_string(),
             reason: format!(
                 "{what}; TORCHELASTIC_USE_AGENT_STORE=True (set by torchrun) says the store there \
-                 is PyTorch's TCPStore (torch >= 2.3): if this job was not started by torchrun, \
+                 is PyTorch's TCPStore: if this job was not started by torchrun, \
                  unset TORCHELASTIC_USE_AGENT_STORE or set it to False"
             ),
         };
@@ -335,16 +335,17 @@ impl Store {
                 ..Store::new(addr, s, timeout, StoreWire::Torch)
             }),
             Err(torch::Handshake::Silent) => Err(fail(format!(
-                "nothing answered PyTorch's TCPStore handshake (validate + ping) within {limit:?} \
-                 (a torch older than 2.3 does not answer it)"
+                "nothing answered PyTorch's TCPStore handshake (validate + check) within {limit:?}"
             ))),
             Err(torch::Handshake::Closed) => Err(fail(
                 "the server closed the connection on PyTorch's TCPStore handshake (validate + \
-                 ping): it is not a PyTorch TCPStore, or a torch older than 2.3"
+                 check): it is not a PyTorch TCPStore, or one from before torch validated \
+                 connections (0x3C85F7CE)"
                     .to_string(),
             )),
             Err(torch::Handshake::Answered(bytes)) => Err(fail(format!(
-                "the server answered PyTorch's TCPStore ping with {} instead of its nonce",
+                "the server answered PyTorch's TCPStore handshake with {} instead of one byte, 0 \
+                 or 1",
                 hex(&bytes)
             ))),
             Err(torch::Handshake::Io(e)) => Err(io(e)),

@@ -4,15 +4,14 @@
 //! server since 2.4); checked against live servers of both backends in `tests/torch_store.rs`.
 //!
 //! The protocol: a connection opens with `VALIDATE` + the u32 magic `0x3C85F7CE` (no reply;
-//! a server closes or ignores a client that gets it wrong), then `PING` + a u32 nonce, which the
-//! server echoes — the handshake. Every request is one query byte and its arguments, all in
+//! a server closes or ignores a client that gets it wrong); tandem then asks `CHECK` of one key,
+//! which every validating server answers with one byte — the handshake. Every request is one query byte and its arguments, all in
 //! the host's (little-endian) byte order: strings and byte values as a u64 length and the bytes,
 //! counts as u64, numbers as i64. `SET` and `MULTI_SET` get no reply. `GET` of a missing key is
 //! an error on the server, so `get` waits for the key first (as torch's client does). `WAIT`
 //! answers one byte when the keys exist; a client that gives up sends `CANCEL_WAIT` and reads
-//! `WAIT_CANCELED` (possibly after a late `STOP_WAITING`). Torch versions before 2.3 had no
-//! `VALIDATE`/`PING` (every code one lower): their servers fail the handshake, and the error
-//! says so.
+//! `WAIT_CANCELED` (possibly after a late `STOP_WAITING`). Older torch servers, without
+//! `VALIDATE` (every code one lower), fail the handshake, and the error says so.
 //!
 //! Hand-written: no crate speaks this protocol (it is torch's internal wire format).
 use std::io::{self, Read, Write};
@@ -34,7 +33,6 @@ const DELETE_KEY: u8 = 8;
 const MULTI_GET: u8 = 10;
 const MULTI_SET: u8 = 11;
 const CANCEL_WAIT: u8 = 12;
-const PING: u8 = 13;
 
 const READY: u8 = 0;
 const NOT_READY: u8 = 1;
@@ -116,34 +114,36 @@ pub(crate) enum Handshake {
     Io(io::Error),
 }
 
-/// Validates the connection and checks with a ping that a torch `TCPStore` answers.
+/// The key the handshake asks about (any key would do: the answer is "not there" or "there").
+const HANDSHAKE_KEY: &[u8] = b"/tandem/handshake";
+
+/// Validates the connection, then asks `check` of one key: any torch `TCPStore` that validates
+/// connections answers it with one byte, 0 or 1. (`PING` would do as well on recent servers, but
+/// those of the first releases that validate connections do not know it.)
 pub(crate) fn handshake(s: &mut TcpStream, limit: Duration) -> Result<(), Handshake> {
-    let clock = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let nonce = std::process::id().rotate_left(16) ^ clock;
     s.set_read_timeout(Some(limit.max(Duration::from_millis(1)))).map_err(Handshake::Io)?;
     let mut hello = Query::new(VALIDATE).u32(MAGIC);
-    hello.0.push(PING);
-    hello.0.extend_from_slice(&nonce.to_le_bytes());
+    hello.0.push(CHECK);
+    hello.0.extend_from_slice(&1u64.to_le_bytes());
+    hello.0.extend_from_slice(&(HANDSHAKE_KEY.len() as u64).to_le_bytes());
+    hello.0.extend_from_slice(HANDSHAKE_KEY);
     hello.send(s).map_err(Handshake::Io)?;
-    let mut echo = [0u8; 4];
-    let mut got = 0;
-    while got < 4 {
-        match s.read(&mut echo[got..]) {
-            Ok(0) if got == 0 => return Err(Handshake::Closed),
-            Ok(0) => return Err(Handshake::Answered(echo[..got].to_vec())),
-            Ok(n) => got += n,
-            Err(e) if is_timeout(&e) && got == 0 => return Err(Handshake::Silent),
-            Err(e) if is_timeout(&e) => return Err(Handshake::Answered(echo[..got].to_vec())),
-            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return Err(Handshake::Closed),
-            Err(e) => return Err(Handshake::Io(e)),
+    let mut answer = [0u8; 1];
+    match s.read(&mut answer) {
+        Ok(0) => Err(Handshake::Closed),
+        Ok(_) if matches!(answer[0], READY | NOT_READY) => Ok(()),
+        Ok(_) => {
+            // Read whatever else came, to show it.
+            let mut rest = [0u8; 15];
+            s.set_read_timeout(Some(Duration::from_millis(100))).map_err(Handshake::Io)?;
+            let n = s.read(&mut rest).unwrap_or(0);
+            let mut got = answer.to_vec();
+            got.extend_from_slice(&rest[..n]);
+            Err(Handshake::Answered(got))
         }
-    }
-    if u32::from_le_bytes(echo) == nonce {
-        Ok(())
-    } else {
-        Err(Handshake::Answered(echo.to_vec()))
+        Err(e) if is_timeout(&e) => Err(Handshake::Silent),
+        Err(e) if e.kind() == io::ErrorKind::ConnectionReset => Err(Handshake::Closed),
+        Err(e) => Err(Handshake::Io(e)),
     }
 }
 
