@@ -183,6 +183,19 @@ fn bad_flags_are_named() {
         LIMIT,
     );
     assert!(text(&out.stderr).contains("--standalone"), "{}", describe(&out));
+    // An unknown flag before the program is named, not started as the program (torchrun says
+    // "unrecognized arguments" too).
+    let out = output_with_deadline(
+        &mut tandem_run(&["--nproc-per-node", "2", "--bogus-flag", "--", "/bin/true"]),
+        LIMIT,
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+    assert!(err.contains("--bogus-flag") && !err.contains("cannot start"), "{err}");
+    // The program's own flags after it, with or without `--`, are its own.
+    let out = output_with_deadline(&mut tandem_run(&["sh", "-c", "echo ok-$0", "--x"]), LIMIT);
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&out));
+    assert!(text(&out.stdout).contains("ok---x"), "{}", describe(&out));
     // A program that does not exist: named once with its OS error, which is not repeated.
     let out = output_with_deadline(&mut tandem_run(&["--", "/nonexistent/program"]), LIMIT);
     let err = text(&out.stderr);

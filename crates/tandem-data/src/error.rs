@@ -23,7 +23,7 @@ pub enum DataError {
     Malformed { path: PathBuf, reason: String },
     #[error("embedded {name} data is malformed: {reason}")]
     Embedded { name: &'static str, reason: String },
-    #[error("bad dataset spec {spec:?}: {reason} (expected \"digits\", \"mnist:DIR\" or \"synthetic[:N[:DIM[:CLASSES]]]\")")]
+    #[error("bad dataset spec {spec:?}: {reason} (expected \"digits\", \"mnist:DIR\", \"cifar10:DIR\", \"synthetic-cifar[:N]\" or \"synthetic[:N[:DIM[:CLASSES]]]\")")]
     BadSpec { spec: String, reason: String },
     #[error("example {index} has {got} features, expected {expected}")]
     FeatureLength { index: usize, got: usize, expected: usize },

@@ -222,6 +222,11 @@ fn specs() {
         let e = datasets::from_spec(spec).unwrap_err().to_string();
         assert!(e.contains(needle) && e.contains(spec), "{spec}: {e}");
     }
+    // The message lists every form a spec can take.
+    let e = datasets::from_spec("synthetic:abc").unwrap_err().to_string();
+    for form in ["digits", "mnist:DIR", "cifar10:DIR", "synthetic-cifar[:N]", "synthetic[:N[:DIM"] {
+        assert!(e.contains(form), "{form} missing from: {e}");
+    }
 }
 
 /// A CIFAR-10 binary batch of `labels.len()` records; record `r`'s pixel `p` is `(r*7 + p) % 256`.

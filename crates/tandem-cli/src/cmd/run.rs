@@ -128,13 +128,10 @@ pub struct Args {
     #[arg(long = "no-prefix")]
     no_prefix: bool,
 
-    /// The program every worker runs, and its arguments (put `--` before it).
-    #[arg(
-        value_name = "PROGRAM [ARGS]",
-        required = true,
-        trailing_var_arg = true,
-        allow_hyphen_values = true
-    )]
+    /// The program every worker runs, and its arguments (put `--` before it). Everything after
+    /// the program is its own; a flag before it that tandem does not know is an error naming it
+    /// (torchrun's behaviour), not a program to start.
+    #[arg(value_name = "PROGRAM [ARGS]", required = true, trailing_var_arg = true)]
     command: Vec<OsString>,
 }
 
