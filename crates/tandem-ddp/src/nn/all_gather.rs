@@ -10,7 +10,6 @@
 //! over ranks, so the factor makes the backbone see the gradient of the global mean.
 use std::sync::Arc;
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Device, Layout, Shape, Tensor};
 
 use crate::comm::GradComm;
@@ -45,25 +44,20 @@ impl CustomOp1 for AllGather {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("{}: input is not contiguous", self.what)
-        };
-        let CpuStorage::F32(v) = storage else {
-            candle_core::bail!("{}: all_gather needs f32, got {:?}", self.what, storage.dtype())
-        };
+        let data = super::contiguous_f32(storage, layout, &self.what, "all_gather")?;
         let dims = layout.shape().dims();
-        // [rank count of dims][dims as u64][f32 data]
-        let mut msg = Vec::with_capacity(8 + dims.len() * 8 + (end - start) * 4);
+        // [number of dims][dims as u64][f32 data]
+        let mut msg = Vec::with_capacity(8 + dims.len() * 8 + data.len() * 4);
         msg.extend_from_slice(&(dims.len() as u64).to_le_bytes());
         for d in dims {
             msg.extend_from_slice(&(*d as u64).to_le_bytes());
         }
-        msg.extend_from_slice(bytemuck::cast_slice(&v[start..end]));
+        msg.extend_from_slice(bytemuck::cast_slice(data));
         let me = self.comm.rank();
         let all = self.comm.all_gather_bytes(&msg).map_err(|e| {
             candle_core::Error::Msg(format!("{}: all_gather failed on rank {me}: {e}", self.what))
         })?;
-        let mut out = Vec::with_capacity((end - start) * all.len());
+        let mut out = Vec::with_capacity(data.len() * all.len());
         for (r, bytes) in all.iter().enumerate() {
             let (their_dims, data) = decode(bytes).ok_or_else(|| {
                 candle_core::Error::Msg(format!(

@@ -5,7 +5,6 @@
 //! every rank builds the same graph.
 use std::sync::Arc;
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 use crate::comm::GradComm;
@@ -25,13 +24,7 @@ impl CustomOp1 for AllReduceSum {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("{}: input is not contiguous", self.what)
-        };
-        let CpuStorage::F32(v) = storage else {
-            candle_core::bail!("{}: all-reduce needs f32, got {:?}", self.what, storage.dtype())
-        };
-        let mut buf = v[start..end].to_vec();
+        let mut buf = super::contiguous_f32(storage, layout, &self.what, "all-reduce")?.to_vec();
         self.comm.all_reduce_sum(&mut buf).map_err(|e| {
             candle_core::Error::Msg(format!(
                 "{}: all_reduce(sum) failed on rank {}: {e}",
