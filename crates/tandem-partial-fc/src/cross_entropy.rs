@@ -57,9 +57,11 @@ impl CustomOp1 for DistCrossEntropy {
                     bytes.len() / 4
                 );
             }
-            let theirs: &[f32] = bytemuck::cast_slice(bytes);
+            // A received buffer need not be aligned for f32: read it bytewise.
+            let theirs =
+                bytes.chunks_exact(4).map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]));
             for (m, t) in max.iter_mut().zip(theirs) {
-                *m = m.max(*t);
+                *m = m.max(t);
             }
         }
         let mut p: Vec<f32> = x.iter().enumerate().map(|(j, v)| (v - max[j / k]).exp()).collect();

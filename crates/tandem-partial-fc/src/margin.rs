@@ -87,14 +87,20 @@ impl CombinedMarginLoss {
         }
         let target = |i: usize| usize::try_from(labels[i]).ok().filter(|&c| c < k);
         let dev = logits.device().clone();
+        // At most one copy to the host: the filter mask and ArcFace's values are computed from it
+        // (CosFace needs neither).
+        let filter = self.interclass_filtering_threshold > 0.0;
+        let mut x = if filter || self.kind == Kind::ArcFace {
+            logits.flatten_all()?.to_vec1::<f32>()?
+        } else {
+            Vec::new()
+        };
         let mut logits = logits.clone();
-        if self.interclass_filtering_threshold > 0.0 {
+        if filter {
             let thr = self.interclass_filtering_threshold as f32;
-            let x = logits.flatten_all()?.to_vec1::<f32>()?;
             let keep: Vec<f32> = (0..n * k)
                 .map(|j| {
-                    let (i, c) = (j / k, j % k);
-                    let dirty = x[j] > thr && target(i) != Some(c);
+                    let dirty = x[j] > thr && target(j / k) != Some(j % k);
                     if dirty {
                         0.0
                     } else {
@@ -102,9 +108,9 @@ impl CombinedMarginLoss {
                     }
                 })
                 .collect();
+            x.iter_mut().zip(&keep).for_each(|(v, m)| *v *= m);
             logits = logits.mul(&Tensor::from_vec(keep, (n, k), &Device::Cpu)?.to_device(&dev)?)?;
         }
-        let x = logits.flatten_all()?.to_vec1::<f32>()?;
         let adjusted = match self.kind {
             Kind::ArcFace => {
                 // Computed in f32 as torch does it in place: acos, + m2 on targets, cos.

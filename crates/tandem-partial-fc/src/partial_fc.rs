@@ -256,14 +256,15 @@ impl PartialFc {
                 .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
                 .collect();
             let bad = |what: String| PartialFcError::Batch { rank: r, what };
-            let nd = *words.first().ok_or_else(|| bad("sent an empty message".into()))? as usize;
-            let their_dims =
-                words.get(1..1 + nd).ok_or_else(|| bad("sent a malformed message".into()))?;
-            let n_labels =
-                *words.get(1 + nd).ok_or_else(|| bad("sent a malformed message".into()))? as usize;
-            let their_labels = words
-                .get(2 + nd..2 + nd + n_labels)
-                .ok_or_else(|| bad("sent a malformed message".into()))?;
+            let malformed = || bad("sent a malformed message".into());
+            // [number of dims, dims..., number of labels, labels...], lengths checked before use.
+            let (&nd, rest) = words.split_first().ok_or_else(malformed)?;
+            let nd = usize::try_from(nd).map_err(|_| malformed())?;
+            let (their_dims, rest) =
+                (rest.get(..nd).ok_or_else(malformed)?, &rest[nd.min(rest.len())..]);
+            let (&n_labels, rest) = rest.split_first().ok_or_else(malformed)?;
+            let n_labels = usize::try_from(n_labels).map_err(|_| malformed())?;
+            let their_labels = rest.get(..n_labels).ok_or_else(malformed)?;
             let [b, e] = their_dims else {
                 return Err(bad(format!(
                     "embeddings have shape {their_dims:?}, expected [batch, {}]",

@@ -5,8 +5,8 @@
 //!
 //! The protocol: a connection opens with `VALIDATE` + the u32 magic `0x3C85F7CE` (no reply;
 //! a server closes or ignores a client that gets it wrong); tandem then asks `CHECK` of one key,
-//! which every validating server answers with one byte — the handshake. Every request is one query byte and its arguments, all in
-//! the host's (little-endian) byte order: strings and byte values as a u64 length and the bytes,
+//! which every validating server answers with one byte — the handshake. Every request is one
+//! query byte and its arguments, all in the host's (little-endian) byte order: strings and byte values as a u64 length and the bytes,
 //! counts as u64, numbers as i64. `SET` and `MULTI_SET` get no reply. `GET` of a missing key is
 //! an error on the server, so `get` waits for the key first (as torch's client does). `WAIT`
 //! answers one byte when the keys exist; a client that gives up sends `CANCEL_WAIT` and reads
@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use crate::frame::MAX_FRAME;
 
-pub(crate) const MAGIC: u32 = 0x3C85_F7CE;
+const MAGIC: u32 = 0x3C85_F7CE;
 
 const VALIDATE: u8 = 0;
 const SET: u8 = 1;
@@ -109,24 +109,22 @@ pub(crate) enum Handshake {
     Silent,
     /// The server closed the connection.
     Closed,
-    /// Something answered, but not the echo of our nonce.
+    /// Something answered, but not one byte 0 or 1.
     Answered(Vec<u8>),
     Io(io::Error),
 }
 
 /// The key the handshake asks about (any key would do: the answer is "not there" or "there").
-const HANDSHAKE_KEY: &[u8] = b"/tandem/handshake";
+const HANDSHAKE_KEY: &str = "/tandem/handshake";
 
 /// Validates the connection, then asks `check` of one key: any torch `TCPStore` that validates
 /// connections answers it with one byte, 0 or 1. (`PING` would do as well on recent servers, but
 /// those of the first releases that validate connections do not know it.)
 pub(crate) fn handshake(s: &mut TcpStream, limit: Duration) -> Result<(), Handshake> {
     s.set_read_timeout(Some(limit.max(Duration::from_millis(1)))).map_err(Handshake::Io)?;
+    // Both queries in one write: the server reads them in order.
     let mut hello = Query::new(VALIDATE).u32(MAGIC);
-    hello.0.push(CHECK);
-    hello.0.extend_from_slice(&1u64.to_le_bytes());
-    hello.0.extend_from_slice(&(HANDSHAKE_KEY.len() as u64).to_le_bytes());
-    hello.0.extend_from_slice(HANDSHAKE_KEY);
+    hello.0.extend(Query::new(CHECK).keys([HANDSHAKE_KEY].into_iter()).0);
     hello.send(s).map_err(Handshake::Io)?;
     let mut answer = [0u8; 1];
     match s.read(&mut answer) {

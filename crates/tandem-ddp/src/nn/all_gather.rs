@@ -30,10 +30,6 @@ struct AllGather {
     grad: GatherGrad,
 }
 
-fn shape_text(dims: &[usize]) -> String {
-    format!("{dims:?}")
-}
-
 impl CustomOp1 for AllGather {
     fn name(&self) -> &'static str {
         "all-gather"
@@ -68,14 +64,14 @@ impl CustomOp1 for AllGather {
             })?;
             if their_dims != dims {
                 candle_core::bail!(
-                    "{}: all_gather: rank {r} has shape {} but rank {me} has shape {}: every rank \
-                     must gather the same shape",
-                    self.what,
-                    shape_text(&their_dims),
-                    shape_text(dims)
+                    "{}: all_gather: rank {r} has shape {their_dims:?} but rank {me} has shape \
+                     {dims:?}: every rank must gather the same shape",
+                    self.what
                 );
             }
-            out.extend(data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+            // Sent in native byte order (bytemuck); read back the same way, without assuming the
+            // received buffer is aligned for f32.
+            out.extend(data.chunks_exact(4).map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]])));
         }
         let mut out_dims = dims.to_vec();
         match out_dims.first_mut() {
@@ -121,8 +117,8 @@ fn decode(bytes: &[u8]) -> Option<(Vec<usize>, &[u8])> {
     let dims: Vec<usize> =
         (0..rank).map(|i| word(1 + i).map(|d| d as usize)).collect::<Option<_>>()?;
     let data = bytes.get(8 * (1 + rank)..)?;
-    let n: usize = dims.iter().product();
-    (data.len() == n * 4).then_some((dims, data))
+    let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?.checked_mul(4)?;
+    (data.len() == n).then_some((dims, data))
 }
 
 /// Every rank's `x` concatenated along dim 0 in rank order, differentiable (see the module
