@@ -1,9 +1,11 @@
-//! A stock candle-nn model under Ddp: the model is written with candle-nn layers on a
-//! `VarBuilder`, exactly as without tandem; `Ddp::from_varmap` wraps it by its `VarMap`, and
-//! candle-nn's own optimizer steps with the world-averaged gradients.
+//! A stock candle-nn model under Ddp — the default way to hold a model in tandem: the model is
+//! written with candle-nn layers on a `VarBuilder`, exactly as without tandem;
+//! `Ddp::from_varmap` wraps it by its `VarMap`, candle-nn's own optimizer steps with the
+//! world-averaged gradients, and `tandem::save_state`/`load_state` checkpoint the run (model,
+//! candle-nn's SGD, loader position) so a second run resumes where the first ended.
 //!
 //!   cargo build --release --example ddp_candle_nn
-//!   tandem run --nproc-per-node 2 -- target/release/examples/ddp_candle_nn
+//!   tandem run --nproc-per-node 2 -- target/release/examples/ddp_candle_nn [CHECKPOINT_DIR]
 use std::sync::Arc;
 
 use anyhow::Result;
@@ -12,6 +14,7 @@ use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap, SGD};
 use tandem::data::{datasets, evaluate, DataError, DataLoader, Dataset, DistributedSampler};
 use tandem::data::{Batch, LoaderOptions};
 use tandem::ddp::{Ddp, DdpOptions};
+use tandem::TrainingState;
 
 /// Nothing tandem-specific here.
 struct Classifier {
@@ -37,6 +40,7 @@ impl Module for Classifier {
 fn main() -> Result<()> {
     tandem::tune_allocator();
     let group = tandem::init()?;
+    let ckpt_dir = std::env::args().nth(1).unwrap_or_else(|| "runs/ddp_candle_nn".into());
     let (train, eval) = datasets::digits()?;
 
     let varmap = VarMap::new();
@@ -48,7 +52,17 @@ fn main() -> Result<()> {
     let sampler = DistributedSampler::builder(train.len()).group(&group).build()?;
     let mut loader =
         DataLoader::new(Arc::new(train), sampler, LoaderOptions::new(32), Device::Cpu)?;
-    for epoch in 0..5 {
+    // Model, candle-nn's SGD (its learning rate) and the loader position resume together.
+    let mut state = TrainingState::new(&ddp, &mut opt).loader(&mut loader);
+    let start = match tandem::load_state(&ckpt_dir, &mut state)? {
+        Some(r) if group.rank() == 0 => {
+            println!("resumed from {} at epoch {}", r.path.display(), r.epoch);
+            r.epoch
+        }
+        Some(r) => r.epoch,
+        None => 0,
+    };
+    for epoch in start..start + 5 {
         loader.set_epoch(epoch);
         for batch in loader.iter()? {
             let batch = batch?;
@@ -56,6 +70,8 @@ fn main() -> Result<()> {
             let loss = candle_nn::loss::cross_entropy(&logits, &batch.y)?;
             opt.step(&ddp.backward(&loss)?)?; // world-averaged gradients
         }
+        let state = TrainingState::new(&ddp, &mut opt).loader(&mut loader).epoch(epoch + 1);
+        tandem::save_state(&group, &ckpt_dir, &state)?;
     }
 
     // Every rank evaluates its share; the metrics are summed over the world.

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use anyhow::Result;
 use candle_core::Device;
 use tandem::data::{datasets, DataLoader, Dataset, DistributedSampler, LoaderOptions};
-use tandem::ddp::models::Mlp;
-use tandem::ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
-use tandem::ddp::{Ddp, DdpOptions, ParamModule};
+use tandem::ddp::{Ddp, DdpOptions};
+use tandem::models::Mlp;
+use tandem::optim::{SgdConfig, TorchSgd};
 use tandem::TrainingState;
 
 fn main() -> Result<()> {
@@ -23,7 +23,7 @@ fn main() -> Result<()> {
     let model = Mlp::new(&[train.input_dim(), 64, train.num_classes()], 0, &Device::Cpu)?;
     let ddp = Ddp::new(model, &group, DdpOptions::default())?; // checks shapes, broadcasts rank 0's weights
     let mut opt =
-        Sgd::new(ddp.params().vars(), SgdConfig { lr: 0.05, momentum: 0.9, ..Default::default() })?;
+        TorchSgd::new(ddp.params(), SgdConfig { lr: 0.05, momentum: 0.9, ..Default::default() })?;
     let sampler = DistributedSampler::builder(train.len()).group(&group).build()?;
     let mut loader =
         DataLoader::new(Arc::new(train), sampler, LoaderOptions::new(32), Device::Cpu)?;
@@ -31,7 +31,7 @@ fn main() -> Result<()> {
     // Model, optimizer and loader position are restored together (every rank reads the newest
     // checkpoint that verifies).
     let (mut start_epoch, mut step) = (0, 0);
-    let mut state = TrainingState::new(&*ddp, &mut opt).loader(&mut loader);
+    let mut state = TrainingState::new(&ddp, &mut opt).loader(&mut loader);
     if let Some(r) = tandem::load_state(&ckpt_dir, &mut state)? {
         (start_epoch, step) = (r.epoch, r.step);
         if group.rank() == 0 {
@@ -44,14 +44,14 @@ fn main() -> Result<()> {
         let mut last = 0.0;
         for batch in loader.iter()? {
             let batch = batch?;
-            let loss = ddp.loss(&batch.x, &batch.y)?; // the model's own method, through the wrapper
+            let loss = ddp.hooked().loss(&batch.x, &batch.y)?; // the model's own method, through Ddp's hooks
             opt.step(&ddp.backward(&loss)?)?; // gradients averaged over all ranks
             last = loss.to_scalar::<f32>()?;
             step += 1;
         }
         // ... and saved together: rank 0 writes atomically, every rank meets at a barrier inside.
         let state =
-            TrainingState::new(&*ddp, &mut opt).loader(&mut loader).epoch(epoch + 1).step(step);
+            TrainingState::new(&ddp, &mut opt).loader(&mut loader).epoch(epoch + 1).step(step);
         let saved = tandem::save_state(&group, &ckpt_dir, &state)?;
         if let Some(path) = saved {
             println!("epoch {epoch}: last loss {last:.4}, saved {}", path.display());

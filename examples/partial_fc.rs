@@ -15,9 +15,10 @@ use std::sync::Arc;
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{linear, Linear, VarBuilder, VarMap};
+use tandem::comm::Collectives;
 use tandem::data::{datasets, DataLoader, Dataset, DistributedSampler, LoaderOptions};
-use tandem::ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
-use tandem::ddp::{Ddp, DdpOptions, GradComm};
+use tandem::ddp::{Ddp, DdpOptions};
+use tandem::optim::{SgdConfig, TorchOptimizer, TorchSgd};
 use tandem::partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig};
 
 const EMBEDDING: usize = 32;
@@ -48,12 +49,12 @@ fn main() -> Result<()> {
         fc2: linear(128, EMBEDDING, vb.pp("fc2"))?,
     };
     let ddp = Ddp::from_varmap(&varmap, &group, DdpOptions::default())?;
-    let comm: Arc<dyn GradComm> = Arc::new(group.clone());
+    let comm: Arc<dyn Collectives> = Arc::new(group.clone());
     let margin = CombinedMarginLoss::arcface(64.0, 0.5);
     let mut head =
         PartialFc::new(PartialFcConfig::new(classes, EMBEDDING, margin), comm, &Device::Cpu)?;
     let sgd = SgdConfig { lr: 0.05, momentum: 0.9, weight_decay: 5e-4, ..Default::default() };
-    let mut opt = Sgd::with_groups(vec![
+    let mut opt = TorchSgd::with_groups(vec![
         (varmap.all_vars(), sgd.clone()),
         (vec![head.weight().clone()], sgd),
     ])?;

@@ -2,7 +2,8 @@
 # Multi-host benchmark on simulated hosts (network namespaces on one bridge, each host's link
 # rate-limited): all-reduce busbw of the flat TCP ring vs the hierarchical all-reduce, and DDP
 # training samples/s with and without gradient compression. Needs root and iproute2 (the same
-# setup as crates/tandem-cli/tests/multihost.rs). Prints markdown tables for docs/BENCHMARKS.md.
+# setup as crates/tandem-cli/tests/multihost.rs). Prints markdown tables; keep them in
+# docs/bench_two_hosts.md, which `tandem bench report` includes in docs/BENCHMARKS.md.
 #
 #   sudo scripts/bench_two_hosts.sh [HOSTS] [RATE_MBIT] [REPEATS] [TRAIN_RATE_MBIT]
 #   (defaults: 2 1000 3 100: all-reduce on 1 Gbit/s links, training on 100 Mbit/s links)

@@ -10,7 +10,7 @@ fuzz_target!(|data: &[u8]| {
         if let Ok(v) = load_from_bytes("fuzz-input", data.to_vec(), verify) {
             let _ = tandem_ckpt::keys::load_state_dict(
                 &v,
-                &[("w".into(), vec![2], tandem_ckpt::DType::F32)],
+                &[("w".into(), vec![2], tandem_ckpt::ElemType::F32)],
                 false,
             );
             let _ = tandem_ckpt::to_pt_bytes(&v);

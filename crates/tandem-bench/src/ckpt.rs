@@ -17,7 +17,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use tandem_ckpt::{Tensor, Value};
+use tandem_ckpt::{TensorData, Value};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -66,7 +66,7 @@ fn state_dict(total: usize, n: usize) -> Value {
                     (x as f32) * 1e-9
                 })
                 .collect();
-            (format!("layers.{i}.weight"), Value::Tensor(Tensor::from_f32(&[per], &data)))
+            (format!("layers.{i}.weight"), Value::Tensor(TensorData::from_f32(&[per], &data)))
         })
         .collect::<Vec<_>>();
     Value::dict_from(items)

@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
-use tandem_ddp::kernels::conv2d::{conv2d, ConvParams};
+use tandem_nn::kernels::conv2d::{conv2d, ConvParams};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -86,7 +86,7 @@ fn tandem_ops(a: &Args) -> anyhow::Result<Vec<Op>> {
     }
     for (c, side) in [(a.width, 32), (2 * a.width, 16), (4 * a.width, 8), (8 * a.width, 4)] {
         let vm = VarMap::new();
-        let bn = tandem_ddp::nn::batch_norm2d(c, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
+        let bn = tandem_nn::batch_norm2d(c, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
         let x = Var::randn(0f32, 1.0, (a.batch, c, side, side), &dev)?;
         let r = Tensor::randn(0f32, 1.0, x.shape(), &dev)?;
         let fwd_ms = median_ms(a.repeats, || bn.forward_t(x.as_tensor(), true))?;

@@ -24,9 +24,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use candle_core::{Device, Tensor};
-use tandem_ddp::models::{Cnn, Mlp, ResNet};
-use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
-use tandem_ddp::{Ddp, DdpOptions, NamedVars, OrderedVarMap, ParamModule};
+use tandem_ddp::{Ddp, DdpOptions};
+use tandem_models::{Cnn, Mlp, ModelKind, ResNet};
+use tandem_nn::{NamedVars, OrderedVarMap, ParamModule};
+use tandem_optim::{SgdConfig, TorchSgd};
 
 use super::local_ranks::{median, LocalRanks};
 
@@ -35,10 +36,10 @@ pub struct Args {
     /// Ranks for the distributed run.
     #[arg(long, default_value_t = 2)]
     nproc: usize,
-    /// mlp: 784-1024-1024-10 (the peer script's model); cnn: tandem_ddp::models::Cnn on 1x28x28;
+    /// mlp: 784-1024-1024-10 (the peer script's model); cnn: tandem_models::Cnn on 1x28x28;
     /// resnet18: ResNet-18 for CIFAR on 3x32x32 (a VarMap model, reduced after backward).
-    #[arg(long, default_value = "mlp", value_parser = ["mlp", "cnn", "resnet18"])]
-    model: String,
+    #[arg(long, default_value = "mlp")]
+    model: ModelKind,
     /// ResNet-18's first-stage width (stages w, 2w, 4w, 8w; torchvision: 64).
     #[arg(long, default_value_t = 64)]
     width: usize,
@@ -91,17 +92,19 @@ enum Net {
 }
 
 impl Net {
-    fn new(kind: &str, dev: &Device) -> anyhow::Result<Net> {
+    /// The ParamSet models (the ResNet is built by [`ResNetTrainer`]).
+    fn new(kind: ModelKind, dev: &Device) -> anyhow::Result<Net> {
         Ok(match kind {
-            "mlp" => Net::Mlp(Mlp::new(&[784, 1024, 1024, 10], 0, dev)?),
-            _ => Net::Cnn(Cnn::new(1, 28, 28, 10, 0, dev)?),
+            ModelKind::Mlp => Net::Mlp(Mlp::new(&[784, 1024, 1024, 10], 0, dev)?),
+            ModelKind::Cnn => Net::Cnn(Cnn::new(1, 28, 28, 10, 0, dev)?),
+            ModelKind::ResNet18 => anyhow::bail!("resnet18 is built by ResNetTrainer"),
         })
     }
-    fn describe(kind: &str, width: usize) -> String {
+    fn describe(kind: ModelKind, width: usize) -> String {
         match kind {
-            "mlp" => "Mlp 784-1024-1024-10".into(),
-            "resnet18" => format!("ResNet-18 (CIFAR stem) width {width} on 3x32x32"),
-            _ => "Cnn 1x28x28 (conv8-bn-conv16-fc)".into(),
+            ModelKind::Mlp => "Mlp 784-1024-1024-10".into(),
+            ModelKind::ResNet18 => format!("ResNet-18 (CIFAR stem) width {width} on 3x32x32"),
+            ModelKind::Cnn => "Cnn 1x28x28 (conv8-bn-conv16-fc)".into(),
         }
     }
 }
@@ -111,7 +114,7 @@ impl Net {
 struct ResNetTrainer {
     model: ResNet,
     ddp: Option<Ddp<NamedVars>>,
-    opt: Sgd,
+    opt: TorchSgd,
 }
 
 impl ResNetTrainer {
@@ -125,7 +128,7 @@ impl ResNetTrainer {
             ResNet::resnet18_cifar(width, 10, vars.var_builder(candle_core::DType::F32, dev))?;
         ResNet::reset_parameters(&vars.named(), 0)?;
         let named = vars.named_vars();
-        let opt = sgd(named.params().vars())?;
+        let opt = sgd(named.params())?;
         let ddp = comm.map(|pg| Ddp::new(named, pg, DdpOptions::default())).transpose()?;
         Ok(ResNetTrainer { model, ddp, opt })
     }
@@ -143,13 +146,13 @@ impl Trainer for ResNetTrainer {
     }
 }
 
-fn batch(kind: &str, n: usize, seed: u64, dev: &Device) -> anyhow::Result<(Tensor, Tensor)> {
+fn batch(kind: ModelKind, n: usize, seed: u64, dev: &Device) -> anyhow::Result<(Tensor, Tensor)> {
     // Drawn on the CPU (the same numbers on any device), then moved.
     let cpu = &Device::Cpu;
     let x = match kind {
-        "mlp" => Tensor::randn(0f32, 1.0, n * 784, cpu)?.reshape((n, 784))?,
-        "resnet18" => Tensor::randn(0f32, 1.0, n * 3072, cpu)?.reshape((n, 3, 32, 32))?,
-        _ => Tensor::randn(0f32, 1.0, n * 784, cpu)?.reshape((n, 1, 28, 28))?,
+        ModelKind::Mlp => Tensor::randn(0f32, 1.0, n * 784, cpu)?.reshape((n, 784))?,
+        ModelKind::ResNet18 => Tensor::randn(0f32, 1.0, n * 3072, cpu)?.reshape((n, 3, 32, 32))?,
+        ModelKind::Cnn => Tensor::randn(0f32, 1.0, n * 784, cpu)?.reshape((n, 1, 28, 28))?,
     };
     let y = Tensor::from_vec(
         (0..n as u32)
@@ -169,7 +172,7 @@ trait Trainer {
 struct Plain<M: ParamModule> {
     model: M,
     loss: fn(&M, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
-    opt: Sgd,
+    opt: TorchSgd,
 }
 
 impl<M: ParamModule> Trainer for Plain<M> {
@@ -183,12 +186,12 @@ impl<M: ParamModule> Trainer for Plain<M> {
 struct Wrapped<M: ParamModule> {
     ddp: Ddp<M>,
     loss: fn(&M, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
-    opt: Sgd,
+    opt: TorchSgd,
 }
 
 impl<M: ParamModule> Trainer for Wrapped<M> {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
-        let loss = (self.loss)(&self.ddp, x, y)?;
+        let loss = (self.loss)(self.ddp.hooked(), x, y)?;
         let grads = self.ddp.backward(&loss)?;
         self.opt.step(&grads)?;
         Ok(())
@@ -201,7 +204,7 @@ struct WrappedVars<M: ParamModule> {
     ddp: Ddp<NamedVars>,
     model: M,
     loss: fn(&M, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
-    opt: Sgd,
+    opt: TorchSgd,
 }
 
 impl<M: ParamModule> Trainer for WrappedVars<M> {
@@ -213,8 +216,8 @@ impl<M: ParamModule> Trainer for WrappedVars<M> {
     }
 }
 
-fn sgd(params: Vec<candle_core::Var>) -> anyhow::Result<Sgd> {
-    Ok(Sgd::new(params, SgdConfig { lr: SGD_LR, ..Default::default() })?)
+fn sgd(params: Vec<candle_core::Var>) -> anyhow::Result<TorchSgd> {
+    Ok(TorchSgd::new(params, SgdConfig { lr: SGD_LR, ..Default::default() })?)
 }
 
 fn trainer(
@@ -222,33 +225,29 @@ fn trainer(
     comm: Option<&tandem_comm::ProcessGroup>,
     dev: &Device,
 ) -> anyhow::Result<Box<dyn Trainer>> {
-    let (kind, mode) = (args.model.as_str(), args.mode.as_str());
-    if kind == "resnet18" {
+    let (kind, mode) = (args.model, args.mode.as_str());
+    if kind == ModelKind::ResNet18 {
         return Ok(Box::new(ResNetTrainer::new(args.width, comm, dev)?));
     }
     let opts = DdpOptions::default();
     Ok(match (Net::new(kind, dev)?, comm) {
         (Net::Mlp(m), Some(pg)) if mode == "varmap" => {
             let ddp = Ddp::new(as_varmap(&m), pg, opts)?;
-            Box::new(WrappedVars { opt: sgd(ddp.params().vars())?, ddp, model: m, loss: Mlp::loss })
+            Box::new(WrappedVars { opt: sgd(ddp.params())?, ddp, model: m, loss: Mlp::loss })
         }
         (Net::Cnn(m), Some(pg)) if mode == "varmap" => {
             let ddp = Ddp::new(as_varmap(&m), pg, opts)?;
-            Box::new(WrappedVars { opt: sgd(ddp.params().vars())?, ddp, model: m, loss: Cnn::loss })
+            Box::new(WrappedVars { opt: sgd(ddp.params())?, ddp, model: m, loss: Cnn::loss })
         }
-        (Net::Mlp(m), None) => {
-            Box::new(Plain { opt: sgd(m.params().vars())?, model: m, loss: Mlp::loss })
-        }
-        (Net::Cnn(m), None) => {
-            Box::new(Plain { opt: sgd(m.params().vars())?, model: m, loss: Cnn::loss })
-        }
+        (Net::Mlp(m), None) => Box::new(Plain { opt: sgd(m.params())?, model: m, loss: Mlp::loss }),
+        (Net::Cnn(m), None) => Box::new(Plain { opt: sgd(m.params())?, model: m, loss: Cnn::loss }),
         (Net::Mlp(m), Some(pg)) => {
             let ddp = Ddp::new(m, pg, opts)?;
-            Box::new(Wrapped { opt: sgd(ddp.params().vars())?, ddp, loss: Mlp::loss })
+            Box::new(Wrapped { opt: sgd(ddp.params())?, ddp, loss: Mlp::loss })
         }
         (Net::Cnn(m), Some(pg)) => {
             let ddp = Ddp::new(m, pg, opts)?;
-            Box::new(Wrapped { opt: sgd(ddp.params().vars())?, ddp, loss: Cnn::loss })
+            Box::new(Wrapped { opt: sgd(ddp.params())?, ddp, loss: Cnn::loss })
         }
     })
 }
@@ -283,7 +282,7 @@ fn device(args: &Args, local_rank: usize) -> anyhow::Result<Device> {
         "cpu" => tandem_ckpt::MapLocation::Cpu,
         _ => tandem_ckpt::MapLocation::Cuda(local_rank),
     };
-    tandem_ddp::convert::map_location_device(location)
+    tandem_nn::convert::map_location_device(location)
         .with_context(|| format!("--device {} (LOCAL_RANK {local_rank})", args.device))
 }
 
@@ -295,7 +294,7 @@ fn worker(args: &Args) -> anyhow::Result<i32> {
     if dev.is_cuda() && args.backend == "nccl" && !args.local_only {
         pg.nccl(pg.local_rank() as i32).context("--backend nccl: making the communicator")?;
     }
-    let (x, y) = batch(&args.model, per_rank, pg.rank() as u64, &dev)?;
+    let (x, y) = batch(args.model, per_rank, pg.rank() as u64, &dev)?;
     let mut t = trainer(args, if args.local_only { None } else { Some(&pg) }, &dev)?;
     for _ in 0..WARMUP {
         t.step(&x, &y)?;
@@ -316,7 +315,7 @@ fn worker(args: &Args) -> anyhow::Result<i32> {
 /// Plain vs 1-rank Ddp in this process, alternating rounds. Returns (plain, ddp, overhead).
 fn single_process(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
     let dev = device(args, 0)?;
-    let (x, y) = batch(&args.model, args.batch, 0, &dev)?;
+    let (x, y) = batch(args.model, args.batch, 0, &dev)?;
     let one = tandem_comm::init_from(&tandem_comm::InitMethod::Single)?;
     let mut plain = trainer(args, None, &dev)?;
     let mut ddp = trainer(args, Some(&one), &dev)?;
@@ -349,7 +348,7 @@ fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let threads = (cores / args.nproc).max(1);
     let mut worker_args: Vec<String> =
-        ["bench", "ddp", "--worker", "--model", &args.model, "--mode", &args.mode]
+        ["bench", "ddp", "--worker", "--model", args.model.name(), "--mode", &args.mode]
             .iter()
             .map(|s| s.to_string())
             .collect();
@@ -405,7 +404,7 @@ fn torch_peer(args: &Args, python: &PathBuf) -> anyhow::Result<f64> {
             args.nproc.to_string(),
             args.steps.to_string(),
             (args.batch / args.nproc).to_string(),
-            args.model.clone(),
+            args.model.name().to_string(),
             args.width.to_string(),
             args.device.clone(),
         ])
@@ -420,7 +419,7 @@ fn torch_peer(args: &Args, python: &PathBuf) -> anyhow::Result<f64> {
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
     // The ResNet is a VarMap model: it always runs the varmap way.
-    let mode = if args.model == "resnet18" { "varmap" } else { args.mode.as_str() };
+    let mode = if args.model == ModelKind::ResNet18 { "varmap" } else { args.mode.as_str() };
     if args.nproc == 0 || args.batch == 0 || args.steps == 0 || args.rounds == 0 {
         bail!("--nproc, --batch, --steps and --rounds must be at least 1");
     }
@@ -469,7 +468,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     };
     println!(
         "{} (Ddp mode {}) on {on}, global batch {}, {} steps x {} rounds (medians), {} cores, SGD lr {SGD_LR}",
-        Net::describe(&args.model, args.width),
+        Net::describe(args.model, args.width),
         mode,
         args.batch,
         args.steps,

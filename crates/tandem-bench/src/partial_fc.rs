@@ -9,10 +9,10 @@ use std::time::Instant;
 
 use anyhow::Context;
 use candle_core::{Device, Tensor};
-use tandem_ddp::comm::LocalGroup;
-use tandem_ddp::optim::zero::state_bytes;
-use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
-use tandem_ddp::GradComm;
+use tandem_comm::Collectives;
+use tandem_comm::LocalGroup;
+use tandem_optim::zero::state_bytes;
+use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd};
 use tandem_partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig};
 
 #[derive(clap::Args)]
@@ -43,7 +43,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     );
     for w in worlds {
         let start = Instant::now();
-        let comm: Arc<dyn GradComm> = Arc::new(LocalGroup::new(w).swap_remove(0));
+        let comm: Arc<dyn Collectives> = Arc::new(LocalGroup::new(w).swap_remove(0));
         let cfg = PartialFcConfig::new(
             args.classes,
             args.embedding,
@@ -52,7 +52,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         let head = PartialFc::new(cfg, comm, &Device::Cpu)?;
         let weight = head.weight();
         let sgd = SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 5e-4, ..Default::default() };
-        let mut opt = Sgd::new(vec![weight.clone()], sgd)?;
+        let mut opt = TorchSgd::new(vec![weight.clone()], sgd)?;
         let mut grads = candle_core::backprop::GradStore::default();
         grads.insert(weight.as_tensor(), Tensor::zeros_like(weight.as_tensor())?);
         opt.step(&grads)?;

@@ -205,7 +205,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         zero: &zero,
         failures: &ctx.failures,
         retries: &ctx.retries,
-        several_hosts: std::fs::read_to_string(out.join("several_hosts.md")).ok(),
+        several_hosts: std::fs::read_to_string(out.join("bench_two_hosts.md")).ok(),
     };
     let md = out.join("BENCHMARKS.md");
     std::fs::write(&md, markdown::render(&report))

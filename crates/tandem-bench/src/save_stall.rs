@@ -13,10 +13,10 @@ use std::time::Instant;
 use anyhow::bail;
 use candle_core::{Device, Tensor};
 use tandem_ckpt::{AsyncCheckpointManager, CheckpointManager, TrainingCheckpoint, Value};
-use tandem_ddp::models::Mlp;
-use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
-use tandem_ddp::weights::state_dict_value;
-use tandem_ddp::ParamModule;
+use tandem_models::Mlp;
+use tandem_nn::weights::state_dict_value;
+use tandem_nn::ParamModule;
+use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd};
 
 use super::local_ranks::median;
 
@@ -87,7 +87,8 @@ fn run_once(
     let device = Device::Cpu;
     let model = Mlp::new(&[INPUT, hidden, hidden, 10], 0, &device)?;
     let params = model.named_parameters().into_iter().map(|(_, v)| v).collect();
-    let mut opt = Sgd::new(params, SgdConfig { lr: 1e-3, momentum: 0.9, ..Default::default() })?;
+    let mut opt =
+        TorchSgd::new(params, SgdConfig { lr: 1e-3, momentum: 0.9, ..Default::default() })?;
     let x = Tensor::randn(0f32, 1.0, (BATCH, INPUT), &device)?;
     let y = Tensor::from_vec((0..BATCH as u32).map(|i| i % 10).collect(), BATCH, &device)?;
     let manager = CheckpointManager::new(dir.join(format!("{mode:?}")), 2);

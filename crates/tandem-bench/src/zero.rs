@@ -14,12 +14,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use candle_core::{Device, Tensor};
-use tandem_ddp::models::{targets, Mlp};
-use tandem_ddp::optim::zero::state_bytes;
-use tandem_ddp::optim::{
-    AdamW, AdamWConfig, ShardOptimizer, TorchOptimizer, ZeroRedundancyOptimizer,
+use tandem_models::{targets, Mlp};
+use tandem_nn::ParamModule;
+use tandem_optim::zero::state_bytes;
+use tandem_optim::{
+    AdamWConfig, ShardOptimizer, TorchAdamW, TorchOptimizer, ZeroRedundancyOptimizer,
 };
-use tandem_ddp::ParamModule;
 
 use super::local_ranks::{median, LocalRanks};
 
@@ -53,8 +53,8 @@ fn dims(args: &Args) -> anyhow::Result<Vec<usize>> {
     Ok(d)
 }
 
-fn adamw(params: Vec<candle_core::Var>) -> Result<ShardOptimizer, tandem_ddp::optim::OptimError> {
-    Ok(Box::new(AdamW::new(params, AdamWConfig { lr: 1e-3, ..Default::default() })?))
+fn adamw(params: Vec<candle_core::Var>) -> Result<ShardOptimizer, tandem_optim::OptimError> {
+    Ok(Box::new(TorchAdamW::new(params, AdamWConfig { lr: 1e-3, ..Default::default() })?))
 }
 
 /// A fixed synthetic batch (the same on every rank, as after DDP's average).
@@ -83,7 +83,7 @@ fn time_steps(model: &Mlp, opt: &mut dyn TorchOptimizer, steps: usize) -> anyhow
 fn worker(args: &Args) -> anyhow::Result<i32> {
     let pg = tandem_comm::init().context("worker init")?;
     let model = Mlp::new(&dims(args)?, 0, &Device::Cpu)?;
-    let mut opt = ZeroRedundancyOptimizer::new(model.params().vars(), Arc::new(pg.clone()), adamw)?;
+    let mut opt = ZeroRedundancyOptimizer::new(model.params(), Arc::new(pg.clone()), adamw)?;
     let secs = time_steps(&model, &mut opt, args.steps)?;
     let line = format!("{} {} {secs}", pg.rank(), opt.local_state_bytes()?);
     let all = pg.all_gather_bytes(line.as_bytes())?;
@@ -111,7 +111,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     // The reference: the unsharded optimizer on this process.
     let dims = dims(&args)?;
     let model = Mlp::new(&dims, 0, &Device::Cpu)?;
-    let mut plain = adamw(model.params().vars())?;
+    let mut plain = adamw(model.params())?;
     let plain_secs = time_steps(&model, plain.as_mut(), args.steps)?;
     let unsharded = state_bytes(&plain.state_dict()?);
     let mib = |b: usize| b as f64 / (1 << 20) as f64;

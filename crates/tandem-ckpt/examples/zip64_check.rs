@@ -5,7 +5,7 @@
 //! Usage: cargo run --release -p tandem-ckpt --example zip64_check -- OUT.pt
 use std::sync::Arc;
 
-use tandem_ckpt::{DType, Storage, Tensor, Value};
+use tandem_ckpt::{ElemType, StorageData, TensorData, Value};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = std::env::args().nth(1).ok_or("usage: zip64_check OUT.pt")?;
@@ -24,15 +24,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     // SAFETY: the source file is private to this run and not modified while mapped.
     let map = Arc::new(unsafe { memmap2::Mmap::map(&f)? });
-    let big = Tensor {
-        dtype: DType::U8,
+    let big = TensorData {
+        dtype: ElemType::U8,
         shape: vec![len],
         stride: vec![1],
         storage_offset: 0,
-        storage: Storage::from_mmap(map, 0, len),
+        storage: StorageData::from_mmap(map, 0, len),
     };
     // A second tensor after the big one: its local header offset is past 4 GiB.
-    let small = Tensor::from_f32(&[3], &[1.5, 2.5, 3.5]);
+    let small = TensorData::from_f32(&[3], &[1.5, 2.5, 3.5]);
     let v = Value::dict_from([("big", Value::Tensor(big)), ("small", Value::Tensor(small))]);
     let t = std::time::Instant::now();
     tandem_ckpt::save(&out, &v)?;

@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 
 use crate::error::{CkptError, Result};
-use crate::value::{DType, Tensor, Value};
+use crate::value::{ElemType, TensorData, Value};
 
 /// Path segments that wrappers insert and that never belong to a canonical key.
 const WRAPPER_SEGMENTS: [&str; 2] = ["module", "_orig_mod"];
@@ -161,15 +161,20 @@ pub fn is_state_dict(v: &Value) -> bool {
 }
 
 /// Every state dict the source may hold: (container path, its tensors), bare first.
-pub fn find_state_dicts(source: &Value) -> Vec<(String, Vec<(String, Tensor)>)> {
-    fn tensors_of(v: &Value) -> Vec<(String, Tensor)> {
+pub fn find_state_dicts(source: &Value) -> Vec<(String, Vec<(String, TensorData)>)> {
+    fn tensors_of(v: &Value) -> Vec<(String, TensorData)> {
         v.as_dict()
             .unwrap_or(&[])
             .iter()
             .filter_map(|(k, v)| Some((k.as_str()?.to_string(), v.as_tensor()?.clone())))
             .collect()
     }
-    fn walk(v: &Value, path: &str, depth: usize, out: &mut Vec<(String, Vec<(String, Tensor)>)>) {
+    fn walk(
+        v: &Value,
+        path: &str,
+        depth: usize,
+        out: &mut Vec<(String, Vec<(String, TensorData)>)>,
+    ) {
         if is_state_dict(v) {
             out.push((
                 if path.is_empty() { "(bare)".to_string() } else { path.to_string() },
@@ -204,8 +209,8 @@ pub struct ShapeMismatch {
 #[derive(Clone, Debug, PartialEq)]
 pub struct DTypeConversion {
     pub name: String,
-    pub checkpoint: DType,
-    pub model: DType,
+    pub checkpoint: ElemType,
+    pub model: ElemType,
 }
 
 /// What a `load_state_dict` did: PyTorch's `missing_keys` / `unexpected_keys` plus the shape
@@ -297,7 +302,7 @@ impl fmt::Display for LoadReport {
 
 struct Candidate<'a> {
     container: &'a str,
-    tensors: &'a [(String, Tensor)],
+    tensors: &'a [(String, TensorData)],
     src: Renaming,
     tgt: Renaming,
     /// target index -> source index
@@ -307,8 +312,8 @@ struct Candidate<'a> {
 
 fn try_mapping<'a>(
     container: &'a str,
-    tensors: &'a [(String, Tensor)],
-    target: &[(String, Vec<usize>, DType)],
+    tensors: &'a [(String, TensorData)],
+    target: &[(String, Vec<usize>, ElemType)],
     src: Renaming,
     tgt: Renaming,
 ) -> Candidate<'a> {
@@ -337,9 +342,9 @@ fn try_mapping<'a>(
 /// when anything was left unmatched — the report is never silent.
 pub fn load_state_dict(
     source: &Value,
-    target: &[(String, Vec<usize>, DType)],
+    target: &[(String, Vec<usize>, ElemType)],
     strict: bool,
-) -> Result<(Vec<(String, Tensor)>, LoadReport)> {
+) -> Result<(Vec<(String, TensorData)>, LoadReport)> {
     let found = find_state_dicts(source);
     if found.is_empty() {
         let keys: Vec<String> = source
@@ -441,12 +446,12 @@ mod tests {
     fn sd(keys: &[&str]) -> Value {
         Value::dict_from(
             keys.iter()
-                .map(|k| (k.to_string(), Value::Tensor(Tensor::from_f32(&[2], &[1.0, 2.0])))),
+                .map(|k| (k.to_string(), Value::Tensor(TensorData::from_f32(&[2], &[1.0, 2.0])))),
         )
     }
 
-    fn target(keys: &[&str]) -> Vec<(String, Vec<usize>, DType)> {
-        keys.iter().map(|k| (k.to_string(), vec![2], DType::F32)).collect()
+    fn target(keys: &[&str]) -> Vec<(String, Vec<usize>, ElemType)> {
+        keys.iter().map(|k| (k.to_string(), vec![2], ElemType::F32)).collect()
     }
 
     #[test]
@@ -499,7 +504,7 @@ mod tests {
     #[test]
     fn non_strict_returns_what_fits_and_reports_the_rest() {
         let mut src = sd(&["a.weight", "b.weight"]);
-        src.insert("c.weight", Value::Tensor(Tensor::from_f32(&[3], &[0.0; 3])));
+        src.insert("c.weight", Value::Tensor(TensorData::from_f32(&[3], &[0.0; 3])));
         let (out, r) =
             load_state_dict(&src, &target(&["a.weight", "c.weight", "d.weight"]), false).unwrap();
         assert_eq!(out.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["a.weight"]);
@@ -512,11 +517,13 @@ mod tests {
 
     #[test]
     fn dtype_differences_convert_like_copy_() {
-        let src = Value::dict_from([("w", Value::Tensor(Tensor::from_f64(&[2], &[1.5, -2.25])))]);
-        let (out, r) = load_state_dict(&src, &[("w".into(), vec![2], DType::BF16)], true).unwrap();
-        assert_eq!(out[0].1.dtype, DType::BF16);
+        let src =
+            Value::dict_from([("w", Value::Tensor(TensorData::from_f64(&[2], &[1.5, -2.25])))]);
+        let (out, r) =
+            load_state_dict(&src, &[("w".into(), vec![2], ElemType::BF16)], true).unwrap();
+        assert_eq!(out[0].1.dtype, ElemType::BF16);
         assert_eq!(out[0].1.to_f64_vec(), vec![1.5, -2.25]);
-        assert_eq!(r.dtype_conversions[0].checkpoint, DType::F64);
+        assert_eq!(r.dtype_conversions[0].checkpoint, ElemType::F64);
     }
 
     #[test]

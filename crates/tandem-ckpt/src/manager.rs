@@ -241,7 +241,7 @@ impl CheckpointManager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::value::Tensor;
+    use crate::value::TensorData;
 
     fn value(step: i64) -> Value {
         Value::dict_from([
@@ -250,7 +250,7 @@ mod tests {
                 "model",
                 Value::dict_from([(
                     "module.w",
-                    Value::Tensor(Tensor::from_f32(&[2], &[step as f32, 1.0])),
+                    Value::Tensor(TensorData::from_f32(&[2], &[step as f32, 1.0])),
                 )]),
             ),
         ])
@@ -385,7 +385,7 @@ mod tests {
         let t = TrainingCheckpoint {
             epoch: 3,
             global_step: 300,
-            model: Value::dict_from([("w", Value::Tensor(Tensor::from_f32(&[1], &[0.5])))]),
+            model: Value::dict_from([("w", Value::Tensor(TensorData::from_f32(&[1], &[0.5])))]),
             optimizer: Value::dict_from([("state", Value::new_dict())]),
             scheduler: Value::None,
             sampler: Value::dict_from([("epoch", Value::Int(3))]),

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use crate::error::{CkptError, Result};
 use crate::pickle::read::{unpickle, PickleError, StorageRef, Unpickled};
 use crate::pickle::write::Pickler;
-use crate::value::{Storage, Value};
+use crate::value::{StorageData, Value};
 use crate::zip_writer::ZipWriter;
 
 /// Where loaded tensors are meant to live, as `torch.load(map_location=...)` takes it.
@@ -141,10 +141,10 @@ impl FileBytes {
     }
 
     /// A storage over `start..start+len` (the caller checked the range).
-    pub(crate) fn storage(&self, start: usize, len: usize) -> Storage {
+    pub(crate) fn storage(&self, start: usize, len: usize) -> StorageData {
         match self {
-            FileBytes::Mapped(m) => Storage::from_mmap(m.clone(), start, len),
-            FileBytes::Read(v) => Storage::from_shared(v.clone(), start, len),
+            FileBytes::Mapped(m) => StorageData::from_mmap(m.clone(), start, len),
+            FileBytes::Read(v) => StorageData::from_shared(v.clone(), start, len),
         }
     }
 }
@@ -177,7 +177,7 @@ pub fn detect(bytes: &[u8]) -> Option<FileKind> {
 }
 
 fn supported_dtypes() -> String {
-    crate::value::DType::ALL.iter().map(|d| d.torch_name()).collect::<Vec<_>>().join(", ")
+    crate::value::ElemType::ALL.iter().map(|d| d.torch_name()).collect::<Vec<_>>().join(", ")
 }
 
 fn pickle_error(path: &Path, what: &str, e: PickleError) -> CkptError {
@@ -316,8 +316,8 @@ fn read_zip(path: &Path, fb: &FileBytes, verify: bool) -> Result<Value> {
         .into_owned();
     let up = unpickle(&pkl).map_err(|e| pickle_error(path, &pkl_name, e))?;
 
-    let mut cache: HashMap<String, Storage> = HashMap::new();
-    let mut resolve = |s: &StorageRef| -> std::result::Result<Storage, String> {
+    let mut cache: HashMap<String, StorageData> = HashMap::new();
+    let mut resolve = |s: &StorageRef| -> std::result::Result<StorageData, String> {
         if let Some(st) = cache.get(&s.key) {
             return Ok(st.clone());
         }
@@ -390,11 +390,11 @@ fn read_legacy(path: &Path, fb: &FileBytes) -> Result<Value> {
     let keys = plain(&next("storage keys", &mut pos)?, "storage keys")?;
     let keys =
         keys.as_list().ok_or_else(|| CkptError::format(path, "storage key list is not a list"))?;
-    let mut dtype_of: HashMap<&str, crate::value::DType> = HashMap::new();
+    let mut dtype_of: HashMap<&str, crate::value::ElemType> = HashMap::new();
     for s in main.storages() {
         dtype_of.insert(&s.key, s.dtype);
     }
-    let mut storages: HashMap<String, Storage> = HashMap::new();
+    let mut storages: HashMap<String, StorageData> = HashMap::new();
     for k in keys {
         let k = k.as_str().ok_or_else(|| CkptError::format(path, "storage key is not a str"))?;
         let dtype = *dtype_of.get(k).ok_or_else(|| {
@@ -419,7 +419,7 @@ fn read_legacy(path: &Path, fb: &FileBytes) -> Result<Value> {
         storages.insert(k.to_string(), fb.storage(pos, len as usize));
         pos += len as usize;
     }
-    let mut resolve = |s: &StorageRef| -> std::result::Result<Storage, String> {
+    let mut resolve = |s: &StorageRef| -> std::result::Result<StorageData, String> {
         storages.get(&s.key).cloned().ok_or_else(|| format!("storage {} has no data", s.key))
     };
     main.to_value(&mut resolve).map_err(|m| CkptError::format(path, m))

@@ -6,45 +6,45 @@ use std::path::Path;
 
 use crate::error::{CkptError, Result};
 use crate::pt::{FileBytes, LoadOptions};
-use crate::value::{DType, Tensor, Value};
+use crate::value::{ElemType, TensorData, Value};
 
-fn to_st(d: DType) -> safetensors::Dtype {
+fn to_st(d: ElemType) -> safetensors::Dtype {
     use safetensors::Dtype as S;
     match d {
-        DType::F64 => S::F64,
-        DType::F32 => S::F32,
-        DType::F16 => S::F16,
-        DType::BF16 => S::BF16,
-        DType::I64 => S::I64,
-        DType::I32 => S::I32,
-        DType::I16 => S::I16,
-        DType::I8 => S::I8,
-        DType::U8 => S::U8,
-        DType::Bool => S::BOOL,
+        ElemType::F64 => S::F64,
+        ElemType::F32 => S::F32,
+        ElemType::F16 => S::F16,
+        ElemType::BF16 => S::BF16,
+        ElemType::I64 => S::I64,
+        ElemType::I32 => S::I32,
+        ElemType::I16 => S::I16,
+        ElemType::I8 => S::I8,
+        ElemType::U8 => S::U8,
+        ElemType::Bool => S::BOOL,
     }
 }
 
-fn from_st(d: safetensors::Dtype) -> Option<DType> {
+fn from_st(d: safetensors::Dtype) -> Option<ElemType> {
     use safetensors::Dtype as S;
     Some(match d {
-        S::F64 => DType::F64,
-        S::F32 => DType::F32,
-        S::F16 => DType::F16,
-        S::BF16 => DType::BF16,
-        S::I64 => DType::I64,
-        S::I32 => DType::I32,
-        S::I16 => DType::I16,
-        S::I8 => DType::I8,
-        S::U8 => DType::U8,
-        S::BOOL => DType::Bool,
+        S::F64 => ElemType::F64,
+        S::F32 => ElemType::F32,
+        S::F16 => ElemType::F16,
+        S::BF16 => ElemType::BF16,
+        S::I64 => ElemType::I64,
+        S::I32 => ElemType::I32,
+        S::I16 => ElemType::I16,
+        S::I8 => ElemType::I8,
+        S::U8 => ElemType::U8,
+        S::BOOL => ElemType::Bool,
         _ => return None,
     })
 }
 
 /// `name -> tensor` pairs of a (possibly nested) dict of tensors, names joined with `.`.
 /// Anything that is not a tensor or a str-keyed dict is an error naming its key.
-pub fn flatten_tensors(value: &Value) -> Result<Vec<(String, Tensor)>> {
-    fn walk(v: &Value, prefix: &str, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+pub fn flatten_tensors(value: &Value) -> Result<Vec<(String, TensorData)>> {
+    fn walk(v: &Value, prefix: &str, out: &mut Vec<(String, TensorData)>) -> Result<()> {
         match v {
             Value::Tensor(t) => {
                 out.push((prefix.to_string(), t.clone()));
@@ -107,7 +107,7 @@ pub fn save(path: &Path, value: &Value) -> Result<()> {
     // The layout safetensors' own writer uses (descending dtype alignment, then name; header
     // from the crate's `Metadata`, padded to 8 bytes), written straight into our atomic temp
     // file: `serialize_to_file` would pre-size a second temp file and rename it over ours.
-    let mut order: Vec<&(String, Tensor)> = tensors.iter().collect();
+    let mut order: Vec<&(String, TensorData)> = tensors.iter().collect();
     order.sort_by(|(ln, lt), (rn, rt)| to_st(rt.dtype).cmp(&to_st(lt.dtype)).then(ln.cmp(rn)));
     let mut infos = Vec::with_capacity(order.len());
     let mut offset = 0;
@@ -152,7 +152,7 @@ pub(crate) fn from_bytes(path: &Path, fb: &FileBytes) -> Result<Value> {
     let st = safetensors::SafeTensors::deserialize(bytes)
         .map_err(|e| CkptError::format(path, format!("not a valid safetensors file: {e}")))?;
     let base = bytes.as_ptr() as usize;
-    let mut items: Vec<(usize, String, Tensor)> = Vec::new();
+    let mut items: Vec<(usize, String, TensorData)> = Vec::new();
     for (name, view) in st.iter() {
         let dtype = from_st(view.dtype()).ok_or_else(|| {
             CkptError::format(
@@ -166,7 +166,7 @@ pub(crate) fn from_bytes(path: &Path, fb: &FileBytes) -> Result<Value> {
         let data = view.data();
         let start = data.as_ptr() as usize - base;
         let shape = view.shape().to_vec();
-        let t = Tensor {
+        let t = TensorData {
             dtype,
             stride: crate::value::contiguous_stride(&shape),
             shape,
@@ -185,7 +185,7 @@ mod tests {
 
     use super::*;
 
-    struct View<'a>(&'a Tensor);
+    struct View<'a>(&'a TensorData);
 
     impl safetensors::View for View<'_> {
         fn dtype(&self) -> safetensors::Dtype {
@@ -205,10 +205,10 @@ mod tests {
     #[test]
     fn our_writer_writes_the_crates_bytes() {
         let value = Value::dict_from([
-            ("b.weight", Value::Tensor(Tensor::from_f32(&[2, 3], &[1., 2., 3., 4., 5., 6.]))),
-            ("a.bias", Value::Tensor(Tensor::from_f32(&[3], &[7., 8., 9.]))),
-            ("steps", Value::Tensor(Tensor::from_i64(&[2], &[3, 4]))),
-            ("z", Value::dict_from([("h", Value::Tensor(Tensor::from_f32(&[1], &[0.5])))])),
+            ("b.weight", Value::Tensor(TensorData::from_f32(&[2, 3], &[1., 2., 3., 4., 5., 6.]))),
+            ("a.bias", Value::Tensor(TensorData::from_f32(&[3], &[7., 8., 9.]))),
+            ("steps", Value::Tensor(TensorData::from_i64(&[2], &[3, 4]))),
+            ("z", Value::dict_from([("h", Value::Tensor(TensorData::from_f32(&[1], &[0.5])))])),
         ]);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("x.safetensors");

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 /// Element type of a tensor, named as in PyTorch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DType {
+pub enum ElemType {
     F64,
     F32,
     F16,
@@ -21,52 +21,52 @@ pub enum DType {
     Bool,
 }
 
-impl DType {
-    pub const ALL: [DType; 10] = [
-        DType::F64,
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::I64,
-        DType::I32,
-        DType::I16,
-        DType::I8,
-        DType::U8,
-        DType::Bool,
+impl ElemType {
+    pub const ALL: [ElemType; 10] = [
+        ElemType::F64,
+        ElemType::F32,
+        ElemType::F16,
+        ElemType::BF16,
+        ElemType::I64,
+        ElemType::I32,
+        ElemType::I16,
+        ElemType::I8,
+        ElemType::U8,
+        ElemType::Bool,
     ];
 
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            DType::F64 | DType::I64 => 8,
-            DType::F32 | DType::I32 => 4,
-            DType::F16 | DType::BF16 | DType::I16 => 2,
-            DType::I8 | DType::U8 | DType::Bool => 1,
+            ElemType::F64 | ElemType::I64 => 8,
+            ElemType::F32 | ElemType::I32 => 4,
+            ElemType::F16 | ElemType::BF16 | ElemType::I16 => 2,
+            ElemType::I8 | ElemType::U8 | ElemType::Bool => 1,
         }
     }
 
     /// PyTorch's name (`torch.float32` prints as `float32`).
     pub fn torch_name(self) -> &'static str {
         match self {
-            DType::F64 => "float64",
-            DType::F32 => "float32",
-            DType::F16 => "float16",
-            DType::BF16 => "bfloat16",
-            DType::I64 => "int64",
-            DType::I32 => "int32",
-            DType::I16 => "int16",
-            DType::I8 => "int8",
-            DType::U8 => "uint8",
-            DType::Bool => "bool",
+            ElemType::F64 => "float64",
+            ElemType::F32 => "float32",
+            ElemType::F16 => "float16",
+            ElemType::BF16 => "bfloat16",
+            ElemType::I64 => "int64",
+            ElemType::I32 => "int32",
+            ElemType::I16 => "int16",
+            ElemType::I8 => "int8",
+            ElemType::U8 => "uint8",
+            ElemType::Bool => "bool",
         }
     }
 
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F64 | DType::F32 | DType::F16 | DType::BF16)
+        matches!(self, ElemType::F64 | ElemType::F32 | ElemType::F16 | ElemType::BF16)
     }
 }
 
-impl fmt::Display for DType {
+impl fmt::Display for ElemType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.torch_name())
     }
@@ -88,15 +88,15 @@ enum StorageBytes {
 }
 
 /// The raw little-endian bytes of one storage. Cloning shares it: two tensors holding clones
-/// of one `Storage` are tied (the writer stores it once, `Storage::same` tells).
+/// of one `StorageData` are tied (the writer stores it once, `StorageData::same` tells).
 #[derive(Clone)]
-pub struct Storage {
+pub struct StorageData {
     bytes: Arc<StorageBytes>,
 }
 
-impl Storage {
+impl StorageData {
     pub fn from_vec(bytes: Vec<u8>) -> Self {
-        Storage { bytes: Arc::new(StorageBytes::Owned(bytes)) }
+        StorageData { bytes: Arc::new(StorageBytes::Owned(bytes)) }
     }
 
     /// A storage that lives in a memory-mapped file (bytes `start..start+len`).
@@ -106,7 +106,7 @@ impl Storage {
             start.checked_add(len).is_some_and(|end| end <= map.len()),
             "storage range outside map"
         );
-        Storage { bytes: Arc::new(StorageBytes::Mapped { map, start, len }) }
+        StorageData { bytes: Arc::new(StorageBytes::Mapped { map, start, len }) }
     }
 
     /// A storage that is bytes `start..start+len` of a shared buffer.
@@ -116,7 +116,7 @@ impl Storage {
             start.checked_add(len).is_some_and(|end| end <= buf.len()),
             "storage range outside buffer"
         );
-        Storage { bytes: Arc::new(StorageBytes::Shared { buf, start, len }) }
+        StorageData { bytes: Arc::new(StorageBytes::Shared { buf, start, len }) }
     }
 
     /// True when the bytes live in a memory mapping: a mapped file, or the anonymous mapping a
@@ -142,7 +142,7 @@ impl Storage {
     }
 
     /// True when both handles point at the very same storage (tied weights).
-    pub fn same(&self, other: &Storage) -> bool {
+    pub fn same(&self, other: &StorageData) -> bool {
         Arc::ptr_eq(&self.bytes, &other.bytes)
     }
 
@@ -152,21 +152,21 @@ impl Storage {
     }
 }
 
-impl fmt::Debug for Storage {
+impl fmt::Debug for StorageData {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Storage({} bytes)", self.len())
+        write!(f, "StorageData({} bytes)", self.len())
     }
 }
 
 /// A tensor as PyTorch stores it: a view (`shape`, `stride`, `storage_offset`, all in elements)
 /// into a shared storage of `dtype` elements.
 #[derive(Clone, Debug)]
-pub struct Tensor {
-    pub dtype: DType,
+pub struct TensorData {
+    pub dtype: ElemType,
     pub shape: Vec<usize>,
     pub stride: Vec<usize>,
     pub storage_offset: usize,
-    pub storage: Storage,
+    pub storage: StorageData,
 }
 
 /// Row-major (C-contiguous) strides for `shape`.
@@ -178,29 +178,29 @@ pub fn contiguous_stride(shape: &[usize]) -> Vec<usize> {
     stride
 }
 
-impl Tensor {
+impl TensorData {
     /// A contiguous tensor owning `bytes` (little-endian, `numel * dtype.size()` bytes).
-    pub fn from_bytes(dtype: DType, shape: &[usize], bytes: Vec<u8>) -> Self {
+    pub fn from_bytes(dtype: ElemType, shape: &[usize], bytes: Vec<u8>) -> Self {
         debug_assert_eq!(bytes.len(), shape.iter().product::<usize>() * dtype.size());
-        Tensor {
+        TensorData {
             dtype,
             shape: shape.to_vec(),
             stride: contiguous_stride(shape),
             storage_offset: 0,
-            storage: Storage::from_vec(bytes),
+            storage: StorageData::from_vec(bytes),
         }
     }
 
     pub fn from_f32(shape: &[usize], data: &[f32]) -> Self {
-        Self::from_bytes(DType::F32, shape, bytemuck::cast_slice(data).to_vec())
+        Self::from_bytes(ElemType::F32, shape, bytemuck::cast_slice(data).to_vec())
     }
 
     pub fn from_f64(shape: &[usize], data: &[f64]) -> Self {
-        Self::from_bytes(DType::F64, shape, bytemuck::cast_slice(data).to_vec())
+        Self::from_bytes(ElemType::F64, shape, bytemuck::cast_slice(data).to_vec())
     }
 
     pub fn from_i64(shape: &[usize], data: &[i64]) -> Self {
-        Self::from_bytes(DType::I64, shape, bytemuck::cast_slice(data).to_vec())
+        Self::from_bytes(ElemType::I64, shape, bytemuck::cast_slice(data).to_vec())
     }
 
     /// A 0-d float32 tensor (what `torch.tensor(1.0)` is).
@@ -251,41 +251,41 @@ impl Tensor {
     pub fn to_f64_vec(&self) -> Vec<f64> {
         let b = self.contiguous_bytes();
         match self.dtype {
-            DType::F64 => {
+            ElemType::F64 => {
                 b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
             }
-            DType::F32 => b
+            ElemType::F32 => b
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
                 .collect(),
-            DType::F16 => b
+            ElemType::F16 => b
                 .chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f64())
                 .collect(),
-            DType::BF16 => b
+            ElemType::BF16 => b
                 .chunks_exact(2)
                 .map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f64())
                 .collect(),
-            DType::I64 => b
+            ElemType::I64 => b
                 .chunks_exact(8)
                 .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)
                 .collect(),
-            DType::I32 => b
+            ElemType::I32 => b
                 .chunks_exact(4)
                 .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as f64)
                 .collect(),
-            DType::I16 => b
+            ElemType::I16 => b
                 .chunks_exact(2)
                 .map(|c| i16::from_le_bytes(c.try_into().unwrap()) as f64)
                 .collect(),
-            DType::I8 => b.iter().map(|&x| x as i8 as f64).collect(),
-            DType::U8 | DType::Bool => b.iter().map(|&x| x as f64).collect(),
+            ElemType::I8 => b.iter().map(|&x| x as i8 as f64).collect(),
+            ElemType::U8 | ElemType::Bool => b.iter().map(|&x| x as f64).collect(),
         }
     }
 
     /// Elements converted to f32 (exact for f32/f16/bf16 sources).
     pub fn to_f32_vec(&self) -> Vec<f32> {
-        if self.dtype == DType::F32 {
+        if self.dtype == ElemType::F32 {
             return bytemuck::pod_collect_to_vec(&self.contiguous_bytes());
         }
         self.to_f64_vec().into_iter().map(|v| v as f32).collect()
@@ -293,7 +293,7 @@ impl Tensor {
 
     /// Elements converted to i64 (floats truncate).
     pub fn to_i64_vec(&self) -> Vec<i64> {
-        if self.dtype == DType::I64 {
+        if self.dtype == ElemType::I64 {
             return bytemuck::pod_collect_to_vec(&self.contiguous_bytes());
         }
         self.to_f64_vec().into_iter().map(|v| v as i64).collect()
@@ -301,7 +301,7 @@ impl Tensor {
 }
 
 /// Equal when dtype, shape and element bytes are equal (strides and storage sharing aside).
-impl PartialEq for Tensor {
+impl PartialEq for TensorData {
     fn eq(&self, other: &Self) -> bool {
         self.dtype == other.dtype
             && self.shape == other.shape
@@ -322,7 +322,7 @@ pub enum Value {
     List(Vec<Value>),
     Tuple(Vec<Value>),
     Dict(Vec<(Value, Value)>),
-    Tensor(Tensor),
+    Tensor(TensorData),
 }
 
 impl Value {
@@ -412,7 +412,7 @@ impl Value {
         }
     }
 
-    pub fn as_tensor(&self) -> Option<&Tensor> {
+    pub fn as_tensor(&self) -> Option<&TensorData> {
         match self {
             Value::Tensor(t) => Some(t),
             _ => None,
@@ -446,7 +446,7 @@ impl Value {
             Value::List(_) => "list",
             Value::Tuple(_) => "tuple",
             Value::Dict(_) => "dict",
-            Value::Tensor(_) => "Tensor",
+            Value::Tensor(_) => "TensorData",
         }
     }
 }
@@ -481,8 +481,8 @@ impl From<bool> for Value {
         Value::Bool(v)
     }
 }
-impl From<Tensor> for Value {
-    fn from(t: Tensor) -> Self {
+impl From<TensorData> for Value {
+    fn from(t: TensorData) -> Self {
         Value::Tensor(t)
     }
 }
@@ -492,30 +492,34 @@ impl From<Vec<Value>> for Value {
     }
 }
 
-impl Tensor {
+impl TensorData {
     /// A contiguous copy converted to `dtype` (what `param.copy_(src)` does across dtypes: floats
     /// round to nearest, floats to ints truncate, anything to bool is `!= 0`).
-    pub fn to_dtype(&self, dtype: DType) -> Tensor {
+    pub fn to_dtype(&self, dtype: ElemType) -> TensorData {
         if dtype == self.dtype {
-            return Tensor::from_bytes(dtype, &self.shape, self.contiguous_bytes().into_owned());
+            return TensorData::from_bytes(
+                dtype,
+                &self.shape,
+                self.contiguous_bytes().into_owned(),
+            );
         }
         let vals = self.to_f64_vec();
         let mut out = Vec::with_capacity(vals.len() * dtype.size());
         for v in vals {
             match dtype {
-                DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
-                DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
-                DType::F16 => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
-                DType::BF16 => out.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
-                DType::I64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
-                DType::I32 => out.extend_from_slice(&(v as i64 as i32).to_le_bytes()),
-                DType::I16 => out.extend_from_slice(&(v as i64 as i16).to_le_bytes()),
-                DType::I8 => out.push(v as i64 as i8 as u8),
-                DType::U8 => out.push(v as i64 as u8),
-                DType::Bool => out.push((v != 0.0) as u8),
+                ElemType::F64 => out.extend_from_slice(&v.to_le_bytes()),
+                ElemType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+                ElemType::F16 => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+                ElemType::BF16 => out.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+                ElemType::I64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
+                ElemType::I32 => out.extend_from_slice(&(v as i64 as i32).to_le_bytes()),
+                ElemType::I16 => out.extend_from_slice(&(v as i64 as i16).to_le_bytes()),
+                ElemType::I8 => out.push(v as i64 as i8 as u8),
+                ElemType::U8 => out.push(v as i64 as u8),
+                ElemType::Bool => out.push((v != 0.0) as u8),
             }
         }
-        Tensor::from_bytes(dtype, &self.shape, out)
+        TensorData::from_bytes(dtype, &self.shape, out)
     }
 }
 
@@ -526,8 +530,8 @@ mod tests {
     #[test]
     fn strided_view_reads_in_row_major_order() {
         // 2x3 storage [0..6), transposed view 3x2 with strides (1, 3).
-        let base = Tensor::from_f32(&[2, 3], &[0., 1., 2., 3., 4., 5.]);
-        let t = Tensor { shape: vec![3, 2], stride: vec![1, 3], ..base };
+        let base = TensorData::from_f32(&[2, 3], &[0., 1., 2., 3., 4., 5.]);
+        let t = TensorData { shape: vec![3, 2], stride: vec![1, 3], ..base };
         assert!(!t.is_contiguous());
         assert_eq!(t.to_f32_vec(), vec![0., 3., 1., 4., 2., 5.]);
     }
@@ -545,8 +549,8 @@ mod tests {
 
     #[test]
     fn offset_view_and_conversions() {
-        let base = Tensor::from_i64(&[4], &[1, -2, 3, 4]);
-        let t = Tensor { shape: vec![2], stride: vec![1], storage_offset: 1, ..base };
+        let base = TensorData::from_i64(&[4], &[1, -2, 3, 4]);
+        let t = TensorData { shape: vec![2], stride: vec![1], storage_offset: 1, ..base };
         assert_eq!(t.to_i64_vec(), vec![-2, 3]);
         assert_eq!(t.to_f32_vec(), vec![-2.0, 3.0]);
     }

@@ -1,13 +1,13 @@
 //! `AsyncCheckpointManager`: saves written in the background with the synchronous guarantees
 //! (atomic file, `latest`, keep-last), at most one in flight, failures returned at the next save
 //! or at `wait`, naming the file.
-use tandem_ckpt::{AsyncCheckpointManager, CheckpointManager, LoadOptions, Tensor, Value};
+use tandem_ckpt::{AsyncCheckpointManager, CheckpointManager, LoadOptions, TensorData, Value};
 
 fn value(step: i64, len: usize) -> Value {
     let data: Vec<f32> = (0..len).map(|i| step as f32 + i as f32 * 1e-3).collect();
     Value::dict_from([
         ("global_step", Value::Int(step)),
-        ("model", Value::dict_from([("w", Value::Tensor(Tensor::from_f32(&[len], &data)))])),
+        ("model", Value::dict_from([("w", Value::Tensor(TensorData::from_f32(&[len], &data)))])),
     ])
 }
 

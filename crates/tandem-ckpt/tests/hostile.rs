@@ -197,8 +197,9 @@ fn random_mutations_of_fixtures_never_panic() {
 
 #[test]
 fn saving_a_view_outside_its_storage_is_an_error() {
-    let base = tandem_ckpt::Tensor::from_f32(&[4], &[1., 2., 3., 4.]);
-    let bad = tandem_ckpt::Tensor { shape: vec![3], stride: vec![2], storage_offset: 0, ..base };
+    let base = tandem_ckpt::TensorData::from_f32(&[4], &[1., 2., 3., 4.]);
+    let bad =
+        tandem_ckpt::TensorData { shape: vec![3], stride: vec![2], storage_offset: 0, ..base };
     let v = tandem_ckpt::Value::dict_from([("w", tandem_ckpt::Value::Tensor(bad))]);
     let dir = tempfile::tempdir().unwrap();
     let e = tandem_ckpt::save(dir.path().join("a.pt"), &v).unwrap_err();

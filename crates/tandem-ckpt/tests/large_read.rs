@@ -1,7 +1,7 @@
 //! Files read whole (not mapped) above 4 MiB go into a huge-page anonymous mapping, read by
 //! several threads in 8 MiB pieces: the bytes must be exactly the file's, whatever the piece
 //! boundaries.
-use tandem_ckpt::{load_with, save, LoadOptions, Tensor, Value};
+use tandem_ckpt::{load_with, save, LoadOptions, TensorData, Value};
 
 fn pattern(n: usize, seed: u32) -> Vec<f32> {
     let mut x = seed;
@@ -23,8 +23,8 @@ fn a_large_file_read_whole_equals_the_mapped_load_and_what_was_saved() {
     let big = pattern((20 << 18) + 3, 7);
     let small = pattern(5, 9);
     let sd = Value::dict_from(vec![
-        ("big".to_string(), Value::Tensor(Tensor::from_f32(&[big.len()], &big))),
-        ("small".to_string(), Value::Tensor(Tensor::from_f32(&[5], &small))),
+        ("big".to_string(), Value::Tensor(TensorData::from_f32(&[big.len()], &big))),
+        ("small".to_string(), Value::Tensor(TensorData::from_f32(&[5], &small))),
     ]);
     save(&path, &sd).unwrap();
     let read = load_with(&path, &LoadOptions { mmap: false, ..Default::default() }).unwrap();

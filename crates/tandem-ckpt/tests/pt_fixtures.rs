@@ -3,7 +3,7 @@
 mod common;
 
 use common::{describe, expected, fixture, normalise};
-use tandem_ckpt::{load, load_with, CkptError, DType, LoadOptions, Value};
+use tandem_ckpt::{load, load_with, CkptError, ElemType, LoadOptions, Value};
 
 fn check(name: &str, file: &str) {
     let v = load(fixture(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
@@ -30,16 +30,16 @@ fn legacy_format_matches_torch_for_all_fixtures() {
 fn every_dtype_is_read_with_its_dtype() {
     let v = load(fixture("all_dtypes.pt")).unwrap();
     let want = [
-        ("f64", DType::F64),
-        ("f32", DType::F32),
-        ("f16", DType::F16),
-        ("bf16", DType::BF16),
-        ("i64", DType::I64),
-        ("i32", DType::I32),
-        ("i16", DType::I16),
-        ("i8", DType::I8),
-        ("u8", DType::U8),
-        ("bool", DType::Bool),
+        ("f64", ElemType::F64),
+        ("f32", ElemType::F32),
+        ("f16", ElemType::F16),
+        ("bf16", ElemType::BF16),
+        ("i64", ElemType::I64),
+        ("i32", ElemType::I32),
+        ("i16", ElemType::I16),
+        ("i8", ElemType::I8),
+        ("u8", ElemType::U8),
+        ("bool", ElemType::Bool),
     ];
     for (k, d) in want {
         assert_eq!(v.get(k).and_then(Value::as_tensor).map(|t| t.dtype), Some(d), "{k}");

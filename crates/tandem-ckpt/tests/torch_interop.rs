@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::fixture;
 use tandem_ckpt::keys::{load_state_dict, Renaming};
-use tandem_ckpt::{load, save, CheckpointManager, DType, Tensor, TrainingCheckpoint, Value};
+use tandem_ckpt::{load, save, CheckpointManager, ElemType, TensorData, TrainingCheckpoint, Value};
 use tandem_testutil::{output_with_deadline, torch_python};
 
 fn py(python: &Path, args: &[&str]) {
@@ -26,13 +26,13 @@ fn py(python: &Path, args: &[&str]) {
     );
 }
 
-fn target_names(dir: &Path, prefix: &str) -> Vec<(String, Vec<usize>, DType)> {
+fn target_names(dir: &Path, prefix: &str) -> Vec<(String, Vec<usize>, ElemType)> {
     let names: Vec<(String, Vec<usize>, String)> =
         serde_json::from_str(&std::fs::read_to_string(dir.join("names.json")).unwrap()).unwrap();
     names
         .into_iter()
         .map(|(n, s, d)| {
-            let dt = DType::ALL.into_iter().find(|x| x.torch_name() == d).unwrap();
+            let dt = ElemType::ALL.into_iter().find(|x| x.torch_name() == d).unwrap();
             (format!("{prefix}{n}"), s, dt)
         })
         .collect()
@@ -141,8 +141,8 @@ fn tandem_to_torch(python: &Path, dir: &Path) {
 fn tied_tensors_written_by_tandem_stay_tied_in_torch() {
     let Some(python) = torch_python() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let w = Tensor::from_f32(&[2, 2], &[1., 2., 3., 4.]);
-    let row = Tensor { shape: vec![2], stride: vec![1], storage_offset: 2, ..w.clone() };
+    let w = TensorData::from_f32(&[2, 2], &[1., 2., 3., 4.]);
+    let row = TensorData { shape: vec![2], stride: vec![1], storage_offset: 2, ..w.clone() };
     let v = Value::dict_from([
         ("a", Value::Tensor(w.clone())),
         ("b", Value::Tensor(w)),

@@ -41,7 +41,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     // Training and benchmarks allocate tensors per step; keep freed memory for reuse.
-    tandem_ddp::tune_allocator();
+    tandem_nn::tune_allocator();
     let cli = Cli::parse();
     if matches!(cli.command, Command::Ckpt(_) | Command::Sampler(_)) {
         // Pure output tools die quietly on a closed pipe (`tandem ckpt inspect f.pt | head`) like

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use tandem_ckpt::{load, save, Tensor, Value};
+use tandem_ckpt::{load, save, TensorData, Value};
 use tandem_testutil::output_with_deadline;
 
 fn tandem(args: &[&str]) -> Output {
@@ -31,10 +31,13 @@ fn state_dict(prefix: &str, scale: f32) -> Value {
     Value::dict_from([
         (
             format!("{prefix}fc.weight"),
-            Value::Tensor(Tensor::from_f32(&[2, 3], &[1., 2., 3., 4., 5., 6.].map(|x| x * scale))),
+            Value::Tensor(TensorData::from_f32(
+                &[2, 3],
+                &[1., 2., 3., 4., 5., 6.].map(|x| x * scale),
+            )),
         ),
-        (format!("{prefix}fc.bias"), Value::Tensor(Tensor::from_f32(&[2], &[0.5, -0.5]))),
-        (format!("{prefix}bn.num_batches_tracked"), Value::Tensor(Tensor::from_i64(&[], &[7]))),
+        (format!("{prefix}fc.bias"), Value::Tensor(TensorData::from_f32(&[2], &[0.5, -0.5]))),
+        (format!("{prefix}bn.num_batches_tracked"), Value::Tensor(TensorData::from_i64(&[], &[7]))),
     ])
 }
 
@@ -126,7 +129,7 @@ fn diff_reports_differences_and_exit_code() {
     let o = tandem(&["ckpt", "diff", s(&a), s(&b)]);
     assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
     let mut other = state_dict("", 1.5);
-    other.insert("extra.bias", Value::Tensor(Tensor::from_f32(&[1], &[0.0])));
+    other.insert("extra.bias", Value::Tensor(TensorData::from_f32(&[1], &[0.0])));
     tandem_ckpt::safetensors::save(&c, &other).unwrap();
     let o = tandem(&["ckpt", "diff", s(&a), s(&c)]);
     let text = stdout(&o);
@@ -148,8 +151,8 @@ fn load_check_prints_the_report() {
     assert!(text.contains("3 matched, 0 missing, 0 unexpected"), "{text}");
     assert!(text.contains("state dict found at: state_dict"), "{text}");
     let mut bigger = state_dict("", 0.0);
-    bigger.insert("head.weight", Value::Tensor(Tensor::from_f32(&[1], &[0.0])));
-    bigger.insert("fc.bias", Value::Tensor(Tensor::from_f32(&[3], &[0.0; 3])));
+    bigger.insert("head.weight", Value::Tensor(TensorData::from_f32(&[1], &[0.0])));
+    bigger.insert("fc.bias", Value::Tensor(TensorData::from_f32(&[3], &[0.0; 3])));
     save(&reference, &bigger).unwrap();
     let o = tandem(&["ckpt", "load-check", s(&ddp), "--into", s(&reference)]);
     let text = stdout(&o);
@@ -208,7 +211,7 @@ fn bench_ckpt_prints_throughputs_and_ratios() {
 /// A ZeroRedundancyOptimizer checkpoint of 3 ranks (SGD with momentum, 2 steps) in `dir`.
 fn sharded_checkpoint(dir: &Path) {
     use candle_core::{Device, Tensor as CTensor, Var};
-    use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer, ZeroRedundancyOptimizer};
+    use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd, ZeroRedundancyOptimizer};
     let dir = dir.to_path_buf();
     tandem_testutil::run_tcp_world(3, move |pg| {
         let ps: Vec<Var> = [&[4usize, 3][..], &[4], &[2, 4], &[2]]
@@ -220,7 +223,7 @@ fn sharded_checkpoint(dir: &Path) {
             .collect();
         let mut opt = ZeroRedundancyOptimizer::new(ps.clone(), std::sync::Arc::new(pg), |shard| {
             let cfg = SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() };
-            Ok(Box::new(Sgd::new(shard, cfg)?))
+            Ok(Box::new(TorchSgd::new(shard, cfg)?))
         })
         .unwrap();
         for _ in 0..2 {
@@ -259,7 +262,7 @@ fn sharded_optimizer_checkpoints_inspect_and_convert_to_one_state_dict() {
     let out = tandem(&["ckpt", "convert", s(&dir), s(&merged)]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v = load(&merged).unwrap();
-    assert_eq!(v, tandem_ddp::optim::zero::consolidate_sharded(&dir).unwrap());
+    assert_eq!(v, tandem_optim::zero::consolidate_sharded(&dir).unwrap());
     let ids = v.get("param_groups").unwrap().as_list().unwrap()[0].get("params").unwrap().clone();
     assert_eq!(ids, Value::List((0..4).map(Value::Int).collect()));
     assert_eq!(v.get("state").unwrap().as_dict().unwrap().len(), 4);

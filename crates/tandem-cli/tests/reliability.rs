@@ -358,12 +358,15 @@ const SAVER_LEN: usize = 256 * 1024;
 
 /// Deterministic checkpoint contents for `step`, so a loaded one can be checked value by value.
 fn saver_value(step: i64) -> tandem_ckpt::Value {
-    use tandem_ckpt::{Tensor, Value};
+    use tandem_ckpt::{TensorData, Value};
     let data: Vec<f32> =
         (0..SAVER_LEN).map(|i| (step as f32) * 1000.0 + (i % 997) as f32).collect();
     Value::dict_from([
         ("global_step", Value::Int(step)),
-        ("model", Value::dict_from([("w", Value::Tensor(Tensor::from_f32(&[SAVER_LEN], &data)))])),
+        (
+            "model",
+            Value::dict_from([("w", Value::Tensor(TensorData::from_f32(&[SAVER_LEN], &data)))]),
+        ),
     ])
 }
 

@@ -68,9 +68,9 @@ fn get<'a>(kv: &'a [(String, String)], key: &str) -> &'a str {
         .1
 }
 
-fn weights(path: &Path) -> Vec<(String, tandem_ckpt::Tensor)> {
+fn weights(path: &Path) -> Vec<(String, tandem_ckpt::TensorData)> {
     let v = tandem_ckpt::load(path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
-    let mut out: Vec<(String, tandem_ckpt::Tensor)> = v
+    let mut out: Vec<(String, tandem_ckpt::TensorData)> = v
         .as_dict()
         .expect("a state dict")
         .iter()
@@ -156,7 +156,7 @@ fn whole_and_resumed_agree(
     common: &[&str],
     stop_at: &str,
     ext: &str,
-) -> (Output, PathBuf, Vec<(String, tandem_ckpt::Tensor)>) {
+) -> (Output, PathBuf, Vec<(String, tandem_ckpt::TensorData)>) {
     let whole = dir.join(format!("whole.{ext}"));
     let a = dir.join("a");
     let mut args =
@@ -398,12 +398,13 @@ fn the_cnn_trains_on_three_channel_cifar_shaped_data() {
 /// Largest absolute difference per key between two state dicts with the same keys, and the
 /// largest change of any float parameter (not a buffer) from `init` in `reference`.
 fn state_dict_gap(
-    ours: &[(String, tandem_ckpt::Tensor)],
-    reference: &[(String, tandem_ckpt::Tensor)],
-    init: &[(String, tandem_ckpt::Tensor)],
+    ours: &[(String, tandem_ckpt::TensorData)],
+    reference: &[(String, tandem_ckpt::TensorData)],
+    init: &[(String, tandem_ckpt::TensorData)],
 ) -> (f64, String, f64) {
-    let names =
-        |s: &[(String, tandem_ckpt::Tensor)]| s.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>();
+    let names = |s: &[(String, tandem_ckpt::TensorData)]| {
+        s.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>()
+    };
     assert_eq!(names(ours), names(reference), "the same keys as PyTorch's state dict");
     let (mut worst, mut worst_key, mut moved) = (0.0f64, String::new(), 0.0f64);
     for (((k, a), (_, b)), (_, i)) in ours.iter().zip(reference).zip(init) {
@@ -614,7 +615,7 @@ fn mixed_precision_trains_and_its_grad_scaler_resumes() {
         let acc: f64 = get(&kv, "eval_accuracy").parse().unwrap();
         assert!(acc >= 0.85, "--precision {precision}: eval accuracy {acc} after 2 epochs");
         let w = weights(Path::new(&path(&format!("{precision}.pt"))));
-        assert!(w.iter().all(|(_, t)| t.dtype == tandem_ckpt::DType::F32), "{precision}");
+        assert!(w.iter().all(|(_, t)| t.dtype == tandem_ckpt::ElemType::F32), "{precision}");
         let ck = tandem_ckpt::load(get(&kv, "checkpoint")).unwrap();
         finals.push((w, ck, String::from_utf8_lossy(&o.stdout).to_string()));
     }

@@ -2,7 +2,7 @@
 //! all-gather for all_reduce (bandwidth-optimal: each rank sends 2(n-1)/n of the buffer), a
 //! pipelined chain for broadcast, rings for all_gather / reduce_scatter / barrier, and direct
 //! sends for gather / scatter. Ranks here are group ranks.
-use crate::element::{DType, ReduceOp};
+use crate::element::{ReduceOp, WireType};
 use crate::transport::{PeerError, Recv, Transport};
 use std::ops::Range;
 use std::time::Duration;
@@ -16,7 +16,7 @@ pub(crate) type ReduceFn<'a> = &'a (dyn Fn(&mut [u8], &[u8]) + Sync);
 /// the byte-level function tandem's ring applies.
 #[derive(Clone, Copy)]
 pub(crate) struct Reduction<'a> {
-    pub dtype: DType,
+    pub dtype: WireType,
     pub op: ReduceOp,
     pub f: ReduceFn<'a>,
 }

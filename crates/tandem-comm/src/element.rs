@@ -5,7 +5,7 @@ use half::{bf16, f16};
 
 /// Data type tag carried in desync checks and error messages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DType {
+pub enum WireType {
     F32,
     F64,
     F16,
@@ -15,37 +15,45 @@ pub enum DType {
     U8,
 }
 
-impl DType {
+impl WireType {
     pub fn size(self) -> usize {
         match self {
-            DType::F32 | DType::I32 => 4,
-            DType::F64 | DType::I64 => 8,
-            DType::F16 | DType::BF16 => 2,
-            DType::U8 => 1,
+            WireType::F32 | WireType::I32 => 4,
+            WireType::F64 | WireType::I64 => 8,
+            WireType::F16 | WireType::BF16 => 2,
+            WireType::U8 => 1,
         }
     }
     pub fn name(self) -> &'static str {
         match self {
-            DType::F32 => "f32",
-            DType::F64 => "f64",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-            DType::I32 => "i32",
-            DType::I64 => "i64",
-            DType::U8 => "u8",
+            WireType::F32 => "f32",
+            WireType::F64 => "f64",
+            WireType::F16 => "f16",
+            WireType::BF16 => "bf16",
+            WireType::I32 => "i32",
+            WireType::I64 => "i64",
+            WireType::U8 => "u8",
         }
     }
     pub(crate) fn code(self) -> u8 {
         self as u8
     }
-    pub(crate) fn from_code(c: u8) -> Option<DType> {
-        [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8]
-            .get(c as usize)
-            .copied()
+    pub(crate) fn from_code(c: u8) -> Option<WireType> {
+        [
+            WireType::F32,
+            WireType::F64,
+            WireType::F16,
+            WireType::BF16,
+            WireType::I32,
+            WireType::I64,
+            WireType::U8,
+        ]
+        .get(c as usize)
+        .copied()
     }
 }
 
-impl std::fmt::Display for DType {
+impl std::fmt::Display for WireType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
@@ -75,7 +83,7 @@ impl ReduceOp {
 
 /// A plain-old-data element collectives can move and reduce.
 pub trait Element: bytemuck::Pod + Send + Sync + 'static {
-    const DTYPE: DType;
+    const DTYPE: WireType;
     fn add(a: Self, b: Self) -> Self;
     fn mul(a: Self, b: Self) -> Self;
     fn max(a: Self, b: Self) -> Self;
@@ -98,7 +106,7 @@ pub trait Element: bytemuck::Pod + Send + Sync + 'static {
 macro_rules! float_element {
     ($t:ty, $dt:expr) => {
         impl Element for $t {
-            const DTYPE: DType = $dt;
+            const DTYPE: WireType = $dt;
             #[inline(always)]
             fn add(a: Self, b: Self) -> Self {
                 a + b
@@ -133,13 +141,13 @@ macro_rules! float_element {
         }
     };
 }
-float_element!(f32, DType::F32);
-float_element!(f64, DType::F64);
+float_element!(f32, WireType::F32);
+float_element!(f64, WireType::F64);
 
 macro_rules! half_element {
     ($t:ty, $dt:expr) => {
         impl Element for $t {
-            const DTYPE: DType = $dt;
+            const DTYPE: WireType = $dt;
             #[inline(always)]
             fn add(a: Self, b: Self) -> Self {
                 a + b
@@ -174,13 +182,13 @@ macro_rules! half_element {
         }
     };
 }
-half_element!(f16, DType::F16);
-half_element!(bf16, DType::BF16);
+half_element!(f16, WireType::F16);
+half_element!(bf16, WireType::BF16);
 
 macro_rules! int_element {
     ($t:ty, $dt:expr) => {
         impl Element for $t {
-            const DTYPE: DType = $dt;
+            const DTYPE: WireType = $dt;
             #[inline(always)]
             fn add(a: Self, b: Self) -> Self {
                 a.wrapping_add(b)
@@ -203,9 +211,9 @@ macro_rules! int_element {
         }
     };
 }
-int_element!(i32, DType::I32);
-int_element!(i64, DType::I64);
-int_element!(u8, DType::U8);
+int_element!(i32, WireType::I32);
+int_element!(i64, WireType::I64);
+int_element!(u8, WireType::U8);
 
 /// Reduces `src` bytes into `dst` bytes as elements of `T`. `dst` is aligned (it is a view of a
 /// `&mut [T]`); `src` may be unaligned (a socket scratch buffer or a shared-memory ring).

@@ -4,7 +4,7 @@
 //! operation, its sequence number and the peer rank. After a failure the group is broken:
 //! later calls fail at once instead of running on desynchronised streams.
 use crate::collectives::{Ctx, ReduceFn, Reduction};
-use crate::element::{reduce_bytes, DType, Element, ReduceOp};
+use crate::element::{reduce_bytes, Element, ReduceOp, WireType};
 use crate::env::InitOptions;
 use crate::error::CommError;
 use crate::order::{CallOrder, Ticket};
@@ -83,7 +83,7 @@ impl Transport for NoPeers {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Call {
     op: &'static str,
-    dtype: Option<DType>,
+    dtype: Option<WireType>,
     count: u64,
     /// Root, peer, or reduce operator code, depending on the op.
     arg: u64,
@@ -105,7 +105,7 @@ const OPS: [&str; 12] = [
 ];
 
 impl Call {
-    fn new(op: &'static str, dtype: Option<DType>, count: usize, arg: u64) -> Call {
+    fn new(op: &'static str, dtype: Option<WireType>, count: usize, arg: u64) -> Call {
         Call { op, dtype, count: count as u64, arg }
     }
     fn encode(&self, seq: u64) -> [u8; 32] {
@@ -120,7 +120,7 @@ impl Call {
     fn describe(b: &[u8]) -> String {
         let u = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().unwrap_or([0; 8]));
         let op = OPS.get(b[8] as usize).copied().unwrap_or("unknown");
-        let dtype = DType::from_code(b[9]).map_or("bytes", |d| d.name());
+        let dtype = WireType::from_code(b[9]).map_or("bytes", |d| d.name());
         let arg = u(24..32);
         let arg = match op {
             "all_reduce" | "reduce_scatter" => {
@@ -624,7 +624,7 @@ impl ProcessGroup {
         &self,
         op: &'static str,
         peer: usize,
-        dtype: DType,
+        dtype: WireType,
         count: usize,
         send: Option<&[u8]>,
         recv: Option<&mut [u8]>,

@@ -11,6 +11,7 @@
 //! ```
 mod agent_store;
 mod collectives;
+mod dyn_collectives;
 mod element;
 mod env;
 mod error;
@@ -28,7 +29,8 @@ mod store;
 mod transport;
 mod work;
 
-pub use element::{DType, Element, ReduceOp};
+pub use dyn_collectives::{Collectives, CommSource, LocalGroup, SingleProcess};
+pub use element::{Element, ReduceOp, WireType};
 pub use env::{InitMethod, InitOptions};
 pub use error::CommError;
 pub use frame::MAX_FRAME;

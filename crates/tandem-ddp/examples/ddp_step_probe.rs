@@ -4,21 +4,23 @@
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use tandem_ddp::models::Mlp;
-use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
-use tandem_ddp::{Ddp, DdpOptions, ParamModule, SingleProcess};
+use tandem_comm::SingleProcess;
+use tandem_ddp::{Ddp, DdpOptions};
+use tandem_models::Mlp;
+use tandem_nn::ParamModule;
+use tandem_optim::{SgdConfig, TorchSgd};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // As `tandem::init()` does (`TANDEM_MALLOC=system` to measure glibc's defaults).
-    tandem_ddp::tune_allocator();
+    tandem_nn::tune_allocator();
     let d = Device::Cpu;
     let x = Tensor::randn(0f32, 1., (128, 784), &d)?;
     let y = Tensor::from_vec((0..128u32).map(|i| i % 10).collect::<Vec<_>>(), 128, &d)?;
     let plain = Mlp::new(&[784, 1024, 1024, 10], 0, &d)?;
-    let mut popt = Sgd::new(plain.params().vars(), SgdConfig { lr: 0.01, ..Default::default() })?;
+    let mut popt = TorchSgd::new(plain.params(), SgdConfig { lr: 0.01, ..Default::default() })?;
     let ddp =
         Ddp::new(Mlp::new(&[784, 1024, 1024, 10], 0, &d)?, &SingleProcess, DdpOptions::default())?;
-    let mut dopt = Sgd::new(ddp.params().vars(), SgdConfig { lr: 0.01, ..Default::default() })?;
+    let mut dopt = TorchSgd::new(ddp.params(), SgdConfig { lr: 0.01, ..Default::default() })?;
     let (mut tp, mut td, mut tf, mut tb) = (0.0, 0.0, 0.0, 0.0);
     let (mut pf, mut pb, mut ps, mut ds) = (0.0, 0.0, 0.0, 0.0);
     let rounds = 10;
@@ -41,7 +43,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let t = Instant::now();
         for _ in 0..5 {
             let t0 = Instant::now();
-            let loss = ddp.loss(&x, &y)?;
+            let loss = ddp.hooked().loss(&x, &y)?;
             let t1 = Instant::now();
             let g = ddp.backward(&loss)?;
             let t2 = Instant::now();
@@ -59,7 +61,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     let n = (rounds * 5) as f64;
-    let vars = plain.params().vars();
+    let vars = plain.params();
     let t = Instant::now();
     for _ in 0..20 {
         for v in &vars {

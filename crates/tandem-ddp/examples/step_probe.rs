@@ -5,17 +5,17 @@
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use tandem_ddp::models::Mlp;
-use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
-use tandem_ddp::ParamModule;
+use tandem_models::Mlp;
+use tandem_nn::ParamModule;
+use tandem_optim::{SgdConfig, TorchSgd};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let batch: usize = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(64);
     // As `tandem::init()` does; `TANDEM_MALLOC=system` measures glibc's defaults.
-    let tuned = tandem_ddp::tune_allocator();
+    let tuned = tandem_nn::tune_allocator();
     let d = Device::Cpu;
     let m = Mlp::new(&[784, 1024, 1024, 10], 0, &d)?;
-    let mut opt = Sgd::new(m.params().vars(), SgdConfig { lr: 0.01, ..Default::default() })?;
+    let mut opt = TorchSgd::new(m.params(), SgdConfig { lr: 0.01, ..Default::default() })?;
     let x = Tensor::randn(0f32, 1., (batch, 784), &d)?;
     let y = Tensor::from_vec((0..batch as u32).map(|i| i % 10).collect::<Vec<_>>(), batch, &d)?;
     let (mut tf, mut tb, mut to) = (0.0, 0.0, 0.0);

@@ -49,9 +49,9 @@ pub(crate) fn reduce_buckets(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::{GradComm, LocalGroup};
-    use crate::hook::with_f32_slice;
     use candle_core::Device;
+    use tandem_comm::{Collectives, LocalGroup};
+    use tandem_nn::kernels::with_f32_slice;
 
     /// The host stand-in for NCCL: all_reduce_avg over an in-process group.
     struct HostReducer<'a>(&'a LocalGroup, usize);

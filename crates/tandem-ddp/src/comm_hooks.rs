@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 
-use crate::comm::GradComm;
-use crate::error::CommSource;
+use tandem_comm::Collectives;
+use tandem_comm::CommSource;
 
 /// One bucket handed to a hook (PyTorch's `GradBucket`).
 pub struct GradBucket<'a> {
@@ -45,7 +45,7 @@ impl BucketParam {
 pub trait CommHook: Send + Sync {
     /// Shown in errors, and compared across ranks when the hook is registered.
     fn name(&self) -> &str;
-    fn reduce(&self, comm: &dyn GradComm, bucket: GradBucket<'_>) -> Result<(), CommSource>;
+    fn reduce(&self, comm: &dyn Collectives, bucket: GradBucket<'_>) -> Result<(), CommSource>;
 }
 
 /// The default: all-reduce average in f32.
@@ -56,7 +56,7 @@ impl CommHook for AllReduceAvg {
     fn name(&self) -> &str {
         "allreduce"
     }
-    fn reduce(&self, comm: &dyn GradComm, bucket: GradBucket<'_>) -> Result<(), CommSource> {
+    fn reduce(&self, comm: &dyn Collectives, bucket: GradBucket<'_>) -> Result<(), CommSource> {
         comm.all_reduce_avg(bucket.buffer)
     }
 }
@@ -70,7 +70,7 @@ impl CommHook for Fp16Compress {
     fn name(&self) -> &str {
         "fp16"
     }
-    fn reduce(&self, comm: &dyn GradComm, bucket: GradBucket<'_>) -> Result<(), CommSource> {
+    fn reduce(&self, comm: &dyn Collectives, bucket: GradBucket<'_>) -> Result<(), CommSource> {
         compressed(comm, bucket.buffer, f16::from_f32, f16::to_f32, |c, w| c.all_reduce_sum_f16(w))
     }
 }
@@ -78,11 +78,11 @@ impl CommHook for Fp16Compress {
 /// Cast to the wire type, divide by the world size (in that type, as PyTorch's hooks do),
 /// all-reduce the sum in that type, cast back.
 fn compressed<W: Copy>(
-    comm: &dyn GradComm,
+    comm: &dyn Collectives,
     buffer: &mut [f32],
     to_wire: fn(f32) -> W,
     from_wire: fn(W) -> f32,
-    sum: impl Fn(&dyn GradComm, &mut [W]) -> Result<(), CommSource>,
+    sum: impl Fn(&dyn Collectives, &mut [W]) -> Result<(), CommSource>,
 ) -> Result<(), CommSource> {
     let n = comm.size() as f32;
     let mut wire: Vec<W> = buffer.iter().map(|&g| to_wire(from_wire(to_wire(g)) / n)).collect();
@@ -99,7 +99,7 @@ impl CommHook for Bf16Compress {
     fn name(&self) -> &str {
         "bf16"
     }
-    fn reduce(&self, comm: &dyn GradComm, bucket: GradBucket<'_>) -> Result<(), CommSource> {
+    fn reduce(&self, comm: &dyn Collectives, bucket: GradBucket<'_>) -> Result<(), CommSource> {
         compressed(comm, bucket.buffer, bf16::from_f32, bf16::to_f32, |c, w| {
             c.all_reduce_sum_bf16(w)
         })
@@ -122,7 +122,7 @@ pub fn builtin(name: &str) -> Option<Arc<dyn CommHook>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::LocalGroup;
+    use tandem_comm::LocalGroup;
 
     fn run3(hook: Arc<dyn CommHook>, per_rank: fn(usize) -> Vec<f32>) -> Vec<Vec<f32>> {
         let hs: Vec<_> = LocalGroup::new(3)

@@ -12,7 +12,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
 use crate::error::{DdpError, Result};
-use crate::module::ParamModule;
+use tandem_nn::ParamModule;
 
 /// `torch.chunk(n, parts)` sizes along one dimension: chunks of `ceil(n / parts)`, the last one
 /// smaller, possibly fewer than `parts` chunks (30 → [15, 15] for 2; 10 → [3, 3, 3, 1] for 4;
@@ -176,7 +176,7 @@ impl<M: ParamModule> DataParallel<M> {
             let loss = (loss_fn(m, c)? * weight)?;
             let grads = loss.backward()?;
             let gs = m
-                .params()
+                .param_set()
                 .named()
                 .iter()
                 .map(|(_, v)| grads.get(v.as_tensor()).map(|g| g.to_device(dev0)).transpose())
@@ -197,7 +197,7 @@ impl<M: ParamModule> DataParallel<M> {
             }
         }
         let mut store = GradStore::default();
-        for ((_, v), g) in self.replicas[0].params().named().iter().zip(sums) {
+        for ((_, v), g) in self.replicas[0].param_set().named().iter().zip(sums) {
             if let Some(g) = g {
                 store.insert(v.as_tensor(), g);
             }

@@ -3,10 +3,13 @@
 //! Training loop (the model reads its parameters through its `ParamSet`, see `params`):
 //! ```ignore
 //! let ddp = Ddp::new(model, &group, DdpOptions::default())?;
-//! let loss = ddp.loss(&x, &y)?;          // the model's own method, through Deref
+//! let loss = ddp.hooked().loss(&x, &y)?; // the model's own method, through Ddp's hooks
 //! let grads = ddp.backward(&loss)?;      // GradStore: world-averaged gradient per parameter Var
 //! opt.step(&grads)?;
 //! ```
+//! Two explicit ways to reach the model, as in PyTorch: [`Ddp::hooked`] is the training path
+//! (PyTorch's `ddp(x)`; `Ddp` also implements candle's `Module` when the model does,
+//! so `ddp.forward(&x)` is that call), [`Ddp::module`] the plain model (PyTorch's `ddp.module`).
 //! The first parameter read of a forward starts a step (and broadcasts buffers from rank 0);
 //! each parameter's backward hook copies its finished gradient into a bucket; full buckets are
 //! all-reduced on a communication thread while backward continues.
@@ -17,13 +20,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 
-use crate::comm::GradComm;
 use crate::comm_hooks::CommHook;
 use crate::error::{DdpError, Result};
-use crate::hook::{with_f32_slice, ViewHooks};
-use crate::module::ParamModule;
 use crate::reducer::{Reducer, ReducerConfig};
-use crate::vars::NamedVars;
+use tandem_comm::Collectives;
+use tandem_nn::kernels::with_f32_slice;
+use tandem_nn::NamedVars;
+use tandem_nn::ParamModule;
+use tandem_nn::ViewHooks;
 
 /// PyTorch's DistributedDataParallel keyword arguments that apply here.
 #[derive(Clone, Debug)]
@@ -95,7 +99,7 @@ fn mb_to_bytes(what: &'static str, mb: f64) -> Result<usize> {
 }
 
 struct Shared {
-    comm: Arc<dyn GradComm>,
+    comm: Arc<dyn Collectives>,
     reducer: Mutex<Reducer>,
     buffers: Vec<(String, Var)>,
     broadcast_buffers: bool,
@@ -178,7 +182,7 @@ impl ViewHooks for Shared {
 }
 
 /// Concatenates the vars (f32), broadcasts them from `root` in one collective, writes back.
-fn broadcast_vars(comm: &dyn GradComm, vars: &[(String, Var)], root: usize) -> Result<()> {
+fn broadcast_vars(comm: &dyn Collectives, vars: &[(String, Var)], root: usize) -> Result<()> {
     let mut flat = Vec::new();
     for (_, v) in vars {
         with_f32_slice(v.as_tensor(), |s| flat.extend_from_slice(s))?;
@@ -201,7 +205,7 @@ fn broadcast_vars(comm: &dyn GradComm, vars: &[(String, Var)], root: usize) -> R
 
 /// Every rank's "name shape dtype" list; the first difference from rank 0 is an error naming
 /// both ranks. All ranks see the same gathered lists, so they all fail together.
-fn check_same_params(comm: &dyn GradComm, vars: &[(String, Var)]) -> Result<()> {
+fn check_same_params(comm: &dyn Collectives, vars: &[(String, Var)]) -> Result<()> {
     let describe = |(n, v): &(String, Var)| format!("{n} {:?} {:?}", v.dims(), v.dtype());
     let mine: Vec<String> = vars.iter().map(describe).collect();
     let all = comm
@@ -237,7 +241,7 @@ pub struct Ddp<M: ParamModule> {
 impl<M: ParamModule> Ddp<M> {
     /// Checks that every rank holds the same parameters and buffers (names, shapes, dtypes),
     /// broadcasts them from rank 0, and attaches the gradient hooks. A collective.
-    pub fn new<G: GradComm + Clone + 'static>(
+    pub fn new<G: Collectives + Clone + 'static>(
         module: M,
         group: &G,
         opts: DdpOptions,
@@ -245,7 +249,7 @@ impl<M: ParamModule> Ddp<M> {
         Self::with_comm(module, Arc::new(group.clone()), opts)
     }
 
-    pub fn with_comm(module: M, comm: Arc<dyn GradComm>, opts: DdpOptions) -> Result<Self> {
+    pub fn with_comm(module: M, comm: Arc<dyn Collectives>, opts: DdpOptions) -> Result<Self> {
         let params = module.named_parameters();
         let buffers = module.named_buffers();
         for (name, v) in params.iter() {
@@ -303,7 +307,7 @@ impl<M: ParamModule> Ddp<M> {
         #[cfg(not(feature = "cuda"))]
         let on_device = false;
         if shared.comm.size() > 1 && !on_device {
-            module.params().attach(shared.clone());
+            module.param_set().attach(shared.clone());
         }
         Ok(Ddp { module, shared })
     }
@@ -314,13 +318,26 @@ impl<M: ParamModule> Ddp<M> {
     /// around the hooks while the returned handle lives; a Ddp forward in that time still trains
     /// correctly, its gradients reduced after backward instead of overlapped with it.
     pub fn module(&self) -> Unhooked<'_, M> {
-        self.module.params().begin_plain();
+        self.module.param_set().begin_plain();
         Unhooked { module: &self.module }
+    }
+
+    /// The wrapped model with Ddp's hooks in place: the training path, like calling PyTorch's
+    /// `ddp(x)`. Its methods read the parameters through Ddp's hooks (the first read of a
+    /// forward starts a step; every rank must then take part in `backward`).
+    pub fn hooked(&self) -> &M {
+        &self.module
+    }
+
+    /// The parameters as `Var`s, in `named_parameters()` order (what an optimizer takes; the
+    /// same as `ParamModule::params`, here without importing the trait).
+    pub fn params(&self) -> Vec<Var> {
+        self.module.params()
     }
 
     /// Unwraps the model (hooks detached), e.g. to save or evaluate it without Ddp.
     pub fn into_inner(self) -> M {
-        self.module.params().detach();
+        self.module.param_set().detach();
         self.module
     }
 
@@ -427,7 +444,7 @@ impl<M: ParamModule> Ddp<M> {
                 .chain(shared.buffers.iter().cloned())
                 .collect();
             broadcast_vars(shared.comm.as_ref(), &everything, last.unwrap_or(0))?;
-            self.module.params().refresh_view();
+            self.module.param_set().refresh_view();
         }
         Ok(())
     }
@@ -444,7 +461,7 @@ impl<M: ParamModule> Ddp<M> {
     /// them, never all-reduced, so one optimizer can step the model and them together (as two
     /// parameter groups). A `local` parameter that is also one of this `Ddp`'s is refused.
     pub fn backward_with_local(&self, loss: &Tensor, local: &[Var]) -> Result<GradStore> {
-        let vars = self.module.params().vars();
+        let vars = self.module.params();
         if let Some(i) =
             local.iter().position(|l| vars.iter().any(|v| v.as_tensor().id() == l.as_tensor().id()))
         {
@@ -457,7 +474,7 @@ impl<M: ParamModule> Ddp<M> {
                 ),
             });
         }
-        let viewed = self.module.params().end_view();
+        let viewed = self.module.param_set().end_view();
         let mut candle_grads = match loss.backward() {
             Ok(g) => g,
             Err(e) => {
@@ -588,8 +605,8 @@ impl Ddp<NamedVars> {
     /// reading its own `Var`s, which Ddp checks across ranks and overwrites with rank 0's
     /// values. `backward` returns the world-averaged gradients as a `GradStore` keyed by those
     /// `Var`s, for candle-nn's optimizers (`Optimizer::step(&GradStore)`) or tandem's. See
-    /// [`crate::vars`] for ordering and buffers.
-    pub fn from_varmap<G: GradComm + Clone + 'static>(
+    /// [`tandem_nn::NamedVars`] for ordering and buffers.
+    pub fn from_varmap<G: Collectives + Clone + 'static>(
         varmap: &candle_nn::VarMap,
         group: &G,
         opts: DdpOptions,
@@ -612,15 +629,33 @@ impl<M: ParamModule> Deref for Unhooked<'_, M> {
 
 impl<M: ParamModule> Drop for Unhooked<'_, M> {
     fn drop(&mut self) {
-        self.module.params().end_plain();
+        self.module.param_set().end_plain();
     }
 }
 
-/// The training path, like calling PyTorch's `ddp(x)`: the model's methods through the wrapper
-/// read parameters through Ddp's hooks (the first read of a forward starts a step).
-impl<M: ParamModule> Deref for Ddp<M> {
-    type Target = M;
-    fn deref(&self) -> &M {
-        &self.module
+/// A Ddp is a model too, as PyTorch's DDP is an `nn.Module`: its parameters, buffers and state
+/// dict are the wrapped model's, under the model's own names (never `module.`), so `&ddp` goes
+/// wherever a model goes (`save_state`, `save_weights`, an optimizer's `params()`).
+impl<M: ParamModule> ParamModule for Ddp<M> {
+    fn param_set(&self) -> &tandem_nn::ParamSet {
+        self.module.param_set()
+    }
+    fn named_buffers(&self) -> Vec<(String, Var)> {
+        self.module.named_buffers()
+    }
+    /// Refused: DataParallel replicas of a Ddp make no sense; replicate the module instead.
+    fn replicate(&self, _device: &candle_core::Device) -> tandem_nn::Result<Self> {
+        Err(tandem_nn::NnError::InvalidOption {
+            what: "replicate",
+            why: "a Ddp-wrapped model is not replicated; replicate the model before wrapping it"
+                .into(),
+        })
+    }
+}
+
+/// `ddp.forward(&x)`: PyTorch's `ddp(x)`, through [`Ddp::hooked`].
+impl<M: ParamModule + candle_core::Module> candle_core::Module for Ddp<M> {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        self.module.forward(xs)
     }
 }

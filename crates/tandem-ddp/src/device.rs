@@ -88,7 +88,7 @@ fn device_buffer(t: &Tensor) -> Result<(DeviceBuffer, CudaStream)> {
     let buf = DeviceBuffer {
         ptr: ptr + (start * std::mem::size_of::<f32>()) as u64,
         len: end - start,
-        dtype: tandem_comm::DType::F32,
+        dtype: tandem_comm::WireType::F32,
     };
     Ok((buf, CudaStream(stream.cu_stream() as *mut c_void)))
 }

@@ -1,18 +1,15 @@
-//! The errors of tandem-ddp's wrappers (Ddp, DataParallel, models, conversion).
+//! The errors of tandem-ddp's wrappers (Ddp, DataParallel) and reducer.
+use tandem_comm::CommSource;
 use thiserror::Error;
-
-/// A failure reported by the communication layer, kept opaque so the reducer stays
-/// independent of which collective backend carried it.
-pub type CommSource = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 #[derive(Debug, Error)]
 pub enum DdpError {
     #[error("tensor engine: {0}")]
     Candle(#[from] candle_core::Error),
 
-    /// Reading or writing a checkpoint file (the error names the file).
+    /// The model: a state dict that does not fit, a tensor that cannot be converted, ...
     #[error(transparent)]
-    Checkpoint(#[from] tandem_ckpt::CkptError),
+    Nn(#[from] tandem_nn::NnError),
 
     #[error("collective `{op}` failed on rank {rank}: {source}")]
     Comm {
@@ -50,17 +47,6 @@ pub enum DdpError {
 
     #[error("invalid option {what}: {why}")]
     InvalidOption { what: &'static str, why: String },
-
-    /// A strict `load_state_dict` found keys that do not fit; nothing was written.
-    #[error(
-        "state dict does not fit the model: missing keys {missing:?}, unexpected keys \
-         {unexpected:?}, shape mismatches {mismatched:?}"
-    )]
-    StateDictMismatch { missing: Vec<String>, unexpected: Vec<String>, mismatched: Vec<String> },
-
-    /// A tensor that cannot move between candle and a checkpoint (dtype, byte order).
-    #[error("tensor {}: {reason}", key.as_deref().map_or("(unnamed)".to_string(), |k| format!("`{k}`")))]
-    TensorConversion { key: Option<String>, reason: String },
 
     /// A gradient handed to the reducer has the wrong number of elements.
     #[error("gradient of parameter #{index} (`{name}`) has {got} elements; the parameter has {expected}")]

@@ -1,43 +1,27 @@
-//! tandem-ddp: DistributedDataParallel and DataParallel on candle, optimizers, schedulers, and
-//! reference models. The gradient reducer itself (`reducer`, `bucket`) is engine-agnostic: named
-//! flat f32 buffers in ready order; `params`/`hook`/`ddp` are the candle adapter that feeds it.
-//! Collectives come through the `comm::GradComm` trait (implemented for tandem-comm's
-//! `ProcessGroup`); this crate knows nothing of sockets, launchers or checkpoint file formats.
-pub mod amp;
-pub mod metrics;
-pub mod optim;
-pub mod sched;
-
-pub mod alloc;
-pub mod bucket;
+//! tandem-ddp: PyTorch's `DistributedDataParallel` ([`Ddp`]) and `DataParallel` on candle, with
+//! the reducer behind them: gradient buckets (`bucket`, `reducer`, engine-agnostic: named flat
+//! f32 buffers in ready order), communication hooks (fp16/bf16 compression, PowerSGD) and
+//! `Join` for uneven inputs, plus metrics averaged across ranks.
+//!
+//! A model comes as any [`tandem_nn::ParamModule`]: a candle `VarMap` ([`Ddp::from_varmap`],
+//! the default way to hold one) or a [`tandem_nn::ParamSet`] model, the opt-in that lets Ddp
+//! overlap all-reduce with backward. Collectives come through [`tandem_comm::Collectives`].
+//! This crate knows nothing of sockets, launchers, optimizers or checkpoint file formats.
+mod bucket;
 #[cfg(any(feature = "cuda", test))]
 mod bucketed;
-pub mod comm;
 pub mod comm_hooks;
-pub mod convert;
-pub mod data_parallel;
-pub mod ddp;
+mod data_parallel;
+mod ddp;
 #[cfg(feature = "cuda")]
 mod device;
-pub mod error;
-pub mod functional;
-mod hook;
-pub mod kernels;
-pub mod models;
-pub mod module;
-pub mod nn;
-pub mod params;
+mod error;
+pub mod metrics;
 pub mod powersgd;
-pub mod reducer;
-pub mod vars;
-pub mod weights;
+mod reducer;
 
-pub use alloc::tune_allocator;
-pub use comm::{GradComm, LocalGroup, SingleProcess};
 pub use comm_hooks::{BucketParam, CommHook, GradBucket};
 pub use data_parallel::{chunk_sizes, DataParallel};
 pub use ddp::{Ddp, DdpOptions, JoinOptions, Unhooked};
 pub use error::{DdpError, Result};
-pub use module::ParamModule;
-pub use params::ParamSet;
-pub use vars::{NamedVars, OrderedVarMap};
+pub use powersgd::{PowerSgd, PowerSgdOptions};

@@ -11,9 +11,9 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use crate::comm::GradComm;
 use crate::comm_hooks::{BucketParam, CommHook, GradBucket};
-use crate::error::CommSource;
+use tandem_comm::Collectives;
+use tandem_comm::CommSource;
 
 #[derive(Clone, Copy, Debug)]
 pub struct PowerSgdOptions {
@@ -76,7 +76,7 @@ impl CommHook for PowerSgd {
         "powersgd"
     }
 
-    fn reduce(&self, comm: &dyn GradComm, bucket: GradBucket<'_>) -> Result<(), CommSource> {
+    fn reduce(&self, comm: &dyn Collectives, bucket: GradBucket<'_>) -> Result<(), CommSource> {
         let mut guard = self.state.lock().map_err(|_| "PowerSGD state poisoned")?;
         let (steps, states) = &mut *guard;
         // One bucket per call; count steps on bucket 0, which every step launches.
@@ -238,7 +238,7 @@ fn gaussian(len: usize, seed: u64) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::LocalGroup;
+    use tandem_comm::LocalGroup;
 
     /// Runs one PowerSGD reduce of a bucket holding a `n×m` matrix and a vector on 2 ranks.
     fn reduce2(opts: PowerSgdOptions, steps: usize, n: usize, m: usize) -> Vec<Vec<Vec<f32>>> {

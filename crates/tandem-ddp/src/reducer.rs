@@ -11,9 +11,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crate::bucket::{assign_buckets, BucketPlan};
-use crate::comm::GradComm;
 use crate::comm_hooks::{AllReduceAvg, BucketParam, CommHook, GradBucket};
-use crate::error::{CommSource, DdpError, Result};
+use crate::error::{DdpError, Result};
+use tandem_comm::Collectives;
+use tandem_comm::CommSource;
 
 #[derive(Clone, Copy, Debug)]
 pub struct ReducerConfig {
@@ -56,7 +57,7 @@ pub struct Reducer {
     /// Parameter shapes for comm hooks (flat `[numel]` unless set).
     shapes: Vec<Vec<usize>>,
     cfg: ReducerConfig,
-    comm: Arc<dyn GradComm>,
+    comm: Arc<dyn Collectives>,
     buckets: Vec<Bucket>,
     /// (bucket, offset in its buffer) of each parameter.
     loc: Vec<(usize, usize)>,
@@ -86,7 +87,7 @@ impl Reducer {
     pub fn new(
         names: Vec<String>,
         numels: Vec<usize>,
-        comm: Arc<dyn GradComm>,
+        comm: Arc<dyn Collectives>,
         cfg: ReducerConfig,
     ) -> Result<Self> {
         let n = names.len();
@@ -225,10 +226,6 @@ impl Reducer {
     /// Whether the current step all-reduces (false inside `no_sync`).
     pub fn is_sync(&self) -> bool {
         self.sync
-    }
-
-    pub fn names(&self) -> &[String] {
-        &self.names
     }
 
     /// Set by `Ddp::join` for each step: `root` is the authoritative rank (bucket order comes
@@ -501,7 +498,7 @@ impl Drop for Reducer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::LocalGroup;
+    use tandem_comm::LocalGroup;
 
     fn cfg(find_unused: bool) -> ReducerConfig {
         ReducerConfig {
@@ -514,7 +511,7 @@ mod tests {
 
     fn run2<F, T>(f: F) -> Vec<T>
     where
-        F: Fn(Arc<dyn GradComm>) -> T + Send + Sync + 'static + Clone,
+        F: Fn(Arc<dyn Collectives>) -> T + Send + Sync + 'static + Clone,
         T: Send + 'static,
     {
         LocalGroup::run(2, f)
@@ -641,7 +638,7 @@ mod tests {
 
     #[test]
     fn a_gradient_of_the_wrong_length_is_named_as_such() {
-        let comm: Arc<dyn GradComm> = Arc::new(crate::comm::SingleProcess);
+        let comm: Arc<dyn Collectives> = Arc::new(tandem_comm::SingleProcess);
         let mut red = Reducer::new(vec!["fc.weight".into()], vec![6], comm, cfg(false)).unwrap();
         red.prepare_for_backward(true);
         match red.mark_ready(0, &[1.0; 4]) {

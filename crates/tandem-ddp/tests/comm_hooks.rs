@@ -9,13 +9,14 @@ use std::sync::{Arc, Mutex};
 use candle_core::Device;
 use common::*;
 use half::{bf16, f16};
+use tandem_comm::Collectives;
+use tandem_comm::CommSource;
 use tandem_comm::TransportKind;
-use tandem_ddp::comm::GradComm;
 use tandem_ddp::comm_hooks::{self, CommHook, GradBucket};
-use tandem_ddp::error::CommSource;
-use tandem_ddp::models::Mlp;
-use tandem_ddp::optim::{Sgd, TorchOptimizer};
-use tandem_ddp::{Ddp, DdpOptions, ParamModule};
+use tandem_ddp::{Ddp, DdpOptions};
+use tandem_models::Mlp;
+use tandem_nn::ParamModule;
+use tandem_optim::TorchSgd;
 
 /// Gradients per parameter.
 type Grads = Vec<Vec<f32>>;
@@ -30,7 +31,6 @@ fn one_step(hook: &'static str, transport: TransportKind) -> Vec<(Grads, Grads)>
         let g = plain.loss(&x, &y).unwrap().backward().unwrap();
         let local: Grads = plain
             .params()
-            .vars()
             .iter()
             .map(|v| g.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap())
             .collect();
@@ -38,7 +38,7 @@ fn one_step(hook: &'static str, transport: TransportKind) -> Vec<(Grads, Grads)>
         let ddp = Ddp::with_comm(model, comm, DdpOptions::default()).unwrap();
         ddp.register_comm_hook(comm_hooks::builtin(hook).unwrap()).unwrap();
         let grads = ddp.backward(&ddp.module().loss(&x, &y).unwrap()).unwrap();
-        let vars = ddp.module().params().vars();
+        let vars = ddp.module().params();
         let reduced: Grads = vars
             .iter()
             .map(|v| grads.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap())
@@ -82,7 +82,7 @@ fn train(hook: &'static str, steps: usize) -> (Vec<(String, Vec<f32>)>, Vec<f32>
         let model = Mlp::new(&DIMS, 7, &Device::Cpu).unwrap();
         let ddp = Ddp::with_comm(model, comm, DdpOptions::default()).unwrap();
         ddp.register_comm_hook(comm_hooks::builtin(hook).unwrap()).unwrap();
-        let mut opt = Sgd::new(ddp.module().params().vars(), sgd_cfg()).unwrap();
+        let mut opt = TorchSgd::new(ddp.module().params(), sgd_cfg()).unwrap();
         let mut losses = Vec::new();
         for s in 0..steps {
             // Four fixed batches per rank, cycled: something to learn.
@@ -132,7 +132,7 @@ impl CommHook for Recording {
     fn name(&self) -> &str {
         "recording"
     }
-    fn reduce(&self, comm: &dyn GradComm, bucket: GradBucket<'_>) -> Result<(), CommSource> {
+    fn reduce(&self, comm: &dyn Collectives, bucket: GradBucket<'_>) -> Result<(), CommSource> {
         self.0.lock().unwrap().push((bucket.index, bucket.buffer.len()));
         comm.all_reduce_avg(bucket.buffer)
     }

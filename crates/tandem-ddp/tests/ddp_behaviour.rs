@@ -8,12 +8,13 @@ use std::time::{Duration, Instant};
 
 use candle_core::{CpuStorage, CustomOp1, Device, Layout, Shape, Tensor, Var};
 use common::*;
+use tandem_comm::Collectives;
+use tandem_comm::CommSource;
 use tandem_comm::TransportKind;
-use tandem_ddp::comm::GradComm;
-use tandem_ddp::error::CommSource;
-use tandem_ddp::models::{Cnn, Mlp};
-use tandem_ddp::optim::{Sgd, TorchOptimizer};
-use tandem_ddp::{Ddp, DdpError, DdpOptions, ParamModule, ParamSet};
+use tandem_ddp::{Ddp, DdpError, DdpOptions};
+use tandem_models::{Cnn, Mlp};
+use tandem_nn::{ParamModule, ParamSet};
+use tandem_optim::TorchSgd;
 
 #[test]
 fn construction_names_the_first_mismatch_and_the_ranks() {
@@ -41,7 +42,7 @@ fn construction_broadcasts_rank0_parameters_and_buffers() {
             model.named_buffers()[0].1.set(&Tensor::full(5f32, 8, &Device::Cpu).unwrap()).unwrap();
         }
         let ddp = Ddp::with_comm(model, comm, DdpOptions::default()).unwrap();
-        ddp.state_dict()
+        ddp.named_tensors()
             .into_iter()
             .filter(|(_, t)| t.dtype() == candle_core::DType::F32)
             .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
@@ -49,7 +50,7 @@ fn construction_broadcasts_rank0_parameters_and_buffers() {
     });
     let rank0_init = Cnn::new(1, 8, 8, 10, 3, &Device::Cpu).unwrap();
     let expect: Vec<_> = rank0_init
-        .state_dict()
+        .named_tensors()
         .into_iter()
         .filter(|(_, t)| t.dtype() == candle_core::DType::F32)
         .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
@@ -95,10 +96,10 @@ impl Branchy {
 }
 
 impl ParamModule for Branchy {
-    fn params(&self) -> &ParamSet {
+    fn param_set(&self) -> &ParamSet {
         &self.params
     }
-    fn replicate(&self, _: &Device) -> tandem_ddp::Result<Self> {
+    fn replicate(&self, _: &Device) -> tandem_nn::Result<Self> {
         unimplemented!("not needed here")
     }
 }
@@ -107,15 +108,15 @@ impl ParamModule for Branchy {
 fn unused_parameter_error_names_it_and_the_fix() {
     let out = run_pg(2, TransportKind::Tcp, |comm| {
         let ddp = Ddp::with_comm(Branchy::new(), comm, DdpOptions::default()).unwrap();
-        ddp.use_head.store(false, Ordering::SeqCst);
+        ddp.hooked().use_head.store(false, Ordering::SeqCst);
         let x = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
-        let err = ddp.backward(&ddp.loss(&x).unwrap()).unwrap_err();
+        let err = ddp.backward(&ddp.hooked().loss(&x).unwrap()).unwrap_err();
         assert!(matches!(err, DdpError::UnusedParameters { .. }));
         // The wrapper stays usable: the next step with the branch taken works.
-        ddp.use_head.store(true, Ordering::SeqCst);
+        ddp.hooked().use_head.store(true, Ordering::SeqCst);
         let ok = ddp
-            .backward(&ddp.loss(&x).unwrap())
-            .map(|g| g.get(ddp.params().named()[1].1.as_tensor()).is_some());
+            .backward(&ddp.hooked().loss(&x).unwrap())
+            .map(|g| g.get(ddp.param_set().named()[1].1.as_tensor()).is_some());
         (err.to_string(), ok.unwrap())
     });
     for (err, ok) in out {
@@ -140,15 +141,15 @@ fn find_unused_parameters_counts_locally_unused_as_zero() {
         .unwrap();
         let x = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
         // Rank 1 skips the head: the head's gradient is rank 0's divided by the world size.
-        ddp.use_head.store(rank == 0, Ordering::SeqCst);
-        let g = ddp.backward(&ddp.loss(&x).unwrap()).unwrap();
+        ddp.hooked().use_head.store(rank == 0, Ordering::SeqCst);
+        let g = ddp.backward(&ddp.hooked().loss(&x).unwrap()).unwrap();
         let head = g
-            .get(ddp.params().named()[1].1.as_tensor())
+            .get(ddp.param_set().named()[1].1.as_tensor())
             .map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
         // Nobody uses the head: it gets no gradient at all (optimizers skip it, as in torch).
-        ddp.use_head.store(false, Ordering::SeqCst);
-        let g2 = ddp.backward(&ddp.loss(&x).unwrap()).unwrap();
-        (head, g2.get(ddp.params().named()[1].1.as_tensor()).is_none())
+        ddp.hooked().use_head.store(false, Ordering::SeqCst);
+        let g2 = ddp.backward(&ddp.hooked().loss(&x).unwrap()).unwrap();
+        (head, g2.get(ddp.param_set().named()[1].1.as_tensor()).is_none())
     });
     // Rank 0 alone: loss = mean((x W^T H^T)^2) with one output per row.
     let single = Branchy::new();
@@ -180,7 +181,7 @@ struct Counting<G> {
     reduced: Arc<AtomicUsize>,
 }
 
-impl<G: GradComm> GradComm for Counting<G> {
+impl<G: Collectives> Collectives for Counting<G> {
     fn rank(&self) -> usize {
         self.inner.rank()
     }
@@ -238,7 +239,7 @@ fn buckets_are_reduced_while_backward_is_still_running() {
             Ddp::new(Mlp::new(&[6, 8, 3], 1, &Device::Cpu).unwrap(), &counting, opts).unwrap();
         let seen = Arc::new(AtomicBool::new(false));
         let (x, _) = (Tensor::ones((4, 6), candle_core::DType::F32, &Device::Cpu).unwrap(), ());
-        let p = ddp.params();
+        let p = ddp.param_set();
         // fc1 -> probe -> relu -> fc2: the probe's backward runs after fc2's gradients, before fc1's.
         let h = x
             .matmul(&p.get(0).unwrap().t().unwrap())
@@ -276,8 +277,8 @@ fn forward_that_bypasses_the_view_still_gets_averaged_gradients() {
             DdpOptions::default(),
         )
         .unwrap();
-        let w = ddp.params().named()[0].1.clone();
-        let b = ddp.params().named()[1].1.clone();
+        let w = ddp.param_set().named()[0].1.clone();
+        let b = ddp.param_set().named()[1].1.clone();
         let x = Tensor::new(&[[1f32 + rank, 2.0]], &Device::Cpu).unwrap();
         let loss = x
             .matmul(&w.as_tensor().t().unwrap())
@@ -320,8 +321,8 @@ fn broadcast_buffers_copies_rank0_running_stats_every_forward() {
                 .affine(0.01, 0.)
                 .unwrap();
             let y = Tensor::new(&[1u32, 2], &Device::Cpu).unwrap();
-            let g = ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap();
-            assert_eq!(g.get(ddp.params().named()[2].1.as_tensor()).unwrap().dims(), &[8]);
+            let g = ddp.backward(&ddp.hooked().loss(&x, &y).unwrap()).unwrap();
+            assert_eq!(g.get(ddp.param_set().named()[2].1.as_tensor()).unwrap().dims(), &[8]);
             ddp.named_buffers()[0].1.as_tensor().to_vec1::<f32>().unwrap()
         });
         assert_eq!(
@@ -338,22 +339,22 @@ fn wrapped_model_methods_and_state_dict_stay_reachable() {
     let x = Tensor::ones((2, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
     let y = Tensor::new(&[0u32, 1], &Device::Cpu).unwrap();
     let before = model.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap();
-    let ddp = Ddp::new(model, &tandem_ddp::SingleProcess, DdpOptions::default()).unwrap();
-    // Deref: the model's own loss() through the wrapper, and module().
-    assert_eq!(ddp.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(), before);
+    let ddp = Ddp::new(model, &tandem_comm::SingleProcess, DdpOptions::default()).unwrap();
+    // hooked(): the model's own loss() through the wrapper; module(): the plain model.
+    assert_eq!(ddp.hooked().loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(), before);
     assert_eq!(ddp.module().loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(), before);
-    let keys: Vec<String> = ddp.state_dict().into_iter().map(|(k, _)| k).collect();
+    let keys: Vec<String> = ddp.named_tensors().into_iter().map(|(k, _)| k).collect();
     assert_eq!(keys, ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]);
     // Load another model's state through the wrapper; a bad key is named.
     let other = Mlp::new(&[4, 3, 2], 6, &Device::Cpu).unwrap();
-    ddp.load_state_dict(other.state_dict()).unwrap();
+    ddp.load_named_tensors(other.named_tensors()).unwrap();
     assert_eq!(
-        ddp.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(),
+        ddp.hooked().loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(),
         other.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap()
     );
-    let mut bad = other.state_dict();
+    let mut bad = other.named_tensors();
     bad[0].0 = "module.fc1.weight".into();
-    let err = ddp.load_state_dict(bad).unwrap_err().to_string();
+    let err = ddp.load_named_tensors(bad).unwrap_err().to_string();
     assert!(err.contains("module.fc1.weight") && err.contains("fc1.weight"), "{err}");
     let inner = ddp.into_inner();
     assert_eq!(
@@ -377,35 +378,38 @@ fn world_of_one_keeps_ddp_semantics() {
 
     // Plain candle backward on the same weights is the reference.
     let plain = Mlp::new(&[4, 3, 2], 9, &Device::Cpu).unwrap();
-    let plain_vars = plain.params().vars();
+    let plain_vars = plain.params();
     let reference = grads_of(&plain.loss(&x, &y).unwrap().backward().unwrap(), &plain_vars);
 
     let ddp = Ddp::new(
         Mlp::new(&[4, 3, 2], 9, &Device::Cpu).unwrap(),
-        &tandem_ddp::SingleProcess,
+        &tandem_comm::SingleProcess,
         DdpOptions::default(),
     )
     .unwrap();
-    let vars = ddp.params().vars();
-    let g = ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap();
+    let vars = ddp.params();
+    let g = ddp.backward(&ddp.hooked().loss(&x, &y).unwrap()).unwrap();
     assert_eq!(grads_of(&g, &vars), reference);
 
     // no_sync twice, then a synced step: the gradient is the sum of the three backwards.
-    ddp.no_sync(|d| d.backward(&d.loss(&x, &y).unwrap()).unwrap());
-    ddp.no_sync(|d| d.backward(&d.loss(&x, &y).unwrap()).unwrap());
-    let summed = grads_of(&ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap(), &vars);
+    ddp.no_sync(|d| d.backward(&d.hooked().loss(&x, &y).unwrap()).unwrap());
+    ddp.no_sync(|d| d.backward(&d.hooked().loss(&x, &y).unwrap()).unwrap());
+    let summed = grads_of(&ddp.backward(&ddp.hooked().loss(&x, &y).unwrap()).unwrap(), &vars);
     for (s, r) in summed.iter().flatten().zip(reference.iter().flatten()) {
         assert!((s - 3.0 * r).abs() <= 1e-5 * (1.0 + r.abs()), "accumulated {s} vs 3 x {r}");
     }
     // ...and the next step starts from scratch again.
-    assert_eq!(grads_of(&ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap(), &vars), reference);
+    assert_eq!(
+        grads_of(&ddp.backward(&ddp.hooked().loss(&x, &y).unwrap()).unwrap(), &vars),
+        reference
+    );
 
     // An unused parameter is the same error as in a bigger world.
     let branchy =
-        Ddp::new(Branchy::new(), &tandem_ddp::SingleProcess, DdpOptions::default()).unwrap();
-    branchy.use_head.store(false, Ordering::SeqCst);
+        Ddp::new(Branchy::new(), &tandem_comm::SingleProcess, DdpOptions::default()).unwrap();
+    branchy.hooked().use_head.store(false, Ordering::SeqCst);
     let x3 = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
-    let err = branchy.backward(&branchy.loss(&x3).unwrap()).unwrap_err().to_string();
+    let err = branchy.backward(&branchy.hooked().loss(&x3).unwrap()).unwrap_err().to_string();
     assert!(err.contains("head.weight") && err.contains("find_unused_parameters: true"), "{err}");
 }
 
@@ -427,9 +431,9 @@ fn module_is_the_plain_model_so_one_rank_can_evaluate_alone() {
         let rank = comm.rank();
         let model = Cnn::new(1, 8, 8, 10, 3, &Device::Cpu).unwrap();
         let ddp = Ddp::with_comm(model, comm, DdpOptions::default()).unwrap();
-        let mut opt = Sgd::new(ddp.params().vars(), sgd_cfg()).unwrap();
+        let mut opt = TorchSgd::new(ddp.params(), sgd_cfg()).unwrap();
         let mut train_step = || {
-            let g = ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap();
+            let g = ddp.backward(&ddp.hooked().loss(&x, &y).unwrap()).unwrap();
             opt.step(&g).unwrap();
         };
         train_step();
@@ -441,7 +445,7 @@ fn module_is_the_plain_model_so_one_rank_can_evaluate_alone() {
             plain.set_training(true);
             // The same weights and running statistics in a model Ddp never saw.
             let copy = Cnn::new(1, 8, 8, 10, 99, &Device::Cpu).unwrap();
-            copy.load_state_dict(ddp.state_dict()).unwrap();
+            copy.load_named_tensors(ddp.named_tensors()).unwrap();
             copy.set_training(false);
             let expect = copy.forward(&xe).unwrap();
             evaluated = Some((logits.to_vec2::<f32>().unwrap(), expect.to_vec2::<f32>().unwrap()));

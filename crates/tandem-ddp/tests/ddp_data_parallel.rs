@@ -7,9 +7,10 @@ use std::sync::Mutex;
 
 use candle_core::{Device, Tensor};
 use common::*;
-use tandem_ddp::models::{Cnn, Mlp};
-use tandem_ddp::optim::{Sgd, TorchOptimizer};
-use tandem_ddp::{DataParallel, ParamModule};
+use tandem_ddp::DataParallel;
+use tandem_models::{Cnn, Mlp};
+use tandem_nn::ParamModule;
+use tandem_optim::TorchSgd;
 
 fn grads_of(m: &impl ParamModule, g: &candle_core::backprop::GradStore) -> Vec<(String, Vec<f32>)> {
     m.named_parameters()
@@ -81,7 +82,7 @@ fn training_steps_refresh_replicas_and_match_single_device() {
     let expect = reference(4, 16, 1);
     let dp =
         DataParallel::new(Mlp::new(&DIMS, 7, &Device::Cpu).unwrap(), vec![Device::Cpu; 2]).unwrap();
-    let mut opt = Sgd::new(dp.module().params().vars(), sgd_cfg()).unwrap();
+    let mut opt = TorchSgd::new(dp.module().params(), sgd_cfg()).unwrap();
     for s in 0..4 {
         let (x, y) = data(16, 100 + s as u64);
         let (_, g) = dp.forward_backward(&[&x, &y], |m, c| m.loss(&c[0], &c[1])).unwrap();

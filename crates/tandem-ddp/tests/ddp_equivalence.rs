@@ -7,11 +7,11 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use common::*;
+use tandem_comm::Collectives;
 use tandem_comm::TransportKind;
-use tandem_ddp::comm::GradComm;
-use tandem_ddp::models::Mlp;
-use tandem_ddp::optim::{Sgd, TorchOptimizer};
-use tandem_ddp::{Ddp, DdpOptions, ParamModule};
+use tandem_ddp::{Ddp, DdpOptions};
+use tandem_models::Mlp;
+use tandem_optim::TorchSgd;
 
 const STEPS: usize = 4;
 const BATCH: usize = 16;
@@ -20,11 +20,15 @@ const BATCH: usize = 16;
 /// micro-batches per step. Rank 1 starts from different weights: Ddp::new must broadcast rank 0's.
 type Weights = Vec<(String, Vec<f32>)>;
 
-fn ddp_rank(comm: Arc<dyn GradComm>, opts: DdpOptions, micro: usize) -> (Weights, Vec<Vec<usize>>) {
+fn ddp_rank(
+    comm: Arc<dyn Collectives>,
+    opts: DdpOptions,
+    micro: usize,
+) -> (Weights, Vec<Vec<usize>>) {
     let (rank, world) = (comm.rank(), comm.size());
     let model = Mlp::new(&DIMS, 7 + rank as u64 * 1000, &Device::Cpu).unwrap();
     let ddp = Ddp::with_comm(model, comm, opts).unwrap();
-    let mut opt = Sgd::new(ddp.params().vars(), sgd_cfg()).unwrap();
+    let mut opt = TorchSgd::new(ddp.params(), sgd_cfg()).unwrap();
     let per_rank = BATCH / world;
     let m = per_rank / micro;
     for s in 0..STEPS {
@@ -34,14 +38,17 @@ fn ddp_rank(comm: Arc<dyn GradComm>, opts: DdpOptions, micro: usize) -> (Weights
         for k in 0..micro - 1 {
             ddp.no_sync(|ddp| {
                 let loss = ddp
+                    .hooked()
                     .loss(&x.narrow(0, k * m, m).unwrap(), &y.narrow(0, k * m, m).unwrap())
                     .unwrap();
                 ddp.backward(&loss).unwrap();
             });
         }
         let k = micro - 1;
-        let loss =
-            ddp.loss(&x.narrow(0, k * m, m).unwrap(), &y.narrow(0, k * m, m).unwrap()).unwrap();
+        let loss = ddp
+            .hooked()
+            .loss(&x.narrow(0, k * m, m).unwrap(), &y.narrow(0, k * m, m).unwrap())
+            .unwrap();
         let grads = ddp.backward(&loss).unwrap();
         opt.step(&grads).unwrap();
     }

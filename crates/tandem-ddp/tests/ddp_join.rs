@@ -8,11 +8,12 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use common::{data, max_abs_diff, run_local, run_pg, sgd_cfg, weights, DIMS};
+use tandem_comm::Collectives;
 use tandem_comm::TransportKind;
-use tandem_ddp::comm::GradComm;
-use tandem_ddp::models::Mlp;
-use tandem_ddp::optim::{Sgd, TorchOptimizer};
-use tandem_ddp::{Ddp, DdpOptions, JoinOptions, OrderedVarMap, ParamModule};
+use tandem_ddp::{Ddp, DdpOptions, JoinOptions};
+use tandem_models::Mlp;
+use tandem_nn::{OrderedVarMap, ParamModule};
+use tandem_optim::TorchSgd;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -27,7 +28,7 @@ fn batch(rank: usize, step: usize) -> (Tensor, Tensor) {
 /// loss over them scaled by (active / world) when dividing by the initial world size.
 fn reference(counts: &[usize], divide_by_initial: bool) -> Vec<(String, Vec<f32>)> {
     let model = Mlp::new(&DIMS, 7, &Device::Cpu).unwrap();
-    let mut opt = Sgd::new(model.params().vars(), sgd_cfg()).unwrap();
+    let mut opt = TorchSgd::new(model.params(), sgd_cfg()).unwrap();
     let steps = counts.iter().copied().max().unwrap_or(0);
     for t in 0..steps {
         let active: Vec<usize> = (0..counts.len()).filter(|&r| counts[r] > t).collect();
@@ -44,18 +45,18 @@ fn reference(counts: &[usize], divide_by_initial: bool) -> Vec<(String, Vec<f32>
 }
 
 fn train_uneven(
-    comm: Arc<dyn GradComm>,
+    comm: Arc<dyn Collectives>,
     counts: &[usize],
     opts: JoinOptions,
 ) -> Vec<(String, Vec<f32>)> {
     let rank = comm.rank();
     let model = Mlp::new(&DIMS, 7, &Device::Cpu).unwrap();
     let ddp = Ddp::with_comm(model, comm, DdpOptions::default()).unwrap();
-    let mut opt = Sgd::new(ddp.module().params().vars(), sgd_cfg()).unwrap();
+    let mut opt = TorchSgd::new(ddp.module().params(), sgd_cfg()).unwrap();
     ddp.join(opts, |ddp| -> Result<(), BoxError> {
         for t in 0..counts[rank] {
             let (x, y) = batch(rank, t);
-            let grads = ddp.backward(&ddp.loss(&x, &y)?)?;
+            let grads = ddp.backward(&ddp.hooked().loss(&x, &y)?)?;
             opt.step(&grads)?;
         }
         Ok(())
@@ -123,7 +124,7 @@ fn a_varmap_model_joins_too_and_rank_zero_may_finish_first() {
         let (vars, fc) = build();
         let ddp = Ddp::with_comm(vars.named_vars(), comm, DdpOptions::default()).unwrap();
         let initial = values(&vars);
-        let mut opt = Sgd::new(vars.varmap().all_vars(), sgd_cfg()).unwrap();
+        let mut opt = TorchSgd::new(vars.varmap().all_vars(), sgd_cfg()).unwrap();
         let opts = JoinOptions { divide_by_initial_world_size: false };
         ddp.join(opts, |ddp| -> Result<(), BoxError> {
             for t in 0..counts[rank] {
@@ -141,7 +142,7 @@ fn a_varmap_model_joins_too_and_rank_zero_may_finish_first() {
     for ((_, var), (_, v)) in vars.named().iter().zip(&results[0].0) {
         var.set(&Tensor::from_slice(v, var.shape(), &Device::Cpu).unwrap()).unwrap();
     }
-    let mut opt = Sgd::new(vars.varmap().all_vars(), sgd_cfg()).unwrap();
+    let mut opt = TorchSgd::new(vars.varmap().all_vars(), sgd_cfg()).unwrap();
     for t in 0..3 {
         let active: Vec<usize> = (0..3).filter(|&r| counts[r] > t).collect();
         let (xs, ys): (Vec<Tensor>, Vec<Tensor>) = active.iter().map(|&r| batch(r, t)).unzip();

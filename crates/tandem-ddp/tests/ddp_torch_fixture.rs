@@ -10,9 +10,10 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use common::*;
 use tandem_comm::TransportKind;
-use tandem_ddp::models::Mlp;
-use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
-use tandem_ddp::{Ddp, DdpOptions, ParamModule};
+use tandem_ddp::{Ddp, DdpOptions};
+use tandem_models::Mlp;
+use tandem_nn::ParamModule;
+use tandem_optim::{SgdConfig, TorchSgd};
 
 fn fixture() -> HashMap<String, Tensor> {
     let path =
@@ -37,7 +38,7 @@ fn two_rank_ddp_matches_torch_ddp_gloo_after_k_momentum_steps() {
         let rank = comm.rank();
         let model = Mlp::new(&[12, 16, 5], 99 + rank as u64, &Device::Cpu).unwrap();
         if rank == 0 {
-            model.load_state_dict(prefixed(&f, "init.")).unwrap();
+            model.load_named_tensors(prefixed(&f, "init.")).unwrap();
         }
         let ddp = Ddp::with_comm(model, comm, DdpOptions::default()).unwrap();
         let cfg = SgdConfig {
@@ -47,12 +48,12 @@ fn two_rank_ddp_matches_torch_ddp_gloo_after_k_momentum_steps() {
             weight_decay: 1e-3,
             nesterov: false,
         };
-        let mut opt = Sgd::new(ddp.params().vars(), cfg).unwrap();
+        let mut opt = TorchSgd::new(ddp.params(), cfg).unwrap();
         for k in 0..steps {
             let x = f["x"].get(k).unwrap().get(rank).unwrap();
             let y = f["y"].get(k).unwrap().get(rank).unwrap().to_dtype(DType::U32).unwrap();
             assert_eq!(x.dims(), &[batch, 12]);
-            let grads = ddp.backward(&ddp.loss(&x, &y).unwrap()).unwrap();
+            let grads = ddp.backward(&ddp.hooked().loss(&x, &y).unwrap()).unwrap();
             opt.step(&grads).unwrap();
         }
         let w = weights(&*ddp.module());

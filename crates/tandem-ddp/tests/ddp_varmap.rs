@@ -8,8 +8,9 @@ use candle_core::{DType, Device, Module, ModuleT, Tensor};
 use candle_nn::{BatchNorm, Linear, Optimizer, VarBuilder, VarMap, SGD};
 use common::run_pg;
 use tandem_comm::TransportKind;
-use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
-use tandem_ddp::{Ddp, DdpOptions, ParamModule};
+use tandem_ddp::{Ddp, DdpOptions};
+use tandem_nn::ParamModule;
+use tandem_optim::{SgdConfig, TorchSgd};
 
 /// What a user already has: a candle-nn model built from a VarBuilder.
 struct Net {
@@ -135,8 +136,8 @@ fn batchnorm_statistics_are_buffers_broadcast_from_rank0_and_torch_exact_optimiz
         let buffers: Vec<String> = ddp.named_buffers().into_iter().map(|(n, _)| n).collect();
         assert_eq!(buffers, ["bn.running_mean", "bn.running_var"]);
         // Not parameters: no "received no gradient" error although they get none.
-        let mut opt = Sgd::new(
-            ddp.params().vars(),
+        let mut opt = TorchSgd::new(
+            ddp.params(),
             SgdConfig { lr: 0.05, momentum: 0.9, ..Default::default() },
         )
         .unwrap();
@@ -184,9 +185,11 @@ fn rank_local_parameters_keep_their_own_gradients_beside_the_averaged_model() {
         let g_model: Vec<f32> = grads.get(fc2_bias.as_tensor()).unwrap().to_vec1().unwrap();
         // One optimizer, two parameter groups.
         let sgd = SgdConfig { lr: 0.1, ..Default::default() };
-        let mut opt =
-            Sgd::with_groups(vec![(varmap.all_vars(), sgd.clone()), (vec![local.clone()], sgd)])
-                .unwrap();
+        let mut opt = TorchSgd::with_groups(vec![
+            (varmap.all_vars(), sgd.clone()),
+            (vec![local.clone()], sgd),
+        ])
+        .unwrap();
         opt.step(&grads).unwrap();
         let refused = ddp
             .backward_with_local(&net.loss(&x, &y).unwrap(), &[varmap.all_vars()[0].clone()])

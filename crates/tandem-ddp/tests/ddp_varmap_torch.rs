@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, VarBuilder, VarMap};
-use tandem_ddp::weights::{load_weights, save_weights};
-use tandem_ddp::NamedVars;
+use tandem_nn::weights::{load_weights, save_weights};
+use tandem_nn::NamedVars;
 use tandem_testutil::{output_with_deadline, torch_python, workspace_root};
 
 struct Net {

@@ -19,8 +19,6 @@ pub enum OnnxError {
          data files are not supported)"
     )]
     TooLarge { bytes: usize },
-    #[error("unknown model `{0}` (known: mlp, cnn, resnet18)")]
-    UnknownModel(String),
     #[error(transparent)]
     Write(#[from] CkptError),
 }

@@ -4,7 +4,7 @@
 //!
 //! ```no_run
 //! let state = tandem_ckpt::load("checkpoint.pt")?;
-//! let exported = tandem_onnx::export_value(tandem_onnx::Architecture::Cnn, &state)?;
+//! let exported = tandem_onnx::export_value(tandem_onnx::ModelKind::Cnn, &state)?;
 //! tandem_onnx::save("model.onnx", &exported)?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -20,11 +20,12 @@ use prost::Message;
 
 pub use error::{OnnxError, Result};
 pub use graph::Dim;
-pub use models::{export, Architecture, Exported};
+pub use models::{export, Exported};
+pub use tandem_models::ModelKind;
 
 /// Exports from a loaded checkpoint: a bare state dict or one under `model`, `state_dict`,
 /// `module`, … (the first one found, as `tandem ckpt` finds them).
-pub fn export_value(arch: Architecture, value: &tandem_ckpt::Value) -> Result<Exported> {
+pub fn export_value(arch: ModelKind, value: &tandem_ckpt::Value) -> Result<Exported> {
     let found = tandem_ckpt::keys::find_state_dicts(value);
     let Some((_, tensors)) = found.into_iter().next() else {
         return Err(OnnxError::MissingKey {

@@ -15,39 +15,10 @@ use crate::error::{OnnxError, Result};
 use crate::graph::{float, int, ints, Dim, GraphBuilder};
 use crate::proto::ModelProto;
 use crate::weights::{StateDict, Weight};
+use tandem_models::ModelKind;
 
 /// BatchNorm's epsilon in every built-in model (PyTorch's default).
 const BN_EPS: f32 = 1e-5;
-
-/// The architectures `tandem train --model` builds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Architecture {
-    Mlp,
-    Cnn,
-    ResNet18,
-}
-
-impl Architecture {
-    pub fn name(self) -> &'static str {
-        match self {
-            Architecture::Mlp => "mlp",
-            Architecture::Cnn => "cnn",
-            Architecture::ResNet18 => "resnet18",
-        }
-    }
-}
-
-impl std::str::FromStr for Architecture {
-    type Err = OnnxError;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "mlp" => Ok(Architecture::Mlp),
-            "cnn" => Ok(Architecture::Cnn),
-            "resnet18" => Ok(Architecture::ResNet18),
-            other => Err(OnnxError::UnknownModel(other.into())),
-        }
-    }
-}
 
 /// What was exported: the graph, and its input and output shapes for messages.
 pub struct Exported {
@@ -59,13 +30,13 @@ pub struct Exported {
 }
 
 /// The ONNX model of `arch` with the weights of `state` (a state dict, any wrapping).
-pub fn export(arch: Architecture, state: &[(String, tandem_ckpt::Tensor)]) -> Result<Exported> {
+pub fn export(arch: ModelKind, state: &[(String, tandem_ckpt::TensorData)]) -> Result<Exported> {
     let mut sd = StateDict::new(arch.name(), state);
     let mut g = Graphs { b: GraphBuilder::new(&format!("tandem_{}", arch.name())), weights: 0 };
     let (input, logits, classes) = match arch {
-        Architecture::Mlp => g.mlp(&mut sd)?,
-        Architecture::Cnn => g.cnn(&mut sd)?,
-        Architecture::ResNet18 => g.resnet18(&mut sd)?,
+        ModelKind::Mlp => g.mlp(&mut sd)?,
+        ModelKind::Cnn => g.cnn(&mut sd)?,
+        ModelKind::ResNet18 => g.resnet18(&mut sd)?,
     };
     sd.finish()?;
     let Graphs { mut b, weights } = g;

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use tandem_ckpt::keys::strip_wrappers;
-use tandem_ckpt::Tensor;
+use tandem_ckpt::TensorData;
 
 use crate::error::{OnnxError, Result};
 
@@ -15,7 +15,7 @@ fn is_unused_by_inference(key: &str) -> bool {
 
 pub struct StateDict {
     model: &'static str,
-    tensors: BTreeMap<String, Tensor>,
+    tensors: BTreeMap<String, TensorData>,
     /// The keys in the file's order, for messages.
     order: Vec<String>,
 }
@@ -29,7 +29,7 @@ pub struct Weight {
 
 impl StateDict {
     /// `model` names the architecture in errors.
-    pub fn new(model: &'static str, state: &[(String, Tensor)]) -> Self {
+    pub fn new(model: &'static str, state: &[(String, TensorData)]) -> Self {
         let order: Vec<String> = state.iter().map(|(k, _)| strip_wrappers(k)).collect();
         let tensors = order.iter().cloned().zip(state.iter().map(|(_, t)| t.clone())).collect();
         StateDict { model, tensors, order }

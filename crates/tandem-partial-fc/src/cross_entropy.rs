@@ -8,10 +8,10 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Device, Layout, Shape, Tensor};
-use tandem_ddp::GradComm;
+use tandem_comm::Collectives;
 
 struct DistCrossEntropy {
-    comm: Arc<dyn GradComm>,
+    comm: Arc<dyn Collectives>,
     labels: Arc<[i64]>,
     /// The softmax of the forward pass, for the backward.
     softmax: Mutex<Vec<f32>>,
@@ -115,7 +115,7 @@ impl CustomOp1 for DistCrossEntropy {
 pub fn dist_cross_entropy(
     logits: &Tensor,
     labels: &[i64],
-    comm: &Arc<dyn GradComm>,
+    comm: &Arc<dyn Collectives>,
 ) -> candle_core::Result<Tensor> {
     let (n, _) = logits.dims2()?;
     if labels.len() != n {

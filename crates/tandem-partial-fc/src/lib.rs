@@ -13,9 +13,9 @@
 //! ```no_run
 //! # use std::sync::Arc;
 //! # use candle_core::{Device, Tensor};
-//! # use tandem_ddp::GradComm;
+//! # use tandem_comm::Collectives;
 //! # use tandem_partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig};
-//! # fn f(comm: Arc<dyn GradComm>, embeddings: Tensor, labels: Vec<i64>) -> Result<(), Box<dyn std::error::Error>> {
+//! # fn f(comm: Arc<dyn Collectives>, embeddings: Tensor, labels: Vec<i64>) -> Result<(), Box<dyn std::error::Error>> {
 //! let margin = CombinedMarginLoss::arcface(64.0, 0.5);
 //! let mut head = PartialFc::new(PartialFcConfig::new(93_431, 512, margin), comm, &Device::Cpu)?;
 //! let loss = head.forward(&embeddings, &labels)?; // backbone embeddings [B, 512], labels in 0..C
@@ -26,7 +26,7 @@
 //! The centres ([`PartialFc::weight`]) are rank-local: they are not part of the `Ddp` model, so
 //! nothing all-reduces them (`Ddp::backward_with_local` returns their gradients untouched beside
 //! the model's averaged ones), and their optimizer state is per rank. One optimizer takes
-//! backbone and head as two parameter groups (`tandem_ddp::optim::Sgd::with_groups`), as
+//! backbone and head as two parameter groups (`tandem_optim::TorchSgd::with_groups`), as
 //! arcface_torch does.
 //!
 //! At `sample_rate < 1` the centres that did not take part in a step get a zero gradient (the
@@ -48,4 +48,4 @@ pub use margin::CombinedMarginLoss;
 pub use partial_fc::{PartialFc, PartialFcConfig};
 pub use sample::{SampleRequest, Sampler};
 pub use split::ClassSplit;
-pub use tandem_ddp::nn::GatherGrad;
+pub use tandem_nn::GatherGrad;

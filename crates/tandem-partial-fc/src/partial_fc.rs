@@ -5,8 +5,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 use rand::SeedableRng;
 use rand_distr::Distribution;
-use tandem_ddp::nn::{all_gather, GatherGrad};
-use tandem_ddp::GradComm;
+use tandem_comm::Collectives;
+use tandem_nn::{all_gather, GatherGrad};
 
 use crate::cross_entropy::dist_cross_entropy;
 use crate::error::PartialFcError;
@@ -73,7 +73,7 @@ pub struct PartialFc {
     cfg: PartialFcConfig,
     split: ClassSplit,
     weight: Var,
-    comm: Arc<dyn GradComm>,
+    comm: Arc<dyn Collectives>,
     sampler: Box<dyn Sampler>,
     last_index: Option<Vec<usize>>,
     step: u64,
@@ -99,7 +99,7 @@ impl PartialFc {
     /// This rank's share of `cfg.num_classes` centres, initialised N(0, 0.01) from `cfg.seed`.
     pub fn new(
         cfg: PartialFcConfig,
-        comm: Arc<dyn GradComm>,
+        comm: Arc<dyn Collectives>,
         device: &Device,
     ) -> Result<Self, PartialFcError> {
         cfg.check()?;
@@ -117,7 +117,7 @@ impl PartialFc {
     /// from a checkpoint written on another world size).
     pub fn from_full_weight(
         cfg: PartialFcConfig,
-        comm: Arc<dyn GradComm>,
+        comm: Arc<dyn Collectives>,
         full: &Tensor,
     ) -> Result<Self, PartialFcError> {
         cfg.check()?;
@@ -136,7 +136,7 @@ impl PartialFc {
 
     fn with_weight(
         cfg: PartialFcConfig,
-        comm: Arc<dyn GradComm>,
+        comm: Arc<dyn Collectives>,
         split: ClassSplit,
         weight: Var,
     ) -> Self {

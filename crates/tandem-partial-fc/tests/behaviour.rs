@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor, Var, D};
-use tandem_ddp::amp::{GradScaler, GradScalerConfig};
-use tandem_ddp::comm::{LocalGroup, SingleProcess};
-use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
-use tandem_ddp::GradComm;
+use tandem_comm::Collectives;
+use tandem_comm::{LocalGroup, SingleProcess};
+use tandem_optim::amp::{GradScaler, GradScalerConfig};
+use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd};
 use tandem_partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig, PartialFcError};
 
 fn randn(seed: u64, shape: (usize, usize)) -> Tensor {
@@ -28,7 +28,7 @@ fn randn(seed: u64, shape: (usize, usize)) -> Tensor {
 
 fn on_ranks<R: Send + 'static>(
     n: usize,
-    f: impl Fn(Arc<dyn GradComm>) -> R + Send + Sync + 'static,
+    f: impl Fn(Arc<dyn Collectives>) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
     LocalGroup::run(n, f)
 }
@@ -49,7 +49,7 @@ fn one_rank_equals_normalised_linear_margin_and_plain_cross_entropy() {
     for margin in [CombinedMarginLoss::arcface(16.0, 0.5), CombinedMarginLoss::cosface(16.0, 0.4)] {
         let (c, e) = (7, 5);
         let full = randn(1, (c, e));
-        let comm: Arc<dyn GradComm> = Arc::new(SingleProcess);
+        let comm: Arc<dyn Collectives> = Arc::new(SingleProcess);
         let mut head =
             PartialFc::from_full_weight(PartialFcConfig::new(c, e, margin), comm, &full).unwrap();
         let emb = Var::from_tensor(&randn(2, (6, e))).unwrap();
@@ -155,7 +155,7 @@ fn autocast_head_trains_with_one_grad_scaler_over_backbone_and_head() {
             let got: f32 = loss.to_vec0().unwrap();
             let sgd =
                 SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 5e-4, ..Default::default() };
-            let mut opt = Sgd::with_groups(vec![
+            let mut opt = TorchSgd::with_groups(vec![
                 (vec![backbone.clone()], sgd.clone()),
                 (vec![head.weight().clone()], sgd),
             ])
@@ -244,7 +244,7 @@ fn initial_centres_are_the_same_matrix_for_any_world_size() {
 
 #[test]
 fn real_process_groups_give_the_same_loss_as_threads() {
-    let run = |comm: Arc<dyn GradComm>| {
+    let run = |comm: Arc<dyn Collectives>| {
         let mut cfg = PartialFcConfig::new(9, 5, CombinedMarginLoss::arcface(32.0, 0.5));
         cfg.seed = 11;
         let mut head = PartialFc::new(cfg, comm.clone(), &Device::Cpu).unwrap();

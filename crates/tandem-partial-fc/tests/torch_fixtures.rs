@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor, Var};
 use serde_json::Value;
-use tandem_ddp::comm::LocalGroup;
-use tandem_ddp::nn::{all_gather, GatherGrad};
-use tandem_ddp::GradComm;
+use tandem_comm::Collectives;
+use tandem_comm::LocalGroup;
+use tandem_nn::{all_gather, GatherGrad};
 use tandem_partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig, SampleRequest};
 
 fn fixture() -> Value {
@@ -48,7 +48,7 @@ fn assert_close(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
 /// Runs `f(rank's fixture, comm)` on one thread per rank over one in-process group.
 fn on_ranks<R: Send + 'static>(
     ranks: &[Value],
-    f: impl Fn(Value, Arc<dyn GradComm>) -> R + Send + Sync + 'static,
+    f: impl Fn(Value, Arc<dyn Collectives>) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
     let ranks = ranks.to_vec();
     LocalGroup::run(ranks.len(), move |comm| f(ranks[comm.rank()].clone(), comm))
@@ -85,7 +85,7 @@ struct Outcome {
     index: Vec<usize>,
 }
 
-fn run_case(fx: &Value, comm: Arc<dyn GradComm>, classes: usize, e: usize) -> Outcome {
+fn run_case(fx: &Value, comm: Arc<dyn Collectives>, classes: usize, e: usize) -> Outcome {
     let m: Vec<f64> =
         fx["margin"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
     let margin = CombinedMarginLoss::new(m[0], m[1], m[2], m[3], m[4]).unwrap();

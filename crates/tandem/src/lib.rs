@@ -5,18 +5,28 @@
 //! short names; [`save_state`] / [`load_state`] checkpoint a whole training run in one call
 //! each. It holds no command-line, progress-bar or plotting code: the `tandem` binary is
 //! the `tandem-cli` crate and the benchmarks are `tandem-bench`.
+//!
+//! The crates, bottom to top (docs/architecture.md draws the layers and what each must not
+//! know): [`comm`] (process groups, collectives, the store), [`ckpt`] (checkpoint files),
+//! [`data`] (datasets, the sampler, the loader), [`nn`] (layers, kernels, parameter views, state
+//! dicts), [`optim`] (optimizers, schedulers, GradScaler, clipping, ZeRO), [`models`] (reference
+//! models and `ModelKind`), [`ddp`] (Ddp, DataParallel, comm hooks), [`partial_fc`]
+//! (model-parallel heads), [`onnx`] (export) and [`launch`] (the launcher).
 pub use tandem_ckpt as ckpt;
 pub use tandem_comm as comm;
 pub use tandem_data as data;
 pub use tandem_ddp as ddp;
 pub use tandem_launch as launch;
+pub use tandem_models as models;
+pub use tandem_nn as nn;
 pub use tandem_onnx as onnx;
+pub use tandem_optim as optim;
 pub use tandem_partial_fc as partial_fc;
 
 pub mod state;
 
 pub use state::{load_state, save_state, Resumed, StateError, TrainingState};
-pub use tandem_ddp::alloc::{allocator_tuned, tune_allocator};
+pub use tandem_nn::{allocator_tuned, tune_allocator};
 
 /// Joins the process group the environment describes: `tandem run` / torchrun variables,
 /// Slurm, OpenMPI, or, with none of them, a world of one. A collective on every rank.

@@ -5,24 +5,38 @@
 //! restores everything on every rank.
 //!
 //! ```ignore
-//! let mut state = TrainingState::new(&*ddp, &mut opt).loader(&mut loader);
+//! let mut state = TrainingState::new(&ddp, &mut opt).loader(&mut loader);
 //! if let Some(r) = tandem::load_state("runs/ckpt", &mut state)? {
 //!     start_epoch = r.epoch;                    // model, optimizer and loader are restored
 //! }
 //! // ... after an epoch:
-//! let state = TrainingState::new(&*ddp, &mut opt).loader(&mut loader).epoch(epoch + 1);
+//! let state = TrainingState::new(&ddp, &mut opt).loader(&mut loader).epoch(epoch + 1);
 //! tandem::save_state(&group, "runs/ckpt", &state)?;
+//! ```
+//!
+//! The model is anything that is a [`ParamModule`] (a `Ddp`, an `OrderedVarMap` or `NamedVars`
+//! of a candle model, tandem's models); the optimizer anything that is an [`OptimizerState`]:
+//! tandem's optimizers and candle-nn's `SGD`. One whose state cannot be saved (candle-nn's
+//! `TorchAdamW`) does not compile, with a note naming tandem's drop-in:
+//!
+//! ```compile_fail
+//! # use candle_core::{DType, Device};
+//! # use candle_nn::{Optimizer, ParamsAdamW};
+//! let vars = tandem::nn::OrderedVarMap::new();
+//! let _w = vars.var_builder(DType::F32, &Device::Cpu).get(4, "w").unwrap();
+//! let mut opt = candle_nn::AdamW::new(vars.varmap().all_vars(), ParamsAdamW::default()).unwrap();
+//! let _ = tandem::TrainingState::new(&vars, &mut opt); // error: `TorchAdamW` has no state tandem can checkpoint
 //! ```
 use std::path::{Path, PathBuf};
 
 use tandem_ckpt::{CheckpointManager, TrainingCheckpoint, Value};
 use tandem_comm::ProcessGroup;
 use tandem_data::{DataLoader, Dataset, SamplerState};
-use tandem_ddp::amp::GradScaler;
-use tandem_ddp::optim::TorchOptimizer;
-use tandem_ddp::sched::LrScheduler;
-use tandem_ddp::weights::{load_weights_from, state_dict_value};
-use tandem_ddp::ParamModule;
+use tandem_nn::weights::{load_weights_from, state_dict_value};
+use tandem_nn::ParamModule;
+use tandem_optim::amp::GradScaler;
+use tandem_optim::lr_scheduler::LrScheduler;
+use tandem_optim::OptimizerState;
 
 /// Checkpoints kept by [`save_state`] (older ones are deleted after a successful write).
 pub const KEEP_LAST: usize = 3;
@@ -32,11 +46,11 @@ pub enum StateError {
     #[error(transparent)]
     Checkpoint(#[from] tandem_ckpt::CkptError),
     #[error("model: {0}")]
-    Model(#[from] tandem_ddp::DdpError),
+    Model(#[from] tandem_nn::NnError),
     #[error("optimizer: {0}")]
-    Optimizer(#[from] tandem_ddp::optim::OptimError),
+    Optimizer(#[from] tandem_optim::OptimError),
     #[error("scheduler: {0}")]
-    Scheduler(#[from] tandem_ddp::sched::SchedError),
+    Scheduler(#[from] tandem_optim::lr_scheduler::SchedError),
     #[error("data loader position: {0}")]
     Loader(#[from] tandem_data::DataError),
     #[error("{path}: field `{field}`: {problem}", path = path.display())]
@@ -62,7 +76,7 @@ impl<D: Dataset + ?Sized + 'static> LoaderPosition for DataLoader<D> {
 /// counters; the rest is read from (and restored into) the objects themselves.
 pub struct TrainingState<'a> {
     pub model: &'a dyn ParamModule,
-    pub optimizer: &'a mut dyn TorchOptimizer,
+    pub optimizer: &'a mut dyn OptimizerState,
     pub scheduler: Option<&'a mut dyn LrScheduler>,
     pub loader: Option<&'a mut dyn LoaderPosition>,
     /// The loss scaler of float16 mixed-precision training.
@@ -72,7 +86,9 @@ pub struct TrainingState<'a> {
 }
 
 impl<'a> TrainingState<'a> {
-    pub fn new(model: &'a dyn ParamModule, optimizer: &'a mut dyn TorchOptimizer) -> Self {
+    /// `model`: a `Ddp`, an `OrderedVarMap`/`NamedVars`, or any other [`ParamModule`];
+    /// `optimizer`: tandem's optimizers or candle-nn's `SGD` (see [`OptimizerState`]).
+    pub fn new<O: OptimizerState + 'a>(model: &'a dyn ParamModule, optimizer: &'a mut O) -> Self {
         TrainingState {
             model,
             optimizer,
@@ -149,7 +165,7 @@ pub fn load_state(
     load_weights_from(state.model, &ck.model, true).map_err(|e| field("model", e.to_string()))?;
     state
         .optimizer
-        .load_state_dict(&ck.optimizer)
+        .load_optimizer_state(&ck.optimizer)
         .map_err(|e| field("optimizer", e.to_string()))?;
     if let Some(s) = state.scheduler.as_deref_mut() {
         if ck.scheduler == Value::None {
@@ -182,7 +198,7 @@ fn to_value(state: &TrainingState<'_>, world_size: usize) -> Result<Value, State
         epoch: state.epoch as i64,
         global_step: state.step as i64,
         model: state_dict_value(state.model)?,
-        optimizer: state.optimizer.state_dict()?,
+        optimizer: state.optimizer.save_optimizer_state(state.model.named_parameters().len())?,
         scheduler: state.scheduler.as_deref().map_or(Value::None, |s| s.state_dict()),
         sampler: state.loader.as_deref().map_or(Value::None, |l| sampler_value(&l.position())),
         // The loader's shuffle is seeded by (seed, epoch), which the sampler state holds.

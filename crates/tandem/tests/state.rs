@@ -7,15 +7,16 @@ use std::sync::Arc;
 use candle_core::Device;
 use tandem::data::LoaderOptions;
 use tandem::data::{datasets, DataLoader, Dataset, DistributedSampler, InMemoryDataset};
-use tandem::ddp::models::Mlp;
-use tandem::ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
-use tandem::ddp::sched::{LrScheduler, StepLR};
-use tandem::ddp::{Ddp, DdpOptions, ParamModule};
+use tandem::ddp::{Ddp, DdpOptions};
+use tandem::models::Mlp;
+use tandem::nn::ParamModule;
+use tandem::optim::lr_scheduler::{LrScheduler, StepLR};
+use tandem::optim::{SgdConfig, TorchOptimizer, TorchSgd};
 use tandem::{load_state, save_state, TrainingState};
 
 struct Run {
     ddp: Ddp<Mlp>,
-    opt: Sgd,
+    opt: TorchSgd,
     sched: StepLR,
     loader: DataLoader<InMemoryDataset>,
 }
@@ -26,7 +27,7 @@ fn run(group: &tandem::comm::ProcessGroup, hidden: usize) -> Run {
         Mlp::new(&[train.input_dim(), hidden, train.num_classes()], 7, &Device::Cpu).unwrap();
     let ddp = Ddp::new(model, group, DdpOptions::default()).unwrap();
     let cfg = SgdConfig { lr: 0.05, momentum: 0.9, ..Default::default() };
-    let opt = Sgd::new(ddp.params().vars(), cfg).unwrap();
+    let opt = TorchSgd::new(ddp.params(), cfg).unwrap();
     let sched = StepLR::new(&[0.05], 3, 0.5).unwrap();
     let sampler = DistributedSampler::builder(train.len()).group(group).seed(3).build().unwrap();
     let loader =
@@ -43,7 +44,7 @@ fn train(r: &mut Run, mut step: u64, mut epoch: u64, steps: u64) -> (u64, u64) {
         let mut iter = r.loader.iter().unwrap();
         for batch in iter.by_ref() {
             let b = batch.unwrap();
-            let g = r.ddp.backward(&r.ddp.loss(&b.x, &b.y).unwrap()).unwrap();
+            let g = r.ddp.backward(&r.ddp.hooked().loss(&b.x, &b.y).unwrap()).unwrap();
             r.opt.step(&g).unwrap();
             step += 1;
             if step == stop {
@@ -61,7 +62,7 @@ fn train(r: &mut Run, mut step: u64, mut epoch: u64, steps: u64) -> (u64, u64) {
 
 fn weights(r: &Run) -> Vec<Vec<u32>> {
     r.ddp
-        .state_dict()
+        .named_tensors()
         .into_iter()
         .map(|(_, t)| {
             t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
@@ -80,7 +81,7 @@ fn a_restored_run_ends_bitwise_equal_to_an_uninterrupted_one() {
     // 17 steps (mid-epoch: 24 batches per epoch), save, then restore into fresh objects.
     let mut first = run(&group, 16);
     let (step, epoch) = train(&mut first, 0, 0, 17);
-    let st = TrainingState::new(&*first.ddp, &mut first.opt)
+    let st = TrainingState::new(&first.ddp, &mut first.opt)
         .scheduler(&mut first.sched)
         .loader(&mut first.loader)
         .step(step)
@@ -89,7 +90,7 @@ fn a_restored_run_ends_bitwise_equal_to_an_uninterrupted_one() {
     assert!(path.file_name().unwrap().to_str().unwrap().contains("step-00000017"));
 
     let mut second = run(&group, 16);
-    let mut st = TrainingState::new(&*second.ddp, &mut second.opt)
+    let mut st = TrainingState::new(&second.ddp, &mut second.opt)
         .scheduler(&mut second.sched)
         .loader(&mut second.loader);
     let resumed = load_state(dir.path(), &mut st).unwrap().expect("a checkpoint");
@@ -107,17 +108,17 @@ fn another_model_is_refused_naming_file_and_field_and_an_empty_dir_is_a_fresh_st
     let group = tandem::comm::init_from(&tandem::comm::InitMethod::Single).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut r = run(&group, 16);
-    let mut st = TrainingState::new(&*r.ddp, &mut r.opt);
+    let mut st = TrainingState::new(&r.ddp, &mut r.opt);
     assert_eq!(load_state(dir.path(), &mut st).unwrap(), None);
     let path = save_state(&group, dir.path(), &st.epoch(1)).unwrap().unwrap();
 
     let mut other = run(&group, 24);
-    let mut st = TrainingState::new(&*other.ddp, &mut other.opt);
+    let mut st = TrainingState::new(&other.ddp, &mut other.opt);
     let err = load_state(dir.path(), &mut st).unwrap_err().to_string();
     assert!(err.contains(&path.display().to_string()) && err.contains("field `model`"), "{err}");
     assert!(err.contains("fc1.weight"), "{err}");
     // A scheduler asked for but not saved is named too.
-    let mut st = TrainingState::new(&*r.ddp, &mut r.opt).scheduler(&mut r.sched);
+    let mut st = TrainingState::new(&r.ddp, &mut r.opt).scheduler(&mut r.sched);
     let err = load_state(dir.path(), &mut st).unwrap_err().to_string();
     assert!(err.contains("field `scheduler`: missing"), "{err}");
 }
@@ -126,7 +127,7 @@ fn another_model_is_refused_naming_file_and_field_and_an_empty_dir_is_a_fresh_st
 /// in the file, it is named.
 #[test]
 fn a_grad_scaler_is_saved_and_restored() {
-    use tandem::ddp::amp::{GradScaler, GradScalerConfig};
+    use tandem::optim::amp::{GradScaler, GradScalerConfig};
     let group = tandem::comm::init_from(&tandem::comm::InitMethod::Single).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut r = run(&group, 16);
@@ -149,19 +150,19 @@ fn a_grad_scaler_is_saved_and_restored() {
         scaler.update().unwrap();
     }
     assert_eq!((scaler.get_scale(), scaler.growth_tracker()), (128.0, 2));
-    let st = TrainingState::new(&*r.ddp, &mut r.opt).scaler(&mut scaler).step(6);
+    let st = TrainingState::new(&r.ddp, &mut r.opt).scaler(&mut scaler).step(6);
     save_state(&group, dir.path(), &st).unwrap();
 
     let mut fresh = GradScaler::new(GradScalerConfig::default()).unwrap();
     let mut r2 = run(&group, 16);
-    let mut st = TrainingState::new(&*r2.ddp, &mut r2.opt).scaler(&mut fresh);
+    let mut st = TrainingState::new(&r2.ddp, &mut r2.opt).scaler(&mut fresh);
     load_state(dir.path(), &mut st).unwrap().expect("a checkpoint");
     assert_eq!((fresh.get_scale(), fresh.growth_tracker()), (128.0, 2));
     assert_eq!(fresh.state_dict(), scaler.state_dict());
 
     let other = tempfile::tempdir().unwrap();
-    save_state(&group, other.path(), &TrainingState::new(&*r.ddp, &mut r.opt)).unwrap();
-    let mut st = TrainingState::new(&*r2.ddp, &mut r2.opt).scaler(&mut fresh);
+    save_state(&group, other.path(), &TrainingState::new(&r.ddp, &mut r.opt)).unwrap();
+    let mut st = TrainingState::new(&r2.ddp, &mut r2.opt).scaler(&mut fresh);
     let err = load_state(other.path(), &mut st).unwrap_err().to_string();
     assert!(err.contains("field `scaler`: missing"), "{err}");
 }

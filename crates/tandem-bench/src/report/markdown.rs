@@ -28,7 +28,7 @@ pub struct Report<'a> {
     pub zero: &'a Result<String, String>,
     pub failures: &'a [String],
     pub retries: &'a [String],
-    /// `docs/several_hosts.md` as `scripts/bench_two_hosts.sh` wrote it (it needs root and
+    /// `docs/bench_two_hosts.md` as `scripts/bench_two_hosts.sh` wrote it (it needs root and
     /// network namespaces, so the report includes its last output rather than rerunning it).
     pub several_hosts: Option<String>,
 }
@@ -388,10 +388,10 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(out, "## ZeRO-1: optimizer state per rank\n");
     let _ = writeln!(
         out,
-        "`ZeroRedundancyOptimizer` (PyTorch's ZeRO stage 1) over AdamW: each rank keeps the state \
+        "`ZeroRedundancyOptimizer` (PyTorch's ZeRO stage 1) over TorchAdamW: each rank keeps the state \
          of its share of the parameters (whole parameters, split largest first) and broadcasts \
          its updated share after the step. State bytes are exact (the tensors each rank holds); \
-         the reference is the unsharded AdamW on one process in the same run. `x ideal` = bytes \
+         the reference is the unsharded TorchAdamW on one process in the same run. `x ideal` = bytes \
          × N / unsharded (1.0 is a perfect split). Step ms includes the broadcasts (local ranks \
          share this machine's cores). Measured by `tandem bench zero`.\n"
     );
@@ -411,7 +411,7 @@ pub fn render(r: &Report) -> String {
             "Hosts are network namespaces on one bridge, each host's link rate-limited; every rank \
              still runs on this machine's cores. Measured by `sudo scripts/bench_two_hosts.sh \
              HOSTS` (root needed, so `tandem bench report` includes its last output, \
-             docs/several_hosts.md, instead of rerunning it).\n"
+             docs/bench_two_hosts.md, instead of rerunning it).\n"
         );
         let _ = writeln!(out, "{}\n", hosts.trim_end());
     }

@@ -1,7 +1,7 @@
 //! Pickle, restricted to what `torch.save` emits and `torch.load(weights_only=True)` accepts.
 //!
 //! Hand-written rather than taken from a crate: `pytorch-reader` (the candidate ARCHITECTURE.md
-//! named) flattens checkpoints to a `HashMap<String, Tensor>` — losing list/tuple nesting, dict
+//! named) flattens checkpoints to a `HashMap<String, TensorData>` — losing list/tuple nesting, dict
 //! order, int keys and storage identity (tied weights) — hides strides, and turns unknown globals
 //! into `Unsupported` values instead of errors; `serde-pickle` has no persistent ids or torch
 //! globals. The subset needed here is small (≈45 opcodes), and owning it lets every length be
@@ -68,20 +68,20 @@ pub(crate) mod op {
     pub const BYTEARRAY8: u8 = 0x96;
 }
 
-use crate::value::DType;
+use crate::value::ElemType;
 
-/// Storage class name (`torch.FloatStorage`) for a dtype, as torch pickles it.
-pub(crate) fn storage_class(dtype: DType) -> &'static str {
+/// StorageData class name (`torch.FloatStorage`) for a dtype, as torch pickles it.
+pub(crate) fn storage_class(dtype: ElemType) -> &'static str {
     match dtype {
-        DType::F64 => "DoubleStorage",
-        DType::F32 => "FloatStorage",
-        DType::F16 => "HalfStorage",
-        DType::BF16 => "BFloat16Storage",
-        DType::I64 => "LongStorage",
-        DType::I32 => "IntStorage",
-        DType::I16 => "ShortStorage",
-        DType::I8 => "CharStorage",
-        DType::U8 => "ByteStorage",
-        DType::Bool => "BoolStorage",
+        ElemType::F64 => "DoubleStorage",
+        ElemType::F32 => "FloatStorage",
+        ElemType::F16 => "HalfStorage",
+        ElemType::BF16 => "BFloat16StorageData",
+        ElemType::I64 => "LongStorage",
+        ElemType::I32 => "IntStorage",
+        ElemType::I16 => "ShortStorage",
+        ElemType::I8 => "CharStorage",
+        ElemType::U8 => "ByteStorage",
+        ElemType::Bool => "BoolStorage",
     }
 }

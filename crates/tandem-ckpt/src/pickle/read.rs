@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use super::op;
-use crate::value::{DType, Storage, Tensor, Value};
+use crate::value::{ElemType, StorageData, TensorData, Value};
 
 /// Deepest nesting of containers accepted when building the value tree.
 pub(crate) const MAX_DEPTH: usize = 256;
@@ -19,7 +19,7 @@ pub(crate) enum PickleError {
     /// A global outside the allowlist, as `module.name`.
     Forbidden(String),
     /// A torch global that weights_only allows but tandem does not implement (complex or
-    /// quantized storages, sparse/nested tensors, dtypes outside [`DType`]), as `module.name`.
+    /// quantized storages, sparse/nested tensors, dtypes outside [`ElemType`]), as `module.name`.
     Unsupported(String),
 }
 
@@ -31,7 +31,7 @@ fn err<T>(msg: impl Into<String>) -> Result<T, PickleError> {
 #[derive(Clone, Debug)]
 pub(crate) struct StorageRef {
     pub key: String,
-    pub dtype: DType,
+    pub dtype: ElemType,
     /// Elements of the storage (of the view, for a legacy-format view).
     pub numel: u64,
     /// Legacy format only: offset in elements of a storage view into its root storage.
@@ -67,14 +67,14 @@ enum Global {
     Set,
     FrozenSet,
     ByteArray,
-    StorageClass(DType),
-    DTypeObj(DType),
+    StorageClass(ElemType),
+    DTypeObj(ElemType),
 }
 
 fn lookup_global(module: &str, name: &str) -> Option<Global> {
     use Global::*;
     let dtype_of_storage =
-        |n: &str| DType::ALL.iter().copied().find(|&d| super::storage_class(d) == n);
+        |n: &str| ElemType::ALL.iter().copied().find(|&d| super::storage_class(d) == n);
     Some(match (module, name) {
         ("collections", "OrderedDict") => OrderedDict,
         ("torch._utils", "_rebuild_tensor_v2") => RebuildTensorV2,
@@ -83,7 +83,7 @@ fn lookup_global(module: &str, name: &str) -> Option<Global> {
         ("torch._utils", "_rebuild_parameter_with_state") => RebuildParameterWithState,
         ("torch._tensor", "_rebuild_from_type_v2") => RebuildFromTypeV2,
         ("torch", "Size") => Size,
-        ("torch", "Tensor") => TensorClass,
+        ("torch", "TensorData") => TensorClass,
         ("torch.nn.parameter", "Parameter") => ParameterClass,
         ("torch", "device") => Device,
         ("_codecs", "encode") => CodecsEncode,
@@ -92,10 +92,10 @@ fn lookup_global(module: &str, name: &str) -> Option<Global> {
         ("builtins" | "__builtin__", "frozenset") => FrozenSet,
         ("builtins" | "__builtin__", "bytearray") => ByteArray,
         ("torch.storage", "UntypedStorage") | ("torch", "UntypedStorage") => {
-            StorageClass(DType::U8)
+            StorageClass(ElemType::U8)
         }
         ("torch", n) if dtype_of_storage(n).is_some() => StorageClass(dtype_of_storage(n)?),
-        ("torch", n) => DTypeObj(DType::ALL.iter().copied().find(|d| d.torch_name() == n)?),
+        ("torch", n) => DTypeObj(ElemType::ALL.iter().copied().find(|d| d.torch_name() == n)?),
         _ => return None,
     })
 }
@@ -113,8 +113,8 @@ enum Node {
     Dict(Vec<(Id, Id)>),
     Set(Vec<Id>),
     Global(Global, String),
-    Storage(StorageRef),
-    Tensor(TensorSpec),
+    StorageData(StorageRef),
+    TensorData(TensorSpec),
 }
 
 /// The result of unpickling one pickle: an arena and its root.
@@ -257,7 +257,7 @@ impl Machine {
             // torch's own rebuild functions, storages and dtypes are safe but not implemented.
             let torch_data = module == "torch._utils"
                 || (module == "torch"
-                    && (name.ends_with("Storage")
+                    && (name.ends_with("StorageData")
                         || name.chars().next().is_some_and(|c| c.is_ascii_lowercase())));
             if torch_data {
                 PickleError::Unsupported(full.clone())
@@ -305,7 +305,7 @@ impl Machine {
                     .map_err(|_| PickleError::Msg("negative view size".into()))?;
             }
         }
-        Ok(self.new_node(Node::Storage(sref)))
+        Ok(self.new_node(Node::StorageData(sref)))
     }
 
     fn rebuild_tensor(&mut self, args: &[Id]) -> Result<Id, PickleError> {
@@ -313,7 +313,7 @@ impl Machine {
             return err("_rebuild_tensor needs (storage, offset, size, stride)");
         }
         let storage = match &self.nodes[args[0]] {
-            Node::Storage(s) => s.clone(),
+            Node::StorageData(s) => s.clone(),
             other => return err(format!("tensor storage is a {}", node_kind(other))),
         };
         let offset = usize::try_from(self.int_of(args[1])?)
@@ -323,7 +323,7 @@ impl Machine {
         if shape.len() != stride.len() {
             return err(format!("tensor size {shape:?} and stride {stride:?} differ in length"));
         }
-        Ok(self.new_node(Node::Tensor(TensorSpec { storage, offset, shape, stride })))
+        Ok(self.new_node(Node::TensorData(TensorSpec { storage, offset, shape, stride })))
     }
 
     fn call(&mut self, func: Id, args: Id) -> Result<Id, PickleError> {
@@ -335,7 +335,7 @@ impl Machine {
         Ok(match g {
             Global::RebuildTensorV2 | Global::RebuildTensor => self.rebuild_tensor(&args)?,
             Global::RebuildParameter | Global::RebuildParameterWithState => match args.first() {
-                Some(&data) if matches!(self.nodes[data], Node::Tensor(_)) => data,
+                Some(&data) if matches!(self.nodes[data], Node::TensorData(_)) => data,
                 _ => return err("_rebuild_parameter without a tensor"),
             },
             Global::RebuildFromTypeV2 => {
@@ -345,7 +345,9 @@ impl Machine {
                 match &self.nodes[args[1]] {
                     Node::Global(Global::TensorClass | Global::ParameterClass, _) => {}
                     _ => {
-                        return err("_rebuild_from_type_v2 with a type other than Tensor/Parameter")
+                        return err(
+                            "_rebuild_from_type_v2 with a type other than TensorData/Parameter",
+                        )
                     }
                 }
                 self.call(args[0], args[2])?
@@ -443,8 +445,8 @@ fn node_kind(n: &Node) -> &'static str {
         Node::Dict(_) => "dict",
         Node::Set(_) => "set",
         Node::Global(..) => "global",
-        Node::Storage(_) => "storage",
-        Node::Tensor(_) => "tensor",
+        Node::StorageData(_) => "storage",
+        Node::TensorData(_) => "tensor",
     }
 }
 
@@ -733,7 +735,7 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
                 // OrderedDict state is `{'_metadata': ...}` (module versions); a Parameter's state
                 // holds Python attributes. Neither is part of the values.
                 match &m.nodes[target] {
-                    Node::Dict(_) | Node::Tensor(_) => {}
+                    Node::Dict(_) | Node::TensorData(_) => {}
                     other => return err(format!("BUILD on a {}", node_kind(other))),
                 }
             }
@@ -753,17 +755,17 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
 }
 
 /// Turns arena nodes into a [`Value`] tree; `storage` resolves persistent storages (cached by key
-/// by the caller, so tied tensors share one `Storage`).
+/// by the caller, so tied tensors share one `StorageData`).
 pub(crate) struct Converter<'a> {
     up: &'a Unpickled,
     budget: usize,
-    storage: &'a mut dyn FnMut(&StorageRef) -> Result<Storage, String>,
+    storage: &'a mut dyn FnMut(&StorageRef) -> Result<StorageData, String>,
 }
 
 impl Unpickled {
     pub(crate) fn to_value(
         &self,
-        storage: &mut dyn FnMut(&StorageRef) -> Result<Storage, String>,
+        storage: &mut dyn FnMut(&StorageRef) -> Result<StorageData, String>,
     ) -> Result<Value, String> {
         let budget = self.nodes.len().saturating_mul(8).saturating_add(100_000);
         let mut c = Converter { up: self, budget, storage };
@@ -774,8 +776,8 @@ impl Unpickled {
     /// dtypes to find the storage records).
     pub(crate) fn storages(&self) -> impl Iterator<Item = &StorageRef> {
         self.nodes.iter().filter_map(|n| match n {
-            Node::Storage(s) => Some(s),
-            Node::Tensor(t) => Some(&t.storage),
+            Node::StorageData(s) => Some(s),
+            Node::TensorData(t) => Some(&t.storage),
             _ => None,
         })
     }
@@ -828,10 +830,10 @@ impl Converter<'_> {
                     return Err(format!("`{name}` appears as a value; tandem cannot represent it"))
                 }
             },
-            Node::Storage(s) => {
+            Node::StorageData(s) => {
                 return Err(format!("a bare storage (key {}) is not supported as a value", s.key))
             }
-            Node::Tensor(spec) => Value::Tensor(self.tensor(spec)?),
+            Node::TensorData(spec) => Value::Tensor(self.tensor(spec)?),
         })
     }
 
@@ -839,7 +841,7 @@ impl Converter<'_> {
         ids.iter().map(|&i| self.convert(i, depth + 1)).collect()
     }
 
-    fn tensor(&mut self, spec: &TensorSpec) -> Result<Tensor, String> {
+    fn tensor(&mut self, spec: &TensorSpec) -> Result<TensorData, String> {
         let storage = (self.storage)(&spec.storage)?;
         let dtype = spec.storage.dtype;
         let offset = (spec.storage.view_offset as usize)
@@ -847,7 +849,7 @@ impl Converter<'_> {
             .ok_or("tensor storage offset overflows")?;
         check_view(&spec.shape, &spec.stride, offset, dtype, storage.len())
             .map_err(|e| format!("tensor in storage {}: {e}", spec.storage.key))?;
-        Ok(Tensor {
+        Ok(TensorData {
             dtype,
             shape: spec.shape.clone(),
             stride: spec.stride.clone(),
@@ -863,7 +865,7 @@ pub(crate) fn check_view(
     shape: &[usize],
     stride: &[usize],
     offset: usize,
-    dtype: DType,
+    dtype: ElemType,
     storage_len: usize,
 ) -> Result<(), String> {
     let mut numel: usize = 1;

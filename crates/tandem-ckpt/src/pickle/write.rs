@@ -5,17 +5,17 @@ use std::collections::HashMap;
 
 use super::op;
 use super::read::{check_view, MAX_DEPTH};
-use crate::value::{DType, Storage, Tensor, Value};
+use crate::value::{ElemType, StorageData, TensorData, Value};
 
 /// The storages a pickle references, deduplicated so tied tensors share one record.
 #[derive(Default)]
 pub(crate) struct StorageTable {
-    pub storages: Vec<(DType, Storage)>,
-    index: HashMap<(usize, DType), usize>,
+    pub storages: Vec<(ElemType, StorageData)>,
+    index: HashMap<(usize, ElemType), usize>,
 }
 
 impl StorageTable {
-    fn key_of(&mut self, t: &Tensor) -> usize {
+    fn key_of(&mut self, t: &TensorData) -> usize {
         let k = (t.storage.id(), t.dtype);
         if let Some(&i) = self.index.get(&k) {
             return i;
@@ -89,7 +89,7 @@ impl Pickler {
         self.out.push(op::TUPLE);
     }
 
-    fn tensor(&mut self, t: &Tensor) -> Result<(), String> {
+    fn tensor(&mut self, t: &TensorData) -> Result<(), String> {
         let es = t.dtype.size();
         if !t.storage.len().is_multiple_of(es) {
             return Err(format!(

@@ -7,7 +7,7 @@ use anyhow::{bail, Context};
 use clap::Subcommand;
 use serde_json::json;
 use tandem_ckpt::keys::{detect_wrapping, find_state_dicts, load_state_dict, strip_wrappers};
-use tandem_ckpt::{CkptError, Tensor, Value};
+use tandem_ckpt::{CkptError, TensorData, Value};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -73,7 +73,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 /// (ZeroRedundancyOptimizer's rank files + manifest), read as its consolidated state dict.
 fn read(path: &Path) -> anyhow::Result<Value> {
     if path.is_dir() {
-        return Ok(tandem_ddp::optim::zero::consolidate_sharded(path)?);
+        return Ok(tandem_optim::zero::consolidate_sharded(path)?);
     }
     let opts = tandem_ckpt::LoadOptions { verify_checksums: true, ..Default::default() };
     Ok(tandem_ckpt::load_with(path, &opts)?)
@@ -139,7 +139,7 @@ fn short_repr(v: &Value) -> String {
 
 /// A sharded optimizer checkpoint: its manifest, each rank's file, parameters and state bytes.
 fn inspect_sharded(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
-    use tandem_ddp::optim::zero::{read_manifest, state_bytes};
+    use tandem_optim::zero::{read_manifest, state_bytes};
     let m = read_manifest(dir)?;
     let mut ranks = Vec::new();
     for (r, f) in m.files.iter().enumerate() {
@@ -187,7 +187,7 @@ fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
         v.as_dict().map(|d| d.iter().map(|(k, _)| short_key(k)).collect()).unwrap_or_default();
     let mut all = Vec::new();
     leaves(&v, String::new(), &mut all);
-    let tensors: Vec<(&String, &Tensor)> =
+    let tensors: Vec<(&String, &TensorData)> =
         all.iter().filter_map(|(p, x)| Some((p, x.as_tensor()?))).collect();
     let others: Vec<(&String, &Value)> =
         all.iter().filter(|(_, x)| x.as_tensor().is_none()).map(|(p, x)| (p, *x)).collect();
@@ -430,7 +430,7 @@ fn load_check(file: &Path, reference: &Path, strict: bool) -> anyhow::Result<i32
     let Some((_, target)) = found.first() else {
         bail!("{}: holds no state dict to check against", reference.display())
     };
-    let target: Vec<(String, Vec<usize>, tandem_ckpt::DType)> =
+    let target: Vec<(String, Vec<usize>, tandem_ckpt::ElemType)> =
         target.iter().map(|(k, t)| (k.clone(), t.shape.clone(), t.dtype)).collect();
     match load_state_dict(&src, &target, strict) {
         Ok((_, report)) => {

@@ -4,9 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use tandem_onnx::{Architecture, Dim};
-
-use crate::train::config::ModelKind;
+use tandem_models::ModelKind;
+use tandem_onnx::Dim;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -29,18 +28,10 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-pub fn architecture(kind: ModelKind) -> Architecture {
-    match kind {
-        ModelKind::Mlp => Architecture::Mlp,
-        ModelKind::Cnn => Architecture::Cnn,
-        ModelKind::Resnet18 => Architecture::ResNet18,
-    }
-}
-
 /// Exports the state dict in `value` and writes it atomically to `path`; returns a one-line
 /// summary such as `wrote m.onnx: cnn, input [batch, 1, 8, 8] -> logits [batch, 10], ...`.
 pub fn write(kind: ModelKind, value: &tandem_ckpt::Value, path: &Path) -> anyhow::Result<String> {
-    let exported = tandem_onnx::export_value(architecture(kind), value)?;
+    let exported = tandem_onnx::export_value(kind, value)?;
     tandem_onnx::save(path, &exported)?;
     let dims: Vec<String> = exported
         .input
@@ -53,7 +44,7 @@ pub fn write(kind: ModelKind, value: &tandem_ckpt::Value, path: &Path) -> anyhow
     Ok(format!(
         "wrote {}: {}, input [{}] -> logits [batch, {}], {} weights, ONNX IR {} opset {}",
         path.display(),
-        architecture(kind).name(),
+        kind.name(),
         dims.join(", "),
         exported.classes,
         exported.weights,

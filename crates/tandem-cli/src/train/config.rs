@@ -4,21 +4,13 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
+pub use tandem_models::ModelKind;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum OptimizerKind {
-    Sgd,
+    TorchSgd,
     Adamw,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum ModelKind {
-    Mlp,
-    Cnn,
-    /// ResNet-18 for CIFAR (torchvision names; 3x3 stem, no max-pool), a candle-nn model.
-    Resnet18,
 }
 
 /// What the model computes in; parameters and optimizer state stay float32 either way.
@@ -75,7 +67,7 @@ impl DeviceKind {
             DeviceKind::Cpu => tandem_ckpt::MapLocation::Cpu,
             DeviceKind::Cuda => tandem_ckpt::MapLocation::Cuda(local_rank),
         };
-        tandem_ddp::convert::map_location_device(location).with_context(|| {
+        tandem_nn::convert::map_location_device(location).with_context(|| {
             let flag = format!("{self:?}").to_lowercase();
             format!("--device {flag} (this rank's LOCAL_RANK is {local_rank})")
         })
@@ -120,7 +112,7 @@ pub struct TrainConfig {
     #[arg(long, default_value_t = 0.05)]
     pub lr: f64,
     /// Optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
+    #[arg(long, value_enum, default_value_t = OptimizerKind::TorchSgd)]
     pub optimizer: OptimizerKind,
     /// SGD momentum.
     #[arg(long, default_value_t = 0.9)]
@@ -233,7 +225,7 @@ impl TrainConfig {
         if self.width == 0 {
             bail!("--width must be at least 1");
         }
-        if self.sync_batchnorm && self.model != ModelKind::Resnet18 {
+        if self.sync_batchnorm && self.model != ModelKind::ResNet18 {
             bail!("--sync-batchnorm needs --model resnet18 (the model whose BatchNorm layers can synchronise)");
         }
         if self.precision != Precision::F32 && self.model != ModelKind::Mlp {
@@ -272,11 +264,7 @@ impl TrainConfig {
             return out.clone();
         }
         let data = self.data.split(':').next().unwrap_or("data");
-        let model = match self.model {
-            ModelKind::Mlp => "mlp",
-            ModelKind::Cnn => "cnn",
-            ModelKind::Resnet18 => "resnet18",
-        };
+        let model = self.model.name();
         let secs = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -304,7 +292,7 @@ impl TrainConfig {
         push("--optimizer", format!("{:?}", self.optimizer).to_lowercase());
         push("--momentum", self.momentum.to_string());
         push("--weight-decay", self.weight_decay.to_string());
-        push("--model", format!("{:?}", self.model).to_lowercase());
+        push("--model", self.model.name().to_string());
         push("--hidden", self.hidden.to_string());
         push("--width", self.width.to_string());
         push("--data", self.data.clone());

@@ -3,11 +3,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use tandem_ddp::models::{Cnn, Mlp, ResNet};
-use tandem_ddp::module::ParamModule;
-use tandem_ddp::nn::convert_sync_batchnorm;
-use tandem_ddp::params::ParamSet;
-use tandem_ddp::{GradComm, NamedVars, OrderedVarMap};
+use tandem_comm::Collectives;
+use tandem_models::{Cnn, Mlp, ResNet};
+use tandem_nn::convert_sync_batchnorm;
+use tandem_nn::ParamModule;
+use tandem_nn::ParamSet;
+use tandem_nn::{NamedVars, OrderedVarMap};
 
 use super::config::ModelKind;
 
@@ -65,7 +66,7 @@ impl Net {
             return Ok(net);
         }
         let moved = Self::build_on(spec, input_dim, classes, device)?;
-        moved.load_state_dict(net.state_dict())?;
+        moved.load_named_tensors(net.named_tensors())?;
         Ok(moved)
     }
 
@@ -80,7 +81,7 @@ impl Net {
             anyhow::bail!("{kind:?} computes in f32 only (mixed precision is for the MLP)");
         }
         Ok(match kind {
-            ModelKind::Resnet18 => {
+            ModelKind::ResNet18 => {
                 if input_dim != 3 * 32 * 32 {
                     anyhow::bail!(
                         "--model resnet18 needs 3x32x32 images (CIFAR-10); this dataset has \
@@ -141,7 +142,7 @@ impl Net {
 
     /// Makes every BatchNorm a SyncBatchNorm over `comm`; an error for models without the
     /// switch (only the ResNet has it).
-    pub fn convert_sync_batchnorm(&self, comm: Arc<dyn GradComm>) -> anyhow::Result<usize> {
+    pub fn convert_sync_batchnorm(&self, comm: Arc<dyn Collectives>) -> anyhow::Result<usize> {
         match self {
             Net::ResNet18(m) => Ok(convert_sync_batchnorm(&m.model, comm)),
             _ => anyhow::bail!(
@@ -152,11 +153,11 @@ impl Net {
 }
 
 impl ParamModule for Net {
-    fn params(&self) -> &ParamSet {
+    fn param_set(&self) -> &ParamSet {
         match self {
-            Net::Mlp(m) => m.params(),
-            Net::Cnn(m) => m.params(),
-            Net::ResNet18(m) => m.vars.params(),
+            Net::Mlp(m) => m.param_set(),
+            Net::Cnn(m) => m.param_set(),
+            Net::ResNet18(m) => m.vars.param_set(),
         }
     }
 
@@ -168,12 +169,12 @@ impl ParamModule for Net {
         }
     }
 
-    fn replicate(&self, device: &Device) -> tandem_ddp::error::Result<Self> {
+    fn replicate(&self, device: &Device) -> tandem_nn::Result<Self> {
         Ok(match self {
             Net::Mlp(m) => Net::Mlp(m.replicate(device)?),
             Net::Cnn(m) => Net::Cnn(m.replicate(device)?),
             Net::ResNet18(_) => {
-                return Err(tandem_ddp::DdpError::InvalidOption {
+                return Err(tandem_nn::NnError::InvalidOption {
                     what: "replicate",
                     why: "the ResNet is a VarMap model: build one per device instead".into(),
                 })

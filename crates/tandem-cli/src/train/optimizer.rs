@@ -6,8 +6,8 @@ use std::sync::Arc;
 use candle_core::Var;
 use tandem_ckpt::Value;
 use tandem_comm::ProcessGroup;
-use tandem_ddp::optim::{
-    AdamW, AdamWConfig, OptimError, Sgd, SgdConfig, ShardOptimizer, TorchOptimizer,
+use tandem_optim::{
+    AdamWConfig, OptimError, SgdConfig, ShardOptimizer, TorchAdamW, TorchOptimizer, TorchSgd,
     ZeroRedundancyOptimizer,
 };
 
@@ -21,7 +21,7 @@ pub enum TrainOptimizer {
 /// The optimizer `cfg` names over `params`.
 fn plain(cfg: &TrainConfig, params: Vec<Var>) -> Result<ShardOptimizer, OptimError> {
     Ok(match cfg.optimizer {
-        OptimizerKind::Sgd => Box::new(Sgd::new(
+        OptimizerKind::TorchSgd => Box::new(TorchSgd::new(
             params,
             SgdConfig {
                 lr: cfg.lr,
@@ -31,7 +31,7 @@ fn plain(cfg: &TrainConfig, params: Vec<Var>) -> Result<ShardOptimizer, OptimErr
                 nesterov: false,
             },
         )?),
-        OptimizerKind::Adamw => Box::new(AdamW::new(
+        OptimizerKind::Adamw => Box::new(TorchAdamW::new(
             params,
             AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..AdamWConfig::default() },
         )?),

@@ -14,8 +14,8 @@ use tandem_data::{
     channel_stats, CropFlip, DataLoader, Dataset, DistributedSampler, EvalMetrics, ImageTransforms,
     InMemoryDataset, LoaderOptions, SamplerState, Transformed,
 };
-use tandem_ddp::amp::{GradScaler, GradScalerConfig};
-use tandem_ddp::{Ddp, DdpOptions, ParamModule};
+use tandem_ddp::{Ddp, DdpOptions};
+use tandem_optim::amp::{GradScaler, GradScalerConfig};
 
 use tandem::state::{sampler_state_from_value, sampler_value};
 
@@ -37,16 +37,24 @@ pub struct RunSummary {
 
 /// Trains on this rank. `run_dir` must be the same on every rank.
 pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
-    // --backend applies under any launcher (mpirun, srun, torchrun), not only our own.
+    let group = join_group(cfg)?;
+    let mut w = Worker::build(cfg, run_dir, group)?;
+    if cfg.resume {
+        w.resume()?;
+    }
+    w.train()?;
+    w.finish()
+}
+
+/// Joins the process group (`--backend` applies under any launcher: mpirun, srun, torchrun,
+/// not only our own) and, with `--backend nccl`, makes the NCCL communicator Ddp reduces with.
+fn join_group(cfg: &TrainConfig) -> anyhow::Result<ProcessGroup> {
     let mut opts = tandem_comm::InitOptions::from_env().context("reading TANDEM_* settings")?;
     if let Some(kind) = cfg.backend.transport() {
         opts.transport = Some(kind);
     }
     let group = tandem_comm::init_with(&tandem_comm::InitMethod::Env, &opts)
         .context("joining the process group")?;
-    let rank = group.rank();
-    let world = group.size();
-    let device = cfg.device.device(group.local_rank())?;
     // (Without the `cuda` feature, validate() has refused --backend nccl.)
     #[cfg(feature = "cuda")]
     if cfg.backend == super::config::Backend::Nccl {
@@ -54,177 +62,250 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
         let comm = group
             .nccl(group.local_rank() as i32)
             .context("--backend nccl: making the NCCL communicator")?;
-        if rank == 0 {
-            eprintln!("nccl: {world} rank(s), rank 0 on cuda:{}", comm.device());
+        if group.rank() == 0 {
+            eprintln!("nccl: {} rank(s), rank 0 on cuda:{}", group.size(), comm.device());
         }
     }
+    Ok(group)
+}
 
-    let (train, eval) = tandem_data::datasets::from_spec(&cfg.data)
-        .with_context(|| format!("loading --data {}", cfg.data))?;
-    let spec = NetSpec {
-        kind: cfg.model,
-        hidden: cfg.hidden,
-        width: cfg.width,
-        seed: cfg.seed,
-        compute_dtype: cfg.precision.compute_dtype(),
-    };
-    let net = Net::build(&spec, train.input_dim(), train.num_classes(), &device)?;
-    if cfg.sync_batchnorm {
-        // The ResNet is a VarMap model: Ddp reduces its buckets after backward, so the
-        // SyncBatchNorm collectives cannot interleave with them and may share the group.
-        net.convert_sync_batchnorm(Arc::new(group.clone()))?;
-    }
-    let (train, eval) = image_transforms(cfg, train, eval)?;
-    if let Some(path) = &cfg.init_from {
-        let report = load_weights(&net, path)?;
-        if rank == 0 {
-            eprintln!("init-from {}:\n{report}", path.display());
+/// One rank's training job: the model under Ddp, its optimizer and loss scaler, the data, and
+/// the counters the summary reports.
+struct Worker<'a> {
+    cfg: &'a TrainConfig,
+    run_dir: &'a Path,
+    group: ProcessGroup,
+    device: Device,
+    ddp: Ddp<Net>,
+    opt: TrainOptimizer,
+    /// float16 needs loss scaling (its range is narrow); bf16 has float32's range and does not.
+    scaler: Option<GradScaler>,
+    train: Arc<TrainData>,
+    eval: Arc<TrainData>,
+    options: LoaderOptions,
+    loader: DataLoader<TrainData>,
+    manager: CheckpointManager,
+    saver: Saver,
+    global_step: u64,
+    skipped_steps: u64,
+    train_time: f64,
+    samples_seen: u64,
+    last_eval: EvalMetrics,
+    last_ckpt: Option<PathBuf>,
+}
+
+impl<'a> Worker<'a> {
+    fn build(cfg: &'a TrainConfig, run_dir: &'a Path, group: ProcessGroup) -> anyhow::Result<Self> {
+        let rank = group.rank();
+        let device = cfg.device.device(group.local_rank())?;
+        let (train, eval) = tandem_data::datasets::from_spec(&cfg.data)
+            .with_context(|| format!("loading --data {}", cfg.data))?;
+        let spec = NetSpec {
+            kind: cfg.model,
+            hidden: cfg.hidden,
+            width: cfg.width,
+            seed: cfg.seed,
+            compute_dtype: cfg.precision.compute_dtype(),
+        };
+        let net = Net::build(&spec, train.input_dim(), train.num_classes(), &device)?;
+        if cfg.sync_batchnorm {
+            // The ResNet is a VarMap model: Ddp reduces its buckets after backward, so the
+            // SyncBatchNorm collectives cannot interleave with them and may share the group.
+            net.convert_sync_batchnorm(Arc::new(group.clone()))?;
         }
-    }
-    let ddp = Ddp::new(net, &group, DdpOptions::default()).context("wrapping the model in Ddp")?;
-    if cfg.comm_hook != "none" {
-        let hook = tandem_ddp::comm_hooks::builtin(&cfg.comm_hook)
-            .with_context(|| format!("--comm-hook: unknown hook `{}`", cfg.comm_hook))?;
-        ddp.register_comm_hook(hook).context("--comm-hook")?;
-    }
-    let params = ddp.module().named_parameters().into_iter().map(|(_, v)| v).collect();
-    let mut opt = TrainOptimizer::new(cfg, params, &group)?;
-    // float16 needs loss scaling (its range is narrow); bf16 has float32's range and does not.
-    let mut scaler = match cfg.precision {
-        Precision::F16 => Some(GradScaler::new(GradScalerConfig::default())?),
-        _ => None,
-    };
-    let mut skipped_steps: u64 = 0;
-
-    let sampler = DistributedSampler::builder(train.len())
-        .group(&group)
-        .shuffle(!cfg.no_shuffle)
-        .seed(cfg.seed)
-        .build()?;
-    let options = LoaderOptions {
-        batch_size: cfg.batch_size,
-        drop_last: false,
-        num_workers: 1,
-        prefetch_factor: 2,
-    };
-    let train = Arc::new(train);
-    let mut loader = DataLoader::new(Arc::clone(&train), sampler, options.clone(), device.clone())?;
-    let eval = Arc::new(eval);
-
-    let manager = CheckpointManager::new(run_dir.join("checkpoints"), cfg.keep_last);
-    let mut global_step: u64 = 0;
-    if cfg.resume {
-        match manager.latest_valid().context("looking for a checkpoint to resume")? {
-            Some((path, value)) => {
-                let ck = TrainingCheckpoint::from_value(&value)
-                    .with_context(|| format!("reading {}", path.display()))?;
-                load_weights(&ddp.module(), &path)?;
-                opt.get_mut()
-                    .load_state_dict(&ck.optimizer)
-                    .with_context(|| format!("optimizer state in {}", path.display()))?;
-                let position = sampler_state_from_value(&ck.sampler).map_err(|problem| {
-                    anyhow::anyhow!("{}: checkpoint `sampler`: {problem}", path.display())
-                })?;
-                loader.load_state(&position).with_context(|| {
-                    format!("{}: checkpoint `sampler` does not fit this run", path.display())
-                })?;
-                match (scaler.as_mut(), &ck.scaler) {
-                    (Some(s), Value::None) => {
-                        if rank == 0 {
-                            eprintln!(
-                                "{}: no GradScaler state (written without --precision f16); the \
-                                 loss scale starts at {}",
-                                path.display(),
-                                s.get_scale()
-                            );
-                        }
-                    }
-                    (Some(s), state) => s
-                        .load_state_dict(state)
-                        .with_context(|| format!("GradScaler state in {}", path.display()))?,
-                    (None, _) => {}
-                }
-                global_step = ck.global_step as u64;
-                if rank == 0 {
-                    eprintln!(
-                        "resumed from {} (epoch {}, step {global_step})",
-                        path.display(),
-                        loader.epoch()
-                    );
-                    if ck.world_size as usize != world {
-                        eprintln!("{}", reshard_message(&position, world, &loader));
-                    }
-                }
-            }
-            None => {
-                if rank == 0 {
-                    eprintln!(
-                        "--resume: no checkpoint in {}, starting fresh",
-                        manager.dir().display()
-                    );
-                }
+        let (train, eval) = image_transforms(cfg, train, eval)?;
+        if let Some(path) = &cfg.init_from {
+            let report = load_weights(&net, path)?;
+            if rank == 0 {
+                eprintln!("init-from {}:\n{report}", path.display());
             }
         }
+        let ddp =
+            Ddp::new(net, &group, DdpOptions::default()).context("wrapping the model in Ddp")?;
+        if cfg.comm_hook != "none" {
+            let hook = tandem_ddp::comm_hooks::builtin(&cfg.comm_hook)
+                .with_context(|| format!("--comm-hook: unknown hook `{}`", cfg.comm_hook))?;
+            ddp.register_comm_hook(hook).context("--comm-hook")?;
+        }
+        let opt = TrainOptimizer::new(cfg, ddp.params(), &group)?;
+        let scaler = match cfg.precision {
+            Precision::F16 => Some(GradScaler::new(GradScalerConfig::default())?),
+            _ => None,
+        };
+        let sampler = DistributedSampler::builder(train.len())
+            .group(&group)
+            .shuffle(!cfg.no_shuffle)
+            .seed(cfg.seed)
+            .build()?;
+        let options = LoaderOptions {
+            batch_size: cfg.batch_size,
+            drop_last: false,
+            num_workers: 1,
+            prefetch_factor: 2,
+        };
+        let train = Arc::new(train);
+        let loader = DataLoader::new(Arc::clone(&train), sampler, options.clone(), device.clone())?;
+        let manager = CheckpointManager::new(run_dir.join("checkpoints"), cfg.keep_last);
+        let saver = Saver::new(manager.clone(), cfg.async_save);
+        Ok(Worker {
+            cfg,
+            run_dir,
+            group,
+            device,
+            ddp,
+            opt,
+            scaler,
+            train,
+            eval: Arc::new(eval),
+            options,
+            loader,
+            manager,
+            saver,
+            global_step: 0,
+            skipped_steps: 0,
+            train_time: 0.0,
+            samples_seen: 0,
+            last_eval: EvalMetrics::default(),
+            last_ckpt: None,
+        })
     }
 
-    let mut tb = if cfg.tensorboard && rank == 0 {
-        let dir = run_dir.join("tensorboard");
-        let writer = EventWriter::create(&dir)
-            .with_context(|| format!("creating a TensorBoard event file in {}", dir.display()))?;
-        Some(writer)
-    } else {
-        None
-    };
-    // Steps to the end of --epochs from where the loader stands (a resumed epoch may have been
-    // split over another world size, so count its batches rather than assume a full epoch).
-    let epochs_left = (cfg.epochs as u64).saturating_sub(loader.epoch());
-    let steps_to_end = match epochs_left {
-        0 => 0,
-        n => loader.batches_left() as u64 + (n - 1) * loader.len() as u64,
-    };
-    let max_steps = cfg.steps.unwrap_or(u64::MAX).min(global_step + steps_to_end);
-    let progress = Progress::new(rank == 0, max_steps, global_step);
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
 
-    let mut train_time = 0.0f64;
-    let mut samples_seen: u64 = 0;
-    let mut last_eval = EvalMetrics::default();
-    let mut last_ckpt: Option<PathBuf> = None;
-    let mut saver = Saver::new(manager.clone(), cfg.async_save);
-    let mut save = |name: &str,
-                    loader: &DataLoader<TrainData>,
-                    opt: &mut TrainOptimizer,
-                    scaler: &Option<GradScaler>,
-                    step: u64|
-     -> anyhow::Result<Option<PathBuf>> {
-        let optimizer = opt.checkpoint_state(rank)?;
-        let scaler = scaler.as_ref().map_or(Value::None, GradScaler::state_dict);
-        let state = CheckpointState { optimizer, scaler, sampler: loader.state(), step };
-        let value = checkpoint_value(&ddp.module(), state, world, cfg)?;
-        saver.save(rank, name, value, &group)
-    };
+    /// `--resume`: model, optimizer, loader position and loss scale from the newest checkpoint
+    /// that verifies (a fresh start when there is none).
+    fn resume(&mut self) -> anyhow::Result<()> {
+        let rank = self.rank();
+        let found = self.manager.latest_valid().context("looking for a checkpoint to resume")?;
+        let Some((path, value)) = found else {
+            if rank == 0 {
+                let dir = self.manager.dir().display();
+                eprintln!("--resume: no checkpoint in {dir}, starting fresh");
+            }
+            return Ok(());
+        };
+        let ck = TrainingCheckpoint::from_value(&value)
+            .with_context(|| format!("reading {}", path.display()))?;
+        load_weights(&self.ddp.module(), &path)?;
+        self.opt
+            .get_mut()
+            .load_state_dict(&ck.optimizer)
+            .with_context(|| format!("optimizer state in {}", path.display()))?;
+        let position = sampler_state_from_value(&ck.sampler).map_err(|problem| {
+            anyhow::anyhow!("{}: checkpoint `sampler`: {problem}", path.display())
+        })?;
+        self.loader.load_state(&position).with_context(|| {
+            format!("{}: checkpoint `sampler` does not fit this run", path.display())
+        })?;
+        match (self.scaler.as_mut(), &ck.scaler) {
+            (Some(s), Value::None) if rank == 0 => eprintln!(
+                "{}: no GradScaler state (written without --precision f16); the loss scale \
+                 starts at {}",
+                path.display(),
+                s.get_scale()
+            ),
+            (Some(_), Value::None) | (None, _) => {}
+            (Some(s), state) => s
+                .load_state_dict(state)
+                .with_context(|| format!("GradScaler state in {}", path.display()))?,
+        }
+        self.global_step = ck.global_step as u64;
+        if rank == 0 {
+            let (step, epoch) = (self.global_step, self.loader.epoch());
+            eprintln!("resumed from {} (epoch {epoch}, step {step})", path.display());
+            if ck.world_size as usize != self.group.size() {
+                eprintln!("{}", reshard_message(&position, self.group.size(), &self.loader));
+            }
+        }
+        Ok(())
+    }
 
-    while (loader.epoch() as usize) < cfg.epochs && global_step < max_steps {
-        let epoch = loader.epoch();
+    /// A checkpoint of the whole state now (a collective; see [`Saver::save`]).
+    fn save(&mut self, name: &str) -> anyhow::Result<()> {
+        let snapshot = Snapshot {
+            ddp: &self.ddp,
+            opt: &mut self.opt,
+            scaler: self.scaler.as_ref(),
+            loader: &self.loader,
+            step: self.global_step,
+        };
+        let written = save_checkpoint(name, snapshot, &mut self.saver, &self.group, self.cfg)?;
+        self.last_ckpt = written.or(self.last_ckpt.take());
+        Ok(())
+    }
+
+    /// Epochs until `--epochs` or `--steps`, each ending with an evaluation, a line (and
+    /// TensorBoard scalars) on rank 0, and a checkpoint.
+    fn train(&mut self) -> anyhow::Result<()> {
+        let cfg = self.cfg;
+        let mut tb = if cfg.tensorboard && self.rank() == 0 {
+            let dir = self.run_dir.join("tensorboard");
+            let writer = EventWriter::create(&dir).with_context(|| {
+                format!("creating a TensorBoard event file in {}", dir.display())
+            })?;
+            Some(writer)
+        } else {
+            None
+        };
+        // Steps to the end of --epochs from where the loader stands (a resumed epoch may have
+        // been split over another world size, so count its batches rather than assume a full
+        // epoch).
+        let epochs_left = (cfg.epochs as u64).saturating_sub(self.loader.epoch());
+        let steps_to_end = match epochs_left {
+            0 => 0,
+            n => self.loader.batches_left() as u64 + (n - 1) * self.loader.len() as u64,
+        };
+        let max_steps = cfg.steps.unwrap_or(u64::MAX).min(self.global_step + steps_to_end);
+        let progress = Progress::new(self.rank() == 0, max_steps, self.global_step);
+        while (self.loader.epoch() as usize) < cfg.epochs && self.global_step < max_steps {
+            let epoch = self.loader.epoch();
+            let train_loss = self.train_epoch(max_steps, &progress)?;
+            self.ddp.module().set_training(false);
+            self.last_eval =
+                evaluate(&self.ddp.module(), &self.eval, &self.group, &self.options, &self.device)?;
+            if self.rank() == 0 {
+                self.report_epoch(epoch, train_loss, &progress, tb.as_mut())?;
+            }
+            // End-of-epoch checkpoint, unless --save-every just wrote this step or the run is
+            // over (the final checkpoint is written by `finish`).
+            let step = self.global_step;
+            let just_saved = cfg.save_every > 0 && step.is_multiple_of(cfg.save_every);
+            if step < max_steps && (self.loader.epoch() as usize) < cfg.epochs && !just_saved {
+                self.save(&format!("step-{step:08}"))?;
+            }
+        }
+        progress.finish();
+        Ok(())
+    }
+
+    /// The rest of the current epoch (up to `max_steps`); returns the world's mean train loss.
+    fn train_epoch(&mut self, max_steps: u64, progress: &Progress) -> anyhow::Result<f64> {
+        // Disjoint borrows: the batch iterator holds the loader while checkpoints read it.
+        let Worker { cfg, group, ddp, opt, scaler, train, loader, saver, .. } = self;
+        let world = group.size();
         ddp.module().set_training(true);
         let started = Instant::now();
         let (mut loss_sum, mut loss_n) = (0.0f64, 0usize);
-        train.set_epoch(epoch);
+        train.set_epoch(loader.epoch());
         let mut batches = loader.iter()?;
         let in_epoch = batches.num_batches();
         let mut taken = 0usize;
-        while global_step < max_steps {
-            // Pulling past the last batch is what marks the epoch complete in the sampler state;
-            // never pull a batch the step budget will not use (it would count as consumed).
+        while self.global_step < max_steps {
+            // Pulling past the last batch is what marks the epoch complete in the sampler
+            // state; never pull a batch the step budget will not use (it would count as
+            // consumed).
             let Some(batch) = batches.next() else { break };
             taken += 1;
             let batch = batch?;
-            let loss = ddp.loss(&batch.x, &batch.y)?;
+            let loss = ddp.hooked().loss(&batch.x, &batch.y)?;
             match scaler.as_mut() {
                 // torch's recipe: backward of the scaled loss, step (skipped on inf/NaN), update.
                 Some(s) => {
                     let mut grads = ddp.backward(&s.scale(&loss)?)?;
                     if !s.step(opt.get_mut(), &mut grads)? {
-                        skipped_steps += 1;
+                        self.skipped_steps += 1;
                     }
                     s.update()?;
                 }
@@ -233,17 +314,17 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
                     opt.get_mut().step(&grads)?;
                 }
             }
-            global_step += 1;
-            samples_seen += (batch.len() * world) as u64;
+            self.global_step += 1;
+            self.samples_seen += (batch.len() * world) as u64;
             loss_sum += loss.to_scalar::<f32>()? as f64 * batch.len() as f64;
             loss_n += batch.len();
-            progress.step(global_step, loss_sum / loss_n.max(1) as f64);
-            if cfg.save_every > 0
-                && global_step.is_multiple_of(cfg.save_every)
-                && global_step < max_steps
-            {
-                let name = format!("step-{global_step:08}");
-                last_ckpt = save(&name, &loader, &mut opt, &scaler, global_step)?.or(last_ckpt);
+            progress.step(self.global_step, loss_sum / loss_n.max(1) as f64);
+            let (step, every) = (self.global_step, cfg.save_every);
+            if every > 0 && step.is_multiple_of(every) && step < max_steps {
+                let snapshot = Snapshot { ddp, opt, scaler: scaler.as_ref(), loader, step };
+                let written =
+                    save_checkpoint(&format!("step-{step:08}"), snapshot, saver, group, cfg)?;
+                self.last_ckpt = written.or(self.last_ckpt.take());
             }
         }
         if taken == in_epoch {
@@ -251,81 +332,106 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
             let _ = batches.next();
         }
         drop(batches);
-        train_time += started.elapsed().as_secs_f64();
-
-        ddp.module().set_training(false);
-        last_eval = evaluate(&ddp.module(), &eval, &group, &options, &device)?;
+        self.train_time += started.elapsed().as_secs_f64();
         let mut train_loss = [loss_sum, loss_n as f64];
         group.all_reduce(&mut train_loss, ReduceOp::Sum)?;
-        let train_loss = train_loss[0] / train_loss[1].max(1.0);
-        let sps = samples_seen as f64 / train_time.max(1e-9);
-        if rank == 0 {
-            let amp = scaler.as_ref().map_or(String::new(), |s| {
-                format!(" loss_scale={} skipped_steps={skipped_steps}", s.get_scale())
-            });
-            progress.line(&format!(
-                "epoch {}/{} step {global_step} loss={train_loss:.4} eval_loss={:.4} eval_accuracy={:.4} samples/s={sps:.0} lr={}{amp}",
-                epoch + 1,
-                cfg.epochs,
-                last_eval.mean_loss(),
-                last_eval.accuracy(),
-                opt.get().lr()
-            ));
-            if let Some(tb) = tb.as_mut() {
-                let write = |tb: &mut EventWriter| -> std::io::Result<()> {
-                    let s = global_step as i64;
-                    tb.add_scalar("train/loss", train_loss as f32, s)?;
-                    tb.add_scalar("train/lr", opt.get().lr() as f32, s)?;
-                    tb.add_scalar("train/samples_per_s", sps as f32, s)?;
-                    tb.add_scalar("eval/loss", last_eval.mean_loss() as f32, s)?;
-                    tb.add_scalar("eval/accuracy", last_eval.accuracy() as f32, s)?;
-                    tb.flush()
-                };
-                write(tb).with_context(|| {
-                    format!("writing TensorBoard events to {}", tb.path().display())
-                })?;
-            }
-        }
-        // End-of-epoch checkpoint, unless --save-every just wrote this step or the run is over
-        // (the final checkpoint is written below).
-        let just_saved = cfg.save_every > 0 && global_step.is_multiple_of(cfg.save_every);
-        if global_step < max_steps && (loader.epoch() as usize) < cfg.epochs && !just_saved {
-            let name = format!("step-{global_step:08}");
-            last_ckpt = save(&name, &loader, &mut opt, &scaler, global_step)?.or(last_ckpt);
-        }
+        Ok(train_loss[0] / train_loss[1].max(1.0))
     }
-    progress.finish();
 
-    let final_name = format!("step-{global_step:08}");
-    let written = save(&final_name, &loader, &mut opt, &scaler, global_step)?;
-    last_ckpt = written.or(last_ckpt);
-    saver.finish(rank, &group)?;
-    if let Some(path) = &cfg.save_final {
-        if rank == 0 {
-            save_weights(&ddp.module(), path)?;
-        }
-        group.barrier()?;
+    /// Rank 0's epoch line and TensorBoard scalars.
+    fn report_epoch(
+        &self,
+        epoch: u64,
+        train_loss: f64,
+        progress: &Progress,
+        tb: Option<&mut EventWriter>,
+    ) -> anyhow::Result<()> {
+        let (cfg, step, eval) = (self.cfg, self.global_step, &self.last_eval);
+        let sps = self.samples_seen as f64 / self.train_time.max(1e-9);
+        let lr = self.opt.get().lr();
+        let amp = self.scaler.as_ref().map_or(String::new(), |s| {
+            format!(" loss_scale={} skipped_steps={}", s.get_scale(), self.skipped_steps)
+        });
+        progress.line(&format!(
+            "epoch {}/{} step {step} loss={train_loss:.4} eval_loss={:.4} eval_accuracy={:.4} samples/s={sps:.0} lr={lr}{amp}",
+            epoch + 1,
+            cfg.epochs,
+            eval.mean_loss(),
+            eval.accuracy(),
+        ));
+        let Some(tb) = tb else { return Ok(()) };
+        let write = |tb: &mut EventWriter| -> std::io::Result<()> {
+            let s = step as i64;
+            tb.add_scalar("train/loss", train_loss as f32, s)?;
+            tb.add_scalar("train/lr", lr as f32, s)?;
+            tb.add_scalar("train/samples_per_s", sps as f32, s)?;
+            tb.add_scalar("eval/loss", eval.mean_loss() as f32, s)?;
+            tb.add_scalar("eval/accuracy", eval.accuracy() as f32, s)?;
+            tb.flush()
+        };
+        write(tb).with_context(|| format!("writing TensorBoard events to {}", tb.path().display()))
     }
-    if let Some(path) = &cfg.export_onnx {
-        if rank == 0 {
-            let summary = crate::cmd::export::write(cfg.model, &model_value(&ddp.module())?, path)
-                .context("--export-onnx")?;
-            eprintln!("{summary}");
+
+    /// The final checkpoint, `--save-final` and `--export-onnx`, then the summary.
+    fn finish(mut self) -> anyhow::Result<RunSummary> {
+        let (cfg, rank) = (self.cfg, self.rank());
+        let final_name = format!("step-{:08}", self.global_step);
+        self.save(&final_name)?;
+        self.saver.finish(rank, &self.group)?;
+        if let Some(path) = &cfg.save_final {
+            if rank == 0 {
+                save_weights(&self.ddp.module(), path)?;
+            }
+            self.group.barrier()?;
         }
-        group.barrier()?;
+        if let Some(path) = &cfg.export_onnx {
+            if rank == 0 {
+                let value = model_value(&self.ddp.module())?;
+                let summary =
+                    crate::cmd::export::write(cfg.model, &value, path).context("--export-onnx")?;
+                eprintln!("{summary}");
+            }
+            self.group.barrier()?;
+        }
+        Ok(RunSummary {
+            rank,
+            epochs: self.loader.epoch().min(cfg.epochs as u64),
+            steps: self.global_step,
+            eval_accuracy: self.last_eval.accuracy(),
+            samples_per_s: self.samples_seen as f64 / self.train_time.max(1e-9),
+            checkpoint: if rank == 0 {
+                self.last_ckpt.or_else(|| Some(self.manager.path_for(&final_name)))
+            } else {
+                None
+            },
+        })
     }
-    Ok(RunSummary {
-        rank,
-        epochs: loader.epoch().min(cfg.epochs as u64),
-        steps: global_step,
-        eval_accuracy: last_eval.accuracy(),
-        samples_per_s: samples_seen as f64 / train_time.max(1e-9),
-        checkpoint: if rank == 0 {
-            last_ckpt.or_else(|| Some(manager.path_for(&final_name)))
-        } else {
-            None
-        },
-    })
+}
+
+/// What a checkpoint reads from the job.
+struct Snapshot<'b> {
+    ddp: &'b Ddp<Net>,
+    opt: &'b mut TrainOptimizer,
+    scaler: Option<&'b GradScaler>,
+    loader: &'b DataLoader<TrainData>,
+    step: u64,
+}
+
+/// A checkpoint of `snapshot` named `name` (a collective; see [`Saver::save`]); the file rank 0
+/// writes.
+fn save_checkpoint(
+    name: &str,
+    snapshot: Snapshot<'_>,
+    saver: &mut Saver,
+    group: &ProcessGroup,
+    cfg: &TrainConfig,
+) -> anyhow::Result<Option<PathBuf>> {
+    let Snapshot { ddp, opt, scaler, loader, step } = snapshot;
+    let optimizer = opt.checkpoint_state(group.rank())?;
+    let scaler = scaler.map_or(Value::None, GradScaler::state_dict);
+    let state = CheckpointState { optimizer, scaler, sampler: loader.state(), step };
+    let value = checkpoint_value(&ddp.module(), state, group.size(), cfg)?;
+    saver.save(group.rank(), name, value, group)
 }
 
 /// Rank 0's checkpoint writes, synchronous or on a background thread (`--async-save`).
@@ -462,17 +568,17 @@ fn evaluate(
 /// Loads weights from a PyTorch or tandem file (any container, any wrapping) through the
 /// LoadReport path: strict, so a missing or mis-shaped key is an error listing all of them.
 pub fn load_weights(net: &Net, path: &Path) -> anyhow::Result<tandem_ckpt::LoadReport> {
-    tandem_ddp::weights::load_weights(net, path, true)
+    tandem_nn::weights::load_weights(net, path, true)
         .with_context(|| format!("loading weights from {}", path.display()))
 }
 
 fn model_value(net: &Net) -> anyhow::Result<Value> {
-    Ok(tandem_ddp::weights::state_dict_value(net)?)
+    Ok(tandem_nn::weights::state_dict_value(net)?)
 }
 
 /// Writes the model's weights with canonical keys: safetensors for `.safetensors`, else `.pt`.
 fn save_weights(net: &Net, path: &Path) -> anyhow::Result<()> {
-    tandem_ddp::weights::save_weights(net, path)
+    tandem_nn::weights::save_weights(net, path)
         .with_context(|| format!("saving weights to {}", path.display()))
 }
 

@@ -18,7 +18,7 @@
 mod library;
 mod watchdog;
 
-use crate::element::{DType, ReduceOp};
+use crate::element::{ReduceOp, WireType};
 use crate::error::CommError;
 use crate::store::Store;
 use library::{check_cuda, check_nccl, libraries, nccl_reason, Libraries, RawComm, RawStream};
@@ -33,7 +33,7 @@ pub use library::{nccl_library, NcclLibraryInfo};
 pub struct DeviceBuffer {
     pub ptr: u64,
     pub len: usize,
-    pub dtype: DType,
+    pub dtype: WireType,
 }
 
 /// A CUDA stream owned by the caller (`cudaStream_t`; a driver `CUstream` is the same object).
@@ -252,7 +252,7 @@ impl NcclComm {
 
     /// Returns once every rank has reached it (an all-reduce of one value, waited on the host).
     pub fn barrier(&self) -> Result<(), CommError> {
-        let buf = DeviceBuffer { ptr: self.shared.scratch.0 as u64, len: 1, dtype: DType::F32 };
+        let buf = DeviceBuffer { ptr: self.shared.scratch.0 as u64, len: 1, dtype: WireType::F32 };
         // SAFETY: the scratch value lives as long as the communicator.
         unsafe { self.all_reduce(buf, ReduceOp::Sum, None) }?.wait()
     }
@@ -464,15 +464,15 @@ fn unique_id(l: &Libraries, rv: &Rendezvous<'_>) -> Result<library::UniqueId, Co
 }
 
 /// `ncclDataType_t`.
-fn nccl_dtype(d: DType) -> c_int {
+fn nccl_dtype(d: WireType) -> c_int {
     match d {
-        DType::U8 => 1,
-        DType::I32 => 2,
-        DType::I64 => 4,
-        DType::F16 => 6,
-        DType::F32 => 7,
-        DType::F64 => 8,
-        DType::BF16 => 9,
+        WireType::U8 => 1,
+        WireType::I32 => 2,
+        WireType::I64 => 4,
+        WireType::F16 => 6,
+        WireType::F32 => 7,
+        WireType::F64 => 8,
+        WireType::BF16 => 9,
     }
 }
 
@@ -495,10 +495,17 @@ mod tests {
     fn dtypes_and_ops_have_nccl_s_codes() {
         // nccl.h: ncclUint8 = 1, ncclInt32 = 2, ncclInt64 = 4, ncclFloat16 = 6,
         // ncclFloat32 = 7, ncclFloat64 = 8, ncclBfloat16 = 9; ncclSum = 0 ... ncclAvg = 4.
-        let codes: Vec<c_int> =
-            [DType::U8, DType::I32, DType::I64, DType::F16, DType::F32, DType::F64, DType::BF16]
-                .map(nccl_dtype)
-                .to_vec();
+        let codes: Vec<c_int> = [
+            WireType::U8,
+            WireType::I32,
+            WireType::I64,
+            WireType::F16,
+            WireType::F32,
+            WireType::F64,
+            WireType::BF16,
+        ]
+        .map(nccl_dtype)
+        .to_vec();
         assert_eq!(codes, [1, 2, 4, 6, 7, 8, 9]);
         let ops: Vec<c_int> =
             [ReduceOp::Sum, ReduceOp::Product, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg]

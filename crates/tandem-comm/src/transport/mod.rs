@@ -11,7 +11,7 @@ pub(crate) mod tcp;
 use std::ops::Range;
 use std::time::Duration;
 
-use crate::element::{DType, ReduceOp};
+use crate::element::{ReduceOp, WireType};
 
 /// Which transport a group uses (`TANDEM_TRANSPORT=tcp|shm|mpi`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,7 +102,7 @@ pub(crate) trait NativeCollectives {
     fn all_reduce(
         &mut self,
         buf: &mut [u8],
-        dtype: DType,
+        dtype: WireType,
         op: ReduceOp,
         timeout: Duration,
     ) -> Result<bool, PeerError>;
@@ -110,7 +110,7 @@ pub(crate) trait NativeCollectives {
         &mut self,
         input: &[u8],
         output: &mut [u8],
-        dtype: DType,
+        dtype: WireType,
         op: ReduceOp,
         timeout: Duration,
     ) -> Result<bool, PeerError>;

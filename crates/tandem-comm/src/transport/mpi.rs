@@ -31,7 +31,7 @@ use mpi::topology::{Communicator, Group, SimpleCommunicator};
 use mpi::traits::Equivalence;
 
 use super::{FailKind, NativeCollectives, PeerError, Recv, Transport};
-use crate::element::{DType, ReduceOp};
+use crate::element::{ReduceOp, WireType};
 
 /// Set after a failure: the exit must abort the job instead of finalising.
 static BROKEN: AtomicBool = AtomicBool::new(false);
@@ -115,14 +115,14 @@ pub(crate) fn connect(
     Ok(MpiTransport { comm: Comm(comm), rank })
 }
 
-fn datatype(dtype: DType) -> Option<ffi::MPI_Datatype> {
+fn datatype(dtype: WireType) -> Option<ffi::MPI_Datatype> {
     Some(match dtype {
-        DType::F32 => f32::equivalent_datatype().as_raw(),
-        DType::F64 => f64::equivalent_datatype().as_raw(),
-        DType::I32 => i32::equivalent_datatype().as_raw(),
-        DType::I64 => i64::equivalent_datatype().as_raw(),
-        DType::U8 => u8::equivalent_datatype().as_raw(),
-        DType::F16 | DType::BF16 => return None,
+        WireType::F32 => f32::equivalent_datatype().as_raw(),
+        WireType::F64 => f64::equivalent_datatype().as_raw(),
+        WireType::I32 => i32::equivalent_datatype().as_raw(),
+        WireType::I64 => i64::equivalent_datatype().as_raw(),
+        WireType::U8 => u8::equivalent_datatype().as_raw(),
+        WireType::F16 | WireType::BF16 => return None,
     })
 }
 
@@ -322,7 +322,7 @@ impl NativeCollectives for MpiTransport {
     fn all_reduce(
         &mut self,
         buf: &mut [u8],
-        dtype: DType,
+        dtype: WireType,
         op: ReduceOp,
         timeout: Duration,
     ) -> Result<bool, PeerError> {
@@ -351,7 +351,7 @@ impl NativeCollectives for MpiTransport {
         &mut self,
         input: &[u8],
         output: &mut [u8],
-        dtype: DType,
+        dtype: WireType,
         op: ReduceOp,
         timeout: Duration,
     ) -> Result<bool, PeerError> {

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
-use tandem_ddp::comm::{GradComm, LocalGroup};
-use tandem_ddp::models::Mlp;
-use tandem_ddp::optim::{Sgd, SgdConfig, TorchOptimizer};
-use tandem_ddp::ParamModule;
+use tandem_comm::{Collectives, LocalGroup};
+use tandem_models::Mlp;
+use tandem_nn::ParamModule;
+use tandem_optim::{SgdConfig, TorchSgd};
 
 pub const DIMS: [usize; 4] = [12, 32, 16, 5];
 
@@ -50,7 +50,7 @@ pub fn max_abs_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
 /// One process, whole batch, `micro` gradient-accumulation micro-batches per step.
 pub fn reference(steps: usize, batch: usize, micro: usize) -> Vec<(String, Vec<f32>)> {
     let model = Mlp::new(&DIMS, 7, &Device::Cpu).unwrap();
-    let mut opt = Sgd::new(model.params().vars(), sgd_cfg()).unwrap();
+    let mut opt = TorchSgd::new(model.params(), sgd_cfg()).unwrap();
     for s in 0..steps {
         let (x, y) = data(batch, 100 + s as u64);
         let m = batch / micro;
@@ -73,7 +73,7 @@ pub fn reference(steps: usize, batch: usize, micro: usize) -> Vec<(String, Vec<f
 /// Runs `f(rank, group)` on `world` threads over an in-process group.
 pub fn run_local<T: Send + 'static>(
     world: usize,
-    f: impl Fn(Arc<dyn GradComm>) -> T + Send + Sync + Clone + 'static,
+    f: impl Fn(Arc<dyn Collectives>) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
     let handles: Vec<_> = LocalGroup::with_timeout(world, Duration::from_secs(30))
         .into_iter()
@@ -91,7 +91,7 @@ pub fn run_local<T: Send + 'static>(
 pub fn run_pg<T: Send + 'static>(
     world: usize,
     transport: tandem_comm::TransportKind,
-    f: impl Fn(Arc<dyn GradComm>) -> T + Send + Sync + Clone + 'static,
+    f: impl Fn(Arc<dyn Collectives>) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
     let mut opts = tandem_testutil::test_options(transport);
     opts.timeout = Duration::from_secs(20);

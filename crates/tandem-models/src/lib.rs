@@ -1,0 +1,14 @@
+//! tandem-models: reference models for training jobs and benchmarks, with PyTorch's parameter
+//! names, layouts and default initialisation (seeded), and [`ModelKind`], the one list of
+//! built-in architectures. `Mlp` and `Cnn` read their parameters through a
+//! [`tandem_nn::ParamSet`] so Ddp can hook them; `ResNet` is a stock-style candle-nn model on a
+//! `VarMap`.
+mod cnn;
+mod kind;
+mod mlp;
+mod resnet;
+
+pub use cnn::Cnn;
+pub use kind::{ModelKind, UnknownModel};
+pub use mlp::{targets, Mlp};
+pub use resnet::ResNet;

@@ -1,0 +1,328 @@
+//! `BatchNorm2d` for VarBuilder-built models, PyTorch's `nn.BatchNorm2d` with a switch that
+//! makes it `nn.SyncBatchNorm`.
+//!
+//! Same variables and names as PyTorch (`weight`, `bias`, and the buffers `running_mean`,
+//! `running_var`, `num_batches_tracked`, the last an i64 scalar), so state dicts move both ways
+//! and Ddp recognises the buffers. Training mode normalises with the batch's mean and biased
+//! variance and updates the running statistics with momentum 0.1 and the unbiased variance;
+//! eval mode uses the running statistics.
+//!
+//! Synchronised (after [`convert_sync_batchnorm`] or [`BatchNorm2d::set_sync`]), training mode
+//! takes the mean and variance over the union of every rank's batch: the per-channel sums and
+//! counts, then the sums of squared deviations, go through a differentiable all-reduce
+//! ([`super::all_reduce_sum`]), so backward reduces their gradients across ranks too, as
+//! PyTorch's SyncBatchNorm does. Those are collectives on the main thread: give the layers a
+//! group of their own (`group.new_group(&all_ranks)`) when the model is wrapped by a Ddp that
+//! overlaps its bucket all-reduces with backward (a [`crate::ParamSet`] model), so the two
+//! streams of collectives cannot interleave differently on different ranks. A VarMap model's
+//! buckets are reduced after backward, so the Ddp group itself is safe there.
+use std::sync::{Arc, RwLock};
+
+use candle_core::{DType, Tensor, Var};
+use candle_nn::{Init, ModuleT, VarBuilder};
+
+use super::all_reduce::all_reduce_sum;
+use crate::kernels::batch_norm::{batch_norm_train, batch_norm_train_act};
+use crate::kernels::relu::relu;
+use tandem_comm::Collectives;
+
+const EPS: f64 = 1e-5;
+const MOMENTUM: f64 = 0.1;
+
+pub struct BatchNorm2d {
+    /// Where the layer sits in the model (`layer1.0.bn1`), for error messages.
+    path: String,
+    weight: Tensor,
+    bias: Tensor,
+    running_mean: Var,
+    running_var: Var,
+    num_batches_tracked: Var,
+    sync: RwLock<Option<Arc<dyn Collectives>>>,
+}
+
+/// `nn.BatchNorm2d(channels)` (eps 1e-5, momentum 0.1, affine, tracking running statistics),
+/// its variables under `vb`'s path.
+pub fn batch_norm2d(channels: usize, vb: VarBuilder) -> candle_core::Result<BatchNorm2d> {
+    let weight = vb.get_with_hints(channels, "weight", Init::Const(1.0))?;
+    let bias = vb.get_with_hints(channels, "bias", Init::Const(0.0))?;
+    let running_mean = vb.get_with_hints(channels, "running_mean", Init::Const(0.0))?;
+    let running_var = vb.get_with_hints(channels, "running_var", Init::Const(1.0))?;
+    let num_batches_tracked =
+        vb.get_with_hints_dtype((), "num_batches_tracked", Init::Const(0.0), DType::I64)?;
+    Ok(BatchNorm2d {
+        path: vb.prefix(),
+        weight,
+        bias,
+        running_mean: Var::from_tensor(&running_mean)?,
+        running_var: Var::from_tensor(&running_var)?,
+        num_batches_tracked: Var::from_tensor(&num_batches_tracked)?,
+        sync: RwLock::new(None),
+    })
+}
+
+impl BatchNorm2d {
+    /// Synchronise batch statistics over `comm`'s ranks (`Some`), or go back to this rank's
+    /// batch alone (`None`).
+    pub fn set_sync(&self, comm: Option<Arc<dyn Collectives>>) {
+        *self.sync.write().unwrap_or_else(|p| p.into_inner()) = comm;
+    }
+
+    pub fn is_sync(&self) -> bool {
+        self.sync.read().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    pub fn running_mean(&self) -> &Tensor {
+        self.running_mean.as_tensor()
+    }
+
+    pub fn running_var(&self) -> &Tensor {
+        self.running_var.as_tensor()
+    }
+
+    /// `relu(self(x))`, fused into one kernel in training mode on the CPU (unsynchronised).
+    pub fn forward_t_relu(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        let sync = self.is_sync();
+        if train && !sync && x.device().is_cpu() && x.dtype() == DType::F32 && x.rank() == 4 {
+            self.check_input(x)?;
+            let (y, mean, var, count) =
+                batch_norm_train_act(x, &self.weight, &self.bias, EPS, true)?;
+            let (mean, var) = (Tensor::new(mean, x.device())?, Tensor::new(var, x.device())?);
+            self.update_running(&mean, &var, count as f64)?;
+            return Ok(y);
+        }
+        relu(&self.forward_t(x, train)?)
+    }
+
+    fn check_input(&self, x: &Tensor) -> candle_core::Result<()> {
+        if x.rank() != 4 || x.dim(1)? != self.weight.dim(0)? {
+            candle_core::bail!(
+                "BatchNorm2d `{}` expects [N, {}, H, W], got {:?}",
+                self.path,
+                self.weight.dim(0)?,
+                x.dims()
+            )
+        }
+        Ok(())
+    }
+
+    fn forward_train(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (n, c, h, w) = x.dims4()?;
+        let comm = self.sync.read().unwrap_or_else(|p| p.into_inner()).clone();
+        if comm.is_none() && x.device().is_cpu() && x.dtype() == DType::F32 {
+            // One process's statistics: the fused CPU kernel.
+            let (y, mean, var, count) = batch_norm_train(x, &self.weight, &self.bias, EPS)?;
+            let (mean, var) = (Tensor::new(mean, x.device())?, Tensor::new(var, x.device())?);
+            self.update_running(&mean, &var, count as f64)?;
+            return Ok(y);
+        }
+        let local_count = (n * h * w) as f64;
+        let dims = (0, 2, 3);
+        // Per-channel sums, then (synchronised) their all-rank totals.
+        let sum = x.sum_keepdim(dims)?.flatten_all()?;
+        let (sum, count) = match &comm {
+            None => (sum, local_count),
+            Some(comm) => {
+                let with_count =
+                    Tensor::cat(&[&sum, &Tensor::new(&[local_count as f32], x.device())?], 0)?;
+                let what = format!("SyncBatchNorm `{}` batch mean", self.path);
+                let total = all_reduce_sum(&with_count, comm, &what)?;
+                let count = total.get(c)?.to_scalar::<f32>()? as f64;
+                (total.narrow(0, 0, c)?, count)
+            }
+        };
+        let mean = (sum / count)?;
+        let centered = x.broadcast_sub(&mean.reshape((1, c, 1, 1))?)?;
+        let squares = centered.sqr()?.sum_keepdim(dims)?.flatten_all()?;
+        let squares = match &comm {
+            None => squares,
+            Some(comm) => {
+                let what = format!("SyncBatchNorm `{}` batch variance", self.path);
+                all_reduce_sum(&squares, comm, &what)?
+            }
+        };
+        let var = (squares / count)?;
+        self.update_running(&mean, &var, count)?;
+        let scale = (self.weight.as_ref() / (var + EPS)?.sqrt()?)?.reshape((1, c, 1, 1))?;
+        centered.broadcast_mul(&scale)?.broadcast_add(&self.bias.reshape((1, c, 1, 1))?)
+    }
+
+    fn update_running(&self, mean: &Tensor, var: &Tensor, count: f64) -> candle_core::Result<()> {
+        let unbiased = if count > 1.0 { count / (count - 1.0) } else { 1.0 };
+        let blend = |running: &Var, batch: Tensor| -> candle_core::Result<()> {
+            running.set(&((running.as_tensor() * (1.0 - MOMENTUM))? + (batch * MOMENTUM)?)?)
+        };
+        blend(&self.running_mean, mean.detach())?;
+        blend(&self.running_var, (var.detach() * unbiased)?)?;
+        let tracked = &self.num_batches_tracked;
+        tracked.set(&(tracked.as_tensor() + Tensor::new(1i64, tracked.device())?)?)
+    }
+
+    fn forward_eval(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let c = x.dim(1)?;
+        let mean = self.running_mean.as_detached_tensor().reshape((1, c, 1, 1))?;
+        let std = (self.running_var.as_detached_tensor() + EPS)?.sqrt()?;
+        let scale = (self.weight.as_ref() / std)?.reshape((1, c, 1, 1))?;
+        x.broadcast_sub(&mean)?
+            .broadcast_mul(&scale)?
+            .broadcast_add(&self.bias.reshape((1, c, 1, 1))?)
+    }
+}
+
+impl ModuleT for BatchNorm2d {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        self.check_input(x)?;
+        if train {
+            self.forward_train(x)
+        } else {
+            self.forward_eval(x)
+        }
+    }
+}
+
+/// A model that can list its BatchNorm layers (for [`convert_sync_batchnorm`]).
+pub trait HasBatchNorm {
+    fn batch_norms(&self) -> Vec<&BatchNorm2d>;
+}
+
+/// PyTorch's `nn.SyncBatchNorm.convert_sync_batchnorm(model, group)`: every BatchNorm layer
+/// of `model` reduces its statistics over `comm` (see the module docs for which group to pass).
+/// Returns how many layers were switched.
+pub fn convert_sync_batchnorm(
+    model: &(impl HasBatchNorm + ?Sized),
+    comm: Arc<dyn Collectives>,
+) -> usize {
+    let layers = model.batch_norms();
+    for bn in &layers {
+        bn.set_sync(Some(comm.clone()));
+    }
+    layers.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use candle_nn::VarMap;
+    use tandem_comm::LocalGroup;
+
+    fn input(seed: u32, n: usize) -> Tensor {
+        let data: Vec<f32> = (0..n * 3 * 2 * 2)
+            .map(|i| ((i as u32 * 7919 + seed * 104729) % 97) as f32 / 13.0)
+            .collect();
+        Tensor::from_vec(data, (n, 3, 2, 2), &Device::Cpu).unwrap()
+    }
+
+    /// The fused BatchNorm+ReLU equals ReLU after the BatchNorm (itself checked against torch in
+    /// tests/conv_torch.rs), values and gradients, and so does the ReLU kernel vs candle's.
+    #[test]
+    fn fused_relu_equals_relu_after_batch_norm() {
+        let run = |fused: bool| {
+            let vm = VarMap::new();
+            let bn =
+                batch_norm2d(3, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap();
+            vm.data().lock().unwrap()["bias"]
+                .set(&Tensor::new(&[0.3f32, -0.2, 0.0], &Device::Cpu).unwrap())
+                .unwrap();
+            let x =
+                Var::from_tensor(&Tensor::cat(&[&input(1, 2), &input(2, 3)], 0).unwrap()).unwrap();
+            let y = if fused {
+                bn.forward_t_relu(x.as_tensor(), true).unwrap()
+            } else {
+                bn.forward_t(x.as_tensor(), true).unwrap().relu().unwrap()
+            };
+            let weights = Tensor::arange(0f32, y.elem_count() as f32, &Device::Cpu)
+                .unwrap()
+                .reshape(y.shape())
+                .unwrap();
+            let g = (y.clone() * weights).unwrap().sum_all().unwrap().backward().unwrap();
+            let gw = g.get(&vm.data().lock().unwrap()["weight"]).unwrap().clone();
+            (y, g.get(x.as_tensor()).unwrap().clone(), gw, bn.running_var().clone())
+        };
+        let (a, b) = (run(true), run(false));
+        for (name, p, q) in [
+            ("y", &a.0, &b.0),
+            ("gx", &a.1, &b.1),
+            ("gweight", &a.2, &b.2),
+            ("running_var", &a.3, &b.3),
+        ] {
+            let d = (p - q).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(d < 1e-4, "{name}: {d}");
+        }
+        assert!(
+            a.0.flatten_all().unwrap().to_vec1::<f32>().unwrap().contains(&0.0),
+            "some outputs are clamped"
+        );
+        let x = Var::from_tensor(&(input(3, 2) - 3.0).unwrap()).unwrap();
+        let ours = crate::kernels::relu::relu(x.as_tensor()).unwrap();
+        let theirs = x.as_tensor().relu().unwrap();
+        assert_eq!(
+            ours.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            theirs.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+        let r = Tensor::arange(0f32, 24.0, &Device::Cpu).unwrap().reshape((2, 3, 2, 2)).unwrap();
+        let ga = (ours * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        let gb = (theirs * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_eq!(
+            ga.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            gb.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+    }
+
+    /// Two synchronised ranks with halves of a batch give the outputs, statistics and input
+    /// gradients of one unsynchronised layer on the whole batch.
+    #[test]
+    fn synchronised_halves_equal_the_whole_batch() {
+        let whole = Tensor::cat(&[&input(1, 2), &input(2, 3)], 0).unwrap();
+        let reference = {
+            let vm = VarMap::new();
+            let bn =
+                batch_norm2d(3, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap();
+            let x = Var::from_tensor(&whole).unwrap();
+            let y = bn.forward_t(x.as_tensor(), true).unwrap();
+            let weights = Tensor::arange(0f32, y.elem_count() as f32, &Device::Cpu)
+                .unwrap()
+                .reshape(y.shape())
+                .unwrap();
+            let g = (y.clone() * weights).unwrap().sum_all().unwrap().backward().unwrap();
+            (y, g.get(x.as_tensor()).unwrap().clone(), bn.running_var().clone())
+        };
+        let hs: Vec<_> = LocalGroup::new(2)
+            .into_iter()
+            .map(|g| {
+                std::thread::spawn(move || {
+                    let rank = g.rank();
+                    let vm = VarMap::new();
+                    let bn =
+                        batch_norm2d(3, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))
+                            .unwrap();
+                    bn.set_sync(Some(Arc::new(g)));
+                    let (n, start) = if rank == 0 { (2, 0) } else { (3, 2) };
+                    let x = Var::from_tensor(&input(rank as u32 + 1, n)).unwrap();
+                    let y = bn.forward_t(x.as_tensor(), true).unwrap();
+                    let weights = Tensor::arange(
+                        (start * 12) as f32,
+                        ((start + n) * 12) as f32,
+                        &Device::Cpu,
+                    )
+                    .unwrap()
+                    .reshape(y.shape())
+                    .unwrap();
+                    let g = (y.clone() * weights).unwrap().sum_all().unwrap().backward().unwrap();
+                    (y, g.get(x.as_tensor()).unwrap().clone(), bn.running_var().clone())
+                })
+            })
+            .collect();
+        let parts: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        let cat = |f: fn(&(Tensor, Tensor, Tensor)) -> &Tensor| {
+            Tensor::cat(&parts.iter().map(f).collect::<Vec<_>>(), 0).unwrap()
+        };
+        let close = |a: &Tensor, b: &Tensor| {
+            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(d < 1e-4, "max difference {d}");
+        };
+        close(&cat(|p| &p.0), &reference.0);
+        close(&cat(|p| &p.1), &reference.1);
+        close(&parts[0].2, &reference.2);
+        close(&parts[1].2, &reference.2);
+    }
+}

@@ -1,0 +1,191 @@
+//! candle `Tensor` <-> `tandem_ckpt::TensorData` (PyTorch's storage model), for checkpoints.
+//! Floating dtypes and i64/u8 map one to one; other checkpoint dtypes are an error naming the key.
+use candle_core::{DType as CDType, Device, Tensor};
+use tandem_ckpt::{ElemType, MapLocation};
+
+use crate::error::{NnError, Result};
+
+/// The checkpoint dtype a candle tensor of dtype `d` is saved as (u32 has no torch dtype and is
+/// stored as int32).
+pub fn ckpt_dtype(d: CDType) -> ElemType {
+    match d {
+        CDType::F64 => ElemType::F64,
+        CDType::F16 => ElemType::F16,
+        CDType::BF16 => ElemType::BF16,
+        CDType::I64 => ElemType::I64,
+        CDType::U32 => ElemType::I32,
+        CDType::U8 => ElemType::U8,
+        _ => ElemType::F32,
+    }
+}
+
+/// A contiguous checkpoint tensor with the same dtype, shape and values.
+pub fn to_ckpt(t: &Tensor) -> Result<tandem_ckpt::TensorData> {
+    let shape = t.dims().to_vec();
+    let flat = t.flatten_all()?;
+    Ok(match t.dtype() {
+        CDType::F32 => tandem_ckpt::TensorData::from_f32(&shape, &flat.to_vec1::<f32>()?),
+        CDType::F64 => tandem_ckpt::TensorData::from_f64(&shape, &flat.to_vec1::<f64>()?),
+        CDType::I64 => tandem_ckpt::TensorData::from_i64(&shape, &flat.to_vec1::<i64>()?),
+        CDType::F16 => {
+            let v = flat.to_vec1::<half::f16>()?;
+            tandem_ckpt::TensorData::from_bytes(
+                ElemType::F16,
+                &shape,
+                bytemuck::cast_slice(&v).to_vec(),
+            )
+        }
+        CDType::BF16 => {
+            let v = flat.to_vec1::<half::bf16>()?;
+            tandem_ckpt::TensorData::from_bytes(
+                ElemType::BF16,
+                &shape,
+                bytemuck::cast_slice(&v).to_vec(),
+            )
+        }
+        CDType::U8 => {
+            tandem_ckpt::TensorData::from_bytes(ElemType::U8, &shape, flat.to_vec1::<u8>()?)
+        }
+        other => {
+            return Err(NnError::TensorConversion {
+                key: None,
+                reason: format!("candle dtype {other:?} has no checkpoint equivalent"),
+            })
+        }
+    })
+}
+
+/// A candle tensor on `device` with the checkpoint tensor's dtype, shape and values.
+pub fn from_ckpt(t: &tandem_ckpt::TensorData, device: &Device) -> Result<Tensor> {
+    let shape = t.shape.clone();
+    let bytes = t.contiguous_bytes();
+    let le = cfg!(target_endian = "little");
+    if !le {
+        return Err(NnError::TensorConversion {
+            key: None,
+            reason: "big-endian hosts are not supported".into(),
+        });
+    }
+    Ok(match t.dtype {
+        ElemType::F32 => Tensor::from_vec(t.to_f32_vec(), shape, device)?,
+        ElemType::F64 => Tensor::from_vec(t.to_f64_vec(), shape, device)?,
+        ElemType::I64 => Tensor::from_vec(t.to_i64_vec(), shape, device)?,
+        ElemType::F16 => {
+            Tensor::from_vec(bytemuck::pod_collect_to_vec::<u8, half::f16>(&bytes), shape, device)?
+        }
+        ElemType::BF16 => {
+            Tensor::from_vec(bytemuck::pod_collect_to_vec::<u8, half::bf16>(&bytes), shape, device)?
+        }
+        ElemType::U8 => Tensor::from_vec(bytes.to_vec(), shape, device)?,
+        other => {
+            return Err(NnError::TensorConversion {
+                key: None,
+                reason: format!("checkpoint dtype {} has no candle equivalent", other.torch_name()),
+            })
+        }
+    })
+}
+
+/// Names the key in a conversion error (other errors pass through).
+fn with_key(e: NnError, k: &str) -> NnError {
+    match e {
+        NnError::TensorConversion { reason, .. } => {
+            NnError::TensorConversion { key: Some(k.to_string()), reason }
+        }
+        NnError::Candle(e) => {
+            NnError::TensorConversion { key: Some(k.to_string()), reason: e.to_string() }
+        }
+        other => other,
+    }
+}
+
+/// `module.state_dict()` → checkpoint tensors (names unchanged).
+pub fn state_dict_to_ckpt(
+    state: &[(String, Tensor)],
+) -> Result<Vec<(String, tandem_ckpt::TensorData)>> {
+    state.iter().map(|(k, t)| Ok((k.clone(), to_ckpt(t).map_err(|e| with_key(e, k))?))).collect()
+}
+
+/// Checkpoint tensors → what `ParamModule::load_state_dict` takes.
+pub fn state_dict_from_ckpt(
+    state: &[(String, tandem_ckpt::TensorData)],
+    device: &Device,
+) -> Result<Vec<(String, Tensor)>> {
+    state
+        .iter()
+        .map(|(k, t)| Ok((k.clone(), from_ckpt(t, device).map_err(|e| with_key(e, k))?)))
+        .collect()
+}
+
+/// The candle device of a `map_location` (`cpu`, `cuda:N`). Each rank names its own GPU, so
+/// loading never allocates on GPU 0 for the others (the bytes are read into host memory and
+/// copied once, straight to the named device).
+pub fn map_location_device(loc: MapLocation) -> Result<Device> {
+    match loc {
+        MapLocation::Cpu => Ok(Device::Cpu),
+        #[cfg(feature = "cuda")]
+        MapLocation::Cuda(i) => {
+            Device::new_cuda(i).map_err(|e| NnError::Device(format!("map_location cuda:{i}: {e}")))
+        }
+        #[cfg(not(feature = "cuda"))]
+        MapLocation::Cuda(i) => Err(NnError::Device(format!(
+            "map_location cuda:{i}: this build has no CUDA support (build with the `cuda` feature)"
+        ))),
+    }
+}
+
+/// `torch.load(path, map_location=...)` for a state dict: every tensor of the file (nested
+/// dicts flattened to dotted keys), on the device `map_location` names.
+pub fn load_tensors(
+    path: &std::path::Path,
+    map_location: MapLocation,
+) -> Result<Vec<(String, Tensor)>> {
+    let device = map_location_device(map_location)?;
+    let opts = tandem_ckpt::LoadOptions { map_location, ..Default::default() };
+    let value = tandem_ckpt::load_with(path, &opts)?;
+    state_dict_from_ckpt(&tandem_ckpt::safetensors::flatten_tensors(&value)?, &device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn map_location_places_tensors_and_refuses_a_gpu_this_build_lacks() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sd.pt");
+        let t = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], 3, &Device::Cpu).unwrap();
+        let value = tandem_ckpt::Value::dict_from([(
+            "fc.weight",
+            tandem_ckpt::Value::Tensor(to_ckpt(&t).unwrap()),
+        )]);
+        tandem_ckpt::save(&path, &value).unwrap();
+        let loaded = load_tensors(&path, "cpu".parse().unwrap()).unwrap();
+        assert_eq!(loaded.len(), 1);
+        assert_eq!(loaded[0].0, "fc.weight");
+        assert!(loaded[0].1.device().is_cpu());
+        assert_eq!(loaded[0].1.to_vec1::<f32>().unwrap(), [1.0, 2.0, 3.0]);
+        if !cfg!(feature = "cuda") {
+            let err = load_tensors(&path, "cuda:1".parse().unwrap()).unwrap_err().to_string();
+            assert!(err.contains("map_location cuda:1") && err.contains("`cuda` feature"), "{err}");
+        }
+    }
+
+    #[test]
+    fn round_trips_f32_and_i64_and_rejects_bool() {
+        let d = Device::Cpu;
+        let t = Tensor::from_vec(vec![1.5f32, -2.0, 3.25, 0.0, 7.0, 8.0], (2, 3), &d).unwrap();
+        let k = to_ckpt(&t).unwrap();
+        assert_eq!(k.shape, vec![2, 3]);
+        assert_eq!(k.to_f32_vec(), vec![1.5, -2.0, 3.25, 0.0, 7.0, 8.0]);
+        let back = from_ckpt(&k, &d).unwrap();
+        assert_eq!(back.to_vec2::<f32>().unwrap(), t.to_vec2::<f32>().unwrap());
+        let i = Tensor::new(5i64, &d).unwrap();
+        let ki = to_ckpt(&i).unwrap();
+        assert_eq!(ki.shape, Vec::<usize>::new());
+        assert_eq!(from_ckpt(&ki, &d).unwrap().to_scalar::<i64>().unwrap(), 5);
+        let b = tandem_ckpt::TensorData::from_bytes(ElemType::Bool, &[1], vec![1]);
+        let err = state_dict_from_ckpt(&[("mask".into(), b)], &d).unwrap_err().to_string();
+        assert!(err.contains("mask") && err.contains("bool"), "{err}");
+    }
+}

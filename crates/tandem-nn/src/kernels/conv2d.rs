@@ -1,0 +1,486 @@
+//! `conv2d` on the CPU as im2col + gemm, forward and backward, as a candle custom op.
+//!
+//! Why: candle's CPU convolution backward computes the input gradient with a transposed
+//! convolution and the weight gradient with a dilated convolution whose "kernel" is the whole
+//! output gradient — direct loops that run an order of magnitude slower than the forward. Here
+//! all three products are gemms over an im2col buffer (rebuilt in backward rather than kept):
+//!
+//! * forward, per image: `y[O, P] = w[O, K] · col[K, P]` (K = C·kh·kw, P = Ho·Wo);
+//! * weight gradient: `gw[O, K] = Σ_images gy[O, P] · col[K, P]ᵀ`, no transposed convolution;
+//! * input gradient, only when the input is in the autograd graph (not for the data):
+//!   `gcol[K, P] = w[O, K]ᵀ · gy[O, P]`, scattered back by col2im.
+//!
+//! A 1x1 stride-1 unpadded convolution skips im2col (the image is its own `col`). Images are
+//! spread over the rayon threads (`RAYON_NUM_THREADS`, which `tandem run` sets to cores per
+//! rank); a batch smaller than the thread count parallelises inside each gemm instead.
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+
+use rayon::prelude::*;
+
+use super::matmul::{matmul, View};
+use crate::kernels::with_f32_slice;
+
+/// Stride, padding and dilation, the same in both spatial dimensions (candle-nn's config).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvParams {
+    pub stride: usize,
+    pub padding: usize,
+    pub dilation: usize,
+}
+
+/// The geometry of one convolution.
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    n: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    o: usize,
+    kh: usize,
+    kw: usize,
+    ho: usize,
+    wo: usize,
+    p: ConvParams,
+}
+
+impl Geometry {
+    fn new(x: &[usize], k: &[usize], p: ConvParams) -> candle_core::Result<Self> {
+        let (&[n, c, h, w], &[o, kc, kh, kw]) = (x, k) else {
+            candle_core::bail!("conv2d: expected input [N, C, H, W] and weight [O, C, kh, kw], got {x:?} and {k:?}")
+        };
+        if kc != c {
+            candle_core::bail!("conv2d: input has {c} channels, weight {k:?} expects {kc}")
+        }
+        if p.stride == 0 || p.dilation == 0 {
+            candle_core::bail!("conv2d: stride and dilation must be >= 1, got {p:?}")
+        }
+        let out = |size: usize, k: usize| {
+            let span = p.dilation * (k - 1) + 1;
+            (size + 2 * p.padding).checked_sub(span).map(|s| s / p.stride + 1)
+        };
+        let (Some(ho), Some(wo)) = (out(h, kh), out(w, kw)) else {
+            candle_core::bail!("conv2d: kernel {kh}x{kw} (dilation {}) is larger than the padded input {h}x{w} (padding {})", p.dilation, p.padding)
+        };
+        Ok(Geometry { n, c, h, w, o, kh, kw, ho, wo, p })
+    }
+
+    fn k(&self) -> usize {
+        self.c * self.kh * self.kw
+    }
+
+    fn pixels(&self) -> usize {
+        self.ho * self.wo
+    }
+
+    fn image_len(&self) -> usize {
+        self.c * self.h * self.w
+    }
+
+    fn out_len(&self) -> usize {
+        self.o * self.pixels()
+    }
+
+    /// The image is its own im2col matrix.
+    fn is_pointwise(&self) -> bool {
+        self.kh == 1 && self.kw == 1 && self.p.stride == 1 && self.p.padding == 0
+    }
+
+    /// The outputs `o` whose input `o * stride + k * dilation - padding` lies in `0..size`.
+    #[inline]
+    fn valid(&self, k: usize, size: usize, outputs: usize) -> std::ops::Range<usize> {
+        let (s, offset) = (self.p.stride, k * self.p.dilation);
+        let lo = self.p.padding.saturating_sub(offset).div_ceil(s);
+        // Largest o with o * s + offset - padding <= size - 1.
+        let hi = (size + self.p.padding).checked_sub(offset + 1).map_or(0, |top| top / s + 1);
+        lo.min(outputs)..hi.min(outputs).max(lo.min(outputs))
+    }
+
+    /// `col[K, P]` of one image, row `r` starting at `col[r * row_stride]`.
+    fn im2col(&self, image: &[f32], col: &mut [f32], row_stride: usize) {
+        let (pixels, s) = (self.pixels(), self.p.stride);
+        for ci in 0..self.c {
+            let plane = &image[ci * self.h * self.w..(ci + 1) * self.h * self.w];
+            for ky in 0..self.kh {
+                let rows = self.valid(ky, self.h, self.ho);
+                for kx in 0..self.kw {
+                    let cols = self.valid(kx, self.w, self.wo);
+                    let row = (ci * self.kh + ky) * self.kw + kx;
+                    let dst = &mut col[row * row_stride..row * row_stride + pixels];
+                    for oy in 0..self.ho {
+                        let line = &mut dst[oy * self.wo..(oy + 1) * self.wo];
+                        if !rows.contains(&oy) || cols.is_empty() {
+                            line.fill(0.0);
+                            continue;
+                        }
+                        let iy = oy * s + ky * self.p.dilation - self.p.padding;
+                        let src = &plane[iy * self.w..(iy + 1) * self.w];
+                        line[..cols.start].fill(0.0);
+                        line[cols.end..].fill(0.0);
+                        let ix0 = cols.start * s + kx * self.p.dilation - self.p.padding;
+                        if s == 1 {
+                            line[cols.clone()].copy_from_slice(&src[ix0..ix0 + cols.len()]);
+                        } else {
+                            for (v, ix) in line[cols.clone()].iter_mut().zip((ix0..).step_by(s)) {
+                                *v = src[ix];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Adds `col[K, P]` (row `r` at `col[r * row_stride]`) back into the image gradient (the
+    /// adjoint of `im2col`).
+    fn col2im(&self, col: &[f32], image: &mut [f32], row_stride: usize) {
+        let s = self.p.stride;
+        image.fill(0.0);
+        for ci in 0..self.c {
+            let plane = &mut image[ci * self.h * self.w..(ci + 1) * self.h * self.w];
+            for ky in 0..self.kh {
+                let rows = self.valid(ky, self.h, self.ho);
+                for kx in 0..self.kw {
+                    let cols = self.valid(kx, self.w, self.wo);
+                    if cols.is_empty() {
+                        continue;
+                    }
+                    let row = (ci * self.kh + ky) * self.kw + kx;
+                    let src = &col[row * row_stride..];
+                    for oy in rows.clone() {
+                        let iy = oy * s + ky * self.p.dilation - self.p.padding;
+                        let line = &src[oy * self.wo + cols.start..oy * self.wo + cols.end];
+                        let dst = &mut plane[iy * self.w..(iy + 1) * self.w];
+                        let ix0 = cols.start * s + kx * self.p.dilation - self.p.padding;
+                        if s == 1 {
+                            dst[ix0..ix0 + line.len()]
+                                .iter_mut()
+                                .zip(line)
+                                .for_each(|(d, v)| *d += v);
+                        } else {
+                            for (v, ix) in line.iter().zip((ix0..).step_by(s)) {
+                                dst[ix] += v;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn threads() -> usize {
+    rayon::current_num_threads().max(1)
+}
+
+/// Below this many output pixels per image, per-image gemms are too thin (inner dimension P in
+/// the weight gradient): the whole batch goes through one gemm over `[K, N·P]` instead.
+/// Settable only so tests can run every shape through both paths.
+#[doc(hidden)]
+pub static BATCHED_BELOW_PIXELS: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(256);
+
+fn batched(g: &Geometry) -> bool {
+    g.pixels() < BATCHED_BELOW_PIXELS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `col[K, N·P]`: image n's im2col in columns `n·P..(n+1)·P`.
+fn im2col_batch(g: &Geometry, x: &[f32]) -> Vec<f32> {
+    let (k, np) = (g.k(), g.n * g.pixels());
+    let mut col = vec![0f32; k * np];
+    for (n, image) in x.chunks(g.image_len()).enumerate() {
+        g.im2col(image, &mut col[n * g.pixels()..], np);
+    }
+    col
+}
+
+/// `[N, O, P]` <-> `[O, N·P]`.
+fn swap_batch_and_channels(src: &[f32], (a, b, p): (usize, usize, usize)) -> Vec<f32> {
+    let mut out = vec![0f32; src.len()];
+    for i in 0..a {
+        for j in 0..b {
+            out[(j * a + i) * p..(j * a + i + 1) * p]
+                .copy_from_slice(&src[(i * b + j) * p..(i * b + j + 1) * p]);
+        }
+    }
+    out
+}
+
+fn forward_batched(g: &Geometry, x: &[f32], w: &[f32], y: &mut [f32]) {
+    let (k, np) = (g.k(), g.n * g.pixels());
+    let col = im2col_batch(g, x);
+    let mut y_t = vec![0f32; g.o * np];
+    let weight = View { data: w, rs: k, cs: 1 };
+    matmul(
+        (g.o, np, k),
+        &mut y_t,
+        np,
+        weight,
+        View { data: &col, rs: np, cs: 1 },
+        false,
+        threads(),
+    );
+    y.copy_from_slice(&swap_batch_and_channels(&y_t, (g.o, g.n, g.pixels())));
+}
+
+fn weight_grad_batched(g: &Geometry, x: &[f32], gy: &[f32]) -> Vec<f32> {
+    let (k, np) = (g.k(), g.n * g.pixels());
+    let col = im2col_batch(g, x);
+    let gy_t = swap_batch_and_channels(gy, (g.n, g.o, g.pixels()));
+    let mut gw = vec![0f32; g.o * k];
+    let col_t = View { data: &col, rs: 1, cs: np };
+    matmul((g.o, k, np), &mut gw, k, View { data: &gy_t, rs: np, cs: 1 }, col_t, false, threads());
+    gw
+}
+
+fn input_grad_batched(g: &Geometry, w: &[f32], gy: &[f32]) -> Vec<f32> {
+    let (k, np) = (g.k(), g.n * g.pixels());
+    let gy_t = swap_batch_and_channels(gy, (g.n, g.o, g.pixels()));
+    let mut gcol = vec![0f32; k * np];
+    let w_t = View { data: w, rs: 1, cs: k };
+    matmul((k, np, g.o), &mut gcol, np, w_t, View { data: &gy_t, rs: np, cs: 1 }, false, threads());
+    let mut gx = vec![0f32; g.n * g.image_len()];
+    for (n, gx_n) in gx.chunks_mut(g.image_len()).enumerate() {
+        g.col2im(&gcol[n * g.pixels()..], gx_n, np);
+    }
+    gx
+}
+
+/// `y = conv2d(x, w)` into `y` (`[N, O, Ho, Wo]`).
+fn forward(g: &Geometry, x: &[f32], w: &[f32], y: &mut [f32]) {
+    if batched(g) {
+        return forward_batched(g, x, w, y);
+    }
+    let (k, pixels, t) = (g.k(), g.pixels(), threads());
+    let weight = View { data: w, rs: k, cs: 1 };
+    let one = |image: &[f32], out: &mut [f32], col: &mut Vec<f32>, inner: usize| {
+        let col = if g.is_pointwise() {
+            image
+        } else {
+            col.resize(k * pixels, 0.0);
+            g.im2col(image, col, pixels);
+            col
+        };
+        matmul(
+            (g.o, pixels, k),
+            out,
+            pixels,
+            weight,
+            View { data: col, rs: pixels, cs: 1 },
+            false,
+            inner,
+        );
+    };
+    let images = x.chunks(g.image_len()).zip(y.chunks_mut(g.out_len()));
+    if g.n >= t {
+        images.par_bridge().for_each_init(Vec::new, |col, (image, out)| one(image, out, col, 1));
+    } else {
+        let mut col = Vec::new();
+        images.for_each(|(image, out)| one(image, out, &mut col, t));
+    }
+}
+
+/// `gw[O, K] = Σ gy_n · col_nᵀ`.
+fn weight_grad(g: &Geometry, x: &[f32], gy: &[f32]) -> Vec<f32> {
+    if batched(g) {
+        return weight_grad_batched(g, x, gy);
+    }
+    let (k, pixels, t) = (g.k(), g.pixels(), threads());
+    let chunks = t.min(g.n).max(1);
+    let per_chunk = g.n.div_ceil(chunks);
+    let partials: Vec<Vec<f32>> = (0..chunks)
+        .into_par_iter()
+        .map(|c| {
+            let inner = if chunks >= t { 1 } else { t };
+            let mut gw = vec![0f32; g.o * k];
+            let mut col = Vec::new();
+            for i in c * per_chunk..((c + 1) * per_chunk).min(g.n) {
+                let image = &x[i * g.image_len()..(i + 1) * g.image_len()];
+                let col = if g.is_pointwise() {
+                    image
+                } else {
+                    col.resize(k * pixels, 0.0);
+                    g.im2col(image, &mut col, pixels);
+                    &col[..]
+                };
+                let gy_i =
+                    View { data: &gy[i * g.out_len()..(i + 1) * g.out_len()], rs: pixels, cs: 1 };
+                // colᵀ as a view: element (p, kk) at kk * pixels + p.
+                let col_t = View { data: col, rs: 1, cs: pixels };
+                matmul((g.o, k, pixels), &mut gw, k, gy_i, col_t, i > c * per_chunk, inner);
+            }
+            gw
+        })
+        .collect();
+    let mut total = partials.into_iter();
+    let mut gw = total.next().unwrap_or_else(|| vec![0f32; g.o * k]);
+    for p in total {
+        gw.iter_mut().zip(&p).for_each(|(a, b)| *a += b);
+    }
+    gw
+}
+
+/// `gx_n = col2im(wᵀ · gy_n)`.
+fn input_grad(g: &Geometry, w: &[f32], gy: &[f32]) -> Vec<f32> {
+    if batched(g) {
+        return input_grad_batched(g, w, gy);
+    }
+    let (k, pixels, t) = (g.k(), g.pixels(), threads());
+    let mut gx = vec![0f32; g.n * g.image_len()];
+    let w_t = View { data: w, rs: 1, cs: k };
+    let one = |gy_i: &[f32], gx_i: &mut [f32], col: &mut Vec<f32>, inner: usize| {
+        let gy_i = View { data: gy_i, rs: pixels, cs: 1 };
+        if g.is_pointwise() {
+            matmul((k, pixels, g.o), gx_i, pixels, w_t, gy_i, false, inner);
+        } else {
+            col.resize(k * pixels, 0.0);
+            matmul((k, pixels, g.o), col, pixels, w_t, gy_i, false, inner);
+            g.col2im(col, gx_i, pixels);
+        }
+    };
+    let images = gy.chunks(g.out_len()).zip(gx.chunks_mut(g.image_len()));
+    if g.n >= t {
+        images.par_bridge().for_each_init(Vec::new, |col, (gy_i, gx_i)| one(gy_i, gx_i, col, 1));
+    } else {
+        let mut col = Vec::new();
+        images.for_each(|(gy_i, gx_i)| one(gy_i, gx_i, &mut col, t));
+    }
+    gx
+}
+
+struct Conv2dOp(ConvParams);
+
+impl CustomOp2 for Conv2dOp {
+    fn name(&self) -> &'static str {
+        "tandem-conv2d"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let g = Geometry::new(xl.dims(), wl.dims(), self.0)?;
+        let (CpuStorage::F32(x), CpuStorage::F32(w)) = (xs, ws) else {
+            candle_core::bail!("tandem conv2d: f32 only")
+        };
+        let (Some((xa, xb)), Some((wa, wb))) = (xl.contiguous_offsets(), wl.contiguous_offsets())
+        else {
+            candle_core::bail!("tandem conv2d: operands must be contiguous")
+        };
+        let mut y = vec![0f32; g.n * g.out_len()];
+        forward(&g, &x[xa..xb], &w[wa..wb], &mut y);
+        Ok((CpuStorage::F32(y), Shape::from((g.n, g.o, g.ho, g.wo))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        gy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = Geometry::new(x.dims(), w.dims(), self.0)?;
+        let gy = gy.contiguous()?;
+        let gw = if w.track_op() {
+            let v = with_f32_slice(x, |x| with_f32_slice(&gy, |gy| weight_grad(&g, x, gy)))??;
+            Some(Tensor::from_vec(v, w.shape(), w.device())?)
+        } else {
+            None
+        };
+        let gx = if x.track_op() {
+            let v = with_f32_slice(w, |w| with_f32_slice(&gy, |gy| input_grad(&g, w, gy)))??;
+            Some(Tensor::from_vec(v, x.shape(), x.device())?)
+        } else {
+            None
+        };
+        Ok((gx, gw))
+    }
+}
+
+/// `torch.nn.functional.conv2d(x, w, stride, padding, dilation)` (no bias, groups 1) with the
+/// kernels above on CPU f32 tensors; other devices and dtypes use candle's convolution.
+pub fn conv2d(x: &Tensor, w: &Tensor, p: ConvParams) -> candle_core::Result<Tensor> {
+    if x.device().is_cpu()
+        && x.dtype() == candle_core::DType::F32
+        && w.dtype() == candle_core::DType::F32
+    {
+        x.contiguous()?.apply_op2(&w.contiguous()?, Conv2dOp(p))
+    } else {
+        x.conv2d(w, p.padding, p.stride, p.dilation, 1)
+    }
+}
+
+/// `y + b` over the channels of `y: [N, C, H, W]` (`b: [C]`), whose backward sums the
+/// gradient per channel in one contiguous pass — candle's broadcast-add backward reduces over
+/// the non-contiguous dimensions (0, 2, 3), slower than the convolution it follows.
+struct ChannelBias;
+
+impl CustomOp2 for ChannelBias {
+    fn name(&self) -> &'static str {
+        "tandem-channel-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ys: &CpuStorage,
+        yl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(y), CpuStorage::F32(b), Some((ya, yb)), Some((ba, bb))) =
+            (ys, bs, yl.contiguous_offsets(), bl.contiguous_offsets())
+        else {
+            candle_core::bail!("channel bias: contiguous f32 operands only")
+        };
+        let (y, b) = (&y[ya..yb], &b[ba..bb]);
+        let &[_, c, h, w] = yl.dims() else {
+            candle_core::bail!("channel bias: expected [N, C, H, W], got {:?}", yl.dims())
+        };
+        if b.len() != c {
+            candle_core::bail!("channel bias: {} values for {c} channels", b.len())
+        }
+        let mut out = y.to_vec();
+        out.par_chunks_mut(h * w).enumerate().for_each(|(plane, o)| {
+            let v = b[plane % c];
+            o.iter_mut().for_each(|x| *x += v);
+        });
+        Ok((CpuStorage::F32(out), yl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        y: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (_, c, h, w) = y.dims4()?;
+        let gb = if b.track_op() {
+            let sums = with_f32_slice(&g.contiguous()?, |g| {
+                let mut sums = vec![0f64; c];
+                for (plane, values) in g.chunks(h * w).enumerate() {
+                    sums[plane % c] += values.iter().map(|&v| v as f64).sum::<f64>();
+                }
+                sums.into_iter().map(|s| s as f32).collect::<Vec<f32>>()
+            })?;
+            Some(Tensor::from_vec(sums, c, b.device())?)
+        } else {
+            None
+        };
+        Ok((y.track_op().then(|| g.clone()), gb))
+    }
+}
+
+/// Adds a per-channel bias to `y: [N, C, H, W]` (see `ChannelBias`).
+pub fn add_channel_bias(y: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    if y.device().is_cpu()
+        && y.dtype() == candle_core::DType::F32
+        && b.dtype() == candle_core::DType::F32
+    {
+        y.contiguous()?.apply_op2(&b.contiguous()?, ChannelBias)
+    } else {
+        y.broadcast_add(&b.reshape((1, b.elem_count(), 1, 1))?)
+    }
+}

@@ -1,0 +1,58 @@
+//! tandem-nn: the layer below models and data parallelism. What candle-nn does not have and
+//! tandem's models need:
+//!
+//! - CPU kernels for convolutional nets ([`kernels`]: conv2d, BatchNorm(+ReLU), pooling, ReLU)
+//!   and layers on them for `VarBuilder` models ([`FastConv2d`], [`BatchNorm2d`], which can
+//!   synchronise its statistics across ranks like PyTorch's `SyncBatchNorm`);
+//! - differentiable collectives ([`all_gather`], [`all_reduce_sum`]: PyTorch's
+//!   `torch.distributed.nn.functional`), over any [`tandem_comm::Collectives`];
+//! - a model's parameters as Ddp sees them: [`ParamModule`] (PyTorch's `nn.Module` contract:
+//!   named parameters and buffers, strict `load_state_dict`), [`ParamSet`] (a parameter view
+//!   with per-parameter backward hooks, what lets Ddp overlap all-reduce with backward),
+//!   [`OrderedVarMap`] / [`NamedVars`] (candle's `VarMap`, in a fixed order);
+//! - state dicts to and from checkpoint data ([`weights`]), with tandem-ckpt doing the files.
+//!
+//! It knows nothing of launchers, samplers, optimizers or gradient reduction.
+mod all_gather;
+mod all_reduce;
+mod alloc;
+mod batch_norm;
+mod conv;
+pub mod convert;
+mod error;
+pub mod functional;
+mod hook;
+pub mod init;
+pub mod kernels;
+mod module;
+mod params;
+mod vars;
+pub mod weights;
+
+pub use all_gather::{all_gather, GatherGrad};
+pub use all_reduce::all_reduce_sum;
+pub use alloc::{allocator_tuned, tune_allocator};
+pub use batch_norm::{batch_norm2d, convert_sync_batchnorm, BatchNorm2d, HasBatchNorm};
+pub use conv::{fast_conv2d, fast_conv2d_no_bias, FastConv2d};
+pub use error::{NnError, Result};
+pub use hook::ViewHooks;
+pub use module::ParamModule;
+pub use params::ParamSet;
+pub use vars::{NamedVars, OrderedVarMap};
+
+/// The f32 values of a contiguous CPU input of a custom op; `what` and `op` name it in errors.
+pub(crate) fn contiguous_f32<'a>(
+    storage: &'a candle_core::CpuStorage,
+    layout: &candle_core::Layout,
+    what: &str,
+    op: &str,
+) -> candle_core::Result<&'a [f32]> {
+    use candle_core::backend::BackendStorage;
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("{what}: {op} input is not contiguous")
+    };
+    let candle_core::CpuStorage::F32(v) = storage else {
+        candle_core::bail!("{what}: {op} needs f32, got {:?}", storage.dtype())
+    };
+    Ok(&v[start..end])
+}

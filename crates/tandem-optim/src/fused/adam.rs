@@ -1,0 +1,187 @@
+//! In-place `torch.optim.TorchAdam` / `TorchAdamW` step: one pass each over exp_avg, exp_avg_sq,
+//! (max_exp_avg_sq,) and the parameter, mirroring `adam.rs`'s tensor form element by element.
+use candle_core::{CpuStorage, InplaceOp3, Layout, Tensor, Var};
+
+use super::{aff, operands};
+use crate::adam::AdamHyper;
+
+/// Per-step constants, rounded to f32 where candle's `affine` rounds them.
+#[derive(Clone, Copy)]
+pub(crate) struct AdamStep {
+    /// Coupled weight decay added to the gradient (Adam), if any.
+    coupled_wd: Option<f32>,
+    /// Decoupled decay factor `1 - lr * wd` applied to the parameter (AdamW), if any.
+    decay: Option<f32>,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    inv_bc2_sqrt: f32,
+    eps: f32,
+    neg_step_size: f32,
+}
+
+impl AdamStep {
+    /// Constants for update number `step` (1-based), computed in f64 as the tensor form does.
+    pub(crate) fn new(h: &AdamHyper, step: f64) -> Self {
+        let c = &h.cfg;
+        let (beta1, beta2) = c.betas;
+        let with_wd = c.weight_decay != 0.0;
+        let bias_correction1 = 1.0 - beta1.powf(step);
+        let bias_correction2 = 1.0 - beta2.powf(step);
+        AdamStep {
+            coupled_wd: (with_wd && !h.decoupled).then_some(c.weight_decay as f32),
+            decay: (with_wd && h.decoupled).then_some((1.0 - c.lr * c.weight_decay) as f32),
+            one_minus_beta1: (1.0 - beta1) as f32,
+            beta2: beta2 as f32,
+            one_minus_beta2: (1.0 - beta2) as f32,
+            inv_bc2_sqrt: (1.0 / bias_correction2.sqrt()) as f32,
+            eps: c.eps as f32,
+            neg_step_size: (-(c.lr / bias_correction1)) as f32,
+        }
+    }
+    /// The gradient after coupled weight decay.
+    #[inline(always)]
+    fn d(&self, g: f32, p: f32) -> f32 {
+        match self.coupled_wd {
+            Some(wd) => g + aff(p, wd),
+            None => g,
+        }
+    }
+}
+
+/// Updates both moments in place (on the first step they are the zero tensors the tensor
+/// form starts from). Then the caller updates amsgrad's maximum ([`running_max`]) and the
+/// parameter ([`update_param`]).
+pub(crate) fn update_moments(
+    k: AdamStep,
+    var: &Var,
+    grad: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+) -> candle_core::Result<()> {
+    let p = var.as_tensor();
+    exp_avg.inplace_op3(grad, p, &FirstMoment(k))?;
+    exp_avg_sq.inplace_op3(grad, p, &SecondMoment(k))
+}
+
+/// amsgrad: `max = maximum(max, exp_avg_sq)` in place.
+pub(crate) fn running_max(max: &Tensor, exp_avg_sq: &Tensor) -> candle_core::Result<()> {
+    max.inplace_op3(exp_avg_sq, exp_avg_sq, &RunningMax)
+}
+
+/// `p = decay(p) - step_size * exp_avg / (sqrt(second) / sqrt(bc2) + eps)`.
+pub(crate) fn update_param(
+    k: AdamStep,
+    var: &Var,
+    exp_avg: &Tensor,
+    second: &Tensor,
+) -> candle_core::Result<()> {
+    var.as_tensor().inplace_op3(exp_avg, second, &ParamUpdate(k))
+}
+
+/// exp_avg = exp_avg + (d - exp_avg) * (1 - beta1)   (torch's `lerp_`).
+struct FirstMoment(AdamStep);
+
+impl InplaceOp3 for FirstMoment {
+    fn name(&self) -> &'static str {
+        "tandem-adam-exp-avg"
+    }
+    fn cpu_fwd(
+        &self,
+        m: &mut CpuStorage,
+        ml: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+        p: &CpuStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<()> {
+        let k = self.0;
+        let (m, g, p) = operands((m, ml, "exp_avg"), (g, gl, "gradient"), (p, pl, "parameter"))?;
+        for ((m, &g), &p) in m.iter_mut().zip(g).zip(p) {
+            *m += aff(k.d(g, p) - *m, k.one_minus_beta1);
+        }
+        Ok(())
+    }
+}
+
+/// exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * d²
+struct SecondMoment(AdamStep);
+
+impl InplaceOp3 for SecondMoment {
+    fn name(&self) -> &'static str {
+        "tandem-adam-exp-avg-sq"
+    }
+    fn cpu_fwd(
+        &self,
+        v: &mut CpuStorage,
+        vl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+        p: &CpuStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<()> {
+        let k = self.0;
+        let (v, g, p) = operands((v, vl, "exp_avg_sq"), (g, gl, "gradient"), (p, pl, "parameter"))?;
+        for ((v, &g), &p) in v.iter_mut().zip(g).zip(p) {
+            let d = k.d(g, p);
+            *v = aff(*v, k.beta2) + aff(d * d, k.one_minus_beta2);
+        }
+        Ok(())
+    }
+}
+
+struct RunningMax;
+
+impl InplaceOp3 for RunningMax {
+    fn name(&self) -> &'static str {
+        "tandem-adam-max-exp-avg-sq"
+    }
+    fn cpu_fwd(
+        &self,
+        mx: &mut CpuStorage,
+        ml: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        let (mx, v, _) =
+            operands((mx, ml, "max_exp_avg_sq"), (v, vl, "exp_avg_sq"), (v, vl, "exp_avg_sq"))?;
+        // candle's `maximum`: `if a < b { b } else { a }` (NaN in `a` is kept).
+        for (mx, &v) in mx.iter_mut().zip(v) {
+            if *mx < v {
+                *mx = v;
+            }
+        }
+        Ok(())
+    }
+}
+
+struct ParamUpdate(AdamStep);
+
+impl InplaceOp3 for ParamUpdate {
+    fn name(&self) -> &'static str {
+        "tandem-adam-param"
+    }
+    fn cpu_fwd(
+        &self,
+        p: &mut CpuStorage,
+        pl: &Layout,
+        m: &CpuStorage,
+        ml: &Layout,
+        s: &CpuStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<()> {
+        let k = self.0;
+        let (p, m, s) = operands((p, pl, "parameter"), (m, ml, "exp_avg"), (s, sl, "exp_avg_sq"))?;
+        for ((p, &m), &s) in p.iter_mut().zip(m).zip(s) {
+            let base = match k.decay {
+                Some(decay) => aff(*p, decay),
+                None => *p,
+            };
+            let denom = s.sqrt() * k.inv_bc2_sqrt + k.eps;
+            *p = base + aff(m / denom, k.neg_step_size);
+        }
+        Ok(())
+    }
+}

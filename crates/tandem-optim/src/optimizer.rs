@@ -1,0 +1,71 @@
+//! The optimizer interface ([`TorchOptimizer`]) and its errors.
+use candle_core::backprop::GradStore;
+use tandem_ckpt::Value;
+
+/// What can go wrong building, stepping or (re)loading an optimizer.
+#[derive(Debug, thiserror::Error)]
+pub enum OptimError {
+    /// A hyperparameter outside its valid range (torch raises `ValueError` for the same).
+    #[error("invalid optimizer setting {name}={value}: {why}")]
+    InvalidConfig { name: &'static str, value: String, why: &'static str },
+    /// A parameter the optimizer cannot handle (for example an integer tensor).
+    #[error("parameter {index}: {why}")]
+    InvalidParam { index: usize, why: String },
+    /// A state_dict that does not fit this optimizer; `key` is the path inside the state_dict,
+    /// for example `state.3.exp_avg` or `param_groups.0.lr`.
+    #[error("optimizer state_dict: {key}: {why}")]
+    StateDict { key: String, why: String },
+    /// A tensor operation failed while updating parameter `index`.
+    #[error("updating parameter {index}: {source}")]
+    Step {
+        index: usize,
+        #[source]
+        source: candle_core::Error,
+    },
+    /// A collective of the sharded optimizer failed (a peer died, timed out, ...).
+    #[cfg(feature = "zero")]
+    #[error("ZeroRedundancyOptimizer {op}: {source}")]
+    Collective {
+        op: &'static str,
+        #[source]
+        source: tandem_comm::CommSource,
+    },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+impl OptimError {
+    pub(crate) fn state(key: impl Into<String>, why: impl Into<String>) -> Self {
+        OptimError::StateDict { key: key.into(), why: why.into() }
+    }
+}
+
+/// `v >= 0`, false for NaN (hyperparameter checks must refuse NaN too).
+pub(crate) fn non_negative(v: f64) -> bool {
+    v >= 0.0
+}
+
+/// The optimizer interface (as `torch.optim.Optimizer`, minus closures and `zero_grad`: a
+/// candle [`GradStore`] is fresh after every backward): torch's update rules, param groups and
+/// `state_dict` layout. Named apart from candle-nn's `Optimizer`, which users import too.
+pub trait TorchOptimizer {
+    /// One update of every parameter that has a gradient in `grads`.
+    fn step(&mut self, grads: &GradStore) -> Result<(), OptimError>;
+    /// The learning rate of the first param group.
+    fn lr(&self) -> f64;
+    /// Sets the learning rate of every param group.
+    fn set_lr(&mut self, lr: f64);
+    /// The learning rate of each param group, in group order.
+    fn group_lrs(&self) -> Vec<f64>;
+    /// Sets the learning rate of each param group (`lrs.len()` must equal the group count).
+    fn set_group_lrs(&mut self, lrs: &[f64]) -> Result<(), OptimError>;
+    /// The parameters in state_dict index order.
+    fn params(&self) -> Vec<candle_core::Var>;
+    /// The state in `torch.optim.Optimizer.state_dict()` layout. Fails only when a state tensor
+    /// cannot be copied to the host.
+    fn state_dict(&self) -> Result<Value, OptimError>;
+    /// Loads a state made by [`TorchOptimizer::state_dict`] or by torch (same optimizer type, same
+    /// group sizes). Hyperparameters, the learning rate included, come from the loaded groups,
+    /// as in torch. Nothing changes when an error is returned.
+    fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), OptimError>;
+}

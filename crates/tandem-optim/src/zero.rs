@@ -1,0 +1,478 @@
+//! `ZeroRedundancyOptimizer` (PyTorch's, ZeRO stage 1): every rank keeps the optimizer state
+//! of only its 1/N of the parameters, updates that shard from the (already averaged) gradients,
+//! and then every rank broadcasts its updated shard, so all replicas hold the same weights
+//! again. Optimizer-state memory per rank falls to about 1/N; the update itself is the wrapped
+//! optimizer's, so the weights equal those of the unsharded optimizer bit for bit.
+//!
+//! Partition (as torch's `_partition_parameters`): parameters sorted by size, largest first,
+//! each to the rank with the fewest elements so far (ties: the lowest rank).
+//!
+//! State, as torch: [`ZeroRedundancyOptimizer::consolidate_state_dict`] (every rank calls it)
+//! gathers the shards on one rank, whose `state_dict()` is then a plain torch optimizer state
+//! dict over all parameters (`torch.optim.SGD(...).load_state_dict` takes it);
+//! `load_state_dict` takes such a dict on every rank, whatever world size wrote it. The sharded
+//! checkpoint ([`ZeroRedundancyOptimizer::save_sharded`]) is one file per rank plus a
+//! manifest, written without gathering anything; [`load_sharded`](ZeroRedundancyOptimizer::load_sharded)
+//! reads it into any world size and [`consolidate_sharded`] turns it into the plain dict
+//! offline (`tandem ckpt convert DIR out.pt`).
+//!
+//! One parameter group (the wrapped optimizer is built over this rank's shard by a closure);
+//! f32 parameters (the broadcast carries f32).
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::Var;
+use serde::{Deserialize, Serialize};
+use tandem_ckpt::Value;
+
+use crate::{OptimError, TorchOptimizer};
+use tandem_comm::Collectives;
+
+/// The optimizer a rank runs over its shard.
+pub type ShardOptimizer = Box<dyn TorchOptimizer + Send>;
+
+/// Which rank owns which parameter.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Partition {
+    /// Owner rank of each parameter, by global index.
+    pub owner: Vec<usize>,
+}
+
+impl Partition {
+    /// torch's greedy split of parameters with `numels` elements over `world` ranks.
+    pub fn new(numels: &[usize], world: usize) -> Partition {
+        let mut order: Vec<usize> = (0..numels.len()).collect();
+        order.sort_by(|&a, &b| numels[b].cmp(&numels[a]).then(a.cmp(&b)));
+        let mut load = vec![0usize; world.max(1)];
+        let mut owner = vec![0; numels.len()];
+        for i in order {
+            let r = (0..load.len()).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+            owner[i] = r;
+            load[r] += numels[i];
+        }
+        Partition { owner }
+    }
+
+    /// Global indices of rank `r`'s parameters, ascending.
+    pub fn of(&self, r: usize) -> Vec<usize> {
+        (0..self.owner.len()).filter(|&i| self.owner[i] == r).collect()
+    }
+
+    pub fn world(&self) -> usize {
+        self.owner.iter().max().map_or(1, |m| m + 1)
+    }
+}
+
+/// The manifest of a sharded optimizer checkpoint (`manifest.json` beside the rank files).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ShardManifest {
+    /// `tandem-zero1`.
+    pub format: String,
+    pub world_size: usize,
+    /// Shape of every parameter, by global index.
+    pub shapes: Vec<Vec<usize>>,
+    pub partition: Partition,
+    /// The rank files, by rank (names relative to the directory).
+    pub files: Vec<String>,
+}
+
+pub const MANIFEST: &str = "manifest.json";
+const FORMAT: &str = "tandem-zero1";
+
+fn shard_file(rank: usize, world: usize) -> String {
+    format!("optim-rank-{rank:05}-of-{world:05}.pt")
+}
+
+pub struct ZeroRedundancyOptimizer {
+    comm: Arc<dyn Collectives>,
+    params: Vec<Var>,
+    partition: Partition,
+    /// Global indices of each rank's parameters (computed once: the step broadcasts by them).
+    owned: Vec<Vec<usize>>,
+    /// `None` on a rank that owns no parameter (more ranks than parameters).
+    local: Option<ShardOptimizer>,
+    consolidated: Option<Value>,
+}
+
+/// Names the optimizer's collective that failed.
+fn comm_error(op: &'static str) -> impl FnOnce(tandem_comm::CommSource) -> OptimError {
+    move |source| OptimError::Collective { op, source }
+}
+
+impl ZeroRedundancyOptimizer {
+    /// Wraps the optimizer `make` builds over this rank's shard of `params` (the model's
+    /// parameters in `named_parameters()` order, identical on every rank).
+    pub fn new(
+        params: Vec<Var>,
+        comm: Arc<dyn Collectives>,
+        make: impl FnOnce(Vec<Var>) -> Result<ShardOptimizer, OptimError>,
+    ) -> Result<Self, OptimError> {
+        if let Some(i) = params.iter().position(|p| p.dtype() != candle_core::DType::F32) {
+            return Err(OptimError::InvalidParam {
+                index: i,
+                why: format!(
+                    "ZeroRedundancyOptimizer shards f32 parameters; this one is {:?}",
+                    params[i].dtype()
+                ),
+            });
+        }
+        let numels: Vec<usize> = params.iter().map(|p| p.elem_count()).collect();
+        let partition = Partition::new(&numels, comm.size());
+        let owned: Vec<Vec<usize>> = (0..comm.size()).map(|r| partition.of(r)).collect();
+        let mine = &owned[comm.rank()];
+        let local = if mine.is_empty() {
+            None
+        } else {
+            Some(make(mine.iter().map(|&i| params[i].clone()).collect())?)
+        };
+        Ok(ZeroRedundancyOptimizer { comm, params, partition, owned, local, consolidated: None })
+    }
+
+    pub fn partition(&self) -> &Partition {
+        &self.partition
+    }
+
+    /// Global indices of this rank's parameters (the local optimizer's order).
+    fn mine(&self) -> &[usize] {
+        &self.owned[self.comm.rank()]
+    }
+
+    /// Bytes of optimizer state tensors this rank holds (momentum buffers, Adam moments, ...).
+    pub fn local_state_bytes(&self) -> Result<usize, OptimError> {
+        match &self.local {
+            Some(l) => Ok(state_bytes(&l.state_dict()?)),
+            None => Ok(0),
+        }
+    }
+
+    /// Every rank's updated shard to every rank: one broadcast per rank of its parameters,
+    /// flattened.
+    fn sync_params(&self) -> Result<(), OptimError> {
+        for (r, owned) in self.owned.iter().enumerate() {
+            let len: usize = owned.iter().map(|&i| self.params[i].elem_count()).sum();
+            let mut flat = Vec::with_capacity(len);
+            if r == self.comm.rank() {
+                for &i in owned {
+                    flat.extend(self.params[i].flatten_all()?.to_vec1::<f32>()?);
+                }
+            } else {
+                flat.resize(len, 0.0);
+            }
+            self.comm.broadcast(&mut flat, r).map_err(comm_error("parameter broadcast"))?;
+            if r != self.comm.rank() {
+                let mut at = 0;
+                for &i in owned {
+                    let p = &self.params[i];
+                    let n = p.elem_count();
+                    let t =
+                        candle_core::Tensor::from_slice(&flat[at..at + n], p.shape(), p.device())?;
+                    p.set(&t)?;
+                    at += n;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// This rank's state in torch's layout with global parameter indices (its group's `params`
+    /// lists its own parameters only).
+    pub fn shard_state_dict(&self) -> Result<Value, OptimError> {
+        let Some(local) = &self.local else {
+            return Ok(Value::dict_from([
+                ("state", Value::Dict(vec![])),
+                ("param_groups", Value::List(vec![])),
+            ]));
+        };
+        relabel(&local.state_dict()?, self.mine())
+    }
+
+    /// Gathers every rank's shard on rank `to`, whose [`TorchOptimizer::state_dict`] then
+    /// returns the whole state (torch's `consolidate_state_dict`). Every rank must call it.
+    pub fn consolidate_state_dict(&mut self, to: usize) -> Result<(), OptimError> {
+        let mine = tandem_ckpt::to_pt_bytes(&self.shard_state_dict()?)
+            .map_err(|e| OptimError::state("(shard)", e.to_string()))?;
+        let all =
+            self.comm.all_gather_bytes(&mine).map_err(comm_error("consolidate_state_dict"))?;
+        if self.comm.rank() != to {
+            self.consolidated = None;
+            return Ok(());
+        }
+        let mut shards = Vec::with_capacity(all.len());
+        for (r, bytes) in all.into_iter().enumerate() {
+            let v = tandem_ckpt::pt::load_from_bytes(&format!("rank {r}'s shard"), bytes, false)
+                .map_err(|e| OptimError::state(format!("(rank {r})"), e.to_string()))?;
+            shards.push(v);
+        }
+        self.consolidated = Some(merge_shards(&shards, self.params.len())?);
+        Ok(())
+    }
+
+    /// Writes this rank's shard to `dir` and, after every rank has written, rank 0 writes the
+    /// manifest (each file atomically; the manifest last, so a directory without one is an
+    /// incomplete save). Every rank must call it; `dir` must be shared by the ranks.
+    pub fn save_sharded(&self, dir: &Path) -> Result<(), OptimError> {
+        let io =
+            |e: &dyn std::fmt::Display| OptimError::state(dir.display().to_string(), e.to_string());
+        std::fs::create_dir_all(dir).map_err(|e| io(&e))?;
+        let world = self.comm.size();
+        let name = shard_file(self.comm.rank(), world);
+        tandem_ckpt::save(dir.join(&name), &self.shard_state_dict()?).map_err(|e| io(&e))?;
+        // Every file is on disk before the manifest names them.
+        self.comm.all_gather_bytes(&[]).map_err(comm_error("save_sharded"))?;
+        if self.comm.rank() == 0 {
+            let manifest = ShardManifest {
+                format: FORMAT.into(),
+                world_size: world,
+                shapes: self.params.iter().map(|p| p.dims().to_vec()).collect(),
+                partition: self.partition.clone(),
+                files: (0..world).map(|r| shard_file(r, world)).collect(),
+            };
+            let json = serde_json::to_vec_pretty(&manifest).expect("a manifest serialises");
+            tandem_ckpt::atomic::write_atomic(&dir.join(MANIFEST), |f| {
+                use std::io::Write;
+                f.write_all(&json)
+            })
+            .map_err(|e| io(&e))?;
+        }
+        self.comm.all_gather_bytes(&[]).map_err(comm_error("save_sharded"))?;
+        Ok(())
+    }
+
+    /// Loads a sharded checkpoint written by any world size: this rank reads the files that
+    /// hold its parameters. Shapes must match this model's.
+    pub fn load_sharded(&mut self, dir: &Path) -> Result<(), OptimError> {
+        let manifest = read_manifest(dir)?;
+        check_shapes(&manifest, &self.params)?;
+        let needed: std::collections::BTreeSet<usize> =
+            self.mine().iter().map(|&i| manifest.partition.owner[i]).collect();
+        let mut shards = Vec::new();
+        for r in needed {
+            shards.push(read_shard(dir, &manifest, r)?);
+        }
+        // Rank 0's file carries the hyperparameters even where it holds none of ours.
+        if shards.is_empty() || !self.mine().iter().any(|&i| manifest.partition.owner[i] == 0) {
+            shards.push(read_shard(dir, &manifest, 0)?);
+        }
+        let full = merge_shards(&shards, self.params.len())?;
+        self.load_full(&full)
+    }
+
+    /// Loads this rank's part of a state dict over all parameters (entries of other ranks'
+    /// parameters may be absent).
+    fn load_full(&mut self, full: &Value) -> Result<(), OptimError> {
+        if self.local.is_none() {
+            return Ok(());
+        }
+        let groups = full
+            .get("param_groups")
+            .and_then(Value::as_list)
+            .ok_or_else(|| OptimError::state("param_groups", "missing or not a list"))?;
+        if groups.len() != 1 {
+            return Err(OptimError::state(
+                "param_groups",
+                format!("has {} groups; ZeroRedundancyOptimizer keeps one", groups.len()),
+            ));
+        }
+        let n = self.params.len();
+        let listed = groups[0].get("params").and_then(Value::as_list).map_or(0, <[Value]>::len);
+        if listed != n {
+            return Err(OptimError::state(
+                "param_groups.0.params",
+                format!("lists {listed} parameters, the model has {n}"),
+            ));
+        }
+        let state = full
+            .get("state")
+            .and_then(Value::as_dict)
+            .ok_or_else(|| OptimError::state("state", "missing or not a dict"))?;
+        let mut local_state = Vec::new();
+        for (j, &g) in self.mine().iter().enumerate() {
+            if let Some((_, v)) = state.iter().find(|(k, _)| k.as_int() == Some(g as i64)) {
+                local_state.push((Value::Int(j as i64), v.clone()));
+            }
+        }
+        let mut group = groups[0].clone();
+        group
+            .insert("params", Value::List((0..self.mine().len() as i64).map(Value::Int).collect()));
+        let sd = Value::dict_from([
+            ("state", Value::Dict(local_state)),
+            ("param_groups", Value::List(vec![group])),
+        ]);
+        match &mut self.local {
+            Some(local) => local.load_state_dict(&sd),
+            None => Ok(()),
+        }
+    }
+}
+
+impl TorchOptimizer for ZeroRedundancyOptimizer {
+    /// The shard's update, then every rank's shard to every rank.
+    fn step(&mut self, grads: &GradStore) -> Result<(), OptimError> {
+        if let Some(l) = &mut self.local {
+            l.step(grads)?;
+        }
+        self.consolidated = None;
+        self.sync_params()
+    }
+    fn lr(&self) -> f64 {
+        self.local.as_ref().map_or(0.0, |l| l.lr())
+    }
+    fn set_lr(&mut self, lr: f64) {
+        if let Some(l) = &mut self.local {
+            l.set_lr(lr);
+        }
+    }
+    fn group_lrs(&self) -> Vec<f64> {
+        self.local.as_ref().map_or(vec![], |l| l.group_lrs())
+    }
+    fn set_group_lrs(&mut self, lrs: &[f64]) -> Result<(), OptimError> {
+        match &mut self.local {
+            Some(l) => l.set_group_lrs(lrs),
+            None => Ok(()),
+        }
+    }
+    fn params(&self) -> Vec<Var> {
+        self.params.clone()
+    }
+    /// The whole state after [`ZeroRedundancyOptimizer::consolidate_state_dict`] on this rank;
+    /// an error otherwise (as torch raises).
+    fn state_dict(&self) -> Result<Value, OptimError> {
+        self.consolidated.clone().ok_or_else(|| {
+            OptimError::state(
+                "(ZeroRedundancyOptimizer)",
+                "call consolidate_state_dict(to) on every rank first; then this rank's \
+                 state_dict is the whole state if it is `to`",
+            )
+        })
+    }
+    /// A whole-model state dict (consolidated, or a plain optimizer's over the same
+    /// parameters), on every rank; each keeps its shard.
+    fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), OptimError> {
+        self.load_full(state_dict)
+    }
+}
+
+/// Bytes of the tensors under `state` of an optimizer state dict.
+pub fn state_bytes(sd: &Value) -> usize {
+    fn walk(v: &Value) -> usize {
+        match v {
+            Value::Tensor(t) => t.nbytes(),
+            Value::Dict(items) => items.iter().map(|(_, v)| walk(v)).sum(),
+            Value::List(items) => items.iter().map(walk).sum(),
+            _ => 0,
+        }
+    }
+    sd.get("state").map_or(0, walk)
+}
+
+/// `sd` (local indices 0..) with every index replaced by `global[index]`.
+fn relabel(sd: &Value, global: &[usize]) -> Result<Value, OptimError> {
+    let map = |v: &Value, key: &str| -> Result<Value, OptimError> {
+        let i = v.as_int().ok_or_else(|| OptimError::state(key, "non-integer index"))? as usize;
+        let g = global
+            .get(i)
+            .ok_or_else(|| OptimError::state(key, format!("index {i} out of range")))?;
+        Ok(Value::Int(*g as i64))
+    };
+    let state = sd.get("state").and_then(Value::as_dict).unwrap_or(&[]);
+    let state = state
+        .iter()
+        .map(|(k, v)| Ok((map(k, "state")?, v.clone())))
+        .collect::<Result<Vec<_>, OptimError>>()?;
+    let mut groups = Vec::new();
+    for g in sd.get("param_groups").and_then(Value::as_list).unwrap_or(&[]) {
+        let ids = g.get("params").and_then(Value::as_list).unwrap_or(&[]);
+        let ids = ids.iter().map(|v| map(v, "params")).collect::<Result<Vec<_>, _>>()?;
+        let mut g = g.clone();
+        g.insert("params", Value::List(ids));
+        groups.push(g);
+    }
+    Ok(Value::dict_from([("state", Value::Dict(state)), ("param_groups", Value::List(groups))]))
+}
+
+/// One state dict over all `n` parameters from rank shards (global indices): every shard's
+/// state entries, ordered by index, and the first non-empty shard's hyperparameters with
+/// `params` = 0..n.
+pub fn merge_shards(shards: &[Value], n: usize) -> Result<Value, OptimError> {
+    let mut state: Vec<(i64, Value)> = Vec::new();
+    let mut group: Option<Value> = None;
+    for (r, s) in shards.iter().enumerate() {
+        for (k, v) in s.get("state").and_then(Value::as_dict).unwrap_or(&[]) {
+            let i = k
+                .as_int()
+                .ok_or_else(|| OptimError::state(format!("shard {r}: state"), "non-integer key"))?;
+            if state.iter().any(|(j, _)| *j == i) {
+                return Err(OptimError::state(
+                    format!("shard {r}: state.{i}"),
+                    "held by two shards",
+                ));
+            }
+            state.push((i, v.clone()));
+        }
+        if group.is_none() {
+            group = s.get("param_groups").and_then(Value::as_list).and_then(|g| g.first()).cloned();
+        }
+    }
+    state.sort_by_key(|(i, _)| *i);
+    let mut group = group.ok_or_else(|| OptimError::state("param_groups", "no shard has one"))?;
+    group.insert("params", Value::List((0..n as i64).map(Value::Int).collect()));
+    Ok(Value::dict_from([
+        ("state", Value::Dict(state.into_iter().map(|(i, v)| (Value::Int(i), v)).collect())),
+        ("param_groups", Value::List(vec![group])),
+    ]))
+}
+
+/// Reads `dir/manifest.json`, naming the file at fault.
+pub fn read_manifest(dir: &Path) -> Result<ShardManifest, OptimError> {
+    let path = dir.join(MANIFEST);
+    let key = path.display().to_string();
+    let bytes = std::fs::read(&path).map_err(|e| {
+        OptimError::state(&key, format!("{e} (an incomplete save has rank files but no manifest)"))
+    })?;
+    let m: ShardManifest =
+        serde_json::from_slice(&bytes).map_err(|e| OptimError::state(&key, e.to_string()))?;
+    if m.format != FORMAT
+        || m.files.len() != m.world_size
+        || m.partition.owner.len() != m.shapes.len()
+    {
+        return Err(OptimError::state(
+            &key,
+            "not a tandem-zero1 manifest (format, files or partition)",
+        ));
+    }
+    Ok(m)
+}
+
+fn read_shard(dir: &Path, m: &ShardManifest, r: usize) -> Result<Value, OptimError> {
+    let path: PathBuf = dir.join(&m.files[r]);
+    tandem_ckpt::load(&path)
+        .map_err(|e| OptimError::state(path.display().to_string(), e.to_string()))
+}
+
+fn check_shapes(m: &ShardManifest, params: &[Var]) -> Result<(), OptimError> {
+    if m.shapes.len() != params.len() {
+        return Err(OptimError::state(
+            MANIFEST,
+            format!("the checkpoint has {} parameters, the model {}", m.shapes.len(), params.len()),
+        ));
+    }
+    for (i, (s, p)) in m.shapes.iter().zip(params).enumerate() {
+        if s.as_slice() != p.dims() {
+            return Err(OptimError::state(
+                format!("{MANIFEST}: parameter {i}"),
+                format!("shape {s:?} in the checkpoint, {:?} in the model", p.dims()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The whole optimizer state dict of a sharded checkpoint (every rank file read), as
+/// `consolidate_state_dict` gives it: what `tandem ckpt convert DIR out.pt` writes.
+pub fn consolidate_sharded(dir: &Path) -> Result<Value, OptimError> {
+    let m = read_manifest(dir)?;
+    let shards =
+        (0..m.world_size).map(|r| read_shard(dir, &m, r)).collect::<Result<Vec<_>, _>>()?;
+    merge_shards(&shards, m.shapes.len())
+}

@@ -1,0 +1,61 @@
+//! docs/architecture.md stays true: its table says which tandem crates each crate depends on,
+//! and every crate's `Cargo.toml` must say the same (normal `[dependencies]`; test-only ones are
+//! free). A new crate needs a row.
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// crate name -> the tandem crates its row allows, from the doc's table.
+fn documented() -> BTreeMap<String, BTreeSet<String>> {
+    let doc = std::fs::read_to_string(repo().join("docs/architecture.md")).unwrap();
+    let mut rows = BTreeMap::new();
+    for line in doc.lines().filter(|l| l.starts_with("| `tandem")) {
+        let cells: Vec<&str> = line.trim_matches('|').split(" | ").map(str::trim).collect();
+        assert_eq!(cells.len(), 4, "docs/architecture.md: a row needs 4 cells: {line}");
+        let name = cells[0].trim_matches('`').to_string();
+        let allowed = cells[2]
+            .split(',')
+            .map(|c| c.trim().trim_matches('`').to_string())
+            .filter(|c| c.starts_with("tandem"))
+            .collect();
+        assert!(rows.insert(name.clone(), allowed).is_none(), "two rows for {name}");
+    }
+    rows
+}
+
+fn declared(krate: &Path) -> BTreeSet<String> {
+    let manifest = std::fs::read_to_string(krate.join("Cargo.toml")).unwrap();
+    let manifest: toml::Table = manifest.parse().unwrap();
+    manifest
+        .get("dependencies")
+        .and_then(|d| d.as_table())
+        .map(|d| d.keys().filter(|k| k.starts_with("tandem")).cloned().collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn every_crate_depends_on_what_the_architecture_page_says() {
+    let rows = documented();
+    let mut seen = BTreeSet::new();
+    for entry in std::fs::read_dir(repo().join("crates")).unwrap() {
+        let dir = entry.unwrap().path();
+        if !dir.join("Cargo.toml").exists() {
+            continue;
+        }
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let Some(allowed) = rows.get(&name) else {
+            panic!("crates/{name} has no row in docs/architecture.md");
+        };
+        let deps = declared(&dir);
+        assert_eq!(
+            &deps, allowed,
+            "crates/{name}/Cargo.toml depends on {deps:?}; docs/architecture.md says {allowed:?}"
+        );
+        seen.insert(name);
+    }
+    let stale: Vec<_> = rows.keys().filter(|k| !seen.contains(*k)).collect();
+    assert!(stale.is_empty(), "docs/architecture.md has rows for missing crates: {stale:?}");
+}
