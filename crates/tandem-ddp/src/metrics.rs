@@ -2,12 +2,6 @@
 //! `tandem_optim::clip_grad_norm`).
 use tandem_comm::{CommError, ProcessGroup, ReduceOp};
 
-#[derive(Debug, thiserror::Error)]
-pub enum MetricsError {
-    #[error(transparent)]
-    Comm(#[from] CommError),
-}
-
 /// Running average of a scalar (the `AverageMeter` of the PyTorch ImageNet example):
 /// `val` is the last value, `sum`/`count` accumulate `val * n` and `n`, `avg = sum / count`.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -38,7 +32,7 @@ impl AverageMeter {
     /// This meter over all ranks: sums and counts are added across `pg` (so ranks with more
     /// samples weigh more, giving the true global average) and `val` is averaged. Every rank
     /// must call it (a collective).
-    pub fn all_reduce(&self, pg: &ProcessGroup) -> Result<AverageMeter, MetricsError> {
+    pub fn all_reduce(&self, pg: &ProcessGroup) -> Result<AverageMeter, CommError> {
         let mut totals = [self.sum, self.count];
         pg.all_reduce(&mut totals, ReduceOp::Sum)?;
         let mut val = [self.val];
@@ -55,7 +49,7 @@ impl AverageMeter {
 
 /// Replaces each value with its mean over all ranks of `pg` (a collective: every rank calls it
 /// with the same number of values).
-pub fn all_reduce_mean(pg: &ProcessGroup, values: &mut [f64]) -> Result<(), MetricsError> {
+pub fn all_reduce_mean(pg: &ProcessGroup, values: &mut [f64]) -> Result<(), CommError> {
     pg.all_reduce(values, ReduceOp::Avg)?;
     Ok(())
 }

@@ -1,6 +1,6 @@
-//! `torch.optim.TorchAdam` and `torch.optim.TorchAdamW` (torch 2.x: AdamW is Adam with decoupled weight
+//! `torch.optim.Adam` and `torch.optim.AdamW` (torch 2.x: AdamW is Adam with decoupled weight
 //! decay), following torch's single-tensor update:
-//! `step += 1; p *= 1 - lr*wd (TorchAdamW) or g += wd*p (Adam);`
+//! `step += 1; p *= 1 - lr*wd (AdamW) or g += wd*p (Adam);`
 //! `m = lerp(m, g, 1-beta1); v = beta2*v + (1-beta2)*g*g; vmax = max(vmax, v) (amsgrad);`
 //! `p -= lr/(1-beta1^step) * m / (sqrt(v or vmax)/sqrt(1-beta2^step) + eps)`.
 use candle_core::backprop::GradStore;
@@ -13,7 +13,7 @@ use crate::groups::{
 };
 use crate::{non_negative, OptimError, TorchOptimizer};
 
-/// Hyperparameters of `torch.optim.TorchAdam` (torch's defaults).
+/// Hyperparameters of `torch.optim.Adam` (torch's defaults).
 #[derive(Clone, Debug, PartialEq)]
 pub struct AdamConfig {
     pub lr: f64,
@@ -29,7 +29,7 @@ impl Default for AdamConfig {
     }
 }
 
-/// Hyperparameters of `torch.optim.TorchAdamW`: Adam's, with torch's AdamW default weight decay 0.01.
+/// Hyperparameters of `torch.optim.AdamW`: Adam's, with torch's AdamW default weight decay 0.01.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AdamWConfig {
     pub lr: f64,
@@ -163,7 +163,7 @@ const ADAM_KEYS: &[&str] = &[
     "decoupled_weight_decay",
 ];
 
-/// `state[i]` of TorchAdam/AdamW. `step` is kept as f64 and written as torch 2.x writes it: a 0-d
+/// `state[i]` of Adam/AdamW. `step` is kept as f64 and written as torch 2.x writes it: a 0-d
 /// float32 tensor.
 pub(crate) struct AdamState {
     step: f64,
@@ -365,7 +365,7 @@ fn update_tensor_form(
 impl_optimizer_via_groups!(TorchAdam, AdamConfig, ADAM_KEYS);
 
 /// AdamW: Adam with decoupled weight decay (`p *= 1 - lr*weight_decay` before the update),
-/// state_dict identical to torch's `TorchAdamW` (`decoupled_weight_decay: True`).
+/// state_dict identical to torch's `AdamW` (`decoupled_weight_decay: True`).
 pub struct TorchAdamW {
     inner: TorchAdam,
 }

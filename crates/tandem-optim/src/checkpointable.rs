@@ -1,6 +1,6 @@
 //! [`OptimizerState`]: an optimizer whose state a training checkpoint can hold — every
 //! [`TorchOptimizer`] (tandem's optimizers, ZeRO included) and candle-nn's `SGD`, whose only
-//! state is its learning rate. candle-nn's `TorchAdamW` keeps its moments private, so it cannot be
+//! state is its learning rate. candle-nn's `AdamW` keeps its moments private, so it cannot be
 //! checkpointed and is refused at compile time with a note naming tandem's drop-in.
 use tandem_ckpt::Value;
 
@@ -11,7 +11,7 @@ use crate::{OptimError, TorchOptimizer};
     message = "`{Self}` has no state tandem can checkpoint",
     label = "not an optimizer tandem can save",
     note = "tandem saves its own optimizers (tandem::optim::{{TorchSgd, TorchAdam, TorchAdamW, ZeroRedundancyOptimizer}}) and candle-nn's SGD",
-    note = "candle-nn's TorchAdamW keeps its moments private: use tandem::optim::TorchAdamW, which implements candle_nn::Optimizer too"
+    note = "candle-nn's AdamW keeps its moments private: use tandem::optim::TorchAdamW, which implements candle_nn::Optimizer too"
 )]
 pub trait OptimizerState {
     /// The state in `torch.optim.Optimizer.state_dict()` layout. `num_params` is the model's

@@ -51,7 +51,7 @@ fn time_torch(python: &std::path::Path, kind: &str) -> f64 {
 import time, torch
 ps = [torch.nn.Parameter(torch.randn({NUMEL})) for _ in range({TENSORS})]
 for p in ps: p.grad = torch.randn({NUMEL})
-opt = torch.optim.TorchAdamW(ps) if "{kind}" == "adamw" else torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=5e-4)
+opt = torch.optim.AdamW(ps) if "{kind}" == "adamw" else torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=5e-4)
 ts = []
 for i in range({REPS} + 2):
     t = time.perf_counter(); opt.step(); ts.append(time.perf_counter() - t)

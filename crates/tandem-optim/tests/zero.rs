@@ -43,13 +43,13 @@ fn grads(ps: &[Var], step: usize) -> candle_core::backprop::GradStore {
 
 #[derive(Clone, Copy, Debug)]
 enum Kind {
-    TorchSgd,
-    TorchAdamW,
+    Sgd,
+    AdamW,
 }
 
 fn plain(kind: Kind, ps: Vec<Var>) -> ShardOptimizer {
     match kind {
-        Kind::TorchSgd => Box::new(
+        Kind::Sgd => Box::new(
             TorchSgd::new(
                 ps,
                 SgdConfig {
@@ -62,7 +62,7 @@ fn plain(kind: Kind, ps: Vec<Var>) -> ShardOptimizer {
             )
             .unwrap(),
         ),
-        Kind::TorchAdamW => {
+        Kind::AdamW => {
             Box::new(TorchAdamW::new(ps, AdamWConfig { lr: 0.01, ..Default::default() }).unwrap())
         }
     }
@@ -116,7 +116,7 @@ fn partition_is_torchs_greedy_split_largest_first() {
 #[test]
 fn sharded_steps_equal_the_unsharded_optimizer_bit_for_bit_and_split_the_state() {
     const STEPS: usize = 6;
-    for kind in [Kind::TorchSgd, Kind::TorchAdamW] {
+    for kind in [Kind::Sgd, Kind::AdamW] {
         let (want, want_sd) = reference(kind, 0..STEPS, None);
         let unsharded = state_bytes(&want_sd);
         for world in [1, 2, 3, 8] {
@@ -148,7 +148,7 @@ fn sharded_steps_equal_the_unsharded_optimizer_bit_for_bit_and_split_the_state()
 
 #[test]
 fn consolidated_state_is_the_unsharded_state_and_other_ranks_get_an_error() {
-    for kind in [Kind::TorchSgd, Kind::TorchAdamW] {
+    for kind in [Kind::Sgd, Kind::AdamW] {
         let (_, want_sd) = reference(kind, 0..4, None);
         let results = run_tcp_world(3, move |pg| {
             let ps = params();
@@ -172,7 +172,7 @@ fn scratch() -> tempfile::TempDir {
 
 #[test]
 fn sharded_checkpoint_resumes_on_other_world_sizes_as_if_uninterrupted() {
-    let kind = Kind::TorchSgd;
+    let kind = Kind::Sgd;
     let tmp = scratch();
     let dir: PathBuf = tmp.path().join("optim");
     let (want, _) = reference(kind, 0..8, None);
@@ -224,7 +224,7 @@ fn sharded_checkpoint_resumes_on_other_world_sizes_as_if_uninterrupted() {
 fn pytorch_loads_the_consolidated_state_into_its_sgd() {
     let Some(python) = tandem_testutil::torch_python() else { return };
     let tmp = scratch();
-    let (_, sd) = reference(Kind::TorchSgd, 0..3, None);
+    let (_, sd) = reference(Kind::Sgd, 0..3, None);
     let path = tmp.path().join("optim.pt");
     tandem_ckpt::save(&path, &sd).unwrap();
     let shapes: Vec<Vec<usize>> = SHAPES.iter().map(|s| s.to_vec()).collect();
@@ -274,11 +274,9 @@ fn non_f32_parameters_are_refused_by_index() {
     let v = Var::from_tensor(&Tensor::zeros(3, candle_core::DType::F64, &Device::Cpu).unwrap())
         .unwrap();
     let e = run_tcp_world(1, move |pg| {
-        ZeroRedundancyOptimizer::new(vec![v.clone()], Arc::new(pg), |s| {
-            Ok(plain(Kind::TorchSgd, s))
-        })
-        .err()
-        .map(|e| e.to_string())
+        ZeroRedundancyOptimizer::new(vec![v.clone()], Arc::new(pg), |s| Ok(plain(Kind::Sgd, s)))
+            .err()
+            .map(|e| e.to_string())
     });
     let e = e[0].clone().unwrap();
     assert!(e.contains("parameter 0") && e.contains("f32"), "{e}");

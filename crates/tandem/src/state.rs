@@ -14,18 +14,31 @@
 //! tandem::save_state(&group, "runs/ckpt", &state)?;
 //! ```
 //!
-//! The model is anything that is a [`ParamModule`] (a `Ddp`, an `OrderedVarMap` or `NamedVars`
-//! of a candle model, tandem's models); the optimizer anything that is an [`OptimizerState`]:
-//! tandem's optimizers and candle-nn's `SGD`. One whose state cannot be saved (candle-nn's
-//! `TorchAdamW`) does not compile, with a note naming tandem's drop-in:
+//! The model is anything that is a [`ParamModule`] (a `Ddp`, the `NamedVars` of a candle
+//! model's `VarMap`, tandem's models); the optimizer anything that is an [`OptimizerState`]:
+//! tandem's optimizers and candle-nn's `SGD`:
 //!
-//! ```compile_fail
+//! ```
 //! # use candle_core::{DType, Device};
-//! # use candle_nn::{Optimizer, ParamsAdamW};
-//! let vars = tandem::nn::OrderedVarMap::new();
-//! let _w = vars.var_builder(DType::F32, &Device::Cpu).get(4, "w").unwrap();
-//! let mut opt = candle_nn::AdamW::new(vars.varmap().all_vars(), ParamsAdamW::default()).unwrap();
-//! let _ = tandem::TrainingState::new(&vars, &mut opt); // error: `TorchAdamW` has no state tandem can checkpoint
+//! # use candle_nn::{Optimizer, VarBuilder, VarMap};
+//! let varmap = VarMap::new();
+//! let _w = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu).get(4, "w").unwrap();
+//! let model = tandem::nn::NamedVars::from_varmap(&varmap);
+//! let mut opt = candle_nn::SGD::new(varmap.all_vars(), 0.1).unwrap();
+//! let _state = tandem::TrainingState::new(&model, &mut opt);
+//! ```
+//!
+//! One whose state cannot be saved (candle-nn's `AdamW`) does not compile, with a note naming
+//! tandem's drop-in (the same program, the optimizer swapped):
+//!
+//! ```compile_fail,E0277
+//! # use candle_core::{DType, Device};
+//! # use candle_nn::{Optimizer, ParamsAdamW, VarBuilder, VarMap};
+//! let varmap = VarMap::new();
+//! let _w = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu).get(4, "w").unwrap();
+//! let model = tandem::nn::NamedVars::from_varmap(&varmap);
+//! let mut opt = candle_nn::AdamW::new(varmap.all_vars(), ParamsAdamW::default()).unwrap();
+//! let _state = tandem::TrainingState::new(&model, &mut opt); // `AdamW` has no state tandem can checkpoint
 //! ```
 use std::path::{Path, PathBuf};
 
@@ -86,7 +99,7 @@ pub struct TrainingState<'a> {
 }
 
 impl<'a> TrainingState<'a> {
-    /// `model`: a `Ddp`, an `OrderedVarMap`/`NamedVars`, or any other [`ParamModule`];
+    /// `model`: a `Ddp`, a `NamedVars`, or any other [`ParamModule`];
     /// `optimizer`: tandem's optimizers or candle-nn's `SGD` (see [`OptimizerState`]).
     pub fn new<O: OptimizerState + 'a>(model: &'a dyn ParamModule, optimizer: &'a mut O) -> Self {
         TrainingState {

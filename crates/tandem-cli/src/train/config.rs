@@ -9,7 +9,7 @@ pub use tandem_models::ModelKind;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum OptimizerKind {
-    TorchSgd,
+    Sgd,
     Adamw,
 }
 
@@ -112,7 +112,7 @@ pub struct TrainConfig {
     #[arg(long, default_value_t = 0.05)]
     pub lr: f64,
     /// Optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerKind::TorchSgd)]
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
     pub optimizer: OptimizerKind,
     /// SGD momentum.
     #[arg(long, default_value_t = 0.9)]

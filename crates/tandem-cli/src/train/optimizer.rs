@@ -21,7 +21,7 @@ pub enum TrainOptimizer {
 /// The optimizer `cfg` names over `params`.
 fn plain(cfg: &TrainConfig, params: Vec<Var>) -> Result<ShardOptimizer, OptimError> {
     Ok(match cfg.optimizer {
-        OptimizerKind::TorchSgd => Box::new(TorchSgd::new(
+        OptimizerKind::Sgd => Box::new(TorchSgd::new(
             params,
             SgdConfig {
                 lr: cfg.lr,
