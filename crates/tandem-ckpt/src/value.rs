@@ -446,7 +446,7 @@ impl Value {
             Value::List(_) => "list",
             Value::Tuple(_) => "tuple",
             Value::Dict(_) => "dict",
-            Value::Tensor(_) => "TensorData",
+            Value::Tensor(_) => "Tensor",
         }
     }
 }

@@ -76,7 +76,7 @@ pub(crate) fn storage_class(dtype: ElemType) -> &'static str {
         ElemType::F64 => "DoubleStorage",
         ElemType::F32 => "FloatStorage",
         ElemType::F16 => "HalfStorage",
-        ElemType::BF16 => "BFloat16StorageData",
+        ElemType::BF16 => "BFloat16Storage",
         ElemType::I64 => "LongStorage",
         ElemType::I32 => "IntStorage",
         ElemType::I16 => "ShortStorage",

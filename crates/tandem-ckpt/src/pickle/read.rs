@@ -83,7 +83,7 @@ fn lookup_global(module: &str, name: &str) -> Option<Global> {
         ("torch._utils", "_rebuild_parameter_with_state") => RebuildParameterWithState,
         ("torch._tensor", "_rebuild_from_type_v2") => RebuildFromTypeV2,
         ("torch", "Size") => Size,
-        ("torch", "TensorData") => TensorClass,
+        ("torch", "Tensor") => TensorClass,
         ("torch.nn.parameter", "Parameter") => ParameterClass,
         ("torch", "device") => Device,
         ("_codecs", "encode") => CodecsEncode,
@@ -113,8 +113,8 @@ enum Node {
     Dict(Vec<(Id, Id)>),
     Set(Vec<Id>),
     Global(Global, String),
-    StorageData(StorageRef),
-    TensorData(TensorSpec),
+    Storage(StorageRef),
+    Tensor(TensorSpec),
 }
 
 /// The result of unpickling one pickle: an arena and its root.
@@ -257,7 +257,7 @@ impl Machine {
             // torch's own rebuild functions, storages and dtypes are safe but not implemented.
             let torch_data = module == "torch._utils"
                 || (module == "torch"
-                    && (name.ends_with("StorageData")
+                    && (name.ends_with("Storage")
                         || name.chars().next().is_some_and(|c| c.is_ascii_lowercase())));
             if torch_data {
                 PickleError::Unsupported(full.clone())
@@ -305,7 +305,7 @@ impl Machine {
                     .map_err(|_| PickleError::Msg("negative view size".into()))?;
             }
         }
-        Ok(self.new_node(Node::StorageData(sref)))
+        Ok(self.new_node(Node::Storage(sref)))
     }
 
     fn rebuild_tensor(&mut self, args: &[Id]) -> Result<Id, PickleError> {
@@ -313,7 +313,7 @@ impl Machine {
             return err("_rebuild_tensor needs (storage, offset, size, stride)");
         }
         let storage = match &self.nodes[args[0]] {
-            Node::StorageData(s) => s.clone(),
+            Node::Storage(s) => s.clone(),
             other => return err(format!("tensor storage is a {}", node_kind(other))),
         };
         let offset = usize::try_from(self.int_of(args[1])?)
@@ -323,7 +323,7 @@ impl Machine {
         if shape.len() != stride.len() {
             return err(format!("tensor size {shape:?} and stride {stride:?} differ in length"));
         }
-        Ok(self.new_node(Node::TensorData(TensorSpec { storage, offset, shape, stride })))
+        Ok(self.new_node(Node::Tensor(TensorSpec { storage, offset, shape, stride })))
     }
 
     fn call(&mut self, func: Id, args: Id) -> Result<Id, PickleError> {
@@ -335,7 +335,7 @@ impl Machine {
         Ok(match g {
             Global::RebuildTensorV2 | Global::RebuildTensor => self.rebuild_tensor(&args)?,
             Global::RebuildParameter | Global::RebuildParameterWithState => match args.first() {
-                Some(&data) if matches!(self.nodes[data], Node::TensorData(_)) => data,
+                Some(&data) if matches!(self.nodes[data], Node::Tensor(_)) => data,
                 _ => return err("_rebuild_parameter without a tensor"),
             },
             Global::RebuildFromTypeV2 => {
@@ -345,9 +345,7 @@ impl Machine {
                 match &self.nodes[args[1]] {
                     Node::Global(Global::TensorClass | Global::ParameterClass, _) => {}
                     _ => {
-                        return err(
-                            "_rebuild_from_type_v2 with a type other than TensorData/Parameter",
-                        )
+                        return err("_rebuild_from_type_v2 with a type other than Tensor/Parameter")
                     }
                 }
                 self.call(args[0], args[2])?
@@ -445,8 +443,8 @@ fn node_kind(n: &Node) -> &'static str {
         Node::Dict(_) => "dict",
         Node::Set(_) => "set",
         Node::Global(..) => "global",
-        Node::StorageData(_) => "storage",
-        Node::TensorData(_) => "tensor",
+        Node::Storage(_) => "storage",
+        Node::Tensor(_) => "tensor",
     }
 }
 
@@ -735,7 +733,7 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
                 // OrderedDict state is `{'_metadata': ...}` (module versions); a Parameter's state
                 // holds Python attributes. Neither is part of the values.
                 match &m.nodes[target] {
-                    Node::Dict(_) | Node::TensorData(_) => {}
+                    Node::Dict(_) | Node::Tensor(_) => {}
                     other => return err(format!("BUILD on a {}", node_kind(other))),
                 }
             }
@@ -776,8 +774,8 @@ impl Unpickled {
     /// dtypes to find the storage records).
     pub(crate) fn storages(&self) -> impl Iterator<Item = &StorageRef> {
         self.nodes.iter().filter_map(|n| match n {
-            Node::StorageData(s) => Some(s),
-            Node::TensorData(t) => Some(&t.storage),
+            Node::Storage(s) => Some(s),
+            Node::Tensor(t) => Some(&t.storage),
             _ => None,
         })
     }
@@ -830,10 +828,10 @@ impl Converter<'_> {
                     return Err(format!("`{name}` appears as a value; tandem cannot represent it"))
                 }
             },
-            Node::StorageData(s) => {
+            Node::Storage(s) => {
                 return Err(format!("a bare storage (key {}) is not supported as a value", s.key))
             }
-            Node::TensorData(spec) => Value::Tensor(self.tensor(spec)?),
+            Node::Tensor(spec) => Value::Tensor(self.tensor(spec)?),
         })
     }
 

@@ -1,4 +1,4 @@
-//! In-place `torch.optim.Adam` / `TorchAdamW` step: one pass each over exp_avg, exp_avg_sq,
+//! In-place `torch.optim.Adam` / `AdamW` step: one pass each over exp_avg, exp_avg_sq,
 //! (max_exp_avg_sq,) and the parameter, mirroring `adam.rs`'s tensor form element by element.
 use candle_core::{CpuStorage, InplaceOp3, Layout, Tensor, Var};
 
