@@ -54,13 +54,14 @@ fn main() -> Result<()> {
         DataLoader::new(Arc::new(train), sampler, LoaderOptions::new(32), Device::Cpu)?;
     // Model, candle-nn's SGD (its learning rate) and the loader position resume together.
     let mut state = TrainingState::new(&ddp, &mut opt).loader(&mut loader);
-    let start = match tandem::load_state(&ckpt_dir, &mut state)? {
-        Some(r) if group.rank() == 0 => {
-            println!("resumed from {} at epoch {}", r.path.display(), r.epoch);
-            r.epoch
+    let (start, mut step) = match tandem::load_state(&ckpt_dir, &mut state)? {
+        Some(r) => {
+            if group.rank() == 0 {
+                println!("resumed from {} at epoch {}", r.path.display(), r.epoch);
+            }
+            (r.epoch, r.step)
         }
-        Some(r) => r.epoch,
-        None => 0,
+        None => (0, 0),
     };
     for epoch in start..start + 5 {
         loader.set_epoch(epoch);
@@ -69,8 +70,10 @@ fn main() -> Result<()> {
             let logits = model.forward(&batch.x)?;
             let loss = candle_nn::loss::cross_entropy(&logits, &batch.y)?;
             opt.step(&ddp.backward(&loss)?)?; // world-averaged gradients
+            step += 1;
         }
-        let state = TrainingState::new(&ddp, &mut opt).loader(&mut loader).epoch(epoch + 1);
+        let state =
+            TrainingState::new(&ddp, &mut opt).loader(&mut loader).epoch(epoch + 1).step(step);
         tandem::save_state(&group, &ckpt_dir, &state)?;
     }
 

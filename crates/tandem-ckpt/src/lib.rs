@@ -34,6 +34,20 @@ pub fn load_with(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Value, Ck
     pt::load_with(path.as_ref(), opts)
 }
 
+/// A plain-data pickle (no tensors or storages) as a [`Value`]: dicts, lists, tuples, numbers,
+/// strings and bytes, through the same allowlisted reader as `.pt` files (nothing executes).
+/// Python 2 `str` objects that are not UTF-8 come back as bytes. `path` names the file in
+/// errors.
+pub fn read_pickle(path: impl AsRef<Path>) -> Result<Value, CkptError> {
+    pt::read_plain_pickle(path.as_ref())
+}
+
+/// Writes `value` (no tensors) as one plain pickle (protocol 2), atomically: what Python's
+/// `pickle.load` reads back (tuples, lists, dicts, numbers, strings, bytes).
+pub fn write_pickle(path: impl AsRef<Path>, value: &Value) -> Result<(), CkptError> {
+    pt::write_plain_pickle(path.as_ref(), value)
+}
+
 /// `torch.save(value, path)`: writes a zip-format `.pt` that `torch.load(weights_only=True)`
 /// reads back with the same values, nesting, dtypes, views and tied storages. Atomic: temp file,
 /// fsync, rename, fsync of the directory.

@@ -197,6 +197,26 @@ pub fn load_with(path: &Path, opts: &LoadOptions) -> Result<Value> {
     load_file_bytes(path, &fb, opts)
 }
 
+/// Writes `value` (no tensors) as one plain pickle, atomically.
+pub fn write_plain_pickle(path: &Path, value: &Value) -> Result<()> {
+    let (pkl, table) = pickle_value(value)?;
+    if !table.storages.is_empty() {
+        return Err(CkptError::Unsupported {
+            what: "value".into(),
+            msg: "a plain pickle cannot hold tensors (save it as a .pt)".into(),
+        });
+    }
+    crate::atomic::write_atomic(path, |f| std::io::Write::write_all(f, &pkl))
+}
+
+/// A plain pickle file (one pickle, no storages) as a value tree.
+pub fn read_plain_pickle(path: &Path) -> Result<Value> {
+    let fb = FileBytes::open(path, false)?;
+    let up = unpickle(fb.bytes()).map_err(|e| pickle_error(path, "pickle", e))?;
+    up.to_value(&mut |s| Err(format!("a plain pickle references tensor storage `{}`", s.key)))
+        .map_err(|m| CkptError::format(path, m))
+}
+
 /// Reads an in-memory file image (`name` is only used in error messages).
 pub fn load_from_bytes(name: &str, bytes: Vec<u8>, verify_checksums: bool) -> Result<Value> {
     let opts = LoadOptions { verify_checksums, ..LoadOptions::default() };

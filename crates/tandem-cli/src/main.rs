@@ -24,6 +24,8 @@ enum Command {
     Sampler(cmd::sampler::Args),
     /// Inspect, convert, diff and load-check checkpoints (.pt / .safetensors).
     Ckpt(cmd::ckpt::Args),
+    /// Dataset tools: `synth-faces` writes a synthetic face identity set (RecordIO + pairs.bin).
+    Data(cmd::data::Args),
     /// Write a built-in model's weights (mlp, cnn, resnet18) as an ONNX model.
     Export(cmd::export::Args),
     /// Benchmarks that print ratios against a reference measured in the same run.
@@ -57,6 +59,7 @@ fn main() {
         Command::Train(a) => cmd::train::main(a),
         Command::Sampler(a) => cmd::sampler::main(a),
         Command::Ckpt(a) => cmd::ckpt::main(a),
+        Command::Data(a) => cmd::data::main(a),
         Command::Export(a) => cmd::export::main(a),
         Command::Bench(a) => tandem_bench::main(a),
         Command::Check(a) => cmd::check::main(a),

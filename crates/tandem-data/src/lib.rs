@@ -1,7 +1,7 @@
 //! tandem-data: DistributedSampler with torch-exact shard order (and a resumable position),
 //! the `Dataset` trait, the prefetching `DataLoader` that collates into candle tensors,
 //! uneven distributed evaluation, and the datasets (embedded UCI digits, MNIST IDX files,
-//! synthetic). Knows nothing of models, optimizers or checkpoint files; it uses tandem-comm
+//! synthetic, insightface's RecordIO face sets and verification pairs). Knows nothing of models, optimizers or checkpoint files; it uses tandem-comm
 //! only to all-reduce evaluation metrics.
 //!
 //! ```
@@ -27,6 +27,7 @@ mod error;
 pub mod eval;
 mod loader;
 pub mod randperm;
+pub mod recordio;
 mod sampler;
 pub mod transforms;
 

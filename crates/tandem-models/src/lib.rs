@@ -2,13 +2,15 @@
 //! names, layouts and default initialisation (seeded), and [`ModelKind`], the one list of
 //! built-in architectures. `Mlp` and `Cnn` read their parameters through a
 //! [`tandem_nn::ParamSet`] so Ddp can hook them; `ResNet` is a stock-style candle-nn model on a
-//! `VarMap`.
+//! `VarMap`, as is `IResNet`, arcface_torch's face-recognition backbone.
 mod cnn;
+mod iresnet;
 mod kind;
 mod mlp;
 mod resnet;
 
 pub use cnn::Cnn;
+pub use iresnet::{IResNet, FACE_SIDE};
 pub use kind::{ModelKind, UnknownModel};
 pub use mlp::{targets, Mlp};
 pub use resnet::ResNet;

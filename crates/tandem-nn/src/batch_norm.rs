@@ -61,6 +61,15 @@ pub fn batch_norm2d(channels: usize, vb: VarBuilder) -> candle_core::Result<Batc
 }
 
 impl BatchNorm2d {
+    /// The layer with its scale fixed (PyTorch's `bn.weight.requires_grad = False`): the
+    /// forward reads `weight` without recording a gradient for it; loading a state dict still
+    /// sets it. Keep the variable out of the optimizer and out of Ddp's gradient reduction
+    /// ([`crate::NamedVars::freeze`]).
+    pub fn with_frozen_weight(mut self) -> Self {
+        self.weight = self.weight.detach();
+        self
+    }
+
     /// Synchronise batch statistics over `comm`'s ranks (`Some`), or go back to this rank's
     /// batch alone (`None`).
     pub fn set_sync(&self, comm: Option<Arc<dyn Collectives>>) {

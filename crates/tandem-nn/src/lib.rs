@@ -3,7 +3,7 @@
 //!
 //! - CPU kernels for convolutional nets ([`kernels`]: conv2d, BatchNorm(+ReLU), pooling, ReLU)
 //!   and layers on them for `VarBuilder` models ([`FastConv2d`], [`BatchNorm2d`], which can
-//!   synchronise its statistics across ranks like PyTorch's `SyncBatchNorm`);
+//!   synchronise its statistics across ranks like PyTorch's `SyncBatchNorm`, [`PRelu`]);
 //! - differentiable collectives ([`all_gather`], [`all_reduce_sum`]: PyTorch's
 //!   `torch.distributed.nn.functional`), over any [`tandem_comm::Collectives`];
 //! - a model's parameters as Ddp sees them: [`ParamModule`] (PyTorch's `nn.Module` contract:
@@ -26,6 +26,7 @@ pub mod init;
 pub mod kernels;
 mod module;
 mod params;
+mod prelu;
 mod vars;
 pub mod weights;
 
@@ -38,6 +39,7 @@ pub use error::{NnError, Result};
 pub use hook::ViewHooks;
 pub use module::ParamModule;
 pub use params::ParamSet;
+pub use prelu::{prelu, PRelu};
 pub use vars::{NamedVars, OrderedVarMap};
 
 /// The f32 values of a contiguous CPU input of a custom op; `what` and `op` name it in errors.

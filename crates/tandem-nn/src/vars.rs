@@ -28,7 +28,7 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{VarBuilder, VarMap};
 
-use crate::error::Result;
+use crate::error::{NnError, Result};
 use crate::init::copy_vars;
 use crate::module::ParamModule;
 use crate::params::ParamSet;
@@ -65,6 +65,26 @@ impl NamedVars {
         let (buffers, params): (Vec<_>, Vec<_>) =
             named.into_iter().partition(|(name, _)| is_buffer(name));
         NamedVars { params: ParamSet::new(params), buffers }
+    }
+
+    /// Moves the parameters named in `frozen` among the buffers (PyTorch's parameters with
+    /// `requires_grad = False`, such as arcface_torch's `features.weight`): they stay in the
+    /// state dict and are broadcast like buffers, but take no gradient, so Ddp does not wait
+    /// for one and optimizers built from [`ParamModule::params`] leave them alone. A name that
+    /// is not a parameter here is an error naming it.
+    pub fn freeze(self, frozen: &[&str]) -> Result<NamedVars> {
+        let mut params = self.params.named().to_vec();
+        let mut buffers = self.buffers;
+        for name in frozen {
+            let Some(i) = params.iter().position(|(n, _)| n == name) else {
+                return Err(NnError::InvalidOption {
+                    what: "freeze",
+                    why: format!("`{name}` is not a parameter of this model"),
+                });
+            };
+            buffers.push(params.remove(i));
+        }
+        Ok(NamedVars { params: ParamSet::new(params), buffers })
     }
 }
 

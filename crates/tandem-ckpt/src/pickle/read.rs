@@ -567,10 +567,15 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
             }
             // Python 2 `str`: torch.load decodes it (encoding='utf-8' default) to a str.
             op::BINSTRING | op::SHORT_BINSTRING => {
+                // Python 2's `str`: text when it is UTF-8, else raw bytes (as Python 3 reads it
+                // with `encoding='bytes'`; insightface's `.bin` sets hold encoded images so).
                 let n = if code == op::BINSTRING { r.u32()? as u64 } else { r.u8()? as u64 };
                 let n = r.len(n)?;
-                let s = r.utf8(n)?;
-                m.push(Node::Str(s))
+                let b = r.take(n)?;
+                m.push(match std::str::from_utf8(b) {
+                    Ok(s) => Node::Str(s.to_string()),
+                    Err(_) => Node::Bytes(b.to_vec()),
+                })
             }
             op::BINBYTES | op::SHORT_BINBYTES | op::BINBYTES8 | op::BYTEARRAY8 => {
                 let n = match code {

@@ -2,6 +2,7 @@
 //! returning the process exit code.
 pub mod check;
 pub mod ckpt;
+pub mod data;
 pub mod export;
 pub mod run;
 pub mod sampler;

@@ -1,8 +1,10 @@
 //! The datasets a job can name: the embedded UCI digits (default), MNIST / Fashion-MNIST IDX
 //! files from a directory, and a synthetic set for benchmarks. Each spec yields a fixed
-//! (train, eval) pair.
+//! (train, eval) pair. Face-recognition data (insightface's RecordIO sets and `.bin`
+//! verification pairs) is in [`faces`].
 mod cifar;
 mod digits;
+pub mod faces;
 mod idx;
 mod synthetic;
 
