@@ -16,6 +16,7 @@ use candle_core::{Tensor, Var};
 use candle_nn::{linear, Conv2dConfig, Linear, Module, ModuleT, VarBuilder};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use tandem_nn::init::standard_normal;
 
 use tandem_nn::{
     batch_norm2d, fast_conv2d_no_bias, prelu, BatchNorm2d, FastConv2d, HasBatchNorm, PRelu,
@@ -162,7 +163,7 @@ impl IResNet {
             let dims = var.dims().to_vec();
             let last = name.rsplit('.').next().unwrap_or("");
             let values: Vec<f32> = if last == "weight" && dims.len() == 4 {
-                (0..var.elem_count()).map(|_| (normal(&mut rng) * 0.1) as f32).collect()
+                (0..var.elem_count()).map(|_| (standard_normal(&mut rng) * 0.1) as f32).collect()
             } else if name.starts_with("fc.") {
                 let fan_in = named
                     .iter()
@@ -210,13 +211,6 @@ impl IResNet {
         let x = self.features.forward_t(&x.reshape((n, self.embedding, 1, 1))?, train)?;
         x.reshape((n, self.embedding))
     }
-}
-
-/// A standard normal sample (Box-Muller).
-fn normal(rng: &mut StdRng) -> f64 {
-    let u1: f64 = rng.random_range(f64::EPSILON..1.0);
-    let u2: f64 = rng.random();
-    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
 }
 
 impl ModuleT for IResNet {

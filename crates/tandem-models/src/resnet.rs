@@ -11,6 +11,7 @@ use candle_core::{Tensor, Var};
 use candle_nn::{linear, Conv2dConfig, Linear, Module, ModuleT, VarBuilder};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use tandem_nn::init::standard_normal;
 
 use tandem_nn::kernels::pool::adaptive_avg_pool2d;
 use tandem_nn::kernels::relu::relu;
@@ -115,7 +116,7 @@ impl ResNet {
             let last = name.rsplit('.').next().unwrap_or("");
             let values: Vec<f32> = if last == "weight" && dims.len() == 4 {
                 let std = (2.0 / (dims[0] * dims[2] * dims[3]) as f64).sqrt();
-                (0..var.elem_count()).map(|_| (normal(&mut rng) * std) as f32).collect()
+                (0..var.elem_count()).map(|_| (standard_normal(&mut rng) * std) as f32).collect()
             } else if name.starts_with("fc.") {
                 let bound = 1.0 / (fc_fan_in as f32).sqrt();
                 (0..var.elem_count()).map(|_| rng.random_range(-bound..=bound)).collect()
@@ -138,13 +139,6 @@ impl ResNet {
         let pooled = adaptive_avg_pool2d(&x, (1, 1))?.flatten_from(1)?;
         self.fc.forward(&pooled)
     }
-}
-
-/// A standard normal sample (Box-Muller).
-fn normal(rng: &mut StdRng) -> f64 {
-    let u1: f64 = rng.random_range(f64::EPSILON..1.0);
-    let u2: f64 = rng.random();
-    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
 }
 
 impl ModuleT for ResNet {

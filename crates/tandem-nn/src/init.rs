@@ -5,6 +5,13 @@ use candle_core::{Device, Tensor, Var};
 use rand::rngs::StdRng;
 use rand::Rng;
 
+/// A standard normal sample (Box-Muller), the stream seeded model initialisers draw from.
+pub fn standard_normal(rng: &mut StdRng) -> f64 {
+    let u1: f64 = rng.random_range(f64::EPSILON..1.0);
+    let u2: f64 = rng.random();
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+}
+
 /// A `Var` of `shape` drawn from U(-bound, bound) by `rng`.
 pub fn uniform_var(
     rng: &mut StdRng,
