@@ -52,13 +52,25 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     let cores = available_cores();
     let signals =
         if cfg.forward_signals { SignalWatch::install()? } else { SignalWatch::disabled() };
-    let new_port = || {
+    let pick = || {
         pick_master_port()
             .map_err(|error| LaunchError::NoFreePort { addr: cfg.master_addr.clone(), error })
     };
+    // A port free to bind but just reported taken (by a process that has since let go, or
+    // never held it) must not come back: the kernel hands a released port out again.
+    let new_port_other_than = |old: u16| -> Result<u16, LaunchError> {
+        let mut port = pick()?;
+        for _ in 0..16 {
+            if port != old {
+                break;
+            }
+            port = pick()?;
+        }
+        Ok(port)
+    };
     let mut port = match cfg.master_port {
         Some(p) => p,
-        None => new_port()?,
+        None => pick()?,
     };
     let job_log_dir = cfg.log_dir.as_ref().map(|d| d.join(&cfg.run_id));
     if let Some(dir) = &job_log_dir {
@@ -221,7 +233,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
                 if port_taken && agent.is_none() && port_retries < MAX_PORT_RETRIES {
                     port_retries += 1;
                     let old = port;
-                    port = new_port()?;
+                    port = new_port_other_than(old)?;
                     eprintln!(
                         "[launcher] MASTER_PORT {old} was taken before rank 0 could bind it; \
                          starting again on port {port} (not counted as a restart)"
@@ -235,7 +247,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
                         root.rank, root.exit, cfg.max_restarts
                     );
                     if cfg.master_port.is_none() {
-                        port = new_port()?;
+                        port = new_port_other_than(port)?;
                     }
                     continue;
                 }
