@@ -86,6 +86,11 @@ impl IndexedRecordReader {
         &self.keys
     }
 
+    /// Whether the index holds `key`.
+    pub fn contains(&self, key: u64) -> bool {
+        self.offsets.contains_key(&key)
+    }
+
     /// The record file's path.
     pub fn path(&self) -> &Path {
         &self.rec

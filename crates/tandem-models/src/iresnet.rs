@@ -159,20 +159,20 @@ impl IResNet {
     /// creation order ([`tandem_nn::OrderedVarMap::named`]), which fixes the stream.
     pub fn reset_parameters(named: &[(String, Var)], seed: u64) -> candle_core::Result<()> {
         let mut rng = StdRng::seed_from_u64(seed);
+        let fc_fan_in = named
+            .iter()
+            .find(|(n, _)| n == "fc.weight")
+            .and_then(|(_, v)| v.dims().get(1).copied())
+            .unwrap_or(1);
+        let fc_bound = 1.0 / (fc_fan_in as f32).sqrt();
         for (name, var) in named {
             let dims = var.dims().to_vec();
             let last = name.rsplit('.').next().unwrap_or("");
             let values: Vec<f32> = if last == "weight" && dims.len() == 4 {
                 (0..var.elem_count()).map(|_| (standard_normal(&mut rng) * 0.1) as f32).collect()
             } else if name.starts_with("fc.") {
-                let fan_in = named
-                    .iter()
-                    .find(|(n, _)| n == "fc.weight")
-                    .and_then(|(_, v)| v.dims().get(1).copied())
-                    .unwrap_or(1);
-                let bound = 1.0 / (fan_in as f32).sqrt();
-                (0..var.elem_count()).map(|_| rng.random_range(-bound..=bound)).collect()
-            } else if last == "prelu" || name.ends_with("prelu.weight") {
+                (0..var.elem_count()).map(|_| rng.random_range(-fc_bound..=fc_bound)).collect()
+            } else if name.ends_with("prelu.weight") {
                 vec![0.25; var.elem_count()]
             } else if matches!(last, "weight" | "running_var") {
                 vec![1.0; var.elem_count()]

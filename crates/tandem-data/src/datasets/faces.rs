@@ -40,6 +40,11 @@ pub fn decode_face(bytes: &[u8], side: usize, flip: bool) -> Result<Vec<f32>, St
     Ok(out)
 }
 
+/// `[3, side, side]` values mirrored left-right.
+fn mirror(image: &[f32], side: usize) -> Vec<f32> {
+    image.chunks_exact(side).flat_map(|row| row.iter().rev().copied()).collect()
+}
+
 /// A deterministic coin from (seed, epoch, index): the same flips for any world size.
 fn flip_coin(seed: u64, epoch: u64, index: u64) -> bool {
     let mut z = seed ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ index.rotate_left(32);
@@ -66,7 +71,7 @@ impl FaceRecDataset {
     pub fn open(dir: &Path) -> Result<Self, DataError> {
         let rec = dir.join("train.rec");
         let reader = IndexedRecordReader::open(&dir.join("train.idx"), &rec)?;
-        let header0 = match reader.keys().contains(&0) {
+        let header0 = match reader.contains(0) {
             true => {
                 let r = reader.read(0)?;
                 Some(IrHeader::unpack(&r).map_err(|e| malformed(&rec, format!("record 0: {e}")))?.0)
@@ -91,7 +96,7 @@ impl FaceRecDataset {
             }
             _ => dataset.images = dataset.reader.keys().to_vec(),
         }
-        if let Some(k) = dataset.images.iter().find(|k| !dataset.reader.keys().contains(k)) {
+        if let Some(k) = dataset.images.iter().find(|&&k| !dataset.reader.contains(k)) {
             return Err(malformed(
                 &rec,
                 format!("image record {k} (from record 0's header) is not in train.idx"),
@@ -222,10 +227,9 @@ impl VerificationSet {
             .get(index)
             .ok_or(DataError::IndexOutOfRange { index, len: self.images.len() })?;
         let at = |e: String| malformed(&self.path, format!("image {index}: {e}"));
-        Ok([
-            decode_face(bytes, side, false).map_err(at)?,
-            decode_face(bytes, side, true).map_err(at)?,
-        ])
+        let plain = decode_face(bytes, side, false).map_err(at)?;
+        let flipped = mirror(&plain, side);
+        Ok([plain, flipped])
     }
 
     pub fn pairs(&self) -> usize {
