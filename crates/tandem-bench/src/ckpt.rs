@@ -42,7 +42,7 @@ pub struct Args {
     first_writer: usize,
 }
 
-fn find_python(explicit: Option<PathBuf>) -> Option<PathBuf> {
+pub(crate) fn find_python(explicit: Option<PathBuf>) -> Option<PathBuf> {
     let mut c = Vec::new();
     c.extend(explicit);
     c.extend(std::env::var_os("TANDEM_PYTHON").map(PathBuf::from));

@@ -98,6 +98,7 @@ impl Net {
             ModelKind::Mlp => Net::Mlp(Mlp::new(&[784, 1024, 1024, 10], 0, dev)?),
             ModelKind::Cnn => Net::Cnn(Cnn::new(1, 28, 28, 10, 0, dev)?),
             ModelKind::ResNet18 => anyhow::bail!("resnet18 is built by ResNetTrainer"),
+            face => anyhow::bail!("{face} is a face backbone: `tandem bench face` runs it"),
         })
     }
     fn describe(kind: ModelKind, width: usize) -> String {
@@ -105,6 +106,7 @@ impl Net {
             ModelKind::Mlp => "Mlp 784-1024-1024-10".into(),
             ModelKind::ResNet18 => format!("ResNet-18 (CIFAR stem) width {width} on 3x32x32"),
             ModelKind::Cnn => "Cnn 1x28x28 (conv8-bn-conv16-fc)".into(),
+            face => format!("{face} width {width}"),
         }
     }
 }
@@ -153,6 +155,7 @@ fn batch(kind: ModelKind, n: usize, seed: u64, dev: &Device) -> anyhow::Result<(
         ModelKind::Mlp => Tensor::randn(0f32, 1.0, n * 784, cpu)?.reshape((n, 784))?,
         ModelKind::ResNet18 => Tensor::randn(0f32, 1.0, n * 3072, cpu)?.reshape((n, 3, 32, 32))?,
         ModelKind::Cnn => Tensor::randn(0f32, 1.0, n * 784, cpu)?.reshape((n, 1, 28, 28))?,
+        face => anyhow::bail!("{face} is a face backbone: `tandem bench face` runs it"),
     };
     let y = Tensor::from_vec(
         (0..n as u32)
@@ -418,6 +421,9 @@ fn torch_peer(args: &Args, python: &PathBuf) -> anyhow::Result<f64> {
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
+    if args.model.is_face() {
+        bail!("--model {}: a face backbone trains with a PartialFC head; `tandem bench face` measures that recipe", args.model);
+    }
     // The ResNet is a VarMap model: it always runs the varmap way.
     let mode = if args.model == ModelKind::ResNet18 { "varmap" } else { args.mode.as_str() };
     if args.nproc == 0 || args.batch == 0 || args.steps == 0 || args.rounds == 0 {

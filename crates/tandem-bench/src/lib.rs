@@ -10,6 +10,7 @@ pub mod allreduce;
 pub mod ckpt;
 pub mod conv;
 pub mod ddp;
+pub mod face;
 mod local_ranks;
 pub mod partial_fc;
 pub mod report;
@@ -34,6 +35,8 @@ enum Which {
     SaveStall(save_stall::Args),
     /// optimizer-state bytes per rank with ZeroRedundancyOptimizer vs unsharded.
     Zero(zero::Args),
+    /// The face-recognition recipe's samples/s against PyTorch running it (same data and init).
+    Face(face::Args),
     /// PartialFC class-centre memory per rank (centres + momentum) vs C*E*4*2/W.
     PartialFc(partial_fc::Args),
     /// per-op ms of the conv and BatchNorm kernels on ResNet-18's shapes vs torch.
@@ -70,6 +73,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         Which::Conv(a) => conv::main(a),
         Which::SaveStall(a) => save_stall::main(a),
         Which::Zero(a) => zero::main(a),
+        Which::Face(a) => face::main(a),
         Which::PartialFc(a) => partial_fc::main(a),
         Which::Report(a) => report::main(a),
     }

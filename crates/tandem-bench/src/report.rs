@@ -14,6 +14,11 @@ mod markdown;
 mod measure;
 mod plots;
 mod stats;
+
+/// min / median / max of repeated measurements (for the benchmarks outside the report).
+pub(crate) fn summary(samples: &[f64]) -> Option<stats::Summary> {
+    stats::Summary::of(samples)
+}
 mod table;
 mod torch;
 

@@ -1,6 +1,6 @@
 //! The `tandem` command line: launcher, training job, sampler inspection, checkpoint tools and
 //! benchmarks. Each subcommand lives in its own module under `cmd/`.
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod cmd;
 mod train;
@@ -19,7 +19,7 @@ enum Command {
     /// Train a model on the embedded digits data (or MNIST / synthetic) with DDP.
     // `--lr -1` is a value to check (and reject with a reason), not an unknown flag `-1`.
     #[command(allow_negative_numbers = true)]
-    Train(cmd::train::Args),
+    Train(Box<cmd::train::Args>),
     /// Print the sample indices one rank sees (DistributedSampler) as a JSON array.
     Sampler(cmd::sampler::Args),
     /// Inspect, convert, diff and load-check checkpoints (.pt / .safetensors).
@@ -44,7 +44,8 @@ fn main() {
         .init();
     // Training and benchmarks allocate tensors per step; keep freed memory for reuse.
     tandem_nn::tune_allocator();
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if matches!(cli.command, Command::Ckpt(_) | Command::Sampler(_)) {
         // Pure output tools die quietly on a closed pipe (`tandem ckpt inspect f.pt | head`) like
         // other Unix tools instead of panicking in println!. Not for ranks or the launcher: there
@@ -56,7 +57,7 @@ fn main() {
     }
     let result = match cli.command {
         Command::Run(a) => cmd::run::main(a),
-        Command::Train(a) => cmd::train::main(a),
+        Command::Train(a) => cmd::train::main(*a, matches.subcommand_matches("train")),
         Command::Sampler(a) => cmd::sampler::main(a),
         Command::Ckpt(a) => cmd::ckpt::main(a),
         Command::Data(a) => cmd::data::main(a),

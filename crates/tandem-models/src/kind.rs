@@ -19,10 +19,32 @@ pub enum ModelKind {
     #[cfg_attr(feature = "clap", value(name = "resnet18"))]
     #[serde(rename = "resnet18")]
     ResNet18,
+    /// arcface_torch's face-recognition backbones ([`crate::IResNet`]), trained with a
+    /// PartialFC head on 112x112 face images.
+    #[cfg_attr(feature = "clap", value(name = "iresnet18"))]
+    #[serde(rename = "iresnet18")]
+    IResNet18,
+    #[cfg_attr(feature = "clap", value(name = "iresnet34"))]
+    #[serde(rename = "iresnet34")]
+    IResNet34,
+    #[cfg_attr(feature = "clap", value(name = "iresnet50"))]
+    #[serde(rename = "iresnet50")]
+    IResNet50,
+    #[cfg_attr(feature = "clap", value(name = "iresnet100"))]
+    #[serde(rename = "iresnet100")]
+    IResNet100,
 }
 
 impl ModelKind {
-    pub const ALL: [ModelKind; 3] = [ModelKind::Mlp, ModelKind::Cnn, ModelKind::ResNet18];
+    pub const ALL: [ModelKind; 7] = [
+        ModelKind::Mlp,
+        ModelKind::Cnn,
+        ModelKind::ResNet18,
+        ModelKind::IResNet18,
+        ModelKind::IResNet34,
+        ModelKind::IResNet50,
+        ModelKind::IResNet100,
+    ];
 
     /// The name the command line and file names use.
     pub fn name(self) -> &'static str {
@@ -30,7 +52,28 @@ impl ModelKind {
             ModelKind::Mlp => "mlp",
             ModelKind::Cnn => "cnn",
             ModelKind::ResNet18 => "resnet18",
+            ModelKind::IResNet18 => "iresnet18",
+            ModelKind::IResNet34 => "iresnet34",
+            ModelKind::IResNet50 => "iresnet50",
+            ModelKind::IResNet100 => "iresnet100",
         }
+    }
+
+    /// The depth of an IResNet (18, 34, 50 or 100); `None` for the classifiers.
+    pub fn iresnet_depth(self) -> Option<usize> {
+        match self {
+            ModelKind::IResNet18 => Some(18),
+            ModelKind::IResNet34 => Some(34),
+            ModelKind::IResNet50 => Some(50),
+            ModelKind::IResNet100 => Some(100),
+            ModelKind::Mlp | ModelKind::Cnn | ModelKind::ResNet18 => None,
+        }
+    }
+
+    /// Whether this is a face-recognition backbone (embeddings, trained with PartialFC) rather
+    /// than a classifier.
+    pub fn is_face(self) -> bool {
+        self.iresnet_depth().is_some()
     }
 }
 
@@ -42,7 +85,9 @@ impl fmt::Display for ModelKind {
 
 /// A name that is not a built-in model.
 #[derive(Debug, thiserror::Error)]
-#[error("unknown model `{0}` (known: mlp, cnn, resnet18)")]
+#[error(
+    "unknown model `{0}` (known: mlp, cnn, resnet18, iresnet18, iresnet34, iresnet50, iresnet100)"
+)]
 pub struct UnknownModel(pub String);
 
 impl FromStr for ModelKind {

@@ -9,8 +9,12 @@
 //! - `resnet18`: torchvision's BasicBlock ResNet-18 with the CIFAR stem, input
 //!   `[batch, 3, height, width]` (global average pooling makes any size ≥ 8 work).
 //!
-//! Output `logits`, `[batch, classes]`. The batch (and the ResNet's height and width) are
-//! symbolic dimensions, so one file serves any batch size.
+//! - `iresnet18|34|50|100`: arcface_torch's IResNet (conv1 → bn1 → PReLU, IBasicBlocks, bn2 →
+//!   flatten → fc → `features` BatchNorm1d), input `[batch, 3, 112, 112]`, output `embedding`
+//!   `[batch, E]` (dropout is the identity in eval mode).
+//!
+//! The classifiers' output is `logits`, `[batch, classes]`. The batch (and the ResNet's height and
+//! width) are symbolic dimensions, so one file serves any batch size.
 use crate::error::{OnnxError, Result};
 use crate::graph::{float, int, ints, Dim, GraphBuilder};
 use crate::proto::ModelProto;
@@ -24,6 +28,9 @@ const BN_EPS: f32 = 1e-5;
 pub struct Exported {
     pub model: ModelProto,
     pub input: Vec<Dim>,
+    /// The output's name: `logits`, or `embedding` for the face backbones.
+    pub output: &'static str,
+    /// The output's width: classes, or the embedding size.
     pub classes: usize,
     /// Float values stored in the file (the weights).
     pub weights: usize,
@@ -37,17 +44,22 @@ pub fn export(arch: ModelKind, state: &[(String, tandem_ckpt::TensorData)]) -> R
         ModelKind::Mlp => g.mlp(&mut sd)?,
         ModelKind::Cnn => g.cnn(&mut sd)?,
         ModelKind::ResNet18 => g.resnet18(&mut sd)?,
+        face => {
+            let depth = face.iresnet_depth().unwrap_or(18);
+            g.iresnet(&mut sd, depth)?
+        }
     };
     sd.finish()?;
     let Graphs { mut b, weights } = g;
     let out = [Dim::Named("batch"), Dim::Fixed(classes)];
-    b.output(&logits, "logits", &out);
+    let output = if arch.is_face() { "embedding" } else { "logits" };
+    b.output(&logits, output, &out);
     if weights * 4 >= i32::MAX as usize {
         return Err(OnnxError::TooLarge { bytes: weights * 4 });
     }
-    let doc = format!("tandem {} (eval mode): input -> logits", arch.name());
+    let doc = format!("tandem {} (eval mode): input -> {output}", arch.name());
     let model = b.finish(&doc, &[("tandem.model", arch.name().to_string())]);
-    Ok(Exported { model, input, classes, weights })
+    Ok(Exported { model, input, output, classes, weights })
 }
 
 struct Graphs {
@@ -238,5 +250,87 @@ impl Graphs {
         };
         let sum = self.b.node("Add", &[&h, &shortcut], vec![]);
         Ok(self.relu(&sum))
+    }
+
+    /// PReLU with one slope per channel (`[C]` in the state dict, `[C, 1, 1]` in the graph so it
+    /// broadcasts over `[N, C, H, W]`).
+    fn prelu(
+        &mut self,
+        sd: &mut StateDict,
+        prefix: &str,
+        x: &str,
+        channels: usize,
+    ) -> Result<String> {
+        let mut w = sd.take(&format!("{prefix}.weight"), &[Some(channels)])?;
+        w.dims = vec![channels, 1, 1];
+        let slope = self.init(w);
+        Ok(self.b.node("PRelu", &[x, &slope], vec![]))
+    }
+
+    fn iresnet(&mut self, sd: &mut StateDict, depth: usize) -> Result<(Vec<Dim>, String, usize)> {
+        let blocks: &[usize] = match depth {
+            18 => &[2, 2, 2, 2],
+            34 => &[3, 4, 6, 3],
+            50 => &[3, 4, 14, 3],
+            _ => &[3, 13, 30, 3],
+        };
+        let side = tandem_models::FACE_SIDE;
+        let input = vec![Dim::Named("batch"), Dim::Fixed(3), Dim::Fixed(side), Dim::Fixed(side)];
+        let x = self.b.input("input", &input);
+        let (x, width) = self.conv(sd, "conv1", &x, (3, None, 3), 1, false)?;
+        let x = self.batch_norm(sd, "bn1", &x, width)?;
+        let mut x = self.prelu(sd, "prelu", &x, width)?;
+        let mut cin = width;
+        for (stage, (&n, mult)) in blocks.iter().zip([1, 2, 4, 8]).enumerate() {
+            let cout = width * mult;
+            for block in 0..n {
+                let stride = if block == 0 { 2 } else { 1 };
+                let prefix = format!("layer{}.{block}", stage + 1);
+                x = self.ibasic_block(sd, &prefix, &x, cin, cout, stride)?;
+                cin = cout;
+            }
+        }
+        let x = self.batch_norm(sd, "bn2", &x, cin)?;
+        let flat = self.flatten(&x);
+        let fc_in = cin * (side / 16) * (side / 16);
+        let (x, embedding) = self.linear(sd, "fc", &flat, fc_in)?;
+        // BatchNorm1d on [N, E]: ONNX's BatchNormalization takes [N, C] as well.
+        let x = self.batch_norm(sd, "features", &x, embedding)?;
+        Ok((input, x, embedding))
+    }
+
+    /// arcface_torch's IBasicBlock: bn3(conv2(prelu(bn2(conv1(bn1(x)))))) + shortcut(x), no
+    /// activation after the sum.
+    fn ibasic_block(
+        &mut self,
+        sd: &mut StateDict,
+        prefix: &str,
+        x: &str,
+        cin: usize,
+        cout: usize,
+        stride: usize,
+    ) -> Result<String> {
+        let h = self.batch_norm(sd, &format!("{prefix}.bn1"), x, cin)?;
+        let (h, _) =
+            self.conv(sd, &format!("{prefix}.conv1"), &h, (cin, Some(cout), 3), 1, false)?;
+        let h = self.batch_norm(sd, &format!("{prefix}.bn2"), &h, cout)?;
+        let h = self.prelu(sd, &format!("{prefix}.prelu"), &h, cout)?;
+        let (h, _) =
+            self.conv(sd, &format!("{prefix}.conv2"), &h, (cout, Some(cout), 3), stride, false)?;
+        let h = self.batch_norm(sd, &format!("{prefix}.bn3"), &h, cout)?;
+        let shortcut = if stride != 1 || cin != cout {
+            let (s, _) = self.conv(
+                sd,
+                &format!("{prefix}.downsample.0"),
+                x,
+                (cin, Some(cout), 1),
+                stride,
+                false,
+            )?;
+            self.batch_norm(sd, &format!("{prefix}.downsample.1"), &s, cout)?
+        } else {
+            x.to_string()
+        };
+        Ok(self.b.node("Add", &[&h, &shortcut], vec![]))
     }
 }

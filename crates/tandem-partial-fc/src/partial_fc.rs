@@ -163,6 +163,17 @@ impl PartialFc {
         &self.cfg
     }
 
+    /// Forward passes taken so far (they seed each step's negative sampling).
+    pub fn steps_taken(&self) -> u64 {
+        self.step
+    }
+
+    /// Sets the count of forward passes taken, so that a run resumed from a checkpoint draws
+    /// the same negatives at `sample_rate < 1` as the uninterrupted run.
+    pub fn set_steps_taken(&mut self, steps: u64) {
+        self.step = steps;
+    }
+
     /// The centres that took part in the last step (local indices, sorted); `None` before the
     /// first step. At `sample_rate < 1` only these rows got a gradient.
     pub fn last_index(&self) -> Option<&[usize]> {

@@ -9,6 +9,8 @@ use serde_json::json;
 use tandem_ckpt::keys::{detect_wrapping, find_state_dicts, load_state_dict, strip_wrappers};
 use tandem_ckpt::{CkptError, TensorData, Value};
 
+use crate::train::face::arcface;
+
 #[derive(clap::Args)]
 pub struct Args {
     #[command(subcommand)]
@@ -18,7 +20,8 @@ pub struct Args {
 #[derive(Subcommand)]
 enum Which {
     /// Container keys, each tensor's dtype/shape/bytes, detected wrapping, non-tensor values;
-    /// for a sharded optimizer checkpoint (directory), its ranks and their state.
+    /// for a sharded optimizer checkpoint or a face-recipe checkpoint (directories), their
+    /// ranks and what each holds.
     Inspect {
         file: PathBuf,
         /// Print one JSON object instead of text.
@@ -27,6 +30,9 @@ enum Which {
     },
     /// Convert between .pt and .safetensors (by OUT's extension), optionally renaming keys. A
     /// sharded optimizer checkpoint (a directory with manifest.json) becomes one .pt state dict.
+    /// A face-recipe checkpoint directory becomes arcface_torch's `checkpoint_gpu_{rank}.pt`
+    /// files (+ model.pt) in the directory OUT; a directory of those becomes a tandem checkpoint
+    /// in the run directory OUT (`tandem train --out OUT --resume` continues it).
     Convert {
         input: PathBuf,
         output: PathBuf,
@@ -137,6 +143,92 @@ fn short_repr(v: &Value) -> String {
     }
 }
 
+/// A face-recipe checkpoint: the manifest, the replicated file and every rank's head file.
+fn inspect_face(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
+    use crate::train::face::checkpoint::read_manifest;
+    let m = read_manifest(dir)?;
+    let rep = read(&dir.join(&m.replicated))?;
+    let bytes = |v: &Value| -> usize {
+        let mut all = Vec::new();
+        leaves(v, String::new(), &mut all);
+        all.iter().filter_map(|(_, v)| v.as_tensor()).map(TensorData::nbytes).sum()
+    };
+    let backbone = rep.get("backbone").and_then(Value::as_dict).map_or(0, <[_]>::len);
+    let kind = |k: &str| rep.get(k).map_or("absent", Value::type_name);
+    let mut heads = Vec::new();
+    for (r, h) in m.heads.iter().enumerate() {
+        let v = read(&dir.join(&h.file))?;
+        let state = v.get("state").map_or(0, bytes);
+        heads.push((r, h, state));
+    }
+    if as_json {
+        let j = json!({
+            "dir": dir.display().to_string(),
+            "format": m.format,
+            "world_size": m.world_size,
+            "global_step": m.global_step,
+            "epoch": m.epoch,
+            "num_classes": m.num_classes,
+            "embedding_size": m.embedding_size,
+            "backbone_tensors": backbone,
+            "replicated_bytes": bytes(&rep),
+            "scheduler": kind("scheduler"),
+            "scaler": kind("scaler"),
+            "heads": heads.iter().map(|(r, h, b)| json!({"rank": r, "file": h.file, "start": h.start, "len": h.len, "state_bytes": b})).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&j)?);
+        return Ok(0);
+    }
+    println!(
+        "{}: face-recipe checkpoint ({}), step {} (epoch {}), {} ranks, {} classes x {}",
+        dir.display(),
+        m.format,
+        m.global_step,
+        m.epoch,
+        m.world_size,
+        m.num_classes,
+        m.embedding_size
+    );
+    println!(
+        "  {}: backbone ({backbone} tensors), optimizer without the head, scheduler: {}, scaler: {}, {} bytes",
+        m.replicated,
+        kind("scheduler"),
+        kind("scaler"),
+        bytes(&rep)
+    );
+    for (r, h, b) in &heads {
+        println!(
+            "  rank {r}: {}  classes {}..{}  optimizer state {b} bytes",
+            h.file,
+            h.start,
+            h.start + h.len
+        );
+    }
+    println!(
+        "(`tandem ckpt convert {} OUT_DIR` writes arcface_torch's checkpoint_gpu_{{rank}}.pt files)",
+        dir.display()
+    );
+    Ok(0)
+}
+
+/// Face-recipe checkpoints to arcface_torch's per-rank files, or back.
+fn convert_face(input: &Path, output: &Path) -> anyhow::Result<i32> {
+    if arcface::is_face_dir(input) {
+        let written = arcface::to_arcface(input, output)?;
+        for w in &written {
+            println!("wrote {}", w.display());
+        }
+    } else {
+        let dir = arcface::from_arcface(input, output)?;
+        println!(
+            "wrote {}: continue it with `tandem train --out {} --resume` and the run's flags (any --nproc-per-node)",
+            dir.display(),
+            output.display()
+        );
+    }
+    Ok(0)
+}
+
 /// A sharded optimizer checkpoint: its manifest, each rank's file, parameters and state bytes.
 fn inspect_sharded(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
     use tandem_optim::zero::{read_manifest, state_bytes};
@@ -178,6 +270,9 @@ fn inspect_sharded(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
 }
 
 fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
+    if file.is_dir() && arcface::is_face_dir(file) {
+        return inspect_face(file, as_json);
+    }
     if file.is_dir() {
         return inspect_sharded(file, as_json);
     }
@@ -288,6 +383,12 @@ fn convert(
     add: Option<&str>,
     key: Option<&str>,
 ) -> anyhow::Result<i32> {
+    if input.is_dir() && (arcface::is_face_dir(input) || arcface::is_arcface_dir(input)) {
+        if strip.is_some() || add.is_some() || key.is_some() {
+            bail!("--strip-prefix/--add-prefix/--key: not for face-recipe checkpoint directories");
+        }
+        return convert_face(input, output);
+    }
     let v = read(input)?;
     let to_safetensors = output.extension().is_some_and(|e| e == "safetensors");
     let mut selected = match key {

@@ -42,10 +42,11 @@ pub fn write(kind: ModelKind, value: &tandem_ckpt::Value, path: &Path) -> anyhow
         })
         .collect();
     Ok(format!(
-        "wrote {}: {}, input [{}] -> logits [batch, {}], {} weights, ONNX IR {} opset {}",
+        "wrote {}: {}, input [{}] -> {} [batch, {}], {} weights, ONNX IR {} opset {}",
         path.display(),
         kind.name(),
         dims.join(", "),
+        exported.output,
         exported.classes,
         exported.weights,
         tandem_onnx::graph::IR_VERSION,

@@ -22,8 +22,11 @@ fn launched() -> bool {
         .any(|v| std::env::var_os(v).is_some())
 }
 
-pub fn main(args: Args) -> anyhow::Result<i32> {
-    let mut cfg = args.cfg;
+pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i32> {
+    let mut cfg = match matches {
+        Some(m) => crate::train::config::apply_config_file(args.cfg, m)?,
+        None => args.cfg,
+    };
     cfg.validate()?;
     if !launched() && cfg.nproc_per_node > 1 {
         return launch_ranks(cfg);
@@ -42,17 +45,18 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         if !launched() {
             write_config(&cfg, &run_dir)?;
         }
+        let mut line = format!("final: epochs={} steps={}", summary.epochs, summary.steps);
+        if let Some(acc) = summary.eval_accuracy {
+            line += &format!(" eval_accuracy={acc:.4}");
+        }
+        if let Some(acc) = summary.verification_accuracy {
+            line += &format!(" verification_accuracy={acc:.4}");
+        }
+        let checkpoint = summary.checkpoint.as_ref().map(|p| p.display().to_string());
         println!(
-            "final: epochs={} steps={} eval_accuracy={:.4} samples_per_s={:.0} checkpoint={}",
-            summary.epochs,
-            summary.steps,
-            summary.eval_accuracy,
+            "{line} samples_per_s={:.0} checkpoint={}",
             summary.samples_per_s,
-            summary
-                .checkpoint
-                .as_ref()
-                .map(|p| p.display().to_string())
-                .unwrap_or_else(|| "-".into())
+            checkpoint.unwrap_or_else(|| "-".into())
         );
     }
     Ok(0)

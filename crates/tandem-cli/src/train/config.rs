@@ -37,6 +37,22 @@ impl Precision {
     }
 }
 
+/// How the learning rate moves, stepped after every optimizer step (arcface_torch's recipe).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum SchedulerKind {
+    /// A constant --lr.
+    #[default]
+    None,
+    /// insightface's PolyScheduler: linear warm-up from 0 over the warm-up steps, then
+    /// `lr * (1 - progress)^2` to 0 at the last step.
+    Poly,
+    /// torch's CosineAnnealingLR over the run's steps, down to 0.
+    Cosine,
+    /// torch's StepLR: times 0.1 every --lr-step-epochs epochs.
+    Step,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
@@ -102,7 +118,8 @@ pub struct TrainConfig {
     /// Passes over the training data.
     #[arg(long, default_value_t = 20)]
     pub epochs: usize,
-    /// Stop after this many optimizer steps (overrides --epochs when reached first).
+    /// Stop after this many optimizer steps (overrides --epochs when reached first; an
+    /// --lr-scheduler still spans --epochs, so a run stopped early resumes on the same curve).
     #[arg(long)]
     pub steps: Option<u64>,
     /// Samples per rank per step, as in DDP (global batch = batch-size x world size).
@@ -120,7 +137,8 @@ pub struct TrainConfig {
     /// Weight decay (SGD: L2 added to the gradient; AdamW: decoupled).
     #[arg(long = "weight-decay", default_value_t = 0.0)]
     pub weight_decay: f64,
-    /// Model: mlp (fc1 -> ReLU -> fc2) or a small cnn.
+    /// Model: a classifier (mlp, cnn, resnet18), or a face backbone (iresnet18|34|50|100) trained
+    /// with a PartialFC margin head on `--data rec:DIR`.
     #[arg(long, value_enum, default_value_t = ModelKind::Mlp)]
     pub model: ModelKind,
     /// Hidden width of the MLP.
@@ -187,7 +205,9 @@ pub struct TrainConfig {
     #[arg(long = "export-onnx", value_name = "FILE")]
     #[serde(default)]
     pub export_onnx: Option<PathBuf>,
-    /// Mixed precision (PyTorch's autocast + GradScaler recipe); --model mlp only.
+    /// Mixed precision (PyTorch's autocast + GradScaler recipe). The MLP computes in 16 bits;
+    /// the convolution nets' kernels compute in f32 inside, their input and output (the face
+    /// models: embeddings and PartialFC logits) pass through the 16-bit type.
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     #[serde(default)]
     pub precision: Precision,
@@ -202,6 +222,106 @@ pub struct TrainConfig {
     /// Write TensorBoard event files (loss, lr, accuracy, samples/s) into the run directory.
     #[arg(long)]
     pub tensorboard: bool,
+    /// Learning-rate schedule, stepped after every optimizer step.
+    #[arg(long = "lr-scheduler", value_enum, default_value_t = SchedulerKind::None)]
+    #[serde(default)]
+    pub lr_scheduler: SchedulerKind,
+    /// Linear warm-up steps of --lr-scheduler poly.
+    #[arg(long = "warmup-steps", conflicts_with = "warmup_epochs")]
+    #[serde(default)]
+    pub warmup_steps: Option<u64>,
+    /// Warm-up in epochs of --lr-scheduler poly (arcface_torch's `warmup_epoch`: this many
+    /// times images / global batch steps).
+    #[arg(long = "warmup-epochs")]
+    #[serde(default)]
+    pub warmup_epochs: Option<u64>,
+    /// Epochs between the x0.1 decays of --lr-scheduler step.
+    #[arg(long = "lr-step-epochs", default_value_t = 10)]
+    #[serde(default = "default_lr_step_epochs")]
+    pub lr_step_epochs: u64,
+    /// Clip the gradient norm of the model (the face backbone, not its head, as arcface_torch)
+    /// to this value before every step.
+    #[arg(long = "clip-grad-norm")]
+    #[serde(default)]
+    pub clip_grad_norm: Option<f64>,
+    /// GradScaler growth interval with --precision f16 (default: 100 for the face models as
+    /// arcface_torch, torch's 2000 otherwise).
+    #[arg(long = "grad-scaler-growth-interval")]
+    #[serde(default)]
+    pub grad_scaler_growth_interval: Option<i64>,
+    /// Face models: the embedding width.
+    #[arg(long = "embedding-size", default_value_t = 512)]
+    #[serde(default = "default_embedding_size")]
+    pub embedding_size: usize,
+    /// Face models: the margin, `arcface` (= 1,0.5,0), `cosface` (= 1,0,0.4) or `M1,M2,M3` of
+    /// arcface_torch's CombinedMarginLoss.
+    #[arg(long, default_value = "arcface")]
+    #[serde(default = "default_margin")]
+    pub margin: String,
+    /// Face models: the logit scale s of the margin loss.
+    #[arg(long = "margin-scale", default_value_t = 64.0)]
+    #[serde(default = "default_margin_scale")]
+    pub margin_scale: f64,
+    /// Face models: the fraction of each rank's class centres sampled per step (PartialFC).
+    #[arg(long = "sample-rate", default_value_t = 1.0)]
+    #[serde(default = "default_sample_rate")]
+    pub sample_rate: f64,
+    /// Face models: non-target cosines above this are zeroed (0: off).
+    #[arg(long = "interclass-filtering-threshold", default_value_t = 0.0)]
+    #[serde(default)]
+    pub interclass_filtering_threshold: f64,
+    /// Face models: the number of identities (default: from the rec's header record).
+    #[arg(long = "num-classes")]
+    #[serde(default)]
+    pub num_classes: Option<usize>,
+    /// Face models: a verification pair set (insightface `.bin`), repeatable; evaluated every
+    /// --verbose steps and at the end.
+    #[arg(long = "val", value_name = "FILE.bin")]
+    #[serde(default)]
+    pub val: Vec<PathBuf>,
+    /// Face models: run the verification sets every N steps (0: only at the end).
+    #[arg(long, default_value_t = 2000)]
+    #[serde(default = "default_verbose")]
+    pub verbose: u64,
+    /// Settings from a TOML file whose keys are these flags' names (`batch-size = 128`); a flag
+    /// given on the command line wins.
+    #[arg(long, value_name = "FILE.toml")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+}
+
+fn default_lr_step_epochs() -> u64 {
+    10
+}
+fn default_embedding_size() -> usize {
+    512
+}
+fn default_margin() -> String {
+    "arcface".into()
+}
+fn default_margin_scale() -> f64 {
+    64.0
+}
+fn default_sample_rate() -> f64 {
+    1.0
+}
+fn default_verbose() -> u64 {
+    2000
+}
+
+/// arcface_torch's CombinedMarginLoss `(m1, m2, m3)` from `--margin`.
+pub fn parse_margin(text: &str) -> anyhow::Result<(f64, f64, f64)> {
+    match text {
+        "arcface" => return Ok((1.0, 0.5, 0.0)),
+        "cosface" => return Ok((1.0, 0.0, 0.4)),
+        _ => {}
+    }
+    let parts: Vec<&str> = text.split(',').map(str::trim).collect();
+    let numbers: Option<Vec<f64>> = parts.iter().map(|p| p.parse::<f64>().ok()).collect();
+    match numbers.as_deref() {
+        Some(&[m1, m2, m3]) if [m1, m2, m3].iter().all(|m| m.is_finite()) => Ok((m1, m2, m3)),
+        _ => bail!("--margin {text}: expected arcface, cosface or three numbers M1,M2,M3 (arcface = 1.0,0.5,0.0)"),
+    }
 }
 
 impl TrainConfig {
@@ -228,12 +348,17 @@ impl TrainConfig {
         if self.sync_batchnorm && self.model != ModelKind::ResNet18 {
             bail!("--sync-batchnorm needs --model resnet18 (the model whose BatchNorm layers can synchronise)");
         }
-        if self.precision != Precision::F32 && self.model != ModelKind::Mlp {
+        self.validate_schedule()?;
+        if self.model.is_face() {
+            self.validate_face()?;
+        } else if self.data.starts_with("rec:") {
             bail!(
-                "--precision {}: mixed precision is supported for --model mlp only (the cnn and \
-                 resnet18 convolution kernels compute in f32)",
-                format!("{:?}", self.precision).to_lowercase()
+                "--data {}: a RecordIO face set trains a face backbone; add --model iresnet18 \
+                 (or iresnet34/50/100)",
+                self.data
             );
+        } else if !self.val.is_empty() {
+            bail!("--val: verification sets are for the face models (--model iresnet18 ...)");
         }
         if self.keep_last == 0 {
             bail!("--keep-last must be at least 1");
@@ -254,6 +379,62 @@ impl TrainConfig {
         #[cfg(not(feature = "cuda"))]
         if self.device == DeviceKind::Cuda {
             bail!("--device cuda: {NO_CUDA}");
+        }
+        Ok(())
+    }
+
+    fn validate_schedule(&self) -> anyhow::Result<()> {
+        let warmup = self.warmup_steps.is_some() || self.warmup_epochs.is_some();
+        if warmup && self.lr_scheduler != SchedulerKind::Poly {
+            bail!(
+                "--warmup-steps/--warmup-epochs: warm-up is part of --lr-scheduler poly (add it)"
+            );
+        }
+        if self.lr_scheduler == SchedulerKind::Step && self.lr_step_epochs == 0 {
+            bail!("--lr-step-epochs must be at least 1");
+        }
+        if let Some(c) = self.clip_grad_norm {
+            if !(c.is_finite() && c > 0.0) {
+                bail!("--clip-grad-norm must be a positive number, got {c}");
+            }
+        }
+        if self.grad_scaler_growth_interval.is_some_and(|g| g < 1) {
+            bail!("--grad-scaler-growth-interval must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// The face recipe's own checks (IResNet + PartialFC on RecordIO data).
+    fn validate_face(&self) -> anyhow::Result<()> {
+        let model = self.model.name();
+        if !self.data.starts_with("rec:") {
+            bail!(
+                "--model {model} trains on a face identity set: --data rec:DIR (train.rec + \
+                 train.idx; `tandem data synth-faces DIR` writes a synthetic one), not --data {}",
+                self.data
+            );
+        }
+        parse_margin(&self.margin)?;
+        if !(self.margin_scale.is_finite() && self.margin_scale > 0.0) {
+            bail!("--margin-scale must be a positive number, got {}", self.margin_scale);
+        }
+        if !(self.sample_rate > 0.0 && self.sample_rate <= 1.0) {
+            bail!("--sample-rate must be in (0, 1], got {}", self.sample_rate);
+        }
+        if self.embedding_size == 0 {
+            bail!("--embedding-size must be at least 1");
+        }
+        if self.num_classes == Some(0) {
+            bail!("--num-classes must be at least 1");
+        }
+        let refused = [
+            (self.zero, "--zero (ZeRO shards one parameter group; the PartialFC head is already split over the ranks)"),
+            (self.async_save, "--async-save (the face checkpoint is written by every rank)"),
+            (self.sync_batchnorm, "--sync-batchnorm (arcface_torch keeps per-rank statistics)"),
+            (self.normalize, "--normalize (face images are scaled to [-1, 1] as arcface_torch does)"),
+        ];
+        if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
+            bail!("--model {model}: {flag} is not supported");
         }
         Ok(())
     }
@@ -339,6 +520,103 @@ impl TrainConfig {
         if self.augment {
             a.push("--augment".into());
         }
+        a.extend(self.schedule_and_face_args());
         a
     }
+
+    /// [`TrainConfig::to_args`] for the schedule, clipping and face flags.
+    fn schedule_and_face_args(&self) -> Vec<String> {
+        let mut a: Vec<String> = Vec::new();
+        let mut push = |k: &str, v: String| {
+            a.push(k.to_string());
+            a.push(v);
+        };
+        push("--lr-scheduler", format!("{:?}", self.lr_scheduler).to_lowercase());
+        if let Some(w) = self.warmup_steps {
+            push("--warmup-steps", w.to_string());
+        }
+        if let Some(w) = self.warmup_epochs {
+            push("--warmup-epochs", w.to_string());
+        }
+        push("--lr-step-epochs", self.lr_step_epochs.to_string());
+        if let Some(c) = self.clip_grad_norm {
+            push("--clip-grad-norm", c.to_string());
+        }
+        if let Some(g) = self.grad_scaler_growth_interval {
+            push("--grad-scaler-growth-interval", g.to_string());
+        }
+        push("--embedding-size", self.embedding_size.to_string());
+        push("--margin", self.margin.clone());
+        push("--margin-scale", self.margin_scale.to_string());
+        push("--sample-rate", self.sample_rate.to_string());
+        push("--interclass-filtering-threshold", self.interclass_filtering_threshold.to_string());
+        if let Some(n) = self.num_classes {
+            push("--num-classes", n.to_string());
+        }
+        for v in &self.val {
+            push("--val", v.display().to_string());
+        }
+        push("--verbose", self.verbose.to_string());
+        a
+    }
+}
+
+/// `--config FILE.toml`: settings whose keys are the flags' long names (`batch-size = 128`;
+/// the snake_case names of a run's own `config.toml` work too). A flag given on the command
+/// line wins over the file; an unknown key, a nested `config` or a value of the wrong type is
+/// an error naming the file and the key.
+pub fn apply_config_file(
+    cfg: TrainConfig,
+    matches: &clap::ArgMatches,
+) -> anyhow::Result<TrainConfig> {
+    use clap::parser::ValueSource;
+    let Some(path) = cfg.config.clone() else { return Ok(cfg) };
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(&path).with_context(|| format!("--config {shown}"))?;
+    let file: toml::Table =
+        text.parse().with_context(|| format!("--config {shown}: not valid TOML"))?;
+    let command = <TrainConfig as clap::Args>::augment_args(clap::Command::new("train"));
+    let mut table = match toml::Value::try_from(&cfg).context("serialising the settings")? {
+        toml::Value::Table(t) => t,
+        _ => bail!("the settings did not serialise to a table"),
+    };
+    for (key, value) in file {
+        let arg = command.get_arguments().find(|a| {
+            a.get_long() == Some(key.as_str()) || a.get_id().as_str() == key.replace('-', "_")
+        });
+        let Some(arg) = arg else {
+            bail!(
+                "--config {shown}: unknown key `{key}` (keys are `tandem train` flags without \
+                 the dashes, such as `batch-size` or `lr-scheduler`)"
+            );
+        };
+        let id = arg.get_id().as_str();
+        if id == "config" {
+            bail!("--config {shown}: a config file cannot name another (`{key}`)");
+        }
+        if matches.value_source(id) == Some(ValueSource::CommandLine) {
+            continue;
+        }
+        // An integer where the flag takes a float (`lr = 1`) is that float.
+        let value = match (table.get(id), value) {
+            (Some(toml::Value::Float(_)), toml::Value::Integer(i)) => toml::Value::Float(i as f64),
+            (_, v) => v,
+        };
+        let check: anyhow::Result<TrainConfig> = {
+            let mut probe = table.clone();
+            probe.insert(id.to_string(), value.clone());
+            toml::Value::Table(probe).try_into().map_err(anyhow::Error::from)
+        };
+        if let Err(e) = check {
+            bail!(
+                "--config {shown}: `{key}`: {}",
+                e.to_string().lines().next().unwrap_or("a value of the wrong type")
+            );
+        }
+        table.insert(id.to_string(), value);
+    }
+    let mut merged: TrainConfig =
+        toml::Value::Table(table).try_into().with_context(|| format!("--config {shown}"))?;
+    merged.config = Some(path);
+    Ok(merged)
 }

@@ -1,8 +1,12 @@
-//! The main job (`tandem train`): DDP training of a small classifier with sampler, evaluation,
-//! checkpoints, progress and TensorBoard. Split into the run configuration, the models, the
-//! optimizer (plain or ZeRO-sharded), the TensorBoard writer and the per-rank training loop.
+//! The main job (`tandem train`): DDP training of a classifier with sampler, evaluation,
+//! checkpoints, progress and TensorBoard, or the face-recognition recipe (IResNet + PartialFC).
+//! Split into the run configuration, the models, the optimizer (plain or ZeRO-sharded), the
+//! schedule, the TensorBoard writer, the classifier loop and the face loop.
 pub mod config;
+pub mod face;
 pub mod model;
 pub mod optimizer;
+pub mod progress;
+pub mod schedule;
 pub mod tfevents;
 pub mod worker;

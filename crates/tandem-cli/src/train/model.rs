@@ -14,7 +14,7 @@ use super::config::ModelKind;
 
 pub enum Net {
     Mlp(Mlp),
-    Cnn(Cnn),
+    Cnn(Cnn, Autocast),
     /// A stock-style candle-nn model on a VarMap: Ddp wraps its variables, not the model.
     ResNet18(Box<VarMapNet>),
 }
@@ -23,6 +23,27 @@ pub struct VarMapNet {
     model: ResNet,
     vars: NamedVars,
     training: AtomicBool,
+    autocast: Autocast,
+}
+
+/// Mixed precision for the convolution nets, whose CPU kernels compute in f32: the input and the
+/// logits pass through the 16-bit type (rounded as autocast's f16/bf16 tensors are), and the
+/// GradScaler scales the loss as with any f16 run. `None`: f32 throughout.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Autocast(pub Option<DType>);
+
+impl Autocast {
+    fn new(dtype: DType) -> Self {
+        Autocast((dtype != DType::F32).then_some(dtype))
+    }
+
+    /// `x` rounded to the 16-bit type and back (differentiable; the identity without autocast).
+    pub fn round(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self.0 {
+            Some(dt) => x.to_dtype(dt)?.to_dtype(DType::F32),
+            None => Ok(x.clone()),
+        }
+    }
 }
 
 /// What `Net::build` needs beyond the data's shape.
@@ -31,7 +52,7 @@ pub struct NetSpec {
     pub hidden: usize,
     pub width: usize,
     pub seed: u64,
-    /// What the layers compute in (mixed precision; the MLP only).
+    /// What the layers compute in (mixed precision; the conv nets round their input and logits).
     pub compute_dtype: DType,
 }
 
@@ -77,9 +98,6 @@ impl Net {
         dev: &Device,
     ) -> anyhow::Result<Net> {
         let NetSpec { kind, hidden, width, seed, compute_dtype } = *spec;
-        if compute_dtype != DType::F32 && kind != ModelKind::Mlp {
-            anyhow::bail!("{kind:?} computes in f32 only (mixed precision is for the MLP)");
-        }
         Ok(match kind {
             ModelKind::ResNet18 => {
                 if input_dim != 3 * 32 * 32 {
@@ -96,6 +114,7 @@ impl Net {
                     model,
                     vars: vars.named_vars(),
                     training: AtomicBool::new(true),
+                    autocast: Autocast::new(compute_dtype),
                 }))
             }
             ModelKind::Mlp => Net::Mlp(
@@ -109,16 +128,22 @@ impl Net {
                          {input_dim} features per sample"
                     )
                 };
-                Net::Cnn(Cnn::new(channels, side, side, classes, seed, dev)?)
+                Net::Cnn(Cnn::new(channels, side, side, classes, seed, dev)?, Autocast::new(compute_dtype))
             }
+            face => anyhow::bail!(
+                "--model {face} is a face backbone: it trains with a PartialFC head on --data rec:DIR"
+            ),
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
             Net::Mlp(m) => m.forward(x),
-            Net::Cnn(m) => m.forward(x),
-            Net::ResNet18(m) => m.model.forward_t(x, m.training.load(Ordering::SeqCst)),
+            Net::Cnn(m, a) => a.round(&m.forward(&a.round(x)?)?),
+            Net::ResNet18(m) => {
+                let a = m.autocast;
+                a.round(&m.model.forward_t(&a.round(x)?, m.training.load(Ordering::SeqCst))?)
+            }
         }
     }
 
@@ -126,15 +151,14 @@ impl Net {
     pub fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
         match self {
             Net::Mlp(m) => m.loss(x, y),
-            Net::Cnn(m) => m.loss(x, y),
-            Net::ResNet18(_) => candle_nn::loss::cross_entropy(&self.forward(x)?, y),
+            Net::Cnn(..) | Net::ResNet18(_) => candle_nn::loss::cross_entropy(&self.forward(x)?, y),
         }
     }
 
     /// Switches BatchNorm between batch statistics (training) and running statistics (eval).
     pub fn set_training(&self, training: bool) {
         match self {
-            Net::Cnn(m) => m.set_training(training),
+            Net::Cnn(m, _) => m.set_training(training),
             Net::ResNet18(m) => m.training.store(training, Ordering::SeqCst),
             Net::Mlp(_) => {}
         }
@@ -156,7 +180,7 @@ impl ParamModule for Net {
     fn param_set(&self) -> &ParamSet {
         match self {
             Net::Mlp(m) => m.param_set(),
-            Net::Cnn(m) => m.param_set(),
+            Net::Cnn(m, _) => m.param_set(),
             Net::ResNet18(m) => m.vars.param_set(),
         }
     }
@@ -164,7 +188,7 @@ impl ParamModule for Net {
     fn named_buffers(&self) -> Vec<(String, candle_core::Var)> {
         match self {
             Net::Mlp(m) => m.named_buffers(),
-            Net::Cnn(m) => m.named_buffers(),
+            Net::Cnn(m, _) => m.named_buffers(),
             Net::ResNet18(m) => m.vars.named_buffers(),
         }
     }
@@ -172,7 +196,7 @@ impl ParamModule for Net {
     fn replicate(&self, device: &Device) -> tandem_nn::Result<Self> {
         Ok(match self {
             Net::Mlp(m) => Net::Mlp(m.replicate(device)?),
-            Net::Cnn(m) => Net::Cnn(m.replicate(device)?),
+            Net::Cnn(m, a) => Net::Cnn(m.replicate(device)?, *a),
             Net::ResNet18(_) => {
                 return Err(tandem_nn::NnError::InvalidOption {
                     what: "replicate",

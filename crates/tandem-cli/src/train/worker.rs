@@ -1,7 +1,6 @@
 //! One rank of `tandem train`: join the process group, build data, model, Ddp and optimizer,
 //! optionally resume or load initial weights, then train with per-epoch evaluation,
 //! rank-0 checkpoints, TensorBoard scalars and the final summary line.
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -22,6 +21,8 @@ use tandem::state::{sampler_state_from_value, sampler_value};
 use super::config::{Precision, TrainConfig};
 use super::model::{image_shape, Net, NetSpec};
 use super::optimizer::TrainOptimizer;
+use super::progress::Progress;
+use super::schedule::{self, RunLength, Scheduler};
 use super::tfevents::EventWriter;
 
 /// What a finished run reports (rank 0 prints it as the `final:` line).
@@ -30,7 +31,10 @@ pub struct RunSummary {
     pub rank: usize,
     pub epochs: u64,
     pub steps: u64,
-    pub eval_accuracy: f64,
+    /// The classifiers' accuracy on the eval split.
+    pub eval_accuracy: Option<f64>,
+    /// The face models' accuracy on the first --val set.
+    pub verification_accuracy: Option<f64>,
     pub samples_per_s: f64,
     pub checkpoint: Option<PathBuf>,
 }
@@ -38,6 +42,9 @@ pub struct RunSummary {
 /// Trains on this rank. `run_dir` must be the same on every rank.
 pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
     let group = join_group(cfg)?;
+    if cfg.model.is_face() {
+        return super::face::run(cfg, run_dir, group);
+    }
     let mut w = Worker::build(cfg, run_dir, group)?;
     if cfg.resume {
         w.resume()?;
@@ -48,7 +55,7 @@ pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
 
 /// Joins the process group (`--backend` applies under any launcher: mpirun, srun, torchrun,
 /// not only our own) and, with `--backend nccl`, makes the NCCL communicator Ddp reduces with.
-fn join_group(cfg: &TrainConfig) -> anyhow::Result<ProcessGroup> {
+pub fn join_group(cfg: &TrainConfig) -> anyhow::Result<ProcessGroup> {
     let mut opts = tandem_comm::InitOptions::from_env().context("reading TANDEM_* settings")?;
     if let Some(kind) = cfg.backend.transport() {
         opts.transport = Some(kind);
@@ -80,6 +87,7 @@ struct Worker<'a> {
     opt: TrainOptimizer,
     /// float16 needs loss scaling (its range is narrow); bf16 has float32's range and does not.
     scaler: Option<GradScaler>,
+    sched: Scheduler,
     train: Arc<TrainData>,
     eval: Arc<TrainData>,
     options: LoaderOptions,
@@ -127,11 +135,8 @@ impl<'a> Worker<'a> {
                 .with_context(|| format!("--comm-hook: unknown hook `{}`", cfg.comm_hook))?;
             ddp.register_comm_hook(hook).context("--comm-hook")?;
         }
-        let opt = TrainOptimizer::new(cfg, ddp.params(), &group)?;
-        let scaler = match cfg.precision {
-            Precision::F16 => Some(GradScaler::new(GradScalerConfig::default())?),
-            _ => None,
-        };
+        let mut opt = TrainOptimizer::new(cfg, ddp.params(), &group)?;
+        let scaler = grad_scaler(cfg, 2000)?;
         let sampler = DistributedSampler::builder(train.len())
             .group(&group)
             .shuffle(!cfg.no_shuffle)
@@ -145,6 +150,11 @@ impl<'a> Worker<'a> {
         };
         let train = Arc::new(train);
         let loader = DataLoader::new(Arc::clone(&train), sampler, options.clone(), device.clone())?;
+        // The schedule spans --epochs (--steps may stop the run before its end).
+        let steps_per_epoch = loader.len() as u64;
+        let total_steps = cfg.epochs as u64 * steps_per_epoch;
+        let sched =
+            schedule::build(cfg, opt.get_mut(), RunLength { steps_per_epoch, total_steps })?;
         let manager = CheckpointManager::new(run_dir.join("checkpoints"), cfg.keep_last);
         let saver = Saver::new(manager.clone(), cfg.async_save);
         Ok(Worker {
@@ -155,6 +165,7 @@ impl<'a> Worker<'a> {
             ddp,
             opt,
             scaler,
+            sched,
             train,
             eval: Arc::new(eval),
             options,
@@ -212,6 +223,9 @@ impl<'a> Worker<'a> {
                 .with_context(|| format!("GradScaler state in {}", path.display()))?,
         }
         self.global_step = ck.global_step as u64;
+        let what = path.display().to_string();
+        let max_steps = Some(self.global_step + self.steps_to_end());
+        schedule::load(&mut self.sched, &ck.scheduler, self.opt.get_mut(), max_steps, &what)?;
         if rank == 0 {
             let (step, epoch) = (self.global_step, self.loader.epoch());
             eprintln!("resumed from {} (epoch {epoch}, step {step})", path.display());
@@ -222,12 +236,23 @@ impl<'a> Worker<'a> {
         Ok(())
     }
 
+    /// Steps to the end of --epochs from where the loader stands (a resumed epoch may have been
+    /// split over another world size, so count its batches rather than assume a full epoch).
+    fn steps_to_end(&self) -> u64 {
+        let epochs_left = (self.cfg.epochs as u64).saturating_sub(self.loader.epoch());
+        match epochs_left {
+            0 => 0,
+            n => self.loader.batches_left() as u64 + (n - 1) * self.loader.len() as u64,
+        }
+    }
+
     /// A checkpoint of the whole state now (a collective; see [`Saver::save`]).
     fn save(&mut self, name: &str) -> anyhow::Result<()> {
         let snapshot = Snapshot {
             ddp: &self.ddp,
             opt: &mut self.opt,
             scaler: self.scaler.as_ref(),
+            sched: &self.sched,
             loader: &self.loader,
             step: self.global_step,
         };
@@ -249,15 +274,7 @@ impl<'a> Worker<'a> {
         } else {
             None
         };
-        // Steps to the end of --epochs from where the loader stands (a resumed epoch may have
-        // been split over another world size, so count its batches rather than assume a full
-        // epoch).
-        let epochs_left = (cfg.epochs as u64).saturating_sub(self.loader.epoch());
-        let steps_to_end = match epochs_left {
-            0 => 0,
-            n => self.loader.batches_left() as u64 + (n - 1) * self.loader.len() as u64,
-        };
-        let max_steps = cfg.steps.unwrap_or(u64::MAX).min(self.global_step + steps_to_end);
+        let max_steps = cfg.steps.unwrap_or(u64::MAX).min(self.global_step + self.steps_to_end());
         let progress = Progress::new(self.rank() == 0, max_steps, self.global_step);
         while (self.loader.epoch() as usize) < cfg.epochs && self.global_step < max_steps {
             let epoch = self.loader.epoch();
@@ -283,7 +300,7 @@ impl<'a> Worker<'a> {
     /// The rest of the current epoch (up to `max_steps`); returns the world's mean train loss.
     fn train_epoch(&mut self, max_steps: u64, progress: &Progress) -> anyhow::Result<f64> {
         // Disjoint borrows: the batch iterator holds the loader while checkpoints read it.
-        let Worker { cfg, group, ddp, opt, scaler, train, loader, saver, .. } = self;
+        let Worker { cfg, group, ddp, opt, scaler, sched, train, loader, saver, .. } = self;
         let world = group.size();
         ddp.module().set_training(true);
         let started = Instant::now();
@@ -300,19 +317,29 @@ impl<'a> Worker<'a> {
             taken += 1;
             let batch = batch?;
             let loss = ddp.hooked().loss(&batch.x, &batch.y)?;
+            let (clip, step) = (cfg.clip_grad_norm, self.global_step + 1);
             match scaler.as_mut() {
-                // torch's recipe: backward of the scaled loss, step (skipped on inf/NaN), update.
+                // torch's recipe: backward of the scaled loss, unscale, clip, step (skipped on
+                // inf/NaN), update.
                 Some(s) => {
                     let mut grads = ddp.backward(&s.scale(&loss)?)?;
+                    if clip.is_some() {
+                        s.unscale_(opt.get(), &mut grads)?;
+                        schedule::clip(clip, &ddp.params(), &mut grads, true, step)?;
+                    }
                     if !s.step(opt.get_mut(), &mut grads)? {
                         self.skipped_steps += 1;
                     }
                     s.update()?;
                 }
                 None => {
-                    let grads = ddp.backward(&loss)?;
+                    let mut grads = ddp.backward(&loss)?;
+                    schedule::clip(clip, &ddp.params(), &mut grads, false, step)?;
                     opt.get_mut().step(&grads)?;
                 }
+            }
+            if let Some(sched) = sched.as_mut() {
+                sched.step_optimizer(opt.get_mut())?;
             }
             self.global_step += 1;
             self.samples_seen += (batch.len() * world) as u64;
@@ -321,7 +348,7 @@ impl<'a> Worker<'a> {
             progress.step(self.global_step, loss_sum / loss_n.max(1) as f64);
             let (step, every) = (self.global_step, cfg.save_every);
             if every > 0 && step.is_multiple_of(every) && step < max_steps {
-                let snapshot = Snapshot { ddp, opt, scaler: scaler.as_ref(), loader, step };
+                let snapshot = Snapshot { ddp, opt, scaler: scaler.as_ref(), sched, loader, step };
                 let written =
                     save_checkpoint(&format!("step-{step:08}"), snapshot, saver, group, cfg)?;
                 self.last_ckpt = written.or(self.last_ckpt.take());
@@ -397,7 +424,8 @@ impl<'a> Worker<'a> {
             rank,
             epochs: self.loader.epoch().min(cfg.epochs as u64),
             steps: self.global_step,
-            eval_accuracy: self.last_eval.accuracy(),
+            eval_accuracy: Some(self.last_eval.accuracy()),
+            verification_accuracy: None,
             samples_per_s: self.samples_seen as f64 / self.train_time.max(1e-9),
             checkpoint: if rank == 0 {
                 self.last_ckpt.or_else(|| Some(self.manager.path_for(&final_name)))
@@ -413,6 +441,7 @@ struct Snapshot<'b> {
     ddp: &'b Ddp<Net>,
     opt: &'b mut TrainOptimizer,
     scaler: Option<&'b GradScaler>,
+    sched: &'b Scheduler,
     loader: &'b DataLoader<TrainData>,
     step: u64,
 }
@@ -426,10 +455,11 @@ fn save_checkpoint(
     group: &ProcessGroup,
     cfg: &TrainConfig,
 ) -> anyhow::Result<Option<PathBuf>> {
-    let Snapshot { ddp, opt, scaler, loader, step } = snapshot;
+    let Snapshot { ddp, opt, scaler, sched, loader, step } = snapshot;
     let optimizer = opt.checkpoint_state(group.rank())?;
     let scaler = scaler.map_or(Value::None, GradScaler::state_dict);
-    let state = CheckpointState { optimizer, scaler, sampler: loader.state(), step };
+    let scheduler = schedule::state(sched);
+    let state = CheckpointState { optimizer, scaler, scheduler, sampler: loader.state(), step };
     let value = checkpoint_value(&ddp.module(), state, group.size(), cfg)?;
     saver.save(group.rank(), name, value, group)
 }
@@ -565,6 +595,18 @@ fn evaluate(
     Ok(tandem_data::eval::all_reduce_metrics(group, &local)?)
 }
 
+/// The GradScaler of `--precision f16` (`None` otherwise), growing every
+/// `--grad-scaler-growth-interval` clean steps (`default_interval` without the flag).
+pub fn grad_scaler(cfg: &TrainConfig, default_interval: i64) -> anyhow::Result<Option<GradScaler>> {
+    Ok(match cfg.precision {
+        Precision::F16 => Some(GradScaler::new(GradScalerConfig {
+            growth_interval: cfg.grad_scaler_growth_interval.unwrap_or(default_interval),
+            ..GradScalerConfig::default()
+        })?),
+        _ => None,
+    })
+}
+
 /// Loads weights from a PyTorch or tandem file (any container, any wrapping) through the
 /// LoadReport path: strict, so a missing or mis-shaped key is an error listing all of them.
 pub fn load_weights(net: &Net, path: &Path) -> anyhow::Result<tandem_ckpt::LoadReport> {
@@ -587,6 +629,8 @@ struct CheckpointState {
     optimizer: Value,
     /// The GradScaler's state (`Value::None` without --precision f16).
     scaler: Value,
+    /// The lr scheduler's state (`Value::None` without --lr-scheduler).
+    scheduler: Value,
     sampler: SamplerState,
     step: u64,
 }
@@ -597,13 +641,13 @@ fn checkpoint_value(
     world: usize,
     cfg: &TrainConfig,
 ) -> anyhow::Result<Value> {
-    let CheckpointState { optimizer, scaler, sampler, step } = state;
+    let CheckpointState { optimizer, scaler, scheduler, sampler, step } = state;
     let ck = TrainingCheckpoint {
         epoch: sampler.epoch as i64,
         global_step: step as i64,
         model: model_value(net)?,
         optimizer,
-        scheduler: Value::None,
+        scheduler,
         sampler: sampler_value(&sampler),
         // No random ops beyond the sampler's shuffle (seeded by seed + epoch): the seed is the state.
         rng: Value::dict_from([("seed", Value::Int(cfg.seed as i64))]),
@@ -612,54 +656,4 @@ fn checkpoint_value(
         scaler,
     };
     Ok(ck.to_value()?)
-}
-
-/// Rank 0's progress: an indicatif bar on a terminal, plain lines otherwise; silent elsewhere.
-struct Progress {
-    bar: Option<indicatif::ProgressBar>,
-    enabled: bool,
-}
-
-impl Progress {
-    fn new(enabled: bool, total: u64, done: u64) -> Self {
-        // Drawn on stdout: under the self-launch only rank 0's stdout reaches the terminal as is.
-        let bar = (enabled && std::io::stdout().is_terminal()).then(|| {
-            let bar = indicatif::ProgressBar::with_draw_target(
-                Some(total),
-                indicatif::ProgressDrawTarget::stdout(),
-            );
-            bar.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{bar:40} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
-                )
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-            );
-            bar.set_position(done);
-            bar
-        });
-        Progress { bar, enabled }
-    }
-
-    fn step(&self, step: u64, loss: f64) {
-        if let Some(bar) = &self.bar {
-            bar.set_position(step);
-            bar.set_message(format!("loss {loss:.4}"));
-        }
-    }
-
-    fn line(&self, text: &str) {
-        if !self.enabled {
-            return;
-        }
-        match &self.bar {
-            Some(bar) => bar.println(text),
-            None => println!("{text}"),
-        }
-    }
-
-    fn finish(&self) {
-        if let Some(bar) = &self.bar {
-            bar.finish_and_clear();
-        }
-    }
 }

@@ -1,0 +1,307 @@
+//! arcface_torch's per-rank checkpoint layout, both ways (`tandem ckpt convert`):
+//! `checkpoint_gpu_{rank}.pt` = `{epoch, global_step, state_dict_backbone,
+//! state_dict_softmax_fc: {weight}, state_optimizer, state_lr_scheduler}` per rank, with the
+//! whole backbone and its optimizer state in every file.
+//!
+//! The optimizer state is torch's over two groups, `backbone.parameters()` then the head's
+//! weight. arcface_torch's group 0 lists every backbone parameter, the frozen
+//! `features.weight` included (it has no state); tandem's leaves the frozen one out, so the
+//! indices are renumbered on the way. `epoch` there is the next epoch to run: arcface_torch
+//! resumes at epoch boundaries only, so a checkpoint from the middle of an epoch is refused.
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use tandem_ckpt::Value;
+use tandem_models::IResNet;
+
+use super::checkpoint::{self, HeadFile, Manifest, FORMAT, REPLICATED};
+
+/// Final name components of BatchNorm statistics (buffers, never in the optimizer).
+const BUFFERS: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];
+
+fn is_buffer(name: &str) -> bool {
+    BUFFERS.iter().any(|b| name.rsplit('.').next() == Some(*b))
+}
+
+pub fn file_name(rank: usize) -> String {
+    format!("checkpoint_gpu_{rank}.pt")
+}
+
+/// Whether `dir` holds arcface_torch's per-rank checkpoints.
+pub fn is_arcface_dir(dir: &Path) -> bool {
+    dir.join(file_name(0)).is_file()
+}
+
+/// Whether `dir` is a tandem face checkpoint.
+pub fn is_face_dir(dir: &Path) -> bool {
+    checkpoint::read_manifest(dir).is_ok()
+}
+
+/// The torch parameter names of a backbone state dict in torch's order (its keys without
+/// the buffers), and where tandem's parameter list (no frozen ones) sits in it.
+fn torch_params(backbone: &Value) -> anyhow::Result<(Vec<String>, Vec<usize>)> {
+    let Value::Dict(items) = backbone else { bail!("the backbone is not a state dict") };
+    let names: Vec<String> = items
+        .iter()
+        .filter_map(|(k, _)| k.as_str().map(str::to_string))
+        .filter(|k| !is_buffer(k))
+        .collect();
+    let ours =
+        (0..names.len()).filter(|&i| !IResNet::FROZEN.contains(&names[i].as_str())).collect();
+    Ok((names, ours))
+}
+
+/// Renumbers an optimizer state dict's parameter indices with `map` (old index -> new).
+fn renumber(opt: &Value, map: &dyn Fn(i64) -> Option<i64>, what: &str) -> anyhow::Result<Value> {
+    let mut out = opt.clone();
+    if let Some(Value::Dict(items)) = out.get_mut("state") {
+        for (k, _) in items.iter_mut() {
+            let i = k.as_int().with_context(|| format!("{what}: a state key is not an index"))?;
+            *k = Value::Int(map(i).with_context(|| {
+                format!("{what}: state of parameter {i}, which has no counterpart")
+            })?);
+        }
+    }
+    if let Some(Value::List(groups)) = out.get_mut("param_groups") {
+        for g in groups.iter_mut() {
+            if let Some(Value::List(ids)) = g.get_mut("params") {
+                let old = std::mem::take(ids);
+                for id in old {
+                    let i = id
+                        .as_int()
+                        .with_context(|| format!("{what}: a group lists a non-index"))?;
+                    if let Some(j) = map(i) {
+                        ids.push(Value::Int(j));
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The parameter indices of a two-group torch optimizer state: group 0's and group 1's.
+fn group_params(opt: &Value, what: &str) -> anyhow::Result<(Vec<i64>, Vec<i64>)> {
+    let groups = opt
+        .get("param_groups")
+        .and_then(Value::as_list)
+        .with_context(|| format!("{what}: no param_groups"))?;
+    let ids = |g: &Value| -> Vec<i64> {
+        g.get("params")
+            .and_then(Value::as_list)
+            .map_or(Vec::new(), |l| l.iter().filter_map(Value::as_int).collect())
+    };
+    match groups {
+        [a, b] => Ok((ids(a), ids(b))),
+        _ => bail!("{what}: {} parameter groups, the recipe has 2 (backbone, head)", groups.len()),
+    }
+}
+
+/// Writes `checkpoint_gpu_{rank}.pt` for every rank of tandem face checkpoint `dir` (and
+/// `model.pt`, rank 0's backbone, as arcface_torch's output holds) into `out`.
+pub fn to_arcface(dir: &Path, out: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let m = checkpoint::read_manifest(dir)?;
+    let rep_path = dir.join(&m.replicated);
+    let rep =
+        tandem_ckpt::load(&rep_path).with_context(|| format!("reading {}", rep_path.display()))?;
+    let get = |k: &str| rep.get(k).with_context(|| format!("{}: no `{k}`", rep_path.display()));
+    if let Some(s) = rep.get("sampler").filter(|s| !matches!(s, Value::None)) {
+        let consumed = s.get("consumed").and_then(Value::as_int).unwrap_or(0);
+        if consumed > 0 {
+            bail!(
+                "{}: step {} is in the middle of epoch {} (arcface_torch resumes at epoch boundaries only); convert a checkpoint written at an epoch's end",
+                dir.display(),
+                m.global_step,
+                m.epoch
+            );
+        }
+    }
+    let backbone = get("backbone")?;
+    let (names, ours) = torch_params(backbone)?;
+    let head_torch = names.len() as i64;
+    let head_ours = ours.len() as i64;
+    let map = |i: i64| -> Option<i64> {
+        if i == head_ours {
+            Some(head_torch)
+        } else {
+            ours.get(usize::try_from(i).ok()?).map(|&t| t as i64)
+        }
+    };
+    let rest = renumber(get("optimizer")?, &map, &rep_path.display().to_string())?;
+    // Group 0 lists every backbone parameter in arcface_torch, the frozen ones included.
+    let mut rest = rest;
+    if let Some(Value::List(groups)) = rest.get_mut("param_groups") {
+        if let Some(Value::List(ids)) = groups.get_mut(0).and_then(|g| g.get_mut("params")) {
+            *ids = (0..head_torch).map(Value::Int).collect();
+        }
+    }
+    let scheduler = match get("scheduler")? {
+        Value::None => Value::new_dict(),
+        s => s.clone(),
+    };
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut written = Vec::new();
+    for (r, h) in m.heads.iter().enumerate() {
+        let path = dir.join(&h.file);
+        let head =
+            tandem_ckpt::load(&path).with_context(|| format!("reading {}", path.display()))?;
+        let hget = |k: &str| head.get(k).with_context(|| format!("{}: no `{k}`", path.display()));
+        let mut backbone = backbone.clone();
+        overlay(&mut backbone, hget("buffers")?);
+        let optimizer = checkpoint::merge_optimizer(&rest, head_torch, hget("state")?.clone());
+        let ck = Value::dict_from([
+            ("epoch", Value::Int(m.epoch as i64)),
+            ("global_step", Value::Int(m.global_step as i64)),
+            ("state_dict_backbone", backbone.clone()),
+            ("state_dict_softmax_fc", Value::dict_from([("weight", hget("weight")?.clone())])),
+            ("state_optimizer", optimizer),
+            ("state_lr_scheduler", scheduler.clone()),
+        ]);
+        let target = out.join(file_name(r));
+        tandem_ckpt::save(&target, &ck).with_context(|| format!("writing {}", target.display()))?;
+        written.push(target);
+        if r == 0 {
+            let model = out.join("model.pt");
+            tandem_ckpt::save(&model, &backbone)
+                .with_context(|| format!("writing {}", model.display()))?;
+            written.push(model);
+        }
+    }
+    Ok(written)
+}
+
+/// Reads arcface_torch's `checkpoint_gpu_{0..W-1}.pt` from `dir` and writes them as a tandem
+/// face checkpoint in `run_dir/checkpoints/step-NNNNNNNN/`, which `tandem train --out RUN_DIR
+/// --resume` continues, on any world size. Returns that directory.
+pub fn from_arcface(dir: &Path, run_dir: &Path) -> anyhow::Result<PathBuf> {
+    let mut files = Vec::new();
+    while dir.join(file_name(files.len())).is_file() {
+        let path = dir.join(file_name(files.len()));
+        let v = tandem_ckpt::load(&path).with_context(|| format!("reading {}", path.display()))?;
+        files.push((path, v));
+    }
+    let world = files.len();
+    let (path0, first) =
+        files.first().with_context(|| format!("{}: no {}", dir.display(), file_name(0)))?;
+    let get = |v: &'_ Value, p: &Path, k: &str| -> anyhow::Result<Value> {
+        v.get(k).cloned().with_context(|| {
+            format!("{}: no `{k}` (not an arcface_torch checkpoint_gpu file)", p.display())
+        })
+    };
+    let int = |v: &Value, p: &Path, k: &str| -> anyhow::Result<i64> {
+        get(v, p, k)?.as_int().with_context(|| format!("{}: `{k}` is not an integer", p.display()))
+    };
+    let (epoch, step) = (int(first, path0, "epoch")?, int(first, path0, "global_step")?);
+    let backbone0 = get(first, path0, "state_dict_backbone")?;
+    let (names, ours) = torch_params(&backbone0)?;
+    let head_torch = names.len() as i64;
+    let head_ours = ours.len() as i64;
+    let inverse = |i: i64| -> Option<i64> {
+        if i == head_torch {
+            return Some(head_ours);
+        }
+        ours.iter().position(|&t| t as i64 == i).map(|p| p as i64)
+    };
+    let target = run_dir.join("checkpoints").join(format!("step-{step:08}"));
+    std::fs::create_dir_all(&target).with_context(|| format!("creating {}", target.display()))?;
+    let mut heads = Vec::new();
+    let (mut start, mut width) = (0usize, 0usize);
+    let mut rest0 = Value::None;
+    for (r, (path, v)) in files.iter().enumerate() {
+        let what = path.display().to_string();
+        if int(v, path, "epoch")? != epoch || int(v, path, "global_step")? != step {
+            bail!("{what}: epoch/global_step differ from {}'s", path0.display());
+        }
+        let opt = get(v, path, "state_optimizer")?;
+        let (g0, g1) = group_params(&opt, &what)?;
+        if g0.len() as i64 != head_torch || g1 != [head_torch] {
+            bail!("{what}: optimizer groups of {} and {:?} parameters; the backbone has {head_torch}, then the head", g0.len(), g1);
+        }
+        let (rest, head_state) = checkpoint::split_optimizer(&opt, head_torch);
+        let rest = renumber(&rest, &inverse, &what)?;
+        if r == 0 {
+            rest0 = rest;
+        }
+        let weight = get(v, path, "state_dict_softmax_fc")?
+            .get("weight")
+            .and_then(Value::as_tensor)
+            .cloned()
+            .with_context(|| format!("{what}: `state_dict_softmax_fc` has no `weight` tensor"))?;
+        let [rows, e] = weight.shape[..] else {
+            bail!("{what}: the head's weight has shape {:?}", weight.shape)
+        };
+        width = e;
+        let buffers = buffers_of(&get(v, path, "state_dict_backbone")?);
+        let head = Value::dict_from([
+            ("rank", Value::Int(r as i64)),
+            ("start", Value::Int(start as i64)),
+            ("len", Value::Int(rows as i64)),
+            ("weight", Value::Tensor(weight)),
+            ("state", head_state),
+            ("buffers", buffers),
+        ]);
+        let file = checkpoint::head_file_name(r, world);
+        let out = target.join(&file);
+        tandem_ckpt::save(&out, &head).with_context(|| format!("writing {}", out.display()))?;
+        heads.push(HeadFile { file, start, len: rows });
+        start += rows;
+    }
+    let scheduler = match get(first, path0, "state_lr_scheduler")? {
+        Value::Dict(d) if d.is_empty() => Value::None,
+        s => s,
+    };
+    let replicated = Value::dict_from([
+        ("format", Value::Str(FORMAT.into())),
+        ("epoch", Value::Int(epoch)),
+        ("global_step", Value::Int(step)),
+        ("world_size", Value::Int(world as i64)),
+        ("backbone", backbone0),
+        ("optimizer", rest0),
+        ("scheduler", scheduler),
+        ("scaler", Value::None),
+        // arcface_torch resumes at the start of `epoch`, in this run's sampler order.
+        ("sampler", Value::None),
+        ("rng", Value::None),
+        ("config", Value::None),
+    ]);
+    let rep = target.join(REPLICATED);
+    tandem_ckpt::save(&rep, &replicated).with_context(|| format!("writing {}", rep.display()))?;
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        world_size: world,
+        global_step: step as u64,
+        epoch: epoch as u64,
+        num_classes: start,
+        embedding_size: width,
+        replicated: REPLICATED.into(),
+        heads,
+    };
+    checkpoint::write_manifest(&target, &manifest)?;
+    Ok(target)
+}
+
+/// A rank's BatchNorm statistics (and frozen parameters) from its backbone state dict.
+fn buffers_of(backbone: &Value) -> Value {
+    let Value::Dict(items) = backbone else { return Value::new_dict() };
+    Value::Dict(
+        items
+            .iter()
+            .filter(|(k, _)| {
+                k.as_str().is_some_and(|k| is_buffer(k) || IResNet::FROZEN.contains(&k))
+            })
+            .cloned()
+            .collect(),
+    )
+}
+
+/// `state` with the entries of `over` replaced (a rank's own statistics over rank 0's).
+pub fn overlay(state: &mut Value, over: &Value) {
+    let Value::Dict(items) = over else { return };
+    for (k, v) in items {
+        if let Some(name) = k.as_str() {
+            if let Some(slot) = state.get_mut(name) {
+                *slot = v.clone();
+            }
+        }
+    }
+}

@@ -1,0 +1,440 @@
+//! The face recipe's checkpoint. The PartialFC head's centres and their optimizer state differ
+//! per rank, the backbone and the rest are replicated, so a checkpoint is a directory:
+//!
+//! ```text
+//! checkpoints/step-00000120/
+//!   replicated.pt               rank 0: backbone, optimizer state without the head's entry,
+//!                               scheduler, GradScaler, sampler position, counters, config
+//!   head-rank-00001-of-00002.pt every rank: its class range, centres, their optimizer state
+//!                               and its own BatchNorm statistics (broadcast_buffers=False)
+//!   manifest.json               written last by rank 0, once every file is on disk: a
+//!                               directory without one is an incomplete save and never resumed
+//! ```
+//!
+//! Every file is written atomically. A resume on another world size reads the head files whose
+//! class ranges overlap its own and takes the rows it needs (centres and their optimizer state
+//! alike), so the head is re-split rather than lost; arcface_torch's per-rank
+//! `checkpoint_gpu_{rank}.pt` can only resume on the world size that wrote it.
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+use tandem_ckpt::{TensorData, Value};
+use tandem_comm::ProcessGroup;
+use tandem_partial_fc::ClassSplit;
+
+pub const FORMAT: &str = "tandem-partial-fc-1";
+pub const MANIFEST: &str = "manifest.json";
+pub const REPLICATED: &str = "replicated.pt";
+
+/// `manifest.json`: what the directory holds and how the classes were split.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    /// `tandem-partial-fc-1`.
+    pub format: String,
+    pub world_size: usize,
+    pub global_step: u64,
+    pub epoch: u64,
+    pub num_classes: usize,
+    pub embedding_size: usize,
+    pub replicated: String,
+    /// One per rank, in rank order.
+    pub heads: Vec<HeadFile>,
+}
+
+/// One rank's head file and its class range `start .. start + len`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct HeadFile {
+    pub file: String,
+    pub start: usize,
+    pub len: usize,
+}
+
+pub fn head_file_name(rank: usize, world: usize) -> String {
+    format!("head-rank-{rank:05}-of-{world:05}.pt")
+}
+
+/// What the save writes besides the files' contents.
+pub struct SaveInfo {
+    pub rank: usize,
+    pub world: usize,
+    pub global_step: u64,
+    pub epoch: u64,
+    pub num_classes: usize,
+    pub embedding_size: usize,
+}
+
+/// The checkpoints of one run: `dir/step-NNNNNNNN/`, the newest `keep_last` kept.
+#[derive(Clone, Debug)]
+pub struct FaceCheckpoints {
+    dir: PathBuf,
+    keep_last: usize,
+}
+
+impl FaceCheckpoints {
+    pub fn new(dir: PathBuf, keep_last: usize) -> Self {
+        FaceCheckpoints { dir, keep_last: keep_last.max(1) }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A collective: every rank writes its head file (rank 0 also `replicated`), all meet, rank
+    /// 0 writes the manifest and prunes old checkpoints, all meet again. An error on any rank
+    /// still reaches every barrier, so no rank is left waiting.
+    ///
+    /// A checkpoint of this name may exist already (a run resumed on another world size saves
+    /// at the step it started from). Then the new one is written beside it as `NAME.new` and
+    /// swapped in only once complete: at every moment one complete copy is on disk.
+    pub fn save(
+        &self,
+        name: &str,
+        info: &SaveInfo,
+        replicated: Option<&Value>,
+        head: &Value,
+        group: &ProcessGroup,
+    ) -> anyhow::Result<PathBuf> {
+        let barrier = |what: &str| group.barrier().with_context(|| format!("barrier {what}"));
+        let target = self.dir.join(name);
+        // Rank 0 looks, everyone acts on its answer (a rank looking itself could see the
+        // directory another rank has just created).
+        let mut exists = vec![u8::from(info.rank == 0 && target.exists())];
+        group.broadcast_bytes(&mut exists, 0).context("agreeing on the checkpoint's name")?;
+        let dir =
+            if exists[0] == 1 { self.dir.join(format!("{name}.new")) } else { target.clone() };
+        let cleared = match (info.rank, dir.exists() && dir != target) {
+            (0, true) => std::fs::remove_dir_all(&dir)
+                .with_context(|| format!("removing an unfinished {}", dir.display())),
+            _ => Ok(()),
+        };
+        let synced = barrier("before writing the checkpoint files");
+        cleared?;
+        synced?;
+        let write = || -> anyhow::Result<()> {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            let path = dir.join(head_file_name(info.rank, info.world));
+            tandem_ckpt::save(&path, head)
+                .with_context(|| format!("writing {}", path.display()))?;
+            if let Some(value) = replicated {
+                let path = dir.join(REPLICATED);
+                tandem_ckpt::save(&path, value)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            Ok(())
+        };
+        let written = write();
+        let synced = barrier("after writing the checkpoint files");
+        written?;
+        synced?;
+        let finished = if info.rank == 0 {
+            self.write_manifest(&dir, info).and_then(|()| swap_in(&dir, &target))
+        } else {
+            Ok(())
+        };
+        let synced = barrier("after writing the checkpoint manifest");
+        finished?;
+        synced?;
+        Ok(target)
+    }
+
+    fn write_manifest(&self, dir: &Path, info: &SaveInfo) -> anyhow::Result<()> {
+        let heads = (0..info.world)
+            .map(|r| {
+                let split = ClassSplit::new(info.num_classes, info.world, r);
+                HeadFile { file: head_file_name(r, info.world), start: split.start, len: split.len }
+            })
+            .collect();
+        let manifest = Manifest {
+            format: FORMAT.into(),
+            world_size: info.world,
+            global_step: info.global_step,
+            epoch: info.epoch,
+            num_classes: info.num_classes,
+            embedding_size: info.embedding_size,
+            replicated: REPLICATED.into(),
+            heads,
+        };
+        write_manifest(dir, &manifest)?;
+        self.prune(dir)
+    }
+
+    /// Deletes the oldest complete checkpoints beyond `keep_last`, and incomplete ones older
+    /// than `newest` (a crashed save's leftovers).
+    fn prune(&self, newest: &Path) -> anyhow::Result<()> {
+        let all = self.list()?;
+        let complete: Vec<&PathBuf> = all.iter().filter(|d| d.join(MANIFEST).is_file()).collect();
+        let keep: Vec<&PathBuf> = complete.iter().rev().take(self.keep_last).copied().collect();
+        for d in &all {
+            if keep.contains(&d) || d.as_path() == newest || d.as_path() > newest {
+                continue;
+            }
+            if let Err(e) = std::fs::remove_dir_all(d) {
+                eprintln!("cannot remove old checkpoint {}: {e}", d.display());
+            }
+        }
+        Ok(())
+    }
+
+    /// The checkpoint directories (`step-*`), oldest first.
+    pub fn list(&self) -> anyhow::Result<Vec<PathBuf>> {
+        let rd = match std::fs::read_dir(&self.dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e).with_context(|| format!("reading {}", self.dir.display())),
+        };
+        let mut dirs: Vec<PathBuf> = rd
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.is_dir()
+                    && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+            })
+            .collect();
+        dirs.sort();
+        Ok(dirs)
+    }
+
+    /// The newest checkpoint with a manifest (incomplete saves are skipped, said so on stderr
+    /// by the caller's rank 0).
+    pub fn latest(&self) -> anyhow::Result<Option<(PathBuf, Manifest)>> {
+        for dir in self.list()?.into_iter().rev() {
+            if dir.join(MANIFEST).is_file() {
+                let manifest = read_manifest(&dir)?;
+                return Ok(Some((dir, manifest)));
+            }
+            eprintln!("{}: no {MANIFEST} (an incomplete save); skipped", dir.display());
+        }
+        Ok(None)
+    }
+}
+
+/// Puts the complete checkpoint `new` in `target`'s place (nothing to do when they are the
+/// same): the old one moves aside, the new one in, the old one goes.
+fn swap_in(new: &Path, target: &Path) -> anyhow::Result<()> {
+    if new == target {
+        return Ok(());
+    }
+    let old = target.with_extension("old");
+    if old.exists() {
+        std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
+    }
+    std::fs::rename(target, &old).with_context(|| format!("moving {} aside", target.display()))?;
+    std::fs::rename(new, target).with_context(|| format!("moving {} into place", new.display()))?;
+    std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))
+}
+
+pub fn write_manifest(dir: &Path, manifest: &Manifest) -> anyhow::Result<()> {
+    let json = serde_json::to_vec_pretty(manifest).context("serialising the manifest")?;
+    let path = dir.join(MANIFEST);
+    tandem_ckpt::atomic::write_atomic(&path, |f| std::io::Write::write_all(f, &json))
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Reads and checks `dir/manifest.json`, naming the file at fault.
+pub fn read_manifest(dir: &Path) -> anyhow::Result<Manifest> {
+    let path = dir.join(MANIFEST);
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let m: Manifest = serde_json::from_slice(&bytes)
+        .with_context(|| format!("{}: not a face checkpoint manifest", path.display()))?;
+    if m.format != FORMAT {
+        bail!("{}: format `{}`, expected `{FORMAT}`", path.display(), m.format);
+    }
+    let mut next = 0;
+    for (r, h) in m.heads.iter().enumerate() {
+        if h.start != next {
+            bail!(
+                "{}: head {r} starts at class {} but the classes before end at {next}",
+                path.display(),
+                h.start
+            );
+        }
+        next += h.len;
+    }
+    if m.heads.len() != m.world_size || next != m.num_classes {
+        bail!(
+            "{}: {} head files covering {next} classes for world size {} and {} classes",
+            path.display(),
+            m.heads.len(),
+            m.world_size,
+            m.num_classes
+        );
+    }
+    Ok(m)
+}
+
+/// The rows `split` owns, read from the head files that hold them: the centres, their
+/// optimizer state (row tensors re-split, other entries from the first file) and the BatchNorm
+/// statistics of the rank with this number in the saved run (rank 0's when the saved run had
+/// fewer ranks).
+pub struct HeadRows {
+    pub weight: TensorData,
+    pub state: Value,
+    pub buffers: Value,
+}
+
+pub fn read_head_rows(
+    dir: &Path,
+    m: &Manifest,
+    split: ClassSplit,
+    rank: usize,
+) -> anyhow::Result<HeadRows> {
+    if m.embedding_size == 0 {
+        bail!("{}: embedding size 0", dir.display());
+    }
+    let want = split.start..split.start + split.len;
+    let mut weights = Vec::new();
+    let mut states = Vec::new();
+    let own = rank.min(m.world_size.saturating_sub(1));
+    let mut buffers = Value::None;
+    for (r, h) in m.heads.iter().enumerate() {
+        let overlap = h.start.max(want.start)..(h.start + h.len).min(want.end);
+        if overlap.is_empty() && r != own {
+            continue;
+        }
+        let path = dir.join(&h.file);
+        let v = tandem_ckpt::load(&path).with_context(|| format!("reading {}", path.display()))?;
+        let get = |k: &str| v.get(k).with_context(|| format!("{}: no `{k}` entry", path.display()));
+        if r == own {
+            buffers = get("buffers")?.clone();
+        }
+        if overlap.is_empty() {
+            continue;
+        }
+        let rows = (overlap.start - h.start)..(overlap.end - h.start);
+        let w = get("weight")?
+            .as_tensor()
+            .with_context(|| format!("{}: `weight` is not a tensor", path.display()))?;
+        if w.shape != [h.len, m.embedding_size] {
+            bail!(
+                "{}: `weight` has shape {:?}, the manifest says [{}, {}]",
+                path.display(),
+                w.shape,
+                h.len,
+                m.embedding_size
+            );
+        }
+        weights.push(slice_rows(w, rows.clone()));
+        states.push((get("state")?.clone(), h.len, rows, path));
+    }
+    let weight = concat_rows(&weights, m.embedding_size)
+        .with_context(|| format!("{}: centres {}..{}", dir.display(), want.start, want.end))?;
+    Ok(HeadRows { weight, state: resplit_state(&states)?, buffers })
+}
+
+/// One parameter's optimizer state re-split by rows: tensors whose first dimension is the
+/// file's row count are sliced and concatenated; anything else (Adam's `step`) is taken from
+/// the first file.
+fn resplit_state(
+    parts: &[(Value, usize, std::ops::Range<usize>, PathBuf)],
+) -> anyhow::Result<Value> {
+    let Some((first, _, _, _)) = parts.first() else { return Ok(Value::None) };
+    let Value::Dict(items) = first else { return Ok(Value::None) };
+    let mut out = Vec::new();
+    for (key, value) in items {
+        let name = key.as_str().unwrap_or("?");
+        let merged = match value {
+            Value::Tensor(t) if t.shape.first() == Some(&parts[0].1) && t.shape.len() == 2 => {
+                let mut pieces = Vec::new();
+                for (state, len, rows, path) in parts {
+                    let t = state
+                        .get(name)
+                        .and_then(Value::as_tensor)
+                        .filter(|t| t.shape.first() == Some(len))
+                        .with_context(|| {
+                            format!(
+                                "{}: optimizer state `{name}` is missing or has another shape",
+                                path.display()
+                            )
+                        })?;
+                    pieces.push(slice_rows(t, rows.clone()));
+                }
+                Value::Tensor(concat_rows(&pieces, t.shape[1])?)
+            }
+            other => other.clone(),
+        };
+        out.push((key.clone(), merged));
+    }
+    Ok(Value::Dict(out))
+}
+
+/// Rows `rows` of a 2-d tensor.
+pub fn slice_rows(t: &TensorData, rows: std::ops::Range<usize>) -> TensorData {
+    let row_bytes = t.shape.get(1).copied().unwrap_or(1) * t.dtype.size();
+    let bytes = t.contiguous_bytes();
+    let part = bytes[rows.start * row_bytes..rows.end * row_bytes].to_vec();
+    let mut shape = t.shape.clone();
+    shape[0] = rows.len();
+    TensorData::from_bytes(t.dtype, &shape, part)
+}
+
+/// Stacks 2-d tensors of one dtype and width by rows.
+pub fn concat_rows(parts: &[TensorData], width: usize) -> anyhow::Result<TensorData> {
+    let Some(first) = parts.first() else { bail!("no rows") };
+    let mut bytes = Vec::new();
+    let mut rows = 0;
+    for p in parts {
+        if p.dtype != first.dtype || p.shape.len() != 2 || p.shape[1] != width {
+            bail!("row blocks of different dtypes or widths ({:?} {:?})", p.dtype, p.shape);
+        }
+        bytes.extend_from_slice(&p.contiguous_bytes());
+        rows += p.shape[0];
+    }
+    Ok(TensorData::from_bytes(first.dtype, &[rows, width], bytes))
+}
+
+/// Splits a two-group optimizer state dict (torch layout) into the state without parameter
+/// `head` and that parameter's entry (`Value::None` when it has none yet).
+pub fn split_optimizer(full: &Value, head: i64) -> (Value, Value) {
+    let mut rest = full.clone();
+    let mut entry = Value::None;
+    if let Some(Value::Dict(items)) = rest.get_mut("state") {
+        if let Some(i) = items.iter().position(|(k, _)| k.as_int() == Some(head)) {
+            entry = items.remove(i).1;
+        }
+    }
+    (rest, entry)
+}
+
+/// [`split_optimizer`] undone: `entry` back under index `head`.
+pub fn merge_optimizer(rest: &Value, head: i64, entry: Value) -> Value {
+    let mut full = rest.clone();
+    if !matches!(entry, Value::None) {
+        if let Some(Value::Dict(items)) = full.get_mut("state") {
+            items.push((Value::Int(head), entry));
+        }
+    }
+    full
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(n: usize, from: f32) -> TensorData {
+        let data: Vec<f32> = (0..n * 2).map(|i| from + i as f32).collect();
+        TensorData::from_f32(&[n, 2], &data)
+    }
+
+    #[test]
+    fn rows_slice_and_concatenate_back() {
+        let t = rows(5, 0.0);
+        let parts = [slice_rows(&t, 0..2), slice_rows(&t, 2..5)];
+        assert_eq!(concat_rows(&parts, 2).unwrap().to_f32_vec(), t.to_f32_vec());
+        assert_eq!(slice_rows(&t, 3..4).to_f32_vec(), vec![6.0, 7.0]);
+    }
+
+    #[test]
+    fn optimizer_state_splits_and_merges_without_loss() {
+        let state = Value::Dict(vec![
+            (Value::Int(0), Value::dict_from([("momentum_buffer", Value::Tensor(rows(1, 0.0)))])),
+            (Value::Int(3), Value::dict_from([("momentum_buffer", Value::Tensor(rows(2, 9.0)))])),
+        ]);
+        let full = Value::dict_from([("state", state), ("param_groups", Value::List(vec![]))]);
+        let (rest, entry) = split_optimizer(&full, 3);
+        assert_eq!(rest.get("state").unwrap().as_dict().unwrap().len(), 1);
+        assert!(entry.get("momentum_buffer").is_some());
+        let back = merge_optimizer(&rest, 3, entry);
+        assert_eq!(back, full);
+    }
+}

@@ -1,0 +1,750 @@
+//! The face-recognition recipe (insightface's arcface_torch `train_v2.py`) as one rank of
+//! `tandem train --model iresnet18|34|50|100 --data rec:DIR`: an IResNet backbone under Ddp
+//! (`broadcast_buffers=False`, 16 MB buckets), a PartialFC head whose class centres are split
+//! over the ranks, fed by the all-gathered embeddings, with CombinedMarginLoss; one optimizer
+//! over two parameter groups (backbone, head); clipping of the backbone's gradients; a
+//! per-iteration schedule; f16 with a GradScaler; verification on `.bin` pair sets every
+//! `--verbose` steps and at the end; per-rank checkpoints that resume on any world size.
+//!
+//! One step, in arcface_torch's order: embeddings = backbone(images); loss = head(embeddings,
+//! labels); backward (scaled under f16); unscale; clip the backbone's gradient norm; optimizer
+//! step (skipped on inf/NaN under f16); scaler update; scheduler step.
+pub mod arcface;
+pub mod checkpoint;
+mod verify;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Var};
+use tandem_ckpt::Value;
+use tandem_comm::{Collectives, ProcessGroup, ReduceOp};
+use tandem_data::datasets::faces::FaceRecDataset;
+use tandem_data::{DataLoader, Dataset, DistributedSampler, LoaderOptions, SamplerState};
+use tandem_ddp::{Ddp, DdpOptions};
+use tandem_models::IResNet;
+use tandem_nn::{NamedVars, OrderedVarMap, ParamModule};
+use tandem_optim::amp::GradScaler;
+use tandem_optim::{AdamWConfig, SgdConfig, TorchAdamW, TorchOptimizer, TorchSgd};
+use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConfig};
+
+use tandem::state::{sampler_state_from_value, sampler_value};
+
+use super::config::{parse_margin, OptimizerKind, Precision, TrainConfig};
+use super::model::Autocast;
+use super::progress::Progress;
+use super::schedule::{self, RunLength, Scheduler};
+use super::tfevents::EventWriter;
+use super::worker::{grad_scaler, RunSummary};
+use checkpoint::{FaceCheckpoints, SaveInfo};
+use verify::{ValResult, ValSet};
+
+/// arcface_torch's DDP settings for the backbone.
+const BUCKET_CAP_MB: f64 = 16.0;
+/// arcface_torch's GradScaler growth interval.
+const GROWTH_INTERVAL: i64 = 100;
+
+/// Trains the face recipe on this rank.
+pub fn run(cfg: &TrainConfig, run_dir: &Path, group: ProcessGroup) -> anyhow::Result<RunSummary> {
+    let mut w = FaceWorker::build(cfg, run_dir, group)?;
+    if cfg.resume {
+        w.resume()?;
+    }
+    w.train()?;
+    w.finish()
+}
+
+/// The model, its head and everything a step changes.
+struct Trainer {
+    model: IResNet,
+    /// The backbone's state-dict names in creation order (torch's `state_dict()` order).
+    order: Vec<String>,
+    ddp: Ddp<NamedVars>,
+    head: PartialFc,
+    opt: Box<dyn TorchOptimizer + Send>,
+    sched: Scheduler,
+    scaler: Option<GradScaler>,
+    autocast: Autocast,
+    clip: Option<f64>,
+    skipped_steps: u64,
+    times: StepTimes,
+}
+
+/// Where a step's time goes on this rank (seconds, summed over the run's steps).
+#[derive(Default)]
+struct StepTimes {
+    steps: u64,
+    /// Waiting for the next batch (decoding runs ahead on the loader's threads).
+    data: f64,
+    /// The backbone's forward pass.
+    forward: f64,
+    /// PartialFC: gathering the embeddings and labels, logits, margin, softmax.
+    head: f64,
+    /// Backward, with Ddp's bucketed all-reduce of the backbone's gradients.
+    backward: f64,
+    /// Unscale, clipping, the optimizer step and the scheduler.
+    optimizer: f64,
+}
+
+impl StepTimes {
+    fn summary(&self) -> String {
+        let per = |t: f64| t * 1e3 / self.steps.max(1) as f64;
+        let total = self.data + self.forward + self.head + self.backward + self.optimizer;
+        format!(
+            "time per step on rank 0: {:.1} ms = data {:.1} + backbone forward {:.1} + PartialFC {:.1} + backward and all-reduce {:.1} + optimizer {:.1}",
+            per(total),
+            per(self.data),
+            per(self.forward),
+            per(self.head),
+            per(self.backward),
+            per(self.optimizer)
+        )
+    }
+}
+
+struct FaceWorker<'a> {
+    cfg: &'a TrainConfig,
+    group: ProcessGroup,
+    device: Device,
+    t: Trainer,
+    train: Arc<FaceRecDataset>,
+    loader: DataLoader<FaceRecDataset>,
+    val: Vec<ValSet>,
+    ckpt: FaceCheckpoints,
+    tb: Option<EventWriter>,
+    global_step: u64,
+    samples_seen: u64,
+    train_time: f64,
+    last_loss: f64,
+    last_val: Vec<ValResult>,
+    last_ckpt: Option<PathBuf>,
+}
+
+/// `{"backbone": state_dict, "partial_fc": {"weight": [C, E]}}` from `--init-from` (a bare
+/// backbone state dict, such as arcface_torch's `model.pt`, initialises the backbone only).
+struct InitFrom {
+    backbone: Value,
+    centres: Option<candle_core::Tensor>,
+}
+
+fn read_init(path: &Path) -> anyhow::Result<InitFrom> {
+    let v = tandem_ckpt::load(path).with_context(|| format!("--init-from {}", path.display()))?;
+    let Some(backbone) = v.get("backbone") else {
+        return Ok(InitFrom { backbone: v, centres: None });
+    };
+    let centres = match v.get("partial_fc") {
+        None => None,
+        Some(pfc) => {
+            let w = pfc.get("weight").and_then(Value::as_tensor).with_context(|| {
+                format!("--init-from {}: `partial_fc` has no `weight` tensor", path.display())
+            })?;
+            Some(tandem_nn::convert::from_ckpt(w, &Device::Cpu)?)
+        }
+    };
+    Ok(InitFrom { backbone: backbone.clone(), centres })
+}
+
+impl<'a> FaceWorker<'a> {
+    fn build(cfg: &'a TrainConfig, run_dir: &'a Path, group: ProcessGroup) -> anyhow::Result<Self> {
+        let rank = group.rank();
+        let device = cfg.device.device(group.local_rank())?;
+        let dir = cfg.data.strip_prefix("rec:").unwrap_or(&cfg.data);
+        let mut train =
+            FaceRecDataset::open(Path::new(dir)).with_context(|| format!("--data {}", cfg.data))?;
+        if cfg.augment {
+            train = train.with_flip(cfg.seed);
+        }
+        let classes = cfg.num_classes.unwrap_or(train.num_classes());
+        let depth = cfg.model.iresnet_depth().context("a face model")?;
+
+        let vars = OrderedVarMap::new();
+        let model = IResNet::new(
+            depth,
+            cfg.width,
+            cfg.embedding_size,
+            0.0,
+            vars.var_builder(DType::F32, &device),
+        )?;
+        IResNet::reset_parameters(&vars.named(), cfg.seed)?;
+        let order: Vec<String> = vars.named().into_iter().map(|(n, _)| n).collect();
+        let named = vars.named_vars().freeze(IResNet::FROZEN)?;
+        let init = cfg.init_from.as_deref().map(read_init).transpose()?;
+        if let (Some(init), Some(path)) = (&init, &cfg.init_from) {
+            let report = named
+                .load_state_dict(&init.backbone)
+                .with_context(|| format!("--init-from {}: the backbone", path.display()))?;
+            if rank == 0 {
+                eprintln!("init-from {}:\n{report}", path.display());
+            }
+        }
+        let opts = DdpOptions {
+            bucket_cap_mb: BUCKET_CAP_MB,
+            broadcast_buffers: false,
+            ..DdpOptions::default()
+        };
+        let ddp = Ddp::new(named, &group, opts).context("wrapping the backbone in Ddp")?;
+        if cfg.comm_hook != "none" {
+            let hook = tandem_ddp::comm_hooks::builtin(&cfg.comm_hook)
+                .with_context(|| format!("--comm-hook: unknown hook `{}`", cfg.comm_hook))?;
+            ddp.register_comm_hook(hook).context("--comm-hook")?;
+        }
+
+        let head = build_head(cfg, classes, &group, &device, init.and_then(|i| i.centres))?;
+        let mut opt = build_optimizer(cfg, ddp.params(), head.weight().clone())?;
+        let scaler = grad_scaler(cfg, GROWTH_INTERVAL)?;
+
+        let sampler = DistributedSampler::builder(train.len())
+            .group(&group)
+            .shuffle(!cfg.no_shuffle)
+            .seed(cfg.seed)
+            .build()?;
+        // PartialFC needs the same batch on every rank: the last partial batch is dropped.
+        let options = LoaderOptions {
+            batch_size: cfg.batch_size,
+            drop_last: true,
+            num_workers: 2,
+            prefetch_factor: 2,
+        };
+        let train = Arc::new(train);
+        let loader = DataLoader::new(Arc::clone(&train), sampler, options, device.clone())?;
+        if loader.is_empty() {
+            bail!(
+                "--data {}: {} images give rank {rank} fewer than one batch of {} (over {} ranks)",
+                cfg.data,
+                train.len(),
+                cfg.batch_size,
+                group.size()
+            );
+        }
+        // The schedule spans --epochs (--steps may stop the run before its end), as
+        // arcface_torch's `total_step`, counted in the batches the loader really gives.
+        let steps_per_epoch = loader.len() as u64;
+        let total_steps = cfg.epochs as u64 * steps_per_epoch;
+        let sched = schedule::build(cfg, opt.as_mut(), RunLength { steps_per_epoch, total_steps })?;
+        let val = verify::load(&cfg.val)?;
+        let tb = if cfg.tensorboard && rank == 0 {
+            let dir = run_dir.join("tensorboard");
+            Some(EventWriter::create(&dir).with_context(|| {
+                format!("creating a TensorBoard event file in {}", dir.display())
+            })?)
+        } else {
+            None
+        };
+        if rank == 0 {
+            eprintln!(
+                "face: {} width {} embedding {} | {} images, {classes} classes ({} to {} per rank) | {} ranks x batch {} | {steps_per_epoch} steps per epoch",
+                cfg.model,
+                cfg.width,
+                cfg.embedding_size,
+                train.len(),
+                ClassSplit::new(classes, group.size(), group.size() - 1).len,
+                head.split().len,
+                group.size(),
+                cfg.batch_size,
+            );
+        }
+        let t = Trainer {
+            model,
+            order,
+            ddp,
+            head,
+            opt,
+            sched,
+            scaler,
+            autocast: Autocast(
+                (cfg.precision != Precision::F32).then(|| cfg.precision.compute_dtype()),
+            ),
+            clip: cfg.clip_grad_norm,
+            skipped_steps: 0,
+            times: StepTimes::default(),
+        };
+        Ok(FaceWorker {
+            cfg,
+            device,
+            t,
+            train,
+            loader,
+            val,
+            ckpt: FaceCheckpoints::new(run_dir.join("checkpoints"), cfg.keep_last),
+            tb,
+            group,
+            global_step: 0,
+            samples_seen: 0,
+            train_time: 0.0,
+            last_loss: f64::NAN,
+            last_val: Vec::new(),
+            last_ckpt: None,
+        })
+    }
+
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// `--resume`: the newest complete checkpoint, on this world size or another (the head's
+    /// centres and their optimizer state re-split over this run's ranks).
+    fn resume(&mut self) -> anyhow::Result<()> {
+        let rank = self.rank();
+        let Some((dir, manifest)) = self.ckpt.latest()? else {
+            if rank == 0 {
+                eprintln!(
+                    "--resume: no checkpoint in {}, starting fresh",
+                    self.ckpt.dir().display()
+                );
+            }
+            return Ok(());
+        };
+        let at = |what: &str| format!("{}: {what}", dir.display());
+        let split = self.t.head.split();
+        if manifest.num_classes != self.t.head.config().num_classes
+            || manifest.embedding_size != self.t.head.config().embedding_size
+        {
+            bail!(
+                "{}: the checkpoint's head is {} classes x {}, this run's {} x {} (--num-classes, --embedding-size)",
+                dir.display(),
+                manifest.num_classes,
+                manifest.embedding_size,
+                self.t.head.config().num_classes,
+                self.t.head.config().embedding_size
+            );
+        }
+        let path = dir.join(&manifest.replicated);
+        let rep =
+            tandem_ckpt::load(&path).with_context(|| format!("reading {}", path.display()))?;
+        let get =
+            |k: &str| rep.get(k).with_context(|| format!("{}: no `{k}` entry", path.display()));
+        let rows = checkpoint::read_head_rows(&dir, &manifest, split, rank)?;
+
+        // Backbone: the replicated weights with this rank's own BatchNorm statistics.
+        let mut backbone = get("backbone")?.clone();
+        arcface::overlay(&mut backbone, &rows.buffers);
+        self.t.ddp.module().load_state_dict(&backbone).with_context(|| at("backbone"))?;
+        let weight = tandem_nn::convert::from_ckpt(&rows.weight, &self.device)?;
+        self.t.head.weight().set(&weight).with_context(|| at("head centres"))?;
+        let head_index = self.t.ddp.params().len() as i64;
+        let full = checkpoint::merge_optimizer(get("optimizer")?, head_index, rows.state);
+        self.t.opt.load_state_dict(&full).with_context(|| at("optimizer state"))?;
+        match get("sampler")? {
+            // Converted from arcface_torch: the start of `epoch`, in this run's order.
+            Value::None => self.loader.set_epoch(manifest.epoch),
+            saved => {
+                let position = sampler_state_from_value(saved).map_err(|problem| {
+                    anyhow::anyhow!("{}: `sampler`: {problem}", path.display())
+                })?;
+                self.loader
+                    .load_state(&position)
+                    .with_context(|| at("`sampler` does not fit this run"))?;
+            }
+        }
+        self.global_step = get("global_step")?.as_int().unwrap_or(0) as u64;
+        self.t.head.set_steps_taken(self.global_step);
+        let world_changed = manifest.world_size != self.group.size();
+        // The schedule ends where --epochs end from here: on the same world size where it
+        // ended before, on another after the steps this world size has left.
+        let max_steps = Some(self.global_step + self.steps_to_end());
+        schedule::load(
+            &mut self.t.sched,
+            get("scheduler")?,
+            self.t.opt.as_mut(),
+            max_steps,
+            &at("scheduler"),
+        )?;
+        match (self.t.scaler.as_mut(), get("scaler")?) {
+            (Some(s), Value::None) if rank == 0 => eprintln!(
+                "{}: no GradScaler state; the loss scale starts at {}",
+                path.display(),
+                s.get_scale()
+            ),
+            (Some(_), Value::None) | (None, _) => {}
+            (Some(s), state) => s.load_state_dict(state).with_context(|| at("GradScaler state"))?,
+        }
+        // Every rank has read what it needs before any goes on (and perhaps saves over it).
+        self.group.barrier().context("barrier after reading the checkpoint")?;
+        if rank == 0 {
+            let epoch = self.loader.epoch();
+            eprintln!("resumed from {} (epoch {epoch}, step {})", dir.display(), self.global_step);
+            if world_changed {
+                eprintln!(
+                    "the checkpoint was written by {} ranks, this run has {}: the {} class centres and their optimizer state are re-split ({} per rank here)",
+                    manifest.world_size,
+                    self.group.size(),
+                    manifest.num_classes,
+                    split.len
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Steps to the end of --epochs from where the loader stands.
+    fn steps_to_end(&self) -> u64 {
+        let epochs_left = (self.cfg.epochs as u64).saturating_sub(self.loader.epoch());
+        match epochs_left {
+            0 => 0,
+            n => self.loader.batches_left() as u64 + (n - 1) * self.loader.len() as u64,
+        }
+    }
+
+    fn train(&mut self) -> anyhow::Result<()> {
+        let max_steps =
+            self.cfg.steps.unwrap_or(u64::MAX).min(self.global_step + self.steps_to_end());
+        let progress = Progress::new(self.rank() == 0, max_steps, self.global_step);
+        while (self.loader.epoch() as usize) < self.cfg.epochs && self.global_step < max_steps {
+            let epoch = self.loader.epoch();
+            let loss = self.train_epoch(max_steps, &progress)?;
+            self.last_loss = loss;
+            if self.rank() == 0 {
+                let sps = self.samples_seen as f64 / self.train_time.max(1e-9);
+                let amp = self.t.scaler.as_ref().map_or(String::new(), |s| {
+                    format!(" loss_scale={} skipped_steps={}", s.get_scale(), self.t.skipped_steps)
+                });
+                progress.line(&format!(
+                    "epoch {}/{} step {} loss={loss:.4} samples/s={sps:.0} lr={}{amp}{}",
+                    epoch + 1,
+                    self.cfg.epochs,
+                    self.global_step,
+                    self.t.opt.lr(),
+                    val_text(&self.last_val),
+                ));
+                let values = [("train/loss", loss), ("train/samples_per_s", sps)];
+                scalars(&mut self.tb, self.global_step, &values)?;
+            }
+            let step = self.global_step;
+            let every = self.cfg.save_every;
+            let just_saved = every > 0 && step.is_multiple_of(every);
+            if step < max_steps && (self.loader.epoch() as usize) < self.cfg.epochs && !just_saved {
+                self.save()?;
+            }
+        }
+        progress.finish();
+        Ok(())
+    }
+
+    /// The rest of the current epoch (up to `max_steps`); returns the mean loss of its steps
+    /// (every rank computes the loss of the global batch, so no reduction is needed).
+    fn train_epoch(&mut self, max_steps: u64, progress: &Progress) -> anyhow::Result<f64> {
+        let started = Instant::now();
+        // Disjoint borrows: the batch iterator holds the loader while checkpoints read it.
+        let FaceWorker { cfg, group, device, t, train, loader, val, ckpt, tb, .. } = self;
+        train.set_epoch(loader.epoch());
+        let (mut loss_sum, mut steps, mut pause) = (0.0f64, 0u64, 0.0f64);
+        let world = group.size() as u64;
+        let mut batches = loader.iter()?;
+        let in_epoch = batches.num_batches();
+        let mut taken = 0usize;
+        while self.global_step < max_steps {
+            let waited = Instant::now();
+            let Some(batch) = batches.next() else { break };
+            t.times.data += waited.elapsed().as_secs_f64();
+            taken += 1;
+            let batch = batch?;
+            let labels: Vec<i64> = batch.y.to_vec1::<u32>()?.into_iter().map(i64::from).collect();
+            let loss = t.step(&batch.x, &labels, self.global_step + 1)?;
+            self.global_step += 1;
+            self.samples_seen += batch.len() as u64 * world;
+            loss_sum += loss;
+            steps += 1;
+            let step = self.global_step;
+            progress.step(step, loss_sum / steps as f64);
+            if step.is_multiple_of(100) {
+                scalars(tb, step, &[("train/loss_step", loss), ("train/lr", t.opt.lr())])?;
+            }
+            if cfg.verbose > 0 && step.is_multiple_of(cfg.verbose) && step < max_steps {
+                let clock = Instant::now();
+                if let Some(results) = verify(t, val, device, tb, step, group)? {
+                    self.last_val = results;
+                }
+                pause += clock.elapsed().as_secs_f64();
+            }
+            let every = cfg.save_every;
+            if every > 0 && step.is_multiple_of(every) && step < max_steps {
+                let clock = Instant::now();
+                let ctx = SaveCtx { cfg, group, ckpt };
+                self.last_ckpt = Some(save_checkpoint(&ctx, t, &loader.state(), step)?);
+                pause += clock.elapsed().as_secs_f64();
+            }
+        }
+        if taken == in_epoch {
+            // The epoch's batches are all used: let the loader close it (moves to the next epoch).
+            let _ = batches.next();
+        }
+        drop(batches);
+        self.train_time += started.elapsed().as_secs_f64() - pause;
+        Ok(loss_sum / steps.max(1) as f64)
+    }
+
+    fn save(&mut self) -> anyhow::Result<()> {
+        let ctx = SaveCtx { cfg: self.cfg, group: &self.group, ckpt: &self.ckpt };
+        let dir = save_checkpoint(&ctx, &self.t, &self.loader.state(), self.global_step)?;
+        self.last_ckpt = Some(dir);
+        Ok(())
+    }
+
+    fn finish(mut self) -> anyhow::Result<RunSummary> {
+        let rank = self.rank();
+        self.save()?;
+        let step = self.global_step;
+        if let Some(results) =
+            verify(&self.t, &self.val, &self.device, &mut self.tb, step, &self.group)?
+        {
+            self.last_val = results;
+        }
+        if rank == 0 && !self.last_val.is_empty() {
+            println!("verification:{}", val_text(&self.last_val));
+        }
+        if rank == 0 && self.t.times.steps > 0 {
+            eprintln!("{}", self.t.times.summary());
+        }
+        if let Some(path) = &self.cfg.save_final {
+            if rank == 0 {
+                tandem_nn::weights::save_weights(&*self.t.ddp.module(), path)
+                    .with_context(|| format!("--save-final {}", path.display()))?;
+            }
+            self.group.barrier()?;
+        }
+        if let Some(path) = &self.cfg.export_onnx {
+            if rank == 0 {
+                let value = self.t.ddp.module().state_dict()?;
+                let summary = crate::cmd::export::write(self.cfg.model, &value, path)
+                    .context("--export-onnx")?;
+                eprintln!("{summary}");
+            }
+            self.group.barrier()?;
+        }
+        // Every rank agrees the run is over before any reports it.
+        let mut done = [1.0f64];
+        self.group.all_reduce(&mut done, ReduceOp::Sum)?;
+        Ok(RunSummary {
+            rank,
+            epochs: self.loader.epoch().min(self.cfg.epochs as u64),
+            steps: self.global_step,
+            eval_accuracy: None,
+            verification_accuracy: self.last_val.first().map(|r| r.accuracy),
+            samples_per_s: self.samples_seen as f64 / self.train_time.max(1e-9),
+            checkpoint: if rank == 0 { self.last_ckpt.clone() } else { None },
+        })
+    }
+}
+
+/// What a checkpoint save needs besides the state.
+struct SaveCtx<'c> {
+    cfg: &'c TrainConfig,
+    group: &'c ProcessGroup,
+    ckpt: &'c FaceCheckpoints,
+}
+
+/// A checkpoint of the whole state at `step` (a collective); returns its directory.
+fn save_checkpoint(
+    ctx: &SaveCtx<'_>,
+    t: &Trainer,
+    sampler: &SamplerState,
+    step: u64,
+) -> anyhow::Result<PathBuf> {
+    let SaveCtx { cfg, group, ckpt } = *ctx;
+    let rank = group.rank();
+    let head_index = t.ddp.params().len() as i64;
+    let (rest, head_state) = checkpoint::split_optimizer(&t.opt.state_dict()?, head_index);
+    let module = t.ddp.module();
+    let split = t.head.split();
+    let head = Value::dict_from([
+        ("rank", Value::Int(rank as i64)),
+        ("start", Value::Int(split.start as i64)),
+        ("len", Value::Int(split.len as i64)),
+        ("weight", Value::Tensor(tandem_nn::convert::to_ckpt(t.head.weight().as_tensor())?)),
+        ("state", head_state),
+        ("buffers", buffers_value(&module.named_buffers())?),
+    ]);
+    let replicated = if rank == 0 {
+        Some(Value::dict_from([
+            ("format", Value::Str(checkpoint::FORMAT.into())),
+            ("epoch", Value::Int(sampler.epoch as i64)),
+            ("global_step", Value::Int(step as i64)),
+            ("world_size", Value::Int(group.size() as i64)),
+            ("backbone", in_order(module.state_dict()?, &t.order)),
+            ("optimizer", rest),
+            ("scheduler", schedule::state(&t.sched)),
+            ("scaler", t.scaler.as_ref().map_or(Value::None, GradScaler::state_dict)),
+            ("sampler", sampler_value(sampler)),
+            ("rng", Value::dict_from([("seed", Value::Int(cfg.seed as i64))])),
+            ("config", Value::Str(cfg.to_toml()?)),
+        ]))
+    } else {
+        None
+    };
+    let info = SaveInfo {
+        rank,
+        world: group.size(),
+        global_step: step,
+        epoch: sampler.epoch,
+        num_classes: t.head.config().num_classes,
+        embedding_size: t.head.config().embedding_size,
+    };
+    ckpt.save(&format!("step-{step:08}"), &info, replicated.as_ref(), &head, group)
+}
+
+/// The verification sets on rank 0's model, the images shared over the ranks (a collective);
+/// rank 0 reports. `None` without sets.
+fn verify(
+    t: &Trainer,
+    val: &[ValSet],
+    device: &Device,
+    tb: &mut Option<EventWriter>,
+    step: u64,
+    group: &ProcessGroup,
+) -> anyhow::Result<Option<Vec<ValResult>>> {
+    if val.is_empty() {
+        return Ok(None);
+    }
+    let buffers = t.ddp.module().named_buffers();
+    let results = verify::evaluate(&t.model, &buffers, val, device, group)?;
+    if group.rank() == 0 {
+        for r in &results {
+            eprintln!("[{}][{step}] accuracy-flip: {:.5}+-{:.5}", r.name, r.accuracy, r.std);
+        }
+    }
+    let names: Vec<(String, f64)> =
+        results.iter().map(|r| (format!("verification/{}", r.name), r.accuracy)).collect();
+    let refs: Vec<(&str, f64)> = names.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    scalars(tb, step, &refs)?;
+    Ok(Some(results))
+}
+
+/// TensorBoard scalars at `step` (nothing without --tensorboard or off rank 0).
+fn scalars(tb: &mut Option<EventWriter>, step: u64, values: &[(&str, f64)]) -> anyhow::Result<()> {
+    let Some(tb) = tb.as_mut() else { return Ok(()) };
+    let mut write = || -> std::io::Result<()> {
+        for (k, v) in values {
+            tb.add_scalar(k, *v as f32, step as i64)?;
+        }
+        tb.flush()
+    };
+    write().with_context(|| format!("writing TensorBoard events to {}", tb.path().display()))
+}
+
+impl Trainer {
+    /// One optimizer step on this rank's batch; returns the loss of the global batch.
+    fn step(&mut self, x: &candle_core::Tensor, labels: &[i64], step: u64) -> anyhow::Result<f64> {
+        let clock = Instant::now();
+        let embeddings = self.autocast.round(&self.model.forward_t(x, true)?)?;
+        let forward = clock.elapsed().as_secs_f64();
+        let loss = self.head.forward(&embeddings, labels)?;
+        let value = loss.to_scalar::<f32>()? as f64;
+        let head = clock.elapsed().as_secs_f64();
+        let local = [self.head.weight().clone()];
+        let backbone = self.ddp.params();
+        let backward: f64;
+        match self.scaler.as_mut() {
+            Some(s) => {
+                let mut grads = self.ddp.backward_with_local(&s.scale(&loss)?, &local)?;
+                backward = clock.elapsed().as_secs_f64();
+                s.unscale_(self.opt.as_ref(), &mut grads)?;
+                schedule::clip(self.clip, &backbone, &mut grads, true, step)?;
+                if !s.step(self.opt.as_mut(), &mut grads)? {
+                    self.skipped_steps += 1;
+                }
+                s.update()?;
+            }
+            None => {
+                let mut grads = self.ddp.backward_with_local(&loss, &local)?;
+                backward = clock.elapsed().as_secs_f64();
+                schedule::clip(self.clip, &backbone, &mut grads, false, step)?;
+                self.opt.step(&grads)?;
+            }
+        }
+        if let Some(sched) = self.sched.as_mut() {
+            sched.step_optimizer(self.opt.as_mut())?;
+        }
+        let t = &mut self.times;
+        t.steps += 1;
+        t.forward += forward;
+        t.head += head - forward;
+        t.backward += backward - head;
+        t.optimizer += clock.elapsed().as_secs_f64() - backward;
+        Ok(value)
+    }
+}
+
+/// The head: this rank's rows of `--init-from`'s centres, or N(0, 0.01) from the seed.
+fn build_head(
+    cfg: &TrainConfig,
+    classes: usize,
+    group: &ProcessGroup,
+    device: &Device,
+    centres: Option<candle_core::Tensor>,
+) -> anyhow::Result<PartialFc> {
+    let (m1, m2, m3) = parse_margin(&cfg.margin)?;
+    let margin =
+        CombinedMarginLoss::new(cfg.margin_scale, m1, m2, m3, cfg.interclass_filtering_threshold)
+            .with_context(|| format!("--margin {}", cfg.margin))?;
+    let mut pcfg = PartialFcConfig::new(classes, cfg.embedding_size, margin);
+    pcfg.sample_rate = cfg.sample_rate;
+    pcfg.seed = cfg.seed;
+    if cfg.precision != Precision::F32 {
+        pcfg.autocast = Some(cfg.precision.compute_dtype());
+    }
+    let comm: Arc<dyn Collectives> = Arc::new(group.clone());
+    let head = match centres {
+        Some(full) => PartialFc::from_full_weight(pcfg, comm, &full.to_device(device)?)
+            .context("--init-from: `partial_fc.weight`")?,
+        None => PartialFc::new(pcfg, comm, device)?,
+    };
+    Ok(head)
+}
+
+/// One optimizer over two parameter groups, backbone then head, as arcface_torch.
+fn build_optimizer(
+    cfg: &TrainConfig,
+    backbone: Vec<Var>,
+    centres: Var,
+) -> anyhow::Result<Box<dyn TorchOptimizer + Send>> {
+    Ok(match cfg.optimizer {
+        OptimizerKind::Sgd => {
+            let c = SgdConfig {
+                lr: cfg.lr,
+                momentum: cfg.momentum,
+                weight_decay: cfg.weight_decay,
+                ..SgdConfig::default()
+            };
+            Box::new(TorchSgd::with_groups(vec![(backbone, c.clone()), (vec![centres], c)])?)
+        }
+        OptimizerKind::Adamw => {
+            let c = AdamWConfig {
+                lr: cfg.lr,
+                weight_decay: cfg.weight_decay,
+                ..AdamWConfig::default()
+            };
+            Box::new(TorchAdamW::with_groups(vec![(backbone, c.clone()), (vec![centres], c)])?)
+        }
+    })
+}
+
+/// A rank's BatchNorm statistics as a state-dict fragment.
+fn buffers_value(buffers: &[(String, Var)]) -> anyhow::Result<Value> {
+    let mut items = Vec::with_capacity(buffers.len());
+    for (name, var) in buffers {
+        items.push((name.clone(), Value::Tensor(tandem_nn::convert::to_ckpt(var.as_tensor())?)));
+    }
+    Ok(Value::dict_from(items))
+}
+
+/// A state dict with its entries in `order` (names not in it keep their place at the end).
+fn in_order(state: Value, order: &[String]) -> Value {
+    let Value::Dict(mut items) = state else { return state };
+    let rank = |k: &Value| {
+        k.as_str().and_then(|k| order.iter().position(|o| o == k)).unwrap_or(usize::MAX)
+    };
+    items.sort_by_key(|(k, _)| rank(k));
+    Value::Dict(items)
+}
+
+/// ` verification_accuracy=X lfw=X±S ...` for the epoch line.
+fn val_text(results: &[ValResult]) -> String {
+    let Some(first) = results.first() else { return String::new() };
+    let mut s = format!(" verification_accuracy={:.4}", first.accuracy);
+    for r in results {
+        s += &format!(" {}={:.4}+-{:.4}", r.name, r.accuracy, r.std);
+    }
+    s
+}

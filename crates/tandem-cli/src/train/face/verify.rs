@@ -1,0 +1,162 @@
+//! `--val FILE.bin`: insightface's verification test (its CallBackVerification): every image and
+//! its mirror embedded in eval mode, the two embeddings summed, and the pairs' accuracy with a
+//! 10-fold cross-validated threshold.
+//!
+//! arcface_torch runs it on rank 0 alone while the other ranks wait. Here every rank embeds a
+//! share of the images with rank 0's model — the parameters are the same everywhere, and rank 0's
+//! BatchNorm statistics are lent to the others for the test (with `broadcast_buffers=False` each
+//! rank keeps its own) — and the embeddings are gathered: the same numbers as rank 0 alone, in
+//! 1/W of the time, and no rank sits in a collective while another computes.
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use candle_core::{Device, Tensor, Var};
+use tandem_comm::ProcessGroup;
+use tandem_data::datasets::faces::{verification_accuracy, VerificationSet};
+use tandem_models::{IResNet, FACE_SIDE};
+
+/// Images per forward pass.
+const BATCH: usize = 32;
+const FOLDS: usize = 10;
+/// The collectives of a verification may wait this long for a slower rank's share (a large
+/// set on a loaded machine), instead of the group's usual stall timeout.
+const VERIFY_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// One `--val` set, named by its file stem (`lfw.bin` is `lfw`), as arcface_torch names them.
+pub struct ValSet {
+    pub name: String,
+    set: VerificationSet,
+}
+
+/// A set's result: mean accuracy over the folds and its standard deviation.
+#[derive(Clone, Debug)]
+pub struct ValResult {
+    pub name: String,
+    pub accuracy: f64,
+    pub std: f64,
+}
+
+pub fn load(paths: &[PathBuf]) -> anyhow::Result<Vec<ValSet>> {
+    paths
+        .iter()
+        .map(|p| {
+            let set = VerificationSet::load(p).with_context(|| format!("--val {}", p.display()))?;
+            if set.pairs() < FOLDS {
+                anyhow::bail!(
+                    "--val {}: {} pairs, fewer than the {FOLDS} folds",
+                    p.display(),
+                    set.pairs()
+                );
+            }
+            Ok(ValSet { name: stem(p), set })
+        })
+        .collect()
+}
+
+fn stem(p: &Path) -> String {
+    p.file_stem().map_or_else(|| p.display().to_string(), |s| s.to_string_lossy().into_owned())
+}
+
+/// Rank 0's BatchNorm statistics on every rank while it lives; each rank's own come back when
+/// it is dropped.
+struct LentStatistics<'a> {
+    buffers: &'a [(String, Var)],
+    own: Vec<Tensor>,
+}
+
+impl<'a> LentStatistics<'a> {
+    fn lend(buffers: &'a [(String, Var)], group: &ProcessGroup) -> anyhow::Result<Self> {
+        let mut own = Vec::with_capacity(buffers.len());
+        for (name, var) in buffers {
+            let t = var.as_tensor();
+            own.push(t.copy()?);
+            let dtype = t.dtype();
+            let mut values =
+                t.flatten_all()?.to_dtype(candle_core::DType::F64)?.to_vec1::<f64>()?;
+            group
+                .broadcast(&mut values, 0)
+                .with_context(|| format!("lending rank 0's `{name}`"))?;
+            let lent = Tensor::from_vec(values, t.shape(), t.device())?.to_dtype(dtype)?;
+            var.set(&lent)?;
+        }
+        Ok(LentStatistics { buffers, own })
+    }
+}
+
+impl Drop for LentStatistics<'_> {
+    fn drop(&mut self) {
+        for ((name, var), own) in self.buffers.iter().zip(&self.own) {
+            if let Err(e) = var.set(own) {
+                eprintln!("verification: could not restore this rank's `{name}`: {e}");
+            }
+        }
+    }
+}
+
+/// The accuracy on every set of the replicas' model in eval mode with rank 0's statistics (a
+/// collective: every rank calls it with the same sets).
+pub fn evaluate(
+    model: &IResNet,
+    buffers: &[(String, Var)],
+    sets: &[ValSet],
+    device: &Device,
+    group: &ProcessGroup,
+) -> anyhow::Result<Vec<ValResult>> {
+    let usual = group.timeout();
+    group.set_timeout(usual.max(VERIFY_TIMEOUT));
+    let result = (|| {
+        let _lent = LentStatistics::lend(buffers, group)?;
+        sets.iter().map(|s| evaluate_set(model, s, device, group)).collect()
+    })();
+    group.set_timeout(usual);
+    result
+}
+
+fn evaluate_set(
+    model: &IResNet,
+    val: &ValSet,
+    device: &Device,
+    group: &ProcessGroup,
+) -> anyhow::Result<ValResult> {
+    let n = val.set.images.len();
+    let (rank, world) = (group.rank(), group.size());
+    let share = n.div_ceil(world);
+    let mine = (rank * share).min(n)..((rank + 1) * share).min(n);
+    let dim = 3 * FACE_SIDE * FACE_SIDE;
+    let mut local: Vec<f32> = Vec::new();
+    for start in mine.clone().step_by(BATCH) {
+        let end = (start + BATCH).min(mine.end);
+        let (mut plain, mut flipped) = (Vec::new(), Vec::new());
+        for i in start..end {
+            let [p, f] = val.set.image(i, FACE_SIDE)?;
+            plain.extend(p);
+            flipped.extend(f);
+        }
+        let embed = |x: Vec<f32>| -> anyhow::Result<Tensor> {
+            let x = Tensor::from_vec(x, (end - start, dim), device)?;
+            Ok(model.forward_t(&x, false)?)
+        };
+        let sum = (embed(plain)? + embed(flipped)?)?;
+        local.extend(sum.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?);
+    }
+    let gathered = group
+        .all_gather_bytes(&local.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())
+        .with_context(|| format!("--val {}: gathering the embeddings", val.set.path.display()))?;
+    let values: Vec<f32> = gathered
+        .iter()
+        .flat_map(|b| b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+        .collect();
+    let e = model.embedding();
+    if values.len() != n * e {
+        anyhow::bail!(
+            "--val {}: gathered {} values for {n} images of {e}",
+            val.set.path.display(),
+            values.len()
+        );
+    }
+    let embeddings: Vec<Vec<f32>> = values.chunks_exact(e).map(<[f32]>::to_vec).collect();
+    let (accuracy, std) = verification_accuracy(&embeddings, &val.set.issame, FOLDS)
+        .map_err(|e| anyhow::anyhow!("--val {}: {e}", val.set.path.display()))?;
+    Ok(ValResult { name: val.name.clone(), accuracy, std })
+}

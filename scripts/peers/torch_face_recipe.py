@@ -1,0 +1,309 @@
+"""PyTorch's side of crates/tandem-cli/tests/face_recipe.rs and of `tandem bench face`: insightface arcface_torch's
+training recipe (train_v2.py: IResNet under DDP with broadcast_buffers=False and 16 MB buckets,
+PartialFC v2 over all-gathered embeddings, CombinedMarginLoss, SGD over two parameter groups,
+clip_grad_norm_(backbone, 5), PolyScheduler stepped every iteration, DistributedSampler +
+DataLoader(drop_last=True)), written here from its description over gloo on the CPU.
+
+usage:
+  python reference.py init OUT.pt --classes C --width W --embedding E [--seed S]
+      Writes {"backbone": IResNet-18 state dict, "partial_fc": {"weight": [C, E]}}: torch's
+      default init of the layers, arcface_torch's N(0, 0.01) centres.
+  python reference.py train --data DIR --init INIT.pt --world 2 --width W --embedding E
+      --margin M1,M2,M3 --scale S --batch B --epochs N --lr LR --momentum 0.9 --wd 5e-4
+      --warmup K --clip 5 --seed S [--out MODEL.pt] [--threads T] [--depth 18]
+  python reference.py verify MODEL.pt --pairs PAIRS.bin --width W --embedding E [--depth 18]
+      insightface's verification test of a backbone state dict on a `.bin` pair set (eval mode,
+      each image plus its mirror, L2-normalised, 10-fold threshold in 0..4 by 0.01); prints
+      `accuracy=X std=Y`.
+      Trains, rank 0 writes the backbone's state dict (arcface_torch's model.pt) to --out, and
+      prints `samples/s=X` (every step's samples over all ranks, timed from the first epoch's
+      start, data loading included, as `tandem train` times its steps).
+
+The PartialFC functions (gather with a gradient summed times the world size, the distributed
+cross-entropy, the combined margin) are those of tandem-partial-fc's fixtures.
+"""
+import argparse
+import io
+import os
+import socket
+import struct
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from PIL import Image
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "crates", "tandem-partial-fc", "tests", "fixtures"))
+from make_fixtures import DistCrossEntropy, GatherSumTimesWorld, combined_margin  # noqa: E402
+
+BLOCKS = {18: [2, 2, 2, 2], 34: [3, 4, 6, 3], 50: [3, 4, 14, 3], 100: [3, 13, 30, 3]}
+
+
+def conv3x3(cin, cout, stride=1):
+    return nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+
+
+class Block(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.bn1 = nn.BatchNorm2d(cin, eps=1e-5)
+        self.conv1 = conv3x3(cin, cout)
+        self.bn2 = nn.BatchNorm2d(cout, eps=1e-5)
+        self.prelu = nn.PReLU(cout)
+        self.conv2 = conv3x3(cout, cout, stride)
+        self.bn3 = nn.BatchNorm2d(cout, eps=1e-5)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
+                                            nn.BatchNorm2d(cout, eps=1e-5))
+
+    def forward(self, x):
+        out = self.bn3(self.conv2(self.prelu(self.bn2(self.conv1(self.bn1(x))))))
+        return out + (self.downsample(x) if self.downsample is not None else x)
+
+
+class IResNet(nn.Module):
+    """arcface_torch's IResNet layout and names, stage widths w, 2w, 4w, 8w."""
+
+    def __init__(self, depth, width, embedding):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, stride=1, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width, eps=1e-5)
+        self.prelu = nn.PReLU(width)
+        cin = width
+        for i, (n, mult) in enumerate(zip(BLOCKS[depth], [1, 2, 4, 8])):
+            blocks = [Block(cin, width * mult, 2)] + [Block(width * mult, width * mult, 1) for _ in range(n - 1)]
+            setattr(self, f"layer{i + 1}", nn.Sequential(*blocks))
+            cin = width * mult
+        self.bn2 = nn.BatchNorm2d(cin, eps=1e-5)
+        self.dropout = nn.Dropout(p=0.0)
+        self.fc = nn.Linear(cin * 7 * 7, embedding)
+        self.features = nn.BatchNorm1d(embedding, eps=1e-5)
+        nn.init.constant_(self.features.weight, 1.0)
+        self.features.weight.requires_grad = False
+
+    def forward(self, x):
+        x = self.prelu(self.bn1(self.conv1(x)))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        x = self.dropout(torch.flatten(self.bn2(x), 1))
+        return self.features(self.fc(x))
+
+
+class PolyScheduler(torch.optim.lr_scheduler._LRScheduler):
+    """insightface's PolyScheduler (power 2, linear warm-up from 0)."""
+
+    def __init__(self, optimizer, base_lr, max_steps, warmup_steps, last_epoch=-1):
+        self.base_lr = base_lr
+        self.warmup_lr_init = 0.0001
+        self.max_steps = max_steps
+        self.warmup_steps = warmup_steps
+        self.power = 2
+        super().__init__(optimizer, -1)
+        self.last_epoch = last_epoch
+
+    def get_lr(self):
+        if self.last_epoch == -1:
+            return [self.warmup_lr_init for _ in self.optimizer.param_groups]
+        if self.last_epoch < self.warmup_steps:
+            alpha = float(self.last_epoch) / float(self.warmup_steps)
+            return [self.base_lr * alpha for _ in self.optimizer.param_groups]
+        alpha = pow(1 - float(self.last_epoch - self.warmup_steps)
+                    / float(self.max_steps - self.warmup_steps), self.power)
+        return [self.base_lr * alpha for _ in self.optimizer.param_groups]
+
+
+class RecFaces(torch.utils.data.Dataset):
+    """An insightface RecordIO folder (train.rec + train.idx), as its MXFaceDataset reads it."""
+
+    def __init__(self, root):
+        self.rec = open(os.path.join(root, "train.rec"), "rb").read()
+        self.offsets = {}
+        for line in open(os.path.join(root, "train.idx")):
+            k, off = line.split("\t")
+            self.offsets[int(k)] = int(off)
+        flag, labels, _ = self.header(0) if 0 in self.offsets else (0, [], b"")
+        if flag > 0:
+            self.keys = list(range(1, int(labels[0])))
+        else:
+            self.keys = sorted(self.offsets)
+
+    def record(self, key):
+        off = self.offsets[key]
+        magic, lrec = struct.unpack("<II", self.rec[off:off + 8])
+        assert magic == 0xCED7230A and lrec >> 29 == 0, (key, hex(magic), lrec >> 29)
+        return self.rec[off + 8:off + 8 + (lrec & ((1 << 29) - 1))]
+
+    def header(self, key):
+        r = self.record(key)
+        flag, label, _, _ = struct.unpack("<IfQQ", r[:24])
+        if flag > 0:
+            labels = struct.unpack(f"<{flag}f", r[24:24 + 4 * flag])
+            return flag, list(labels), r[24 + 4 * flag:]
+        return flag, [label], r[24:]
+
+    def __len__(self):
+        return len(self.keys)
+
+    def __getitem__(self, i):
+        _, labels, img = self.header(self.keys[i])
+        rgb = np.asarray(Image.open(io.BytesIO(img)).convert("RGB"), dtype=np.float32)
+        x = (torch.from_numpy(rgb).permute(2, 0, 1) / 255.0 - 0.5) / 0.5
+        return x, torch.tensor(int(labels[0]), dtype=torch.long)
+
+
+class PartialFC(nn.Module):
+    """PartialFC v2 at sample_rate 1: this rank's centres, cosine logits, margin, distributed CE."""
+
+    def __init__(self, full_weight, margin, world, rank):
+        super().__init__()
+        c = full_weight.shape[0]
+        self.num_local = c // world + int(rank < c % world)
+        self.start = c // world * rank + min(rank, c % world)
+        self.weight = nn.Parameter(full_weight[self.start:self.start + self.num_local].clone())
+        self.margin = margin
+
+    def forward(self, embeddings, labels):
+        gathered = GatherSumTimesWorld.apply(embeddings)
+        parts = [torch.zeros_like(labels) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, labels)
+        labels = torch.cat(parts).view(-1, 1)
+        mine = (self.start <= labels) & (labels < self.start + self.num_local)
+        labels = torch.where(mine, labels - self.start, torch.full_like(labels, -1))
+        logits = F.linear(F.normalize(gathered), F.normalize(self.weight)).clamp(-1, 1)
+        logits = combined_margin(logits, labels, *self.margin)
+        return DistCrossEntropy.apply(logits, labels)
+
+
+def init(args):
+    torch.manual_seed(args.seed)
+    net = IResNet(args.depth, args.width, args.embedding)
+    weight = torch.normal(0, 0.01, (args.classes, args.embedding))
+    torch.save({"backbone": net.state_dict(), "partial_fc": {"weight": weight}}, args.out)
+
+
+def verify(args):
+    import pickle
+    net = IResNet(args.depth, args.width, args.embedding)
+    net.load_state_dict(torch.load(args.out, weights_only=True), strict=True)
+    net.eval()
+    with open(args.pairs, "rb") as f:
+        images, issame = pickle.load(f, encoding="bytes")
+    def load(b):
+        rgb = np.asarray(Image.open(io.BytesIO(bytes(b))).convert("RGB"), dtype=np.float32)
+        return (torch.from_numpy(rgb).permute(2, 0, 1) / 255.0 - 0.5) / 0.5
+    x = torch.stack([load(b) for b in images])
+    with torch.no_grad():
+        emb = (net(x) + net(torch.flip(x, dims=[3]))).numpy().astype(np.float64)
+    emb /= np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    dist = ((emb[0::2] - emb[1::2]) ** 2).sum(1)
+    same = np.asarray(issame, dtype=bool)
+    n, folds, thresholds = len(same), 10, np.arange(0, 4, 0.01)
+    accs, start = [], 0
+    for f in range(folds):
+        size = n // folds + (1 if f < n % folds else 0)
+        test = np.arange(start, start + size)
+        train = np.setdiff1d(np.arange(n), test)
+        start += size
+        acc = lambda th, idx: np.mean((dist[idx] < th) == same[idx])
+        best = max(range(len(thresholds)), key=lambda t: (acc(thresholds[t], train), -t))
+        accs.append(acc(thresholds[best], test))
+    print(f"accuracy={np.mean(accs):.6f} std={np.std(accs):.6f}")
+
+
+def worker(rank, args, port):
+    torch.set_num_threads(args.threads)
+    if args.double:
+        torch.set_default_dtype(torch.float64)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world)
+    m1, m2, m3 = (float(v) for v in args.margin.split(","))
+    saved = torch.load(args.init, weights_only=True)
+    backbone = IResNet(args.depth, args.width, args.embedding)
+    backbone.load_state_dict(saved["backbone"], strict=True)
+    dtype = torch.get_default_dtype()
+    backbone.to(dtype)
+    backbone = nn.parallel.DistributedDataParallel(backbone, broadcast_buffers=False, bucket_cap_mb=16)
+    backbone.train()
+    head = PartialFC(saved["partial_fc"]["weight"].to(dtype), (args.scale, m1, m2, m3, 0.0), args.world, rank)
+    opt = torch.optim.SGD([{"params": backbone.parameters()}, {"params": head.parameters()}],
+                          lr=args.lr, momentum=args.momentum, weight_decay=args.wd)
+    data = RecFaces(args.data)
+    sampler = torch.utils.data.distributed.DistributedSampler(
+        data, num_replicas=args.world, rank=rank, shuffle=True, seed=args.seed)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True,
+                                         num_workers=args.workers, persistent_workers=args.workers > 0)
+    total = len(loader) * args.epochs
+    sched = PolyScheduler(opt, args.lr, total, args.warmup)
+    step, samples = 0, 0
+    started = time.perf_counter()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for img, labels in loader:
+            if args.steps and step >= args.steps:
+                break
+            step += 1
+            loss = head(backbone(img.to(dtype)), labels)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(backbone.parameters(), args.clip)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            samples += img.shape[0] * args.world
+        if args.steps and step >= args.steps:
+            break
+    elapsed = time.perf_counter() - started
+    if rank == 0:
+        if args.out:
+            torch.save(backbone.module.state_dict(), args.out)
+        print(f"steps={step} loss={loss.item():.6f} samples/s={samples / max(elapsed, 1e-9):.1f}", flush=True)
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["init", "train", "verify"])
+    p.add_argument("--pairs")
+    p.add_argument("out_pos", nargs="?")
+    p.add_argument("--classes", type=int)
+    p.add_argument("--depth", type=int, default=18)
+    p.add_argument("--width", type=int, default=8)
+    p.add_argument("--embedding", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data")
+    p.add_argument("--init")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--margin", default="1.0,0.5,0.0")
+    p.add_argument("--scale", type=float, default=64.0)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--wd", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=0)
+    p.add_argument("--clip", type=float, default=5.0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: all)")
+    p.add_argument("--double", action="store_true", help="train in float64 (the float32 runs' reference)")
+    p.add_argument("--out")
+    args = p.parse_args()
+    if args.mode in ("init", "verify"):
+        args.out = args.out or args.out_pos
+        (init if args.mode == "init" else verify)(args)
+    else:
+        mp.spawn(worker, args=(args, free_port()), nprocs=args.world, join=True)
+
+
+if __name__ == "__main__":
+    main()
