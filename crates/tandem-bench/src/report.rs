@@ -14,13 +14,13 @@ mod markdown;
 mod measure;
 mod plots;
 mod stats;
+mod table;
+mod torch;
 
 /// min / median / max of repeated measurements (for the benchmarks outside the report).
 pub(crate) fn summary(samples: &[f64]) -> Option<stats::Summary> {
     stats::Summary::of(samples)
 }
-mod table;
-mod torch;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -104,6 +104,7 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             stall_every: 2,
             zero_nproc: "2".into(),
             zero_dims: "64,32,32,10".into(),
+            face: measure::FacePlan { width: 4, embedding: 16, batch: 2, steps: 2, rounds: 1 },
         }
     } else {
         measure::Plan {
@@ -127,6 +128,14 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             stall_every: 4,
             zero_nproc: "2,4".into(),
             zero_dims: "784,1024,1024,1024,1024,1024,1024,1024,1024,10".into(),
+            // The shape: IResNet-18 at width >= 16 on 2 ranks.
+            face: measure::FacePlan {
+                width: 16,
+                embedding: 128,
+                batch: 8,
+                steps: 12,
+                rounds: repeats,
+            },
         }
     })
 }
@@ -184,6 +193,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let ckpt = measure::ckpt(&mut ctx, &plan);
     let save_stall = measure::save_stall(&mut ctx, &plan);
     let zero = measure::zero(&mut ctx, &plan);
+    let face = measure::face(&mut ctx, &plan.face);
     std::fs::remove_dir_all(&scratch).ok();
     let load_after = machine::load_average();
 
@@ -208,6 +218,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         ckpt_mib: plan.ckpt_mib,
         save_stall: &save_stall,
         zero: &zero,
+        face: &face,
         failures: &ctx.failures,
         retries: &ctx.retries,
         several_hosts: std::fs::read_to_string(out.join("bench_two_hosts.md")).ok(),

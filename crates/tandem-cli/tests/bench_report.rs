@@ -173,6 +173,34 @@ fn quick_report_has_every_section_ratio_and_plot() {
         .collect();
     assert_eq!(shares.len(), 2, "{zero}");
     assert!((shares.iter().sum::<f64>() - 1.0).abs() < 0.01, "{shares:?}");
+    // The face recipe against PyTorch running it: both sides' samples/s and their ratio, or
+    // why it was not measured.
+    let face = md.split("\n## The face-recognition recipe").nth(1).expect("a face section");
+    let face = face.split("\n## ").next().unwrap_or(face);
+    if torch.is_some() {
+        let median = |side: &str| {
+            let line = face
+                .lines()
+                .find(|l| l.trim_start().starts_with(side))
+                .unwrap_or_else(|| panic!("no {side} row: {face}"));
+            let after = line.split("median ").nth(1).expect("a median");
+            num(after.split_whitespace().next().unwrap(), side)
+        };
+        let (ours, theirs) = (median("tandem "), median("PyTorch (gloo DDP + PartialFC)"));
+        let ratio = face
+            .split("(medians): ")
+            .nth(1)
+            .and_then(|r| r.split('x').next())
+            .map(|r| num(r, "ratio"))
+            .expect("a ratio");
+        assert!(
+            (ratio - ours / theirs).abs() <= 0.006 + 0.01 * ratio,
+            "{ratio} vs {ours} / {theirs}: {face}"
+        );
+        assert!(face.contains("time per step on rank 0"), "{face}");
+    } else {
+        assert!(face.contains("Not measured: PyTorch not available"), "{face}");
+    }
 
     if torch.is_some() {
         let gloo = check_row(&ar, "1 MiB", "gloo (PyTorch)", ("1 MiB", "memcpy"));

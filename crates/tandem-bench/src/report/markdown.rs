@@ -26,6 +26,7 @@ pub struct Report<'a> {
     /// `tandem bench save-stall`'s table, or why it failed.
     pub save_stall: &'a Result<String, String>,
     pub zero: &'a Result<String, String>,
+    pub face: &'a Result<String, String>,
     pub failures: &'a [String],
     pub retries: &'a [String],
     /// `docs/bench_two_hosts.md` as `scripts/bench_two_hosts.sh` wrote it (it needs root and
@@ -396,6 +397,25 @@ pub fn render(r: &Report) -> String {
          share this machine's cores). Measured by `tandem bench zero`.\n"
     );
     match r.zero {
+        Ok(t) => {
+            let _ = writeln!(out, "```\n{}\n```\n", t.trim_end());
+        }
+        Err(why) => {
+            let _ = writeln!(out, "Not measured: {why}\n");
+        }
+    }
+
+    let _ = writeln!(out, "## The face-recognition recipe\n");
+    let _ = writeln!(
+        out,
+        "insightface arcface_torch's recipe (IResNet-18, 112x112, PartialFC with ArcFace, SGD with \
+         poly schedule and clipping) as `tandem train --model iresnet18 --data rec:DIR` on 2 ranks, \
+         against the same recipe in PyTorch (`scripts/peers/torch_face_recipe.py`: DDP + PartialFC \
+         over gloo) on the same synthetic identity set from the same initial weights, alternating \
+         rounds; samples/s count every step, data loading included. The last line is where \
+         tandem's step time goes. Measured by `tandem bench face`.\n"
+    );
+    match r.face {
         Ok(t) => {
             let _ = writeln!(out, "```\n{}\n```\n", t.trim_end());
         }

@@ -14,6 +14,16 @@ use super::table::{Row, Table};
 use super::torch::{self, Torch, UNAVAILABLE};
 
 /// What to run; `--quick` picks a small one.
+/// `tandem bench face` settings.
+#[derive(Clone, Debug)]
+pub struct FacePlan {
+    pub width: usize,
+    pub embedding: usize,
+    pub batch: usize,
+    pub steps: usize,
+    pub rounds: usize,
+}
+
 pub struct Plan {
     pub repeats: usize,
     pub allreduce_nproc: usize,
@@ -33,6 +43,7 @@ pub struct Plan {
     /// `tandem bench zero` settings: world sizes ("2,4") and MLP layer sizes.
     pub zero_nproc: String,
     pub zero_dims: String,
+    pub face: FacePlan,
 }
 
 /// One model's DDP measurement: `tandem bench ddp --model M [--width W]` at these ranks, and
@@ -123,6 +134,32 @@ pub fn zero(ctx: &mut Ctx, plan: &Plan) -> Result<String, String> {
     let args: Vec<String> =
         ["zero", "--nproc", &plan.zero_nproc, "--dims", &plan.zero_dims].map(String::from).to_vec();
     ctx.tandem(&args, Duration::from_secs(600), "tandem bench zero").map_err(|e| ctx.note(e))
+}
+
+/// `tandem bench face`: the face recipe against the PyTorch peer (its printed lines), or why it
+/// was not measured.
+pub fn face(ctx: &mut Ctx, plan: &FacePlan) -> Result<String, String> {
+    let Some(python) = ctx.torch().map(|t| t.python.display().to_string()) else {
+        return Err("PyTorch not available (the recipe is measured against it)".into());
+    };
+    eprintln!("report: the face recipe, IResNet-18 width {}, {} rounds", plan.width, plan.rounds);
+    let n = |v: usize| v.to_string();
+    let args: Vec<String> = vec![
+        "face".into(),
+        "--width".into(),
+        n(plan.width),
+        "--embedding".into(),
+        n(plan.embedding),
+        "--batch".into(),
+        n(plan.batch),
+        "--steps".into(),
+        n(plan.steps),
+        "--rounds".into(),
+        n(plan.rounds),
+        "--python".into(),
+        python,
+    ];
+    ctx.tandem(&args, Duration::from_secs(1800), "tandem bench face").map_err(|e| ctx.note(e))
 }
 
 /// `tandem bench conv` (with the PyTorch peer when torch is available): its markdown table
