@@ -6,6 +6,7 @@ pub mod batch_norm;
 pub mod conv2d;
 mod matmul;
 pub mod pool;
+pub mod prelu;
 pub mod relu;
 
 /// Runs `f` on the tensor's data as one contiguous f32 slice, copying only when the tensor is
