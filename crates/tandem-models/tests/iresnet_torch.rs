@@ -84,12 +84,30 @@ fn forward_backward_and_statistics_match_torch() {
     let loss = (&emb * &f["probe"]).unwrap().sum_all().unwrap();
     close(&loss.reshape(1).unwrap(), &f["loss"], 1e-4, "loss");
     let grads = loss.backward().unwrap();
+    let mut worst = (0f32, String::new());
     for (name, var) in named.named_parameters() {
         let g = grads.get(var.as_tensor()).unwrap_or_else(|| panic!("no gradient for {name}"));
-        // 3e-4 of the largest magnitude: the stem's weight gradient sums ~25k products per
-        // element over the 112x112 map in f32, in another order than torch's.
-        close(g, &f[&format!("grad.{name}")], 3e-4, &format!("grad {name}"));
+        // Both float32 runs sum ~25k products per element of the stem's weight gradient over
+        // the 112x112 map, in different orders (and tandem's 3x3 convolutions by Winograd's
+        // algorithm): each is measured against the float64 run, and tandem may be off by at
+        // most three times torch's own float32 error (plus 1e-6 of the largest magnitude, and
+        // 1e-5 absolute for gradients that are zero up to rounding, as fc.bias's before the
+        // `features` BatchNorm).
+        let exact = &f[&format!("grad64.{name}")];
+        let scale = exact.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+        let scale = scale.to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap();
+        let ours = max_diff(g, exact);
+        let torch = max_diff(&f[&format!("grad.{name}")], exact);
+        assert!(
+            ours <= 3.0 * torch + 1e-6 * scale + 1e-5,
+            "grad {name}: {ours} from float64, torch float32 {torch} (scale {scale})"
+        );
+        let ratio = ours / torch.max(1e-6 * scale + 1e-5);
+        if ratio > worst.0 {
+            worst = (ratio, name);
+        }
     }
+    eprintln!("largest ratio of tandem's to torch float32's error: {:.2} ({})", worst.0, worst.1);
     let frozen = named.named_buffers().into_iter().find(|(n, _)| n == "features.weight").unwrap();
     assert!(grads.get(frozen.1.as_tensor()).is_none(), "features.weight takes no gradient");
     for (name, var) in named.named_buffers() {

@@ -1,6 +1,7 @@
 //! tandem's CPU conv2d kernels against PyTorch (fixtures/conv/make_fixture.py): outputs and the
 //! gradients of sum(y * r) for strides 1/2, padding 0/1/2, dilation 2, 1x1, batch 1, odd and
-//! non-square sizes — at 1 thread and at 3 (images spread over threads vs. inside the gemm).
+//! non-square sizes, 3x3 "same" convolutions on maps down to 1x1 — at 1 thread and at 3 (images
+//! spread over threads vs. inside the gemm), through the im2col paths and Winograd's.
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -24,7 +25,7 @@ fn gap(a: &Tensor, b: &Tensor) -> f32 {
 fn check_all_cases(threads: usize) {
     let f = fixture();
     let cases = (0..).take_while(|i| f.contains_key(&format!("case{i}.x"))).count();
-    assert!(cases >= 9, "fixture has {cases} cases");
+    assert!(cases >= 14, "fixture has {cases} cases");
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     pool.install(|| {
         for i in 0..cases {
@@ -53,19 +54,24 @@ fn check_all_cases(threads: usize) {
     });
 }
 
-/// Every case through both strategies (per-image gemms, one batched gemm) and thread counts;
-/// one test, as the strategy switch is process-wide.
+/// Every case through every strategy (per-image gemms, one batched gemm, and Winograd for each
+/// 3x3 "same" convolution) and thread counts; one test, as the strategy switches are
+/// process-wide.
 #[test]
-fn outputs_and_gradients_match_pytorch_per_image_and_batched_on_one_and_three_threads() {
+fn outputs_and_gradients_match_pytorch_per_image_batched_and_winograd_on_one_and_three_threads() {
     use std::sync::atomic::Ordering;
     use tandem_nn::kernels::conv2d::BATCHED_BELOW_PIXELS;
-    let default = BATCHED_BELOW_PIXELS.load(Ordering::Relaxed);
-    for below in [0, usize::MAX] {
+    use tandem_nn::kernels::winograd::MIN_CHANNELS;
+    let (batched, winograd) =
+        (BATCHED_BELOW_PIXELS.load(Ordering::Relaxed), MIN_CHANNELS.load(Ordering::Relaxed));
+    for (below, min_channels) in [(0, usize::MAX), (usize::MAX, usize::MAX), (0, 1)] {
         BATCHED_BELOW_PIXELS.store(below, Ordering::Relaxed);
+        MIN_CHANNELS.store(min_channels, Ordering::Relaxed);
         check_all_cases(1);
         check_all_cases(3);
     }
-    BATCHED_BELOW_PIXELS.store(default, Ordering::Relaxed);
+    BATCHED_BELOW_PIXELS.store(batched, Ordering::Relaxed);
+    MIN_CHANNELS.store(winograd, Ordering::Relaxed);
 }
 
 #[test]

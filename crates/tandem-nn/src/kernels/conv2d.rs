@@ -18,6 +18,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::matmul::{matmul, View};
+use super::winograd;
 use crate::kernels::with_f32_slice;
 
 /// Stride, padding and dilation, the same in both spatial dimensions (candle-nn's config).
@@ -78,6 +79,13 @@ impl Geometry {
 
     fn out_len(&self) -> usize {
         self.o * self.pixels()
+    }
+
+    /// A 3x3 "same" convolution with enough channels for [`winograd`]: its dimensions there.
+    fn winograd(&self) -> Option<winograd::Dims> {
+        let p = self.p;
+        winograd::applies((self.kh, self.kw), p.stride, p.padding, p.dilation, self.c, self.o)
+            .then_some(winograd::Dims { n: self.n, c: self.c, h: self.h, w: self.w, o: self.o })
     }
 
     /// The image is its own im2col matrix.
@@ -333,6 +341,9 @@ fn input_grad_batched(g: &Geometry, w: &[f32], gy: &[f32]) -> Vec<f32> {
 
 /// `y = conv2d(x, w)` into `y` (`[N, O, Ho, Wo]`).
 fn forward(g: &Geometry, x: &[f32], w: &[f32], y: &mut [f32]) {
+    if let Some(d) = g.winograd() {
+        return winograd::forward(&d, x, w, y);
+    }
     if batched(g) {
         return forward_batched(g, x, w, y);
     }
@@ -472,6 +483,17 @@ impl CustomOp2 for Conv2dOp {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let g = Geometry::new(x.dims(), w.dims(), self.0)?;
         let gy = gy.contiguous()?;
+        if let Some(d) = g.winograd() {
+            let (want_gw, want_gx) = (w.track_op(), x.track_op());
+            let (gw, gx) = with_f32_slice(x, |xs| {
+                with_f32_slice(w, |ws| {
+                    with_f32_slice(&gy, |gys| winograd::backward(&d, xs, ws, gys, want_gw, want_gx))
+                })
+            })???;
+            let gw = gw.map(|v| Tensor::from_vec(v, w.shape(), w.device())).transpose()?;
+            let gx = gx.map(|v| Tensor::from_vec(v, x.shape(), x.device())).transpose()?;
+            return Ok((gx, gw));
+        }
         let gw = if w.track_op() {
             let v = with_f32_slice(x, |x| with_f32_slice(&gy, |gy| weight_grad(&g, x, gy)))??;
             Some(Tensor::from_vec(v, w.shape(), w.device())?)

@@ -8,6 +8,7 @@ mod matmul;
 pub mod pool;
 pub mod prelu;
 pub mod relu;
+pub mod winograd;
 
 /// Runs `f` on the tensor's data as one contiguous f32 slice, copying only when the tensor is
 /// strided or not on the CPU.

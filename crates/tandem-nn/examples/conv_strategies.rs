@@ -1,0 +1,90 @@
+//! The 3x3 "same" convolutions of CIFAR ResNet-18 and of IResNet-18, through im2col + gemm and
+//! through Winograd F(2x2, 3x3), on this thread count (`RAYON_NUM_THREADS`; a rank of a 2-rank
+//! job on 2 cores has 1): best-of-N milliseconds forward and backward (both gradients).
+//!
+//!   RAYON_NUM_THREADS=1 cargo run --release -p tandem-nn --example conv_strategies [REPEATS [FILTER]]
+//!
+//! FILTER keeps the shapes whose name contains it.
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor, Var};
+use tandem_nn::kernels::conv2d::{conv2d, ConvParams};
+use tandem_nn::kernels::winograd::MIN_CHANNELS;
+
+/// (name, batch, channels, side): every distinct 3x3 stride-1 convolution (C → C).
+const SHAPES: &[(&str, usize, usize, usize)] = &[
+    ("resnet18 w16 32x32", 32, 16, 32),
+    ("resnet18 w16 16x16", 32, 32, 16),
+    ("resnet18 w16 8x8", 32, 64, 8),
+    ("resnet18 w16 4x4", 32, 128, 4),
+    ("resnet18 w64 32x32", 32, 64, 32),
+    ("resnet18 w64 16x16", 32, 128, 16),
+    ("resnet18 w64 8x8", 32, 256, 8),
+    ("resnet18 w64 4x4", 32, 512, 4),
+    ("iresnet18 w16 112x112", 8, 16, 112),
+    ("iresnet18 w16 56x56", 8, 32, 56),
+    ("iresnet18 w16 28x28", 8, 64, 28),
+    ("iresnet18 w16 14x14", 8, 128, 14),
+];
+
+fn best_ms(repeats: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    (0..repeats)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .fold(f64::MAX, f64::min)
+}
+
+fn main() -> candle_core::Result<()> {
+    tandem_nn::tune_allocator(); // as the tandem binary does: freed buffers are reused
+    let repeats = std::env::args().nth(1).and_then(|r| r.parse().ok()).unwrap_or(5);
+    let filter = std::env::args().nth(2).unwrap_or_default();
+    let p = ConvParams { stride: 1, padding: 1, dilation: 1 };
+    println!("{} thread(s), best of {repeats} (ms)", rayon::current_num_threads());
+    println!(
+        "{:<24} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7}",
+        "shape", "im2col fwd", "wino fwd", "x", "im2col bwd", "wino bwd", "x"
+    );
+    for &(name, n, c, side) in SHAPES.iter().filter(|s| s.0.contains(&filter)) {
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, c, side, side), &Device::Cpu)?)?;
+        let w = Var::from_tensor(&(Tensor::randn(0f32, 1.0, (c, c, 3, 3), &Device::Cpu)? * 0.1)?)?;
+        let mut row = Vec::new();
+        let only_winograd = std::env::var_os("ONLY_WINOGRAD").is_some(); // for profiling
+        for min_channels in [usize::MAX, 1] {
+            if only_winograd && min_channels == usize::MAX {
+                row.push((f64::NAN, f64::NAN));
+                continue;
+            }
+            MIN_CHANNELS.store(min_channels, Ordering::Relaxed);
+            let fwd = best_ms(repeats, || {
+                conv2d(x.as_tensor(), w.as_tensor(), p).unwrap();
+            });
+            let y = conv2d(x.as_tensor(), w.as_tensor(), p)?;
+            let total = best_ms(repeats, || {
+                conv2d(x.as_tensor(), w.as_tensor(), p)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+            });
+            drop(y);
+            row.push((fwd, total - fwd));
+        }
+        let (a, b) = (row[0], row[1]);
+        println!(
+            "{name:<24} {:>10.3} {:>10.3} {:>7.2} {:>10.3} {:>10.3} {:>7.2}",
+            a.0,
+            b.0,
+            a.0 / b.0,
+            a.1,
+            b.1,
+            a.1 / b.1
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,911 @@
+//! 3x3, stride-1, padding-1 convolutions — the "same"-size convolutions that make up nearly all
+//! of a ResNet's or an IResNet's work — by Winograd's minimal filtering F(2x2, 3x3) (Lavin and
+//! Gray, "Fast Algorithms for Convolutional Neural Networks", 2015), forward and both gradients.
+//!
+//! Why: im2col + gemm spends 9 multiply-adds per input channel and output pixel, and on small
+//! maps the gemm's packing of the 9x larger im2col matrix costs as much again. F(2x2, 3x3) makes
+//! each 2x2 output tile from a 4x4 input tile with 16 products per channel pair (4 per pixel,
+//! 2.25x fewer), as 16 independent gemms in the transformed domain. The backward passes are the
+//! exact adjoints of the forward's linear maps, so they are the same 16 gemms transposed:
+//!
+//! ```text
+//! forward   U = G·g·Gᵀ   V_t = Bᵀ·d_t·B   M[ξ] = V[ξ]·U[ξ]ᵀ   y_t = Aᵀ·M_t·A
+//! backward  gM_t = A·gy_t·Aᵀ
+//!           gU[ξ] = Σ_t gM[ξ]ᵀ·V[ξ]   gg = Gᵀ·gU·G
+//!           gV[ξ] = gM[ξ]·U[ξ]        gd_t = B·gV_t·Bᵀ, added onto the overlapping input tiles
+//! ```
+//!
+//! Layout: ξ (the 16 positions of a transformed tile) outermost, then tiles, then channels:
+//! V `[16][T][C]`, M `[16][T][O]`, T the tiles of a block (a run of tile rows, about
+//! [`BLOCK_TILES`] tiles, so that a block's buffers stay near the cache). Channels innermost
+//! make every transform a sequence of operations on [`LANES`] channels at once (the images are
+//! turned channels-innermost a band of rows at a time), and give each of the three gemms
+//! operands that `gemm` packs at full speed (an operand whose reduced dimension is contiguous
+//! in both factors packs at half speed: measured 42 vs 110 GFLOP/s on a 64x64x512 product).
+//! The images are split into one group per rayon thread; each group's blocks run in order on
+//! that thread; a single group runs its gemms on all threads.
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rayon::prelude::*;
+
+use super::matmul::{matmul, View};
+
+/// Positions of a transformed tile (4x4).
+const XI: usize = 16;
+
+/// Channels a transform handles at once (one 64-byte line of a tile's channels).
+const LANES: usize = 16;
+
+/// One value for each of [`LANES`] channels.
+type Lanes = [f32; LANES];
+
+/// The distance between the 16 matrices of a transformed block of `len` values: a cache line
+/// more than `len`, so that the 16 streams a transform writes (or reads) at once do not all fall
+/// into the same cache set whenever `len` is a multiple of 4 KiB.
+fn xi_stride(len: usize) -> usize {
+    len + LANES
+}
+
+/// Tiles a block aims at: enough rows for the gemms to run at full speed, few enough that a
+/// block's transformed tiles stay near the cache.
+const BLOCK_TILES: usize = 128;
+
+/// The fewest input (and output) channels for which the Winograd path is taken: with fewer, the
+/// 16 gemms are too thin and the transforms dominate (the 3-channel stem of an image net).
+/// Settable only so tests can run every eligible shape through both paths.
+#[doc(hidden)]
+pub static MIN_CHANNELS: AtomicUsize = AtomicUsize::new(8);
+
+/// The shape of one convolution: input `[n, c, h, w]`, weight `[o, c, 3, 3]`, output
+/// `[n, o, h, w]`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Dims {
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub o: usize,
+}
+
+impl Dims {
+    /// Tile rows and columns (2x2 output tiles; the last ones hang over an odd edge).
+    fn tiles_hw(&self) -> (usize, usize) {
+        (self.h.div_ceil(2), self.w.div_ceil(2))
+    }
+
+    fn image_len(&self) -> usize {
+        self.c * self.h * self.w
+    }
+
+    fn out_len(&self) -> usize {
+        self.o * self.h * self.w
+    }
+
+    /// Columns of a padded band row: one left of the image, the rest right of it up to the
+    /// last tile's edge (`2·tw + 2`).
+    fn band_width(&self) -> usize {
+        2 * self.tiles_hw().1 + 2
+    }
+
+    /// Images per group for `threads` threads.
+    fn images_per_group(&self, threads: usize) -> usize {
+        if threads > 1 && self.n >= threads {
+            self.n.div_ceil(threads)
+        } else {
+            self.n.max(1)
+        }
+    }
+
+    /// The blocks of a group of `images`: runs of tile rows, numbered through the group
+    /// (row `g` is tile row `g % th` of image `g / th`).
+    fn blocks(&self, images: usize) -> impl Iterator<Item = Range<usize>> {
+        let (th, tw) = self.tiles_hw();
+        let rows = images * th;
+        let per_block = BLOCK_TILES.div_ceil(tw).max(1);
+        (0..rows).step_by(per_block).map(move |g| g..(g + per_block).min(rows))
+    }
+}
+
+/// Whether a convolution goes through this module: 3x3, stride 1, padding 1, dilation 1, and
+/// enough channels on both sides (see [`MIN_CHANNELS`]).
+pub(super) fn applies(
+    kernel: (usize, usize),
+    stride: usize,
+    padding: usize,
+    dilation: usize,
+    c: usize,
+    o: usize,
+) -> bool {
+    let min = MIN_CHANNELS.load(Ordering::Relaxed);
+    kernel == (3, 3) && stride == 1 && padding == 1 && dilation == 1 && c >= min && o >= min
+}
+
+fn threads() -> usize {
+    rayon::current_num_threads().max(1)
+}
+
+/// Channel runs `(first, count)` of at most [`LANES`] channels.
+fn lane_runs(channels: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..channels).step_by(LANES).map(move |c0| (c0, LANES.min(channels - c0)))
+}
+
+/// The lanes at `band[col]` (a band row holds `LANES` values per column).
+#[inline(always)]
+fn lanes_at(band: &[f32], col: usize) -> &Lanes {
+    band[col * LANES..(col + 1) * LANES].try_into().expect("LANES values")
+}
+
+/// Writes `count` lanes of each of the 16 values of a tile to `dst[at(ξ)..]`.
+#[inline(always)]
+fn store_tile(dst: &mut [f32], out: &[Lanes; XI], count: usize, at: impl Fn(usize) -> usize) {
+    for (xi, value) in out.iter().enumerate() {
+        if count == LANES {
+            dst[at(xi)..at(xi) + LANES].copy_from_slice(value);
+        } else {
+            dst[at(xi)..at(xi) + count].copy_from_slice(&value[..count]);
+        }
+    }
+}
+
+/// Reads `count` lanes of each of the 16 values of a tile from `src[at(ξ)..]` (zeros after).
+#[inline(always)]
+fn load_tile(src: &[f32], tile: &mut [Lanes; XI], count: usize, at: impl Fn(usize) -> usize) {
+    for (xi, value) in tile.iter_mut().enumerate() {
+        if count == LANES {
+            value.copy_from_slice(&src[at(xi)..at(xi) + LANES]);
+        } else {
+            value[..count].copy_from_slice(&src[at(xi)..at(xi) + count]);
+        }
+    }
+}
+
+// The four tile kernels below loop over the lanes with the same arithmetic in each, so that
+// the compiler turns each lane loop into vector instructions.
+
+/// `Bᵀ·d·B` of a 4x4 tile `d[a][b]` (`d[a * 4 + b]`). Bᵀ = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
+#[inline(always)]
+fn input_tile(d: &[&Lanes; XI], out: &mut [Lanes; XI]) {
+    for l in 0..LANES {
+        let x = |a: usize, b: usize| d[a * 4 + b][l];
+        // Bᵀ·d, column by column: col[b][k] = (Bᵀ·d)[k][b].
+        let col: [[f32; 4]; 4] = std::array::from_fn(|b| {
+            let (d0, d1, d2, d3) = (x(0, b), x(1, b), x(2, b), x(3, b));
+            [d0 - d2, d1 + d2, d2 - d1, d1 - d3]
+        });
+        for k in 0..4 {
+            let rk = |b: usize| col[b][k];
+            out[k * 4][l] = rk(0) - rk(2);
+            out[k * 4 + 1][l] = rk(1) + rk(2);
+            out[k * 4 + 2][l] = rk(2) - rk(1);
+            out[k * 4 + 3][l] = rk(1) - rk(3);
+        }
+    }
+}
+
+/// `Aᵀ·m·A` of a transformed tile: the 2x2 outputs `y[r][c]`. Aᵀ = [1 1 1 0; 0 1 -1 -1].
+#[inline(always)]
+fn output_tile(m: &[Lanes; XI], y: &mut [[Lanes; 2]; 2]) {
+    for l in 0..LANES {
+        let x = |k: usize, c: usize| m[k * 4 + c][l];
+        let s: [[f32; 4]; 2] = [
+            std::array::from_fn(|c| x(0, c) + x(1, c) + x(2, c)),
+            std::array::from_fn(|c| x(1, c) - x(2, c) - x(3, c)),
+        ];
+        for (r, sr) in s.iter().enumerate() {
+            y[r][0][l] = sr[0] + sr[1] + sr[2];
+            y[r][1][l] = sr[1] - sr[2] - sr[3];
+        }
+    }
+}
+
+/// `A·g·Aᵀ` of a 2x2 output-gradient tile `g[r][c]`. A·v over 2 values: (a, a + b, a − b, −b).
+#[inline(always)]
+fn output_grad_tile(g: &[&Lanes; 4], out: &mut [Lanes; XI]) {
+    for l in 0..LANES {
+        let x = |r: usize, c: usize| g[r * 2 + c][l];
+        // A·g, column by column: col[c][k] = (A·g)[k][c].
+        let col: [[f32; 4]; 2] = std::array::from_fn(|c| {
+            let (a, b) = (x(0, c), x(1, c));
+            [a, a + b, a - b, -b]
+        });
+        for k in 0..4 {
+            let (a, b) = (col[0][k], col[1][k]);
+            out[k * 4][l] = a;
+            out[k * 4 + 1][l] = a + b;
+            out[k * 4 + 2][l] = a - b;
+            out[k * 4 + 3][l] = -b;
+        }
+    }
+}
+
+/// `B·v·Bᵀ` of a transformed gradient tile: the 4x4 input-tile gradient `out[a * 4 + b]`.
+/// B·v over 4 values: (v0, v1 − v2 + v3, −v0 + v1 + v2, −v3).
+#[inline(always)]
+fn input_grad_tile(v: &[Lanes; XI], out: &mut [Lanes; XI]) {
+    for l in 0..LANES {
+        let x = |k: usize, c: usize| v[k * 4 + c][l];
+        // B·v, column by column: col[c][a] = (B·v)[a][c].
+        let col: [[f32; 4]; 4] = std::array::from_fn(|c| {
+            let (v0, v1, v2, v3) = (x(0, c), x(1, c), x(2, c), x(3, c));
+            [v0, v1 - v2 + v3, v1 + v2 - v0, -v3]
+        });
+        for a in 0..4 {
+            let pa = |c: usize| col[c][a];
+            out[a * 4][l] = pa(0);
+            out[a * 4 + 1][l] = pa(1) - pa(2) + pa(3);
+            out[a * 4 + 2][l] = pa(1) + pa(2) - pa(0);
+            out[a * 4 + 3][l] = -pa(3);
+        }
+    }
+}
+
+/// Filters transformed (or gathered back) per chunk: 16 runs of this many contiguous values
+/// per chunk instead of 16 writes a filter, each far from the last (the weights of a
+/// 512-channel layer outweigh its 4x4 activations).
+const FILTER_CHUNK: usize = 16;
+
+/// `(G·g·Gᵀ)` of one 3x3 filter, the 16 values in ξ order. G = [1 0 0; ½ ½ ½; ½ -½ ½; 0 0 1].
+fn transform_filter(g: &[f32]) -> [f32; XI] {
+    let mut gg = [[0f32; 3]; 4];
+    for col in 0..3 {
+        let (g0, g1, g2) = (g[col], g[3 + col], g[6 + col]);
+        gg[0][col] = g0;
+        gg[1][col] = 0.5 * (g0 + g1 + g2);
+        gg[2][col] = 0.5 * (g0 - g1 + g2);
+        gg[3][col] = g2;
+    }
+    let mut u = [0f32; XI];
+    for (k, row) in gg.iter().enumerate() {
+        let [a, b, c] = *row;
+        u[k * 4..k * 4 + 4].copy_from_slice(&[a, 0.5 * (a + b + c), 0.5 * (a - b + c), c]);
+    }
+    u
+}
+
+/// How the transformed weights are laid out.
+#[derive(Clone, Copy)]
+enum WeightLayout {
+    /// `U[ξ][o][c]`: the input gradient's right operand.
+    OutputMajor,
+    /// `U[ξ][c][o]`: the forward's right operand.
+    InputMajor,
+}
+
+/// `U = G·g·Gᵀ` for every 3x3 filter `g = w[o][c]`, in `layout`.
+fn transform_weights(d: &Dims, w: &[f32], layout: WeightLayout) -> Vec<f32> {
+    let (o_n, c_n) = (d.o, d.c);
+    let oc_n = o_n * c_n;
+    let mut u = vec![0f32; XI * oc_n];
+    let mut chunk = [[0f32; FILTER_CHUNK]; XI];
+    // A chunk is FILTER_CHUNK filters that are neighbours in the output layout: consecutive
+    // c of one o (output-major), or consecutive o of one c (input-major).
+    let (outer, inner) = match layout {
+        WeightLayout::OutputMajor => (o_n, c_n),
+        WeightLayout::InputMajor => (c_n, o_n),
+    };
+    for a in 0..outer {
+        for b0 in (0..inner).step_by(FILTER_CHUNK) {
+            let len = FILTER_CHUNK.min(inner - b0);
+            for (f, b) in (b0..b0 + len).enumerate() {
+                let (o, c) = match layout {
+                    WeightLayout::OutputMajor => (a, b),
+                    WeightLayout::InputMajor => (b, a),
+                };
+                let values = transform_filter(&w[(o * c_n + c) * 9..][..9]);
+                for (xi, v) in values.into_iter().enumerate() {
+                    chunk[xi][f] = v;
+                }
+            }
+            for (xi, values) in chunk.iter().enumerate() {
+                u[xi * oc_n + a * inner + b0..][..len].copy_from_slice(&values[..len]);
+            }
+        }
+    }
+    u
+}
+
+/// `gg = Gᵀ·gU·G` for every filter, from `gU[ξ][o][c]`, into `[o][c][3][3]`.
+fn inverse_transform_weights(d: &Dims, gu: &[f32]) -> Vec<f32> {
+    let oc_n = d.o * d.c;
+    let mut gw = vec![0f32; oc_n * 9];
+    // Gᵀ·u over 4 values: (u0 + ½(u1 + u2), ½(u1 − u2), ½(u1 + u2) + u3).
+    let reduce = |u: [f32; 4]| {
+        let (s, t) = (0.5 * (u[1] + u[2]), 0.5 * (u[1] - u[2]));
+        [u[0] + s, t, s + u[3]]
+    };
+    let mut chunk = [[0f32; FILTER_CHUNK]; XI];
+    for (ci, filters) in gw.chunks_mut(9 * FILTER_CHUNK).enumerate() {
+        let (start, len) = (ci * FILTER_CHUNK, filters.len() / 9);
+        for (xi, values) in chunk.iter_mut().enumerate() {
+            values[..len].copy_from_slice(&gu[xi * oc_n + start..][..len]);
+        }
+        for (f, g) in filters.chunks_exact_mut(9).enumerate() {
+            let at = |k: usize, l: usize| chunk[k * 4 + l][f];
+            // Columns first (4 rows of 4 → 4 rows of 3), then rows (→ 3x3).
+            let rows: [[f32; 3]; 4] =
+                std::array::from_fn(|k| reduce([at(k, 0), at(k, 1), at(k, 2), at(k, 3)]));
+            for col in 0..3 {
+                let out = reduce([rows[0][col], rows[1][col], rows[2][col], rows[3][col]]);
+                for (r, v) in out.into_iter().enumerate() {
+                    g[r * 3 + col] = v;
+                }
+            }
+        }
+    }
+    gw
+}
+
+/// Which channels and tiles of a group a band covers.
+#[derive(Clone, Copy)]
+struct Run {
+    /// The first channel and how many (at most [`LANES`]).
+    c0: usize,
+    count: usize,
+}
+
+#[inline(always)]
+fn transpose4(a: [[f32; 4]; 4]) -> [[f32; 4]; 4] {
+    std::array::from_fn(|q| std::array::from_fn(|r| a[r][q]))
+}
+
+/// Image row `row` of channels `run.c0 + l0 ..` (at most four) of image `n` of `x`
+/// (`channels` planes of `h·w` per image).
+fn channel_rows<'a>(
+    x: &'a [f32],
+    d: &Dims,
+    (channels, n, run): (usize, usize, Run),
+    l0: usize,
+    row: usize,
+) -> [Option<&'a [f32]>; 4] {
+    let (h, w) = (d.h, d.w);
+    std::array::from_fn(|r| {
+        let l = l0 + r;
+        (l < run.count).then(|| &x[((n * channels + run.c0 + l) * h + row) * w..][..w])
+    })
+}
+
+/// Writes image row `row` (any index; rows outside the image read as zeros) of channels
+/// `run` of image `n` of `x` (planes of `h·w`, `channels` per image) into a band row,
+/// channels innermost, image column `x` at band column `x + 1` — by 4x4 transposes, so that
+/// the band is written (and then read) in whole vectors.
+fn gather_row(
+    x: &[f32],
+    d: &Dims,
+    (channels, n, run): (usize, usize, Run),
+    row: isize,
+    band_row: &mut [f32],
+) {
+    band_row.fill(0.0);
+    if row < 0 || row as usize >= d.h {
+        return;
+    }
+    let w = d.w;
+    for l0 in (0..run.count).step_by(4) {
+        let rows = channel_rows(x, d, (channels, n, run), l0, row as usize);
+        let mut col = 0;
+        while col + 4 <= w {
+            let quad: [[f32; 4]; 4] = std::array::from_fn(|r| {
+                rows[r].map_or([0.0; 4], |src| src[col..col + 4].try_into().expect("4 values"))
+            });
+            for (q, values) in transpose4(quad).iter().enumerate() {
+                band_row[(col + q + 1) * LANES + l0..][..4].copy_from_slice(values);
+            }
+            col += 4;
+        }
+        for col in col..w {
+            for (r, src) in rows.iter().enumerate() {
+                if let Some(src) = src {
+                    band_row[(col + 1) * LANES + l0 + r] = src[col];
+                }
+            }
+        }
+    }
+}
+
+/// Adds a band row (image column `x` at band column `x + 1`) onto image row `row` of channels
+/// `run` of image `n` of `x`; rows outside the image are dropped.
+fn scatter_add_row(
+    x: &mut [f32],
+    d: &Dims,
+    (channels, n, run): (usize, usize, Run),
+    row: isize,
+    band_row: &[f32],
+) {
+    if row >= 0 && (row as usize) < d.h {
+        band_to_row(x, d, (channels, n, run), row as usize, band_row, |dst, v| *dst += v);
+    }
+}
+
+/// Writes a band row (image column `x` at band column `x + 1`) as image row `row` of channels
+/// `run` of image `n` of `y`.
+fn write_row(
+    y: &mut [f32],
+    d: &Dims,
+    (channels, n, run): (usize, usize, Run),
+    row: usize,
+    band_row: &[f32],
+) {
+    band_to_row(y, d, (channels, n, run), row, band_row, |dst, v| *dst = v);
+}
+
+/// Combines a band row into image row `row` of channels `run` of image `n` of `x` with `put`,
+/// by 4x4 transposes.
+#[inline(always)]
+fn band_to_row(
+    x: &mut [f32],
+    d: &Dims,
+    (channels, n, run): (usize, usize, Run),
+    row: usize,
+    band_row: &[f32],
+    put: impl Fn(&mut f32, f32),
+) {
+    let (h, w) = (d.h, d.w);
+    for l0 in (0..run.count).step_by(4) {
+        let lanes = 4.min(run.count - l0);
+        let start = |r: usize| ((n * channels + run.c0 + l0 + r) * h + row) * w;
+        let mut col = 0;
+        while col + 4 <= w {
+            let quad: [[f32; 4]; 4] = std::array::from_fn(|q| {
+                band_row[(col + q + 1) * LANES + l0..][..4].try_into().expect("4 values")
+            });
+            for (r, values) in transpose4(quad).iter().enumerate().take(lanes) {
+                let dst = &mut x[start(r) + col..][..4];
+                dst.iter_mut().zip(values).for_each(|(d, &v)| put(d, v));
+            }
+            col += 4;
+        }
+        for r in 0..lanes {
+            let dst = &mut x[start(r)..][..w];
+            for (c, v) in dst.iter_mut().enumerate().skip(col) {
+                put(v, band_row[(c + 1) * LANES + l0 + r]);
+            }
+        }
+    }
+}
+
+/// `V_t = Bᵀ·d_t·B` for the tile rows `rows` of the group `x`, into `V[ξ][t][c]`.
+/// Bᵀ = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
+fn transform_input(d: &Dims, x: &[f32], rows: Range<usize>, v: &mut [f32], band: &mut Vec<f32>) {
+    let (th, tw) = d.tiles_hw();
+    let (c_n, wb) = (d.c, d.band_width());
+    let tb = rows.len() * tw;
+    let sv = xi_stride(tb * c_n);
+    band.resize(4 * wb * LANES, 0.0);
+    for (c0, count) in lane_runs(c_n) {
+        let run = Run { c0, count };
+        let mut previous: Option<usize> = None;
+        for (local, g) in rows.clone().enumerate() {
+            let (n, i) = (g / th, g % th);
+            // Padded rows 2i .. 2i + 4 are image rows 2i − 1 .. 2i + 3; the last two of the
+            // previous tile row are this one's first two.
+            let first_new = if i > 0 && previous == Some(g - 1) {
+                band.copy_within(2 * wb * LANES..4 * wb * LANES, 0);
+                2
+            } else {
+                0
+            };
+            for k in first_new..4 {
+                let row = (2 * i + k) as isize - 1;
+                gather_row(
+                    x,
+                    d,
+                    (c_n, n, run),
+                    row,
+                    &mut band[k * wb * LANES..(k + 1) * wb * LANES],
+                );
+            }
+            previous = Some(g);
+            let mut out = [[0f32; LANES]; XI];
+            for j in 0..tw {
+                let d: [&Lanes; XI] = std::array::from_fn(|xi| {
+                    lanes_at(&band[(xi / 4) * wb * LANES..], 2 * j + xi % 4)
+                });
+                input_tile(&d, &mut out);
+                let t = local * tw + j;
+                store_tile(v, &out, count, |xi| xi * sv + t * c_n + c0);
+            }
+        }
+    }
+}
+
+/// `y_t = Aᵀ·M_t·A` for the tile rows `rows` of the group `y`, from `M[ξ][t][o]`, cropping
+/// tiles that hang over an odd edge. Aᵀ = [1 1 1 0; 0 1 -1 -1].
+fn transform_output(d: &Dims, m: &[f32], rows: Range<usize>, y: &mut [f32], band: &mut Vec<f32>) {
+    let (th, tw) = d.tiles_hw();
+    let (o_n, wb) = (d.o, d.band_width());
+    let tb = rows.len() * tw;
+    let sm = xi_stride(tb * o_n);
+    band.resize(2 * wb * LANES, 0.0);
+    for (o0, count) in lane_runs(o_n) {
+        let run = Run { c0: o0, count };
+        for (local, g) in rows.clone().enumerate() {
+            let (n, i) = (g / th, g % th);
+            let (top, bottom) = band.split_at_mut(wb * LANES);
+            let (mut mt, mut yt) = ([[0f32; LANES]; XI], [[[0f32; LANES]; 2]; 2]);
+            for j in 0..tw {
+                let t = local * tw + j;
+                load_tile(m, &mut mt, count, |xi| xi * sm + t * o_n + o0);
+                output_tile(&mt, &mut yt);
+                // Band column x + 1 holds image column x (the same layout as the inputs').
+                for (r, out) in [&mut *top, &mut *bottom].into_iter().enumerate() {
+                    out[(2 * j + 1) * LANES..(2 * j + 3) * LANES]
+                        .copy_from_slice(yt[r].as_flattened());
+                }
+            }
+            for (r, out) in [&*top, &*bottom].into_iter().enumerate() {
+                let row = (2 * i + r) as isize;
+                if (row as usize) < d.h {
+                    write_row(y, d, (o_n, n, run), row as usize, out);
+                }
+            }
+        }
+    }
+}
+
+/// `gM_t = A·gy_t·Aᵀ` for the tile rows `rows` of the group `gy`, into `gM[ξ][t][o]`, zeros
+/// standing in for the outputs a tile hangs over. A·v over 2 values: (a, a + b, a − b, −b).
+fn transform_output_grad(
+    d: &Dims,
+    gy: &[f32],
+    rows: Range<usize>,
+    gm: &mut [f32],
+    band: &mut Vec<f32>,
+) {
+    let (th, tw) = d.tiles_hw();
+    let (o_n, wb) = (d.o, d.band_width());
+    let tb = rows.len() * tw;
+    let sm = xi_stride(tb * o_n);
+    band.resize(2 * wb * LANES, 0.0);
+    for (o0, count) in lane_runs(o_n) {
+        let run = Run { c0: o0, count };
+        for (local, g) in rows.clone().enumerate() {
+            let (n, i) = (g / th, g % th);
+            let (top, bottom) = band.split_at_mut(wb * LANES);
+            gather_row(gy, d, (o_n, n, run), (2 * i) as isize, top);
+            gather_row(gy, d, (o_n, n, run), (2 * i + 1) as isize, bottom);
+            let mut out = [[0f32; LANES]; XI];
+            for j in 0..tw {
+                let g = [
+                    lanes_at(top, 2 * j + 1),
+                    lanes_at(top, 2 * j + 2),
+                    lanes_at(bottom, 2 * j + 1),
+                    lanes_at(bottom, 2 * j + 2),
+                ];
+                output_grad_tile(&g, &mut out);
+                let t = local * tw + j;
+                store_tile(gm, &out, count, |xi| xi * sm + t * o_n + o0);
+            }
+        }
+    }
+}
+
+/// `gx += B·gV_t·Bᵀ` onto the overlapping input tiles of the tile rows `rows` of the group
+/// `gx`, from `gV[ξ][t][c]`, dropping what falls on the padding. B·v over 4 values:
+/// (v0, v1 − v2 + v3, −v0 + v1 + v2, −v3).
+fn inverse_transform_input(
+    d: &Dims,
+    gv: &[f32],
+    rows: Range<usize>,
+    gx: &mut [f32],
+    band: &mut Vec<f32>,
+) {
+    let (th, tw) = d.tiles_hw();
+    let (c_n, wb) = (d.c, d.band_width());
+    let tb = rows.len() * tw;
+    let sv = xi_stride(tb * c_n);
+    let row_len = wb * LANES;
+    band.resize(4 * row_len, 0.0);
+    for (c0, count) in lane_runs(c_n) {
+        let run = Run { c0, count };
+        band.fill(0.0);
+        for (local, g) in rows.clone().enumerate() {
+            let (n, i) = (g / th, g % th);
+            let (mut vt, mut out) = ([[0f32; LANES]; XI], [[0f32; LANES]; XI]);
+            for j in 0..tw {
+                let t = local * tw + j;
+                load_tile(gv, &mut vt, count, |xi| xi * sv + t * c_n + c0);
+                input_grad_tile(&vt, &mut out);
+                // Added at band rows 0..4, columns 2j .. 2j + 4.
+                for (a, band_row) in band.chunks_exact_mut(row_len).enumerate() {
+                    let cells = &mut band_row[2 * j * LANES..(2 * j + 4) * LANES];
+                    let values = out[a * 4..a * 4 + 4].as_flattened();
+                    cells.iter_mut().zip(values).for_each(|(c, v)| *c += v);
+                }
+            }
+            // Band rows 0 and 1 (image rows 2i − 1, 2i) are complete; 2 and 3 carry into the
+            // next tile row of the same image, or are complete too at an image's end or the
+            // block's.
+            let last_of_image = i + 1 == th || local + 1 == rows.len();
+            let complete = if last_of_image { 4 } else { 2 };
+            for k in 0..complete {
+                let row = (2 * i + k) as isize - 1;
+                scatter_add_row(gx, d, (c_n, n, run), row, &band[k * row_len..(k + 1) * row_len]);
+            }
+            if last_of_image {
+                band.fill(0.0);
+            } else {
+                band.copy_within(2 * row_len..4 * row_len, 0);
+                band[2 * row_len..].fill(0.0);
+            }
+        }
+    }
+}
+
+/// Buffers one thread reuses across blocks.
+#[derive(Default)]
+struct Scratch {
+    v: Vec<f32>,
+    m: Vec<f32>,
+    band: Vec<f32>,
+}
+
+/// The forward of one group of images: `x` → `y`, block by block, `ut` = `U[ξ][c][o]`.
+fn forward_group(d: &Dims, ut: &[f32], x: &[f32], y: &mut [f32], s: &mut Scratch, inner: usize) {
+    let (o_n, c_n, tw) = (d.o, d.c, d.tiles_hw().1);
+    for rows in d.blocks(x.len() / d.image_len()) {
+        let tb = rows.len() * tw;
+        let (sv, sm) = (xi_stride(tb * c_n), xi_stride(tb * o_n));
+        s.v.resize(XI * sv, 0.0);
+        s.m.resize(XI * sm, 0.0);
+        transform_input(d, x, rows.clone(), &mut s.v, &mut s.band);
+        // M[ξ][t][o] = V[ξ][t][c] · U[ξ][c][o].
+        for xi in 0..XI {
+            let a = View { data: &s.v[xi * sv..xi * sv + tb * c_n], rs: c_n, cs: 1 };
+            let b = View { data: &ut[xi * c_n * o_n..(xi + 1) * c_n * o_n], rs: o_n, cs: 1 };
+            let dst = &mut s.m[xi * sm..xi * sm + tb * o_n];
+            matmul((tb, o_n, c_n), dst, o_n, a, b, false, inner);
+        }
+        transform_output(d, &s.m, rows, y, &mut s.band);
+    }
+}
+
+/// `y = conv2d(x, w)` (3x3, stride 1, padding 1) into `y: [N, O, H, W]`.
+pub(super) fn forward(d: &Dims, x: &[f32], w: &[f32], y: &mut [f32]) {
+    let ut = transform_weights(d, w, WeightLayout::InputMajor);
+    let t = threads();
+    let ipg = d.images_per_group(t);
+    let groups = x.chunks(ipg * d.image_len()).zip(y.chunks_mut(ipg * d.out_len()));
+    if d.n.div_ceil(ipg) > 1 {
+        groups
+            .par_bridge()
+            .for_each_init(Scratch::default, |s, (xg, yg)| forward_group(d, &ut, xg, yg, s, 1));
+    } else {
+        groups.for_each(|(xg, yg)| forward_group(d, &ut, xg, yg, &mut Scratch::default(), t));
+    }
+}
+
+/// One group's share of the backward, block by block: adds its `gU[ξ][o][c]` into `gu` (when
+/// the weight gradient is wanted) and adds its images' input gradient into `gx` (when given,
+/// zeroed by the caller); `u` = `U[ξ][o][c]`.
+#[allow(clippy::too_many_arguments)]
+fn backward_group(
+    d: &Dims,
+    u: &[f32],
+    x: &[f32],
+    gy: &[f32],
+    mut gu: Option<&mut [f32]>,
+    mut gx: Option<&mut [f32]>,
+    s: &mut Scratch,
+    inner: usize,
+) {
+    let (o_n, c_n, tw) = (d.o, d.c, d.tiles_hw().1);
+    for rows in d.blocks(gy.len() / d.out_len()) {
+        let tb = rows.len() * tw;
+        let (sv, sm) = (xi_stride(tb * c_n), xi_stride(tb * o_n));
+        s.m.resize(XI * sm, 0.0);
+        s.v.resize(XI * sv, 0.0);
+        transform_output_grad(d, gy, rows.clone(), &mut s.m, &mut s.band);
+        if let Some(gu) = gu.as_deref_mut() {
+            transform_input(d, x, rows.clone(), &mut s.v, &mut s.band);
+            // gU[ξ][o][c] += gM[ξ][t][o]ᵀ · V[ξ][t][c].
+            for xi in 0..XI {
+                let a = View { data: &s.m[xi * sm..xi * sm + tb * o_n], rs: 1, cs: o_n };
+                let b = View { data: &s.v[xi * sv..xi * sv + tb * c_n], rs: c_n, cs: 1 };
+                let dst = &mut gu[xi * o_n * c_n..(xi + 1) * o_n * c_n];
+                matmul((o_n, c_n, tb), dst, c_n, a, b, true, inner);
+            }
+        }
+        if let Some(gx) = gx.as_deref_mut() {
+            // gV[ξ][t][c] = gM[ξ][t][o] · U[ξ][o][c], into `v` (its input values are spent).
+            for xi in 0..XI {
+                let a = View { data: &s.m[xi * sm..xi * sm + tb * o_n], rs: o_n, cs: 1 };
+                let b = View { data: &u[xi * o_n * c_n..(xi + 1) * o_n * c_n], rs: c_n, cs: 1 };
+                let dst = &mut s.v[xi * sv..xi * sv + tb * c_n];
+                matmul((tb, c_n, o_n), dst, c_n, a, b, false, inner);
+            }
+            inverse_transform_input(d, &s.v, rows, gx, &mut s.band);
+        }
+    }
+}
+
+/// The gradients of `y = conv2d(x, w)` given `gy`: the weight's `[O, C, 3, 3]` when
+/// `want_gw`, the input's `[N, C, H, W]` when `want_gx`.
+pub(super) fn backward(
+    d: &Dims,
+    x: &[f32],
+    w: &[f32],
+    gy: &[f32],
+    want_gw: bool,
+    want_gx: bool,
+) -> (Option<Vec<f32>>, Option<Vec<f32>>) {
+    if !want_gw && !want_gx {
+        return (None, None);
+    }
+    let u = if want_gx { transform_weights(d, w, WeightLayout::OutputMajor) } else { Vec::new() };
+    let t = threads();
+    let ipg = d.images_per_group(t);
+    let groups_n = d.n.div_ceil(ipg);
+    let gu_len = if want_gw { XI * d.c * d.o } else { 0 };
+    let mut gx = want_gx.then(|| vec![0f32; d.n * d.image_len()]);
+    let gx_groups: Vec<Option<&mut [f32]>> = match gx.as_mut() {
+        Some(gx) => gx.chunks_mut(ipg * d.image_len()).map(Some).collect(),
+        None => (0..groups_n).map(|_| None).collect(),
+    };
+    let groups = x.chunks(ipg * d.image_len()).zip(gy.chunks(ipg * d.out_len())).zip(gx_groups);
+    let gu = if groups_n > 1 {
+        groups
+            .par_bridge()
+            .fold(
+                || (vec![0f32; gu_len], Scratch::default()),
+                |(mut gu, mut s), ((xg, gyg), gxg)| {
+                    let gu_part = want_gw.then_some(&mut gu[..]);
+                    backward_group(d, &u, xg, gyg, gu_part, gxg, &mut s, 1);
+                    (gu, s)
+                },
+            )
+            .map(|(gu, _)| gu)
+            .reduce(Vec::new, |mut a, b| {
+                if a.is_empty() {
+                    return b;
+                }
+                a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                a
+            })
+    } else {
+        let mut gu = vec![0f32; gu_len];
+        let mut s = Scratch::default();
+        for ((xg, gyg), gxg) in groups {
+            let gu_part = want_gw.then_some(&mut gu[..]);
+            backward_group(d, &u, xg, gyg, gu_part, gxg, &mut s, t);
+        }
+        gu
+    };
+    let gw = want_gw.then(|| inverse_transform_weights(d, &gu));
+    (gw, gx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The direct 3x3 "same" convolution in f64 with the gradients of Σ r·y: (y, gx, gw).
+    fn direct(d: &Dims, x: &[f32], w: &[f32], r: &[f32]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let mut y = vec![0f64; d.n * d.out_len()];
+        let mut gx = vec![0f64; x.len()];
+        let mut gw = vec![0f64; w.len()];
+        for (n, o, yy, xx) in itertools(d) {
+            let yi = ((n * d.o + o) * d.h + yy) * d.w + xx;
+            for c in 0..d.c {
+                for k in 0..9 {
+                    let (iy, ix) = ((yy + k / 3) as isize - 1, (xx + k % 3) as isize - 1);
+                    if iy < 0 || ix < 0 || iy >= d.h as isize || ix >= d.w as isize {
+                        continue;
+                    }
+                    let xi = ((n * d.c + c) * d.h + iy as usize) * d.w + ix as usize;
+                    let wi = (o * d.c + c) * 9 + k;
+                    y[yi] += x[xi] as f64 * w[wi] as f64;
+                    gx[xi] += r[yi] as f64 * w[wi] as f64;
+                    gw[wi] += r[yi] as f64 * x[xi] as f64;
+                }
+            }
+        }
+        (y, gx, gw)
+    }
+
+    fn itertools(d: &Dims) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+        (0..d.n).flat_map(move |n| {
+            (0..d.o).flat_map(move |o| {
+                (0..d.h).flat_map(move |yy| (0..d.w).map(move |xx| (n, o, yy, xx)))
+            })
+        })
+    }
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        (0..len as u32)
+            .map(|i| {
+                let h = i.wrapping_mul(2_654_435_761).wrapping_add(seed.wrapping_mul(40_503));
+                ((h >> 8) % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn assert_close(what: &str, got: &[f32], want: &[f64]) {
+        assert_eq!(got.len(), want.len(), "{what}: length");
+        for (i, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!((*a as f64 - b).abs() < 1e-4 * b.abs().max(1.0), "{what}[{i}]: {a} vs {b}");
+        }
+    }
+
+    /// Forward and both gradients equal the direct convolution's on odd, tiny and non-square
+    /// maps, on one thread and on three (blocks spread over threads vs. gemms on all of them).
+    #[test]
+    fn forward_and_gradients_equal_the_direct_convolution() {
+        for threads in [1, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                for (n, c, h, w, o) in [
+                    (1, 1, 1, 1, 1),
+                    (2, 3, 5, 7, 2),
+                    (1, 2, 2, 2, 3),
+                    (3, 4, 6, 3, 5),
+                    (5, 2, 9, 4, 1),
+                ] {
+                    let d = Dims { n, c, h, w, o };
+                    let (x, wt, r) =
+                        (values(n * c * h * w, 1), values(o * c * 9, 2), values(n * o * h * w, 3));
+                    let (want_y, want_gx, want_gw) = direct(&d, &x, &wt, &r);
+                    let mut y = vec![0f32; n * o * h * w];
+                    forward(&d, &x, &wt, &mut y);
+                    let what = format!("{d:?} on {threads} thread(s)");
+                    assert_close(&format!("{what} y"), &y, &want_y);
+                    let (gw, gx) = backward(&d, &x, &wt, &r, true, true);
+                    assert_close(&format!("{what} gx"), &gx.unwrap(), &want_gx);
+                    assert_close(&format!("{what} gw"), &gw.unwrap(), &want_gw);
+                    let (gw, gx) = backward(&d, &x, &wt, &r, true, false);
+                    assert!(gx.is_none());
+                    assert_close(&format!("{what} gw alone"), &gw.unwrap(), &want_gw);
+                    let (gw, gx) = backward(&d, &x, &wt, &r, false, true);
+                    assert!(gw.is_none());
+                    assert_close(&format!("{what} gx alone"), &gx.unwrap(), &want_gx);
+                }
+            });
+        }
+    }
+}
+#[cfg(test)]
+mod timing {
+    use super::*;
+
+    /// Milliseconds of each transform over a batch of 32 (best of 10), for tuning:
+    /// `cargo test --release -p tandem-nn --lib time_transforms -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn time_transforms() {
+        for (c, side) in [(16usize, 32usize), (64, 32), (64, 8), (512, 4), (16, 112)] {
+            let d = Dims { n: 32, c, h: side, w: side, o: c };
+            let x: Vec<f32> = (0..d.n * d.image_len()).map(|i| (i % 13) as f32).collect();
+            let mut y = vec![0f32; x.len()];
+            let tw = d.tiles_hw().1;
+            let mut s = Scratch::default();
+            let mut best = [f64::MAX; 4];
+            for _ in 0..10 {
+                let mut times = [0f64; 4];
+                for rows in d.blocks(d.n) {
+                    let sv = xi_stride(rows.len() * tw * c);
+                    s.v.resize(XI * sv, 0.0);
+                    let t = std::time::Instant::now();
+                    transform_input(&d, &x, rows.clone(), &mut s.v, &mut s.band);
+                    times[0] += t.elapsed().as_secs_f64();
+                    let t = std::time::Instant::now();
+                    transform_output(&d, &s.v, rows.clone(), &mut y, &mut s.band);
+                    times[1] += t.elapsed().as_secs_f64();
+                    let t = std::time::Instant::now();
+                    transform_output_grad(&d, &x, rows.clone(), &mut s.v, &mut s.band);
+                    times[2] += t.elapsed().as_secs_f64();
+                    let t = std::time::Instant::now();
+                    inverse_transform_input(&d, &s.v, rows, &mut y, &mut s.band);
+                    times[3] += t.elapsed().as_secs_f64();
+                }
+                for (b, t) in best.iter_mut().zip(times) {
+                    *b = b.min(t);
+                }
+            }
+            let ns = |t: f64| t * 1e9 / x.len() as f64;
+            eprintln!(
+                "c {c} side {side}: input {:.2} ns, output {:.2} ns, output grad {:.2} ns, input grad {:.2} ns per input value",
+                ns(best[0]), ns(best[1]), ns(best[2]), ns(best[3])
+            );
+        }
+    }
+}
