@@ -27,6 +27,7 @@ pub mod kernels;
 mod module;
 mod params;
 mod prelu;
+mod threads;
 mod vars;
 pub mod weights;
 
@@ -40,6 +41,7 @@ pub use hook::ViewHooks;
 pub use module::ParamModule;
 pub use params::ParamSet;
 pub use prelu::{prelu, PRelu};
+pub use threads::{compute_pool_joined, join_compute_pool};
 pub use vars::{NamedVars, OrderedVarMap};
 
 /// The f32 values of a contiguous CPU input of a custom op; `what` and `op` name it in errors.

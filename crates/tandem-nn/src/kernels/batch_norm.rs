@@ -2,32 +2,40 @@
 //!
 //! Why: written with candle ops, a training BatchNorm is ~8 tensor ops forward (sums, broadcast
 //! subtract, square, divide, scale, shift) and as many backward, each allocating a full-size
-//! tensor and most single-threaded. Here the statistics are one pass (f64 sums per channel),
-//! the output one pass, and the backward two passes with PyTorch's formula
-//! `gx = γ·invstd·(gy − mean(gy) − x̂·mean(gy·x̂))`, `gγ = Σ gy·x̂`, `gβ = Σ gy`,
-//! channels spread over the rayon threads.
+//! tensor and most single-threaded. Here the statistics are two passes (the mean, then the
+//! squared deviations from it), the output one pass, and the backward two passes with
+//! PyTorch's formula `gx = γ·invstd·(gy − mean(gy) − x̂·mean(gy·x̂))`, `gγ = Σ gy·x̂`,
+//! `gβ = Σ gy` (a following ReLU's mask applied inside both), channels spread over the rayon
+//! threads. Sums run in f64 over independent lanes, so that they vectorise ([`lane_sums`]).
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::relu::masked_by_positive;
-use crate::kernels::with_f32_slice;
+use crate::kernels::{lane_sums, with_f32_slice};
+
+/// Plane `p` (of `hw` values) of `v`.
+fn plane(v: &[f32], p: usize, hw: usize) -> &[f32] {
+    &v[p * hw..(p + 1) * hw]
+}
 
 /// Per-channel batch statistics of `x: [N, C, H, W]`: (mean, biased variance, count).
 pub fn batch_stats(x: &[f32], (n, c, hw): (usize, usize, usize)) -> (Vec<f32>, Vec<f32>, usize) {
+    let m = (n * hw).max(1) as f64;
     let stats: Vec<(f32, f32)> = (0..c)
         .into_par_iter()
         .map(|ch| {
-            let (mut s, mut sq) = (0f64, 0f64);
-            for i in 0..n {
-                for &v in &x[(i * c + ch) * hw..(i * c + ch + 1) * hw] {
-                    let v = v as f64;
-                    s += v;
-                    sq += v * v;
-                }
-            }
-            let m = (n * hw).max(1) as f64;
-            let mean = s / m;
-            ((mean) as f32, (sq / m - mean * mean).max(0.0) as f32)
+            let plane = |i: usize| &x[(i * c + ch) * hw..(i * c + ch + 1) * hw];
+            let sum: f64 = (0..n).map(|i| lane_sums([plane(i)], |[v]| [v, 0.0]).0).sum();
+            let mean = sum / m;
+            let mean32 = mean as f32;
+            let squares: f64 = (0..n)
+                .map(|i| {
+                    let d = |v: f32| v - mean32;
+                    lane_sums([plane(i)], |[v]| [d(v) * d(v), 0.0]).0
+                })
+                .sum();
+            // The deviations were taken from the f32-rounded mean; correct for the rounding.
+            let offset = mean32 as f64 - mean;
+            (mean as f32, (squares / m - offset * offset).max(0.0) as f32)
         })
         .collect();
     (stats.iter().map(|s| s.0).collect(), stats.iter().map(|s| s.1).collect(), n * hw)
@@ -96,65 +104,72 @@ impl CustomOp3 for BatchNormTrain {
         let (n, c, h, w) = x.dims4()?;
         let hw = h * w;
         let m = (n * hw) as f64;
-        let gy = if self.relu {
-            // Through the ReLU first: the gradient where the output is positive.
-            Tensor::from_vec(masked_by_positive(&gy.contiguous()?, y)?, y.shape(), y.device())?
-        } else {
-            gy.contiguous()?
-        };
-        // Per channel: Σ gy and Σ gy·x̂.
-        let sums: Vec<(f64, f64)> = with_f32_slice(x, |x| {
+        let gamma_v: Vec<f32> = gamma.to_vec1()?;
+        let gy = gy.contiguous()?;
+        let (relu, want_gx) = (self.relu, x.track_op());
+        // Per channel: Σ g and Σ g·(x − mean), g the gradient through the ReLU (zero where
+        // the output is not positive), then the input gradient in one more pass.
+        let (sums, gx) = with_f32_slice(x, |x| {
             with_f32_slice(&gy, |gy| {
-                (0..c)
-                    .into_par_iter()
-                    .map(|ch| {
-                        let (mean, invstd) = (self.mean[ch], self.invstd[ch]);
-                        let (mut sg, mut sgx) = (0f64, 0f64);
-                        for i in 0..n {
-                            let r = (i * c + ch) * hw..(i * c + ch + 1) * hw;
-                            for (&xv, &g) in x[r.clone()].iter().zip(&gy[r]) {
-                                sg += g as f64;
-                                sgx += (g * (xv - mean) * invstd) as f64;
+                with_f32_slice(y, |y| {
+                    // The gradient through the ReLU: zero where the output is not positive.
+                    let through = |g: f32, y: f32| if !relu || y > 0.0 { g } else { 0.0 };
+                    let sums: Vec<(f64, f64)> = (0..c)
+                        .into_par_iter()
+                        .map(|ch| {
+                            let mean = self.mean[ch];
+                            (0..n)
+                                .map(|i| {
+                                    let p = i * c + ch;
+                                    let v = [plane(gy, p, hw), plane(y, p, hw), plane(x, p, hw)];
+                                    lane_sums(v, |[g, y, x]| {
+                                        let g = through(g, y);
+                                        [g, g * (x - mean)]
+                                    })
+                                })
+                                .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1))
+                        })
+                        .collect();
+                    let gx = want_gx.then(|| {
+                        let mut gx = vec![0f32; x.len()];
+                        gx.par_chunks_mut(hw).enumerate().for_each(|(p, out)| {
+                            let ch = p % c;
+                            let (mean, invstd) = (self.mean[ch], self.invstd[ch]);
+                            let k = gamma_v[ch] * invstd;
+                            let mean_g = (sums[ch].0 / m) as f32;
+                            // mean(g·x̂) = invstd · Σ g·(x − mean) / m.
+                            let mean_gx = (sums[ch].1 / m) as f32 * invstd;
+                            // gx = k·(g − mean_g − x̂·mean(g·x̂)), in this order: the terms
+                            // cancel over the channel, and folding them into k·g + a·x + b
+                            // loses that (the gradient of a bias before a BatchNorm is ~0).
+                            let slope = invstd * mean_gx;
+                            let values =
+                                plane(gy, p, hw).iter().zip(plane(y, p, hw)).zip(plane(x, p, hw));
+                            for (o, ((&g, &y), &x)) in out.iter_mut().zip(values) {
+                                *o = k * (through(g, y) - mean_g - (x - mean) * slope);
                             }
-                        }
-                        (sg, sgx)
-                    })
-                    .collect()
+                        });
+                        gx
+                    });
+                    (sums, gx)
+                })
             })
-        })??;
+        })???;
         let dev = x.device();
+        // gγ = Σ g·x̂ = invstd · Σ g·(x − mean).
         let ggamma = gamma
             .track_op()
-            .then(|| Tensor::from_vec(sums.iter().map(|s| s.1 as f32).collect::<Vec<_>>(), c, dev))
+            .then(|| {
+                let v: Vec<f32> =
+                    sums.iter().zip(&self.invstd).map(|(s, &i)| (s.1 * i as f64) as f32).collect();
+                Tensor::from_vec(v, c, dev)
+            })
             .transpose()?;
         let gbeta = beta
             .track_op()
             .then(|| Tensor::from_vec(sums.iter().map(|s| s.0 as f32).collect::<Vec<_>>(), c, dev))
             .transpose()?;
-        let gx = if x.track_op() {
-            let gamma: Vec<f32> = gamma.to_vec1()?;
-            let v = with_f32_slice(x, |x| {
-                with_f32_slice(&gy, |gy| {
-                    let mut gx = vec![0f32; x.len()];
-                    gx.par_chunks_mut(hw).enumerate().for_each(|(plane, out)| {
-                        let ch = plane % c;
-                        let (mean, invstd) = (self.mean[ch], self.invstd[ch]);
-                        let k = gamma[ch] * invstd;
-                        let mean_g = (sums[ch].0 / m) as f32;
-                        let mean_gx = (sums[ch].1 / m) as f32;
-                        let r = plane * hw..(plane + 1) * hw;
-                        for ((o, &xv), &g) in out.iter_mut().zip(&x[r.clone()]).zip(&gy[r]) {
-                            let xhat = (xv - mean) * invstd;
-                            *o = k * (g - mean_g - xhat * mean_gx);
-                        }
-                    });
-                    gx
-                })
-            })??;
-            Some(Tensor::from_vec(v, x.shape(), dev)?)
-        } else {
-            None
-        };
+        let gx = gx.map(|v| Tensor::from_vec(v, x.shape(), dev)).transpose()?;
         Ok((gx, ggamma, gbeta))
     }
 }

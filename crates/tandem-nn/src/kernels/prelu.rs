@@ -5,11 +5,12 @@
 //! (four full-size tensors), and backward candle reduces the slope's gradient over the
 //! non-contiguous dimensions (0, 2, 3) of a broadcast — slower than the convolution before it.
 //! Here the forward is one pass, and the backward one pass for the input gradient plus one
-//! per-channel reduction `ga[c] = Σ gy·x` over `x ≤ 0` (f64 sums), as PyTorch computes it.
+//! per-channel reduction `ga[c] = Σ gy·x` over `x ≤ 0` (f64 sums in vector lanes), as PyTorch
+//! computes it.
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::kernels::with_f32_slice;
+use crate::kernels::{lane_sums, with_f32_slice};
 
 /// Elements per parallel chunk when there is a single slope.
 const CHUNK: usize = 1 << 14;
@@ -99,12 +100,10 @@ impl CustomOp2 for PRelu {
                             for plane in (ch..planes).step_by(c) {
                                 let xs = &x[plane * hw..(plane + 1) * hw];
                                 let gs = &gy[plane * hw..(plane + 1) * hw];
-                                let part: f32 = xs
-                                    .iter()
-                                    .zip(gs)
-                                    .map(|(&x, &g)| if x <= 0.0 { x * g } else { 0.0 })
-                                    .sum();
-                                s += part as f64;
+                                s += lane_sums([xs, gs], |[x, g]| {
+                                    [if x <= 0.0 { x * g } else { 0.0 }, 0.0]
+                                })
+                                .0;
                             }
                             s as f32
                         })
