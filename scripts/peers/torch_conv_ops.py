@@ -1,23 +1,15 @@
-# PyTorch per-op timings for the convolutions and BatchNorms of ResNet-18 for CIFAR at WIDTH,
-# the peer of `tandem bench conv`: forward, and forward + backward of sum(y * r) (input gradient
-# for every layer but the stem, whose input is data; weight gradient always), median ms.
-# usage: python torch_conv_ops.py BATCH WIDTH REPEATS THREADS
-import sys, time
+# PyTorch per-op timings, the peer of `tandem bench conv`: reads the op list (JSON, from tandem)
+# on stdin and times each op as tandem does — forward, and forward + backward of sum(y * r)
+# (the input gradient only where the op's input_grad says so; the weight's always) — median ms.
+# Ops: conv2d (c_in -> c_out, kernel, stride, padding kernel // 2), batch_norm (training mode),
+# prelu (one slope per channel).
+# usage: python torch_conv_ops.py BATCH REPEATS THREADS < ops.json
+import json, sys, time
 import torch, torch.nn.functional as F
 
-b, w, repeats, threads = (int(a) for a in sys.argv[1:5])
+b, repeats, threads = (int(a) for a in sys.argv[1:4])
 torch.set_num_threads(threads)
-
-
-def shapes():
-    # (name, cin, cout, kernel, stride, side)
-    yield ("stem 3x3", 3, w, 3, 1, 32)
-    for stage, (cin, cout, side) in enumerate([(w, w, 32), (w, 2 * w, 32), (2 * w, 4 * w, 16), (4 * w, 8 * w, 8)]):
-        stride = 1 if stage == 0 else 2
-        yield (f"layer{stage + 1} 3x3 s{stride}", cin, cout, 3, stride, side)
-        if stride == 2:
-            yield (f"layer{stage + 1} 3x3 s1", cout, cout, 3, 1, side // 2)
-            yield (f"layer{stage + 1} 1x1 s2", cin, cout, 1, 2, side)
+ops = json.load(sys.stdin)
 
 
 def median_ms(f):
@@ -29,22 +21,29 @@ def median_ms(f):
 
 
 g = torch.Generator().manual_seed(0)
-for name, cin, cout, k, s, side in shapes():
-    x = torch.randn(b, cin, side, side, generator=g).requires_grad_(name != "stem 3x3")
-    wt = (torch.randn(cout, cin, k, k, generator=g) * 0.1).requires_grad_()
-    y = F.conv2d(x, wt, stride=s, padding=k // 2)
-    r = torch.randn(y.shape, generator=g)
-    fwd = median_ms(lambda: F.conv2d(x, wt, stride=s, padding=k // 2))
+for op in ops:
+    c_in, c_out, side = op["c_in"], op["c_out"], op["side"]
+    x = torch.randn(b, c_in, side, side, generator=g).requires_grad_(op["input_grad"])
+    if op["kind"] == "conv2d":
+        k, s = op["kernel"], op["stride"]
+        wt = (torch.randn(c_out, c_in, k, k, generator=g) * 0.1).requires_grad_()
+        params = [wt]
+        f = lambda: F.conv2d(x, wt, stride=s, padding=k // 2)
+    elif op["kind"] == "batch_norm":
+        m = torch.nn.BatchNorm2d(c_in).train()
+        params = list(m.parameters())
+        f = lambda: m(x)
+    else:
+        m = torch.nn.PReLU(c_in, init=0.25)
+        params = list(m.parameters())
+        f = lambda: m(x)
+    r = torch.randn(f().shape, generator=g)
+
     def step():
-        x.grad = None; wt.grad = None
-        (F.conv2d(x, wt, stride=s, padding=k // 2) * r).sum().backward()
-    print(f"op=conv2d name={name.replace(' ', '_')} fwd_ms={fwd:.4f} fwdbwd_ms={median_ms(step):.4f}")
-for c, side in [(w, 32), (2 * w, 16), (4 * w, 8), (8 * w, 4)]:
-    bn = torch.nn.BatchNorm2d(c).train()
-    x = torch.randn(b, c, side, side, generator=g).requires_grad_()
-    r = torch.randn(x.shape, generator=g)
-    fwd = median_ms(lambda: bn(x))
-    def step():
-        x.grad = None; bn.zero_grad()
-        (bn(x) * r).sum().backward()
-    print(f"op=batch_norm name=bn_{c}x{side}x{side} fwd_ms={fwd:.4f} fwdbwd_ms={median_ms(step):.4f}")
+        x.grad = None
+        for p in params:
+            p.grad = None
+        (f() * r).sum().backward()
+
+    fwd = median_ms(f)
+    print(f"op={op['kind']} name={op['name']} fwd_ms={fwd:.4f} fwdbwd_ms={median_ms(step):.4f}", flush=True)

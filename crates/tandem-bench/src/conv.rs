@@ -1,24 +1,52 @@
 //! `tandem bench conv`: per-op times of tandem's CPU kernels against PyTorch on the shapes of
-//! ResNet-18 for CIFAR at `--width` — every distinct convolution (3x3 stride 1 and 2, 1x1 stride
-//! 2 shortcuts, the stem) and the BatchNorm of each stage: forward, and forward + backward of
-//! `sum(y * r)`, median ms over `--repeats`. PyTorch's figures come from
-//! `scripts/peers/torch_conv_ops.py` with the same batch, width and thread count.
+//! ResNet-18 for CIFAR (32x32 input) or of arcface_torch's IResNet-18 (112x112) at `--width` —
+//! every distinct convolution (3x3 stride 1 and 2, 1x1 stride-2 shortcuts, the stem), the
+//! BatchNorm of each map size and, for the IResNet, its PReLUs: forward, and forward +
+//! backward of `sum(y * r)`, median ms over `--repeats`. The 3x3 stride-1 convolutions, which
+//! tandem runs by Winograd's algorithm, are also timed through im2col + gemm (the path they
+//! took before), in the same run. PyTorch's figures come from `scripts/peers/torch_conv_ops.py`,
+//! which times the same op list (handed to it as JSON) with the same batch and thread count.
 use std::collections::HashMap;
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
+use serde::Serialize;
 use tandem_nn::kernels::conv2d::{conv2d, ConvParams};
+use tandem_nn::kernels::winograd::{applies, MIN_CHANNELS};
+
+/// Which network's shapes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Net {
+    /// ResNet-18 for CIFAR: 3x3 stem, stages at 32, 16, 8, 4.
+    Resnet18,
+    /// arcface_torch's IResNet-18: 3x3 stem at 112, stages from 112 down to 7, PReLU.
+    Iresnet18,
+}
+
+impl Net {
+    pub fn title(self) -> &'static str {
+        match self {
+            Net::Resnet18 => "ResNet-18 (CIFAR)",
+            Net::Iresnet18 => "IResNet-18 (112x112)",
+        }
+    }
+}
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Batch of every op.
-    #[arg(long, default_value_t = 32)]
-    batch: usize,
-    /// ResNet width (stages w, 2w, 4w, 8w).
+    /// Whose shapes.
+    #[arg(long, value_enum, default_value_t = Net::Resnet18)]
+    net: Net,
+    /// Batch of every op (default 32 for resnet18, 8 for iresnet18, the benches' per-rank batches).
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Stage widths w, 2w, 4w, 8w.
     #[arg(long, default_value_t = 16)]
     width: usize,
     /// Timed repetitions per op (after one warm-up); medians are reported.
@@ -29,11 +57,100 @@ pub struct Args {
     torch: Option<PathBuf>,
 }
 
-struct Op {
+/// One op as both sides time it (the peer reads these as JSON).
+#[derive(Serialize, Clone, Debug)]
+struct OpSpec {
+    /// conv2d, batch_norm or prelu.
     kind: &'static str,
     name: String,
+    c_in: usize,
+    c_out: usize,
+    kernel: usize,
+    stride: usize,
+    /// Input height = width.
+    side: usize,
+    /// Whether the input gets a gradient (not for a stem, whose input is data).
+    input_grad: bool,
+}
+
+fn conv(
+    name: String,
+    (c_in, c_out): (usize, usize),
+    kernel: usize,
+    stride: usize,
+    side: usize,
+) -> OpSpec {
+    let input_grad = !name.starts_with("stem");
+    OpSpec { kind: "conv2d", name, c_in, c_out, kernel, stride, side, input_grad }
+}
+
+fn per_channel(kind: &'static str, c: usize, side: usize) -> OpSpec {
+    let short = if kind == "batch_norm" { "bn" } else { "prelu" };
+    OpSpec {
+        kind,
+        name: format!("{short}_{c}x{side}x{side}"),
+        c_in: c,
+        c_out: c,
+        kernel: 0,
+        stride: 1,
+        side,
+        input_grad: true,
+    }
+}
+
+/// Every distinct op of `net` at width `w`.
+fn ops(net: Net, w: usize) -> Vec<OpSpec> {
+    let mut v = Vec::new();
+    match net {
+        Net::Resnet18 => {
+            v.push(conv("stem 3x3".into(), (3, w), 3, 1, 32));
+            let stages = [(w, w, 32), (w, 2 * w, 32), (2 * w, 4 * w, 16), (4 * w, 8 * w, 8)];
+            for (stage, (cin, cout, side)) in stages.into_iter().enumerate() {
+                let stride = if stage == 0 { 1 } else { 2 };
+                let s = stage + 1;
+                v.push(conv(format!("layer{s} 3x3 s{stride}"), (cin, cout), 3, stride, side));
+                if stride == 2 {
+                    v.push(conv(format!("layer{s} 3x3 s1"), (cout, cout), 3, 1, side / 2));
+                    v.push(conv(format!("layer{s} 1x1 s2"), (cin, cout), 1, 2, side));
+                }
+            }
+            for (c, side) in [(w, 32), (2 * w, 16), (4 * w, 8), (8 * w, 4)] {
+                v.push(per_channel("batch_norm", c, side));
+            }
+        }
+        Net::Iresnet18 => {
+            // Each stage's first block: conv1 3x3 stride 1 (cin → cout) at the stage's input
+            // size, conv2 3x3 stride 2 halving it, a 1x1 stride-2 shortcut; then 3x3 stride 1
+            // at the halved size.
+            v.push(conv("stem 3x3".into(), (3, w), 3, 1, 112));
+            let stages = [(w, w, 112), (w, 2 * w, 56), (2 * w, 4 * w, 28), (4 * w, 8 * w, 14)];
+            for (stage, (cin, cout, side)) in stages.into_iter().enumerate() {
+                let s = stage + 1;
+                v.push(conv(format!("layer{s} 3x3 s1 in"), (cin, cout), 3, 1, side));
+                v.push(conv(format!("layer{s} 3x3 s2"), (cout, cout), 3, 2, side));
+                v.push(conv(format!("layer{s} 1x1 s2"), (cin, cout), 1, 2, side));
+                v.push(conv(format!("layer{s} 3x3 s1"), (cout, cout), 3, 1, side / 2));
+            }
+            for (c, side) in [(w, 112), (w, 56), (2 * w, 28), (4 * w, 14), (8 * w, 7)] {
+                v.push(per_channel("batch_norm", c, side));
+            }
+            for (c, side) in [(w, 112), (2 * w, 56), (4 * w, 28), (8 * w, 14)] {
+                v.push(per_channel("prelu", c, side));
+            }
+        }
+    }
+    for op in &mut v {
+        op.name = op.name.replace(' ', "_");
+    }
+    v
+}
+
+struct Timed {
     fwd_ms: f64,
     fwdbwd_ms: f64,
+    /// Convolutions tandem runs by Winograd's algorithm only: forward + backward through
+    /// im2col + gemm.
+    im2col_fwdbwd_ms: Option<f64>,
 }
 
 /// Median ms of `f` over `repeats` runs after one warm-up (its result is dropped).
@@ -52,67 +169,74 @@ fn median_ms<T>(
     Ok(times[times.len() / 2])
 }
 
-/// (name, cin, cout, kernel, stride, side) of each distinct convolution, as the peer lists them.
-fn conv_shapes(w: usize) -> Vec<(String, usize, usize, usize, usize, usize)> {
-    let mut v = vec![("stem 3x3".to_string(), 3, w, 3, 1, 32)];
-    for (stage, (cin, cout, side)) in
-        [(w, w, 32), (w, 2 * w, 32), (2 * w, 4 * w, 16), (4 * w, 8 * w, 8)].into_iter().enumerate()
-    {
-        let stride = if stage == 0 { 1 } else { 2 };
-        v.push((format!("layer{} 3x3 s{stride}", stage + 1), cin, cout, 3, stride, side));
-        if stride == 2 {
-            v.push((format!("layer{} 3x3 s1", stage + 1), cout, cout, 3, 1, side / 2));
-            v.push((format!("layer{} 1x1 s2", stage + 1), cin, cout, 1, 2, side));
+fn time_op(op: &OpSpec, batch: usize, repeats: usize) -> anyhow::Result<Timed> {
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1.0, (batch, op.c_in, op.side, op.side), &dev)?;
+    let x = if op.input_grad { Var::from_tensor(&x)?.as_tensor().clone() } else { x };
+    match op.kind {
+        "conv2d" => {
+            let w = Var::randn(0f32, 0.1, (op.c_out, op.c_in, op.kernel, op.kernel), &dev)?;
+            let p = ConvParams { stride: op.stride, padding: op.kernel / 2, dilation: 1 };
+            let r = Tensor::randn(0f32, 1.0, conv2d(&x, w.as_tensor(), p)?.shape(), &dev)?;
+            let fwd = || conv2d(&x, w.as_tensor(), p);
+            let step = || (conv2d(&x, w.as_tensor(), p)? * &r)?.sum_all()?.backward();
+            let fwd_ms = median_ms(repeats, fwd)?;
+            let fwdbwd_ms = median_ms(repeats, step)?;
+            let winograd =
+                applies((op.kernel, op.kernel), op.stride, p.padding, 1, op.c_in, op.c_out);
+            let im2col_fwdbwd_ms = if winograd {
+                let default = MIN_CHANNELS.swap(usize::MAX, Ordering::Relaxed);
+                let ms = median_ms(repeats, step);
+                MIN_CHANNELS.store(default, Ordering::Relaxed);
+                Some(ms?)
+            } else {
+                None
+            };
+            Ok(Timed { fwd_ms, fwdbwd_ms, im2col_fwdbwd_ms })
+        }
+        "batch_norm" => {
+            let vm = VarMap::new();
+            let bn =
+                tandem_nn::batch_norm2d(op.c_in, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
+            let r = Tensor::randn(0f32, 1.0, x.shape(), &dev)?;
+            let fwd_ms = median_ms(repeats, || bn.forward_t(&x, true))?;
+            let fwdbwd_ms =
+                median_ms(repeats, || (bn.forward_t(&x, true)? * &r)?.sum_all()?.backward())?;
+            Ok(Timed { fwd_ms, fwdbwd_ms, im2col_fwdbwd_ms: None })
+        }
+        _ => {
+            let a = Var::from_tensor(&Tensor::full(0.25f32, op.c_in, &dev)?)?;
+            let r = Tensor::randn(0f32, 1.0, x.shape(), &dev)?;
+            let f = || tandem_nn::kernels::prelu::prelu(&x, a.as_tensor());
+            let fwd_ms = median_ms(repeats, f)?;
+            let fwdbwd_ms = median_ms(repeats, || (f()? * &r)?.sum_all()?.backward())?;
+            Ok(Timed { fwd_ms, fwdbwd_ms, im2col_fwdbwd_ms: None })
         }
     }
-    v
 }
 
-fn tandem_ops(a: &Args) -> anyhow::Result<Vec<Op>> {
-    let dev = Device::Cpu;
-    let mut ops = Vec::new();
-    for (name, cin, cout, k, stride, side) in conv_shapes(a.width) {
-        let x = Tensor::randn(0f32, 1.0, (a.batch, cin, side, side), &dev)?;
-        let x =
-            if name.starts_with("stem") { x } else { Var::from_tensor(&x)?.as_tensor().clone() };
-        let w = Var::randn(0f32, 0.1, (cout, cin, k, k), &dev)?;
-        let p = ConvParams { stride, padding: k / 2, dilation: 1 };
-        let y = conv2d(&x, w.as_tensor(), p)?;
-        let r = Tensor::randn(0f32, 1.0, y.shape(), &dev)?;
-        let fwd_ms = median_ms(a.repeats, || conv2d(&x, w.as_tensor(), p))?;
-        let fwdbwd_ms =
-            median_ms(a.repeats, || (conv2d(&x, w.as_tensor(), p)? * &r)?.sum_all()?.backward())?;
-        ops.push(Op { kind: "conv2d", name: name.replace(' ', "_"), fwd_ms, fwdbwd_ms });
-    }
-    for (c, side) in [(a.width, 32), (2 * a.width, 16), (4 * a.width, 8), (8 * a.width, 4)] {
-        let vm = VarMap::new();
-        let bn = tandem_nn::batch_norm2d(c, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
-        let x = Var::randn(0f32, 1.0, (a.batch, c, side, side), &dev)?;
-        let r = Tensor::randn(0f32, 1.0, x.shape(), &dev)?;
-        let fwd_ms = median_ms(a.repeats, || bn.forward_t(x.as_tensor(), true))?;
-        let fwdbwd_ms = median_ms(a.repeats, || {
-            (bn.forward_t(x.as_tensor(), true)? * &r)?.sum_all()?.backward()
-        })?;
-        ops.push(Op {
-            kind: "batch_norm",
-            name: format!("bn_{c}x{side}x{side}"),
-            fwd_ms,
-            fwdbwd_ms,
-        });
-    }
-    Ok(ops)
-}
-
-fn torch_ops(a: &Args, python: &PathBuf) -> anyhow::Result<HashMap<String, (f64, f64)>> {
+fn torch_ops(
+    ops: &[OpSpec],
+    batch: usize,
+    repeats: usize,
+    python: &PathBuf,
+) -> anyhow::Result<HashMap<String, (f64, f64)>> {
     let script = crate::report::repo_root().join(crate::PEERS_DIR).join("torch_conv_ops.py");
     let threads = rayon::current_num_threads();
-    let out = Command::new(python)
+    let mut child = Command::new(python)
         .arg(&script)
-        .args([a.batch, a.width, a.repeats, threads].map(|v| v.to_string()))
+        .args([batch, repeats, threads].map(|v| v.to_string()))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
-        .output()
+        .spawn()
         .with_context(|| format!("running {} {}", python.display(), script.display()))?;
+    let spec = serde_json::to_vec(ops)?;
+    child.stdin.take().context("the peer's stdin")?.write_all(&spec)?;
+    let out =
+        child.wait_with_output().with_context(|| format!("waiting for {}", script.display()))?;
     let text = String::from_utf8_lossy(&out.stdout);
+    anyhow::ensure!(out.status.success(), "{} failed ({}): {text}", script.display(), out.status);
     let mut m = HashMap::new();
     for line in text.lines() {
         let kv: HashMap<&str, &str> =
@@ -128,37 +252,70 @@ fn torch_ops(a: &Args, python: &PathBuf) -> anyhow::Result<HashMap<String, (f64,
 }
 
 pub fn main(a: Args) -> anyhow::Result<i32> {
-    anyhow::ensure!(a.batch > 0 && a.width > 0, "--batch and --width must be at least 1");
-    let ops = tandem_ops(&a)?;
-    let torch = a.torch.as_ref().map(|p| torch_ops(&a, p)).transpose()?;
+    let batch = a.batch.unwrap_or(match a.net {
+        Net::Resnet18 => 32,
+        Net::Iresnet18 => 8,
+    });
+    anyhow::ensure!(batch > 0 && a.width > 0, "--batch and --width must be at least 1");
+    let ops = ops(a.net, a.width);
+    let mut timed = Vec::with_capacity(ops.len());
+    for op in &ops {
+        timed.push(time_op(op, batch, a.repeats).with_context(|| format!("timing {}", op.name))?);
+    }
+    let torch = a.torch.as_ref().map(|p| torch_ops(&ops, batch, a.repeats, p)).transpose()?;
     println!(
-        "ResNet-18 (CIFAR) ops at width {}, batch {}, {} threads, median of {} (ms)",
+        "{} ops at width {}, batch {batch}, {} threads, median of {} (ms)",
+        a.net.title(),
         a.width,
-        a.batch,
         rayon::current_num_threads(),
         a.repeats
     );
     println!(
-        "| op | shape | tandem fwd | torch fwd | × torch | tandem fwd+bwd | torch fwd+bwd | × torch |\n|---|---|--:|--:|--:|--:|--:|--:|"
+        "| op | shape | tandem fwd | torch fwd | × torch | tandem fwd+bwd | torch fwd+bwd | × torch | \
+         tandem fwd+bwd by im2col | Winograd gain |\n|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"
     );
-    for op in &ops {
-        let t = torch.as_ref().and_then(|m| m.get(&op.name)).copied();
-        let cell = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.4}"));
-        // × torch: how many times faster tandem is (torch time / tandem time).
-        let ratio = |ours: f64, theirs: Option<f64>| {
-            theirs.map_or("–".into(), |t| format!("{:.2}", t / ours))
-        };
+    let cell = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.4}"));
+    // × torch: how many times faster tandem is (torch time / tandem time).
+    let ratio = |ours: f64, theirs: Option<f64>| {
+        theirs.map_or("–".into(), |t| format!("{:.2}", t / ours))
+    };
+    for (op, t) in ops.iter().zip(&timed) {
+        let theirs = torch.as_ref().and_then(|m| m.get(&op.name)).copied();
         println!(
-            "| {} | {} | {:.4} | {} | {} | {:.4} | {} | {} |",
+            "| {} | {} | {:.4} | {} | {} | {:.4} | {} | {} | {} | {} |",
             op.kind,
             op.name,
-            op.fwd_ms,
-            cell(t.map(|t| t.0)),
-            ratio(op.fwd_ms, t.map(|t| t.0)),
-            op.fwdbwd_ms,
-            cell(t.map(|t| t.1)),
-            ratio(op.fwdbwd_ms, t.map(|t| t.1)),
+            t.fwd_ms,
+            cell(theirs.map(|t| t.0)),
+            ratio(t.fwd_ms, theirs.map(|t| t.0)),
+            t.fwdbwd_ms,
+            cell(theirs.map(|t| t.1)),
+            ratio(t.fwdbwd_ms, theirs.map(|t| t.1)),
+            cell(t.im2col_fwdbwd_ms),
+            t.im2col_fwdbwd_ms.map_or("–".into(), |i| format!("{:.2}", i / t.fwdbwd_ms)),
         );
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn op_lists_have_unique_names_and_the_nets_shapes() {
+        for net in [Net::Resnet18, Net::Iresnet18] {
+            let ops = ops(net, 16);
+            let mut names: Vec<&str> = ops.iter().map(|o| o.name.as_str()).collect();
+            names.sort();
+            names.dedup();
+            assert_eq!(names.len(), ops.len(), "{net:?}: duplicate op names");
+            assert!(ops.iter().all(|o| !o.name.contains(' ')));
+        }
+        let iresnet = ops(Net::Iresnet18, 16);
+        let stage4 = iresnet.iter().find(|o| o.name == "layer4_3x3_s1").unwrap();
+        assert_eq!((stage4.c_in, stage4.side), (128, 7), "the last stage runs at 7x7");
+        assert!(iresnet.iter().any(|o| o.kind == "prelu"));
+        assert!(!ops(Net::Resnet18, 16)[0].input_grad, "the stem's input is data");
+    }
 }

@@ -8,6 +8,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 
+use crate::conv::Net;
+
 mod child;
 mod machine;
 mod markdown;
@@ -73,6 +75,14 @@ fn workload(
     measure::Workload { model, width: width.max(1), title, ranks, batch, steps, rounds }
 }
 
+fn conv_plan(net: Net, width: usize, batch: usize) -> measure::ConvPlan {
+    let cli = match net {
+        Net::Resnet18 => "resnet18",
+        Net::Iresnet18 => "iresnet18",
+    };
+    measure::ConvPlan { net: cli, title: net.title(), width, batch }
+}
+
 fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
     let repeats = args.repeats.unwrap_or(if args.quick { 1 } else { 3 });
     if repeats == 0 {
@@ -94,8 +104,7 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
                 workload("cnn", 0, vec![2], 16, 2, 1),
                 workload("resnet18", 4, vec![2], 8, 1, 1),
             ],
-            conv_width: 4,
-            conv_batch: 4,
+            conv: vec![conv_plan(Net::Resnet18, 4, 4), conv_plan(Net::Iresnet18, 4, 2)],
             conv_repeats: 1,
             ckpt_mib: 8,
             ckpt_tensors: 8,
@@ -115,11 +124,16 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             ddp: vec![
                 workload("mlp", 0, vec![1, 2, 4], 128, 20, 2),
                 workload("cnn", 0, vec![1, 2], 128, 10, 2),
-                // The target shape: width 16, batch 32 per rank on 2 ranks.
+                // The convolution-speed targets: widths 16 and 64, batch 32 per rank on 2 ranks.
                 workload("resnet18", 16, vec![2], 64, 4, 2),
+                workload("resnet18", 64, vec![2], 64, 3, 2),
             ],
-            conv_width: 16,
-            conv_batch: 32,
+            // Every op of both ResNets at the DDP benches' per-rank batches.
+            conv: vec![
+                conv_plan(Net::Resnet18, 16, 32),
+                conv_plan(Net::Resnet18, 64, 32),
+                conv_plan(Net::Iresnet18, 16, 8),
+            ],
             conv_repeats: 9,
             ckpt_mib: 256,
             ckpt_tensors: 32,
@@ -189,7 +203,11 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let allreduce = measure::allreduce(&mut ctx, &plan);
     let ddp: Vec<(measure::Workload, table::Table)> =
         plan.ddp.iter().map(|w| (w.clone(), measure::ddp(&mut ctx, plan.repeats, w))).collect();
-    let conv_ops = measure::conv_ops(&mut ctx, plan.conv_width, plan.conv_batch, plan.conv_repeats);
+    let conv_ops: Vec<(measure::ConvPlan, Result<String, String>)> = plan
+        .conv
+        .iter()
+        .map(|c| (c.clone(), measure::conv_ops(&mut ctx, c, plan.conv_repeats)))
+        .collect();
     let ckpt = measure::ckpt(&mut ctx, &plan);
     let save_stall = measure::save_stall(&mut ctx, &plan);
     let zero = measure::zero(&mut ctx, &plan);
@@ -228,7 +246,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         .with_context(|| format!("writing {}", md.display()))?;
     plots::allreduce(&allreduce, plan.allreduce_nproc, &out.join("allreduce_busbw.png"))?;
     for (w, t) in &ddp {
-        plots::ddp(t, &w.title, &out.join(markdown::ddp_plot_name(w.model)))?;
+        plots::ddp(t, &w.title, &out.join(markdown::ddp_plot_name(w)))?;
     }
     plots::ckpt(&ckpt, &out.join("ckpt_throughput.png"))?;
     println!(

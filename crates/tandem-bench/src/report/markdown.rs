@@ -4,7 +4,7 @@
 use std::fmt::Write;
 
 use super::machine::Machine;
-use super::measure::Workload;
+use super::measure::{ConvPlan, Workload};
 use super::stats::{ratio, sig, Figure};
 use super::table::{Row, Table};
 
@@ -20,7 +20,7 @@ pub struct Report<'a> {
     pub allreduce_nproc: usize,
     pub allreduce: &'a Table,
     pub ddp: &'a [(Workload, Table)],
-    pub conv_ops: &'a Result<String, String>,
+    pub conv_ops: &'a [(ConvPlan, Result<String, String>)],
     pub ckpt: &'a Table,
     pub ckpt_mib: usize,
     /// `tandem bench save-stall`'s table, or why it failed.
@@ -34,12 +34,12 @@ pub struct Report<'a> {
     pub several_hosts: Option<String>,
 }
 
-/// The plot of one model's DDP table (the MLP's keeps its original name).
-pub fn ddp_plot_name(model: &str) -> String {
-    if model == "mlp" {
-        "ddp_samples_per_s.png".into()
-    } else {
-        format!("ddp_{model}_samples_per_s.png")
+/// The plot of one model's DDP table (the MLP's and ResNet-18 w16's keep their first names).
+pub fn ddp_plot_name(w: &Workload) -> String {
+    match (w.model, w.width) {
+        ("mlp", _) => "ddp_samples_per_s.png".into(),
+        ("resnet18", width) if width != 16 => format!("ddp_resnet18_w{width}_samples_per_s.png"),
+        (model, _) => format!("ddp_{model}_samples_per_s.png"),
     }
 }
 
@@ -288,7 +288,7 @@ pub fn render(r: &Report) -> String {
         writeln!(out, "| section | figures | median spread | widest spread |\n|---|--:|--:|---|");
     noise(&mut out, "all_reduce", r.allreduce);
     for (w, t) in r.ddp {
-        noise(&mut out, &format!("DDP {}", w.model), t);
+        noise(&mut out, &format!("DDP {}", w.title), t);
     }
     noise(&mut out, "checkpoint", r.ckpt);
     out.push('\n');
@@ -322,24 +322,33 @@ pub fn render(r: &Report) -> String {
             m = w.model,
             wd = w.width,
         );
-        let _ = writeln!(out, "![DDP samples/s, {}]({})\n", w.title, ddp_plot_name(w.model));
+        let _ = writeln!(out, "![DDP samples/s, {}]({})\n", w.title, ddp_plot_name(w));
         table(&mut out, t);
     }
 
-    let _ = writeln!(out, "## Conv-net kernels per op\n");
-    let _ = writeln!(
-        out,
-        "`tandem bench conv --torch PYTHON`: each distinct convolution of ResNet-18 for CIFAR and the \
-         BatchNorm of each stage, forward and forward + backward of sum(y·r), median ms, against PyTorch \
-         (`scripts/peers/torch_conv_ops.py`, same threads). × torch = torch ms / tandem ms (above 1: tandem \
-         is faster).\n"
-    );
-    match r.conv_ops {
-        Ok(table) => {
-            let _ = writeln!(out, "{table}\n");
-        }
-        Err(why) => {
-            let _ = writeln!(out, "Not measured: {why}\n");
+    for (plan, result) in r.conv_ops {
+        let _ = writeln!(out, "## Conv-net kernels per op, {} width {}\n", plan.title, plan.width);
+        let _ = writeln!(
+            out,
+            "`RAYON_NUM_THREADS=1 tandem bench conv --net {net} --width {w} --batch {b} --torch PYTHON`: each \
+             distinct convolution, BatchNorm{prelu} of the network, forward and forward + backward of \
+             sum(y·r), median ms, against PyTorch (`scripts/peers/torch_conv_ops.py`, the same op list, batch \
+             and one thread — what each rank of the 2-rank runs above has). × torch = torch ms / tandem ms \
+             (above 1: tandem is faster). The 3x3 stride-1 convolutions, which tandem computes by \
+             Winograd's F(2x2, 3x3), are also timed through im2col + gemm; Winograd gain = im2col time / \
+             tandem time.\n",
+            net = plan.net,
+            w = plan.width,
+            b = plan.batch,
+            prelu = if plan.net == "iresnet18" { " and PReLU" } else { "" },
+        );
+        match result {
+            Ok(table) => {
+                let _ = writeln!(out, "{table}\n");
+            }
+            Err(why) => {
+                let _ = writeln!(out, "Not measured: {why}\n");
+            }
         }
     }
 

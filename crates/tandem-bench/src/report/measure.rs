@@ -24,15 +24,25 @@ pub struct FacePlan {
     pub rounds: usize,
 }
 
+/// One `tandem bench conv` table: a network's ops at a width and batch.
+#[derive(Clone, Debug)]
+pub struct ConvPlan {
+    /// `--net` value.
+    pub net: &'static str,
+    /// How the report names the network (the line `bench conv` starts its table with).
+    pub title: &'static str,
+    pub width: usize,
+    pub batch: usize,
+}
+
 pub struct Plan {
     pub repeats: usize,
     pub allreduce_nproc: usize,
     pub allreduce_sizes: Vec<usize>,
     pub seconds_per_size: f64,
     pub ddp: Vec<Workload>,
-    /// `tandem bench conv` settings (ResNet width, batch, repeats).
-    pub conv_width: usize,
-    pub conv_batch: usize,
+    /// `tandem bench conv` runs (one table each), and their repetitions per op.
+    pub conv: Vec<ConvPlan>,
     pub conv_repeats: usize,
     pub ckpt_mib: usize,
     pub ckpt_tensors: usize,
@@ -88,10 +98,19 @@ fn retry_once<T>(
 
 impl Ctx {
     fn tandem(&self, args: &[String], limit: Duration, what: &str) -> anyhow::Result<String> {
+        self.tandem_with_env(args, &[], limit, what)
+    }
+    fn tandem_with_env(
+        &self,
+        args: &[String],
+        env: &[(&str, &str)],
+        limit: Duration,
+        what: &str,
+    ) -> anyhow::Result<String> {
         let mut cmd = Command::new(&self.exe);
         // Run in the scratch directory: `bench ckpt` looks for a Python with torch relative to its
         // working directory when it is given none, which must not happen when torch is unavailable.
-        cmd.arg("bench").args(args).current_dir(&self.scratch);
+        cmd.arg("bench").args(args).current_dir(&self.scratch).envs(env.iter().copied());
         stdout_of(&mut cmd, limit, what)
     }
     fn torch(&self) -> Option<&Torch> {
@@ -162,27 +181,22 @@ pub fn face(ctx: &mut Ctx, plan: &FacePlan) -> Result<String, String> {
     ctx.tandem(&args, Duration::from_secs(1800), "tandem bench face").map_err(|e| ctx.note(e))
 }
 
-/// `tandem bench conv` (with the PyTorch peer when torch is available): its markdown table
-/// (header line first), or why it failed.
-pub fn conv_ops(
-    ctx: &mut Ctx,
-    width: usize,
-    batch: usize,
-    repeats: usize,
-) -> Result<String, String> {
-    eprintln!("report: per-op conv/BatchNorm times at width {width}, batch {batch}");
+/// `tandem bench conv` (with the PyTorch peer when torch is available) on one thread, as each
+/// rank of the 2-rank DDP runs has: its markdown table (caption line first), or why it failed.
+pub fn conv_ops(ctx: &mut Ctx, plan: &ConvPlan, repeats: usize) -> Result<String, String> {
+    let (net, width, batch) = (plan.net, plan.width, plan.batch);
+    eprintln!("report: per-op times of {net} at width {width}, batch {batch}");
     let mut args: Vec<String> =
-        ["conv", "--width", &width.to_string(), "--batch", &batch.to_string()]
-            .map(String::from)
-            .to_vec();
+        ["conv", "--net", net, "--width", &width.to_string()].map(String::from).to_vec();
+    args.extend(["--batch".to_string(), batch.to_string()]);
     args.extend(["--repeats".to_string(), repeats.to_string()]);
     if let Some(t) = ctx.torch() {
         args.extend(["--torch".to_string(), t.python.display().to_string()]);
     }
-    match ctx.tandem(&args, Duration::from_secs(600), "tandem bench conv") {
+    let one_thread = [("RAYON_NUM_THREADS", "1")];
+    match ctx.tandem_with_env(&args, &one_thread, Duration::from_secs(900), "tandem bench conv") {
         Ok(out) => {
-            let lines: Vec<&str> =
-                out.lines().skip_while(|l| !l.starts_with("ResNet-18")).collect();
+            let lines: Vec<&str> = out.lines().skip_while(|l| !l.starts_with(plan.title)).collect();
             if lines.len() < 3 {
                 return Err(ctx.note(anyhow::anyhow!("bench conv printed no table: {out:?}")));
             }

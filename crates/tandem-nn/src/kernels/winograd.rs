@@ -107,9 +107,9 @@ impl Dims {
     }
 }
 
-/// Whether a convolution goes through this module: 3x3, stride 1, padding 1, dilation 1, and
-/// enough channels on both sides (see [`MIN_CHANNELS`]).
-pub(super) fn applies(
+/// Whether `conv2d` computes a convolution through this module: 3x3, stride 1, padding 1,
+/// dilation 1, and enough channels on both sides (see [`MIN_CHANNELS`]).
+pub fn applies(
     kernel: (usize, usize),
     stride: usize,
     padding: usize,
