@@ -34,6 +34,12 @@ pub trait Collectives: Send + Sync {
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommSource>;
     /// Every rank's bytes, indexed by rank.
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommSource>;
+    /// Which world the group is in: a live group (`crate::live`) counts its regroups; a fixed
+    /// group stays at 0. State that every rank built together (Ddp's bucket layout) is built
+    /// again when it changes, since a rank that joined has only its fresh copy.
+    fn generation(&self) -> u64 {
+        0
+    }
     /// The NCCL communicator that reduces CUDA gradients on the device, if the group has one;
     /// without it CUDA gradients are staged through host memory and reduced by the group.
     #[cfg(feature = "nccl")]
@@ -97,6 +103,9 @@ impl<T: Collectives + ?Sized> Collectives for Arc<T> {
     }
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommSource> {
         (**self).all_gather_bytes(bytes)
+    }
+    fn generation(&self) -> u64 {
+        (**self).generation()
     }
     #[cfg(feature = "nccl")]
     fn nccl(&self) -> Option<crate::nccl::NcclComm> {

@@ -567,6 +567,21 @@ impl ProcessGroup {
         self.collective(self.ticket(), call, |c| c.scatter(inb, outb, root))
     }
 
+    /// Breaks the group on purpose: this rank's later calls fail at once, and peers inside a
+    /// collective with it fail at once too (its transport is aborted) — how a live regroup
+    /// makes every member leave an old generation. A call in progress on another thread of
+    /// this rank fails by itself when its peers abort.
+    pub fn abort(&self, reason: &str) {
+        self.inner.order.set_broken(reason.to_string());
+        for _ in 0..50 {
+            if let Ok(mut st) = self.inner.state.try_lock() {
+                st.transport.abort();
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
     /// Returns once every rank of the group has called it.
     pub fn barrier(&self) -> Result<(), CommError> {
         self.collective(self.ticket(), Call::new("barrier", None, 0, 0), |c| c.barrier())

@@ -18,6 +18,7 @@ mod error;
 mod frame;
 mod group;
 mod hierarchy;
+pub mod live;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod order;
@@ -35,6 +36,7 @@ pub use env::{InitMethod, InitOptions};
 pub use error::CommError;
 pub use frame::MAX_FRAME;
 pub use group::ProcessGroup;
+pub use live::{LiveGroup, LiveOptions};
 pub use rendezvous::init_with;
 pub use store::{Store, StoreServer, StoreWire, HANDSHAKE_LIMIT, SERVER_ID_KEY};
 pub use transport::TransportKind;

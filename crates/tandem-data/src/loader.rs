@@ -273,6 +273,15 @@ impl<D: Dataset + ?Sized + 'static> DataLoader<D> {
     pub fn load_state(&mut self, state: &SamplerState) -> Result<(), DataError> {
         self.sampler_lock().load_state(state)
     }
+    /// See [`DistributedSampler::reshard`]: this loader's share of another world, from `state`.
+    pub fn reshard(
+        &mut self,
+        rank: usize,
+        num_replicas: usize,
+        state: &SamplerState,
+    ) -> Result<(), DataError> {
+        self.sampler_lock().reshard(rank, num_replicas, state)
+    }
 
     /// Batches in a full epoch of this rank.
     pub fn len(&self) -> usize {

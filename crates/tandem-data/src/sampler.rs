@@ -260,6 +260,29 @@ impl DistributedSampler {
         }
     }
 
+    /// Moves this sampler to another world (`rank` of `num_replicas`) from `state`, a position
+    /// of the old world (every rank's is the same mid-epoch): the rest of that epoch is split
+    /// over the new world as [`DistributedSampler::load_state`] does for a resume on another
+    /// world size. What a live regroup does when ranks leave or join.
+    pub fn reshard(
+        &mut self,
+        rank: usize,
+        num_replicas: usize,
+        state: &SamplerState,
+    ) -> Result<(), DataError> {
+        let mut moved = DistributedSampler::new(
+            self.len,
+            num_replicas,
+            rank,
+            self.shuffle,
+            self.seed,
+            self.drop_last,
+        )?;
+        moved.load_state(state)?;
+        *self = moved;
+        Ok(())
+    }
+
     /// Restores epoch and position after checking that the state was made by a sampler with the
     /// same dataset length, seed, shuffle and drop_last. The rank may differ, and so may the
     /// world size: then the rest of the saved epoch is split over this world (module docs).

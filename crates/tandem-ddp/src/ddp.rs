@@ -38,6 +38,11 @@ pub struct DdpOptions {
     pub find_unused_parameters: bool,
     /// Rebuild buckets in gradient arrival order after the first iteration (PyTorch does).
     pub rebuild_buckets: bool,
+    /// Check at construction that every rank holds the same parameters and broadcast rank 0's
+    /// (PyTorch always does). `false` skips both, with their collectives: for a rank that joins
+    /// a running job (`tandem::live`), whose parameters arrive with the training state while
+    /// the others construct nothing.
+    pub sync_on_init: bool,
 }
 
 impl Default for DdpOptions {
@@ -48,6 +53,7 @@ impl Default for DdpOptions {
             broadcast_buffers: true,
             find_unused_parameters: false,
             rebuild_buckets: true,
+            sync_on_init: true,
         }
     }
 }
@@ -100,6 +106,9 @@ fn mb_to_bytes(what: &'static str, mb: f64) -> Result<usize> {
 
 struct Shared {
     comm: Arc<dyn Collectives>,
+    /// The comm's world generation the reducer's layout was built in (see
+    /// `Collectives::generation`).
+    generation: std::sync::atomic::AtomicU64,
     reducer: Mutex<Reducer>,
     buffers: Vec<(String, Var)>,
     broadcast_buffers: bool,
@@ -119,6 +128,11 @@ impl Shared {
     }
 
     fn start_step(&self) -> Result<()> {
+        let generation = self.comm.generation();
+        if self.generation.swap(generation, Ordering::SeqCst) != generation {
+            // The world re-formed (live recovery): every rank starts from the same layout.
+            self.reducer().reset_layout();
+        }
         let sync = self.sync.load(Ordering::SeqCst);
         let mut root = 0;
         let joining = self.join_state().as_ref().map(|j| j.opts);
@@ -259,8 +273,10 @@ impl<M: ParamModule> Ddp<M> {
         }
         let everything: Vec<(String, Var)> =
             params.iter().cloned().chain(buffers.iter().cloned()).collect();
-        check_same_params(comm.as_ref(), &everything)?;
-        if comm.size() > 1 {
+        if opts.sync_on_init {
+            check_same_params(comm.as_ref(), &everything)?;
+        }
+        if opts.sync_on_init && comm.size() > 1 {
             let floats: Vec<(String, Var)> = everything
                 .iter()
                 .filter(|(_, v)| v.dtype() == candle_core::DType::F32)
@@ -282,6 +298,7 @@ impl<M: ParamModule> Ddp<M> {
         )?;
         reducer.set_param_shapes(params.iter().map(|(_, v)| v.dims().to_vec()).collect())?;
         let shared = Arc::new(Shared {
+            generation: comm.generation().into(),
             comm,
             reducer: Mutex::new(reducer),
             buffers: buffers

@@ -261,6 +261,24 @@ impl Reducer {
         self.after_step()
     }
 
+    /// Back to the bucket layout of a new reducer (reverse parameter order), with the
+    /// one-time rebuild after the next synced step pending again: what every rank of a live
+    /// world does when it regroups, so that a rank that just joined (whose reducer is new) and
+    /// the others agree on every bucket and on the rebuild's broadcast.
+    pub fn reset_layout(&mut self) {
+        let _ = self.wait_in_flight();
+        let reverse: Vec<usize> = (0..self.names.len()).rev().collect();
+        let plans = assign_buckets(
+            &reverse,
+            &self.numels,
+            self.cfg.first_bucket_bytes,
+            self.cfg.bucket_bytes,
+        );
+        self.install_plans(plans);
+        self.rebuilt = !self.cfg.rebuild_buckets;
+        self.arrival.clear();
+    }
+
     /// Start a backward: `sync = false` inside `no_sync` (gradients accumulate locally).
     pub fn prepare_for_backward(&mut self, sync: bool) {
         // A backward that failed midway may have left buckets at the comm thread.

@@ -260,6 +260,13 @@ pub struct LaunchConfig {
     pub forward_signals: bool,
     /// Lines of a failed worker's stderr kept for the summary.
     pub summary_tail_lines: usize,
+    /// `--live-recovery`: a dead worker is restarted alone and joins the running job; the
+    /// others are not stopped (see `launch_live`).
+    pub live_recovery: bool,
+    /// `--min-nproc`: with live recovery, the fewest ranks the job may go on with.
+    pub min_nproc: Option<u32>,
+    /// `--min-nproc-per-node`: with live recovery, the fewest ranks this node may go on with.
+    pub min_nproc_per_node: Option<u32>,
 }
 
 impl LaunchConfig {
@@ -290,6 +297,9 @@ impl LaunchConfig {
             extra_env: Vec::new(),
             forward_signals: true,
             summary_tail_lines: 20,
+            live_recovery: false,
+            min_nproc: None,
+            min_nproc_per_node: None,
         }
     }
 
@@ -353,6 +363,16 @@ impl LaunchConfig {
             }
             if self.tee.any() {
                 return Err(LaunchError::config("--tee", "needs --log-dir (where the files go)"));
+            }
+        }
+        if !self.live_recovery {
+            for (flag, set) in [
+                ("--min-nproc", self.min_nproc.is_some()),
+                ("--min-nproc-per-node", self.min_nproc_per_node.is_some()),
+            ] {
+                if set {
+                    return Err(LaunchError::config(flag, "only applies with --live-recovery"));
+                }
             }
         }
         if self.run_id.is_empty()

@@ -12,6 +12,7 @@
 mod config;
 mod env;
 mod error;
+mod live;
 mod nodes;
 mod outcome;
 mod output;

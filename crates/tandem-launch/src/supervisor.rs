@@ -47,6 +47,9 @@ const STORE_SILENT: Duration = Duration::from_secs(1);
 /// `max_restarts`, or the launcher is signalled. Blocks until every worker is gone. Must stay
 /// on one thread: the workers' parent-death signal is tied to the thread that started them.
 pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
+    if cfg.live_recovery {
+        return crate::live::launch_live(cfg);
+    }
     cfg.validate()?;
     let nproc = cfg.nproc_per_node.resolve()?;
     let cores = available_cores();
@@ -384,7 +387,12 @@ fn replace_dead_reaper(reaper: &mut Option<GroupReaper>, workers: &[Worker]) {
 /// Sends `sig` to every worker's process group, waits up to `grace` for every process in
 /// those groups to end, then SIGKILLs the groups and reaps the workers. A second signal to the
 /// launcher cuts the grace period short.
-fn stop_all(workers: &mut [Worker], sig: Signal, grace: Duration, signals: &SignalWatch) {
+pub(crate) fn stop_all(
+    workers: &mut [Worker],
+    sig: Signal,
+    grace: Duration,
+    signals: &SignalWatch,
+) {
     let signals_before = signals.received().map_or(0, |(_, n)| n);
     for w in workers.iter_mut() {
         if w.status.is_none() || group_has_live_members(w.pgid) {
@@ -467,7 +475,7 @@ fn group_has_live_members(pgid: i32) -> bool {
 /// Waits (bounded) for the output threads, so the last lines reach the console and the
 /// stderr tails are complete. A process that escaped its group could hold a pipe open forever;
 /// its thread is then left behind rather than hanging the launcher.
-fn drain_output(workers: &mut [Worker]) {
+pub(crate) fn drain_output(workers: &mut [Worker]) {
     let deadline = Instant::now() + OUTPUT_DRAIN;
     while Instant::now() < deadline && !workers.iter().all(|w| w.output_done()) {
         std::thread::sleep(Duration::from_millis(5));

@@ -23,10 +23,12 @@ pub use tandem_onnx as onnx;
 pub use tandem_optim as optim;
 pub use tandem_partial_fc as partial_fc;
 
+pub mod live;
 pub mod state;
 
 pub use state::{load_state, save_state, Resumed, StateError, TrainingState};
 pub use tandem_nn::{allocator_tuned, tune_allocator};
+pub use tandem_nn::{compute_pool_joined, join_compute_pool};
 
 /// Joins the process group the environment describes: `tandem run` / torchrun variables,
 /// Slurm, OpenMPI, or, with none of them, a world of one. A collective on every rank.

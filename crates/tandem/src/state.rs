@@ -74,6 +74,14 @@ pub enum StateError {
 pub trait LoaderPosition {
     fn position(&self) -> SamplerState;
     fn set_position(&mut self, state: &SamplerState) -> Result<(), tandem_data::DataError>;
+    /// Moves the loader to `rank` of a world of `num_replicas` from `state` (a position of
+    /// the old world): what a live regroup does (see `DistributedSampler::reshard`).
+    fn reshard(
+        &mut self,
+        rank: usize,
+        num_replicas: usize,
+        state: &SamplerState,
+    ) -> Result<(), tandem_data::DataError>;
 }
 
 impl<D: Dataset + ?Sized + 'static> LoaderPosition for DataLoader<D> {
@@ -82,6 +90,14 @@ impl<D: Dataset + ?Sized + 'static> LoaderPosition for DataLoader<D> {
     }
     fn set_position(&mut self, state: &SamplerState) -> Result<(), tandem_data::DataError> {
         self.load_state(state)
+    }
+    fn reshard(
+        &mut self,
+        rank: usize,
+        num_replicas: usize,
+        state: &SamplerState,
+    ) -> Result<(), tandem_data::DataError> {
+        DataLoader::reshard(self, rank, num_replicas, state)
     }
 }
 
@@ -170,8 +186,26 @@ pub fn load_state(
     let manager = CheckpointManager::new(dir.as_ref(), KEEP_LAST);
     let Some((path, value)) = manager.latest_valid()? else { return Ok(None) };
     let ck = TrainingCheckpoint::from_value(&value)?;
+    apply_checkpoint(state, &ck, &path, true)?;
+    Ok(Some(Resumed {
+        path,
+        step: state.step,
+        epoch: state.epoch,
+        world_size: ck.world_size as usize,
+    }))
+}
+
+/// Restores `ck` (read from `path`, named in errors) into `state`: model, optimizer, scheduler,
+/// GradScaler, counters, and the loader position unless `!set_loader` (a live regroup moves
+/// the loader to the new world itself).
+pub(crate) fn apply_checkpoint(
+    state: &mut TrainingState<'_>,
+    ck: &TrainingCheckpoint,
+    path: &Path,
+    set_loader: bool,
+) -> Result<(), StateError> {
     let field = |field: &'static str, problem: String| StateError::Field {
-        path: path.clone(),
+        path: path.to_path_buf(),
         field,
         problem,
     };
@@ -192,21 +226,16 @@ pub fn load_state(
         }
         s.load_state_dict(&ck.scaler).map_err(|e| field("scaler", e.to_string()))?;
     }
-    if let Some(l) = state.loader.as_deref_mut() {
+    if let Some(l) = state.loader.as_deref_mut().filter(|_| set_loader) {
         let pos = sampler_state_from_value(&ck.sampler).map_err(|p| field("sampler", p))?;
         l.set_position(&pos).map_err(|e| field("sampler", e.to_string()))?;
     }
     state.step = ck.global_step as u64;
     state.epoch = ck.epoch as u64;
-    Ok(Some(Resumed {
-        path,
-        step: state.step,
-        epoch: state.epoch,
-        world_size: ck.world_size as usize,
-    }))
+    Ok(())
 }
 
-fn to_value(state: &TrainingState<'_>, world_size: usize) -> Result<Value, StateError> {
+pub(crate) fn to_value(state: &TrainingState<'_>, world_size: usize) -> Result<Value, StateError> {
     let ck = TrainingCheckpoint {
         epoch: state.epoch as i64,
         global_step: state.step as i64,

@@ -81,7 +81,8 @@ pub struct Args {
     #[arg(long)]
     standalone: bool,
 
-    /// Times the whole set of workers is restarted after a worker fails.
+    /// Times the whole set of workers is restarted after a worker fails (with --live-recovery:
+    /// times a single dead worker is started again).
     #[arg(
         long = "max-restarts",
         alias = "max_restarts",
@@ -90,6 +91,23 @@ pub struct Args {
         default_value_t = 0
     )]
     max_restarts: u32,
+
+    /// Keep training through a worker's death: the others are not stopped; the dead rank is
+    /// started again alone and joins the running job at a step boundary (counted against
+    /// --max-restarts), and with no restarts left the job goes on with fewer ranks. Workers
+    /// re-form their group and share their state live (tandem train does; library programs use
+    /// tandem::live).
+    #[arg(long = "live-recovery")]
+    live_recovery: bool,
+
+    /// With --live-recovery: the fewest ranks the whole job may go on with (default 1).
+    #[arg(long = "min-nproc", value_name = "N", requires = "live_recovery")]
+    min_nproc: Option<u32>,
+
+    /// With --live-recovery: the fewest ranks this node may go on with; below it the node stops
+    /// its workers (default 1).
+    #[arg(long = "min-nproc-per-node", value_name = "N", requires = "live_recovery")]
+    min_nproc_per_node: Option<u32>,
 
     /// Seconds between checks of the workers' state.
     #[arg(
@@ -164,6 +182,9 @@ pub fn config_from_args(args: Args) -> anyhow::Result<LaunchConfig> {
     cfg.master_addr = args.master_addr;
     cfg.master_port = args.master_port;
     cfg.max_restarts = args.max_restarts;
+    cfg.live_recovery = args.live_recovery;
+    cfg.min_nproc = args.min_nproc;
+    cfg.min_nproc_per_node = args.min_nproc_per_node;
     cfg.monitor_interval = seconds("--monitor-interval", args.monitor_interval)?;
     cfg.stop_grace = seconds("--stop-grace", args.stop_grace)?;
     cfg.log_dir = args.log_dir;

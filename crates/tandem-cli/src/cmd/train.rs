@@ -28,7 +28,7 @@ pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i3
         None => args.cfg,
     };
     cfg.validate()?;
-    if !launched() && cfg.nproc_per_node > 1 {
+    if !launched() && (cfg.nproc_per_node > 1 || cfg.live_recovery) {
         return launch_ranks(cfg);
     }
     if cfg.out.is_none() && launched() {
@@ -88,6 +88,8 @@ fn launch_ranks(mut cfg: TrainConfig) -> anyhow::Result<i32> {
     lc.prefix_output = false;
     lc.stdout_passthrough_local_rank = Some(0);
     lc.extra_env.push((WORKER_MARK.into(), "1".into()));
+    lc.live_recovery = cfg.live_recovery;
+    lc.max_restarts = cfg.max_restarts;
     // launch() prints the failure summary (rank, exit code or signal, stderr tail) itself.
     let outcome = tandem_launch::launch(&lc).context("starting the training ranks")?;
     Ok(outcome.exit_code)

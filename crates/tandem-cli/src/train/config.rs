@@ -190,6 +190,17 @@ pub struct TrainConfig {
     /// Continue from the newest valid checkpoint in --out.
     #[arg(long)]
     pub resume: bool,
+    /// Keep training through a rank's death: the survivors regroup and go on, a restarted rank
+    /// joins at a step boundary and gets the whole training state from a peer (no checkpoint
+    /// read), at most one step is redone. Under `tandem run --live-recovery` it is on by itself;
+    /// run plainly, tandem train starts its ranks that way (with --max-restarts).
+    #[arg(long = "live-recovery")]
+    #[serde(default)]
+    pub live_recovery: bool,
+    /// With --live-recovery and no outside launcher: times a dead rank is started again.
+    #[arg(long = "max-restarts", default_value_t = 0)]
+    #[serde(default)]
+    pub max_restarts: u32,
     /// Initial weights from a PyTorch or tandem checkpoint (any wrapping; strict key check).
     #[arg(long = "init-from")]
     pub init_from: Option<PathBuf>,
@@ -366,6 +377,9 @@ impl TrainConfig {
         if self.resume && self.out.is_none() {
             bail!("--resume needs --out DIR (the run directory to continue)");
         }
+        if self.live_recovery {
+            self.validate_live()?;
+        }
         if let Some(path) = &self.export_onnx {
             // Found out before training, not after it.
             let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
@@ -400,6 +414,36 @@ impl TrainConfig {
         }
         if self.grad_scaler_growth_interval.is_some_and(|g| g < 1) {
             bail!("--grad-scaler-growth-interval must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// What live recovery cannot carry yet, refused by name (also checked by a worker that a
+    /// live launcher started without the flag).
+    pub fn validate_live(&self) -> anyhow::Result<()> {
+        let model = self.model.name();
+        let refused = [
+            (
+                self.model.is_face(),
+                format!(
+                    "--model {model}: the PartialFC head keeps each rank's class centres on that \
+                     rank alone, and a dead rank takes them with it; train the face recipe with \
+                     --save-every and whole-job restarts (tandem run --max-restarts) instead"
+                ),
+            ),
+            (self.zero, "--zero: ZeRO keeps each rank's share of the optimizer state on that rank alone".into()),
+            (self.async_save, "--async-save: a background save belongs to one rank 0, which a regroup can change".into()),
+            (
+                self.device == DeviceKind::Cuda,
+                "--device cuda: NCCL communicators are not re-formed (live recovery is CPU training)".into(),
+            ),
+            (
+                matches!(self.backend, Backend::Nccl | Backend::Mpi),
+                format!("--backend {:?}: its communicator cannot re-form (use auto, tcp or shm)", self.backend).to_lowercase(),
+            ),
+        ];
+        if let Some((_, why)) = refused.iter().find(|(on, _)| *on) {
+            bail!("--live-recovery: {why}");
         }
         Ok(())
     }
@@ -501,6 +545,9 @@ impl TrainConfig {
         }
         if self.resume {
             a.push("--resume".into());
+        }
+        if self.live_recovery {
+            a.push("--live-recovery".into());
         }
         if self.async_save {
             a.push("--async-save".into());

@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use candle_core::Device;
 use tandem_ckpt::{AsyncCheckpointManager, CheckpointManager, TrainingCheckpoint, Value};
+use tandem_comm::{Collectives, LiveOptions};
 use tandem_comm::{ProcessGroup, ReduceOp};
 use tandem_data::{
     channel_stats, CropFlip, DataLoader, Dataset, DistributedSampler, EvalMetrics, ImageTransforms,
@@ -16,6 +17,7 @@ use tandem_data::{
 use tandem_ddp::{Ddp, DdpOptions};
 use tandem_optim::amp::{GradScaler, GradScalerConfig};
 
+use tandem::live::{is_peer_failure, LiveError, LiveState, LiveTraining};
 use tandem::state::{sampler_state_from_value, sampler_value};
 
 use super::config::{Precision, TrainConfig};
@@ -41,16 +43,73 @@ pub struct RunSummary {
 
 /// Trains on this rank. `run_dir` must be the same on every rank.
 pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
+    if let Some(opts) = live_options(cfg)? {
+        return run_live(cfg, run_dir, opts);
+    }
     let group = join_group(cfg)?;
     if cfg.model.is_face() {
         return super::face::run(cfg, run_dir, group);
     }
-    let mut w = Worker::build(cfg, run_dir, group)?;
+    let mut w = Worker::build(cfg, run_dir, group, None)?;
     if cfg.resume {
         w.resume()?;
     }
     w.train()?;
     w.finish()
+}
+
+/// The live launcher's settings when it started this rank (`tandem run --live-recovery`, or
+/// `tandem train --live-recovery` launching its own ranks).
+fn live_options(cfg: &TrainConfig) -> anyhow::Result<Option<LiveOptions>> {
+    let Some(mut opts) = LiveOptions::from_env().context("reading the live launcher's settings")?
+    else {
+        if cfg.live_recovery {
+            bail!(
+                "--live-recovery: this rank was started by another launcher; start the job with \
+                 `tandem run --live-recovery` (or plain `tandem train --live-recovery`, which \
+                 starts its ranks so): torchrun, Slurm and mpirun restart whole jobs"
+            );
+        }
+        return Ok(None);
+    };
+    cfg.validate_live()?;
+    if let Some(kind) = cfg.backend.transport() {
+        opts.init.transport = Some(kind);
+    }
+    Ok(Some(opts))
+}
+
+/// A rank of a live job: an original member forms the first world with the others (and
+/// resumes with them when asked); a replacement builds everything first, then joins the
+/// running world and receives its state.
+fn run_live(cfg: &TrainConfig, run_dir: &Path, opts: LiveOptions) -> anyhow::Result<RunSummary> {
+    let live = LiveTraining::connect_with(opts).context("joining the live job")?;
+    let group = if live.is_replacement() {
+        // Placeholder until it joins (rank and size for the sampler; resharded on joining).
+        tandem_comm::init_from(&tandem_comm::InitMethod::Single)?
+    } else {
+        live.group()
+    };
+    let ddp_opts = live.ddp_options(DdpOptions::default());
+    let mut w = Worker::build(cfg, run_dir, group, Some((live.collectives(), ddp_opts)))?;
+    if cfg.resume && !live.is_replacement() {
+        w.resume()?;
+    }
+    let change = live.start(&mut w).context("joining the running job")?;
+    w.group = live.group();
+    if let Some(change) = change {
+        eprintln!("live: member {} joined the running job: {change}", live_member_of(&w));
+    }
+    w.live = Some(live);
+    w.run_to_end()?;
+    w.finish()
+}
+
+fn live_member_of(w: &Worker<'_>) -> String {
+    w.live.as_ref().map_or_else(
+        || std::env::var("RANK").unwrap_or_default(),
+        |l| l.generation().members[w.group.rank()].to_string(),
+    )
 }
 
 /// Joins the process group (`--backend` applies under any launcher: mpirun, srun, torchrun,
@@ -100,10 +159,25 @@ struct Worker<'a> {
     samples_seen: u64,
     last_eval: EvalMetrics,
     last_ckpt: Option<PathBuf>,
+    /// Live recovery (`tandem run --live-recovery`): the world this rank trains in.
+    live: Option<LiveTraining>,
+    /// Where the step in progress took its batch from (put back if the step fails).
+    in_flight: Option<SamplerState>,
+    /// An epoch whose steps are done but whose evaluation, line and checkpoint are not.
+    epoch_to_close: Option<(u64, f64)>,
+    /// The step of the last checkpoint written (the same on every rank).
+    saved_at: Option<u64>,
 }
 
 impl<'a> Worker<'a> {
-    fn build(cfg: &'a TrainConfig, run_dir: &'a Path, group: ProcessGroup) -> anyhow::Result<Self> {
+    /// `live`: the collectives Ddp and SyncBatchNorm use instead of `group` (they follow a live
+    /// world's regroups) and Ddp's options.
+    fn build(
+        cfg: &'a TrainConfig,
+        run_dir: &'a Path,
+        group: ProcessGroup,
+        live: Option<(Arc<dyn Collectives>, DdpOptions)>,
+    ) -> anyhow::Result<Self> {
         let rank = group.rank();
         let device = cfg.device.device(group.local_rank())?;
         let (train, eval) = tandem_data::datasets::from_spec(&cfg.data)
@@ -119,7 +193,11 @@ impl<'a> Worker<'a> {
         if cfg.sync_batchnorm {
             // The ResNet is a VarMap model: Ddp reduces its buckets after backward, so the
             // SyncBatchNorm collectives cannot interleave with them and may share the group.
-            net.convert_sync_batchnorm(Arc::new(group.clone()))?;
+            let comm: Arc<dyn Collectives> = match &live {
+                Some((comm, _)) => Arc::clone(comm),
+                None => Arc::new(group.clone()),
+            };
+            net.convert_sync_batchnorm(comm)?;
         }
         let (train, eval) = image_transforms(cfg, train, eval)?;
         if let Some(path) = &cfg.init_from {
@@ -128,8 +206,11 @@ impl<'a> Worker<'a> {
                 eprintln!("init-from {}:\n{report}", path.display());
             }
         }
-        let ddp =
-            Ddp::new(net, &group, DdpOptions::default()).context("wrapping the model in Ddp")?;
+        let ddp = match live {
+            Some((comm, opts)) => Ddp::with_comm(net, comm, opts),
+            None => Ddp::new(net, &group, DdpOptions::default()),
+        }
+        .context("wrapping the model in Ddp")?;
         if cfg.comm_hook != "none" {
             let hook = tandem_ddp::comm_hooks::builtin(&cfg.comm_hook)
                 .with_context(|| format!("--comm-hook: unknown hook `{}`", cfg.comm_hook))?;
@@ -178,6 +259,10 @@ impl<'a> Worker<'a> {
             samples_seen: 0,
             last_eval: EvalMetrics::default(),
             last_ckpt: None,
+            live: None,
+            in_flight: None,
+            epoch_to_close: None,
+            saved_at: None,
         })
     }
 
@@ -199,41 +284,69 @@ impl<'a> Worker<'a> {
         };
         let ck = TrainingCheckpoint::from_value(&value)
             .with_context(|| format!("reading {}", path.display()))?;
-        load_weights(&self.ddp.module(), &path)?;
-        self.opt
-            .get_mut()
-            .load_state_dict(&ck.optimizer)
-            .with_context(|| format!("optimizer state in {}", path.display()))?;
-        let position = sampler_state_from_value(&ck.sampler).map_err(|problem| {
-            anyhow::anyhow!("{}: checkpoint `sampler`: {problem}", path.display())
-        })?;
-        self.loader.load_state(&position).with_context(|| {
-            format!("{}: checkpoint `sampler` does not fit this run", path.display())
-        })?;
-        match (self.scaler.as_mut(), &ck.scaler) {
-            (Some(s), Value::None) if rank == 0 => eprintln!(
-                "{}: no GradScaler state (written without --precision f16); the loss scale \
-                 starts at {}",
-                path.display(),
-                s.get_scale()
-            ),
-            (Some(_), Value::None) | (None, _) => {}
-            (Some(s), state) => s
-                .load_state_dict(state)
-                .with_context(|| format!("GradScaler state in {}", path.display()))?,
-        }
-        self.global_step = ck.global_step as u64;
         let what = path.display().to_string();
-        let max_steps = Some(self.global_step + self.steps_to_end());
-        schedule::load(&mut self.sched, &ck.scheduler, self.opt.get_mut(), max_steps, &what)?;
+        let position = self.apply_state(&ck, &what, None)?;
         if rank == 0 {
             let (step, epoch) = (self.global_step, self.loader.epoch());
-            eprintln!("resumed from {} (epoch {epoch}, step {step})", path.display());
+            eprintln!("resumed from {what} (epoch {epoch}, step {step})");
             if ck.world_size as usize != self.group.size() {
                 eprintln!("{}", reshard_message(&position, self.group.size(), &self.loader));
             }
         }
         Ok(())
+    }
+
+    /// Restores `ck` (named `what` in errors) into the job: model, optimizer, loader position,
+    /// loss scale, step and schedule (stretched over the steps left). `world`: the rank and
+    /// size of a live world the loader moves to (the rest of the epoch split over it); `None`
+    /// keeps this one. Returns the saved loader position.
+    fn apply_state(
+        &mut self,
+        ck: &TrainingCheckpoint,
+        what: &str,
+        world: Option<(usize, usize)>,
+    ) -> anyhow::Result<SamplerState> {
+        let rank = self.rank();
+        tandem_nn::weights::load_weights_from(&*self.ddp.module(), &ck.model, true)
+            .with_context(|| format!("{what}: model"))?;
+        self.opt
+            .get_mut()
+            .load_state_dict(&ck.optimizer)
+            .with_context(|| format!("optimizer state in {what}"))?;
+        let position = sampler_state_from_value(&ck.sampler)
+            .map_err(|problem| anyhow::anyhow!("{what}: checkpoint `sampler`: {problem}"))?;
+        match world {
+            None => self.loader.load_state(&position),
+            Some((r, n)) => self.loader.reshard(r, n, &position),
+        }
+        .with_context(|| format!("{what}: checkpoint `sampler` does not fit this run"))?;
+        match (self.scaler.as_mut(), &ck.scaler) {
+            (Some(s), Value::None) if rank == 0 => eprintln!(
+                "{what}: no GradScaler state (written without --precision f16); the loss scale \
+                 starts at {}",
+                s.get_scale()
+            ),
+            (Some(_), Value::None) | (None, _) => {}
+            (Some(s), state) => {
+                s.load_state_dict(state).with_context(|| format!("GradScaler state in {what}"))?
+            }
+        }
+        self.global_step = ck.global_step as u64;
+        let max_steps = Some(self.global_step + self.steps_to_end());
+        schedule::load(&mut self.sched, &ck.scheduler, self.opt.get_mut(), max_steps, what)?;
+        Ok(position)
+    }
+
+    /// The whole training state as a checkpoint value (what `save` writes and a live regroup
+    /// sends).
+    fn state_value(&mut self, world: usize) -> anyhow::Result<Value> {
+        let optimizer = self.opt.checkpoint_state(self.group.rank())?;
+        let scaler = self.scaler.as_ref().map_or(Value::None, GradScaler::state_dict);
+        let scheduler = schedule::state(&self.sched);
+        let sampler = self.loader.state();
+        let state =
+            CheckpointState { optimizer, scaler, scheduler, sampler, step: self.global_step };
+        checkpoint_value(&self.ddp.module(), state, world, self.cfg)
     }
 
     /// Steps to the end of --epochs from where the loader stands (a resumed epoch may have been
@@ -258,6 +371,7 @@ impl<'a> Worker<'a> {
         };
         let written = save_checkpoint(name, snapshot, &mut self.saver, &self.group, self.cfg)?;
         self.last_ckpt = written.or(self.last_ckpt.take());
+        self.saved_at = Some(self.global_step);
         Ok(())
     }
 
@@ -274,47 +388,136 @@ impl<'a> Worker<'a> {
         } else {
             None
         };
-        let max_steps = cfg.steps.unwrap_or(u64::MAX).min(self.global_step + self.steps_to_end());
-        let progress = Progress::new(self.rank() == 0, max_steps, self.global_step);
-        while (self.loader.epoch() as usize) < cfg.epochs && self.global_step < max_steps {
+        let progress = Progress::new(self.rank() == 0, self.max_steps(), self.global_step);
+        while let Some(max_steps) = self.next_epoch_due() {
             let epoch = self.loader.epoch();
             let train_loss = self.train_epoch(max_steps, &progress)?;
-            self.ddp.module().set_training(false);
-            self.last_eval =
-                evaluate(&self.ddp.module(), &self.eval, &self.group, &self.options, &self.device)?;
-            if self.rank() == 0 {
-                self.report_epoch(epoch, train_loss, &progress, tb.as_mut())?;
-            }
-            // End-of-epoch checkpoint, unless --save-every just wrote this step or the run is
-            // over (the final checkpoint is written by `finish`).
-            let step = self.global_step;
-            let just_saved = cfg.save_every > 0 && step.is_multiple_of(cfg.save_every);
-            if step < max_steps && (self.loader.epoch() as usize) < cfg.epochs && !just_saved {
-                self.save(&format!("step-{step:08}"))?;
-            }
+            self.epoch_to_close = Some((epoch, train_loss));
+            self.close_epoch(&progress, tb.as_mut())?;
         }
         progress.finish();
         Ok(())
     }
 
+    /// The step budget from here: `--steps`, and the steps to the end of `--epochs` (which
+    /// depend on the world size, so a live regroup changes them).
+    fn max_steps(&self) -> u64 {
+        self.cfg.steps.unwrap_or(u64::MAX).min(self.global_step + self.steps_to_end())
+    }
+
+    /// The step budget when another epoch (or the rest of one) is due, else `None`.
+    fn next_epoch_due(&self) -> Option<u64> {
+        let max_steps = self.max_steps();
+        ((self.loader.epoch() as usize) < self.cfg.epochs && self.global_step < max_steps)
+            .then_some(max_steps)
+    }
+
+    /// An epoch whose steps are done: evaluation, the line and scalars on rank 0, and the
+    /// end-of-epoch checkpoint (unless --save-every just wrote this step or the run is over).
+    fn close_epoch(
+        &mut self,
+        progress: &Progress,
+        tb: Option<&mut EventWriter>,
+    ) -> anyhow::Result<()> {
+        let Some((epoch, train_loss)) = self.epoch_to_close else { return Ok(()) };
+        self.ddp.module().set_training(false);
+        self.last_eval =
+            evaluate(&self.ddp.module(), &self.eval, &self.group, &self.options, &self.device)?;
+        if self.rank() == 0 {
+            self.report_epoch(epoch, train_loss, progress, tb)?;
+        }
+        let (cfg, step, max_steps) = (self.cfg, self.global_step, self.max_steps());
+        let just_saved = cfg.save_every > 0 && step.is_multiple_of(cfg.save_every);
+        if step < max_steps && (self.loader.epoch() as usize) < cfg.epochs && !just_saved {
+            self.save(&format!("step-{step:08}"))?;
+        }
+        self.epoch_to_close = None;
+        Ok(())
+    }
+
+    /// Live recovery's outer loop: trains (and writes the last checkpoint) to the end, and
+    /// whenever a peer dies or a rank joins, regroups and goes on from the state of the rank
+    /// furthest along — the failed step redone, nothing else.
+    fn run_to_end(&mut self) -> anyhow::Result<()> {
+        loop {
+            let result = self.train().and_then(|()| self.save_last());
+            let error = match result {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            let boundary = error.is::<RegroupWanted>();
+            if !boundary && !error.chain().any(|c| is_peer_failure(c)) {
+                return Err(error);
+            }
+            let step_failed = self.in_flight.is_some();
+            if let Some(position) = self.in_flight.take() {
+                // The failed step did not happen: its batch goes back.
+                self.loader.load_state(&position)?;
+            }
+            let live = self.live.take().context("live recovery without a live world")?;
+            let before = self.global_step;
+            let changed = live.regroup(self);
+            self.group = live.group();
+            self.live = Some(live);
+            let change = changed.context("regrouping")?;
+            if self.rank() == 0 {
+                let cause = if boundary { "a rank joins".to_string() } else { root_cause(&error) };
+                // The world redoes the failed step unless its source had finished it.
+                let redone = u64::from(step_failed && change.step <= before);
+                eprintln!("live: regrouped ({cause}): {change}; {redone} step(s) redone");
+            }
+        }
+    }
+
+    /// The final checkpoint of the run (a collective), unless this step's is written.
+    fn save_last(&mut self) -> anyhow::Result<()> {
+        if self.saved_at == Some(self.global_step) {
+            return Ok(());
+        }
+        self.save(&format!("step-{:08}", self.global_step))
+    }
+
     /// The rest of the current epoch (up to `max_steps`); returns the world's mean train loss.
+    /// In a live world every step starts with the boundary check (a rank waiting to join ends
+    /// the epoch here with [`RegroupWanted`]), and the step in progress is remembered so a
+    /// failure can put its batch back.
     fn train_epoch(&mut self, max_steps: u64, progress: &Progress) -> anyhow::Result<f64> {
         // Disjoint borrows: the batch iterator holds the loader while checkpoints read it.
-        let Worker { cfg, group, ddp, opt, scaler, sched, train, loader, saver, .. } = self;
+        let Worker {
+            cfg,
+            group,
+            ddp,
+            opt,
+            scaler,
+            sched,
+            train,
+            loader,
+            saver,
+            live,
+            in_flight,
+            ..
+        } = self;
         let world = group.size();
         ddp.module().set_training(true);
-        let started = Instant::now();
         let (mut loss_sum, mut loss_n) = (0.0f64, 0usize);
         train.set_epoch(loader.epoch());
         let mut batches = loader.iter()?;
         let in_epoch = batches.num_batches();
         let mut taken = 0usize;
         while self.global_step < max_steps {
+            if let Some(live) = live.as_ref() {
+                if live.regroup_wanted()? {
+                    return Err(RegroupWanted.into());
+                }
+            }
             // Pulling past the last batch is what marks the epoch complete in the sampler
             // state; never pull a batch the step budget will not use (it would count as
             // consumed).
+            let before = live.is_some().then(|| loader.state());
             let Some(batch) = batches.next() else { break };
             taken += 1;
+            *in_flight = before;
+            let started = Instant::now();
             let batch = batch?;
             let loss = ddp.hooked().loss(&batch.x, &batch.y)?;
             let (clip, step) = (cfg.clip_grad_norm, self.global_step + 1);
@@ -341,6 +544,8 @@ impl<'a> Worker<'a> {
             if let Some(sched) = sched.as_mut() {
                 sched.step_optimizer(opt.get_mut())?;
             }
+            *in_flight = None;
+            self.train_time += started.elapsed().as_secs_f64();
             self.global_step += 1;
             self.samples_seen += (batch.len() * world) as u64;
             loss_sum += loss.to_scalar::<f32>()? as f64 * batch.len() as f64;
@@ -352,6 +557,7 @@ impl<'a> Worker<'a> {
                 let written =
                     save_checkpoint(&format!("step-{step:08}"), snapshot, saver, group, cfg)?;
                 self.last_ckpt = written.or(self.last_ckpt.take());
+                self.saved_at = Some(step);
             }
         }
         if taken == in_epoch {
@@ -359,7 +565,6 @@ impl<'a> Worker<'a> {
             let _ = batches.next();
         }
         drop(batches);
-        self.train_time += started.elapsed().as_secs_f64();
         let mut train_loss = [loss_sum, loss_n as f64];
         group.all_reduce(&mut train_loss, ReduceOp::Sum)?;
         Ok(train_loss[0] / train_loss[1].max(1.0))
@@ -403,7 +608,7 @@ impl<'a> Worker<'a> {
     fn finish(mut self) -> anyhow::Result<RunSummary> {
         let (cfg, rank) = (self.cfg, self.rank());
         let final_name = format!("step-{:08}", self.global_step);
-        self.save(&final_name)?;
+        self.save_last()?;
         self.saver.finish(rank, &self.group)?;
         if let Some(path) = &cfg.save_final {
             if rank == 0 {
@@ -433,6 +638,64 @@ impl<'a> Worker<'a> {
                 None
             },
         })
+    }
+}
+
+/// The failure behind a failed collective in a few words: the group's first failure (which
+/// names the rank that died) when the error carries it, else the innermost error.
+fn root_cause(e: &anyhow::Error) -> String {
+    let text = e.chain().last().map_or_else(|| e.to_string(), ToString::to_string);
+    let text = match text.find("first failure in this group: ") {
+        Some(i) => text[i + "first failure in this group: ".len()..].to_string(),
+        None => text,
+    };
+    // Keep the first clause; the rest repeats it for each rank the failure passed through.
+    let end = text.find(" (process exited").or_else(|| text.find("; ")).unwrap_or(text.len());
+    text[..end].to_string()
+}
+
+/// Ends a live world's step early: a rank is waiting to join (not a failure: nothing to redo).
+#[derive(Debug)]
+struct RegroupWanted;
+
+impl std::fmt::Display for RegroupWanted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a rank is waiting to join the running job")
+    }
+}
+
+impl std::error::Error for RegroupWanted {}
+
+/// A regroup moves the job's whole checkpoint state (the format `--save-every` writes) from
+/// the rank furthest along; every rank then splits the rest of the epoch over the new world
+/// and stretches the schedule over the steps that world has left (as `--resume` does on
+/// another world size).
+impl LiveState for Worker<'_> {
+    fn progress(&self) -> u64 {
+        self.global_step
+    }
+    fn save(&mut self, world: usize) -> Result<Vec<u8>, LiveError> {
+        let value = self.state_value(world).map_err(|e| LiveError::Other(format!("{e:#}")))?;
+        tandem_ckpt::to_pt_bytes(&value).map_err(|e| LiveError::Other(e.to_string()))
+    }
+    fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<(), LiveError> {
+        let what = "the live state";
+        let value = tandem_ckpt::pt::load_from_bytes(what, bytes, true)
+            .map_err(|e| LiveError::Other(e.to_string()))?;
+        let ck =
+            TrainingCheckpoint::from_value(&value).map_err(|e| LiveError::Other(e.to_string()))?;
+        self.apply_state(&ck, what, Some((rank, size)))
+            .map_err(|e| LiveError::Other(format!("{e:#}")))?;
+        Ok(())
+    }
+    fn enter_world(&mut self, rank: usize, size: usize) -> Result<(), LiveError> {
+        let fail = |e: anyhow::Error| LiveError::Other(format!("{e:#}"));
+        let position = self.loader.state();
+        self.loader.reshard(rank, size, &position).map_err(|e| fail(e.into()))?;
+        let saved = schedule::state(&self.sched);
+        let max_steps = Some(self.global_step + self.steps_to_end());
+        schedule::load(&mut self.sched, &saved, self.opt.get_mut(), max_steps, "the live state")
+            .map_err(fail)
     }
 }
 

@@ -1,0 +1,695 @@
+//! Live recovery: a world whose membership changes while the job goes on. A rank that dies
+//! costs the others one regroup, not a restart; a replacement joins the running job at a step
+//! boundary.
+//!
+//! Every process holds a member *slot* (its `RANK` when the launcher started it, kept by a
+//! replacement) and is a client of a store that outlives any worker: the live launcher's
+//! (`TANDEM_LIVE_STORE`). A process announces it is alive with a key owned by its store
+//! connection, which the store drops when the process dies. The world runs in *generations*:
+//! generation `t` is a list of member slots (rank `r` of the generation is `members[r]`) with a
+//! ProcessGroup of its own. To regroup, a process leaves its generation (aborting its
+//! transports, so that any peer still inside a collective of it fails at once and comes too),
+//! announces itself ready for generation `t` with its progress (completed steps), and waits for
+//! the generation to be committed. The ready member with the lowest slot proposes: once every
+//! member still alive is ready (or the arrival timeout passed) it commits the ready and alive
+//! members with a compare-and-set, which exactly one proposal wins — two failures close
+//! together, a proposer that dies while proposing, or a member that dies while the new group
+//! connects all end in a later generation that every survivor agrees on, or in an error that
+//! names the reason (too few ranks left, the store unreachable). The committed record also
+//! names the *source*: the member furthest along, whose training state the others take.
+//!
+//! At step boundaries [`LiveGroup::regroup_wanted`] asks (rank 0 reads the store, a one-byte
+//! all-reduce tells everyone) whether a process is waiting to join; a failed collective is
+//! the other way in. The store keys live under `live/`:
+//!
+//! ```text
+//! live/alive/{m}           owned by member m's store connection
+//! live/wanted              counter: a regroup is wanted (joiners, excluded members, failures)
+//! live/committed           the newest committed generation
+//! live/g{t}/ready/{m}      member m's progress, ready for generation t
+//! live/g{t}/members        "members=0,2,3 source=1 progress=40,41,40 wanted=2" (or "error=...")
+//! live/g{t}/pg/...         generation t's ProcessGroup rendezvous
+//! ```
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+
+use crate::dyn_collectives::{Collectives, CommSource};
+use crate::element::ReduceOp;
+use crate::env::InitOptions;
+use crate::error::CommError;
+use crate::group::ProcessGroup;
+use crate::store::Store;
+
+/// The live launcher's store, `host:port`: its presence is what puts a worker in live mode.
+pub const LIVE_STORE_VAR: &str = "TANDEM_LIVE_STORE";
+/// The fewest ranks the job may go on with (`tandem run --min-nproc`, times the nodes).
+pub const LIVE_MIN_WORLD_VAR: &str = "TANDEM_LIVE_MIN_WORLD";
+/// Set ("1") on a worker the launcher started again in place of one that died.
+pub const LIVE_REPLACEMENT_VAR: &str = "TANDEM_LIVE_REPLACEMENT";
+/// How long a regroup waits for a member that is alive but not yet ready (seconds).
+pub const LIVE_ARRIVAL_VAR: &str = "TANDEM_LIVE_ARRIVAL_TIMEOUT";
+
+/// How often a waiting member looks at the store.
+const POLL: Duration = Duration::from_millis(5);
+/// How often rank 0 asks the store whether someone wants to join, at most.
+const WANTED_POLL: Duration = Duration::from_millis(50);
+/// Generations tried before a regroup gives up (each failed one lost a member meanwhile).
+const MAX_ATTEMPTS: usize = 8;
+
+/// How this process takes part in a live world.
+#[derive(Clone, Debug)]
+pub struct LiveOptions {
+    /// The store (`host:port`) that outlives the workers.
+    pub store_addr: String,
+    /// This process's member slot (its launch `RANK`).
+    pub member: usize,
+    /// Member slots in the job (its launch `WORLD_SIZE`).
+    pub slots: usize,
+    /// The fewest ranks the job may go on with.
+    pub min_world: usize,
+    /// Started in place of a member that died: joins the running world.
+    pub replacement: bool,
+    /// A regroup leaves out a member that is alive but not ready after this long (it is
+    /// stalled; it will come back as a joiner if it ever recovers).
+    pub arrival_timeout: Duration,
+    /// Transport, collective timeout, run id; `init_timeout` bounds joining the store and
+    /// connecting each generation's group.
+    pub init: InitOptions,
+}
+
+impl LiveOptions {
+    /// The live launcher's settings, or `None` when this process was not started by one
+    /// (`TANDEM_LIVE_STORE` unset).
+    pub fn from_env() -> Result<Option<LiveOptions>, CommError> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        let Some(store_addr) = var(LIVE_STORE_VAR) else { return Ok(None) };
+        let number = |name: &str, default: Option<usize>| -> Result<usize, CommError> {
+            match (var(name), default) {
+                (Some(v), _) => v
+                    .trim()
+                    .parse()
+                    .map_err(|_| CommError::env(name, &v, "expected a non-negative integer")),
+                (None, Some(d)) => Ok(d),
+                (None, None) => Err(CommError::env(
+                    name,
+                    "",
+                    format!(
+                        "must be set with {LIVE_STORE_VAR} (tandem run --live-recovery sets both)"
+                    ),
+                )),
+            }
+        };
+        let slots = number("WORLD_SIZE", None)?;
+        let member = number("RANK", None)?;
+        if member >= slots {
+            return Err(CommError::env(
+                "RANK",
+                &member.to_string(),
+                format!("must be below WORLD_SIZE={slots}"),
+            ));
+        }
+        let min_world = number(LIVE_MIN_WORLD_VAR, Some(1))?.max(1);
+        let arrival = number(LIVE_ARRIVAL_VAR, Some(30))?;
+        Ok(Some(LiveOptions {
+            store_addr,
+            member,
+            slots,
+            min_world,
+            replacement: var(LIVE_REPLACEMENT_VAR).is_some_and(|v| v != "0"),
+            arrival_timeout: Duration::from_secs(arrival as u64),
+            init: InitOptions::from_env()?,
+        }))
+    }
+}
+
+/// One committed generation of the world.
+#[derive(Debug)]
+pub struct Generation {
+    pub number: u64,
+    /// Member slots in rank order: rank `r` of this generation is member `members[r]`.
+    pub members: Vec<usize>,
+    /// Each rank's progress (completed steps) as it reported it when it became ready.
+    pub progress: Vec<u64>,
+    /// The rank whose training state every rank takes: the one furthest along (the lowest
+    /// rank among equals).
+    pub source: usize,
+    /// The generation's process group; this process is rank `group.rank()` in it.
+    pub group: ProcessGroup,
+    /// `live/wanted` when the generation was committed: a larger value asks for a regroup.
+    wanted_at: i64,
+}
+
+impl Generation {
+    /// Members of this generation that were not in `before` (joiners).
+    pub fn joined_since(&self, before: &[usize]) -> Vec<usize> {
+        self.members.iter().copied().filter(|m| !before.contains(m)).collect()
+    }
+    /// Members of `before` not in this generation (lost).
+    pub fn lost_since(&self, before: &[usize]) -> Vec<usize> {
+        before.iter().copied().filter(|m| !self.members.contains(m)).collect()
+    }
+}
+
+impl std::fmt::Display for Generation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "generation {}: {} rank(s), members {:?}, state from member {} (step {})",
+            self.number,
+            self.members.len(),
+            self.members,
+            self.members[self.source],
+            self.progress[self.source]
+        )
+    }
+}
+
+/// A committed generation's record, as the store holds it.
+#[derive(Debug, PartialEq, Eq)]
+struct Record {
+    members: Vec<usize>,
+    progress: Vec<u64>,
+    source: usize,
+    wanted: i64,
+}
+
+impl Record {
+    fn encode(&self) -> String {
+        let list = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+        let members: Vec<u64> = self.members.iter().map(|&m| m as u64).collect();
+        format!(
+            "members={} source={} progress={} wanted={}",
+            list(&members),
+            self.source,
+            list(&self.progress),
+            self.wanted
+        )
+    }
+
+    /// The record, or the error a proposer committed instead (`error=...`).
+    fn decode(text: &str) -> Result<Result<Record, String>, String> {
+        if let Some(why) = text.strip_prefix("error=") {
+            return Ok(Err(why.to_string()));
+        }
+        let field = |name: &str| {
+            text.split(' ')
+                .find_map(|kv| kv.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
+                .ok_or_else(|| format!("no `{name}` in {text:?}"))
+        };
+        let numbers = |name: &str| -> Result<Vec<u64>, String> {
+            let v = field(name)?;
+            if v.is_empty() {
+                return Ok(Vec::new());
+            }
+            v.split(',')
+                .map(|n| n.parse().map_err(|_| format!("bad `{name}` in {text:?}")))
+                .collect()
+        };
+        let members: Vec<usize> = numbers("members")?.into_iter().map(|m| m as usize).collect();
+        let progress = numbers("progress")?;
+        let source: usize =
+            field("source")?.parse().map_err(|_| format!("bad `source` in {text:?}"))?;
+        let wanted: i64 =
+            field("wanted")?.parse().map_err(|_| format!("bad `wanted` in {text:?}"))?;
+        if members.is_empty() || progress.len() != members.len() || source >= members.len() {
+            return Err(format!("inconsistent record {text:?}"));
+        }
+        Ok(Ok(Record { members, progress, source, wanted }))
+    }
+}
+
+/// A process group that re-forms when members die or join (see the module docs). Cheap to
+/// share; [`LiveGroup::collectives`] gives a [`Collectives`] handle that always uses the
+/// current generation, so a `Ddp` built on it follows every regroup.
+pub struct LiveGroup {
+    store: Store,
+    opts: LiveOptions,
+    local_ip: IpAddr,
+    /// `None` for a replacement until it joins the running world.
+    current: RwLock<Option<Arc<Generation>>>,
+    last_wanted_poll: Mutex<Option<Instant>>,
+}
+
+impl std::fmt::Debug for LiveGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.current.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(g) => {
+                write!(f, "LiveGroup(member {} of {}, {g})", self.opts.member, self.opts.slots)
+            }
+            None => write!(
+                f,
+                "LiveGroup(member {} of {}, not joined)",
+                self.opts.member, self.opts.slots
+            ),
+        }
+    }
+}
+
+fn live_error(reason: impl Into<String>) -> CommError {
+    CommError::rendezvous("live", reason)
+}
+
+impl LiveGroup {
+    /// Connects to the live world's store and announces this member alive. An original member
+    /// (not a replacement) also forms the job's first generation with the others (it waits for
+    /// every slot, up to `init_timeout`); a replacement joins the running world later, with
+    /// [`LiveGroup::join_running`], once it has built what it trains — the running ranks wait
+    /// for it only from then on.
+    pub fn connect(opts: LiveOptions) -> Result<LiveGroup, CommError> {
+        let store = Store::connect(
+            &opts.store_addr,
+            &opts.init.run_id,
+            opts.init.init_timeout,
+            LIVE_STORE_VAR,
+        )?
+        .with_prefix("live");
+        let local_ip = store.local_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let me = format!("pid {} on {}", std::process::id(), crate::rendezvous::hostname());
+        store.set_owned(&format!("alive/{}", opts.member), me.as_bytes())?;
+        let first = if opts.replacement {
+            None
+        } else {
+            Some(Arc::new(Self::form(&store, &opts, local_ip, None, 0)?))
+        };
+        Ok(LiveGroup {
+            store,
+            opts,
+            local_ip,
+            current: RwLock::new(first),
+            last_wanted_poll: Mutex::new(None),
+        })
+    }
+
+    /// [`LiveGroup::connect`], then for a replacement [`LiveGroup::join_running`] at once (for
+    /// callers that have nothing to build first, like the tests).
+    pub fn join(opts: LiveOptions) -> Result<LiveGroup, CommError> {
+        let live = Self::connect(opts)?;
+        if live.current.read().unwrap_or_else(|p| p.into_inner()).is_none() {
+            live.join_running()?;
+        }
+        Ok(live)
+    }
+
+    /// A replacement's way in: asks the running world to regroup and joins the generation it
+    /// forms (with progress 0: the state comes from the running ranks). Returns it.
+    pub fn join_running(&self) -> Result<Arc<Generation>, CommError> {
+        self.store.add("wanted", 1)?;
+        let gen = Arc::new(Self::form(&self.store, &self.opts, self.local_ip, None, 0)?);
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&gen));
+        Ok(gen)
+    }
+
+    /// Whether this process has a generation yet (a replacement before `join_running` has not).
+    pub fn has_joined(&self) -> bool {
+        self.current.read().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    /// The current generation. Panics for a replacement that has not joined yet
+    /// ([`LiveGroup::has_joined`]).
+    pub fn generation(&self) -> Arc<Generation> {
+        self.current.read().unwrap_or_else(|p| p.into_inner()).clone().expect(
+            "a replacement must join the running world (join_running) before using the group",
+        )
+    }
+
+    /// The current generation's process group.
+    pub fn group(&self) -> ProcessGroup {
+        self.generation().group.clone()
+    }
+
+    pub fn member(&self) -> usize {
+        self.opts.member
+    }
+
+    pub fn options(&self) -> &LiveOptions {
+        &self.opts
+    }
+
+    /// A [`Collectives`] handle on whichever generation is current at each call.
+    pub fn collectives(self: &Arc<Self>) -> Arc<dyn Collectives> {
+        Arc::new(Current(Arc::clone(self)))
+    }
+
+    /// Whether the world should regroup at this step boundary (someone is waiting to join).
+    /// A collective over the current generation: call it on every rank at the same point.
+    /// A failure of that collective is reported as `Err` (the caller regroups then too).
+    pub fn regroup_wanted(&self) -> Result<bool, CommError> {
+        let gen = self.generation();
+        let mut flag = [0u8];
+        if gen.group.rank() == 0 {
+            let mut last = self.last_wanted_poll.lock().unwrap_or_else(|p| p.into_inner());
+            if last.is_none_or(|t| t.elapsed() >= WANTED_POLL) {
+                *last = Some(Instant::now());
+                flag[0] = u8::from(self.store.add("wanted", 0)? > gen.wanted_at);
+            }
+        }
+        if gen.group.size() > 1 {
+            gen.group.all_reduce(&mut flag, ReduceOp::Max)?;
+        }
+        Ok(flag[0] != 0)
+    }
+
+    /// Leaves the current generation and forms the next one with every member that is alive
+    /// and arrives, reporting `progress` (this process's completed steps). Returns the new
+    /// generation (also the current one from now on).
+    pub fn regroup(&self, progress: u64) -> Result<Arc<Generation>, CommError> {
+        if !self.has_joined() {
+            return self.join_running();
+        }
+        let old = self.generation();
+        old.group.abort(&format!(
+            "member {} left generation {} to regroup",
+            self.opts.member, old.number
+        ));
+        // Peers still computing learn of the regroup at their next boundary check.
+        let _ = self.store.add("wanted", 1);
+        let next = Arc::new(Self::form(
+            &self.store,
+            &self.opts,
+            self.local_ip,
+            Some(old.number),
+            progress,
+        )?);
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&next));
+        Ok(next)
+    }
+
+    /// Agrees on the next generation after `after` (the newest committed one for a newcomer)
+    /// and connects its group, trying later generations while members keep failing.
+    fn form(
+        store: &Store,
+        opts: &LiveOptions,
+        local_ip: IpAddr,
+        after: Option<u64>,
+        progress: u64,
+    ) -> Result<Generation, CommError> {
+        let mut last_error = String::new();
+        let mut floor = after.unwrap_or(0);
+        for _ in 0..MAX_ATTEMPTS {
+            let target = floor.max(committed(store)?) + 1;
+            store.set(
+                &format!("g{target}/ready/{}", opts.member),
+                progress.to_string().as_bytes(),
+            )?;
+            let record = match agree(
+                store,
+                opts,
+                target,
+                after.is_none() && !opts.replacement && target == 1,
+            )? {
+                Ok(record) => record,
+                Err(why) => return Err(live_error(why)),
+            };
+            floor = target;
+            let Some(rank) = record.members.iter().position(|&m| m == opts.member) else {
+                // Committed without us (we arrived late): ask for the next one.
+                store.add("wanted", 1)?;
+                last_error =
+                    format!("generation {target} was committed without member {}", opts.member);
+                continue;
+            };
+            match connect(store, opts, local_ip, target, rank, &record) {
+                Ok(group) => {
+                    // (The proposer sets it too; repeated here in case it died right after.)
+                    if committed(store)? < target {
+                        store.set("committed", target.to_string().as_bytes())?;
+                    }
+                    return Ok(Generation {
+                        number: target,
+                        members: record.members,
+                        progress: record.progress,
+                        source: record.source,
+                        group,
+                        wanted_at: record.wanted,
+                    });
+                }
+                Err(e) => {
+                    // A member died while the group connected: everyone here fails the same
+                    // way (its keys never come) and regroups without it.
+                    tracing::warn!(generation = target, %e, "live: connecting the generation failed; regrouping");
+                    store.add("wanted", 1)?;
+                    last_error = e.to_string();
+                }
+            }
+        }
+        Err(live_error(format!(
+            "no generation could be formed in {MAX_ATTEMPTS} attempts (members kept failing); last: {last_error}"
+        )))
+    }
+}
+
+/// The newest committed generation (0 before the first).
+fn committed(store: &Store) -> Result<u64, CommError> {
+    Ok(try_get(store, "committed")?
+        .and_then(|v| String::from_utf8_lossy(&v).trim().parse().ok())
+        .unwrap_or(0))
+}
+
+/// `key`'s value, or `None` when it is not set (without waiting for it).
+fn try_get(store: &Store, key: &str) -> Result<Option<Vec<u8>>, CommError> {
+    if store.missing(&[key])?.is_empty() {
+        Ok(Some(store.get(key)?))
+    } else {
+        Ok(None)
+    }
+}
+
+/// Waits until generation `target` is committed, committing it when this member is the
+/// proposer. `first`: the job's first generation, which waits for every slot.
+///
+/// Only members of the previous generation propose (all slots for the first): a joiner never
+/// commits a world of its own while the members it is joining are busy with a step; they
+/// include it at their next boundary. A member of the previous generation that is alive but
+/// not ready within the arrival timeout (stalled) is left out.
+fn agree(
+    store: &Store,
+    opts: &LiveOptions,
+    target: u64,
+    first: bool,
+) -> Result<Result<Record, String>, CommError> {
+    let members_key = format!("g{target}/members");
+    let previous: Vec<usize> = match target - 1 {
+        0 => (0..opts.slots).collect(),
+        t => match try_get(store, &format!("g{t}/members"))? {
+            Some(v) => match Record::decode(&String::from_utf8_lossy(&v)) {
+                Ok(Ok(r)) => r.members,
+                _ => (0..opts.slots).collect(),
+            },
+            None => (0..opts.slots).collect(),
+        },
+    };
+    let alive_keys: Vec<String> = (0..opts.slots).map(|m| format!("alive/{m}")).collect();
+    let ready_keys: Vec<String> = (0..opts.slots).map(|m| format!("g{target}/ready/{m}")).collect();
+    // The first generation waits up to the init timeout for processes that are still
+    // starting; later ones wait the arrival timeout for members still finishing a step.
+    let patience = if first { opts.init.init_timeout } else { opts.arrival_timeout };
+    // A joiner waits for the running world's next step boundary, however long its step is.
+    let give_up = patience + opts.arrival_timeout + opts.init.init_timeout;
+    let started = Instant::now();
+    loop {
+        if let Some(v) = try_get(store, &members_key)? {
+            let text = String::from_utf8_lossy(&v).to_string();
+            return Record::decode(&text)
+                .map_err(|why| live_error(format!("generation {target}: {why}")));
+        }
+        let missing_alive = store.missing(&as_strs(&alive_keys))?;
+        let missing_ready = store.missing(&as_strs(&ready_keys))?;
+        let is = |missing: &[String], key: &str| !missing.iter().any(|k| k == key);
+        let alive: Vec<usize> =
+            (0..opts.slots).filter(|&m| is(&missing_alive, &alive_keys[m])).collect();
+        let ready: Vec<usize> =
+            alive.iter().copied().filter(|&m| is(&missing_ready, &ready_keys[m])).collect();
+        let waited = started.elapsed();
+        let proposer = ready.iter().copied().find(|m| previous.contains(m));
+        if proposer.is_none() && !alive.iter().any(|m| previous.contains(m)) {
+            // Every member of the previous generation is gone, and with them the state.
+            let proposal = format!(
+                "error=every member of generation {} ({previous:?}) died: no rank holds the                  training state any more",
+                target - 1
+            );
+            store.compare_set(&members_key, b"", proposal.as_bytes())?;
+            continue;
+        }
+        if proposer == Some(opts.member) {
+            // Everyone of the previous generation who is alive (for the first: every slot).
+            // A joiner that is ready comes along; one still starting does not hold the world.
+            let everyone = if first {
+                ready.len() == opts.slots
+            } else {
+                alive.iter().filter(|m| previous.contains(m)).all(|m| ready.contains(m))
+            };
+            if everyone || waited >= patience {
+                let proposal = propose(store, opts, &ready, target)?;
+                let won = store.compare_set(&members_key, b"", proposal.as_bytes())?;
+                if won == proposal.as_bytes() {
+                    store.set("committed", target.to_string().as_bytes())?;
+                }
+                continue; // read back the winner
+            }
+        }
+        // A proposer that died leaves `ready` without it: the next lowest takes over on its
+        // own. Only a store that stops answering, or a world that never comes, ends the wait.
+        if waited > give_up {
+            return Err(live_error(format!(
+                "generation {target} was not committed within {waited:?} (ready members \
+                 {ready:?}, alive {alive:?}, previous generation {previous:?})"
+            )));
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+fn as_strs(keys: &[String]) -> Vec<&str> {
+    keys.iter().map(String::as_str).collect()
+}
+
+/// The proposal for generation `target` with the `ready` members (alive, in slot order).
+fn propose(
+    store: &Store,
+    opts: &LiveOptions,
+    ready: &[usize],
+    target: u64,
+) -> Result<String, CommError> {
+    if ready.len() < opts.min_world {
+        return Ok(format!(
+            "error=only {} rank(s) are left (members {ready:?}) and the job needs at least {} \
+             (tandem run --min-nproc); the job cannot go on",
+            ready.len(),
+            opts.min_world
+        ));
+    }
+    let mut progress = Vec::with_capacity(ready.len());
+    for &m in ready {
+        let v = store.get(&format!("g{target}/ready/{m}"))?;
+        progress.push(String::from_utf8_lossy(&v).trim().parse::<u64>().unwrap_or(0));
+    }
+    // The furthest along; the lowest rank among equals.
+    let top = progress.iter().copied().max().unwrap_or(0);
+    let source = progress.iter().position(|&p| p == top).unwrap_or(0);
+    let wanted = store.add("wanted", 0)?;
+    Ok(Record { members: ready.to_vec(), progress, source, wanted }.encode())
+}
+
+/// Connects generation `target`'s group (rank `rank` of `record.members`).
+fn connect(
+    store: &Store,
+    opts: &LiveOptions,
+    local_ip: IpAddr,
+    target: u64,
+    rank: usize,
+    record: &Record,
+) -> Result<ProcessGroup, CommError> {
+    let mut init = opts.init.clone();
+    // A member that died after the commit must not hold the others for long.
+    init.init_timeout = init.init_timeout.min(opts.arrival_timeout.max(Duration::from_secs(5)));
+    let scoped = store.with_prefix(&format!("g{target}/pg"));
+    let name = format!("live{target}");
+    let group = crate::rendezvous::build_group(
+        Some(scoped),
+        None,
+        &name,
+        rank,
+        record.members.clone(),
+        &init,
+        local_ip,
+        (None, None),
+    )?;
+    if group.size() > 1 && init.transport != Some(crate::TransportKind::Mpi) {
+        crate::hierarchy::setup(&group, init.hierarchical)?;
+    }
+    Ok(group)
+}
+
+/// [`Collectives`] on the current generation (see [`LiveGroup::collectives`]).
+struct Current(Arc<LiveGroup>);
+
+impl Current {
+    fn group(&self) -> ProcessGroup {
+        self.0.group()
+    }
+}
+
+impl Collectives for Current {
+    // Before a replacement joins, its launch slot and world size (what a model wrapper built
+    // then sees; its parameters arrive with the training state).
+    fn rank(&self) -> usize {
+        match self.0.has_joined() {
+            true => self.group().rank(),
+            false => self.0.opts.member,
+        }
+    }
+    fn size(&self) -> usize {
+        match self.0.has_joined() {
+            true => self.group().size(),
+            false => self.0.opts.slots,
+        }
+    }
+    fn all_reduce_avg(&self, buf: &mut [f32]) -> Result<(), CommSource> {
+        Ok(self.group().all_reduce(buf, ReduceOp::Avg)?)
+    }
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommSource> {
+        Ok(self.group().all_reduce(buf, ReduceOp::Sum)?)
+    }
+    fn all_reduce_sum_f16(&self, buf: &mut [f16]) -> Result<(), CommSource> {
+        Ok(self.group().all_reduce(buf, ReduceOp::Sum)?)
+    }
+    fn all_reduce_sum_bf16(&self, buf: &mut [bf16]) -> Result<(), CommSource> {
+        Ok(self.group().all_reduce(buf, ReduceOp::Sum)?)
+    }
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommSource> {
+        Ok(self.group().broadcast(buf, root)?)
+    }
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CommSource> {
+        Ok(self.group().all_gather_bytes(bytes)?)
+    }
+    fn generation(&self) -> u64 {
+        match self.0.has_joined() {
+            true => self.0.generation().number,
+            false => 0,
+        }
+    }
+}
+
+/// Whether `e` (anywhere in its source chain) is a peer's failure that a regroup can recover
+/// from: a peer that closed its connection, made no progress, or a group already broken by
+/// one (not a caller error or a desync, which a regroup would repeat).
+pub fn is_peer_failure(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(c) = err.downcast_ref::<CommError>() {
+            return matches!(
+                c,
+                CommError::Peer { .. }
+                    | CommError::Timeout { .. }
+                    | CommError::Broken { .. }
+                    | CommError::QueueTimeout { .. }
+            );
+        }
+        cur = err.source();
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_and_bad_ones_are_named() {
+        let r = Record { members: vec![0, 2, 3], progress: vec![40, 41, 40], source: 1, wanted: 2 };
+        let text = r.encode();
+        assert_eq!(text, "members=0,2,3 source=1 progress=40,41,40 wanted=2");
+        assert_eq!(Record::decode(&text).unwrap().unwrap(), r);
+        assert_eq!(Record::decode("error=too few").unwrap().unwrap_err(), "too few");
+        for bad in [
+            "members=0,1 source=2 progress=1,1 wanted=0",
+            "members= source=0 progress= wanted=0",
+            "source=0",
+        ] {
+            assert!(Record::decode(bad).is_err(), "{bad}");
+        }
+    }
+}

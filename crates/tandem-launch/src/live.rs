@@ -1,0 +1,233 @@
+//! `--live-recovery`: a worker that dies does not stop the others. The launcher hosts a store
+//! that outlives every worker (node 0's launcher, at `--master-port` on several nodes; a free
+//! port on one) and tells the workers where it is (`TANDEM_LIVE_STORE`); they keep their
+//! membership there (`tandem_comm::live`). A worker that fails is started again alone, in its
+//! own slot, as a replacement that joins the running job (while `--max-restarts` lasts); after
+//! that the job goes on without it, down to `--min-nproc` ranks in the job (the workers check)
+//! and `--min-nproc-per-node` on this node (the launcher checks). The launch ends when every
+//! worker has exited: successfully when at least one finished the job.
+use std::ffi::OsString;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use tandem_comm::StoreServer;
+
+use crate::config::{available_cores, LaunchConfig};
+use crate::env::JobShape;
+use crate::error::LaunchError;
+use crate::outcome::{LaunchOutcome, WorkerExit, WorkerFailure};
+use crate::reaper::GroupReaper;
+use crate::signals::SignalWatch;
+use crate::supervisor::{drain_output, stop_all};
+use crate::worker::Worker;
+
+use tandem_comm::live::{
+    LIVE_MIN_WORLD_VAR as MIN_WORLD_VAR, LIVE_REPLACEMENT_VAR as REPLACEMENT_VAR,
+    LIVE_STORE_VAR as STORE_VAR,
+};
+
+/// One slot's worker and what became of the ones before it.
+struct Slot {
+    worker: Worker,
+    /// The current worker has exited successfully.
+    done: bool,
+    /// Failed with no restart left: the job goes on without this slot.
+    lost: Option<WorkerFailure>,
+}
+
+/// Where the workers find the store, and the server when this launcher hosts it.
+fn live_store(cfg: &LaunchConfig) -> Result<(String, Option<StoreServer>), LaunchError> {
+    let host = &cfg.master_addr;
+    let bracket =
+        |h: &str, p: u16| if h.contains(':') { format!("[{h}]:{p}") } else { format!("{h}:{p}") };
+    if cfg.is_multi_node() {
+        let port = cfg.master_port.expect("validated: multi-node needs --master-port");
+        let server = if cfg.node_rank == 0 {
+            let bind = bracket("0.0.0.0", port);
+            Some(StoreServer::bind(&bind, &cfg.run_id).map_err(|error| {
+                LaunchError::config(
+                    "--master-port",
+                    format!("node 0 cannot host the live-recovery store on {bind}: {error}"),
+                )
+            })?)
+        } else {
+            None
+        };
+        return Ok((bracket(host, port), server));
+    }
+    let bind = bracket(host, cfg.master_port.unwrap_or(0));
+    let server = StoreServer::bind(&bind, &cfg.run_id).map_err(|error| {
+        LaunchError::config(
+            "--master-addr",
+            format!("cannot host the live-recovery store on {bind}: {error}"),
+        )
+    })?;
+    let addr = bracket(host, server.local_addr().port());
+    Ok((addr, Some(server)))
+}
+
+/// Starts this node's workers in live-recovery mode and supervises them (see the module docs).
+pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
+    cfg.validate()?;
+    if cfg.min_nnodes.is_some() {
+        return Err(LaunchError::config(
+            "--live-recovery",
+            "works with a fixed --nnodes (the workers re-form the world themselves; \
+             --nnodes MIN:MAX is for whole-job restarts)",
+        ));
+    }
+    let nproc = cfg.nproc_per_node.resolve()?;
+    let cores = available_cores();
+    let signals =
+        if cfg.forward_signals { SignalWatch::install()? } else { SignalWatch::disabled() };
+    let (store_addr, _server) = live_store(cfg)?;
+    let port = store_addr.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let job_log_dir = cfg.log_dir.as_ref().map(|d| d.join(&cfg.run_id));
+    let mut reaper = GroupReaper::start().ok();
+    let shape = JobShape {
+        nnodes: cfg.nnodes,
+        nproc_per_node: nproc,
+        node_rank: cfg.node_rank,
+        master_addr: cfg.master_addr.clone(),
+        master_port: port,
+        restart_count: 0,
+        max_restarts: cfg.max_restarts,
+        run_id: cfg.run_id.clone(),
+    };
+    let min_world = cfg.min_nproc.unwrap_or(1).max(1);
+    let with_env = |replacement: bool| {
+        let mut c = cfg.clone();
+        c.extra_env.push((STORE_VAR.into(), OsString::from(&store_addr)));
+        c.extra_env.push((MIN_WORLD_VAR.into(), min_world.to_string().into()));
+        if replacement {
+            c.extra_env.push((REPLACEMENT_VAR.into(), "1".into()));
+        }
+        c
+    };
+    let spawn = |local_rank: u32, replacement: bool, restart: u32| {
+        let dir = job_log_dir.as_ref().map(|d| d.join(format!("attempt_{restart}")));
+        Worker::spawn(&with_env(replacement), &shape, local_rank, cores, dir.as_deref())
+    };
+    tracing::info!(nproc, store = %store_addr, "starting workers (live recovery)");
+    let mut slots: Vec<Slot> = Vec::with_capacity(nproc as usize);
+    for local_rank in 0..nproc {
+        match spawn(local_rank, false, 0) {
+            Ok(w) => {
+                if let Some(r) = &mut reaper {
+                    r.watch_group(w.pgid);
+                }
+                slots.push(Slot { worker: w, done: false, lost: None });
+            }
+            Err(e) => {
+                let mut ws: Vec<Worker> = slots.into_iter().map(|s| s.worker).collect();
+                stop_all(&mut ws, Signal::SIGTERM, cfg.stop_grace, &signals);
+                drain_output(&mut ws);
+                return Err(e);
+            }
+        }
+    }
+    let mut restarts = 0u32;
+    let min_here = cfg.min_nproc_per_node.unwrap_or(1).max(1);
+    let outcome = |exit_code, failures, signal, restarts| LaunchOutcome {
+        exit_code,
+        restarts,
+        failures,
+        signal,
+        master_port: port,
+        log_dir: job_log_dir.clone(),
+    };
+    loop {
+        if let Some((sig, _)) = signals.received() {
+            let mut ws: Vec<Worker> = slots.into_iter().map(|s| s.worker).collect();
+            let how = Signal::try_from(sig).unwrap_or(Signal::SIGTERM);
+            stop_all(&mut ws, how, cfg.stop_grace, &signals);
+            drain_output(&mut ws);
+            return Ok(outcome(128 + sig, Vec::new(), Some(sig), restarts));
+        }
+        for (i, slot) in slots.iter_mut().enumerate() {
+            if slot.done || slot.lost.is_some() {
+                continue;
+            }
+            let Some(status) = slot.worker.poll()? else { continue };
+            if status.success() {
+                slot.done = true;
+                continue;
+            }
+            let exit = WorkerExit::from_status(status);
+            let failure = WorkerFailure {
+                rank: slot.worker.rank,
+                local_rank: slot.worker.local_rank,
+                node_rank: cfg.node_rank,
+                exit,
+                stderr_tail: slot.worker.stderr_lines(),
+            };
+            if restarts < cfg.max_restarts {
+                restarts += 1;
+                eprintln!(
+                    "[launcher] rank {} failed ({exit}); starting it again, to join the running \
+                     job (restart {restarts} of {}; the other ranks go on)",
+                    failure.rank, cfg.max_restarts
+                );
+                let w = spawn(i as u32, true, restarts)?;
+                if let Some(r) = &mut reaper {
+                    r.watch_group(w.pgid);
+                }
+                let mut old = std::mem::replace(&mut slot.worker, w);
+                old.join_output();
+            } else {
+                eprintln!(
+                    "[launcher] rank {} failed ({exit}); no restarts left (--max-restarts {}): \
+                     the job goes on without it",
+                    failure.rank, cfg.max_restarts
+                );
+                slot.lost = Some(failure);
+            }
+        }
+        let running = slots.iter().filter(|s| !s.done && s.lost.is_none()).count();
+        let lost = slots.iter().filter(|s| s.lost.is_some()).count();
+        if running > 0 && (nproc as usize - lost) < min_here as usize {
+            eprintln!(
+                "[launcher] only {} of this node's {nproc} rank(s) are left and \
+                 --min-nproc-per-node is {min_here}: stopping the node",
+                nproc as usize - lost
+            );
+            let failures: Vec<WorkerFailure> =
+                slots.iter().filter_map(|s| s.lost.clone()).collect();
+            let mut ws: Vec<Worker> = slots.into_iter().map(|s| s.worker).collect();
+            stop_all(&mut ws, Signal::SIGTERM, cfg.stop_grace, &signals);
+            drain_output(&mut ws);
+            let code = failures.first().map_or(1, |f| f.exit.launcher_exit_code());
+            return Ok(outcome(code, failures, None, restarts));
+        }
+        if running == 0 {
+            let finished = slots.iter().filter(|s| s.done).count();
+            let failures: Vec<WorkerFailure> =
+                slots.iter().filter_map(|s| s.lost.clone()).collect();
+            let mut ws: Vec<Worker> = slots.into_iter().map(|s| s.worker).collect();
+            stop_all(&mut ws, Signal::SIGTERM, cfg.stop_grace, &signals);
+            drain_output(&mut ws);
+            if finished > 0 {
+                if !failures.is_empty() || restarts > 0 {
+                    let ranks: Vec<u32> = failures.iter().map(|f| f.rank).collect();
+                    eprintln!(
+                        "[launcher] live recovery: the job finished on {finished} rank(s) of this \
+                         node; {restarts} replacement(s) started, rank(s) {ranks:?} lost for good"
+                    );
+                }
+                return Ok(outcome(0, failures, None, restarts));
+            }
+            let o = outcome(
+                failures.first().map_or(1, |f| f.exit.launcher_exit_code()),
+                failures,
+                None,
+                restarts,
+            );
+            eprint!("{}", o.summary(cfg.max_restarts));
+            return Ok(o);
+        }
+        let until = Instant::now() + cfg.monitor_interval;
+        while Instant::now() < until && signals.received().is_none() {
+            std::thread::sleep(cfg.monitor_interval.min(Duration::from_millis(50)));
+        }
+    }
+}

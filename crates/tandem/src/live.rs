@@ -1,0 +1,283 @@
+//! Keep training through a rank's death in your own loop, under `tandem run --live-recovery`:
+//! the survivors regroup, take the state of the rank furthest along, redo at most the step that
+//! failed, and go on over the new world; a restarted rank joins at a step boundary and receives
+//! the whole training state from a healthy peer over the group — no checkpoint file involved.
+//! (The membership protocol is [`tandem_comm::live`]'s; this module moves the training state.)
+//!
+//! The loop's shape ([`examples/live_recovery.rs`] is the whole program):
+//!
+//! ```ignore
+//! let live = LiveTraining::connect()?;                    // under tandem run --live-recovery
+//! let ddp = Ddp::from_varmap_with(&varmap, &live.collectives(), live.ddp_options())?;
+//! // ... optimizer, sampler (live.group()'s rank and size), loader ...
+//! live.start(&mut TrainingState::new(&ddp, &mut opt).loader(&mut loader))?; // a replacement gets the state here
+//! while loader.epoch() < EPOCHS {
+//!     let mut failed_at = None;
+//!     for batch in loader.iter()? {
+//!         let before = loader.position_before(&batch);        // where this step started
+//!         if let Err(e) = train_step(&ddp, &mut opt, batch?) {
+//!             if !is_peer_failure(&*e) { return Err(e) }
+//!             failed_at = Some(before);
+//!             break;
+//!         }
+//!         step += 1;
+//!         if live.regroup_wanted()? { break }               // someone joins: regroup at this boundary
+//!     }
+//!     // after a failure, put the loader back to where the failed step started
+//!     live.regroup(&mut TrainingState::new(&ddp, &mut opt).loader(&mut loader).step(step))?;
+//! }
+//! ```
+//!
+//! [`examples/live_recovery.rs`]: https://github.com/tandem-rs/tandem/blob/main/examples/live_recovery.rs
+use std::sync::Arc;
+
+use tandem_ckpt::TrainingCheckpoint;
+use tandem_comm::live::{Generation, LiveGroup, LiveOptions};
+use tandem_comm::{Collectives, CommError, ProcessGroup};
+
+use crate::state::{
+    apply_checkpoint, sampler_state_from_value, to_value, StateError, TrainingState,
+};
+
+pub use tandem_comm::live::is_peer_failure;
+
+/// How many regroups one call tries while members keep failing (a source that dies while it
+/// sends its state, say) before giving up.
+const MAX_REGROUPS: usize = 8;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LiveError {
+    #[error("live recovery: {0}")]
+    Comm(#[from] CommError),
+    #[error("live recovery: moving the training state: {0}")]
+    State(#[from] StateError),
+    #[error("live recovery: this process was not started by `tandem run --live-recovery` ({var} is not set)")]
+    NotLive { var: &'static str },
+    #[error("live recovery: {0}")]
+    Other(String),
+}
+
+/// What a regroup changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorldChange {
+    pub generation: u64,
+    /// Member slots of the new world, in rank order.
+    pub members: Vec<usize>,
+    /// Members of the previous world that are gone.
+    pub lost: Vec<usize>,
+    /// Members new in this world (replacements, or members that were left out and came back).
+    pub joined: Vec<usize>,
+    /// The member whose state everyone took, and its step.
+    pub source: usize,
+    pub step: u64,
+}
+
+impl std::fmt::Display for WorldChange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "generation {}: {} rank(s) {:?}",
+            self.generation,
+            self.members.len(),
+            self.members
+        )?;
+        if !self.lost.is_empty() {
+            write!(f, ", lost {:?}", self.lost)?;
+        }
+        if !self.joined.is_empty() {
+            write!(f, ", joined {:?}", self.joined)?;
+        }
+        write!(f, "; state of member {} at step {}", self.source, self.step)
+    }
+}
+
+/// A rank's handle on a live job (see the module docs).
+pub struct LiveTraining {
+    live: Arc<LiveGroup>,
+    /// A replacement has the running world's state still to receive ([`LiveTraining::start`]).
+    pending_start: std::sync::atomic::AtomicBool,
+}
+
+impl LiveTraining {
+    /// Connects to the live job `tandem run --live-recovery` started this process in: an
+    /// original member forms the first world with the others; a replacement only connects
+    /// (it joins in [`LiveTraining::start`], once its model is built).
+    pub fn connect() -> Result<LiveTraining, LiveError> {
+        let opts = LiveOptions::from_env()?
+            .ok_or(LiveError::NotLive { var: tandem_comm::live::LIVE_STORE_VAR })?;
+        Self::connect_with(opts)
+    }
+
+    /// [`LiveTraining::connect`] with explicit options.
+    pub fn connect_with(opts: LiveOptions) -> Result<LiveTraining, LiveError> {
+        let replacement = opts.replacement;
+        let live = Arc::new(LiveGroup::connect(opts)?);
+        Ok(LiveTraining { live, pending_start: replacement.into() })
+    }
+
+    /// Whether this process replaces a member that died.
+    pub fn is_replacement(&self) -> bool {
+        self.live.options().replacement
+    }
+
+    /// The current world's process group (changes at every regroup: fetch it again after one).
+    pub fn group(&self) -> ProcessGroup {
+        self.live.group()
+    }
+
+    /// The rank and size a sampler should use now (before a replacement joins: its launch slot
+    /// and world size; `start` reshards the loader in any case).
+    pub fn rank_and_size(&self) -> (usize, usize) {
+        let c = self.live.collectives();
+        (c.rank(), c.size())
+    }
+
+    /// Collectives that follow every regroup: build `Ddp` (and SyncBatchNorm) on this.
+    pub fn collectives(&self) -> Arc<dyn Collectives> {
+        self.live.collectives()
+    }
+
+    /// `Ddp` options for this process: a replacement skips Ddp's construction-time check and
+    /// broadcast (the running ranks are not constructing anything; its parameters come with
+    /// the training state in `start`).
+    pub fn ddp_options(&self, mut opts: tandem_ddp::DdpOptions) -> tandem_ddp::DdpOptions {
+        if self.is_replacement() {
+            opts.sync_on_init = false;
+        }
+        opts
+    }
+
+    /// The current generation (member slots, progress, source).
+    pub fn generation(&self) -> Arc<Generation> {
+        self.live.generation()
+    }
+
+    /// Call once, after building model, optimizer and loader and before the first step. An
+    /// original member does nothing; a replacement joins the running world, which regroups at
+    /// its next step boundary, and receives the whole training state from the rank furthest
+    /// along. `Some` change for a replacement.
+    pub fn start(&self, state: &mut impl LiveState) -> Result<Option<WorldChange>, LiveError> {
+        if !self.pending_start.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return Ok(None);
+        }
+        let gen = self.live.join_running()?;
+        match self.adopt(&gen, &[], state) {
+            Err(LiveError::Comm(e)) if is_peer_failure(&e) => self.regroup(state).map(Some),
+            other => other.map(Some),
+        }
+    }
+
+    /// Whether the world should regroup at this step boundary (a rank is waiting to join). A
+    /// collective: every rank calls it at the same point of each step. An `Err` that
+    /// [`is_peer_failure`] is a failure like any other step's.
+    pub fn regroup_wanted(&self) -> Result<bool, CommError> {
+        self.live.regroup_wanted()
+    }
+
+    /// Regroups — after a step failed on a peer's death, or when [`regroup_wanted`] said so —
+    /// and brings `state` to the world's: the rank furthest along ([`LiveState::progress`])
+    /// sends its state to every other, and every rank then enters the new world (a loader is
+    /// resharded: the rest of the epoch split again). The state must stand where the next
+    /// step starts (after a failed step, put the loader back to where that step began).
+    ///
+    /// [`regroup_wanted`]: LiveTraining::regroup_wanted
+    pub fn regroup(&self, state: &mut impl LiveState) -> Result<WorldChange, LiveError> {
+        let before = if self.live.has_joined() {
+            self.live.generation().members.clone()
+        } else {
+            Vec::new()
+        };
+        let mut last = None;
+        for _ in 0..MAX_REGROUPS {
+            let gen = self.live.regroup(state.progress())?;
+            match self.adopt(&gen, &before, state) {
+                Err(LiveError::Comm(e)) if is_peer_failure(&e) => last = Some(e),
+                other => return other,
+            }
+        }
+        Err(LiveError::Other(format!(
+            "members kept failing while the state moved ({MAX_REGROUPS} regroups); last: {}",
+            last.map_or_else(String::new, |e| e.to_string())
+        )))
+    }
+
+    /// Moves the state of `gen`'s source to every rank, then every rank enters the world.
+    fn adopt(
+        &self,
+        gen: &Generation,
+        before: &[usize],
+        state: &mut impl LiveState,
+    ) -> Result<WorldChange, LiveError> {
+        let group = &gen.group;
+        let source = gen.source;
+        let mut bytes = Vec::new();
+        if group.rank() == source {
+            bytes = state.save(group.size())?;
+        }
+        if group.size() > 1 {
+            group.broadcast_bytes(&mut bytes, source)?;
+        }
+        if group.rank() == source {
+            state.enter_world(group.rank(), group.size())?;
+        } else {
+            state.load(bytes, group.rank(), group.size())?;
+        }
+        Ok(WorldChange {
+            generation: gen.number,
+            members: gen.members.clone(),
+            lost: gen.lost_since(before),
+            joined: if before.is_empty() { Vec::new() } else { gen.joined_since(before) },
+            source: gen.members[source],
+            step: gen.progress[source],
+        })
+    }
+}
+
+/// What a regroup moves from the rank furthest along to the others.
+pub trait LiveState {
+    /// Completed steps (the rank with the most is the source).
+    fn progress(&self) -> u64;
+    /// This rank's whole state as bytes, for a world of `world_size` (the source only).
+    fn save(&mut self, world_size: usize) -> Result<Vec<u8>, LiveError>;
+    /// Every rank but the source: takes the source's state and becomes `rank` of `size`
+    /// (the data resharded from the source's position).
+    fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<(), LiveError>;
+    /// The source: becomes `rank` of `size` with its own state (the data resharded).
+    fn enter_world(&mut self, rank: usize, size: usize) -> Result<(), LiveError>;
+}
+
+/// The library's training state moves whole: model, optimizer, scheduler, GradScaler, loader
+/// position and counters, in the checkpoint format (`save_state`'s, in memory).
+impl LiveState for TrainingState<'_> {
+    fn progress(&self) -> u64 {
+        self.step
+    }
+    fn save(&mut self, world_size: usize) -> Result<Vec<u8>, LiveError> {
+        let value = to_value(self, world_size)?;
+        Ok(tandem_ckpt::to_pt_bytes(&value).map_err(StateError::from)?)
+    }
+    fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<(), LiveError> {
+        let value = tandem_ckpt::pt::load_from_bytes("the live state", bytes, true)
+            .map_err(StateError::from)?;
+        let ck = TrainingCheckpoint::from_value(&value).map_err(StateError::from)?;
+        // The loader is moved to the new world from the source's position instead.
+        apply_checkpoint(self, &ck, std::path::Path::new("<live state>"), false)?;
+        if let Some(loader) = self.loader.as_deref_mut() {
+            let position = sampler_state_from_value(&ck.sampler)
+                .map_err(|p| LiveError::Other(format!("the live state's sampler position: {p}")))?;
+            loader
+                .reshard(rank, size, &position)
+                .map_err(|e| LiveError::Other(format!("resharding the loader: {e}")))?;
+        }
+        Ok(())
+    }
+    fn enter_world(&mut self, rank: usize, size: usize) -> Result<(), LiveError> {
+        if let Some(loader) = self.loader.as_deref_mut() {
+            let position = loader.position();
+            loader
+                .reshard(rank, size, &position)
+                .map_err(|e| LiveError::Other(format!("resharding the loader: {e}")))?;
+        }
+        Ok(())
+    }
+}

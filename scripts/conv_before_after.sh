@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The convolution-speed work measured against the revision before it, in one run on this
+# machine: ResNet-18 (CIFAR) per-op times at widths 16 and 64 (the ops the base revision's
+# `tandem bench conv` covers), then whole-model ratios against PyTorch (2-rank DDP at widths 16
+# and 64, the small Cnn, the face recipe), each measured by the base binary and by this tree's
+# binary in alternation. Writes markdown to stdout; docs/bench_conv_before_after.md holds the
+# last run (`tandem bench report` embeds it).
+#
+# usage: scripts/conv_before_after.sh [BASE_REV] [ROUNDS]
+#   BASE_REV  default 077cbf3 (the tree before the kernel work of the convolution-speed issue)
+#   ROUNDS    alternating rounds per whole-model figure (default 3; min / median / max)
+# Needs a Python with torch (TANDEM_PYTHON or .venv-torch/bin/python) and ~8 minutes for the
+# base revision's cold build (in a scratch worktree, removed afterwards).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+base="${1:-077cbf3}"
+rounds="${2:-3}"
+python="${TANDEM_PYTHON:-$PWD/.venv-torch/bin/python}"
+"$python" -c 'import torch' 2>/dev/null || { echo "no torch in $python (set TANDEM_PYTHON)" >&2; exit 1; }
+
+scratch="$(mktemp -d)"
+cleanup() { git worktree remove --force "$scratch/base" 2>/dev/null || true; rm -rf "$scratch"; }
+trap cleanup EXIT
+git worktree add --detach --quiet "$scratch/base" "$base"
+echo "building $base ..." >&2
+(cd "$scratch/base" && CARGO_TARGET_DIR="$scratch/target" cargo build --release --quiet -p tandem-cli)
+old="$scratch/target/release/tandem"
+cargo build --release --quiet -p tandem-cli
+new="$PWD/target/release/tandem"
+head_rev="$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo +changes)"
+
+# One column of `bench conv`'s table: the op name (2nd cell) and the cell numbered $2.
+column() { awk -F'|' -v c="$2" '/^\| conv2d|^\| batch_norm/ { gsub(/ /, "", $3); gsub(/ /, "", $(c + 1)); print $3, $(c + 1) }' "$1"; }
+
+echo "# Convolution speed: $base against $head_rev"
+echo
+echo "Measured $(date -u '+%Y-%m-%d %H:%M UTC') by \`scripts/conv_before_after.sh $base $rounds\` on $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs))."
+echo
+for width in 16 64; do
+  RAYON_NUM_THREADS=1 "$old" bench conv --width "$width" --batch 32 --repeats 9 > "$scratch/old.$width"
+  RAYON_NUM_THREADS=1 "$new" bench conv --net resnet18 --width "$width" --batch 32 --repeats 9 > "$scratch/new.$width"
+  echo "## ResNet-18 (CIFAR) ops at width $width, batch 32, one thread: forward + backward, median ms"
+  echo
+  echo "| op | $base | $head_rev | speed-up |"
+  echo "|---|--:|--:|--:|"
+  join <(column "$scratch/old.$width" 6 | sort) <(column "$scratch/new.$width" 6 | sort) |
+    awk '{ printf "| %s | %.3f | %.3f | %.2fx |\n", $1, $2, $3, $2 / $3 }' | sort -t'|' -k2,2
+  echo
+done
+
+# min / median / max of a list of numbers.
+stats() { sort -g | awk '{ v[NR] = $1 } END { printf "%.2f / %.2f / %.2f", v[1], v[int((NR + 1) / 2)], v[NR] }'; }
+# tandem / PyTorch of one `bench ddp --torch` run.
+ddp_ratio() { "$1" bench ddp --model "$2" --width "$3" --batch "$4" --steps "$5" --rounds 3 --torch "$python" 2>/dev/null | awk '/torch DDP/ { for (i = 1; i <= NF; i++) if ($i ~ /^tandem\/torch$/) print $(i + 1) }'; }
+face_ratio() { "$1" bench face --rounds 1 --python "$python" 2>/dev/null | awk -F'[(): x]+' '/tandem \/ PyTorch/ { for (i = 1; i <= NF; i++) if ($i == "medians") print $(i + 1) }'; }
+
+echo "## Whole models, tandem / PyTorch on the same machine (min / median / max of $rounds rounds)"
+echo
+echo "| workload | $base | $head_rev |"
+echo "|---|--:|--:|"
+for spec in "resnet18 16 64 4" "resnet18 64 64 3" "cnn 1 128 10"; do
+  set -- $spec
+  : > "$scratch/a"; : > "$scratch/b"
+  for _ in $(seq "$rounds"); do
+    ddp_ratio "$old" "$@" >> "$scratch/a"
+    ddp_ratio "$new" "$@" >> "$scratch/b"
+  done
+  name="2-rank DDP $1$([ "$1" = resnet18 ] && echo " width $2")"
+  echo "| $name | $(stats < "$scratch/a") | $(stats < "$scratch/b") |"
+done
+: > "$scratch/a"; : > "$scratch/b"
+for _ in $(seq "$rounds"); do
+  face_ratio "$old" >> "$scratch/a"
+  face_ratio "$new" >> "$scratch/b"
+done
+echo "| face recipe (IResNet-18 w16, 2 ranks) | $(stats < "$scratch/a") | $(stats < "$scratch/b") |"
