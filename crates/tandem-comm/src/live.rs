@@ -52,6 +52,11 @@ pub const LIVE_REPLACEMENT_VAR: &str = "TANDEM_LIVE_REPLACEMENT";
 /// How long a regroup waits for a member that is alive but not yet ready (seconds).
 pub const LIVE_ARRIVAL_VAR: &str = "TANDEM_LIVE_ARRIVAL_TIMEOUT";
 
+/// An alive key's role: a member holding the training state, or a replacement that has not
+/// received it yet (it never proposes a generation and is never its state's source).
+const HOLDER: &str = "holder";
+const JOINER: &str = "joiner";
+
 /// How often a waiting member looks at the store.
 const POLL: Duration = Duration::from_millis(5);
 /// How often rank 0 asks the store whether someone wants to join, at most.
@@ -267,7 +272,8 @@ impl LiveGroup {
         )?
         .with_prefix("live");
         let local_ip = store.local_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
-        let me = format!("pid {} on {}", std::process::id(), crate::rendezvous::hostname());
+        let role = if opts.replacement { JOINER } else { HOLDER };
+        let me = format!("{role} pid {} on {}", std::process::id(), crate::rendezvous::hostname());
         store.set_owned(&format!("alive/{}", opts.member), me.as_bytes())?;
         let first = if opts.replacement {
             None
@@ -300,6 +306,14 @@ impl LiveGroup {
         let gen = Arc::new(Self::form(&self.store, &self.opts, self.local_ip, None, 0)?);
         *self.current.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&gen));
         Ok(gen)
+    }
+
+    /// Declares that this process now holds the training state (a replacement, once it has
+    /// received it): from now on it may propose a generation and be a state's source.
+    pub fn holds_state(&self) -> Result<(), CommError> {
+        let me =
+            format!("{HOLDER} pid {} on {}", std::process::id(), crate::rendezvous::hostname());
+        self.store.set_owned(&format!("alive/{}", self.opts.member), me.as_bytes())
     }
 
     /// Whether this process has a generation yet (a replacement before `join_running` has not).
@@ -390,10 +404,12 @@ impl LiveGroup {
         let mut floor = after.unwrap_or(0);
         for _ in 0..MAX_ATTEMPTS {
             let target = floor.max(committed(store)?) + 1;
-            store.set(
-                &format!("g{target}/ready/{}", opts.member),
-                progress.to_string().as_bytes(),
-            )?;
+            // A process that has not received the state reports no progress ("joiner").
+            let ready = match committed_holder(store, opts)? {
+                true => progress.to_string(),
+                false => JOINER.to_string(),
+            };
+            store.set(&format!("g{target}/ready/{}", opts.member), ready.as_bytes())?;
             let record = match agree(
                 store,
                 opts,
@@ -439,6 +455,12 @@ impl LiveGroup {
             "no generation could be formed in {MAX_ATTEMPTS} attempts (members kept failing); last: {last_error}"
         )))
     }
+}
+
+/// Whether this process's alive key says it holds the training state.
+fn committed_holder(store: &Store, opts: &LiveOptions) -> Result<bool, CommError> {
+    Ok(try_get(store, &format!("alive/{}", opts.member))?
+        .is_some_and(|v| v.starts_with(HOLDER.as_bytes())))
 }
 
 /// The newest committed generation (0 before the first).
@@ -502,24 +524,34 @@ fn agree(
             (0..opts.slots).filter(|&m| is(&missing_alive, &alive_keys[m])).collect();
         let ready: Vec<usize> =
             alive.iter().copied().filter(|&m| is(&missing_ready, &ready_keys[m])).collect();
+        // Members of the previous generation still alive and holding the state.
+        let roles =
+            store.multi_get(&alive.iter().map(|&m| alive_keys[m].as_str()).collect::<Vec<_>>())?;
+        let holders: Vec<usize> = alive
+            .iter()
+            .zip(&roles)
+            .filter(|(m, role)| previous.contains(m) && role.starts_with(HOLDER.as_bytes()))
+            .map(|(&m, _)| m)
+            .collect();
         let waited = started.elapsed();
-        let proposer = ready.iter().copied().find(|m| previous.contains(m));
-        if proposer.is_none() && !alive.iter().any(|m| previous.contains(m)) {
+        let proposer = ready.iter().copied().find(|m| holders.contains(m));
+        if holders.is_empty() {
             // Every member of the previous generation is gone, and with them the state.
             let proposal = format!(
-                "error=every member of generation {} ({previous:?}) died: no rank holds the                  training state any more",
+                "error=every member of generation {} ({previous:?}) died: no rank holds the \
+                 training state any more",
                 target - 1
             );
             store.compare_set(&members_key, b"", proposal.as_bytes())?;
             continue;
         }
         if proposer == Some(opts.member) {
-            // Everyone of the previous generation who is alive (for the first: every slot).
-            // A joiner that is ready comes along; one still starting does not hold the world.
+            // Every holder of the previous generation (for the first: every slot). A joiner
+            // that is ready comes along; one still starting does not hold the world.
             let everyone = if first {
                 ready.len() == opts.slots
             } else {
-                alive.iter().filter(|m| previous.contains(m)).all(|m| ready.contains(m))
+                holders.iter().all(|m| ready.contains(m))
             };
             if everyone || waited >= patience {
                 let proposal = propose(store, opts, &ready, target)?;
@@ -561,14 +593,16 @@ fn propose(
             opts.min_world
         ));
     }
+    // Progress of each ready member; a joiner has none (it is never the source).
     let mut progress = Vec::with_capacity(ready.len());
     for &m in ready {
         let v = store.get(&format!("g{target}/ready/{m}"))?;
-        progress.push(String::from_utf8_lossy(&v).trim().parse::<u64>().unwrap_or(0));
+        progress.push(String::from_utf8_lossy(&v).trim().parse::<u64>().ok());
     }
     // The furthest along; the lowest rank among equals.
-    let top = progress.iter().copied().max().unwrap_or(0);
-    let source = progress.iter().position(|&p| p == top).unwrap_or(0);
+    let top = progress.iter().flatten().copied().max().unwrap_or(0);
+    let source = progress.iter().position(|&p| p == Some(top)).unwrap_or(0);
+    let progress: Vec<u64> = progress.into_iter().map(|p| p.unwrap_or(0)).collect();
     let wanted = store.add("wanted", 0)?;
     Ok(Record { members: ready.to_vec(), progress, source, wanted }.encode())
 }

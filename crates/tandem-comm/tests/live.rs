@@ -211,7 +211,7 @@ fn a_proposer_that_dies_while_proposing_is_replaced() {
                 let store = Store::connect(&addr, RUN, Duration::from_secs(5), "test")
                     .unwrap()
                     .with_prefix("live");
-                store.set_owned("alive/0", b"impostor").unwrap();
+                store.set_owned("alive/0", b"holder impostor").unwrap();
                 store.set("g2/ready/0", b"99").unwrap();
                 in_place.wait();
                 std::thread::sleep(Duration::from_millis(500));

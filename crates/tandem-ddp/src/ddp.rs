@@ -39,9 +39,9 @@ pub struct DdpOptions {
     /// Rebuild buckets in gradient arrival order after the first iteration (PyTorch does).
     pub rebuild_buckets: bool,
     /// Check at construction that every rank holds the same parameters and broadcast rank 0's
-    /// (PyTorch always does). `false` skips both, with their collectives: for a rank that joins
-    /// a running job (`tandem::live`), whose parameters arrive with the training state while
-    /// the others construct nothing.
+    /// (PyTorch always does). `false` skips both, with their collectives (and the cross-rank
+    /// check of `register_comm_hook`): for a rank that joins a running job (`tandem::live`),
+    /// whose parameters arrive with the training state while the others construct nothing.
     pub sync_on_init: bool,
 }
 
@@ -109,6 +109,9 @@ struct Shared {
     /// The comm's world generation the reducer's layout was built in (see
     /// `Collectives::generation`).
     generation: std::sync::atomic::AtomicU64,
+    /// `DdpOptions::sync_on_init`: without it, setup calls (registering a comm hook) skip their
+    /// cross-rank checks too — the running ranks made them when they set up.
+    checked_setup: bool,
     reducer: Mutex<Reducer>,
     buffers: Vec<(String, Var)>,
     broadcast_buffers: bool,
@@ -299,6 +302,7 @@ impl<M: ParamModule> Ddp<M> {
         reducer.set_param_shapes(params.iter().map(|(_, v)| v.dims().to_vec()).collect())?;
         let shared = Arc::new(Shared {
             generation: comm.generation().into(),
+            checked_setup: opts.sync_on_init,
             comm,
             reducer: Mutex::new(reducer),
             buffers: buffers
@@ -367,6 +371,11 @@ impl<M: ParamModule> Ddp<M> {
     /// rank registers, at the same point, a hook of the same name; a rank that registered
     /// another is named in the error.
     pub fn register_comm_hook(&self, hook: Arc<dyn CommHook>) -> Result<()> {
+        if !self.shared.checked_setup {
+            // A rank joining a running job: the others registered the same hook at their setup.
+            self.shared.reducer().set_comm_hook(hook);
+            return Ok(());
+        }
         let rank = self.rank();
         let names = self
             .shared

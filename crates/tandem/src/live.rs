@@ -161,10 +161,13 @@ impl LiveTraining {
             return Ok(None);
         }
         let gen = self.live.join_running()?;
-        match self.adopt(&gen, &[], state) {
-            Err(LiveError::Comm(e)) if is_peer_failure(&e) => self.regroup(state).map(Some),
-            other => other.map(Some),
-        }
+        let change = match self.adopt(&gen, &[], state) {
+            Err(LiveError::Comm(e)) if is_peer_failure(&e) => self.regroup(state)?,
+            other => other?,
+        };
+        // From now on this process holds the state like the others.
+        self.live.holds_state()?;
+        Ok(Some(change))
     }
 
     /// Whether the world should regroup at this step boundary (a rank is waiting to join). A
@@ -192,6 +195,10 @@ impl LiveTraining {
             let gen = self.live.regroup(state.progress())?;
             match self.adopt(&gen, &before, state) {
                 Err(LiveError::Comm(e)) if is_peer_failure(&e) => last = Some(e),
+                Ok(change) => {
+                    self.live.holds_state()?;
+                    return Ok(change);
+                }
                 other => return other,
             }
         }

@@ -4,6 +4,7 @@
 //! schedule, the TensorBoard writer, the classifier loop and the face loop.
 pub mod config;
 pub mod face;
+mod fault;
 pub mod model;
 pub mod optimizer;
 pub mod progress;

@@ -21,6 +21,7 @@ use tandem::live::{is_peer_failure, LiveError, LiveState, LiveTraining};
 use tandem::state::{sampler_state_from_value, sampler_value};
 
 use super::config::{Precision, TrainConfig};
+use super::fault;
 use super::model::{image_shape, Net, NetSpec};
 use super::optimizer::TrainOptimizer;
 use super::progress::Progress;
@@ -215,6 +216,8 @@ impl<'a> Worker<'a> {
             let hook = tandem_ddp::comm_hooks::builtin(&cfg.comm_hook)
                 .with_context(|| format!("--comm-hook: unknown hook `{}`", cfg.comm_hook))?;
             ddp.register_comm_hook(hook).context("--comm-hook")?;
+        } else if fault::armed() {
+            ddp.register_comm_hook(fault::hook()).context("the fault-injection hook")?;
         }
         let mut opt = TrainOptimizer::new(cfg, ddp.params(), &group)?;
         let scaler = grad_scaler(cfg, 2000)?;
@@ -460,7 +463,9 @@ impl<'a> Worker<'a> {
             self.group = live.group();
             self.live = Some(live);
             let change = changed.context("regrouping")?;
-            if self.rank() == 0 {
+            // Said once per regroup, by the rank whose state the world took.
+            let source = self.live.as_ref().map(|l| l.generation().source);
+            if source == Some(self.rank()) {
                 let cause = if boundary { "a rank joins".to_string() } else { root_cause(&error) };
                 // The world redoes the failed step unless its source had finished it.
                 let redone = u64::from(step_failed && change.step <= before);
@@ -519,13 +524,16 @@ impl<'a> Worker<'a> {
             *in_flight = before;
             let started = Instant::now();
             let batch = batch?;
+            fault::set_step(self.global_step + 1);
             let loss = ddp.hooked().loss(&batch.x, &batch.y)?;
+            fault::hit(fault::Phase::Forward);
             let (clip, step) = (cfg.clip_grad_norm, self.global_step + 1);
             match scaler.as_mut() {
                 // torch's recipe: backward of the scaled loss, unscale, clip, step (skipped on
                 // inf/NaN), update.
                 Some(s) => {
                     let mut grads = ddp.backward(&s.scale(&loss)?)?;
+                    fault::hit(fault::Phase::Optimizer);
                     if clip.is_some() {
                         s.unscale_(opt.get(), &mut grads)?;
                         schedule::clip(clip, &ddp.params(), &mut grads, true, step)?;
@@ -537,6 +545,7 @@ impl<'a> Worker<'a> {
                 }
                 None => {
                     let mut grads = ddp.backward(&loss)?;
+                    fault::hit(fault::Phase::Optimizer);
                     schedule::clip(clip, &ddp.params(), &mut grads, false, step)?;
                     opt.get_mut().step(&grads)?;
                 }
@@ -675,6 +684,7 @@ impl LiveState for Worker<'_> {
         self.global_step
     }
     fn save(&mut self, world: usize) -> Result<Vec<u8>, LiveError> {
+        fault::hit(fault::Phase::Send);
         let value = self.state_value(world).map_err(|e| LiveError::Other(format!("{e:#}")))?;
         tandem_ckpt::to_pt_bytes(&value).map_err(|e| LiveError::Other(e.to_string()))
     }
@@ -753,8 +763,25 @@ impl Saver {
         value: Value,
         group: &ProcessGroup,
     ) -> anyhow::Result<Option<PathBuf>> {
+        fault::hit(fault::Phase::Save);
         match self {
-            Saver::Sync(m) => Ok(m.save_on_rank(rank, name, &value, || group.barrier())?),
+            Saver::Sync(m) => {
+                // The barrier's own error is kept whole (a dead peer there is a peer failure a
+                // live world recovers from; the manager would only keep its text).
+                let mut barrier_error = None;
+                let written = m.save_on_rank(rank, name, &value, || {
+                    group.barrier().map_err(|e| {
+                        let text = e.to_string();
+                        barrier_error = Some(e);
+                        text
+                    })
+                });
+                if let Some(e) = barrier_error {
+                    return Err(anyhow::Error::new(e)
+                        .context(format!("the barrier after saving checkpoint `{name}`")));
+                }
+                Ok(written?)
+            }
             Saver::Async(m) if rank == 0 => Ok(Some(m.save(name, value).with_context(|| {
                 "a background checkpoint save failed (the run stops here; the files before it are intact)"
             })?)),
