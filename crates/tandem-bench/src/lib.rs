@@ -11,6 +11,7 @@ pub mod ckpt;
 pub mod conv;
 pub mod ddp;
 pub mod face;
+pub mod live;
 mod local_ranks;
 pub mod partial_fc;
 pub mod report;
@@ -37,6 +38,8 @@ enum Which {
     Zero(zero::Args),
     /// The face-recognition recipe's samples/s against PyTorch running it (same data and init).
     Face(face::Args),
+    /// What live recovery costs: a job with a worker killed every N s against it uninterrupted.
+    Live(live::Args),
     /// PartialFC class-centre memory per rank (centres + momentum) vs C*E*4*2/W.
     PartialFc(partial_fc::Args),
     /// per-op ms of the conv and BatchNorm kernels on ResNet-18's shapes vs torch.
@@ -75,6 +78,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         Which::Zero(a) => zero::main(a),
         Which::Face(a) => face::main(a),
         Which::PartialFc(a) => partial_fc::main(a),
+        Which::Live(a) => live::main(a),
         Which::Report(a) => report::main(a),
     }
 }

@@ -34,6 +34,7 @@ fn main() -> ExitCode {
         elastic_job_goes_on_without_a_lost_node,
         two_launchers_claiming_node_rank_0_are_refused_by_name,
         a_cut_link_ends_both_sides_in_time_naming_the_peer,
+        live_recovery_goes_on_without_a_host_whose_link_is_cut,
         training_completes_through_ten_percent_packet_loss,
     ];
     let no_loss = Hosts::loss_unavailable();
@@ -440,6 +441,60 @@ fn a_cut_link_ends_both_sides_in_time_naming_the_peer_trial() -> f64 {
     }
     assert_no_leftovers(&marker);
     slowest
+}
+
+/// `--live-recovery` across hosts: host 1's link is cut mid-training; host 0's two ranks
+/// regroup without host 1's (a collective timeout, then the arrival timeout), finish the job
+/// and host 0's launcher succeeds; host 1's ranks, cut off from the store, fail by their
+/// timeouts and host 1's launcher fails. No process is left on either.
+fn live_recovery_goes_on_without_a_host_whose_link_is_cut() {
+    let hosts = Hosts::new(2, None);
+    let marker = format!("mh-live-cut-{}", std::process::id());
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let worker = [
+        tandem(),
+        "train",
+        "--epochs",
+        "300",
+        "--hidden",
+        "16",
+        "--batch-size",
+        "4",
+        "--out",
+        s(&out),
+    ];
+    let env = [("TANDEM_LIVE_ARRIVAL_TIMEOUT", "3"), ("TANDEM_INIT_TIMEOUT", "8")];
+    let run_args = ["--live-recovery", "--max-restarts", "0"];
+    let running = start_on_all(&hosts, 2, &run_args, &worker, &marker, &env);
+    for rank in ["RANK=0", "RANK=3"] {
+        find_process(&marker, &[rank], "train");
+    }
+    std::thread::sleep(Duration::from_millis(800));
+    hosts.set_link(1, false).unwrap();
+    let cut_at = Instant::now();
+    let finished: Vec<Finished> = running.into_iter().map(|r| r.wait(LIMIT)).collect();
+    let (host0, host1) = (&finished[0], &finished[1]);
+    assert!(
+        host0.status.is_some_and(|s| s.success()),
+        "host 0 did not finish without host 1: {}\nstdout:\n{}\nstderr:\n{}",
+        host0.describe(),
+        host0.stdout,
+        host0.stderr
+    );
+    let all0 = format!("{}\n{}", host0.stdout, host0.stderr);
+    assert!(all0.contains("final: "), "{all0}");
+    assert!(
+        all0.contains("2 rank(s) [0, 1], lost [2, 3]"),
+        "host 0's ranks regrouped without host 1's:\n{all0}"
+    );
+    assert!(!host1.status.is_some_and(|s| s.success()), "host 1 succeeded across a cut link");
+    eprintln!(
+        "host 0 finished {:.1}s after the cut; host 1 ended {:.1}s after it",
+        host0.at.saturating_duration_since(cut_at).as_secs_f64(),
+        host1.at.saturating_duration_since(cut_at).as_secs_f64()
+    );
+    assert_no_leftovers(&marker);
 }
 
 fn training_completes_through_ten_percent_packet_loss_trial() -> f64 {

@@ -1,0 +1,263 @@
+//! `tandem bench live`: what live recovery costs. The same `tandem train` job runs on `--nproc`
+//! ranks under `tandem run --live-recovery`, once uninterrupted and once with a worker killed
+//! (SIGKILL) every `--kill-every` seconds, in alternating rounds. Reported: wall-clock samples/s
+//! retained (same epochs, so the same samples, both ways), steps redone per failure (from the
+//! regroup lines), the time from each kill to training again (the first regroup line after it,
+//! as this process reads the job's output), and the final eval loss and accuracy beside the
+//! uninterrupted runs' spread.
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Ranks of the job.
+    #[arg(long, default_value_t = 4)]
+    nproc: usize,
+    /// Seconds between kills in the interrupted run.
+    #[arg(long, default_value_t = 10.0)]
+    kill_every: f64,
+    /// Epochs of the job (the MLP on the digits set; about 0.04 s each at 4 ranks on 2 cores,
+    /// so the default runs about a minute).
+    #[arg(long, default_value_t = 1500)]
+    epochs: usize,
+    /// Hidden width of the MLP (a larger one makes steps, and state transfers, longer).
+    #[arg(long, default_value_t = 512)]
+    hidden: usize,
+    /// Rounds (each: one uninterrupted run, one with kills).
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
+}
+
+/// One run's outcome as read from its output.
+#[derive(Debug, Default)]
+struct RunResult {
+    wall_s: f64,
+    samples: f64,
+    eval_loss: f64,
+    eval_accuracy: f64,
+    kills: usize,
+    /// Seconds from each kill to the first regroup line after it.
+    recover_s: Vec<f64>,
+    /// Steps redone, per failure regroup.
+    redone: Vec<u64>,
+}
+
+fn field(line: &str, key: &str) -> Option<f64> {
+    line.split_whitespace().find_map(|kv| kv.strip_prefix(key)).and_then(|v| v.parse().ok())
+}
+
+/// Runs the job; with `kill_every`, SIGKILLs one of its live workers that often.
+fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow::Result<RunResult> {
+    let exe = std::env::current_exe().context("locating the tandem executable")?;
+    let train = [
+        "train",
+        "--model",
+        "mlp",
+        "--hidden",
+        &a.hidden.to_string(),
+        "--epochs",
+        &a.epochs.to_string(),
+        "--batch-size",
+        "16",
+        "--seed",
+        "11",
+        "--out",
+        "runs/live-bench",
+    ];
+    let nproc = a.nproc.to_string();
+    let launcher_args =
+        ["run", "--nproc-per-node", &nproc, "--live-recovery", "--max-restarts", "1000", "--"];
+    let mut child = Command::new(&exe)
+        .args(launcher_args)
+        .arg(&exe)
+        .args(train)
+        .current_dir(dir)
+        .env("TANDEM_LIVE_ARRIVAL_TIMEOUT", "10")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting the live job")?;
+    let started = Instant::now();
+    let (tx, rx) = mpsc::channel::<(Instant, String)>();
+    for stream in [
+        child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+        child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                let _ = tx.send((Instant::now(), line));
+            }
+        });
+    }
+    drop(tx);
+    let launcher = child.id() as i32;
+    let mut result = RunResult::default();
+    let mut kills: Vec<Instant> = Vec::new();
+    let mut next_kill = kill_every.map(|k| started + k);
+    let mut lines: Vec<(Instant, String)> = Vec::new();
+    let limit = Duration::from_secs(1800);
+    loop {
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            bail!("the live job ran past {limit:?}");
+        }
+        match rx.recv_timeout(Duration::from_millis(20)) {
+            Ok(l) => lines.push(l),
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        if let (Some(at), Some(every)) = (next_kill, kill_every) {
+            if Instant::now() >= at {
+                if let Some(pid) = a_worker_of(launcher) {
+                    // SAFETY: kill(2) on a process this benchmark's job started.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                    kills.push(Instant::now());
+                }
+                next_kill = Some(at + every);
+            }
+        }
+    }
+    let status = child.wait()?;
+    let end = lines.iter().find(|(_, l)| l.contains("final: ")).map(|(t, _)| *t);
+    let Some(end) = end.filter(|_| status.success()) else {
+        let tail: Vec<&str> = lines.iter().rev().take(30).map(|(_, l)| l.as_str()).collect();
+        bail!(
+            "the live job failed ({status}):\n{}",
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
+    };
+    result.wall_s = (end - started).as_secs_f64();
+    let final_line = &lines.iter().find(|(_, l)| l.contains("final: ")).expect("found above").1;
+    result.eval_accuracy = field(final_line, "eval_accuracy=").unwrap_or(f64::NAN);
+    let last_epoch =
+        lines.iter().rev().find(|(_, l)| l.contains(" eval_loss=")).map(|(_, l)| l.clone());
+    result.eval_loss =
+        last_epoch.as_deref().and_then(|l| field(l, "eval_loss=")).unwrap_or(f64::NAN);
+    // Every sample of every epoch, once (the dataset's size from the run's header is not
+    // printed, so count the epochs' samples as epochs × the digits training split).
+    result.samples = (a.epochs
+        * tandem_data::datasets::digits().map(|(t, _)| tandem_data::Dataset::len(&t)).unwrap_or(0))
+        as f64;
+    result.kills = kills.len();
+    let regroups: Vec<&(Instant, String)> =
+        lines.iter().filter(|(_, l)| l.contains("live: regrouped")).collect();
+    for k in &kills {
+        if let Some((t, _)) = regroups.iter().find(|(t, _)| t > k) {
+            result.recover_s.push((*t - *k).as_secs_f64());
+        }
+    }
+    for (_, l) in regroups.iter().filter(|(_, l)| !l.contains("(a rank joins)")) {
+        if let Some(n) = l
+            .split(';')
+            .next_back()
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+        {
+            result.redone.push(n);
+        }
+    }
+    Ok(result)
+}
+
+/// A live worker process of the launcher `launcher` (its children that run `train`).
+fn a_worker_of(launcher: i32) -> Option<i32> {
+    let workers: Vec<i32> = std::fs::read_dir("/proc")
+        .ok()?
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let ppid = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 1..].split_whitespace().nth(1)?.parse::<i32>().ok());
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            ppid == Some(launcher) && cmd.split(|&b| b == 0).any(|a| a == b"train")
+        })
+        .collect();
+    // A different rank each time, round the ranks.
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+    let pick = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut workers = workers;
+    workers.sort_unstable();
+    workers.get(pick % workers.len().max(1)).copied()
+}
+
+fn stats(v: &[f64]) -> String {
+    stats_with(v, 3)
+}
+
+fn stats_with(v: &[f64], decimals: usize) -> String {
+    if v.is_empty() {
+        return "–".into();
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let (lo, mid, hi) = (s[0], s[s.len() / 2], s[s.len() - 1]);
+    format!("{lo:.decimals$} / {mid:.decimals$} / {hi:.decimals$}")
+}
+
+pub fn main(a: Args) -> anyhow::Result<i32> {
+    anyhow::ensure!(
+        a.nproc >= 2,
+        "--nproc must be at least 2 (a world of one has nothing to recover)"
+    );
+    anyhow::ensure!(a.kill_every > 0.0, "--kill-every must be positive");
+    let every = Duration::from_secs_f64(a.kill_every);
+    let (mut clean, mut killed) = (Vec::new(), Vec::new());
+    for round in 0..a.rounds {
+        let c = crate::in_scratch_dir(None, "bench-live", |d| run(&a, None, d))?;
+        let k = crate::in_scratch_dir(None, "bench-live", |d| run(&a, Some(every), d))?;
+        eprintln!(
+            "round {}/{}: uninterrupted {:.1} s, with {} kill(s) {:.1} s",
+            round + 1,
+            a.rounds,
+            c.wall_s,
+            k.kills,
+            k.wall_s
+        );
+        clean.push(c);
+        killed.push(k);
+    }
+    let sps = |r: &[RunResult]| r.iter().map(|x| x.samples / x.wall_s).collect::<Vec<_>>();
+    let retained: Vec<f64> = killed.iter().zip(&clean).map(|(k, c)| c.wall_s / k.wall_s).collect();
+    let all =
+        |f: fn(&RunResult) -> Vec<f64>, r: &[RunResult]| r.iter().flat_map(f).collect::<Vec<_>>();
+    println!(
+        "live recovery: {} ranks, MLP hidden {} on digits, {} epochs, a worker SIGKILLed every {} s; {} round(s), min / median / max",
+        a.nproc, a.hidden, a.epochs, a.kill_every, a.rounds
+    );
+    println!("  samples/s uninterrupted           {}", stats_with(&sps(&clean), 0));
+    println!("  samples/s with kills              {}", stats_with(&sps(&killed), 0));
+    println!("  retained (uninterrupted wall / killed wall)  {}", stats(&retained));
+    println!(
+        "  kills per run                     {}",
+        stats(&killed.iter().map(|k| k.kills as f64).collect::<Vec<_>>())
+    );
+    println!(
+        "  steps redone per failure          {}",
+        stats(&all(|r| r.redone.iter().map(|&n| n as f64).collect(), &killed))
+    );
+    println!(
+        "  seconds from a kill to training   {}",
+        stats(&all(|r| r.recover_s.clone(), &killed))
+    );
+    println!(
+        "  final eval loss: uninterrupted {}, with kills {}",
+        stats(&clean.iter().map(|r| r.eval_loss).collect::<Vec<_>>()),
+        stats(&killed.iter().map(|r| r.eval_loss).collect::<Vec<_>>())
+    );
+    println!(
+        "  final eval accuracy: uninterrupted {}, with kills {}",
+        stats(&clean.iter().map(|r| r.eval_accuracy).collect::<Vec<_>>()),
+        stats(&killed.iter().map(|r| r.eval_accuracy).collect::<Vec<_>>())
+    );
+    Ok(0)
+}
