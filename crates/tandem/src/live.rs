@@ -7,28 +7,17 @@
 //! The loop's shape ([`examples/live_recovery.rs`] is the whole program):
 //!
 //! ```ignore
-//! let live = LiveTraining::connect()?;                    // under tandem run --live-recovery
-//! let ddp = Ddp::from_varmap_with(&varmap, &live.collectives(), live.ddp_options())?;
-//! // ... optimizer, sampler (live.group()'s rank and size), loader ...
-//! live.start(&mut TrainingState::new(&ddp, &mut opt).loader(&mut loader))?; // a replacement gets the state here
-//! while loader.epoch() < EPOCHS {
-//!     let mut failed_at = None;
-//!     for batch in loader.iter()? {
-//!         let before = loader.position_before(&batch);        // where this step started
-//!         if let Err(e) = train_step(&ddp, &mut opt, batch?) {
-//!             if !is_peer_failure(&*e) { return Err(e) }
-//!             failed_at = Some(before);
-//!             break;
-//!         }
-//!         step += 1;
-//!         if live.regroup_wanted()? { break }               // someone joins: regroup at this boundary
-//!     }
-//!     // after a failure, put the loader back to where the failed step started
-//!     live.regroup(&mut TrainingState::new(&ddp, &mut opt).loader(&mut loader).step(step))?;
-//! }
+//! let live = LiveTraining::connect()?;                       // under tandem run --live-recovery
+//! let ddp = Ddp::from_varmap(&varmap, &live.collectives(), live.ddp_options(DdpOptions::default()))?;
+//! let (rank, world) = live.rank_and_size();                  // for the sampler
+//! // ... optimizer, loader ...
+//! live.start(&mut TrainingState::new(&ddp, &mut opt).loader(&mut loader))?; // a replacement gets the state
+//! // Each step starts with `live.regroup_wanted()?` (a rank waits to join: regroup now); a step
+//! // that fails with `is_peer_failure` puts the loader back where it began; then:
+//! let change = live.regroup(&mut TrainingState::new(&ddp, &mut opt).loader(&mut loader).step(step))?;
 //! ```
 //!
-//! [`examples/live_recovery.rs`]: https://github.com/tandem-rs/tandem/blob/main/examples/live_recovery.rs
+//! [`examples/live_recovery.rs`]: https://example.invalid/tandem/examples/live_recovery.rs
 use std::sync::Arc;
 
 use tandem_ckpt::TrainingCheckpoint;
