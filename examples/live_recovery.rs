@@ -89,7 +89,7 @@ fn main() -> Result<()> {
                     loss_sum += loss;
                     steps += 1;
                 }
-                Err(e) if e.chain().any(|c| is_peer_failure(c)) => {
+                Err(e) if e.chain().any(is_peer_failure) => {
                     failed_at = Some(before);
                     regroup = true;
                     break;

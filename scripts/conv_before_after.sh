@@ -9,8 +9,11 @@
 # usage: scripts/conv_before_after.sh [BASE_REV] [ROUNDS]
 #   BASE_REV  default 077cbf3 (the tree before the kernel work of the convolution-speed issue)
 #   ROUNDS    alternating rounds per whole-model figure (default 3; min / median / max)
+#   PARTS=ops,models   which halves to run (default both)
+#   BASE_BUILD=DIR     keep the base revision's build in DIR and reuse it next time
 # Needs a Python with torch (TANDEM_PYTHON or .venv-torch/bin/python) and ~8 minutes for the
-# base revision's cold build (in a scratch worktree, removed afterwards).
+# base revision's cold build (in a scratch worktree, removed afterwards). Run it on a quiet
+# machine: nothing else may rebuild target/release/tandem while it runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base="${1:-077cbf3}"
@@ -18,15 +21,21 @@ rounds="${2:-3}"
 python="${TANDEM_PYTHON:-$PWD/.venv-torch/bin/python}"
 "$python" -c 'import torch' 2>/dev/null || { echo "no torch in $python (set TANDEM_PYTHON)" >&2; exit 1; }
 
+parts="${PARTS:-ops,models}"
 scratch="$(mktemp -d)"
 cleanup() { git worktree remove --force "$scratch/base" 2>/dev/null || true; rm -rf "$scratch"; }
 trap cleanup EXIT
-git worktree add --detach --quiet "$scratch/base" "$base"
-echo "building $base ..." >&2
-(cd "$scratch/base" && CARGO_TARGET_DIR="$scratch/target" cargo build --release --quiet -p tandem-cli)
-old="$scratch/target/release/tandem"
+base_build="${BASE_BUILD:-$scratch/target}"
+old="$base_build/release/tandem"
+if [ ! -x "$old" ]; then
+  git worktree add --detach --quiet "$scratch/base" "$base"
+  echo "building $base ..." >&2
+  (cd "$scratch/base" && CARGO_TARGET_DIR="$base_build" cargo build --release --quiet -p tandem-cli)
+fi
 cargo build --release --quiet -p tandem-cli
-new="$PWD/target/release/tandem"
+# A copy: a rebuild of the tree while this runs must not swap the binary under it.
+new="$scratch/tandem-new"
+cp target/release/tandem "$new"
 head_rev="$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo +changes)"
 
 # One column of `bench conv`'s table: the op name (2nd cell) and the cell numbered $2.
@@ -36,7 +45,7 @@ echo "# Convolution speed: $base against $head_rev"
 echo
 echo "Measured $(date -u '+%Y-%m-%d %H:%M UTC') by \`scripts/conv_before_after.sh $base $rounds\` on $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs))."
 echo
-for width in 16 64; do
+for width in $(case ",$parts," in *,ops,*) echo 16 64 ;; esac); do
   RAYON_NUM_THREADS=1 "$old" bench conv --width "$width" --batch 32 --repeats 9 > "$scratch/old.$width"
   RAYON_NUM_THREADS=1 "$new" bench conv --net resnet18 --width "$width" --batch 32 --repeats 9 > "$scratch/new.$width"
   echo "## ResNet-18 (CIFAR) ops at width $width, batch 32, one thread: forward + backward, median ms"
@@ -54,6 +63,7 @@ stats() { sort -g | awk '{ v[NR] = $1 } END { printf "%.2f / %.2f / %.2f", v[1],
 ddp_ratio() { "$1" bench ddp --model "$2" --width "$3" --batch "$4" --steps "$5" --rounds 3 --torch "$python" 2>/dev/null | awk '/torch DDP/ { for (i = 1; i <= NF; i++) if ($i ~ /^tandem\/torch$/) print $(i + 1) }'; }
 face_ratio() { "$1" bench face --rounds 1 --python "$python" 2>/dev/null | awk -F'[(): x]+' '/tandem \/ PyTorch/ { for (i = 1; i <= NF; i++) if ($i == "medians") print $(i + 1) }'; }
 
+case ",$parts," in *,models,*) ;; *) exit 0 ;; esac
 echo "## Whole models, tandem / PyTorch on the same machine (min / median / max of $rounds rounds)"
 echo
 echo "| workload | $base | $head_rev |"

@@ -449,7 +449,7 @@ impl<'a> Worker<'a> {
                 Err(e) => e,
             };
             let boundary = error.is::<RegroupWanted>();
-            if !boundary && !error.chain().any(|c| is_peer_failure(c)) {
+            if !boundary && !error.chain().any(is_peer_failure) {
                 return Err(error);
             }
             let step_failed = self.in_flight.is_some();
