@@ -238,3 +238,25 @@ fn a_bad_start_is_named() {
     let e = s.clone().load_state(&state).unwrap_err().to_string();
     assert!(e.contains("num_replicas"), "{e}");
 }
+
+/// A live regroup moves a running sampler to another world (`reshard`): the same split as a
+/// fresh sampler of that world resuming the state, over shrinking and growing worlds.
+#[test]
+fn a_live_reshard_is_a_resume_on_another_world() {
+    let (len, batch, seed) = (997, 8, 5);
+    for (old, new) in [(4, 3), (3, 4), (4, 1), (2, 5)] {
+        let mut before = world(len, old, seed, false, 2);
+        let mut seen = Vec::new();
+        let state = train_steps(&mut before, 9, batch, &mut seen);
+        let expected = resumed(len, new, seed, false, &state);
+        for (r, want) in expected.iter().enumerate() {
+            // Any of the old world's samplers (here rank 0's) moves to rank r of the new one.
+            let mut moved = before[0].clone();
+            moved.reshard(r, new, &state).unwrap();
+            assert_eq!(moved, *want, "{old} -> {new}, rank {r}");
+        }
+    }
+    let mut s = world(len, 2, seed, false, 0).remove(0);
+    let state = s.state();
+    assert!(s.reshard(3, 3, &state).is_err(), "rank 3 of 3 is refused");
+}
