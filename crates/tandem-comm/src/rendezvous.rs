@@ -230,6 +230,19 @@ fn is_loopback(addr: &str) -> bool {
 
 /// Initialises the world group from `method` with `opts`.
 pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup, CommError> {
+    if matches!(method, InitMethod::Env) {
+        if let Some(store) = env::process_env(crate::live::LIVE_STORE_VAR) {
+            // The launcher's store holds MASTER_PORT; a fixed world would wait for ranks that
+            // the launcher restarts into a live one. Say so instead.
+            return Err(CommError::env(
+                crate::live::LIVE_STORE_VAR,
+                &store,
+                "this process was started by `tandem run --live-recovery`, whose workers join a \
+                 live world: use tandem::live::LiveTraining (tandem train does), or start the \
+                 job without --live-recovery",
+            ));
+        }
+    }
     let spec = env::resolve(&Env(&env::process_env), method)?;
     let world: Vec<usize> = (0..spec.world_size).collect();
     let Some((host, port, var)) = spec.master.clone() else {

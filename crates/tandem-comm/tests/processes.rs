@@ -17,6 +17,7 @@ fn main() -> std::process::ExitCode {
         torchrun_env_world_of_three,
         slurm_and_openmpi_variables,
         a_job_with_another_run_id_is_refused,
+        a_plain_init_under_the_live_launcher_is_refused_at_once,
         killed_rank_fails_survivors_tcp,
         killed_rank_fails_survivors_shm,
         shm_creation_failure_falls_back_to_tcp_and_leaves_no_file,
@@ -196,6 +197,27 @@ fn a_job_with_another_run_id_is_refused() {
         out.contains("INIT-ERROR") && out.contains("\"job-a\"") && out.contains("\"job-b\""),
         "{out}"
     );
+}
+
+/// A program that calls `init()` under `tandem run --live-recovery` would wait for a fixed
+/// world the launcher never forms; it fails at once, naming the variable and what to use.
+fn a_plain_init_under_the_live_launcher_is_refused_at_once() {
+    let port = tandem_testutil::free_port().to_string();
+    let child = spawn(
+        "sum",
+        &vars(&[
+            ("RANK", "0".into()),
+            ("WORLD_SIZE", "2".into()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", port.clone()),
+            ("TANDEM_LIVE_STORE", format!("127.0.0.1:{port}")),
+        ]),
+    );
+    let started = Instant::now();
+    let (code, out) = finish(vec![child], Duration::from_secs(15)).remove(0);
+    assert_eq!(code, Some(3), "{out}");
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    assert!(out.contains("TANDEM_LIVE_STORE") && out.contains("LiveTraining"), "{out}");
 }
 
 /// SIGKILL one rank in the middle of a stream of 4 MiB all_reduces: every survivor's collective
