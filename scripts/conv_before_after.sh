@@ -4,7 +4,8 @@
 # `tandem bench conv` covers), then whole-model ratios against PyTorch (2-rank DDP at widths 16
 # and 64, the small Cnn, the face recipe), each measured by the base binary and by this tree's
 # binary in alternation. Writes markdown to stdout; docs/bench_conv_before_after.md holds the
-# last run (`tandem bench report` embeds it).
+# last run (`tandem bench report` embeds it). A measurement that fails is said on stderr and
+# left out of its row (a row with none left says so).
 #
 # usage: scripts/conv_before_after.sh [BASE_REV] [ROUNDS]
 #   BASE_REV  default 077cbf3 (the tree before the kernel work of the convolution-speed issue)
@@ -58,7 +59,9 @@ for width in $(case ",$parts," in *,ops,*) echo 16 64 ;; esac); do
 done
 
 # min / median / max of a list of numbers.
-stats() { sort -g | awk '{ v[NR] = $1 } END { printf "%.2f / %.2f / %.2f", v[1], v[int((NR + 1) / 2)], v[NR] }'; }
+stats() { sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) printf "failed"; else printf "%.2f / %.2f / %.2f", v[1], v[int((NR + 1) / 2)], v[NR] }'; }
+# Runs a measurement; a failure is reported and skipped rather than ending the script.
+try() { "$@" || echo "conv_before_after: failed, left out: ${*:2}" >&2; }
 # tandem / PyTorch of one `bench ddp --torch` run.
 ddp_ratio() { "$1" bench ddp --model "$2" --width "$3" --batch "$4" --steps "$5" --rounds 3 --torch "$python" 2>/dev/null | awk '/torch DDP/ { for (i = 1; i <= NF; i++) if ($i ~ /^tandem\/torch$/) print $(i + 1) }'; }
 face_ratio() { "$1" bench face --rounds 1 --python "$python" 2>/dev/null | awk -F'[(): x]+' '/tandem \/ PyTorch/ { for (i = 1; i <= NF; i++) if ($i == "medians") print $(i + 1) }'; }
@@ -72,15 +75,15 @@ for spec in "resnet18 16 64 4" "resnet18 64 64 3" "cnn 1 128 10"; do
   set -- $spec
   : > "$scratch/a"; : > "$scratch/b"
   for _ in $(seq "$rounds"); do
-    ddp_ratio "$old" "$@" >> "$scratch/a"
-    ddp_ratio "$new" "$@" >> "$scratch/b"
+    try ddp_ratio "$old" "$@" >> "$scratch/a"
+    try ddp_ratio "$new" "$@" >> "$scratch/b"
   done
   name="2-rank DDP $1$([ "$1" = resnet18 ] && echo " width $2")"
   echo "| $name | $(stats < "$scratch/a") | $(stats < "$scratch/b") |"
 done
 : > "$scratch/a"; : > "$scratch/b"
 for _ in $(seq "$rounds"); do
-  face_ratio "$old" >> "$scratch/a"
-  face_ratio "$new" >> "$scratch/b"
+  try face_ratio "$old" >> "$scratch/a"
+  try face_ratio "$new" >> "$scratch/b"
 done
 echo "| face recipe (IResNet-18 w16, 2 ranks) | $(stats < "$scratch/a") | $(stats < "$scratch/b") |"

@@ -240,6 +240,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         failures: &ctx.failures,
         retries: &ctx.retries,
         several_hosts: std::fs::read_to_string(out.join("bench_two_hosts.md")).ok(),
+        conv_before_after: std::fs::read_to_string(out.join("bench_conv_before_after.md")).ok(),
     };
     let md = out.join("BENCHMARKS.md");
     std::fs::write(&md, markdown::render(&report))

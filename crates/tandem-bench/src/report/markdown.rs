@@ -32,6 +32,9 @@ pub struct Report<'a> {
     /// `docs/bench_two_hosts.md` as `scripts/bench_two_hosts.sh` wrote it (it needs root and
     /// network namespaces, so the report includes its last output rather than rerunning it).
     pub several_hosts: Option<String>,
+    /// `docs/bench_conv_before_after.md` as `scripts/conv_before_after.sh` wrote it (it builds
+    /// an older revision, so the report includes its last output rather than rerunning it).
+    pub conv_before_after: Option<String>,
 }
 
 /// The plot of one model's DDP table (the MLP's and ResNet-18 w16's keep their first names).
@@ -350,6 +353,26 @@ pub fn render(r: &Report) -> String {
                 let _ = writeln!(out, "Not measured: {why}\n");
             }
         }
+    }
+
+    if let Some(before_after) = &r.conv_before_after {
+        let _ = writeln!(out, "## Conv-net kernels before and after\n");
+        let _ = writeln!(
+            out,
+            "The convolution-speed work against the revision before it, both binaries measured in \
+             alternation in one run by `scripts/conv_before_after.sh` (it builds the older revision, \
+             so `tandem bench report` includes its last output, docs/bench_conv_before_after.md, \
+             instead of rerunning it).\n"
+        );
+        // The file's headings go under this section's: two levels down.
+        for line in before_after.trim_end().lines() {
+            if line.starts_with('#') {
+                let _ = writeln!(out, "##{line}");
+            } else {
+                let _ = writeln!(out, "{line}");
+            }
+        }
+        out.push('\n');
     }
 
     let _ = writeln!(out, "## Checkpoint save / load\n");
