@@ -133,6 +133,30 @@ fn batch_norm_training_step_matches_pytorch() {
     }
 }
 
+/// The fused PReLU kernel against torch's `F.prelu`: outputs and both gradients, per-channel
+/// and single slopes, 2-, 3- and 4-d inputs, batch 1, exact zeros in the input.
+#[test]
+fn prelu_matches_pytorch() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/conv/prelu.safetensors");
+    let f = candle_core::safetensors::load(&path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let cases = (0..).take_while(|i| f.contains_key(&format!("prelu{i}.x"))).count();
+    assert!(cases >= 6, "fixture has {cases} PReLU cases");
+    for i in 0..cases {
+        let t = |name: &str| f[&format!("prelu{i}.{name}")].clone();
+        let x = Var::from_tensor(&t("x")).unwrap();
+        let a = Var::from_tensor(&t("a")).unwrap();
+        let what = format!("PReLU case {i} {:?} with {} slope(s)", x.dims(), a.dim(0).unwrap());
+        let y = tandem_nn::kernels::prelu::prelu(x.as_tensor(), a.as_tensor()).unwrap();
+        assert!(gap(&y, &t("y")) < 1e-6, "{what}: output differs by {}", gap(&y, &t("y")));
+        let g = (y * t("r")).unwrap().sum_all().unwrap().backward().unwrap();
+        for (name, var) in [("gx", &x), ("ga", &a)] {
+            let d = gap(g.get(var.as_tensor()).unwrap(), &t(name));
+            assert!(d < 1e-4, "{what}: {name} differs by {d}");
+        }
+    }
+}
+
 /// The max-pool kernel against torch's `max_pool2d`: outputs and gradients (ties included).
 #[test]
 fn max_pool_matches_pytorch() {
