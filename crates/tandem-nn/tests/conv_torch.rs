@@ -25,7 +25,7 @@ fn gap(a: &Tensor, b: &Tensor) -> f32 {
 fn check_all_cases(threads: usize) {
     let f = fixture();
     let cases = (0..).take_while(|i| f.contains_key(&format!("case{i}.x"))).count();
-    assert!(cases >= 14, "fixture has {cases} cases");
+    assert!(cases >= 16, "fixture has {cases} cases");
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     pool.install(|| {
         for i in 0..cases {

@@ -6,11 +6,11 @@
 //! squared deviations from it), the output one pass, and the backward two passes with
 //! PyTorch's formula `gx = γ·invstd·(gy − mean(gy) − x̂·mean(gy·x̂))`, `gγ = Σ gy·x̂`,
 //! `gβ = Σ gy` (a following ReLU's mask applied inside both), channels spread over the rayon
-//! threads. Sums run in f64 over independent lanes, so that they vectorise ([`lane_sums`]).
+//! threads. Sums run in f64 over independent lanes, so that they vectorise ([`LaneSums`]).
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::kernels::{lane_sums, with_f32_slice};
+use crate::kernels::{with_f32_slice, LaneSums};
 
 /// Plane `p` (of `hw` values) of `v`.
 fn plane(v: &[f32], p: usize, hw: usize) -> &[f32] {
@@ -24,15 +24,14 @@ pub fn batch_stats(x: &[f32], (n, c, hw): (usize, usize, usize)) -> (Vec<f32>, V
         .into_par_iter()
         .map(|ch| {
             let plane = |i: usize| &x[(i * c + ch) * hw..(i * c + ch + 1) * hw];
-            let sum: f64 = (0..n).map(|i| lane_sums([plane(i)], |[v]| [v, 0.0]).0).sum();
-            let mean = sum / m;
+            let mut sums = LaneSums::new();
+            (0..n).for_each(|i| sums.add([plane(i)], |[v]| [v, 0.0]));
+            let mean = sums.total().0 / m;
             let mean32 = mean as f32;
-            let squares: f64 = (0..n)
-                .map(|i| {
-                    let d = |v: f32| v - mean32;
-                    lane_sums([plane(i)], |[v]| [d(v) * d(v), 0.0]).0
-                })
-                .sum();
+            let mut squares = LaneSums::new();
+            let d = |v: f32| v - mean32;
+            (0..n).for_each(|i| squares.add([plane(i)], |[v]| [d(v) * d(v), 0.0]));
+            let squares = squares.total().0;
             // The deviations were taken from the f32-rounded mean; correct for the rounding.
             let offset = mean32 as f64 - mean;
             (mean as f32, (squares / m - offset * offset).max(0.0) as f32)
@@ -118,16 +117,16 @@ impl CustomOp3 for BatchNormTrain {
                         .into_par_iter()
                         .map(|ch| {
                             let mean = self.mean[ch];
-                            (0..n)
-                                .map(|i| {
-                                    let p = i * c + ch;
-                                    let v = [plane(gy, p, hw), plane(y, p, hw), plane(x, p, hw)];
-                                    lane_sums(v, |[g, y, x]| {
-                                        let g = through(g, y);
-                                        [g, g * (x - mean)]
-                                    })
-                                })
-                                .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1))
+                            let mut sums = LaneSums::new();
+                            for i in 0..n {
+                                let p = i * c + ch;
+                                let v = [plane(gy, p, hw), plane(y, p, hw), plane(x, p, hw)];
+                                sums.add(v, |[g, y, x]| {
+                                    let g = through(g, y);
+                                    [g, g * (x - mean)]
+                                });
+                            }
+                            sums.total()
                         })
                         .collect();
                     let gx = want_gx.then(|| {

@@ -300,19 +300,52 @@ fn weight_grad_batched(g: &Geometry, x: &[f32], gy: &[f32]) -> Vec<f32> {
     let (k, np) = (g.k(), g.n * g.pixels());
     let col = im2col_batch(g, x);
     let gy_t = swap_batch_and_channels(gy, (g.n, g.o, g.pixels()));
-    // gwᵀ[K, O] = col[K, N·P] · gyᵀ[N·P, O] (see `weight_grad` for the orientation).
-    let mut gw_t = vec![0f32; k * g.o];
-    let col = View { data: &col, rs: np, cs: 1 };
-    matmul(
-        (k, g.o, np),
-        &mut gw_t,
-        g.o,
-        col,
-        View { data: &gy_t, rs: 1, cs: np },
-        false,
-        threads(),
-    );
-    transpose(&gw_t, k, g.o)
+    // gy_t is [O, N·P]: the same product as `weight_grad`'s for one image of N·P pixels.
+    let mut gw = vec![0f32; k * g.o];
+    weight_grad_product(g, &mut gw, &col, &gy_t, np, false, threads());
+    finish_weight_grad(g, gw)
+}
+
+/// Whether the weight gradient is computed as its transpose `gwᵀ[K, O] = col · gyᵀ`: gemm
+/// gathers its right operand column-wise, so the smaller of `colᵀ` (`P x K`) and `gyᵀ`
+/// (`P x O`) goes right — with the long pixel dimension inner that gather dominates. `gwᵀ`
+/// measured 2x faster on IResNet's 16-channel 112x112 maps (K = 144 > O = 16,
+/// `examples/gemm_orient.rs`); a 1x1 stride-2 downsample or a 3-channel stem (K < O) is
+/// faster the other way.
+fn weight_grad_transposed(g: &Geometry) -> bool {
+    g.o <= g.k()
+}
+
+/// Adds (or with `!accumulate`, writes) one image's `gy_i · col_iᵀ` into `gw`, held as `gwᵀ`
+/// when [`weight_grad_transposed`]. `col`: `[K, P]`, `gy_i`: `[O, P]`, both rows of `pixels`.
+fn weight_grad_product(
+    g: &Geometry,
+    gw: &mut [f32],
+    col: &[f32],
+    gy_i: &[f32],
+    pixels: usize,
+    accumulate: bool,
+    threads: usize,
+) {
+    let k = g.k();
+    if weight_grad_transposed(g) {
+        let col = View { data: col, rs: pixels, cs: 1 };
+        let gy_t = View { data: gy_i, rs: 1, cs: pixels };
+        matmul((k, g.o, pixels), gw, g.o, col, gy_t, accumulate, threads);
+    } else {
+        let gy_i = View { data: gy_i, rs: pixels, cs: 1 };
+        let col_t = View { data: col, rs: 1, cs: pixels };
+        matmul((g.o, k, pixels), gw, k, gy_i, col_t, accumulate, threads);
+    }
+}
+
+/// `gw[O, K]` from what [`weight_grad_product`] accumulated.
+fn finish_weight_grad(g: &Geometry, gw: Vec<f32>) -> Vec<f32> {
+    if weight_grad_transposed(g) {
+        transpose(&gw, g.k(), g.o)
+    } else {
+        gw
+    }
 }
 
 /// `[rows, cols]` row-major to `[cols, rows]`.
@@ -376,10 +409,8 @@ fn forward(g: &Geometry, x: &[f32], w: &[f32], y: &mut [f32]) {
     }
 }
 
-/// `gw[O, K] = Σ gy_n · col_nᵀ`, computed as its transpose `gwᵀ[K, O] = Σ col_n · gy_nᵀ`: with
-/// the long pixel dimension inner, gemm packs the wide `col` as its left operand along its
-/// rows (contiguous) instead of gathering it column-wise as a right operand — measured 2x
-/// faster on IResNet's 16-channel 112x112 maps (`examples/gemm_orient.rs`).
+/// `gw[O, K] = Σ gy_n · col_nᵀ`, over chunks of images in parallel (in the orientation of
+/// [`weight_grad_transposed`]).
 fn weight_grad(g: &Geometry, x: &[f32], gy: &[f32]) -> Vec<f32> {
     if batched(g) {
         return weight_grad_batched(g, x, gy);
@@ -391,7 +422,7 @@ fn weight_grad(g: &Geometry, x: &[f32], gy: &[f32]) -> Vec<f32> {
         .into_par_iter()
         .map(|c| {
             let inner = if chunks >= t { 1 } else { t };
-            let mut gw_t = vec![0f32; k * g.o];
+            let mut gw = vec![0f32; k * g.o];
             let mut col = Vec::new();
             for i in c * per_chunk..((c + 1) * per_chunk).min(g.n) {
                 let image = &x[i * g.image_len()..(i + 1) * g.image_len()];
@@ -402,21 +433,18 @@ fn weight_grad(g: &Geometry, x: &[f32], gy: &[f32]) -> Vec<f32> {
                     g.im2col(image, &mut col, pixels);
                     &col[..]
                 };
-                // gy_iᵀ as a view: element (p, o) at o * pixels + p.
-                let gy_t =
-                    View { data: &gy[i * g.out_len()..(i + 1) * g.out_len()], rs: 1, cs: pixels };
-                let col = View { data: col, rs: pixels, cs: 1 };
-                matmul((k, g.o, pixels), &mut gw_t, g.o, col, gy_t, i > c * per_chunk, inner);
+                let gy_i = &gy[i * g.out_len()..(i + 1) * g.out_len()];
+                weight_grad_product(g, &mut gw, col, gy_i, pixels, i > c * per_chunk, inner);
             }
-            gw_t
+            gw
         })
         .collect();
     let mut total = partials.into_iter();
-    let mut gw_t = total.next().unwrap_or_else(|| vec![0f32; k * g.o]);
+    let mut gw = total.next().unwrap_or_else(|| vec![0f32; k * g.o]);
     for p in total {
-        gw_t.iter_mut().zip(&p).for_each(|(a, b)| *a += b);
+        gw.iter_mut().zip(&p).for_each(|(a, b)| *a += b);
     }
-    transpose(&gw_t, k, g.o)
+    finish_weight_grad(g, gw)
 }
 
 /// `gx_n = col2im(wᵀ · gy_n)`.

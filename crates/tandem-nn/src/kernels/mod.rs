@@ -35,29 +35,48 @@ pub fn with_f32_slice<R>(
 /// Independent accumulators of a sum (two AVX-512 registers of f64).
 const SUM_LANES: usize = 16;
 
-/// `(Σ f(v)[0], Σ f(v)[1])` over the values of the slices `v` (all of one length) in f64,
-/// over [`SUM_LANES`] independent accumulators so that the loop vectorises (one f64 chain per
-/// element was the kernel's slowest part). f64 because the sums of a BatchNorm's backward
-/// cancel (Σ gy over a channel is often ~0 while its terms are not).
-#[inline(always)]
-pub(crate) fn lane_sums<const K: usize>(
-    v: [&[f32]; K],
-    f: impl Fn([f32; K]) -> [f32; 2],
-) -> (f64, f64) {
-    let len = v[0].len();
-    let (mut a, mut b) = ([0f64; SUM_LANES], [0f64; SUM_LANES]);
-    let whole = len / SUM_LANES * SUM_LANES;
-    for at in (0..whole).step_by(SUM_LANES) {
-        let c: [&[f32; SUM_LANES]; K] =
-            std::array::from_fn(|k| v[k][at..at + SUM_LANES].try_into().expect("SUM_LANES values"));
-        for l in 0..SUM_LANES {
-            let [p, q] = f(std::array::from_fn(|k| c[k][l]));
-            a[l] += p as f64;
-            b[l] += q as f64;
+/// Two sums `(Σ f(v)[0], Σ f(v)[1])` in f64 over [`SUM_LANES`] independent accumulators, so
+/// that the loop vectorises (one f64 chain per element was the kernel's slowest part), kept
+/// across the slices added: a channel's planes are many short slices, and reducing the lanes
+/// once per channel instead of once per plane matters on 4x4 maps. f64 because the sums of a
+/// BatchNorm's backward cancel (Σ gy over a channel is often ~0 while its terms are not).
+pub(crate) struct LaneSums {
+    lanes: [[f64; SUM_LANES]; 2],
+    tail: [f64; 2],
+}
+
+impl LaneSums {
+    pub(crate) fn new() -> Self {
+        LaneSums { lanes: [[0.0; SUM_LANES]; 2], tail: [0.0; 2] }
+    }
+
+    /// Adds `f` of the values of the slices `v` (all of one length), element by element.
+    #[inline(always)]
+    pub(crate) fn add<const K: usize>(&mut self, v: [&[f32]; K], f: impl Fn([f32; K]) -> [f32; 2]) {
+        let len = v[0].len();
+        let whole = len / SUM_LANES * SUM_LANES;
+        // Locals, so that the accumulators stay in registers through the loop.
+        let [mut a, mut b] = self.lanes;
+        for at in (0..whole).step_by(SUM_LANES) {
+            let c: [&[f32; SUM_LANES]; K] = std::array::from_fn(|k| {
+                v[k][at..at + SUM_LANES].try_into().expect("SUM_LANES values")
+            });
+            for l in 0..SUM_LANES {
+                let [p, q] = f(std::array::from_fn(|k| c[k][l]));
+                a[l] += p as f64;
+                b[l] += q as f64;
+            }
+        }
+        self.lanes = [a, b];
+        for i in whole..len {
+            let [p, q] = f(std::array::from_fn(|k| v[k][i]));
+            self.tail[0] += p as f64;
+            self.tail[1] += q as f64;
         }
     }
-    let tail = (whole..len).map(|i| f(std::array::from_fn(|k| v[k][i])));
-    tail.fold((a.iter().sum::<f64>(), b.iter().sum::<f64>()), |(ta, tb), [p, q]| {
-        (ta + p as f64, tb + q as f64)
-    })
+
+    pub(crate) fn total(&self) -> (f64, f64) {
+        let [a, b] = &self.lanes;
+        (a.iter().sum::<f64>() + self.tail[0], b.iter().sum::<f64>() + self.tail[1])
+    }
 }

@@ -10,7 +10,7 @@
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::kernels::{lane_sums, with_f32_slice};
+use crate::kernels::{with_f32_slice, LaneSums};
 
 /// Elements per parallel chunk when there is a single slope.
 const CHUNK: usize = 1 << 14;
@@ -96,16 +96,13 @@ impl CustomOp2 for PRelu {
                     (0..c)
                         .into_par_iter()
                         .map(|ch| {
-                            let mut s = 0f64;
+                            let mut s = LaneSums::new();
                             for plane in (ch..planes).step_by(c) {
                                 let xs = &x[plane * hw..(plane + 1) * hw];
                                 let gs = &gy[plane * hw..(plane + 1) * hw];
-                                s += lane_sums([xs, gs], |[x, g]| {
-                                    [if x <= 0.0 { x * g } else { 0.0 }, 0.0]
-                                })
-                                .0;
+                                s.add([xs, gs], |[x, g]| [if x <= 0.0 { x * g } else { 0.0 }, 0.0]);
                             }
-                            s as f32
+                            s.total().0 as f32
                         })
                         .collect::<Vec<f32>>()
                 })
