@@ -68,11 +68,12 @@ impl LaneSums {
             }
         }
         self.lanes = [a, b];
-        for i in whole..len {
+        let tail = &mut self.tail;
+        (whole..len).for_each(|i| {
             let [p, q] = f(std::array::from_fn(|k| v[k][i]));
-            self.tail[0] += p as f64;
-            self.tail[1] += q as f64;
-        }
+            tail[0] += p as f64;
+            tail[1] += q as f64;
+        });
     }
 
     pub(crate) fn total(&self) -> (f64, f64) {
