@@ -11,6 +11,7 @@
 #   BASE_REV  default 077cbf3 (the tree before the kernel work of the convolution-speed issue)
 #   ROUNDS    alternating rounds per whole-model figure (default 3; min / median / max)
 #   PARTS=ops,models   which halves to run (default both)
+#   ROWS=resnet18-16,resnet18-64,cnn,face   which whole-model rows (default all)
 #   BASE_BUILD=DIR     keep the base revision's build in DIR and reuse it next time
 # Needs a Python with torch (TANDEM_PYTHON or .venv-torch/bin/python) and ~8 minutes for the
 # base revision's cold build (in a scratch worktree, removed afterwards). Run it on a quiet
@@ -23,6 +24,7 @@ python="${TANDEM_PYTHON:-$PWD/.venv-torch/bin/python}"
 "$python" -c 'import torch' 2>/dev/null || { echo "no torch in $python (set TANDEM_PYTHON)" >&2; exit 1; }
 
 parts="${PARTS:-ops,models}"
+rows="${ROWS:-resnet18-16,resnet18-64,cnn,face}"
 scratch="$(mktemp -d)"
 cleanup() { git worktree remove --force "$scratch/base" 2>/dev/null || true; rm -rf "$scratch"; }
 trap cleanup EXIT
@@ -73,14 +75,17 @@ echo "| workload | $base | $head_rev |"
 echo "|---|--:|--:|"
 for spec in "resnet18 16 64 4" "resnet18 64 64 3" "cnn 1 128 10"; do
   set -- $spec
+  case ",$rows," in *",$1-$2,"*|*",$1,"*) ;; *) continue ;; esac
   : > "$scratch/a"; : > "$scratch/b"
   for _ in $(seq "$rounds"); do
     try ddp_ratio "$old" "$@" >> "$scratch/a"
     try ddp_ratio "$new" "$@" >> "$scratch/b"
   done
-  name="2-rank DDP $1$([ "$1" = resnet18 ] && echo " width $2")"
+  name="2-rank DDP $1"
+  if [ "$1" = resnet18 ]; then name="$name width $2"; fi
   echo "| $name | $(stats < "$scratch/a") | $(stats < "$scratch/b") |"
 done
+case ",$rows," in *,face,*) ;; *) exit 0 ;; esac
 : > "$scratch/a"; : > "$scratch/b"
 for _ in $(seq "$rounds"); do
   try face_ratio "$old" >> "$scratch/a"
