@@ -37,7 +37,7 @@ pub use error::CommError;
 pub use frame::MAX_FRAME;
 pub use group::ProcessGroup;
 pub use live::{LiveGroup, LiveOptions};
-pub use rendezvous::init_with;
+pub use rendezvous::{host_port, init_with};
 pub use store::{Store, StoreServer, StoreWire, HANDSHAKE_LIMIT, SERVER_ID_KEY};
 pub use transport::TransportKind;
 pub use work::Work;

@@ -253,6 +253,12 @@ impl std::fmt::Debug for LiveGroup {
     }
 }
 
+/// (Re)writes `member`'s alive key, owned by this process's store connection, with its `role`.
+fn announce_alive(store: &Store, member: usize, role: &str) -> Result<(), CommError> {
+    let me = format!("{role} pid {} on {}", std::process::id(), crate::rendezvous::hostname());
+    store.set_owned(&format!("alive/{member}"), me.as_bytes())
+}
+
 fn live_error(reason: impl Into<String>) -> CommError {
     CommError::rendezvous("live", reason)
 }
@@ -272,9 +278,7 @@ impl LiveGroup {
         )?
         .with_prefix("live");
         let local_ip = store.local_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
-        let role = if opts.replacement { JOINER } else { HOLDER };
-        let me = format!("{role} pid {} on {}", std::process::id(), crate::rendezvous::hostname());
-        store.set_owned(&format!("alive/{}", opts.member), me.as_bytes())?;
+        announce_alive(&store, opts.member, if opts.replacement { JOINER } else { HOLDER })?;
         let first = if opts.replacement {
             None
         } else {
@@ -311,9 +315,7 @@ impl LiveGroup {
     /// Declares that this process now holds the training state (a replacement, once it has
     /// received it): from now on it may propose a generation and be a state's source.
     pub fn holds_state(&self) -> Result<(), CommError> {
-        let me =
-            format!("{HOLDER} pid {} on {}", std::process::id(), crate::rendezvous::hostname());
-        self.store.set_owned(&format!("alive/{}", self.opts.member), me.as_bytes())
+        announce_alive(&self.store, self.opts.member, HOLDER)
     }
 
     /// Whether this process has a generation yet (a replacement before `join_running` has not).

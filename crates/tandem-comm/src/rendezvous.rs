@@ -216,7 +216,8 @@ fn mpi_transport(
     ))
 }
 
-fn host_port(host: &str, port: u16) -> String {
+/// `host:port`, with an IPv6 host in brackets.
+pub fn host_port(host: &str, port: u16) -> String {
     if host.contains(':') {
         format!("[{host}]:{port}")
     } else {

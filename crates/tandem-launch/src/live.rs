@@ -10,7 +10,7 @@ use std::ffi::OsString;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use tandem_comm::StoreServer;
+use tandem_comm::{host_port, StoreServer};
 
 use crate::config::{available_cores, LaunchConfig};
 use crate::env::JobShape;
@@ -38,12 +38,10 @@ struct Slot {
 /// Where the workers find the store, and the server when this launcher hosts it.
 fn live_store(cfg: &LaunchConfig) -> Result<(String, Option<StoreServer>), LaunchError> {
     let host = &cfg.master_addr;
-    let bracket =
-        |h: &str, p: u16| if h.contains(':') { format!("[{h}]:{p}") } else { format!("{h}:{p}") };
     if cfg.is_multi_node() {
         let port = cfg.master_port.expect("validated: multi-node needs --master-port");
         let server = if cfg.node_rank == 0 {
-            let bind = bracket("0.0.0.0", port);
+            let bind = host_port("0.0.0.0", port);
             Some(StoreServer::bind(&bind, &cfg.run_id).map_err(|error| {
                 LaunchError::config(
                     "--master-port",
@@ -53,17 +51,25 @@ fn live_store(cfg: &LaunchConfig) -> Result<(String, Option<StoreServer>), Launc
         } else {
             None
         };
-        return Ok((bracket(host, port), server));
+        return Ok((host_port(host, port), server));
     }
-    let bind = bracket(host, cfg.master_port.unwrap_or(0));
+    let bind = host_port(host, cfg.master_port.unwrap_or(0));
     let server = StoreServer::bind(&bind, &cfg.run_id).map_err(|error| {
         LaunchError::config(
             "--master-addr",
             format!("cannot host the live-recovery store on {bind}: {error}"),
         )
     })?;
-    let addr = bracket(host, server.local_addr().port());
+    let addr = host_port(host, server.local_addr().port());
     Ok((addr, Some(server)))
+}
+
+/// Stops every slot's worker (`sig`, then SIGKILL after the grace period) and collects the
+/// last of their output.
+fn stop_slots(slots: Vec<Slot>, sig: Signal, cfg: &LaunchConfig, signals: &SignalWatch) {
+    let mut ws: Vec<Worker> = slots.into_iter().map(|s| s.worker).collect();
+    stop_all(&mut ws, sig, cfg.stop_grace, signals);
+    drain_output(&mut ws);
 }
 
 /// Starts this node's workers in live-recovery mode and supervises them (see the module docs).
@@ -119,9 +125,7 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
                 slots.push(Slot { worker: w, done: false, lost: None });
             }
             Err(e) => {
-                let mut ws: Vec<Worker> = slots.into_iter().map(|s| s.worker).collect();
-                stop_all(&mut ws, Signal::SIGTERM, cfg.stop_grace, &signals);
-                drain_output(&mut ws);
+                stop_slots(slots, Signal::SIGTERM, cfg, &signals);
                 return Err(e);
             }
         }
@@ -138,10 +142,8 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
     };
     loop {
         if let Some((sig, _)) = signals.received() {
-            let mut ws: Vec<Worker> = slots.into_iter().map(|s| s.worker).collect();
             let how = Signal::try_from(sig).unwrap_or(Signal::SIGTERM);
-            stop_all(&mut ws, how, cfg.stop_grace, &signals);
-            drain_output(&mut ws);
+            stop_slots(slots, how, cfg, &signals);
             return Ok(outcome(128 + sig, Vec::new(), Some(sig), restarts));
         }
         for (i, slot) in slots.iter_mut().enumerate() {
@@ -193,9 +195,7 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
             );
             let failures: Vec<WorkerFailure> =
                 slots.iter().filter_map(|s| s.lost.clone()).collect();
-            let mut ws: Vec<Worker> = slots.into_iter().map(|s| s.worker).collect();
-            stop_all(&mut ws, Signal::SIGTERM, cfg.stop_grace, &signals);
-            drain_output(&mut ws);
+            stop_slots(slots, Signal::SIGTERM, cfg, &signals);
             let code = failures.first().map_or(1, |f| f.exit.launcher_exit_code());
             return Ok(outcome(code, failures, None, restarts));
         }
@@ -203,9 +203,7 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
             let finished = slots.iter().filter(|s| s.done).count();
             let failures: Vec<WorkerFailure> =
                 slots.iter().filter_map(|s| s.lost.clone()).collect();
-            let mut ws: Vec<Worker> = slots.into_iter().map(|s| s.worker).collect();
-            stop_all(&mut ws, Signal::SIGTERM, cfg.stop_grace, &signals);
-            drain_output(&mut ws);
+            stop_slots(slots, Signal::SIGTERM, cfg, &signals);
             if finished > 0 {
                 if !failures.is_empty() || restarts > 0 {
                     let ranks: Vec<u32> = failures.iter().map(|f| f.rank).collect();

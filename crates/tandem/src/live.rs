@@ -4,7 +4,7 @@
 //! the whole training state from a healthy peer over the group — no checkpoint file involved.
 //! (The membership protocol is [`tandem_comm::live`]'s; this module moves the training state.)
 //!
-//! The loop's shape ([`examples/live_recovery.rs`] is the whole program):
+//! The loop's shape (`examples/live_recovery.rs` in the repository is the whole program):
 //!
 //! ```ignore
 //! let live = LiveTraining::connect()?;                       // under tandem run --live-recovery
@@ -16,8 +16,6 @@
 //! // that fails with `is_peer_failure` puts the loader back where it began; then:
 //! let change = live.regroup(&mut TrainingState::new(&ddp, &mut opt).loader(&mut loader).step(step))?;
 //! ```
-//!
-//! [`examples/live_recovery.rs`]: https://example.invalid/tandem/examples/live_recovery.rs
 use std::sync::Arc;
 
 use tandem_ckpt::TrainingCheckpoint;

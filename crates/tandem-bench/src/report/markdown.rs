@@ -37,6 +37,19 @@ pub struct Report<'a> {
     pub conv_before_after: Option<String>,
 }
 
+/// A section `## title` holding a script's saved markdown `body` after `intro`, the body's
+/// headings moved down so that its shallowest one is a `###` under the section's.
+fn embed(out: &mut String, title: &str, intro: &str, body: &str) {
+    let level = |line: &str| line.bytes().take_while(|&b| b == b'#').count();
+    let shallowest = body.lines().map(level).filter(|&l| l > 0).min().unwrap_or(3);
+    let deeper = "#".repeat(3usize.saturating_sub(shallowest));
+    let _ = writeln!(out, "## {title}\n\n{intro}\n");
+    for line in body.trim_end().lines() {
+        let _ = writeln!(out, "{}{line}", if level(line) > 0 { deeper.as_str() } else { "" });
+    }
+    out.push('\n');
+}
+
 /// The plot of one model's DDP table (the MLP's and ResNet-18 w16's keep their first names).
 pub fn ddp_plot_name(w: &Workload) -> String {
     match (w.model, w.width) {
@@ -356,23 +369,15 @@ pub fn render(r: &Report) -> String {
     }
 
     if let Some(before_after) = &r.conv_before_after {
-        let _ = writeln!(out, "## Conv-net kernels before and after\n");
-        let _ = writeln!(
-            out,
+        embed(
+            &mut out,
+            "Conv-net kernels before and after",
             "The convolution-speed work against the revision before it, both binaries measured in \
              alternation in one run by `scripts/conv_before_after.sh` (it builds the older revision, \
              so `tandem bench report` includes its last output, docs/bench_conv_before_after.md, \
-             instead of rerunning it).\n"
+             instead of rerunning it).",
+            before_after,
         );
-        // The file's headings go under this section's: two levels down.
-        for line in before_after.trim_end().lines() {
-            if line.starts_with('#') {
-                let _ = writeln!(out, "##{line}");
-            } else {
-                let _ = writeln!(out, "{line}");
-            }
-        }
-        out.push('\n');
     }
 
     let _ = writeln!(out, "## Checkpoint save / load\n");
@@ -457,15 +462,15 @@ pub fn render(r: &Report) -> String {
     }
 
     if let Some(hosts) = &r.several_hosts {
-        let _ = writeln!(out, "## Several hosts (simulated)\n");
-        let _ = writeln!(
-            out,
+        embed(
+            &mut out,
+            "Several hosts (simulated)",
             "Hosts are network namespaces on one bridge, each host's link rate-limited; every rank \
              still runs on this machine's cores. Measured by `sudo scripts/bench_two_hosts.sh \
              HOSTS` (root needed, so `tandem bench report` includes its last output, \
-             docs/bench_two_hosts.md, instead of rerunning it).\n"
+             docs/bench_two_hosts.md, instead of rerunning it).",
+            hosts,
         );
-        let _ = writeln!(out, "{}\n", hosts.trim_end());
     }
 
     if !r.failures.is_empty() || !r.retries.is_empty() {

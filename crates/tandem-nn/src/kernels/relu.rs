@@ -32,7 +32,7 @@ impl CustomOp1 for Relu {
 }
 
 /// `gy` where `y > 0`, else 0.
-pub(crate) fn masked_by_positive(gy: &Tensor, y: &Tensor) -> candle_core::Result<Vec<f32>> {
+fn masked_by_positive(gy: &Tensor, y: &Tensor) -> candle_core::Result<Vec<f32>> {
     with_f32_slice(gy, |gy| {
         with_f32_slice(y, |y| {
             let mut gx = gy.to_vec();
