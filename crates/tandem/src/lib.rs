@@ -11,7 +11,9 @@
 //! [`data`] (datasets, the sampler, the loader), [`nn`] (layers, kernels, parameter views, state
 //! dicts), [`optim`] (optimizers, schedulers, GradScaler, clipping, ZeRO), [`models`] (reference
 //! models and `ModelKind`), [`ddp`] (Ddp, DataParallel, comm hooks), [`partial_fc`]
-//! (model-parallel heads), [`onnx`] (export) and [`launch`] (the launcher).
+//! (model-parallel heads), [`train`] (the training loop's parts: one mixed-precision step,
+//! schedules, training state, live recovery, metrics), [`onnx`] (export) and [`launch`] (the
+//! launcher).
 pub use tandem_ckpt as ckpt;
 pub use tandem_comm as comm;
 pub use tandem_data as data;
@@ -23,8 +25,8 @@ pub use tandem_onnx as onnx;
 pub use tandem_optim as optim;
 pub use tandem_partial_fc as partial_fc;
 
-pub mod live;
-pub mod state;
+pub use tandem_train as train;
+pub use tandem_train::{live, state};
 
 pub use state::{load_state, save_state, Resumed, StateError, TrainingState};
 pub use tandem_nn::{allocator_tuned, tune_allocator};

@@ -54,8 +54,8 @@ pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i3
         }
         let checkpoint = summary.checkpoint.as_ref().map(|p| p.display().to_string());
         println!(
-            "{line} samples_per_s={:.0} checkpoint={}",
-            summary.samples_per_s,
+            "{line} samples_per_s={} checkpoint={}",
+            worker::three_figures(summary.samples_per_s),
             checkpoint.unwrap_or_else(|| "-".into())
         );
     }

@@ -336,6 +336,45 @@ pub fn parse_margin(text: &str) -> anyhow::Result<(f64, f64, f64)> {
 }
 
 impl TrainConfig {
+    /// `--lr-scheduler` with its warm-up and step length, as the library's schedule.
+    pub fn lr_schedule(&self) -> tandem::train::LrSchedule {
+        use tandem::train::{LrSchedule, Warmup};
+        match self.lr_scheduler {
+            SchedulerKind::None => LrSchedule::Constant,
+            SchedulerKind::Poly => LrSchedule::Poly {
+                warmup: match (self.warmup_steps, self.warmup_epochs) {
+                    (Some(s), _) => Warmup::Steps(s),
+                    (None, Some(e)) => Warmup::Epochs(e),
+                    (None, None) => Warmup::None,
+                },
+            },
+            SchedulerKind::Cosine => LrSchedule::Cosine,
+            SchedulerKind::Step => LrSchedule::Step { every_epochs: self.lr_step_epochs },
+        }
+    }
+
+    /// The step the flags describe: `--precision f16`'s GradScaler (growing every
+    /// `--grad-scaler-growth-interval` clean steps, `default_interval` without the flag),
+    /// `--clip-grad-norm` and `sched`.
+    pub fn step(
+        &self,
+        default_interval: i64,
+        sched: tandem::train::Scheduler,
+    ) -> anyhow::Result<tandem::train::Step> {
+        use tandem_optim::{GradScaler, GradScalerConfig};
+        let scaler = match self.precision {
+            Precision::F16 => Some(GradScaler::new(GradScalerConfig {
+                growth_interval: self.grad_scaler_growth_interval.unwrap_or(default_interval),
+                ..GradScalerConfig::default()
+            })?),
+            _ => None,
+        };
+        Ok(tandem::train::Step::new()
+            .scaler(scaler)
+            .clip_grad_norm(self.clip_grad_norm)
+            .scheduler(sched))
+    }
+
     /// Rejects settings that cannot train, naming the flag at fault.
     pub fn validate(&self) -> anyhow::Result<()> {
         if self.nproc_per_node == 0 {

@@ -15,32 +15,18 @@ use tandem_data::{
     InMemoryDataset, LoaderOptions, SamplerState, Transformed,
 };
 use tandem_ddp::{Ddp, DdpOptions};
-use tandem_optim::amp::{GradScaler, GradScalerConfig};
+use tandem_optim::amp::GradScaler;
 
 use tandem::live::{is_peer_failure, LiveError, LiveState, LiveTraining};
 use tandem::state::{sampler_state_from_value, sampler_value};
+use tandem::train::metrics::{MetricsFile, MetricsRecord};
+use tandem::train::schedule::{self, RunLength};
+use tandem::train::{EpochMetrics, EventWriter, Progress, RunSummary, Step};
 
-use super::config::{Precision, TrainConfig};
+use super::config::TrainConfig;
 use super::fault;
 use super::model::{image_shape, Net, NetSpec};
 use super::optimizer::TrainOptimizer;
-use super::progress::Progress;
-use super::schedule::{self, RunLength, Scheduler};
-use super::tfevents::EventWriter;
-
-/// What a finished run reports (rank 0 prints it as the `final:` line).
-#[derive(Debug, Clone)]
-pub struct RunSummary {
-    pub rank: usize,
-    pub epochs: u64,
-    pub steps: u64,
-    /// The classifiers' accuracy on the eval split.
-    pub eval_accuracy: Option<f64>,
-    /// The face models' accuracy on the first --val set.
-    pub verification_accuracy: Option<f64>,
-    pub samples_per_s: f64,
-    pub checkpoint: Option<PathBuf>,
-}
 
 /// Trains on this rank. `run_dir` must be the same on every rank.
 pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
@@ -145,9 +131,8 @@ struct Worker<'a> {
     device: Device,
     ddp: Ddp<Net>,
     opt: TrainOptimizer,
-    /// float16 needs loss scaling (its range is narrow); bf16 has float32's range and does not.
-    scaler: Option<GradScaler>,
-    sched: Scheduler,
+    /// The GradScaler (float16), clipping and the lr schedule around each optimizer step.
+    stepper: Step,
     train: Arc<TrainData>,
     eval: Arc<TrainData>,
     options: LoaderOptions,
@@ -155,7 +140,6 @@ struct Worker<'a> {
     manager: CheckpointManager,
     saver: Saver,
     global_step: u64,
-    skipped_steps: u64,
     train_time: f64,
     samples_seen: u64,
     last_eval: EvalMetrics,
@@ -168,6 +152,9 @@ struct Worker<'a> {
     epoch_to_close: Option<(u64, f64)>,
     /// The step of the last checkpoint written (the same on every rank).
     saved_at: Option<u64>,
+    /// Every epoch's figures, and rank 0's JSON-lines copy of them (`run_dir/metrics.jsonl`).
+    epochs_seen: Vec<EpochMetrics>,
+    metrics: Option<MetricsFile>,
 }
 
 impl<'a> Worker<'a> {
@@ -220,7 +207,6 @@ impl<'a> Worker<'a> {
             ddp.register_comm_hook(fault::hook()).context("the fault-injection hook")?;
         }
         let mut opt = TrainOptimizer::new(cfg, ddp.params(), &group)?;
-        let scaler = grad_scaler(cfg, 2000)?;
         let sampler = DistributedSampler::builder(train.len())
             .group(&group)
             .shuffle(!cfg.no_shuffle)
@@ -237,8 +223,12 @@ impl<'a> Worker<'a> {
         // The schedule spans --epochs (--steps may stop the run before its end).
         let steps_per_epoch = loader.len() as u64;
         let total_steps = cfg.epochs as u64 * steps_per_epoch;
-        let sched =
-            schedule::build(cfg, opt.get_mut(), RunLength { steps_per_epoch, total_steps })?;
+        let sched = cfg
+            .lr_schedule()
+            .build(opt.get_mut(), cfg.lr, RunLength { steps_per_epoch, total_steps })
+            .context("--lr-scheduler")?;
+        let stepper = cfg.step(2000, sched)?;
+        let metrics = metrics_file(run_dir, rank)?;
         let manager = CheckpointManager::new(run_dir.join("checkpoints"), cfg.keep_last);
         let saver = Saver::new(manager.clone(), cfg.async_save);
         Ok(Worker {
@@ -248,8 +238,7 @@ impl<'a> Worker<'a> {
             device,
             ddp,
             opt,
-            scaler,
-            sched,
+            stepper,
             train,
             eval: Arc::new(eval),
             options,
@@ -257,7 +246,6 @@ impl<'a> Worker<'a> {
             manager,
             saver,
             global_step: 0,
-            skipped_steps: 0,
             train_time: 0.0,
             samples_seen: 0,
             last_eval: EvalMetrics::default(),
@@ -266,6 +254,8 @@ impl<'a> Worker<'a> {
             in_flight: None,
             epoch_to_close: None,
             saved_at: None,
+            epochs_seen: Vec::new(),
+            metrics,
         })
     }
 
@@ -323,7 +313,7 @@ impl<'a> Worker<'a> {
             Some((r, n)) => self.loader.reshard(r, n, &position),
         }
         .with_context(|| format!("{what}: checkpoint `sampler` does not fit this run"))?;
-        match (self.scaler.as_mut(), &ck.scaler) {
+        match (self.stepper.grad_scaler_mut(), &ck.scaler) {
             (Some(s), Value::None) if rank == 0 => eprintln!(
                 "{what}: no GradScaler state (written without --precision f16); the loss scale \
                  starts at {}",
@@ -336,7 +326,9 @@ impl<'a> Worker<'a> {
         }
         self.global_step = ck.global_step as u64;
         let max_steps = Some(self.global_step + self.steps_to_end());
-        schedule::load(&mut self.sched, &ck.scheduler, self.opt.get_mut(), max_steps, what)?;
+        let sched = self.stepper.lr_scheduler_mut();
+        schedule::load(sched, &ck.scheduler, self.opt.get_mut(), max_steps, what)
+            .context("--lr-scheduler")?;
         Ok(position)
     }
 
@@ -344,8 +336,8 @@ impl<'a> Worker<'a> {
     /// sends).
     fn state_value(&mut self, world: usize) -> anyhow::Result<Value> {
         let optimizer = self.opt.checkpoint_state(self.group.rank())?;
-        let scaler = self.scaler.as_ref().map_or(Value::None, GradScaler::state_dict);
-        let scheduler = schedule::state(&self.sched);
+        let scaler = self.stepper.grad_scaler().map_or(Value::None, GradScaler::state_dict);
+        let scheduler = schedule::state(self.stepper.lr_scheduler());
         let sampler = self.loader.state();
         let state =
             CheckpointState { optimizer, scaler, scheduler, sampler, step: self.global_step };
@@ -367,8 +359,7 @@ impl<'a> Worker<'a> {
         let snapshot = Snapshot {
             ddp: &self.ddp,
             opt: &mut self.opt,
-            scaler: self.scaler.as_ref(),
-            sched: &self.sched,
+            stepper: &self.stepper,
             loader: &self.loader,
             step: self.global_step,
         };
@@ -488,20 +479,8 @@ impl<'a> Worker<'a> {
     /// failure can put its batch back.
     fn train_epoch(&mut self, max_steps: u64, progress: &Progress) -> anyhow::Result<f64> {
         // Disjoint borrows: the batch iterator holds the loader while checkpoints read it.
-        let Worker {
-            cfg,
-            group,
-            ddp,
-            opt,
-            scaler,
-            sched,
-            train,
-            loader,
-            saver,
-            live,
-            in_flight,
-            ..
-        } = self;
+        let Worker { cfg, group, ddp, opt, stepper, train, loader, saver, live, in_flight, .. } =
+            self;
         let world = group.size();
         ddp.module().set_training(true);
         let (mut loss_sum, mut loss_n) = (0.0f64, 0usize);
@@ -527,32 +506,13 @@ impl<'a> Worker<'a> {
             fault::set_step(self.global_step + 1);
             let loss = ddp.hooked().loss(&batch.x, &batch.y)?;
             fault::hit(fault::Phase::Forward);
-            let (clip, step) = (cfg.clip_grad_norm, self.global_step + 1);
-            match scaler.as_mut() {
-                // torch's recipe: backward of the scaled loss, unscale, clip, step (skipped on
-                // inf/NaN), update.
-                Some(s) => {
-                    let mut grads = ddp.backward(&s.scale(&loss)?)?;
-                    fault::hit(fault::Phase::Optimizer);
-                    if clip.is_some() {
-                        s.unscale_(opt.get(), &mut grads)?;
-                        schedule::clip(clip, &ddp.params(), &mut grads, true, step)?;
-                    }
-                    if !s.step(opt.get_mut(), &mut grads)? {
-                        self.skipped_steps += 1;
-                    }
-                    s.update()?;
-                }
-                None => {
-                    let mut grads = ddp.backward(&loss)?;
-                    fault::hit(fault::Phase::Optimizer);
-                    schedule::clip(clip, &ddp.params(), &mut grads, false, step)?;
-                    opt.get_mut().step(&grads)?;
-                }
-            }
-            if let Some(sched) = sched.as_mut() {
-                sched.step_optimizer(opt.get_mut())?;
-            }
+            let params = ddp.params();
+            let backward = |loss: &candle_core::Tensor| -> anyhow::Result<_> {
+                let grads = ddp.backward(loss)?;
+                fault::hit(fault::Phase::Optimizer);
+                Ok(grads)
+            };
+            stepper.run(&loss, backward, opt.get_mut(), &params, self.global_step + 1)?;
             *in_flight = None;
             self.train_time += started.elapsed().as_secs_f64();
             self.global_step += 1;
@@ -562,7 +522,7 @@ impl<'a> Worker<'a> {
             progress.step(self.global_step, loss_sum / loss_n.max(1) as f64);
             let (step, every) = (self.global_step, cfg.save_every);
             if every > 0 && step.is_multiple_of(every) && step < max_steps {
-                let snapshot = Snapshot { ddp, opt, scaler: scaler.as_ref(), sched, loader, step };
+                let snapshot = Snapshot { ddp, opt, stepper, loader, step };
                 let written =
                     save_checkpoint(&format!("step-{step:08}"), snapshot, saver, group, cfg)?;
                 self.last_ckpt = written.or(self.last_ckpt.take());
@@ -581,7 +541,7 @@ impl<'a> Worker<'a> {
 
     /// Rank 0's epoch line and TensorBoard scalars.
     fn report_epoch(
-        &self,
+        &mut self,
         epoch: u64,
         train_loss: f64,
         progress: &Progress,
@@ -590,15 +550,33 @@ impl<'a> Worker<'a> {
         let (cfg, step, eval) = (self.cfg, self.global_step, &self.last_eval);
         let sps = self.samples_seen as f64 / self.train_time.max(1e-9);
         let lr = self.opt.get().lr();
-        let amp = self.scaler.as_ref().map_or(String::new(), |s| {
-            format!(" loss_scale={} skipped_steps={}", s.get_scale(), self.skipped_steps)
-        });
+        let skipped = self.stepper.skipped_steps();
+        let loss_scale = self.stepper.grad_scaler().map(GradScaler::get_scale);
+        let amp = loss_scale
+            .map_or(String::new(), |s| format!(" loss_scale={s} skipped_steps={skipped}"));
+        let metrics = EpochMetrics {
+            epoch: epoch + 1,
+            step,
+            train_loss,
+            eval_loss: Some(eval.mean_loss()),
+            eval_accuracy: Some(eval.accuracy()),
+            verification: Vec::new(),
+            samples_per_s: sps,
+            lr,
+            loss_scale,
+            skipped_steps: skipped,
+        };
+        if let Some(file) = self.metrics.as_mut() {
+            file.write(&MetricsRecord::Epoch(metrics.clone()))?;
+        }
+        self.epochs_seen.push(metrics);
         progress.line(&format!(
-            "epoch {}/{} step {step} loss={train_loss:.4} eval_loss={:.4} eval_accuracy={:.4} samples/s={sps:.0} lr={lr}{amp}",
+            "epoch {}/{} step {step} loss={train_loss:.4} eval_loss={:.4} eval_accuracy={:.4} samples/s={} lr={lr}{amp}",
             epoch + 1,
             cfg.epochs,
             eval.mean_loss(),
             eval.accuracy(),
+            three_figures(sps),
         ));
         let Some(tb) = tb else { return Ok(()) };
         let write = |tb: &mut EventWriter| -> std::io::Result<()> {
@@ -634,19 +612,26 @@ impl<'a> Worker<'a> {
             }
             self.group.barrier()?;
         }
-        Ok(RunSummary {
+        let summary = RunSummary {
             rank,
             epochs: self.loader.epoch().min(cfg.epochs as u64),
             steps: self.global_step,
+            samples_per_s: self.samples_seen as f64 / self.train_time.max(1e-9),
+            final_loss: self.epochs_seen.last().map(|e| e.train_loss),
             eval_accuracy: Some(self.last_eval.accuracy()),
             verification_accuracy: None,
-            samples_per_s: self.samples_seen as f64 / self.train_time.max(1e-9),
             checkpoint: if rank == 0 {
                 self.last_ckpt.or_else(|| Some(self.manager.path_for(&final_name)))
             } else {
                 None
             },
-        })
+            skipped_steps: self.stepper.skipped_steps(),
+            epochs_seen: self.epochs_seen,
+        };
+        if let Some(file) = self.metrics.as_mut() {
+            file.write(&MetricsRecord::Summary(summary.clone()))?;
+        }
+        Ok(summary)
     }
 }
 
@@ -702,10 +687,11 @@ impl LiveState for Worker<'_> {
         let fail = |e: anyhow::Error| LiveError::Other(format!("{e:#}"));
         let position = self.loader.state();
         self.loader.reshard(rank, size, &position).map_err(|e| fail(e.into()))?;
-        let saved = schedule::state(&self.sched);
+        let saved = schedule::state(self.stepper.lr_scheduler());
         let max_steps = Some(self.global_step + self.steps_to_end());
-        schedule::load(&mut self.sched, &saved, self.opt.get_mut(), max_steps, "the live state")
-            .map_err(fail)
+        let sched = self.stepper.lr_scheduler_mut();
+        schedule::load(sched, &saved, self.opt.get_mut(), max_steps, "the live state")
+            .map_err(|e| fail(e.into()))
     }
 }
 
@@ -713,8 +699,7 @@ impl LiveState for Worker<'_> {
 struct Snapshot<'b> {
     ddp: &'b Ddp<Net>,
     opt: &'b mut TrainOptimizer,
-    scaler: Option<&'b GradScaler>,
-    sched: &'b Scheduler,
+    stepper: &'b Step,
     loader: &'b DataLoader<TrainData>,
     step: u64,
 }
@@ -728,10 +713,10 @@ fn save_checkpoint(
     group: &ProcessGroup,
     cfg: &TrainConfig,
 ) -> anyhow::Result<Option<PathBuf>> {
-    let Snapshot { ddp, opt, scaler, sched, loader, step } = snapshot;
+    let Snapshot { ddp, opt, stepper, loader, step } = snapshot;
     let optimizer = opt.checkpoint_state(group.rank())?;
-    let scaler = scaler.map_or(Value::None, GradScaler::state_dict);
-    let scheduler = schedule::state(sched);
+    let scaler = stepper.grad_scaler().map_or(Value::None, GradScaler::state_dict);
+    let scheduler = schedule::state(stepper.lr_scheduler());
     let state = CheckpointState { optimizer, scaler, scheduler, sampler: loader.state(), step };
     let value = checkpoint_value(&ddp.module(), state, group.size(), cfg)?;
     saver.save(group.rank(), name, value, group)
@@ -885,16 +870,23 @@ fn evaluate(
     Ok(tandem_data::eval::all_reduce_metrics(group, &local)?)
 }
 
-/// The GradScaler of `--precision f16` (`None` otherwise), growing every
-/// `--grad-scaler-growth-interval` clean steps (`default_interval` without the flag).
-pub fn grad_scaler(cfg: &TrainConfig, default_interval: i64) -> anyhow::Result<Option<GradScaler>> {
-    Ok(match cfg.precision {
-        Precision::F16 => Some(GradScaler::new(GradScalerConfig {
-            growth_interval: cfg.grad_scaler_growth_interval.unwrap_or(default_interval),
-            ..GradScalerConfig::default()
-        })?),
-        _ => None,
-    })
+/// Rank 0's JSON-lines metrics file, `run_dir/metrics.jsonl` (appended to on resume).
+pub fn metrics_file(run_dir: &Path, rank: usize) -> anyhow::Result<Option<MetricsFile>> {
+    if rank != 0 {
+        return Ok(None);
+    }
+    Ok(Some(MetricsFile::append(&run_dir.join("metrics.jsonl"))?))
+}
+
+/// A rate with three significant figures (`1.23`, `45.6`, `789`, `12300`).
+pub fn three_figures(v: f64) -> String {
+    if !v.is_finite() || v == 0.0 {
+        return format!("{v}");
+    }
+    let digits = v.abs().log10().floor() as i32 + 1;
+    let decimals = (3 - digits).max(0) as usize;
+    let scale = 10f64.powi((digits - 3).max(0));
+    format!("{:.*}", decimals, (v / scale).round() * scale)
 }
 
 /// Loads weights from a PyTorch or tandem file (any container, any wrapping) through the

@@ -744,24 +744,25 @@ pub(super) fn backward(
     };
     let groups = x.chunks(ipg * d.image_len()).zip(gy.chunks(ipg * d.out_len())).zip(gx_groups);
     let gu = if groups_n > 1 {
-        groups
-            .par_bridge()
-            .fold(
-                || (vec![0f32; gu_len], Scratch::default()),
-                |(mut gu, mut s), ((xg, gyg), gxg)| {
-                    let gu_part = want_gw.then_some(&mut gu[..]);
-                    backward_group(d, &u, xg, gyg, gu_part, gxg, &mut s, 1);
-                    (gu, s)
-                },
-            )
-            .map(|(gu, _)| gu)
-            .reduce(Vec::new, |mut a, b| {
-                if a.is_empty() {
-                    return b;
-                }
-                a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
-                a
+        // One partial gU per group, added in group order: a rayon fold/reduce would pair the
+        // partials as work-stealing happens to split them, and the sum's rounding (so the
+        // trained weights) would change from run to run.
+        let groups: Vec<_> = groups.collect();
+        let partials: Vec<Vec<f32>> = groups
+            .into_par_iter()
+            .map(|((xg, gyg), gxg)| {
+                let mut gu = vec![0f32; gu_len];
+                let gu_part = want_gw.then_some(&mut gu[..]);
+                backward_group(d, &u, xg, gyg, gu_part, gxg, &mut Scratch::default(), 1);
+                gu
             })
+            .collect();
+        let mut partials = partials.into_iter();
+        let mut gu = partials.next().unwrap_or_default();
+        for p in partials {
+            gu.iter_mut().zip(&p).for_each(|(a, b)| *a += b);
+        }
+        gu
     } else {
         let mut gu = vec![0f32; gu_len];
         let mut s = Scratch::default();

@@ -31,13 +31,14 @@ use tandem_optim::{AdamWConfig, SgdConfig, TorchAdamW, TorchOptimizer, TorchSgd}
 use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConfig};
 
 use tandem::state::{sampler_state_from_value, sampler_value};
+use tandem::train::metrics::{MetricsFile, MetricsRecord};
+use tandem::train::schedule::{self, RunLength};
+use tandem::train::VerificationMetrics;
+use tandem::train::{EpochMetrics, EventWriter, Progress, RunSummary, Step};
 
 use super::config::{parse_margin, OptimizerKind, Precision, TrainConfig};
 use super::model::Autocast;
-use super::progress::Progress;
-use super::schedule::{self, RunLength, Scheduler};
-use super::tfevents::EventWriter;
-use super::worker::{grad_scaler, RunSummary};
+use super::worker::{metrics_file, three_figures};
 use checkpoint::{FaceCheckpoints, SaveInfo};
 use verify::{ValResult, ValSet};
 
@@ -64,11 +65,9 @@ struct Trainer {
     ddp: Ddp<NamedVars>,
     head: PartialFc,
     opt: Box<dyn TorchOptimizer + Send>,
-    sched: Scheduler,
-    scaler: Option<GradScaler>,
+    /// The GradScaler (float16), the backbone's clipping and the lr schedule.
+    stepper: Step,
     autocast: Autocast,
-    clip: Option<f64>,
-    skipped_steps: u64,
     times: StepTimes,
 }
 
@@ -120,6 +119,8 @@ struct FaceWorker<'a> {
     last_loss: f64,
     last_val: Vec<ValResult>,
     last_ckpt: Option<PathBuf>,
+    epochs_seen: Vec<EpochMetrics>,
+    metrics: Option<MetricsFile>,
 }
 
 /// `{"backbone": state_dict, "partial_fc": {"weight": [C, E]}}` from `--init-from` (a bare
@@ -193,7 +194,6 @@ impl<'a> FaceWorker<'a> {
 
         let head = build_head(cfg, classes, &group, &device, init.and_then(|i| i.centres))?;
         let mut opt = build_optimizer(cfg, ddp.params(), head.weight().clone())?;
-        let scaler = grad_scaler(cfg, GROWTH_INTERVAL)?;
 
         let sampler = DistributedSampler::builder(train.len())
             .group(&group)
@@ -222,7 +222,11 @@ impl<'a> FaceWorker<'a> {
         // arcface_torch's `total_step`, counted in the batches the loader really gives.
         let steps_per_epoch = loader.len() as u64;
         let total_steps = cfg.epochs as u64 * steps_per_epoch;
-        let sched = schedule::build(cfg, opt.as_mut(), RunLength { steps_per_epoch, total_steps })?;
+        let sched = cfg
+            .lr_schedule()
+            .build(opt.as_mut(), cfg.lr, RunLength { steps_per_epoch, total_steps })
+            .context("--lr-scheduler")?;
+        let stepper = cfg.step(GROWTH_INTERVAL, sched)?;
         let val = verify::load(&cfg.val)?;
         let tb = if cfg.tensorboard && rank == 0 {
             let dir = run_dir.join("tensorboard");
@@ -251,13 +255,10 @@ impl<'a> FaceWorker<'a> {
             ddp,
             head,
             opt,
-            sched,
-            scaler,
+            stepper,
             autocast: Autocast(
                 (cfg.precision != Precision::F32).then(|| cfg.precision.compute_dtype()),
             ),
-            clip: cfg.clip_grad_norm,
-            skipped_steps: 0,
             times: StepTimes::default(),
         };
         Ok(FaceWorker {
@@ -276,6 +277,8 @@ impl<'a> FaceWorker<'a> {
             last_loss: f64::NAN,
             last_val: Vec::new(),
             last_ckpt: None,
+            epochs_seen: Vec::new(),
+            metrics: metrics_file(run_dir, rank)?,
         })
     }
 
@@ -345,13 +348,14 @@ impl<'a> FaceWorker<'a> {
         // ended before, on another after the steps this world size has left.
         let max_steps = Some(self.global_step + self.steps_to_end());
         schedule::load(
-            &mut self.t.sched,
+            self.t.stepper.lr_scheduler_mut(),
             get("scheduler")?,
             self.t.opt.as_mut(),
             max_steps,
             &at("scheduler"),
-        )?;
-        match (self.t.scaler.as_mut(), get("scaler")?) {
+        )
+        .context("--lr-scheduler")?;
+        match (self.t.stepper.grad_scaler_mut(), get("scaler")?) {
             (Some(s), Value::None) if rank == 0 => eprintln!(
                 "{}: no GradScaler state; the loss scale starts at {}",
                 path.display(),
@@ -397,17 +401,35 @@ impl<'a> FaceWorker<'a> {
             self.last_loss = loss;
             if self.rank() == 0 {
                 let sps = self.samples_seen as f64 / self.train_time.max(1e-9);
-                let amp = self.t.scaler.as_ref().map_or(String::new(), |s| {
-                    format!(" loss_scale={} skipped_steps={}", s.get_scale(), self.t.skipped_steps)
-                });
+                let skipped = self.t.stepper.skipped_steps();
+                let loss_scale = self.t.stepper.grad_scaler().map(GradScaler::get_scale);
+                let amp = loss_scale
+                    .map_or(String::new(), |s| format!(" loss_scale={s} skipped_steps={skipped}"));
                 progress.line(&format!(
-                    "epoch {}/{} step {} loss={loss:.4} samples/s={sps:.0} lr={}{amp}{}",
+                    "epoch {}/{} step {} loss={loss:.4} samples/s={} lr={}{amp}{}",
                     epoch + 1,
                     self.cfg.epochs,
                     self.global_step,
+                    three_figures(sps),
                     self.t.opt.lr(),
                     val_text(&self.last_val),
                 ));
+                let metrics = EpochMetrics {
+                    epoch: epoch + 1,
+                    step: self.global_step,
+                    train_loss: loss,
+                    eval_loss: None,
+                    eval_accuracy: None,
+                    verification: verification_metrics(&self.last_val),
+                    samples_per_s: sps,
+                    lr: self.t.opt.lr(),
+                    loss_scale,
+                    skipped_steps: skipped,
+                };
+                if let Some(file) = self.metrics.as_mut() {
+                    file.write(&MetricsRecord::Epoch(metrics.clone()))?;
+                }
+                self.epochs_seen.push(metrics);
                 let values = [("train/loss", loss), ("train/samples_per_s", sps)];
                 scalars(&mut self.tb, self.global_step, &values)?;
             }
@@ -516,15 +538,22 @@ impl<'a> FaceWorker<'a> {
         // Every rank agrees the run is over before any reports it.
         let mut done = [1.0f64];
         self.group.all_reduce(&mut done, ReduceOp::Sum)?;
-        Ok(RunSummary {
+        let summary = RunSummary {
             rank,
             epochs: self.loader.epoch().min(self.cfg.epochs as u64),
             steps: self.global_step,
+            samples_per_s: self.samples_seen as f64 / self.train_time.max(1e-9),
+            final_loss: self.last_loss.is_finite().then_some(self.last_loss),
             eval_accuracy: None,
             verification_accuracy: self.last_val.first().map(|r| r.accuracy),
-            samples_per_s: self.samples_seen as f64 / self.train_time.max(1e-9),
             checkpoint: if rank == 0 { self.last_ckpt.clone() } else { None },
-        })
+            skipped_steps: self.t.stepper.skipped_steps(),
+            epochs_seen: std::mem::take(&mut self.epochs_seen),
+        };
+        if let Some(file) = self.metrics.as_mut() {
+            file.write(&MetricsRecord::Summary(summary.clone()))?;
+        }
+        Ok(summary)
     }
 }
 
@@ -564,8 +593,8 @@ fn save_checkpoint(
             ("world_size", Value::Int(group.size() as i64)),
             ("backbone", in_order(module.state_dict()?, &t.order)),
             ("optimizer", rest),
-            ("scheduler", schedule::state(&t.sched)),
-            ("scaler", t.scaler.as_ref().map_or(Value::None, GradScaler::state_dict)),
+            ("scheduler", schedule::state(t.stepper.lr_scheduler())),
+            ("scaler", t.stepper.grad_scaler().map_or(Value::None, GradScaler::state_dict)),
             ("sampler", sampler_value(sampler)),
             ("rng", Value::dict_from([("seed", Value::Int(cfg.seed as i64))])),
             ("config", Value::Str(cfg.to_toml()?)),
@@ -634,34 +663,20 @@ impl Trainer {
         let head = clock.elapsed().as_secs_f64();
         let local = [self.head.weight().clone()];
         let backbone = self.ddp.params();
-        let backward: f64;
-        match self.scaler.as_mut() {
-            Some(s) => {
-                let mut grads = self.ddp.backward_with_local(&s.scale(&loss)?, &local)?;
-                backward = clock.elapsed().as_secs_f64();
-                s.unscale_(self.opt.as_ref(), &mut grads)?;
-                schedule::clip(self.clip, &backbone, &mut grads, true, step)?;
-                if !s.step(self.opt.as_mut(), &mut grads)? {
-                    self.skipped_steps += 1;
-                }
-                s.update()?;
-            }
-            None => {
-                let mut grads = self.ddp.backward_with_local(&loss, &local)?;
-                backward = clock.elapsed().as_secs_f64();
-                schedule::clip(self.clip, &backbone, &mut grads, false, step)?;
-                self.opt.step(&grads)?;
-            }
-        }
-        if let Some(sched) = self.sched.as_mut() {
-            sched.step_optimizer(self.opt.as_mut())?;
-        }
+        let ddp = &self.ddp;
+        let out = self.stepper.run(
+            &loss,
+            |l| ddp.backward_with_local(l, &local),
+            self.opt.as_mut(),
+            &backbone,
+            step,
+        )?;
         let t = &mut self.times;
         t.steps += 1;
         t.forward += forward;
         t.head += head - forward;
-        t.backward += backward - head;
-        t.optimizer += clock.elapsed().as_secs_f64() - backward;
+        t.backward += out.backward_secs;
+        t.optimizer += out.optimizer_secs;
         Ok(value)
     }
 }
@@ -737,6 +752,14 @@ fn in_order(state: Value, order: &[String]) -> Value {
     };
     items.sort_by_key(|(k, _)| rank(k));
     Value::Dict(items)
+}
+
+/// The verification results as the metrics record them.
+fn verification_metrics(results: &[ValResult]) -> Vec<VerificationMetrics> {
+    results
+        .iter()
+        .map(|r| VerificationMetrics { name: r.name.clone(), accuracy: r.accuracy, std: r.std })
+        .collect()
 }
 
 /// ` verification_accuracy=X lfw=X±S ...` for the epoch line.

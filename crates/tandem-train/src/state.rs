@@ -6,12 +6,12 @@
 //!
 //! ```ignore
 //! let mut state = TrainingState::new(&ddp, &mut opt).loader(&mut loader);
-//! if let Some(r) = tandem::load_state("runs/ckpt", &mut state)? {
+//! if let Some(r) = tandem_train::load_state("runs/ckpt", &mut state)? {
 //!     start_epoch = r.epoch;                    // model, optimizer and loader are restored
 //! }
 //! // ... after an epoch:
 //! let state = TrainingState::new(&ddp, &mut opt).loader(&mut loader).epoch(epoch + 1);
-//! tandem::save_state(&group, "runs/ckpt", &state)?;
+//! tandem_train::save_state(&group, "runs/ckpt", &state)?;
 //! ```
 //!
 //! The model is anything that is a [`ParamModule`] (a `Ddp`, the `NamedVars` of a candle
@@ -23,9 +23,9 @@
 //! # use candle_nn::{Optimizer, VarBuilder, VarMap};
 //! let varmap = VarMap::new();
 //! let _w = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu).get(4, "w").unwrap();
-//! let model = tandem::nn::NamedVars::from_varmap(&varmap);
+//! let model = tandem_nn::NamedVars::from_varmap(&varmap);
 //! let mut opt = candle_nn::SGD::new(varmap.all_vars(), 0.1).unwrap();
-//! let _state = tandem::TrainingState::new(&model, &mut opt);
+//! let _state = tandem_train::TrainingState::new(&model, &mut opt);
 //! ```
 //!
 //! One whose state cannot be saved (candle-nn's `AdamW`) does not compile, with a note naming
@@ -36,9 +36,9 @@
 //! # use candle_nn::{Optimizer, ParamsAdamW, VarBuilder, VarMap};
 //! let varmap = VarMap::new();
 //! let _w = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu).get(4, "w").unwrap();
-//! let model = tandem::nn::NamedVars::from_varmap(&varmap);
+//! let model = tandem_nn::NamedVars::from_varmap(&varmap);
 //! let mut opt = candle_nn::AdamW::new(varmap.all_vars(), ParamsAdamW::default()).unwrap();
-//! let _state = tandem::TrainingState::new(&model, &mut opt); // `AdamW` has no state tandem can checkpoint
+//! let _state = tandem_train::TrainingState::new(&model, &mut opt); // `AdamW` has no state tandem can checkpoint
 //! ```
 use std::path::{Path, PathBuf};
 

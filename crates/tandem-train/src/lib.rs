@@ -1,0 +1,29 @@
+//! tandem-train: what a training loop does around the model, written once for every recipe.
+//!
+//! - [`step`]: one optimizer step with optional float16 loss scaling — scale, backward, unscale,
+//!   clip a chosen parameter set, step (skipped on inf/NaN, counted), update the scale, step the
+//!   schedule;
+//! - [`schedule`]: learning-rate schedules by name (constant, poly with warm-up, cosine, step)
+//!   and their checkpoint state;
+//! - [`state`]: the whole training state saved and loaded in one call each
+//!   ([`save_state`]/[`load_state`]), resumable on any world size;
+//! - [`live`]: keeping a loop running through a rank's death (`tandem run --live-recovery`);
+//! - [`metrics`]: a run's typed results ([`EpochMetrics`], [`RunSummary`]) and the JSON-lines
+//!   file a script reads them from; [`tfevents`] (TensorBoard scalars) and [`progress`] (rank 0's
+//!   bar or lines).
+//!
+//! It knows nothing of command lines: the `tandem` binary maps its flags onto these types.
+pub mod live;
+pub mod metrics;
+pub mod progress;
+pub mod schedule;
+pub mod state;
+pub mod step;
+pub mod tfevents;
+
+pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
+pub use progress::Progress;
+pub use schedule::{LrSchedule, RunLength, Scheduler, Warmup};
+pub use state::{load_state, save_state, Resumed, StateError, TrainingState};
+pub use step::{Step, StepError, StepOutcome};
+pub use tfevents::EventWriter;

@@ -1,0 +1,206 @@
+//! A run's results as types, and the JSON-lines file a script reads them from: one object per
+//! line, `{"kind":"epoch",...}` after every epoch and `{"kind":"summary",...}` at the end (rank
+//! 0 writes it; every line is flushed as written, so a file cut short by a crash still parses
+//! line by line).
+use std::fs::File;
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// One verification set's result (LFW-style 10-fold accuracy).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VerificationMetrics {
+    pub name: String,
+    pub accuracy: f64,
+    pub std: f64,
+}
+
+/// What one epoch measured (the world's figures: losses are means over every rank's samples).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EpochMetrics {
+    /// 1-based, as printed.
+    pub epoch: u64,
+    /// Optimizer steps done at the epoch's end.
+    pub step: u64,
+    pub train_loss: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_accuracy: Option<f64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub verification: Vec<VerificationMetrics>,
+    /// Samples per second of training time over the whole world.
+    pub samples_per_s: f64,
+    pub lr: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    pub skipped_steps: u64,
+}
+
+/// What a finished run reports (rank 0 prints it as the `final:` line).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunSummary {
+    pub rank: usize,
+    pub epochs: u64,
+    pub steps: u64,
+    /// Samples per second of training time over the whole world.
+    pub samples_per_s: f64,
+    /// The last epoch's mean train loss (`None` when no epoch ended in this process).
+    #[serde(default)]
+    pub final_loss: Option<f64>,
+    /// The classifiers' accuracy on the eval split.
+    #[serde(default)]
+    pub eval_accuracy: Option<f64>,
+    /// The face models' accuracy on the first verification set.
+    #[serde(default)]
+    pub verification_accuracy: Option<f64>,
+    /// The last checkpoint this run wrote (on rank 0).
+    #[serde(default)]
+    pub checkpoint: Option<PathBuf>,
+    /// Optimizer steps the GradScaler skipped (inf/NaN gradients).
+    #[serde(default)]
+    pub skipped_steps: u64,
+    /// Every epoch this process saw end, in order.
+    #[serde(default)]
+    pub epochs_seen: Vec<EpochMetrics>,
+}
+
+/// One line of a metrics file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum MetricsRecord {
+    Epoch(EpochMetrics),
+    Summary(RunSummary),
+}
+
+/// Why a metrics file could not be written or read.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}: not a metrics record: {source}")]
+    Parse {
+        path: PathBuf,
+        line: usize,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Appends records to a JSON-lines metrics file.
+pub struct MetricsFile {
+    path: PathBuf,
+    out: BufWriter<File>,
+}
+
+impl MetricsFile {
+    /// Opens `path` for appending (a resumed run continues the file), creating its directory.
+    pub fn append(path: &Path) -> Result<Self, MetricsError> {
+        let io = |source| MetricsError::Io { path: path.to_path_buf(), source };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(io)?;
+        Ok(MetricsFile { path: path.to_path_buf(), out: BufWriter::new(file) })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Writes one record as a line and flushes it.
+    pub fn write(&mut self, record: &MetricsRecord) -> Result<(), MetricsError> {
+        let io = |source| MetricsError::Io { path: self.path.clone(), source };
+        let line = serde_json::to_string(record).map_err(|e| io(std::io::Error::other(e)))?;
+        writeln!(self.out, "{line}").and_then(|_| self.out.flush()).map_err(io)
+    }
+}
+
+/// Every record of a metrics file, in order.
+pub fn read_metrics(path: &Path) -> Result<Vec<MetricsRecord>, MetricsError> {
+    let io = |source| MetricsError::Io { path: path.to_path_buf(), source };
+    let file = File::open(path).map_err(io)?;
+    let mut records = Vec::new();
+    for (i, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(io)?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let record = serde_json::from_str(&line).map_err(|source| MetricsError::Parse {
+            path: path.to_path_buf(),
+            line: i + 1,
+            source,
+        })?;
+        records.push(record);
+    }
+    Ok(records)
+}
+
+/// The last summary of a metrics file (a resumed run's file holds one per run).
+pub fn last_summary(path: &Path) -> Result<Option<RunSummary>, MetricsError> {
+    Ok(read_metrics(path)?.into_iter().rev().find_map(|r| match r {
+        MetricsRecord::Summary(s) => Some(s),
+        MetricsRecord::Epoch(_) => None,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn epoch(n: u64) -> EpochMetrics {
+        EpochMetrics {
+            epoch: n,
+            step: 10 * n,
+            train_loss: 1.0 / n as f64,
+            eval_loss: None,
+            eval_accuracy: Some(0.5),
+            verification: vec![VerificationMetrics {
+                name: "lfw".into(),
+                accuracy: 0.9,
+                std: 0.01,
+            }],
+            samples_per_s: 123.456,
+            lr: 0.1,
+            loss_scale: None,
+            skipped_steps: 0,
+        }
+    }
+
+    #[test]
+    fn records_round_trip_and_a_bad_line_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/metrics.jsonl");
+        let summary = RunSummary {
+            rank: 0,
+            epochs: 2,
+            steps: 20,
+            samples_per_s: 99.5,
+            final_loss: Some(0.5),
+            eval_accuracy: Some(0.75),
+            verification_accuracy: None,
+            checkpoint: Some("ck/step-20".into()),
+            skipped_steps: 1,
+            epochs_seen: vec![epoch(1), epoch(2)],
+        };
+        let mut f = MetricsFile::append(&path).unwrap();
+        f.write(&MetricsRecord::Epoch(epoch(1))).unwrap();
+        f.write(&MetricsRecord::Summary(summary.clone())).unwrap();
+        drop(f);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            text.lines().next().unwrap().starts_with(r#"{"kind":"epoch","epoch":1,"#),
+            "{text}"
+        );
+        assert_eq!(read_metrics(&path).unwrap()[0], MetricsRecord::Epoch(epoch(1)));
+        assert_eq!(last_summary(&path).unwrap(), Some(summary));
+        std::fs::write(&path, format!("{text}{{\"kind\":\"epoch\"}}\n")).unwrap();
+        let err = read_metrics(&path).unwrap_err().to_string();
+        assert!(err.contains("metrics.jsonl:3: not a metrics record"), "{err}");
+    }
+}

@@ -1,0 +1,135 @@
+//! Learning-rate schedules by name, as a run asks for them (arcface_torch's poly with warm-up,
+//! cosine annealing, step decay, or none), built over the optimizer's parameter groups, and
+//! their checkpoint state.
+use tandem_ckpt::Value;
+use tandem_optim::lr_scheduler::{CosineAnnealingLR, PolyScheduler, SchedError, StepLR};
+use tandem_optim::{LrScheduler, TorchOptimizer};
+
+/// The run's scheduler (`None` for a constant lr).
+pub type Scheduler = Option<Box<dyn LrScheduler + Send>>;
+
+/// The warm-up of a poly schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Warmup {
+    #[default]
+    None,
+    Steps(u64),
+    /// arcface_torch's `warmup_epoch`: this many epochs of steps.
+    Epochs(u64),
+}
+
+/// Which schedule a run uses.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub enum LrSchedule {
+    /// A constant learning rate.
+    #[default]
+    Constant,
+    /// arcface_torch's PolyScheduler: linear warm-up from 0, then `base · (1 − t/T)²` to 0.
+    Poly { warmup: Warmup },
+    /// Cosine annealing to 0 over the run.
+    Cosine,
+    /// × 0.1 every `every_epochs` epochs.
+    Step { every_epochs: u64 },
+}
+
+/// The run's length in optimizer steps, as the scheduler sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct RunLength {
+    /// Steps in one epoch (arcface_torch: images / global batch).
+    pub steps_per_epoch: u64,
+    /// Steps of the whole run.
+    pub total_steps: u64,
+}
+
+/// Why a schedule could not be built or restored.
+#[derive(Debug, thiserror::Error)]
+pub enum ScheduleError {
+    #[error(
+        "the run has {total_steps} steps, not more than the {warmup} warm-up steps (lower the \
+         warm-up or train longer)"
+    )]
+    WarmupTooLong { total_steps: u64, warmup: u64 },
+    #[error("{what} was written with a learning-rate schedule; resume with the same schedule")]
+    UnexpectedState { what: String },
+    #[error("{what} has no scheduler state (written without a learning-rate schedule)")]
+    MissingState { what: String },
+    #[error("{what}: scheduler state")]
+    BadState {
+        what: String,
+        #[source]
+        source: SchedError,
+    },
+    #[error(transparent)]
+    Scheduler(#[from] SchedError),
+}
+
+impl LrSchedule {
+    /// The scheduler over `opt`'s groups (their current lrs are the base lrs), already applied
+    /// to `opt` (poly's warm-up starts at lr 0). `peak_lr` is poly's peak.
+    pub fn build(
+        self,
+        opt: &mut dyn TorchOptimizer,
+        peak_lr: f64,
+        run: RunLength,
+    ) -> Result<Scheduler, ScheduleError> {
+        let base_lrs = opt.group_lrs();
+        let RunLength { steps_per_epoch, total_steps } = run;
+        let sched: Box<dyn LrScheduler + Send> = match self {
+            LrSchedule::Constant => return Ok(None),
+            LrSchedule::Poly { warmup } => {
+                let warmup = match warmup {
+                    Warmup::None => 0,
+                    Warmup::Steps(s) => s,
+                    Warmup::Epochs(e) => e * steps_per_epoch,
+                };
+                if total_steps <= warmup {
+                    return Err(ScheduleError::WarmupTooLong { total_steps, warmup });
+                }
+                Box::new(PolyScheduler::new(&base_lrs, peak_lr, total_steps as i64, warmup as i64)?)
+            }
+            LrSchedule::Cosine => {
+                Box::new(CosineAnnealingLR::new(&base_lrs, total_steps.max(1) as i64, 0.0)?)
+            }
+            LrSchedule::Step { every_epochs } => Box::new(StepLR::new(
+                &base_lrs,
+                (every_epochs * steps_per_epoch).max(1) as i64,
+                0.1,
+            )?),
+        };
+        sched.apply(opt)?;
+        Ok(Some(sched))
+    }
+}
+
+/// The scheduler's state for a checkpoint (`Value::None` without one).
+pub fn state(sched: &Scheduler) -> Value {
+    sched.as_ref().map_or(Value::None, |s| s.state_dict())
+}
+
+/// Loads a checkpoint's scheduler state and applies its learning rates to `opt`. A checkpoint
+/// written with another schedule (or none) is an error naming `what` (the checkpoint).
+/// `max_steps` replaces a poly schedule's saved length: resumed on another world size a run has
+/// another number of steps left.
+pub fn load(
+    sched: &mut Scheduler,
+    saved: &Value,
+    opt: &mut dyn TorchOptimizer,
+    max_steps: Option<u64>,
+    what: &str,
+) -> Result<(), ScheduleError> {
+    let what = what.to_string();
+    match (sched.as_mut(), saved) {
+        (None, Value::None) => Ok(()),
+        (None, _) => Err(ScheduleError::UnexpectedState { what }),
+        (Some(_), Value::None) => Err(ScheduleError::MissingState { what }),
+        (Some(s), state) => {
+            let mut state = state.clone();
+            if let (Some(steps), Some(slot)) = (max_steps, state.get_mut("max_steps")) {
+                *slot = Value::Int(steps as i64);
+            }
+            s.load_state_dict(&state).map_err(|source| ScheduleError::BadState { what, source })?;
+            s.apply(opt)?;
+            Ok(())
+        }
+    }
+}

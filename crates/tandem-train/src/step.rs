@@ -1,0 +1,256 @@
+//! One optimizer step, the same for every recipe: torch's mixed-precision sequence
+//! (`scaler.scale(loss).backward()`, `scaler.unscale_(opt)`, `clip_grad_norm_`,
+//! `scaler.step(opt)`, `scaler.update()`, `scheduler.step()`), or without a GradScaler
+//! backward, clip, step and the schedule.
+//!
+//! The backward itself is the caller's (`ddp.backward`, `ddp.backward_with_local` with a
+//! model-parallel head, a plain `loss.backward()`): [`Step::run`] hands it the loss to
+//! differentiate (already scaled under a GradScaler) and takes the gradients back.
+//!
+//! ```ignore
+//! let mut step = Step::new().scaler(Some(GradScaler::new(GradScalerConfig::default())?))
+//!     .clip_grad_norm(Some(5.0)).scheduler(sched);
+//! let out = step.run(&loss, |l| ddp.backward(l), &mut opt, &ddp.params(), global_step)?;
+//! ```
+use std::time::Instant;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use tandem_optim::amp::AmpError;
+use tandem_optim::lr_scheduler::SchedError;
+use tandem_optim::{clip_grad_norm, ClipError, GradScaler, OptimError, TorchOptimizer};
+
+use crate::schedule::Scheduler;
+
+/// Why a step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// The caller's backward failed (a collective inside Ddp, a kernel).
+    #[error("backward at step {step}")]
+    Backward {
+        step: u64,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Clipping found a non-finite gradient norm with no GradScaler to skip the step, or an
+    /// invalid max norm.
+    #[error("clipping the gradient norm at step {step}")]
+    Clip {
+        step: u64,
+        #[source]
+        source: ClipError,
+    },
+    #[error("loss scaling at step {step}")]
+    Scaler {
+        step: u64,
+        #[source]
+        source: AmpError,
+    },
+    #[error("optimizer step {step}")]
+    Optimizer {
+        step: u64,
+        #[source]
+        source: OptimError,
+    },
+    #[error("learning-rate schedule at step {step}")]
+    Schedule {
+        step: u64,
+        #[source]
+        source: SchedError,
+    },
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// False when the GradScaler skipped the optimizer step (inf/NaN gradients).
+    pub stepped: bool,
+    /// Seconds in the caller's backward (its collectives included).
+    pub backward_secs: f64,
+    /// Seconds in unscale, clipping, the optimizer, the scale update and the schedule.
+    pub optimizer_secs: f64,
+}
+
+/// The step's parts that outlive a step: the GradScaler, the clipping norm, the lr schedule
+/// and the count of skipped steps. Float16 needs the scaler (its range is narrow); bfloat16 has
+/// float32's range and trains without one.
+#[derive(Default)]
+pub struct Step {
+    scaler: Option<GradScaler>,
+    clip_grad_norm: Option<f64>,
+    scheduler: Scheduler,
+    skipped: u64,
+}
+
+impl Step {
+    /// A plain step: no loss scaling, no clipping, a constant learning rate.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Scales the loss with `scaler` (float16 training).
+    pub fn scaler(mut self, scaler: Option<GradScaler>) -> Self {
+        self.scaler = scaler;
+        self
+    }
+
+    /// Clips the total gradient norm of the parameters given to [`Step::run`] to `max_norm`.
+    pub fn clip_grad_norm(mut self, max_norm: Option<f64>) -> Self {
+        self.clip_grad_norm = max_norm;
+        self
+    }
+
+    /// Steps `scheduler` after every optimizer step (skipped ones included, as torch does).
+    pub fn scheduler(mut self, scheduler: Scheduler) -> Self {
+        self.scheduler = scheduler;
+        self
+    }
+
+    pub fn grad_scaler(&self) -> Option<&GradScaler> {
+        self.scaler.as_ref()
+    }
+
+    pub fn grad_scaler_mut(&mut self) -> Option<&mut GradScaler> {
+        self.scaler.as_mut()
+    }
+
+    pub fn lr_scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    pub fn lr_scheduler_mut(&mut self) -> &mut Scheduler {
+        &mut self.scheduler
+    }
+
+    /// Optimizer steps the GradScaler skipped so far.
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped
+    }
+
+    /// One step: backward of `loss` (scaled under a GradScaler) through `backward`, unscale,
+    /// clip `clip_params`' gradients, the optimizer step (skipped on inf/NaN under a
+    /// GradScaler), the scale update and the schedule. `step` numbers the step in errors.
+    pub fn run<B, E>(
+        &mut self,
+        loss: &Tensor,
+        backward: B,
+        opt: &mut dyn TorchOptimizer,
+        clip_params: &[Var],
+        step: u64,
+    ) -> Result<StepOutcome, StepError>
+    where
+        B: FnOnce(&Tensor) -> Result<GradStore, E>,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let clock = Instant::now();
+        let scaler_err = |source| StepError::Scaler { step, source };
+        let backward_err = |e: E| StepError::Backward { step, source: e.into() };
+        let stepped = match self.scaler.as_mut() {
+            Some(s) => {
+                let mut grads =
+                    backward(&s.scale(loss).map_err(scaler_err)?).map_err(backward_err)?;
+                let backward_secs = clock.elapsed().as_secs_f64();
+                // Unscaled before clipping so the norm is the true one; a non-finite norm is
+                // the scaler's to handle (it skips the step and lowers the scale).
+                s.unscale_(opt, &mut grads).map_err(scaler_err)?;
+                clip(self.clip_grad_norm, clip_params, &mut grads, true, step)?;
+                let stepped = s.step(opt, &mut grads).map_err(scaler_err)?;
+                s.update().map_err(scaler_err)?;
+                (stepped, backward_secs)
+            }
+            None => {
+                let mut grads = backward(loss).map_err(backward_err)?;
+                let backward_secs = clock.elapsed().as_secs_f64();
+                clip(self.clip_grad_norm, clip_params, &mut grads, false, step)?;
+                opt.step(&grads).map_err(|source| StepError::Optimizer { step, source })?;
+                (true, backward_secs)
+            }
+        };
+        let (stepped, backward_secs) = stepped;
+        if !stepped {
+            self.skipped += 1;
+        }
+        if let Some(sched) = self.scheduler.as_mut() {
+            sched.step_optimizer(opt).map_err(|source| StepError::Schedule { step, source })?;
+        }
+        let optimizer_secs = clock.elapsed().as_secs_f64() - backward_secs;
+        Ok(StepOutcome { stepped, backward_secs, optimizer_secs })
+    }
+}
+
+/// Clips `params`' gradients in `grads` to `max_norm` (torch's `clip_grad_norm_`). A
+/// non-finite norm is left to the GradScaler when the loss was scaled; without one it is an
+/// error naming the step.
+fn clip(
+    max_norm: Option<f64>,
+    params: &[Var],
+    grads: &mut GradStore,
+    scaled: bool,
+    step: u64,
+) -> Result<(), StepError> {
+    let Some(max_norm) = max_norm else { return Ok(()) };
+    match clip_grad_norm(params, grads, max_norm) {
+        Ok(_) => Ok(()),
+        Err(ClipError::NonFiniteNorm { .. }) if scaled => Ok(()),
+        Err(source) => Err(StepError::Clip { step, source }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+    use tandem_optim::{GradScalerConfig, SgdConfig, TorchSgd};
+
+    fn sgd(w: &Var) -> TorchSgd {
+        let cfg = SgdConfig {
+            lr: 0.5,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        };
+        TorchSgd::new(vec![w.clone()], cfg).unwrap()
+    }
+
+    /// loss = Σ w·x with x = [3, 4]: the gradient is x, its norm 5.
+    fn loss_of(w: &Var) -> Tensor {
+        let x = Tensor::new(&[3f32, 4.0], &Device::Cpu).unwrap();
+        (w.as_tensor() * x).unwrap().sum_all().unwrap()
+    }
+
+    #[test]
+    fn clipping_sees_the_unscaled_gradient_with_and_without_a_scaler() {
+        for scaler in [None, Some(GradScaler::new(GradScalerConfig::default()).unwrap())] {
+            let w = Var::zeros(2, DType::F32, &Device::Cpu).unwrap();
+            let mut opt = sgd(&w);
+            let mut step = Step::new().scaler(scaler).clip_grad_norm(Some(1.0));
+            let out = step
+                .run(&loss_of(&w), |l| l.backward(), &mut opt, std::slice::from_ref(&w), 1)
+                .unwrap();
+            assert!(out.stepped);
+            // Clipped to norm 1: the step is lr · x / 5.
+            let got: Vec<f32> = w.as_tensor().to_vec1().unwrap();
+            assert!((got[0] + 0.3).abs() < 1e-6 && (got[1] + 0.4).abs() < 1e-6, "{got:?}");
+        }
+    }
+
+    #[test]
+    fn an_infinite_gradient_is_skipped_under_a_scaler_and_an_error_without() {
+        let w = Var::zeros(2, DType::F32, &Device::Cpu).unwrap();
+        let inf = |w: &Var| (w.as_tensor() * f64::INFINITY).unwrap().sum_all().unwrap();
+        let scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
+        let mut step = Step::new().scaler(Some(scaler)).clip_grad_norm(Some(1.0));
+        let out = step
+            .run(&inf(&w), |l| l.backward(), &mut sgd(&w), std::slice::from_ref(&w), 7)
+            .unwrap();
+        assert!(!out.stepped);
+        assert_eq!(step.skipped_steps(), 1);
+        assert!(step.grad_scaler().unwrap().get_scale() < GradScalerConfig::default().init_scale);
+        let mut plain = Step::new().clip_grad_norm(Some(1.0));
+        let err = plain
+            .run(&inf(&w), |l| l.backward(), &mut sgd(&w), std::slice::from_ref(&w), 7)
+            .unwrap_err();
+        assert!(matches!(err, StepError::Clip { step: 7, .. }), "{err}");
+    }
+}
