@@ -10,9 +10,13 @@
 //! - [`live`]: keeping a loop running through a rank's death (`tandem run --live-recovery`);
 //! - [`metrics`]: a run's typed results ([`EpochMetrics`], [`RunSummary`]) and the JSON-lines
 //!   file a script reads them from; [`tfevents`] (TensorBoard scalars) and [`progress`] (rank 0's
-//!   bar or lines).
+//!   bar or lines);
+//! - [`verification`]: face verification sets (`.bin` pairs), scored by every rank together;
+//!   [`face`]: the face recipe's sharded state (backbone + PartialFC head), saved per rank and
+//!   resumed on any world size.
 //!
 //! It knows nothing of command lines: the `tandem` binary maps its flags onto these types.
+pub mod face;
 pub mod live;
 pub mod metrics;
 pub mod progress;
@@ -20,6 +24,7 @@ pub mod schedule;
 pub mod state;
 pub mod step;
 pub mod tfevents;
+pub mod verification;
 
 pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
 pub use progress::Progress;

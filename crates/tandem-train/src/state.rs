@@ -74,6 +74,19 @@ pub enum StateError {
 pub trait LoaderPosition {
     fn position(&self) -> SamplerState;
     fn set_position(&mut self, state: &SamplerState) -> Result<(), tandem_data::DataError>;
+    /// Moves to the start of `epoch`.
+    fn set_epoch(&mut self, epoch: u64);
+    /// Batches left in the current epoch, and in a whole epoch.
+    fn batches_left(&self) -> usize;
+    fn batches_per_epoch(&self) -> usize;
+    /// Optimizer steps from here to the end of `epochs` epochs (one per batch; a resumed epoch
+    /// may have been split over another world size, so its batches are counted).
+    fn steps_to_end(&self, epochs: u64) -> u64 {
+        match epochs.saturating_sub(self.position().epoch) {
+            0 => 0,
+            n => self.batches_left() as u64 + (n - 1) * self.batches_per_epoch() as u64,
+        }
+    }
     /// Moves the loader to `rank` of a world of `num_replicas` from `state` (a position of
     /// the old world): what a live regroup does (see `DistributedSampler::reshard`).
     fn reshard(
@@ -90,6 +103,15 @@ impl<D: Dataset + ?Sized + 'static> LoaderPosition for DataLoader<D> {
     }
     fn set_position(&mut self, state: &SamplerState) -> Result<(), tandem_data::DataError> {
         self.load_state(state)
+    }
+    fn set_epoch(&mut self, epoch: u64) {
+        DataLoader::set_epoch(self, epoch)
+    }
+    fn batches_left(&self) -> usize {
+        DataLoader::batches_left(self)
+    }
+    fn batches_per_epoch(&self) -> usize {
+        self.len()
     }
     fn reshard(
         &mut self,

@@ -145,7 +145,7 @@ fn short_repr(v: &Value) -> String {
 
 /// A face-recipe checkpoint: the manifest, the replicated file and every rank's head file.
 fn inspect_face(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
-    use crate::train::face::checkpoint::read_manifest;
+    use tandem::train::face::checkpoint::read_manifest;
     let m = read_manifest(dir)?;
     let rep = read(&dir.join(&m.replicated))?;
     let bytes = |v: &Value| -> usize {

@@ -14,7 +14,8 @@ use anyhow::{bail, Context};
 use tandem_ckpt::Value;
 use tandem_models::IResNet;
 
-use super::checkpoint::{self, HeadFile, Manifest, FORMAT, REPLICATED};
+use tandem::train::face::checkpoint::{self, HeadFile, Manifest, FORMAT, REPLICATED};
+use tandem::train::face::overlay;
 
 /// Final name components of BatchNorm statistics (buffers, never in the optimizer).
 const BUFFERS: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];
@@ -292,16 +293,4 @@ fn buffers_of(backbone: &Value) -> Value {
             .cloned()
             .collect(),
     )
-}
-
-/// `state` with the entries of `over` replaced (a rank's own statistics over rank 0's).
-pub fn overlay(state: &mut Value, over: &Value) {
-    let Value::Dict(items) = over else { return };
-    for (k, v) in items {
-        if let Some(name) = k.as_str() {
-            if let Some(slot) = state.get_mut(name) {
-                *slot = v.clone();
-            }
-        }
-    }
 }

@@ -10,8 +10,6 @@
 //! labels); backward (scaled under f16); unscale; clip the backbone's gradient norm; optimizer
 //! step (skipped on inf/NaN under f16); scaler update; scheduler step.
 pub mod arcface;
-pub mod checkpoint;
-mod verify;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -30,17 +28,16 @@ use tandem_optim::amp::GradScaler;
 use tandem_optim::{AdamWConfig, SgdConfig, TorchAdamW, TorchOptimizer, TorchSgd};
 use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConfig};
 
-use tandem::state::{sampler_state_from_value, sampler_value};
 use tandem::train::metrics::{MetricsFile, MetricsRecord};
-use tandem::train::schedule::{self, RunLength};
-use tandem::train::VerificationMetrics;
+use tandem::train::schedule::RunLength;
 use tandem::train::{EpochMetrics, EventWriter, Progress, RunSummary, Step};
 
 use super::config::{parse_margin, OptimizerKind, Precision, TrainConfig};
 use super::model::Autocast;
 use super::worker::{metrics_file, three_figures};
-use checkpoint::{FaceCheckpoints, SaveInfo};
-use verify::{ValResult, ValSet};
+use tandem::state::LoaderPosition;
+use tandem::train::face::{self as face_state, FaceCheckpoints, FaceState};
+use tandem::train::verification::{self as verify, ValResult, ValSet};
 
 /// arcface_torch's DDP settings for the backbone.
 const BUCKET_CAP_MB: f64 = 16.0;
@@ -227,7 +224,7 @@ impl<'a> FaceWorker<'a> {
             .build(opt.as_mut(), cfg.lr, RunLength { steps_per_epoch, total_steps })
             .context("--lr-scheduler")?;
         let stepper = cfg.step(GROWTH_INTERVAL, sched)?;
-        let val = verify::load(&cfg.val)?;
+        let val = verify::load(&cfg.val).context("--val")?;
         let tb = if cfg.tensorboard && rank == 0 {
             let dir = run_dir.join("tensorboard");
             Some(EventWriter::create(&dir).with_context(|| {
@@ -289,93 +286,25 @@ impl<'a> FaceWorker<'a> {
     /// `--resume`: the newest complete checkpoint, on this world size or another (the head's
     /// centres and their optimizer state re-split over this run's ranks).
     fn resume(&mut self) -> anyhow::Result<()> {
-        let rank = self.rank();
-        let Some((dir, manifest)) = self.ckpt.latest()? else {
+        let (rank, world, epochs) = (self.rank(), self.group.size(), self.cfg.epochs as u64);
+        let Trainer { ddp, head, opt, stepper, .. } = &mut self.t;
+        let mut state = FaceState::new(ddp, head, opt.as_mut(), stepper);
+        let found =
+            face_state::resume(&self.ckpt, &mut state, &mut self.loader, epochs, &self.group)?;
+        let Some(r) = found else {
             if rank == 0 {
-                eprintln!(
-                    "--resume: no checkpoint in {}, starting fresh",
-                    self.ckpt.dir().display()
-                );
+                let dir = self.ckpt.dir().display();
+                eprintln!("--resume: no checkpoint in {dir}, starting fresh");
             }
             return Ok(());
         };
-        let at = |what: &str| format!("{}: {what}", dir.display());
-        let split = self.t.head.split();
-        if manifest.num_classes != self.t.head.config().num_classes
-            || manifest.embedding_size != self.t.head.config().embedding_size
-        {
-            bail!(
-                "{}: the checkpoint's head is {} classes x {}, this run's {} x {} (--num-classes, --embedding-size)",
-                dir.display(),
-                manifest.num_classes,
-                manifest.embedding_size,
-                self.t.head.config().num_classes,
-                self.t.head.config().embedding_size
-            );
-        }
-        let path = dir.join(&manifest.replicated);
-        let rep =
-            tandem_ckpt::load(&path).with_context(|| format!("reading {}", path.display()))?;
-        let get =
-            |k: &str| rep.get(k).with_context(|| format!("{}: no `{k}` entry", path.display()));
-        let rows = checkpoint::read_head_rows(&dir, &manifest, split, rank)?;
-
-        // Backbone: the replicated weights with this rank's own BatchNorm statistics.
-        let mut backbone = get("backbone")?.clone();
-        arcface::overlay(&mut backbone, &rows.buffers);
-        self.t.ddp.module().load_state_dict(&backbone).with_context(|| at("backbone"))?;
-        let weight = tandem_nn::convert::from_ckpt(&rows.weight, &self.device)?;
-        self.t.head.weight().set(&weight).with_context(|| at("head centres"))?;
-        let head_index = self.t.ddp.params().len() as i64;
-        let full = checkpoint::merge_optimizer(get("optimizer")?, head_index, rows.state);
-        self.t.opt.load_state_dict(&full).with_context(|| at("optimizer state"))?;
-        match get("sampler")? {
-            // Converted from arcface_torch: the start of `epoch`, in this run's order.
-            Value::None => self.loader.set_epoch(manifest.epoch),
-            saved => {
-                let position = sampler_state_from_value(saved).map_err(|problem| {
-                    anyhow::anyhow!("{}: `sampler`: {problem}", path.display())
-                })?;
-                self.loader
-                    .load_state(&position)
-                    .with_context(|| at("`sampler` does not fit this run"))?;
-            }
-        }
-        self.global_step = get("global_step")?.as_int().unwrap_or(0) as u64;
-        self.t.head.set_steps_taken(self.global_step);
-        let world_changed = manifest.world_size != self.group.size();
-        // The schedule ends where --epochs end from here: on the same world size where it
-        // ended before, on another after the steps this world size has left.
-        let max_steps = Some(self.global_step + self.steps_to_end());
-        schedule::load(
-            self.t.stepper.lr_scheduler_mut(),
-            get("scheduler")?,
-            self.t.opt.as_mut(),
-            max_steps,
-            &at("scheduler"),
-        )
-        .context("--lr-scheduler")?;
-        match (self.t.stepper.grad_scaler_mut(), get("scaler")?) {
-            (Some(s), Value::None) if rank == 0 => eprintln!(
-                "{}: no GradScaler state; the loss scale starts at {}",
-                path.display(),
-                s.get_scale()
-            ),
-            (Some(_), Value::None) | (None, _) => {}
-            (Some(s), state) => s.load_state_dict(state).with_context(|| at("GradScaler state"))?,
-        }
-        // Every rank has read what it needs before any goes on (and perhaps saves over it).
-        self.group.barrier().context("barrier after reading the checkpoint")?;
+        self.global_step = r.step;
         if rank == 0 {
-            let epoch = self.loader.epoch();
-            eprintln!("resumed from {} (epoch {epoch}, step {})", dir.display(), self.global_step);
-            if world_changed {
+            eprintln!("resumed from {} (epoch {}, step {})", r.dir.display(), r.epoch, r.step);
+            if r.world_size != world {
                 eprintln!(
-                    "the checkpoint was written by {} ranks, this run has {}: the {} class centres and their optimizer state are re-split ({} per rank here)",
-                    manifest.world_size,
-                    self.group.size(),
-                    manifest.num_classes,
-                    split.len
+                    "the checkpoint was written by {} ranks, this run has {world}: the {} class centres and their optimizer state are re-split ({} per rank here)",
+                    r.world_size, r.num_classes, r.rows
                 );
             }
         }
@@ -384,11 +313,7 @@ impl<'a> FaceWorker<'a> {
 
     /// Steps to the end of --epochs from where the loader stands.
     fn steps_to_end(&self) -> u64 {
-        let epochs_left = (self.cfg.epochs as u64).saturating_sub(self.loader.epoch());
-        match epochs_left {
-            0 => 0,
-            n => self.loader.batches_left() as u64 + (n - 1) * self.loader.len() as u64,
-        }
+        self.loader.steps_to_end(self.cfg.epochs as u64)
     }
 
     fn train(&mut self) -> anyhow::Result<()> {
@@ -420,7 +345,7 @@ impl<'a> FaceWorker<'a> {
                     train_loss: loss,
                     eval_loss: None,
                     eval_accuracy: None,
-                    verification: verification_metrics(&self.last_val),
+                    verification: self.last_val.clone(),
                     samples_per_s: sps,
                     lr: self.t.opt.lr(),
                     loss_scale,
@@ -499,7 +424,7 @@ impl<'a> FaceWorker<'a> {
 
     fn save(&mut self) -> anyhow::Result<()> {
         let ctx = SaveCtx { cfg: self.cfg, group: &self.group, ckpt: &self.ckpt };
-        let dir = save_checkpoint(&ctx, &self.t, &self.loader.state(), self.global_step)?;
+        let dir = save_checkpoint(&ctx, &mut self.t, &self.loader.state(), self.global_step)?;
         self.last_ckpt = Some(dir);
         Ok(())
     }
@@ -567,50 +492,18 @@ struct SaveCtx<'c> {
 /// A checkpoint of the whole state at `step` (a collective); returns its directory.
 fn save_checkpoint(
     ctx: &SaveCtx<'_>,
-    t: &Trainer,
-    sampler: &SamplerState,
+    t: &mut Trainer,
+    position: &SamplerState,
     step: u64,
 ) -> anyhow::Result<PathBuf> {
     let SaveCtx { cfg, group, ckpt } = *ctx;
-    let rank = group.rank();
-    let head_index = t.ddp.params().len() as i64;
-    let (rest, head_state) = checkpoint::split_optimizer(&t.opt.state_dict()?, head_index);
-    let module = t.ddp.module();
-    let split = t.head.split();
-    let head = Value::dict_from([
-        ("rank", Value::Int(rank as i64)),
-        ("start", Value::Int(split.start as i64)),
-        ("len", Value::Int(split.len as i64)),
-        ("weight", Value::Tensor(tandem_nn::convert::to_ckpt(t.head.weight().as_tensor())?)),
-        ("state", head_state),
-        ("buffers", buffers_value(&module.named_buffers())?),
-    ]);
-    let replicated = if rank == 0 {
-        Some(Value::dict_from([
-            ("format", Value::Str(checkpoint::FORMAT.into())),
-            ("epoch", Value::Int(sampler.epoch as i64)),
-            ("global_step", Value::Int(step as i64)),
-            ("world_size", Value::Int(group.size() as i64)),
-            ("backbone", in_order(module.state_dict()?, &t.order)),
-            ("optimizer", rest),
-            ("scheduler", schedule::state(t.stepper.lr_scheduler())),
-            ("scaler", t.stepper.grad_scaler().map_or(Value::None, GradScaler::state_dict)),
-            ("sampler", sampler_value(sampler)),
-            ("rng", Value::dict_from([("seed", Value::Int(cfg.seed as i64))])),
-            ("config", Value::Str(cfg.to_toml()?)),
-        ]))
-    } else {
-        None
-    };
-    let info = SaveInfo {
-        rank,
-        world: group.size(),
-        global_step: step,
-        epoch: sampler.epoch,
-        num_classes: t.head.config().num_classes,
-        embedding_size: t.head.config().embedding_size,
-    };
-    ckpt.save(&format!("step-{step:08}"), &info, replicated.as_ref(), &head, group)
+    let Trainer { ddp, head, opt, stepper, order, .. } = t;
+    let state = FaceState::new(ddp, head, opt.as_mut(), stepper)
+        .order(order)
+        .global_step(step)
+        .config(cfg.to_toml()?)
+        .seed(cfg.seed);
+    Ok(face_state::save(ckpt, &state, position, group)?)
 }
 
 /// The verification sets on rank 0's model, the images shared over the ranks (a collective);
@@ -627,7 +520,7 @@ fn verify(
         return Ok(None);
     }
     let buffers = t.ddp.module().named_buffers();
-    let results = verify::evaluate(&t.model, &buffers, val, device, group)?;
+    let results = verify::evaluate(&t.model, &buffers, val, device, group).context("--val")?;
     if group.rank() == 0 {
         for r in &results {
             eprintln!("[{}][{step}] accuracy-flip: {:.5}+-{:.5}", r.name, r.accuracy, r.std);
@@ -733,33 +626,6 @@ fn build_optimizer(
             Box::new(TorchAdamW::with_groups(vec![(backbone, c.clone()), (vec![centres], c)])?)
         }
     })
-}
-
-/// A rank's BatchNorm statistics as a state-dict fragment.
-fn buffers_value(buffers: &[(String, Var)]) -> anyhow::Result<Value> {
-    let mut items = Vec::with_capacity(buffers.len());
-    for (name, var) in buffers {
-        items.push((name.clone(), Value::Tensor(tandem_nn::convert::to_ckpt(var.as_tensor())?)));
-    }
-    Ok(Value::dict_from(items))
-}
-
-/// A state dict with its entries in `order` (names not in it keep their place at the end).
-fn in_order(state: Value, order: &[String]) -> Value {
-    let Value::Dict(mut items) = state else { return state };
-    let rank = |k: &Value| {
-        k.as_str().and_then(|k| order.iter().position(|o| o == k)).unwrap_or(usize::MAX)
-    };
-    items.sort_by_key(|(k, _)| rank(k));
-    Value::Dict(items)
-}
-
-/// The verification results as the metrics record them.
-fn verification_metrics(results: &[ValResult]) -> Vec<VerificationMetrics> {
-    results
-        .iter()
-        .map(|r| VerificationMetrics { name: r.name.clone(), accuracy: r.accuracy, std: r.std })
-        .collect()
 }
 
 /// ` verification_accuracy=X lfw=X±S ...` for the epoch line.

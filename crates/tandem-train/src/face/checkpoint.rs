@@ -17,11 +17,57 @@
 //! `checkpoint_gpu_{rank}.pt` can only resume on the world size that wrote it.
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
-use tandem_ckpt::{TensorData, Value};
-use tandem_comm::ProcessGroup;
+use tandem_ckpt::{CkptError, TensorData, Value};
+use tandem_comm::{CommError, ProcessGroup};
 use tandem_partial_fc::ClassSplit;
+
+/// Why a face checkpoint could not be written or read; each names the file or step at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum FaceCheckpointError {
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: {source}", path.display())]
+    File {
+        path: PathBuf,
+        #[source]
+        source: CkptError,
+    },
+    #[error("{what}")]
+    Comm {
+        what: String,
+        #[source]
+        source: Box<CommError>,
+    },
+    #[error("{}: {why}", path.display())]
+    Invalid { path: PathBuf, why: String },
+}
+
+type Result<T> = std::result::Result<T, FaceCheckpointError>;
+
+fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> FaceCheckpointError {
+    let path = path.to_path_buf();
+    move |source| FaceCheckpointError::Io { what, path, source }
+}
+
+fn file(path: &Path) -> impl FnOnce(CkptError) -> FaceCheckpointError {
+    let path = path.to_path_buf();
+    move |source| FaceCheckpointError::File { path, source }
+}
+
+fn comm(what: &str) -> impl FnOnce(CommError) -> FaceCheckpointError {
+    let what = what.to_string();
+    move |source| FaceCheckpointError::Comm { what, source: Box::new(source) }
+}
+
+fn invalid(path: &Path, why: impl Into<String>) -> FaceCheckpointError {
+    FaceCheckpointError::Invalid { path: path.to_path_buf(), why: why.into() }
+}
 
 pub const FORMAT: &str = "tandem-partial-fc-1";
 pub const MANIFEST: &str = "manifest.json";
@@ -94,32 +140,29 @@ impl FaceCheckpoints {
         replicated: Option<&Value>,
         head: &Value,
         group: &ProcessGroup,
-    ) -> anyhow::Result<PathBuf> {
-        let barrier = |what: &str| group.barrier().with_context(|| format!("barrier {what}"));
+    ) -> Result<PathBuf> {
+        let barrier = |what: &str| group.barrier().map_err(comm(&format!("barrier {what}")));
         let target = self.dir.join(name);
         // Rank 0 looks, everyone acts on its answer (a rank looking itself could see the
         // directory another rank has just created).
         let mut exists = vec![u8::from(info.rank == 0 && target.exists())];
-        group.broadcast_bytes(&mut exists, 0).context("agreeing on the checkpoint's name")?;
+        group.broadcast_bytes(&mut exists, 0).map_err(comm("agreeing on the checkpoint's name"))?;
         let dir =
             if exists[0] == 1 { self.dir.join(format!("{name}.new")) } else { target.clone() };
         let cleared = match (info.rank, dir.exists() && dir != target) {
-            (0, true) => std::fs::remove_dir_all(&dir)
-                .with_context(|| format!("removing an unfinished {}", dir.display())),
+            (0, true) => std::fs::remove_dir_all(&dir).map_err(io("removing an unfinished", &dir)),
             _ => Ok(()),
         };
         let synced = barrier("before writing the checkpoint files");
         cleared?;
         synced?;
-        let write = || -> anyhow::Result<()> {
-            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let write = || -> Result<()> {
+            std::fs::create_dir_all(&dir).map_err(io("creating", &dir))?;
             let path = dir.join(head_file_name(info.rank, info.world));
-            tandem_ckpt::save(&path, head)
-                .with_context(|| format!("writing {}", path.display()))?;
+            tandem_ckpt::save(&path, head).map_err(file(&path))?;
             if let Some(value) = replicated {
                 let path = dir.join(REPLICATED);
-                tandem_ckpt::save(&path, value)
-                    .with_context(|| format!("writing {}", path.display()))?;
+                tandem_ckpt::save(&path, value).map_err(file(&path))?;
             }
             Ok(())
         };
@@ -138,7 +181,7 @@ impl FaceCheckpoints {
         Ok(target)
     }
 
-    fn write_manifest(&self, dir: &Path, info: &SaveInfo) -> anyhow::Result<()> {
+    fn write_manifest(&self, dir: &Path, info: &SaveInfo) -> Result<()> {
         let heads = (0..info.world)
             .map(|r| {
                 let split = ClassSplit::new(info.num_classes, info.world, r);
@@ -161,7 +204,7 @@ impl FaceCheckpoints {
 
     /// Deletes the oldest complete checkpoints beyond `keep_last`, and incomplete ones older
     /// than `newest` (a crashed save's leftovers).
-    fn prune(&self, newest: &Path) -> anyhow::Result<()> {
+    fn prune(&self, newest: &Path) -> Result<()> {
         let all = self.list()?;
         let complete: Vec<&PathBuf> = all.iter().filter(|d| d.join(MANIFEST).is_file()).collect();
         let keep: Vec<&PathBuf> = complete.iter().rev().take(self.keep_last).copied().collect();
@@ -177,11 +220,11 @@ impl FaceCheckpoints {
     }
 
     /// The checkpoint directories (`step-*`), oldest first.
-    pub fn list(&self) -> anyhow::Result<Vec<PathBuf>> {
+    pub fn list(&self) -> Result<Vec<PathBuf>> {
         let rd = match std::fs::read_dir(&self.dir) {
             Ok(rd) => rd,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(e).with_context(|| format!("reading {}", self.dir.display())),
+            Err(e) => return Err(io("reading", &self.dir)(e)),
         };
         let mut dirs: Vec<PathBuf> = rd
             .flatten()
@@ -197,7 +240,7 @@ impl FaceCheckpoints {
 
     /// The newest checkpoint with a manifest (incomplete saves are skipped, said so on stderr
     /// by the caller's rank 0).
-    pub fn latest(&self) -> anyhow::Result<Option<(PathBuf, Manifest)>> {
+    pub fn latest(&self) -> Result<Option<(PathBuf, Manifest)>> {
         for dir in self.list()?.into_iter().rev() {
             if dir.join(MANIFEST).is_file() {
                 let manifest = read_manifest(&dir)?;
@@ -211,54 +254,54 @@ impl FaceCheckpoints {
 
 /// Puts the complete checkpoint `new` in `target`'s place (nothing to do when they are the
 /// same): the old one moves aside, the new one in, the old one goes.
-fn swap_in(new: &Path, target: &Path) -> anyhow::Result<()> {
+fn swap_in(new: &Path, target: &Path) -> Result<()> {
     if new == target {
         return Ok(());
     }
     let old = target.with_extension("old");
     if old.exists() {
-        std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
+        std::fs::remove_dir_all(&old).map_err(io("removing", &old))?;
     }
-    std::fs::rename(target, &old).with_context(|| format!("moving {} aside", target.display()))?;
-    std::fs::rename(new, target).with_context(|| format!("moving {} into place", new.display()))?;
-    std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))
+    std::fs::rename(target, &old).map_err(io("moving aside", target))?;
+    std::fs::rename(new, target).map_err(io("moving into place", new))?;
+    std::fs::remove_dir_all(&old).map_err(io("removing", &old))
 }
 
-pub fn write_manifest(dir: &Path, manifest: &Manifest) -> anyhow::Result<()> {
-    let json = serde_json::to_vec_pretty(manifest).context("serialising the manifest")?;
+pub fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<()> {
     let path = dir.join(MANIFEST);
+    let json = serde_json::to_vec_pretty(manifest).map_err(|e| invalid(&path, e.to_string()))?;
     tandem_ckpt::atomic::write_atomic(&path, |f| std::io::Write::write_all(f, &json))
-        .with_context(|| format!("writing {}", path.display()))
+        .map_err(file(&path))
 }
 
 /// Reads and checks `dir/manifest.json`, naming the file at fault.
-pub fn read_manifest(dir: &Path) -> anyhow::Result<Manifest> {
+pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
-    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let bytes = std::fs::read(&path).map_err(io("reading", &path))?;
     let m: Manifest = serde_json::from_slice(&bytes)
-        .with_context(|| format!("{}: not a face checkpoint manifest", path.display()))?;
+        .map_err(|e| invalid(&path, format!("not a face checkpoint manifest: {e}")))?;
     if m.format != FORMAT {
-        bail!("{}: format `{}`, expected `{FORMAT}`", path.display(), m.format);
+        return Err(invalid(&path, format!("format `{}`, expected `{FORMAT}`", m.format)));
     }
     let mut next = 0;
     for (r, h) in m.heads.iter().enumerate() {
         if h.start != next {
-            bail!(
-                "{}: head {r} starts at class {} but the classes before end at {next}",
-                path.display(),
+            let why = format!(
+                "head {r} starts at class {} but the classes before end at {next}",
                 h.start
             );
+            return Err(invalid(&path, why));
         }
         next += h.len;
     }
     if m.heads.len() != m.world_size || next != m.num_classes {
-        bail!(
-            "{}: {} head files covering {next} classes for world size {} and {} classes",
-            path.display(),
+        let why = format!(
+            "{} head files covering {next} classes for world size {} and {} classes",
             m.heads.len(),
             m.world_size,
             m.num_classes
         );
+        return Err(invalid(&path, why));
     }
     Ok(m)
 }
@@ -278,9 +321,9 @@ pub fn read_head_rows(
     m: &Manifest,
     split: ClassSplit,
     rank: usize,
-) -> anyhow::Result<HeadRows> {
+) -> Result<HeadRows> {
     if m.embedding_size == 0 {
-        bail!("{}: embedding size 0", dir.display());
+        return Err(invalid(dir, "embedding size 0"));
     }
     let want = split.start..split.start + split.len;
     let mut weights = Vec::new();
@@ -293,8 +336,8 @@ pub fn read_head_rows(
             continue;
         }
         let path = dir.join(&h.file);
-        let v = tandem_ckpt::load(&path).with_context(|| format!("reading {}", path.display()))?;
-        let get = |k: &str| v.get(k).with_context(|| format!("{}: no `{k}` entry", path.display()));
+        let v = tandem_ckpt::load(&path).map_err(file(&path))?;
+        let get = |k: &str| v.get(k).ok_or_else(|| invalid(&path, format!("no `{k}` entry")));
         if r == own {
             buffers = get("buffers")?.clone();
         }
@@ -302,32 +345,27 @@ pub fn read_head_rows(
             continue;
         }
         let rows = (overlap.start - h.start)..(overlap.end - h.start);
-        let w = get("weight")?
-            .as_tensor()
-            .with_context(|| format!("{}: `weight` is not a tensor", path.display()))?;
+        let w =
+            get("weight")?.as_tensor().ok_or_else(|| invalid(&path, "`weight` is not a tensor"))?;
         if w.shape != [h.len, m.embedding_size] {
-            bail!(
-                "{}: `weight` has shape {:?}, the manifest says [{}, {}]",
-                path.display(),
-                w.shape,
-                h.len,
-                m.embedding_size
+            let why = format!(
+                "`weight` has shape {:?}, the manifest says [{}, {}]",
+                w.shape, h.len, m.embedding_size
             );
+            return Err(invalid(&path, why));
         }
         weights.push(slice_rows(w, rows.clone()));
         states.push((get("state")?.clone(), h.len, rows, path));
     }
     let weight = concat_rows(&weights, m.embedding_size)
-        .with_context(|| format!("{}: centres {}..{}", dir.display(), want.start, want.end))?;
+        .map_err(|why| invalid(dir, format!("centres {}..{}: {why}", want.start, want.end)))?;
     Ok(HeadRows { weight, state: resplit_state(&states)?, buffers })
 }
 
 /// One parameter's optimizer state re-split by rows: tensors whose first dimension is the
 /// file's row count are sliced and concatenated; anything else (Adam's `step`) is taken from
 /// the first file.
-fn resplit_state(
-    parts: &[(Value, usize, std::ops::Range<usize>, PathBuf)],
-) -> anyhow::Result<Value> {
+fn resplit_state(parts: &[(Value, usize, std::ops::Range<usize>, PathBuf)]) -> Result<Value> {
     let Some((first, _, _, _)) = parts.first() else { return Ok(Value::None) };
     let Value::Dict(items) = first else { return Ok(Value::None) };
     let mut out = Vec::new();
@@ -341,15 +379,16 @@ fn resplit_state(
                         .get(name)
                         .and_then(Value::as_tensor)
                         .filter(|t| t.shape.first() == Some(len))
-                        .with_context(|| {
-                            format!(
-                                "{}: optimizer state `{name}` is missing or has another shape",
-                                path.display()
-                            )
+                        .ok_or_else(|| {
+                            let why =
+                                format!("optimizer state `{name}` is missing or has another shape");
+                            invalid(path, why)
                         })?;
                     pieces.push(slice_rows(t, rows.clone()));
                 }
-                Value::Tensor(concat_rows(&pieces, t.shape[1])?)
+                let rows =
+                    concat_rows(&pieces, t.shape[1]).map_err(|why| invalid(&parts[0].3, why))?;
+                Value::Tensor(rows)
             }
             other => other.clone(),
         };
@@ -368,14 +407,17 @@ pub fn slice_rows(t: &TensorData, rows: std::ops::Range<usize>) -> TensorData {
     TensorData::from_bytes(t.dtype, &shape, part)
 }
 
-/// Stacks 2-d tensors of one dtype and width by rows.
-pub fn concat_rows(parts: &[TensorData], width: usize) -> anyhow::Result<TensorData> {
-    let Some(first) = parts.first() else { bail!("no rows") };
+/// Stacks 2-d tensors of one dtype and width by rows (the error says why they do not stack).
+pub fn concat_rows(parts: &[TensorData], width: usize) -> std::result::Result<TensorData, String> {
+    let Some(first) = parts.first() else { return Err("no rows".into()) };
     let mut bytes = Vec::new();
     let mut rows = 0;
     for p in parts {
         if p.dtype != first.dtype || p.shape.len() != 2 || p.shape[1] != width {
-            bail!("row blocks of different dtypes or widths ({:?} {:?})", p.dtype, p.shape);
+            return Err(format!(
+                "row blocks of different dtypes or widths ({:?} {:?})",
+                p.dtype, p.shape
+            ));
         }
         bytes.extend_from_slice(&p.contiguous_bytes());
         rows += p.shape[0];

@@ -1,4 +1,4 @@
-//! `--val FILE.bin`: insightface's verification test (its CallBackVerification): every image and
+//! Verification sets (`.bin` pairs, as `--val FILE.bin`): insightface's verification test (its CallBackVerification): every image and
 //! its mirror embedded in eval mode, the two embeddings summed, and the pairs' accuracy with a
 //! 10-fold cross-validated threshold.
 //!
@@ -10,11 +10,14 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::Context;
 use candle_core::{Device, Tensor, Var};
-use tandem_comm::ProcessGroup;
+use candle_nn::ModuleT;
+use tandem_comm::{CommError, ProcessGroup};
 use tandem_data::datasets::faces::{verification_accuracy, VerificationSet};
-use tandem_models::{IResNet, FACE_SIDE};
+use tandem_data::DataError;
+use tandem_models::FACE_SIDE;
+
+use crate::metrics::VerificationMetrics;
 
 /// Images per forward pass.
 const BATCH: usize = 32;
@@ -23,31 +26,55 @@ const FOLDS: usize = 10;
 /// set on a loaded machine), instead of the group's usual stall timeout.
 const VERIFY_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
-/// One `--val` set, named by its file stem (`lfw.bin` is `lfw`), as arcface_torch names them.
+/// Why a verification set could not be read or scored.
+#[derive(Debug, thiserror::Error)]
+pub enum VerificationError {
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error("{path}: {pairs} pairs, fewer than the {FOLDS} folds")]
+    TooFewPairs { path: PathBuf, pairs: usize },
+    #[error("{path}: {what}")]
+    Comm {
+        path: PathBuf,
+        what: String,
+        #[source]
+        source: Box<CommError>,
+    },
+    #[error("{path}: gathered {got} values for {images} images of {embedding}")]
+    Gathered { path: PathBuf, got: usize, images: usize, embedding: usize },
+    #[error("{path}: {why}")]
+    Accuracy { path: PathBuf, why: String },
+    #[error("verification: {0}")]
+    Tensor(#[from] candle_core::Error),
+}
+
+/// One verification set, named by its file stem (`lfw.bin` is `lfw`), as arcface_torch names
+/// them.
 pub struct ValSet {
     pub name: String,
     set: VerificationSet,
 }
 
-/// A set's result: mean accuracy over the folds and its standard deviation.
-#[derive(Clone, Debug)]
-pub struct ValResult {
-    pub name: String,
-    pub accuracy: f64,
-    pub std: f64,
+impl ValSet {
+    pub fn path(&self) -> &Path {
+        &self.set.path
+    }
 }
 
-pub fn load(paths: &[PathBuf]) -> anyhow::Result<Vec<ValSet>> {
+/// A set's result: mean accuracy over the folds and its standard deviation.
+pub type ValResult = VerificationMetrics;
+
+/// Reads the verification sets at `paths` (each needs at least as many pairs as folds).
+pub fn load(paths: &[PathBuf]) -> Result<Vec<ValSet>, VerificationError> {
     paths
         .iter()
         .map(|p| {
-            let set = VerificationSet::load(p).with_context(|| format!("--val {}", p.display()))?;
+            let set = VerificationSet::load(p)?;
             if set.pairs() < FOLDS {
-                anyhow::bail!(
-                    "--val {}: {} pairs, fewer than the {FOLDS} folds",
-                    p.display(),
-                    set.pairs()
-                );
+                return Err(VerificationError::TooFewPairs {
+                    path: p.to_path_buf(),
+                    pairs: set.pairs(),
+                });
             }
             Ok(ValSet { name: stem(p), set })
         })
@@ -66,7 +93,11 @@ struct LentStatistics<'a> {
 }
 
 impl<'a> LentStatistics<'a> {
-    fn lend(buffers: &'a [(String, Var)], group: &ProcessGroup) -> anyhow::Result<Self> {
+    fn lend(
+        buffers: &'a [(String, Var)],
+        group: &ProcessGroup,
+        path: &Path,
+    ) -> Result<Self, VerificationError> {
         let mut own = Vec::with_capacity(buffers.len());
         for (name, var) in buffers {
             let t = var.as_tensor();
@@ -74,9 +105,11 @@ impl<'a> LentStatistics<'a> {
             let dtype = t.dtype();
             let mut values =
                 t.flatten_all()?.to_dtype(candle_core::DType::F64)?.to_vec1::<f64>()?;
-            group
-                .broadcast(&mut values, 0)
-                .with_context(|| format!("lending rank 0's `{name}`"))?;
+            group.broadcast(&mut values, 0).map_err(|source| VerificationError::Comm {
+                path: path.to_path_buf(),
+                what: format!("lending rank 0's `{name}`"),
+                source: Box::new(source),
+            })?;
             let lent = Tensor::from_vec(values, t.shape(), t.device())?.to_dtype(dtype)?;
             var.set(&lent)?;
         }
@@ -94,19 +127,21 @@ impl Drop for LentStatistics<'_> {
     }
 }
 
-/// The accuracy on every set of the replicas' model in eval mode with rank 0's statistics (a
-/// collective: every rank calls it with the same sets).
+/// The accuracy on every set of the replicas' embedding model (112x112 faces in, embeddings
+/// out) in eval mode with rank 0's statistics `buffers` (a collective: every rank calls it with
+/// the same sets).
 pub fn evaluate(
-    model: &IResNet,
+    model: &dyn ModuleT,
     buffers: &[(String, Var)],
     sets: &[ValSet],
     device: &Device,
     group: &ProcessGroup,
-) -> anyhow::Result<Vec<ValResult>> {
+) -> Result<Vec<ValResult>, VerificationError> {
+    let Some(first) = sets.first() else { return Ok(Vec::new()) };
     let usual = group.timeout();
     group.set_timeout(usual.max(VERIFY_TIMEOUT));
     let result = (|| {
-        let _lent = LentStatistics::lend(buffers, group)?;
+        let _lent = LentStatistics::lend(buffers, group, first.path())?;
         sets.iter().map(|s| evaluate_set(model, s, device, group)).collect()
     })();
     group.set_timeout(usual);
@@ -114,11 +149,12 @@ pub fn evaluate(
 }
 
 fn evaluate_set(
-    model: &IResNet,
+    model: &dyn ModuleT,
     val: &ValSet,
     device: &Device,
     group: &ProcessGroup,
-) -> anyhow::Result<ValResult> {
+) -> Result<ValResult, VerificationError> {
+    let path = || val.set.path.clone();
     let n = val.set.images.len();
     let (rank, world) = (group.rank(), group.size());
     let share = n.div_ceil(world);
@@ -133,30 +169,47 @@ fn evaluate_set(
             plain.extend(p);
             flipped.extend(f);
         }
-        let embed = |x: Vec<f32>| -> anyhow::Result<Tensor> {
-            let x = Tensor::from_vec(x, (end - start, dim), device)?;
-            Ok(model.forward_t(&x, false)?)
+        let embed = |x: Vec<f32>| -> candle_core::Result<Tensor> {
+            model.forward_t(&Tensor::from_vec(x, (end - start, dim), device)?, false)
         };
         let sum = (embed(plain)? + embed(flipped)?)?;
         local.extend(sum.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?);
     }
+    // Every rank's share has the same embedding width; learn it from the first image's.
+    let e = match mine.is_empty() {
+        false => local.len() / mine.len(),
+        true => 0,
+    };
+    let mut width = [e as f64];
+    group.all_reduce(&mut width, tandem_comm::ReduceOp::Max).map_err(|source| {
+        VerificationError::Comm {
+            path: path(),
+            what: "agreeing on the embedding width".into(),
+            source: Box::new(source),
+        }
+    })?;
+    let e = width[0] as usize;
     let gathered = group
         .all_gather_bytes(&local.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())
-        .with_context(|| format!("--val {}: gathering the embeddings", val.set.path.display()))?;
+        .map_err(|source| VerificationError::Comm {
+            path: path(),
+            what: "gathering the embeddings".into(),
+            source: Box::new(source),
+        })?;
     let values: Vec<f32> = gathered
         .iter()
         .flat_map(|b| b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
         .collect();
-    let e = model.embedding();
-    if values.len() != n * e {
-        anyhow::bail!(
-            "--val {}: gathered {} values for {n} images of {e}",
-            val.set.path.display(),
-            values.len()
-        );
+    if e == 0 || values.len() != n * e {
+        return Err(VerificationError::Gathered {
+            path: path(),
+            got: values.len(),
+            images: n,
+            embedding: e,
+        });
     }
     let embeddings: Vec<Vec<f32>> = values.chunks_exact(e).map(<[f32]>::to_vec).collect();
     let (accuracy, std) = verification_accuracy(&embeddings, &val.set.issame, FOLDS)
-        .map_err(|e| anyhow::anyhow!("--val {}: {e}", val.set.path.display()))?;
+        .map_err(|why| VerificationError::Accuracy { path: path(), why })?;
     Ok(ValResult { name: val.name.clone(), accuracy, std })
 }

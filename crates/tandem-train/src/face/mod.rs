@@ -1,0 +1,295 @@
+//! The face-recognition recipe's training state (insightface's arcface_torch): a replicated
+//! backbone under Ddp with per-rank BatchNorm statistics (`broadcast_buffers=False`), and a
+//! PartialFC head whose class centres, with their optimizer state, are split over the ranks.
+//!
+//! [`save`] writes it as one checkpoint directory ([`checkpoint`]: a replicated file, one head
+//! file per rank, a manifest written last) and [`resume`] reads it back on any world size, each
+//! rank reading only the head files that hold its rows.
+//!
+//! ```ignore
+//! let ckpts = FaceCheckpoints::new(out.join("checkpoints"), 2);
+//! let mut state = FaceState::new(&ddp, &mut head, &mut opt, &mut step);
+//! if let Some(r) = face::resume(&ckpts, &mut state, &mut loader, epochs, &group)? { /* r.step */ }
+//! // ... train ...
+//! let state = FaceState::new(&ddp, &mut head, &mut opt, &mut step).global_step(n);
+//! face::save(&ckpts, &state, &loader.state(), &group)?;
+//! ```
+pub mod checkpoint;
+
+use std::path::PathBuf;
+
+use tandem_ckpt::Value;
+use tandem_comm::ProcessGroup;
+use tandem_nn::ParamModule;
+use tandem_optim::{GradScaler, TorchOptimizer};
+use tandem_partial_fc::PartialFc;
+
+use crate::schedule;
+use crate::state::{sampler_state_from_value, sampler_value, LoaderPosition};
+use crate::step::Step;
+pub use checkpoint::{FaceCheckpointError, FaceCheckpoints, Manifest, SaveInfo};
+use tandem_data::SamplerState;
+
+/// Why the face state could not be saved or restored.
+#[derive(Debug, thiserror::Error)]
+pub enum FaceStateError {
+    #[error(transparent)]
+    Checkpoint(#[from] FaceCheckpointError),
+    #[error(
+        "{}: the checkpoint's head is {saved_classes} classes x {saved_embedding}, this run's \
+         {classes} x {embedding}", dir.display()
+    )]
+    HeadShape {
+        dir: PathBuf,
+        saved_classes: usize,
+        saved_embedding: usize,
+        classes: usize,
+        embedding: usize,
+    },
+    #[error("{}: {what}: {why}", dir.display())]
+    Restore { dir: PathBuf, what: &'static str, why: String },
+    #[error("the face state: {0}")]
+    Save(String),
+}
+
+/// The face recipe's state, borrowed for [`save`] or [`resume`]: the backbone (a `Ddp` or any
+/// [`ParamModule`]; its parameters are the optimizer's first group), the head, the optimizer
+/// over both, the [`Step`] (GradScaler and schedule) and the step count.
+pub struct FaceState<'a> {
+    backbone: &'a dyn ParamModule,
+    head: &'a mut PartialFc,
+    opt: &'a mut dyn TorchOptimizer,
+    step: &'a mut Step,
+    global_step: u64,
+    order: Option<&'a [String]>,
+    config: Option<String>,
+    seed: u64,
+}
+
+impl<'a> FaceState<'a> {
+    pub fn new(
+        backbone: &'a dyn ParamModule,
+        head: &'a mut PartialFc,
+        opt: &'a mut dyn TorchOptimizer,
+        step: &'a mut Step,
+    ) -> Self {
+        FaceState { backbone, head, opt, step, global_step: 0, order: None, config: None, seed: 0 }
+    }
+    /// Optimizer steps done (what a save records).
+    pub fn global_step(mut self, step: u64) -> Self {
+        self.global_step = step;
+        self
+    }
+    /// The backbone's state-dict names in torch's order (the file lists them so).
+    pub fn order(mut self, order: &'a [String]) -> Self {
+        self.order = Some(order);
+        self
+    }
+    /// A text kept in the checkpoint as its `config` entry (the run's settings).
+    pub fn config(mut self, text: String) -> Self {
+        self.config = Some(text);
+        self
+    }
+    /// The run's seed, kept as the checkpoint's `rng` entry (every draw derives from it).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+}
+
+/// Where [`resume`] resumed from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FaceResumed {
+    pub dir: PathBuf,
+    pub step: u64,
+    pub epoch: u64,
+    /// The world size that wrote the checkpoint.
+    pub world_size: usize,
+    pub num_classes: usize,
+    /// Classes this rank holds now.
+    pub rows: usize,
+}
+
+/// Saves `state` with the loader at `position` as `step-NNNNNNNN/` under `ckpts` (a
+/// collective: every rank writes its head file, rank 0 the replicated file and the manifest).
+/// Returns the directory.
+pub fn save(
+    ckpts: &FaceCheckpoints,
+    state: &FaceState<'_>,
+    position: &SamplerState,
+    group: &ProcessGroup,
+) -> Result<PathBuf, FaceStateError> {
+    let fail = |e: &dyn std::fmt::Display| FaceStateError::Save(e.to_string());
+    let (rank, step) = (group.rank(), state.global_step);
+    let head_index = state.backbone.params().len() as i64;
+    let full_opt = state.opt.state_dict().map_err(|e| fail(&e))?;
+    let (rest, head_state) = checkpoint::split_optimizer(&full_opt, head_index);
+    let split = state.head.split();
+    let weight =
+        tandem_nn::convert::to_ckpt(state.head.weight().as_tensor()).map_err(|e| fail(&e))?;
+    let head = Value::dict_from([
+        ("rank", Value::Int(rank as i64)),
+        ("start", Value::Int(split.start as i64)),
+        ("len", Value::Int(split.len as i64)),
+        ("weight", Value::Tensor(weight)),
+        ("state", head_state),
+        ("buffers", buffers_value(&state.backbone.named_buffers()).map_err(|e| fail(&e))?),
+    ]);
+    let epoch = position.epoch;
+    let replicated = if rank == 0 {
+        let backbone = state.backbone.state_dict().map_err(|e| fail(&e))?;
+        let backbone = match state.order {
+            Some(order) => in_order(backbone, order),
+            None => backbone,
+        };
+        Some(Value::dict_from([
+            ("format", Value::Str(checkpoint::FORMAT.into())),
+            ("epoch", Value::Int(epoch as i64)),
+            ("global_step", Value::Int(step as i64)),
+            ("world_size", Value::Int(group.size() as i64)),
+            ("backbone", backbone),
+            ("optimizer", rest),
+            ("scheduler", schedule::state(state.step.lr_scheduler())),
+            ("scaler", state.step.grad_scaler().map_or(Value::None, GradScaler::state_dict)),
+            ("sampler", sampler_value(position)),
+            ("rng", Value::dict_from([("seed", Value::Int(state.seed as i64))])),
+            ("config", state.config.clone().map_or(Value::None, Value::Str)),
+        ]))
+    } else {
+        None
+    };
+    let info = SaveInfo {
+        rank,
+        world: group.size(),
+        global_step: step,
+        epoch,
+        num_classes: state.head.config().num_classes,
+        embedding_size: state.head.config().embedding_size,
+    };
+    Ok(ckpts.save(&format!("step-{step:08}"), &info, replicated.as_ref(), &head, group)?)
+}
+
+/// Restores the newest complete checkpoint under `ckpts` into `state` and `loader`, on this
+/// world size or another (the head's rows and their optimizer state re-split), `None` when there
+/// is none. A collective. The schedule is stretched over the steps left to the end of `epochs`
+/// from the restored position.
+pub fn resume(
+    ckpts: &FaceCheckpoints,
+    state: &mut FaceState<'_>,
+    loader: &mut dyn LoaderPosition,
+    epochs: u64,
+    group: &ProcessGroup,
+) -> Result<Option<FaceResumed>, FaceStateError> {
+    let rank = group.rank();
+    let Some((dir, manifest)) = ckpts.latest()? else { return Ok(None) };
+    let cfg = state.head.config();
+    if manifest.num_classes != cfg.num_classes || manifest.embedding_size != cfg.embedding_size {
+        return Err(FaceStateError::HeadShape {
+            dir,
+            saved_classes: manifest.num_classes,
+            saved_embedding: manifest.embedding_size,
+            classes: cfg.num_classes,
+            embedding: cfg.embedding_size,
+        });
+    }
+    let restore = |what: &'static str| {
+        let dir = dir.clone();
+        move |why: &dyn std::fmt::Display| FaceStateError::Restore {
+            dir: dir.clone(),
+            what,
+            why: why.to_string(),
+        }
+    };
+    let path = dir.join(&manifest.replicated);
+    let rep = tandem_ckpt::load(&path)
+        .map_err(|source| FaceCheckpointError::File { path: path.clone(), source })?;
+    let get = |k: &'static str| rep.get(k).ok_or_else(|| restore(k)(&"no such entry"));
+    let split = state.head.split();
+    let rows = checkpoint::read_head_rows(&dir, &manifest, split, rank)?;
+
+    // Backbone: the replicated weights with this rank's own BatchNorm statistics.
+    let mut backbone = get("backbone")?.clone();
+    overlay(&mut backbone, &rows.buffers);
+    state.backbone.load_state_dict(&backbone).map_err(|e| restore("backbone")(&e))?;
+    let device = state.head.weight().device().clone();
+    let weight = tandem_nn::convert::from_ckpt(&rows.weight, &device)
+        .map_err(|e| restore("head centres")(&e))?;
+    state.head.weight().set(&weight).map_err(|e| restore("head centres")(&e))?;
+    let head_index = state.backbone.params().len() as i64;
+    let full = checkpoint::merge_optimizer(get("optimizer")?, head_index, rows.state);
+    state.opt.load_state_dict(&full).map_err(|e| restore("optimizer state")(&e))?;
+    match get("sampler")? {
+        // Converted from arcface_torch: the start of `epoch`, in this run's order.
+        Value::None => loader.set_epoch(manifest.epoch),
+        saved => {
+            let position = sampler_state_from_value(saved).map_err(|e| restore("sampler")(&e))?;
+            loader.set_position(&position).map_err(|e| restore("sampler")(&e))?;
+        }
+    }
+    let step = get("global_step")?.as_int().unwrap_or(0) as u64;
+    state.global_step = step;
+    state.head.set_steps_taken(step);
+    let left = loader.steps_to_end(epochs);
+    schedule::load(
+        state.step.lr_scheduler_mut(),
+        get("scheduler")?,
+        state.opt,
+        Some(step + left),
+        &format!("{}: scheduler", dir.display()),
+    )
+    .map_err(|e| restore("scheduler")(&e))?;
+    match (state.step.grad_scaler_mut(), get("scaler")?) {
+        (Some(s), Value::None) if rank == 0 => eprintln!(
+            "{}: no GradScaler state; the loss scale starts at {}",
+            path.display(),
+            s.get_scale()
+        ),
+        (Some(_), Value::None) | (None, _) => {}
+        (Some(s), saved) => s.load_state_dict(saved).map_err(|e| restore("GradScaler")(&e))?,
+    }
+    // Every rank has read what it needs before any goes on (and perhaps saves over it).
+    group.barrier().map_err(|source| FaceCheckpointError::Comm {
+        what: "barrier after reading the checkpoint".into(),
+        source: Box::new(source),
+    })?;
+    let epoch = loader.position().epoch;
+    Ok(Some(FaceResumed {
+        dir,
+        step,
+        epoch,
+        world_size: manifest.world_size,
+        num_classes: manifest.num_classes,
+        rows: split.len,
+    }))
+}
+
+/// A rank's BatchNorm statistics as a state-dict fragment.
+fn buffers_value(buffers: &[(String, candle_core::Var)]) -> tandem_nn::Result<Value> {
+    let mut items = Vec::with_capacity(buffers.len());
+    for (name, var) in buffers {
+        items.push((name.clone(), Value::Tensor(tandem_nn::convert::to_ckpt(var.as_tensor())?)));
+    }
+    Ok(Value::dict_from(items))
+}
+
+/// A state dict with its entries in `order` (names not in it keep their place at the end).
+fn in_order(state: Value, order: &[String]) -> Value {
+    let Value::Dict(mut items) = state else { return state };
+    let rank = |k: &Value| {
+        k.as_str().and_then(|k| order.iter().position(|o| o == k)).unwrap_or(usize::MAX)
+    };
+    items.sort_by_key(|(k, _)| rank(k));
+    Value::Dict(items)
+}
+
+/// `state` with the entries of `over` replaced (a rank's own statistics over rank 0's).
+pub fn overlay(state: &mut Value, over: &Value) {
+    let Value::Dict(items) = over else { return };
+    for (k, v) in items {
+        if let Some(name) = k.as_str() {
+            if let Some(slot) = state.get_mut(name) {
+                *slot = v.clone();
+            }
+        }
+    }
+}
