@@ -134,8 +134,10 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
     for round in 0..args.rounds {
         let out = dir.join(format!("run-{round}"));
         let text = run(&mut recipe(&out), "tandem train (face recipe)")?;
-        let sps = value_after(&text, "samples_per_s=")
-            .context("no samples_per_s in tandem's final line")?;
+        let metrics = out.join("metrics.jsonl");
+        let sps = tandem_train::metrics::last_summary(&metrics)?
+            .with_context(|| format!("no run summary in {}", metrics.display()))?
+            .samples_per_s;
         breakdown = text.lines().find(|l| l.starts_with("time per step")).unwrap_or("").to_string();
         ours.samples_per_s.push(sps);
         let text = run(

@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Output};
 use std::time::Duration;
 
+use tandem::train::metrics::last_summary;
+use tandem::train::RunSummary;
 use tandem_ckpt::Value;
 use tandem_testutil::{harness, output_with_deadline, torch_python, without_world};
 
@@ -137,25 +139,16 @@ fn train(data: &Path, extra: &[&str]) -> String {
     run(&refs)
 }
 
-/// The value of `key=` in the `final:` line.
-fn final_value(out: &str, key: &str) -> String {
-    let line = out
-        .lines()
-        .find(|l| l.starts_with("final: "))
-        .unwrap_or_else(|| panic!("no final line:\n{out}"));
-    line.split(' ')
-        .find_map(|kv| kv.strip_prefix(&format!("{key}=")))
-        .unwrap_or_else(|| panic!("no {key}= in {line}"))
-        .to_string()
+/// The run's typed result, from the `metrics.jsonl` rank 0 writes in its run directory (the
+/// last run's, after a resume).
+fn summary(run_dir: &Path) -> RunSummary {
+    let path = run_dir.join("metrics.jsonl");
+    last_summary(&path).unwrap().unwrap_or_else(|| panic!("no summary in {}", path.display()))
 }
 
-/// The `loss=` of every epoch line.
-fn epoch_losses(out: &str) -> Vec<f64> {
-    out.lines()
-        .filter(|l| l.starts_with("epoch "))
-        .filter_map(|l| l.split(' ').find_map(|kv| kv.strip_prefix("loss=")))
-        .map(|v| v.parse().expect("a loss"))
-        .collect()
+/// The mean loss of every epoch the last run trained.
+fn epoch_losses(run_dir: &Path) -> Vec<f64> {
+    summary(run_dir).epochs_seen.iter().map(|e| e.train_loss).collect()
 }
 
 fn synthetic_faces_verify_above_0_9() {
@@ -180,8 +173,10 @@ fn synthetic_faces_verify_above_0_9() {
             p(&out_dir),
         ],
     );
-    let acc: f64 = final_value(&out, "verification_accuracy").parse().unwrap();
+    let acc = summary(&out_dir).verification_accuracy.expect("a verification accuracy");
     assert!(acc >= 0.9, "verification accuracy {acc} on the synthetic set\n{out}");
+    let last = out.lines().find(|l| l.starts_with("final: ")).unwrap_or_default();
+    assert!(last.contains(&format!("verification_accuracy={acc:.4}")), "{out}");
     // Every --verbose steps (20) and at the end, as arcface_torch's callback; in the epoch line.
     assert!(
         out.contains("[pairs][20] accuracy-flip: ") && out.contains("[pairs][32] accuracy-flip: "),
@@ -191,7 +186,7 @@ fn synthetic_faces_verify_above_0_9() {
         out.lines().any(|l| l.starts_with("epoch 2/2") && l.contains("verification_accuracy=")),
         "{out}"
     );
-    let losses = epoch_losses(&out);
+    let losses = epoch_losses(&out_dir);
     assert!(losses.len() == 2 && losses[1] < losses[0], "the loss falls: {losses:?}");
     let events = std::fs::read_dir(out_dir.join("tensorboard")).unwrap().count();
     assert_eq!(events, 1, "one TensorBoard event file");
@@ -219,13 +214,13 @@ fn same_world_resume_is_bitwise() {
     let b_dir = dir.path().join("b");
     let mut b = common.to_vec();
     b.extend(["--out", p(&b_dir), "--steps", "10"]);
-    let first = train(&data, &b);
-    assert_eq!(final_value(&first, "steps"), "10");
+    train(&data, &b);
+    assert_eq!(summary(&b_dir).steps, 10);
     let mut b2 = common.to_vec();
     b2.extend(["--out", p(&b_dir), "--resume", "--save-final", p(&resumed)]);
     let second = train(&data, &b2);
     assert!(second.contains("resumed from") && second.contains("step 10"), "{second}");
-    assert_eq!(final_value(&second, "steps"), "32");
+    assert_eq!(summary(&b_dir).steps, 32);
     assert!(
         std::fs::read(&full).unwrap() == std::fs::read(&resumed).unwrap(),
         "a run stopped at step 10 and resumed ends with other weights than the uninterrupted run"
@@ -270,8 +265,8 @@ fn another_world_size_resplits_the_head_and_continues() {
     );
     // And training goes on over 3 ranks: epoch 2 is 128 / 3 -> 43 samples per rank, 10 steps.
     let said = train(&data, &["--epochs", "2", "--out", out, "--nproc-per-node", "3", "--resume"]);
-    assert_eq!(final_value(&said, "steps"), "26", "{said}");
-    let losses = epoch_losses(&said);
+    assert_eq!(summary(&run_dir).steps, 26, "{said}");
+    let losses = epoch_losses(&run_dir);
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
 }
 
@@ -279,6 +274,7 @@ fn f16_trains() {
     let dir = tempfile::tempdir().unwrap();
     let data = faces(dir.path(), 16, 8, "png");
     let val = data.join("pairs.bin");
+    let run_dir = dir.path().join("f16");
     let out = train(
         &data,
         &[
@@ -291,19 +287,21 @@ fn f16_trains() {
             "--val",
             p(&val),
             "--out",
-            p(&dir.path().join("f16")),
+            p(&run_dir),
         ],
     );
     assert!(out.contains("loss_scale="), "{out}");
-    let losses = epoch_losses(&out);
+    let losses = epoch_losses(&run_dir);
     assert!(
         losses.len() == 2 && losses[1] < losses[0],
         "f16 training lowers the loss: {losses:?}\n{out}"
     );
-    let acc: f64 = final_value(&out, "verification_accuracy").parse().unwrap();
+    let result = summary(&run_dir);
+    let acc = result.verification_accuracy.expect("a verification accuracy");
     assert!(acc >= 0.8, "f16 verification accuracy {acc}\n{out}");
+    assert!(result.epochs_seen.iter().all(|e| e.loss_scale.is_some()), "{result:?}");
     // The scaler's state (growth interval 100, arcface_torch's) is in the checkpoint.
-    let ckpt = PathBuf::from(final_value(&out, "checkpoint"));
+    let ckpt = result.checkpoint.expect("the last checkpoint");
     let rep = tandem_ckpt::load(ckpt.join("replicated.pt")).unwrap();
     let interval = rep.get("scaler").and_then(|s| s.get("growth_interval")).and_then(Value::as_int);
     assert_eq!(interval, Some(100));
@@ -675,7 +673,7 @@ fn verification_equals_pytorch_on_the_saved_model() {
     let dir = tempfile::tempdir().unwrap();
     let data = faces(dir.path(), 16, 8, "png");
     let (model, val) = (dir.path().join("model.pt"), data.join("pairs.bin"));
-    let out = train(
+    train(
         &data,
         &[
             "--nproc-per-node",
@@ -691,7 +689,7 @@ fn verification_equals_pytorch_on_the_saved_model() {
             p(&dir.path().join("run")),
         ],
     );
-    let ours: f64 = final_value(&out, "verification_accuracy").parse().unwrap();
+    let ours = summary(&dir.path().join("run")).verification_accuracy.expect("an accuracy");
     let report =
         reference(&["verify", p(&model), "--pairs", p(&val), "--width", "8", "--embedding", "32"]);
     let theirs: f64 = report

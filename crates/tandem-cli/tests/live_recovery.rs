@@ -23,6 +23,7 @@ fn main() -> ExitCode {
         without_restarts_the_job_goes_on_with_fewer_ranks,
         below_min_nproc_the_job_stops_naming_the_reason,
         what_live_recovery_cannot_carry_is_refused_by_name,
+        background_saves_go_on_through_a_regroup,
     ])
 }
 
@@ -247,7 +248,6 @@ fn below_min_nproc_the_job_stops_naming_the_reason() {
 fn what_live_recovery_cannot_carry_is_refused_by_name() {
     for (extra, expect) in [
         (vec!["--zero"], "--zero"),
-        (vec!["--async-save"], "--async-save"),
         (vec!["--model", "iresnet18", "--data", "rec:/nonexistent"], "PartialFC head"),
     ] {
         let mut cmd = Command::new(TANDEM);
@@ -262,4 +262,24 @@ fn what_live_recovery_cannot_carry_is_refused_by_name() {
             "{extra:?}: {err}"
         );
     }
+}
+
+/// `--async-save` under live recovery: member 0 (the world's rank 0, which hands the saves to
+/// its writer thread) dies a few steps after a background save began; the survivors regroup (a
+/// new rank 0 writes the later saves) and every checkpoint on disk reads back whole.
+fn background_saves_go_on_through_a_regroup() {
+    let f = fault("forward@105", "0");
+    let train = ["--save-every", "50", "--async-save"];
+    let run = live_job(&["--max-restarts", "1"], &train, &env_refs(&f));
+    assert_finished(&run);
+    assert!(!run.regroups().is_empty(), "{}", run.text);
+    let steps: Vec<u64> = std::fs::read_dir(run.checkpoints())
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.split("step-").nth(1)?.trim_end_matches(".pt").parse().ok()
+        })
+        .collect();
+    assert!(steps.iter().any(|&s| s > 105), "no save after the regroup: {steps:?}");
 }

@@ -470,8 +470,7 @@ impl TrainConfig {
                      --save-every and whole-job restarts (tandem run --max-restarts) instead"
                 ),
             ),
-            (self.zero, "--zero: ZeRO keeps each rank's share of the optimizer state on that rank alone".into()),
-            (self.async_save, "--async-save: a background save belongs to one rank 0, which a regroup can change".into()),
+            (self.zero, "--zero: ZeRO keeps each rank's share of the optimizer state on that rank alone, and a dead rank takes its share with it".into()),
             (
                 self.device == DeviceKind::Cuda,
                 "--device cuda: NCCL communicators are not re-formed (live recovery is CPU training)".into(),

@@ -448,6 +448,11 @@ impl<'a> Worker<'a> {
                 // The failed step did not happen: its batch goes back.
                 self.loader.load_state(&position)?;
             }
+            // A background save this rank started (as the world's rank 0) ends before the
+            // world re-forms: the new rank 0 may be another member, and two writers must not
+            // share the checkpoint directory. Its failure ends the run as it would without
+            // live recovery (the files before it are intact).
+            self.saver.settle()?;
             let live = self.live.take().context("live recovery without a live world")?;
             let before = self.global_step;
             let changed = live.regroup(self);
@@ -596,7 +601,7 @@ impl<'a> Worker<'a> {
         let (cfg, rank) = (self.cfg, self.rank());
         let final_name = format!("step-{:08}", self.global_step);
         self.save_last()?;
-        self.saver.finish(rank, &self.group)?;
+        self.saver.finish(&self.group)?;
         if let Some(path) = &cfg.save_final {
             if rank == 0 {
                 save_weights(&self.ddp.module(), path)?;
@@ -774,12 +779,21 @@ impl Saver {
         }
     }
 
-    /// At the end: rank 0 waits for the save in flight (its error ends the run, naming the
-    /// file), then every rank meets at a barrier, so no rank reports success before the last
-    /// checkpoint is on disk.
-    fn finish(&mut self, rank: usize, group: &ProcessGroup) -> anyhow::Result<()> {
+    /// Waits for this process's save in flight, if any (its error names the file).
+    fn settle(&mut self) -> anyhow::Result<()> {
         if let Saver::Async(m) = self {
-            let written = if rank == 0 { m.wait().map(|_| ()) } else { Ok(()) };
+            m.wait().context("a background checkpoint save failed")?;
+        }
+        Ok(())
+    }
+
+    /// At the end: every rank waits for its save in flight (only a rank that was the world's
+    /// rank 0 has one; under live recovery that may have been another rank than now; its error
+    /// ends the run, naming the file), then every rank meets at a barrier, so no rank reports
+    /// success before the last checkpoint is on disk.
+    fn finish(&mut self, group: &ProcessGroup) -> anyhow::Result<()> {
+        if let Saver::Async(m) = self {
+            let written = m.wait().map(|_| ());
             let synced = group.barrier();
             written.context("the last background checkpoint save failed")?;
             synced.context("barrier after the last checkpoint save")?;
