@@ -51,3 +51,30 @@ pub fn save(path: impl AsRef<Path>, exported: &Exported) -> Result<()> {
     })?;
     Ok(())
 }
+
+/// Exports the state dict in `value` as `arch` and writes it atomically to `path`; returns a
+/// one-line summary such as `wrote m.onnx: cnn, input [batch, 1, 8, 8] -> logits [batch, 10],
+/// 1930 weights, ONNX IR 8 opset 17`.
+pub fn export_to_file(arch: ModelKind, value: &tandem_ckpt::Value, path: &Path) -> Result<String> {
+    let exported = export_value(arch, value)?;
+    save(path, &exported)?;
+    let dims: Vec<String> = exported
+        .input
+        .iter()
+        .map(|d| match d {
+            Dim::Fixed(n) => n.to_string(),
+            Dim::Named(s) => s.to_string(),
+        })
+        .collect();
+    Ok(format!(
+        "wrote {}: {}, input [{}] -> {} [batch, {}], {} weights, ONNX IR {} opset {}",
+        path.display(),
+        arch.name(),
+        dims.join(", "),
+        exported.output,
+        exported.classes,
+        exported.weights,
+        graph::IR_VERSION,
+        graph::OPSET,
+    ))
+}

@@ -15,18 +15,28 @@
 //!   [`face`]: the face recipe's sharded state (backbone + PartialFC head), saved per rank and
 //!   resumed on any world size.
 //!
+//! - [`recipes`]: the built-in recipes run from typed [`options`] — the classifier and the face
+//!   recipe (`tandem train` is a thin shell over [`recipes::train`]).
+//!
 //! It knows nothing of command lines: the `tandem` binary maps its flags onto these types.
+pub mod error;
 pub mod face;
+#[doc(hidden)]
+pub mod fault;
 pub mod live;
 pub mod metrics;
+pub mod options;
 pub mod progress;
+pub mod recipes;
 pub mod schedule;
 pub mod state;
 pub mod step;
 pub mod tfevents;
 pub mod verification;
 
+pub use error::TrainError;
 pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
+pub use options::TrainOptions;
 pub use progress::Progress;
 pub use schedule::{LrSchedule, RunLength, Scheduler, Warmup};
 pub use state::{load_state, save_state, Resumed, StateError, TrainingState};

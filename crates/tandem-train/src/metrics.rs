@@ -149,6 +149,17 @@ pub fn last_summary(path: &Path) -> Result<Option<RunSummary>, MetricsError> {
     }))
 }
 
+/// A rate with three significant figures (`1.23`, `45.6`, `789`, `12300`).
+pub fn three_figures(v: f64) -> String {
+    if !v.is_finite() || v == 0.0 {
+        return format!("{v}");
+    }
+    let digits = v.abs().log10().floor() as i32 + 1;
+    let decimals = (3 - digits).max(0) as usize;
+    let scale = 10f64.powi((digits - 3).max(0));
+    format!("{:.*}", decimals, (v / scale).round() * scale)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,6 +180,15 @@ mod tests {
             lr: 0.1,
             loss_scale: None,
             skipped_steps: 0,
+        }
+    }
+
+    #[test]
+    fn rates_print_with_three_significant_figures() {
+        let cases =
+            [(1.2345, "1.23"), (45.678, "45.7"), (789.4, "789"), (12345.0, "12300"), (0.0, "0")];
+        for (v, want) in cases {
+            assert_eq!(three_figures(v), want, "{v}");
         }
     }
 

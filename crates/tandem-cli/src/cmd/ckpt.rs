@@ -9,7 +9,7 @@ use serde_json::json;
 use tandem_ckpt::keys::{detect_wrapping, find_state_dicts, load_state_dict, strip_wrappers};
 use tandem_ckpt::{CkptError, TensorData, Value};
 
-use crate::train::face::arcface;
+use tandem::train::face::arcface;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -5,7 +5,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use tandem_models::ModelKind;
-use tandem_onnx::Dim;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -29,27 +28,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 }
 
 /// Exports the state dict in `value` and writes it atomically to `path`; returns a one-line
-/// summary such as `wrote m.onnx: cnn, input [batch, 1, 8, 8] -> logits [batch, 10], ...`.
+/// summary (see [`tandem_onnx::export_to_file`]).
 pub fn write(kind: ModelKind, value: &tandem_ckpt::Value, path: &Path) -> anyhow::Result<String> {
-    let exported = tandem_onnx::export_value(kind, value)?;
-    tandem_onnx::save(path, &exported)?;
-    let dims: Vec<String> = exported
-        .input
-        .iter()
-        .map(|d| match d {
-            Dim::Fixed(n) => n.to_string(),
-            Dim::Named(s) => s.to_string(),
-        })
-        .collect();
-    Ok(format!(
-        "wrote {}: {}, input [{}] -> {} [batch, {}], {} weights, ONNX IR {} opset {}",
-        path.display(),
-        kind.name(),
-        dims.join(", "),
-        exported.output,
-        exported.classes,
-        exported.weights,
-        tandem_onnx::graph::IR_VERSION,
-        tandem_onnx::graph::OPSET,
-    ))
+    Ok(tandem_onnx::export_to_file(kind, value, path)?)
 }

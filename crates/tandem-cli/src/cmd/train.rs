@@ -2,7 +2,6 @@
 //! `--nproc-per-node` copies of itself through tandem-launch (console shows rank 0) and exits
 //! with the job's code. Started by `tandem run`, torchrun, Slurm or mpirun, it is one rank.
 use crate::train::config::TrainConfig;
-use crate::train::worker;
 use anyhow::Context;
 use tandem_launch::{LaunchConfig, NprocPerNode};
 
@@ -40,7 +39,7 @@ pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i3
         cfg.out = Some(std::path::PathBuf::from("runs").join(format!("train-{id}")));
     }
     let run_dir = cfg.run_dir();
-    let summary = worker::run(&cfg, &run_dir)?;
+    let summary = tandem::train::recipes::train(&cfg.options(run_dir.clone())?)?;
     if summary.rank == 0 {
         if !launched() {
             write_config(&cfg, &run_dir)?;
@@ -55,7 +54,7 @@ pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i3
         let checkpoint = summary.checkpoint.as_ref().map(|p| p.display().to_string());
         println!(
             "{line} samples_per_s={} checkpoint={}",
-            worker::three_figures(summary.samples_per_s),
+            tandem::train::metrics::three_figures(summary.samples_per_s),
             checkpoint.unwrap_or_else(|| "-".into())
         );
     }

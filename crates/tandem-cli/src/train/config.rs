@@ -4,37 +4,15 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
+pub use tandem::train::options::{Backend, DeviceKind, OptimizerKind, Precision};
+use tandem::train::options::{Choice, TrainOptions};
 pub use tandem_models::ModelKind;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum OptimizerKind {
-    Sgd,
-    Adamw,
-}
-
-/// What the model computes in; parameters and optimizer state stay float32 either way.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    #[default]
-    F32,
-    /// bf16 autocast: layers compute in bf16 over float32 weights (no loss scaling needed).
-    Bf16,
-    /// f16 autocast with a GradScaler: dynamic loss scale, steps with inf/NaN gradients
-    /// skipped, the scaler's state in every checkpoint.
-    F16,
-}
-
-impl Precision {
-    /// The dtype the model computes in.
-    pub fn compute_dtype(self) -> candle_core::DType {
-        match self {
-            Precision::F32 => candle_core::DType::F32,
-            Precision::Bf16 => candle_core::DType::BF16,
-            Precision::F16 => candle_core::DType::F16,
-        }
-    }
+/// Parses a flag whose values are a library option's names (listed in `--help`).
+fn choice<T: Choice>() -> impl clap::builder::TypedValueParser<Value = T> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(T::NAMES)
+        .map(|name| name.parse::<T>().unwrap_or_else(|_| unreachable!("a listed name")))
 }
 
 /// How the learning rate moves, stepped after every optimizer step (arcface_torch's recipe).
@@ -53,61 +31,10 @@ pub enum SchedulerKind {
     Step,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Backend {
-    /// shm for ranks on one host, tcp otherwise.
-    Auto,
-    Tcp,
-    Shm,
-    /// The MPI library of a job started by mpirun (needs the `mpi` build feature).
-    Mpi,
-    /// NVIDIA NCCL (needs the `cuda` build feature).
-    Nccl,
-}
-
-/// Where each rank trains.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum DeviceKind {
-    #[default]
-    Cpu,
-    /// GPU `LOCAL_RANK` of the host, as torchrun's recipe does (needs the `cuda` build feature).
-    Cuda,
-}
-
-impl DeviceKind {
-    /// The device of the rank with this local rank.
-    pub fn device(self, local_rank: usize) -> anyhow::Result<candle_core::Device> {
-        let location = match self {
-            DeviceKind::Cpu => tandem_ckpt::MapLocation::Cpu,
-            DeviceKind::Cuda => tandem_ckpt::MapLocation::Cuda(local_rank),
-        };
-        tandem_nn::convert::map_location_device(location).with_context(|| {
-            let flag = format!("{self:?}").to_lowercase();
-            format!("--device {flag} (this rank's LOCAL_RANK is {local_rank})")
-        })
-    }
-}
-
 /// Why a CPU-only build refuses the GPU flags.
 #[cfg(not(feature = "cuda"))]
 const NO_CUDA: &str = "this build has no CUDA support; rebuild with `cargo build --release \
     --features cuda` (needs the CUDA toolkit's nvcc; NCCL is loaded at run time)";
-
-impl Backend {
-    /// The transport the process group is asked for (`None`: its own choice). Each rank's
-    /// worker applies it, under tandem's own launcher or any other.
-    pub fn transport(self) -> Option<tandem_comm::TransportKind> {
-        use tandem_comm::TransportKind;
-        match self {
-            Backend::Auto | Backend::Nccl => None,
-            Backend::Tcp => Some(TransportKind::Tcp),
-            Backend::Shm => Some(TransportKind::Shm),
-            Backend::Mpi => Some(TransportKind::Mpi),
-        }
-    }
-}
 
 /// `tandem train` flags. Every field is also recorded in the run's `config.toml`.
 #[derive(Clone, Debug, clap::Args, Serialize, Deserialize)]
@@ -129,7 +56,7 @@ pub struct TrainConfig {
     #[arg(long, default_value_t = 0.05)]
     pub lr: f64,
     /// Optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
+    #[arg(long, value_parser = choice::<OptimizerKind>(), default_value = "sgd")]
     pub optimizer: OptimizerKind,
     /// SGD momentum.
     #[arg(long, default_value_t = 0.9)]
@@ -219,15 +146,15 @@ pub struct TrainConfig {
     /// Mixed precision (PyTorch's autocast + GradScaler recipe). The MLP computes in 16 bits;
     /// the convolution nets' kernels compute in f32 inside, their input and output (the face
     /// models: embeddings and PartialFC logits) pass through the 16-bit type.
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    #[arg(long, value_parser = choice::<Precision>(), default_value = "f32")]
     #[serde(default)]
     pub precision: Precision,
     /// Collective backend. nccl reduces CUDA gradients on the GPUs (with --device cuda); the
     /// others stage them through host memory.
-    #[arg(long, value_enum, default_value_t = Backend::Auto)]
+    #[arg(long, value_parser = choice::<Backend>(), default_value = "auto")]
     pub backend: Backend,
     /// Where each rank trains: cpu, or cuda (rank r on GPU LOCAL_RANK).
-    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    #[arg(long, value_parser = choice::<DeviceKind>(), default_value = "cpu")]
     #[serde(default)]
     pub device: DeviceKind,
     /// Write TensorBoard event files (loss, lr, accuracy, samples/s) into the run directory.
@@ -353,26 +280,73 @@ impl TrainConfig {
         }
     }
 
-    /// The step the flags describe: `--precision f16`'s GradScaler (growing every
-    /// `--grad-scaler-growth-interval` clean steps, `default_interval` without the flag),
-    /// `--clip-grad-norm` and `sched`.
-    pub fn step(
-        &self,
-        default_interval: i64,
-        sched: tandem::train::Scheduler,
-    ) -> anyhow::Result<tandem::train::Step> {
-        use tandem_optim::{GradScaler, GradScalerConfig};
-        let scaler = match self.precision {
-            Precision::F16 => Some(GradScaler::new(GradScalerConfig {
-                growth_interval: self.grad_scaler_growth_interval.unwrap_or(default_interval),
-                ..GradScalerConfig::default()
-            })?),
-            _ => None,
-        };
-        Ok(tandem::train::Step::new()
-            .scaler(scaler)
-            .clip_grad_norm(self.clip_grad_norm)
-            .scheduler(sched))
+    /// The flags as the library's options, the run directory `dir`.
+    pub fn options(&self, dir: PathBuf) -> anyhow::Result<TrainOptions> {
+        use tandem::train::options::*;
+        Ok(TrainOptions {
+            run: RunOptions {
+                dir,
+                epochs: self.epochs as u64,
+                max_steps: self.steps,
+                seed: self.seed,
+                resume: self.resume,
+                tensorboard: self.tensorboard,
+                progress: true,
+                record: self.to_toml()?,
+            },
+            checkpoint: CheckpointOptions {
+                save_every: self.save_every,
+                keep_last: self.keep_last,
+                background: self.async_save,
+                init_from: self.init_from.clone(),
+                save_final: self.save_final.clone(),
+                export_onnx: self.export_onnx.clone(),
+            },
+            data: DataOptions {
+                spec: self.data.clone(),
+                batch_size: self.batch_size,
+                shuffle: !self.no_shuffle,
+                augment: self.augment,
+                normalize: self.normalize,
+            },
+            model: ModelOptions {
+                kind: self.model,
+                hidden: self.hidden,
+                width: self.width,
+                sync_batchnorm: self.sync_batchnorm,
+                precision: self.precision,
+                device: self.device,
+            },
+            optim: OptimOptions {
+                kind: self.optimizer,
+                lr: self.lr,
+                momentum: self.momentum,
+                weight_decay: self.weight_decay,
+                zero: self.zero,
+                schedule: self.lr_schedule(),
+                clip_grad_norm: self.clip_grad_norm,
+                grad_scaler_growth_interval: self.grad_scaler_growth_interval,
+            },
+            comm: CommOptions {
+                backend: self.backend,
+                comm_hook: self.comm_hook.clone(),
+                live_recovery: self.live_recovery,
+            },
+            face: FaceOptions {
+                embedding_size: self.embedding_size,
+                margin: if self.model.is_face() {
+                    parse_margin(&self.margin)?
+                } else {
+                    (1.0, 0.5, 0.0)
+                },
+                margin_scale: self.margin_scale,
+                sample_rate: self.sample_rate,
+                interclass_filtering_threshold: self.interclass_filtering_threshold,
+                num_classes: self.num_classes,
+                val: self.val.clone(),
+                verify_every: self.verbose,
+            },
+        })
     }
 
     /// Rejects settings that cannot train, naming the flag at fault.
@@ -457,33 +431,9 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// What live recovery cannot carry yet, refused by name (also checked by a worker that a
-    /// live launcher started without the flag).
+    /// What live recovery cannot carry, refused by name (the library's reasons).
     pub fn validate_live(&self) -> anyhow::Result<()> {
-        let model = self.model.name();
-        let refused = [
-            (
-                self.model.is_face(),
-                format!(
-                    "--model {model}: the PartialFC head keeps each rank's class centres on that \
-                     rank alone, and a dead rank takes them with it; train the face recipe with \
-                     --save-every and whole-job restarts (tandem run --max-restarts) instead"
-                ),
-            ),
-            (self.zero, "--zero: ZeRO keeps each rank's share of the optimizer state on that rank alone, and a dead rank takes its share with it".into()),
-            (
-                self.device == DeviceKind::Cuda,
-                "--device cuda: NCCL communicators are not re-formed (live recovery is CPU training)".into(),
-            ),
-            (
-                matches!(self.backend, Backend::Nccl | Backend::Mpi),
-                format!("--backend {:?}: its communicator cannot re-form (use auto, tcp or shm)", self.backend).to_lowercase(),
-            ),
-        ];
-        if let Some((_, why)) = refused.iter().find(|(on, _)| *on) {
-            bail!("--live-recovery: {why}");
-        }
-        Ok(())
+        Ok(tandem::train::recipes::refuse_live(&self.options(PathBuf::new())?)?)
     }
 
     /// The face recipe's own checks (IResNet + PartialFC on RecordIO data).

@@ -14,6 +14,7 @@
 //! let state = FaceState::new(&ddp, &mut head, &mut opt, &mut step).global_step(n);
 //! face::save(&ckpts, &state, &loader.state(), &group)?;
 //! ```
+pub mod arcface;
 pub mod checkpoint;
 
 use std::path::PathBuf;

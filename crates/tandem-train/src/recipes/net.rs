@@ -10,7 +10,9 @@ use tandem_nn::ParamModule;
 use tandem_nn::ParamSet;
 use tandem_nn::{NamedVars, OrderedVarMap};
 
-use super::config::ModelKind;
+use tandem_models::ModelKind;
+
+use crate::error::{bail, Result};
 
 pub enum Net {
     Mlp(Mlp),
@@ -76,12 +78,7 @@ impl Net {
     ///
     /// On a CUDA device the model starts from the same values as on the CPU (built there, then
     /// copied), so a run's initial weights do not depend on the device.
-    pub fn build(
-        spec: &NetSpec,
-        input_dim: usize,
-        classes: usize,
-        device: &Device,
-    ) -> anyhow::Result<Net> {
+    pub fn build(spec: &NetSpec, input_dim: usize, classes: usize, device: &Device) -> Result<Net> {
         let net = Self::build_on(spec, input_dim, classes, &Device::Cpu)?;
         if device.is_cpu() {
             return Ok(net);
@@ -91,17 +88,12 @@ impl Net {
         Ok(moved)
     }
 
-    fn build_on(
-        spec: &NetSpec,
-        input_dim: usize,
-        classes: usize,
-        dev: &Device,
-    ) -> anyhow::Result<Net> {
+    fn build_on(spec: &NetSpec, input_dim: usize, classes: usize, dev: &Device) -> Result<Net> {
         let NetSpec { kind, hidden, width, seed, compute_dtype } = *spec;
         Ok(match kind {
             ModelKind::ResNet18 => {
                 if input_dim != 3 * 32 * 32 {
-                    anyhow::bail!(
+                    bail!(
                         "--model resnet18 needs 3x32x32 images (CIFAR-10); this dataset has \
                          {input_dim} features per sample"
                     );
@@ -123,14 +115,14 @@ impl Net {
             ),
             ModelKind::Cnn => {
                 let Some((channels, side, _)) = image_shape(input_dim) else {
-                    anyhow::bail!(
+                    bail!(
                         "--model cnn needs square images with 1 or 3 channels; this dataset has \
                          {input_dim} features per sample"
                     )
                 };
                 Net::Cnn(Cnn::new(channels, side, side, classes, seed, dev)?, Autocast::new(compute_dtype))
             }
-            face => anyhow::bail!(
+            face => bail!(
                 "--model {face} is a face backbone: it trains with a PartialFC head on --data rec:DIR"
             ),
         })
@@ -166,10 +158,10 @@ impl Net {
 
     /// Makes every BatchNorm a SyncBatchNorm over `comm`; an error for models without the
     /// switch (only the ResNet has it).
-    pub fn convert_sync_batchnorm(&self, comm: Arc<dyn Collectives>) -> anyhow::Result<usize> {
+    pub fn convert_sync_batchnorm(&self, comm: Arc<dyn Collectives>) -> Result<usize> {
         match self {
             Net::ResNet18(m) => Ok(convert_sync_batchnorm(&m.model, comm)),
-            _ => anyhow::bail!(
+            _ => bail!(
                 "--sync-batchnorm needs --model resnet18 (its BatchNorm layers can synchronise)"
             ),
         }

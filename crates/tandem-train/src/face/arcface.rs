@@ -10,12 +10,12 @@
 //! resumes at epoch boundaries only, so a checkpoint from the middle of an epoch is refused.
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+use crate::error::{bail, Context, Result};
 use tandem_ckpt::Value;
 use tandem_models::IResNet;
 
-use tandem::train::face::checkpoint::{self, HeadFile, Manifest, FORMAT, REPLICATED};
-use tandem::train::face::overlay;
+use crate::face::checkpoint::{self, HeadFile, Manifest, FORMAT, REPLICATED};
+use crate::face::overlay;
 
 /// Final name components of BatchNorm statistics (buffers, never in the optimizer).
 const BUFFERS: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];
@@ -40,7 +40,7 @@ pub fn is_face_dir(dir: &Path) -> bool {
 
 /// The torch parameter names of a backbone state dict in torch's order (its keys without
 /// the buffers), and where tandem's parameter list (no frozen ones) sits in it.
-fn torch_params(backbone: &Value) -> anyhow::Result<(Vec<String>, Vec<usize>)> {
+fn torch_params(backbone: &Value) -> Result<(Vec<String>, Vec<usize>)> {
     let Value::Dict(items) = backbone else { bail!("the backbone is not a state dict") };
     let names: Vec<String> = items
         .iter()
@@ -53,7 +53,7 @@ fn torch_params(backbone: &Value) -> anyhow::Result<(Vec<String>, Vec<usize>)> {
 }
 
 /// Renumbers an optimizer state dict's parameter indices with `map` (old index -> new).
-fn renumber(opt: &Value, map: &dyn Fn(i64) -> Option<i64>, what: &str) -> anyhow::Result<Value> {
+fn renumber(opt: &Value, map: &dyn Fn(i64) -> Option<i64>, what: &str) -> Result<Value> {
     let mut out = opt.clone();
     if let Some(Value::Dict(items)) = out.get_mut("state") {
         for (k, _) in items.iter_mut() {
@@ -82,7 +82,7 @@ fn renumber(opt: &Value, map: &dyn Fn(i64) -> Option<i64>, what: &str) -> anyhow
 }
 
 /// The parameter indices of a two-group torch optimizer state: group 0's and group 1's.
-fn group_params(opt: &Value, what: &str) -> anyhow::Result<(Vec<i64>, Vec<i64>)> {
+fn group_params(opt: &Value, what: &str) -> Result<(Vec<i64>, Vec<i64>)> {
     let groups = opt
         .get("param_groups")
         .and_then(Value::as_list)
@@ -100,7 +100,7 @@ fn group_params(opt: &Value, what: &str) -> anyhow::Result<(Vec<i64>, Vec<i64>)>
 
 /// Writes `checkpoint_gpu_{rank}.pt` for every rank of tandem face checkpoint `dir` (and
 /// `model.pt`, rank 0's backbone, as arcface_torch's output holds) into `out`.
-pub fn to_arcface(dir: &Path, out: &Path) -> anyhow::Result<Vec<PathBuf>> {
+pub fn to_arcface(dir: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     let m = checkpoint::read_manifest(dir)?;
     let rep_path = dir.join(&m.replicated);
     let rep =
@@ -174,7 +174,7 @@ pub fn to_arcface(dir: &Path, out: &Path) -> anyhow::Result<Vec<PathBuf>> {
 /// Reads arcface_torch's `checkpoint_gpu_{0..W-1}.pt` from `dir` and writes them as a tandem
 /// face checkpoint in `run_dir/checkpoints/step-NNNNNNNN/`, which `tandem train --out RUN_DIR
 /// --resume` continues, on any world size. Returns that directory.
-pub fn from_arcface(dir: &Path, run_dir: &Path) -> anyhow::Result<PathBuf> {
+pub fn from_arcface(dir: &Path, run_dir: &Path) -> Result<PathBuf> {
     let mut files = Vec::new();
     while dir.join(file_name(files.len())).is_file() {
         let path = dir.join(file_name(files.len()));
@@ -184,12 +184,12 @@ pub fn from_arcface(dir: &Path, run_dir: &Path) -> anyhow::Result<PathBuf> {
     let world = files.len();
     let (path0, first) =
         files.first().with_context(|| format!("{}: no {}", dir.display(), file_name(0)))?;
-    let get = |v: &'_ Value, p: &Path, k: &str| -> anyhow::Result<Value> {
+    let get = |v: &'_ Value, p: &Path, k: &str| -> Result<Value> {
         v.get(k).cloned().with_context(|| {
             format!("{}: no `{k}` (not an arcface_torch checkpoint_gpu file)", p.display())
         })
     };
-    let int = |v: &Value, p: &Path, k: &str| -> anyhow::Result<i64> {
+    let int = |v: &Value, p: &Path, k: &str| -> Result<i64> {
         get(v, p, k)?.as_int().with_context(|| format!("{}: `{k}` is not an integer", p.display()))
     };
     let (epoch, step) = (int(first, path0, "epoch")?, int(first, path0, "global_step")?);

@@ -11,7 +11,8 @@ use tandem_optim::{
     ZeroRedundancyOptimizer,
 };
 
-use super::config::{OptimizerKind, TrainConfig};
+use crate::error::Result;
+use crate::options::{OptimizerKind, TrainOptions};
 
 pub enum TrainOptimizer {
     Plain(ShardOptimizer),
@@ -19,28 +20,32 @@ pub enum TrainOptimizer {
 }
 
 /// The optimizer `cfg` names over `params`.
-fn plain(cfg: &TrainConfig, params: Vec<Var>) -> Result<ShardOptimizer, OptimError> {
-    Ok(match cfg.optimizer {
+fn plain(cfg: &TrainOptions, params: Vec<Var>) -> Result<ShardOptimizer, OptimError> {
+    Ok(match cfg.optim.kind {
         OptimizerKind::Sgd => Box::new(TorchSgd::new(
             params,
             SgdConfig {
-                lr: cfg.lr,
-                momentum: cfg.momentum,
+                lr: cfg.optim.lr,
+                momentum: cfg.optim.momentum,
                 dampening: 0.0,
-                weight_decay: cfg.weight_decay,
+                weight_decay: cfg.optim.weight_decay,
                 nesterov: false,
             },
         )?),
         OptimizerKind::Adamw => Box::new(TorchAdamW::new(
             params,
-            AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..AdamWConfig::default() },
+            AdamWConfig {
+                lr: cfg.optim.lr,
+                weight_decay: cfg.optim.weight_decay,
+                ..AdamWConfig::default()
+            },
         )?),
     })
 }
 
 impl TrainOptimizer {
-    pub fn new(cfg: &TrainConfig, params: Vec<Var>, group: &ProcessGroup) -> anyhow::Result<Self> {
-        Ok(if cfg.zero {
+    pub fn new(cfg: &TrainOptions, params: Vec<Var>, group: &ProcessGroup) -> Result<Self> {
+        Ok(if cfg.optim.zero {
             let comm = Arc::new(group.clone());
             TrainOptimizer::Zero(ZeroRedundancyOptimizer::new(params, comm, |shard| {
                 plain(cfg, shard)
@@ -67,7 +72,7 @@ impl TrainOptimizer {
     /// The whole optimizer state for rank 0's checkpoint, in torch's layout. A collective with
     /// `--zero` (every rank sends its shard to rank 0; the others get `Value::None`, as they
     /// write nothing), so every rank calls it at every save.
-    pub fn checkpoint_state(&mut self, rank: usize) -> anyhow::Result<Value> {
+    pub fn checkpoint_state(&mut self, rank: usize) -> Result<Value> {
         match self {
             TrainOptimizer::Plain(o) => Ok(o.state_dict()?),
             TrainOptimizer::Zero(z) => {

@@ -1,11 +1,12 @@
-//! One rank of `tandem train`: join the process group, build data, model, Ddp and optimizer,
-//! optionally resume or load initial weights, then train with per-epoch evaluation,
-//! rank-0 checkpoints, TensorBoard scalars and the final summary line.
+//! The classifier recipe (mlp, cnn, resnet18 on digits, MNIST, CIFAR-10 or synthetic data):
+//! build data, model, Ddp and optimizer, optionally resume or load initial weights, then train
+//! with per-epoch evaluation, rank-0 checkpoints (synchronous or in the background), TensorBoard
+//! scalars, the metrics file and live recovery.
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use crate::error::{bail, Context, Result};
 use candle_core::Device;
 use tandem_ckpt::{AsyncCheckpointManager, CheckpointManager, TrainingCheckpoint, Value};
 use tandem_comm::{Collectives, LiveOptions};
@@ -17,59 +18,36 @@ use tandem_data::{
 use tandem_ddp::{Ddp, DdpOptions};
 use tandem_optim::amp::GradScaler;
 
-use tandem::live::{is_peer_failure, LiveError, LiveState, LiveTraining};
-use tandem::state::{sampler_state_from_value, sampler_value};
-use tandem::train::metrics::{MetricsFile, MetricsRecord};
-use tandem::train::schedule::{self, RunLength};
-use tandem::train::{EpochMetrics, EventWriter, Progress, RunSummary, Step};
+use crate::error::TrainError;
+use crate::live::{LiveError, LiveState, LiveTraining};
+use crate::metrics::{three_figures, MetricsFile, MetricsRecord};
+use crate::schedule::{self, RunLength};
+use crate::state::{sampler_state_from_value, sampler_value, LoaderPosition};
+use crate::{EpochMetrics, EventWriter, Progress, RunSummary, Step};
 
-use super::config::TrainConfig;
-use super::fault;
-use super::model::{image_shape, Net, NetSpec};
+use super::net::{image_shape, Net, NetSpec};
 use super::optimizer::TrainOptimizer;
+use crate::fault;
+use crate::options::TrainOptions;
 
-/// Trains on this rank. `run_dir` must be the same on every rank.
-pub fn run(cfg: &TrainConfig, run_dir: &Path) -> anyhow::Result<RunSummary> {
-    if let Some(opts) = live_options(cfg)? {
-        return run_live(cfg, run_dir, opts);
-    }
-    let group = join_group(cfg)?;
-    if cfg.model.is_face() {
-        return super::face::run(cfg, run_dir, group);
-    }
+/// Trains the classifier on this rank of `group`.
+pub(super) fn run(cfg: &TrainOptions, run_dir: &Path, group: ProcessGroup) -> Result<RunSummary> {
     let mut w = Worker::build(cfg, run_dir, group, None)?;
-    if cfg.resume {
+    if cfg.run.resume {
         w.resume()?;
     }
     w.train()?;
     w.finish()
 }
 
-/// The live launcher's settings when it started this rank (`tandem run --live-recovery`, or
-/// `tandem train --live-recovery` launching its own ranks).
-fn live_options(cfg: &TrainConfig) -> anyhow::Result<Option<LiveOptions>> {
-    let Some(mut opts) = LiveOptions::from_env().context("reading the live launcher's settings")?
-    else {
-        if cfg.live_recovery {
-            bail!(
-                "--live-recovery: this rank was started by another launcher; start the job with \
-                 `tandem run --live-recovery` (or plain `tandem train --live-recovery`, which \
-                 starts its ranks so): torchrun, Slurm and mpirun restart whole jobs"
-            );
-        }
-        return Ok(None);
-    };
-    cfg.validate_live()?;
-    if let Some(kind) = cfg.backend.transport() {
-        opts.init.transport = Some(kind);
-    }
-    Ok(Some(opts))
-}
-
 /// A rank of a live job: an original member forms the first world with the others (and
 /// resumes with them when asked); a replacement builds everything first, then joins the
 /// running world and receives its state.
-fn run_live(cfg: &TrainConfig, run_dir: &Path, opts: LiveOptions) -> anyhow::Result<RunSummary> {
+pub(super) fn run_live(
+    cfg: &TrainOptions,
+    run_dir: &Path,
+    opts: LiveOptions,
+) -> Result<RunSummary> {
     let live = LiveTraining::connect_with(opts).context("joining the live job")?;
     let group = if live.is_replacement() {
         // Placeholder until it joins (rank and size for the sampler; resharded on joining).
@@ -79,7 +57,7 @@ fn run_live(cfg: &TrainConfig, run_dir: &Path, opts: LiveOptions) -> anyhow::Res
     };
     let ddp_opts = live.ddp_options(DdpOptions::default());
     let mut w = Worker::build(cfg, run_dir, group, Some((live.collectives(), ddp_opts)))?;
-    if cfg.resume && !live.is_replacement() {
+    if cfg.run.resume && !live.is_replacement() {
         w.resume()?;
     }
     let change = live.start(&mut w).context("joining the running job")?;
@@ -99,33 +77,10 @@ fn live_member_of(w: &Worker<'_>) -> String {
     )
 }
 
-/// Joins the process group (`--backend` applies under any launcher: mpirun, srun, torchrun,
-/// not only our own) and, with `--backend nccl`, makes the NCCL communicator Ddp reduces with.
-pub fn join_group(cfg: &TrainConfig) -> anyhow::Result<ProcessGroup> {
-    let mut opts = tandem_comm::InitOptions::from_env().context("reading TANDEM_* settings")?;
-    if let Some(kind) = cfg.backend.transport() {
-        opts.transport = Some(kind);
-    }
-    let group = tandem_comm::init_with(&tandem_comm::InitMethod::Env, &opts)
-        .context("joining the process group")?;
-    // (Without the `cuda` feature, validate() has refused --backend nccl.)
-    #[cfg(feature = "cuda")]
-    if cfg.backend == super::config::Backend::Nccl {
-        // Made now, collectively, so Ddp reduces the CUDA gradients with it.
-        let comm = group
-            .nccl(group.local_rank() as i32)
-            .context("--backend nccl: making the NCCL communicator")?;
-        if group.rank() == 0 {
-            eprintln!("nccl: {} rank(s), rank 0 on cuda:{}", group.size(), comm.device());
-        }
-    }
-    Ok(group)
-}
-
 /// One rank's training job: the model under Ddp, its optimizer and loss scaler, the data, and
 /// the counters the summary reports.
 struct Worker<'a> {
-    cfg: &'a TrainConfig,
+    cfg: &'a TrainOptions,
     run_dir: &'a Path,
     group: ProcessGroup,
     device: Device,
@@ -161,24 +116,24 @@ impl<'a> Worker<'a> {
     /// `live`: the collectives Ddp and SyncBatchNorm use instead of `group` (they follow a live
     /// world's regroups) and Ddp's options.
     fn build(
-        cfg: &'a TrainConfig,
+        cfg: &'a TrainOptions,
         run_dir: &'a Path,
         group: ProcessGroup,
         live: Option<(Arc<dyn Collectives>, DdpOptions)>,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self> {
         let rank = group.rank();
-        let device = cfg.device.device(group.local_rank())?;
-        let (train, eval) = tandem_data::datasets::from_spec(&cfg.data)
-            .with_context(|| format!("loading --data {}", cfg.data))?;
+        let device = cfg.model.device.device(group.local_rank())?;
+        let (train, eval) = tandem_data::datasets::from_spec(&cfg.data.spec)
+            .with_context(|| format!("loading --data {}", cfg.data.spec))?;
         let spec = NetSpec {
-            kind: cfg.model,
-            hidden: cfg.hidden,
-            width: cfg.width,
-            seed: cfg.seed,
-            compute_dtype: cfg.precision.compute_dtype(),
+            kind: cfg.model.kind,
+            hidden: cfg.model.hidden,
+            width: cfg.model.width,
+            seed: cfg.run.seed,
+            compute_dtype: cfg.model.precision.compute_dtype(),
         };
         let net = Net::build(&spec, train.input_dim(), train.num_classes(), &device)?;
-        if cfg.sync_batchnorm {
+        if cfg.model.sync_batchnorm {
             // The ResNet is a VarMap model: Ddp reduces its buckets after backward, so the
             // SyncBatchNorm collectives cannot interleave with them and may share the group.
             let comm: Arc<dyn Collectives> = match &live {
@@ -188,7 +143,7 @@ impl<'a> Worker<'a> {
             net.convert_sync_batchnorm(comm)?;
         }
         let (train, eval) = image_transforms(cfg, train, eval)?;
-        if let Some(path) = &cfg.init_from {
+        if let Some(path) = &cfg.checkpoint.init_from {
             let report = load_weights(&net, path)?;
             if rank == 0 {
                 eprintln!("init-from {}:\n{report}", path.display());
@@ -199,9 +154,9 @@ impl<'a> Worker<'a> {
             None => Ddp::new(net, &group, DdpOptions::default()),
         }
         .context("wrapping the model in Ddp")?;
-        if cfg.comm_hook != "none" {
-            let hook = tandem_ddp::comm_hooks::builtin(&cfg.comm_hook)
-                .with_context(|| format!("--comm-hook: unknown hook `{}`", cfg.comm_hook))?;
+        if cfg.comm.comm_hook != "none" {
+            let hook = tandem_ddp::comm_hooks::builtin(&cfg.comm.comm_hook)
+                .with_context(|| format!("--comm-hook: unknown hook `{}`", cfg.comm.comm_hook))?;
             ddp.register_comm_hook(hook).context("--comm-hook")?;
         } else if fault::armed() {
             ddp.register_comm_hook(fault::hook()).context("the fault-injection hook")?;
@@ -209,11 +164,11 @@ impl<'a> Worker<'a> {
         let mut opt = TrainOptimizer::new(cfg, ddp.params(), &group)?;
         let sampler = DistributedSampler::builder(train.len())
             .group(&group)
-            .shuffle(!cfg.no_shuffle)
-            .seed(cfg.seed)
+            .shuffle(cfg.data.shuffle)
+            .seed(cfg.run.seed)
             .build()?;
         let options = LoaderOptions {
-            batch_size: cfg.batch_size,
+            batch_size: cfg.data.batch_size,
             drop_last: false,
             num_workers: 1,
             prefetch_factor: 2,
@@ -222,15 +177,16 @@ impl<'a> Worker<'a> {
         let loader = DataLoader::new(Arc::clone(&train), sampler, options.clone(), device.clone())?;
         // The schedule spans --epochs (--steps may stop the run before its end).
         let steps_per_epoch = loader.len() as u64;
-        let total_steps = cfg.epochs as u64 * steps_per_epoch;
+        let total_steps = cfg.run.epochs * steps_per_epoch;
         let sched = cfg
-            .lr_schedule()
-            .build(opt.get_mut(), cfg.lr, RunLength { steps_per_epoch, total_steps })
+            .optim
+            .schedule
+            .build(opt.get_mut(), cfg.optim.lr, RunLength { steps_per_epoch, total_steps })
             .context("--lr-scheduler")?;
-        let stepper = cfg.step(2000, sched)?;
+        let stepper = super::step_for(cfg, 2000, sched)?;
         let metrics = metrics_file(run_dir, rank)?;
-        let manager = CheckpointManager::new(run_dir.join("checkpoints"), cfg.keep_last);
-        let saver = Saver::new(manager.clone(), cfg.async_save);
+        let manager = CheckpointManager::new(run_dir.join("checkpoints"), cfg.checkpoint.keep_last);
+        let saver = Saver::new(manager.clone(), cfg.checkpoint.background);
         Ok(Worker {
             cfg,
             run_dir,
@@ -265,7 +221,7 @@ impl<'a> Worker<'a> {
 
     /// `--resume`: model, optimizer, loader position and loss scale from the newest checkpoint
     /// that verifies (a fresh start when there is none).
-    fn resume(&mut self) -> anyhow::Result<()> {
+    fn resume(&mut self) -> Result<()> {
         let rank = self.rank();
         let found = self.manager.latest_valid().context("looking for a checkpoint to resume")?;
         let Some((path, value)) = found else {
@@ -298,7 +254,7 @@ impl<'a> Worker<'a> {
         ck: &TrainingCheckpoint,
         what: &str,
         world: Option<(usize, usize)>,
-    ) -> anyhow::Result<SamplerState> {
+    ) -> Result<SamplerState> {
         let rank = self.rank();
         tandem_nn::weights::load_weights_from(&*self.ddp.module(), &ck.model, true)
             .with_context(|| format!("{what}: model"))?;
@@ -306,8 +262,9 @@ impl<'a> Worker<'a> {
             .get_mut()
             .load_state_dict(&ck.optimizer)
             .with_context(|| format!("optimizer state in {what}"))?;
-        let position = sampler_state_from_value(&ck.sampler)
-            .map_err(|problem| anyhow::anyhow!("{what}: checkpoint `sampler`: {problem}"))?;
+        let position = sampler_state_from_value(&ck.sampler).map_err(|problem| {
+            TrainError::invalid(format!("{what}: checkpoint `sampler`: {problem}"))
+        })?;
         match world {
             None => self.loader.load_state(&position),
             Some((r, n)) => self.loader.reshard(r, n, &position),
@@ -334,7 +291,7 @@ impl<'a> Worker<'a> {
 
     /// The whole training state as a checkpoint value (what `save` writes and a live regroup
     /// sends).
-    fn state_value(&mut self, world: usize) -> anyhow::Result<Value> {
+    fn state_value(&mut self, world: usize) -> Result<Value> {
         let optimizer = self.opt.checkpoint_state(self.group.rank())?;
         let scaler = self.stepper.grad_scaler().map_or(Value::None, GradScaler::state_dict);
         let scheduler = schedule::state(self.stepper.lr_scheduler());
@@ -347,15 +304,11 @@ impl<'a> Worker<'a> {
     /// Steps to the end of --epochs from where the loader stands (a resumed epoch may have been
     /// split over another world size, so count its batches rather than assume a full epoch).
     fn steps_to_end(&self) -> u64 {
-        let epochs_left = (self.cfg.epochs as u64).saturating_sub(self.loader.epoch());
-        match epochs_left {
-            0 => 0,
-            n => self.loader.batches_left() as u64 + (n - 1) * self.loader.len() as u64,
-        }
+        self.loader.steps_to_end(self.cfg.run.epochs)
     }
 
     /// A checkpoint of the whole state now (a collective; see [`Saver::save`]).
-    fn save(&mut self, name: &str) -> anyhow::Result<()> {
+    fn save(&mut self, name: &str) -> Result<()> {
         let snapshot = Snapshot {
             ddp: &self.ddp,
             opt: &mut self.opt,
@@ -371,9 +324,9 @@ impl<'a> Worker<'a> {
 
     /// Epochs until `--epochs` or `--steps`, each ending with an evaluation, a line (and
     /// TensorBoard scalars) on rank 0, and a checkpoint.
-    fn train(&mut self) -> anyhow::Result<()> {
+    fn train(&mut self) -> Result<()> {
         let cfg = self.cfg;
-        let mut tb = if cfg.tensorboard && self.rank() == 0 {
+        let mut tb = if cfg.run.tensorboard && self.rank() == 0 {
             let dir = self.run_dir.join("tensorboard");
             let writer = EventWriter::create(&dir).with_context(|| {
                 format!("creating a TensorBoard event file in {}", dir.display())
@@ -396,23 +349,19 @@ impl<'a> Worker<'a> {
     /// The step budget from here: `--steps`, and the steps to the end of `--epochs` (which
     /// depend on the world size, so a live regroup changes them).
     fn max_steps(&self) -> u64 {
-        self.cfg.steps.unwrap_or(u64::MAX).min(self.global_step + self.steps_to_end())
+        self.cfg.run.max_steps.unwrap_or(u64::MAX).min(self.global_step + self.steps_to_end())
     }
 
     /// The step budget when another epoch (or the rest of one) is due, else `None`.
     fn next_epoch_due(&self) -> Option<u64> {
         let max_steps = self.max_steps();
-        ((self.loader.epoch() as usize) < self.cfg.epochs && self.global_step < max_steps)
+        (self.loader.epoch() < self.cfg.run.epochs && self.global_step < max_steps)
             .then_some(max_steps)
     }
 
     /// An epoch whose steps are done: evaluation, the line and scalars on rank 0, and the
     /// end-of-epoch checkpoint (unless --save-every just wrote this step or the run is over).
-    fn close_epoch(
-        &mut self,
-        progress: &Progress,
-        tb: Option<&mut EventWriter>,
-    ) -> anyhow::Result<()> {
+    fn close_epoch(&mut self, progress: &Progress, tb: Option<&mut EventWriter>) -> Result<()> {
         let Some((epoch, train_loss)) = self.epoch_to_close else { return Ok(()) };
         self.ddp.module().set_training(false);
         self.last_eval =
@@ -421,8 +370,9 @@ impl<'a> Worker<'a> {
             self.report_epoch(epoch, train_loss, progress, tb)?;
         }
         let (cfg, step, max_steps) = (self.cfg, self.global_step, self.max_steps());
-        let just_saved = cfg.save_every > 0 && step.is_multiple_of(cfg.save_every);
-        if step < max_steps && (self.loader.epoch() as usize) < cfg.epochs && !just_saved {
+        let just_saved =
+            cfg.checkpoint.save_every > 0 && step.is_multiple_of(cfg.checkpoint.save_every);
+        if step < max_steps && self.loader.epoch() < cfg.run.epochs && !just_saved {
             self.save(&format!("step-{step:08}"))?;
         }
         self.epoch_to_close = None;
@@ -432,15 +382,15 @@ impl<'a> Worker<'a> {
     /// Live recovery's outer loop: trains (and writes the last checkpoint) to the end, and
     /// whenever a peer dies or a rank joins, regroups and goes on from the state of the rank
     /// furthest along — the failed step redone, nothing else.
-    fn run_to_end(&mut self) -> anyhow::Result<()> {
+    fn run_to_end(&mut self) -> Result<()> {
         loop {
             let result = self.train().and_then(|()| self.save_last());
             let error = match result {
                 Ok(()) => return Ok(()),
                 Err(e) => e,
             };
-            let boundary = error.is::<RegroupWanted>();
-            if !boundary && !error.chain().any(is_peer_failure) {
+            let boundary = matches!(error, TrainError::RegroupWanted);
+            if !boundary && !error.is_peer_failure() {
                 return Err(error);
             }
             let step_failed = self.in_flight.is_some();
@@ -471,7 +421,7 @@ impl<'a> Worker<'a> {
     }
 
     /// The final checkpoint of the run (a collective), unless this step's is written.
-    fn save_last(&mut self) -> anyhow::Result<()> {
+    fn save_last(&mut self) -> Result<()> {
         if self.saved_at == Some(self.global_step) {
             return Ok(());
         }
@@ -480,9 +430,9 @@ impl<'a> Worker<'a> {
 
     /// The rest of the current epoch (up to `max_steps`); returns the world's mean train loss.
     /// In a live world every step starts with the boundary check (a rank waiting to join ends
-    /// the epoch here with [`RegroupWanted`]), and the step in progress is remembered so a
+    /// the epoch here with [`TrainError::RegroupWanted`]), and the step in progress is remembered so a
     /// failure can put its batch back.
-    fn train_epoch(&mut self, max_steps: u64, progress: &Progress) -> anyhow::Result<f64> {
+    fn train_epoch(&mut self, max_steps: u64, progress: &Progress) -> Result<f64> {
         // Disjoint borrows: the batch iterator holds the loader while checkpoints read it.
         let Worker { cfg, group, ddp, opt, stepper, train, loader, saver, live, in_flight, .. } =
             self;
@@ -496,7 +446,7 @@ impl<'a> Worker<'a> {
         while self.global_step < max_steps {
             if let Some(live) = live.as_ref() {
                 if live.regroup_wanted()? {
-                    return Err(RegroupWanted.into());
+                    return Err(TrainError::RegroupWanted);
                 }
             }
             // Pulling past the last batch is what marks the epoch complete in the sampler
@@ -512,7 +462,7 @@ impl<'a> Worker<'a> {
             let loss = ddp.hooked().loss(&batch.x, &batch.y)?;
             fault::hit(fault::Phase::Forward);
             let params = ddp.params();
-            let backward = |loss: &candle_core::Tensor| -> anyhow::Result<_> {
+            let backward = |loss: &candle_core::Tensor| -> Result<_> {
                 let grads = ddp.backward(loss)?;
                 fault::hit(fault::Phase::Optimizer);
                 Ok(grads)
@@ -525,7 +475,7 @@ impl<'a> Worker<'a> {
             loss_sum += loss.to_scalar::<f32>()? as f64 * batch.len() as f64;
             loss_n += batch.len();
             progress.step(self.global_step, loss_sum / loss_n.max(1) as f64);
-            let (step, every) = (self.global_step, cfg.save_every);
+            let (step, every) = (self.global_step, cfg.checkpoint.save_every);
             if every > 0 && step.is_multiple_of(every) && step < max_steps {
                 let snapshot = Snapshot { ddp, opt, stepper, loader, step };
                 let written =
@@ -551,7 +501,7 @@ impl<'a> Worker<'a> {
         train_loss: f64,
         progress: &Progress,
         tb: Option<&mut EventWriter>,
-    ) -> anyhow::Result<()> {
+    ) -> Result<()> {
         let (cfg, step, eval) = (self.cfg, self.global_step, &self.last_eval);
         let sps = self.samples_seen as f64 / self.train_time.max(1e-9);
         let lr = self.opt.get().lr();
@@ -578,7 +528,7 @@ impl<'a> Worker<'a> {
         progress.line(&format!(
             "epoch {}/{} step {step} loss={train_loss:.4} eval_loss={:.4} eval_accuracy={:.4} samples/s={} lr={lr}{amp}",
             epoch + 1,
-            cfg.epochs,
+            cfg.run.epochs,
             eval.mean_loss(),
             eval.accuracy(),
             three_figures(sps),
@@ -597,29 +547,29 @@ impl<'a> Worker<'a> {
     }
 
     /// The final checkpoint, `--save-final` and `--export-onnx`, then the summary.
-    fn finish(mut self) -> anyhow::Result<RunSummary> {
+    fn finish(mut self) -> Result<RunSummary> {
         let (cfg, rank) = (self.cfg, self.rank());
         let final_name = format!("step-{:08}", self.global_step);
         self.save_last()?;
         self.saver.finish(&self.group)?;
-        if let Some(path) = &cfg.save_final {
+        if let Some(path) = &cfg.checkpoint.save_final {
             if rank == 0 {
                 save_weights(&self.ddp.module(), path)?;
             }
             self.group.barrier()?;
         }
-        if let Some(path) = &cfg.export_onnx {
+        if let Some(path) = &cfg.checkpoint.export_onnx {
             if rank == 0 {
                 let value = model_value(&self.ddp.module())?;
-                let summary =
-                    crate::cmd::export::write(cfg.model, &value, path).context("--export-onnx")?;
+                let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
+                    .context("--export-onnx")?;
                 eprintln!("{summary}");
             }
             self.group.barrier()?;
         }
         let summary = RunSummary {
             rank,
-            epochs: self.loader.epoch().min(cfg.epochs as u64),
+            epochs: self.loader.epoch().min(cfg.run.epochs),
             steps: self.global_step,
             samples_per_s: self.samples_seen as f64 / self.train_time.max(1e-9),
             final_loss: self.epochs_seen.last().map(|e| e.train_loss),
@@ -642,8 +592,8 @@ impl<'a> Worker<'a> {
 
 /// The failure behind a failed collective in a few words: the group's first failure (which
 /// names the rank that died) when the error carries it, else the innermost error.
-fn root_cause(e: &anyhow::Error) -> String {
-    let text = e.chain().last().map_or_else(|| e.to_string(), ToString::to_string);
+fn root_cause(e: &TrainError) -> String {
+    let text = e.root_cause();
     let text = match text.find("first failure in this group: ") {
         Some(i) => text[i + "first failure in this group: ".len()..].to_string(),
         None => text,
@@ -652,18 +602,6 @@ fn root_cause(e: &anyhow::Error) -> String {
     let end = text.find(" (process exited").or_else(|| text.find("; ")).unwrap_or(text.len());
     text[..end].to_string()
 }
-
-/// Ends a live world's step early: a rank is waiting to join (not a failure: nothing to redo).
-#[derive(Debug)]
-struct RegroupWanted;
-
-impl std::fmt::Display for RegroupWanted {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("a rank is waiting to join the running job")
-    }
-}
-
-impl std::error::Error for RegroupWanted {}
 
 /// A regroup moves the job's whole checkpoint state (the format `--save-every` writes) from
 /// the rank furthest along; every rank then splits the rest of the epoch over the new world
@@ -675,7 +613,7 @@ impl LiveState for Worker<'_> {
     }
     fn save(&mut self, world: usize) -> Result<Vec<u8>, LiveError> {
         fault::hit(fault::Phase::Send);
-        let value = self.state_value(world).map_err(|e| LiveError::Other(format!("{e:#}")))?;
+        let value = self.state_value(world).map_err(|e| LiveError::Other(e.chain_text()))?;
         tandem_ckpt::to_pt_bytes(&value).map_err(|e| LiveError::Other(e.to_string()))
     }
     fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<(), LiveError> {
@@ -685,11 +623,11 @@ impl LiveState for Worker<'_> {
         let ck =
             TrainingCheckpoint::from_value(&value).map_err(|e| LiveError::Other(e.to_string()))?;
         self.apply_state(&ck, what, Some((rank, size)))
-            .map_err(|e| LiveError::Other(format!("{e:#}")))?;
+            .map_err(|e| LiveError::Other(e.chain_text()))?;
         Ok(())
     }
     fn enter_world(&mut self, rank: usize, size: usize) -> Result<(), LiveError> {
-        let fail = |e: anyhow::Error| LiveError::Other(format!("{e:#}"));
+        let fail = |e: TrainError| LiveError::Other(e.chain_text());
         let position = self.loader.state();
         self.loader.reshard(rank, size, &position).map_err(|e| fail(e.into()))?;
         let saved = schedule::state(self.stepper.lr_scheduler());
@@ -716,8 +654,8 @@ fn save_checkpoint(
     snapshot: Snapshot<'_>,
     saver: &mut Saver,
     group: &ProcessGroup,
-    cfg: &TrainConfig,
-) -> anyhow::Result<Option<PathBuf>> {
+    cfg: &TrainOptions,
+) -> Result<Option<PathBuf>> {
     let Snapshot { ddp, opt, stepper, loader, step } = snapshot;
     let optimizer = opt.checkpoint_state(group.rank())?;
     let scaler = stepper.grad_scaler().map_or(Value::None, GradScaler::state_dict);
@@ -752,7 +690,7 @@ impl Saver {
         name: &str,
         value: Value,
         group: &ProcessGroup,
-    ) -> anyhow::Result<Option<PathBuf>> {
+    ) -> Result<Option<PathBuf>> {
         fault::hit(fault::Phase::Save);
         match self {
             Saver::Sync(m) => {
@@ -767,8 +705,8 @@ impl Saver {
                     })
                 });
                 if let Some(e) = barrier_error {
-                    return Err(anyhow::Error::new(e)
-                        .context(format!("the barrier after saving checkpoint `{name}`")));
+                    let what = format!("the barrier after saving checkpoint `{name}`");
+                    return Err(TrainError::Failed { what, source: Box::new(e) });
                 }
                 Ok(written?)
             }
@@ -780,7 +718,7 @@ impl Saver {
     }
 
     /// Waits for this process's save in flight, if any (its error names the file).
-    fn settle(&mut self) -> anyhow::Result<()> {
+    fn settle(&mut self) -> Result<()> {
         if let Saver::Async(m) = self {
             m.wait().context("a background checkpoint save failed")?;
         }
@@ -791,7 +729,7 @@ impl Saver {
     /// rank 0 has one; under live recovery that may have been another rank than now; its error
     /// ends the run, naming the file), then every rank meets at a barrier, so no rank reports
     /// success before the last checkpoint is on disk.
-    fn finish(&mut self, group: &ProcessGroup) -> anyhow::Result<()> {
+    fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
         if let Saver::Async(m) = self {
             let written = m.wait().map(|_| ());
             let synced = group.barrier();
@@ -833,23 +771,23 @@ type TrainData = Transformed<InMemoryDataset>;
 /// Applies `--normalize` (statistics of the training set, to both sets) and `--augment`
 /// (training set only).
 fn image_transforms(
-    cfg: &TrainConfig,
+    cfg: &TrainOptions,
     train: InMemoryDataset,
     eval: InMemoryDataset,
-) -> anyhow::Result<(TrainData, TrainData)> {
-    if !cfg.normalize && !cfg.augment {
+) -> Result<(TrainData, TrainData)> {
+    if !cfg.data.normalize && !cfg.data.augment {
         return Ok((Transformed::identity(train), Transformed::identity(eval)));
     }
     let Some(chw) = image_shape(train.input_dim()) else {
         bail!(
             "--normalize/--augment need square images with 1 or 3 channels; --data {} has {} \
              features per sample",
-            cfg.data,
+            cfg.data.spec,
             train.input_dim()
         )
     };
-    let normalize = if cfg.normalize { Some(channel_stats(&train, chw.0)?) } else { None };
-    let crop_flip = cfg.augment.then_some(CropFlip { padding: 4, seed: cfg.seed });
+    let normalize = if cfg.data.normalize { Some(channel_stats(&train, chw.0)?) } else { None };
+    let crop_flip = cfg.data.augment.then_some(CropFlip { padding: 4, seed: cfg.run.seed });
     let eval_t = ImageTransforms { chw, normalize: normalize.clone(), crop_flip: None };
     let train_t = ImageTransforms { chw, normalize, crop_flip };
     Ok((Transformed::new(train, train_t)?, Transformed::new(eval, eval_t)?))
@@ -862,7 +800,7 @@ fn evaluate(
     group: &ProcessGroup,
     options: &LoaderOptions,
     device: &Device,
-) -> anyhow::Result<EvalMetrics> {
+) -> Result<EvalMetrics> {
     let mut local = EvalMetrics::default();
     for batch in tandem_data::eval_batches(
         Arc::clone(eval),
@@ -885,37 +823,26 @@ fn evaluate(
 }
 
 /// Rank 0's JSON-lines metrics file, `run_dir/metrics.jsonl` (appended to on resume).
-pub fn metrics_file(run_dir: &Path, rank: usize) -> anyhow::Result<Option<MetricsFile>> {
+pub fn metrics_file(run_dir: &Path, rank: usize) -> Result<Option<MetricsFile>> {
     if rank != 0 {
         return Ok(None);
     }
     Ok(Some(MetricsFile::append(&run_dir.join("metrics.jsonl"))?))
 }
 
-/// A rate with three significant figures (`1.23`, `45.6`, `789`, `12300`).
-pub fn three_figures(v: f64) -> String {
-    if !v.is_finite() || v == 0.0 {
-        return format!("{v}");
-    }
-    let digits = v.abs().log10().floor() as i32 + 1;
-    let decimals = (3 - digits).max(0) as usize;
-    let scale = 10f64.powi((digits - 3).max(0));
-    format!("{:.*}", decimals, (v / scale).round() * scale)
-}
-
 /// Loads weights from a PyTorch or tandem file (any container, any wrapping) through the
 /// LoadReport path: strict, so a missing or mis-shaped key is an error listing all of them.
-pub fn load_weights(net: &Net, path: &Path) -> anyhow::Result<tandem_ckpt::LoadReport> {
+pub fn load_weights(net: &Net, path: &Path) -> Result<tandem_ckpt::LoadReport> {
     tandem_nn::weights::load_weights(net, path, true)
         .with_context(|| format!("loading weights from {}", path.display()))
 }
 
-fn model_value(net: &Net) -> anyhow::Result<Value> {
+fn model_value(net: &Net) -> Result<Value> {
     Ok(tandem_nn::weights::state_dict_value(net)?)
 }
 
 /// Writes the model's weights with canonical keys: safetensors for `.safetensors`, else `.pt`.
-fn save_weights(net: &Net, path: &Path) -> anyhow::Result<()> {
+fn save_weights(net: &Net, path: &Path) -> Result<()> {
     tandem_nn::weights::save_weights(net, path)
         .with_context(|| format!("saving weights to {}", path.display()))
 }
@@ -935,8 +862,8 @@ fn checkpoint_value(
     net: &Net,
     state: CheckpointState,
     world: usize,
-    cfg: &TrainConfig,
-) -> anyhow::Result<Value> {
+    cfg: &TrainOptions,
+) -> Result<Value> {
     let CheckpointState { optimizer, scaler, scheduler, sampler, step } = state;
     let ck = TrainingCheckpoint {
         epoch: sampler.epoch as i64,
@@ -946,9 +873,9 @@ fn checkpoint_value(
         scheduler,
         sampler: sampler_value(&sampler),
         // No random ops beyond the sampler's shuffle (seeded by seed + epoch): the seed is the state.
-        rng: Value::dict_from([("seed", Value::Int(cfg.seed as i64))]),
+        rng: Value::dict_from([("seed", Value::Int(cfg.run.seed as i64))]),
         world_size: world as i64,
-        config: Value::Str(cfg.to_toml()?),
+        config: Value::Str(cfg.run.record.clone()),
         scaler,
     };
     Ok(ck.to_value()?)

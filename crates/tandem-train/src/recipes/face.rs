@@ -9,13 +9,12 @@
 //! One step, in arcface_torch's order: embeddings = backbone(images); loss = head(embeddings,
 //! labels); backward (scaled under f16); unscale; clip the backbone's gradient norm; optimizer
 //! step (skipped on inf/NaN under f16); scaler update; scheduler step.
-pub mod arcface;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use crate::error::{bail, Context, Result};
 use candle_core::{DType, Device, Var};
 use tandem_ckpt::Value;
 use tandem_comm::{Collectives, ProcessGroup, ReduceOp};
@@ -28,16 +27,17 @@ use tandem_optim::amp::GradScaler;
 use tandem_optim::{AdamWConfig, SgdConfig, TorchAdamW, TorchOptimizer, TorchSgd};
 use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConfig};
 
-use tandem::train::metrics::{MetricsFile, MetricsRecord};
-use tandem::train::schedule::RunLength;
-use tandem::train::{EpochMetrics, EventWriter, Progress, RunSummary, Step};
+use crate::metrics::{MetricsFile, MetricsRecord};
+use crate::schedule::RunLength;
+use crate::{EpochMetrics, EventWriter, Progress, RunSummary, Step};
 
-use super::config::{parse_margin, OptimizerKind, Precision, TrainConfig};
-use super::model::Autocast;
-use super::worker::{metrics_file, three_figures};
-use tandem::state::LoaderPosition;
-use tandem::train::face::{self as face_state, FaceCheckpoints, FaceState};
-use tandem::train::verification::{self as verify, ValResult, ValSet};
+use super::classifier::metrics_file;
+use super::net::Autocast;
+use crate::face::{self as face_state, FaceCheckpoints, FaceState};
+use crate::metrics::three_figures;
+use crate::options::{OptimizerKind, Precision, TrainOptions};
+use crate::state::LoaderPosition;
+use crate::verification::{self as verify, ValResult, ValSet};
 
 /// arcface_torch's DDP settings for the backbone.
 const BUCKET_CAP_MB: f64 = 16.0;
@@ -45,9 +45,9 @@ const BUCKET_CAP_MB: f64 = 16.0;
 const GROWTH_INTERVAL: i64 = 100;
 
 /// Trains the face recipe on this rank.
-pub fn run(cfg: &TrainConfig, run_dir: &Path, group: ProcessGroup) -> anyhow::Result<RunSummary> {
+pub fn run(cfg: &TrainOptions, run_dir: &Path, group: ProcessGroup) -> Result<RunSummary> {
     let mut w = FaceWorker::build(cfg, run_dir, group)?;
-    if cfg.resume {
+    if cfg.run.resume {
         w.resume()?;
     }
     w.train()?;
@@ -101,7 +101,7 @@ impl StepTimes {
 }
 
 struct FaceWorker<'a> {
-    cfg: &'a TrainConfig,
+    cfg: &'a TrainOptions,
     group: ProcessGroup,
     device: Device,
     t: Trainer,
@@ -127,7 +127,7 @@ struct InitFrom {
     centres: Option<candle_core::Tensor>,
 }
 
-fn read_init(path: &Path) -> anyhow::Result<InitFrom> {
+fn read_init(path: &Path) -> Result<InitFrom> {
     let v = tandem_ckpt::load(path).with_context(|| format!("--init-from {}", path.display()))?;
     let Some(backbone) = v.get("backbone") else {
         return Ok(InitFrom { backbone: v, centres: None });
@@ -145,31 +145,31 @@ fn read_init(path: &Path) -> anyhow::Result<InitFrom> {
 }
 
 impl<'a> FaceWorker<'a> {
-    fn build(cfg: &'a TrainConfig, run_dir: &'a Path, group: ProcessGroup) -> anyhow::Result<Self> {
+    fn build(cfg: &'a TrainOptions, run_dir: &'a Path, group: ProcessGroup) -> Result<Self> {
         let rank = group.rank();
-        let device = cfg.device.device(group.local_rank())?;
-        let dir = cfg.data.strip_prefix("rec:").unwrap_or(&cfg.data);
-        let mut train =
-            FaceRecDataset::open(Path::new(dir)).with_context(|| format!("--data {}", cfg.data))?;
-        if cfg.augment {
-            train = train.with_flip(cfg.seed);
+        let device = cfg.model.device.device(group.local_rank())?;
+        let dir = cfg.data.spec.strip_prefix("rec:").unwrap_or(&cfg.data.spec);
+        let mut train = FaceRecDataset::open(Path::new(dir))
+            .with_context(|| format!("--data {}", cfg.data.spec))?;
+        if cfg.data.augment {
+            train = train.with_flip(cfg.run.seed);
         }
-        let classes = cfg.num_classes.unwrap_or(train.num_classes());
-        let depth = cfg.model.iresnet_depth().context("a face model")?;
+        let classes = cfg.face.num_classes.unwrap_or(train.num_classes());
+        let depth = cfg.model.kind.iresnet_depth().context("a face model")?;
 
         let vars = OrderedVarMap::new();
         let model = IResNet::new(
             depth,
-            cfg.width,
-            cfg.embedding_size,
+            cfg.model.width,
+            cfg.face.embedding_size,
             0.0,
             vars.var_builder(DType::F32, &device),
         )?;
-        IResNet::reset_parameters(&vars.named(), cfg.seed)?;
+        IResNet::reset_parameters(&vars.named(), cfg.run.seed)?;
         let order: Vec<String> = vars.named().into_iter().map(|(n, _)| n).collect();
         let named = vars.named_vars().freeze(IResNet::FROZEN)?;
-        let init = cfg.init_from.as_deref().map(read_init).transpose()?;
-        if let (Some(init), Some(path)) = (&init, &cfg.init_from) {
+        let init = cfg.checkpoint.init_from.as_deref().map(read_init).transpose()?;
+        if let (Some(init), Some(path)) = (&init, &cfg.checkpoint.init_from) {
             let report = named
                 .load_state_dict(&init.backbone)
                 .with_context(|| format!("--init-from {}: the backbone", path.display()))?;
@@ -183,9 +183,9 @@ impl<'a> FaceWorker<'a> {
             ..DdpOptions::default()
         };
         let ddp = Ddp::new(named, &group, opts).context("wrapping the backbone in Ddp")?;
-        if cfg.comm_hook != "none" {
-            let hook = tandem_ddp::comm_hooks::builtin(&cfg.comm_hook)
-                .with_context(|| format!("--comm-hook: unknown hook `{}`", cfg.comm_hook))?;
+        if cfg.comm.comm_hook != "none" {
+            let hook = tandem_ddp::comm_hooks::builtin(&cfg.comm.comm_hook)
+                .with_context(|| format!("--comm-hook: unknown hook `{}`", cfg.comm.comm_hook))?;
             ddp.register_comm_hook(hook).context("--comm-hook")?;
         }
 
@@ -194,12 +194,12 @@ impl<'a> FaceWorker<'a> {
 
         let sampler = DistributedSampler::builder(train.len())
             .group(&group)
-            .shuffle(!cfg.no_shuffle)
-            .seed(cfg.seed)
+            .shuffle(cfg.data.shuffle)
+            .seed(cfg.run.seed)
             .build()?;
         // PartialFC needs the same batch on every rank: the last partial batch is dropped.
         let options = LoaderOptions {
-            batch_size: cfg.batch_size,
+            batch_size: cfg.data.batch_size,
             drop_last: true,
             num_workers: 2,
             prefetch_factor: 2,
@@ -209,23 +209,24 @@ impl<'a> FaceWorker<'a> {
         if loader.is_empty() {
             bail!(
                 "--data {}: {} images give rank {rank} fewer than one batch of {} (over {} ranks)",
-                cfg.data,
+                cfg.data.spec,
                 train.len(),
-                cfg.batch_size,
+                cfg.data.batch_size,
                 group.size()
             );
         }
         // The schedule spans --epochs (--steps may stop the run before its end), as
         // arcface_torch's `total_step`, counted in the batches the loader really gives.
         let steps_per_epoch = loader.len() as u64;
-        let total_steps = cfg.epochs as u64 * steps_per_epoch;
+        let total_steps = cfg.run.epochs * steps_per_epoch;
         let sched = cfg
-            .lr_schedule()
-            .build(opt.as_mut(), cfg.lr, RunLength { steps_per_epoch, total_steps })
+            .optim
+            .schedule
+            .build(opt.as_mut(), cfg.optim.lr, RunLength { steps_per_epoch, total_steps })
             .context("--lr-scheduler")?;
-        let stepper = cfg.step(GROWTH_INTERVAL, sched)?;
-        let val = verify::load(&cfg.val).context("--val")?;
-        let tb = if cfg.tensorboard && rank == 0 {
+        let stepper = super::step_for(cfg, GROWTH_INTERVAL, sched)?;
+        let val = verify::load(&cfg.face.val).context("--val")?;
+        let tb = if cfg.run.tensorboard && rank == 0 {
             let dir = run_dir.join("tensorboard");
             Some(EventWriter::create(&dir).with_context(|| {
                 format!("creating a TensorBoard event file in {}", dir.display())
@@ -236,14 +237,14 @@ impl<'a> FaceWorker<'a> {
         if rank == 0 {
             eprintln!(
                 "face: {} width {} embedding {} | {} images, {classes} classes ({} to {} per rank) | {} ranks x batch {} | {steps_per_epoch} steps per epoch",
-                cfg.model,
-                cfg.width,
-                cfg.embedding_size,
+                cfg.model.kind,
+                cfg.model.width,
+                cfg.face.embedding_size,
                 train.len(),
                 ClassSplit::new(classes, group.size(), group.size() - 1).len,
                 head.split().len,
                 group.size(),
-                cfg.batch_size,
+                cfg.data.batch_size,
             );
         }
         let t = Trainer {
@@ -254,7 +255,8 @@ impl<'a> FaceWorker<'a> {
             opt,
             stepper,
             autocast: Autocast(
-                (cfg.precision != Precision::F32).then(|| cfg.precision.compute_dtype()),
+                (cfg.model.precision != Precision::F32)
+                    .then(|| cfg.model.precision.compute_dtype()),
             ),
             times: StepTimes::default(),
         };
@@ -265,7 +267,7 @@ impl<'a> FaceWorker<'a> {
             train,
             loader,
             val,
-            ckpt: FaceCheckpoints::new(run_dir.join("checkpoints"), cfg.keep_last),
+            ckpt: FaceCheckpoints::new(run_dir.join("checkpoints"), cfg.checkpoint.keep_last),
             tb,
             group,
             global_step: 0,
@@ -285,8 +287,8 @@ impl<'a> FaceWorker<'a> {
 
     /// `--resume`: the newest complete checkpoint, on this world size or another (the head's
     /// centres and their optimizer state re-split over this run's ranks).
-    fn resume(&mut self) -> anyhow::Result<()> {
-        let (rank, world, epochs) = (self.rank(), self.group.size(), self.cfg.epochs as u64);
+    fn resume(&mut self) -> Result<()> {
+        let (rank, world, epochs) = (self.rank(), self.group.size(), self.cfg.run.epochs);
         let Trainer { ddp, head, opt, stepper, .. } = &mut self.t;
         let mut state = FaceState::new(ddp, head, opt.as_mut(), stepper);
         let found =
@@ -313,14 +315,14 @@ impl<'a> FaceWorker<'a> {
 
     /// Steps to the end of --epochs from where the loader stands.
     fn steps_to_end(&self) -> u64 {
-        self.loader.steps_to_end(self.cfg.epochs as u64)
+        self.loader.steps_to_end(self.cfg.run.epochs)
     }
 
-    fn train(&mut self) -> anyhow::Result<()> {
+    fn train(&mut self) -> Result<()> {
         let max_steps =
-            self.cfg.steps.unwrap_or(u64::MAX).min(self.global_step + self.steps_to_end());
+            self.cfg.run.max_steps.unwrap_or(u64::MAX).min(self.global_step + self.steps_to_end());
         let progress = Progress::new(self.rank() == 0, max_steps, self.global_step);
-        while (self.loader.epoch() as usize) < self.cfg.epochs && self.global_step < max_steps {
+        while self.loader.epoch() < self.cfg.run.epochs && self.global_step < max_steps {
             let epoch = self.loader.epoch();
             let loss = self.train_epoch(max_steps, &progress)?;
             self.last_loss = loss;
@@ -333,7 +335,7 @@ impl<'a> FaceWorker<'a> {
                 progress.line(&format!(
                     "epoch {}/{} step {} loss={loss:.4} samples/s={} lr={}{amp}{}",
                     epoch + 1,
-                    self.cfg.epochs,
+                    self.cfg.run.epochs,
                     self.global_step,
                     three_figures(sps),
                     self.t.opt.lr(),
@@ -359,9 +361,9 @@ impl<'a> FaceWorker<'a> {
                 scalars(&mut self.tb, self.global_step, &values)?;
             }
             let step = self.global_step;
-            let every = self.cfg.save_every;
+            let every = self.cfg.checkpoint.save_every;
             let just_saved = every > 0 && step.is_multiple_of(every);
-            if step < max_steps && (self.loader.epoch() as usize) < self.cfg.epochs && !just_saved {
+            if step < max_steps && self.loader.epoch() < self.cfg.run.epochs && !just_saved {
                 self.save()?;
             }
         }
@@ -371,7 +373,7 @@ impl<'a> FaceWorker<'a> {
 
     /// The rest of the current epoch (up to `max_steps`); returns the mean loss of its steps
     /// (every rank computes the loss of the global batch, so no reduction is needed).
-    fn train_epoch(&mut self, max_steps: u64, progress: &Progress) -> anyhow::Result<f64> {
+    fn train_epoch(&mut self, max_steps: u64, progress: &Progress) -> Result<f64> {
         let started = Instant::now();
         // Disjoint borrows: the batch iterator holds the loader while checkpoints read it.
         let FaceWorker { cfg, group, device, t, train, loader, val, ckpt, tb, .. } = self;
@@ -398,14 +400,17 @@ impl<'a> FaceWorker<'a> {
             if step.is_multiple_of(100) {
                 scalars(tb, step, &[("train/loss_step", loss), ("train/lr", t.opt.lr())])?;
             }
-            if cfg.verbose > 0 && step.is_multiple_of(cfg.verbose) && step < max_steps {
+            if cfg.face.verify_every > 0
+                && step.is_multiple_of(cfg.face.verify_every)
+                && step < max_steps
+            {
                 let clock = Instant::now();
                 if let Some(results) = verify(t, val, device, tb, step, group)? {
                     self.last_val = results;
                 }
                 pause += clock.elapsed().as_secs_f64();
             }
-            let every = cfg.save_every;
+            let every = cfg.checkpoint.save_every;
             if every > 0 && step.is_multiple_of(every) && step < max_steps {
                 let clock = Instant::now();
                 let ctx = SaveCtx { cfg, group, ckpt };
@@ -422,14 +427,14 @@ impl<'a> FaceWorker<'a> {
         Ok(loss_sum / steps.max(1) as f64)
     }
 
-    fn save(&mut self) -> anyhow::Result<()> {
+    fn save(&mut self) -> Result<()> {
         let ctx = SaveCtx { cfg: self.cfg, group: &self.group, ckpt: &self.ckpt };
         let dir = save_checkpoint(&ctx, &mut self.t, &self.loader.state(), self.global_step)?;
         self.last_ckpt = Some(dir);
         Ok(())
     }
 
-    fn finish(mut self) -> anyhow::Result<RunSummary> {
+    fn finish(mut self) -> Result<RunSummary> {
         let rank = self.rank();
         self.save()?;
         let step = self.global_step;
@@ -444,17 +449,17 @@ impl<'a> FaceWorker<'a> {
         if rank == 0 && self.t.times.steps > 0 {
             eprintln!("{}", self.t.times.summary());
         }
-        if let Some(path) = &self.cfg.save_final {
+        if let Some(path) = &self.cfg.checkpoint.save_final {
             if rank == 0 {
                 tandem_nn::weights::save_weights(&*self.t.ddp.module(), path)
                     .with_context(|| format!("--save-final {}", path.display()))?;
             }
             self.group.barrier()?;
         }
-        if let Some(path) = &self.cfg.export_onnx {
+        if let Some(path) = &self.cfg.checkpoint.export_onnx {
             if rank == 0 {
                 let value = self.t.ddp.module().state_dict()?;
-                let summary = crate::cmd::export::write(self.cfg.model, &value, path)
+                let summary = tandem_onnx::export_to_file(self.cfg.model.kind, &value, path)
                     .context("--export-onnx")?;
                 eprintln!("{summary}");
             }
@@ -465,7 +470,7 @@ impl<'a> FaceWorker<'a> {
         self.group.all_reduce(&mut done, ReduceOp::Sum)?;
         let summary = RunSummary {
             rank,
-            epochs: self.loader.epoch().min(self.cfg.epochs as u64),
+            epochs: self.loader.epoch().min(self.cfg.run.epochs),
             steps: self.global_step,
             samples_per_s: self.samples_seen as f64 / self.train_time.max(1e-9),
             final_loss: self.last_loss.is_finite().then_some(self.last_loss),
@@ -484,7 +489,7 @@ impl<'a> FaceWorker<'a> {
 
 /// What a checkpoint save needs besides the state.
 struct SaveCtx<'c> {
-    cfg: &'c TrainConfig,
+    cfg: &'c TrainOptions,
     group: &'c ProcessGroup,
     ckpt: &'c FaceCheckpoints,
 }
@@ -495,14 +500,14 @@ fn save_checkpoint(
     t: &mut Trainer,
     position: &SamplerState,
     step: u64,
-) -> anyhow::Result<PathBuf> {
+) -> Result<PathBuf> {
     let SaveCtx { cfg, group, ckpt } = *ctx;
     let Trainer { ddp, head, opt, stepper, order, .. } = t;
     let state = FaceState::new(ddp, head, opt.as_mut(), stepper)
         .order(order)
         .global_step(step)
-        .config(cfg.to_toml()?)
-        .seed(cfg.seed);
+        .config(cfg.run.record.clone())
+        .seed(cfg.run.seed);
     Ok(face_state::save(ckpt, &state, position, group)?)
 }
 
@@ -515,7 +520,7 @@ fn verify(
     tb: &mut Option<EventWriter>,
     step: u64,
     group: &ProcessGroup,
-) -> anyhow::Result<Option<Vec<ValResult>>> {
+) -> Result<Option<Vec<ValResult>>> {
     if val.is_empty() {
         return Ok(None);
     }
@@ -534,7 +539,7 @@ fn verify(
 }
 
 /// TensorBoard scalars at `step` (nothing without --tensorboard or off rank 0).
-fn scalars(tb: &mut Option<EventWriter>, step: u64, values: &[(&str, f64)]) -> anyhow::Result<()> {
+fn scalars(tb: &mut Option<EventWriter>, step: u64, values: &[(&str, f64)]) -> Result<()> {
     let Some(tb) = tb.as_mut() else { return Ok(()) };
     let mut write = || -> std::io::Result<()> {
         for (k, v) in values {
@@ -547,7 +552,7 @@ fn scalars(tb: &mut Option<EventWriter>, step: u64, values: &[(&str, f64)]) -> a
 
 impl Trainer {
     /// One optimizer step on this rank's batch; returns the loss of the global batch.
-    fn step(&mut self, x: &candle_core::Tensor, labels: &[i64], step: u64) -> anyhow::Result<f64> {
+    fn step(&mut self, x: &candle_core::Tensor, labels: &[i64], step: u64) -> Result<f64> {
         let clock = Instant::now();
         let embeddings = self.autocast.round(&self.model.forward_t(x, true)?)?;
         let forward = clock.elapsed().as_secs_f64();
@@ -576,21 +581,26 @@ impl Trainer {
 
 /// The head: this rank's rows of `--init-from`'s centres, or N(0, 0.01) from the seed.
 fn build_head(
-    cfg: &TrainConfig,
+    cfg: &TrainOptions,
     classes: usize,
     group: &ProcessGroup,
     device: &Device,
     centres: Option<candle_core::Tensor>,
-) -> anyhow::Result<PartialFc> {
-    let (m1, m2, m3) = parse_margin(&cfg.margin)?;
-    let margin =
-        CombinedMarginLoss::new(cfg.margin_scale, m1, m2, m3, cfg.interclass_filtering_threshold)
-            .with_context(|| format!("--margin {}", cfg.margin))?;
-    let mut pcfg = PartialFcConfig::new(classes, cfg.embedding_size, margin);
-    pcfg.sample_rate = cfg.sample_rate;
-    pcfg.seed = cfg.seed;
-    if cfg.precision != Precision::F32 {
-        pcfg.autocast = Some(cfg.precision.compute_dtype());
+) -> Result<PartialFc> {
+    let (m1, m2, m3) = cfg.face.margin;
+    let margin = CombinedMarginLoss::new(
+        cfg.face.margin_scale,
+        m1,
+        m2,
+        m3,
+        cfg.face.interclass_filtering_threshold,
+    )
+    .with_context(|| format!("--margin {m1},{m2},{m3}"))?;
+    let mut pcfg = PartialFcConfig::new(classes, cfg.face.embedding_size, margin);
+    pcfg.sample_rate = cfg.face.sample_rate;
+    pcfg.seed = cfg.run.seed;
+    if cfg.model.precision != Precision::F32 {
+        pcfg.autocast = Some(cfg.model.precision.compute_dtype());
     }
     let comm: Arc<dyn Collectives> = Arc::new(group.clone());
     let head = match centres {
@@ -603,24 +613,24 @@ fn build_head(
 
 /// One optimizer over two parameter groups, backbone then head, as arcface_torch.
 fn build_optimizer(
-    cfg: &TrainConfig,
+    cfg: &TrainOptions,
     backbone: Vec<Var>,
     centres: Var,
-) -> anyhow::Result<Box<dyn TorchOptimizer + Send>> {
-    Ok(match cfg.optimizer {
+) -> Result<Box<dyn TorchOptimizer + Send>> {
+    Ok(match cfg.optim.kind {
         OptimizerKind::Sgd => {
             let c = SgdConfig {
-                lr: cfg.lr,
-                momentum: cfg.momentum,
-                weight_decay: cfg.weight_decay,
+                lr: cfg.optim.lr,
+                momentum: cfg.optim.momentum,
+                weight_decay: cfg.optim.weight_decay,
                 ..SgdConfig::default()
             };
             Box::new(TorchSgd::with_groups(vec![(backbone, c.clone()), (vec![centres], c)])?)
         }
         OptimizerKind::Adamw => {
             let c = AdamWConfig {
-                lr: cfg.lr,
-                weight_decay: cfg.weight_decay,
+                lr: cfg.optim.lr,
+                weight_decay: cfg.optim.weight_decay,
                 ..AdamWConfig::default()
             };
             Box::new(TorchAdamW::with_groups(vec![(backbone, c.clone()), (vec![centres], c)])?)

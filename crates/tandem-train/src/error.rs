@@ -1,0 +1,148 @@
+//! The trainer's error: what failed, in the words of the option, file, rank or step at fault,
+//! with the typed error underneath as its `source()` (a collective's `CommError`, a
+//! checkpoint's `CkptError`, a [`StepError`](crate::StepError), ...), so callers can still ask
+//! what kind of failure it was (`tandem_comm::live::is_peer_failure` walks the chain).
+use std::error::Error as StdError;
+
+/// A failure of the training loop or of a built-in recipe.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// An option that cannot work, named (`--model cnn --data rec:...`, a warm-up longer than
+    /// the run, ...).
+    #[error("{0}")]
+    Invalid(String),
+    /// `what` failed because of `source`.
+    #[error("{what}")]
+    Failed {
+        what: String,
+        #[source]
+        source: Box<dyn StdError + Send + Sync>,
+    },
+    /// The world is re-forming (live recovery): the step in progress ends here.
+    #[error("a rank is waiting to join the running job")]
+    RegroupWanted,
+}
+
+pub type Result<T, E = TrainError> = std::result::Result<T, E>;
+
+impl TrainError {
+    pub fn invalid(why: impl Into<String>) -> Self {
+        TrainError::Invalid(why.into())
+    }
+
+    /// Whether the chain holds a dead or silent peer (live recovery regroups on those).
+    pub fn is_peer_failure(&self) -> bool {
+        tandem_comm::live::is_peer_failure(self)
+    }
+
+    /// The error and its causes on one line, `outer: inner: ...` (a cause whose text the line
+    /// already holds is left out).
+    pub fn chain_text(&self) -> String {
+        let mut line = self.to_string();
+        let mut cur: Option<&(dyn StdError + 'static)> = self.source();
+        while let Some(e) = cur {
+            let text = e.to_string();
+            if !line.contains(&text) {
+                line = format!("{line}: {text}");
+            }
+            cur = e.source();
+        }
+        line
+    }
+
+    /// The innermost error's text (the root cause).
+    pub fn root_cause(&self) -> String {
+        let mut cur: &(dyn StdError + 'static) = self;
+        while let Some(next) = cur.source() {
+            cur = next;
+        }
+        cur.to_string()
+    }
+}
+
+/// `.context(what)` on any result: the error becomes the source of a [`TrainError::Failed`]
+/// saying what was being done.
+pub trait Context<T> {
+    fn context(self, what: impl Into<String>) -> Result<T>;
+    fn with_context<S: Into<String>>(self, what: impl FnOnce() -> S) -> Result<T>;
+}
+
+impl<T, E: StdError + Send + Sync + 'static> Context<T> for std::result::Result<T, E> {
+    fn context(self, what: impl Into<String>) -> Result<T> {
+        self.map_err(|e| TrainError::Failed { what: what.into(), source: Box::new(e) })
+    }
+    fn with_context<S: Into<String>>(self, what: impl FnOnce() -> S) -> Result<T> {
+        self.map_err(|e| TrainError::Failed { what: what().into(), source: Box::new(e) })
+    }
+}
+
+impl<T> Context<T> for Option<T> {
+    fn context(self, what: impl Into<String>) -> Result<T> {
+        self.ok_or_else(|| TrainError::Invalid(what.into()))
+    }
+    fn with_context<S: Into<String>>(self, what: impl FnOnce() -> S) -> Result<T> {
+        self.ok_or_else(|| TrainError::Invalid(what().into()))
+    }
+}
+
+/// Errors of the layers below, kept whole as the source of a [`TrainError::Failed`].
+macro_rules! failed_from {
+    ($($ty:ty => $what:literal),* $(,)?) => {$(
+        impl From<$ty> for TrainError {
+            fn from(e: $ty) -> Self {
+                TrainError::Failed { what: $what.into(), source: Box::new(e) }
+            }
+        }
+    )*};
+}
+
+failed_from! {
+    candle_core::Error => "a tensor operation",
+    tandem_comm::CommError => "a collective",
+    tandem_ckpt::CkptError => "a checkpoint file",
+    tandem_data::DataError => "the data",
+    tandem_nn::NnError => "the model",
+    tandem_optim::OptimError => "the optimizer",
+    tandem_optim::amp::AmpError => "the GradScaler",
+    tandem_ddp::DdpError => "Ddp",
+    tandem_partial_fc::PartialFcError => "the PartialFC head",
+    crate::StepError => "an optimizer step",
+    crate::schedule::ScheduleError => "the learning-rate schedule",
+    crate::metrics::MetricsError => "the metrics file",
+    crate::verification::VerificationError => "verification",
+    crate::face::FaceStateError => "the face checkpoint",
+    crate::face::FaceCheckpointError => "the face checkpoint",
+    crate::live::LiveError => "live recovery",
+    crate::state::StateError => "the training state",
+    std::io::Error => "I/O",
+}
+
+/// `return Err(TrainError::Invalid(format!(...)))`.
+macro_rules! bail {
+    ($($arg:tt)*) => {
+        return Err($crate::error::TrainError::Invalid(format!($($arg)*)))
+    };
+}
+pub(crate) use bail;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn context_keeps_the_typed_source_and_the_root_cause() {
+        let timeout = tandem_comm::CommError::Timeout {
+            op: "all_reduce",
+            seq: 9,
+            peer: 1,
+            after: std::time::Duration::from_secs(3),
+        };
+        let e: Result<()> = Err(timeout).context("step 4");
+        let e = e.unwrap_err();
+        assert_eq!(e.to_string(), "step 4");
+        assert!(e.root_cause().contains("all_reduce"), "{}", e.root_cause());
+        assert!(e.is_peer_failure());
+        let plain: Result<u8> = None.context("no `sampler` entry");
+        assert!(!plain.unwrap_err().is_peer_failure());
+    }
+}

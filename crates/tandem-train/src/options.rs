@@ -1,0 +1,238 @@
+//! What a run is asked to do, one typed struct per part: the loop ([`RunOptions`]), checkpoints
+//! ([`CheckpointOptions`]), data ([`DataOptions`]), the model ([`ModelOptions`]), the optimizer
+//! and its step ([`OptimOptions`]), communication ([`CommOptions`]) and the face recipe's head
+//! and verification ([`FaceOptions`]). The `tandem train` flags map onto these one to one.
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use tandem_models::ModelKind;
+
+use crate::error::{Result, TrainError};
+use crate::schedule::LrSchedule;
+
+/// An option with a fixed set of named values (for a command line's parser and help).
+pub trait Choice: FromStr + Copy + Send + Sync + 'static {
+    /// Every value's name, as parsed.
+    const NAMES: &'static [&'static str];
+}
+
+/// Names the values of a plain enum for parsing and printing (`sgd`, `adamw`, ...).
+macro_rules! named_enum {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal),* $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+        #[serde(rename_all = "lowercase")]
+        pub enum $name { $($(#[$vmeta])* $variant),* }
+
+        impl Choice for $name {
+            const NAMES: &'static [&'static str] = &[$($text),*];
+        }
+
+        impl $name {
+            pub fn name(self) -> &'static str {
+                match self { $($name::$variant => $text),* }
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = TrainError;
+            fn from_str(s: &str) -> Result<Self> {
+                match s { $($text => Ok($name::$variant),)* _ => Err(TrainError::invalid(format!(
+                    "`{s}` is not one of {}", Self::NAMES.join(", ")))) }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    };
+}
+
+named_enum! {
+    /// The optimizer over every parameter (the face recipe: two groups, backbone and head).
+    OptimizerKind { #[default] Sgd = "sgd", Adamw = "adamw" }
+}
+
+named_enum! {
+    /// What the model computes in; parameters and optimizer state stay float32 either way.
+    Precision {
+        #[default]
+        F32 = "f32",
+        /// bf16 autocast: layers compute in bf16 over float32 weights (no loss scaling needed).
+        Bf16 = "bf16",
+        /// f16 autocast with a GradScaler: dynamic loss scale, steps with inf/NaN gradients
+        /// skipped, the scaler's state in every checkpoint.
+        F16 = "f16",
+    }
+}
+
+named_enum! {
+    /// Where each rank trains: the CPU, or GPU `LOCAL_RANK` of its host.
+    DeviceKind { #[default] Cpu = "cpu", Cuda = "cuda" }
+}
+
+named_enum! {
+    /// The collective backend: shm within a host and tcp across (auto), one of them, the MPI
+    /// library of a job started by mpirun, or NCCL on the GPUs.
+    Backend { #[default] Auto = "auto", Tcp = "tcp", Shm = "shm", Mpi = "mpi", Nccl = "nccl" }
+}
+
+impl Precision {
+    /// The dtype the model computes in.
+    pub fn compute_dtype(self) -> candle_core::DType {
+        match self {
+            Precision::F32 => candle_core::DType::F32,
+            Precision::Bf16 => candle_core::DType::BF16,
+            Precision::F16 => candle_core::DType::F16,
+        }
+    }
+}
+
+impl DeviceKind {
+    /// The device of the rank with this local rank.
+    pub fn device(self, local_rank: usize) -> Result<candle_core::Device> {
+        let location = match self {
+            DeviceKind::Cpu => tandem_ckpt::MapLocation::Cpu,
+            DeviceKind::Cuda => tandem_ckpt::MapLocation::Cuda(local_rank),
+        };
+        tandem_nn::convert::map_location_device(location).map_err(|e| TrainError::Failed {
+            what: format!("--device {self} (this rank's LOCAL_RANK is {local_rank})"),
+            source: Box::new(e),
+        })
+    }
+}
+
+impl Backend {
+    /// The transport the process group is asked for (`None`: its own choice).
+    pub fn transport(self) -> Option<tandem_comm::TransportKind> {
+        use tandem_comm::TransportKind;
+        match self {
+            Backend::Auto | Backend::Nccl => None,
+            Backend::Tcp => Some(TransportKind::Tcp),
+            Backend::Shm => Some(TransportKind::Shm),
+            Backend::Mpi => Some(TransportKind::Mpi),
+        }
+    }
+}
+
+/// The loop: how long, where, and what it reports.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// The run directory (the same on every rank): checkpoints, metrics, TensorBoard.
+    pub dir: PathBuf,
+    pub epochs: u64,
+    /// Stop after this many optimizer steps (a schedule still spans `epochs`).
+    pub max_steps: Option<u64>,
+    /// Seed of every draw: initial weights, the sampler's shuffle, augmentation, sampling.
+    pub seed: u64,
+    /// Continue from the newest valid checkpoint in `dir`.
+    pub resume: bool,
+    /// TensorBoard scalars into `dir/tensorboard` (rank 0).
+    pub tensorboard: bool,
+    /// Rank 0's progress bar and epoch lines.
+    pub progress: bool,
+    /// A text stored in every checkpoint as its `config` (the run's settings).
+    pub record: String,
+}
+
+/// Checkpoints: when, how many, and the run's outputs.
+#[derive(Clone, Debug)]
+pub struct CheckpointOptions {
+    /// Every N optimizer steps (0: at epoch ends only); always at the end.
+    pub save_every: u64,
+    pub keep_last: usize,
+    /// Written by a background thread (the classifiers; training waits only for the copy).
+    pub background: bool,
+    /// Initial weights (any wrapping; strict key check).
+    pub init_from: Option<PathBuf>,
+    /// The final weights (canonical keys, `.pt` or `.safetensors`), written by rank 0.
+    pub save_final: Option<PathBuf>,
+    /// The final model as ONNX, written by rank 0.
+    pub export_onnx: Option<PathBuf>,
+}
+
+/// The data: a dataset spec (`digits`, `mnist:DIR`, `cifar10:DIR`, `synthetic...`, `rec:DIR`)
+/// and how it is fed.
+#[derive(Clone, Debug)]
+pub struct DataOptions {
+    pub spec: String,
+    /// Samples per rank per step.
+    pub batch_size: usize,
+    pub shuffle: bool,
+    /// Classifiers: random crop + flip; faces: flips.
+    pub augment: bool,
+    /// Classifiers: per-channel mean/std of the training set.
+    pub normalize: bool,
+}
+
+/// The model and where it runs.
+#[derive(Clone, Debug)]
+pub struct ModelOptions {
+    pub kind: ModelKind,
+    /// The MLP's hidden width.
+    pub hidden: usize,
+    /// The ResNets' first-stage width.
+    pub width: usize,
+    /// SyncBatchNorm (resnet18).
+    pub sync_batchnorm: bool,
+    pub precision: Precision,
+    pub device: DeviceKind,
+}
+
+/// The optimizer and what happens around each of its steps.
+#[derive(Clone, Debug)]
+pub struct OptimOptions {
+    pub kind: OptimizerKind,
+    pub lr: f64,
+    pub momentum: f64,
+    pub weight_decay: f64,
+    /// ZeRO-1: optimizer state sharded over the ranks (classifiers).
+    pub zero: bool,
+    pub schedule: LrSchedule,
+    /// Clip the model's (the face backbone's) gradient norm to this.
+    pub clip_grad_norm: Option<f64>,
+    /// GradScaler growth interval under f16 (default: 100 for the face recipe, 2000 otherwise).
+    pub grad_scaler_growth_interval: Option<i64>,
+}
+
+/// Communication.
+#[derive(Clone, Debug)]
+pub struct CommOptions {
+    pub backend: Backend,
+    /// `none`, `fp16`, `bf16` or `powersgd`.
+    pub comm_hook: String,
+    /// Asked for live recovery (it needs `tandem run --live-recovery`'s launcher).
+    pub live_recovery: bool,
+}
+
+/// The face recipe's head and verification.
+#[derive(Clone, Debug)]
+pub struct FaceOptions {
+    pub embedding_size: usize,
+    /// CombinedMarginLoss `(m1, m2, m3)`.
+    pub margin: (f64, f64, f64),
+    pub margin_scale: f64,
+    pub sample_rate: f64,
+    pub interclass_filtering_threshold: f64,
+    /// Identities (default: the rec's header).
+    pub num_classes: Option<usize>,
+    /// Verification pair sets (`.bin`).
+    pub val: Vec<PathBuf>,
+    /// Verify every N steps (0: only at the end).
+    pub verify_every: u64,
+}
+
+/// Everything a run of a built-in recipe needs.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    pub run: RunOptions,
+    pub checkpoint: CheckpointOptions,
+    pub data: DataOptions,
+    pub model: ModelOptions,
+    pub optim: OptimOptions,
+    pub comm: CommOptions,
+    pub face: FaceOptions,
+}

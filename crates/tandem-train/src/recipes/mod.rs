@@ -1,0 +1,135 @@
+//! The built-in recipes, run from [`TrainOptions`] on one rank: the classifier (mlp, cnn,
+//! resnet18 on digits, MNIST, CIFAR-10, synthetic data) and the face recipe (insightface's
+//! arcface_torch: IResNet + PartialFC on RecordIO, verification sets). Both take their steps
+//! through one [`Step`], their schedules from [`LrSchedule`](crate::LrSchedule), and report a
+//! [`RunSummary`] and a metrics file.
+//!
+//! ```ignore
+//! let summary = tandem::train::recipes::train(&options)?;   // on every rank
+//! ```
+pub mod classifier;
+pub mod face;
+pub mod net;
+pub mod optimizer;
+
+use tandem_comm::{LiveOptions, ProcessGroup};
+
+use crate::error::{bail, Context, Result};
+use crate::options::{Backend, DeviceKind, Precision, TrainOptions};
+use crate::{RunSummary, Step};
+
+/// Trains the recipe `opts.model.kind` names on this rank (every rank calls it; the process
+/// group comes from the environment: `tandem run`, torchrun, Slurm, mpirun, or a world of
+/// one). Under `tandem run --live-recovery` the classifier keeps going through a rank's death.
+pub fn train(opts: &TrainOptions) -> Result<RunSummary> {
+    let run_dir = &opts.run.dir;
+    if let Some(live) = live_options(opts)? {
+        return classifier::run_live(opts, run_dir, live);
+    }
+    let group = join_group(opts)?;
+    if opts.model.kind.is_face() {
+        return face::run(opts, run_dir, group);
+    }
+    classifier::run(opts, run_dir, group)
+}
+
+/// The live launcher's settings when it started this rank (`tandem run --live-recovery`, or
+/// `tandem train --live-recovery` launching its own ranks).
+fn live_options(opts: &TrainOptions) -> Result<Option<LiveOptions>> {
+    let Some(mut live) = LiveOptions::from_env().context("reading the live launcher's settings")?
+    else {
+        if opts.comm.live_recovery {
+            bail!(
+                "--live-recovery: this rank was started by another launcher; start the job with \
+                 `tandem run --live-recovery` (or plain `tandem train --live-recovery`, which \
+                 starts its ranks so): torchrun, Slurm and mpirun restart whole jobs"
+            );
+        }
+        return Ok(None);
+    };
+    refuse_live(opts)?;
+    if let Some(kind) = opts.comm.backend.transport() {
+        live.init.transport = Some(kind);
+    }
+    Ok(Some(live))
+}
+
+/// What live recovery cannot carry, refused with the physical reason (also checked by a
+/// worker that a live launcher started without the flag).
+pub fn refuse_live(opts: &TrainOptions) -> Result<()> {
+    let model = opts.model.kind.name();
+    let refused = [
+        (
+            opts.model.kind.is_face(),
+            format!(
+                "--model {model}: the PartialFC head keeps each rank's class centres on that \
+                 rank alone, and a dead rank takes them with it; train the face recipe with \
+                 --save-every and whole-job restarts (tandem run --max-restarts) instead"
+            ),
+        ),
+        (
+            opts.optim.zero,
+            "--zero: ZeRO keeps each rank's share of the optimizer state on that rank alone, \
+             and a dead rank takes its share with it"
+                .into(),
+        ),
+        (
+            opts.model.device == DeviceKind::Cuda,
+            "--device cuda: NCCL communicators are not re-formed (live recovery is CPU training)"
+                .into(),
+        ),
+        (
+            matches!(opts.comm.backend, Backend::Nccl | Backend::Mpi),
+            format!(
+                "--backend {}: its communicator cannot re-form (use auto, tcp or shm)",
+                opts.comm.backend
+            ),
+        ),
+    ];
+    if let Some((_, why)) = refused.iter().find(|(on, _)| *on) {
+        bail!("--live-recovery: {why}");
+    }
+    Ok(())
+}
+
+/// Joins the process group (`--backend` applies under any launcher: mpirun, srun, torchrun,
+/// not only our own) and, with `--backend nccl`, makes the NCCL communicator Ddp reduces with.
+pub fn join_group(opts: &TrainOptions) -> Result<ProcessGroup> {
+    let mut init = tandem_comm::InitOptions::from_env().context("reading TANDEM_* settings")?;
+    if let Some(kind) = opts.comm.backend.transport() {
+        init.transport = Some(kind);
+    }
+    let group = tandem_comm::init_with(&tandem_comm::InitMethod::Env, &init)
+        .context("joining the process group")?;
+    // (Without the `cuda` feature, the binary has refused --backend nccl.)
+    #[cfg(feature = "cuda")]
+    if opts.comm.backend == Backend::Nccl {
+        // Made now, collectively, so Ddp reduces the CUDA gradients with it.
+        let comm = group
+            .nccl(group.local_rank() as i32)
+            .context("--backend nccl: making the NCCL communicator")?;
+        if group.rank() == 0 {
+            eprintln!("nccl: {} rank(s), rank 0 on cuda:{}", group.size(), comm.device());
+        }
+    }
+    Ok(group)
+}
+
+/// The step the options describe: f16's GradScaler (growing every
+/// `grad_scaler_growth_interval` clean steps, `default_interval` without it), the clipping
+/// norm and `sched`.
+pub fn step_for(
+    opts: &TrainOptions,
+    default_interval: i64,
+    sched: crate::Scheduler,
+) -> Result<Step> {
+    use tandem_optim::{GradScaler, GradScalerConfig};
+    let scaler = match opts.model.precision {
+        Precision::F16 => Some(GradScaler::new(GradScalerConfig {
+            growth_interval: opts.optim.grad_scaler_growth_interval.unwrap_or(default_interval),
+            ..GradScalerConfig::default()
+        })?),
+        _ => None,
+    };
+    Ok(Step::new().scaler(scaler).clip_grad_norm(opts.optim.clip_grad_norm).scheduler(sched))
+}
