@@ -32,6 +32,7 @@ pub mod schedule;
 pub mod state;
 pub mod step;
 pub mod tfevents;
+pub mod trainer;
 pub mod verification;
 
 pub use error::TrainError;
@@ -42,3 +43,4 @@ pub use schedule::{LrSchedule, RunLength, Scheduler, Warmup};
 pub use state::{load_state, save_state, Resumed, StateError, TrainingState};
 pub use step::{Step, StepError, StepOutcome};
 pub use tfevents::EventWriter;
+pub use trainer::{Recipe, StepReport, Trainer, TrainerOptions};

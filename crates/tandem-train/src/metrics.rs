@@ -61,6 +61,12 @@ pub struct RunSummary {
     /// Optimizer steps the GradScaler skipped (inf/NaN gradients).
     #[serde(default)]
     pub skipped_steps: u64,
+    /// Where rank's step time went (per-step means from [`StepTimes::line`](crate::trainer::StepTimes::line)).
+    #[serde(default)]
+    pub step_times: Option<crate::trainer::StepTimes>,
+    /// The last verification of every set (the face recipe).
+    #[serde(default)]
+    pub verification: Vec<VerificationMetrics>,
     /// Every epoch this process saw end, in order.
     #[serde(default)]
     pub epochs_seen: Vec<EpochMetrics>,
@@ -206,6 +212,8 @@ mod tests {
             verification_accuracy: None,
             checkpoint: Some("ck/step-20".into()),
             skipped_steps: 1,
+            step_times: None,
+            verification: Vec::new(),
             epochs_seen: vec![epoch(1), epoch(2)],
         };
         let mut f = MetricsFile::append(&path).unwrap();

@@ -3,6 +3,7 @@
 //! with the job's code. Started by `tandem run`, torchrun, Slurm or mpirun, it is one rank.
 use crate::train::config::TrainConfig;
 use anyhow::Context;
+use tandem::train::trainer::verification_text;
 use tandem_launch::{LaunchConfig, NprocPerNode};
 
 #[derive(clap::Args)]
@@ -41,6 +42,12 @@ pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i3
     let run_dir = cfg.run_dir();
     let summary = tandem::train::recipes::train(&cfg.options(run_dir.clone())?)?;
     if summary.rank == 0 {
+        if !summary.verification.is_empty() {
+            println!("verification:{}", verification_text(&summary.verification));
+        }
+        if let (true, Some(times)) = (cfg.model.is_face(), summary.step_times) {
+            eprintln!("{}", times.line());
+        }
         if !launched() {
             write_config(&cfg, &run_dir)?;
         }

@@ -1,126 +1,95 @@
 //! The classifier recipe (mlp, cnn, resnet18 on digits, MNIST, CIFAR-10 or synthetic data):
-//! build data, model, Ddp and optimizer, optionally resume or load initial weights, then train
-//! with per-epoch evaluation, rank-0 checkpoints (synchronous or in the background), TensorBoard
-//! scalars, the metrics file and live recovery.
+//! the model under Ddp, its optimizer (plain or ZeRO-sharded), per-epoch evaluation on the eval
+//! split, and rank 0's checkpoint files (synchronous or in the background), which resume on any
+//! world size and move between ranks under live recovery. The [`Trainer`](crate::Trainer)
+//! drives it.
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 
-use crate::error::{bail, Context, Result};
 use candle_core::Device;
 use tandem_ckpt::{AsyncCheckpointManager, CheckpointManager, TrainingCheckpoint, Value};
-use tandem_comm::{Collectives, LiveOptions};
-use tandem_comm::{ProcessGroup, ReduceOp};
+use tandem_comm::{Collectives, LiveOptions, ProcessGroup};
 use tandem_data::{
-    channel_stats, CropFlip, DataLoader, Dataset, DistributedSampler, EvalMetrics, ImageTransforms,
-    InMemoryDataset, LoaderOptions, SamplerState, Transformed,
+    channel_stats, Batch, CropFlip, DataLoader, Dataset, DistributedSampler, EvalMetrics,
+    ImageTransforms, InMemoryDataset, LoaderOptions, SamplerState, Transformed,
 };
 use tandem_ddp::{Ddp, DdpOptions};
 use tandem_optim::amp::GradScaler;
-
-use crate::error::TrainError;
-use crate::live::{LiveError, LiveState, LiveTraining};
-use crate::metrics::{three_figures, MetricsFile, MetricsRecord};
-use crate::schedule::{self, RunLength};
-use crate::state::{sampler_state_from_value, sampler_value, LoaderPosition};
-use crate::{EpochMetrics, EventWriter, Progress, RunSummary, Step};
+use tandem_optim::TorchOptimizer;
 
 use super::net::{image_shape, Net, NetSpec};
 use super::optimizer::TrainOptimizer;
+use crate::error::{bail, Context, Result, TrainError};
 use crate::fault;
+use crate::live::LiveTraining;
 use crate::options::TrainOptions;
+use crate::schedule::{self, RunLength};
+use crate::state::{sampler_state_from_value, sampler_value, LoaderPosition};
+use crate::trainer::{
+    Evaluation, Recipe, ResumeContext, Resumed, SaveContext, StepReport, Trainer, TrainerOptions,
+};
+use crate::{RunSummary, Step};
 
 /// Trains the classifier on this rank of `group`.
-pub(super) fn run(cfg: &TrainOptions, run_dir: &Path, group: ProcessGroup) -> Result<RunSummary> {
-    let mut w = Worker::build(cfg, run_dir, group, None)?;
+pub(super) fn run(cfg: &TrainOptions, group: ProcessGroup) -> Result<RunSummary> {
+    let (recipe, loader, step) = Classifier::build(cfg, &group, None)?;
+    let opts = TrainerOptions::from_train_options(cfg);
+    let mut trainer = Trainer::new(recipe, loader, step, group, opts)?;
     if cfg.run.resume {
-        w.resume()?;
+        trainer.resume()?;
     }
-    w.train()?;
-    w.finish()
+    trainer.fit()
 }
 
 /// A rank of a live job: an original member forms the first world with the others (and
 /// resumes with them when asked); a replacement builds everything first, then joins the
 /// running world and receives its state.
-pub(super) fn run_live(
-    cfg: &TrainOptions,
-    run_dir: &Path,
-    opts: LiveOptions,
-) -> Result<RunSummary> {
+pub(super) fn run_live(cfg: &TrainOptions, opts: LiveOptions) -> Result<RunSummary> {
     let live = LiveTraining::connect_with(opts).context("joining the live job")?;
-    let group = if live.is_replacement() {
+    let replacement = live.is_replacement();
+    let group = if replacement {
         // Placeholder until it joins (rank and size for the sampler; resharded on joining).
         tandem_comm::init_from(&tandem_comm::InitMethod::Single)?
     } else {
         live.group()
     };
-    let ddp_opts = live.ddp_options(DdpOptions::default());
-    let mut w = Worker::build(cfg, run_dir, group, Some((live.collectives(), ddp_opts)))?;
-    if cfg.run.resume && !live.is_replacement() {
-        w.resume()?;
+    let comm = (live.collectives(), live.ddp_options(DdpOptions::default()));
+    let (recipe, loader, step) = Classifier::build(cfg, &group, Some(comm))?;
+    let mut trainer =
+        Trainer::new(recipe, loader, step, group, TrainerOptions::from_train_options(cfg))?;
+    if cfg.run.resume && !replacement {
+        trainer.resume()?;
     }
-    let change = live.start(&mut w).context("joining the running job")?;
-    w.group = live.group();
-    if let Some(change) = change {
-        eprintln!("live: member {} joined the running job: {change}", live_member_of(&w));
+    let mut trainer = trainer.live(live);
+    if let Some(change) = trainer.join_live()? {
+        eprintln!("live: member {} joined the running job: {change}", trainer.live_member());
     }
-    w.live = Some(live);
-    w.run_to_end()?;
-    w.finish()
+    trainer.fit()
 }
 
-fn live_member_of(w: &Worker<'_>) -> String {
-    w.live.as_ref().map_or_else(
-        || std::env::var("RANK").unwrap_or_default(),
-        |l| l.generation().members[w.group.rank()].to_string(),
-    )
-}
-
-/// One rank's training job: the model under Ddp, its optimizer and loss scaler, the data, and
-/// the counters the summary reports.
-struct Worker<'a> {
+/// The classifier's model, optimizer, eval data and checkpoint files.
+pub struct Classifier<'a> {
     cfg: &'a TrainOptions,
-    run_dir: &'a Path,
-    group: ProcessGroup,
     device: Device,
     ddp: Ddp<Net>,
     opt: TrainOptimizer,
-    /// The GradScaler (float16), clipping and the lr schedule around each optimizer step.
-    stepper: Step,
     train: Arc<TrainData>,
     eval: Arc<TrainData>,
     options: LoaderOptions,
-    loader: DataLoader<TrainData>,
     manager: CheckpointManager,
     saver: Saver,
-    global_step: u64,
-    train_time: f64,
-    samples_seen: u64,
     last_eval: EvalMetrics,
-    last_ckpt: Option<PathBuf>,
-    /// Live recovery (`tandem run --live-recovery`): the world this rank trains in.
-    live: Option<LiveTraining>,
-    /// Where the step in progress took its batch from (put back if the step fails).
-    in_flight: Option<SamplerState>,
-    /// An epoch whose steps are done but whose evaluation, line and checkpoint are not.
-    epoch_to_close: Option<(u64, f64)>,
-    /// The step of the last checkpoint written (the same on every rank).
-    saved_at: Option<u64>,
-    /// Every epoch's figures, and rank 0's JSON-lines copy of them (`run_dir/metrics.jsonl`).
-    epochs_seen: Vec<EpochMetrics>,
-    metrics: Option<MetricsFile>,
 }
 
-impl<'a> Worker<'a> {
+impl<'a> Classifier<'a> {
     /// `live`: the collectives Ddp and SyncBatchNorm use instead of `group` (they follow a live
     /// world's regroups) and Ddp's options.
-    fn build(
+    pub fn build(
         cfg: &'a TrainOptions,
-        run_dir: &'a Path,
-        group: ProcessGroup,
+        group: &ProcessGroup,
         live: Option<(Arc<dyn Collectives>, DdpOptions)>,
-    ) -> Result<Self> {
+    ) -> Result<(Self, DataLoader<TrainData>, Step)> {
+        let run_dir = cfg.run.dir.as_path();
         let rank = group.rank();
         let device = cfg.model.device.device(group.local_rank())?;
         let (train, eval) = tandem_data::datasets::from_spec(&cfg.data.spec)
@@ -151,7 +120,7 @@ impl<'a> Worker<'a> {
         }
         let ddp = match live {
             Some((comm, opts)) => Ddp::with_comm(net, comm, opts),
-            None => Ddp::new(net, &group, DdpOptions::default()),
+            None => Ddp::new(net, group, DdpOptions::default()),
         }
         .context("wrapping the model in Ddp")?;
         if cfg.comm.comm_hook != "none" {
@@ -161,9 +130,9 @@ impl<'a> Worker<'a> {
         } else if fault::armed() {
             ddp.register_comm_hook(fault::hook()).context("the fault-injection hook")?;
         }
-        let mut opt = TrainOptimizer::new(cfg, ddp.params(), &group)?;
+        let mut opt = TrainOptimizer::new(cfg, ddp.params(), group)?;
         let sampler = DistributedSampler::builder(train.len())
-            .group(&group)
+            .group(group)
             .shuffle(cfg.data.shuffle)
             .seed(cfg.run.seed)
             .build()?;
@@ -184,78 +153,33 @@ impl<'a> Worker<'a> {
             .build(opt.get_mut(), cfg.optim.lr, RunLength { steps_per_epoch, total_steps })
             .context("--lr-scheduler")?;
         let stepper = super::step_for(cfg, 2000, sched)?;
-        let metrics = metrics_file(run_dir, rank)?;
         let manager = CheckpointManager::new(run_dir.join("checkpoints"), cfg.checkpoint.keep_last);
         let saver = Saver::new(manager.clone(), cfg.checkpoint.background);
-        Ok(Worker {
+        let recipe = Classifier {
             cfg,
-            run_dir,
-            group,
             device,
             ddp,
             opt,
-            stepper,
             train,
             eval: Arc::new(eval),
             options,
-            loader,
             manager,
             saver,
-            global_step: 0,
-            train_time: 0.0,
-            samples_seen: 0,
             last_eval: EvalMetrics::default(),
-            last_ckpt: None,
-            live: None,
-            in_flight: None,
-            epoch_to_close: None,
-            saved_at: None,
-            epochs_seen: Vec::new(),
-            metrics,
-        })
-    }
-
-    fn rank(&self) -> usize {
-        self.group.rank()
-    }
-
-    /// `--resume`: model, optimizer, loader position and loss scale from the newest checkpoint
-    /// that verifies (a fresh start when there is none).
-    fn resume(&mut self) -> Result<()> {
-        let rank = self.rank();
-        let found = self.manager.latest_valid().context("looking for a checkpoint to resume")?;
-        let Some((path, value)) = found else {
-            if rank == 0 {
-                let dir = self.manager.dir().display();
-                eprintln!("--resume: no checkpoint in {dir}, starting fresh");
-            }
-            return Ok(());
         };
-        let ck = TrainingCheckpoint::from_value(&value)
-            .with_context(|| format!("reading {}", path.display()))?;
-        let what = path.display().to_string();
-        let position = self.apply_state(&ck, &what, None)?;
-        if rank == 0 {
-            let (step, epoch) = (self.global_step, self.loader.epoch());
-            eprintln!("resumed from {what} (epoch {epoch}, step {step})");
-            if ck.world_size as usize != self.group.size() {
-                eprintln!("{}", reshard_message(&position, self.group.size(), &self.loader));
-            }
-        }
-        Ok(())
+        Ok((recipe, loader, stepper))
     }
 
-    /// Restores `ck` (named `what` in errors) into the job: model, optimizer, loader position,
-    /// loss scale, step and schedule (stretched over the steps left). `world`: the rank and
-    /// size of a live world the loader moves to (the rest of the epoch split over it); `None`
-    /// keeps this one. Returns the saved loader position.
+    /// Restores `ck` (named `what` in errors): model, optimizer, loader position (through
+    /// `ctx.loader`, which may reshard it), loss scale and schedule (stretched over the steps
+    /// left). Returns the saved loader position and step count.
     fn apply_state(
         &mut self,
         ck: &TrainingCheckpoint,
         what: &str,
-        world: Option<(usize, usize)>,
-    ) -> Result<SamplerState> {
-        let rank = self.rank();
+        ctx: ResumeContext<'_>,
+    ) -> Result<(SamplerState, u64)> {
+        let rank = ctx.group.rank();
         tandem_nn::weights::load_weights_from(&*self.ddp.module(), &ck.model, true)
             .with_context(|| format!("{what}: model"))?;
         self.opt
@@ -265,12 +189,10 @@ impl<'a> Worker<'a> {
         let position = sampler_state_from_value(&ck.sampler).map_err(|problem| {
             TrainError::invalid(format!("{what}: checkpoint `sampler`: {problem}"))
         })?;
-        match world {
-            None => self.loader.load_state(&position),
-            Some((r, n)) => self.loader.reshard(r, n, &position),
-        }
-        .with_context(|| format!("{what}: checkpoint `sampler` does not fit this run"))?;
-        match (self.stepper.grad_scaler_mut(), &ck.scaler) {
+        ctx.loader
+            .set_position(&position)
+            .with_context(|| format!("{what}: checkpoint `sampler` does not fit this run"))?;
+        match (ctx.step.grad_scaler_mut(), &ck.scaler) {
             (Some(s), Value::None) if rank == 0 => eprintln!(
                 "{what}: no GradScaler state (written without --precision f16); the loss scale \
                  starts at {}",
@@ -281,388 +203,139 @@ impl<'a> Worker<'a> {
                 s.load_state_dict(state).with_context(|| format!("GradScaler state in {what}"))?
             }
         }
-        self.global_step = ck.global_step as u64;
-        let max_steps = Some(self.global_step + self.steps_to_end());
-        let sched = self.stepper.lr_scheduler_mut();
+        let global_step = ck.global_step as u64;
+        let max_steps = Some(global_step + ctx.loader.steps_to_end(ctx.epochs));
+        let sched = ctx.step.lr_scheduler_mut();
         schedule::load(sched, &ck.scheduler, self.opt.get_mut(), max_steps, what)
             .context("--lr-scheduler")?;
-        Ok(position)
+        Ok((position, global_step))
     }
 
-    /// The whole training state as a checkpoint value (what `save` writes and a live regroup
-    /// sends).
-    fn state_value(&mut self, world: usize) -> Result<Value> {
-        let optimizer = self.opt.checkpoint_state(self.group.rank())?;
-        let scaler = self.stepper.grad_scaler().map_or(Value::None, GradScaler::state_dict);
-        let scheduler = schedule::state(self.stepper.lr_scheduler());
-        let sampler = self.loader.state();
-        let state =
-            CheckpointState { optimizer, scaler, scheduler, sampler, step: self.global_step };
-        checkpoint_value(&self.ddp.module(), state, world, self.cfg)
-    }
-
-    /// Steps to the end of --epochs from where the loader stands (a resumed epoch may have been
-    /// split over another world size, so count its batches rather than assume a full epoch).
-    fn steps_to_end(&self) -> u64 {
-        self.loader.steps_to_end(self.cfg.run.epochs)
-    }
-
-    /// A checkpoint of the whole state now (a collective; see [`Saver::save`]).
-    fn save(&mut self, name: &str) -> Result<()> {
-        let snapshot = Snapshot {
-            ddp: &self.ddp,
-            opt: &mut self.opt,
-            stepper: &self.stepper,
-            loader: &self.loader,
-            step: self.global_step,
+    /// The whole training state as a checkpoint value (what a save writes and a live regroup
+    /// sends). A collective with ZeRO (the shards are gathered to rank 0).
+    fn state_value(&mut self, ctx: &SaveContext<'_>) -> Result<Value> {
+        let optimizer = self.opt.checkpoint_state(ctx.group.rank())?;
+        let scaler = ctx.step.grad_scaler().map_or(Value::None, GradScaler::state_dict);
+        let scheduler = schedule::state(ctx.step.lr_scheduler());
+        let state = CheckpointState {
+            optimizer,
+            scaler,
+            scheduler,
+            sampler: ctx.position.clone(),
+            step: ctx.global_step,
         };
-        let written = save_checkpoint(name, snapshot, &mut self.saver, &self.group, self.cfg)?;
-        self.last_ckpt = written.or(self.last_ckpt.take());
-        self.saved_at = Some(self.global_step);
+        checkpoint_value(&self.ddp.module(), state, ctx.group.size(), self.cfg)
+    }
+}
+
+impl Recipe for Classifier<'_> {
+    type Data = TrainData;
+
+    fn train_step(&mut self, batch: &Batch, step: &mut Step, n: u64) -> Result<StepReport> {
+        let clock = std::time::Instant::now();
+        let loss = self.ddp.hooked().loss(&batch.x, &batch.y)?;
+        fault::hit(fault::Phase::Forward);
+        let forward_secs = clock.elapsed().as_secs_f64();
+        let (ddp, params) = (&self.ddp, self.ddp.params());
+        let backward = |loss: &candle_core::Tensor| -> Result<_> {
+            let grads = ddp.backward(loss)?;
+            fault::hit(fault::Phase::Optimizer);
+            Ok(grads)
+        };
+        let out = step.run(&loss, backward, self.opt.get_mut(), &params, n)?;
+        Ok(StepReport {
+            loss: loss.to_scalar::<f32>()? as f64,
+            samples: batch.len(),
+            forward_secs,
+            head_secs: 0.0,
+            backward_secs: out.backward_secs,
+            optimizer_secs: out.optimizer_secs,
+        })
+    }
+
+    fn optimizer(&mut self) -> &mut dyn TorchOptimizer {
+        self.opt.get_mut()
+    }
+
+    fn start_epoch(&mut self, epoch: u64) {
+        self.train.set_epoch(epoch);
+    }
+
+    fn set_training(&mut self, training: bool) -> Result<()> {
+        self.ddp.module().set_training(training);
         Ok(())
     }
 
-    /// Epochs until `--epochs` or `--steps`, each ending with an evaluation, a line (and
-    /// TensorBoard scalars) on rank 0, and a checkpoint.
-    fn train(&mut self) -> Result<()> {
-        let cfg = self.cfg;
-        let mut tb = if cfg.run.tensorboard && self.rank() == 0 {
-            let dir = self.run_dir.join("tensorboard");
-            let writer = EventWriter::create(&dir).with_context(|| {
-                format!("creating a TensorBoard event file in {}", dir.display())
-            })?;
-            Some(writer)
-        } else {
-            None
-        };
-        let progress = Progress::new(self.rank() == 0, self.max_steps(), self.global_step);
-        while let Some(max_steps) = self.next_epoch_due() {
-            let epoch = self.loader.epoch();
-            let train_loss = self.train_epoch(max_steps, &progress)?;
-            self.epoch_to_close = Some((epoch, train_loss));
-            self.close_epoch(&progress, tb.as_mut())?;
-        }
-        progress.finish();
-        Ok(())
-    }
-
-    /// The step budget from here: `--steps`, and the steps to the end of `--epochs` (which
-    /// depend on the world size, so a live regroup changes them).
-    fn max_steps(&self) -> u64 {
-        self.cfg.run.max_steps.unwrap_or(u64::MAX).min(self.global_step + self.steps_to_end())
-    }
-
-    /// The step budget when another epoch (or the rest of one) is due, else `None`.
-    fn next_epoch_due(&self) -> Option<u64> {
-        let max_steps = self.max_steps();
-        (self.loader.epoch() < self.cfg.run.epochs && self.global_step < max_steps)
-            .then_some(max_steps)
-    }
-
-    /// An epoch whose steps are done: evaluation, the line and scalars on rank 0, and the
-    /// end-of-epoch checkpoint (unless --save-every just wrote this step or the run is over).
-    fn close_epoch(&mut self, progress: &Progress, tb: Option<&mut EventWriter>) -> Result<()> {
-        let Some((epoch, train_loss)) = self.epoch_to_close else { return Ok(()) };
-        self.ddp.module().set_training(false);
+    fn evaluate(&mut self, group: &ProcessGroup) -> Result<Option<Evaluation>> {
         self.last_eval =
-            evaluate(&self.ddp.module(), &self.eval, &self.group, &self.options, &self.device)?;
-        if self.rank() == 0 {
-            self.report_epoch(epoch, train_loss, progress, tb)?;
-        }
-        let (cfg, step, max_steps) = (self.cfg, self.global_step, self.max_steps());
-        let just_saved =
-            cfg.checkpoint.save_every > 0 && step.is_multiple_of(cfg.checkpoint.save_every);
-        if step < max_steps && self.loader.epoch() < cfg.run.epochs && !just_saved {
-            self.save(&format!("step-{step:08}"))?;
-        }
-        self.epoch_to_close = None;
-        Ok(())
+            evaluate(&self.ddp.module(), &self.eval, group, &self.options, &self.device)?;
+        Ok(Some(Evaluation {
+            loss: self.last_eval.mean_loss(),
+            accuracy: self.last_eval.accuracy(),
+        }))
     }
 
-    /// Live recovery's outer loop: trains (and writes the last checkpoint) to the end, and
-    /// whenever a peer dies or a rank joins, regroups and goes on from the state of the rank
-    /// furthest along — the failed step redone, nothing else.
-    fn run_to_end(&mut self) -> Result<()> {
-        loop {
-            let result = self.train().and_then(|()| self.save_last());
-            let error = match result {
-                Ok(()) => return Ok(()),
-                Err(e) => e,
-            };
-            let boundary = matches!(error, TrainError::RegroupWanted);
-            if !boundary && !error.is_peer_failure() {
-                return Err(error);
-            }
-            let step_failed = self.in_flight.is_some();
-            if let Some(position) = self.in_flight.take() {
-                // The failed step did not happen: its batch goes back.
-                self.loader.load_state(&position)?;
-            }
-            // A background save this rank started (as the world's rank 0) ends before the
-            // world re-forms: the new rank 0 may be another member, and two writers must not
-            // share the checkpoint directory. Its failure ends the run as it would without
-            // live recovery (the files before it are intact).
-            self.saver.settle()?;
-            let live = self.live.take().context("live recovery without a live world")?;
-            let before = self.global_step;
-            let changed = live.regroup(self);
-            self.group = live.group();
-            self.live = Some(live);
-            let change = changed.context("regrouping")?;
-            // Said once per regroup, by the rank whose state the world took.
-            let source = self.live.as_ref().map(|l| l.generation().source);
-            if source == Some(self.rank()) {
-                let cause = if boundary { "a rank joins".to_string() } else { root_cause(&error) };
-                // The world redoes the failed step unless its source had finished it.
-                let redone = u64::from(step_failed && change.step <= before);
-                eprintln!("live: regrouped ({cause}): {change}; {redone} step(s) redone");
-            }
-        }
+    fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>> {
+        let value = self.state_value(&ctx)?;
+        self.saver.save(ctx.group.rank(), ctx.name, value, ctx.group)
     }
 
-    /// The final checkpoint of the run (a collective), unless this step's is written.
-    fn save_last(&mut self) -> Result<()> {
-        if self.saved_at == Some(self.global_step) {
-            return Ok(());
-        }
-        self.save(&format!("step-{:08}", self.global_step))
+    fn settle(&mut self) -> Result<()> {
+        self.saver.settle()
     }
 
-    /// The rest of the current epoch (up to `max_steps`); returns the world's mean train loss.
-    /// In a live world every step starts with the boundary check (a rank waiting to join ends
-    /// the epoch here with [`TrainError::RegroupWanted`]), and the step in progress is remembered so a
-    /// failure can put its batch back.
-    fn train_epoch(&mut self, max_steps: u64, progress: &Progress) -> Result<f64> {
-        // Disjoint borrows: the batch iterator holds the loader while checkpoints read it.
-        let Worker { cfg, group, ddp, opt, stepper, train, loader, saver, live, in_flight, .. } =
-            self;
-        let world = group.size();
-        ddp.module().set_training(true);
-        let (mut loss_sum, mut loss_n) = (0.0f64, 0usize);
-        train.set_epoch(loader.epoch());
-        let mut batches = loader.iter()?;
-        let in_epoch = batches.num_batches();
-        let mut taken = 0usize;
-        while self.global_step < max_steps {
-            if let Some(live) = live.as_ref() {
-                if live.regroup_wanted()? {
-                    return Err(TrainError::RegroupWanted);
-                }
-            }
-            // Pulling past the last batch is what marks the epoch complete in the sampler
-            // state; never pull a batch the step budget will not use (it would count as
-            // consumed).
-            let before = live.is_some().then(|| loader.state());
-            let Some(batch) = batches.next() else { break };
-            taken += 1;
-            *in_flight = before;
-            let started = Instant::now();
-            let batch = batch?;
-            fault::set_step(self.global_step + 1);
-            let loss = ddp.hooked().loss(&batch.x, &batch.y)?;
-            fault::hit(fault::Phase::Forward);
-            let params = ddp.params();
-            let backward = |loss: &candle_core::Tensor| -> Result<_> {
-                let grads = ddp.backward(loss)?;
-                fault::hit(fault::Phase::Optimizer);
-                Ok(grads)
-            };
-            stepper.run(&loss, backward, opt.get_mut(), &params, self.global_step + 1)?;
-            *in_flight = None;
-            self.train_time += started.elapsed().as_secs_f64();
-            self.global_step += 1;
-            self.samples_seen += (batch.len() * world) as u64;
-            loss_sum += loss.to_scalar::<f32>()? as f64 * batch.len() as f64;
-            loss_n += batch.len();
-            progress.step(self.global_step, loss_sum / loss_n.max(1) as f64);
-            let (step, every) = (self.global_step, cfg.checkpoint.save_every);
-            if every > 0 && step.is_multiple_of(every) && step < max_steps {
-                let snapshot = Snapshot { ddp, opt, stepper, loader, step };
-                let written =
-                    save_checkpoint(&format!("step-{step:08}"), snapshot, saver, group, cfg)?;
-                self.last_ckpt = written.or(self.last_ckpt.take());
-                self.saved_at = Some(step);
-            }
-        }
-        if taken == in_epoch {
-            // The epoch's batches are all used: let the loader close it (moves to the next epoch).
-            let _ = batches.next();
-        }
-        drop(batches);
-        let mut train_loss = [loss_sum, loss_n as f64];
-        group.all_reduce(&mut train_loss, ReduceOp::Sum)?;
-        Ok(train_loss[0] / train_loss[1].max(1.0))
-    }
-
-    /// Rank 0's epoch line and TensorBoard scalars.
-    fn report_epoch(
-        &mut self,
-        epoch: u64,
-        train_loss: f64,
-        progress: &Progress,
-        tb: Option<&mut EventWriter>,
-    ) -> Result<()> {
-        let (cfg, step, eval) = (self.cfg, self.global_step, &self.last_eval);
-        let sps = self.samples_seen as f64 / self.train_time.max(1e-9);
-        let lr = self.opt.get().lr();
-        let skipped = self.stepper.skipped_steps();
-        let loss_scale = self.stepper.grad_scaler().map(GradScaler::get_scale);
-        let amp = loss_scale
-            .map_or(String::new(), |s| format!(" loss_scale={s} skipped_steps={skipped}"));
-        let metrics = EpochMetrics {
-            epoch: epoch + 1,
-            step,
-            train_loss,
-            eval_loss: Some(eval.mean_loss()),
-            eval_accuracy: Some(eval.accuracy()),
-            verification: Vec::new(),
-            samples_per_s: sps,
-            lr,
-            loss_scale,
-            skipped_steps: skipped,
-        };
-        if let Some(file) = self.metrics.as_mut() {
-            file.write(&MetricsRecord::Epoch(metrics.clone()))?;
-        }
-        self.epochs_seen.push(metrics);
-        progress.line(&format!(
-            "epoch {}/{} step {step} loss={train_loss:.4} eval_loss={:.4} eval_accuracy={:.4} samples/s={} lr={lr}{amp}",
-            epoch + 1,
-            cfg.run.epochs,
-            eval.mean_loss(),
-            eval.accuracy(),
-            three_figures(sps),
-        ));
-        let Some(tb) = tb else { return Ok(()) };
-        let write = |tb: &mut EventWriter| -> std::io::Result<()> {
-            let s = step as i64;
-            tb.add_scalar("train/loss", train_loss as f32, s)?;
-            tb.add_scalar("train/lr", lr as f32, s)?;
-            tb.add_scalar("train/samples_per_s", sps as f32, s)?;
-            tb.add_scalar("eval/loss", eval.mean_loss() as f32, s)?;
-            tb.add_scalar("eval/accuracy", eval.accuracy() as f32, s)?;
-            tb.flush()
-        };
-        write(tb).with_context(|| format!("writing TensorBoard events to {}", tb.path().display()))
-    }
-
-    /// The final checkpoint, `--save-final` and `--export-onnx`, then the summary.
-    fn finish(mut self) -> Result<RunSummary> {
-        let (cfg, rank) = (self.cfg, self.rank());
-        let final_name = format!("step-{:08}", self.global_step);
-        self.save_last()?;
-        self.saver.finish(&self.group)?;
-        if let Some(path) = &cfg.checkpoint.save_final {
+    /// Model, optimizer, loader position and loss scale from the newest checkpoint that
+    /// verifies (a fresh start when there is none).
+    fn resume(&mut self, ctx: ResumeContext<'_>) -> Result<Option<Resumed>> {
+        let (rank, world) = (ctx.group.rank(), ctx.group.size());
+        let found = self.manager.latest_valid().context("looking for a checkpoint to resume")?;
+        let Some((path, value)) = found else {
             if rank == 0 {
+                let dir = self.manager.dir().display();
+                eprintln!("--resume: no checkpoint in {dir}, starting fresh");
+            }
+            return Ok(None);
+        };
+        let ck = TrainingCheckpoint::from_value(&value)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let what = path.display().to_string();
+        let ResumeContext { group, loader, step, epochs } = ctx;
+        let ctx = ResumeContext { group, loader: &mut *loader, step, epochs };
+        let (position, global_step) = self.apply_state(&ck, &what, ctx)?;
+        let note =
+            (ck.world_size as usize != world).then(|| reshard_message(&position, world, &*loader));
+        Ok(Some(Resumed { path, global_step, note }))
+    }
+
+    /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
+    fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
+        let cfg = self.cfg;
+        if let Some(path) = &cfg.checkpoint.save_final {
+            if group.rank() == 0 {
                 save_weights(&self.ddp.module(), path)?;
             }
-            self.group.barrier()?;
+            group.barrier()?;
         }
         if let Some(path) = &cfg.checkpoint.export_onnx {
-            if rank == 0 {
+            if group.rank() == 0 {
                 let value = model_value(&self.ddp.module())?;
                 let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
                     .context("--export-onnx")?;
                 eprintln!("{summary}");
             }
-            self.group.barrier()?;
+            group.barrier()?;
         }
-        let summary = RunSummary {
-            rank,
-            epochs: self.loader.epoch().min(cfg.run.epochs),
-            steps: self.global_step,
-            samples_per_s: self.samples_seen as f64 / self.train_time.max(1e-9),
-            final_loss: self.epochs_seen.last().map(|e| e.train_loss),
-            eval_accuracy: Some(self.last_eval.accuracy()),
-            verification_accuracy: None,
-            checkpoint: if rank == 0 {
-                self.last_ckpt.or_else(|| Some(self.manager.path_for(&final_name)))
-            } else {
-                None
-            },
-            skipped_steps: self.stepper.skipped_steps(),
-            epochs_seen: self.epochs_seen,
-        };
-        if let Some(file) = self.metrics.as_mut() {
-            file.write(&MetricsRecord::Summary(summary.clone()))?;
-        }
-        Ok(summary)
-    }
-}
-
-/// The failure behind a failed collective in a few words: the group's first failure (which
-/// names the rank that died) when the error carries it, else the innermost error.
-fn root_cause(e: &TrainError) -> String {
-    let text = e.root_cause();
-    let text = match text.find("first failure in this group: ") {
-        Some(i) => text[i + "first failure in this group: ".len()..].to_string(),
-        None => text,
-    };
-    // Keep the first clause; the rest repeats it for each rank the failure passed through.
-    let end = text.find(" (process exited").or_else(|| text.find("; ")).unwrap_or(text.len());
-    text[..end].to_string()
-}
-
-/// A regroup moves the job's whole checkpoint state (the format `--save-every` writes) from
-/// the rank furthest along; every rank then splits the rest of the epoch over the new world
-/// and stretches the schedule over the steps that world has left (as `--resume` does on
-/// another world size).
-impl LiveState for Worker<'_> {
-    fn progress(&self) -> u64 {
-        self.global_step
-    }
-    fn save(&mut self, world: usize) -> Result<Vec<u8>, LiveError> {
-        fault::hit(fault::Phase::Send);
-        let value = self.state_value(world).map_err(|e| LiveError::Other(e.chain_text()))?;
-        tandem_ckpt::to_pt_bytes(&value).map_err(|e| LiveError::Other(e.to_string()))
-    }
-    fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<(), LiveError> {
-        let what = "the live state";
-        let value = tandem_ckpt::pt::load_from_bytes(what, bytes, true)
-            .map_err(|e| LiveError::Other(e.to_string()))?;
-        let ck =
-            TrainingCheckpoint::from_value(&value).map_err(|e| LiveError::Other(e.to_string()))?;
-        self.apply_state(&ck, what, Some((rank, size)))
-            .map_err(|e| LiveError::Other(e.chain_text()))?;
         Ok(())
     }
-    fn enter_world(&mut self, rank: usize, size: usize) -> Result<(), LiveError> {
-        let fail = |e: TrainError| LiveError::Other(e.chain_text());
-        let position = self.loader.state();
-        self.loader.reshard(rank, size, &position).map_err(|e| fail(e.into()))?;
-        let saved = schedule::state(self.stepper.lr_scheduler());
-        let max_steps = Some(self.global_step + self.steps_to_end());
-        let sched = self.stepper.lr_scheduler_mut();
-        schedule::load(sched, &saved, self.opt.get_mut(), max_steps, "the live state")
-            .map_err(|e| fail(e.into()))
+
+    fn live_state(&mut self, ctx: SaveContext<'_>) -> Result<Value> {
+        self.state_value(&ctx)
     }
-}
 
-/// What a checkpoint reads from the job.
-struct Snapshot<'b> {
-    ddp: &'b Ddp<Net>,
-    opt: &'b mut TrainOptimizer,
-    stepper: &'b Step,
-    loader: &'b DataLoader<TrainData>,
-    step: u64,
-}
-
-/// A checkpoint of `snapshot` named `name` (a collective; see [`Saver::save`]); the file rank 0
-/// writes.
-fn save_checkpoint(
-    name: &str,
-    snapshot: Snapshot<'_>,
-    saver: &mut Saver,
-    group: &ProcessGroup,
-    cfg: &TrainOptions,
-) -> Result<Option<PathBuf>> {
-    let Snapshot { ddp, opt, stepper, loader, step } = snapshot;
-    let optimizer = opt.checkpoint_state(group.rank())?;
-    let scaler = stepper.grad_scaler().map_or(Value::None, GradScaler::state_dict);
-    let scheduler = schedule::state(stepper.lr_scheduler());
-    let state = CheckpointState { optimizer, scaler, scheduler, sampler: loader.state(), step };
-    let value = checkpoint_value(&ddp.module(), state, group.size(), cfg)?;
-    saver.save(group.rank(), name, value, group)
+    fn load_live_state(&mut self, value: &Value, ctx: ResumeContext<'_>) -> Result<u64> {
+        let ck = TrainingCheckpoint::from_value(value).context("the live state")?;
+        Ok(self.apply_state(&ck, "the live state", ctx)?.1)
+    }
 }
 
 /// Rank 0's checkpoint writes, synchronous or on a background thread (`--async-save`).
@@ -691,7 +364,6 @@ impl Saver {
         value: Value,
         group: &ProcessGroup,
     ) -> Result<Option<PathBuf>> {
-        fault::hit(fault::Phase::Save);
         match self {
             Saver::Sync(m) => {
                 // The barrier's own error is kept whole (a dead peer there is a peer failure a
@@ -724,27 +396,13 @@ impl Saver {
         }
         Ok(())
     }
-
-    /// At the end: every rank waits for its save in flight (only a rank that was the world's
-    /// rank 0 has one; under live recovery that may have been another rank than now; its error
-    /// ends the run, naming the file), then every rank meets at a barrier, so no rank reports
-    /// success before the last checkpoint is on disk.
-    fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
-        if let Saver::Async(m) = self {
-            let written = m.wait().map(|_| ());
-            let synced = group.barrier();
-            written.context("the last background checkpoint save failed")?;
-            synced.context("barrier after the last checkpoint save")?;
-        }
-        Ok(())
-    }
 }
 
 /// What a resume on another world size did with the epoch it resumed (rank 0 prints it).
-fn reshard_message(saved: &SamplerState, world: usize, loader: &DataLoader<TrainData>) -> String {
+fn reshard_message(saved: &SamplerState, world: usize, loader: &dyn LoaderPosition) -> String {
     let was =
         format!("the checkpoint was written by {} ranks, this run has {world}", saved.num_replicas);
-    let now = loader.state();
+    let now = loader.position();
     if now.epoch != saved.epoch {
         format!(
             "{was}: epoch {} was complete (only padding was left); epoch {} starts with the usual \
@@ -820,14 +478,6 @@ fn evaluate(
         local.add_batch(loss, correct, n as i64);
     }
     Ok(tandem_data::eval::all_reduce_metrics(group, &local)?)
-}
-
-/// Rank 0's JSON-lines metrics file, `run_dir/metrics.jsonl` (appended to on resume).
-pub fn metrics_file(run_dir: &Path, rank: usize) -> Result<Option<MetricsFile>> {
-    if rank != 0 {
-        return Ok(None);
-    }
-    Ok(Some(MetricsFile::append(&run_dir.join("metrics.jsonl"))?))
 }
 
 /// Loads weights from a PyTorch or tandem file (any container, any wrapping) through the

@@ -22,15 +22,14 @@ use crate::{RunSummary, Step};
 /// group comes from the environment: `tandem run`, torchrun, Slurm, mpirun, or a world of
 /// one). Under `tandem run --live-recovery` the classifier keeps going through a rank's death.
 pub fn train(opts: &TrainOptions) -> Result<RunSummary> {
-    let run_dir = &opts.run.dir;
     if let Some(live) = live_options(opts)? {
-        return classifier::run_live(opts, run_dir, live);
+        return classifier::run_live(opts, live);
     }
     let group = join_group(opts)?;
     if opts.model.kind.is_face() {
-        return face::run(opts, run_dir, group);
+        return face::run(opts, group);
     }
-    classifier::run(opts, run_dir, group)
+    classifier::run(opts, group)
 }
 
 /// The live launcher's settings when it started this rank (`tandem run --live-recovery`, or

@@ -1,0 +1,793 @@
+//! The training loop, written once for every recipe (as Lightning's `Trainer` and burn's
+//! `Learner`): epochs and steps with the sampler's epoch, a step budget, the recipe's step
+//! through one [`Step`], evaluation at epoch ends and verification every N steps, the
+//! checkpoint policy (every N steps, at epoch ends, at the end; the recipe writes, synchronously
+//! or in the background), resume, live recovery (`tandem run --live-recovery`: regroup on a
+//! peer's death or a rank joining, redo at most the failed step), and the loggers (progress,
+//! TensorBoard, the JSON-lines metrics file), ending in a typed [`RunSummary`].
+//!
+//! A [`Recipe`] says what one step, an evaluation and a checkpoint are; the built-in ones are
+//! [`recipes::classifier`](crate::recipes::classifier) and [`recipes::face`](crate::recipes::face).
+//!
+//! ```ignore
+//! let mut trainer = Trainer::new(my_recipe, loader, step, group, TrainerOptions::new(dir, 10));
+//! let summary = trainer.fit()?;
+//! ```
+use std::path::PathBuf;
+use std::time::Instant;
+
+use tandem_ckpt::Value;
+use tandem_comm::{ProcessGroup, ReduceOp};
+use tandem_data::{Batch, DataLoader, Dataset, SamplerState};
+use tandem_optim::{GradScaler, TorchOptimizer};
+
+use crate::error::{Context, Result, TrainError};
+use crate::fault;
+use crate::live::{LiveError, LiveState, LiveTraining};
+use crate::metrics::{three_figures, MetricsFile, MetricsRecord, VerificationMetrics};
+use crate::schedule;
+use crate::state::LoaderPosition;
+use crate::{EpochMetrics, EventWriter, Progress, RunSummary, Step};
+
+/// What one step reported: this rank's mean loss over its `samples`, and where its time went.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepReport {
+    pub loss: f64,
+    pub samples: usize,
+    /// Seconds in the forward pass (the backbone's, for a recipe with a head).
+    pub forward_secs: f64,
+    /// Seconds in a model-parallel head (PartialFC), 0 otherwise.
+    pub head_secs: f64,
+    pub backward_secs: f64,
+    pub optimizer_secs: f64,
+}
+
+/// Where a rank's step time goes (seconds summed over the run's steps).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StepTimes {
+    pub steps: u64,
+    /// Waiting for the next batch (decoding runs ahead on the loader's threads).
+    pub data: f64,
+    pub forward: f64,
+    pub head: f64,
+    /// Backward, with Ddp's bucketed all-reduce.
+    pub backward: f64,
+    /// Unscale, clipping, the optimizer step and the schedule.
+    pub optimizer: f64,
+}
+
+impl StepTimes {
+    fn add(&mut self, data: f64, r: &StepReport) {
+        self.steps += 1;
+        self.data += data;
+        self.forward += r.forward_secs;
+        self.head += r.head_secs;
+        self.backward += r.backward_secs;
+        self.optimizer += r.optimizer_secs;
+    }
+
+    /// `time per step on rank 0: T ms = data .. + backbone forward .. + PartialFC .. + backward
+    /// and all-reduce .. + optimizer ..`.
+    pub fn line(&self) -> String {
+        let per = |t: f64| t * 1e3 / self.steps.max(1) as f64;
+        let total = self.data + self.forward + self.head + self.backward + self.optimizer;
+        format!(
+            "time per step on rank 0: {:.1} ms = data {:.1} + backbone forward {:.1} + PartialFC {:.1} + backward and all-reduce {:.1} + optimizer {:.1}",
+            per(total),
+            per(self.data),
+            per(self.forward),
+            per(self.head),
+            per(self.backward),
+            per(self.optimizer)
+        )
+    }
+}
+
+/// An end-of-epoch evaluation on held-out data (the world's figures).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Evaluation {
+    pub loss: f64,
+    pub accuracy: f64,
+}
+
+/// What a recipe's checkpoint holds beside its own model and optimizer.
+pub struct SaveContext<'a> {
+    pub group: &'a ProcessGroup,
+    /// The checkpoint's name (`step-00000120`).
+    pub name: &'a str,
+    pub step: &'a mut Step,
+    pub position: &'a SamplerState,
+    pub global_step: u64,
+}
+
+/// What a recipe restores besides its own model and optimizer.
+pub struct ResumeContext<'a> {
+    pub group: &'a ProcessGroup,
+    pub loader: &'a mut dyn LoaderPosition,
+    pub step: &'a mut Step,
+    /// The run's epochs (a schedule is stretched over the steps left to their end).
+    pub epochs: u64,
+}
+
+/// Where a resume started from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Resumed {
+    pub path: PathBuf,
+    pub global_step: u64,
+    /// What rank 0 says about it besides `resumed from PATH (epoch E, step S)` (a re-split on
+    /// another world size), if anything.
+    pub note: Option<String>,
+}
+
+/// One recipe: the model, its optimizer and its data, as the [`Trainer`] drives them.
+pub trait Recipe {
+    /// What the loader reads.
+    type Data: Dataset + 'static;
+
+    /// One optimizer step on `batch`: forward, loss, and `step.run` with the recipe's backward.
+    /// `global_step` numbers the step being taken (1-based).
+    fn train_step(
+        &mut self,
+        batch: &Batch,
+        step: &mut Step,
+        global_step: u64,
+    ) -> Result<StepReport>;
+
+    /// The optimizer (its learning rate goes in the epoch line; a schedule is reloaded into it).
+    fn optimizer(&mut self) -> &mut dyn TorchOptimizer;
+
+    /// Called before an epoch's batches (augmentation keyed by the epoch).
+    fn start_epoch(&mut self, _epoch: u64) {}
+
+    /// Training (`true`) or evaluation mode.
+    fn set_training(&mut self, _training: bool) -> Result<()> {
+        Ok(())
+    }
+
+    /// The end-of-epoch evaluation (a collective), if the recipe has one.
+    fn evaluate(&mut self, _group: &ProcessGroup) -> Result<Option<Evaluation>> {
+        Ok(None)
+    }
+
+    /// Verification (a collective) every `validate_every` steps and at the end, if any.
+    fn validate(&mut self, _group: &ProcessGroup, _step: u64) -> Result<Vec<VerificationMetrics>> {
+        Ok(Vec::new())
+    }
+
+    /// Writes a checkpoint (a collective); returns what rank 0 wrote.
+    fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>>;
+
+    /// Waits for a background save in flight (its failure is the run's).
+    fn settle(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Restores the newest checkpoint, if there is one (a collective).
+    fn resume(&mut self, ctx: ResumeContext<'_>) -> Result<Option<Resumed>>;
+
+    /// The final outputs after the last checkpoint (weights, ONNX); every rank calls it.
+    fn finish(&mut self, _group: &ProcessGroup) -> Result<()> {
+        Ok(())
+    }
+
+    /// Live recovery: the whole training state, sent to a re-formed world by its source.
+    fn live_state(&mut self, _ctx: SaveContext<'_>) -> Result<Value> {
+        Err(TrainError::invalid("this recipe cannot move its state between ranks"))
+    }
+
+    /// Live recovery: loads a state from [`Recipe::live_state`]; the loader goes to the saved
+    /// position resharded over the new world. Returns the step count it holds.
+    fn load_live_state(&mut self, _value: &Value, _ctx: ResumeContext<'_>) -> Result<u64> {
+        Err(TrainError::invalid("this recipe cannot move its state between ranks"))
+    }
+}
+
+/// How the [`Trainer`] runs.
+#[derive(Clone, Debug)]
+pub struct TrainerOptions {
+    /// The run directory: the metrics file (rank 0) and TensorBoard events.
+    pub dir: PathBuf,
+    pub epochs: u64,
+    pub max_steps: Option<u64>,
+    /// A checkpoint every N steps (0: at epoch ends only); always at the end.
+    pub save_every: u64,
+    /// [`Recipe::validate`] every N steps (0: only at the end).
+    pub validate_every: u64,
+    pub resume: bool,
+    pub progress: bool,
+    pub tensorboard: bool,
+}
+
+impl TrainerOptions {
+    pub fn new(dir: impl Into<PathBuf>, epochs: u64) -> Self {
+        TrainerOptions {
+            dir: dir.into(),
+            epochs,
+            max_steps: None,
+            save_every: 0,
+            validate_every: 0,
+            resume: false,
+            progress: true,
+            tensorboard: false,
+        }
+    }
+
+    pub fn from_train_options(o: &crate::TrainOptions) -> Self {
+        TrainerOptions {
+            dir: o.run.dir.clone(),
+            epochs: o.run.epochs,
+            max_steps: o.run.max_steps,
+            save_every: o.checkpoint.save_every,
+            validate_every: if o.model.kind.is_face() { o.face.verify_every } else { 0 },
+            resume: o.run.resume,
+            progress: o.run.progress,
+            tensorboard: o.run.tensorboard,
+        }
+    }
+}
+
+/// Drives a [`Recipe`] to the end of its epochs.
+pub struct Trainer<R: Recipe> {
+    recipe: R,
+    loader: DataLoader<R::Data>,
+    step: Step,
+    group: ProcessGroup,
+    opts: TrainerOptions,
+    global_step: u64,
+    samples_seen: u64,
+    train_time: f64,
+    times: StepTimes,
+    last_eval: Option<Evaluation>,
+    last_val: Vec<VerificationMetrics>,
+    last_ckpt: Option<PathBuf>,
+    /// The step of the last checkpoint written (the same on every rank).
+    saved_at: Option<u64>,
+    /// An epoch whose steps are done but whose evaluation, line and checkpoint are not.
+    epoch_to_close: Option<(u64, f64)>,
+    /// Where the step in progress took its batch from (put back if the step fails).
+    in_flight: Option<SamplerState>,
+    live: Option<LiveTraining>,
+    epochs_seen: Vec<EpochMetrics>,
+    metrics: Option<MetricsFile>,
+    tb: Option<EventWriter>,
+}
+
+impl<R: Recipe> Trainer<R> {
+    /// A trainer for `recipe` on `group`, reading `loader`, stepping through `step`.
+    pub fn new(
+        recipe: R,
+        loader: DataLoader<R::Data>,
+        step: Step,
+        group: ProcessGroup,
+        opts: TrainerOptions,
+    ) -> Result<Self> {
+        let rank0 = group.rank() == 0;
+        let metrics = match rank0 {
+            true => Some(MetricsFile::append(&opts.dir.join("metrics.jsonl"))?),
+            false => None,
+        };
+        let tb = match rank0 && opts.tensorboard {
+            true => {
+                let dir = opts.dir.join("tensorboard");
+                Some(EventWriter::create(&dir).with_context(|| {
+                    format!("creating a TensorBoard event file in {}", dir.display())
+                })?)
+            }
+            false => None,
+        };
+        Ok(Trainer {
+            recipe,
+            loader,
+            step,
+            group,
+            opts,
+            global_step: 0,
+            samples_seen: 0,
+            train_time: 0.0,
+            times: StepTimes::default(),
+            last_eval: None,
+            last_val: Vec::new(),
+            last_ckpt: None,
+            saved_at: None,
+            epoch_to_close: None,
+            in_flight: None,
+            live: None,
+            epochs_seen: Vec::new(),
+            metrics,
+            tb,
+        })
+    }
+
+    /// Trains in the live world `live` (`tandem run --live-recovery`): a peer's death or a
+    /// joining rank regroups the world instead of ending the run. Call [`Trainer::join_live`]
+    /// next (a replacement's group is only a placeholder until it joins).
+    pub fn live(mut self, live: LiveTraining) -> Self {
+        self.live = Some(live);
+        self
+    }
+
+    pub fn recipe(&self) -> &R {
+        &self.recipe
+    }
+
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// Restores the newest checkpoint in the recipe's checkpoint directory (a fresh start when
+    /// there is none; rank 0 says which).
+    pub fn resume(&mut self) -> Result<()> {
+        let ctx = ResumeContext {
+            group: &self.group,
+            loader: &mut self.loader,
+            step: &mut self.step,
+            epochs: self.opts.epochs,
+        };
+        let Some(r) = self.recipe.resume(ctx)? else { return Ok(()) };
+        self.global_step = r.global_step;
+        if self.rank() == 0 {
+            let (epoch, step) = (self.loader.epoch(), self.global_step);
+            eprintln!("resumed from {} (epoch {epoch}, step {step})", r.path.display());
+            if let Some(note) = r.note {
+                eprintln!("{note}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Trains to the end (regrouping through failures in a live world), writes the last
+    /// checkpoint and the recipe's final outputs, and returns the run's summary.
+    pub fn fit(mut self) -> Result<RunSummary> {
+        if self.live.is_some() {
+            self.run_live()?;
+        } else {
+            self.train()?;
+            self.save_last()?;
+        }
+        self.recipe.settle()?;
+        self.group.barrier().context("barrier after the last checkpoint save")?;
+        let val = self.recipe.validate(&self.group, self.global_step)?;
+        if !val.is_empty() {
+            self.report_validation(&val)?;
+            self.last_val = val;
+        }
+        if self.last_eval.is_none() {
+            // Nothing was left to train (a resume at the end): evaluate the model as it is.
+            self.recipe.set_training(false)?;
+            self.last_eval = self.recipe.evaluate(&self.group)?;
+        }
+        self.recipe.finish(&self.group)?;
+        // Every rank agrees the run is over before any reports it.
+        let mut done = [1.0f64];
+        self.group.all_reduce(&mut done, ReduceOp::Sum)?;
+        let summary = RunSummary {
+            rank: self.rank(),
+            epochs: self.loader.epoch().min(self.opts.epochs),
+            steps: self.global_step,
+            samples_per_s: self.samples_seen as f64 / self.train_time.max(1e-9),
+            final_loss: self.epochs_seen.last().map(|e| e.train_loss),
+            eval_accuracy: self.last_eval.map(|e| e.accuracy),
+            verification_accuracy: self.last_val.first().map(|r| r.accuracy),
+            checkpoint: if self.rank() == 0 { self.last_ckpt.clone() } else { None },
+            skipped_steps: self.step.skipped_steps(),
+            step_times: Some(self.times),
+            verification: self.last_val.clone(),
+            epochs_seen: std::mem::take(&mut self.epochs_seen),
+        };
+        if let Some(file) = self.metrics.as_mut() {
+            file.write(&MetricsRecord::Summary(summary.clone()))?;
+        }
+        Ok(summary)
+    }
+
+    /// The step budget from here: `max_steps`, and the steps to the end of the epochs (which
+    /// depend on the world size, so a live regroup changes them).
+    fn max_steps(&self) -> u64 {
+        let to_end = self.global_step + self.loader.steps_to_end(self.opts.epochs);
+        self.opts.max_steps.unwrap_or(u64::MAX).min(to_end)
+    }
+
+    /// Epochs until the end or the step budget, each closed by [`Trainer::close_epoch`].
+    fn train(&mut self) -> Result<()> {
+        let progress = Progress::new(
+            self.opts.progress && self.rank() == 0,
+            self.max_steps(),
+            self.global_step,
+        );
+        self.close_epoch(&progress)?;
+        loop {
+            let max_steps = self.max_steps();
+            if self.loader.epoch() >= self.opts.epochs || self.global_step >= max_steps {
+                break;
+            }
+            let epoch = self.loader.epoch();
+            let train_loss = self.train_epoch(max_steps, &progress)?;
+            self.epoch_to_close = Some((epoch, train_loss));
+            self.close_epoch(&progress)?;
+        }
+        progress.finish();
+        Ok(())
+    }
+
+    /// The rest of the current epoch (up to `max_steps`); returns the world's mean loss. In a
+    /// live world every step starts with the boundary check (a rank waiting to join ends the
+    /// epoch here with [`TrainError::RegroupWanted`]), and the step in progress is remembered
+    /// so a failure can put its batch back.
+    fn train_epoch(&mut self, max_steps: u64, progress: &Progress) -> Result<f64> {
+        let started = Instant::now();
+        let Trainer { recipe, loader, step, group, opts, live, in_flight, .. } = self;
+        let world = group.size() as u64;
+        recipe.set_training(true)?;
+        recipe.start_epoch(loader.epoch());
+        let (mut loss_sum, mut samples, mut pause) = (0.0f64, 0usize, 0.0f64);
+        let mut batches = loader.iter()?;
+        let in_epoch = batches.num_batches();
+        let mut taken = 0usize;
+        while self.global_step < max_steps {
+            if let Some(live) = live.as_ref() {
+                if live.regroup_wanted()? {
+                    return Err(TrainError::RegroupWanted);
+                }
+            }
+            // Pulling past the last batch is what marks the epoch complete in the sampler
+            // state; never pull a batch the step budget will not use.
+            let before = live.is_some().then(|| loader.state());
+            let waited = Instant::now();
+            let Some(batch) = batches.next() else { break };
+            let data = waited.elapsed().as_secs_f64();
+            taken += 1;
+            *in_flight = before;
+            let batch = batch?;
+            let n = self.global_step + 1;
+            fault::set_step(n);
+            let report = recipe.train_step(&batch, step, n)?;
+            *in_flight = None;
+            self.times.add(data, &report);
+            self.global_step = n;
+            self.samples_seen += batch.len() as u64 * world;
+            loss_sum += report.loss * report.samples as f64;
+            samples += report.samples;
+            progress.step(n, loss_sum / samples.max(1) as f64);
+            if n.is_multiple_of(100) {
+                if let Some(tb) = self.tb.as_mut() {
+                    let lr = recipe.optimizer().lr();
+                    scalars(tb, n, &[("train/loss_step", report.loss), ("train/lr", lr)])?;
+                }
+            }
+            if opts.validate_every > 0 && n.is_multiple_of(opts.validate_every) && n < max_steps {
+                let clock = Instant::now();
+                let val = recipe.validate(group, n)?;
+                recipe.set_training(true)?;
+                if !val.is_empty() {
+                    report_validation(group, self.tb.as_mut(), n, &val)?;
+                    self.last_val = val;
+                }
+                pause += clock.elapsed().as_secs_f64();
+            }
+            if opts.save_every > 0 && n.is_multiple_of(opts.save_every) && n < max_steps {
+                let clock = Instant::now();
+                let ctx = SaveContext {
+                    group,
+                    name: &format!("step-{n:08}"),
+                    step,
+                    position: &loader.state(),
+                    global_step: n,
+                };
+                fault::hit(fault::Phase::Save);
+                let written = recipe.save(ctx)?;
+                self.last_ckpt = written.or(self.last_ckpt.take());
+                self.saved_at = Some(n);
+                pause += clock.elapsed().as_secs_f64();
+            }
+        }
+        if taken == in_epoch {
+            // The epoch's batches are all used: let the loader close it (moves to the next epoch).
+            let _ = batches.next();
+        }
+        drop(batches);
+        self.train_time += started.elapsed().as_secs_f64() - pause;
+        let mut sums = [loss_sum, samples as f64];
+        self.group.all_reduce(&mut sums, ReduceOp::Sum)?;
+        Ok(sums[0] / sums[1].max(1.0))
+    }
+
+    /// An epoch whose steps are done: evaluation, the line, scalars and metrics on rank 0, and
+    /// the end-of-epoch checkpoint (unless `save_every` just wrote this step or the run is
+    /// over).
+    fn close_epoch(&mut self, progress: &Progress) -> Result<()> {
+        let Some((epoch, train_loss)) = self.epoch_to_close else { return Ok(()) };
+        self.recipe.set_training(false)?;
+        if let Some(eval) = self.recipe.evaluate(&self.group)? {
+            self.last_eval = Some(eval);
+        }
+        if self.rank() == 0 {
+            self.report_epoch(epoch, train_loss, progress)?;
+        }
+        let (step, max_steps, every) = (self.global_step, self.max_steps(), self.opts.save_every);
+        let just_saved = every > 0 && step.is_multiple_of(every);
+        if step < max_steps && self.loader.epoch() < self.opts.epochs && !just_saved {
+            self.save(&format!("step-{step:08}"))?;
+        }
+        self.epoch_to_close = None;
+        Ok(())
+    }
+
+    /// A checkpoint of the whole state now (a collective).
+    fn save(&mut self, name: &str) -> Result<()> {
+        let ctx = SaveContext {
+            group: &self.group,
+            name,
+            step: &mut self.step,
+            position: &self.loader.state(),
+            global_step: self.global_step,
+        };
+        fault::hit(fault::Phase::Save);
+        let written = self.recipe.save(ctx)?;
+        self.last_ckpt = written.or(self.last_ckpt.take());
+        self.saved_at = Some(self.global_step);
+        Ok(())
+    }
+
+    /// The final checkpoint of the run (a collective), unless this step's is written.
+    fn save_last(&mut self) -> Result<()> {
+        if self.saved_at == Some(self.global_step) {
+            return Ok(());
+        }
+        self.save(&format!("step-{:08}", self.global_step))
+    }
+
+    /// Rank 0's epoch line, TensorBoard scalars and metrics record.
+    fn report_epoch(&mut self, epoch: u64, train_loss: f64, progress: &Progress) -> Result<()> {
+        let sps = self.samples_seen as f64 / self.train_time.max(1e-9);
+        let lr = self.recipe.optimizer().lr();
+        let skipped = self.step.skipped_steps();
+        let loss_scale = self.step.grad_scaler().map(GradScaler::get_scale);
+        let metrics = EpochMetrics {
+            epoch: epoch + 1,
+            step: self.global_step,
+            train_loss,
+            eval_loss: self.last_eval.map(|e| e.loss),
+            eval_accuracy: self.last_eval.map(|e| e.accuracy),
+            verification: self.last_val.clone(),
+            samples_per_s: sps,
+            lr,
+            loss_scale,
+            skipped_steps: skipped,
+        };
+        progress.line(&epoch_line(&metrics, self.opts.epochs));
+        if let Some(tb) = self.tb.as_mut() {
+            let mut values =
+                vec![("train/loss", train_loss), ("train/lr", lr), ("train/samples_per_s", sps)];
+            if let Some(e) = self.last_eval {
+                values.extend([("eval/loss", e.loss), ("eval/accuracy", e.accuracy)]);
+            }
+            scalars(tb, self.global_step, &values)?;
+        }
+        if let Some(file) = self.metrics.as_mut() {
+            file.write(&MetricsRecord::Epoch(metrics.clone()))?;
+        }
+        self.epochs_seen.push(metrics);
+        Ok(())
+    }
+
+    fn report_validation(&mut self, val: &[VerificationMetrics]) -> Result<()> {
+        report_validation(&self.group, self.tb.as_mut(), self.global_step, val)
+    }
+
+    /// Live recovery's outer loop: trains (and writes the last checkpoint) to the end, and
+    /// whenever a peer dies or a rank joins, regroups and goes on from the state of the rank
+    /// furthest along — the failed step redone, nothing else.
+    fn run_live(&mut self) -> Result<()> {
+        loop {
+            let result = self.train().and_then(|()| self.save_last());
+            let error = match result {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            let boundary = matches!(error, TrainError::RegroupWanted);
+            if !boundary && !error.is_peer_failure() {
+                return Err(error);
+            }
+            let step_failed = self.in_flight.is_some();
+            if let Some(position) = self.in_flight.take() {
+                // The failed step did not happen: its batch goes back.
+                self.loader.load_state(&position)?;
+            }
+            // A background save this rank started (as the world's rank 0) ends before the
+            // world re-forms: the new rank 0 may be another member, and two writers must not
+            // share the checkpoint directory. Its failure ends the run as it would without
+            // live recovery (the files before it are intact).
+            self.recipe.settle()?;
+            let live = self.live.take().context("live recovery without a live world")?;
+            let before = self.global_step;
+            let changed = live.regroup(self);
+            self.group = live.group();
+            self.live = Some(live);
+            let change = changed.context("regrouping")?;
+            // Said once per regroup, by the rank whose state the world took.
+            let source = self.live.as_ref().map(|l| l.generation().source);
+            if source == Some(self.rank()) {
+                let cause = if boundary { "a rank joins".to_string() } else { root_cause(&error) };
+                // The world redoes the failed step unless its source had finished it.
+                let redone = u64::from(step_failed && change.step <= before);
+                eprintln!("live: regrouped ({cause}): {change}; {redone} step(s) redone");
+            }
+        }
+    }
+
+    /// A replacement rank (or every member at the start) joins the running world.
+    pub fn join_live(&mut self) -> Result<Option<crate::live::WorldChange>> {
+        let Some(live) = self.live.take() else { return Ok(None) };
+        let change = live.start(self);
+        self.group = live.group();
+        self.live = Some(live);
+        change.context("joining the running job")
+    }
+
+    /// This process's member slot in the live world (for messages).
+    pub fn live_member(&self) -> String {
+        self.live.as_ref().map_or_else(
+            || std::env::var("RANK").unwrap_or_default(),
+            |l| l.generation().members[self.group.rank()].to_string(),
+        )
+    }
+}
+
+/// `epoch E/N step S loss=L [eval_loss=.. eval_accuracy=..] samples/s=.. lr=..[ loss_scale=..
+/// skipped_steps=..][ verification_accuracy=.. NAME=ACC+-STD ...]`.
+pub fn epoch_line(m: &EpochMetrics, epochs: u64) -> String {
+    let mut line = format!("epoch {}/{epochs} step {} loss={:.4}", m.epoch, m.step, m.train_loss);
+    if let (Some(l), Some(a)) = (m.eval_loss, m.eval_accuracy) {
+        line += &format!(" eval_loss={l:.4} eval_accuracy={a:.4}");
+    }
+    line += &format!(" samples/s={} lr={}", three_figures(m.samples_per_s), m.lr);
+    if let Some(s) = m.loss_scale {
+        line += &format!(" loss_scale={s} skipped_steps={}", m.skipped_steps);
+    }
+    line + &verification_text(&m.verification)
+}
+
+/// ` verification_accuracy=X NAME=ACC+-STD ...` (empty without results).
+pub fn verification_text(results: &[VerificationMetrics]) -> String {
+    let Some(first) = results.first() else { return String::new() };
+    let mut s = format!(" verification_accuracy={:.4}", first.accuracy);
+    for r in results {
+        s += &format!(" {}={:.4}+-{:.4}", r.name, r.accuracy, r.std);
+    }
+    s
+}
+
+/// Rank 0's lines (as arcface_torch's callback prints them) and TensorBoard scalars for a
+/// verification at `step`.
+fn report_validation(
+    group: &ProcessGroup,
+    tb: Option<&mut EventWriter>,
+    step: u64,
+    val: &[VerificationMetrics],
+) -> Result<()> {
+    if group.rank() != 0 {
+        return Ok(());
+    }
+    for r in val {
+        eprintln!("[{}][{step}] accuracy-flip: {:.5}+-{:.5}", r.name, r.accuracy, r.std);
+    }
+    let Some(tb) = tb else { return Ok(()) };
+    let names: Vec<(String, f64)> =
+        val.iter().map(|r| (format!("verification/{}", r.name), r.accuracy)).collect();
+    let refs: Vec<(&str, f64)> = names.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    scalars(tb, step, &refs)
+}
+
+/// TensorBoard scalars at `step`.
+fn scalars(tb: &mut EventWriter, step: u64, values: &[(&str, f64)]) -> Result<()> {
+    let mut write = || -> std::io::Result<()> {
+        for (k, v) in values {
+            tb.add_scalar(k, *v as f32, step as i64)?;
+        }
+        tb.flush()
+    };
+    write().with_context(|| format!("writing TensorBoard events to {}", tb.path().display()))
+}
+
+/// The failure behind a failed collective in a few words: the group's first failure (which
+/// names the rank that died) when the error carries it, else the innermost error.
+fn root_cause(e: &TrainError) -> String {
+    let text = e.root_cause();
+    let text = match text.find("first failure in this group: ") {
+        Some(i) => text[i + "first failure in this group: ".len()..].to_string(),
+        None => text,
+    };
+    // Keep the first clause; the rest repeats it for each rank the failure passed through.
+    let end = text.find(" (process exited").or_else(|| text.find("; ")).unwrap_or(text.len());
+    text[..end].to_string()
+}
+
+/// A regroup moves the recipe's whole state from the rank furthest along; every rank then
+/// splits the rest of the epoch over the new world and stretches the schedule over the steps
+/// that world has left (as a resume on another world size does).
+impl<R: Recipe> LiveState for Trainer<R> {
+    fn progress(&self) -> u64 {
+        self.global_step
+    }
+    fn save(&mut self, world: usize) -> std::result::Result<Vec<u8>, LiveError> {
+        fault::hit(fault::Phase::Send);
+        let _ = world;
+        let ctx = SaveContext {
+            group: &self.group,
+            name: "the live state",
+            step: &mut self.step,
+            position: &self.loader.state(),
+            global_step: self.global_step,
+        };
+        let value = self.recipe.live_state(ctx).map_err(|e| LiveError::Other(e.chain_text()))?;
+        tandem_ckpt::to_pt_bytes(&value).map_err(|e| LiveError::Other(e.to_string()))
+    }
+    fn load(
+        &mut self,
+        bytes: Vec<u8>,
+        rank: usize,
+        size: usize,
+    ) -> std::result::Result<(), LiveError> {
+        let what = "the live state";
+        let value = tandem_ckpt::pt::load_from_bytes(what, bytes, true)
+            .map_err(|e| LiveError::Other(e.to_string()))?;
+        let mut world = WorldLoader { loader: &mut self.loader, world: (rank, size) };
+        let ctx = ResumeContext {
+            group: &self.group,
+            loader: &mut world,
+            step: &mut self.step,
+            epochs: self.opts.epochs,
+        };
+        self.global_step = self
+            .recipe
+            .load_live_state(&value, ctx)
+            .map_err(|e| LiveError::Other(e.chain_text()))?;
+        Ok(())
+    }
+    fn enter_world(&mut self, rank: usize, size: usize) -> std::result::Result<(), LiveError> {
+        let fail = |e: TrainError| LiveError::Other(e.chain_text());
+        let position = self.loader.state();
+        self.loader.reshard(rank, size, &position).map_err(|e| fail(e.into()))?;
+        let saved = schedule::state(self.step.lr_scheduler());
+        let max_steps = Some(self.global_step + self.loader.steps_to_end(self.opts.epochs));
+        let sched = self.step.lr_scheduler_mut();
+        schedule::load(sched, &saved, self.recipe.optimizer(), max_steps, "the live state")
+            .map_err(|e| fail(e.into()))
+    }
+}
+
+/// A loader whose `set_position` moves it to another world's share (a live regroup's load).
+struct WorldLoader<'a, D: Dataset + 'static> {
+    loader: &'a mut DataLoader<D>,
+    world: (usize, usize),
+}
+
+impl<D: Dataset + 'static> LoaderPosition for WorldLoader<'_, D> {
+    fn position(&self) -> SamplerState {
+        self.loader.state()
+    }
+    fn set_position(&mut self, state: &SamplerState) -> Result<(), tandem_data::DataError> {
+        self.loader.reshard(self.world.0, self.world.1, state)
+    }
+    fn set_epoch(&mut self, epoch: u64) {
+        self.loader.set_epoch(epoch)
+    }
+    fn batches_left(&self) -> usize {
+        self.loader.batches_left()
+    }
+    fn batches_per_epoch(&self) -> usize {
+        self.loader.len()
+    }
+    fn reshard(
+        &mut self,
+        rank: usize,
+        num_replicas: usize,
+        state: &SamplerState,
+    ) -> Result<(), tandem_data::DataError> {
+        self.loader.reshard(rank, num_replicas, state)
+    }
+}
