@@ -53,7 +53,7 @@ fn main() -> Result<()> {
     let scaler = GradScaler::new(GradScalerConfig { growth_interval: 100, ..Default::default() })?;
     let mut step = Step::new().scaler(Some(scaler)).clip_grad_norm(Some(5.0)).scheduler(sched);
 
-    let ckpts = FaceCheckpoints::new(out.join("checkpoints"), 2);
+    let mut ckpts = FaceCheckpoints::new(out.join("checkpoints"), 2);
     let mut state = FaceState::new(&ddp, &mut head, &mut opt, &mut step);
     let mut global_step = 0;
     if let Some(r) = face::resume(&ckpts, &mut state, &mut loader, epochs, &group)? {
@@ -79,7 +79,7 @@ fn main() -> Result<()> {
             println!("epoch {epoch} step {global_step} loss={loss:.4} lr={:.5}", opt.lr());
         }
         let state = FaceState::new(&ddp, &mut head, &mut opt, &mut step).global_step(global_step);
-        face::save(&ckpts, &state.seed(SEED), &loader.state(), &group)?;
+        face::save(&mut ckpts, &state.seed(SEED), &loader.state(), &group)?;
     }
 
     let sets = verification::load(&[data.join("pairs.bin")])?;

@@ -46,10 +46,6 @@ struct RunResult {
     redone: Vec<u64>,
 }
 
-fn field(line: &str, key: &str) -> Option<f64> {
-    line.split_whitespace().find_map(|kv| kv.strip_prefix(key)).and_then(|v| v.parse().ok())
-}
-
 /// Runs the job; with `kill_every`, SIGKILLs one of its live workers that often.
 fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow::Result<RunResult> {
     let exe = std::env::current_exe().context("locating the tandem executable")?;
@@ -135,12 +131,21 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
         );
     };
     result.wall_s = (end - started).as_secs_f64();
-    let final_line = &lines.iter().find(|(_, l)| l.contains("final: ")).expect("found above").1;
-    result.eval_accuracy = field(final_line, "eval_accuracy=").unwrap_or(f64::NAN);
-    let last_epoch =
-        lines.iter().rev().find(|(_, l)| l.contains(" eval_loss=")).map(|(_, l)| l.clone());
-    result.eval_loss =
-        last_epoch.as_deref().and_then(|l| field(l, "eval_loss=")).unwrap_or(f64::NAN);
+    // The run's typed result (rank 0's metrics file; under live recovery rank 0 may have
+    // changed, and every rank 0 appends to the same file).
+    let metrics = dir.join("runs/live-bench/metrics.jsonl");
+    let records = tandem_train::metrics::read_metrics(&metrics)?;
+    let summary = tandem_train::metrics::last_summary(&metrics)?
+        .with_context(|| format!("no run summary in {}", metrics.display()))?;
+    result.eval_accuracy = summary.eval_accuracy.unwrap_or(f64::NAN);
+    result.eval_loss = records
+        .iter()
+        .rev()
+        .find_map(|r| match r {
+            tandem_train::metrics::MetricsRecord::Epoch(e) => e.eval_loss,
+            tandem_train::metrics::MetricsRecord::Summary(_) => None,
+        })
+        .unwrap_or(f64::NAN);
     // Every sample of every epoch, once (the dataset's size from the run's header is not
     // printed, so count the epochs' samples as epochs × the digits training split).
     result.samples = (a.epochs

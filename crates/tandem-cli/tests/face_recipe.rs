@@ -24,6 +24,7 @@ fn main() -> ExitCode {
         synthetic_faces_verify_above_0_9,
         same_world_resume_is_bitwise,
         another_world_size_resplits_the_head_and_continues,
+        background_saves_equal_synchronous_ones_and_resume_on_another_world,
         f16_trains,
         config_file_sets_flags_and_the_command_line_wins,
         arcface_layout_round_trip_resumes_bitwise,
@@ -268,6 +269,38 @@ fn another_world_size_resplits_the_head_and_continues() {
     assert_eq!(summary(&run_dir).steps, 26, "{said}");
     let losses = epoch_losses(&run_dir);
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+}
+
+/// `--async-save`: the face checkpoint's files are written on a background thread on every
+/// rank and committed (manifest last) at the next save or the end. The checkpoints equal a
+/// synchronous run's entry for entry, and one resumes on 3 ranks (the head re-split).
+fn background_saves_equal_synchronous_ones_and_resume_on_another_world() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = faces(dir.path(), 16, 8, "png");
+    let (sync_dir, async_dir) = (dir.path().join("sync"), dir.path().join("async"));
+    let common = ["--nproc-per-node", "2", "--epochs", "1", "--save-every", "5"];
+    train(&data, &[&common[..], &["--out", p(&sync_dir)]].concat());
+    train(&data, &[&common[..], &["--out", p(&async_dir), "--async-save"]].concat());
+    for step in ["step-00000010", "step-00000015", "step-00000016"] {
+        let (a, b) =
+            (sync_dir.join("checkpoints").join(step), async_dir.join("checkpoints").join(step));
+        assert!(b.join("manifest.json").is_file(), "{} has no manifest", b.display());
+        assert_eq!(head_rows(&a), head_rows(&b), "{step}: the head differs");
+        let load = |d: &Path| tandem_ckpt::load(d.join("replicated.pt")).unwrap();
+        let (ra, rb) = (load(&a), load(&b));
+        for key in ["backbone", "optimizer", "scheduler", "sampler", "global_step"] {
+            assert_eq!(ra.get(key), rb.get(key), "{step}: `{key}` differs");
+        }
+    }
+    let out = p(&async_dir);
+    let said = train(
+        &data,
+        &["--epochs", "2", "--out", out, "--nproc-per-node", "3", "--resume", "--async-save"],
+    );
+    assert!(said.contains("written by 2 ranks, this run has 3"), "{said}");
+    assert_eq!(summary(&async_dir).steps, 26, "{said}");
+    let last = async_dir.join("checkpoints/step-00000026");
+    assert_eq!(head_rows(&last).2, 3, "the last background save is committed on 3 ranks");
 }
 
 fn f16_trains() {

@@ -7,7 +7,6 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum ModelKind {
     /// A multi-layer perceptron ([`crate::Mlp`]).
@@ -16,21 +15,16 @@ pub enum ModelKind {
     Cnn,
     /// ResNet-18 for CIFAR (torchvision names; 3x3 stem, no max-pool), a candle-nn model
     /// ([`crate::ResNet`]).
-    #[cfg_attr(feature = "clap", value(name = "resnet18"))]
     #[serde(rename = "resnet18")]
     ResNet18,
     /// arcface_torch's face-recognition backbones ([`crate::IResNet`]), trained with a
     /// PartialFC head on 112x112 face images.
-    #[cfg_attr(feature = "clap", value(name = "iresnet18"))]
     #[serde(rename = "iresnet18")]
     IResNet18,
-    #[cfg_attr(feature = "clap", value(name = "iresnet34"))]
     #[serde(rename = "iresnet34")]
     IResNet34,
-    #[cfg_attr(feature = "clap", value(name = "iresnet50"))]
     #[serde(rename = "iresnet50")]
     IResNet50,
-    #[cfg_attr(feature = "clap", value(name = "iresnet100"))]
     #[serde(rename = "iresnet100")]
     IResNet100,
 }
@@ -45,6 +39,10 @@ impl ModelKind {
         ModelKind::IResNet50,
         ModelKind::IResNet100,
     ];
+
+    /// Every architecture's name, in [`ModelKind::ALL`]'s order.
+    pub const NAMES: [&'static str; 7] =
+        ["mlp", "cnn", "resnet18", "iresnet18", "iresnet34", "iresnet50", "iresnet100"];
 
     /// The name the command line and file names use.
     pub fn name(self) -> &'static str {
@@ -103,7 +101,8 @@ mod tests {
 
     #[test]
     fn names_round_trip_and_unknown_names_are_refused() {
-        for k in ModelKind::ALL {
+        for (k, name) in ModelKind::ALL.into_iter().zip(ModelKind::NAMES) {
+            assert_eq!(k.name(), name);
             assert_eq!(k.name().parse::<ModelKind>().unwrap(), k);
         }
         let e = "resnet50".parse::<ModelKind>().unwrap_err().to_string();

@@ -1,20 +1,20 @@
 //! candle `Tensor` <-> `tandem_ckpt::TensorData` (PyTorch's storage model), for checkpoints.
 //! Floating dtypes and i64/u8 map one to one; other checkpoint dtypes are an error naming the key.
-use candle_core::{DType as CDType, Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use tandem_ckpt::{ElemType, MapLocation};
 
 use crate::error::{NnError, Result};
 
 /// The checkpoint dtype a candle tensor of dtype `d` is saved as (u32 has no torch dtype and is
 /// stored as int32).
-pub fn ckpt_dtype(d: CDType) -> ElemType {
+pub fn ckpt_dtype(d: DType) -> ElemType {
     match d {
-        CDType::F64 => ElemType::F64,
-        CDType::F16 => ElemType::F16,
-        CDType::BF16 => ElemType::BF16,
-        CDType::I64 => ElemType::I64,
-        CDType::U32 => ElemType::I32,
-        CDType::U8 => ElemType::U8,
+        DType::F64 => ElemType::F64,
+        DType::F16 => ElemType::F16,
+        DType::BF16 => ElemType::BF16,
+        DType::I64 => ElemType::I64,
+        DType::U32 => ElemType::I32,
+        DType::U8 => ElemType::U8,
         _ => ElemType::F32,
     }
 }
@@ -24,10 +24,10 @@ pub fn to_ckpt(t: &Tensor) -> Result<tandem_ckpt::TensorData> {
     let shape = t.dims().to_vec();
     let flat = t.flatten_all()?;
     Ok(match t.dtype() {
-        CDType::F32 => tandem_ckpt::TensorData::from_f32(&shape, &flat.to_vec1::<f32>()?),
-        CDType::F64 => tandem_ckpt::TensorData::from_f64(&shape, &flat.to_vec1::<f64>()?),
-        CDType::I64 => tandem_ckpt::TensorData::from_i64(&shape, &flat.to_vec1::<i64>()?),
-        CDType::F16 => {
+        DType::F32 => tandem_ckpt::TensorData::from_f32(&shape, &flat.to_vec1::<f32>()?),
+        DType::F64 => tandem_ckpt::TensorData::from_f64(&shape, &flat.to_vec1::<f64>()?),
+        DType::I64 => tandem_ckpt::TensorData::from_i64(&shape, &flat.to_vec1::<i64>()?),
+        DType::F16 => {
             let v = flat.to_vec1::<half::f16>()?;
             tandem_ckpt::TensorData::from_bytes(
                 ElemType::F16,
@@ -35,7 +35,7 @@ pub fn to_ckpt(t: &Tensor) -> Result<tandem_ckpt::TensorData> {
                 bytemuck::cast_slice(&v).to_vec(),
             )
         }
-        CDType::BF16 => {
+        DType::BF16 => {
             let v = flat.to_vec1::<half::bf16>()?;
             tandem_ckpt::TensorData::from_bytes(
                 ElemType::BF16,
@@ -43,7 +43,7 @@ pub fn to_ckpt(t: &Tensor) -> Result<tandem_ckpt::TensorData> {
                 bytemuck::cast_slice(&v).to_vec(),
             )
         }
-        CDType::U8 => {
+        DType::U8 => {
             tandem_ckpt::TensorData::from_bytes(ElemType::U8, &shape, flat.to_vec1::<u8>()?)
         }
         other => {

@@ -161,9 +161,12 @@ pub fn three_figures(v: f64) -> String {
         return format!("{v}");
     }
     let digits = v.abs().log10().floor() as i32 + 1;
-    let decimals = (3 - digits).max(0) as usize;
-    let scale = 10f64.powi((digits - 3).max(0));
-    format!("{:.*}", decimals, (v / scale).round() * scale)
+    if digits >= 3 {
+        // Whole numbers: keep the three leading digits (12345 -> 12300).
+        let scale = 10f64.powi(digits - 3);
+        return format!("{:.0}", (v / scale).round() * scale);
+    }
+    format!("{:.*}", (3 - digits) as usize, v)
 }
 
 #[cfg(test)]

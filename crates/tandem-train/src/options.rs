@@ -17,6 +17,10 @@ pub trait Choice: FromStr + Copy + Send + Sync + 'static {
     const NAMES: &'static [&'static str];
 }
 
+impl Choice for ModelKind {
+    const NAMES: &'static [&'static str] = &ModelKind::NAMES;
+}
+
 /// Names the values of a plain enum for parsing and printing (`sgd`, `adamw`, ...).
 macro_rules! named_enum {
     ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal),* $(,)? }) => {

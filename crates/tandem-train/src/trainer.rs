@@ -157,8 +157,8 @@ pub trait Recipe {
     /// Writes a checkpoint (a collective); returns what rank 0 wrote.
     fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>>;
 
-    /// Waits for a background save in flight (its failure is the run's).
-    fn settle(&mut self) -> Result<()> {
+    /// Waits for a background save in flight (its failure is the run's). Every rank calls it.
+    fn settle(&mut self, _group: &ProcessGroup) -> Result<()> {
         Ok(())
     }
 
@@ -261,21 +261,7 @@ impl<R: Recipe> Trainer<R> {
         group: ProcessGroup,
         opts: TrainerOptions,
     ) -> Result<Self> {
-        let rank0 = group.rank() == 0;
-        let metrics = match rank0 {
-            true => Some(MetricsFile::append(&opts.dir.join("metrics.jsonl"))?),
-            false => None,
-        };
-        let tb = match rank0 && opts.tensorboard {
-            true => {
-                let dir = opts.dir.join("tensorboard");
-                Some(EventWriter::create(&dir).with_context(|| {
-                    format!("creating a TensorBoard event file in {}", dir.display())
-                })?)
-            }
-            false => None,
-        };
-        Ok(Trainer {
+        let mut trainer = Trainer {
             recipe,
             loader,
             step,
@@ -293,9 +279,30 @@ impl<R: Recipe> Trainer<R> {
             in_flight: None,
             live: None,
             epochs_seen: Vec::new(),
-            metrics,
-            tb,
-        })
+            metrics: None,
+            tb: None,
+        };
+        trainer.open_logs()?;
+        Ok(trainer)
+    }
+
+    /// Rank 0's metrics file and TensorBoard writer, opened by whichever process is rank 0
+    /// (under live recovery another member may become rank 0 after a regroup; the metrics
+    /// file is appended to, so its records stay in one file).
+    fn open_logs(&mut self) -> Result<()> {
+        if self.group.rank() != 0 {
+            return Ok(());
+        }
+        if self.metrics.is_none() {
+            self.metrics = Some(MetricsFile::append(&self.opts.dir.join("metrics.jsonl"))?);
+        }
+        if self.opts.tensorboard && self.tb.is_none() {
+            let dir = self.opts.dir.join("tensorboard");
+            self.tb = Some(EventWriter::create(&dir).with_context(|| {
+                format!("creating a TensorBoard event file in {}", dir.display())
+            })?);
+        }
+        Ok(())
     }
 
     /// Trains in the live world `live` (`tandem run --live-recovery`): a peer's death or a
@@ -348,7 +355,7 @@ impl<R: Recipe> Trainer<R> {
             self.train()?;
             self.save_last()?;
         }
-        self.recipe.settle()?;
+        self.recipe.settle(&self.group)?;
         self.group.barrier().context("barrier after the last checkpoint save")?;
         let val = self.recipe.validate(&self.group, self.global_step)?;
         if !val.is_empty() {
@@ -601,13 +608,14 @@ impl<R: Recipe> Trainer<R> {
             // world re-forms: the new rank 0 may be another member, and two writers must not
             // share the checkpoint directory. Its failure ends the run as it would without
             // live recovery (the files before it are intact).
-            self.recipe.settle()?;
+            self.recipe.settle(&self.group)?;
             let live = self.live.take().context("live recovery without a live world")?;
             let before = self.global_step;
             let changed = live.regroup(self);
             self.group = live.group();
             self.live = Some(live);
             let change = changed.context("regrouping")?;
+            self.open_logs()?;
             // Said once per regroup, by the rank whose state the world took.
             let source = self.live.as_ref().map(|l| l.generation().source);
             if source == Some(self.rank()) {
@@ -625,7 +633,9 @@ impl<R: Recipe> Trainer<R> {
         let change = live.start(self);
         self.group = live.group();
         self.live = Some(live);
-        change.context("joining the running job")
+        let change = change.context("joining the running job")?;
+        self.open_logs()?;
+        Ok(change)
     }
 
     /// This process's member slot in the live world (for messages).

@@ -12,7 +12,7 @@ pub struct Args {
     /// (.pt or .safetensors; `module.` and other wrappers are fine).
     checkpoint: PathBuf,
     /// The architecture of the weights; layer sizes are read from them.
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = crate::train::config::choice::<ModelKind>())]
     model: ModelKind,
     /// The ONNX file to write.
     output: PathBuf,

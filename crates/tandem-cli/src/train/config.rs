@@ -9,7 +9,7 @@ use tandem::train::options::{Choice, TrainOptions};
 pub use tandem_models::ModelKind;
 
 /// Parses a flag whose values are a library option's names (listed in `--help`).
-fn choice<T: Choice>() -> impl clap::builder::TypedValueParser<Value = T> {
+pub fn choice<T: Choice>() -> impl clap::builder::TypedValueParser<Value = T> {
     use clap::builder::TypedValueParser;
     clap::builder::PossibleValuesParser::new(T::NAMES)
         .map(|name| name.parse::<T>().unwrap_or_else(|_| unreachable!("a listed name")))
@@ -66,7 +66,7 @@ pub struct TrainConfig {
     pub weight_decay: f64,
     /// Model: a classifier (mlp, cnn, resnet18), or a face backbone (iresnet18|34|50|100) trained
     /// with a PartialFC margin head on `--data rec:DIR`.
-    #[arg(long, value_enum, default_value_t = ModelKind::Mlp)]
+    #[arg(long, value_parser = choice::<ModelKind>(), default_value = "mlp")]
     pub model: ModelKind,
     /// Hidden width of the MLP.
     #[arg(long, default_value_t = 128)]
@@ -461,7 +461,6 @@ impl TrainConfig {
         }
         let refused = [
             (self.zero, "--zero (ZeRO shards one parameter group; the PartialFC head is already split over the ranks)"),
-            (self.async_save, "--async-save (the face checkpoint is written by every rank)"),
             (self.sync_batchnorm, "--sync-batchnorm (arcface_torch keeps per-rank statistics)"),
             (self.normalize, "--normalize (face images are scaled to [-1, 1] as arcface_torch does)"),
         ];

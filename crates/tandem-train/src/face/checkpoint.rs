@@ -101,6 +101,7 @@ pub fn head_file_name(rank: usize, world: usize) -> String {
 }
 
 /// What the save writes besides the files' contents.
+#[derive(Clone, Debug)]
 pub struct SaveInfo {
     pub rank: usize,
     pub world: usize,
@@ -111,15 +112,37 @@ pub struct SaveInfo {
 }
 
 /// The checkpoints of one run: `dir/step-NNNNNNNN/`, the newest `keep_last` kept.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct FaceCheckpoints {
     dir: PathBuf,
     keep_last: usize,
+    background: bool,
+    /// A background save whose files are being written (committed at the next save or
+    /// [`FaceCheckpoints::settle`]).
+    pending: Option<Pending>,
+}
+
+/// A save in flight: this rank's writer thread and where the checkpoint goes.
+#[derive(Debug)]
+struct Pending {
+    dir: PathBuf,
+    target: PathBuf,
+    info: SaveInfo,
+    writer: std::thread::JoinHandle<Result<()>>,
 }
 
 impl FaceCheckpoints {
     pub fn new(dir: PathBuf, keep_last: usize) -> Self {
-        FaceCheckpoints { dir, keep_last: keep_last.max(1) }
+        FaceCheckpoints { dir, keep_last: keep_last.max(1), background: false, pending: None }
+    }
+
+    /// Writes the files on a background thread: a save returns once the state is staged (the
+    /// values are host copies), and the checkpoint is committed (every rank's files durable,
+    /// then rank 0's manifest) at the next save or at [`FaceCheckpoints::settle`]. A failed
+    /// write is reported there, naming the file; the checkpoints before it stay intact.
+    pub fn background(mut self, on: bool) -> Self {
+        self.background = on;
+        self
     }
 
     pub fn dir(&self) -> &Path {
@@ -128,57 +151,97 @@ impl FaceCheckpoints {
 
     /// A collective: every rank writes its head file (rank 0 also `replicated`), all meet, rank
     /// 0 writes the manifest and prunes old checkpoints, all meet again. An error on any rank
-    /// still reaches every barrier, so no rank is left waiting.
+    /// still reaches every collective, so no rank is left waiting. In the background (see
+    /// [`FaceCheckpoints::background`]) the writing goes on after the call returns and the rest
+    /// happens at the next save or [`FaceCheckpoints::settle`].
     ///
     /// A checkpoint of this name may exist already (a run resumed on another world size saves
     /// at the step it started from). Then the new one is written beside it as `NAME.new` and
     /// swapped in only once complete: at every moment one complete copy is on disk.
     pub fn save(
-        &self,
+        &mut self,
         name: &str,
         info: &SaveInfo,
-        replicated: Option<&Value>,
-        head: &Value,
+        replicated: Option<Value>,
+        head: Value,
         group: &ProcessGroup,
     ) -> Result<PathBuf> {
+        self.settle(group)?;
+        let (dir, target) = self.begin(name, info.rank, group)?;
+        if self.background {
+            let (d, i) = (dir.clone(), info.clone());
+            let writer = std::thread::Builder::new()
+                .name("tandem-face-save".into())
+                .spawn(move || write_files(&d, &i, replicated.as_ref(), &head))
+                .map_err(io("starting the checkpoint writer for", &dir))?;
+            self.pending =
+                Some(Pending { dir, target: target.clone(), info: info.clone(), writer });
+            return Ok(target);
+        }
+        let written = write_files(&dir, info, replicated.as_ref(), &head);
+        self.commit(&dir, &target, info, written, group)?;
+        Ok(target)
+    }
+
+    /// Commits the background save in flight, if any (a collective: every rank calls it; each
+    /// waits for its own files first). Its failure on any rank is every rank's error.
+    pub fn settle(&mut self, group: &ProcessGroup) -> Result<()> {
+        let Some(p) = self.pending.take() else { return Ok(()) };
+        let written = p
+            .writer
+            .join()
+            .unwrap_or_else(|_| Err(invalid(&p.dir, "the checkpoint writer thread panicked")));
+        self.commit(&p.dir, &p.target, &p.info, written, group)
+    }
+
+    /// Agrees on where checkpoint `name` goes: `dir/name`, or `dir/name.new` beside an existing
+    /// one (a collective). Returns (where the files go, where the checkpoint ends up).
+    fn begin(&self, name: &str, rank: usize, group: &ProcessGroup) -> Result<(PathBuf, PathBuf)> {
         let barrier = |what: &str| group.barrier().map_err(comm(&format!("barrier {what}")));
         let target = self.dir.join(name);
         // Rank 0 looks, everyone acts on its answer (a rank looking itself could see the
         // directory another rank has just created).
-        let mut exists = vec![u8::from(info.rank == 0 && target.exists())];
+        let mut exists = vec![u8::from(rank == 0 && target.exists())];
         group.broadcast_bytes(&mut exists, 0).map_err(comm("agreeing on the checkpoint's name"))?;
         let dir =
             if exists[0] == 1 { self.dir.join(format!("{name}.new")) } else { target.clone() };
-        let cleared = match (info.rank, dir.exists() && dir != target) {
+        let cleared = match (rank, dir.exists() && dir != target) {
             (0, true) => std::fs::remove_dir_all(&dir).map_err(io("removing an unfinished", &dir)),
             _ => Ok(()),
         };
         let synced = barrier("before writing the checkpoint files");
         cleared?;
         synced?;
-        let write = || -> Result<()> {
-            std::fs::create_dir_all(&dir).map_err(io("creating", &dir))?;
-            let path = dir.join(head_file_name(info.rank, info.world));
-            tandem_ckpt::save(&path, head).map_err(file(&path))?;
-            if let Some(value) = replicated {
-                let path = dir.join(REPLICATED);
-                tandem_ckpt::save(&path, value).map_err(file(&path))?;
-            }
-            Ok(())
-        };
-        let written = write();
-        let synced = barrier("after writing the checkpoint files");
+        Ok((dir, target))
+    }
+
+    /// Every rank's files are written (`written` is this rank's outcome): all agree, then rank
+    /// 0 writes the manifest and puts the checkpoint in place, and all meet again.
+    fn commit(
+        &self,
+        dir: &Path,
+        target: &Path,
+        info: &SaveInfo,
+        written: Result<()>,
+        group: &ProcessGroup,
+    ) -> Result<()> {
+        let mut all_written = [if written.is_ok() { 1.0f64 } else { 0.0 }];
+        let agreed = group
+            .all_reduce(&mut all_written, tandem_comm::ReduceOp::Min)
+            .map_err(comm("after writing the checkpoint files"));
         written?;
-        synced?;
+        agreed?;
+        if all_written[0] < 1.0 {
+            return Err(invalid(dir, "another rank could not write its head file (see its error)"));
+        }
         let finished = if info.rank == 0 {
-            self.write_manifest(&dir, info).and_then(|()| swap_in(&dir, &target))
+            self.write_manifest(dir, info).and_then(|()| swap_in(dir, target))
         } else {
             Ok(())
         };
-        let synced = barrier("after writing the checkpoint manifest");
+        let synced = group.barrier().map_err(comm("barrier after writing the checkpoint manifest"));
         finished?;
-        synced?;
-        Ok(target)
+        synced
     }
 
     fn write_manifest(&self, dir: &Path, info: &SaveInfo) -> Result<()> {
@@ -250,6 +313,23 @@ impl FaceCheckpoints {
         }
         Ok(None)
     }
+}
+
+/// This rank's files of a checkpoint: its head file, and rank 0's replicated file.
+fn write_files(
+    dir: &Path,
+    info: &SaveInfo,
+    replicated: Option<&Value>,
+    head: &Value,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
+    let path = dir.join(head_file_name(info.rank, info.world));
+    tandem_ckpt::save(&path, head).map_err(file(&path))?;
+    if let Some(value) = replicated {
+        let path = dir.join(REPLICATED);
+        tandem_ckpt::save(&path, value).map_err(file(&path))?;
+    }
+    Ok(())
 }
 
 /// Puts the complete checkpoint `new` in `target`'s place (nothing to do when they are the

@@ -7,12 +7,12 @@
 //! rank reading only the head files that hold its rows.
 //!
 //! ```ignore
-//! let ckpts = FaceCheckpoints::new(out.join("checkpoints"), 2);
+//! let mut ckpts = FaceCheckpoints::new(out.join("checkpoints"), 2);
 //! let mut state = FaceState::new(&ddp, &mut head, &mut opt, &mut step);
 //! if let Some(r) = face::resume(&ckpts, &mut state, &mut loader, epochs, &group)? { /* r.step */ }
 //! // ... train ...
 //! let state = FaceState::new(&ddp, &mut head, &mut opt, &mut step).global_step(n);
-//! face::save(&ckpts, &state, &loader.state(), &group)?;
+//! face::save(&mut ckpts, &state, &loader.state(), &group)?;
 //! ```
 pub mod arcface;
 pub mod checkpoint;
@@ -115,7 +115,7 @@ pub struct FaceResumed {
 /// collective: every rank writes its head file, rank 0 the replicated file and the manifest).
 /// Returns the directory.
 pub fn save(
-    ckpts: &FaceCheckpoints,
+    ckpts: &mut FaceCheckpoints,
     state: &FaceState<'_>,
     position: &SamplerState,
     group: &ProcessGroup,
@@ -167,7 +167,7 @@ pub fn save(
         num_classes: state.head.config().num_classes,
         embedding_size: state.head.config().embedding_size,
     };
-    Ok(ckpts.save(&format!("step-{step:08}"), &info, replicated.as_ref(), &head, group)?)
+    Ok(ckpts.save(&format!("step-{step:08}"), &info, replicated, head, group)?)
 }
 
 /// Restores the newest complete checkpoint under `ckpts` into `state` and `loader`, on this

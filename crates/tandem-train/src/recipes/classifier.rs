@@ -280,7 +280,7 @@ impl Recipe for Classifier<'_> {
         self.saver.save(ctx.group.rank(), ctx.name, value, ctx.group)
     }
 
-    fn settle(&mut self) -> Result<()> {
+    fn settle(&mut self, _group: &ProcessGroup) -> Result<()> {
         self.saver.settle()
     }
 

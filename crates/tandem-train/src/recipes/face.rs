@@ -207,7 +207,8 @@ impl<'a> Face<'a> {
             autocast: Autocast(autocast),
             train,
             val,
-            ckpt: FaceCheckpoints::new(run_dir.join("checkpoints"), cfg.checkpoint.keep_last),
+            ckpt: FaceCheckpoints::new(run_dir.join("checkpoints"), cfg.checkpoint.keep_last)
+                .background(cfg.checkpoint.background),
         };
         Ok((recipe, loader, stepper))
     }
@@ -263,7 +264,11 @@ impl Recipe for Face<'_> {
             .global_step(ctx.global_step)
             .config(self.cfg.run.record.clone())
             .seed(self.cfg.run.seed);
-        Ok(Some(face_state::save(&self.ckpt, &state, ctx.position, ctx.group)?))
+        Ok(Some(face_state::save(&mut self.ckpt, &state, ctx.position, ctx.group)?))
+    }
+
+    fn settle(&mut self, group: &ProcessGroup) -> Result<()> {
+        Ok(self.ckpt.settle(group)?)
     }
 
     /// The newest complete checkpoint, on this world size or another (the head's centres and
