@@ -7,11 +7,11 @@
 //! variance and updates the running statistics with momentum 0.1 and the unbiased variance;
 //! eval mode uses the running statistics.
 //!
-//! Synchronised (after [`convert_sync_batchnorm`] or [`BatchNorm2d::set_sync`]), training mode
-//! takes the mean and variance over the union of every rank's batch: the per-channel sums and
-//! counts, then the sums of squared deviations, go through a differentiable all-reduce
-//! ([`super::all_reduce_sum`]), so backward reduces their gradients across ranks too, as
-//! PyTorch's SyncBatchNorm does. Those are collectives on the main thread: give the layers a
+//! Synchronised (after tandem-dist-nn's `convert_sync_batchnorm`, or [`BatchNorm2d::set_sync`]
+//! with any [`StatsReducer`]), training mode takes the mean and variance over the union of
+//! every rank's batch: the per-channel sums and counts, then the sums of squared deviations, go
+//! through a differentiable all-reduce, so backward reduces their gradients across ranks too,
+//! as PyTorch's SyncBatchNorm does. Those are collectives on the main thread: give the layers a
 //! group of their own (`group.new_group(&all_ranks)`) when the model is wrapped by a Ddp that
 //! overlaps its bucket all-reduces with backward (a [`crate::ParamSet`] model), so the two
 //! streams of collectives cannot interleave differently on different ranks. A VarMap model's
@@ -21,10 +21,16 @@ use std::sync::{Arc, RwLock};
 use candle_core::{DType, Tensor, Var};
 use candle_nn::{Init, ModuleT, VarBuilder};
 
-use super::all_reduce::all_reduce_sum;
 use crate::kernels::batch_norm::{batch_norm_train, batch_norm_train_act};
 use crate::kernels::relu::relu;
-use tandem_comm::Collectives;
+
+/// What a synchronised BatchNorm reduces its statistics with: a differentiable sum over the
+/// ranks (forward sums every rank's tensor, backward sums the gradients the same way).
+/// tandem-dist-nn's `CommStats` is one over a process group; tandem-nn knows no process groups.
+pub trait StatsReducer: Send + Sync {
+    /// `x` summed over the ranks; `what` names the caller in errors.
+    fn all_reduce_sum(&self, x: &Tensor, what: &str) -> candle_core::Result<Tensor>;
+}
 
 const EPS: f64 = 1e-5;
 const MOMENTUM: f64 = 0.1;
@@ -37,7 +43,7 @@ pub struct BatchNorm2d {
     running_mean: Var,
     running_var: Var,
     num_batches_tracked: Var,
-    sync: RwLock<Option<Arc<dyn Collectives>>>,
+    sync: RwLock<Option<Arc<dyn StatsReducer>>>,
 }
 
 /// `nn.BatchNorm2d(channels)` (eps 1e-5, momentum 0.1, affine, tracking running statistics),
@@ -70,9 +76,9 @@ impl BatchNorm2d {
         self
     }
 
-    /// Synchronise batch statistics over `comm`'s ranks (`Some`), or go back to this rank's
-    /// batch alone (`None`).
-    pub fn set_sync(&self, comm: Option<Arc<dyn Collectives>>) {
+    /// Synchronise batch statistics through `comm` (`Some`), or go back to this rank's batch
+    /// alone (`None`).
+    pub fn set_sync(&self, comm: Option<Arc<dyn StatsReducer>>) {
         *self.sync.write().unwrap_or_else(|p| p.into_inner()) = comm;
     }
 
@@ -134,7 +140,7 @@ impl BatchNorm2d {
                 let with_count =
                     Tensor::cat(&[&sum, &Tensor::new(&[local_count as f32], x.device())?], 0)?;
                 let what = format!("SyncBatchNorm `{}` batch mean", self.path);
-                let total = all_reduce_sum(&with_count, comm, &what)?;
+                let total = comm.all_reduce_sum(&with_count, &what)?;
                 let count = total.get(c)?.to_scalar::<f32>()? as f64;
                 (total.narrow(0, 0, c)?, count)
             }
@@ -146,7 +152,7 @@ impl BatchNorm2d {
             None => squares,
             Some(comm) => {
                 let what = format!("SyncBatchNorm `{}` batch variance", self.path);
-                all_reduce_sum(&squares, comm, &what)?
+                comm.all_reduce_sum(&squares, &what)?
             }
         };
         let var = (squares / count)?;
@@ -188,23 +194,9 @@ impl ModuleT for BatchNorm2d {
     }
 }
 
-/// A model that can list its BatchNorm layers (for [`convert_sync_batchnorm`]).
+/// A model that can list its BatchNorm layers (for tandem-dist-nn's `convert_sync_batchnorm`).
 pub trait HasBatchNorm {
     fn batch_norms(&self) -> Vec<&BatchNorm2d>;
-}
-
-/// PyTorch's `nn.SyncBatchNorm.convert_sync_batchnorm(model, group)`: every BatchNorm layer
-/// of `model` reduces its statistics over `comm` (see the module docs for which group to pass).
-/// Returns how many layers were switched.
-pub fn convert_sync_batchnorm(
-    model: &(impl HasBatchNorm + ?Sized),
-    comm: Arc<dyn Collectives>,
-) -> usize {
-    let layers = model.batch_norms();
-    for bn in &layers {
-        bn.set_sync(Some(comm.clone()));
-    }
-    layers.len()
 }
 
 #[cfg(test)]
@@ -212,7 +204,6 @@ mod tests {
     use super::*;
     use candle_core::Device;
     use candle_nn::VarMap;
-    use tandem_comm::LocalGroup;
 
     fn input(seed: u32, n: usize) -> Tensor {
         let data: Vec<f32> = (0..n * 3 * 2 * 2)
@@ -275,63 +266,5 @@ mod tests {
             ga.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
             gb.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
         );
-    }
-
-    /// Two synchronised ranks with halves of a batch give the outputs, statistics and input
-    /// gradients of one unsynchronised layer on the whole batch.
-    #[test]
-    fn synchronised_halves_equal_the_whole_batch() {
-        let whole = Tensor::cat(&[&input(1, 2), &input(2, 3)], 0).unwrap();
-        let reference = {
-            let vm = VarMap::new();
-            let bn =
-                batch_norm2d(3, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap();
-            let x = Var::from_tensor(&whole).unwrap();
-            let y = bn.forward_t(x.as_tensor(), true).unwrap();
-            let weights = Tensor::arange(0f32, y.elem_count() as f32, &Device::Cpu)
-                .unwrap()
-                .reshape(y.shape())
-                .unwrap();
-            let g = (y.clone() * weights).unwrap().sum_all().unwrap().backward().unwrap();
-            (y, g.get(x.as_tensor()).unwrap().clone(), bn.running_var().clone())
-        };
-        let hs: Vec<_> = LocalGroup::new(2)
-            .into_iter()
-            .map(|g| {
-                std::thread::spawn(move || {
-                    let rank = g.rank();
-                    let vm = VarMap::new();
-                    let bn =
-                        batch_norm2d(3, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))
-                            .unwrap();
-                    bn.set_sync(Some(Arc::new(g)));
-                    let (n, start) = if rank == 0 { (2, 0) } else { (3, 2) };
-                    let x = Var::from_tensor(&input(rank as u32 + 1, n)).unwrap();
-                    let y = bn.forward_t(x.as_tensor(), true).unwrap();
-                    let weights = Tensor::arange(
-                        (start * 12) as f32,
-                        ((start + n) * 12) as f32,
-                        &Device::Cpu,
-                    )
-                    .unwrap()
-                    .reshape(y.shape())
-                    .unwrap();
-                    let g = (y.clone() * weights).unwrap().sum_all().unwrap().backward().unwrap();
-                    (y, g.get(x.as_tensor()).unwrap().clone(), bn.running_var().clone())
-                })
-            })
-            .collect();
-        let parts: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
-        let cat = |f: fn(&(Tensor, Tensor, Tensor)) -> &Tensor| {
-            Tensor::cat(&parts.iter().map(f).collect::<Vec<_>>(), 0).unwrap()
-        };
-        let close = |a: &Tensor, b: &Tensor| {
-            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(d < 1e-4, "max difference {d}");
-        };
-        close(&cat(|p| &p.0), &reference.0);
-        close(&cat(|p| &p.1), &reference.1);
-        close(&parts[0].2, &reference.2);
-        close(&parts[1].2, &reference.2);
     }
 }

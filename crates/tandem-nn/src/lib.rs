@@ -2,19 +2,18 @@
 //! tandem's models need:
 //!
 //! - CPU kernels for convolutional nets ([`kernels`]: conv2d, BatchNorm(+ReLU), pooling, ReLU)
-//!   and layers on them for `VarBuilder` models ([`FastConv2d`], [`BatchNorm2d`], which can
-//!   synchronise its statistics across ranks like PyTorch's `SyncBatchNorm`, [`PRelu`]);
-//! - differentiable collectives ([`all_gather`], [`all_reduce_sum`]: PyTorch's
-//!   `torch.distributed.nn.functional`), over any [`tandem_comm::Collectives`];
+//!   and layers on them for `VarBuilder` models ([`FastConv2d`], [`BatchNorm2d`], which
+//!   synchronises its statistics like PyTorch's `SyncBatchNorm` through any [`StatsReducer`],
+//!   [`PRelu`]);
 //! - a model's parameters as Ddp sees them: [`ParamModule`] (PyTorch's `nn.Module` contract:
 //!   named parameters and buffers, strict `load_state_dict`), [`ParamSet`] (a parameter view
 //!   with per-parameter backward hooks, what lets Ddp overlap all-reduce with backward),
 //!   [`OrderedVarMap`] / [`NamedVars`] (candle's `VarMap`, in a fixed order);
 //! - state dicts to and from checkpoint data ([`weights`]), with tandem-ckpt doing the files.
 //!
-//! It knows nothing of launchers, samplers, optimizers or gradient reduction.
-mod all_gather;
-mod all_reduce;
+//! It knows nothing of process groups, launchers, samplers, optimizers or gradient reduction:
+//! the distributed layers (differentiable collectives, SyncBatchNorm over a process group) are
+//! tandem-dist-nn's, one layer up.
 mod alloc;
 mod batch_norm;
 mod conv;
@@ -31,10 +30,8 @@ mod threads;
 mod vars;
 pub mod weights;
 
-pub use all_gather::{all_gather, GatherGrad};
-pub use all_reduce::all_reduce_sum;
 pub use alloc::{allocator_tuned, tune_allocator};
-pub use batch_norm::{batch_norm2d, convert_sync_batchnorm, BatchNorm2d, HasBatchNorm};
+pub use batch_norm::{batch_norm2d, BatchNorm2d, HasBatchNorm, StatsReducer};
 pub use conv::{fast_conv2d, fast_conv2d_no_bias, FastConv2d};
 pub use error::{NnError, Result};
 pub use hook::ViewHooks;
@@ -45,7 +42,8 @@ pub use threads::{compute_pool_joined, join_compute_pool};
 pub use vars::{NamedVars, OrderedVarMap};
 
 /// The f32 values of a contiguous CPU input of a custom op; `what` and `op` name it in errors.
-pub(crate) fn contiguous_f32<'a>(
+#[doc(hidden)]
+pub fn contiguous_f32<'a>(
     storage: &'a candle_core::CpuStorage,
     layout: &candle_core::Layout,
     what: &str,

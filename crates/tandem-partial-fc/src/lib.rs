@@ -48,4 +48,4 @@ pub use margin::CombinedMarginLoss;
 pub use partial_fc::{PartialFc, PartialFcConfig};
 pub use sample::{SampleRequest, Sampler};
 pub use split::ClassSplit;
-pub use tandem_nn::GatherGrad;
+pub use tandem_dist_nn::GatherGrad;

@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use rand::SeedableRng;
 use rand_distr::Distribution;
 use tandem_comm::Collectives;
-use tandem_nn::{all_gather, GatherGrad};
+use tandem_dist_nn::{all_gather, GatherGrad};
 
 use crate::cross_entropy::dist_cross_entropy;
 use crate::error::PartialFcError;

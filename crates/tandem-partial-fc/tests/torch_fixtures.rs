@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor, Var};
 use serde_json::Value;
 use tandem_comm::Collectives;
 use tandem_comm::LocalGroup;
-use tandem_nn::{all_gather, GatherGrad};
+use tandem_dist_nn::{all_gather, GatherGrad};
 use tandem_partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig, SampleRequest};
 
 fn fixture() -> Value {

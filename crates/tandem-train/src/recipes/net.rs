@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use tandem_comm::Collectives;
+use tandem_dist_nn::convert_sync_batchnorm;
 use tandem_models::{Cnn, Mlp, ResNet};
-use tandem_nn::convert_sync_batchnorm;
 use tandem_nn::ParamModule;
 use tandem_nn::ParamSet;
 use tandem_nn::{NamedVars, OrderedVarMap};

@@ -24,7 +24,8 @@ impl CustomOp1 for AllReduceSum {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let mut buf = super::contiguous_f32(storage, layout, &self.what, "all-reduce")?.to_vec();
+        let mut buf =
+            tandem_nn::contiguous_f32(storage, layout, &self.what, "all-reduce")?.to_vec();
         self.comm.all_reduce_sum(&mut buf).map_err(|e| {
             candle_core::Error::Msg(format!(
                 "{}: all_reduce(sum) failed on rank {}: {e}",

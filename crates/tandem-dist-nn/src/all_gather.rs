@@ -40,7 +40,7 @@ impl CustomOp1 for AllGather {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let data = super::contiguous_f32(storage, layout, &self.what, "all_gather")?;
+        let data = tandem_nn::contiguous_f32(storage, layout, &self.what, "all_gather")?;
         let dims = layout.shape().dims();
         // [number of dims][dims as u64][f32 data]
         let mut msg = Vec::with_capacity(8 + dims.len() * 8 + data.len() * 4);
