@@ -196,8 +196,10 @@ fn time_op(op: &OpSpec, batch: usize, repeats: usize) -> anyhow::Result<Timed> {
         }
         "batch_norm" => {
             let vm = VarMap::new();
-            let bn =
-                tandem_nn::batch_norm2d(op.c_in, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
+            let bn = tandem_nn::fast_batch_norm2d(
+                op.c_in,
+                VarBuilder::from_varmap(&vm, DType::F32, &dev),
+            )?;
             let r = Tensor::randn(0f32, 1.0, x.shape(), &dev)?;
             let fwd_ms = median_ms(repeats, || bn.forward_t(&x, true))?;
             let fwdbwd_ms =

@@ -3,7 +3,7 @@
 //!
 //! - differentiable collectives ([`all_gather`], [`all_reduce_sum`]: PyTorch's
 //!   `torch.distributed.nn.functional`), what PartialFC gathers its embeddings with;
-//! - SyncBatchNorm: [`convert_sync_batchnorm`] makes every `tandem_nn::BatchNorm2d` of a
+//! - SyncBatchNorm: [`convert_sync_batchnorm`] makes every `tandem_nn::FastBatchNorm2d` of a
 //!   model reduce its batch statistics over a group ([`CommStats`]), as PyTorch's
 //!   `nn.SyncBatchNorm.convert_sync_batchnorm` does.
 //!

@@ -40,7 +40,7 @@ mod tests {
     use candle_core::{DType, Device, Var};
     use candle_nn::{ModuleT, VarBuilder, VarMap};
     use tandem_comm::LocalGroup;
-    use tandem_nn::batch_norm2d;
+    use tandem_nn::fast_batch_norm2d;
 
     fn input(seed: u32, n: usize) -> Tensor {
         let data: Vec<f32> = (0..n * 3 * 2 * 2)
@@ -56,8 +56,8 @@ mod tests {
         let whole = Tensor::cat(&[&input(1, 2), &input(2, 3)], 0).unwrap();
         let reference = {
             let vm = VarMap::new();
-            let bn =
-                batch_norm2d(3, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap();
+            let bn = fast_batch_norm2d(3, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))
+                .unwrap();
             let x = Var::from_tensor(&whole).unwrap();
             let y = bn.forward_t(x.as_tensor(), true).unwrap();
             let weights = Tensor::arange(0f32, y.elem_count() as f32, &Device::Cpu)
@@ -73,9 +73,11 @@ mod tests {
                 std::thread::spawn(move || {
                     let rank = g.rank();
                     let vm = VarMap::new();
-                    let bn =
-                        batch_norm2d(3, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))
-                            .unwrap();
+                    let bn = fast_batch_norm2d(
+                        3,
+                        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
+                    )
+                    .unwrap();
                     bn.set_sync(Some(Arc::new(CommStats(Arc::new(g)))));
                     let (n, start) = if rank == 0 { (2, 0) } else { (3, 2) };
                     let x = Var::from_tensor(&input(rank as u32 + 1, n)).unwrap();

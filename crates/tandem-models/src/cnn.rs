@@ -11,12 +11,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use candle_core::{DType, Device, Tensor, Var, D};
 use rand::SeedableRng;
 
-use tandem_nn::functional::linear;
-use tandem_nn::init::{copy_vars, default_layer};
+use tandem_nn::functional::fused_linear;
 use tandem_nn::kernels::batch_norm::batch_norm_train_act;
 use tandem_nn::kernels::conv2d::{add_channel_bias, conv2d, ConvParams};
 use tandem_nn::kernels::pool::max_pool2d;
 use tandem_nn::kernels::relu::relu;
+use tandem_nn::torch_init::{copy_vars, default_layer};
 use tandem_nn::ParamModule;
 use tandem_nn::ParamSet;
 use tandem_nn::{NnError, Result};
@@ -142,7 +142,7 @@ impl Cnn {
         let x = max_pool_2x2(&x)?;
         let x = max_pool_2x2(&relu(&self.conv(&x, CONV2_W, CONV2_B)?)?)?;
         let x = x.flatten_from(1)?;
-        linear(&x, &self.params.get(FC_W)?, Some(&self.params.get(FC_B)?))
+        fused_linear(&x, &self.params.get(FC_W)?, Some(&self.params.get(FC_B)?))
     }
 
     /// Mean cross-entropy, like `nn.CrossEntropyLoss()`.

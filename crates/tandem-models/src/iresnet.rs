@@ -16,10 +16,11 @@ use candle_core::{Tensor, Var};
 use candle_nn::{linear, Conv2dConfig, Linear, Module, ModuleT, VarBuilder};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tandem_nn::init::standard_normal;
+use tandem_nn::torch_init::standard_normal;
 
 use tandem_nn::{
-    batch_norm2d, fast_conv2d_no_bias, prelu, BatchNorm2d, FastConv2d, HasBatchNorm, PRelu,
+    fast_batch_norm2d, fast_conv2d_no_bias, fast_prelu, FastBatchNorm2d, FastConv2d, FastPRelu,
+    HasBatchNorm,
 };
 
 /// The input side arcface_torch's IResNets take (the last stage is then 7x7).
@@ -47,27 +48,27 @@ fn conv3x3(
 }
 
 struct IBasicBlock {
-    bn1: BatchNorm2d,
+    bn1: FastBatchNorm2d,
     conv1: FastConv2d,
-    bn2: BatchNorm2d,
-    prelu: PRelu,
+    bn2: FastBatchNorm2d,
+    prelu: FastPRelu,
     conv2: FastConv2d,
-    bn3: BatchNorm2d,
-    downsample: Option<(FastConv2d, BatchNorm2d)>,
+    bn3: FastBatchNorm2d,
+    downsample: Option<(FastConv2d, FastBatchNorm2d)>,
 }
 
 impl IBasicBlock {
     fn new(cin: usize, cout: usize, stride: usize, vb: VarBuilder) -> candle_core::Result<Self> {
-        let bn1 = batch_norm2d(cin, vb.pp("bn1"))?;
+        let bn1 = fast_batch_norm2d(cin, vb.pp("bn1"))?;
         let conv1 = conv3x3(cin, cout, 1, vb.pp("conv1"))?;
-        let bn2 = batch_norm2d(cout, vb.pp("bn2"))?;
-        let prelu = prelu(cout, vb.pp("prelu"))?;
+        let bn2 = fast_batch_norm2d(cout, vb.pp("bn2"))?;
+        let prelu = fast_prelu(cout, vb.pp("prelu"))?;
         let conv2 = conv3x3(cout, cout, stride, vb.pp("conv2"))?;
-        let bn3 = batch_norm2d(cout, vb.pp("bn3"))?;
+        let bn3 = fast_batch_norm2d(cout, vb.pp("bn3"))?;
         let downsample = if stride != 1 || cin != cout {
             let cfg = Conv2dConfig { stride, ..Default::default() };
             let conv = fast_conv2d_no_bias(cin, cout, 1, cfg, vb.pp("downsample.0"))?;
-            Some((conv, batch_norm2d(cout, vb.pp("downsample.1"))?))
+            Some((conv, fast_batch_norm2d(cout, vb.pp("downsample.1"))?))
         } else {
             None
         };
@@ -89,13 +90,13 @@ impl IBasicBlock {
 /// arcface_torch's IResNet-18/34/50/100 at any stage width (see the module docs).
 pub struct IResNet {
     conv1: FastConv2d,
-    bn1: BatchNorm2d,
-    prelu: PRelu,
+    bn1: FastBatchNorm2d,
+    prelu: FastPRelu,
     layers: Vec<Vec<IBasicBlock>>,
-    bn2: BatchNorm2d,
+    bn2: FastBatchNorm2d,
     dropout: f32,
     fc: Linear,
-    features: BatchNorm2d,
+    features: FastBatchNorm2d,
     embedding: usize,
 }
 
@@ -127,8 +128,8 @@ impl IResNet {
             candle_core::bail!("IResNet dropout {dropout}: must be in [0, 1)")
         }
         let conv1 = conv3x3(3, width, 1, vb.pp("conv1"))?;
-        let bn1 = batch_norm2d(width, vb.pp("bn1"))?;
-        let prelu = prelu(width, vb.pp("prelu"))?;
+        let bn1 = fast_batch_norm2d(width, vb.pp("bn1"))?;
+        let prelu = fast_prelu(width, vb.pp("prelu"))?;
         let mut layers = Vec::new();
         let mut cin = width;
         for (stage, (n, mult)) in blocks.into_iter().zip([1, 2, 4, 8]).enumerate() {
@@ -141,10 +142,10 @@ impl IResNet {
             layers.push(stage_blocks);
             cin = cout;
         }
-        let bn2 = batch_norm2d(cin, vb.pp("bn2"))?;
+        let bn2 = fast_batch_norm2d(cin, vb.pp("bn2"))?;
         let side = FACE_SIDE / 16;
         let fc = linear(cin * side * side, embedding, vb.pp("fc"))?;
-        let features = batch_norm2d(embedding, vb.pp("features"))?.with_frozen_weight();
+        let features = fast_batch_norm2d(embedding, vb.pp("features"))?.with_frozen_weight();
         Ok(IResNet { conv1, bn1, prelu, layers, bn2, dropout, fc, features, embedding })
     }
 
@@ -207,7 +208,7 @@ impl IResNet {
         }
         let x = self.fc.forward(&x)?;
         let n = x.dim(0)?;
-        // BatchNorm1d over the embedding: BatchNorm2d on [N, E, 1, 1].
+        // BatchNorm1d over the embedding: FastBatchNorm2d on [N, E, 1, 1].
         let x = self.features.forward_t(&x.reshape((n, self.embedding, 1, 1))?, train)?;
         x.reshape((n, self.embedding))
     }
@@ -222,7 +223,7 @@ impl ModuleT for IResNet {
 impl HasBatchNorm for IResNet {
     /// The 2-d BatchNorms (the embedding's `features` BatchNorm1d stays per rank, as in
     /// arcface_torch, which converts none).
-    fn batch_norms(&self) -> Vec<&BatchNorm2d> {
+    fn batch_norms(&self) -> Vec<&FastBatchNorm2d> {
         let mut out = vec![&self.bn1];
         for block in self.layers.iter().flatten() {
             out.extend([&block.bn1, &block.bn2, &block.bn3]);

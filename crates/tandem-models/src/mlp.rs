@@ -5,8 +5,8 @@
 use candle_core::{DType, Device, Tensor};
 use rand::SeedableRng;
 
-use tandem_nn::functional::linear;
-use tandem_nn::init::{copy_vars, default_layer};
+use tandem_nn::functional::fused_linear;
+use tandem_nn::torch_init::{copy_vars, default_layer};
 use tandem_nn::ParamModule;
 use tandem_nn::ParamSet;
 use tandem_nn::{NnError, Result};
@@ -63,7 +63,7 @@ impl Mlp {
         for l in 0..layers {
             let w = self.params.get(2 * l)?.to_dtype(dt)?;
             let b = self.params.get(2 * l + 1)?.to_dtype(dt)?;
-            h = linear(&h, &w, Some(&b))?;
+            h = fused_linear(&h, &w, Some(&b))?;
             if l + 1 < layers {
                 h = h.relu()?;
             }

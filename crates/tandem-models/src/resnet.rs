@@ -1,5 +1,5 @@
 //! ResNet-18 for CIFAR, written the way users write candle models: candle-nn layers built from
-//! a `VarBuilder` (convolutions, linear) plus tandem's [`BatchNorm2d`] (PyTorch's BatchNorm
+//! a `VarBuilder` (convolutions, linear) plus tandem's [`FastBatchNorm2d`] (PyTorch's BatchNorm
 //! with a SyncBatchNorm switch), nothing tandem-specific in the forward pass.
 //!
 //! Layout and names are torchvision's `resnet18` (so state dicts move both ways) with the usual
@@ -11,18 +11,20 @@ use candle_core::{Tensor, Var};
 use candle_nn::{linear, Conv2dConfig, Linear, Module, ModuleT, VarBuilder};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tandem_nn::init::standard_normal;
+use tandem_nn::torch_init::standard_normal;
 
 use tandem_nn::kernels::pool::adaptive_avg_pool2d;
 use tandem_nn::kernels::relu::relu;
-use tandem_nn::{batch_norm2d, fast_conv2d_no_bias, BatchNorm2d, FastConv2d, HasBatchNorm};
+use tandem_nn::{
+    fast_batch_norm2d, fast_conv2d_no_bias, FastBatchNorm2d, FastConv2d, HasBatchNorm,
+};
 
 struct BasicBlock {
     conv1: FastConv2d,
-    bn1: BatchNorm2d,
+    bn1: FastBatchNorm2d,
     conv2: FastConv2d,
-    bn2: BatchNorm2d,
-    downsample: Option<(FastConv2d, BatchNorm2d)>,
+    bn2: FastBatchNorm2d,
+    downsample: Option<(FastConv2d, FastBatchNorm2d)>,
 }
 
 fn conv3x3(
@@ -38,13 +40,13 @@ fn conv3x3(
 impl BasicBlock {
     fn new(cin: usize, cout: usize, stride: usize, vb: VarBuilder) -> candle_core::Result<Self> {
         let conv1 = conv3x3(cin, cout, stride, vb.pp("conv1"))?;
-        let bn1 = batch_norm2d(cout, vb.pp("bn1"))?;
+        let bn1 = fast_batch_norm2d(cout, vb.pp("bn1"))?;
         let conv2 = conv3x3(cout, cout, 1, vb.pp("conv2"))?;
-        let bn2 = batch_norm2d(cout, vb.pp("bn2"))?;
+        let bn2 = fast_batch_norm2d(cout, vb.pp("bn2"))?;
         let downsample = if stride != 1 || cin != cout {
             let cfg = Conv2dConfig { stride, ..Default::default() };
             let conv = fast_conv2d_no_bias(cin, cout, 1, cfg, vb.pp("downsample.0"))?;
-            Some((conv, batch_norm2d(cout, vb.pp("downsample.1"))?))
+            Some((conv, fast_batch_norm2d(cout, vb.pp("downsample.1"))?))
         } else {
             None
         };
@@ -64,7 +66,7 @@ impl BasicBlock {
 
 pub struct ResNet {
     conv1: FastConv2d,
-    bn1: BatchNorm2d,
+    bn1: FastBatchNorm2d,
     layers: Vec<Vec<BasicBlock>>,
     fc: Linear,
 }
@@ -82,7 +84,7 @@ impl ResNet {
             candle_core::bail!("ResNet-18 needs width and classes >= 1, got {width} and {classes}")
         }
         let conv1 = conv3x3(3, width, 1, vb.pp("conv1"))?;
-        let bn1 = batch_norm2d(width, vb.pp("bn1"))?;
+        let bn1 = fast_batch_norm2d(width, vb.pp("bn1"))?;
         let mut layers = Vec::new();
         let mut cin = width;
         for (stage, mult) in [1, 2, 4, 8].into_iter().enumerate() {
@@ -148,7 +150,7 @@ impl ModuleT for ResNet {
 }
 
 impl HasBatchNorm for ResNet {
-    fn batch_norms(&self) -> Vec<&BatchNorm2d> {
+    fn batch_norms(&self) -> Vec<&FastBatchNorm2d> {
         let mut out = vec![&self.bn1];
         for block in self.layers.iter().flatten() {
             out.push(&block.bn1);

@@ -1,4 +1,4 @@
-//! `BatchNorm2d` for VarBuilder-built models, PyTorch's `nn.BatchNorm2d` with a switch that
+//! `FastBatchNorm2d` for VarBuilder-built models, PyTorch's `nn.BatchNorm2d` with a switch that
 //! makes it `nn.SyncBatchNorm`.
 //!
 //! Same variables and names as PyTorch (`weight`, `bias`, and the buffers `running_mean`,
@@ -7,7 +7,7 @@
 //! variance and updates the running statistics with momentum 0.1 and the unbiased variance;
 //! eval mode uses the running statistics.
 //!
-//! Synchronised (after tandem-dist-nn's `convert_sync_batchnorm`, or [`BatchNorm2d::set_sync`]
+//! Synchronised (after tandem-dist-nn's `convert_sync_batchnorm`, or [`FastBatchNorm2d::set_sync`]
 //! with any [`StatsReducer`]), training mode takes the mean and variance over the union of
 //! every rank's batch: the per-channel sums and counts, then the sums of squared deviations, go
 //! through a differentiable all-reduce, so backward reduces their gradients across ranks too,
@@ -35,7 +35,7 @@ pub trait StatsReducer: Send + Sync {
 const EPS: f64 = 1e-5;
 const MOMENTUM: f64 = 0.1;
 
-pub struct BatchNorm2d {
+pub struct FastBatchNorm2d {
     /// Where the layer sits in the model (`layer1.0.bn1`), for error messages.
     path: String,
     weight: Tensor,
@@ -48,14 +48,14 @@ pub struct BatchNorm2d {
 
 /// `nn.BatchNorm2d(channels)` (eps 1e-5, momentum 0.1, affine, tracking running statistics),
 /// its variables under `vb`'s path.
-pub fn batch_norm2d(channels: usize, vb: VarBuilder) -> candle_core::Result<BatchNorm2d> {
+pub fn fast_batch_norm2d(channels: usize, vb: VarBuilder) -> candle_core::Result<FastBatchNorm2d> {
     let weight = vb.get_with_hints(channels, "weight", Init::Const(1.0))?;
     let bias = vb.get_with_hints(channels, "bias", Init::Const(0.0))?;
     let running_mean = vb.get_with_hints(channels, "running_mean", Init::Const(0.0))?;
     let running_var = vb.get_with_hints(channels, "running_var", Init::Const(1.0))?;
     let num_batches_tracked =
         vb.get_with_hints_dtype((), "num_batches_tracked", Init::Const(0.0), DType::I64)?;
-    Ok(BatchNorm2d {
+    Ok(FastBatchNorm2d {
         path: vb.prefix(),
         weight,
         bias,
@@ -66,7 +66,7 @@ pub fn batch_norm2d(channels: usize, vb: VarBuilder) -> candle_core::Result<Batc
     })
 }
 
-impl BatchNorm2d {
+impl FastBatchNorm2d {
     /// The layer with its scale fixed (PyTorch's `bn.weight.requires_grad = False`): the
     /// forward reads `weight` without recording a gradient for it; loading a state dict still
     /// sets it. Keep the variable out of the optimizer and out of Ddp's gradient reduction
@@ -111,7 +111,7 @@ impl BatchNorm2d {
     fn check_input(&self, x: &Tensor) -> candle_core::Result<()> {
         if x.rank() != 4 || x.dim(1)? != self.weight.dim(0)? {
             candle_core::bail!(
-                "BatchNorm2d `{}` expects [N, {}, H, W], got {:?}",
+                "FastBatchNorm2d `{}` expects [N, {}, H, W], got {:?}",
                 self.path,
                 self.weight.dim(0)?,
                 x.dims()
@@ -183,7 +183,7 @@ impl BatchNorm2d {
     }
 }
 
-impl ModuleT for BatchNorm2d {
+impl ModuleT for FastBatchNorm2d {
     fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         self.check_input(x)?;
         if train {
@@ -196,7 +196,7 @@ impl ModuleT for BatchNorm2d {
 
 /// A model that can list its BatchNorm layers (for tandem-dist-nn's `convert_sync_batchnorm`).
 pub trait HasBatchNorm {
-    fn batch_norms(&self) -> Vec<&BatchNorm2d>;
+    fn batch_norms(&self) -> Vec<&FastBatchNorm2d>;
 }
 
 #[cfg(test)]
@@ -218,8 +218,8 @@ mod tests {
     fn fused_relu_equals_relu_after_batch_norm() {
         let run = |fused: bool| {
             let vm = VarMap::new();
-            let bn =
-                batch_norm2d(3, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap();
+            let bn = fast_batch_norm2d(3, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))
+                .unwrap();
             vm.data().lock().unwrap()["bias"]
                 .set(&Tensor::new(&[0.3f32, -0.2, 0.0], &Device::Cpu).unwrap())
                 .unwrap();

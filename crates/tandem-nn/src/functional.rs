@@ -1,4 +1,4 @@
-//! `linear(x, w, b)`: `torch.nn.functional.linear`, i.e. `x @ wᵀ + b`, with a backward made
+//! `fused_linear(x, w, b)`: `torch.nn.functional.linear`, i.e. `x @ wᵀ + b`, with a backward made
 //! for training.
 //!
 //! Why not `x.matmul(&w.t())`: candle's autograd sends the weight gradient back through the
@@ -14,7 +14,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
 /// `x @ wᵀ (+ b)` for `x: [.., in]`, `w: [out, in]`, `b: [out]`, like PyTorch's
 /// `F.linear`; leading dimensions of `x` are kept.
-pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+pub fn fused_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
     let (out_features, in_features) = w.dims2()?;
     let x_dims = x.dims().to_vec();
     let Some((&last, lead)) = x_dims.split_last() else {
@@ -89,7 +89,7 @@ impl CustomOp2 for LinearNoBias {
 mod tests {
     use candle_core::{Device, Tensor, Var};
 
-    use super::linear;
+    use super::fused_linear;
 
     fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
         let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
@@ -110,8 +110,8 @@ mod tests {
         let w2 = Var::randn(0f32, 0.3, (4, 11), &dev).unwrap();
         let target = Tensor::randn(0f32, 1.0, (9, 4), &dev).unwrap();
         let ours = |x: &Tensor| {
-            let h = linear(x, &w1, Some(&b1)).unwrap().relu().unwrap();
-            linear(&h, &w2, None).unwrap()
+            let h = fused_linear(x, &w1, Some(&b1)).unwrap().relu().unwrap();
+            fused_linear(&h, &w2, None).unwrap()
         };
         let theirs = |x: &Tensor| {
             let h = x.matmul(&w1.t().unwrap()).unwrap().broadcast_add(&b1).unwrap().relu().unwrap();
@@ -137,7 +137,7 @@ mod tests {
         let dev = Device::Cpu;
         let x = Var::randn(0f32, 1.0, (2, 3, 5), &dev).unwrap();
         let w = Var::randn(0f32, 1.0, (7, 5), &dev).unwrap();
-        let y = linear(&x, &w, None).unwrap();
+        let y = fused_linear(&x, &w, None).unwrap();
         assert_eq!(y.dims(), &[2, 3, 7]);
         let reference = x.as_tensor().broadcast_matmul(&w.t().unwrap()).unwrap();
         assert!(max_rel_diff(&y, &reference) < 1e-6);
@@ -157,7 +157,7 @@ mod tests {
         let dev = Device::Cpu;
         let x = Tensor::zeros((2, 6), candle_core::DType::F32, &dev).unwrap();
         let w = Tensor::zeros((3, 5), candle_core::DType::F32, &dev).unwrap();
-        let err = linear(&x, &w, None).unwrap_err().to_string();
+        let err = fused_linear(&x, &w, None).unwrap_err().to_string();
         assert!(err.contains("6 features") && err.contains("[3, 5]"), "{err}");
     }
 }

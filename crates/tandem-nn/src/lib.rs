@@ -2,9 +2,9 @@
 //! tandem's models need:
 //!
 //! - CPU kernels for convolutional nets ([`kernels`]: conv2d, BatchNorm(+ReLU), pooling, ReLU)
-//!   and layers on them for `VarBuilder` models ([`FastConv2d`], [`BatchNorm2d`], which
+//!   and layers on them for `VarBuilder` models ([`FastConv2d`], [`FastBatchNorm2d`], which
 //!   synchronises its statistics like PyTorch's `SyncBatchNorm` through any [`StatsReducer`],
-//!   [`PRelu`]);
+//!   [`FastPRelu`]);
 //! - a model's parameters as Ddp sees them: [`ParamModule`] (PyTorch's `nn.Module` contract:
 //!   named parameters and buffers, strict `load_state_dict`), [`ParamSet`] (a parameter view
 //!   with per-parameter backward hooks, what lets Ddp overlap all-reduce with backward),
@@ -21,23 +21,23 @@ pub mod convert;
 mod error;
 pub mod functional;
 mod hook;
-pub mod init;
 pub mod kernels;
 mod module;
 mod params;
 mod prelu;
 mod threads;
+pub mod torch_init;
 mod vars;
 pub mod weights;
 
 pub use alloc::{allocator_tuned, tune_allocator};
-pub use batch_norm::{batch_norm2d, BatchNorm2d, HasBatchNorm, StatsReducer};
+pub use batch_norm::{fast_batch_norm2d, FastBatchNorm2d, HasBatchNorm, StatsReducer};
 pub use conv::{fast_conv2d, fast_conv2d_no_bias, FastConv2d};
 pub use error::{NnError, Result};
 pub use hook::ViewHooks;
 pub use module::ParamModule;
 pub use params::ParamSet;
-pub use prelu::{prelu, PRelu};
+pub use prelu::{fast_prelu, FastPRelu};
 pub use threads::{compute_pool_joined, join_compute_pool};
 pub use vars::{NamedVars, OrderedVarMap};
 

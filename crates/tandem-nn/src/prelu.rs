@@ -1,4 +1,4 @@
-//! [`PRelu`]: PyTorch's `nn.PReLU(num_parameters)`, one learnable slope per channel (dim 1)
+//! [`FastPRelu`]: PyTorch's `nn.PReLU(num_parameters)`, one learnable slope per channel (dim 1)
 //! applied to negative inputs, `y = max(0, x) + a * min(0, x)`, initialised to 0.25, on the
 //! fused kernel of [`crate::kernels::prelu`]; arcface_torch's IResNet uses it after every stem
 //! and block BatchNorm.
@@ -6,22 +6,22 @@ use candle_core::{Module, Tensor};
 use candle_nn::{Init, VarBuilder};
 
 #[derive(Clone, Debug)]
-pub struct PRelu {
+pub struct FastPRelu {
     weight: Tensor,
 }
 
 /// `nn.PReLU(channels)`: its `weight` (`[channels]`, 0.25) under `vb`'s path.
-pub fn prelu(channels: usize, vb: VarBuilder) -> candle_core::Result<PRelu> {
-    Ok(PRelu { weight: vb.get_with_hints(channels, "weight", Init::Const(0.25))? })
+pub fn fast_prelu(channels: usize, vb: VarBuilder) -> candle_core::Result<FastPRelu> {
+    Ok(FastPRelu { weight: vb.get_with_hints(channels, "weight", Init::Const(0.25))? })
 }
 
-impl PRelu {
+impl FastPRelu {
     pub fn weight(&self) -> &Tensor {
         &self.weight
     }
 }
 
-impl Module for PRelu {
+impl Module for FastPRelu {
     /// `x`: `[N, C, ...]` with `C` the slopes' count (or a single slope for any shape); one
     /// fused pass each way on CPU f32 tensors ([`crate::kernels::prelu`]).
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -38,7 +38,7 @@ mod tests {
     #[test]
     fn slopes_apply_per_channel_to_negative_inputs_with_both_gradients() {
         let vm = VarMap::new();
-        let p = prelu(2, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap();
+        let p = fast_prelu(2, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap();
         let x = Var::new(&[[[[-2.0f32, 3.0]], [[-1.0, 0.5]]]], &Device::Cpu).unwrap(); // [1, 2, 1, 2]
         let y = p.forward(x.as_tensor()).unwrap();
         let got: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();

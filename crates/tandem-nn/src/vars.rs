@@ -29,9 +29,9 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{VarBuilder, VarMap};
 
 use crate::error::{NnError, Result};
-use crate::init::copy_vars;
 use crate::module::ParamModule;
 use crate::params::ParamSet;
+use crate::torch_init::copy_vars;
 
 /// Final name components of non-trainable state kept beside the parameters.
 const BUFFER_NAMES: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];
@@ -212,7 +212,7 @@ mod tests {
         let vars = OrderedVarMap::new();
         let vb = vars.var_builder(DType::F32, &Device::Cpu);
         candle_nn::linear(3, 4, vb.pp("fc2")).unwrap();
-        crate::batch_norm2d(4, vb.pp("bn")).unwrap();
+        crate::fast_batch_norm2d(4, vb.pp("bn")).unwrap();
         candle_nn::linear(2, 3, vb.pp("fc1")).unwrap();
         // Asking again for an existing variable does not move it.
         candle_nn::linear(3, 4, vb.pp("fc2")).unwrap();

@@ -91,7 +91,7 @@ fn data_inputs_get_no_gradient_and_bad_shapes_name_the_problem() {
     assert!(err.contains("larger than the padded input"), "{err}");
 }
 
-/// `nn::BatchNorm2d` in training mode (the fused kernel) against torch's `BatchNorm2d`: output,
+/// `nn::FastBatchNorm2d` in training mode (the fused kernel) against torch's `BatchNorm2d`: output,
 /// input/weight/bias gradients, and the running statistics after one step.
 #[test]
 fn batch_norm_training_step_matches_pytorch() {
@@ -106,7 +106,7 @@ fn batch_norm_training_step_matches_pytorch() {
         let x = Var::from_tensor(&t("x")).unwrap();
         let c = x.dim(1).unwrap();
         let vm = VarMap::new();
-        let bn = tandem_nn::batch_norm2d(
+        let bn = tandem_nn::fast_batch_norm2d(
             c,
             VarBuilder::from_varmap(&vm, candle_core::DType::F32, &Device::Cpu),
         )

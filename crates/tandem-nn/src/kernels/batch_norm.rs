@@ -1,4 +1,4 @@
-//! BatchNorm2d training forward and backward fused into one custom op on CPU f32 tensors.
+//! FastBatchNorm2d training forward and backward fused into one custom op on CPU f32 tensors.
 //!
 //! Why: written with candle ops, a training BatchNorm is ~8 tensor ops forward (sums, broadcast
 //! subtract, square, divide, scale, shift) and as many backward, each allocating a full-size
@@ -173,7 +173,7 @@ impl CustomOp3 for BatchNormTrain {
     }
 }
 
-/// Training-mode BatchNorm2d on a CPU f32 `x: [N, C, H, W]`: the output, and the batch's
+/// Training-mode FastBatchNorm2d on a CPU f32 `x: [N, C, H, W]`: the output, and the batch's
 /// per-channel mean and biased variance (for the running statistics) with the element count.
 pub fn batch_norm_train(
     x: &Tensor,

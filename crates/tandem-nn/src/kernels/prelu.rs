@@ -15,7 +15,7 @@ use crate::kernels::{with_f32_slice, LaneSums};
 /// Elements per parallel chunk when there is a single slope.
 const CHUNK: usize = 1 << 14;
 
-struct PRelu;
+struct FastPRelu;
 
 /// `(planes' channel count, plane length)` of `x` for `slopes` slopes: one slope covers the
 /// whole tensor; otherwise dim 1 holds the channels.
@@ -30,7 +30,7 @@ fn planes(dims: &[usize], slopes: usize) -> candle_core::Result<(usize, usize)> 
     Ok((slopes, dims[2..].iter().product::<usize>().max(1)))
 }
 
-impl CustomOp2 for PRelu {
+impl CustomOp2 for FastPRelu {
     fn name(&self) -> &'static str {
         "tandem-prelu"
     }
@@ -122,7 +122,7 @@ pub fn prelu(x: &Tensor, a: &Tensor) -> candle_core::Result<Tensor> {
         && x.dtype() == candle_core::DType::F32
         && a.dtype() == candle_core::DType::F32
     {
-        return x.contiguous()?.apply_op2(&a.contiguous()?, PRelu);
+        return x.contiguous()?.apply_op2(&a.contiguous()?, FastPRelu);
     }
     let c = a.elem_count();
     let slope = if c == 1 {
