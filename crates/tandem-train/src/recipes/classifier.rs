@@ -10,8 +10,8 @@ use candle_core::Device;
 use tandem_ckpt::{AsyncCheckpointManager, CheckpointManager, TrainingCheckpoint, Value};
 use tandem_comm::{Collectives, LiveOptions, ProcessGroup};
 use tandem_data::{
-    channel_stats, Batch, CropFlip, DataLoader, Dataset, DistributedSampler, EvalMetrics,
-    ImageTransforms, InMemoryDataset, LoaderOptions, SamplerState, Transformed,
+    channel_stats, Batch, CropFlip, DataLoader, Dataset, EvalMetrics, ImageTransforms,
+    InMemoryDataset, LoaderOptions, SamplerState, Transformed,
 };
 use tandem_ddp::{Ddp, DdpOptions};
 use tandem_optim::amp::GradScaler;
@@ -123,19 +123,8 @@ impl<'a> Classifier<'a> {
             None => Ddp::new(net, group, DdpOptions::default()),
         }
         .context("wrapping the model in Ddp")?;
-        if cfg.comm.comm_hook != "none" {
-            let hook = tandem_ddp::comm_hooks::builtin(&cfg.comm.comm_hook)
-                .with_context(|| format!("--comm-hook: unknown hook `{}`", cfg.comm.comm_hook))?;
-            ddp.register_comm_hook(hook).context("--comm-hook")?;
-        } else if fault::armed() {
-            ddp.register_comm_hook(fault::hook()).context("the fault-injection hook")?;
-        }
+        super::register_comm_hook(&ddp, cfg)?;
         let mut opt = TrainOptimizer::new(cfg, ddp.params(), group)?;
-        let sampler = DistributedSampler::builder(train.len())
-            .group(group)
-            .shuffle(cfg.data.shuffle)
-            .seed(cfg.run.seed)
-            .build()?;
         let options = LoaderOptions {
             batch_size: cfg.data.batch_size,
             drop_last: false,
@@ -143,7 +132,7 @@ impl<'a> Classifier<'a> {
             prefetch_factor: 2,
         };
         let train = Arc::new(train);
-        let loader = DataLoader::new(Arc::clone(&train), sampler, options.clone(), device.clone())?;
+        let loader = super::training_loader(cfg, &train, group, options.clone(), &device)?;
         // The schedule spans --epochs (--steps may stop the run before its end).
         let steps_per_epoch = loader.len() as u64;
         let total_steps = cfg.run.epochs * steps_per_epoch;

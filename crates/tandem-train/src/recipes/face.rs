@@ -18,7 +18,7 @@ use candle_core::{DType, Device, Var};
 use tandem_ckpt::Value;
 use tandem_comm::{Collectives, ProcessGroup};
 use tandem_data::datasets::faces::FaceRecDataset;
-use tandem_data::{Batch, DataLoader, Dataset, DistributedSampler, LoaderOptions};
+use tandem_data::{Batch, DataLoader, Dataset, LoaderOptions};
 use tandem_ddp::{Ddp, DdpOptions};
 use tandem_models::IResNet;
 use tandem_nn::{NamedVars, OrderedVarMap, ParamModule};
@@ -138,20 +138,11 @@ impl<'a> Face<'a> {
             ..DdpOptions::default()
         };
         let ddp = Ddp::new(named, group, opts).context("wrapping the backbone in Ddp")?;
-        if cfg.comm.comm_hook != "none" {
-            let hook = tandem_ddp::comm_hooks::builtin(&cfg.comm.comm_hook)
-                .with_context(|| format!("--comm-hook: unknown hook `{}`", cfg.comm.comm_hook))?;
-            ddp.register_comm_hook(hook).context("--comm-hook")?;
-        }
+        super::register_comm_hook(&ddp, cfg)?;
 
         let head = build_head(cfg, classes, group, &device, init.and_then(|i| i.centres))?;
         let mut opt = build_optimizer(cfg, ddp.params(), head.weight().clone())?;
 
-        let sampler = DistributedSampler::builder(train.len())
-            .group(group)
-            .shuffle(cfg.data.shuffle)
-            .seed(cfg.run.seed)
-            .build()?;
         // PartialFC needs the same batch on every rank: the last partial batch is dropped.
         let options = LoaderOptions {
             batch_size: cfg.data.batch_size,
@@ -160,7 +151,7 @@ impl<'a> Face<'a> {
             prefetch_factor: 2,
         };
         let train = Arc::new(train);
-        let loader = DataLoader::new(Arc::clone(&train), sampler, options, device.clone())?;
+        let loader = super::training_loader(cfg, &train, group, options, &device)?;
         if loader.is_empty() {
             bail!(
                 "--data {}: {} images give rank {rank} fewer than one batch of {} (over {} ranks)",

@@ -114,6 +114,39 @@ pub fn join_group(opts: &TrainOptions) -> Result<ProcessGroup> {
     Ok(group)
 }
 
+/// The training loader every recipe uses: the sampler (torch's shuffle from the seed, this
+/// rank's shard of `group`) over `data`, `batch_size` per rank.
+fn training_loader<D: tandem_data::Dataset + 'static>(
+    opts: &TrainOptions,
+    data: &std::sync::Arc<D>,
+    group: &ProcessGroup,
+    options: tandem_data::LoaderOptions,
+    device: &candle_core::Device,
+) -> Result<tandem_data::DataLoader<D>> {
+    let sampler = tandem_data::DistributedSampler::builder(data.len())
+        .group(group)
+        .shuffle(opts.data.shuffle)
+        .seed(opts.run.seed)
+        .build()?;
+    Ok(tandem_data::DataLoader::new(std::sync::Arc::clone(data), sampler, options, device.clone())?)
+}
+
+/// `--comm-hook` on `ddp` (or, unless one is given, the test-only fault-injection hook).
+fn register_comm_hook<M: tandem_nn::ParamModule>(
+    ddp: &tandem_ddp::Ddp<M>,
+    opts: &TrainOptions,
+) -> Result<()> {
+    let name = &opts.comm.comm_hook;
+    if name != "none" {
+        let hook = tandem_ddp::comm_hooks::builtin(name)
+            .with_context(|| format!("--comm-hook: unknown hook `{name}`"))?;
+        ddp.register_comm_hook(hook).context("--comm-hook")?;
+    } else if crate::fault::armed() {
+        ddp.register_comm_hook(crate::fault::hook()).context("the fault-injection hook")?;
+    }
+    Ok(())
+}
+
 /// The step the options describe: f16's GradScaler (growing every
 /// `grad_scaler_growth_interval` clean steps, `default_interval` without it), the clipping
 /// norm and `sched`.
