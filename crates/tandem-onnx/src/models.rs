@@ -118,7 +118,7 @@ impl Graphs {
         Ok((self.b.node("Conv", &refs, attrs), cout))
     }
 
-    /// Eval-mode FastBatchNorm2d: `(x - running_mean) / sqrt(running_var + eps) * weight + bias`.
+    /// Eval-mode BatchNorm2d: `(x - running_mean) / sqrt(running_var + eps) * weight + bias`.
     fn batch_norm(
         &mut self,
         sd: &mut StateDict,
@@ -264,7 +264,7 @@ impl Graphs {
         let mut w = sd.take(&format!("{prefix}.weight"), &[Some(channels)])?;
         w.dims = vec![channels, 1, 1];
         let slope = self.init(w);
-        Ok(self.b.node("FastPRelu", &[x, &slope], vec![]))
+        Ok(self.b.node("PRelu", &[x, &slope], vec![]))
     }
 
     fn iresnet(&mut self, sd: &mut StateDict, depth: usize) -> Result<(Vec<Dim>, String, usize)> {
