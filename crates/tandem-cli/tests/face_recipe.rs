@@ -25,6 +25,7 @@ fn main() -> ExitCode {
         same_world_resume_is_bitwise,
         another_world_size_resplits_the_head_and_continues,
         background_saves_equal_synchronous_ones_and_resume_on_another_world,
+        a_failed_background_save_is_reported_and_loses_nothing,
         f16_trains,
         config_file_sets_flags_and_the_command_line_wins,
         arcface_layout_round_trip_resumes_bitwise,
@@ -301,6 +302,44 @@ fn background_saves_equal_synchronous_ones_and_resume_on_another_world() {
     assert_eq!(summary(&async_dir).steps, 26, "{said}");
     let last = async_dir.join("checkpoints/step-00000026");
     assert_eq!(head_rows(&last).2, 3, "the last background save is committed on 3 ranks");
+}
+
+/// A background face save that cannot be written (`ulimit -f`: rank 0's replicated file is
+/// too large) fails the run at its commit, naming the file; the checkpoint has no manifest, the
+/// one before it is untouched, and a resume with room again finishes from it.
+fn a_failed_background_save_is_reported_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = faces(dir.path(), 16, 8, "png");
+    let run_dir = dir.path().join("run");
+    let common = ["--nproc-per-node", "2", "--epochs", "1", "--save-every", "5", "--async-save"];
+    train(&data, &[&common[..], &["--out", p(&run_dir), "--steps", "10"]].concat());
+    let ck = run_dir.join("checkpoints");
+    let last_good = std::fs::read(ck.join("step-00000010/replicated.pt")).unwrap();
+    let mut args: Vec<String> = vec!["train".into()];
+    args.extend(recipe(&data));
+    args.extend(common.iter().chain(&["--out", p(&run_dir), "--resume"]).map(|s| s.to_string()));
+    let mut c = Command::new("sh");
+    without_world(&mut c);
+    c.args([
+        "-c",
+        "trap '' XFSZ; ulimit -f 1024 && exec \"$0\" \"$@\"",
+        env!("CARGO_BIN_EXE_tandem"),
+    ]);
+    let out = output_with_deadline(c.args(&args), LIMIT);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the squeezed run exited 0\n{}", text(&out));
+    assert!(
+        err.contains("step-00000015")
+            && err.contains("File too large")
+            && !err.contains("panicked"),
+        "the error names neither the checkpoint nor the cause:\n{err}"
+    );
+    assert!(!ck.join("step-00000015/manifest.json").exists(), "a failed save has a manifest");
+    assert_eq!(std::fs::read(ck.join("step-00000010/replicated.pt")).unwrap(), last_good);
+    assert!(ck.join("step-00000010/manifest.json").is_file());
+    let said = train(&data, &[&common[..], &["--out", p(&run_dir), "--resume"]].concat());
+    assert!(said.contains("resumed from") && said.contains("step 10"), "{said}");
+    assert_eq!(summary(&run_dir).steps, 16);
 }
 
 fn f16_trains() {

@@ -234,8 +234,11 @@ impl FaceCheckpoints {
         if all_written[0] < 1.0 {
             return Err(invalid(dir, "another rank could not write its head file (see its error)"));
         }
+        // Pruning comes last, once the new checkpoint is complete, durable and in its place.
         let finished = if info.rank == 0 {
-            self.write_manifest(dir, info).and_then(|()| swap_in(dir, target))
+            self.write_manifest(dir, info)
+                .and_then(|()| swap_in(dir, target))
+                .and_then(|()| self.prune(target))
         } else {
             Ok(())
         };
@@ -261,12 +264,12 @@ impl FaceCheckpoints {
             replicated: REPLICATED.into(),
             heads,
         };
-        write_manifest(dir, &manifest)?;
-        self.prune(dir)
+        write_manifest(dir, &manifest)
     }
 
     /// Deletes the oldest complete checkpoints beyond `keep_last`, and incomplete ones older
-    /// than `newest` (a crashed save's leftovers).
+    /// than `newest` (a crashed save's leftovers). Only `step-NNNNNNNN` directories count: a
+    /// `.new`/`.old` beside one is a swap in progress, never a checkpoint.
     fn prune(&self, newest: &Path) -> Result<()> {
         let all = self.list()?;
         let complete: Vec<&PathBuf> = all.iter().filter(|d| d.join(MANIFEST).is_file()).collect();
@@ -293,8 +296,8 @@ impl FaceCheckpoints {
             .flatten()
             .map(|e| e.path())
             .filter(|p| {
-                p.is_dir()
-                    && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+                let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+                p.is_dir() && name.is_some_and(|n| n.starts_with("step-") && !n.contains('.'))
             })
             .collect();
         dirs.sort();
@@ -333,7 +336,8 @@ fn write_files(
 }
 
 /// Puts the complete checkpoint `new` in `target`'s place (nothing to do when they are the
-/// same): the old one moves aside, the new one in, the old one goes.
+/// same): the old one (if it is still there) moves aside, the new one in, the parent directory
+/// is synced, then the old one goes.
 fn swap_in(new: &Path, target: &Path) -> Result<()> {
     if new == target {
         return Ok(());
@@ -342,9 +346,18 @@ fn swap_in(new: &Path, target: &Path) -> Result<()> {
     if old.exists() {
         std::fs::remove_dir_all(&old).map_err(io("removing", &old))?;
     }
-    std::fs::rename(target, &old).map_err(io("moving aside", target))?;
+    let had_target = target.exists();
+    if had_target {
+        std::fs::rename(target, &old).map_err(io("moving aside", target))?;
+    }
     std::fs::rename(new, target).map_err(io("moving into place", new))?;
-    std::fs::remove_dir_all(&old).map_err(io("removing", &old))
+    if let Some(parent) = target.parent() {
+        std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(io("syncing", parent))?;
+    }
+    if had_target {
+        std::fs::remove_dir_all(&old).map_err(io("removing", &old))?;
+    }
+    Ok(())
 }
 
 pub fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<()> {
