@@ -8,11 +8,34 @@ pub use tandem::train::options::{Backend, DeviceKind, OptimizerKind, Precision};
 use tandem::train::options::{Choice, TrainOptions};
 pub use tandem_models::ModelKind;
 
-/// Parses a flag whose values are a library option's names (listed in `--help`).
-pub fn choice<T: Choice>() -> impl clap::builder::TypedValueParser<Value = T> {
-    use clap::builder::TypedValueParser;
-    clap::builder::PossibleValuesParser::new(T::NAMES)
-        .map(|name| name.parse::<T>().unwrap_or_else(|_| unreachable!("a listed name")))
+/// Parses a flag whose values are a library option's names (listed in `--help` and in the
+/// error for any other value).
+pub fn choice<T: Choice>() -> ChoiceParser<T> {
+    ChoiceParser(std::marker::PhantomData)
+}
+
+#[derive(Clone)]
+pub struct ChoiceParser<T>(std::marker::PhantomData<T>);
+
+impl<T: Choice> clap::builder::TypedValueParser for ChoiceParser<T> {
+    type Value = T;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<T, clap::Error> {
+        let names = clap::builder::PossibleValuesParser::new(T::NAMES);
+        let name = names.parse_ref(cmd, arg, value)?;
+        name.parse::<T>().map_err(|_| clap::Error::new(clap::error::ErrorKind::InvalidValue))
+    }
+
+    fn possible_values(
+        &self,
+    ) -> Option<Box<dyn Iterator<Item = clap::builder::PossibleValue> + '_>> {
+        Some(Box::new(T::NAMES.iter().map(|n| clap::builder::PossibleValue::new(*n))))
+    }
 }
 
 /// How the learning rate moves, stepped after every optimizer step (arcface_torch's recipe).
