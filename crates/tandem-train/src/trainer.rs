@@ -477,15 +477,7 @@ impl<R: Recipe> Trainer<R> {
             }
             if opts.save_every > 0 && n.is_multiple_of(opts.save_every) && n < max_steps {
                 let clock = Instant::now();
-                let ctx = SaveContext {
-                    group,
-                    name: &format!("step-{n:08}"),
-                    step,
-                    position: &loader.state(),
-                    global_step: n,
-                };
-                fault::hit(fault::Phase::Save);
-                let written = recipe.save(ctx)?;
+                let written = checkpoint(recipe, group, step, &loader.state(), n)?;
                 self.last_ckpt = written.or(self.last_ckpt.take());
                 self.saved_at = Some(n);
                 pause += clock.elapsed().as_secs_f64();
@@ -514,28 +506,22 @@ impl<R: Recipe> Trainer<R> {
         if self.rank() == 0 {
             self.report_epoch(epoch, train_loss, progress)?;
         }
-        let (step, max_steps, every) = (self.global_step, self.max_steps(), self.opts.save_every);
-        let just_saved = every > 0 && step.is_multiple_of(every);
+        let (step, max_steps) = (self.global_step, self.max_steps());
+        let just_saved = self.saved_at == Some(step);
         if step < max_steps && self.loader.epoch() < self.opts.epochs && !just_saved {
-            self.save(&format!("step-{step:08}"))?;
+            self.save()?;
         }
         self.epoch_to_close = None;
         Ok(())
     }
 
     /// A checkpoint of the whole state now (a collective).
-    fn save(&mut self, name: &str) -> Result<()> {
-        let ctx = SaveContext {
-            group: &self.group,
-            name,
-            step: &mut self.step,
-            position: &self.loader.state(),
-            global_step: self.global_step,
-        };
-        fault::hit(fault::Phase::Save);
-        let written = self.recipe.save(ctx)?;
+    fn save(&mut self) -> Result<()> {
+        let n = self.global_step;
+        let written =
+            checkpoint(&mut self.recipe, &self.group, &mut self.step, &self.loader.state(), n)?;
         self.last_ckpt = written.or(self.last_ckpt.take());
-        self.saved_at = Some(self.global_step);
+        self.saved_at = Some(n);
         Ok(())
     }
 
@@ -544,7 +530,7 @@ impl<R: Recipe> Trainer<R> {
         if self.saved_at == Some(self.global_step) {
             return Ok(());
         }
-        self.save(&format!("step-{:08}", self.global_step))
+        self.save()
     }
 
     /// Rank 0's epoch line, TensorBoard scalars and metrics record.
@@ -645,6 +631,19 @@ impl<R: Recipe> Trainer<R> {
             |l| l.generation().members[self.group.rank()].to_string(),
         )
     }
+}
+
+/// The recipe's checkpoint `step-NNNNNNNN` of step `n` (a collective); what rank 0 wrote.
+fn checkpoint<R: Recipe>(
+    recipe: &mut R,
+    group: &ProcessGroup,
+    step: &mut Step,
+    position: &SamplerState,
+    n: u64,
+) -> Result<Option<PathBuf>> {
+    fault::hit(fault::Phase::Save);
+    let name = format!("step-{n:08}");
+    recipe.save(SaveContext { group, name: &name, step, position, global_step: n })
 }
 
 /// `epoch E/N step S loss=L [eval_loss=.. eval_accuracy=..] samples/s=.. lr=..[ loss_scale=..

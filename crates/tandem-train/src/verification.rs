@@ -175,20 +175,6 @@ fn evaluate_set(
         let sum = (embed(plain)? + embed(flipped)?)?;
         local.extend(sum.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?);
     }
-    // Every rank's share has the same embedding width; learn it from the first image's.
-    let e = match mine.is_empty() {
-        false => local.len() / mine.len(),
-        true => 0,
-    };
-    let mut width = [e as f64];
-    group.all_reduce(&mut width, tandem_comm::ReduceOp::Max).map_err(|source| {
-        VerificationError::Comm {
-            path: path(),
-            what: "agreeing on the embedding width".into(),
-            source: Box::new(source),
-        }
-    })?;
-    let e = width[0] as usize;
     let gathered = group
         .all_gather_bytes(&local.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())
         .map_err(|source| VerificationError::Comm {
@@ -200,6 +186,8 @@ fn evaluate_set(
         .iter()
         .flat_map(|b| b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
         .collect();
+    // The model's embedding width, from what every rank sent (every image has one embedding).
+    let e = values.len() / n.max(1);
     if e == 0 || values.len() != n * e {
         return Err(VerificationError::Gathered {
             path: path(),
