@@ -107,7 +107,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let memcpy: Vec<f64> =
         sizes.iter().map(|&b| b as f64 / memcpy_seconds(b, iterations(b, 0.2))).collect();
 
-    let args_vec = ["bench", "allreduce", "--worker", "--sizes", &args.sizes, "--seconds-per-size"]
+    let args_vec = ["allreduce", "--worker", "--sizes", &args.sizes, "--seconds-per-size"]
         .iter()
         .map(|s| s.to_string())
         .chain([args.seconds_per_size.to_string()])

@@ -351,7 +351,7 @@ fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let threads = (cores / args.nproc).max(1);
     let mut worker_args: Vec<String> =
-        ["bench", "ddp", "--worker", "--model", args.model.name(), "--mode", &args.mode]
+        ["ddp", "--worker", "--model", args.model.name(), "--mode", &args.mode]
             .iter()
             .map(|s| s.to_string())
             .collect();

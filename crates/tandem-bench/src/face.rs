@@ -75,7 +75,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 }
 
 fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
-    let exe = std::env::current_exe().context("locating the tandem executable")?;
+    let exe = crate::tandem_exe()?;
     let peer = crate::report::repo_root().join(crate::PEERS_DIR).join("torch_face_recipe.py");
     let data = dir.join("faces");
     let (classes, width, emb) =
@@ -133,13 +133,12 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
     let mut breakdown = String::new();
     for round in 0..args.rounds {
         let out = dir.join(format!("run-{round}"));
-        let text = run(&mut recipe(&out), "tandem train (face recipe)")?;
+        run(&mut recipe(&out), "tandem train (face recipe)")?;
         let metrics = out.join("metrics.jsonl");
-        let sps = tandem_train::metrics::last_summary(&metrics)?
-            .with_context(|| format!("no run summary in {}", metrics.display()))?
-            .samples_per_s;
-        breakdown = text.lines().find(|l| l.starts_with("time per step")).unwrap_or("").to_string();
-        ours.samples_per_s.push(sps);
+        let summary = tandem_train::metrics::last_summary(&metrics)?
+            .with_context(|| format!("no run summary in {}", metrics.display()))?;
+        breakdown = summary.step_times.map(|t| t.line()).unwrap_or_default();
+        ours.samples_per_s.push(summary.samples_per_s);
         let text = run(
             Command::new(python)
                 .arg(&peer)

@@ -48,7 +48,7 @@ struct RunResult {
 
 /// Runs the job; with `kill_every`, SIGKILLs one of its live workers that often.
 fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow::Result<RunResult> {
-    let exe = std::env::current_exe().context("locating the tandem executable")?;
+    let exe = crate::tandem_exe()?;
     let train = [
         "train",
         "--model",

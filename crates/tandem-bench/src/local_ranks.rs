@@ -19,7 +19,7 @@ pub struct LocalRanks {
 /// port, run id and init timeout.
 fn job_basics(job: &str) -> anyhow::Result<(PathBuf, [(&'static str, String); 3])> {
     let port = tandem_launch::pick_master_port().context("picking a port for rank 0's store")?;
-    let exe = std::env::current_exe().context("locating the tandem executable")?;
+    let exe = crate::bench_exe()?;
     let vars = [
         ("MASTER_PORT", port.to_string()),
         ("TANDEM_RUN_ID", format!("{job}-{}", std::process::id())),

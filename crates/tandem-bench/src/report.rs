@@ -193,7 +193,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let scratch = out.join(format!(".bench-report-{}", std::process::id()));
     std::fs::create_dir_all(&scratch).with_context(|| format!("creating {}", scratch.display()))?;
     let mut ctx = measure::Ctx {
-        exe: std::env::current_exe().context("locating the tandem executable")?,
+        exe: crate::bench_exe()?,
         torch,
         peers,
         scratch: scratch.clone(),

@@ -126,7 +126,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     );
     for &n in &worlds {
         let steps = args.steps.to_string();
-        let worker_args = ["bench", "zero", "--worker", "--steps", &steps, "--dims", &args.dims];
+        let worker_args = ["zero", "--worker", "--steps", &steps, "--dims", &args.dims];
         let (mut ranks, stdout) = LocalRanks::spawn(n, "bench-zero", &worker_args, &[])?;
         let mut rows = Vec::new();
         for line in BufReader::new(stdout).lines() {

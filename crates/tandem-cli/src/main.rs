@@ -29,8 +29,9 @@ enum Command {
     Data(cmd::data::Args),
     /// Write a built-in model's weights (mlp, cnn, resnet18, iresnet18|34|50|100) as an ONNX model.
     Export(cmd::export::Args),
-    /// Benchmarks that print ratios against a reference measured in the same run.
-    Bench(tandem_bench::Args),
+    /// Benchmarks that print ratios against a reference measured in the same run (runs the
+    /// `tandem-bench` program beside this one).
+    Bench(cmd::bench::Args),
     /// Check a launch: every rank joins the group, all_reduces its rank and verifies the sum.
     Check(cmd::check::Args),
 }
@@ -66,7 +67,7 @@ fn main() {
         Command::Ckpt(a) => cmd::ckpt::main(a),
         Command::Data(a) => cmd::data::main(a),
         Command::Export(a) => cmd::export::main(a),
-        Command::Bench(a) => tandem_bench::main(a),
+        Command::Bench(a) => cmd::bench::main(a),
         Command::Check(a) => cmd::check::main(a),
     };
     match result {

@@ -149,14 +149,14 @@ fn train_export_onnx_equals_the_export_of_its_final_weights() {
             std::fs::read(&exported).unwrap(),
             "{model}: --export-onnx and `tandem export` of the final weights differ"
         );
-        // And from the run's last training checkpoint (weights under `model`), which the final
-        // line names.
-        let ckpt = text
-            .lines()
-            .find_map(|l| l.strip_prefix("final: "))
-            .and_then(|l| l.split(' ').find_map(|kv| kv.strip_prefix("checkpoint=")))
-            .map(PathBuf::from)
-            .unwrap_or_else(|| panic!("no checkpoint= in the final line:\n{text}"));
+        // And from the run's last training checkpoint (weights under `model`), which the run's
+        // summary names.
+        let metrics = out.join("metrics.jsonl");
+        let ckpt = tandem::train::metrics::last_summary(&metrics)
+            .ok()
+            .flatten()
+            .and_then(|s| s.checkpoint)
+            .unwrap_or_else(|| panic!("no checkpoint in {}:\n{text}", metrics.display()));
         let from_ckpt = dir.path().join(format!("{model}-ckpt.onnx"));
         ok(tandem(&["export", path(&ckpt), "--model", model, path(&from_ckpt)]), "export");
         assert_eq!(std::fs::read(&trained).unwrap(), std::fs::read(&from_ckpt).unwrap(), "{model}");

@@ -3,6 +3,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
+use tandem::train::metrics::{last_summary, RunSummary};
 use tandem_testutil::{output_with_deadline, torch_python};
 
 const LIMIT: Duration = Duration::from_secs(180);
@@ -61,6 +62,27 @@ fn final_line(stdout: &[u8]) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Runs `tandem ARGS` (which name the run directory with `--out`) and returns its output and the
+/// run's typed summary, read from the run directory's `metrics.jsonl` (not from stdout).
+fn train(args: &[&str]) -> (Output, RunSummary) {
+    let out = run(args);
+    let dir = args
+        .iter()
+        .position(|a| *a == "--out")
+        .map(|i| Path::new(args[i + 1]))
+        .expect("tests name the run directory with --out");
+    let metrics = dir.join("metrics.jsonl");
+    let summary = last_summary(&metrics)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", metrics.display()))
+        .unwrap_or_else(|| panic!("no run summary in {}", metrics.display()));
+    (out, summary)
+}
+
+fn checkpoint_of(s: &RunSummary) -> tandem_ckpt::Value {
+    let path = s.checkpoint.as_ref().expect("the run wrote a checkpoint");
+    tandem_ckpt::load(path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
+}
+
 fn get<'a>(kv: &'a [(String, String)], key: &str) -> &'a str {
     &kv.iter()
         .find(|(k, _)| k == key)
@@ -86,15 +108,22 @@ fn weights(path: &Path) -> Vec<(String, tandem_ckpt::TensorData)> {
 fn two_ranks_learn_digits_and_leave_a_run_directory() {
     let dir = tempfile::tempdir().unwrap();
     let out_dir = dir.path().join("run");
-    let out = run(&["train", "--epochs", "4", "--out", out_dir.to_str().unwrap(), "--tensorboard"]);
-    let kv = final_line(&out.stdout);
-    assert_eq!(get(&kv, "epochs"), "4");
-    let acc: f64 = get(&kv, "eval_accuracy").parse().unwrap();
+    let (out, summary) =
+        train(&["train", "--epochs", "4", "--out", out_dir.to_str().unwrap(), "--tensorboard"]);
+    assert_eq!(summary.epochs, 4);
+    let acc = summary.eval_accuracy.expect("an eval accuracy");
     assert!(acc >= 0.9, "eval accuracy {acc} after 4 epochs on digits");
-    let steps: u64 = get(&kv, "steps").parse().unwrap();
+    let steps = summary.steps;
     // 1500 training digits over 2 ranks, 32 per rank per step: 24 steps an epoch.
     assert_eq!(steps, 4 * 24);
-    let ckpt = PathBuf::from(get(&kv, "checkpoint"));
+    assert_eq!(summary.epochs_seen.len(), 4);
+    // The printed `final:` line (an interface kept for people and scripts) says the same.
+    let kv = final_line(&out.stdout);
+    assert_eq!(get(&kv, "epochs"), "4");
+    assert_eq!(get(&kv, "steps"), steps.to_string());
+    assert_eq!(get(&kv, "eval_accuracy"), format!("{acc:.4}"));
+    let ckpt = summary.checkpoint.clone().expect("a checkpoint");
+    assert_eq!(get(&kv, "checkpoint"), ckpt.display().to_string());
     assert!(ckpt.starts_with(&out_dir), "checkpoint {ckpt:?} outside the run directory");
     let value = tandem_ckpt::load(&ckpt).unwrap();
     for key in [
@@ -156,13 +185,13 @@ fn whole_and_resumed_agree(
     common: &[&str],
     stop_at: &str,
     ext: &str,
-) -> (Output, PathBuf, Vec<(String, tandem_ckpt::TensorData)>) {
+) -> (RunSummary, PathBuf, Vec<(String, tandem_ckpt::TensorData)>) {
     let whole = dir.join(format!("whole.{ext}"));
     let a = dir.join("a");
     let mut args =
         vec!["train", "--out", a.to_str().unwrap(), "--save-final", whole.to_str().unwrap()];
     args.extend(common);
-    let whole_out = run(&args);
+    let (_, whole_summary) = train(&args);
 
     let b = dir.join("b");
     let resumed = dir.join(format!("resumed.{ext}"));
@@ -178,13 +207,10 @@ fn whole_and_resumed_agree(
         resumed.to_str().unwrap(),
     ];
     second.extend(common);
-    let out = run(&second);
+    let (out, summary) = train(&second);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("resumed from"), "no resume message:\n{err}");
-    assert_eq!(
-        get(&final_line(&out.stdout), "steps"),
-        get(&final_line(&whole_out.stdout), "steps")
-    );
+    assert_eq!(summary.steps, whole_summary.steps);
 
     let (x, y) = (weights(&whole), weights(&resumed));
     assert_eq!(x.len(), y.len());
@@ -192,7 +218,7 @@ fn whole_and_resumed_agree(
         assert_eq!(kx, ky);
         assert!(tx.contiguous_bytes() == ty.contiguous_bytes(), "{kx} differs after resume");
     }
-    (whole_out, a, x)
+    (whole_summary, a, x)
 }
 
 #[test]
@@ -200,8 +226,8 @@ fn interrupted_and_resumed_run_ends_with_bitwise_identical_weights() {
     let dir = tempfile::tempdir().unwrap();
     let common = ["--epochs", "2", "--batch-size", "50", "--hidden", "32"];
     // Stop mid-epoch 1 (epoch has 15 steps), then resume to the end.
-    let (out, _, _) = whole_and_resumed_agree(dir.path(), &common, "7", "pt");
-    assert_eq!(get(&final_line(&out.stdout), "steps"), "30");
+    let (summary, _, _) = whole_and_resumed_agree(dir.path(), &common, "7", "pt");
+    assert_eq!(summary.steps, 30);
 }
 
 /// `--resume` with another `--nproc-per-node` (2 -> 3 -> 2, and 4 -> 1): the rest of the epoch is
@@ -211,41 +237,41 @@ fn resume_on_another_world_size_splits_the_rest_of_the_epoch() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
     let out = out.to_str().unwrap();
-    let train = |extra: &[&str]| {
+    let resume_run = |extra: &[&str]| {
         let mut args = vec!["train", "--out", out];
         args.extend(extra);
-        let o = run(&args);
-        (final_line(&o.stdout), String::from_utf8_lossy(&o.stderr).into_owned())
+        let (o, summary) = train(&args);
+        (summary, String::from_utf8_lossy(&o.stderr).into_owned())
     };
     // 1500 digits, 32 per rank per step. 2 ranks: 24 steps an epoch; 30 steps end 6 steps
     // (384 samples) into epoch 1.
-    train(&["--steps", "30"]);
+    resume_run(&["--steps", "30"]);
     // 3 ranks: 1116 samples left, 96 a step: 10 steps stop mid-split, 960 more samples used.
-    let (kv, err) = train(&["--resume", "--nproc-per-node", "3", "--steps", "40"]);
-    assert_eq!(get(&kv, "steps"), "40");
+    let (kv, err) = resume_run(&["--resume", "--nproc-per-node", "3", "--steps", "40"]);
+    assert_eq!(kv.steps, 40);
     assert!(
         err.contains("written by 2 ranks, this run has 3")
             && err.contains("the rest of epoch 1 (1116 samples not yet seen, after the first 384"),
         "{err}"
     );
-    let ck = tandem_ckpt::load(get(&kv, "checkpoint")).unwrap();
+    let ck = checkpoint_of(&kv);
     let sampler = ck.get("sampler").unwrap();
     assert_eq!(sampler.get("start").and_then(|v| v.as_int()), Some(384));
     assert_eq!(sampler.get("num_replicas").and_then(|v| v.as_int()), Some(3));
     // Back to 2 ranks: 1500 - 384 - 960 = 156 left, 64 a step: 3 steps close epoch 1, then
     // epoch 2 is an ordinary 24-step epoch.
-    let (kv, err) = train(&["--resume", "--epochs", "3"]);
+    let (kv, err) = resume_run(&["--resume", "--epochs", "3"]);
     assert!(err.contains("156 samples not yet seen, after the first 1344"), "{err}");
-    assert_eq!(get(&kv, "steps"), (40 + 3 + 24).to_string());
-    assert_eq!(get(&kv, "epochs"), "3");
+    assert_eq!(kv.steps, 40 + 3 + 24);
+    assert_eq!(kv.epochs, 3);
 
     // 4 -> 1: 12 steps an epoch (375 per rank); 10 steps use 1280; 220 left for 1 rank: 7 steps.
     let four = dir.path().join("four");
     let four = four.to_str().unwrap();
     run(&["train", "--out", four, "--nproc-per-node", "4", "--steps", "10"]);
-    let o = run(&["train", "--out", four, "--nproc-per-node", "1", "--resume", "--epochs", "1"]);
-    let kv = final_line(&o.stdout);
-    assert_eq!(get(&kv, "steps"), "17");
+    let (o, kv) =
+        train(&["train", "--out", four, "--nproc-per-node", "1", "--resume", "--epochs", "1"]);
+    assert_eq!(kv.steps, 17);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("written by 4 ranks, this run has 1"), "{err}");
 }
@@ -470,8 +496,8 @@ fn resnet18_matches_pytorch_ddp_and_sync_batchnorm() {
         let out_dir = d.join(format!("run-{sync}"));
         args.extend(["--init-from", init_path.to_str().unwrap()]);
         args.extend(["--save-final", ours.to_str().unwrap(), "--out", out_dir.to_str().unwrap()]);
-        let out = run(&args);
-        assert_eq!(get(&final_line(&out.stdout), "steps"), "6");
+        let (_, summary) = train(&args);
+        assert_eq!(summary.steps, 6);
         let (gap, key, moved) =
             state_dict_gap(&weights(&ours), &weights(&d.join(reference)), &init);
         eprintln!(
@@ -503,8 +529,8 @@ fn resnet18_with_augmentation_resumes_mid_epoch_to_bitwise_identical_weights() {
         "--nproc-per-node",
         "2",
     ];
-    let (out, a, x) = whole_and_resumed_agree(dir.path(), &common, "4", "safetensors");
-    assert_eq!(get(&final_line(&out.stdout), "steps"), "6");
+    let (summary, a, x) = whole_and_resumed_agree(dir.path(), &common, "4", "safetensors");
+    assert_eq!(summary.steps, 6);
     let config = std::fs::read_to_string(a.join("config.toml")).unwrap();
     for line in ["model = \"resnet18\"", "width = 4", "augment = true", "normalize = true"] {
         assert!(config.contains(line), "config.toml lacks `{line}`:\n{config}");
@@ -549,8 +575,8 @@ fn zero_sharded_optimizer_trains_the_same_weights_and_resumes_anywhere() {
             path(&format!("{name}.pt")),
         ]);
         args.extend(extra.iter().map(|s| s.to_string()));
-        let o = run(&args.iter().map(String::as_str).collect::<Vec<_>>());
-        let ck = tandem_ckpt::load(get(&final_line(&o.stdout), "checkpoint")).unwrap();
+        let (_, summary) = train(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let ck = checkpoint_of(&summary);
         finals.push((weights(Path::new(&path(&format!("{name}.pt")))), ck));
     }
     let ((zw, zck), (pw, pck)) = (&finals[0], &finals[1]);
@@ -565,7 +591,7 @@ fn zero_sharded_optimizer_trains_the_same_weights_and_resumes_anywhere() {
 
     // The --zero run resumed on 3 ranks (with --zero) and the plain run resumed with --zero.
     for (name, ranks) in [("zero", "3"), ("plain", "2")] {
-        let o = run(&[
+        let (o, kv) = train(&[
             "train",
             "--optimizer",
             "adamw",
@@ -582,10 +608,9 @@ fn zero_sharded_optimizer_trains_the_same_weights_and_resumes_anywhere() {
             "--nproc-per-node",
             ranks,
         ]);
-        let kv = final_line(&o.stdout);
-        assert_eq!(get(&kv, "steps"), "14", "{name}");
+        assert_eq!(kv.steps, 14, "{name}");
         assert!(String::from_utf8_lossy(&o.stderr).contains("resumed from"), "{name}");
-        let ck = tandem_ckpt::load(get(&kv, "checkpoint")).unwrap();
+        let ck = checkpoint_of(&kv);
         assert_eq!(ck.get("world_size").and_then(|v| v.as_int()), Some(ranks.parse().unwrap()));
     }
 }
@@ -600,7 +625,7 @@ fn mixed_precision_trains_and_its_grad_scaler_resumes() {
     let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
     let mut finals = Vec::new();
     for precision in ["f32", "bf16", "f16"] {
-        let o = run(&[
+        let (o, kv) = train(&[
             "train",
             "--precision",
             precision,
@@ -611,12 +636,11 @@ fn mixed_precision_trains_and_its_grad_scaler_resumes() {
             "--save-final",
             &path(&format!("{precision}.pt")),
         ]);
-        let kv = final_line(&o.stdout);
-        let acc: f64 = get(&kv, "eval_accuracy").parse().unwrap();
+        let acc = kv.eval_accuracy.expect("an eval accuracy");
         assert!(acc >= 0.85, "--precision {precision}: eval accuracy {acc} after 2 epochs");
         let w = weights(Path::new(&path(&format!("{precision}.pt"))));
         assert!(w.iter().all(|(_, t)| t.dtype == tandem_ckpt::ElemType::F32), "{precision}");
-        let ck = tandem_ckpt::load(get(&kv, "checkpoint")).unwrap();
+        let ck = checkpoint_of(&kv);
         finals.push((w, ck, String::from_utf8_lossy(&o.stdout).to_string()));
     }
     let (f32w, f32ck, _) = &finals[0];
@@ -637,9 +661,9 @@ fn mixed_precision_trains_and_its_grad_scaler_resumes() {
 
     // Resumed for 12 more steps, the scaler continues from the checkpoint (this run skips no
     // step: the tracker adds up).
-    let o =
-        run(&["train", "--precision", "f16", "--steps", "60", "--out", &path("f16"), "--resume"]);
-    let ck = tandem_ckpt::load(get(&final_line(&o.stdout), "checkpoint")).unwrap();
+    let (_, summary) =
+        train(&["train", "--precision", "f16", "--steps", "60", "--out", &path("f16"), "--resume"]);
+    let ck = checkpoint_of(&summary);
     let after = ck.get("scaler").unwrap();
     assert_eq!(num(after, "scale"), scale);
     assert_eq!(num(after, "_growth_tracker"), tracker + 12.0);
@@ -651,7 +675,7 @@ fn mixed_precision_trains_and_its_grad_scaler_resumes() {
 
     // The convolution nets train under f16 too (f32 kernels, 16-bit input and logits, loss
     // scaling), as well as in f32.
-    let o = run(&[
+    let (o, summary) = train(&[
         "train",
         "--precision",
         "f16",
@@ -662,7 +686,7 @@ fn mixed_precision_trains_and_its_grad_scaler_resumes() {
         "--out",
         &path("cnn"),
     ]);
-    let acc: f64 = get(&final_line(&o.stdout), "eval_accuracy").parse().unwrap();
+    let acc = summary.eval_accuracy.expect("an eval accuracy");
     assert!(acc >= 0.85, "--model cnn --precision f16: eval accuracy {acc}");
     assert!(String::from_utf8_lossy(&o.stdout).contains("loss_scale="));
 }
@@ -674,8 +698,8 @@ fn lr_scheduler_is_checkpointed_and_continues_on_resume() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("poly");
     let out = out.to_str().unwrap();
-    let sched_of = |o: &Output| {
-        let ck = tandem_ckpt::load(get(&final_line(&o.stdout), "checkpoint")).unwrap();
+    let sched_of = |args: &[&str]| {
+        let ck = checkpoint_of(&train(args).1);
         ck.get("scheduler").cloned().expect("a scheduler state")
     };
     let int = |v: &tandem_ckpt::Value, k: &str| v.get(k).and_then(|x| x.as_int()).unwrap();
@@ -694,13 +718,13 @@ fn lr_scheduler_is_checkpointed_and_continues_on_resume() {
     ];
     let mut first = args.to_vec();
     first.extend(["--steps", "10"]);
-    let s = sched_of(&run(&first));
+    let s = sched_of(&first);
     assert_eq!(int(&s, "last_epoch"), 9, "10 steps taken: {s:?}");
     assert_eq!(int(&s, "warmup_steps"), 4);
     let max_steps = int(&s, "max_steps");
     let mut second = args.to_vec();
     second.extend(["--steps", "14", "--resume"]);
-    let s = sched_of(&run(&second));
+    let s = sched_of(&second);
     assert_eq!(int(&s, "last_epoch"), 13, "the schedule continued: {s:?}");
     assert_eq!(int(&s, "max_steps"), max_steps, "the same curve after a same-world resume");
     // The lr after step t+1 is insightface's formula at t (the first two steps run at lr 0).
@@ -708,15 +732,8 @@ fn lr_scheduler_is_checkpointed_and_continues_on_resume() {
     let want = 0.05 * (1.0 - (13.0 - 4.0) / (max_steps as f64 - 4.0)).powi(2);
     assert!((lr - want).abs() < 1e-12, "lr {lr}, formula {want}");
     for kind in ["cosine", "step"] {
-        let o = run(&[
-            "train",
-            "--lr-scheduler",
-            kind,
-            "--steps",
-            "5",
-            "--out",
-            &format!("{out}-{kind}"),
-        ]);
-        assert!(sched_of(&o).get("last_epoch").is_some(), "--lr-scheduler {kind}");
+        let dir = format!("{out}-{kind}");
+        let s = sched_of(&["train", "--lr-scheduler", kind, "--steps", "5", "--out", &dir]);
+        assert!(s.get("last_epoch").is_some(), "--lr-scheduler {kind}");
     }
 }

@@ -68,7 +68,7 @@ fn ddp_heading(w: &Workload) -> String {
     }
 }
 
-pub const REGENERATE: &str = "cargo run --release -p tandem-cli -- bench report";
+pub const REGENERATE: &str = "cargo build --release && target/release/tandem bench report";
 
 fn table(out: &mut String, t: &Table) {
     let _ = writeln!(

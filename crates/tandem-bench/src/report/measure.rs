@@ -110,7 +110,7 @@ impl Ctx {
         let mut cmd = Command::new(&self.exe);
         // Run in the scratch directory: `bench ckpt` looks for a Python with torch relative to its
         // working directory when it is given none, which must not happen when torch is unavailable.
-        cmd.arg("bench").args(args).current_dir(&self.scratch).envs(env.iter().copied());
+        cmd.args(args).current_dir(&self.scratch).envs(env.iter().copied());
         stdout_of(&mut cmd, limit, what)
     }
     fn torch(&self) -> Option<&Torch> {
@@ -220,8 +220,8 @@ pub fn size_label(bytes: usize) -> String {
 fn mpi_unavailable() -> Option<String> {
     if !cfg!(feature = "mpi") {
         return Some(
-            "not measured: built without the `mpi` feature (cargo run --release -p tandem-cli \
-             --features mpi -- bench report)"
+            "not measured: built without the `mpi` feature (cargo build --release --features \
+             mpi, then tandem bench report)"
                 .into(),
         );
     }

@@ -1,5 +1,6 @@
 //! One module per subcommand. Each exposes `Args` (clap) and `main(Args) -> anyhow::Result<i32>`
 //! returning the process exit code.
+pub mod bench;
 pub mod check;
 pub mod ckpt;
 pub mod data;

@@ -1,25 +1,36 @@
-//! tandem-bench: the `tandem bench ...` subcommands. Every benchmark prints ratios against a
-//! reference measured in the same run; `report` writes docs/BENCHMARKS.md with plots. Kept out
-//! of the `tandem` library so that users do not compile clap, plotters or the bundled font.
-use clap::Subcommand;
+//! `tandem-bench`: the program behind `tandem bench ...` (the `tandem` binary runs this one,
+//! installed beside it). Every benchmark prints ratios against a reference measured in the same
+//! run; `report` writes docs/BENCHMARKS.md with plots. A program of its own, over tandem's
+//! library calls, so that neither the library nor the `tandem` binary compiles clap's benchmark
+//! flags, plotters or the bundled font.
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
 
 /// The PyTorch peer scripts (same work as tandem's benchmarks), relative to the repository root.
 pub const PEERS_DIR: &str = "scripts/peers";
 
-pub mod allreduce;
-pub mod ckpt;
-pub mod conv;
-pub mod ddp;
-pub mod face;
-pub mod live;
+mod allreduce;
+mod ckpt;
+mod conv;
+mod ddp;
+mod face;
+mod live;
 mod local_ranks;
-pub mod partial_fc;
-pub mod report;
-pub mod save_stall;
-pub mod zero;
+mod partial_fc;
+mod report;
+mod save_stall;
+mod zero;
 
-#[derive(clap::Args)]
-pub struct Args {
+#[derive(Parser)]
+#[command(
+    name = "tandem bench",
+    bin_name = "tandem bench",
+    version,
+    about = "Benchmarks that print ratios against a reference measured in the same run"
+)]
+struct Args {
     #[command(subcommand)]
     which: Which,
 }
@@ -68,7 +79,42 @@ pub(crate) fn in_scratch_dir<T>(
     result
 }
 
-pub fn main(args: Args) -> anyhow::Result<i32> {
+/// The `tandem` executable the benchmarks run (`tandem train`, `tandem run`, `tandem data`):
+/// `$TANDEM_EXE`, else the one beside this program (cargo builds both into one directory).
+pub(crate) fn tandem_exe() -> anyhow::Result<PathBuf> {
+    if let Some(exe) = std::env::var_os("TANDEM_EXE") {
+        return Ok(PathBuf::from(exe));
+    }
+    let me = std::env::current_exe().context("locating the tandem-bench executable")?;
+    let exe = me.with_file_name(format!("tandem{}", std::env::consts::EXE_SUFFIX));
+    anyhow::ensure!(
+        exe.is_file(),
+        "no tandem executable beside {} (set TANDEM_EXE, or build both: cargo build --release)",
+        me.display()
+    );
+    Ok(exe)
+}
+
+/// This program, for the benchmarks' own worker ranks (`tandem-bench ddp --worker ...`).
+pub(crate) fn bench_exe() -> anyhow::Result<PathBuf> {
+    std::env::current_exe().context("locating the tandem-bench executable")
+}
+
+fn main() {
+    // Benchmarks allocate tensors per step; keep freed memory for reuse (as `tandem` does).
+    tandem_nn::tune_allocator();
+    tandem_nn::join_compute_pool();
+    let args = Args::parse();
+    match run(args) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}
+
+fn run(args: Args) -> anyhow::Result<i32> {
     match args.which {
         Which::Allreduce(a) => allreduce::main(a),
         Which::Ddp(a) => ddp::main(a),
