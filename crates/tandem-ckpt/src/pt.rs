@@ -50,6 +50,9 @@ impl std::fmt::Display for MapLocation {
     }
 }
 
+/// The most a compressed zip entry (metadata: the pickle) may inflate to.
+const MAX_INFLATED: u64 = 1 << 30;
+
 /// Files at least this big are memory-mapped when `mmap` is on.
 pub const MMAP_THRESHOLD: u64 = 16 << 20;
 
@@ -305,11 +308,22 @@ fn read_zip(path: &Path, fb: &FileBytes, verify: bool) -> Result<Value> {
         }
         let mut f = archive.by_index(e.index).map_err(zerr)?;
         let size = f.size();
-        // Deflate expands at most ~1032x; a larger claim is a zip bomb.
+        // Deflate expands at most ~1032x; a larger claim is a zip bomb. Only metadata is ever
+        // compressed (data.pkl, byteorder, version: storages never are), so there is an
+        // absolute cap too.
         if size > (e.len as u64).saturating_mul(1032).saturating_add(1024) {
             return Err(CkptError::format(
                 path,
                 format!("zip entry {name} claims {size} bytes from {} compressed", e.len),
+            ));
+        }
+        if size > MAX_INFLATED {
+            return Err(CkptError::format(
+                path,
+                format!(
+                    "zip entry {name} inflates to {size} bytes; compressed metadata of more than \
+                     {MAX_INFLATED} bytes is refused"
+                ),
             ));
         }
         let mut out = Vec::with_capacity(size as usize);

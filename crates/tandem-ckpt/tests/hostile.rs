@@ -114,6 +114,22 @@ fn exponential_sharing_hits_the_value_budget() {
 }
 
 #[test]
+fn a_memoized_byte_string_repeated_hits_the_byte_budget() {
+    // One 1 MiB byte string, memoized, then referenced 50,000 times from a list: a 100 KB
+    // pickle that would expand to 50 GB of values.
+    let mut p = b"\x80\x02B".to_vec();
+    p.extend_from_slice(&(1u32 << 20).to_le_bytes());
+    p.extend(std::iter::repeat_n(0xABu8, 1 << 20));
+    p.extend_from_slice(b"q\x00](");
+    for _ in 0..50_000 {
+        p.extend_from_slice(b"h\x00");
+    }
+    p.extend_from_slice(b"e.");
+    let e = load_err(legacy_with(&p));
+    assert!(e.to_string().contains("too many bytes"), "{e}");
+}
+
+#[test]
 fn forbidden_globals_are_named() {
     for (module, name) in [
         ("os", "system"),

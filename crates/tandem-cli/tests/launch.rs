@@ -431,6 +431,7 @@ fn two_launchers_form_one_world() {
             "check",
             "--print-env",
         ]);
+        c.env("TANDEM_SECRET_FILE", tandem_testutil::job_secret_file());
         c.stdout(Stdio::piped()).stderr(Stdio::piped());
         c
     };
@@ -573,4 +574,83 @@ fn a_killed_watchdog_is_reaped_reported_and_replaced() {
         )),
         "{stderr}"
     );
+}
+
+fn private_file(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path
+}
+
+/// The job secret between launchers: a node with another secret is refused at once (and learns
+/// nothing), the job goes on and trains to its end with the node that holds the right one; a
+/// multi-node launch without a secret is refused naming --secret-file.
+#[test]
+fn a_launcher_with_another_secret_is_refused_and_the_job_trains_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let ours = private_file(dir.path(), "job.secret", "the secret of this training job\n");
+    let theirs = private_file(dir.path(), "other.secret", "somebody else's secret, not ours\n");
+    let port = free_port().to_string();
+    let run_dir = dir.path().join("run");
+    let launcher = |node: &str, secret: &Path| {
+        let mut c = tandem_run(&[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            node,
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--nproc-per-node",
+            "1",
+            "--rdzv-timeout",
+            "60",
+            "--secret-file",
+            secret.to_str().unwrap(),
+            "--",
+            TANDEM,
+            "train",
+            "--steps",
+            "6",
+            "--hidden",
+            "16",
+            "--out",
+            run_dir.to_str().unwrap(),
+        ]);
+        c.stdout(Stdio::piped()).stderr(Stdio::piped());
+        c
+    };
+    let node0 = std::thread::spawn({
+        let mut c = launcher("0", &ours);
+        move || output_with_deadline(&mut c, LIMIT)
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let started = Instant::now();
+    let intruder = output_with_deadline(&mut launcher("1", &theirs), LIMIT);
+    assert!(started.elapsed() < Duration::from_secs(30), "{:?}", started.elapsed());
+    assert_eq!(intruder.status.code(), Some(1), "{}", describe(&intruder));
+    let err = text(&intruder.stderr);
+    assert!(err.contains("the job refused this connection"), "{err}");
+    assert!(err.contains("did not prove it holds this job's secret"), "{err}");
+    let node1 = output_with_deadline(&mut launcher("1", &ours), LIMIT);
+    let node0 = node0.join().unwrap();
+    assert!(node1.status.success(), "node 1: {}", describe(&node1));
+    assert!(node0.status.success(), "node 0: {}", describe(&node0));
+    assert!(text(&node0.stdout).contains("final: "), "{}", describe(&node0));
+    assert!(
+        text(&node0.stderr).contains("refused a connection from 127.0.0.1"),
+        "node 0 logs the refused node: {}",
+        describe(&node0)
+    );
+
+    let open = output_with_deadline(
+        tandem_run(&["--nnodes", "2", "--master-port", &port, "--", "true"])
+            .env_remove("TANDEM_SECRET_FILE"),
+        LIMIT,
+    );
+    assert_eq!(open.status.code(), Some(1), "{}", describe(&open));
+    assert!(text(&open.stderr).contains("--secret-file: is required"), "{}", describe(&open));
 }

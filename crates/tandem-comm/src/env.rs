@@ -43,6 +43,10 @@ pub struct InitOptions {
     /// host has the same number of ranks, more than one; `Some(false)` keeps the flat ring
     /// (TANDEM_ALLREDUCE=auto|flat|hierarchical).
     pub hierarchical: Option<bool>,
+    /// The job's secret: the store, the mesh and shared memory admit only processes that prove
+    /// they hold it (TANDEM_SECRET from a launcher, or the file TANDEM_SECRET_FILE names).
+    /// `None`: an unauthenticated job (docs/security.md).
+    pub secret: Option<crate::auth::JobSecret>,
 }
 
 impl Default for InitOptions {
@@ -54,6 +58,7 @@ impl Default for InitOptions {
             run_id: "tandem".to_string(),
             desync_check: false,
             hierarchical: None,
+            secret: None,
         }
     }
 }
@@ -126,6 +131,14 @@ impl InitOptions {
             .or_else(|| e.var("SLURM_JOB_ID"))
         {
             o.run_id = id;
+        }
+        use crate::auth::{JobSecret, SECRET_FILE_VAR, SECRET_VAR};
+        if let Some(hex) = e.var(SECRET_VAR) {
+            o.secret = Some(JobSecret::from_hex(&hex).map_err(|why| {
+                CommError::env(SECRET_VAR, "(not shown)", format!("{why} (a launcher sets it)"))
+            })?);
+        } else if let Some(path) = e.var(SECRET_FILE_VAR) {
+            o.secret = Some(JobSecret::read_file(std::path::Path::new(&path))?);
         }
         if let Some(v) = e.var("TANDEM_DEBUG") {
             o.desync_check = match v.trim().to_ascii_lowercase().as_str() {

@@ -18,9 +18,18 @@ pub enum CommError {
     #[error("the rendezvous store at {addr} (set by {var}): {reason}")]
     StoreHandshake { addr: String, var: String, reason: String },
 
-    /// The store (or a peer) belongs to another job.
-    #[error("{addr} belongs to run {theirs:?} but this process is run {ours:?}: another job is using the same MASTER_ADDR:MASTER_PORT")]
-    RunIdMismatch { addr: String, ours: String, theirs: String },
+    /// The store (or a peer) belongs to another job. (The refusal carries nothing of the
+    /// server's: a stranger learns no run id.)
+    #[error("{addr} refused run {ours:?}: another job (another run id) is using the same MASTER_ADDR:MASTER_PORT")]
+    RunIdMismatch { addr: String, ours: String },
+
+    /// A store or a peer and this process do not share the job's secret.
+    #[error("{addr} ({var}): the job refused this connection: {reason}")]
+    AuthFailed { addr: String, var: String, reason: String },
+
+    /// The job secret could not be read.
+    #[error(transparent)]
+    Secret(#[from] crate::auth::AuthError),
 
     /// A store operation did not complete in time.
     #[error("store {op} {key:?}: timed out after {after:?}")]

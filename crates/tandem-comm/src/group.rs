@@ -587,8 +587,20 @@ impl ProcessGroup {
         self.collective(self.ticket(), Call::new("barrier", None, 0, 0), |c| c.barrier())
     }
 
-    /// Copies root's bytes (any length) to every rank; other ranks' `data` is replaced.
+    /// Copies root's bytes (any length this host's memory can hold) to every rank; other ranks'
+    /// `data` is replaced.
     pub fn broadcast_bytes(&self, data: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+        self.broadcast_bytes_at_most(data, root, usize::MAX)
+    }
+
+    /// [`ProcessGroup::broadcast_bytes`] where the caller knows the most root can send: a
+    /// larger announced length is refused before anything is allocated.
+    pub fn broadcast_bytes_at_most(
+        &self,
+        data: &mut Vec<u8>,
+        root: usize,
+        max_len: usize,
+    ) -> Result<(), CommError> {
         check_root("broadcast_bytes", root, self.size())?;
         let len = if self.rank() == root { data.len() } else { 0 };
         let call = Call::new("broadcast_bytes", None, 0, root as u64);
@@ -598,15 +610,25 @@ impl ProcessGroup {
             let len = u64::from_le_bytes(len_buf);
             if c.rank != root {
                 data.clear();
-                alloc_announced(data, len, root)?;
+                alloc_announced(data, len, root, max_len as u64)?;
                 data.resize(len as usize, 0);
             }
             c.broadcast(data, root)
         })
     }
 
-    /// Every rank's bytes (any length per rank), indexed by rank.
+    /// Every rank's bytes (any length per rank this host's memory can hold), indexed by rank.
     pub fn all_gather_bytes(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        self.all_gather_bytes_at_most(data, usize::MAX)
+    }
+
+    /// [`ProcessGroup::all_gather_bytes`] where the caller knows the most any rank can send: a
+    /// larger announced length is refused before anything is allocated.
+    pub fn all_gather_bytes_at_most(
+        &self,
+        data: &[u8],
+        max_per_rank: usize,
+    ) -> Result<Vec<Vec<u8>>, CommError> {
         let n = self.size();
         let call = Call::new("all_gather_bytes", None, 0, 0);
         let rank = self.rank();
@@ -626,7 +648,10 @@ impl ProcessGroup {
             let mut all = Vec::new();
             let total = lens.iter().fold(0u64, |a, &l| a.saturating_add(l as u64));
             let biggest = (0..n).max_by_key(|&r| lens[r]).unwrap_or(0);
-            alloc_announced(&mut all, total, biggest)?;
+            if lens[biggest] > max_per_rank {
+                alloc_announced(&mut all, lens[biggest] as u64, biggest, max_per_rank as u64)?;
+            }
+            alloc_announced(&mut all, total, biggest, u64::MAX)?;
             all.resize(offs[n], 0);
             all[offs[rank]..offs[rank + 1]].copy_from_slice(data);
             let bounds: Vec<_> = (0..n).map(|r| offs[r]..offs[r + 1]).collect();
@@ -770,17 +795,27 @@ impl ProcessGroup {
 
 /// Reserves room for a length a peer announced; an absurd length (a peer in another collective
 /// without TANDEM_DEBUG=detail) is an error instead of an allocation failure.
-fn alloc_announced(v: &mut Vec<u8>, len: u64, peer: usize) -> Result<(), PeerError> {
-    let fail = || {
-        PeerError {
+/// Reserves `len` bytes a peer announced, after checking them against the caller's `limit` and
+/// the memory this host has available: with overcommit an allocation of any size "succeeds" and
+/// the OOM killer comes later, so the size is checked before, not by the allocator.
+fn alloc_announced(v: &mut Vec<u8>, len: u64, peer: usize, limit: u64) -> Result<(), PeerError> {
+    let fail = |why: String| PeerError {
         peer,
         kind: FailKind::Io(format!(
-            "announced {len} bytes, which cannot be allocated (ranks calling different collectives? run with TANDEM_DEBUG=detail)"
+            "announced {len} bytes, {why} (ranks calling different collectives? run with \
+             TANDEM_DEBUG=detail)"
         )),
-    }
     };
-    let len = usize::try_from(len).map_err(|_| fail())?;
-    v.try_reserve_exact(len).map_err(|_| fail())
+    if len > limit {
+        return Err(fail(format!("more than the {limit} this operation can need")));
+    }
+    if let Some(available) = crate::procfs::mem_available() {
+        if len > available {
+            return Err(fail(format!("more than the {available} bytes of memory available")));
+        }
+    }
+    let len = usize::try_from(len).map_err(|_| fail("more than this host can address".into()))?;
+    v.try_reserve_exact(len).map_err(|_| fail("which cannot be allocated".into()))
 }
 
 /// All ranks exchange (sequence, op, dtype, count, arg); any difference names both ranks.

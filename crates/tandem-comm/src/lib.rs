@@ -10,6 +10,7 @@
 //! # Ok::<(), tandem_comm::CommError>(())
 //! ```
 mod agent_store;
+pub mod auth;
 mod collectives;
 mod dyn_collectives;
 mod element;
@@ -30,6 +31,7 @@ mod store;
 mod transport;
 mod work;
 
+pub use auth::JobSecret;
 pub use dyn_collectives::{Collectives, CommSource, LocalGroup, SingleProcess};
 pub use element::{Element, ReduceOp, WireType};
 pub use env::{InitMethod, InitOptions};

@@ -273,6 +273,7 @@ impl LiveGroup {
         let store = Store::connect(
             &opts.store_addr,
             &opts.init.run_id,
+            opts.init.secret.as_ref(),
             opts.init.init_timeout,
             LIVE_STORE_VAR,
         )?

@@ -1,5 +1,6 @@
 //! `/proc/<pid>/stat`, read once for the whole workspace: the shared-memory transport uses it to
-//! tell a dead (zombie) peer from a live one, and tandem's tests to find and check processes.
+//! tell a dead (zombie) peer from a live one, and tandem's tests to find and check processes;
+//! and `/proc/meminfo`'s available memory, which bounds what a peer may make a rank allocate.
 //! Public but hidden from the docs: a helper, not part of tandem's API.
 
 /// The fields of `/proc/<pid>/stat` that tandem needs.
@@ -45,6 +46,14 @@ impl ProcStat {
 }
 
 /// Every pid listed in /proc.
+/// `MemAvailable` of `/proc/meminfo` in bytes (`None` where it cannot be read).
+pub fn mem_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 pub fn all_pids() -> Vec<i32> {
     let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
     entries.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()

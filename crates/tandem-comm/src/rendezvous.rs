@@ -256,8 +256,10 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
     if let StoreHost::TorchAgent { run_id } = &spec.store {
         let via = format!("{var} (torchrun's agent store)");
         let agent = Store::connect_torch(&addr, opts.init_timeout, &via)?;
+        // torch's agent store cannot check a secret; tandem's own mesh and shared memory can.
         let store =
-            crate::agent_store::join_generation(&agent, run_id, spec.rank, spec.world_size)?;
+            crate::agent_store::join_generation(&agent, run_id, spec.rank, spec.world_size)?
+                .with_secret(opts.secret.clone());
         return finish_world(store, None, &spec, world, opts);
     }
     let server = if spec.rank == 0 {
@@ -266,7 +268,7 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
         } else {
             host_port("0.0.0.0", port)
         };
-        let server = StoreServer::bind(&bind, &opts.run_id).map_err(|e| {
+        let server = StoreServer::bind(&bind, &opts.run_id, opts.secret.as_ref()).map_err(|e| {
             CommError::env(
                 "MASTER_PORT",
                 &port.to_string(),
@@ -277,7 +279,7 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
     } else {
         None
     };
-    let store = Store::connect(&addr, &opts.run_id, opts.init_timeout, &var)?;
+    let store = Store::connect(&addr, &opts.run_id, opts.secret.as_ref(), opts.init_timeout, &var)?;
     finish_world(store, server, &spec, world, opts)
 }
 

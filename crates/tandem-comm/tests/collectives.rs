@@ -224,3 +224,32 @@ fn sub_groups_run_their_own_collectives() {
         assert_eq!(out[3], (1, vec![1, 3], 4));
     }
 }
+
+/// A length a peer announces for variable-size bytes is checked before anything is allocated,
+/// against what the caller says the operation can need (a failed group stays failed, so each
+/// case is a world of its own).
+#[test]
+fn announced_byte_lengths_beyond_the_callers_bound_are_refused_before_allocating() {
+    for kind in [TransportKind::Tcp, TransportKind::Shm] {
+        let gathered = run_world(2, kind, |pg| {
+            let mine = vec![7u8; if pg.rank() == 1 { 1000 } else { 10 }];
+            pg.all_gather_bytes_at_most(&mine, 100).map(|_| ()).map_err(|e| e.to_string())
+        });
+        for (rank, result) in gathered.into_iter().enumerate() {
+            let e = result.expect_err("1000 bytes from rank 1 exceed the bound of 100");
+            assert!(e.contains("announced 1000 bytes, more than the 100"), "{kind:?} {rank}: {e}");
+        }
+        let broadcast = run_world(2, kind, |pg| {
+            let mut blob = if pg.rank() == 0 { vec![1u8; 5000] } else { Vec::new() };
+            pg.broadcast_bytes_at_most(&mut blob, 0, 4096).map_err(|e| e.to_string())
+        });
+        let e = broadcast[1].clone().expect_err("5000 bytes exceed 4096");
+        assert!(e.contains("announced 5000 bytes, more than the 4096"), "{kind:?}: {e}");
+        // Within the bound, the same calls work.
+        let fine = run_world(2, kind, |pg| {
+            let mut blob = if pg.rank() == 0 { vec![1u8; 5000] } else { Vec::new() };
+            pg.broadcast_bytes_at_most(&mut blob, 0, 5000).map(|_| blob.len()).unwrap()
+        });
+        assert_eq!(fine, vec![5000, 5000]);
+    }
+}

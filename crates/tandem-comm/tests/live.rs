@@ -14,7 +14,7 @@ use tandem_comm::{
 const RUN: &str = "live-test";
 
 fn server() -> (StoreServer, String) {
-    let s = StoreServer::bind("127.0.0.1:0", RUN).expect("bind store");
+    let s = StoreServer::bind("127.0.0.1:0", RUN, None).expect("bind store");
     let addr = s.local_addr().to_string();
     (s, addr)
 }
@@ -208,7 +208,7 @@ fn a_proposer_that_dies_while_proposing_is_replaced() {
             members_sum(&live).unwrap();
             if live.member() == 0 {
                 drop(live);
-                let store = Store::connect(&addr, RUN, Duration::from_secs(5), "test")
+                let store = Store::connect(&addr, RUN, None, Duration::from_secs(5), "test")
                     .unwrap()
                     .with_prefix("live");
                 store.set_owned("alive/0", b"holder impostor").unwrap();

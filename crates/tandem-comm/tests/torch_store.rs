@@ -181,8 +181,9 @@ fn every_operation(backend: &str) {
 fn tandem_handshake_to_a_torch_server_fails_fast_naming_the_variable() {
     let torch = TorchServer::start("libuv");
     let t = Instant::now();
-    let e = Store::connect(&torch.addr, "run", Duration::from_secs(3), "MASTER_ADDR/MASTER_PORT")
-        .expect_err("torch does not speak tandem's protocol");
+    let e =
+        Store::connect(&torch.addr, "run", None, Duration::from_secs(3), "MASTER_ADDR/MASTER_PORT")
+            .expect_err("torch does not speak tandem's protocol");
     assert!(t.elapsed() < Duration::from_secs(6), "took {:?}", t.elapsed());
     let msg = e.to_string();
     assert!(msg.contains(&torch.addr) && msg.contains("MASTER_ADDR/MASTER_PORT"), "{msg}");
@@ -230,7 +231,7 @@ fn a_server_answering_garbage_is_named_with_what_it_sent() {
 }
 
 fn tandem_store_closes_a_torch_handshake_and_the_error_says_so() {
-    let server = StoreServer::bind("127.0.0.1:0", "r").unwrap();
+    let server = StoreServer::bind("127.0.0.1:0", "r", None).unwrap();
     let addr = server.local_addr().to_string();
     let t = Instant::now();
     let e = Store::connect_torch(&addr, Duration::from_secs(5), "test").expect_err("not torch");
@@ -248,7 +249,7 @@ fn a_silent_server_fails_tandem_handshake_naming_torchrun() {
         drop(c);
     });
     let t = Instant::now();
-    let e = Store::connect(&addr, "r", Duration::from_secs(2), "MASTER_ADDR/MASTER_PORT")
+    let e = Store::connect(&addr, "r", None, Duration::from_secs(2), "MASTER_ADDR/MASTER_PORT")
         .expect_err("nothing answers");
     assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
     let msg = e.to_string();

@@ -163,3 +163,25 @@ fn a_damaged_image_names_the_file_and_record() {
     let e = ds.get(0).unwrap_err().to_string();
     assert!(e.contains("train.rec") && e.contains("record 1") && e.contains("decode"), "{e}");
 }
+
+/// A header (record 0) is checked against the index before anything is sized by it: claims of
+/// 1e12 images or identities are errors naming the file and record 0, not 8 TB allocations.
+#[test]
+fn a_header_claiming_more_than_the_index_holds_is_refused() {
+    use tandem_data::recordio::{IndexedRecordWriter, IrHeader};
+    for labels in [vec![1e12f32, 1e12], vec![3.0, 1e12], vec![2.5, 4.0], vec![f32::NAN, 3.0]] {
+        let d = tempfile::tempdir().unwrap();
+        let mut w =
+            IndexedRecordWriter::create(&d.path().join("train.idx"), &d.path().join("train.rec"))
+                .unwrap();
+        w.write(0, &IrHeader::vector(labels.clone(), 0).pack(&[])).unwrap();
+        for k in 1..3 {
+            w.write(k, &IrHeader::scalar(0.0, k).pack(&[])).unwrap();
+        }
+        w.finish().unwrap();
+        let started = std::time::Instant::now();
+        let e = FaceRecDataset::open(d.path()).err().expect("refused").to_string();
+        assert!(started.elapsed() < std::time::Duration::from_secs(1), "{labels:?}");
+        assert!(e.contains("train.rec") && e.contains("record 0"), "{labels:?}: {e}");
+    }
+}

@@ -6,6 +6,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
+use tandem_comm::auth::{JobSecret, SECRET_VAR};
 
 use crate::error::LaunchError;
 
@@ -267,6 +268,13 @@ pub struct LaunchConfig {
     pub min_nproc: Option<u32>,
     /// `--min-nproc-per-node`: with live recovery, the fewest ranks this node may go on with.
     pub min_nproc_per_node: Option<u32>,
+    /// The job's secret (`--secret-file`): the launchers' rendezvous, the live store and the
+    /// workers' store, mesh and shared memory admit only processes that prove they hold it. A
+    /// single-node launch without one makes its own; a multi-node one needs it (or `insecure`).
+    pub secret: Option<JobSecret>,
+    /// `--insecure`: run with no secret at all; anyone who can reach the job's ports can join
+    /// or disturb it (PyTorch's model; docs/security.md).
+    pub insecure: bool,
 }
 
 impl LaunchConfig {
@@ -300,7 +308,31 @@ impl LaunchConfig {
             live_recovery: false,
             min_nproc: None,
             min_nproc_per_node: None,
+            secret: None,
+            insecure: false,
         }
+    }
+
+    /// This configuration with the job's secret settled and handed to the workers (in
+    /// `TANDEM_SECRET`): the one given, else (one node) a fresh one, else none with `insecure`.
+    /// Multi-node jobs without a secret are refused by [`LaunchConfig::validate`].
+    pub fn with_job_secret(&self) -> Result<LaunchConfig, LaunchError> {
+        let mut cfg = self.clone();
+        if cfg.insecure {
+            cfg.secret = None;
+            // Workers must not pick up a secret the launchers do not use.
+            cfg.extra_env.push((SECRET_VAR.into(), OsString::new()));
+            return Ok(cfg);
+        }
+        if cfg.secret.is_none() && !cfg.is_multi_node() {
+            cfg.secret = Some(JobSecret::generate().map_err(|e| {
+                LaunchError::config("--secret-file", format!("cannot make a job secret: {e}"))
+            })?);
+        }
+        if let Some(secret) = &cfg.secret {
+            cfg.extra_env.push((SECRET_VAR.into(), secret.to_hex().into()));
+        }
+        Ok(cfg)
     }
 
     /// A launch of this very executable (how `tandem train` starts its own ranks): `args` are
@@ -343,6 +375,16 @@ impl LaunchConfig {
             return Err(LaunchError::config(
                 "--master-port",
                 "is required with --nnodes > 1: every node must agree on rank 0's port",
+            ));
+        }
+        if self.nnodes > 1 && self.secret.is_none() && !self.insecure {
+            return Err(LaunchError::config(
+                "--secret-file",
+                "is required with --nnodes > 1, so that only this job's nodes can join it: make \
+                 one private file (umask 077; openssl rand -hex 32 > job.secret), give every \
+                 node a copy and pass --secret-file job.secret (or set TANDEM_SECRET_FILE); \
+                 --insecure runs without one, open to anyone who can reach --master-port \
+                 (docs/security.md)",
             ));
         }
         if self.master_port == Some(0) {

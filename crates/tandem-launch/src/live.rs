@@ -42,7 +42,7 @@ fn live_store(cfg: &LaunchConfig) -> Result<(String, Option<StoreServer>), Launc
         let port = cfg.master_port.expect("validated: multi-node needs --master-port");
         let server = if cfg.node_rank == 0 {
             let bind = host_port("0.0.0.0", port);
-            Some(StoreServer::bind(&bind, &cfg.run_id).map_err(|error| {
+            Some(StoreServer::bind(&bind, &cfg.run_id, cfg.secret.as_ref()).map_err(|error| {
                 LaunchError::config(
                     "--master-port",
                     format!("node 0 cannot host the live-recovery store on {bind}: {error}"),
@@ -54,7 +54,7 @@ fn live_store(cfg: &LaunchConfig) -> Result<(String, Option<StoreServer>), Launc
         return Ok((host_port(host, port), server));
     }
     let bind = host_port(host, cfg.master_port.unwrap_or(0));
-    let server = StoreServer::bind(&bind, &cfg.run_id).map_err(|error| {
+    let server = StoreServer::bind(&bind, &cfg.run_id, cfg.secret.as_ref()).map_err(|error| {
         LaunchError::config(
             "--master-addr",
             format!("cannot host the live-recovery store on {bind}: {error}"),

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use tandem_comm::JobSecret;
 
 use tandem_comm::{CommError, Store, StoreServer};
 
@@ -93,6 +94,7 @@ pub(crate) struct NodeAgent {
     store: Store,
     _server: Option<StoreServer>,
     run_id: String,
+    secret: Option<JobSecret>,
     is_host: bool,
     alive_key: String,
     hostname: String,
@@ -126,6 +128,7 @@ impl NodeAgent {
         master_addr: &str,
         port: u16,
         run_id: &str,
+        secret: Option<&JobSecret>,
         node_rank: u32,
         (min_nodes, max_nodes): (u32, u32),
         timeout: Duration,
@@ -134,24 +137,27 @@ impl NodeAgent {
         let is_host = node_rank == 0;
         let server = if is_host {
             // Every interface: MASTER_ADDR is how the others reach this host, whichever it is.
-            let server = StoreServer::bind(&format!("0.0.0.0:{port}"), run_id).map_err(|e| {
-                LaunchError::Rendezvous(format!(
-                    "node 0 cannot host the launchers' rendezvous on port {port} \
+            let server =
+                StoreServer::bind(&format!("0.0.0.0:{port}"), run_id, secret).map_err(|e| {
+                    LaunchError::Rendezvous(format!(
+                        "node 0 cannot host the launchers' rendezvous on port {port} \
                      (--master-port): {e}"
-                ))
-            })?;
+                    ))
+                })?;
             Some(server)
         } else {
             None
         };
-        let store = Store::connect(&endpoint, run_id, timeout, "--master-addr/--master-port")
-            .map_err(|e| LaunchError::Rendezvous(format!("node {node_rank}: {e}")))?;
+        let store =
+            Store::connect(&endpoint, run_id, secret, timeout, "--master-addr/--master-port")
+                .map_err(|e| LaunchError::Rendezvous(format!("node {node_rank}: {e}")))?;
         let hostname = hostname();
         let alive_key = format!("alive/{hostname}/{}", std::process::id());
         let agent = NodeAgent {
             store,
             _server: server,
             run_id: run_id.to_string(),
+            secret: secret.cloned(),
             is_host,
             alive_key,
             hostname,
@@ -416,9 +422,14 @@ impl NodeAgent {
     /// Starts watching `round` on a thread of its own with its own connection, so that a cut
     /// link never blocks the launcher's monitor loop.
     pub fn watch(&self, round: &Round, tick: Duration) -> Result<RoundWatch, LaunchError> {
-        let store =
-            Store::connect(&self.endpoint, &self.run_id, OP_LIMIT, "--master-addr/--master-port")
-                .map_err(|e| self.lost(e))?;
+        let store = Store::connect(
+            &self.endpoint,
+            &self.run_id,
+            self.secret.as_ref(),
+            OP_LIMIT,
+            "--master-addr/--master-port",
+        )
+        .map_err(|e| self.lost(e))?;
         store.set_timeout(OP_LIMIT);
         let seen = Arc::new(Mutex::new(None));
         let last_ok = Arc::new(Mutex::new(Instant::now()));

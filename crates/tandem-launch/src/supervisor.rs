@@ -47,10 +47,11 @@ const STORE_SILENT: Duration = Duration::from_secs(1);
 /// `max_restarts`, or the launcher is signalled. Blocks until every worker is gone. Must stay
 /// on one thread: the workers' parent-death signal is tied to the thread that started them.
 pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
+    cfg.validate()?;
+    let cfg = &cfg.with_job_secret()?;
     if cfg.live_recovery {
         return crate::live::launch_live(cfg);
     }
-    cfg.validate()?;
     let nproc = cfg.nproc_per_node.resolve()?;
     let cores = available_cores();
     let signals =
@@ -92,6 +93,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
             &cfg.master_addr,
             rdzv_port,
             &cfg.run_id,
+            cfg.secret.as_ref(),
             cfg.node_rank,
             (cfg.min_nnodes.unwrap_or(cfg.nnodes), cfg.nnodes),
             cfg.rdzv_timeout,

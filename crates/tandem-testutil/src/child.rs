@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 /// Every variable through which a launcher (tandem run, torchrun, Slurm, OpenMPI) could
 /// describe a world, or tandem's own markers of one.
-pub const WORLD_VARS: [&str; 13] = [
+pub const WORLD_VARS: [&str; 14] = [
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -21,6 +21,8 @@ pub const WORLD_VARS: [&str; 13] = [
     "SLURM_NTASKS",
     "SLURM_PROCID",
     "OMPI_COMM_WORLD_SIZE",
+    // A launcher's secret for its own workers (a test's job brings its own).
+    "TANDEM_SECRET",
 ];
 
 /// Removes [`WORLD_VARS`] from a child's environment: it starts in no world unless told.

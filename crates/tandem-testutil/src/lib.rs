@@ -83,6 +83,26 @@ extern "C" fn report_torch_skips() {
 
 /// A loopback port that was free a moment ago. The OS hands out ephemeral ports round-robin, so
 /// reuse within a test run is unlikely; servers under test should still retry on AddrInUse.
+/// A private (0600) job-secret file shared by every launcher a test starts for one job (the
+/// copy every node of a real job holds), made once per test process.
+pub fn job_secret_file() -> &'static Path {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    static FILE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    FILE.get_or_init(|| {
+        let path = std::env::temp_dir().join(format!("tandem-test-secret-{}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .expect("writing the test job secret");
+        writeln!(f, "tandem test job secret {}", std::process::id()).expect("writing the secret");
+        path
+    })
+}
+
 pub fn free_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
     l.local_addr().unwrap().port()

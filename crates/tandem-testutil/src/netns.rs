@@ -179,7 +179,9 @@ impl Hosts {
         c.args(["netns", "exec", &self.names[i], "unshare", "--uts", "sh", "-c"])
             .arg(format!("hostname {} && exec \"$0\" \"$@\"", self.hostname(i)))
             .arg(program)
-            .args(args);
+            .args(args)
+            // The simulated hosts are one job's nodes: each holds the job's secret file.
+            .env("TANDEM_SECRET_FILE", crate::job_secret_file());
         c
     }
 

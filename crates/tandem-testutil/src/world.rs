@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use tandem_comm::{init_with, InitMethod, InitOptions, ProcessGroup, TransportKind};
 
-/// Test defaults: 10 s collective timeout, 20 s rendezvous, no desync check.
+/// Test defaults: 10 s collective timeout, 20 s rendezvous, no desync check, and a job secret
+/// (so every in-process world runs the authenticated handshakes).
 pub fn test_options(kind: TransportKind) -> InitOptions {
     InitOptions {
         transport: Some(kind),
@@ -15,6 +16,10 @@ pub fn test_options(kind: TransportKind) -> InitOptions {
         run_id: "test-run".into(),
         desync_check: false,
         hierarchical: None,
+        secret: Some(
+            tandem_comm::JobSecret::from_bytes(b"tandem test worlds' job secret")
+                .expect("a valid secret"),
+        ),
     }
 }
 

@@ -762,6 +762,9 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
 pub(crate) struct Converter<'a> {
     up: &'a Unpickled,
     budget: usize,
+    /// Bytes of strings and byte strings the tree may still hold: a memo reference repeats its
+    /// value's bytes, so a small pickle could otherwise expand to terabytes.
+    bytes_budget: usize,
     storage: &'a mut dyn FnMut(&StorageRef) -> Result<StorageData, String>,
 }
 
@@ -771,7 +774,18 @@ impl Unpickled {
         storage: &mut dyn FnMut(&StorageRef) -> Result<StorageData, String>,
     ) -> Result<Value, String> {
         let budget = self.nodes.len().saturating_mul(8).saturating_add(100_000);
-        let mut c = Converter { up: self, budget, storage };
+        // Every string once, four times over, plus room for small repeated ones.
+        let held: usize = self
+            .nodes
+            .iter()
+            .map(|n| match n {
+                Node::Str(s) => s.len(),
+                Node::Bytes(b) => b.len(),
+                _ => 0,
+            })
+            .sum();
+        let bytes_budget = held.saturating_mul(4).saturating_add(64 << 20);
+        let mut c = Converter { up: self, budget, bytes_budget, storage };
         c.convert(self.root, 0)
     }
 
@@ -804,8 +818,14 @@ impl Converter<'_> {
             Node::Bool(b) => Value::Bool(*b),
             Node::Int(i) => Value::Int(*i),
             Node::Float(f) => Value::Float(*f),
-            Node::Str(s) => Value::Str(s.clone()),
-            Node::Bytes(b) => Value::Bytes(b.clone()),
+            Node::Str(s) => {
+                self.charge(s.len())?;
+                Value::Str(s.clone())
+            }
+            Node::Bytes(b) => {
+                self.charge(b.len())?;
+                Value::Bytes(b.clone())
+            }
             Node::List(v) | Node::Set(v) => Value::List(self.convert_all(v, depth)?),
             Node::Tuple(v) => Value::Tuple(self.convert_all(v, depth)?),
             Node::Dict(pairs) => {
@@ -838,6 +858,14 @@ impl Converter<'_> {
             }
             Node::Tensor(spec) => Value::Tensor(self.tensor(spec)?),
         })
+    }
+
+    fn charge(&mut self, bytes: usize) -> Result<(), String> {
+        self.bytes_budget = self.bytes_budget.checked_sub(bytes).ok_or(
+            "pickle expands to too many bytes (a string or bytes value referenced again and \
+             again beyond the limit)",
+        )?;
+        Ok(())
     }
 
     fn convert_all(&mut self, ids: &[Id], depth: usize) -> Result<Vec<Value>, String> {

@@ -109,6 +109,17 @@ pub struct Args {
     #[arg(long = "min-nproc-per-node", value_name = "N", requires = "live_recovery")]
     min_nproc_per_node: Option<u32>,
 
+    /// The job's secret: a private file (mode 600) every node holds a copy of. The launchers'
+    /// rendezvous, the live store, the workers' store and their mesh admit only processes that
+    /// prove they hold it. Required with --nnodes > 1; one node makes its own.
+    #[arg(long = "secret-file", env = "TANDEM_SECRET_FILE", value_name = "FILE")]
+    secret_file: Option<PathBuf>,
+
+    /// Run without a job secret: anyone who can reach the job's ports can join or disturb it
+    /// (PyTorch's model). Only for networks where every host is trusted.
+    #[arg(long, conflicts_with = "secret_file")]
+    insecure: bool,
+
     /// Seconds between checks of the workers' state.
     #[arg(
         long = "monitor-interval",
@@ -192,6 +203,10 @@ pub fn config_from_args(args: Args) -> anyhow::Result<LaunchConfig> {
     cfg.tee = args.tee.unwrap_or_default();
     cfg.local_ranks_filter = args.local_ranks_filter.map(|l| l.0);
     cfg.prefix_output = !args.no_prefix;
+    cfg.insecure = args.insecure;
+    if let Some(path) = &args.secret_file {
+        cfg.secret = Some(tandem_comm::JobSecret::read_file(path).context("--secret-file")?);
+    }
     if args.standalone {
         if cfg.nnodes != 1 {
             bail!("--standalone: is a single-node mode, but --nnodes is {}", cfg.nnodes);

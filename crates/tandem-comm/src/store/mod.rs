@@ -2,11 +2,17 @@
 //! launcher) and clients in every rank. Operations: set, get (waits for the key), wait for keys,
 //! add, compare-and-set, delete — each bounded by a timeout. A key set with `set_owned` lives as
 //! long as the connection that set it (a ZooKeeper-style ephemeral node): launchers use it to see
-//! at once that another node's launcher died, since the kernel closes a dead process's sockets. Every connection starts with a
-//! handshake carrying the run id; a connection from another job is refused with an error that
-//! says so. Frames are size-bounded (see `frame::MAX_FRAME`).
+//! at once that another node's launcher died, since the kernel closes a dead process's sockets.
+//!
+//! Every connection starts with a handshake: the run id, and — when the server holds the job's
+//! secret — a challenge–response both ways (`auth.rs`); a stranger is closed at once and
+//! logged with its address, and learns nothing of the job. The server is bounded: frames (see
+//! `frame::MAX_FRAME`), connections, keys and stored bytes are capped, a connection that has not
+//! finished its handshake within [`HANDSHAKE_LIMIT`] is closed, waits are clamped, and accept
+//! errors (out of descriptors) back off instead of spinning.
 mod torch;
 
+use crate::auth::JobSecret;
 use crate::error::CommError;
 use crate::frame::{read_frame, write_frame, Dec, Enc, FrameError};
 use std::collections::HashMap;
@@ -16,7 +22,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-const MAGIC: &[u8] = b"tandem-store/1";
+const MAGIC: &[u8] = b"tandem-store/2";
+/// Open connections a server serves at once (each has a thread); more are closed at once.
+const MAX_CONNECTIONS: usize = 1024;
+/// Keys a server holds.
+const MAX_KEYS: usize = 1 << 20;
+/// Bytes of keys and values a server holds.
+const MAX_STORED_BYTES: usize = 256 << 20;
+/// The longest a GET or WAIT may ask the server to wait (a client asking for more is clamped:
+/// it learns of the timeout and asks again, or reports it).
+const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;
 const OP_WAIT: u8 = 3;
@@ -31,8 +46,71 @@ const R_ERROR: u8 = 3;
 
 #[derive(Default)]
 struct Table {
-    map: Mutex<HashMap<String, Vec<u8>>>,
+    map: Mutex<Entries>,
     changed: Condvar,
+}
+
+/// The stored keys, with the bytes they hold counted as they change.
+#[derive(Default)]
+struct Entries {
+    map: HashMap<String, Vec<u8>>,
+    bytes: usize,
+}
+
+impl std::ops::Deref for Entries {
+    type Target = HashMap<String, Vec<u8>>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl Entries {
+    /// Why `key = value` would not fit (the store is full), if so.
+    fn full(&self, key: &str, value: usize) -> Option<String> {
+        let old = self.map.get(key).map(|v| key.len() + v.len());
+        if old.is_none() && self.map.len() >= MAX_KEYS {
+            return Some(format!("the store holds {MAX_KEYS} keys already"));
+        }
+        let after = self.bytes - old.unwrap_or(0) + key.len() + value;
+        (after > MAX_STORED_BYTES).then(|| {
+            format!("the store would hold {after} bytes, more than its {MAX_STORED_BYTES}")
+        })
+    }
+
+    fn insert(&mut self, key: String, value: Vec<u8>) {
+        let added = key.len() + value.len();
+        let key_len = key.len();
+        if let Some(old) = self.map.insert(key, value) {
+            self.bytes -= key_len + old.len();
+        }
+        self.bytes += added;
+    }
+
+    fn remove(&mut self, key: &str) -> Option<Vec<u8>> {
+        let old = self.map.remove(key)?;
+        self.bytes -= key.len() + old.len();
+        Some(old)
+    }
+}
+
+/// Live connection threads; a slot is given back when its connection ends.
+struct Slots(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Slots {
+    fn take(count: &Arc<std::sync::atomic::AtomicUsize>) -> Option<Slots> {
+        let taken = count.fetch_add(1, Ordering::AcqRel);
+        if taken >= MAX_CONNECTIONS {
+            count.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(Slots(count.clone()))
+    }
+}
+
+impl Drop for Slots {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// The server side, hosted by rank 0 (or a launcher). Stops accepting when dropped.
@@ -47,8 +125,13 @@ pub struct StoreServer {
 pub const SERVER_ID_KEY: &str = "__server_id";
 
 impl StoreServer {
-    /// Binds `addr` ("host:port"; port 0 picks a free one) and serves clients of `run_id`.
-    pub fn bind(addr: &str, run_id: &str) -> std::io::Result<StoreServer> {
+    /// Binds `addr` ("host:port"; port 0 picks a free one) and serves clients of `run_id`; with
+    /// `secret`, only clients that prove they hold it.
+    pub fn bind(
+        addr: &str,
+        run_id: &str,
+        secret: Option<&JobSecret>,
+    ) -> std::io::Result<StoreServer> {
         let listener = TcpListener::bind(addr)?;
         let local = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -62,19 +145,43 @@ impl StoreServer {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(SERVER_ID_KEY.to_string(), id.clone().into_bytes());
-        let run_id = run_id.to_string();
+        let job = Arc::new(Job { run_id: run_id.to_string(), secret: secret.cloned() });
         let stop2 = stop.clone();
+        let live = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         std::thread::Builder::new().name("tandem-store".into()).spawn(move || {
+            let mut backoff = Duration::from_millis(10);
             for conn in listener.incoming() {
                 if stop2.load(Ordering::Acquire) {
                     break;
                 }
-                let Ok(conn) = conn else { continue };
+                let conn = match conn {
+                    Ok(conn) => conn,
+                    Err(e) => {
+                        // Out of descriptors or memory: wait for some to come back rather than
+                        // spin on the error.
+                        tracing::warn!(
+                            "store {local}: accept failed: {e}; retrying in {backoff:?}"
+                        );
+                        std::thread::sleep(backoff);
+                        backoff = (backoff * 2).min(Duration::from_secs(1));
+                        continue;
+                    }
+                };
+                backoff = Duration::from_millis(10);
+                let Some(slot) = Slots::take(&live) else {
+                    let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                    tracing::warn!(
+                        "store {local}: closed a connection from {peer}: {MAX_CONNECTIONS} open"
+                    );
+                    continue;
+                };
                 let table = table.clone();
-                let run_id = run_id.clone();
-                let _ = std::thread::Builder::new()
-                    .name("tandem-store-conn".into())
-                    .spawn(move || serve_client(conn, &table, &run_id));
+                let job = job.clone();
+                let _ =
+                    std::thread::Builder::new().name("tandem-store-conn".into()).spawn(move || {
+                        serve_client(conn, &table, &job);
+                        drop(slot);
+                    });
             }
         })?;
         Ok(StoreServer { addr: local, stop, id })
@@ -99,27 +206,55 @@ impl Drop for StoreServer {
     }
 }
 
-fn serve_client(conn: TcpStream, table: &Table, run_id: &str) {
+/// Who a server serves.
+struct Job {
+    run_id: String,
+    secret: Option<JobSecret>,
+}
+
+/// The context every store proof is bound to (a mesh proof cannot stand in for it).
+fn auth_context(run_id: &str) -> String {
+    format!("store/{run_id}")
+}
+
+fn serve_client(mut conn: TcpStream, table: &Table, job: &Job) {
     let _ = conn.set_nodelay(true);
     let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-    let Ok(wconn) = conn.try_clone() else { return };
-    let mut r = BufReader::new(conn);
-    let mut w = BufWriter::new(wconn);
-    // Handshake: magic + run id. Strangers get a refusal carrying our run id.
-    let Ok(hello) = read_frame(&mut r) else {
+    // Until the handshake is done, a silent or slow peer holds its thread at most this long.
+    let _ = conn.set_read_timeout(Some(HANDSHAKE_LIMIT));
+    let _ = conn.set_write_timeout(Some(HANDSHAKE_LIMIT));
+    // Handshake: magic, run id, the client's nonce; then (with a secret) the challenge.
+    let Ok(hello) = read_frame(&mut conn) else {
+        tracing::warn!("store: closed a connection from {peer}: no handshake");
         return;
     };
     let mut d = Dec(&hello);
     let ok_magic = d.bytes() == Some(MAGIC);
     let theirs = d.str().unwrap_or_default();
-    if !ok_magic || theirs != run_id {
-        tracing::warn!("store: refused connection from {peer}: run id {theirs:?} != {run_id:?}");
-        let _ = write_frame(&mut w, &Enc::default().u8(R_REFUSED).str(run_id).0);
+    let client_nonce = d.bytes().unwrap_or_default();
+    if let Some(secret) = &job.secret {
+        if let Err(why) =
+            crate::auth::challenge(&mut conn, secret, &auth_context(&job.run_id), client_nonce)
+        {
+            tracing::warn!("store: refused a connection from {peer}: {why}");
+            return;
+        }
+    }
+    if !ok_magic || theirs != job.run_id {
+        // Nothing of ours goes back: not the run id, not why.
+        tracing::warn!("store: refused a connection from {peer}: another run id or protocol");
+        let _ = write_frame(&mut conn, &Enc::default().u8(R_REFUSED).0);
         return;
     }
-    if write_frame(&mut w, &Enc::default().u8(R_OK).0).is_err() {
+    if write_frame(&mut conn, &Enc::default().u8(R_OK).0).is_err() {
         return;
     }
+    // A member of the job: its connection may stay idle between operations for as long as the
+    // job runs.
+    let _ = conn.set_read_timeout(None);
+    let Ok(wconn) = conn.try_clone() else { return };
+    let mut r = BufReader::new(conn);
+    let mut w = BufWriter::new(wconn);
     let mut owned = Vec::new();
     serve_requests(&mut r, &mut w, table, &peer, &mut owned);
     // The connection is gone: so are the keys it owned.
@@ -166,7 +301,7 @@ fn wait_until<'a>(
     table: &'a Table,
     deadline: Instant,
     mut ready: impl FnMut(&HashMap<String, Vec<u8>>) -> bool,
-) -> (std::sync::MutexGuard<'a, HashMap<String, Vec<u8>>>, bool) {
+) -> (std::sync::MutexGuard<'a, Entries>, bool) {
     let mut map = table.map.lock().unwrap_or_else(|p| p.into_inner());
     loop {
         if ready(&map) {
@@ -180,6 +315,11 @@ fn wait_until<'a>(
     }
 }
 
+/// When a wait of `ms` milliseconds (the client's choice) ends, clamped to [`MAX_WAIT`].
+fn deadline_in(ms: u64) -> Instant {
+    Instant::now() + Duration::from_millis(ms).min(MAX_WAIT)
+}
+
 fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
     let mut d = Dec(req);
     let op = d.u8()?;
@@ -187,13 +327,18 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
         OP_SET | OP_SET_OWNED => {
             let key = d.str()?;
             let val = d.bytes()?.to_vec();
-            table.map.lock().unwrap_or_else(|p| p.into_inner()).insert(key, val);
+            let mut map = table.map.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(why) = map.full(&key, val.len()) {
+                return Some(Enc::default().u8(R_ERROR).str(&why).0);
+            }
+            map.insert(key, val);
+            drop(map);
             table.changed.notify_all();
             Enc::default().u8(R_OK)
         }
         OP_GET => {
             let key = d.str()?;
-            let deadline = Instant::now() + Duration::from_millis(d.u64()?);
+            let deadline = deadline_in(d.u64()?);
             let (map, ok) = wait_until(table, deadline, |m| m.contains_key(&key));
             match (ok, map.get(&key)) {
                 (true, Some(v)) => Enc::default().u8(R_OK).bytes(v),
@@ -206,7 +351,7 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
             for _ in 0..n.min(1 << 16) {
                 keys.push(d.str()?);
             }
-            let deadline = Instant::now() + Duration::from_millis(d.u64()?);
+            let deadline = deadline_in(d.u64()?);
             let (map, ok) = wait_until(table, deadline, |m| keys.iter().all(|k| m.contains_key(k)));
             if ok {
                 Enc::default().u8(R_OK)
@@ -230,7 +375,11 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
                 },
             };
             let new = cur.wrapping_add(delta);
-            map.insert(key, new.to_string().into_bytes());
+            let text = new.to_string().into_bytes();
+            if let Some(why) = map.full(&key, text.len()) {
+                return Some(Enc::default().u8(R_ERROR).str(&why).0);
+            }
+            map.insert(key, text);
             drop(map);
             table.changed.notify_all();
             Enc::default().u8(R_OK).u64(new as u64)
@@ -246,6 +395,9 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
                 Some(cur) => cur.as_slice() == expected,
             };
             if matches {
+                if let Some(why) = map.full(&key, desired.len()) {
+                    return Some(Enc::default().u8(R_ERROR).str(&why).0);
+                }
                 map.insert(key.clone(), desired.to_vec());
             }
             let cur = map.get(&key).cloned().unwrap_or_default();
@@ -286,6 +438,8 @@ pub struct Store {
     wire: StoreWire,
     /// Prepended to every key (PyTorch's `PrefixStore`); empty by default.
     prefix: Arc<str>,
+    /// The job's secret this client proved (the mesh and shared memory prove it again).
+    secret: Option<JobSecret>,
 }
 
 impl std::fmt::Debug for Store {
@@ -295,16 +449,18 @@ impl std::fmt::Debug for Store {
 }
 
 impl Store {
-    /// Connects to tandem's store at `addr` ("host:port"), retrying until `timeout`. `var` names
-    /// the setting the address came from (for the error message).
+    /// Connects to tandem's store at `addr` ("host:port"), retrying until `timeout`; with
+    /// `secret`, only to a store that proves it holds it (and proves this side does). `var`
+    /// names the setting the address came from (for the error message).
     pub fn connect(
         addr: &str,
         run_id: &str,
+        secret: Option<&JobSecret>,
         timeout: Duration,
         var: &str,
     ) -> Result<Store, CommError> {
         let s = tcp_connect(addr, timeout, var)?;
-        Self::handshake(s, addr, run_id, timeout, var)
+        Self::handshake(s, addr, run_id, secret, timeout, var)
     }
 
     /// Connects to a PyTorch `TCPStore` at `addr` (torchrun's agent store), retrying the TCP
@@ -359,6 +515,7 @@ impl Store {
             timeout_ms: Arc::new(AtomicU64::new(timeout.as_millis() as u64)),
             wire,
             prefix: Arc::from(""),
+            secret: None,
         }
     }
 
@@ -366,6 +523,7 @@ impl Store {
         s: TcpStream,
         addr: &str,
         run_id: &str,
+        secret: Option<&JobSecret>,
         timeout: Duration,
         var: &str,
     ) -> Result<Store, CommError> {
@@ -378,8 +536,10 @@ impl Store {
         let limit = timeout.min(HANDSHAKE_LIMIT).max(Duration::from_millis(1));
         s.set_read_timeout(Some(limit)).map_err(io)?;
         let mut s2 = s.try_clone().map_err(io)?;
-        write_frame(&mut s2, &Enc::default().bytes(MAGIC).str(run_id).0).map_err(io)?;
-        let resp = read_frame(&mut s2).map_err(|e| match e {
+        let nonce = crate::auth::nonce()?;
+        write_frame(&mut s2, &Enc::default().bytes(MAGIC).str(run_id).bytes(&nonce).0)
+            .map_err(io)?;
+        let no_answer = |e: FrameError| match e {
             FrameError::Io(e) if torch::is_timeout(&e) => CommError::StoreHandshake {
                 addr: addr.to_string(),
                 var: var.to_string(),
@@ -390,15 +550,32 @@ impl Store {
                 ),
             },
             e => frame_err(e, "connect", "", addr),
-        })?;
+        };
+        let first = read_frame(&mut s2).map_err(no_answer)?;
+        let refused = |reason: String| CommError::AuthFailed {
+            addr: addr.to_string(),
+            var: var.to_string(),
+            reason,
+        };
+        let resp = match crate::auth::answer(&mut s2, secret, &auth_context(run_id), &nonce, &first)
+        {
+            Ok(Some(reply)) => reply.to_vec(),
+            // Proved both ways: the verdict on the run id follows. A server that closes now
+            // refused our proof.
+            Ok(None) => read_frame(&mut s2).map_err(|_| {
+                refused("the store closed the connection: it holds another secret".into())
+            })?,
+            Err(why) => return Err(refused(format!("the store at {addr}: {why}"))),
+        };
         let mut d = Dec(&resp);
         match d.u8() {
-            Some(R_OK) => Ok(Store::new(addr, s, timeout, StoreWire::Tandem)),
-            Some(R_REFUSED) => Err(CommError::RunIdMismatch {
-                addr: addr.to_string(),
-                ours: run_id.to_string(),
-                theirs: d.str().unwrap_or_default(),
+            Some(R_OK) => Ok(Store {
+                secret: secret.cloned(),
+                ..Store::new(addr, s, timeout, StoreWire::Tandem)
             }),
+            Some(R_REFUSED) => {
+                Err(CommError::RunIdMismatch { addr: addr.to_string(), ours: run_id.to_string() })
+            }
             _ => Err(CommError::Protocol {
                 from: addr.to_string(),
                 reason: "bad handshake reply".into(),
@@ -410,6 +587,17 @@ impl Store {
     /// `prefix/key`); prefixes nest. Shares the connection.
     pub fn with_prefix(&self, prefix: &str) -> Store {
         Store { prefix: Arc::from(format!("{}{prefix}/", self.prefix)), ..self.clone() }
+    }
+
+    /// This store with `secret` for the connections built over it (the mesh, shared memory):
+    /// for torch's agent store, which cannot check one itself.
+    pub(crate) fn with_secret(self, secret: Option<JobSecret>) -> Store {
+        Store { secret, ..self }
+    }
+
+    /// The job secret this client proved to the store (`None`: an unauthenticated job).
+    pub fn secret(&self) -> Option<&JobSecret> {
+        self.secret.as_ref()
     }
 
     /// The protocol this client speaks.

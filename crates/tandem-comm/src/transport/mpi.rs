@@ -175,10 +175,9 @@ impl MpiTransport {
                 )
             };
             if rc != 0 {
-                return Err(PeerError {
-                    peer: self.rank,
-                    kind: FailKind::Io(format!("{what}: MPI error code {rc}")),
-                });
+                // The requests may still be writing into the caller's buffers, which an
+                // error return would hand back: this process cannot go on safely.
+                self.abort_job(&format!("{what}: MPI error code {rc} while waiting"));
             }
             if done != 0 {
                 return Ok(());
@@ -218,6 +217,35 @@ impl MpiTransport {
         self.wait(&mut [req], what, timeout)
     }
 
+    /// Says why and aborts every process of the MPI job (does not return).
+    fn abort_job(&self, why: &str) -> ! {
+        BROKEN.store(true, Ordering::SeqCst);
+        eprintln!("tandem: rank {}: {why}: aborting the MPI job", self.comm.0.rank());
+        // SAFETY: aborts every process of the job; does not return.
+        unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) };
+        std::process::exit(1);
+    }
+
+    /// Cancels requests already posted and waits for each to finish, so no buffer they use is
+    /// given back while MPI may still write into it (aborting the job if MPI cannot).
+    fn cancel_posted(&self, reqs: &mut [ffi::MPI_Request], what: &str) {
+        for req in reqs.iter_mut() {
+            // SAFETY: `req` was started by this transport and has not completed; cancelling
+            // and then waiting on it is how MPI retires a request early.
+            let rc = unsafe {
+                let rc = ffi::MPI_Cancel(req);
+                if rc != 0 {
+                    rc
+                } else {
+                    ffi::MPI_Wait(req, ffi::RSMPI_STATUS_IGNORE)
+                }
+            };
+            if rc != 0 {
+                self.abort_job(&format!("{what}: cannot cancel a posted request (code {rc})"));
+            }
+        }
+    }
+
     fn check(&self, rc: c_int, what: &str) -> Result<(), PeerError> {
         if rc == 0 {
             Ok(())
@@ -248,6 +276,9 @@ impl Transport for MpiTransport {
             Some((p, r)) => (Some(p), Some(r)),
             None => (None, None),
         };
+        // Every count is checked before anything is posted: an error after a receive is posted
+        // must not leave it writing into a buffer this function gives back.
+        let send_count = send.map(|(_, data)| count(data.len(), "MPI_Isend")).transpose()?;
         if let (Some(peer), Some(r)) = (recv_peer, recv.as_mut()) {
             let into: &mut [u8] = match r {
                 Recv::Copy(b) => b,
@@ -274,9 +305,8 @@ impl Transport for MpiTransport {
             self.check(rc, "MPI_Irecv")?;
             reqs.push(req);
         }
-        if let Some((peer, data)) = send {
+        if let (Some((peer, data)), Some(n)) = (send, send_count) {
             let mut req = Self::new_request();
-            let n = count(data.len(), "MPI_Isend")?;
             // SAFETY: as above; MPI only reads `data`.
             let rc = unsafe {
                 ffi::MPI_Isend(
@@ -289,7 +319,10 @@ impl Transport for MpiTransport {
                     &mut req,
                 )
             };
-            self.check(rc, "MPI_Isend")?;
+            if let Err(e) = self.check(rc, "MPI_Isend") {
+                self.cancel_posted(&mut reqs, "MPI_Isend failed");
+                return Err(e);
+            }
             reqs.push(req);
         }
         let what = match (send, recv_peer) {

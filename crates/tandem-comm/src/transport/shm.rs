@@ -7,6 +7,7 @@
 //! whether the peer process is still alive. Hand-written: no crate offers cross-process rings
 //! with these failure semantics.
 use super::{FailKind, PeerError, Recv, Transport};
+use crate::auth::JobSecret;
 use crate::error::CommError;
 use crate::store::Store;
 use memmap2::MmapMut;
@@ -311,11 +312,29 @@ fn sanitize(s: &str) -> String {
         .collect()
 }
 
-fn create(path: &std::path::Path, n: usize, nonce: u64) -> Result<MmapMut, String> {
+/// Where a group's segments live, and how their names start: a rank opens nothing else.
+const SEGMENT_PREFIX: &str = "/dev/shm/tandem-";
+
+/// Bytes 24..56 of the header: the job's tag over the segment's name, nonce and size, so a rank
+/// attaches only to a segment made by a process holding the job's secret (zero without one).
+fn segment_tag(secret: Option<&JobSecret>, path: &str, nonce: u64, n: usize) -> [u8; 32] {
+    let parts = format!("{path}\n{nonce}\n{n}");
+    secret.map_or([0; 32], |s| s.tag("shm", parts.as_bytes()))
+}
+
+fn create(
+    path: &std::path::Path,
+    n: usize,
+    nonce: u64,
+    secret: Option<&JobSecret>,
+) -> Result<MmapMut, String> {
+    use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .create_new(true)
+        // Only this user's processes may map the job's gradients (whatever the umask says).
+        .mode(0o600)
         .open(path)
         .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
     // From here on a failure must not leave the file behind.
@@ -332,16 +351,33 @@ fn create(path: &std::path::Path, n: usize, nonce: u64) -> Result<MmapMut, Strin
     map[0..8].copy_from_slice(&MAGIC.to_le_bytes());
     map[8..16].copy_from_slice(&nonce.to_le_bytes());
     map[16..24].copy_from_slice(&(n as u64).to_le_bytes());
+    let tag = segment_tag(secret, &path.display().to_string(), nonce, n);
+    map[24..56].copy_from_slice(&tag);
     Ok(map)
 }
 
-fn open(path: &str, n: usize, nonce: u64) -> Result<MmapMut, String> {
+fn open(path: &str, n: usize, nonce: u64, secret: Option<&JobSecret>) -> Result<MmapMut, String> {
+    use std::os::unix::fs::MetadataExt;
+    let name = path.strip_prefix(SEGMENT_PREFIX).unwrap_or("/");
+    if name.contains('/') || name.is_empty() {
+        return Err(format!("rank 0 named {path:?}, not a segment under {SEGMENT_PREFIX}*"));
+    }
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(path)
         .map_err(|e| format!("cannot open {path}: {e}"))?;
-    let len = file.metadata().map_err(|e| e.to_string())?.len();
+    let meta = file.metadata().map_err(|e| e.to_string())?;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me || meta.mode() & 0o077 != 0 {
+        return Err(format!(
+            "{path} belongs to uid {} with mode {:o}: not a private segment of this user",
+            meta.uid(),
+            meta.mode() & 0o777
+        ));
+    }
+    let len = meta.len();
     if len != total_size(n) as u64 {
         return Err(format!("{path} has {len} bytes, expected {}", total_size(n)));
     }
@@ -350,6 +386,9 @@ fn open(path: &str, n: usize, nonce: u64) -> Result<MmapMut, String> {
     let word = |o: usize| u64::from_le_bytes(map[o..o + 8].try_into().unwrap_or([0; 8]));
     if word(0) != MAGIC || word(8) != nonce || word(16) != n as u64 {
         return Err(format!("{path} is not this group's segment (another host's /dev/shm?)"));
+    }
+    if map[24..56] != segment_tag(secret, path, nonce, n) {
+        return Err(format!("{path} was not made by a holder of this job's secret"));
     }
     Ok(map)
 }
@@ -374,12 +413,12 @@ pub(crate) fn setup(
             t.as_nanos() as u64 ^ ((std::process::id() as u64) << 32)
         };
         let path = std::path::PathBuf::from(format!(
-            "/dev/shm/tandem-{}-{}-{}-{nonce:x}",
+            "{SEGMENT_PREFIX}{}-{}-{}-{nonce:x}",
             sanitize(run_id),
             std::process::id(),
             sanitize(group)
         ));
-        let made = create(&path, size, nonce);
+        let made = create(&path, size, nonce, store.secret());
         if made.is_ok() {
             unlink.0 = Some(path.clone());
         }
@@ -394,7 +433,7 @@ pub(crate) fn setup(
             Some(why) => Err(format!("rank 0: {why}")),
             None => {
                 let (path, nonce) = v.split_once('\n').unwrap_or((&v, "0"));
-                open(path, size, nonce.parse().unwrap_or(0))
+                open(path, size, nonce.parse().unwrap_or(0), store.secret())
             }
         }
     };

@@ -1,7 +1,9 @@
 //! TCP transport: a full mesh of sockets between the ranks of a group (rank i connects to every
 //! lower rank; addresses are published in the store), non-blocking, with send and receive
 //! driven together by `poll(2)` so a ring step overlaps both directions. Every connection starts
-//! with a handshake carrying the run id and group; strangers are refused.
+//! with a handshake carrying the run id and group, and — in a job with a secret — a
+//! challenge–response both ways; strangers are closed and logged. Each incoming handshake runs
+//! on its own thread with its own time limit, so a silent connection cannot stall the others.
 use super::{FailKind, PeerError, Recv, Transport};
 use crate::error::CommError;
 use crate::frame::{read_frame, write_frame, Dec, Enc};
@@ -11,7 +13,7 @@ use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-const MAGIC: &[u8] = b"tandem-mesh/1";
+const MAGIC: &[u8] = b"tandem-mesh/2";
 /// Receive buffer for reductions (multiple of every element size).
 const SCRATCH: usize = 256 << 10;
 
@@ -25,7 +27,19 @@ fn tune(s: &TcpStream) -> std::io::Result<()> {
     s.set_nodelay(true)
 }
 
-/// Builds the mesh for group `group` (store key prefix) of `size` ranks.
+/// The longest one incoming connection may take over its handshake (a silent peer holds only
+/// its own handshake thread, never the others').
+const HELLO_LIMIT: Duration = Duration::from_secs(10);
+/// Incoming connections being handshaken at once; more are closed at once.
+const MAX_PENDING_HELLOS: usize = 64;
+
+/// What a handshake was about: a proof for one group of one run is worth nothing elsewhere.
+fn auth_context(run_id: &str, group: &str) -> String {
+    format!("mesh/{run_id}/{group}")
+}
+
+/// Builds the mesh for group `group` (store key prefix) of `size` ranks. With the store's job
+/// secret, every connection proves it both ways before any byte of data moves.
 pub(crate) fn connect_mesh(
     store: &Store,
     group: &str,
@@ -42,6 +56,8 @@ pub(crate) fn connect_mesh(
     store.set(&format!("{group}/addr/{rank}"), my_addr.to_string().as_bytes())?;
     let deadline = Instant::now() + timeout;
     let mut peers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+    let secret = store.secret();
+    let context = auth_context(run_id, group);
 
     for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
         let addr =
@@ -54,55 +70,63 @@ pub(crate) fn connect_mesh(
         let mut s = TcpStream::connect_timeout(&sa, left)
             .map_err(|e| rv(format!("cannot connect to rank {peer} at {addr}: {e}")))?;
         s.set_read_timeout(Some(left)).map_err(|e| rv(e.to_string()))?;
-        let hello = Enc::default().bytes(MAGIC).str(run_id).str(group).u64(rank as u64).0;
+        let nonce = crate::auth::nonce()?;
+        let hello =
+            Enc::default().bytes(MAGIC).str(run_id).str(group).u64(rank as u64).bytes(&nonce).0;
         write_frame(&mut s, &hello).map_err(|e| rv(format!("handshake with rank {peer}: {e}")))?;
-        let reply = read_frame(&mut s)
-            .map_err(|e| rv(format!("handshake with rank {peer} at {addr}: {e:?}")))?;
-        if reply.first() != Some(&0) {
+        let handshake = |e| rv(format!("handshake with rank {peer} at {addr}: {e:?}"));
+        let first = read_frame(&mut s).map_err(handshake)?;
+        let verdict = match crate::auth::answer(&mut s, secret, &context, &nonce, &first) {
+            Ok(Some(reply)) => reply.to_vec(),
+            Ok(None) => read_frame(&mut s).map_err(handshake)?,
+            Err(why) => {
+                return Err(CommError::AuthFailed {
+                    addr: addr.clone(),
+                    var: format!("rank {peer} of group {group}"),
+                    reason: why.to_string(),
+                })
+            }
+        };
+        if verdict.first() != Some(&0) {
             return Err(rv(format!(
-                "rank {peer} at {addr} refused the connection: {}",
-                Dec(reply.get(1..).unwrap_or(&[])).str().unwrap_or_default()
+                "rank {peer} at {addr} refused the connection (another run, group or rank)"
             )));
         }
         *slot = Some(s);
     }
 
     listener.set_nonblocking(true).map_err(|e| rv(e.to_string()))?;
+    let (done, arrived) = std::sync::mpsc::channel::<Option<(usize, TcpStream)>>();
+    let mut pending = 0usize;
     let mut missing = size - rank - 1;
     while missing > 0 {
+        while let Ok(result) = arrived.try_recv() {
+            pending -= 1;
+            let Some((r, s)) = result else { continue };
+            if peers[r].is_some() {
+                tracing::warn!("mesh {group}: a second connection claims rank {r}; closed");
+                continue;
+            }
+            peers[r] = Some(s);
+            missing -= 1;
+        }
+        if missing == 0 {
+            break;
+        }
         match listener.accept() {
-            Ok((mut s, from)) => {
-                s.set_nonblocking(false).map_err(|e| rv(e.to_string()))?;
-                let left = deadline
-                    .saturating_duration_since(Instant::now())
-                    .max(Duration::from_millis(100));
-                s.set_read_timeout(Some(left)).map_err(|e| rv(e.to_string()))?;
-                let Ok(hello) = read_frame(&mut s) else {
-                    continue;
-                };
-                let mut d = Dec(&hello);
-                let (magic, theirs, their_group, their_rank) =
-                    (d.bytes(), d.str(), d.str(), d.u64());
-                let refuse = |s: &mut TcpStream, why: String| {
-                    tracing::warn!("mesh {group}: refused connection from {from}: {why}");
-                    let _ = write_frame(s, &Enc::default().u8(1).str(&why).0);
-                };
-                if magic != Some(MAGIC)
-                    || theirs.as_deref() != Some(run_id)
-                    || their_group.as_deref() != Some(group)
-                {
-                    refuse(&mut s, format!("expected run {run_id:?} group {group:?}, got run {theirs:?} group {their_group:?}"));
+            Ok((s, from)) => {
+                if pending >= MAX_PENDING_HELLOS {
+                    tracing::warn!("mesh {group}: closed a connection from {from}: {pending} handshakes pending");
                     continue;
                 }
-                let r = their_rank.unwrap_or(u64::MAX) as usize;
-                if r <= rank || r >= size || peers[r].is_some() {
-                    refuse(&mut s, format!("unexpected rank {r}"));
-                    continue;
-                }
-                write_frame(&mut s, &Enc::default().u8(0).0)
-                    .map_err(|e| rv(format!("handshake with rank {r}: {e}")))?;
-                peers[r] = Some(s);
-                missing -= 1;
+                pending += 1;
+                let (done, secret, context) = (done.clone(), secret.cloned(), context.clone());
+                let (run_id, group) = (run_id.to_string(), group.to_string());
+                std::thread::spawn(move || {
+                    let joined =
+                        admit(s, from, (rank, size), &run_id, &group, secret.as_ref(), &context);
+                    let _ = done.send(joined);
+                });
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
@@ -112,7 +136,12 @@ pub(crate) fn connect_mesh(
                 }
                 std::thread::sleep(Duration::from_millis(2));
             }
-            Err(e) => return Err(rv(format!("accept: {e}"))),
+            Err(e) => {
+                // Out of descriptors: the job cannot form now, but wait for the deadline rather
+                // than spin.
+                tracing::warn!("mesh {group}: accept: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
         }
     }
     for s in peers.iter().flatten() {
@@ -121,6 +150,53 @@ pub(crate) fn connect_mesh(
         tune(s).map_err(|e| rv(e.to_string()))?;
     }
     Ok(TcpMesh { peers, scratch: Vec::new() })
+}
+
+/// One incoming connection's handshake (on its own thread): the peer's rank if it is a rank of
+/// this group above ours that proved the job's secret; otherwise it is closed and logged with
+/// its address (nothing of ours is sent back but a refusal byte).
+fn admit(
+    mut s: TcpStream,
+    from: SocketAddr,
+    (rank, size): (usize, usize),
+    run_id: &str,
+    group: &str,
+    secret: Option<&crate::auth::JobSecret>,
+    context: &str,
+) -> Option<(usize, TcpStream)> {
+    let refuse = |s: &mut TcpStream, why: &str| {
+        tracing::warn!("mesh {group}: refused a connection from {from}: {why}");
+        let _ = write_frame(s, &Enc::default().u8(1).0);
+        None
+    };
+    s.set_nonblocking(false).ok()?;
+    s.set_read_timeout(Some(HELLO_LIMIT)).ok()?;
+    s.set_write_timeout(Some(HELLO_LIMIT)).ok()?;
+    let Ok(hello) = read_frame(&mut s) else {
+        tracing::warn!("mesh {group}: closed a connection from {from}: no handshake");
+        return None;
+    };
+    let mut d = Dec(&hello);
+    let (magic, theirs, their_group, their_rank) = (d.bytes(), d.str(), d.str(), d.u64());
+    let nonce = d.bytes().unwrap_or_default();
+    if let Some(secret) = secret {
+        if let Err(why) = crate::auth::challenge(&mut s, secret, context, nonce) {
+            tracing::warn!("mesh {group}: refused a connection from {from}: {why}");
+            return None;
+        }
+    }
+    if magic != Some(MAGIC)
+        || theirs.as_deref() != Some(run_id)
+        || their_group.as_deref() != Some(group)
+    {
+        return refuse(&mut s, "another run, group or protocol");
+    }
+    let r = their_rank.unwrap_or(u64::MAX) as usize;
+    if r <= rank || r >= size {
+        return refuse(&mut s, &format!("unexpected rank {r}"));
+    }
+    write_frame(&mut s, &Enc::default().u8(0).0).ok()?;
+    Some((r, s))
 }
 
 fn io_fail(peer: usize, e: std::io::Error) -> PeerError {

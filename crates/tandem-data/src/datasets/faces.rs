@@ -88,11 +88,25 @@ impl FaceRecDataset {
         match header0 {
             Some(h) if !h.labels.is_empty() => {
                 let (end, ids_end) = (h.labels[0], h.labels.get(1).copied().unwrap_or(h.labels[0]));
-                if !(end >= 1.0 && ids_end >= end) {
+                let whole = |x: f32| x.is_finite() && x.fract() == 0.0;
+                if !(whole(end) && whole(ids_end) && end >= 1.0 && ids_end >= end) {
                     return Err(malformed(&rec, format!("record 0: header labels {:?} are not (end of images, end of identities)", h.labels)));
                 }
+                // Images are records 1..end and identities end..ids_end: both ranges must fit in
+                // train.idx before anything is sized by them.
+                let records = dataset.reader.keys().len() as f64;
+                let (images, classes) = (f64::from(end) - 1.0, f64::from(ids_end) - f64::from(end));
+                if images > records || classes > records {
+                    return Err(malformed(
+                        &rec,
+                        format!(
+                            "record 0 claims {images} images and {classes} identities, but \
+                             train.idx holds {records} records"
+                        ),
+                    ));
+                }
                 dataset.images = (1..end as u64).collect();
-                dataset.num_classes = (ids_end - end) as usize;
+                dataset.num_classes = classes as usize;
             }
             _ => dataset.images = dataset.reader.keys().to_vec(),
         }
@@ -139,6 +153,16 @@ impl FaceRecDataset {
         let (key, r) = self.record(index)?;
         let (h, _) = IrHeader::unpack(&r)
             .map_err(|e| malformed(self.reader.path(), format!("record {key}: {e}")))?;
+        // Labels are class indices: whole, non-negative, within i32 (what a head can index).
+        if !(h.label.is_finite()
+            && h.label.fract() == 0.0
+            && (0.0..2_147_483_648.0).contains(&h.label))
+        {
+            return Err(malformed(
+                self.reader.path(),
+                format!("record {key}: label {} is not a class index", h.label),
+            ));
+        }
         Ok(h.label as i64)
     }
 }

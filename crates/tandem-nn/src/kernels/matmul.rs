@@ -28,6 +28,9 @@ pub(crate) fn matmul(
     threads: usize,
 ) {
     assert!(dst.len() >= span(m, n, dst_rs, 1), "matmul: destination too short");
+    // Rows closer than a row's width would overlap: gemm's threads would write one element
+    // from two places (a data race on a `&mut`).
+    assert!(m <= 1 || dst_rs >= n, "matmul: destination row stride {dst_rs} < {n} columns");
     assert!(a.data.len() >= span(m, k, a.rs, a.cs), "matmul: left operand too short");
     assert!(b.data.len() >= span(k, n, b.rs, b.cs), "matmul: right operand too short");
     if m == 0 || n == 0 {
@@ -66,5 +69,27 @@ pub(crate) fn matmul(
             false,
             parallelism,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(expected = "destination row stride 2 < 3 columns")]
+    fn overlapping_destination_rows_are_refused() {
+        let a = vec![1.0f32; 2 * 2];
+        let b = vec![1.0f32; 2 * 3];
+        let mut dst = vec![0.0f32; 16];
+        matmul(
+            (2, 3, 2),
+            &mut dst,
+            2,
+            View { data: &a, rs: 2, cs: 1 },
+            View { data: &b, rs: 3, cs: 1 },
+            false,
+            1,
+        );
     }
 }

@@ -376,6 +376,15 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     if m.format != FORMAT {
         return Err(invalid(&path, format!("format `{}`, expected `{FORMAT}`", m.format)));
     }
+    // The files a manifest names are in its own directory: a name that is absolute, has a
+    // directory part or is `..` would read (or, converted, write) elsewhere.
+    for name in std::iter::once(&m.replicated).chain(m.heads.iter().map(|h| &h.file)) {
+        let plain = Path::new(name).file_name().is_some_and(|f| f == name.as_str());
+        if !plain || name == ".." || name == "." {
+            let why = format!("file name {name:?} is not a plain name inside the checkpoint");
+            return Err(invalid(&path, why));
+        }
+    }
     let mut next = 0;
     for (r, h) in m.heads.iter().enumerate() {
         if h.start != next {
@@ -549,6 +558,26 @@ mod tests {
     fn rows(n: usize, from: f32) -> TensorData {
         let data: Vec<f32> = (0..n * 2).map(|i| from + i as f32).collect();
         TensorData::from_f32(&[n, 2], &data)
+    }
+
+    #[test]
+    fn manifest_file_names_outside_the_directory_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        for bad in ["../../etc/passwd", "/etc/passwd", "..", "sub/head.pt", ""] {
+            let m = Manifest {
+                format: FORMAT.into(),
+                world_size: 1,
+                global_step: 1,
+                epoch: 0,
+                num_classes: 4,
+                embedding_size: 2,
+                replicated: "replicated.pt".into(),
+                heads: vec![HeadFile { file: bad.into(), start: 0, len: 4 }],
+            };
+            write_manifest(dir.path(), &m).unwrap();
+            let e = read_manifest(dir.path()).expect_err("refused").to_string();
+            assert!(e.contains("manifest.json") && e.contains("not a plain name"), "{bad}: {e}");
+        }
     }
 
     #[test]
