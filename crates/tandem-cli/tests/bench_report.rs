@@ -82,7 +82,7 @@ fn quick_report_has_every_section_ratio_and_plot() {
     let md = std::fs::read_to_string(dir.path().join("BENCHMARKS.md")).unwrap();
 
     assert!(
-        md.contains("cargo run --release -p tandem-cli -- bench report"),
+        md.contains("cargo build --release && target/release/tandem bench report"),
         "the regenerate command is named"
     );
     for key in [

@@ -36,6 +36,7 @@ fn main() -> ExitCode {
         a_cut_link_ends_both_sides_in_time_naming_the_peer,
         live_recovery_goes_on_without_a_host_whose_link_is_cut,
         training_completes_through_ten_percent_packet_loss,
+        a_host_without_the_secret_cannot_join_or_disturb_a_running_job,
     ];
     let no_loss = Hosts::loss_unavailable();
     // The reliability suite lists scenarios that could not run here as skipped.
@@ -656,4 +657,115 @@ fn two_launchers_claiming_node_rank_0_are_refused_by_name() {
     for f in &finished {
         assert!(!f.status.is_some_and(|s| s.success()), "{all}");
     }
+}
+
+/// Listening TCP ports in host `i`'s namespace.
+fn listening_ports(hosts: &Hosts, i: usize) -> Vec<u16> {
+    let out = hosts.command(i, "ss", &["-Hltn"]).output().expect("running ss");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(3)?.rsplit(':').next()?.parse().ok())
+        .collect()
+}
+
+/// A third host on the job's network, without its secret, during training: it tries to join
+/// as node 1 with another secret and with none, then floods every port the job listens on
+/// (the launchers' store and rank 0's store) with 100 silent connections each, a frame
+/// claiming 2 GiB and 100 KB of random bytes. The job trains to its end unaffected, and the
+/// stores log the refused attempts with host 2's address.
+fn a_host_without_the_secret_cannot_join_or_disturb_a_running_job() {
+    let hosts = Hosts::new(3, None);
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("other.secret");
+    std::fs::write(&other, "a secret that is not this job's").unwrap();
+    std::fs::set_permissions(&other, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let out_dir = dir.path().join("run");
+    let master = hosts.addr(0);
+    let job: Vec<Running> = (0..2)
+        .map(|i| {
+            let node_rank = i.to_string();
+            let args = [
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                &node_rank,
+                "--master-addr",
+                &master,
+                "--master-port",
+                PORT,
+                "--nproc-per-node",
+                "1",
+                "--",
+                tandem(),
+                "train",
+                "--epochs",
+                "8",
+                "--hidden",
+                "32",
+                "--out",
+                s(&out_dir),
+            ];
+            let mut cmd = hosts.command(i, tandem(), &args);
+            without_world(&mut cmd);
+            cmd.env("TANDEM_TIMEOUT", COLLECTIVE_TIMEOUT_S);
+            Running::spawn(&mut cmd)
+        })
+        .collect();
+    // Wait for the job's ports on host 0: the launchers' store and rank 0's store. (The mesh
+    // listens only while it forms: once training runs, neither host has a mesh port open.)
+    let started = Instant::now();
+    let mut ports = Vec::new();
+    while started.elapsed() < Duration::from_secs(60) {
+        ports = listening_ports(&hosts, 0);
+        if ports.len() >= 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(ports.len() >= 2, "the job's stores never opened on host 0: {ports:?}");
+
+    // Joining as node 1, with another secret and with none.
+    for secret in [&["--secret-file", s(&other)][..], &["--insecure"][..]] {
+        let mut args = vec!["run", "--nnodes", "2", "--node-rank", "1", "--master-addr", &master];
+        args.extend(["--master-port", PORT, "--rdzv-timeout", "10"]);
+        args.extend(secret);
+        args.extend(["--", tandem(), "check"]);
+        let mut cmd = hosts.command(2, tandem(), &args);
+        without_world(&mut cmd);
+        cmd.env_remove("TANDEM_SECRET_FILE");
+        let t = Instant::now();
+        let intruder = Running::spawn(&mut cmd).wait(LIMIT);
+        assert!(t.elapsed() < Duration::from_secs(30), "{secret:?}: {:?}", t.elapsed());
+        assert_eq!(intruder.status.and_then(|s| s.code()), Some(1), "{}", intruder.describe());
+        assert!(
+            intruder.stderr.contains("the job refused this connection"),
+            "{secret:?}: {}",
+            intruder.stderr
+        );
+    }
+    // Floods and garbage at every port the job listens on.
+    let mut script = String::new();
+    for port in &ports {
+        script += &format!(
+            "for i in $(seq 1 100); do (exec 3<>/dev/tcp/{master}/{port} && sleep 8) 2>/dev/null & done; \
+             (exec 3<>/dev/tcp/{master}/{port} && printf '\\377\\377\\377\\177' >&3 && sleep 1) 2>/dev/null & \
+             (exec 3<>/dev/tcp/{master}/{port} && head -c 100000 /dev/urandom >&3) 2>/dev/null & "
+        );
+    }
+    script += "wait";
+    let flood = hosts.command(2, "bash", &["-c", &script]).output().expect("running the flood");
+    assert!(flood.status.success() || flood.status.code().is_some());
+
+    let finished: Vec<Finished> = job.into_iter().map(|r| r.wait(LIMIT)).collect();
+    assert_all_succeeded(&finished);
+    assert!(finished[0].stdout.contains("final: epochs=8"), "{}", finished[0].stdout);
+    let intruder = hosts.addr(2);
+    let log = format!("{}{}", finished[0].stderr, finished[1].stderr);
+    let refused = format!("store: refused a connection from {intruder}:");
+    let closed = format!("store: closed a connection from {intruder}:");
+    assert!(
+        log.contains(&refused) && log.contains(&closed),
+        "no refusals of {intruder} in:\n{log}"
+    );
 }

@@ -853,7 +853,7 @@ fn misconfigured_ranks_fail_with_a_clear_error_never_a_hang() {
             rank(id, 0, 2, lo, port, &[("TANDEM_RUN_ID", "job-a")], &["check"]),
             rank(id, 1, 2, lo, port, &[("TANDEM_RUN_ID", "job-b")], &["check"]),
         ];
-        misconfig(id, t, ranks, &["job-a", "job-b"])
+        misconfig(id, t, ranks, &["job-b", "another job (another run id)"])
     }));
     tallies.push(case("master-unreachable", &|id| {
         // 192.0.2.1 is TEST-NET-1: never routed, so nothing answers there.

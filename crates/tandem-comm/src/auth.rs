@@ -13,7 +13,7 @@ use std::sync::Arc;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use crate::frame::{read_frame, write_frame, Dec, Enc, FrameError};
+use crate::frame::{read_frame_at_most, write_frame, Dec, Enc, FrameError, MAX_HANDSHAKE_FRAME};
 
 /// The variable naming the job's secret file (`--secret-file` sets it for the workers too).
 pub const SECRET_FILE_VAR: &str = "TANDEM_SECRET_FILE";
@@ -240,7 +240,7 @@ pub(crate) fn challenge<S: Read + Write>(
     let proof = secret.proof(Role::Server, context, client_nonce, &mine);
     write_frame(stream, &Enc::default().u8(CHALLENGE).bytes(&mine).bytes(&proof).0)
         .map_err(|e| Refusal::Io(FrameError::Io(e)))?;
-    let answer = read_frame(stream).map_err(Refusal::Io)?;
+    let answer = read_frame_at_most(stream, MAX_HANDSHAKE_FRAME).map_err(Refusal::Io)?;
     let theirs = Dec(&answer).bytes().ok_or(Refusal::BadProof)?;
     if secret.verify(Role::Client, context, &mine, client_nonce, theirs) {
         Ok(())
@@ -277,6 +277,39 @@ pub(crate) fn answer<'r, S: Read + Write>(
     write_frame(stream, &Enc::default().bytes(&mine).0)
         .map_err(|e| Refusal::Io(FrameError::Io(e)))?;
     Ok(None)
+}
+
+/// A connection in memory for the fuzz targets: reads come from the given bytes, writes are
+/// collected (and dropped).
+#[doc(hidden)]
+pub struct Duplex {
+    input: std::io::Cursor<Vec<u8>>,
+    output: Vec<u8>,
+}
+
+impl Duplex {
+    pub fn new(input: &[u8]) -> Duplex {
+        Duplex { input: std::io::Cursor::new(input.to_vec()), output: Vec::new() }
+    }
+
+    pub fn halves(&mut self) -> (&mut std::io::Cursor<Vec<u8>>, &mut Vec<u8>) {
+        (&mut self.input, &mut self.output)
+    }
+}
+
+impl Read for Duplex {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.input.read(buf)
+    }
+}
+
+impl Write for Duplex {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.output.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -28,10 +28,19 @@ pub(crate) fn write_frame(w: &mut impl Write, payload: &[u8]) -> std::io::Result
 }
 
 pub(crate) fn read_frame(r: &mut impl Read) -> Result<Vec<u8>, FrameError> {
+    read_frame_at_most(r, MAX_FRAME)
+}
+
+/// The largest handshake frame (hello, challenge, proof): a stranger who has proved nothing
+/// cannot make a server allocate more than this per connection.
+pub(crate) const MAX_HANDSHAKE_FRAME: usize = 4 << 10;
+
+/// [`read_frame`] with a smaller bound (handshakes).
+pub(crate) fn read_frame_at_most(r: &mut impl Read, max: usize) -> Result<Vec<u8>, FrameError> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len).map_err(FrameError::Io)?;
     let len = u32::from_le_bytes(len) as u64;
-    if len > MAX_FRAME as u64 {
+    if len > max as u64 {
         return Err(FrameError::TooLarge(len));
     }
     let mut buf = vec![0u8; len as usize];

@@ -40,7 +40,11 @@ pub use frame::MAX_FRAME;
 pub use group::ProcessGroup;
 pub use live::{LiveGroup, LiveOptions};
 pub use rendezvous::{host_port, init_with};
+#[doc(hidden)]
+pub use store::fuzz_store_session;
 pub use store::{Store, StoreServer, StoreWire, HANDSHAKE_LIMIT, SERVER_ID_KEY};
+#[doc(hidden)]
+pub use transport::fuzz_mesh_hello;
 pub use transport::TransportKind;
 pub use work::Work;
 

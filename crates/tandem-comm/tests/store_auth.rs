@@ -94,6 +94,13 @@ fn silent_and_garbage_connections_do_not_hold_up_members() {
     member.set("k", b"v").unwrap();
     assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
     drop(silent);
+    // A stranger's hello may not be large: 1 MiB (well under the 16 MiB frames members may
+    // send) is closed at once, before anything is allocated for it.
+    let mut big = TcpStream::connect(server.local_addr()).unwrap();
+    big.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    big.write_all(&(1u32 << 20).to_le_bytes()).unwrap();
+    let mut buf = [0u8; 8];
+    assert_eq!(big.read(&mut buf).unwrap_or(0), 0, "closed without a reply");
 }
 
 #[test]

@@ -69,6 +69,13 @@ enum Global {
     ByteArray,
     StorageClass(ElemType),
     DTypeObj(ElemType),
+    /// numpy's pickling of arrays (`_reconstruct` + BUILD, or protocol 5's `_frombuffer`),
+    /// dtypes and scalars: read as data, never by running numpy.
+    NpReconstruct,
+    NpNdarray,
+    NpDtype,
+    NpFromBuffer,
+    NpScalar,
 }
 
 fn lookup_global(module: &str, name: &str) -> Option<Global> {
@@ -87,6 +94,12 @@ fn lookup_global(module: &str, name: &str) -> Option<Global> {
         ("torch.nn.parameter", "Parameter") => ParameterClass,
         ("torch", "device") => Device,
         ("_codecs", "encode") => CodecsEncode,
+        // numpy 1 names its modules `numpy.core`, numpy 2 `numpy._core`.
+        ("numpy.core.multiarray" | "numpy._core.multiarray", "_reconstruct") => NpReconstruct,
+        ("numpy.core.multiarray" | "numpy._core.multiarray", "scalar") => NpScalar,
+        ("numpy.core.numeric" | "numpy._core.numeric", "_frombuffer") => NpFromBuffer,
+        ("numpy", "ndarray") => NpNdarray,
+        ("numpy", "dtype") => NpDtype,
         // Protocol 2 pickles use Python 2 module names (`__builtin__`).
         ("builtins" | "__builtin__", "set") => Set,
         ("builtins" | "__builtin__", "frozenset") => FrozenSet,
@@ -115,6 +128,45 @@ enum Node {
     Global(Global, String),
     Storage(StorageRef),
     Tensor(TensorSpec),
+    /// A numpy dtype: its type string (`u1`, `<f4`, ...) and byte order (from BUILD).
+    NpDtype(String, char),
+    NpArray(NpArray),
+}
+
+/// A numpy array read from a pickle: C-ordered bytes of `dtype` (`None` until BUILD fills in
+/// an array `_reconstruct` made).
+#[derive(Debug)]
+struct NpArray {
+    dtype: Option<ElemType>,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+/// The element type of a numpy dtype string with its byte order, if tandem has one for it
+/// (little-endian or single-byte only).
+fn numpy_elem(descr: &str, order: char) -> Result<ElemType, String> {
+    let (prefix, code) = match descr.chars().next() {
+        Some(c @ ('<' | '>' | '|' | '=')) => (c, &descr[1..]),
+        _ => (order, descr),
+    };
+    let dtype = match code {
+        "?" | "b1" => ElemType::Bool,
+        "u1" | "B" => ElemType::U8,
+        "i1" | "b" => ElemType::I8,
+        "i2" | "h" => ElemType::I16,
+        "i4" | "i" => ElemType::I32,
+        "i8" | "q" | "l" => ElemType::I64,
+        "f2" | "e" => ElemType::F16,
+        "f4" | "f" => ElemType::F32,
+        "f8" | "d" => ElemType::F64,
+        other => {
+            return Err(format!("numpy dtype `{other}` is not supported (numbers and bool are)"))
+        }
+    };
+    if prefix == '>' && dtype.size() > 1 {
+        return Err(format!("numpy dtype `{descr}` is big-endian"));
+    }
+    Ok(dtype)
 }
 
 /// The result of unpickling one pickle: an arena and its root.
@@ -420,14 +472,152 @@ impl Machine {
                 };
                 self.new_node(Node::Bytes(b))
             }
+            Global::NpReconstruct => match args.first().map(|&a| &self.nodes[a]) {
+                Some(Node::Global(Global::NpNdarray, _)) => self.new_node(Node::NpArray(NpArray {
+                    dtype: None,
+                    shape: Vec::new(),
+                    data: Vec::new(),
+                })),
+                _ => return err("numpy _reconstruct of something other than numpy.ndarray"),
+            },
+            Global::NpDtype => {
+                let descr = match args.first() {
+                    Some(&d) => self.str_of(d)?.to_string(),
+                    None => return err("numpy.dtype() without a type"),
+                };
+                self.new_node(Node::NpDtype(descr, '|'))
+            }
+            Global::NpFromBuffer => {
+                let [buf, dtype, shape, ..] = args.as_slice() else {
+                    return err("numpy _frombuffer needs (buffer, dtype, shape, order)");
+                };
+                let dtype = self.np_dtype_of(*dtype)?;
+                let shape = self.usizes_of(*shape, "numpy shape")?;
+                let data = match &self.nodes[*buf] {
+                    Node::Bytes(b) => b.clone(),
+                    other => return err(format!("numpy _frombuffer of a {}", node_kind(other))),
+                };
+                if let Some(&order) = args.get(3) {
+                    if self.str_of(order)? == "F" && shape.iter().filter(|&&d| d > 1).count() > 1 {
+                        return err("Fortran-ordered numpy arrays are not supported");
+                    }
+                }
+                let array = np_array(dtype, shape, data)?;
+                self.new_node(Node::NpArray(array))
+            }
+            Global::NpScalar => {
+                let [dtype, raw, ..] = args.as_slice() else {
+                    return err("numpy scalar needs (dtype, bytes)");
+                };
+                let dtype = self.np_dtype_of(*dtype)?;
+                let raw = match &self.nodes[*raw] {
+                    Node::Bytes(b) => b.clone(),
+                    other => return err(format!("numpy scalar of a {}", node_kind(other))),
+                };
+                let array = np_array(dtype, Vec::new(), raw)?;
+                let node = scalar_node(&array)?;
+                self.new_node(node)
+            }
             Global::TensorClass
             | Global::ParameterClass
             | Global::StorageClass(_)
-            | Global::DTypeObj(_) => {
+            | Global::DTypeObj(_)
+            | Global::NpNdarray => {
                 return err(format!("`{name}` cannot be called while unpickling"))
             }
         })
     }
+
+    fn np_dtype_of(&self, id: Id) -> Result<ElemType, PickleError> {
+        match &self.nodes[id] {
+            Node::NpDtype(descr, order) => numpy_elem(descr, *order).map_err(PickleError::Msg),
+            other => err(format!("numpy dtype is a {}", node_kind(other))),
+        }
+    }
+
+    /// BUILD on a numpy dtype (its byte order) or an array `_reconstruct` made (its shape,
+    /// dtype and bytes: `(version, shape, dtype, is_fortran, data)`).
+    fn build_numpy(&mut self, target: Id, state: Id) -> Result<(), PickleError> {
+        let items = self.items_of(state)?.to_vec();
+        match &self.nodes[target] {
+            Node::NpDtype(..) => {
+                let order = match items.get(1).map(|&o| &self.nodes[o]) {
+                    Some(Node::Str(o)) => o.chars().next().unwrap_or('|'),
+                    _ => return err("numpy dtype state without a byte order"),
+                };
+                if let Node::NpDtype(_, o) = &mut self.nodes[target] {
+                    *o = order;
+                }
+                Ok(())
+            }
+            _ => {
+                let [_, shape, dtype, fortran, data, ..] = items.as_slice() else {
+                    return err("numpy array state is not (version, shape, dtype, fortran, data)");
+                };
+                let shape = self.usizes_of(*shape, "numpy shape")?;
+                let dtype = self.np_dtype_of(*dtype)?;
+                if matches!(self.nodes[*fortran], Node::Bool(true))
+                    && shape.iter().filter(|&&d| d > 1).count() > 1
+                {
+                    return err("Fortran-ordered numpy arrays are not supported");
+                }
+                let data = match &self.nodes[*data] {
+                    Node::Bytes(b) => b.clone(),
+                    Node::Str(s) => latin1(s)?,
+                    Node::List(_) => return err("numpy object arrays are not supported"),
+                    other => return err(format!("numpy array data is a {}", node_kind(other))),
+                };
+                let array = np_array(dtype, shape, data)?;
+                self.nodes[target] = Node::NpArray(array);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A checked numpy array: `data` holds exactly the elements `shape` says.
+fn np_array(dtype: ElemType, shape: Vec<usize>, data: Vec<u8>) -> Result<NpArray, PickleError> {
+    let numel = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+    let need = numel.and_then(|n| n.checked_mul(dtype.size()));
+    if need != Some(data.len()) {
+        return err(format!(
+            "numpy array of shape {shape:?} and {dtype:?} holds {} bytes",
+            data.len()
+        ));
+    }
+    Ok(NpArray { dtype: Some(dtype), shape, data })
+}
+
+/// A numpy scalar as the plain value it is.
+fn scalar_node(a: &NpArray) -> Result<Node, PickleError> {
+    let b = &a.data;
+    let int = |n: usize| {
+        let mut buf = [0u8; 8];
+        buf[..n].copy_from_slice(&b[..n]);
+        let v = i64::from_le_bytes(buf);
+        let shift = 64 - 8 * n as u32;
+        (v << shift) >> shift
+    };
+    Ok(match a.dtype {
+        Some(ElemType::Bool) => Node::Bool(b[0] != 0),
+        Some(ElemType::U8) => Node::Int(i64::from(b[0])),
+        Some(ElemType::I8) => Node::Int(int(1)),
+        Some(ElemType::I16) => Node::Int(int(2)),
+        Some(ElemType::I32) => Node::Int(int(4)),
+        Some(ElemType::I64) => Node::Int(int(8)),
+        Some(ElemType::F32) => Node::Float(f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
+        Some(ElemType::F64) => Node::Float(f64::from_le_bytes(b[..8].try_into().unwrap_or([0; 8]))),
+        Some(ElemType::F16) => Node::Float(f64::from(half::f16::from_le_bytes([b[0], b[1]]))),
+        _ => return err("numpy scalar of an unsupported dtype"),
+    })
+}
+
+/// Python 2's way of pickling bytes as a latin-1 `str`.
+fn latin1(s: &str) -> Result<Vec<u8>, PickleError> {
+    s.chars()
+        .map(|c| u8::try_from(c as u32))
+        .collect::<Result<Vec<u8>, _>>()
+        .map_err(|_| PickleError::Msg("numpy array data is not latin-1".into()))
 }
 
 fn node_kind(n: &Node) -> &'static str {
@@ -445,6 +635,8 @@ fn node_kind(n: &Node) -> &'static str {
         Node::Global(..) => "global",
         Node::Storage(_) => "storage",
         Node::Tensor(_) => "tensor",
+        Node::NpDtype(..) => "numpy dtype",
+        Node::NpArray(_) => "numpy array",
     }
 }
 
@@ -733,12 +925,15 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
                 }
             }
             op::BUILD => {
-                let _state = m.pop()?;
+                let state = m.pop()?;
                 let target = m.top()?;
                 // OrderedDict state is `{'_metadata': ...}` (module versions); a Parameter's state
                 // holds Python attributes. Neither is part of the values.
                 match &m.nodes[target] {
                     Node::Dict(_) | Node::Tensor(_) => {}
+                    Node::NpDtype(..) | Node::NpArray(NpArray { dtype: None, .. }) => {
+                        m.build_numpy(target, state)?
+                    }
                     other => return err(format!("BUILD on a {}", node_kind(other))),
                 }
             }
@@ -857,6 +1052,22 @@ impl Converter<'_> {
                 return Err(format!("a bare storage (key {}) is not supported as a value", s.key))
             }
             Node::Tensor(spec) => Value::Tensor(self.tensor(spec)?),
+            Node::NpDtype(descr, _) => Value::Str(descr.clone()),
+            Node::NpArray(a) => {
+                let dtype = a.dtype.ok_or("a numpy array whose state never came (no BUILD)")?;
+                self.charge(a.data.len())?;
+                let mut stride = vec![1usize; a.shape.len()];
+                for i in (0..a.shape.len().saturating_sub(1)).rev() {
+                    stride[i] = stride[i + 1] * a.shape[i + 1];
+                }
+                Value::Tensor(TensorData {
+                    dtype,
+                    shape: a.shape.clone(),
+                    stride,
+                    storage_offset: 0,
+                    storage: StorageData::from_vec(a.data.clone()),
+                })
+            }
         })
     }
 

@@ -14,9 +14,11 @@ mod torch;
 
 use crate::auth::JobSecret;
 use crate::error::CommError;
-use crate::frame::{read_frame, write_frame, Dec, Enc, FrameError};
+use crate::frame::{
+    read_frame, read_frame_at_most, write_frame, Dec, Enc, FrameError, MAX_HANDSHAKE_FRAME,
+};
 use std::collections::HashMap;
-use std::io::{BufReader, BufWriter};
+use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -44,10 +46,18 @@ const R_REFUSED: u8 = 1;
 const R_TIMEOUT: u8 = 2;
 const R_ERROR: u8 = 3;
 
-#[derive(Default)]
 struct Table {
     map: Mutex<Entries>,
     changed: Condvar,
+    /// The longest a GET or WAIT waits ([`MAX_WAIT`]; zero when fuzzing, where nothing else
+    /// could ever set the key).
+    max_wait: Duration,
+}
+
+impl Table {
+    fn new(max_wait: Duration) -> Table {
+        Table { map: Mutex::default(), changed: Condvar::new(), max_wait }
+    }
 }
 
 /// The stored keys, with the bytes they hold counted as they change.
@@ -135,7 +145,7 @@ impl StoreServer {
         let listener = TcpListener::bind(addr)?;
         let local = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
-        let table = Arc::new(Table::default());
+        let table = Arc::new(Table::new(MAX_WAIT));
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
@@ -223,30 +233,7 @@ fn serve_client(mut conn: TcpStream, table: &Table, job: &Job) {
     // Until the handshake is done, a silent or slow peer holds its thread at most this long.
     let _ = conn.set_read_timeout(Some(HANDSHAKE_LIMIT));
     let _ = conn.set_write_timeout(Some(HANDSHAKE_LIMIT));
-    // Handshake: magic, run id, the client's nonce; then (with a secret) the challenge.
-    let Ok(hello) = read_frame(&mut conn) else {
-        tracing::warn!("store: closed a connection from {peer}: no handshake");
-        return;
-    };
-    let mut d = Dec(&hello);
-    let ok_magic = d.bytes() == Some(MAGIC);
-    let theirs = d.str().unwrap_or_default();
-    let client_nonce = d.bytes().unwrap_or_default();
-    if let Some(secret) = &job.secret {
-        if let Err(why) =
-            crate::auth::challenge(&mut conn, secret, &auth_context(&job.run_id), client_nonce)
-        {
-            tracing::warn!("store: refused a connection from {peer}: {why}");
-            return;
-        }
-    }
-    if !ok_magic || theirs != job.run_id {
-        // Nothing of ours goes back: not the run id, not why.
-        tracing::warn!("store: refused a connection from {peer}: another run id or protocol");
-        let _ = write_frame(&mut conn, &Enc::default().u8(R_REFUSED).0);
-        return;
-    }
-    if write_frame(&mut conn, &Enc::default().u8(R_OK).0).is_err() {
+    if !admit(&mut conn, job, &peer) {
         return;
     }
     // A member of the job: its connection may stay idle between operations for as long as the
@@ -255,9 +242,13 @@ fn serve_client(mut conn: TcpStream, table: &Table, job: &Job) {
     let Ok(wconn) = conn.try_clone() else { return };
     let mut r = BufReader::new(conn);
     let mut w = BufWriter::new(wconn);
+    serve_member(&mut r, &mut w, table, &peer);
+}
+
+/// Serves a member's requests until its connection ends; then the keys it owned go.
+fn serve_member(r: &mut impl Read, w: &mut impl Write, table: &Table, peer: &str) {
     let mut owned = Vec::new();
-    serve_requests(&mut r, &mut w, table, &peer, &mut owned);
-    // The connection is gone: so are the keys it owned.
+    serve_requests(r, w, table, peer, &mut owned);
     if !owned.is_empty() {
         let mut map = table.map.lock().unwrap_or_else(|p| p.into_inner());
         for key in owned {
@@ -268,9 +259,54 @@ fn serve_client(mut conn: TcpStream, table: &Table, job: &Job) {
     }
 }
 
+/// The handshake, server side: magic, run id and the client's nonce, then (with a secret) the
+/// challenge. True when the peer is a member of the job (and has been told so).
+fn admit<S: Read + Write>(conn: &mut S, job: &Job, peer: &str) -> bool {
+    let Ok(hello) = read_frame_at_most(conn, MAX_HANDSHAKE_FRAME) else {
+        tracing::warn!("store: closed a connection from {peer}: no handshake");
+        return false;
+    };
+    let mut d = Dec(&hello);
+    let ok_magic = d.bytes() == Some(MAGIC);
+    let theirs = d.str().unwrap_or_default();
+    let client_nonce = d.bytes().unwrap_or_default();
+    if let Some(secret) = &job.secret {
+        if let Err(why) =
+            crate::auth::challenge(conn, secret, &auth_context(&job.run_id), client_nonce)
+        {
+            tracing::warn!("store: refused a connection from {peer}: {why}");
+            return false;
+        }
+    }
+    if !ok_magic || theirs != job.run_id {
+        // Nothing of ours goes back: not the run id, not why.
+        tracing::warn!("store: refused a connection from {peer}: another run id or protocol");
+        let _ = write_frame(conn, &Enc::default().u8(R_REFUSED).0);
+        return false;
+    }
+    write_frame(conn, &Enc::default().u8(R_OK).0).is_ok()
+}
+
+/// Runs the server side of one connection whose client sends `data` (the store's handshake
+/// and requests, as frames), with or without a secret, on a fresh table whose waits end at
+/// once. For the fuzz targets: any bytes must give refusals or answers, never a panic.
+#[doc(hidden)]
+pub fn fuzz_store_session(data: &[u8], with_secret: bool) {
+    let job = Job {
+        run_id: "fuzz".into(),
+        secret: with_secret.then(|| JobSecret::from_bytes(&[7; 32]).expect("a valid secret")),
+    };
+    let table = Table::new(Duration::ZERO);
+    let mut conn = crate::auth::Duplex::new(data);
+    if admit(&mut conn, &job, "fuzz") {
+        let (input, output) = conn.halves();
+        serve_member(input, output, &table, "fuzz");
+    }
+}
+
 fn serve_requests(
-    r: &mut BufReader<TcpStream>,
-    w: &mut BufWriter<TcpStream>,
+    r: &mut impl Read,
+    w: &mut impl Write,
     table: &Table,
     peer: &str,
     owned: &mut Vec<String>,
@@ -315,9 +351,9 @@ fn wait_until<'a>(
     }
 }
 
-/// When a wait of `ms` milliseconds (the client's choice) ends, clamped to [`MAX_WAIT`].
-fn deadline_in(ms: u64) -> Instant {
-    Instant::now() + Duration::from_millis(ms).min(MAX_WAIT)
+/// When a wait of `ms` milliseconds (the client's choice) ends, clamped to `max`.
+fn deadline_in(ms: u64, max: Duration) -> Instant {
+    Instant::now() + Duration::from_millis(ms).min(max)
 }
 
 fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
@@ -338,7 +374,7 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
         }
         OP_GET => {
             let key = d.str()?;
-            let deadline = deadline_in(d.u64()?);
+            let deadline = deadline_in(d.u64()?, table.max_wait);
             let (map, ok) = wait_until(table, deadline, |m| m.contains_key(&key));
             match (ok, map.get(&key)) {
                 (true, Some(v)) => Enc::default().u8(R_OK).bytes(v),
@@ -351,7 +387,7 @@ fn handle(req: &[u8], table: &Table) -> Option<Vec<u8>> {
             for _ in 0..n.min(1 << 16) {
                 keys.push(d.str()?);
             }
-            let deadline = deadline_in(d.u64()?);
+            let deadline = deadline_in(d.u64()?, table.max_wait);
             let (map, ok) = wait_until(table, deadline, |m| keys.iter().all(|k| m.contains_key(k)));
             if ok {
                 Enc::default().u8(R_OK)

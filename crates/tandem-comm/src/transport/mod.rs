@@ -7,6 +7,8 @@
 pub(crate) mod mpi;
 pub(crate) mod shm;
 pub(crate) mod tcp;
+#[doc(hidden)]
+pub use tcp::fuzz_mesh_hello;
 
 use std::ops::Range;
 use std::time::Duration;

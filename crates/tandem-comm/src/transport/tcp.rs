@@ -6,7 +6,7 @@
 //! on its own thread with its own time limit, so a silent connection cannot stall the others.
 use super::{FailKind, PeerError, Recv, Transport};
 use crate::error::CommError;
-use crate::frame::{read_frame, write_frame, Dec, Enc};
+use crate::frame::{read_frame, read_frame_at_most, write_frame, Dec, Enc, MAX_HANDSHAKE_FRAME};
 use crate::store::Store;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -164,39 +164,62 @@ fn admit(
     secret: Option<&crate::auth::JobSecret>,
     context: &str,
 ) -> Option<(usize, TcpStream)> {
-    let refuse = |s: &mut TcpStream, why: &str| {
-        tracing::warn!("mesh {group}: refused a connection from {from}: {why}");
-        let _ = write_frame(s, &Enc::default().u8(1).0);
-        None
-    };
     s.set_nonblocking(false).ok()?;
     s.set_read_timeout(Some(HELLO_LIMIT)).ok()?;
     s.set_write_timeout(Some(HELLO_LIMIT)).ok()?;
-    let Ok(hello) = read_frame(&mut s) else {
-        tracing::warn!("mesh {group}: closed a connection from {from}: no handshake");
-        return None;
+    match check_hello(&mut s, (rank, size), run_id, group, secret, context) {
+        Ok(r) => Some((r, s)),
+        Err(why) => {
+            tracing::warn!("mesh {group}: refused a connection from {from}: {why}");
+            None
+        }
+    }
+}
+
+/// The hello and (with a secret) the challenge, on any stream: the peer's rank, or why it was
+/// refused (a refusal byte has been sent where one is due).
+fn check_hello<S: Read + Write>(
+    s: &mut S,
+    (rank, size): (usize, usize),
+    run_id: &str,
+    group: &str,
+    secret: Option<&crate::auth::JobSecret>,
+    context: &str,
+) -> Result<usize, String> {
+    let refuse = |s: &mut S, why: String| {
+        let _ = write_frame(s, &Enc::default().u8(1).0);
+        Err(why)
     };
+    let hello =
+        read_frame_at_most(s, MAX_HANDSHAKE_FRAME).map_err(|e| format!("no handshake ({e:?})"))?;
     let mut d = Dec(&hello);
     let (magic, theirs, their_group, their_rank) = (d.bytes(), d.str(), d.str(), d.u64());
     let nonce = d.bytes().unwrap_or_default();
     if let Some(secret) = secret {
-        if let Err(why) = crate::auth::challenge(&mut s, secret, context, nonce) {
-            tracing::warn!("mesh {group}: refused a connection from {from}: {why}");
-            return None;
-        }
+        crate::auth::challenge(s, secret, context, nonce).map_err(|why| why.to_string())?;
     }
     if magic != Some(MAGIC)
         || theirs.as_deref() != Some(run_id)
         || their_group.as_deref() != Some(group)
     {
-        return refuse(&mut s, "another run, group or protocol");
+        return refuse(s, "another run, group or protocol".into());
     }
     let r = their_rank.unwrap_or(u64::MAX) as usize;
     if r <= rank || r >= size {
-        return refuse(&mut s, &format!("unexpected rank {r}"));
+        return refuse(s, format!("unexpected rank {r}"));
     }
-    write_frame(&mut s, &Enc::default().u8(0).0).ok()?;
-    Some((r, s))
+    write_frame(s, &Enc::default().u8(0).0).map_err(|e| e.to_string())?;
+    Ok(r)
+}
+
+/// The mesh's server-side handshake over `data` (what a connecting peer sends), with or without
+/// a secret. For the fuzz targets: any bytes must give a refusal or a rank, never a panic.
+#[doc(hidden)]
+pub fn fuzz_mesh_hello(data: &[u8], with_secret: bool) {
+    let secret = with_secret.then(|| crate::auth::JobSecret::from_bytes(&[7; 32]).expect("valid"));
+    let mut conn = crate::auth::Duplex::new(data);
+    let context = auth_context("fuzz", "w");
+    let _ = check_hello(&mut conn, (0, 4), "fuzz", "w", secret.as_ref(), &context);
 }
 
 fn io_fail(peer: usize, e: std::io::Error) -> PeerError {

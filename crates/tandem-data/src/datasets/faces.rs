@@ -208,32 +208,53 @@ impl VerificationSet {
         let bad = |reason: String| malformed(path, reason);
         let value = tandem_ckpt::read_pickle(path)
             .map_err(|e| bad(format!("not a verification set: {e}")))?;
-        use tandem_ckpt::Value;
+        use tandem_ckpt::{ElemType, Value};
         let (Value::Tuple(items) | Value::List(items)) = &value else {
             return Err(bad(format!(
                 "expected a (images, issame) pair, got a {}",
                 value.type_name()
             )));
         };
-        let [Value::List(images), Value::List(flags)] = items.as_slice() else {
-            return Err(bad("expected a pair of lists (images, issame)".into()));
+        let [Value::List(images), flags] = items.as_slice() else {
+            return Err(bad("expected a pair (list of images, issame)".into()));
         };
+        // insightface's older tools pickle each image as bytes, its current ones as a numpy
+        // uint8 array (read as a 1-D u8 tensor); the flags as bools, numpy bools or one numpy
+        // bool array.
         let images = images
             .iter()
             .enumerate()
             .map(|(i, v)| match v {
                 Value::Bytes(b) => Ok(b.clone()),
-                other => Err(bad(format!("image {i} is a {}, not bytes", other.type_name()))),
+                Value::Tensor(t) if t.dtype == ElemType::U8 && t.shape.len() == 1 => {
+                    Ok(t.contiguous_bytes().into_owned())
+                }
+                other => Err(bad(format!(
+                    "image {i} is a {}, not bytes or a 1-D uint8 array",
+                    other.type_name()
+                ))),
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let issame = flags
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                v.as_bool()
-                    .ok_or_else(|| bad(format!("issame {i} is a {}, not a bool", v.type_name())))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let issame = match flags {
+            Value::List(flags) => flags
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v.as_bool().ok_or_else(|| {
+                        bad(format!("issame {i} is a {}, not a bool", v.type_name()))
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            Value::Tensor(t) if t.dtype == ElemType::Bool && t.shape.len() == 1 => {
+                t.contiguous_bytes().iter().map(|&b| b != 0).collect()
+            }
+            other => {
+                return Err(bad(format!(
+                    "issame is a {}, not a list of bools or a 1-D bool array",
+                    other.type_name()
+                )))
+            }
+        };
         if images.len() != 2 * issame.len() {
             return Err(bad(format!(
                 "{} images for {} pairs (needs 2 per pair)",
