@@ -273,3 +273,62 @@ fn sharded_optimizer_checkpoints_inspect_and_convert_to_one_state_dict() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("manifest.json"));
 }
+
+/// Hostile files at `tandem ckpt inspect` under an 8 GiB address-space limit: each ends with an
+/// error (exit code below 128, never a signal or an abort) within 30 s. The expansion bombs
+/// here are small files that once expanded to terabytes.
+#[test]
+fn hostile_files_end_in_an_error_under_an_8_gib_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    // Legacy-format wrapper: magic, protocol 1001, sys_info, the pickle, no storages.
+    let legacy = |pickle: &[u8]| {
+        let mut f = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19.".to_vec();
+        f.extend_from_slice(b"\x80\x02M\xe9\x03.");
+        f.extend_from_slice(b"\x80\x02}q\x00.");
+        f.extend_from_slice(pickle);
+        f.extend_from_slice(b"\x80\x02].");
+        f
+    };
+    // 16 MiB of bytes memoized once and referenced a million times: 16 TB if expanded.
+    let mut memo = b"\x80\x02B".to_vec();
+    memo.extend_from_slice(&(16u32 << 20).to_le_bytes());
+    memo.extend(std::iter::repeat_n(0x5Au8, 16 << 20));
+    memo.extend_from_slice(b"q\x00](");
+    for _ in 0..1_000_000 {
+        memo.extend_from_slice(b"h\x00");
+    }
+    memo.extend_from_slice(b"e.");
+    // x = []; 64 times x = (x, x): 2^64 values if expanded.
+    let mut doubling = b"\x80\x02]".to_vec();
+    for _ in 0..64 {
+        doubling.extend_from_slice(b"2\x86");
+    }
+    doubling.push(b'.');
+    // A string claiming 2^62 bytes.
+    let huge_claim = b"\x80\x02\x8d\x00\x00\x00\x00\x00\x00\x00\x40.".to_vec();
+    for (name, bytes) in
+        [("memo.pt", legacy(&memo)), ("doubling.pt", legacy(&doubling)), ("claim.pt", legacy(&huge_claim))]
+    {
+        let path = dir.path().join(name);
+        std::fs::write(&path, bytes).unwrap();
+        let started = std::time::Instant::now();
+        let out = output_with_deadline(
+            Command::new("sh").args([
+                "-c",
+                "ulimit -v 8388608 && exec \"$0\" ckpt inspect \"$1\"",
+                env!("CARGO_BIN_EXE_tandem"),
+                s(&path),
+            ]),
+            Duration::from_secs(60),
+        );
+        let elapsed = started.elapsed();
+        let code = out.status.code();
+        assert!(
+            code.is_some_and(|c| (1..128).contains(&c)) && elapsed < Duration::from_secs(30),
+            "{name}: {:?} after {elapsed:?}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stderr).contains(name), "{name}: names the file");
+    }
+}

@@ -36,13 +36,19 @@ fn main() -> std::process::ExitCode {
         "full_tmpfs_fails_the_save_cleanly_and_keeps_the_previous_checkpoint",
         full_tmpfs_fails_the_save_cleanly_and_keeps_the_previous_checkpoint,
     );
+    let tmpfs_async = Test::new(
+        "full_tmpfs_fails_a_background_save_cleanly_and_keeps_the_previous_checkpoint",
+        full_tmpfs_fails_a_background_save_cleanly_and_keeps_the_previous_checkpoint,
+    );
     let no_tmpfs = (!Tmpfs::can_mount()).then(|| {
         let reason = "mounting a tmpfs needs root and mount(8) (write-error-efbig covers the \
                       write error without it)";
         Tally::skipped("full-disk-tmpfs", reason);
+        Tally::skipped("full-disk-tmpfs-async-save", reason);
         reason.to_string()
     });
-    tests.push(tmpfs.skip_if(no_tmpfs));
+    tests.push(tmpfs.skip_if(no_tmpfs.clone()));
+    tests.push(tmpfs_async.skip_if(no_tmpfs));
     harness::main(tests)
 }
 
@@ -705,6 +711,22 @@ fn full_tmpfs_fails_the_save_cleanly_and_keeps_the_previous_checkpoint() {
         Squeeze::Fill(&mnt.0, 8192),
         "No space left on device",
         &[],
+    ));
+    tally.finish();
+}
+
+/// The same with `--async-save`: the background write of step 15 runs out of space; the run
+/// learns of it at its next save and fails naming the file and the cause; with room again the
+/// job resumes from step 10 to the same weights.
+fn full_tmpfs_fails_a_background_save_cleanly_and_keeps_the_previous_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = Tmpfs::mount(&dir.path().join("mnt"), "2m").expect("mount a 2 MiB tmpfs");
+    let mut tally = Tally::new("full-disk-tmpfs-async-save");
+    tally.record(disk_trial(
+        dir.path(),
+        Squeeze::Fill(&mnt.0, 8192),
+        "No space left on device",
+        &["--async-save"],
     ));
     tally.finish();
 }
