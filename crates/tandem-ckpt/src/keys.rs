@@ -106,7 +106,7 @@ pub fn detect_wrapping<'a>(keys: impl IntoIterator<Item = &'a str>) -> Vec<Strin
 /// container keys, are rewritten; other values pass through unchanged.
 pub fn canonicalize_keys(value: &Value) -> Result<Value> {
     if is_state_dict(value) {
-        let Value::Dict(items) = value else { unreachable!("is_state_dict checks for a dict") };
+        let items = value.as_dict().unwrap_or_default();
         let mut seen = HashSet::new();
         let mut out = Vec::with_capacity(items.len());
         for (k, v) in items {
@@ -128,7 +128,7 @@ pub fn canonicalize_keys(value: &Value) -> Result<Value> {
         return Ok(Value::Dict(out));
     }
     match value {
-        Value::Dict(items) => {
+        Value::Dict(items) | Value::OrderedDict { items, .. } => {
             let mut out = Vec::with_capacity(items.len());
             for (k, v) in items {
                 let is_container =
@@ -144,19 +144,25 @@ pub fn canonicalize_keys(value: &Value) -> Result<Value> {
 /// A dict with str keys whose values are tensors (non-tensor entries such as `_metadata` aside)
 /// and at least one tensor.
 pub fn is_state_dict(v: &Value) -> bool {
-    match v {
-        Value::Dict(items) => {
+    match v.as_dict() {
+        Some(items) => {
             let mut tensors = 0;
             for (k, v) in items {
                 match (k, v) {
                     (Value::Str(_), Value::Tensor(_)) => tensors += 1,
-                    (_, Value::Dict(_) | Value::List(_) | Value::Tuple(_)) => return false,
+                    (
+                        _,
+                        Value::Dict(_)
+                        | Value::OrderedDict { .. }
+                        | Value::List(_)
+                        | Value::Tuple(_),
+                    ) => return false,
                     _ => {}
                 }
             }
             tensors > 0
         }
-        _ => false,
+        None => false,
     }
 }
 

@@ -65,11 +65,19 @@ pub struct LoadOptions {
     pub mmap: bool,
     /// Check every zip entry's CRC-32 (a full read of the file); checkpoints resume with it on.
     pub verify_checksums: bool,
+    /// Read `collections.OrderedDict`s as [`Value::OrderedDict`] with their `_metadata` (for a
+    /// faithful re-save) instead of plain dicts.
+    pub keep_ordered_dicts: bool,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { map_location: MapLocation::Cpu, mmap: true, verify_checksums: false }
+        LoadOptions {
+            map_location: MapLocation::Cpu,
+            mmap: true,
+            verify_checksums: false,
+            keep_ordered_dicts: false,
+        }
     }
 }
 
@@ -228,8 +236,8 @@ pub fn load_from_bytes(name: &str, bytes: Vec<u8>, verify_checksums: bool) -> Re
 
 fn load_file_bytes(path: &Path, fb: &FileBytes, opts: &LoadOptions) -> Result<Value> {
     match detect(fb.bytes()) {
-        Some(FileKind::TorchZip) => read_zip(path, fb, opts.verify_checksums),
-        Some(FileKind::TorchLegacy) => read_legacy(path, fb),
+        Some(FileKind::TorchZip) => read_zip(path, fb, opts),
+        Some(FileKind::TorchLegacy) => read_legacy(path, fb, opts),
         Some(FileKind::Safetensors) => crate::safetensors::from_bytes(path, fb),
         None => {
             let head: Vec<String> = fb.bytes().iter().take(8).map(|b| format!("{b:02x}")).collect();
@@ -254,7 +262,8 @@ struct ZipEntry {
     index: usize,
 }
 
-fn read_zip(path: &Path, fb: &FileBytes, verify: bool) -> Result<Value> {
+fn read_zip(path: &Path, fb: &FileBytes, opts: &LoadOptions) -> Result<Value> {
+    let verify = opts.verify_checksums;
     let bytes = fb.bytes();
     let zerr =
         |e: zip::result::ZipError| CkptError::format(path, format!("broken zip archive: {e}"));
@@ -348,7 +357,8 @@ fn read_zip(path: &Path, fb: &FileBytes, verify: bool) -> Result<Value> {
     let pkl = entry_bytes(&pkl_name)?
         .ok_or_else(|| CkptError::format(path, "data.pkl vanished"))?
         .into_owned();
-    let up = unpickle(&pkl).map_err(|e| pickle_error(path, &pkl_name, e))?;
+    let mut up = unpickle(&pkl).map_err(|e| pickle_error(path, &pkl_name, e))?;
+    up.keep_ordered = opts.keep_ordered_dicts;
 
     let mut cache: HashMap<String, StorageData> = HashMap::new();
     let mut resolve = |s: &StorageRef| -> std::result::Result<StorageData, String> {
@@ -394,7 +404,7 @@ fn read_zip(path: &Path, fb: &FileBytes, verify: bool) -> Result<Value> {
 
 /// Legacy format: five pickles back to back (magic number, protocol version, sys info, the
 /// value, the storage keys), then each storage as `<i64 numel><bytes>` in key order.
-fn read_legacy(path: &Path, fb: &FileBytes) -> Result<Value> {
+fn read_legacy(path: &Path, fb: &FileBytes, opts: &LoadOptions) -> Result<Value> {
     let bytes = fb.bytes();
     let mut pos = LEGACY_MAGIC.len();
     let next = |what: &str, pos: &mut usize| -> Result<Unpickled> {
@@ -420,7 +430,8 @@ fn read_legacy(path: &Path, fb: &FileBytes) -> Result<Value> {
             "saved on a big-endian machine; only little-endian files are supported",
         ));
     }
-    let main = next("data pickle", &mut pos)?;
+    let mut main = next("data pickle", &mut pos)?;
+    main.keep_ordered = opts.keep_ordered_dicts;
     let keys = plain(&next("storage keys", &mut pos)?, "storage keys")?;
     let keys =
         keys.as_list().ok_or_else(|| CkptError::format(path, "storage key list is not a list"))?;

@@ -50,7 +50,7 @@ pub fn flatten_tensors(value: &Value) -> Result<Vec<(String, TensorData)>> {
                 out.push((prefix.to_string(), t.clone()));
                 Ok(())
             }
-            Value::Dict(items) => {
+            Value::Dict(items) | Value::OrderedDict { items, .. } => {
                 for (k, v) in items {
                     let k = match k {
                         Value::Str(s) => s.clone(),

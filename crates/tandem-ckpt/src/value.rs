@@ -322,6 +322,15 @@ pub enum Value {
     List(Vec<Value>),
     Tuple(Vec<Value>),
     Dict(Vec<(Value, Value)>),
+    /// `collections.OrderedDict` with its `_metadata` attribute (what `module.state_dict()`
+    /// returns: the module versions `load_state_dict` hands to `_load_from_state_dict`). Only
+    /// [`LoadOptions::keep_ordered_dicts`](crate::LoadOptions) reads it (for a faithful
+    /// re-save, as `tandem ckpt convert` does); otherwise OrderedDicts read as [`Value::Dict`].
+    /// The dict accessors treat both alike.
+    OrderedDict {
+        items: Vec<(Value, Value)>,
+        metadata: Option<Box<Value>>,
+    },
     Tensor(TensorData),
 }
 
@@ -338,7 +347,7 @@ impl Value {
     /// The value under a string key of a dict.
     pub fn get(&self, key: &str) -> Option<&Value> {
         match self {
-            Value::Dict(items) => {
+            Value::Dict(items) | Value::OrderedDict { items, .. } => {
                 items.iter().find(|(k, _)| matches!(k, Value::Str(s) if s == key)).map(|(_, v)| v)
             }
             _ => None,
@@ -347,7 +356,7 @@ impl Value {
 
     pub fn get_mut(&mut self, key: &str) -> Option<&mut Value> {
         match self {
-            Value::Dict(items) => items
+            Value::Dict(items) | Value::OrderedDict { items, .. } => items
                 .iter_mut()
                 .find(|(k, _)| matches!(k, Value::Str(s) if s == key))
                 .map(|(_, v)| v),
@@ -358,7 +367,7 @@ impl Value {
     /// The value under an int key of a dict (optimizer `state`).
     pub fn get_int(&self, key: i64) -> Option<&Value> {
         match self {
-            Value::Dict(items) => {
+            Value::Dict(items) | Value::OrderedDict { items, .. } => {
                 items.iter().find(|(k, _)| matches!(k, Value::Int(i) if *i == key)).map(|(_, v)| v)
             }
             _ => None,
@@ -371,7 +380,7 @@ impl Value {
         let key = key.into();
         let value = value.into();
         match self {
-            Value::Dict(items) => {
+            Value::Dict(items) | Value::OrderedDict { items, .. } => {
                 if let Some(slot) = items.iter_mut().find(|(k, _)| *k == key) {
                     slot.1 = value;
                 } else {
@@ -427,10 +436,32 @@ impl Value {
         }
     }
 
+    /// Items of a dict or an OrderedDict.
     pub fn as_dict(&self) -> Option<&[(Value, Value)]> {
         match self {
-            Value::Dict(v) => Some(v),
+            Value::Dict(v) | Value::OrderedDict { items: v, .. } => Some(v),
             _ => None,
+        }
+    }
+
+    /// Mutable items of a dict or an OrderedDict.
+    pub fn as_dict_mut(&mut self) -> Option<&mut Vec<(Value, Value)>> {
+        match self {
+            Value::Dict(v) | Value::OrderedDict { items: v, .. } => Some(v),
+            _ => None,
+        }
+    }
+
+    /// This value with every OrderedDict made a plain dict (its `_metadata` dropped): what a
+    /// reader without `keep_ordered_dicts` returns.
+    pub fn into_plain(self) -> Value {
+        match self {
+            Value::OrderedDict { items, .. } | Value::Dict(items) => Value::Dict(
+                items.into_iter().map(|(k, v)| (k.into_plain(), v.into_plain())).collect(),
+            ),
+            Value::List(v) => Value::List(v.into_iter().map(Value::into_plain).collect()),
+            Value::Tuple(v) => Value::Tuple(v.into_iter().map(Value::into_plain).collect()),
+            other => other,
         }
     }
 
@@ -446,6 +477,7 @@ impl Value {
             Value::List(_) => "list",
             Value::Tuple(_) => "tuple",
             Value::Dict(_) => "dict",
+            Value::OrderedDict { .. } => "OrderedDict",
             Value::Tensor(_) => "Tensor",
         }
     }

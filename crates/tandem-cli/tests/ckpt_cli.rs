@@ -306,9 +306,11 @@ fn hostile_files_end_in_an_error_under_an_8_gib_limit() {
     doubling.push(b'.');
     // A string claiming 2^62 bytes.
     let huge_claim = b"\x80\x02\x8d\x00\x00\x00\x00\x00\x00\x00\x40.".to_vec();
-    for (name, bytes) in
-        [("memo.pt", legacy(&memo)), ("doubling.pt", legacy(&doubling)), ("claim.pt", legacy(&huge_claim))]
-    {
+    for (name, bytes) in [
+        ("memo.pt", legacy(&memo)),
+        ("doubling.pt", legacy(&doubling)),
+        ("claim.pt", legacy(&huge_claim)),
+    ] {
         let path = dir.path().join(name);
         std::fs::write(&path, bytes).unwrap();
         let started = std::time::Instant::now();
@@ -331,4 +333,57 @@ fn hostile_files_end_in_an_error_under_an_8_gib_limit() {
         );
         assert!(String::from_utf8_lossy(&out.stderr).contains(name), "{name}: names the file");
     }
+}
+
+/// `tandem ckpt convert` of torch's own state dicts keeps what `load_state_dict` reads besides
+/// the tensors: the OrderedDict type and its `_metadata` (module versions), also when the
+/// wrapper prefix is stripped (`module.`, as torch's consume_prefix_in_state_dict_if_present
+/// renames the metadata) or added. Checked by real torch.
+#[test]
+fn convert_keeps_ordered_dicts_and_their_metadata_for_torch() {
+    let Some(python) = tandem_testutil::torch_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let script = r#"
+import collections, sys, torch
+d = sys.argv[1]
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+wrapped = torch.nn.DataParallel(net)
+if sys.argv[2] == "write":
+    torch.save(net.state_dict(), f"{d}/plain.pt")
+    torch.save(wrapped.state_dict(), f"{d}/wrapped.pt")
+else:
+    # Adding a prefix moves every module under it (the wrapper's own root entry is not known).
+    meta = net.state_dict()._metadata
+    prefixed = {("module" if k == "" else "module." + k): v for k, v in meta.items()}
+    for name, keys, reference in [("plain2", net.state_dict().keys(), meta),
+                                  ("stripped", net.state_dict().keys(), meta),
+                                  ("added", wrapped.state_dict().keys(), prefixed)]:
+        sd = torch.load(f"{d}/{name}.pt", weights_only=True)
+        assert type(sd) is collections.OrderedDict, (name, type(sd))
+        assert dict(sd._metadata) == dict(reference), (name, sd._metadata, reference)
+        assert list(sd.keys()) == list(keys), name
+    net.load_state_dict(torch.load(f"{d}/stripped.pt", weights_only=True))
+    wrapped.load_state_dict(torch.load(f"{d}/added.pt", weights_only=True))
+    print("ok")
+"#;
+    let py = |stage: &str| {
+        let out = output_with_deadline(
+            Command::new(&python).args(["-c", script, s(dir.path()), stage]),
+            Duration::from_secs(120),
+        );
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        stdout(&out)
+    };
+    py("write");
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    for args in [
+        vec!["ckpt", "convert", &p("plain.pt"), &p("plain2.pt")],
+        vec!["ckpt", "convert", &p("wrapped.pt"), &p("stripped.pt"), "--strip-prefix", "module."],
+        vec!["ckpt", "convert", &p("plain.pt"), &p("added.pt"), "--add-prefix", "module."],
+    ] {
+        let o = tandem(&args);
+        assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    assert!(py("check").contains("ok"));
 }

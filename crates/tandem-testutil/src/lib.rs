@@ -81,8 +81,6 @@ extern "C" fn report_torch_skips() {
     unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
 }
 
-/// A loopback port that was free a moment ago. The OS hands out ephemeral ports round-robin, so
-/// reuse within a test run is unlikely; servers under test should still retry on AddrInUse.
 /// A private (0600) job-secret file shared by every launcher a test starts for one job (the
 /// copy every node of a real job holds), made once per test process.
 pub fn job_secret_file() -> &'static Path {
@@ -103,6 +101,8 @@ pub fn job_secret_file() -> &'static Path {
     })
 }
 
+/// A loopback port that was free a moment ago. The OS hands out ephemeral ports round-robin, so
+/// reuse within a test run is unlikely; servers under test should still retry on AddrInUse.
 pub fn free_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
     l.local_addr().unwrap().port()

@@ -173,6 +173,10 @@ fn numpy_elem(descr: &str, order: char) -> Result<ElemType, String> {
 pub(crate) struct Unpickled {
     nodes: Vec<Node>,
     root: Id,
+    /// Dicts made by `collections.OrderedDict`, with the `_metadata` their BUILD set, if any.
+    ordered: HashMap<Id, Option<Id>>,
+    /// Convert those to [`Value::OrderedDict`] (a faithful re-save) rather than plain dicts.
+    pub keep_ordered: bool,
     /// Bytes consumed (legacy files hold several pickles back to back).
     pub consumed: usize,
 }
@@ -239,6 +243,7 @@ struct Machine {
     stack: Vec<Id>,
     marks: Vec<usize>,
     memo: HashMap<u64, Id>,
+    ordered: HashMap<Id, Option<Id>>,
 }
 
 impl Machine {
@@ -412,7 +417,9 @@ impl Machine {
                         }
                     }
                 }
-                self.new_node(Node::Dict(pairs))
+                let id = self.new_node(Node::Dict(pairs));
+                self.ordered.insert(id, None);
+                id
             }
             Global::Size => {
                 let items = match args.first() {
@@ -663,8 +670,13 @@ fn long_from_bytes(b: &[u8]) -> Result<i64, PickleError> {
 /// Runs one pickle from the start of `data` to its STOP.
 pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
     let mut r = Reader { data, pos: 0 };
-    let mut m =
-        Machine { nodes: Vec::new(), stack: Vec::new(), marks: Vec::new(), memo: HashMap::new() };
+    let mut m = Machine {
+        nodes: Vec::new(),
+        stack: Vec::new(),
+        marks: Vec::new(),
+        memo: HashMap::new(),
+        ordered: HashMap::new(),
+    };
     loop {
         let code = r.u8()?;
         match code {
@@ -682,7 +694,13 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
                     .stack
                     .pop()
                     .ok_or_else(|| PickleError::Msg("pickle STOP with an empty stack".into()))?;
-                return Ok(Unpickled { nodes: m.nodes, root, consumed: r.pos });
+                return Ok(Unpickled {
+                    nodes: m.nodes,
+                    root,
+                    ordered: m.ordered,
+                    keep_ordered: false,
+                    consumed: r.pos,
+                });
             }
             op::MARK => m.marks.push(m.stack.len()),
             op::POP => {
@@ -930,6 +948,18 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
                 // OrderedDict state is `{'_metadata': ...}` (module versions); a Parameter's state
                 // holds Python attributes. Neither is part of the values.
                 match &m.nodes[target] {
+                    Node::Dict(_) if m.ordered.contains_key(&target) => {
+                        // `{'_metadata': ...}`: the module versions torch's load_state_dict
+                        // passes on; kept for a faithful re-save.
+                        let metadata = match &m.nodes[state] {
+                            Node::Dict(pairs) => pairs
+                                .iter()
+                                .find(|(k, _)| matches!(&m.nodes[*k], Node::Str(s) if s == "_metadata"))
+                                .map(|&(_, v)| v),
+                            _ => None,
+                        };
+                        m.ordered.insert(target, metadata);
+                    }
                     Node::Dict(_) | Node::Tensor(_) => {}
                     Node::NpDtype(..) | Node::NpArray(NpArray { dtype: None, .. }) => {
                         m.build_numpy(target, state)?
@@ -1040,7 +1070,16 @@ impl Converter<'_> {
                         }
                     }
                 }
-                Value::Dict(out)
+                match up.ordered.get(&id) {
+                    Some(&metadata) if up.keep_ordered => {
+                        let metadata = match metadata {
+                            Some(m) => Some(Box::new(self.convert(m, depth + 1)?)),
+                            None => None,
+                        };
+                        Value::OrderedDict { items: out, metadata }
+                    }
+                    _ => Value::Dict(out),
+                }
             }
             Node::Global(g, name) => match g {
                 Global::DTypeObj(_) => Value::Str(name.clone()),

@@ -179,6 +179,28 @@ impl Pickler {
                     self.out.push(op::SETITEMS);
                 }
             }
+            Value::OrderedDict { items, metadata } => {
+                // As Python pickles one: OrderedDict() by REDUCE, the items by SETITEMS, then
+                // BUILD with `{'_metadata': ...}` (set as an attribute).
+                self.global("collections", "OrderedDict");
+                self.out.push(op::EMPTY_TUPLE);
+                self.out.push(op::REDUCE);
+                if !items.is_empty() {
+                    self.out.push(op::MARK);
+                    for (k, v) in items {
+                        self.value(k, depth + 1)?;
+                        self.value(v, depth + 1)?;
+                    }
+                    self.out.push(op::SETITEMS);
+                }
+                if let Some(m) = metadata {
+                    self.out.push(op::EMPTY_DICT);
+                    self.str("_metadata");
+                    self.value(m, depth + 1)?;
+                    self.out.push(op::SETITEM);
+                    self.out.push(op::BUILD);
+                }
+            }
             Value::Tensor(t) => self.tensor(t)?,
         }
         Ok(())

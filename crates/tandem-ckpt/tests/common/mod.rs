@@ -21,7 +21,8 @@ pub fn describe(v: &Value) -> J {
         Value::Bytes(b) => json!({ "bytes": b }),
         Value::List(items) => json!({ "list": items.iter().map(describe).collect::<Vec<_>>() }),
         Value::Tuple(items) => json!({ "tuple": items.iter().map(describe).collect::<Vec<_>>() }),
-        Value::Dict(items) => {
+        // Read by default as plain dicts; the test helpers compare them as such.
+        Value::Dict(items) | Value::OrderedDict { items, .. } => {
             json!({ "dict": items.iter().map(|(k, v)| json!([describe(k), describe(v)])).collect::<Vec<_>>() })
         }
         Value::Tensor(t) => json!({

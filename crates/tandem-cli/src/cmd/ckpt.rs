@@ -78,10 +78,19 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 /// report a bit-flipped one as fine. A directory is a sharded optimizer checkpoint
 /// (ZeroRedundancyOptimizer's rank files + manifest), read as its consolidated state dict.
 fn read(path: &Path) -> anyhow::Result<Value> {
+    read_keeping(path, false)
+}
+
+/// `read`, keeping OrderedDicts and their `_metadata` (for `convert`: a faithful re-save).
+fn read_keeping(path: &Path, keep_ordered_dicts: bool) -> anyhow::Result<Value> {
     if path.is_dir() {
         return Ok(tandem_optim::zero::consolidate_sharded(path)?);
     }
-    let opts = tandem_ckpt::LoadOptions { verify_checksums: true, ..Default::default() };
+    let opts = tandem_ckpt::LoadOptions {
+        verify_checksums: true,
+        keep_ordered_dicts,
+        ..Default::default()
+    };
     Ok(tandem_ckpt::load_with(path, &opts)?)
 }
 
@@ -103,7 +112,7 @@ fn format_name(path: &Path) -> anyhow::Result<&'static str> {
 fn leaves<'a>(v: &'a Value, path: String, out: &mut Vec<(String, &'a Value)>) {
     let join = |k: &str| if path.is_empty() { k.to_string() } else { format!("{path}/{k}") };
     match v {
-        Value::Dict(items) if !items.is_empty() => {
+        Value::Dict(items) | Value::OrderedDict { items, .. } if !items.is_empty() => {
             for (k, x) in items {
                 let k = match k {
                     Value::Str(s) => s.clone(),
@@ -134,6 +143,7 @@ fn short_repr(v: &Value) -> String {
         Value::Dict(v) if v.is_empty() => "{}".into(),
         Value::List(v) | Value::Tuple(v) => format!("<{} items>", v.len()),
         Value::Dict(v) => format!("<dict of {}>", v.len()),
+        Value::OrderedDict { items, .. } => format!("<OrderedDict of {}>", items.len()),
         Value::Tensor(t) => format!("tensor {} {:?}", t.dtype, t.shape),
     };
     if s.chars().count() > 80 {
@@ -361,19 +371,46 @@ fn select<'a>(v: &'a Value, key: &str) -> anyhow::Result<&'a Value> {
     Ok(cur)
 }
 
-fn rename_keys(v: &Value, f: &dyn Fn(&str) -> anyhow::Result<String>) -> anyhow::Result<Value> {
+/// `v`'s keys renamed by `f`; an OrderedDict stays one, and the module paths of its
+/// `_metadata` are renamed by `module` (as torch's `consume_prefix_in_state_dict_if_present`
+/// does), so that `load_state_dict` still finds each module's version.
+fn rename_keys(
+    v: &Value,
+    f: &dyn Fn(&str) -> anyhow::Result<String>,
+    module: &dyn Fn(&str) -> String,
+) -> anyhow::Result<Value> {
     let Some(items) = v.as_dict() else {
         bail!("key renaming needs a dict, found a {}", v.type_name())
     };
-    let mut out = Vec::with_capacity(items.len());
-    for (k, x) in items {
-        let k = match k {
-            Value::Str(s) => Value::Str(f(s)?),
-            other => other.clone(),
-        };
-        out.push((k, x.clone()));
-    }
-    Ok(Value::Dict(out))
+    let rename = |items: &[(Value, Value)], f: &dyn Fn(&str) -> anyhow::Result<String>| {
+        items
+            .iter()
+            .map(|(k, x)| {
+                let k = match k {
+                    Value::Str(s) => Value::Str(f(s)?),
+                    other => other.clone(),
+                };
+                Ok((k, x.clone()))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()
+    };
+    let out = rename(items, f)?;
+    Ok(match v {
+        Value::OrderedDict { metadata, .. } => {
+            let metadata = match metadata.as_deref() {
+                Some(m) => match m.as_dict() {
+                    Some(entries) => Some(Box::new(Value::OrderedDict {
+                        items: rename(entries, &|k| Ok(module(k)))?,
+                        metadata: None,
+                    })),
+                    None => Some(Box::new(m.clone())),
+                },
+                None => None,
+            };
+            Value::OrderedDict { items: out, metadata }
+        }
+        _ => Value::Dict(out),
+    })
 }
 
 fn convert(
@@ -389,7 +426,7 @@ fn convert(
         }
         return convert_face(input, output);
     }
-    let v = read(input)?;
+    let v = read_keeping(input, true)?;
     let to_safetensors = output.extension().is_some_and(|e| e == "safetensors");
     let mut selected = match key {
         Some(k) => select(&v, k)?.clone(),
@@ -418,25 +455,39 @@ fn convert(
     if let Some(p) = strip {
         let mut stripped = 0;
         let counter = std::cell::Cell::new(0usize);
-        selected = rename_keys(&selected, &|k| {
-            Ok(match k.strip_prefix(p) {
-                Some(rest) => {
-                    counter.set(counter.get() + 1);
-                    rest.to_string()
-                }
-                None => k.to_string(),
-            })
-        })?;
+        // A module path `module` (the wrapper itself, for prefix `module.`) becomes the root.
+        let bare = p.trim_end_matches('.');
+        let module = |k: &str| match k.strip_prefix(p) {
+            Some(rest) => rest.to_string(),
+            None if k == bare => String::new(),
+            None => k.to_string(),
+        };
+        selected = rename_keys(
+            &selected,
+            &|k| {
+                Ok(match k.strip_prefix(p) {
+                    Some(rest) => {
+                        counter.set(counter.get() + 1);
+                        rest.to_string()
+                    }
+                    None => k.to_string(),
+                })
+            },
+            &module,
+        )?;
         stripped += counter.get();
         if stripped == 0 {
             eprintln!("warning: no key starts with `{p}`; nothing stripped");
         }
     }
     if let Some(p) = add {
-        selected = rename_keys(&selected, &|k| Ok(format!("{p}{k}")))?;
+        let bare = p.trim_end_matches('.');
+        let module = |k: &str| if k.is_empty() { bare.to_string() } else { format!("{p}{k}") };
+        selected = rename_keys(&selected, &|k| Ok(format!("{p}{k}")), &module)?;
     }
     if to_safetensors {
-        tandem_ckpt::safetensors::save(output, &selected)?;
+        // safetensors holds tensors only: no OrderedDict, no module versions.
+        tandem_ckpt::safetensors::save(output, &selected.into_plain())?;
     } else {
         tandem_ckpt::save(output, &selected)?;
     }
