@@ -129,6 +129,19 @@ impl Pickler {
         Ok(())
     }
 
+    /// The items of the dict on top of the stack (SETITEMS), if any.
+    fn set_items(&mut self, items: &[(Value, Value)], depth: usize) -> Result<(), String> {
+        if !items.is_empty() {
+            self.out.push(op::MARK);
+            for (k, v) in items {
+                self.value(k, depth + 1)?;
+                self.value(v, depth + 1)?;
+            }
+            self.out.push(op::SETITEMS);
+        }
+        Ok(())
+    }
+
     pub(crate) fn value(&mut self, v: &Value, depth: usize) -> Result<(), String> {
         if depth > MAX_DEPTH {
             return Err(format!("values nested deeper than {MAX_DEPTH} levels"));
@@ -170,14 +183,7 @@ impl Pickler {
             }
             Value::Dict(pairs) => {
                 self.out.push(op::EMPTY_DICT);
-                if !pairs.is_empty() {
-                    self.out.push(op::MARK);
-                    for (k, v) in pairs {
-                        self.value(k, depth + 1)?;
-                        self.value(v, depth + 1)?;
-                    }
-                    self.out.push(op::SETITEMS);
-                }
+                self.set_items(pairs, depth)?;
             }
             Value::OrderedDict { items, metadata } => {
                 // As Python pickles one: OrderedDict() by REDUCE, the items by SETITEMS, then
@@ -185,14 +191,7 @@ impl Pickler {
                 self.global("collections", "OrderedDict");
                 self.out.push(op::EMPTY_TUPLE);
                 self.out.push(op::REDUCE);
-                if !items.is_empty() {
-                    self.out.push(op::MARK);
-                    for (k, v) in items {
-                        self.value(k, depth + 1)?;
-                        self.value(v, depth + 1)?;
-                    }
-                    self.out.push(op::SETITEMS);
-                }
+                self.set_items(items, depth)?;
                 if let Some(m) = metadata {
                     self.out.push(op::EMPTY_DICT);
                     self.str("_metadata");

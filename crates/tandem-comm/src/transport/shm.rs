@@ -500,3 +500,43 @@ mod liveness_tests {
         assert!(!is_dead_process(std::process::id() as libc::pid_t), "this process is alive");
     }
 }
+
+#[cfg(test)]
+mod attach_tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn secret(b: u8) -> JobSecret {
+        JobSecret::from_bytes(&[b; 32]).unwrap()
+    }
+
+    /// A segment is created 0600 whatever the umask, carries the job's tag, and a rank attaches
+    /// only to a private segment under /dev/shm/tandem-* whose tag proves the job's secret.
+    #[test]
+    fn only_private_tagged_segments_of_this_job_are_attached() {
+        if !std::path::Path::new("/dev/shm").is_dir() {
+            eprintln!("skipped: no /dev/shm here");
+            return;
+        }
+        let path = format!("{SEGMENT_PREFIX}attach-test-{}", std::process::id());
+        let p = std::path::Path::new(&path);
+        let _ = std::fs::remove_file(p);
+        let ours = secret(1);
+        drop(create(p, 2, 42, Some(&ours)).unwrap());
+        let mode = std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert!(open(&path, 2, 42, Some(&ours)).is_ok());
+        let e = open(&path, 2, 42, Some(&secret(2))).err().unwrap();
+        assert!(e.contains("holder of this job's secret"), "{e}");
+        let e = open(&path, 2, 42, None).err().unwrap();
+        assert!(e.contains("holder of this job's secret"), "{e}");
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = open(&path, 2, 42, Some(&ours)).err().unwrap();
+        assert!(e.contains("not a private segment"), "{e}");
+        std::fs::remove_file(p).unwrap();
+        for elsewhere in ["/etc/passwd", "/dev/shm/other", "/dev/shm/tandem-../../etc/passwd"] {
+            let e = open(elsewhere, 2, 42, Some(&ours)).err().unwrap();
+            assert!(e.contains("not a segment under"), "{elsewhere}: {e}");
+        }
+    }
+}
