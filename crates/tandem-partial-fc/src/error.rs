@@ -20,6 +20,10 @@ pub enum PartialFcError {
     #[error("PartialFc: rank {rank}: {op}: {reason}")]
     Comm { rank: usize, op: &'static str, reason: String },
 
+    /// A shard state dict that does not fit this head, or rows no shard holds.
+    #[error("PartialFc state: {0}")]
+    State(String),
+
     /// A tensor operation failed.
     #[error("PartialFc: {0}")]
     Candle(#[from] candle_core::Error),

@@ -45,7 +45,7 @@ mod split;
 pub use cross_entropy::dist_cross_entropy;
 pub use error::PartialFcError;
 pub use margin::CombinedMarginLoss;
-pub use partial_fc::{PartialFc, PartialFcConfig};
+pub use partial_fc::{PartialFc, PartialFcConfig, SHARD_FORMAT};
 pub use sample::{SampleRequest, Sampler};
 pub use split::ClassSplit;
 pub use tandem_dist_nn::GatherGrad;

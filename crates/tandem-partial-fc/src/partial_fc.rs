@@ -14,6 +14,9 @@ use crate::margin::CombinedMarginLoss;
 use crate::sample::{self, SampleRequest, Sampler, UniformNegatives};
 use crate::split::ClassSplit;
 
+mod state;
+pub use state::SHARD_FORMAT;
+
 /// How a [`PartialFc`] is built.
 #[derive(Clone, Debug)]
 pub struct PartialFcConfig {

@@ -264,3 +264,49 @@ fn real_process_groups_give_the_same_loss_as_threads() {
         }
     }
 }
+
+/// A shard's state dict says which rows it holds: saved on 2 ranks, it loads on 3 and on 1
+/// with each rank taking exactly the rows it owns now (bit for bit) and the step count; a
+/// shard missing, or one of another head, is an error naming what is wrong.
+#[test]
+fn shards_saved_on_two_ranks_load_on_three_and_on_one() {
+    let (c, e) = (7, 3);
+    let full = randn(9, (c, e));
+    let cfg = PartialFcConfig::new(c, e, CombinedMarginLoss::arcface(16.0, 0.5));
+    let (cfg2, full2) = (cfg.clone(), full.clone());
+    let shards = on_ranks(2, move |comm| {
+        let mut head = PartialFc::from_full_weight(cfg2.clone(), comm, &full2).unwrap();
+        head.set_steps_taken(5);
+        head.state_dict().unwrap()
+    });
+    assert_eq!(shards[1].get("class_start").and_then(|v| v.as_int()), Some(4));
+    for world in [3, 1] {
+        let (cfg, full, shards) = (cfg.clone(), full.clone(), shards.clone());
+        let loaded = on_ranks(world, move |comm| {
+            let mut head = PartialFc::new(cfg.clone(), comm, &Device::Cpu).unwrap();
+            head.load_state_dict(&shards.iter().collect::<Vec<_>>()).unwrap();
+            let split = head.split();
+            let want = full.narrow(0, split.start, split.len).unwrap();
+            (max_gap(head.weight().as_tensor(), &want), head.steps_taken())
+        });
+        for (rank, (gap, steps)) in loaded.into_iter().enumerate() {
+            assert_eq!((gap, steps), (0.0, 5), "world {world} rank {rank}");
+        }
+    }
+    // Only the first shard: a one-rank head misses classes 4..7.
+    let first = shards[0].clone();
+    let e1 = on_ranks(1, move |comm| {
+        let cfg = PartialFcConfig::new(7, 3, CombinedMarginLoss::arcface(16.0, 0.5));
+        let mut head = PartialFc::new(cfg, comm, &Device::Cpu).unwrap();
+        head.load_state_dict(&[&first]).unwrap_err().to_string()
+    });
+    assert!(e1[0].contains("classes 4..7 are in none of the 1 shard(s)"), "{}", e1[0]);
+    // Another head's shard.
+    let other = shards[0].clone();
+    let e2 = on_ranks(1, move |comm| {
+        let cfg = PartialFcConfig::new(7, 4, CombinedMarginLoss::arcface(16.0, 0.5));
+        let mut head = PartialFc::new(cfg, comm, &Device::Cpu).unwrap();
+        head.load_state_dict(&[&other]).unwrap_err().to_string()
+    });
+    assert!(e2[0].contains("shard 0 is of a [7, 3] head; this one is [7, 4]"), "{}", e2[0]);
+}
