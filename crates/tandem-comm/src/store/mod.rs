@@ -237,8 +237,9 @@ fn serve_client(mut conn: TcpStream, table: &Table, job: &Job) {
         return;
     }
     // A member of the job: its connection may stay idle between operations for as long as the
-    // job runs.
+    // job runs, and a large reply to it may take longer than a handshake.
     let _ = conn.set_read_timeout(None);
+    let _ = conn.set_write_timeout(None);
     let Ok(wconn) = conn.try_clone() else { return };
     let mut r = BufReader::new(conn);
     let mut w = BufWriter::new(wconn);
