@@ -700,9 +700,9 @@ fn a_host_without_the_secret_cannot_join_or_disturb_a_running_job() {
                 tandem(),
                 "train",
                 "--epochs",
-                "8",
+                "40",
                 "--hidden",
-                "32",
+                "256",
                 "--out",
                 s(&out_dir),
             ];
@@ -756,10 +756,15 @@ fn a_host_without_the_secret_cannot_join_or_disturb_a_running_job() {
     script += "wait";
     let flood = hosts.command(2, "bash", &["-c", &script]).output().expect("running the flood");
     assert!(flood.status.success() || flood.status.code().is_some());
+    let attacks_over = Instant::now();
 
     let finished: Vec<Finished> = job.into_iter().map(|r| r.wait(LIMIT)).collect();
     assert_all_succeeded(&finished);
-    assert!(finished[0].stdout.contains("final: epochs=8"), "{}", finished[0].stdout);
+    assert!(finished[0].stdout.contains("final: epochs=40"), "{}", finished[0].stdout);
+    assert!(
+        finished.iter().all(|f| f.at > attacks_over),
+        "the job ended before the attacks did: make it longer"
+    );
     let intruder = hosts.addr(2);
     let log = format!("{}{}", finished[0].stderr, finished[1].stderr);
     let refused = format!("store: refused a connection from {intruder}:");
