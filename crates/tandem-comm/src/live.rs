@@ -474,12 +474,10 @@ fn committed(store: &Store) -> Result<u64, CommError> {
 }
 
 /// `key`'s value, or `None` when it is not set (without waiting for it).
+/// `key`'s value if it is set now. Never waits: an owned key can vanish at any moment (its
+/// member died), and a wait for it would last the store timeout.
 fn try_get(store: &Store, key: &str) -> Result<Option<Vec<u8>>, CommError> {
-    if store.missing(&[key])?.is_empty() {
-        Ok(Some(store.get(key)?))
-    } else {
-        Ok(None)
-    }
+    store.get_now(key)
 }
 
 /// Waits until generation `target` is committed, committing it when this member is the
@@ -523,19 +521,20 @@ fn agree(
         let missing_alive = store.missing(&as_strs(&alive_keys))?;
         let missing_ready = store.missing(&as_strs(&ready_keys))?;
         let is = |missing: &[String], key: &str| !missing.iter().any(|k| k == key);
-        let alive: Vec<usize> =
-            (0..opts.slots).filter(|&m| is(&missing_alive, &alive_keys[m])).collect();
+        // Each alive member's role, read without waiting: a member that died since `missing`
+        // (its owned key gone) is simply no longer alive.
+        let mut alive = Vec::new();
+        let mut holders = Vec::new();
+        for m in (0..opts.slots).filter(|&m| is(&missing_alive, &alive_keys[m])) {
+            let Some(role) = try_get(store, &alive_keys[m])? else { continue };
+            alive.push(m);
+            // Members of the previous generation still alive and holding the state.
+            if previous.contains(&m) && role.starts_with(HOLDER.as_bytes()) {
+                holders.push(m);
+            }
+        }
         let ready: Vec<usize> =
             alive.iter().copied().filter(|&m| is(&missing_ready, &ready_keys[m])).collect();
-        // Members of the previous generation still alive and holding the state.
-        let roles =
-            store.multi_get(&alive.iter().map(|&m| alive_keys[m].as_str()).collect::<Vec<_>>())?;
-        let holders: Vec<usize> = alive
-            .iter()
-            .zip(&roles)
-            .filter(|(m, role)| previous.contains(m) && role.starts_with(HOLDER.as_bytes()))
-            .map(|(&m, _)| m)
-            .collect();
         let waited = started.elapsed();
         let proposer = ready.iter().copied().find(|m| holders.contains(m));
         if holders.is_empty() {

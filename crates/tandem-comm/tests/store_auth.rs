@@ -149,3 +149,15 @@ fn a_full_store_refuses_more_bytes_and_keeps_serving() {
     assert!(store.delete("big/0").unwrap());
     store.set("big/again", &big).unwrap();
 }
+
+#[test]
+fn get_now_answers_at_once_whether_or_not_the_key_is_set() {
+    let server = StoreServer::bind("127.0.0.1:0", "job", None).unwrap();
+    let store = connect(&server.local_addr().to_string(), None).unwrap();
+    store.set_timeout(Duration::from_secs(30));
+    let started = Instant::now();
+    assert_eq!(store.get_now("missing").unwrap(), None);
+    store.set("k", b"v").unwrap();
+    assert_eq!(store.get_now("k").unwrap().as_deref(), Some(&b"v"[..]));
+    assert!(started.elapsed() < Duration::from_secs(2), "waited {:?}", started.elapsed());
+}

@@ -885,6 +885,27 @@ impl Store {
         Dec(&resp).bytes().map(|v| v.to_vec()).ok_or_else(|| self.malformed("get"))
     }
 
+    /// The value of `key` if it is set now, without waiting (`None` when it is not). On
+    /// PyTorch's store, which has no such request, a check then a get (a key deleted between
+    /// the two waits for the store timeout).
+    pub fn get_now(&self, key: &str) -> Result<Option<Vec<u8>>, CommError> {
+        if self.wire == StoreWire::Torch {
+            if !self.missing(&[key])?.is_empty() {
+                return Ok(None);
+            }
+            return self.get(key).map(Some);
+        }
+        let full = self.key(key);
+        let req = Enc::default().u8(OP_GET).str(&full).u64(0).0;
+        match self.request("get", &full, &req, Duration::ZERO) {
+            Ok(resp) => {
+                Dec(&resp).bytes().map(|v| Some(v.to_vec())).ok_or_else(|| self.malformed("get"))
+            }
+            Err(CommError::StoreTimeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The values of `keys` in order, waiting for all of them (up to the store timeout): one
     /// round trip on PyTorch's store (`multi_get`), one per key on tandem's.
     pub fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, CommError> {
