@@ -809,10 +809,10 @@ fn alloc_announced(v: &mut Vec<u8>, len: u64, peer: usize, limit: u64) -> Result
     if len > limit {
         return Err(fail(format!("more than the {limit} this operation can need")));
     }
-    if let Some(available) = crate::procfs::mem_available() {
-        if len > available {
-            return Err(fail(format!("more than the {available} bytes of memory available")));
-        }
+    // Small lengths cannot exhaust a host: /proc/meminfo is read only for large ones.
+    let available = (len > 1 << 26).then(crate::procfs::mem_available).flatten();
+    if let Some(available) = available.filter(|&a| len > a) {
+        return Err(fail(format!("more than the {available} bytes of memory available")));
     }
     let len = usize::try_from(len).map_err(|_| fail("more than this host can address".into()))?;
     v.try_reserve_exact(len).map_err(|_| fail("which cannot be allocated".into()))

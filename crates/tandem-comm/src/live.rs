@@ -462,22 +462,17 @@ impl LiveGroup {
 
 /// Whether this process's alive key says it holds the training state.
 fn committed_holder(store: &Store, opts: &LiveOptions) -> Result<bool, CommError> {
-    Ok(try_get(store, &format!("alive/{}", opts.member))?
+    Ok(store
+        .get_now(&format!("alive/{}", opts.member))?
         .is_some_and(|v| v.starts_with(HOLDER.as_bytes())))
 }
 
 /// The newest committed generation (0 before the first).
 fn committed(store: &Store) -> Result<u64, CommError> {
-    Ok(try_get(store, "committed")?
+    Ok(store
+        .get_now("committed")?
         .and_then(|v| String::from_utf8_lossy(&v).trim().parse().ok())
         .unwrap_or(0))
-}
-
-/// `key`'s value, or `None` when it is not set (without waiting for it).
-/// `key`'s value if it is set now. Never waits: an owned key can vanish at any moment (its
-/// member died), and a wait for it would last the store timeout.
-fn try_get(store: &Store, key: &str) -> Result<Option<Vec<u8>>, CommError> {
-    store.get_now(key)
 }
 
 /// Waits until generation `target` is committed, committing it when this member is the
@@ -496,7 +491,7 @@ fn agree(
     let members_key = format!("g{target}/members");
     let previous: Vec<usize> = match target - 1 {
         0 => (0..opts.slots).collect(),
-        t => match try_get(store, &format!("g{t}/members"))? {
+        t => match store.get_now(&format!("g{t}/members"))? {
             Some(v) => match Record::decode(&String::from_utf8_lossy(&v)) {
                 Ok(Ok(r)) => r.members,
                 _ => (0..opts.slots).collect(),
@@ -513,20 +508,19 @@ fn agree(
     let give_up = patience + opts.arrival_timeout + opts.init.init_timeout;
     let started = Instant::now();
     loop {
-        if let Some(v) = try_get(store, &members_key)? {
+        if let Some(v) = store.get_now(&members_key)? {
             let text = String::from_utf8_lossy(&v).to_string();
             return Record::decode(&text)
                 .map_err(|why| live_error(format!("generation {target}: {why}")));
         }
-        let missing_alive = store.missing(&as_strs(&alive_keys))?;
         let missing_ready = store.missing(&as_strs(&ready_keys))?;
         let is = |missing: &[String], key: &str| !missing.iter().any(|k| k == key);
-        // Each alive member's role, read without waiting: a member that died since `missing`
-        // (its owned key gone) is simply no longer alive.
+        // Each member's role, read without waiting: its alive key is owned by its connection
+        // and vanishes the moment it dies, so a waiting read could last the store timeout.
         let mut alive = Vec::new();
         let mut holders = Vec::new();
-        for m in (0..opts.slots).filter(|&m| is(&missing_alive, &alive_keys[m])) {
-            let Some(role) = try_get(store, &alive_keys[m])? else { continue };
+        for (m, key) in alive_keys.iter().enumerate() {
+            let Some(role) = store.get_now(key)? else { continue };
             alive.push(m);
             // Members of the previous generation still alive and holding the state.
             if previous.contains(&m) && role.starts_with(HOLDER.as_bytes()) {
