@@ -236,6 +236,13 @@ impl ProcessGroup {
         self.inner.nccl.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// The group's first failure, once a collective failed (the group is then broken: every
+    /// later call fails). Callers whose errors lost their type on the way (a layer that keeps
+    /// only text) ask here whether a collective broke.
+    pub fn failure(&self) -> Option<String> {
+        self.inner.order.broken()
+    }
+
     /// Collectives fail when a peer makes no progress for `t` (default 10 s, TANDEM_TIMEOUT).
     pub fn set_timeout(&self, t: Duration) {
         self.inner.timeout_ms.store(t.as_millis().max(1) as u64, Ordering::Relaxed);

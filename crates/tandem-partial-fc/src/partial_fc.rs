@@ -147,6 +147,41 @@ impl PartialFc {
         PartialFc { cfg, split, weight, comm, sampler, last_index: None, step: 0 }
     }
 
+    /// After the head's collectives re-formed over another world (a live regroup): takes this
+    /// rank's new class range from the world's size and this rank's place in it, and `rows`
+    /// (`[len, embedding_size]`, the centres of that range) as its weight. Returns the new weight
+    /// `Var` (a new identity when the range's length changed: give it to the optimizer in place
+    /// of the old one).
+    pub fn regroup(&mut self, rows: &Tensor) -> Result<Var, PartialFcError> {
+        let split = ClassSplit::new(self.cfg.num_classes, self.comm.size(), self.comm.rank());
+        let want = [split.len, self.cfg.embedding_size];
+        if rows.dims() != want {
+            return Err(PartialFcError::State(format!(
+                "rank {}: regrouped rows of shape {:?}, expected {want:?} (classes {}..{})",
+                self.comm.rank(),
+                rows.dims(),
+                split.start,
+                split.start + split.len
+            )));
+        }
+        let rows = rows.to_device(self.weight.device())?.to_dtype(self.weight.dtype())?;
+        if rows.dims() == self.weight.dims() {
+            self.weight.set(&rows.contiguous()?.copy()?)?;
+        } else {
+            self.weight = Var::from_tensor(&rows.contiguous()?.copy()?)?;
+        }
+        self.split = split;
+        self.last_index = None;
+        Ok(self.weight.clone())
+    }
+
+    /// The initial centres (N(0, 0.01) from the seed) of global classes `classes`, row-major:
+    /// what [`PartialFc::new`] starts those rows with on any world size.
+    pub fn initial_centres(&self, classes: std::ops::Range<usize>) -> Vec<f32> {
+        let e = self.cfg.embedding_size;
+        classes.flat_map(|c| initial_row(self.cfg.seed, c, e)).collect()
+    }
+
     /// Replaces the negative sampler (for example to replay a recorded choice).
     pub fn with_sampler(mut self, sampler: impl Sampler + 'static) -> Self {
         self.sampler = Box::new(sampler);

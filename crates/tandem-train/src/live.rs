@@ -42,6 +42,16 @@ pub enum LiveError {
     NotLive { var: &'static str },
     #[error("live recovery: {0}")]
     Other(String),
+    /// The recipe's own re-split failed (its error kept whole: a peer's death in it is a
+    /// peer failure, and the world regroups again).
+    #[error("live recovery: {0}")]
+    Recipe(#[source] Box<crate::error::TrainError>),
+}
+
+impl LiveError {
+    pub(crate) fn from_train(e: crate::error::TrainError) -> Self {
+        LiveError::Recipe(Box::new(e))
+    }
 }
 
 /// What a regroup changed.
@@ -150,6 +160,7 @@ impl LiveTraining {
         let gen = self.live.join_running()?;
         let change = match self.adopt(&gen, &[], state) {
             Err(LiveError::Comm(e)) if is_peer_failure(&e) => self.regroup(state)?,
+            Err(e @ LiveError::Recipe(_)) if is_peer_failure(&e) => self.regroup(state)?,
             other => other?,
         };
         // From now on this process holds the state like the others.
@@ -181,7 +192,8 @@ impl LiveTraining {
         for _ in 0..MAX_REGROUPS {
             let gen = self.live.regroup(state.progress())?;
             match self.adopt(&gen, &before, state) {
-                Err(LiveError::Comm(e)) if is_peer_failure(&e) => last = Some(e),
+                Err(LiveError::Comm(e)) if is_peer_failure(&e) => last = Some(e.to_string()),
+                Err(e @ LiveError::Recipe(_)) if is_peer_failure(&e) => last = Some(e.to_string()),
                 Ok(change) => {
                     self.live.holds_state()?;
                     return Ok(change);
@@ -191,7 +203,7 @@ impl LiveTraining {
         }
         Err(LiveError::Other(format!(
             "members kept failing while the state moved ({MAX_REGROUPS} regroups); last: {}",
-            last.map_or_else(String::new, |e| e.to_string())
+            last.unwrap_or_default()
         )))
     }
 
@@ -216,6 +228,7 @@ impl LiveTraining {
         } else {
             state.load(bytes, group.rank(), group.size())?;
         }
+        state.reshard(group)?;
         Ok(WorldChange {
             generation: gen.number,
             members: gen.members.clone(),
@@ -238,6 +251,11 @@ pub trait LiveState {
     fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<(), LiveError>;
     /// The source: becomes `rank` of `size` with its own state (the data resharded).
     fn enter_world(&mut self, rank: usize, size: usize) -> Result<(), LiveError>;
+    /// Every rank, after `load` or `enter_world`: re-splits over the new world `group` what
+    /// each rank holds alone (a model-parallel head), a collective. Nothing by default.
+    fn reshard(&mut self, _group: &ProcessGroup) -> Result<(), LiveError> {
+        Ok(())
+    }
 }
 
 /// The library's training state moves whole: model, optimizer, scheduler, GradScaler, loader

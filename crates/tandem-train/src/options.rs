@@ -227,6 +227,9 @@ pub struct FaceOptions {
     pub val: Vec<PathBuf>,
     /// Verify every N steps (0: only at the end).
     pub verify_every: u64,
+    /// Under live recovery: each rank's head rows are mirrored to the next rank every N steps
+    /// (a rank's death loses at most N - 1 steps of its rows' training).
+    pub head_mirror_every: u64,
 }
 
 /// Everything a run of a built-in recipe needs.

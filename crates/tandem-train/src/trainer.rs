@@ -170,6 +170,19 @@ pub trait Recipe {
         Ok(())
     }
 
+    /// Called after every completed step (`global_step` is its number), on every rank: a
+    /// recipe with per-rank state keeps its live-recovery copies here (a collective).
+    fn after_step(&mut self, _group: &ProcessGroup, _global_step: u64) -> Result<()> {
+        Ok(())
+    }
+
+    /// Live recovery, after the replicated state moved: every rank of the new world `group`
+    /// re-splits the state each rank holds alone (a collective); `global_step` is the world's.
+    /// Returns a line for the regroup's report, if any.
+    fn regroup(&mut self, _group: &ProcessGroup, _global_step: u64) -> Result<Option<String>> {
+        Ok(None)
+    }
+
     /// Live recovery: the whole training state, sent to a re-formed world by its source.
     fn live_state(&mut self, _ctx: SaveContext<'_>) -> Result<Value> {
         Err(TrainError::invalid("this recipe cannot move its state between ranks"))
@@ -247,6 +260,8 @@ pub struct Trainer<R: Recipe> {
     /// Where the step in progress took its batch from (put back if the step fails).
     in_flight: Option<SamplerState>,
     live: Option<LiveTraining>,
+    /// The recipe's report of the last regroup's re-split, said by the new rank 0.
+    regroup_note: Option<String>,
     epochs_seen: Vec<EpochMetrics>,
     metrics: Option<MetricsFile>,
     tb: Option<EventWriter>,
@@ -278,6 +293,7 @@ impl<R: Recipe> Trainer<R> {
             epoch_to_close: None,
             in_flight: None,
             live: None,
+            regroup_note: None,
             epochs_seen: Vec::new(),
             metrics: None,
             tb: None,
@@ -455,6 +471,7 @@ impl<R: Recipe> Trainer<R> {
             *in_flight = None;
             self.times.add(data, &report);
             self.global_step = n;
+            recipe.after_step(group, n)?;
             self.samples_seen += batch.len() as u64 * world;
             loss_sum += report.loss * report.samples as f64;
             samples += report.samples;
@@ -582,7 +599,10 @@ impl<R: Recipe> Trainer<R> {
                 Err(e) => e,
             };
             let boundary = matches!(error, TrainError::RegroupWanted);
-            if !boundary && !error.is_peer_failure() {
+            // A collective that failed inside a layer may reach here as text only (candle's
+            // errors keep no source); the group knows it broke.
+            let peer_failed = error.is_peer_failure() || self.group.failure().is_some();
+            if !boundary && !peer_failed {
                 return Err(error);
             }
             let step_failed = self.in_flight.is_some();
@@ -609,6 +629,9 @@ impl<R: Recipe> Trainer<R> {
                 // The world redoes the failed step unless its source had finished it.
                 let redone = u64::from(step_failed && change.step <= before);
                 eprintln!("live: regrouped ({cause}): {change}; {redone} step(s) redone");
+            }
+            if let Some(line) = self.regroup_note.take().filter(|_| self.rank() == 0) {
+                eprintln!("live: {line}");
             }
         }
     }
@@ -756,6 +779,15 @@ impl<R: Recipe> LiveState for Trainer<R> {
             .load_live_state(&value, ctx)
             .map_err(|e| LiveError::Other(e.chain_text()))?;
         Ok(())
+    }
+    fn reshard(&mut self, group: &ProcessGroup) -> std::result::Result<(), LiveError> {
+        match self.recipe.regroup(group, self.global_step) {
+            Ok(note) => {
+                self.regroup_note = note;
+                Ok(())
+            }
+            Err(e) => Err(LiveError::from_train(e)),
+        }
     }
     fn enter_world(&mut self, rank: usize, size: usize) -> std::result::Result<(), LiveError> {
         let fail = |e: TrainError| LiveError::Other(e.chain_text());

@@ -244,6 +244,12 @@ pub struct TrainConfig {
     #[arg(long, default_value_t = 2000)]
     #[serde(default = "default_verbose")]
     pub verbose: u64,
+    /// Face models under --live-recovery: mirror each rank's class centres (and their
+    /// optimizer state) to the next rank every N steps; a rank's death loses at most N - 1
+    /// steps of its centres' training, each mirror costs one head shard sent per rank.
+    #[arg(long = "head-mirror-every", default_value_t = 10, value_name = "N")]
+    #[serde(default = "default_head_mirror_every")]
+    pub head_mirror_every: u64,
     /// Settings from a TOML file whose keys are these flags' names (`batch-size = 128`); a flag
     /// given on the command line wins.
     #[arg(long, value_name = "FILE.toml")]
@@ -265,6 +271,9 @@ fn default_margin_scale() -> f64 {
 }
 fn default_sample_rate() -> f64 {
     1.0
+}
+fn default_head_mirror_every() -> u64 {
+    10
 }
 fn default_verbose() -> u64 {
     2000
@@ -368,6 +377,7 @@ impl TrainConfig {
                 num_classes: self.num_classes,
                 val: self.val.clone(),
                 verify_every: self.verbose,
+                head_mirror_every: self.head_mirror_every,
             },
         })
     }
@@ -478,6 +488,9 @@ impl TrainConfig {
         }
         if self.embedding_size == 0 {
             bail!("--embedding-size must be at least 1");
+        }
+        if self.head_mirror_every == 0 {
+            bail!("--head-mirror-every must be at least 1");
         }
         if self.num_classes == Some(0) {
             bail!("--num-classes must be at least 1");

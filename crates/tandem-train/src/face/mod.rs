@@ -16,6 +16,7 @@
 //! ```
 pub mod arcface;
 pub mod checkpoint;
+pub mod live_head;
 
 use std::path::PathBuf;
 
@@ -138,24 +139,7 @@ pub fn save(
     ]);
     let epoch = position.epoch;
     let replicated = if rank == 0 {
-        let backbone = state.backbone.state_dict().map_err(|e| fail(&e))?;
-        let backbone = match state.order {
-            Some(order) => in_order(backbone, order),
-            None => backbone,
-        };
-        Some(Value::dict_from([
-            ("format", Value::Str(checkpoint::FORMAT.into())),
-            ("epoch", Value::Int(epoch as i64)),
-            ("global_step", Value::Int(step as i64)),
-            ("world_size", Value::Int(group.size() as i64)),
-            ("backbone", backbone),
-            ("optimizer", rest),
-            ("scheduler", schedule::state(state.step.lr_scheduler())),
-            ("scaler", state.step.grad_scaler().map_or(Value::None, GradScaler::state_dict)),
-            ("sampler", sampler_value(position)),
-            ("rng", Value::dict_from([("seed", Value::Int(state.seed as i64))])),
-            ("config", state.config.clone().map_or(Value::None, Value::Str)),
-        ]))
+        Some(replicated_value(state, rest, position, group.size()).map_err(|e| fail(&e))?)
     } else {
         None
     };
@@ -168,6 +152,35 @@ pub fn save(
         embedding_size: state.head.config().embedding_size,
     };
     Ok(ckpts.save(&format!("step-{step:08}"), &info, replicated, head, group)?)
+}
+
+/// The replicated part of the face state: backbone, the optimizer's state without the head's
+/// entry (`rest`), scheduler, GradScaler, sampler position, counters and config. What rank 0
+/// writes as `replicated.pt` and a live regroup's source sends.
+pub fn replicated_value(
+    state: &FaceState<'_>,
+    rest: Value,
+    position: &SamplerState,
+    world: usize,
+) -> tandem_nn::Result<Value> {
+    let backbone = state.backbone.state_dict()?;
+    let backbone = match state.order {
+        Some(order) => in_order(backbone, order),
+        None => backbone,
+    };
+    Ok(Value::dict_from([
+        ("format", Value::Str(checkpoint::FORMAT.into())),
+        ("epoch", Value::Int(position.epoch as i64)),
+        ("global_step", Value::Int(state.global_step as i64)),
+        ("world_size", Value::Int(world as i64)),
+        ("backbone", backbone),
+        ("optimizer", rest),
+        ("scheduler", schedule::state(state.step.lr_scheduler())),
+        ("scaler", state.step.grad_scaler().map_or(Value::None, GradScaler::state_dict)),
+        ("sampler", sampler_value(position)),
+        ("rng", Value::dict_from([("seed", Value::Int(state.seed as i64))])),
+        ("config", state.config.clone().map_or(Value::None, Value::Str)),
+    ]))
 }
 
 /// Restores the newest complete checkpoint under `ckpts` into `state` and `loader`, on this
@@ -193,6 +206,12 @@ pub fn resume(
             embedding: cfg.embedding_size,
         });
     }
+    let path = dir.join(&manifest.replicated);
+    let rep = tandem_ckpt::load(&path)
+        .map_err(|source| FaceCheckpointError::File { path: path.clone(), source })?;
+    let split = state.head.split();
+    let rows = checkpoint::read_head_rows(&dir, &manifest, split, rank)?;
+    let label = dir.display().to_string();
     let restore = |what: &'static str| {
         let dir = dir.clone();
         move |why: &dyn std::fmt::Display| FaceStateError::Restore {
@@ -201,53 +220,20 @@ pub fn resume(
             why: why.to_string(),
         }
     };
-    let path = dir.join(&manifest.replicated);
-    let rep = tandem_ckpt::load(&path)
-        .map_err(|source| FaceCheckpointError::File { path: path.clone(), source })?;
-    let get = |k: &'static str| rep.get(k).ok_or_else(|| restore(k)(&"no such entry"));
-    let split = state.head.split();
-    let rows = checkpoint::read_head_rows(&dir, &manifest, split, rank)?;
-
-    // Backbone: the replicated weights with this rank's own BatchNorm statistics.
-    let mut backbone = get("backbone")?.clone();
-    overlay(&mut backbone, &rows.buffers);
-    state.backbone.load_state_dict(&backbone).map_err(|e| restore("backbone")(&e))?;
     let device = state.head.weight().device().clone();
     let weight = tandem_nn::convert::from_ckpt(&rows.weight, &device)
         .map_err(|e| restore("head centres")(&e))?;
     state.head.weight().set(&weight).map_err(|e| restore("head centres")(&e))?;
     let head_index = state.backbone.params().len() as i64;
-    let full = checkpoint::merge_optimizer(get("optimizer")?, head_index, rows.state);
+    let rest = rep.get("optimizer").ok_or_else(|| restore("optimizer")(&"no such entry"))?;
+    let full = checkpoint::merge_optimizer(rest, head_index, rows.state);
     state.opt.load_state_dict(&full).map_err(|e| restore("optimizer state")(&e))?;
-    match get("sampler")? {
+    if rep.get("sampler") == Some(&Value::None) {
         // Converted from arcface_torch: the start of `epoch`, in this run's order.
-        Value::None => loader.set_epoch(manifest.epoch),
-        saved => {
-            let position = sampler_state_from_value(saved).map_err(|e| restore("sampler")(&e))?;
-            loader.set_position(&position).map_err(|e| restore("sampler")(&e))?;
-        }
+        loader.set_epoch(manifest.epoch);
     }
-    let step = get("global_step")?.as_int().unwrap_or(0) as u64;
-    state.global_step = step;
-    state.head.set_steps_taken(step);
-    let left = loader.steps_to_end(epochs);
-    schedule::load(
-        state.step.lr_scheduler_mut(),
-        get("scheduler")?,
-        state.opt,
-        Some(step + left),
-        &format!("{}: scheduler", dir.display()),
-    )
-    .map_err(|e| restore("scheduler")(&e))?;
-    match (state.step.grad_scaler_mut(), get("scaler")?) {
-        (Some(s), Value::None) if rank == 0 => eprintln!(
-            "{}: no GradScaler state; the loss scale starts at {}",
-            path.display(),
-            s.get_scale()
-        ),
-        (Some(_), Value::None) | (None, _) => {}
-        (Some(s), saved) => s.load_state_dict(saved).map_err(|e| restore("GradScaler")(&e))?,
-    }
+    let step = restore_replicated(state, &rep, &rows.buffers, loader, epochs, &label, rank == 0)
+        .map_err(|(what, why)| restore(what)(&why))?;
     // Every rank has read what it needs before any goes on (and perhaps saves over it).
     group.barrier().map_err(|source| FaceCheckpointError::Comm {
         what: "barrier after reading the checkpoint".into(),
@@ -262,6 +248,51 @@ pub fn resume(
         num_classes: manifest.num_classes,
         rows: split.len,
     }))
+}
+
+/// Restores the replicated part `rep` (see [`replicated_value`]) but the optimizer: the backbone
+/// with `buffers` (this rank's BatchNorm statistics) over the saved ones, the loader position
+/// (unless the entry is `None`: a converted checkpoint), the step count (also the head's), the
+/// schedule stretched to the end of `epochs`, and the GradScaler. `label` names the source in
+/// messages; `say` lets this rank print the notes. Returns the step; an error names the entry.
+pub fn restore_replicated(
+    state: &mut FaceState<'_>,
+    rep: &Value,
+    buffers: &Value,
+    loader: &mut dyn LoaderPosition,
+    epochs: u64,
+    label: &str,
+    say: bool,
+) -> Result<u64, (&'static str, String)> {
+    let get = |k: &'static str| rep.get(k).ok_or((k, "no such entry".to_string()));
+    let mut backbone = get("backbone")?.clone();
+    overlay(&mut backbone, buffers);
+    state.backbone.load_state_dict(&backbone).map_err(|e| ("backbone", e.to_string()))?;
+    let saved = get("sampler")?;
+    if saved != &Value::None {
+        let position = sampler_state_from_value(saved).map_err(|e| ("sampler", e))?;
+        loader.set_position(&position).map_err(|e| ("sampler", e.to_string()))?;
+    }
+    let step = get("global_step")?.as_int().unwrap_or(0) as u64;
+    state.global_step = step;
+    state.head.set_steps_taken(step);
+    let left = loader.steps_to_end(epochs);
+    schedule::load(
+        state.step.lr_scheduler_mut(),
+        get("scheduler")?,
+        state.opt,
+        Some(step + left),
+        &format!("{label}: scheduler"),
+    )
+    .map_err(|e| ("scheduler", e.to_string()))?;
+    match (state.step.grad_scaler_mut(), get("scaler")?) {
+        (Some(s), Value::None) if say => {
+            eprintln!("{label}: no GradScaler state; the loss scale starts at {}", s.get_scale())
+        }
+        (Some(_), Value::None) | (None, _) => {}
+        (Some(s), saved) => s.load_state_dict(saved).map_err(|e| ("GradScaler", e.to_string()))?,
+    }
+    Ok(step)
 }
 
 /// A rank's BatchNorm statistics as a state-dict fragment.

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Var};
-use tandem_ckpt::Value;
-use tandem_comm::{Collectives, ProcessGroup};
+use tandem_ckpt::{TensorData, Value};
+use tandem_comm::{Collectives, LiveOptions, ProcessGroup};
 use tandem_data::datasets::faces::FaceRecDataset;
 use tandem_data::{Batch, DataLoader, Dataset, LoaderOptions};
 use tandem_ddp::{Ddp, DdpOptions};
@@ -26,8 +26,12 @@ use tandem_optim::{AdamWConfig, SgdConfig, TorchAdamW, TorchOptimizer, TorchSgd}
 use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConfig};
 
 use super::net::Autocast;
-use crate::error::{bail, Context, Result};
+use crate::error::{bail, Context, Result, TrainError};
+use crate::face::checkpoint::{merge_optimizer, read_head_rows, split_optimizer};
+use crate::face::live_head::{exchange_mirror, regroup_rows, RowBlock};
 use crate::face::{self as face_state, FaceCheckpoints, FaceState};
+use crate::fault;
+use crate::live::LiveTraining;
 use crate::metrics::VerificationMetrics;
 use crate::options::{OptimizerKind, Precision, TrainOptions};
 use crate::schedule::RunLength;
@@ -53,6 +57,52 @@ pub(super) fn run(cfg: &TrainOptions, group: ProcessGroup) -> Result<RunSummary>
     trainer.fit()
 }
 
+/// A rank of a live job (`tandem run --live-recovery`): as the classifier's, and the head's
+/// rows are mirrored every `--head-mirror-every` steps and re-split at every regroup.
+pub(super) fn run_live(cfg: &TrainOptions, opts: LiveOptions) -> Result<RunSummary> {
+    let live = LiveTraining::connect_with(opts).context("joining the live job")?;
+    let replacement = live.is_replacement();
+    let group = if replacement {
+        // Placeholder until it joins (rank and size for the sampler; resharded on joining).
+        tandem_comm::init_from(&tandem_comm::InitMethod::Single)?
+    } else {
+        live.group()
+    };
+    let comm = LiveComm { comm: live.collectives(), replacement };
+    let (recipe, loader, step) = Face::build_with(cfg, &group, Some(comm))?;
+    let mut trainer =
+        Trainer::new(recipe, loader, step, group, TrainerOptions::from_train_options(cfg))?;
+    if cfg.run.resume && !replacement {
+        trainer.resume()?;
+    }
+    let mut trainer = trainer.live(live);
+    if let Some(change) = trainer.join_live()? {
+        eprintln!("live: member {} joined the running job: {change}", trainer.live_member());
+    }
+    trainer.fit()
+}
+
+/// The collectives of a live world (they follow its regroups) for the backbone's Ddp and the
+/// head, and whether this process replaces a dead member.
+pub struct LiveComm {
+    pub comm: Arc<dyn Collectives>,
+    pub replacement: bool,
+}
+
+/// The head under live recovery: the mirror of the previous rank's rows, and what this rank's
+/// own rows are.
+struct LiveHead {
+    every: u64,
+    mirror: Option<RowBlock>,
+    /// Whether this rank holds rows of its own (a replacement holds none until it joins).
+    holds_rows: bool,
+    /// The step this rank's own rows were last updated at.
+    rows_step: u64,
+    /// The optimizer state without the head's entry that a live load brought; the head's entry
+    /// is put back once the rows are re-split.
+    pending_rest: Option<Value>,
+}
+
 /// The backbone under Ddp, the PartialFC head, the optimizer over both, the verification sets
 /// and the per-rank checkpoints.
 pub struct Face<'a> {
@@ -68,6 +118,7 @@ pub struct Face<'a> {
     train: Arc<FaceRecDataset>,
     val: Vec<ValSet>,
     ckpt: FaceCheckpoints,
+    live: Option<LiveHead>,
 }
 
 /// `{"backbone": state_dict, "partial_fc": {"weight": [C, E]}}` from `--init-from` (a bare
@@ -99,6 +150,15 @@ impl<'a> Face<'a> {
     pub fn build(
         cfg: &'a TrainOptions,
         group: &ProcessGroup,
+    ) -> Result<(Self, DataLoader<FaceRecDataset>, Step)> {
+        Self::build_with(cfg, group, None)
+    }
+
+    /// [`Face::build`] in a live world: Ddp and the head on `live`'s collectives.
+    pub fn build_with(
+        cfg: &'a TrainOptions,
+        group: &ProcessGroup,
+        live: Option<LiveComm>,
     ) -> Result<(Self, DataLoader<FaceRecDataset>, Step)> {
         let run_dir = cfg.run.dir.as_path();
         let rank = group.rank();
@@ -137,10 +197,21 @@ impl<'a> Face<'a> {
             broadcast_buffers: false,
             ..DdpOptions::default()
         };
-        let ddp = Ddp::new(named, group, opts).context("wrapping the backbone in Ddp")?;
+        let head_comm: Arc<dyn Collectives> = match &live {
+            Some(l) => Arc::clone(&l.comm),
+            None => Arc::new(group.clone()),
+        };
+        let ddp = match &live {
+            Some(l) => {
+                let opts = DdpOptions { sync_on_init: !l.replacement, ..opts };
+                Ddp::with_comm(named, Arc::clone(&l.comm), opts)
+            }
+            None => Ddp::new(named, group, opts),
+        }
+        .context("wrapping the backbone in Ddp")?;
         super::register_comm_hook(&ddp, cfg)?;
 
-        let head = build_head(cfg, classes, group, &device, init.and_then(|i| i.centres))?;
+        let head = build_head(cfg, classes, head_comm, &device, init.and_then(|i| i.centres))?;
         let mut opt = build_optimizer(cfg, ddp.params(), head.weight().clone())?;
 
         // PartialFC needs the same batch on every rank: the last partial batch is dropped.
@@ -172,7 +243,8 @@ impl<'a> Face<'a> {
             .context("--lr-scheduler")?;
         let stepper = super::step_for(cfg, GROWTH_INTERVAL, sched)?;
         let val = verify::load(&cfg.face.val).context("--val")?;
-        if rank == 0 {
+        // (A live replacement's placeholder world is not the job's: it says nothing.)
+        if rank == 0 && !live.as_ref().is_some_and(|l| l.replacement) {
             eprintln!(
                 "face: {} width {} embedding {} | {} images, {classes} classes ({} to {} per rank) | {} ranks x batch {} | {steps_per_epoch} steps per epoch",
                 cfg.model.kind,
@@ -200,6 +272,13 @@ impl<'a> Face<'a> {
             val,
             ckpt: FaceCheckpoints::new(run_dir.join("checkpoints"), cfg.checkpoint.keep_last)
                 .background(cfg.checkpoint.background),
+            live: live.map(|l| LiveHead {
+                every: cfg.face.head_mirror_every.max(1),
+                mirror: None,
+                holds_rows: !l.replacement,
+                rows_step: 0,
+                pending_rest: None,
+            }),
         };
         Ok((recipe, loader, stepper))
     }
@@ -214,14 +293,22 @@ impl Recipe for Face<'_> {
         let labels: Vec<i64> = batch.y.to_vec1::<u32>()?.into_iter().map(i64::from).collect();
         let clock = Instant::now();
         let embeddings = self.autocast.round(&self.model.forward_t(&batch.x, true)?)?;
+        fault::hit(fault::Phase::Forward);
         let forward_secs = clock.elapsed().as_secs_f64();
         let loss = self.head.forward(&embeddings, &labels)?;
         let value = loss.to_scalar::<f32>()? as f64;
         let head_secs = clock.elapsed().as_secs_f64() - forward_secs;
         let local = [self.head.weight().clone()];
         let (ddp, backbone) = (&self.ddp, self.ddp.params());
-        let backward = |l: &candle_core::Tensor| ddp.backward_with_local(l, &local);
+        let backward = |l: &candle_core::Tensor| -> Result<_> {
+            let grads = ddp.backward_with_local(l, &local)?;
+            fault::hit(fault::Phase::Optimizer);
+            Ok(grads)
+        };
         let out = step.run(&loss, backward, self.opt.as_mut(), &backbone, n)?;
+        if let Some(live) = self.live.as_mut() {
+            live.rows_step = n;
+        }
         Ok(StepReport {
             loss: value,
             samples: batch.len(),
@@ -284,6 +371,95 @@ impl Recipe for Face<'_> {
         Ok(Some(Resumed { path: r.dir, global_step: r.step, note }))
     }
 
+    /// Under live recovery, every `--head-mirror-every` steps: this rank's rows to the next
+    /// rank, the previous rank's rows kept here.
+    fn after_step(&mut self, group: &ProcessGroup, n: u64) -> Result<()> {
+        let Some(every) = self.live.as_ref().map(|l| l.every) else { return Ok(()) };
+        if !n.is_multiple_of(every) {
+            return Ok(());
+        }
+        self.mirror(group, n)
+    }
+
+    /// The replicated state (the head stays on its ranks: [`Recipe::regroup`] re-splits it).
+    fn live_state(&mut self, ctx: SaveContext<'_>) -> Result<Value> {
+        let head_index = self.ddp.params().len() as i64;
+        let (rest, _) = split_optimizer(&self.opt.state_dict()?, head_index);
+        let state = FaceState::new(&self.ddp, &mut self.head, self.opt.as_mut(), ctx.step)
+            .order(&self.order)
+            .global_step(ctx.global_step)
+            .config(self.cfg.run.record.clone())
+            .seed(self.cfg.run.seed);
+        Ok(face_state::replicated_value(&state, rest, ctx.position, ctx.group.size())?)
+    }
+
+    fn load_live_state(&mut self, value: &Value, ctx: ResumeContext<'_>) -> Result<u64> {
+        let ResumeContext { loader, step, epochs, .. } = ctx;
+        let buffers = Value::None;
+        let mut state = FaceState::new(&self.ddp, &mut self.head, self.opt.as_mut(), step);
+        let step = face_state::restore_replicated(
+            &mut state,
+            value,
+            &buffers,
+            loader,
+            epochs,
+            "the live state",
+            false,
+        )
+        .map_err(|(what, why)| TrainError::invalid(format!("the live state: {what}: {why}")))?;
+        let rest = value.get("optimizer").cloned().context("the live state: no optimizer")?;
+        if let Some(live) = self.live.as_mut() {
+            live.pending_rest = Some(rest);
+        }
+        Ok(step)
+    }
+
+    /// Re-splits the head over the new world: each class from the newest copy any rank holds
+    /// (its owner's, else a mirror), else from the last checkpoint, else the initial centres;
+    /// then the optimizer is rebuilt over the new rows and a fresh mirror is taken.
+    fn regroup(&mut self, group: &ProcessGroup, global_step: u64) -> Result<Option<String>> {
+        let Some(live) = self.live.as_ref() else { return Ok(None) };
+        let head_index = self.ddp.params().len() as i64;
+        let full = self.opt.state_dict()?;
+        let (own_rest, own_entry) = split_optimizer(&full, head_index);
+        let own = match live.holds_rows {
+            true => Some(self.own_rows(&own_entry, live.rows_step)?),
+            false => None,
+        };
+        let (classes, e) = (self.head.config().num_classes, self.head.config().embedding_size);
+        let mut fallback = |range: std::ops::Range<usize>| self.reload_rows(range);
+        let (rows, counts) = regroup_rows(
+            group,
+            classes,
+            e,
+            global_step,
+            own.as_ref(),
+            live.mirror.as_ref(),
+            &mut fallback,
+        )
+        .map_err(|err| TrainError::Failed {
+            what: "re-splitting the head".into(),
+            source: Box::new(err),
+        })?;
+        let device = self.head.weight().device().clone();
+        let weight = candle_core::Tensor::from_vec(rows.weight.clone(), (rows.len, e), &device)?;
+        let var = self.head.regroup(&weight)?;
+        self.head.set_steps_taken(global_step);
+        // The optimizer over the new rows, with the world's state and the rows' own.
+        let live = self.live.as_mut().context("live recovery")?;
+        let rest = live.pending_rest.take().unwrap_or(own_rest);
+        let entry = head_entry(&rows, &own_entry, &rest, e);
+        let lrs = self.opt.group_lrs();
+        self.opt = build_optimizer(self.cfg, self.ddp.params(), var)?;
+        self.opt.load_state_dict(&merge_optimizer(&rest, head_index, entry))?;
+        self.opt.set_group_lrs(&lrs)?;
+        live.holds_rows = true;
+        live.rows_step = global_step;
+        live.mirror = None;
+        self.mirror(group, global_step)?;
+        Ok(Some(counts.to_string()))
+    }
+
     /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
     fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
         let cfg = self.cfg;
@@ -307,11 +483,117 @@ impl Recipe for Face<'_> {
     }
 }
 
+impl Face<'_> {
+    /// This rank's rows as a block: centres and the optimizer's row tensors (`entry`, the
+    /// head's entry of the optimizer state), as of `step`.
+    fn own_rows(&self, entry: &Value, step: u64) -> Result<RowBlock> {
+        let split = self.head.split();
+        let e = self.head.config().embedding_size;
+        let weight =
+            self.head.weight().as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(RowBlock {
+            start: split.start,
+            len: split.len,
+            step,
+            weight,
+            state: row_tensors(entry, split.len, e),
+        })
+    }
+
+    /// Sends this rank's rows to the next rank and keeps the previous rank's (a collective).
+    fn mirror(&mut self, group: &ProcessGroup, step: u64) -> Result<()> {
+        let head_index = self.ddp.params().len() as i64;
+        let (_, entry) = split_optimizer(&self.opt.state_dict()?, head_index);
+        let own = self.own_rows(&entry, step)?;
+        let (classes, e) = (self.head.config().num_classes, self.head.config().embedding_size);
+        let mirror = exchange_mirror(group, &own, classes, e).map_err(|err| {
+            TrainError::Failed { what: "mirroring the head's rows".into(), source: Box::new(err) }
+        })?;
+        if let Some(live) = self.live.as_mut() {
+            live.mirror = mirror;
+        }
+        Ok(())
+    }
+
+    /// Rows no rank holds after a regroup: from the newest complete checkpoint, else the
+    /// initial centres (step 0, no optimizer state).
+    fn reload_rows(&self, range: std::ops::Range<usize>) -> std::result::Result<RowBlock, String> {
+        let cfg = self.head.config();
+        let (classes, e) = (cfg.num_classes, cfg.embedding_size);
+        let split = ClassSplit { start: range.start, len: range.len(), classes };
+        if let Some((dir, manifest)) = self.ckpt.latest().map_err(|err| err.to_string())? {
+            if manifest.num_classes == classes && manifest.embedding_size == e {
+                let rows =
+                    read_head_rows(&dir, &manifest, split, 0).map_err(|err| err.to_string())?;
+                return Ok(RowBlock {
+                    start: range.start,
+                    len: range.len(),
+                    step: manifest.global_step,
+                    weight: rows.weight.to_f32_vec(),
+                    state: row_tensors(&rows.state, range.len(), e),
+                });
+            }
+        }
+        Ok(RowBlock {
+            start: range.start,
+            len: range.len(),
+            step: 0,
+            weight: self.head.initial_centres(range.clone()),
+            state: Vec::new(),
+        })
+    }
+}
+
+/// The row tensors (`[rows, e]`) of a parameter's optimizer state entry, by name.
+fn row_tensors(entry: &Value, rows: usize, e: usize) -> Vec<(String, Vec<f32>)> {
+    let Value::Dict(items) = entry else { return Vec::new() };
+    let mut out: Vec<(String, Vec<f32>)> = items
+        .iter()
+        .filter_map(|(k, v)| {
+            let t = v.as_tensor().filter(|t| t.shape == [rows, e])?;
+            Some((k.as_str()?.to_string(), t.to_f32_vec()))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// The head's optimizer entry for the re-split `rows`: their row tensors, and the other
+/// entries (AdamW's `step`) from this rank's old entry, else from the first parameter's.
+fn head_entry(rows: &RowBlock, own: &Value, rest: &Value, e: usize) -> Value {
+    let scalars_from = match own {
+        Value::Dict(items) if !items.is_empty() => own.clone(),
+        _ => rest
+            .get("state")
+            .and_then(|s| match s {
+                Value::Dict(items) => items.first().map(|(_, v)| v.clone()),
+                _ => None,
+            })
+            .unwrap_or(Value::None),
+    };
+    if rows.state.is_empty() {
+        return Value::None;
+    }
+    let row_names: Vec<&str> = rows.state.iter().map(|(k, _)| k.as_str()).collect();
+    let mut items: Vec<(Value, Value)> = Vec::new();
+    if let Value::Dict(src) = &scalars_from {
+        for (k, v) in src {
+            if k.as_str().is_some_and(|k| !row_names.contains(&k)) {
+                items.push((k.clone(), v.clone()));
+            }
+        }
+    }
+    for (k, t) in &rows.state {
+        items.push((Value::Str(k.clone()), Value::Tensor(TensorData::from_f32(&[rows.len, e], t))));
+    }
+    Value::Dict(items)
+}
+
 /// The head: this rank's rows of `--init-from`'s centres, or N(0, 0.01) from the seed.
 fn build_head(
     cfg: &TrainOptions,
     classes: usize,
-    group: &ProcessGroup,
+    comm: Arc<dyn Collectives>,
     device: &Device,
     centres: Option<candle_core::Tensor>,
 ) -> Result<PartialFc> {
@@ -330,7 +612,6 @@ fn build_head(
     if cfg.model.precision != Precision::F32 {
         pcfg.autocast = Some(cfg.model.precision.compute_dtype());
     }
-    let comm: Arc<dyn Collectives> = Arc::new(group.clone());
     let head = match centres {
         Some(full) => PartialFc::from_full_weight(pcfg, comm, &full.to_device(device)?)
             .context("--init-from: `partial_fc.weight`")?,

@@ -23,6 +23,9 @@ use crate::{RunSummary, Step};
 /// one). Under `tandem run --live-recovery` the classifier keeps going through a rank's death.
 pub fn train(opts: &TrainOptions) -> Result<RunSummary> {
     if let Some(live) = live_options(opts)? {
+        if opts.model.kind.is_face() {
+            return face::run_live(opts, live);
+        }
         return classifier::run_live(opts, live);
     }
     let group = join_group(opts)?;
@@ -56,16 +59,7 @@ fn live_options(opts: &TrainOptions) -> Result<Option<LiveOptions>> {
 /// What live recovery cannot carry, refused with the physical reason (also checked by a
 /// worker that a live launcher started without the flag).
 pub fn refuse_live(opts: &TrainOptions) -> Result<()> {
-    let model = opts.model.kind.name();
     let refused = [
-        (
-            opts.model.kind.is_face(),
-            format!(
-                "--model {model}: the PartialFC head keeps each rank's class centres on that \
-                 rank alone, and a dead rank takes them with it; train the face recipe with \
-                 --save-every and whole-job restarts (tandem run --max-restarts) instead"
-            ),
-        ),
         (
             opts.optim.zero,
             "--zero: ZeRO keeps each rank's share of the optimizer state on that rank alone, \
