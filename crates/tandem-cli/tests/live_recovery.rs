@@ -26,6 +26,7 @@ fn main() -> ExitCode {
         background_saves_go_on_through_a_regroup,
         face_recipe_keeps_a_dead_ranks_centres_from_its_mirror,
         face_recipe_two_neighbours_lost_reload_rows_from_the_checkpoint,
+        face_recipe_background_saves_through_a_regroup_resume_on_three_ranks,
     ])
 }
 
@@ -395,4 +396,32 @@ fn face_recipe_two_neighbours_lost_reload_rows_from_the_checkpoint() {
         let joined = format!("member {m} joined the running job");
         assert!(run.text.contains(&joined), "{m}:\n{}", run.text);
     }
+}
+
+/// `--async-save --save-every 5` under live recovery: member 0 (rank 0, which writes the
+/// replicated file and the manifests) dies in step 27 with a background save in flight; the
+/// survivors go on (a save the broken world cannot commit stays without a manifest), later saves
+/// complete, and the last checkpoint resumes on 3 ranks with the head re-split.
+fn face_recipe_background_saves_through_a_regroup_resume_on_three_ranks() {
+    let f = fault("forward@27", "0");
+    let run = face_job(&env_refs(&f), &["--save-every", "5", "--async-save"]);
+    face_finished(&run);
+    assert!(run.text.contains("lost [0]"), "{}", run.text);
+    let last = run.checkpoints().join("step-00000072");
+    assert!(last.join("manifest.json").is_file(), "{}", run.text);
+    let mut cmd = Command::new(TANDEM);
+    without_world(&mut cmd);
+    let data = run.dir.path().join("faces");
+    let rec = format!("rec:{}", data.display());
+    let out = output_with_deadline(
+        cmd.current_dir(run.dir.path())
+            .args(["train", "--model", "iresnet18", "--width", "8", "--embedding-size", "32"])
+            .args(["--data", &rec, "--batch-size", "4", "--epochs", "7", "--out", "runs/live"])
+            .args(["--resume", "--nproc-per-node", "3"]),
+        LIMIT,
+    );
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("resumed from runs/live/checkpoints/step-00000072"), "{text}");
+    assert!(text.contains("written by 4 ranks, this run has 3"), "{text}");
 }

@@ -112,6 +112,12 @@ impl LiveTraining {
         Ok(LiveTraining { live, pending_start: replacement.into() })
     }
 
+    /// Whether this process is in the world (a replacement is not until [`LiveTraining::start`]
+    /// joined it).
+    pub fn has_joined(&self) -> bool {
+        self.live.has_joined()
+    }
+
     /// Whether this process replaces a member that died.
     pub fn is_replacement(&self) -> bool {
         self.live.options().replacement

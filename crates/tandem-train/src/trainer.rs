@@ -640,10 +640,15 @@ impl<R: Recipe> Trainer<R> {
     pub fn join_live(&mut self) -> Result<Option<crate::live::WorldChange>> {
         let Some(live) = self.live.take() else { return Ok(None) };
         let change = live.start(self);
-        self.group = live.group();
+        if live.has_joined() {
+            self.group = live.group();
+        }
         self.live = Some(live);
         let change = change.context("joining the running job")?;
         self.open_logs()?;
+        if let Some(line) = self.regroup_note.take().filter(|_| self.rank() == 0) {
+            eprintln!("live: {line}");
+        }
         Ok(change)
     }
 

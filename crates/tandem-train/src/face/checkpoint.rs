@@ -191,6 +191,20 @@ impl FaceCheckpoints {
             .writer
             .join()
             .unwrap_or_else(|_| Err(invalid(&p.dir, "the checkpoint writer thread panicked")));
+        if let Some(why) = group.failure() {
+            // A rank died before the save was committed (live recovery re-forms the world):
+            // nobody can agree on it, so it stays without a manifest — an incomplete save,
+            // never resumed, removed by a later save's pruning. This rank's own write failing
+            // is still its error.
+            written?;
+            if p.info.rank == 0 {
+                eprintln!(
+                    "{}: left incomplete (the world broke before it was committed: {why})",
+                    p.dir.display()
+                );
+            }
+            return Ok(());
+        }
         self.commit(&p.dir, &p.target, &p.info, written, group)
     }
 
