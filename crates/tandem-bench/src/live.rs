@@ -4,7 +4,10 @@
 //! retained (same epochs, so the same samples, both ways), steps redone per failure (from the
 //! regroup lines), the time from each kill to training again (the first regroup line after it,
 //! as this process reads the job's output), and the final eval loss and accuracy beside the
-//! uninterrupted runs' spread.
+//! uninterrupted runs' spread. `--recipe face` runs the face recipe (IResNet-18 + PartialFC on a
+//! synthetic identity set, a head of `--classes` rows) and adds the head's figures: rows
+//! restored from mirrors and reloaded, head training lost (row-steps), the mirror's bytes and
+//! time, and the verification accuracy.
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
@@ -12,18 +15,35 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Recipe {
+    /// The MLP classifier on the digits set.
+    Mlp,
+    /// IResNet-18 (width 8, 32-d embeddings) + PartialFC on a synthetic identity set.
+    Face,
+}
+
 #[derive(clap::Args)]
 pub struct Args {
+    /// The job: the MLP classifier or the face recipe.
+    #[arg(long, value_enum, default_value_t = Recipe::Mlp)]
+    recipe: Recipe,
+    /// Face: rows of the PartialFC head (the data holds 64 identities; the head may be larger).
+    #[arg(long, default_value_t = 100_000)]
+    classes: usize,
+    /// Face: --mirror-every of the job.
+    #[arg(long, default_value_t = 10)]
+    mirror_every: u64,
     /// Ranks of the job.
     #[arg(long, default_value_t = 4)]
     nproc: usize,
     /// Seconds between kills in the interrupted run.
     #[arg(long, default_value_t = 10.0)]
     kill_every: f64,
-    /// Epochs of the job (the MLP on the digits set; about 0.04 s each at 4 ranks on 2 cores,
-    /// so the default runs about a minute).
-    #[arg(long, default_value_t = 1500)]
-    epochs: usize,
+    /// Epochs of the job (default: 1500 for the MLP on the digits set, about 0.04 s each at 4
+    /// ranks on 2 cores; 12 for the face recipe, about 5 s each: about a minute either way).
+    #[arg(long)]
+    epochs: Option<usize>,
     /// Hidden width of the MLP (a larger one makes steps, and state transfers, longer).
     #[arg(long, default_value_t = 512)]
     hidden: usize,
@@ -44,33 +64,90 @@ struct RunResult {
     recover_s: Vec<f64>,
     /// Steps redone, per failure regroup.
     redone: Vec<u64>,
+    /// Face: verification accuracy at the end.
+    verification: f64,
+    /// Face, summed over the regroups: rows restored from mirrors, reloaded, row-steps lost.
+    from_mirror: u64,
+    reloaded: u64,
+    row_steps_lost: u64,
+    /// Face: the mirror's line (`every K step(s): N taken, B KiB ..., T ms each`).
+    mirror_line: String,
+}
+
+impl Args {
+    fn epochs(&self) -> usize {
+        self.epochs.unwrap_or(match self.recipe {
+            Recipe::Mlp => 1500,
+            Recipe::Face => 12,
+        })
+    }
+
+    /// `tandem train` flags of the job (run in `dir`, whose face data it writes first).
+    fn train_args(&self, dir: &std::path::Path) -> anyhow::Result<Vec<String>> {
+        let epochs = self.epochs().to_string();
+        let mut args: Vec<String> = match self.recipe {
+            Recipe::Mlp => {
+                ["--model", "mlp", "--hidden", &self.hidden.to_string(), "--batch-size", "16"]
+                    .map(String::from)
+                    .to_vec()
+            }
+            Recipe::Face => {
+                let data = dir.join("faces");
+                if !data.join("train.rec").is_file() {
+                    let out = Command::new(crate::tandem_exe()?)
+                        .args(["data", "synth-faces"])
+                        .arg(&data)
+                        .args(["--classes", "64", "--per-class", "8", "--format", "jpeg"])
+                        .args(["--pairs", "200"])
+                        .output()
+                        .context("writing the synthetic face set")?;
+                    anyhow::ensure!(
+                        out.status.success(),
+                        "tandem data synth-faces: {}",
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                }
+                [
+                    "--model",
+                    "iresnet18",
+                    "--width",
+                    "8",
+                    "--embedding-size",
+                    "32",
+                    "--data",
+                    "rec:faces",
+                    "--val",
+                    "faces/pairs.bin",
+                    "--batch-size",
+                    "4",
+                    "--num-classes",
+                    &self.classes.to_string(),
+                    "--mirror-every",
+                    &self.mirror_every.to_string(),
+                ]
+                .map(String::from)
+                .to_vec()
+            }
+        };
+        args.extend(
+            ["--epochs", &epochs, "--seed", "11", "--out", "runs/live-bench"].map(String::from),
+        );
+        Ok(args)
+    }
 }
 
 /// Runs the job; with `kill_every`, SIGKILLs one of its live workers that often.
 fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow::Result<RunResult> {
     let exe = crate::tandem_exe()?;
-    let train = [
-        "train",
-        "--model",
-        "mlp",
-        "--hidden",
-        &a.hidden.to_string(),
-        "--epochs",
-        &a.epochs.to_string(),
-        "--batch-size",
-        "16",
-        "--seed",
-        "11",
-        "--out",
-        "runs/live-bench",
-    ];
+    let train = a.train_args(dir)?;
     let nproc = a.nproc.to_string();
     let launcher_args =
         ["run", "--nproc-per-node", &nproc, "--live-recovery", "--max-restarts", "1000", "--"];
     let mut child = Command::new(&exe)
         .args(launcher_args)
         .arg(&exe)
-        .args(train)
+        .arg("train")
+        .args(&train)
         .current_dir(dir)
         .env("TANDEM_LIVE_ARRIVAL_TIMEOUT", "10")
         .stdout(Stdio::piped())
@@ -138,6 +215,20 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
     let summary = tandem_train::metrics::last_summary(&metrics)?
         .with_context(|| format!("no run summary in {}", metrics.display()))?;
     result.eval_accuracy = summary.eval_accuracy.unwrap_or(f64::NAN);
+    result.verification = summary.verification_accuracy.unwrap_or(f64::NAN);
+    for (_, l) in lines.iter().filter(|(_, l)| l.contains("live: head rows:")) {
+        // `head rows: K kept, M moved, R restored from mirrors, L reloaded; S row-steps ...`
+        let count = |what: &str| -> u64 {
+            let end = l.find(what).unwrap_or(0);
+            l[..end].split_whitespace().next_back().and_then(|n| n.parse().ok()).unwrap_or(0)
+        };
+        result.from_mirror += count(" restored from mirrors");
+        result.reloaded += count(" reloaded;");
+        result.row_steps_lost += count(" row-steps");
+    }
+    if let Some((_, l)) = lines.iter().find(|(_, l)| l.contains("live: head mirror every")) {
+        result.mirror_line = l.split("live: head mirror ").nth(1).unwrap_or_default().to_string();
+    }
     result.eval_loss = records
         .iter()
         .rev()
@@ -147,10 +238,14 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
         })
         .unwrap_or(f64::NAN);
     // Every sample of every epoch, once (the dataset's size from the run's header is not
-    // printed, so count the epochs' samples as epochs × the digits training split).
-    result.samples = (a.epochs
-        * tandem_data::datasets::digits().map(|(t, _)| tandem_data::Dataset::len(&t)).unwrap_or(0))
-        as f64;
+    // printed, so count the epochs' samples as epochs × the training set).
+    let per_epoch = match a.recipe {
+        Recipe::Mlp => {
+            tandem_data::datasets::digits().map(|(t, _)| tandem_data::Dataset::len(&t)).unwrap_or(0)
+        }
+        Recipe::Face => 64 * 8,
+    };
+    result.samples = (a.epochs() * per_epoch) as f64;
     result.kills = kills.len();
     let regroups: Vec<&(Instant, String)> =
         lines.iter().filter(|(_, l)| l.contains("live: regrouped")).collect();
@@ -235,9 +330,19 @@ pub fn main(a: Args) -> anyhow::Result<i32> {
     let retained: Vec<f64> = killed.iter().zip(&clean).map(|(k, c)| c.wall_s / k.wall_s).collect();
     let all =
         |f: fn(&RunResult) -> Vec<f64>, r: &[RunResult]| r.iter().flat_map(f).collect::<Vec<_>>();
+    let job = match a.recipe {
+        Recipe::Mlp => format!("MLP hidden {} on digits", a.hidden),
+        Recipe::Face => format!(
+            "IResNet-18 width 8 + PartialFC ({} classes x 32, mirrored every {} steps) on 512 faces",
+            a.classes, a.mirror_every
+        ),
+    };
     println!(
-        "live recovery: {} ranks, MLP hidden {} on digits, {} epochs, a worker SIGKILLed every {} s; {} round(s), min / median / max",
-        a.nproc, a.hidden, a.epochs, a.kill_every, a.rounds
+        "live recovery: {} ranks, {job}, {} epochs, a worker SIGKILLed every {} s; {} round(s), min / median / max",
+        a.nproc,
+        a.epochs(),
+        a.kill_every,
+        a.rounds
     );
     println!("  samples/s uninterrupted           {}", stats_with(&sps(&clean), 0));
     println!("  samples/s with kills              {}", stats_with(&sps(&killed), 0));
@@ -254,6 +359,23 @@ pub fn main(a: Args) -> anyhow::Result<i32> {
         "  seconds from a kill to training   {}",
         stats(&all(|r| r.recover_s.clone(), &killed))
     );
+    if a.recipe == Recipe::Face {
+        let per = |f: fn(&RunResult) -> u64| {
+            stats_with(&killed.iter().map(|r| f(r) as f64).collect::<Vec<_>>(), 0)
+        };
+        println!("  head rows restored from mirrors   {}", per(|r| r.from_mirror));
+        println!("  head rows reloaded (checkpoint)   {}", per(|r| r.reloaded));
+        println!("  head row-steps of training lost   {}", per(|r| r.row_steps_lost));
+        if let Some(r) = clean.first() {
+            println!("  head mirror (uninterrupted run)   {}", r.mirror_line);
+        }
+        println!(
+            "  final verification accuracy: uninterrupted {}, with kills {}",
+            stats(&clean.iter().map(|r| r.verification).collect::<Vec<_>>()),
+            stats(&killed.iter().map(|r| r.verification).collect::<Vec<_>>())
+        );
+        return Ok(0);
+    }
     println!(
         "  final eval loss: uninterrupted {}, with kills {}",
         stats(&clean.iter().map(|r| r.eval_loss).collect::<Vec<_>>()),

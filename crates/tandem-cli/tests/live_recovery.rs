@@ -27,6 +27,7 @@ fn main() -> ExitCode {
         face_recipe_keeps_a_dead_ranks_centres_from_its_mirror,
         face_recipe_two_neighbours_lost_reload_rows_from_the_checkpoint,
         face_recipe_background_saves_through_a_regroup_resume_on_three_ranks,
+        zero_shards_come_back_from_the_mirror,
     ])
 }
 
@@ -252,12 +253,14 @@ fn what_live_recovery_cannot_carry_is_refused_by_name() {
     let mut cmd = Command::new(TANDEM);
     without_world(&mut cmd);
     let out = output_with_deadline(
-        cmd.args(["train", "--live-recovery", "--nproc-per-node", "2", "--zero"]),
+        cmd.args(["train", "--live-recovery", "--nproc-per-node", "2", "--backend", "mpi"]),
         Duration::from_secs(30),
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("--live-recovery") && err.contains("--zero"),
+        !out.status.success()
+            && err.contains("--live-recovery")
+            && err.contains("--backend mpi: its communicator cannot re-form"),
         "{err}"
     );
 }
@@ -424,4 +427,24 @@ fn face_recipe_background_saves_through_a_regroup_resume_on_three_ranks() {
     assert!(out.status.success(), "{text}");
     assert!(text.contains("resumed from runs/live/checkpoints/step-00000072"), "{text}");
     assert!(text.contains("written by 4 ranks, this run has 3"), "{text}");
+}
+
+/// `--zero` under live recovery: member 2 dies in step 100; its optimizer shard (fc1.bias's
+/// momentum in the 4-rank partition) comes back from the mirror member 3 took at step 90, the
+/// others keep theirs, and the job ends as well as the uninterrupted run does.
+fn zero_shards_come_back_from_the_mirror() {
+    let f = fault("forward@100", "2");
+    let run = live_job(&["--max-restarts", "1"], &["--zero"], &env_refs(&f));
+    assert_finished(&run);
+    let line = run
+        .text
+        .lines()
+        .find(|l| l.contains("live: optimizer shards:"))
+        .unwrap_or_else(|| panic!("no shard line:\n{}", run.text));
+    // The world goes on from step 99 (step 100 is redone): the mirror of step 90 is 9 old.
+    assert!(
+        line.contains("1 restored from mirrors, 0 started afresh; 9 parameter-steps"),
+        "{line}\n{}",
+        run.text
+    );
 }

@@ -93,6 +93,9 @@ pub struct ZeroRedundancyOptimizer {
     /// `None` on a rank that owns no parameter (more ranks than parameters).
     local: Option<ShardOptimizer>,
     consolidated: Option<Value>,
+    /// This rank's place when the partition was made (a live world's collectives may report a
+    /// new rank before [`ZeroRedundancyOptimizer::repartition`] takes the new partition on).
+    rank: usize,
 }
 
 /// Names the optimizer's collective that failed.
@@ -120,22 +123,61 @@ impl ZeroRedundancyOptimizer {
         let numels: Vec<usize> = params.iter().map(|p| p.elem_count()).collect();
         let partition = Partition::new(&numels, comm.size());
         let owned: Vec<Vec<usize>> = (0..comm.size()).map(|r| partition.of(r)).collect();
-        let mine = &owned[comm.rank()];
+        let rank = comm.rank();
+        let mine = &owned[rank];
         let local = if mine.is_empty() {
             None
         } else {
             Some(make(mine.iter().map(|&i| params[i].clone()).collect())?)
         };
-        Ok(ZeroRedundancyOptimizer { comm, params, partition, owned, local, consolidated: None })
+        Ok(ZeroRedundancyOptimizer {
+            comm,
+            params,
+            partition,
+            owned,
+            local,
+            consolidated: None,
+            rank,
+        })
     }
 
     pub fn partition(&self) -> &Partition {
         &self.partition
     }
 
+    /// The partition of these parameters over a world of `world` ranks (what
+    /// [`ZeroRedundancyOptimizer::repartition`] takes on).
+    pub fn partition_for(&self, world: usize) -> Partition {
+        let numels: Vec<usize> = self.params.iter().map(|p| p.elem_count()).collect();
+        Partition::new(&numels, world)
+    }
+
+    /// After the collectives re-formed over another world (a live regroup): takes this rank's
+    /// share of the new partition, builds its optimizer with `make` and loads `state` (a state
+    /// dict over all parameters; entries of other ranks' parameters may be absent, and a
+    /// parameter without an entry starts with fresh state). Nothing is sent.
+    pub fn repartition(
+        &mut self,
+        state: &Value,
+        make: impl FnOnce(Vec<Var>) -> Result<ShardOptimizer, OptimError>,
+    ) -> Result<(), OptimError> {
+        let world = self.comm.size();
+        self.partition = self.partition_for(world);
+        self.owned = (0..world).map(|r| self.partition.of(r)).collect();
+        self.rank = self.comm.rank();
+        let mine = self.owned[self.rank].clone();
+        self.local = if mine.is_empty() {
+            None
+        } else {
+            Some(make(mine.iter().map(|&i| self.params[i].clone()).collect())?)
+        };
+        self.consolidated = None;
+        self.load_full(state)
+    }
+
     /// Global indices of this rank's parameters (the local optimizer's order).
     fn mine(&self) -> &[usize] {
-        &self.owned[self.comm.rank()]
+        &self.owned[self.rank]
     }
 
     /// Bytes of optimizer state tensors this rank holds (momentum buffers, Adam moments, ...).

@@ -24,6 +24,7 @@ pub mod face;
 #[doc(hidden)]
 pub mod fault;
 pub mod live;
+pub mod live_entries;
 pub mod metrics;
 pub mod options;
 pub mod progress;

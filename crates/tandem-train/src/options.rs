@@ -210,6 +210,10 @@ pub struct CommOptions {
     pub comm_hook: String,
     /// Asked for live recovery (it needs `tandem run --live-recovery`'s launcher).
     pub live_recovery: bool,
+    /// Under live recovery, state each rank holds alone (the face recipe's PartialFC rows,
+    /// `--zero`'s optimizer shard) is mirrored to the next rank every N steps: a rank's death
+    /// loses at most N - 1 steps of it.
+    pub mirror_every: u64,
 }
 
 /// The face recipe's head and verification.
@@ -227,9 +231,6 @@ pub struct FaceOptions {
     pub val: Vec<PathBuf>,
     /// Verify every N steps (0: only at the end).
     pub verify_every: u64,
-    /// Under live recovery: each rank's head rows are mirrored to the next rank every N steps
-    /// (a rank's death loses at most N - 1 steps of its rows' training).
-    pub head_mirror_every: u64,
 }
 
 /// Everything a run of a built-in recipe needs.

@@ -244,12 +244,12 @@ pub struct TrainConfig {
     #[arg(long, default_value_t = 2000)]
     #[serde(default = "default_verbose")]
     pub verbose: u64,
-    /// Face models under --live-recovery: mirror each rank's class centres (and their
-    /// optimizer state) to the next rank every N steps; a rank's death loses at most N - 1
-    /// steps of its centres' training, each mirror costs one head shard sent per rank.
-    #[arg(long = "head-mirror-every", default_value_t = 10, value_name = "N")]
-    #[serde(default = "default_head_mirror_every")]
-    pub head_mirror_every: u64,
+    /// Under --live-recovery: state each rank holds alone (the face recipe's class centres
+    /// with their optimizer state, --zero's optimizer shard) is mirrored to the next rank every
+    /// N steps; a rank's death loses at most N - 1 steps of it. Each mirror sends one shard.
+    #[arg(long = "mirror-every", default_value_t = 10, value_name = "N")]
+    #[serde(default = "default_mirror_every")]
+    pub mirror_every: u64,
     /// Settings from a TOML file whose keys are these flags' names (`batch-size = 128`); a flag
     /// given on the command line wins.
     #[arg(long, value_name = "FILE.toml")]
@@ -272,7 +272,7 @@ fn default_margin_scale() -> f64 {
 fn default_sample_rate() -> f64 {
     1.0
 }
-fn default_head_mirror_every() -> u64 {
+fn default_mirror_every() -> u64 {
     10
 }
 fn default_verbose() -> u64 {
@@ -363,6 +363,7 @@ impl TrainConfig {
                 backend: self.backend,
                 comm_hook: self.comm_hook.clone(),
                 live_recovery: self.live_recovery,
+                mirror_every: self.mirror_every,
             },
             face: FaceOptions {
                 embedding_size: self.embedding_size,
@@ -377,7 +378,6 @@ impl TrainConfig {
                 num_classes: self.num_classes,
                 val: self.val.clone(),
                 verify_every: self.verbose,
-                head_mirror_every: self.head_mirror_every,
             },
         })
     }
@@ -416,6 +416,9 @@ impl TrainConfig {
             );
         } else if !self.val.is_empty() {
             bail!("--val: verification sets are for the face models (--model iresnet18 ...)");
+        }
+        if self.mirror_every == 0 {
+            bail!("--mirror-every must be at least 1");
         }
         if self.keep_last == 0 {
             bail!("--keep-last must be at least 1");
@@ -488,9 +491,6 @@ impl TrainConfig {
         }
         if self.embedding_size == 0 {
             bail!("--embedding-size must be at least 1");
-        }
-        if self.head_mirror_every == 0 {
-            bail!("--head-mirror-every must be at least 1");
         }
         if self.num_classes == Some(0) {
             bail!("--num-classes must be at least 1");

@@ -21,6 +21,8 @@ use serde::{Deserialize, Serialize};
 use tandem_comm::{CommError, ProcessGroup};
 use tandem_partial_fc::ClassSplit;
 
+use crate::live_entries::{preference, Preference};
+
 /// Rows `start..start + len` of the head as of `step`: centres and the optimizer's row tensors.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RowBlock {
@@ -166,13 +168,11 @@ fn plan(held: &[Vec<Held>], classes: usize) -> Vec<Piece> {
 /// The newest block holding all of `piece`; own rows before a mirror at the same step, the
 /// receiving rank itself before others (nothing to send), then the lowest rank.
 fn best_source(held: &[Vec<Held>], piece: &Range<usize>, dst: usize) -> Source {
-    // Preference: newer step, own rows, the receiver itself, then the lower rank.
-    type Preference = (u64, bool, bool, std::cmp::Reverse<usize>);
     let mut best: Option<(Preference, Source)> = None;
     for (rank, blocks) in held.iter().enumerate() {
         for (block, b) in blocks.iter().enumerate() {
             if b.start <= piece.start && piece.end <= b.start + b.len {
-                let key = (b.step, b.own, rank == dst, std::cmp::Reverse(rank));
+                let key = preference(b.step, b.own, rank == dst, rank);
                 if best.as_ref().is_none_or(|(k, _)| key > *k) {
                     best = Some((key, Source::Rank { rank, block }));
                 }

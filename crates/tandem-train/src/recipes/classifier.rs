@@ -22,6 +22,7 @@ use super::optimizer::TrainOptimizer;
 use crate::error::{bail, Context, Result, TrainError};
 use crate::fault;
 use crate::live::LiveTraining;
+use crate::live_entries::{self, regroup_entries, Entries};
 use crate::options::TrainOptions;
 use crate::schedule::{self, RunLength};
 use crate::state::{sampler_state_from_value, sampler_value, LoaderPosition};
@@ -79,6 +80,20 @@ pub struct Classifier<'a> {
     manager: CheckpointManager,
     saver: Saver,
     last_eval: EvalMetrics,
+    /// `--zero` under live recovery: the optimizer shards' mirror and re-split.
+    zero_live: Option<ZeroLive>,
+}
+
+/// ZeRO's shards under live recovery (see [`crate::live_entries`]).
+struct ZeroLive {
+    every: u64,
+    mirror: Option<Entries>,
+    /// Whether this rank holds a shard (a replacement does not until it joins).
+    holds: bool,
+    /// The step this rank's shard was last updated at.
+    shard_step: u64,
+    /// The hyperparameters a live load brought (the shard's entries move in the re-split).
+    pending: Option<Value>,
 }
 
 impl<'a> Classifier<'a> {
@@ -118,13 +133,27 @@ impl<'a> Classifier<'a> {
                 eprintln!("init-from {}:\n{report}", path.display());
             }
         }
+        let zero_live = match &live {
+            Some((_, o)) if cfg.optim.zero => Some(ZeroLive {
+                every: cfg.comm.mirror_every.max(1),
+                mirror: None,
+                holds: o.sync_on_init,
+                shard_step: 0,
+                pending: None,
+            }),
+            _ => None,
+        };
+        let zero_comm = live.as_ref().map(|(c, _)| Arc::clone(c));
         let ddp = match live {
             Some((comm, opts)) => Ddp::with_comm(net, comm, opts),
             None => Ddp::new(net, group, DdpOptions::default()),
         }
         .context("wrapping the model in Ddp")?;
         super::register_comm_hook(&ddp, cfg)?;
-        let mut opt = TrainOptimizer::new(cfg, ddp.params(), group)?;
+        let mut opt = match zero_comm {
+            Some(comm) => TrainOptimizer::with_comm(cfg, ddp.params(), comm)?,
+            None => TrainOptimizer::new(cfg, ddp.params(), group)?,
+        };
         let options = LoaderOptions {
             batch_size: cfg.data.batch_size,
             drop_last: false,
@@ -155,6 +184,7 @@ impl<'a> Classifier<'a> {
             manager,
             saver,
             last_eval: EvalMetrics::default(),
+            zero_live,
         };
         Ok((recipe, loader, stepper))
     }
@@ -167,14 +197,20 @@ impl<'a> Classifier<'a> {
         ck: &TrainingCheckpoint,
         what: &str,
         ctx: ResumeContext<'_>,
+        live: bool,
     ) -> Result<(SamplerState, u64)> {
         let rank = ctx.group.rank();
         tandem_nn::weights::load_weights_from(&*self.ddp.module(), &ck.model, true)
             .with_context(|| format!("{what}: model"))?;
-        self.opt
-            .get_mut()
-            .load_state_dict(&ck.optimizer)
-            .with_context(|| format!("optimizer state in {what}"))?;
+        match self.zero_live.as_mut().filter(|_| live) {
+            // The shards move in the re-split that follows; only the hyperparameters came.
+            Some(z) => z.pending = Some(ck.optimizer.clone()),
+            None => self
+                .opt
+                .get_mut()
+                .load_state_dict(&ck.optimizer)
+                .with_context(|| format!("optimizer state in {what}"))?,
+        }
         let position = sampler_state_from_value(&ck.sampler).map_err(|problem| {
             TrainError::invalid(format!("{what}: checkpoint `sampler`: {problem}"))
         })?;
@@ -232,6 +268,9 @@ impl Recipe for Classifier<'_> {
             Ok(grads)
         };
         let out = step.run(&loss, backward, self.opt.get_mut(), &params, n)?;
+        if let Some(z) = self.zero_live.as_mut() {
+            z.shard_step = n;
+        }
         Ok(StepReport {
             loss: loss.to_scalar::<f32>()? as f64,
             samples: batch.len(),
@@ -290,7 +329,7 @@ impl Recipe for Classifier<'_> {
         let what = path.display().to_string();
         let ResumeContext { group, loader, step, epochs } = ctx;
         let ctx = ResumeContext { group, loader: &mut *loader, step, epochs };
-        let (position, global_step) = self.apply_state(&ck, &what, ctx)?;
+        let (position, global_step) = self.apply_state(&ck, &what, ctx, false)?;
         let note =
             (ck.world_size as usize != world).then(|| reshard_message(&position, world, &*loader));
         Ok(Some(Resumed { path, global_step, note }))
@@ -318,12 +357,96 @@ impl Recipe for Classifier<'_> {
     }
 
     fn live_state(&mut self, ctx: SaveContext<'_>) -> Result<Value> {
+        if self.zero_live.is_some() {
+            // Not a collective: only the source builds it.
+            let state = CheckpointState {
+                optimizer: self.opt.live_state()?,
+                scaler: ctx.step.grad_scaler().map_or(Value::None, GradScaler::state_dict),
+                scheduler: schedule::state(ctx.step.lr_scheduler()),
+                sampler: ctx.position.clone(),
+                step: ctx.global_step,
+            };
+            return checkpoint_value(&self.ddp.module(), state, ctx.group.size(), self.cfg);
+        }
         self.state_value(&ctx)
+    }
+
+    /// `--zero` under live recovery: every `--mirror-every` steps this rank's optimizer shard
+    /// goes to the next rank.
+    fn after_step(&mut self, group: &ProcessGroup, n: u64) -> Result<()> {
+        match &self.zero_live {
+            Some(z) if n.is_multiple_of(z.every) => self.mirror_shard(group, n),
+            _ => Ok(()),
+        }
+    }
+
+    /// `--zero` under live recovery: the optimizer state re-split over the new world's
+    /// partition (each parameter's from its newest holder, fresh where nobody holds it).
+    fn regroup(&mut self, group: &ProcessGroup, global_step: u64) -> Result<Option<String>> {
+        let Some(z) = self.zero_live.as_ref() else { return Ok(None) };
+        let TrainOptimizer::Zero(opt) = &self.opt else { return Ok(None) };
+        let shard = opt.shard_state_dict()?;
+        let own = z
+            .holds
+            .then(|| Entries::from_state(shard.get("state").unwrap_or(&Value::None), z.shard_step));
+        let owner = opt.partition_for(group.size()).owner;
+        let (entries, counts) =
+            regroup_entries(group, global_step, own.as_ref(), z.mirror.as_ref(), &owner).map_err(
+                |e| TrainError::Failed {
+                    what: "re-splitting the ZeRO optimizer shards".into(),
+                    source: Box::new(e),
+                },
+            )?;
+        let groups = match z.pending.clone() {
+            Some(p) => p.get("param_groups").cloned().unwrap_or(Value::List(vec![])),
+            None => {
+                self.opt.live_state()?.get("param_groups").cloned().unwrap_or(Value::List(vec![]))
+            }
+        };
+        let state = Value::dict_from([
+            (
+                "state",
+                Value::Dict(entries.into_iter().map(|(i, v)| (Value::Int(i as i64), v)).collect()),
+            ),
+            ("param_groups", groups),
+        ]);
+        let lr = self.opt.get().lr();
+        self.opt.repartition(self.cfg, &state).context("--zero: taking the new world's shard")?;
+        if self.opt.get().group_lrs().len() == 1 && lr > 0.0 {
+            // The schedule's rate (set before the shard changed hands).
+            self.opt.get_mut().set_lr(lr);
+        }
+        if let Some(z) = self.zero_live.as_mut() {
+            z.holds = true;
+            z.shard_step = global_step;
+            z.pending = None;
+            z.mirror = None;
+        }
+        self.mirror_shard(group, global_step)?;
+        Ok(Some(counts.to_string()))
     }
 
     fn load_live_state(&mut self, value: &Value, ctx: ResumeContext<'_>) -> Result<u64> {
         let ck = TrainingCheckpoint::from_value(value).context("the live state")?;
-        Ok(self.apply_state(&ck, "the live state", ctx)?.1)
+        Ok(self.apply_state(&ck, "the live state", ctx, true)?.1)
+    }
+}
+
+impl Classifier<'_> {
+    /// Sends this rank's ZeRO shard to the next rank, keeps the previous rank's (a collective).
+    fn mirror_shard(&mut self, group: &ProcessGroup, step: u64) -> Result<()> {
+        let TrainOptimizer::Zero(opt) = &self.opt else { return Ok(()) };
+        let shard = opt.shard_state_dict()?;
+        let own = Entries::from_state(shard.get("state").unwrap_or(&Value::None), step);
+        let mirror =
+            live_entries::exchange_mirror(group, &own).map_err(|e| TrainError::Failed {
+                what: "mirroring the ZeRO optimizer shard".into(),
+                source: Box::new(e),
+            })?;
+        if let Some(z) = self.zero_live.as_mut() {
+            z.mirror = mirror;
+        }
+        Ok(())
     }
 }
 

@@ -58,7 +58,7 @@ pub(super) fn run(cfg: &TrainOptions, group: ProcessGroup) -> Result<RunSummary>
 }
 
 /// A rank of a live job (`tandem run --live-recovery`): as the classifier's, and the head's
-/// rows are mirrored every `--head-mirror-every` steps and re-split at every regroup.
+/// rows are mirrored every `--mirror-every` steps and re-split at every regroup.
 pub(super) fn run_live(cfg: &TrainOptions, opts: LiveOptions) -> Result<RunSummary> {
     let live = LiveTraining::connect_with(opts).context("joining the live job")?;
     let replacement = live.is_replacement();
@@ -101,6 +101,10 @@ struct LiveHead {
     /// The optimizer state without the head's entry that a live load brought; the head's entry
     /// is put back once the rows are re-split.
     pending_rest: Option<Value>,
+    /// Mirrors taken, seconds spent in them, and this rank's bytes sent by the last one.
+    mirrors: u64,
+    mirror_secs: f64,
+    mirror_bytes: usize,
 }
 
 /// The backbone under Ddp, the PartialFC head, the optimizer over both, the verification sets
@@ -273,11 +277,14 @@ impl<'a> Face<'a> {
             ckpt: FaceCheckpoints::new(run_dir.join("checkpoints"), cfg.checkpoint.keep_last)
                 .background(cfg.checkpoint.background),
             live: live.map(|l| LiveHead {
-                every: cfg.face.head_mirror_every.max(1),
+                every: cfg.comm.mirror_every.max(1),
                 mirror: None,
                 holds_rows: !l.replacement,
                 rows_step: 0,
                 pending_rest: None,
+                mirrors: 0,
+                mirror_secs: 0.0,
+                mirror_bytes: 0,
             }),
         };
         Ok((recipe, loader, stepper))
@@ -371,7 +378,7 @@ impl Recipe for Face<'_> {
         Ok(Some(Resumed { path: r.dir, global_step: r.step, note }))
     }
 
-    /// Under live recovery, every `--head-mirror-every` steps: this rank's rows to the next
+    /// Under live recovery, every `--mirror-every` steps: this rank's rows to the next
     /// rank, the previous rank's rows kept here.
     fn after_step(&mut self, group: &ProcessGroup, n: u64) -> Result<()> {
         let Some(every) = self.live.as_ref().map(|l| l.every) else { return Ok(()) };
@@ -463,6 +470,16 @@ impl Recipe for Face<'_> {
     /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
     fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
         let cfg = self.cfg;
+        if let Some(live) = self.live.as_ref().filter(|_| group.rank() == 0) {
+            // What the mirror cost this rank (its own bytes; every rank sends one shard).
+            eprintln!(
+                "live: head mirror every {} step(s): {} taken, {} KiB sent per rank each, {:.2} ms each on rank 0",
+                live.every,
+                live.mirrors,
+                live.mirror_bytes.div_ceil(1024),
+                live.mirror_secs * 1e3 / live.mirrors.max(1) as f64
+            );
+        }
         if let Some(path) = &cfg.checkpoint.save_final {
             if group.rank() == 0 {
                 tandem_nn::weights::save_weights(&*self.ddp.module(), path)
@@ -502,6 +519,7 @@ impl Face<'_> {
 
     /// Sends this rank's rows to the next rank and keeps the previous rank's (a collective).
     fn mirror(&mut self, group: &ProcessGroup, step: u64) -> Result<()> {
+        let clock = Instant::now();
         let head_index = self.ddp.params().len() as i64;
         let (_, entry) = split_optimizer(&self.opt.state_dict()?, head_index);
         let own = self.own_rows(&entry, step)?;
@@ -511,6 +529,9 @@ impl Face<'_> {
         })?;
         if let Some(live) = self.live.as_mut() {
             live.mirror = mirror;
+            live.mirrors += 1;
+            live.mirror_secs += clock.elapsed().as_secs_f64();
+            live.mirror_bytes = own.bytes();
         }
         Ok(())
     }

@@ -61,12 +61,6 @@ fn live_options(opts: &TrainOptions) -> Result<Option<LiveOptions>> {
 pub fn refuse_live(opts: &TrainOptions) -> Result<()> {
     let refused = [
         (
-            opts.optim.zero,
-            "--zero: ZeRO keeps each rank's share of the optimizer state on that rank alone, \
-             and a dead rank takes its share with it"
-                .into(),
-        ),
-        (
             opts.model.device == DeviceKind::Cuda,
             "--device cuda: NCCL communicators are not re-formed (live recovery is CPU training)"
                 .into(),

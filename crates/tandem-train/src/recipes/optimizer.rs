@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use candle_core::Var;
 use tandem_ckpt::Value;
-use tandem_comm::ProcessGroup;
+use tandem_comm::{Collectives, ProcessGroup};
 use tandem_optim::{
     AdamWConfig, OptimError, SgdConfig, ShardOptimizer, TorchAdamW, TorchOptimizer, TorchSgd,
     ZeroRedundancyOptimizer,
@@ -45,8 +45,17 @@ fn plain(cfg: &TrainOptions, params: Vec<Var>) -> Result<ShardOptimizer, OptimEr
 
 impl TrainOptimizer {
     pub fn new(cfg: &TrainOptions, params: Vec<Var>, group: &ProcessGroup) -> Result<Self> {
+        Self::with_comm(cfg, params, Arc::new(group.clone()))
+    }
+
+    /// [`TrainOptimizer::new`] with ZeRO's collectives `comm` (a live world's follow its
+    /// regroups).
+    pub fn with_comm(
+        cfg: &TrainOptions,
+        params: Vec<Var>,
+        comm: Arc<dyn Collectives>,
+    ) -> Result<Self> {
         Ok(if cfg.optim.zero {
-            let comm = Arc::new(group.clone());
             TrainOptimizer::Zero(ZeroRedundancyOptimizer::new(params, comm, |shard| {
                 plain(cfg, shard)
             })?)
@@ -67,6 +76,39 @@ impl TrainOptimizer {
             TrainOptimizer::Plain(o) => o.as_mut(),
             TrainOptimizer::Zero(z) => z,
         }
+    }
+
+    /// What a live regroup's source sends: the whole state, or with `--zero` the
+    /// hyperparameters only (torch's layout over every parameter, no `state` entries: each
+    /// shard moves with [`TrainOptimizer::repartition`]). Not a collective.
+    pub fn live_state(&self) -> Result<Value> {
+        match self {
+            TrainOptimizer::Plain(o) => Ok(o.state_dict()?),
+            TrainOptimizer::Zero(z) => {
+                let shard = z.shard_state_dict()?;
+                let n = z.params().len() as i64;
+                let mut groups = shard
+                    .get("param_groups")
+                    .and_then(Value::as_list)
+                    .map_or_else(Vec::new, <[Value]>::to_vec);
+                for g in &mut groups {
+                    g.insert("params", Value::List((0..n).map(Value::Int).collect()));
+                }
+                Ok(Value::dict_from([
+                    ("state", Value::Dict(vec![])),
+                    ("param_groups", Value::List(groups)),
+                ]))
+            }
+        }
+    }
+
+    /// ZeRO after a live regroup: this rank's shard of the new world's partition, loaded from
+    /// `state` (the entries this rank now owns and the hyperparameters).
+    pub fn repartition(&mut self, cfg: &TrainOptions, state: &Value) -> Result<()> {
+        if let TrainOptimizer::Zero(z) = self {
+            z.repartition(state, |shard| plain(cfg, shard))?;
+        }
+        Ok(())
     }
 
     /// The whole optimizer state for rank 0's checkpoint, in torch's layout. A collective with
