@@ -37,6 +37,18 @@ pub struct Args {
     /// Directory for the checkpoints (default: a fresh one under the current directory, removed after).
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Measure the face recipe instead: `tandem train --model iresnet18` on 2 ranks with a
+    /// PartialFC head of `--classes` x `--embedding` (each rank saves its rows in parallel),
+    /// with synchronous saves and with `--async-save`; the stall is the time training stood
+    /// still per save, as the trainer measures it (the run summary's `step_times`).
+    #[arg(long)]
+    face: bool,
+    /// Face: rows of the head.
+    #[arg(long, default_value_t = 1_000_000)]
+    classes: usize,
+    /// Face: embedding size.
+    #[arg(long, default_value_t = 128)]
+    embedding: usize,
 }
 
 const INPUT: usize = 256;
@@ -148,7 +160,87 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
             args.steps
         );
     }
+    if args.face {
+        return crate::in_scratch_dir(args.dir.as_deref(), "tandem-bench-save-stall", |dir| {
+            run_face(&args, dir)
+        });
+    }
     crate::in_scratch_dir(args.dir.as_deref(), "tandem-bench-save-stall", |dir| run(&args, dir))
+}
+
+/// One face run's stall per save and its step time (seconds), from its run summary.
+fn face_once(mode: Mode, args: &Args, dir: &std::path::Path) -> anyhow::Result<(f64, f64)> {
+    use anyhow::Context;
+    let exe = crate::tandem_exe()?;
+    let out = std::path::absolute(dir)?.join(format!("face-{mode:?}"));
+    let _ = std::fs::remove_dir_all(&out);
+    let mut cmd = std::process::Command::new(&exe);
+    cmd.current_dir(dir)
+        .args(["train", "--model", "iresnet18", "--width", "8", "--data", "rec:faces"])
+        .args(["--embedding-size", &args.embedding.to_string()])
+        .args(["--num-classes", &args.classes.to_string(), "--batch-size", "4"])
+        .args(["--steps", &args.steps.to_string(), "--nproc-per-node", "2", "--keep-last", "2"])
+        .args(["--save-every", &args.save_every.to_string()])
+        .arg("--out")
+        .arg(&out);
+    if mode == Mode::Background {
+        cmd.arg("--async-save");
+    }
+    let result = cmd.output().context("running tandem train")?;
+    if !result.status.success() {
+        bail!("tandem train ({mode:?}) failed:\n{}", String::from_utf8_lossy(&result.stderr));
+    }
+    let metrics = out.join("metrics.jsonl");
+    let summary = tandem_train::metrics::last_summary(&metrics)?
+        .with_context(|| format!("no run summary in {}", metrics.display()))?;
+    let t =
+        summary.step_times.with_context(|| format!("no step times in {}", metrics.display()))?;
+    let step = (t.data + t.forward + t.head + t.backward + t.optimizer) / t.steps.max(1) as f64;
+    Ok((t.save / t.saves.max(1) as f64, step))
+}
+
+/// `--face`: the face recipe's checkpoint stall, synchronous against background.
+fn run_face(args: &Args, dir: &std::path::Path) -> anyhow::Result<i32> {
+    let data = dir.join("faces");
+    if !data.join("train.rec").is_file() {
+        let out = std::process::Command::new(crate::tandem_exe()?)
+            .args(["data", "synth-faces"])
+            .arg(&data)
+            .args(["--classes", "64", "--per-class", "8", "--format", "jpeg"])
+            .output()?;
+        if !out.status.success() {
+            bail!("tandem data synth-faces: {}", String::from_utf8_lossy(&out.stderr));
+        }
+    }
+    let head_mib = (args.classes * args.embedding * 4 * 2) as f64 / (1 << 20) as f64;
+    eprintln!(
+        "face recipe, 2 ranks: IResNet-18 width 8 + PartialFC {} x {} ({head_mib:.0} MiB of centres + momentum, half per rank); {} steps, a save every {} and at the end",
+        args.classes, args.embedding, args.steps, args.save_every
+    );
+    let (mut step, mut sync, mut bg) = (vec![], vec![], vec![]);
+    for r in 0..args.repeat {
+        eprintln!("run {}/{}", r + 1, args.repeat);
+        let (s, t) = face_once(Mode::Sync, args, dir)?;
+        let (b, u) = face_once(Mode::Background, args, dir)?;
+        sync.push(s);
+        bg.push(b);
+        step.extend([t, u]);
+    }
+    println!(
+        "face checkpoint save stall, PartialFC {} x {} on 2 ranks ({head_mib:.0} MiB of head state), {} runs; seconds per save on rank 0",
+        args.classes, args.embedding, args.repeat
+    );
+    println!("{:<44} {:>8} {:>8} {:>8}", "", "min", "median", "max");
+    for (name, v) in [
+        ("training step (no save)", &step),
+        ("stall of a save: synchronous", &sync),
+        ("stall of a save: background", &bg),
+    ] {
+        println!("{name:<44} {}", min_med_max(v));
+    }
+    let ratio = median(sync.clone()) / median(bg.clone()).max(1e-9);
+    println!("stall synchronous / background (medians): {ratio:.1}x");
+    Ok(0)
 }
 
 fn run(args: &Args, dir: &std::path::Path) -> anyhow::Result<i32> {

@@ -54,6 +54,12 @@ pub struct StepTimes {
     pub backward: f64,
     /// Unscale, clipping, the optimizer step and the schedule.
     pub optimizer: f64,
+    /// Checkpoint saves: how many, and the seconds training stood still for them (a
+    /// background save's staging only; its writing overlaps the steps).
+    #[serde(default)]
+    pub saves: u64,
+    #[serde(default)]
+    pub save: f64,
 }
 
 impl StepTimes {
@@ -497,7 +503,10 @@ impl<R: Recipe> Trainer<R> {
                 let written = checkpoint(recipe, group, step, &loader.state(), n)?;
                 self.last_ckpt = written.or(self.last_ckpt.take());
                 self.saved_at = Some(n);
-                pause += clock.elapsed().as_secs_f64();
+                let took = clock.elapsed().as_secs_f64();
+                pause += took;
+                self.times.saves += 1;
+                self.times.save += took;
             }
         }
         if taken == in_epoch {
@@ -535,8 +544,11 @@ impl<R: Recipe> Trainer<R> {
     /// A checkpoint of the whole state now (a collective).
     fn save(&mut self) -> Result<()> {
         let n = self.global_step;
+        let clock = Instant::now();
         let written =
             checkpoint(&mut self.recipe, &self.group, &mut self.step, &self.loader.state(), n)?;
+        self.times.saves += 1;
+        self.times.save += clock.elapsed().as_secs_f64();
         self.last_ckpt = written.or(self.last_ckpt.take());
         self.saved_at = Some(n);
         Ok(())
