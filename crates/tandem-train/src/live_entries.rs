@@ -136,15 +136,26 @@ pub fn exchange_mirror(
     let bytes = own.to_bytes(&all)?;
     let send = || send_bytes(group, &bytes, next, "sending this rank's optimizer shard");
     let recv = || recv_bytes(group, prev, "receiving the previous rank's optimizer shard");
-    let got = if me % 2 == 0 {
+    let got = in_ring_order(me, send, recv)?;
+    Ok(Some(Entries::from_bytes(&format!("rank {prev}'s mirrored shard"), got)?))
+}
+
+/// One ring step — send to the next rank, receive from the previous — in an order that cannot
+/// wait on itself: even ranks send first, odd ranks receive first (in an odd ring the last,
+/// even rank sends to rank 0, which receives once its own send is taken).
+pub(crate) fn in_ring_order<T, E>(
+    me: usize,
+    send: impl FnOnce() -> Result<(), E>,
+    recv: impl FnOnce() -> Result<T, E>,
+) -> Result<T, E> {
+    if me.is_multiple_of(2) {
         send()?;
-        recv()?
+        recv()
     } else {
         let got = recv()?;
         send()?;
-        got
-    };
-    Ok(Some(Entries::from_bytes(&format!("rank {prev}'s mirrored shard"), got)?))
+        Ok(got)
+    }
 }
 
 fn send_bytes(

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use tandem_comm::{CommError, ProcessGroup};
 use tandem_partial_fc::ClassSplit;
 
-use crate::live_entries::{preference, Preference};
+use crate::live_entries::{in_ring_order, preference, Preference};
 
 /// Rows `start..start + len` of the head as of `step`: centres and the optimizer's row tensors.
 #[derive(Clone, Debug, PartialEq)]
@@ -377,15 +377,7 @@ pub fn exchange_mirror(
             .collect();
         Ok(RowBlock { start, len, step: step as u64, weight, state })
     };
-    let got = if me % 2 == 0 {
-        send()?;
-        recv()?
-    } else {
-        let got = recv()?;
-        send()?;
-        got
-    };
-    Ok(Some(got))
+    Ok(Some(in_ring_order(me, send, recv)?))
 }
 
 /// Why the head could not be regrouped.

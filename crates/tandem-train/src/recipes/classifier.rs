@@ -21,7 +21,6 @@ use super::net::{image_shape, Net, NetSpec};
 use super::optimizer::TrainOptimizer;
 use crate::error::{bail, Context, Result, TrainError};
 use crate::fault;
-use crate::live::LiveTraining;
 use crate::live_entries::{self, regroup_entries, Entries};
 use crate::options::TrainOptions;
 use crate::schedule::{self, RunLength};
@@ -42,30 +41,12 @@ pub(super) fn run(cfg: &TrainOptions, group: ProcessGroup) -> Result<RunSummary>
     trainer.fit()
 }
 
-/// A rank of a live job: an original member forms the first world with the others (and
-/// resumes with them when asked); a replacement builds everything first, then joins the
-/// running world and receives its state.
+/// A rank of a live job (see [`super::run_live`]).
 pub(super) fn run_live(cfg: &TrainOptions, opts: LiveOptions) -> Result<RunSummary> {
-    let live = LiveTraining::connect_with(opts).context("joining the live job")?;
-    let replacement = live.is_replacement();
-    let group = if replacement {
-        // Placeholder until it joins (rank and size for the sampler; resharded on joining).
-        tandem_comm::init_from(&tandem_comm::InitMethod::Single)?
-    } else {
-        live.group()
-    };
-    let comm = (live.collectives(), live.ddp_options(DdpOptions::default()));
-    let (recipe, loader, step) = Classifier::build(cfg, &group, Some(comm))?;
-    let mut trainer =
-        Trainer::new(recipe, loader, step, group, TrainerOptions::from_train_options(cfg))?;
-    if cfg.run.resume && !replacement {
-        trainer.resume()?;
-    }
-    let mut trainer = trainer.live(live);
-    if let Some(change) = trainer.join_live()? {
-        eprintln!("live: member {} joined the running job: {change}", trainer.live_member());
-    }
-    trainer.fit()
+    super::run_live(cfg, opts, |group, live| {
+        let ddp = DdpOptions { sync_on_init: !live.replacement, ..DdpOptions::default() };
+        Classifier::build(cfg, group, Some((live.comm, ddp)))
+    })
 }
 
 /// The classifier's model, optimizer, eval data and checkpoint files.

@@ -26,12 +26,12 @@ use tandem_optim::{AdamWConfig, SgdConfig, TorchAdamW, TorchOptimizer, TorchSgd}
 use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConfig};
 
 use super::net::Autocast;
+use super::LiveComm;
 use crate::error::{bail, Context, Result, TrainError};
 use crate::face::checkpoint::{merge_optimizer, read_head_rows, split_optimizer};
 use crate::face::live_head::{exchange_mirror, regroup_rows, RowBlock};
 use crate::face::{self as face_state, FaceCheckpoints, FaceState};
 use crate::fault;
-use crate::live::LiveTraining;
 use crate::metrics::VerificationMetrics;
 use crate::options::{OptimizerKind, Precision, TrainOptions};
 use crate::schedule::RunLength;
@@ -57,36 +57,10 @@ pub(super) fn run(cfg: &TrainOptions, group: ProcessGroup) -> Result<RunSummary>
     trainer.fit()
 }
 
-/// A rank of a live job (`tandem run --live-recovery`): as the classifier's, and the head's
-/// rows are mirrored every `--mirror-every` steps and re-split at every regroup.
+/// A rank of a live job (see [`super::run_live`]); the head's rows are mirrored every
+/// `--mirror-every` steps and re-split at every regroup.
 pub(super) fn run_live(cfg: &TrainOptions, opts: LiveOptions) -> Result<RunSummary> {
-    let live = LiveTraining::connect_with(opts).context("joining the live job")?;
-    let replacement = live.is_replacement();
-    let group = if replacement {
-        // Placeholder until it joins (rank and size for the sampler; resharded on joining).
-        tandem_comm::init_from(&tandem_comm::InitMethod::Single)?
-    } else {
-        live.group()
-    };
-    let comm = LiveComm { comm: live.collectives(), replacement };
-    let (recipe, loader, step) = Face::build_with(cfg, &group, Some(comm))?;
-    let mut trainer =
-        Trainer::new(recipe, loader, step, group, TrainerOptions::from_train_options(cfg))?;
-    if cfg.run.resume && !replacement {
-        trainer.resume()?;
-    }
-    let mut trainer = trainer.live(live);
-    if let Some(change) = trainer.join_live()? {
-        eprintln!("live: member {} joined the running job: {change}", trainer.live_member());
-    }
-    trainer.fit()
-}
-
-/// The collectives of a live world (they follow its regroups) for the backbone's Ddp and the
-/// head, and whether this process replaces a dead member.
-pub struct LiveComm {
-    pub comm: Arc<dyn Collectives>,
-    pub replacement: bool,
+    super::run_live(cfg, opts, |group, live| Face::build_with(cfg, group, Some(live)))
 }
 
 /// The head under live recovery: the mirror of the previous rank's rows, and what this rank's

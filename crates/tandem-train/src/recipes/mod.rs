@@ -15,6 +15,7 @@ pub mod optimizer;
 use tandem_comm::{LiveOptions, ProcessGroup};
 
 use crate::error::{bail, Context, Result};
+use crate::live::LiveTraining;
 use crate::options::{Backend, DeviceKind, Precision, TrainOptions};
 use crate::{RunSummary, Step};
 
@@ -33,6 +34,43 @@ pub fn train(opts: &TrainOptions) -> Result<RunSummary> {
         return face::run(opts, group);
     }
     classifier::run(opts, group)
+}
+
+/// The collectives of a live world (they follow its regroups), for a recipe's Ddp and any
+/// model-parallel part, and whether this process replaces a dead member (then Ddp skips its
+/// construction-time broadcast: its state comes when it joins).
+pub struct LiveComm {
+    pub comm: std::sync::Arc<dyn tandem_comm::Collectives>,
+    pub replacement: bool,
+}
+
+/// A rank of a live job: an original member forms the first world with the others (and
+/// resumes with them when asked); a replacement builds everything first (on a placeholder
+/// world of one), then joins the running world and receives its state.
+fn run_live<R: crate::Recipe>(
+    cfg: &TrainOptions,
+    opts: LiveOptions,
+    build: impl FnOnce(&ProcessGroup, LiveComm) -> Result<(R, tandem_data::DataLoader<R::Data>, Step)>,
+) -> Result<RunSummary> {
+    let live = LiveTraining::connect_with(opts).context("joining the live job")?;
+    let replacement = live.is_replacement();
+    let group = if replacement {
+        tandem_comm::init_from(&tandem_comm::InitMethod::Single)?
+    } else {
+        live.group()
+    };
+    let comm = LiveComm { comm: live.collectives(), replacement };
+    let (recipe, loader, step) = build(&group, comm)?;
+    let opts = crate::TrainerOptions::from_train_options(cfg);
+    let mut trainer = crate::Trainer::new(recipe, loader, step, group, opts)?;
+    if cfg.run.resume && !replacement {
+        trainer.resume()?;
+    }
+    let mut trainer = trainer.live(live);
+    if let Some(change) = trainer.join_live()? {
+        eprintln!("live: member {} joined the running job: {change}", trainer.live_member());
+    }
+    trainer.fit()
 }
 
 /// The live launcher's settings when it started this rank (`tandem run --live-recovery`, or
