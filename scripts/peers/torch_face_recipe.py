@@ -158,15 +158,27 @@ class RecFaces(torch.utils.data.Dataset):
 
 
 class PartialFC(nn.Module):
-    """PartialFC v2 at sample_rate 1: this rank's centres, cosine logits, margin, distributed CE."""
+    """PartialFC v2: this rank's centres, cosine logits, margin, distributed CE. At sample_rate
+    < 1 each step keeps the positive classes and fills up to int(sample_rate * num_local) rows
+    by the top-k of random scores (positives scored 2.0), the sampled rows indexed out of the
+    shard (arcface_torch's `sample`). `full_weight` None: this rank's rows N(0, 0.01) from the
+    seed (a head too large to write out)."""
 
-    def __init__(self, full_weight, margin, world, rank):
+    def __init__(self, full_weight, margin, world, rank, classes=None, embedding=None,
+                 sample_rate=1.0, seed=0, dtype=torch.float32):
         super().__init__()
-        c = full_weight.shape[0]
+        c = full_weight.shape[0] if full_weight is not None else classes
         self.num_local = c // world + int(rank < c % world)
         self.start = c // world * rank + min(rank, c % world)
-        self.weight = nn.Parameter(full_weight[self.start:self.start + self.num_local].clone())
+        if full_weight is None:
+            g = torch.Generator().manual_seed(seed * 1000 + rank)
+            rows = torch.normal(0, 0.01, (self.num_local, embedding), generator=g, dtype=dtype)
+        else:
+            rows = full_weight[self.start:self.start + self.num_local].clone()
+        self.weight = nn.Parameter(rows)
         self.margin = margin
+        self.sample_rate = sample_rate
+        self.num_sample = int(sample_rate * self.num_local)
 
     def forward(self, embeddings, labels):
         gathered = GatherSumTimesWorld.apply(embeddings)
@@ -175,7 +187,19 @@ class PartialFC(nn.Module):
         labels = torch.cat(parts).view(-1, 1)
         mine = (self.start <= labels) & (labels < self.start + self.num_local)
         labels = torch.where(mine, labels - self.start, torch.full_like(labels, -1))
-        logits = F.linear(F.normalize(gathered), F.normalize(self.weight)).clamp(-1, 1)
+        weight = self.weight
+        if self.sample_rate < 1:
+            positive = torch.unique(labels[labels >= 0], sorted=True)
+            if self.num_sample - positive.size(0) >= 0:
+                perm = torch.rand(size=[self.num_local])
+                perm[positive] = 2.0
+                index = torch.topk(perm, k=self.num_sample)[1].sort()[0]
+            else:
+                index = positive
+            hit = labels >= 0
+            labels[hit] = torch.searchsorted(index, labels[hit])
+            weight = self.weight[index]
+        logits = F.linear(F.normalize(gathered), F.normalize(weight)).clamp(-1, 1)
         logits = combined_margin(logits, labels, *self.margin)
         return DistCrossEntropy.apply(logits, labels)
 
@@ -183,6 +207,10 @@ class PartialFC(nn.Module):
 def init(args):
     torch.manual_seed(args.seed)
     net = IResNet(args.depth, args.width, args.embedding)
+    if args.no_head:
+        # A head too large to write out: each side draws its own N(0, 0.01) centres.
+        torch.save({"backbone": net.state_dict()}, args.out)
+        return
     weight = torch.normal(0, 0.01, (args.classes, args.embedding))
     torch.save({"backbone": net.state_dict(), "partial_fc": {"weight": weight}}, args.out)
 
@@ -229,7 +257,9 @@ def worker(rank, args, port):
     backbone.to(dtype)
     backbone = nn.parallel.DistributedDataParallel(backbone, broadcast_buffers=False, bucket_cap_mb=16)
     backbone.train()
-    head = PartialFC(saved["partial_fc"]["weight"].to(dtype), (args.scale, m1, m2, m3, 0.0), args.world, rank)
+    full = saved["partial_fc"]["weight"].to(dtype) if "partial_fc" in saved else None
+    head = PartialFC(full, (args.scale, m1, m2, m3, 0.0), args.world, rank, classes=args.classes,
+                     embedding=args.embedding, sample_rate=args.sample_rate, seed=args.seed, dtype=dtype)
     opt = torch.optim.SGD([{"params": backbone.parameters()}, {"params": head.parameters()}],
                           lr=args.lr, momentum=args.momentum, weight_decay=args.wd)
     data = RecFaces(args.data)
@@ -240,26 +270,46 @@ def worker(rank, args, port):
     total = len(loader) * args.epochs
     sched = PolyScheduler(opt, args.lr, total, args.warmup)
     step, samples = 0, 0
+    # Where rank 0's step time goes, as `tandem train` splits it (seconds summed).
+    times = {"data": 0.0, "forward": 0.0, "head": 0.0, "backward": 0.0, "optimizer": 0.0}
     started = time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
+        waited = time.perf_counter()
         for img, labels in loader:
             if args.steps and step >= args.steps:
                 break
             step += 1
-            loss = head(backbone(img.to(dtype)), labels)
+            t0 = time.perf_counter()
+            embeddings = backbone(img.to(dtype))
+            t1 = time.perf_counter()
+            loss = head(embeddings, labels)
+            t2 = time.perf_counter()
             loss.backward()
+            t3 = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(backbone.parameters(), args.clip)
             opt.step()
             opt.zero_grad()
             sched.step()
+            t4 = time.perf_counter()
+            for k, (a, b) in {"data": (waited, t0), "forward": (t0, t1), "head": (t1, t2),
+                              "backward": (t2, t3), "optimizer": (t3, t4)}.items():
+                times[k] += b - a
             samples += img.shape[0] * args.world
+            waited = time.perf_counter()
         if args.steps and step >= args.steps:
             break
     elapsed = time.perf_counter() - started
+    import resource
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
+    peaks = [torch.zeros_like(peak) for _ in range(args.world)]
+    dist.all_gather(peaks, peak)
     if rank == 0:
         if args.out:
             torch.save(backbone.module.state_dict(), args.out)
+        per = {k: v * 1e3 / max(step, 1) for k, v in times.items()}
+        print("step_ms " + " ".join(f"{k}={v:.1f}" for k, v in per.items()), flush=True)
+        print("peak_rss_bytes=" + ",".join(str(int(p.item())) for p in peaks), flush=True)
         print(f"steps={step} loss={loss.item():.6f} samples/s={samples / max(elapsed, 1e-9):.1f}", flush=True)
     dist.destroy_process_group()
 
@@ -296,6 +346,8 @@ def main():
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: all)")
     p.add_argument("--double", action="store_true", help="train in float64 (the float32 runs' reference)")
+    p.add_argument("--sample-rate", type=float, default=1.0, help="PartialFC v2's sample_rate")
+    p.add_argument("--no-head", action="store_true", help="init: write the backbone only")
     p.add_argument("--out")
     args = p.parse_args()
     if args.mode in ("init", "verify"):

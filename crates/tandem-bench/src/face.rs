@@ -14,7 +14,10 @@ pub struct Args {
     /// Ranks on this host (both sides).
     #[arg(long, default_value_t = 2)]
     nproc: usize,
-    /// IResNet-18 stage width (arcface_torch's is 64).
+    /// The backbone: iresnet18, iresnet34, iresnet50 or iresnet100.
+    #[arg(long, default_value = "iresnet18", value_parser = ["iresnet18", "iresnet34", "iresnet50", "iresnet100"])]
+    model: String,
+    /// IResNet stage width (arcface_torch's is 64).
     #[arg(long, default_value_t = 16)]
     width: usize,
     #[arg(long, default_value_t = 128)]
@@ -30,7 +33,14 @@ pub struct Args {
     rounds: usize,
     /// Identities in the synthetic set (8 images each).
     #[arg(long, default_value_t = 64)]
-    classes: usize,
+    identities: usize,
+    /// Rows of the PartialFC head (default: the identities); the data may hold fewer. A head
+    /// over 256 MiB is not written out: each side draws its own N(0, 0.01) centres.
+    #[arg(long)]
+    classes: Option<usize>,
+    /// PartialFC's sample rate (PartialFC v2's class sampling on both sides below 1).
+    #[arg(long, default_value_t = 1.0)]
+    sample_rate: f64,
     /// DataLoader worker processes of the PyTorch side (arcface_torch uses 2; on a machine with
     /// one core per rank 0 is PyTorch's fastest).
     #[arg(long, default_value_t = 0)]
@@ -44,10 +54,17 @@ pub struct Args {
     python: Option<PathBuf>,
 }
 
-/// One side's samples/s per round.
+/// One side's samples/s per round, and its largest rank's peak resident memory per round.
 struct Side {
     name: &'static str,
     samples_per_s: Vec<f64>,
+    peak_rss: Vec<f64>,
+}
+
+/// `key=a,b,...` (the last occurrence) as numbers.
+fn list_after(text: &str, key: &str) -> Option<Vec<f64>> {
+    let v = text.split_whitespace().rev().find_map(|w| w.strip_prefix(key))?;
+    v.split(',').map(|x| x.parse().ok()).collect()
 }
 
 fn run(cmd: &mut Command, what: &str) -> anyhow::Result<String> {
@@ -68,6 +85,9 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     if args.nproc == 0 || args.batch == 0 || args.steps == 0 || args.rounds == 0 {
         bail!("--nproc, --batch, --steps and --rounds must be at least 1");
     }
+    if !(args.sample_rate > 0.0 && args.sample_rate <= 1.0) {
+        bail!("--sample-rate must be in (0, 1], got {}", args.sample_rate);
+    }
     let python = crate::ckpt::find_python(args.python.clone()).context(
         "no Python with torch for the PyTorch side (--python, $TANDEM_PYTHON or ./.venv-torch)",
     )?;
@@ -78,13 +98,22 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
     let exe = crate::tandem_exe()?;
     let peer = crate::report::repo_root().join(crate::PEERS_DIR).join("torch_face_recipe.py");
     let data = dir.join("faces");
-    let (classes, width, emb) =
-        (args.classes.to_string(), args.width.to_string(), args.embedding.to_string());
+    let head_rows = args.classes.unwrap_or(args.identities);
+    let depth = args.model.trim_start_matches("iresnet").to_string();
+    let (identities, classes, width, emb) = (
+        args.identities.to_string(),
+        head_rows.to_string(),
+        args.width.to_string(),
+        args.embedding.to_string(),
+    );
+    let rate = args.sample_rate.to_string();
+    // A large head is drawn by each side from its seed rather than written out and read back.
+    let head_in_init = head_rows * args.embedding * 4 <= 256 << 20;
     if !data.join("train.rec").is_file() {
         run(
             Command::new(&exe).args(["data", "synth-faces"]).arg(&data).args([
                 "--classes",
-                &classes,
+                &identities,
                 "--per-class",
                 "8",
                 "--pairs",
@@ -94,22 +123,27 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         )?;
     }
     let init = dir.join("init.pt");
-    run(
-        Command::new(python).arg(&peer).arg("init").arg(&init).args([
-            "--classes",
-            &classes,
-            "--width",
-            &width,
-            "--embedding",
-            &emb,
-        ]),
-        "torch_face_recipe.py init",
-    )?;
+    let mut init_cmd = Command::new(python);
+    init_cmd.arg(&peer).arg("init").arg(&init).args([
+        "--classes",
+        &classes,
+        "--depth",
+        &depth,
+        "--width",
+        &width,
+        "--embedding",
+        &emb,
+    ]);
+    if !head_in_init {
+        init_cmd.arg("--no-head");
+    }
+    run(&mut init_cmd, "torch_face_recipe.py init")?;
     let (nproc, batch, steps) =
         (args.nproc.to_string(), args.batch.to_string(), args.steps.to_string());
     let recipe = |out: &Path| -> Command {
         let mut c = Command::new(&exe);
-        c.args(["train", "--nproc-per-node", &nproc, "--model", "iresnet18", "--width", &width]);
+        c.args(["train", "--nproc-per-node", &nproc, "--model", &args.model, "--width", &width]);
+        c.args(["--num-classes", &classes, "--sample-rate", &rate]);
         c.args([
             "--embedding-size",
             &emb,
@@ -128,9 +162,14 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         }
         c
     };
-    let mut ours = Side { name: "tandem", samples_per_s: Vec::new() };
-    let mut theirs = Side { name: "PyTorch (gloo DDP + PartialFC)", samples_per_s: Vec::new() };
-    let mut breakdown = String::new();
+    let mut ours = Side { name: "tandem", samples_per_s: Vec::new(), peak_rss: Vec::new() };
+    let mut theirs = Side {
+        name: "PyTorch (gloo DDP + PartialFC v2)",
+        samples_per_s: Vec::new(),
+        peak_rss: Vec::new(),
+    };
+    let (mut breakdown, mut torch_breakdown) = (String::new(), String::new());
+    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
     for round in 0..args.rounds {
         let out = dir.join(format!("run-{round}"));
         run(&mut recipe(&out), "tandem train (face recipe)")?;
@@ -139,6 +178,8 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
             .with_context(|| format!("no run summary in {}", metrics.display()))?;
         breakdown = summary.step_times.map(|t| t.line()).unwrap_or_default();
         ours.samples_per_s.push(summary.samples_per_s);
+        let peaks: Vec<f64> = summary.peak_rss_bytes.iter().map(|&b| b as f64).collect();
+        ours.peak_rss.push(max(&peaks));
         let text = run(
             Command::new(python)
                 .arg(&peer)
@@ -168,12 +209,24 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
                     "0",
                     "--workers",
                     &args.torch_workers.to_string(),
+                    "--depth",
+                    &depth,
+                    "--classes",
+                    &classes,
+                    "--sample-rate",
+                    &rate,
                 ]),
             "torch_face_recipe.py train",
         )?;
         let sps = value_after(&text, "samples/s=")
             .context("no samples/s in the PyTorch peer's output")?;
         theirs.samples_per_s.push(sps);
+        let peaks = list_after(&text, "peak_rss_bytes=")
+            .context("no peak_rss_bytes in the PyTorch peer's output")?;
+        theirs.peak_rss.push(max(&peaks));
+        if let Some(line) = text.lines().rev().find(|l| l.starts_with("step_ms ")) {
+            torch_breakdown = line.to_string();
+        }
         eprintln!(
             "round {}/{}: tandem {:.1}, PyTorch {:.1} samples/s",
             round + 1,
@@ -183,21 +236,43 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         );
     }
     println!(
-        "face recipe: IResNet-18 width {} embedding {}, 112x112, {} ranks x batch {}, {} classes, {} steps per run, {} rounds",
-        args.width, args.embedding, args.nproc, args.batch, args.classes, args.steps, args.rounds
+        "face recipe: {} width {} embedding {}, 112x112, {} ranks x batch {}, a head of {head_rows} classes (data: {} identities) at sample rate {}, {} steps per run, {} rounds{}",
+        args.model,
+        args.width,
+        args.embedding,
+        args.nproc,
+        args.batch,
+        args.identities,
+        args.sample_rate,
+        args.steps,
+        args.rounds,
+        if head_in_init { "" } else { "; each side draws its own centres" }
     );
-    let mut medians = Vec::new();
+    let (mut medians, mut memory) = (Vec::new(), Vec::new());
     for side in [&ours, &theirs] {
         let s = crate::report::summary(&side.samples_per_s).context("no measurements")?;
+        let m = crate::report::summary(&side.peak_rss).context("no measurements")?;
+        let gib = |b: f64| b / (1u64 << 30) as f64;
         println!(
-            "  {:<34} samples/s min {:.1} median {:.1} max {:.1}",
-            side.name, s.min, s.median, s.max
+            "  {:<36} samples/s min {:.3} median {:.3} max {:.3} | peak memory of the largest rank (GiB) min {:.2} median {:.2} max {:.2}",
+            side.name, s.min, s.median, s.max, gib(m.min), gib(m.median), gib(m.max)
         );
         medians.push(s.median);
+        memory.push(m.median);
     }
-    println!("  tandem / PyTorch (medians): {:.2}x", medians[0] / medians[1]);
+    println!(
+        "  tandem / PyTorch (medians): samples/s {:.2}x, peak memory per rank {:.2}x",
+        medians[0] / medians[1],
+        memory[0] / memory[1].max(1.0)
+    );
     if !breakdown.is_empty() {
-        println!("  {breakdown}");
+        println!("  tandem:  {breakdown}");
+    }
+    if !torch_breakdown.is_empty() {
+        println!(
+            "  PyTorch: time per step on rank 0 (ms): {}",
+            &torch_breakdown["step_ms ".len()..]
+        );
     }
     Ok(0)
 }

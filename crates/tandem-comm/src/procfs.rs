@@ -45,7 +45,6 @@ impl ProcStat {
     }
 }
 
-/// Every pid listed in /proc.
 /// `MemAvailable` of `/proc/meminfo` in bytes (`None` where it cannot be read).
 pub fn mem_available() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -54,6 +53,15 @@ pub fn mem_available() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
+/// This process's peak resident set size (`VmHWM` of `/proc/self/status`) in bytes.
+pub fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Every pid listed in /proc.
 pub fn all_pids() -> Vec<i32> {
     let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
     entries.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()

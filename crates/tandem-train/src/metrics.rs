@@ -70,6 +70,9 @@ pub struct RunSummary {
     /// Every epoch this process saw end, in order.
     #[serde(default)]
     pub epochs_seen: Vec<EpochMetrics>,
+    /// Each rank's peak resident memory in bytes (`VmHWM`), by rank; 0 where unknown.
+    #[serde(default)]
+    pub peak_rss_bytes: Vec<u64>,
 }
 
 /// One line of a metrics file.
@@ -218,6 +221,7 @@ mod tests {
             step_times: None,
             verification: Vec::new(),
             epochs_seen: vec![epoch(1), epoch(2)],
+            peak_rss_bytes: vec![1 << 30, 3 << 29],
         };
         let mut f = MetricsFile::append(&path).unwrap();
         f.write(&MetricsRecord::Epoch(epoch(1))).unwrap();

@@ -393,6 +393,13 @@ impl<R: Recipe> Trainer<R> {
         // Every rank agrees the run is over before any reports it.
         let mut done = [1.0f64];
         self.group.all_reduce(&mut done, ReduceOp::Sum)?;
+        let peak = tandem_comm::procfs::peak_rss().unwrap_or(0).to_le_bytes();
+        let peak_rss_bytes = self
+            .group
+            .all_gather_bytes_at_most(&peak, 8)?
+            .iter()
+            .map(|b| b.as_slice().try_into().map_or(0, u64::from_le_bytes))
+            .collect();
         let summary = RunSummary {
             rank: self.rank(),
             epochs: self.loader.epoch().min(self.opts.epochs),
@@ -406,6 +413,7 @@ impl<R: Recipe> Trainer<R> {
             step_times: Some(self.times),
             verification: self.last_val.clone(),
             epochs_seen: std::mem::take(&mut self.epochs_seen),
+            peak_rss_bytes,
         };
         if let Some(file) = self.metrics.as_mut() {
             file.write(&MetricsRecord::Summary(summary.clone()))?;
