@@ -5,12 +5,19 @@ clip_grad_norm_(backbone, 5), PolyScheduler stepped every iteration, Distributed
 DataLoader(drop_last=True)), written here from its description over gloo on the CPU.
 
 usage:
-  python reference.py init OUT.pt --classes C --width W --embedding E [--seed S]
-      Writes {"backbone": IResNet-18 state dict, "partial_fc": {"weight": [C, E]}}: torch's
-      default init of the layers, arcface_torch's N(0, 0.01) centres.
+  python reference.py init OUT.pt --classes C --width W --embedding E [--seed S] [--depth 18]
+      [--no-head]
+      Writes {"backbone": IResNet state dict, "partial_fc": {"weight": [C, E]}}: torch's
+      default init of the layers, arcface_torch's N(0, 0.01) centres (--no-head: the backbone
+      only; `train` then draws each rank's centres from the seed).
   python reference.py train --data DIR --init INIT.pt --world 2 --width W --embedding E
       --margin M1,M2,M3 --scale S --batch B --epochs N --lr LR --momentum 0.9 --wd 5e-4
       --warmup K --clip 5 --seed S [--out MODEL.pt] [--threads T] [--depth 18]
+      [--classes C --sample-rate R]
+      --sample-rate below 1 runs PartialFC v2's class sampling (positives kept, the rest by the
+      top-k of random scores, the sampled rows indexed out of the shard). Also prints rank 0's
+      `step_ms data=.. forward=.. head=.. backward=.. optimizer=..` and every rank's
+      `peak_rss_bytes=a,b,...` (ru_maxrss).
   python reference.py verify MODEL.pt --pairs PAIRS.bin --width W --embedding E [--depth 18]
       insightface's verification test of a backbone state dict on a `.bin` pair set (eval mode,
       each image plus its mirror, L2-normalised, 10-fold threshold in 0..4 by 0.01); prints
