@@ -208,9 +208,9 @@ fn quick_report_has_every_section_ratio_and_plot() {
             let after = line.split("median ").nth(1).expect("a median");
             num(after.split_whitespace().next().unwrap(), side)
         };
-        let (ours, theirs) = (median("tandem "), median("PyTorch (gloo DDP + PartialFC)"));
+        let (ours, theirs) = (median("tandem "), median("PyTorch (gloo DDP + PartialFC v2)"));
         let ratio = face
-            .split("(medians): ")
+            .split("(medians): samples/s ")
             .nth(1)
             .and_then(|r| r.split('x').next())
             .map(|r| num(r, "ratio"))
@@ -219,7 +219,26 @@ fn quick_report_has_every_section_ratio_and_plot() {
             (ratio - ours / theirs).abs() <= 0.006 + 0.01 * ratio,
             "{ratio} vs {ours} / {theirs}: {face}"
         );
+        // Both sides' memory (the largest rank's peak) and its ratio, and both breakdowns.
+        let gib = |side: &str| {
+            let line = face.lines().find(|l| l.trim_start().starts_with(side)).expect("a row");
+            let after = line.split("(GiB) ").nth(1).expect("a memory figure");
+            num(after.split("median ").nth(1).unwrap().split_whitespace().next().unwrap(), side)
+        };
+        let (ours_mem, theirs_mem) = (gib("tandem "), gib("PyTorch (gloo DDP + PartialFC v2)"));
+        assert!(ours_mem > 0.0 && theirs_mem > 0.0, "{face}");
+        let mem_ratio = face
+            .split("peak memory per rank ")
+            .nth(1)
+            .and_then(|r| r.split('x').next())
+            .map(|r| num(r, "memory ratio"))
+            .expect("a memory ratio");
+        assert!(
+            (mem_ratio - ours_mem / theirs_mem).abs() <= 0.02 + 0.2 * mem_ratio,
+            "{mem_ratio} vs {ours_mem} / {theirs_mem}: {face}"
+        );
         assert!(face.contains("time per step on rank 0"), "{face}");
+        assert!(face.contains("PyTorch: time per step on rank 0 (ms): data="), "{face}");
     } else {
         assert!(face.contains("Not measured: PyTorch not available"), "{face}");
     }
