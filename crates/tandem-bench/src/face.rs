@@ -61,6 +61,56 @@ struct Side {
     peak_rss: Vec<f64>,
 }
 
+/// Floating-point operations of one IResNet forward pass on one 112x112 image, counted from the
+/// layer shapes (a multiply-add is 2): the stem, every block's two 3x3 convolutions and its 1x1
+/// downsample, the final linear layer. BatchNorm, PReLU and the additions are left out (a few
+/// percent, and not gemm work).
+pub fn iresnet_forward_flops(depth: usize, width: usize, embedding: usize) -> f64 {
+    let blocks: [usize; 4] = match depth {
+        18 => [2, 2, 2, 2],
+        34 => [3, 4, 6, 3],
+        50 => [3, 4, 14, 3],
+        _ => [3, 13, 30, 3],
+    };
+    let conv =
+        |cin: usize, cout: usize, k: usize, hw: usize| 2.0 * (cin * cout * k * k * hw * hw) as f64;
+    let mut flops = conv(3, width, 3, 112);
+    let (mut cin, mut hw) = (width, 112);
+    for (stage, n) in blocks.iter().enumerate() {
+        let cout = width << stage;
+        for b in 0..*n {
+            let out_hw = if b == 0 { hw / 2 } else { hw };
+            flops += conv(cin, cout, 3, hw) + conv(cout, cout, 3, out_hw);
+            if b == 0 {
+                flops += conv(cin, cout, 1, out_hw);
+            }
+            cin = cout;
+            hw = out_hw;
+        }
+    }
+    flops + 2.0 * (cin * hw * hw * embedding) as f64
+}
+
+/// This machine's single-precision matrix-product rate in FLOP/s on all its cores (candle's
+/// CPU matmul, over the `gemm` crate tandem's kernels use too): the best of 8 products of two
+/// 1024x1024 matrices after 2 warm-up ones.
+fn sgemm_peak() -> anyhow::Result<f64> {
+    use candle_core::{Device, Tensor};
+    let n = 1024;
+    let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+    let b = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+    let mut best = f64::INFINITY;
+    for i in 0..10 {
+        let t = std::time::Instant::now();
+        let c = a.matmul(&b)?;
+        let _ = c.sum_all()?.to_scalar::<f32>()?;
+        if i >= 2 {
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(2.0 * (n * n * n) as f64 / best)
+}
+
 /// `key=a,b,...` (the last occurrence) as numbers.
 fn list_after(text: &str, key: &str) -> Option<Vec<f64>> {
     let v = text.split_whitespace().rev().find_map(|w| w.strip_prefix(key))?;
@@ -274,5 +324,45 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
             &torch_breakdown["step_ms ".len()..]
         );
     }
+    // The work of a step over the world, counted from the layer shapes: the backbone's forward
+    // and backward (about twice the forward: input and weight gradients) for every image, and
+    // the head's logits and their two gradients over the rows each rank samples.
+    let depth_n: usize = depth.parse().unwrap_or(18);
+    let images = (args.batch * args.nproc) as f64;
+    let backbone = 3.0 * iresnet_forward_flops(depth_n, args.width, args.embedding) * images;
+    let sampled = (args.sample_rate * head_rows as f64 / args.nproc as f64).floor();
+    let head = 3.0 * 2.0 * images * sampled * args.embedding as f64 * args.nproc as f64;
+    let step_flops = backbone + head;
+    let peak = sgemm_peak()?;
+    println!(
+        "  work per step: {:.1} GFLOP (backbone {:.1}, head {:.1}); this machine's sgemm peak (all cores): {:.1} GFLOP/s",
+        step_flops / 1e9,
+        backbone / 1e9,
+        head / 1e9,
+        peak / 1e9
+    );
+    for (side, sps) in [("tandem", medians[0]), ("PyTorch", medians[1])] {
+        let achieved = step_flops * sps / images;
+        println!(
+            "  {side:<8} achieved {:.1} GFLOP/s = {:.2} of the sgemm peak",
+            achieved / 1e9,
+            achieved / peak
+        );
+    }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::iresnet_forward_flops;
+
+    /// arcface_torch's model table gives the backbones' multiply-adds at 112x112 with a 512-d
+    /// embedding: r18 2.6G, r34 4.5G, r50 6.3G, r100 12.1G.
+    #[test]
+    fn the_flop_count_matches_arcface_torchs_table() {
+        for (depth, gmac) in [(18, 2.6), (34, 4.5), (50, 6.3), (100, 12.1)] {
+            let got = iresnet_forward_flops(depth, 64, 512) / 2e9;
+            assert!((got - gmac).abs() / gmac < 0.02, "r{depth}: {got:.3} GMAC, table {gmac}");
+        }
+    }
 }
