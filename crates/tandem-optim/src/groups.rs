@@ -123,6 +123,14 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
         Ok(())
     }
 
+    /// Parameter `i`'s state entry alone (`Value::None` when it has none yet).
+    pub fn param_state(&self, i: usize) -> Result<Value, OptimError> {
+        match self.state.get(i) {
+            Some(Some(s)) => s.to_value(&format!("state.{i}")),
+            _ => Ok(Value::None),
+        }
+    }
+
     pub fn state_dict(&self) -> Result<Value, OptimError> {
         let mut state = Vec::new();
         for (i, s) in self.state.iter().enumerate() {

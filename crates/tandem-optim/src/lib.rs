@@ -64,6 +64,9 @@ macro_rules! impl_optimizer_via_groups {
             fn state_dict(&self) -> Result<tandem_ckpt::Value, $crate::OptimError> {
                 self.groups.state_dict()
             }
+            fn param_state(&self, index: usize) -> Result<tandem_ckpt::Value, $crate::OptimError> {
+                self.groups.param_state(index)
+            }
             fn load_state_dict(
                 &mut self,
                 state_dict: &tandem_ckpt::Value,

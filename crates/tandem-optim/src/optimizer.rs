@@ -64,6 +64,15 @@ pub trait TorchOptimizer {
     /// The state in `torch.optim.Optimizer.state_dict()` layout. Fails only when a state tensor
     /// cannot be copied to the host.
     fn state_dict(&self) -> Result<Value, OptimError>;
+    /// The `state` entry of parameter `index` alone (`Value::None` before its first step):
+    /// what [`TorchOptimizer::state_dict`] holds under that index, without copying the others.
+    fn param_state(&self, index: usize) -> Result<Value, OptimError> {
+        let sd = self.state_dict()?;
+        let entry = sd.get("state").and_then(Value::as_dict).and_then(|items| {
+            items.iter().find(|(k, _)| k.as_int() == Some(index as i64)).map(|(_, v)| v.clone())
+        });
+        Ok(entry.unwrap_or(Value::None))
+    }
     /// Loads a state made by [`TorchOptimizer::state_dict`] or by torch (same optimizer type, same
     /// group sizes). Hyperparameters, the learning rate included, come from the loaded groups,
     /// as in torch. Nothing changes when an error is returned.

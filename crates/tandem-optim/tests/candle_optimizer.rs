@@ -107,3 +107,27 @@ fn a_bad_config_through_candle_nn_keeps_the_optimizer_s_message() {
     let e = e.to_string();
     assert!(e.contains("lr") && e.contains("-1"), "{e}");
 }
+
+/// `param_state` is one entry of `state_dict`'s `state` (tandem's optimizers copy only that
+/// entry); `None` before a parameter's first step.
+#[test]
+fn param_state_is_one_entry_of_the_state_dict() {
+    use candle_core::{Device, Tensor, Var};
+    use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd};
+    let a = Var::from_tensor(&Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap()).unwrap();
+    let b = Var::from_tensor(&Tensor::new(&[3f32], &Device::Cpu).unwrap()).unwrap();
+    let mut opt = TorchSgd::new(
+        vec![a.clone(), b.clone()],
+        SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() },
+    )
+    .unwrap();
+    assert_eq!(opt.param_state(1).unwrap(), tandem_ckpt::Value::None);
+    // Only `b` gets a gradient: `a` keeps no state.
+    let grads = (b.as_tensor() * 2.0).unwrap().sum_all().unwrap().backward().unwrap();
+    opt.step(&grads).unwrap();
+    let sd = opt.state_dict().unwrap();
+    let entry = sd.get("state").and_then(|s| s.as_dict()).unwrap();
+    let from_dict = entry.iter().find(|(k, _)| k.as_int() == Some(1)).unwrap().1.clone();
+    assert_eq!(opt.param_state(1).unwrap(), from_dict);
+    assert_eq!(opt.param_state(0).unwrap(), tandem_ckpt::Value::None);
+}

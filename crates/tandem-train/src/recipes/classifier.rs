@@ -19,6 +19,7 @@ use tandem_optim::TorchOptimizer;
 
 use super::net::{image_shape, Net, NetSpec};
 use super::optimizer::TrainOptimizer;
+use super::LiveComm;
 use crate::error::{bail, Context, Result, TrainError};
 use crate::fault;
 use crate::live_entries::{self, regroup_entries, Entries};
@@ -43,10 +44,7 @@ pub(super) fn run(cfg: &TrainOptions, group: ProcessGroup) -> Result<RunSummary>
 
 /// A rank of a live job (see [`super::run_live`]).
 pub(super) fn run_live(cfg: &TrainOptions, opts: LiveOptions) -> Result<RunSummary> {
-    super::run_live(cfg, opts, |group, live| {
-        let ddp = DdpOptions { sync_on_init: !live.replacement, ..DdpOptions::default() };
-        Classifier::build(cfg, group, Some((live.comm, ddp)))
-    })
+    super::run_live(cfg, opts, |group, live| Classifier::build(cfg, group, Some(live)))
 }
 
 /// The classifier's model, optimizer, eval data and checkpoint files.
@@ -78,12 +76,12 @@ struct ZeroLive {
 }
 
 impl<'a> Classifier<'a> {
-    /// `live`: the collectives Ddp and SyncBatchNorm use instead of `group` (they follow a live
-    /// world's regroups) and Ddp's options.
+    /// `live`: the collectives Ddp, SyncBatchNorm and ZeRO use instead of `group` (they follow
+    /// a live world's regroups).
     pub fn build(
         cfg: &'a TrainOptions,
         group: &ProcessGroup,
-        live: Option<(Arc<dyn Collectives>, DdpOptions)>,
+        live: Option<LiveComm>,
     ) -> Result<(Self, DataLoader<TrainData>, Step)> {
         let run_dir = cfg.run.dir.as_path();
         let rank = group.rank();
@@ -102,7 +100,7 @@ impl<'a> Classifier<'a> {
             // The ResNet is a VarMap model: Ddp reduces its buckets after backward, so the
             // SyncBatchNorm collectives cannot interleave with them and may share the group.
             let comm: Arc<dyn Collectives> = match &live {
-                Some((comm, _)) => Arc::clone(comm),
+                Some(l) => Arc::clone(&l.comm),
                 None => Arc::new(group.clone()),
             };
             net.convert_sync_batchnorm(comm)?;
@@ -115,18 +113,22 @@ impl<'a> Classifier<'a> {
             }
         }
         let zero_live = match &live {
-            Some((_, o)) if cfg.optim.zero => Some(ZeroLive {
+            Some(l) if cfg.optim.zero => Some(ZeroLive {
                 every: cfg.comm.mirror_every.max(1),
                 mirror: None,
-                holds: o.sync_on_init,
+                holds: !l.replacement,
                 shard_step: 0,
                 pending: None,
             }),
             _ => None,
         };
-        let zero_comm = live.as_ref().map(|(c, _)| Arc::clone(c));
+        let zero_comm = live.as_ref().map(|l| Arc::clone(&l.comm));
         let ddp = match live {
-            Some((comm, opts)) => Ddp::with_comm(net, comm, opts),
+            Some(l) => {
+                // A replacement's parameters come with the state when it joins.
+                let opts = DdpOptions { sync_on_init: !l.replacement, ..DdpOptions::default() };
+                Ddp::with_comm(net, l.comm, opts)
+            }
             None => Ddp::new(net, group, DdpOptions::default()),
         }
         .context("wrapping the model in Ddp")?;

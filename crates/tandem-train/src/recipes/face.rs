@@ -401,8 +401,7 @@ impl Recipe for Face<'_> {
     fn regroup(&mut self, group: &ProcessGroup, global_step: u64) -> Result<Option<String>> {
         let Some(live) = self.live.as_ref() else { return Ok(None) };
         let head_index = self.ddp.params().len() as i64;
-        let full = self.opt.state_dict()?;
-        let (own_rest, own_entry) = split_optimizer(&full, head_index);
+        let own_entry = self.opt.param_state(head_index as usize)?;
         let own = match live.holds_rows {
             true => Some(self.own_rows(&own_entry, live.rows_step)?),
             false => None,
@@ -427,17 +426,23 @@ impl Recipe for Face<'_> {
         let var = self.head.regroup(&weight)?;
         self.head.set_steps_taken(global_step);
         // The optimizer over the new rows, with the world's state and the rows' own.
-        let live = self.live.as_mut().context("live recovery")?;
-        let rest = live.pending_rest.take().unwrap_or(own_rest);
+        // The world's optimizer state without the head: the source's, or this rank's own.
+        let rest = match self.live.as_mut().and_then(|l| l.pending_rest.take()) {
+            Some(rest) => rest,
+            None => split_optimizer(&self.opt.state_dict()?, head_index).0,
+        };
         let entry = head_entry(&rows, &own_entry, &rest, e);
         let lrs = self.opt.group_lrs();
         self.opt = build_optimizer(self.cfg, self.ddp.params(), var)?;
         self.opt.load_state_dict(&merge_optimizer(&rest, head_index, entry))?;
         self.opt.set_group_lrs(&lrs)?;
-        live.holds_rows = true;
-        live.rows_step = global_step;
-        live.mirror = None;
-        self.mirror(group, global_step)?;
+        if let Some(live) = self.live.as_mut() {
+            live.holds_rows = true;
+            live.rows_step = global_step;
+            live.mirror = None;
+        }
+        // The new rows are this rank's own now: mirrored at once, so the next death is covered.
+        self.send_mirror(group, &rows, Instant::now())?;
         Ok(Some(counts.to_string()))
     }
 
@@ -494,12 +499,17 @@ impl Face<'_> {
     /// Sends this rank's rows to the next rank and keeps the previous rank's (a collective).
     fn mirror(&mut self, group: &ProcessGroup, step: u64) -> Result<()> {
         let clock = Instant::now();
-        let head_index = self.ddp.params().len() as i64;
-        let (_, entry) = split_optimizer(&self.opt.state_dict()?, head_index);
+        let entry = self.opt.param_state(self.ddp.params().len())?;
         let own = self.own_rows(&entry, step)?;
+        self.send_mirror(group, &own, clock)
+    }
+
+    /// [`Face::mirror`] of the block `own` (this rank's rows), timed from `clock`.
+    fn send_mirror(&mut self, group: &ProcessGroup, own: &RowBlock, clock: Instant) -> Result<()> {
         let (classes, e) = (self.head.config().num_classes, self.head.config().embedding_size);
-        let mirror = exchange_mirror(group, &own, classes, e).map_err(|err| {
-            TrainError::Failed { what: "mirroring the head's rows".into(), source: Box::new(err) }
+        let mirror = exchange_mirror(group, own, classes, e).map_err(|err| TrainError::Failed {
+            what: "mirroring the head's rows".into(),
+            source: Box::new(err),
         })?;
         if let Some(live) = self.live.as_mut() {
             live.mirror = mirror;
@@ -556,6 +566,9 @@ fn row_tensors(entry: &Value, rows: usize, e: usize) -> Vec<(String, Vec<f32>)> 
 /// The head's optimizer entry for the re-split `rows`: their row tensors, and the other
 /// entries (AdamW's `step`) from this rank's old entry, else from the first parameter's.
 fn head_entry(rows: &RowBlock, own: &Value, rest: &Value, e: usize) -> Value {
+    if rows.state.is_empty() {
+        return Value::None;
+    }
     let scalars_from = match own {
         Value::Dict(items) if !items.is_empty() => own.clone(),
         _ => rest
@@ -566,9 +579,6 @@ fn head_entry(rows: &RowBlock, own: &Value, rest: &Value, e: usize) -> Value {
             })
             .unwrap_or(Value::None),
     };
-    if rows.state.is_empty() {
-        return Value::None;
-    }
     let row_names: Vec<&str> = rows.state.iter().map(|(k, _)| k.as_str()).collect();
     let mut items: Vec<(Value, Value)> = Vec::new();
     if let Value::Dict(src) = &scalars_from {
