@@ -14,7 +14,8 @@ use tandem::models::IResNet;
 use tandem::nn::{OrderedVarMap, ParamModule};
 use tandem::optim::{GradScaler, GradScalerConfig, SgdConfig, TorchOptimizer, TorchSgd};
 use tandem::partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig};
-use tandem::train::face::{self, FaceCheckpoints, FaceState};
+use tandem::train::face::{self, FaceState};
+use tandem::train::Checkpointer;
 use tandem::train::{verification, LrSchedule, RunLength, Step, Warmup};
 
 const SEED: u64 = 7;
@@ -53,7 +54,7 @@ fn main() -> Result<()> {
     let scaler = GradScaler::new(GradScalerConfig { growth_interval: 100, ..Default::default() })?;
     let mut step = Step::new().scaler(Some(scaler)).clip_grad_norm(Some(5.0)).scheduler(sched);
 
-    let mut ckpts = FaceCheckpoints::new(out.join("checkpoints"), 2);
+    let mut ckpts = Checkpointer::new(out.join("checkpoints"), 2);
     let mut state = FaceState::new(&ddp, &mut head, &mut opt, &mut step);
     let mut global_step = 0;
     if let Some(r) = face::resume(&ckpts, &mut state, &mut loader, epochs, &group)? {

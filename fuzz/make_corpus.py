@@ -75,14 +75,24 @@ mesh = frame(field(b"tandem-mesh/2") + field(b"fuzz") + field(b"w") + struct.pac
 put("mesh_hello", "open_hello", b"\0" + mesh)
 put("mesh_hello", "secret_hello", b"\1" + mesh + frame(field(b"\0" * 32)))
 
-# A face checkpoint manifest (two ranks' heads).
+# Checkpoint manifests: the face recipe's earlier format (two ranks' heads) and today's
+# (row, entry and rank shards).
 manifest = {
     "format": "tandem-partial-fc-1", "world_size": 2, "global_step": 8, "epoch": 1,
     "num_classes": 10, "embedding_size": 4, "replicated": "replicated.pt",
     "heads": [{"file": "head-rank-00000-of-00002.pt", "start": 0, "len": 5},
               {"file": "head-rank-00001-of-00002.pt", "start": 5, "len": 5}],
 }
-put("face_manifest", "two_ranks.json", json.dumps(manifest, indent=1).encode())
+put("checkpoint_manifest", "face_two_ranks.json", json.dumps(manifest, indent=1).encode())
+state = {
+    "format": "tandem-state-1", "world_size": 2, "global_step": 8, "epoch": 1,
+    "replicated": "replicated.pt",
+    "ranks": [{"file": f"rank-0000{r}-of-00002.pt", "shards": [
+        {"name": "head", "kind": "rows", "start": 5 * r, "len": 5, "total": 10},
+        {"name": "optimizer/state", "kind": "entries", "indices": [r, r + 2]},
+        {"name": "buffers", "kind": "rank"}]} for r in range(2)],
+}
+put("checkpoint_manifest", "state_two_ranks.json", json.dumps(state, indent=1).encode())
 
 # `tandem train --config` files: the seed's recipe and a small classifier one.
 with open(os.path.join(ROOT, "configs", "arcface_ms1mv3_r50.toml"), "rb") as f:

@@ -1,5 +1,5 @@
 //! `tandem bench save-stall`: how long a checkpoint save stops training, written synchronously
-//! (`CheckpointManager::save`, as `tandem train`) or in the background (`AsyncCheckpointManager`,
+//! (`Checkpointer::save`, as `tandem train`) or in the background (`Checkpointer::background`,
 //! `tandem train --async-save`). The state is real: an MLP and its SGD momentum buffers,
 //! `--size-mib` MiB in all, trained on random data. Each repetition runs the same steps three
 //! ways — no saves, synchronous saves, background saves — and a save step's stall is its time
@@ -12,11 +12,13 @@ use std::time::Instant;
 
 use anyhow::bail;
 use candle_core::{Device, Tensor};
-use tandem_ckpt::{AsyncCheckpointManager, CheckpointManager, TrainingCheckpoint, Value};
+use tandem_ckpt::{TrainingCheckpoint, Value};
+use tandem_comm::InitMethod;
 use tandem_models::Mlp;
 use tandem_nn::weights::state_dict_value;
 use tandem_nn::ParamModule;
 use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd};
+use tandem_train::checkpoint::{Checkpointer, TrainingStateDict};
 
 use super::local_ranks::median;
 
@@ -103,8 +105,9 @@ fn run_once(
         TorchSgd::new(params, SgdConfig { lr: 1e-3, momentum: 0.9, ..Default::default() })?;
     let x = Tensor::randn(0f32, 1.0, (BATCH, INPUT), &device)?;
     let y = Tensor::from_vec((0..BATCH as u32).map(|i| i % 10).collect(), BATCH, &device)?;
-    let manager = CheckpointManager::new(dir.join(format!("{mode:?}")), 2);
-    let mut background = AsyncCheckpointManager::new(manager.clone());
+    let group = tandem_comm::init_from(&InitMethod::Single)?;
+    let mut ckpt =
+        Checkpointer::new(dir.join(format!("{mode:?}")), 2).background(mode == Mode::Background);
     let mut times = RunTimes { steps: vec![], saved: vec![], copy: vec![], drain: 0.0 };
     for step in 1..=args.steps {
         let started = Instant::now();
@@ -128,17 +131,13 @@ fn run_once(
             .to_value()?;
             times.copy.push(copying.elapsed().as_secs_f64());
             let name = format!("step-{step:04}");
-            match mode {
-                Mode::Sync => drop(manager.save(&name, &value)?),
-                Mode::Background => drop(background.save(&name, value)?),
-                Mode::NoSave => unreachable!(),
-            }
+            ckpt.save(&group, &name, TrainingStateDict::new(step as u64, 0, value))?;
         }
         times.steps.push(started.elapsed().as_secs_f64());
         times.saved.push(save);
     }
     let draining = Instant::now();
-    background.wait()?;
+    ckpt.settle(&group)?;
     times.drain = draining.elapsed().as_secs_f64();
     Ok(times)
 }

@@ -29,10 +29,6 @@ pub enum CkptError {
     TrainingField { field: String, problem: String },
     #[error("invalid map_location `{0}`: expected `cpu` or `cuda:N`")]
     MapLocation(String),
-    /// Every checkpoint in a directory failed to verify is not an error (resume starts fresh),
-    /// but a directory we cannot list is.
-    #[error("checkpoint directory {path}: {msg}")]
-    Manager { path: PathBuf, msg: String },
 }
 
 impl CkptError {

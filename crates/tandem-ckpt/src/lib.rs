@@ -1,26 +1,24 @@
 //! tandem-ckpt: reading and writing `.pt` (torch.save) and safetensors files, key
-//! canonicalisation with load reports, and atomic training checkpoints.
+//! canonicalisation with load reports, atomic writes and the training checkpoint's dict.
 //! Knows nothing of process groups (rank-0-only saving takes the caller's barrier) nor of tensor
 //! engines or devices: tensors are host bytes with PyTorch's storage/stride model, and
 //! `map_location` is validated and handed back, not acted on.
-pub mod async_save;
 pub mod atomic;
 pub mod error;
 pub mod keys;
-pub mod manager;
 mod pickle;
 pub mod pt;
 pub mod safetensors;
+pub mod training;
 pub mod value;
 mod zip_writer;
 
 use std::path::Path;
 
-pub use async_save::AsyncCheckpointManager;
 pub use error::CkptError;
 pub use keys::{canonicalize_keys, load_state_dict, LoadReport};
-pub use manager::{CheckpointManager, TrainingCheckpoint};
 pub use pt::{LoadOptions, MapLocation};
+pub use training::TrainingCheckpoint;
 pub use value::{ElemType, StorageData, TensorData, Value};
 
 /// `torch.load(path, weights_only=True)`: reads a torch.save file (zip or legacy format; a

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::fixture;
 use tandem_ckpt::keys::{load_state_dict, Renaming};
-use tandem_ckpt::{load, save, CheckpointManager, ElemType, TensorData, TrainingCheckpoint, Value};
+use tandem_ckpt::{load, save, ElemType, TensorData, TrainingCheckpoint, Value};
 use tandem_testutil::{output_with_deadline, torch_python};
 
 fn py(python: &Path, args: &[&str]) {
@@ -114,7 +114,6 @@ fn tandem_to_torch(python: &Path, dir: &Path) {
         .collect();
     let plain = dir.join("tandem_single.pt");
     save(&plain, &reference).unwrap();
-    let mgr = CheckpointManager::new(dir.join("ckpts"), 2);
     let ckpt = TrainingCheckpoint {
         epoch: 1,
         global_step: 10,
@@ -130,7 +129,8 @@ fn tandem_to_torch(python: &Path, dir: &Path) {
         config: Value::dict_from([("lr", Value::Float(0.1))]),
         scaler: Value::None,
     };
-    let from_ddp = mgr.save("step-10", &ckpt.to_value().unwrap()).unwrap();
+    let from_ddp = dir.join("checkpoint-step-10.pt");
+    save(&from_ddp, &ckpt.to_value().unwrap()).unwrap();
     // The DDP-named state dict was saved with canonical keys.
     let saved = load(&from_ddp).unwrap();
     assert!(saved.get("model").unwrap().get("features.0.weight").is_some());

@@ -208,12 +208,14 @@ fn bench_ckpt_prints_throughputs_and_ratios() {
     assert!(text.contains("tandem save .pt / dd conv=fsync (write)"), "{text}");
 }
 
-/// A ZeroRedundancyOptimizer checkpoint of 3 ranks (SGD with momentum, 2 steps) in `dir`.
-fn sharded_checkpoint(dir: &Path) {
+/// A training checkpoint of 3 ranks with a ZeroRedundancyOptimizer (SGD with momentum, 2
+/// steps) under `dir`, saved by `tandem::save_state`: each rank's optimizer entries an entry
+/// shard, nothing gathered. Returns the checkpoint's directory.
+fn sharded_checkpoint(dir: &Path) -> PathBuf {
     use candle_core::{Device, Tensor as CTensor, Var};
     use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd, ZeroRedundancyOptimizer};
     let dir = dir.to_path_buf();
-    tandem_testutil::run_tcp_world(3, move |pg| {
+    let written = tandem_testutil::run_tcp_world(3, move |pg| {
         let ps: Vec<Var> = [&[4usize, 3][..], &[4], &[2, 4], &[2]]
             .iter()
             .map(|s| {
@@ -221,11 +223,15 @@ fn sharded_checkpoint(dir: &Path) {
                     .unwrap()
             })
             .collect();
-        let mut opt = ZeroRedundancyOptimizer::new(ps.clone(), std::sync::Arc::new(pg), |shard| {
-            let cfg = SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() };
-            Ok(Box::new(TorchSgd::new(shard, cfg)?))
-        })
-        .unwrap();
+        let model = tandem_nn::NamedVars::new(
+            ps.iter().enumerate().map(|(i, p)| (format!("p{i}"), p.clone())).collect(),
+        );
+        let mut opt =
+            ZeroRedundancyOptimizer::new(ps.clone(), std::sync::Arc::new(pg.clone()), |shard| {
+                let cfg = SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() };
+                Ok(Box::new(TorchSgd::new(shard, cfg)?))
+            })
+            .unwrap();
         for _ in 0..2 {
             let loss = ps
                 .iter()
@@ -234,15 +240,67 @@ fn sharded_checkpoint(dir: &Path) {
                 .unwrap();
             opt.step(&loss.backward().unwrap()).unwrap();
         }
-        opt.save_sharded(&dir).unwrap();
+        let state = tandem::TrainingState::new(&model, &mut opt).step(2);
+        tandem::save_state(&pg, &dir, &state).unwrap()
     });
+    written[0].clone().expect("rank 0 names the checkpoint")
 }
 
 #[test]
-fn sharded_optimizer_checkpoints_inspect_and_convert_to_one_state_dict() {
+fn sharded_checkpoints_inspect_and_convert_to_one_dict() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("optim");
-    sharded_checkpoint(&dir);
+    let dir = sharded_checkpoint(&tmp.path().join("run"));
+    let out = tandem(&["ckpt", "inspect", s(&dir)]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("sharded checkpoint, tandem-state-1, step 2") && text.contains("3 ranks"),
+        "{text}"
+    );
+    for r in 0..3 {
+        let row = format!("rank {r}: rank-0000{r}-of-00003.pt");
+        assert!(
+            text.contains(&row) && text.contains("optimizer/state: entries ["),
+            "{row}: {text}"
+        );
+    }
+    let j: serde_json::Value =
+        serde_json::from_str(&stdout(&tandem(&["ckpt", "inspect", "--json", s(&dir)]))).unwrap();
+    // Momentum buffers of 12 + 4 + 8 + 2 f32 elements, split over the ranks.
+    let per_rank: Vec<u64> = j["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["shards"][0]["bytes"].as_u64().unwrap())
+        .collect();
+    assert_eq!(per_rank.iter().sum::<u64>(), 26 * 4, "{per_rank:?}");
+    assert!(per_rank.iter().all(|&b| b > 0 && b < 26 * 4), "{per_rank:?}");
+
+    // Converted: one dict with the optimizer state in torch's layout over every parameter.
+    let merged = tmp.path().join("whole.pt");
+    let out = tandem(&["ckpt", "convert", s(&dir), s(&merged)]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v = load(&merged).unwrap();
+    let opt = v.get("optimizer").unwrap();
+    let ids = opt.get("param_groups").unwrap().as_list().unwrap()[0].get("params").unwrap().clone();
+    assert_eq!(ids, Value::List((0..4).map(Value::Int).collect()));
+    let state = opt.get("state").unwrap().as_dict().unwrap();
+    let keys: Vec<i64> = state.iter().map(|(k, _)| k.as_int().unwrap()).collect();
+    assert_eq!(keys, [0, 1, 2, 3]);
+    assert_eq!(v.get("model").unwrap().as_dict().unwrap().len(), 4);
+
+    // A save that did not finish (no manifest) is named, not read.
+    std::fs::remove_file(dir.join("manifest.json")).unwrap();
+    let out = tandem(&["ckpt", "inspect", s(&dir)]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("manifest.json"));
+}
+
+/// ZeRO's own sharded format of earlier versions (`tandem-zero1`, a committed fixture written
+/// by `write_legacy_zero1_fixture` in tandem-optim's tests) still inspects and converts.
+#[test]
+fn earlier_zero_checkpoints_still_inspect_and_convert() {
+    let dir = fixture("legacy-zero1");
     let out = tandem(&["ckpt", "inspect", s(&dir)]);
     let text = stdout(&out);
     assert!(out.status.success(), "{text}");
@@ -250,28 +308,13 @@ fn sharded_optimizer_checkpoints_inspect_and_convert_to_one_state_dict() {
     for r in 0..3 {
         assert!(text.contains(&format!("rank {r}: optim-rank-0000{r}-of-00003.pt")), "{text}");
     }
-    let j: serde_json::Value =
-        serde_json::from_str(&stdout(&tandem(&["ckpt", "inspect", "--json", s(&dir)]))).unwrap();
-    // Momentum buffers of 12 + 4 + 8 + 2 f32 elements, split over the ranks.
-    assert_eq!(j["total_state_bytes"], 26 * 4);
-    let per_rank: Vec<u64> =
-        j["ranks"].as_array().unwrap().iter().map(|r| r["state_bytes"].as_u64().unwrap()).collect();
-    assert!(per_rank.iter().all(|&b| b > 0 && b < 26 * 4), "{per_rank:?}");
-
+    let tmp = tempfile::tempdir().unwrap();
     let merged = tmp.path().join("optim.pt");
     let out = tandem(&["ckpt", "convert", s(&dir), s(&merged)]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v = load(&merged).unwrap();
     assert_eq!(v, tandem_optim::zero::consolidate_sharded(&dir).unwrap());
-    let ids = v.get("param_groups").unwrap().as_list().unwrap()[0].get("params").unwrap().clone();
-    assert_eq!(ids, Value::List((0..4).map(Value::Int).collect()));
     assert_eq!(v.get("state").unwrap().as_dict().unwrap().len(), 4);
-
-    // A save that did not finish (no manifest) is named, not read.
-    std::fs::remove_file(dir.join("manifest.json")).unwrap();
-    let out = tandem(&["ckpt", "inspect", s(&dir)]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("manifest.json"));
 }
 
 /// Hostile files at `tandem ckpt inspect` under an 8 GiB address-space limit: each ends with an

@@ -24,6 +24,7 @@ fn main() -> ExitCode {
         synthetic_faces_verify_above_0_9,
         same_world_resume_is_bitwise,
         another_world_size_resplits_the_head_and_continues,
+        a_checkpoint_of_the_earlier_face_format_resumes_on_another_world_size,
         background_saves_equal_synchronous_ones_and_resume_on_another_world,
         a_failed_background_save_is_reported_and_loses_nothing,
         f16_trains,
@@ -229,19 +230,15 @@ fn same_world_resume_is_bitwise() {
     );
 }
 
-/// The head's rows, concatenated over a checkpoint's rank files, with their momentum.
+/// The head's rows, concatenated over a checkpoint's rank files, with their momentum, and
+/// the number of rank files.
 fn head_rows(ckpt: &Path) -> (Vec<f32>, Vec<f32>, usize) {
-    let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(ckpt.join("manifest.json")).unwrap()).unwrap();
-    let (mut w, mut m) = (Vec::new(), Vec::new());
-    let heads = manifest["heads"].as_array().unwrap();
-    for h in heads {
-        let v = tandem_ckpt::load(ckpt.join(h["file"].as_str().unwrap())).unwrap();
-        w.extend(v.get("weight").and_then(Value::as_tensor).unwrap().to_f32_vec());
-        let state = v.get("state").unwrap();
-        m.extend(state.get("momentum_buffer").and_then(Value::as_tensor).unwrap().to_f32_vec());
-    }
-    (w, m, heads.len())
+    let saved = tandem::train::checkpoint::Saved::open(ckpt).unwrap();
+    let head = saved.read_rows("head", 0..saved.rows_total("head").unwrap()).unwrap();
+    let w = head.get("weight").and_then(Value::as_tensor).unwrap().to_f32_vec();
+    let state = head.get("state").unwrap();
+    let m = state.get("momentum_buffer").and_then(Value::as_tensor).unwrap().to_f32_vec();
+    (w, m, saved.world_size())
 }
 
 fn another_world_size_resplits_the_head_and_continues() {
@@ -262,7 +259,9 @@ fn another_world_size_resplits_the_head_and_continues() {
     assert!(w2 == w3 && m2 == m3, "re-splitting changed the centres or their momentum");
     let inspect = run(&["ckpt", "inspect", p(&ckpt)]);
     assert!(
-        inspect.contains("3 ranks, 16 classes x 32") && inspect.contains("classes 6..11"),
+        inspect.contains("16 classes x 32")
+            && inspect.contains("3 ranks")
+            && inspect.contains("head: rows 6..11 of 16"),
         "{inspect}"
     );
     // And training goes on over 3 ranks: epoch 2 is 128 / 3 -> 43 samples per rank, 10 steps.
@@ -270,6 +269,71 @@ fn another_world_size_resplits_the_head_and_continues() {
     assert_eq!(summary(&run_dir).steps, 26, "{said}");
     let losses = epoch_losses(&run_dir);
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+}
+
+/// Rewrites tandem checkpoint `ckpt` in the face recipe's layout of earlier versions
+/// (`tandem-partial-fc-1`: `head-rank-R-of-W.pt` = `{rank, start, len, weight, state,
+/// buffers}` per rank, a manifest listing each file's class range), as its writer did.
+fn to_earlier_face_format(ckpt: &Path) {
+    let saved = tandem::train::checkpoint::Saved::open(ckpt).unwrap();
+    let world = saved.world_size();
+    let embedding = head_rows(ckpt).0.len() / saved.rows_total("head").unwrap();
+    let mut heads = Vec::new();
+    for r in 0..world {
+        let file = saved.read_rank_file(r).unwrap();
+        let head = file.get("head").unwrap();
+        let Some(tandem::train::checkpoint::ShardSlice::Rows { start, len, .. }) =
+            saved.slices("head").unwrap().get(r).copied().cloned()
+        else {
+            panic!("no head rows")
+        };
+        let old = Value::dict_from([
+            ("rank", Value::Int(r as i64)),
+            ("start", Value::Int(start as i64)),
+            ("len", Value::Int(len as i64)),
+            ("weight", head.get("weight").unwrap().clone()),
+            ("state", head.get("state").unwrap().clone()),
+            ("buffers", file.get("buffers").unwrap().clone()),
+        ]);
+        let name = format!("head-rank-{r:05}-of-{world:05}.pt");
+        tandem_ckpt::save(ckpt.join(&name), &old).unwrap();
+        std::fs::remove_file(ckpt.join(format!("rank-{r:05}-of-{world:05}.pt"))).unwrap();
+        heads.push(serde_json::json!({"file": name, "start": start, "len": len}));
+    }
+    let mut rep = saved.replicated().unwrap();
+    rep.insert("format", Value::Str("tandem-partial-fc-1".into()));
+    tandem_ckpt::save(ckpt.join("replicated.pt"), &rep).unwrap();
+    let manifest = serde_json::json!({
+        "format": "tandem-partial-fc-1", "world_size": world, "global_step": saved.global_step(),
+        "epoch": saved.epoch(), "num_classes": saved.rows_total("head").unwrap(),
+        "embedding_size": embedding, "replicated": "replicated.pt", "heads": heads,
+    });
+    std::fs::write(ckpt.join("manifest.json"), serde_json::to_vec_pretty(&manifest).unwrap())
+        .unwrap();
+}
+
+/// A face checkpoint written by an earlier tandem (`tandem-partial-fc-1`) resumes on another
+/// world size as a new one does: its head re-split, the same centres and momentum.
+fn a_checkpoint_of_the_earlier_face_format_resumes_on_another_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = faces(dir.path(), 16, 8, "png");
+    let run_dir = dir.path().join("run");
+    let out = p(&run_dir);
+    train(&data, &["--epochs", "1", "--out", out, "--nproc-per-node", "2"]);
+    let ckpt = run_dir.join("checkpoints/step-00000016");
+    let before = head_rows(&ckpt);
+    to_earlier_face_format(&ckpt);
+    let inspect = run(&["ckpt", "inspect", p(&ckpt)]);
+    assert!(
+        inspect.contains("tandem-partial-fc-1") && inspect.contains("rows 8..16 of 16"),
+        "{inspect}"
+    );
+    let said = train(&data, &["--epochs", "1", "--out", out, "--nproc-per-node", "3", "--resume"]);
+    assert!(said.contains("written by 2 ranks, this run has 3"), "{said}");
+    // Saved again at the step it resumed from, in today's format, holding the same head.
+    let after = head_rows(&ckpt);
+    assert_eq!(after.2, 3);
+    assert!(before.0 == after.0 && before.1 == after.1, "the head changed on the way");
 }
 
 /// `--async-save`: the face checkpoint's files are written on a background thread on every

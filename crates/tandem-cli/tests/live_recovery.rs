@@ -111,7 +111,8 @@ fn assert_checkpoints_whole(dir: &Path) {
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .filter_map(Result::ok)
         .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|e| e == "pt"))
+        // Single files, and directories of sharded ones (`--zero`) that were committed.
+        .filter(|p| p.extension().is_some_and(|e| e == "pt") || p.join("manifest.json").is_file())
         .collect();
     assert!(!files.is_empty(), "no checkpoint in {}", dir.display());
     for f in files {

@@ -357,7 +357,7 @@ fn restart_trial(
 // 3. kill -9 the saving process during checkpoint writes (library level, re-exec'd helper).
 
 const SAVER_DIR_VAR: &str = "RELIABILITY_SAVER_DIR";
-/// Set (to anything) for the saver to write through `AsyncCheckpointManager`.
+/// Set (to anything) for the saver to write in the background (`Checkpointer::background`).
 const SAVER_ASYNC_VAR: &str = "RELIABILITY_SAVER_ASYNC";
 /// Elements of the tensor in each saved checkpoint (1 MiB of f32: writes take a while).
 const SAVER_LEN: usize = 256 * 1024;
@@ -398,18 +398,17 @@ fn check_saver_value(v: &tandem_ckpt::Value) -> Result<i64, String> {
 /// With RELIABILITY_SAVER_ASYNC the saves go through the background writer, the loop going on
 /// (building the next value, as training would) while the previous one is written.
 fn save_checkpoints_until_killed(dir: PathBuf) {
-    let manager = tandem_ckpt::CheckpointManager::new(dir, 3);
-    let mut background = std::env::var_os(SAVER_ASYNC_VAR)
-        .map(|_| tandem_ckpt::AsyncCheckpointManager::new(manager.clone()));
+    use tandem::train::checkpoint::{Checkpointer, TrainingStateDict};
+    let group = tandem::comm::init_from(&tandem::comm::InitMethod::Single).expect("a world of one");
+    let mut ckpt =
+        Checkpointer::new(dir, 3).background(std::env::var_os(SAVER_ASYNC_VAR).is_some());
     let start = Instant::now();
     let mut step = 1;
     // Self-limit: never outlive a parent that failed to kill us.
     while start.elapsed() < Duration::from_secs(20) {
         let name = format!("step-{step:08}");
-        match background.as_mut() {
-            Some(b) => drop(b.save(&name, saver_value(step)).expect("save")),
-            None => drop(manager.save(&name, &saver_value(step)).expect("save")),
-        }
+        let state = TrainingStateDict::new(step as u64, 0, saver_value(step));
+        ckpt.save(&group, &name, state).expect("save");
         println!("saved {step}");
         step += 1;
     }
@@ -494,9 +493,10 @@ fn save_kill_trial(seed: u64, exe: &Path, background: bool) -> Result<SaveKillOu
             return Err(format!("`latest` names {name}, which does not exist: {}", ctx()));
         }
     }
-    let manager = tandem_ckpt::CheckpointManager::new(&ck, 3);
-    let picked =
-        manager.latest_valid().map_err(|e| format!("latest_valid failed: {e}: {}", ctx()))?;
+    let picked = tandem::train::checkpoint::Checkpointer::new(&ck, 3)
+        .latest()
+        .map_err(|e| format!("latest failed: {e}: {}", ctx()))?
+        .map(|saved| (saved.path().to_path_buf(), saved.replicated()));
     let resumed_older = match (&picked, newest_complete) {
         (None, None) => false,
         (None, Some(s)) => {
@@ -510,6 +510,7 @@ fn save_kill_trial(seed: u64, exe: &Path, background: bool) -> Result<SaveKillOu
             ))
         }
         (Some((p, v)), Some(newest)) => {
+            let v = v.as_ref().map_err(|e| format!("{e}: {}", ctx()))?;
             let step = check_saver_value(v)
                 .map_err(|e| format!("resume picked {}: {e}: {}", p.display(), ctx()))?;
             step < newest
@@ -675,13 +676,12 @@ fn disk_trial(root: &Path, squeeze: Squeeze, expect: &str, extra: &[&str]) -> Re
     if let Some(t) = names.iter().find(|n| n.ends_with(".tmp") || n.contains("00000015")) {
         return Err(format!("the failed save left {t} in {}", ck.display()));
     }
-    match tandem_ckpt::CheckpointManager::new(&ck, 2).latest_valid() {
-        Ok(Some((p, v)))
-            if p == newest && v.get("global_step").and_then(|g| g.as_int()) == Some(10) => {}
+    match tandem::train::checkpoint::Checkpointer::new(&ck, 2).latest() {
+        Ok(Some(saved)) if saved.path() == newest && saved.global_step() == 10 => {}
         other => {
             return Err(format!(
                 "resume would not pick step 10: {:?}",
-                other.map(|o| o.map(|(p, _)| p))
+                other.map(|o| o.map(|s| s.path().to_path_buf()))
             ))
         }
     }

@@ -78,9 +78,12 @@ fn train(args: &[&str]) -> (Output, RunSummary) {
     (out, summary)
 }
 
+/// The run's last checkpoint as one dict (a sharded one, `--zero`'s, consolidated).
 fn checkpoint_of(s: &RunSummary) -> tandem_ckpt::Value {
     let path = s.checkpoint.as_ref().expect("the run wrote a checkpoint");
-    tandem_ckpt::load(path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
+    tandem::train::checkpoint::Saved::open(path)
+        .and_then(|saved| saved.consolidated())
+        .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
 }
 
 fn get<'a>(kv: &'a [(String, String)], key: &str) -> &'a str {
@@ -558,8 +561,9 @@ fn resnet_flags_that_cannot_apply_are_named() {
 }
 
 /// `--zero` (ZeRO-1): the same weights and optimizer state as the unsharded optimizer, bit for
-/// bit; its checkpoints hold the whole (consolidated) optimizer state, so a run resumes on
-/// another world size and another mode.
+/// bit; its checkpoints are directories of each rank's optimizer entries (nothing gathered),
+/// whose consolidated state equals the unsharded run's, and a run resumes on another world size
+/// and another mode.
 #[test]
 fn zero_sharded_optimizer_trains_the_same_weights_and_resumes_anywhere() {
     let dir = tempfile::tempdir().unwrap();
@@ -577,9 +581,12 @@ fn zero_sharded_optimizer_trains_the_same_weights_and_resumes_anywhere() {
         args.extend(extra.iter().map(|s| s.to_string()));
         let (_, summary) = train(&args.iter().map(String::as_str).collect::<Vec<_>>());
         let ck = checkpoint_of(&summary);
+        let at = summary.checkpoint.clone().unwrap();
+        assert_eq!(at.is_dir(), name == "zero", "{}: sharded only with --zero", at.display());
         finals.push((weights(Path::new(&path(&format!("{name}.pt")))), ck));
     }
     let ((zw, zck), (pw, pck)) = (&finals[0], &finals[1]);
+    assert!(zck.get("optimizer").unwrap().get("state").unwrap().as_dict().unwrap().len() > 2);
     assert_eq!(zw, pw, "--zero changed the weights");
     assert_eq!(zck.get("optimizer"), pck.get("optimizer"), "--zero changed the optimizer state");
     let groups = zck.get("optimizer").unwrap().get("param_groups").unwrap().as_list().unwrap();

@@ -4,7 +4,7 @@
 //! checkpointed and is refused at compile time with a note naming tandem's drop-in.
 use tandem_ckpt::Value;
 
-use crate::{OptimError, TorchOptimizer};
+use crate::{OptimError, OptimizerShard, TorchOptimizer};
 
 /// An optimizer whose state goes into a training checkpoint, in `torch.optim`'s layout.
 #[diagnostic::on_unimplemented(
@@ -19,6 +19,15 @@ pub trait OptimizerState {
     fn save_optimizer_state(&self, num_params: usize) -> Result<Value, OptimError>;
     /// Restores a state made by `save_optimizer_state` (or by torch for the same optimizer).
     fn load_optimizer_state(&mut self, state: &Value) -> Result<(), OptimError>;
+    /// A state sharded over the ranks (ZeRO-1): this rank's part, saved as a shard instead of
+    /// `save_optimizer_state`'s whole state. `None` (the default): not sharded.
+    fn optimizer_shard(&self) -> Result<Option<OptimizerShard>, OptimError> {
+        Ok(None)
+    }
+    /// The global parameter indices whose state this rank loads (`None`: all).
+    fn owned_params(&self) -> Option<Vec<usize>> {
+        None
+    }
 }
 
 impl<T: TorchOptimizer + ?Sized> OptimizerState for T {
@@ -27,6 +36,12 @@ impl<T: TorchOptimizer + ?Sized> OptimizerState for T {
     }
     fn load_optimizer_state(&mut self, state: &Value) -> Result<(), OptimError> {
         self.load_state_dict(state)
+    }
+    fn optimizer_shard(&self) -> Result<Option<OptimizerShard>, OptimError> {
+        self.shard()
+    }
+    fn owned_params(&self) -> Option<Vec<usize>> {
+        TorchOptimizer::owned_params(self)
     }
 }
 

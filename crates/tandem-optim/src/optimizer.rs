@@ -77,4 +77,37 @@ pub trait TorchOptimizer {
     /// group sizes). Hyperparameters, the learning rate included, come from the loaded groups,
     /// as in torch. Nothing changes when an error is returned.
     fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), OptimError>;
+    /// For an optimizer whose state is sharded over the ranks (ZeRO-1): the global parameter
+    /// indices whose state this rank holds. `None` (the default): it holds all of it, and
+    /// [`TorchOptimizer::state_dict`] is the whole state.
+    fn owned_params(&self) -> Option<Vec<usize>> {
+        None
+    }
+    /// This rank's part of a sharded state, for a sharded checkpoint (`None` where
+    /// [`TorchOptimizer::owned_params`] is `None`). Loading takes the hyperparameters with the
+    /// entries this rank owns under `state` (see [`OptimizerShard::full`]).
+    fn shard(&self) -> Result<Option<OptimizerShard>, OptimError> {
+        Ok(None)
+    }
+}
+
+/// A rank's part of an optimizer state sharded over the ranks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OptimizerShard {
+    /// torch's layout over every parameter with an empty `state`: the hyperparameters.
+    pub groups: Value,
+    /// The global parameter indices whose state this rank holds.
+    pub indices: Vec<usize>,
+    /// `{global index: entry}` for those (an index without state yet is absent).
+    pub entries: Value,
+}
+
+impl OptimizerShard {
+    /// `groups` with `entries` as its `state`: a state dict over every parameter that holds
+    /// only these entries (what a sharded optimizer loads).
+    pub fn full(groups: &Value, entries: Value) -> Value {
+        let mut full = groups.clone();
+        full.insert("state", entries);
+        full
+    }
 }

@@ -10,11 +10,13 @@
 //! State, as torch: [`ZeroRedundancyOptimizer::consolidate_state_dict`] (every rank calls it)
 //! gathers the shards on one rank, whose `state_dict()` is then a plain torch optimizer state
 //! dict over all parameters (`torch.optim.SGD(...).load_state_dict` takes it);
-//! `load_state_dict` takes such a dict on every rank, whatever world size wrote it. The sharded
-//! checkpoint ([`ZeroRedundancyOptimizer::save_sharded`]) is one file per rank plus a
-//! manifest, written without gathering anything; [`load_sharded`](ZeroRedundancyOptimizer::load_sharded)
-//! reads it into any world size and [`consolidate_sharded`] turns it into the plain dict
-//! offline (`tandem ckpt convert DIR out.pt`).
+//! `load_state_dict` takes such a dict on every rank, whatever world size wrote it (entries of
+//! parameters another rank owns may be absent). A sharded checkpoint, without gathering
+//! anything, goes through tandem's one checkpoint API: [`TorchOptimizer::shard`] is this
+//! rank's entries and the hyperparameters (`tandem::train::save_state` writes them as an
+//! entry shard). The directories of the earlier ZeRO-only format (`tandem-zero1`: one file per
+//! rank plus a manifest) still load ([`load_sharded`](ZeroRedundancyOptimizer::load_sharded))
+//! and convert ([`consolidate_sharded`], `tandem ckpt convert DIR out.pt`).
 //!
 //! One parameter group (the wrapped optimizer is built over this rank's shard by a closure);
 //! f32 parameters (the broadcast carries f32).
@@ -79,10 +81,6 @@ pub struct ShardManifest {
 
 pub const MANIFEST: &str = "manifest.json";
 const FORMAT: &str = "tandem-zero1";
-
-fn shard_file(rank: usize, world: usize) -> String {
-    format!("optim-rank-{rank:05}-of-{world:05}.pt")
-}
 
 pub struct ZeroRedundancyOptimizer {
     comm: Arc<dyn Collectives>,
@@ -250,39 +248,26 @@ impl ZeroRedundancyOptimizer {
         Ok(())
     }
 
-    /// Writes this rank's shard to `dir` and, after every rank has written, rank 0 writes the
-    /// manifest (each file atomically; the manifest last, so a directory without one is an
-    /// incomplete save). Every rank must call it; `dir` must be shared by the ranks.
-    pub fn save_sharded(&self, dir: &Path) -> Result<(), OptimError> {
-        let io =
-            |e: &dyn std::fmt::Display| OptimError::state(dir.display().to_string(), e.to_string());
-        std::fs::create_dir_all(dir).map_err(|e| io(&e))?;
-        let world = self.comm.size();
-        let name = shard_file(self.comm.rank(), world);
-        tandem_ckpt::save(dir.join(&name), &self.shard_state_dict()?).map_err(|e| io(&e))?;
-        // Every file is on disk before the manifest names them.
-        self.comm.all_gather_bytes(&[]).map_err(comm_error("save_sharded"))?;
-        if self.comm.rank() == 0 {
-            let manifest = ShardManifest {
-                format: FORMAT.into(),
-                world_size: world,
-                shapes: self.params.iter().map(|p| p.dims().to_vec()).collect(),
-                partition: self.partition.clone(),
-                files: (0..world).map(|r| shard_file(r, world)).collect(),
-            };
-            let json = serde_json::to_vec_pretty(&manifest).expect("a manifest serialises");
-            tandem_ckpt::atomic::write_atomic(&dir.join(MANIFEST), |f| {
-                use std::io::Write;
-                f.write_all(&json)
-            })
-            .map_err(|e| io(&e))?;
+    /// The hyperparameters in torch's layout over every parameter, with an empty `state`
+    /// (this rank's groups; a rank that owns no parameter has none).
+    pub fn hyperparameters(&self) -> Result<Value, OptimError> {
+        let shard = self.shard_state_dict()?;
+        let n = self.params.len() as i64;
+        let mut groups = shard
+            .get("param_groups")
+            .and_then(Value::as_list)
+            .map_or_else(Vec::new, <[Value]>::to_vec);
+        for g in &mut groups {
+            g.insert("params", Value::List((0..n).map(Value::Int).collect()));
         }
-        self.comm.all_gather_bytes(&[]).map_err(comm_error("save_sharded"))?;
-        Ok(())
+        Ok(Value::dict_from([
+            ("state", Value::Dict(vec![])),
+            ("param_groups", Value::List(groups)),
+        ]))
     }
 
-    /// Loads a sharded checkpoint written by any world size: this rank reads the files that
-    /// hold its parameters. Shapes must match this model's.
+    /// Loads a checkpoint of the earlier ZeRO-only format (`tandem-zero1`) written by any
+    /// world size: this rank reads the files that hold its parameters. Shapes must match.
     pub fn load_sharded(&mut self, dir: &Path) -> Result<(), OptimError> {
         let manifest = read_manifest(dir)?;
         check_shapes(&manifest, &self.params)?;
@@ -392,6 +377,17 @@ impl TorchOptimizer for ZeroRedundancyOptimizer {
     /// parameters), on every rank; each keeps its shard.
     fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), OptimError> {
         self.load_full(state_dict)
+    }
+    fn owned_params(&self) -> Option<Vec<usize>> {
+        Some(self.mine().to_vec())
+    }
+    fn shard(&self) -> Result<Option<crate::OptimizerShard>, OptimError> {
+        let entries = self.shard_state_dict()?.get("state").cloned().unwrap_or(Value::new_dict());
+        Ok(Some(crate::OptimizerShard {
+            groups: self.hyperparameters()?,
+            indices: self.mine().to_vec(),
+            entries,
+        }))
     }
 }
 

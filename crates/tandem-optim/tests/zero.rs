@@ -170,6 +170,32 @@ fn scratch() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
 }
 
+/// Writes `opt`'s shards in the ZeRO-only format of earlier tandem versions (`tandem-zero1`:
+/// `optim-rank-R-of-W.pt` per rank, rank 0's `manifest.json` last), as its writer did: the
+/// format tandem no longer writes but still loads.
+fn write_zero1(
+    opt: &ZeroRedundancyOptimizer,
+    pg: &tandem_comm::ProcessGroup,
+    dir: &std::path::Path,
+) {
+    std::fs::create_dir_all(dir).unwrap();
+    let (rank, world) = (pg.rank(), pg.size());
+    let file = |r: usize| format!("optim-rank-{r:05}-of-{world:05}.pt");
+    tandem_ckpt::save(dir.join(file(rank)), &opt.shard_state_dict().unwrap()).unwrap();
+    pg.barrier().unwrap();
+    if rank == 0 {
+        let manifest = serde_json::json!({
+            "format": "tandem-zero1",
+            "world_size": world,
+            "shapes": opt.params().iter().map(|p| p.dims().to_vec()).collect::<Vec<_>>(),
+            "partition": opt.partition(),
+            "files": (0..world).map(file).collect::<Vec<_>>(),
+        });
+        std::fs::write(dir.join(MANIFEST), serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
+    }
+    pg.barrier().unwrap();
+}
+
 #[test]
 fn sharded_checkpoint_resumes_on_other_world_sizes_as_if_uninterrupted() {
     let kind = Kind::Sgd;
@@ -180,11 +206,11 @@ fn sharded_checkpoint_resumes_on_other_world_sizes_as_if_uninterrupted() {
     let d = dir.clone();
     let after4 = run_tcp_world(3, move |pg| {
         let ps = params();
-        let mut opt = zero(kind, ps.clone(), Arc::new(pg));
+        let mut opt = zero(kind, ps.clone(), Arc::new(pg.clone()));
         for s in 0..4 {
             opt.step(&grads(&ps, s)).unwrap();
         }
-        opt.save_sharded(&d).unwrap();
+        write_zero1(&opt, &pg, &d);
         values(&ps)
     })
     .remove(0);
@@ -280,4 +306,38 @@ fn non_f32_parameters_are_refused_by_index() {
     });
     let e = e[0].clone().unwrap();
     assert!(e.contains("parameter 0") && e.contains("f32"), "{e}");
+}
+
+/// Regenerates `crates/tandem-ckpt/tests/fixtures/legacy-zero1/` (what `tandem ckpt inspect`
+/// and `convert` are tested on for the earlier format): 3 ranks, SGD with momentum, 2 steps
+/// over parameters of shapes [4, 3], [4], [2, 4], [2]. Run with `--ignored` to rewrite it.
+#[test]
+#[ignore = "writes a committed fixture; run by hand with --ignored"]
+fn write_legacy_zero1_fixture() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tandem-ckpt/tests/fixtures/legacy-zero1");
+    let _ = std::fs::remove_dir_all(&dir);
+    run_tcp_world(3, move |pg| {
+        let ps: Vec<Var> = [&[4usize, 3][..], &[4], &[2, 4], &[2]]
+            .iter()
+            .map(|s| {
+                Var::from_tensor(&Tensor::ones(*s, candle_core::DType::F32, &Device::Cpu).unwrap())
+                    .unwrap()
+            })
+            .collect();
+        let mut opt = ZeroRedundancyOptimizer::new(ps.clone(), Arc::new(pg.clone()), |shard| {
+            let cfg = SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() };
+            Ok(Box::new(TorchSgd::new(shard, cfg)?))
+        })
+        .unwrap();
+        for _ in 0..2 {
+            let loss = ps
+                .iter()
+                .map(|p| p.as_tensor().sqr().unwrap().sum_all().unwrap())
+                .reduce(|a, b| (a + b).unwrap())
+                .unwrap();
+            opt.step(&loss.backward().unwrap()).unwrap();
+        }
+        write_zero1(&opt, &pg, &dir);
+    });
 }

@@ -111,7 +111,7 @@ failed_from! {
     crate::metrics::MetricsError => "the metrics file",
     crate::verification::VerificationError => "verification",
     crate::face::FaceStateError => "the face checkpoint",
-    crate::face::FaceCheckpointError => "the face checkpoint",
+    crate::checkpoint::CheckpointError => "a checkpoint",
     crate::live::LiveError => "live recovery",
     crate::state::StateError => "the training state",
     std::io::Error => "I/O",

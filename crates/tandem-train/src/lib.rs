@@ -5,20 +5,26 @@
 //!   schedule;
 //! - [`schedule`]: learning-rate schedules by name (constant, poly with warm-up, cosine, step)
 //!   and their checkpoint state;
-//! - [`state`]: the whole training state saved and loaded in one call each
-//!   ([`save_state`]/[`load_state`]), resumable on any world size;
+//! - [`checkpoint`]: one API for a run's training state, replicated and sharded
+//!   ([`Checkpointer`], [`TrainingStateDict`], [`Saved`]): every rank's shards written in
+//!   parallel, the replicated part once, a manifest last, synchronously or in the background,
+//!   loaded on any world size reading only the slices a rank owns;
+//! - [`state`]: the whole training state of a model, its optimizer (ZeRO-1's shards too),
+//!   scheduler, scaler and loader saved and loaded in one call each
+//!   ([`save_state`]/[`load_state`], over [`checkpoint`]), resumable on any world size;
 //! - [`live`]: keeping a loop running through a rank's death (`tandem run --live-recovery`);
 //! - [`metrics`]: a run's typed results ([`EpochMetrics`], [`RunSummary`]) and the JSON-lines
 //!   file a script reads them from; [`tfevents`] (TensorBoard scalars) and [`progress`] (rank 0's
 //!   bar or lines);
 //! - [`verification`]: face verification sets (`.bin` pairs), scored by every rank together;
-//!   [`face`]: the face recipe's sharded state (backbone + PartialFC head), saved per rank and
-//!   resumed on any world size.
+//!   [`face`]: the face recipe's state (backbone + PartialFC head) as a [`TrainingStateDict`]
+//!   and back, on any world size.
 //!
 //! - [`recipes`]: the built-in recipes run from typed [`options`] — the classifier and the face
 //!   recipe (`tandem train` is a thin shell over [`recipes::train`]).
 //!
 //! It knows nothing of command lines: the `tandem` binary maps its flags onto these types.
+pub mod checkpoint;
 pub mod error;
 pub mod face;
 #[doc(hidden)]
@@ -36,12 +42,13 @@ pub mod tfevents;
 pub mod trainer;
 pub mod verification;
 
+pub use checkpoint::{Checkpointer, Saved, ShardDict, ShardSlice, TrainingStateDict};
 pub use error::TrainError;
 pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
 pub use options::TrainOptions;
 pub use progress::Progress;
 pub use schedule::{LrSchedule, RunLength, Scheduler, Warmup};
-pub use state::{load_state, save_state, Resumed, StateError, TrainingState};
+pub use state::{load_state, load_state_from, save_state, Resumed, StateError, TrainingState};
 pub use step::{Step, StepError, StepOutcome};
 pub use tfevents::EventWriter;
 pub use trainer::{Recipe, StepReport, Trainer, TrainerOptions};

@@ -1,8 +1,11 @@
 //! The whole training state in one call each way, like Accelerate's `save_state`/`load_state`:
-//! model, optimizer, scheduler, loader position, step, epoch and world size go into one
-//! checkpoint file that rank 0 writes atomically (keep-last rotation, a `latest` pointer) while
-//! every rank meets at a barrier inside; loading picks the newest checkpoint that verifies and
-//! restores everything on every rank.
+//! model, optimizer, scheduler, loader position, step, epoch and world size, over the one
+//! checkpoint API ([`crate::checkpoint`]). A replicated state is one torch-loadable file rank 0
+//! writes atomically (keep-last rotation, a `latest` pointer) while every rank meets inside; an
+//! optimizer sharded over the ranks (ZeRO-1) saves each rank's entries in parallel as an entry
+//! shard (nothing is gathered), and extra shards ([`TrainingState::shard`]: a PartialFc's rows)
+//! go beside them. Loading picks the newest checkpoint that verifies and restores everything on
+//! every rank, each rank reading only the optimizer entries it owns.
 //!
 //! ```ignore
 //! let mut state = TrainingState::new(&ddp, &mut opt).loader(&mut loader);
@@ -42,22 +45,29 @@
 //! ```
 use std::path::{Path, PathBuf};
 
-use tandem_ckpt::{CheckpointManager, TrainingCheckpoint, Value};
+use tandem_ckpt::{TrainingCheckpoint, Value};
 use tandem_comm::ProcessGroup;
 use tandem_data::{DataLoader, Dataset, SamplerState};
 use tandem_nn::weights::{load_weights_from, state_dict_value};
 use tandem_nn::ParamModule;
 use tandem_optim::amp::GradScaler;
 use tandem_optim::lr_scheduler::LrScheduler;
-use tandem_optim::OptimizerState;
+use tandem_optim::{OptimizerShard, OptimizerState};
+
+use crate::checkpoint::{CheckpointError, Checkpointer, Saved, ShardDict, TrainingStateDict};
 
 /// Checkpoints kept by [`save_state`] (older ones are deleted after a successful write).
 pub const KEEP_LAST: usize = 3;
+/// The name of a sharded optimizer's entry shard: a path into the replicated dict, where the
+/// entries go when the checkpoint is consolidated (`optimizer` → `state`, torch's layout).
+pub const OPTIMIZER_SHARD: &str = "optimizer/state";
 
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
     #[error(transparent)]
     Checkpoint(#[from] tandem_ckpt::CkptError),
+    #[error(transparent)]
+    Saving(#[from] CheckpointError),
     #[error("model: {0}")]
     Model(#[from] tandem_nn::NnError),
     #[error("optimizer: {0}")]
@@ -134,6 +144,10 @@ pub struct TrainingState<'a> {
     pub scaler: Option<&'a mut GradScaler>,
     pub step: u64,
     pub epoch: u64,
+    /// State held by this rank alone, saved beside the replicated part (a `PartialFc`'s rows:
+    /// `ShardDict::rows("head", ..., head.state_dict()?)`); read back through the [`Saved`]
+    /// checkpoint [`load_state_from`] takes.
+    pub shards: Vec<ShardDict>,
 }
 
 impl<'a> TrainingState<'a> {
@@ -148,7 +162,13 @@ impl<'a> TrainingState<'a> {
             scaler: None,
             step: 0,
             epoch: 0,
+            shards: Vec::new(),
         }
+    }
+    /// Adds a shard this rank holds alone (see [`TrainingState::shards`]).
+    pub fn shard(mut self, shard: ShardDict) -> Self {
+        self.shards.push(shard);
+        self
     }
     pub fn scaler(mut self, scaler: &'a mut GradScaler) -> Self {
         self.scaler = Some(scaler);
@@ -182,39 +202,95 @@ pub struct Resumed {
     pub world_size: usize,
 }
 
-/// Saves the whole state as `dir/checkpoint-epoch-EEEE-step-SSSSSSSS.pt`: rank 0 writes (atomically, keeping
-/// the last [`KEEP_LAST`]), every rank passes the barrier inside. A collective: call it on every
-/// rank. Returns the file on rank 0, `None` elsewhere.
+/// Saves the whole state as checkpoint `epoch-EEEE-step-SSSSSSSS` in `dir` (keeping the last
+/// [`KEEP_LAST`]): one file rank 0 writes, or with shards (a sharded optimizer, extra shards)
+/// a directory every rank writes its part of. A collective: call it on every rank. Returns the
+/// checkpoint on rank 0, `None` elsewhere.
 pub fn save_state(
     group: &ProcessGroup,
     dir: impl AsRef<Path>,
     state: &TrainingState<'_>,
 ) -> Result<Option<PathBuf>, StateError> {
-    // Only rank 0 writes, but every rank builds the value: a failure building it (a dtype the
-    // file cannot hold) is then the same on every rank, before anyone waits at the barrier.
-    let value = to_value(state, group.size())?;
-    let manager = CheckpointManager::new(dir.as_ref(), KEEP_LAST);
+    // Every rank builds the whole value: a failure building it (a dtype the file cannot hold)
+    // is then the same on every rank, before anyone waits.
+    let dict = state_dict(state, group.size())?;
     let name = format!("epoch-{:04}-step-{:08}", state.epoch, state.step);
-    Ok(manager.save_on_rank(group.rank(), &name, &value, || group.barrier())?)
+    let path = Checkpointer::new(dir.as_ref(), KEEP_LAST).save(group, &name, dict)?;
+    Ok((group.rank() == 0).then_some(path))
+}
+
+/// This rank's part of `state` as a [`TrainingStateDict`] (for a [`Checkpointer`] of the
+/// caller's: background saves, other retention): the replicated dict, the optimizer's entry
+/// shard when it is sharded, and `state.shards`.
+pub fn state_dict(
+    state: &TrainingState<'_>,
+    world_size: usize,
+) -> Result<TrainingStateDict, StateError> {
+    let shard = state.optimizer.optimizer_shard()?;
+    let optimizer = match &shard {
+        Some(s) => s.groups.clone(),
+        None => state.optimizer.save_optimizer_state(state.model.named_parameters().len())?,
+    };
+    let replicated = value_with(state, world_size, optimizer)?;
+    let mut dict = TrainingStateDict::new(state.step, state.epoch, replicated);
+    if let Some(OptimizerShard { indices, entries, .. }) = shard {
+        dict = dict.shard(ShardDict::entries(OPTIMIZER_SHARD, indices, entries));
+    }
+    dict.shards.extend(state.shards.iter().cloned());
+    Ok(dict)
 }
 
 /// Restores the newest checkpoint in `dir` that verifies into `state` (on every rank; each rank
-/// reads the file). `Ok(None)` when there is none: a fresh start. A checkpoint that does not
-/// fit (another model, a missing field) is an error naming the file and what does not fit.
+/// reads the replicated part and the optimizer entries it owns). `Ok(None)` when there is
+/// none: a fresh start. A checkpoint that does not fit (another model, a missing field) is an
+/// error naming the file and what does not fit.
 pub fn load_state(
     dir: impl AsRef<Path>,
     state: &mut TrainingState<'_>,
 ) -> Result<Option<Resumed>, StateError> {
-    let manager = CheckpointManager::new(dir.as_ref(), KEEP_LAST);
-    let Some((path, value)) = manager.latest_valid()? else { return Ok(None) };
+    let Some(saved) = Checkpointer::new(dir.as_ref(), KEEP_LAST).latest()? else {
+        return Ok(None);
+    };
+    load_state_from(&saved, state).map(Some)
+}
+
+/// [`load_state`] from a checkpoint found or opened by the caller (whose other shards it can
+/// then read: [`Saved::read_rows`], [`Saved::read_row_parts`]).
+pub fn load_state_from(
+    saved: &Saved,
+    state: &mut TrainingState<'_>,
+) -> Result<Resumed, StateError> {
+    let value = replicated_with_optimizer(saved, state.optimizer.owned_params().as_deref())?;
     let ck = TrainingCheckpoint::from_value(&value)?;
-    apply_checkpoint(state, &ck, &path, true)?;
-    Ok(Some(Resumed {
-        path,
+    apply_checkpoint(state, &ck, saved.path(), true)?;
+    Ok(Resumed {
+        path: saved.path().to_path_buf(),
         step: state.step,
         epoch: state.epoch,
         world_size: ck.world_size as usize,
-    }))
+    })
+}
+
+/// The replicated dict of `saved` with the optimizer entries `owned` (all with `None`) put
+/// back under `optimizer` → `state` when the optimizer was saved sharded.
+pub fn replicated_with_optimizer(
+    saved: &Saved,
+    owned: Option<&[usize]>,
+) -> Result<Value, StateError> {
+    let mut value = saved.replicated()?;
+    if saved.shard_names().contains(&OPTIMIZER_SHARD) {
+        let entries = saved.read_entries(OPTIMIZER_SHARD, owned)?;
+        let Some(groups) = value.get("optimizer") else {
+            return Err(StateError::Field {
+                path: saved.path().to_path_buf(),
+                field: "optimizer",
+                problem: "missing (the hyperparameters of the sharded optimizer)".into(),
+            });
+        };
+        let full = OptimizerShard::full(groups, entries);
+        value.insert("optimizer", full);
+    }
+    Ok(value)
 }
 
 /// Restores `ck` (read from `path`, named in errors) into `state`: model, optimizer, scheduler,
@@ -257,12 +333,24 @@ pub(crate) fn apply_checkpoint(
     Ok(())
 }
 
+/// The whole state as one value (what a live regroup sends; a sharded optimizer cannot be
+/// sent whole and is an error here).
 pub(crate) fn to_value(state: &TrainingState<'_>, world_size: usize) -> Result<Value, StateError> {
+    let optimizer = state.optimizer.save_optimizer_state(state.model.named_parameters().len())?;
+    value_with(state, world_size, optimizer)
+}
+
+/// The replicated dict of `state` with `optimizer` as its optimizer entry.
+fn value_with(
+    state: &TrainingState<'_>,
+    world_size: usize,
+    optimizer: Value,
+) -> Result<Value, StateError> {
     let ck = TrainingCheckpoint {
         epoch: state.epoch as i64,
         global_step: state.step as i64,
         model: state_dict_value(state.model)?,
-        optimizer: state.optimizer.save_optimizer_state(state.model.named_parameters().len())?,
+        optimizer,
         scheduler: state.scheduler.as_deref().map_or(Value::None, |s| s.state_dict()),
         sampler: state.loader.as_deref().map_or(Value::None, |l| sampler_value(&l.position())),
         // The loader's shuffle is seeded by (seed, epoch), which the sampler state holds.

@@ -29,7 +29,7 @@ pub use tandem_partial_fc as partial_fc;
 pub use tandem_train as train;
 pub use tandem_train::{live, state};
 
-pub use state::{load_state, save_state, Resumed, StateError, TrainingState};
+pub use state::{load_state, load_state_from, save_state, Resumed, StateError, TrainingState};
 pub use tandem_nn::{allocator_tuned, tune_allocator};
 pub use tandem_nn::{compute_pool_joined, join_compute_pool};
 

@@ -166,3 +166,104 @@ fn a_grad_scaler_is_saved_and_restored() {
     let err = load_state(other.path(), &mut st).unwrap_err().to_string();
     assert!(err.contains("field `scaler`: missing"), "{err}");
 }
+
+/// Four parameters of different sizes, all ones.
+fn ones_params() -> Vec<candle_core::Var> {
+    [&[4usize, 3][..], &[4], &[2, 4], &[2]]
+        .iter()
+        .map(|s| {
+            candle_core::Var::from_tensor(
+                &candle_core::Tensor::ones(*s, candle_core::DType::F32, &Device::Cpu).unwrap(),
+            )
+            .unwrap()
+        })
+        .collect()
+}
+
+fn zero_sgd(
+    ps: &[candle_core::Var],
+    pg: &tandem::comm::ProcessGroup,
+) -> tandem::optim::ZeroRedundancyOptimizer {
+    tandem::optim::ZeroRedundancyOptimizer::new(ps.to_vec(), Arc::new(pg.clone()), |shard| {
+        let cfg = SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() };
+        Ok(Box::new(TorchSgd::new(shard, cfg)?))
+    })
+    .unwrap()
+}
+
+fn head(pg: &tandem::comm::ProcessGroup) -> tandem::partial_fc::PartialFc {
+    use tandem::partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig};
+    let cfg = PartialFcConfig::new(10, 4, CombinedMarginLoss::arcface(64.0, 0.5));
+    PartialFc::new(cfg, Arc::new(pg.clone()), &Device::Cpu).unwrap()
+}
+
+/// A sharded training state through `save_state` / `load_state_from`: ZeRO-1's optimizer
+/// entries and a PartialFc head's rows (as a row shard) saved by 2 ranks, nothing gathered,
+/// and loaded by 3, each reading only its rows and entries: the 3-rank state is the 2-rank one.
+#[test]
+fn zero_shards_and_a_partial_fc_head_save_on_2_ranks_and_load_on_3() {
+    use tandem::train::checkpoint::{Checkpointer, ShardDict};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_path_buf();
+    let before = tandem_testutil::run_tcp_world(2, move |pg| {
+        let ps = ones_params();
+        let model = tandem::nn::NamedVars::new(
+            ps.iter().enumerate().map(|(i, p)| (format!("p{i}"), p.clone())).collect(),
+        );
+        let mut opt = zero_sgd(&ps, &pg);
+        for _ in 0..2 {
+            let loss = ps
+                .iter()
+                .map(|p| p.as_tensor().sqr().unwrap().sum_all().unwrap())
+                .reduce(|a, b| (a + b).unwrap())
+                .unwrap();
+            opt.step(&loss.backward().unwrap()).unwrap();
+        }
+        let head = head(&pg);
+        // Distinct centres: row c is c + 0.25 everywhere.
+        let split = head.split();
+        let rows: Vec<f32> =
+            (split.start..split.start + split.len).flat_map(|c| [c as f32 + 0.25; 4]).collect();
+        let t = candle_core::Tensor::from_vec(rows, (split.len, 4), &Device::Cpu).unwrap();
+        head.weight().set(&t).unwrap();
+        let shard = ShardDict::rows("head", split.start, split.len, 10, head.state_dict().unwrap());
+        let state = TrainingState::new(&model, &mut opt).step(2).epoch(1).shard(shard);
+        save_state(&pg, &d, &state).unwrap();
+        opt.consolidate_state_dict(0).unwrap();
+        let weights: Vec<Vec<f32>> =
+            ps.iter().map(|p| p.flatten_all().unwrap().to_vec1().unwrap()).collect();
+        (opt.state_dict().ok(), weights)
+    });
+    let (want_opt, want_weights) = (before[0].0.clone().unwrap(), before[0].1.clone());
+    // Rank 1's optimizer entries live in rank 1's file only; the head file of 2 ranks.
+    let saved = Checkpointer::new(dir.path(), 3).latest().unwrap().unwrap();
+    assert_eq!(saved.shard_names(), ["optimizer/state", "head"]);
+    let d = dir.path().to_path_buf();
+    let after = tandem_testutil::run_tcp_world(3, move |pg| {
+        let ps = ones_params();
+        let model = tandem::nn::NamedVars::new(
+            ps.iter().enumerate().map(|(i, p)| (format!("p{i}"), p.clone())).collect(),
+        );
+        let mut opt = zero_sgd(&ps, &pg);
+        let mut head = head(&pg);
+        let saved = Checkpointer::new(&d, 3).latest().unwrap().unwrap();
+        let mut state = TrainingState::new(&model, &mut opt);
+        let resumed = tandem::load_state_from(&saved, &mut state).unwrap();
+        assert_eq!((resumed.step, resumed.epoch, resumed.world_size), (2, 1, 2));
+        let split = head.split();
+        let parts = saved.read_row_parts("head", split.start..split.start + split.len).unwrap();
+        head.load_state_dict(&parts.iter().collect::<Vec<_>>()).unwrap();
+        let rows: Vec<f32> = head.weight().flatten_all().unwrap().to_vec1().unwrap();
+        let want: Vec<f32> =
+            (split.start..split.start + split.len).flat_map(|c| [c as f32 + 0.25; 4]).collect();
+        assert_eq!(rows, want, "rank {}'s head rows", pg.rank());
+        opt.consolidate_state_dict(0).unwrap();
+        let weights: Vec<Vec<f32>> =
+            ps.iter().map(|p| p.flatten_all().unwrap().to_vec1().unwrap()).collect();
+        (opt.state_dict().ok(), weights)
+    });
+    assert_eq!(after[0].0.as_ref(), Some(&want_opt), "the optimizer state re-split over 3 ranks");
+    for (r, (_, w)) in after.iter().enumerate() {
+        assert_eq!(w, &want_weights, "rank {r}'s weights");
+    }
+}

@@ -9,7 +9,15 @@ use serde_json::json;
 use tandem_ckpt::keys::{detect_wrapping, find_state_dicts, load_state_dict, strip_wrappers};
 use tandem_ckpt::{CkptError, TensorData, Value};
 
+use tandem::train::checkpoint::{Saved, ShardSlice};
 use tandem::train::face::arcface;
+
+/// Whether `dir` holds the earlier ZeRO-only format (`tandem-zero1`).
+fn is_zero1_dir(dir: &Path) -> bool {
+    std::fs::read(dir.join("manifest.json")).is_ok_and(|b| {
+        serde_json::from_slice::<serde_json::Value>(&b).is_ok_and(|j| j["format"] == "tandem-zero1")
+    })
+}
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -20,8 +28,8 @@ pub struct Args {
 #[derive(Subcommand)]
 enum Which {
     /// Container keys, each tensor's dtype/shape/bytes, detected wrapping, non-tensor values;
-    /// for a sharded optimizer checkpoint or a face-recipe checkpoint (directories), their
-    /// ranks and what each holds.
+    /// for a sharded checkpoint (a directory: the face recipe's, ZeRO's), its ranks, the slice
+    /// each holds and what each file holds.
     Inspect {
         file: PathBuf,
         /// Print one JSON object instead of text.
@@ -29,7 +37,8 @@ enum Which {
         json: bool,
     },
     /// Convert between .pt and .safetensors (by OUT's extension), optionally renaming keys. A
-    /// sharded optimizer checkpoint (a directory with manifest.json) becomes one .pt state dict.
+    /// sharded checkpoint (a directory with manifest.json) becomes one .pt dict (every shard
+    /// put together: ZeRO's optimizer state in torch's layout).
     /// A face-recipe checkpoint directory becomes arcface_torch's `checkpoint_gpu_{rank}.pt`
     /// files (+ model.pt) in the directory OUT; a directory of those becomes a tandem checkpoint
     /// in the run directory OUT (`tandem train --out OUT --resume` continues it).
@@ -75,8 +84,8 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 }
 
 /// Reads with every zip entry's CRC-32 verified: a tool asked whether a file is sound must not
-/// report a bit-flipped one as fine. A directory is a sharded optimizer checkpoint
-/// (ZeroRedundancyOptimizer's rank files + manifest), read as its consolidated state dict.
+/// report a bit-flipped one as fine. A directory is a sharded checkpoint, read whole
+/// (consolidated): tandem's, or the earlier ZeRO-only format's.
 fn read(path: &Path) -> anyhow::Result<Value> {
     read_keeping(path, false)
 }
@@ -84,7 +93,10 @@ fn read(path: &Path) -> anyhow::Result<Value> {
 /// `read`, keeping OrderedDicts and their `_metadata` (for `convert`: a faithful re-save).
 fn read_keeping(path: &Path, keep_ordered_dicts: bool) -> anyhow::Result<Value> {
     if path.is_dir() {
-        return Ok(tandem_optim::zero::consolidate_sharded(path)?);
+        if is_zero1_dir(path) {
+            return Ok(tandem_optim::zero::consolidate_sharded(path)?);
+        }
+        return Ok(Saved::open(path)?.consolidated()?);
     }
     let opts = tandem_ckpt::LoadOptions {
         verify_checksums: true,
@@ -153,71 +165,102 @@ fn short_repr(v: &Value) -> String {
     }
 }
 
-/// A face-recipe checkpoint: the manifest, the replicated file and every rank's head file.
-fn inspect_face(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
-    use tandem::train::face::checkpoint::read_manifest;
-    let m = read_manifest(dir)?;
-    let rep = read(&dir.join(&m.replicated))?;
-    let bytes = |v: &Value| -> usize {
-        let mut all = Vec::new();
-        leaves(v, String::new(), &mut all);
-        all.iter().filter_map(|(_, v)| v.as_tensor()).map(TensorData::nbytes).sum()
-    };
-    let backbone = rep.get("backbone").and_then(Value::as_dict).map_or(0, <[_]>::len);
-    let kind = |k: &str| rep.get(k).map_or("absent", Value::type_name);
-    let mut heads = Vec::new();
-    for (r, h) in m.heads.iter().enumerate() {
-        let v = read(&dir.join(&h.file))?;
-        let state = v.get("state").map_or(0, bytes);
-        heads.push((r, h, state));
+/// Tensor bytes under `v`.
+fn tensor_bytes(v: &Value) -> usize {
+    let mut all = Vec::new();
+    leaves(v, String::new(), &mut all);
+    all.iter().filter_map(|(_, v)| v.as_tensor()).map(TensorData::nbytes).sum()
+}
+
+fn describe_slice(slice: &ShardSlice) -> String {
+    match slice {
+        ShardSlice::Rows { start, len, total } => {
+            format!("rows {start}..{} of {total}", start + len)
+        }
+        ShardSlice::Entries { indices } => format!("entries {indices:?}"),
+        ShardSlice::Rank => "this rank's own".into(),
     }
+}
+
+/// A sharded checkpoint: its manifest, the replicated file, and every rank's file with the
+/// slice of each shard it holds and its bytes. The face recipe's also says its head's shape.
+fn inspect_sharded_state(saved: &Saved, as_json: bool) -> anyhow::Result<i32> {
+    let m = saved.manifest().context("not a sharded checkpoint")?;
+    let dir = saved.path();
+    let rep = saved.replicated()?;
+    let kind = |k: &str| rep.get(k).map_or("absent", Value::type_name);
+    let mut ranks = Vec::new();
+    for (r, file) in m.ranks.iter().enumerate() {
+        let v = saved.read_rank_file(r)?;
+        let file_bytes = std::fs::metadata(dir.join(&file.file)).map(|m| m.len()).unwrap_or(0);
+        let shards: Vec<(String, String, usize)> = file
+            .shards
+            .iter()
+            .map(|s| {
+                let bytes = v.get(&s.name).map_or_else(|| tensor_bytes(&v), tensor_bytes);
+                (s.name.clone(), describe_slice(&s.slice), bytes)
+            })
+            .collect();
+        ranks.push((r, file.file.clone(), file_bytes, shards));
+    }
+    let head = saved.rows_total("head");
+    let embedding = head.and_then(|_| {
+        let rows = saved.read_row_parts("head", 0..1).ok()?;
+        rows.first()?.get("weight")?.as_tensor()?.shape.get(1).copied()
+    });
     if as_json {
         let j = json!({
             "dir": dir.display().to_string(),
-            "format": m.format,
+            "format": saved.format(),
             "world_size": m.world_size,
             "global_step": m.global_step,
             "epoch": m.epoch,
-            "num_classes": m.num_classes,
-            "embedding_size": m.embedding_size,
-            "backbone_tensors": backbone,
-            "replicated_bytes": bytes(&rep),
+            "num_classes": head,
+            "embedding_size": embedding,
+            "replicated": m.replicated,
+            "replicated_bytes": tensor_bytes(&rep),
             "scheduler": kind("scheduler"),
             "scaler": kind("scaler"),
-            "heads": heads.iter().map(|(r, h, b)| json!({"rank": r, "file": h.file, "start": h.start, "len": h.len, "state_bytes": b})).collect::<Vec<_>>(),
+            "ranks": ranks.iter().map(|(r, f, b, sh)| json!({
+                "rank": r, "file": f, "file_bytes": b,
+                "shards": sh.iter().map(|(n, s, b)| json!({"name": n, "slice": s, "bytes": b})).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&j)?);
         return Ok(0);
     }
+    let what = match (head, embedding) {
+        (Some(c), Some(e)) => format!("face-recipe checkpoint, {c} classes x {e}, "),
+        _ => "sharded checkpoint, ".into(),
+    };
     println!(
-        "{}: face-recipe checkpoint ({}), step {} (epoch {}), {} ranks, {} classes x {}",
+        "{}: {what}{}, step {} (epoch {}), {} ranks",
         dir.display(),
-        m.format,
+        saved.format(),
         m.global_step,
         m.epoch,
         m.world_size,
-        m.num_classes,
-        m.embedding_size
     );
     println!(
-        "  {}: backbone ({backbone} tensors), optimizer without the head, scheduler: {}, scaler: {}, {} bytes",
+        "  {}: replicated (model/backbone, optimizer hyperparameters, scheduler: {}, scaler: {}), {} bytes of tensors",
         m.replicated,
         kind("scheduler"),
         kind("scaler"),
-        bytes(&rep)
+        tensor_bytes(&rep)
     );
-    for (r, h, b) in &heads {
-        println!(
-            "  rank {r}: {}  classes {}..{}  optimizer state {b} bytes",
-            h.file,
-            h.start,
-            h.start + h.len
-        );
+    for (r, f, b, shards) in &ranks {
+        let parts: Vec<String> =
+            shards.iter().map(|(n, s, b)| format!("{n}: {s} ({b} bytes)")).collect();
+        println!("  rank {r}: {f} ({b} bytes)  {}", parts.join("; "));
     }
-    println!(
-        "(`tandem ckpt convert {} OUT_DIR` writes arcface_torch's checkpoint_gpu_{{rank}}.pt files)",
-        dir.display()
-    );
+    if head.is_some() {
+        println!(
+            "(`tandem ckpt convert {} OUT_DIR` writes arcface_torch's checkpoint_gpu_{{rank}}.pt files)",
+            dir.display()
+        );
+    } else {
+        println!("(`tandem ckpt convert {} whole.pt` writes it as one dict)", dir.display());
+    }
     Ok(0)
 }
 
@@ -239,8 +282,9 @@ fn convert_face(input: &Path, output: &Path) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-/// A sharded optimizer checkpoint: its manifest, each rank's file, parameters and state bytes.
-fn inspect_sharded(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
+/// A ZeRO checkpoint of the earlier format: its manifest, each rank's file, parameters and
+/// state bytes.
+fn inspect_zero1(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
     use tandem_optim::zero::{read_manifest, state_bytes};
     let m = read_manifest(dir)?;
     let mut ranks = Vec::new();
@@ -280,11 +324,11 @@ fn inspect_sharded(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
 }
 
 fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
-    if file.is_dir() && arcface::is_face_dir(file) {
-        return inspect_face(file, as_json);
+    if file.is_dir() && is_zero1_dir(file) {
+        return inspect_zero1(file, as_json);
     }
     if file.is_dir() {
-        return inspect_sharded(file, as_json);
+        return inspect_sharded_state(&Saved::open(file)?, as_json);
     }
     let v = read(file)?;
     let format = format_name(file)?;

@@ -14,8 +14,9 @@ use crate::error::{bail, Context, Result};
 use tandem_ckpt::Value;
 use tandem_models::IResNet;
 
-use crate::face::checkpoint::{self, HeadFile, Manifest, FORMAT, REPLICATED};
-use crate::face::overlay;
+use crate::checkpoint::{self, Saved, ShardDict};
+use crate::face::optimizer_entry::{merge_optimizer, split_optimizer};
+use crate::face::{overlay, BUFFERS_SHARD, HEAD_SHARD};
 
 /// Final name components of BatchNorm statistics (buffers, never in the optimizer).
 const BUFFERS: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];
@@ -33,9 +34,9 @@ pub fn is_arcface_dir(dir: &Path) -> bool {
     dir.join(file_name(0)).is_file()
 }
 
-/// Whether `dir` is a tandem face checkpoint.
+/// Whether `dir` is a tandem face checkpoint (a sharded checkpoint with a `head` row shard).
 pub fn is_face_dir(dir: &Path) -> bool {
-    checkpoint::read_manifest(dir).is_ok()
+    dir.is_dir() && Saved::open(dir).is_ok_and(|s| s.rows_total(HEAD_SHARD).is_some())
 }
 
 /// The torch parameter names of a backbone state dict in torch's order (its keys without
@@ -101,10 +102,9 @@ fn group_params(opt: &Value, what: &str) -> Result<(Vec<i64>, Vec<i64>)> {
 /// Writes `checkpoint_gpu_{rank}.pt` for every rank of tandem face checkpoint `dir` (and
 /// `model.pt`, rank 0's backbone, as arcface_torch's output holds) into `out`.
 pub fn to_arcface(dir: &Path, out: &Path) -> Result<Vec<PathBuf>> {
-    let m = checkpoint::read_manifest(dir)?;
-    let rep_path = dir.join(&m.replicated);
-    let rep =
-        tandem_ckpt::load(&rep_path).with_context(|| format!("reading {}", rep_path.display()))?;
+    let saved = Saved::open(dir)?;
+    let rep_path = dir.join(checkpoint::REPLICATED);
+    let rep = saved.replicated()?;
     let get = |k: &str| rep.get(k).with_context(|| format!("{}: no `{k}`", rep_path.display()));
     if let Some(s) = rep.get("sampler").filter(|s| !matches!(s, Value::None)) {
         let consumed = s.get("consumed").and_then(Value::as_int).unwrap_or(0);
@@ -112,8 +112,8 @@ pub fn to_arcface(dir: &Path, out: &Path) -> Result<Vec<PathBuf>> {
             bail!(
                 "{}: step {} is in the middle of epoch {} (arcface_torch resumes at epoch boundaries only); convert a checkpoint written at an epoch's end",
                 dir.display(),
-                m.global_step,
-                m.epoch
+                saved.global_step(),
+                saved.epoch()
             );
         }
     }
@@ -142,17 +142,20 @@ pub fn to_arcface(dir: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     };
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let mut written = Vec::new();
-    for (r, h) in m.heads.iter().enumerate() {
-        let path = dir.join(&h.file);
-        let head =
-            tandem_ckpt::load(&path).with_context(|| format!("reading {}", path.display()))?;
-        let hget = |k: &str| head.get(k).with_context(|| format!("{}: no `{k}`", path.display()));
+    let slices = saved.slices(HEAD_SHARD).context("no head shard")?;
+    for (r, slice) in slices.into_iter().enumerate() {
+        let checkpoint::ShardSlice::Rows { start, len, .. } = *slice else {
+            bail!("{}: the head shard is not a row shard", dir.display())
+        };
+        let head = saved.read_rows(HEAD_SHARD, start..start + len)?;
+        let what = format!("{} rank {r}", dir.display());
+        let hget = |k: &str| head.get(k).with_context(|| format!("{what}: no `{k}`"));
         let mut backbone = backbone.clone();
-        overlay(&mut backbone, hget("buffers")?);
-        let optimizer = checkpoint::merge_optimizer(&rest, head_torch, hget("state")?.clone());
+        overlay(&mut backbone, &saved.read_rank(BUFFERS_SHARD, r)?.unwrap_or(Value::None));
+        let optimizer = merge_optimizer(&rest, head_torch, hget("state")?.clone());
         let ck = Value::dict_from([
-            ("epoch", Value::Int(m.epoch as i64)),
-            ("global_step", Value::Int(m.global_step as i64)),
+            ("epoch", Value::Int(saved.epoch() as i64)),
+            ("global_step", Value::Int(saved.global_step() as i64)),
             ("state_dict_backbone", backbone.clone()),
             ("state_dict_softmax_fc", Value::dict_from([("weight", hget("weight")?.clone())])),
             ("state_optimizer", optimizer),
@@ -204,9 +207,11 @@ pub fn from_arcface(dir: &Path, run_dir: &Path) -> Result<PathBuf> {
         ours.iter().position(|&t| t as i64 == i).map(|p| p as i64)
     };
     let target = run_dir.join("checkpoints").join(format!("step-{step:08}"));
-    std::fs::create_dir_all(&target).with_context(|| format!("creating {}", target.display()))?;
+    if target.exists() {
+        bail!("{} exists already; convert into another run directory", target.display());
+    }
     let mut heads = Vec::new();
-    let (mut start, mut width) = (0usize, 0usize);
+    let mut start = 0usize;
     let mut rest0 = Value::None;
     for (r, (path, v)) in files.iter().enumerate() {
         let what = path.display().to_string();
@@ -218,7 +223,7 @@ pub fn from_arcface(dir: &Path, run_dir: &Path) -> Result<PathBuf> {
         if g0.len() as i64 != head_torch || g1 != [head_torch] {
             bail!("{what}: optimizer groups of {} and {:?} parameters; the backbone has {head_torch}, then the head", g0.len(), g1);
         }
-        let (rest, head_state) = checkpoint::split_optimizer(&opt, head_torch);
+        let (rest, head_state) = split_optimizer(&opt, head_torch);
         let rest = renumber(&rest, &inverse, &what)?;
         if r == 0 {
             rest0 = rest;
@@ -228,31 +233,28 @@ pub fn from_arcface(dir: &Path, run_dir: &Path) -> Result<PathBuf> {
             .and_then(Value::as_tensor)
             .cloned()
             .with_context(|| format!("{what}: `state_dict_softmax_fc` has no `weight` tensor"))?;
-        let [rows, e] = weight.shape[..] else {
+        let [rows, _] = weight.shape[..] else {
             bail!("{what}: the head's weight has shape {:?}", weight.shape)
         };
-        width = e;
         let buffers = buffers_of(&get(v, path, "state_dict_backbone")?);
-        let head = Value::dict_from([
-            ("rank", Value::Int(r as i64)),
-            ("start", Value::Int(start as i64)),
-            ("len", Value::Int(rows as i64)),
-            ("weight", Value::Tensor(weight)),
-            ("state", head_state),
-            ("buffers", buffers),
-        ]);
-        let file = checkpoint::head_file_name(r, world);
-        let out = target.join(&file);
-        tandem_ckpt::save(&out, &head).with_context(|| format!("writing {}", out.display()))?;
-        heads.push(HeadFile { file, start, len: rows });
+        let head = Value::dict_from([("weight", Value::Tensor(weight)), ("state", head_state)]);
+        heads.push((start, rows, head, buffers));
         start += rows;
     }
+    let ranks = heads
+        .into_iter()
+        .map(|(first, rows, head, buffers)| {
+            vec![
+                ShardDict::rows(HEAD_SHARD, first, rows, start, head),
+                ShardDict::rank(BUFFERS_SHARD, buffers),
+            ]
+        })
+        .collect();
     let scheduler = match get(first, path0, "state_lr_scheduler")? {
         Value::Dict(d) if d.is_empty() => Value::None,
         s => s,
     };
     let replicated = Value::dict_from([
-        ("format", Value::Str(FORMAT.into())),
         ("epoch", Value::Int(epoch)),
         ("global_step", Value::Int(step)),
         ("world_size", Value::Int(world as i64)),
@@ -265,19 +267,8 @@ pub fn from_arcface(dir: &Path, run_dir: &Path) -> Result<PathBuf> {
         ("rng", Value::None),
         ("config", Value::None),
     ]);
-    let rep = target.join(REPLICATED);
-    tandem_ckpt::save(&rep, &replicated).with_context(|| format!("writing {}", rep.display()))?;
-    let manifest = Manifest {
-        format: FORMAT.into(),
-        world_size: world,
-        global_step: step as u64,
-        epoch: epoch as u64,
-        num_classes: start,
-        embedding_size: width,
-        replicated: REPLICATED.into(),
-        heads,
-    };
-    checkpoint::write_manifest(&target, &manifest)?;
+    std::fs::create_dir_all(&target).with_context(|| format!("creating {}", target.display()))?;
+    checkpoint::write_sharded(&target, step as u64, epoch as u64, replicated, ranks)?;
     Ok(target)
 }
 

@@ -2,12 +2,13 @@
 //! backbone under Ddp with per-rank BatchNorm statistics (`broadcast_buffers=False`), and a
 //! PartialFC head whose class centres, with their optimizer state, are split over the ranks.
 //!
-//! [`save`] writes it as one checkpoint directory ([`checkpoint`]: a replicated file, one head
-//! file per rank, a manifest written last) and [`resume`] reads it back on any world size, each
-//! rank reading only the head files that hold its rows.
+//! [`save`] writes it through the one checkpoint API ([`crate::checkpoint`]: the replicated
+//! part once, every rank's `head` row shard (its centres and their optimizer state) and its
+//! `buffers` in parallel, a manifest last) and [`resume`] reads it back on any world size, each
+//! rank reading only the rank files that hold its rows.
 //!
 //! ```ignore
-//! let mut ckpts = FaceCheckpoints::new(out.join("checkpoints"), 2);
+//! let mut ckpts = Checkpointer::new(out.join("checkpoints"), 2);
 //! let mut state = FaceState::new(&ddp, &mut head, &mut opt, &mut step);
 //! if let Some(r) = face::resume(&ckpts, &mut state, &mut loader, epochs, &group)? { /* r.step */ }
 //! // ... train ...
@@ -15,8 +16,8 @@
 //! face::save(&mut ckpts, &state, &loader.state(), &group)?;
 //! ```
 pub mod arcface;
-pub mod checkpoint;
 pub mod live_head;
+pub mod optimizer_entry;
 
 use std::path::PathBuf;
 
@@ -26,17 +27,22 @@ use tandem_nn::ParamModule;
 use tandem_optim::{GradScaler, TorchOptimizer};
 use tandem_partial_fc::PartialFc;
 
+use crate::checkpoint::{CheckpointError, Checkpointer, ShardDict, TrainingStateDict};
 use crate::schedule;
 use crate::state::{sampler_state_from_value, sampler_value, LoaderPosition};
 use crate::step::Step;
-pub use checkpoint::{FaceCheckpointError, FaceCheckpoints, Manifest, SaveInfo};
 use tandem_data::SamplerState;
+
+/// The name of the head's row shard (centres and their optimizer state) in a checkpoint.
+pub const HEAD_SHARD: &str = "head";
+/// The name of each rank's BatchNorm statistics in a checkpoint.
+pub const BUFFERS_SHARD: &str = "buffers";
 
 /// Why the face state could not be saved or restored.
 #[derive(Debug, thiserror::Error)]
 pub enum FaceStateError {
     #[error(transparent)]
-    Checkpoint(#[from] FaceCheckpointError),
+    Checkpoint(#[from] CheckpointError),
     #[error(
         "{}: the checkpoint's head is {saved_classes} classes x {saved_embedding}, this run's \
          {classes} x {embedding}", dir.display()
@@ -112,46 +118,47 @@ pub struct FaceResumed {
     pub rows: usize,
 }
 
-/// Saves `state` with the loader at `position` as `step-NNNNNNNN/` under `ckpts` (a
-/// collective: every rank writes its head file, rank 0 the replicated file and the manifest).
-/// Returns the directory.
+/// Saves `state` with the loader at `position` as checkpoint `step-NNNNNNNN` under `ckpts`
+/// (a collective: every rank writes its head rows and BatchNorm statistics, rank 0 the
+/// replicated part and the manifest). Returns the checkpoint's directory.
 pub fn save(
-    ckpts: &mut FaceCheckpoints,
+    ckpts: &mut Checkpointer,
     state: &FaceState<'_>,
     position: &SamplerState,
     group: &ProcessGroup,
 ) -> Result<PathBuf, FaceStateError> {
+    let step = state.global_step;
+    let dict = state_dict(state, position, group.rank(), group.size())?;
+    Ok(ckpts.save(group, &format!("step-{step:08}"), dict)?)
+}
+
+/// This rank's face state as a [`TrainingStateDict`]: the replicated part (built on rank 0
+/// only), the `head` row shard (`{weight, state}`: the centres and the head's optimizer entry)
+/// and the `buffers` rank shard.
+pub fn state_dict(
+    state: &FaceState<'_>,
+    position: &SamplerState,
+    rank: usize,
+    world: usize,
+) -> Result<TrainingStateDict, FaceStateError> {
     let fail = |e: &dyn std::fmt::Display| FaceStateError::Save(e.to_string());
-    let (rank, step) = (group.rank(), state.global_step);
     let head_index = state.backbone.params().len() as i64;
     let full_opt = state.opt.state_dict().map_err(|e| fail(&e))?;
-    let (rest, head_state) = checkpoint::split_optimizer(&full_opt, head_index);
+    let (rest, head_state) = optimizer_entry::split_optimizer(&full_opt, head_index);
     let split = state.head.split();
     let weight =
         tandem_nn::convert::to_ckpt(state.head.weight().as_tensor()).map_err(|e| fail(&e))?;
-    let head = Value::dict_from([
-        ("rank", Value::Int(rank as i64)),
-        ("start", Value::Int(split.start as i64)),
-        ("len", Value::Int(split.len as i64)),
-        ("weight", Value::Tensor(weight)),
-        ("state", head_state),
-        ("buffers", buffers_value(&state.backbone.named_buffers()).map_err(|e| fail(&e))?),
-    ]);
-    let epoch = position.epoch;
+    let head = Value::dict_from([("weight", Value::Tensor(weight)), ("state", head_state)]);
+    let buffers = buffers_value(&state.backbone.named_buffers()).map_err(|e| fail(&e))?;
     let replicated = if rank == 0 {
-        Some(replicated_value(state, rest, position, group.size()).map_err(|e| fail(&e))?)
+        replicated_value(state, rest, position, world).map_err(|e| fail(&e))?
     } else {
-        None
+        Value::None
     };
-    let info = SaveInfo {
-        rank,
-        world: group.size(),
-        global_step: step,
-        epoch,
-        num_classes: state.head.config().num_classes,
-        embedding_size: state.head.config().embedding_size,
-    };
-    Ok(ckpts.save(&format!("step-{step:08}"), &info, replicated, head, group)?)
+    let classes = state.head.config().num_classes;
+    Ok(TrainingStateDict::new(state.global_step, position.epoch, replicated)
+        .shard(ShardDict::rows(HEAD_SHARD, split.start, split.len, classes, head))
+        .shard(ShardDict::rank(BUFFERS_SHARD, buffers)))
 }
 
 /// The replicated part of the face state: backbone, the optimizer's state without the head's
@@ -169,7 +176,6 @@ pub fn replicated_value(
         None => backbone,
     };
     Ok(Value::dict_from([
-        ("format", Value::Str(checkpoint::FORMAT.into())),
         ("epoch", Value::Int(position.epoch as i64)),
         ("global_step", Value::Int(state.global_step as i64)),
         ("world_size", Value::Int(world as i64)),
@@ -188,29 +194,33 @@ pub fn replicated_value(
 /// is none. A collective. The schedule is stretched over the steps left to the end of `epochs`
 /// from the restored position.
 pub fn resume(
-    ckpts: &FaceCheckpoints,
+    ckpts: &Checkpointer,
     state: &mut FaceState<'_>,
     loader: &mut dyn LoaderPosition,
     epochs: u64,
     group: &ProcessGroup,
 ) -> Result<Option<FaceResumed>, FaceStateError> {
     let rank = group.rank();
-    let Some((dir, manifest)) = ckpts.latest()? else { return Ok(None) };
+    let Some(saved) = ckpts.latest()? else { return Ok(None) };
+    let dir = saved.path().to_path_buf();
     let cfg = state.head.config();
-    if manifest.num_classes != cfg.num_classes || manifest.embedding_size != cfg.embedding_size {
-        return Err(FaceStateError::HeadShape {
-            dir,
-            saved_classes: manifest.num_classes,
-            saved_embedding: manifest.embedding_size,
-            classes: cfg.num_classes,
-            embedding: cfg.embedding_size,
-        });
+    let (classes, embedding) = (cfg.num_classes, cfg.embedding_size);
+    let saved_classes = saved.rows_total(HEAD_SHARD).unwrap_or(0);
+    let shape_error = |saved_embedding: usize| FaceStateError::HeadShape {
+        dir: dir.clone(),
+        saved_classes,
+        saved_embedding,
+        classes,
+        embedding,
+    };
+    if saved_classes != classes {
+        return Err(shape_error(0));
     }
-    let path = dir.join(&manifest.replicated);
-    let rep = tandem_ckpt::load(&path)
-        .map_err(|source| FaceCheckpointError::File { path: path.clone(), source })?;
+    let rep = saved.replicated()?;
     let split = state.head.split();
-    let rows = checkpoint::read_head_rows(&dir, &manifest, split, rank)?;
+    let rows = saved.read_rows(HEAD_SHARD, split.start..split.start + split.len)?;
+    let own = rank.min(saved.world_size() - 1);
+    let buffers = saved.read_rank(BUFFERS_SHARD, own)?.unwrap_or(Value::None);
     let label = dir.display().to_string();
     let restore = |what: &'static str| {
         let dir = dir.clone();
@@ -220,22 +230,30 @@ pub fn resume(
             why: why.to_string(),
         }
     };
+    let weight = rows
+        .get("weight")
+        .and_then(Value::as_tensor)
+        .ok_or_else(|| restore("head centres")(&"no `weight` tensor"))?;
+    if weight.shape.get(1) != Some(&embedding) {
+        return Err(shape_error(weight.shape.get(1).copied().unwrap_or(0)));
+    }
     let device = state.head.weight().device().clone();
-    let weight = tandem_nn::convert::from_ckpt(&rows.weight, &device)
-        .map_err(|e| restore("head centres")(&e))?;
+    let weight =
+        tandem_nn::convert::from_ckpt(weight, &device).map_err(|e| restore("head centres")(&e))?;
     state.head.weight().set(&weight).map_err(|e| restore("head centres")(&e))?;
     let head_index = state.backbone.params().len() as i64;
     let rest = rep.get("optimizer").ok_or_else(|| restore("optimizer")(&"no such entry"))?;
-    let full = checkpoint::merge_optimizer(rest, head_index, rows.state);
+    let head_state = rows.get("state").cloned().unwrap_or(Value::None);
+    let full = optimizer_entry::merge_optimizer(rest, head_index, head_state);
     state.opt.load_state_dict(&full).map_err(|e| restore("optimizer state")(&e))?;
     if rep.get("sampler") == Some(&Value::None) {
         // Converted from arcface_torch: the start of `epoch`, in this run's order.
-        loader.set_epoch(manifest.epoch);
+        loader.set_epoch(saved.epoch());
     }
-    let step = restore_replicated(state, &rep, &rows.buffers, loader, epochs, &label, rank == 0)
+    let step = restore_replicated(state, &rep, &buffers, loader, epochs, &label, rank == 0)
         .map_err(|(what, why)| restore(what)(&why))?;
     // Every rank has read what it needs before any goes on (and perhaps saves over it).
-    group.barrier().map_err(|source| FaceCheckpointError::Comm {
+    group.barrier().map_err(|source| CheckpointError::Comm {
         what: "barrier after reading the checkpoint".into(),
         source: Box::new(source),
     })?;
@@ -244,8 +262,8 @@ pub fn resume(
         dir,
         step,
         epoch,
-        world_size: manifest.world_size,
-        num_classes: manifest.num_classes,
+        world_size: saved.world_size(),
+        num_classes: saved_classes,
         rows: split.len,
     }))
 }

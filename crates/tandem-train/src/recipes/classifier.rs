@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::Device;
-use tandem_ckpt::{AsyncCheckpointManager, CheckpointManager, TrainingCheckpoint, Value};
+use tandem_ckpt::{TrainingCheckpoint, Value};
 use tandem_comm::{Collectives, LiveOptions, ProcessGroup};
 use tandem_data::{
     channel_stats, Batch, CropFlip, DataLoader, Dataset, EvalMetrics, ImageTransforms,
@@ -20,12 +20,16 @@ use tandem_optim::TorchOptimizer;
 use super::net::{image_shape, Net, NetSpec};
 use super::optimizer::TrainOptimizer;
 use super::LiveComm;
+use crate::checkpoint::{Checkpointer, ShardDict, TrainingStateDict};
 use crate::error::{bail, Context, Result, TrainError};
 use crate::fault;
 use crate::live_entries::{self, regroup_entries, Entries};
 use crate::options::TrainOptions;
 use crate::schedule::{self, RunLength};
-use crate::state::{sampler_state_from_value, sampler_value, LoaderPosition};
+use crate::state::{
+    replicated_with_optimizer, sampler_state_from_value, sampler_value, LoaderPosition,
+    OPTIMIZER_SHARD,
+};
 use crate::trainer::{
     Evaluation, Recipe, ResumeContext, Resumed, SaveContext, StepReport, Trainer, TrainerOptions,
 };
@@ -56,8 +60,7 @@ pub struct Classifier<'a> {
     train: Arc<TrainData>,
     eval: Arc<TrainData>,
     options: LoaderOptions,
-    manager: CheckpointManager,
-    saver: Saver,
+    ckpt: Checkpointer,
     last_eval: EvalMetrics,
     /// `--zero` under live recovery: the optimizer shards' mirror and re-split.
     zero_live: Option<ZeroLive>,
@@ -154,8 +157,8 @@ impl<'a> Classifier<'a> {
             .build(opt.get_mut(), cfg.optim.lr, RunLength { steps_per_epoch, total_steps })
             .context("--lr-scheduler")?;
         let stepper = super::step_for(cfg, 2000, sched)?;
-        let manager = CheckpointManager::new(run_dir.join("checkpoints"), cfg.checkpoint.keep_last);
-        let saver = Saver::new(manager.clone(), cfg.checkpoint.background);
+        let ckpt = Checkpointer::new(run_dir.join("checkpoints"), cfg.checkpoint.keep_last)
+            .background(cfg.checkpoint.background);
         let recipe = Classifier {
             cfg,
             device,
@@ -164,8 +167,7 @@ impl<'a> Classifier<'a> {
             train,
             eval: Arc::new(eval),
             options,
-            manager,
-            saver,
+            ckpt,
             last_eval: EvalMetrics::default(),
             zero_live,
         };
@@ -219,10 +221,10 @@ impl<'a> Classifier<'a> {
         Ok((position, global_step))
     }
 
-    /// The whole training state as a checkpoint value (what a save writes and a live regroup
-    /// sends). A collective with ZeRO (the shards are gathered to rank 0).
+    /// The replicated training state (what a save writes once and a live regroup sends): with
+    /// ZeRO the optimizer's hyperparameters only (each rank's entries are its own shard).
     fn state_value(&mut self, ctx: &SaveContext<'_>) -> Result<Value> {
-        let optimizer = self.opt.checkpoint_state(ctx.group.rank())?;
+        let optimizer = self.opt.live_state()?;
         let scaler = ctx.step.grad_scaler().map_or(Value::None, GradScaler::state_dict);
         let scheduler = schedule::state(ctx.step.lr_scheduler());
         let state = CheckpointState {
@@ -286,27 +288,41 @@ impl Recipe for Classifier<'_> {
         }))
     }
 
+    /// One file rank 0 writes; with `--zero` a directory: the replicated part once and every
+    /// rank's optimizer entries in parallel (nothing gathered).
     fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>> {
-        let value = self.state_value(&ctx)?;
-        self.saver.save(ctx.group.rank(), ctx.name, value, ctx.group)
+        let replicated = self.state_value(&ctx)?;
+        let mut dict = TrainingStateDict::new(ctx.global_step, ctx.position.epoch, replicated);
+        if let Some(shard) = self.opt.get().shard()? {
+            dict = dict.shard(ShardDict::entries(OPTIMIZER_SHARD, shard.indices, shard.entries));
+        }
+        let path = self.ckpt.save(ctx.group, ctx.name, dict).with_context(|| {
+            "a checkpoint save failed (the run stops here; the checkpoints before it are intact)"
+        })?;
+        Ok((ctx.group.rank() == 0).then_some(path))
     }
 
-    fn settle(&mut self, _group: &ProcessGroup) -> Result<()> {
-        self.saver.settle()
+    fn settle(&mut self, group: &ProcessGroup) -> Result<()> {
+        self.ckpt.settle(group).context("a background checkpoint save failed")?;
+        Ok(())
     }
 
     /// Model, optimizer, loader position and loss scale from the newest checkpoint that
     /// verifies (a fresh start when there is none).
     fn resume(&mut self, ctx: ResumeContext<'_>) -> Result<Option<Resumed>> {
         let (rank, world) = (ctx.group.rank(), ctx.group.size());
-        let found = self.manager.latest_valid().context("looking for a checkpoint to resume")?;
-        let Some((path, value)) = found else {
+        let found = self.ckpt.latest().context("looking for a checkpoint to resume")?;
+        let Some(saved) = found else {
             if rank == 0 {
-                let dir = self.manager.dir().display();
+                let dir = self.ckpt.dir().display();
                 eprintln!("--resume: no checkpoint in {dir}, starting fresh");
             }
             return Ok(None);
         };
+        let path = saved.path().to_path_buf();
+        let owned = self.opt.get().owned_params();
+        let value = replicated_with_optimizer(&saved, owned.as_deref())
+            .with_context(|| format!("reading {}", path.display()))?;
         let ck = TrainingCheckpoint::from_value(&value)
             .with_context(|| format!("reading {}", path.display()))?;
         let what = path.display().to_string();
@@ -339,18 +355,9 @@ impl Recipe for Classifier<'_> {
         Ok(())
     }
 
+    /// Not a collective: only the source builds it (with ZeRO, the shards move in the
+    /// re-split that follows).
     fn live_state(&mut self, ctx: SaveContext<'_>) -> Result<Value> {
-        if self.zero_live.is_some() {
-            // Not a collective: only the source builds it.
-            let state = CheckpointState {
-                optimizer: self.opt.live_state()?,
-                scaler: ctx.step.grad_scaler().map_or(Value::None, GradScaler::state_dict),
-                scheduler: schedule::state(ctx.step.lr_scheduler()),
-                sampler: ctx.position.clone(),
-                step: ctx.global_step,
-            };
-            return checkpoint_value(&self.ddp.module(), state, ctx.group.size(), self.cfg);
-        }
         self.state_value(&ctx)
     }
 
@@ -428,66 +435,6 @@ impl Classifier<'_> {
             })?;
         if let Some(z) = self.zero_live.as_mut() {
             z.mirror = mirror;
-        }
-        Ok(())
-    }
-}
-
-/// Rank 0's checkpoint writes, synchronous or on a background thread (`--async-save`).
-enum Saver {
-    Sync(CheckpointManager),
-    Async(AsyncCheckpointManager),
-}
-
-impl Saver {
-    fn new(manager: CheckpointManager, background: bool) -> Self {
-        if background {
-            Saver::Async(AsyncCheckpointManager::new(manager))
-        } else {
-            Saver::Sync(manager)
-        }
-    }
-
-    /// A collective. Synchronous: rank 0 writes, every rank meets at the barrier. Background:
-    /// rank 0 hands the (host) copy to the writer thread, first waiting for the previous save and
-    /// failing with its error; the other ranks go straight on (they meet rank 0 at the next
-    /// collective). Returns the file rank 0 writes.
-    fn save(
-        &mut self,
-        rank: usize,
-        name: &str,
-        value: Value,
-        group: &ProcessGroup,
-    ) -> Result<Option<PathBuf>> {
-        match self {
-            Saver::Sync(m) => {
-                // The barrier's own error is kept whole (a dead peer there is a peer failure a
-                // live world recovers from; the manager would only keep its text).
-                let mut barrier_error = None;
-                let written = m.save_on_rank(rank, name, &value, || {
-                    group.barrier().map_err(|e| {
-                        let text = e.to_string();
-                        barrier_error = Some(e);
-                        text
-                    })
-                });
-                if let Some(e) = barrier_error {
-                    let what = format!("the barrier after saving checkpoint `{name}`");
-                    return Err(TrainError::Failed { what, source: Box::new(e) });
-                }
-                Ok(written?)
-            }
-            Saver::Async(m) if rank == 0 => Ok(Some(m.save(name, value).with_context(|| {
-                "a background checkpoint save failed (the run stops here; the files before it are intact)"
-            })?)),
-            Saver::Async(_) => Ok(None),
-        }
-    }
-
-    /// Waits for this process's save in flight, if any (its error names the file).
-    fn settle(&mut self) -> Result<()> {
-        if let Saver::Async(m) = self {
-            m.wait().context("a background checkpoint save failed")?;
         }
         Ok(())
     }

@@ -27,10 +27,11 @@ use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConf
 
 use super::net::Autocast;
 use super::LiveComm;
+use crate::checkpoint::Checkpointer;
 use crate::error::{bail, Context, Result, TrainError};
-use crate::face::checkpoint::{merge_optimizer, read_head_rows, split_optimizer};
 use crate::face::live_head::{exchange_mirror, regroup_rows, RowBlock};
-use crate::face::{self as face_state, FaceCheckpoints, FaceState};
+use crate::face::optimizer_entry::{merge_optimizer, split_optimizer};
+use crate::face::{self as face_state, FaceState, HEAD_SHARD};
 use crate::fault;
 use crate::metrics::VerificationMetrics;
 use crate::options::{OptimizerKind, Precision, TrainOptions};
@@ -95,7 +96,7 @@ pub struct Face<'a> {
     autocast: Autocast,
     train: Arc<FaceRecDataset>,
     val: Vec<ValSet>,
-    ckpt: FaceCheckpoints,
+    ckpt: Checkpointer,
     live: Option<LiveHead>,
 }
 
@@ -248,7 +249,7 @@ impl<'a> Face<'a> {
             autocast: Autocast(autocast),
             train,
             val,
-            ckpt: FaceCheckpoints::new(run_dir.join("checkpoints"), cfg.checkpoint.keep_last)
+            ckpt: Checkpointer::new(run_dir.join("checkpoints"), cfg.checkpoint.keep_last)
                 .background(cfg.checkpoint.background),
             live: live.map(|l| LiveHead {
                 every: cfg.comm.mirror_every.max(1),
@@ -327,7 +328,8 @@ impl Recipe for Face<'_> {
     }
 
     fn settle(&mut self, group: &ProcessGroup) -> Result<()> {
-        Ok(self.ckpt.settle(group)?)
+        self.ckpt.settle(group)?;
+        Ok(())
     }
 
     /// The newest complete checkpoint, on this world size or another (the head's centres and
@@ -525,18 +527,24 @@ impl Face<'_> {
     fn reload_rows(&self, range: std::ops::Range<usize>) -> std::result::Result<RowBlock, String> {
         let cfg = self.head.config();
         let (classes, e) = (cfg.num_classes, cfg.embedding_size);
-        let split = ClassSplit { start: range.start, len: range.len(), classes };
-        if let Some((dir, manifest)) = self.ckpt.latest().map_err(|err| err.to_string())? {
-            if manifest.num_classes == classes && manifest.embedding_size == e {
+        if let Some(saved) = self.ckpt.latest().map_err(|err| err.to_string())? {
+            if saved.rows_total(HEAD_SHARD) == Some(classes) {
                 let rows =
-                    read_head_rows(&dir, &manifest, split, 0).map_err(|err| err.to_string())?;
-                return Ok(RowBlock {
-                    start: range.start,
-                    len: range.len(),
-                    step: manifest.global_step,
-                    weight: rows.weight.to_f32_vec(),
-                    state: row_tensors(&rows.state, range.len(), e),
-                });
+                    saved.read_rows(HEAD_SHARD, range.clone()).map_err(|err| err.to_string())?;
+                let weight = rows.get("weight").and_then(Value::as_tensor);
+                if let Some(weight) = weight.filter(|w| w.shape == [range.len(), e]) {
+                    return Ok(RowBlock {
+                        start: range.start,
+                        len: range.len(),
+                        step: saved.global_step(),
+                        weight: weight.to_f32_vec(),
+                        state: row_tensors(
+                            rows.get("state").unwrap_or(&Value::None),
+                            range.len(),
+                            e,
+                        ),
+                    });
+                }
             }
         }
         Ok(RowBlock {

@@ -84,21 +84,7 @@ impl TrainOptimizer {
     pub fn live_state(&self) -> Result<Value> {
         match self {
             TrainOptimizer::Plain(o) => Ok(o.state_dict()?),
-            TrainOptimizer::Zero(z) => {
-                let shard = z.shard_state_dict()?;
-                let n = z.params().len() as i64;
-                let mut groups = shard
-                    .get("param_groups")
-                    .and_then(Value::as_list)
-                    .map_or_else(Vec::new, <[Value]>::to_vec);
-                for g in &mut groups {
-                    g.insert("params", Value::List((0..n).map(Value::Int).collect()));
-                }
-                Ok(Value::dict_from([
-                    ("state", Value::Dict(vec![])),
-                    ("param_groups", Value::List(groups)),
-                ]))
-            }
+            TrainOptimizer::Zero(z) => Ok(z.hyperparameters()?),
         }
     }
 
@@ -109,18 +95,5 @@ impl TrainOptimizer {
             z.repartition(state, |shard| plain(cfg, shard))?;
         }
         Ok(())
-    }
-
-    /// The whole optimizer state for rank 0's checkpoint, in torch's layout. A collective with
-    /// `--zero` (every rank sends its shard to rank 0; the others get `Value::None`, as they
-    /// write nothing), so every rank calls it at every save.
-    pub fn checkpoint_state(&mut self, rank: usize) -> Result<Value> {
-        match self {
-            TrainOptimizer::Plain(o) => Ok(o.state_dict()?),
-            TrainOptimizer::Zero(z) => {
-                z.consolidate_state_dict(0)?;
-                Ok(if rank == 0 { z.state_dict()? } else { Value::None })
-            }
-        }
     }
 }
