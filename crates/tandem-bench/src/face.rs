@@ -219,6 +219,7 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         peak_rss: Vec::new(),
     };
     let (mut breakdown, mut torch_breakdown) = (String::new(), String::new());
+    let mut peak_with_save = Vec::new();
     let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
     for round in 0..args.rounds {
         let out = dir.join(format!("run-{round}"));
@@ -228,8 +229,16 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
             .with_context(|| format!("no run summary in {}", metrics.display()))?;
         breakdown = summary.step_times.map(|t| t.line()).unwrap_or_default();
         ours.samples_per_s.push(summary.samples_per_s);
-        let peaks: Vec<f64> = summary.peak_rss_bytes.iter().map(|&b| b as f64).collect();
+        // Training's peak, as the PyTorch side's (which saves no checkpoint); the last save's
+        // staging copies are reported on their own.
+        let training = match summary.training_peak_rss_bytes.as_slice() {
+            [] => &summary.peak_rss_bytes,
+            t => t,
+        };
+        let peaks: Vec<f64> = training.iter().map(|&b| b as f64).collect();
         ours.peak_rss.push(max(&peaks));
+        let with_save: Vec<f64> = summary.peak_rss_bytes.iter().map(|&b| b as f64).collect();
+        peak_with_save.push(max(&with_save));
         let text = run(
             Command::new(python)
                 .arg(&peer)
@@ -315,6 +324,15 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         medians[0] / medians[1],
         memory[0] / memory[1].max(1.0)
     );
+    if let Some(m) = crate::report::summary(&peak_with_save) {
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        println!(
+            "  tandem with its last checkpoint save (the state's staging copies; PyTorch's run saves none): peak memory (GiB) min {:.2} median {:.2} max {:.2}",
+            gib(m.min),
+            gib(m.median),
+            gib(m.max)
+        );
+    }
     if !breakdown.is_empty() {
         println!("  tandem:  {breakdown}");
     }

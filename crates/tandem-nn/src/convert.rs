@@ -19,9 +19,31 @@ pub fn ckpt_dtype(d: DType) -> ElemType {
     }
 }
 
+/// The bytes of a contiguous CPU tensor of a dtype saved as it is, copied once (through
+/// `to_vec1` a checkpoint's staging copy of a 1 GiB head would cost 2 GiB at its peak).
+fn host_bytes(t: &Tensor) -> Option<Vec<u8>> {
+    use candle_core::{CpuStorage, Storage};
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else { return None };
+    let (a, b) = layout.contiguous_offsets()?;
+    let bytes: &[u8] = match cpu {
+        CpuStorage::F32(v) => bytemuck::cast_slice(&v[a..b]),
+        CpuStorage::F64(v) => bytemuck::cast_slice(&v[a..b]),
+        CpuStorage::F16(v) => bytemuck::cast_slice(&v[a..b]),
+        CpuStorage::BF16(v) => bytemuck::cast_slice(&v[a..b]),
+        CpuStorage::I64(v) => bytemuck::cast_slice(&v[a..b]),
+        CpuStorage::U8(v) => &v[a..b],
+        _ => return None,
+    };
+    Some(bytes.to_vec())
+}
+
 /// A contiguous checkpoint tensor with the same dtype, shape and values.
 pub fn to_ckpt(t: &Tensor) -> Result<tandem_ckpt::TensorData> {
     let shape = t.dims().to_vec();
+    if let Some(bytes) = host_bytes(t) {
+        return Ok(tandem_ckpt::TensorData::from_bytes(ckpt_dtype(t.dtype()), &shape, bytes));
+    }
     let flat = t.flatten_all()?;
     Ok(match t.dtype() {
         DType::F32 => tandem_ckpt::TensorData::from_f32(&shape, &flat.to_vec1::<f32>()?),

@@ -251,6 +251,17 @@ impl TorchAdam {
         self.groups.groups.iter().map(|g| g.hyper.cfg.clone()).collect()
     }
 
+    /// Adam moves every row's moments whatever its gradient: the rows are made dense.
+    fn update_rows(
+        h: &AdamHyper,
+        state: &mut Option<AdamState>,
+        var: &Var,
+        rows: &[u32],
+        grad_rows: &Tensor,
+    ) -> candle_core::Result<()> {
+        Self::update(h, state, var, &densify(var, rows, grad_rows)?)
+    }
+
     fn update(
         h: &AdamHyper,
         state: &mut Option<AdamState>,
@@ -269,6 +280,12 @@ impl TorchAdam {
 }
 
 /// The in-place CPU f32 update (`fused::adam`), bit-identical to [`update_tensor_form`].
+/// A gradient of rows `rows` only (see `TorchOptimizer::set_grad_rows`) as the dense one.
+pub(crate) fn densify(var: &Var, rows: &[u32], grad_rows: &Tensor) -> candle_core::Result<Tensor> {
+    let ids = Tensor::from_vec(rows.to_vec(), rows.len(), grad_rows.device())?;
+    var.as_tensor().zeros_like()?.index_add(&ids, &grad_rows.to_dtype(var.dtype())?, 0)
+}
+
 fn update_fused(
     h: &AdamHyper,
     state: &mut Option<AdamState>,
@@ -432,6 +449,12 @@ impl TorchOptimizer for TorchAdamW {
     }
     fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), OptimError> {
         self.inner.load_state_dict(state_dict)
+    }
+    fn param_state(&self, index: usize) -> Result<Value, OptimError> {
+        self.inner.param_state(index)
+    }
+    fn set_grad_rows(&mut self, index: usize, rows: Vec<u32>) -> Result<(), OptimError> {
+        self.inner.set_grad_rows(index, rows)
     }
 }
 

@@ -36,6 +36,9 @@ pub(crate) struct Group<H> {
 pub(crate) struct Groups<H, S> {
     pub groups: Vec<Group<H>>,
     pub state: Vec<Option<S>>,
+    /// Parameters whose next gradient holds only these rows (see
+    /// `TorchOptimizer::set_grad_rows`), taken by the next step.
+    pub rows: std::collections::HashMap<usize, Vec<u32>>,
 }
 
 impl<H: Hyper, S: ParamState> Groups<H, S> {
@@ -73,7 +76,11 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
             .into_iter()
             .map(|(params, hyper)| Group { params, hyper, extra: Vec::new() })
             .collect();
-        Ok(Groups { groups, state: (0..index).map(|_| None).collect() })
+        Ok(Groups {
+            groups,
+            state: (0..index).map(|_| None).collect(),
+            rows: std::collections::HashMap::new(),
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -81,6 +88,27 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
     }
 
     /// `(state_dict index, group index, parameter)` for every parameter, in index order.
+    /// Parameter `index`'s next gradient holds only rows `rows` (ascending, unique, each
+    /// below the parameter's first dimension), stacked.
+    pub fn set_grad_rows(&mut self, index: usize, rows: Vec<u32>) -> Result<(), OptimError> {
+        let var = self.indices().into_iter().find(|(i, _, _)| *i == index).map(|(_, _, v)| v);
+        let Some(var) = var else {
+            return Err(OptimError::InvalidParam {
+                index,
+                why: format!("no such parameter ({} in all)", self.len()),
+            });
+        };
+        let n = var.dims().first().copied().unwrap_or(0);
+        if !rows.windows(2).all(|w| w[0] < w[1]) || rows.last().is_some_and(|&r| r as usize >= n) {
+            return Err(OptimError::InvalidParam {
+                index,
+                why: format!("gradient rows must ascend, each once, below {n}"),
+            });
+        }
+        self.rows.insert(index, rows);
+        Ok(())
+    }
+
     pub fn indices(&self) -> Vec<(usize, usize, Var)> {
         let mut out = Vec::with_capacity(self.len());
         for (g, group) in self.groups.iter().enumerate() {

@@ -29,11 +29,16 @@ macro_rules! impl_optimizer_via_groups {
                 grads: &candle_core::backprop::GradStore,
             ) -> Result<(), $crate::OptimError> {
                 for (i, g, var) in self.groups.indices() {
+                    let rows = self.groups.rows.remove(&i);
                     let Some(grad) = grads.get(var.as_tensor()) else { continue };
-                    $crate::sgd::check_grad_shape(i, &var, grad)?;
+                    $crate::sgd::check_grad_shape(i, &var, grad, rows.as_deref())?;
                     let h = &self.groups.groups[g].hyper;
-                    Self::update(h, &mut self.groups.state[i], &var, grad)
-                        .map_err(|source| $crate::OptimError::Step { index: i, source })?;
+                    let state = &mut self.groups.state[i];
+                    match rows {
+                        Some(rows) => Self::update_rows(h, state, &var, &rows, grad),
+                        None => Self::update(h, state, &var, grad),
+                    }
+                    .map_err(|source| $crate::OptimError::Step { index: i, source })?;
                 }
                 Ok(())
             }
@@ -72,6 +77,13 @@ macro_rules! impl_optimizer_via_groups {
                 state_dict: &tandem_ckpt::Value,
             ) -> Result<(), $crate::OptimError> {
                 self.groups.load_state_dict(state_dict, $keys)
+            }
+            fn set_grad_rows(
+                &mut self,
+                index: usize,
+                rows: Vec<u32>,
+            ) -> Result<(), $crate::OptimError> {
+                self.groups.set_grad_rows(index, rows)
             }
         }
 
@@ -117,7 +129,7 @@ pub use checkpointable::OptimizerState;
 pub use clip::{clip_grad_norm, ClipError};
 pub use lr_scheduler::LrScheduler;
 pub(crate) use optimizer::non_negative;
-pub use optimizer::{OptimError, TorchOptimizer};
+pub use optimizer::{OptimError, OptimizerShard, TorchOptimizer};
 pub use sgd::{SgdConfig, TorchSgd};
 #[cfg(feature = "zero")]
 pub use zero::{ShardOptimizer, ZeroRedundancyOptimizer};

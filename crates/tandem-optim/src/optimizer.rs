@@ -77,6 +77,18 @@ pub trait TorchOptimizer {
     /// group sizes). Hyperparameters, the learning rate included, come from the loaded groups,
     /// as in torch. Nothing changes when an error is returned.
     fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), OptimError>;
+    /// The next [`step`](TorchOptimizer::step)'s gradient of parameter `index` holds only rows
+    /// `rows` of it (ascending, unique), stacked: `[rows.len(), ...]` instead of the
+    /// parameter's shape, every other row's gradient being zero. The step is the one the dense
+    /// gradient would give (momentum and weight decay still move every row, as in torch),
+    /// without the dense gradient ever existing: what PartialFC's sampled head needs. tandem's
+    /// SGD updates in place row by row; Adam densifies. Unsupported by default.
+    fn set_grad_rows(&mut self, index: usize, _rows: Vec<u32>) -> Result<(), OptimError> {
+        Err(OptimError::InvalidParam {
+            index,
+            why: "this optimizer takes dense gradients only".into(),
+        })
+    }
     /// For an optimizer whose state is sharded over the ranks (ZeRO-1): the global parameter
     /// indices whose state this rank holds. `None` (the default): it holds all of it, and
     /// [`TorchOptimizer::state_dict`] is the whole state.

@@ -150,6 +150,28 @@ impl TorchSgd {
         self.groups.groups.iter().map(|g| g.hyper.clone()).collect()
     }
 
+    /// The step with a gradient of rows `rows` only: in place row by row on the fused path,
+    /// else with the gradient made dense.
+    fn update_rows(
+        h: &SgdConfig,
+        state: &mut Option<SgdState>,
+        var: &Var,
+        rows: &[u32],
+        grad_rows: &Tensor,
+    ) -> candle_core::Result<()> {
+        let prev = state.as_ref().and_then(|s| s.momentum_buffer.as_ref());
+        if !crate::fused::applies(var, grad_rows, prev) {
+            let dense = crate::adam::densify(var, rows, grad_rows)?;
+            return update_tensor_form(h, state, var, &dense);
+        }
+        let prev = state.take().and_then(|s| s.momentum_buffer);
+        let buf = crate::fused::sgd::step_rows(h, var, rows, grad_rows, prev)?;
+        if h.momentum != 0.0 {
+            *state = Some(SgdState { momentum_buffer: buf });
+        }
+        Ok(())
+    }
+
     fn update(
         h: &SgdConfig,
         state: &mut Option<SgdState>,
@@ -201,14 +223,25 @@ pub(crate) fn update_tensor_form(
 
 impl_optimizer_via_groups!(TorchSgd, SgdConfig, SGD_KEYS);
 
-pub(crate) fn check_grad_shape(index: usize, var: &Var, grad: &Tensor) -> Result<(), OptimError> {
-    if grad.dims() != var.dims() {
+/// The gradient has the parameter's shape, or with `rows` that shape with `rows.len()` rows.
+pub(crate) fn check_grad_shape(
+    index: usize,
+    var: &Var,
+    grad: &Tensor,
+    rows: Option<&[u32]>,
+) -> Result<(), OptimError> {
+    let mut want = var.dims().to_vec();
+    if let (Some(rows), Some(first)) = (rows, want.first_mut()) {
+        *first = rows.len();
+    }
+    if grad.dims() != want {
         return Err(OptimError::InvalidParam {
             index,
             why: format!(
-                "gradient shape {:?} differs from parameter shape {:?}",
+                "gradient shape {:?} differs from {want:?} (parameter shape {:?}{})",
                 grad.dims(),
-                var.dims()
+                var.dims(),
+                if rows.is_some() { ", gradient rows only" } else { "" }
             ),
         });
     }

@@ -35,6 +35,12 @@ pub struct PartialFcConfig {
     /// Seeds the initial centres (N(0, 0.01), one draw per class whatever the world size) and
     /// the negative sampling.
     pub seed: u64,
+    /// At `sample_rate < 1`, give the sampled rows a leaf of their own ([`PartialFc::grad_leaf`])
+    /// so that backward yields their gradient alone (`[sampled, E]`), never the dense
+    /// `[rows, E]` one that is zero off the sample: the optimizer steps the head from it with
+    /// `TorchOptimizer::set_grad_rows` (the same update, without the dense gradient's memory
+    /// and passes). Off by default: [`PartialFc::weight`]'s gradient is then the dense one.
+    pub sparse_grad: bool,
 }
 
 impl PartialFcConfig {
@@ -47,6 +53,7 @@ impl PartialFcConfig {
             gather_grad: GatherGrad::SumTimesWorld,
             autocast: None,
             seed: 0,
+            sparse_grad: false,
         }
     }
 
@@ -79,6 +86,8 @@ pub struct PartialFc {
     comm: Arc<dyn Collectives>,
     sampler: Box<dyn Sampler>,
     last_index: Option<Vec<usize>>,
+    /// With `sparse_grad`, the last step's sampled rows as a leaf of their own.
+    sampled: Option<Var>,
     step: u64,
 }
 
@@ -144,7 +153,7 @@ impl PartialFc {
         weight: Var,
     ) -> Self {
         let sampler = Box::new(UniformNegatives { seed: cfg.seed });
-        PartialFc { cfg, split, weight, comm, sampler, last_index: None, step: 0 }
+        PartialFc { cfg, split, weight, comm, sampler, last_index: None, sampled: None, step: 0 }
     }
 
     /// After the head's collectives re-formed over another world (a live regroup): takes this
@@ -172,6 +181,7 @@ impl PartialFc {
         }
         self.split = split;
         self.last_index = None;
+        self.sampled = None;
         Ok(self.weight.clone())
     }
 
@@ -191,6 +201,20 @@ impl PartialFc {
     /// This rank's centres, `[split().len, embedding_size]`.
     pub fn weight(&self) -> &Var {
         &self.weight
+    }
+
+    /// The variable whose gradient the head's update needs after the last forward: the
+    /// sampled rows' own leaf with `sparse_grad` at `sample_rate < 1` (its gradient holds the
+    /// rows of [`PartialFc::grad_rows`]), else the weight.
+    pub fn grad_leaf(&self) -> Var {
+        self.sampled.clone().unwrap_or_else(|| self.weight.clone())
+    }
+
+    /// The weight rows [`PartialFc::grad_leaf`]'s gradient holds (ascending), when it is the
+    /// sampled rows' own leaf; `None` when it is the weight itself.
+    pub fn grad_rows(&self) -> Option<Vec<u32>> {
+        self.sampled.as_ref()?;
+        Some(self.last_index.as_ref()?.iter().map(|&i| i as u32).collect())
     }
 
     pub fn split(&self) -> ClassSplit {
@@ -260,12 +284,21 @@ impl PartialFc {
         } else {
             (0..self.split.len).collect()
         };
+        self.sampled = None;
         let active = if index.len() == self.split.len {
             self.weight.as_tensor().clone()
         } else {
             let ids: Vec<u32> = index.iter().map(|&i| i as u32).collect();
             let ids = Tensor::from_vec(ids, index.len(), self.weight.device())?;
-            self.weight.as_tensor().index_select(&ids, 0)?
+            if self.cfg.sparse_grad {
+                // A leaf of its own: backward stops here instead of scattering into the shard.
+                let leaf =
+                    Var::from_tensor(&self.weight.as_tensor().detach().index_select(&ids, 0)?)?;
+                self.sampled = Some(leaf.clone());
+                leaf.as_tensor().clone()
+            } else {
+                self.weight.as_tensor().index_select(&ids, 0)?
+            }
         };
         let (ne, nw) = (normalize(&gathered)?, normalize(&active.to_device(gathered.device())?)?);
         let logits = match self.cfg.autocast {

@@ -310,3 +310,60 @@ fn shards_saved_on_two_ranks_load_on_three_and_on_one() {
     });
     assert!(e2[0].contains("shard 0 is of a [7, 3] head; this one is [7, 4]"), "{}", e2[0]);
 }
+
+/// `sparse_grad`: backward yields the sampled rows' gradient alone (no gradient of the weight
+/// at all), and SGD stepping the weight from it with `set_grad_rows` gives the same weights and
+/// momentum, bit for bit, as the dense gradient over three steps of different samples.
+#[test]
+fn sparse_grad_steps_the_head_as_the_dense_gradient_does() {
+    let out = on_ranks(2, move |comm| {
+        let mut results = Vec::new();
+        for sparse in [false, true] {
+            let mut cfg = PartialFcConfig::new(40, 6, CombinedMarginLoss::arcface(64.0, 0.5));
+            cfg.sample_rate = 0.3;
+            cfg.sparse_grad = sparse;
+            let mut head = PartialFc::new(cfg, comm.clone(), &Device::Cpu).unwrap();
+            let sgd =
+                SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 5e-4, ..Default::default() };
+            let mut opt = TorchSgd::new(vec![head.weight().clone()], sgd).unwrap();
+            for step in 0..3u64 {
+                let emb = randn(100 + 10 * step + comm.rank() as u64, (4, 6));
+                let labels: Vec<i64> =
+                    (0..4).map(|i| (i * 7 + step as i64 * 3 + comm.rank() as i64) % 40).collect();
+                let loss = head.forward(&emb, &labels).unwrap();
+                let leaf = head.grad_leaf();
+                let mut grads = loss.backward().unwrap();
+                match head.grad_rows() {
+                    Some(rows) => {
+                        assert!(sparse);
+                        assert!(
+                            grads.get(head.weight().as_tensor()).is_none(),
+                            "a dense gradient exists"
+                        );
+                        let g = grads.remove(leaf.as_tensor()).expect("the sampled rows' gradient");
+                        assert_eq!(g.dims(), [rows.len(), 6]);
+                        assert!(rows.len() < 20, "sampled {} of 20 rows", rows.len());
+                        grads.insert(head.weight().as_tensor(), g);
+                        opt.set_grad_rows(0, rows).unwrap();
+                    }
+                    None => assert!(!sparse, "sparse_grad gave no rows"),
+                }
+                opt.step(&grads).unwrap();
+            }
+            let w: Vec<u32> = head
+                .weight()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect();
+            results.push((w, opt.state_dict().unwrap()));
+        }
+        results
+    });
+    for (rank, r) in out.iter().enumerate() {
+        assert!(r[0] == r[1], "rank {rank}: the sparse gradient's step differs from the dense one");
+    }
+}

@@ -73,6 +73,10 @@ pub struct RunSummary {
     /// Each rank's peak resident memory in bytes (`VmHWM`), by rank; 0 where unknown.
     #[serde(default)]
     pub peak_rss_bytes: Vec<u64>,
+    /// The same before the last checkpoint save (whose staging copies of the state are a peak
+    /// of their own): training's peak.
+    #[serde(default)]
+    pub training_peak_rss_bytes: Vec<u64>,
 }
 
 /// One line of a metrics file.
@@ -222,6 +226,7 @@ mod tests {
             verification: Vec::new(),
             epochs_seen: vec![epoch(1), epoch(2)],
             peak_rss_bytes: vec![1 << 30, 3 << 29],
+            training_peak_rss_bytes: vec![1 << 29, 3 << 28],
         };
         let mut f = MetricsFile::append(&path).unwrap();
         f.write(&MetricsRecord::Epoch(epoch(1))).unwrap();

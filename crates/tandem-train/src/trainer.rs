@@ -371,12 +371,16 @@ impl<R: Recipe> Trainer<R> {
     /// Trains to the end (regrouping through failures in a live world), writes the last
     /// checkpoint and the recipe's final outputs, and returns the run's summary.
     pub fn fit(mut self) -> Result<RunSummary> {
-        if self.live.is_some() {
+        let training_peak = if self.live.is_some() {
             self.run_live()?;
+            tandem_comm::procfs::peak_rss().unwrap_or(0)
         } else {
             self.train()?;
+            // Training's own peak, before the last save's staging copies add theirs.
+            let peak = tandem_comm::procfs::peak_rss().unwrap_or(0);
             self.save_last()?;
-        }
+            peak
+        };
         self.recipe.settle(&self.group)?;
         self.group.barrier().context("barrier after the last checkpoint save")?;
         let val = self.recipe.validate(&self.group, self.global_step)?;
@@ -393,13 +397,15 @@ impl<R: Recipe> Trainer<R> {
         // Every rank agrees the run is over before any reports it.
         let mut done = [1.0f64];
         self.group.all_reduce(&mut done, ReduceOp::Sum)?;
-        let peak = tandem_comm::procfs::peak_rss().unwrap_or(0).to_le_bytes();
-        let peak_rss_bytes = self
-            .group
-            .all_gather_bytes_at_most(&peak, 8)?
-            .iter()
-            .map(|b| b.as_slice().try_into().map_or(0, u64::from_le_bytes))
-            .collect();
+        let peak = tandem_comm::procfs::peak_rss().unwrap_or(0);
+        let mut peaks = peak.to_le_bytes().to_vec();
+        peaks.extend(training_peak.to_le_bytes());
+        let gathered = self.group.all_gather_bytes_at_most(&peaks, 16)?;
+        let word = |b: &[u8], i: usize| {
+            b.get(8 * i..8 * i + 8).and_then(|w| w.try_into().ok()).map_or(0, u64::from_le_bytes)
+        };
+        let peak_rss_bytes = gathered.iter().map(|b| word(b, 0)).collect();
+        let training_peak_rss_bytes = gathered.iter().map(|b| word(b, 1)).collect();
         let summary = RunSummary {
             rank: self.rank(),
             epochs: self.loader.epoch().min(self.opts.epochs),
@@ -414,6 +420,7 @@ impl<R: Recipe> Trainer<R> {
             verification: self.last_val.clone(),
             epochs_seen: std::mem::take(&mut self.epochs_seen),
             peak_rss_bytes,
+            training_peak_rss_bytes,
         };
         if let Some(file) = self.metrics.as_mut() {
             file.write(&MetricsRecord::Summary(summary.clone()))?;

@@ -71,6 +71,25 @@ impl Kernel {
             None => g,
         }
     }
+    /// The new momentum buffer element from the old one, the gradient and the parameter.
+    #[inline(always)]
+    fn momentum(&self, b: f32, g: f32, p: f32) -> f32 {
+        let d = self.d(g, p);
+        match self.keep {
+            None => aff(b, self.momentum) + d,
+            Some(keep) => aff(b, self.momentum) + aff(d, keep),
+        }
+    }
+    /// The new parameter element from the old one, the gradient and the (new) buffer.
+    #[inline(always)]
+    fn param(&self, p: f32, g: f32, b: f32) -> f32 {
+        let step = match (self.use_buf, self.nesterov) {
+            (false, _) => self.d(g, p),
+            (true, false) => b,
+            (true, true) => self.d(g, p) + aff(b, self.momentum),
+        };
+        p + aff(step, self.neg_lr)
+    }
 }
 
 /// buf = momentum * buf + (1 - dampening) * d, with d = g + wd * p.
@@ -93,11 +112,7 @@ impl InplaceOp3 for MomentumUpdate {
         let (b, g, p) =
             operands((b, bl, "momentum buffer"), (g, gl, "gradient"), (p, pl, "parameter"))?;
         for ((b, &g), &p) in b.iter_mut().zip(g).zip(p) {
-            let d = k.d(g, p);
-            *b = match k.keep {
-                None => aff(*b, k.momentum) + d,
-                Some(keep) => aff(*b, k.momentum) + aff(d, keep),
-            };
+            *b = k.momentum(*b, g, p);
         }
         Ok(())
     }
@@ -123,13 +138,174 @@ impl InplaceOp3 for ParamUpdate {
         let (p, g, b) =
             operands((p, pl, "parameter"), (g, gl, "gradient"), (b, bl, "momentum buffer"))?;
         for ((p, &g), &b) in p.iter_mut().zip(g).zip(b) {
-            let step = match (k.use_buf, k.nesterov) {
-                (false, _) => k.d(g, *p),
-                (true, false) => b,
-                (true, true) => k.d(g, *p) + aff(b, k.momentum),
-            };
-            *p += aff(step, k.neg_lr);
+            *p = k.param(*p, g, b);
         }
+        Ok(())
+    }
+}
+
+/// One SGD step of `var` (`[R, C]`) whose gradient is zero but for rows `rows` (ascending,
+/// unique), which `grad_rows` (`[rows.len(), C]`) holds: what [`step`] does with that dense
+/// gradient, bit for bit, without materialising it (PartialFC's sampled head: a tenth of the
+/// rows have a gradient; every row's momentum and weight decay still move, as in torch).
+pub(crate) fn step_rows(
+    h: &SgdConfig,
+    var: &Var,
+    rows: &[u32],
+    grad_rows: &Tensor,
+    buf: Option<Tensor>,
+) -> candle_core::Result<Option<Tensor>> {
+    let p = var.as_tensor();
+    let g = grad_rows.detach().contiguous()?;
+    let k = Kernel::new(h);
+    let rows: std::sync::Arc<[u32]> = rows.into();
+    let buf = if h.momentum == 0.0 {
+        None
+    } else {
+        let (b, first) = match buf {
+            Some(b) => (b.contiguous()?, false),
+            // First step: buf = d, every row (a fresh tensor, as the dense step's `d.copy()`).
+            None => (p.zeros_like()?, true),
+        };
+        b.inplace_op3(&g, p, &MomentumRows { k, rows: rows.clone(), first })?;
+        Some(b)
+    };
+    let b = buf.clone().unwrap_or_else(|| g.clone());
+    p.inplace_op3(&g, &b, &ParamRows { k, rows })?;
+    Ok(buf)
+}
+
+/// Calls `f(row, gradient of the row or None)` for every row of an `[n_rows, cols]` tensor
+/// whose gradient rows `rows` are stacked in `g`.
+fn each_row(
+    n_rows: usize,
+    cols: usize,
+    rows: &[u32],
+    g: &[f32],
+    mut f: impl FnMut(usize, Option<&[f32]>),
+) {
+    let mut next = rows.iter().enumerate().peekable();
+    for r in 0..n_rows {
+        match next.peek() {
+            Some(&(j, &row)) if row as usize == r => {
+                f(r, Some(&g[j * cols..(j + 1) * cols]));
+                next.next();
+            }
+            _ => f(r, None),
+        }
+    }
+}
+
+/// (updated tensor, gradient rows, the other full tensor or empty, row length).
+type RowOperands<'a> = (&'a mut [f32], &'a [f32], &'a [f32], usize);
+
+/// The operands of a row-sparse in-place op: the updated tensor, the gradient rows and
+/// (optionally) another full tensor, with their sizes checked against `rows`. Returns the row
+/// length too.
+fn row_operands<'a>(
+    dst: (&'a mut CpuStorage, &Layout, &str),
+    g: (&'a CpuStorage, &Layout),
+    other: Option<(&'a CpuStorage, &Layout, &str)>,
+    rows: &[u32],
+) -> candle_core::Result<RowOperands<'a>> {
+    let (n_rows, cols) = match dst.1.dims() {
+        [r, rest @ ..] => (*r, rest.iter().product::<usize>()),
+        [] => candle_core::bail!("fused optimizer step: a row-sparse {} has no rows", dst.2),
+    };
+    let gs = super::slice(g.0, g.1, "gradient rows")?;
+    let os = match other {
+        Some((s, l, what)) => super::slice(s, l, what)?,
+        None => &[],
+    };
+    let d = super::slice_mut(dst.0, dst.1, dst.2)?;
+    let ordered = rows.windows(2).all(|w| w[0] < w[1]);
+    if (other.is_some() && d.len() != os.len())
+        || gs.len() != rows.len() * cols
+        || !ordered
+        || rows.last().is_some_and(|&r| r as usize >= n_rows)
+    {
+        candle_core::bail!(
+            "fused optimizer step: {} of {n_rows} rows, {} values of gradient rows for {} \
+             listed rows (ascending and below {n_rows}: {ordered})",
+            dst.2,
+            gs.len(),
+            rows.len()
+        )
+    }
+    Ok((d, gs, os, cols))
+}
+
+/// buf = momentum * buf + (1 - dampening) * d row by row (d = g + wd * p, g = 0 off the
+/// listed rows); on the first step buf = d.
+struct MomentumRows {
+    k: Kernel,
+    rows: std::sync::Arc<[u32]>,
+    first: bool,
+}
+
+impl InplaceOp3 for MomentumRows {
+    fn name(&self) -> &'static str {
+        "tandem-sgd-momentum-rows"
+    }
+    fn cpu_fwd(
+        &self,
+        b: &mut CpuStorage,
+        bl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+        p: &CpuStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<()> {
+        let (k, first) = (self.k, self.first);
+        let (b, g, p, cols) = row_operands(
+            (b, bl, "momentum buffer"),
+            (g, gl),
+            Some((p, pl, "parameter")),
+            &self.rows,
+        )?;
+        let n_rows = b.len() / cols.max(1);
+        each_row(n_rows, cols, &self.rows, g, |r, grad| {
+            let span = r * cols..(r + 1) * cols;
+            for (i, (b, &p)) in b[span.clone()].iter_mut().zip(&p[span]).enumerate() {
+                let g = grad.map_or(0.0, |g| g[i]);
+                *b = if first { k.d(g, p) } else { k.momentum(*b, g, p) };
+            }
+        });
+        Ok(())
+    }
+}
+
+/// p = p - lr * step row by row, as [`ParamUpdate`] with g = 0 off the listed rows.
+struct ParamRows {
+    k: Kernel,
+    rows: std::sync::Arc<[u32]>,
+}
+
+impl InplaceOp3 for ParamRows {
+    fn name(&self) -> &'static str {
+        "tandem-sgd-param-rows"
+    }
+    fn cpu_fwd(
+        &self,
+        p: &mut CpuStorage,
+        pl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+        b: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<()> {
+        let k = self.k;
+        let other = k.use_buf.then_some((b, bl, "momentum buffer"));
+        let (p, g, b, cols) = row_operands((p, pl, "parameter"), (g, gl), other, &self.rows)?;
+        let n_rows = p.len() / cols.max(1);
+        each_row(n_rows, cols, &self.rows, g, |r, grad| {
+            let span = r * cols..(r + 1) * cols;
+            let bufs = if k.use_buf { &b[span.clone()] } else { &[][..] };
+            for (i, p) in p[span].iter_mut().enumerate() {
+                let g = grad.map_or(0.0, |g| g[i]);
+                *p = k.param(*p, g, bufs.get(i).copied().unwrap_or(0.0));
+            }
+        });
         Ok(())
     }
 }

@@ -223,7 +223,7 @@ pub fn from_arcface(dir: &Path, run_dir: &Path) -> Result<PathBuf> {
         if g0.len() as i64 != head_torch || g1 != [head_torch] {
             bail!("{what}: optimizer groups of {} and {:?} parameters; the backbone has {head_torch}, then the head", g0.len(), g1);
         }
-        let (rest, head_state) = split_optimizer(&opt, head_torch);
+        let (rest, head_state) = split_optimizer(opt, head_torch);
         let rest = renumber(&rest, &inverse, &what)?;
         if r == 0 {
             rest0 = rest;

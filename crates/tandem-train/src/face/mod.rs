@@ -144,7 +144,7 @@ pub fn state_dict(
     let fail = |e: &dyn std::fmt::Display| FaceStateError::Save(e.to_string());
     let head_index = state.backbone.params().len() as i64;
     let full_opt = state.opt.state_dict().map_err(|e| fail(&e))?;
-    let (rest, head_state) = optimizer_entry::split_optimizer(&full_opt, head_index);
+    let (rest, head_state) = optimizer_entry::split_optimizer(full_opt, head_index);
     let split = state.head.split();
     let weight =
         tandem_nn::convert::to_ckpt(state.head.weight().as_tensor()).map_err(|e| fail(&e))?;

@@ -6,8 +6,10 @@ use tandem_ckpt::Value;
 
 /// Splits a two-group optimizer state dict (torch layout) into the state without parameter
 /// `head` and that parameter's entry (`Value::None` when it has none yet).
-pub fn split_optimizer(full: &Value, head: i64) -> (Value, Value) {
-    let mut rest = full.clone();
+/// Takes `full` by value: the head's entry (1 GiB of momentum at the seed's size) moves out
+/// instead of being copied.
+pub fn split_optimizer(full: Value, head: i64) -> (Value, Value) {
+    let mut rest = full;
     let mut entry = Value::None;
     if let Some(Value::Dict(items)) = rest.get_mut("state") {
         if let Some(i) = items.iter().position(|(k, _)| k.as_int() == Some(head)) {
@@ -45,7 +47,7 @@ mod tests {
             (Value::Int(3), Value::dict_from([("momentum_buffer", Value::Tensor(rows(2, 9.0)))])),
         ]);
         let full = Value::dict_from([("state", state), ("param_groups", Value::List(vec![]))]);
-        let (rest, entry) = split_optimizer(&full, 3);
+        let (rest, entry) = split_optimizer(full.clone(), 3);
         assert_eq!(rest.get("state").unwrap().as_dict().unwrap().len(), 1);
         assert!(entry.get("momentum_buffer").is_some());
         let back = merge_optimizer(&rest, 3, entry);

@@ -280,10 +280,20 @@ impl Recipe for Face<'_> {
         let loss = self.head.forward(&embeddings, &labels)?;
         let value = loss.to_scalar::<f32>()? as f64;
         let head_secs = clock.elapsed().as_secs_f64() - forward_secs;
-        let local = [self.head.weight().clone()];
+        let (leaf, weight) = (self.head.grad_leaf(), self.head.weight().clone());
+        if let Some(rows) = self.head.grad_rows() {
+            // The head's gradient will hold the sampled rows only.
+            self.opt.set_grad_rows(self.ddp.params().len(), rows)?;
+        }
         let (ddp, backbone) = (&self.ddp, self.ddp.params());
         let backward = |l: &candle_core::Tensor| -> Result<_> {
-            let grads = ddp.backward_with_local(l, &local)?;
+            let mut grads = ddp.backward_with_local(l, std::slice::from_ref(&leaf))?;
+            if leaf.as_tensor().id() != weight.as_tensor().id() {
+                // Filed under the weight, the parameter the optimizer steps.
+                if let Some(g) = grads.remove(leaf.as_tensor()) {
+                    grads.insert(weight.as_tensor(), g);
+                }
+            }
             fault::hit(fault::Phase::Optimizer);
             Ok(grads)
         };
@@ -367,7 +377,7 @@ impl Recipe for Face<'_> {
     /// The replicated state (the head stays on its ranks: [`Recipe::regroup`] re-splits it).
     fn live_state(&mut self, ctx: SaveContext<'_>) -> Result<Value> {
         let head_index = self.ddp.params().len() as i64;
-        let (rest, _) = split_optimizer(&self.opt.state_dict()?, head_index);
+        let (rest, _) = split_optimizer(self.opt.state_dict()?, head_index);
         let state = FaceState::new(&self.ddp, &mut self.head, self.opt.as_mut(), ctx.step)
             .order(&self.order)
             .global_step(ctx.global_step)
@@ -431,7 +441,7 @@ impl Recipe for Face<'_> {
         // The world's optimizer state without the head: the source's, or this rank's own.
         let rest = match self.live.as_mut().and_then(|l| l.pending_rest.take()) {
             Some(rest) => rest,
-            None => split_optimizer(&self.opt.state_dict()?, head_index).0,
+            None => split_optimizer(self.opt.state_dict()?, head_index).0,
         };
         let entry = head_entry(&rows, &own_entry, &rest, e);
         let lrs = self.opt.group_lrs();
@@ -622,6 +632,9 @@ fn build_head(
     let mut pcfg = PartialFcConfig::new(classes, cfg.face.embedding_size, margin);
     pcfg.sample_rate = cfg.face.sample_rate;
     pcfg.seed = cfg.run.seed;
+    // The sampled rows' gradient alone; the optimizer steps the head from it (no dense
+    // [rows, E] gradient: `TorchOptimizer::set_grad_rows`).
+    pcfg.sparse_grad = true;
     if cfg.model.precision != Precision::F32 {
         pcfg.autocast = Some(cfg.model.precision.compute_dtype());
     }
