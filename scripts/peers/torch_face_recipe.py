@@ -198,7 +198,7 @@ class PartialFC(nn.Module):
         if self.sample_rate < 1:
             positive = torch.unique(labels[labels >= 0], sorted=True)
             if self.num_sample - positive.size(0) >= 0:
-                perm = torch.rand(size=[self.num_local])
+                perm = torch.rand(size=[self.num_local], device=labels.device)
                 perm[positive] = 2.0
                 index = torch.topk(perm, k=self.num_sample)[1].sort()[0]
             else:
@@ -256,17 +256,28 @@ def worker(rank, args, port):
     if args.double:
         torch.set_default_dtype(torch.float64)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(dev.index or 0)
+
+    def clock():
+        # Step phases are timed on the host: wait for the GPU's queued work first.
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
     m1, m2, m3 = (float(v) for v in args.margin.split(","))
     saved = torch.load(args.init, weights_only=True)
     backbone = IResNet(args.depth, args.width, args.embedding)
     backbone.load_state_dict(saved["backbone"], strict=True)
     dtype = torch.get_default_dtype()
-    backbone.to(dtype)
+    backbone.to(dtype).to(dev)
     backbone = nn.parallel.DistributedDataParallel(backbone, broadcast_buffers=False, bucket_cap_mb=16)
     backbone.train()
     full = saved["partial_fc"]["weight"].to(dtype) if "partial_fc" in saved else None
     head = PartialFC(full, (args.scale, m1, m2, m3, 0.0), args.world, rank, classes=args.classes,
                      embedding=args.embedding, sample_rate=args.sample_rate, seed=args.seed, dtype=dtype)
+    head.to(dev)
     opt = torch.optim.SGD([{"params": backbone.parameters()}, {"params": head.parameters()}],
                           lr=args.lr, momentum=args.momentum, weight_decay=args.wd)
     data = RecFaces(args.data)
@@ -287,18 +298,19 @@ def worker(rank, args, port):
             if args.steps and step >= args.steps:
                 break
             step += 1
-            t0 = time.perf_counter()
+            t0 = clock()
+            img, labels = img.to(dev), labels.to(dev)
             embeddings = backbone(img.to(dtype))
-            t1 = time.perf_counter()
+            t1 = clock()
             loss = head(embeddings, labels)
-            t2 = time.perf_counter()
+            t2 = clock()
             loss.backward()
-            t3 = time.perf_counter()
+            t3 = clock()
             torch.nn.utils.clip_grad_norm_(backbone.parameters(), args.clip)
             opt.step()
             opt.zero_grad()
             sched.step()
-            t4 = time.perf_counter()
+            t4 = clock()
             for k, (a, b) in {"data": (waited, t0), "forward": (t0, t1), "head": (t1, t2),
                               "backward": (t2, t3), "optimizer": (t3, t4)}.items():
                 times[k] += b - a
@@ -306,7 +318,7 @@ def worker(rank, args, port):
             waited = time.perf_counter()
         if args.steps and step >= args.steps:
             break
-    elapsed = time.perf_counter() - started
+    elapsed = clock() - started
     import resource
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
     peaks = [torch.zeros_like(peak) for _ in range(args.world)]
@@ -317,6 +329,8 @@ def worker(rank, args, port):
         per = {k: v * 1e3 / max(step, 1) for k, v in times.items()}
         print("step_ms " + " ".join(f"{k}={v:.1f}" for k, v in per.items()), flush=True)
         print("peak_rss_bytes=" + ",".join(str(int(p.item())) for p in peaks), flush=True)
+        if cuda:
+            print(f"gpu_peak_bytes={torch.cuda.max_memory_allocated()}", flush=True)
         print(f"steps={step} loss={loss.item():.6f} samples/s={samples / max(elapsed, 1e-9):.1f}", flush=True)
     dist.destroy_process_group()
 
@@ -356,6 +370,7 @@ def main():
     p.add_argument("--sample-rate", type=float, default=1.0, help="PartialFC v2's sample_rate")
     p.add_argument("--no-head", action="store_true", help="init: write the backbone only")
     p.add_argument("--out")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (every rank on that GPU)")
     args = p.parse_args()
     if args.mode in ("init", "verify"):
         args.out = args.out or args.out_pos
