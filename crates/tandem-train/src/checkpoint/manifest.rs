@@ -66,14 +66,36 @@ pub(crate) fn read_json(dir: &Path) -> Result<serde_json::Value> {
     serde_json::from_slice(&bytes).map_err(|e| invalid(&path, format!("not JSON: {e}")))
 }
 
-/// Parses and checks a `tandem-state-1` manifest: plain file names, one file per rank, the
-/// same shard names and kinds on every rank, row slices that tile their object, entries held
-/// once.
+/// Parses a `tandem-state-1` manifest and [`check`]s it.
 pub(crate) fn parse(dir: &Path, json: serde_json::Value) -> Result<Manifest> {
+    let m: Manifest = serde_json::from_value(json)
+        .map_err(|e| invalid(&dir.join(MANIFEST), format!("not a checkpoint manifest: {e}")))?;
+    check(dir, m)
+}
+
+/// The manifest of `ranks[r]`'s shard lists (every rank's file named as a save names it).
+pub(crate) fn build(global_step: u64, epoch: u64, ranks: Vec<Vec<ShardEntry>>) -> Manifest {
+    let world = ranks.len();
+    Manifest {
+        format: FORMAT.into(),
+        world_size: world,
+        global_step,
+        epoch,
+        replicated: REPLICATED.into(),
+        ranks: ranks
+            .into_iter()
+            .enumerate()
+            .map(|(r, shards)| RankFile { file: rank_file_name(r, world), shards })
+            .collect(),
+    }
+}
+
+/// Checks a manifest (read, converted from an earlier format, or about to be written): plain
+/// file names, one file per rank, the same shard names and kinds on every rank, row slices
+/// that tile their object, entries held once. Errors name `dir`'s manifest.
+pub(crate) fn check(dir: &Path, m: Manifest) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
     let bad = |why: String| invalid(&path, why);
-    let m: Manifest =
-        serde_json::from_value(json).map_err(|e| bad(format!("not a checkpoint manifest: {e}")))?;
     if m.format != FORMAT {
         return Err(bad(format!("format `{}`, expected `{FORMAT}`", m.format)));
     }

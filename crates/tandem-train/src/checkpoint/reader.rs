@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use tandem_ckpt::{LoadOptions, Value};
 
-use super::manifest::{self, Manifest, MANIFEST};
+use super::manifest::{self, Manifest};
 use super::rows::{self, RowPart};
 use super::{file, invalid, legacy, Result, ShardSlice};
 
@@ -58,11 +58,7 @@ impl Saved {
         let format = json.get("format").and_then(|f| f.as_str()).unwrap_or("").to_string();
         let legacy_face = format == legacy::FACE_FORMAT;
         let manifest = if legacy_face {
-            manifest::parse(
-                dir,
-                serde_json::to_value(legacy::face_manifest(dir, json)?)
-                    .map_err(|e| invalid(&dir.join(MANIFEST), e.to_string()))?,
-            )?
+            manifest::check(dir, legacy::face_manifest(dir, json)?)?
         } else {
             manifest::parse(dir, json)?
         };

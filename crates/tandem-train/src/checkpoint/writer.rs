@@ -9,7 +9,7 @@ use tandem_ckpt::keys::canonicalize_keys;
 use tandem_ckpt::Value;
 use tandem_comm::{ProcessGroup, ReduceOp};
 
-use super::manifest::{self, rank_file_name, Manifest, RankFile, ShardEntry, MANIFEST, REPLICATED};
+use super::manifest::{self, rank_file_name, Manifest, ShardEntry, MANIFEST, REPLICATED};
 use super::reader::Saved;
 use super::{comm, file, invalid, io, Result, ShardDict, TrainingStateDict};
 
@@ -374,23 +374,18 @@ fn plan(
     let all = group
         .all_gather_bytes_at_most(&mine, MAX_PLAN_BYTES)
         .map_err(comm("exchanging the shards each rank saves"))?;
-    let world = group.size();
-    let mut ranks = Vec::with_capacity(world);
+    let mut ranks = Vec::with_capacity(all.len());
     for (r, bytes) in all.iter().enumerate() {
         let shards: Vec<ShardEntry> = serde_json::from_slice(bytes)
             .map_err(|e| invalid(dir, format!("rank {r}'s shard list: {e}")))?;
-        ranks.push(RankFile { file: rank_file_name(r, world), shards });
+        ranks.push(shards);
     }
-    let m = Manifest {
-        format: manifest::FORMAT.into(),
-        world_size: world,
-        global_step,
-        epoch,
-        replicated: REPLICATED.into(),
-        ranks,
-    };
-    let json = serde_json::to_value(&m).map_err(|e| invalid(dir, e.to_string()))?;
-    manifest::parse(dir, json)
+    manifest::check(dir, manifest::build(global_step, epoch, ranks))
+}
+
+/// What the manifest says of `shards`.
+fn entries_of(shards: &[ShardDict]) -> Vec<ShardEntry> {
+    shards.iter().map(|s| ShardEntry { name: s.name.clone(), slice: s.slice.clone() }).collect()
 }
 
 /// A single-file checkpoint (state dicts inside get canonical keys), atomically.
@@ -465,26 +460,8 @@ pub fn write_sharded(
     ranks: Vec<Vec<ShardDict>>,
 ) -> Result<()> {
     let world = ranks.len();
-    let manifest = Manifest {
-        format: manifest::FORMAT.into(),
-        world_size: world,
-        global_step,
-        epoch,
-        replicated: REPLICATED.into(),
-        ranks: ranks
-            .iter()
-            .enumerate()
-            .map(|(r, shards)| RankFile {
-                file: rank_file_name(r, world),
-                shards: shards
-                    .iter()
-                    .map(|s| ShardEntry { name: s.name.clone(), slice: s.slice.clone() })
-                    .collect(),
-            })
-            .collect(),
-    };
-    let json = serde_json::to_value(&manifest).map_err(|e| invalid(dir, e.to_string()))?;
-    let manifest = manifest::parse(dir, json)?;
+    let entries = ranks.iter().map(|shards| entries_of(shards)).collect();
+    let manifest = manifest::check(dir, manifest::build(global_step, epoch, entries))?;
     let mut replicated = Some(replicated);
     for (r, shards) in ranks.into_iter().enumerate() {
         write_rank_files(dir, r, world, replicated.take(), shards)?;
