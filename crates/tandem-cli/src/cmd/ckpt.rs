@@ -242,7 +242,7 @@ fn inspect_sharded_state(saved: &Saved, as_json: bool) -> anyhow::Result<i32> {
         m.world_size,
     );
     println!(
-        "  {}: replicated (model/backbone, optimizer hyperparameters, scheduler: {}, scaler: {}), {} bytes of tensors",
+        "  {}: replicated (model or backbone, its optimizer state but the sharded parts, scheduler: {}, scaler: {}), {} bytes of tensors",
         m.replicated,
         kind("scheduler"),
         kind("scaler"),
