@@ -138,7 +138,7 @@ impl ResNetTrainer {
 
 impl Trainer for ResNetTrainer {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
-        let loss = candle_nn::loss::cross_entropy(&self.model.forward_t(x, true)?, y)?;
+        let loss = tandem_nn::functional::cross_entropy(&self.model.forward_t(x, true)?, y)?;
         let grads = match &self.ddp {
             Some(ddp) => ddp.backward(&loss)?,
             None => loss.backward()?,

@@ -54,6 +54,12 @@ impl JobShape {
 /// Variables naming how many threads each worker's pools (OpenMP, rayon) should use.
 pub const THREAD_VARS: [&str; 2] = ["OMP_NUM_THREADS", "RAYON_NUM_THREADS"];
 
+/// How long (spin iterations) candle's own elementwise pool spins for work before parking,
+/// set on workers that do not set it: candle's default (25,000) keeps an extra thread busy
+/// after every binary op, taking a core from the rank's compute threads when ranks fill the
+/// host's cores (`tandem_nn::join_compute_pool` applies the same value in-process).
+pub const CANDLE_SPIN: (&str, &str) = ("CANDLE_BARRIER_POOL_SPIN_LIMIT", "1000");
+
 /// `max(1, cores / nproc)`: the workers share this host's cores evenly.
 pub fn threads_per_worker(cores: u32, nproc_per_node: u32) -> u32 {
     (cores / nproc_per_node.max(1)).max(1)
@@ -79,6 +85,10 @@ pub fn worker_env(
         if !in_extra && !inherited_has(key) {
             vars.push((key.into(), threads.clone().into()));
         }
+    }
+    let (key, value) = CANDLE_SPIN;
+    if !extra.iter().any(|(k, _)| k == key) && !inherited_has(key) {
+        vars.push((key.into(), value.into()));
     }
     vars
 }
@@ -120,6 +130,7 @@ mod tests {
         assert_eq!(get(&v, "TORCHELASTIC_RUN_ID"), Some("job7"));
         assert_eq!(get(&v, "OMP_NUM_THREADS"), Some("4"));
         assert_eq!(get(&v, "RAYON_NUM_THREADS"), Some("4"));
+        assert_eq!(get(&v, "CANDLE_BARRIER_POOL_SPIN_LIMIT"), Some("1000"));
     }
 
     #[test]
@@ -130,6 +141,8 @@ mod tests {
         let v = worker_env(&shape(), 0, 12, &extra, |k| k == "OMP_NUM_THREADS");
         assert_eq!(get(&v, "OMP_NUM_THREADS"), None, "inherited value must be left alone");
         assert_eq!(get(&v, "RAYON_NUM_THREADS"), Some("7"));
+        let v = worker_env(&shape(), 0, 12, &[], |k| k == "CANDLE_BARRIER_POOL_SPIN_LIMIT");
+        assert_eq!(get(&v, "CANDLE_BARRIER_POOL_SPIN_LIMIT"), None, "a user's value is kept");
     }
 
     #[test]

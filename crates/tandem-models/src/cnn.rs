@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use candle_core::{DType, Device, Tensor, Var, D};
 use rand::SeedableRng;
 
-use tandem_nn::functional::fused_linear;
+use tandem_nn::functional::{cross_entropy, fused_linear};
 use tandem_nn::kernels::batch_norm::batch_norm_train_act;
 use tandem_nn::kernels::conv2d::{add_channel_bias, conv2d, ConvParams};
 use tandem_nn::kernels::pool::max_pool2d;
@@ -149,7 +149,7 @@ impl Cnn {
     pub fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
         let logits = self.forward(x)?;
         debug_assert_eq!(logits.dim(D::Minus1).ok(), Some(self.classes));
-        candle_nn::loss::cross_entropy(&logits, y)
+        cross_entropy(&logits, y)
     }
 }
 

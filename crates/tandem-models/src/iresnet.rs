@@ -13,14 +13,14 @@
 //! Every BatchNorm has eps 1e-5 and momentum 0.1; inputs are 112x112 RGB. The convolutions run
 //! on tandem's CPU kernels ([`tandem_nn::FastConv2d`]).
 use candle_core::{Tensor, Var};
-use candle_nn::{linear, Conv2dConfig, Linear, Module, ModuleT, VarBuilder};
+use candle_nn::{Conv2dConfig, Module, ModuleT, VarBuilder};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tandem_nn::torch_init::standard_normal;
 
 use tandem_nn::{
-    fast_batch_norm2d, fast_conv2d_no_bias, fast_prelu, FastBatchNorm2d, FastConv2d, FastPRelu,
-    HasBatchNorm,
+    fast_batch_norm2d, fast_conv2d_no_bias, fast_linear, fast_prelu, FastBatchNorm2d, FastConv2d,
+    FastLinear, FastPRelu, HasBatchNorm,
 };
 
 /// The input side arcface_torch's IResNets take (the last stage is then 7x7).
@@ -95,7 +95,7 @@ pub struct IResNet {
     layers: Vec<Vec<IBasicBlock>>,
     bn2: FastBatchNorm2d,
     dropout: f32,
-    fc: Linear,
+    fc: FastLinear,
     features: FastBatchNorm2d,
     embedding: usize,
 }
@@ -144,7 +144,7 @@ impl IResNet {
         }
         let bn2 = fast_batch_norm2d(cin, vb.pp("bn2"))?;
         let side = FACE_SIDE / 16;
-        let fc = linear(cin * side * side, embedding, vb.pp("fc"))?;
+        let fc = fast_linear(cin * side * side, embedding, vb.pp("fc"))?;
         let features = fast_batch_norm2d(embedding, vb.pp("features"))?.with_frozen_weight();
         Ok(IResNet { conv1, bn1, prelu, layers, bn2, dropout, fc, features, embedding })
     }

@@ -5,7 +5,8 @@
 use candle_core::{DType, Device, Tensor};
 use rand::SeedableRng;
 
-use tandem_nn::functional::fused_linear;
+use tandem_nn::functional::{cross_entropy, fused_linear};
+use tandem_nn::kernels::relu::relu;
 use tandem_nn::torch_init::{copy_vars, default_layer};
 use tandem_nn::ParamModule;
 use tandem_nn::ParamSet;
@@ -65,7 +66,7 @@ impl Mlp {
             let b = self.params.get(2 * l + 1)?.to_dtype(dt)?;
             h = fused_linear(&h, &w, Some(&b))?;
             if l + 1 < layers {
-                h = h.relu()?;
+                h = relu(&h)?;
             }
         }
         h.to_dtype(DType::F32)
@@ -74,7 +75,7 @@ impl Mlp {
     /// Mean cross-entropy of `forward(x)` against class indices `y` (u32 or i64), like
     /// `nn.CrossEntropyLoss()`.
     pub fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
-        candle_nn::loss::cross_entropy(&self.forward(x)?, y)
+        cross_entropy(&self.forward(x)?, y)
     }
 }
 

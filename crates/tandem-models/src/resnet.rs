@@ -8,15 +8,16 @@
 //! first halves the resolution in its first block, whose shortcut is `downsample.0` (1x1 conv,
 //! stride 2, no bias) and `downsample.1` (BatchNorm). Then global average pooling and `fc`.
 use candle_core::{Tensor, Var};
-use candle_nn::{linear, Conv2dConfig, Linear, Module, ModuleT, VarBuilder};
+use candle_nn::{Conv2dConfig, Module, ModuleT, VarBuilder};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tandem_nn::torch_init::standard_normal;
 
 use tandem_nn::kernels::pool::adaptive_avg_pool2d;
-use tandem_nn::kernels::relu::relu;
+use tandem_nn::kernels::relu::add_relu;
 use tandem_nn::{
-    fast_batch_norm2d, fast_conv2d_no_bias, FastBatchNorm2d, FastConv2d, HasBatchNorm,
+    fast_batch_norm2d, fast_conv2d_no_bias, fast_linear, FastBatchNorm2d, FastConv2d, FastLinear,
+    HasBatchNorm,
 };
 
 struct BasicBlock {
@@ -60,7 +61,7 @@ impl BasicBlock {
             Some((conv, bn)) => bn.forward_t(&conv.forward(x)?, train)?,
             None => x.clone(),
         };
-        relu(&(out + shortcut)?)
+        add_relu(&out, &shortcut)
     }
 }
 
@@ -68,7 +69,7 @@ pub struct ResNet {
     conv1: FastConv2d,
     bn1: FastBatchNorm2d,
     layers: Vec<Vec<BasicBlock>>,
-    fc: Linear,
+    fc: FastLinear,
 }
 
 impl ResNet {
@@ -98,7 +99,7 @@ impl ResNet {
             layers.push(blocks);
             cin = cout;
         }
-        let fc = linear(cin, classes, vb.pp("fc"))?;
+        let fc = fast_linear(cin, classes, vb.pp("fc"))?;
         Ok(ResNet { conv1, bn1, layers, fc })
     }
 

@@ -22,6 +22,7 @@ mod error;
 pub mod functional;
 mod hook;
 pub mod kernels;
+mod linear;
 mod module;
 mod params;
 mod prelu;
@@ -35,6 +36,7 @@ pub use batch_norm::{fast_batch_norm2d, FastBatchNorm2d, HasBatchNorm, StatsRedu
 pub use conv::{fast_conv2d, fast_conv2d_no_bias, FastConv2d};
 pub use error::{NnError, Result};
 pub use hook::ViewHooks;
+pub use linear::{fast_linear, fast_linear_no_bias, FastLinear};
 pub use module::ParamModule;
 pub use params::ParamSet;
 pub use prelu::{fast_prelu, FastPRelu};

@@ -4,7 +4,7 @@
 //! around them and the backward passes.
 pub mod batch_norm;
 pub mod conv2d;
-mod matmul;
+pub(crate) mod matmul;
 pub mod pool;
 pub mod prelu;
 pub mod relu;

@@ -23,6 +23,15 @@ impl Pool {
 
     /// For one plane: each output's value and the index of its maximum within the plane.
     fn plane(&self, x: &[f32], w: usize, y: &mut [f32], arg: &mut [u32]) {
+        if self.kernel == 2 && self.stride == 2 {
+            Self::plane_2x2(x, w, y, arg)
+        } else {
+            self.plane_any(x, w, y, arg)
+        }
+    }
+
+    /// [`Pool::plane`] for any window and stride.
+    fn plane_any(&self, x: &[f32], w: usize, y: &mut [f32], arg: &mut [u32]) {
         let wo = self.out(w);
         for (o, (y, arg)) in y.iter_mut().zip(arg.iter_mut()).enumerate() {
             let (oy, ox) = (o / wo, o % wo);
@@ -30,15 +39,39 @@ impl Pool {
             for ky in 0..self.kernel {
                 let row = (oy * self.stride + ky) * w + ox * self.stride;
                 for (kx, &v) in x[row..row + self.kernel].iter().enumerate() {
+                    // PyTorch's rule: a larger value or any NaN takes the window (the last NaN).
                     if v > best || v.is_nan() {
                         (best, at) = (v, row + kx);
-                        if v.is_nan() {
-                            break;
-                        }
                     }
                 }
             }
             (*y, *arg) = (best, at as u32);
+        }
+    }
+
+    /// [`Pool::plane`] for the common 2x2 window at stride 2, row pair by row pair without
+    /// index arithmetic per output; the same winner (the first maximum, or the last NaN).
+    fn plane_2x2(x: &[f32], w: usize, y: &mut [f32], arg: &mut [u32]) {
+        let wo = (w - 2) / 2 + 1;
+        for (oy, (y, arg)) in y.chunks_exact_mut(wo).zip(arg.chunks_exact_mut(wo)).enumerate() {
+            let top = 2 * oy * w;
+            let (r0, r1) = (&x[top..top + w], &x[top + w..top + 2 * w]);
+            for (ox, (y, arg)) in y.iter_mut().zip(arg.iter_mut()).enumerate() {
+                let c = 2 * ox;
+                let v = [r0[c], r0[c + 1], r1[c], r1[c + 1]];
+                let at = [top + c, top + c + 1, top + w + c, top + w + c + 1];
+                let (mut best, mut i) = (v[0], 0);
+                for (k, &vk) in v.iter().enumerate().skip(1) {
+                    if vk > best {
+                        (best, i) = (vk, k);
+                    }
+                }
+                if v.iter().any(|v| v.is_nan()) {
+                    i = v.iter().rposition(|v| v.is_nan()).unwrap_or(0);
+                    best = v[i];
+                }
+                (*y, *arg) = (best, at[i] as u32);
+            }
         }
     }
 
@@ -54,7 +87,9 @@ impl Pool {
     }
 }
 
-struct MaxPool(Pool);
+/// The op keeps the forward's argmax for its backward (PyTorch keeps the indices likewise)
+/// instead of scanning the input again.
+struct MaxPool(Pool, std::sync::Mutex<Option<Vec<u32>>>);
 
 impl CustomOp1 for MaxPool {
     fn name(&self) -> &'static str {
@@ -67,13 +102,18 @@ impl CustomOp1 for MaxPool {
         else {
             candle_core::bail!("max_pool2d: contiguous f32 [N, C, H, W] only, got {:?}", l.dims())
         };
-        let (y, _) = self.0.forward(&v[a..b], (n * c, h, w));
+        let (y, arg) = self.0.forward(&v[a..b], (n * c, h, w));
+        *self.1.lock().unwrap_or_else(|e| e.into_inner()) = Some(arg);
         Ok((CpuStorage::F32(y), Shape::from((n, c, self.0.out(h), self.0.out(w)))))
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, gy: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let (n, c, h, w) = x.dims4()?;
-        let (_, arg) = with_f32_slice(x, |x| self.0.forward(x, (n * c, h, w)))?;
+        let kept = self.1.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let arg = match kept {
+            Some(arg) => arg,
+            None => with_f32_slice(x, |x| self.0.forward(x, (n * c, h, w)))?.1,
+        };
         let per_out = self.0.out(h) * self.0.out(w);
         let gx = with_f32_slice(&gy.contiguous()?, |gy| {
             let mut gx = vec![0f32; n * c * h * w];
@@ -100,7 +140,7 @@ pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize) -> candle_core::Resu
         )
     }
     if x.device().is_cpu() && x.dtype() == candle_core::DType::F32 {
-        x.contiguous()?.apply_op1(MaxPool(Pool { kernel, stride }))
+        x.contiguous()?.apply_op1(MaxPool(Pool { kernel, stride }, Default::default()))
     } else {
         x.max_pool2d_with_stride(kernel, stride)
     }
@@ -226,4 +266,33 @@ pub fn adaptive_avg_pool2d(x: &Tensor, (oh, ow): (usize, usize)) -> candle_core:
         candle_core::bail!("adaptive_avg_pool2d: output {oh}x{ow} does not fit a {h}x{w} input")
     }
     avg_pool(x, (AvgSpec::Adaptive { out: oh }, AvgSpec::Adaptive { out: ow }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Pool;
+
+    /// The 2x2 fast path picks what the general scan picks, on odd sizes (the last row and
+    /// column left out), ties (the first maximum) and NaNs (the last NaN, as PyTorch).
+    #[test]
+    fn the_two_by_two_path_equals_the_general_scan() {
+        let pool = Pool { kernel: 2, stride: 2 };
+        for (h, w) in [(7, 9), (8, 8), (2, 3)] {
+            let mut x: Vec<f32> = (0..h * w).map(|i| ((i * 37 % 11) as f32) - 5.0).collect();
+            x[1] = f32::NAN;
+            x[w] = f32::NAN;
+            if h > 2 {
+                x[2 * w + 2..2 * w + 4].fill(9.0);
+            }
+            let n = pool.out(h) * pool.out(w);
+            let (mut y1, mut a1) = (vec![0f32; n], vec![0u32; n]);
+            let (mut y2, mut a2) = (vec![0f32; n], vec![0u32; n]);
+            Pool::plane_2x2(&x, w, &mut y1, &mut a1);
+            pool.plane_any(&x, w, &mut y2, &mut a2);
+            assert_eq!(a1, a2, "{h}x{w}: argmax differs");
+            assert_eq!(a1[0] as usize, w, "{h}x{w}: the last NaN of the window wins");
+            let same = y1.iter().zip(&y2).all(|(a, b)| a == b || (a.is_nan() && b.is_nan()));
+            assert!(same, "{h}x{w}: values differ");
+        }
+    }
 }

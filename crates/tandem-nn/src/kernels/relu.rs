@@ -45,11 +45,90 @@ fn masked_by_positive(gy: &Tensor, y: &Tensor) -> candle_core::Result<Vec<f32>> 
     })?
 }
 
+/// `max(a + b, 0)` in one op: a residual block's sum and activation, one pass forward; backward
+/// hands the same masked gradient to both operands (one node in the graph instead of two: the
+/// sum's full-size gradient buffer is never made).
+struct AddRelu;
+
+impl candle_core::CustomOp2 for AddRelu {
+    fn name(&self) -> &'static str {
+        "tandem-add-relu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a: &CpuStorage,
+        al: &Layout,
+        b: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let a = crate::contiguous_f32(a, al, "add_relu", "left")?;
+        let b = crate::contiguous_f32(b, bl, "add_relu", "right")?;
+        let mut y = vec![0f32; a.len()];
+        y.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK))).for_each(
+            |(y, (a, b))| {
+                y.iter_mut().zip(a.iter().zip(b)).for_each(|(y, (a, b))| *y = (a + b).max(0.0))
+            },
+        );
+        Ok((CpuStorage::F32(y), al.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _a: &Tensor,
+        _b: &Tensor,
+        y: &Tensor,
+        gy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = Tensor::from_vec(masked_by_positive(&gy.contiguous()?, y)?, y.shape(), y.device())?;
+        Ok((Some(g.clone()), Some(g)))
+    }
+}
+
+/// `relu(a + b)` for same-shaped tensors: one kernel on CPU f32, candle's ops elsewhere.
+pub fn add_relu(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    if a.shape() != b.shape() {
+        candle_core::bail!("add_relu: shapes {:?} and {:?} differ", a.dims(), b.dims())
+    }
+    let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == candle_core::DType::F32;
+    if f32_cpu(a) && f32_cpu(b) {
+        a.contiguous()?.apply_op2(&b.contiguous()?, AddRelu)
+    } else {
+        (a + b)?.relu()
+    }
+}
+
 /// `max(x, 0)` with the kernel above on CPU f32 tensors, candle's `relu` elsewhere.
 pub fn relu(x: &Tensor) -> candle_core::Result<Tensor> {
     if x.device().is_cpu() && x.dtype() == candle_core::DType::F32 {
         x.contiguous()?.apply_op1(Relu)
     } else {
         x.relu()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor, Var};
+
+    /// `add_relu` equals `relu(a + b)` in value and in both operands' gradients (exact zeros
+    /// included: the gradient passes only where the sum is positive).
+    #[test]
+    fn add_relu_equals_candles_sum_and_relu() {
+        let dev = Device::Cpu;
+        let a = Var::randn(0f32, 1.0, (3, 4, 50, 50), &dev).unwrap();
+        let b = Var::randn(0f32, 1.0, (3, 4, 50, 50), &dev).unwrap();
+        let r = Tensor::randn(0f32, 1.0, (3, 4, 50, 50), &dev).unwrap();
+        let ours = super::add_relu(&a, &b).unwrap();
+        let theirs = (a.as_tensor() + b.as_tensor()).unwrap().relu().unwrap();
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(flat(&ours), flat(&theirs));
+        let go = (ours * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        let gt = (theirs * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        for v in [&a, &b] {
+            assert_eq!(flat(go.get(v).unwrap()), flat(gt.get(v).unwrap()));
+        }
+        let c = Tensor::zeros((3, 4), candle_core::DType::F32, &dev).unwrap();
+        assert!(super::add_relu(&c, &c.t().unwrap()).is_err(), "shapes must match");
     }
 }

@@ -1,6 +1,7 @@
 //! In-place `torch.optim.SGD` step: each parameter is read and written once (twice with
 //! momentum: the buffer, then the weight).
 use candle_core::{CpuStorage, InplaceOp3, Layout, Tensor, Var};
+use rayon::prelude::*;
 
 use super::{aff, operands};
 use crate::sgd::SgdConfig;
@@ -111,12 +112,20 @@ impl InplaceOp3 for MomentumUpdate {
         let k = self.0;
         let (b, g, p) =
             operands((b, bl, "momentum buffer"), (g, gl, "gradient"), (p, pl, "parameter"))?;
-        for ((b, &g), &p) in b.iter_mut().zip(g).zip(p) {
-            *b = k.momentum(*b, g, p);
-        }
+        b.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(p.par_chunks(CHUNK)).for_each(
+            |((b, g), p)| {
+                for ((b, &g), &p) in b.iter_mut().zip(g).zip(p) {
+                    *b = k.momentum(*b, g, p);
+                }
+            },
+        );
         Ok(())
     }
 }
+
+/// Elements per parallel chunk of the elementwise updates (each element's update is
+/// independent, so the result does not depend on the thread count).
+const CHUNK: usize = 1 << 15;
 
 /// p = p - lr * (nesterov ? d + momentum * buf : buf), or p - lr * d without momentum.
 struct ParamUpdate(Kernel);
@@ -137,9 +146,13 @@ impl InplaceOp3 for ParamUpdate {
         let k = self.0;
         let (p, g, b) =
             operands((p, pl, "parameter"), (g, gl, "gradient"), (b, bl, "momentum buffer"))?;
-        for ((p, &g), &b) in p.iter_mut().zip(g).zip(b) {
-            *p = k.param(*p, g, b);
-        }
+        p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(b.par_chunks(CHUNK)).for_each(
+            |((p, g), b)| {
+                for ((p, &g), &b) in p.iter_mut().zip(g).zip(b) {
+                    *p = k.param(*p, g, b);
+                }
+            },
+        );
         Ok(())
     }
 }

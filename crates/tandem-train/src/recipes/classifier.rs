@@ -512,7 +512,8 @@ fn evaluate(
         let batch = batch?;
         let logits = net.forward(&batch.x)?;
         let n = batch.len();
-        let loss = candle_nn::loss::cross_entropy(&logits, &batch.y)?.to_scalar::<f32>()? as f64
+        let loss = tandem_nn::functional::cross_entropy(&logits, &batch.y)?.to_scalar::<f32>()?
+            as f64
             * n as f64;
         let pred = logits.argmax(1)?.to_vec1::<u32>()?;
         let truth = batch.y.to_vec1::<u32>()?;

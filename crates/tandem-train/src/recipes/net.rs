@@ -143,7 +143,9 @@ impl Net {
     pub fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
         match self {
             Net::Mlp(m) => m.loss(x, y),
-            Net::Cnn(..) | Net::ResNet18(_) => candle_nn::loss::cross_entropy(&self.forward(x)?, y),
+            Net::Cnn(..) | Net::ResNet18(_) => {
+                tandem_nn::functional::cross_entropy(&self.forward(x)?, y)
+            }
         }
     }
 

@@ -1,0 +1,372 @@
+//! `fused_linear(x, w, b)`: `torch.nn.functional.linear`, i.e. `x @ wᵀ + b`, with a backward made
+//! for training.
+//!
+//! Why not `x.matmul(&w.t()) + b`: candle's autograd sends the weight gradient back through the
+//! transpose as a strided `[out, in]` view and adds it element by element into a freshly zeroed
+//! buffer — a weight-sized strided pass per layer per step, which on the bench MLP cost more
+//! than the backward matmuls themselves. It also computes the input gradient of the first
+//! layer, whose input is data and needs none, adds the bias in a pass of its own, and its gemm
+//! splits work across threads poorly at these shapes. Here, for f32 on the CPU, the product is
+//! one custom op over [`crate::kernels`]' blocked gemm: the output starts as the bias and the
+//! product is accumulated onto it; the backward returns a contiguous weight gradient `gᵀ @ x`,
+//! the bias gradient (column sums of `g`), and an input gradient `g @ w` only when the input
+//! is part of the autograd graph. Other dtypes take candle's matmul; other devices the plain
+//! expression.
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+
+use crate::contiguous_f32;
+use crate::kernels::matmul::{matmul, View};
+use crate::kernels::with_f32_slice;
+
+/// `x @ wᵀ (+ b)` for `x: [.., in]`, `w: [out, in]`, `b: [out]`, like PyTorch's
+/// `F.linear`; leading dimensions of `x` are kept.
+pub fn fused_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    let (out_features, in_features) = w.dims2()?;
+    let x_dims = x.dims().to_vec();
+    let Some((&last, lead)) = x_dims.split_last() else {
+        candle_core::bail!("linear: input is a scalar; expected [.., {in_features}]")
+    };
+    if last != in_features {
+        candle_core::bail!("linear: input has {last} features in its last dimension, the weight [{out_features}, {in_features}] expects {in_features}")
+    }
+    if let Some(b) = b {
+        if b.dims() != [out_features] {
+            candle_core::bail!("linear: bias has shape {:?}, the weight [{out_features}, {in_features}] expects [{out_features}]", b.dims())
+        }
+    }
+    let rows: usize = lead.iter().product();
+    let x2 = if x.rank() == 2 { x.clone() } else { x.reshape((rows, in_features))? };
+    let on_cpu = x.device().is_cpu() && w.device().is_cpu();
+    let all_f32 = [Some(x), Some(w), b].iter().flatten().all(|t| t.dtype() == DType::F32);
+    let y = if on_cpu && all_f32 {
+        let (x2, w) = (x2.contiguous()?, w.contiguous()?);
+        match b {
+            Some(b) => x2.apply_op3(&w, &b.contiguous()?, LinearF32)?,
+            None => x2.apply_op2(&w, LinearF32)?,
+        }
+    } else {
+        let y = if on_cpu { x2.apply_op2(w, LinearNoBias)? } else { x2.matmul(&w.t()?)? };
+        match b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        }
+    };
+    if x.rank() == 2 {
+        Ok(y)
+    } else {
+        let mut out_dims = lead.to_vec();
+        out_dims.push(out_features);
+        y.reshape(out_dims)
+    }
+}
+
+/// `x @ wᵀ (+ b)` for contiguous 2-d f32 operands on the CPU, on the blocked gemm.
+struct LinearF32;
+
+fn threads() -> usize {
+    rayon::current_num_threads().max(1)
+}
+
+/// `[rows, n]` = `bias` broadcast over the rows (or zeros) `+ x[rows, k] · w[n, k]ᵀ`.
+fn linear_forward(
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    (rows, n, k): (usize, usize, usize),
+) -> Vec<f32> {
+    let mut y = match bias {
+        Some(b) => b.repeat(rows),
+        None => vec![0f32; rows * n],
+    };
+    let xv = View { data: x, rs: k, cs: 1 };
+    let wt = View { data: w, rs: 1, cs: k };
+    matmul((rows, n, k), &mut y, n, xv, wt, bias.is_some(), threads());
+    y
+}
+
+fn forward_shapes(xl: &Layout, wl: &Layout) -> candle_core::Result<(usize, usize, usize)> {
+    let (rows, k) = xl.shape().dims2()?;
+    let (n, k_w) = wl.shape().dims2()?;
+    if k != k_w {
+        candle_core::bail!(
+            "linear: input [{rows}, {k}] and weight [{n}, {k_w}] disagree on in_features"
+        )
+    }
+    Ok((rows, n, k))
+}
+
+impl CustomOp2 for LinearF32 {
+    fn name(&self) -> &'static str {
+        "tandem-linear-f32"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let dims = forward_shapes(xl, wl)?;
+        let (x, w) =
+            (contiguous_f32(x, xl, "linear", "input")?, contiguous_f32(w, wl, "linear", "weight")?);
+        Ok((CpuStorage::F32(linear_forward(x, w, None, dims)), Shape::from((dims.0, dims.1))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (gx, gw, _) = linear_backward(x, w, None, g)?;
+        Ok((gx, gw))
+    }
+}
+
+impl CustomOp3 for LinearF32 {
+    fn name(&self) -> &'static str {
+        "tandem-linear-f32-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+        b: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let dims = forward_shapes(xl, wl)?;
+        let (x, w) =
+            (contiguous_f32(x, xl, "linear", "input")?, contiguous_f32(w, wl, "linear", "weight")?);
+        let b = contiguous_f32(b, bl, "linear", "bias")?;
+        Ok((CpuStorage::F32(linear_forward(x, w, Some(b), dims)), Shape::from((dims.0, dims.1))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        linear_backward(x, w, Some(b), g)
+    }
+}
+
+/// The gradients of `x @ wᵀ + b` given the output's `g`: only operands in the autograd graph
+/// get one (the first layer's data input needs none).
+fn linear_backward(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    g: &Tensor,
+) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    let (rows, k) = x.dims2()?;
+    let (n, _) = w.dims2()?;
+    let dev = x.device();
+    with_f32_slice(g, |g| {
+        let gv = View { data: g, rs: n, cs: 1 };
+        let gx = if x.track_op() {
+            let gx = with_f32_slice(w, |w| {
+                let mut gx = vec![0f32; rows * k];
+                matmul(
+                    (rows, k, n),
+                    &mut gx,
+                    k,
+                    gv,
+                    View { data: w, rs: k, cs: 1 },
+                    false,
+                    threads(),
+                );
+                gx
+            })?;
+            Some(Tensor::from_vec(gx, (rows, k), dev)?)
+        } else {
+            None
+        };
+        let gw = if w.track_op() {
+            let gw = with_f32_slice(x, |x| {
+                let mut gw = vec![0f32; n * k];
+                let gt = View { data: g, rs: 1, cs: n };
+                matmul(
+                    (n, k, rows),
+                    &mut gw,
+                    k,
+                    gt,
+                    View { data: x, rs: k, cs: 1 },
+                    false,
+                    threads(),
+                );
+                gw
+            })?;
+            Some(Tensor::from_vec(gw, (n, k), dev)?)
+        } else {
+            None
+        };
+        let gb = match b {
+            Some(b) if b.track_op() => Some(Tensor::from_vec(column_sums(g, n), n, dev)?),
+            _ => None,
+        };
+        Ok((gx, gw, gb))
+    })?
+}
+
+/// `Σ_r g[r, j]` for each column `j`, rows added in order.
+fn column_sums(g: &[f32], n: usize) -> Vec<f32> {
+    let mut sums = vec![0f32; n];
+    for row in g.chunks_exact(n) {
+        sums.iter_mut().zip(row).for_each(|(s, v)| *s += v);
+    }
+    sums
+}
+
+/// `x @ wᵀ` for 2-d `x` and `w` on the CPU in dtypes other than f32 (candle's matmul).
+struct LinearNoBias;
+
+impl CustomOp2 for LinearNoBias {
+    fn name(&self) -> &'static str {
+        "tandem-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, n, k) = forward_shapes(xl, wl)?;
+        // wᵀ is a view of w with swapped strides; candle's gemm reads it in place.
+        let out = x.matmul(w, (1, rows, n, k), xl, &wl.transpose(0, 1)?)?;
+        Ok((out, Shape::from((rows, n))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        // Detached so the backward builds no graph of its own.
+        let gx = if x.track_op() { Some(g.matmul(&w.detach())?) } else { None };
+        let gw = if w.track_op() { Some(g.t()?.matmul(&x.detach())?) } else { None };
+        Ok((gx, gw))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor, Var};
+
+    use super::fused_linear;
+
+    fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+        let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(a.len(), b.len());
+        a.iter().zip(&b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0, f32::max)
+    }
+
+    /// Two layers (data → hidden → out) through `linear` and through candle's
+    /// `matmul(w.t()) + b`: same outputs, same weight, bias and hidden-input gradients; the data
+    /// input gets no gradient at all.
+    #[test]
+    fn values_and_gradients_match_candles_expression() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (9, 13), &dev).unwrap();
+        let w1 = Var::randn(0f32, 0.3, (11, 13), &dev).unwrap();
+        let b1 = Var::randn(0f32, 0.3, 11, &dev).unwrap();
+        let w2 = Var::randn(0f32, 0.3, (4, 11), &dev).unwrap();
+        let target = Tensor::randn(0f32, 1.0, (9, 4), &dev).unwrap();
+        let ours = |x: &Tensor| {
+            let h = fused_linear(x, &w1, Some(&b1)).unwrap().relu().unwrap();
+            fused_linear(&h, &w2, None).unwrap()
+        };
+        let theirs = |x: &Tensor| {
+            let h = x.matmul(&w1.t().unwrap()).unwrap().broadcast_add(&b1).unwrap().relu().unwrap();
+            h.matmul(&w2.t().unwrap()).unwrap()
+        };
+        let (ya, yb) = (ours(&x), theirs(&x));
+        assert_eq!(ya.to_vec2::<f32>().unwrap(), yb.to_vec2::<f32>().unwrap(), "forward differs");
+        let loss = |y: &Tensor| (y - &target).unwrap().sqr().unwrap().sum_all().unwrap();
+        let (ga, gb) = (loss(&ya).backward().unwrap(), loss(&yb).backward().unwrap());
+        for (name, v) in [("w1", w1.as_tensor()), ("b1", b1.as_tensor()), ("w2", w2.as_tensor())] {
+            let (a, b) = (ga.get(v).unwrap(), gb.get(v).unwrap());
+            assert_eq!(a.dims(), b.dims(), "{name}");
+            assert!(a.is_contiguous(), "{name}: gradient should be contiguous");
+            let d = max_rel_diff(a, b);
+            assert!(d < 1e-5, "{name}: gradients differ by {d}");
+        }
+        assert!(ga.get(&x).is_none(), "data input got a gradient");
+        assert!(gb.get(&x).is_some(), "candle's expression computes one (the waste avoided)");
+    }
+
+    /// At a size the blocked gemm splits over threads (and the bias starts the sum): values and
+    /// all three gradients equal candle's `matmul(wᵀ) + b` within float noise, on 1 and 3
+    /// threads alike.
+    #[test]
+    fn blocked_product_with_bias_matches_candle_on_any_thread_count() {
+        let dev = Device::Cpu;
+        let x = Var::randn(0f32, 1.0, (96, 300), &dev).unwrap();
+        let w = Var::randn(0f32, 0.1, (200, 300), &dev).unwrap();
+        let b = Var::randn(0f32, 0.1, 200, &dev).unwrap();
+        let r = Tensor::randn(0f32, 1.0, (96, 200), &dev).unwrap();
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let y = fused_linear(&x, &w, Some(&b)).unwrap();
+                let g = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+                let grads = [&x, &w, &b].map(|v| g.get(v).unwrap().clone());
+                (y, grads)
+            })
+        };
+        let (y1, g1) = run(1);
+        let (y3, g3) = run(3);
+        let reference = x.as_tensor().matmul(&w.t().unwrap()).unwrap().broadcast_add(&b).unwrap();
+        assert!(max_rel_diff(&y1, &reference) < 1e-5);
+        let gr = (&reference * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        for (i, v) in [&x, &w, &b].into_iter().enumerate() {
+            assert!(max_rel_diff(&g1[i], gr.get(v).unwrap()) < 1e-4, "gradient {i}");
+            let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(bits(&g1[i]), bits(&g3[i]), "gradient {i} depends on the thread count");
+        }
+        let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(bits(&y1), bits(&y3), "the output depends on the thread count");
+    }
+
+    #[test]
+    fn leading_dimensions_are_kept_and_input_gradients_flow() {
+        let dev = Device::Cpu;
+        let x = Var::randn(0f32, 1.0, (2, 3, 5), &dev).unwrap();
+        let w = Var::randn(0f32, 1.0, (7, 5), &dev).unwrap();
+        let y = fused_linear(&x, &w, None).unwrap();
+        assert_eq!(y.dims(), &[2, 3, 7]);
+        let reference = x.as_tensor().broadcast_matmul(&w.t().unwrap()).unwrap();
+        assert!(max_rel_diff(&y, &reference) < 1e-6);
+        let g = y.sum_all().unwrap().backward().unwrap();
+        // d(sum(x @ wᵀ))/dx = ones @ w: every row equals w's column sums.
+        let col_sums: Vec<f32> = w.as_tensor().sum(0).unwrap().to_vec1().unwrap();
+        let gx: Vec<Vec<f32>> = g.get(&x).unwrap().reshape((6, 5)).unwrap().to_vec2().unwrap();
+        for row in gx {
+            for (a, b) in row.iter().zip(&col_sums) {
+                assert!((a - b).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn mismatched_features_name_both_sizes() {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((2, 6), candle_core::DType::F32, &dev).unwrap();
+        let w = Tensor::zeros((3, 5), candle_core::DType::F32, &dev).unwrap();
+        let err = fused_linear(&x, &w, None).unwrap_err().to_string();
+        assert!(err.contains("6 features") && err.contains("[3, 5]"), "{err}");
+    }
+}

@@ -1,0 +1,7 @@
+//! Differentiable functions over tensors with training-grade CPU paths (PyTorch's
+//! `torch.nn.functional`): [`fused_linear`] (`F.linear`), [`cross_entropy`] (`F.cross_entropy`).
+mod cross_entropy;
+mod linear;
+
+pub use cross_entropy::cross_entropy;
+pub use linear::fused_linear;

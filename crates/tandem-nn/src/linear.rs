@@ -1,0 +1,54 @@
+//! [`FastLinear`]: candle-nn's `Linear` (same constructor arguments and variables: `weight`
+//! `[out, in]`, `bias` `[out]`, same names and initialisation) whose forward and backward are
+//! [`crate::functional::fused_linear`]: swap `candle_nn::linear` for `tandem::nn::fast_linear`
+//! and nothing else changes. Named apart from candle-nn's so both can be imported.
+use candle_core::{Module, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::functional::fused_linear;
+
+#[derive(Clone, Debug)]
+pub struct FastLinear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl FastLinear {
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        FastLinear { weight, bias }
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+}
+
+impl Module for FastLinear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        fused_linear(x, &self.weight, self.bias.as_ref())
+    }
+}
+
+/// `candle_nn::linear(in_dim, out_dim, vb)` as a [`FastLinear`] (the variables are candle-nn's).
+pub fn fast_linear(
+    in_dim: usize,
+    out_dim: usize,
+    vb: VarBuilder,
+) -> candle_core::Result<FastLinear> {
+    let l = candle_nn::linear(in_dim, out_dim, vb)?;
+    Ok(FastLinear::new(l.weight().clone(), l.bias().cloned()))
+}
+
+/// `candle_nn::linear_no_bias` as a [`FastLinear`].
+pub fn fast_linear_no_bias(
+    in_dim: usize,
+    out_dim: usize,
+    vb: VarBuilder,
+) -> candle_core::Result<FastLinear> {
+    let l = candle_nn::linear_no_bias(in_dim, out_dim, vb)?;
+    Ok(FastLinear::new(l.weight().clone(), None))
+}
