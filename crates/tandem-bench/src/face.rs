@@ -144,74 +144,221 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     crate::in_scratch_dir(args.dir.as_deref(), "bench-face", |dir| measure(&args, &python, dir))
 }
 
-fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
-    let exe = crate::tandem_exe()?;
-    let peer = crate::report::repo_root().join(crate::PEERS_DIR).join("torch_face_recipe.py");
-    let data = dir.join("faces");
-    let head_rows = args.classes.unwrap_or(args.identities);
-    let depth = args.model.trim_start_matches("iresnet").to_string();
-    let (identities, classes, width, emb) = (
-        args.identities.to_string(),
-        head_rows.to_string(),
-        args.width.to_string(),
-        args.embedding.to_string(),
-    );
-    let rate = args.sample_rate.to_string();
-    // A large head is drawn by each side from its seed rather than written out and read back.
-    let head_in_init = head_rows * args.embedding * 4 <= 256 << 20;
-    if !data.join("train.rec").is_file() {
-        run(
-            Command::new(&exe).args(["data", "synth-faces"]).arg(&data).args([
+/// One configuration of the recipe on both sides: the data, the initial weights and the
+/// command lines. Shared by `bench face` (rounds at one size) and `bench face-scale` (sizes,
+/// rank counts and the largest head).
+pub(crate) struct Recipe {
+    pub exe: PathBuf,
+    pub python: PathBuf,
+    pub peer: PathBuf,
+    pub data: PathBuf,
+    pub init: PathBuf,
+    pub nproc: usize,
+    pub model: String,
+    pub width: usize,
+    pub embedding: usize,
+    pub classes: usize,
+    pub sample_rate: f64,
+    pub batch: usize,
+    pub steps: u64,
+    pub torch_workers: usize,
+}
+
+/// What one run of one side gave.
+pub(crate) enum Outcome {
+    Ran(RunStats),
+    /// It did not finish: how it ended and its last words.
+    Failed(String),
+}
+
+pub(crate) struct RunStats {
+    pub samples_per_s: f64,
+    /// Training's peak resident memory of the largest rank (bytes), before any final save.
+    pub peak_rss: f64,
+    /// tandem only: the largest rank's peak including its last checkpoint save.
+    pub peak_with_save: Option<f64>,
+    /// Rank 0's time per step by phase, as the side prints it.
+    pub breakdown: String,
+}
+
+impl Recipe {
+    /// Synthesises `identities` x 8 images under `dir/faces` (kept if there) and writes the
+    /// initial weights (the head too when it is at most 256 MiB).
+    pub fn prepare(mut self, dir: &Path, identities: usize) -> anyhow::Result<Self> {
+        self.data = dir.join("faces");
+        if !self.data.join("train.rec").is_file() {
+            run(
+                Command::new(&self.exe).args(["data", "synth-faces"]).arg(&self.data).args([
+                    "--classes",
+                    &identities.to_string(),
+                    "--per-class",
+                    "8",
+                    "--pairs",
+                    "20",
+                ]),
+                "tandem data synth-faces",
+            )?;
+        }
+        self.init = dir.join(format!(
+            "init-{}-w{}-e{}-c{}.pt",
+            self.model, self.width, self.embedding, self.classes
+        ));
+        if !self.init.is_file() {
+            let mut init_cmd = Command::new(&self.python);
+            init_cmd.arg(&self.peer).arg("init").arg(&self.init).args([
                 "--classes",
-                &identities,
-                "--per-class",
-                "8",
-                "--pairs",
-                "20",
-            ]),
-            "tandem data synth-faces",
-        )?;
+                &self.classes.to_string(),
+                "--depth",
+                self.depth(),
+                "--width",
+                &self.width.to_string(),
+                "--embedding",
+                &self.embedding.to_string(),
+            ]);
+            if !self.head_in_init() {
+                init_cmd.arg("--no-head");
+            }
+            run(&mut init_cmd, "torch_face_recipe.py init")?;
+        }
+        Ok(self)
     }
-    let init = dir.join("init.pt");
-    let mut init_cmd = Command::new(python);
-    init_cmd.arg(&peer).arg("init").arg(&init).args([
-        "--classes",
-        &classes,
-        "--depth",
-        &depth,
-        "--width",
-        &width,
-        "--embedding",
-        &emb,
-    ]);
-    if !head_in_init {
-        init_cmd.arg("--no-head");
+
+    pub fn new(python: &Path) -> anyhow::Result<Self> {
+        Ok(Recipe {
+            exe: crate::tandem_exe()?,
+            python: python.to_path_buf(),
+            peer: crate::report::repo_root().join(crate::PEERS_DIR).join("torch_face_recipe.py"),
+            data: PathBuf::new(),
+            init: PathBuf::new(),
+            nproc: 2,
+            model: "iresnet18".into(),
+            width: 16,
+            embedding: 128,
+            classes: 64,
+            sample_rate: 1.0,
+            batch: 8,
+            steps: 12,
+            torch_workers: 0,
+        })
     }
-    run(&mut init_cmd, "torch_face_recipe.py init")?;
-    let (nproc, batch, steps) =
-        (args.nproc.to_string(), args.batch.to_string(), args.steps.to_string());
-    let recipe = |out: &Path| -> Command {
-        let mut c = Command::new(&exe);
-        c.args(["train", "--nproc-per-node", &nproc, "--model", &args.model, "--width", &width]);
-        c.args(["--num-classes", &classes, "--sample-rate", &rate]);
-        c.args([
-            "--embedding-size",
-            &emb,
-            "--batch-size",
-            &batch,
-            "--epochs",
-            "1000",
-            "--steps",
-            &steps,
-        ]);
+
+    fn depth(&self) -> &str {
+        self.model.trim_start_matches("iresnet")
+    }
+
+    /// A large head is drawn by each side from its seed rather than written out and read back.
+    pub fn head_in_init(&self) -> bool {
+        self.classes * self.embedding * 4 <= 256 << 20
+    }
+
+    /// `tandem train` with the recipe, its run directory `out`.
+    pub fn tandem(&self, out: &Path) -> anyhow::Result<Outcome> {
+        let mut c = Command::new(&self.exe);
+        let (nproc, width, emb) =
+            (self.nproc.to_string(), self.width.to_string(), self.embedding.to_string());
+        c.args(["train", "--nproc-per-node", &nproc, "--model", &self.model, "--width", &width]);
+        c.args(["--num-classes", &self.classes.to_string()]);
+        c.args(["--sample-rate", &self.sample_rate.to_string()]);
+        c.args(["--embedding-size", &emb, "--batch-size", &self.batch.to_string()]);
+        c.args(["--epochs", "1000", "--steps", &self.steps.to_string()]);
         c.args(["--lr", "0.1", "--lr-scheduler", "poly", "--clip-grad-norm", "5", "--seed", "0"]);
-        c.arg("--data").arg(format!("rec:{}", data.display()));
-        c.arg("--init-from").arg(&init).arg("--out").arg(out);
+        c.arg("--data").arg(format!("rec:{}", self.data.display()));
+        c.arg("--init-from").arg(&self.init).arg("--out").arg(out);
         for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
             c.env_remove(v);
         }
-        c
+        if let Err(why) = run_outcome(&mut c, "tandem train (face recipe)")? {
+            return Ok(Outcome::Failed(why));
+        }
+        let metrics = out.join("metrics.jsonl");
+        let summary = tandem_train::metrics::last_summary(&metrics)?
+            .with_context(|| format!("no run summary in {}", metrics.display()))?;
+        let max = |v: &[u64]| v.iter().map(|&b| b as f64).fold(0.0, f64::max);
+        // Training's peak, as the PyTorch side's (which saves no checkpoint); the last save's
+        // staging is reported on its own.
+        let training = match summary.training_peak_rss_bytes.as_slice() {
+            [] => &summary.peak_rss_bytes,
+            t => t,
+        };
+        Ok(Outcome::Ran(RunStats {
+            samples_per_s: summary.samples_per_s,
+            peak_rss: max(training),
+            peak_with_save: Some(max(&summary.peak_rss_bytes)),
+            breakdown: summary.step_times.map(|t| t.line()).unwrap_or_default(),
+        }))
+    }
+
+    /// The PyTorch peer with the same recipe.
+    pub fn pytorch(&self) -> anyhow::Result<Outcome> {
+        let mut c = Command::new(&self.python);
+        c.arg(&self.peer).arg("train").arg("--data").arg(&self.data).arg("--init").arg(&self.init);
+        c.args(["--world", &self.nproc.to_string(), "--width", &self.width.to_string()]);
+        c.args(["--embedding", &self.embedding.to_string(), "--batch", &self.batch.to_string()]);
+        c.args(["--epochs", "1000", "--steps", &self.steps.to_string()]);
+        c.args(["--lr", "0.1", "--clip", "5", "--seed", "0"]);
+        c.args(["--workers", &self.torch_workers.to_string(), "--depth", self.depth()]);
+        c.args(["--classes", &self.classes.to_string()]);
+        c.args(["--sample-rate", &self.sample_rate.to_string()]);
+        let text = match run_outcome(&mut c, "torch_face_recipe.py train")? {
+            Ok(text) => text,
+            Err(why) => return Ok(Outcome::Failed(why)),
+        };
+        let samples_per_s = value_after(&text, "samples/s=")
+            .context("no samples/s in the PyTorch peer's output")?;
+        let peaks = list_after(&text, "peak_rss_bytes=")
+            .context("no peak_rss_bytes in the PyTorch peer's output")?;
+        let breakdown = text
+            .lines()
+            .rev()
+            .find_map(|l| l.strip_prefix("step_ms "))
+            .map(|l| format!("time per step on rank 0 (ms): {l}"))
+            .unwrap_or_default();
+        Ok(Outcome::Ran(RunStats {
+            samples_per_s,
+            peak_rss: peaks.iter().copied().fold(0.0, f64::max),
+            peak_with_save: None,
+            breakdown,
+        }))
+    }
+}
+
+/// Runs `cmd`: `Ok(Ok(output))` when it succeeded, `Ok(Err(how))` when it ran and failed
+/// (its exit status or the signal that ended it, and its last lines).
+fn run_outcome(cmd: &mut Command, what: &str) -> anyhow::Result<Result<String, String>> {
+    use std::os::unix::process::ExitStatusExt;
+    let out = cmd.output().with_context(|| format!("starting {what}"))?;
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if out.status.success() {
+        return Ok(Ok(text));
+    }
+    let ended = match out.status.signal() {
+        Some(9) => "killed by SIGKILL (the kernel's OOM killer, when memory runs out)".to_string(),
+        Some(sig) => format!("killed by signal {sig}"),
+        None => format!("exit status {}", out.status.code().unwrap_or(-1)),
     };
+    let tail: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).rev().take(3).collect();
+    let tail: Vec<&str> = tail.into_iter().rev().collect();
+    Ok(Err(format!("{what}: {ended}; last output: {}", tail.join(" | "))))
+}
+
+fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
+    let head_rows = args.classes.unwrap_or(args.identities);
+    let recipe = Recipe {
+        nproc: args.nproc,
+        model: args.model.clone(),
+        width: args.width,
+        embedding: args.embedding,
+        classes: head_rows,
+        sample_rate: args.sample_rate,
+        batch: args.batch,
+        steps: args.steps,
+        torch_workers: args.torch_workers,
+        ..Recipe::new(python)?
+    }
+    .prepare(dir, args.identities)?;
+    let head_in_init = recipe.head_in_init();
+    let depth = recipe.depth().to_string();
     let mut ours = Side { name: "tandem", samples_per_s: Vec::new(), peak_rss: Vec::new() };
     let mut theirs = Side {
         name: "PyTorch (gloo DDP + PartialFC v2)",
@@ -220,78 +367,26 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
     };
     let (mut breakdown, mut torch_breakdown) = (String::new(), String::new());
     let mut peak_with_save = Vec::new();
-    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    let ran = |o: Outcome| match o {
+        Outcome::Ran(s) => Ok(s),
+        Outcome::Failed(why) => Err(anyhow::anyhow!(why)),
+    };
     for round in 0..args.rounds {
-        let out = dir.join(format!("run-{round}"));
-        run(&mut recipe(&out), "tandem train (face recipe)")?;
-        let metrics = out.join("metrics.jsonl");
-        let summary = tandem_train::metrics::last_summary(&metrics)?
-            .with_context(|| format!("no run summary in {}", metrics.display()))?;
-        breakdown = summary.step_times.map(|t| t.line()).unwrap_or_default();
-        ours.samples_per_s.push(summary.samples_per_s);
-        // Training's peak, as the PyTorch side's (which saves no checkpoint); the last save's
-        // staging copies are reported on their own.
-        let training = match summary.training_peak_rss_bytes.as_slice() {
-            [] => &summary.peak_rss_bytes,
-            t => t,
-        };
-        let peaks: Vec<f64> = training.iter().map(|&b| b as f64).collect();
-        ours.peak_rss.push(max(&peaks));
-        let with_save: Vec<f64> = summary.peak_rss_bytes.iter().map(|&b| b as f64).collect();
-        peak_with_save.push(max(&with_save));
-        let text = run(
-            Command::new(python)
-                .arg(&peer)
-                .arg("train")
-                .arg("--data")
-                .arg(&data)
-                .arg("--init")
-                .arg(&init)
-                .args([
-                    "--world",
-                    &nproc,
-                    "--width",
-                    &width,
-                    "--embedding",
-                    &emb,
-                    "--batch",
-                    &batch,
-                    "--epochs",
-                    "1000",
-                    "--steps",
-                    &steps,
-                    "--lr",
-                    "0.1",
-                    "--clip",
-                    "5",
-                    "--seed",
-                    "0",
-                    "--workers",
-                    &args.torch_workers.to_string(),
-                    "--depth",
-                    &depth,
-                    "--classes",
-                    &classes,
-                    "--sample-rate",
-                    &rate,
-                ]),
-            "torch_face_recipe.py train",
-        )?;
-        let sps = value_after(&text, "samples/s=")
-            .context("no samples/s in the PyTorch peer's output")?;
-        theirs.samples_per_s.push(sps);
-        let peaks = list_after(&text, "peak_rss_bytes=")
-            .context("no peak_rss_bytes in the PyTorch peer's output")?;
-        theirs.peak_rss.push(max(&peaks));
-        if let Some(line) = text.lines().rev().find(|l| l.starts_with("step_ms ")) {
-            torch_breakdown = line.to_string();
-        }
+        let t = ran(recipe.tandem(&dir.join(format!("run-{round}")))?)?;
+        breakdown = t.breakdown;
+        ours.samples_per_s.push(t.samples_per_s);
+        ours.peak_rss.push(t.peak_rss);
+        peak_with_save.extend(t.peak_with_save);
+        let p = ran(recipe.pytorch()?)?;
+        theirs.samples_per_s.push(p.samples_per_s);
+        theirs.peak_rss.push(p.peak_rss);
+        torch_breakdown = p.breakdown;
         eprintln!(
             "round {}/{}: tandem {:.1}, PyTorch {:.1} samples/s",
             round + 1,
             args.rounds,
-            ours.samples_per_s[round],
-            sps
+            t.samples_per_s,
+            p.samples_per_s
         );
     }
     println!(
@@ -337,10 +432,7 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         println!("  tandem:  {breakdown}");
     }
     if !torch_breakdown.is_empty() {
-        println!(
-            "  PyTorch: time per step on rank 0 (ms): {}",
-            &torch_breakdown["step_ms ".len()..]
-        );
+        println!("  PyTorch: {torch_breakdown}");
     }
     // The work of a step over the world, counted from the layer shapes: the backbone's forward
     // and backward (about twice the forward: input and weight gradients) for every image, and

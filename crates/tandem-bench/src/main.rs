@@ -16,6 +16,7 @@ mod ckpt;
 mod conv;
 mod ddp;
 mod face;
+mod face_scale;
 mod live;
 mod local_ranks;
 mod partial_fc;
@@ -49,6 +50,9 @@ enum Which {
     Zero(zero::Args),
     /// The face-recognition recipe's samples/s against PyTorch running it (same data and init).
     Face(face::Args),
+    /// The face recipe as its head and world grow: the largest head each side trains, and
+    /// samples/s and memory per rank over rank and class counts (JSON for the report).
+    FaceScale(face_scale::Args),
     /// What live recovery costs: a job with a worker killed every N s against it uninterrupted.
     Live(live::Args),
     /// PartialFC class-centre memory per rank (centres + momentum) vs C*E*4*2/W.
@@ -123,6 +127,7 @@ fn run(args: Args) -> anyhow::Result<i32> {
         Which::SaveStall(a) => save_stall::main(a),
         Which::Zero(a) => zero::main(a),
         Which::Face(a) => face::main(a),
+        Which::FaceScale(a) => face_scale::main(a),
         Which::PartialFc(a) => partial_fc::main(a),
         Which::Live(a) => live::main(a),
         Which::Report(a) => report::main(a),

@@ -11,7 +11,7 @@ use anyhow::Context;
 use crate::conv::Net;
 
 mod child;
-mod machine;
+pub(crate) mod machine;
 mod markdown;
 mod measure;
 mod plots;

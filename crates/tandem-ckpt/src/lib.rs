@@ -19,7 +19,7 @@ pub use error::CkptError;
 pub use keys::{canonicalize_keys, load_state_dict, LoadReport};
 pub use pt::{LoadOptions, MapLocation};
 pub use training::TrainingCheckpoint;
-pub use value::{ElemType, StorageData, TensorData, Value};
+pub use value::{ElemType, ExternalBytes, StorageData, TensorData, Value};
 
 /// `torch.load(path, weights_only=True)`: reads a torch.save file (zip or legacy format; a
 /// safetensors file works too) into a value tree. Large files are memory-mapped.

@@ -72,8 +72,16 @@ impl fmt::Display for ElemType {
     }
 }
 
+/// Bytes that live outside the checkpoint's own memory (a training tensor's storage, lent to a
+/// synchronous save so that the save makes no staging copy). Whoever builds one promises the
+/// bytes stay valid and unchanged while it is alive.
+pub trait ExternalBytes: Send + Sync {
+    fn bytes(&self) -> &[u8];
+}
+
 enum StorageBytes {
     Owned(Vec<u8>),
+    External(Box<dyn ExternalBytes>),
     Mapped {
         map: Arc<memmap2::Mmap>,
         start: usize,
@@ -97,6 +105,11 @@ pub struct StorageData {
 impl StorageData {
     pub fn from_vec(bytes: Vec<u8>) -> Self {
         StorageData { bytes: Arc::new(StorageBytes::Owned(bytes)) }
+    }
+
+    /// A storage whose bytes another owner lends (see [`ExternalBytes`]).
+    pub fn from_external(bytes: Box<dyn ExternalBytes>) -> Self {
+        StorageData { bytes: Arc::new(StorageBytes::External(bytes)) }
     }
 
     /// A storage that lives in a memory-mapped file (bytes `start..start+len`).
@@ -128,6 +141,7 @@ impl StorageData {
     pub fn bytes(&self) -> &[u8] {
         match &*self.bytes {
             StorageBytes::Owned(v) => v,
+            StorageBytes::External(e) => e.bytes(),
             StorageBytes::Mapped { map, start, len } => &map[*start..*start + *len],
             StorageBytes::Shared { buf, start, len } => &buf[*start..*start + *len],
         }
@@ -181,13 +195,18 @@ pub fn contiguous_stride(shape: &[usize]) -> Vec<usize> {
 impl TensorData {
     /// A contiguous tensor owning `bytes` (little-endian, `numel * dtype.size()` bytes).
     pub fn from_bytes(dtype: ElemType, shape: &[usize], bytes: Vec<u8>) -> Self {
-        debug_assert_eq!(bytes.len(), shape.iter().product::<usize>() * dtype.size());
+        Self::from_storage(dtype, shape, StorageData::from_vec(bytes))
+    }
+
+    /// A contiguous tensor over `storage`, whose length must be the shape's bytes.
+    pub fn from_storage(dtype: ElemType, shape: &[usize], storage: StorageData) -> Self {
+        debug_assert_eq!(storage.len(), shape.iter().product::<usize>() * dtype.size());
         TensorData {
             dtype,
             shape: shape.to_vec(),
             stride: contiguous_stride(shape),
             storage_offset: 0,
-            storage: StorageData::from_vec(bytes),
+            storage,
         }
     }
 

@@ -22,6 +22,11 @@ pub fn ckpt_dtype(d: DType) -> ElemType {
 /// The bytes of a contiguous CPU tensor of a dtype saved as it is, copied once (through
 /// `to_vec1` a checkpoint's staging copy of a 1 GiB head would cost 2 GiB at its peak).
 fn host_bytes(t: &Tensor) -> Option<Vec<u8>> {
+    with_host_bytes(t, |b| b.to_vec())
+}
+
+/// `f` of the bytes of a contiguous CPU tensor of a dtype saved as it is (None otherwise).
+fn with_host_bytes<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Option<R> {
     use candle_core::{CpuStorage, Storage};
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else { return None };
@@ -35,7 +40,41 @@ fn host_bytes(t: &Tensor) -> Option<Vec<u8>> {
         CpuStorage::U8(v) => &v[a..b],
         _ => return None,
     };
-    Some(bytes.to_vec())
+    Some(f(bytes))
+}
+
+/// A tensor's storage lent to a checkpoint: the tensor (kept alive here) and where its bytes
+/// are. A CPU storage's buffer never moves (candle's in-place ops write into it, nothing
+/// reallocates it), so the address stays valid while the tensor lives.
+struct LentTensor {
+    _tensor: Tensor,
+    addr: usize,
+    len: usize,
+}
+
+impl tandem_ckpt::ExternalBytes for LentTensor {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `addr..addr + len` is the kept tensor's buffer (see the type); the caller of
+        // `to_ckpt_view` promised nothing writes it while this lives.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+}
+
+/// [`to_ckpt`] without the copy: the checkpoint tensor reads `t`'s own storage (a CPU tensor,
+/// contiguous, of a dtype saved as it is; anything else is copied as `to_ckpt` does). What
+/// lets a synchronous save of a head of several GiB stage nothing.
+///
+/// # Safety
+/// Nothing may write to `t`'s storage (an optimizer step, an in-place op) while the returned
+/// tensor or a clone of it is alive: a synchronous save, which drops it before training goes
+/// on, keeps that promise; a background save must use [`to_ckpt`].
+pub unsafe fn to_ckpt_view(t: &Tensor) -> Result<tandem_ckpt::TensorData> {
+    let Some((addr, len)) = with_host_bytes(t, |b| (b.as_ptr() as usize, b.len())) else {
+        return to_ckpt(t);
+    };
+    let lent = LentTensor { _tensor: t.clone(), addr, len };
+    let storage = tandem_ckpt::StorageData::from_external(Box::new(lent));
+    Ok(tandem_ckpt::TensorData::from_storage(ckpt_dtype(t.dtype()), t.dims(), storage))
 }
 
 /// A contiguous checkpoint tensor with the same dtype, shape and values.
@@ -171,6 +210,27 @@ pub fn load_tensors(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A lent tensor reads the tensor's own buffer (no copy: same address), holds the same
+    /// bytes as a copied one, keeps the tensor alive after the caller's handle is gone, and
+    /// a strided tensor is copied instead.
+    #[test]
+    fn a_lent_tensor_reads_the_storage_in_place_and_equals_a_copy() {
+        let t = Tensor::arange(0f32, 12.0, &Device::Cpu).unwrap().reshape((3, 4)).unwrap();
+        let copied = to_ckpt(&t).unwrap();
+        let lent = unsafe { to_ckpt_view(&t) }.unwrap();
+        let own = with_host_bytes(&t, |b| b.as_ptr() as usize).unwrap();
+        assert_eq!(lent.storage.bytes().as_ptr() as usize, own, "lent, not copied");
+        assert_ne!(copied.storage.bytes().as_ptr() as usize, own);
+        assert_eq!(lent.storage.bytes(), copied.storage.bytes());
+        assert_eq!((lent.dtype, lent.shape.clone()), (copied.dtype, copied.shape.clone()));
+        drop(t);
+        assert_eq!(lent.storage.bytes(), copied.storage.bytes(), "the tensor stays alive");
+        let strided =
+            Tensor::arange(0f32, 12.0, &Device::Cpu).unwrap().reshape((3, 4)).unwrap().t().unwrap();
+        let v = unsafe { to_ckpt_view(&strided) }.unwrap();
+        assert_eq!(v.to_f64_vec(), to_ckpt(&strided).unwrap().to_f64_vec());
+    }
 
     #[test]
     fn map_location_places_tensors_and_refuses_a_gpu_this_build_lacks() {

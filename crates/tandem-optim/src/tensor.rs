@@ -1,34 +1,48 @@
 //! Moving optimizer state between candle tensors and checkpoint value-tree tensors.
 use candle_core::{DType, Tensor};
-use tandem_ckpt::{ElemType, TensorData};
+use tandem_ckpt::TensorData;
 
 use crate::OptimError;
 
-/// A candle tensor (any device) as a contiguous host checkpoint tensor of the same dtype.
-pub(crate) fn to_ckpt(t: &Tensor, key: &str) -> Result<TensorData, OptimError> {
-    let shape = t.dims().to_vec();
-    let flat = t.flatten_all()?.to_device(&candle_core::Device::Cpu)?;
-    let out = match t.dtype() {
-        DType::F32 => TensorData::from_f32(&shape, &flat.to_vec1::<f32>()?),
-        DType::F64 => TensorData::from_f64(&shape, &flat.to_vec1::<f64>()?),
-        DType::F16 => TensorData::from_bytes(
-            ElemType::F16,
-            &shape,
-            bytemuck::cast_slice(&flat.to_vec1::<half::f16>()?).to_vec(),
-        ),
-        DType::BF16 => TensorData::from_bytes(
-            ElemType::BF16,
-            &shape,
-            bytemuck::cast_slice(&flat.to_vec1::<half::bf16>()?).to_vec(),
-        ),
-        other => {
-            return Err(OptimError::state(
-                key,
-                format!("cannot store optimizer state of dtype {other:?}"),
-            ))
+thread_local! {
+    /// Inside [`lend_state`] on this thread: state tensors are lent, not copied.
+    static LEND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` (typically an optimizer's `state_dict()`) with its state tensors lent to the
+/// returned checkpoint values instead of copied (`tandem_nn::convert::to_ckpt_view`): a
+/// synchronous save of a head's momentum then stages no copy of it.
+///
+/// # Safety
+/// Nothing may step the optimizer or otherwise write its state while any value built inside
+/// `f` is alive (a synchronous save drops them before training goes on).
+pub unsafe fn lend_state<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            LEND.with(|l| l.set(self.0));
         }
+    }
+    let _reset = Reset(LEND.with(|l| l.replace(true)));
+    f()
+}
+
+/// A candle tensor (any device) as a contiguous host checkpoint tensor of the same dtype:
+/// copied once, or lent inside [`lend_state`].
+pub(crate) fn to_ckpt(t: &Tensor, key: &str) -> Result<TensorData, OptimError> {
+    if !matches!(t.dtype(), DType::F32 | DType::F64 | DType::F16 | DType::BF16) {
+        return Err(OptimError::state(
+            key,
+            format!("cannot store optimizer state of dtype {:?}", t.dtype()),
+        ));
+    }
+    let out = if LEND.with(|l| l.get()) {
+        // SAFETY: the caller of `lend_state` promised no writes while the value lives.
+        unsafe { tandem_nn::convert::to_ckpt_view(t) }
+    } else {
+        tandem_nn::convert::to_ckpt(t)
     };
-    Ok(out)
+    out.map_err(|e| OptimError::state(key, e.to_string()))
 }
 
 /// A checkpoint tensor as a candle tensor shaped, typed and placed like `like` (torch casts

@@ -65,6 +65,11 @@ impl Checkpointer {
         self
     }
 
+    /// Whether saves are written on a background thread ([`Checkpointer::background`]).
+    pub fn is_background(&self) -> bool {
+        self.background
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }

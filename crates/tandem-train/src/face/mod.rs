@@ -128,8 +128,18 @@ pub fn save(
     group: &ProcessGroup,
 ) -> Result<PathBuf, FaceStateError> {
     let step = state.global_step;
-    let dict = state_dict(state, position, group.rank(), group.size())?;
-    Ok(ckpts.save(group, &format!("step-{step:08}"), dict)?)
+    let name = format!("step-{step:08}");
+    if ckpts.is_background() {
+        let dict = state_dict(state, position, group.rank(), group.size())?;
+        return Ok(ckpts.save(group, &name, dict)?);
+    }
+    // A synchronous save writes the head and its momentum from their own memory: a staging
+    // copy would double the head's footprint at every save (at a million classes and more, the
+    // difference between a save and the kernel's OOM killer).
+    // SAFETY: `save` consumes the dict and has dropped it when it returns; nothing steps the
+    // optimizer or writes the head meanwhile (`state` is borrowed for the whole call).
+    let dict = unsafe { build_state_dict(state, position, group.rank(), group.size(), true)? };
+    Ok(ckpts.save(group, &name, dict)?)
 }
 
 /// This rank's face state as a [`TrainingStateDict`]: the replicated part (built on rank 0
@@ -141,13 +151,39 @@ pub fn state_dict(
     rank: usize,
     world: usize,
 ) -> Result<TrainingStateDict, FaceStateError> {
+    // SAFETY: nothing is lent (`lend` false): every tensor is a copy.
+    unsafe { build_state_dict(state, position, rank, world, false) }
+}
+
+/// [`state_dict`], with the head's centres and the optimizer's state lent rather than copied
+/// when `lend` is set.
+///
+/// # Safety
+/// With `lend`, nothing may write the head or step the optimizer while the dict lives.
+unsafe fn build_state_dict(
+    state: &FaceState<'_>,
+    position: &SamplerState,
+    rank: usize,
+    world: usize,
+    lend: bool,
+) -> Result<TrainingStateDict, FaceStateError> {
     let fail = |e: &dyn std::fmt::Display| FaceStateError::Save(e.to_string());
     let head_index = state.backbone.params().len() as i64;
-    let full_opt = state.opt.state_dict().map_err(|e| fail(&e))?;
+    let full_opt = if lend {
+        tandem_optim::lend_state(|| state.opt.state_dict())
+    } else {
+        state.opt.state_dict()
+    };
+    let full_opt = full_opt.map_err(|e| fail(&e))?;
     let (rest, head_state) = optimizer_entry::split_optimizer(full_opt, head_index);
     let split = state.head.split();
-    let weight =
-        tandem_nn::convert::to_ckpt(state.head.weight().as_tensor()).map_err(|e| fail(&e))?;
+    let head_weight = state.head.weight().as_tensor();
+    let weight = if lend {
+        tandem_nn::convert::to_ckpt_view(head_weight)
+    } else {
+        tandem_nn::convert::to_ckpt(head_weight)
+    };
+    let weight = weight.map_err(|e| fail(&e))?;
     let head = Value::dict_from([("weight", Value::Tensor(weight)), ("state", head_state)]);
     let buffers = buffers_value(&state.backbone.named_buffers()).map_err(|e| fail(&e))?;
     let replicated = if rank == 0 {
