@@ -59,6 +59,37 @@ pub(crate) fn repo_root() -> PathBuf {
     here.parent().and_then(Path::parent).unwrap_or(here).to_path_buf()
 }
 
+#[allow(clippy::too_many_arguments)]
+fn face_plan(
+    model: &'static str,
+    nproc: usize,
+    width: usize,
+    embedding: usize,
+    classes: Option<usize>,
+    sample_rate: f64,
+    batch: usize,
+    steps: usize,
+    rounds: usize,
+) -> measure::FacePlan {
+    let depth = model.trim_start_matches("iresnet");
+    let head = match classes {
+        Some(c) => format!(", {c} classes at sample rate {sample_rate}"),
+        None => String::new(),
+    };
+    measure::FacePlan {
+        title: format!("IResNet-{depth} width {width}, {embedding}-d, {nproc} rank(s){head}"),
+        nproc,
+        model,
+        width,
+        embedding,
+        classes,
+        sample_rate,
+        batch,
+        steps,
+        rounds,
+    }
+}
+
 fn workload(
     model: &'static str,
     width: usize,
@@ -113,7 +144,7 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             stall_every: 2,
             zero_nproc: "2".into(),
             zero_dims: "64,32,32,10".into(),
-            face: measure::FacePlan { width: 4, embedding: 16, batch: 2, steps: 2, rounds: 1 },
+            face: vec![face_plan("iresnet18", 2, 4, 16, None, 1.0, 2, 2, 1)],
         }
     } else {
         measure::Plan {
@@ -125,8 +156,8 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
                 workload("mlp", 0, vec![1, 2, 4], 128, 20, 2),
                 workload("cnn", 0, vec![1, 2], 128, 10, 2),
                 // The convolution-speed targets: widths 16 and 64, batch 32 per rank on 2 ranks.
-                workload("resnet18", 16, vec![2], 64, 4, 2),
-                workload("resnet18", 64, vec![2], 64, 3, 2),
+                workload("resnet18", 16, vec![1, 2], 64, 4, 2),
+                workload("resnet18", 64, vec![1, 2], 64, 3, 2),
             ],
             // Every op of both ResNets at the DDP benches' per-rank batches.
             conv: vec![
@@ -143,13 +174,14 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             zero_nproc: "2,4".into(),
             zero_dims: "784,1024,1024,1024,1024,1024,1024,1024,1024,10".into(),
             // The shape: IResNet-18 at width >= 16 on 2 ranks.
-            face: measure::FacePlan {
-                width: 16,
-                embedding: 128,
-                batch: 8,
-                steps: 12,
-                rounds: repeats,
-            },
+            face: vec![
+                // The shape: IResNet-18 at width >= 16 on 2 ranks.
+                face_plan("iresnet18", 2, 16, 128, None, 1.0, 8, 12, repeats),
+                // One process on both cores (what a world of one sees first).
+                face_plan("iresnet18", 1, 16, 128, None, 1.0, 8, 12, repeats),
+                // The seed's config: IResNet-50 width 64, 512-d, a million identities at 0.1.
+                face_plan("iresnet50", 2, 64, 512, Some(1_000_000), 0.1, 8, 6, repeats),
+            ],
         }
     })
 }
@@ -211,7 +243,11 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let ckpt = measure::ckpt(&mut ctx, &plan);
     let save_stall = measure::save_stall(&mut ctx, &plan);
     let zero = measure::zero(&mut ctx, &plan);
-    let face = measure::face(&mut ctx, &plan.face);
+    let face: Vec<(String, Result<String, String>)> =
+        plan.face.iter().map(|f| (f.title.clone(), measure::face(&mut ctx, f))).collect();
+    let face_scale = std::fs::read_to_string(out.join("face_scale.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<crate::face_scale::Results>(&t).ok());
     std::fs::remove_dir_all(&scratch).ok();
     let load_after = machine::load_average();
 
@@ -237,6 +273,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         save_stall: &save_stall,
         zero: &zero,
         face: &face,
+        face_scale: face_scale.as_ref(),
         failures: &ctx.failures,
         retries: &ctx.retries,
         several_hosts: std::fs::read_to_string(out.join("bench_two_hosts.md")).ok(),
@@ -250,6 +287,14 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         plots::ddp(t, &w.title, &out.join(markdown::ddp_plot_name(w)))?;
     }
     plots::ckpt(&ckpt, &out.join("ckpt_throughput.png"))?;
+    if let Some(r) = &face_scale {
+        plots::face_scale(
+            r,
+            plots::FaceScaleAxis::SamplesPerS,
+            &out.join("face_scale_samples_per_s.png"),
+        )?;
+        plots::face_scale(r, plots::FaceScaleAxis::PeakGiB, &out.join("face_scale_memory.png"))?;
+    }
     println!(
         "wrote {} and {} plots in {:.0} s",
         md.display(),

@@ -6,7 +6,8 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use tandem_optim::{AdamWConfig, SgdConfig, TorchAdamW, TorchOptimizer, TorchSgd};
 
-const ROWS: usize = 7;
+// Over two of the row-sparse step's parallel blocks (256 rows each).
+const ROWS: usize = 700;
 const COLS: usize = 3;
 
 fn weight() -> Var {
@@ -83,7 +84,7 @@ fn bad_rows_are_refused_naming_the_parameter() {
     let w = weight();
     let mut opt =
         TorchSgd::new(vec![w.clone()], SgdConfig { lr: 0.1, ..Default::default() }).unwrap();
-    for bad in [vec![3, 2], vec![1, 1], vec![7]] {
+    for bad in [vec![3, 2], vec![1, 1], vec![ROWS as u32]] {
         let e = opt.set_grad_rows(0, bad.clone()).unwrap_err().to_string();
         assert!(e.contains("ascend"), "{bad:?}: {e}");
     }

@@ -289,14 +289,13 @@ impl PartialFc {
             self.weight.as_tensor().clone()
         } else {
             let ids: Vec<u32> = index.iter().map(|&i| i as u32).collect();
-            let ids = Tensor::from_vec(ids, index.len(), self.weight.device())?;
             if self.cfg.sparse_grad {
                 // A leaf of its own: backward stops here instead of scattering into the shard.
-                let leaf =
-                    Var::from_tensor(&self.weight.as_tensor().detach().index_select(&ids, 0)?)?;
+                let leaf = sampled_leaf(self.weight.as_tensor(), &ids)?;
                 self.sampled = Some(leaf.clone());
                 leaf.as_tensor().clone()
             } else {
+                let ids = Tensor::from_vec(ids, index.len(), self.weight.device())?;
                 self.weight.as_tensor().index_select(&ids, 0)?
             }
         };
@@ -392,8 +391,26 @@ impl PartialFc {
     }
 }
 
-/// Rows scaled to unit L2 norm (PyTorch's `F.normalize`: `x / max(||x||, 1e-12)`).
+/// Rows scaled to unit L2 norm (PyTorch's `F.normalize`: `x / max(||x||, 1e-12)`), one op on
+/// the CPU: the sampled centres' temporaries were the head's largest transient memory.
 fn normalize(x: &Tensor) -> candle_core::Result<Tensor> {
-    let norm = x.sqr()?.sum_keepdim(1)?.sqrt()?.maximum(1e-12)?;
-    x.broadcast_div(&norm)
+    tandem_nn::functional::normalize(x)
+}
+
+/// Rows `ids` of `w` as a new leaf variable, copied once (`Var::from_tensor` of an
+/// `index_select` copies twice: the selection, then the variable's own storage).
+fn sampled_leaf(w: &Tensor, ids: &[u32]) -> candle_core::Result<Var> {
+    let (_, e) = w.dims2()?;
+    if !(w.device().is_cpu() && w.dtype() == DType::F32) {
+        let ids = Tensor::from_vec(ids.to_vec(), ids.len(), w.device())?;
+        return Var::from_tensor(&w.detach().index_select(&ids, 0)?);
+    }
+    let rows = tandem_nn::kernels::with_f32_slice(w, |w| {
+        let mut rows = Vec::with_capacity(ids.len() * e);
+        for &i in ids {
+            rows.extend_from_slice(&w[i as usize * e..(i as usize + 1) * e]);
+        }
+        rows
+    })?;
+    Var::from_vec(rows, (ids.len(), e), w.device())
 }

@@ -26,7 +26,11 @@ pub struct Report<'a> {
     /// `tandem bench save-stall`'s table, or why it failed.
     pub save_stall: &'a Result<String, String>,
     pub zero: &'a Result<String, String>,
-    pub face: &'a Result<String, String>,
+    /// `tandem bench face` at each planned size: (what was run, its output or why it failed).
+    pub face: &'a [(String, Result<String, String>)],
+    /// `docs/face_scale.json` as `tandem bench face-scale` wrote it (an hour of runs, so the
+    /// report includes its last output rather than rerunning it).
+    pub face_scale: Option<&'a crate::face_scale::Results>,
     pub failures: &'a [String],
     pub retries: &'a [String],
     /// `docs/bench_two_hosts.md` as `scripts/bench_two_hosts.sh` wrote it (it needs root and
@@ -445,20 +449,45 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(out, "## The face-recognition recipe\n");
     let _ = writeln!(
         out,
-        "insightface arcface_torch's recipe (IResNet-18, 112x112, PartialFC with ArcFace, SGD with \
-         poly schedule and clipping) as `tandem train --model iresnet18 --data rec:DIR` on 2 ranks, \
-         against the same recipe in PyTorch (`scripts/peers/torch_face_recipe.py`: DDP + PartialFC \
-         over gloo) on the same synthetic identity set from the same initial weights, alternating \
-         rounds; samples/s count every step, data loading included. The last line is where \
-         tandem's step time goes. Measured by `tandem bench face`.\n"
+        "insightface arcface_torch's recipe (IResNet, 112x112, PartialFC with ArcFace, SGD with \
+         poly schedule and clipping) as `tandem train --model iresnetN --data rec:DIR`, against \
+         the same recipe in PyTorch (`scripts/peers/torch_face_recipe.py`: DDP + PartialFC v2 \
+         over gloo, its class sampling included below sample rate 1) on the same synthetic \
+         identity set from the same initial weights, alternating rounds; samples/s count every \
+         step, data loading included; memory is the largest rank's peak resident set while \
+         training. The breakdown lines are where each side's step time goes. Measured by \
+         `tandem bench face`.\n"
     );
-    match r.face {
-        Ok(t) => {
-            let _ = writeln!(out, "```\n{}\n```\n", t.trim_end());
+    for (title, result) in r.face {
+        let _ = writeln!(out, "### {title}\n");
+        match result {
+            Ok(t) => {
+                let _ = writeln!(out, "```\n{}\n```\n", t.trim_end());
+            }
+            Err(why) => {
+                let _ = writeln!(out, "Not measured: {why}\n");
+            }
         }
-        Err(why) => {
-            let _ = writeln!(out, "Not measured: {why}\n");
-        }
+    }
+    if let Some(scale) = r.face_scale {
+        let _ = writeln!(out, "## The face recipe as its head and world grow\n");
+        let _ = writeln!(
+            out,
+            "The largest head each side trains on this machine (bisection over the class count, \
+             each probe a short run; a probe fails when the run does not finish, and how the \
+             first failing one ended is given), then samples/s and the largest rank's peak \
+             memory for 1, 2 and 4 ranks at 100k, 1M and tandem's largest head. With 2 cores, 4 \
+             ranks oversubscribe the machine (two processes per core): their samples/s shows \
+             that cost, not scaling. Measured by `tandem bench face-scale` (about an hour, so \
+             `tandem bench report` includes its last output, docs/face_scale.json, instead of \
+             rerunning it).\n"
+        );
+        let _ = writeln!(out, "{}", crate::face_scale::render(scale));
+        let _ = writeln!(
+            out,
+            "![face recipe samples/s by ranks and classes](face_scale_samples_per_s.png)\n\n\
+             ![face recipe peak memory per rank by ranks and classes](face_scale_memory.png)\n"
+        );
     }
 
     if let Some(hosts) = &r.several_hosts {

@@ -17,8 +17,15 @@ use super::torch::{self, Torch, UNAVAILABLE};
 /// `tandem bench face` settings.
 #[derive(Clone, Debug)]
 pub struct FacePlan {
+    /// The line the report heads its output with.
+    pub title: String,
+    pub nproc: usize,
+    pub model: &'static str,
     pub width: usize,
     pub embedding: usize,
+    /// Rows of the head (None: the data's identities).
+    pub classes: Option<usize>,
+    pub sample_rate: f64,
     pub batch: usize,
     pub steps: usize,
     pub rounds: usize,
@@ -53,7 +60,7 @@ pub struct Plan {
     /// `tandem bench zero` settings: world sizes ("2,4") and MLP layer sizes.
     pub zero_nproc: String,
     pub zero_dims: String,
-    pub face: FacePlan,
+    pub face: Vec<FacePlan>,
 }
 
 /// One model's DDP measurement: `tandem bench ddp --model M [--width W]` at these ranks, and
@@ -161,10 +168,16 @@ pub fn face(ctx: &mut Ctx, plan: &FacePlan) -> Result<String, String> {
     let Some(python) = ctx.torch().map(|t| t.python.display().to_string()) else {
         return Err("PyTorch not available (the recipe is measured against it)".into());
     };
-    eprintln!("report: the face recipe, IResNet-18 width {}, {} rounds", plan.width, plan.rounds);
+    eprintln!("report: the face recipe, {}, {} rounds", plan.title, plan.rounds);
     let n = |v: usize| v.to_string();
-    let args: Vec<String> = vec![
+    let mut args: Vec<String> = vec![
         "face".into(),
+        "--nproc".into(),
+        n(plan.nproc),
+        "--model".into(),
+        plan.model.into(),
+        "--sample-rate".into(),
+        plan.sample_rate.to_string(),
         "--width".into(),
         n(plan.width),
         "--embedding".into(),
@@ -178,6 +191,9 @@ pub fn face(ctx: &mut Ctx, plan: &FacePlan) -> Result<String, String> {
         "--python".into(),
         python,
     ];
+    if let Some(c) = plan.classes {
+        args.extend(["--classes".into(), n(c)]);
+    }
     ctx.tandem(&args, Duration::from_secs(1800), "tandem bench face").map_err(|e| ctx.note(e))
 }
 

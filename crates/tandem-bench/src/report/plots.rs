@@ -285,3 +285,96 @@ pub fn ckpt(t: &Table, path: &Path) -> anyhow::Result<()> {
     root.present().map_err(&e)?;
     Ok(())
 }
+
+/// What a face-scale plot shows on its y axis.
+#[derive(Clone, Copy)]
+pub enum FaceScaleAxis {
+    SamplesPerS,
+    PeakGiB,
+}
+
+/// `tandem bench face-scale`'s runs: x = ranks, one line per side and class count (tandem
+/// green, PyTorch red; thicker for more classes); failed runs are left out of their line.
+pub fn face_scale(
+    r: &crate::face_scale::Results,
+    axis: FaceScaleAxis,
+    path: &Path,
+) -> anyhow::Result<()> {
+    let e = err(path);
+    let value = |p: &crate::face_scale::Point| match axis {
+        FaceScaleAxis::SamplesPerS => p.samples_per_s,
+        FaceScaleAxis::PeakGiB => p.peak_rss_bytes.map(|b| b / (1u64 << 30) as f64),
+    };
+    let mut classes: Vec<usize> = r.scaling.iter().map(|p| p.classes).collect();
+    classes.sort_unstable();
+    classes.dedup();
+    let max_rank = r.scaling.iter().map(|p| p.ranks).max().unwrap_or(1) as f64;
+    let hi = r.scaling.iter().filter_map(value).fold(0.0, f64::max).max(1e-3) * 1.25;
+    let (caption, y_desc) = match axis {
+        FaceScaleAxis::SamplesPerS => ("Face recipe samples/s by ranks and head size", "samples/s"),
+        FaceScaleAxis::PeakGiB => {
+            ("Face recipe peak memory of the largest rank", "peak resident memory per rank (GiB)")
+        }
+    };
+    let root = BitMapBackend::new(path, SIZE).into_drawing_area();
+    root.fill(&WHITE).map_err(&e)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(caption, (FAMILY, 24))
+        .margin(20)
+        .x_label_area_size(50)
+        .y_label_area_size(80)
+        .build_cartesian_2d(0.5..max_rank + 0.5, 0.0..hi)
+        .map_err(&e)?;
+    chart
+        .configure_mesh()
+        .x_labels(max_rank as usize + 1)
+        .x_desc("ranks (processes; 2 cores: 4 ranks oversubscribe)")
+        .y_desc(y_desc)
+        .x_label_formatter(&|x| {
+            if (x - x.round()).abs() < 1e-6 && *x >= 1.0 {
+                format!("{}", x.round())
+            } else {
+                String::new()
+            }
+        })
+        .y_label_formatter(&|y| format!("{y:.1}"))
+        .label_style((FAMILY, 14))
+        .draw()
+        .map_err(&e)?;
+    for side in crate::face_scale::SIDES {
+        for (i, &c) in classes.iter().enumerate() {
+            let pts: Vec<(f64, f64)> = r
+                .scaling
+                .iter()
+                .filter(|p| p.side == side && p.classes == c)
+                .filter_map(|p| value(p).map(|v| (p.ranks as f64, v)))
+                .collect();
+            if pts.is_empty() {
+                continue;
+            }
+            let base = color(if side == "tandem" { "tandem" } else { "torch" });
+            let width = 1 + i as u32 * 2;
+            let shade = base.mix(1.0 - 0.2 * (classes.len() - 1 - i) as f64);
+            chart
+                .draw_series(LineSeries::new(pts.clone(), shade.stroke_width(width)))
+                .map_err(&e)?
+                .label(format!("{side}, {c} classes"))
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 24, y)], shade.stroke_width(width))
+                });
+            chart
+                .draw_series(pts.iter().map(|&(x, y)| Circle::new((x, y), 4, shade.filled())))
+                .map_err(&e)?;
+        }
+    }
+    chart
+        .configure_series_labels()
+        .label_font((FAMILY, 14))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(&e)?;
+    root.present().map_err(&e)?;
+    Ok(())
+}

@@ -188,25 +188,35 @@ pub(crate) fn step_rows(
     Ok(buf)
 }
 
-/// Calls `f(row, gradient of the row or None)` for every row of an `[n_rows, cols]` tensor
-/// whose gradient rows `rows` are stacked in `g`.
+/// Rows per parallel block of a row-sparse step.
+const ROWS_PER_BLOCK: usize = 256;
+
+/// Calls `f(row r of dst, r, gradient of the row or None)` for every row of `dst`
+/// (`[n_rows, cols]`) whose gradient rows `rows` (ascending) are stacked in `g`; blocks of rows
+/// run in parallel (each row's update is independent of the others).
 fn each_row(
-    n_rows: usize,
+    dst: &mut [f32],
     cols: usize,
     rows: &[u32],
     g: &[f32],
-    mut f: impl FnMut(usize, Option<&[f32]>),
+    f: impl Fn(&mut [f32], usize, Option<&[f32]>) + Sync,
 ) {
-    let mut next = rows.iter().enumerate().peekable();
-    for r in 0..n_rows {
-        match next.peek() {
-            Some(&(j, &row)) if row as usize == r => {
-                f(r, Some(&g[j * cols..(j + 1) * cols]));
-                next.next();
-            }
-            _ => f(r, None),
-        }
+    if cols == 0 {
+        return;
     }
+    dst.par_chunks_mut(cols * ROWS_PER_BLOCK).enumerate().for_each(|(block, d)| {
+        let r0 = block * ROWS_PER_BLOCK;
+        let mut j = rows.partition_point(|&x| (x as usize) < r0);
+        for (i, row) in d.chunks_exact_mut(cols).enumerate() {
+            let r = r0 + i;
+            if rows.get(j).is_some_and(|&x| x as usize == r) {
+                f(row, r, Some(&g[j * cols..(j + 1) * cols]));
+                j += 1;
+            } else {
+                f(row, r, None);
+            }
+        }
+    });
 }
 
 /// (updated tensor, gradient rows, the other full tensor or empty, row length).
@@ -276,10 +286,8 @@ impl InplaceOp3 for MomentumRows {
             Some((p, pl, "parameter")),
             &self.rows,
         )?;
-        let n_rows = b.len() / cols.max(1);
-        each_row(n_rows, cols, &self.rows, g, |r, grad| {
-            let span = r * cols..(r + 1) * cols;
-            for (i, (b, &p)) in b[span.clone()].iter_mut().zip(&p[span]).enumerate() {
+        each_row(b, cols, &self.rows, g, |b, r, grad| {
+            for (i, (b, &p)) in b.iter_mut().zip(&p[r * cols..(r + 1) * cols]).enumerate() {
                 let g = grad.map_or(0.0, |g| g[i]);
                 *b = if first { k.d(g, p) } else { k.momentum(*b, g, p) };
             }
@@ -310,11 +318,9 @@ impl InplaceOp3 for ParamRows {
         let k = self.k;
         let other = k.use_buf.then_some((b, bl, "momentum buffer"));
         let (p, g, b, cols) = row_operands((p, pl, "parameter"), (g, gl), other, &self.rows)?;
-        let n_rows = p.len() / cols.max(1);
-        each_row(n_rows, cols, &self.rows, g, |r, grad| {
-            let span = r * cols..(r + 1) * cols;
-            let bufs = if k.use_buf { &b[span.clone()] } else { &[][..] };
-            for (i, p) in p[span].iter_mut().enumerate() {
+        each_row(p, cols, &self.rows, g, |p, r, grad| {
+            let bufs = if k.use_buf { &b[r * cols..(r + 1) * cols] } else { &[][..] };
+            for (i, p) in p.iter_mut().enumerate() {
                 let g = grad.map_or(0.0, |g| g[i]);
                 *p = k.param(*p, g, bufs.get(i).copied().unwrap_or(0.0));
             }
