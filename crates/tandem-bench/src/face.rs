@@ -322,24 +322,63 @@ impl Recipe {
     }
 }
 
-/// Runs `cmd`: `Ok(Ok(output))` when it succeeded, `Ok(Err(how))` when it ran and failed
-/// (its exit status or the signal that ended it, and its last lines).
+/// The kernel log's out-of-memory kills ("Out of memory: Killed process ..."), where readable.
+fn oom_kills() -> Vec<String> {
+    Command::new("dmesg")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| l.contains("Out of memory: Killed process"))
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Runs `cmd`: `Ok(Ok(output))` when it succeeded, `Ok(Err(how))` when it ran and failed:
+/// its exit status or the signal that ended it, the kernel's OOM kill if the log shows a new
+/// one, and its last error lines.
 fn run_outcome(cmd: &mut Command, what: &str) -> anyhow::Result<Result<String, String>> {
     use std::os::unix::process::ExitStatusExt;
+    let kills_before = oom_kills().len();
     let out = cmd.output().with_context(|| format!("starting {what}"))?;
-    let text =
-        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     if out.status.success() {
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
         return Ok(Ok(text));
     }
-    let ended = match out.status.signal() {
-        Some(9) => "killed by SIGKILL (the kernel's OOM killer, when memory runs out)".to_string(),
-        Some(sig) => format!("killed by signal {sig}"),
-        None => format!("exit status {}", out.status.code().unwrap_or(-1)),
+    let mut how = match (out.status.signal(), out.status.code()) {
+        (Some(sig), _) => format!("killed by signal {sig}"),
+        // A launcher reports a worker killed by signal N as 128 + N (tandem run and torchrun).
+        (None, Some(code)) if code > 128 => {
+            format!("exit status {code} (a worker killed by signal {})", code - 128)
+        }
+        (None, code) => format!("exit status {}", code.unwrap_or(-1)),
     };
-    let tail: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).rev().take(3).collect();
-    let tail: Vec<&str> = tail.into_iter().rev().collect();
-    Ok(Err(format!("{what}: {ended}; last output: {}", tail.join(" | "))))
+    let kills = oom_kills();
+    if let Some(kill) = kills.get(kills_before..).and_then(|new| new.last()) {
+        let rss = kill.split(", ").find(|f| f.starts_with("anon-rss:")).unwrap_or("");
+        how += &format!(
+            ": the kernel's OOM killer ({}{rss})",
+            if rss.is_empty() { "" } else { "the process had " }
+        );
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let errors: Vec<&str> = stderr
+        .lines()
+        .filter(|l| {
+            let l = l.to_lowercase();
+            l.contains("error") || l.contains("killed") || l.contains("memory")
+        })
+        .collect();
+    let tail = errors.iter().rev().take(2).rev().copied().collect::<Vec<_>>().join(" | ");
+    if !tail.is_empty() {
+        how += &format!("; {tail}");
+    }
+    Ok(Err(format!("{what}: {how}")))
 }
 
 fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
