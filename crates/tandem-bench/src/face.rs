@@ -162,6 +162,8 @@ pub(crate) struct Recipe {
     pub batch: usize,
     pub steps: u64,
     pub torch_workers: usize,
+    /// Whether tandem writes its checkpoints (the PyTorch peer saves none).
+    pub checkpoints: bool,
 }
 
 /// What one run of one side gave.
@@ -239,6 +241,7 @@ impl Recipe {
             batch: 8,
             steps: 12,
             torch_workers: 0,
+            checkpoints: true,
         })
     }
 
@@ -264,6 +267,9 @@ impl Recipe {
         c.args(["--lr", "0.1", "--lr-scheduler", "poly", "--clip-grad-norm", "5", "--seed", "0"]);
         c.arg("--data").arg(format!("rec:{}", self.data.display()));
         c.arg("--init-from").arg(&self.init).arg("--out").arg(out);
+        if !self.checkpoints {
+            c.arg("--no-checkpoints");
+        }
         for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
             c.env_remove(v);
         }

@@ -202,6 +202,8 @@ fn with_size(base: &Recipe, python: &Path, ranks: usize, classes: usize) -> anyh
         batch: base.batch,
         steps: base.steps,
         torch_workers: 0,
+        // A head of millions of classes checkpoints to tens of GiB: the runs measure training.
+        checkpoints: false,
         ..Recipe::new(python)?
     })
 }
@@ -330,4 +332,61 @@ pub fn render(r: &Results) -> String {
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(side: &str, ranks: usize, classes: usize, sps: Option<f64>, gib: Option<f64>) -> Point {
+        Point {
+            side: side.into(),
+            ranks,
+            classes,
+            samples_per_s: sps,
+            peak_rss_bytes: gib.map(|g| g * (1u64 << 30) as f64),
+            failure: sps.is_none().then(|| "exit status 137".into()),
+        }
+    }
+
+    /// The table's ratios are tandem / PyTorch of the printed figures; a failed run reads
+    /// "fails" with no ratio; the largest heads' ratio is of the class counts that trained.
+    #[test]
+    fn the_table_shows_ratios_and_failures() {
+        let r = Results {
+            date: "d".into(),
+            git_commit: "c".into(),
+            recipe: "r".into(),
+            memory: "23.5 GiB".into(),
+            largest: vec![
+                Largest {
+                    side: "tandem".into(),
+                    ranks: 2,
+                    trains: 4_000_000,
+                    fails: 4_400_000,
+                    failure: "oom | x".into(),
+                    probes: vec![],
+                },
+                Largest {
+                    side: "PyTorch".into(),
+                    ranks: 2,
+                    trains: 2_000_000,
+                    fails: 2_200_000,
+                    failure: "oom".into(),
+                    probes: vec![],
+                },
+            ],
+            scaling: vec![
+                p("tandem", 2, 100_000, Some(3.0), Some(2.0)),
+                p("PyTorch", 2, 100_000, Some(2.0), Some(4.0)),
+                p("tandem", 2, 4_000_000, Some(1.0), Some(10.0)),
+                p("PyTorch", 2, 4_000_000, None, None),
+            ],
+        };
+        let md = render(&r);
+        assert!(md.contains("| tandem | 2 | 4000000 | 4400000 | oom / x |"), "{md}");
+        assert!(md.contains("largest head: 2.00x"), "{md}");
+        assert!(md.contains("| 100000 | 2 | 3.000 | 2.000 | 1.50 | 2.00 | 4.00 | 0.50 |"), "{md}");
+        assert!(md.contains("| 4000000 | 2 | 1.000 | fails | – | 10.00 | – | – |"), "{md}");
+    }
 }

@@ -150,6 +150,8 @@ pub struct CheckpointOptions {
     pub keep_last: usize,
     /// Written by a background thread (the classifiers; training waits only for the copy).
     pub background: bool,
+    /// False: no checkpoint is written at all (a benchmark or a throwaway run).
+    pub enabled: bool,
     /// Initial weights (any wrapping; strict key check).
     pub init_from: Option<PathBuf>,
     /// The final weights (canonical keys, `.pt` or `.safetensors`), written by rank 0.

@@ -210,6 +210,8 @@ pub struct TrainerOptions {
     pub max_steps: Option<u64>,
     /// A checkpoint every N steps (0: at epoch ends only); always at the end.
     pub save_every: u64,
+    /// False: no checkpoint at all (`save_every` and the epoch-end and final saves are off).
+    pub checkpoints: bool,
     /// [`Recipe::validate`] every N steps (0: only at the end).
     pub validate_every: u64,
     pub resume: bool,
@@ -224,6 +226,7 @@ impl TrainerOptions {
             epochs,
             max_steps: None,
             save_every: 0,
+            checkpoints: true,
             validate_every: 0,
             resume: false,
             progress: true,
@@ -237,6 +240,7 @@ impl TrainerOptions {
             epochs: o.run.epochs,
             max_steps: o.run.max_steps,
             save_every: o.checkpoint.save_every,
+            checkpoints: o.checkpoint.enabled,
             validate_every: if o.model.kind.is_face() { o.face.verify_every } else { 0 },
             resume: o.run.resume,
             progress: o.run.progress,
@@ -513,7 +517,8 @@ impl<R: Recipe> Trainer<R> {
                 }
                 pause += clock.elapsed().as_secs_f64();
             }
-            if opts.save_every > 0 && n.is_multiple_of(opts.save_every) && n < max_steps {
+            let save_due = opts.save_every > 0 && n.is_multiple_of(opts.save_every);
+            if opts.checkpoints && save_due && n < max_steps {
                 let clock = Instant::now();
                 let written = checkpoint(recipe, group, step, &loader.state(), n)?;
                 self.last_ckpt = written.or(self.last_ckpt.take());
@@ -558,6 +563,9 @@ impl<R: Recipe> Trainer<R> {
 
     /// A checkpoint of the whole state now (a collective).
     fn save(&mut self) -> Result<()> {
+        if !self.opts.checkpoints {
+            return Ok(());
+        }
         let n = self.global_step;
         let clock = Instant::now();
         let written =

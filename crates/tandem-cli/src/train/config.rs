@@ -131,6 +131,11 @@ pub struct TrainConfig {
     /// Checkpoints to keep in the run directory.
     #[arg(long = "keep-last", default_value_t = 3)]
     pub keep_last: usize,
+    /// Write no checkpoint at all, not even at the end (a benchmark or a throwaway run: there
+    /// is nothing to resume from, and --save-final still writes the final weights).
+    #[arg(long = "no-checkpoints")]
+    #[serde(default)]
+    pub no_checkpoints: bool,
     /// Write checkpoints on a background thread: training waits only while the state is copied
     /// to host memory. At most one save in flight; a failed write stops the run at the next save
     /// or at the end, naming the file.
@@ -330,6 +335,7 @@ impl TrainConfig {
                 save_every: self.save_every,
                 keep_last: self.keep_last,
                 background: self.async_save,
+                enabled: !self.no_checkpoints,
                 init_from: self.init_from.clone(),
                 save_final: self.save_final.clone(),
                 export_onnx: self.export_onnx.clone(),
@@ -571,6 +577,9 @@ impl TrainConfig {
         }
         if self.live_recovery {
             a.push("--live-recovery".into());
+        }
+        if self.no_checkpoints {
+            a.push("--no-checkpoints".into());
         }
         if self.async_save {
             a.push("--async-save".into());
