@@ -331,7 +331,7 @@ def worker(rank, args, port):
         print("peak_rss_bytes=" + ",".join(str(int(p.item())) for p in peaks), flush=True)
         if cuda:
             print(f"gpu_peak_bytes={torch.cuda.max_memory_allocated()}", flush=True)
-        print(f"steps={step} loss={loss.item():.6f} samples/s={samples / max(elapsed, 1e-9):.1f}", flush=True)
+        print(f"steps={step} loss={loss.item():.6f} samples/s={samples / max(elapsed, 1e-9):.3f}", flush=True)
     dist.destroy_process_group()
 
 

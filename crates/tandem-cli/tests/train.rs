@@ -744,3 +744,32 @@ fn lr_scheduler_is_checkpointed_and_continues_on_resume() {
         assert!(s.get("last_epoch").is_some(), "--lr-scheduler {kind}");
     }
 }
+
+/// `--no-checkpoints`: a run saves nothing (no epoch-end, periodic or final checkpoint), its
+/// summary names none, and `--save-final` still writes the final weights.
+#[test]
+fn no_checkpoints_writes_none_and_still_saves_the_final_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("run");
+    let weights_path = dir.path().join("final.pt");
+    let (out, summary) = train(&[
+        "train",
+        "--epochs",
+        "2",
+        "--save-every",
+        "5",
+        "--no-checkpoints",
+        "--save-final",
+        weights_path.to_str().unwrap(),
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    assert_eq!(summary.epochs, 2);
+    assert!(summary.checkpoint.is_none(), "{:?}", summary.checkpoint);
+    let kv = final_line(&out.stdout);
+    assert_eq!(get(&kv, "checkpoint"), "-", "the final line names no checkpoint");
+    let ckpts = out_dir.join("checkpoints");
+    let written = std::fs::read_dir(&ckpts).map(|d| d.count()).unwrap_or(0);
+    assert_eq!(written, 0, "{} holds checkpoints", ckpts.display());
+    assert!(!weights(&weights_path).is_empty(), "--save-final wrote no weights");
+}
