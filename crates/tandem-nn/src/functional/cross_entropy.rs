@@ -105,26 +105,11 @@ mod tests {
         let theirs = candle_nn::loss::cross_entropy(x.as_tensor(), &y).unwrap();
         let (a, b) = (ours.to_scalar::<f32>().unwrap(), theirs.to_scalar::<f32>().unwrap());
         assert!((a - b).abs() < 1e-5 * b.abs().max(1.0), "{a} vs {b}");
-        let ga: Vec<f32> = (ours * 3.0)
-            .unwrap()
-            .backward()
-            .unwrap()
-            .get(&x)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let gb: Vec<f32> = (theirs * 3.0)
-            .unwrap()
-            .backward()
-            .unwrap()
-            .get(&x)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let grad = |loss: Tensor| -> Vec<f32> {
+            let g = (loss * 3.0).unwrap().backward().unwrap();
+            g.get(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let (ga, gb) = (grad(ours), grad(theirs));
         for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
             assert!((a - b).abs() < 1e-6, "gradient {i}: {a} vs {b}");
         }

@@ -173,38 +173,18 @@ fn linear_backward(
     with_f32_slice(g, |g| {
         let gv = View { data: g, rs: n, cs: 1 };
         let gx = if x.track_op() {
-            let gx = with_f32_slice(w, |w| {
-                let mut gx = vec![0f32; rows * k];
-                matmul(
-                    (rows, k, n),
-                    &mut gx,
-                    k,
-                    gv,
-                    View { data: w, rs: k, cs: 1 },
-                    false,
-                    threads(),
-                );
-                gx
-            })?;
+            // gx[rows, k] = g · w
+            let gx =
+                with_f32_slice(w, |w| product((rows, k, n), gv, View { data: w, rs: k, cs: 1 }))?;
             Some(Tensor::from_vec(gx, (rows, k), dev)?)
         } else {
             None
         };
         let gw = if w.track_op() {
-            let gw = with_f32_slice(x, |x| {
-                let mut gw = vec![0f32; n * k];
-                let gt = View { data: g, rs: 1, cs: n };
-                matmul(
-                    (n, k, rows),
-                    &mut gw,
-                    k,
-                    gt,
-                    View { data: x, rs: k, cs: 1 },
-                    false,
-                    threads(),
-                );
-                gw
-            })?;
+            // gw[n, k] = gᵀ · x
+            let gt = View { data: g, rs: 1, cs: n };
+            let gw =
+                with_f32_slice(x, |x| product((n, k, rows), gt, View { data: x, rs: k, cs: 1 }))?;
             Some(Tensor::from_vec(gw, (n, k), dev)?)
         } else {
             None
@@ -215,6 +195,13 @@ fn linear_backward(
         };
         Ok((gx, gw, gb))
     })?
+}
+
+/// A new row-major `[m, n]` matrix `a · b` on the blocked gemm.
+fn product((m, n, k): (usize, usize, usize), a: View<'_>, b: View<'_>) -> Vec<f32> {
+    let mut out = vec![0f32; m * n];
+    matmul((m, n, k), &mut out, n, a, b, false, threads());
+    out
 }
 
 /// `Σ_r g[r, j]` for each column `j`, rows added in order.
