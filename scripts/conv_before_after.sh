@@ -33,12 +33,14 @@ old="$base_build/release/tandem"
 if [ ! -x "$old" ]; then
   git worktree add --detach --quiet "$scratch/base" "$base"
   echo "building $base ..." >&2
-  (cd "$scratch/base" && CARGO_TARGET_DIR="$base_build" cargo build --release --quiet -p tandem-cli)
+  (cd "$scratch/base" && CARGO_TARGET_DIR="$base_build" cargo build --release --quiet -p tandem-cli -p tandem-bench)
 fi
-cargo build --release --quiet -p tandem-cli
-# A copy: a rebuild of the tree while this runs must not swap the binary under it.
-new="$scratch/tandem-new"
-cp target/release/tandem "$new"
+cargo build --release --quiet -p tandem-cli -p tandem-bench
+# A copy: a rebuild of the tree while this runs must not swap the binary under it. `tandem
+# bench` runs the `tandem-bench` beside it, so both keep their names.
+mkdir -p "$scratch/new"
+cp target/release/tandem target/release/tandem-bench "$scratch/new/"
+new="$scratch/new/tandem"
 head_rev="$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo +changes)"
 
 # One column of `bench conv`'s table: the op name (2nd cell) and the cell numbered $2.
@@ -66,7 +68,7 @@ stats() { sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) printf "failed"; else
 try() { "$@" || echo "conv_before_after: failed, left out: ${*:2}" >&2; }
 # tandem / PyTorch of one `bench ddp --torch` run.
 ddp_ratio() { "$1" bench ddp --model "$2" --width "$3" --batch "$4" --steps "$5" --rounds 3 --torch "$python" 2>/dev/null | awk '/torch DDP/ { for (i = 1; i <= NF; i++) if ($i ~ /^tandem\/torch$/) print $(i + 1) }'; }
-face_ratio() { "$1" bench face --rounds 1 --python "$python" 2>/dev/null | awk -F'[(): x]+' '/tandem \/ PyTorch/ { for (i = 1; i <= NF; i++) if ($i == "medians") print $(i + 1) }'; }
+face_ratio() { "$1" bench face --rounds 1 --python "$python" 2>/dev/null | sed -n 's/.*tandem \/ PyTorch (medians): \(samples\/s \)\{0,1\}\([0-9.]*\)x.*/\2/p'; }
 
 case ",$parts," in *,models,*) ;; *) exit 0 ;; esac
 echo "## Whole models, tandem / PyTorch on the same machine (min / median / max of $rounds rounds)"
