@@ -96,6 +96,19 @@ fn forward_shapes(xl: &Layout, wl: &Layout) -> candle_core::Result<(usize, usize
     Ok((rows, n, k))
 }
 
+/// Both ops' forward: the operands checked and read as f32 slices, then [`linear_forward`].
+fn cpu_forward(
+    (x, xl): (&CpuStorage, &Layout),
+    (w, wl): (&CpuStorage, &Layout),
+    bias: Option<(&CpuStorage, &Layout)>,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let dims = forward_shapes(xl, wl)?;
+    let (x, w) =
+        (contiguous_f32(x, xl, "linear", "input")?, contiguous_f32(w, wl, "linear", "weight")?);
+    let b = bias.map(|(b, bl)| contiguous_f32(b, bl, "linear", "bias")).transpose()?;
+    Ok((CpuStorage::F32(linear_forward(x, w, b, dims)), Shape::from((dims.0, dims.1))))
+}
+
 impl CustomOp2 for LinearF32 {
     fn name(&self) -> &'static str {
         "tandem-linear-f32"
@@ -108,10 +121,7 @@ impl CustomOp2 for LinearF32 {
         w: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let dims = forward_shapes(xl, wl)?;
-        let (x, w) =
-            (contiguous_f32(x, xl, "linear", "input")?, contiguous_f32(w, wl, "linear", "weight")?);
-        Ok((CpuStorage::F32(linear_forward(x, w, None, dims)), Shape::from((dims.0, dims.1))))
+        cpu_forward((x, xl), (w, wl), None)
     }
 
     fn bwd(
@@ -140,11 +150,7 @@ impl CustomOp3 for LinearF32 {
         b: &CpuStorage,
         bl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let dims = forward_shapes(xl, wl)?;
-        let (x, w) =
-            (contiguous_f32(x, xl, "linear", "input")?, contiguous_f32(w, wl, "linear", "weight")?);
-        let b = contiguous_f32(b, bl, "linear", "bias")?;
-        Ok((CpuStorage::F32(linear_forward(x, w, Some(b), dims)), Shape::from((dims.0, dims.1))))
+        cpu_forward((x, xl), (w, wl), Some((b, bl)))
     }
 
     fn bwd(
