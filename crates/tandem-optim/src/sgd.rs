@@ -280,6 +280,9 @@ mod tests {
                 weight_decay: 1e-3,
                 ..Default::default()
             },
+            // Each rule of the fused kernels (one loop per combination) is covered.
+            SgdConfig { lr: 0.02, momentum: 0.8, nesterov: true, ..Default::default() },
+            SgdConfig { lr: 0.1, momentum: 0.9, dampening: 0.3, ..Default::default() },
         ];
         let dev = Device::Cpu;
         for cfg in configs {

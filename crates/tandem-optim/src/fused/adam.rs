@@ -2,7 +2,7 @@
 //! (max_exp_avg_sq,) and the parameter, mirroring `adam.rs`'s tensor form element by element.
 use candle_core::{CpuStorage, InplaceOp3, Layout, Tensor, Var};
 
-use super::{aff, operands};
+use super::{aff, operands, par_zip3};
 use crate::adam::AdamHyper;
 
 /// Per-step constants, rounded to f32 where candle's `affine` rounds them.
@@ -37,14 +37,6 @@ impl AdamStep {
             inv_bc2_sqrt: (1.0 / bias_correction2.sqrt()) as f32,
             eps: c.eps as f32,
             neg_step_size: (-(c.lr / bias_correction1)) as f32,
-        }
-    }
-    /// The gradient after coupled weight decay.
-    #[inline(always)]
-    fn d(&self, g: f32, p: f32) -> f32 {
-        match self.coupled_wd {
-            Some(wd) => g + aff(p, wd),
-            None => g,
         }
     }
 }
@@ -97,8 +89,10 @@ impl InplaceOp3 for FirstMoment {
     ) -> candle_core::Result<()> {
         let k = self.0;
         let (m, g, p) = operands((m, ml, "exp_avg"), (g, gl, "gradient"), (p, pl, "parameter"))?;
-        for ((m, &g), &p) in m.iter_mut().zip(g).zip(p) {
-            *m += aff(k.d(g, p) - *m, k.one_minus_beta1);
+        let w = k.one_minus_beta1;
+        match k.coupled_wd {
+            None => par_zip3(m, g, p, move |m, g, _p| m + aff(g - m, w)),
+            Some(wd) => par_zip3(m, g, p, move |m, g, p| m + aff((g + aff(p, wd)) - m, w)),
         }
         Ok(())
     }
@@ -122,9 +116,13 @@ impl InplaceOp3 for SecondMoment {
     ) -> candle_core::Result<()> {
         let k = self.0;
         let (v, g, p) = operands((v, vl, "exp_avg_sq"), (g, gl, "gradient"), (p, pl, "parameter"))?;
-        for ((v, &g), &p) in v.iter_mut().zip(g).zip(p) {
-            let d = k.d(g, p);
-            *v = aff(*v, k.beta2) + aff(d * d, k.one_minus_beta2);
+        let (b2, w) = (k.beta2, k.one_minus_beta2);
+        match k.coupled_wd {
+            None => par_zip3(v, g, p, move |v, g, _p| aff(v, b2) + aff(g * g, w)),
+            Some(wd) => par_zip3(v, g, p, move |v, g, p| {
+                let d = g + aff(p, wd);
+                aff(v, b2) + aff(d * d, w)
+            }),
         }
         Ok(())
     }
@@ -148,11 +146,7 @@ impl InplaceOp3 for RunningMax {
         let (mx, v, _) =
             operands((mx, ml, "max_exp_avg_sq"), (v, vl, "exp_avg_sq"), (v, vl, "exp_avg_sq"))?;
         // candle's `maximum`: `if a < b { b } else { a }` (NaN in `a` is kept).
-        for (mx, &v) in mx.iter_mut().zip(v) {
-            if *mx < v {
-                *mx = v;
-            }
-        }
+        par_zip3(mx, v, v, |mx, v, _| if mx < v { v } else { mx });
         Ok(())
     }
 }
@@ -174,13 +168,11 @@ impl InplaceOp3 for ParamUpdate {
     ) -> candle_core::Result<()> {
         let k = self.0;
         let (p, m, s) = operands((p, pl, "parameter"), (m, ml, "exp_avg"), (s, sl, "exp_avg_sq"))?;
-        for ((p, &m), &s) in p.iter_mut().zip(m).zip(s) {
-            let base = match k.decay {
-                Some(decay) => aff(*p, decay),
-                None => *p,
-            };
-            let denom = s.sqrt() * k.inv_bc2_sqrt + k.eps;
-            *p = base + aff(m / denom, k.neg_step_size);
+        let (inv, eps, step) = (k.inv_bc2_sqrt, k.eps, k.neg_step_size);
+        let adam = move |base: f32, m: f32, s: f32| base + aff(m / (s.sqrt() * inv + eps), step);
+        match k.decay {
+            None => par_zip3(p, m, s, adam),
+            Some(decay) => par_zip3(p, m, s, move |p, m, s| adam(aff(p, decay), m, s)),
         }
         Ok(())
     }

@@ -9,6 +9,7 @@
 //! rounded to f32, as candle computes it — so results are bit-identical (tests in `sgd.rs` and
 //! `adam.rs` check that); other dtypes and devices use the tensor form.
 use candle_core::{CpuStorage, DType, Layout, Tensor, Var};
+use rayon::prelude::*;
 
 pub(crate) mod adam;
 pub(crate) mod sgd;
@@ -71,4 +72,30 @@ pub(super) fn operands<'a>(
         )
     }
     Ok((d, x, y))
+}
+
+/// Elements per parallel chunk of the elementwise updates (each element's update is
+/// independent, so the result does not depend on the thread count).
+const CHUNK: usize = 1 << 15;
+
+/// `dst[i] = f(dst[i], x[i], y[i])` over equal-length slices.
+#[inline(always)]
+pub(super) fn zip3(dst: &mut [f32], x: &[f32], y: &[f32], f: impl Fn(f32, f32, f32) -> f32) {
+    for ((d, &x), &y) in dst.iter_mut().zip(x).zip(y) {
+        *d = f(*d, x, y);
+    }
+}
+
+/// `dst = f(dst, x, y)` elementwise in parallel chunks (each element's update is independent,
+/// so the result does not depend on the thread count).
+pub(super) fn par_zip3(
+    dst: &mut [f32],
+    x: &[f32],
+    y: &[f32],
+    f: impl Fn(f32, f32, f32) -> f32 + Sync,
+) {
+    dst.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .zip(y.par_chunks(CHUNK))
+        .for_each(|((d, x), y)| zip3(d, x, y, &f));
 }
