@@ -49,7 +49,7 @@ fn main() -> anyhow::Result<()> {
         let t1 = Instant::now();
         let loss = tandem_nn::functional::cross_entropy(&logits, &y)?;
         let t2 = Instant::now();
-        let grads = loss.backward()?;
+        let grads = tandem_nn::backward(&loss)?;
         let t3 = Instant::now();
         opt.step(&grads)?;
         let t4 = Instant::now();

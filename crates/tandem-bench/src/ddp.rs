@@ -141,7 +141,7 @@ impl Trainer for ResNetTrainer {
         let loss = tandem_nn::functional::cross_entropy(&self.model.forward_t(x, true)?, y)?;
         let grads = match &self.ddp {
             Some(ddp) => ddp.backward(&loss)?,
-            None => loss.backward()?,
+            None => tandem_nn::backward(&loss)?,
         };
         self.opt.step(&grads)?;
         Ok(())
@@ -180,7 +180,7 @@ struct Plain<M: ParamModule> {
 
 impl<M: ParamModule> Trainer for Plain<M> {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
-        let grads = (self.loss)(&self.model, x, y)?.backward()?;
+        let grads = tandem_nn::backward(&(self.loss)(&self.model, x, y)?)?;
         self.opt.step(&grads)?;
         Ok(())
     }

@@ -111,7 +111,7 @@ fn run_once(
     let mut times = RunTimes { steps: vec![], saved: vec![], copy: vec![], drain: 0.0 };
     for step in 1..=args.steps {
         let started = Instant::now();
-        let grads = model.loss(&x, &y)?.backward()?;
+        let grads = tandem_nn::backward(&model.loss(&x, &y)?)?;
         opt.step(&grads)?;
         let save = mode != Mode::NoSave && step % args.save_every == 0;
         if save {

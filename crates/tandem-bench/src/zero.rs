@@ -70,7 +70,7 @@ fn time_steps(model: &Mlp, opt: &mut dyn TorchOptimizer, steps: usize) -> anyhow
     let (x, y) = batch(model.dims())?;
     let mut times = Vec::new();
     for i in 0..steps + 2 {
-        let grads = model.loss(&x, &y)?.backward()?;
+        let grads = tandem_nn::backward(&model.loss(&x, &y)?)?;
         let t = Instant::now();
         opt.step(&grads)?;
         if i >= 2 {

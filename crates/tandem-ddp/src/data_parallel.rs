@@ -174,7 +174,7 @@ impl<M: ParamModule> DataParallel<M> {
         let results = self.parallel(chunks, |_, m, c| {
             let weight = c[0].dim(0)? as f64 / total as f64;
             let loss = (loss_fn(m, c)? * weight)?;
-            let grads = loss.backward()?;
+            let grads = tandem_nn::backward(&loss)?;
             let gs = m
                 .param_set()
                 .named()

@@ -501,7 +501,7 @@ impl<M: ParamModule> Ddp<M> {
             });
         }
         let viewed = self.module.param_set().end_view();
-        let mut candle_grads = match loss.backward() {
+        let mut candle_grads = match tandem_nn::backward(loss) {
             Ok(g) => g,
             Err(e) => {
                 let hooked =

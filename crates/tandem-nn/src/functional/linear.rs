@@ -15,6 +15,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
+use crate::backward::take_param_grad;
 use crate::contiguous_f32;
 use crate::kernels::matmul::{matmul, View};
 use crate::kernels::with_f32_slice;
@@ -166,7 +167,8 @@ impl CustomOp3 for LinearF32 {
 }
 
 /// The gradients of `x @ wᵀ + b` given the output's `g`: only operands in the autograd graph
-/// get one (the first layer's data input needs none).
+/// get one (the first layer's data input needs none). Inside [`crate::backward`] the weight's
+/// and bias's go to the store directly.
 fn linear_backward(
     x: &Tensor,
     w: &Tensor,
@@ -176,7 +178,7 @@ fn linear_backward(
     let (rows, k) = x.dims2()?;
     let (n, _) = w.dims2()?;
     let dev = x.device();
-    with_f32_slice(g, |g| {
+    let (gx, gw, gb) = with_f32_slice(g, |g| {
         let gv = View { data: g, rs: n, cs: 1 };
         let gx = if x.track_op() {
             // gx[rows, k] = g · w
@@ -199,8 +201,13 @@ fn linear_backward(
             Some(b) if b.track_op() => Some(Tensor::from_vec(column_sums(g, n), n, dev)?),
             _ => None,
         };
-        Ok((gx, gw, gb))
-    })?
+        Ok::<_, candle_core::Error>((gx, gw, gb))
+    })??;
+    let gb = match b {
+        Some(b) => take_param_grad(b, gb)?,
+        None => gb,
+    };
+    Ok((gx, take_param_grad(w, gw)?, gb))
 }
 
 /// A new row-major `[m, n]` matrix `a · b` on the blocked gemm.

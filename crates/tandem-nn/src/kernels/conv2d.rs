@@ -19,6 +19,7 @@ use rayon::prelude::*;
 
 use super::matmul::{matmul, View};
 use super::winograd;
+use crate::backward::take_param_grad;
 use crate::kernels::with_f32_slice;
 
 /// Stride, padding and dilation, the same in both spatial dimensions (candle-nn's config).
@@ -520,7 +521,7 @@ impl CustomOp2 for Conv2dOp {
             })???;
             let gw = gw.map(|v| Tensor::from_vec(v, w.shape(), w.device())).transpose()?;
             let gx = gx.map(|v| Tensor::from_vec(v, x.shape(), x.device())).transpose()?;
-            return Ok((gx, gw));
+            return Ok((gx, take_param_grad(w, gw)?));
         }
         let gw = if w.track_op() {
             let v = with_f32_slice(x, |x| with_f32_slice(&gy, |gy| weight_grad(&g, x, gy)))??;
@@ -534,7 +535,7 @@ impl CustomOp2 for Conv2dOp {
         } else {
             None
         };
-        Ok((gx, gw))
+        Ok((gx, take_param_grad(w, gw)?))
     }
 }
 
@@ -608,7 +609,7 @@ impl CustomOp2 for ChannelBias {
         } else {
             None
         };
-        Ok((y.track_op().then(|| g.clone()), gb))
+        Ok((y.track_op().then(|| g.clone()), take_param_grad(b, gb)?))
     }
 }
 
