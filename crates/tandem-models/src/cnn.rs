@@ -13,7 +13,7 @@ use rand::SeedableRng;
 
 use tandem_nn::functional::{cross_entropy, fused_linear};
 use tandem_nn::kernels::batch_norm::batch_norm_train_act;
-use tandem_nn::kernels::conv2d::{add_channel_bias, conv2d, ConvParams};
+use tandem_nn::kernels::conv2d::{conv2d_bias, ConvParams};
 use tandem_nn::kernels::pool::max_pool2d;
 use tandem_nn::kernels::relu::relu;
 use tandem_nn::torch_init::{copy_vars, default_layer};
@@ -131,7 +131,7 @@ impl Cnn {
 
     fn conv(&self, x: &Tensor, w: usize, b: usize) -> candle_core::Result<Tensor> {
         let p = ConvParams { stride: 1, padding: 1, dilation: 1 };
-        add_channel_bias(&conv2d(x, &self.params.get(w)?, p)?, &self.params.get(b)?)
+        conv2d_bias(x, &self.params.get(w)?, &self.params.get(b)?, p)
     }
 
     /// Logits `[N, classes]` for `x: [N, C, H, W]` (or `[N, C*H*W]`, reshaped).

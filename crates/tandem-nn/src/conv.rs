@@ -6,7 +6,7 @@
 use candle_core::{Module, Tensor};
 use candle_nn::{Conv2dConfig, Init, VarBuilder};
 
-use crate::kernels::conv2d::{add_channel_bias, conv2d as conv2d_kernel, ConvParams};
+use crate::kernels::conv2d::{add_channel_bias, conv2d as conv2d_kernel, conv2d_bias, ConvParams};
 
 #[derive(Clone, Debug)]
 pub struct FastConv2d {
@@ -32,12 +32,14 @@ impl FastConv2d {
 impl Module for FastConv2d {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let c = self.config;
-        let y = if c.groups == 1 {
+        if c.groups == 1 {
             let p = ConvParams { stride: c.stride, padding: c.padding, dilation: c.dilation };
-            conv2d_kernel(x, &self.weight, p)?
-        } else {
-            x.conv2d(&self.weight, c.padding, c.stride, c.dilation, c.groups)?
-        };
+            return match &self.bias {
+                Some(b) => conv2d_bias(x, &self.weight, b, p),
+                None => conv2d_kernel(x, &self.weight, p),
+            };
+        }
+        let y = x.conv2d(&self.weight, c.padding, c.stride, c.dilation, c.groups)?;
         match &self.bias {
             Some(b) => add_channel_bias(&y, b),
             None => Ok(y),

@@ -13,13 +13,14 @@
 //! A 1x1 stride-1 unpadded convolution skips im2col (the image is its own `col`). Images are
 //! spread over the rayon threads (`RAYON_NUM_THREADS`, which `tandem run` sets to cores per
 //! rank); a batch smaller than the thread count parallelises inside each gemm instead.
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 
 use rayon::prelude::*;
 
 use super::matmul::{matmul, View};
 use super::winograd;
 use crate::backward::take_param_grad;
+use crate::contiguous_f32;
 use crate::kernels::with_f32_slice;
 
 /// Stride, padding and dilation, the same in both spatial dimensions (candle-nn's config).
@@ -476,6 +477,62 @@ fn input_grad(g: &Geometry, w: &[f32], gy: &[f32]) -> Vec<f32> {
     gx
 }
 
+/// The convolution's output `[N, O, Ho, Wo]` (as a flat vector) and its geometry.
+fn cpu_forward(
+    p: ConvParams,
+    xs: &CpuStorage,
+    xl: &Layout,
+    ws: &CpuStorage,
+    wl: &Layout,
+) -> candle_core::Result<(Vec<f32>, Geometry)> {
+    let g = Geometry::new(xl.dims(), wl.dims(), p)?;
+    let (CpuStorage::F32(x), CpuStorage::F32(w)) = (xs, ws) else {
+        candle_core::bail!("tandem conv2d: f32 only")
+    };
+    let (Some((xa, xb)), Some((wa, wb))) = (xl.contiguous_offsets(), wl.contiguous_offsets())
+    else {
+        candle_core::bail!("tandem conv2d: operands must be contiguous")
+    };
+    let mut y = vec![0f32; g.n * g.out_len()];
+    forward(&g, &x[xa..xb], &w[wa..wb], &mut y);
+    Ok((y, g))
+}
+
+/// The gradients of the input and the weight (each only when it is in the autograd graph).
+fn backward(
+    p: ConvParams,
+    x: &Tensor,
+    w: &Tensor,
+    gy: &Tensor,
+) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    let g = Geometry::new(x.dims(), w.dims(), p)?;
+    let gy = gy.contiguous()?;
+    if let Some(d) = g.winograd() {
+        let (want_gw, want_gx) = (w.track_op(), x.track_op());
+        let (gw, gx) = with_f32_slice(x, |xs| {
+            with_f32_slice(w, |ws| {
+                with_f32_slice(&gy, |gys| winograd::backward(&d, xs, ws, gys, want_gw, want_gx))
+            })
+        })???;
+        let gw = gw.map(|v| Tensor::from_vec(v, w.shape(), w.device())).transpose()?;
+        let gx = gx.map(|v| Tensor::from_vec(v, x.shape(), x.device())).transpose()?;
+        return Ok((gx, gw));
+    }
+    let gw = if w.track_op() {
+        let v = with_f32_slice(x, |x| with_f32_slice(&gy, |gy| weight_grad(&g, x, gy)))??;
+        Some(Tensor::from_vec(v, w.shape(), w.device())?)
+    } else {
+        None
+    };
+    let gx = if x.track_op() {
+        let v = with_f32_slice(w, |w| with_f32_slice(&gy, |gy| input_grad(&g, w, gy)))??;
+        Some(Tensor::from_vec(v, x.shape(), x.device())?)
+    } else {
+        None
+    };
+    Ok((gx, gw))
+}
+
 struct Conv2dOp(ConvParams);
 
 impl CustomOp2 for Conv2dOp {
@@ -490,16 +547,7 @@ impl CustomOp2 for Conv2dOp {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let g = Geometry::new(xl.dims(), wl.dims(), self.0)?;
-        let (CpuStorage::F32(x), CpuStorage::F32(w)) = (xs, ws) else {
-            candle_core::bail!("tandem conv2d: f32 only")
-        };
-        let (Some((xa, xb)), Some((wa, wb))) = (xl.contiguous_offsets(), wl.contiguous_offsets())
-        else {
-            candle_core::bail!("tandem conv2d: operands must be contiguous")
-        };
-        let mut y = vec![0f32; g.n * g.out_len()];
-        forward(&g, &x[xa..xb], &w[wa..wb], &mut y);
+        let (y, g) = cpu_forward(self.0, xs, xl, ws, wl)?;
         Ok((CpuStorage::F32(y), Shape::from((g.n, g.o, g.ho, g.wo))))
     }
 
@@ -510,33 +558,74 @@ impl CustomOp2 for Conv2dOp {
         _y: &Tensor,
         gy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = Geometry::new(x.dims(), w.dims(), self.0)?;
-        let gy = gy.contiguous()?;
-        if let Some(d) = g.winograd() {
-            let (want_gw, want_gx) = (w.track_op(), x.track_op());
-            let (gw, gx) = with_f32_slice(x, |xs| {
-                with_f32_slice(w, |ws| {
-                    with_f32_slice(&gy, |gys| winograd::backward(&d, xs, ws, gys, want_gw, want_gx))
-                })
-            })???;
-            let gw = gw.map(|v| Tensor::from_vec(v, w.shape(), w.device())).transpose()?;
-            let gx = gx.map(|v| Tensor::from_vec(v, x.shape(), x.device())).transpose()?;
-            return Ok((gx, take_param_grad(w, gw)?));
-        }
-        let gw = if w.track_op() {
-            let v = with_f32_slice(x, |x| with_f32_slice(&gy, |gy| weight_grad(&g, x, gy)))??;
-            Some(Tensor::from_vec(v, w.shape(), w.device())?)
-        } else {
-            None
-        };
-        let gx = if x.track_op() {
-            let v = with_f32_slice(w, |w| with_f32_slice(&gy, |gy| input_grad(&g, w, gy)))??;
-            Some(Tensor::from_vec(v, x.shape(), x.device())?)
-        } else {
-            None
-        };
+        let (gx, gw) = backward(self.0, x, w, gy)?;
         Ok((gx, take_param_grad(w, gw)?))
     }
+}
+
+/// The convolution and its per-channel bias in one op: the bias is added to the output as it
+/// is made, and backward hands candle one gradient for the input (a separate bias op's
+/// backward gave the convolution's output a gradient of its own, which candle copies into a
+/// zeroed accumulator).
+struct Conv2dBiasOp(ConvParams);
+
+impl CustomOp3 for Conv2dBiasOp {
+    fn name(&self) -> &'static str {
+        "tandem-conv2d-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (mut y, g) = cpu_forward(self.0, xs, xl, ws, wl)?;
+        let b = contiguous_f32(bs, bl, "conv2d", "bias")?;
+        if b.len() != g.o {
+            candle_core::bail!("tandem conv2d: {} bias values for {} output channels", b.len(), g.o)
+        }
+        add_per_plane(&mut y, b, g.ho * g.wo);
+        Ok((CpuStorage::F32(y), Shape::from((g.n, g.o, g.ho, g.wo))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        gy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (gx, gw) = backward(self.0, x, w, gy)?;
+        let gb = b.track_op().then(|| channel_sums(gy)).transpose()?;
+        Ok((gx, take_param_grad(w, gw)?, take_param_grad(b, gb)?))
+    }
+}
+
+/// `y[plane] += b[plane % C]` for each `plane_len`-long plane of `[N, C, H, W]`.
+fn add_per_plane(y: &mut [f32], b: &[f32], plane_len: usize) {
+    let c = b.len();
+    y.par_chunks_mut(plane_len).enumerate().for_each(|(plane, o)| {
+        let v = b[plane % c];
+        o.iter_mut().for_each(|x| *x += v);
+    });
+}
+
+/// The per-channel sums of `g: [N, C, H, W]` (`[C]`), each accumulated in f64 in order.
+fn channel_sums(g: &Tensor) -> candle_core::Result<Tensor> {
+    let (_, c, h, w) = g.dims4()?;
+    let sums = with_f32_slice(&g.contiguous()?, |g| {
+        let mut sums = vec![0f64; c];
+        for (plane, values) in g.chunks(h * w).enumerate() {
+            sums[plane % c] += values.iter().map(|&v| v as f64).sum::<f64>();
+        }
+        sums.into_iter().map(|s| s as f32).collect::<Vec<f32>>()
+    })?;
+    Tensor::from_vec(sums, c, g.device())
 }
 
 /// `torch.nn.functional.conv2d(x, w, stride, padding, dilation)` (no bias, groups 1) with the
@@ -549,6 +638,26 @@ pub fn conv2d(x: &Tensor, w: &Tensor, p: ConvParams) -> candle_core::Result<Tens
         x.contiguous()?.apply_op2(&w.contiguous()?, Conv2dOp(p))
     } else {
         x.conv2d(w, p.padding, p.stride, p.dilation, 1)
+    }
+}
+
+/// `torch.nn.functional.conv2d(x, w, b, stride, padding, dilation)` (groups 1): [`conv2d`] with
+/// the per-channel bias `b: [O]` added in the same op on CPU f32 tensors; elsewhere candle's
+/// convolution and a broadcast add.
+pub fn conv2d_bias(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    p: ConvParams,
+) -> candle_core::Result<Tensor> {
+    if x.device().is_cpu()
+        && x.dtype() == candle_core::DType::F32
+        && w.dtype() == candle_core::DType::F32
+        && b.dtype() == candle_core::DType::F32
+    {
+        x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, Conv2dBiasOp(p))
+    } else {
+        add_channel_bias(&conv2d(x, w, p)?, b)
     }
 }
 
@@ -582,10 +691,7 @@ impl CustomOp2 for ChannelBias {
             candle_core::bail!("channel bias: {} values for {c} channels", b.len())
         }
         let mut out = y.to_vec();
-        out.par_chunks_mut(h * w).enumerate().for_each(|(plane, o)| {
-            let v = b[plane % c];
-            o.iter_mut().for_each(|x| *x += v);
-        });
+        add_per_plane(&mut out, b, h * w);
         Ok((CpuStorage::F32(out), yl.shape().clone()))
     }
 
@@ -596,19 +702,7 @@ impl CustomOp2 for ChannelBias {
         _res: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (_, c, h, w) = y.dims4()?;
-        let gb = if b.track_op() {
-            let sums = with_f32_slice(&g.contiguous()?, |g| {
-                let mut sums = vec![0f64; c];
-                for (plane, values) in g.chunks(h * w).enumerate() {
-                    sums[plane % c] += values.iter().map(|&v| v as f64).sum::<f64>();
-                }
-                sums.into_iter().map(|s| s as f32).collect::<Vec<f32>>()
-            })?;
-            Some(Tensor::from_vec(sums, c, b.device())?)
-        } else {
-            None
-        };
+        let gb = b.track_op().then(|| channel_sums(g)).transpose()?;
         Ok((y.track_op().then(|| g.clone()), take_param_grad(b, gb)?))
     }
 }
@@ -628,6 +722,39 @@ pub fn add_channel_bias(y: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The convolution with its bias in one op equals the convolution then the bias op, in value
+    /// and in the gradients of input, weight and bias, bit for bit — on the Winograd path
+    /// (3x3, 8+ channels) and the im2col one — and a bias of the wrong length is an error.
+    #[test]
+    fn conv_with_bias_equals_conv_then_bias() {
+        let dev = candle_core::Device::Cpu;
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        for (c, o, k, stride) in [(8, 8, 3, 1), (3, 5, 3, 2), (4, 6, 1, 1)] {
+            let p = ConvParams { stride, padding: k / 2, dilation: 1 };
+            let x = candle_core::Var::randn(0f32, 1.0, (2, c, 9, 9), &dev).unwrap();
+            let w = candle_core::Var::randn(0f32, 0.3, (o, c, k, k), &dev).unwrap();
+            let b = candle_core::Var::randn(0f32, 0.3, o, &dev).unwrap();
+            let fused = conv2d_bias(&x, &w, &b, p).unwrap();
+            let apart = add_channel_bias(&conv2d(&x, &w, p).unwrap(), &b).unwrap();
+            assert_eq!(bits(&fused), bits(&apart), "c {c} o {o} k {k}: values");
+            let r = Tensor::randn(0f32, 1.0, fused.shape(), &dev).unwrap();
+            let gf = (&fused * &r).unwrap().sum_all().unwrap().backward().unwrap();
+            let ga = (&apart * &r).unwrap().sum_all().unwrap().backward().unwrap();
+            for (name, v) in [("input", &x), ("weight", &w), ("bias", &b)] {
+                let (f, a) = (gf.get(v.as_tensor()).unwrap(), ga.get(v.as_tensor()).unwrap());
+                assert_eq!(bits(f), bits(a), "c {c} o {o} k {k}: {name} gradient");
+            }
+        }
+        let x = Tensor::randn(0f32, 1.0, (1, 2, 5, 5), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (3, 2, 3, 3), &dev).unwrap();
+        let b = Tensor::zeros(4, candle_core::DType::F32, &dev).unwrap();
+        let p = ConvParams { stride: 1, padding: 1, dilation: 1 };
+        let err = conv2d_bias(&x, &w, &b, p).unwrap_err().to_string();
+        assert!(err.contains("4 bias values for 3 output channels"), "{err}");
+    }
 
     /// The block-copy im2col equals the line-by-line one on every same-size stride-1 geometry
     /// (kernel 1, 3, 5; maps down to 1x1 and non-square; several channels).
