@@ -173,7 +173,6 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             stall_every: 4,
             zero_nproc: "2,4".into(),
             zero_dims: "784,1024,1024,1024,1024,1024,1024,1024,1024,10".into(),
-            // The shape: IResNet-18 at width >= 16 on 2 ranks.
             face: vec![
                 // The shape: IResNet-18 at width >= 16 on 2 ranks.
                 face_plan("iresnet18", 2, 16, 128, None, 1.0, 8, 12, repeats),

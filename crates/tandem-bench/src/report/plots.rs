@@ -58,6 +58,30 @@ fn err<E: std::fmt::Display>(path: &Path) -> impl Fn(E) -> anyhow::Error + '_ {
     move |e| anyhow!("drawing {}: {e}", path.display())
 }
 
+/// Draws the series' legend (labels at `font` px, at `position`) and writes the file.
+fn legend_and_save<'a, DB, CT>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    root: &DrawingArea<DB, plotters::coord::Shift>,
+    font: u32,
+    position: SeriesLabelPosition,
+    path: &Path,
+) -> anyhow::Result<()>
+where
+    DB: DrawingBackend + 'a,
+    CT: CoordTranslate,
+{
+    let e = err(path);
+    chart
+        .configure_series_labels()
+        .label_font((FAMILY, font))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(position)
+        .draw()
+        .map_err(&e)?;
+    root.present().map_err(&e)
+}
+
 /// busbw vs message size, log-log: x is log2(bytes), labelled as sizes.
 pub fn allreduce(t: &Table, nproc: usize, path: &Path) -> anyhow::Result<()> {
     let e = err(path);
@@ -116,16 +140,7 @@ pub fn allreduce(t: &Table, nproc: usize, path: &Path) -> anyhow::Result<()> {
             }))
             .map_err(&e)?;
     }
-    chart
-        .configure_series_labels()
-        .label_font((FAMILY, 16))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(&e)?;
-    root.present().map_err(&e)?;
-    Ok(())
+    legend_and_save(&mut chart, &root, 16, SeriesLabelPosition::UpperLeft, path)
 }
 
 /// samples/s vs ranks; the plain single-process reference as a horizontal line.
@@ -195,16 +210,7 @@ pub fn ddp(t: &Table, title: &str, path: &Path) -> anyhow::Result<()> {
             }))
             .map_err(&e)?;
     }
-    chart
-        .configure_series_labels()
-        .label_font((FAMILY, 16))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()
-        .map_err(&e)?;
-    root.present().map_err(&e)?;
-    Ok(())
+    legend_and_save(&mut chart, &root, 16, SeriesLabelPosition::UpperRight, path)
 }
 
 /// One horizontal bar per row (saves, then loads), each labelled with its figure and ratio.
@@ -367,14 +373,5 @@ pub fn face_scale(
                 .map_err(&e)?;
         }
     }
-    chart
-        .configure_series_labels()
-        .label_font((FAMILY, 14))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()
-        .map_err(&e)?;
-    root.present().map_err(&e)?;
-    Ok(())
+    legend_and_save(&mut chart, &root, 14, SeriesLabelPosition::UpperRight, path)
 }

@@ -83,6 +83,11 @@ impl Geometry {
         self.o * self.pixels()
     }
 
+    /// The output's shape, `[N, O, Ho, Wo]`.
+    fn out_shape(&self) -> Shape {
+        Shape::from((self.n, self.o, self.ho, self.wo))
+    }
+
     /// A 3x3 "same" convolution with enough channels for [`winograd`]: its dimensions there.
     fn winograd(&self) -> Option<winograd::Dims> {
         let p = self.p;
@@ -498,7 +503,8 @@ fn cpu_forward(
     Ok((y, g))
 }
 
-/// The gradients of the input and the weight (each only when it is in the autograd graph).
+/// The gradients of the input and the weight (each only when it is in the autograd graph;
+/// inside [`crate::backward`] the weight's goes to the store directly).
 fn backward(
     p: ConvParams,
     x: &Tensor,
@@ -516,7 +522,7 @@ fn backward(
         })???;
         let gw = gw.map(|v| Tensor::from_vec(v, w.shape(), w.device())).transpose()?;
         let gx = gx.map(|v| Tensor::from_vec(v, x.shape(), x.device())).transpose()?;
-        return Ok((gx, gw));
+        return Ok((gx, take_param_grad(w, gw)?));
     }
     let gw = if w.track_op() {
         let v = with_f32_slice(x, |x| with_f32_slice(&gy, |gy| weight_grad(&g, x, gy)))??;
@@ -530,7 +536,7 @@ fn backward(
     } else {
         None
     };
-    Ok((gx, gw))
+    Ok((gx, take_param_grad(w, gw)?))
 }
 
 struct Conv2dOp(ConvParams);
@@ -548,7 +554,7 @@ impl CustomOp2 for Conv2dOp {
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (y, g) = cpu_forward(self.0, xs, xl, ws, wl)?;
-        Ok((CpuStorage::F32(y), Shape::from((g.n, g.o, g.ho, g.wo))))
+        Ok((CpuStorage::F32(y), g.out_shape()))
     }
 
     fn bwd(
@@ -558,8 +564,7 @@ impl CustomOp2 for Conv2dOp {
         _y: &Tensor,
         gy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (gx, gw) = backward(self.0, x, w, gy)?;
-        Ok((gx, take_param_grad(w, gw)?))
+        backward(self.0, x, w, gy)
     }
 }
 
@@ -589,7 +594,7 @@ impl CustomOp3 for Conv2dBiasOp {
             candle_core::bail!("tandem conv2d: {} bias values for {} output channels", b.len(), g.o)
         }
         add_per_plane(&mut y, b, g.ho * g.wo);
-        Ok((CpuStorage::F32(y), Shape::from((g.n, g.o, g.ho, g.wo))))
+        Ok((CpuStorage::F32(y), g.out_shape()))
     }
 
     fn bwd(
@@ -602,7 +607,7 @@ impl CustomOp3 for Conv2dBiasOp {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (gx, gw) = backward(self.0, x, w, gy)?;
         let gb = b.track_op().then(|| channel_sums(gy)).transpose()?;
-        Ok((gx, take_param_grad(w, gw)?, take_param_grad(b, gb)?))
+        Ok((gx, gw, take_param_grad(b, gb)?))
     }
 }
 
