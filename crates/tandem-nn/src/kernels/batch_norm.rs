@@ -10,34 +10,64 @@
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::kernels::{with_f32_slice, LaneSums};
+use crate::kernels::{par_filled, with_f32_slice, LaneSums};
+use crate::vectorized_kernel;
 
 /// Plane `p` (of `hw` values) of `v`.
 fn plane(v: &[f32], p: usize, hw: usize) -> &[f32] {
     &v[p * hw..(p + 1) * hw]
 }
 
-/// Per-channel batch statistics of `x: [N, C, H, W]`: (mean, biased variance, count).
-pub fn batch_stats(x: &[f32], (n, c, hw): (usize, usize, usize)) -> (Vec<f32>, Vec<f32>, usize) {
-    let m = (n * hw).max(1) as f64;
-    let stats: Vec<(f32, f32)> = (0..c)
-        .into_par_iter()
-        .map(|ch| {
-            let plane = |i: usize| &x[(i * c + ch) * hw..(i * c + ch + 1) * hw];
-            let mut sums = LaneSums::new();
-            (0..n).for_each(|i| sums.add([plane(i)], |[v]| [v, 0.0]));
-            let mean = sums.total().0 / m;
-            let mean32 = mean as f32;
-            let mut squares = LaneSums::new();
-            let d = |v: f32| v - mean32;
-            (0..n).for_each(|i| squares.add([plane(i)], |[v]| [d(v) * d(v), 0.0]));
-            let squares = squares.total().0;
-            // The deviations were taken from the f32-rounded mean; correct for the rounding.
-            let offset = mean32 as f64 - mean;
-            (mean as f32, (squares / m - offset * offset).max(0.0) as f32)
+vectorized_kernel! {
+    /// Per-channel batch statistics of `x: [N, C, H, W]`: (mean, biased variance, count).
+    pub fn batch_stats(
+        x: &[f32],
+        (n, c, hw): (usize, usize, usize),
+    ) -> (Vec<f32>, Vec<f32>, usize) {
+        let m = (n * hw).max(1) as f64;
+        let stats: Vec<(f32, f32)> = (0..c)
+            .into_par_iter()
+            .map(|ch| {
+                let plane = |i: usize| &x[(i * c + ch) * hw..(i * c + ch + 1) * hw];
+                let mut sums = LaneSums::new();
+                (0..n).for_each(|i| sums.add([plane(i)], |[v]| [v, 0.0]));
+                let mean = sums.total().0 / m;
+                let mean32 = mean as f32;
+                let mut squares = LaneSums::new();
+                let d = |v: f32| v - mean32;
+                (0..n).for_each(|i| squares.add([plane(i)], |[v]| [d(v) * d(v), 0.0]));
+                let squares = squares.total().0;
+                // The deviations were taken from the f32-rounded mean; correct for the rounding.
+                let offset = mean32 as f64 - mean;
+                (mean as f32, (squares / m - offset * offset).max(0.0) as f32)
+            })
+            .collect();
+        (stats.iter().map(|s| s.0).collect(), stats.iter().map(|s| s.1).collect(), n * hw)
+    }
+}
+
+vectorized_kernel! {
+    /// `γ·(x − mean)·invstd + β` (then clamped at zero when `relu`) of `x: [N, C, HW]`.
+    fn normalize(
+        x: &[f32],
+        gamma: &[f32],
+        beta: &[f32],
+        (mean, invstd): (&[f32], &[f32]),
+        relu: bool,
+        (c, hw): (usize, usize),
+    ) -> Vec<f32> {
+        par_filled(x.len(), hw, |plane, y| {
+            let ch = plane % c;
+            let scale = gamma[ch] * invstd[ch];
+            let shift = beta[ch] - mean[ch] * scale;
+            let x = &x[plane * hw..(plane + 1) * hw];
+            if relu {
+                y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write((x * scale + shift).max(0.0)));
+            } else {
+                y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write(x * scale + shift));
+            }
         })
-        .collect();
-    (stats.iter().map(|s| s.0).collect(), stats.iter().map(|s| s.1).collect(), n * hw)
+    }
 }
 
 /// The op: normalises with the given batch statistics, affine γ, β, then (when `relu`) clamps
@@ -78,17 +108,7 @@ impl CustomOp3 for BatchNormTrain {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (_, c, hw) = dims(xl)?;
         let (x, gamma, beta) = (contiguous(xs, xl)?, contiguous(gs, gl)?, contiguous(bs, bl)?);
-        let mut y = vec![0f32; x.len()];
-        y.par_chunks_mut(hw).zip(x.par_chunks(hw)).enumerate().for_each(|(plane, (y, x))| {
-            let ch = plane % c;
-            let scale = gamma[ch] * self.invstd[ch];
-            let shift = beta[ch] - self.mean[ch] * scale;
-            if self.relu {
-                y.iter_mut().zip(x).for_each(|(y, x)| *y = (x * scale + shift).max(0.0));
-            } else {
-                y.iter_mut().zip(x).for_each(|(y, x)| *y = x * scale + shift);
-            }
-        });
+        let y = normalize(x, gamma, beta, (&self.mean, &self.invstd), self.relu, (c, hw));
         Ok((CpuStorage::F32(y), xl.shape().clone()))
     }
 
@@ -102,56 +122,14 @@ impl CustomOp3 for BatchNormTrain {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (n, c, h, w) = x.dims4()?;
         let hw = h * w;
-        let m = (n * hw) as f64;
         let gamma_v: Vec<f32> = gamma.to_vec1()?;
         let gy = gy.contiguous()?;
         let (relu, want_gx) = (self.relu, x.track_op());
-        // Per channel: Σ g and Σ g·(x − mean), g the gradient through the ReLU (zero where
-        // the output is not positive), then the input gradient in one more pass.
+        let dims = (n, c, hw);
+        let stats = Stats { mean: &self.mean, invstd: &self.invstd, gamma: &gamma_v };
         let (sums, gx) = with_f32_slice(x, |x| {
             with_f32_slice(&gy, |gy| {
-                with_f32_slice(y, |y| {
-                    // The gradient through the ReLU: zero where the output is not positive.
-                    let through = |g: f32, y: f32| if !relu || y > 0.0 { g } else { 0.0 };
-                    let sums: Vec<(f64, f64)> = (0..c)
-                        .into_par_iter()
-                        .map(|ch| {
-                            let mean = self.mean[ch];
-                            let mut sums = LaneSums::new();
-                            for i in 0..n {
-                                let p = i * c + ch;
-                                let v = [plane(gy, p, hw), plane(y, p, hw), plane(x, p, hw)];
-                                sums.add(v, |[g, y, x]| {
-                                    let g = through(g, y);
-                                    [g, g * (x - mean)]
-                                });
-                            }
-                            sums.total()
-                        })
-                        .collect();
-                    let gx = want_gx.then(|| {
-                        let mut gx = vec![0f32; x.len()];
-                        gx.par_chunks_mut(hw).enumerate().for_each(|(p, out)| {
-                            let ch = p % c;
-                            let (mean, invstd) = (self.mean[ch], self.invstd[ch]);
-                            let k = gamma_v[ch] * invstd;
-                            let mean_g = (sums[ch].0 / m) as f32;
-                            // mean(g·x̂) = invstd · Σ g·(x − mean) / m.
-                            let mean_gx = (sums[ch].1 / m) as f32 * invstd;
-                            // gx = k·(g − mean_g − x̂·mean(g·x̂)), in this order: the terms
-                            // cancel over the channel, and folding them into k·g + a·x + b
-                            // loses that (the gradient of a bias before a BatchNorm is ~0).
-                            let slope = invstd * mean_gx;
-                            let values =
-                                plane(gy, p, hw).iter().zip(plane(y, p, hw)).zip(plane(x, p, hw));
-                            for (o, ((&g, &y), &x)) in out.iter_mut().zip(values) {
-                                *o = k * (through(g, y) - mean_g - (x - mean) * slope);
-                            }
-                        });
-                        gx
-                    });
-                    (sums, gx)
-                })
+                with_f32_slice(y, |y| backward_slices(x, y, gy, &stats, relu, dims, want_gx))
             })
         })???;
         let dev = x.device();
@@ -170,6 +148,76 @@ impl CustomOp3 for BatchNormTrain {
             .transpose()?;
         let gx = gx.map(|v| Tensor::from_vec(v, x.shape(), dev)).transpose()?;
         Ok((gx, ggamma, gbeta))
+    }
+}
+
+/// A channel's forward constants: the batch mean, 1/sqrt(var + eps) and the affine scale γ.
+pub struct Stats<'a> {
+    pub mean: &'a [f32],
+    pub invstd: &'a [f32],
+    pub gamma: &'a [f32],
+}
+
+vectorized_kernel! {
+    /// The backward of the op on contiguous `[N, C, H, W]` slices: per channel Σ g and
+    /// Σ g·(x − mean) — `gβ` and `gγ / invstd` — and, when `want_gx`, the input gradient; `g`
+    /// is `gy` through the ReLU (zero where the output `y` is not positive) when `relu`.
+    /// Public for the kernel probes.
+    pub fn backward_slices(
+        x: &[f32],
+        y: &[f32],
+        gy: &[f32],
+        stats: &Stats,
+        relu: bool,
+        (n, c, hw): (usize, usize, usize),
+        want_gx: bool,
+    ) -> (Vec<(f64, f64)>, Option<Vec<f32>>) {
+        let m = (n * hw) as f64;
+        // The gradient through the ReLU: zero where the output is not positive.
+        let through = |g: f32, y: f32| if !relu || y > 0.0 { g } else { 0.0 };
+        let sums: Vec<(f64, f64)> = (0..c)
+            .into_par_iter()
+            .map(|ch| {
+                let mean = stats.mean[ch];
+                let mut sums = LaneSums::new();
+                for i in 0..n {
+                    let p = i * c + ch;
+                    let v = [plane(gy, p, hw), plane(y, p, hw), plane(x, p, hw)];
+                    sums.add(v, |[g, y, x]| {
+                        let g = through(g, y);
+                        [g, g * (x - mean)]
+                    });
+                }
+                sums.total()
+            })
+            .collect();
+        let gx = want_gx.then(|| {
+            par_filled(x.len(), hw, |p, out| {
+                let ch = p % c;
+                let (mean, invstd) = (stats.mean[ch], stats.invstd[ch]);
+                let k = stats.gamma[ch] * invstd;
+                let mean_g = (sums[ch].0 / m) as f32;
+                // mean(g·x̂) = invstd · Σ g·(x − mean) / m.
+                let mean_gx = (sums[ch].1 / m) as f32 * invstd;
+                // gx = k·(g − mean_g − x̂·mean(g·x̂)), in this order: the terms cancel over the
+                // channel, and folding them into k·g + a·x + b loses that (the gradient of a bias
+                // before a BatchNorm is ~0).
+                let slope = invstd * mean_gx;
+                let values = plane(gy, p, hw).iter().zip(plane(y, p, hw)).zip(plane(x, p, hw));
+                let gx = |g: f32, x: f32| k * (g - mean_g - (x - mean) * slope);
+                // Two loops rather than `through` inside one: the test would stay in the loop.
+                if relu {
+                    for (o, ((&g, &y), &x)) in out.iter_mut().zip(values) {
+                        o.write(gx(if y > 0.0 { g } else { 0.0 }, x));
+                    }
+                } else {
+                    for (o, ((&g, _), &x)) in out.iter_mut().zip(values) {
+                        o.write(gx(g, x));
+                    }
+                }
+            })
+        });
+        (sums, gx)
     }
 }
 

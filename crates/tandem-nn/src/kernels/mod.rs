@@ -8,7 +8,30 @@ pub(crate) mod matmul;
 pub mod pool;
 pub mod prelu;
 pub mod relu;
+pub mod simd;
 pub mod winograd;
+
+use std::mem::MaybeUninit;
+
+use rayon::prelude::*;
+
+/// A vector of `len` values written by `fill` over parallel chunks of `chunk` values (the chunk's
+/// index and its slots), without zeroing them first: a fresh output's memset was a pass over
+/// memory as long as the kernel's own. `fill` must write every slot of its chunk.
+pub(crate) fn par_filled(
+    len: usize,
+    chunk: usize,
+    fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
+) -> Vec<f32> {
+    let mut v = Vec::with_capacity(len);
+    v.spare_capacity_mut()[..len]
+        .par_chunks_mut(chunk.max(1))
+        .enumerate()
+        .for_each(|(i, c)| fill(i, c));
+    // SAFETY: the capacity is `len`, and `fill` wrote each of the first `len` slots.
+    unsafe { v.set_len(len) };
+    v
+}
 
 /// Runs `f` on the tensor's data as one contiguous f32 slice, copying only when the tensor is
 /// strided or not on the CPU.
@@ -58,11 +81,18 @@ impl LaneSums {
         // Locals, so that the accumulators stay in registers through the loop.
         let [mut a, mut b] = self.lanes;
         for at in (0..whole).step_by(SUM_LANES) {
-            let c: [&[f32; SUM_LANES]; K] = std::array::from_fn(|k| {
-                v[k][at..at + SUM_LANES].try_into().expect("SUM_LANES values")
-            });
+            // Plain loops rather than `array::from_fn`, which does not always inline here (and
+            // a call per element keeps the loop scalar).
+            let mut c = [[0f32; SUM_LANES]; K];
+            for k in 0..K {
+                c[k].copy_from_slice(&v[k][at..at + SUM_LANES]);
+            }
             for l in 0..SUM_LANES {
-                let [p, q] = f(std::array::from_fn(|k| c[k][l]));
+                let mut x = [0f32; K];
+                for k in 0..K {
+                    x[k] = c[k][l];
+                }
+                let [p, q] = f(x);
                 a[l] += p as f64;
                 b[l] += q as f64;
             }

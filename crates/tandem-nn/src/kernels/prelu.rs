@@ -10,7 +10,8 @@
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::kernels::{with_f32_slice, LaneSums};
+use crate::kernels::{par_filled, with_f32_slice, LaneSums};
+use crate::vectorized_kernel;
 
 /// Elements per parallel chunk when there is a single slope.
 const CHUNK: usize = 1 << 14;
@@ -28,6 +29,60 @@ fn planes(dims: &[usize], slopes: usize) -> candle_core::Result<(usize, usize)> 
         candle_core::bail!("PReLU with {slopes} slopes got input of shape {dims:?}")
     }
     Ok((slopes, dims[2..].iter().product::<usize>().max(1)))
+}
+
+vectorized_kernel! {
+    /// `x` where positive, else `slope·x`, over planes of `hw` values (`c` slopes; one for all
+    /// when `c == 1`).
+    fn forward_slices(x: &[f32], a: &[f32], (c, hw): (usize, usize)) -> Vec<f32> {
+        let chunk = if c == 1 { CHUNK } else { hw };
+        par_filled(x.len(), chunk, |plane, y| {
+            let slope = if c == 1 { a[0] } else { a[plane % c] };
+            let x = &x[plane * chunk..][..y.len()];
+            // Selects, not branches, so the loops vectorise.
+            y.iter_mut()
+                .zip(x)
+                .for_each(|(y, &v)| _ = y.write(v * if v > 0.0 { 1.0 } else { slope }));
+        })
+    }
+}
+
+vectorized_kernel! {
+    /// The input gradient: `gy` where `x` is positive, else `slope·gy`.
+    fn input_grad_slices(
+        x: &[f32],
+        gy: &[f32],
+        slopes: &[f32],
+        (c, hw): (usize, usize),
+    ) -> Vec<f32> {
+        let chunk = if c == 1 { CHUNK } else { hw };
+        par_filled(x.len(), chunk, |plane, gx| {
+            let slope = if c == 1 { slopes[0] } else { slopes[plane % c] };
+            let (x, gy) = (&x[plane * chunk..][..gx.len()], &gy[plane * chunk..][..gx.len()]);
+            gx.iter_mut()
+                .zip(x.iter().zip(gy))
+                .for_each(|(o, (&x, &g))| _ = o.write(g * if x > 0.0 { 1.0 } else { slope }));
+        })
+    }
+}
+
+vectorized_kernel! {
+    /// The slopes' gradient: per slope, Σ x·gy over the values where `x` is not positive.
+    fn slope_grad_slices(x: &[f32], gy: &[f32], (c, hw): (usize, usize)) -> Vec<f32> {
+        let planes = x.len() / hw;
+        (0..c)
+            .into_par_iter()
+            .map(|ch| {
+                let mut s = LaneSums::new();
+                for plane in (ch..planes).step_by(c) {
+                    let xs = &x[plane * hw..(plane + 1) * hw];
+                    let gs = &gy[plane * hw..(plane + 1) * hw];
+                    s.add([xs, gs], |[x, g]| [if x <= 0.0 { x * g } else { 0.0 }, 0.0]);
+                }
+                s.total().0 as f32
+            })
+            .collect()
+    }
 }
 
 impl CustomOp2 for FastPRelu {
@@ -49,13 +104,7 @@ impl CustomOp2 for FastPRelu {
         };
         let (x, a) = (&x[xa..xb], &a[aa..ab]);
         let (c, hw) = planes(xl.dims(), a.len())?;
-        let mut y = x.to_vec();
-        let chunk = if c == 1 { CHUNK } else { hw };
-        y.par_chunks_mut(chunk).enumerate().for_each(|(plane, y)| {
-            let slope = if c == 1 { a[0] } else { a[plane % c] };
-            // Selects, not branches, so the loops vectorise.
-            y.iter_mut().for_each(|v| *v *= if *v > 0.0 { 1.0 } else { slope });
-        });
+        let y = forward_slices(x, a, (c, hw));
         Ok((CpuStorage::F32(y), xl.shape().clone()))
     }
 
@@ -71,19 +120,7 @@ impl CustomOp2 for FastPRelu {
         let (c, hw) = planes(x.dims(), slopes.len())?;
         let gx = if x.track_op() {
             let v = with_f32_slice(x, |x| {
-                with_f32_slice(&gy, |gy| {
-                    let mut gx = gy.to_vec();
-                    let chunk = if c == 1 { CHUNK } else { hw };
-                    gx.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).enumerate().for_each(
-                        |(plane, (g, x))| {
-                            let slope = if c == 1 { slopes[0] } else { slopes[plane % c] };
-                            g.iter_mut()
-                                .zip(x)
-                                .for_each(|(g, &x)| *g *= if x > 0.0 { 1.0 } else { slope });
-                        },
-                    );
-                    gx
-                })
+                with_f32_slice(&gy, |gy| input_grad_slices(x, gy, &slopes, (c, hw)))
             })??;
             Some(Tensor::from_vec(v, x.shape(), x.device())?)
         } else {
@@ -91,21 +128,7 @@ impl CustomOp2 for FastPRelu {
         };
         let ga = if a.track_op() {
             let sums = with_f32_slice(x, |x| {
-                with_f32_slice(&gy, |gy| {
-                    let planes = x.len() / hw;
-                    (0..c)
-                        .into_par_iter()
-                        .map(|ch| {
-                            let mut s = LaneSums::new();
-                            for plane in (ch..planes).step_by(c) {
-                                let xs = &x[plane * hw..(plane + 1) * hw];
-                                let gs = &gy[plane * hw..(plane + 1) * hw];
-                                s.add([xs, gs], |[x, g]| [if x <= 0.0 { x * g } else { 0.0 }, 0.0]);
-                            }
-                            s.total().0 as f32
-                        })
-                        .collect::<Vec<f32>>()
-                })
+                with_f32_slice(&gy, |gy| slope_grad_slices(x, gy, (c, hw)))
             })??;
             Some(Tensor::from_vec(sums, a.shape(), a.device())?)
         } else {

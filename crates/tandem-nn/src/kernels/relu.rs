@@ -1,10 +1,9 @@
 //! ReLU with a one-pass backward: candle's builds a mask tensor (compare, convert) and
 //! multiplies, three full-size passes and two allocations per ReLU; here the gradient is
 //! `gy` where the output is positive, in one pass over the output (which the op keeps).
+use crate::kernels::{par_filled, with_f32_slice};
+use crate::vectorized_kernel;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
-use rayon::prelude::*;
-
-use crate::kernels::with_f32_slice;
 
 /// Elements per parallel chunk.
 const CHUNK: usize = 1 << 14;
@@ -20,9 +19,7 @@ impl CustomOp1 for Relu {
         let (CpuStorage::F32(v), Some((a, b))) = (s, l.contiguous_offsets()) else {
             candle_core::bail!("relu: contiguous f32 only")
         };
-        let mut y = v[a..b].to_vec();
-        y.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|v| *v = v.max(0.0)));
-        Ok((CpuStorage::F32(y), l.shape().clone()))
+        Ok((CpuStorage::F32(relu_slice(&v[a..b])), l.shape().clone()))
     }
 
     fn bwd(&self, _x: &Tensor, y: &Tensor, gy: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -31,18 +28,42 @@ impl CustomOp1 for Relu {
     }
 }
 
+vectorized_kernel! {
+    /// `max(x, 0)`.
+    fn relu_slice(x: &[f32]) -> Vec<f32> {
+        par_filled(x.len(), CHUNK, |i, y| {
+            let x = &x[i * CHUNK..][..y.len()];
+            y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write(x.max(0.0)))
+        })
+    }
+}
+
+vectorized_kernel! {
+    /// `max(a + b, 0)`.
+    fn add_relu_slices(a: &[f32], b: &[f32]) -> Vec<f32> {
+        par_filled(a.len(), CHUNK, |i, y| {
+            let (a, b) = (&a[i * CHUNK..][..y.len()], &b[i * CHUNK..][..y.len()]);
+            y.iter_mut().zip(a.iter().zip(b)).for_each(|(y, (a, b))| _ = y.write((a + b).max(0.0)))
+        })
+    }
+}
+
+vectorized_kernel! {
+    /// `gy` where `y > 0`, else 0.
+    fn masked_slice(gy: &[f32], y: &[f32]) -> Vec<f32> {
+        par_filled(gy.len(), CHUNK, |i, gx| {
+            let (gy, y) = (&gy[i * CHUNK..][..gx.len()], &y[i * CHUNK..][..gx.len()]);
+            // A select, not a branch: the loop vectorises (a conditional store did not).
+            gx.iter_mut()
+                .zip(gy.iter().zip(y))
+                .for_each(|(o, (&g, &y))| _ = o.write(if y > 0.0 { g } else { 0.0 }))
+        })
+    }
+}
+
 /// `gy` where `y > 0`, else 0.
 fn masked_by_positive(gy: &Tensor, y: &Tensor) -> candle_core::Result<Vec<f32>> {
-    with_f32_slice(gy, |gy| {
-        with_f32_slice(y, |y| {
-            let mut gx = gy.to_vec();
-            // A select, not a branch: the loop vectorises (a conditional store did not).
-            gx.par_chunks_mut(CHUNK).zip(y.par_chunks(CHUNK)).for_each(|(g, y)| {
-                g.iter_mut().zip(y).for_each(|(g, &y)| *g = if y > 0.0 { *g } else { 0.0 })
-            });
-            gx
-        })
-    })?
+    with_f32_slice(gy, |gy| with_f32_slice(y, |y| masked_slice(gy, y)))?
 }
 
 /// `max(a + b, 0)` in one op: a residual block's sum and activation, one pass forward; backward
@@ -64,13 +85,7 @@ impl candle_core::CustomOp2 for AddRelu {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let a = crate::contiguous_f32(a, al, "add_relu", "left")?;
         let b = crate::contiguous_f32(b, bl, "add_relu", "right")?;
-        let mut y = vec![0f32; a.len()];
-        y.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK))).for_each(
-            |(y, (a, b))| {
-                y.iter_mut().zip(a.iter().zip(b)).for_each(|(y, (a, b))| *y = (a + b).max(0.0))
-            },
-        );
-        Ok((CpuStorage::F32(y), al.shape().clone()))
+        Ok((CpuStorage::F32(add_relu_slices(a, b)), al.shape().clone()))
     }
 
     fn bwd(

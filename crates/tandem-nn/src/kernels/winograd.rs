@@ -17,9 +17,9 @@
 //!
 //! Layout: ξ (the 16 positions of a transformed tile) outermost, then tiles, then channels:
 //! V `[16][T][C]`, M `[16][T][O]`, T the tiles of a block (a run of tile rows, about
-//! [`BLOCK_TILES`] tiles, so that a block's buffers stay near the cache). Channels innermost
-//! make every transform a sequence of operations on [`LANES`] channels at once (the images are
-//! turned channels-innermost a band of rows at a time), and give each of the three gemms
+//! [`BLOCK_TILE_CHANNELS`] / channels tiles, so that a block's buffers stay near the cache).
+//! Channels innermost make every transform a sequence of operations on [`LANES`] channels at
+//! once (the images are turned channels-innermost a band of rows at a time), and give each of the three gemms
 //! operands that `gemm` packs at full speed (an operand whose reduced dimension is contiguous
 //! in both factors packs at half speed: measured 42 vs 110 GFLOP/s on a 64x64x512 product).
 //! The images are split into one group per rayon thread; each group's blocks run in order on
@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use rayon::prelude::*;
 
 use super::matmul::{matmul, View};
+use crate::vectorized_kernel;
 
 /// Positions of a transformed tile (4x4).
 const XI: usize = 16;
@@ -47,9 +48,10 @@ fn xi_stride(len: usize) -> usize {
     len + LANES
 }
 
-/// Tiles a block aims at: enough rows for the gemms to run at full speed, few enough that a
-/// block's transformed tiles stay near the cache.
-const BLOCK_TILES: usize = 128;
+/// Tile-channel products a block aims at (tiles x the wider of its input and output channel
+/// counts): enough rows for the gemms to run at full speed and to pay for their call overhead,
+/// few enough that a block's transformed tiles (16 of these, 1 MiB) stay near the cache.
+const BLOCK_TILE_CHANNELS: usize = 128 * 128;
 
 /// The fewest input (and output) channels for which the Winograd path is taken: with fewer, the
 /// 16 gemms are too thin and the transforms dominate (the 3-channel stem of an image net).
@@ -102,7 +104,8 @@ impl Dims {
     fn blocks(&self, images: usize) -> impl Iterator<Item = Range<usize>> {
         let (th, tw) = self.tiles_hw();
         let rows = images * th;
-        let per_block = BLOCK_TILES.div_ceil(tw).max(1);
+        let tiles = BLOCK_TILE_CHANNELS / self.c.max(self.o).max(1);
+        let per_block = tiles.div_ceil(tw).max(1);
         (0..rows).step_by(per_block).map(move |g| g..(g + per_block).min(rows))
     }
 }
@@ -246,6 +249,7 @@ fn input_grad_tile(v: &[Lanes; XI], out: &mut [Lanes; XI]) {
 const FILTER_CHUNK: usize = 16;
 
 /// `(G·g·Gᵀ)` of one 3x3 filter, the 16 values in ξ order. G = [1 0 0; ½ ½ ½; ½ -½ ½; 0 0 1].
+#[inline(always)]
 fn transform_filter(g: &[f32]) -> [f32; XI] {
     let mut gg = [[0f32; 3]; 4];
     for col in 0..3 {
@@ -272,19 +276,41 @@ enum WeightLayout {
     InputMajor,
 }
 
-/// `U = G·g·Gᵀ` for every 3x3 filter `g = w[o][c]`, in `layout`.
+/// `U = G·g·Gᵀ` for every 3x3 filter `g = w[o][c]`, in `layout`; the rows of the layout's
+/// outer index in parallel (serial, this was 7% of a ResNet-18 step at width 64).
 fn transform_weights(d: &Dims, w: &[f32], layout: WeightLayout) -> Vec<f32> {
     let (o_n, c_n) = (d.o, d.c);
     let oc_n = o_n * c_n;
     let mut u = vec![0f32; XI * oc_n];
-    let mut chunk = [[0f32; FILTER_CHUNK]; XI];
-    // A chunk is FILTER_CHUNK filters that are neighbours in the output layout: consecutive
-    // c of one o (output-major), or consecutive o of one c (input-major).
+    // A row is the filters of one outer index: one o (output-major, c inner) or one c
+    // (input-major, o inner); it is written at the same offset of each of the 16 planes.
     let (outer, inner) = match layout {
         WeightLayout::OutputMajor => (o_n, c_n),
         WeightLayout::InputMajor => (c_n, o_n),
     };
-    for a in 0..outer {
+    let mut rows: Vec<Vec<&mut [f32]>> = (0..outer).map(|_| Vec::with_capacity(XI)).collect();
+    for plane in u.chunks_mut(oc_n) {
+        for (row, part) in rows.iter_mut().zip(plane.chunks_mut(inner)) {
+            row.push(part);
+        }
+    }
+    rows.into_par_iter().enumerate().for_each(|(a, mut row)| {
+        transform_weight_row(w, (a, c_n, inner), layout, &mut row);
+    });
+    u
+}
+
+vectorized_kernel! {
+    /// Row `a` of [`transform_weights`]: its `inner` filters into `row[ξ][..inner]`.
+    fn transform_weight_row(
+        w: &[f32],
+        (a, c_n, inner): (usize, usize, usize),
+        layout: WeightLayout,
+        row: &mut [&mut [f32]],
+    ) {
+        // FILTER_CHUNK filters at a time, neighbours in the row: 16 runs of contiguous writes
+        // instead of 16 scattered writes per filter.
+        let mut chunk = [[0f32; FILTER_CHUNK]; XI];
         for b0 in (0..inner).step_by(FILTER_CHUNK) {
             let len = FILTER_CHUNK.min(inner - b0);
             for (f, b) in (b0..b0 + len).enumerate() {
@@ -297,26 +323,34 @@ fn transform_weights(d: &Dims, w: &[f32], layout: WeightLayout) -> Vec<f32> {
                     chunk[xi][f] = v;
                 }
             }
-            for (xi, values) in chunk.iter().enumerate() {
-                u[xi * oc_n + a * inner + b0..][..len].copy_from_slice(&values[..len]);
+            for (dst, values) in row.iter_mut().zip(&chunk) {
+                dst[b0..b0 + len].copy_from_slice(&values[..len]);
             }
         }
     }
-    u
 }
 
-/// `gg = Gᵀ·gU·G` for every filter, from `gU[ξ][o][c]`, into `[o][c][3][3]`.
+/// `gg = Gᵀ·gU·G` for every filter, from `gU[ξ][o][c]`, into `[o][c][3][3]`, chunks of
+/// filters in parallel.
 fn inverse_transform_weights(d: &Dims, gu: &[f32]) -> Vec<f32> {
     let oc_n = d.o * d.c;
     let mut gw = vec![0f32; oc_n * 9];
-    // Gᵀ·u over 4 values: (u0 + ½(u1 + u2), ½(u1 − u2), ½(u1 + u2) + u3).
-    let reduce = |u: [f32; 4]| {
-        let (s, t) = (0.5 * (u[1] + u[2]), 0.5 * (u[1] - u[2]));
-        [u[0] + s, t, s + u[3]]
-    };
-    let mut chunk = [[0f32; FILTER_CHUNK]; XI];
-    for (ci, filters) in gw.chunks_mut(9 * FILTER_CHUNK).enumerate() {
-        let (start, len) = (ci * FILTER_CHUNK, filters.len() / 9);
+    gw.par_chunks_mut(9 * FILTER_CHUNK).enumerate().for_each(|(ci, filters)| {
+        inverse_transform_filters(gu, oc_n, ci * FILTER_CHUNK, filters);
+    });
+    gw
+}
+
+vectorized_kernel! {
+    /// The filters `start..` of [`inverse_transform_weights`] into `filters` (9 values each).
+    fn inverse_transform_filters(gu: &[f32], oc_n: usize, start: usize, filters: &mut [f32]) {
+        // Gᵀ·u over 4 values: (u0 + ½(u1 + u2), ½(u1 − u2), ½(u1 + u2) + u3).
+        let reduce = |u: [f32; 4]| {
+            let (s, t) = (0.5 * (u[1] + u[2]), 0.5 * (u[1] - u[2]));
+            [u[0] + s, t, s + u[3]]
+        };
+        let len = filters.len() / 9;
+        let mut chunk = [[0f32; FILTER_CHUNK]; XI];
         for (xi, values) in chunk.iter_mut().enumerate() {
             values[..len].copy_from_slice(&gu[xi * oc_n + start..][..len]);
         }
@@ -333,7 +367,6 @@ fn inverse_transform_weights(d: &Dims, gu: &[f32]) -> Vec<f32> {
             }
         }
     }
-    gw
 }
 
 /// Which channels and tiles of a group a band covers.
@@ -351,6 +384,7 @@ fn transpose4(a: [[f32; 4]; 4]) -> [[f32; 4]; 4] {
 
 /// Image row `row` of channels `run.c0 + l0 ..` (at most four) of image `n` of `x`
 /// (`channels` planes of `h·w` per image).
+#[inline(always)]
 fn channel_rows<'a>(
     x: &'a [f32],
     d: &Dims,
@@ -369,6 +403,7 @@ fn channel_rows<'a>(
 /// `run` of image `n` of `x` (planes of `h·w`, `channels` per image) into a band row,
 /// channels innermost, image column `x` at band column `x + 1` — by 4x4 transposes, so that
 /// the band is written (and then read) in whole vectors.
+#[inline(always)]
 fn gather_row(
     x: &[f32],
     d: &Dims,
@@ -405,6 +440,7 @@ fn gather_row(
 
 /// Adds a band row (image column `x` at band column `x + 1`) onto image row `row` of channels
 /// `run` of image `n` of `x`; rows outside the image are dropped.
+#[inline(always)]
 fn scatter_add_row(
     x: &mut [f32],
     d: &Dims,
@@ -419,6 +455,7 @@ fn scatter_add_row(
 
 /// Writes a band row (image column `x` at band column `x + 1`) as image row `row` of channels
 /// `run` of image `n` of `y`.
+#[inline(always)]
 fn write_row(
     y: &mut [f32],
     d: &Dims,
@@ -464,169 +501,190 @@ fn band_to_row(
     }
 }
 
-/// `V_t = Bᵀ·d_t·B` for the tile rows `rows` of the group `x`, into `V[ξ][t][c]`.
-/// Bᵀ = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
-fn transform_input(d: &Dims, x: &[f32], rows: Range<usize>, v: &mut [f32], band: &mut Vec<f32>) {
-    let (th, tw) = d.tiles_hw();
-    let (c_n, wb) = (d.c, d.band_width());
-    let tb = rows.len() * tw;
-    let sv = xi_stride(tb * c_n);
-    band.resize(4 * wb * LANES, 0.0);
-    for (c0, count) in lane_runs(c_n) {
-        let run = Run { c0, count };
-        let mut previous: Option<usize> = None;
-        for (local, g) in rows.clone().enumerate() {
-            let (n, i) = (g / th, g % th);
-            // Padded rows 2i .. 2i + 4 are image rows 2i − 1 .. 2i + 3; the last two of the
-            // previous tile row are this one's first two.
-            let first_new = if i > 0 && previous == Some(g - 1) {
-                band.copy_within(2 * wb * LANES..4 * wb * LANES, 0);
-                2
-            } else {
-                0
-            };
-            for k in first_new..4 {
-                let row = (2 * i + k) as isize - 1;
-                gather_row(
-                    x,
-                    d,
-                    (c_n, n, run),
-                    row,
-                    &mut band[k * wb * LANES..(k + 1) * wb * LANES],
-                );
-            }
-            previous = Some(g);
-            let mut out = [[0f32; LANES]; XI];
-            for j in 0..tw {
-                let d: [&Lanes; XI] = std::array::from_fn(|xi| {
-                    lanes_at(&band[(xi / 4) * wb * LANES..], 2 * j + xi % 4)
-                });
-                input_tile(&d, &mut out);
-                let t = local * tw + j;
-                store_tile(v, &out, count, |xi| xi * sv + t * c_n + c0);
-            }
-        }
-    }
-}
-
-/// `y_t = Aᵀ·M_t·A` for the tile rows `rows` of the group `y`, from `M[ξ][t][o]`, cropping
-/// tiles that hang over an odd edge. Aᵀ = [1 1 1 0; 0 1 -1 -1].
-fn transform_output(d: &Dims, m: &[f32], rows: Range<usize>, y: &mut [f32], band: &mut Vec<f32>) {
-    let (th, tw) = d.tiles_hw();
-    let (o_n, wb) = (d.o, d.band_width());
-    let tb = rows.len() * tw;
-    let sm = xi_stride(tb * o_n);
-    band.resize(2 * wb * LANES, 0.0);
-    for (o0, count) in lane_runs(o_n) {
-        let run = Run { c0: o0, count };
-        for (local, g) in rows.clone().enumerate() {
-            let (n, i) = (g / th, g % th);
-            let (top, bottom) = band.split_at_mut(wb * LANES);
-            let (mut mt, mut yt) = ([[0f32; LANES]; XI], [[[0f32; LANES]; 2]; 2]);
-            for j in 0..tw {
-                let t = local * tw + j;
-                load_tile(m, &mut mt, count, |xi| xi * sm + t * o_n + o0);
-                output_tile(&mt, &mut yt);
-                // Band column x + 1 holds image column x (the same layout as the inputs').
-                for (r, out) in [&mut *top, &mut *bottom].into_iter().enumerate() {
-                    out[(2 * j + 1) * LANES..(2 * j + 3) * LANES]
-                        .copy_from_slice(yt[r].as_flattened());
+vectorized_kernel! {
+    /// `V_t = Bᵀ·d_t·B` for the tile rows `rows` of the group `x`, into `V[ξ][t][c]`.
+    /// Bᵀ = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
+    fn transform_input(
+        d: &Dims,
+        x: &[f32],
+        rows: Range<usize>,
+        v: &mut [f32],
+        band: &mut Vec<f32>,
+    ) {
+        let (th, tw) = d.tiles_hw();
+        let (c_n, wb) = (d.c, d.band_width());
+        let tb = rows.len() * tw;
+        let sv = xi_stride(tb * c_n);
+        band.resize(4 * wb * LANES, 0.0);
+        for (c0, count) in lane_runs(c_n) {
+            let run = Run { c0, count };
+            let mut previous: Option<usize> = None;
+            for (local, g) in rows.clone().enumerate() {
+                let (n, i) = (g / th, g % th);
+                // Padded rows 2i .. 2i + 4 are image rows 2i − 1 .. 2i + 3; the last two of the
+                // previous tile row are this one's first two.
+                let first_new = if i > 0 && previous == Some(g - 1) {
+                    band.copy_within(2 * wb * LANES..4 * wb * LANES, 0);
+                    2
+                } else {
+                    0
+                };
+                for k in first_new..4 {
+                    let row = (2 * i + k) as isize - 1;
+                    gather_row(
+                        x,
+                        d,
+                        (c_n, n, run),
+                        row,
+                        &mut band[k * wb * LANES..(k + 1) * wb * LANES],
+                    );
                 }
-            }
-            for (r, out) in [&*top, &*bottom].into_iter().enumerate() {
-                let row = (2 * i + r) as isize;
-                if (row as usize) < d.h {
-                    write_row(y, d, (o_n, n, run), row as usize, out);
+                previous = Some(g);
+                let mut out = [[0f32; LANES]; XI];
+                for j in 0..tw {
+                    let d: [&Lanes; XI] = std::array::from_fn(|xi| {
+                        lanes_at(&band[(xi / 4) * wb * LANES..], 2 * j + xi % 4)
+                    });
+                    input_tile(&d, &mut out);
+                    let t = local * tw + j;
+                    store_tile(v, &out, count, |xi| xi * sv + t * c_n + c0);
                 }
             }
         }
     }
 }
 
-/// `gM_t = A·gy_t·Aᵀ` for the tile rows `rows` of the group `gy`, into `gM[ξ][t][o]`, zeros
-/// standing in for the outputs a tile hangs over. A·v over 2 values: (a, a + b, a − b, −b).
-fn transform_output_grad(
-    d: &Dims,
-    gy: &[f32],
-    rows: Range<usize>,
-    gm: &mut [f32],
-    band: &mut Vec<f32>,
-) {
-    let (th, tw) = d.tiles_hw();
-    let (o_n, wb) = (d.o, d.band_width());
-    let tb = rows.len() * tw;
-    let sm = xi_stride(tb * o_n);
-    band.resize(2 * wb * LANES, 0.0);
-    for (o0, count) in lane_runs(o_n) {
-        let run = Run { c0: o0, count };
-        for (local, g) in rows.clone().enumerate() {
-            let (n, i) = (g / th, g % th);
-            let (top, bottom) = band.split_at_mut(wb * LANES);
-            gather_row(gy, d, (o_n, n, run), (2 * i) as isize, top);
-            gather_row(gy, d, (o_n, n, run), (2 * i + 1) as isize, bottom);
-            let mut out = [[0f32; LANES]; XI];
-            for j in 0..tw {
-                let g = [
-                    lanes_at(top, 2 * j + 1),
-                    lanes_at(top, 2 * j + 2),
-                    lanes_at(bottom, 2 * j + 1),
-                    lanes_at(bottom, 2 * j + 2),
-                ];
-                output_grad_tile(&g, &mut out);
-                let t = local * tw + j;
-                store_tile(gm, &out, count, |xi| xi * sm + t * o_n + o0);
+vectorized_kernel! {
+    /// `y_t = Aᵀ·M_t·A` for the tile rows `rows` of the group `y`, from `M[ξ][t][o]`, cropping
+    /// tiles that hang over an odd edge. Aᵀ = [1 1 1 0; 0 1 -1 -1].
+    fn transform_output(
+        d: &Dims,
+        m: &[f32],
+        rows: Range<usize>,
+        y: &mut [f32],
+        band: &mut Vec<f32>,
+    ) {
+        let (th, tw) = d.tiles_hw();
+        let (o_n, wb) = (d.o, d.band_width());
+        let tb = rows.len() * tw;
+        let sm = xi_stride(tb * o_n);
+        band.resize(2 * wb * LANES, 0.0);
+        for (o0, count) in lane_runs(o_n) {
+            let run = Run { c0: o0, count };
+            for (local, g) in rows.clone().enumerate() {
+                let (n, i) = (g / th, g % th);
+                let (top, bottom) = band.split_at_mut(wb * LANES);
+                let (mut mt, mut yt) = ([[0f32; LANES]; XI], [[[0f32; LANES]; 2]; 2]);
+                for j in 0..tw {
+                    let t = local * tw + j;
+                    load_tile(m, &mut mt, count, |xi| xi * sm + t * o_n + o0);
+                    output_tile(&mt, &mut yt);
+                    // Band column x + 1 holds image column x (the same layout as the inputs').
+                    for (r, out) in [&mut *top, &mut *bottom].into_iter().enumerate() {
+                        out[(2 * j + 1) * LANES..(2 * j + 3) * LANES]
+                            .copy_from_slice(yt[r].as_flattened());
+                    }
+                }
+                for (r, out) in [&*top, &*bottom].into_iter().enumerate() {
+                    let row = (2 * i + r) as isize;
+                    if (row as usize) < d.h {
+                        write_row(y, d, (o_n, n, run), row as usize, out);
+                    }
+                }
             }
         }
     }
 }
 
-/// `gx += B·gV_t·Bᵀ` onto the overlapping input tiles of the tile rows `rows` of the group
-/// `gx`, from `gV[ξ][t][c]`, dropping what falls on the padding. B·v over 4 values:
-/// (v0, v1 − v2 + v3, −v0 + v1 + v2, −v3).
-fn inverse_transform_input(
-    d: &Dims,
-    gv: &[f32],
-    rows: Range<usize>,
-    gx: &mut [f32],
-    band: &mut Vec<f32>,
-) {
-    let (th, tw) = d.tiles_hw();
-    let (c_n, wb) = (d.c, d.band_width());
-    let tb = rows.len() * tw;
-    let sv = xi_stride(tb * c_n);
-    let row_len = wb * LANES;
-    band.resize(4 * row_len, 0.0);
-    for (c0, count) in lane_runs(c_n) {
-        let run = Run { c0, count };
-        band.fill(0.0);
-        for (local, g) in rows.clone().enumerate() {
-            let (n, i) = (g / th, g % th);
-            let (mut vt, mut out) = ([[0f32; LANES]; XI], [[0f32; LANES]; XI]);
-            for j in 0..tw {
-                let t = local * tw + j;
-                load_tile(gv, &mut vt, count, |xi| xi * sv + t * c_n + c0);
-                input_grad_tile(&vt, &mut out);
-                // Added at band rows 0..4, columns 2j .. 2j + 4.
-                for (a, band_row) in band.chunks_exact_mut(row_len).enumerate() {
-                    let cells = &mut band_row[2 * j * LANES..(2 * j + 4) * LANES];
-                    let values = out[a * 4..a * 4 + 4].as_flattened();
-                    cells.iter_mut().zip(values).for_each(|(c, v)| *c += v);
+vectorized_kernel! {
+    /// `gM_t = A·gy_t·Aᵀ` for the tile rows `rows` of the group `gy`, into `gM[ξ][t][o]`, zeros
+    /// standing in for the outputs a tile hangs over. A·v over 2 values: (a, a + b, a − b, −b).
+    fn transform_output_grad(
+        d: &Dims,
+        gy: &[f32],
+        rows: Range<usize>,
+        gm: &mut [f32],
+        band: &mut Vec<f32>,
+    ) {
+        let (th, tw) = d.tiles_hw();
+        let (o_n, wb) = (d.o, d.band_width());
+        let tb = rows.len() * tw;
+        let sm = xi_stride(tb * o_n);
+        band.resize(2 * wb * LANES, 0.0);
+        for (o0, count) in lane_runs(o_n) {
+            let run = Run { c0: o0, count };
+            for (local, g) in rows.clone().enumerate() {
+                let (n, i) = (g / th, g % th);
+                let (top, bottom) = band.split_at_mut(wb * LANES);
+                gather_row(gy, d, (o_n, n, run), (2 * i) as isize, top);
+                gather_row(gy, d, (o_n, n, run), (2 * i + 1) as isize, bottom);
+                let mut out = [[0f32; LANES]; XI];
+                for j in 0..tw {
+                    let g = [
+                        lanes_at(top, 2 * j + 1),
+                        lanes_at(top, 2 * j + 2),
+                        lanes_at(bottom, 2 * j + 1),
+                        lanes_at(bottom, 2 * j + 2),
+                    ];
+                    output_grad_tile(&g, &mut out);
+                    let t = local * tw + j;
+                    store_tile(gm, &out, count, |xi| xi * sm + t * o_n + o0);
                 }
             }
-            // Band rows 0 and 1 (image rows 2i − 1, 2i) are complete; 2 and 3 carry into the
-            // next tile row of the same image, or are complete too at an image's end or the
-            // block's.
-            let last_of_image = i + 1 == th || local + 1 == rows.len();
-            let complete = if last_of_image { 4 } else { 2 };
-            for k in 0..complete {
-                let row = (2 * i + k) as isize - 1;
-                scatter_add_row(gx, d, (c_n, n, run), row, &band[k * row_len..(k + 1) * row_len]);
-            }
-            if last_of_image {
-                band.fill(0.0);
-            } else {
-                band.copy_within(2 * row_len..4 * row_len, 0);
-                band[2 * row_len..].fill(0.0);
+        }
+    }
+}
+
+vectorized_kernel! {
+    /// `gx += B·gV_t·Bᵀ` onto the overlapping input tiles of the tile rows `rows` of the group
+    /// `gx`, from `gV[ξ][t][c]`, dropping what falls on the padding. B·v over 4 values:
+    /// (v0, v1 − v2 + v3, −v0 + v1 + v2, −v3).
+    fn inverse_transform_input(
+        d: &Dims,
+        gv: &[f32],
+        rows: Range<usize>,
+        gx: &mut [f32],
+        band: &mut Vec<f32>,
+    ) {
+        let (th, tw) = d.tiles_hw();
+        let (c_n, wb) = (d.c, d.band_width());
+        let tb = rows.len() * tw;
+        let sv = xi_stride(tb * c_n);
+        let row_len = wb * LANES;
+        band.resize(4 * row_len, 0.0);
+        for (c0, count) in lane_runs(c_n) {
+            let run = Run { c0, count };
+            band.fill(0.0);
+            for (local, g) in rows.clone().enumerate() {
+                let (n, i) = (g / th, g % th);
+                let (mut vt, mut out) = ([[0f32; LANES]; XI], [[0f32; LANES]; XI]);
+                for j in 0..tw {
+                    let t = local * tw + j;
+                    load_tile(gv, &mut vt, count, |xi| xi * sv + t * c_n + c0);
+                    input_grad_tile(&vt, &mut out);
+                    // Added at band rows 0..4, columns 2j .. 2j + 4.
+                    for (a, band_row) in band.chunks_exact_mut(row_len).enumerate() {
+                        let cells = &mut band_row[2 * j * LANES..(2 * j + 4) * LANES];
+                        let values = out[a * 4..a * 4 + 4].as_flattened();
+                        cells.iter_mut().zip(values).for_each(|(c, v)| *c += v);
+                    }
+                }
+                // Band rows 0 and 1 (image rows 2i − 1, 2i) are complete; 2 and 3 carry into the
+                // next tile row of the same image, or are complete too at an image's end or the
+                // block's.
+                let last_of_image = i + 1 == th || local + 1 == rows.len();
+                let complete = if last_of_image { 4 } else { 2 };
+                for k in 0..complete {
+                    let row = (2 * i + k) as isize - 1;
+                    let band_row = &band[k * row_len..(k + 1) * row_len];
+                    scatter_add_row(gx, d, (c_n, n, run), row, band_row);
+                }
+                if last_of_image {
+                    band.fill(0.0);
+                } else {
+                    band.copy_within(2 * row_len..4 * row_len, 0);
+                    band[2 * row_len..].fill(0.0);
+                }
             }
         }
     }

@@ -1,0 +1,59 @@
+//! The training BatchNorm(+ReLU) kernels at CIFAR ResNet-18's shapes: best-of-N milliseconds
+//! for the forward (statistics and output) and the backward (all three gradients), on this
+//! thread count (`RAYON_NUM_THREADS`). `scripts/peers/torch_bn_probe.py` times PyTorch's.
+//!
+//!   cargo run --release -p tandem-nn --example bn_probe [REPEATS]
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use tandem_nn::kernels::batch_norm::{backward_slices, batch_norm_train_act, batch_stats, Stats};
+
+/// (batch, channels, side) of the BatchNorms of CIFAR ResNet-18 at width 16, batch 64.
+const SHAPES: &[(usize, usize, usize)] = &[(64, 16, 32), (64, 32, 16), (64, 64, 8), (64, 128, 4)];
+
+fn best_ms(repeats: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    (0..repeats)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .fold(f64::MAX, f64::min)
+}
+
+fn main() -> candle_core::Result<()> {
+    let repeats: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(20);
+    let dev = Device::Cpu;
+    for &(n, c, side) in SHAPES {
+        let hw = side * side;
+        let x = Tensor::randn(0f32, 1.0, (n, c, side, side), &dev)?;
+        let gamma = Tensor::ones(c, DType::F32, &dev)?;
+        let beta = Tensor::zeros(c, DType::F32, &dev)?;
+        let gy: Vec<f32> = Tensor::randn(0f32, 1.0, n * c * hw, &dev)?.to_vec1()?;
+        let xv: Vec<f32> = x.flatten_all()?.to_vec1()?;
+        let (mean, var, _) = batch_stats(&xv, (n, c, hw));
+        let invstd: Vec<f32> = var.iter().map(|v| 1.0 / (v + 1e-5).sqrt()).collect();
+        let gamma_v = vec![1f32; c];
+        let stats = Stats { mean: &mean, invstd: &invstd, gamma: &gamma_v };
+        for relu in [false, true] {
+            let fwd = best_ms(repeats, || {
+                batch_norm_train_act(&x, &gamma, &beta, 1e-5, relu).unwrap();
+            });
+            let (y, ..) = batch_norm_train_act(&x, &gamma, &beta, 1e-5, relu)?;
+            let y: Vec<f32> = y.flatten_all()?.to_vec1()?;
+            let bwd = best_ms(repeats, || {
+                backward_slices(&xv, &y, &gy, &stats, relu, (n, c, hw), true);
+            });
+            let sums = best_ms(repeats, || {
+                backward_slices(&xv, &y, &gy, &stats, relu, (n, c, hw), false);
+            });
+            let act = if relu { "+relu" } else { "" };
+            println!(
+                "bn{act} [{n}, {c}, {side}, {side}]: forward {fwd:.3} ms, backward {bwd:.3} ms \
+                 (sums {sums:.3})"
+            );
+        }
+    }
+    Ok(())
+}
