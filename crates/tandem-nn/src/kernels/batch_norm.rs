@@ -46,6 +46,14 @@ vectorized_kernel! {
     }
 }
 
+/// The output's `x·scale + shift` per channel. The backward recomputes the ReLU's mask with
+/// it (`x·scale + shift > 0` is `y > 0` bit for bit), reading `x` and `gy` but not `y`.
+#[inline(always)]
+fn scale_shift(gamma: f32, beta: f32, mean: f32, invstd: f32) -> (f32, f32) {
+    let scale = gamma * invstd;
+    (scale, beta - mean * scale)
+}
+
 vectorized_kernel! {
     /// `γ·(x − mean)·invstd + β` (then clamped at zero when `relu`) of `x: [N, C, HW]`.
     fn normalize(
@@ -58,8 +66,7 @@ vectorized_kernel! {
     ) -> Vec<f32> {
         par_filled(x.len(), hw, |plane, y| {
             let ch = plane % c;
-            let scale = gamma[ch] * invstd[ch];
-            let shift = beta[ch] - mean[ch] * scale;
+            let (scale, shift) = scale_shift(gamma[ch], beta[ch], mean[ch], invstd[ch]);
             let x = &x[plane * hw..(plane + 1) * hw];
             if relu {
                 y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write((x * scale + shift).max(0.0)));
@@ -117,21 +124,20 @@ impl CustomOp3 for BatchNormTrain {
         x: &Tensor,
         gamma: &Tensor,
         beta: &Tensor,
-        y: &Tensor,
+        _y: &Tensor,
         gy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (n, c, h, w) = x.dims4()?;
         let hw = h * w;
-        let gamma_v: Vec<f32> = gamma.to_vec1()?;
+        let (gamma_v, beta_v): (Vec<f32>, Vec<f32>) = (gamma.to_vec1()?, beta.to_vec1()?);
         let gy = gy.contiguous()?;
         let (relu, want_gx) = (self.relu, x.track_op());
         let dims = (n, c, hw);
-        let stats = Stats { mean: &self.mean, invstd: &self.invstd, gamma: &gamma_v };
+        let stats =
+            Stats { mean: &self.mean, invstd: &self.invstd, gamma: &gamma_v, beta: &beta_v };
         let (sums, gx) = with_f32_slice(x, |x| {
-            with_f32_slice(&gy, |gy| {
-                with_f32_slice(y, |y| backward_slices(x, y, gy, &stats, relu, dims, want_gx))
-            })
-        })???;
+            with_f32_slice(&gy, |gy| backward_slices(x, gy, &stats, relu, dims, want_gx))
+        })??;
         let dev = x.device();
         // gγ = Σ g·x̂ = invstd · Σ g·(x − mean).
         let ggamma = gamma
@@ -151,21 +157,21 @@ impl CustomOp3 for BatchNormTrain {
     }
 }
 
-/// A channel's forward constants: the batch mean, 1/sqrt(var + eps) and the affine scale γ.
+/// The channels' forward constants: the batch mean, 1/sqrt(var + eps), the affine γ and β.
 pub struct Stats<'a> {
     pub mean: &'a [f32],
     pub invstd: &'a [f32],
     pub gamma: &'a [f32],
+    pub beta: &'a [f32],
 }
 
 vectorized_kernel! {
     /// The backward of the op on contiguous `[N, C, H, W]` slices: per channel Σ g and
     /// Σ g·(x − mean) — `gβ` and `gγ / invstd` — and, when `want_gx`, the input gradient; `g`
-    /// is `gy` through the ReLU (zero where the output `y` is not positive) when `relu`.
+    /// is `gy` through the ReLU (zero where the output is not positive) when `relu`.
     /// Public for the kernel probes.
     pub fn backward_slices(
         x: &[f32],
-        y: &[f32],
         gy: &[f32],
         stats: &Stats,
         relu: bool,
@@ -173,20 +179,27 @@ vectorized_kernel! {
         want_gx: bool,
     ) -> (Vec<(f64, f64)>, Option<Vec<f32>>) {
         let m = (n * hw) as f64;
-        // The gradient through the ReLU: zero where the output is not positive.
-        let through = |g: f32, y: f32| if !relu || y > 0.0 { g } else { 0.0 };
+        let scale_shift = |ch: usize| {
+            scale_shift(stats.gamma[ch], stats.beta[ch], stats.mean[ch], stats.invstd[ch])
+        };
         let sums: Vec<(f64, f64)> = (0..c)
             .into_par_iter()
             .map(|ch| {
                 let mean = stats.mean[ch];
+                let (scale, shift) = scale_shift(ch);
                 let mut sums = LaneSums::new();
                 for i in 0..n {
                     let p = i * c + ch;
-                    let v = [plane(gy, p, hw), plane(y, p, hw), plane(x, p, hw)];
-                    sums.add(v, |[g, y, x]| {
-                        let g = through(g, y);
-                        [g, g * (x - mean)]
-                    });
+                    let v = [plane(gy, p, hw), plane(x, p, hw)];
+                    // Two loops, so that the ReLU's test is not made per element.
+                    if relu {
+                        sums.add(v, |[g, x]| {
+                            let g = if x * scale + shift > 0.0 { g } else { 0.0 };
+                            [g, g * (x - mean)]
+                        });
+                    } else {
+                        sums.add(v, |[g, x]| [g, g * (x - mean)]);
+                    }
                 }
                 sums.total()
             })
@@ -203,15 +216,15 @@ vectorized_kernel! {
                 // channel, and folding them into k·g + a·x + b loses that (the gradient of a bias
                 // before a BatchNorm is ~0).
                 let slope = invstd * mean_gx;
-                let values = plane(gy, p, hw).iter().zip(plane(y, p, hw)).zip(plane(x, p, hw));
+                let values = plane(gy, p, hw).iter().zip(plane(x, p, hw));
                 let gx = |g: f32, x: f32| k * (g - mean_g - (x - mean) * slope);
-                // Two loops rather than `through` inside one: the test would stay in the loop.
                 if relu {
-                    for (o, ((&g, &y), &x)) in out.iter_mut().zip(values) {
-                        o.write(gx(if y > 0.0 { g } else { 0.0 }, x));
+                    let (scale, shift) = scale_shift(ch);
+                    for (o, (&g, &x)) in out.iter_mut().zip(values) {
+                        o.write(gx(if x * scale + shift > 0.0 { g } else { 0.0 }, x));
                     }
                 } else {
-                    for (o, ((&g, _), &x)) in out.iter_mut().zip(values) {
+                    for (o, (&g, &x)) in out.iter_mut().zip(values) {
                         o.write(gx(g, x));
                     }
                 }
