@@ -3,26 +3,18 @@
 //! thread count (`RAYON_NUM_THREADS`). `scripts/peers/torch_bn_probe.py` times PyTorch's.
 //!
 //!   cargo run --release -p tandem-nn --example bn_probe [REPEATS]
-use std::time::Instant;
-
 use candle_core::{DType, Device, Tensor};
 use tandem_nn::kernels::batch_norm::{backward_slices, batch_norm_train_act, batch_stats, Stats};
+
+#[path = "common/best_of.rs"]
+mod best_of;
+use best_of::best_ms;
 
 /// (batch, channels, side) of the BatchNorms of CIFAR ResNet-18 at width 16, batch 64.
 const SHAPES: &[(usize, usize, usize)] = &[(64, 16, 32), (64, 32, 16), (64, 64, 8), (64, 128, 4)];
 
-fn best_ms(repeats: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    (0..repeats)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .fold(f64::MAX, f64::min)
-}
-
 fn main() -> candle_core::Result<()> {
+    tandem_nn::tune_allocator(); // as the tandem binary does: freed buffers are reused
     let repeats: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(20);
     let dev = Device::Cpu;
     for &(n, c, side) in SHAPES {

@@ -6,7 +6,10 @@
 //!
 //! FILTER keeps the shapes whose name contains it.
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+
+#[path = "common/best_of.rs"]
+mod best_of;
+use best_of::best_ms;
 
 use candle_core::{Device, Tensor, Var};
 use tandem_nn::kernels::conv2d::{conv2d, ConvParams};
@@ -27,17 +30,6 @@ const SHAPES: &[(&str, usize, usize, usize)] = &[
     ("iresnet18 w16 28x28", 8, 64, 28),
     ("iresnet18 w16 14x14", 8, 128, 14),
 ];
-
-fn best_ms(repeats: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    (0..repeats)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .fold(f64::MAX, f64::min)
-}
 
 fn main() -> candle_core::Result<()> {
     tandem_nn::tune_allocator(); // as the tandem binary does: freed buffers are reused

@@ -64,16 +64,21 @@ vectorized_kernel! {
         relu: bool,
         (c, hw): (usize, usize),
     ) -> Vec<f32> {
-        par_filled(x.len(), hw, |plane, y| {
-            let ch = plane % c;
-            let (scale, shift) = scale_shift(gamma[ch], beta[ch], mean[ch], invstd[ch]);
-            let x = &x[plane * hw..(plane + 1) * hw];
-            if relu {
-                y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write((x * scale + shift).max(0.0)));
-            } else {
-                y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write(x * scale + shift));
-            }
-        })
+        // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
+        // chunk's length).
+        unsafe {
+            par_filled(x.len(), hw, |plane, y| {
+                let ch = plane % c;
+                let (scale, shift) = scale_shift(gamma[ch], beta[ch], mean[ch], invstd[ch]);
+                let x = &x[plane * hw..(plane + 1) * hw];
+                if relu {
+                    let relu = |x: f32| (x * scale + shift).max(0.0);
+                    y.iter_mut().zip(x).for_each(|(y, &x)| _ = y.write(relu(x)));
+                } else {
+                    y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write(x * scale + shift));
+                }
+            })
+        }
     }
 }
 
@@ -205,30 +210,34 @@ vectorized_kernel! {
             })
             .collect();
         let gx = want_gx.then(|| {
-            par_filled(x.len(), hw, |p, out| {
-                let ch = p % c;
-                let (mean, invstd) = (stats.mean[ch], stats.invstd[ch]);
-                let k = stats.gamma[ch] * invstd;
-                let mean_g = (sums[ch].0 / m) as f32;
-                // mean(g·x̂) = invstd · Σ g·(x − mean) / m.
-                let mean_gx = (sums[ch].1 / m) as f32 * invstd;
-                // gx = k·(g − mean_g − x̂·mean(g·x̂)), in this order: the terms cancel over the
-                // channel, and folding them into k·g + a·x + b loses that (the gradient of a bias
-                // before a BatchNorm is ~0).
-                let slope = invstd * mean_gx;
-                let values = plane(gy, p, hw).iter().zip(plane(x, p, hw));
-                let gx = |g: f32, x: f32| k * (g - mean_g - (x - mean) * slope);
-                if relu {
-                    let (scale, shift) = scale_shift(ch);
-                    for (o, (&g, &x)) in out.iter_mut().zip(values) {
-                        o.write(gx(if x * scale + shift > 0.0 { g } else { 0.0 }, x));
+            // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
+            // chunk's length).
+            unsafe {
+                par_filled(x.len(), hw, |p, out| {
+                    let ch = p % c;
+                    let (mean, invstd) = (stats.mean[ch], stats.invstd[ch]);
+                    let k = stats.gamma[ch] * invstd;
+                    let mean_g = (sums[ch].0 / m) as f32;
+                    // mean(g·x̂) = invstd · Σ g·(x − mean) / m.
+                    let mean_gx = (sums[ch].1 / m) as f32 * invstd;
+                    // gx = k·(g − mean_g − x̂·mean(g·x̂)), in this order: the terms cancel over
+                    // the channel, and folding them into k·g + a·x + b loses that (the gradient
+                    // of a bias before a BatchNorm is ~0).
+                    let slope = invstd * mean_gx;
+                    let values = plane(gy, p, hw).iter().zip(plane(x, p, hw));
+                    let gx = |g: f32, x: f32| k * (g - mean_g - (x - mean) * slope);
+                    if relu {
+                        let (scale, shift) = scale_shift(ch);
+                        for (o, (&g, &x)) in out.iter_mut().zip(values) {
+                            o.write(gx(if x * scale + shift > 0.0 { g } else { 0.0 }, x));
+                        }
+                    } else {
+                        for (o, (&g, &x)) in out.iter_mut().zip(values) {
+                            o.write(gx(g, x));
+                        }
                     }
-                } else {
-                    for (o, (&g, &x)) in out.iter_mut().zip(values) {
-                        o.write(gx(g, x));
-                    }
-                }
-            })
+                })
+            }
         });
         (sums, gx)
     }

@@ -17,8 +17,12 @@ use rayon::prelude::*;
 
 /// A vector of `len` values written by `fill` over parallel chunks of `chunk` values (the chunk's
 /// index and its slots), without zeroing them first: a fresh output's memset was a pass over
-/// memory as long as the kernel's own. `fill` must write every slot of its chunk.
-pub(crate) fn par_filled(
+/// memory as long as the kernel's own.
+///
+/// # Safety
+/// `fill` must write every slot of the chunk it is given (the kernels zip the slots with input
+/// slices of the chunk's length); a slot left unwritten would be read uninitialised.
+pub(crate) unsafe fn par_filled(
     len: usize,
     chunk: usize,
     fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
@@ -28,7 +32,8 @@ pub(crate) fn par_filled(
         .par_chunks_mut(chunk.max(1))
         .enumerate()
         .for_each(|(i, c)| fill(i, c));
-    // SAFETY: the capacity is `len`, and `fill` wrote each of the first `len` slots.
+    // SAFETY: the capacity is `len`, and `fill` wrote each of the first `len` slots (the
+    // caller's promise).
     unsafe { v.set_len(len) };
     v
 }

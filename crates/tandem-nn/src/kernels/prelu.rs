@@ -36,14 +36,18 @@ vectorized_kernel! {
     /// when `c == 1`).
     fn forward_slices(x: &[f32], a: &[f32], (c, hw): (usize, usize)) -> Vec<f32> {
         let chunk = if c == 1 { CHUNK } else { hw };
-        par_filled(x.len(), chunk, |plane, y| {
-            let slope = if c == 1 { a[0] } else { a[plane % c] };
-            let x = &x[plane * chunk..][..y.len()];
-            // Selects, not branches, so the loops vectorise.
-            y.iter_mut()
-                .zip(x)
-                .for_each(|(y, &v)| _ = y.write(v * if v > 0.0 { 1.0 } else { slope }));
-        })
+        // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
+        // chunk's length).
+        unsafe {
+            par_filled(x.len(), chunk, |plane, y| {
+                let slope = if c == 1 { a[0] } else { a[plane % c] };
+                let x = &x[plane * chunk..][..y.len()];
+                // Selects, not branches, so the loops vectorise.
+                y.iter_mut()
+                    .zip(x)
+                    .for_each(|(y, &v)| _ = y.write(v * if v > 0.0 { 1.0 } else { slope }));
+            })
+        }
     }
 }
 
@@ -56,13 +60,17 @@ vectorized_kernel! {
         (c, hw): (usize, usize),
     ) -> Vec<f32> {
         let chunk = if c == 1 { CHUNK } else { hw };
-        par_filled(x.len(), chunk, |plane, gx| {
-            let slope = if c == 1 { slopes[0] } else { slopes[plane % c] };
-            let (x, gy) = (&x[plane * chunk..][..gx.len()], &gy[plane * chunk..][..gx.len()]);
-            gx.iter_mut()
-                .zip(x.iter().zip(gy))
-                .for_each(|(o, (&x, &g))| _ = o.write(g * if x > 0.0 { 1.0 } else { slope }));
-        })
+        // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
+        // chunk's length).
+        unsafe {
+            par_filled(x.len(), chunk, |plane, gx| {
+                let slope = if c == 1 { slopes[0] } else { slopes[plane % c] };
+                let (x, gy) = (&x[plane * chunk..][..gx.len()], &gy[plane * chunk..][..gx.len()]);
+                gx.iter_mut()
+                    .zip(x.iter().zip(gy))
+                    .for_each(|(o, (&x, &g))| _ = o.write(g * if x > 0.0 { 1.0 } else { slope }));
+            })
+        }
     }
 }
 

@@ -31,33 +31,46 @@ impl CustomOp1 for Relu {
 vectorized_kernel! {
     /// `max(x, 0)`.
     fn relu_slice(x: &[f32]) -> Vec<f32> {
-        par_filled(x.len(), CHUNK, |i, y| {
-            let x = &x[i * CHUNK..][..y.len()];
-            y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write(x.max(0.0)))
-        })
+        // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
+        // chunk's length).
+        unsafe {
+            par_filled(x.len(), CHUNK, |i, y| {
+                let x = &x[i * CHUNK..][..y.len()];
+                y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write(x.max(0.0)))
+            })
+        }
     }
 }
 
 vectorized_kernel! {
     /// `max(a + b, 0)`.
     fn add_relu_slices(a: &[f32], b: &[f32]) -> Vec<f32> {
-        par_filled(a.len(), CHUNK, |i, y| {
-            let (a, b) = (&a[i * CHUNK..][..y.len()], &b[i * CHUNK..][..y.len()]);
-            y.iter_mut().zip(a.iter().zip(b)).for_each(|(y, (a, b))| _ = y.write((a + b).max(0.0)))
-        })
+        // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
+        // chunk's length).
+        unsafe {
+            par_filled(a.len(), CHUNK, |i, y| {
+                let (a, b) = (&a[i * CHUNK..][..y.len()], &b[i * CHUNK..][..y.len()]);
+                let sums = a.iter().zip(b);
+                y.iter_mut().zip(sums).for_each(|(y, (a, b))| _ = y.write((a + b).max(0.0)))
+            })
+        }
     }
 }
 
 vectorized_kernel! {
     /// `gy` where `y > 0`, else 0.
     fn masked_slice(gy: &[f32], y: &[f32]) -> Vec<f32> {
-        par_filled(gy.len(), CHUNK, |i, gx| {
-            let (gy, y) = (&gy[i * CHUNK..][..gx.len()], &y[i * CHUNK..][..gx.len()]);
-            // A select, not a branch: the loop vectorises (a conditional store did not).
-            gx.iter_mut()
-                .zip(gy.iter().zip(y))
-                .for_each(|(o, (&g, &y))| _ = o.write(if y > 0.0 { g } else { 0.0 }))
-        })
+        // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
+        // chunk's length).
+        unsafe {
+            par_filled(gy.len(), CHUNK, |i, gx| {
+                let (gy, y) = (&gy[i * CHUNK..][..gx.len()], &y[i * CHUNK..][..gx.len()]);
+                // A select, not a branch: the loop vectorises (a conditional store did not).
+                gx.iter_mut()
+                    .zip(gy.iter().zip(y))
+                    .for_each(|(o, (&g, &y))| _ = o.write(if y > 0.0 { g } else { 0.0 }))
+            })
+        }
     }
 }
 

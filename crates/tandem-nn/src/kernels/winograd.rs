@@ -19,9 +19,10 @@
 //! V `[16][T][C]`, M `[16][T][O]`, T the tiles of a block (a run of tile rows, about
 //! [`BLOCK_TILE_CHANNELS`] / channels tiles, so that a block's buffers stay near the cache).
 //! Channels innermost make every transform a sequence of operations on [`LANES`] channels at
-//! once (the images are turned channels-innermost a band of rows at a time), and give each of the three gemms
-//! operands that `gemm` packs at full speed (an operand whose reduced dimension is contiguous
-//! in both factors packs at half speed: measured 42 vs 110 GFLOP/s on a 64x64x512 product).
+//! once (the images are turned channels-innermost a band of rows at a time), and give each of
+//! the three gemms operands that `gemm` packs at full speed (an operand whose reduced
+//! dimension is contiguous in both factors packs at half speed: measured 42 vs 110 GFLOP/s on
+//! a 64x64x512 product).
 //! The images are split into one group per rayon thread; each group's blocks run in order on
 //! that thread; a single group runs its gemms on all threads.
 use std::ops::Range;
