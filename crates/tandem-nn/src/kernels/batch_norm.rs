@@ -10,6 +10,7 @@
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::contiguous_f32;
 use crate::kernels::{par_filled, with_f32_slice, LaneSums};
 use crate::vectorized_kernel;
 
@@ -97,13 +98,6 @@ fn dims(l: &Layout) -> candle_core::Result<(usize, usize, usize)> {
     Ok((n, c, h * w))
 }
 
-fn contiguous<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
-    let (CpuStorage::F32(v), Some((a, b))) = (s, l.contiguous_offsets()) else {
-        candle_core::bail!("batch_norm: contiguous f32 operands only")
-    };
-    Ok(&v[a..b])
-}
-
 impl CustomOp3 for BatchNormTrain {
     fn name(&self) -> &'static str {
         "tandem-batch-norm"
@@ -119,7 +113,9 @@ impl CustomOp3 for BatchNormTrain {
         bl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (_, c, hw) = dims(xl)?;
-        let (x, gamma, beta) = (contiguous(xs, xl)?, contiguous(gs, gl)?, contiguous(bs, bl)?);
+        let x = contiguous_f32(xs, xl, "batch_norm", "input")?;
+        let gamma = contiguous_f32(gs, gl, "batch_norm", "weight")?;
+        let beta = contiguous_f32(bs, bl, "batch_norm", "bias")?;
         let y = normalize(x, gamma, beta, (&self.mean, &self.invstd), self.relu, (c, hw));
         Ok((CpuStorage::F32(y), xl.shape().clone()))
     }

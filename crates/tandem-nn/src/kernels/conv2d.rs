@@ -498,15 +498,10 @@ fn cpu_forward(
     wl: &Layout,
 ) -> candle_core::Result<(Vec<f32>, Geometry)> {
     let g = Geometry::new(xl.dims(), wl.dims(), p)?;
-    let (CpuStorage::F32(x), CpuStorage::F32(w)) = (xs, ws) else {
-        candle_core::bail!("tandem conv2d: f32 only")
-    };
-    let (Some((xa, xb)), Some((wa, wb))) = (xl.contiguous_offsets(), wl.contiguous_offsets())
-    else {
-        candle_core::bail!("tandem conv2d: operands must be contiguous")
-    };
+    let x = contiguous_f32(xs, xl, "conv2d", "input")?;
+    let w = contiguous_f32(ws, wl, "conv2d", "weight")?;
     let mut y = vec![0f32; g.n * g.out_len()];
-    forward(&g, &x[xa..xb], &w[wa..wb], &mut y);
+    forward(&g, x, w, &mut y);
     Ok((y, g))
 }
 

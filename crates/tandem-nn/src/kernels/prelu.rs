@@ -105,12 +105,8 @@ impl CustomOp2 for FastPRelu {
         a_s: &CpuStorage,
         al: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(x), CpuStorage::F32(a), Some((xa, xb)), Some((aa, ab))) =
-            (xs, a_s, xl.contiguous_offsets(), al.contiguous_offsets())
-        else {
-            candle_core::bail!("prelu: contiguous f32 operands only")
-        };
-        let (x, a) = (&x[xa..xb], &a[aa..ab]);
+        let x = crate::contiguous_f32(xs, xl, "prelu", "input")?;
+        let a = crate::contiguous_f32(a_s, al, "prelu", "slopes")?;
         let (c, hw) = planes(xl.dims(), a.len())?;
         let y = forward_slices(x, a, (c, hw));
         Ok((CpuStorage::F32(y), xl.shape().clone()))

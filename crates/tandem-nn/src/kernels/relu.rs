@@ -16,10 +16,8 @@ impl CustomOp1 for Relu {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(v), Some((a, b))) = (s, l.contiguous_offsets()) else {
-            candle_core::bail!("relu: contiguous f32 only")
-        };
-        Ok((CpuStorage::F32(relu_slice(&v[a..b])), l.shape().clone()))
+        let x = crate::contiguous_f32(s, l, "relu", "input")?;
+        Ok((CpuStorage::F32(relu_slice(x)), l.shape().clone()))
     }
 
     fn bwd(&self, _x: &Tensor, y: &Tensor, gy: &Tensor) -> candle_core::Result<Option<Tensor>> {
