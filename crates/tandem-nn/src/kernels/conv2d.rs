@@ -21,7 +21,7 @@ use super::matmul::{matmul, View};
 use super::winograd;
 use crate::backward::take_param_grad;
 use crate::contiguous_f32;
-use crate::kernels::with_f32_slice;
+use crate::kernels::{with_f32_slice, zeroed};
 
 /// Stride, padding and dilation, the same in both spatial dimensions (candle-nn's config).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,6 +30,14 @@ pub struct ConvParams {
     pub padding: usize,
     pub dilation: usize,
 }
+
+/// Output lines shorter than this are gathered through a table of offsets
+/// ([`Geometry::im2col_taps`]) rather than copied line by line. Public for the probes.
+pub static SHORT_LINE_BELOW: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(24);
+
+/// What a table of taps depends on: (h, w, kh, kw, ho, wo, params).
+type TapsKey = (usize, usize, usize, usize, usize, usize, ConvParams);
 
 /// The geometry of one convolution.
 #[derive(Clone, Copy, Debug)]
@@ -121,7 +129,92 @@ impl Geometry {
         if self.is_same_size_stride_1() {
             return self.im2col_shifted(image, col, row_stride);
         }
+        if self.has_short_lines() {
+            return self.im2col_taps(image, col, row_stride);
+        }
         self.im2col_lines(image, col, row_stride)
+    }
+
+    /// Output lines shorter than [`SHORT_LINE_BELOW`]: the line-by-line loops spend more on
+    /// each line's bounds than on its few values (ResNet's stride-2 convolutions into 8x8).
+    fn has_short_lines(&self) -> bool {
+        self.wo < SHORT_LINE_BELOW.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Row `(ky, kx)`'s input offset in the plane for each output pixel, `h·w` (past the
+    /// plane) where the tap falls in the padding: `kh·kw·P` offsets, the same for every
+    /// channel and image, so built once per thread and geometry.
+    fn with_taps<R>(&self, f: impl FnOnce(&[u32]) -> R) -> R {
+        thread_local! {
+            static TAPS: std::cell::RefCell<(Option<TapsKey>, Vec<u32>)> =
+                const { std::cell::RefCell::new((None, Vec::new())) };
+        }
+        let key = (self.h, self.w, self.kh, self.kw, self.ho, self.wo, self.p);
+        TAPS.with(|t| {
+            let mut t = t.borrow_mut();
+            if t.0 != Some(key) {
+                t.1 = self.taps();
+                t.0 = Some(key);
+            }
+            f(&t.1)
+        })
+    }
+
+    fn taps(&self) -> Vec<u32> {
+        let (s, d, pad) = (self.p.stride, self.p.dilation, self.p.padding);
+        let outside = (self.h * self.w) as u32;
+        let at = |o: usize, k: usize, size: usize| {
+            (o * s + k * d).checked_sub(pad).filter(|&i| i < size)
+        };
+        let mut taps = Vec::with_capacity(self.kh * self.kw * self.pixels());
+        for ky in 0..self.kh {
+            for kx in 0..self.kw {
+                for oy in 0..self.ho {
+                    for ox in 0..self.wo {
+                        taps.push(match (at(oy, ky, self.h), at(ox, kx, self.w)) {
+                            (Some(iy), Some(ix)) => (iy * self.w + ix) as u32,
+                            _ => outside,
+                        });
+                    }
+                }
+            }
+        }
+        taps
+    }
+
+    /// [`Geometry::im2col`] as a gather through [`Geometry::with_taps`]' offsets.
+    fn im2col_taps(&self, image: &[f32], col: &mut [f32], row_stride: usize) {
+        let (plane_len, pixels, rows) = (self.h * self.w, self.pixels(), self.kh * self.kw);
+        self.with_taps(|taps| {
+            for ci in 0..self.c {
+                let plane = &image[ci * plane_len..(ci + 1) * plane_len];
+                for (r, taps) in taps.chunks_exact(pixels).enumerate() {
+                    let dst = &mut col[(ci * rows + r) * row_stride..][..pixels];
+                    for (v, &t) in dst.iter_mut().zip(taps) {
+                        *v = plane.get(t as usize).copied().unwrap_or(0.0);
+                    }
+                }
+            }
+        })
+    }
+
+    /// [`Geometry::col2im`] as a scatter through [`Geometry::with_taps`]' offsets, in the
+    /// line-by-line version's order (row by row, pixels in order), so the same bits.
+    fn col2im_taps(&self, col: &[f32], image: &mut [f32], row_stride: usize) {
+        let (plane_len, pixels, rows) = (self.h * self.w, self.pixels(), self.kh * self.kw);
+        self.with_taps(|taps| {
+            for ci in 0..self.c {
+                let plane = &mut image[ci * plane_len..(ci + 1) * plane_len];
+                for (r, taps) in taps.chunks_exact(pixels).enumerate() {
+                    let src = &col[(ci * rows + r) * row_stride..][..pixels];
+                    for (v, &t) in src.iter().zip(taps) {
+                        if let Some(d) = plane.get_mut(t as usize) {
+                            *d += v;
+                        }
+                    }
+                }
+            }
+        })
     }
 
     /// [`Geometry::im2col`] line by line, for any geometry.
@@ -209,6 +302,14 @@ impl Geometry {
     /// Adds `col[K, P]` (row `r` at `col[r * row_stride]`) into the image gradient (the adjoint
     /// of `im2col`); `image` must start zeroed (the callers allocate it so).
     fn col2im(&self, col: &[f32], image: &mut [f32], row_stride: usize) {
+        if self.has_short_lines() {
+            return self.col2im_taps(col, image, row_stride);
+        }
+        self.col2im_lines(col, image, row_stride)
+    }
+
+    /// [`Geometry::col2im`] line by line.
+    fn col2im_lines(&self, col: &[f32], image: &mut [f32], row_stride: usize) {
         let s = self.p.stride;
         for ci in 0..self.c {
             let plane = &mut image[ci * self.h * self.w..(ci + 1) * self.h * self.w];
@@ -266,7 +367,7 @@ fn batched(g: &Geometry) -> bool {
 fn im2col_batch(g: &Geometry, x: &[f32]) -> Vec<f32> {
     let (np, rows) = (g.n * g.pixels(), g.kh * g.kw);
     let (plane, one_channel) = (g.h * g.w, Geometry { c: 1, ..*g });
-    let mut col = vec![0f32; g.k() * np];
+    let mut col = zeroed(g.k() * np);
     col.par_chunks_mut(rows * np).enumerate().for_each(|(ci, channel_rows)| {
         for (n, image) in x.chunks(g.image_len()).enumerate() {
             let channel = &image[ci * plane..(ci + 1) * plane];
@@ -278,7 +379,7 @@ fn im2col_batch(g: &Geometry, x: &[f32]) -> Vec<f32> {
 
 /// `[N, O, P]` <-> `[O, N·P]`.
 fn swap_batch_and_channels(src: &[f32], dims: (usize, usize, usize)) -> Vec<f32> {
-    let mut out = vec![0f32; src.len()];
+    let mut out = zeroed(src.len());
     swap_into(src, dims, &mut out);
     out
 }
@@ -296,7 +397,7 @@ fn swap_into(src: &[f32], (a, b, p): (usize, usize, usize), out: &mut [f32]) {
 fn forward_batched(g: &Geometry, x: &[f32], w: &[f32], y: &mut [f32]) {
     let (k, np) = (g.k(), g.n * g.pixels());
     let col = im2col_batch(g, x);
-    let mut y_t = vec![0f32; g.o * np];
+    let mut y_t = zeroed(g.o * np);
     let weight = View { data: w, rs: k, cs: 1 };
     matmul(
         (g.o, np, k),
@@ -376,10 +477,10 @@ fn transpose(a: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 fn input_grad_batched(g: &Geometry, w: &[f32], gy: &[f32]) -> Vec<f32> {
     let (k, np) = (g.k(), g.n * g.pixels());
     let gy_t = swap_batch_and_channels(gy, (g.n, g.o, g.pixels()));
-    let mut gcol = vec![0f32; k * np];
+    let mut gcol = zeroed(k * np);
     let w_t = View { data: w, rs: 1, cs: k };
     matmul((k, np, g.o), &mut gcol, np, w_t, View { data: &gy_t, rs: np, cs: 1 }, false, threads());
-    let mut gx = vec![0f32; g.n * g.image_len()];
+    let mut gx = zeroed(g.n * g.image_len());
     gx.par_chunks_mut(g.image_len()).enumerate().for_each(|(n, gx_n)| {
         g.col2im(&gcol[n * g.pixels()..], gx_n, np);
     });
@@ -467,7 +568,7 @@ fn input_grad(g: &Geometry, w: &[f32], gy: &[f32]) -> Vec<f32> {
         return input_grad_batched(g, w, gy);
     }
     let (k, pixels, t) = (g.k(), g.pixels(), threads());
-    let mut gx = vec![0f32; g.n * g.image_len()];
+    let mut gx = zeroed(g.n * g.image_len());
     let w_t = View { data: w, rs: 1, cs: k };
     let one = |gy_i: &[f32], gx_i: &mut [f32], col: &mut Vec<f32>, inner: usize| {
         let gy_i = View { data: gy_i, rs: pixels, cs: 1 };
@@ -500,7 +601,7 @@ fn cpu_forward(
     let g = Geometry::new(xl.dims(), wl.dims(), p)?;
     let x = contiguous_f32(xs, xl, "conv2d", "input")?;
     let w = contiguous_f32(ws, wl, "conv2d", "weight")?;
-    let mut y = vec![0f32; g.n * g.out_len()];
+    let mut y = zeroed(g.n * g.out_len());
     forward(&g, x, w, &mut y);
     Ok((y, g))
 }
@@ -785,6 +886,39 @@ mod tests {
             g.im2col_shifted(&image, &mut a, g.pixels());
             g.im2col_lines(&image, &mut b, g.pixels());
             assert_eq!(a, b, "c {c} h {h} w {w} k {k}");
+        }
+    }
+
+    /// The tap-table gather and scatter equal the line-by-line loops, bit for bit, on strided,
+    /// padded and dilated geometries (taps in the padding included), with rows spaced wider
+    /// than one image's pixels as the whole-batch path lays them out.
+    #[test]
+    fn tap_table_equals_the_line_by_line_loops() {
+        for (c, h, w, k, stride, padding, dilation) in [
+            (2, 8, 8, 3, 2, 1, 1),
+            (3, 7, 5, 3, 2, 1, 1),
+            (1, 9, 9, 3, 3, 2, 1),
+            (2, 6, 6, 1, 2, 0, 1),
+            (1, 10, 7, 3, 1, 2, 2),
+            (2, 5, 5, 5, 2, 2, 1),
+            (1, 3, 3, 3, 1, 0, 1),
+        ] {
+            let p = ConvParams { stride, padding, dilation };
+            let g = Geometry::new(&[1, c, h, w], &[1, c, k, k], p).unwrap();
+            let case = format!("c {c} {h}x{w} k {k} stride {stride} pad {padding} dil {dilation}");
+            let image: Vec<f32> = (0..c * h * w).map(|i| i as f32 * 0.37 + 1.0).collect();
+            let row_stride = g.pixels() + 3;
+            let len = g.k() * row_stride;
+            let (mut a, mut b) = (vec![f32::NAN; len], vec![f32::NAN; len]);
+            g.im2col_taps(&image, &mut a, row_stride);
+            g.im2col_lines(&image, &mut b, row_stride);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "im2col, {case}");
+            let col: Vec<f32> = (0..len).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
+            let (mut ga, mut gb) = (vec![0f32; c * h * w], vec![0f32; c * h * w]);
+            g.col2im_taps(&col, &mut ga, row_stride);
+            g.col2im_lines(&col, &mut gb, row_stride);
+            assert_eq!(bits(&ga), bits(&gb), "col2im, {case}");
         }
     }
 }

@@ -31,6 +31,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use rayon::prelude::*;
 
 use super::matmul::{matmul, View};
+use super::zeroed;
 use crate::vectorized_kernel;
 
 /// Positions of a transformed tile (4x4).
@@ -810,7 +811,7 @@ pub(super) fn backward(
     let ipg = d.images_per_group(t);
     let groups_n = d.n.div_ceil(ipg);
     let gu_len = if want_gw { XI * d.c * d.o } else { 0 };
-    let mut gx = want_gx.then(|| vec![0f32; d.n * d.image_len()]);
+    let mut gx = want_gx.then(|| zeroed(d.n * d.image_len()));
     let gx_groups: Vec<Option<&mut [f32]>> = match gx.as_mut() {
         Some(gx) => gx.chunks_mut(ipg * d.image_len()).map(Some).collect(),
         None => (0..groups_n).map(|_| None).collect(),
