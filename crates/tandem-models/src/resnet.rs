@@ -14,7 +14,6 @@ use rand::{Rng, SeedableRng};
 use tandem_nn::torch_init::standard_normal;
 
 use tandem_nn::kernels::pool::adaptive_avg_pool2d;
-use tandem_nn::kernels::relu::add_relu;
 use tandem_nn::{
     fast_batch_norm2d, fast_conv2d_no_bias, fast_linear, FastBatchNorm2d, FastConv2d, FastLinear,
     HasBatchNorm,
@@ -56,12 +55,11 @@ impl BasicBlock {
 
     fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         let out = self.bn1.forward_t_relu(&self.conv1.forward(x)?, train)?;
-        let out = self.bn2.forward_t(&self.conv2.forward(&out)?, train)?;
         let shortcut = match &self.downsample {
             Some((conv, bn)) => bn.forward_t(&conv.forward(x)?, train)?,
             None => x.clone(),
         };
-        add_relu(&out, &shortcut)
+        self.bn2.forward_t_add_relu(&self.conv2.forward(&out)?, &shortcut, train)
     }
 }
 

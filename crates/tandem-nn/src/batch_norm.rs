@@ -21,8 +21,10 @@ use std::sync::{Arc, RwLock};
 use candle_core::{DType, Tensor, Var};
 use candle_nn::{Init, ModuleT, VarBuilder};
 
-use crate::kernels::batch_norm::{batch_norm_train, batch_norm_train_act};
-use crate::kernels::relu::relu;
+use crate::kernels::batch_norm::{
+    batch_norm_train, batch_norm_train_act, batch_norm_train_add_relu,
+};
+use crate::kernels::relu::{add_relu, relu};
 
 /// What a synchronised BatchNorm reduces its statistics with: a differentiable sum over the
 /// ranks (forward sums every rank's tensor, backward sums the gradients the same way).
@@ -106,6 +108,27 @@ impl FastBatchNorm2d {
             return Ok(y);
         }
         relu(&self.forward_t(x, train)?)
+    }
+
+    /// `relu(self(x) + residual)` — a residual block's tail — fused into one kernel in
+    /// training mode on the CPU (unsynchronised): the same values as the three ops apart, one
+    /// pass forward and no zeroed gradient buffer for the BatchNorm's output in backward.
+    pub fn forward_t_add_relu(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        train: bool,
+    ) -> candle_core::Result<Tensor> {
+        let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+        if train && !self.is_sync() && cpu_f32(x) && cpu_f32(residual) && x.rank() == 4 {
+            self.check_input(x)?;
+            let (y, mean, var, count) =
+                batch_norm_train_add_relu(x, &self.weight, &self.bias, residual, EPS)?;
+            let (mean, var) = (Tensor::new(mean, x.device())?, Tensor::new(var, x.device())?);
+            self.update_running(&mean, &var, count as f64)?;
+            return Ok(y);
+        }
+        add_relu(&self.forward_t(x, train)?, residual)
     }
 
     fn check_input(&self, x: &Tensor) -> candle_core::Result<()> {
@@ -210,6 +233,67 @@ mod tests {
             .map(|i| ((i as u32 * 7919 + seed * 104729) % 97) as f32 / 13.0)
             .collect();
         Tensor::from_vec(data, (n, 3, 2, 2), &Device::Cpu).unwrap()
+    }
+
+    /// The fused residual tail `relu(bn(x) + r)` equals the BatchNorm then `add_relu` bit for
+    /// bit: the output, the running statistics, and the gradients of x, r, γ and β (through
+    /// `tandem_nn::backward` as the trainers call it, and through candle's own backward).
+    #[test]
+    fn fused_residual_tail_equals_batch_norm_then_add_relu() {
+        let dev = Device::Cpu;
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        let run = |fused: bool, tandem_backward: bool| {
+            let vm = VarMap::new();
+            let bn = fast_batch_norm2d(3, VarBuilder::from_varmap(&vm, DType::F32, &dev)).unwrap();
+            let vars = vm.data().lock().unwrap().clone();
+            vars["weight"].set(&Tensor::new(&[1.5f32, -0.7, 0.9], &dev).unwrap()).unwrap();
+            vars["bias"].set(&Tensor::new(&[0.3f32, -0.2, 0.0], &dev).unwrap()).unwrap();
+            let x =
+                Var::from_tensor(&Tensor::cat(&[&input(1, 2), &input(2, 3)], 0).unwrap()).unwrap();
+            let r = Var::from_tensor(&((input(4, 5) - 3.5).unwrap() * 0.5).unwrap()).unwrap();
+            let y = if fused {
+                bn.forward_t_add_relu(x.as_tensor(), r.as_tensor(), true).unwrap()
+            } else {
+                add_relu(&bn.forward_t(x.as_tensor(), true).unwrap(), r.as_tensor()).unwrap()
+            };
+            let weights = (Tensor::arange(0f32, y.elem_count() as f32, &dev).unwrap() * 0.1)
+                .unwrap()
+                .reshape(y.shape())
+                .unwrap();
+            let loss = (y.clone() * weights).unwrap().sum_all().unwrap();
+            let g = if tandem_backward {
+                crate::backward(&loss).unwrap()
+            } else {
+                loss.backward().unwrap()
+            };
+            let grad = |t: &Tensor| bits(g.get(t).expect("a gradient"));
+            [
+                bits(&y),
+                grad(x.as_tensor()),
+                grad(r.as_tensor()),
+                grad(vars["weight"].as_tensor()),
+                grad(vars["bias"].as_tensor()),
+                bits(bn.running_mean()),
+                bits(bn.running_var()),
+            ]
+        };
+        for tandem_backward in [true, false] {
+            let (a, b) = (run(true, tandem_backward), run(false, tandem_backward));
+            for (i, name) in ["y", "gx", "gr", "gweight", "gbias", "running_mean", "running_var"]
+                .iter()
+                .enumerate()
+            {
+                assert_eq!(a[i], b[i], "{name} (tandem backward: {tandem_backward})");
+            }
+            let y: Vec<f32> = a[0].iter().map(|&v| f32::from_bits(v)).collect();
+            assert!(y.contains(&0.0) && y.iter().any(|&v| v > 0.0), "some outputs are clamped");
+        }
+        let vm = VarMap::new();
+        let bn = fast_batch_norm2d(3, VarBuilder::from_varmap(&vm, DType::F32, &dev)).unwrap();
+        let err = bn.forward_t_add_relu(&input(1, 2), &input(1, 3), true).unwrap_err();
+        assert!(err.to_string().contains("residual"), "{err}");
     }
 
     /// The fused BatchNorm+ReLU equals ReLU after the BatchNorm (itself checked against torch in

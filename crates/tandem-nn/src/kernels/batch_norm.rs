@@ -11,6 +11,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::contiguous_f32;
+use crate::kernels::relu::masked_by_positive;
 use crate::kernels::{par_filled, with_f32_slice, LaneSums};
 use crate::vectorized_kernel;
 
@@ -56,13 +57,14 @@ fn scale_shift(gamma: f32, beta: f32, mean: f32, invstd: f32) -> (f32, f32) {
 }
 
 vectorized_kernel! {
-    /// `γ·(x − mean)·invstd + β` (then clamped at zero when `relu`) of `x: [N, C, HW]`.
+    /// `γ·(x − mean)·invstd + β` of `x: [N, C, HW]`, plus `residual` when given, then clamped
+    /// at zero when `relu` (always with a residual).
     fn normalize(
         x: &[f32],
         gamma: &[f32],
         beta: &[f32],
         (mean, invstd): (&[f32], &[f32]),
-        relu: bool,
+        (relu, residual): (bool, Option<&[f32]>),
         (c, hw): (usize, usize),
     ) -> Vec<f32> {
         // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
@@ -72,7 +74,12 @@ vectorized_kernel! {
                 let ch = plane % c;
                 let (scale, shift) = scale_shift(gamma[ch], beta[ch], mean[ch], invstd[ch]);
                 let x = &x[plane * hw..(plane + 1) * hw];
-                if relu {
+                if let Some(r) = residual {
+                    // (x·scale + shift) + r: the unfused BatchNorm's output, then the sum.
+                    let out = |(x, r): (&f32, &f32)| (x * scale + shift + r).max(0.0);
+                    let sums = x.iter().zip(&r[plane * hw..(plane + 1) * hw]);
+                    y.iter_mut().zip(sums).for_each(|(y, xr)| _ = y.write(out(xr)));
+                } else if relu {
                     let relu = |x: f32| (x * scale + shift).max(0.0);
                     y.iter_mut().zip(x).for_each(|(y, &x)| _ = y.write(relu(x)));
                 } else {
@@ -116,7 +123,8 @@ impl CustomOp3 for BatchNormTrain {
         let x = contiguous_f32(xs, xl, "batch_norm", "input")?;
         let gamma = contiguous_f32(gs, gl, "batch_norm", "weight")?;
         let beta = contiguous_f32(bs, bl, "batch_norm", "bias")?;
-        let y = normalize(x, gamma, beta, (&self.mean, &self.invstd), self.relu, (c, hw));
+        let stats = (&self.mean[..], &self.invstd[..]);
+        let y = normalize(x, gamma, beta, stats, (self.relu, None), (c, hw));
         Ok((CpuStorage::F32(y), xl.shape().clone()))
     }
 
@@ -140,19 +148,12 @@ impl CustomOp3 for BatchNormTrain {
             with_f32_slice(&gy, |gy| backward_slices(x, gy, &stats, relu, dims, want_gx))
         })??;
         let dev = x.device();
-        // gγ = Σ g·x̂ = invstd · Σ g·(x − mean).
         let ggamma = gamma
             .track_op()
-            .then(|| {
-                let v: Vec<f32> =
-                    sums.iter().zip(&self.invstd).map(|(s, &i)| (s.1 * i as f64) as f32).collect();
-                Tensor::from_vec(v, c, dev)
-            })
+            .then(|| Tensor::from_vec(weight_grad(&sums, &self.invstd), c, dev))
             .transpose()?;
-        let gbeta = beta
-            .track_op()
-            .then(|| Tensor::from_vec(sums.iter().map(|s| s.0 as f32).collect::<Vec<_>>(), c, dev))
-            .transpose()?;
+        let gbeta =
+            beta.track_op().then(|| Tensor::from_vec(bias_grad(&sums), c, dev)).transpose()?;
         let gx = gx.map(|v| Tensor::from_vec(v, x.shape(), dev)).transpose()?;
         Ok((gx, ggamma, gbeta))
     }
@@ -239,6 +240,91 @@ vectorized_kernel! {
     }
 }
 
+/// `gγ = Σ g·x̂ = invstd · Σ g·(x − mean)` from [`backward_slices`]' sums.
+fn weight_grad(sums: &[(f64, f64)], invstd: &[f32]) -> Vec<f32> {
+    sums.iter().zip(invstd).map(|(s, &i)| (s.1 * i as f64) as f32).collect()
+}
+
+/// `gβ = Σ g` from [`backward_slices`]' sums.
+fn bias_grad(sums: &[(f64, f64)]) -> Vec<f32> {
+    sums.iter().map(|s| s.0 as f32).collect()
+}
+
+/// A residual block's tail, `relu(BatchNorm(x) + residual)`, as one op: the BatchNorm's
+/// output never becomes a tensor of candle's graph, so backward makes no zeroed accumulator
+/// for its gradient (a memset and an add over the activation), and the sum is not a pass of
+/// its own. γ and β come as one `[2C]` operand (`cat(γ, β)`), candle's custom ops taking three.
+/// The same bits as the three ops apart, forward and backward.
+struct BatchNormAddRelu {
+    mean: Vec<f32>,
+    invstd: Vec<f32>,
+}
+
+impl CustomOp3 for BatchNormAddRelu {
+    fn name(&self) -> &'static str {
+        "tandem-batch-norm-add-relu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ps: &CpuStorage,
+        pl: &Layout,
+        rs: &CpuStorage,
+        rl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (_, c, hw) = dims(xl)?;
+        let x = contiguous_f32(xs, xl, "batch_norm_add_relu", "input")?;
+        let params = contiguous_f32(ps, pl, "batch_norm_add_relu", "weight and bias")?;
+        let r = contiguous_f32(rs, rl, "batch_norm_add_relu", "residual")?;
+        if params.len() != 2 * c || r.len() != x.len() {
+            candle_core::bail!(
+                "batch_norm_add_relu: input {:?} with {} weight and bias values and residual {:?}",
+                xl.dims(),
+                params.len(),
+                rl.dims()
+            )
+        }
+        let (gamma, beta) = params.split_at(c);
+        let stats = (&self.mean[..], &self.invstd[..]);
+        let y = normalize(x, gamma, beta, stats, (true, Some(r)), (c, hw));
+        Ok((CpuStorage::F32(y), xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        params: &Tensor,
+        r: &Tensor,
+        y: &Tensor,
+        gy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (n, c, h, w) = x.dims4()?;
+        let p: Vec<f32> = params.to_vec1()?;
+        let (gamma, beta) = p.split_at(c);
+        // The gradient past the ReLU: the residual's, and the BatchNorm output's.
+        let g = masked_by_positive(&gy.contiguous()?, y)?;
+        let stats = Stats { mean: &self.mean, invstd: &self.invstd, gamma, beta };
+        let dims = (n, c, h * w);
+        let want_gx = x.track_op();
+        let (sums, gx) =
+            with_f32_slice(x, |xs| backward_slices(xs, &g, &stats, false, dims, want_gx))?;
+        let dev = x.device();
+        let gparams = params
+            .track_op()
+            .then(|| {
+                let mut v = weight_grad(&sums, &self.invstd);
+                v.extend(bias_grad(&sums));
+                Tensor::from_vec(v, 2 * c, dev)
+            })
+            .transpose()?;
+        let gx = gx.map(|v| Tensor::from_vec(v, x.shape(), dev)).transpose()?;
+        let gr = r.track_op().then(|| Tensor::from_vec(g, r.shape(), dev)).transpose()?;
+        Ok((gx, gparams, gr))
+    }
+}
+
 /// Training-mode FastBatchNorm2d on a CPU f32 `x: [N, C, H, W]`: the output, and the batch's
 /// per-channel mean and biased variance (for the running statistics) with the element count.
 pub fn batch_norm_train(
@@ -259,10 +345,41 @@ pub fn batch_norm_train_act(
     relu: bool,
 ) -> candle_core::Result<(Tensor, Vec<f32>, Vec<f32>, usize)> {
     let x = x.contiguous()?;
-    let (n, c, h, w) = x.dims4()?;
-    let (mean, var, count) = with_f32_slice(&x, |s| batch_stats(s, (n, c, h * w)))?;
-    let invstd = var.iter().map(|v| (1.0 / (*v as f64 + eps).sqrt()) as f32).collect();
+    let (mean, var, count, invstd) = train_stats(&x, eps)?;
     let op = BatchNormTrain { mean: mean.clone(), invstd, relu }; // the op keeps its own for backward
     let y = x.apply_op3(&gamma.contiguous()?, &beta.contiguous()?, op)?;
     Ok((y, mean, var, count))
+}
+
+/// `relu(batch_norm_train(x) + residual)` as one op (see `BatchNormAddRelu`): the output, and
+/// the batch's mean, biased variance and element count.
+pub fn batch_norm_train_add_relu(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    residual: &Tensor,
+    eps: f64,
+) -> candle_core::Result<(Tensor, Vec<f32>, Vec<f32>, usize)> {
+    if residual.shape() != x.shape() {
+        candle_core::bail!(
+            "batch_norm_add_relu: residual {:?} for input {:?}",
+            residual.dims(),
+            x.dims()
+        )
+    }
+    let x = x.contiguous()?;
+    let (mean, var, count, invstd) = train_stats(&x, eps)?;
+    let op = BatchNormAddRelu { mean: mean.clone(), invstd };
+    let params = Tensor::cat(&[gamma, beta], 0)?;
+    let y = x.apply_op3(&params, &residual.contiguous()?, op)?;
+    Ok((y, mean, var, count))
+}
+
+/// The batch's per-channel mean, biased variance, element count and `1/sqrt(var + eps)`.
+#[allow(clippy::type_complexity)]
+fn train_stats(x: &Tensor, eps: f64) -> candle_core::Result<(Vec<f32>, Vec<f32>, usize, Vec<f32>)> {
+    let (n, c, h, w) = x.dims4()?;
+    let (mean, var, count) = with_f32_slice(x, |s| batch_stats(s, (n, c, h * w)))?;
+    let invstd = var.iter().map(|v| (1.0 / (*v as f64 + eps).sqrt()) as f32).collect();
+    Ok((mean, var, count, invstd))
 }

@@ -73,7 +73,7 @@ vectorized_kernel! {
 }
 
 /// `gy` where `y > 0`, else 0.
-fn masked_by_positive(gy: &Tensor, y: &Tensor) -> candle_core::Result<Vec<f32>> {
+pub(crate) fn masked_by_positive(gy: &Tensor, y: &Tensor) -> candle_core::Result<Vec<f32>> {
     with_f32_slice(gy, |gy| with_f32_slice(y, |y| masked_slice(gy, y)))?
 }
 
