@@ -54,9 +54,9 @@ impl BasicBlock {
     }
 
     fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
-        let out = self.bn1.forward_t_relu(&self.conv1.forward(x)?, train)?;
+        let out = self.bn1.forward_conv_t_relu(&self.conv1, x, train)?;
         let shortcut = match &self.downsample {
-            Some((conv, bn)) => bn.forward_t(&conv.forward(x)?, train)?,
+            Some((conv, bn)) => bn.forward_conv_t(conv, x, train)?,
             None => x.clone(),
         };
         self.bn2.forward_t_add_relu(&self.conv2.forward(&out)?, &shortcut, train)
@@ -133,7 +133,7 @@ impl ResNet {
     /// uses batch statistics when `train`, the running ones otherwise.
     pub fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         let x = if x.rank() == 2 { x.reshape((x.dim(0)?, 3, 32, 32))? } else { x.clone() };
-        let mut x = self.bn1.forward_t_relu(&self.conv1.forward(&x)?, train)?;
+        let mut x = self.bn1.forward_conv_t_relu(&self.conv1, &x, train)?;
         for block in self.layers.iter().flatten() {
             x = block.forward_t(&x, train)?;
         }

@@ -19,11 +19,13 @@
 use std::sync::{Arc, RwLock};
 
 use candle_core::{DType, Tensor, Var};
-use candle_nn::{Init, ModuleT, VarBuilder};
+use candle_nn::{Init, Module, ModuleT, VarBuilder};
 
+use crate::conv::FastConv2d;
 use crate::kernels::batch_norm::{
     batch_norm_train, batch_norm_train_act, batch_norm_train_add_relu,
 };
+use crate::kernels::conv_batch_norm::conv_batch_norm_train;
 use crate::kernels::relu::{add_relu, relu};
 
 /// What a synchronised BatchNorm reduces its statistics with: a differentiable sum over the
@@ -108,6 +110,63 @@ impl FastBatchNorm2d {
             return Ok(y);
         }
         relu(&self.forward_t(x, train)?)
+    }
+
+    /// `self(conv(x))`: in training mode on the CPU (unsynchronised, the convolution without
+    /// bias or groups) one op, PyTorch's `ConvBn2d` — the convolution's output gets no zeroed
+    /// gradient buffer in backward (see `kernels::conv_batch_norm`); the same values as the
+    /// two modules apart.
+    pub fn forward_conv_t(
+        &self,
+        conv: &FastConv2d,
+        x: &Tensor,
+        train: bool,
+    ) -> candle_core::Result<Tensor> {
+        match self.fused_conv(conv, x, train, false)? {
+            Some(y) => Ok(y),
+            None => self.forward_t(&conv.forward(x)?, train),
+        }
+    }
+
+    /// `relu(self(conv(x)))`, fused as [`FastBatchNorm2d::forward_conv_t`] is (`ConvBnReLU2d`).
+    pub fn forward_conv_t_relu(
+        &self,
+        conv: &FastConv2d,
+        x: &Tensor,
+        train: bool,
+    ) -> candle_core::Result<Tensor> {
+        match self.fused_conv(conv, x, train, true)? {
+            Some(y) => Ok(y),
+            None => self.forward_t_relu(&conv.forward(x)?, train),
+        }
+    }
+
+    /// The fused convolution + BatchNorm (+ ReLU), or `None` where it does not apply.
+    fn fused_conv(
+        &self,
+        conv: &FastConv2d,
+        x: &Tensor,
+        train: bool,
+        relu: bool,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let params = conv.kernel_params().filter(|_| conv.bias().is_none());
+        let cpu_f32 = x.device().is_cpu() && x.dtype() == DType::F32 && x.rank() == 4;
+        let (Some(p), true, false, true) = (params, train, self.is_sync(), cpu_f32) else {
+            return Ok(None);
+        };
+        if conv.weight().dim(0)? != self.weight.dim(0)? {
+            candle_core::bail!(
+                "FastBatchNorm2d `{}` expects {} channels, the convolution before it makes {}",
+                self.path,
+                self.weight.dim(0)?,
+                conv.weight().dim(0)?
+            )
+        }
+        let (y, mean, var, count) =
+            conv_batch_norm_train(x, conv.weight(), p, (&self.weight, &self.bias), EPS, relu)?;
+        let (mean, var) = (Tensor::new(mean, x.device())?, Tensor::new(var, x.device())?);
+        self.update_running(&mean, &var, count as f64)?;
+        Ok(Some(y))
     }
 
     /// `relu(self(x) + residual)` — a residual block's tail — fused into one kernel in
@@ -233,6 +292,84 @@ mod tests {
             .map(|i| ((i as u32 * 7919 + seed * 104729) % 97) as f32 / 13.0)
             .collect();
         Tensor::from_vec(data, (n, 3, 2, 2), &Device::Cpu).unwrap()
+    }
+
+    /// The fused convolution + BatchNorm (+ ReLU) equals the two modules apart: outputs,
+    /// running statistics and every gradient (input, conv weight, γ, β), for a Winograd
+    /// convolution (3x3, 8 channels) and an im2col one (stride 2), through tandem's backward
+    /// and candle's, and with an input outside the graph (the data) too.
+    #[test]
+    fn fused_conv_batch_norm_equals_the_two_modules() {
+        let dev = Device::Cpu;
+        let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (stride, relu, tandem_backward, x_in_graph) in [
+            (1, true, true, true),
+            (1, false, false, true),
+            (2, true, false, true),
+            (2, false, true, false),
+        ] {
+            let run = |fused: bool| {
+                let vm = VarMap::new();
+                let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev);
+                let cfg = candle_nn::Conv2dConfig { padding: 1, stride, ..Default::default() };
+                let conv = crate::fast_conv2d_no_bias(8, 8, 3, cfg, vb.pp("conv")).unwrap();
+                let bn = fast_batch_norm2d(8, vb.pp("bn")).unwrap();
+                let vars = vm.data().lock().unwrap().clone();
+                let ramp = |n: usize, a: f32, b: f32| {
+                    (0..n).map(|i| ((i * 37) % 11) as f32 * a + b).collect::<Vec<f32>>()
+                };
+                vars["conv.weight"]
+                    .set(&Tensor::from_vec(ramp(576, 0.02, -0.1), (8, 8, 3, 3), &dev).unwrap())
+                    .unwrap();
+                vars["bn.weight"].set(&Tensor::new(ramp(8, 0.2, 0.5), &dev).unwrap()).unwrap();
+                vars["bn.bias"].set(&Tensor::new(ramp(8, 0.1, -0.4), &dev).unwrap()).unwrap();
+                let x = Var::from_tensor(
+                    &Tensor::from_vec(ramp(3 * 8 * 36, 0.3, -1.2), (3, 8, 6, 6), &dev).unwrap(),
+                )
+                .unwrap();
+                let input = if x_in_graph { x.as_tensor().clone() } else { x.as_detached_tensor() };
+                let y = match (fused, relu) {
+                    (true, true) => bn.forward_conv_t_relu(&conv, &input, true),
+                    (true, false) => bn.forward_conv_t(&conv, &input, true),
+                    (false, true) => bn.forward_t_relu(&conv.forward(&input).unwrap(), true),
+                    (false, false) => bn.forward_t(&conv.forward(&input).unwrap(), true),
+                }
+                .unwrap();
+                let weights = (Tensor::arange(0f32, y.elem_count() as f32, &dev).unwrap() * 0.1)
+                    .unwrap()
+                    .reshape(y.shape())
+                    .unwrap();
+                let loss = (y.clone() * weights).unwrap().sum_all().unwrap();
+                let g = if tandem_backward {
+                    crate::backward(&loss).unwrap()
+                } else {
+                    loss.backward().unwrap()
+                };
+                let mut out = vec![values(&y), values(bn.running_mean()), values(bn.running_var())];
+                for name in ["conv.weight", "bn.weight", "bn.bias"] {
+                    out.push(values(g.get(vars[name].as_tensor()).expect(name)));
+                }
+                match g.get(x.as_tensor()) {
+                    Some(gx) => out.push(values(gx)),
+                    None => assert!(!x_in_graph, "the input's gradient is missing"),
+                }
+                out
+            };
+            let (a, b) = (run(true), run(false));
+            let case = format!("stride {stride} relu {relu} tandem backward {tandem_backward}");
+            assert_eq!(a.len(), b.len(), "{case}");
+            let names = ["y", "running_mean", "running_var", "gconv", "ggamma", "gbeta", "gx"];
+            for ((p, q), name) in a.iter().zip(&b).zip(names) {
+                assert_eq!(p, q, "{name}, {case}");
+            }
+            assert!(a[0].contains(&0.0) == relu, "clamped outputs only with the ReLU, {case}");
+        }
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev);
+        let conv = crate::fast_conv2d_no_bias(3, 4, 3, Default::default(), vb.pp("c")).unwrap();
+        let bn = fast_batch_norm2d(3, vb.pp("bn")).unwrap();
+        let err = bn.forward_conv_t(&conv, &input(1, 2), true).unwrap_err();
+        assert!(err.to_string().contains("makes 4"), "{err}");
     }
 
     /// The fused residual tail `relu(bn(x) + r)` equals the BatchNorm then `add_relu` bit for

@@ -27,13 +27,23 @@ impl FastConv2d {
     pub fn bias(&self) -> Option<&Tensor> {
         self.bias.as_ref()
     }
+
+    /// Stride, padding and dilation for tandem's kernels: `None` for a grouped convolution
+    /// (candle's).
+    pub fn kernel_params(&self) -> Option<ConvParams> {
+        let c = self.config;
+        (c.groups == 1).then_some(ConvParams {
+            stride: c.stride,
+            padding: c.padding,
+            dilation: c.dilation,
+        })
+    }
 }
 
 impl Module for FastConv2d {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let c = self.config;
-        if c.groups == 1 {
-            let p = ConvParams { stride: c.stride, padding: c.padding, dilation: c.dilation };
+        if let Some(p) = self.kernel_params() {
             return match &self.bias {
                 Some(b) => conv2d_bias(x, &self.weight, b, p),
                 None => conv2d_kernel(x, &self.weight, p),

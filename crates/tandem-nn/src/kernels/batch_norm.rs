@@ -59,7 +59,7 @@ fn scale_shift(gamma: f32, beta: f32, mean: f32, invstd: f32) -> (f32, f32) {
 vectorized_kernel! {
     /// `γ·(x − mean)·invstd + β` of `x: [N, C, HW]`, plus `residual` when given, then clamped
     /// at zero when `relu` (always with a residual).
-    fn normalize(
+    pub(crate) fn normalize(
         x: &[f32],
         gamma: &[f32],
         beta: &[f32],
@@ -241,12 +241,12 @@ vectorized_kernel! {
 }
 
 /// `gγ = Σ g·x̂ = invstd · Σ g·(x − mean)` from [`backward_slices`]' sums.
-fn weight_grad(sums: &[(f64, f64)], invstd: &[f32]) -> Vec<f32> {
+pub(crate) fn weight_grad(sums: &[(f64, f64)], invstd: &[f32]) -> Vec<f32> {
     sums.iter().zip(invstd).map(|(s, &i)| (s.1 * i as f64) as f32).collect()
 }
 
 /// `gβ = Σ g` from [`backward_slices`]' sums.
-fn bias_grad(sums: &[(f64, f64)]) -> Vec<f32> {
+pub(crate) fn bias_grad(sums: &[(f64, f64)]) -> Vec<f32> {
     sums.iter().map(|s| s.0 as f32).collect()
 }
 

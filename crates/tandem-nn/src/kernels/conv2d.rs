@@ -606,9 +606,19 @@ fn cpu_forward(
     Ok((y, g))
 }
 
+/// The convolution's output `[N, O, Ho, Wo]` as a flat vector, and its shape.
+pub(crate) fn forward_f32(
+    p: ConvParams,
+    (xs, xl): (&CpuStorage, &Layout),
+    (ws, wl): (&CpuStorage, &Layout),
+) -> candle_core::Result<(Vec<f32>, Shape)> {
+    let (y, g) = cpu_forward(p, xs, xl, ws, wl)?;
+    Ok((y, g.out_shape()))
+}
+
 /// The gradients of the input and the weight (each only when it is in the autograd graph;
 /// inside [`crate::backward`] the weight's goes to the store directly).
-fn backward(
+pub(crate) fn backward(
     p: ConvParams,
     x: &Tensor,
     w: &Tensor,

@@ -4,6 +4,7 @@
 //! around them and the backward passes.
 pub mod batch_norm;
 pub mod conv2d;
+pub mod conv_batch_norm;
 pub(crate) mod matmul;
 pub mod pool;
 pub mod prelu;
