@@ -1,6 +1,8 @@
 //! The 3x3 "same" convolutions of CIFAR ResNet-18 and of IResNet-18, through im2col + gemm and
 //! through Winograd F(2x2, 3x3), on this thread count (`RAYON_NUM_THREADS`; a rank of a 2-rank
 //! job on 2 cores has 1): best-of-N milliseconds forward and backward (both gradients).
+//! (The "wino" forward is the path a Winograd-eligible shape takes: for 16 channels whose
+//! im2col buffer fits the cache, that is im2col too — see `conv2d`'s choice.)
 //!
 //!   RAYON_NUM_THREADS=1 cargo run --release -p tandem-nn --example conv_strategies [REPEATS [FILTER]]
 //!
