@@ -294,6 +294,20 @@ mod tests {
         Tensor::from_vec(data, (n, 3, 2, 2), &Device::Cpu).unwrap()
     }
 
+    /// The gradients of `Σ y·ramp` (a ramp of 0.1 steps), by tandem's backward or candle's.
+    fn weighted_sum_grads(y: &Tensor, tandem_backward: bool) -> candle_core::backprop::GradStore {
+        let ramp = (Tensor::arange(0f32, y.elem_count() as f32, y.device()).unwrap() * 0.1)
+            .unwrap()
+            .reshape(y.shape())
+            .unwrap();
+        let loss = (y * ramp).unwrap().sum_all().unwrap();
+        if tandem_backward {
+            crate::backward(&loss).unwrap()
+        } else {
+            loss.backward().unwrap()
+        }
+    }
+
     /// The fused convolution + BatchNorm (+ ReLU) equals the two modules apart: outputs,
     /// running statistics and every gradient (input, conv weight, γ, β), for a Winograd
     /// convolution (3x3, 8 channels) and an im2col one (stride 2), through tandem's backward
@@ -335,16 +349,7 @@ mod tests {
                     (false, false) => bn.forward_t(&conv.forward(&input).unwrap(), true),
                 }
                 .unwrap();
-                let weights = (Tensor::arange(0f32, y.elem_count() as f32, &dev).unwrap() * 0.1)
-                    .unwrap()
-                    .reshape(y.shape())
-                    .unwrap();
-                let loss = (y.clone() * weights).unwrap().sum_all().unwrap();
-                let g = if tandem_backward {
-                    crate::backward(&loss).unwrap()
-                } else {
-                    loss.backward().unwrap()
-                };
+                let g = weighted_sum_grads(&y, tandem_backward);
                 let mut out = vec![values(&y), values(bn.running_mean()), values(bn.running_var())];
                 for name in ["conv.weight", "bn.weight", "bn.bias"] {
                     out.push(values(g.get(vars[name].as_tensor()).expect(name)));
@@ -395,16 +400,7 @@ mod tests {
             } else {
                 add_relu(&bn.forward_t(x.as_tensor(), true).unwrap(), r.as_tensor()).unwrap()
             };
-            let weights = (Tensor::arange(0f32, y.elem_count() as f32, &dev).unwrap() * 0.1)
-                .unwrap()
-                .reshape(y.shape())
-                .unwrap();
-            let loss = (y.clone() * weights).unwrap().sum_all().unwrap();
-            let g = if tandem_backward {
-                crate::backward(&loss).unwrap()
-            } else {
-                loss.backward().unwrap()
-            };
+            let g = weighted_sum_grads(&y, tandem_backward);
             let grad = |t: &Tensor| bits(g.get(t).expect("a gradient"));
             [
                 bits(&y),

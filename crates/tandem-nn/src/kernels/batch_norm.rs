@@ -241,13 +241,28 @@ vectorized_kernel! {
 }
 
 /// `gγ = Σ g·x̂ = invstd · Σ g·(x − mean)` from [`backward_slices`]' sums.
-pub(crate) fn weight_grad(sums: &[(f64, f64)], invstd: &[f32]) -> Vec<f32> {
+fn weight_grad(sums: &[(f64, f64)], invstd: &[f32]) -> Vec<f32> {
     sums.iter().zip(invstd).map(|(s, &i)| (s.1 * i as f64) as f32).collect()
 }
 
 /// `gβ = Σ g` from [`backward_slices`]' sums.
-pub(crate) fn bias_grad(sums: &[(f64, f64)]) -> Vec<f32> {
+fn bias_grad(sums: &[(f64, f64)]) -> Vec<f32> {
     sums.iter().map(|s| s.0 as f32).collect()
+}
+
+/// `cat(gγ, gβ)` (the gradient of a fused op's one `[2C]` affine operand) from
+/// [`backward_slices`]' sums, when `params` is in the graph.
+pub(crate) fn affine_grad(
+    params: &Tensor,
+    sums: &[(f64, f64)],
+    invstd: &[f32],
+) -> candle_core::Result<Option<Tensor>> {
+    if !params.track_op() {
+        return Ok(None);
+    }
+    let mut v = weight_grad(sums, invstd);
+    v.extend(bias_grad(sums));
+    Ok(Some(Tensor::from_vec(v, 2 * sums.len(), params.device())?))
 }
 
 /// A residual block's tail, `relu(BatchNorm(x) + residual)`, as one op: the BatchNorm's
@@ -311,14 +326,7 @@ impl CustomOp3 for BatchNormAddRelu {
         let (sums, gx) =
             with_f32_slice(x, |xs| backward_slices(xs, &g, &stats, false, dims, want_gx))?;
         let dev = x.device();
-        let gparams = params
-            .track_op()
-            .then(|| {
-                let mut v = weight_grad(&sums, &self.invstd);
-                v.extend(bias_grad(&sums));
-                Tensor::from_vec(v, 2 * c, dev)
-            })
-            .transpose()?;
+        let gparams = affine_grad(params, &sums, &self.invstd)?;
         let gx = gx.map(|v| Tensor::from_vec(v, x.shape(), dev)).transpose()?;
         let gr = r.track_op().then(|| Tensor::from_vec(g, r.shape(), dev)).transpose()?;
         Ok((gx, gparams, gr))

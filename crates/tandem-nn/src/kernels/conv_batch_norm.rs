@@ -12,7 +12,7 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
-use super::batch_norm::{backward_slices, batch_stats, bias_grad, normalize, weight_grad, Stats};
+use super::batch_norm::{affine_grad, backward_slices, batch_stats, normalize, Stats};
 use super::conv2d::{self, ConvParams};
 use crate::contiguous_f32;
 use crate::kernels::with_f32_slice;
@@ -93,15 +93,7 @@ impl CustomOp3 for ConvBatchNorm {
         let gz = gz.expect("asked for the input gradient");
         let gz = Tensor::from_vec(gz, gy.shape(), dev)?;
         let (gx, gw) = conv2d::backward(self.conv, x, w, &gz)?;
-        let gparams = params
-            .track_op()
-            .then(|| {
-                let mut v = weight_grad(&sums, &saved.invstd);
-                v.extend(bias_grad(&sums));
-                Tensor::from_vec(v, 2 * c, dev)
-            })
-            .transpose()?;
-        Ok((gx, gw, gparams))
+        Ok((gx, gw, affine_grad(params, &sums, &saved.invstd)?))
     }
 }
 
