@@ -100,14 +100,15 @@ impl FastBatchNorm2d {
 
     /// `relu(self(x))`, fused into one kernel in training mode on the CPU (unsynchronised).
     pub fn forward_t_relu(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
-        let sync = self.is_sync();
-        if train && !sync && x.device().is_cpu() && x.dtype() == DType::F32 && x.rank() == 4 {
+        if self.takes_fused_kernels(x, train) {
             self.check_input(x)?;
-            let (y, mean, var, count) =
-                batch_norm_train_act(x, &self.weight, &self.bias, EPS, true)?;
-            let (mean, var) = (Tensor::new(mean, x.device())?, Tensor::new(var, x.device())?);
-            self.update_running(&mean, &var, count as f64)?;
-            return Ok(y);
+            return self.record_batch(batch_norm_train_act(
+                x,
+                &self.weight,
+                &self.bias,
+                EPS,
+                true,
+            )?);
         }
         relu(&self.forward_t(x, train)?)
     }
@@ -150,8 +151,7 @@ impl FastBatchNorm2d {
         relu: bool,
     ) -> candle_core::Result<Option<Tensor>> {
         let params = conv.kernel_params().filter(|_| conv.bias().is_none());
-        let cpu_f32 = x.device().is_cpu() && x.dtype() == DType::F32 && x.rank() == 4;
-        let (Some(p), true, false, true) = (params, train, self.is_sync(), cpu_f32) else {
+        let (Some(p), true) = (params, self.takes_fused_kernels(x, train)) else {
             return Ok(None);
         };
         if conv.weight().dim(0)? != self.weight.dim(0)? {
@@ -162,11 +162,8 @@ impl FastBatchNorm2d {
                 conv.weight().dim(0)?
             )
         }
-        let (y, mean, var, count) =
-            conv_batch_norm_train(x, conv.weight(), p, (&self.weight, &self.bias), EPS, relu)?;
-        let (mean, var) = (Tensor::new(mean, x.device())?, Tensor::new(var, x.device())?);
-        self.update_running(&mean, &var, count as f64)?;
-        Ok(Some(y))
+        let affine = (&self.weight, &self.bias);
+        self.record_batch(conv_batch_norm_train(x, conv.weight(), p, affine, EPS, relu)?).map(Some)
     }
 
     /// `relu(self(x) + residual)` — a residual block's tail — fused into one kernel in
@@ -178,16 +175,30 @@ impl FastBatchNorm2d {
         residual: &Tensor,
         train: bool,
     ) -> candle_core::Result<Tensor> {
-        let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
-        if train && !self.is_sync() && cpu_f32(x) && cpu_f32(residual) && x.rank() == 4 {
+        let residual_cpu_f32 = residual.device().is_cpu() && residual.dtype() == DType::F32;
+        if self.takes_fused_kernels(x, train) && residual_cpu_f32 {
             self.check_input(x)?;
-            let (y, mean, var, count) =
-                batch_norm_train_add_relu(x, &self.weight, &self.bias, residual, EPS)?;
-            let (mean, var) = (Tensor::new(mean, x.device())?, Tensor::new(var, x.device())?);
-            self.update_running(&mean, &var, count as f64)?;
-            return Ok(y);
+            let out = batch_norm_train_add_relu(x, &self.weight, &self.bias, residual, EPS)?;
+            return self.record_batch(out);
         }
         add_relu(&self.forward_t(x, train)?, residual)
+    }
+
+    /// Whether training on `x` takes tandem's fused CPU kernels: training mode, this
+    /// process's statistics only (not synchronised), a CPU f32 `[N, C, H, W]` input.
+    fn takes_fused_kernels(&self, x: &Tensor, train: bool) -> bool {
+        train && !self.is_sync() && x.device().is_cpu() && x.dtype() == DType::F32 && x.rank() == 4
+    }
+
+    /// A fused kernel's output, its batch mean and biased variance folded into the running
+    /// statistics (`count` elements per channel).
+    fn record_batch(
+        &self,
+        (y, mean, var, count): (Tensor, Vec<f32>, Vec<f32>, usize),
+    ) -> candle_core::Result<Tensor> {
+        let (mean, var) = (Tensor::new(mean, y.device())?, Tensor::new(var, y.device())?);
+        self.update_running(&mean, &var, count as f64)?;
+        Ok(y)
     }
 
     fn check_input(&self, x: &Tensor) -> candle_core::Result<()> {
@@ -207,10 +218,7 @@ impl FastBatchNorm2d {
         let comm = self.sync.read().unwrap_or_else(|p| p.into_inner()).clone();
         if comm.is_none() && x.device().is_cpu() && x.dtype() == DType::F32 {
             // One process's statistics: the fused CPU kernel.
-            let (y, mean, var, count) = batch_norm_train(x, &self.weight, &self.bias, EPS)?;
-            let (mean, var) = (Tensor::new(mean, x.device())?, Tensor::new(var, x.device())?);
-            self.update_running(&mean, &var, count as f64)?;
-            return Ok(y);
+            return self.record_batch(batch_norm_train(x, &self.weight, &self.bias, EPS)?);
         }
         let local_count = (n * h * w) as f64;
         let dims = (0, 2, 3);

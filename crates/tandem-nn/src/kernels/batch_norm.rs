@@ -388,6 +388,11 @@ pub fn batch_norm_train_add_relu(
 fn train_stats(x: &Tensor, eps: f64) -> candle_core::Result<(Vec<f32>, Vec<f32>, usize, Vec<f32>)> {
     let (n, c, h, w) = x.dims4()?;
     let (mean, var, count) = with_f32_slice(x, |s| batch_stats(s, (n, c, h * w)))?;
-    let invstd = var.iter().map(|v| (1.0 / (*v as f64 + eps).sqrt()) as f32).collect();
+    let invstd = inverse_std(&var, eps);
     Ok((mean, var, count, invstd))
+}
+
+/// `1/sqrt(var + eps)` per channel.
+pub(crate) fn inverse_std(var: &[f32], eps: f64) -> Vec<f32> {
+    var.iter().map(|v| (1.0 / (*v as f64 + eps).sqrt()) as f32).collect()
 }

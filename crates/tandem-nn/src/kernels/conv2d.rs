@@ -33,6 +33,7 @@ pub struct ConvParams {
 
 /// Output lines shorter than this are gathered through a table of offsets
 /// ([`Geometry::im2col_taps`]) rather than copied line by line. Public for the probes.
+#[doc(hidden)]
 pub static SHORT_LINE_BELOW: std::sync::atomic::AtomicUsize =
     std::sync::atomic::AtomicUsize::new(24);
 

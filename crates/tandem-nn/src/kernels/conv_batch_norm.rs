@@ -12,7 +12,7 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
-use super::batch_norm::{affine_grad, backward_slices, batch_stats, normalize, Stats};
+use super::batch_norm::{affine_grad, backward_slices, batch_stats, inverse_std, normalize, Stats};
 use super::conv2d::{self, ConvParams};
 use crate::contiguous_f32;
 use crate::kernels::with_f32_slice;
@@ -60,8 +60,7 @@ impl CustomOp3 for ConvBatchNorm {
         }
         let dims = (n, c, h * w);
         let (mean, var, _) = batch_stats(&z, dims);
-        let invstd: Vec<f32> =
-            var.iter().map(|v| (1.0 / (*v as f64 + self.eps).sqrt()) as f32).collect();
+        let invstd = inverse_std(&var, self.eps);
         let (gamma, beta) = params.split_at(c);
         let y = normalize(&z, gamma, beta, (&mean, &invstd), (self.relu, None), (c, h * w));
         if self.saved.set(Saved { z, dims, mean, var, invstd }).is_err() {
