@@ -67,7 +67,7 @@ fn main() -> Result<()> {
         let (mut loss_sum, mut n) = (0.0, 0);
         for batch in loader.iter()? {
             let batch = batch?;
-            let labels: Vec<i64> = batch.y.to_vec1::<u32>()?.into_iter().map(i64::from).collect();
+            let labels: Vec<i64> = batch.labels.iter().map(|&l| i64::from(l)).collect();
             let loss = head.forward(&model.forward_t(&batch.x, true)?, &labels)?;
             let (local, params) = ([head.weight().clone()], ddp.params());
             let backward = |l: &_| ddp.backward_with_local(l, &local);

@@ -17,7 +17,12 @@ usage:
       --sample-rate below 1 runs PartialFC v2's class sampling (positives kept, the rest by the
       top-k of random scores, the sampled rows indexed out of the shard). Also prints rank 0's
       `step_ms data=.. forward=.. head=.. backward=.. optimizer=..` and every rank's
-      `peak_rss_bytes=a,b,...` (ru_maxrss).
+      `peak_rss_bytes=a,b,...` (ru_maxrss). On a GPU (--device cuda): cudnn.benchmark, and
+      [--amp f16|bf16] runs arcface_torch's fp16 (torch.autocast over the backbone's body and the
+      logits, a GradScaler with growth_interval 100 for f16); --warmup-steps K leaves the first K
+      steps out of samples/s; --profile waits for the GPU at each phase so step_ms splits the
+      time (without it only the total is timed, the host running ahead as in training); prints
+      `gpu_peak_bytes=` (torch.cuda.max_memory_allocated).
   python reference.py verify MODEL.pt --pairs PAIRS.bin --width W --embedding E [--depth 18]
       insightface's verification test of a backbone state dict on a `.bin` pair set (eval mode,
       each image plus its mirror, L2-normalised, 10-fold threshold in 0..4 by 0.01); prints
@@ -95,11 +100,16 @@ class IResNet(nn.Module):
         nn.init.constant_(self.features.weight, 1.0)
         self.features.weight.requires_grad = False
 
+    # arcface_torch's `fp16`: the body under torch.autocast, fc and features in float32.
+    amp_dtype = None
+
     def forward(self, x):
-        x = self.prelu(self.bn1(self.conv1(x)))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        x = self.dropout(torch.flatten(self.bn2(x), 1))
-        return self.features(self.fc(x))
+        with torch.autocast(x.device.type, dtype=self.amp_dtype or torch.float32,
+                            enabled=self.amp_dtype is not None):
+            x = self.prelu(self.bn1(self.conv1(x)))
+            x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+            x = self.dropout(torch.flatten(self.bn2(x), 1))
+        return self.features(self.fc(x.float() if self.amp_dtype is not None else x))
 
 
 class PolyScheduler(torch.optim.lr_scheduler._LRScheduler):
@@ -186,6 +196,7 @@ class PartialFC(nn.Module):
         self.margin = margin
         self.sample_rate = sample_rate
         self.num_sample = int(sample_rate * self.num_local)
+        self.amp_dtype = None
 
     def forward(self, embeddings, labels):
         gathered = GatherSumTimesWorld.apply(embeddings)
@@ -206,7 +217,11 @@ class PartialFC(nn.Module):
             hit = labels >= 0
             labels[hit] = torch.searchsorted(index, labels[hit])
             weight = self.weight[index]
-        logits = F.linear(F.normalize(gathered), F.normalize(weight)).clamp(-1, 1)
+        # arcface_torch's PartialFC_V2: the cosine logits under autocast, then float32.
+        with torch.autocast(embeddings.device.type, dtype=self.amp_dtype or torch.float32,
+                            enabled=self.amp_dtype is not None):
+            logits = F.linear(F.normalize(gathered), F.normalize(weight))
+        logits = logits.float().clamp(-1, 1)
         logits = combined_margin(logits, labels, *self.margin)
         return DistCrossEntropy.apply(logits, labels)
 
@@ -260,10 +275,14 @@ def worker(rank, args, port):
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.set_device(dev.index or 0)
+        # arcface_torch's train_v2.py: cuDNN picks each convolution's fastest algorithm.
+        torch.backends.cudnn.benchmark = True
+    amp = {"none": None, "f16": torch.float16, "bf16": torch.bfloat16}[args.amp]
 
-    def clock():
-        # Step phases are timed on the host: wait for the GPU's queued work first.
-        if cuda:
+    def clock(phase=False):
+        # With --profile, phases are timed on the host after waiting for the GPU's queued work;
+        # otherwise only the run's end waits (the host runs ahead of the GPU, as in training).
+        if cuda and (args.profile or not phase):
             torch.cuda.synchronize()
         return time.perf_counter()
     m1, m2, m3 = (float(v) for v in args.margin.split(","))
@@ -272,12 +291,16 @@ def worker(rank, args, port):
     backbone.load_state_dict(saved["backbone"], strict=True)
     dtype = torch.get_default_dtype()
     backbone.to(dtype).to(dev)
+    backbone.amp_dtype = amp
     backbone = nn.parallel.DistributedDataParallel(backbone, broadcast_buffers=False, bucket_cap_mb=16)
     backbone.train()
     full = saved["partial_fc"]["weight"].to(dtype) if "partial_fc" in saved else None
     head = PartialFC(full, (args.scale, m1, m2, m3, 0.0), args.world, rank, classes=args.classes,
                      embedding=args.embedding, sample_rate=args.sample_rate, seed=args.seed, dtype=dtype)
     head.to(dev)
+    head.amp_dtype = amp
+    # arcface_torch: torch.cuda.amp.GradScaler(growth_interval=100) with fp16 (bf16 needs none).
+    scaler = torch.amp.GradScaler(dev.type, growth_interval=100) if amp == torch.float16 else None
     opt = torch.optim.SGD([{"params": backbone.parameters()}, {"params": head.parameters()}],
                           lr=args.lr, momentum=args.momentum, weight_decay=args.wd)
     data = RecFaces(args.data)
@@ -291,6 +314,8 @@ def worker(rank, args, port):
     # Where rank 0's step time goes, as `tandem train` splits it (seconds summed).
     times = {"data": 0.0, "forward": 0.0, "head": 0.0, "backward": 0.0, "optimizer": 0.0}
     started = time.perf_counter()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         waited = time.perf_counter()
@@ -298,19 +323,30 @@ def worker(rank, args, port):
             if args.steps and step >= args.steps:
                 break
             step += 1
-            t0 = clock()
-            img, labels = img.to(dev), labels.to(dev)
+            if args.warmup_steps and step == args.warmup_steps + 1:
+                # One-off costs (cuDNN's algorithm search, allocator growth) stay out of the rate.
+                started, samples = clock(), 0
+            t0 = clock(phase=True)
+            img, labels = img.to(dev, non_blocking=True), labels.to(dev, non_blocking=True)
             embeddings = backbone(img.to(dtype))
-            t1 = clock()
+            t1 = clock(phase=True)
             loss = head(embeddings, labels)
-            t2 = clock()
-            loss.backward()
-            t3 = clock()
-            torch.nn.utils.clip_grad_norm_(backbone.parameters(), args.clip)
-            opt.step()
+            t2 = clock(phase=True)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                t3 = clock(phase=True)
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(backbone.parameters(), args.clip)
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                t3 = clock(phase=True)
+                torch.nn.utils.clip_grad_norm_(backbone.parameters(), args.clip)
+                opt.step()
             opt.zero_grad()
             sched.step()
-            t4 = clock()
+            t4 = clock(phase=True)
             for k, (a, b) in {"data": (waited, t0), "forward": (t0, t1), "head": (t1, t2),
                               "backward": (t2, t3), "optimizer": (t3, t4)}.items():
                 times[k] += b - a
@@ -371,6 +407,14 @@ def main():
     p.add_argument("--no-head", action="store_true", help="init: write the backbone only")
     p.add_argument("--out")
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (every rank on that GPU)")
+    p.add_argument("--amp", default="none", choices=["none", "f16", "bf16"],
+                   help="arcface_torch's fp16: the backbone and logits under torch.autocast, "
+                        "a GradScaler for f16 (GPU)")
+    p.add_argument("--profile", action="store_true",
+                   help="wait for the GPU at every phase boundary so step_ms splits the time "
+                        "(slows the run); without it only the total is timed")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="steps left out of samples/s (cuDNN's algorithm search runs in the first)")
     args = p.parse_args()
     if args.mode in ("init", "verify"):
         args.out = args.out or args.out_pos

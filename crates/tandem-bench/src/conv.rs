@@ -55,6 +55,14 @@ pub struct Args {
     /// A Python with torch: also time PyTorch on the same ops.
     #[arg(long)]
     torch: Option<PathBuf>,
+    /// `cpu`, or `cuda` (GPU 0: tandem through cuDNN and its CUDA kernels, PyTorch with
+    /// cudnn.benchmark; both wait for the device after every timed call).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
+    /// The activations' and weights' type on a GPU (`f16`, `bf16`: mixed precision, BatchNorm
+    /// and PReLU parameters in f32).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
+    dtype: String,
 }
 
 /// One op as both sides time it (the peer reads these as JSON).
@@ -153,40 +161,52 @@ struct Timed {
     im2col_fwdbwd_ms: Option<f64>,
 }
 
-/// Median ms of `f` over `repeats` runs after one warm-up (its result is dropped).
+/// Median ms of `f` over `repeats` runs after one warm-up (its result is dropped), each run
+/// waiting for `dev` to finish its work.
 fn median_ms<T>(
+    dev: &Device,
     repeats: usize,
     mut f: impl FnMut() -> candle_core::Result<T>,
 ) -> anyhow::Result<f64> {
     f()?;
+    dev.synchronize()?;
     let mut times = Vec::with_capacity(repeats);
     for _ in 0..repeats.max(1) {
         let t = Instant::now();
         f()?;
+        dev.synchronize()?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
 }
 
-fn time_op(op: &OpSpec, batch: usize, repeats: usize) -> anyhow::Result<Timed> {
-    let dev = Device::Cpu;
-    let x = Tensor::randn(0f32, 1.0, (batch, op.c_in, op.side, op.side), &dev)?;
+fn time_op(
+    op: &OpSpec,
+    batch: usize,
+    repeats: usize,
+    (dev, dtype): (&Device, DType),
+) -> anyhow::Result<Timed> {
+    let x = Tensor::randn(0f32, 1.0, (batch, op.c_in, op.side, op.side), dev)?.to_dtype(dtype)?;
     let x = if op.input_grad { Var::from_tensor(&x)?.as_tensor().clone() } else { x };
     match op.kind {
         "conv2d" => {
-            let w = Var::randn(0f32, 0.1, (op.c_out, op.c_in, op.kernel, op.kernel), &dev)?;
+            let w = Var::from_tensor(
+                &Tensor::randn(0f32, 0.1, (op.c_out, op.c_in, op.kernel, op.kernel), dev)?
+                    .to_dtype(dtype)?,
+            )?;
             let p = ConvParams { stride: op.stride, padding: op.kernel / 2, dilation: 1 };
-            let r = Tensor::randn(0f32, 1.0, conv2d(&x, w.as_tensor(), p)?.shape(), &dev)?;
+            let r = Tensor::randn(0f32, 1.0, conv2d(&x, w.as_tensor(), p)?.shape(), dev)?
+                .to_dtype(dtype)?;
             let fwd = || conv2d(&x, w.as_tensor(), p);
             let step = || (conv2d(&x, w.as_tensor(), p)? * &r)?.sum_all()?.backward();
-            let fwd_ms = median_ms(repeats, fwd)?;
-            let fwdbwd_ms = median_ms(repeats, step)?;
-            let winograd =
-                applies((op.kernel, op.kernel), op.stride, p.padding, 1, op.c_in, op.c_out);
+            let fwd_ms = median_ms(dev, repeats, fwd)?;
+            let fwdbwd_ms = median_ms(dev, repeats, step)?;
+            let winograd = dev.is_cpu()
+                && applies((op.kernel, op.kernel), op.stride, p.padding, 1, op.c_in, op.c_out);
             let im2col_fwdbwd_ms = if winograd {
                 let default = MIN_CHANNELS.swap(usize::MAX, Ordering::Relaxed);
-                let ms = median_ms(repeats, step);
+                let ms = median_ms(dev, repeats, step);
                 MIN_CHANNELS.store(default, Ordering::Relaxed);
                 Some(ms?)
             } else {
@@ -198,20 +218,20 @@ fn time_op(op: &OpSpec, batch: usize, repeats: usize) -> anyhow::Result<Timed> {
             let vm = VarMap::new();
             let bn = tandem_nn::fast_batch_norm2d(
                 op.c_in,
-                VarBuilder::from_varmap(&vm, DType::F32, &dev),
+                VarBuilder::from_varmap(&vm, DType::F32, dev),
             )?;
-            let r = Tensor::randn(0f32, 1.0, x.shape(), &dev)?;
-            let fwd_ms = median_ms(repeats, || bn.forward_t(&x, true))?;
+            let r = Tensor::randn(0f32, 1.0, x.shape(), dev)?.to_dtype(dtype)?;
+            let fwd_ms = median_ms(dev, repeats, || bn.forward_t(&x, true))?;
             let fwdbwd_ms =
-                median_ms(repeats, || (bn.forward_t(&x, true)? * &r)?.sum_all()?.backward())?;
+                median_ms(dev, repeats, || (bn.forward_t(&x, true)? * &r)?.sum_all()?.backward())?;
             Ok(Timed { fwd_ms, fwdbwd_ms, im2col_fwdbwd_ms: None })
         }
         _ => {
-            let a = Var::from_tensor(&Tensor::full(0.25f32, op.c_in, &dev)?)?;
-            let r = Tensor::randn(0f32, 1.0, x.shape(), &dev)?;
+            let a = Var::from_tensor(&Tensor::full(0.25f32, op.c_in, dev)?)?;
+            let r = Tensor::randn(0f32, 1.0, x.shape(), dev)?.to_dtype(dtype)?;
             let f = || tandem_nn::kernels::prelu::prelu(&x, a.as_tensor());
-            let fwd_ms = median_ms(repeats, f)?;
-            let fwdbwd_ms = median_ms(repeats, || (f()? * &r)?.sum_all()?.backward())?;
+            let fwd_ms = median_ms(dev, repeats, f)?;
+            let fwdbwd_ms = median_ms(dev, repeats, || (f()? * &r)?.sum_all()?.backward())?;
             Ok(Timed { fwd_ms, fwdbwd_ms, im2col_fwdbwd_ms: None })
         }
     }
@@ -219,8 +239,8 @@ fn time_op(op: &OpSpec, batch: usize, repeats: usize) -> anyhow::Result<Timed> {
 
 fn torch_ops(
     ops: &[OpSpec],
-    batch: usize,
-    repeats: usize,
+    (batch, repeats): (usize, usize),
+    (device, dtype): (&str, &str),
     python: &PathBuf,
 ) -> anyhow::Result<HashMap<String, (f64, f64)>> {
     let script = crate::report::repo_root().join(crate::PEERS_DIR).join("torch_conv_ops.py");
@@ -228,6 +248,7 @@ fn torch_ops(
     let mut child = Command::new(python)
         .arg(&script)
         .args([batch, repeats, threads].map(|v| v.to_string()))
+        .args([device, dtype])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -260,15 +281,33 @@ pub fn main(a: Args) -> anyhow::Result<i32> {
     });
     anyhow::ensure!(batch > 0 && a.width > 0, "--batch and --width must be at least 1");
     let ops = ops(a.net, a.width);
+    let dev = if a.device == "cuda" { Device::new_cuda(0)? } else { Device::Cpu };
+    let dtype = match a.dtype.as_str() {
+        "f16" => DType::F16,
+        "bf16" => DType::BF16,
+        _ => DType::F32,
+    };
+    anyhow::ensure!(
+        dtype == DType::F32 || !dev.is_cpu(),
+        "--dtype {}: tandem's CPU kernels compute in f32 (16-bit types are for --device cuda)",
+        a.dtype
+    );
     let mut timed = Vec::with_capacity(ops.len());
     for op in &ops {
-        timed.push(time_op(op, batch, a.repeats).with_context(|| format!("timing {}", op.name))?);
+        let t = time_op(op, batch, a.repeats, (&dev, dtype));
+        timed.push(t.with_context(|| format!("timing {}", op.name))?);
     }
-    let torch = a.torch.as_ref().map(|p| torch_ops(&ops, batch, a.repeats, p)).transpose()?;
+    let torch = a
+        .torch
+        .as_ref()
+        .map(|p| torch_ops(&ops, (batch, a.repeats), (&a.device, &a.dtype), p))
+        .transpose()?;
     println!(
-        "{} ops at width {}, batch {batch}, {} threads, median of {} (ms)",
+        "{} ops at width {}, batch {batch}, on {} in {}, {} threads, median of {} (ms)",
         a.net.title(),
         a.width,
+        a.device,
+        a.dtype,
         rayon::current_num_threads(),
         a.repeats
     );

@@ -45,6 +45,25 @@ pub struct Args {
     /// one core per rank 0 is PyTorch's fastest).
     #[arg(long, default_value_t = 0)]
     torch_workers: usize,
+    /// Where both sides train: `cpu`, or `cuda` (one GPU, each rank on GPU LOCAL_RANK; PyTorch
+    /// with cudnn.benchmark).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
+    /// Mixed precision on a GPU: `f16` (tandem's autocast and GradScaler; PyTorch's
+    /// torch.autocast + GradScaler, arcface_torch's fp16) or `bf16`; `f32` everywhere else.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
+    precision: String,
+    /// Steps left out of both sides' samples/s (cuDNN's algorithm search and other one-off
+    /// costs of the first steps).
+    #[arg(long, default_value_t = 0)]
+    warmup_steps: u64,
+    /// Decoding threads of tandem's loader (`--num-workers`; default: the recipe's, 2).
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Device-true phase times: tandem with TANDEM_PROFILE=phases, PyTorch with --profile
+    /// (both wait for the GPU at each phase, which slows them; compare samples/s without it).
+    #[arg(long)]
+    profile: bool,
     /// Directory for the data and runs (default: a fresh one under the current directory,
     /// removed after).
     #[arg(long)]
@@ -164,6 +183,13 @@ pub(crate) struct Recipe {
     pub torch_workers: usize,
     /// Whether tandem writes its checkpoints (the PyTorch peer saves none).
     pub checkpoints: bool,
+    /// `cpu` or `cuda`.
+    pub device: String,
+    /// `f32`, `f16` or `bf16`.
+    pub precision: String,
+    pub warmup_steps: u64,
+    pub workers: Option<usize>,
+    pub profile: bool,
 }
 
 /// What one run of one side gave.
@@ -181,6 +207,8 @@ pub(crate) struct RunStats {
     pub peak_with_save: Option<f64>,
     /// Rank 0's time per step by phase, as the side prints it.
     pub breakdown: String,
+    /// The largest rank's peak GPU memory (bytes), on a GPU.
+    pub device_peak: Option<f64>,
 }
 
 impl Recipe {
@@ -242,6 +270,11 @@ impl Recipe {
             steps: 12,
             torch_workers: 0,
             checkpoints: true,
+            device: "cpu".into(),
+            precision: "f32".into(),
+            warmup_steps: 0,
+            workers: None,
+            profile: false,
         })
     }
 
@@ -270,6 +303,14 @@ impl Recipe {
         if !self.checkpoints {
             c.arg("--no-checkpoints");
         }
+        c.args(["--device", &self.device, "--precision", &self.precision]);
+        c.args(["--timing-warmup-steps", &self.warmup_steps.to_string()]);
+        if let Some(w) = self.workers {
+            c.args(["--num-workers", &w.to_string()]);
+        }
+        if self.profile {
+            c.env("TANDEM_PROFILE", "phases");
+        }
         for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
             c.env_remove(v);
         }
@@ -291,6 +332,7 @@ impl Recipe {
             peak_rss: max(training),
             peak_with_save: Some(max(&summary.peak_rss_bytes)),
             breakdown: summary.step_times.map(|t| t.line()).unwrap_or_default(),
+            device_peak: (self.device != "cpu").then(|| max(&summary.device_peak_bytes)),
         }))
     }
 
@@ -305,6 +347,15 @@ impl Recipe {
         c.args(["--workers", &self.torch_workers.to_string(), "--depth", self.depth()]);
         c.args(["--classes", &self.classes.to_string()]);
         c.args(["--sample-rate", &self.sample_rate.to_string()]);
+        c.args(["--device", &self.device, "--warmup-steps", &self.warmup_steps.to_string()]);
+        let amp = match self.precision.as_str() {
+            "f32" => "none",
+            other => other,
+        };
+        c.args(["--amp", amp]);
+        if self.profile {
+            c.arg("--profile");
+        }
         let text = match run_outcome(&mut c, "torch_face_recipe.py train")? {
             Ok(text) => text,
             Err(why) => return Ok(Outcome::Failed(why)),
@@ -324,6 +375,7 @@ impl Recipe {
             peak_rss: peaks.iter().copied().fold(0.0, f64::max),
             peak_with_save: None,
             breakdown,
+            device_peak: value_after(&text, "gpu_peak_bytes="),
         }))
     }
 }
@@ -399,9 +451,21 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         batch: args.batch,
         steps: args.steps,
         torch_workers: args.torch_workers,
+        device: args.device.clone(),
+        precision: args.precision.clone(),
+        warmup_steps: args.warmup_steps,
+        workers: args.workers,
+        profile: args.profile,
         ..Recipe::new(python)?
     }
     .prepare(dir, args.identities)?;
+    if args.warmup_steps >= args.steps {
+        bail!(
+            "--warmup-steps {} leaves none of the {} --steps to time",
+            args.warmup_steps,
+            args.steps
+        );
+    }
     let head_in_init = recipe.head_in_init();
     let depth = recipe.depth().to_string();
     let mut ours = Side { name: "tandem", samples_per_s: Vec::new(), peak_rss: Vec::new() };
@@ -412,6 +476,7 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
     };
     let (mut breakdown, mut torch_breakdown) = (String::new(), String::new());
     let mut peak_with_save = Vec::new();
+    let mut device_peaks: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
     let ran = |o: Outcome| match o {
         Outcome::Ran(s) => Ok(s),
         Outcome::Failed(why) => Err(anyhow::anyhow!(why)),
@@ -422,7 +487,9 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         ours.samples_per_s.push(t.samples_per_s);
         ours.peak_rss.push(t.peak_rss);
         peak_with_save.extend(t.peak_with_save);
+        device_peaks[0].extend(t.device_peak);
         let p = ran(recipe.pytorch()?)?;
+        device_peaks[1].extend(p.device_peak);
         theirs.samples_per_s.push(p.samples_per_s);
         theirs.peak_rss.push(p.peak_rss);
         torch_breakdown = p.breakdown;
@@ -435,7 +502,9 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         );
     }
     println!(
-        "face recipe: {} width {} embedding {}, 112x112, {} ranks x batch {}, a head of {head_rows} classes (data: {} identities) at sample rate {}, {} steps per run, {} rounds{}",
+        "face recipe on {} ({}): {} width {} embedding {}, 112x112, {} ranks x batch {}, a head of {head_rows} classes (data: {} identities) at sample rate {}, {} steps per run ({} warm-up steps untimed), {} rounds{}",
+        args.device,
+        args.precision,
         args.model,
         args.width,
         args.embedding,
@@ -444,6 +513,7 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         args.identities,
         args.sample_rate,
         args.steps,
+        args.warmup_steps,
         args.rounds,
         if head_in_init { "" } else { "; each side draws its own centres" }
     );
@@ -464,6 +534,17 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         medians[0] / medians[1],
         memory[0] / memory[1].max(1.0)
     );
+    if let (Some(a), Some(b)) =
+        (crate::report::summary(&device_peaks[0]), crate::report::summary(&device_peaks[1]))
+    {
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        println!(
+            "  peak GPU memory (GiB, medians): tandem {:.2}, PyTorch {:.2} (torch.cuda.max_memory_allocated): {:.2}x",
+            gib(a.median),
+            gib(b.median),
+            a.median / b.median.max(1.0)
+        );
+    }
     if let Some(m) = crate::report::summary(&peak_with_save) {
         let gib = |b: f64| b / (1u64 << 30) as f64;
         println!(

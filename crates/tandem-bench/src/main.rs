@@ -18,6 +18,7 @@ mod ddp;
 mod face;
 mod face_scale;
 mod live;
+mod loader;
 mod local_ranks;
 mod partial_fc;
 mod report;
@@ -59,6 +60,8 @@ enum Which {
     PartialFc(partial_fc::Args),
     /// per-op ms of the conv and BatchNorm kernels on ResNet-18's shapes vs torch.
     Conv(conv::Args),
+    /// The face input pipeline's decode rate as its worker threads grow, vs PyTorch's DataLoader.
+    Loader(loader::Args),
     /// Runs all of the above beside PyTorch and writes docs/BENCHMARKS.md with PNG plots.
     Report(report::Args),
 }
@@ -124,6 +127,7 @@ fn run(args: Args) -> anyhow::Result<i32> {
         Which::Ddp(a) => ddp::main(a),
         Which::Ckpt(a) => ckpt::main(a),
         Which::Conv(a) => conv::main(a),
+        Which::Loader(a) => loader::main(a),
         Which::SaveStall(a) => save_stall::main(a),
         Which::Zero(a) => zero::main(a),
         Which::Face(a) => face::main(a),

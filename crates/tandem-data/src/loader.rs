@@ -16,12 +16,14 @@ use crate::sampler::{DistributedSampler, SamplerState};
 use crate::{DataError, Dataset};
 
 /// A collated batch: `x` is (B, input_dim) f32, `y` is (B,) u32 class labels (candle's
-/// `cross_entropy` takes u32 targets), both on the loader's device. `indices` are the dataset
-/// indices the rows came from, in row order.
+/// `cross_entropy` takes u32 targets), both on the loader's device; `labels` are `y`'s values
+/// on the host (reading `y` back from a GPU would wait for the device). `indices` are the
+/// dataset indices the rows came from, in row order.
 #[derive(Debug, Clone)]
 pub struct Batch {
     pub x: Tensor,
     pub y: Tensor,
+    pub labels: Vec<u32>,
     pub indices: Vec<usize>,
 }
 
@@ -72,6 +74,25 @@ pub fn collate<D: Dataset + ?Sized>(
     dataset: &D,
     indices: &[usize],
 ) -> Result<(Tensor, Tensor), DataError> {
+    let c = collate_values(dataset, indices)?;
+    let b = c.labels.len();
+    Ok((
+        Tensor::from_vec(c.x, (b, c.dim), &Device::Cpu)?,
+        Tensor::from_vec(c.labels, b, &Device::Cpu)?,
+    ))
+}
+
+/// A batch's values on the host, before they become tensors on the loader's device.
+struct Collated {
+    x: Vec<f32>,
+    dim: usize,
+    labels: Vec<u32>,
+}
+
+fn collate_values<D: Dataset + ?Sized>(
+    dataset: &D,
+    indices: &[usize],
+) -> Result<Collated, DataError> {
     let dim = dataset.input_dim();
     let num_classes = dataset.num_classes();
     let mut x = Vec::with_capacity(indices.len() * dim);
@@ -87,11 +108,45 @@ pub fn collate<D: Dataset + ?Sized>(
         x.extend_from_slice(&ex.features);
         y.push(ex.label as u32);
     }
-    let b = indices.len();
-    Ok((Tensor::from_vec(x, (b, dim), &Device::Cpu)?, Tensor::from_vec(y, b, &Device::Cpu)?))
+    Ok(Collated { x, dim, labels: y })
 }
 
-type Built = Result<(Tensor, Tensor), DataError>;
+type Built = Result<Collated, DataError>;
+
+/// Where batches go: tensors on the CPU (or a device through candle's copy), or a GPU through
+/// tandem-cuda's pinned staging and copy stream (`cuda` builds).
+enum Placer {
+    Candle(Device),
+    #[cfg(feature = "cuda")]
+    Cuda(tandem_cuda::upload::Uploader),
+}
+
+impl Placer {
+    fn new(device: &Device) -> Result<Self, DataError> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = device {
+            return Ok(Placer::Cuda(tandem_cuda::upload::Uploader::new(d)?));
+        }
+        Ok(Placer::Candle(device.clone()))
+    }
+
+    fn place(&mut self, c: Collated) -> Result<(Tensor, Tensor, Vec<u32>), DataError> {
+        let b = c.labels.len();
+        match self {
+            Placer::Candle(dev) => {
+                let x = Tensor::from_vec(c.x, (b, c.dim), &Device::Cpu)?.to_device(dev)?;
+                let y = Tensor::from_slice(&c.labels, b, &Device::Cpu)?.to_device(dev)?;
+                Ok((x, y, c.labels))
+            }
+            #[cfg(feature = "cuda")]
+            Placer::Cuda(up) => {
+                let x = up.upload_f32(&c.x, (b, c.dim))?;
+                let y = Tensor::from_slice(&c.labels, b, &Device::Cuda(up.device().clone()))?;
+                Ok((x, y, c.labels))
+            }
+        }
+    }
+}
 
 struct Worker {
     rx: Receiver<Built>,
@@ -104,7 +159,7 @@ pub struct BatchIter<D: Dataset + ?Sized + 'static> {
     dataset: Arc<D>,
     groups: Arc<Vec<Vec<usize>>>,
     next: usize,
-    device: Device,
+    placer: Placer,
     workers: Vec<Worker>,
     failed: bool,
 }
@@ -135,7 +190,7 @@ impl<D: Dataset + ?Sized + 'static> BatchIter<D> {
                 .spawn(move || {
                     for group in groups.iter().skip(w).step_by(num_workers) {
                         // A send error means the iterator was dropped: stop quietly.
-                        if tx.send(collate(&*dataset, group)).is_err() {
+                        if tx.send(collate_values(&*dataset, group)).is_err() {
                             return;
                         }
                     }
@@ -146,7 +201,8 @@ impl<D: Dataset + ?Sized + 'static> BatchIter<D> {
                 })?;
             workers.push(Worker { rx, handle: Some(handle) });
         }
-        Ok(Self { dataset, groups, next: 0, device, workers, failed: false })
+        let placer = Placer::new(&device)?;
+        Ok(Self { dataset, groups, next: 0, placer, workers, failed: false })
     }
 
     /// Batches this iterator yields in total.
@@ -156,7 +212,7 @@ impl<D: Dataset + ?Sized + 'static> BatchIter<D> {
 
     fn build(&mut self, k: usize) -> Built {
         if self.workers.is_empty() {
-            return collate(&*self.dataset, &self.groups[k]);
+            return collate_values(&*self.dataset, &self.groups[k]);
         }
         let w = k % self.workers.len();
         self.workers[w].rx.recv().map_err(|_| {
@@ -187,11 +243,9 @@ impl<D: Dataset + ?Sized + 'static> Iterator for BatchIter<D> {
         }
         let k = self.next;
         self.next += 1;
-        let built = self
-            .build(k)
-            .and_then(|(x, y)| Ok((x.to_device(&self.device)?, y.to_device(&self.device)?)));
+        let built = self.build(k).and_then(|c| self.placer.place(c));
         match built {
-            Ok((x, y)) => Some(Ok(Batch { x, y, indices: self.groups[k].clone() })),
+            Ok((x, y, labels)) => Some(Ok(Batch { x, y, labels, indices: self.groups[k].clone() })),
             Err(e) => {
                 self.failed = true;
                 Some(Err(e))

@@ -30,7 +30,9 @@ fn run_epoch<D: Dataset + ?Sized + 'static>(loader: &DataLoader<D>) -> Vec<Rows>
         .unwrap()
         .map(|b| {
             let b = b.unwrap();
-            (b.indices.clone(), b.x.to_vec2::<f32>().unwrap(), b.y.to_vec1::<u32>().unwrap())
+            let y = b.y.to_vec1::<u32>().unwrap();
+            assert_eq!(b.labels, y, "the host labels are y's values");
+            (b.indices.clone(), b.x.to_vec2::<f32>().unwrap(), y)
         })
         .collect()
 }

@@ -206,11 +206,14 @@ impl IResNet {
         if train && self.dropout > 0.0 {
             x = candle_nn::ops::dropout(&x, self.dropout)?;
         }
-        let x = self.fc.forward(&x)?;
-        let n = x.dim(0)?;
-        // BatchNorm1d over the embedding: FastBatchNorm2d on [N, E, 1, 1].
-        let x = self.features.forward_t(&x.reshape((n, self.embedding, 1, 1))?, train)?;
-        x.reshape((n, self.embedding))
+        // arcface_torch runs `fc` and `features` outside its autocast scope, in f32.
+        tandem_nn::autocast(None, || {
+            let x = self.fc.forward(&x.to_dtype(candle_core::DType::F32)?)?;
+            let n = x.dim(0)?;
+            // BatchNorm1d over the embedding: FastBatchNorm2d on [N, E, 1, 1].
+            let x = self.features.forward_t(&x.reshape((n, self.embedding, 1, 1))?, train)?;
+            x.reshape((n, self.embedding))
+        })
     }
 }
 

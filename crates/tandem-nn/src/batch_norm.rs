@@ -25,6 +25,8 @@ use crate::conv::FastConv2d;
 use crate::kernels::batch_norm::{
     batch_norm_train, batch_norm_train_act, batch_norm_train_add_relu,
 };
+#[cfg(feature = "cuda")]
+use crate::kernels::batch_norm_cuda::{batch_norm_train_add_relu_cuda, batch_norm_train_cuda};
 use crate::kernels::conv_batch_norm::conv_batch_norm_train;
 use crate::kernels::relu::{add_relu, relu};
 
@@ -100,6 +102,12 @@ impl FastBatchNorm2d {
 
     /// `relu(self(x))`, fused into one kernel in training mode on the CPU (unsynchronised).
     pub fn forward_t_relu(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.takes_cuda_kernels(x, train) {
+            self.check_input(x)?;
+            let out = batch_norm_train_cuda(x, &self.weight, &self.bias, EPS, true)?;
+            return self.record_device_batch(out);
+        }
         if self.takes_fused_kernels(x, train) {
             self.check_input(x)?;
             return self.record_batch(batch_norm_train_act(
@@ -175,6 +183,12 @@ impl FastBatchNorm2d {
         residual: &Tensor,
         train: bool,
     ) -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.takes_cuda_kernels(x, train) && residual.device().same_device(x.device()) {
+            self.check_input(x)?;
+            let out = batch_norm_train_add_relu_cuda(x, &self.weight, &self.bias, residual, EPS)?;
+            return self.record_device_batch(out);
+        }
         let residual_cpu_f32 = residual.device().is_cpu() && residual.dtype() == DType::F32;
         if self.takes_fused_kernels(x, train) && residual_cpu_f32 {
             self.check_input(x)?;
@@ -188,6 +202,28 @@ impl FastBatchNorm2d {
     /// process's statistics only (not synchronised), a CPU f32 `[N, C, H, W]` input.
     fn takes_fused_kernels(&self, x: &Tensor, train: bool) -> bool {
         train && !self.is_sync() && x.device().is_cpu() && x.dtype() == DType::F32 && x.rank() == 4
+    }
+
+    /// Whether training on `x` takes tandem-cuda's kernels: a `cuda` build, training mode,
+    /// this process's statistics only, a float `[N, C, H, W]` input on a GPU (f16 and bf16
+    /// too: mixed precision keeps γ, β and the statistics in f32).
+    #[cfg(feature = "cuda")]
+    fn takes_cuda_kernels(&self, x: &Tensor, train: bool) -> bool {
+        train
+            && !self.is_sync()
+            && x.device().is_cuda()
+            && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+            && x.rank() == 4
+    }
+
+    /// A CUDA kernel's output, its statistics (on the device) folded into the running ones.
+    #[cfg(feature = "cuda")]
+    fn record_device_batch(
+        &self,
+        (y, stats): (Tensor, crate::kernels::batch_norm_cuda::DeviceStats),
+    ) -> candle_core::Result<Tensor> {
+        self.update_running(&stats.mean()?, &stats.var()?, stats.count as f64)?;
+        Ok(y)
     }
 
     /// A fused kernel's output, its batch mean and biased variance folded into the running
@@ -214,6 +250,16 @@ impl FastBatchNorm2d {
     }
 
     fn forward_train(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.takes_cuda_kernels(x, true) {
+            let out = batch_norm_train_cuda(x, &self.weight, &self.bias, EPS, false)?;
+            return self.record_device_batch(out);
+        }
+        if x.dtype() != DType::F32 {
+            // A 16-bit input (mixed precision) where no kernel takes it: f32 statistics and
+            // arithmetic, the output in the input's type.
+            return self.forward_train(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype());
+        }
         let (n, c, h, w) = x.dims4()?;
         let comm = self.sync.read().unwrap_or_else(|p| p.into_inner()).clone();
         if comm.is_none() && x.device().is_cpu() && x.dtype() == DType::F32 {
@@ -263,6 +309,9 @@ impl FastBatchNorm2d {
     }
 
     fn forward_eval(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if x.dtype() != DType::F32 {
+            return self.forward_eval(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype());
+        }
         let c = x.dim(1)?;
         let mean = self.running_mean.as_detached_tensor().reshape((1, c, 1, 1))?;
         let std = (self.running_var.as_detached_tensor() + EPS)?.sqrt()?;

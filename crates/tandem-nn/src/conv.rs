@@ -6,6 +6,7 @@
 use candle_core::{Module, Tensor};
 use candle_nn::{Conv2dConfig, Init, VarBuilder};
 
+use crate::autocast::cast;
 use crate::kernels::conv2d::{add_channel_bias, conv2d as conv2d_kernel, conv2d_bias, ConvParams};
 
 #[derive(Clone, Debug)]
@@ -41,16 +42,21 @@ impl FastConv2d {
 }
 
 impl Module for FastConv2d {
+    /// Under [`crate::autocast`] on a GPU the input, weight and bias are cast to the 16-bit
+    /// type first (the cast is differentiable: the f32 weight gets its gradient).
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let c = self.config;
+        let dev = x.device();
+        let (x, weight) = (cast(x, dev)?, cast(&self.weight, dev)?);
+        let bias = self.bias.as_ref().map(|b| cast(b, dev)).transpose()?;
         if let Some(p) = self.kernel_params() {
-            return match &self.bias {
-                Some(b) => conv2d_bias(x, &self.weight, b, p),
-                None => conv2d_kernel(x, &self.weight, p),
+            return match &bias {
+                Some(b) => conv2d_bias(&x, &weight, b, p),
+                None => conv2d_kernel(&x, &weight, p),
             };
         }
-        let y = x.conv2d(&self.weight, c.padding, c.stride, c.dilation, c.groups)?;
-        match &self.bias {
+        let y = x.conv2d(&weight, c.padding, c.stride, c.dilation, c.groups)?;
+        match &bias {
             Some(b) => add_channel_bias(&y, b),
             None => Ok(y),
         }

@@ -15,6 +15,7 @@
 //! the distributed layers (differentiable collectives, SyncBatchNorm over a process group) are
 //! tandem-dist-nn's, one layer up.
 mod alloc;
+mod autocast;
 mod backward;
 mod batch_norm;
 mod conv;
@@ -33,6 +34,7 @@ mod vars;
 pub mod weights;
 
 pub use alloc::{allocator_tuned, tune_allocator};
+pub use autocast::{autocast, compute_dtype};
 pub use backward::backward;
 pub use batch_norm::{fast_batch_norm2d, FastBatchNorm2d, HasBatchNorm, StatsReducer};
 pub use conv::{fast_conv2d, fast_conv2d_no_bias, FastConv2d};

@@ -28,7 +28,15 @@ impl FastLinear {
 }
 
 impl Module for FastLinear {
+    /// Under [`crate::autocast`] on a GPU the input, weight and bias are cast to the 16-bit
+    /// type first.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let dev = x.device();
+        if crate::autocast::compute_dtype(dev).is_some() {
+            let cast = |t: &Tensor| crate::autocast::cast(t, dev);
+            let bias = self.bias.as_ref().map(cast).transpose()?;
+            return fused_linear(&cast(x)?, &cast(&self.weight)?, bias.as_ref());
+        }
         fused_linear(x, &self.weight, self.bias.as_ref())
     }
 }

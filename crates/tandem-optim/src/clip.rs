@@ -32,18 +32,23 @@ pub fn clip_grad_norm(
     if !(max_norm >= 0.0 && max_norm.is_finite()) {
         return Err(ClipError::InvalidMaxNorm(max_norm));
     }
-    let mut sum_sq = 0.0f64;
-    for (index, p) in params.iter().enumerate() {
-        let Some(g) = grads.get(p.as_tensor()) else { continue };
-        let sq = g
-            .to_dtype(DType::F64)
-            .and_then(|g| g.sqr())
-            .and_then(|g| g.sum_all())
-            .and_then(|s| s.to_scalar::<f64>())
-            .map_err(|source| ClipError::Candle { index, source })?;
-        sum_sq += sq;
-    }
-    let total = sum_sq.sqrt();
+    let total = match device_sum_squares(params, grads)? {
+        Some(sum_sq) => sum_sq.sqrt(),
+        None => {
+            let mut sum_sq = 0.0f64;
+            for (index, p) in params.iter().enumerate() {
+                let Some(g) = grads.get(p.as_tensor()) else { continue };
+                let sq = g
+                    .to_dtype(DType::F64)
+                    .and_then(|g| g.sqr())
+                    .and_then(|g| g.sum_all())
+                    .and_then(|s| s.to_scalar::<f64>())
+                    .map_err(|source| ClipError::Candle { index, source })?;
+                sum_sq += sq;
+            }
+            sum_sq.sqrt()
+        }
+    };
     if !total.is_finite() {
         return Err(ClipError::NonFiniteNorm { norm: total });
     }
@@ -57,4 +62,29 @@ pub fn clip_grad_norm(
         }
     }
     Ok(total)
+}
+
+/// On a GPU (`cuda` builds, every gradient on one CUDA device in a float type): Σ g² over all
+/// of them by tandem-cuda's kernels with one read-back, instead of one per parameter. `None`
+/// where that does not apply (the CPU computes it per parameter, in f64, as before).
+#[cfg(feature = "cuda")]
+fn device_sum_squares(params: &[Var], grads: &GradStore) -> Result<Option<f64>, ClipError> {
+    let present: Vec<&candle_core::Tensor> =
+        params.iter().filter_map(|p| grads.get(p.as_tensor())).collect();
+    let Some(first) = present.first() else { return Ok(None) };
+    let float =
+        |t: &candle_core::Tensor| matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    let same = |t: &&candle_core::Tensor| t.device().same_device(first.device()) && float(t);
+    if !first.device().is_cuda() || !present.iter().all(same) {
+        return Ok(None);
+    }
+    let candle = |source| ClipError::Candle { index: 0, source };
+    let sum = tandem_cuda::reduce::sum_squares(&present).map_err(candle)?;
+    let v = sum.to_vec1::<f64>().map_err(candle)?;
+    Ok(v.first().copied())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_sum_squares(_: &[Var], _: &GradStore) -> Result<Option<f64>, ClipError> {
+    Ok(None)
 }

@@ -121,6 +121,10 @@ pub fn dist_cross_entropy(
     if labels.len() != n {
         candle_core::bail!("dist_cross_entropy: {} labels for {n} rows", labels.len());
     }
+    #[cfg(feature = "cuda")]
+    if logits.device().is_cuda() {
+        return crate::cuda::dist_cross_entropy(logits, labels, comm);
+    }
     let op = DistCrossEntropy {
         comm: comm.clone(),
         labels: labels.into(),

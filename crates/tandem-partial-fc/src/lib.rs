@@ -36,6 +36,8 @@
 //! decay shrinks them; with Adam(W) their moments decay and the bias correction advances. The
 //! state of every row is kept, sampled or not, so a row sampled later resumes from it.
 mod cross_entropy;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
 mod margin;
 mod partial_fc;

@@ -33,6 +33,12 @@ pub struct CombinedMarginLoss {
 }
 
 impl CombinedMarginLoss {
+    /// Whether this is ArcFace's margin (else CosFace's).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn is_arcface(&self) -> bool {
+        self.kind == Kind::ArcFace
+    }
+
     /// arcface_torch's `CombinedMarginLoss(s, m1, m2, m3, interclass_filtering_threshold)`.
     pub fn new(s: f64, m1: f64, m2: f64, m3: f64, threshold: f64) -> Result<Self, PartialFcError> {
         let kind = if m1 == 1.0 && m3 == 0.0 {
@@ -84,6 +90,10 @@ impl CombinedMarginLoss {
         let (n, k) = logits.dims2()?;
         if labels.len() != n {
             candle_core::bail!("margin: {} labels for {n} rows", labels.len());
+        }
+        #[cfg(feature = "cuda")]
+        if logits.device().is_cuda() {
+            return crate::cuda::margin(self, logits, labels);
         }
         let target = |i: usize| usize::try_from(labels[i]).ok().filter(|&c| c < k);
         let dev = logits.device().clone();

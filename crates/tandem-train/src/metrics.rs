@@ -77,6 +77,10 @@ pub struct RunSummary {
     /// of their own): training's peak.
     #[serde(default)]
     pub training_peak_rss_bytes: Vec<u64>,
+    /// Each rank's peak GPU memory in training (its device's memory pool high-water mark, as
+    /// `torch.cuda.max_memory_allocated`), by rank; 0 on the CPU.
+    #[serde(default)]
+    pub device_peak_bytes: Vec<u64>,
 }
 
 /// One line of a metrics file.
@@ -227,6 +231,7 @@ mod tests {
             epochs_seen: vec![epoch(1), epoch(2)],
             peak_rss_bytes: vec![1 << 30, 3 << 29],
             training_peak_rss_bytes: vec![1 << 29, 3 << 28],
+            device_peak_bytes: vec![0, 0],
         };
         let mut f = MetricsFile::append(&path).unwrap();
         f.write(&MetricsRecord::Epoch(epoch(1))).unwrap();

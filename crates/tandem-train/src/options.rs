@@ -140,6 +140,8 @@ pub struct RunOptions {
     pub progress: bool,
     /// A text stored in every checkpoint as its `config` (the run's settings).
     pub record: String,
+    /// Steps left out of the run's samples/s (one-off costs of the first steps).
+    pub timing_warmup_steps: u64,
 }
 
 /// Checkpoints: when, how many, and the run's outputs.
@@ -172,6 +174,9 @@ pub struct DataOptions {
     pub augment: bool,
     /// Classifiers: per-channel mean/std of the training set.
     pub normalize: bool,
+    /// Background threads decoding batches (arcface_torch's `num_workers`); `None`: the
+    /// recipe's default (2 for the face recipe, 1 for the classifier).
+    pub num_workers: Option<usize>,
 }
 
 /// The model and where it runs.

@@ -149,6 +149,8 @@ impl Step {
             Some(s) => {
                 let mut grads =
                     backward(&s.scale(loss).map_err(scaler_err)?).map_err(backward_err)?;
+                phase_end(loss.device())
+                    .map_err(|e| StepError::Backward { step, source: e.into() })?;
                 let backward_secs = clock.elapsed().as_secs_f64();
                 // Unscaled before clipping so the norm is the true one; a non-finite norm is
                 // the scaler's to handle (it skips the step and lowers the scale).
@@ -160,6 +162,8 @@ impl Step {
             }
             None => {
                 let mut grads = backward(loss).map_err(backward_err)?;
+                phase_end(loss.device())
+                    .map_err(|e| StepError::Backward { step, source: e.into() })?;
                 let backward_secs = clock.elapsed().as_secs_f64();
                 clip(self.clip_grad_norm, clip_params, &mut grads, false, step)?;
                 opt.step(&grads).map_err(|source| StepError::Optimizer { step, source })?;
@@ -173,9 +177,21 @@ impl Step {
         if let Some(sched) = self.scheduler.as_mut() {
             sched.step_optimizer(opt).map_err(|source| StepError::Schedule { step, source })?;
         }
+        phase_end(loss.device()).map_err(|e| StepError::Backward { step, source: e.into() })?;
         let optimizer_secs = clock.elapsed().as_secs_f64() - backward_secs;
         Ok(StepOutcome { stepped, backward_secs, optimizer_secs })
     }
+}
+
+/// Waits for `device`'s queued work when `TANDEM_PROFILE=phases` (or `ops`) asks for phase
+/// times that are the device's: kernels run asynchronously, so without the wait a phase's host
+/// clock measures its queueing and the GPU time lands in whichever later phase waits.
+pub(crate) fn phase_end(device: &candle_core::Device) -> candle_core::Result<()> {
+    use tandem_cuda::profile::{mode, Profile};
+    if !device.is_cpu() && mode() >= Profile::Phases {
+        device.synchronize()?;
+    }
+    Ok(())
 }
 
 /// Clips `params`' gradients in `grads` to `max_norm` (torch's `clip_grad_norm_`). A

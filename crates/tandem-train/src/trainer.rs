@@ -30,9 +30,13 @@ use crate::state::LoaderPosition;
 use crate::{EpochMetrics, EventWriter, Progress, RunSummary, Step};
 
 /// What one step reported: this rank's mean loss over its `samples`, and where its time went.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct StepReport {
+    /// The loss, when it is already on the host.
     pub loss: f64,
+    /// The loss still on a GPU (a scalar tensor): the trainer reads it a few steps later, so
+    /// the host never waits for the device inside a step; `loss` is then unused.
+    pub pending_loss: Option<candle_core::Tensor>,
     pub samples: usize,
     /// Seconds in the forward pass (the backbone's, for a recipe with a head).
     pub forward_secs: f64,
@@ -40,6 +44,48 @@ pub struct StepReport {
     pub head_secs: f64,
     pub backward_secs: f64,
     pub optimizer_secs: f64,
+}
+
+/// Steps whose loss is read back from the device this many steps later: the host runs ahead of
+/// the GPU by up to that many steps instead of waiting for every step's end.
+const LOSS_READ_LAG: usize = 2;
+
+/// An epoch's losses: summed as they reach the host, the device ones a few steps late.
+#[derive(Default)]
+struct LossQueue {
+    sum: f64,
+    samples: usize,
+    pending: std::collections::VecDeque<(usize, candle_core::Tensor)>,
+}
+
+impl LossQueue {
+    fn push(&mut self, samples: usize, loss: f64, pending: Option<candle_core::Tensor>) {
+        match pending {
+            Some(t) => self.pending.push_back((samples, t)),
+            None => {
+                self.sum += loss * samples as f64;
+                self.samples += samples;
+            }
+        }
+    }
+
+    /// The mean loss over the samples read so far.
+    fn mean(&self) -> f64 {
+        self.sum / self.samples.max(1) as f64
+    }
+
+    /// Reads the device losses until at most `keep` remain; returns the last one read.
+    fn settle(&mut self, keep: usize) -> Result<Option<f64>> {
+        let mut last = None;
+        while self.pending.len() > keep {
+            let Some((samples, t)) = self.pending.pop_front() else { break };
+            let v = t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+            self.sum += v * samples as f64;
+            self.samples += samples;
+            last = Some(v);
+        }
+        Ok(last)
+    }
 }
 
 /// Where a rank's step time goes (seconds summed over the run's steps).
@@ -217,6 +263,9 @@ pub struct TrainerOptions {
     pub resume: bool,
     pub progress: bool,
     pub tensorboard: bool,
+    /// Steps left out of the summary's samples/s: the first steps carry one-off costs
+    /// (cuDNN's algorithm search, kernel compilation, the allocator's growth).
+    pub timing_warmup_steps: u64,
 }
 
 impl TrainerOptions {
@@ -231,6 +280,7 @@ impl TrainerOptions {
             resume: false,
             progress: true,
             tensorboard: false,
+            timing_warmup_steps: 0,
         }
     }
 
@@ -245,6 +295,7 @@ impl TrainerOptions {
             resume: o.run.resume,
             progress: o.run.progress,
             tensorboard: o.run.tensorboard,
+            timing_warmup_steps: o.run.timing_warmup_steps,
         }
     }
 }
@@ -259,6 +310,8 @@ pub struct Trainer<R: Recipe> {
     global_step: u64,
     samples_seen: u64,
     train_time: f64,
+    /// (training seconds, samples seen) when the timing warm-up ended.
+    warm: Option<(f64, u64)>,
     times: StepTimes,
     last_eval: Option<Evaluation>,
     last_val: Vec<VerificationMetrics>,
@@ -295,6 +348,7 @@ impl<R: Recipe> Trainer<R> {
             global_step: 0,
             samples_seen: 0,
             train_time: 0.0,
+            warm: None,
             times: StepTimes::default(),
             last_eval: None,
             last_val: Vec::new(),
@@ -375,15 +429,16 @@ impl<R: Recipe> Trainer<R> {
     /// Trains to the end (regrouping through failures in a live world), writes the last
     /// checkpoint and the recipe's final outputs, and returns the run's summary.
     pub fn fit(mut self) -> Result<RunSummary> {
-        let training_peak = if self.live.is_some() {
+        let (training_peak, device_peak) = if self.live.is_some() {
             self.run_live()?;
-            tandem_comm::procfs::peak_rss().unwrap_or(0)
+            (tandem_comm::procfs::peak_rss().unwrap_or(0), device_peak_bytes())
         } else {
             self.train()?;
             // Training's own peak, before the last save's staging copies add theirs.
             let peak = tandem_comm::procfs::peak_rss().unwrap_or(0);
+            let device = device_peak_bytes();
             self.save_last()?;
-            peak
+            (peak, device)
         };
         self.recipe.settle(&self.group)?;
         self.group.barrier().context("barrier after the last checkpoint save")?;
@@ -404,17 +459,19 @@ impl<R: Recipe> Trainer<R> {
         let peak = tandem_comm::procfs::peak_rss().unwrap_or(0);
         let mut peaks = peak.to_le_bytes().to_vec();
         peaks.extend(training_peak.to_le_bytes());
-        let gathered = self.group.all_gather_bytes_at_most(&peaks, 16)?;
+        peaks.extend(device_peak.to_le_bytes());
+        let gathered = self.group.all_gather_bytes_at_most(&peaks, 24)?;
         let word = |b: &[u8], i: usize| {
             b.get(8 * i..8 * i + 8).and_then(|w| w.try_into().ok()).map_or(0, u64::from_le_bytes)
         };
         let peak_rss_bytes = gathered.iter().map(|b| word(b, 0)).collect();
         let training_peak_rss_bytes = gathered.iter().map(|b| word(b, 1)).collect();
+        let device_peak_bytes = gathered.iter().map(|b| word(b, 2)).collect();
         let summary = RunSummary {
             rank: self.rank(),
             epochs: self.loader.epoch().min(self.opts.epochs),
             steps: self.global_step,
-            samples_per_s: self.samples_seen as f64 / self.train_time.max(1e-9),
+            samples_per_s: self.samples_per_s(),
             final_loss: self.epochs_seen.last().map(|e| e.train_loss),
             eval_accuracy: self.last_eval.map(|e| e.accuracy),
             verification_accuracy: self.last_val.first().map(|r| r.accuracy),
@@ -425,11 +482,21 @@ impl<R: Recipe> Trainer<R> {
             epochs_seen: std::mem::take(&mut self.epochs_seen),
             peak_rss_bytes,
             training_peak_rss_bytes,
+            device_peak_bytes,
         };
         if let Some(file) = self.metrics.as_mut() {
             file.write(&MetricsRecord::Summary(summary.clone()))?;
         }
         Ok(summary)
+    }
+
+    /// Samples per second of training time, after the timing warm-up when one was run.
+    fn samples_per_s(&self) -> f64 {
+        let (t0, s0) = match self.warm {
+            Some(w) if self.samples_seen > w.1 => w,
+            _ => (0.0, 0),
+        };
+        (self.samples_seen - s0) as f64 / (self.train_time - t0).max(1e-9)
     }
 
     /// The step budget from here: `max_steps`, and the steps to the end of the epochs (which
@@ -471,7 +538,8 @@ impl<R: Recipe> Trainer<R> {
         let world = group.size() as u64;
         recipe.set_training(true)?;
         recipe.start_epoch(loader.epoch());
-        let (mut loss_sum, mut samples, mut pause) = (0.0f64, 0usize, 0.0f64);
+        let mut pause = 0.0f64;
+        let mut losses = LossQueue::default();
         let mut batches = loader.iter()?;
         let in_epoch = batches.num_batches();
         let mut taken = 0usize;
@@ -492,19 +560,26 @@ impl<R: Recipe> Trainer<R> {
             let batch = batch?;
             let n = self.global_step + 1;
             fault::set_step(n);
-            let report = recipe.train_step(&batch, step, n)?;
+            let mut report = recipe.train_step(&batch, step, n)?;
             *in_flight = None;
             self.times.add(data, &report);
             self.global_step = n;
             recipe.after_step(group, n)?;
             self.samples_seen += batch.len() as u64 * world;
-            loss_sum += report.loss * report.samples as f64;
-            samples += report.samples;
-            progress.step(n, loss_sum / samples.max(1) as f64);
-            if n.is_multiple_of(100) {
+            if n == opts.timing_warmup_steps && n > 0 {
+                losses.settle(0)?;
+                let now = self.train_time + started.elapsed().as_secs_f64() - pause;
+                self.warm = Some((now, self.samples_seen));
+            }
+            let tb_due = n.is_multiple_of(100) && self.tb.is_some();
+            losses.push(report.samples, report.loss, report.pending_loss.take());
+            let step_loss = losses.settle(if tb_due { 0 } else { LOSS_READ_LAG })?;
+            progress.step(n, losses.mean());
+            if tb_due {
                 if let Some(tb) = self.tb.as_mut() {
                     let lr = recipe.optimizer().lr();
-                    scalars(tb, n, &[("train/loss_step", report.loss), ("train/lr", lr)])?;
+                    let loss = step_loss.unwrap_or(f64::NAN);
+                    scalars(tb, n, &[("train/loss_step", loss), ("train/lr", lr)])?;
                 }
             }
             if opts.validate_every > 0 && n.is_multiple_of(opts.validate_every) && n < max_steps {
@@ -534,8 +609,9 @@ impl<R: Recipe> Trainer<R> {
             let _ = batches.next();
         }
         drop(batches);
+        losses.settle(0)?;
         self.train_time += started.elapsed().as_secs_f64() - pause;
-        let mut sums = [loss_sum, samples as f64];
+        let mut sums = [losses.sum, losses.samples as f64];
         self.group.all_reduce(&mut sums, ReduceOp::Sum)?;
         Ok(sums[0] / sums[1].max(1.0))
     }
@@ -587,7 +663,7 @@ impl<R: Recipe> Trainer<R> {
 
     /// Rank 0's epoch line, TensorBoard scalars and metrics record.
     fn report_epoch(&mut self, epoch: u64, train_loss: f64, progress: &Progress) -> Result<()> {
-        let sps = self.samples_seen as f64 / self.train_time.max(1e-9);
+        let sps = self.samples_per_s();
         let lr = self.recipe.optimizer().lr();
         let skipped = self.step.skipped_steps();
         let loss_scale = self.step.grad_scaler().map(GradScaler::get_scale);
@@ -871,4 +947,13 @@ impl<D: Dataset + 'static> LoaderPosition for WorldLoader<'_, D> {
     ) -> Result<(), tandem_data::DataError> {
         self.loader.reshard(rank, num_replicas, state)
     }
+}
+
+/// Training's peak GPU memory on this rank (the device pool's high-water mark), 0 on the CPU
+/// or without the `cuda` feature.
+fn device_peak_bytes() -> u64 {
+    #[cfg(feature = "cuda")]
+    return tandem_cuda::memory::peak_bytes().unwrap_or(0);
+    #[cfg(not(feature = "cuda"))]
+    0
 }

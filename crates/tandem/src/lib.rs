@@ -9,13 +9,14 @@
 //! The crates, bottom to top (docs/architecture.md draws the layers and what each must not
 //! know): [`comm`] (process groups, collectives, the store), [`ckpt`] (checkpoint files),
 //! [`data`] (datasets, the sampler, the loader), [`nn`] (layers, kernels, parameter views, state
-//! dicts; comm-free), [`dist_nn`] (differentiable collectives, SyncBatchNorm), [`optim`] (optimizers, schedulers, GradScaler, clipping, ZeRO), [`models`] (reference
+//! dicts, autocast; comm-free), [`cuda`] (GPU kernels, cuDNN, device timing; feature `cuda`), [`dist_nn`] (differentiable collectives, SyncBatchNorm), [`optim`] (optimizers, schedulers, GradScaler, clipping, ZeRO), [`models`] (reference
 //! models and `ModelKind`), [`ddp`] (Ddp, DataParallel, comm hooks), [`partial_fc`]
 //! (model-parallel heads), [`train`] (the training loop's parts: one mixed-precision step,
 //! schedules, training state, live recovery, metrics), [`onnx`] (export) and [`launch`] (the
 //! launcher).
 pub use tandem_ckpt as ckpt;
 pub use tandem_comm as comm;
+pub use tandem_cuda as cuda;
 pub use tandem_data as data;
 pub use tandem_ddp as ddp;
 pub use tandem_dist_nn as dist_nn;

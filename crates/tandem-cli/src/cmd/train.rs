@@ -48,6 +48,15 @@ pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i3
         if let (true, Some(times)) = (cfg.model.is_face(), summary.step_times) {
             eprintln!("{}", times.line());
         }
+        print_op_times()?;
+        if summary.device_peak_bytes.iter().any(|&b| b > 0) {
+            let gib: Vec<String> = summary
+                .device_peak_bytes
+                .iter()
+                .map(|&b| format!("{:.2}", b as f64 / (1u64 << 30) as f64))
+                .collect();
+            eprintln!("peak GPU memory per rank (GiB): {}", gib.join(" "));
+        }
         if !launched() {
             write_config(&cfg, &run_dir)?;
         }
@@ -66,6 +75,22 @@ pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i3
         );
     }
     Ok(0)
+}
+
+/// With `TANDEM_PROFILE=ops`: rank 0's device time per kernel (tandem-cuda's kernels and cuDNN
+/// calls), slowest first.
+fn print_op_times() -> anyhow::Result<()> {
+    use tandem::cuda::profile::{mode, take_op_times, Profile};
+    if mode() != Profile::Ops {
+        return Ok(());
+    }
+    let ops = take_op_times()?;
+    let total: f64 = ops.iter().map(|o| o.millis).sum();
+    eprintln!("device time by op (rank 0, whole run): {total:.1} ms in {} kinds", ops.len());
+    for o in ops {
+        eprintln!("  {:>10.2} ms {:>7} calls  {}", o.millis, o.calls, o.name);
+    }
+    Ok(())
 }
 
 fn write_config(cfg: &TrainConfig, run_dir: &std::path::Path) -> anyhow::Result<()> {

@@ -122,6 +122,16 @@ pub struct TrainConfig {
     /// Keep the dataset order (no per-epoch shuffle).
     #[arg(long = "no-shuffle")]
     pub no_shuffle: bool,
+    /// Leave the first N steps out of the reported samples/s (their one-off costs: cuDNN's
+    /// algorithm search, kernel compilation).
+    #[arg(long = "timing-warmup-steps", default_value_t = 0)]
+    #[serde(default)]
+    pub timing_warmup_steps: u64,
+    /// Threads decoding batches ahead of the step (arcface_torch's `num_workers`; default 2
+    /// for the face models, 1 for the classifiers; 0 decodes on the training thread).
+    #[arg(long = "num-workers")]
+    #[serde(default)]
+    pub num_workers: Option<usize>,
     /// Run directory (default runs/<model>-<data>-<timestamp>).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -330,6 +340,7 @@ impl TrainConfig {
                 tensorboard: self.tensorboard,
                 progress: true,
                 record: self.to_toml()?,
+                timing_warmup_steps: self.timing_warmup_steps,
             },
             checkpoint: CheckpointOptions {
                 save_every: self.save_every,
@@ -346,6 +357,7 @@ impl TrainConfig {
                 shuffle: !self.no_shuffle,
                 augment: self.augment,
                 normalize: self.normalize,
+                num_workers: self.num_workers,
             },
             model: ModelOptions {
                 kind: self.model,
@@ -569,9 +581,14 @@ impl TrainConfig {
         push("--device", format!("{:?}", self.device).to_lowercase());
         push("--comm-hook", self.comm_hook.clone());
         push("--precision", format!("{:?}", self.precision).to_lowercase());
+        if let Some(n) = self.num_workers {
+            push("--num-workers", n.to_string());
+        }
+        push("--timing-warmup-steps", self.timing_warmup_steps.to_string());
         if self.no_shuffle {
             a.push("--no-shuffle".into());
         }
+
         if self.resume {
             a.push("--resume".into());
         }

@@ -9,8 +9,8 @@
 //! CUDA runtime's public C API (nccl.h, cuda_runtime_api.h).
 use crate::error::CommError;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
+use tandem_dylib::{DylibError, Opened, Search};
 
 pub(crate) type RawComm = *mut c_void;
 pub(crate) type RawStream = *mut c_void;
@@ -152,61 +152,45 @@ pub fn nccl_library() -> Result<NcclLibraryInfo, CommError> {
 }
 
 fn load() -> Result<Libraries, CommError> {
-    let (nccl, nccl_path) = open_first(&NCCL)?;
-    let (cudart, cudart_path) = open_first(&CUDART)?;
+    let nccl = open_first(&NCCL)?;
+    let cudart = open_first(&CUDART)?;
     // SAFETY: each symbol is looked up by its C name and given its C signature from the
     // headers; the libraries stay loaded in the returned struct.
     unsafe {
         macro_rules! sym {
-            ($lib:expr, $path:expr, $name:literal) => {
-                *$lib.get(concat!($name, "\0").as_bytes()).map_err(|e| CommError::Library {
-                    library: $path.clone(),
-                    tried: String::new(),
-                    hint: format!("it has no symbol {}: {e} (too old?)", $name),
-                })?
+            ($lib:expr, $name:literal) => {
+                $lib.symbol($name).map_err(dylib_error)?
             };
         }
         Ok(Libraries {
-            get_version: sym!(nccl, nccl_path, "ncclGetVersion"),
-            get_unique_id: sym!(nccl, nccl_path, "ncclGetUniqueId"),
-            comm_init_rank_config: sym!(nccl, nccl_path, "ncclCommInitRankConfig"),
-            comm_get_async_error: sym!(nccl, nccl_path, "ncclCommGetAsyncError"),
-            comm_abort: sym!(nccl, nccl_path, "ncclCommAbort"),
-            all_reduce: sym!(nccl, nccl_path, "ncclAllReduce"),
-            broadcast: sym!(nccl, nccl_path, "ncclBroadcast"),
-            all_gather: sym!(nccl, nccl_path, "ncclAllGather"),
-            reduce_scatter: sym!(nccl, nccl_path, "ncclReduceScatter"),
-            nccl_error_string: sym!(nccl, nccl_path, "ncclGetErrorString"),
-            nccl_last_error: sym!(nccl, nccl_path, "ncclGetLastError"),
-            set_device: sym!(cudart, cudart_path, "cudaSetDevice"),
-            stream_create: sym!(cudart, cudart_path, "cudaStreamCreateWithFlags"),
-            stream_destroy: sym!(cudart, cudart_path, "cudaStreamDestroy"),
-            stream_wait_event: sym!(cudart, cudart_path, "cudaStreamWaitEvent"),
-            event_create: sym!(cudart, cudart_path, "cudaEventCreateWithFlags"),
-            event_record: sym!(cudart, cudart_path, "cudaEventRecord"),
-            event_query: sym!(cudart, cudart_path, "cudaEventQuery"),
-            event_destroy: sym!(cudart, cudart_path, "cudaEventDestroy"),
-            malloc: sym!(cudart, cudart_path, "cudaMalloc"),
-            free: sym!(cudart, cudart_path, "cudaFree"),
-            cuda_error_string: sym!(cudart, cudart_path, "cudaGetErrorString"),
-            nccl_path,
-            cudart_path,
-            _nccl: nccl,
-            _cudart: cudart,
+            get_version: sym!(nccl, "ncclGetVersion"),
+            get_unique_id: sym!(nccl, "ncclGetUniqueId"),
+            comm_init_rank_config: sym!(nccl, "ncclCommInitRankConfig"),
+            comm_get_async_error: sym!(nccl, "ncclCommGetAsyncError"),
+            comm_abort: sym!(nccl, "ncclCommAbort"),
+            all_reduce: sym!(nccl, "ncclAllReduce"),
+            broadcast: sym!(nccl, "ncclBroadcast"),
+            all_gather: sym!(nccl, "ncclAllGather"),
+            reduce_scatter: sym!(nccl, "ncclReduceScatter"),
+            nccl_error_string: sym!(nccl, "ncclGetErrorString"),
+            nccl_last_error: sym!(nccl, "ncclGetLastError"),
+            set_device: sym!(cudart, "cudaSetDevice"),
+            stream_create: sym!(cudart, "cudaStreamCreateWithFlags"),
+            stream_destroy: sym!(cudart, "cudaStreamDestroy"),
+            stream_wait_event: sym!(cudart, "cudaStreamWaitEvent"),
+            event_create: sym!(cudart, "cudaEventCreateWithFlags"),
+            event_record: sym!(cudart, "cudaEventRecord"),
+            event_query: sym!(cudart, "cudaEventQuery"),
+            event_destroy: sym!(cudart, "cudaEventDestroy"),
+            malloc: sym!(cudart, "cudaMalloc"),
+            free: sym!(cudart, "cudaFree"),
+            cuda_error_string: sym!(cudart, "cudaGetErrorString"),
+            nccl_path: nccl.path,
+            cudart_path: cudart.path,
+            _nccl: nccl.library,
+            _cudart: cudart.library,
         })
     }
-}
-
-/// Where one library is looked for and what to tell a user who has none.
-pub(crate) struct Search {
-    what: &'static str,
-    /// Names for the dynamic loader (LD_LIBRARY_PATH, the ld.so cache, the binary's RUNPATH).
-    sonames: &'static [&'static str],
-    /// Paths inside a Python `site-packages` where pip's NVIDIA wheels put the library.
-    pip_paths: &'static [&'static str],
-    /// An explicit file that replaces the whole search.
-    env_var: &'static str,
-    install: &'static str,
 }
 
 pub(crate) const NCCL: Search = Search {
@@ -227,85 +211,22 @@ const CUDART: Search = Search {
               TANDEM_CUDART_LIBRARY at libcudart.so",
 };
 
-/// Opens the first candidate of `s` that loads; the error lists every place tried and why each
-/// failed.
-pub(crate) fn open_first(s: &Search) -> Result<(libloading::Library, String), CommError> {
-    let mut tried = Vec::new();
-    for candidate in candidates(s) {
-        // SAFETY: loading runs the library's initialisers; NCCL's and cudart's are benign.
-        match unsafe { libloading::Library::new(&candidate) } {
-            Ok(lib) => return Ok((lib, candidate)),
-            Err(e) => tried.push(format!("{candidate} ({})", dlerror_text(&candidate, &e))),
-        }
-    }
-    Err(CommError::Library {
-        library: s.what.to_string(),
-        tried: tried.join(", "),
-        hint: s.install.to_string(),
-    })
+/// Opens the first candidate of `s` that loads (tandem-dylib's search), as a [`CommError`].
+fn open_first(s: &Search) -> Result<Opened, CommError> {
+    tandem_dylib::open_first(s).map_err(dylib_error)
 }
 
-/// dlerror's words for one candidate, without the candidate's name it repeats.
-fn dlerror_text(candidate: &str, e: &libloading::Error) -> String {
-    use std::error::Error;
-    let text = e.source().map_or_else(|| e.to_string(), |s| s.to_string());
-    text.strip_prefix(candidate).map_or(text.clone(), |t| t.trim_start_matches(": ").to_string())
-}
-
-fn candidates(s: &Search) -> Vec<String> {
-    if let Some(p) = std::env::var_os(s.env_var) {
-        return vec![p.to_string_lossy().into_owned()];
-    }
-    let mut out: Vec<String> = s.sonames.iter().map(|n| n.to_string()).collect();
-    for sp in site_packages() {
-        for rel in s.pip_paths {
-            let p = sp.join(rel);
-            if !out.iter().any(|o| Path::new(o) == p) {
-                out.push(p.to_string_lossy().into_owned());
-            }
+fn dylib_error(e: DylibError) -> CommError {
+    match e {
+        DylibError::NotFound { library, tried, hint } => {
+            CommError::Library { library, tried, hint }
         }
+        DylibError::MissingSymbol { path, symbol, reason } => CommError::Library {
+            library: path,
+            tried: String::new(),
+            hint: format!("it has no symbol {symbol}: {reason} (too old?)"),
+        },
     }
-    out
-}
-
-/// Python `site-packages` directories where pip may have put NVIDIA's wheels: the active venv
-/// or conda env, the interpreter the tests use (TANDEM_PYTHON), the user's, the system's.
-fn site_packages() -> Vec<PathBuf> {
-    let mut roots: Vec<PathBuf> = Vec::new();
-    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
-        if let Some(v) = std::env::var_os(var) {
-            roots.push(PathBuf::from(v));
-        }
-    }
-    if let Some(py) = std::env::var_os("TANDEM_PYTHON") {
-        // <venv>/bin/python -> <venv>
-        if let Some(root) = Path::new(&py).parent().and_then(Path::parent) {
-            roots.push(root.to_path_buf());
-        }
-    }
-    if let Some(home) = std::env::var_os("HOME") {
-        roots.push(Path::new(&home).join(".local"));
-    }
-    roots.extend(["/usr/local", "/usr"].map(PathBuf::from));
-    let mut out = Vec::new();
-    for root in roots {
-        let Ok(entries) = std::fs::read_dir(root.join("lib")) else { continue };
-        let mut pythons: Vec<PathBuf> = entries
-            .flatten()
-            .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
-            .map(|e| e.path())
-            .collect();
-        pythons.sort();
-        for py in pythons {
-            for sub in ["site-packages", "dist-packages"] {
-                let sp = py.join(sub);
-                if sp.is_dir() && !out.contains(&sp) {
-                    out.push(sp);
-                }
-            }
-        }
-    }
-    out
 }
 
 /// An NCCL status as an error naming the call and NCCL's own words.
@@ -368,28 +289,5 @@ impl Libraries {
         let mut handle = std::ptr::null_mut();
         check_cuda(self, call, create(&mut handle))?;
         Ok(handle)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_missing_library_names_every_place_tried_and_what_to_install() {
-        let s = Search {
-            what: "NCCL",
-            sonames: &["libtandem-no-such-nccl.so.2"],
-            pip_paths: &["nvidia/no-such/libnccl.so.2"],
-            env_var: "TANDEM_TEST_NO_SUCH_VAR",
-            install: NCCL.install,
-        };
-        let Err(err) = open_first(&s) else {
-            panic!("a library that does not exist must not load")
-        };
-        let msg = err.to_string();
-        assert!(msg.contains("libtandem-no-such-nccl.so.2"), "{msg}");
-        assert!(msg.contains("pip install nvidia-nccl-cu13"), "{msg}");
-        assert!(msg.contains("TANDEM_NCCL_LIBRARY"), "{msg}");
     }
 }

@@ -17,7 +17,10 @@ const EPS: f32 = 1e-12;
 /// Rows of `x: [rows, features]` scaled to unit L2 norm: `x / max(‖x‖, 1e-12)`.
 pub fn normalize(x: &Tensor) -> candle_core::Result<Tensor> {
     x.dims2()?;
-    if x.device().is_cpu() && x.dtype() == DType::F32 {
+    let cuda = cfg!(feature = "cuda")
+        && x.device().is_cuda()
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    if (x.device().is_cpu() && x.dtype() == DType::F32) || cuda {
         x.contiguous()?.apply_op1(Normalize)
     } else {
         let norm = x.sqr()?.sum_keepdim(1)?.sqrt()?.maximum(EPS as f64)?;
@@ -56,7 +59,21 @@ impl CustomOp1 for Normalize {
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        Ok((tandem_cuda::rows::normalize((s, l))?, l.shape().clone()))
+    }
+
     fn bwd(&self, x: &Tensor, y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let g = g.to_dtype(x.dtype())?;
+            return Ok(Some(tandem_cuda::rows::normalize_backward(x, y, &g)?));
+        }
         let (_, f) = x.dims2()?;
         if f == 0 {
             return Ok(Some(x.zeros_like()?));

@@ -368,6 +368,17 @@ pub fn batch_norm_train_add_relu(
     residual: &Tensor,
     eps: f64,
 ) -> candle_core::Result<(Tensor, Vec<f32>, Vec<f32>, usize)> {
+    check_residual(x, residual)?;
+    let x = x.contiguous()?;
+    let (mean, var, count, invstd) = train_stats(&x, eps)?;
+    let op = BatchNormAddRelu { mean: mean.clone(), invstd };
+    let params = Tensor::cat(&[gamma, beta], 0)?;
+    let y = x.apply_op3(&params, &residual.contiguous()?, op)?;
+    Ok((y, mean, var, count))
+}
+
+/// A residual block's tail adds a residual of the input's shape.
+pub(crate) fn check_residual(x: &Tensor, residual: &Tensor) -> candle_core::Result<()> {
     if residual.shape() != x.shape() {
         candle_core::bail!(
             "batch_norm_add_relu: residual {:?} for input {:?}",
@@ -375,12 +386,7 @@ pub fn batch_norm_train_add_relu(
             x.dims()
         )
     }
-    let x = x.contiguous()?;
-    let (mean, var, count, invstd) = train_stats(&x, eps)?;
-    let op = BatchNormAddRelu { mean: mean.clone(), invstd };
-    let params = Tensor::cat(&[gamma, beta], 0)?;
-    let y = x.apply_op3(&params, &residual.contiguous()?, op)?;
-    Ok((y, mean, var, count))
+    Ok(())
 }
 
 /// The batch's per-channel mean, biased variance, element count and `1/sqrt(var + eps)`.

@@ -637,6 +637,10 @@ pub(crate) fn backward(
     w: &Tensor,
     gy: &Tensor,
 ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return cuda_backward(p, x, w, gy);
+    }
     let g = Geometry::new(x.dims(), w.dims(), p)?;
     let gy = gy.contiguous()?;
     if let Some(d) = g.winograd() {
@@ -665,6 +669,56 @@ pub(crate) fn backward(
     Ok((gx, take_param_grad(w, gw)?))
 }
 
+/// cuDNN's description of the convolution (no groups: grouped ones are candle's).
+#[cfg(feature = "cuda")]
+fn cudnn_spec(p: ConvParams) -> tandem_cuda::cudnn::ConvSpec {
+    tandem_cuda::cudnn::ConvSpec {
+        stride: p.stride,
+        padding: p.padding,
+        dilation: p.dilation,
+        groups: 1,
+    }
+}
+
+/// The gradients of a convolution on the GPU, through cuDNN (each only when it is in the
+/// autograd graph; the weight's goes to [`crate::backward`]'s store when inside it).
+#[cfg(feature = "cuda")]
+fn cuda_backward(
+    p: ConvParams,
+    x: &Tensor,
+    w: &Tensor,
+    gy: &Tensor,
+) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    use tandem_cuda::cudnn::{backward_data, backward_filter};
+    let spec = cudnn_spec(p);
+    let gy = gy.to_dtype(x.dtype())?;
+    let gx = x.track_op().then(|| backward_data(&gy, w, x.dims(), spec)).transpose()?;
+    let gw = w.track_op().then(|| backward_filter(x, &gy, w.dims(), spec)).transpose()?;
+    Ok((gx, take_param_grad(w, gw)?))
+}
+
+/// Whether a convolution of `x` by `w` runs through cuDNN: both on a GPU in one float dtype,
+/// in a `cuda` build, unless `TANDEM_CUDNN=0` asks for candle's convolution.
+fn takes_cudnn(x: &Tensor, w: &Tensor) -> bool {
+    use candle_core::DType;
+    cfg!(feature = "cuda")
+        && x.device().is_cuda()
+        && x.dtype() == w.dtype()
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && cudnn_enabled()
+}
+
+#[cfg(feature = "cuda")]
+fn cudnn_enabled() -> bool {
+    tandem_cuda::cudnn::enabled()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cudnn_enabled() -> bool {
+    false
+}
+
+/// The convolution as a custom op: tandem's CPU kernels, or cuDNN on a GPU.
 struct Conv2dOp(ConvParams);
 
 impl CustomOp2 for Conv2dOp {
@@ -681,6 +735,17 @@ impl CustomOp2 for Conv2dOp {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (y, g) = cpu_forward(self.0, xs, xl, ws, wl)?;
         Ok((CpuStorage::F32(y), g.out_shape()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        tandem_cuda::cudnn::forward((xs, xl), (ws, wl), cudnn_spec(self.0))
     }
 
     fn bwd(
@@ -760,12 +825,13 @@ fn channel_sums(g: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// `torch.nn.functional.conv2d(x, w, stride, padding, dilation)` (no bias, groups 1) with the
-/// kernels above on CPU f32 tensors; other devices and dtypes use candle's convolution.
+/// kernels above on CPU f32 tensors, through cuDNN on a GPU (`cuda` builds); other dtypes use
+/// candle's convolution.
 pub fn conv2d(x: &Tensor, w: &Tensor, p: ConvParams) -> candle_core::Result<Tensor> {
-    if x.device().is_cpu()
+    let cpu_f32 = x.device().is_cpu()
         && x.dtype() == candle_core::DType::F32
-        && w.dtype() == candle_core::DType::F32
-    {
+        && w.dtype() == candle_core::DType::F32;
+    if cpu_f32 || takes_cudnn(x, w) {
         x.contiguous()?.apply_op2(&w.contiguous()?, Conv2dOp(p))
     } else {
         x.conv2d(w, p.padding, p.stride, p.dilation, 1)

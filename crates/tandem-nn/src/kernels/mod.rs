@@ -3,6 +3,8 @@
 //! matrix products are `gemm`'s (the crate candle itself uses); what is ours is the data layout
 //! around them and the backward passes.
 pub mod batch_norm;
+#[cfg(feature = "cuda")]
+pub mod batch_norm_cuda;
 pub mod conv2d;
 pub mod conv_batch_norm;
 pub(crate) mod matmul;

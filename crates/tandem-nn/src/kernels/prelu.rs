@@ -112,6 +112,19 @@ impl CustomOp2 for FastPRelu {
         Ok((CpuStorage::F32(y), xl.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        a_s: &candle_core::CudaStorage,
+        al: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let geometry = planes(xl.dims(), al.shape().elem_count())?;
+        let y = tandem_cuda::prelu::forward((xs, xl), (a_s, al), geometry)?;
+        Ok((y, xl.shape().clone()))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -119,6 +132,13 @@ impl CustomOp2 for FastPRelu {
         _y: &Tensor,
         gy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let gy = gy.to_dtype(x.dtype())?;
+            let geometry = planes(x.dims(), a.elem_count())?;
+            let (gx, ga) = tandem_cuda::prelu::backward(x, a, &gy, geometry, x.track_op())?;
+            return Ok((gx, a.track_op().then_some(ga)));
+        }
         let gy = gy.contiguous()?;
         let slopes = with_f32_slice(a, <[f32]>::to_vec)?;
         let (c, hw) = planes(x.dims(), slopes.len())?;
@@ -142,13 +162,17 @@ impl CustomOp2 for FastPRelu {
     }
 }
 
-/// `prelu(x, a)` with the kernel above on CPU f32 tensors; elsewhere from candle ops.
-/// `a`: `[C]` slopes for `x: [N, C, ...]`, or one slope for any `x`.
+/// `prelu(x, a)` with the kernel above on CPU f32 tensors, tandem-cuda's on a GPU (f32, f16 or
+/// bf16 input, f32 slopes); elsewhere from candle ops. `a`: `[C]` slopes for `x: [N, C, ...]`,
+/// or one slope for any `x`.
 pub fn prelu(x: &Tensor, a: &Tensor) -> candle_core::Result<Tensor> {
-    if x.device().is_cpu()
-        && x.dtype() == candle_core::DType::F32
-        && a.dtype() == candle_core::DType::F32
-    {
+    use candle_core::DType;
+    let f32_slopes = a.dtype() == DType::F32;
+    let cpu = x.device().is_cpu() && x.dtype() == DType::F32;
+    let cuda = cfg!(feature = "cuda")
+        && x.device().is_cuda()
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    if f32_slopes && (cpu || cuda) {
         return x.contiguous()?.apply_op2(&a.contiguous()?, FastPRelu);
     }
     let c = a.elem_count();

@@ -21,6 +21,23 @@ pub(crate) struct AdamStep {
 }
 
 impl AdamStep {
+    /// tandem-cuda's constants of this step.
+    #[cfg(feature = "cuda")]
+    fn rule(&self) -> tandem_cuda::optim::AdamRule {
+        tandem_cuda::optim::AdamRule {
+            coupled_wd: self.coupled_wd.unwrap_or(0.0),
+            decay: self.decay.unwrap_or(1.0),
+            one_minus_beta1: self.one_minus_beta1,
+            beta2: self.beta2,
+            one_minus_beta2: self.one_minus_beta2,
+            inv_bc2_sqrt: self.inv_bc2_sqrt,
+            eps: self.eps,
+            neg_step_size: self.neg_step_size,
+            has_coupled_wd: self.coupled_wd.is_some() as i32,
+            has_decay: self.decay.is_some() as i32,
+        }
+    }
+
     /// Constants for update number `step` (1-based), computed in f64 as the tensor form does.
     pub(crate) fn new(h: &AdamHyper, step: f64) -> Self {
         let c = &h.cfg;
@@ -96,6 +113,19 @@ impl InplaceOp3 for FirstMoment {
         }
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        m: &mut candle_core::CudaStorage,
+        ml: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        p: &candle_core::CudaStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<()> {
+        tandem_cuda::optim::adam_first_moment((m, ml), (g, gl), (p, pl), self.0.rule())
+    }
 }
 
 /// exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * d²
@@ -126,6 +156,19 @@ impl InplaceOp3 for SecondMoment {
         }
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        v: &mut candle_core::CudaStorage,
+        vl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        p: &candle_core::CudaStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<()> {
+        tandem_cuda::optim::adam_second_moment((v, vl), (g, gl), (p, pl), self.0.rule())
+    }
 }
 
 struct RunningMax;
@@ -148,6 +191,19 @@ impl InplaceOp3 for RunningMax {
         // candle's `maximum`: `if a < b { b } else { a }` (NaN in `a` is kept).
         par_zip3(mx, v, v, |mx, v, _| if mx < v { v } else { mx });
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        mx: &mut candle_core::CudaStorage,
+        ml: &Layout,
+        v: &candle_core::CudaStorage,
+        vl: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        tandem_cuda::optim::adam_running_max((mx, ml), (v, vl))
     }
 }
 
@@ -175,5 +231,18 @@ impl InplaceOp3 for ParamUpdate {
             Some(decay) => par_zip3(p, m, s, move |p, m, s| adam(aff(p, decay), m, s)),
         }
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        p: &mut candle_core::CudaStorage,
+        pl: &Layout,
+        m: &candle_core::CudaStorage,
+        ml: &Layout,
+        s: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<()> {
+        tandem_cuda::optim::adam_param((p, pl), (m, ml), (s, sl), self.0.rule())
     }
 }

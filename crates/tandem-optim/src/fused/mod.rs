@@ -20,14 +20,20 @@ pub(super) fn aff(x: f32, mul: f32) -> f32 {
     x * mul + 0.0
 }
 
-/// Whether the fused path applies: f32 parameter, gradient and state, all on the CPU.
+/// Whether the fused path applies: f32 parameter, gradient and state, all on the CPU, or all
+/// on one GPU in a `cuda` build (tandem-cuda's twins of these kernels).
 pub(crate) fn applies<'a>(
     var: &Var,
     grad: &Tensor,
     state: impl IntoIterator<Item = &'a Tensor>,
 ) -> bool {
-    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
-    cpu_f32(var.as_tensor()) && cpu_f32(grad) && state.into_iter().all(cpu_f32)
+    let p = var.as_tensor();
+    let on_cuda = cfg!(feature = "cuda") && p.device().is_cuda();
+    if !(p.device().is_cpu() || on_cuda) {
+        return false;
+    }
+    let here = |t: &Tensor| t.device().same_device(p.device()) && t.dtype() == DType::F32;
+    here(p) && here(grad) && state.into_iter().all(here)
 }
 
 pub(super) fn slice<'a>(

@@ -55,6 +55,21 @@ struct Kernel {
 }
 
 impl Kernel {
+    /// tandem-cuda's constants of this rule.
+    #[cfg(feature = "cuda")]
+    fn rule(&self) -> tandem_cuda::optim::SgdRule {
+        tandem_cuda::optim::SgdRule {
+            neg_lr: self.neg_lr,
+            wd: self.wd.unwrap_or(0.0),
+            momentum: self.momentum,
+            keep: self.keep.unwrap_or(1.0),
+            has_wd: self.wd.is_some() as i32,
+            has_keep: self.keep.is_some() as i32,
+            nesterov: self.nesterov as i32,
+            use_buf: self.use_buf as i32,
+        }
+    }
+
     fn new(h: &SgdConfig) -> Self {
         Kernel {
             neg_lr: -h.lr as f32,
@@ -179,6 +194,19 @@ impl InplaceOp3 for MomentumUpdate {
         with_momentum_rule!(k, false, |f| par_zip3(b, g, p, f));
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        b: &mut candle_core::CudaStorage,
+        bl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        p: &candle_core::CudaStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<()> {
+        tandem_cuda::optim::sgd_momentum((b, bl), (g, gl), (p, pl), self.0.rule(), false)
+    }
 }
 
 /// p = p - lr * (nesterov ? d + momentum * buf : buf), or p - lr * d without momentum.
@@ -203,6 +231,21 @@ impl InplaceOp3 for ParamUpdate {
         with_param_rule!(k, |f| par_zip3(p, g, b, f));
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        p: &mut candle_core::CudaStorage,
+        pl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        b: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<()> {
+        let k = self.0;
+        let b = k.use_buf.then_some((b, bl));
+        tandem_cuda::optim::sgd_param((p, pl), (g, gl), b, k.rule())
+    }
 }
 
 /// One SGD step of `var` (`[R, C]`) whose gradient is zero but for rows `rows` (ascending,
@@ -219,6 +262,7 @@ pub(crate) fn step_rows(
     let p = var.as_tensor();
     let g = grad_rows.detach().contiguous()?;
     let k = Kernel::new(h);
+    let map = row_map(p, rows)?;
     let rows: std::sync::Arc<[u32]> = rows.into();
     let buf = if h.momentum == 0.0 {
         None
@@ -228,12 +272,36 @@ pub(crate) fn step_rows(
             // First step: buf = d, every row (a fresh tensor, as the dense step's `d.copy()`).
             None => (p.zeros_like()?, true),
         };
-        b.inplace_op3(&g, p, &MomentumRows { k, rows: rows.clone(), first })?;
+        b.inplace_op3(&g, p, &MomentumRows { k, rows: rows.clone(), first, map: map.clone() })?;
         Some(b)
     };
     let b = buf.clone().unwrap_or_else(|| g.clone());
-    p.inplace_op3(&g, &b, &ParamRows { k, rows })?;
+    p.inplace_op3(&g, &b, &ParamRows { k, rows, map })?;
     Ok(buf)
+}
+
+/// On a GPU, the row map of `rows` (which gradient row each of `p`'s rows has) that both
+/// row-sparse kernels read; nothing on the CPU.
+#[cfg(feature = "cuda")]
+fn row_map(p: &Tensor, rows: &[u32]) -> candle_core::Result<Option<Tensor>> {
+    if !p.device().is_cuda() {
+        return Ok(None);
+    }
+    let n_rows = p.dims().first().copied().unwrap_or(0);
+    tandem_cuda::optim::rows_map(rows, n_rows, p.device()).map(Some)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn row_map(_: &Tensor, _: &[u32]) -> candle_core::Result<Option<Tensor>> {
+    Ok(None)
+}
+
+/// The row map of a row-sparse op running on a GPU.
+#[cfg(feature = "cuda")]
+fn device_map(map: &Option<Tensor>) -> candle_core::Result<&Tensor> {
+    map.as_ref().ok_or_else(|| {
+        candle_core::Error::Msg("row-sparse SGD on a GPU without its row map".into())
+    })
 }
 
 /// Rows per parallel block of a row-sparse step.
@@ -312,6 +380,9 @@ struct MomentumRows {
     k: Kernel,
     rows: std::sync::Arc<[u32]>,
     first: bool,
+    /// On a GPU: which gradient row each row has (tandem-cuda's `rows_map`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    map: Option<Tensor>,
 }
 
 impl InplaceOp3 for MomentumRows {
@@ -341,12 +412,35 @@ impl InplaceOp3 for MomentumRows {
         });
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        b: &mut candle_core::CudaStorage,
+        bl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        p: &candle_core::CudaStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<()> {
+        let map = device_map(&self.map)?;
+        tandem_cuda::optim::sgd_momentum_rows(
+            (b, bl),
+            (g, gl),
+            (p, pl),
+            map,
+            self.k.rule(),
+            self.first,
+        )
+    }
 }
 
 /// p = p - lr * step row by row, as [`ParamUpdate`] with g = 0 off the listed rows.
 struct ParamRows {
     k: Kernel,
     rows: std::sync::Arc<[u32]>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    map: Option<Tensor>,
 }
 
 impl InplaceOp3 for ParamRows {
@@ -371,5 +465,20 @@ impl InplaceOp3 for ParamRows {
             })
         });
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        p: &mut candle_core::CudaStorage,
+        pl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        b: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<()> {
+        let map = device_map(&self.map)?;
+        let b = self.k.use_buf.then_some((b, bl));
+        tandem_cuda::optim::sgd_param_rows((p, pl), (g, gl), b, map, self.k.rule())
     }
 }

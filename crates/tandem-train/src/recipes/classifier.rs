@@ -143,7 +143,7 @@ impl<'a> Classifier<'a> {
         let options = LoaderOptions {
             batch_size: cfg.data.batch_size,
             drop_last: false,
-            num_workers: 1,
+            num_workers: cfg.data.num_workers.unwrap_or(1),
             prefetch_factor: 2,
         };
         let train = Arc::new(train);
@@ -245,6 +245,7 @@ impl Recipe for Classifier<'_> {
         let clock = std::time::Instant::now();
         let loss = self.ddp.hooked().loss(&batch.x, &batch.y)?;
         fault::hit(fault::Phase::Forward);
+        crate::step::phase_end(batch.x.device())?;
         let forward_secs = clock.elapsed().as_secs_f64();
         let (ddp, params) = (&self.ddp, self.ddp.params());
         let backward = |loss: &candle_core::Tensor| -> Result<_> {
@@ -256,8 +257,15 @@ impl Recipe for Classifier<'_> {
         if let Some(z) = self.zero_live.as_mut() {
             z.shard_step = n;
         }
+        // On a GPU the loss stays there: the trainer reads it a few steps later.
+        let (value, pending_loss) = if loss.device().is_cpu() {
+            (loss.to_scalar::<f32>()? as f64, None)
+        } else {
+            (f64::NAN, Some(loss.detach()))
+        };
         Ok(StepReport {
-            loss: loss.to_scalar::<f32>()? as f64,
+            loss: value,
+            pending_loss,
             samples: batch.len(),
             forward_secs,
             head_secs: 0.0,
@@ -516,8 +524,7 @@ fn evaluate(
             as f64
             * n as f64;
         let pred = logits.argmax(1)?.to_vec1::<u32>()?;
-        let truth = batch.y.to_vec1::<u32>()?;
-        let correct = pred.iter().zip(&truth).filter(|(p, t)| p == t).count() as i64;
+        let correct = pred.iter().zip(&batch.labels).filter(|(p, t)| p == t).count() as i64;
         local.add_batch(loss, correct, n as i64);
     }
     Ok(tandem_data::eval::all_reduce_metrics(group, &local)?)

@@ -197,7 +197,7 @@ impl<'a> Face<'a> {
         let options = LoaderOptions {
             batch_size: cfg.data.batch_size,
             drop_last: true,
-            num_workers: 2,
+            num_workers: cfg.data.num_workers.unwrap_or(2),
             prefetch_factor: 2,
         };
         let train = Arc::new(train);
@@ -272,13 +272,21 @@ impl Recipe for Face<'_> {
     /// embeddings = backbone(images); loss = head(embeddings, labels); then the step (the
     /// head's gradients come back from Ddp untouched, the backbone's averaged and clipped).
     fn train_step(&mut self, batch: &Batch, step: &mut Step, n: u64) -> Result<StepReport> {
-        let labels: Vec<i64> = batch.y.to_vec1::<u32>()?.into_iter().map(i64::from).collect();
+        let labels: Vec<i64> = batch.labels.iter().map(|&l| i64::from(l)).collect();
         let clock = Instant::now();
-        let embeddings = self.autocast.round(&self.model.forward_t(&batch.x, true)?)?;
+        let model = &self.model;
+        let embeddings = self.autocast.apply(&batch.x, false, |x| model.forward_t(x, true))?;
         fault::hit(fault::Phase::Forward);
+        crate::step::phase_end(&self.device)?;
         let forward_secs = clock.elapsed().as_secs_f64();
         let loss = self.head.forward(&embeddings, &labels)?;
-        let value = loss.to_scalar::<f32>()? as f64;
+        crate::step::phase_end(&self.device)?;
+        // On a GPU the loss stays there: the trainer reads it a few steps later.
+        let (value, pending_loss) = if loss.device().is_cpu() {
+            (loss.to_scalar::<f32>()? as f64, None)
+        } else {
+            (f64::NAN, Some(loss.detach()))
+        };
         let head_secs = clock.elapsed().as_secs_f64() - forward_secs;
         let (leaf, weight) = (self.head.grad_leaf(), self.head.weight().clone());
         if let Some(rows) = self.head.grad_rows() {
@@ -303,6 +311,7 @@ impl Recipe for Face<'_> {
         }
         Ok(StepReport {
             loss: value,
+            pending_loss,
             samples: batch.len(),
             forward_secs,
             head_secs,

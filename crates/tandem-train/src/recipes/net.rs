@@ -46,6 +46,25 @@ impl Autocast {
             None => Ok(x.clone()),
         }
     }
+
+    /// `f(x)` under this precision, as f32. On a GPU, real mixed precision: `f` runs inside
+    /// [`tandem_nn::autocast`] (convolutions and matmuls in the 16-bit type on tensor cores).
+    /// On the CPU, whose kernels compute in f32, values are rounded instead: the output, and
+    /// the input too when `round_input`.
+    pub fn apply(
+        &self,
+        x: &Tensor,
+        round_input: bool,
+        f: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        match self.0 {
+            Some(dt) if !x.device().is_cpu() => {
+                tandem_nn::autocast(Some(dt), || f(x))?.to_dtype(DType::F32)
+            }
+            _ if round_input => self.round(&f(&self.round(x)?)?),
+            _ => self.round(&f(x)?),
+        }
+    }
 }
 
 /// What `Net::build` needs beyond the data's shape.
@@ -131,10 +150,10 @@ impl Net {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
             Net::Mlp(m) => m.forward(x),
-            Net::Cnn(m, a) => a.round(&m.forward(&a.round(x)?)?),
+            Net::Cnn(m, a) => a.apply(x, true, |x| m.forward(x)),
             Net::ResNet18(m) => {
-                let a = m.autocast;
-                a.round(&m.model.forward_t(&a.round(x)?, m.training.load(Ordering::SeqCst))?)
+                let train = m.training.load(Ordering::SeqCst);
+                m.autocast.apply(x, true, |x| m.model.forward_t(x, train))
             }
         }
     }

@@ -1,0 +1,71 @@
+//! Mixed precision on a GPU, as `torch.autocast("cuda", dtype)`: inside [`autocast`], the
+//! convolutions and linear layers of tandem-nn cast their input and weights to the 16-bit
+//! type and compute on tensor cores; BatchNorm and PReLU take the 16-bit activations and keep
+//! their parameters and statistics in f32 (as PyTorch's `cudnn_batch_norm`); what the caller
+//! computes outside the scope (losses, softmax, the optimizer) stays f32. Gradients flow back
+//! through the casts to the f32 master weights.
+//!
+//! The scope is per thread and applies to CUDA tensors only: on the CPU, where tandem's
+//! kernels compute in f32, layers ignore it (the recipes' CPU path rounds values instead).
+use std::cell::Cell;
+
+use candle_core::{DType, Device, Tensor};
+
+thread_local! {
+    static DTYPE: Cell<Option<DType>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with autocast to `dtype` (f16 or bf16; `None`: f32, as outside any scope), then
+/// restores the enclosing scope's setting, also when `f` panics.
+pub fn autocast<R>(dtype: Option<DType>, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<DType>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            DTYPE.with(|d| d.set(self.0));
+        }
+    }
+    let dtype = dtype.filter(|d| matches!(d, DType::F16 | DType::BF16));
+    let _restore = Restore(DTYPE.with(|d| d.replace(dtype)));
+    f()
+}
+
+/// The type a layer computes in for an input on `device`: the scope's 16-bit type on a GPU,
+/// else `None` (as given).
+pub fn compute_dtype(device: &Device) -> Option<DType> {
+    if device.is_cpu() {
+        return None;
+    }
+    DTYPE.with(Cell::get)
+}
+
+/// `t` in the scope's compute type for `device`, or as it is.
+pub(crate) fn cast(t: &Tensor, device: &Device) -> candle_core::Result<Tensor> {
+    match compute_dtype(device) {
+        Some(dt) if t.dtype() != dt => t.to_dtype(dt),
+        _ => Ok(t.clone()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_scope_nests_applies_to_gpus_only_and_is_restored() {
+        let gpu = Device::Cpu; // a CPU device stands in for "not a GPU"
+        assert_eq!(compute_dtype(&gpu), None);
+        autocast(Some(DType::F16), || {
+            assert_eq!(DTYPE.with(Cell::get), Some(DType::F16));
+            assert_eq!(compute_dtype(&Device::Cpu), None, "CPU layers keep f32");
+            autocast(None, || assert_eq!(DTYPE.with(Cell::get), None));
+            assert_eq!(DTYPE.with(Cell::get), Some(DType::F16), "restored after the inner scope");
+            let r = std::panic::catch_unwind(|| autocast(Some(DType::BF16), || panic!("inner")));
+            assert!(r.is_err());
+            assert_eq!(DTYPE.with(Cell::get), Some(DType::F16), "restored after a panic");
+        });
+        assert_eq!(DTYPE.with(Cell::get), None);
+        autocast(Some(DType::F32), || {
+            assert_eq!(DTYPE.with(Cell::get), None, "f32 is no autocast")
+        });
+    }
+}
