@@ -13,6 +13,7 @@
 //! The first parameter read of a forward starts a step (and broadcasts buffers from rank 0);
 //! each parameter's backward hook copies its finished gradient into a bucket; full buckets are
 //! all-reduced on a communication thread while backward continues.
+use std::cell::Cell;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -43,6 +44,14 @@ pub struct DdpOptions {
     /// check of `register_comm_hook`): for a rank that joins a running job (`tandem::live`),
     /// whose parameters arrive with the training state while the others construct nothing.
     pub sync_on_init: bool,
+    /// Reduce, while backward runs, the gradients the model's fused tandem-nn layers compute
+    /// (convolutions, linear layers, BatchNorm, PReLU): each bucket goes to the all-reduce as
+    /// soon as its last gradient arrives, as the hooks of a [`ParamSet`](tandem_nn::ParamSet)
+    /// model make it — for models built on a `VarMap` (tandem's IResNet and ResNet) that read
+    /// each parameter once per forward through those layers. A parameter that gets a second
+    /// gradient (used twice) is an error naming it, never a wrong average. CPU gradients only:
+    /// CUDA gradients under NCCL are reduced on the device after backward.
+    pub reduce_during_backward: bool,
 }
 
 impl Default for DdpOptions {
@@ -54,6 +63,7 @@ impl Default for DdpOptions {
             find_unused_parameters: false,
             rebuild_buckets: true,
             sync_on_init: true,
+            reduce_during_backward: false,
         }
     }
 }
@@ -120,6 +130,10 @@ struct Shared {
     hook_error: Mutex<Option<DdpError>>,
     /// Set while inside `Ddp::join`.
     join: Mutex<Option<JoinState>>,
+    /// `DdpOptions::reduce_during_backward`: the parameters' indices by tensor id.
+    early: Option<std::collections::HashMap<candle_core::TensorId, usize>>,
+    /// Gradients handed to the reducer during the last backward (`reduce_during_backward`).
+    early_count: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {
@@ -195,6 +209,41 @@ impl ViewHooks for Shared {
     fn on_grad_ready(&self, idx: usize, grad: &Tensor) -> candle_core::Result<()> {
         let r = with_f32_slice(grad, |g| self.reducer().mark_ready(idx, g))?;
         r.map_err(|e| self.record(e))
+    }
+}
+
+/// `DdpOptions::reduce_during_backward`'s side of `tandem_nn::backward_with_sink`: a gradient a
+/// fused layer computes for one of the model's parameters goes into its bucket at once (the
+/// step starts with the first one).
+struct EarlySink<'a> {
+    shared: &'a Shared,
+    ids: &'a std::collections::HashMap<candle_core::TensorId, usize>,
+    started: Cell<bool>,
+}
+
+impl tandem_nn::GradSink for EarlySink<'_> {
+    fn take(&self, param: &Tensor, grad: &Tensor) -> candle_core::Result<bool> {
+        let Some(&idx) = self.ids.get(&param.id()) else { return Ok(false) };
+        if !grad.device().is_cpu() {
+            return Ok(false);
+        }
+        if !self.started.get() {
+            self.shared.start_step().map_err(|e| self.shared.record(e))?;
+            self.started.set(true);
+        }
+        if self.shared.reducer().is_ready(idx) {
+            let name = self.shared.reducer().param_name(idx);
+            return Err(self.shared.record(DdpError::InvalidOption {
+                what: "reduce_during_backward",
+                why: format!(
+                    "parameter `{name}` got a second gradient from a fused layer: the model uses \
+                     it more than once per forward, so turn reduce_during_backward off for it"
+                ),
+            }));
+        }
+        self.shared.on_grad_ready(idx, grad)?;
+        self.shared.early_count.fetch_add(1, Ordering::SeqCst);
+        Ok(true)
     }
 }
 
@@ -313,6 +362,10 @@ impl<M: ParamModule> Ddp<M> {
             sync: AtomicBool::new(true),
             hook_error: Mutex::new(None),
             join: Mutex::new(None),
+            early: opts.reduce_during_backward.then(|| {
+                params.iter().enumerate().map(|(i, (_, v))| (v.as_tensor().id(), i)).collect()
+            }),
+            early_count: 0.into(),
         });
         // A world of one has no communication to overlap with backward, so it skips the hooks
         // and with them the copy of every parameter that the identity op costs each forward;
@@ -394,6 +447,12 @@ impl<M: ParamModule> Ddp<M> {
         }
         self.shared.reducer().set_comm_hook(hook);
         Ok(())
+    }
+
+    /// How many parameters' gradients the last backward handed to the all-reduce while it
+    /// ran (`DdpOptions::reduce_during_backward`; a `ParamSet` model's hooks are not counted).
+    pub fn grads_reduced_during_backward(&self) -> usize {
+        self.shared.early_count.load(Ordering::SeqCst)
     }
 
     pub fn world_size(&self) -> usize {
@@ -501,7 +560,19 @@ impl<M: ParamModule> Ddp<M> {
             });
         }
         let viewed = self.module.param_set().end_view();
-        let mut candle_grads = match tandem_nn::backward(loss) {
+        self.shared.early_count.store(0, Ordering::SeqCst);
+        let early = match &self.shared.early {
+            Some(ids) if !viewed && self.shared.comm.size() > 1 => {
+                Some(EarlySink { shared: &self.shared, ids, started: Cell::new(false) })
+            }
+            _ => None,
+        };
+        let backward = match &early {
+            Some(sink) => tandem_nn::backward_with_sink(loss, sink),
+            None => tandem_nn::backward(loss),
+        };
+        let started = early.as_ref().is_some_and(|s| s.started.get());
+        let mut candle_grads = match backward {
             Ok(g) => g,
             Err(e) => {
                 let hooked =
@@ -513,7 +584,7 @@ impl<M: ParamModule> Ddp<M> {
             .iter()
             .filter_map(|v| candle_grads.remove(v.as_tensor()).map(|g| (v.as_tensor().clone(), g)))
             .collect();
-        let mut grads = self.reduce_grads(viewed, vars, candle_grads)?;
+        let mut grads = self.reduce_grads(viewed, started, vars, candle_grads)?;
         for (param, g) in local_grads {
             grads.insert(&param, g);
         }
@@ -521,14 +592,18 @@ impl<M: ParamModule> Ddp<M> {
     }
 
     /// The model's gradients from candle's: averaged over the world (see [`Ddp::backward`]).
+    /// `started`: the step began during backward, some gradients already handed over
+    /// (`reduce_during_backward`).
     fn reduce_grads(
         &self,
         viewed: bool,
+        started: bool,
         vars: Vec<Var>,
         candle_grads: GradStore,
     ) -> Result<GradStore> {
         let mut candle_grads = candle_grads;
         if !viewed
+            && !started
             && self.shared.comm.size() == 1
             && self.shared.sync.load(Ordering::SeqCst)
             && self.shared.reducer().has_default_hook()
@@ -548,18 +623,32 @@ impl<M: ParamModule> Ddp<M> {
             }
         }
         #[cfg(feature = "cuda")]
-        if !viewed {
+        if !viewed && !started {
             if let Some(grads) = self.reduce_on_device(&vars, &candle_grads)? {
                 return Ok(grads);
             }
         }
         if !viewed {
             // The forward did not read parameters through the view (no hooks fired): reduce
-            // from candle's own gradients, without overlap.
-            self.shared.start_step()?;
+            // from candle's own gradients, those the fused layers handed over during backward
+            // (`reduce_during_backward`) already in flight.
+            if !started {
+                self.shared.start_step()?;
+            }
             let mut r = self.shared.reducer();
             for (i, v) in vars.iter().enumerate().rev() {
                 if let Some(g) = candle_grads.get(v.as_tensor()) {
+                    if started && r.is_ready(i) {
+                        return Err(DdpError::InvalidOption {
+                            what: "reduce_during_backward",
+                            why: format!(
+                                "parameter `{}` got a gradient from a fused layer during backward \
+                                 and another after it: the model uses it more than once per \
+                                 forward, so turn reduce_during_backward off for it",
+                                self.module.named_parameters()[i].0
+                            ),
+                        });
+                    }
                     with_f32_slice(g, |s| r.mark_ready(i, s))??;
                 }
             }

@@ -301,6 +301,16 @@ impl Reducer {
     }
 
     /// Parameter `idx`'s local gradient is complete.
+    /// Parameter `idx`'s name.
+    pub fn param_name(&self, idx: usize) -> String {
+        self.names.get(idx).cloned().unwrap_or_else(|| format!("#{idx}"))
+    }
+
+    /// Whether parameter `idx`'s gradient arrived this step.
+    pub fn is_ready(&self, idx: usize) -> bool {
+        self.ready.get(idx).copied().unwrap_or(false)
+    }
+
     pub fn mark_ready(&mut self, idx: usize, grad: &[f32]) -> Result<()> {
         if idx >= self.names.len() || grad.len() != self.numels[idx] {
             return Err(DdpError::GradientLength {

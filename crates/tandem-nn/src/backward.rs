@@ -27,6 +27,36 @@ thread_local! {
     /// The gradients taken by the fused ops during this thread's [`backward`], by parameter;
     /// `None` outside one.
     static TAKEN: RefCell<Option<Vec<(Tensor, Tensor)>>> = const { RefCell::new(None) };
+    /// The sink of [`backward_with_sink`] during its backward.
+    static SINK: RefCell<Option<&'static dyn GradSink>> = const { RefCell::new(None) };
+}
+
+/// Where [`backward_with_sink`] hands parameter gradients the moment a fused op computes them
+/// (data parallelism reduces them while backward goes on). The sink may decline a gradient;
+/// it is then kept for the store as usual.
+pub trait GradSink {
+    /// `param`'s gradient from a fused op: `Ok(true)` takes it (it will not be in the store),
+    /// `Ok(false)` leaves it to the store. A parameter used by several ops gets a call per
+    /// use: a sink that takes gradients must know its model reads each parameter once.
+    fn take(&self, param: &Tensor, grad: &Tensor) -> candle_core::Result<bool>;
+}
+
+/// [`backward`], with every parameter gradient a fused op computes (convolution, linear,
+/// BatchNorm, PReLU weights and biases) offered to `sink` as soon as it is computed.
+pub fn backward_with_sink(loss: &Tensor, sink: &dyn GradSink) -> candle_core::Result<GradStore> {
+    // SAFETY (of the lifetime extension): the reference is removed from SINK before this
+    // function returns (the guard below runs however the backward ends), and only code running
+    // inside it, on this thread, reads SINK.
+    let sink: &'static dyn GradSink = unsafe { std::mem::transmute::<&dyn GradSink, _>(sink) };
+    struct Unset;
+    impl Drop for Unset {
+        fn drop(&mut self) {
+            SINK.with(|s| s.borrow_mut().take());
+        }
+    }
+    SINK.with(|s| *s.borrow_mut() = Some(sink));
+    let _unset = Unset;
+    backward(loss)
 }
 
 /// `loss.backward()`, the gradient store holding the same gradients, without the zeroed
@@ -72,6 +102,14 @@ pub(crate) fn take_param_grad(
     let Some(grad) = grad else { return Ok(None) };
     if !param.is_variable() {
         return Ok(Some(grad));
+    }
+    let in_scope = TAKEN.with(|t| t.borrow().is_some());
+    if in_scope {
+        if let Some(sink) = SINK.with(|s| *s.borrow()) {
+            if sink.take(param, &grad)? {
+                return Ok(None);
+            }
+        }
     }
     TAKEN.with(|t| {
         let mut taken = t.borrow_mut();

@@ -35,7 +35,7 @@ pub mod weights;
 
 pub use alloc::{allocator_tuned, tune_allocator};
 pub use autocast::{autocast, compute_dtype};
-pub use backward::backward;
+pub use backward::{backward, backward_with_sink, GradSink};
 pub use batch_norm::{fast_batch_norm2d, FastBatchNorm2d, HasBatchNorm, StatsReducer};
 pub use conv::{fast_conv2d, fast_conv2d_no_bias, FastConv2d};
 pub use error::{NnError, Result};

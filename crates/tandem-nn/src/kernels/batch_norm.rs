@@ -10,6 +10,7 @@
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::backward::take_param_grad;
 use crate::contiguous_f32;
 use crate::kernels::relu::masked_by_positive;
 use crate::kernels::{par_filled, with_f32_slice, LaneSums};
@@ -154,6 +155,7 @@ impl CustomOp3 for BatchNormTrain {
             .transpose()?;
         let gbeta =
             beta.track_op().then(|| Tensor::from_vec(bias_grad(&sums), c, dev)).transpose()?;
+        let (ggamma, gbeta) = (take_param_grad(gamma, ggamma)?, take_param_grad(beta, gbeta)?);
         let gx = gx.map(|v| Tensor::from_vec(v, x.shape(), dev)).transpose()?;
         Ok((gx, ggamma, gbeta))
     }
@@ -251,7 +253,8 @@ fn bias_grad(sums: &[(f64, f64)]) -> Vec<f32> {
 }
 
 /// `cat(gγ, gβ)` (the gradient of a fused op's one `[2C]` affine operand) from
-/// [`backward_slices`]' sums, when `params` is in the graph.
+/// [`backward_slices`]' sums, when `params` is in the graph. (It goes back through candle's
+/// `cat`: the operand is not a variable, so candle needs its gradient to reach γ and β.)
 pub(crate) fn affine_grad(
     params: &Tensor,
     sums: &[(f64, f64)],

@@ -158,7 +158,7 @@ impl CustomOp2 for FastPRelu {
         } else {
             None
         };
-        Ok((gx, ga))
+        Ok((gx, crate::backward::take_param_grad(a, ga)?))
     }
 }
 

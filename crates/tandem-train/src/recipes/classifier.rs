@@ -126,13 +126,19 @@ impl<'a> Classifier<'a> {
             _ => None,
         };
         let zero_comm = live.as_ref().map(|l| Arc::clone(&l.comm));
+        // The ResNet (a VarMap model of fused layers, each parameter read once) reduces its
+        // buckets while backward runs, unless SyncBatchNorm's collectives run in backward too.
+        let early = matches!(net, Net::ResNet18(_))
+            && !cfg.model.sync_batchnorm
+            && super::overlap_allowed();
+        let base = DdpOptions { reduce_during_backward: early, ..DdpOptions::default() };
         let ddp = match live {
             Some(l) => {
                 // A replacement's parameters come with the state when it joins.
-                let opts = DdpOptions { sync_on_init: !l.replacement, ..DdpOptions::default() };
+                let opts = DdpOptions { sync_on_init: !l.replacement, ..base };
                 Ddp::with_comm(net, l.comm, opts)
             }
-            None => Ddp::new(net, group, DdpOptions::default()),
+            None => Ddp::new(net, group, base),
         }
         .context("wrapping the model in Ddp")?;
         super::register_comm_hook(&ddp, cfg)?;

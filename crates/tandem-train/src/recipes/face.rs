@@ -174,6 +174,9 @@ impl<'a> Face<'a> {
         let opts = DdpOptions {
             bucket_cap_mb: BUCKET_CAP_MB,
             broadcast_buffers: false,
+            // IResNet reads each parameter once per forward through tandem-nn's fused layers:
+            // its buckets can go to the all-reduce while backward runs.
+            reduce_during_backward: super::overlap_allowed(),
             ..DdpOptions::default()
         };
         let head_comm: Arc<dyn Collectives> = match &live {

@@ -140,6 +140,13 @@ pub fn join_group(opts: &TrainOptions) -> Result<ProcessGroup> {
     Ok(group)
 }
 
+/// Whether the built-in VarMap models reduce their gradients during backward
+/// (`DdpOptions::reduce_during_backward`): yes, unless `TANDEM_DDP_OVERLAP=0` asks for the
+/// reduction after backward (an A/B switch for measuring what the overlap gains).
+fn overlap_allowed() -> bool {
+    std::env::var("TANDEM_DDP_OVERLAP").map_or(true, |v| v != "0")
+}
+
 /// The training loader every recipe uses: the sampler (torch's shuffle from the seed, this
 /// rank's shard of `group`) over `data`, `batch_size` per rank.
 fn training_loader<D: tandem_data::Dataset + 'static>(
