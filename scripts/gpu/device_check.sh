@@ -7,11 +7,12 @@
 #
 # In order, each step's output in $OUT (what comes back) and a line per step on the console:
 #   1. cuda_twins: every CUDA path against its CPU twin (TANDEM_REQUIRE_CUDA=1);
-#   2. conv table: each distinct IResNet-50 convolution (and BatchNorm, PReLU) forward and
-#      forward+backward, tandem vs PyTorch, f16 at batch 128;
-#   3. the face recipe at arcface_torch's setting, tandem vs PyTorch in alternating rounds:
+#   2. the face recipe at arcface_torch's setting, tandem vs PyTorch in alternating rounds:
 #      IResNet-50 w64, 512-d, PartialFC 1M classes at 0.1, batch 128, f16, 10 warm-up steps;
-#   4. one profiled tandem run of the same recipe: device-true phases and time per kernel.
+#   3. conv table: each distinct IResNet-50 convolution (and BatchNorm, PReLU) forward and
+#      forward+backward, tandem vs PyTorch, f16 at batch 128;
+#   4. CIFAR ResNet-18, batch 256, f32 and f16, 1 rank, tandem vs PyTorch;
+#   5. one profiled tandem run of the face recipe: device-true phases and time per kernel.
 # A step that fails is reported and the next one runs; the exit code is the first failure's.
 set -uo pipefail
 out="${OUT:-/tmp/tandem-device}"
@@ -45,14 +46,18 @@ cat "$out/gpu.txt"
 "$py" -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version())' 2>&1 | tee -a "$out/gpu.txt"
 
 TAIL=40 step twins 150 env TANDEM_REQUIRE_CUDA=1 "$bin/cuda_twins"
-step conv 120 "$bin/tandem-bench" conv --net iresnet18 --width 64 --batch 128 --device cuda \
-  --dtype f16 --repeats 10 --torch "$py"
 face=(--device cuda --precision f16 --nproc 1 --model iresnet50 --width 64 --embedding 512
       --classes 1000000 --sample-rate 0.1 --batch 128 --identities 256 --workers 6 --torch-workers 6)
-step face 300 "$bin/tandem-bench" face "${face[@]}" --steps 40 --warmup-steps 10 --rounds 2 \
+step face 280 "$bin/tandem-bench" face "${face[@]}" --steps 40 --warmup-steps 10 --rounds 2 \
   --dir /tmp/tandem-face
+step conv 100 "$bin/tandem-bench" conv --net iresnet18 --width 64 --batch 128 --device cuda \
+  --dtype f16 --repeats 10 --torch "$py"
+for precision in f32 f16; do
+  step "resnet18-$precision" 70 "$bin/tandem-bench" ddp --device cuda --nproc 1 --model resnet18 \
+    --width 64 --batch 256 --steps 30 --rounds 3 --precision "$precision" --torch "$py"
+done
 if [ -f /tmp/tandem-face/faces/train.rec ]; then
-  step profile 90 env TANDEM_PROFILE=ops "$bin/tandem" train --nproc-per-node 1 --model iresnet50 \
+  step profile 70 env TANDEM_PROFILE=ops "$bin/tandem" train --nproc-per-node 1 --model iresnet50 \
     --width 64 --embedding-size 512 --num-classes 1000000 --sample-rate 0.1 --batch-size 128 \
     --precision f16 --device cuda --data rec:/tmp/tandem-face/faces --epochs 1000 --steps 20 \
     --lr 0.1 --lr-scheduler poly --clip-grad-norm 5 --no-checkpoints --out /tmp/tandem-profile

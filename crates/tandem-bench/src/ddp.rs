@@ -37,7 +37,8 @@ pub struct Args {
     #[arg(long, default_value_t = 2)]
     nproc: usize,
     /// mlp: 784-1024-1024-10 (the peer script's model); cnn: tandem_models::Cnn on 1x28x28;
-    /// resnet18: ResNet-18 for CIFAR on 3x32x32 (a VarMap model, reduced after backward).
+    /// resnet18: ResNet-18 for CIFAR on 3x32x32 (a VarMap model, its fused layers reduced as
+    /// backward computes them: `reduce_during_backward`).
     #[arg(long, default_value = "mlp")]
     model: ModelKind,
     /// ResNet-18's first-stage width (stages w, 2w, 4w, 8w; torchvision: 64).
@@ -70,6 +71,10 @@ pub struct Args {
     /// feature). The PyTorch peer then uses the same GPUs with NCCL.
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     device: String,
+    /// Mixed precision on a GPU, ResNet-18 only: `f16` (tandem's autocast and a GradScaler;
+    /// PyTorch's torch.autocast and GradScaler) or `bf16`; `f32` everywhere else.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
+    precision: String,
     /// With --device cuda, how the N-rank run reduces gradients: nccl on the GPUs (one GPU per
     /// rank: NCCL refuses two ranks on one GPU), or host (copied to host memory and reduced by
     /// the shm/tcp transport — what works for several ranks on one GPU).
@@ -117,6 +122,9 @@ struct ResNetTrainer {
     model: ResNet,
     ddp: Option<Ddp<NamedVars>>,
     opt: TorchSgd,
+    /// Autocast's type (f16, bf16) on a GPU, with f16's GradScaler.
+    autocast: Option<candle_core::DType>,
+    scaler: Option<tandem_optim::GradScaler>,
 }
 
 impl ResNetTrainer {
@@ -124,6 +132,7 @@ impl ResNetTrainer {
         width: usize,
         comm: Option<&tandem_comm::ProcessGroup>,
         dev: &Device,
+        precision: &str,
     ) -> anyhow::Result<Self> {
         let vars = OrderedVarMap::new();
         let model =
@@ -131,19 +140,48 @@ impl ResNetTrainer {
         ResNet::reset_parameters(&vars.named(), 0)?;
         let named = vars.named_vars();
         let opt = sgd(named.params())?;
-        let ddp = comm.map(|pg| Ddp::new(named, pg, DdpOptions::default())).transpose()?;
-        Ok(ResNetTrainer { model, ddp, opt })
+        // TANDEM_DDP_OVERLAP=0: reduce after backward instead (the A/B of the overlap).
+        let early = std::env::var("TANDEM_DDP_OVERLAP").map_or(true, |v| v != "0");
+        let opts = DdpOptions { reduce_during_backward: early, ..DdpOptions::default() };
+        let ddp = comm.map(|pg| Ddp::new(named, pg, opts)).transpose()?;
+        let autocast = match precision {
+            "f16" => Some(candle_core::DType::F16),
+            "bf16" => Some(candle_core::DType::BF16),
+            _ => None,
+        };
+        anyhow::ensure!(
+            autocast.is_none() || !dev.is_cpu(),
+            "--precision {precision}: mixed precision runs on a GPU (--device cuda)"
+        );
+        let scaler = (autocast == Some(candle_core::DType::F16))
+            .then(|| tandem_optim::GradScaler::new(tandem_optim::GradScalerConfig::default()))
+            .transpose()?;
+        Ok(ResNetTrainer { model, ddp, opt, autocast, scaler })
     }
 }
 
 impl Trainer for ResNetTrainer {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
-        let loss = tandem_nn::functional::cross_entropy(&self.model.forward_t(x, true)?, y)?;
-        let grads = match &self.ddp {
+        let model = &self.model;
+        let logits = tandem_nn::autocast(self.autocast, || model.forward_t(x, true))?;
+        let loss =
+            tandem_nn::functional::cross_entropy(&logits.to_dtype(candle_core::DType::F32)?, y)?;
+        let loss = match &self.scaler {
+            Some(s) => s.scale(&loss)?,
+            None => loss,
+        };
+        let mut grads = match &self.ddp {
             Some(ddp) => ddp.backward(&loss)?,
             None => tandem_nn::backward(&loss)?,
         };
-        self.opt.step(&grads)?;
+        match self.scaler.as_mut() {
+            Some(s) => {
+                s.unscale_(&self.opt, &mut grads)?;
+                s.step(&mut self.opt, &mut grads)?;
+                s.update()?;
+            }
+            None => self.opt.step(&grads)?,
+        }
         Ok(())
     }
 }
@@ -230,7 +268,7 @@ fn trainer(
 ) -> anyhow::Result<Box<dyn Trainer>> {
     let (kind, mode) = (args.model, args.mode.as_str());
     if kind == ModelKind::ResNet18 {
-        return Ok(Box::new(ResNetTrainer::new(args.width, comm, dev)?));
+        return Ok(Box::new(ResNetTrainer::new(args.width, comm, dev, &args.precision)?));
     }
     let opts = DdpOptions::default();
     Ok(match (Net::new(kind, dev)?, comm) {
@@ -410,6 +448,7 @@ fn torch_peer(args: &Args, python: &PathBuf) -> anyhow::Result<f64> {
             args.model.name().to_string(),
             args.width.to_string(),
             args.device.clone(),
+            args.precision.clone(),
         ])
         .stderr(Stdio::inherit())
         .output()
