@@ -99,3 +99,19 @@ with open(os.path.join(ROOT, "configs", "arcface_ms1mv3_r50.toml"), "rb") as f:
     put("train_config", "arcface_ms1mv3_r50.toml", f.read())
 put("train_config", "classifier.toml", b'model = "cnn"\nepochs = 2\nlr = 0.05\nbatch-size = 64\nlr-scheduler = "poly"\n')
 print("corpora:", sorted(os.listdir(CORPUS)))
+
+# PyTorch distributed checkpoint metadata (`.metadata`): what dcp.save writes for a replicated
+# state dict and for non-tensor values, in one process.
+import tempfile  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+for name, sd in [
+    ("model", {"model": torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)).state_dict()}),
+    ("objects", {"w": torch.arange(6.0).reshape(2, 3), "step": 7, "lr": [0.1, 0.2], "name": "x"}),
+]:
+    with tempfile.TemporaryDirectory() as d:
+        dcp.save(sd, checkpoint_id=d, no_dist=True)
+        with open(os.path.join(d, ".metadata"), "rb") as f:
+            put("dcp_metadata", name, f.read())

@@ -4,6 +4,7 @@
 //! engines or devices: tensors are host bytes with PyTorch's storage/stride model, and
 //! `map_location` is validated and handed back, not acted on.
 pub mod atomic;
+pub mod dcp;
 pub mod error;
 pub mod keys;
 mod pickle;
@@ -22,14 +23,19 @@ pub use training::TrainingCheckpoint;
 pub use value::{ElemType, ExternalBytes, StorageData, TensorData, Value};
 
 /// `torch.load(path, weights_only=True)`: reads a torch.save file (zip or legacy format; a
-/// safetensors file works too) into a value tree. Large files are memory-mapped.
+/// safetensors file works too) into a value tree. Large files are memory-mapped. A directory
+/// `dcp.save` wrote (PyTorch's distributed checkpoint) reads whole, its shards put together.
 pub fn load(path: impl AsRef<Path>) -> Result<Value, CkptError> {
-    pt::load_with(path.as_ref(), &LoadOptions::default())
+    load_with(path, &LoadOptions::default())
 }
 
 /// [`load`] with options (`map_location`, `mmap`, checksum verification).
 pub fn load_with(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Value, CkptError> {
-    pt::load_with(path.as_ref(), opts)
+    let path = path.as_ref();
+    if dcp::is_dcp_dir(path) {
+        return dcp::load(path);
+    }
+    pt::load_with(path, opts)
 }
 
 /// A plain-data pickle (no tensors or storages) as a [`Value`]: dicts, lists, tuples, numbers,

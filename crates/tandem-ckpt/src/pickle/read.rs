@@ -76,6 +76,9 @@ enum Global {
     NpDtype,
     NpFromBuffer,
     NpScalar,
+    /// A class or function the caller allows as data (`unpickle_with`): its calls, NEWOBJ and
+    /// BUILD make a [`Node::Object`] holding the arguments and state, never run.
+    DataClass,
 }
 
 fn lookup_global(module: &str, name: &str) -> Option<Global> {
@@ -131,6 +134,13 @@ enum Node {
     /// A numpy dtype: its type string (`u1`, `<f4`, ...) and byte order (from BUILD).
     NpDtype(String, char),
     NpArray(NpArray),
+    /// An allowed class's instance (or function's call) as data: its name, the arguments it was
+    /// made with and the state BUILD gave it.
+    Object {
+        class: String,
+        args: Vec<Id>,
+        state: Option<Id>,
+    },
 }
 
 /// A numpy array read from a pickle: C-ordered bytes of `dtype` (`None` until BUILD fills in
@@ -238,15 +248,17 @@ impl<'a> Reader<'a> {
     }
 }
 
-struct Machine {
+struct Machine<'a> {
     nodes: Vec<Node>,
     stack: Vec<Id>,
     marks: Vec<usize>,
     memo: HashMap<u64, Id>,
     ordered: HashMap<Id, Option<Id>>,
+    /// (module, name) pairs read as data ([`Global::DataClass`]).
+    data_classes: &'a [(&'a str, &'a str)],
 }
 
-impl Machine {
+impl Machine<'_> {
     fn push(&mut self, node: Node) {
         self.nodes.push(node);
         self.stack.push(self.nodes.len() - 1);
@@ -310,7 +322,9 @@ impl Machine {
     }
     fn global(&mut self, module: &str, name: &str) -> Result<(), PickleError> {
         let full = format!("{module}.{name}");
-        let g = lookup_global(module, name).ok_or_else(|| {
+        let data_class = self.data_classes.iter().any(|&(m, n)| m == module && n == name);
+        let g = lookup_global(module, name).or(data_class.then_some(Global::DataClass));
+        let g = g.ok_or_else(|| {
             // torch's own rebuild functions, storages and dtypes are safe but not implemented.
             let torch_data = module == "torch._utils"
                 || (module == "torch"
@@ -390,6 +404,7 @@ impl Machine {
         };
         let args = self.items_of(args)?.to_vec();
         Ok(match g {
+            Global::DataClass => self.new_node(Node::Object { class: name, args, state: None }),
             Global::RebuildTensorV2 | Global::RebuildTensor => self.rebuild_tensor(&args)?,
             Global::RebuildParameter | Global::RebuildParameterWithState => match args.first() {
                 Some(&data) if matches!(self.nodes[data], Node::Tensor(_)) => data,
@@ -644,6 +659,7 @@ fn node_kind(n: &Node) -> &'static str {
         Node::Tensor(_) => "tensor",
         Node::NpDtype(..) => "numpy dtype",
         Node::NpArray(_) => "numpy array",
+        Node::Object { .. } => "object",
     }
 }
 
@@ -669,6 +685,16 @@ fn long_from_bytes(b: &[u8]) -> Result<i64, PickleError> {
 
 /// Runs one pickle from the start of `data` to its STOP.
 pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
+    unpickle_with(data, &[])
+}
+
+/// [`unpickle`], with the classes and functions `data_classes` names (module, name) read as
+/// data: an instance becomes a dict `{"__class__": "module.name", "__args__": (..), "__state__":
+/// ..}` in the value tree. Nothing is imported or run.
+pub(crate) fn unpickle_with(
+    data: &[u8],
+    data_classes: &[(&str, &str)],
+) -> Result<Unpickled, PickleError> {
     let mut r = Reader { data, pos: 0 };
     let mut m = Machine {
         nodes: Vec::new(),
@@ -676,6 +702,7 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
         marks: Vec::new(),
         memo: HashMap::new(),
         ordered: HashMap::new(),
+        data_classes,
     };
     loop {
         let code = r.u8()?;
@@ -930,7 +957,11 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
                 let cls = m.pop()?;
                 match &m.nodes[cls] {
                     Node::Global(
-                        Global::Set | Global::FrozenSet | Global::OrderedDict | Global::Size,
+                        Global::Set
+                        | Global::FrozenSet
+                        | Global::OrderedDict
+                        | Global::Size
+                        | Global::DataClass,
                         _,
                     ) => {
                         let out = m.call(cls, args)?;
@@ -961,6 +992,14 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<Unpickled, PickleError> {
                         m.ordered.insert(target, metadata);
                     }
                     Node::Dict(_) | Node::Tensor(_) => {}
+                    Node::Object { state: None, .. } => {
+                        if let Node::Object { state: slot, .. } = &mut m.nodes[target] {
+                            *slot = Some(state);
+                        }
+                    }
+                    Node::Object { class, .. } => {
+                        return err(format!("a second BUILD of a `{class}`"))
+                    }
                     Node::NpDtype(..) | Node::NpArray(NpArray { dtype: None, .. }) => {
                         m.build_numpy(target, state)?
                     }
@@ -1092,6 +1131,19 @@ impl Converter<'_> {
             }
             Node::Tensor(spec) => Value::Tensor(self.tensor(spec)?),
             Node::NpDtype(descr, _) => Value::Str(descr.clone()),
+            Node::Object { class, args, state } => {
+                self.charge(class.len())?;
+                let args = Value::Tuple(self.convert_all(args, depth)?);
+                let state = match state {
+                    Some(s) => self.convert(*s, depth + 1)?,
+                    None => Value::None,
+                };
+                Value::dict_from([
+                    ("__class__", Value::Str(class.clone())),
+                    ("__args__", args),
+                    ("__state__", state),
+                ])
+            }
             Node::NpArray(a) => {
                 let dtype = a.dtype.ok_or("a numpy array whose state never came (no BUILD)")?;
                 self.charge(a.data.len())?;

@@ -41,7 +41,7 @@ impl Pickler {
         (self.out, self.table)
     }
 
-    fn global(&mut self, module: &str, name: &str) {
+    pub(crate) fn global(&mut self, module: &str, name: &str) {
         self.out.push(op::GLOBAL);
         self.out.extend_from_slice(module.as_bytes());
         self.out.push(b'\n');
@@ -49,7 +49,7 @@ impl Pickler {
         self.out.push(b'\n');
     }
 
-    fn int(&mut self, v: i64) {
+    pub(crate) fn int(&mut self, v: i64) {
         if (0..=0xff).contains(&v) {
             self.out.extend_from_slice(&[op::BININT1, v as u8]);
         } else if (0..=0xffff).contains(&v) {
@@ -75,7 +75,7 @@ impl Pickler {
         }
     }
 
-    fn str(&mut self, s: &str) {
+    pub(crate) fn str(&mut self, s: &str) {
         self.out.push(op::BINUNICODE);
         self.out.extend_from_slice(&(s.len() as u32).to_le_bytes());
         self.out.extend_from_slice(s.as_bytes());

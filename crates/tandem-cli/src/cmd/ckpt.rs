@@ -1,4 +1,5 @@
-//! `tandem ckpt`: inspect, convert, diff and load-check checkpoints (.pt / .safetensors).
+//! `tandem ckpt`: inspect, convert, diff and load-check checkpoints (.pt / .safetensors, and
+//! directories: tandem's sharded ones, PyTorch's distributed checkpoints).
 //! Every subcommand reads through tandem-ckpt (never executing pickle code); unreadable input
 //! is one `error:` line and a non-zero exit.
 use std::path::{Path, PathBuf};
@@ -29,7 +30,8 @@ pub struct Args {
 enum Which {
     /// Container keys, each tensor's dtype/shape/bytes, detected wrapping, non-tensor values;
     /// for a sharded checkpoint (a directory: the face recipe's, ZeRO's), its ranks, the slice
-    /// each holds and what each file holds.
+    /// each holds and what each file holds; for a PyTorch distributed checkpoint (a `dcp.save`
+    /// directory), its values and how each tensor is chunked over its files.
     Inspect {
         file: PathBuf,
         /// Print one JSON object instead of text.
@@ -54,6 +56,11 @@ enum Which {
         /// Convert only the value under this key (`model`, or a path like `ckpt/model`).
         #[arg(long)]
         key: Option<String>,
+        /// What to write: `pt`, `safetensors` (default: by OUT's extension) or `dcp` (a
+        /// directory `dcp.load` reads, as one process's `dcp.save` writes it). A `dcp.save`
+        /// directory as INPUT is read whole, its shards put together.
+        #[arg(long, value_parser = ["pt", "safetensors", "dcp"])]
+        to: Option<String>,
     },
     /// Keys only in one file, shape/dtype differences and the max abs difference of tensors.
     /// Exits 0 when the files hold the same values, 1 when they differ.
@@ -73,8 +80,9 @@ enum Which {
 pub fn main(args: Args) -> anyhow::Result<i32> {
     match args.which {
         Which::Inspect { file, json } => inspect(&file, json),
-        Which::Convert { input, output, strip_prefix, add_prefix, key } => {
-            convert(&input, &output, strip_prefix.as_deref(), add_prefix.as_deref(), key.as_deref())
+        Which::Convert { input, output, strip_prefix, add_prefix, key, to } => {
+            let renames = (strip_prefix.as_deref(), add_prefix.as_deref());
+            convert(&input, &output, renames, key.as_deref(), to.as_deref())
         }
         Which::Diff { a, b } => diff(&a, &b),
         Which::LoadCheck { file, reference, non_strict } => {
@@ -93,6 +101,9 @@ fn read(path: &Path) -> anyhow::Result<Value> {
 /// `read`, keeping OrderedDicts and their `_metadata` (for `convert`: a faithful re-save).
 fn read_keeping(path: &Path, keep_ordered_dicts: bool) -> anyhow::Result<Value> {
     if path.is_dir() {
+        if tandem_ckpt::dcp::is_dcp_dir(path) {
+            return Ok(tandem_ckpt::dcp::load(path)?);
+        }
         if is_zero1_dir(path) {
             return Ok(tandem_optim::zero::consolidate_sharded(path)?);
         }
@@ -327,11 +338,13 @@ fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
     if file.is_dir() && is_zero1_dir(file) {
         return inspect_zero1(file, as_json);
     }
-    if file.is_dir() {
+    let dcp = tandem_ckpt::dcp::is_dcp_dir(file);
+    if file.is_dir() && !dcp {
         return inspect_sharded_state(&Saved::open(file)?, as_json);
     }
     let v = read(file)?;
-    let format = format_name(file)?;
+    let format = if dcp { "PyTorch distributed checkpoint (dcp.save)" } else { format_name(file)? };
+    let chunking = if dcp { dcp_chunking(file)? } else { Vec::new() };
     let container_keys: Vec<String> =
         v.as_dict().map(|d| d.iter().map(|(k, _)| short_key(k)).collect()).unwrap_or_default();
     let mut all = Vec::new();
@@ -356,6 +369,7 @@ fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
             "tensors": tensors.iter().map(|(p, t)| json!({"key": p, "dtype": t.dtype.torch_name(), "shape": t.shape, "bytes": t.nbytes()})).collect::<Vec<_>>(),
             "values": others.iter().map(|(p, x)| json!({"key": p, "type": x.type_name(), "value": short_repr(x)})).collect::<Vec<_>>(),
             "total_tensor_bytes": total,
+            "dcp_chunks": chunking.iter().map(|(k, n, files)| json!({"key": k, "chunks": n, "files": files})).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&j)?);
         return Ok(0);
@@ -388,7 +402,37 @@ fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
             println!("  {p} = {}", short_repr(x));
         }
     }
+    let sharded: Vec<_> = chunking.iter().filter(|(_, n, _)| *n > 1).collect();
+    if dcp {
+        println!("sharded tensors ({}, the rest one chunk each):", sharded.len());
+        for (k, n, files) in sharded {
+            println!("  {k}: {n} chunks in {}", files.join(", "));
+        }
+    }
     Ok(0)
+}
+
+/// A DCP directory's tensors: (key, chunks, the files holding them).
+fn dcp_chunking(dir: &Path) -> anyhow::Result<Vec<(String, usize, Vec<String>)>> {
+    let md = tandem_ckpt::dcp::read_metadata(dir)?;
+    Ok(md
+        .items
+        .iter()
+        .filter_map(|(fqn, item)| match item {
+            tandem_ckpt::dcp::Item::Tensor { chunks, .. } => {
+                let mut files: Vec<String> = md
+                    .records
+                    .iter()
+                    .filter(|r| &r.fqn == fqn)
+                    .map(|r| r.stored.file.clone())
+                    .collect();
+                files.sort();
+                files.dedup();
+                Some((fqn.clone(), chunks.len(), files))
+            }
+            tandem_ckpt::dcp::Item::Bytes => None,
+        })
+        .collect())
 }
 
 fn short_key(k: &Value) -> String {
@@ -460,9 +504,9 @@ fn rename_keys(
 fn convert(
     input: &Path,
     output: &Path,
-    strip: Option<&str>,
-    add: Option<&str>,
+    (strip, add): (Option<&str>, Option<&str>),
     key: Option<&str>,
+    to: Option<&str>,
 ) -> anyhow::Result<i32> {
     if input.is_dir() && (arcface::is_face_dir(input) || arcface::is_arcface_dir(input)) {
         if strip.is_some() || add.is_some() || key.is_some() {
@@ -471,7 +515,10 @@ fn convert(
         return convert_face(input, output);
     }
     let v = read_keeping(input, true)?;
-    let to_safetensors = output.extension().is_some_and(|e| e == "safetensors");
+    let to_safetensors = match to {
+        Some(t) => t == "safetensors",
+        None => output.extension().is_some_and(|e| e == "safetensors"),
+    };
     let mut selected = match key {
         Some(k) => select(&v, k)?.clone(),
         None => v,
@@ -529,7 +576,12 @@ fn convert(
         let module = |k: &str| if k.is_empty() { bare.to_string() } else { format!("{p}{k}") };
         selected = rename_keys(&selected, &|k| Ok(format!("{p}{k}")), &module)?;
     }
-    if to_safetensors {
+    if to == Some("dcp") {
+        if !matches!(selected, Value::Dict(_) | Value::OrderedDict { .. }) {
+            bail!("--to dcp: a distributed checkpoint holds a dict; pick one with --key");
+        }
+        tandem_ckpt::dcp::save(output, &selected.into_plain())?;
+    } else if to_safetensors {
         // safetensors holds tensors only: no OrderedDict, no module versions.
         tandem_ckpt::safetensors::save(output, &selected.into_plain())?;
     } else {
