@@ -268,6 +268,137 @@ impl Ctx<'_> {
     }
 }
 
+/// Byte ranges of `counts` elements of `elem` bytes laid end to end.
+pub(crate) fn ranges(counts: &[usize], elem: usize) -> Vec<Range<usize>> {
+    let mut start = 0;
+    counts
+        .iter()
+        .map(|&c| {
+            let r = start..start + c * elem;
+            start = r.end;
+            r
+        })
+        .collect()
+}
+
+impl Ctx<'_> {
+    /// Root gets the reduction of every rank's `buf`: a ring reduce-scatter on a copy (rank r
+    /// ends with chunk r reduced), then every rank sends its chunk to root. Other ranks' `buf`
+    /// is left as it was.
+    pub fn reduce(
+        &mut self,
+        buf: &mut [u8],
+        root: usize,
+        r: Reduction<'_>,
+    ) -> Result<(), PeerError> {
+        let n = self.size;
+        if n == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        let elem = r.dtype.size();
+        let count = buf.len() / elem;
+        let bounds: Vec<_> = (0..n).map(|i| bytes(chunk(count, n, i), elem)).collect();
+        let mut work = buf.to_vec();
+        self.ring_reduce_scatter(&mut work, &bounds, 0, elem, r.f)?;
+        let mine = bounds[self.rank].clone();
+        if self.rank != root {
+            return self.t.exchange(Some((root, &work[mine])), None, self.timeout);
+        }
+        buf[mine.clone()].copy_from_slice(&work[mine]);
+        for (from, b) in bounds.iter().enumerate().filter(|(from, _)| *from != root) {
+            self.t.exchange(None, Some((from, Recv::Copy(&mut buf[b.clone()]))), self.timeout)?;
+        }
+        Ok(())
+    }
+
+    /// Every rank sends `send[j]` to rank j and receives rank j's block into `recv[j]`, in
+    /// n - 1 pairwise rounds (round s: to rank + s, from rank - s). Each round first swaps the
+    /// element counts, so split sizes that disagree between two ranks fail naming both instead
+    /// of shifting every later byte of the stream.
+    pub fn all_to_all(
+        &mut self,
+        send: &[&[u8]],
+        recv: &mut [&mut [u8]],
+        elem: usize,
+    ) -> Result<(), PeerError> {
+        let (n, me) = (self.size, self.rank);
+        recv[me].copy_from_slice(send[me]);
+        for s in 1..n {
+            let (to, from) = ((me + s) % n, (me + n - s) % n);
+            let announce = ((send[to].len() / elem) as u64).to_le_bytes();
+            let mut announced = [0u8; 8];
+            self.t.exchange(
+                Some((to, &announce)),
+                Some((from, Recv::Copy(&mut announced))),
+                self.timeout,
+            )?;
+            let (theirs, expect) = (u64::from_le_bytes(announced), recv[from].len() / elem);
+            if theirs != expect as u64 {
+                return Err(PeerError {
+                    peer: from,
+                    kind: crate::transport::FailKind::Io(format!(
+                        "rank {from} sends {theirs} elements to rank {me}, which expects {expect} \
+                         (split sizes disagree between the two ranks)"
+                    )),
+                });
+            }
+            self.t.exchange(
+                Some((to, send[to])),
+                Some((from, Recv::Copy(&mut *recv[from]))),
+                self.timeout,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Root receives rank r's `input` into `out[at[r]]` (lengths may differ by rank; root
+    /// knows them). Runs over `exchange` on every transport.
+    pub fn gather_ranges(
+        &mut self,
+        input: &[u8],
+        out: Option<(&mut [u8], &[Range<usize>])>,
+        root: usize,
+    ) -> Result<(), PeerError> {
+        if self.rank != root {
+            return self.t.exchange(Some((root, input)), None, self.timeout);
+        }
+        let Some((out, at)) = out else { return Ok(()) };
+        for (from, b) in at.iter().enumerate() {
+            if from == root {
+                out[b.clone()].copy_from_slice(input);
+            } else {
+                self.t.exchange(
+                    None,
+                    Some((from, Recv::Copy(&mut out[b.clone()]))),
+                    self.timeout,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Root sends `input[at[r]]` to rank r, which receives it into `output`.
+    pub fn scatter_ranges(
+        &mut self,
+        input: Option<(&[u8], &[Range<usize>])>,
+        output: &mut [u8],
+        root: usize,
+    ) -> Result<(), PeerError> {
+        if self.rank != root {
+            return self.t.exchange(None, Some((root, Recv::Copy(output))), self.timeout);
+        }
+        let Some((input, at)) = input else { return Ok(()) };
+        for (to, b) in at.iter().enumerate() {
+            if to == root {
+                output.copy_from_slice(&input[b.clone()]);
+            } else {
+                self.t.exchange(Some((to, &input[b.clone()])), None, self.timeout)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

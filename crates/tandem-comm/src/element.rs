@@ -59,7 +59,9 @@ impl std::fmt::Display for WireType {
     }
 }
 
-/// Reduction operator (PyTorch's `ReduceOp`).
+/// Reduction operator (PyTorch's `ReduceOp`). The bitwise ones (`BAND`, `BOR`, `BXOR`) take
+/// integer elements only, as PyTorch's gloo; `PREMUL_SUM` is
+/// [`ProcessGroup::all_reduce_premul_sum`](crate::ProcessGroup::all_reduce_premul_sum).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
     Sum,
@@ -67,6 +69,9 @@ pub enum ReduceOp {
     Max,
     Min,
     Product,
+    BitAnd,
+    BitOr,
+    BitXor,
 }
 
 impl ReduceOp {
@@ -77,13 +82,47 @@ impl ReduceOp {
             ReduceOp::Max => "max",
             ReduceOp::Min => "min",
             ReduceOp::Product => "product",
+            ReduceOp::BitAnd => "band",
+            ReduceOp::BitOr => "bor",
+            ReduceOp::BitXor => "bxor",
         }
+    }
+}
+
+impl ReduceOp {
+    /// Every operator, in wire-code order.
+    pub const ALL: [ReduceOp; 8] = [
+        ReduceOp::Sum,
+        ReduceOp::Avg,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Product,
+        ReduceOp::BitAnd,
+        ReduceOp::BitOr,
+        ReduceOp::BitXor,
+    ];
+
+    pub fn is_bitwise(self) -> bool {
+        matches!(self, ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor)
     }
 }
 
 /// A plain-old-data element collectives can move and reduce.
 pub trait Element: bytemuck::Pod + Send + Sync + 'static {
     const DTYPE: WireType;
+    /// Integers (the bitwise reductions apply).
+    const INTEGER: bool;
+    /// `a op b` for a bitwise `op` (integers; floats never reach it: the group refuses them).
+    fn bitwise(op: ReduceOp, a: Self, _b: Self) -> Self {
+        let _ = op;
+        a
+    }
+    /// `a × factor` with the factor rounded to this type first, as NCCL's PREMUL_SUM does
+    /// (floats; integers never reach it: the group refuses them).
+    fn premul(a: Self, factor: f64) -> Self {
+        let _ = factor;
+        a
+    }
     fn add(a: Self, b: Self) -> Self;
     fn mul(a: Self, b: Self) -> Self;
     fn max(a: Self, b: Self) -> Self;
@@ -99,6 +138,9 @@ pub trait Element: bytemuck::Pod + Send + Sync + 'static {
             ReduceOp::Product => pairs.for_each(|(d, s)| *d = Self::mul(*d, *s)),
             ReduceOp::Max => pairs.for_each(|(d, s)| *d = Self::max(*d, *s)),
             ReduceOp::Min => pairs.for_each(|(d, s)| *d = Self::min(*d, *s)),
+            ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => {
+                pairs.for_each(|(d, s)| *d = Self::bitwise(op, *d, *s))
+            }
         }
     }
 }
@@ -107,6 +149,10 @@ macro_rules! float_element {
     ($t:ty, $dt:expr) => {
         impl Element for $t {
             const DTYPE: WireType = $dt;
+            const INTEGER: bool = false;
+            fn premul(a: Self, factor: f64) -> Self {
+                a * (factor as $t)
+            }
             #[inline(always)]
             fn add(a: Self, b: Self) -> Self {
                 a + b
@@ -148,6 +194,11 @@ macro_rules! half_element {
     ($t:ty, $dt:expr) => {
         impl Element for $t {
             const DTYPE: WireType = $dt;
+            const INTEGER: bool = false;
+            fn premul(a: Self, factor: f64) -> Self {
+                // The product of two halves is exact in f32: one rounding, as a half multiply.
+                <$t>::from_f32(a.to_f32() * <$t>::from_f64(factor).to_f32())
+            }
             #[inline(always)]
             fn add(a: Self, b: Self) -> Self {
                 a + b
@@ -189,6 +240,15 @@ macro_rules! int_element {
     ($t:ty, $dt:expr) => {
         impl Element for $t {
             const DTYPE: WireType = $dt;
+            const INTEGER: bool = true;
+            #[inline(always)]
+            fn bitwise(op: ReduceOp, a: Self, b: Self) -> Self {
+                match op {
+                    ReduceOp::BitAnd => a & b,
+                    ReduceOp::BitOr => a | b,
+                    _ => a ^ b,
+                }
+            }
             #[inline(always)]
             fn add(a: Self, b: Self) -> Self {
                 a.wrapping_add(b)

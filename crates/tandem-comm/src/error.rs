@@ -75,6 +75,15 @@ pub enum CommError {
     #[error("{op}: not started: this rank's {ahead} earlier call(s) on the group made no progress for {waited:?} (an earlier async call is stuck or its peers never joined it); the group is now broken")]
     QueueTimeout { op: &'static str, waited: Duration, ahead: u64 },
 
+    /// An object collective's payload: this rank's object did not encode, or another rank's
+    /// did not decode as the type this rank asked for.
+    #[error("{op}: the object of rank {rank} {reason}")]
+    Object { op: &'static str, rank: usize, reason: String },
+
+    /// `monitored_barrier`: the ranks that did not arrive in time (every one of them).
+    #[error("monitored_barrier #{seq}: rank(s) {} did not arrive within {after:?}", list(missing))]
+    BarrierMissing { seq: u64, missing: Vec<usize>, after: Duration },
+
     /// A caller error (wrong buffer size, rank out of range, ...).
     #[error("{op}: {reason}")]
     InvalidArgument { op: &'static str, reason: String },
@@ -94,6 +103,10 @@ pub enum CommError {
     /// A background operation panicked (a bug; reported instead of propagating the panic).
     #[error("{op}: internal error: {reason}")]
     Internal { op: &'static str, reason: String },
+}
+
+fn list(ranks: &[usize]) -> String {
+    ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
 }
 
 impl CommError {

@@ -10,7 +10,17 @@ use crate::error::CommError;
 use crate::order::{CallOrder, Ticket};
 use crate::store::{Store, StoreServer};
 use crate::transport::{FailKind, PeerError, Recv, Transport, TransportKind};
+
+mod all_to_all;
+mod async_ops;
+mod monitored;
+mod objects;
+mod p2p;
+mod reduce;
+mod subgroups;
+
 use crate::work::Work;
+pub use p2p::{P2PKind, P2POp};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -89,7 +99,7 @@ struct Call {
     arg: u64,
 }
 
-const OPS: [&str; 12] = [
+const OPS: [&str; 17] = [
     "all_reduce",
     "broadcast",
     "all_gather",
@@ -101,6 +111,11 @@ const OPS: [&str; 12] = [
     "all_gather_bytes",
     "send",
     "recv",
+    "reduce",
+    "all_to_all",
+    "all_gather_list",
+    "gather_bytes",
+    "scatter_bytes",
     "unknown",
 ];
 
@@ -123,21 +138,20 @@ impl Call {
         let dtype = WireType::from_code(b[9]).map_or("bytes", |d| d.name());
         let arg = u(24..32);
         let arg = match op {
-            "all_reduce" | "reduce_scatter" => {
-                format!(
-                    ", {}",
-                    [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::Product]
-                        .get(arg as usize)
-                        .map_or("?", |o| o.name())
-                )
-            }
-            "broadcast" | "gather" | "scatter" | "broadcast_bytes" => format!(", root {arg}"),
+            "all_reduce" | "reduce_scatter" => format!(", {}", op_name(arg)),
+            "reduce" => format!(", {}, root {}", op_name(arg & 0xff), arg >> 8),
+            "broadcast" | "gather" | "scatter" | "broadcast_bytes" | "gather_bytes"
+            | "scatter_bytes" => format!(", root {arg}"),
             "send" => format!(", to {arg}"),
             "recv" => format!(", from {arg}"),
             _ => String::new(),
         };
         format!("{op}(#{}, {dtype}, {} elements{arg})", u(0..8), u(16..24))
     }
+}
+
+fn op_name(code: u64) -> &'static str {
+    ReduceOp::ALL.get(code as usize).map_or("?", |o| o.name())
 }
 
 fn op_code(op: ReduceOp) -> u64 {
@@ -147,7 +161,21 @@ fn op_code(op: ReduceOp) -> u64 {
         ReduceOp::Max => 2,
         ReduceOp::Min => 3,
         ReduceOp::Product => 4,
+        ReduceOp::BitAnd => 5,
+        ReduceOp::BitOr => 6,
+        ReduceOp::BitXor => 7,
     }
+}
+
+/// Bitwise reductions take integers only (PyTorch's gloo refuses floats too).
+pub(crate) fn check_op<T: Element>(what: &'static str, op: ReduceOp) -> Result<(), CommError> {
+    if op.is_bitwise() && !T::INTEGER {
+        return Err(CommError::invalid(
+            what,
+            format!("{} of {} elements: bitwise reductions take integers", op.name(), T::DTYPE),
+        ));
+    }
+    Ok(())
 }
 
 fn check_root(op: &'static str, root: usize, size: usize) -> Result<(), CommError> {
@@ -399,6 +427,7 @@ impl ProcessGroup {
         buf: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
+        check_op::<T>("all_reduce", op)?;
         if let Some(h) = self.inner.hierarchy.get() {
             if std::mem::size_of_val(buf) >= crate::hierarchy::MIN_BYTES {
                 let turn = ticket.wait("all_reduce", self.timeout())?;
@@ -464,6 +493,15 @@ impl ProcessGroup {
 
     /// `output` (size × input.len(), rank-major) receives every rank's `input`.
     pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<(), CommError> {
+        self.all_gather_ticket(self.ticket(), input, output)
+    }
+
+    fn all_gather_ticket<T: Element>(
+        &self,
+        ticket: Ticket,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError> {
         let (n, m) = (self.size(), input.len());
         if output.len() != n * m {
             return Err(CommError::invalid(
@@ -480,7 +518,7 @@ impl ProcessGroup {
         let bounds: Vec<_> = (0..n).map(|r| r * m * es..(r + 1) * m * es).collect();
         let call = Call::new("all_gather", Some(T::DTYPE), m, 0);
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(output);
-        self.collective(self.ticket(), call, |c| c.all_gather_blocks(bytes, &bounds))
+        self.collective(ticket, call, |c| c.all_gather_blocks(bytes, &bounds))
     }
 
     /// `input` is size blocks of `output.len()`; this rank gets the reduction of block `rank`.
@@ -490,6 +528,17 @@ impl ProcessGroup {
         output: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
+        self.reduce_scatter_ticket(self.ticket(), input, output, op)
+    }
+
+    fn reduce_scatter_ticket<T: Element>(
+        &self,
+        ticket: Ticket,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        check_op::<T>("reduce_scatter", op)?;
         let (n, m) = (self.size(), output.len());
         if input.len() != n * m {
             return Err(CommError::invalid(
@@ -507,7 +556,7 @@ impl ProcessGroup {
         let inb: &[u8] = bytemuck::cast_slice(input);
         let outb: &mut [u8] = bytemuck::cast_slice_mut(output);
         let r = Reduction { dtype: T::DTYPE, op, f };
-        self.collective(self.ticket(), call, |c| c.reduce_scatter(inb, outb, r))?;
+        self.collective(ticket, call, |c| c.reduce_scatter(inb, outb, r))?;
         if op == ReduceOp::Avg {
             divide(output, n);
         }
@@ -518,6 +567,16 @@ impl ProcessGroup {
     /// other ranks pass `None`.
     pub fn gather<T: Element>(
         &self,
+        input: &[T],
+        output: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<(), CommError> {
+        self.gather_ticket(self.ticket(), input, output, root)
+    }
+
+    fn gather_ticket<T: Element>(
+        &self,
+        ticket: Ticket,
         input: &[T],
         output: Option<&mut [T]>,
         root: usize,
@@ -541,13 +600,23 @@ impl ProcessGroup {
         let call = Call::new("gather", Some(T::DTYPE), m, root as u64);
         let inb: &[u8] = bytemuck::cast_slice(input);
         let outb: Option<&mut [u8]> = output.map(|o| bytemuck::cast_slice_mut(o));
-        self.collective(self.ticket(), call, |c| c.gather(inb, outb, root))
+        self.collective(ticket, call, |c| c.gather(inb, outb, root))
     }
 
     /// Rank r's `output` receives block r of root's `input` (size × output.len());
     /// other ranks pass `None` as input.
     pub fn scatter<T: Element>(
         &self,
+        input: Option<&[T]>,
+        output: &mut [T],
+        root: usize,
+    ) -> Result<(), CommError> {
+        self.scatter_ticket(self.ticket(), input, output, root)
+    }
+
+    fn scatter_ticket<T: Element>(
+        &self,
+        ticket: Ticket,
         input: Option<&[T]>,
         output: &mut [T],
         root: usize,
@@ -571,7 +640,7 @@ impl ProcessGroup {
         let call = Call::new("scatter", Some(T::DTYPE), m, root as u64);
         let inb: Option<&[u8]> = input.map(|i| bytemuck::cast_slice(i));
         let outb: &mut [u8] = bytemuck::cast_slice_mut(output);
-        self.collective(self.ticket(), call, |c| c.scatter(inb, outb, root))
+        self.collective(ticket, call, |c| c.scatter(inb, outb, root))
     }
 
     /// Breaks the group on purpose: this rank's later calls fail at once, and peers inside a
@@ -591,7 +660,11 @@ impl ProcessGroup {
 
     /// Returns once every rank of the group has called it.
     pub fn barrier(&self) -> Result<(), CommError> {
-        self.collective(self.ticket(), Call::new("barrier", None, 0, 0), |c| c.barrier())
+        self.barrier_ticket(self.ticket())
+    }
+
+    fn barrier_ticket(&self, ticket: Ticket) -> Result<(), CommError> {
+        self.collective(ticket, Call::new("barrier", None, 0, 0), |c| c.barrier())
     }
 
     /// Copies root's bytes (any length this host's memory can hold) to every rank; other ranks'
@@ -667,83 +740,6 @@ impl ProcessGroup {
         })
     }
 
-    fn p2p(
-        &self,
-        op: &'static str,
-        peer: usize,
-        dtype: WireType,
-        count: usize,
-        send: Option<&[u8]>,
-        recv: Option<&mut [u8]>,
-    ) -> Result<(), CommError> {
-        let n = self.size();
-        if peer >= n || peer == self.rank() {
-            return Err(CommError::invalid(
-                op,
-                format!("peer {peer} must be another rank of this {n}-rank group"),
-            ));
-        }
-        let sending = send.is_some();
-        let p2p_seq = |st: &mut State| {
-            let seq = if sending { &mut st.p2p_sent[peer] } else { &mut st.p2p_recvd[peer] };
-            *seq += 1;
-            *seq - 1
-        };
-        let timeout = self.timeout();
-        let detail = self.inner.opts.desync_check;
-        let me = self.rank();
-        self.ordered(self.ticket(), op, p2p_seq, |st, my_seq| {
-            let t = st.transport.as_mut();
-            if let Some(data) = send {
-                if detail {
-                    t.exchange(
-                        Some((
-                            peer,
-                            &Call::new("send", Some(dtype), count, peer as u64).encode(my_seq),
-                        )),
-                        None,
-                        timeout,
-                    )?;
-                }
-                t.exchange(Some((peer, data)), None, timeout)
-            } else {
-                if detail {
-                    let mut theirs = [0u8; 32];
-                    t.exchange(None, Some((peer, Recv::Copy(&mut theirs))), timeout)?;
-                    let expect = Call::new("send", Some(dtype), count, me as u64).encode(my_seq);
-                    if theirs != expect {
-                        let mine =
-                            Call::new("recv", Some(dtype), count, peer as u64).encode(my_seq);
-                        return Err(PeerError {
-                            peer,
-                            kind: FailKind::Desync {
-                                rank_a: me,
-                                call_a: Call::describe(&mine),
-                                rank_b: peer,
-                                call_b: Call::describe(&theirs),
-                            },
-                        });
-                    }
-                }
-                let buf = recv.unwrap_or(&mut []);
-                t.exchange(None, Some((peer, Recv::Copy(buf))), timeout)
-            }
-        })
-    }
-
-    /// Sends `buf` to rank `dst` (matched by a `recv` there, in order).
-    pub fn send<T: Element>(&self, buf: &[T], dst: usize) -> Result<(), CommError> {
-        self.p2p("send", dst, T::DTYPE, buf.len(), Some(bytemuck::cast_slice(buf)), None)
-    }
-
-    /// Receives into `buf` from rank `src` (which must send exactly `buf.len()` elements).
-    pub fn recv<T: Element>(&self, buf: &mut [T], src: usize) -> Result<(), CommError> {
-        let n = buf.len();
-        self.p2p("recv", src, T::DTYPE, n, None, Some(bytemuck::cast_slice_mut(buf)))
-    }
-
-    /// A group over `ranks` (ranks of this group). Every rank of this group must call it, in
-    /// the same order as its other `new_group` calls; non-members get `None`.
     /// Host index of every rank (by first appearance), as the rendezvous found them.
     pub(crate) fn host_indices(&self) -> &[usize] {
         &self.inner.hosts
@@ -758,6 +754,8 @@ impl ProcessGroup {
         self.inner.hierarchy.get().is_some()
     }
 
+    /// A group over `ranks` (ranks of this group). Every rank of this group must call it, in
+    /// the same order as its other `new_group` calls; non-members get `None`.
     pub fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>, CommError> {
         let n = self.size();
         let mut sorted = ranks.to_vec();

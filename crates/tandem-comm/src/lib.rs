@@ -20,6 +20,7 @@ mod frame;
 mod group;
 mod hierarchy;
 pub mod live;
+mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod order;
@@ -37,8 +38,9 @@ pub use element::{Element, ReduceOp, WireType};
 pub use env::{InitMethod, InitOptions};
 pub use error::CommError;
 pub use frame::MAX_FRAME;
-pub use group::ProcessGroup;
+pub use group::{P2PKind, P2POp, ProcessGroup};
 pub use live::{LiveGroup, LiveOptions};
+pub use mesh::DeviceMesh;
 pub use rendezvous::{host_port, init_with};
 #[doc(hidden)]
 pub use store::fuzz_store_session;

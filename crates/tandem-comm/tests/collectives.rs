@@ -19,6 +19,9 @@ fn expected(n: usize, i: usize, op: ReduceOp) -> f64 {
         ReduceOp::Max => vals.iter().cloned().fold(f64::MIN, f64::max),
         ReduceOp::Min => vals.iter().cloned().fold(f64::MAX, f64::min),
         ReduceOp::Product => vals.iter().product(),
+        ReduceOp::BitAnd => vals.iter().fold(!0i64, |a, v| a & *v as i64) as f64,
+        ReduceOp::BitOr => vals.iter().fold(0i64, |a, v| a | *v as i64) as f64,
+        ReduceOp::BitXor => vals.iter().fold(0i64, |a, v| a ^ *v as i64) as f64,
     }
 }
 
@@ -66,6 +69,14 @@ fn check_all_reduce(pg: &ProcessGroup) {
             l.iter().enumerate().all(|(i, x)| *x as f64 == expected(n, i, ReduceOp::Min) - 3.0),
             "i64 len {len}"
         );
+        for op in [ReduceOp::BitAnd, ReduceOp::BitOr, ReduceOp::BitXor] {
+            let mut w: Vec<i64> = (0..len).map(|i| val(r, i) as i64).collect();
+            pg.all_reduce(&mut w, op).unwrap();
+            assert!(
+                w.iter().enumerate().all(|(i, x)| *x as f64 == expected(n, i, op)),
+                "i64 {op:?} len {len}"
+            );
+        }
         let mut u: Vec<u8> = (0..len).map(|i| val(r, i) as u8).collect();
         pg.all_reduce(&mut u, ReduceOp::Sum).unwrap();
         assert!(

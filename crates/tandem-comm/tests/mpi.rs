@@ -231,7 +231,46 @@ mod ranks {
             sub.all_reduce(&mut v, ReduceOp::Sum).unwrap();
             assert_eq!(v, [2.0; 4]);
         }
+        more_collectives(pg);
         pg.barrier().unwrap();
         println!("OK rank {r}/{n} transport {:?}", pg.transport());
+    }
+
+    /// The collectives past the core over MPI: bitwise reductions (MPI's own operators),
+    /// reduce, all_to_all with uneven splits, a batched ring shift, object collectives,
+    /// monitored_barrier and subgroups (`collectives_more.rs` covers them on tcp and shm).
+    fn more_collectives(pg: &tandem_comm::ProcessGroup) {
+        let (r, n) = (pg.rank(), pg.size());
+        let mut bits = vec![(r as i64 + 1) * 3, 12];
+        pg.all_reduce(&mut bits, ReduceOp::BitXor).unwrap();
+        assert_eq!(bits, [3 ^ 6 ^ 9, 12]);
+        let mut bits = vec![(1i32 << r) | 8];
+        pg.all_reduce(&mut bits, ReduceOp::BitOr).unwrap();
+        assert_eq!(bits, [15]);
+        let mut red = vec![(r + 1) as f32; 5];
+        pg.reduce(&mut red, ReduceOp::Sum, 2).unwrap();
+        assert_eq!(red, vec![if r == 2 { 6.0 } else { (r + 1) as f32 }; 5]);
+        // Rank f sends (f + t) % 3 elements of value 10 f + t to rank t.
+        let ins: Vec<usize> = (0..n).map(|t| (r + t) % 3).collect();
+        let outs: Vec<usize> = (0..n).map(|f| (f + r) % 3).collect();
+        let input: Vec<i64> = (0..n).flat_map(|t| vec![(10 * r + t) as i64; (r + t) % 3]).collect();
+        let mut output = vec![0i64; outs.iter().sum()];
+        pg.all_to_all_single(&input, &mut output, Some(&ins), Some(&outs)).unwrap();
+        let want: Vec<i64> = (0..n).flat_map(|f| vec![(10 * f + r) as i64; (f + r) % 3]).collect();
+        assert_eq!(output, want);
+        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+        let ops = vec![
+            tandem_comm::P2POp::isend(vec![r as f32; 300_000], right),
+            tandem_comm::P2POp::irecv(vec![0f32; 300_000], left),
+        ];
+        let done = pg.batch_isend_irecv(ops).wait().unwrap();
+        assert!(done[1].buf.iter().all(|x| *x == left as f32));
+        let names = pg.all_gather_object(&format!("rank-{r}")).unwrap();
+        assert_eq!(names, ["rank-0", "rank-1", "rank-2"]);
+        let got = pg.gather_object(&(r * 2), 1).unwrap();
+        assert_eq!(got, (r == 1).then(|| vec![0, 2, 4]));
+        pg.monitored_barrier(Some(std::time::Duration::from_secs(10))).unwrap();
+        let single = pg.new_subgroups(Some(1)).unwrap();
+        assert_eq!(single.world_ranks(), [r]);
     }
 }

@@ -1,7 +1,9 @@
 //! `tandem check`: run under a launcher (tandem run, torchrun, srun, mpirun). Every rank joins
 //! the process group, all-reduces its rank, checks the sum is n(n-1)/2, then all-reduces a
 //! 8 MiB buffer (sum, average and max of rank-dependent values, an odd length; large enough to
-//! take the hierarchical path on multi-host groups) and prints
+//! take the hierarchical path on multi-host groups), then the collectives past the core (reduce,
+//! all_to_all with uneven splits, a batched P2P ring shift, an object all-gather and a
+//! monitored barrier), and prints
 //! `rank R/W local L/LW sum=S allreduce=flat|hierarchical ok`. The test-only options make it the launcher's end-to-end
 //! worker: fail with a given code on one rank, fail on the first attempt only, linger.
 use std::collections::BTreeMap;
@@ -100,7 +102,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         println!("{head} MISMATCH (expected {expected})");
         bail!("rank {rank}: all_reduce sum {sum} != {expected} = n(n-1)/2 for n = {size}");
     }
-    if let Err(why) = check_large(&pg) {
+    if let Err(why) = check_large(&pg).and_then(|()| check_more(&pg)) {
         println!("{head} MISMATCH ({why})");
         bail!("rank {rank}: {why}");
     }
@@ -150,4 +152,45 @@ fn check_large(pg: &tandem_comm::ProcessGroup) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// reduce, all_to_all_single with uneven splits (some empty), a ring shift by
+/// batch_isend_irecv, all_gather_object and monitored_barrier, with results every rank checks.
+fn check_more(pg: &tandem_comm::ProcessGroup) -> Result<(), String> {
+    let (r, n) = (pg.rank(), pg.size());
+    let fail = |what: &str, e: tandem_comm::CommError| format!("{what}: {e}");
+    let mut v = vec![r as i64 + 1; 1001];
+    pg.reduce(&mut v, ReduceOp::Sum, n - 1).map_err(|e| fail("reduce", e))?;
+    let want = if r == n - 1 { (n * (n + 1) / 2) as i64 } else { r as i64 + 1 };
+    if v.iter().any(|x| *x != want) {
+        return Err(format!("reduce: {} instead of {want}", v[0]));
+    }
+    // Rank f sends (f + t) % 3 elements of value 100 f + t to rank t.
+    let ins: Vec<usize> = (0..n).map(|t| (r + t) % 3).collect();
+    let outs: Vec<usize> = (0..n).map(|f| (f + r) % 3).collect();
+    let input: Vec<i64> = (0..n).flat_map(|t| vec![(100 * r + t) as i64; (r + t) % 3]).collect();
+    let mut output = vec![-1i64; outs.iter().sum()];
+    pg.all_to_all_single(&input, &mut output, Some(&ins), Some(&outs))
+        .map_err(|e| fail("all_to_all_single", e))?;
+    let want: Vec<i64> = (0..n).flat_map(|f| vec![(100 * f + r) as i64; (f + r) % 3]).collect();
+    if output != want {
+        return Err(format!("all_to_all_single: {output:?} instead of {want:?}"));
+    }
+    if n > 1 {
+        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+        let ops = vec![
+            tandem_comm::P2POp::isend(vec![r as f32; 1 << 18], right),
+            tandem_comm::P2POp::irecv(vec![-1f32; 1 << 18], left),
+        ];
+        let done = pg.batch_isend_irecv(ops).wait().map_err(|e| fail("batch_isend_irecv", e))?;
+        if done[1].buf.iter().any(|x| *x != left as f32) {
+            return Err(format!("batch_isend_irecv: got {} from rank {left}", done[1].buf[0]));
+        }
+    }
+    let names =
+        pg.all_gather_object(&format!("rank {r}")).map_err(|e| fail("all_gather_object", e))?;
+    if names.iter().enumerate().any(|(q, s)| *s != format!("rank {q}")) {
+        return Err(format!("all_gather_object: {names:?}"));
+    }
+    pg.monitored_barrier(None).map_err(|e| fail("monitored_barrier", e))
 }

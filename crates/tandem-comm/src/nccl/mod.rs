@@ -15,6 +15,7 @@
 //!
 //! tandem-comm knows nothing of tensors: buffers are raw device pointers ([`DeviceBuffer`]) and
 //! streams raw handles ([`CudaStream`]); tandem-ddp takes them from candle's CUDA storage.
+mod grouped;
 mod library;
 mod watchdog;
 
@@ -26,6 +27,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+pub use grouped::DeviceTransfer;
 pub use library::{nccl_library, NcclLibraryInfo};
 
 /// A device buffer: a CUDA device pointer, its length in elements and their dtype.
@@ -189,7 +191,8 @@ impl NcclComm {
         after: Option<CudaStream>,
     ) -> Result<NcclWork, CommError> {
         let f = self.shared.libs.all_reduce;
-        let (p, n, t, o) = (buf.ptr as *mut c_void, buf.len, nccl_dtype(buf.dtype), nccl_op(op));
+        let o = nccl_op("all_reduce", op)?;
+        let (p, n, t) = (buf.ptr as *mut c_void, buf.len, nccl_dtype(buf.dtype));
         self.enqueue("all_reduce", after, |c, s| unsafe { f(p, p, n, t, o, c, s) })
     }
 
@@ -246,7 +249,7 @@ impl NcclComm {
         self.check_pair("reduce_scatter", &send, &recv, send.len, recv.len * self.shared.size)?;
         let f = self.shared.libs.reduce_scatter;
         let (sp, rp, n) = (send.ptr as *const c_void, recv.ptr as *mut c_void, recv.len);
-        let (t, o) = (nccl_dtype(send.dtype), nccl_op(op));
+        let (t, o) = (nccl_dtype(send.dtype), nccl_op("reduce_scatter", op)?);
         self.enqueue("reduce_scatter", after, |c, s| unsafe { f(sp, rp, n, t, o, c, s) })
     }
 
@@ -476,15 +479,18 @@ fn nccl_dtype(d: WireType) -> c_int {
     }
 }
 
-/// `ncclRedOp_t`.
-fn nccl_op(op: ReduceOp) -> c_int {
-    match op {
+/// `ncclRedOp_t`; NCCL has no bitwise reductions (as PyTorch's NCCL backend refuses them).
+fn nccl_op(what: &'static str, op: ReduceOp) -> Result<c_int, CommError> {
+    Ok(match op {
         ReduceOp::Sum => 0,
         ReduceOp::Product => 1,
         ReduceOp::Max => 2,
         ReduceOp::Min => 3,
         ReduceOp::Avg => 4,
-    }
+        ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => {
+            return Err(CommError::invalid(what, format!("NCCL has no {} reduction", op.name())))
+        }
+    })
 }
 
 #[cfg(test)]
@@ -509,7 +515,7 @@ mod tests {
         assert_eq!(codes, [1, 2, 4, 6, 7, 8, 9]);
         let ops: Vec<c_int> =
             [ReduceOp::Sum, ReduceOp::Product, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg]
-                .map(nccl_op)
+                .map(|op| nccl_op("all_reduce", op).unwrap())
                 .to_vec();
         assert_eq!(ops, [0, 1, 2, 3, 4]);
     }

@@ -134,6 +134,9 @@ fn operator(op: ReduceOp) -> ffi::MPI_Op {
         ReduceOp::Max => SystemOperation::max().as_raw(),
         ReduceOp::Min => SystemOperation::min().as_raw(),
         ReduceOp::Product => SystemOperation::product().as_raw(),
+        ReduceOp::BitAnd => SystemOperation::bitwise_and().as_raw(),
+        ReduceOp::BitOr => SystemOperation::bitwise_or().as_raw(),
+        ReduceOp::BitXor => SystemOperation::bitwise_xor().as_raw(),
     }
 }
 
