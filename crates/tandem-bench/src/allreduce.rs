@@ -1,32 +1,57 @@
 //! `tandem bench allreduce`: spawns N local ranks (copies of this executable on loopback) and
-//! reports, per message size, the all_reduce time, algbw, busbw = algbw * 2(n-1)/n, the memcpy
-//! bandwidth of a same-size buffer measured by this process in the same run, and busbw/memcpy.
-//! Bandwidths are in GB/s (1e9 bytes/s); times are medians over the iterations.
+//! reports, per collective (all_reduce, reduce_scatter, all_to_all) and message size, the time,
+//! algbw, busbw (nccl-tests' definitions: all_reduce algbw × 2(n-1)/n, reduce_scatter and
+//! all_to_all algbw × (n-1)/n, where the size is each rank's input buffer), the memcpy bandwidth
+//! of a same-size buffer measured by this process in the same run, busbw/memcpy and — with
+//! `--torch` — PyTorch gloo's busbw on the same collective and size, measured in the same run
+//! (`scripts/peers/torch_collectives_bench.py`), and tandem/gloo. Every rank warms up on the
+//! largest size before the first one is timed (a cold first size measured a third of its warm
+//! bandwidth). Bandwidths are in GB/s (1e9 bytes/s); times are each run's median over its
+//! iterations (the slowest rank's); `--repeats` runs the whole sweep again and reports the
+//! median with min–max.
 use anyhow::{bail, Context};
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use super::local_ranks::{median, LocalRanks};
-use tandem_comm::ReduceOp;
+use tandem_comm::{ProcessGroup, ReduceOp};
+
+const OPS: [&str; 3] = ["all_reduce", "reduce_scatter", "all_to_all"];
 
 #[derive(clap::Args)]
 pub struct Args {
     /// Number of local ranks.
     #[arg(long, default_value_t = 2)]
     nproc: usize,
-    /// Message sizes in bytes (suffixes K, M, G are powers of 1024), comma-separated.
+    /// Message sizes in bytes (suffixes K, M, G are powers of 1024), comma-separated: each
+    /// rank's input buffer.
     #[arg(long, default_value = "4,4K,1M,16M,64M")]
     sizes: String,
+    /// Collectives to measure, comma-separated: all_reduce, reduce_scatter, all_to_all.
+    #[arg(long, default_value = "all_reduce,reduce_scatter,all_to_all")]
+    ops: String,
     /// Transport (default: shared memory when all ranks are on this host). `mpi` starts the
     /// ranks with mpirun and uses MPI's all_reduce (a build with the `mpi` feature).
     #[arg(long, value_parser = ["tcp", "shm", "mpi"])]
     backend: Option<String>,
-    /// One JSON object per size on its own line.
+    /// A Python with torch: also measure PyTorch's gloo on the same collectives and sizes.
+    #[arg(long)]
+    torch: Option<PathBuf>,
+    /// Runs of the whole sweep (tandem's and gloo's, interleaved).
+    #[arg(long, default_value_t = 1)]
+    repeats: usize,
+    /// One JSON object per collective and size on its own line.
     #[arg(long)]
     json: bool,
     /// Seconds each size should take (sets the iteration count).
     #[arg(long, default_value_t = 0.5)]
     seconds_per_size: f64,
+    /// Seconds of warm-up on the largest size before the first size is timed.
+    #[arg(long, default_value_t = 0.3)]
+    warmup_seconds: f64,
     /// Internal: run as one rank of the benchmark (set by the parent).
     #[arg(long, hide = true)]
     worker: bool,
@@ -46,6 +71,29 @@ fn parse_size(s: &str) -> anyhow::Result<usize> {
         bail!("--sizes: {s} is not a positive multiple of 4 bytes (the benchmark uses f32)");
     }
     Ok(bytes)
+}
+
+fn parse_ops(s: &str) -> anyhow::Result<Vec<&'static str>> {
+    s.split(',')
+        .map(|op| {
+            let op = op.trim();
+            OPS.iter()
+                .copied()
+                .find(|o| *o == op)
+                .with_context(|| format!("--ops: {op:?} is not one of {}", OPS.join(", ")))
+        })
+        .collect()
+}
+
+/// busbw / algbw for `op` on `n` ranks (nccl-tests' factors).
+fn bus_factor(op: &str, n: f64) -> f64 {
+    if n <= 1.0 {
+        return 0.0;
+    }
+    match op {
+        "all_reduce" => 2.0 * (n - 1.0) / n,
+        _ => (n - 1.0) / n,
+    }
 }
 
 fn iterations(bytes: usize, seconds: f64) -> usize {
@@ -69,115 +117,254 @@ fn memcpy_seconds(bytes: usize, iters: usize) -> f64 {
     median(times)
 }
 
-fn worker(args: &Args, sizes: &[usize]) -> anyhow::Result<i32> {
+/// One call of `op` on each rank's input of `bytes` (elements a multiple of the group size for
+/// the splitting collectives: the size is rounded down to one).
+struct Buffers {
+    input: Vec<f32>,
+    output: Vec<f32>,
+}
+
+/// Each rank's input bytes for `op` asked for `bytes` on `n` ranks: the splitting collectives
+/// need a whole number of f32 per rank, so their size is rounded down to one (at least `n`).
+fn op_bytes(op: &str, bytes: usize, n: usize) -> usize {
+    let elems = (bytes / 4).max(1);
+    4 * if op == "all_reduce" { elems } else { (elems / n).max(1) * n }
+}
+
+impl Buffers {
+    fn new(op: &str, bytes: usize, n: usize) -> Buffers {
+        let elems = op_bytes(op, bytes, n) / 4;
+        let out = match op {
+            "reduce_scatter" => elems / n,
+            "all_to_all" => elems,
+            _ => 0,
+        };
+        Buffers { input: vec![1.0; elems], output: vec![0.0; out] }
+    }
+
+    fn run(&mut self, pg: &ProcessGroup, op: &str) -> anyhow::Result<()> {
+        match op {
+            "all_reduce" => pg.all_reduce(&mut self.input, ReduceOp::Sum)?,
+            "reduce_scatter" => pg.reduce_scatter(&self.input, &mut self.output, ReduceOp::Sum)?,
+            _ => pg.all_to_all_single(&self.input, &mut self.output, None, None)?,
+        }
+        Ok(())
+    }
+}
+
+fn worker(args: &Args, sizes: &[usize], ops: &[&str]) -> anyhow::Result<i32> {
     let pg = tandem_comm::init().context("worker init")?;
-    for &bytes in sizes {
-        let mut buf = vec![1.0f32; bytes / 4];
-        for _ in 0..3 {
-            pg.all_reduce(&mut buf, ReduceOp::Sum)?;
+    let n = pg.size();
+    // Warm-up: the first size timed cold measured a third of its bandwidth (page faults in
+    // fresh buffers and shared-memory rings, the sockets' windows still growing).
+    if let Some(&largest) = sizes.iter().max() {
+        let until = Instant::now() + Duration::from_secs_f64(args.warmup_seconds);
+        for op in ops {
+            let mut b = Buffers::new(op, largest, n);
+            b.run(&pg, op)?;
         }
-        pg.barrier()?;
-        let iters = iterations(bytes, args.seconds_per_size);
-        let mut times = Vec::with_capacity(iters);
-        for _ in 0..iters {
-            let t = Instant::now();
-            pg.all_reduce(&mut buf, ReduceOp::Sum)?;
-            times.push(t.elapsed().as_secs_f64());
+        let mut b = Buffers::new(ops[0], largest, n);
+        let mut done = [0.0f64];
+        while done[0] == 0.0 {
+            b.run(&pg, ops[0])?;
+            // Every rank stops together: the first whose time is up decides.
+            done[0] = f64::from(u8::from(Instant::now() >= until));
+            pg.all_reduce(&mut done, ReduceOp::Max)?;
         }
-        // Every rank reports its median; the slowest rank is the result.
-        let mut med = [median(times)];
-        pg.all_reduce(&mut med, ReduceOp::Max)?;
-        if pg.rank() == 0 {
-            println!("RESULT {bytes} {} {iters} {:?}", med[0], pg.transport().map(|t| t.name()));
+    }
+    for op in ops {
+        for &bytes in sizes {
+            let mut b = Buffers::new(op, bytes, n);
+            let bytes = b.input.len() * 4;
+            for _ in 0..3 {
+                b.run(&pg, op)?;
+            }
+            pg.barrier()?;
+            let iters = iterations(bytes, args.seconds_per_size);
+            let mut times = Vec::with_capacity(iters);
+            for _ in 0..iters {
+                let t = Instant::now();
+                b.run(&pg, op)?;
+                times.push(t.elapsed().as_secs_f64());
+            }
+            // Every rank reports its median; the slowest rank is the result.
+            let mut med = [median(times)];
+            pg.all_reduce(&mut med, ReduceOp::Max)?;
+            if pg.rank() == 0 {
+                let t = pg.transport().map_or("none", |t| t.name());
+                println!("RESULT {bytes} {} {iters} {t} {op}", med[0]);
+            }
         }
     }
     pg.barrier()?;
     Ok(0)
 }
 
-pub fn main(args: Args) -> anyhow::Result<i32> {
-    let sizes = args.sizes.split(',').map(parse_size).collect::<anyhow::Result<Vec<_>>>()?;
-    if args.worker {
-        return worker(&args, &sizes);
-    }
-    if args.nproc == 0 {
-        bail!("--nproc must be at least 1");
-    }
-    // memcpy reference, measured here before the ranks start (no competition for cores).
-    let memcpy: Vec<f64> =
-        sizes.iter().map(|&b| b as f64 / memcpy_seconds(b, iterations(b, 0.2))).collect();
+/// (op, bytes) -> seconds, from `RESULT bytes secs iters transport op` lines.
+type Times = BTreeMap<(String, usize), Vec<f64>>;
 
-    let args_vec = ["allreduce", "--worker", "--sizes", &args.sizes, "--seconds-per-size"]
-        .iter()
-        .map(|s| s.to_string())
-        .chain([args.seconds_per_size.to_string()])
-        .collect::<Vec<_>>();
+fn tandem_run(args: &Args, times: &mut Times) -> anyhow::Result<String> {
+    let args_vec: Vec<String> = [
+        "allreduce",
+        "--worker",
+        "--sizes",
+        &args.sizes,
+        "--ops",
+        &args.ops,
+        "--seconds-per-size",
+        &args.seconds_per_size.to_string(),
+        "--warmup-seconds",
+        &args.warmup_seconds.to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
     let env = [("TANDEM_TRANSPORT", args.backend.clone())];
     let (mut ranks, stdout) = if args.backend.as_deref() == Some("mpi") {
         LocalRanks::spawn_mpirun(args.nproc, "bench-allreduce", &args_vec, &env)?
     } else {
         LocalRanks::spawn(args.nproc, "bench-allreduce", &args_vec, &env)?
     };
-    let n = args.nproc as f64;
-    let mut seen = 0;
-    if !args.json {
-        println!(
-            "{:>10} {:>12} {:>11} {:>11} {:>12} {:>14}   (nproc {}, f32 sum, GB/s = 1e9 B/s)",
-            "size",
-            "time(us)",
-            "algbw GB/s",
-            "busbw GB/s",
-            "memcpy GB/s",
-            "busbw/memcpy",
-            args.nproc
-        );
-    }
+    let mut transport = String::from("none");
     for line in BufReader::new(stdout).lines() {
         let line = line?;
-        let Some(rest) = line.strip_prefix("RESULT ") else {
-            continue;
-        };
+        let Some(rest) = line.strip_prefix("RESULT ") else { continue };
         let f: Vec<&str> = rest.split_whitespace().collect();
-        let (bytes, secs): (usize, f64) = (f[0].parse()?, f[1].parse()?);
-        let transport = f
-            .get(3)
-            .copied()
-            .unwrap_or("None")
-            .trim_start_matches("Some(")
-            .trim_end_matches(')')
-            .trim_matches('"');
-        let algbw = bytes as f64 / secs / 1e9;
-        let busbw = if args.nproc > 1 { algbw * 2.0 * (n - 1.0) / n } else { 0.0 };
-        let mem = memcpy
-            .get(sizes.iter().position(|&s| s == bytes).unwrap_or(0))
-            .copied()
-            .unwrap_or(f64::NAN)
-            / 1e9;
-        if args.json {
-            println!(
-                "{}",
-                serde_json::json!({
-                    "size_bytes": bytes, "time_s": secs, "algbw_gbs": algbw, "busbw_gbs": busbw,
-                    "memcpy_gbs": mem, "busbw_over_memcpy": busbw / mem, "nproc": args.nproc,
-                    "transport": transport, "iters": f[2].parse::<usize>().unwrap_or(0),
-                })
-            );
-        } else {
-            println!(
-                "{:>10} {:>12.2} {:>11.3} {:>11.3} {:>12.3} {:>14.3}   [{transport}]",
-                bytes,
-                secs * 1e6,
-                algbw,
-                busbw,
-                mem,
-                busbw / mem
-            );
+        if f.len() < 5 {
+            bail!("a rank printed {line:?}");
         }
-        seen += 1;
+        transport = f[3].to_string();
+        times.entry((f[4].to_string(), f[0].parse()?)).or_default().push(f[1].parse()?);
     }
-    let failed = !ranks.reap(Duration::from_secs(60), false)?;
-    if failed || seen != sizes.len() {
-        bail!("benchmark incomplete: {seen} of {} sizes reported", sizes.len());
+    if !ranks.reap(Duration::from_secs(60), false)? {
+        bail!("a benchmark rank failed");
+    }
+    Ok(transport)
+}
+
+fn gloo_run(python: &Path, args: &Args, times: &mut Times) -> anyhow::Result<()> {
+    let script =
+        crate::report::repo_root().join(crate::PEERS_DIR).join("torch_collectives_bench.py");
+    let out = Command::new(python)
+        .arg(&script)
+        .args([
+            args.nproc.to_string(),
+            args.ops.clone(),
+            args.sizes.clone(),
+            args.seconds_per_size.to_string(),
+            args.warmup_seconds.to_string(),
+        ])
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        bail!("{} failed: {}", script.display(), String::from_utf8_lossy(&out.stderr));
+    }
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Some(rest) = line.strip_prefix("RESULT ") else { continue };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        if f.len() < 3 {
+            bail!("{} printed {line:?}", script.display());
+        }
+        times.entry((f[0].to_string(), f[1].parse()?)).or_default().push(f[2].parse()?);
+    }
+    Ok(())
+}
+
+/// min, median, max.
+fn spread(v: &[f64]) -> (f64, f64, f64) {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    (s[0], median(s.clone()), s[s.len() - 1])
+}
+
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    let sizes = args.sizes.split(',').map(parse_size).collect::<anyhow::Result<Vec<_>>>()?;
+    let ops = parse_ops(&args.ops)?;
+    if args.worker {
+        return worker(&args, &sizes, &ops);
+    }
+    if args.nproc == 0 || args.repeats == 0 {
+        bail!("--nproc and --repeats must be at least 1");
+    }
+    // memcpy reference, measured here before the ranks start (no competition for cores).
+    let memcpy: Vec<f64> =
+        sizes.iter().map(|&b| b as f64 / memcpy_seconds(b, iterations(b, 0.2))).collect();
+    let (mut ours, mut gloo) = (Times::new(), Times::new());
+    let mut transport = String::new();
+    for _ in 0..args.repeats {
+        transport = tandem_run(&args, &mut ours)?;
+        if let Some(python) = &args.torch {
+            gloo_run(python, &args, &mut gloo)?;
+        }
+    }
+    let n = args.nproc as f64;
+    if !args.json {
+        println!(
+            "{:>14} {:>10} {:>10} {:>10} {:>20} {:>8} {:>9} {:>10} {:>10}   (nproc {}, f32, \
+             GB/s = 1e9 B/s, median [min-max] of {} run(s))",
+            "collective",
+            "size",
+            "time(us)",
+            "algbw",
+            "busbw",
+            "memcpy",
+            "bus/mcpy",
+            "gloo busbw",
+            "x gloo",
+            args.nproc,
+            args.repeats
+        );
+    }
+    for op in &ops {
+        for (i, &asked) in sizes.iter().enumerate() {
+            let bytes = op_bytes(op, asked, args.nproc);
+            let Some(t) = ours.get(&(op.to_string(), bytes)) else {
+                bail!("benchmark incomplete: no {op} result for {bytes} bytes");
+            };
+            let bus = |secs: f64| bytes as f64 / secs / 1e9 * bus_factor(op, n);
+            let (fast, secs, slow) = spread(t);
+            let algbw = bytes as f64 / secs / 1e9;
+            let mem = memcpy[i] / 1e9;
+            let theirs = gloo.get(&(op.to_string(), bytes)).map(|g| spread(g).1);
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "op": op, "size_bytes": bytes, "time_s": secs, "algbw_gbs": algbw,
+                        "busbw_gbs": bus(secs), "busbw_min_gbs": bus(slow), "busbw_max_gbs": bus(fast),
+                        "memcpy_gbs": mem, "busbw_over_memcpy": bus(secs) / mem,
+                        "gloo_busbw_gbs": theirs.map(bus), "nproc": args.nproc,
+                        "transport": transport, "runs": t.len(),
+                    })
+                );
+            } else {
+                let gloo_text = theirs.map_or("-".into(), |g| format!("{:.3}", bus(g)));
+                let ratio = theirs.map_or("-".into(), |g| format!("{:.2}", g / secs));
+                println!(
+                    "{op:>14} {bytes:>10} {:>10.2} {algbw:>10.3} {:>20} {mem:>8.3} {:>9.3} \
+                     {gloo_text:>10} {ratio:>10}   [{transport}]",
+                    secs * 1e6,
+                    format!("{:.3} [{:.3}-{:.3}]", bus(secs), bus(slow), bus(fast)),
+                    bus(secs) / mem,
+                );
+            }
+        }
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_factors_are_nccl_tests() {
+        assert_eq!(bus_factor("all_reduce", 4.0), 1.5);
+        assert_eq!(bus_factor("reduce_scatter", 4.0), 0.75);
+        assert_eq!(bus_factor("all_to_all", 2.0), 0.5);
+        assert_eq!(bus_factor("all_reduce", 1.0), 0.0);
+        assert_eq!(op_bytes("all_reduce", 4, 4), 4);
+        assert_eq!(op_bytes("all_to_all", 4, 4), 16);
+        assert_eq!(op_bytes("reduce_scatter", 4100, 4), 4096);
+        assert!(parse_ops("all_reduce,broadcast").unwrap_err().to_string().contains("broadcast"));
+    }
 }

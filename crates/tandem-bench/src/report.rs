@@ -232,6 +232,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         retries: Vec::new(),
     };
     let allreduce = measure::allreduce(&mut ctx, &plan);
+    let collectives = measure::collectives(&mut ctx, &plan);
     let ddp: Vec<(measure::Workload, table::Table)> =
         plan.ddp.iter().map(|w| (w.clone(), measure::ddp(&mut ctx, plan.repeats, w))).collect();
     let conv_ops: Vec<(measure::ConvPlan, Result<String, String>)> = plan
@@ -265,6 +266,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         wall_s: started.elapsed().as_secs_f64(),
         allreduce_nproc: plan.allreduce_nproc,
         allreduce: &allreduce,
+        collectives: &collectives,
         ddp: &ddp,
         conv_ops: &conv_ops,
         ckpt: &ckpt,

@@ -37,6 +37,7 @@ fn main() -> ExitCode {
         live_recovery_goes_on_without_a_host_whose_link_is_cut,
         training_completes_through_ten_percent_packet_loss,
         a_host_without_the_secret_cannot_join_or_disturb_a_running_job,
+        the_mesh_uses_the_interface_socket_ifname_names,
     ];
     let no_loss = Hosts::loss_unavailable();
     // The reliability suite lists scenarios that could not run here as skipped.
@@ -773,4 +774,41 @@ fn a_host_without_the_secret_cannot_join_or_disturb_a_running_job() {
         log.contains(&refused) && log.contains(&closed),
         "no refusals of {intruder} in:\n{log}"
     );
+}
+
+/// Hosts with two networks: the store is reached over the first (MASTER_ADDR on eth*), and
+/// TANDEM_SOCKET_IFNAME / gloo's GLOO_SOCKET_IFNAME put the collectives' traffic on the second
+/// (`data`): `tandem check`'s 24 MiB of all-reduces leave through `data`, while eth carries
+/// the store's few kilobytes. An interface a host lacks fails the job naming it and the host.
+fn the_mesh_uses_the_interface_socket_ifname_names() {
+    let hosts = Hosts::new(2, None);
+    hosts.add_data_network();
+    for var in ["TANDEM_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"] {
+        let before: Vec<(u64, u64)> = (0..2)
+            .map(|i| (hosts.tx_bytes(i, &hosts.interface(i)), hosts.tx_bytes(i, "data")))
+            .collect();
+        let env = [(var, "data"), ("TANDEM_TRANSPORT", "tcp")];
+        let finished: Vec<Finished> =
+            start_on_all(&hosts, 1, &[], &[tandem(), "check"], "none", &env)
+                .into_iter()
+                .map(|r| r.wait(LIMIT))
+                .collect();
+        assert_all_succeeded(&finished);
+        for (i, (eth0, data0)) in before.into_iter().enumerate() {
+            let eth = hosts.tx_bytes(i, &hosts.interface(i)) - eth0;
+            let data = hosts.tx_bytes(i, "data") - data0;
+            println!("{var}: host {i} sent {data} bytes on data, {eth} on {}", hosts.interface(i));
+            assert!(data > 20 << 20, "{var}: host {i} sent only {data} bytes on data");
+            assert!(eth < 4 << 20, "{var}: host {i} sent {eth} bytes on the store's network");
+        }
+    }
+    let env = [("TANDEM_SOCKET_IFNAME", "ib9")];
+    let failed: Vec<Finished> = start_on_all(&hosts, 1, &[], &[tandem(), "check"], "none", &env)
+        .into_iter()
+        .map(|r| r.wait(LIMIT))
+        .collect();
+    let all: String = failed.iter().map(|f| format!("{}{}", f.stdout, f.stderr)).collect();
+    assert!(failed.iter().all(|f| !f.status.is_some_and(|s| s.success())), "{all}");
+    assert!(all.contains("TANDEM_SOCKET_IFNAME=\"ib9\": host simhost"), "{all}");
+    assert!(all.contains("has no interface \"ib9\""), "{all}");
 }

@@ -1,7 +1,9 @@
 //! Where a process learns its rank, world size and rendezvous address: torchrun's `env://`
-//! variables, Slurm, OpenMPI, an explicit `tcp://host:port`, or nothing (a world of one).
-//! Also the tuning variables (TANDEM_TRANSPORT, TANDEM_TIMEOUT, TANDEM_INIT_TIMEOUT,
-//! TANDEM_DEBUG, TANDEM_RUN_ID). Every bad value is an error naming its variable.
+//! variables, Slurm, OpenMPI, an explicit `tcp://host:port`,
+//! a shared `file://`, or nothing (a world of one). Also the tuning variables
+//! (TANDEM_TRANSPORT, TANDEM_TIMEOUT, TANDEM_INIT_TIMEOUT, TANDEM_DEBUG or PyTorch's
+//! TORCH_DISTRIBUTED_DEBUG, TANDEM_SOCKET_IFNAME or gloo's GLOO_SOCKET_IFNAME, TANDEM_RUN_ID).
+//! Every bad value is an error naming its variable.
 use crate::error::CommError;
 use crate::transport::TransportKind;
 use std::time::Duration;
@@ -16,6 +18,9 @@ pub enum InitMethod {
     Single,
     /// Explicit rendezvous: `url` is `tcp://host:port` (rank 0 hosts the store there).
     Tcp { url: String, rank: usize, world_size: usize },
+    /// Rendezvous through a file every rank can read (PyTorch's `file://`; a shared filesystem
+    /// across hosts): rank 0 hosts the store and writes where to find it (see `file_init.rs`).
+    File { path: std::path::PathBuf, rank: usize, world_size: usize },
 }
 
 impl InitMethod {
@@ -23,6 +28,74 @@ impl InitMethod {
     pub fn tcp(url: &str, rank: usize, world_size: usize) -> InitMethod {
         InitMethod::Tcp { url: url.to_string(), rank, world_size }
     }
+
+    /// `InitMethod::File` for the file at `path`.
+    pub fn file(path: impl Into<std::path::PathBuf>, rank: usize, world_size: usize) -> InitMethod {
+        InitMethod::File { path: path.into(), rank, world_size }
+    }
+
+    /// PyTorch's `init_method` strings: `env://`, `tcp://host:port`, `file:///path`.
+    pub fn from_url(url: &str, rank: usize, world_size: usize) -> Result<InitMethod, CommError> {
+        if url == "env://" {
+            Ok(InitMethod::Env)
+        } else if url.starts_with("tcp://") {
+            Ok(InitMethod::tcp(url, rank, world_size))
+        } else if let Some(path) = url.strip_prefix("file://") {
+            if !path.starts_with('/') {
+                return Err(CommError::invalid(
+                    "init",
+                    format!("init method {url:?}: a file:// url takes an absolute path (file:///dir/name)"),
+                ));
+            }
+            Ok(InitMethod::file(path, rank, world_size))
+        } else {
+            Err(CommError::invalid(
+                "init",
+                format!("init method {url:?}: expected env://, tcp://host:port or file:///path"),
+            ))
+        }
+    }
+}
+
+/// PyTorch's `TORCH_DISTRIBUTED_DEBUG` levels (TANDEM_DEBUG takes the same values and wins).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub enum DebugLevel {
+    /// Nothing extra (the default).
+    #[default]
+    Off,
+    /// Each rank logs on stderr how every group it joins was set up (transport, hosts, timeout)
+    /// and Ddp its buckets — PyTorch's INFO logs the process group and DDP set-up.
+    Info,
+    /// INFO, and every collective is first checked across ranks (op, type, count, root):
+    /// ranks calling different collectives fail naming both calls, as PyTorch's DETAIL wraps
+    /// process groups in its consistency checks.
+    Detail,
+}
+
+impl DebugLevel {
+    fn parse(var: &str, v: &str) -> Result<DebugLevel, CommError> {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "off" | "0" => Ok(DebugLevel::Off),
+            "info" => Ok(DebugLevel::Info),
+            "detail" => Ok(DebugLevel::Detail),
+            _ => Err(CommError::env(var, v, "expected OFF, INFO or DETAIL")),
+        }
+    }
+
+    fn from_vars(e: &Env) -> Result<DebugLevel, CommError> {
+        for var in ["TANDEM_DEBUG", "TORCH_DISTRIBUTED_DEBUG"] {
+            if let Some(v) = e.var(var) {
+                return DebugLevel::parse(var, &v);
+            }
+        }
+        Ok(DebugLevel::Off)
+    }
+}
+
+/// This process's debug level from TANDEM_DEBUG / TORCH_DISTRIBUTED_DEBUG (`Off` when unset or
+/// invalid: `init` reports an invalid value).
+pub fn debug_level() -> DebugLevel {
+    DebugLevel::from_vars(&Env(&process_env)).unwrap_or_default()
 }
 
 /// Settings that are not part of the rendezvous itself. `InitOptions::from_env()` reads them
@@ -37,8 +110,15 @@ pub struct InitOptions {
     pub init_timeout: Duration,
     /// Identifies the job; connections carrying another run id are refused.
     pub run_id: String,
-    /// Check every collective's (sequence, op, dtype, count) across ranks (TANDEM_DEBUG=detail).
+    /// Check every collective's (sequence, op, dtype, count) across ranks (TANDEM_DEBUG=detail
+    /// or TORCH_DISTRIBUTED_DEBUG=DETAIL).
     pub desync_check: bool,
+    /// Log each group's set-up on stderr (INFO and DETAIL).
+    pub debug: DebugLevel,
+    /// The network interface whose address the TCP mesh (and a `file://` rank 0's store)
+    /// uses, for hosts with several (TANDEM_SOCKET_IFNAME, else gloo's GLOO_SOCKET_IFNAME; the
+    /// first of a comma-separated list). `None`: the address this host reaches the store from.
+    pub socket_ifname: Option<String>,
     /// All-reduce of a group spanning several hosts: `None` (auto) goes hierarchical when every
     /// host has the same number of ranks, more than one; `Some(false)` keeps the flat ring
     /// (TANDEM_ALLREDUCE=auto|flat|hierarchical).
@@ -57,6 +137,8 @@ impl Default for InitOptions {
             init_timeout: Duration::from_secs(300),
             run_id: "tandem".to_string(),
             desync_check: false,
+            debug: DebugLevel::Off,
+            socket_ifname: None,
             hierarchical: None,
             secret: None,
         }
@@ -140,14 +222,15 @@ impl InitOptions {
         } else if let Some(path) = e.var(SECRET_FILE_VAR) {
             o.secret = Some(JobSecret::read_file(std::path::Path::new(&path))?);
         }
-        if let Some(v) = e.var("TANDEM_DEBUG") {
-            o.desync_check = match v.trim().to_ascii_lowercase().as_str() {
-                "detail" => true,
-                "off" | "info" | "0" => false,
-                _ => {
-                    return Err(CommError::env("TANDEM_DEBUG", &v, "expected off, info or detail"))
-                }
-            };
+        o.debug = DebugLevel::from_vars(e)?;
+        o.desync_check = o.debug == DebugLevel::Detail;
+        for var in ["TANDEM_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"] {
+            if let Some(v) = e.var(var) {
+                let first = v.split(',').map(str::trim).find(|s| !s.is_empty());
+                let first = first.ok_or_else(|| CommError::env(var, &v, "names no interface"))?;
+                o.socket_ifname = Some(first.to_string());
+                break;
+            }
         }
         Ok(o)
     }
@@ -174,6 +257,8 @@ pub(crate) enum StoreHost {
     /// torchrun's agent hosts PyTorch's TCPStore (`TORCHELASTIC_USE_AGENT_STORE=True`); every
     /// rank is a client. `run_id` is `TORCHELASTIC_RUN_ID`, which scopes tandem's keys there.
     TorchAgent { run_id: String },
+    /// `file://`: rank 0 hosts tandem's store and writes its address into the file.
+    File { path: std::path::PathBuf },
 }
 
 fn parse_usize(e: &Env, name: &str) -> Result<Option<usize>, CommError> {
@@ -315,12 +400,7 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
         }),
         InitMethod::Tcp { url, rank, world_size } => {
             let (host, port) = parse_tcp_url(url)?;
-            if *world_size == 0 || rank >= world_size {
-                return Err(CommError::invalid(
-                    "init",
-                    format!("rank {rank} is out of range for world size {world_size}"),
-                ));
-            }
+            check_init_rank(*rank, *world_size)?;
             Ok(Spec {
                 rank: *rank,
                 world_size: *world_size,
@@ -328,6 +408,17 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
                 local_size: None,
                 master: Some((host, port, format!("init url {url}"))),
                 store: StoreHost::Rank0,
+            })
+        }
+        InitMethod::File { path, rank, world_size } => {
+            check_init_rank(*rank, *world_size)?;
+            Ok(Spec {
+                rank: *rank,
+                world_size: *world_size,
+                local_rank: None,
+                local_size: None,
+                master: None,
+                store: StoreHost::File { path: path.clone() },
             })
         }
         InitMethod::Env => {
@@ -410,6 +501,17 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
             resolve(e, &InitMethod::Single)
         }
     }
+}
+
+/// An explicit rank and world size from an init method, checked.
+fn check_init_rank(rank: usize, world_size: usize) -> Result<(), CommError> {
+    if world_size == 0 || rank >= world_size {
+        return Err(CommError::invalid(
+            "init",
+            format!("rank {rank} is out of range for world size {world_size}"),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -585,6 +687,55 @@ mod tests {
         };
         assert!(bad("TANDEM_TRANSPORT", "ib").contains("TANDEM_TRANSPORT"));
         assert!(bad("TANDEM_TIMEOUT", "-1").contains("TANDEM_TIMEOUT"));
+    }
+
+    fn options(vars: &[(&'static str, &'static str)]) -> Result<InitOptions, CommError> {
+        let map: std::collections::HashMap<&str, &str> = vars.iter().copied().collect();
+        let get = move |k: &str| map.get(k).map(|v| v.to_string());
+        InitOptions::from_vars(&Env(&get))
+    }
+
+    #[test]
+    fn torch_distributed_debug_is_read_as_pytorch_documents_it() {
+        let o = options(&[("TORCH_DISTRIBUTED_DEBUG", "DETAIL")]).unwrap();
+        assert_eq!((o.debug, o.desync_check), (DebugLevel::Detail, true));
+        let o = options(&[("TORCH_DISTRIBUTED_DEBUG", "INFO")]).unwrap();
+        assert_eq!((o.debug, o.desync_check), (DebugLevel::Info, false));
+        let o = options(&[("TORCH_DISTRIBUTED_DEBUG", "OFF")]).unwrap();
+        assert_eq!((o.debug, o.desync_check), (DebugLevel::Off, false));
+        // tandem's own variable wins over PyTorch's.
+        let o = options(&[("TORCH_DISTRIBUTED_DEBUG", "DETAIL"), ("TANDEM_DEBUG", "off")]).unwrap();
+        assert_eq!(o.debug, DebugLevel::Off);
+        let e = options(&[("TORCH_DISTRIBUTED_DEBUG", "verbose")]).unwrap_err().to_string();
+        assert!(
+            e.contains("TORCH_DISTRIBUTED_DEBUG=\"verbose\": expected OFF, INFO or DETAIL"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_socket_interface_comes_from_tandem_or_gloo() {
+        let o = options(&[("GLOO_SOCKET_IFNAME", "eth1,eth2")]).unwrap();
+        assert_eq!(o.socket_ifname.as_deref(), Some("eth1"));
+        let o =
+            options(&[("GLOO_SOCKET_IFNAME", "eth1"), ("TANDEM_SOCKET_IFNAME", "ib0")]).unwrap();
+        assert_eq!(o.socket_ifname.as_deref(), Some("ib0"));
+        assert!(options(&[("TANDEM_SOCKET_IFNAME", ",")]).is_err());
+        assert_eq!(options(&[]).unwrap().socket_ifname, None);
+    }
+
+    #[test]
+    fn init_method_urls() {
+        assert_eq!(InitMethod::from_url("env://", 0, 1).unwrap(), InitMethod::Env);
+        assert_eq!(
+            InitMethod::from_url("file:///tmp/x", 1, 2).unwrap(),
+            InitMethod::file("/tmp/x", 1, 2)
+        );
+        assert!(InitMethod::from_url("file://relative", 0, 1).is_err());
+        assert!(InitMethod::from_url("nccl://x", 0, 1)
+            .unwrap_err()
+            .to_string()
+            .contains("expected env://"));
     }
 
     #[test]

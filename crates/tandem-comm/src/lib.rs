@@ -16,6 +16,7 @@ mod dyn_collectives;
 mod element;
 mod env;
 mod error;
+mod file_init;
 mod frame;
 mod group;
 mod hierarchy;
@@ -23,6 +24,7 @@ pub mod live;
 mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod net;
 mod order;
 #[doc(hidden)]
 pub mod procfs;
@@ -35,7 +37,7 @@ mod work;
 pub use auth::JobSecret;
 pub use dyn_collectives::{Collectives, CommSource, LocalGroup, SingleProcess};
 pub use element::{Element, ReduceOp, WireType};
-pub use env::{InitMethod, InitOptions};
+pub use env::{debug_level, DebugLevel, InitMethod, InitOptions};
 pub use error::CommError;
 pub use frame::MAX_FRAME;
 pub use group::{P2PKind, P2POp, ProcessGroup};

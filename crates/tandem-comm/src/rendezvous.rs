@@ -164,6 +164,18 @@ pub(crate) fn build_group(
         None => (mesh()?, TransportKind::Tcp),
         Some(TransportKind::Mpi) => (mpi_transport(name, rank, &world_ranks)?, TransportKind::Mpi),
     };
+    if opts.debug >= env::DebugLevel::Info {
+        // Asked for by TORCH_DISTRIBUTED_DEBUG / TANDEM_DEBUG: the set-up PyTorch logs at INFO.
+        let hosts = host_indices.iter().max().map_or(1, |m| m + 1);
+        eprintln!(
+            "[tandem rank {}] group {name}: rank {rank}/{size}, local {local_rank}/{local_size}, \
+             {hosts} host(s), transport {}, address {local_ip}, timeout {:?}, desync check {}",
+            world_ranks[rank],
+            kind.name(),
+            opts.timeout,
+            if opts.desync_check { "on" } else { "off" }
+        );
+    }
     Ok(ProcessGroup::from_inner(Inner {
         rank,
         size,
@@ -246,6 +258,18 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
     }
     let spec = env::resolve(&Env(&env::process_env), method)?;
     let world: Vec<usize> = (0..spec.world_size).collect();
+    if let StoreHost::File { path } = &spec.store {
+        if spec.world_size == 1 {
+            return Ok(single(opts, "w", 0, None, None));
+        }
+        let joined = crate::file_init::join(path, spec.rank, opts)?;
+        let world = finish_world(joined.store, joined.server, &spec, world, &joined.opts);
+        if let Some(file) = joined.owned_file {
+            // Every rank has joined (or the world failed): nobody needs the file again.
+            let _ = std::fs::remove_file(file);
+        }
+        return world;
+    }
     let Some((host, port, var)) = spec.master.clone() else {
         return Ok(single(opts, "w", spec.rank, None, None));
     };
@@ -291,7 +315,10 @@ fn finish_world(
     world: Vec<usize>,
     opts: &InitOptions,
 ) -> Result<ProcessGroup, CommError> {
-    let local_ip = store.local_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    let local_ip = match &opts.socket_ifname {
+        Some(name) => crate::net::interface_ip(name)?,
+        None => store.local_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+    };
     let world = build_group(
         Some(store),
         server,

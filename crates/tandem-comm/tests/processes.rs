@@ -21,6 +21,7 @@ fn main() -> std::process::ExitCode {
         killed_rank_fails_survivors_tcp,
         killed_rank_fails_survivors_shm,
         shm_creation_failure_falls_back_to_tcp_and_leaves_no_file,
+        torch_distributed_debug_info_logs_set_up_and_detail_checks_every_call,
     ])
 }
 
@@ -67,6 +68,18 @@ fn worker(role: &str) {
                 if i == 3 {
                     println!("READY");
                 }
+            }
+        }
+        "desync" => {
+            // Rank 0 reduces while rank 1 runs an all_to_all: only a desync check tells.
+            let r = if r == 0 {
+                pg.reduce(&mut [1i64; 4], ReduceOp::Sum, 1)
+            } else {
+                pg.all_to_all_single(&[1i64; 2], &mut [0; 2], None, None)
+            };
+            match r {
+                Ok(()) => println!("NO-ERROR"),
+                Err(e) => println!("COMM-ERROR {e}"),
             }
         }
         other => panic!("unknown role {other}"),
@@ -339,4 +352,47 @@ fn shm_creation_failure_falls_back_to_tcp_and_leaves_no_file() {
         })
         .unwrap_or_default();
     assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// TORCH_DISTRIBUTED_DEBUG as PyTorch documents it: INFO logs how each group was set up on
+/// every rank's stderr; DETAIL also checks every collective across ranks first.
+fn torch_distributed_debug_info_logs_set_up_and_detail_checks_every_call() {
+    let world = |role: &str, level: &str| {
+        let port = tandem_testutil::free_port().to_string();
+        let kids: Vec<Child> = (0..2)
+            .map(|r| {
+                spawn(
+                    role,
+                    &vars(&[
+                        ("RANK", r.to_string()),
+                        ("WORLD_SIZE", "2".into()),
+                        ("MASTER_ADDR", "127.0.0.1".into()),
+                        ("MASTER_PORT", port.clone()),
+                        ("TORCH_DISTRIBUTED_DEBUG", level.into()),
+                    ]),
+                )
+            })
+            .collect();
+        kids.into_iter()
+            .map(|mut c| {
+                tandem_testutil::wait_with_deadline(&mut c, Duration::from_secs(60));
+                let o = c.wait_with_output().expect("output");
+                let text = |b: &[u8]| String::from_utf8_lossy(b).to_string();
+                (text(&o.stdout), text(&o.stderr))
+            })
+            .collect::<Vec<_>>()
+    };
+    for (r, (out, err)) in world("sum", "INFO").into_iter().enumerate() {
+        assert!(out.contains(&format!("OK rank={r}")), "rank {r}: {out}{err}");
+        let want =
+            format!("[tandem rank {r}] group w: rank {r}/2, local {r}/2, 1 host(s), transport shm");
+        assert!(err.contains(&want) && err.contains("desync check off"), "rank {r}: {err}");
+    }
+    let detail = world("desync", "DETAIL");
+    let (out, err) = &detail[0];
+    assert!(
+        out.contains("collective desync: rank 0 called reduce(#0, i64, 4 elements, sum, root 1) but rank 1 called all_to_all(#0, i64"),
+        "{out}{err}"
+    );
+    assert!(err.contains("desync check on"), "{err}");
 }

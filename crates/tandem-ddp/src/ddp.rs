@@ -349,6 +349,24 @@ impl<M: ParamModule> Ddp<M> {
             cfg,
         )?;
         reducer.set_param_shapes(params.iter().map(|(_, v)| v.dims().to_vec()).collect())?;
+        if tandem_comm::debug_level() >= tandem_comm::DebugLevel::Info {
+            // TORCH_DISTRIBUTED_DEBUG=INFO: the set-up PyTorch's DDP logs at construction.
+            let buckets = reducer.bucket_params();
+            let elems: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
+            eprintln!(
+                "[tandem rank {}] Ddp: {} parameters ({elems} elements) in {} bucket(s) of \
+                 {:?} parameters, first bucket {} MB, cap {} MB, find_unused_parameters {}, \
+                 reduce during backward {}",
+                comm.rank(),
+                params.len(),
+                buckets.len(),
+                buckets.iter().map(Vec::len).collect::<Vec<_>>(),
+                opts.first_bucket_mb,
+                opts.bucket_cap_mb,
+                opts.find_unused_parameters,
+                opts.reduce_during_backward,
+            );
+        }
         let shared = Arc::new(Shared {
             generation: comm.generation().into(),
             checked_setup: opts.sync_on_init,

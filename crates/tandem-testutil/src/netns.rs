@@ -212,6 +212,54 @@ impl Hosts {
         }
     }
 
+    /// Adds a second network: every host gets an interface named `data` (the same name on
+    /// every host, as a cluster's second NIC) with address [`Hosts::data_addr`], on a bridge of
+    /// its own. Panics naming the failing command.
+    pub fn add_data_network(&self) {
+        let run = || -> Result<(), String> {
+            let sw = self.switch.as_str();
+            sh(&["ip", "-n", sw, "link", "add", "br1", "type", "bridge"])?;
+            sh(&["ip", "-n", sw, "link", "set", "br1", "up"])?;
+            for (i, ns) in self.names.iter().enumerate() {
+                let port = format!("data{i}");
+                sh(&[
+                    "ip", "link", "add", "data", "netns", ns, "type", "veth", "peer", "name",
+                    &port, "netns", sw,
+                ])?;
+                sh(&["ip", "-n", sw, "link", "set", &port, "master", "br1"])?;
+                sh(&["ip", "-n", sw, "link", "set", &port, "up"])?;
+                let cidr = format!("{}/24", self.data_addr(i));
+                sh(&["ip", "-n", ns, "addr", "add", &cidr, "dev", "data"])?;
+                sh(&["ip", "-n", ns, "link", "set", "data", "up"])?;
+            }
+            Ok(())
+        };
+        if let Err(e) = run() {
+            panic!("adding the data network: {e}");
+        }
+    }
+
+    /// Host `i`'s address on the data network ([`Hosts::add_data_network`]).
+    pub fn data_addr(&self, i: usize) -> String {
+        format!("10.78.0.{}", i + 1)
+    }
+
+    /// Bytes host `i` has sent through its interface `dev` (the kernel's counter).
+    pub fn tx_bytes(&self, i: usize, dev: &str) -> u64 {
+        let path = format!("/sys/class/net/{dev}/statistics/tx_bytes");
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.names[i], "cat", &path])
+            .output()
+            .unwrap_or_else(|e| panic!("reading {path} on host {i}: {e}"));
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.trim().parse().unwrap_or_else(|_| panic!("{path} on host {i}: {text:?}"))
+    }
+
+    /// The name of host `i`'s interface on the switch.
+    pub fn interface(&self, i: usize) -> String {
+        format!("eth{i}")
+    }
+
     /// Cuts (or restores) host `i`'s link.
     pub fn set_link(&self, i: usize, up: bool) -> Result<(), String> {
         let dev = format!("eth{i}");

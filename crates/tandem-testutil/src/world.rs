@@ -15,6 +15,8 @@ pub fn test_options(kind: TransportKind) -> InitOptions {
         init_timeout: Duration::from_secs(20),
         run_id: "test-run".into(),
         desync_check: false,
+        debug: tandem_comm::DebugLevel::Off,
+        socket_ifname: None,
         hierarchical: None,
         secret: Some(
             tandem_comm::JobSecret::from_bytes(b"tandem test worlds' job secret")

@@ -19,6 +19,8 @@ pub struct Report<'a> {
     pub wall_s: f64,
     pub allreduce_nproc: usize,
     pub allreduce: &'a Table,
+    /// reduce_scatter and all_to_all busbw.
+    pub collectives: &'a Table,
     pub ddp: &'a [(Workload, Table)],
     pub conv_ops: &'a [(ConvPlan, Result<String, String>)],
     pub ckpt: &'a Table,
@@ -307,6 +309,7 @@ pub fn render(r: &Report) -> String {
     let _ =
         writeln!(out, "| section | figures | median spread | widest spread |\n|---|--:|--:|---|");
     noise(&mut out, "all_reduce", r.allreduce);
+    noise(&mut out, "reduce_scatter, all_to_all", r.collectives);
     for (w, t) in r.ddp {
         noise(&mut out, &format!("DDP {}", w.title), t);
     }
@@ -325,6 +328,19 @@ pub fn render(r: &Report) -> String {
     );
     let _ = writeln!(out, "![all_reduce busbw vs message size](allreduce_busbw.png)\n");
     table(&mut out, r.allreduce);
+
+    let _ = writeln!(out, "## reduce_scatter and all_to_all bus bandwidth\n");
+    let _ = writeln!(
+        out,
+        "f32 over {n} local ranks, the size being each rank's input (rounded down to a whole number of \
+         elements per rank); busbw = algbw × (n−1)/n for both (nccl-tests convention), GB/s = 1e9 B/s. \
+         tandem: `tandem bench allreduce --nproc {n} --ops reduce_scatter,all_to_all --backend tcp|shm --json`; \
+         gloo: the tcp run's `--torch` measurement (`scripts/peers/torch_collectives_bench.py`: \
+         `reduce_scatter_tensor`, `all_to_all_single`, the same sizes, warm-up and median-of-iterations timing, in \
+         the same run). Reference: memcpy of a buffer of the same size. × PyTorch = tandem / gloo.\n",
+        n = r.allreduce_nproc
+    );
+    table(&mut out, r.collectives);
 
     for (w, t) in r.ddp {
         let _ = writeln!(out, "## {}\n", ddp_heading(w));

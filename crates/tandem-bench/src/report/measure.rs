@@ -273,19 +273,7 @@ pub fn allreduce(ctx: &mut Ctx, plan: &Plan) -> Table {
     for rep in 0..plan.repeats {
         for &backend in &backends {
             eprintln!("report: all_reduce {backend}, run {}/{}", rep + 1, plan.repeats);
-            let args = [
-                "allreduce",
-                "--nproc",
-                &plan.allreduce_nproc.to_string(),
-                "--sizes",
-                &sizes,
-                "--backend",
-                backend,
-                "--json",
-                "--seconds-per-size",
-                &plan.seconds_per_size.to_string(),
-            ]
-            .map(String::from);
+            let args = bench_allreduce_args(plan, &sizes, backend, "all_reduce");
             match ctx
                 .tandem(
                     &args,
@@ -384,6 +372,145 @@ pub fn allreduce(ctx: &mut Ctx, plan: &Plan) -> Table {
         rows.extend(r);
     }
     Table { unit: "busbw GB/s", reference_name: "memcpy", rows }
+}
+
+/// `tandem bench allreduce` for the report: `ops` at the plan's sizes on `backend`, as JSON.
+fn bench_allreduce_args(plan: &Plan, sizes: &str, backend: &str, ops: &str) -> Vec<String> {
+    [
+        "allreduce",
+        "--nproc",
+        &plan.allreduce_nproc.to_string(),
+        "--sizes",
+        sizes,
+        "--backend",
+        backend,
+        "--ops",
+        ops,
+        "--json",
+        "--seconds-per-size",
+        &plan.seconds_per_size.to_string(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// The collectives past all_reduce that `tandem bench allreduce --ops` measures.
+pub const SPLIT_COLLECTIVES: [&str; 2] = ["reduce_scatter", "all_to_all"];
+
+/// reduce_scatter and all_to_all busbw per size: tandem tcp and shm, and PyTorch gloo measured by
+/// the tcp run itself (`--torch`, the same sizes, warm-up and timing), against memcpy.
+pub fn collectives(ctx: &mut Ctx, plan: &Plan) -> Table {
+    let sizes = plan.allreduce_sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+    // (backend or "gloo", op, size) -> busbw runs; (op, size) -> memcpy runs.
+    let mut bus: BTreeMap<(&str, String, usize), Vec<f64>> = BTreeMap::new();
+    let mut memcpy: BTreeMap<(String, usize), Vec<f64>> = BTreeMap::new();
+    let mut err: BTreeMap<&str, String> = BTreeMap::new();
+    let python = ctx.torch().map(|t| t.python.display().to_string());
+    for rep in 0..plan.repeats {
+        for backend in ["tcp", "shm"] {
+            eprintln!(
+                "report: reduce_scatter, all_to_all {backend}, run {}/{}",
+                rep + 1,
+                plan.repeats
+            );
+            let mut args =
+                bench_allreduce_args(plan, &sizes, backend, &SPLIT_COLLECTIVES.join(","));
+            if let (Some(py), "tcp") = (&python, backend) {
+                args.extend(["--torch".to_string(), py.clone()]);
+            }
+            let what = format!(
+                "tandem bench allreduce --ops reduce_scatter,all_to_all --backend {backend}"
+            );
+            match ctx
+                .tandem(&args, Duration::from_secs(900), &what)
+                .and_then(|o| parse_collectives(&o))
+            {
+                Ok(rows) => {
+                    for r in rows {
+                        bus.entry((backend, r.op.clone(), r.size)).or_default().push(r.busbw);
+                        memcpy.entry((r.op.clone(), r.size)).or_default().push(r.memcpy);
+                        if let Some(g) = r.gloo {
+                            bus.entry(("gloo", r.op, r.size)).or_default().push(g);
+                        }
+                    }
+                }
+                Err(e) => {
+                    let why = ctx.note(e);
+                    err.entry(backend).or_insert(why.clone());
+                    if backend == "tcp" {
+                        err.entry("gloo").or_insert(why);
+                    }
+                }
+            }
+        }
+    }
+    let torch_missing = ctx.torch().is_none().then(|| UNAVAILABLE.to_string());
+    let mut rows = Vec::new();
+    let mut cases: Vec<(String, usize)> = memcpy.keys().cloned().collect();
+    cases.sort_by_key(|(op, size)| (SPLIT_COLLECTIVES.iter().position(|o| o == op), *size));
+    for (op, size) in cases {
+        let samples = |who: &str| bus.get(&(who, op.clone(), size)).cloned().unwrap_or_default();
+        let fig = |who: &str| {
+            let why = match (who, &torch_missing) {
+                ("gloo", Some(why)) => why.clone(),
+                _ => missing_reason(&err.get(who).cloned(), "failed"),
+            };
+            Figure::from_samples(&samples(who), || why)
+        };
+        let reference = Figure::from_samples(&memcpy[&(op.clone(), size)], String::new).median();
+        let torch = fig("gloo").median();
+        let case = format!("{op} {}", size_label(size));
+        let row = |contender: &str, figure: Figure, torch: Option<f64>| Row {
+            x: size as f64,
+            case: case.clone(),
+            contender: contender.into(),
+            figure,
+            reference,
+            torch,
+        };
+        rows.extend([
+            row("tandem tcp", fig("tcp"), torch),
+            row("tandem shm", fig("shm"), torch),
+            row("gloo (PyTorch)", fig("gloo"), None),
+        ]);
+    }
+    Table { unit: "busbw GB/s", reference_name: "memcpy", rows }
+}
+
+/// One JSON line of `tandem bench allreduce --json`.
+struct CollectiveRow {
+    op: String,
+    size: usize,
+    busbw: f64,
+    memcpy: f64,
+    gloo: Option<f64>,
+}
+
+fn parse_collectives(out: &str) -> anyhow::Result<Vec<CollectiveRow>> {
+    let mut rows = Vec::new();
+    for line in out.lines().filter(|l| l.trim_start().starts_with('{')) {
+        let j: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("bench allreduce printed {line:?}"))?;
+        match (
+            j["op"].as_str(),
+            j["size_bytes"].as_u64(),
+            j["busbw_gbs"].as_f64(),
+            j["memcpy_gbs"].as_f64(),
+        ) {
+            (Some(op), Some(s), Some(b), Some(m)) => rows.push(CollectiveRow {
+                op: op.to_string(),
+                size: s as usize,
+                busbw: b,
+                memcpy: m,
+                gloo: j["gloo_busbw_gbs"].as_f64(),
+            }),
+            _ => bail!("bench allreduce: a line lacks op/size_bytes/busbw_gbs/memcpy_gbs: {line}"),
+        }
+    }
+    if rows.is_empty() {
+        bail!("bench allreduce printed no JSON lines");
+    }
+    Ok(rows)
 }
 
 /// (size, busbw GB/s, memcpy GB/s) per JSON line of `tandem bench allreduce --json`.
@@ -658,6 +785,13 @@ tandem load .pt (mmap)            2000       2000\nratios of medians:\n  tandem 
         assert_eq!(parse_allreduce(out).unwrap(), vec![(4, 0.001, 1.5)]);
         assert!(parse_allreduce("{\"size_bytes\":4}").is_err());
         assert!(parse_allreduce("").is_err());
+        let line = r#"{"op":"all_to_all","size_bytes":16,"busbw_gbs":0.5,"memcpy_gbs":2.0,"gloo_busbw_gbs":0.25}"#;
+        let rows = parse_collectives(line).unwrap();
+        assert_eq!(
+            (rows[0].op.as_str(), rows[0].size, rows[0].gloo),
+            ("all_to_all", 16, Some(0.25))
+        );
+        assert!(parse_collectives(r#"{"size_bytes":16,"busbw_gbs":0.5,"memcpy_gbs":2.0}"#).is_err());
     }
 
     #[test]
