@@ -5,6 +5,7 @@ clip_grad_norm_(backbone, 5), PolyScheduler stepped every iteration, Distributed
 DataLoader(drop_last=True)), written here from its description over gloo on the CPU.
 
 usage:
+  (every mode: --network NAME picks arcface_torch's r18 .. r200, mbf or mbf_large over --depth)
   python reference.py init OUT.pt --classes C --width W --embedding E [--seed S] [--depth 18]
       [--no-head]
       Writes {"backbone": IResNet state dict, "partial_fc": {"weight": [C, E]}}: torch's
@@ -54,7 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "crates", "tandem-partial-fc", "tests", "fixtures"))
 from make_fixtures import DistCrossEntropy, GatherSumTimesWorld, combined_margin  # noqa: E402
 
-BLOCKS = {18: [2, 2, 2, 2], 34: [3, 4, 6, 3], 50: [3, 4, 14, 3], 100: [3, 13, 30, 3]}
+BLOCKS = {18: [2, 2, 2, 2], 34: [3, 4, 6, 3], 50: [3, 4, 14, 3], 100: [3, 13, 30, 3], 200: [6, 26, 60, 6]}
 
 
 def conv3x3(cin, cout, stride=1):
@@ -110,6 +111,98 @@ class IResNet(nn.Module):
             x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
             x = self.dropout(torch.flatten(self.bn2(x), 1))
         return self.features(self.fc(x.float() if self.amp_dtype is not None else x))
+
+
+class ConvBn(nn.Module):
+    """arcface_torch's ConvBlock (conv, BatchNorm, PReLU) or, without `prelu`, LinearBlock."""
+
+    def __init__(self, cin, cout, kernel=1, stride=1, padding=0, groups=1, prelu=True):
+        super().__init__()
+        mods = [nn.Conv2d(cin, cout, kernel, stride, padding, groups=groups, bias=False), nn.BatchNorm2d(cout)]
+        if prelu:
+            mods.append(nn.PReLU(cout))
+        self.layers = nn.Sequential(*mods)
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class DepthWise(nn.Module):
+    """1x1 expand to `inner`, 3x3 depthwise (its stride), 1x1 project, plus x when residual."""
+
+    def __init__(self, cin, cout, inner, stride, residual):
+        super().__init__()
+        self.residual = residual
+        self.layers = nn.Sequential(ConvBn(cin, inner), ConvBn(inner, inner, 3, stride, 1, groups=inner),
+                                    ConvBn(inner, cout, prelu=False))
+
+    def forward(self, x):
+        y = self.layers(x)
+        return y + x if self.residual else y
+
+
+class Residual(nn.Module):
+    def __init__(self, c, n, inner):
+        super().__init__()
+        self.layers = nn.Sequential(*[DepthWise(c, c, inner, 1, True) for _ in range(n)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class Gdc(nn.Module):
+    """The global depthwise 7x7 LinearBlock, flatten, Linear without bias, BatchNorm1d."""
+
+    def __init__(self, embedding):
+        super().__init__()
+        self.layers = nn.Sequential(ConvBn(512, 512, 7, groups=512, prelu=False), nn.Flatten(),
+                                    nn.Linear(512, embedding, bias=False), nn.BatchNorm1d(embedding))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+MBF = {"mbf": ((1, 4, 6, 2), 2), "mbf_large": ((2, 8, 12, 4), 4)}
+
+
+class MobileFaceNet(nn.Module):
+    """arcface_torch's MobileFaceNet layout and names (backbones/mobilefacenet.py), `blocks` per
+    residual stage and channel `scale` (mbf: (1, 4, 6, 2) x2, mbf_large: (2, 8, 12, 4) x4)."""
+
+    def __init__(self, blocks, scale, embedding):
+        super().__init__()
+        c1, c2 = 64 * scale, 128 * scale
+        self.layers = nn.ModuleList([ConvBn(3, c1, 3, 2, 1)])
+        self.layers.append(ConvBn(c1, c1, 3, 1, 1, groups=64) if blocks[0] == 1 else Residual(c1, blocks[0], 128))
+        self.layers.extend([DepthWise(c1, c1, 128, 2, False), Residual(c1, blocks[1], 128),
+                            DepthWise(c1, c2, 256, 2, False), Residual(c2, blocks[2], 256),
+                            DepthWise(c2, c2, 512, 2, False), Residual(c2, blocks[3], 256)])
+        self.conv_sep = ConvBn(c2, 512)
+        self.features = Gdc(embedding)
+        for m in self.modules():  # arcface_torch's _initialize_weights
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    amp_dtype = None
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, dtype=self.amp_dtype or torch.float32,
+                            enabled=self.amp_dtype is not None):
+            for f in self.layers:
+                x = f(x)
+        return self.features(self.conv_sep(x.float() if self.amp_dtype is not None else x))
+
+
+def make_backbone(args):
+    """--network (arcface_torch's r18 .. r200, mbf, mbf_large, or iresnetN) over --depth."""
+    name = args.network or f"iresnet{args.depth}"
+    if name in MBF:
+        return MobileFaceNet(*MBF[name], args.embedding)
+    depth = int(name.removeprefix("iresnet").removeprefix("r"))
+    return IResNet(depth, args.width, args.embedding)
 
 
 class PolyScheduler(torch.optim.lr_scheduler._LRScheduler):
@@ -228,7 +321,7 @@ class PartialFC(nn.Module):
 
 def init(args):
     torch.manual_seed(args.seed)
-    net = IResNet(args.depth, args.width, args.embedding)
+    net = make_backbone(args)
     if args.no_head:
         # A head too large to write out: each side draws its own N(0, 0.01) centres.
         torch.save({"backbone": net.state_dict()}, args.out)
@@ -239,7 +332,7 @@ def init(args):
 
 def verify(args):
     import pickle
-    net = IResNet(args.depth, args.width, args.embedding)
+    net = make_backbone(args)
     net.load_state_dict(torch.load(args.out, weights_only=True), strict=True)
     net.eval()
     with open(args.pairs, "rb") as f:
@@ -287,7 +380,7 @@ def worker(rank, args, port):
         return time.perf_counter()
     m1, m2, m3 = (float(v) for v in args.margin.split(","))
     saved = torch.load(args.init, weights_only=True)
-    backbone = IResNet(args.depth, args.width, args.embedding)
+    backbone = make_backbone(args)
     backbone.load_state_dict(saved["backbone"], strict=True)
     dtype = torch.get_default_dtype()
     backbone.to(dtype).to(dev)
@@ -384,6 +477,8 @@ def main():
     p.add_argument("out_pos", nargs="?")
     p.add_argument("--classes", type=int)
     p.add_argument("--depth", type=int, default=18)
+    p.add_argument("--network", default=None,
+                   help="arcface_torch's name (r18 .. r200, mbf, mbf_large) or iresnetN; overrides --depth")
     p.add_argument("--width", type=int, default=8)
     p.add_argument("--embedding", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)

@@ -14,10 +14,10 @@ pub struct Args {
     /// Ranks on this host (both sides).
     #[arg(long, default_value_t = 2)]
     nproc: usize,
-    /// The backbone: iresnet18, iresnet34, iresnet50 or iresnet100.
-    #[arg(long, default_value = "iresnet18", value_parser = ["iresnet18", "iresnet34", "iresnet50", "iresnet100"])]
+    /// The backbone: iresnet18 .. iresnet200, or arcface_torch's MobileFaceNet mbf or mbf_large.
+    #[arg(long, default_value = "iresnet18", value_parser = ["iresnet18", "iresnet34", "iresnet50", "iresnet100", "iresnet200", "mbf", "mbf_large"])]
     model: String,
-    /// IResNet stage width (arcface_torch's is 64).
+    /// IResNet stage width (arcface_torch's is 64; MobileFaceNet's widths are fixed).
     #[arg(long, default_value_t = 16)]
     width: usize,
     #[arg(long, default_value_t = 128)]
@@ -238,8 +238,8 @@ impl Recipe {
             init_cmd.arg(&self.peer).arg("init").arg(&self.init).args([
                 "--classes",
                 &self.classes.to_string(),
-                "--depth",
-                self.depth(),
+                "--network",
+                &self.model,
                 "--width",
                 &self.width.to_string(),
                 "--embedding",
@@ -278,8 +278,9 @@ impl Recipe {
         })
     }
 
-    fn depth(&self) -> &str {
-        self.model.trim_start_matches("iresnet")
+    /// The IResNet's depth; `None` for MobileFaceNet.
+    fn depth(&self) -> Option<usize> {
+        self.model.strip_prefix("iresnet").and_then(|d| d.parse().ok())
     }
 
     /// A large head is drawn by each side from its seed rather than written out and read back.
@@ -344,7 +345,7 @@ impl Recipe {
         c.args(["--embedding", &self.embedding.to_string(), "--batch", &self.batch.to_string()]);
         c.args(["--epochs", "1000", "--steps", &self.steps.to_string()]);
         c.args(["--lr", "0.1", "--clip", "5", "--seed", "0"]);
-        c.args(["--workers", &self.torch_workers.to_string(), "--depth", self.depth()]);
+        c.args(["--workers", &self.torch_workers.to_string(), "--network", &self.model]);
         c.args(["--classes", &self.classes.to_string()]);
         c.args(["--sample-rate", &self.sample_rate.to_string()]);
         c.args(["--device", &self.device, "--warmup-steps", &self.warmup_steps.to_string()]);
@@ -467,7 +468,7 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         );
     }
     let head_in_init = recipe.head_in_init();
-    let depth = recipe.depth().to_string();
+    let depth = recipe.depth();
     let mut ours = Side { name: "tandem", samples_per_s: Vec::new(), peak_rss: Vec::new() };
     let mut theirs = Side {
         name: "PyTorch (gloo DDP + PartialFC v2)",
@@ -562,28 +563,30 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
     }
     // The work of a step over the world, counted from the layer shapes: the backbone's forward
     // and backward (about twice the forward: input and weight gradients) for every image, and
-    // the head's logits and their two gradients over the rows each rank samples.
-    let depth_n: usize = depth.parse().unwrap_or(18);
-    let images = (args.batch * args.nproc) as f64;
-    let backbone = 3.0 * iresnet_forward_flops(depth_n, args.width, args.embedding) * images;
-    let sampled = (args.sample_rate * head_rows as f64 / args.nproc as f64).floor();
-    let head = 3.0 * 2.0 * images * sampled * args.embedding as f64 * args.nproc as f64;
-    let step_flops = backbone + head;
-    let peak = sgemm_peak()?;
-    println!(
-        "  work per step: {:.1} GFLOP (backbone {:.1}, head {:.1}); this machine's sgemm peak (all cores): {:.1} GFLOP/s",
-        step_flops / 1e9,
-        backbone / 1e9,
-        head / 1e9,
-        peak / 1e9
-    );
-    for (side, sps) in [("tandem", medians[0]), ("PyTorch", medians[1])] {
-        let achieved = step_flops * sps / images;
+    // the head's logits and their two gradients over the rows each rank samples. (IResNet
+    // only: MobileFaceNet's depthwise layers are not GEMM-bound, so a GEMM peak says little.)
+    if let Some(depth) = depth {
+        let images = (args.batch * args.nproc) as f64;
+        let backbone = 3.0 * iresnet_forward_flops(depth, args.width, args.embedding) * images;
+        let sampled = (args.sample_rate * head_rows as f64 / args.nproc as f64).floor();
+        let head = 3.0 * 2.0 * images * sampled * args.embedding as f64 * args.nproc as f64;
+        let step_flops = backbone + head;
+        let peak = sgemm_peak()?;
         println!(
-            "  {side:<8} achieved {:.1} GFLOP/s = {:.2} of the sgemm peak",
-            achieved / 1e9,
-            achieved / peak
+            "  work per step: {:.1} GFLOP (backbone {:.1}, head {:.1}); this machine's sgemm peak (all cores): {:.1} GFLOP/s",
+            step_flops / 1e9,
+            backbone / 1e9,
+            head / 1e9,
+            peak / 1e9
         );
+        for (side, sps) in [("tandem", medians[0]), ("PyTorch", medians[1])] {
+            let achieved = step_flops * sps / images;
+            println!(
+                "  {side:<8} achieved {:.1} GFLOP/s = {:.2} of the sgemm peak",
+                achieved / 1e9,
+                achieved / peak
+            );
+        }
     }
     Ok(0)
 }

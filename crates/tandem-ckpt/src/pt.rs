@@ -267,7 +267,13 @@ fn read_zip(path: &Path, fb: &FileBytes, opts: &LoadOptions) -> Result<Value> {
     let bytes = fb.bytes();
     let zerr =
         |e: zip::result::ZipError| CkptError::format(path, format!("broken zip archive: {e}"));
-    let mut archive = zip::ZipArchive::new(Cursor::new(bytes)).map_err(zerr)?;
+    // torch.save archives start at byte 0. The zip crate's default detection of data prepended
+    // to an archive assumes the central directory ends where its end record starts, which the
+    // zip64 end records torch writes in between break: when the first central-directory entry
+    // is exactly as long as them (76 bytes: a file stem of 21 characters), it takes the second
+    // entry for the first and misreads every offset.
+    let config = zip::read::Config { archive_offset: zip::read::ArchiveOffset::Known(0) };
+    let mut archive = zip::ZipArchive::with_config(config, Cursor::new(bytes)).map_err(zerr)?;
     let mut entries: HashMap<String, ZipEntry> = HashMap::new();
     for i in 0..archive.len() {
         let f = archive.by_index_raw(i).map_err(zerr)?;

@@ -124,3 +124,14 @@ fn unsupported_torch_dtype_is_named_not_called_forbidden() {
     let msg = e.to_string();
     assert!(msg.contains("torch.ComplexFloatStorage") && msg.contains("does not support"), "{msg}");
 }
+
+/// torch.save of a file named with a 21-character stem: its first central-directory entry is as
+/// long as the zip64 end records after the central directory, which the zip crate's archive
+/// offset detection took for prepended data ("Invalid Central Directory header").
+#[test]
+fn a_torch_file_whose_first_directory_entry_is_76_bytes_loads() {
+    let v = load_with(fixture("name_of_21_characters.pt"), &LoadOptions::default()).unwrap();
+    let w = v.get("w").and_then(|w| w.as_tensor()).expect("tensor w");
+    assert_eq!(w.shape, [2, 3]);
+    assert_eq!(w.to_f32_vec(), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+}

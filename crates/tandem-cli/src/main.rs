@@ -17,7 +17,7 @@ enum Command {
     /// Start and supervise the ranks of a job on this host (torchrun-compatible).
     Run(cmd::run::Args),
     /// Train with DDP: a classifier (mlp, cnn, resnet18) on the embedded digits, MNIST, CIFAR-10
-    /// or synthetic data, or the face recipe (iresnet18|34|50|100 + PartialFC) on RecordIO faces.
+    /// or synthetic data, or the face recipe (iresnet18 .. iresnet200 or r18 .. r200, mbf, mbf_large + PartialFC) on RecordIO faces.
     // `--lr -1` is a value to check (and reject with a reason), not an unknown flag `-1`.
     #[command(allow_negative_numbers = true)]
     Train(Box<cmd::train::Args>),
@@ -27,7 +27,7 @@ enum Command {
     Ckpt(cmd::ckpt::Args),
     /// Dataset tools: `synth-faces` writes a synthetic face identity set (RecordIO + pairs.bin).
     Data(cmd::data::Args),
-    /// Write a built-in model's weights (mlp, cnn, resnet18, iresnet18|34|50|100) as an ONNX model.
+    /// Write a built-in model's weights (mlp, cnn, resnet18, iresnet18 .. iresnet200 or r18 .. r200, mbf, mbf_large) as an ONNX model.
     Export(cmd::export::Args),
     /// Benchmarks that print ratios against a reference measured in the same run (runs the
     /// `tandem-bench` program beside this one).

@@ -593,6 +593,11 @@ fn face_onnx_export_equals_the_export_of_the_final_weights() {
     assert!(out.contains("-> embedding [batch, 32]"), "{out}");
     run(&["export", p(&weights), "--model", "iresnet18", p(&exported)]);
     assert!(std::fs::read(&trained).unwrap() == std::fs::read(&exported).unwrap());
+    // The run's checkpoint directory exports the same model, under arcface_torch's name too.
+    let from_dir = dir.path().join("from_dir.onnx");
+    let step = dir.path().join("r/checkpoints/step-00000003");
+    run(&["export", p(&step), "--model", "r18", p(&from_dir)]);
+    assert!(std::fs::read(&trained).unwrap() == std::fs::read(&from_dir).unwrap());
 }
 
 fn bad_input_is_named() {

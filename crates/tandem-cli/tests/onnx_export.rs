@@ -88,13 +88,16 @@ fn path(p: &Path) -> &str {
 
 fn pytorch_weights_exported_run_in_onnxruntime_like_pytorch() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&str, serde_json::Value, usize); 4] = [
+    let cases: [(&str, serde_json::Value, usize); 5] = [
         ("mlp", serde_json::json!(["batch", 20]), 6),
         ("cnn", serde_json::json!(["batch", 3, 12, 12]), 10),
         ("resnet18", serde_json::json!(["batch", 3, "height", "width"]), 62 + 20 * 2),
         // arcface_torch's IResNet-18: 31 BatchNorms x 4 (`features` included), 21 convolutions,
         // 9 PReLUs and fc's 2: every state-dict key but num_batches_tracked.
         ("iresnet18", serde_json::json!(["batch", 3, 112, 112]), 156),
+        // arcface_torch's MobileFaceNet `mbf`: 49 convolutions, their BatchNorms (x4), 33
+        // PReLUs, the GDC's Linear and BatchNorm1d (x4).
+        ("mbf", serde_json::json!(["batch", 3, 112, 112]), 49 + 49 * 4 + 33 + 1 + 4),
     ];
     for (model, input_shape, initializers) in cases {
         let weights = dir.path().join(format!("{model}.pt"));
@@ -107,7 +110,8 @@ fn pytorch_weights_exported_run_in_onnxruntime_like_pytorch() {
         let report = check(model, &weights, &onnx);
         assert_eq!(report["input_shape"], input_shape, "{model}: {report}");
         assert_eq!(report["opset"], 17, "{model}");
-        let output = if model.starts_with("iresnet") { "embedding" } else { "logits" };
+        let face = model.starts_with("iresnet") || model == "mbf";
+        let output = if face { "embedding" } else { "logits" };
         assert_eq!(report["output"], output, "{model}: {report}");
         // Every weight and running statistic, named as in the state dict without `module.`.
         let names = report["initializers"].as_array().expect("initializers");

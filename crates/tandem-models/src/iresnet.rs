@@ -33,6 +33,7 @@ fn stage_blocks(depth: usize) -> Option<[usize; 4]> {
         34 => [3, 4, 6, 3],
         50 => [3, 4, 14, 3],
         100 => [3, 13, 30, 3],
+        200 => [6, 26, 60, 6],
         _ => return None,
     })
 }
@@ -87,7 +88,7 @@ impl IBasicBlock {
     }
 }
 
-/// arcface_torch's IResNet-18/34/50/100 at any stage width (see the module docs).
+/// arcface_torch's IResNet-18/34/50/100/200 at any stage width (see the module docs).
 pub struct IResNet {
     conv1: FastConv2d,
     bn1: FastBatchNorm2d,
@@ -105,7 +106,7 @@ impl IResNet {
     /// them to [`tandem_nn::NamedVars::freeze`] so Ddp and the optimizer leave them alone.
     pub const FROZEN: &'static [&'static str] = &["features.weight"];
 
-    /// IResNet-`depth` (18, 34, 50 or 100) with stage widths `width` x [1, 2, 4, 8]
+    /// IResNet-`depth` (18, 34, 50, 100 or 200) with stage widths `width` x [1, 2, 4, 8]
     /// (arcface_torch: 64), an `embedding`-wide output and dropout `dropout` before `fc`.
     /// candle initialises the variables with its unseeded RNG; call
     /// [`IResNet::reset_parameters`] for arcface_torch's initialisation from a seed.
@@ -117,7 +118,9 @@ impl IResNet {
         vb: VarBuilder,
     ) -> candle_core::Result<Self> {
         let Some(blocks) = stage_blocks(depth) else {
-            candle_core::bail!("IResNet depth {depth}: arcface_torch defines 18, 34, 50 and 100")
+            candle_core::bail!(
+                "IResNet depth {depth}: arcface_torch defines 18, 34, 50, 100 and 200"
+            )
         };
         if width == 0 || embedding == 0 {
             candle_core::bail!(

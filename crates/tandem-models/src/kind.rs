@@ -19,18 +19,26 @@ pub enum ModelKind {
     ResNet18,
     /// arcface_torch's face-recognition backbones ([`crate::IResNet`]), trained with a
     /// PartialFC head on 112x112 face images.
-    #[serde(rename = "iresnet18")]
+    #[serde(rename = "iresnet18", alias = "r18")]
     IResNet18,
-    #[serde(rename = "iresnet34")]
+    #[serde(rename = "iresnet34", alias = "r34")]
     IResNet34,
-    #[serde(rename = "iresnet50")]
+    #[serde(rename = "iresnet50", alias = "r50")]
     IResNet50,
-    #[serde(rename = "iresnet100")]
+    #[serde(rename = "iresnet100", alias = "r100")]
     IResNet100,
+    #[serde(rename = "iresnet200", alias = "r200")]
+    IResNet200,
+    /// arcface_torch's MobileFaceNet `mbf` ([`crate::MobileFaceNet::MBF`]).
+    #[serde(rename = "mbf")]
+    Mbf,
+    /// arcface_torch's `mbf_large` ([`crate::MobileFaceNet::MBF_LARGE`]).
+    #[serde(rename = "mbf_large")]
+    MbfLarge,
 }
 
 impl ModelKind {
-    pub const ALL: [ModelKind; 7] = [
+    pub const ALL: [ModelKind; 10] = [
         ModelKind::Mlp,
         ModelKind::Cnn,
         ModelKind::ResNet18,
@@ -38,11 +46,54 @@ impl ModelKind {
         ModelKind::IResNet34,
         ModelKind::IResNet50,
         ModelKind::IResNet100,
+        ModelKind::IResNet200,
+        ModelKind::Mbf,
+        ModelKind::MbfLarge,
     ];
 
     /// Every architecture's name, in [`ModelKind::ALL`]'s order.
-    pub const NAMES: [&'static str; 7] =
-        ["mlp", "cnn", "resnet18", "iresnet18", "iresnet34", "iresnet50", "iresnet100"];
+    pub const NAMES: [&'static str; 10] = [
+        "mlp",
+        "cnn",
+        "resnet18",
+        "iresnet18",
+        "iresnet34",
+        "iresnet50",
+        "iresnet100",
+        "iresnet200",
+        "mbf",
+        "mbf_large",
+    ];
+
+    /// arcface_torch's own names for its IResNets (`get_model("r50")`), accepted wherever a
+    /// model is named: each is the IResNet of that depth (at arcface_torch's width 64, the
+    /// default `--width`).
+    pub const ARCFACE_ALIASES: [(&'static str, ModelKind); 5] = [
+        ("r18", ModelKind::IResNet18),
+        ("r34", ModelKind::IResNet34),
+        ("r50", ModelKind::IResNet50),
+        ("r100", ModelKind::IResNet100),
+        ("r200", ModelKind::IResNet200),
+    ];
+
+    /// Every name that parses: [`ModelKind::NAMES`], then the arcface_torch aliases.
+    pub const PARSED_NAMES: [&'static str; 15] = [
+        "mlp",
+        "cnn",
+        "resnet18",
+        "iresnet18",
+        "iresnet34",
+        "iresnet50",
+        "iresnet100",
+        "iresnet200",
+        "mbf",
+        "mbf_large",
+        "r18",
+        "r34",
+        "r50",
+        "r100",
+        "r200",
+    ];
 
     /// The name the command line and file names use.
     pub fn name(self) -> &'static str {
@@ -54,24 +105,37 @@ impl ModelKind {
             ModelKind::IResNet34 => "iresnet34",
             ModelKind::IResNet50 => "iresnet50",
             ModelKind::IResNet100 => "iresnet100",
+            ModelKind::IResNet200 => "iresnet200",
+            ModelKind::Mbf => "mbf",
+            ModelKind::MbfLarge => "mbf_large",
         }
     }
 
-    /// The depth of an IResNet (18, 34, 50 or 100); `None` for the classifiers.
+    /// The depth of an IResNet (18, 34, 50, 100 or 200); `None` for the other models.
     pub fn iresnet_depth(self) -> Option<usize> {
         match self {
             ModelKind::IResNet18 => Some(18),
             ModelKind::IResNet34 => Some(34),
             ModelKind::IResNet50 => Some(50),
             ModelKind::IResNet100 => Some(100),
-            ModelKind::Mlp | ModelKind::Cnn | ModelKind::ResNet18 => None,
+            ModelKind::IResNet200 => Some(200),
+            _ => None,
+        }
+    }
+
+    /// MobileFaceNet's `(blocks, scale)` for `mbf` and `mbf_large`; `None` for the others.
+    pub fn mobilefacenet(self) -> Option<([usize; 4], usize)> {
+        match self {
+            ModelKind::Mbf => Some(crate::MobileFaceNet::MBF),
+            ModelKind::MbfLarge => Some(crate::MobileFaceNet::MBF_LARGE),
+            _ => None,
         }
     }
 
     /// Whether this is a face-recognition backbone (embeddings, trained with PartialFC) rather
     /// than a classifier.
     pub fn is_face(self) -> bool {
-        self.iresnet_depth().is_some()
+        self.iresnet_depth().is_some() || self.mobilefacenet().is_some()
     }
 }
 
@@ -84,14 +148,19 @@ impl fmt::Display for ModelKind {
 /// A name that is not a built-in model.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "unknown model `{0}` (known: mlp, cnn, resnet18, iresnet18, iresnet34, iresnet50, iresnet100)"
+    "unknown model `{0}` (known: mlp, cnn, resnet18, iresnet18, iresnet34, iresnet50, \
+     iresnet100, iresnet200, mbf, mbf_large, and arcface_torch's r18, r34, r50, r100, r200)"
 )]
 pub struct UnknownModel(pub String);
 
 impl FromStr for ModelKind {
     type Err = UnknownModel;
     fn from_str(s: &str) -> Result<Self, UnknownModel> {
-        ModelKind::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| UnknownModel(s.into()))
+        ModelKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .or_else(|| Self::ARCFACE_ALIASES.iter().find(|(a, _)| *a == s).map(|(_, k)| *k))
+            .ok_or_else(|| UnknownModel(s.into()))
     }
 }
 
@@ -107,5 +176,17 @@ mod tests {
         }
         let e = "resnet50".parse::<ModelKind>().unwrap_err().to_string();
         assert!(e.contains("resnet50") && e.contains("mlp, cnn, resnet18"), "{e}");
+        for (alias, k) in ModelKind::ARCFACE_ALIASES {
+            assert_eq!(alias.parse::<ModelKind>().unwrap(), k);
+            let json = serde_json::to_string(alias).unwrap();
+            assert_eq!(serde_json::from_str::<ModelKind>(&json).unwrap(), k, "serde alias {alias}");
+        }
+        let parsed: Vec<&str> = ModelKind::NAMES
+            .into_iter()
+            .chain(ModelKind::ARCFACE_ALIASES.map(|(a, _)| a))
+            .collect();
+        assert_eq!(parsed, ModelKind::PARSED_NAMES);
+        assert!(ModelKind::Mbf.is_face() && ModelKind::IResNet200.is_face());
+        assert_eq!(ModelKind::IResNet200.iresnet_depth(), Some(200));
     }
 }

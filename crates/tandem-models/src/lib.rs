@@ -2,15 +2,20 @@
 //! names, layouts and default initialisation (seeded), and [`ModelKind`], the one list of
 //! built-in architectures. `Mlp` and `Cnn` read their parameters through a
 //! [`tandem_nn::ParamSet`] so Ddp can hook them; `ResNet` is a stock-style candle-nn model on a
-//! `VarMap`, as is `IResNet`, arcface_torch's face-recognition backbone.
+//! `VarMap`, as are arcface_torch's face-recognition backbones `IResNet` and `MobileFaceNet`
+//! ([`FaceBackbone`] runs either).
 mod cnn;
+mod face;
 mod iresnet;
 mod kind;
 mod mlp;
+mod mobilefacenet;
 mod resnet;
 
 pub use cnn::Cnn;
+pub use face::FaceBackbone;
 pub use iresnet::{IResNet, FACE_SIDE};
 pub use kind::{ModelKind, UnknownModel};
 pub use mlp::{targets, Mlp};
+pub use mobilefacenet::MobileFaceNet;
 pub use resnet::ResNet;

@@ -124,7 +124,7 @@ fn bad_shapes_and_depths_are_named() {
     let vars = OrderedVarMap::new();
     let vb = vars.var_builder(DType::F32, &Device::Cpu);
     let e = IResNet::new(26, 4, 16, 0.0, vb.clone()).err().unwrap().to_string();
-    assert!(e.contains("26") && e.contains("18, 34, 50 and 100"), "{e}");
+    assert!(e.contains("26") && e.contains("18, 34, 50, 100 and 200"), "{e}");
     let model = IResNet::new(18, 4, 16, 0.0, vb).unwrap();
     let x = Tensor::zeros((1, 3, 64, 64), DType::F32, &Device::Cpu).unwrap();
     let e = model.forward_t(&x, false).unwrap_err().to_string();

@@ -1,13 +1,15 @@
 //! [`FastConv2d`]: candle-nn's `FastConv2d` (same constructor arguments and variables: `weight`,
 //! `bias`, same names, shapes and initialisation) whose forward and backward run tandem's CPU
 //! kernels ([`crate::kernels::conv2d`]): swap `candle_nn::conv2d` for `tandem::nn::fast_conv2d`
-//! and nothing else changes. Grouped convolutions and other devices use candle's convolution.
+//! and nothing else changes. Grouped convolutions (depthwise included) run tandem's direct
+//! grouped kernel on CPU ([`crate::kernels::grouped_conv`]); other devices use candle's.
 //! Named apart from candle-nn's so both can be imported.
 use candle_core::{Module, Tensor};
 use candle_nn::{Conv2dConfig, Init, VarBuilder};
 
 use crate::autocast::cast;
 use crate::kernels::conv2d::{add_channel_bias, conv2d as conv2d_kernel, conv2d_bias, ConvParams};
+use crate::kernels::grouped_conv::{grouped_conv2d, GroupedConvParams};
 
 #[derive(Clone, Debug)]
 pub struct FastConv2d {
@@ -55,7 +57,13 @@ impl Module for FastConv2d {
                 None => conv2d_kernel(&x, &weight, p),
             };
         }
-        let y = x.conv2d(&weight, c.padding, c.stride, c.dilation, c.groups)?;
+        let p = GroupedConvParams {
+            stride: c.stride,
+            padding: c.padding,
+            dilation: c.dilation,
+            groups: c.groups,
+        };
+        let y = grouped_conv2d(&x, &weight, p)?;
         match &bias {
             Some(b) => add_channel_bias(&y, b),
             None => Ok(y),

@@ -26,12 +26,18 @@ pub use tandem_models::ModelKind;
 /// Exports from a loaded checkpoint: a bare state dict or one under `model`, `state_dict`,
 /// `module`, … (the first one found, as `tandem ckpt` finds them).
 pub fn export_value(arch: ModelKind, value: &tandem_ckpt::Value) -> Result<Exported> {
-    let found = tandem_ckpt::keys::find_state_dicts(value);
+    let mut found = tandem_ckpt::keys::find_state_dicts(value);
+    // The face recipe's checkpoints hold the network under `backbone`.
+    if let (true, Some(backbone)) = (found.is_empty(), value.get("backbone")) {
+        found = tandem_ckpt::keys::find_state_dicts(backbone);
+    }
     let Some((_, tensors)) = found.into_iter().next() else {
         return Err(OnnxError::MissingKey {
             model: arch.name(),
             key: "(a state dict)".into(),
-            present: "no dict of tensors at the top level or under model/state_dict/module".into(),
+            present: "no dict of tensors at the top level or under \
+                      model/state_dict/module/backbone"
+                .into(),
         });
     };
     export(arch, &tensors)

@@ -9,9 +9,12 @@
 //! - `resnet18`: torchvision's BasicBlock ResNet-18 with the CIFAR stem, input
 //!   `[batch, 3, height, width]` (global average pooling makes any size ≥ 8 work).
 //!
-//! - `iresnet18|34|50|100`: arcface_torch's IResNet (conv1 → bn1 → PReLU, IBasicBlocks, bn2 →
+//! - `iresnet18|34|50|100|200`: arcface_torch's IResNet (conv1 → bn1 → PReLU, IBasicBlocks, bn2 →
 //!   flatten → fc → `features` BatchNorm1d), input `[batch, 3, 112, 112]`, output `embedding`
 //!   `[batch, E]` (dropout is the identity in eval mode).
+//! - `mbf`, `mbf_large`: arcface_torch's MobileFaceNet (ConvBlocks, depthwise convolutions as
+//!   grouped `Conv`s, PReLU, the GDC head: a 7x7 depthwise LinearBlock, flatten, a bias-free
+//!   Gemm and BatchNorm1d), input `[batch, 3, 112, 112]`, output `embedding`.
 //!
 //! The classifiers' output is `logits`, `[batch, classes]`. The batch (and the ResNet's height and
 //! width) are symbolic dimensions, so one file serves any batch size.
@@ -44,10 +47,11 @@ pub fn export(arch: ModelKind, state: &[(String, tandem_ckpt::TensorData)]) -> R
         ModelKind::Mlp => g.mlp(&mut sd)?,
         ModelKind::Cnn => g.cnn(&mut sd)?,
         ModelKind::ResNet18 => g.resnet18(&mut sd)?,
-        face => {
-            let depth = face.iresnet_depth().unwrap_or(18);
-            g.iresnet(&mut sd, depth)?
-        }
+        face => match (face.iresnet_depth(), face.mobilefacenet()) {
+            (Some(depth), _) => g.iresnet(&mut sd, depth)?,
+            (None, Some((blocks, scale))) => g.mobilefacenet(&mut sd, blocks, scale)?,
+            (None, None) => unreachable!("every ModelKind is a classifier or a face backbone"),
+        },
     };
     sd.finish()?;
     let Graphs { mut b, weights } = g;
@@ -65,6 +69,14 @@ pub fn export(arch: ModelKind, state: &[(String, tandem_ckpt::TensorData)]) -> R
 struct Graphs {
     b: GraphBuilder,
     weights: usize,
+}
+
+/// A convolution's stride, padding (every side) and groups.
+#[derive(Clone, Copy)]
+struct ConvShape {
+    stride: usize,
+    padding: usize,
+    groups: usize,
 }
 
 impl Graphs {
@@ -88,7 +100,8 @@ impl Graphs {
         Ok((self.b.node("Gemm", &[x, &w, &b], vec![int("transB", 1)]), out))
     }
 
-    /// A square convolution with `pads` on every side; `bias` when the layer has one.
+    /// A square "same" convolution (padding kernel / 2, one group); `bias` when the layer has
+    /// one.
     fn conv(
         &mut self,
         sd: &mut StateDict,
@@ -98,21 +111,36 @@ impl Graphs {
         stride: usize,
         bias: bool,
     ) -> Result<(String, usize)> {
+        let shape = ConvShape { stride, padding: kernel / 2, groups: 1 };
+        self.conv_with(sd, prefix, x, (cin, cout, kernel), shape, bias)
+    }
+
+    /// A square convolution of any padding and group count: weight `[cout, cin / groups, k, k]`.
+    fn conv_with(
+        &mut self,
+        sd: &mut StateDict,
+        prefix: &str,
+        x: &str,
+        (cin, cout, kernel): (usize, Option<usize>, usize),
+        shape: ConvShape,
+        bias: bool,
+    ) -> Result<(String, usize)> {
+        let per_group = Some(cin / shape.groups);
         let w =
-            sd.take(&format!("{prefix}.weight"), &[cout, Some(cin), Some(kernel), Some(kernel)])?;
+            sd.take(&format!("{prefix}.weight"), &[cout, per_group, Some(kernel), Some(kernel)])?;
         let cout = w.dims[0];
         let mut inputs = vec![x.to_string(), self.init(w)];
         if bias {
             let b = sd.take(&format!("{prefix}.bias"), &[Some(cout)])?;
             inputs.push(self.init(b));
         }
-        let pad = (kernel / 2) as i64;
+        let pad = shape.padding as i64;
         let attrs = vec![
             ints("kernel_shape", &[kernel as i64, kernel as i64]),
             ints("pads", &[pad, pad, pad, pad]),
-            ints("strides", &[stride as i64, stride as i64]),
+            ints("strides", &[shape.stride as i64, shape.stride as i64]),
             ints("dilations", &[1, 1]),
-            int("group", 1),
+            int("group", shape.groups as i64),
         ];
         let refs: Vec<&str> = inputs.iter().map(String::as_str).collect();
         Ok((self.b.node("Conv", &refs, attrs), cout))
@@ -272,7 +300,8 @@ impl Graphs {
             18 => &[2, 2, 2, 2],
             34 => &[3, 4, 6, 3],
             50 => &[3, 4, 14, 3],
-            _ => &[3, 13, 30, 3],
+            100 => &[3, 13, 30, 3],
+            _ => &[6, 26, 60, 6],
         };
         let side = tandem_models::FACE_SIDE;
         let input = vec![Dim::Named("batch"), Dim::Fixed(3), Dim::Fixed(side), Dim::Fixed(side)];
@@ -332,5 +361,98 @@ impl Graphs {
             x.to_string()
         };
         Ok(self.b.node("Add", &[&h, &shortcut], vec![]))
+    }
+
+    /// arcface_torch's MobileFaceNet (tandem_models::MobileFaceNet's layout and names).
+    fn mobilefacenet(
+        &mut self,
+        sd: &mut StateDict,
+        blocks: [usize; 4],
+        scale: usize,
+    ) -> Result<(Vec<Dim>, String, usize)> {
+        let side = tandem_models::FACE_SIDE;
+        let input = vec![Dim::Named("batch"), Dim::Fixed(3), Dim::Fixed(side), Dim::Fixed(side)];
+        let x = self.b.input("input", &input);
+        let (c1, c2) = (64 * scale, 128 * scale);
+        let stem = ConvShape { stride: 2, padding: 1, groups: 1 };
+        let mut x = self.conv_bn(sd, "layers.0", &x, (3, c1, 3), stem, true)?;
+        x = if blocks[0] == 1 {
+            let grouped = ConvShape { stride: 1, padding: 1, groups: 64 };
+            self.conv_bn(sd, "layers.1", &x, (c1, c1, 3), grouped, true)?
+        } else {
+            self.residual(sd, "layers.1", &x, (c1, blocks[0], 128))?
+        };
+        x = self.depthwise(sd, "layers.2", &x, (c1, c1, 128), 2, false)?;
+        x = self.residual(sd, "layers.3", &x, (c1, blocks[1], 128))?;
+        x = self.depthwise(sd, "layers.4", &x, (c1, c2, 256), 2, false)?;
+        x = self.residual(sd, "layers.5", &x, (c2, blocks[2], 256))?;
+        x = self.depthwise(sd, "layers.6", &x, (c2, c2, 512), 2, false)?;
+        x = self.residual(sd, "layers.7", &x, (c2, blocks[3], 256))?;
+        let one = ConvShape { stride: 1, padding: 0, groups: 1 };
+        x = self.conv_bn(sd, "conv_sep", &x, (c2, 512, 1), one, true)?;
+        let gdc = ConvShape { stride: 1, padding: 0, groups: 512 };
+        x = self.conv_bn(sd, "features.layers.0", &x, (512, 512, 7), gdc, false)?;
+        let flat = self.flatten(&x);
+        let w = sd.take("features.layers.2.weight", &[None, Some(512)])?;
+        let embedding = w.dims[0];
+        let w = self.init(w);
+        let x = self.b.node("Gemm", &[&flat, &w], vec![int("transB", 1)]);
+        let x = self.batch_norm(sd, "features.layers.3", &x, embedding)?;
+        Ok((input, x, embedding))
+    }
+
+    /// A ConvBlock (conv, BatchNorm, PReLU) or, without `prelu`, a LinearBlock, at `prefix`
+    /// (its `layers.0`, `.1`, `.2`).
+    fn conv_bn(
+        &mut self,
+        sd: &mut StateDict,
+        prefix: &str,
+        x: &str,
+        (cin, cout, kernel): (usize, usize, usize),
+        shape: ConvShape,
+        prelu: bool,
+    ) -> Result<String> {
+        let conv = format!("{prefix}.layers.0");
+        let (x, _) = self.conv_with(sd, &conv, x, (cin, Some(cout), kernel), shape, false)?;
+        let x = self.batch_norm(sd, &format!("{prefix}.layers.1"), &x, cout)?;
+        if prelu {
+            self.prelu(sd, &format!("{prefix}.layers.2"), &x, cout)
+        } else {
+            Ok(x)
+        }
+    }
+
+    /// arcface_torch's DepthWise: 1x1 to `inner`, 3x3 depthwise at `stride`, 1x1 to `cout`.
+    fn depthwise(
+        &mut self,
+        sd: &mut StateDict,
+        prefix: &str,
+        x: &str,
+        (cin, cout, inner): (usize, usize, usize),
+        stride: usize,
+        residual: bool,
+    ) -> Result<String> {
+        let one = ConvShape { stride: 1, padding: 0, groups: 1 };
+        let dw = ConvShape { stride, padding: 1, groups: inner };
+        let h = self.conv_bn(sd, &format!("{prefix}.layers.0"), x, (cin, inner, 1), one, true)?;
+        let h = self.conv_bn(sd, &format!("{prefix}.layers.1"), &h, (inner, inner, 3), dw, true)?;
+        let h =
+            self.conv_bn(sd, &format!("{prefix}.layers.2"), &h, (inner, cout, 1), one, false)?;
+        Ok(if residual { self.b.node("Add", &[&h, x], vec![]) } else { h })
+    }
+
+    /// arcface_torch's Residual: `n` residual DepthWise blocks over `c` channels.
+    fn residual(
+        &mut self,
+        sd: &mut StateDict,
+        prefix: &str,
+        x: &str,
+        (c, n, inner): (usize, usize, usize),
+    ) -> Result<String> {
+        let mut x = x.to_string();
+        for i in 0..n {
+            x = self.depthwise(sd, &format!("{prefix}.layers.{i}"), &x, (c, c, inner), 1, true)?;
+        }
+        Ok(x)
     }
 }

@@ -18,7 +18,7 @@ pub trait Choice: FromStr + Copy + Send + Sync + 'static {
 }
 
 impl Choice for ModelKind {
-    const NAMES: &'static [&'static str] = &ModelKind::NAMES;
+    const NAMES: &'static [&'static str] = &ModelKind::PARSED_NAMES;
 }
 
 /// Names the values of a plain enum for parsing and printing (`sgd`, `adamw`, ...).

@@ -94,7 +94,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 /// Reads with every zip entry's CRC-32 verified: a tool asked whether a file is sound must not
 /// report a bit-flipped one as fine. A directory is a sharded checkpoint, read whole
 /// (consolidated): tandem's, or the earlier ZeRO-only format's.
-fn read(path: &Path) -> anyhow::Result<Value> {
+pub(crate) fn read(path: &Path) -> anyhow::Result<Value> {
     read_keeping(path, false)
 }
 

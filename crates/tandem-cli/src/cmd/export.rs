@@ -8,8 +8,9 @@ use tandem_models::ModelKind;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A tandem training checkpoint, a weights file (`--save-final`) or a PyTorch state dict
-    /// (.pt or .safetensors; `module.` and other wrappers are fine).
+    /// A tandem training checkpoint (a file, or a checkpoint directory such as the face
+    /// recipe's `RUN/checkpoints/step-N`), a weights file (`--save-final`) or a PyTorch state
+    /// dict (.pt or .safetensors; `module.` and other wrappers are fine).
     checkpoint: PathBuf,
     /// The architecture of the weights; layer sizes are read from them.
     #[arg(long, value_parser = crate::train::config::choice::<ModelKind>())]
@@ -19,8 +20,12 @@ pub struct Args {
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
-    let value = tandem_ckpt::load(&args.checkpoint)
-        .with_context(|| format!("reading {}", args.checkpoint.display()))?;
+    let value = if args.checkpoint.is_dir() {
+        super::ckpt::read(&args.checkpoint)
+    } else {
+        tandem_ckpt::load(&args.checkpoint).map_err(Into::into)
+    }
+    .with_context(|| format!("reading {}", args.checkpoint.display()))?;
     let summary = write(args.model, &value, &args.output)
         .with_context(|| format!("exporting {}", args.checkpoint.display()))?;
     println!("{summary}");

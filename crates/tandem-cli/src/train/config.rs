@@ -87,8 +87,9 @@ pub struct TrainConfig {
     /// Weight decay (SGD: L2 added to the gradient; AdamW: decoupled).
     #[arg(long = "weight-decay", default_value_t = 0.0)]
     pub weight_decay: f64,
-    /// Model: a classifier (mlp, cnn, resnet18), or a face backbone (iresnet18|34|50|100) trained
-    /// with a PartialFC margin head on `--data rec:DIR`.
+    /// Model: a classifier (mlp, cnn, resnet18), or a face backbone (iresnet18 .. iresnet200 or
+    /// arcface_torch's r18 .. r200, mbf, mbf_large) trained with a PartialFC margin head on
+    /// `--data rec:DIR`.
     #[arg(long, value_parser = choice::<ModelKind>(), default_value = "mlp")]
     pub model: ModelKind,
     /// Hidden width of the MLP.

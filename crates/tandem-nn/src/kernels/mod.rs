@@ -7,6 +7,7 @@ pub mod batch_norm;
 pub mod batch_norm_cuda;
 pub mod conv2d;
 pub mod conv_batch_norm;
+pub mod grouped_conv;
 pub(crate) mod matmul;
 pub mod pool;
 pub mod prelu;

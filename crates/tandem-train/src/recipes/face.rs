@@ -1,5 +1,5 @@
 //! The face-recognition recipe (insightface's arcface_torch `train_v2.py`) as one rank of
-//! `tandem train --model iresnet18|34|50|100 --data rec:DIR`: an IResNet backbone under Ddp
+//! `tandem train --model iresnet18 .. iresnet200 | mbf | mbf_large --data rec:DIR`: a face backbone under Ddp
 //! (`broadcast_buffers=False`, 16 MB buckets), a PartialFC head whose class centres are split
 //! over the ranks, fed by the all-gathered embeddings, with CombinedMarginLoss; one optimizer
 //! over two parameter groups (backbone, head); clipping of the backbone's gradients; a
@@ -20,7 +20,7 @@ use tandem_comm::{Collectives, LiveOptions, ProcessGroup};
 use tandem_data::datasets::faces::FaceRecDataset;
 use tandem_data::{Batch, DataLoader, Dataset, LoaderOptions};
 use tandem_ddp::{Ddp, DdpOptions};
-use tandem_models::IResNet;
+use tandem_models::FaceBackbone;
 use tandem_nn::{NamedVars, OrderedVarMap, ParamModule};
 use tandem_optim::{AdamWConfig, SgdConfig, TorchAdamW, TorchOptimizer, TorchSgd};
 use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConfig};
@@ -87,7 +87,7 @@ struct LiveHead {
 pub struct Face<'a> {
     cfg: &'a TrainOptions,
     device: Device,
-    model: IResNet,
+    model: FaceBackbone,
     /// The backbone's state-dict names in creation order (torch's `state_dict()` order).
     order: Vec<String>,
     ddp: Ddp<NamedVars>,
@@ -149,19 +149,18 @@ impl<'a> Face<'a> {
             train = train.with_flip(cfg.run.seed);
         }
         let classes = cfg.face.num_classes.unwrap_or(train.num_classes());
-        let depth = cfg.model.kind.iresnet_depth().context("a face model")?;
-
+        let kind = cfg.model.kind;
         let vars = OrderedVarMap::new();
-        let model = IResNet::new(
-            depth,
+        let model = FaceBackbone::new(
+            kind,
             cfg.model.width,
             cfg.face.embedding_size,
             0.0,
             vars.var_builder(DType::F32, &device),
         )?;
-        IResNet::reset_parameters(&vars.named(), cfg.run.seed)?;
+        FaceBackbone::reset_parameters(kind, &vars.named(), cfg.run.seed)?;
         let order: Vec<String> = vars.named().into_iter().map(|(n, _)| n).collect();
-        let named = vars.named_vars().freeze(IResNet::FROZEN)?;
+        let named = vars.named_vars().freeze(FaceBackbone::frozen(kind))?;
         let init = cfg.checkpoint.init_from.as_deref().map(read_init).transpose()?;
         if let (Some(init), Some(path)) = (&init, &cfg.checkpoint.init_from) {
             let report = named

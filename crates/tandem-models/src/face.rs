@@ -1,0 +1,89 @@
+//! [`FaceBackbone`]: the face-recognition backbone a [`ModelKind`] names (IResNet or
+//! MobileFaceNet), built, initialised and run through one type, so the face recipe, evaluation
+//! and export need not know which.
+use candle_core::{Tensor, Var};
+use candle_nn::{ModuleT, VarBuilder};
+use tandem_nn::{FastBatchNorm2d, HasBatchNorm};
+
+use crate::{IResNet, MobileFaceNet, ModelKind};
+
+pub enum FaceBackbone {
+    IResNet(IResNet),
+    MobileFaceNet(MobileFaceNet),
+}
+
+impl FaceBackbone {
+    /// The backbone `kind` names with an `embedding`-wide output; `width` is an IResNet's stage
+    /// width (MobileFaceNet's widths are fixed by its scale), `dropout` an IResNet's before `fc`.
+    pub fn new(
+        kind: ModelKind,
+        width: usize,
+        embedding: usize,
+        dropout: f32,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self> {
+        if let Some(depth) = kind.iresnet_depth() {
+            return Ok(FaceBackbone::IResNet(IResNet::new(depth, width, embedding, dropout, vb)?));
+        }
+        if let Some((blocks, scale)) = kind.mobilefacenet() {
+            return Ok(FaceBackbone::MobileFaceNet(MobileFaceNet::new(
+                blocks, scale, embedding, vb,
+            )?));
+        }
+        candle_core::bail!("`{kind}` is not a face backbone")
+    }
+
+    /// arcface_torch's initialisation of `kind` from `seed` (see each model's
+    /// `reset_parameters`).
+    pub fn reset_parameters(
+        kind: ModelKind,
+        named: &[(String, Var)],
+        seed: u64,
+    ) -> candle_core::Result<()> {
+        if kind.mobilefacenet().is_some() {
+            MobileFaceNet::reset_parameters(named, seed)
+        } else {
+            IResNet::reset_parameters(named, seed)
+        }
+    }
+
+    /// Parameters of `kind` that never train (IResNet's `features.weight`).
+    pub fn frozen(kind: ModelKind) -> &'static [&'static str] {
+        if kind.iresnet_depth().is_some() {
+            IResNet::FROZEN
+        } else {
+            &[]
+        }
+    }
+
+    /// Embeddings `[N, E]` for `x: [N, 3, 112, 112]`.
+    pub fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        match self {
+            FaceBackbone::IResNet(m) => m.forward_t(x, train),
+            FaceBackbone::MobileFaceNet(m) => m.forward_t(x, train),
+        }
+    }
+
+    /// The embedding width.
+    pub fn embedding(&self) -> usize {
+        match self {
+            FaceBackbone::IResNet(m) => m.embedding(),
+            FaceBackbone::MobileFaceNet(m) => m.embedding(),
+        }
+    }
+}
+
+impl ModuleT for FaceBackbone {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        FaceBackbone::forward_t(self, x, train)
+    }
+}
+
+impl HasBatchNorm for FaceBackbone {
+    fn batch_norms(&self) -> Vec<&FastBatchNorm2d> {
+        match self {
+            FaceBackbone::IResNet(m) => m.batch_norms(),
+            FaceBackbone::MobileFaceNet(m) => m.batch_norms(),
+        }
+    }
+}
