@@ -31,6 +31,7 @@ fn main() -> ExitCode {
         config_file_sets_flags_and_the_command_line_wins,
         arcface_layout_round_trip_resumes_bitwise,
         face_onnx_export_equals_the_export_of_the_final_weights,
+        mobilefacenet_trains_and_its_checkpoint_exports,
         bad_input_is_named,
     ];
     let torch = tandem_testutil::tests![
@@ -598,6 +599,32 @@ fn face_onnx_export_equals_the_export_of_the_final_weights() {
     let step = dir.path().join("r/checkpoints/step-00000003");
     run(&["export", p(&step), "--model", "r18", p(&from_dir)]);
     assert!(std::fs::read(&trained).unwrap() == std::fs::read(&from_dir).unwrap());
+}
+
+/// `--model mbf` (arcface_torch's MobileFaceNet) through the whole recipe: two ranks train,
+/// verify and checkpoint, and the checkpoint directory exports the ONNX model training wrote.
+fn mobilefacenet_trains_and_its_checkpoint_exports() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = faces(dir.path(), 16, 8, "jpeg");
+    let (trained, exported) = (dir.path().join("train.onnx"), dir.path().join("export.onnx"));
+    let run_dir = dir.path().join("r");
+    let mut args: Vec<String> = vec!["train".into()];
+    args.extend(recipe(&data).into_iter().map(|a| if a == "iresnet18" { "mbf".into() } else { a }));
+    args.extend(
+        ["--nproc-per-node", "2", "--steps", "2", "--out", p(&run_dir), "--export-onnx"]
+            .map(String::from),
+    );
+    args.push(p(&trained).into());
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = run(&refs);
+    assert!(out.contains("face: mbf"), "{out}");
+    assert!(out.contains("mbf, input [batch, 3, 112, 112] -> embedding [batch, 32]"), "{out}");
+    let s = summary(&run_dir);
+    assert_eq!(s.steps, 2, "{out}");
+    let step = s.checkpoint.expect("a checkpoint");
+    assert!(step.ends_with("checkpoints/step-00000002"), "{}", step.display());
+    run(&["export", p(&step), "--model", "mbf", p(&exported)]);
+    assert!(std::fs::read(&trained).unwrap() == std::fs::read(&exported).unwrap());
 }
 
 fn bad_input_is_named() {
