@@ -497,6 +497,57 @@ fn config_file_sets_flags_and_the_command_line_wins() {
     std::fs::write(&bad, "epochs = \"many\"\n").unwrap();
     let e = fails(&["train", "--config", p(&bad)]);
     assert!(e.contains("bad.toml") && e.contains("`epochs`"), "{e}");
+
+    // arcface_torch's own Python config, as written in its configs/ (r50 on MS1MV3, fp16), with
+    // the data and size overridden on the command line.
+    let arcface = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/arcface_configs/ms1mv3_r50_onegpu.py");
+    let run_py = dir.path().join("run-py");
+    let out = run(&[
+        "train",
+        "--config",
+        p(&arcface),
+        "--width",
+        "4",
+        "--embedding-size",
+        "16",
+        "--data",
+        &rec,
+        "--val",
+        p(&data.join("pairs.bin")),
+        "--batch-size",
+        "4",
+        "--epochs",
+        "1",
+        "--steps",
+        "2",
+        "--num-classes",
+        "16",
+        "--nproc-per-node",
+        "2",
+        "--out",
+        p(&run_py),
+    ]);
+    assert!(out.contains("face: iresnet50 width 4 embedding 16"), "{out}");
+    let written = std::fs::read_to_string(run_py.join("config.toml")).unwrap();
+    for line in [
+        "model = \"iresnet50\"",
+        "lr = 0.02",
+        "margin = \"1,0.5,0\"",
+        "lr_scheduler = \"poly\"",
+        "clip_grad_norm = 5.0",
+        "seed = 2048",
+        "momentum = 0.9",
+        "weight_decay = 0.0005",
+        "num_workers = 2",
+        "precision = \"f16\"",
+    ] {
+        assert!(written.lines().any(|l| l == line), "config.toml lacks `{line}`:\n{written}");
+    }
+    let bad = dir.path().join("bad.py");
+    std::fs::write(&bad, "config = edict()\nconfig.lr = 0.1\nimport os\n").unwrap();
+    let e = fails(&["train", "--config", p(&bad)]);
+    assert!(e.contains("bad.py:3") && e.contains("import os"), "{e}");
 }
 
 fn arcface_layout_round_trip_resumes_bitwise() {

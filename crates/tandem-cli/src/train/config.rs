@@ -266,9 +266,10 @@ pub struct TrainConfig {
     #[arg(long = "mirror-every", default_value_t = 10, value_name = "N")]
     #[serde(default = "default_mirror_every")]
     pub mirror_every: u64,
-    /// Settings from a TOML file whose keys are these flags' names (`batch-size = 128`); a flag
-    /// given on the command line wins.
-    #[arg(long, value_name = "FILE.toml")]
+    /// Settings from a TOML file whose keys are these flags' names (`batch-size = 128`), or
+    /// arcface_torch's Python config (`configs/ms1mv3_r50.py`: its `config.key = value` lines
+    /// over base.py's defaults, read as data); a flag given on the command line wins.
+    #[arg(long, value_name = "FILE.toml|FILE.py")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
 }
@@ -659,7 +660,8 @@ impl TrainConfig {
 }
 
 /// `--config FILE.toml`: settings whose keys are the flags' long names (`batch-size = 128`;
-/// the snake_case names of a run's own `config.toml` work too). A flag given on the command
+/// the snake_case names of a run's own `config.toml` work too), or `--config FILE.py`:
+/// arcface_torch's Python config (see [`super::arcface_config`]). A flag given on the command
 /// line wins over the file; an unknown key, a nested `config` or a value of the wrong type is
 /// an error naming the file and the key.
 pub fn apply_config_file(
@@ -670,8 +672,17 @@ pub fn apply_config_file(
     let Some(path) = cfg.config.clone() else { return Ok(cfg) };
     let shown = path.display().to_string();
     let text = std::fs::read_to_string(&path).with_context(|| format!("--config {shown}"))?;
-    let file: toml::Table =
-        text.parse().with_context(|| format!("--config {shown}: not valid TOML"))?;
+    // arcface_torch's Python configs, or TOML whose keys are the flags' names.
+    let file: Vec<(String, toml::Value)> = if path.extension().is_some_and(|e| e == "py") {
+        let read = super::arcface_config::parse(&path, &text)
+            .with_context(|| format!("--config {shown}"))?;
+        let merged = super::arcface_config::with_base(&path, read);
+        super::arcface_config::to_flags(&path, &merged).context("--config")?
+    } else {
+        let table: toml::Table =
+            text.parse().with_context(|| format!("--config {shown}: not valid TOML"))?;
+        table.into_iter().collect()
+    };
     let command = <TrainConfig as clap::Args>::augment_args(clap::Command::new("train"));
     let mut table = match toml::Value::try_from(&cfg).context("serialising the settings")? {
         toml::Value::Table(t) => t,
