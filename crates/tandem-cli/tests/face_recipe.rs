@@ -32,6 +32,7 @@ fn main() -> ExitCode {
         arcface_layout_round_trip_resumes_bitwise,
         face_onnx_export_equals_the_export_of_the_final_weights,
         mobilefacenet_trains_and_its_checkpoint_exports,
+        a_folder_of_identities_trains_as_its_packed_rec,
         bad_input_is_named,
     ];
     let torch = tandem_testutil::tests![
@@ -676,6 +677,60 @@ fn mobilefacenet_trains_and_its_checkpoint_exports() {
     assert!(step.ends_with("checkpoints/step-00000002"), "{}", step.display());
     run(&["export", p(&step), "--model", "mbf", p(&exported)]);
     assert!(std::fs::read(&trained).unwrap() == std::fs::read(&exported).unwrap());
+}
+
+/// `--data folder:DIR` (one sub-folder per identity) and `tandem data pack DIR OUT` then
+/// `--data rec:OUT` train the same steps to the same bits; a broken image is skipped and counted.
+fn a_folder_of_identities_trains_as_its_packed_rec() {
+    use tandem_data::recordio::{IndexedRecordReader, IrHeader};
+    let dir = tempfile::tempdir().unwrap();
+    let data = faces(dir.path(), 16, 8, "jpeg");
+    let folder = dir.path().join("folder");
+    let reader =
+        IndexedRecordReader::open(&data.join("train.idx"), &data.join("train.rec")).unwrap();
+    for key in 1..=128u64 {
+        let record = reader.read(key).unwrap();
+        let (h, payload) = IrHeader::unpack(&record).unwrap();
+        let id = folder.join(format!("person_{:02}", h.label as usize));
+        std::fs::create_dir_all(&id).unwrap();
+        std::fs::write(id.join(format!("{key:04}.jpg")), payload).unwrap();
+    }
+    std::fs::write(folder.join("person_03/zz_truncated.jpg"), b"\xff\xd8\xff").unwrap();
+    let packed = dir.path().join("packed");
+    let out = tandem(&["data", "pack", p(&folder), p(&packed), "--quiet"]);
+    let (stdout, stderr) = (text(&out), String::from_utf8_lossy(&out.stderr).into_owned());
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("128 images of 16 identities"), "{stdout}");
+    assert!(stderr.contains("skipped 1 image") && stderr.contains("zz_truncated.jpg"), "{stderr}");
+    let steps = |spec: &str, name: &str| {
+        let mut args: Vec<String> = vec!["train".into()];
+        args.extend(recipe(&data));
+        let at = args.iter().position(|a| a == "--data").unwrap();
+        args[at + 1] = spec.to_string();
+        args.extend(
+            ["--nproc-per-node", "2", "--steps", "3", "--no-checkpoints"].map(String::from),
+        );
+        args.extend(["--out".to_string(), p(&dir.path().join(name)).to_string()]);
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = tandem(&refs);
+        (out.status.success(), text(&out))
+    };
+    // Training straight from the folder meets the truncated file and names it.
+    let (ok, log) = steps(&format!("folder:{}", folder.display()), "f");
+    assert!(!ok && log.contains("zz_truncated.jpg"), "{log}");
+    std::fs::remove_file(folder.join("person_03/zz_truncated.jpg")).unwrap();
+    let (ok, from_folder) = steps(&format!("folder:{}", folder.display()), "f2");
+    assert!(ok, "{from_folder}");
+    let (ok, from_rec) = steps(&format!("rec:{}", packed.display()), "r");
+    assert!(ok, "{from_rec}");
+    let loss = |log: &str| {
+        log.lines().filter(|l| l.contains("loss=")).map(str::to_string).collect::<Vec<_>>()
+    };
+    assert!(!loss(&from_folder).is_empty(), "{from_folder}");
+    let strip = |l: Vec<String>| -> Vec<String> {
+        l.into_iter().map(|s| s.split(" samples/s").next().unwrap_or("").to_string()).collect()
+    };
+    assert_eq!(strip(loss(&from_folder)), strip(loss(&from_rec)));
 }
 
 fn bad_input_is_named() {

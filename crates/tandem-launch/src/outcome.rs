@@ -90,7 +90,16 @@ impl LaunchOutcome {
             ));
             return s;
         }
-        let Some(root) = self.failures.first() else { return s };
+        if self.failures.is_empty() {
+            return s;
+        }
+        // The root cause is the first failure seen, unless it only reports losing a peer and
+        // another rank says something else (ranks exit within milliseconds of each other: the
+        // one that lost its peer may be seen first).
+        let lost_peer =
+            |f: &WorkerFailure| f.stderr_tail.iter().any(|l| l.contains("closed its connection"));
+        let root_at = self.failures.iter().position(|f| !lost_peer(f)).unwrap_or(0);
+        let root = &self.failures[root_at];
         s.push_str(&format!(
             "[launcher] job failed after {} restart(s) (--max-restarts {max_restarts})\n",
             self.restarts
@@ -111,9 +120,10 @@ impl LaunchOutcome {
                 s.push_str(&format!("[launcher]     | {line}\n"));
             }
         }
-        for other in &self.failures[1..] {
+        for (_, other) in self.failures.iter().enumerate().filter(|(i, _)| *i != root_at) {
+            let last = other.stderr_tail.last().map(|l| format!(": {l}")).unwrap_or_default();
             s.push_str(&format!(
-                "[launcher]   also failed: rank {} (local rank {}): {}\n",
+                "[launcher]   also failed: rank {} (local rank {}): {}{last}\n",
                 other.rank, other.local_rank, other.exit
             ));
         }
@@ -154,5 +164,33 @@ mod tests {
         let s = o.summary(1);
         assert!(s.contains("rank 5 (local rank 1 on node 1): exit code 3"), "{s}");
         assert!(s.contains("| boom"), "{s}");
+    }
+
+    #[test]
+    fn a_rank_that_only_lost_its_peer_is_not_the_root_cause() {
+        let failure = |rank: u32, line: &str| WorkerFailure {
+            rank,
+            local_rank: rank,
+            node_rank: 0,
+            exit: WorkerExit::Code(1),
+            stderr_tail: vec![line.into()],
+        };
+        let mut o = LaunchOutcome {
+            exit_code: 1,
+            restarts: 0,
+            failures: vec![
+                failure(0, "error: all_gather #2: peer rank 1 closed its connection (...)"),
+                failure(1, "error: faces/p3/x.jpg: cannot decode the image"),
+            ],
+            signal: None,
+            master_port: 1234,
+            log_dir: None,
+        };
+        let s = o.summary(0);
+        assert!(s.contains("root cause: rank 1 ") && s.contains("| error: faces/p3/x.jpg"), "{s}");
+        assert!(s.contains("also failed: rank 0 (local rank 0): exit code 1: error: all_gather"));
+        // When every rank only lost a peer, the first seen stays the root cause.
+        o.failures[1] = failure(1, "error: peer rank 0 closed its connection");
+        assert!(o.summary(0).contains("root cause: rank 0 "));
     }
 }

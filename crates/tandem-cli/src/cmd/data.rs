@@ -1,10 +1,12 @@
 //! `tandem data`: dataset tools. `synth-faces DIR` writes a synthetic identity set in
 //! insightface's layout (`train.rec`/`train.idx` and a `pairs.bin` verification set), so the
-//! face-recognition recipe, its tests and its benchmark need no download.
+//! face-recognition recipe, its tests and its benchmark need no download; `pack DIR OUT` packs
+//! a folder of your own identities into that layout, as mxnet's im2rec does.
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use tandem_data::datasets::faces::{write_synthetic_faces, FaceFormat};
+use tandem_data::datasets::faces::{write_synthetic_faces, FaceFormat, FACE_SIDE};
+use tandem_data::datasets::image_folder::{pack, ImageFolder};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -16,6 +18,24 @@ pub struct Args {
 enum Command {
     /// Write a synthetic face identity set: DIR/train.rec, DIR/train.idx, DIR/pairs.bin.
     SynthFaces(SynthFaces),
+    /// Pack a folder of identities (DIR/IDENTITY/IMAGE.jpg, 112x112 aligned faces) into
+    /// OUT/train.rec, OUT/train.idx and OUT/train.lst, as mxnet's `im2rec --list --recursive`
+    /// then `im2rec --pass-through` do (arcface_torch's prepare_custom_dataset.md).
+    Pack(Pack),
+}
+
+#[derive(clap::Args)]
+struct Pack {
+    /// The image folder: one sub-folder of images per identity.
+    dir: PathBuf,
+    /// The directory to write (created if missing).
+    out: PathBuf,
+    /// Refuse the first image that does not decode or is not 112x112, rather than skipping it.
+    #[arg(long)]
+    strict: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
 }
 
 #[derive(clap::Args)]
@@ -49,7 +69,53 @@ enum Format {
 pub fn main(args: Args) -> anyhow::Result<i32> {
     match args.command {
         Command::SynthFaces(a) => synth_faces(a),
+        Command::Pack(a) => pack_folder(a),
     }
+}
+
+fn pack_folder(a: Pack) -> anyhow::Result<i32> {
+    let folder =
+        ImageFolder::list(&a.dir).with_context(|| format!("listing {}", a.dir.display()))?;
+    let bar = indicatif::ProgressBar::new(folder.samples.len() as u64);
+    if a.quiet {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    } else {
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "packing {wide_bar} {pos}/{len} images ({per_sec}, {eta} left)",
+            )
+            .context("progress bar template")?,
+        );
+    }
+    let mut show = |done: usize, _| bar.set_position(done as u64);
+    let packed = pack(&folder, &a.out, FACE_SIDE, a.strict, &mut show);
+    bar.finish_and_clear();
+    let report =
+        packed.with_context(|| format!("packing {} into {}", a.dir.display(), a.out.display()))?;
+    println!(
+        "wrote {}: {} images of {} identities (train.rec, train.idx, train.lst); train with \
+         --data rec:{}",
+        a.out.display(),
+        report.images,
+        report.classes,
+        a.out.display()
+    );
+    if !report.skipped.is_empty() {
+        eprintln!(
+            "skipped {} image(s) that did not decode or are not {FACE_SIDE}x{FACE_SIDE}:",
+            report.skipped.len()
+        );
+        for (path, why) in report.skipped.iter().take(10) {
+            eprintln!("  {}: {why}", path.display());
+        }
+        if report.skipped.len() > 10 {
+            eprintln!("  ... and {} more", report.skipped.len() - 10);
+        }
+    }
+    if report.not_images > 0 {
+        eprintln!("ignored {} file(s) that are not images by extension", report.not_images);
+    }
+    Ok(0)
 }
 
 fn synth_faces(a: SynthFaces) -> anyhow::Result<i32> {

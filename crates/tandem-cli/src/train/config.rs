@@ -114,7 +114,8 @@ pub struct TrainConfig {
     #[arg(long)]
     pub augment: bool,
     /// Data: digits (embedded), mnist:DIR (IDX files), cifar10:DIR (binary batches),
-    /// synthetic[:N[:DIM[:CLASSES]]] or synthetic-cifar[:N].
+    /// synthetic[:N[:DIM[:CLASSES]]] or synthetic-cifar[:N]; for the face models rec:DIR
+    /// (insightface RecordIO) or folder:DIR (one sub-folder of 112x112 images per identity).
     #[arg(long, default_value = "digits")]
     pub data: String,
     /// Seed for model init and the sampler's shuffle.
@@ -428,10 +429,10 @@ impl TrainConfig {
         self.validate_schedule()?;
         if self.model.is_face() {
             self.validate_face()?;
-        } else if self.data.starts_with("rec:") {
+        } else if self.data.starts_with("rec:") || self.data.starts_with("folder:") {
             bail!(
-                "--data {}: a RecordIO face set trains a face backbone; add --model iresnet18 \
-                 (or iresnet34/50/100)",
+                "--data {}: a face identity set trains a face backbone; add --model iresnet18 \
+                 (or r50, mbf, ...)",
                 self.data
             );
         } else if !self.val.is_empty() {
@@ -495,10 +496,11 @@ impl TrainConfig {
     /// The face recipe's own checks (IResNet + PartialFC on RecordIO data).
     fn validate_face(&self) -> anyhow::Result<()> {
         let model = self.model.name();
-        if !self.data.starts_with("rec:") {
+        if !self.data.starts_with("rec:") && !self.data.starts_with("folder:") {
             bail!(
                 "--model {model} trains on a face identity set: --data rec:DIR (train.rec + \
-                 train.idx; `tandem data synth-faces DIR` writes a synthetic one), not --data {}",
+                 train.idx; `tandem data synth-faces DIR` writes a synthetic one) or --data \
+                 folder:DIR (one sub-folder of images per identity), not --data {}",
                 self.data
             );
         }

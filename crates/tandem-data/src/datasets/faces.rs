@@ -54,19 +54,40 @@ fn flip_coin(seed: u64, epoch: u64, index: u64) -> bool {
     (z ^ (z >> 31)) & 1 == 1
 }
 
-/// An insightface RecordIO identity set, as arcface_torch's `MXFaceDataset` reads it: record 0
-/// with `flag > 0` says the image records are keys `1 .. label[0]` and the classes
-/// `label[1] - label[0]`; without it every key is an image (and the class count is the
-/// largest label + 1). Examples are in key order.
+/// A face identity set: an insightface RecordIO file, as arcface_torch's `MXFaceDataset` reads
+/// it — record 0 with `flag > 0` says the image records are keys `1 .. label[0]` and the classes
+/// `label[1] - label[0]`; without it every key is an image (and the class count is the largest
+/// label + 1); examples in key order — or an image folder, one sub-folder per identity, as
+/// torchvision's `ImageFolder` reads it ([`FaceRecDataset::open_folder`]).
 pub struct FaceRecDataset {
-    reader: IndexedRecordReader,
+    source: Source,
     images: Vec<u64>,
     num_classes: usize,
     flip_seed: Option<u64>,
     epoch: AtomicU64,
 }
 
+/// Where the images are.
+enum Source {
+    Rec(IndexedRecordReader),
+    Folder(super::image_folder::ImageFolder),
+}
+
 impl FaceRecDataset {
+    /// An image folder of identities (`DIR/IDENTITY/IMAGE.jpg`): classes in sorted folder
+    /// order, each image decoded when read (112x112 aligned crops, JPEG or PNG); a file that
+    /// fails is an error naming it.
+    pub fn open_folder(dir: &Path) -> Result<Self, DataError> {
+        let folder = super::image_folder::ImageFolder::list(dir)?;
+        Ok(FaceRecDataset {
+            images: (0..folder.samples.len() as u64).collect(),
+            num_classes: folder.classes.len(),
+            source: Source::Folder(folder),
+            flip_seed: None,
+            epoch: AtomicU64::new(0),
+        })
+    }
+
     /// Opens `dir/train.rec` with `dir/train.idx`.
     pub fn open(dir: &Path) -> Result<Self, DataError> {
         let rec = dir.join("train.rec");
@@ -78,14 +99,7 @@ impl FaceRecDataset {
             }
             false => None,
         };
-        let mut dataset = FaceRecDataset {
-            reader,
-            images: Vec::new(),
-            num_classes: 0,
-            flip_seed: None,
-            epoch: AtomicU64::new(0),
-        };
-        match header0 {
+        let (images, num_classes) = match header0 {
             Some(h) if !h.labels.is_empty() => {
                 let (end, ids_end) = (h.labels[0], h.labels.get(1).copied().unwrap_or(h.labels[0]));
                 let whole = |x: f32| x.is_finite() && x.fract() == 0.0;
@@ -94,7 +108,7 @@ impl FaceRecDataset {
                 }
                 // Images are records 1..end and identities end..ids_end: both ranges must fit in
                 // train.idx before anything is sized by them.
-                let records = dataset.reader.keys().len() as f64;
+                let records = reader.keys().len() as f64;
                 let (images, classes) = (f64::from(end) - 1.0, f64::from(ids_end) - f64::from(end));
                 if images > records || classes > records {
                     return Err(malformed(
@@ -105,17 +119,23 @@ impl FaceRecDataset {
                         ),
                     ));
                 }
-                dataset.images = (1..end as u64).collect();
-                dataset.num_classes = classes as usize;
+                ((1..end as u64).collect::<Vec<_>>(), classes as usize)
             }
-            _ => dataset.images = dataset.reader.keys().to_vec(),
-        }
-        if let Some(k) = dataset.images.iter().find(|&&k| !dataset.reader.contains(k)) {
+            _ => (reader.keys().to_vec(), 0),
+        };
+        if let Some(k) = images.iter().find(|&&k| !reader.contains(k)) {
             return Err(malformed(
                 &rec,
                 format!("image record {k} (from record 0's header) is not in train.idx"),
             ));
         }
+        let mut dataset = FaceRecDataset {
+            source: Source::Rec(reader),
+            images,
+            num_classes,
+            flip_seed: None,
+            epoch: AtomicU64::new(0),
+        };
         if dataset.num_classes == 0 {
             let mut max = -1i64;
             for i in 0..dataset.images.len() {
@@ -142,24 +162,39 @@ impl FaceRecDataset {
         self.images.get(index).copied()
     }
 
-    fn record(&self, index: usize) -> Result<(u64, Vec<u8>), DataError> {
+    fn record(
+        &self,
+        reader: &IndexedRecordReader,
+        index: usize,
+    ) -> Result<(u64, Vec<u8>), DataError> {
         let key =
             self.key(index).ok_or(DataError::IndexOutOfRange { index, len: self.images.len() })?;
-        Ok((key, self.reader.read(key)?))
+        Ok((key, reader.read(key)?))
     }
 
     /// Example `index`'s class, read from its header alone.
     pub fn label(&self, index: usize) -> Result<i64, DataError> {
-        let (key, r) = self.record(index)?;
+        let reader = match &self.source {
+            Source::Rec(reader) => reader,
+            Source::Folder(f) => {
+                let len = f.samples.len();
+                return f
+                    .samples
+                    .get(index)
+                    .map(|(_, l)| *l as i64)
+                    .ok_or(DataError::IndexOutOfRange { index, len });
+            }
+        };
+        let (key, r) = self.record(reader, index)?;
         let (h, _) = IrHeader::unpack(&r)
-            .map_err(|e| malformed(self.reader.path(), format!("record {key}: {e}")))?;
+            .map_err(|e| malformed(reader.path(), format!("record {key}: {e}")))?;
         // Labels are class indices: whole, non-negative, within i32 (what a head can index).
         if !(h.label.is_finite()
             && h.label.fract() == 0.0
             && (0.0..2_147_483_648.0).contains(&h.label))
         {
             return Err(malformed(
-                self.reader.path(),
+                reader.path(),
                 format!("record {key}: label {} is not a class index", h.label),
             ));
         }
@@ -178,16 +213,30 @@ impl Dataset for FaceRecDataset {
         self.num_classes
     }
     fn get(&self, index: usize) -> Result<Example, DataError> {
-        let (key, r) = self.record(index)?;
-        let path = self.reader.path();
-        let (h, payload) =
-            IrHeader::unpack(&r).map_err(|e| malformed(path, format!("record {key}: {e}")))?;
         let flip = self
             .flip_seed
             .is_some_and(|s| flip_coin(s, self.epoch.load(Ordering::Relaxed), index as u64));
-        let features = decode_face(payload, FACE_SIDE, flip)
-            .map_err(|e| malformed(path, format!("record {key}: {e}")))?;
-        let label = h.label as i64;
+        let (features, label) = match &self.source {
+            Source::Rec(reader) => {
+                let (key, r) = self.record(reader, index)?;
+                let path = reader.path();
+                let (h, payload) = IrHeader::unpack(&r)
+                    .map_err(|e| malformed(path, format!("record {key}: {e}")))?;
+                let features = decode_face(payload, FACE_SIDE, flip)
+                    .map_err(|e| malformed(path, format!("record {key}: {e}")))?;
+                (features, h.label as i64)
+            }
+            Source::Folder(f) => {
+                let len = f.samples.len();
+                let (path, label) =
+                    f.samples.get(index).ok_or(DataError::IndexOutOfRange { index, len })?;
+                let bytes = std::fs::read(path)
+                    .map_err(|source| DataError::Io { path: path.clone(), source })?;
+                let features =
+                    decode_face(&bytes, FACE_SIDE, flip).map_err(|e| malformed(path, e))?;
+                (features, *label as i64)
+            }
+        };
         if label < 0 || label as usize >= self.num_classes {
             return Err(DataError::LabelOutOfRange { index, label, num_classes: self.num_classes });
         }

@@ -142,9 +142,12 @@ impl<'a> Face<'a> {
         let run_dir = cfg.run.dir.as_path();
         let rank = group.rank();
         let device = cfg.model.device.device(group.local_rank())?;
-        let dir = cfg.data.spec.strip_prefix("rec:").unwrap_or(&cfg.data.spec);
-        let mut train = FaceRecDataset::open(Path::new(dir))
-            .with_context(|| format!("--data {}", cfg.data.spec))?;
+        let spec = cfg.data.spec.as_str();
+        let mut train = match spec.strip_prefix("folder:") {
+            Some(dir) => FaceRecDataset::open_folder(Path::new(dir)),
+            None => FaceRecDataset::open(Path::new(spec.strip_prefix("rec:").unwrap_or(spec))),
+        }
+        .with_context(|| format!("--data {spec}"))?;
         if cfg.data.augment {
             train = train.with_flip(cfg.run.seed);
         }
