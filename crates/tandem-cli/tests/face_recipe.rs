@@ -535,7 +535,7 @@ fn config_file_sets_flags_and_the_command_line_wins() {
         "model = \"iresnet50\"",
         "lr = 0.02",
         "margin = \"1,0.5,0\"",
-        "lr_scheduler = \"poly\"",
+        "lr_scheduler = \"polynomial-warmup\"",
         "clip_grad_norm = 5.0",
         "seed = 2048",
         "momentum = 0.9",

@@ -1,13 +1,13 @@
 //! Schedulers against torch 2.15's real lr sequences and state_dicts (fixtures made by
-//! tests/fixtures/optim/make_fixtures.py; "poly" is insightface's PolyScheduler restated as a
-//! torch LRScheduler there), plus resuming from a torch state_dict and bad-state errors.
+//! tests/fixtures/optim/make_fixtures.py; "poly" is insightface's PolyScheduler and
+//! "poly_warmup" its PolynomialLRWarmup, restated as torch LRSchedulers there), plus resuming from a torch state_dict and bad-state errors.
 mod torch_json;
 
 use candle_core::{Device, Tensor, Var};
 use serde_json::Value as Json;
 use tandem_ckpt::Value;
 use tandem_optim::lr_scheduler::{
-    CosineAnnealingLR, LinearLR, LrScheduler, PolyScheduler, SchedError, StepLR,
+    CosineAnnealingLR, LinearLR, LrScheduler, PolyScheduler, PolynomialLRWarmup, SchedError, StepLR,
 };
 use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd};
 
@@ -32,6 +32,8 @@ fn build(name: &str, base: &[f64]) -> Box<dyn LrScheduler> {
         "linear_decay" => Box::new(LinearLR::new(base, 1.0, 0.1, 6).unwrap()),
         "linear_default" => Box::new(LinearLR::with_defaults(base).unwrap()),
         "poly" => Box::new(PolyScheduler::new(base, 0.1, 20, 4).unwrap()),
+        "poly_warmup" => Box::new(PolynomialLRWarmup::new(base, 4, 20, 1.0).unwrap()),
+        "poly_warmup_pow2" => Box::new(PolynomialLRWarmup::new(base, 3, 11, 2.0).unwrap()),
         other => panic!("no builder for fixture case {other}"),
     }
 }

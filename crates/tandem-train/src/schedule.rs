@@ -2,7 +2,9 @@
 //! cosine annealing, step decay, or none), built over the optimizer's parameter groups, and
 //! their checkpoint state.
 use tandem_ckpt::Value;
-use tandem_optim::lr_scheduler::{CosineAnnealingLR, PolyScheduler, SchedError, StepLR};
+use tandem_optim::lr_scheduler::{
+    CosineAnnealingLR, PolyScheduler, PolynomialLRWarmup, SchedError, StepLR,
+};
 use tandem_optim::{LrScheduler, TorchOptimizer};
 
 /// The run's scheduler (`None` for a constant lr).
@@ -26,6 +28,9 @@ pub enum LrSchedule {
     Constant,
     /// arcface_torch's PolyScheduler: linear warm-up from 0, then `base · (1 − t/T)²` to 0.
     Poly { warmup: Warmup },
+    /// arcface_torch's PolynomialLRWarmup (its `train_v2.py`'s today): linear warm-up to the
+    /// base lr, then `base · (1 − t/T)` to 0 (power 1), in torch's recursive form.
+    PolynomialWarmup { warmup: Warmup },
     /// Cosine annealing to 0 over the run.
     Cosine,
     /// × 0.1 every `every_epochs` epochs.
@@ -76,7 +81,7 @@ impl LrSchedule {
         let RunLength { steps_per_epoch, total_steps } = run;
         let sched: Box<dyn LrScheduler + Send> = match self {
             LrSchedule::Constant => return Ok(None),
-            LrSchedule::Poly { warmup } => {
+            LrSchedule::Poly { warmup } | LrSchedule::PolynomialWarmup { warmup } => {
                 let warmup = match warmup {
                     Warmup::None => 0,
                     Warmup::Steps(s) => s,
@@ -85,7 +90,13 @@ impl LrSchedule {
                 if total_steps <= warmup {
                     return Err(ScheduleError::WarmupTooLong { total_steps, warmup });
                 }
-                Box::new(PolyScheduler::new(&base_lrs, peak_lr, total_steps as i64, warmup as i64)?)
+                let (total, warmup) = (total_steps as i64, warmup as i64);
+                match self {
+                    LrSchedule::Poly { .. } => {
+                        Box::new(PolyScheduler::new(&base_lrs, peak_lr, total, warmup)?)
+                    }
+                    _ => Box::new(PolynomialLRWarmup::new(&base_lrs, warmup, total, 1.0)?),
+                }
             }
             LrSchedule::Cosine => {
                 Box::new(CosineAnnealingLR::new(&base_lrs, total_steps.max(1) as i64, 0.0)?)
@@ -124,8 +135,11 @@ pub fn load(
         (Some(_), Value::None) => Err(ScheduleError::MissingState { what }),
         (Some(s), state) => {
             let mut state = state.clone();
-            if let (Some(steps), Some(slot)) = (max_steps, state.get_mut("max_steps")) {
-                *slot = Value::Int(steps as i64);
+            // (PolyScheduler's length is `max_steps`, PolynomialLRWarmup's `total_iters`.)
+            for key in ["max_steps", "total_iters"] {
+                if let (Some(steps), Some(slot)) = (max_steps, state.get_mut(key)) {
+                    *slot = Value::Int(steps as i64);
+                }
             }
             s.load_state_dict(&state).map_err(|source| ScheduleError::BadState { what, source })?;
             s.apply(opt)?;

@@ -122,15 +122,15 @@ pub fn with_base(path: &Path, file: BTreeMap<String, PyValue>) -> BTreeMap<Strin
 }
 
 /// The `tandem train` settings (flag name without dashes, TOML value) that a merged config
-/// means, as `train_v2.py` uses them: PolyScheduler with its warm-up and gradient clipping at
-/// 5 always, the `.bin` verification sets next to the `.rec`.
+/// means, as `train_v2.py` uses them: PolynomialLRWarmup with its warm-up and gradient
+/// clipping at 5 always, the `.bin` verification sets next to the `.rec`.
 pub fn to_flags(
     path: &Path,
     config: &BTreeMap<String, PyValue>,
 ) -> anyhow::Result<Vec<(String, toml::Value)>> {
     let shown = path.display();
     let mut flags: Vec<(String, toml::Value)> = vec![
-        ("lr-scheduler".into(), "poly".into()),
+        ("lr-scheduler".into(), "polynomial-warmup".into()),
         ("clip-grad-norm".into(), toml::Value::Float(5.0)),
     ];
     let wandb = config.get("using_wandb") == Some(&PyValue::Bool(true));
@@ -558,7 +558,7 @@ mod tests {
                         flag("batch-size"),
                         Some(want["batch_size"].as_i64().unwrap().into())
                     );
-                    assert_eq!(flag("lr-scheduler"), Some("poly".into()), "{name}");
+                    assert_eq!(flag("lr-scheduler"), Some("polynomial-warmup".into()), "{name}");
                     let rec = want["rec"].as_str().unwrap();
                     assert_eq!(flag("data"), Some(format!("rec:{rec}").into()), "{name}");
                     let vals = want["val_targets"].as_array().unwrap().len();

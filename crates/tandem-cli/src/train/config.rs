@@ -48,6 +48,11 @@ pub enum SchedulerKind {
     /// insightface's PolyScheduler: linear warm-up from 0 over the warm-up steps, then
     /// `lr * (1 - progress)^2` to 0 at the last step.
     Poly,
+    /// arcface_torch's PolynomialLRWarmup (what its train_v2.py uses today): linear warm-up to
+    /// --lr over the warm-up steps, then `lr * (1 - progress)` to 0 at the last step.
+    #[serde(rename = "polynomial-warmup")]
+    #[value(name = "polynomial-warmup")]
+    PolynomialWarmup,
     /// torch's CosineAnnealingLR over the run's steps, down to 0.
     Cosine,
     /// torch's StepLR: times 0.1 every --lr-step-epochs epochs.
@@ -313,18 +318,24 @@ pub fn parse_margin(text: &str) -> anyhow::Result<(f64, f64, f64)> {
 }
 
 impl TrainConfig {
+    fn warmup(&self) -> tandem::train::Warmup {
+        use tandem::train::Warmup;
+        match (self.warmup_steps, self.warmup_epochs) {
+            (Some(s), _) => Warmup::Steps(s),
+            (None, Some(e)) => Warmup::Epochs(e),
+            (None, None) => Warmup::None,
+        }
+    }
+
     /// `--lr-scheduler` with its warm-up and step length, as the library's schedule.
     pub fn lr_schedule(&self) -> tandem::train::LrSchedule {
-        use tandem::train::{LrSchedule, Warmup};
+        use tandem::train::LrSchedule;
         match self.lr_scheduler {
             SchedulerKind::None => LrSchedule::Constant,
-            SchedulerKind::Poly => LrSchedule::Poly {
-                warmup: match (self.warmup_steps, self.warmup_epochs) {
-                    (Some(s), _) => Warmup::Steps(s),
-                    (None, Some(e)) => Warmup::Epochs(e),
-                    (None, None) => Warmup::None,
-                },
-            },
+            SchedulerKind::Poly => LrSchedule::Poly { warmup: self.warmup() },
+            SchedulerKind::PolynomialWarmup => {
+                LrSchedule::PolynomialWarmup { warmup: self.warmup() }
+            }
             SchedulerKind::Cosine => LrSchedule::Cosine,
             SchedulerKind::Step => LrSchedule::Step { every_epochs: self.lr_step_epochs },
         }
@@ -469,9 +480,12 @@ impl TrainConfig {
 
     fn validate_schedule(&self) -> anyhow::Result<()> {
         let warmup = self.warmup_steps.is_some() || self.warmup_epochs.is_some();
-        if warmup && self.lr_scheduler != SchedulerKind::Poly {
+        let warms_up =
+            matches!(self.lr_scheduler, SchedulerKind::Poly | SchedulerKind::PolynomialWarmup);
+        if warmup && !warms_up {
             bail!(
-                "--warmup-steps/--warmup-epochs: warm-up is part of --lr-scheduler poly (add it)"
+                "--warmup-steps/--warmup-epochs: warm-up is part of --lr-scheduler poly or \
+                 polynomial-warmup (add one)"
             );
         }
         if self.lr_scheduler == SchedulerKind::Step && self.lr_step_epochs == 0 {
@@ -631,7 +645,9 @@ impl TrainConfig {
             a.push(k.to_string());
             a.push(v);
         };
-        push("--lr-scheduler", format!("{:?}", self.lr_scheduler).to_lowercase());
+        let scheduler = clap::ValueEnum::to_possible_value(&self.lr_scheduler)
+            .map_or_else(String::new, |v| v.get_name().to_string());
+        push("--lr-scheduler", scheduler);
         if let Some(w) = self.warmup_steps {
             push("--warmup-steps", w.to_string());
         }

@@ -1,5 +1,6 @@
 //! Learning-rate schedulers with state, matching `torch.optim.lr_scheduler` (StepLR,
-//! CosineAnnealingLR, LinearLR) and insightface's arcface_torch `PolyScheduler`.
+//! CosineAnnealingLR, LinearLR) and insightface's arcface_torch `PolyScheduler` and
+//! `PolynomialLRWarmup`.
 //!
 //! A scheduler tracks one learning rate per optimizer param group (`base_lrs`, typically
 //! `opt.group_lrs()` at construction) without holding the optimizer; after each `step()` hand
@@ -83,9 +84,11 @@ mod core;
 mod cosine;
 mod linear;
 mod poly;
+mod poly_warmup;
 mod step;
 
 pub use cosine::CosineAnnealingLR;
 pub use linear::LinearLR;
 pub use poly::PolyScheduler;
+pub use poly_warmup::PolynomialLRWarmup;
 pub use step::StepLR;
