@@ -663,12 +663,30 @@ fn mobilefacenet_trains_and_its_checkpoint_exports() {
     let mut args: Vec<String> = vec!["train".into()];
     args.extend(recipe(&data).into_iter().map(|a| if a == "iresnet18" { "mbf".into() } else { a }));
     args.extend(
-        ["--nproc-per-node", "2", "--steps", "2", "--out", p(&run_dir), "--export-onnx"]
+        ["--nproc-per-node", "2", "--steps", "2", "--log-every", "1", "--out", p(&run_dir)]
             .map(String::from),
     );
-    args.push(p(&trained).into());
+    args.extend(["--val".into(), p(&data.join("pairs.bin")).into()]);
+    args.extend(["--export-onnx".into(), p(&trained).into()]);
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = run(&refs);
+    // arcface_torch's training.log: its lines after `Training: <time>-`.
+    let log = std::fs::read_to_string(run_dir.join("training.log")).unwrap();
+    let lines: Vec<&str> = log.lines().map(|l| l.get(34..).unwrap_or("")).collect();
+    assert!(log.lines().all(|l| l.starts_with("Training: 20")), "{log}");
+    assert_eq!(lines[0], "rank_id: 0", "{log}");
+    assert!(
+        lines[1].starts_with("Speed ")
+            && lines[1].contains("samples/sec   Loss ")
+            && lines[1].contains("   Epoch: 0   Global Step: 2   Required: "),
+        "{log}"
+    );
+    assert!(lines[2].starts_with("[pairs][2]XNorm: "), "{log}");
+    assert!(
+        lines[3].starts_with("[pairs][2]Accuracy-Flip: 0.") && lines[3].contains("+-"),
+        "{log}"
+    );
+    assert!(lines[4].starts_with("[pairs][2]Accuracy-Highest: "), "{log}");
     assert!(out.contains("face: mbf"), "{out}");
     assert!(out.contains("mbf, input [batch, 3, 112, 112] -> embedding [batch, 32]"), "{out}");
     let s = summary(&run_dir);

@@ -40,6 +40,7 @@ pub mod state;
 pub mod step;
 pub mod tfevents;
 pub mod trainer;
+pub mod training_log;
 pub mod verification;
 
 pub use checkpoint::{Checkpointer, Saved, ShardDict, ShardSlice, TrainingStateDict};

@@ -14,6 +14,10 @@ pub struct VerificationMetrics {
     pub name: String,
     pub accuracy: f64,
     pub std: f64,
+    /// The mean L2 norm of the embeddings (each image's and its mirror's), arcface_torch's
+    /// `XNorm`.
+    #[serde(default)]
+    pub xnorm: f64,
 }
 
 /// What one epoch measured (the world's figures: losses are means over every rank's samples).
@@ -195,6 +199,7 @@ mod tests {
                 name: "lfw".into(),
                 accuracy: 0.9,
                 std: 0.01,
+                xnorm: 20.0,
             }],
             samples_per_s: 123.456,
             lr: 0.1,

@@ -142,6 +142,8 @@ pub struct RunOptions {
     pub record: String,
     /// Steps left out of the run's samples/s (one-off costs of the first steps).
     pub timing_warmup_steps: u64,
+    /// A `training.log` line (arcface_torch's) every N steps; 0: no `training.log`.
+    pub log_every: u64,
 }
 
 /// Checkpoints: when, how many, and the run's outputs.

@@ -27,6 +27,7 @@ use crate::live::{LiveError, LiveState, LiveTraining};
 use crate::metrics::{three_figures, MetricsFile, MetricsRecord, VerificationMetrics};
 use crate::schedule;
 use crate::state::LoaderPosition;
+use crate::training_log::{StepLine, TrainingLog};
 use crate::{EpochMetrics, EventWriter, Progress, RunSummary, Step};
 
 /// What one step reported: this rank's mean loss over its `samples`, and where its time went.
@@ -266,6 +267,8 @@ pub struct TrainerOptions {
     /// Steps left out of the summary's samples/s: the first steps carry one-off costs
     /// (cuDNN's algorithm search, kernel compilation, the allocator's growth).
     pub timing_warmup_steps: u64,
+    /// A `training.log` line every N steps, as arcface_torch's `frequent` (0: no file).
+    pub log_every: u64,
 }
 
 impl TrainerOptions {
@@ -281,6 +284,7 @@ impl TrainerOptions {
             progress: true,
             tensorboard: false,
             timing_warmup_steps: 0,
+            log_every: 0,
         }
     }
 
@@ -296,6 +300,7 @@ impl TrainerOptions {
             progress: o.run.progress,
             tensorboard: o.run.tensorboard,
             timing_warmup_steps: o.run.timing_warmup_steps,
+            log_every: o.run.log_every,
         }
     }
 }
@@ -328,6 +333,8 @@ pub struct Trainer<R: Recipe> {
     epochs_seen: Vec<EpochMetrics>,
     metrics: Option<MetricsFile>,
     tb: Option<EventWriter>,
+    /// arcface_torch's `training.log` (rank 0, when `log_every` > 0).
+    training_log: Option<TrainingLog>,
 }
 
 impl<R: Recipe> Trainer<R> {
@@ -361,6 +368,7 @@ impl<R: Recipe> Trainer<R> {
             epochs_seen: Vec::new(),
             metrics: None,
             tb: None,
+            training_log: None,
         };
         trainer.open_logs()?;
         Ok(trainer)
@@ -375,6 +383,17 @@ impl<R: Recipe> Trainer<R> {
         }
         if self.metrics.is_none() {
             self.metrics = Some(MetricsFile::append(&self.opts.dir.join("metrics.jsonl"))?);
+        }
+        if self.opts.log_every > 0 && self.training_log.is_none() {
+            let log = TrainingLog::open(
+                &self.opts.dir,
+                self.opts.log_every,
+                self.group.size(),
+                self.max_steps(),
+                self.global_step,
+            )
+            .with_context(|| format!("opening {}", self.opts.dir.join("training.log").display()))?;
+            self.training_log = Some(log);
         }
         if self.opts.tensorboard && self.tb.is_none() {
             let dir = self.opts.dir.join("tensorboard");
@@ -534,7 +553,7 @@ impl<R: Recipe> Trainer<R> {
     /// so a failure can put its batch back.
     fn train_epoch(&mut self, max_steps: u64, progress: &Progress) -> Result<f64> {
         let started = Instant::now();
-        let Trainer { recipe, loader, step, group, opts, live, in_flight, .. } = self;
+        let Trainer { recipe, loader, step, group, opts, live, in_flight, training_log, .. } = self;
         let world = group.size() as u64;
         recipe.set_training(true)?;
         recipe.start_epoch(loader.epoch());
@@ -575,6 +594,17 @@ impl<R: Recipe> Trainer<R> {
             losses.push(report.samples, report.loss, report.pending_loss.take());
             let step_loss = losses.settle(if tb_due { 0 } else { LOSS_READ_LAG })?;
             progress.step(n, losses.mean());
+            if let Some(log) = training_log.as_mut() {
+                let line = StepLine {
+                    global_step: n,
+                    loss: step_loss,
+                    epoch: loader.epoch(),
+                    lr: recipe.optimizer().lr(),
+                    batch: batch.len(),
+                    grad_scale: step.grad_scaler().map(GradScaler::get_scale),
+                };
+                log.step(&line).with_context(|| format!("writing {}", log.path().display()))?;
+            }
             if tb_due {
                 if let Some(tb) = self.tb.as_mut() {
                     let lr = recipe.optimizer().lr();
@@ -587,7 +617,7 @@ impl<R: Recipe> Trainer<R> {
                 let val = recipe.validate(group, n)?;
                 recipe.set_training(true)?;
                 if !val.is_empty() {
-                    report_validation(group, self.tb.as_mut(), n, &val)?;
+                    report_validation(group, self.tb.as_mut(), training_log.as_mut(), n, &val)?;
                     self.last_val = val;
                 }
                 pause += clock.elapsed().as_secs_f64();
@@ -696,7 +726,8 @@ impl<R: Recipe> Trainer<R> {
     }
 
     fn report_validation(&mut self, val: &[VerificationMetrics]) -> Result<()> {
-        report_validation(&self.group, self.tb.as_mut(), self.global_step, val)
+        let step = self.global_step;
+        report_validation(&self.group, self.tb.as_mut(), self.training_log.as_mut(), step, val)
     }
 
     /// Live recovery's outer loop: trains (and writes the last checkpoint) to the end, and
@@ -814,11 +845,15 @@ pub fn verification_text(results: &[VerificationMetrics]) -> String {
 fn report_validation(
     group: &ProcessGroup,
     tb: Option<&mut EventWriter>,
+    log: Option<&mut TrainingLog>,
     step: u64,
     val: &[VerificationMetrics],
 ) -> Result<()> {
     if group.rank() != 0 {
         return Ok(());
+    }
+    if let Some(log) = log {
+        log.verification(step, val).with_context(|| format!("writing {}", log.path().display()))?;
     }
     for r in val {
         eprintln!("[{}][{step}] accuracy-flip: {:.5}+-{:.5}", r.name, r.accuracy, r.std);

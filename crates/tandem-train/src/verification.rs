@@ -161,6 +161,8 @@ fn evaluate_set(
     let mine = (rank * share).min(n)..((rank + 1) * share).min(n);
     let dim = 3 * FACE_SIDE * FACE_SIDE;
     let mut local: Vec<f32> = Vec::new();
+    // Σ of the embeddings' L2 norms (plain and mirrored, before the sum) and their count.
+    let mut norms = [0f64, 0f64];
     for start in mine.clone().step_by(BATCH) {
         let end = (start + BATCH).min(mine.end);
         let (mut plain, mut flipped) = (Vec::new(), Vec::new());
@@ -172,7 +174,14 @@ fn evaluate_set(
         let embed = |x: Vec<f32>| -> candle_core::Result<Tensor> {
             model.forward_t(&Tensor::from_vec(x, (end - start, dim), device)?, false)
         };
-        let sum = (embed(plain)? + embed(flipped)?)?;
+        let (plain, flipped) = (embed(plain)?, embed(flipped)?);
+        for e in [&plain, &flipped] {
+            let n = e.to_dtype(candle_core::DType::F32)?.sqr()?.sum(1)?.sqrt()?;
+            let n = n.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+            norms[0] += n.iter().map(|&x| f64::from(x)).sum::<f64>();
+            norms[1] += n.len() as f64;
+        }
+        let sum = (plain + flipped)?;
         local.extend(sum.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?);
     }
     let gathered = group
@@ -196,8 +205,16 @@ fn evaluate_set(
             embedding: e,
         });
     }
+    group.all_reduce(&mut norms, tandem_comm::ReduceOp::Sum).map_err(|source| {
+        VerificationError::Comm {
+            path: path(),
+            what: "summing the embedding norms".into(),
+            source: Box::new(source),
+        }
+    })?;
+    let xnorm = norms[0] / norms[1].max(1.0);
     let embeddings: Vec<Vec<f32>> = values.chunks_exact(e).map(<[f32]>::to_vec).collect();
     let (accuracy, std) = verification_accuracy(&embeddings, &val.set.issame, FOLDS)
         .map_err(|why| VerificationError::Accuracy { path: path(), why })?;
-    Ok(ValResult { name: val.name.clone(), accuracy, std })
+    Ok(ValResult { name: val.name.clone(), accuracy, std, xnorm })
 }

@@ -179,6 +179,7 @@ pub fn to_flags(
             "num_classes" => set("num-classes", value.as_uint(&bad)?),
             "seed" => set("seed", value.as_uint(&bad)?),
             "num_workers" => set("num-workers", value.as_uint(&bad)?),
+            "frequent" => set("log-every", value.as_uint(&bad)?),
             "resume" => {
                 set("resume", value.as_bool().ok_or_else(|| bad("expected a bool"))?.into())
             }
@@ -219,9 +220,9 @@ pub fn to_flags(
                      metrics.jsonl and, with --tensorboard, TensorBoard events)"))
             }
             // Read and checked where they matter: the image count is the .rec's, every state
-            // is always saved, logging cadence and W&B settings are not training options.
-            "val_targets" | "num_image" | "save_all_states" | "frequent" | "using_wandb"
-            | "save_artifacts" | "wandb_resume" => {}
+            // is always saved, W&B settings are not training options.
+            "val_targets" | "num_image" | "save_all_states" | "using_wandb" | "save_artifacts"
+            | "wandb_resume" => {}
             k if WANDB_KEYS.contains(&k) => {}
             _ => {
                 return Err(bad(

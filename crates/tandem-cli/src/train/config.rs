@@ -272,6 +272,12 @@ pub struct TrainConfig {
     #[arg(long = "mirror-every", default_value_t = 10, value_name = "N")]
     #[serde(default = "default_mirror_every")]
     pub mirror_every: u64,
+    /// A line in RUN/training.log every N steps, arcface_torch's log (its `frequent`): speed,
+    /// loss average, lr, epoch, global step, f16 grad scale, hours left; and the verification
+    /// sets' XNorm, Accuracy-Flip and Accuracy-Highest lines. 0: no training.log.
+    #[arg(long = "log-every", default_value_t = 10, value_name = "N")]
+    #[serde(default = "default_log_every")]
+    pub log_every: u64,
     /// Settings from a TOML file whose keys are these flags' names (`batch-size = 128`), or
     /// arcface_torch's Python config (`configs/ms1mv3_r50.py`: its `config.key = value` lines
     /// over base.py's defaults, read as data); a flag given on the command line wins.
@@ -296,6 +302,9 @@ fn default_sample_rate() -> f64 {
     1.0
 }
 fn default_mirror_every() -> u64 {
+    10
+}
+fn default_log_every() -> u64 {
     10
 }
 fn default_verbose() -> u64 {
@@ -355,6 +364,7 @@ impl TrainConfig {
                 progress: true,
                 record: self.to_toml()?,
                 timing_warmup_steps: self.timing_warmup_steps,
+                log_every: self.log_every,
             },
             checkpoint: CheckpointOptions {
                 save_every: self.save_every,
@@ -603,6 +613,7 @@ impl TrainConfig {
             push("--num-workers", n.to_string());
         }
         push("--timing-warmup-steps", self.timing_warmup_steps.to_string());
+        push("--log-every", self.log_every.to_string());
         if self.no_shuffle {
             a.push("--no-shuffle".into());
         }
