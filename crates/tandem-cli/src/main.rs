@@ -25,9 +25,14 @@ enum Command {
     Sampler(cmd::sampler::Args),
     /// Inspect, convert, diff and load-check checkpoints (.pt / .safetensors).
     Ckpt(cmd::ckpt::Args),
-    /// Dataset tools: `synth-faces` writes a synthetic face identity set (RecordIO + pairs.bin).
+    /// Dataset tools: `synth-faces` writes a synthetic face identity set (RecordIO + pairs.bin),
+    /// `pack` packs a folder of identities into RecordIO.
     Data(cmd::data::Args),
-    /// Write a built-in model's weights (mlp, cnn, resnet18, iresnet18 .. iresnet200 or r18 .. r200, mbf, mbf_large) as an ONNX model.
+    /// A face backbone's embeddings of images, folders or a RecordIO set, as a .npy
+    /// (arcface_torch's inference.py).
+    Embed(cmd::embed::Args),
+    /// Write a built-in model's weights (mlp, cnn, resnet18, iresnet18 .. iresnet200 or
+    /// r18 .. r200, mbf, mbf_large) as an ONNX model.
     Export(cmd::export::Args),
     /// Benchmarks that print ratios against a reference measured in the same run (runs the
     /// `tandem-bench` program beside this one).
@@ -67,6 +72,7 @@ fn main() {
         Command::Ckpt(a) => cmd::ckpt::main(a),
         Command::Data(a) => cmd::data::main(a),
         Command::Export(a) => cmd::export::main(a),
+        Command::Embed(a) => cmd::embed::main(a),
         Command::Bench(a) => cmd::bench::main(a),
         Command::Check(a) => cmd::check::main(a),
     };

@@ -39,6 +39,7 @@ fn main() -> ExitCode {
         two_ranks_equal_pytorch_ddp_partial_fc_within_float_noise,
         arcface_files_load_into_pytorch_sgd,
         verification_equals_pytorch_on_the_saved_model,
+        embed_equals_pytorch_inference,
     ];
     tests.extend(torch.into_iter().map(|t| t.skip_if(why.clone())));
     harness::main(tests)
@@ -990,4 +991,67 @@ fn verification_equals_pytorch_on_the_saved_model() {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no accuracy= in {report}"));
     assert!((ours - theirs).abs() <= 0.005 + 1e-9, "tandem {ours}, PyTorch {theirs}");
+}
+
+/// `tandem embed` (arcface_torch's inference.py for many images): the embeddings of a folder of
+/// images equal PyTorch's eval-mode IResNet on the same weights; a rec gives one row per image
+/// and the row names say where each came from.
+fn embed_equals_pytorch_inference() {
+    use tandem_data::recordio::{IndexedRecordReader, IrHeader};
+    let dir = tempfile::tempdir().unwrap();
+    let data = faces(dir.path(), 16, 8, "png");
+    let weights = dir.path().join("model.pt");
+    let r = p(&dir.path().join("r")).to_string();
+    train(
+        &data,
+        &["--nproc-per-node", "2", "--steps", "2", "--out", &r, "--save-final", p(&weights)],
+    );
+    let images = dir.path().join("images");
+    std::fs::create_dir_all(images.join("sub")).unwrap();
+    let reader =
+        IndexedRecordReader::open(&data.join("train.idx"), &data.join("train.rec")).unwrap();
+    let mut paths = Vec::new();
+    for (i, key) in [3u64, 40, 77, 120].into_iter().enumerate() {
+        let record = reader.read(key).unwrap();
+        let (_, png) = IrHeader::unpack(&record).unwrap();
+        let path = if i == 3 { images.join("sub/z.png") } else { images.join(format!("{i}.png")) };
+        std::fs::write(&path, png).unwrap();
+        paths.push(path);
+    }
+    std::fs::write(images.join("notes.txt"), "skipped").unwrap();
+    let npy = dir.path().join("emb.npy");
+    let out = run(&["embed", p(&weights), p(&images), "--model", "r18", "--out", p(&npy)]);
+    assert!(out.contains("4 embeddings of 32"), "{out}");
+    let names = std::fs::read_to_string(dir.path().join("emb.txt")).unwrap();
+    assert_eq!(names.lines().count(), 4, "{names}");
+    assert!(names.lines().last().unwrap().ends_with("sub/z.png"), "{names}");
+    let python = torch_python().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/embed/embed_check.py");
+    let mut c = Command::new(python);
+    c.arg(&script).args([p(&weights), "18", "8", "32", p(&npy)]);
+    c.args(paths.iter().map(|x| p(x)));
+    let out = output_with_deadline(&mut c, LIMIT);
+    assert!(out.status.success(), "{}", text(&out));
+    let line = String::from_utf8_lossy(&out.stdout);
+    let report: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    let (diff, scale) =
+        (report["max_abs_diff"].as_f64().unwrap(), report["max_abs"].as_f64().unwrap());
+    assert!(diff <= 1e-4 * (1.0 + scale), "tandem embed vs PyTorch: {report}");
+    // A whole rec: one row per image, named by index.
+    let npy_rec = dir.path().join("rec.npy");
+    let out = run(&[
+        "embed",
+        p(&weights),
+        &format!("rec:{}", data.display()),
+        "--model",
+        "iresnet18",
+        "-o",
+        p(&npy_rec),
+    ]);
+    assert!(out.contains("128 embeddings of 32"), "{out}");
+    let bytes = std::fs::read(&npy_rec).unwrap();
+    assert_eq!(&bytes[..8], b"\x93NUMPY\x01\x00");
+    assert_eq!((bytes.len() - 128 * 32 * 4) % 64, 0, "the data starts on a 64-byte boundary");
+    let e = fails(&["embed", p(&weights), p(&images), "--model", "mbf", "-o", p(&npy)]);
+    assert!(e.contains("features.layers.2.weight") || e.contains("mbf"), "{e}");
 }

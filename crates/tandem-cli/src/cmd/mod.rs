@@ -4,6 +4,7 @@ pub mod bench;
 pub mod check;
 pub mod ckpt;
 pub mod data;
+pub mod embed;
 pub mod export;
 pub mod run;
 pub mod sampler;

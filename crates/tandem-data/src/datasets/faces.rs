@@ -40,6 +40,32 @@ pub fn decode_face(bytes: &[u8], side: usize, flip: bool) -> Result<Vec<f32>, St
     Ok(out)
 }
 
+/// [`decode_face`] for an image of any size: resized to `side` x `side` first (bilinear), as
+/// arcface_torch's `inference.py` does before its forward pass.
+pub fn decode_face_resized(bytes: &[u8], side: usize) -> Result<Vec<f32>, String> {
+    let img =
+        image::load_from_memory(bytes).map_err(|e| format!("cannot decode the image: {e}"))?;
+    let rgb = img.to_rgb8();
+    let rgb = if rgb.dimensions() == (side as u32, side as u32) {
+        rgb
+    } else {
+        image::imageops::resize(
+            &rgb,
+            side as u32,
+            side as u32,
+            image::imageops::FilterType::Triangle,
+        )
+    };
+    let plane = side * side;
+    let mut out = vec![0f32; 3 * plane];
+    for (x, y, px) in rgb.enumerate_pixels() {
+        for c in 0..3 {
+            out[c * plane + y as usize * side + x as usize] = (px[c] as f32 / 255.0 - 0.5) / 0.5;
+        }
+    }
+    Ok(out)
+}
+
 /// `[3, side, side]` values mirrored left-right.
 fn mirror(image: &[f32], side: usize) -> Vec<f32> {
     image.chunks_exact(side).flat_map(|row| row.iter().rev().copied()).collect()

@@ -1,0 +1,207 @@
+//! `tandem embed WEIGHTS INPUT... --model NAME --out OUT.npy`: arcface_torch's `inference.py`
+//! for many images at once: a face backbone's embeddings (eval mode) of image files, of
+//! folders of them (walked in sorted order) or of every image of a RecordIO set (`rec:DIR`),
+//! written as a float32 `.npy` of shape `[N, E]` (numpy's format, version 1.0) and
+//! `OUT.txt`, one line per row naming its source. Images that are not 112x112 are resized
+//! first, as inference.py does (bilinear; its OpenCV rounds a little differently).
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Tensor};
+use tandem_data::datasets::faces::{decode_face_resized, FaceRecDataset, FACE_SIDE};
+use tandem_data::Dataset;
+use tandem_models::{FaceBackbone, ModelKind};
+use tandem_nn::{OrderedVarMap, ParamModule};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The backbone's weights: a state dict (arcface_torch's model.pt, `--save-final`), a
+    /// training checkpoint or a checkpoint directory (`RUN/checkpoints/step-N`).
+    weights: PathBuf,
+    /// Image files, folders of images, or rec:DIR (every image of DIR/train.rec).
+    #[arg(required = true)]
+    inputs: Vec<String>,
+    /// The backbone (r18 .. r200, iresnet18 .. iresnet200, mbf, mbf_large); sizes are read
+    /// from the weights.
+    #[arg(long, value_parser = crate::train::config::choice::<ModelKind>())]
+    model: ModelKind,
+    /// The `.npy` file to write (`OUT.txt` beside it names each row's image).
+    #[arg(long, short)]
+    out: PathBuf,
+    /// Images per forward pass.
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+}
+
+/// Where one row's image comes from.
+enum Source {
+    File(PathBuf),
+    Rec { dataset: std::sync::Arc<FaceRecDataset>, dir: String, index: usize },
+}
+
+impl Source {
+    fn name(&self) -> String {
+        match self {
+            Source::File(p) => p.display().to_string(),
+            Source::Rec { dir, index, .. } => format!("rec:{dir}#{index}"),
+        }
+    }
+
+    fn pixels(&self) -> anyhow::Result<Vec<f32>> {
+        match self {
+            Source::File(p) => {
+                let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
+                decode_face_resized(&bytes, FACE_SIDE)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))
+            }
+            Source::Rec { dataset, index, .. } => Ok(dataset.get(*index)?.features),
+        }
+    }
+}
+
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    if !args.model.is_face() {
+        bail!("--model {}: embeddings come from a face backbone (r50, mbf, ...)", args.model);
+    }
+    if args.batch_size == 0 {
+        bail!("--batch-size must be at least 1");
+    }
+    let sources = list_sources(&args.inputs)?;
+    if sources.is_empty() {
+        bail!("no images in {}", args.inputs.join(" "));
+    }
+    let model = load_backbone(args.model, &args.weights)?;
+    let mut rows: Vec<f32> = Vec::new();
+    let mut width = 0;
+    for chunk in sources.chunks(args.batch_size) {
+        let mut x = Vec::with_capacity(chunk.len() * 3 * FACE_SIDE * FACE_SIDE);
+        for s in chunk {
+            x.extend(s.pixels()?);
+        }
+        let x = Tensor::from_vec(x, (chunk.len(), 3, FACE_SIDE, FACE_SIDE), &Device::Cpu)?;
+        let e = model.forward_t(&x, false)?.to_dtype(DType::F32)?;
+        width = e.dim(1)?;
+        rows.extend(e.flatten_all()?.to_vec1::<f32>()?);
+    }
+    write_npy(&args.out, &rows, (sources.len(), width))?;
+    let names: String = sources.iter().map(|s| s.name() + "\n").collect();
+    let list = args.out.with_extension("txt");
+    std::fs::write(&list, names).with_context(|| format!("writing {}", list.display()))?;
+    println!(
+        "wrote {}: {} embeddings of {width} ({}), sources in {}",
+        args.out.display(),
+        sources.len(),
+        args.model,
+        list.display()
+    );
+    Ok(0)
+}
+
+/// Every input as rows: a file, a folder's JPEG/PNG files (sorted, at any depth), or a rec.
+fn list_sources(inputs: &[String]) -> anyhow::Result<Vec<Source>> {
+    let mut out = Vec::new();
+    for input in inputs {
+        if let Some(dir) = input.strip_prefix("rec:") {
+            let dataset = std::sync::Arc::new(
+                FaceRecDataset::open(Path::new(dir)).with_context(|| input.clone())?,
+            );
+            for index in 0..dataset.len() {
+                out.push(Source::Rec { dataset: dataset.clone(), dir: dir.to_string(), index });
+            }
+            continue;
+        }
+        let path = PathBuf::from(input);
+        if path.is_dir() {
+            let mut files = Vec::new();
+            walk(&path, &mut files).with_context(|| format!("listing {}", path.display()))?;
+            files.sort();
+            out.extend(files.into_iter().map(Source::File));
+        } else if path.is_file() {
+            out.push(Source::File(path));
+        } else {
+            bail!("{input}: no such file or folder (images, folders of them, or rec:DIR)");
+        }
+    }
+    Ok(out)
+}
+
+fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            walk(&path, out)?;
+        } else if path
+            .extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| ["jpg", "jpeg", "png"].contains(&e.to_ascii_lowercase().as_str()))
+        {
+            out.push(path);
+        }
+    }
+    Ok(())
+}
+
+/// The backbone `kind` with the weights at `path`, its sizes read from them.
+fn load_backbone(kind: ModelKind, path: &Path) -> anyhow::Result<FaceBackbone> {
+    let shown = path.display();
+    let value = if path.is_dir() {
+        super::ckpt::read(path)?
+    } else {
+        tandem_ckpt::load(path).with_context(|| format!("reading {shown}"))?
+    };
+    // A face checkpoint holds the network under `backbone`.
+    let value = value.get("backbone").cloned().unwrap_or(value);
+    let found = tandem_ckpt::keys::find_state_dicts(&value);
+    let Some((_, tensors)) = found.first() else {
+        bail!("{shown}: no state dict (a dict of tensors, bare or under model/state_dict/module)")
+    };
+    let dim = |suffix: &str| {
+        tensors
+            .iter()
+            .find(|(k, _)| k.ends_with(suffix))
+            .and_then(|(_, t)| t.shape.first())
+            .copied()
+    };
+    let width = match kind.iresnet_depth() {
+        Some(_) => dim("conv1.weight")
+            .with_context(|| format!("{shown}: no conv1.weight (an IResNet's stem)"))?,
+        None => 64,
+    };
+    let embedding = dim("fc.weight")
+        .filter(|_| kind.iresnet_depth().is_some())
+        .or_else(|| dim("features.layers.2.weight"))
+        .with_context(|| {
+            format!(
+                "{shown}: no embedding layer of a {kind} (fc.weight or features.layers.2.weight)"
+            )
+        })?;
+    let vars = OrderedVarMap::new();
+    let model =
+        FaceBackbone::new(kind, width, embedding, 0.0, vars.var_builder(DType::F32, &Device::Cpu))?;
+    let named = vars.named_vars().freeze(FaceBackbone::frozen(kind))?;
+    named.load_state_dict(&value).with_context(|| {
+        format!("{shown}: the weights of a {kind} (width {width}, {embedding}-d)")
+    })?;
+    Ok(model)
+}
+
+/// numpy's `.npy` (format 1.0): magic, header length, a dict padded so the data starts on a
+/// 64-byte boundary, then little-endian f32 in C order; written atomically.
+fn write_npy(path: &Path, data: &[f32], (rows, cols): (usize, usize)) -> anyhow::Result<()> {
+    let mut header =
+        format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
+    let unpadded = 6 + 2 + 2 + header.len() + 1;
+    header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
+    header.push('\n');
+    let mut bytes = Vec::with_capacity(10 + header.len() + data.len() * 4);
+    bytes.extend_from_slice(b"\x93NUMPY\x01\x00");
+    bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend(data.iter().flat_map(|v| v.to_le_bytes()));
+    tandem_ckpt::atomic::write_atomic(path, |f| {
+        use std::io::Write;
+        f.write_all(&bytes)
+    })
+    .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
