@@ -98,6 +98,13 @@ put("checkpoint_manifest", "state_two_ranks.json", json.dumps(state, indent=1).e
 with open(os.path.join(ROOT, "configs", "arcface_ms1mv3_r50.toml"), "rb") as f:
     put("train_config", "arcface_ms1mv3_r50.toml", f.read())
 put("train_config", "classifier.toml", b'model = "cnn"\nepochs = 2\nlr = 0.05\nbatch-size = 64\nlr-scheduler = "poly"\n')
+
+# arcface_torch's Python configs (`--config FILE.py`): a few of its own, and nesting and
+# arithmetic at the reader's edges.
+for name in ["base.py", "ms1mv3_r50.py", "glint360k_mbf.py", "wf42m_pfc03_40epoch_8gpu_vit_b.py"]:
+    with open(os.path.join(ROOT, "crates", "tandem-cli", "tests", "fixtures", "arcface_configs", name), "rb") as f:
+        put("arcface_config", name, f.read())
+put("arcface_config", "edge.py", b"config.a = ((((((1))))))\nconfig.b = config.a // 0\n")
 print("corpora:", sorted(os.listdir(CORPUS)))
 
 # PyTorch distributed checkpoint metadata (`.metadata`): what dcp.save writes for a replicated

@@ -8,6 +8,10 @@ use libfuzzer_sys::fuzz_target;
 #[allow(dead_code)]
 #[path = "../../crates/tandem-cli/src/train/config.rs"]
 mod config;
+// config.rs reads arcface_torch's Python configs through its sibling module.
+#[allow(dead_code)]
+#[path = "../../crates/tandem-cli/src/train/arcface_config.rs"]
+mod arcface_config;
 
 #[derive(Parser)]
 struct Train {

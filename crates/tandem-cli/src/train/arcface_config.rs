@@ -312,11 +312,16 @@ struct Expr<'a> {
     text: &'a str,
     pos: usize,
     known: &'a BTreeMap<String, PyValue>,
+    /// Nesting of brackets and unary minus so far (bounded: the reader recurses).
+    depth: usize,
 }
+
+/// Deeper nesting than any config writes is refused (the reader recurses per level).
+const MAX_DEPTH: usize = 32;
 
 impl<'a> Expr<'a> {
     fn new(text: &'a str, known: &'a BTreeMap<String, PyValue>) -> Self {
-        Expr { text, pos: 0, known }
+        Expr { text, pos: 0, known, depth: 0 }
     }
 
     fn parse(mut self) -> anyhow::Result<PyValue> {
@@ -376,9 +381,20 @@ impl<'a> Expr<'a> {
         }
     }
 
+    fn nest<T>(&mut self, f: impl FnOnce(&mut Self) -> anyhow::Result<T>) -> anyhow::Result<T> {
+        if self.depth >= MAX_DEPTH {
+            bail!("nested more than {MAX_DEPTH} deep");
+        }
+        self.depth += 1;
+        let out = f(self);
+        self.depth -= 1;
+        out
+    }
+
     fn unary(&mut self) -> anyhow::Result<PyValue> {
         if self.eat("-") {
-            return arith(&PyValue::Int(0), &self.unary()?, '-');
+            let v = self.nest(Self::unary)?;
+            return arith(&PyValue::Int(0), &v, '-');
         }
         self.atom()
     }
@@ -391,7 +407,7 @@ impl<'a> Expr<'a> {
             let mut items = Vec::new();
             let mut trailing_comma = false;
             while !self.eat(close) {
-                items.push(self.sum()?);
+                items.push(self.nest(Self::sum)?);
                 trailing_comma = self.eat(",");
                 if !trailing_comma && !self.eat(close) {
                     bail!("expected `,` or `{close}` at `{}`", self.rest());
@@ -463,7 +479,13 @@ fn arith(a: &PyValue, b: &PyValue, op: char) -> anyhow::Result<PyValue> {
             '+' => Int(x.checked_add(*y).context("overflow")?),
             '-' => Int(x.checked_sub(*y).context("overflow")?),
             '*' => Int(x.checked_mul(*y).context("overflow")?),
-            'f' if *y != 0 => Int(x.div_euclid(*y) - i64::from(y < &0 && x.rem_euclid(*y) != 0)),
+            'f' if *y != 0 => {
+                // Python's floor division: Euclid's quotient, one less for a negative divisor
+                // that leaves a remainder.
+                let (q, r) = (x.checked_div_euclid(*y), x.checked_rem_euclid(*y));
+                let (q, r) = q.zip(r).context("overflow")?;
+                Int(q - i64::from(*y < 0 && r != 0))
+            }
             '/' if *y != 0 => Float(*x as f64 / *y as f64),
             _ => bail!("division by zero"),
         },
@@ -636,6 +658,11 @@ mod tests {
             ("x = 3\n", 1),
             ("config.a = 1 if True else 2\n", 1),
             ("config.a = \"unterminated\n", 1),
+            ("config.a = 1\nconfig.b = ((((((((((((((((((((((((((((((((((1))))))))))))))))))))))))))))))))))\n", 2),
+            ("config.a = ----------------------------------------1\n", 1),
+            ("config.a = 9223372036854775807 * 2\n", 1),
+            ("config.a = 1 // 0\n", 1),
+            ("config.a = -9223372036854775807 - 1\nconfig.b = config.a // -1\n", 2),
             ("for i in range(3): config.a = i\n", 1),
         ] {
             let e = format!("{:#}", read(text).unwrap_err());

@@ -1,0 +1,2 @@
+config.a = ((((((1))))))
+config.b = config.a // 0
