@@ -70,136 +70,147 @@ impl Geometry {
         Shape::from((self.n, self.o, self.oh, self.ow))
     }
 
-    /// The output positions `o0..o1` whose tap `k` lands inside `0..len` of the input, for an
-    /// axis of `out` positions: input index `o·stride + k·dilation − padding`.
-    fn valid(&self, k: usize, len: usize, out: usize) -> (usize, usize) {
-        let (s, off) = (self.p.stride, k * self.p.dilation);
-        let pad = self.p.padding;
-        // first o with o·s + off >= pad
-        let lo = if off >= pad { 0 } else { (pad - off).div_ceil(s) };
-        // last o with o·s + off − pad < len
-        let hi = if off >= len + pad { 0 } else { (len + pad - off - 1) / s + 1 };
-        (lo.min(out), hi.min(out).max(lo.min(out)))
+    /// The padded plane's side lengths.
+    fn padded(&self) -> (usize, usize) {
+        (self.h + 2 * self.p.padding, self.w + 2 * self.p.padding)
     }
 }
 
-/// `y[b, co] = Σ_{ci, ky, kx} w[co, ci, ky, kx] · shift(x[b, group·cpg + ci])`.
+/// `src` (`h` x `w`) into the middle of `dst` (`h + 2p` x `w + 2p`, zero borders).
+fn pad_into(g: &Geometry, src: &[f32], dst: &mut [f32]) {
+    let (pad, pw) = (g.p.padding, g.padded().1);
+    for (y, row) in src.chunks_exact(g.w).enumerate() {
+        dst[(y + pad) * pw + pad..][..g.w].copy_from_slice(row);
+    }
+}
+
+/// `out[ox] += a * src[ox * s]` for every `ox` of `out` (`src` long enough).
+#[inline(always)]
+fn axpy_strided(out: &mut [f32], a: f32, src: &[f32], s: usize) {
+    if s == 1 {
+        out.iter_mut().zip(src).for_each(|(o, &v)| *o += a * v);
+    } else {
+        out.iter_mut().zip(src.iter().step_by(s)).for_each(|(o, &v)| *o += a * v);
+    }
+}
+
+/// `y[b, co] = Σ_{ci, ky, kx} w[co, ci, ky, kx] · shift(x[b, group·cpg + ci])`, over a zero-padded
+/// copy of each input plane so every tap covers whole output rows (no bounds in the loops).
 fn forward(g: &Geometry, x: &[f32], k: &[f32]) -> Vec<f32> {
     let (plane, out_plane) = (g.h * g.w, g.oh * g.ow);
+    let (ph, pw) = g.padded();
     let mut y = vec![0f32; g.n * g.o * out_plane];
-    let (s, d, pad) = (g.p.stride, g.p.dilation, g.p.padding);
-    y.par_chunks_mut(out_plane).enumerate().for_each(|(idx, yp)| {
-        let (b, co) = (idx / g.o, idx % g.o);
-        let group = co / g.opg;
-        for ci in 0..g.cpg {
-            let xp = &x[(b * g.c + group * g.cpg + ci) * plane..][..plane];
-            for ky in 0..g.kh {
-                let (oy0, oy1) = g.valid(ky, g.h, g.oh);
-                for kx in 0..g.kw {
-                    let wv = k[((co * g.cpg + ci) * g.kh + ky) * g.kw + kx];
-                    let (ox0, ox1) = g.valid(kx, g.w, g.ow);
-                    for oy in oy0..oy1 {
-                        let row = &xp[(oy * s + ky * d - pad) * g.w..][..g.w];
-                        let yr = &mut yp[oy * g.ow..][..g.ow];
-                        if s == 1 {
-                            let start = ox0 + kx * d - pad;
-                            yr[ox0..ox1]
-                                .iter_mut()
-                                .zip(&row[start..start + (ox1 - ox0)])
-                                .for_each(|(y, &v)| *y += wv * v);
-                        } else {
-                            for ox in ox0..ox1 {
-                                yr[ox] += wv * row[ox * s + kx * d - pad];
-                            }
+    let (s, d) = (g.p.stride, g.p.dilation);
+    y.par_chunks_mut(out_plane).enumerate().for_each_init(
+        || vec![0f32; ph * pw],
+        |xp, (idx, yp)| {
+            let (b, co) = (idx / g.o, idx % g.o);
+            let group = co / g.opg;
+            for ci in 0..g.cpg {
+                pad_into(g, &x[(b * g.c + group * g.cpg + ci) * plane..][..plane], xp);
+                for ky in 0..g.kh {
+                    for kx in 0..g.kw {
+                        let wv = k[((co * g.cpg + ci) * g.kh + ky) * g.kw + kx];
+                        for (oy, yr) in yp.chunks_exact_mut(g.ow).enumerate() {
+                            let row = &xp[(oy * s + ky * d) * pw + kx * d..];
+                            axpy_strided(yr, wv, row, s);
                         }
                     }
                 }
             }
-        }
-    });
+        },
+    );
     y
 }
 
-/// `gx[b, c] = Σ_{co in c's group, ky, kx} w[co, ci, ky, kx] · unshift(gy[b, co])`.
+/// `gx[b, c] = Σ_{co in c's group, ky, kx} w[co, ci, ky, kx] · unshift(gy[b, co])`, scattered into a
+/// zero-padded plane whose middle is the gradient.
 fn input_grad(g: &Geometry, k: &[f32], gy: &[f32]) -> Vec<f32> {
     let (plane, out_plane) = (g.h * g.w, g.oh * g.ow);
+    let (ph, pw) = g.padded();
+    let pad = g.p.padding;
     let mut gx = vec![0f32; g.n * g.c * plane];
-    let (s, d, pad) = (g.p.stride, g.p.dilation, g.p.padding);
-    gx.par_chunks_mut(plane).enumerate().for_each(|(idx, gxp)| {
-        let (b, c) = (idx / g.c, idx % g.c);
-        let (group, ci) = (c / g.cpg, c % g.cpg);
-        for co in group * g.opg..(group + 1) * g.opg {
-            let gyp = &gy[(b * g.o + co) * out_plane..][..out_plane];
-            for ky in 0..g.kh {
-                let (oy0, oy1) = g.valid(ky, g.h, g.oh);
-                for kx in 0..g.kw {
-                    let wv = k[((co * g.cpg + ci) * g.kh + ky) * g.kw + kx];
-                    let (ox0, ox1) = g.valid(kx, g.w, g.ow);
-                    for oy in oy0..oy1 {
-                        let gr = &mut gxp[(oy * s + ky * d - pad) * g.w..][..g.w];
-                        let gyr = &gyp[oy * g.ow..][..g.ow];
-                        if s == 1 {
-                            let start = ox0 + kx * d - pad;
-                            gr[start..start + (ox1 - ox0)]
-                                .iter_mut()
-                                .zip(&gyr[ox0..ox1])
-                                .for_each(|(gx, &v)| *gx += wv * v);
-                        } else {
-                            for ox in ox0..ox1 {
-                                gr[ox * s + kx * d - pad] += wv * gyr[ox];
+    let (s, d) = (g.p.stride, g.p.dilation);
+    gx.par_chunks_mut(plane).enumerate().for_each_init(
+        || vec![0f32; ph * pw],
+        |gp, (idx, gxp)| {
+            gp.fill(0.0);
+            let (b, c) = (idx / g.c, idx % g.c);
+            let (group, ci) = (c / g.cpg, c % g.cpg);
+            for co in group * g.opg..(group + 1) * g.opg {
+                let gyp = &gy[(b * g.o + co) * out_plane..][..out_plane];
+                for ky in 0..g.kh {
+                    for kx in 0..g.kw {
+                        let wv = k[((co * g.cpg + ci) * g.kh + ky) * g.kw + kx];
+                        for (oy, gyr) in gyp.chunks_exact(g.ow).enumerate() {
+                            let at = (oy * s + ky * d) * pw + kx * d;
+                            if s == 1 {
+                                gp[at..at + g.ow]
+                                    .iter_mut()
+                                    .zip(gyr)
+                                    .for_each(|(o, &v)| *o += wv * v);
+                            } else {
+                                for (ox, &v) in gyr.iter().enumerate() {
+                                    gp[at + ox * s] += wv * v;
+                                }
                             }
                         }
                     }
                 }
             }
-        }
-    });
+            for (y, row) in gxp.chunks_exact_mut(g.w).enumerate() {
+                row.copy_from_slice(&gp[(y + pad) * pw + pad..][..g.w]);
+            }
+        },
+    );
     gx
 }
 
-/// `gw[co, ci, ky, kx] = Σ_{b, oy, ox} gy[b, co, oy, ox] · x[b, group·cpg + ci, shifted]`,
-/// each output row's products summed in f32 and the rows and batch in f64 (one task per output
-/// channel).
+/// `gw[co, ci, ky, kx] = Σ_{b, oy, ox} gy[b, co, oy, ox] · x[b, group·cpg + ci, shifted]`: per
+/// image, each tap's products accumulate in f32 lanes along the output row (so the loop
+/// vectorises), then each lane's sum joins the tap's f64 total, image after image, in a fixed
+/// order (one task per output channel).
 fn weight_grad(g: &Geometry, x: &[f32], gy: &[f32]) -> Vec<f32> {
     let (plane, out_plane) = (g.h * g.w, g.oh * g.ow);
+    let (ph, pw) = g.padded();
     let taps = g.cpg * g.kh * g.kw;
     let mut gw = vec![0f32; g.o * taps];
-    let (s, d, pad) = (g.p.stride, g.p.dilation, g.p.padding);
-    gw.par_chunks_mut(taps).enumerate().for_each(|(co, gwc)| {
-        let group = co / g.opg;
-        let mut acc = vec![0f64; taps];
-        for b in 0..g.n {
-            let gyp = &gy[(b * g.o + co) * out_plane..][..out_plane];
-            for ci in 0..g.cpg {
-                let xp = &x[(b * g.c + group * g.cpg + ci) * plane..][..plane];
-                for ky in 0..g.kh {
-                    let (oy0, oy1) = g.valid(ky, g.h, g.oh);
-                    for kx in 0..g.kw {
-                        let (ox0, ox1) = g.valid(kx, g.w, g.ow);
-                        // Each row's products in f32, the rows in f64.
-                        let mut sum = 0f64;
-                        for oy in oy0..oy1 {
-                            let row = &xp[(oy * s + ky * d - pad) * g.w..][..g.w];
-                            let gyr = &gyp[oy * g.ow..][..g.ow];
-                            let line: f32 = if s == 1 {
-                                let start = ox0 + kx * d - pad;
-                                gyr[ox0..ox1]
-                                    .iter()
-                                    .zip(&row[start..start + (ox1 - ox0)])
-                                    .map(|(&a, &v)| a * v)
-                                    .sum()
-                            } else {
-                                (ox0..ox1).map(|ox| gyr[ox] * row[ox * s + kx * d - pad]).sum()
-                            };
-                            sum += f64::from(line);
+    let (s, d) = (g.p.stride, g.p.dilation);
+    gw.par_chunks_mut(taps).enumerate().for_each_init(
+        || (vec![0f32; ph * pw], vec![0f32; g.ow]),
+        |(xp, lanes), (co, gwc)| {
+            let group = co / g.opg;
+            let mut acc = vec![0f64; taps];
+            for b in 0..g.n {
+                let gyp = &gy[(b * g.o + co) * out_plane..][..out_plane];
+                for ci in 0..g.cpg {
+                    pad_into(g, &x[(b * g.c + group * g.cpg + ci) * plane..][..plane], xp);
+                    for ky in 0..g.kh {
+                        for kx in 0..g.kw {
+                            lanes.fill(0.0);
+                            for (oy, gyr) in gyp.chunks_exact(g.ow).enumerate() {
+                                let row = &xp[(oy * s + ky * d) * pw + kx * d..];
+                                if s == 1 {
+                                    lanes
+                                        .iter_mut()
+                                        .zip(gyr.iter().zip(row))
+                                        .for_each(|(l, (&a, &v))| *l += a * v);
+                                } else {
+                                    lanes
+                                        .iter_mut()
+                                        .zip(gyr.iter().zip(row.iter().step_by(s)))
+                                        .for_each(|(l, (&a, &v))| *l += a * v);
+                                }
+                            }
+                            let sum: f64 = lanes.iter().map(|&l| f64::from(l)).sum();
+                            acc[(ci * g.kh + ky) * g.kw + kx] += sum;
                         }
-                        acc[(ci * g.kh + ky) * g.kw + kx] += sum;
                     }
                 }
             }
-        }
-        gwc.iter_mut().zip(&acc).for_each(|(w, &a)| *w = a as f32);
-    });
+            gwc.iter_mut().zip(&acc).for_each(|(w, &a)| *w = a as f32);
+        },
+    );
     gw
 }
 
