@@ -45,6 +45,8 @@ impl NcclComm {
         let f = self.shared.libs.reduce;
         let (sp, rp, n) = (send.ptr as *const c_void, recv.ptr as *mut c_void, send.len);
         let (t, o) = (nccl_dtype(send.dtype), nccl_op("reduce", op)?);
+        // SAFETY: the caller's contract covers both buffers; `root` was checked; `c` and `s` are
+        // this communicator's own handle and stream.
         self.enqueue("reduce", after, |c, s| unsafe { f(sp, rp, n, t, o, root as c_int, c, s) })
     }
 

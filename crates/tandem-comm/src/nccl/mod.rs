@@ -130,11 +130,14 @@ impl NcclComm {
         let mut comm: RawComm = std::ptr::null_mut();
         let mut cfg = library::Config::new();
         cfg.blocking = 0; // returns at once; we poll with a deadline and can abort
+                          // SAFETY: `comm` and `cfg` are live locals NCCL writes and reads during the call; `id`
+                          // is the unique id every rank received from the rendezvous.
         let rc = unsafe {
             (l.comm_init_rank_config)(&mut comm, rv.size as c_int, id, rv.rank as c_int, &mut cfg)
         };
         check_nccl(l, "ncclCommInitRankConfig", rc)?;
         if let Err(e) = settle(l, comm, init_deadline) {
+            // SAFETY: `comm` was made by the init call above and is not used after the abort.
             unsafe { (l.comm_abort)(comm) };
             return Err(CommError::Nccl {
                 op,
@@ -193,6 +196,8 @@ impl NcclComm {
         let f = self.shared.libs.all_reduce;
         let o = nccl_op("all_reduce", op)?;
         let (p, n, t) = (buf.ptr as *mut c_void, buf.len, nccl_dtype(buf.dtype));
+        // SAFETY: the caller's contract (above) covers `buf`; `c` and `s` are this
+        // communicator's own handle and stream.
         self.enqueue("all_reduce", after, |c, s| unsafe { f(p, p, n, t, o, c, s) })
     }
 
@@ -214,6 +219,7 @@ impl NcclComm {
         }
         let f = self.shared.libs.broadcast;
         let (p, n, t) = (buf.ptr as *mut c_void, buf.len, nccl_dtype(buf.dtype));
+        // SAFETY: as in `all_reduce`; `root` was checked against the group's size.
         self.enqueue("broadcast", after, |c, s| unsafe { f(p, p, n, t, root as c_int, c, s) })
     }
 
@@ -231,6 +237,7 @@ impl NcclComm {
         let f = self.shared.libs.all_gather;
         let (sp, rp, n, t) =
             (send.ptr as *const c_void, recv.ptr as *mut c_void, send.len, nccl_dtype(send.dtype));
+        // SAFETY: as in `all_reduce`; `check_pair` made `recv` size x `send` long.
         self.enqueue("all_gather", after, |c, s| unsafe { f(sp, rp, n, t, c, s) })
     }
 
@@ -250,6 +257,7 @@ impl NcclComm {
         let f = self.shared.libs.reduce_scatter;
         let (sp, rp, n) = (send.ptr as *const c_void, recv.ptr as *mut c_void, recv.len);
         let (t, o) = (nccl_dtype(send.dtype), nccl_op("reduce_scatter", op)?);
+        // SAFETY: as in `all_reduce`; `check_pair` made `send` size x `recv` long.
         self.enqueue("reduce_scatter", after, |c, s| unsafe { f(sp, rp, n, t, o, c, s) })
     }
 
@@ -303,6 +311,8 @@ impl NcclComm {
         let ready = match after {
             Some(producer) => {
                 let ready = watchdog::Event::record(l, producer.0)?;
+                // SAFETY: our stream and the event just recorded are live; the caller's
+                // stream outlives the call.
                 check_cuda(l, "cudaStreamWaitEvent", unsafe {
                     (l.stream_wait_event)(sh.stream.0, ready.raw(), 0)
                 })?;

@@ -368,6 +368,7 @@ impl NativeCollectives for MpiTransport {
             let input = piece.to_vec();
             let n = (piece.len() / elem) as c_int;
             let what = format!("MPI_Iallreduce of {} bytes", piece.len());
+            // SAFETY: see the impl's note: buffers outlive the request `call` completes.
             self.call(&what, timeout, |req| unsafe {
                 ffi::MPI_Iallreduce(
                     input.as_ptr() as *const c_void,
@@ -393,6 +394,7 @@ impl NativeCollectives for MpiTransport {
     ) -> Result<bool, PeerError> {
         let Some(ty) = datatype(dtype) else { return Ok(false) };
         let n = count(output.len() / dtype.size(), "MPI_Ireduce_scatter_block")?;
+        // SAFETY: see the impl's note: buffers outlive the request `call` completes.
         self.call("MPI_Ireduce_scatter_block", timeout, |req| unsafe {
             ffi::MPI_Ireduce_scatter_block(
                 input.as_ptr() as *const c_void,
@@ -415,6 +417,7 @@ impl NativeCollectives for MpiTransport {
     ) -> Result<(), PeerError> {
         for piece in buf.chunks_mut(MAX_COUNT) {
             let what = format!("MPI_Ibcast of {} bytes from rank {root}", piece.len());
+            // SAFETY: see the impl's note: buffers outlive the request `call` completes.
             self.call(&what, timeout, |req| unsafe {
                 let ptr = piece.as_mut_ptr() as *mut c_void;
                 ffi::MPI_Ibcast(
@@ -443,6 +446,7 @@ impl NativeCollectives for MpiTransport {
             displs.push(count(b.start, "MPI_Iallgatherv")?);
         }
         let own = buf[bounds[self.rank].clone()].to_vec();
+        // SAFETY: see the impl's note: buffers outlive the request `call` completes.
         self.call("MPI_Iallgatherv", timeout, |req| unsafe {
             ffi::MPI_Iallgatherv(
                 own.as_ptr() as *const c_void,
@@ -459,6 +463,7 @@ impl NativeCollectives for MpiTransport {
     }
 
     fn barrier(&mut self, timeout: Duration) -> Result<(), PeerError> {
+        // SAFETY: see the impl's note: buffers outlive the request `call` completes.
         self.call("MPI_Ibarrier", timeout, |req| unsafe { ffi::MPI_Ibarrier(self.raw(), req) })
     }
 
@@ -473,6 +478,7 @@ impl NativeCollectives for MpiTransport {
         // The receive buffer is used at the root only.
         let out = output.map_or(std::ptr::null_mut(), |o| o.as_mut_ptr() as *mut c_void);
         let inp = input.as_ptr() as *const c_void;
+        // SAFETY: see the impl's note: buffers outlive the request `call` completes.
         self.call(&format!("MPI_Igather to rank {root}"), timeout, |req| unsafe {
             ffi::MPI_Igather(
                 inp,
@@ -499,6 +505,7 @@ impl NativeCollectives for MpiTransport {
         // The send buffer is used at the root only.
         let inp = input.map_or(std::ptr::null(), |i| i.as_ptr() as *const c_void);
         let out = output.as_mut_ptr() as *mut c_void;
+        // SAFETY: see the impl's note: buffers outlive the request `call` completes.
         self.call(&format!("MPI_Iscatter from rank {root}"), timeout, |req| unsafe {
             ffi::MPI_Iscatter(
                 inp,
