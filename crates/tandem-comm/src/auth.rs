@@ -130,15 +130,19 @@ impl JobSecret {
     /// The job's secret from the environment: [`SECRET_VAR`] (hex, from a launcher), else the
     /// file [`SECRET_FILE_VAR`] names; `None` when neither is set.
     pub fn from_env() -> Result<Option<JobSecret>, AuthError> {
-        if let Some(hex) = std::env::var_os(SECRET_VAR) {
-            let hex = hex
-                .to_str()
-                .ok_or(AuthError::Var { var: SECRET_VAR, reason: "not UTF-8 hex".into() })?;
-            return JobSecret::from_hex(hex)
-                .map(Some)
-                .map_err(|e| AuthError::Var { var: SECRET_VAR, reason: e.to_string() });
+        JobSecret::from_vars(|var| std::env::var(var).ok())
+    }
+
+    /// [`JobSecret::from_env`] over any variable lookup (the one place the two variables are
+    /// read; `tandem_comm::init` passes its own view of the environment).
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<JobSecret>, AuthError> {
+        if let Some(hex) = var(SECRET_VAR) {
+            return JobSecret::from_hex(&hex).map(Some).map_err(|e| AuthError::Var {
+                var: SECRET_VAR,
+                reason: format!("{e} (a launcher sets it)"),
+            });
         }
-        match std::env::var_os(SECRET_FILE_VAR) {
+        match var(SECRET_FILE_VAR) {
             Some(path) if !path.is_empty() => JobSecret::read_file(Path::new(&path)).map(Some),
             _ => Ok(None),
         }
@@ -315,6 +319,24 @@ impl Write for Duplex {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The one reader of TANDEM_SECRET and TANDEM_SECRET_FILE: the launcher's hex first, then
+    /// the file, else none; a bad value names the variable.
+    #[test]
+    fn the_secret_comes_from_the_launcher_s_hex_else_the_file() {
+        let hex = secret(7).to_hex();
+        let from = |pairs: Vec<(&'static str, String)>| {
+            JobSecret::from_vars(|v| pairs.iter().find(|(k, _)| *k == v).map(|(_, x)| x.clone()))
+        };
+        let got = from(vec![(SECRET_VAR, hex.clone())]).unwrap().unwrap();
+        assert_eq!(got.to_hex(), hex);
+        assert!(from(vec![]).unwrap().is_none());
+        assert!(from(vec![(SECRET_FILE_VAR, String::new())]).unwrap().is_none());
+        let e = from(vec![(SECRET_VAR, "zz".into())]).unwrap_err().to_string();
+        assert!(e.contains(SECRET_VAR) && e.contains("a launcher sets it"), "{e}");
+        let e = from(vec![(SECRET_FILE_VAR, "/nonexistent/job.secret".into())]).unwrap_err();
+        assert!(e.to_string().contains("/nonexistent/job.secret"), "{e}");
+    }
 
     fn secret(b: u8) -> JobSecret {
         JobSecret::from_bytes(&[b; 32]).unwrap()

@@ -214,14 +214,7 @@ impl InitOptions {
         {
             o.run_id = id;
         }
-        use crate::auth::{JobSecret, SECRET_FILE_VAR, SECRET_VAR};
-        if let Some(hex) = e.var(SECRET_VAR) {
-            o.secret = Some(JobSecret::from_hex(&hex).map_err(|why| {
-                CommError::env(SECRET_VAR, "(not shown)", format!("{why} (a launcher sets it)"))
-            })?);
-        } else if let Some(path) = e.var(SECRET_FILE_VAR) {
-            o.secret = Some(JobSecret::read_file(std::path::Path::new(&path))?);
-        }
+        o.secret = crate::auth::JobSecret::from_vars(|var| e.var(var))?;
         o.debug = DebugLevel::from_vars(e)?;
         o.desync_check = o.debug == DebugLevel::Detail;
         for var in ["TANDEM_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"] {
