@@ -120,7 +120,8 @@ impl LaunchOutcome {
                 s.push_str(&format!("[launcher]     | {line}\n"));
             }
         }
-        for (_, other) in self.failures.iter().enumerate().filter(|(i, _)| *i != root_at) {
+        let others = self.failures.iter().enumerate().filter(|(i, _)| *i != root_at);
+        for other in others.map(|(_, f)| f) {
             let last = other.stderr_tail.last().map(|l| format!(": {l}")).unwrap_or_default();
             s.push_str(&format!(
                 "[launcher]   also failed: rank {} (local rank {}): {}{last}\n",

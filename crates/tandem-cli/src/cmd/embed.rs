@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use tandem_data::datasets::faces::{decode_face_resized, FaceRecDataset, FACE_SIDE};
+use tandem_data::datasets::image_folder::files_under;
 use tandem_data::Dataset;
 use tandem_models::{FaceBackbone, ModelKind};
 use tandem_nn::{OrderedVarMap, ParamModule};
@@ -112,8 +113,13 @@ fn list_sources(inputs: &[String]) -> anyhow::Result<Vec<Source>> {
         }
         let path = PathBuf::from(input);
         if path.is_dir() {
-            let mut files = Vec::new();
-            walk(&path, &mut files).with_context(|| format!("listing {}", path.display()))?;
+            let mut files: Vec<PathBuf> = files_under(&path)?
+                .into_iter()
+                .filter(|f| {
+                    let ext = f.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+                    ext.is_some_and(|e| ["jpg", "jpeg", "png"].contains(&e.as_str()))
+                })
+                .collect();
             files.sort();
             out.extend(files.into_iter().map(Source::File));
         } else if path.is_file() {
@@ -123,22 +129,6 @@ fn list_sources(inputs: &[String]) -> anyhow::Result<Vec<Source>> {
         }
     }
     Ok(out)
-}
-
-fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
-    for entry in std::fs::read_dir(dir)? {
-        let path = entry?.path();
-        if path.is_dir() {
-            walk(&path, out)?;
-        } else if path
-            .extension()
-            .and_then(|e| e.to_str())
-            .is_some_and(|e| ["jpg", "jpeg", "png"].contains(&e.to_ascii_lowercase().as_str()))
-        {
-            out.push(path);
-        }
-    }
-    Ok(())
 }
 
 /// The backbone `kind` with the weights at `path`, its sizes read from them.

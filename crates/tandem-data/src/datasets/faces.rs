@@ -19,16 +19,16 @@ fn malformed(path: &Path, reason: String) -> DataError {
     DataError::Malformed { path: path.to_path_buf(), reason }
 }
 
-/// Decodes an encoded image to normalised `[3, side, side]` floats, mirrored left-right when
-/// `flip`. The error says what is wrong; the caller names the file and record.
-pub fn decode_face(bytes: &[u8], side: usize, flip: bool) -> Result<Vec<f32>, String> {
+/// An encoded image as RGB.
+fn decode_rgb(bytes: &[u8]) -> Result<image::RgbImage, String> {
     let img =
         image::load_from_memory(bytes).map_err(|e| format!("cannot decode the image: {e}"))?;
-    let rgb = img.to_rgb8();
-    let (w, h) = rgb.dimensions();
-    if (w as usize, h as usize) != (side, side) {
-        return Err(format!("image is {w}x{h}, expected {side}x{side}"));
-    }
+    Ok(img.to_rgb8())
+}
+
+/// A `side` x `side` RGB image as arcface_torch normalises it, `(x / 255 - 0.5) / 0.5`,
+/// channel-major, mirrored left-right when `flip`.
+fn normalised(rgb: &image::RgbImage, side: usize, flip: bool) -> Vec<f32> {
     let mut out = vec![0f32; 3 * side * side];
     for (x, y, px) in rgb.enumerate_pixels() {
         let (x, y) = (x as usize, y as usize);
@@ -37,33 +37,31 @@ pub fn decode_face(bytes: &[u8], side: usize, flip: bool) -> Result<Vec<f32>, St
             out[c * side * side + y * side + col] = (px[c] as f32 / 255.0 - 0.5) / 0.5;
         }
     }
-    Ok(out)
+    out
+}
+
+/// Decodes an encoded image to normalised `[3, side, side]` floats, mirrored left-right when
+/// `flip`. The error says what is wrong; the caller names the file and record.
+pub fn decode_face(bytes: &[u8], side: usize, flip: bool) -> Result<Vec<f32>, String> {
+    let rgb = decode_rgb(bytes)?;
+    let (w, h) = rgb.dimensions();
+    if (w as usize, h as usize) != (side, side) {
+        return Err(format!("image is {w}x{h}, expected {side}x{side}"));
+    }
+    Ok(normalised(&rgb, side, flip))
 }
 
 /// [`decode_face`] for an image of any size: resized to `side` x `side` first (bilinear), as
 /// arcface_torch's `inference.py` does before its forward pass.
 pub fn decode_face_resized(bytes: &[u8], side: usize) -> Result<Vec<f32>, String> {
-    let img =
-        image::load_from_memory(bytes).map_err(|e| format!("cannot decode the image: {e}"))?;
-    let rgb = img.to_rgb8();
+    let rgb = decode_rgb(bytes)?;
     let rgb = if rgb.dimensions() == (side as u32, side as u32) {
         rgb
     } else {
-        image::imageops::resize(
-            &rgb,
-            side as u32,
-            side as u32,
-            image::imageops::FilterType::Triangle,
-        )
+        use image::imageops::{resize, FilterType};
+        resize(&rgb, side as u32, side as u32, FilterType::Triangle)
     };
-    let plane = side * side;
-    let mut out = vec![0f32; 3 * plane];
-    for (x, y, px) in rgb.enumerate_pixels() {
-        for c in 0..3 {
-            out[c * plane + y as usize * side + x as usize] = (px[c] as f32 / 255.0 - 0.5) / 0.5;
-        }
-    }
-    Ok(out)
+    Ok(normalised(&rgb, side, false))
 }
 
 /// `[3, side, side]` values mirrored left-right.

@@ -63,8 +63,7 @@ impl ImageFolder {
         let (mut samples, mut not_images) = (Vec::new(), Vec::new());
         for (label, class) in classes.iter().enumerate() {
             let dir = root.join(class);
-            let mut files = Vec::new();
-            walk(&dir, &mut files, 0)?;
+            let mut files = files_under(&dir)?;
             // torchvision: sorted(os.walk(...)) then sorted(fnames): by folder, then name.
             files.sort_by(|a, b| (a.parent(), a.file_name()).cmp(&(b.parent(), b.file_name())));
             let before = samples.len();
@@ -89,7 +88,14 @@ impl ImageFolder {
     }
 }
 
-/// Every file under `dir` (following symlinked folders, at most 32 deep).
+/// Every file under `dir`, following symlinked folders, at most 32 folders deep (so a symlink
+/// loop is an error, not a hang); in no particular order.
+pub fn files_under(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
+    let mut out = Vec::new();
+    walk(dir, &mut out, 0)?;
+    Ok(out)
+}
+
 fn walk(dir: &Path, out: &mut Vec<PathBuf>, depth: usize) -> Result<(), DataError> {
     if depth > 32 {
         return Err(malformed(dir, "folders nested more than 32 deep (a symlink loop?)".into()));

@@ -1,5 +1,6 @@
 //! Grouped convolution (`groups > 1`, depthwise included) on CPU f32 tensors as one custom op,
-//! forward and both gradients, by direct loops over each output plane.
+//! forward and both gradients, by direct loops over each output plane (on a zero-padded copy of
+//! each input plane, so every tap covers whole rows).
 //!
 //! Why: candle runs a grouped convolution as one convolution per group and a concatenation, so
 //! MobileFaceNet's depthwise layers (128–512 groups of one channel each) become hundreds of tiny
@@ -53,8 +54,8 @@ impl Geometry {
                  of weight {k:?}"
             )
         }
-        if p.stride == 0 || p.dilation == 0 {
-            candle_core::bail!("grouped conv2d: stride and dilation must be at least 1")
+        if p.stride == 0 || p.dilation == 0 || kh == 0 || kw == 0 {
+            candle_core::bail!("grouped conv2d: stride, dilation and kernel must be at least 1")
         }
         let out = |len: usize, k: usize| {
             let span = p.dilation * (k - 1) + 1;
