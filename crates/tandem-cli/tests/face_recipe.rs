@@ -676,6 +676,8 @@ fn mobilefacenet_trains_and_its_checkpoint_exports() {
     let lines: Vec<&str> = log.lines().map(|l| l.get(34..).unwrap_or("")).collect();
     assert!(log.lines().all(|l| l.starts_with("Training: 20")), "{log}");
     assert_eq!(lines[0], "rank_id: 0", "{log}");
+    // The loss average is the steps' own (a host loss, not an empty meter's 0).
+    assert!(!lines[1].contains("Loss 0.0000 "), "{log}");
     assert!(
         lines[1].starts_with("Speed ")
             && lines[1].contains("samples/sec   Loss ")

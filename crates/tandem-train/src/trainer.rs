@@ -57,6 +57,8 @@ struct LossQueue {
     sum: f64,
     samples: usize,
     pending: std::collections::VecDeque<(usize, candle_core::Tensor)>,
+    /// The newest step loss that reached the host since `settle` last returned one.
+    fresh: Option<f64>,
 }
 
 impl LossQueue {
@@ -66,6 +68,7 @@ impl LossQueue {
             None => {
                 self.sum += loss * samples as f64;
                 self.samples += samples;
+                self.fresh = Some(loss);
             }
         }
     }
@@ -75,17 +78,17 @@ impl LossQueue {
         self.sum / self.samples.max(1) as f64
     }
 
-    /// Reads the device losses until at most `keep` remain; returns the last one read.
+    /// Reads the device losses until at most `keep` remain; returns the newest step loss that
+    /// reached the host since the last call (a host loss pushed, or the last device one read).
     fn settle(&mut self, keep: usize) -> Result<Option<f64>> {
-        let mut last = None;
         while self.pending.len() > keep {
             let Some((samples, t)) = self.pending.pop_front() else { break };
             let v = t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
             self.sum += v * samples as f64;
             self.samples += samples;
-            last = Some(v);
+            self.fresh = Some(v);
         }
-        Ok(last)
+        Ok(self.fresh.take())
     }
 }
 
