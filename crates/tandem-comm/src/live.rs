@@ -307,7 +307,7 @@ impl LiveGroup {
     /// A replacement's way in: asks the running world to regroup and joins the generation it
     /// forms (with progress 0: the state comes from the running ranks). Returns it.
     pub fn join_running(&self) -> Result<Arc<Generation>, CommError> {
-        self.store.add("wanted", 1)?;
+        // (`form` asks for the regroup, once it knows which generation it waits for.)
         let gen = Arc::new(Self::form(&self.store, &self.opts, self.local_ip, None, 0)?);
         *self.current.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&gen));
         Ok(gen)
@@ -405,27 +405,25 @@ impl LiveGroup {
     ) -> Result<Generation, CommError> {
         let mut last_error = String::new();
         let mut floor = after.unwrap_or(0);
+        let mut left_out = false;
         for _ in 0..MAX_ATTEMPTS {
             let target = floor.max(committed(store)?) + 1;
+            let first = after.is_none() && !opts.replacement && target == 1;
             // A process that has not received the state reports no progress ("joiner").
             let ready = match committed_holder(store, opts)? {
                 true => progress.to_string(),
                 false => JOINER.to_string(),
             };
             store.set(&format!("g{target}/ready/{}", opts.member), ready.as_bytes())?;
-            let record = match agree(
-                store,
-                opts,
-                target,
-                after.is_none() && !opts.replacement && target == 1,
-            )? {
+            let newcomer = (after.is_none() && !first) || left_out;
+            let record = match agree(store, opts, target, first, newcomer)? {
                 Ok(record) => record,
                 Err(why) => return Err(live_error(why)),
             };
             floor = target;
             let Some(rank) = record.members.iter().position(|&m| m == opts.member) else {
-                // Committed without us (we arrived late): ask for the next one.
-                store.add("wanted", 1)?;
+                // Committed without us (we arrived late): the next one asks for us.
+                left_out = true;
                 last_error =
                     format!("generation {target} was committed without member {}", opts.member);
                 continue;
@@ -482,11 +480,17 @@ fn committed(store: &Store) -> Result<u64, CommError> {
 /// commits a world of its own while the members it is joining are busy with a step; they
 /// include it at their next boundary. A member of the previous generation that is alive but
 /// not ready within the arrival timeout (stalled) is left out.
+///
+/// A `newcomer` (a joiner, or a member committed out) asks the running world to regroup once
+/// it is ready for `target`, and again every arrival timeout while nothing is committed: a
+/// request that reached the store just before the running world committed `target - 1` was
+/// counted in that commit, and the world would never come back for it.
 fn agree(
     store: &Store,
     opts: &LiveOptions,
     target: u64,
     first: bool,
+    newcomer: bool,
 ) -> Result<Result<Record, String>, CommError> {
     let members_key = format!("g{target}/members");
     let previous: Vec<usize> = match target - 1 {
@@ -507,11 +511,16 @@ fn agree(
     // A joiner waits for the running world's next step boundary, however long its step is.
     let give_up = patience + opts.arrival_timeout + opts.init.init_timeout;
     let started = Instant::now();
+    let mut asked: Option<Instant> = None;
     loop {
         if let Some(v) = store.get_now(&members_key)? {
             let text = String::from_utf8_lossy(&v).to_string();
             return Record::decode(&text)
                 .map_err(|why| live_error(format!("generation {target}: {why}")));
+        }
+        if newcomer && asked.is_none_or(|t| t.elapsed() >= opts.arrival_timeout) {
+            store.add("wanted", 1)?;
+            asked = Some(Instant::now());
         }
         let missing_ready = store.missing(&as_strs(&ready_keys))?;
         let is = |missing: &[String], key: &str| !missing.iter().any(|k| k == key);

@@ -257,3 +257,35 @@ fn below_the_minimum_every_survivor_gets_the_same_error() {
         errors[0]
     );
 }
+
+#[test]
+fn a_newcomer_whose_request_a_commit_without_it_counted_asks_again() {
+    // CI once lost a replacement this way: its request reached the store just before the
+    // survivors committed a generation without it, was counted in that commit's `wanted`, and
+    // the running world never came back for it. Here the running world is member 0 alone,
+    // played by hand, whose generation 2 has already counted the newcomer's first request.
+    let (_s, addr) = server();
+    let running = Store::connect(&addr, RUN, None, Duration::from_secs(5), "test")
+        .unwrap()
+        .with_prefix("live");
+    running.set_owned("alive/0", b"holder pid 0 on test").unwrap();
+    running.add("wanted", 1).unwrap();
+    running.set("g2/members", b"members=0 source=0 progress=5 wanted=2").unwrap();
+    running.set("committed", b"2").unwrap();
+
+    let mut o = options(&addr, 1, 2);
+    o.replacement = true;
+    o.arrival_timeout = Duration::from_millis(300);
+    let joiner = std::thread::spawn(move || LiveGroup::join(o).map(|_| ()));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // Its first request (2) is the counted one; the running world sees only a later one.
+    while running.add("wanted", 0).unwrap() <= 2 {
+        assert!(Instant::now() < deadline, "the newcomer never asked again");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(running.get_now("g3/ready/1").unwrap().as_deref(), Some(&b"joiner"[..]));
+    // The running world goes away: the newcomer's wait ends with the reason, not a hang.
+    drop(running);
+    let e = joiner.join().unwrap().expect_err("nobody holds the state").to_string();
+    assert!(e.contains("every member of generation 2 ([0]) died"), "{e}");
+}
