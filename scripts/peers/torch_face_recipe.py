@@ -5,7 +5,7 @@ clip_grad_norm_(backbone, 5), PolyScheduler stepped every iteration, Distributed
 DataLoader(drop_last=True)), written here from its description over gloo on the CPU.
 
 usage:
-  (every mode: --network NAME picks arcface_torch's r18 .. r200, mbf or mbf_large over --depth)
+  (every mode: --network NAME picks arcface_torch's r18 .. r200, mbf, mbf_large or a vit_* over --depth)
   python reference.py init OUT.pt --classes C --width W --embedding E [--seed S] [--depth 18]
       [--no-head]
       Writes {"backbone": IResNet state dict, "partial_fc": {"weight": [C, E]}}: torch's
@@ -196,11 +196,132 @@ class MobileFaceNet(nn.Module):
         return self.features(self.conv_sep(x.float() if self.amp_dtype is not None else x))
 
 
+class VitMlp(nn.Module):
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.ReLU6()
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VitAttention(nn.Module):
+
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.num_heads = num_heads
+        self.scale = (dim // num_heads) ** -0.5
+        self.qkv = nn.Linear(dim, dim * 3, bias=False)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        qkv = self.qkv(x).reshape(b, t, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        attn = ((q @ k.transpose(-2, -1)) * self.scale).softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class DropPath(nn.Module):
+    """timm's DropPath: each sample's branch kept with probability 1 - p, scaled by 1 / (1 - p)."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if self.p == 0 or not self.training:
+            return x
+        keep = 1 - self.p
+        return x * x.new_empty((x.shape[0], 1, 1)).bernoulli_(keep).div_(keep)
+
+
+class VitBlock(nn.Module):
+
+    def __init__(self, dim, num_heads, drop_path=0.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.attn = VitAttention(dim, num_heads)
+        self.drop_path = DropPath(drop_path)
+        self.mlp = VitMlp(dim, dim * 4)
+
+    def forward(self, x):
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class VitPatchEmbed(nn.Module):
+
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Conv2d(3, dim, kernel_size=9, stride=9)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class VisionTransformer(nn.Module):
+    """arcface_torch's ViT (patch 9 on 112x112, 144 patches) at width `dim`; `noise`, when set,
+    stands in for torch.rand(N, L) in random_masking (the tests' fixtures)."""
+
+    def __init__(self, dim, depth, num_heads, num_classes, mask_ratio, drop_path_rate=0.0):
+        super().__init__()
+        self.patch_embed = VitPatchEmbed(dim)
+        self.num_patches, self.embed_dim, self.mask_ratio = 144, dim, mask_ratio
+        self.pos_embed = nn.Parameter(torch.zeros(1, 144, dim))
+        rates = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
+        self.blocks = nn.ModuleList([VitBlock(dim, num_heads, r) for r in rates])
+        self.norm = nn.LayerNorm(dim)
+        self.feature = nn.Sequential(
+            nn.Linear(dim * 144, dim, bias=False), nn.BatchNorm1d(dim, eps=2e-5),
+            nn.Linear(dim, num_classes, bias=False), nn.BatchNorm1d(num_classes, eps=2e-5))
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.noise = None
+
+    def random_masking(self, x, mask_ratio=0.1):
+        n, l, d = x.size()
+        len_keep = int(l * (1 - mask_ratio))
+        noise = torch.rand(n, l, device=x.device) if self.noise is None else self.noise.to(x.dtype)
+        ids_shuffle = torch.argsort(noise, dim=1)
+        ids_restore = torch.argsort(ids_shuffle, dim=1)
+        ids_keep = ids_shuffle[:, :len_keep]
+        x_masked = torch.gather(x, dim=1, index=ids_keep.unsqueeze(-1).repeat(1, 1, d))
+        return x_masked, None, ids_restore
+
+    def forward(self, x):
+        b = x.shape[0]
+        x = self.patch_embed(x) + self.pos_embed
+        if self.training and self.mask_ratio > 0:
+            x, _, ids_restore = self.random_masking(x)
+        for blk in self.blocks:
+            x = blk(x)
+        x = self.norm(x)
+        if self.training and self.mask_ratio > 0:
+            tokens = self.mask_token.repeat(x.shape[0], ids_restore.shape[1] - x.shape[1], 1)
+            x = torch.cat([x, tokens], dim=1)
+            x = torch.gather(x, dim=1, index=ids_restore.unsqueeze(-1).repeat(1, 1, x.shape[2]))
+        return self.feature(torch.reshape(x, (b, 144 * self.embed_dim)))
+
+
+# get_model(name)'s ViTs: (width, depth, drop_path_rate, mask_ratio); 8 heads each.
+VIT = {"vit_t": (256, 12, 0.1, 0.1), "vit_s": (512, 12, 0.1, 0.1), "vit_b": (512, 24, 0.1, 0.1),
+       "vit_l": (768, 24, 0.05, 0.05), "vit_l_dp005_mask_005": (768, 24, 0.05, 0.05),
+       "vit_t_dp005_mask0": (256, 12, 0.05, 0.0), "vit_s_dp005_mask_0": (512, 12, 0.05, 0.0),
+       "vit_b_dp005_mask_005": (512, 24, 0.05, 0.05), "vit_h": (1024, 48, 0.1, 0.0)}
+
+
 def make_backbone(args):
-    """--network (arcface_torch's r18 .. r200, mbf, mbf_large, or iresnetN) over --depth."""
+    """--network (arcface_torch's r18 .. r200, mbf, mbf_large, vit_*, or iresnetN) over --depth."""
     name = args.network or f"iresnet{args.depth}"
     if name in MBF:
         return MobileFaceNet(*MBF[name], args.embedding)
+    if name in VIT:
+        dim, depth, drop_path, mask = VIT[name]
+        return VisionTransformer(dim, depth, 8, args.embedding, mask, drop_path)
     depth = int(name.removeprefix("iresnet").removeprefix("r"))
     return IResNet(depth, args.width, args.embedding)
 
@@ -478,7 +599,7 @@ def main():
     p.add_argument("--classes", type=int)
     p.add_argument("--depth", type=int, default=18)
     p.add_argument("--network", default=None,
-                   help="arcface_torch's name (r18 .. r200, mbf, mbf_large) or iresnetN; overrides --depth")
+                   help="arcface_torch's name (r18 .. r200, mbf, mbf_large, vit_*) or iresnetN; overrides --depth")
     p.add_argument("--width", type=int, default=8)
     p.add_argument("--embedding", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)

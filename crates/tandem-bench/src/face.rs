@@ -14,8 +14,9 @@ pub struct Args {
     /// Ranks on this host (both sides).
     #[arg(long, default_value_t = 2)]
     nproc: usize,
-    /// The backbone: iresnet18 .. iresnet200, or arcface_torch's MobileFaceNet mbf or mbf_large.
-    #[arg(long, default_value = "iresnet18", value_parser = ["iresnet18", "iresnet34", "iresnet50", "iresnet100", "iresnet200", "mbf", "mbf_large"])]
+    /// The backbone: iresnet18 .. iresnet200, or arcface_torch's MobileFaceNet mbf or mbf_large,
+    /// or its ViT vit_t, vit_s, vit_b or vit_l.
+    #[arg(long, default_value = "iresnet18", value_parser = ["iresnet18", "iresnet34", "iresnet50", "iresnet100", "iresnet200", "mbf", "mbf_large", "vit_t", "vit_s", "vit_b", "vit_l"])]
     model: String,
     /// IResNet stage width (arcface_torch's is 64; MobileFaceNet's widths are fixed).
     #[arg(long, default_value_t = 16)]

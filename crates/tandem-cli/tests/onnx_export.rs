@@ -88,7 +88,7 @@ fn path(p: &Path) -> &str {
 
 fn pytorch_weights_exported_run_in_onnxruntime_like_pytorch() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&str, serde_json::Value, usize); 5] = [
+    let cases: [(&str, serde_json::Value, usize); 6] = [
         ("mlp", serde_json::json!(["batch", 20]), 6),
         ("cnn", serde_json::json!(["batch", 3, 12, 12]), 10),
         ("resnet18", serde_json::json!(["batch", 3, "height", "width"]), 62 + 20 * 2),
@@ -98,6 +98,9 @@ fn pytorch_weights_exported_run_in_onnxruntime_like_pytorch() {
         // arcface_torch's MobileFaceNet `mbf`: 49 convolutions, their BatchNorms (x4), 33
         // PReLUs, the GDC's Linear and BatchNorm1d (x4).
         ("mbf", serde_json::json!(["batch", 3, 112, 112]), 49 + 49 * 4 + 33 + 1 + 4),
+        // arcface_torch's `vit_t`: pos_embed, the patch conv's 2, 12 blocks of 11, the final
+        // norm's 2, the feature head's 2 Linears and 2 BatchNorm1d (x4); not the mask token.
+        ("vit_t", serde_json::json!(["batch", 3, 112, 112]), 1 + 2 + 12 * 11 + 2 + 2 + 8),
     ];
     for (model, input_shape, initializers) in cases {
         let weights = dir.path().join(format!("{model}.pt"));
@@ -110,7 +113,7 @@ fn pytorch_weights_exported_run_in_onnxruntime_like_pytorch() {
         let report = check(model, &weights, &onnx);
         assert_eq!(report["input_shape"], input_shape, "{model}: {report}");
         assert_eq!(report["opset"], 17, "{model}");
-        let face = model.starts_with("iresnet") || model == "mbf";
+        let face = model.starts_with("iresnet") || model == "mbf" || model == "vit_t";
         let output = if face { "embedding" } else { "logits" };
         assert_eq!(report["output"], output, "{model}: {report}");
         // Every weight and running statistic, named as in the state dict without `module.`.

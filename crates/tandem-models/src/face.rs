@@ -1,15 +1,17 @@
-//! [`FaceBackbone`]: the face-recognition backbone a [`ModelKind`] names (IResNet or
-//! MobileFaceNet), built, initialised and run through one type, so the face recipe, evaluation
+//! [`FaceBackbone`]: the face-recognition backbone a [`ModelKind`] names (IResNet,
+//! MobileFaceNet or ViT), built, initialised and run through one type, so the face recipe, evaluation
 //! and export need not know which.
 use candle_core::{Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder};
 use tandem_nn::{FastBatchNorm2d, HasBatchNorm};
 
-use crate::{IResNet, MobileFaceNet, ModelKind};
+use crate::{IResNet, MobileFaceNet, ModelKind, Vit};
 
 pub enum FaceBackbone {
     IResNet(IResNet),
     MobileFaceNet(MobileFaceNet),
+    /// Boxed: a ViT's blocks make it the largest by far.
+    Vit(Box<Vit>),
 }
 
 impl FaceBackbone {
@@ -30,6 +32,9 @@ impl FaceBackbone {
                 blocks, scale, embedding, vb,
             )?));
         }
+        if let Some(cfg) = kind.vit() {
+            return Ok(FaceBackbone::Vit(Box::new(Vit::new(cfg, embedding, vb)?)));
+        }
         candle_core::bail!("`{kind}` is not a face backbone")
     }
 
@@ -42,6 +47,8 @@ impl FaceBackbone {
     ) -> candle_core::Result<()> {
         if kind.mobilefacenet().is_some() {
             MobileFaceNet::reset_parameters(named, seed)
+        } else if kind.vit().is_some() {
+            Vit::reset_parameters(named, seed)
         } else {
             IResNet::reset_parameters(named, seed)
         }
@@ -56,11 +63,20 @@ impl FaceBackbone {
         }
     }
 
+    /// Seeds what a training forward draws (a ViT's patch masks and stochastic depth; the
+    /// convolutional backbones draw nothing, IResNet's dropout aside). Give each rank its own.
+    pub fn seed(&self, seed: u64) {
+        if let FaceBackbone::Vit(m) = self {
+            m.seed(seed);
+        }
+    }
+
     /// Embeddings `[N, E]` for `x: [N, 3, 112, 112]`.
     pub fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         match self {
             FaceBackbone::IResNet(m) => m.forward_t(x, train),
             FaceBackbone::MobileFaceNet(m) => m.forward_t(x, train),
+            FaceBackbone::Vit(m) => m.forward_t(x, train),
         }
     }
 
@@ -69,6 +85,7 @@ impl FaceBackbone {
         match self {
             FaceBackbone::IResNet(m) => m.embedding(),
             FaceBackbone::MobileFaceNet(m) => m.embedding(),
+            FaceBackbone::Vit(m) => m.embedding(),
         }
     }
 }
@@ -84,6 +101,7 @@ impl HasBatchNorm for FaceBackbone {
         match self {
             FaceBackbone::IResNet(m) => m.batch_norms(),
             FaceBackbone::MobileFaceNet(m) => m.batch_norms(),
+            FaceBackbone::Vit(m) => m.batch_norms(),
         }
     }
 }

@@ -6,6 +6,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::VitConfig;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ModelKind {
@@ -35,10 +37,28 @@ pub enum ModelKind {
     /// arcface_torch's `mbf_large` ([`crate::MobileFaceNet::MBF_LARGE`]).
     #[serde(rename = "mbf_large")]
     MbfLarge,
+    /// arcface_torch's Vision Transformers ([`crate::Vit`], [`VitConfig`]).
+    #[serde(rename = "vit_t")]
+    VitT,
+    #[serde(rename = "vit_s")]
+    VitS,
+    #[serde(rename = "vit_b")]
+    VitB,
+    #[serde(rename = "vit_l", alias = "vit_l_dp005_mask_005")]
+    VitL,
+    /// arcface_torch's WebFace42M variants: the same networks with other regularisation.
+    #[serde(rename = "vit_t_dp005_mask0")]
+    VitTDp005Mask0,
+    #[serde(rename = "vit_s_dp005_mask_0")]
+    VitSDp005Mask0,
+    #[serde(rename = "vit_b_dp005_mask_005")]
+    VitBDp005Mask005,
+    #[serde(rename = "vit_h")]
+    VitH,
 }
 
 impl ModelKind {
-    pub const ALL: [ModelKind; 10] = [
+    pub const ALL: [ModelKind; 18] = [
         ModelKind::Mlp,
         ModelKind::Cnn,
         ModelKind::ResNet18,
@@ -49,10 +69,18 @@ impl ModelKind {
         ModelKind::IResNet200,
         ModelKind::Mbf,
         ModelKind::MbfLarge,
+        ModelKind::VitT,
+        ModelKind::VitS,
+        ModelKind::VitB,
+        ModelKind::VitL,
+        ModelKind::VitTDp005Mask0,
+        ModelKind::VitSDp005Mask0,
+        ModelKind::VitBDp005Mask005,
+        ModelKind::VitH,
     ];
 
     /// Every architecture's name, in [`ModelKind::ALL`]'s order.
-    pub const NAMES: [&'static str; 10] = [
+    pub const NAMES: [&'static str; 18] = [
         "mlp",
         "cnn",
         "resnet18",
@@ -63,21 +91,30 @@ impl ModelKind {
         "iresnet200",
         "mbf",
         "mbf_large",
+        "vit_t",
+        "vit_s",
+        "vit_b",
+        "vit_l",
+        "vit_t_dp005_mask0",
+        "vit_s_dp005_mask_0",
+        "vit_b_dp005_mask_005",
+        "vit_h",
     ];
 
-    /// arcface_torch's own names for its IResNets (`get_model("r50")`), accepted wherever a
-    /// model is named: each is the IResNet of that depth (at arcface_torch's width 64, the
-    /// default `--width`).
-    pub const ARCFACE_ALIASES: [(&'static str, ModelKind); 5] = [
+    /// arcface_torch's other names for its networks (`get_model("r50")`), accepted wherever a
+    /// model is named: each `r*` is the IResNet of that depth (at arcface_torch's width 64, the
+    /// default `--width`); `vit_l_dp005_mask_005` is `vit_l`.
+    pub const ARCFACE_ALIASES: [(&'static str, ModelKind); 6] = [
         ("r18", ModelKind::IResNet18),
         ("r34", ModelKind::IResNet34),
         ("r50", ModelKind::IResNet50),
         ("r100", ModelKind::IResNet100),
         ("r200", ModelKind::IResNet200),
+        ("vit_l_dp005_mask_005", ModelKind::VitL),
     ];
 
     /// Every name that parses: [`ModelKind::NAMES`], then the arcface_torch aliases.
-    pub const PARSED_NAMES: [&'static str; 15] = [
+    pub const PARSED_NAMES: [&'static str; 24] = [
         "mlp",
         "cnn",
         "resnet18",
@@ -88,11 +125,20 @@ impl ModelKind {
         "iresnet200",
         "mbf",
         "mbf_large",
+        "vit_t",
+        "vit_s",
+        "vit_b",
+        "vit_l",
+        "vit_t_dp005_mask0",
+        "vit_s_dp005_mask_0",
+        "vit_b_dp005_mask_005",
+        "vit_h",
         "r18",
         "r34",
         "r50",
         "r100",
         "r200",
+        "vit_l_dp005_mask_005",
     ];
 
     /// The name the command line and file names use.
@@ -108,6 +154,14 @@ impl ModelKind {
             ModelKind::IResNet200 => "iresnet200",
             ModelKind::Mbf => "mbf",
             ModelKind::MbfLarge => "mbf_large",
+            ModelKind::VitT => "vit_t",
+            ModelKind::VitS => "vit_s",
+            ModelKind::VitB => "vit_b",
+            ModelKind::VitL => "vit_l",
+            ModelKind::VitTDp005Mask0 => "vit_t_dp005_mask0",
+            ModelKind::VitSDp005Mask0 => "vit_s_dp005_mask_0",
+            ModelKind::VitBDp005Mask005 => "vit_b_dp005_mask_005",
+            ModelKind::VitH => "vit_h",
         }
     }
 
@@ -132,10 +186,26 @@ impl ModelKind {
         }
     }
 
+    /// arcface_torch's ViT (`get_model(name)`'s arguments) for the `vit_*` names; `None` for the
+    /// others.
+    pub fn vit(self) -> Option<VitConfig> {
+        match self {
+            ModelKind::VitT => Some(VitConfig::VIT_T),
+            ModelKind::VitS => Some(VitConfig::VIT_S),
+            ModelKind::VitB => Some(VitConfig::VIT_B),
+            ModelKind::VitL => Some(VitConfig::VIT_L),
+            ModelKind::VitTDp005Mask0 => Some(VitConfig::new(256, 12, 0.05, 0.0)),
+            ModelKind::VitSDp005Mask0 => Some(VitConfig::new(512, 12, 0.05, 0.0)),
+            ModelKind::VitBDp005Mask005 => Some(VitConfig::new(512, 24, 0.05, 0.05)),
+            ModelKind::VitH => Some(VitConfig::new(1024, 48, 0.1, 0.0)),
+            _ => None,
+        }
+    }
+
     /// Whether this is a face-recognition backbone (embeddings, trained with PartialFC) rather
     /// than a classifier.
     pub fn is_face(self) -> bool {
-        self.iresnet_depth().is_some() || self.mobilefacenet().is_some()
+        self.iresnet_depth().is_some() || self.mobilefacenet().is_some() || self.vit().is_some()
     }
 }
 
@@ -149,7 +219,9 @@ impl fmt::Display for ModelKind {
 #[derive(Debug, thiserror::Error)]
 #[error(
     "unknown model `{0}` (known: mlp, cnn, resnet18, iresnet18, iresnet34, iresnet50, \
-     iresnet100, iresnet200, mbf, mbf_large, and arcface_torch's r18, r34, r50, r100, r200)"
+     iresnet100, iresnet200, mbf, mbf_large, vit_t, vit_s, vit_b, vit_l, vit_t_dp005_mask0, \
+     vit_s_dp005_mask_0, vit_b_dp005_mask_005, vit_h, and arcface_torch's r18, r34, r50, r100, \
+     r200, vit_l_dp005_mask_005)"
 )]
 pub struct UnknownModel(pub String);
 
@@ -187,6 +259,8 @@ mod tests {
             .collect();
         assert_eq!(parsed, ModelKind::PARSED_NAMES);
         assert!(ModelKind::Mbf.is_face() && ModelKind::IResNet200.is_face());
+        assert!(ModelKind::VitT.is_face() && !ModelKind::ResNet18.is_face());
+        assert_eq!(ModelKind::VitL.vit().unwrap().embed_dim, 768);
         assert_eq!(ModelKind::IResNet200.iresnet_depth(), Some(200));
     }
 }

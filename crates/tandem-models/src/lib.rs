@@ -2,8 +2,8 @@
 //! names, layouts and default initialisation (seeded), and [`ModelKind`], the one list of
 //! built-in architectures. `Mlp` and `Cnn` read their parameters through a
 //! [`tandem_nn::ParamSet`] so Ddp can hook them; `ResNet` is a stock-style candle-nn model on a
-//! `VarMap`, as are arcface_torch's face-recognition backbones `IResNet` and `MobileFaceNet`
-//! ([`FaceBackbone`] runs either).
+//! `VarMap`, as are arcface_torch's face-recognition backbones `IResNet`, `MobileFaceNet` and `Vit`
+//! ([`FaceBackbone`] runs any of them).
 mod cnn;
 mod face;
 mod iresnet;
@@ -11,6 +11,7 @@ mod kind;
 mod mlp;
 mod mobilefacenet;
 mod resnet;
+mod vit;
 
 pub use cnn::Cnn;
 pub use face::FaceBackbone;
@@ -19,3 +20,4 @@ pub use kind::{ModelKind, UnknownModel};
 pub use mlp::{targets, Mlp};
 pub use mobilefacenet::MobileFaceNet;
 pub use resnet::ResNet;
+pub use vit::{Vit, VitConfig, VIT_PATCHES};

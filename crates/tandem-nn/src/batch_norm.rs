@@ -49,6 +49,8 @@ pub struct FastBatchNorm2d {
     running_mean: Var,
     running_var: Var,
     num_batches_tracked: Var,
+    /// Added to the variance (PyTorch's `eps`; 1e-5 unless [`FastBatchNorm2d::with_eps`]).
+    eps: f64,
     sync: RwLock<Option<Arc<dyn StatsReducer>>>,
 }
 
@@ -68,11 +70,18 @@ pub fn fast_batch_norm2d(channels: usize, vb: VarBuilder) -> candle_core::Result
         running_mean: Var::from_tensor(&running_mean)?,
         running_var: Var::from_tensor(&running_var)?,
         num_batches_tracked: Var::from_tensor(&num_batches_tracked)?,
+        eps: EPS,
         sync: RwLock::new(None),
     })
 }
 
 impl FastBatchNorm2d {
+    /// The layer with another `eps` (PyTorch's `nn.BatchNorm1d(n, eps=2e-5)`).
+    pub fn with_eps(mut self, eps: f64) -> Self {
+        self.eps = eps;
+        self
+    }
+
     /// The layer with its scale fixed (PyTorch's `bn.weight.requires_grad = False`): the
     /// forward reads `weight` without recording a gradient for it; loading a state dict still
     /// sets it. Keep the variable out of the optimizer and out of Ddp's gradient reduction
@@ -105,7 +114,7 @@ impl FastBatchNorm2d {
         #[cfg(feature = "cuda")]
         if self.takes_cuda_kernels(x, train) {
             self.check_input(x)?;
-            let out = batch_norm_train_cuda(x, &self.weight, &self.bias, EPS, true)?;
+            let out = batch_norm_train_cuda(x, &self.weight, &self.bias, self.eps, true)?;
             return self.record_device_batch(out);
         }
         if self.takes_fused_kernels(x, train) {
@@ -114,7 +123,7 @@ impl FastBatchNorm2d {
                 x,
                 &self.weight,
                 &self.bias,
-                EPS,
+                self.eps,
                 true,
             )?);
         }
@@ -171,7 +180,8 @@ impl FastBatchNorm2d {
             )
         }
         let affine = (&self.weight, &self.bias);
-        self.record_batch(conv_batch_norm_train(x, conv.weight(), p, affine, EPS, relu)?).map(Some)
+        self.record_batch(conv_batch_norm_train(x, conv.weight(), p, affine, self.eps, relu)?)
+            .map(Some)
     }
 
     /// `relu(self(x) + residual)` — a residual block's tail — fused into one kernel in
@@ -186,13 +196,14 @@ impl FastBatchNorm2d {
         #[cfg(feature = "cuda")]
         if self.takes_cuda_kernels(x, train) && residual.device().same_device(x.device()) {
             self.check_input(x)?;
-            let out = batch_norm_train_add_relu_cuda(x, &self.weight, &self.bias, residual, EPS)?;
+            let out =
+                batch_norm_train_add_relu_cuda(x, &self.weight, &self.bias, residual, self.eps)?;
             return self.record_device_batch(out);
         }
         let residual_cpu_f32 = residual.device().is_cpu() && residual.dtype() == DType::F32;
         if self.takes_fused_kernels(x, train) && residual_cpu_f32 {
             self.check_input(x)?;
-            let out = batch_norm_train_add_relu(x, &self.weight, &self.bias, residual, EPS)?;
+            let out = batch_norm_train_add_relu(x, &self.weight, &self.bias, residual, self.eps)?;
             return self.record_batch(out);
         }
         add_relu(&self.forward_t(x, train)?, residual)
@@ -252,7 +263,7 @@ impl FastBatchNorm2d {
     fn forward_train(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if self.takes_cuda_kernels(x, true) {
-            let out = batch_norm_train_cuda(x, &self.weight, &self.bias, EPS, false)?;
+            let out = batch_norm_train_cuda(x, &self.weight, &self.bias, self.eps, false)?;
             return self.record_device_batch(out);
         }
         if x.dtype() != DType::F32 {
@@ -264,7 +275,7 @@ impl FastBatchNorm2d {
         let comm = self.sync.read().unwrap_or_else(|p| p.into_inner()).clone();
         if comm.is_none() && x.device().is_cpu() && x.dtype() == DType::F32 {
             // One process's statistics: the fused CPU kernel.
-            return self.record_batch(batch_norm_train(x, &self.weight, &self.bias, EPS)?);
+            return self.record_batch(batch_norm_train(x, &self.weight, &self.bias, self.eps)?);
         }
         let local_count = (n * h * w) as f64;
         let dims = (0, 2, 3);
@@ -293,7 +304,7 @@ impl FastBatchNorm2d {
         };
         let var = (squares / count)?;
         self.update_running(&mean, &var, count)?;
-        let scale = (self.weight.as_ref() / (var + EPS)?.sqrt()?)?.reshape((1, c, 1, 1))?;
+        let scale = (self.weight.as_ref() / (var + self.eps)?.sqrt()?)?.reshape((1, c, 1, 1))?;
         centered.broadcast_mul(&scale)?.broadcast_add(&self.bias.reshape((1, c, 1, 1))?)
     }
 
@@ -314,7 +325,7 @@ impl FastBatchNorm2d {
         }
         let c = x.dim(1)?;
         let mean = self.running_mean.as_detached_tensor().reshape((1, c, 1, 1))?;
-        let std = (self.running_var.as_detached_tensor() + EPS)?.sqrt()?;
+        let std = (self.running_var.as_detached_tensor() + self.eps)?.sqrt()?;
         let scale = (self.weight.as_ref() / std)?.reshape((1, c, 1, 1))?;
         x.broadcast_sub(&mean)?
             .broadcast_mul(&scale)?

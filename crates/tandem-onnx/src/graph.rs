@@ -9,7 +9,7 @@ use crate::proto::{
 
 /// The IR version of the files written (ONNX 1.10+, onnxruntime 1.10+ read it).
 pub const IR_VERSION: i64 = 8;
-/// The `ai.onnx` operator set the graphs use (every operator here is defined by opset 15).
+/// The `ai.onnx` operator set the graphs use (LayerNormalization, for the ViTs, needs 17).
 pub const OPSET: i64 = 17;
 
 /// One dimension of a declared input or output.
@@ -57,6 +57,22 @@ impl GraphBuilder {
             raw_data,
         });
         name.to_string()
+    }
+
+    /// A `Constant` node holding a 1-d int64 tensor (a shape): not an initializer, so the
+    /// initializers stay the state dict's weights.
+    pub fn constant_ints(&mut self, values: &[i64]) -> String {
+        self.node("Constant", &[], vec![ints("value_ints", values)])
+    }
+
+    /// A `Constant` node holding an int64 scalar (an index).
+    pub fn constant_int(&mut self, value: i64) -> String {
+        self.node("Constant", &[], vec![int("value_int", value)])
+    }
+
+    /// A `Constant` node holding a float scalar.
+    pub fn constant_float(&mut self, value: f32) -> String {
+        self.node("Constant", &[], vec![float("value_float", value)])
     }
 
     /// Adds an `op_type` node and returns the name of its (single) output.
@@ -143,7 +159,7 @@ pub fn ints(name: &str, values: &[i64]) -> AttributeProto {
 pub fn int(name: &str, value: i64) -> AttributeProto {
     AttributeProto {
         name: name.into(),
-        i: value,
+        i: Some(value),
         r#type: attribute_type::INT,
         ..Default::default()
     }
@@ -153,7 +169,7 @@ pub fn int(name: &str, value: i64) -> AttributeProto {
 pub fn float(name: &str, value: f32) -> AttributeProto {
     AttributeProto {
         name: name.into(),
-        f: value,
+        f: Some(value),
         r#type: attribute_type::FLOAT,
         ..Default::default()
     }

@@ -15,6 +15,11 @@
 //! - `mbf`, `mbf_large`: arcface_torch's MobileFaceNet (ConvBlocks, depthwise convolutions as
 //!   grouped `Conv`s, PReLU, the GDC head: a 7x7 depthwise LinearBlock, flatten, a bias-free
 //!   Gemm and BatchNorm1d), input `[batch, 3, 112, 112]`, output `embedding`.
+//! - `vit_*`: arcface_torch's ViT (the patch `Conv`, `pos_embed`, pre-norm blocks of
+//!   LayerNormalization, multi-head attention as MatMul / Softmax over `[batch, heads, 144, 144]`,
+//!   a ReLU6 MLP as `Clip`; LayerNormalization, then the feature head's two bias-free Gemms and
+//!   BatchNorm1d, eps 2e-5), input `[batch, 3, 112, 112]`, output `embedding`. The mask token
+//!   only serves training: it is read, checked and left out, as `torch.onnx.export` leaves it.
 //!
 //! The classifiers' output is `logits`, `[batch, classes]`. The batch (and the ResNet's height and
 //! width) are symbolic dimensions, so one file serves any batch size.
@@ -24,8 +29,11 @@ use crate::proto::ModelProto;
 use crate::weights::{StateDict, Weight};
 use tandem_models::ModelKind;
 
-/// BatchNorm's epsilon in every built-in model (PyTorch's default).
+/// BatchNorm's epsilon in the built-in models (PyTorch's default), but the ViT feature head's.
 const BN_EPS: f32 = 1e-5;
+/// The ViT feature head's BatchNorm1d epsilon, and its LayerNorms' (PyTorch's default).
+const VIT_FEATURE_BN_EPS: f32 = 2e-5;
+const LN_EPS: f32 = 1e-5;
 
 /// What was exported: the graph, and its input and output shapes for messages.
 pub struct Exported {
@@ -47,10 +55,13 @@ pub fn export(arch: ModelKind, state: &[(String, tandem_ckpt::TensorData)]) -> R
         ModelKind::Mlp => g.mlp(&mut sd)?,
         ModelKind::Cnn => g.cnn(&mut sd)?,
         ModelKind::ResNet18 => g.resnet18(&mut sd)?,
-        face => match (face.iresnet_depth(), face.mobilefacenet()) {
-            (Some(depth), _) => g.iresnet(&mut sd, depth)?,
-            (None, Some((blocks, scale))) => g.mobilefacenet(&mut sd, blocks, scale)?,
-            (None, None) => unreachable!("every ModelKind is a classifier or a face backbone"),
+        face => match (face.iresnet_depth(), face.mobilefacenet(), face.vit()) {
+            (Some(depth), _, _) => g.iresnet(&mut sd, depth)?,
+            (None, Some((blocks, scale)), _) => g.mobilefacenet(&mut sd, blocks, scale)?,
+            (None, None, Some(cfg)) => g.vit(&mut sd, cfg.num_heads)?,
+            (None, None, None) => {
+                unreachable!("every ModelKind is a classifier or a face backbone")
+            }
         },
     };
     sd.finish()?;
@@ -154,13 +165,24 @@ impl Graphs {
         x: &str,
         channels: usize,
     ) -> Result<String> {
+        self.batch_norm_eps(sd, prefix, x, channels, BN_EPS)
+    }
+
+    fn batch_norm_eps(
+        &mut self,
+        sd: &mut StateDict,
+        prefix: &str,
+        x: &str,
+        channels: usize,
+        eps: f32,
+    ) -> Result<String> {
         let mut inputs = vec![x.to_string()];
         for part in ["weight", "bias", "running_mean", "running_var"] {
             let w = sd.take(&format!("{prefix}.{part}"), &[Some(channels)])?;
             inputs.push(self.init(w));
         }
         let refs: Vec<&str> = inputs.iter().map(String::as_str).collect();
-        Ok(self.b.node("BatchNormalization", &refs, vec![float("epsilon", BN_EPS)]))
+        Ok(self.b.node("BatchNormalization", &refs, vec![float("epsilon", eps)]))
     }
 
     fn relu(&mut self, x: &str) -> String {
@@ -454,5 +476,123 @@ impl Graphs {
             x = self.depthwise(sd, &format!("{prefix}.layers.{i}"), &x, (c, c, inner), 1, true)?;
         }
         Ok(x)
+    }
+
+    /// arcface_torch's ViT (tandem_models::Vit's layout and names); sizes from the weights.
+    fn vit(&mut self, sd: &mut StateDict, heads: usize) -> Result<(Vec<Dim>, String, usize)> {
+        use tandem_models::VIT_PATCHES as T;
+        let side = tandem_models::FACE_SIDE;
+        let input = vec![Dim::Named("batch"), Dim::Fixed(3), Dim::Fixed(side), Dim::Fixed(side)];
+        let x = self.b.input("input", &input);
+        let d = sd.dims("pos_embed", 3)?[2];
+        let patch = ConvShape { stride: 9, padding: 0, groups: 1 };
+        let (x, _) = self.conv_with(sd, "patch_embed.proj", &x, (3, Some(d), 9), patch, true)?;
+        let x = self.reshape(&x, &[0, d as i64, T as i64]);
+        let x = self.b.node("Transpose", &[&x], vec![ints("perm", &[0, 2, 1])]);
+        let pos = sd.take("pos_embed", &[Some(1), Some(T), Some(d)])?;
+        let pos = self.init(pos);
+        let mut x = self.b.node("Add", &[&x, &pos], vec![]);
+        sd.take("mask_token", &[Some(1), Some(1), Some(d)])?; // training only
+        let mut i = 0;
+        while sd.contains(&format!("blocks.{i}.norm1.weight")) {
+            x = self.vit_block(sd, &format!("blocks.{i}"), &x, d, heads)?;
+            i += 1;
+        }
+        let x = self.layer_norm(sd, "norm", &x, d)?;
+        let x = self.reshape(&x, &[0, (T * d) as i64]);
+        let w = sd.take("feature.0.weight", &[Some(d), Some(T * d)])?;
+        let w = self.init(w);
+        let x = self.b.node("Gemm", &[&x, &w], vec![int("transB", 1)]);
+        let x = self.batch_norm_eps(sd, "feature.1", &x, d, VIT_FEATURE_BN_EPS)?;
+        let w = sd.take("feature.2.weight", &[None, Some(d)])?;
+        let embedding = w.dims[0];
+        let w = self.init(w);
+        let x = self.b.node("Gemm", &[&x, &w], vec![int("transB", 1)]);
+        let x = self.batch_norm_eps(sd, "feature.3", &x, embedding, VIT_FEATURE_BN_EPS)?;
+        Ok((input, x, embedding))
+    }
+
+    /// `x + attn(norm1(x))`, then `x + mlp(norm2(x))`, over `x: [batch, 144, d]`.
+    fn vit_block(
+        &mut self,
+        sd: &mut StateDict,
+        prefix: &str,
+        x: &str,
+        d: usize,
+        heads: usize,
+    ) -> Result<String> {
+        use tandem_models::VIT_PATCHES as T;
+        let hd = d / heads;
+        let h = self.layer_norm(sd, &format!("{prefix}.norm1"), x, d)?;
+        let qkv = self.matmul_linear(sd, &format!("{prefix}.attn.qkv"), &h, d, false)?;
+        let qkv = self.reshape(&qkv, &[0, T as i64, 3, heads as i64, hd as i64]);
+        let qkv = self.b.node("Transpose", &[&qkv], vec![ints("perm", &[2, 0, 3, 1, 4])]);
+        let mut part = |i: i64| {
+            let index = self.b.constant_int(i);
+            self.b.node("Gather", &[&qkv, &index], vec![int("axis", 0)])
+        };
+        let (q, k, v) = (part(0), part(1), part(2));
+        let kt = self.b.node("Transpose", &[&k], vec![ints("perm", &[0, 1, 3, 2])]);
+        let scores = self.b.node("MatMul", &[&q, &kt], vec![]);
+        let scale = (hd as f32).powf(-0.5);
+        let scale = self.b.constant_float(scale);
+        let scores = self.b.node("Mul", &[&scores, &scale], vec![]);
+        let attn = self.b.node("Softmax", &[&scores], vec![int("axis", -1)]);
+        let y = self.b.node("MatMul", &[&attn, &v], vec![]);
+        let y = self.b.node("Transpose", &[&y], vec![ints("perm", &[0, 2, 1, 3])]);
+        let y = self.reshape(&y, &[0, T as i64, d as i64]);
+        let y = self.matmul_linear(sd, &format!("{prefix}.attn.proj"), &y, d, true)?;
+        let x = self.b.node("Add", &[x, &y], vec![]);
+        let h = self.layer_norm(sd, &format!("{prefix}.norm2"), &x, d)?;
+        let hidden = sd.dims(&format!("{prefix}.mlp.fc1.weight"), 2)?[0];
+        let h = self.matmul_linear(sd, &format!("{prefix}.mlp.fc1"), &h, d, true)?;
+        let (low, high) = (self.b.constant_float(0.0), self.b.constant_float(6.0));
+        let h = self.b.node("Clip", &[&h, &low, &high], vec![]);
+        let h = self.matmul_linear(sd, &format!("{prefix}.mlp.fc2"), &h, hidden, true)?;
+        Ok(self.b.node("Add", &[&x, &h], vec![]))
+    }
+
+    /// `nn.Linear` over the last dimension of a rank-3 input: MatMul with the transposed
+    /// weight (plus the bias when `bias`).
+    fn matmul_linear(
+        &mut self,
+        sd: &mut StateDict,
+        prefix: &str,
+        x: &str,
+        inputs: usize,
+        bias: bool,
+    ) -> Result<String> {
+        let w = sd.take(&format!("{prefix}.weight"), &[None, Some(inputs)])?;
+        let out = w.dims[0];
+        let w = self.init(w);
+        let wt = self.b.node("Transpose", &[&w], vec![ints("perm", &[1, 0])]);
+        let y = self.b.node("MatMul", &[x, &wt], vec![]);
+        if !bias {
+            return Ok(y);
+        }
+        let b = sd.take(&format!("{prefix}.bias"), &[Some(out)])?;
+        let b = self.init(b);
+        Ok(self.b.node("Add", &[&y, &b], vec![]))
+    }
+
+    /// `nn.LayerNorm(d)` over the last dimension.
+    fn layer_norm(
+        &mut self,
+        sd: &mut StateDict,
+        prefix: &str,
+        x: &str,
+        d: usize,
+    ) -> Result<String> {
+        let w = sd.take(&format!("{prefix}.weight"), &[Some(d)])?;
+        let b = sd.take(&format!("{prefix}.bias"), &[Some(d)])?;
+        let (w, b) = (self.init(w), self.init(b));
+        let attrs = vec![int("axis", -1), float("epsilon", LN_EPS)];
+        Ok(self.b.node("LayerNormalization", &[x, &w, &b], attrs))
+    }
+
+    /// `x.reshape(shape)`, a 0 keeping that dimension of `x` (the batch).
+    fn reshape(&mut self, x: &str, shape: &[i64]) -> String {
+        let shape = self.b.constant_ints(shape);
+        self.b.node("Reshape", &[x, &shape], vec![])
     }
 }

@@ -93,10 +93,12 @@ pub struct NodeProto {
 pub struct AttributeProto {
     #[prost(string, tag = "1")]
     pub name: String,
-    #[prost(float, tag = "2")]
-    pub f: f32,
-    #[prost(int64, tag = "3")]
-    pub i: i64,
+    /// `f` and `i` are proto2 `optional` in onnx.proto: with presence, a value of 0 is still
+    /// written (a `Constant`'s `value_int = 0` would otherwise read as missing).
+    #[prost(float, optional, tag = "2")]
+    pub f: Option<f32>,
+    #[prost(int64, optional, tag = "3")]
+    pub i: Option<i64>,
     #[prost(bytes = "vec", tag = "4")]
     pub s: Vec<u8>,
     #[prost(int64, repeated, tag = "8")]

@@ -81,7 +81,7 @@ fn mlp_graph_is_gemm_relu_gemm_with_the_weights_bit_exact() {
     // Gemm multiplies by W^T, as nn.Linear does.
     let gemm = &g.node[0];
     assert_eq!(gemm.input, ["input", "fc1.weight", "fc1.bias"]);
-    assert_eq!((gemm.attribute[0].name.as_str(), gemm.attribute[0].i), ("transB", 1));
+    assert_eq!((gemm.attribute[0].name.as_str(), gemm.attribute[0].i), ("transB", Some(1)));
 }
 
 #[test]

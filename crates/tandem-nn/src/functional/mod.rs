@@ -1,10 +1,15 @@
 //! Differentiable functions over tensors with training-grade CPU paths (PyTorch's
 //! `torch.nn.functional`): [`fused_linear`] (`F.linear`), [`cross_entropy`] (`F.cross_entropy`),
-//! [`normalize`] (`F.normalize(x, dim=1)`).
+//! [`normalize`] (`F.normalize(x, dim=1)`), [`layer_norm`] (`F.layer_norm` over the last
+//! dimension), [`softmax_last_dim`] (`x.softmax(-1)`).
 mod cross_entropy;
+mod layer_norm;
 mod linear;
 mod normalize;
+mod softmax;
 
 pub use cross_entropy::cross_entropy;
+pub use layer_norm::layer_norm;
 pub use linear::fused_linear;
 pub use normalize::normalize;
+pub use softmax::softmax_last_dim;

@@ -1,0 +1,418 @@
+//! The Vision Transformer of arcface_torch's `vit_t`, `vit_s`, `vit_b` and `vit_l`
+//! (`recognition/arcface_torch/backbones/vit.py`), with its module layout and state-dict names
+//! so its checkpoints load strictly and ours load back into it:
+//!
+//! - `patch_embed.proj`: a 9x9 stride-9 convolution `3 → D` with bias, on 112x112 inputs: 12x12
+//!   = 144 patches (the last 4 rows and columns are never read, as in PyTorch); plus `pos_embed`
+//!   `[1, 144, D]`;
+//! - in training, arcface_torch's `random_masking`: each sample keeps `int(144 · 0.9)` = 129
+//!   patches chosen by sorting uniform noise (the ratio is 0.1 whenever `mask_ratio > 0`: the
+//!   model calls it without its own ratio); after the final LayerNorm the dropped positions get
+//!   `mask_token` and every patch goes back to its place;
+//! - `blocks.{i}`: pre-norm transformer blocks, `x + drop_path(attn(norm1(x)))` then
+//!   `x + drop_path(mlp(norm2(x)))`; attention with `qkv` (no bias), 8 heads scaled by
+//!   `head_dim^-0.5`, `proj` with bias; the MLP `fc1 → ReLU6 → fc2` at 4x width; stochastic
+//!   depth rising linearly from 0 to `drop_path_rate` over the blocks;
+//! - `norm` (LayerNorm, eps 1e-5), then `feature`: `Linear(144·D → D, no bias)`,
+//!   `BatchNorm1d(D, eps 2e-5)`, `Linear(D → E, no bias)`, `BatchNorm1d(E, eps 2e-5)`.
+//!
+//! Not here: arcface_torch's activation checkpointing (`using_checkpoint`, on for `vit_b` and
+//! `vit_l`): candle's autograd cannot recompute a block in backward, so every block keeps its
+//! activations.
+use std::sync::Mutex;
+
+use candle_core::{DType, IndexOp, Tensor, Var};
+use candle_nn::{Init, Module, ModuleT, VarBuilder};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tandem_nn::functional::{fused_linear, layer_norm, softmax_last_dim};
+use tandem_nn::torch_init::standard_normal;
+use tandem_nn::{
+    fast_batch_norm2d, fast_linear, fast_linear_no_bias, FastBatchNorm2d, FastLinear, HasBatchNorm,
+};
+
+use crate::FACE_SIDE;
+
+/// Patch side and patches per side on 112x112 inputs.
+const PATCH: usize = 9;
+const GRID: usize = FACE_SIDE / PATCH;
+/// Patches per image (144).
+pub const VIT_PATCHES: usize = GRID * GRID;
+/// arcface_torch's LayerNorm and feature-head BatchNorm epsilons.
+const LN_EPS: f64 = 1e-5;
+const FEATURE_BN_EPS: f64 = 2e-5;
+/// The ratio `random_masking` uses whenever masking is on (see the module docs).
+const MASK_RATIO_USED: f64 = 0.1;
+
+/// One of arcface_torch's ViT sizes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct VitConfig {
+    pub embed_dim: usize,
+    pub depth: usize,
+    pub num_heads: usize,
+    /// The MLP's hidden width over `embed_dim`.
+    pub mlp_ratio: usize,
+    /// Stochastic depth of the last block (0 for the first, linear between).
+    pub drop_path_rate: f64,
+    /// Masking is on in training when above 0 (it then drops 10% of the patches).
+    pub mask_ratio: f64,
+}
+
+impl VitConfig {
+    /// `vit_t`: width 256, 12 blocks, 8 heads, drop path 0.1, masking on.
+    pub const VIT_T: VitConfig = VitConfig::new(256, 12, 0.1, 0.1);
+    /// `vit_s`: width 512, 12 blocks.
+    pub const VIT_S: VitConfig = VitConfig::new(512, 12, 0.1, 0.1);
+    /// `vit_b`: width 512, 24 blocks.
+    pub const VIT_B: VitConfig = VitConfig::new(512, 24, 0.1, 0.1);
+    /// `vit_l` (arcface_torch's `vit_l_dp005_mask_005`, its only large ViT): width 768, 24
+    /// blocks, drop path 0.05, masking on.
+    pub const VIT_L: VitConfig = VitConfig::new(768, 24, 0.05, 0.05);
+
+    /// 8 heads and a 4x MLP, as every arcface_torch ViT.
+    pub const fn new(embed_dim: usize, depth: usize, drop_path_rate: f64, mask_ratio: f64) -> Self {
+        VitConfig { embed_dim, depth, num_heads: 8, mlp_ratio: 4, drop_path_rate, mask_ratio }
+    }
+}
+
+struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl LayerNorm {
+    fn new(dim: usize, vb: VarBuilder) -> candle_core::Result<Self> {
+        Ok(LayerNorm {
+            weight: vb.get_with_hints(dim, "weight", Init::Const(1.0))?,
+            bias: vb.get_with_hints(dim, "bias", Init::Const(0.0))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        layer_norm(x, &self.weight, &self.bias, LN_EPS)
+    }
+}
+
+struct Block {
+    norm1: LayerNorm,
+    norm2: LayerNorm,
+    qkv: FastLinear,
+    proj: FastLinear,
+    fc1: FastLinear,
+    fc2: FastLinear,
+    num_heads: usize,
+    /// This block's stochastic depth.
+    drop_path: f64,
+}
+
+impl Block {
+    /// Variables in arcface_torch's registration order (both norms, then attention, then MLP).
+    fn new(cfg: &VitConfig, drop_path: f64, vb: VarBuilder) -> candle_core::Result<Self> {
+        let d = cfg.embed_dim;
+        let norm1 = LayerNorm::new(d, vb.pp("norm1"))?;
+        let norm2 = LayerNorm::new(d, vb.pp("norm2"))?;
+        let attn = vb.pp("attn");
+        let qkv = fast_linear_no_bias(d, 3 * d, attn.pp("qkv"))?;
+        let proj = fast_linear(d, d, attn.pp("proj"))?;
+        let mlp = vb.pp("mlp");
+        let fc1 = fast_linear(d, d * cfg.mlp_ratio, mlp.pp("fc1"))?;
+        let fc2 = fast_linear(d * cfg.mlp_ratio, d, mlp.pp("fc2"))?;
+        Ok(Block { norm1, norm2, qkv, proj, fc1, fc2, num_heads: cfg.num_heads, drop_path })
+    }
+
+    fn forward(&self, x: &Tensor, drop: &mut DropPath) -> candle_core::Result<Tensor> {
+        let a = self.attention(&self.norm1.forward(x)?)?;
+        let x = (x + drop.apply(&a, self.drop_path)?)?;
+        let h = self.fc1.forward(&self.norm2.forward(&x)?)?.clamp(0f32, 6f32)?; // ReLU6
+        let m = self.fc2.forward(&h)?;
+        x + drop.apply(&m, self.drop_path)?
+    }
+
+    fn attention(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (n, t, d) = x.dims3()?;
+        let hd = d / self.num_heads;
+        let qkv = self.qkv.forward(x)?.reshape((n, t, 3, self.num_heads, hd))?;
+        let qkv = qkv.permute((2, 0, 3, 1, 4))?; // [3, N, H, T, hd]
+        let (q, k, v) = (qkv.i(0)?.contiguous()?, qkv.i(1)?.contiguous()?, qkv.i(2)?.contiguous()?);
+        let scores = (q.matmul(&k.t()?.contiguous()?)? * (hd as f64).powf(-0.5))?;
+        let attn = softmax_last_dim(&scores)?;
+        let y = attn.matmul(&v)?.transpose(1, 2)?.reshape((n, t, d))?;
+        self.proj.forward(&y)
+    }
+}
+
+/// Stochastic depth over a forward: in training each sample's residual branch is kept with
+/// probability `1 − p` (and then scaled by `1 / (1 − p)`), as timm's `DropPath`.
+struct DropPath<'a> {
+    rng: Option<&'a mut StdRng>,
+}
+
+impl DropPath<'_> {
+    fn apply(&mut self, branch: &Tensor, p: f64) -> candle_core::Result<Tensor> {
+        let Some(rng) = self.rng.as_deref_mut() else { return Ok(branch.clone()) };
+        if p <= 0.0 {
+            return Ok(branch.clone());
+        }
+        let keep = 1.0 - p;
+        let n = branch.dim(0)?;
+        let mask: Vec<f32> = (0..n)
+            .map(|_| if rng.random::<f64>() < keep { (1.0 / keep) as f32 } else { 0.0 })
+            .collect();
+        let mask = Tensor::from_vec(mask, (n, 1, 1), branch.device())?.to_dtype(branch.dtype())?;
+        branch.broadcast_mul(&mask)
+    }
+}
+
+/// arcface_torch's VisionTransformer at any [`VitConfig`] (see the module docs).
+pub struct Vit {
+    cfg: VitConfig,
+    pos_embed: Tensor,
+    mask_token: Tensor,
+    patch_weight: Tensor,
+    patch_bias: Tensor,
+    blocks: Vec<Block>,
+    norm: LayerNorm,
+    feature_linear: FastLinear,
+    feature_bn: FastBatchNorm2d,
+    embed_linear: FastLinear,
+    embed_bn: FastBatchNorm2d,
+    embedding: usize,
+    /// Masks and stochastic depth in training.
+    rng: Mutex<StdRng>,
+}
+
+impl Vit {
+    /// The ViT of `cfg` with an `embedding`-wide output. candle initialises the variables; call
+    /// [`Vit::reset_parameters`] for arcface_torch's initialisation from a seed.
+    pub fn new(cfg: VitConfig, embedding: usize, vb: VarBuilder) -> candle_core::Result<Self> {
+        let d = cfg.embed_dim;
+        if d == 0
+            || cfg.depth == 0
+            || embedding == 0
+            || cfg.num_heads == 0
+            || !d.is_multiple_of(cfg.num_heads)
+        {
+            candle_core::bail!(
+                "ViT needs width, depth, heads and embedding >= 1 and the width a multiple of the \
+                 heads, got width {d}, depth {}, heads {}, embedding {embedding}",
+                cfg.depth,
+                cfg.num_heads
+            )
+        }
+        // Registration order of arcface_torch's module: its own parameters, then children.
+        let pos_embed = vb.get_with_hints((1, VIT_PATCHES, d), "pos_embed", Init::Const(0.0))?;
+        let mask_token = vb.get_with_hints((1, 1, d), "mask_token", Init::Const(0.0))?;
+        let proj = vb.pp("patch_embed").pp("proj");
+        let bound = 1.0 / ((3 * PATCH * PATCH) as f64).sqrt();
+        let uniform = Init::Uniform { lo: -bound, up: bound };
+        let patch_weight = proj.get_with_hints((d, 3, PATCH, PATCH), "weight", uniform)?;
+        let patch_bias = proj.get_with_hints(d, "bias", uniform)?;
+        let blocks = (0..cfg.depth)
+            .map(|i| {
+                let rate = match cfg.depth {
+                    1 => 0.0,
+                    n => cfg.drop_path_rate * i as f64 / (n - 1) as f64,
+                };
+                Block::new(&cfg, rate, vb.pp("blocks").pp(i.to_string()))
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let norm = LayerNorm::new(d, vb.pp("norm"))?;
+        let feature = vb.pp("feature");
+        let feature_linear = fast_linear_no_bias(d * VIT_PATCHES, d, feature.pp("0"))?;
+        let feature_bn = fast_batch_norm2d(d, feature.pp("1"))?.with_eps(FEATURE_BN_EPS);
+        let embed_linear = fast_linear_no_bias(d, embedding, feature.pp("2"))?;
+        let embed_bn = fast_batch_norm2d(embedding, feature.pp("3"))?.with_eps(FEATURE_BN_EPS);
+        Ok(Vit {
+            cfg,
+            pos_embed,
+            mask_token,
+            patch_weight,
+            patch_bias,
+            blocks,
+            norm,
+            feature_linear,
+            feature_bn,
+            embed_linear,
+            embed_bn,
+            embedding,
+            rng: Mutex::new(StdRng::seed_from_u64(0)),
+        })
+    }
+
+    /// The embedding width.
+    pub fn embedding(&self) -> usize {
+        self.embedding
+    }
+
+    pub fn config(&self) -> VitConfig {
+        self.cfg
+    }
+
+    /// Seeds the masks and stochastic depth of later training forwards (give each rank its
+    /// own seed, as each draws for its own batch).
+    pub fn seed(&self, seed: u64) {
+        *self.rng.lock().unwrap_or_else(|p| p.into_inner()) = StdRng::seed_from_u64(seed);
+    }
+
+    /// arcface_torch's initialisation, seeded (our stream, not torch's): Linear weights and
+    /// `pos_embed` normal with std 0.02 (timm's `trunc_normal_` cuts at ±2, 100 std away),
+    /// `mask_token` normal std 0.02, Linear biases 0, LayerNorm and BatchNorm weight 1 and bias
+    /// 0; the patch convolution keeps PyTorch's default (uniform within `1/sqrt(fan_in)`).
+    pub fn reset_parameters(named: &[(String, Var)], seed: u64) -> candle_core::Result<()> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let bound = 1.0 / ((3 * PATCH * PATCH) as f32).sqrt();
+        for (name, var) in named {
+            let dims = var.dims().to_vec();
+            let n = var.elem_count();
+            let last = name.rsplit('.').next().unwrap_or("");
+            let normal = |rng: &mut StdRng| -> Vec<f32> {
+                (0..n).map(|_| (standard_normal(rng) * 0.02) as f32).collect()
+            };
+            let values: Vec<f32> = if name.starts_with("patch_embed.") {
+                (0..n).map(|_| rng.random_range(-bound..=bound)).collect()
+            } else if name == "pos_embed"
+                || name == "mask_token"
+                || last == "weight" && dims.len() == 2
+            {
+                normal(&mut rng)
+            } else if matches!(last, "weight" | "running_var") {
+                vec![1.0; n]
+            } else if matches!(last, "bias" | "running_mean") {
+                vec![0.0; n]
+            } else {
+                continue;
+            };
+            var.set(&Tensor::from_vec(values, dims, var.device())?)?;
+        }
+        Ok(())
+    }
+
+    /// Embeddings `[N, E]` for `x: [N, 3, 112, 112]` (or `[N, 3 * 112 * 112]`, reshaped); in
+    /// training with this model's masks and stochastic depth.
+    pub fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        if !train {
+            return self.forward_inner(x, false, None, None);
+        }
+        let mut rng = self.rng.lock().unwrap_or_else(|p| p.into_inner());
+        let noise = if self.cfg.mask_ratio > 0.0 {
+            let n = x.dim(0)?;
+            let v: Vec<f32> = (0..n * VIT_PATCHES).map(|_| rng.random::<f32>()).collect();
+            Some(Tensor::from_vec(v, (n, VIT_PATCHES), &candle_core::Device::Cpu)?)
+        } else {
+            None
+        };
+        self.forward_inner(x, true, noise.as_ref(), Some(&mut rng))
+    }
+
+    /// A training forward whose patch mask comes from `noise: [N, 144]` as arcface_torch's
+    /// `random_masking` draws it with `torch.rand` (the 129 lowest of each sample are kept), and
+    /// without stochastic depth: to reproduce a PyTorch run exactly.
+    pub fn forward_masked(&self, x: &Tensor, noise: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_inner(x, true, Some(noise), None)
+    }
+
+    fn forward_inner(
+        &self,
+        x: &Tensor,
+        train: bool,
+        noise: Option<&Tensor>,
+        drop_rng: Option<&mut StdRng>,
+    ) -> candle_core::Result<Tensor> {
+        let x = if x.rank() == 2 {
+            x.reshape((x.dim(0)?, 3, FACE_SIDE, FACE_SIDE))?
+        } else {
+            x.clone()
+        };
+        if x.dims()[1..] != [3, FACE_SIDE, FACE_SIDE] {
+            candle_core::bail!("ViT takes [N, 3, 112, 112] images, got {:?}", x.dims())
+        }
+        let (n, d) = (x.dim(0)?, self.cfg.embed_dim);
+        let x = self.patch_embed(&x)?.broadcast_add(&self.pos_embed)?;
+        let order = noise.map(|noise| shuffle_order(noise, n, x.device())).transpose()?;
+        let mut x = match &order {
+            Some((keep, _)) => {
+                let kept = keep.dim(0)? / n;
+                x.reshape((n * VIT_PATCHES, d))?.index_select(keep, 0)?.reshape((n, kept, d))?
+            }
+            None => x,
+        };
+        let mut drop = DropPath { rng: drop_rng };
+        for block in &self.blocks {
+            x = block.forward(&x, &mut drop)?;
+        }
+        let x = self.norm.forward(&x)?;
+        let x = match &order {
+            Some((_, restore)) => {
+                let kept = x.dim(1)?;
+                let tokens = self.mask_token.broadcast_as((n, VIT_PATCHES - kept, d))?;
+                let all = Tensor::cat(&[&x, &tokens.contiguous()?], 1)?;
+                all.reshape((n * VIT_PATCHES, d))?.index_select(restore, 0)?
+            }
+            None => x,
+        };
+        let x = self.feature_linear.forward(&x.reshape((n, VIT_PATCHES * d))?)?;
+        let x = self.feature_bn.forward_t(&x.reshape((n, d, 1, 1))?, train)?.reshape((n, d))?;
+        let x = self.embed_linear.forward(&x)?;
+        let e = self.embedding;
+        self.embed_bn.forward_t(&x.reshape((n, e, 1, 1))?, train)?.reshape((n, e))
+    }
+
+    /// The patch convolution as one product: stride = kernel, so each output is a patch's 243
+    /// values against the flattened kernel.
+    fn patch_embed(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let n = x.dim(0)?;
+        let side = GRID * PATCH;
+        let patches = x
+            .narrow(2, 0, side)?
+            .narrow(3, 0, side)?
+            .reshape((n, 3, GRID, PATCH, GRID, PATCH))?
+            .permute((0, 2, 4, 1, 3, 5))?
+            .reshape((n, VIT_PATCHES, 3 * PATCH * PATCH))?;
+        let w = self.patch_weight.reshape((self.cfg.embed_dim, 3 * PATCH * PATCH))?;
+        fused_linear(&patches, &w, Some(&self.patch_bias))
+    }
+}
+
+/// From `noise: [N, 144]`: the rows of the flattened `[N·144, D]` tokens the blocks see (each
+/// sample's 129 lowest-noise patches, lowest first), and for every patch the row of the
+/// blocks' output, followed per sample by its mask tokens, that goes back to its place.
+fn shuffle_order(
+    noise: &Tensor,
+    n: usize,
+    device: &candle_core::Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    if noise.dims() != [n, VIT_PATCHES] {
+        candle_core::bail!("ViT masking noise must be [{n}, {VIT_PATCHES}], got {:?}", noise.dims())
+    }
+    let noise = noise.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let kept = (VIT_PATCHES as f64 * (1.0 - MASK_RATIO_USED)) as usize;
+    let (mut keep, mut restore) = (Vec::with_capacity(n * kept), vec![0u32; n * VIT_PATCHES]);
+    for (s, row) in noise.iter().enumerate() {
+        let mut order: Vec<usize> = (0..VIT_PATCHES).collect();
+        order.sort_by(|&a, &b| row[a].total_cmp(&row[b]));
+        for (rank, &patch) in order.iter().enumerate() {
+            if rank < kept {
+                keep.push((s * VIT_PATCHES + patch) as u32);
+            }
+            // Sample s's kept tokens, then its mask tokens, fill rows s·144 .. s·144 + 143.
+            restore[s * VIT_PATCHES + patch] = (s * VIT_PATCHES + rank) as u32;
+        }
+    }
+    Ok((
+        Tensor::from_vec(keep, n * kept, device)?,
+        Tensor::from_vec(restore, n * VIT_PATCHES, device)?,
+    ))
+}
+
+impl ModuleT for Vit {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        Vit::forward_t(self, x, train)
+    }
+}
+
+impl HasBatchNorm for Vit {
+    /// None: the feature head's two BatchNorm1d stay per rank, as IResNet's embedding one.
+    fn batch_norms(&self) -> Vec<&FastBatchNorm2d> {
+        Vec::new()
+    }
+}
