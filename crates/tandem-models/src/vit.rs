@@ -21,11 +21,11 @@
 //! activations.
 use std::sync::Mutex;
 
-use candle_core::{DType, IndexOp, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use candle_nn::{Init, Module, ModuleT, VarBuilder};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tandem_nn::functional::{fused_linear, layer_norm, softmax_last_dim};
+use tandem_nn::functional::{attention, fused_linear, layer_norm, relu6};
 use tandem_nn::torch_init::standard_normal;
 use tandem_nn::{
     fast_batch_norm2d, fast_linear, fast_linear_no_bias, FastBatchNorm2d, FastLinear, HasBatchNorm,
@@ -123,21 +123,13 @@ impl Block {
     fn forward(&self, x: &Tensor, drop: &mut DropPath) -> candle_core::Result<Tensor> {
         let a = self.attention(&self.norm1.forward(x)?)?;
         let x = (x + drop.apply(&a, self.drop_path)?)?;
-        let h = self.fc1.forward(&self.norm2.forward(&x)?)?.clamp(0f32, 6f32)?; // ReLU6
+        let h = relu6(&self.fc1.forward(&self.norm2.forward(&x)?)?)?;
         let m = self.fc2.forward(&h)?;
         x + drop.apply(&m, self.drop_path)?
     }
 
     fn attention(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (n, t, d) = x.dims3()?;
-        let hd = d / self.num_heads;
-        let qkv = self.qkv.forward(x)?.reshape((n, t, 3, self.num_heads, hd))?;
-        let qkv = qkv.permute((2, 0, 3, 1, 4))?; // [3, N, H, T, hd]
-        let (q, k, v) = (qkv.i(0)?.contiguous()?, qkv.i(1)?.contiguous()?, qkv.i(2)?.contiguous()?);
-        let scores = (q.matmul(&k.t()?.contiguous()?)? * (hd as f64).powf(-0.5))?;
-        let attn = softmax_last_dim(&scores)?;
-        let y = attn.matmul(&v)?.transpose(1, 2)?.reshape((n, t, d))?;
-        self.proj.forward(&y)
+        self.proj.forward(&attention(&self.qkv.forward(x)?, self.num_heads)?)
     }
 }
 

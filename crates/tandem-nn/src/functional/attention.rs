@@ -1,0 +1,208 @@
+//! `attention(qkv, heads)`: multi-head self-attention on a packed `[N, T, 3·D]` projection (the
+//! `qkv` Linear's output of a ViT block, PyTorch's `reshape(N, T, 3, H, D/H).permute(2, 0, 3, 1,
+//! 4)` layout) to `[N, T, D]`: per sample and head, `softmax(Q·Kᵀ / sqrt(D/H))·V`, the heads side
+//! by side.
+//!
+//! Written as one op on CPU f32 because candle's composition pays for its layout at every step:
+//! the permute and three `contiguous` copies of Q, K and V, Kᵀ copied again, the probabilities
+//! kept for backward, then in backward each slice's gradient padded with zeros to the full
+//! `[3, N, H, T, D/H]` and summed. Here the products read Q, K and V in place from the
+//! projection (strided views), the forward keeps nothing but its output, and the backward
+//! recomputes each head's probabilities (one T×T product: cheaper than keeping them) and writes
+//! dQ, dK and dV straight into the projection's gradient. Samples run in parallel, heads in
+//! order: each value comes from the same sums in the same order whatever the thread count.
+//! Other dtypes and devices take candle's composition.
+use candle_core::{CpuStorage, CustomOp1, DType, IndexOp, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::softmax_last_dim;
+use crate::contiguous_f32;
+use crate::kernels::matmul::{matmul, View};
+use crate::kernels::with_f32_slice;
+
+/// Multi-head self-attention of `qkv: [N, T, 3·D]` with `heads` heads; returns `[N, T, D]`.
+pub fn attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    let (n, t, three_d) = qkv.dims3()?;
+    if heads == 0 || three_d % (3 * heads) != 0 {
+        candle_core::bail!(
+            "attention: the projection's last dimension {three_d} is not 3 x a multiple of the \
+             {heads} heads"
+        )
+    }
+    let d = three_d / 3;
+    if qkv.device().is_cpu() && qkv.dtype() == DType::F32 {
+        return qkv.contiguous()?.apply_op1(Attention { heads });
+    }
+    let hd = d / heads;
+    let qkv = qkv.reshape((n, t, 3, heads, hd))?.permute((2, 0, 3, 1, 4))?;
+    let (q, k, v) = (qkv.i(0)?.contiguous()?, qkv.i(1)?.contiguous()?, qkv.i(2)?.contiguous()?);
+    let scores = (q.matmul(&k.t()?.contiguous()?)? * (hd as f64).powf(-0.5))?;
+    let y = softmax_last_dim(&scores)?.matmul(&v)?;
+    y.transpose(1, 2)?.reshape((n, t, d))
+}
+
+struct Attention {
+    heads: usize,
+}
+
+/// One sample's shapes: tokens, width, head width, and the softmax scale.
+#[derive(Clone, Copy)]
+struct Dims {
+    t: usize,
+    d: usize,
+    hd: usize,
+    scale: f32,
+}
+
+impl Attention {
+    fn dims(&self, layout: &Layout) -> candle_core::Result<(usize, Dims)> {
+        let (n, t, three_d) = layout.shape().dims3()?;
+        let d = three_d / 3;
+        let hd = d / self.heads;
+        Ok((n, Dims { t, d, hd, scale: (hd as f32).powf(-0.5) }))
+    }
+}
+
+/// Head `h`'s probabilities `softmax(Q·Kᵀ·scale)` of one sample's projection `qkv` into `p`.
+fn probabilities(qkv: &[f32], h: usize, dm: Dims, p: &mut [f32]) {
+    let Dims { t, d, hd, scale } = dm;
+    let q = View { data: &qkv[h * hd..], rs: 3 * d, cs: 1 };
+    let kt = View { data: &qkv[d + h * hd..], rs: 1, cs: 3 * d };
+    matmul((t, t, hd), p, t, q, kt, false, 1);
+    for row in p.chunks_exact_mut(t) {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * scale;
+        let mut sum = 0f32;
+        for v in row.iter_mut() {
+            *v = (*v * scale - max).exp();
+            sum += *v;
+        }
+        row.iter_mut().for_each(|v| *v /= sum);
+    }
+}
+
+impl CustomOp1 for Attention {
+    fn name(&self) -> &'static str {
+        "tandem-attention"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let qkv = contiguous_f32(s, l, "attention", "projection")?;
+        let (n, dm) = self.dims(l)?;
+        let Dims { t, d, hd, .. } = dm;
+        let mut y = vec![0f32; n * t * d];
+        if t > 0 && d > 0 {
+            y.par_chunks_mut(t * d).zip(qkv.par_chunks(t * 3 * d)).for_each(|(y, qkv)| {
+                let mut p = vec![0f32; t * t];
+                for h in 0..self.heads {
+                    probabilities(qkv, h, dm, &mut p);
+                    let pv = View { data: &p, rs: t, cs: 1 };
+                    let v = View { data: &qkv[2 * d + h * hd..], rs: 3 * d, cs: 1 };
+                    matmul((t, hd, t), &mut y[h * hd..], d, pv, v, false, 1);
+                }
+            });
+        }
+        Ok((CpuStorage::F32(y), Shape::from((n, t, d))))
+    }
+
+    fn bwd(&self, qkv: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let (_, dm) = self.dims(qkv.layout())?;
+        let Dims { t, d, hd, scale } = dm;
+        let g = g.contiguous()?;
+        let gqkv = with_f32_slice(qkv, |qkv| {
+            with_f32_slice(&g, |g| {
+                let mut gqkv = vec![0f32; qkv.len()];
+                if t == 0 || d == 0 {
+                    return gqkv;
+                }
+                let chunks = gqkv.par_chunks_mut(t * 3 * d);
+                chunks.zip(qkv.par_chunks(t * 3 * d).zip(g.par_chunks(t * d))).for_each(
+                    |(gqkv, (qkv, g))| {
+                        let (mut p, mut dp) = (vec![0f32; t * t], vec![0f32; t * t]);
+                        for h in 0..self.heads {
+                            probabilities(qkv, h, dm, &mut p);
+                            let gy = View { data: &g[h * hd..], rs: d, cs: 1 };
+                            // dV = Pᵀ·dY
+                            let pt = View { data: &p, rs: 1, cs: t };
+                            matmul(
+                                (t, hd, t),
+                                &mut gqkv[2 * d + h * hd..],
+                                3 * d,
+                                pt,
+                                gy,
+                                false,
+                                1,
+                            );
+                            // dP = dY·Vᵀ; dS = P ⊙ (dP − Σ dP⊙P) · scale
+                            let vt = View { data: &qkv[2 * d + h * hd..], rs: 1, cs: 3 * d };
+                            matmul((t, t, hd), &mut dp, t, gy, vt, false, 1);
+                            for (ds, p) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+                                let dot: f32 = ds.iter().zip(p).map(|(a, b)| a * b).sum();
+                                for (v, p) in ds.iter_mut().zip(p) {
+                                    *v = p * (*v - dot) * scale;
+                                }
+                            }
+                            // dQ = dS·K, dK = dSᵀ·Q
+                            let ds = View { data: &dp, rs: t, cs: 1 };
+                            let k = View { data: &qkv[d + h * hd..], rs: 3 * d, cs: 1 };
+                            matmul((t, hd, t), &mut gqkv[h * hd..], 3 * d, ds, k, false, 1);
+                            let dst = View { data: &dp, rs: 1, cs: t };
+                            let q = View { data: &qkv[h * hd..], rs: 3 * d, cs: 1 };
+                            matmul((t, hd, t), &mut gqkv[d + h * hd..], 3 * d, dst, q, false, 1);
+                        }
+                    },
+                );
+                gqkv
+            })
+        })??;
+        Ok(Some(Tensor::from_vec(gqkv, qkv.shape(), qkv.device())?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, IndexOp, Tensor, Var, D};
+
+    use super::attention;
+
+    /// The composition in f64 (candle's ops, PyTorch's layout).
+    fn reference(qkv: &Tensor, heads: usize) -> Tensor {
+        let (n, t, three_d) = qkv.dims3().unwrap();
+        let (d, hd) = (three_d / 3, three_d / 3 / heads);
+        let qkv = qkv.reshape((n, t, 3, heads, hd)).unwrap().permute((2, 0, 3, 1, 4)).unwrap();
+        let part = |i| qkv.i(i).unwrap().contiguous().unwrap();
+        let (q, k, v) = (part(0), part(1), part(2));
+        let s = (q.matmul(&k.t().unwrap().contiguous().unwrap()).unwrap() * (hd as f64).powf(-0.5))
+            .unwrap();
+        let p = candle_nn::ops::softmax(&s, D::Minus1).unwrap();
+        p.matmul(&v).unwrap().transpose(1, 2).unwrap().reshape((n, t, d)).unwrap()
+    }
+
+    #[test]
+    fn matches_the_composition_forward_and_backward() {
+        let dev = Device::Cpu;
+        let (n, t, d, heads) = (3, 37, 24, 4);
+        let qkv =
+            Var::from_tensor(&Tensor::randn(0f32, 1.5, (n, t, 3 * d), &dev).unwrap()).unwrap();
+        let probe = Tensor::randn(0f32, 1.0, (n, t, d), &dev).unwrap();
+        let y = attention(&qkv, heads).unwrap();
+        let q64 = Var::from_tensor(&qkv.as_tensor().to_dtype(DType::F64).unwrap()).unwrap();
+        let r = reference(&q64, heads);
+        let err = |a: &Tensor, b: &Tensor| {
+            let diff = (a.to_dtype(DType::F64).unwrap() - b).unwrap().abs().unwrap();
+            diff.flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+        };
+        assert!(err(&y, &r) < 1e-5, "{}", err(&y, &r));
+        let ga = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let p64 = probe.to_dtype(DType::F64).unwrap();
+        let gr = (r * p64).unwrap().sum_all().unwrap().backward().unwrap();
+        let e = err(ga.get(&qkv).unwrap(), gr.get(&q64).unwrap());
+        assert!(e < 1e-5, "{e}");
+    }
+
+    #[test]
+    fn a_width_that_does_not_split_into_heads_is_named() {
+        let qkv = Tensor::zeros((1, 4, 30), DType::F32, &Device::Cpu).unwrap();
+        let e = attention(&qkv, 4).unwrap_err().to_string();
+        assert!(e.contains("4 heads"), "{e}");
+    }
+}
