@@ -13,7 +13,7 @@ usage:
       only; `train` then draws each rank's centres from the seed).
   python reference.py train --data DIR --init INIT.pt --world 2 --width W --embedding E
       --margin M1,M2,M3 --scale S --batch B --epochs N --lr LR --momentum 0.9 --wd 5e-4
-      --warmup K --clip 5 --seed S [--out MODEL.pt] [--threads T] [--depth 18]
+      --warmup K --clip 5 --seed S [--out MODEL.pt] [--threads T] [--depth 18] [--gradient-acc N]
       [--classes C --sample-rate R]
       --sample-rate below 1 runs PartialFC v2's class sampling (positives kept, the rest by the
       top-k of random scores, the sampled rows indexed out of the shard). Also prints rank 0's
@@ -546,19 +546,25 @@ def worker(rank, args, port):
             t1 = clock(phase=True)
             loss = head(embeddings, labels)
             t2 = clock(phase=True)
+            # train_v2.py's gradient_acc: backward every batch, the step on global steps that
+            # are multiples of it, the schedule every batch.
+            window_ends = step % args.gradient_acc == 0
             if scaler is not None:
                 scaler.scale(loss).backward()
                 t3 = clock(phase=True)
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(backbone.parameters(), args.clip)
-                scaler.step(opt)
-                scaler.update()
+                if window_ends:
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(backbone.parameters(), args.clip)
+                    scaler.step(opt)
+                    scaler.update()
             else:
                 loss.backward()
                 t3 = clock(phase=True)
-                torch.nn.utils.clip_grad_norm_(backbone.parameters(), args.clip)
-                opt.step()
-            opt.zero_grad()
+                if window_ends:
+                    torch.nn.utils.clip_grad_norm_(backbone.parameters(), args.clip)
+                    opt.step()
+            if window_ends:
+                opt.zero_grad()
             sched.step()
             t4 = clock(phase=True)
             for k, (a, b) in {"data": (waited, t0), "forward": (t0, t1), "head": (t1, t2),
@@ -615,6 +621,8 @@ def main():
     p.add_argument("--wd", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--clip", type=float, default=5.0)
+    p.add_argument("--gradient-acc", type=int, default=1,
+                   help="arcface_torch's gradient_acc: batches summed per optimizer step")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: all)")

@@ -240,6 +240,9 @@ pub struct FaceOptions {
     pub val: Vec<PathBuf>,
     /// Verify every N steps (0: only at the end).
     pub verify_every: u64,
+    /// Batches whose gradients are summed before each optimizer step (arcface_torch's
+    /// `gradient_acc`; 1: a step per batch). The learning-rate schedule still moves every batch.
+    pub gradient_acc: u64,
 }
 
 /// Everything a run of a built-in recipe needs.

@@ -183,6 +183,40 @@ impl Step {
     }
 }
 
+impl Step {
+    /// A batch inside a gradient-accumulation window: backward of `loss` (scaled as
+    /// [`Step::run`] scales it, with the scale the window's step will unscale by) through
+    /// `backward`, no optimizer step, and the schedule moved on, as arcface_torch moves it every
+    /// batch. Returns the gradients for the caller to keep (a `Ddp` inside `no_sync` keeps its
+    /// own) and the backward's seconds.
+    pub fn accumulate<B, E>(
+        &mut self,
+        loss: &Tensor,
+        backward: B,
+        opt: &mut dyn TorchOptimizer,
+        step: u64,
+    ) -> Result<(GradStore, StepOutcome), StepError>
+    where
+        B: FnOnce(&Tensor) -> Result<GradStore, E>,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let clock = Instant::now();
+        let scaled = match self.scaler.as_ref() {
+            Some(s) => s.scale(loss).map_err(|source| StepError::Scaler { step, source })?,
+            None => loss.clone(),
+        };
+        let grads =
+            backward(&scaled).map_err(|e| StepError::Backward { step, source: e.into() })?;
+        phase_end(loss.device()).map_err(|e| StepError::Backward { step, source: e.into() })?;
+        let backward_secs = clock.elapsed().as_secs_f64();
+        if let Some(sched) = self.scheduler.as_mut() {
+            sched.step_optimizer(opt).map_err(|source| StepError::Schedule { step, source })?;
+        }
+        let optimizer_secs = clock.elapsed().as_secs_f64() - backward_secs;
+        Ok((grads, StepOutcome { stepped: false, backward_secs, optimizer_secs }))
+    }
+}
+
 /// Waits for `device`'s queued work when `TANDEM_PROFILE=phases` (or `ops`) asks for phase
 /// times that are the device's: kernels run asynchronously, so without the wait a phase's host
 /// clock measures its queueing and the GPU time lands in whichever later phase waits.

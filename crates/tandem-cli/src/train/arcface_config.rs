@@ -198,10 +198,7 @@ pub fn to_flags(
                     set("val", toml::Value::Array(files?));
                 }
             }
-            "gradient_acc" if value == &PyValue::Int(1) => {}
-            "gradient_acc" => {
-                return Err(bad("gradient accumulation is not in tandem's face recipe yet"))
-            }
+            "gradient_acc" => set("gradient-acc", value.as_uint(&bad)?),
             // DALI is only arcface_torch's faster loader of the same .rec: tandem's own loader
             // reads it. Its extra augmentation is another matter.
             "dali" => {}
@@ -552,8 +549,7 @@ mod tests {
 
     /// Every config of arcface_torch's configs/ folder (tests/fixtures/arcface_configs) reads
     /// to what Python itself makes of it (make_expected.py), key for key, base.py merged; and
-    /// each maps onto tandem's flags but those on random images, with gradient accumulation or
-    /// DALI's augmentation.
+    /// each maps onto tandem's flags but those on random images or with DALI's augmentation.
     #[test]
     fn every_arcface_torch_config_reads_as_python_reads_it() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/arcface_configs");
@@ -585,8 +581,7 @@ mod tests {
                 Err(e) => {
                     let e = e.to_string();
                     assert!(
-                        e.contains("gradient accumulation") && want["gradient_acc"] != 1
-                            || e.contains("DALI") && want["dali_aug"] == true
+                        e.contains("DALI") && want["dali_aug"] == true
                             || e.contains("synthetic") && want["rec"] == "synthetic",
                         "{name}: {e}"
                     );
@@ -595,7 +590,7 @@ mod tests {
             }
         }
         eprintln!(
-            "{mapped} configs map onto tandem's flags; {refused} accumulate, use DALI's augmentation or random images"
+            "{mapped} configs map onto tandem's flags; {refused} use DALI's augmentation or random images"
         );
         assert!(mapped >= 39, "{mapped}");
     }
@@ -630,8 +625,12 @@ mod tests {
         for (k, v) in want {
             assert_eq!(flags.get(k), Some(&v), "{k}");
         }
+        let acc = read_ok("config.network = \"vit_b_dp005_mask_005\"\nconfig.gradient_acc = 12\n");
+        let flags: BTreeMap<String, toml::Value> =
+            to_flags(path, &with_base(path, acc)).unwrap().into_iter().collect();
+        assert_eq!(flags.get("gradient-acc"), Some(&12.into()));
+        assert_eq!(flags.get("model"), Some(&"vit_b_dp005_mask_005".into()));
         for (text, why) in [
-            ("config.gradient_acc = 4\n", "gradient accumulation"),
             ("config.dali_aug = True\n", "DALI"),
             ("config.lr_typo = 1\n", "not one of"),
             ("config.network = \"r152\"\n", "unknown model"),

@@ -253,6 +253,11 @@ pub struct TrainConfig {
     #[arg(long = "interclass-filtering-threshold", default_value_t = 0.0)]
     #[serde(default)]
     pub interclass_filtering_threshold: f64,
+    /// Face models: batches whose gradients are summed before each optimizer step
+    /// (arcface_torch's `gradient_acc`); the learning-rate schedule still moves every batch.
+    #[arg(long = "gradient-acc", default_value_t = 1)]
+    #[serde(default = "default_gradient_acc")]
+    pub gradient_acc: u64,
     /// Face models: the number of identities (default: from the rec's header record).
     #[arg(long = "num-classes")]
     #[serde(default)]
@@ -298,6 +303,10 @@ fn default_margin() -> String {
 fn default_margin_scale() -> f64 {
     64.0
 }
+fn default_gradient_acc() -> u64 {
+    1
+}
+
 fn default_sample_rate() -> f64 {
     1.0
 }
@@ -420,6 +429,7 @@ impl TrainConfig {
                 num_classes: self.num_classes,
                 val: self.val.clone(),
                 verify_every: self.verbose,
+                gradient_acc: self.gradient_acc,
             },
         })
     }
@@ -508,6 +518,17 @@ impl TrainConfig {
         }
         if self.grad_scaler_growth_interval.is_some_and(|g| g < 1) {
             bail!("--grad-scaler-growth-interval must be at least 1");
+        }
+        if self.gradient_acc == 0 {
+            bail!("--gradient-acc must be at least 1 (1: a step per batch)");
+        }
+        if self.gradient_acc > 1 && !self.model.is_face() {
+            bail!(
+                "--gradient-acc {} applies to the face recipe (--model r50, mbf, vit_t, ...), not \
+                 --model {}",
+                self.gradient_acc,
+                self.model
+            );
         }
         Ok(())
     }
@@ -677,6 +698,9 @@ impl TrainConfig {
         push("--margin-scale", self.margin_scale.to_string());
         push("--sample-rate", self.sample_rate.to_string());
         push("--interclass-filtering-threshold", self.interclass_filtering_threshold.to_string());
+        if self.gradient_acc != 1 {
+            push("--gradient-acc", self.gradient_acc.to_string());
+        }
         if let Some(n) = self.num_classes {
             push("--num-classes", n.to_string());
         }

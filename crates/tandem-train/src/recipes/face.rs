@@ -98,6 +98,9 @@ pub struct Face<'a> {
     val: Vec<ValSet>,
     ckpt: Checkpointer,
     live: Option<LiveHead>,
+    /// The head's gradient summed over the batches of the open gradient-accumulation window
+    /// (dense: each batch may sample other rows); the backbone's is kept by Ddp's `no_sync`.
+    pending_head_grad: Option<candle_core::Tensor>,
 }
 
 /// `{"backbone": state_dict, "partial_fc": {"weight": [C, E]}}` from `--init-from` (a bare
@@ -266,6 +269,7 @@ impl<'a> Face<'a> {
                 mirror_secs: 0.0,
                 mirror_bytes: 0,
             }),
+            pending_head_grad: None,
         };
         Ok((recipe, loader, stepper))
     }
@@ -297,10 +301,10 @@ impl Recipe for Face<'_> {
         };
         let head_secs = clock.elapsed().as_secs_f64() - forward_secs;
         let (leaf, weight) = (self.head.grad_leaf(), self.head.weight().clone());
-        if let Some(rows) = self.head.grad_rows() {
-            // The head's gradient will hold the sampled rows only.
-            self.opt.set_grad_rows(self.ddp.params().len(), rows)?;
-        }
+        let rows = self.head.grad_rows();
+        // arcface_torch's gradient_acc: every batch's gradients are summed, the optimizer steps
+        // on the window's last batch (global steps that are multiples of it).
+        let window_ends = n.is_multiple_of(self.cfg.face.gradient_acc.max(1));
         let (ddp, backbone) = (&self.ddp, self.ddp.params());
         let backward = |l: &candle_core::Tensor| -> Result<_> {
             let mut grads = ddp.backward_with_local(l, std::slice::from_ref(&leaf))?;
@@ -311,6 +315,43 @@ impl Recipe for Face<'_> {
                 }
             }
             fault::hit(fault::Phase::Optimizer);
+            Ok(grads)
+        };
+        if !window_ends {
+            let (mut grads, out) =
+                step.accumulate(&loss, |l| ddp.no_sync(|_| backward(l)), self.opt.as_mut(), n)?;
+            if let Some(g) = grads.remove(weight.as_tensor()) {
+                let g = dense_rows(&weight, rows.as_deref(), &g)?;
+                self.pending_head_grad = Some(match self.pending_head_grad.take() {
+                    Some(sum) => (sum + g)?,
+                    None => g,
+                });
+            }
+            return Ok(StepReport {
+                loss: value,
+                pending_loss,
+                samples: batch.len(),
+                forward_secs,
+                head_secs,
+                backward_secs: out.backward_secs,
+                optimizer_secs: out.optimizer_secs,
+            });
+        }
+        let pending = self.pending_head_grad.take();
+        // The head's gradient will hold the sampled rows only (a window's sum is dense: this
+        // batch's rows go into it).
+        if let (Some(rows), None) = (&rows, &pending) {
+            self.opt.set_grad_rows(self.ddp.params().len(), rows.clone())?;
+        }
+        let backward = |l: &candle_core::Tensor| -> Result<_> {
+            let mut grads = backward(l)?;
+            if let Some(sum) = pending {
+                let g = match grads.remove(weight.as_tensor()) {
+                    Some(g) => (sum + dense_rows(&weight, rows.as_deref(), &g)?)?,
+                    None => sum,
+                };
+                grads.insert(weight.as_tensor(), g);
+            }
             Ok(grads)
         };
         let out = step.run(&loss, backward, self.opt.as_mut(), &backbone, n)?;
@@ -346,6 +387,14 @@ impl Recipe for Face<'_> {
     }
 
     fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>> {
+        if self.pending_head_grad.is_some() && ctx.group.rank() == 0 {
+            // Gradients are not part of the training state (nor of arcface_torch's).
+            eprintln!(
+                "warning: checkpoint at step {} is inside a --gradient-acc {} window: a run \
+                 resumed from it starts the window without this window's earlier batches",
+                ctx.global_step, self.cfg.face.gradient_acc
+            );
+        }
         let state = FaceState::new(&self.ddp, &mut self.head, self.opt.as_mut(), ctx.step)
             .order(&self.order)
             .global_step(ctx.global_step)
@@ -627,6 +676,22 @@ fn head_entry(rows: &RowBlock, own: &Value, rest: &Value, e: usize) -> Value {
         items.push((Value::Str(k.clone()), Value::Tensor(TensorData::from_f32(&[rows.len, e], t))));
     }
     Value::Dict(items)
+}
+
+/// The head's gradient `g` as the whole weight's: `g` itself, or for a sampled step (`rows`)
+/// its rows added into zeros.
+fn dense_rows(
+    weight: &Var,
+    rows: Option<&[u32]>,
+    g: &candle_core::Tensor,
+) -> candle_core::Result<candle_core::Tensor> {
+    match rows {
+        None => Ok(g.clone()),
+        Some(rows) => {
+            let ids = candle_core::Tensor::from_vec(rows.to_vec(), rows.len(), g.device())?;
+            weight.as_tensor().zeros_like()?.index_add(&ids, &g.to_dtype(weight.dtype())?, 0)
+        }
+    }
 }
 
 /// The seed of what step `global_step`'s forward on `rank` draws (splitmix64 of the three).
