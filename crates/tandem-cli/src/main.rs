@@ -31,6 +31,8 @@ enum Command {
     /// A face backbone's embeddings of images, folders or a RecordIO set, as a .npy
     /// (arcface_torch's inference.py).
     Embed(cmd::embed::Args),
+    /// Evaluate a face backbone: `ijb` is IJB-B/C 1:1 verification (insightface's eval_ijbc.py).
+    Eval(cmd::eval::Args),
     /// Write a built-in model's weights (mlp, cnn, resnet18, iresnet18 .. iresnet200 or
     /// r18 .. r200, mbf, mbf_large) as an ONNX model.
     Export(cmd::export::Args),
@@ -73,6 +75,7 @@ fn main() {
         Command::Data(a) => cmd::data::main(a),
         Command::Export(a) => cmd::export::main(a),
         Command::Embed(a) => cmd::embed::main(a),
+        Command::Eval(a) => cmd::eval::main(a),
         Command::Bench(a) => cmd::bench::main(a),
         Command::Check(a) => cmd::check::main(a),
     };

@@ -41,6 +41,7 @@ fn main() -> ExitCode {
         arcface_files_load_into_pytorch_sgd,
         verification_equals_pytorch_on_the_saved_model,
         embed_equals_pytorch_inference,
+        ijb_evaluation_of_a_trained_model_on_one_and_two_ranks,
     ];
     tests.extend(torch.into_iter().map(|t| t.skip_if(why.clone())));
     harness::main(tests)
@@ -1039,6 +1040,66 @@ fn verification_equals_pytorch_on_the_saved_model() {
 /// `tandem embed` (arcface_torch's inference.py for many images): the embeddings of a folder of
 /// images equal PyTorch's eval-mode IResNet on the same weights; a rec gives one row per image
 /// and the row names say where each came from.
+/// `tandem eval ijb` on a synthetic IJB-C set whose identities are the training set's: the
+/// trained model verifies them (TAR at FAR 0.1 well above chance), the files are written, two
+/// ranks score what one does, and a broken meta file is named.
+fn ijb_evaluation_of_a_trained_model_on_one_and_two_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = faces(dir.path(), 16, 8, "png");
+    let weights = dir.path().join("model.pt");
+    let r = p(&dir.path().join("r")).to_string();
+    train(
+        &data,
+        &["--nproc-per-node", "2", "--epochs", "4", "--out", &r, "--save-final", p(&weights)],
+    );
+    let ijb = dir.path().join("ijb");
+    let out = run(&["data", "synth-ijb", p(&ijb), "--identities", "12", "--per-template", "3"]);
+    assert!(out.contains("72 images in 24 templates, 36 template pairs"), "{out}");
+    let one = dir.path().join("one");
+    let table = run(&[
+        "eval",
+        "ijb",
+        p(&ijb),
+        "--model",
+        p(&weights),
+        "--network",
+        "r18",
+        "--out",
+        p(&one),
+        "--batch-size",
+        "8",
+    ]);
+    assert!(
+        table.contains("iresnet18-IJBC") && table.contains("72 images, 24 templates, 36 pairs"),
+        "{table}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(one.join("ijbc_tar_far.json")).unwrap())
+            .unwrap();
+    let tar = json["tar_at_far"]["1e-1"].as_f64().unwrap();
+    assert!(tar >= 0.5, "TAR@FAR=0.1 of a trained model on its own identities: {json}");
+    assert!(std::fs::read_to_string(one.join("ijbc_roc.svg")).unwrap().contains("<polyline"));
+    let scores = |d: &Path| {
+        let bytes = std::fs::read(d.join("ijbc.npy")).unwrap();
+        let data = &bytes[bytes.len() - 36 * 8..];
+        data.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>()
+    };
+    let two = dir.path().join("two");
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"));
+    c.args(["run", "--nproc-per-node", "2", "--", env!("CARGO_BIN_EXE_tandem")]);
+    c.args(["eval", "ijb", p(&ijb), "--model", p(&weights), "--network", "r18", "--out", p(&two)]);
+    let out = output_with_deadline(&mut c, LIMIT);
+    assert!(out.status.success(), "{}", text(&out));
+    for (a, b) in scores(&one).iter().zip(scores(&two)) {
+        assert!((a - b).abs() < 1e-5, "one rank {a}, two ranks {b}");
+    }
+    let pts = ijb.join("meta/ijbc_name_5pts_score.txt");
+    let text = std::fs::read_to_string(&pts).unwrap();
+    std::fs::write(&pts, text.lines().skip(1).collect::<Vec<_>>().join("\n")).unwrap();
+    let e = fails(&["eval", "ijb", p(&ijb), "--model", p(&weights), "--network", "r18"]);
+    assert!(e.contains("ijbc_name_5pts_score.txt"), "{e}");
+}
+
 fn embed_equals_pytorch_inference() {
     use tandem_data::recordio::{IndexedRecordReader, IrHeader};
     let dir = tempfile::tempdir().unwrap();

@@ -25,6 +25,7 @@ mod dataset;
 pub mod datasets;
 mod error;
 pub mod eval;
+pub mod face_align;
 mod loader;
 pub mod randperm;
 pub mod recordio;

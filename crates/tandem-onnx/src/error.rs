@@ -21,6 +21,8 @@ pub enum OnnxError {
     TooLarge { bytes: usize },
     #[error(transparent)]
     Write(#[from] CkptError),
+    #[error("{path}: {reason}")]
+    Read { path: String, reason: String },
 }
 
 pub type Result<T> = std::result::Result<T, OnnxError>;

@@ -84,3 +84,44 @@ pub fn export_to_file(arch: ModelKind, value: &tandem_ckpt::Value, path: &Path) 
         graph::OPSET,
     ))
 }
+
+/// A state dict read from a file: `(key, tensor)` in the file's order.
+pub type StateDict = Vec<(String, tandem_ckpt::TensorData)>;
+
+/// The weights of an ONNX model: the architecture its `tandem.model` metadata names (files
+/// tandem wrote; `None` for others) and its float initializers as a state dict — their names
+/// are the state-dict keys, as tandem and `torch.onnx.export` write them. Only raw float32
+/// data is read (what both write).
+pub fn read_weights(
+    path: impl AsRef<Path>,
+) -> Result<(Option<String>, StateDict)> {
+    let path = path.as_ref();
+    let shown = path.display().to_string();
+    let bad = |reason: String| OnnxError::Read { path: shown.clone(), reason };
+    let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+    let model = proto::ModelProto::decode(bytes.as_slice())
+        .map_err(|e| bad(format!("not an ONNX model: {e}")))?;
+    let arch =
+        model.metadata_props.iter().find(|p| p.key == "tandem.model").map(|p| p.value.clone());
+    let graph = model.graph.ok_or_else(|| bad("the model has no graph".into()))?;
+    let mut out = Vec::with_capacity(graph.initializer.len());
+    for t in graph.initializer {
+        if t.data_type != proto::FLOAT {
+            continue;
+        }
+        let shape: Vec<usize> = t.dims.iter().map(|&d| d.max(0) as usize).collect();
+        let numel: usize = shape.iter().product();
+        if t.raw_data.len() != numel * 4 {
+            return Err(bad(format!(
+                "initializer {}: {} bytes of raw data for shape {shape:?} (only raw float32 is read)",
+                t.name,
+                t.raw_data.len()
+            )));
+        }
+        out.push((
+            t.name,
+            tandem_ckpt::TensorData::from_bytes(tandem_ckpt::ElemType::F32, &shape, t.raw_data),
+        ));
+    }
+    Ok((arch, out))
+}

@@ -29,6 +29,7 @@ pub mod error;
 pub mod face;
 #[doc(hidden)]
 pub mod fault;
+pub mod ijb;
 pub mod live;
 pub mod live_entries;
 pub mod metrics;

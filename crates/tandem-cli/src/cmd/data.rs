@@ -1,7 +1,8 @@
 //! `tandem data`: dataset tools. `synth-faces DIR` writes a synthetic identity set in
 //! insightface's layout (`train.rec`/`train.idx` and a `pairs.bin` verification set), so the
 //! face-recognition recipe, its tests and its benchmark need no download; `pack DIR OUT` packs
-//! a folder of your own identities into that layout, as mxnet's im2rec does.
+//! a folder of your own identities into that layout, as mxnet's im2rec does; `synth-ijb DIR`
+//! writes a small IJB-B/C set for `tandem eval ijb`.
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
@@ -22,6 +23,26 @@ enum Command {
     /// OUT/train.rec, OUT/train.idx and OUT/train.lst, as mxnet's `im2rec --list --recursive`
     /// then `im2rec --pass-through` do (arcface_torch's prepare_custom_dataset.md).
     Pack(Pack),
+    /// Write a small synthetic IJB-B/C set in insightface's layout (DIR/meta/*.txt,
+    /// DIR/loose_crop/*.png) for `tandem eval ijb`.
+    SynthIjb(SynthIjb),
+}
+
+#[derive(clap::Args)]
+struct SynthIjb {
+    /// The directory to write (created if missing).
+    dir: PathBuf,
+    /// IJBB or IJBC (names the meta files).
+    #[arg(long, default_value = "IJBC", value_parser = ["IJBB", "IJBC"])]
+    target: String,
+    /// Identities, each with two templates (a genuine pair) and two impostor pairs.
+    #[arg(long, default_value_t = 20)]
+    identities: usize,
+    /// Images per template (in two media).
+    #[arg(long, default_value_t = 4)]
+    per_template: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 #[derive(clap::Args)]
@@ -69,6 +90,25 @@ enum Format {
 pub fn main(args: Args) -> anyhow::Result<i32> {
     match args.command {
         Command::SynthFaces(a) => synth_faces(a),
+        Command::SynthIjb(a) => {
+            let w = tandem_data::datasets::ijb::write_synthetic_ijb(
+                &a.dir,
+                &a.target,
+                a.identities,
+                a.per_template,
+                a.seed,
+            )
+            .with_context(|| format!("writing a synthetic IJB set to {}", a.dir.display()))?;
+            println!(
+                "wrote {} ({}): {} images in {} templates, {} template pairs",
+                a.dir.display(),
+                a.target,
+                w.images,
+                w.templates,
+                w.pairs
+            );
+            Ok(0)
+        }
         Command::Pack(a) => pack_folder(a),
     }
 }

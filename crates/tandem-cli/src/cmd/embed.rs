@@ -131,11 +131,20 @@ fn list_sources(inputs: &[String]) -> anyhow::Result<Vec<Source>> {
     Ok(out)
 }
 
-/// The backbone `kind` with the weights at `path`, its sizes read from them.
-fn load_backbone(kind: ModelKind, path: &Path) -> anyhow::Result<FaceBackbone> {
+/// The backbone `kind` with the weights at `path` (a state dict, a training checkpoint or its
+/// directory, or an ONNX model's initializers), its sizes read from them.
+pub(crate) fn load_backbone(kind: ModelKind, path: &Path) -> anyhow::Result<FaceBackbone> {
     let shown = path.display();
     let value = if path.is_dir() {
         super::ckpt::read(path)?
+    } else if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx")) {
+        let (_, tensors) = tandem_onnx::read_weights(path)?;
+        tandem_ckpt::Value::Dict(
+            tensors
+                .into_iter()
+                .map(|(k, t)| (tandem_ckpt::Value::Str(k), tandem_ckpt::Value::Tensor(t)))
+                .collect(),
+        )
     } else {
         tandem_ckpt::load(path).with_context(|| format!("reading {shown}"))?
     };
@@ -160,9 +169,11 @@ fn load_backbone(kind: ModelKind, path: &Path) -> anyhow::Result<FaceBackbone> {
     let embedding = dim("fc.weight")
         .filter(|_| kind.iresnet_depth().is_some())
         .or_else(|| dim("features.layers.2.weight"))
+        .or_else(|| dim("feature.2.weight").filter(|_| kind.vit().is_some()))
         .with_context(|| {
             format!(
-                "{shown}: no embedding layer of a {kind} (fc.weight or features.layers.2.weight)"
+                "{shown}: no embedding layer of a {kind} (fc.weight, features.layers.2.weight \
+                 or feature.2.weight)"
             )
         })?;
     let vars = OrderedVarMap::new();
@@ -175,19 +186,30 @@ fn load_backbone(kind: ModelKind, path: &Path) -> anyhow::Result<FaceBackbone> {
     Ok(model)
 }
 
-/// numpy's `.npy` (format 1.0): magic, header length, a dict padded so the data starts on a
-/// 64-byte boundary, then little-endian f32 in C order; written atomically.
+/// numpy's `.npy` of a float32 matrix (see [`write_npy_bytes`]).
 fn write_npy(path: &Path, data: &[f32], (rows, cols): (usize, usize)) -> anyhow::Result<()> {
-    let mut header =
-        format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
+    let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+    write_npy_bytes(path, "<f4", &format!("({rows}, {cols})"), &bytes)
+}
+
+/// numpy's `.npy` of a float64 vector (what `np.save` writes for eval_ijbc.py's scores).
+pub(crate) fn write_npy_f64(path: &Path, data: &[f64]) -> anyhow::Result<()> {
+    let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+    write_npy_bytes(path, "<f8", &format!("({},)", data.len()), &bytes)
+}
+
+/// numpy's `.npy` (format 1.0): magic, header length, a dict padded so the data starts on a
+/// 64-byte boundary, then the little-endian `data` in C order; written atomically.
+fn write_npy_bytes(path: &Path, descr: &str, shape: &str, data: &[u8]) -> anyhow::Result<()> {
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
     let unpadded = 6 + 2 + 2 + header.len() + 1;
     header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
     header.push('\n');
-    let mut bytes = Vec::with_capacity(10 + header.len() + data.len() * 4);
+    let mut bytes = Vec::with_capacity(10 + header.len() + data.len());
     bytes.extend_from_slice(b"\x93NUMPY\x01\x00");
     bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
     bytes.extend_from_slice(header.as_bytes());
-    bytes.extend(data.iter().flat_map(|v| v.to_le_bytes()));
+    bytes.extend_from_slice(data);
     tandem_ckpt::atomic::write_atomic(path, |f| {
         use std::io::Write;
         f.write_all(&bytes)

@@ -5,6 +5,7 @@ pub mod check;
 pub mod ckpt;
 pub mod data;
 pub mod embed;
+pub mod eval;
 pub mod export;
 pub mod run;
 pub mod sampler;

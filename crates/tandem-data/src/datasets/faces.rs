@@ -28,7 +28,7 @@ fn decode_rgb(bytes: &[u8]) -> Result<image::RgbImage, String> {
 
 /// A `side` x `side` RGB image as arcface_torch normalises it, `(x / 255 - 0.5) / 0.5`,
 /// channel-major, mirrored left-right when `flip`.
-fn normalised(rgb: &image::RgbImage, side: usize, flip: bool) -> Vec<f32> {
+pub(crate) fn normalised(rgb: &image::RgbImage, side: usize, flip: bool) -> Vec<f32> {
     let mut out = vec![0f32; 3 * side * side];
     for (x, y, px) in rgb.enumerate_pixels() {
         let (x, y) = (x as usize, y as usize);
@@ -372,7 +372,7 @@ pub struct SyntheticFaces {
 
 /// One synthetic face: a per-class pattern (smooth colour fields from the class's seed) plus
 /// per-image noise and a small shift, so classes are learnable and images within one differ.
-fn synthetic_face(class: usize, sample: u64, side: usize) -> image::RgbImage {
+pub(crate) fn synthetic_face(class: usize, sample: u64, side: usize) -> image::RgbImage {
     let mut rng = rand_mt::Mt64::new(0x5eed_face ^ ((class as u64) << 20));
     let mut f = || (rng.next_u64() % 10_000) as f32 / 10_000.0;
     let params: Vec<f32> = (0..12).map(|_| f()).collect();

@@ -6,6 +6,7 @@ mod cifar;
 mod digits;
 pub mod faces;
 mod idx;
+pub mod ijb;
 pub mod image_folder;
 mod synthetic;
 

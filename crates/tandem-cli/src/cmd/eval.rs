@@ -1,0 +1,183 @@
+//! `tandem eval ijb DIR --target IJBC --model WEIGHTS --network NAME`: insightface's
+//! `eval_ijbc.py` — IJB-B/C 1:1 verification of a face backbone. Every image of
+//! `DIR/meta/{target}_name_5pts_score.txt` is aligned to the arcface template from its five
+//! landmarks, embedded with its mirror image (eval mode), and scored as the script scores it
+//! (flip sum, detector-score weighting, media-then-template pooling, cosine per template
+//! pair); prints TAR at FAR 1e-6 … 1e-1 and writes `OUT/{target}.npy` (the pair scores),
+//! `OUT/{target}_roc.svg` and `OUT/{target}_tar_far.json`. Under `tandem run` the images are
+//! split over the ranks and rank 0 scores.
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Tensor};
+use tandem::train::ijb;
+use tandem_data::datasets::faces::FACE_SIDE;
+use tandem_data::datasets::ijb::IjbSet;
+use tandem_models::ModelKind;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Subcommand)]
+enum Command {
+    /// IJB-B/C 1:1 verification (insightface's eval_ijbc.py): TAR at FAR 1e-6 .. 1e-1.
+    Ijb(Ijb),
+}
+
+#[derive(clap::Args)]
+struct Ijb {
+    /// The IJB folder: meta/ and loose_crop/.
+    dir: PathBuf,
+    /// IJBB or IJBC.
+    #[arg(long, default_value = "IJBC", value_parser = ["IJBB", "IJBC"])]
+    target: String,
+    /// The backbone's weights: a state dict (arcface_torch's model.pt), a training checkpoint
+    /// or its directory, or an ONNX model `tandem export` wrote.
+    #[arg(long)]
+    model: PathBuf,
+    /// The backbone (r18 .. r200, mbf, vit_t, ...); read from a tandem ONNX file's metadata
+    /// when not given.
+    #[arg(long, value_parser = crate::train::config::choice::<ModelKind>())]
+    network: Option<ModelKind>,
+    /// Images per forward pass (each with its mirror).
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Where the scores, the ROC plot and the table go.
+    #[arg(long, default_value = "ijb_results")]
+    out: PathBuf,
+}
+
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    match args.command {
+        Command::Ijb(a) => ijb_main(a),
+    }
+}
+
+fn ijb_main(a: Ijb) -> anyhow::Result<i32> {
+    if a.batch_size == 0 {
+        bail!("--batch-size must be at least 1");
+    }
+    let network = match a.network {
+        Some(n) => n,
+        None => onnx_network(&a.model)?,
+    };
+    if !network.is_face() {
+        bail!("--network {network}: IJB evaluates a face backbone (r50, mbf, vit_t, ...)");
+    }
+    let set = IjbSet::open(&a.dir, &a.target)?;
+    let model = super::embed::load_backbone(network, &a.model)?;
+    // Under a launcher the ranks split the images (round robin) and rank 0 scores.
+    let group = match std::env::var("WORLD_SIZE") {
+        Ok(w) if w.trim() != "1" => Some(tandem::init().context("joining the job's ranks")?),
+        _ => None,
+    };
+    let (rank, world) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
+    let mine: Vec<usize> = (rank..set.images.len()).step_by(world).collect();
+    let mut rows: Vec<f32> = Vec::new();
+    let mut width = 0;
+    for chunk in mine.chunks(a.batch_size) {
+        let mut x = Vec::with_capacity(2 * chunk.len() * 3 * FACE_SIDE * FACE_SIDE);
+        for &i in chunk {
+            let [face, mirror] = set.face_and_mirror(i)?;
+            x.extend(face);
+            x.extend(mirror);
+        }
+        let x = Tensor::from_vec(x, (2 * chunk.len(), 3, FACE_SIDE, FACE_SIDE), &Device::Cpu)?;
+        let e = model.forward_t(&x, false)?.to_dtype(DType::F32)?;
+        width = e.dim(1)?;
+        rows.extend(e.flatten_all()?.to_vec1::<f32>()?);
+    }
+    // rows: per image of `mine`, its embedding then its mirror's.
+    let all = match &group {
+        None => vec![rows],
+        Some(g) => {
+            let bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
+            g.all_gather_bytes(&bytes)?
+                .into_iter()
+                .map(|b| {
+                    b.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect()
+                })
+                .collect()
+        }
+    };
+    if rank != 0 {
+        return Ok(0);
+    }
+    let width = if width == 0 { all.iter().map(Vec::len).max().unwrap_or(0) / 2 } else { width };
+    let n = set.images.len();
+    let (mut emb, mut flip) = (vec![Vec::new(); n], vec![Vec::new(); n]);
+    for (r, rows) in all.iter().enumerate() {
+        for (k, i) in (r..n).step_by(world).enumerate() {
+            let at = 2 * k * width;
+            emb[i] = rows[at..at + width].to_vec();
+            flip[i] = rows[at + width..at + 2 * width].to_vec();
+        }
+    }
+    let scores: Vec<f32> = set.images.iter().map(|im| im.score).collect();
+    let templates: Vec<i64> = set.images.iter().map(|im| im.template).collect();
+    let medias: Vec<i64> = set.images.iter().map(|im| im.media).collect();
+    let feats = ijb::image_features(&emb, &flip, &scores)?;
+    let (ids, tfeats) = ijb::template_features(&feats, &templates, &medias)?;
+    let pairs: Vec<(i64, i64)> = set.pairs.iter().map(|p| (p.0, p.1)).collect();
+    let labels: Vec<bool> = set.pairs.iter().map(|p| p.2).collect();
+    let pair_scores = ijb::pair_scores(&ids, &tfeats, &pairs)?;
+    let roc = ijb::roc_curve(&labels, &pair_scores)?;
+    let tars = ijb::tar_at_far(&roc, &ijb::FARS);
+    write_results(&a.out, &a.target, network, &pair_scores, &roc, &tars)?;
+    print!("{}", ijb::table(network.name(), &a.target, &tars));
+    println!(
+        "{} images, {} templates, {} pairs; scores, ROC and table in {}",
+        n,
+        ids.len(),
+        pairs.len(),
+        a.out.display()
+    );
+    Ok(0)
+}
+
+/// The architecture a tandem ONNX file names in its metadata.
+fn onnx_network(path: &Path) -> anyhow::Result<ModelKind> {
+    let is_onnx = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx"));
+    if !is_onnx {
+        bail!(
+            "--network is needed for {} (only a tandem ONNX file names its network)",
+            path.display()
+        );
+    }
+    let (arch, _) = tandem_onnx::read_weights(path)?;
+    let Some(arch) = arch else {
+        bail!("{}: no tandem.model metadata; name the network with --network", path.display())
+    };
+    arch.parse::<ModelKind>().with_context(|| format!("{}: tandem.model", path.display()))
+}
+
+fn write_results(
+    out: &Path,
+    target: &str,
+    network: ModelKind,
+    scores: &[f64],
+    roc: &ijb::Roc,
+    tars: &[f64],
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let t = target.to_lowercase();
+    super::embed::write_npy_f64(&out.join(format!("{t}.npy")), scores)?;
+    let svg = out.join(format!("{t}_roc.svg"));
+    std::fs::write(&svg, ijb::roc_svg(roc, &format!("{}-{target}", network.name())))
+        .with_context(|| format!("writing {}", svg.display()))?;
+    let table: serde_json::Map<String, serde_json::Value> = ijb::FARS
+        .iter()
+        .zip(tars)
+        .map(|(far, tar)| (format!("{far:e}"), serde_json::json!(tar)))
+        .collect();
+    let json = out.join(format!("{t}_tar_far.json"));
+    let doc = serde_json::json!({"network": network.name(), "target": target, "tar_at_far": table, "auc": ijb::auc(roc)});
+    std::fs::write(&json, serde_json::to_string_pretty(&doc)?)
+        .with_context(|| format!("writing {}", json.display()))?;
+    Ok(())
+}
