@@ -196,8 +196,8 @@ impl ModelKind {
             ModelKind::VitL => Some(VitConfig::VIT_L),
             ModelKind::VitTDp005Mask0 => Some(VitConfig::new(256, 12, 0.05, 0.0)),
             ModelKind::VitSDp005Mask0 => Some(VitConfig::new(512, 12, 0.05, 0.0)),
-            ModelKind::VitBDp005Mask005 => Some(VitConfig::new(512, 24, 0.05, 0.05)),
-            ModelKind::VitH => Some(VitConfig::new(1024, 48, 0.1, 0.0)),
+            ModelKind::VitBDp005Mask005 => Some(VitConfig::new(512, 24, 0.05, 0.05).checkpointed()),
+            ModelKind::VitH => Some(VitConfig::new(1024, 48, 0.1, 0.0).checkpointed()),
             _ => None,
         }
     }

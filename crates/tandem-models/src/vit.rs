@@ -16,9 +16,8 @@
 //! - `norm` (LayerNorm, eps 1e-5), then `feature`: `Linear(144·D → D, no bias)`,
 //!   `BatchNorm1d(D, eps 2e-5)`, `Linear(D → E, no bias)`, `BatchNorm1d(E, eps 2e-5)`.
 //!
-//! Not here: arcface_torch's activation checkpointing (`using_checkpoint`, on for `vit_b` and
-//! `vit_l`): candle's autograd cannot recompute a block in backward, so every block keeps its
-//! activations.
+//! With `using_checkpoint` (arcface_torch's for `vit_b` and larger) the blocks' activations are
+//! recomputed in backward instead of kept.
 use std::sync::Mutex;
 
 use candle_core::{DType, Tensor, Var};
@@ -56,6 +55,10 @@ pub struct VitConfig {
     pub drop_path_rate: f64,
     /// Masking is on in training when above 0 (it then drops 10% of the patches).
     pub mask_ratio: f64,
+    /// arcface_torch's `using_checkpoint`: in training each block's activations are recomputed
+    /// in backward rather than kept (`tandem_nn::checkpoint`), so deep ViTs train in the memory
+    /// of their block inputs. Needs tandem's backward (`Ddp::backward`, the trainer).
+    pub using_checkpoint: bool,
 }
 
 impl VitConfig {
@@ -63,18 +66,32 @@ impl VitConfig {
     pub const VIT_T: VitConfig = VitConfig::new(256, 12, 0.1, 0.1);
     /// `vit_s`: width 512, 12 blocks.
     pub const VIT_S: VitConfig = VitConfig::new(512, 12, 0.1, 0.1);
-    /// `vit_b`: width 512, 24 blocks.
-    pub const VIT_B: VitConfig = VitConfig::new(512, 24, 0.1, 0.1);
+    /// `vit_b`: width 512, 24 blocks, activation checkpointing.
+    pub const VIT_B: VitConfig = VitConfig::new(512, 24, 0.1, 0.1).checkpointed();
     /// `vit_l` (arcface_torch's `vit_l_dp005_mask_005`, its only large ViT): width 768, 24
-    /// blocks, drop path 0.05, masking on.
-    pub const VIT_L: VitConfig = VitConfig::new(768, 24, 0.05, 0.05);
+    /// blocks, drop path 0.05, masking on, activation checkpointing.
+    pub const VIT_L: VitConfig = VitConfig::new(768, 24, 0.05, 0.05).checkpointed();
 
     /// 8 heads and a 4x MLP, as every arcface_torch ViT.
     pub const fn new(embed_dim: usize, depth: usize, drop_path_rate: f64, mask_ratio: f64) -> Self {
-        VitConfig { embed_dim, depth, num_heads: 8, mlp_ratio: 4, drop_path_rate, mask_ratio }
+        VitConfig {
+            embed_dim,
+            depth,
+            num_heads: 8,
+            mlp_ratio: 4,
+            drop_path_rate,
+            mask_ratio,
+            using_checkpoint: false,
+        }
+    }
+
+    /// With activation checkpointing (arcface_torch's `using_checkpoint=True`).
+    pub const fn checkpointed(self) -> Self {
+        VitConfig { using_checkpoint: true, ..self }
     }
 }
 
+#[derive(Clone)]
 struct LayerNorm {
     weight: Tensor,
     bias: Tensor,
@@ -93,6 +110,7 @@ impl LayerNorm {
     }
 }
 
+#[derive(Clone)]
 struct Block {
     norm1: LayerNorm,
     norm2: LayerNorm,
@@ -120,12 +138,23 @@ impl Block {
         Ok(Block { norm1, norm2, qkv, proj, fc1, fc2, num_heads: cfg.num_heads, drop_path })
     }
 
-    fn forward(&self, x: &Tensor, drop: &mut DropPath) -> candle_core::Result<Tensor> {
+    fn forward(&self, x: &Tensor, masks: Option<&[Tensor; 2]>) -> candle_core::Result<Tensor> {
         let a = self.attention(&self.norm1.forward(x)?)?;
-        let x = (x + drop.apply(&a, self.drop_path)?)?;
+        let x = (x + dropped(&a, masks.map(|m| &m[0]))?)?;
         let h = relu6(&self.fc1.forward(&self.norm2.forward(&x)?)?)?;
         let m = self.fc2.forward(&h)?;
-        x + drop.apply(&m, self.drop_path)?
+        x + dropped(&m, masks.map(|m| &m[1]))?
+    }
+
+    /// The block's variables.
+    fn params(&self) -> Vec<Tensor> {
+        let mut out = vec![self.norm1.weight.clone(), self.norm1.bias.clone()];
+        out.extend([self.norm2.weight.clone(), self.norm2.bias.clone()]);
+        for l in [&self.qkv, &self.proj, &self.fc1, &self.fc2] {
+            out.push(l.weight().clone());
+            out.extend(l.bias().cloned());
+        }
+        out
     }
 
     fn attention(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -134,24 +163,40 @@ impl Block {
 }
 
 /// Stochastic depth over a forward: in training each sample's residual branch is kept with
-/// probability `1 − p` (and then scaled by `1 / (1 − p)`), as timm's `DropPath`.
+/// probability `1 − p` (and then scaled by `1 / (1 − p)`), as timm's `DropPath`. The masks are
+/// drawn before a block runs, so a checkpointed block recomputes with the same ones.
 struct DropPath<'a> {
     rng: Option<&'a mut StdRng>,
 }
 
 impl DropPath<'_> {
-    fn apply(&mut self, branch: &Tensor, p: f64) -> candle_core::Result<Tensor> {
-        let Some(rng) = self.rng.as_deref_mut() else { return Ok(branch.clone()) };
+    /// The two `[N, 1, 1]` masks (attention, MLP) of a block with rate `p`; `None` when off.
+    fn masks(
+        &mut self,
+        n: usize,
+        p: f64,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<Option<[Tensor; 2]>> {
+        let Some(rng) = self.rng.as_deref_mut() else { return Ok(None) };
         if p <= 0.0 {
-            return Ok(branch.clone());
+            return Ok(None);
         }
         let keep = 1.0 - p;
-        let n = branch.dim(0)?;
-        let mask: Vec<f32> = (0..n)
-            .map(|_| if rng.random::<f64>() < keep { (1.0 / keep) as f32 } else { 0.0 })
-            .collect();
-        let mask = Tensor::from_vec(mask, (n, 1, 1), branch.device())?.to_dtype(branch.dtype())?;
-        branch.broadcast_mul(&mask)
+        let mut draw = || -> candle_core::Result<Tensor> {
+            let mask: Vec<f32> = (0..n)
+                .map(|_| if rng.random::<f64>() < keep { (1.0 / keep) as f32 } else { 0.0 })
+                .collect();
+            Tensor::from_vec(mask, (n, 1, 1), device)
+        };
+        Ok(Some([draw()?, draw()?]))
+    }
+}
+
+/// `branch · mask` (a sample's whole branch kept, scaled, or dropped).
+fn dropped(branch: &Tensor, mask: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    match mask {
+        Some(m) => branch.broadcast_mul(&m.to_dtype(branch.dtype())?),
+        None => Ok(branch.clone()),
     }
 }
 
@@ -162,7 +207,7 @@ pub struct Vit {
     mask_token: Tensor,
     patch_weight: Tensor,
     patch_bias: Tensor,
-    blocks: Vec<Block>,
+    blocks: Vec<std::sync::Arc<Block>>,
     norm: LayerNorm,
     feature_linear: FastLinear,
     feature_bn: FastBatchNorm2d,
@@ -205,7 +250,7 @@ impl Vit {
                     1 => 0.0,
                     n => cfg.drop_path_rate * i as f64 / (n - 1) as f64,
                 };
-                Block::new(&cfg, rate, vb.pp("blocks").pp(i.to_string()))
+                Block::new(&cfg, rate, vb.pp("blocks").pp(i.to_string())).map(std::sync::Arc::new)
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         let norm = LayerNorm::new(d, vb.pp("norm"))?;
@@ -330,7 +375,17 @@ impl Vit {
         };
         let mut drop = DropPath { rng: drop_rng };
         for block in &self.blocks {
-            x = block.forward(&x, &mut drop)?;
+            let masks = drop.masks(n, block.drop_path, x.device())?;
+            x = if train && self.cfg.using_checkpoint {
+                // arcface_torch's using_checkpoint: the block's activations are recomputed in
+                // backward (with the same masks) instead of kept.
+                let (b, m) = (std::sync::Arc::clone(block), masks.clone());
+                let f: tandem_nn::CheckpointFn =
+                    std::sync::Arc::new(move |x| b.forward(x, m.as_ref()));
+                tandem_nn::checkpoint(&x, f, block.params())?
+            } else {
+                block.forward(&x, masks.as_ref())?
+            };
         }
         let x = self.norm.forward(&x)?;
         let x = match &order {

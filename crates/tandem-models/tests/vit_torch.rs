@@ -130,3 +130,52 @@ fn arcface_torch_s_sizes_and_bad_input() {
         model.forward_masked(&formula(&[2, 3, 112, 112], 0.5, 1.0), &formula(&[2, 100], 1.0, 1.0));
     assert!(e.unwrap_err().to_string().contains("[2, 144]"));
 }
+
+#[test]
+fn activation_checkpointing_gives_the_same_values_and_gradients() {
+    // The same weights in two models, one recomputing its blocks in backward; masks and
+    // stochastic depth on, drawn from the same seed.
+    let cfg = VitConfig { drop_path_rate: 0.5, mask_ratio: 0.1, ..SMALL };
+    let build = |cfg: VitConfig| {
+        let vars = OrderedVarMap::new();
+        let model = Vit::new(cfg, 16, vars.var_builder(DType::F32, &Device::Cpu)).unwrap();
+        for (i, (name, var)) in vars.named().iter().enumerate() {
+            if !name.ends_with("num_batches_tracked") {
+                var.set(&filled(name, var.dims(), i, |_, _, _| None)).unwrap();
+            }
+        }
+        (vars, model)
+    };
+    let (plain_vars, plain) = build(cfg);
+    let (ckpt_vars, ckpt) = build(cfg.checkpointed());
+    let x = formula(&[6, 3, 112, 112], 0.5, 1.0);
+    let probe = formula(&[6, 16], 1.5, 1.0);
+    let run = |model: &Vit| {
+        model.seed(3);
+        let y = model.forward_t(&x, true).unwrap();
+        let loss = (&y * &probe).unwrap().sum_all().unwrap();
+        (y, tandem_nn::backward(&loss).unwrap())
+    };
+    let (ya, ga) = run(&plain);
+    let (yb, gb) = run(&ckpt);
+    assert_eq!(ya.to_vec2::<f32>().unwrap(), yb.to_vec2::<f32>().unwrap());
+    let (na, nb) = (plain_vars.named(), ckpt_vars.named());
+    let mut compared = 0;
+    for ((name, a), (_, b)) in na.iter().zip(&nb) {
+        let (Some(a), Some(b)) = (ga.get(a.as_tensor()), gb.get(b.as_tensor())) else {
+            assert!(ga.get(a.as_tensor()).is_none() && gb.get(b.as_tensor()).is_none(), "{name}");
+            continue;
+        };
+        let (a, b) = (
+            a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert_eq!(a, b, "gradient of {name}");
+        compared += 1;
+    }
+    assert_eq!(compared, 34, "every parameter's gradient");
+    // Under candle's own backward the recomputed blocks' gradients could not be handed on.
+    let y = ckpt.forward_t(&x, true).unwrap();
+    let e = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap_err().to_string();
+    assert!(e.contains("tandem_nn::backward"), "{e}");
+}

@@ -91,6 +91,12 @@ pub fn backward(loss: &Tensor) -> candle_core::Result<GradStore> {
     Ok(grads)
 }
 
+/// Whether this thread is inside [`backward`] (where ops may hand parameter gradients to
+/// [`take_param_grad`]).
+pub(crate) fn in_backward_scope() -> bool {
+    TAKEN.with(|t| t.borrow().is_some())
+}
+
 /// Called by a fused op's backward with the gradient of its parameter operand `param`: inside
 /// [`backward`], and when `param` is a variable (a model's weight, not a view of one), keeps
 /// `grad` for the store and returns `None` (the op hands candle no gradient for it); otherwise

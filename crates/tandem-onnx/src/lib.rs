@@ -92,9 +92,7 @@ pub type StateDict = Vec<(String, tandem_ckpt::TensorData)>;
 /// tandem wrote; `None` for others) and its float initializers as a state dict — their names
 /// are the state-dict keys, as tandem and `torch.onnx.export` write them. Only raw float32
 /// data is read (what both write).
-pub fn read_weights(
-    path: impl AsRef<Path>,
-) -> Result<(Option<String>, StateDict)> {
+pub fn read_weights(path: impl AsRef<Path>) -> Result<(Option<String>, StateDict)> {
     let path = path.as_ref();
     let shown = path.display().to_string();
     let bad = |reason: String| OnnxError::Read { path: shown.clone(), reason };
