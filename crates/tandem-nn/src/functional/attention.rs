@@ -7,11 +7,13 @@
 //! the permute and three `contiguous` copies of Q, K and V, Kᵀ copied again, the probabilities
 //! kept for backward, then in backward each slice's gradient padded with zeros to the full
 //! `[3, N, H, T, D/H]` and summed. Here the products read Q, K and V in place from the
-//! projection (strided views), the forward keeps nothing but its output, and the backward
-//! recomputes each head's probabilities (one T×T product: cheaper than keeping them) and writes
-//! dQ, dK and dV straight into the projection's gradient. Samples run in parallel, heads in
+//! projection (strided views), the forward keeps its output and the probabilities (as PyTorch
+//! keeps `attn`), and the backward writes dQ, dK and dV straight into the projection's
+//! gradient. Samples run in parallel, heads in
 //! order: each value comes from the same sums in the same order whatever the thread count.
 //! Other dtypes and devices take candle's composition.
+use std::sync::Mutex;
+
 use candle_core::{CpuStorage, CustomOp1, DType, IndexOp, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -31,7 +33,7 @@ pub fn attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     }
     let d = three_d / 3;
     if qkv.device().is_cpu() && qkv.dtype() == DType::F32 {
-        return qkv.contiguous()?.apply_op1(Attention { heads });
+        return qkv.contiguous()?.apply_op1(Attention { heads, probs: Mutex::new(None) });
     }
     let hd = d / heads;
     let qkv = qkv.reshape((n, t, 3, heads, hd))?.permute((2, 0, 3, 1, 4))?;
@@ -43,6 +45,9 @@ pub fn attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
 
 struct Attention {
     heads: usize,
+    /// The forward's probabilities, `[N, H, T, T]`, kept for backward (as PyTorch keeps
+    /// `attn`): taken by the backward, so they live as long as the graph needs them.
+    probs: Mutex<Option<Vec<f32>>>,
 }
 
 /// One sample's shapes: tokens, width, head width, and the softmax scale.
@@ -90,17 +95,20 @@ impl CustomOp1 for Attention {
         let (n, dm) = self.dims(l)?;
         let Dims { t, d, hd, .. } = dm;
         let mut y = vec![0f32; n * t * d];
+        let heads = self.heads;
+        let mut probs = vec![0f32; n * heads * t * t];
         if t > 0 && d > 0 {
-            y.par_chunks_mut(t * d).zip(qkv.par_chunks(t * 3 * d)).for_each(|(y, qkv)| {
-                let mut p = vec![0f32; t * t];
-                for h in 0..self.heads {
-                    probabilities(qkv, h, dm, &mut p);
-                    let pv = View { data: &p, rs: t, cs: 1 };
+            let per_sample = y.par_chunks_mut(t * d).zip(probs.par_chunks_mut(heads * t * t));
+            per_sample.zip(qkv.par_chunks(t * 3 * d)).for_each(|((y, probs), qkv)| {
+                for (h, p) in probs.chunks_exact_mut(t * t).enumerate() {
+                    probabilities(qkv, h, dm, p);
+                    let pv = View { data: p, rs: t, cs: 1 };
                     let v = View { data: &qkv[2 * d + h * hd..], rs: 3 * d, cs: 1 };
                     matmul((t, hd, t), &mut y[h * hd..], d, pv, v, false, 1);
                 }
             });
         }
+        *self.probs.lock().unwrap_or_else(|p| p.into_inner()) = Some(probs);
         Ok((CpuStorage::F32(y), Shape::from((n, t, d))))
     }
 
@@ -108,18 +116,27 @@ impl CustomOp1 for Attention {
         let (_, dm) = self.dims(qkv.layout())?;
         let Dims { t, d, hd, scale } = dm;
         let g = g.contiguous()?;
+        let kept = self.probs.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let heads = self.heads;
         let gqkv = with_f32_slice(qkv, |qkv| {
             with_f32_slice(&g, |g| {
                 let mut gqkv = vec![0f32; qkv.len()];
                 if t == 0 || d == 0 {
                     return gqkv;
                 }
-                let chunks = gqkv.par_chunks_mut(t * 3 * d);
+                let chunks = gqkv.par_chunks_mut(t * 3 * d).enumerate();
                 chunks.zip(qkv.par_chunks(t * 3 * d).zip(g.par_chunks(t * d))).for_each(
-                    |(gqkv, (qkv, g))| {
+                    |((s, gqkv), (qkv, g))| {
                         let (mut p, mut dp) = (vec![0f32; t * t], vec![0f32; t * t]);
-                        for h in 0..self.heads {
-                            probabilities(qkv, h, dm, &mut p);
+                        for h in 0..heads {
+                            // The forward's, or recomputed (a second backward of the graph).
+                            match &kept {
+                                Some(all) => {
+                                    let at = (s * heads + h) * t * t;
+                                    p.copy_from_slice(&all[at..at + t * t]);
+                                }
+                                None => probabilities(qkv, h, dm, &mut p),
+                            }
                             let gy = View { data: &g[h * hd..], rs: d, cs: 1 };
                             // dV = Pᵀ·dY
                             let pt = View { data: &p, rs: 1, cs: t };
