@@ -208,7 +208,8 @@ pub struct SyntheticIjb {
 
 /// A small IJB set in insightface's layout under `dir`: `identities` identities, each with two
 /// templates of `per_template` images in two media; every image a synthetic face
-/// ([`super::faces`]'s patterns) placed in a 160x160 loose crop by a random similarity, with
+/// ([`super::faces`]'s patterns, under a random colour cast, contrast and noise) placed in a
+/// 160x160 loose crop by a random similarity, with
 /// its landmarks (the template's points moved the same way, plus noise) and a detector score in
 /// [0.6, 1). Pairs: each identity's two templates (genuine), and each template against the next
 /// identity's (impostor).
@@ -241,7 +242,17 @@ pub fn write_synthetic_ijb(
             let template = (2 * id + k) as i64 + 1;
             for j in 0..per_template {
                 let media = template * 100 + (j % 2) as i64;
-                let face = super::faces::synthetic_face(id, (k * per_template + j) as u64, 112);
+                let mut face = super::faces::synthetic_face(id, (k * per_template + j) as u64, 112);
+                // Capture conditions: a colour cast and contrast per image, and sensor noise,
+                // so that verifying takes more than matching colours.
+                let gains = [uniform(0.55, 1.45), uniform(0.55, 1.45), uniform(0.55, 1.45)];
+                let offset = uniform(-40.0, 40.0);
+                for px in face.pixels_mut() {
+                    for (c, v) in px.0.iter_mut().enumerate() {
+                        let noisy = f64::from(*v) * gains[c] + offset + uniform(-45.0, 45.0);
+                        *v = noisy.clamp(0.0, 255.0) as u8;
+                    }
+                }
                 // A similarity from the 112x112 face into the loose crop.
                 let (s, a) = (uniform(0.9, 1.2), uniform(-0.3, 0.3));
                 let (tx, ty) = (uniform(10.0, 30.0), uniform(10.0, 30.0));
