@@ -170,13 +170,14 @@ fn write_results(
     let svg = out.join(format!("{t}_roc.svg"));
     std::fs::write(&svg, ijb::roc_svg(roc, &format!("{}-{target}", network.name())))
         .with_context(|| format!("writing {}", svg.display()))?;
-    let table: serde_json::Map<String, serde_json::Value> = ijb::FARS
-        .iter()
-        .zip(tars)
-        .map(|(far, tar)| (format!("{far:e}"), serde_json::json!(tar)))
-        .collect();
     let json = out.join(format!("{t}_tar_far.json"));
-    let doc = serde_json::json!({"network": network.name(), "target": target, "tar_at_far": table, "auc": ijb::auc(roc)});
+    let doc = serde_json::json!({
+        "network": network.name(),
+        "target": target,
+        "far": ijb::FARS,
+        "tar": tars,
+        "auc": ijb::auc(roc),
+    });
     std::fs::write(&json, serde_json::to_string_pretty(&doc)?)
         .with_context(|| format!("writing {}", json.display()))?;
     Ok(())
