@@ -26,7 +26,7 @@ enum Command {
     /// Inspect, convert, diff and load-check checkpoints (.pt / .safetensors).
     Ckpt(cmd::ckpt::Args),
     /// Dataset tools: `synth-faces` writes a synthetic face identity set (RecordIO + pairs.bin),
-    /// `pack` packs a folder of identities into RecordIO.
+    /// `pack` packs a folder of identities into RecordIO, `synth-ijb` a small IJB-B/C set.
     Data(cmd::data::Args),
     /// A face backbone's embeddings of images, folders or a RecordIO set, as a .npy
     /// (arcface_torch's inference.py).
@@ -34,7 +34,7 @@ enum Command {
     /// Evaluate a face backbone: `ijb` is IJB-B/C 1:1 verification (insightface's eval_ijbc.py).
     Eval(cmd::eval::Args),
     /// Write a built-in model's weights (mlp, cnn, resnet18, iresnet18 .. iresnet200 or
-    /// r18 .. r200, mbf, mbf_large) as an ONNX model.
+    /// r18 .. r200, mbf, mbf_large, vit_t .. vit_l) as an ONNX model.
     Export(cmd::export::Args),
     /// Benchmarks that print ratios against a reference measured in the same run (runs the
     /// `tandem-bench` program beside this one).

@@ -22,7 +22,7 @@ pub struct Args {
     /// Image files, folders of images, or rec:DIR (every image of DIR/train.rec).
     #[arg(required = true)]
     inputs: Vec<String>,
-    /// The backbone (r18 .. r200, iresnet18 .. iresnet200, mbf, mbf_large); sizes are read
+    /// The backbone (r18 .. r200, iresnet18 .. iresnet200, mbf, mbf_large, vit_t ..); sizes are read
     /// from the weights.
     #[arg(long, value_parser = crate::train::config::choice::<ModelKind>())]
     model: ModelKind,
