@@ -279,13 +279,14 @@ impl TorchAdam {
     }
 }
 
-/// The in-place CPU f32 update (`fused::adam`), bit-identical to [`update_tensor_form`].
-/// A gradient of rows `rows` only (see `TorchOptimizer::set_grad_rows`) as the dense one.
-pub(crate) fn densify(var: &Var, rows: &[u32], grad_rows: &Tensor) -> candle_core::Result<Tensor> {
+/// A gradient of rows `rows` only (see `TorchOptimizer::set_grad_rows`) as the dense one: the
+/// rows added into zeros of `var`'s shape.
+pub fn densify(var: &Var, rows: &[u32], grad_rows: &Tensor) -> candle_core::Result<Tensor> {
     let ids = Tensor::from_vec(rows.to_vec(), rows.len(), grad_rows.device())?;
     var.as_tensor().zeros_like()?.index_add(&ids, &grad_rows.to_dtype(var.dtype())?, 0)
 }
 
+/// The in-place CPU f32 update (`fused::adam`), bit-identical to [`update_tensor_form`].
 fn update_fused(
     h: &AdamHyper,
     state: &mut Option<AdamState>,

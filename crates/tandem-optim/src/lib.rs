@@ -123,7 +123,7 @@ mod tensor;
 #[cfg(feature = "zero")]
 pub mod zero;
 
-pub use adam::{AdamConfig, AdamWConfig, TorchAdam, TorchAdamW};
+pub use adam::{densify, AdamConfig, AdamWConfig, TorchAdam, TorchAdamW};
 pub use amp::{GradScaler, GradScalerConfig};
 pub use checkpointable::OptimizerState;
 pub use clip::{clip_grad_norm, ClipError};

@@ -317,7 +317,30 @@ impl Recipe for Face<'_> {
             fault::hit(fault::Phase::Optimizer);
             Ok(grads)
         };
-        if !window_ends {
+        let out = if window_ends {
+            let pending = self.pending_head_grad.take();
+            // The head's gradient will hold the sampled rows only (a window's sum is dense:
+            // this batch's rows go into it).
+            if let (Some(rows), None) = (&rows, &pending) {
+                self.opt.set_grad_rows(self.ddp.params().len(), rows.clone())?;
+            }
+            let backward = |l: &candle_core::Tensor| -> Result<_> {
+                let mut grads = backward(l)?;
+                if let Some(sum) = pending {
+                    let g = match grads.remove(weight.as_tensor()) {
+                        Some(g) => (sum + dense_rows(&weight, rows.as_deref(), &g)?)?,
+                        None => sum,
+                    };
+                    grads.insert(weight.as_tensor(), g);
+                }
+                Ok(grads)
+            };
+            let out = step.run(&loss, backward, self.opt.as_mut(), &backbone, n)?;
+            if let Some(live) = self.live.as_mut() {
+                live.rows_step = n;
+            }
+            out
+        } else {
             let (mut grads, out) =
                 step.accumulate(&loss, |l| ddp.no_sync(|_| backward(l)), self.opt.as_mut(), n)?;
             if let Some(g) = grads.remove(weight.as_tensor()) {
@@ -327,37 +350,8 @@ impl Recipe for Face<'_> {
                     None => g,
                 });
             }
-            return Ok(StepReport {
-                loss: value,
-                pending_loss,
-                samples: batch.len(),
-                forward_secs,
-                head_secs,
-                backward_secs: out.backward_secs,
-                optimizer_secs: out.optimizer_secs,
-            });
-        }
-        let pending = self.pending_head_grad.take();
-        // The head's gradient will hold the sampled rows only (a window's sum is dense: this
-        // batch's rows go into it).
-        if let (Some(rows), None) = (&rows, &pending) {
-            self.opt.set_grad_rows(self.ddp.params().len(), rows.clone())?;
-        }
-        let backward = |l: &candle_core::Tensor| -> Result<_> {
-            let mut grads = backward(l)?;
-            if let Some(sum) = pending {
-                let g = match grads.remove(weight.as_tensor()) {
-                    Some(g) => (sum + dense_rows(&weight, rows.as_deref(), &g)?)?,
-                    None => sum,
-                };
-                grads.insert(weight.as_tensor(), g);
-            }
-            Ok(grads)
+            out
         };
-        let out = step.run(&loss, backward, self.opt.as_mut(), &backbone, n)?;
-        if let Some(live) = self.live.as_mut() {
-            live.rows_step = n;
-        }
         Ok(StepReport {
             loss: value,
             pending_loss,
@@ -687,10 +681,7 @@ fn dense_rows(
 ) -> candle_core::Result<candle_core::Tensor> {
     match rows {
         None => Ok(g.clone()),
-        Some(rows) => {
-            let ids = candle_core::Tensor::from_vec(rows.to_vec(), rows.len(), g.device())?;
-            weight.as_tensor().zeros_like()?.index_add(&ids, &g.to_dtype(weight.dtype())?, 0)
-        }
+        Some(rows) => tandem_optim::densify(weight, rows, g),
     }
 }
 
