@@ -71,7 +71,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     if sources.is_empty() {
         bail!("no images in {}", args.inputs.join(" "));
     }
-    let model = load_backbone(args.model, &args.weights)?;
+    let (_, model) = load_backbone(Some(args.model), &args.weights)?;
     let mut rows: Vec<f32> = Vec::new();
     let mut width = 0;
     for chunk in sources.chunks(args.batch_size) {
@@ -131,22 +131,38 @@ fn list_sources(inputs: &[String]) -> anyhow::Result<Vec<Source>> {
     Ok(out)
 }
 
-/// The backbone `kind` with the weights at `path` (a state dict, a training checkpoint or its
-/// directory, or an ONNX model's initializers), its sizes read from them.
-pub(crate) fn load_backbone(kind: ModelKind, path: &Path) -> anyhow::Result<FaceBackbone> {
+/// The backbone with the weights at `path` (a state dict, a training checkpoint or its
+/// directory, or an ONNX model's initializers), its sizes read from them; `kind`, or when
+/// `None` the network a tandem ONNX file names in its metadata (the file is read once).
+pub(crate) fn load_backbone(
+    kind: Option<ModelKind>,
+    path: &Path,
+) -> anyhow::Result<(ModelKind, FaceBackbone)> {
     let shown = path.display();
-    let value = if path.is_dir() {
-        super::ckpt::read(path)?
-    } else if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx")) {
-        let (_, tensors) = tandem_onnx::read_weights(path)?;
-        tandem_ckpt::Value::Dict(
-            tensors
-                .into_iter()
-                .map(|(k, t)| (tandem_ckpt::Value::Str(k), tandem_ckpt::Value::Tensor(t)))
-                .collect(),
-        )
+    let is_onnx = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx"));
+    let (arch, value) = if path.is_dir() {
+        (None, super::ckpt::read(path)?)
+    } else if is_onnx {
+        let (arch, tensors) = tandem_onnx::read_weights(path)?;
+        let dict = tensors
+            .into_iter()
+            .map(|(k, t)| (tandem_ckpt::Value::Str(k), tandem_ckpt::Value::Tensor(t)))
+            .collect();
+        (arch, tandem_ckpt::Value::Dict(dict))
     } else {
-        tandem_ckpt::load(path).with_context(|| format!("reading {shown}"))?
+        (None, tandem_ckpt::load(path).with_context(|| format!("reading {shown}"))?)
+    };
+    let kind = match (kind, arch) {
+        (Some(kind), _) => kind,
+        (None, Some(arch)) => {
+            arch.parse::<ModelKind>().with_context(|| format!("{shown}: tandem.model"))?
+        }
+        (None, None) if is_onnx => {
+            bail!("{shown}: no tandem.model metadata; name the network with --network")
+        }
+        (None, None) => {
+            bail!("--network is needed for {shown} (only a tandem ONNX file names its network)")
+        }
     };
     // A face checkpoint holds the network under `backbone`.
     let value = value.get("backbone").cloned().unwrap_or(value);
@@ -183,7 +199,7 @@ pub(crate) fn load_backbone(kind: ModelKind, path: &Path) -> anyhow::Result<Face
     named.load_state_dict(&value).with_context(|| {
         format!("{shown}: the weights of a {kind} (width {width}, {embedding}-d)")
     })?;
-    Ok(model)
+    Ok((kind, model))
 }
 
 /// numpy's `.npy` of a float32 matrix (see [`write_npy_bytes`]).

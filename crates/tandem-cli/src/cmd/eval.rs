@@ -60,15 +60,11 @@ fn ijb_main(a: Ijb) -> anyhow::Result<i32> {
     if a.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
-    let network = match a.network {
-        Some(n) => n,
-        None => onnx_network(&a.model)?,
-    };
-    if !network.is_face() {
+    if let Some(network) = a.network.filter(|n| !n.is_face()) {
         bail!("--network {network}: IJB evaluates a face backbone (r50, mbf, vit_t, ...)");
     }
     let set = IjbSet::open(&a.dir, &a.target)?;
-    let model = super::embed::load_backbone(network, &a.model)?;
+    let (network, model) = super::embed::load_backbone(a.network, &a.model)?;
     // Under a launcher the ranks split the images (round robin) and rank 0 scores.
     let group = match std::env::var("WORLD_SIZE") {
         Ok(w) if w.trim() != "1" => Some(tandem::init().context("joining the job's ranks")?),
@@ -138,22 +134,6 @@ fn ijb_main(a: Ijb) -> anyhow::Result<i32> {
         a.out.display()
     );
     Ok(0)
-}
-
-/// The architecture a tandem ONNX file names in its metadata.
-fn onnx_network(path: &Path) -> anyhow::Result<ModelKind> {
-    let is_onnx = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx"));
-    if !is_onnx {
-        bail!(
-            "--network is needed for {} (only a tandem ONNX file names its network)",
-            path.display()
-        );
-    }
-    let (arch, _) = tandem_onnx::read_weights(path)?;
-    let Some(arch) = arch else {
-        bail!("{}: no tandem.model metadata; name the network with --network", path.display())
-    };
-    arch.parse::<ModelKind>().with_context(|| format!("{}: tandem.model", path.display()))
 }
 
 fn write_results(
