@@ -1042,7 +1042,8 @@ fn verification_equals_pytorch_on_the_saved_model() {
 /// and the row names say where each came from.
 /// `tandem eval ijb` on a synthetic IJB-C set whose identities are the training set's: the
 /// trained model verifies them (TAR at FAR 0.1 well above chance), the files are written, two
-/// ranks score what one does, and a broken meta file is named.
+/// ranks score what one does, its ONNX export scores what its checkpoint does, and a broken
+/// meta file is named.
 fn ijb_evaluation_of_a_trained_model_on_one_and_two_ranks() {
     let dir = tempfile::tempdir().unwrap();
     let data = faces(dir.path(), 16, 8, "png");
@@ -1094,6 +1095,22 @@ fn ijb_evaluation_of_a_trained_model_on_one_and_two_ranks() {
     for (a, b) in scores(&one).iter().zip(scores(&two)) {
         assert!((a - b).abs() < 1e-5, "one rank {a}, two ranks {b}");
     }
+    // The same weights as a tandem ONNX file, its network read from the file: the same scores.
+    let onnx = dir.path().join("model.onnx");
+    run(&["export", p(&weights), "--model", "r18", p(&onnx)]);
+    let from_onnx = dir.path().join("onnx");
+    run(&[
+        "eval",
+        "ijb",
+        p(&ijb),
+        "--model",
+        p(&onnx),
+        "--out",
+        p(&from_onnx),
+        "--batch-size",
+        "8",
+    ]);
+    assert_eq!(scores(&from_onnx), scores(&one), "scores from the ONNX file's weights");
     let pts = ijb.join("meta/ijbc_name_5pts_score.txt");
     let text = std::fs::read_to_string(&pts).unwrap();
     std::fs::write(&pts, text.lines().skip(1).collect::<Vec<_>>().join("\n")).unwrap();

@@ -146,7 +146,13 @@ pub(crate) fn load_backbone(
         let (arch, tensors) = tandem_onnx::read_weights(path)?;
         let dict = tensors
             .into_iter()
-            .map(|(k, t)| (tandem_ckpt::Value::Str(k), tandem_ckpt::Value::Tensor(t)))
+            .map(|(k, mut t)| {
+                // The export stores PReLU slopes as [C, 1, 1] to broadcast over the planes.
+                if t.shape.len() == 3 && t.shape[1..] == [1, 1] {
+                    t = tandem_ckpt::TensorData::from_storage(t.dtype, &t.shape[..1], t.storage);
+                }
+                (tandem_ckpt::Value::Str(k), tandem_ckpt::Value::Tensor(t))
+            })
             .collect();
         (arch, tandem_ckpt::Value::Dict(dict))
     } else {
@@ -196,10 +202,32 @@ pub(crate) fn load_backbone(
     let model =
         FaceBackbone::new(kind, width, embedding, 0.0, vars.var_builder(DType::F32, &Device::Cpu))?;
     let named = vars.named_vars().freeze(FaceBackbone::frozen(kind))?;
+    let value = if is_onnx { with_training_only_keys(value, &vars)? } else { value };
     named.load_state_dict(&value).with_context(|| {
         format!("{shown}: the weights of a {kind} (width {width}, {embedding}-d)")
     })?;
     Ok((kind, model))
+}
+
+/// An exported inference graph leaves out what only training reads (BatchNorm's
+/// `num_batches_tracked`, a ViT's `mask_token`): those keys come from the freshly built model,
+/// so the strict load still checks every weight the graph holds.
+fn with_training_only_keys(
+    value: tandem_ckpt::Value,
+    vars: &OrderedVarMap,
+) -> anyhow::Result<tandem_ckpt::Value> {
+    let tandem_ckpt::Value::Dict(mut items) = value else { return Ok(value) };
+    let has = |items: &[(tandem_ckpt::Value, tandem_ckpt::Value)], key: &str| {
+        items.iter().any(|(k, _)| matches!(k, tandem_ckpt::Value::Str(s) if s == key))
+    };
+    for (name, var) in vars.named() {
+        let training_only = name.ends_with("num_batches_tracked") || name == "mask_token";
+        if training_only && !has(&items, &name) {
+            let t = tandem_nn::convert::to_ckpt(var.as_tensor())?;
+            items.push((tandem_ckpt::Value::Str(name), tandem_ckpt::Value::Tensor(t)));
+        }
+    }
+    Ok(tandem_ckpt::Value::Dict(items))
 }
 
 /// numpy's `.npy` of a float32 matrix (see [`write_npy_bytes`]).
