@@ -69,13 +69,19 @@ fn mirror(image: &[f32], side: usize) -> Vec<f32> {
     image.chunks_exact(side).flat_map(|row| row.iter().rev().copied()).collect()
 }
 
-/// A deterministic coin from (seed, epoch, index): the same flips for any world size.
-fn flip_coin(seed: u64, epoch: u64, index: u64) -> bool {
-    let mut z = seed ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ index.rotate_left(32);
-    // splitmix64's finaliser
+/// A well-mixed 64-bit hash of `(seed, a, b)` (splitmix64's finaliser): randomness keyed by
+/// position rather than drawn from a stream, so it is the same for any world size and after a
+/// resume.
+pub fn keyed_hash(seed: u64, a: u64, b: u64) -> u64 {
+    let mut z = seed ^ a.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ b.rotate_left(32);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    (z ^ (z >> 31)) & 1 == 1
+    z ^ (z >> 31)
+}
+
+/// A deterministic coin from (seed, epoch, index): the same flips for any world size.
+fn flip_coin(seed: u64, epoch: u64, index: u64) -> bool {
+    keyed_hash(seed, epoch, index) & 1 == 1
 }
 
 /// A face identity set: an insightface RecordIO file, as arcface_torch's `MXFaceDataset` reads

@@ -17,7 +17,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Var};
 use tandem_ckpt::{TensorData, Value};
 use tandem_comm::{Collectives, LiveOptions, ProcessGroup};
-use tandem_data::datasets::faces::FaceRecDataset;
+use tandem_data::datasets::faces::{keyed_hash, FaceRecDataset};
 use tandem_data::{Batch, DataLoader, Dataset, LoaderOptions};
 use tandem_ddp::{Ddp, DdpOptions};
 use tandem_models::FaceBackbone;
@@ -286,7 +286,8 @@ impl Recipe for Face<'_> {
         let model = &self.model;
         // What the forward draws (a ViT's masks and stochastic depth) is keyed by seed, rank
         // and step: a resumed or regrouped run draws what an uninterrupted one would.
-        model.seed(draw_seed(self.cfg.run.seed, self.ddp.rank(), n));
+        let seed = keyed_hash(self.cfg.run.seed, self.ddp.rank() as u64, n);
+        model.seed(seed);
         let embeddings = self.autocast.apply(&batch.x, false, |x| model.forward_t(x, true))?;
         fault::hit(fault::Phase::Forward);
         crate::step::phase_end(&self.device)?;
@@ -683,15 +684,6 @@ fn dense_rows(
         None => Ok(g.clone()),
         Some(rows) => tandem_optim::densify(weight, rows, g),
     }
-}
-
-/// The seed of what step `global_step`'s forward on `rank` draws (splitmix64 of the three).
-fn draw_seed(seed: u64, rank: usize, global_step: u64) -> u64 {
-    let mut z =
-        seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ global_step.rotate_left(32);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// The head: this rank's rows of `--init-from`'s centres, or N(0, 0.01) from the seed.
