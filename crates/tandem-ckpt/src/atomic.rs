@@ -53,14 +53,3 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
     let d = File::open(dir).map_err(|e| CkptError::io(dir, e))?;
     d.sync_all().map_err(|e| CkptError::io(dir, e))
 }
-
-/// Like [`write_atomic`] for writers that insist on opening a path themselves: `fill` gets the
-/// temp file's path.
-pub fn write_atomic_via_path(path: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let (dir, tmp) = temp_beside(path)?;
-    let tmp = tmp.into_temp_path();
-    fill(&tmp)?;
-    File::open(&tmp).and_then(|f| f.sync_all()).map_err(|e| CkptError::io(path, e))?;
-    tmp.persist(path).map_err(|e| CkptError::io(path, e.error))?;
-    sync_dir(&dir)
-}

@@ -463,14 +463,6 @@ impl Value {
         }
     }
 
-    /// Mutable items of a dict or an OrderedDict.
-    pub fn as_dict_mut(&mut self) -> Option<&mut Vec<(Value, Value)>> {
-        match self {
-            Value::Dict(v) | Value::OrderedDict { items: v, .. } => Some(v),
-            _ => None,
-        }
-    }
-
     /// This value with every OrderedDict made a plain dict (its `_metadata` dropped): what a
     /// reader without `keep_ordered_dicts` returns.
     pub fn into_plain(self) -> Value {

@@ -42,6 +42,11 @@ fn a_large_file_read_whole_equals_the_mapped_load_and_what_was_saved() {
     };
     assert_eq!(get("big"), big);
     assert_eq!(get("small"), small);
+    // Both loads keep the bytes in a mapping (the file's, or the anonymous one it was read
+    // into); a tensor built in memory does not.
+    let storage = |v: &Value| v.get("big").unwrap().as_tensor().unwrap().storage.is_mapped();
+    assert!(storage(&read) && storage(&mapped));
+    assert!(!TensorData::from_f32(&[2], &[1.0, 2.0]).storage.is_mapped());
     // Checksums over the bytes the threads read.
     let verified = LoadOptions { mmap: false, verify_checksums: true, ..Default::default() };
     assert_eq!(load_with(&path, &verified).unwrap(), read);

@@ -291,6 +291,7 @@ fn subgroups_and_a_two_dimensional_mesh_from_one_store() {
             assert_eq!(odd.is_some(), pg.rank() % 2 == 1);
             // 2 x 3: [[0, 1, 2], [3, 4, 5]]; "shard" along rows, "replicate" down columns.
             let mesh = DeviceMesh::new(&pg, &[2, 3], Some(&["replicate", "shard"])).unwrap();
+            assert_eq!(mesh.dim_names(), ["replicate", "shard"]);
             let mut row_sum = vec![pg.rank() as i64];
             mesh.group_named("shard").unwrap().all_reduce(&mut row_sum, ReduceOp::Sum).unwrap();
             let mut col_sum = vec![pg.rank() as i64];

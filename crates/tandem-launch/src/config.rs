@@ -335,17 +335,6 @@ impl LaunchConfig {
         Ok(cfg)
     }
 
-    /// A launch of this very executable (how `tandem train` starts its own ranks): `args` are
-    /// the workers' arguments.
-    pub fn for_current_exe(
-        args: impl IntoIterator<Item = impl Into<OsString>>,
-    ) -> Result<Self, LaunchError> {
-        let exe = std::env::current_exe().map_err(|e| {
-            LaunchError::config("PROGRAM", format!("cannot find this executable to re-run it: {e}"))
-        })?;
-        Ok(LaunchConfig::new(exe, args))
-    }
-
     /// Whether launchers on several nodes must agree on each round.
     pub fn is_multi_node(&self) -> bool {
         self.nnodes > 1

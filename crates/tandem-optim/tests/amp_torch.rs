@@ -520,3 +520,24 @@ fn fixture_is_reproduced_by_torch() {
         "grad_scaler.json differs from what torch makes now; rerun make_fixtures.py"
     );
 }
+
+/// torch's `scaler.update(new_scale)` and `is_enabled()`: the scale set by hand (and kept in the
+/// state dict), a scale float32 cannot hold refused by name; a disabled scaler ignores both.
+#[test]
+fn update_to_sets_the_scale_by_hand_and_refuses_a_bad_one() {
+    let mut scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
+    assert!(scaler.is_enabled());
+    scaler.update_to(512.0).unwrap();
+    assert_eq!(scaler.get_scale(), 512.0);
+    assert_eq!(scaler.state_dict().get("scale"), Some(&tandem_ckpt::Value::Float(512.0)));
+    for bad in [0.0, -1.0, f64::INFINITY, 1e39] {
+        let err = scaler.update_to(bad).unwrap_err().to_string();
+        assert!(err.contains("new_scale"), "{bad}: {err}");
+    }
+    assert_eq!(scaler.get_scale(), 512.0, "a refused scale changes nothing");
+    let mut off =
+        GradScaler::new(GradScalerConfig { enabled: false, ..Default::default() }).unwrap();
+    assert!(!off.is_enabled());
+    off.update_to(-1.0).unwrap();
+    assert_eq!(off.get_scale(), 1.0);
+}
