@@ -14,6 +14,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use tandem_train::events::{Regroup, Resplit};
+use tandem_train::metrics::{read_metrics, MetricsRecord};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 enum Recipe {
@@ -60,7 +62,7 @@ struct RunResult {
     eval_loss: f64,
     eval_accuracy: f64,
     kills: usize,
-    /// Seconds from each kill to the first regroup line after it.
+    /// Seconds from each kill to the first regroup recorded after it.
     recover_s: Vec<f64>,
     /// Steps redone, per failure regroup.
     redone: Vec<u64>,
@@ -155,7 +157,9 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
         .spawn()
         .context("starting the live job")?;
     let started = Instant::now();
-    let (tx, rx) = mpsc::channel::<(Instant, String)>();
+    // The job's output is drained (a full pipe would stall it) and kept for an error message;
+    // its results are read from the run's metrics file, never from its text.
+    let (tx, rx) = mpsc::channel::<String>();
     for stream in [
         child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
         child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
@@ -166,16 +170,17 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
         let tx = tx.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                let _ = tx.send((Instant::now(), line));
+                let _ = tx.send(line);
             }
         });
     }
     drop(tx);
     let launcher = child.id() as i32;
     let mut result = RunResult::default();
-    let mut kills: Vec<Instant> = Vec::new();
+    // Kills as seconds since the Unix epoch, the clock the regroup records carry.
+    let mut kills: Vec<f64> = Vec::new();
     let mut next_kill = kill_every.map(|k| started + k);
-    let mut lines: Vec<(Instant, String)> = Vec::new();
+    let mut lines: Vec<String> = Vec::new();
     let limit = Duration::from_secs(1800);
     loop {
         if started.elapsed() > limit {
@@ -192,49 +197,61 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
                 if let Some(pid) = a_worker_of(launcher) {
                     // SAFETY: kill(2) on a process this benchmark's job started.
                     unsafe { libc::kill(pid, libc::SIGKILL) };
-                    kills.push(Instant::now());
+                    kills.push(unix_now());
                 }
                 next_kill = Some(at + every);
             }
         }
     }
     let status = child.wait()?;
-    let end = lines.iter().find(|(_, l)| l.contains("final: ")).map(|(t, _)| *t);
-    let Some(end) = end.filter(|_| status.success()) else {
-        let tail: Vec<&str> = lines.iter().rev().take(30).map(|(_, l)| l.as_str()).collect();
+    if !status.success() {
+        let tail: Vec<&str> = lines.iter().rev().take(30).map(String::as_str).collect();
         bail!(
             "the live job failed ({status}):\n{}",
             tail.into_iter().rev().collect::<Vec<_>>().join("\n")
         );
-    };
-    result.wall_s = (end - started).as_secs_f64();
-    // The run's typed result (rank 0's metrics file; under live recovery rank 0 may have
+    }
+    result.wall_s = started.elapsed().as_secs_f64();
+    // The run's typed records (rank 0's metrics file; under live recovery rank 0 may have
     // changed, and every rank 0 appends to the same file).
     let metrics = dir.join("runs/live-bench/metrics.jsonl");
-    let records = tandem_train::metrics::read_metrics(&metrics)?;
+    let records = read_metrics(&metrics)?;
     let summary = tandem_train::metrics::last_summary(&metrics)?
         .with_context(|| format!("no run summary in {}", metrics.display()))?;
     result.eval_accuracy = summary.eval_accuracy.unwrap_or(f64::NAN);
     result.verification = summary.verification_accuracy.unwrap_or(f64::NAN);
-    for (_, l) in lines.iter().filter(|(_, l)| l.contains("live: head rows:")) {
-        // `head rows: K kept, M moved, R restored from mirrors, L reloaded; S row-steps ...`
-        let count = |what: &str| -> u64 {
-            let end = l.find(what).unwrap_or(0);
-            l[..end].split_whitespace().next_back().and_then(|n| n.parse().ok()).unwrap_or(0)
-        };
-        result.from_mirror += count(" restored from mirrors");
-        result.reloaded += count(" reloaded;");
-        result.row_steps_lost += count(" row-steps");
+    let regroups: Vec<&Regroup> = records
+        .iter()
+        .filter_map(|r| match r {
+            MetricsRecord::Regrouped(g) => Some(g),
+            _ => None,
+        })
+        .collect();
+    for g in &regroups {
+        if let Some(Resplit::HeadRows(c)) = g.resplit {
+            result.from_mirror += c.from_mirror;
+            result.reloaded += c.reloaded;
+            result.row_steps_lost += c.stale_row_steps;
+        }
     }
-    if let Some((_, l)) = lines.iter().find(|(_, l)| l.contains("live: head mirror every")) {
-        result.mirror_line = l.split("live: head mirror ").nth(1).unwrap_or_default().to_string();
+    if let Some(m) = records.iter().find_map(|r| match r {
+        MetricsRecord::MirrorCost(m) => Some(m),
+        _ => None,
+    }) {
+        result.mirror_line = format!(
+            "every {} step(s): {} taken, {} KiB sent per rank each, {:.2} ms each on rank 0",
+            m.every,
+            m.taken,
+            m.bytes_per_rank.div_ceil(1024),
+            m.mean_secs * 1e3
+        );
     }
     result.eval_loss = records
         .iter()
         .rev()
         .find_map(|r| match r {
-            tandem_train::metrics::MetricsRecord::Epoch(e) => e.eval_loss,
-            tandem_train::metrics::MetricsRecord::Summary(_) => None,
+            MetricsRecord::Epoch(e) => e.eval_loss,
+            _ => None,
         })
         .unwrap_or(f64::NAN);
     // Every sample of every epoch, once (the dataset's size from the run's header is not
@@ -247,24 +264,21 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
     };
     result.samples = (a.epochs() * per_epoch) as f64;
     result.kills = kills.len();
-    let regroups: Vec<&(Instant, String)> =
-        lines.iter().filter(|(_, l)| l.contains("live: regrouped")).collect();
     for k in &kills {
-        if let Some((t, _)) = regroups.iter().find(|(t, _)| t > k) {
-            result.recover_s.push((*t - *k).as_secs_f64());
+        if let Some(g) = regroups.iter().find(|g| g.at_unix_s > *k) {
+            result.recover_s.push(g.at_unix_s - k);
         }
     }
-    for (_, l) in regroups.iter().filter(|(_, l)| !l.contains("(a rank joins)")) {
-        if let Some(n) = l
-            .split(';')
-            .next_back()
-            .and_then(|s| s.split_whitespace().next())
-            .and_then(|n| n.parse().ok())
-        {
-            result.redone.push(n);
-        }
+    for g in regroups.iter().filter(|g| g.cause != "a rank joins") {
+        result.redone.push(g.redone);
     }
     Ok(result)
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// A live worker process of the launcher `launcher` (its children that run `train`).

@@ -87,7 +87,7 @@ fn outcome(run: &Path) -> (BTreeMap<String, Vec<u8>>, Vec<u64>) {
         .into_iter()
         .filter_map(|r| match r {
             MetricsRecord::Epoch(e) => Some(e.train_loss.to_bits()),
-            MetricsRecord::Summary(_) => None,
+            _ => None,
         })
         .collect();
     (all, losses)

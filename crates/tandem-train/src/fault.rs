@@ -1,6 +1,9 @@
 //! Test-only fault injection for live recovery: a rank kills itself (SIGKILL, as the OOM killer
 //! or a lost machine would) at an exact point of a step, so the tests can reach the points an
-//! outside `kill -9` hits only by chance. Off unless `TANDEM_TEST_FAULT` is set.
+//! outside `kill -9` hits only by chance. Compiled in only with the `fault-injection` feature
+//! (the test build turns it on; a release build has no self-kill in it), and even then off
+//! unless `TANDEM_TEST_FAULT` is set. A build without it refuses a job that sets the variable
+//! ([`check_build`]) rather than run it without the faults the test counts on.
 //!
 //! `TANDEM_TEST_FAULT=PHASE@STEP` and `TANDEM_TEST_FAULT_MEMBER=M[,M...]`: the processes of
 //! those member slots (their first start only, never a replacement) die at PHASE of step STEP
@@ -66,11 +69,26 @@ fn fault() -> Option<&'static Fault> {
     FAULT.get_or_init(parse).as_ref()
 }
 
-/// Whether faults are being injected in this job at all (every rank then registers the comm
-/// hook, so their hooks agree).
+/// Whether faults are asked for in this job at all (every rank then registers the comm hook,
+/// so their hooks agree).
 pub fn armed() -> bool {
+    cfg!(feature = "fault-injection") && asked()
+}
+
+fn asked() -> bool {
     std::env::var_os("TANDEM_TEST_FAULT").is_some()
         || std::env::var_os("TANDEM_TEST_FAULT_SEND_MEMBER").is_some()
+}
+
+/// Faults asked for in a build that cannot inject them: a test would wait for a death that
+/// never comes.
+pub fn check_build() -> Result<(), String> {
+    if asked() && !cfg!(feature = "fault-injection") {
+        return Err("TANDEM_TEST_FAULT is set, but this build has no fault injection (build \
+                    tandem-train with the `fault-injection` feature; the test build does)"
+            .into());
+    }
+    Ok(())
 }
 
 /// Records the step being taken (1-based).
@@ -91,6 +109,9 @@ fn send_member() -> bool {
 
 /// Dies here if this process is the one to die at `phase` of the current step.
 pub fn hit(phase: Phase) {
+    if !cfg!(feature = "fault-injection") {
+        return;
+    }
     if phase == Phase::Send && send_member() {
         die(phase, 0);
     }
@@ -100,15 +121,19 @@ pub fn hit(phase: Phase) {
     }
 }
 
+#[cfg(feature = "fault-injection")]
 fn die(phase: Phase, step: u64) {
     let member = std::env::var("RANK").unwrap_or_default();
-    eprintln!("fault injection: member {member} dies at {phase:?} of step {step}");
+    tracing::warn!("fault injection: member {member} dies at {phase:?} of step {step}");
     // SAFETY: kill(2) on this process; no memory is touched.
     unsafe {
         libc::kill(libc::getpid(), libc::SIGKILL);
     }
     std::process::abort();
 }
+
+#[cfg(not(feature = "fault-injection"))]
+fn die(_phase: Phase, _step: u64) {}
 
 /// Ddp's all-reduce average with the `allreduce` fault point in front.
 pub struct FaultHook;

@@ -13,9 +13,10 @@
 //!   scheduler, scaler and loader saved and loaded in one call each
 //!   ([`save_state`]/[`load_state`], over [`checkpoint`]), resumable on any world size;
 //! - [`live`]: keeping a loop running through a rank's death (`tandem run --live-recovery`);
-//! - [`metrics`]: a run's typed results ([`EpochMetrics`], [`RunSummary`]) and the JSON-lines
-//!   file a script reads them from; [`tfevents`] (TensorBoard scalars) and [`progress`] (rank 0's
-//!   bar or lines);
+//! - [`events`]: what a run reports as it happens ([`Event`]), to the [`Logger`]s a
+//!   [`Reporter`] holds; [`metrics`]: a run's typed results ([`EpochMetrics`], [`RunSummary`])
+//!   and the JSON-lines file a script reads them from; [`tfevents`] (TensorBoard scalars) and
+//!   [`training_log`] (arcface_torch's log), all three loggers of the run directory;
 //! - [`verification`]: face verification sets (`.bin` pairs), scored by every rank together;
 //!   [`face`]: the face recipe's state (backbone + PartialFC head) as a [`TrainingStateDict`]
 //!   and back, on any world size.
@@ -23,9 +24,11 @@
 //! - [`recipes`]: the built-in recipes run from typed [`options`] — the classifier and the face
 //!   recipe (`tandem train` is a thin shell over [`recipes::train`]).
 //!
-//! It knows nothing of command lines: the `tandem` binary maps its flags onto these types.
+//! It knows nothing of command lines and never prints: the `tandem` binary maps its flags onto
+//! these types and prints the events.
 pub mod checkpoint;
 pub mod error;
+pub mod events;
 pub mod face;
 #[doc(hidden)]
 pub mod fault;
@@ -34,7 +37,6 @@ pub mod live;
 pub mod live_entries;
 pub mod metrics;
 pub mod options;
-pub mod progress;
 pub mod recipes;
 pub mod schedule;
 pub mod state;
@@ -46,9 +48,9 @@ pub mod verification;
 
 pub use checkpoint::{Checkpointer, Saved, ShardDict, ShardSlice, TrainingStateDict};
 pub use error::TrainError;
+pub use events::{Event, Logger, Reporter};
 pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
 pub use options::TrainOptions;
-pub use progress::Progress;
 pub use schedule::{LrSchedule, RunLength, Scheduler, Warmup};
 pub use state::{load_state, load_state_from, save_state, Resumed, StateError, TrainingState};
 pub use step::{Step, StepError, StepOutcome};

@@ -55,7 +55,7 @@ impl LiveError {
 }
 
 /// What a regroup changed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct WorldChange {
     pub generation: u64,
     /// Member slots of the new world, in rank order.

@@ -1,12 +1,15 @@
 //! A run's results as types, and the JSON-lines file a script reads them from: one object per
-//! line, `{"kind":"epoch",...}` after every epoch and `{"kind":"summary",...}` at the end (rank
-//! 0 writes it; every line is flushed as written, so a file cut short by a crash still parses
+//! line, `{"kind":"epoch",...}` after every epoch, `{"kind":"regrouped",...}` when a live world
+//! re-forms and `{"kind":"summary",...}` at the end (rank 0 writes it, as a [`Logger`] of the
+//! run's events; every line is flushed as written, so a file cut short by a crash still parses
 //! line by line).
 use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+
+use crate::events::{Event, Logger, MirrorCost, Regroup};
 
 /// One verification set's result (LFW-style 10-fold accuracy).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -90,9 +93,14 @@ pub struct RunSummary {
 /// One line of a metrics file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum MetricsRecord {
     Epoch(EpochMetrics),
     Summary(RunSummary),
+    /// A live world re-formed (`tandem run --live-recovery`).
+    Regrouped(Regroup),
+    /// What live recovery's mirrors cost over the run.
+    MirrorCost(MirrorCost),
 }
 
 /// Why a metrics file could not be written or read.
@@ -142,6 +150,19 @@ impl MetricsFile {
     }
 }
 
+impl Logger for MetricsFile {
+    fn log(&mut self, event: &Event) -> std::io::Result<()> {
+        let record = match event {
+            Event::EpochEnded { metrics, .. } => MetricsRecord::Epoch(metrics.clone()),
+            Event::Finished(summary) => MetricsRecord::Summary((**summary).clone()),
+            Event::Regrouped(r) => MetricsRecord::Regrouped(r.clone()),
+            Event::MirrorCost(m) => MetricsRecord::MirrorCost(m.clone()),
+            _ => return Ok(()),
+        };
+        self.write(&record).map_err(std::io::Error::other)
+    }
+}
+
 /// Every record of a metrics file, in order.
 pub fn read_metrics(path: &Path) -> Result<Vec<MetricsRecord>, MetricsError> {
     let io = |source| MetricsError::Io { path: path.to_path_buf(), source };
@@ -166,7 +187,7 @@ pub fn read_metrics(path: &Path) -> Result<Vec<MetricsRecord>, MetricsError> {
 pub fn last_summary(path: &Path) -> Result<Option<RunSummary>, MetricsError> {
     Ok(read_metrics(path)?.into_iter().rev().find_map(|r| match r {
         MetricsRecord::Summary(s) => Some(s),
-        MetricsRecord::Epoch(_) => None,
+        _ => None,
     }))
 }
 

@@ -136,8 +136,6 @@ pub struct RunOptions {
     pub resume: bool,
     /// TensorBoard scalars into `dir/tensorboard` (rank 0).
     pub tensorboard: bool,
-    /// Rank 0's progress bar and epoch lines.
-    pub progress: bool,
     /// A text stored in every checkpoint as its `config` (the run's settings).
     pub record: String,
     /// Steps left out of the run's samples/s (one-off costs of the first steps).

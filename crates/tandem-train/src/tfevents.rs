@@ -8,6 +8,8 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::events::{Event, Logger};
+
 /// Appends scalar events to one TensorBoard event file.
 pub struct EventWriter {
     path: PathBuf,
@@ -74,6 +76,53 @@ impl Drop for EventWriter {
         let _ = self.out.flush();
     }
 }
+
+/// The run's scalars: every 100th step's loss and learning rate, each epoch's figures, each
+/// verification set's accuracy (the tags `tandem train --tensorboard` writes).
+impl Logger for EventWriter {
+    fn log(&mut self, event: &Event) -> std::io::Result<()> {
+        let (step, values) = match event {
+            Event::Step(s) if s.global_step.is_multiple_of(STEP_SCALARS_EVERY) => {
+                let loss = s.loss.unwrap_or(f64::NAN);
+                (
+                    s.global_step,
+                    vec![("train/loss_step".to_string(), loss), ("train/lr".into(), s.lr)],
+                )
+            }
+            Event::EpochEnded { metrics: m, .. } => {
+                let mut values = vec![
+                    ("train/loss".to_string(), m.train_loss),
+                    ("train/lr".into(), m.lr),
+                    ("train/samples_per_s".into(), m.samples_per_s),
+                ];
+                if let (Some(loss), Some(accuracy)) = (m.eval_loss, m.eval_accuracy) {
+                    values.extend([("eval/loss".into(), loss), ("eval/accuracy".into(), accuracy)]);
+                }
+                (m.step, values)
+            }
+            Event::Verified { step, results } => {
+                let values =
+                    results.iter().map(|r| (format!("verification/{}", r.name), r.accuracy));
+                (*step, values.collect())
+            }
+            _ => return Ok(()),
+        };
+        let mut write = || -> std::io::Result<()> {
+            for (tag, v) in &values {
+                self.add_scalar(tag, *v as f32, step as i64)?;
+            }
+            self.flush()
+        };
+        write().map_err(|e| {
+            let what = format!("writing TensorBoard events to {}: {e}", self.path.display());
+            std::io::Error::new(e.kind(), what)
+        })
+    }
+}
+
+/// Steps between the per-step scalars (the trainer reads that step's loss back from a device
+/// at once, so it is there to log).
+pub const STEP_SCALARS_EVERY: u64 = 100;
 
 fn unix_secs() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)

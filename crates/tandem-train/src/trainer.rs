@@ -3,8 +3,9 @@
 //! through one [`Step`], evaluation at epoch ends and verification every N steps, the
 //! checkpoint policy (every N steps, at epoch ends, at the end; the recipe writes, synchronously
 //! or in the background), resume, live recovery (`tandem run --live-recovery`: regroup on a
-//! peer's death or a rank joining, redo at most the failed step), and the loggers (progress,
-//! TensorBoard, the JSON-lines metrics file), ending in a typed [`RunSummary`].
+//! peer's death or a rank joining, redo at most the failed step), and the run's typed
+//! [`Event`]s to its loggers (the run directory's metrics file, TensorBoard and `training.log`,
+//! and any given through a [`Reporter`]), ending in a typed [`RunSummary`]. It never prints.
 //!
 //! A [`Recipe`] says what one step, an evaluation and a checkpoint are; the built-in ones are
 //! [`recipes::classifier`](crate::recipes::classifier) and [`recipes::face`](crate::recipes::face).
@@ -22,13 +23,15 @@ use tandem_data::{Batch, DataLoader, Dataset, SamplerState};
 use tandem_optim::{GradScaler, TorchOptimizer};
 
 use crate::error::{Context, Result, TrainError};
+use crate::events::{Event, Logger, Regroup, Reporter, Resplit, StepEvent};
 use crate::fault;
 use crate::live::{LiveError, LiveState, LiveTraining};
-use crate::metrics::{three_figures, MetricsFile, MetricsRecord, VerificationMetrics};
+use crate::metrics::{MetricsFile, VerificationMetrics};
 use crate::schedule;
 use crate::state::LoaderPosition;
-use crate::training_log::{StepLine, TrainingLog};
-use crate::{EpochMetrics, EventWriter, Progress, RunSummary, Step};
+use crate::tfevents::STEP_SCALARS_EVERY;
+use crate::training_log::TrainingLog;
+use crate::{EpochMetrics, EventWriter, RunSummary, Step};
 
 /// What one step reported: this rank's mean loss over its `samples`, and where its time went.
 #[derive(Clone, Debug, Default)]
@@ -234,8 +237,8 @@ pub trait Recipe {
 
     /// Live recovery, after the replicated state moved: every rank of the new world `group`
     /// re-splits the state each rank holds alone (a collective); `global_step` is the world's.
-    /// Returns a line for the regroup's report, if any.
-    fn regroup(&mut self, _group: &ProcessGroup, _global_step: u64) -> Result<Option<String>> {
+    /// Returns how the state moved, for the regroup's report, if it has such state.
+    fn regroup(&mut self, _group: &ProcessGroup, _global_step: u64) -> Result<Option<Resplit>> {
         Ok(None)
     }
 
@@ -265,7 +268,6 @@ pub struct TrainerOptions {
     /// [`Recipe::validate`] every N steps (0: only at the end).
     pub validate_every: u64,
     pub resume: bool,
-    pub progress: bool,
     pub tensorboard: bool,
     /// Steps left out of the summary's samples/s: the first steps carry one-off costs
     /// (cuDNN's algorithm search, kernel compilation, the allocator's growth).
@@ -284,7 +286,6 @@ impl TrainerOptions {
             checkpoints: true,
             validate_every: 0,
             resume: false,
-            progress: true,
             tensorboard: false,
             timing_warmup_steps: 0,
             log_every: 0,
@@ -300,7 +301,6 @@ impl TrainerOptions {
             checkpoints: o.checkpoint.enabled,
             validate_every: if o.model.kind.is_face() { o.face.verify_every } else { 0 },
             resume: o.run.resume,
-            progress: o.run.progress,
             tensorboard: o.run.tensorboard,
             timing_warmup_steps: o.run.timing_warmup_steps,
             log_every: o.run.log_every,
@@ -331,13 +331,14 @@ pub struct Trainer<R: Recipe> {
     /// Where the step in progress took its batch from (put back if the step fails).
     in_flight: Option<SamplerState>,
     live: Option<LiveTraining>,
-    /// The recipe's report of the last regroup's re-split, said by the new rank 0.
-    regroup_note: Option<String>,
+    /// How the last regroup re-split the recipe's per-rank state.
+    resplit: Option<Resplit>,
     epochs_seen: Vec<EpochMetrics>,
-    metrics: Option<MetricsFile>,
-    tb: Option<EventWriter>,
-    /// arcface_torch's `training.log` (rank 0, when `log_every` > 0).
-    training_log: Option<TrainingLog>,
+    /// Rank 0's loggers in the run directory: the metrics file, and `training.log` and
+    /// TensorBoard when asked for (empty on the other ranks).
+    files: Vec<Box<dyn Logger>>,
+    /// The loggers the run was given.
+    reporter: Reporter,
 }
 
 impl<R: Recipe> Trainer<R> {
@@ -367,11 +368,10 @@ impl<R: Recipe> Trainer<R> {
             epoch_to_close: None,
             in_flight: None,
             live: None,
-            regroup_note: None,
+            resplit: None,
             epochs_seen: Vec::new(),
-            metrics: None,
-            tb: None,
-            training_log: None,
+            files: Vec::new(),
+            reporter: Reporter::new(),
         };
         trainer.open_logs()?;
         Ok(trainer)
@@ -381,30 +381,38 @@ impl<R: Recipe> Trainer<R> {
     /// (under live recovery another member may become rank 0 after a regroup; the metrics
     /// file is appended to, so its records stay in one file).
     fn open_logs(&mut self) -> Result<()> {
-        if self.group.rank() != 0 {
+        if self.group.rank() != 0 || !self.files.is_empty() {
             return Ok(());
         }
-        if self.metrics.is_none() {
-            self.metrics = Some(MetricsFile::append(&self.opts.dir.join("metrics.jsonl"))?);
+        let dir = &self.opts.dir;
+        self.files.push(Box::new(MetricsFile::append(&dir.join("metrics.jsonl"))?));
+        if self.opts.log_every > 0 {
+            let (every, world) = (self.opts.log_every, self.group.size());
+            let log = TrainingLog::open(dir, every, world, self.max_steps(), self.global_step)
+                .with_context(|| format!("opening {}", dir.join("training.log").display()))?;
+            self.files.push(Box::new(log));
         }
-        if self.opts.log_every > 0 && self.training_log.is_none() {
-            let log = TrainingLog::open(
-                &self.opts.dir,
-                self.opts.log_every,
-                self.group.size(),
-                self.max_steps(),
-                self.global_step,
-            )
-            .with_context(|| format!("opening {}", self.opts.dir.join("training.log").display()))?;
-            self.training_log = Some(log);
-        }
-        if self.opts.tensorboard && self.tb.is_none() {
-            let dir = self.opts.dir.join("tensorboard");
-            self.tb = Some(EventWriter::create(&dir).with_context(|| {
-                format!("creating a TensorBoard event file in {}", dir.display())
-            })?);
+        if self.opts.tensorboard {
+            let tb = dir.join("tensorboard");
+            self.files.push(Box::new(EventWriter::create(&tb).with_context(|| {
+                format!("creating a TensorBoard event file in {}", tb.display())
+            })?));
         }
         Ok(())
+    }
+
+    /// Reports the run's events to `reporter`'s loggers (on rank 0, as every world event is).
+    pub fn reporter(mut self, reporter: Reporter) -> Self {
+        self.reporter = reporter;
+        self
+    }
+
+    /// Reports a world event (rank 0 only).
+    fn emit(&mut self, event: Event) -> Result<()> {
+        if self.rank() != 0 {
+            return Ok(());
+        }
+        report_to(&mut self.files, &self.reporter, &event)
     }
 
     /// Trains in the live world `live` (`tandem run --live-recovery`): a peer's death or a
@@ -438,14 +446,8 @@ impl<R: Recipe> Trainer<R> {
         };
         let Some(r) = self.recipe.resume(ctx)? else { return Ok(()) };
         self.global_step = r.global_step;
-        if self.rank() == 0 {
-            let (epoch, step) = (self.loader.epoch(), self.global_step);
-            eprintln!("resumed from {} (epoch {epoch}, step {step})", r.path.display());
-            if let Some(note) = r.note {
-                eprintln!("{note}");
-            }
-        }
-        Ok(())
+        let (epoch, step) = (self.loader.epoch(), self.global_step);
+        self.emit(Event::Resumed { path: r.path, epoch, step, note: r.note })
     }
 
     /// Trains to the end (regrouping through failures in a live world), writes the last
@@ -466,7 +468,7 @@ impl<R: Recipe> Trainer<R> {
         self.group.barrier().context("barrier after the last checkpoint save")?;
         let val = self.recipe.validate(&self.group, self.global_step)?;
         if !val.is_empty() {
-            self.report_validation(&val)?;
+            self.emit(Event::Verified { step: self.global_step, results: val.clone() })?;
             self.last_val = val;
         }
         if self.last_eval.is_none() {
@@ -506,9 +508,7 @@ impl<R: Recipe> Trainer<R> {
             training_peak_rss_bytes,
             device_peak_bytes,
         };
-        if let Some(file) = self.metrics.as_mut() {
-            file.write(&MetricsRecord::Summary(summary.clone()))?;
-        }
+        self.emit(Event::Finished(Box::new(summary.clone())))?;
         Ok(summary)
     }
 
@@ -530,23 +530,18 @@ impl<R: Recipe> Trainer<R> {
 
     /// Epochs until the end or the step budget, each closed by [`Trainer::close_epoch`].
     fn train(&mut self) -> Result<()> {
-        let progress = Progress::new(
-            self.opts.progress && self.rank() == 0,
-            self.max_steps(),
-            self.global_step,
-        );
-        self.close_epoch(&progress)?;
+        self.emit(Event::Started { total: self.max_steps(), done: self.global_step })?;
+        self.close_epoch()?;
         loop {
             let max_steps = self.max_steps();
             if self.loader.epoch() >= self.opts.epochs || self.global_step >= max_steps {
                 break;
             }
             let epoch = self.loader.epoch();
-            let train_loss = self.train_epoch(max_steps, &progress)?;
+            let train_loss = self.train_epoch(max_steps)?;
             self.epoch_to_close = Some((epoch, train_loss));
-            self.close_epoch(&progress)?;
+            self.close_epoch()?;
         }
-        progress.finish();
         Ok(())
     }
 
@@ -554,10 +549,12 @@ impl<R: Recipe> Trainer<R> {
     /// live world every step starts with the boundary check (a rank waiting to join ends the
     /// epoch here with [`TrainError::RegroupWanted`]), and the step in progress is remembered
     /// so a failure can put its batch back.
-    fn train_epoch(&mut self, max_steps: u64, progress: &Progress) -> Result<f64> {
+    fn train_epoch(&mut self, max_steps: u64) -> Result<f64> {
         let started = Instant::now();
-        let Trainer { recipe, loader, step, group, opts, live, in_flight, training_log, .. } = self;
+        let Trainer { recipe, loader, step, group, opts, live, in_flight, files, reporter, .. } =
+            self;
         let world = group.size() as u64;
+        let rank0 = group.rank() == 0;
         recipe.set_training(true)?;
         recipe.start_epoch(loader.epoch());
         let mut pause = 0.0f64;
@@ -593,34 +590,31 @@ impl<R: Recipe> Trainer<R> {
                 let now = self.train_time + started.elapsed().as_secs_f64() - pause;
                 self.warm = Some((now, self.samples_seen));
             }
-            let tb_due = n.is_multiple_of(100) && self.tb.is_some();
+            // A TensorBoard step scalar wants this step's loss now, not a few steps late.
+            let tb_due = rank0 && opts.tensorboard && n.is_multiple_of(STEP_SCALARS_EVERY);
             losses.push(report.samples, report.loss, report.pending_loss.take());
             let step_loss = losses.settle(if tb_due { 0 } else { LOSS_READ_LAG })?;
-            progress.step(n, losses.mean());
-            if let Some(log) = training_log.as_mut() {
-                let line = StepLine {
+            if rank0 {
+                let event = Event::Step(StepEvent {
                     global_step: n,
                     loss: step_loss,
+                    epoch_loss: losses.mean(),
                     epoch: loader.epoch(),
                     lr: recipe.optimizer().lr(),
                     batch: batch.len(),
                     grad_scale: step.grad_scaler().map(GradScaler::get_scale),
-                };
-                log.step(&line).with_context(|| format!("writing {}", log.path().display()))?;
-            }
-            if tb_due {
-                if let Some(tb) = self.tb.as_mut() {
-                    let lr = recipe.optimizer().lr();
-                    let loss = step_loss.unwrap_or(f64::NAN);
-                    scalars(tb, n, &[("train/loss_step", loss), ("train/lr", lr)])?;
-                }
+                });
+                report_to(files, reporter, &event)?;
             }
             if opts.validate_every > 0 && n.is_multiple_of(opts.validate_every) && n < max_steps {
                 let clock = Instant::now();
                 let val = recipe.validate(group, n)?;
                 recipe.set_training(true)?;
                 if !val.is_empty() {
-                    report_validation(group, self.tb.as_mut(), training_log.as_mut(), n, &val)?;
+                    if rank0 {
+                        let event = Event::Verified { step: n, results: val.clone() };
+                        report_to(files, reporter, &event)?;
+                    }
                     self.last_val = val;
                 }
                 pause += clock.elapsed().as_secs_f64();
@@ -629,6 +623,10 @@ impl<R: Recipe> Trainer<R> {
             if opts.checkpoints && save_due && n < max_steps {
                 let clock = Instant::now();
                 let written = checkpoint(recipe, group, step, &loader.state(), n)?;
+                if rank0 {
+                    let event = Event::CheckpointSaved { step: n, path: written.clone() };
+                    report_to(files, reporter, &event)?;
+                }
                 self.last_ckpt = written.or(self.last_ckpt.take());
                 self.saved_at = Some(n);
                 let took = clock.elapsed().as_secs_f64();
@@ -652,15 +650,13 @@ impl<R: Recipe> Trainer<R> {
     /// An epoch whose steps are done: evaluation, the line, scalars and metrics on rank 0, and
     /// the end-of-epoch checkpoint (unless `save_every` just wrote this step or the run is
     /// over).
-    fn close_epoch(&mut self, progress: &Progress) -> Result<()> {
+    fn close_epoch(&mut self) -> Result<()> {
         let Some((epoch, train_loss)) = self.epoch_to_close else { return Ok(()) };
         self.recipe.set_training(false)?;
         if let Some(eval) = self.recipe.evaluate(&self.group)? {
             self.last_eval = Some(eval);
         }
-        if self.rank() == 0 {
-            self.report_epoch(epoch, train_loss, progress)?;
-        }
+        self.report_epoch(epoch, train_loss)?;
         let (step, max_steps) = (self.global_step, self.max_steps());
         let just_saved = self.saved_at == Some(step);
         if step < max_steps && self.loader.epoch() < self.opts.epochs && !just_saved {
@@ -681,6 +677,7 @@ impl<R: Recipe> Trainer<R> {
             checkpoint(&mut self.recipe, &self.group, &mut self.step, &self.loader.state(), n)?;
         self.times.saves += 1;
         self.times.save += clock.elapsed().as_secs_f64();
+        self.emit(Event::CheckpointSaved { step: n, path: written.clone() })?;
         self.last_ckpt = written.or(self.last_ckpt.take());
         self.saved_at = Some(n);
         Ok(())
@@ -694,8 +691,8 @@ impl<R: Recipe> Trainer<R> {
         self.save()
     }
 
-    /// Rank 0's epoch line, TensorBoard scalars and metrics record.
-    fn report_epoch(&mut self, epoch: u64, train_loss: f64, progress: &Progress) -> Result<()> {
+    /// The epoch's figures (every rank keeps them; rank 0 reports them).
+    fn report_epoch(&mut self, epoch: u64, train_loss: f64) -> Result<()> {
         let sps = self.samples_per_s();
         let lr = self.recipe.optimizer().lr();
         let skipped = self.step.skipped_steps();
@@ -712,25 +709,8 @@ impl<R: Recipe> Trainer<R> {
             loss_scale,
             skipped_steps: skipped,
         };
-        progress.line(&epoch_line(&metrics, self.opts.epochs));
-        if let Some(tb) = self.tb.as_mut() {
-            let mut values =
-                vec![("train/loss", train_loss), ("train/lr", lr), ("train/samples_per_s", sps)];
-            if let Some(e) = self.last_eval {
-                values.extend([("eval/loss", e.loss), ("eval/accuracy", e.accuracy)]);
-            }
-            scalars(tb, self.global_step, &values)?;
-        }
-        if let Some(file) = self.metrics.as_mut() {
-            file.write(&MetricsRecord::Epoch(metrics.clone()))?;
-        }
-        self.epochs_seen.push(metrics);
-        Ok(())
-    }
-
-    fn report_validation(&mut self, val: &[VerificationMetrics]) -> Result<()> {
-        let step = self.global_step;
-        report_validation(&self.group, self.tb.as_mut(), self.training_log.as_mut(), step, val)
+        self.epochs_seen.push(metrics.clone());
+        self.emit(Event::EpochEnded { metrics, epochs: self.opts.epochs })
     }
 
     /// Live recovery's outer loop: trains (and writes the last checkpoint) to the end, and
@@ -767,18 +747,26 @@ impl<R: Recipe> Trainer<R> {
             self.live = Some(live);
             let change = changed.context("regrouping")?;
             self.open_logs()?;
-            // Said once per regroup, by the rank whose state the world took.
-            let source = self.live.as_ref().map(|l| l.generation().source);
-            if source == Some(self.rank()) {
-                let cause = if boundary { "a rank joins".to_string() } else { root_cause(&error) };
-                // The world redoes the failed step unless its source had finished it.
-                let redone = u64::from(step_failed && change.step <= before);
-                eprintln!("live: regrouped ({cause}): {change}; {redone} step(s) redone");
-            }
-            if let Some(line) = self.regroup_note.take().filter(|_| self.rank() == 0) {
-                eprintln!("live: {line}");
-            }
+            let cause = if boundary { "a rank joins".to_string() } else { root_cause(&error) };
+            // The ranks were in the same step: the world redoes it unless the state's source
+            // had finished it (then the source is ahead of this rank).
+            let redone = u64::from(step_failed && change.step <= before);
+            self.report_regroup(cause, change, redone)?;
         }
+    }
+
+    /// Reports a regroup, once: by the new world's rank 0 (a survivor, or a member that joins).
+    fn report_regroup(
+        &mut self,
+        cause: String,
+        change: crate::live::WorldChange,
+        redone: u64,
+    ) -> Result<()> {
+        let resplit = self.resplit.take();
+        let at_unix_s = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        self.emit(Event::Regrouped(Regroup { at_unix_s, cause, change, redone, resplit }))
     }
 
     /// A replacement rank (or every member at the start) joins the running world.
@@ -791,8 +779,14 @@ impl<R: Recipe> Trainer<R> {
         self.live = Some(live);
         let change = change.context("joining the running job")?;
         self.open_logs()?;
-        if let Some(line) = self.regroup_note.take().filter(|_| self.rank() == 0) {
-            eprintln!("live: {line}");
+        if let Some(change) = &change {
+            let member = self.live_member();
+            let event = Event::Joined { member, change: change.clone() };
+            report_to(&mut self.files, &self.reporter, &event)?;
+            // The world re-formed for this member; as its rank 0 it reports the regroup.
+            self.report_regroup("a rank joins".into(), change.clone(), 0)?;
+        } else {
+            self.resplit = None;
         }
         Ok(change)
     }
@@ -819,64 +813,12 @@ fn checkpoint<R: Recipe>(
     recipe.save(SaveContext { group, name: &name, step, position, global_step: n })
 }
 
-/// `epoch E/N step S loss=L [eval_loss=.. eval_accuracy=..] samples/s=.. lr=..[ loss_scale=..
-/// skipped_steps=..][ verification_accuracy=.. NAME=ACC+-STD ...]`.
-pub fn epoch_line(m: &EpochMetrics, epochs: u64) -> String {
-    let mut line = format!("epoch {}/{epochs} step {} loss={:.4}", m.epoch, m.step, m.train_loss);
-    if let (Some(l), Some(a)) = (m.eval_loss, m.eval_accuracy) {
-        line += &format!(" eval_loss={l:.4} eval_accuracy={a:.4}");
+/// Reports `event` to rank 0's run-directory loggers and the run's own.
+fn report_to(files: &mut [Box<dyn Logger>], reporter: &Reporter, event: &Event) -> Result<()> {
+    for logger in files.iter_mut() {
+        logger.log(event).context("writing the run's logs")?;
     }
-    line += &format!(" samples/s={} lr={}", three_figures(m.samples_per_s), m.lr);
-    if let Some(s) = m.loss_scale {
-        line += &format!(" loss_scale={s} skipped_steps={}", m.skipped_steps);
-    }
-    line + &verification_text(&m.verification)
-}
-
-/// ` verification_accuracy=X NAME=ACC+-STD ...` (empty without results).
-pub fn verification_text(results: &[VerificationMetrics]) -> String {
-    let Some(first) = results.first() else { return String::new() };
-    let mut s = format!(" verification_accuracy={:.4}", first.accuracy);
-    for r in results {
-        s += &format!(" {}={:.4}+-{:.4}", r.name, r.accuracy, r.std);
-    }
-    s
-}
-
-/// Rank 0's lines (as arcface_torch's callback prints them) and TensorBoard scalars for a
-/// verification at `step`.
-fn report_validation(
-    group: &ProcessGroup,
-    tb: Option<&mut EventWriter>,
-    log: Option<&mut TrainingLog>,
-    step: u64,
-    val: &[VerificationMetrics],
-) -> Result<()> {
-    if group.rank() != 0 {
-        return Ok(());
-    }
-    if let Some(log) = log {
-        log.verification(step, val).with_context(|| format!("writing {}", log.path().display()))?;
-    }
-    for r in val {
-        eprintln!("[{}][{step}] accuracy-flip: {:.5}+-{:.5}", r.name, r.accuracy, r.std);
-    }
-    let Some(tb) = tb else { return Ok(()) };
-    let names: Vec<(String, f64)> =
-        val.iter().map(|r| (format!("verification/{}", r.name), r.accuracy)).collect();
-    let refs: Vec<(&str, f64)> = names.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-    scalars(tb, step, &refs)
-}
-
-/// TensorBoard scalars at `step`.
-fn scalars(tb: &mut EventWriter, step: u64, values: &[(&str, f64)]) -> Result<()> {
-    let mut write = || -> std::io::Result<()> {
-        for (k, v) in values {
-            tb.add_scalar(k, *v as f32, step as i64)?;
-        }
-        tb.flush()
-    };
-    write().with_context(|| format!("writing TensorBoard events to {}", tb.path().display()))
+    reporter.report(event).context("reporting to the run's loggers")
 }
 
 /// The failure behind a failed collective in a few words: the group's first failure (which
@@ -936,8 +878,8 @@ impl<R: Recipe> LiveState for Trainer<R> {
     }
     fn reshard(&mut self, group: &ProcessGroup) -> std::result::Result<(), LiveError> {
         match self.recipe.regroup(group, self.global_step) {
-            Ok(note) => {
-                self.regroup_note = note;
+            Ok(resplit) => {
+                self.resplit = resplit;
                 Ok(())
             }
             Err(e) => Err(LiveError::from_train(e)),

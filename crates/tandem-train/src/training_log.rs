@@ -12,6 +12,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::events::{Event, Logger, StepEvent};
 use crate::metrics::VerificationMetrics;
 
 pub struct TrainingLog {
@@ -29,20 +30,6 @@ pub struct TrainingLog {
     loss_sum: f64,
     loss_count: u64,
     highest: BTreeMap<String, f64>,
-}
-
-/// What one logged step says.
-pub struct StepLine {
-    pub global_step: u64,
-    /// This rank's loss of the step.
-    pub loss: Option<f64>,
-    /// 0-based, as arcface_torch counts.
-    pub epoch: u64,
-    pub lr: f64,
-    /// Images this rank took in the step.
-    pub batch: usize,
-    /// The GradScaler's scale when training in f16.
-    pub grad_scale: Option<f64>,
 }
 
 impl TrainingLog {
@@ -85,7 +72,7 @@ impl TrainingLog {
     }
 
     /// One step: its loss joins the average; every `frequent` steps a line.
-    pub fn step(&mut self, s: &StepLine) -> std::io::Result<()> {
+    pub fn step(&mut self, s: &StepEvent) -> std::io::Result<()> {
         if let Some(loss) = s.loss.filter(|l| l.is_finite()) {
             self.loss_sum += loss;
             self.loss_count += 1;
@@ -141,6 +128,17 @@ impl TrainingLog {
     }
 }
 
+impl Logger for TrainingLog {
+    fn log(&mut self, event: &Event) -> std::io::Result<()> {
+        let logged = match event {
+            Event::Step(s) => self.step(s),
+            Event::Verified { step, results } => self.verification(*step, results),
+            _ => Ok(()),
+        };
+        logged.map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", self.path.display())))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,9 +160,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut log = TrainingLog::open(dir.path(), 2, 2, 10, 0).unwrap();
         for step in 1..=6u64 {
-            let s = StepLine {
+            let s = StepEvent {
                 global_step: step,
                 loss: Some(step as f64),
+                epoch_loss: 0.0,
                 epoch: 0,
                 lr: 0.1,
                 batch: 4,

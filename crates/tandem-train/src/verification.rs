@@ -121,7 +121,7 @@ impl Drop for LentStatistics<'_> {
     fn drop(&mut self) {
         for ((name, var), own) in self.buffers.iter().zip(&self.own) {
             if let Err(e) = var.set(own) {
-                eprintln!("verification: could not restore this rank's `{name}`: {e}");
+                tracing::warn!("verification: could not restore this rank's `{name}`: {e}");
             }
         }
     }

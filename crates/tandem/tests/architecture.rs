@@ -59,3 +59,31 @@ fn every_crate_depends_on_what_the_architecture_page_says() {
     let stale: Vec<_> = rows.keys().filter(|k| !seen.contains(*k)).collect();
     assert!(stale.is_empty(), "docs/architecture.md has rows for missing crates: {stale:?}");
 }
+
+/// The training library reports typed events and `tracing` warnings; only the binary prints.
+#[test]
+fn the_training_library_never_prints() {
+    let src = repo().join("crates/tandem-train/src");
+    let mut found = Vec::new();
+    let mut dirs = vec![src];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            for (i, line) in text.lines().enumerate() {
+                let code = line.split("//").next().unwrap_or("");
+                if ["println!", "eprintln!", "print!", "eprint!", "dbg!"]
+                    .iter()
+                    .any(|m| code.contains(m))
+                {
+                    found.push(format!("{}:{}: {}", path.display(), i + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "tandem-train prints:\n{}", found.join("\n"));
+}

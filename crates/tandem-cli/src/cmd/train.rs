@@ -2,8 +2,10 @@
 //! `--nproc-per-node` copies of itself through tandem-launch (console shows rank 0) and exits
 //! with the job's code. Started by `tandem run`, torchrun, Slurm or mpirun, it is one rank.
 use crate::train::config::TrainConfig;
+use crate::train::console::Console;
 use anyhow::Context;
-use tandem::train::trainer::verification_text;
+use tandem::train::events::verification_text;
+use tandem::train::Reporter;
 use tandem_launch::{LaunchConfig, NprocPerNode};
 
 #[derive(clap::Args)]
@@ -40,7 +42,9 @@ pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i3
         cfg.out = Some(std::path::PathBuf::from("runs").join(format!("train-{id}")));
     }
     let run_dir = cfg.run_dir();
-    let summary = tandem::train::recipes::train(&cfg.options(run_dir.clone())?)?;
+    let options = cfg.options(run_dir.clone())?;
+    let reporter = Reporter::new().with(Console::new());
+    let summary = tandem::train::recipes::train(&options, &reporter)?;
     if summary.rank == 0 {
         if !summary.verification.is_empty() {
             println!("verification:{}", verification_text(&summary.verification));

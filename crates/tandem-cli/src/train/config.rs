@@ -370,7 +370,6 @@ impl TrainConfig {
                 seed: self.seed,
                 resume: self.resume,
                 tensorboard: self.tensorboard,
-                progress: true,
                 record: self.to_toml()?,
                 timing_warmup_steps: self.timing_warmup_steps,
                 log_every: self.log_every,

@@ -156,7 +156,7 @@ impl Checkpointer {
             // its error.
             written?;
             if p.rank == 0 {
-                eprintln!(
+                tracing::warn!(
                     "{}: left uncommitted (the world broke before it was committed: {why})",
                     p.staged.display()
                 );
@@ -330,12 +330,12 @@ impl Checkpointer {
     pub fn latest(&self) -> Result<Option<Saved>> {
         for l in self.list()?.into_iter().rev() {
             if !l.complete {
-                eprintln!("{}: no {MANIFEST} (an unfinished save); skipped", l.path.display());
+                tracing::warn!("{}: no {MANIFEST} (an unfinished save); skipped", l.path.display());
                 continue;
             }
             match Saved::open(&l.path) {
                 Ok(saved) => return Ok(Some(saved)),
-                Err(e) => eprintln!("warning: skipping checkpoint that does not read: {e}"),
+                Err(e) => tracing::warn!("skipping checkpoint that does not read: {e}"),
             }
         }
         Ok(None)
@@ -352,8 +352,8 @@ impl Drop for Checkpointer {
             w.join().unwrap_or_else(|_| Err(invalid(&p.staged, "the writer thread panicked")))
         });
         match written {
-            Err(e) => eprintln!("an unsettled background checkpoint save failed: {e}"),
-            Ok(()) if p.manifest.is_some() => eprintln!(
+            Err(e) => tracing::warn!("an unsettled background checkpoint save failed: {e}"),
+            Ok(()) if p.manifest.is_some() => tracing::warn!(
                 "{}: a background save was never settled; it stays uncommitted",
                 p.staged.display()
             ),
@@ -450,7 +450,7 @@ fn remove(path: &Path) {
     let removed =
         if path.is_dir() { std::fs::remove_dir_all(path) } else { std::fs::remove_file(path) };
     if let Err(e) = removed {
-        eprintln!("cannot remove old checkpoint {}: {e}", path.display());
+        tracing::warn!("cannot remove old checkpoint {}: {e}", path.display());
     }
 }
 

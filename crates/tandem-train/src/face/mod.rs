@@ -341,7 +341,10 @@ pub fn restore_replicated(
     .map_err(|e| ("scheduler", e.to_string()))?;
     match (state.step.grad_scaler_mut(), get("scaler")?) {
         (Some(s), Value::None) if say => {
-            eprintln!("{label}: no GradScaler state; the loss scale starts at {}", s.get_scale())
+            tracing::warn!(
+                "{label}: no GradScaler state; the loss scale starts at {}",
+                s.get_scale()
+            )
         }
         (Some(_), Value::None) | (None, _) => {}
         (Some(s), saved) => s.load_state_dict(saved).map_err(|e| ("GradScaler", e.to_string()))?,

@@ -22,6 +22,7 @@ use super::optimizer::TrainOptimizer;
 use super::LiveComm;
 use crate::checkpoint::{Checkpointer, ShardDict, TrainingStateDict};
 use crate::error::{bail, Context, Result, TrainError};
+use crate::events::{Reporter, Resplit};
 use crate::fault;
 use crate::live_entries::{self, regroup_entries, Entries};
 use crate::options::TrainOptions;
@@ -36,10 +37,14 @@ use crate::trainer::{
 use crate::{RunSummary, Step};
 
 /// Trains the classifier on this rank of `group`.
-pub(super) fn run(cfg: &TrainOptions, group: ProcessGroup) -> Result<RunSummary> {
-    let (recipe, loader, step) = Classifier::build(cfg, &group, None)?;
+pub(super) fn run(
+    cfg: &TrainOptions,
+    group: ProcessGroup,
+    reporter: &Reporter,
+) -> Result<RunSummary> {
+    let (recipe, loader, step) = Classifier::build(cfg, &group, None, reporter)?;
     let opts = TrainerOptions::from_train_options(cfg);
-    let mut trainer = Trainer::new(recipe, loader, step, group, opts)?;
+    let mut trainer = Trainer::new(recipe, loader, step, group, opts)?.reporter(reporter.clone());
     if cfg.run.resume {
         trainer.resume()?;
     }
@@ -47,8 +52,14 @@ pub(super) fn run(cfg: &TrainOptions, group: ProcessGroup) -> Result<RunSummary>
 }
 
 /// A rank of a live job (see [`super::run_live`]).
-pub(super) fn run_live(cfg: &TrainOptions, opts: LiveOptions) -> Result<RunSummary> {
-    super::run_live(cfg, opts, |group, live| Classifier::build(cfg, group, Some(live)))
+pub(super) fn run_live(
+    cfg: &TrainOptions,
+    opts: LiveOptions,
+    reporter: &Reporter,
+) -> Result<RunSummary> {
+    super::run_live(cfg, opts, reporter, |group, live| {
+        Classifier::build(cfg, group, Some(live), reporter)
+    })
 }
 
 /// The classifier's model, optimizer, eval data and checkpoint files.
@@ -64,6 +75,7 @@ pub struct Classifier<'a> {
     last_eval: EvalMetrics,
     /// `--zero` under live recovery: the optimizer shards' mirror and re-split.
     zero_live: Option<ZeroLive>,
+    reporter: Reporter,
 }
 
 /// ZeRO's shards under live recovery (see [`crate::live_entries`]).
@@ -85,6 +97,7 @@ impl<'a> Classifier<'a> {
         cfg: &'a TrainOptions,
         group: &ProcessGroup,
         live: Option<LiveComm>,
+        reporter: &Reporter,
     ) -> Result<(Self, DataLoader<TrainData>, Step)> {
         let run_dir = cfg.run.dir.as_path();
         let rank = group.rank();
@@ -112,7 +125,7 @@ impl<'a> Classifier<'a> {
         if let Some(path) = &cfg.checkpoint.init_from {
             let report = load_weights(&net, path)?;
             if rank == 0 {
-                eprintln!("init-from {}:\n{report}", path.display());
+                super::note(reporter, format!("init-from {}:\n{report}", path.display()))?;
             }
         }
         let zero_live = match &live {
@@ -176,6 +189,7 @@ impl<'a> Classifier<'a> {
             ckpt,
             last_eval: EvalMetrics::default(),
             zero_live,
+            reporter: reporter.clone(),
         };
         Ok((recipe, loader, stepper))
     }
@@ -209,7 +223,7 @@ impl<'a> Classifier<'a> {
             .set_position(&position)
             .with_context(|| format!("{what}: checkpoint `sampler` does not fit this run"))?;
         match (ctx.step.grad_scaler_mut(), &ck.scaler) {
-            (Some(s), Value::None) if rank == 0 => eprintln!(
+            (Some(s), Value::None) if rank == 0 => tracing::warn!(
                 "{what}: no GradScaler state (written without --precision f16); the loss scale \
                  starts at {}",
                 s.get_scale()
@@ -329,7 +343,10 @@ impl Recipe for Classifier<'_> {
         let Some(saved) = found else {
             if rank == 0 {
                 let dir = self.ckpt.dir().display();
-                eprintln!("--resume: no checkpoint in {dir}, starting fresh");
+                super::note(
+                    &self.reporter,
+                    format!("no checkpoint in {dir} to resume; starting fresh"),
+                )?;
             }
             return Ok(None);
         };
@@ -362,7 +379,7 @@ impl Recipe for Classifier<'_> {
                 let value = model_value(&self.ddp.module())?;
                 let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
                     .context("--export-onnx")?;
-                eprintln!("{summary}");
+                super::note(&self.reporter, summary.to_string())?;
             }
             group.barrier()?;
         }
@@ -386,7 +403,7 @@ impl Recipe for Classifier<'_> {
 
     /// `--zero` under live recovery: the optimizer state re-split over the new world's
     /// partition (each parameter's from its newest holder, fresh where nobody holds it).
-    fn regroup(&mut self, group: &ProcessGroup, global_step: u64) -> Result<Option<String>> {
+    fn regroup(&mut self, group: &ProcessGroup, global_step: u64) -> Result<Option<Resplit>> {
         let Some(z) = self.zero_live.as_ref() else { return Ok(None) };
         let TrainOptimizer::Zero(opt) = &self.opt else { return Ok(None) };
         let shard = opt.shard_state_dict()?;
@@ -427,7 +444,7 @@ impl Recipe for Classifier<'_> {
             z.mirror = None;
         }
         self.mirror_shard(group, global_step)?;
-        Ok(Some(counts.to_string()))
+        Ok(Some(Resplit::OptimizerShards(counts)))
     }
 
     fn load_live_state(&mut self, value: &Value, ctx: ResumeContext<'_>) -> Result<u64> {

@@ -29,6 +29,7 @@ use super::net::Autocast;
 use super::LiveComm;
 use crate::checkpoint::Checkpointer;
 use crate::error::{bail, Context, Result, TrainError};
+use crate::events::{Event, MirrorCost, Reporter, Resplit};
 use crate::face::live_head::{exchange_mirror, regroup_rows, RowBlock};
 use crate::face::optimizer_entry::{merge_optimizer, split_optimizer};
 use crate::face::{self as face_state, FaceState, HEAD_SHARD};
@@ -48,10 +49,14 @@ const BUCKET_CAP_MB: f64 = 16.0;
 const GROWTH_INTERVAL: i64 = 100;
 
 /// Trains the face recipe on this rank of `group`.
-pub(super) fn run(cfg: &TrainOptions, group: ProcessGroup) -> Result<RunSummary> {
-    let (recipe, loader, step) = Face::build(cfg, &group)?;
+pub(super) fn run(
+    cfg: &TrainOptions,
+    group: ProcessGroup,
+    reporter: &Reporter,
+) -> Result<RunSummary> {
+    let (recipe, loader, step) = Face::build(cfg, &group, reporter)?;
     let opts = TrainerOptions::from_train_options(cfg);
-    let mut trainer = Trainer::new(recipe, loader, step, group, opts)?;
+    let mut trainer = Trainer::new(recipe, loader, step, group, opts)?.reporter(reporter.clone());
     if cfg.run.resume {
         trainer.resume()?;
     }
@@ -60,8 +65,14 @@ pub(super) fn run(cfg: &TrainOptions, group: ProcessGroup) -> Result<RunSummary>
 
 /// A rank of a live job (see [`super::run_live`]); the head's rows are mirrored every
 /// `--mirror-every` steps and re-split at every regroup.
-pub(super) fn run_live(cfg: &TrainOptions, opts: LiveOptions) -> Result<RunSummary> {
-    super::run_live(cfg, opts, |group, live| Face::build_with(cfg, group, Some(live)))
+pub(super) fn run_live(
+    cfg: &TrainOptions,
+    opts: LiveOptions,
+    reporter: &Reporter,
+) -> Result<RunSummary> {
+    super::run_live(cfg, opts, reporter, |group, live| {
+        Face::build_with(cfg, group, Some(live), reporter)
+    })
 }
 
 /// The head under live recovery: the mirror of the previous rank's rows, and what this rank's
@@ -101,6 +112,7 @@ pub struct Face<'a> {
     /// The head's gradient summed over the batches of the open gradient-accumulation window
     /// (dense: each batch may sample other rows); the backbone's is kept by Ddp's `no_sync`.
     pending_head_grad: Option<candle_core::Tensor>,
+    reporter: Reporter,
 }
 
 /// `{"backbone": state_dict, "partial_fc": {"weight": [C, E]}}` from `--init-from` (a bare
@@ -132,8 +144,9 @@ impl<'a> Face<'a> {
     pub fn build(
         cfg: &'a TrainOptions,
         group: &ProcessGroup,
+        reporter: &Reporter,
     ) -> Result<(Self, DataLoader<FaceRecDataset>, Step)> {
-        Self::build_with(cfg, group, None)
+        Self::build_with(cfg, group, None, reporter)
     }
 
     /// [`Face::build`] in a live world: Ddp and the head on `live`'s collectives.
@@ -141,6 +154,7 @@ impl<'a> Face<'a> {
         cfg: &'a TrainOptions,
         group: &ProcessGroup,
         live: Option<LiveComm>,
+        reporter: &Reporter,
     ) -> Result<(Self, DataLoader<FaceRecDataset>, Step)> {
         let run_dir = cfg.run.dir.as_path();
         let rank = group.rank();
@@ -173,7 +187,7 @@ impl<'a> Face<'a> {
                 .load_state_dict(&init.backbone)
                 .with_context(|| format!("--init-from {}: the backbone", path.display()))?;
             if rank == 0 {
-                eprintln!("init-from {}:\n{report}", path.display());
+                super::note(reporter, format!("init-from {}:\n{report}", path.display()))?;
             }
         }
         let opts = DdpOptions {
@@ -232,7 +246,7 @@ impl<'a> Face<'a> {
         let val = verify::load(&cfg.face.val).context("--val")?;
         // (A live replacement's placeholder world is not the job's: it says nothing.)
         if rank == 0 && !live.as_ref().is_some_and(|l| l.replacement) {
-            eprintln!(
+            let text = format!(
                 "face: {} width {} embedding {} | {} images, {classes} classes ({} to {} per rank) | {} ranks x batch {} | {steps_per_epoch} steps per epoch",
                 cfg.model.kind,
                 cfg.model.width,
@@ -243,6 +257,7 @@ impl<'a> Face<'a> {
                 group.size(),
                 cfg.data.batch_size,
             );
+            super::note(reporter, text)?;
         }
         let autocast =
             (cfg.model.precision != Precision::F32).then(|| cfg.model.precision.compute_dtype());
@@ -270,6 +285,7 @@ impl<'a> Face<'a> {
                 mirror_bytes: 0,
             }),
             pending_head_grad: None,
+            reporter: reporter.clone(),
         };
         Ok((recipe, loader, stepper))
     }
@@ -384,10 +400,11 @@ impl Recipe for Face<'_> {
     fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>> {
         if self.pending_head_grad.is_some() && ctx.group.rank() == 0 {
             // Gradients are not part of the training state (nor of arcface_torch's).
-            eprintln!(
+            tracing::warn!(
                 "warning: checkpoint at step {} is inside a --gradient-acc {} window: a run \
                  resumed from it starts the window without this window's earlier batches",
-                ctx.global_step, self.cfg.face.gradient_acc
+                ctx.global_step,
+                self.cfg.face.gradient_acc
             );
         }
         let state = FaceState::new(&self.ddp, &mut self.head, self.opt.as_mut(), ctx.step)
@@ -411,7 +428,10 @@ impl Recipe for Face<'_> {
         let Some(r) = face_state::resume(&self.ckpt, &mut state, loader, epochs, group)? else {
             if group.rank() == 0 {
                 let dir = self.ckpt.dir().display();
-                eprintln!("--resume: no checkpoint in {dir}, starting fresh");
+                super::note(
+                    &self.reporter,
+                    format!("no checkpoint in {dir} to resume; starting fresh"),
+                )?;
             }
             return Ok(None);
         };
@@ -471,7 +491,7 @@ impl Recipe for Face<'_> {
     /// Re-splits the head over the new world: each class from the newest copy any rank holds
     /// (its owner's, else a mirror), else from the last checkpoint, else the initial centres;
     /// then the optimizer is rebuilt over the new rows and a fresh mirror is taken.
-    fn regroup(&mut self, group: &ProcessGroup, global_step: u64) -> Result<Option<String>> {
+    fn regroup(&mut self, group: &ProcessGroup, global_step: u64) -> Result<Option<Resplit>> {
         let Some(live) = self.live.as_ref() else { return Ok(None) };
         let head_index = self.ddp.params().len() as i64;
         let own_entry = self.opt.param_state(head_index as usize)?;
@@ -516,7 +536,7 @@ impl Recipe for Face<'_> {
         }
         // The new rows are this rank's own now: mirrored at once, so the next death is covered.
         self.send_mirror(group, &rows, Instant::now())?;
-        Ok(Some(counts.to_string()))
+        Ok(Some(Resplit::HeadRows(counts)))
     }
 
     /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
@@ -524,13 +544,15 @@ impl Recipe for Face<'_> {
         let cfg = self.cfg;
         if let Some(live) = self.live.as_ref().filter(|_| group.rank() == 0) {
             // What the mirror cost this rank (its own bytes; every rank sends one shard).
-            eprintln!(
-                "live: head mirror every {} step(s): {} taken, {} KiB sent per rank each, {:.2} ms each on rank 0",
-                live.every,
-                live.mirrors,
-                live.mirror_bytes.div_ceil(1024),
-                live.mirror_secs * 1e3 / live.mirrors.max(1) as f64
-            );
+            let cost = MirrorCost {
+                what: "head".into(),
+                every: live.every,
+                taken: live.mirrors,
+                bytes_per_rank: live.mirror_bytes as u64,
+                mean_secs: live.mirror_secs / live.mirrors.max(1) as f64,
+            };
+            let reported = self.reporter.report(&Event::MirrorCost(cost));
+            reported.context("reporting to the run's loggers")?;
         }
         if let Some(path) = &cfg.checkpoint.save_final {
             if group.rank() == 0 {
@@ -544,7 +566,7 @@ impl Recipe for Face<'_> {
                 let value = self.ddp.module().state_dict()?;
                 let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
                     .context("--export-onnx")?;
-                eprintln!("{summary}");
+                super::note(&self.reporter, summary.to_string())?;
             }
             group.barrier()?;
         }

@@ -5,7 +5,7 @@
 //! [`RunSummary`] and a metrics file.
 //!
 //! ```ignore
-//! let summary = tandem::train::recipes::train(&options)?;   // on every rank
+//! let summary = tandem::train::recipes::train(&options, &Reporter::new().with(my_logger))?;   // on every rank
 //! ```
 pub mod classifier;
 pub mod face;
@@ -15,6 +15,7 @@ pub mod optimizer;
 use tandem_comm::{LiveOptions, ProcessGroup};
 
 use crate::error::{bail, Context, Result};
+use crate::events::{Event, Reporter};
 use crate::live::LiveTraining;
 use crate::options::{Backend, DeviceKind, Precision, TrainOptions};
 use crate::{RunSummary, Step};
@@ -22,18 +23,25 @@ use crate::{RunSummary, Step};
 /// Trains the recipe `opts.model.kind` names on this rank (every rank calls it; the process
 /// group comes from the environment: `tandem run`, torchrun, Slurm, mpirun, or a world of
 /// one). Under `tandem run --live-recovery` the classifier keeps going through a rank's death.
-pub fn train(opts: &TrainOptions) -> Result<RunSummary> {
+/// The run's events go to `reporter`'s loggers.
+pub fn train(opts: &TrainOptions, reporter: &Reporter) -> Result<RunSummary> {
+    crate::fault::check_build().map_err(crate::TrainError::Invalid)?;
     if let Some(live) = live_options(opts)? {
         if opts.model.kind.is_face() {
-            return face::run_live(opts, live);
+            return face::run_live(opts, live, reporter);
         }
-        return classifier::run_live(opts, live);
+        return classifier::run_live(opts, live, reporter);
     }
-    let group = join_group(opts)?;
+    let group = join_group(opts, reporter)?;
     if opts.model.kind.is_face() {
-        return face::run(opts, group);
+        return face::run(opts, group, reporter);
     }
-    classifier::run(opts, group)
+    classifier::run(opts, group, reporter)
+}
+
+/// Says `text` to the run's loggers (a fact about the run; the caller is rank 0).
+fn note(reporter: &Reporter, text: impl Into<String>) -> Result<()> {
+    reporter.report(&Event::Note(text.into())).context("reporting to the run's loggers")
 }
 
 /// The collectives of a live world (they follow its regroups), for a recipe's Ddp and any
@@ -50,6 +58,7 @@ pub struct LiveComm {
 fn run_live<R: crate::Recipe>(
     cfg: &TrainOptions,
     opts: LiveOptions,
+    reporter: &Reporter,
     build: impl FnOnce(&ProcessGroup, LiveComm) -> Result<(R, tandem_data::DataLoader<R::Data>, Step)>,
 ) -> Result<RunSummary> {
     let live = LiveTraining::connect_with(opts).context("joining the live job")?;
@@ -62,14 +71,13 @@ fn run_live<R: crate::Recipe>(
     let comm = LiveComm { comm: live.collectives(), replacement };
     let (recipe, loader, step) = build(&group, comm)?;
     let opts = crate::TrainerOptions::from_train_options(cfg);
-    let mut trainer = crate::Trainer::new(recipe, loader, step, group, opts)?;
+    let trainer = crate::Trainer::new(recipe, loader, step, group, opts)?;
+    let mut trainer = trainer.reporter(reporter.clone());
     if cfg.run.resume && !replacement {
         trainer.resume()?;
     }
     let mut trainer = trainer.live(live);
-    if let Some(change) = trainer.join_live()? {
-        eprintln!("live: member {} joined the running job: {change}", trainer.live_member());
-    }
+    trainer.join_live()?;
     trainer.fit()
 }
 
@@ -119,7 +127,7 @@ pub fn refuse_live(opts: &TrainOptions) -> Result<()> {
 
 /// Joins the process group (`--backend` applies under any launcher: mpirun, srun, torchrun,
 /// not only our own) and, with `--backend nccl`, makes the NCCL communicator Ddp reduces with.
-pub fn join_group(opts: &TrainOptions) -> Result<ProcessGroup> {
+pub fn join_group(opts: &TrainOptions, reporter: &Reporter) -> Result<ProcessGroup> {
     let mut init = tandem_comm::InitOptions::from_env().context("reading TANDEM_* settings")?;
     if let Some(kind) = opts.comm.backend.transport() {
         init.transport = Some(kind);
@@ -134,9 +142,12 @@ pub fn join_group(opts: &TrainOptions) -> Result<ProcessGroup> {
             .nccl(group.local_rank() as i32)
             .context("--backend nccl: making the NCCL communicator")?;
         if group.rank() == 0 {
-            eprintln!("nccl: {} rank(s), rank 0 on cuda:{}", group.size(), comm.device());
+            let text = format!("nccl: {} rank(s), rank 0 on cuda:{}", group.size(), comm.device());
+            note(reporter, text)?;
         }
     }
+    #[cfg(not(feature = "cuda"))]
+    let _ = reporter;
     Ok(group)
 }
 
