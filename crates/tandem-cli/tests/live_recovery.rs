@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Output};
 use std::time::Duration;
 
+use tandem::train::events::Resplit;
+use tandem::train::metrics::MetricsRecord;
 use tandem_testutil::harness;
 use tandem_testutil::{output_with_deadline, without_world};
 
@@ -376,6 +378,24 @@ fn face_recipe_keeps_a_dead_ranks_centres_from_its_mirror() {
         head.contains("4 restored from mirrors, 0 reloaded; 36 row-steps of head training lost"),
         "{head}"
     );
+    // The same regroup as a typed record in the metrics file (what `tandem bench live` reads),
+    // and the mirror's cost at the end.
+    let records =
+        tandem::train::metrics::read_metrics(&run.dir.path().join("runs/live/metrics.jsonl"))
+            .unwrap();
+    let regroups: Vec<_> = records
+        .iter()
+        .filter_map(|r| match r {
+            MetricsRecord::Regrouped(g) => Some(g),
+            _ => None,
+        })
+        .collect();
+    let first = regroups.first().expect("no regroup record");
+    assert_eq!((first.change.lost.as_slice(), first.redone), (&[2][..], 1), "{first:?}");
+    let Some(Resplit::HeadRows(rows)) = first.resplit else { panic!("{first:?}") };
+    assert_eq!((rows.from_mirror, rows.reloaded, rows.stale_row_steps), (4, 0, 36), "{rows:?}");
+    assert!(regroups.iter().any(|g| g.cause == "a rank joins" && g.change.joined == [2]));
+    assert!(records.iter().any(|r| matches!(r, MetricsRecord::MirrorCost(m) if m.taken > 0)));
     assert!(run.text.contains("member 2 joined the running job"), "{}", run.text);
     assert!(!run.text.contains("starting fresh"), "nothing restarted:\n{}", run.text);
     assert!((acc - baseline).abs() <= 0.02, "{acc} against {baseline} uninterrupted");

@@ -229,6 +229,18 @@ impl Reporter {
         self.lock().push(logger);
     }
 
+    /// Puts `loggers` in front of this reporter's (a trainer's run-directory files).
+    pub(crate) fn add_first(&self, mut loggers: Vec<Box<dyn Logger>>) {
+        let mut mine = self.lock();
+        loggers.append(&mut mine);
+        *mine = loggers;
+    }
+
+    /// Takes every logger out of this reporter (and its clones).
+    pub(crate) fn take_all(&self) -> Vec<Box<dyn Logger>> {
+        std::mem::take(&mut *self.lock())
+    }
+
     /// Reports `event` to every logger; the first failure is returned after all were tried.
     pub fn report(&self, event: &Event) -> std::io::Result<()> {
         let mut first = Ok(());

@@ -334,10 +334,11 @@ pub struct Trainer<R: Recipe> {
     /// How the last regroup re-split the recipe's per-rank state.
     resplit: Option<Resplit>,
     epochs_seen: Vec<EpochMetrics>,
-    /// Rank 0's loggers in the run directory: the metrics file, and `training.log` and
-    /// TensorBoard when asked for (empty on the other ranks).
-    files: Vec<Box<dyn Logger>>,
-    /// The loggers the run was given.
+    /// Whether this process opened the run directory's loggers (it is or was rank 0).
+    logs_open: bool,
+    /// The run's loggers: the run directory's (the metrics file, and `training.log` and
+    /// TensorBoard when asked for), opened by rank 0, and those the run was given; the recipe
+    /// holds a clone.
     reporter: Reporter,
 }
 
@@ -370,7 +371,7 @@ impl<R: Recipe> Trainer<R> {
             live: None,
             resplit: None,
             epochs_seen: Vec::new(),
-            files: Vec::new(),
+            logs_open: false,
             reporter: Reporter::new(),
         };
         trainer.open_logs()?;
@@ -381,28 +382,34 @@ impl<R: Recipe> Trainer<R> {
     /// (under live recovery another member may become rank 0 after a regroup; the metrics
     /// file is appended to, so its records stay in one file).
     fn open_logs(&mut self) -> Result<()> {
-        if self.group.rank() != 0 || !self.files.is_empty() {
+        if self.group.rank() != 0 || self.logs_open {
             return Ok(());
         }
+        self.logs_open = true;
         let dir = &self.opts.dir;
-        self.files.push(Box::new(MetricsFile::append(&dir.join("metrics.jsonl"))?));
+        let mut files: Vec<Box<dyn Logger>> = Vec::new();
+        files.push(Box::new(MetricsFile::append(&dir.join("metrics.jsonl"))?));
         if self.opts.log_every > 0 {
             let (every, world) = (self.opts.log_every, self.group.size());
             let log = TrainingLog::open(dir, every, world, self.max_steps(), self.global_step)
                 .with_context(|| format!("opening {}", dir.join("training.log").display()))?;
-            self.files.push(Box::new(log));
+            files.push(Box::new(log));
         }
         if self.opts.tensorboard {
             let tb = dir.join("tensorboard");
-            self.files.push(Box::new(EventWriter::create(&tb).with_context(|| {
+            files.push(Box::new(EventWriter::create(&tb).with_context(|| {
                 format!("creating a TensorBoard event file in {}", tb.display())
             })?));
         }
+        self.reporter.add_first(files);
         Ok(())
     }
 
-    /// Reports the run's events to `reporter`'s loggers (on rank 0, as every world event is).
+    /// Reports the run's events to `reporter`'s loggers too (on rank 0, as every world event
+    /// is); the run directory's loggers go along, so a recipe reporting through a clone of
+    /// `reporter` reaches them as well.
     pub fn reporter(mut self, reporter: Reporter) -> Self {
+        reporter.add_first(self.reporter.take_all());
         self.reporter = reporter;
         self
     }
@@ -412,7 +419,7 @@ impl<R: Recipe> Trainer<R> {
         if self.rank() != 0 {
             return Ok(());
         }
-        report_to(&mut self.files, &self.reporter, &event)
+        report_to(&self.reporter, &event)
     }
 
     /// Trains in the live world `live` (`tandem run --live-recovery`): a peer's death or a
@@ -551,8 +558,7 @@ impl<R: Recipe> Trainer<R> {
     /// so a failure can put its batch back.
     fn train_epoch(&mut self, max_steps: u64) -> Result<f64> {
         let started = Instant::now();
-        let Trainer { recipe, loader, step, group, opts, live, in_flight, files, reporter, .. } =
-            self;
+        let Trainer { recipe, loader, step, group, opts, live, in_flight, reporter, .. } = self;
         let world = group.size() as u64;
         let rank0 = group.rank() == 0;
         recipe.set_training(true)?;
@@ -604,7 +610,7 @@ impl<R: Recipe> Trainer<R> {
                     batch: batch.len(),
                     grad_scale: step.grad_scaler().map(GradScaler::get_scale),
                 });
-                report_to(files, reporter, &event)?;
+                report_to(reporter, &event)?;
             }
             if opts.validate_every > 0 && n.is_multiple_of(opts.validate_every) && n < max_steps {
                 let clock = Instant::now();
@@ -613,7 +619,7 @@ impl<R: Recipe> Trainer<R> {
                 if !val.is_empty() {
                     if rank0 {
                         let event = Event::Verified { step: n, results: val.clone() };
-                        report_to(files, reporter, &event)?;
+                        report_to(reporter, &event)?;
                     }
                     self.last_val = val;
                 }
@@ -625,7 +631,7 @@ impl<R: Recipe> Trainer<R> {
                 let written = checkpoint(recipe, group, step, &loader.state(), n)?;
                 if rank0 {
                     let event = Event::CheckpointSaved { step: n, path: written.clone() };
-                    report_to(files, reporter, &event)?;
+                    report_to(reporter, &event)?;
                 }
                 self.last_ckpt = written.or(self.last_ckpt.take());
                 self.saved_at = Some(n);
@@ -782,7 +788,7 @@ impl<R: Recipe> Trainer<R> {
         if let Some(change) = &change {
             let member = self.live_member();
             let event = Event::Joined { member, change: change.clone() };
-            report_to(&mut self.files, &self.reporter, &event)?;
+            report_to(&self.reporter, &event)?;
             // The world re-formed for this member; as its rank 0 it reports the regroup.
             self.report_regroup("a rank joins".into(), change.clone(), 0)?;
         } else {
@@ -813,11 +819,7 @@ fn checkpoint<R: Recipe>(
     recipe.save(SaveContext { group, name: &name, step, position, global_step: n })
 }
 
-/// Reports `event` to rank 0's run-directory loggers and the run's own.
-fn report_to(files: &mut [Box<dyn Logger>], reporter: &Reporter, event: &Event) -> Result<()> {
-    for logger in files.iter_mut() {
-        logger.log(event).context("writing the run's logs")?;
-    }
+fn report_to(reporter: &Reporter, event: &Event) -> Result<()> {
     reporter.report(event).context("reporting to the run's loggers")
 }
 
