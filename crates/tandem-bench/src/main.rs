@@ -3,6 +3,9 @@
 //! run; `report` writes docs/BENCHMARKS.md with plots. A program of its own, over tandem's
 //! library calls, so that neither the library nor the `tandem` binary compiles clap's benchmark
 //! flags, plotters or the bundled font.
+// The doc comments of the flags are clap's `--help` text, `<DIR>`-style placeholders and
+// `[a:b]` ranges included: they are not rustdoc markup.
+#![allow(rustdoc::invalid_html_tags, rustdoc::broken_intra_doc_links)]
 use std::path::PathBuf;
 
 use anyhow::Context;

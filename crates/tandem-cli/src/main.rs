@@ -1,5 +1,8 @@
 //! The `tandem` command line: launcher, training job, sampler inspection, checkpoint tools and
 //! benchmarks. Each subcommand lives in its own module under `cmd/`.
+// The doc comments of the flags are clap's `--help` text, `<DIR>`-style placeholders and
+// `[a:b]` ranges included: they are not rustdoc markup.
+#![allow(rustdoc::invalid_html_tags, rustdoc::broken_intra_doc_links)]
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod cmd;

@@ -3,14 +3,14 @@
 //!
 //! - kernels for what tandem fuses on the CPU, each the twin of a CPU kernel of tandem-nn,
 //!   tandem-optim or tandem-partial-fc, with the same formulas (elementwise results equal bit
-//!   for bit where the CPU rounds each step; sums agree within rounding): [`batch_norm`]
-//!   (+ ReLU, + residual add), [`prelu`], [`rows`] (L2 normalise, the face head's margin and
-//!   split cross-entropy), [`optim`] (SGD dense and row-sparse, Adam/AdamW, in place),
-//!   [`reduce`] (a whole model's Σ g² or inf/NaN check with one read-back);
-//! - [`cudnn`]: convolutions (forward and both backwards) through cuDNN, loaded at run time;
-//! - [`upload`]: batches to the device through pinned memory on a copy stream;
-//! - [`timing`]: CUDA events for honest phase times; [`profile`]: `TANDEM_PROFILE=phases|ops`
-//!   (device-synchronised phases, per-kernel device times); [`memory`]: the device's peak use.
+//!   for bit where the CPU rounds each step; sums agree within rounding): `batch_norm`
+//!   (+ ReLU, + residual add), `prelu`, `rows` (L2 normalise, the face head's margin and
+//!   split cross-entropy), `optim` (SGD dense and row-sparse, Adam/AdamW, in place),
+//!   `reduce` (a whole model's Σ g² or inf/NaN check with one read-back);
+//! - `cudnn`: convolutions (forward and both backwards) through cuDNN, loaded at run time;
+//! - `upload`: batches to the device through pinned memory on a copy stream;
+//! - `timing`: CUDA events for honest phase times; `profile`: `TANDEM_PROFILE=phases|ops`
+//!   (device-synchronised phases, per-kernel device times); `memory`: the device's peak use.
 //!
 //! The kernels (kernels/*.cu) are compiled to PTX by nvcc when the crate is built with `cuda`
 //! and loaded into each device on first use. Reductions never use atomics, so a result is the

@@ -11,14 +11,16 @@
 //! user's subscriber decides.
 //!
 //! ```ignore
-//! struct Lines;
+//! struct Lines(std::io::Stderr);
 //! impl Logger for Lines {
 //!     fn log(&mut self, event: &Event) -> std::io::Result<()> {
-//!         if let Some(line) = event.line() { eprintln!("{line}") }
-//!         Ok(())
+//!         match event.line() {
+//!             Some(line) => writeln!(self.0, "{line}"),
+//!             None => Ok(()),
+//!         }
 //!     }
 //! }
-//! let trainer = Trainer::new(recipe, loader, step, group, options)?.reporter(Reporter::new().with(Lines));
+//! let trainer = Trainer::new(recipe, loader, step, group, options)?.reporter(Reporter::new().with(Lines(std::io::stderr())));
 //! ```
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};

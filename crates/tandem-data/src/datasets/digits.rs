@@ -48,7 +48,7 @@ pub fn digits_all() -> Result<InMemoryDataset, DataError> {
 }
 
 /// The fixed (train, eval) split of the digits: `perm = torch.randperm(1797, generator seeded
-/// with 0)`; eval = sorted(perm[1500:]), train = sorted(perm[:1500]), so PyTorch reproduces it
+/// with 0)`; eval = `sorted(perm[1500:])`, train = `sorted(perm[:1500])`, so PyTorch reproduces it
 /// in one line. A seeded shuffle rather than the file's tail: the file is ordered by writer, so
 /// its tail is a handful of unseen writers, a harder and less representative test set.
 pub fn digits() -> Result<(InMemoryDataset, InMemoryDataset), DataError> {

@@ -6,7 +6,7 @@
 //! squared deviations from it), the output one pass, and the backward two passes with
 //! PyTorch's formula `gx = γ·invstd·(gy − mean(gy) − x̂·mean(gy·x̂))`, `gγ = Σ gy·x̂`,
 //! `gβ = Σ gy` (a following ReLU's mask applied inside both), channels spread over the rayon
-//! threads. Sums run in f64 over independent lanes, so that they vectorise ([`LaneSums`]).
+//! threads. Sums run in f64 over independent lanes, so that they vectorise (`LaneSums`).
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 

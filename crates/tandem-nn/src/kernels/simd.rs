@@ -2,7 +2,7 @@
 //!
 //! The crates are built for baseline x86-64 (SSE2) so that one binary runs on any x86-64 host,
 //! and the kernels' loops are plain Rust that LLVM vectorises — at SSE2 width, or not at all
-//! where a loop needs a blend, a conversion or a mask SSE2 lacks. [`vectorized_kernel!`] makes
+//! where a loop needs a blend, a conversion or a mask SSE2 lacks. `vectorized_kernel!` makes
 //! a function in three builds (AVX-512, AVX2 + FMA, baseline) and calls the widest one this
 //! CPU runs, detected once (the `multiversion` crate), as PyTorch's CPU kernels pick among
 //! their per-ISA builds. Closures written inside the function (the bodies of rayon's parallel

@@ -17,8 +17,8 @@
 //!
 //! Layout: ξ (the 16 positions of a transformed tile) outermost, then tiles, then channels:
 //! V `[16][T][C]`, M `[16][T][O]`, T the tiles of a block (a run of tile rows, about
-//! [`BLOCK_TILE_CHANNELS`] / channels tiles, so that a block's buffers stay near the cache).
-//! Channels innermost make every transform a sequence of operations on [`LANES`] channels at
+//! `BLOCK_TILE_CHANNELS` / channels tiles, so that a block's buffers stay near the cache).
+//! Channels innermost make every transform a sequence of operations on `LANES` channels at
 //! once (the images are turned channels-innermost a band of rows at a time), and give each of
 //! the three gemms operands that `gemm` packs at full speed (an operand whose reduced
 //! dimension is contiguous in both factors packs at half speed: measured 42 vs 110 GFLOP/s on
@@ -40,7 +40,7 @@ const XI: usize = 16;
 /// Channels a transform handles at once (one 64-byte line of a tile's channels).
 const LANES: usize = 16;
 
-/// One value for each of [`LANES`] channels.
+/// One value for each of `LANES` channels.
 type Lanes = [f32; LANES];
 
 /// The distance between the 16 matrices of a transformed block of `len` values: a cache line
@@ -130,7 +130,7 @@ fn threads() -> usize {
     rayon::current_num_threads().max(1)
 }
 
-/// Channel runs `(first, count)` of at most [`LANES`] channels.
+/// Channel runs `(first, count)` of at most `LANES` channels.
 fn lane_runs(channels: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..channels).step_by(LANES).map(move |c0| (c0, LANES.min(channels - c0)))
 }
@@ -374,7 +374,7 @@ vectorized_kernel! {
 /// Which channels and tiles of a group a band covers.
 #[derive(Clone, Copy)]
 struct Run {
-    /// The first channel and how many (at most [`LANES`]).
+    /// The first channel and how many (at most `LANES`).
     c0: usize,
     count: usize,
 }

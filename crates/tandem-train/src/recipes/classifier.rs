@@ -1,7 +1,7 @@
 //! The classifier recipe (mlp, cnn, resnet18 on digits, MNIST, CIFAR-10 or synthetic data):
 //! the model under Ddp, its optimizer (plain or ZeRO-sharded), per-epoch evaluation on the eval
 //! split, and rank 0's checkpoint files (synchronous or in the background), which resume on any
-//! world size and move between ranks under live recovery. The [`Trainer`](crate::Trainer)
+//! world size and move between ranks under live recovery. The [`Trainer`]
 //! drives it.
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
