@@ -97,21 +97,27 @@ fn print_op_times() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn write_config(cfg: &TrainConfig, run_dir: &std::path::Path) -> anyhow::Result<()> {
+/// Writes `RUN_DIR/config.toml` (every setting of the run) and returns its path.
+fn write_config(
+    cfg: &TrainConfig,
+    run_dir: &std::path::Path,
+) -> anyhow::Result<std::path::PathBuf> {
     std::fs::create_dir_all(run_dir)
         .with_context(|| format!("creating run directory {}", run_dir.display()))?;
     let path = run_dir.join("config.toml");
-    std::fs::write(&path, cfg.to_toml()?).with_context(|| format!("writing {}", path.display()))
+    std::fs::write(&path, cfg.to_toml()?).with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
 }
 
-/// Starts the ranks of this job on this host and waits for them.
+/// Starts the ranks of this job on this host and waits for them. Each rank reads the job's
+/// settings from the run's `config.toml` (written first, every setting in it), so the ranks
+/// train exactly what this process parsed.
 fn launch_ranks(mut cfg: TrainConfig) -> anyhow::Result<i32> {
     let run_dir = cfg.run_dir();
     cfg.out = Some(run_dir.clone());
-    write_config(&cfg, &run_dir)?;
+    let config = write_config(&cfg, &run_dir)?;
     let exe = std::env::current_exe().context("locating the tandem executable")?;
-    let mut args = vec!["train".to_string()];
-    args.extend(cfg.to_args());
+    let args = vec!["train".into(), "--config".into(), config.into_os_string()];
     let mut lc = LaunchConfig::new(exe, args);
     lc.nproc_per_node = NprocPerNode::Count(cfg.nproc_per_node as u32);
     lc.run_id = run_dir
