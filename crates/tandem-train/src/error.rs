@@ -18,9 +18,6 @@ pub enum TrainError {
         #[source]
         source: Box<dyn StdError + Send + Sync>,
     },
-    /// The world is re-forming (live recovery): the step in progress ends here.
-    #[error("a rank is waiting to join the running job")]
-    RegroupWanted,
 }
 
 pub type Result<T, E = TrainError> = std::result::Result<T, E>;

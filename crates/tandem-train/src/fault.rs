@@ -82,11 +82,12 @@ fn asked() -> bool {
 
 /// Faults asked for in a build that cannot inject them: a test would wait for a death that
 /// never comes.
-pub fn check_build() -> Result<(), String> {
+pub fn check_build() -> crate::error::Result<()> {
     if asked() && !cfg!(feature = "fault-injection") {
-        return Err("TANDEM_TEST_FAULT is set, but this build has no fault injection (build \
-                    tandem-train with the `fault-injection` feature; the test build does)"
-            .into());
+        crate::error::bail!(
+            "TANDEM_TEST_FAULT is set, but this build has no fault injection (build \
+             tandem-train with the `fault-injection` feature; the test build does)"
+        );
     }
     Ok(())
 }

@@ -125,13 +125,13 @@ impl StepTimes {
         self.optimizer += r.optimizer_secs;
     }
 
-    /// `time per step on rank 0: T ms = data .. + backbone forward .. + PartialFC .. + backward
-    /// and all-reduce .. + optimizer ..`.
+    /// `time per step on rank 0: T ms = data .. + forward .. + head .. + backward and
+    /// all-reduce .. + optimizer ..` (`head`: a model-parallel head's, such as PartialFC).
     pub fn line(&self) -> String {
         let per = |t: f64| t * 1e3 / self.steps.max(1) as f64;
         let total = self.data + self.forward + self.head + self.backward + self.optimizer;
         format!(
-            "time per step on rank 0: {:.1} ms = data {:.1} + backbone forward {:.1} + PartialFC {:.1} + backward and all-reduce {:.1} + optimizer {:.1}",
+            "time per step on rank 0: {:.1} ms = data {:.1} + forward {:.1} + head {:.1} + backward and all-reduce {:.1} + optimizer {:.1}",
             per(total),
             per(self.data),
             per(self.forward),
@@ -299,13 +299,22 @@ impl TrainerOptions {
             max_steps: o.run.max_steps,
             save_every: o.checkpoint.save_every,
             checkpoints: o.checkpoint.enabled,
-            validate_every: if o.model.kind.is_face() { o.face.verify_every } else { 0 },
+            // (A recipe without verification sets returns nothing from `validate`.)
+            validate_every: o.face.verify_every,
             resume: o.run.resume,
             tensorboard: o.run.tensorboard,
             timing_warmup_steps: o.run.timing_warmup_steps,
             log_every: o.run.log_every,
         }
     }
+}
+
+/// How a pass of [`Trainer::train`] ended.
+enum Ended {
+    /// At the end of the epochs or the step budget.
+    Done,
+    /// At a step boundary of a live world, where a rank waits to join.
+    RegroupWanted,
 }
 
 /// Drives a [`Recipe`] to the end of its epochs.
@@ -464,6 +473,7 @@ impl<R: Recipe> Trainer<R> {
             self.run_live()?;
             (tandem_comm::procfs::peak_rss().unwrap_or(0), device_peak_bytes())
         } else {
+            // Without a live world no rank can ask to join: a pass ends at the end.
             self.train()?;
             // Training's own peak, before the last save's staging copies add theirs.
             let peak = tandem_comm::procfs::peak_rss().unwrap_or(0);
@@ -536,7 +546,7 @@ impl<R: Recipe> Trainer<R> {
     }
 
     /// Epochs until the end or the step budget, each closed by [`Trainer::close_epoch`].
-    fn train(&mut self) -> Result<()> {
+    fn train(&mut self) -> Result<Ended> {
         self.emit(Event::Started { total: self.max_steps(), done: self.global_step })?;
         self.close_epoch()?;
         loop {
@@ -545,18 +555,20 @@ impl<R: Recipe> Trainer<R> {
                 break;
             }
             let epoch = self.loader.epoch();
-            let train_loss = self.train_epoch(max_steps)?;
+            let Some(train_loss) = self.train_epoch(max_steps)? else {
+                return Ok(Ended::RegroupWanted);
+            };
             self.epoch_to_close = Some((epoch, train_loss));
             self.close_epoch()?;
         }
-        Ok(())
+        Ok(Ended::Done)
     }
 
     /// The rest of the current epoch (up to `max_steps`); returns the world's mean loss. In a
     /// live world every step starts with the boundary check (a rank waiting to join ends the
-    /// epoch here with [`TrainError::RegroupWanted`]), and the step in progress is remembered
-    /// so a failure can put its batch back.
-    fn train_epoch(&mut self, max_steps: u64) -> Result<f64> {
+    /// epoch here: `None`), and the step in progress is remembered so a failure can put its
+    /// batch back.
+    fn train_epoch(&mut self, max_steps: u64) -> Result<Option<f64>> {
         let started = Instant::now();
         let Trainer { recipe, loader, step, group, opts, live, in_flight, reporter, .. } = self;
         let world = group.size() as u64;
@@ -571,7 +583,7 @@ impl<R: Recipe> Trainer<R> {
         while self.global_step < max_steps {
             if let Some(live) = live.as_ref() {
                 if live.regroup_wanted()? {
-                    return Err(TrainError::RegroupWanted);
+                    return Ok(None);
                 }
             }
             // Pulling past the last batch is what marks the epoch complete in the sampler
@@ -650,7 +662,7 @@ impl<R: Recipe> Trainer<R> {
         self.train_time += started.elapsed().as_secs_f64() - pause;
         let mut sums = [losses.sum, losses.samples as f64];
         self.group.all_reduce(&mut sums, ReduceOp::Sum)?;
-        Ok(sums[0] / sums[1].max(1.0))
+        Ok(Some(sums[0] / sums[1].max(1.0)))
     }
 
     /// An epoch whose steps are done: evaluation, the line, scalars and metrics on rank 0, and
@@ -724,18 +736,18 @@ impl<R: Recipe> Trainer<R> {
     /// furthest along — the failed step redone, nothing else.
     fn run_live(&mut self) -> Result<()> {
         loop {
-            let result = self.train().and_then(|()| self.save_last());
-            let error = match result {
-                Ok(()) => return Ok(()),
-                Err(e) => e,
+            let ended = match self.train() {
+                Ok(Ended::Done) => self.save_last().map(|()| Ended::Done),
+                other => other,
             };
-            let boundary = matches!(error, TrainError::RegroupWanted);
-            // A collective that failed inside a layer may reach here as text only (candle's
-            // errors keep no source); the group knows it broke.
-            let peer_failed = error.is_peer_failure() || self.group.failure().is_some();
-            if !boundary && !peer_failed {
-                return Err(error);
-            }
+            let cause = match ended {
+                Ok(Ended::Done) => return Ok(()),
+                Ok(Ended::RegroupWanted) => "a rank joins".to_string(),
+                // A collective that failed inside a layer may reach here as text only
+                // (candle's errors keep no source); the group knows it broke.
+                Err(e) if e.is_peer_failure() || self.group.failure().is_some() => root_cause(&e),
+                Err(e) => return Err(e),
+            };
             let step_failed = self.in_flight.is_some();
             if let Some(position) = self.in_flight.take() {
                 // The failed step did not happen: its batch goes back.
@@ -753,7 +765,6 @@ impl<R: Recipe> Trainer<R> {
             self.live = Some(live);
             let change = changed.context("regrouping")?;
             self.open_logs()?;
-            let cause = if boundary { "a rank joins".to_string() } else { root_cause(&error) };
             // The ranks were in the same step: the world redoes it unless the state's source
             // had finished it (then the source is ahead of this rank).
             let redone = u64::from(step_failed && change.step <= before);

@@ -25,7 +25,7 @@ use crate::{RunSummary, Step};
 /// one). Under `tandem run --live-recovery` the classifier keeps going through a rank's death.
 /// The run's events go to `reporter`'s loggers.
 pub fn train(opts: &TrainOptions, reporter: &Reporter) -> Result<RunSummary> {
-    crate::fault::check_build().map_err(crate::TrainError::Invalid)?;
+    crate::fault::check_build()?;
     if let Some(live) = live_options(opts)? {
         if opts.model.kind.is_face() {
             return face::run_live(opts, live, reporter);
