@@ -55,10 +55,10 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     // Training and benchmarks allocate tensors per step; keep freed memory for reuse.
-    tandem_nn::tune_allocator();
+    tandem::nn::tune_allocator();
     // Kernels' parallel loops run in place on this thread instead of being handed to a pool
-    // thread one op at a time (see tandem_nn::join_compute_pool).
-    tandem_nn::join_compute_pool();
+    // thread one op at a time (see tandem::nn::join_compute_pool).
+    tandem::nn::join_compute_pool();
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if matches!(cli.command, Command::Ckpt(_) | Command::Sampler(_)) {

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use tandem_ckpt::{load, save, TensorData, Value};
+use tandem::ckpt::{load, save, TensorData, Value};
 use tandem_testutil::output_with_deadline;
 
 fn tandem(args: &[&str]) -> Output {
@@ -130,7 +130,7 @@ fn diff_reports_differences_and_exit_code() {
     assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
     let mut other = state_dict("", 1.5);
     other.insert("extra.bias", Value::Tensor(TensorData::from_f32(&[1], &[0.0])));
-    tandem_ckpt::safetensors::save(&c, &other).unwrap();
+    tandem::ckpt::safetensors::save(&c, &other).unwrap();
     let o = tandem(&["ckpt", "diff", s(&a), s(&c)]);
     let text = stdout(&o);
     assert_eq!(o.status.code(), Some(1), "{text}");
@@ -213,7 +213,7 @@ fn bench_ckpt_prints_throughputs_and_ratios() {
 /// shard, nothing gathered. Returns the checkpoint's directory.
 fn sharded_checkpoint(dir: &Path) -> PathBuf {
     use candle_core::{Device, Tensor as CTensor, Var};
-    use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd, ZeroRedundancyOptimizer};
+    use tandem::optim::{SgdConfig, TorchOptimizer, TorchSgd, ZeroRedundancyOptimizer};
     let dir = dir.to_path_buf();
     let written = tandem_testutil::run_tcp_world(3, move |pg| {
         let ps: Vec<Var> = [&[4usize, 3][..], &[4], &[2, 4], &[2]]
@@ -223,7 +223,7 @@ fn sharded_checkpoint(dir: &Path) -> PathBuf {
                     .unwrap()
             })
             .collect();
-        let model = tandem_nn::NamedVars::new(
+        let model = tandem::nn::NamedVars::new(
             ps.iter().enumerate().map(|(i, p)| (format!("p{i}"), p.clone())).collect(),
         );
         let mut opt =
@@ -313,7 +313,7 @@ fn earlier_zero_checkpoints_still_inspect_and_convert() {
     let out = tandem(&["ckpt", "convert", s(&dir), s(&merged)]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v = load(&merged).unwrap();
-    assert_eq!(v, tandem_optim::zero::consolidate_sharded(&dir).unwrap());
+    assert_eq!(v, tandem::optim::zero::consolidate_sharded(&dir).unwrap());
     assert_eq!(v.get("state").unwrap().as_dict().unwrap().len(), 4);
 }
 

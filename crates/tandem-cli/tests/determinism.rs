@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use tandem::ckpt::Value;
 use tandem::train::metrics::{last_summary, read_metrics, MetricsRecord};
-use tandem_ckpt::Value;
 use tandem_testutil::{output_with_deadline, without_world};
 
 const LIMIT: Duration = Duration::from_secs(300);
@@ -80,7 +80,7 @@ fn outcome(run: &Path) -> (BTreeMap<String, Vec<u8>>, Vec<u64>) {
     };
     let mut all = BTreeMap::new();
     for f in &files {
-        tensors(&tandem_ckpt::load(f).unwrap(), p(f.file_name().unwrap().as_ref()), &mut all);
+        tensors(&tandem::ckpt::load(f).unwrap(), p(f.file_name().unwrap().as_ref()), &mut all);
     }
     let losses = read_metrics(&metrics)
         .unwrap()

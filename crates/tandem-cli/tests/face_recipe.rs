@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Output};
 use std::time::Duration;
 
+use tandem::ckpt::Value;
 use tandem::train::metrics::last_summary;
 use tandem::train::RunSummary;
-use tandem_ckpt::Value;
 use tandem_testutil::{harness, output_with_deadline, torch_python, without_world};
 
 const LIMIT: Duration = Duration::from_secs(300);
@@ -301,13 +301,13 @@ fn to_earlier_face_format(ckpt: &Path) {
             ("buffers", file.get("buffers").unwrap().clone()),
         ]);
         let name = format!("head-rank-{r:05}-of-{world:05}.pt");
-        tandem_ckpt::save(ckpt.join(&name), &old).unwrap();
+        tandem::ckpt::save(ckpt.join(&name), &old).unwrap();
         std::fs::remove_file(ckpt.join(format!("rank-{r:05}-of-{world:05}.pt"))).unwrap();
         heads.push(serde_json::json!({"file": name, "start": start, "len": len}));
     }
     let mut rep = saved.replicated().unwrap();
     rep.insert("format", Value::Str("tandem-partial-fc-1".into()));
-    tandem_ckpt::save(ckpt.join("replicated.pt"), &rep).unwrap();
+    tandem::ckpt::save(ckpt.join("replicated.pt"), &rep).unwrap();
     let manifest = serde_json::json!({
         "format": "tandem-partial-fc-1", "world_size": world, "global_step": saved.global_step(),
         "epoch": saved.epoch(), "num_classes": saved.rows_total("head").unwrap(),
@@ -356,7 +356,7 @@ fn background_saves_equal_synchronous_ones_and_resume_on_another_world() {
             (sync_dir.join("checkpoints").join(step), async_dir.join("checkpoints").join(step));
         assert!(b.join("manifest.json").is_file(), "{} has no manifest", b.display());
         assert_eq!(head_rows(&a), head_rows(&b), "{step}: the head differs");
-        let load = |d: &Path| tandem_ckpt::load(d.join("replicated.pt")).unwrap();
+        let load = |d: &Path| tandem::ckpt::load(d.join("replicated.pt")).unwrap();
         let (ra, rb) = (load(&a), load(&b));
         for key in ["backbone", "optimizer", "scheduler", "sampler", "global_step"] {
             assert_eq!(ra.get(key), rb.get(key), "{step}: `{key}` differs");
@@ -443,7 +443,7 @@ fn f16_trains() {
     assert!(result.epochs_seen.iter().all(|e| e.loss_scale.is_some()), "{result:?}");
     // The scaler's state (growth interval 100, arcface_torch's) is in the checkpoint.
     let ckpt = result.checkpoint.expect("the last checkpoint");
-    let rep = tandem_ckpt::load(ckpt.join("replicated.pt")).unwrap();
+    let rep = tandem::ckpt::load(ckpt.join("replicated.pt")).unwrap();
     let interval = rep.get("scaler").and_then(|s| s.get("growth_interval")).and_then(Value::as_int);
     assert_eq!(interval, Some(100));
 }
@@ -564,7 +564,7 @@ fn arcface_layout_round_trip_resumes_bitwise() {
     for f in ["checkpoint_gpu_0.pt", "checkpoint_gpu_1.pt", "model.pt"] {
         assert!(arc.join(f).is_file(), "{f} missing:\n{out}");
     }
-    let ck = tandem_ckpt::load(arc.join("checkpoint_gpu_1.pt")).unwrap();
+    let ck = tandem::ckpt::load(arc.join("checkpoint_gpu_1.pt")).unwrap();
     for key in [
         "epoch",
         "global_step",
@@ -705,7 +705,7 @@ fn mobilefacenet_trains_and_its_checkpoint_exports() {
 /// `--data folder:DIR` (one sub-folder per identity) and `tandem data pack DIR OUT` then
 /// `--data rec:OUT` train the same steps to the same bits; a broken image is skipped and counted.
 fn a_folder_of_identities_trains_as_its_packed_rec() {
-    use tandem_data::recordio::{IndexedRecordReader, IrHeader};
+    use tandem::data::recordio::{IndexedRecordReader, IrHeader};
     let dir = tempfile::tempdir().unwrap();
     let data = faces(dir.path(), 16, 8, "jpeg");
     let folder = dir.path().join("folder");
@@ -818,9 +818,9 @@ fn reference(args: &[&str]) -> String {
 /// the run moved; returns the worst and its name.
 fn deviation(x: &Path, exact: &Path, init: &Value) -> (f64, String) {
     let tensors = |v: &Value| {
-        tandem_ckpt::keys::find_state_dicts(v).into_iter().next().expect("a state dict").1
+        tandem::ckpt::keys::find_state_dicts(v).into_iter().next().expect("a state dict").1
     };
-    let load = |path: &Path| tensors(&tandem_ckpt::load(path).unwrap());
+    let load = |path: &Path| tensors(&tandem::ckpt::load(path).unwrap());
     let (x, exact) = (load(x), load(exact));
     let init = tensors(init.get("backbone").unwrap());
     let mut worst = (0.0, String::new());
@@ -828,7 +828,7 @@ fn deviation(x: &Path, exact: &Path, init: &Value) -> (f64, String) {
         if name.ends_with("num_batches_tracked") {
             continue;
         }
-        let get = |sd: &[(String, tandem_ckpt::TensorData)]| {
+        let get = |sd: &[(String, tandem::ckpt::TensorData)]| {
             sd.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("no {name}")).1.to_f64_vec()
         };
         let (xv, iv, ev) = (get(&x), get(&init), e.to_f64_vec());
@@ -941,7 +941,7 @@ fn against_pytorch(acc: usize) {
     let mut b = common.to_vec();
     b.extend(["--out", p(&f64_run), "--double"]);
     reference(&b);
-    let init_v = tandem_ckpt::load(&init).unwrap();
+    let init_v = tandem::ckpt::load(&init).unwrap();
     let (ours_off, ours_at) = deviation(&ours, &f64_run, &init_v);
     let (torch_off, torch_at) = deviation(&f32_run, &f64_run, &init_v);
     eprintln!("from the float64 run: tandem {ours_off:.3e} ({ours_at}), PyTorch float32 {torch_off:.3e} ({torch_at})");
@@ -1119,7 +1119,7 @@ fn ijb_evaluation_of_a_trained_model_on_one_and_two_ranks() {
 }
 
 fn embed_equals_pytorch_inference() {
-    use tandem_data::recordio::{IndexedRecordReader, IrHeader};
+    use tandem::data::recordio::{IndexedRecordReader, IrHeader};
     let dir = tempfile::tempdir().unwrap();
     let data = faces(dir.path(), 16, 8, "png");
     let weights = dir.path().join("model.pt");

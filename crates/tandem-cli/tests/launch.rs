@@ -555,7 +555,7 @@ fn a_killed_watchdog_is_reaped_reported_and_replaced() {
     // Reaped (no zombie left while the launcher runs) and replaced by a new watchdog.
     let deadline = Instant::now() + Duration::from_secs(5);
     let new = loop {
-        let reaped = tandem_comm::procfs::ProcStat::read(old).is_none();
+        let reaped = tandem::comm::procfs::ProcStat::read(old).is_none();
         match watchdogs(old).as_slice() {
             [new] if reaped => break *new,
             _ => assert!(Instant::now() < deadline, "watchdog {old} not reaped and replaced"),

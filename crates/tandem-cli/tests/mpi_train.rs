@@ -50,7 +50,7 @@ fn find_rank(port: &str, rank: usize) -> Option<i32> {
 }
 
 fn floats(path: &Path) -> Vec<(String, Vec<f32>)> {
-    let v = tandem_ckpt::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let v = tandem::ckpt::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     v.as_dict()
         .expect("a state dict")
         .iter()

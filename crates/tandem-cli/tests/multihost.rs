@@ -334,7 +334,7 @@ fn kill_host_1_launcher(marker: &str) -> Instant {
             .iter()
             .copied()
             .filter(|&p| {
-                let ppid = tandem_comm::procfs::ProcStat::read(p).map(|s| s.ppid);
+                let ppid = tandem::comm::procfs::ProcStat::read(p).map(|s| s.ppid);
                 !ppid.is_some_and(|pp| found.contains(&pp))
             })
             .collect()

@@ -363,8 +363,8 @@ const SAVER_ASYNC_VAR: &str = "RELIABILITY_SAVER_ASYNC";
 const SAVER_LEN: usize = 256 * 1024;
 
 /// Deterministic checkpoint contents for `step`, so a loaded one can be checked value by value.
-fn saver_value(step: i64) -> tandem_ckpt::Value {
-    use tandem_ckpt::{TensorData, Value};
+fn saver_value(step: i64) -> tandem::ckpt::Value {
+    use tandem::ckpt::{TensorData, Value};
     let data: Vec<f32> =
         (0..SAVER_LEN).map(|i| (step as f32) * 1000.0 + (i % 997) as f32).collect();
     Value::dict_from([
@@ -377,7 +377,7 @@ fn saver_value(step: i64) -> tandem_ckpt::Value {
 }
 
 /// Err unless `v` is exactly what `saver_value` wrote for its `global_step`.
-fn check_saver_value(v: &tandem_ckpt::Value) -> Result<i64, String> {
+fn check_saver_value(v: &tandem::ckpt::Value) -> Result<i64, String> {
     let step = v.get("global_step").and_then(|s| s.as_int()).ok_or("no global_step")?;
     let want = saver_value(step);
     let got =
@@ -480,8 +480,8 @@ fn save_kill_trial(seed: u64, exe: &Path, background: bool) -> Result<SaveKillOu
     let mut newest_complete: Option<i64> = None;
     for n in names.iter().filter(|n| n.starts_with("checkpoint-") && n.ends_with(".pt")) {
         let p = ck.join(n);
-        let opts = tandem_ckpt::LoadOptions { verify_checksums: true, ..Default::default() };
-        let v = tandem_ckpt::load_with(&p, &opts)
+        let opts = tandem::ckpt::LoadOptions { verify_checksums: true, ..Default::default() };
+        let v = tandem::ckpt::load_with(&p, &opts)
             .map_err(|e| format!("{n} is visible but does not load: {e}: {}", ctx()))?;
         let step = check_saver_value(&v).map_err(|e| format!("{n}: {e}: {}", ctx()))?;
         newest_complete = newest_complete.max(Some(step));

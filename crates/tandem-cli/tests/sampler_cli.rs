@@ -90,7 +90,7 @@ fn matches_live_torch() {
 #[test]
 fn every_rank_agrees_with_the_library() {
     for rank in 0..5 {
-        let mut s = tandem_data::DistributedSampler::new(123, 5, rank, true, 9, false).unwrap();
+        let mut s = tandem::data::DistributedSampler::new(123, 5, rank, true, 9, false).unwrap();
         s.set_epoch(4);
         let rank_s = rank.to_string();
         let got = indices(&[

@@ -89,7 +89,7 @@ fn srun_trains_and_every_task_takes_its_rank_from_slurm() {
     // 1500 digits over 2 ranks, 32 per rank per step: 24 steps, so both tasks trained together.
     assert!(finals[0].contains("steps=24"), "{}", finals[0]);
     let ck = run.join("checkpoints/checkpoint-step-00000024.pt");
-    let v = tandem_ckpt::load(&ck).unwrap_or_else(|e| panic!("{}: {e}", ck.display()));
+    let v = tandem::ckpt::load(&ck).unwrap_or_else(|e| panic!("{}: {e}", ck.display()));
     assert_eq!(v.get("world_size").and_then(|w| w.as_int()), Some(2));
 }
 

@@ -79,7 +79,7 @@ fn train(args: &[&str]) -> (Output, RunSummary) {
 }
 
 /// The run's last checkpoint as one dict (a sharded one, `--zero`'s, consolidated).
-fn checkpoint_of(s: &RunSummary) -> tandem_ckpt::Value {
+fn checkpoint_of(s: &RunSummary) -> tandem::ckpt::Value {
     let path = s.checkpoint.as_ref().expect("the run wrote a checkpoint");
     tandem::train::checkpoint::Saved::open(path)
         .and_then(|saved| saved.consolidated())
@@ -93,9 +93,9 @@ fn get<'a>(kv: &'a [(String, String)], key: &str) -> &'a str {
         .1
 }
 
-fn weights(path: &Path) -> Vec<(String, tandem_ckpt::TensorData)> {
-    let v = tandem_ckpt::load(path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
-    let mut out: Vec<(String, tandem_ckpt::TensorData)> = v
+fn weights(path: &Path) -> Vec<(String, tandem::ckpt::TensorData)> {
+    let v = tandem::ckpt::load(path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
+    let mut out: Vec<(String, tandem::ckpt::TensorData)> = v
         .as_dict()
         .expect("a state dict")
         .iter()
@@ -128,7 +128,7 @@ fn two_ranks_learn_digits_and_leave_a_run_directory() {
     let ckpt = summary.checkpoint.clone().expect("a checkpoint");
     assert_eq!(get(&kv, "checkpoint"), ckpt.display().to_string());
     assert!(ckpt.starts_with(&out_dir), "checkpoint {ckpt:?} outside the run directory");
-    let value = tandem_ckpt::load(&ckpt).unwrap();
+    let value = tandem::ckpt::load(&ckpt).unwrap();
     for key in [
         "epoch",
         "global_step",
@@ -188,7 +188,7 @@ fn whole_and_resumed_agree(
     common: &[&str],
     stop_at: &str,
     ext: &str,
-) -> (RunSummary, PathBuf, Vec<(String, tandem_ckpt::TensorData)>) {
+) -> (RunSummary, PathBuf, Vec<(String, tandem::ckpt::TensorData)>) {
     let whole = dir.join(format!("whole.{ext}"));
     let a = dir.join("a");
     let mut args =
@@ -427,11 +427,11 @@ fn the_cnn_trains_on_three_channel_cifar_shaped_data() {
 /// Largest absolute difference per key between two state dicts with the same keys, and the
 /// largest change of any float parameter (not a buffer) from `init` in `reference`.
 fn state_dict_gap(
-    ours: &[(String, tandem_ckpt::TensorData)],
-    reference: &[(String, tandem_ckpt::TensorData)],
-    init: &[(String, tandem_ckpt::TensorData)],
+    ours: &[(String, tandem::ckpt::TensorData)],
+    reference: &[(String, tandem::ckpt::TensorData)],
+    init: &[(String, tandem::ckpt::TensorData)],
 ) -> (f64, String, f64) {
-    let names = |s: &[(String, tandem_ckpt::TensorData)]| {
+    let names = |s: &[(String, tandem::ckpt::TensorData)]| {
         s.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>()
     };
     assert_eq!(names(ours), names(reference), "the same keys as PyTorch's state dict");
@@ -646,7 +646,7 @@ fn mixed_precision_trains_and_its_grad_scaler_resumes() {
         let acc = kv.eval_accuracy.expect("an eval accuracy");
         assert!(acc >= 0.85, "--precision {precision}: eval accuracy {acc} after 2 epochs");
         let w = weights(Path::new(&path(&format!("{precision}.pt"))));
-        assert!(w.iter().all(|(_, t)| t.dtype == tandem_ckpt::ElemType::F32), "{precision}");
+        assert!(w.iter().all(|(_, t)| t.dtype == tandem::ckpt::ElemType::F32), "{precision}");
         let ck = checkpoint_of(&kv);
         finals.push((w, ck, String::from_utf8_lossy(&o.stdout).to_string()));
     }
@@ -657,9 +657,9 @@ fn mixed_precision_trains_and_its_grad_scaler_resumes() {
     assert!(f32ck.get("scaler").is_none(), "a float32 run has no scaler state");
     assert!(f16out.contains("loss_scale="), "{f16out}");
     let scaler = f16ck.get("scaler").expect("the f16 checkpoint holds the GradScaler");
-    let num = |v: &tandem_ckpt::Value, k: &str| match v.get(k) {
-        Some(tandem_ckpt::Value::Float(f)) => *f,
-        Some(tandem_ckpt::Value::Int(i)) => *i as f64,
+    let num = |v: &tandem::ckpt::Value, k: &str| match v.get(k) {
+        Some(tandem::ckpt::Value::Float(f)) => *f,
+        Some(tandem::ckpt::Value::Int(i)) => *i as f64,
         other => panic!("scaler `{k}`: {other:?}"),
     };
     assert_eq!(num(scaler, "growth_interval"), 2000.0);
@@ -709,7 +709,7 @@ fn lr_scheduler_is_checkpointed_and_continues_on_resume() {
         let ck = checkpoint_of(&train(args).1);
         ck.get("scheduler").cloned().expect("a scheduler state")
     };
-    let int = |v: &tandem_ckpt::Value, k: &str| v.get(k).and_then(|x| x.as_int()).unwrap();
+    let int = |v: &tandem::ckpt::Value, k: &str| v.get(k).and_then(|x| x.as_int()).unwrap();
     let args = [
         "train",
         "--lr-scheduler",

@@ -87,3 +87,44 @@ fn the_training_library_never_prints() {
     }
     assert!(found.is_empty(), "tandem-train prints:\n{}", found.join("\n"));
 }
+
+/// crate name -> its layer in the doc's drawing (0 at the top).
+fn drawn_layers() -> BTreeMap<String, usize> {
+    let doc = std::fs::read_to_string(repo().join("docs/architecture.md")).unwrap();
+    let start = doc.find("```text\n").expect("docs/architecture.md: no drawing") + 8;
+    let end = start + doc[start..].find("```").unwrap();
+    let mut layers = BTreeMap::new();
+    let rows = doc[start..end].lines().filter(|l| l.trim_start().starts_with("tandem"));
+    for (layer, row) in rows.enumerate() {
+        // Crate names are the words before the row's description (two or more spaces apart).
+        for word in row.split_whitespace().filter(|w| w.starts_with("tandem")) {
+            let name = word.trim_end_matches(|c: char| !c.is_alphanumeric()).to_string();
+            assert!(layers.insert(name.clone(), layer).is_none(), "{name} drawn twice");
+        }
+    }
+    layers
+}
+
+/// The layers are an order: every crate depends only on crates drawn below its own row.
+#[test]
+fn every_crate_depends_only_on_layers_drawn_below_it() {
+    let layers = drawn_layers();
+    for entry in std::fs::read_dir(repo().join("crates")).unwrap() {
+        let dir = entry.unwrap().path();
+        if !dir.join("Cargo.toml").exists() {
+            continue;
+        }
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let Some(&mine) = layers.get(&name) else {
+            panic!("crates/{name} is not in docs/architecture.md's drawing");
+        };
+        for dep in declared(&dir) {
+            let theirs = layers.get(&dep).copied();
+            assert!(
+                theirs.is_some_and(|l| l > mine),
+                "crates/{name} (layer {mine} from the top) depends on {dep} (layer {theirs:?}): \
+                 docs/architecture.md must draw it below"
+            );
+        }
+    }
+}

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use tandem_comm::ReduceOp;
+use tandem::comm::ReduceOp;
 
 /// Variables a launcher sets, printed by `--print-env`.
 const LAUNCHER_VARS: [&str; 12] = [
@@ -77,7 +77,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let sleep = Duration::try_from_secs_f64(args.sleep_secs).with_context(|| {
         format!("--sleep-secs: `{}` is not a number of seconds", args.sleep_secs)
     })?;
-    let pg = tandem_comm::init().context("joining the process group")?;
+    let pg = tandem::comm::init().context("joining the process group")?;
     let (rank, size) = (pg.rank(), pg.size());
     let expected = size * size.saturating_sub(1) / 2;
     let sum = match args.dtype {
@@ -127,7 +127,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 
 /// Sum, average and max of an 8 MiB f32 buffer whose values depend on the rank and the index;
 /// all exact in f32, so any wrong element is a bug, not rounding.
-fn check_large(pg: &tandem_comm::ProcessGroup) -> Result<(), String> {
+fn check_large(pg: &tandem::comm::ProcessGroup) -> Result<(), String> {
     // 8 MiB + 3 elements: several pipeline pieces of the hierarchical all-reduce, the last one
     // tiny, and a length no local group size divides.
     const LEN: usize = (1 << 21) + 3;
@@ -156,9 +156,9 @@ fn check_large(pg: &tandem_comm::ProcessGroup) -> Result<(), String> {
 
 /// reduce, all_to_all_single with uneven splits (some empty), a ring shift by
 /// batch_isend_irecv, all_gather_object and monitored_barrier, with results every rank checks.
-fn check_more(pg: &tandem_comm::ProcessGroup) -> Result<(), String> {
+fn check_more(pg: &tandem::comm::ProcessGroup) -> Result<(), String> {
     let (r, n) = (pg.rank(), pg.size());
-    let fail = |what: &str, e: tandem_comm::CommError| format!("{what}: {e}");
+    let fail = |what: &str, e: tandem::comm::CommError| format!("{what}: {e}");
     let mut v = vec![r as i64 + 1; 1001];
     pg.reduce(&mut v, ReduceOp::Sum, n - 1).map_err(|e| fail("reduce", e))?;
     let want = if r == n - 1 { (n * (n + 1) / 2) as i64 } else { r as i64 + 1 };
@@ -179,8 +179,8 @@ fn check_more(pg: &tandem_comm::ProcessGroup) -> Result<(), String> {
     if n > 1 {
         let (right, left) = ((r + 1) % n, (r + n - 1) % n);
         let ops = vec![
-            tandem_comm::P2POp::isend(vec![r as f32; 1 << 18], right),
-            tandem_comm::P2POp::irecv(vec![-1f32; 1 << 18], left),
+            tandem::comm::P2POp::isend(vec![r as f32; 1 << 18], right),
+            tandem::comm::P2POp::irecv(vec![-1f32; 1 << 18], left),
         ];
         let done = pg.batch_isend_irecv(ops).wait().map_err(|e| fail("batch_isend_irecv", e))?;
         if done[1].buf.iter().any(|x| *x != left as f32) {

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::Subcommand;
 use serde_json::json;
-use tandem_ckpt::keys::{detect_wrapping, find_state_dicts, load_state_dict, strip_wrappers};
-use tandem_ckpt::{CkptError, TensorData, Value};
+use tandem::ckpt::keys::{detect_wrapping, find_state_dicts, load_state_dict, strip_wrappers};
+use tandem::ckpt::{CkptError, TensorData, Value};
 
 use tandem::train::checkpoint::{Saved, ShardSlice};
 use tandem::train::face::arcface;
@@ -101,20 +101,20 @@ pub(crate) fn read(path: &Path) -> anyhow::Result<Value> {
 /// `read`, keeping OrderedDicts and their `_metadata` (for `convert`: a faithful re-save).
 fn read_keeping(path: &Path, keep_ordered_dicts: bool) -> anyhow::Result<Value> {
     if path.is_dir() {
-        if tandem_ckpt::dcp::is_dcp_dir(path) {
-            return Ok(tandem_ckpt::dcp::load(path)?);
+        if tandem::ckpt::dcp::is_dcp_dir(path) {
+            return Ok(tandem::ckpt::dcp::load(path)?);
         }
         if is_zero1_dir(path) {
-            return Ok(tandem_optim::zero::consolidate_sharded(path)?);
+            return Ok(tandem::optim::zero::consolidate_sharded(path)?);
         }
         return Ok(Saved::open(path)?.consolidated()?);
     }
-    let opts = tandem_ckpt::LoadOptions {
+    let opts = tandem::ckpt::LoadOptions {
         verify_checksums: true,
         keep_ordered_dicts,
         ..Default::default()
     };
-    Ok(tandem_ckpt::load_with(path, &opts)?)
+    Ok(tandem::ckpt::load_with(path, &opts)?)
 }
 
 fn format_name(path: &Path) -> anyhow::Result<&'static str> {
@@ -123,10 +123,10 @@ fn format_name(path: &Path) -> anyhow::Result<&'static str> {
     let n = std::fs::File::open(path)
         .and_then(|mut f| f.read(&mut head))
         .with_context(|| format!("{}", path.display()))?;
-    Ok(match tandem_ckpt::pt::detect(&head[..n]) {
-        Some(tandem_ckpt::pt::FileKind::TorchZip) => "torch.save zip",
-        Some(tandem_ckpt::pt::FileKind::TorchLegacy) => "torch.save legacy (pre-1.6)",
-        Some(tandem_ckpt::pt::FileKind::Safetensors) => "safetensors",
+    Ok(match tandem::ckpt::pt::detect(&head[..n]) {
+        Some(tandem::ckpt::pt::FileKind::TorchZip) => "torch.save zip",
+        Some(tandem::ckpt::pt::FileKind::TorchLegacy) => "torch.save legacy (pre-1.6)",
+        Some(tandem::ckpt::pt::FileKind::Safetensors) => "safetensors",
         None => "unknown",
     })
 }
@@ -296,7 +296,7 @@ fn convert_face(input: &Path, output: &Path) -> anyhow::Result<i32> {
 /// A ZeRO checkpoint of the earlier format: its manifest, each rank's file, parameters and
 /// state bytes.
 fn inspect_zero1(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
-    use tandem_optim::zero::{read_manifest, state_bytes};
+    use tandem::optim::zero::{read_manifest, state_bytes};
     let m = read_manifest(dir)?;
     let mut ranks = Vec::new();
     for (r, f) in m.files.iter().enumerate() {
@@ -338,7 +338,7 @@ fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
     if file.is_dir() && is_zero1_dir(file) {
         return inspect_zero1(file, as_json);
     }
-    let dcp = tandem_ckpt::dcp::is_dcp_dir(file);
+    let dcp = tandem::ckpt::dcp::is_dcp_dir(file);
     if file.is_dir() && !dcp {
         return inspect_sharded_state(&Saved::open(file)?, as_json);
     }
@@ -414,12 +414,12 @@ fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
 
 /// A DCP directory's tensors: (key, chunks, the files holding them).
 fn dcp_chunking(dir: &Path) -> anyhow::Result<Vec<(String, usize, Vec<String>)>> {
-    let md = tandem_ckpt::dcp::read_metadata(dir)?;
+    let md = tandem::ckpt::dcp::read_metadata(dir)?;
     Ok(md
         .items
         .iter()
         .filter_map(|(fqn, item)| match item {
-            tandem_ckpt::dcp::Item::Tensor { chunks, .. } => {
+            tandem::ckpt::dcp::Item::Tensor { chunks, .. } => {
                 let mut files: Vec<String> = md
                     .records
                     .iter()
@@ -430,7 +430,7 @@ fn dcp_chunking(dir: &Path) -> anyhow::Result<Vec<(String, usize, Vec<String>)>>
                 files.dedup();
                 Some((fqn.clone(), chunks.len(), files))
             }
-            tandem_ckpt::dcp::Item::Bytes => None,
+            tandem::ckpt::dcp::Item::Bytes => None,
         })
         .collect())
 }
@@ -523,7 +523,7 @@ fn convert(
         Some(k) => select(&v, k)?.clone(),
         None => v,
     };
-    let is_sd = tandem_ckpt::keys::is_state_dict(&selected);
+    let is_sd = tandem::ckpt::keys::is_state_dict(&selected);
     if (to_safetensors || strip.is_some() || add.is_some()) && !is_sd {
         // A training checkpoint: use its state dict when there is exactly one.
         let found = find_state_dicts(&selected);
@@ -580,12 +580,12 @@ fn convert(
         if !matches!(selected, Value::Dict(_) | Value::OrderedDict { .. }) {
             bail!("--to dcp: a distributed checkpoint holds a dict; pick one with --key");
         }
-        tandem_ckpt::dcp::save(output, &selected.into_plain())?;
+        tandem::ckpt::dcp::save(output, &selected.into_plain())?;
     } else if to_safetensors {
         // safetensors holds tensors only: no OrderedDict, no module versions.
-        tandem_ckpt::safetensors::save(output, &selected.into_plain())?;
+        tandem::ckpt::safetensors::save(output, &selected.into_plain())?;
     } else {
-        tandem_ckpt::save(output, &selected)?;
+        tandem::ckpt::save(output, &selected)?;
     }
     eprintln!("wrote {}", output.display());
     Ok(0)
@@ -678,7 +678,7 @@ fn load_check(file: &Path, reference: &Path, strict: bool) -> anyhow::Result<i32
     let Some((_, target)) = found.first() else {
         bail!("{}: holds no state dict to check against", reference.display())
     };
-    let target: Vec<(String, Vec<usize>, tandem_ckpt::ElemType)> =
+    let target: Vec<(String, Vec<usize>, tandem::ckpt::ElemType)> =
         target.iter().map(|(k, t)| (k.clone(), t.shape.clone(), t.dtype)).collect();
     match load_state_dict(&src, &target, strict) {
         Ok((_, report)) => {

@@ -6,8 +6,8 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use tandem_data::datasets::faces::{write_synthetic_faces, FaceFormat, FACE_SIDE};
-use tandem_data::datasets::image_folder::{pack, ImageFolder};
+use tandem::data::datasets::faces::{write_synthetic_faces, FaceFormat, FACE_SIDE};
+use tandem::data::datasets::image_folder::{pack, ImageFolder};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -91,7 +91,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     match args.command {
         Command::SynthFaces(a) => synth_faces(a),
         Command::SynthIjb(a) => {
-            let w = tandem_data::datasets::ijb::write_synthetic_ijb(
+            let w = tandem::data::datasets::ijb::write_synthetic_ijb(
                 &a.dir,
                 &a.target,
                 a.identities,

@@ -8,11 +8,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
-use tandem_data::datasets::faces::{decode_face_resized, FaceRecDataset, FACE_SIDE};
-use tandem_data::datasets::image_folder::files_under;
-use tandem_data::Dataset;
-use tandem_models::{FaceBackbone, ModelKind};
-use tandem_nn::{OrderedVarMap, ParamModule};
+use tandem::data::datasets::faces::{decode_face_resized, FaceRecDataset, FACE_SIDE};
+use tandem::data::datasets::image_folder::files_under;
+use tandem::data::Dataset;
+use tandem::models::{FaceBackbone, ModelKind};
+use tandem::nn::{OrderedVarMap, ParamModule};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -143,20 +143,20 @@ pub(crate) fn load_backbone(
     let (arch, value) = if path.is_dir() {
         (None, super::ckpt::read(path)?)
     } else if is_onnx {
-        let (arch, tensors) = tandem_onnx::read_weights(path)?;
+        let (arch, tensors) = tandem::onnx::read_weights(path)?;
         let dict = tensors
             .into_iter()
             .map(|(k, mut t)| {
                 // The export stores PReLU slopes as [C, 1, 1] to broadcast over the planes.
                 if t.shape.len() == 3 && t.shape[1..] == [1, 1] {
-                    t = tandem_ckpt::TensorData::from_storage(t.dtype, &t.shape[..1], t.storage);
+                    t = tandem::ckpt::TensorData::from_storage(t.dtype, &t.shape[..1], t.storage);
                 }
-                (tandem_ckpt::Value::Str(k), tandem_ckpt::Value::Tensor(t))
+                (tandem::ckpt::Value::Str(k), tandem::ckpt::Value::Tensor(t))
             })
             .collect();
-        (arch, tandem_ckpt::Value::Dict(dict))
+        (arch, tandem::ckpt::Value::Dict(dict))
     } else {
-        (None, tandem_ckpt::load(path).with_context(|| format!("reading {shown}"))?)
+        (None, tandem::ckpt::load(path).with_context(|| format!("reading {shown}"))?)
     };
     let kind = match (kind, arch) {
         (Some(kind), _) => kind,
@@ -172,7 +172,7 @@ pub(crate) fn load_backbone(
     };
     // A face checkpoint holds the network under `backbone`.
     let value = value.get("backbone").cloned().unwrap_or(value);
-    let found = tandem_ckpt::keys::find_state_dicts(&value);
+    let found = tandem::ckpt::keys::find_state_dicts(&value);
     let Some((_, tensors)) = found.first() else {
         bail!("{shown}: no state dict (a dict of tensors, bare or under model/state_dict/module)")
     };
@@ -213,21 +213,21 @@ pub(crate) fn load_backbone(
 /// `num_batches_tracked`, a ViT's `mask_token`): those keys come from the freshly built model,
 /// so the strict load still checks every weight the graph holds.
 fn with_training_only_keys(
-    value: tandem_ckpt::Value,
+    value: tandem::ckpt::Value,
     vars: &OrderedVarMap,
-) -> anyhow::Result<tandem_ckpt::Value> {
-    let tandem_ckpt::Value::Dict(mut items) = value else { return Ok(value) };
-    let has = |items: &[(tandem_ckpt::Value, tandem_ckpt::Value)], key: &str| {
-        items.iter().any(|(k, _)| matches!(k, tandem_ckpt::Value::Str(s) if s == key))
+) -> anyhow::Result<tandem::ckpt::Value> {
+    let tandem::ckpt::Value::Dict(mut items) = value else { return Ok(value) };
+    let has = |items: &[(tandem::ckpt::Value, tandem::ckpt::Value)], key: &str| {
+        items.iter().any(|(k, _)| matches!(k, tandem::ckpt::Value::Str(s) if s == key))
     };
     for (name, var) in vars.named() {
         let training_only = name.ends_with("num_batches_tracked") || name == "mask_token";
         if training_only && !has(&items, &name) {
-            let t = tandem_nn::convert::to_ckpt(var.as_tensor())?;
-            items.push((tandem_ckpt::Value::Str(name), tandem_ckpt::Value::Tensor(t)));
+            let t = tandem::nn::convert::to_ckpt(var.as_tensor())?;
+            items.push((tandem::ckpt::Value::Str(name), tandem::ckpt::Value::Tensor(t)));
         }
     }
-    Ok(tandem_ckpt::Value::Dict(items))
+    Ok(tandem::ckpt::Value::Dict(items))
 }
 
 /// numpy's `.npy` of a float32 matrix (see [`write_npy_bytes`]).
@@ -254,7 +254,7 @@ fn write_npy_bytes(path: &Path, descr: &str, shape: &str, data: &[u8]) -> anyhow
     bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
     bytes.extend_from_slice(header.as_bytes());
     bytes.extend_from_slice(data);
-    tandem_ckpt::atomic::write_atomic(path, |f| {
+    tandem::ckpt::atomic::write_atomic(path, |f| {
         use std::io::Write;
         f.write_all(&bytes)
     })

@@ -10,10 +10,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
+use tandem::data::datasets::faces::FACE_SIDE;
+use tandem::data::datasets::ijb::IjbSet;
+use tandem::models::ModelKind;
 use tandem::train::ijb;
-use tandem_data::datasets::faces::FACE_SIDE;
-use tandem_data::datasets::ijb::IjbSet;
-use tandem_models::ModelKind;
 
 #[derive(clap::Args)]
 pub struct Args {

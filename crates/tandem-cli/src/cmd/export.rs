@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use tandem_models::ModelKind;
+use tandem::models::ModelKind;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -23,7 +23,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let value = if args.checkpoint.is_dir() {
         super::ckpt::read(&args.checkpoint)
     } else {
-        tandem_ckpt::load(&args.checkpoint).map_err(Into::into)
+        tandem::ckpt::load(&args.checkpoint).map_err(Into::into)
     }
     .with_context(|| format!("reading {}", args.checkpoint.display()))?;
     let summary = write(args.model, &value, &args.output)
@@ -33,7 +33,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 }
 
 /// Exports the state dict in `value` and writes it atomically to `path`; returns a one-line
-/// summary (see [`tandem_onnx::export_to_file`]).
-pub fn write(kind: ModelKind, value: &tandem_ckpt::Value, path: &Path) -> anyhow::Result<String> {
-    Ok(tandem_onnx::export_to_file(kind, value, path)?)
+/// summary (see [`tandem::onnx::export_to_file`]).
+pub fn write(kind: ModelKind, value: &tandem::ckpt::Value, path: &Path) -> anyhow::Result<String> {
+    Ok(tandem::onnx::export_to_file(kind, value, path)?)
 }

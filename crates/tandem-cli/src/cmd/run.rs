@@ -1,11 +1,11 @@
-//! `tandem run [OPTIONS] -- PROGRAM [ARGS]`: torchrun's command line over `tandem_launch`.
+//! `tandem run [OPTIONS] -- PROGRAM [ARGS]`: torchrun's command line over `tandem::launch`.
 //! Flags accept torchrun's spellings (`--nproc-per-node` and `--nproc_per_node`).
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use tandem_launch::{
+use tandem::launch::{
     parse_local_ranks, parse_nnodes, random_run_id, LaunchConfig, Nnodes, NprocPerNode, StreamSpec,
 };
 
@@ -205,7 +205,7 @@ pub fn config_from_args(args: Args) -> anyhow::Result<LaunchConfig> {
     cfg.prefix_output = !args.no_prefix;
     cfg.insecure = args.insecure;
     if let Some(path) = &args.secret_file {
-        cfg.secret = Some(tandem_comm::JobSecret::read_file(path).context("--secret-file")?);
+        cfg.secret = Some(tandem::comm::JobSecret::read_file(path).context("--secret-file")?);
     }
     if args.standalone {
         if cfg.nnodes != 1 {
@@ -227,6 +227,6 @@ pub fn config_from_args(args: Args) -> anyhow::Result<LaunchConfig> {
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
     let cfg = config_from_args(args)?;
-    let outcome = tandem_launch::launch(&cfg)?;
+    let outcome = tandem::launch::launch(&cfg)?;
     Ok(outcome.exit_code)
 }

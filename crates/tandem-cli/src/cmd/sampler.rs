@@ -2,7 +2,7 @@
 //! exactly `list(iter(DistributedSampler(range(len), R, rank, shuffle, seed, drop_last)))`
 //! after `set_epoch(epoch)` in PyTorch, so the two can be diffed.
 use anyhow::Context;
-use tandem_data::DistributedSampler;
+use tandem::data::DistributedSampler;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {

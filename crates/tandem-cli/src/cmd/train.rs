@@ -4,9 +4,9 @@
 use crate::train::config::TrainConfig;
 use crate::train::console::Console;
 use anyhow::Context;
+use tandem::launch::{LaunchConfig, NprocPerNode};
 use tandem::train::events::verification_text;
 use tandem::train::Reporter;
-use tandem_launch::{LaunchConfig, NprocPerNode};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -132,6 +132,6 @@ fn launch_ranks(mut cfg: TrainConfig) -> anyhow::Result<i32> {
     lc.live_recovery = cfg.live_recovery;
     lc.max_restarts = cfg.max_restarts;
     // launch() prints the failure summary (rank, exit code or signal, stderr tail) itself.
-    let outcome = tandem_launch::launch(&lc).context("starting the training ranks")?;
+    let outcome = tandem::launch::launch(&lc).context("starting the training ranks")?;
     Ok(outcome.exit_code)
 }

@@ -142,7 +142,7 @@ pub fn to_flags(
         match key.as_str() {
             "network" => {
                 let name = value.as_str().ok_or_else(|| bad("expected a string"))?;
-                name.parse::<tandem_models::ModelKind>().map_err(|e| bad(&e.to_string()))?;
+                name.parse::<tandem::models::ModelKind>().map_err(|e| bad(&e.to_string()))?;
                 set("model", name.into());
             }
             "margin_list" => {

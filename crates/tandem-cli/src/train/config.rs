@@ -4,9 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
+pub use tandem::models::ModelKind;
 pub use tandem::train::options::{Backend, DeviceKind, OptimizerKind, Precision};
 use tandem::train::options::{Choice, TrainOptions};
-pub use tandem_models::ModelKind;
 
 /// Parses a flag whose values are a library option's names (listed in `--help` and in the
 /// error for any other value).

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use std::time::{Duration, Instant};
-use tandem_comm::procfs::all_pids;
+use tandem::comm::procfs::all_pids;
 use tandem_testutil::children_of;
 
 /// Environment variable holding a trial's unique marker; every process of the trial inherits it.
@@ -152,7 +152,7 @@ pub fn leftovers(marker: &str, settle: Duration) -> Vec<i32> {
 /// its own but is not reaped yet, or a process already inside exit (`PF_EXITING`): kill(2)
 /// succeeds on both without any effect, and the process still exits with its own status.
 pub fn sigkill(pid: i32) -> bool {
-    let stat = tandem_comm::procfs::ProcStat::read(pid);
+    let stat = tandem::comm::procfs::ProcStat::read(pid);
     if !stat.is_some_and(|s| !s.is_dead() && !s.is_exiting()) {
         return false;
     }
@@ -232,7 +232,7 @@ fn append_summary(line: &str) {
 
 /// The model weights of a `.pt` / `.safetensors` file as (key, raw bytes), sorted by key.
 pub fn weight_bytes(path: &Path) -> Result<Vec<(String, Vec<u8>)>, String> {
-    let v = tandem_ckpt::load(path).map_err(|e| format!("loading {}: {e}", path.display()))?;
+    let v = tandem::ckpt::load(path).map_err(|e| format!("loading {}: {e}", path.display()))?;
     let dict = v.as_dict().ok_or_else(|| format!("{} is not a dict", path.display()))?;
     let mut out = Vec::new();
     for (k, t) in dict {
@@ -274,7 +274,7 @@ pub fn pathbuf(p: &Path, rel: &str) -> PathBuf {
 
 /// The weights of a saved state dict, sorted by name, as f64 (for comparing runs).
 pub fn weights(path: &Path) -> Vec<(String, Vec<f64>)> {
-    let v = tandem_ckpt::load(path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
+    let v = tandem::ckpt::load(path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
     let mut out: Vec<(String, Vec<f64>)> = v
         .as_dict()
         .expect("a state dict")
