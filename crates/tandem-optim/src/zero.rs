@@ -461,6 +461,17 @@ pub fn merge_shards(shards: &[Value], n: usize) -> Result<Value, OptimError> {
     ]))
 }
 
+/// Whether `dir/manifest.json` says it is this format's (however the rest of it reads: a
+/// reader then names what is wrong with it).
+pub fn is_zero1_checkpoint(dir: &Path) -> bool {
+    #[derive(Deserialize)]
+    struct Format {
+        format: String,
+    }
+    std::fs::read(dir.join(MANIFEST))
+        .is_ok_and(|b| serde_json::from_slice::<Format>(&b).is_ok_and(|f| f.format == FORMAT))
+}
+
 /// Reads `dir/manifest.json`, naming the file at fault.
 pub fn read_manifest(dir: &Path) -> Result<ShardManifest, OptimError> {
     let path = dir.join(MANIFEST);

@@ -10,15 +10,9 @@ use serde_json::json;
 use tandem::ckpt::keys::{detect_wrapping, find_state_dicts, load_state_dict, strip_wrappers};
 use tandem::ckpt::{CkptError, TensorData, Value};
 
+use tandem::optim::zero::is_zero1_checkpoint;
 use tandem::train::checkpoint::{Saved, ShardSlice};
 use tandem::train::face::arcface;
-
-/// Whether `dir` holds the earlier ZeRO-only format (`tandem-zero1`).
-fn is_zero1_dir(dir: &Path) -> bool {
-    std::fs::read(dir.join("manifest.json")).is_ok_and(|b| {
-        serde_json::from_slice::<serde_json::Value>(&b).is_ok_and(|j| j["format"] == "tandem-zero1")
-    })
-}
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -104,7 +98,7 @@ fn read_keeping(path: &Path, keep_ordered_dicts: bool) -> anyhow::Result<Value> 
         if tandem::ckpt::dcp::is_dcp_dir(path) {
             return Ok(tandem::ckpt::dcp::load(path)?);
         }
-        if is_zero1_dir(path) {
+        if is_zero1_checkpoint(path) {
             return Ok(tandem::optim::zero::consolidate_sharded(path)?);
         }
         return Ok(Saved::open(path)?.consolidated()?);
@@ -335,7 +329,7 @@ fn inspect_zero1(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
 }
 
 fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
-    if file.is_dir() && is_zero1_dir(file) {
+    if file.is_dir() && is_zero1_checkpoint(file) {
         return inspect_zero1(file, as_json);
     }
     let dcp = tandem::ckpt::dcp::is_dcp_dir(file);
