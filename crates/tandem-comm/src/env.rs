@@ -168,6 +168,19 @@ fn seconds(e: &Env, name: &str) -> Result<Option<Duration>, CommError> {
     }
 }
 
+/// The job's id as its launcher names it: `TANDEM_RUN_ID`, torchrun's `TORCHELASTIC_RUN_ID` or
+/// Slurm's `SLURM_JOB_ID` (what scopes the store's keys, and what a program names the job's
+/// files after); `None` when no launcher set one.
+pub fn job_id_from_env() -> Option<String> {
+    job_id(&Env(&process_env))
+}
+
+fn job_id(e: &Env) -> Option<String> {
+    e.var("TANDEM_RUN_ID")
+        .or_else(|| e.var("TORCHELASTIC_RUN_ID"))
+        .or_else(|| e.var("SLURM_JOB_ID"))
+}
+
 impl InitOptions {
     pub fn from_env() -> Result<InitOptions, CommError> {
         Self::from_vars(&Env(&process_env))
@@ -207,11 +220,7 @@ impl InitOptions {
         if let Some(t) = seconds(e, "TANDEM_INIT_TIMEOUT")? {
             o.init_timeout = t;
         }
-        if let Some(id) = e
-            .var("TANDEM_RUN_ID")
-            .or_else(|| e.var("TORCHELASTIC_RUN_ID"))
-            .or_else(|| e.var("SLURM_JOB_ID"))
-        {
+        if let Some(id) = job_id(e) {
             o.run_id = id;
         }
         o.secret = crate::auth::JobSecret::from_vars(|var| e.var(var))?;
@@ -656,6 +665,21 @@ mod tests {
     fn nothing_set_is_a_world_of_one() {
         let s = resolve_vars(&[]).unwrap();
         assert_eq!((s.rank, s.world_size, s.master.is_none()), (0, 1, true));
+    }
+
+    #[test]
+    fn the_job_id_is_tandem_s_then_torchrun_s_then_slurm_s() {
+        let id = |vars: &[(&str, &str)]| {
+            let vars: Vec<(String, String)> =
+                vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            let get = move |q: &str| vars.iter().find(|(k, _)| k == q).map(|(_, v)| v.clone());
+            job_id(&Env(&get))
+        };
+        let all = [("SLURM_JOB_ID", "77"), ("TORCHELASTIC_RUN_ID", "te"), ("TANDEM_RUN_ID", "t")];
+        assert_eq!(id(&all).as_deref(), Some("t"));
+        assert_eq!(id(&all[..2]).as_deref(), Some("te"));
+        assert_eq!(id(&all[..1]).as_deref(), Some("77"));
+        assert_eq!(id(&[("TANDEM_RUN_ID", " ")]), None, "blank is unset");
     }
 
     #[test]

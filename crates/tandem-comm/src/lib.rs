@@ -37,7 +37,7 @@ mod work;
 pub use auth::JobSecret;
 pub use dyn_collectives::{Collectives, CommSource, LocalGroup, SingleProcess};
 pub use element::{Element, ReduceOp, WireType};
-pub use env::{debug_level, DebugLevel, InitMethod, InitOptions};
+pub use env::{debug_level, job_id_from_env, DebugLevel, InitMethod, InitOptions};
 pub use error::CommError;
 pub use frame::MAX_FRAME;
 pub use group::{P2PKind, P2POp, ProcessGroup};

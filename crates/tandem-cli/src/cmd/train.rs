@@ -35,10 +35,11 @@ pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i3
     }
     if cfg.out.is_none() && launched() {
         // Ranks started by an outside launcher must agree on one run directory without talking.
-        let id = std::env::var("TORCHELASTIC_RUN_ID")
-            .or_else(|_| std::env::var("SLURM_JOB_ID"))
-            .or_else(|_| std::env::var("MASTER_PORT"))
-            .unwrap_or_else(|_| "job".into());
+        // The launcher's job id (as the store is scoped by it), else the port every rank was
+        // given (mpirun sets no id).
+        let id = tandem::comm::job_id_from_env()
+            .or_else(|| std::env::var("MASTER_PORT").ok())
+            .unwrap_or_else(|| "job".into());
         cfg.out = Some(std::path::PathBuf::from("runs").join(format!("train-{id}")));
     }
     let run_dir = cfg.run_dir();
