@@ -325,7 +325,8 @@ pub(crate) fn apply_checkpoint(
         s.load_state_dict(&ck.scaler).map_err(|e| field("scaler", e.to_string()))?;
     }
     if let Some(l) = state.loader.as_deref_mut().filter(|_| set_loader) {
-        let pos = sampler_state_from_value(&ck.sampler).map_err(|p| field("sampler", p))?;
+        let pos =
+            sampler_state_from_value(&ck.sampler).map_err(|p| field("sampler", p.to_string()))?;
         l.set_position(&pos).map_err(|e| field("sampler", e.to_string()))?;
     }
     state.step = ck.global_step as u64;
@@ -376,11 +377,24 @@ pub fn sampler_value(s: &SamplerState) -> Value {
     ])
 }
 
+/// A saved sampler position without one of its keys (or with one of the wrong type).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("no {kind} `{key}`")]
+pub struct SamplerKeyError {
+    pub key: &'static str,
+    /// `int` or `bool`.
+    pub kind: &'static str,
+}
+
 /// The inverse of [`sampler_value`]; the error names the missing or mistyped key. `start` is
 /// optional (checkpoints from before resharding lack it: 0).
-pub fn sampler_state_from_value(v: &Value) -> Result<SamplerState, String> {
-    let int = |k: &str| v.get(k).and_then(Value::as_int).ok_or_else(|| format!("no int `{k}`"));
-    let flag = |k: &str| v.get(k).and_then(Value::as_bool).ok_or_else(|| format!("no bool `{k}`"));
+pub fn sampler_state_from_value(v: &Value) -> Result<SamplerState, SamplerKeyError> {
+    let int = |key: &'static str| {
+        v.get(key).and_then(Value::as_int).ok_or(SamplerKeyError { key, kind: "int" })
+    };
+    let flag = |key: &'static str| {
+        v.get(key).and_then(Value::as_bool).ok_or(SamplerKeyError { key, kind: "bool" })
+    };
     Ok(SamplerState {
         epoch: int("epoch")? as u64,
         consumed: int("consumed")? as usize,
@@ -391,7 +405,7 @@ pub fn sampler_state_from_value(v: &Value) -> Result<SamplerState, String> {
         drop_last: flag("drop_last")?,
         start: match v.get("start") {
             None => 0,
-            Some(s) => s.as_int().ok_or("`start` is not an int")? as usize,
+            Some(s) => s.as_int().ok_or(SamplerKeyError { key: "start", kind: "int" })? as usize,
         },
     })
 }

@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use tandem_partial_fc::ClassSplit;
 use tandem_testutil::run_tcp_world;
+use tandem_train::checkpoint::CheckpointError;
 use tandem_train::face::live_head::{exchange_mirror, regroup_rows, RegroupCounts, RowBlock};
 
 const CLASSES: usize = 10;
@@ -49,7 +50,7 @@ fn expected(world: usize, rank: usize, step: u64, step_of: impl Fn(usize) -> u64
     b
 }
 
-fn no_fallback(r: Range<usize>) -> Result<RowBlock, String> {
+fn no_fallback(r: Range<usize>) -> Result<RowBlock, CheckpointError> {
     panic!("no rows should be missing, asked for {r:?}")
 }
 

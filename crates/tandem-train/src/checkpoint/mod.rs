@@ -59,7 +59,7 @@ use tandem_comm::CommError;
 
 pub use manifest::{rank_file_name, Manifest, RankFile, ShardEntry, FORMAT, MANIFEST, REPLICATED};
 pub use reader::Saved;
-pub use rows::{concat_rows, slice_rows};
+pub use rows::{concat_rows, slice_rows, ConcatRowsError};
 pub use writer::{write_sharded, Checkpointer, LATEST};
 
 /// Which slice of a global object a shard holds.

@@ -18,17 +18,26 @@ pub fn slice_rows(t: &TensorData, rows: Range<usize>) -> TensorData {
     TensorData::from_bytes(t.dtype, &shape, part)
 }
 
-/// Stacks tensors of one dtype and row shape by rows (the error says why they do not stack).
-pub fn concat_rows(parts: &[TensorData]) -> std::result::Result<TensorData, String> {
-    let Some(first) = parts.first() else { return Err("no rows".into()) };
+/// Why row blocks do not stack.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ConcatRowsError {
+    #[error("no rows")]
+    Empty,
+    #[error("row blocks of different dtypes or shapes ({first}, {other})")]
+    Mismatch { first: String, other: String },
+}
+
+/// Stacks tensors of one dtype and row shape by rows.
+pub fn concat_rows(parts: &[TensorData]) -> std::result::Result<TensorData, ConcatRowsError> {
+    let Some(first) = parts.first() else { return Err(ConcatRowsError::Empty) };
     let mut bytes = Vec::new();
     let mut rows = 0;
     for p in parts {
         if p.dtype != first.dtype || p.shape.is_empty() || p.shape[1..] != first.shape[1..] {
-            return Err(format!(
-                "row blocks of different dtypes or shapes ({:?} {:?}, {:?} {:?})",
-                first.dtype, first.shape, p.dtype, p.shape
-            ));
+            return Err(ConcatRowsError::Mismatch {
+                first: format!("{:?} {:?}", first.dtype, first.shape),
+                other: format!("{:?} {:?}", p.dtype, p.shape),
+            });
         }
         bytes.extend_from_slice(&p.contiguous_bytes());
         rows += p.shape[0];
@@ -74,7 +83,9 @@ fn merge_at<'a>(
                     })?;
                 pieces.push(slice_rows(t, p.rows.clone()));
             }
-            Ok(Value::Tensor(concat_rows(&pieces).map_err(|why| invalid(&first.path, why))?))
+            let stacked =
+                concat_rows(&pieces).map_err(|why| invalid(&first.path, why.to_string()))?;
+            Ok(Value::Tensor(stacked))
         }
         Value::Dict(items) => {
             let mut out = Vec::with_capacity(items.len());
@@ -113,7 +124,7 @@ mod tests {
         assert_eq!(concat_rows(&parts).unwrap().to_f32_vec(), t.to_f32_vec());
         assert_eq!(slice_rows(&t, 3..4).to_f32_vec(), vec![6.0, 7.0]);
         let odd = TensorData::from_f32(&[1, 3], &[0.0; 3]);
-        assert!(concat_rows(&[t, odd]).unwrap_err().contains("shapes"));
+        assert!(concat_rows(&[t, odd]).unwrap_err().to_string().contains("shapes"));
     }
 
     #[test]

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use tandem_comm::{CommError, ProcessGroup};
 use tandem_partial_fc::ClassSplit;
 
+use crate::checkpoint::CheckpointError;
 use crate::live_entries::{in_ring_order, preference, Preference};
 
 /// Rows `start..start + len` of the head as of `step`: centres and the optimizer's row tensors.
@@ -193,7 +194,7 @@ pub fn regroup_rows(
     step: u64,
     own: Option<&RowBlock>,
     mirror: Option<&RowBlock>,
-    fallback: &mut dyn FnMut(Range<usize>) -> Result<RowBlock, String>,
+    fallback: &mut dyn FnMut(Range<usize>) -> Result<RowBlock, CheckpointError>,
 ) -> Result<(RowBlock, RegroupCounts), RegroupError> {
     let (me, world) = (group.rank(), group.size());
     let mine: Vec<(&RowBlock, bool)> =
@@ -279,8 +280,8 @@ pub fn regroup_rows(
             Source::Fallback if p.dst == me => {
                 let b = fallback(p.classes.clone()).map_err(RegroupError::Fallback)?;
                 if b.classes() != p.classes {
-                    return Err(RegroupError::Fallback(format!(
-                        "asked for classes {:?}, got {:?}",
+                    return Err(RegroupError::Plan(format!(
+                        "rows no rank holds: asked for classes {:?}, got {:?}",
                         p.classes,
                         b.classes()
                     )));
@@ -391,8 +392,8 @@ pub enum RegroupError {
     },
     #[error("regrouping the PartialFC head: {0}")]
     Plan(String),
-    #[error("regrouping the PartialFC head: rows no rank holds: {0}")]
-    Fallback(String),
+    #[error("regrouping the PartialFC head: reading rows no rank holds")]
+    Fallback(#[source] CheckpointError),
 }
 
 impl RegroupError {

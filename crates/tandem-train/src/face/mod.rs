@@ -324,7 +324,7 @@ pub fn restore_replicated(
     state.backbone.load_state_dict(&backbone).map_err(|e| ("backbone", e.to_string()))?;
     let saved = get("sampler")?;
     if saved != &Value::None {
-        let position = sampler_state_from_value(saved).map_err(|e| ("sampler", e))?;
+        let position = sampler_state_from_value(saved).map_err(|e| ("sampler", e.to_string()))?;
         loader.set_position(&position).map_err(|e| ("sampler", e.to_string()))?;
     }
     let step = get("global_step")?.as_int().unwrap_or(0) as u64;

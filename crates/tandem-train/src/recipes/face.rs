@@ -27,7 +27,7 @@ use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConf
 
 use super::net::Autocast;
 use super::LiveComm;
-use crate::checkpoint::Checkpointer;
+use crate::checkpoint::{CheckpointError, Checkpointer};
 use crate::error::{bail, Context, Result, TrainError};
 use crate::events::{Event, MirrorCost, Reporter, Resplit};
 use crate::face::live_head::{exchange_mirror, regroup_rows, RowBlock};
@@ -617,13 +617,15 @@ impl Face<'_> {
 
     /// Rows no rank holds after a regroup: from the newest complete checkpoint, else the
     /// initial centres (step 0, no optimizer state).
-    fn reload_rows(&self, range: std::ops::Range<usize>) -> std::result::Result<RowBlock, String> {
+    fn reload_rows(
+        &self,
+        range: std::ops::Range<usize>,
+    ) -> std::result::Result<RowBlock, CheckpointError> {
         let cfg = self.head.config();
         let (classes, e) = (cfg.num_classes, cfg.embedding_size);
-        if let Some(saved) = self.ckpt.latest().map_err(|err| err.to_string())? {
+        if let Some(saved) = self.ckpt.latest()? {
             if saved.rows_total(HEAD_SHARD) == Some(classes) {
-                let rows =
-                    saved.read_rows(HEAD_SHARD, range.clone()).map_err(|err| err.to_string())?;
+                let rows = saved.read_rows(HEAD_SHARD, range.clone())?;
                 let weight = rows.get("weight").and_then(Value::as_tensor);
                 if let Some(weight) = weight.filter(|w| w.shape == [range.len(), e]) {
                     return Ok(RowBlock {
