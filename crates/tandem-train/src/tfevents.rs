@@ -124,7 +124,8 @@ impl Logger for EventWriter {
 /// at once, so it is there to log).
 pub const STEP_SCALARS_EVERY: u64 = 100;
 
-fn unix_secs() -> f64 {
+/// Seconds since the Unix epoch (an event's wall time; 0 before 1970).
+pub(crate) fn unix_secs() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 

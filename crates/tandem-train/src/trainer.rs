@@ -780,9 +780,7 @@ impl<R: Recipe> Trainer<R> {
         redone: u64,
     ) -> Result<()> {
         let resplit = self.resplit.take();
-        let at_unix_s = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64());
+        let at_unix_s = crate::tfevents::unix_secs();
         self.emit(Event::Regrouped(Regroup { at_unix_s, cause, change, redone, resplit }))
     }
 

@@ -1,14 +1,14 @@
 //! The classifier recipe (mlp, cnn, resnet18 on digits, MNIST, CIFAR-10 or synthetic data):
 //! the model under Ddp, its optimizer (plain or ZeRO-sharded), per-epoch evaluation on the eval
 //! split, and rank 0's checkpoint files (synchronous or in the background), which resume on any
-//! world size and move between ranks under live recovery. The [`Trainer`]
+//! world size and move between ranks under live recovery. The [`Trainer`](crate::Trainer)
 //! drives it.
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::Device;
 use tandem_ckpt::{TrainingCheckpoint, Value};
-use tandem_comm::{Collectives, LiveOptions, ProcessGroup};
+use tandem_comm::{Collectives, ProcessGroup};
 use tandem_data::{
     channel_stats, Batch, CropFlip, DataLoader, Dataset, EvalMetrics, ImageTransforms,
     InMemoryDataset, LoaderOptions, SamplerState, Transformed,
@@ -31,36 +31,8 @@ use crate::state::{
     replicated_with_optimizer, sampler_state_from_value, sampler_value, LoaderPosition,
     OPTIMIZER_SHARD,
 };
-use crate::trainer::{
-    Evaluation, Recipe, ResumeContext, Resumed, SaveContext, StepReport, Trainer, TrainerOptions,
-};
-use crate::{RunSummary, Step};
-
-/// Trains the classifier on this rank of `group`.
-pub(super) fn run(
-    cfg: &TrainOptions,
-    group: ProcessGroup,
-    reporter: &Reporter,
-) -> Result<RunSummary> {
-    let (recipe, loader, step) = Classifier::build(cfg, &group, None, reporter)?;
-    let opts = TrainerOptions::from_train_options(cfg);
-    let mut trainer = Trainer::new(recipe, loader, step, group, opts)?.reporter(reporter.clone());
-    if cfg.run.resume {
-        trainer.resume()?;
-    }
-    trainer.fit()
-}
-
-/// A rank of a live job (see [`super::run_live`]).
-pub(super) fn run_live(
-    cfg: &TrainOptions,
-    opts: LiveOptions,
-    reporter: &Reporter,
-) -> Result<RunSummary> {
-    super::run_live(cfg, opts, reporter, |group, live| {
-        Classifier::build(cfg, group, Some(live), reporter)
-    })
-}
+use crate::trainer::{Evaluation, Recipe, ResumeContext, Resumed, SaveContext, StepReport};
+use crate::Step;
 
 /// The classifier's model, optimizer, eval data and checkpoint files.
 pub struct Classifier<'a> {

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Var};
 use tandem_ckpt::{TensorData, Value};
-use tandem_comm::{Collectives, LiveOptions, ProcessGroup};
+use tandem_comm::{Collectives, ProcessGroup};
 use tandem_data::datasets::faces::{keyed_hash, FaceRecDataset};
 use tandem_data::{Batch, DataLoader, Dataset, LoaderOptions};
 use tandem_ddp::{Ddp, DdpOptions};
@@ -37,43 +37,14 @@ use crate::fault;
 use crate::metrics::VerificationMetrics;
 use crate::options::{OptimizerKind, Precision, TrainOptions};
 use crate::schedule::RunLength;
-use crate::trainer::{
-    Recipe, ResumeContext, Resumed, SaveContext, StepReport, Trainer, TrainerOptions,
-};
+use crate::trainer::{Recipe, ResumeContext, Resumed, SaveContext, StepReport};
 use crate::verification::{self as verify, ValSet};
-use crate::{RunSummary, Step};
+use crate::Step;
 
 /// arcface_torch's DDP settings for the backbone.
 const BUCKET_CAP_MB: f64 = 16.0;
 /// arcface_torch's GradScaler growth interval.
 const GROWTH_INTERVAL: i64 = 100;
-
-/// Trains the face recipe on this rank of `group`.
-pub(super) fn run(
-    cfg: &TrainOptions,
-    group: ProcessGroup,
-    reporter: &Reporter,
-) -> Result<RunSummary> {
-    let (recipe, loader, step) = Face::build(cfg, &group, reporter)?;
-    let opts = TrainerOptions::from_train_options(cfg);
-    let mut trainer = Trainer::new(recipe, loader, step, group, opts)?.reporter(reporter.clone());
-    if cfg.run.resume {
-        trainer.resume()?;
-    }
-    trainer.fit()
-}
-
-/// A rank of a live job (see [`super::run_live`]); the head's rows are mirrored every
-/// `--mirror-every` steps and re-split at every regroup.
-pub(super) fn run_live(
-    cfg: &TrainOptions,
-    opts: LiveOptions,
-    reporter: &Reporter,
-) -> Result<RunSummary> {
-    super::run_live(cfg, opts, reporter, |group, live| {
-        Face::build_with(cfg, group, Some(live), reporter)
-    })
-}
 
 /// The head under live recovery: the mirror of the previous rank's rows, and what this rank's
 /// own rows are.

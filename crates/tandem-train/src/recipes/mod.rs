@@ -26,17 +26,57 @@ use crate::{RunSummary, Step};
 /// The run's events go to `reporter`'s loggers.
 pub fn train(opts: &TrainOptions, reporter: &Reporter) -> Result<RunSummary> {
     crate::fault::check_build()?;
+    let face = opts.model.kind.is_face();
     if let Some(live) = live_options(opts)? {
-        if opts.model.kind.is_face() {
-            return face::run_live(opts, live, reporter);
-        }
-        return classifier::run_live(opts, live, reporter);
+        // The face recipe's head rows are mirrored every `mirror_every` steps and re-split at
+        // every regroup; the classifier's ZeRO shards likewise.
+        return match face {
+            true => run_live(opts, live, reporter, |group, comm| {
+                face::Face::build_with(opts, group, Some(comm), reporter)
+            }),
+            false => run_live(opts, live, reporter, |group, comm| {
+                classifier::Classifier::build(opts, group, Some(comm), reporter)
+            }),
+        };
     }
     let group = join_group(opts, reporter)?;
-    if opts.model.kind.is_face() {
-        return face::run(opts, group, reporter);
+    match face {
+        true => run(opts, group, reporter, |g| face::Face::build(opts, g, reporter)),
+        false => {
+            run(opts, group, reporter, |g| classifier::Classifier::build(opts, g, None, reporter))
+        }
     }
-    classifier::run(opts, group, reporter)
+}
+
+/// What a recipe's build gives the trainer.
+type Built<R> = (R, tandem_data::DataLoader<<R as crate::Recipe>::Data>, Step);
+
+/// A rank of a job without live recovery: the recipe built on `group`, resumed if asked, trained.
+fn run<R: crate::Recipe>(
+    cfg: &TrainOptions,
+    group: ProcessGroup,
+    reporter: &Reporter,
+    build: impl FnOnce(&ProcessGroup) -> Result<Built<R>>,
+) -> Result<RunSummary> {
+    let (recipe, loader, step) = build(&group)?;
+    let mut trainer = trainer(cfg, recipe, loader, step, group, reporter)?;
+    if cfg.run.resume {
+        trainer.resume()?;
+    }
+    trainer.fit()
+}
+
+/// The trainer of a built recipe, reporting to `reporter`.
+fn trainer<R: crate::Recipe>(
+    cfg: &TrainOptions,
+    recipe: R,
+    loader: tandem_data::DataLoader<R::Data>,
+    step: Step,
+    group: ProcessGroup,
+    reporter: &Reporter,
+) -> Result<crate::Trainer<R>> {
+    let opts = crate::TrainerOptions::from_train_options(cfg);
+    Ok(crate::Trainer::new(recipe, loader, step, group, opts)?.reporter(reporter.clone()))
 }
 
 /// Says `text` to the run's loggers (a fact about the run; the caller is rank 0).
@@ -59,7 +99,7 @@ fn run_live<R: crate::Recipe>(
     cfg: &TrainOptions,
     opts: LiveOptions,
     reporter: &Reporter,
-    build: impl FnOnce(&ProcessGroup, LiveComm) -> Result<(R, tandem_data::DataLoader<R::Data>, Step)>,
+    build: impl FnOnce(&ProcessGroup, LiveComm) -> Result<Built<R>>,
 ) -> Result<RunSummary> {
     let live = LiveTraining::connect_with(opts).context("joining the live job")?;
     let replacement = live.is_replacement();
@@ -70,9 +110,7 @@ fn run_live<R: crate::Recipe>(
     };
     let comm = LiveComm { comm: live.collectives(), replacement };
     let (recipe, loader, step) = build(&group, comm)?;
-    let opts = crate::TrainerOptions::from_train_options(cfg);
-    let trainer = crate::Trainer::new(recipe, loader, step, group, opts)?;
-    let mut trainer = trainer.reporter(reporter.clone());
+    let mut trainer = trainer(cfg, recipe, loader, step, group, reporter)?;
     if cfg.run.resume && !replacement {
         trainer.resume()?;
     }
