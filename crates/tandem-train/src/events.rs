@@ -208,6 +208,19 @@ pub trait Logger: Send {
     fn log(&mut self, event: &Event) -> std::io::Result<()>;
 }
 
+/// Writes each event's [`Event::line`] to `W` (`Lines(std::io::stdout())`: the lines `tandem
+/// train` prints, without its progress bar).
+pub struct Lines<W>(pub W);
+
+impl<W: std::io::Write + Send> Logger for Lines<W> {
+    fn log(&mut self, event: &Event) -> std::io::Result<()> {
+        match event.line() {
+            Some(line) => writeln!(self.0, "{line}"),
+            None => Ok(()),
+        }
+    }
+}
+
 /// The loggers a run was given, shared by the trainer and its recipe (clones report to the
 /// same loggers). Reports nothing without loggers.
 #[derive(Clone, Default)]

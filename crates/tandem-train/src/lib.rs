@@ -13,6 +13,7 @@
 //!   scheduler, scaler and loader saved and loaded in one call each
 //!   ([`save_state`]/[`load_state`], over [`checkpoint`]), resumable on any world size;
 //! - [`live`]: keeping a loop running through a rank's death (`tandem run --live-recovery`);
+//!   [`world`]: a rank's place in the job, live or not, that a [`Trainer`] is fitted in;
 //! - [`events`]: what a run reports as it happens ([`Event`]), to the [`Logger`]s a
 //!   [`Reporter`] holds; [`metrics`]: a run's typed results ([`EpochMetrics`], [`RunSummary`])
 //!   and the JSON-lines file a script reads them from; [`tfevents`] (TensorBoard scalars) and
@@ -45,14 +46,16 @@ pub mod tfevents;
 pub mod trainer;
 pub mod training_log;
 pub mod verification;
+pub mod world;
 
 pub use checkpoint::{Checkpointer, Saved, ShardDict, ShardSlice, TrainingStateDict};
 pub use error::TrainError;
-pub use events::{Event, Logger, Reporter};
+pub use events::{Event, Lines, Logger, Reporter};
 pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
 pub use options::TrainOptions;
 pub use schedule::{LrSchedule, RunLength, Scheduler, Warmup};
 pub use state::{load_state, load_state_from, save_state, Resumed, StateError, TrainingState};
 pub use step::{Step, StepError, StepOutcome};
 pub use tfevents::EventWriter;
-pub use trainer::{Recipe, StepReport, Trainer, TrainerOptions};
+pub use trainer::{Evaluation, Recipe, StepReport, Trainer, TrainerOptions};
+pub use world::World;

@@ -46,6 +46,14 @@ pub struct RunLength {
     pub total_steps: u64,
 }
 
+impl RunLength {
+    /// `epochs` epochs of `steps_per_epoch` steps.
+    pub fn epochs(steps_per_epoch: usize, epochs: u64) -> RunLength {
+        let steps_per_epoch = steps_per_epoch as u64;
+        RunLength { steps_per_epoch, total_steps: epochs * steps_per_epoch }
+    }
+}
+
 /// Why a schedule could not be built or restored.
 #[derive(Debug, thiserror::Error)]
 pub enum ScheduleError {

@@ -114,6 +114,17 @@ impl Step {
         self.scaler.as_mut()
     }
 
+    /// The loss scaler and the schedule together (both go into the training state).
+    pub fn scaler_and_scheduler_mut(
+        &mut self,
+    ) -> (Option<&mut GradScaler>, Option<&mut dyn tandem_optim::lr_scheduler::LrScheduler>) {
+        let scheduler = self
+            .scheduler
+            .as_deref_mut()
+            .map(|s| s as &mut dyn tandem_optim::lr_scheduler::LrScheduler);
+        (self.scaler.as_mut(), scheduler)
+    }
+
     pub fn lr_scheduler(&self) -> &Scheduler {
         &self.scheduler
     }

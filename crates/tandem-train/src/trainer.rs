@@ -22,13 +22,14 @@ use tandem_comm::{ProcessGroup, ReduceOp};
 use tandem_data::{Batch, DataLoader, Dataset, SamplerState};
 use tandem_optim::{GradScaler, TorchOptimizer};
 
+use crate::checkpoint::Checkpointer;
 use crate::error::{Context, Result, TrainError};
 use crate::events::{Event, Logger, Regroup, Reporter, Resplit, StepEvent};
 use crate::fault;
 use crate::live::{LiveError, LiveState, LiveTraining};
 use crate::metrics::{MetricsFile, VerificationMetrics};
 use crate::schedule;
-use crate::state::LoaderPosition;
+use crate::state::{self, LoaderPosition, TrainingState};
 use crate::tfevents::STEP_SCALARS_EVERY;
 use crate::training_log::TrainingLog;
 use crate::{EpochMetrics, EventWriter, RunSummary, Step};
@@ -213,16 +214,32 @@ pub trait Recipe {
         Ok(Vec::new())
     }
 
-    /// Writes a checkpoint (a collective); returns what rank 0 wrote.
-    fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>>;
+    /// The model and optimizer the [`Trainer`] saves, resumes and moves between live ranks
+    /// itself, with its own part of the state (the schedule, the loss scaler, the loader's
+    /// position, the step count): `Some(TrainingState::new(&self.ddp, &mut self.opt))`. A
+    /// recipe that gives its state writes none of [`Recipe::save`], [`Recipe::resume`],
+    /// [`Recipe::live_state`] or [`Recipe::load_live_state`]; the checkpoints go to
+    /// `DIR/checkpoints` as [`TrainerOptions`] says (keep-last, in the background).
+    fn state(&mut self) -> Option<TrainingState<'_>> {
+        None
+    }
+
+    /// Writes a checkpoint (a collective); returns what rank 0 wrote. Only for a recipe whose
+    /// [`Recipe::state`] is `None`.
+    fn save(&mut self, _ctx: SaveContext<'_>) -> Result<Option<PathBuf>> {
+        Err(TrainError::invalid(NO_STATE))
+    }
 
     /// Waits for a background save in flight (its failure is the run's). Every rank calls it.
     fn settle(&mut self, _group: &ProcessGroup) -> Result<()> {
         Ok(())
     }
 
-    /// Restores the newest checkpoint, if there is one (a collective).
-    fn resume(&mut self, ctx: ResumeContext<'_>) -> Result<Option<Resumed>>;
+    /// Restores the newest checkpoint, if there is one (a collective). Only for a recipe whose
+    /// [`Recipe::state`] is `None`.
+    fn resume(&mut self, _ctx: ResumeContext<'_>) -> Result<Option<Resumed>> {
+        Err(TrainError::invalid(NO_STATE))
+    }
 
     /// The final outputs after the last checkpoint (weights, ONNX); every rank calls it.
     fn finish(&mut self, _group: &ProcessGroup) -> Result<()> {
@@ -254,6 +271,10 @@ pub trait Recipe {
     }
 }
 
+/// What a recipe that neither gives its state nor saves it is told when asked to save.
+const NO_STATE: &str = "this recipe neither gives its state (Recipe::state) nor saves and \
+     resumes it itself (Recipe::save, Recipe::resume)";
+
 /// How the [`Trainer`] runs.
 #[derive(Clone, Debug)]
 pub struct TrainerOptions {
@@ -263,6 +284,11 @@ pub struct TrainerOptions {
     pub max_steps: Option<u64>,
     /// A checkpoint every N steps (0: at epoch ends only); always at the end.
     pub save_every: u64,
+    /// Checkpoints kept in `DIR/checkpoints` (older ones are deleted after a save succeeds),
+    /// for a recipe that gives its [`Recipe::state`].
+    pub keep_last: usize,
+    /// Saves written by a background thread: training waits only for the staging copy.
+    pub background_saves: bool,
     /// False: no checkpoint at all (`save_every` and the epoch-end and final saves are off).
     pub checkpoints: bool,
     /// [`Recipe::validate`] every N steps (0: only at the end).
@@ -283,6 +309,8 @@ impl TrainerOptions {
             epochs,
             max_steps: None,
             save_every: 0,
+            keep_last: state::KEEP_LAST,
+            background_saves: false,
             checkpoints: true,
             validate_every: 0,
             resume: false,
@@ -298,6 +326,8 @@ impl TrainerOptions {
             epochs: o.run.epochs,
             max_steps: o.run.max_steps,
             save_every: o.checkpoint.save_every,
+            keep_last: o.checkpoint.keep_last,
+            background_saves: o.checkpoint.background,
             checkpoints: o.checkpoint.enabled,
             // (A recipe without verification sets returns nothing from `validate`.)
             validate_every: o.face.verify_every,
@@ -349,6 +379,8 @@ pub struct Trainer<R: Recipe> {
     /// TensorBoard when asked for), opened by rank 0, and those the run was given; the recipe
     /// holds a clone.
     reporter: Reporter,
+    /// Where the checkpoints of a recipe that gives its [`Recipe::state`] go.
+    ckpt: Checkpointer,
 }
 
 impl<R: Recipe> Trainer<R> {
@@ -360,7 +392,10 @@ impl<R: Recipe> Trainer<R> {
         group: ProcessGroup,
         opts: TrainerOptions,
     ) -> Result<Self> {
+        let ckpt = Checkpointer::new(opts.dir.join("checkpoints"), opts.keep_last)
+            .background(opts.background_saves);
         let mut trainer = Trainer {
+            ckpt,
             recipe,
             loader,
             step,
@@ -443,8 +478,16 @@ impl<R: Recipe> Trainer<R> {
         &self.recipe
     }
 
+    pub fn recipe_mut(&mut self) -> &mut R {
+        &mut self.recipe
+    }
+
     pub fn group(&self) -> &ProcessGroup {
         &self.group
+    }
+
+    pub fn options(&self) -> &TrainerOptions {
+        &self.opts
     }
 
     fn rank(&self) -> usize {
@@ -454,16 +497,71 @@ impl<R: Recipe> Trainer<R> {
     /// Restores the newest checkpoint in the recipe's checkpoint directory (a fresh start when
     /// there is none; rank 0 says which).
     pub fn resume(&mut self) -> Result<()> {
-        let ctx = ResumeContext {
-            group: &self.group,
-            loader: &mut self.loader,
-            step: &mut self.step,
-            epochs: self.opts.epochs,
+        let resumed = if self.recipe.state().is_some() {
+            self.resume_state()?
+        } else {
+            let ctx = ResumeContext {
+                group: &self.group,
+                loader: &mut self.loader,
+                step: &mut self.step,
+                epochs: self.opts.epochs,
+            };
+            self.recipe.resume(ctx)?
         };
-        let Some(r) = self.recipe.resume(ctx)? else { return Ok(()) };
+        let Some(r) = resumed else { return Ok(()) };
         self.global_step = r.global_step;
         let (epoch, step) = (self.loader.epoch(), self.global_step);
         self.emit(Event::Resumed { path: r.path, epoch, step, note: r.note })
+    }
+
+    /// [`Trainer::resume`] for a recipe that gives its [`Recipe::state`]: the newest checkpoint
+    /// in `DIR/checkpoints` that verifies, each rank reading the optimizer entries it owns; the
+    /// schedule is stretched over the steps this world has left.
+    fn resume_state(&mut self) -> Result<Option<Resumed>> {
+        let Some(saved) = self.ckpt.latest().context("looking for a checkpoint to resume")? else {
+            if self.rank() == 0 {
+                let dir = self.ckpt.dir().display().to_string();
+                let text = format!("no checkpoint in {dir} to resume; starting fresh");
+                report_to(&self.reporter, &Event::Note(text))?;
+            }
+            return Ok(None);
+        };
+        let path = saved.path().to_path_buf();
+        let what = path.display().to_string();
+        let ck = {
+            let loader: &mut dyn LoaderPosition = &mut self.loader;
+            let mut whole = whole_state(&mut self.recipe, &mut self.step, Some(loader), 0, 0)
+                .context("the recipe stopped giving its state")?;
+            // Loaded below, stretched over the steps this world has left.
+            whole.scheduler = None;
+            let owned = whole.optimizer.owned_params();
+            let value = state::replicated_with_optimizer(&saved, owned.as_deref())
+                .with_context(|| format!("reading {what}"))?;
+            let ck = tandem_ckpt::TrainingCheckpoint::from_value(&value)
+                .with_context(|| format!("reading {what}"))?;
+            state::apply_checkpoint(&mut whole, &ck, &path, true)?;
+            ck
+        };
+        let global_step = ck.global_step as u64;
+        let max_steps = Some(global_step + self.loader.steps_to_end(self.opts.epochs));
+        let sched = self.step.lr_scheduler_mut();
+        schedule::load(sched, &ck.scheduler, self.recipe.optimizer(), max_steps, &what)?;
+        let world = self.group.size();
+        let note = match ck.world_size as usize != world {
+            true => {
+                let saved = state::sampler_state_from_value(&ck.sampler)
+                    .with_context(|| format!("{what}: checkpoint `sampler`"))?;
+                Some(reshard_message(&saved, world, &self.loader))
+            }
+            false => None,
+        };
+        Ok(Some(Resumed { path, global_step, note }))
+    }
+
+    /// Waits for the background saves in flight, the trainer's and the recipe's (a collective).
+    fn settle(&mut self) -> Result<()> {
+        self.ckpt.settle(&self.group).context("a background checkpoint save failed")?;
+        self.recipe.settle(&self.group)
     }
 
     /// Trains to the end (regrouping through failures in a live world), writes the last
@@ -481,7 +579,7 @@ impl<R: Recipe> Trainer<R> {
             self.save_last()?;
             (peak, device)
         };
-        self.recipe.settle(&self.group)?;
+        self.settle()?;
         self.group.barrier().context("barrier after the last checkpoint save")?;
         let val = self.recipe.validate(&self.group, self.global_step)?;
         if !val.is_empty() {
@@ -570,7 +668,8 @@ impl<R: Recipe> Trainer<R> {
     /// batch back.
     fn train_epoch(&mut self, max_steps: u64) -> Result<Option<f64>> {
         let started = Instant::now();
-        let Trainer { recipe, loader, step, group, opts, live, in_flight, reporter, .. } = self;
+        let Trainer { recipe, loader, step, group, opts, live, in_flight, reporter, ckpt, .. } =
+            self;
         let world = group.size() as u64;
         let rank0 = group.rank() == 0;
         recipe.set_training(true)?;
@@ -640,7 +739,7 @@ impl<R: Recipe> Trainer<R> {
             let save_due = opts.save_every > 0 && n.is_multiple_of(opts.save_every);
             if opts.checkpoints && save_due && n < max_steps {
                 let clock = Instant::now();
-                let written = checkpoint(recipe, group, step, &loader.state(), n)?;
+                let written = checkpoint(recipe, ckpt, group, step, &loader.state(), n)?;
                 if rank0 {
                     let event = Event::CheckpointSaved { step: n, path: written.clone() };
                     report_to(reporter, &event)?;
@@ -691,8 +790,10 @@ impl<R: Recipe> Trainer<R> {
         }
         let n = self.global_step;
         let clock = Instant::now();
-        let written =
-            checkpoint(&mut self.recipe, &self.group, &mut self.step, &self.loader.state(), n)?;
+        let position = self.loader.state();
+        let (recipe, ckpt, group, step) =
+            (&mut self.recipe, &mut self.ckpt, &self.group, &mut self.step);
+        let written = checkpoint(recipe, ckpt, group, step, &position, n)?;
         self.times.saves += 1;
         self.times.save += clock.elapsed().as_secs_f64();
         self.emit(Event::CheckpointSaved { step: n, path: written.clone() })?;
@@ -757,7 +858,7 @@ impl<R: Recipe> Trainer<R> {
             // world re-forms: the new rank 0 may be another member, and two writers must not
             // share the checkpoint directory. Its failure ends the run as it would without
             // live recovery (the files before it are intact).
-            self.recipe.settle(&self.group)?;
+            self.settle()?;
             let live = self.live.take().context("live recovery without a live world")?;
             let before = self.global_step;
             let changed = live.regroup(self);
@@ -815,9 +916,12 @@ impl<R: Recipe> Trainer<R> {
     }
 }
 
-/// The recipe's checkpoint `step-NNNNNNNN` of step `n` (a collective); what rank 0 wrote.
+/// Checkpoint `step-NNNNNNNN` of step `n` (a collective): the recipe's [`Recipe::state`] with
+/// the trainer's part, written by `ckpt`, or what the recipe's own [`Recipe::save`] writes.
+/// Returns what rank 0 wrote.
 fn checkpoint<R: Recipe>(
     recipe: &mut R,
+    ckpt: &mut Checkpointer,
     group: &ProcessGroup,
     step: &mut Step,
     position: &SamplerState,
@@ -825,7 +929,62 @@ fn checkpoint<R: Recipe>(
 ) -> Result<Option<PathBuf>> {
     fault::hit(fault::Phase::Save);
     let name = format!("step-{n:08}");
-    recipe.save(SaveContext { group, name: &name, step, position, global_step: n })
+    let Some(whole) = whole_state(recipe, step, None, position.epoch, n) else {
+        let ctx = SaveContext { group, name: &name, step, position, global_step: n };
+        return recipe.save(ctx);
+    };
+    // Every rank builds its whole dict: a failure building it is the same on every rank,
+    // before anyone waits.
+    let mut dict = state::state_dict(&whole, group.size())?;
+    dict.replicated.insert("sampler", state::sampler_value(position));
+    let path = ckpt.save(group, &name, dict).with_context(|| {
+        "a checkpoint save failed (the run stops here; the checkpoints before it are intact)"
+    })?;
+    Ok((group.rank() == 0).then_some(path))
+}
+
+/// The recipe's [`Recipe::state`] (if it gives it) with the trainer's part: the schedule, the
+/// loss scaler, the loader (whose position a save reads from the sampler state instead while
+/// an epoch's batches hold it), the loader's `epoch` and the step count `global_step`.
+fn whole_state<'s, R: Recipe>(
+    recipe: &'s mut R,
+    step: &'s mut Step,
+    loader: Option<&'s mut dyn LoaderPosition>,
+    epoch: u64,
+    global_step: u64,
+) -> Option<TrainingState<'s>> {
+    let given = recipe.state()?;
+    let (scaler, scheduler) = step.scaler_and_scheduler_mut();
+    Some(TrainingState { scheduler, scaler, loader, step: global_step, epoch, ..given })
+}
+
+/// What a resume on another world size did with the epoch it resumed (rank 0 reports it).
+pub(crate) fn reshard_message(
+    saved: &SamplerState,
+    world: usize,
+    loader: &dyn LoaderPosition,
+) -> String {
+    let was =
+        format!("the checkpoint was written by {} ranks, this run has {world}", saved.num_replicas);
+    let now = loader.position();
+    if now.epoch != saved.epoch {
+        format!(
+            "{was}: epoch {} was complete (only padding was left); epoch {} starts with the usual \
+             split over {world} ranks",
+            saved.epoch, now.epoch
+        )
+    } else if now.start == 0 {
+        format!("{was}: epoch {} had not started; it is split over {world} ranks", now.epoch)
+    } else {
+        format!(
+            "{was}: the rest of epoch {} ({} samples not yet seen, after the first {} of its \
+             order) is split over {world} ranks, {} steps; later epochs use the usual split",
+            now.epoch,
+            now.samples_left(),
+            now.start,
+            loader.batches_left()
+        )
+    }
 }
 
 fn report_to(reporter: &Reporter, event: &Event) -> Result<()> {
@@ -854,15 +1013,24 @@ impl<R: Recipe> LiveState for Trainer<R> {
     }
     fn save(&mut self, world: usize) -> std::result::Result<Vec<u8>, LiveError> {
         fault::hit(fault::Phase::Send);
-        let _ = world;
-        let ctx = SaveContext {
-            group: &self.group,
-            name: "the live state",
-            step: &mut self.step,
-            position: &self.loader.state(),
-            global_step: self.global_step,
+        let n = self.global_step;
+        let position = self.loader.state();
+        let (epoch, loader): (u64, &mut dyn LoaderPosition) = (position.epoch, &mut self.loader);
+        let value = match whole_state(&mut self.recipe, &mut self.step, Some(loader), epoch, n) {
+            Some(whole) => {
+                state::to_value(&whole, world).map_err(|e| LiveError::Other(e.to_string()))?
+            }
+            None => {
+                let ctx = SaveContext {
+                    group: &self.group,
+                    name: "the live state",
+                    step: &mut self.step,
+                    position: &position,
+                    global_step: n,
+                };
+                self.recipe.live_state(ctx).map_err(|e| LiveError::Other(e.chain_text()))?
+            }
         };
-        let value = self.recipe.live_state(ctx).map_err(|e| LiveError::Other(e.chain_text()))?;
         tandem_ckpt::to_pt_bytes(&value).map_err(|e| LiveError::Other(e.to_string()))
     }
     fn load(
@@ -875,6 +1043,17 @@ impl<R: Recipe> LiveState for Trainer<R> {
         let value = tandem_ckpt::pt::load_from_bytes(what, bytes, true)
             .map_err(|e| LiveError::Other(e.to_string()))?;
         let mut world = WorldLoader { loader: &mut self.loader, world: (rank, size) };
+        let loader: &mut dyn LoaderPosition = &mut world;
+        if let Some(mut whole) = whole_state(&mut self.recipe, &mut self.step, Some(loader), 0, 0) {
+            // The schedule's state comes as saved; `enter_world` stretches it next.
+            let fail = |e: String| LiveError::Other(format!("{what}: {e}"));
+            let ck = tandem_ckpt::TrainingCheckpoint::from_value(&value)
+                .map_err(|e| fail(e.to_string()))?;
+            state::apply_checkpoint(&mut whole, &ck, std::path::Path::new(what), true)
+                .map_err(|e| fail(e.to_string()))?;
+            self.global_step = whole.step;
+            return Ok(());
+        }
         let ctx = ResumeContext {
             group: &self.group,
             loader: &mut world,

@@ -28,10 +28,11 @@ use crate::live_entries::{self, regroup_entries, Entries};
 use crate::options::TrainOptions;
 use crate::schedule::{self, RunLength};
 use crate::state::{
-    replicated_with_optimizer, sampler_state_from_value, sampler_value, LoaderPosition,
-    OPTIMIZER_SHARD,
+    replicated_with_optimizer, sampler_state_from_value, sampler_value, OPTIMIZER_SHARD,
 };
-use crate::trainer::{Evaluation, Recipe, ResumeContext, Resumed, SaveContext, StepReport};
+use crate::trainer::{
+    reshard_message, Evaluation, Recipe, ResumeContext, Resumed, SaveContext, StepReport,
+};
 use crate::Step;
 
 /// The classifier's model, optimizer, eval data and checkpoint files.
@@ -280,8 +281,9 @@ impl Recipe for Classifier<'_> {
     }
 
     fn evaluate(&mut self, group: &ProcessGroup) -> Result<Option<Evaluation>> {
-        self.last_eval =
-            evaluate(&self.ddp.module(), &self.eval, group, &self.options, &self.device)?;
+        let net = self.ddp.module();
+        let forward = |x: &candle_core::Tensor| net.forward(x);
+        self.last_eval = evaluate_logits(forward, &self.eval, group, &self.options, &self.device)?;
         Ok(Some(Evaluation {
             loss: self.last_eval.mean_loss(),
             accuracy: self.last_eval.accuracy(),
@@ -443,31 +445,6 @@ impl Classifier<'_> {
     }
 }
 
-/// What a resume on another world size did with the epoch it resumed (rank 0 prints it).
-fn reshard_message(saved: &SamplerState, world: usize, loader: &dyn LoaderPosition) -> String {
-    let was =
-        format!("the checkpoint was written by {} ranks, this run has {world}", saved.num_replicas);
-    let now = loader.position();
-    if now.epoch != saved.epoch {
-        format!(
-            "{was}: epoch {} was complete (only padding was left); epoch {} starts with the usual \
-             split over {world} ranks",
-            saved.epoch, now.epoch
-        )
-    } else if now.start == 0 {
-        format!("{was}: epoch {} had not started; it is split over {world} ranks", now.epoch)
-    } else {
-        format!(
-            "{was}: the rest of epoch {} ({} samples not yet seen, after the first {} of its \
-             order) is split over {world} ranks, {} steps; later epochs use the usual split",
-            now.epoch,
-            now.samples_left(),
-            now.start,
-            loader.batches_left()
-        )
-    }
-}
-
 /// Examples as the model sees them (normalised and augmented as the flags ask).
 type TrainData = Transformed<InMemoryDataset>;
 
@@ -496,24 +473,26 @@ fn image_transforms(
     Ok((Transformed::new(train, train_t)?, Transformed::new(eval, eval_t)?))
 }
 
-/// Exact distributed evaluation: every eval sample once, sums all-reduced.
-fn evaluate(
-    net: &Net,
-    eval: &Arc<TrainData>,
+/// Exact distributed evaluation of a classifier: every sample of `eval` once over the ranks of
+/// `group`, `forward` giving the logits, the cross-entropy and correct counts all-reduced.
+pub fn evaluate_logits<D: Dataset + 'static>(
+    forward: impl Fn(&candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>,
+    eval: &Arc<D>,
     group: &ProcessGroup,
     options: &LoaderOptions,
     device: &Device,
 ) -> Result<EvalMetrics> {
     let mut local = EvalMetrics::default();
-    for batch in tandem_data::eval_batches(
+    let batches = tandem_data::eval_batches(
         Arc::clone(eval),
         group.size(),
         group.rank(),
         options,
         device.clone(),
-    )? {
+    )?;
+    for batch in batches {
         let batch = batch?;
-        let logits = net.forward(&batch.x)?;
+        let logits = forward(&batch.x)?;
         let n = batch.len();
         let loss = tandem_nn::functional::cross_entropy(&logits, &batch.y)?.to_scalar::<f32>()?
             as f64

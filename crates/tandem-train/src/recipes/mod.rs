@@ -16,8 +16,8 @@ use tandem_comm::{LiveOptions, ProcessGroup};
 
 use crate::error::{bail, Context, Result};
 use crate::events::{Event, Reporter};
-use crate::live::LiveTraining;
 use crate::options::{Backend, DeviceKind, Precision, TrainOptions};
+use crate::world::World;
 use crate::{RunSummary, Step};
 
 /// Trains the recipe `opts.model.kind` names on this rank (every rank calls it; the process
@@ -59,11 +59,8 @@ fn run<R: crate::Recipe>(
     build: impl FnOnce(&ProcessGroup) -> Result<Built<R>>,
 ) -> Result<RunSummary> {
     let (recipe, loader, step) = build(&group)?;
-    let mut trainer = trainer(cfg, recipe, loader, step, group, reporter)?;
-    if cfg.run.resume {
-        trainer.resume()?;
-    }
-    trainer.fit()
+    let trainer = trainer(cfg, recipe, loader, step, group.clone(), reporter)?;
+    World::from_group(group).fit(trainer)
 }
 
 /// The trainer of a built recipe, reporting to `reporter`.
@@ -101,22 +98,11 @@ fn run_live<R: crate::Recipe>(
     reporter: &Reporter,
     build: impl FnOnce(&ProcessGroup, LiveComm) -> Result<Built<R>>,
 ) -> Result<RunSummary> {
-    let live = LiveTraining::connect_with(opts).context("joining the live job")?;
-    let replacement = live.is_replacement();
-    let group = if replacement {
-        tandem_comm::init_from(&tandem_comm::InitMethod::Single)?
-    } else {
-        live.group()
-    };
-    let comm = LiveComm { comm: live.collectives(), replacement };
-    let (recipe, loader, step) = build(&group, comm)?;
-    let mut trainer = trainer(cfg, recipe, loader, step, group, reporter)?;
-    if cfg.run.resume && !replacement {
-        trainer.resume()?;
-    }
-    let mut trainer = trainer.live(live);
-    trainer.join_live()?;
-    trainer.fit()
+    let world = World::live(opts)?;
+    let comm = LiveComm { comm: world.collectives(), replacement: world.is_replacement() };
+    let (recipe, loader, step) = build(world.group(), comm)?;
+    let trainer = trainer(cfg, recipe, loader, step, world.group().clone(), reporter)?;
+    world.fit(trainer)
 }
 
 /// The live launcher's settings when it started this rank (`tandem run --live-recovery`, or
