@@ -210,7 +210,7 @@ pub(crate) fn update_tensor_form(
     if h.momentum != 0.0 {
         let prev = state.as_ref().and_then(|s| s.momentum_buffer.clone());
         let buf = match prev {
-            None => d.copy()?,
+            None => crate::tensor::fresh_copy(&d)?,
             // `1 - dampening == 1` is the common case: skip an exact but costly pass.
             Some(b) if h.dampening == 0.0 => (b.affine(h.momentum, 0.0)? + &d)?,
             Some(b) => (b.affine(h.momentum, 0.0)? + d.affine(1.0 - h.dampening, 0.0)?)?,

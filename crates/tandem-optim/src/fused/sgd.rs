@@ -26,12 +26,13 @@ pub(crate) fn step(
                 b.inplace_op3(&g, p, &MomentumUpdate(k))?;
                 Some(b)
             }
-            // First step: buf = d = g + wd * p, a fresh tensor (candle's `d.copy()`).
+            // First step: buf = d = g + wd * p, a fresh tensor of the gradient's elements only
+            // (not `g.copy()`: under a Ddp bucket view that clones the whole bucket).
             None => {
                 let d = if h.weight_decay != 0.0 {
                     (&g + p.detach().affine(h.weight_decay, 0.0)?)?
                 } else {
-                    g.copy()?
+                    crate::tensor::fresh_copy(&g)?
                 };
                 Some(d)
             }
