@@ -205,9 +205,18 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
     }
     let status = child.wait()?;
     if !status.success() {
-        let tail: Vec<&str> = lines.iter().rev().take(30).map(String::as_str).collect();
+        // The whole output goes to a file: the first failure is usually far above the tail
+        // (the launcher restarts ranks that then fail to join).
+        let log = dir.join("job.log");
+        std::fs::write(&log, lines.join("\n"))
+            .with_context(|| format!("writing {}", log.display()))?;
+        let first: Vec<&str> =
+            lines.iter().filter(|l| l.contains("error")).take(5).map(String::as_str).collect();
+        let tail: Vec<&str> = lines.iter().rev().take(10).map(String::as_str).collect();
         bail!(
-            "the live job failed ({status}):\n{}",
+            "the live job failed ({status}); its output is in {}\nfirst errors:\n{}\nlast lines:\n{}",
+            log.display(),
+            first.join("\n"),
             tail.into_iter().rev().collect::<Vec<_>>().join("\n")
         );
     }

@@ -83,7 +83,8 @@ pub(crate) fn in_scratch_dir<T>(
     };
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let result = f(&dir);
-    if own_dir {
+    // A failed run's directory stays, for its logs.
+    if own_dir && result.is_ok() {
         std::fs::remove_dir_all(&dir).ok();
     }
     result

@@ -21,6 +21,7 @@ fn main() -> ExitCode {
         killed_in_the_optimizer_step_no_step_is_redone,
         killed_during_a_checkpoint_save_leaves_only_whole_checkpoints,
         two_killed_at_once,
+        killed_after_the_last_step_the_others_still_conclude,
         the_source_killed_while_sending_its_state,
         without_restarts_the_job_goes_on_with_fewer_ranks,
         below_min_nproc_the_job_stops_naming_the_reason,
@@ -207,6 +208,22 @@ fn two_killed_at_once() {
             run.text
         );
     }
+}
+
+fn killed_after_the_last_step_the_others_still_conclude() {
+    // Member 2 dies after the last step, before the final collectives (verification, the
+    // recipe's outputs, the world agreeing the run is over): the others regroup without it and
+    // conclude; nothing is redone.
+    let f = fault("conclude", "2");
+    let run = live_job(&["--max-restarts", "0"], &[], &env_refs(&f));
+    assert_finished(&run);
+    assert!(run.text.contains("member 2 dies at Conclude"), "{}", run.text);
+    let first = run.regroups().first().copied().unwrap_or_default().to_string();
+    assert!(
+        first.contains("peer rank 2") && first.contains("0 step(s) redone"),
+        "{first}\n{}",
+        run.text
+    );
 }
 
 fn the_source_killed_while_sending_its_state() {

@@ -31,6 +31,8 @@ pub enum Phase {
     Optimizer,
     Save,
     Send,
+    /// After the last step: the final verification and outputs (any step).
+    Conclude,
 }
 
 #[derive(Debug)]
@@ -60,6 +62,7 @@ fn parse() -> Option<Fault> {
         "optimizer" => Phase::Optimizer,
         "save" => Phase::Save,
         "send" => Phase::Send,
+        "conclude" => Phase::Conclude,
         other => panic!("TANDEM_TEST_FAULT: unknown phase `{other}`"),
     };
     Some(Fault { phase, step: step.parse().unwrap_or(0) })
@@ -117,7 +120,8 @@ pub fn hit(phase: Phase) {
         die(phase, 0);
     }
     let Some(f) = fault() else { return };
-    if f.phase == phase && (phase == Phase::Send || f.step == STEP.load(Ordering::SeqCst)) {
+    let any_step = matches!(phase, Phase::Send | Phase::Conclude);
+    if f.phase == phase && (any_step || f.step == STEP.load(Ordering::SeqCst)) {
         die(phase, f.step);
     }
 }

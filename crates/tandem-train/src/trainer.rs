@@ -381,6 +381,8 @@ pub struct Trainer<R: Recipe> {
     reporter: Reporter,
     /// Where the checkpoints of a recipe that gives its [`Recipe::state`] go.
     ckpt: Checkpointer,
+    /// The step the final verification ran at (a regroup after it does not run it again).
+    verified_at: Option<u64>,
 }
 
 impl<R: Recipe> Trainer<R> {
@@ -396,6 +398,7 @@ impl<R: Recipe> Trainer<R> {
             .background(opts.background_saves);
         let mut trainer = Trainer {
             ckpt,
+            verified_at: None,
             recipe,
             loader,
             step,
@@ -567,39 +570,28 @@ impl<R: Recipe> Trainer<R> {
     /// Trains to the end (regrouping through failures in a live world), writes the last
     /// checkpoint and the recipe's final outputs, and returns the run's summary.
     pub fn fit(mut self) -> Result<RunSummary> {
-        let (training_peak, device_peak) = if self.live.is_some() {
-            self.run_live()?;
-            (tandem_comm::procfs::peak_rss().unwrap_or(0), device_peak_bytes())
+        let gathered = if self.live.is_some() {
+            loop {
+                self.run_live()?;
+                let peaks = (tandem_comm::procfs::peak_rss().unwrap_or(0), device_peak_bytes());
+                // A rank lost in the final collectives (verification, the final outputs) is
+                // regrouped over as one lost in a step; the survivors then conclude again.
+                match self.conclude(peaks) {
+                    Ok(gathered) => break gathered,
+                    Err(e) if e.is_peer_failure() || self.group.failure().is_some() => {
+                        self.regroup_after(root_cause(&e))?
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
         } else {
             // Without a live world no rank can ask to join: a pass ends at the end.
             self.train()?;
             // Training's own peak, before the last save's staging copies add theirs.
-            let peak = tandem_comm::procfs::peak_rss().unwrap_or(0);
-            let device = device_peak_bytes();
+            let peaks = (tandem_comm::procfs::peak_rss().unwrap_or(0), device_peak_bytes());
             self.save_last()?;
-            (peak, device)
+            self.conclude(peaks)?
         };
-        self.settle()?;
-        self.group.barrier().context("barrier after the last checkpoint save")?;
-        let val = self.recipe.validate(&self.group, self.global_step)?;
-        if !val.is_empty() {
-            self.emit(Event::Verified { step: self.global_step, results: val.clone() })?;
-            self.last_val = val;
-        }
-        if self.last_eval.is_none() {
-            // Nothing was left to train (a resume at the end): evaluate the model as it is.
-            self.recipe.set_training(false)?;
-            self.last_eval = self.recipe.evaluate(&self.group)?;
-        }
-        self.recipe.finish(&self.group)?;
-        // Every rank agrees the run is over before any reports it.
-        let mut done = [1.0f64];
-        self.group.all_reduce(&mut done, ReduceOp::Sum)?;
-        let peak = tandem_comm::procfs::peak_rss().unwrap_or(0);
-        let mut peaks = peak.to_le_bytes().to_vec();
-        peaks.extend(training_peak.to_le_bytes());
-        peaks.extend(device_peak.to_le_bytes());
-        let gathered = self.group.all_gather_bytes_at_most(&peaks, 24)?;
         let word = |b: &[u8], i: usize| {
             b.get(8 * i..8 * i + 8).and_then(|w| w.try_into().ok()).map_or(0, u64::from_le_bytes)
         };
@@ -625,6 +617,38 @@ impl<R: Recipe> Trainer<R> {
         };
         self.emit(Event::Finished(Box::new(summary.clone())))?;
         Ok(summary)
+    }
+
+    /// What follows the last checkpoint (collectives, every rank): the background saves waited
+    /// for, the final verification (once) and evaluation, the recipe's final outputs, and the
+    /// world agreeing the run is over. Returns every rank's (peak RSS, training's peak RSS —
+    /// `peaks.0` —, the device's peak — `peaks.1`) as 24 bytes.
+    fn conclude(&mut self, peaks: (u64, u64)) -> Result<Vec<Vec<u8>>> {
+        fault::hit(fault::Phase::Conclude);
+        self.settle()?;
+        self.group.barrier().context("barrier after the last checkpoint save")?;
+        if self.verified_at != Some(self.global_step) {
+            let val = self.recipe.validate(&self.group, self.global_step)?;
+            self.verified_at = Some(self.global_step);
+            if !val.is_empty() {
+                self.emit(Event::Verified { step: self.global_step, results: val.clone() })?;
+                self.last_val = val;
+            }
+        }
+        if self.last_eval.is_none() {
+            // Nothing was left to train (a resume at the end): evaluate the model as it is.
+            self.recipe.set_training(false)?;
+            self.last_eval = self.recipe.evaluate(&self.group)?;
+        }
+        self.recipe.finish(&self.group)?;
+        // Every rank agrees the run is over before any reports it.
+        let mut done = [1.0f64];
+        self.group.all_reduce(&mut done, ReduceOp::Sum)?;
+        let peak = tandem_comm::procfs::peak_rss().unwrap_or(0);
+        let mut bytes = peak.to_le_bytes().to_vec();
+        bytes.extend(peaks.0.to_le_bytes());
+        bytes.extend(peaks.1.to_le_bytes());
+        Ok(self.group.all_gather_bytes_at_most(&bytes, 24)?)
     }
 
     /// Samples per second of training time, after the timing warm-up when one was run.
@@ -849,28 +873,35 @@ impl<R: Recipe> Trainer<R> {
                 Err(e) if e.is_peer_failure() || self.group.failure().is_some() => root_cause(&e),
                 Err(e) => return Err(e),
             };
-            let step_failed = self.in_flight.is_some();
-            if let Some(position) = self.in_flight.take() {
-                // The failed step did not happen: its batch goes back.
-                self.loader.load_state(&position)?;
-            }
-            // A background save this rank started (as the world's rank 0) ends before the
-            // world re-forms: the new rank 0 may be another member, and two writers must not
-            // share the checkpoint directory. Its failure ends the run as it would without
-            // live recovery (the files before it are intact).
-            self.settle()?;
-            let live = self.live.take().context("live recovery without a live world")?;
-            let before = self.global_step;
-            let changed = live.regroup(self);
-            self.group = live.group();
-            self.live = Some(live);
-            let change = changed.context("regrouping")?;
-            self.open_logs()?;
-            // The ranks were in the same step: the world redoes it unless the state's source
-            // had finished it (then the source is ahead of this rank).
-            let redone = u64::from(step_failed && change.step <= before);
-            self.report_regroup(cause, change, redone)?;
+            self.regroup_after(cause)?;
         }
+    }
+
+    /// Regroups the live world after `cause` (a lost peer, a rank waiting to join): the step in
+    /// flight, if any, is put back, background saves end, the state moves from the rank furthest
+    /// along, and the new world's rank 0 reports it.
+    fn regroup_after(&mut self, cause: String) -> Result<()> {
+        let step_failed = self.in_flight.is_some();
+        if let Some(position) = self.in_flight.take() {
+            // The failed step did not happen: its batch goes back.
+            self.loader.load_state(&position)?;
+        }
+        // A background save this rank started (as the world's rank 0) ends before the world
+        // re-forms: the new rank 0 may be another member, and two writers must not share the
+        // checkpoint directory. Its failure ends the run as it would without live recovery
+        // (the files before it are intact).
+        self.settle()?;
+        let live = self.live.take().context("live recovery without a live world")?;
+        let before = self.global_step;
+        let changed = live.regroup(self);
+        self.group = live.group();
+        self.live = Some(live);
+        let change = changed.context("regrouping")?;
+        self.open_logs()?;
+        // The ranks were in the same step: the world redoes it unless the state's source had
+        // finished it (then the source is ahead of this rank).
+        let redone = u64::from(step_failed && change.step <= before);
+        self.report_regroup(cause, change, redone)
     }
 
     /// Reports a regroup, once: by the new world's rank 0 (a survivor, or a member that joins).
