@@ -213,9 +213,16 @@ fn two_killed_at_once() {
 fn killed_after_the_last_step_the_others_still_conclude() {
     // Member 2 dies after the last step, before the final collectives (verification, the
     // recipe's outputs, the world agreeing the run is over): the others regroup without it and
-    // conclude; nothing is redone.
+    // conclude; nothing is redone. Its replacement finds no running job to join and is not
+    // started again (restarts were left: it would fail the same way each time).
     let f = fault("conclude", "2");
-    let run = live_job(&["--max-restarts", "0"], &[], &env_refs(&f));
+    let run = live_job(&["--max-restarts", "5"], &[], &env_refs(&f));
+    assert!(
+        run.text.contains("failed (exit code 1) after the job finished on the other ranks"),
+        "{}",
+        run.text
+    );
+    assert!(!run.text.contains("restart 2 of 5"), "{}", run.text);
     assert_finished(&run);
     assert!(run.text.contains("member 2 dies at Conclude"), "{}", run.text);
     let first = run.regroups().first().copied().unwrap_or_default().to_string();

@@ -146,6 +146,16 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
             stop_slots(slots, how, cfg, &signals);
             return Ok(outcome(128 + sig, Vec::new(), Some(sig), restarts));
         }
+        // A member exits 0 only once the whole world agreed the run is over: a replacement
+        // failing after that could never join (no member holds the state any more), and
+        // restarting it would only fail again.
+        for slot in slots.iter_mut().filter(|s| !s.done && s.lost.is_none()) {
+            // (A worker's status is kept once read: the loop below sees it again.)
+            if slot.worker.poll()?.is_some_and(|status| status.success()) {
+                slot.done = true;
+            }
+        }
+        let job_over = slots.iter().any(|s| s.done);
         for (i, slot) in slots.iter_mut().enumerate() {
             if slot.done || slot.lost.is_some() {
                 continue;
@@ -163,7 +173,14 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
                 exit,
                 stderr_tail: slot.worker.stderr_lines(),
             };
-            if restarts < cfg.max_restarts {
+            if job_over {
+                eprintln!(
+                    "[launcher] rank {} failed ({exit}) after the job finished on the other \
+                     ranks; not started again",
+                    failure.rank
+                );
+                slot.lost = Some(failure);
+            } else if restarts < cfg.max_restarts {
                 restarts += 1;
                 eprintln!(
                     "[launcher] rank {} failed ({exit}); starting it again, to join the running \
