@@ -260,15 +260,25 @@ pub fn load_state_from(
     saved: &Saved,
     state: &mut TrainingState<'_>,
 ) -> Result<Resumed, StateError> {
-    let value = replicated_with_optimizer(saved, state.optimizer.owned_params().as_deref())?;
-    let ck = TrainingCheckpoint::from_value(&value)?;
-    apply_checkpoint(state, &ck, saved.path(), true)?;
+    let ck = restore(saved, state)?;
     Ok(Resumed {
         path: saved.path().to_path_buf(),
         step: state.step,
         epoch: state.epoch,
         world_size: ck.world_size as usize,
     })
+}
+
+/// Restores `saved` into `state` (the replicated part and the optimizer entries `state`'s
+/// optimizer owns; the loader's position too) and returns the checkpoint it read.
+pub(crate) fn restore(
+    saved: &Saved,
+    state: &mut TrainingState<'_>,
+) -> Result<TrainingCheckpoint, StateError> {
+    let value = replicated_with_optimizer(saved, state.optimizer.owned_params().as_deref())?;
+    let ck = TrainingCheckpoint::from_value(&value)?;
+    apply_checkpoint(state, &ck, saved.path(), true)?;
+    Ok(ck)
 }
 
 /// The replicated dict of `saved` with the optimizer entries `owned` (all with `None`) put

@@ -537,13 +537,7 @@ impl<R: Recipe> Trainer<R> {
                 .context("the recipe stopped giving its state")?;
             // Loaded below, stretched over the steps this world has left.
             whole.scheduler = None;
-            let owned = whole.optimizer.owned_params();
-            let value = state::replicated_with_optimizer(&saved, owned.as_deref())
-                .with_context(|| format!("reading {what}"))?;
-            let ck = tandem_ckpt::TrainingCheckpoint::from_value(&value)
-                .with_context(|| format!("reading {what}"))?;
-            state::apply_checkpoint(&mut whole, &ck, &path, true)?;
-            ck
+            state::restore(&saved, &mut whole).with_context(|| format!("reading {what}"))?
         };
         let global_step = ck.global_step as u64;
         let max_steps = Some(global_step + self.loader.steps_to_end(self.opts.epochs));
@@ -1047,21 +1041,20 @@ impl<R: Recipe> LiveState for Trainer<R> {
         let n = self.global_step;
         let position = self.loader.state();
         let (epoch, loader): (u64, &mut dyn LoaderPosition) = (position.epoch, &mut self.loader);
-        let value = match whole_state(&mut self.recipe, &mut self.step, Some(loader), epoch, n) {
-            Some(whole) => {
-                state::to_value(&whole, world).map_err(|e| LiveError::Other(e.to_string()))?
-            }
-            None => {
-                let ctx = SaveContext {
-                    group: &self.group,
-                    name: "the live state",
-                    step: &mut self.step,
-                    position: &position,
-                    global_step: n,
-                };
-                self.recipe.live_state(ctx).map_err(|e| LiveError::Other(e.chain_text()))?
-            }
+        if let Some(mut whole) =
+            whole_state(&mut self.recipe, &mut self.step, Some(loader), epoch, n)
+        {
+            // What a user's own loop sends (`impl LiveState for TrainingState`).
+            return whole.save(world);
+        }
+        let ctx = SaveContext {
+            group: &self.group,
+            name: "the live state",
+            step: &mut self.step,
+            position: &position,
+            global_step: n,
         };
+        let value = self.recipe.live_state(ctx).map_err(|e| LiveError::Other(e.chain_text()))?;
         tandem_ckpt::to_pt_bytes(&value).map_err(|e| LiveError::Other(e.to_string()))
     }
     fn load(
@@ -1070,21 +1063,18 @@ impl<R: Recipe> LiveState for Trainer<R> {
         rank: usize,
         size: usize,
     ) -> std::result::Result<(), LiveError> {
+        let loader: &mut dyn LoaderPosition = &mut self.loader;
+        if let Some(mut whole) = whole_state(&mut self.recipe, &mut self.step, Some(loader), 0, 0) {
+            // As a user's own loop loads it (`impl LiveState for TrainingState`: the loader
+            // moved to this world); the schedule comes as saved, `enter_world` stretches it.
+            whole.load(bytes, rank, size)?;
+            self.global_step = whole.step;
+            return Ok(());
+        }
         let what = "the live state";
         let value = tandem_ckpt::pt::load_from_bytes(what, bytes, true)
             .map_err(|e| LiveError::Other(e.to_string()))?;
         let mut world = WorldLoader { loader: &mut self.loader, world: (rank, size) };
-        let loader: &mut dyn LoaderPosition = &mut world;
-        if let Some(mut whole) = whole_state(&mut self.recipe, &mut self.step, Some(loader), 0, 0) {
-            // The schedule's state comes as saved; `enter_world` stretches it next.
-            let fail = |e: String| LiveError::Other(format!("{what}: {e}"));
-            let ck = tandem_ckpt::TrainingCheckpoint::from_value(&value)
-                .map_err(|e| fail(e.to_string()))?;
-            state::apply_checkpoint(&mut whole, &ck, std::path::Path::new(what), true)
-                .map_err(|e| fail(e.to_string()))?;
-            self.global_step = whole.step;
-            return Ok(());
-        }
         let ctx = ResumeContext {
             group: &self.group,
             loader: &mut world,
