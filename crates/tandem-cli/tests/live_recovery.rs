@@ -213,15 +213,17 @@ fn two_killed_at_once() {
 fn killed_after_the_last_step_the_others_still_conclude() {
     // Member 2 dies after the last step, before the final collectives (verification, the
     // recipe's outputs, the world agreeing the run is over): the others regroup without it and
-    // conclude; nothing is redone. Its replacement finds no running job to join and is not
-    // started again (restarts were left: it would fail the same way each time).
+    // conclude; nothing is redone. Whatever fails after the others finished is not started
+    // again (restarts were left: it would fail the same way each time). Which process that is
+    // depends on the launcher's poll: member 2 itself (SIGKILL) when its death and the others'
+    // exit fall in the same monitor interval, or else its replacement, which finds no running
+    // job to join (exit code 1).
     let f = fault("conclude", "2");
     let run = live_job(&["--max-restarts", "5"], &[], &env_refs(&f));
-    assert!(
-        run.text.contains("failed (exit code 1) after the job finished on the other ranks"),
-        "{}",
-        run.text
-    );
+    let after_the_end = ["(exit code 1)", "(signal 9 (SIGKILL))"].iter().any(|exit| {
+        run.text.contains(&format!("failed {exit} after the job finished on the other ranks"))
+    });
+    assert!(after_the_end, "{}", run.text);
     assert!(!run.text.contains("restart 2 of 5"), "{}", run.text);
     assert_finished(&run);
     assert!(run.text.contains("member 2 dies at Conclude"), "{}", run.text);
