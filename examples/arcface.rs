@@ -60,7 +60,7 @@ fn main() -> Result<()> {
     if let Some(r) = face::resume(&ckpts, &mut state, &mut loader, epochs, &group)? {
         global_step = r.step;
         if rank == 0 {
-            println!("resumed from {} (step {})", r.dir.display(), r.step);
+            println!("resumed from {} (step {})", r.path.display(), r.step);
         }
     }
     while loader.epoch() < epochs {

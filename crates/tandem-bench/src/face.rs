@@ -550,7 +550,7 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
     if let Some(m) = crate::report::summary(&peak_with_save) {
         let gib = |b: f64| b / (1u64 << 30) as f64;
         println!(
-            "  tandem with its last checkpoint save (the state's staging copies; PyTorch's run saves none): peak memory (GiB) min {:.2} median {:.2} max {:.2}",
+            "  tandem with its last checkpoint save (a synchronous save writes each tensor from its own memory; PyTorch's run saves none): peak memory (GiB) min {:.2} median {:.2} max {:.2}",
             gib(m.min),
             gib(m.median),
             gib(m.max)

@@ -93,12 +93,19 @@ fn main() {
 
 /// The error and its causes on one line, `outer: inner: ...`, leaving out a cause whose text the
 /// line already holds (an error that both shows its cause and returns it from `source()` would
-/// otherwise print it twice).
+/// otherwise print it twice). An option the training library names by its key is named by its
+/// flag (`lr_scheduler=poly` reads `--lr-scheduler poly`).
 fn error_chain(e: &anyhow::Error) -> String {
-    let mut line = e.to_string();
-    for cause in e.chain().skip(1) {
-        let text = cause.to_string();
-        if !line.contains(&text) {
+    let text_of = |cause: &(dyn std::error::Error + 'static)| match cause.downcast_ref() {
+        Some(e @ tandem::train::TrainError::Option { .. }) => e.naming_option(train::flag_of),
+        _ => cause.to_string(),
+    };
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = text_of(cause);
+        if line.is_empty() {
+            line = text;
+        } else if !line.contains(&text) {
             line.push_str(": ");
             line.push_str(&text);
         }
@@ -121,5 +128,53 @@ mod tests {
         );
         let e = anyhow::anyhow!("inner").context("outer");
         assert_eq!(error_chain(&e), "outer: inner");
+    }
+
+    /// The library's option errors name the flag, with the value as a command line reads.
+    #[test]
+    fn an_option_error_names_its_flag() {
+        use tandem::train::TrainError;
+        let e = TrainError::option("lr_scheduler", Some("poly".into()), "needs a warm-up");
+        assert_eq!(e.to_string(), "lr_scheduler=poly: needs a warm-up");
+        let e = anyhow::Error::new(e).context("building the recipe");
+        assert_eq!(error_chain(&e), "building the recipe: --lr-scheduler poly: needs a warm-up");
+    }
+
+    /// Every option key the training library names in an error is a `tandem train` flag (read
+    /// from its sources: `option("key"`, `bail_option!("key"`).
+    #[test]
+    fn every_option_key_of_the_library_is_a_train_flag() {
+        use clap::CommandFactory;
+        let cli = super::Cli::command();
+        let train = cli.find_subcommand("train").expect("a train subcommand");
+        let flags: Vec<String> =
+            train.get_arguments().filter_map(|a| a.get_long()).map(|l| format!("--{l}")).collect();
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tandem-train/src");
+        let mut keys = Vec::new();
+        let mut stack = vec![src];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    stack.push(path);
+                    continue;
+                }
+                let text = std::fs::read_to_string(&path).unwrap();
+                for marker in ["option(\"", "bail_option!(\""] {
+                    for (at, _) in text.match_indices(marker) {
+                        let rest = &text[at + marker.len()..];
+                        let key = &rest[..rest.find('"').unwrap()];
+                        if key.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+                            keys.push((key.to_string(), path.display().to_string()));
+                        }
+                    }
+                }
+            }
+        }
+        assert!(keys.len() >= 20, "the scan found too few keys: {keys:?}");
+        for (key, file) in keys {
+            let flag = super::train::flag_of(&key);
+            assert!(flags.contains(&flag), "{file}: option `{key}` has no flag {flag}");
+        }
     }
 }

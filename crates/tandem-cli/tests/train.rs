@@ -547,9 +547,9 @@ fn resnet_flags_that_cannot_apply_are_named() {
     let out = dir.path().join("r");
     for (args, expect) in [
         (vec!["--model", "mlp", "--sync-batchnorm"], "--sync-batchnorm"),
-        (vec!["--model", "resnet18", "--data", "digits"], "3x32x32"),
+        (vec!["--model", "resnet18", "--data", "digits"], "--model resnet18: needs 3x32x32"),
         (vec!["--model", "resnet18", "--width", "0"], "--width"),
-        (vec!["--data", "synthetic:64:10:3", "--augment"], "--normalize/--augment"),
+        (vec!["--data", "synthetic:64:10:3", "--augment"], "--augment: needs square images"),
     ] {
         let mut all =
             vec!["train", "--nproc-per-node", "1", "--epochs", "1", "--out", out.to_str().unwrap()];

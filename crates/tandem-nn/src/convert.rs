@@ -60,6 +60,31 @@ impl tandem_ckpt::ExternalBytes for LentTensor {
     }
 }
 
+thread_local! {
+    /// Inside [`lend`] on this thread: [`to_ckpt`] lends tensors instead of copying them.
+    static LEND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` (building a checkpoint's values: a model's state dict, an optimizer's) with every
+/// [`to_ckpt`] inside it lending the tensor's storage ([`to_ckpt_view`]) instead of copying
+/// it: a synchronous save then writes each tensor's file straight from the tensor and stages
+/// no second copy of the state.
+///
+/// # Safety
+/// Nothing may write to a lent tensor's storage (an optimizer step, an in-place op) while any
+/// value built inside `f` is alive: a synchronous save, which drops them before training goes
+/// on, keeps that promise; a background save must not lend.
+pub unsafe fn lend<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            LEND.with(|l| l.set(self.0));
+        }
+    }
+    let _reset = Reset(LEND.with(|l| l.replace(true)));
+    f()
+}
+
 /// [`to_ckpt`] without the copy: the checkpoint tensor reads `t`'s own storage (a CPU tensor,
 /// contiguous, of a dtype saved as it is; anything else is copied as `to_ckpt` does). What
 /// lets a synchronous save of a head of several GiB stage nothing.
@@ -70,15 +95,25 @@ impl tandem_ckpt::ExternalBytes for LentTensor {
 /// on, keeps that promise; a background save must use [`to_ckpt`].
 pub unsafe fn to_ckpt_view(t: &Tensor) -> Result<tandem_ckpt::TensorData> {
     let Some((addr, len)) = with_host_bytes(t, |b| (b.as_ptr() as usize, b.len())) else {
-        return to_ckpt(t);
+        return copy_to_ckpt(t);
     };
     let lent = LentTensor { _tensor: t.clone(), addr, len };
     let storage = tandem_ckpt::StorageData::from_external(Box::new(lent));
     Ok(tandem_ckpt::TensorData::from_storage(ckpt_dtype(t.dtype()), t.dims(), storage))
 }
 
-/// A contiguous checkpoint tensor with the same dtype, shape and values.
+/// A contiguous checkpoint tensor with the same dtype, shape and values: a copy, or inside
+/// [`lend`] a view of `t`'s own storage.
 pub fn to_ckpt(t: &Tensor) -> Result<tandem_ckpt::TensorData> {
+    if LEND.with(|l| l.get()) {
+        // SAFETY: the caller of `lend` promised no writes while the value lives.
+        return unsafe { to_ckpt_view(t) };
+    }
+    copy_to_ckpt(t)
+}
+
+/// [`to_ckpt`]'s copy.
+fn copy_to_ckpt(t: &Tensor) -> Result<tandem_ckpt::TensorData> {
     let shape = t.dims().to_vec();
     if let Some(bytes) = host_bytes(t) {
         return Ok(tandem_ckpt::TensorData::from_bytes(ckpt_dtype(t.dtype()), &shape, bytes));
@@ -230,6 +265,24 @@ mod tests {
             Tensor::arange(0f32, 12.0, &Device::Cpu).unwrap().reshape((3, 4)).unwrap().t().unwrap();
         let v = unsafe { to_ckpt_view(&strided) }.unwrap();
         assert_eq!(v.to_f64_vec(), to_ckpt(&strided).unwrap().to_f64_vec());
+    }
+
+    /// Inside `lend` every `to_ckpt` (a whole state dict's) reads the tensors in place; the
+    /// scope ends with `lend`, also when it unwinds.
+    #[test]
+    fn inside_lend_a_state_dict_is_lent_and_outside_copied() {
+        let t = Tensor::arange(0f32, 6.0, &Device::Cpu).unwrap().reshape((2, 3)).unwrap();
+        let own = with_host_bytes(&t, |b| b.as_ptr() as usize).unwrap();
+        let state = vec![("w".to_string(), t.clone())];
+        let lent = unsafe { lend(|| state_dict_to_ckpt(&state)) }.unwrap();
+        assert_eq!(lent[0].1.storage.bytes().as_ptr() as usize, own);
+        let copied = state_dict_to_ckpt(&state).unwrap();
+        assert_ne!(copied[0].1.storage.bytes().as_ptr() as usize, own);
+        assert_eq!(lent[0].1.storage.bytes(), copied[0].1.storage.bytes());
+        let unwound = std::panic::catch_unwind(|| unsafe { lend(|| panic!("inside")) });
+        assert!(unwound.is_err());
+        let after = to_ckpt(&t).unwrap();
+        assert_ne!(after.storage.bytes().as_ptr() as usize, own, "the scope ended");
     }
 
     #[test]

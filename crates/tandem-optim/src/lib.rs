@@ -131,6 +131,5 @@ pub use lr_scheduler::LrScheduler;
 pub(crate) use optimizer::non_negative;
 pub use optimizer::{OptimError, OptimizerShard, TorchOptimizer};
 pub use sgd::{SgdConfig, TorchSgd};
-pub use tensor::lend_state;
 #[cfg(feature = "zero")]
 pub use zero::{ShardOptimizer, ZeroRedundancyOptimizer};

@@ -4,29 +4,6 @@ use tandem_ckpt::TensorData;
 
 use crate::OptimError;
 
-thread_local! {
-    /// Inside [`lend_state`] on this thread: state tensors are lent, not copied.
-    static LEND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Runs `f` (typically an optimizer's `state_dict()`) with its state tensors lent to the
-/// returned checkpoint values instead of copied (`tandem_nn::convert::to_ckpt_view`): a
-/// synchronous save of a head's momentum then stages no copy of it.
-///
-/// # Safety
-/// Nothing may step the optimizer or otherwise write its state while any value built inside
-/// `f` is alive (a synchronous save drops them before training goes on).
-pub unsafe fn lend_state<R>(f: impl FnOnce() -> R) -> R {
-    struct Reset(bool);
-    impl Drop for Reset {
-        fn drop(&mut self) {
-            LEND.with(|l| l.set(self.0));
-        }
-    }
-    let _reset = Reset(LEND.with(|l| l.replace(true)));
-    f()
-}
-
 /// A new tensor holding `t`'s values and nothing more, on `t`'s device. candle's
 /// `Tensor::copy` clones the whole storage under a view (`CpuStorage::try_clone` ignores the
 /// layout): a momentum buffer copied from a gradient that Ddp hands out as a view into its
@@ -37,7 +14,8 @@ pub(crate) fn fresh_copy(t: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// A candle tensor (any device) as a contiguous host checkpoint tensor of the same dtype:
-/// copied once, or lent inside [`lend_state`].
+/// copied once, or lent inside `tandem_nn::convert::lend` (a synchronous save's momentum
+/// stages no copy).
 pub(crate) fn to_ckpt(t: &Tensor, key: &str) -> Result<TensorData, OptimError> {
     if !matches!(t.dtype(), DType::F32 | DType::F64 | DType::F16 | DType::BF16) {
         return Err(OptimError::state(
@@ -45,13 +23,7 @@ pub(crate) fn to_ckpt(t: &Tensor, key: &str) -> Result<TensorData, OptimError> {
             format!("cannot store optimizer state of dtype {:?}", t.dtype()),
         ));
     }
-    let out = if LEND.with(|l| l.get()) {
-        // SAFETY: the caller of `lend_state` promised no writes while the value lives.
-        unsafe { tandem_nn::convert::to_ckpt_view(t) }
-    } else {
-        tandem_nn::convert::to_ckpt(t)
-    };
-    out.map_err(|e| OptimError::state(key, e.to_string()))
+    tandem_nn::convert::to_ckpt(t).map_err(|e| OptimError::state(key, e.to_string()))
 }
 
 /// A checkpoint tensor as a candle tensor shaped, typed and placed like `like` (torch casts

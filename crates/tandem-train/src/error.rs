@@ -18,6 +18,39 @@ pub enum TrainError {
         #[source]
         source: Box<dyn StdError + Send + Sync>,
     },
+    /// An option at fault, named by its key in [`TrainOptions`](crate::TrainOptions) terms
+    /// (`lr_scheduler`, `init_from`: the `--config` keys), with the value at fault when it is
+    /// worth showing. Shown as `key=value: what`; a binary names its own flag for the key
+    /// ([`TrainError::naming_option`]).
+    #[error("{}", option_line(key, value.as_deref(), what.as_deref(), |k| k.to_string(), "="))]
+    Option {
+        key: &'static str,
+        value: Option<String>,
+        /// What is wrong with it, when no `source` says.
+        what: Option<String>,
+        #[source]
+        source: Option<Box<dyn StdError + Send + Sync>>,
+    },
+}
+
+/// `name(key)` with the value and what is wrong: `lr_scheduler=poly: unknown schedule`.
+fn option_line(
+    key: &str,
+    value: Option<&str>,
+    what: Option<&str>,
+    name: impl Fn(&str) -> String,
+    joiner: &str,
+) -> String {
+    let mut line = name(key);
+    if let Some(v) = value {
+        line.push_str(joiner);
+        line.push_str(v);
+    }
+    if let Some(w) = what {
+        line.push_str(": ");
+        line.push_str(w);
+    }
+    line
 }
 
 pub type Result<T, E = TrainError> = std::result::Result<T, E>;
@@ -25,6 +58,30 @@ pub type Result<T, E = TrainError> = std::result::Result<T, E>;
 impl TrainError {
     pub fn invalid(why: impl Into<String>) -> Self {
         TrainError::Invalid(why.into())
+    }
+
+    /// Option `key` (its `value`, when shown) cannot work: `what` says why.
+    pub fn option(key: &'static str, value: Option<String>, what: impl Into<String>) -> Self {
+        TrainError::Option { key, value, what: Some(what.into()), source: None }
+    }
+
+    /// The option this error is about, if it is one ([`TrainError::Option`]).
+    pub fn option_key(&self) -> Option<&'static str> {
+        match self {
+            TrainError::Option { key, .. } => Some(key),
+            _ => None,
+        }
+    }
+
+    /// This error's own line (not its causes') with an option named as `flag(key)` and
+    /// its value after a space, as a command line reads (`--lr-scheduler poly: ...`).
+    pub fn naming_option(&self, flag: impl Fn(&str) -> String) -> String {
+        match self {
+            TrainError::Option { key, value, what, .. } => {
+                option_line(key, value.as_deref(), what.as_deref(), flag, " ")
+            }
+            other => other.to_string(),
+        }
     }
 
     /// Whether the chain holds a dead or silent peer (live recovery regroups on those).
@@ -62,6 +119,8 @@ impl TrainError {
 pub trait Context<T> {
     fn context(self, what: impl Into<String>) -> Result<T>;
     fn with_context<S: Into<String>>(self, what: impl FnOnce() -> S) -> Result<T>;
+    /// The error as the failure of option `key` (`value`: the value at fault, when shown).
+    fn option(self, key: &'static str, value: Option<String>) -> Result<T>;
 }
 
 impl<T, E: StdError + Send + Sync + 'static> Context<T> for std::result::Result<T, E> {
@@ -71,6 +130,9 @@ impl<T, E: StdError + Send + Sync + 'static> Context<T> for std::result::Result<
     fn with_context<S: Into<String>>(self, what: impl FnOnce() -> S) -> Result<T> {
         self.map_err(|e| TrainError::Failed { what: what().into(), source: Box::new(e) })
     }
+    fn option(self, key: &'static str, value: Option<String>) -> Result<T> {
+        self.map_err(|e| TrainError::Option { key, value, what: None, source: Some(Box::new(e)) })
+    }
 }
 
 impl<T> Context<T> for Option<T> {
@@ -79,6 +141,9 @@ impl<T> Context<T> for Option<T> {
     }
     fn with_context<S: Into<String>>(self, what: impl FnOnce() -> S) -> Result<T> {
         self.ok_or_else(|| TrainError::Invalid(what().into()))
+    }
+    fn option(self, key: &'static str, value: Option<String>) -> Result<T> {
+        self.ok_or(TrainError::Option { key, value, what: None, source: None })
     }
 }
 
@@ -121,6 +186,14 @@ macro_rules! bail {
     };
 }
 pub(crate) use bail;
+
+/// `return Err(TrainError::option(key, value, format!(...)))`: option `key` cannot work.
+macro_rules! bail_option {
+    ($key:literal, $value:expr, $($arg:tt)*) => {
+        return Err($crate::error::TrainError::option($key, $value, format!($($arg)*)))
+    };
+}
+pub(crate) use bail_option;
 
 #[cfg(test)]
 mod tests {

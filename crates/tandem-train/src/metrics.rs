@@ -80,8 +80,8 @@ pub struct RunSummary {
     /// Each rank's peak resident memory in bytes (`VmHWM`), by rank; 0 where unknown.
     #[serde(default)]
     pub peak_rss_bytes: Vec<u64>,
-    /// The same before the last checkpoint save (whose staging copies of the state are a peak
-    /// of their own): training's peak.
+    /// The same before the last checkpoint save (a background save's staging copy of the state
+    /// would be a peak of its own): training's peak.
     #[serde(default)]
     pub training_peak_rss_bytes: Vec<u64>,
     /// Each rank's peak GPU memory in training (its device's memory pool high-water mark, as

@@ -8,7 +8,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use tandem_models::ModelKind;
 
-use crate::error::{Result, TrainError};
+use crate::error::{Context, Result, TrainError};
 use crate::schedule::LrSchedule;
 
 /// An option with a fixed set of named values (for a command line's parser and help).
@@ -102,10 +102,9 @@ impl DeviceKind {
             DeviceKind::Cpu => tandem_ckpt::MapLocation::Cpu,
             DeviceKind::Cuda => tandem_ckpt::MapLocation::Cuda(local_rank),
         };
-        tandem_nn::convert::map_location_device(location).map_err(|e| TrainError::Failed {
-            what: format!("--device {self} (this rank's LOCAL_RANK is {local_rank})"),
-            source: Box::new(e),
-        })
+        tandem_nn::convert::map_location_device(location)
+            .with_context(|| format!("on local rank {local_rank}"))
+            .option("device", Some(self.to_string()))
     }
 }
 

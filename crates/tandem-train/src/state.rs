@@ -192,20 +192,28 @@ impl<'a> TrainingState<'a> {
     }
 }
 
-/// Where [`load_state`] resumed from.
+/// Where a resume started from: [`load_state`], the face recipe's `face::resume`, and a
+/// [`Recipe`](crate::trainer::Recipe) that resumes itself all return it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Resumed {
+    /// The checkpoint read (a file, or a directory of shards).
     pub path: PathBuf,
+    /// The optimizer steps taken before it was written.
     pub step: u64,
+    /// The epoch the loader resumes in.
     pub epoch: u64,
     /// The world size that wrote the checkpoint.
     pub world_size: usize,
+    /// What to say about it beside `resumed from PATH (epoch E, step S)`, if anything (how
+    /// the state was re-split over another world size).
+    pub note: Option<String>,
 }
 
 /// Saves the whole state as checkpoint `epoch-EEEE-step-SSSSSSSS` in `dir` (keeping the last
 /// [`KEEP_LAST`]): one file rank 0 writes, or with shards (a sharded optimizer, extra shards)
 /// a directory every rank writes its part of. A collective: call it on every rank. Returns the
-/// checkpoint on rank 0, `None` elsewhere.
+/// checkpoint on rank 0, `None` elsewhere. Each tensor is written from its own memory (no
+/// staging copy of the state): nothing may train the model on another thread meanwhile.
 pub fn save_state(
     group: &ProcessGroup,
     dir: impl AsRef<Path>,
@@ -213,15 +221,27 @@ pub fn save_state(
 ) -> Result<Option<PathBuf>, StateError> {
     // Every rank builds the whole value: a failure building it (a dtype the file cannot hold)
     // is then the same on every rank, before anyone waits.
-    let dict = state_dict(state, group.size())?;
+    let dict = lent_state_dict(state, group.size())?;
     let name = format!("epoch-{:04}-step-{:08}", state.epoch, state.step);
     let path = Checkpointer::new(dir.as_ref(), KEEP_LAST).save(group, &name, dict)?;
     Ok((group.rank() == 0).then_some(path))
 }
 
+/// [`state_dict`] with every tensor a view of the state's own memory, for a synchronous save
+/// (which drops the dict before it returns, while `state` is still borrowed: nothing steps the
+/// optimizer or writes the model meanwhile).
+pub(crate) fn lent_state_dict(
+    state: &TrainingState<'_>,
+    world_size: usize,
+) -> Result<TrainingStateDict, StateError> {
+    // SAFETY: see above; the caller writes the dict and drops it before training goes on.
+    unsafe { tandem_nn::convert::lend(|| state_dict(state, world_size)) }
+}
+
 /// This rank's part of `state` as a [`TrainingStateDict`] (for a [`Checkpointer`] of the
 /// caller's: background saves, other retention): the replicated dict, the optimizer's entry
-/// shard when it is sharded, and `state.shards`.
+/// shard when it is sharded, and `state.shards`. Every tensor is a copy (a background save
+/// writes it while training goes on).
 pub fn state_dict(
     state: &TrainingState<'_>,
     world_size: usize,
@@ -266,6 +286,7 @@ pub fn load_state_from(
         step: state.step,
         epoch: state.epoch,
         world_size: ck.world_size as usize,
+        note: None,
     })
 }
 

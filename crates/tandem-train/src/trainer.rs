@@ -29,7 +29,7 @@ use crate::fault;
 use crate::live::{LiveError, LiveState, LiveTraining};
 use crate::metrics::{MetricsFile, VerificationMetrics};
 use crate::schedule;
-use crate::state::{self, LoaderPosition, TrainingState};
+use crate::state::{self, LoaderPosition, Resumed, TrainingState};
 use crate::tfevents::STEP_SCALARS_EVERY;
 use crate::training_log::TrainingLog;
 use crate::{EpochMetrics, EventWriter, RunSummary, Step};
@@ -167,16 +167,6 @@ pub struct ResumeContext<'a> {
     pub step: &'a mut Step,
     /// The run's epochs (a schedule is stretched over the steps left to their end).
     pub epochs: u64,
-}
-
-/// Where a resume started from.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Resumed {
-    pub path: PathBuf,
-    pub global_step: u64,
-    /// What rank 0 says about it besides `resumed from PATH (epoch E, step S)` (a re-split on
-    /// another world size), if anything.
-    pub note: Option<String>,
 }
 
 /// One recipe: the model, its optimizer and its data, as the [`Trainer`] drives them.
@@ -512,7 +502,7 @@ impl<R: Recipe> Trainer<R> {
             self.recipe.resume(ctx)?
         };
         let Some(r) = resumed else { return Ok(()) };
-        self.global_step = r.global_step;
+        self.global_step = r.step;
         let (epoch, step) = (self.loader.epoch(), self.global_step);
         self.emit(Event::Resumed { path: r.path, epoch, step, note: r.note })
     }
@@ -552,7 +542,9 @@ impl<R: Recipe> Trainer<R> {
             }
             false => None,
         };
-        Ok(Some(Resumed { path, global_step, note }))
+        let epoch = self.loader.epoch();
+        let world_size = ck.world_size as usize;
+        Ok(Some(Resumed { path, step: global_step, epoch, world_size, note }))
     }
 
     /// Waits for the background saves in flight, the trainer's and the recipe's (a collective).
@@ -581,7 +573,7 @@ impl<R: Recipe> Trainer<R> {
         } else {
             // Without a live world no rank can ask to join: a pass ends at the end.
             self.train()?;
-            // Training's own peak, before the last save's staging copies add theirs.
+            // Training's own peak, before the last save (a background one stages a copy).
             let peaks = (tandem_comm::procfs::peak_rss().unwrap_or(0), device_peak_bytes());
             self.save_last()?;
             self.conclude(peaks)?
@@ -959,8 +951,12 @@ fn checkpoint<R: Recipe>(
         return recipe.save(ctx);
     };
     // Every rank builds its whole dict: a failure building it is the same on every rank,
-    // before anyone waits.
-    let mut dict = state::state_dict(&whole, group.size())?;
+    // before anyone waits. A synchronous save writes the tensors from their own memory (the
+    // dict is gone when `ckpt.save` returns); a background one writes copies.
+    let mut dict = match ckpt.is_background() {
+        true => state::state_dict(&whole, group.size())?,
+        false => state::lent_state_dict(&whole, group.size())?,
+    };
     dict.replicated.insert("sampler", state::sampler_value(position));
     let path = ckpt.save(group, &name, dict).with_context(|| {
         "a checkpoint save failed (the run stops here; the checkpoints before it are intact)"

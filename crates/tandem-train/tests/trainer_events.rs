@@ -10,8 +10,8 @@ use tandem_data::{Batch, DataLoader, DistributedSampler, InMemoryDataset, Loader
 use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd};
 use tandem_train::events::{Event, Recorder, StepEvent};
 use tandem_train::metrics::{read_metrics, MetricsRecord};
-use tandem_train::trainer::{ResumeContext, Resumed, SaveContext, StepReport};
-use tandem_train::{Recipe, Reporter, Step, Trainer, TrainerOptions};
+use tandem_train::trainer::{ResumeContext, SaveContext, StepReport};
+use tandem_train::{Recipe, Reporter, Resumed, Step, Trainer, TrainerOptions};
 
 /// Softmax regression on the digits: the whole recipe a user writes for this loop.
 struct Softmax {

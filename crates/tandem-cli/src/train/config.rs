@@ -8,6 +8,12 @@ pub use tandem::models::ModelKind;
 pub use tandem::train::options::{Backend, DeviceKind, OptimizerKind, Precision};
 use tandem::train::options::{Choice, TrainOptions};
 
+/// The `tandem train` flag of a training-library option key (`TrainError::Option`'s): each
+/// key is its `--config` key, and each flag that key with dashes.
+pub fn flag_of(key: &str) -> String {
+    format!("--{}", key.replace('_', "-"))
+}
+
 /// Parses a flag whose values are a library option's names (listed in `--help` and in the
 /// error for any other value).
 pub fn choice<T: Choice>() -> ChoiceParser<T> {

@@ -4,3 +4,5 @@
 pub mod arcface_config;
 pub mod config;
 pub mod console;
+
+pub use config::flag_of;

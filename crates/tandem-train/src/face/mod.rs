@@ -29,7 +29,7 @@ use tandem_partial_fc::PartialFc;
 
 use crate::checkpoint::{CheckpointError, Checkpointer, ShardDict, TrainingStateDict};
 use crate::schedule;
-use crate::state::{sampler_state_from_value, sampler_value, LoaderPosition};
+use crate::state::{sampler_state_from_value, sampler_value, LoaderPosition, Resumed};
 use crate::step::Step;
 use tandem_data::SamplerState;
 
@@ -105,19 +105,6 @@ impl<'a> FaceState<'a> {
     }
 }
 
-/// Where [`resume`] resumed from.
-#[derive(Debug, Clone, PartialEq)]
-pub struct FaceResumed {
-    pub dir: PathBuf,
-    pub step: u64,
-    pub epoch: u64,
-    /// The world size that wrote the checkpoint.
-    pub world_size: usize,
-    pub num_classes: usize,
-    /// Classes this rank holds now.
-    pub rows: usize,
-}
-
 /// Saves `state` with the loader at `position` as checkpoint `step-NNNNNNNN` under `ckpts`
 /// (a collective: every rank writes its head rows and BatchNorm statistics, rank 0 the
 /// replicated part and the manifest). Returns the checkpoint's directory.
@@ -138,52 +125,28 @@ pub fn save(
     // difference between a save and the kernel's OOM killer).
     // SAFETY: `save` consumes the dict and has dropped it when it returns; nothing steps the
     // optimizer or writes the head meanwhile (`state` is borrowed for the whole call).
-    let dict = unsafe { build_state_dict(state, position, group.rank(), group.size(), true)? };
+    let (rank, world) = (group.rank(), group.size());
+    let dict = unsafe { tandem_nn::convert::lend(|| state_dict(state, position, rank, world))? };
     Ok(ckpts.save(group, &name, dict)?)
 }
 
 /// This rank's face state as a [`TrainingStateDict`]: the replicated part (built on rank 0
 /// only), the `head` row shard (`{weight, state}`: the centres and the head's optimizer entry)
-/// and the `buffers` rank shard.
+/// and the `buffers` rank shard. Copies of the tensors, or inside `tandem_nn::convert::lend`
+/// views of them ([`save`] lends).
 pub fn state_dict(
     state: &FaceState<'_>,
     position: &SamplerState,
     rank: usize,
     world: usize,
 ) -> Result<TrainingStateDict, FaceStateError> {
-    // SAFETY: nothing is lent (`lend` false): every tensor is a copy.
-    unsafe { build_state_dict(state, position, rank, world, false) }
-}
-
-/// [`state_dict`], with the head's centres and the optimizer's state lent rather than copied
-/// when `lend` is set.
-///
-/// # Safety
-/// With `lend`, nothing may write the head or step the optimizer while the dict lives.
-unsafe fn build_state_dict(
-    state: &FaceState<'_>,
-    position: &SamplerState,
-    rank: usize,
-    world: usize,
-    lend: bool,
-) -> Result<TrainingStateDict, FaceStateError> {
     let fail = |e: &dyn std::fmt::Display| FaceStateError::Save(e.to_string());
     let head_index = state.backbone.params().len() as i64;
-    let full_opt = if lend {
-        tandem_optim::lend_state(|| state.opt.state_dict())
-    } else {
-        state.opt.state_dict()
-    };
-    let full_opt = full_opt.map_err(|e| fail(&e))?;
+    let full_opt = state.opt.state_dict().map_err(|e| fail(&e))?;
     let (rest, head_state) = optimizer_entry::split_optimizer(full_opt, head_index);
     let split = state.head.split();
     let head_weight = state.head.weight().as_tensor();
-    let weight = if lend {
-        tandem_nn::convert::to_ckpt_view(head_weight)
-    } else {
-        tandem_nn::convert::to_ckpt(head_weight)
-    };
-    let weight = weight.map_err(|e| fail(&e))?;
+    let weight = tandem_nn::convert::to_ckpt(head_weight).map_err(|e| fail(&e))?;
     let head = Value::dict_from([("weight", Value::Tensor(weight)), ("state", head_state)]);
     let buffers = buffers_value(&state.backbone.named_buffers()).map_err(|e| fail(&e))?;
     let replicated = if rank == 0 {
@@ -235,7 +198,7 @@ pub fn resume(
     loader: &mut dyn LoaderPosition,
     epochs: u64,
     group: &ProcessGroup,
-) -> Result<Option<FaceResumed>, FaceStateError> {
+) -> Result<Option<Resumed>, FaceStateError> {
     let rank = group.rank();
     let Some(saved) = ckpts.latest()? else { return Ok(None) };
     let dir = saved.path().to_path_buf();
@@ -294,14 +257,15 @@ pub fn resume(
         source: Box::new(source),
     })?;
     let epoch = loader.position().epoch;
-    Ok(Some(FaceResumed {
-        dir,
-        step,
-        epoch,
-        world_size: saved.world_size(),
-        num_classes: saved_classes,
-        rows: split.len,
-    }))
+    let (saved_world, world) = (saved.world_size(), group.size());
+    let note = (saved_world != world).then(|| {
+        format!(
+            "the checkpoint was written by {saved_world} ranks, this run has {world}: the \
+             {classes} class centres and their optimizer state are re-split ({} per rank here)",
+            split.len
+        )
+    });
+    Ok(Some(Resumed { path: dir, step, epoch, world_size: saved_world, note }))
 }
 
 /// Restores the replicated part `rep` (see [`replicated_value`]) but the optimizer: the backbone

@@ -21,18 +21,16 @@ use super::net::{image_shape, Net, NetSpec};
 use super::optimizer::TrainOptimizer;
 use super::LiveComm;
 use crate::checkpoint::{Checkpointer, ShardDict, TrainingStateDict};
-use crate::error::{bail, Context, Result, TrainError};
+use crate::error::{Context, Result, TrainError};
 use crate::events::{Reporter, Resplit};
 use crate::fault;
 use crate::live_entries::{self, regroup_entries, Entries};
 use crate::options::TrainOptions;
 use crate::schedule::{self, RunLength};
 use crate::state::{
-    replicated_with_optimizer, sampler_state_from_value, sampler_value, OPTIMIZER_SHARD,
+    replicated_with_optimizer, sampler_state_from_value, sampler_value, Resumed, OPTIMIZER_SHARD,
 };
-use crate::trainer::{
-    reshard_message, Evaluation, Recipe, ResumeContext, Resumed, SaveContext, StepReport,
-};
+use crate::trainer::{reshard_message, Evaluation, Recipe, ResumeContext, SaveContext, StepReport};
 use crate::Step;
 
 /// The classifier's model, optimizer, eval data and checkpoint files.
@@ -76,7 +74,7 @@ impl<'a> Classifier<'a> {
         let rank = group.rank();
         let device = cfg.model.device.device(group.local_rank())?;
         let (train, eval) = tandem_data::datasets::from_spec(&cfg.data.spec)
-            .with_context(|| format!("loading --data {}", cfg.data.spec))?;
+            .option("data", Some(cfg.data.spec.clone()))?;
         let spec = NetSpec {
             kind: cfg.model.kind,
             hidden: cfg.model.hidden,
@@ -147,7 +145,7 @@ impl<'a> Classifier<'a> {
             .optim
             .schedule
             .build(opt.get_mut(), cfg.optim.lr, RunLength { steps_per_epoch, total_steps })
-            .context("--lr-scheduler")?;
+            .option("lr_scheduler", None)?;
         let stepper = super::step_for(cfg, 2000, sched)?;
         let ckpt = Checkpointer::new(run_dir.join("checkpoints"), cfg.checkpoint.keep_last)
             .background(cfg.checkpoint.background);
@@ -197,7 +195,7 @@ impl<'a> Classifier<'a> {
             .with_context(|| format!("{what}: checkpoint `sampler` does not fit this run"))?;
         match (ctx.step.grad_scaler_mut(), &ck.scaler) {
             (Some(s), Value::None) if rank == 0 => tracing::warn!(
-                "{what}: no GradScaler state (written without --precision f16); the loss scale \
+                "{what}: no GradScaler state (written without f16 precision); the loss scale \
                  starts at {}",
                 s.get_scale()
             ),
@@ -210,7 +208,7 @@ impl<'a> Classifier<'a> {
         let max_steps = Some(global_step + ctx.loader.steps_to_end(ctx.epochs));
         let sched = ctx.step.lr_scheduler_mut();
         schedule::load(sched, &ck.scheduler, self.opt.get_mut(), max_steps, what)
-            .context("--lr-scheduler")?;
+            .option("lr_scheduler", None)?;
         Ok((position, global_step))
     }
 
@@ -293,11 +291,21 @@ impl Recipe for Classifier<'_> {
     /// One file rank 0 writes; with `--zero` a directory: the replicated part once and every
     /// rank's optimizer entries in parallel (nothing gathered).
     fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>> {
-        let replicated = self.state_value(&ctx)?;
-        let mut dict = TrainingStateDict::new(ctx.global_step, ctx.position.epoch, replicated);
-        if let Some(shard) = self.opt.get().shard()? {
-            dict = dict.shard(ShardDict::entries(OPTIMIZER_SHARD, shard.indices, shard.entries));
-        }
+        let background = self.ckpt.is_background();
+        let mut build = || -> Result<TrainingStateDict> {
+            let replicated = self.state_value(&ctx)?;
+            let mut dict = TrainingStateDict::new(ctx.global_step, ctx.position.epoch, replicated);
+            if let Some(s) = self.opt.get().shard()? {
+                dict = dict.shard(ShardDict::entries(OPTIMIZER_SHARD, s.indices, s.entries));
+            }
+            Ok(dict)
+        };
+        let dict = match background {
+            true => build()?,
+            // SAFETY: the synchronous save below drops the dict before it returns, and nothing
+            // trains meanwhile: each tensor is written from its own memory.
+            false => unsafe { tandem_nn::convert::lend(build)? },
+        };
         let path = self.ckpt.save(ctx.group, ctx.name, dict).with_context(|| {
             "a checkpoint save failed (the run stops here; the checkpoints before it are intact)"
         })?;
@@ -334,9 +342,10 @@ impl Recipe for Classifier<'_> {
         let ResumeContext { group, loader, step, epochs } = ctx;
         let ctx = ResumeContext { group, loader: &mut *loader, step, epochs };
         let (position, global_step) = self.apply_state(&ck, &what, ctx, false)?;
-        let note =
-            (ck.world_size as usize != world).then(|| reshard_message(&position, world, &*loader));
-        Ok(Some(Resumed { path, global_step, note }))
+        let world_size = ck.world_size as usize;
+        let note = (world_size != world).then(|| reshard_message(&position, world, &*loader));
+        let epoch = loader.position().epoch;
+        Ok(Some(Resumed { path, step: global_step, epoch, world_size, note }))
     }
 
     /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
@@ -352,7 +361,7 @@ impl Recipe for Classifier<'_> {
             if group.rank() == 0 {
                 let value = model_value(&self.ddp.module())?;
                 let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
-                    .context("--export-onnx")?;
+                    .option("export_onnx", Some(path.display().to_string()))?;
                 super::note(&self.reporter, summary.to_string())?;
             }
             group.barrier()?;
@@ -406,7 +415,10 @@ impl Recipe for Classifier<'_> {
             ("param_groups", groups),
         ]);
         let lr = self.opt.get().lr();
-        self.opt.repartition(self.cfg, &state).context("--zero: taking the new world's shard")?;
+        self.opt
+            .repartition(self.cfg, &state)
+            .context("taking the new world's shard")
+            .option("zero", None)?;
         if self.opt.get().group_lrs().len() == 1 && lr > 0.0 {
             // The schedule's rate (set before the shard changed hands).
             self.opt.get_mut().set_lr(lr);
@@ -459,12 +471,17 @@ fn image_transforms(
         return Ok((Transformed::identity(train), Transformed::identity(eval)));
     }
     let Some(chw) = image_shape(train.input_dim()) else {
-        bail!(
-            "--normalize/--augment need square images with 1 or 3 channels; --data {} has {} \
-             features per sample",
-            cfg.data.spec,
-            train.input_dim()
-        )
+        let key = if cfg.data.normalize { "normalize" } else { "augment" };
+        return Err(TrainError::option(
+            key,
+            None,
+            format!(
+                "needs square images with 1 or 3 channels; the data ({}) has {} features per \
+                 sample",
+                cfg.data.spec,
+                train.input_dim()
+            ),
+        ));
     };
     let normalize = if cfg.data.normalize { Some(channel_stats(&train, chw.0)?) } else { None };
     let crop_flip = cfg.data.augment.then_some(CropFlip { padding: 4, seed: cfg.run.seed });

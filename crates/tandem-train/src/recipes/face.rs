@@ -28,7 +28,7 @@ use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConf
 use super::net::Autocast;
 use super::LiveComm;
 use crate::checkpoint::{CheckpointError, Checkpointer};
-use crate::error::{bail, Context, Result, TrainError};
+use crate::error::{bail_option, Context, Result, TrainError};
 use crate::events::{Event, MirrorCost, Reporter, Resplit};
 use crate::face::live_head::{exchange_mirror, regroup_rows, RowBlock};
 use crate::face::optimizer_entry::{merge_optimizer, split_optimizer};
@@ -37,7 +37,8 @@ use crate::fault;
 use crate::metrics::VerificationMetrics;
 use crate::options::{OptimizerKind, Precision, TrainOptions};
 use crate::schedule::RunLength;
-use crate::trainer::{Recipe, ResumeContext, Resumed, SaveContext, StepReport};
+use crate::state::Resumed;
+use crate::trainer::{Recipe, ResumeContext, SaveContext, StepReport};
 use crate::verification::{self as verify, ValSet};
 use crate::Step;
 
@@ -94,16 +95,17 @@ struct InitFrom {
 }
 
 fn read_init(path: &Path) -> Result<InitFrom> {
-    let v = tandem_ckpt::load(path).with_context(|| format!("--init-from {}", path.display()))?;
+    let v = tandem_ckpt::load(path).option("init_from", Some(path.display().to_string()))?;
     let Some(backbone) = v.get("backbone") else {
         return Ok(InitFrom { backbone: v, centres: None });
     };
     let centres = match v.get("partial_fc") {
         None => None,
         Some(pfc) => {
-            let w = pfc.get("weight").and_then(Value::as_tensor).with_context(|| {
-                format!("--init-from {}: `partial_fc` has no `weight` tensor", path.display())
-            })?;
+            let Some(w) = pfc.get("weight").and_then(Value::as_tensor) else {
+                let path = path.display().to_string();
+                bail_option!("init_from", Some(path), "`partial_fc` has no `weight` tensor");
+            };
             Some(tandem_nn::convert::from_ckpt(w, &Device::Cpu)?)
         }
     };
@@ -135,7 +137,7 @@ impl<'a> Face<'a> {
             Some(dir) => FaceRecDataset::open_folder(Path::new(dir)),
             None => FaceRecDataset::open(Path::new(spec.strip_prefix("rec:").unwrap_or(spec))),
         }
-        .with_context(|| format!("--data {spec}"))?;
+        .option("data", Some(spec.to_string()))?;
         if cfg.data.augment {
             train = train.with_flip(cfg.run.seed);
         }
@@ -156,7 +158,8 @@ impl<'a> Face<'a> {
         if let (Some(init), Some(path)) = (&init, &cfg.checkpoint.init_from) {
             let report = named
                 .load_state_dict(&init.backbone)
-                .with_context(|| format!("--init-from {}: the backbone", path.display()))?;
+                .context("the backbone")
+                .option("init_from", Some(path.display().to_string()))?;
             if rank == 0 {
                 super::note(reporter, format!("init-from {}:\n{report}", path.display()))?;
             }
@@ -196,9 +199,10 @@ impl<'a> Face<'a> {
         let train = Arc::new(train);
         let loader = super::training_loader(cfg, &train, group, options, &device)?;
         if loader.is_empty() {
-            bail!(
-                "--data {}: {} images give rank {rank} fewer than one batch of {} (over {} ranks)",
-                cfg.data.spec,
+            bail_option!(
+                "data",
+                Some(cfg.data.spec.clone()),
+                "{} images give rank {rank} fewer than one batch of {} (over {} ranks)",
                 train.len(),
                 cfg.data.batch_size,
                 group.size()
@@ -212,9 +216,9 @@ impl<'a> Face<'a> {
             .optim
             .schedule
             .build(opt.as_mut(), cfg.optim.lr, RunLength { steps_per_epoch, total_steps })
-            .context("--lr-scheduler")?;
+            .option("lr_scheduler", None)?;
         let stepper = super::step_for(cfg, GROWTH_INTERVAL, sched)?;
-        let val = verify::load(&cfg.face.val).context("--val")?;
+        let val = verify::load(&cfg.face.val).option("val", None)?;
         // (A live replacement's placeholder world is not the job's: it says nothing.)
         if rank == 0 && !live.as_ref().is_some_and(|l| l.replacement) {
             let text = format!(
@@ -365,14 +369,14 @@ impl Recipe for Face<'_> {
             return Ok(Vec::new());
         }
         let buffers = self.ddp.module().named_buffers();
-        verify::evaluate(&self.model, &buffers, &self.val, &self.device, group).context("--val")
+        verify::evaluate(&self.model, &buffers, &self.val, &self.device, group).option("val", None)
     }
 
     fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>> {
         if self.pending_head_grad.is_some() && ctx.group.rank() == 0 {
             // Gradients are not part of the training state (nor of arcface_torch's).
             tracing::warn!(
-                "warning: checkpoint at step {} is inside a --gradient-acc {} window: a run \
+                "checkpoint at step {} is inside a gradient accumulation window of {}: a run \
                  resumed from it starts the window without this window's earlier batches",
                 ctx.global_step,
                 self.cfg.face.gradient_acc
@@ -406,14 +410,7 @@ impl Recipe for Face<'_> {
             }
             return Ok(None);
         };
-        let world = group.size();
-        let note = (r.world_size != world).then(|| {
-            format!(
-                "the checkpoint was written by {} ranks, this run has {world}: the {} class centres and their optimizer state are re-split ({} per rank here)",
-                r.world_size, r.num_classes, r.rows
-            )
-        });
-        Ok(Some(Resumed { path: r.dir, global_step: r.step, note }))
+        Ok(Some(r))
     }
 
     /// Under live recovery, every `--mirror-every` steps: this rank's rows to the next
@@ -528,7 +525,7 @@ impl Recipe for Face<'_> {
         if let Some(path) = &cfg.checkpoint.save_final {
             if group.rank() == 0 {
                 tandem_nn::weights::save_weights(&*self.ddp.module(), path)
-                    .with_context(|| format!("--save-final {}", path.display()))?;
+                    .option("save_final", Some(path.display().to_string()))?;
             }
             group.barrier()?;
         }
@@ -536,7 +533,7 @@ impl Recipe for Face<'_> {
             if group.rank() == 0 {
                 let value = self.ddp.module().state_dict()?;
                 let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
-                    .context("--export-onnx")?;
+                    .option("export_onnx", Some(path.display().to_string()))?;
                 super::note(&self.reporter, summary.to_string())?;
             }
             group.barrier()?;
@@ -697,7 +694,7 @@ fn build_head(
         m3,
         cfg.face.interclass_filtering_threshold,
     )
-    .with_context(|| format!("--margin {m1},{m2},{m3}"))?;
+    .option("margin", Some(format!("{m1},{m2},{m3}")))?;
     let mut pcfg = PartialFcConfig::new(classes, cfg.face.embedding_size, margin);
     pcfg.sample_rate = cfg.face.sample_rate;
     pcfg.seed = cfg.run.seed;
@@ -709,7 +706,8 @@ fn build_head(
     }
     let head = match centres {
         Some(full) => PartialFc::from_full_weight(pcfg, comm, &full.to_device(device)?)
-            .context("--init-from: `partial_fc.weight`")?,
+            .context("`partial_fc.weight`")
+            .option("init_from", None)?,
         None => PartialFc::new(pcfg, comm, device)?,
     };
     Ok(head)

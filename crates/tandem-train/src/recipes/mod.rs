@@ -14,7 +14,7 @@ pub mod optimizer;
 
 use tandem_comm::{LiveOptions, ProcessGroup};
 
-use crate::error::{bail, Context, Result};
+use crate::error::{bail_option, Context, Result, TrainError};
 use crate::events::{Event, Reporter};
 use crate::options::{Backend, DeviceKind, Precision, TrainOptions};
 use crate::world::World;
@@ -111,10 +111,12 @@ fn live_options(opts: &TrainOptions) -> Result<Option<LiveOptions>> {
     let Some(mut live) = LiveOptions::from_env().context("reading the live launcher's settings")?
     else {
         if opts.comm.live_recovery {
-            bail!(
-                "--live-recovery: this rank was started by another launcher; start the job with \
-                 `tandem run --live-recovery` (or plain `tandem train --live-recovery`, which \
-                 starts its ranks so): torchrun, Slurm and mpirun restart whole jobs"
+            bail_option!(
+                "live_recovery",
+                None,
+                "this rank was started by another launcher; start the job with `tandem run \
+                 --live-recovery` (or plain `tandem train --live-recovery`, which starts its \
+                 ranks so): torchrun, Slurm and mpirun restart whole jobs"
             );
         }
         return Ok(None);
@@ -129,24 +131,16 @@ fn live_options(opts: &TrainOptions) -> Result<Option<LiveOptions>> {
 /// What live recovery cannot carry, refused with the physical reason (also checked by a
 /// worker that a live launcher started without the flag).
 pub fn refuse_live(opts: &TrainOptions) -> Result<()> {
-    let refused = [
-        (
-            opts.model.device == DeviceKind::Cuda,
-            "--device cuda: NCCL communicators are not re-formed (live recovery is CPU training)"
-                .into(),
-        ),
-        (
-            matches!(opts.comm.backend, Backend::Nccl | Backend::Mpi),
-            format!(
-                "--backend {}: its communicator cannot re-form (use auto, tcp or shm)",
-                opts.comm.backend
-            ),
-        ),
-    ];
-    if let Some((_, why)) = refused.iter().find(|(on, _)| *on) {
-        bail!("--live-recovery: {why}");
-    }
-    Ok(())
+    let refused = if opts.model.device == DeviceKind::Cuda {
+        let why = "NCCL communicators are not re-formed (live recovery is CPU training)";
+        TrainError::option("device", Some("cuda".into()), why)
+    } else if matches!(opts.comm.backend, Backend::Nccl | Backend::Mpi) {
+        let why = "its communicator cannot re-form (use auto, tcp or shm)";
+        TrainError::option("backend", Some(opts.comm.backend.to_string()), why)
+    } else {
+        return Ok(());
+    };
+    Err(refused).option("live_recovery", None)
 }
 
 /// Joins the process group (`--backend` applies under any launcher: mpirun, srun, torchrun,
@@ -164,7 +158,8 @@ pub fn join_group(opts: &TrainOptions, reporter: &Reporter) -> Result<ProcessGro
         // Made now, collectively, so Ddp reduces the CUDA gradients with it.
         let comm = group
             .nccl(group.local_rank() as i32)
-            .context("--backend nccl: making the NCCL communicator")?;
+            .context("making the NCCL communicator")
+            .option("backend", Some("nccl".into()))?;
         if group.rank() == 0 {
             let text = format!("nccl: {} rank(s), rank 0 on cuda:{}", group.size(), comm.device());
             note(reporter, text)?;
@@ -206,9 +201,10 @@ fn register_comm_hook<M: tandem_nn::ParamModule>(
 ) -> Result<()> {
     let name = &opts.comm.comm_hook;
     if name != "none" {
-        let hook = tandem_ddp::comm_hooks::builtin(name)
-            .with_context(|| format!("--comm-hook: unknown hook `{name}`"))?;
-        ddp.register_comm_hook(hook).context("--comm-hook")?;
+        let Some(hook) = tandem_ddp::comm_hooks::builtin(name) else {
+            bail_option!("comm_hook", Some(name.clone()), "no such hook");
+        };
+        ddp.register_comm_hook(hook).option("comm_hook", Some(name.clone()))?;
     } else if crate::fault::armed() {
         ddp.register_comm_hook(crate::fault::hook()).context("the fault-injection hook")?;
     }

@@ -12,7 +12,7 @@ use tandem_nn::{NamedVars, OrderedVarMap};
 
 use tandem_models::ModelKind;
 
-use crate::error::{bail, Result};
+use crate::error::{bail_option, Result};
 
 pub enum Net {
     Mlp(Mlp),
@@ -112,9 +112,11 @@ impl Net {
         Ok(match kind {
             ModelKind::ResNet18 => {
                 if input_dim != 3 * 32 * 32 {
-                    bail!(
-                        "--model resnet18 needs 3x32x32 images (CIFAR-10); this dataset has \
-                         {input_dim} features per sample"
+                    bail_option!(
+                        "model",
+                        Some("resnet18".into()),
+                        "needs 3x32x32 images (CIFAR-10); this dataset has {input_dim} features \
+                         per sample"
                     );
                 }
                 let vars = OrderedVarMap::new();
@@ -134,15 +136,22 @@ impl Net {
             ),
             ModelKind::Cnn => {
                 let Some((channels, side, _)) = image_shape(input_dim) else {
-                    bail!(
-                        "--model cnn needs square images with 1 or 3 channels; this dataset has \
-                         {input_dim} features per sample"
+                    bail_option!(
+                        "model",
+                        Some("cnn".into()),
+                        "needs square images with 1 or 3 channels; this dataset has {input_dim} \
+                         features per sample"
                     )
                 };
-                Net::Cnn(Cnn::new(channels, side, side, classes, seed, dev)?, Autocast::new(compute_dtype))
+                Net::Cnn(
+                    Cnn::new(channels, side, side, classes, seed, dev)?,
+                    Autocast::new(compute_dtype),
+                )
             }
-            face => bail!(
-                "--model {face} is a face backbone: it trains with a PartialFC head on --data rec:DIR"
+            face => bail_option!(
+                "model",
+                Some(face.to_string()),
+                "a face backbone: it trains with a PartialFC head on face data (`rec:DIR`)"
             ),
         })
     }
@@ -182,8 +191,10 @@ impl Net {
     pub fn convert_sync_batchnorm(&self, comm: Arc<dyn Collectives>) -> Result<usize> {
         match self {
             Net::ResNet18(m) => Ok(convert_sync_batchnorm(&m.model, comm)),
-            _ => bail!(
-                "--sync-batchnorm needs --model resnet18 (its BatchNorm layers can synchronise)"
+            _ => bail_option!(
+                "sync_batchnorm",
+                None,
+                "needs the resnet18 model (its BatchNorm layers can synchronise)"
             ),
         }
     }
