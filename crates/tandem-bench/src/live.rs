@@ -290,7 +290,10 @@ fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// A live worker process of the launcher `launcher` (its children that run `train`).
+/// A live worker process of the launcher `launcher`: a child whose command is `tandem train`.
+/// (The launcher's watchdog is a child too, forked without exec: its command line is the
+/// launcher's, `tandem run ... -- tandem train ...`. Killing it stops nothing, and a kill
+/// counted against it used to show as a 10 s "recovery": the time to the next real kill.)
 fn a_worker_of(launcher: i32) -> Option<i32> {
     let workers: Vec<i32> = std::fs::read_dir("/proc")
         .ok()?
@@ -302,7 +305,7 @@ fn a_worker_of(launcher: i32) -> Option<i32> {
                 .rfind(')')
                 .and_then(|i| stat[i + 1..].split_whitespace().nth(1)?.parse::<i32>().ok());
             let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            ppid == Some(launcher) && cmd.split(|&b| b == 0).any(|a| a == b"train")
+            ppid == Some(launcher) && cmd.split(|&b| b == 0).nth(1) == Some(b"train".as_slice())
         })
         .collect();
     // A different rank each time, round the ranks.
