@@ -770,9 +770,9 @@ fn bad_input_is_named() {
     ]);
     assert!(e.contains("nowhere") && e.contains("train.idx"), "{e}");
     let e = fails(&["train", "--model", "iresnet18", "--nproc-per-node", "1"]);
-    assert!(e.contains("--data rec:DIR"), "{e}");
+    assert!(e.contains("--data digits: ") && e.contains("`rec:DIR`"), "{e}");
     let e = fails(&["train", "--model", "mlp", "--data", "rec:x", "--nproc-per-node", "1"]);
-    assert!(e.contains("--model iresnet18"), "{e}");
+    assert!(e.contains("--data rec:x: ") && e.contains("set `model` to iresnet18"), "{e}");
     let e = fails(&[
         "train",
         "--model",
@@ -785,7 +785,7 @@ fn bad_input_is_named() {
     ]);
     assert!(e.contains("--zero"), "{e}");
     let e = fails(&["train", "--model", "r18", "--data", "rec:x", "--gradient-acc", "0"]);
-    assert!(e.contains("--gradient-acc must be at least 1"), "{e}");
+    assert!(e.contains("--gradient-acc: must be at least 1"), "{e}");
     let e = fails(&["train", "--model", "mlp", "--gradient-acc", "4"]);
     assert!(e.contains("--gradient-acc 4") && e.contains("face recipe"), "{e}");
     let e = fails(&[

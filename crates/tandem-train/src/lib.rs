@@ -45,6 +45,7 @@ pub mod step;
 pub mod tfevents;
 pub mod trainer;
 pub mod training_log;
+mod validate;
 pub mod verification;
 pub mod world;
 

@@ -65,11 +65,6 @@ pub enum SchedulerKind {
     Step,
 }
 
-/// Why a CPU-only build refuses the GPU flags.
-#[cfg(not(feature = "cuda"))]
-const NO_CUDA: &str = "this build has no CUDA support; rebuild with `cargo build --release \
-    --features cuda` (needs the CUDA toolkit's nvcc; NCCL is loaded at run time)";
-
 /// `tandem train` flags. Every field is also recorded in the run's `config.toml`.
 #[derive(Clone, Debug, clap::Args, Serialize, Deserialize)]
 pub struct TrainConfig {
@@ -439,71 +434,16 @@ impl TrainConfig {
         })
     }
 
-    /// Rejects settings that cannot train, naming the flag at fault.
+    /// Rejects settings that cannot train, naming the flag at fault: what only the command
+    /// line can get wrong (flags that combine, texts to parse) here, the rest by the library
+    /// (`TrainOptions::validate`, whose option keys `error_chain` names as flags).
     pub fn validate(&self) -> anyhow::Result<()> {
         if self.nproc_per_node == 0 {
             bail!("--nproc-per-node must be at least 1");
         }
-        if self.batch_size == 0 {
-            bail!("--batch-size must be at least 1");
-        }
-        if self.epochs == 0 && self.steps.is_none() {
-            bail!("--epochs must be at least 1 (or give --steps)");
-        }
-        if !(self.lr.is_finite() && self.lr > 0.0) {
-            bail!("--lr must be a positive number, got {}", self.lr);
-        }
-        if self.hidden == 0 {
-            bail!("--hidden must be at least 1");
-        }
-        if self.width == 0 {
-            bail!("--width must be at least 1");
-        }
-        if self.sync_batchnorm && self.model != ModelKind::ResNet18 {
-            bail!("--sync-batchnorm needs --model resnet18 (the model whose BatchNorm layers can synchronise)");
-        }
-        self.validate_schedule()?;
-        if self.model.is_face() {
-            self.validate_face()?;
-        } else if self.data.starts_with("rec:") || self.data.starts_with("folder:") {
-            bail!(
-                "--data {}: a face identity set trains a face backbone; add --model iresnet18 \
-                 (or r50, mbf, ...)",
-                self.data
-            );
-        } else if !self.val.is_empty() {
-            bail!("--val: verification sets are for the face models (--model iresnet18 ...)");
-        }
-        if self.mirror_every == 0 {
-            bail!("--mirror-every must be at least 1");
-        }
-        if self.keep_last == 0 {
-            bail!("--keep-last must be at least 1");
-        }
         if self.resume && self.out.is_none() {
             bail!("--resume needs --out DIR (the run directory to continue)");
         }
-        if self.live_recovery {
-            self.validate_live()?;
-        }
-        if let Some(path) = &self.export_onnx {
-            // Found out before training, not after it.
-            let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
-            if dir.is_some_and(|d| !d.is_dir()) {
-                bail!("--export-onnx {}: its directory does not exist", path.display());
-            }
-        }
-        if self.backend == Backend::Nccl && self.device != DeviceKind::Cuda {
-            bail!("--backend nccl reduces GPU buffers: add --device cuda (CPU backends: auto, tcp, shm, mpi)");
-        }
-        #[cfg(not(feature = "cuda"))]
-        if self.device == DeviceKind::Cuda {
-            bail!("--device cuda: {NO_CUDA}");
-        }
-        Ok(())
-    }
-
-    fn validate_schedule(&self) -> anyhow::Result<()> {
         let warmup = self.warmup_steps.is_some() || self.warmup_epochs.is_some();
         let warms_up =
             matches!(self.lr_scheduler, SchedulerKind::Poly | SchedulerKind::PolynomialWarmup);
@@ -516,65 +456,8 @@ impl TrainConfig {
         if self.lr_scheduler == SchedulerKind::Step && self.lr_step_epochs == 0 {
             bail!("--lr-step-epochs must be at least 1");
         }
-        if let Some(c) = self.clip_grad_norm {
-            if !(c.is_finite() && c > 0.0) {
-                bail!("--clip-grad-norm must be a positive number, got {c}");
-            }
-        }
-        if self.grad_scaler_growth_interval.is_some_and(|g| g < 1) {
-            bail!("--grad-scaler-growth-interval must be at least 1");
-        }
-        if self.gradient_acc == 0 {
-            bail!("--gradient-acc must be at least 1 (1: a step per batch)");
-        }
-        if self.gradient_acc > 1 && !self.model.is_face() {
-            bail!(
-                "--gradient-acc {} applies to the face recipe (--model r50, mbf, vit_t, ...), not \
-                 --model {}",
-                self.gradient_acc,
-                self.model
-            );
-        }
-        Ok(())
-    }
-
-    /// What live recovery cannot carry, refused by name (the library's reasons).
-    pub fn validate_live(&self) -> anyhow::Result<()> {
-        Ok(tandem::train::recipes::refuse_live(&self.options(PathBuf::new())?)?)
-    }
-
-    /// The face recipe's own checks (IResNet + PartialFC on RecordIO data).
-    fn validate_face(&self) -> anyhow::Result<()> {
-        let model = self.model.name();
-        if !self.data.starts_with("rec:") && !self.data.starts_with("folder:") {
-            bail!(
-                "--model {model} trains on a face identity set: --data rec:DIR (train.rec + \
-                 train.idx; `tandem data synth-faces DIR` writes a synthetic one) or --data \
-                 folder:DIR (one sub-folder of images per identity), not --data {}",
-                self.data
-            );
-        }
-        parse_margin(&self.margin)?;
-        if !(self.margin_scale.is_finite() && self.margin_scale > 0.0) {
-            bail!("--margin-scale must be a positive number, got {}", self.margin_scale);
-        }
-        if !(self.sample_rate > 0.0 && self.sample_rate <= 1.0) {
-            bail!("--sample-rate must be in (0, 1], got {}", self.sample_rate);
-        }
-        if self.embedding_size == 0 {
-            bail!("--embedding-size must be at least 1");
-        }
-        if self.num_classes == Some(0) {
-            bail!("--num-classes must be at least 1");
-        }
-        let refused = [
-            (self.zero, "--zero (ZeRO shards one parameter group; the PartialFC head is already split over the ranks)"),
-            (self.sync_batchnorm, "--sync-batchnorm (arcface_torch keeps per-rank statistics)"),
-            (self.normalize, "--normalize (face images are scaled to [-1, 1] as arcface_torch does)"),
-        ];
-        if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
-            bail!("--model {model}: {flag} is not supported");
-        }
+        // (`options` parses --margin for the face models.)
+        self.options(PathBuf::new())?.validate()?;
         Ok(())
     }
 

@@ -26,6 +26,7 @@ use crate::{RunSummary, Step};
 /// The run's events go to `reporter`'s loggers.
 pub fn train(opts: &TrainOptions, reporter: &Reporter) -> Result<RunSummary> {
     crate::fault::check_build()?;
+    opts.validate()?;
     let face = opts.model.kind.is_face();
     if let Some(live) = live_options(opts)? {
         // The face recipe's head rows are mirrored every `mirror_every` steps and re-split at
