@@ -1111,11 +1111,52 @@ fn ijb_evaluation_of_a_trained_model_on_one_and_two_ranks() {
         "8",
     ]);
     assert_eq!(scores(&from_onnx), scores(&one), "scores from the ONNX file's weights");
+    // The graph itself in ONNX Runtime (`--runtime onnxruntime`, pip's onnxruntime beside
+    // torch): the scores of tandem's own forward pass, to float rounding.
+    if let Some(python) = onnxruntime_python() {
+        let ort = dir.path().join("ort");
+        let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"));
+        without_world(&mut c);
+        c.env("TANDEM_PYTHON", python).args(["eval", "ijb", p(&ijb), "--model", p(&onnx)]);
+        c.args(["--out", p(&ort), "--batch-size", "8", "--runtime", "onnxruntime"]);
+        let out = output_with_deadline(&mut c, LIMIT);
+        let table = text(&out);
+        assert!(out.status.success(), "{table}");
+        assert!(table.contains("model-IJBC"), "the file's stem names the run: {table}");
+        for (a, b) in scores(&ort).iter().zip(scores(&one)) {
+            assert!((a - b).abs() < 1e-4, "ONNX Runtime {a}, tandem {b}");
+        }
+    }
+    // A library that is not there is named, not a crash.
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"));
+    without_world(&mut c);
+    c.env("ORT_DYLIB_PATH", "/nowhere/libonnxruntime.so");
+    c.args(["eval", "ijb", p(&ijb), "--model", p(&onnx), "--runtime", "onnxruntime"]);
+    let out = output_with_deadline(&mut c, LIMIT);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && e.contains("/nowhere/libonnxruntime.so: no such file"), "{e}");
     let pts = ijb.join("meta/ijbc_name_5pts_score.txt");
     let text = std::fs::read_to_string(&pts).unwrap();
     std::fs::write(&pts, text.lines().skip(1).collect::<Vec<_>>().join("\n")).unwrap();
     let e = fails(&["eval", "ijb", p(&ijb), "--model", p(&weights), "--network", "r18"]);
     assert!(e.contains("ijbc_name_5pts_score.txt"), "{e}");
+}
+
+/// A Python with onnxruntime (whose library `--runtime onnxruntime` loads); without one the
+/// check says it was skipped, or fails under `TANDEM_REQUIRE_ONNX=1` (CI).
+fn onnxruntime_python() -> Option<std::path::PathBuf> {
+    let found = tandem_testutil::torch_python().filter(|python| {
+        Command::new(python)
+            .args(["-c", "import onnxruntime"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    if found.is_none() {
+        let why = "no Python with onnxruntime (TANDEM_PYTHON)";
+        assert!(std::env::var("TANDEM_REQUIRE_ONNX").as_deref() != Ok("1"), "{why}");
+        eprintln!("SKIPPED the ONNX Runtime part of the IJB test: {why}");
+    }
+    found
 }
 
 fn embed_equals_pytorch_inference() {

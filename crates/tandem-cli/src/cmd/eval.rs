@@ -35,19 +35,51 @@ struct Ijb {
     #[arg(long, default_value = "IJBC", value_parser = ["IJBB", "IJBC"])]
     target: String,
     /// The backbone's weights: a state dict (arcface_torch's model.pt), a training checkpoint
-    /// or its directory, or an ONNX model `tandem export` wrote.
+    /// or its directory, or an ONNX model `tandem export` wrote; with `--runtime onnxruntime`
+    /// any ONNX face model.
     #[arg(long)]
     model: PathBuf,
     /// The backbone (r18 .. r200, mbf, vit_t, ...); read from a tandem ONNX file's metadata
     /// when not given.
     #[arg(long, value_parser = crate::train::config::choice::<ModelKind>())]
     network: Option<ModelKind>,
+    /// What runs the model: tandem's own backbone with the file's weights, or ONNX Runtime
+    /// running the ONNX graph as written (found at run time: ORT_DYLIB_PATH or pip's
+    /// onnxruntime).
+    #[arg(long, value_enum, default_value_t = Runtime::Tandem)]
+    runtime: Runtime,
     /// Images per forward pass (each with its mirror).
     #[arg(long, default_value_t = 64)]
     batch_size: usize,
     /// Where the scores, the ROC plot and the table go.
     #[arg(long, default_value = "ijb_results")]
     out: PathBuf,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Runtime {
+    Tandem,
+    Onnxruntime,
+}
+
+/// What embeds the images: tandem's backbone, or an ONNX graph in ONNX Runtime.
+enum Embedder {
+    Tandem(Box<tandem::models::FaceBackbone>),
+    Ort(super::onnxruntime::OrtEmbedder),
+}
+
+impl Embedder {
+    /// The embeddings of `n` aligned faces `x` (`[n, 3, side, side]`): `n` rows and the width.
+    fn embed(&mut self, x: Vec<f32>, n: usize) -> anyhow::Result<(Vec<f32>, usize)> {
+        match self {
+            Embedder::Tandem(model) => {
+                let x = Tensor::from_vec(x, (n, 3, FACE_SIDE, FACE_SIDE), &Device::Cpu)?;
+                let e = model.forward_t(&x, false)?.to_dtype(DType::F32)?;
+                Ok((e.flatten_all()?.to_vec1::<f32>()?, e.dim(1)?))
+            }
+            Embedder::Ort(session) => session.embed(x, n, FACE_SIDE),
+        }
+    }
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
@@ -64,7 +96,19 @@ fn ijb_main(a: Ijb) -> anyhow::Result<i32> {
         bail!("--network {network}: IJB evaluates a face backbone (r50, mbf, vit_t, ...)");
     }
     let set = IjbSet::open(&a.dir, &a.target)?;
-    let (network, model) = super::embed::load_backbone(a.network, &a.model)?;
+    // The name in the table and the plot: the network, or for a graph run as written, the
+    // network if named, else the file's stem.
+    let (label, mut model) = match a.runtime {
+        Runtime::Tandem => {
+            let (network, model) = super::embed::load_backbone(a.network, &a.model)?;
+            (network.name().to_string(), Embedder::Tandem(Box::new(model)))
+        }
+        Runtime::Onnxruntime => {
+            let stem = a.model.file_stem().map(|s| s.to_string_lossy().into_owned());
+            let label = a.network.map(|n| n.name().to_string()).or(stem).unwrap_or_default();
+            (label, Embedder::Ort(super::onnxruntime::OrtEmbedder::open(&a.model)?))
+        }
+    };
     // Under a launcher the ranks split the images (round robin) and rank 0 scores.
     let group = match std::env::var("WORLD_SIZE") {
         Ok(w) if w.trim() != "1" => Some(tandem::init().context("joining the job's ranks")?),
@@ -81,10 +125,9 @@ fn ijb_main(a: Ijb) -> anyhow::Result<i32> {
             x.extend(face);
             x.extend(mirror);
         }
-        let x = Tensor::from_vec(x, (2 * chunk.len(), 3, FACE_SIDE, FACE_SIDE), &Device::Cpu)?;
-        let e = model.forward_t(&x, false)?.to_dtype(DType::F32)?;
-        width = e.dim(1)?;
-        rows.extend(e.flatten_all()?.to_vec1::<f32>()?);
+        let (e, w) = model.embed(x, 2 * chunk.len())?;
+        width = w;
+        rows.extend(e);
     }
     // rows: per image of `mine`, its embedding then its mirror's.
     let all = match &group {
@@ -124,8 +167,8 @@ fn ijb_main(a: Ijb) -> anyhow::Result<i32> {
     let pair_scores = ijb::pair_scores(&ids, &tfeats, &pairs)?;
     let roc = ijb::roc_curve(&labels, &pair_scores)?;
     let tars = ijb::tar_at_far(&roc, &ijb::FARS);
-    write_results(&a.out, &a.target, network, &pair_scores, &roc, &tars)?;
-    print!("{}", ijb::table(network.name(), &a.target, &tars));
+    write_results(&a.out, &a.target, &label, &pair_scores, &roc, &tars)?;
+    print!("{}", ijb::table(&label, &a.target, &tars));
     println!(
         "{} images, {} templates, {} pairs; scores, ROC and table in {}",
         n,
@@ -139,7 +182,7 @@ fn ijb_main(a: Ijb) -> anyhow::Result<i32> {
 fn write_results(
     out: &Path,
     target: &str,
-    network: ModelKind,
+    network: &str,
     scores: &[f64],
     roc: &ijb::Roc,
     tars: &[f64],
@@ -148,11 +191,11 @@ fn write_results(
     let t = target.to_lowercase();
     super::embed::write_npy_f64(&out.join(format!("{t}.npy")), scores)?;
     let svg = out.join(format!("{t}_roc.svg"));
-    std::fs::write(&svg, ijb::roc_svg(roc, &format!("{}-{target}", network.name())))
+    std::fs::write(&svg, ijb::roc_svg(roc, &format!("{network}-{target}")))
         .with_context(|| format!("writing {}", svg.display()))?;
     let json = out.join(format!("{t}_tar_far.json"));
     let doc = serde_json::json!({
-        "network": network.name(),
+        "network": network,
         "target": target,
         "far": ijb::FARS,
         "tar": tars,

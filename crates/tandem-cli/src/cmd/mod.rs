@@ -7,6 +7,7 @@ pub mod data;
 pub mod embed;
 pub mod eval;
 pub mod export;
+pub mod onnxruntime;
 pub mod run;
 pub mod sampler;
 pub mod train;
