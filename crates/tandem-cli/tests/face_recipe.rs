@@ -1200,6 +1200,32 @@ fn embed_equals_pytorch_inference() {
     let (diff, scale) =
         (report["max_abs_diff"].as_f64().unwrap(), report["max_abs"].as_f64().unwrap());
     assert!(diff <= 1e-4 * (1.0 + scale), "tandem embed vs PyTorch: {report}");
+    // The same weights exported to ONNX and run by ONNX Runtime: the same rows.
+    if let Some(python) = onnxruntime_python() {
+        let onnx = dir.path().join("model.onnx");
+        run(&["export", p(&weights), "--model", "r18", p(&onnx)]);
+        let npy_ort = dir.path().join("ort.npy");
+        let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"));
+        without_world(&mut c);
+        c.env("TANDEM_PYTHON", python).args(["embed", p(&onnx), p(&images)]);
+        c.args(["--runtime", "onnxruntime", "-o", p(&npy_ort)]);
+        let out = output_with_deadline(&mut c, LIMIT);
+        assert!(
+            out.status.success() && text(&out).contains("4 embeddings of 32 (model)"),
+            "{}",
+            text(&out)
+        );
+        let rows = |path: &Path| {
+            let bytes = std::fs::read(path).unwrap();
+            let data = &bytes[bytes.len() - 4 * 32 * 4..];
+            data.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect::<Vec<_>>()
+        };
+        for (a, b) in rows(&npy_ort).iter().zip(rows(&npy)) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "ONNX Runtime {a}, tandem {b}");
+        }
+    }
     // A whole rec: one row per image, named by index.
     let npy_rec = dir.path().join("rec.npy");
     let out = run(&[

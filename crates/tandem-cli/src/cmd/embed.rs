@@ -17,21 +17,77 @@ use tandem::nn::{OrderedVarMap, ParamModule};
 #[derive(clap::Args)]
 pub struct Args {
     /// The backbone's weights: a state dict (arcface_torch's model.pt, `--save-final`), a
-    /// training checkpoint or a checkpoint directory (`RUN/checkpoints/step-N`).
+    /// training checkpoint or a checkpoint directory (`RUN/checkpoints/step-N`), an ONNX file
+    /// `tandem export` wrote; with `--runtime onnxruntime` any ONNX face model.
     weights: PathBuf,
     /// Image files, folders of images, or rec:DIR (every image of DIR/train.rec).
     #[arg(required = true)]
     inputs: Vec<String>,
     /// The backbone (r18 .. r200, iresnet18 .. iresnet200, mbf, mbf_large, vit_t ..); sizes are read
-    /// from the weights.
+    /// from the weights. Not needed for a tandem ONNX file (it names its network) or with
+    /// `--runtime onnxruntime`.
     #[arg(long, value_parser = crate::train::config::choice::<ModelKind>())]
-    model: ModelKind,
+    model: Option<ModelKind>,
+    /// What runs the model: tandem's own backbone with the file's weights, or ONNX Runtime
+    /// running an ONNX graph as written (found at run time: ORT_DYLIB_PATH or pip's
+    /// onnxruntime).
+    #[arg(long, value_enum, default_value_t = Runtime::Tandem)]
+    runtime: Runtime,
     /// The `.npy` file to write (`OUT.txt` beside it names each row's image).
     #[arg(long, short)]
     out: PathBuf,
     /// Images per forward pass.
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
+}
+
+/// What runs the model (`--runtime`).
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Runtime {
+    /// tandem's own backbone, with the file's weights.
+    Tandem,
+    /// ONNX Runtime, running the ONNX graph as written (any ONNX face model).
+    Onnxruntime,
+}
+
+/// What embeds the images: tandem's backbone, or an ONNX graph in ONNX Runtime.
+pub(crate) enum Embedder {
+    Tandem(Box<FaceBackbone>),
+    Ort(super::onnxruntime::OrtEmbedder),
+}
+
+impl Embedder {
+    /// The model at `path` run by `runtime`, and the name its results go by: the network, or
+    /// for a graph run as written the network if named, else the file's stem.
+    pub(crate) fn open(
+        runtime: Runtime,
+        network: Option<ModelKind>,
+        path: &Path,
+    ) -> anyhow::Result<(String, Embedder)> {
+        Ok(match runtime {
+            Runtime::Tandem => {
+                let (network, model) = load_backbone(network, path)?;
+                (network.name().to_string(), Embedder::Tandem(Box::new(model)))
+            }
+            Runtime::Onnxruntime => {
+                let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned());
+                let label = network.map(|n| n.name().to_string()).or(stem).unwrap_or_default();
+                (label, Embedder::Ort(super::onnxruntime::OrtEmbedder::open(path)?))
+            }
+        })
+    }
+
+    /// The embeddings of `n` faces `x` (`[n, 3, 112, 112]`): `n` rows, and their width.
+    pub(crate) fn embed(&mut self, x: Vec<f32>, n: usize) -> anyhow::Result<(Vec<f32>, usize)> {
+        match self {
+            Embedder::Tandem(model) => {
+                let x = Tensor::from_vec(x, (n, 3, FACE_SIDE, FACE_SIDE), &Device::Cpu)?;
+                let e = model.forward_t(&x, false)?.to_dtype(DType::F32)?;
+                Ok((e.flatten_all()?.to_vec1::<f32>()?, e.dim(1)?))
+            }
+            Embedder::Ort(session) => session.embed(x, n, FACE_SIDE),
+        }
+    }
 }
 
 /// Where one row's image comes from.
@@ -61,8 +117,8 @@ impl Source {
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
-    if !args.model.is_face() {
-        bail!("--model {}: embeddings come from a face backbone (r50, mbf, ...)", args.model);
+    if let Some(model) = args.model.filter(|m| !m.is_face()) {
+        bail!("--model {model}: embeddings come from a face backbone (r50, mbf, ...)");
     }
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
@@ -71,7 +127,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     if sources.is_empty() {
         bail!("no images in {}", args.inputs.join(" "));
     }
-    let (_, model) = load_backbone(Some(args.model), &args.weights)?;
+    let (label, mut model) = Embedder::open(args.runtime, args.model, &args.weights)?;
     let mut rows: Vec<f32> = Vec::new();
     let mut width = 0;
     for chunk in sources.chunks(args.batch_size) {
@@ -79,20 +135,18 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         for s in chunk {
             x.extend(s.pixels()?);
         }
-        let x = Tensor::from_vec(x, (chunk.len(), 3, FACE_SIDE, FACE_SIDE), &Device::Cpu)?;
-        let e = model.forward_t(&x, false)?.to_dtype(DType::F32)?;
-        width = e.dim(1)?;
-        rows.extend(e.flatten_all()?.to_vec1::<f32>()?);
+        let (e, w) = model.embed(x, chunk.len())?;
+        width = w;
+        rows.extend(e);
     }
     write_npy(&args.out, &rows, (sources.len(), width))?;
     let names: String = sources.iter().map(|s| s.name() + "\n").collect();
     let list = args.out.with_extension("txt");
     std::fs::write(&list, names).with_context(|| format!("writing {}", list.display()))?;
     println!(
-        "wrote {}: {} embeddings of {width} ({}), sources in {}",
+        "wrote {}: {} embeddings of {width} ({label}), sources in {}",
         args.out.display(),
         sources.len(),
-        args.model,
         list.display()
     );
     Ok(0)

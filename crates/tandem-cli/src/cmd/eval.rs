@@ -9,11 +9,12 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use candle_core::{DType, Device, Tensor};
 use tandem::data::datasets::faces::FACE_SIDE;
 use tandem::data::datasets::ijb::IjbSet;
 use tandem::models::ModelKind;
 use tandem::train::ijb;
+
+use super::embed::{Embedder, Runtime};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -56,32 +57,6 @@ struct Ijb {
     out: PathBuf,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum Runtime {
-    Tandem,
-    Onnxruntime,
-}
-
-/// What embeds the images: tandem's backbone, or an ONNX graph in ONNX Runtime.
-enum Embedder {
-    Tandem(Box<tandem::models::FaceBackbone>),
-    Ort(super::onnxruntime::OrtEmbedder),
-}
-
-impl Embedder {
-    /// The embeddings of `n` aligned faces `x` (`[n, 3, side, side]`): `n` rows and the width.
-    fn embed(&mut self, x: Vec<f32>, n: usize) -> anyhow::Result<(Vec<f32>, usize)> {
-        match self {
-            Embedder::Tandem(model) => {
-                let x = Tensor::from_vec(x, (n, 3, FACE_SIDE, FACE_SIDE), &Device::Cpu)?;
-                let e = model.forward_t(&x, false)?.to_dtype(DType::F32)?;
-                Ok((e.flatten_all()?.to_vec1::<f32>()?, e.dim(1)?))
-            }
-            Embedder::Ort(session) => session.embed(x, n, FACE_SIDE),
-        }
-    }
-}
-
 pub fn main(args: Args) -> anyhow::Result<i32> {
     match args.command {
         Command::Ijb(a) => ijb_main(a),
@@ -98,17 +73,7 @@ fn ijb_main(a: Ijb) -> anyhow::Result<i32> {
     let set = IjbSet::open(&a.dir, &a.target)?;
     // The name in the table and the plot: the network, or for a graph run as written, the
     // network if named, else the file's stem.
-    let (label, mut model) = match a.runtime {
-        Runtime::Tandem => {
-            let (network, model) = super::embed::load_backbone(a.network, &a.model)?;
-            (network.name().to_string(), Embedder::Tandem(Box::new(model)))
-        }
-        Runtime::Onnxruntime => {
-            let stem = a.model.file_stem().map(|s| s.to_string_lossy().into_owned());
-            let label = a.network.map(|n| n.name().to_string()).or(stem).unwrap_or_default();
-            (label, Embedder::Ort(super::onnxruntime::OrtEmbedder::open(&a.model)?))
-        }
-    };
+    let (label, mut model) = Embedder::open(a.runtime, a.network, &a.model)?;
     // Under a launcher the ranks split the images (round robin) and rank 0 scores.
     let group = match std::env::var("WORLD_SIZE") {
         Ok(w) if w.trim() != "1" => Some(tandem::init().context("joining the job's ranks")?),
