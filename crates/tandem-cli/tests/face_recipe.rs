@@ -1243,4 +1243,6 @@ fn embed_equals_pytorch_inference() {
     assert_eq!((bytes.len() - 128 * 32 * 4) % 64, 0, "the data starts on a 64-byte boundary");
     let e = fails(&["embed", p(&weights), p(&images), "--model", "mbf", "-o", p(&npy)]);
     assert!(e.contains("features.layers.2.weight") || e.contains("mbf"), "{e}");
+    let e = fails(&["embed", p(&weights), p(&images), "-o", p(&npy)]);
+    assert!(e.contains("--model is needed for") && e.contains("model.pt"), "{e}");
 }

@@ -58,15 +58,17 @@ pub(crate) enum Embedder {
 
 impl Embedder {
     /// The model at `path` run by `runtime`, and the name its results go by: the network, or
-    /// for a graph run as written the network if named, else the file's stem.
+    /// for a graph run as written the network if named, else the file's stem. `flag` is the
+    /// command's flag that names the network (for its errors).
     pub(crate) fn open(
         runtime: Runtime,
         network: Option<ModelKind>,
         path: &Path,
+        flag: &str,
     ) -> anyhow::Result<(String, Embedder)> {
         Ok(match runtime {
             Runtime::Tandem => {
-                let (network, model) = load_backbone(network, path)?;
+                let (network, model) = load_backbone(network, path, flag)?;
                 (network.name().to_string(), Embedder::Tandem(Box::new(model)))
             }
             Runtime::Onnxruntime => {
@@ -127,7 +129,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     if sources.is_empty() {
         bail!("no images in {}", args.inputs.join(" "));
     }
-    let (label, mut model) = Embedder::open(args.runtime, args.model, &args.weights)?;
+    let (label, mut model) = Embedder::open(args.runtime, args.model, &args.weights, "--model")?;
     let mut rows: Vec<f32> = Vec::new();
     let mut width = 0;
     for chunk in sources.chunks(args.batch_size) {
@@ -191,6 +193,7 @@ fn list_sources(inputs: &[String]) -> anyhow::Result<Vec<Source>> {
 pub(crate) fn load_backbone(
     kind: Option<ModelKind>,
     path: &Path,
+    flag: &str,
 ) -> anyhow::Result<(ModelKind, FaceBackbone)> {
     let shown = path.display();
     let is_onnx = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx"));
@@ -218,10 +221,10 @@ pub(crate) fn load_backbone(
             arch.parse::<ModelKind>().with_context(|| format!("{shown}: tandem.model"))?
         }
         (None, None) if is_onnx => {
-            bail!("{shown}: no tandem.model metadata; name the network with --network")
+            bail!("{shown}: no tandem.model metadata; name the network with {flag}")
         }
         (None, None) => {
-            bail!("--network is needed for {shown} (only a tandem ONNX file names its network)")
+            bail!("{flag} is needed for {shown} (only a tandem ONNX file names its network)")
         }
     };
     // A face checkpoint holds the network under `backbone`.

@@ -73,7 +73,7 @@ fn ijb_main(a: Ijb) -> anyhow::Result<i32> {
     let set = IjbSet::open(&a.dir, &a.target)?;
     // The name in the table and the plot: the network, or for a graph run as written, the
     // network if named, else the file's stem.
-    let (label, mut model) = Embedder::open(a.runtime, a.network, &a.model)?;
+    let (label, mut model) = Embedder::open(a.runtime, a.network, &a.model, "--network")?;
     // Under a launcher the ranks split the images (round robin) and rank 0 scores.
     let group = match std::env::var("WORLD_SIZE") {
         Ok(w) if w.trim() != "1" => Some(tandem::init().context("joining the job's ranks")?),
