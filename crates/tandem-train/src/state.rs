@@ -221,27 +221,16 @@ pub fn save_state(
 ) -> Result<Option<PathBuf>, StateError> {
     // Every rank builds the whole value: a failure building it (a dtype the file cannot hold)
     // is then the same on every rank, before anyone waits.
-    let dict = lent_state_dict(state, group.size())?;
     let name = format!("epoch-{:04}-step-{:08}", state.epoch, state.step);
-    let path = Checkpointer::new(dir.as_ref(), KEEP_LAST).save(group, &name, dict)?;
+    let mut ckpt = Checkpointer::new(dir.as_ref(), KEEP_LAST);
+    let path = ckpt.save_built(group, &name, || state_dict(state, group.size()))?;
     Ok((group.rank() == 0).then_some(path))
-}
-
-/// [`state_dict`] with every tensor a view of the state's own memory, for a synchronous save
-/// (which drops the dict before it returns, while `state` is still borrowed: nothing steps the
-/// optimizer or writes the model meanwhile).
-pub(crate) fn lent_state_dict(
-    state: &TrainingState<'_>,
-    world_size: usize,
-) -> Result<TrainingStateDict, StateError> {
-    // SAFETY: see above; the caller writes the dict and drops it before training goes on.
-    unsafe { tandem_nn::convert::lend(|| state_dict(state, world_size)) }
 }
 
 /// This rank's part of `state` as a [`TrainingStateDict`] (for a [`Checkpointer`] of the
 /// caller's: background saves, other retention): the replicated dict, the optimizer's entry
-/// shard when it is sharded, and `state.shards`. Every tensor is a copy (a background save
-/// writes it while training goes on).
+/// shard when it is sharded, and `state.shards`. Every tensor is a copy, unless built inside
+/// [`Checkpointer::save_built`]'s synchronous save.
 pub fn state_dict(
     state: &TrainingState<'_>,
     world_size: usize,

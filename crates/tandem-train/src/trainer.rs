@@ -951,14 +951,13 @@ fn checkpoint<R: Recipe>(
         return recipe.save(ctx);
     };
     // Every rank builds its whole dict: a failure building it is the same on every rank,
-    // before anyone waits. A synchronous save writes the tensors from their own memory (the
-    // dict is gone when `ckpt.save` returns); a background one writes copies.
-    let mut dict = match ckpt.is_background() {
-        true => state::state_dict(&whole, group.size())?,
-        false => state::lent_state_dict(&whole, group.size())?,
+    // before anyone waits.
+    let build = || -> Result<_, state::StateError> {
+        let mut dict = state::state_dict(&whole, group.size())?;
+        dict.replicated.insert("sampler", state::sampler_value(position));
+        Ok(dict)
     };
-    dict.replicated.insert("sampler", state::sampler_value(position));
-    let path = ckpt.save(group, &name, dict).with_context(|| {
+    let path = ckpt.save_built(group, &name, build).with_context(|| {
         "a checkpoint save failed (the run stops here; the checkpoints before it are intact)"
     })?;
     Ok((group.rank() == 0).then_some(path))

@@ -89,6 +89,28 @@ impl Checkpointer {
         self.pending.is_some()
     }
 
+    /// [`Checkpointer::save`] of the state `build` makes, with no second copy of it when the
+    /// save is synchronous: `build` runs inside `tandem_nn::convert::lend`, so every tensor is
+    /// a view of its own memory, written and dropped before this returns (what lets a head of
+    /// several GiB be saved without doubling it). A background save builds copies: training
+    /// goes on while they are written. Nothing may train the model on another thread during
+    /// the call.
+    pub fn save_built<E: From<super::CheckpointError>>(
+        &mut self,
+        group: &ProcessGroup,
+        name: &str,
+        build: impl FnOnce() -> std::result::Result<TrainingStateDict, E>,
+    ) -> std::result::Result<PathBuf, E> {
+        let state = if self.background {
+            build()?
+        } else {
+            // SAFETY: `save` below writes the dict and drops it before it returns; nothing on
+            // this thread writes the lent tensors in between, and no other thread trains.
+            unsafe { tandem_nn::convert::lend(build)? }
+        };
+        Ok(self.save(group, name, state)?)
+    }
+
     /// Saves `state` as checkpoint `name` (a collective: every rank calls it with its own
     /// state). Returns where the checkpoint is (or, in the background, will be). A save in
     /// flight is committed first, and its failure returned (this save does not start).

@@ -116,18 +116,11 @@ pub fn save(
 ) -> Result<PathBuf, FaceStateError> {
     let step = state.global_step;
     let name = format!("step-{step:08}");
-    if ckpts.is_background() {
-        let dict = state_dict(state, position, group.rank(), group.size())?;
-        return Ok(ckpts.save(group, &name, dict)?);
-    }
     // A synchronous save writes the head and its momentum from their own memory: a staging
     // copy would double the head's footprint at every save (at a million classes and more, the
     // difference between a save and the kernel's OOM killer).
-    // SAFETY: `save` consumes the dict and has dropped it when it returns; nothing steps the
-    // optimizer or writes the head meanwhile (`state` is borrowed for the whole call).
     let (rank, world) = (group.rank(), group.size());
-    let dict = unsafe { tandem_nn::convert::lend(|| state_dict(state, position, rank, world))? };
-    Ok(ckpts.save(group, &name, dict)?)
+    ckpts.save_built(group, &name, || state_dict(state, position, rank, world))
 }
 
 /// This rank's face state as a [`TrainingStateDict`]: the replicated part (built on rank 0

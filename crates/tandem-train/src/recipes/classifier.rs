@@ -211,22 +211,28 @@ impl<'a> Classifier<'a> {
             .option("lr_scheduler", None)?;
         Ok((position, global_step))
     }
+}
 
-    /// The replicated training state (what a save writes once and a live regroup sends): with
-    /// ZeRO the optimizer's hyperparameters only (each rank's entries are its own shard).
-    fn state_value(&mut self, ctx: &SaveContext<'_>) -> Result<Value> {
-        let optimizer = self.opt.live_state()?;
-        let scaler = ctx.step.grad_scaler().map_or(Value::None, GradScaler::state_dict);
-        let scheduler = schedule::state(ctx.step.lr_scheduler());
-        let state = CheckpointState {
-            optimizer,
-            scaler,
-            scheduler,
-            sampler: ctx.position.clone(),
-            step: ctx.global_step,
-        };
-        checkpoint_value(&self.ddp.module(), state, ctx.group.size(), self.cfg)
-    }
+/// The replicated training state (what a save writes once and a live regroup sends): with ZeRO
+/// the optimizer's hyperparameters only (each rank's entries are its own shard). A function of
+/// the parts it reads, so a save can borrow the recipe's checkpointer beside them.
+fn state_value(
+    ddp: &Ddp<Net>,
+    opt: &TrainOptimizer,
+    cfg: &TrainOptions,
+    ctx: &SaveContext<'_>,
+) -> Result<Value> {
+    let optimizer = opt.live_state()?;
+    let scaler = ctx.step.grad_scaler().map_or(Value::None, GradScaler::state_dict);
+    let scheduler = schedule::state(ctx.step.lr_scheduler());
+    let state = CheckpointState {
+        optimizer,
+        scaler,
+        scheduler,
+        sampler: ctx.position.clone(),
+        step: ctx.global_step,
+    };
+    checkpoint_value(&ddp.module(), state, ctx.group.size(), cfg)
 }
 
 impl Recipe for Classifier<'_> {
@@ -291,22 +297,16 @@ impl Recipe for Classifier<'_> {
     /// One file rank 0 writes; with `--zero` a directory: the replicated part once and every
     /// rank's optimizer entries in parallel (nothing gathered).
     fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>> {
-        let background = self.ckpt.is_background();
-        let mut build = || -> Result<TrainingStateDict> {
-            let replicated = self.state_value(&ctx)?;
+        let (ddp, opt, cfg) = (&self.ddp, &self.opt, self.cfg);
+        let build = || -> Result<TrainingStateDict> {
+            let replicated = state_value(ddp, opt, cfg, &ctx)?;
             let mut dict = TrainingStateDict::new(ctx.global_step, ctx.position.epoch, replicated);
-            if let Some(s) = self.opt.get().shard()? {
+            if let Some(s) = opt.get().shard()? {
                 dict = dict.shard(ShardDict::entries(OPTIMIZER_SHARD, s.indices, s.entries));
             }
             Ok(dict)
         };
-        let dict = match background {
-            true => build()?,
-            // SAFETY: the synchronous save below drops the dict before it returns, and nothing
-            // trains meanwhile: each tensor is written from its own memory.
-            false => unsafe { tandem_nn::convert::lend(build)? },
-        };
-        let path = self.ckpt.save(ctx.group, ctx.name, dict).with_context(|| {
+        let path = self.ckpt.save_built(ctx.group, ctx.name, build).with_context(|| {
             "a checkpoint save failed (the run stops here; the checkpoints before it are intact)"
         })?;
         Ok((ctx.group.rank() == 0).then_some(path))
@@ -372,7 +372,7 @@ impl Recipe for Classifier<'_> {
     /// Not a collective: only the source builds it (with ZeRO, the shards move in the
     /// re-split that follows).
     fn live_state(&mut self, ctx: SaveContext<'_>) -> Result<Value> {
-        self.state_value(&ctx)
+        state_value(&self.ddp, &self.opt, self.cfg, &ctx)
     }
 
     /// `--zero` under live recovery: every `--mirror-every` steps this rank's optimizer shard
