@@ -151,22 +151,13 @@ mod tests {
             train.get_arguments().filter_map(|a| a.get_long()).map(|l| format!("--{l}")).collect();
         let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tandem-train/src");
         let mut keys = Vec::new();
-        let mut stack = vec![src];
-        while let Some(dir) = stack.pop() {
-            for entry in std::fs::read_dir(&dir).unwrap() {
-                let path = entry.unwrap().path();
-                if path.is_dir() {
-                    stack.push(path);
-                    continue;
-                }
-                let text = std::fs::read_to_string(&path).unwrap();
-                for marker in ["option(\"", "bail_option!(\""] {
-                    for (at, _) in text.match_indices(marker) {
-                        let rest = &text[at + marker.len()..];
-                        let key = &rest[..rest.find('"').unwrap()];
-                        if key.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
-                            keys.push((key.to_string(), path.display().to_string()));
-                        }
+        for (path, text) in tandem_testutil::files_with_text(&src) {
+            for marker in ["option(\"", "bail_option!(\""] {
+                for (at, _) in text.match_indices(marker) {
+                    let rest = &text[at + marker.len()..];
+                    let key = &rest[..rest.find('"').unwrap()];
+                    if key.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+                        keys.push((key.to_string(), path.display().to_string()));
                     }
                 }
             }

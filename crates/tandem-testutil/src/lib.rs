@@ -26,6 +26,26 @@ pub fn workspace_root() -> PathBuf {
     here.parent().and_then(Path::parent).expect("crates/<name> layout").to_path_buf()
 }
 
+/// Every file under `dir` (at any depth) with its text, for tests that read the sources.
+pub fn files_with_text(dir: &Path) -> Vec<(PathBuf, String)> {
+    let mut files = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        let entries = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        for entry in entries {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else {
+                let text = std::fs::read_to_string(&path)
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                files.push((path, text));
+            }
+        }
+    }
+    files
+}
+
 fn python_has_torch(python: &Path) -> bool {
     Command::new(python)
         .args(["-c", "import torch"])

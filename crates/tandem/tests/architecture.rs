@@ -63,25 +63,15 @@ fn every_crate_depends_on_what_the_architecture_page_says() {
 /// The training library reports typed events and `tracing` warnings; only the binary prints.
 #[test]
 fn the_training_library_never_prints() {
-    let src = repo().join("crates/tandem-train/src");
     let mut found = Vec::new();
-    let mut dirs = vec![src];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                dirs.push(path);
-                continue;
-            }
-            let text = std::fs::read_to_string(&path).unwrap();
-            for (i, line) in text.lines().enumerate() {
-                let code = line.split("//").next().unwrap_or("");
-                if ["println!", "eprintln!", "print!", "eprint!", "dbg!"]
-                    .iter()
-                    .any(|m| code.contains(m))
-                {
-                    found.push(format!("{}:{}: {}", path.display(), i + 1, line.trim()));
-                }
+    for (path, text) in tandem_testutil::files_with_text(&repo().join("crates/tandem-train/src")) {
+        for (i, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            if ["println!", "eprintln!", "print!", "eprint!", "dbg!"]
+                .iter()
+                .any(|m| code.contains(m))
+            {
+                found.push(format!("{}:{}: {}", path.display(), i + 1, line.trim()));
             }
         }
     }
