@@ -65,14 +65,6 @@ impl TrainError {
         TrainError::Option { key, value, what: Some(what.into()), source: None }
     }
 
-    /// The option this error is about, if it is one ([`TrainError::Option`]).
-    pub fn option_key(&self) -> Option<&'static str> {
-        match self {
-            TrainError::Option { key, .. } => Some(key),
-            _ => None,
-        }
-    }
-
     /// This error's own line (not its causes') with an option named as `flag(key)` and
     /// its value after a space, as a command line reads (`--lr-scheduler poly: ...`).
     pub fn naming_option(&self, flag: impl Fn(&str) -> String) -> String {
