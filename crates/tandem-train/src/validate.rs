@@ -42,6 +42,9 @@ impl TrainOptions {
         if optim.grad_scaler_growth_interval.is_some_and(|g| g < 1) {
             bail_option!("grad_scaler_growth_interval", None, "must be at least 1");
         }
+        if self.face.gradient_acc == 0 {
+            bail_option!("gradient_acc", None, "must be at least 1 (1: a step per batch)");
+        }
         let face_data = data.spec.starts_with("rec:") || data.spec.starts_with("folder:");
         if model.kind.is_face() {
             self.validate_face(face_data)?;
@@ -109,9 +112,6 @@ impl TrainOptions {
         if face.num_classes == Some(0) {
             bail_option!("num_classes", None, "must be at least 1");
         }
-        if face.gradient_acc == 0 {
-            bail_option!("gradient_acc", None, "must be at least 1 (1: a step per batch)");
-        }
         let refused = [
             (
                 self.optim.zero,
@@ -150,9 +150,6 @@ impl TrainOptions {
         }
         if !self.face.val.is_empty() {
             bail_option!("val", None, "verification sets are for the face models (iresnet18 ...)");
-        }
-        if self.face.gradient_acc == 0 {
-            bail_option!("gradient_acc", None, "must be at least 1 (1: a step per batch)");
         }
         if self.face.gradient_acc > 1 {
             bail_option!(
