@@ -18,10 +18,8 @@ use tandem::ddp::{Ddp, DdpOptions};
 use tandem::nn::NamedVars;
 use tandem::optim::{GradScaler, GradScalerConfig, SgdConfig, TorchOptimizer, TorchSgd};
 use tandem::train::recipes::{classifier::evaluate_logits, net::Autocast};
-use tandem::train::{
-    error, Evaluation, Lines, LrSchedule, Recipe, Reporter, RunLength, StepReport,
-};
-use tandem::train::{Step, Trainer, TrainerOptions, TrainingState, World};
+use tandem::train::{Evaluation, Lines, LrSchedule, Periodic, Recipe, Reporter, RunLength};
+use tandem::train::{Step, StepReport, Trainer, TrainerOptions, TrainingState, World};
 
 /// Your model: two 3x3 convolutions with max-pooling, then a linear classifier.
 struct Cnn {
@@ -50,7 +48,12 @@ struct Digits {
 impl Recipe for Digits {
     type Data = InMemoryDataset;
 
-    fn train_step(&mut self, batch: &Batch, step: &mut Step, n: u64) -> error::Result<StepReport> {
+    fn train_step(
+        &mut self,
+        batch: &Batch,
+        step: &mut Step,
+        n: u64,
+    ) -> tandem::train::Result<StepReport> {
         // f16 on a GPU (autocast); on the CPU values are rounded to f16 as autocast's would be.
         let logits = Autocast(Some(DType::F16)).apply(&batch.x, true, |x| self.model.forward(x))?;
         let loss = candle_nn::loss::cross_entropy(&logits, &batch.y)?;
@@ -67,7 +70,7 @@ impl Recipe for Digits {
     fn evaluate(
         &mut self,
         group: &tandem::comm::ProcessGroup,
-    ) -> error::Result<Option<Evaluation>> {
+    ) -> tandem::train::Result<Option<Evaluation>> {
         let forward = |x: &Tensor| self.model.forward(x);
         let m = evaluate_logits(forward, &self.eval, group, &LoaderOptions::new(64), &Device::Cpu)?;
         Ok(Some(Evaluation { loss: m.mean_loss(), accuracy: m.accuracy() }))
@@ -105,7 +108,8 @@ fn main() -> Result<()> {
     let step = Step::new().scaler(Some(scaler)).clip_grad_norm(Some(5.0)).scheduler(sched);
 
     let mut opts = TrainerOptions::new(&out, epochs);
-    (opts.save_every, opts.background_saves, opts.resume) = (50, true, true);
+    opts.checkpoints = Arc::new(Periodic::every(50).in_background(true));
+    opts.resume = true;
     let recipe = Digits { model, ddp, opt, eval: Arc::new(eval) };
     let printed = Reporter::new().with(Lines(std::io::stdout())); // rank 0's events as lines
     let trainer =

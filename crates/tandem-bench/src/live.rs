@@ -240,7 +240,7 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
         if let Some(Resplit::HeadRows(c)) = g.resplit {
             result.from_mirror += c.from_mirror;
             result.reloaded += c.reloaded;
-            result.row_steps_lost += c.stale_row_steps;
+            result.row_steps_lost += c.stale_steps;
         }
     }
     if let Some(m) = records.iter().find_map(|r| match r {

@@ -18,6 +18,9 @@ pub enum TrainError {
         #[source]
         source: Box<dyn StdError + Send + Sync>,
     },
+    /// A part each rank holds alone could not be mirrored or re-split (live recovery).
+    #[error(transparent)]
+    Live(Box<crate::live_part::PartError>),
     /// An option at fault, named by its key in [`TrainOptions`](crate::TrainOptions) terms
     /// (`lr_scheduler`, `init_from`: the `--config` keys), with the value at fault when it is
     /// worth showing. Shown as `key=value: what`; a binary names its own flag for the key
@@ -51,6 +54,12 @@ fn option_line(
         line.push_str(w);
     }
     line
+}
+
+impl From<crate::live_part::PartError> for TrainError {
+    fn from(e: crate::live_part::PartError) -> Self {
+        TrainError::Live(Box::new(e))
+    }
 }
 
 pub type Result<T, E = TrainError> = std::result::Result<T, E>;

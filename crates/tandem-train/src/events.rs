@@ -27,9 +27,8 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use crate::face::live_head::RegroupCounts;
 use crate::live::WorldChange;
-use crate::live_entries::EntryCounts;
+use crate::live_part::RegroupCounts;
 use crate::metrics::{EpochMetrics, RunSummary, VerificationMetrics};
 
 /// One thing a run reports.
@@ -105,14 +104,32 @@ pub enum Resplit {
     /// PartialFC's class centres and their optimizer rows.
     HeadRows(RegroupCounts),
     /// ZeRO-1's optimizer shards.
-    OptimizerShards(EntryCounts),
+    OptimizerShards(RegroupCounts),
 }
 
 impl std::fmt::Display for Resplit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Resplit::HeadRows(c) => c.fmt(f),
-            Resplit::OptimizerShards(c) => c.fmt(f),
+            Resplit::HeadRows(c) => write!(
+                f,
+                "head rows: {} kept, {} moved, {} restored from mirrors, {} reloaded; {} row-steps of head training lost; {} KiB moved",
+                c.kept,
+                c.moved,
+                c.from_mirror,
+                c.reloaded,
+                c.stale_steps,
+                c.bytes_sent.div_ceil(1024)
+            ),
+            Resplit::OptimizerShards(c) => write!(
+                f,
+                "optimizer shards: {} parameters' state kept, {} moved, {} restored from mirrors, {} started afresh; {} parameter-steps of state lost; {} KiB moved",
+                c.kept,
+                c.moved,
+                c.from_mirror,
+                c.fresh,
+                c.stale_steps,
+                c.bytes_sent.div_ceil(1024)
+            ),
         }
     }
 }

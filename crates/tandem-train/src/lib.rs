@@ -13,6 +13,9 @@
 //!   scheduler, scaler and loader saved and loaded in one call each
 //!   ([`save_state`]/[`load_state`], over [`checkpoint`]), resumable on any world size;
 //! - [`live`]: keeping a loop running through a rank's death (`tandem run --live-recovery`);
+//!   [`live_part`]: state one rank holds alone ([`RankPart`](live_part::RankPart): ZeRO's
+//!   shards in [`live_entries`], PartialFC's rows in [`face::live_head`]), mirrored to a buddy
+//!   and re-split after a regroup;
 //!   [`world`]: a rank's place in the job, live or not, that a [`Trainer`] is fitted in;
 //! - [`events`]: what a run reports as it happens ([`Event`]), to the [`Logger`]s a
 //!   [`Reporter`] holds; [`metrics`]: a run's typed results ([`EpochMetrics`], [`RunSummary`])
@@ -28,35 +31,44 @@
 //! It knows nothing of command lines and never prints: the `tandem` binary maps its flags onto
 //! these types and prints the events.
 pub mod checkpoint;
-pub mod error;
 pub mod events;
 pub mod face;
 #[doc(hidden)]
 pub mod fault;
 pub mod ijb;
 pub mod live;
-pub mod live_entries;
 pub mod metrics;
 pub mod options;
 pub mod recipes;
-pub mod schedule;
-pub mod state;
-pub mod step;
-pub mod tfevents;
-pub mod trainer;
-pub mod training_log;
-mod validate;
 pub mod verification;
-pub mod world;
 
-pub use checkpoint::{Checkpointer, Saved, ShardDict, ShardSlice, TrainingStateDict};
-pub use error::TrainError;
+mod error;
+mod live_entries;
+mod live_part;
+mod schedule;
+mod state;
+mod step;
+mod tfevents;
+mod trainer;
+mod training_log;
+mod validate;
+mod world;
+
+pub use checkpoint::{
+    CheckpointPolicy, Checkpointer, Never, Periodic, Saved, ShardDict, ShardSlice,
+    TrainingStateDict,
+};
+pub use error::{Context, Result, TrainError};
 pub use events::{Event, Lines, Logger, Reporter};
 pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
 pub use options::TrainOptions;
 pub use schedule::{LrSchedule, RunLength, Scheduler, Warmup};
-pub use state::{load_state, load_state_from, save_state, Resumed, StateError, TrainingState};
+pub use state::{
+    load_state, load_state_from, save_state, LoaderPosition, Resumed, StateError, TrainingState,
+};
 pub use step::{Step, StepError, StepOutcome};
 pub use tfevents::EventWriter;
-pub use trainer::{Evaluation, Recipe, StepReport, Trainer, TrainerOptions};
+pub use trainer::{
+    Evaluation, Recipe, ResumeContext, SaveContext, StepReport, Trainer, TrainerOptions,
+};
 pub use world::World;

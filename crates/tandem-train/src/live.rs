@@ -28,6 +28,13 @@ use crate::state::{
 
 pub use tandem_comm::live::is_peer_failure;
 
+pub use crate::face::live_head::RowBlock;
+pub use crate::live_entries::Entries;
+pub use crate::live_part::{
+    exchange_mirror, owned_by, regroup, runs, Fill, Mirrored, PartError, PartHeader, RankPart,
+    RegroupCounts,
+};
+
 /// How many regroups one call tries while members keep failing (a source that dies while it
 /// sends its state, say) before giving up.
 const MAX_REGROUPS: usize = 8;

@@ -54,10 +54,10 @@ use tandem_optim::amp::GradScaler;
 use tandem_optim::lr_scheduler::LrScheduler;
 use tandem_optim::{OptimizerShard, OptimizerState};
 
-use crate::checkpoint::{CheckpointError, Checkpointer, Saved, ShardDict, TrainingStateDict};
+use crate::checkpoint::{
+    CheckpointError, Checkpointer, Saved, ShardDict, TrainingStateDict, KEEP_LAST,
+};
 
-/// Checkpoints kept by [`save_state`] (older ones are deleted after a successful write).
-pub const KEEP_LAST: usize = 3;
 /// The name of a sharded optimizer's entry shard: a path into the replicated dict, where the
 /// entries go when the checkpoint is consolidated (`optimizer` → `state`, torch's layout).
 pub const OPTIMIZER_SHARD: &str = "optimizer/state";

@@ -15,6 +15,7 @@
 //! let summary = trainer.fit()?;
 //! ```
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use tandem_ckpt::Value;
@@ -22,7 +23,7 @@ use tandem_comm::{ProcessGroup, ReduceOp};
 use tandem_data::{Batch, DataLoader, Dataset, SamplerState};
 use tandem_optim::{GradScaler, TorchOptimizer};
 
-use crate::checkpoint::Checkpointer;
+use crate::checkpoint::{CheckpointPolicy, Checkpointer, Never, Periodic};
 use crate::error::{Context, Result, TrainError};
 use crate::events::{Event, Logger, Regroup, Reporter, Resplit, StepEvent};
 use crate::fault;
@@ -272,15 +273,10 @@ pub struct TrainerOptions {
     pub dir: PathBuf,
     pub epochs: u64,
     pub max_steps: Option<u64>,
-    /// A checkpoint every N steps (0: at epoch ends only); always at the end.
-    pub save_every: u64,
-    /// Checkpoints kept in `DIR/checkpoints` (older ones are deleted after a save succeeds),
-    /// for a recipe that gives its [`Recipe::state`].
-    pub keep_last: usize,
-    /// Saves written by a background thread: training waits only for the staging copy.
-    pub background_saves: bool,
-    /// False: no checkpoint at all (`save_every` and the epoch-end and final saves are off).
-    pub checkpoints: bool,
+    /// When checkpoints are written, how many `DIR/checkpoints` keeps and whether a thread
+    /// writes them ([`Periodic`] by default; [`Never`] for none). A recipe that saves itself
+    /// ([`Recipe::save`]) keeps and writes as its own checkpointer says.
+    pub checkpoints: Arc<dyn CheckpointPolicy>,
     /// [`Recipe::validate`] every N steps (0: only at the end).
     pub validate_every: u64,
     pub resume: bool,
@@ -298,10 +294,7 @@ impl TrainerOptions {
             dir: dir.into(),
             epochs,
             max_steps: None,
-            save_every: 0,
-            keep_last: state::KEEP_LAST,
-            background_saves: false,
-            checkpoints: true,
+            checkpoints: Arc::new(Periodic::default()),
             validate_every: 0,
             resume: false,
             tensorboard: false,
@@ -315,10 +308,14 @@ impl TrainerOptions {
             dir: o.run.dir.clone(),
             epochs: o.run.epochs,
             max_steps: o.run.max_steps,
-            save_every: o.checkpoint.save_every,
-            keep_last: o.checkpoint.keep_last,
-            background_saves: o.checkpoint.background,
-            checkpoints: o.checkpoint.enabled,
+            checkpoints: match o.checkpoint.enabled {
+                true => Arc::new(
+                    Periodic::every(o.checkpoint.save_every)
+                        .keeping(o.checkpoint.keep_last)
+                        .in_background(o.checkpoint.background),
+                ),
+                false => Arc::new(Never),
+            },
             // (A recipe without verification sets returns nothing from `validate`.)
             validate_every: o.face.verify_every,
             resume: o.run.resume,
@@ -384,8 +381,9 @@ impl<R: Recipe> Trainer<R> {
         group: ProcessGroup,
         opts: TrainerOptions,
     ) -> Result<Self> {
-        let ckpt = Checkpointer::new(opts.dir.join("checkpoints"), opts.keep_last)
-            .background(opts.background_saves);
+        let policy = &opts.checkpoints;
+        let ckpt = Checkpointer::new(opts.dir.join("checkpoints"), policy.keep_last())
+            .background(policy.background());
         let mut trainer = Trainer {
             ckpt,
             verified_at: None,
@@ -746,8 +744,7 @@ impl<R: Recipe> Trainer<R> {
                 }
                 pause += clock.elapsed().as_secs_f64();
             }
-            let save_due = opts.save_every > 0 && n.is_multiple_of(opts.save_every);
-            if opts.checkpoints && save_due && n < max_steps {
+            if n < max_steps && opts.checkpoints.after_step(n) {
                 let clock = Instant::now();
                 let written = checkpoint(recipe, ckpt, group, step, &loader.state(), n)?;
                 if rank0 {
@@ -786,7 +783,8 @@ impl<R: Recipe> Trainer<R> {
         self.report_epoch(epoch, train_loss)?;
         let (step, max_steps) = (self.global_step, self.max_steps());
         let just_saved = self.saved_at == Some(step);
-        if step < max_steps && self.loader.epoch() < self.opts.epochs && !just_saved {
+        let more = step < max_steps && self.loader.epoch() < self.opts.epochs;
+        if more && !just_saved && self.opts.checkpoints.at_epoch_end(epoch, step) {
             self.save()?;
         }
         self.epoch_to_close = None;
@@ -795,9 +793,6 @@ impl<R: Recipe> Trainer<R> {
 
     /// A checkpoint of the whole state now (a collective).
     fn save(&mut self) -> Result<()> {
-        if !self.opts.checkpoints {
-            return Ok(());
-        }
         let n = self.global_step;
         let clock = Instant::now();
         let position = self.loader.state();
@@ -814,7 +809,7 @@ impl<R: Recipe> Trainer<R> {
 
     /// The final checkpoint of the run (a collective), unless this step's is written.
     fn save_last(&mut self) -> Result<()> {
-        if self.saved_at == Some(self.global_step) {
+        if self.saved_at == Some(self.global_step) || !self.opts.checkpoints.at_end() {
             return Ok(());
         }
         self.save()

@@ -60,10 +60,6 @@ impl TrainingLog {
         Ok(log)
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     fn line(&mut self, message: &str) -> std::io::Result<()> {
         // Python logging's asctime: local time, milliseconds after a comma.
         let now = chrono::Local::now().format("%Y-%m-%d %H:%M:%S,%3f");

@@ -2,8 +2,9 @@
 //! loopback): the mirror ring, the re-split after a rank's death (its entries from the mirror,
 //! the others kept or moved to their new owner) and entries nobody holds (fresh state).
 use tandem_ckpt::{TensorData, Value};
+use tandem_comm::ProcessGroup;
 use tandem_testutil::run_tcp_world;
-use tandem_train::live_entries::{exchange_mirror, regroup_entries, Entries};
+use tandem_train::live::{exchange_mirror, owned_by, regroup, Entries, RegroupCounts};
 
 /// Parameter `i`'s momentum as of `step` (distinct for every parameter and step).
 fn entry(i: usize, step: u64) -> Value {
@@ -15,6 +16,22 @@ fn entries(params: &[usize], step: u64) -> Entries {
     Entries { step, entries: params.iter().map(|&i| (i, entry(i, step))).collect() }
 }
 
+/// This rank's entries under the partition `owner`, from `own` and `mirror`; parameters nobody
+/// holds start fresh.
+fn regroup_entries(
+    pg: &ProcessGroup,
+    step: u64,
+    own: &Entries,
+    mirror: &Entries,
+    owner: &[usize],
+) -> (Vec<(usize, Value)>, RegroupCounts) {
+    let want = |rank: usize| owned_by(owner, rank);
+    let (mine, counts) =
+        regroup(pg, step, owner.len(), Some(own), Some(mirror), &want, &mut |_| Ok(None)).unwrap();
+    assert_eq!(mine.step, step);
+    (mine.entries, counts)
+}
+
 /// Old world of 4: rank r owns parameters {r, r + 4}.
 fn owned(r: usize) -> Vec<usize> {
     vec![r, r + 4]
@@ -24,7 +41,7 @@ fn owned(r: usize) -> Vec<usize> {
 fn the_mirror_ring_gives_every_rank_its_predecessors_entries() {
     let got = run_tcp_world(3, |pg| {
         let own = entries(&owned(pg.rank()), 5);
-        exchange_mirror(&pg, &own).unwrap().unwrap()
+        exchange_mirror(&pg, &own, 8).unwrap().unwrap()
     });
     for (r, m) in got.iter().enumerate() {
         assert_eq!(*m, entries(&owned((r + 2) % 3), 5), "rank {r}");
@@ -42,7 +59,7 @@ fn a_dead_ranks_entries_come_from_the_mirror_and_move_to_their_new_owners() {
         let was = old[pg.rank()];
         let own = entries(&owned(was), 20);
         let mirror = entries(&owned((was + 3) % 4), 15);
-        regroup_entries(&pg, 20, Some(&own), Some(&mirror), &owner2).unwrap()
+        regroup_entries(&pg, 20, &own, &mirror, &owner2)
     });
     for (r, (mine, counts)) in got.iter().enumerate() {
         let want: Vec<(usize, Value)> = (0..8)
@@ -53,7 +70,7 @@ fn a_dead_ranks_entries_come_from_the_mirror_and_move_to_their_new_owners() {
         assert_eq!(counts.from_mirror, 2);
         assert_eq!(counts.fresh, 0);
         assert_eq!(counts.kept + counts.moved + counts.from_mirror, 8);
-        assert_eq!(counts.stale_param_steps, 2 * 5, "two parameters' state 5 steps old");
+        assert_eq!(counts.stale_steps, 2 * 5, "two parameters' state 5 steps old");
         assert!(counts.moved > 0 && counts.bytes_sent > 0, "{counts:?}");
     }
 }
@@ -68,7 +85,7 @@ fn entries_nobody_holds_start_fresh_and_are_counted() {
         let was = old[pg.rank()];
         let own = entries(&owned(was), 9);
         let mirror = entries(&owned((was + 3) % 4), 8);
-        regroup_entries(&pg, 9, Some(&own), Some(&mirror), &owner2).unwrap()
+        regroup_entries(&pg, 9, &own, &mirror, &owner2)
     });
     let lost = owned(1);
     for (r, (mine, counts)) in got.iter().enumerate() {

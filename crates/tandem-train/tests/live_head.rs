@@ -4,10 +4,11 @@
 //! holds from the fallback), and after a replacement joins (it holds nothing and gets its rows).
 use std::ops::Range;
 
+use tandem_comm::ProcessGroup;
 use tandem_partial_fc::ClassSplit;
 use tandem_testutil::run_tcp_world;
 use tandem_train::checkpoint::CheckpointError;
-use tandem_train::face::live_head::{exchange_mirror, regroup_rows, RegroupCounts, RowBlock};
+use tandem_train::live::{exchange_mirror, regroup, RegroupCounts, RowBlock};
 
 const CLASSES: usize = 10;
 const E: usize = 3;
@@ -54,12 +55,27 @@ fn no_fallback(r: Range<usize>) -> Result<RowBlock, CheckpointError> {
     panic!("no rows should be missing, asked for {r:?}")
 }
 
+/// This rank's rows of the new world (`pg`), each rank wanting its class split; `fallback`
+/// gives rows nobody holds.
+fn regroup_rows(
+    pg: &ProcessGroup,
+    step: u64,
+    own: Option<&RowBlock>,
+    mirror: Option<&RowBlock>,
+    fallback: &mut dyn FnMut(Range<usize>) -> Result<RowBlock, CheckpointError>,
+) -> (RowBlock, RegroupCounts) {
+    let world = pg.size();
+    let want = |rank: usize| vec![shard(world, rank)];
+    let mut fill = |r: Range<usize>| Ok(Some(fallback(r)?));
+    regroup(pg, step, CLASSES, own, mirror, &want, &mut fill).unwrap()
+}
+
 #[test]
 fn the_mirror_ring_gives_every_rank_its_predecessors_rows() {
     for world in [2usize, 3, 4] {
         let got = run_tcp_world(world, move |pg| {
             let own = block(shard(world, pg.rank()), 7);
-            exchange_mirror(&pg, &own, CLASSES, E).unwrap().unwrap()
+            exchange_mirror(&pg, &own, CLASSES).unwrap().unwrap()
         });
         for (r, m) in got.iter().enumerate() {
             let prev = (r + world - 1) % world;
@@ -77,7 +93,7 @@ fn a_dead_ranks_rows_come_from_its_mirror_and_the_rest_from_their_owners() {
         let was = old[pg.rank()];
         let own = block(shard(4, was), 7);
         let mirror = block(shard(4, (was + 3) % 4), 5);
-        regroup_rows(&pg, CLASSES, E, 7, Some(&own), Some(&mirror), &mut no_fallback).unwrap()
+        regroup_rows(&pg, 7, Some(&own), Some(&mirror), &mut no_fallback)
     });
     let lost = shard(4, 2);
     for (r, (rows, _)) in got.iter().enumerate() {
@@ -89,7 +105,7 @@ fn a_dead_ranks_rows_come_from_its_mirror_and_the_rest_from_their_owners() {
     assert_eq!(counts.from_mirror, lost.len() as u64);
     assert_eq!(counts.reloaded, 0);
     assert_eq!(counts.kept + counts.moved + counts.from_mirror, CLASSES as u64);
-    assert_eq!(counts.stale_row_steps, 2 * lost.len() as u64, "the mirror was 2 steps old");
+    assert_eq!(counts.stale_steps, 2 * lost.len() as u64, "the mirror was 2 steps old");
     assert!(counts.moved > 0 && counts.bytes_sent > 0, "{counts:?}");
 }
 
@@ -106,8 +122,7 @@ fn rows_nobody_holds_come_from_the_fallback() {
             asked.push(r.clone());
             Ok(block(r, 4))
         };
-        let out =
-            regroup_rows(&pg, CLASSES, E, 9, Some(&own), Some(&mirror), &mut fallback).unwrap();
+        let out = regroup_rows(&pg, 9, Some(&own), Some(&mirror), &mut fallback);
         (out, asked)
     });
     let (lost1, lost2) = (shard(4, 1), shard(4, 2));
@@ -135,12 +150,12 @@ fn a_replacement_that_holds_nothing_gets_its_rows_from_the_others() {
     let got = run_tcp_world(4, move |pg| {
         let r = pg.rank();
         let own = (r < 3).then(|| block(shard(3, r), 12));
-        regroup_rows(&pg, CLASSES, E, 12, own.as_ref(), None, &mut no_fallback).unwrap()
+        regroup_rows(&pg, 12, own.as_ref(), None, &mut no_fallback)
     });
     for (r, (rows, counts)) in got.iter().enumerate() {
         assert_eq!(*rows, expected(4, r, 12, |_| 12), "new rank {r}");
         assert_eq!(counts.kept + counts.moved, CLASSES as u64);
-        assert_eq!(counts.stale_row_steps, 0);
+        assert_eq!(counts.stale_steps, 0);
     }
 }
 
@@ -151,7 +166,7 @@ fn a_block_without_optimizer_state_gives_zero_momentum() {
         if pg.rank() == 1 {
             own.state.clear();
         }
-        regroup_rows(&pg, CLASSES, E, 1, Some(&own), None, &mut no_fallback).unwrap()
+        regroup_rows(&pg, 1, Some(&own), None, &mut no_fallback)
     });
     assert_eq!(got[0].0, expected(2, 0, 1, |_| 1), "rank 0 keeps its momentum");
     let rows = &got[1].0;

@@ -10,8 +10,8 @@ use tandem_data::{Batch, DataLoader, DistributedSampler, InMemoryDataset, Loader
 use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd};
 use tandem_train::events::{Event, Recorder, StepEvent};
 use tandem_train::metrics::{read_metrics, MetricsRecord};
-use tandem_train::trainer::{ResumeContext, SaveContext, StepReport};
-use tandem_train::{Recipe, Reporter, Resumed, Step, Trainer, TrainerOptions};
+use tandem_train::{Periodic, Recipe, Reporter, Resumed, Step, Trainer, TrainerOptions};
+use tandem_train::{ResumeContext, SaveContext, StepReport};
 
 /// Softmax regression on the digits: the whole recipe a user writes for this loop.
 struct Softmax {
@@ -27,7 +27,7 @@ impl Recipe for Softmax {
         b: &Batch,
         step: &mut Step,
         n: u64,
-    ) -> tandem_train::error::Result<StepReport> {
+    ) -> tandem_train::Result<StepReport> {
         let x = b.x.flatten_from(1)?;
         let loss = candle_nn::loss::cross_entropy(&x.matmul(self.w.as_tensor())?, &b.y)?;
         step.run(&loss, |l| l.backward(), &mut self.opt, &[], n)?;
@@ -40,11 +40,11 @@ impl Recipe for Softmax {
     }
 
     /// No files: the checkpoint's name stands for one (what rank 0 "wrote").
-    fn save(&mut self, ctx: SaveContext<'_>) -> tandem_train::error::Result<Option<PathBuf>> {
+    fn save(&mut self, ctx: SaveContext<'_>) -> tandem_train::Result<Option<PathBuf>> {
         Ok(Some(PathBuf::from(ctx.name)))
     }
 
-    fn resume(&mut self, _ctx: ResumeContext<'_>) -> tandem_train::error::Result<Option<Resumed>> {
+    fn resume(&mut self, _ctx: ResumeContext<'_>) -> tandem_train::Result<Option<Resumed>> {
         Ok(None)
     }
 }
@@ -68,7 +68,7 @@ fn a_run_reports_its_events_in_order_and_the_files_agree() {
         TorchSgd::new(vec![w.clone()], SgdConfig { lr: 0.05, ..SgdConfig::default() }).unwrap();
     let recorder = Recorder::new();
     let mut opts = TrainerOptions::new(dir.path(), 2);
-    opts.save_every = 3;
+    opts.checkpoints = Arc::new(Periodic::every(3));
     let trainer = Trainer::new(Softmax { w, opt }, loader, Step::new(), group, opts).unwrap();
     let summary = trainer.reporter(Reporter::new().with(recorder.clone())).fit().unwrap();
 

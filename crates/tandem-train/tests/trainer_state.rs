@@ -14,7 +14,7 @@ use tandem_nn::NamedVars;
 use tandem_optim::{GradScaler, GradScalerConfig, SgdConfig, TorchOptimizer, TorchSgd};
 use tandem_train::events::{Event, Recorder};
 use tandem_train::{LrSchedule, Recipe, Reporter, RunLength, Step, Trainer, TrainerOptions};
-use tandem_train::{StepReport, TrainingState};
+use tandem_train::{Periodic, StepReport, TrainingState};
 
 const EPOCHS: u64 = 3;
 
@@ -34,7 +34,7 @@ impl Recipe for Softmax {
         b: &Batch,
         step: &mut Step,
         n: u64,
-    ) -> tandem_train::error::Result<StepReport> {
+    ) -> tandem_train::Result<StepReport> {
         let loss = candle_nn::loss::cross_entropy(&b.x.flatten_from(1)?.matmul(&self.w)?, &b.y)?;
         step.run(&loss, |l| l.backward(), &mut self.opt, &[], n)?;
         let loss = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
@@ -118,7 +118,8 @@ fn a_stopped_and_resumed_run_ends_with_the_bits_of_one_straight_through() {
 #[test]
 fn background_saves_keep_the_last_n_and_load_state_reads_them() {
     let dir = tempfile::tempdir().unwrap();
-    let t = trainer(dir.path(), |o| (o.save_every, o.keep_last, o.background_saves) = (5, 2, true));
+    let policy = Periodic::every(5).keeping(2).in_background(true);
+    let t = trainer(dir.path(), |o| o.checkpoints = Arc::new(policy));
     let expected = final_weights(t);
     let ckpts = dir.path().join("checkpoints");
     let mut names: Vec<String> = std::fs::read_dir(&ckpts)

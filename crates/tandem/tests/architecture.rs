@@ -118,3 +118,91 @@ fn every_crate_depends_only_on_layers_drawn_below_it() {
         }
     }
 }
+
+/// Each library's public modules: the namespaces a user names (`tandem::train::checkpoint::Saved`,
+/// `tandem::optim::zero`). Every other module is private behind the crate root's curated
+/// `pub use`, as candle's crates are, so a module can move without breaking a user. Making a
+/// module public is a decision: it is added here.
+const PUBLIC_MODULES: &[(&str, &[&str])] = &[
+    ("tandem", &[]),
+    ("tandem-bench", &[]),
+    ("tandem-ckpt", &["atomic", "dcp", "error", "keys", "pt", "safetensors", "training", "value"]),
+    ("tandem-cli", &[]),
+    ("tandem-comm", &["auth", "live", "nccl", "procfs", "slurm"]),
+    (
+        "tandem-cuda",
+        &[
+            "batch_norm",
+            "cudnn",
+            "memory",
+            "optim",
+            "prelu",
+            "profile",
+            "reduce",
+            "rows",
+            "timing",
+            "upload",
+        ],
+    ),
+    ("tandem-data", &["datasets", "eval", "face_align", "randperm", "recordio", "transforms"]),
+    ("tandem-ddp", &["comm_hooks", "metrics", "powersgd"]),
+    ("tandem-dist-nn", &[]),
+    ("tandem-dylib", &[]),
+    ("tandem-launch", &[]),
+    ("tandem-models", &[]),
+    ("tandem-nn", &["convert", "functional", "kernels", "torch_init", "weights"]),
+    ("tandem-onnx", &["error", "graph", "models", "proto"]),
+    ("tandem-optim", &["amp", "lr_scheduler", "zero"]),
+    ("tandem-partial-fc", &[]),
+    ("tandem-testutil", &["child", "harness", "netns", "procs", "world"]),
+    (
+        "tandem-train",
+        &[
+            "checkpoint",
+            "events",
+            "face",
+            "fault",
+            "ijb",
+            "live",
+            "metrics",
+            "options",
+            "recipes",
+            "verification",
+        ],
+    ),
+];
+
+/// The `pub mod` names of a crate's root (`src/lib.rs`; a binary-only crate has none).
+fn public_modules(krate: &Path) -> BTreeSet<String> {
+    let Ok(root) = std::fs::read_to_string(krate.join("src/lib.rs")) else {
+        return BTreeSet::new();
+    };
+    root.lines()
+        .filter_map(|l| l.trim().strip_prefix("pub mod "))
+        .map(|rest| rest.trim_end_matches(|c| c == ';' || c == '{' || c == ' ').to_string())
+        .collect()
+}
+
+#[test]
+fn every_public_module_is_a_chosen_namespace() {
+    let chosen: BTreeMap<&str, BTreeSet<String>> = PUBLIC_MODULES
+        .iter()
+        .map(|(k, mods)| (*k, mods.iter().map(|m| m.to_string()).collect()))
+        .collect();
+    for entry in std::fs::read_dir(repo().join("crates")).unwrap() {
+        let dir = entry.unwrap().path();
+        if !dir.join("Cargo.toml").exists() {
+            continue;
+        }
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let Some(want) = chosen.get(name.as_str()) else {
+            panic!("crates/{name} is not in PUBLIC_MODULES (tests/architecture.rs)");
+        };
+        let got = public_modules(&dir);
+        assert_eq!(
+            &got, want,
+            "crates/{name}/src/lib.rs makes {got:?} public; the chosen namespaces are {want:?} \
+             (re-export an item at the root instead, or add the namespace here)"
+        );
+    }
+}

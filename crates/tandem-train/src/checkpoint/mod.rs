@@ -48,6 +48,7 @@
 //! ```
 mod legacy;
 mod manifest;
+mod policy;
 mod reader;
 mod rows;
 mod writer;
@@ -58,6 +59,7 @@ use tandem_ckpt::{CkptError, Value};
 use tandem_comm::CommError;
 
 pub use manifest::{rank_file_name, Manifest, RankFile, ShardEntry, FORMAT, MANIFEST, REPLICATED};
+pub use policy::{CheckpointPolicy, Never, Periodic, KEEP_LAST};
 pub use reader::Saved;
 pub use rows::{concat_rows, slice_rows, ConcatRowsError};
 pub use writer::{write_sharded, Checkpointer, LATEST};

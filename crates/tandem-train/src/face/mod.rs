@@ -16,7 +16,7 @@
 //! face::save(&mut ckpts, &state, &loader.state(), &group)?;
 //! ```
 pub mod arcface;
-pub mod live_head;
+pub(crate) mod live_head;
 pub mod optimizer_entry;
 
 use std::path::PathBuf;

@@ -5,6 +5,7 @@
 //! drives it.
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
 use candle_core::Device;
 use tandem_ckpt::{TrainingCheckpoint, Value};
@@ -22,9 +23,10 @@ use super::optimizer::TrainOptimizer;
 use super::LiveComm;
 use crate::checkpoint::{Checkpointer, ShardDict, TrainingStateDict};
 use crate::error::{Context, Result, TrainError};
-use crate::events::{Reporter, Resplit};
+use crate::events::{Event, Reporter, Resplit};
 use crate::fault;
-use crate::live_entries::{self, regroup_entries, Entries};
+use crate::live_entries::Entries;
+use crate::live_part::{owned_by, Mirrored};
 use crate::options::TrainOptions;
 use crate::schedule::{self, RunLength};
 use crate::state::{
@@ -45,20 +47,10 @@ pub struct Classifier<'a> {
     ckpt: Checkpointer,
     last_eval: EvalMetrics,
     /// `--zero` under live recovery: the optimizer shards' mirror and re-split.
-    zero_live: Option<ZeroLive>,
-    reporter: Reporter,
-}
-
-/// ZeRO's shards under live recovery (see [`crate::live_entries`]).
-struct ZeroLive {
-    every: u64,
-    mirror: Option<Entries>,
-    /// Whether this rank holds a shard (a replacement does not until it joins).
-    holds: bool,
-    /// The step this rank's shard was last updated at.
-    shard_step: u64,
+    zero_live: Option<Mirrored<Entries>>,
     /// The hyperparameters a live load brought (the shard's entries move in the re-split).
-    pending: Option<Value>,
+    zero_pending: Option<Value>,
+    reporter: Reporter,
 }
 
 impl<'a> Classifier<'a> {
@@ -100,13 +92,8 @@ impl<'a> Classifier<'a> {
             }
         }
         let zero_live = match &live {
-            Some(l) if cfg.optim.zero => Some(ZeroLive {
-                every: cfg.comm.mirror_every.max(1),
-                mirror: None,
-                holds: !l.replacement,
-                shard_step: 0,
-                pending: None,
-            }),
+            // A replacement holds no shard until it joins.
+            Some(l) if cfg.optim.zero => Some(Mirrored::new(cfg.comm.mirror_every, !l.replacement)),
             _ => None,
         };
         let zero_comm = live.as_ref().map(|l| Arc::clone(&l.comm));
@@ -160,6 +147,7 @@ impl<'a> Classifier<'a> {
             ckpt,
             last_eval: EvalMetrics::default(),
             zero_live,
+            zero_pending: None,
             reporter: reporter.clone(),
         };
         Ok((recipe, loader, stepper))
@@ -178,9 +166,9 @@ impl<'a> Classifier<'a> {
         let rank = ctx.group.rank();
         tandem_nn::weights::load_weights_from(&*self.ddp.module(), &ck.model, true)
             .with_context(|| format!("{what}: model"))?;
-        match self.zero_live.as_mut().filter(|_| live) {
+        match self.zero_live.as_ref().filter(|_| live) {
             // The shards move in the re-split that follows; only the hyperparameters came.
-            Some(z) => z.pending = Some(ck.optimizer.clone()),
+            Some(_) => self.zero_pending = Some(ck.optimizer.clone()),
             None => self
                 .opt
                 .get_mut()
@@ -252,7 +240,7 @@ impl Recipe for Classifier<'_> {
         };
         let out = step.run(&loss, backward, self.opt.get_mut(), &params, n)?;
         if let Some(z) = self.zero_live.as_mut() {
-            z.shard_step = n;
+            z.stepped(n);
         }
         // On a GPU the loss stays there: the trainer reads it a few steps later.
         let (value, pending_loss) = if loss.device().is_cpu() {
@@ -351,6 +339,10 @@ impl Recipe for Classifier<'_> {
     /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
     fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
         let cfg = self.cfg;
+        if let Some(z) = self.zero_live.as_ref().filter(|_| group.rank() == 0) {
+            let cost = Event::MirrorCost(z.cost("optimizer shard"));
+            self.reporter.report(&cost).context("reporting to the run's loggers")?;
+        }
         if let Some(path) = &cfg.checkpoint.save_final {
             if group.rank() == 0 {
                 save_weights(&self.ddp.module(), path)?;
@@ -379,7 +371,7 @@ impl Recipe for Classifier<'_> {
     /// goes to the next rank.
     fn after_step(&mut self, group: &ProcessGroup, n: u64) -> Result<()> {
         match &self.zero_live {
-            Some(z) if n.is_multiple_of(z.every) => self.mirror_shard(group, n),
+            Some(z) if z.due(n) => self.mirror_shard(group, n),
             _ => Ok(()),
         }
     }
@@ -387,33 +379,24 @@ impl Recipe for Classifier<'_> {
     /// `--zero` under live recovery: the optimizer state re-split over the new world's
     /// partition (each parameter's from its newest holder, fresh where nobody holds it).
     fn regroup(&mut self, group: &ProcessGroup, global_step: u64) -> Result<Option<Resplit>> {
-        let Some(z) = self.zero_live.as_ref() else { return Ok(None) };
-        let TrainOptimizer::Zero(opt) = &self.opt else { return Ok(None) };
+        let (Some(z), TrainOptimizer::Zero(opt)) = (self.zero_live.as_mut(), &self.opt) else {
+            return Ok(None);
+        };
         let shard = opt.shard_state_dict()?;
         let own = z
-            .holds
-            .then(|| Entries::from_state(shard.get("state").unwrap_or(&Value::None), z.shard_step));
+            .holds()
+            .map(|step| Entries::from_state(shard.get("state").unwrap_or(&Value::None), step));
         let owner = opt.partition_for(group.size()).owner;
+        let want = |rank: usize| owned_by(&owner, rank);
         let (entries, counts) =
-            regroup_entries(group, global_step, own.as_ref(), z.mirror.as_ref(), &owner).map_err(
-                |e| TrainError::Failed {
-                    what: "re-splitting the ZeRO optimizer shards".into(),
-                    source: Box::new(e),
-                },
-            )?;
-        let groups = match z.pending.clone() {
+            z.regroup(group, global_step, owner.len(), own.as_ref(), &want, &mut |_| Ok(None))?;
+        let groups = match self.zero_pending.take() {
             Some(p) => p.get("param_groups").cloned().unwrap_or(Value::List(vec![])),
             None => {
                 self.opt.live_state()?.get("param_groups").cloned().unwrap_or(Value::List(vec![]))
             }
         };
-        let state = Value::dict_from([
-            (
-                "state",
-                Value::Dict(entries.into_iter().map(|(i, v)| (Value::Int(i as i64), v)).collect()),
-            ),
-            ("param_groups", groups),
-        ]);
+        let state = Value::dict_from([("state", entries.into_state()), ("param_groups", groups)]);
         let lr = self.opt.get().lr();
         self.opt
             .repartition(self.cfg, &state)
@@ -422,12 +405,6 @@ impl Recipe for Classifier<'_> {
         if self.opt.get().group_lrs().len() == 1 && lr > 0.0 {
             // The schedule's rate (set before the shard changed hands).
             self.opt.get_mut().set_lr(lr);
-        }
-        if let Some(z) = self.zero_live.as_mut() {
-            z.holds = true;
-            z.shard_step = global_step;
-            z.pending = None;
-            z.mirror = None;
         }
         self.mirror_shard(group, global_step)?;
         Ok(Some(Resplit::OptimizerShards(counts)))
@@ -442,18 +419,14 @@ impl Recipe for Classifier<'_> {
 impl Classifier<'_> {
     /// Sends this rank's ZeRO shard to the next rank, keeps the previous rank's (a collective).
     fn mirror_shard(&mut self, group: &ProcessGroup, step: u64) -> Result<()> {
-        let TrainOptimizer::Zero(opt) = &self.opt else { return Ok(()) };
+        let clock = Instant::now();
+        let params = self.ddp.params().len();
+        let (Some(z), TrainOptimizer::Zero(opt)) = (self.zero_live.as_mut(), &self.opt) else {
+            return Ok(());
+        };
         let shard = opt.shard_state_dict()?;
         let own = Entries::from_state(shard.get("state").unwrap_or(&Value::None), step);
-        let mirror =
-            live_entries::exchange_mirror(group, &own).map_err(|e| TrainError::Failed {
-                what: "mirroring the ZeRO optimizer shard".into(),
-                source: Box::new(e),
-            })?;
-        if let Some(z) = self.zero_live.as_mut() {
-            z.mirror = mirror;
-        }
-        Ok(())
+        Ok(z.exchange(group, &own, params, clock)?)
     }
 }
 

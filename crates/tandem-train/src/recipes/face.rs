@@ -29,11 +29,12 @@ use super::net::Autocast;
 use super::LiveComm;
 use crate::checkpoint::{CheckpointError, Checkpointer};
 use crate::error::{bail_option, Context, Result, TrainError};
-use crate::events::{Event, MirrorCost, Reporter, Resplit};
-use crate::face::live_head::{exchange_mirror, regroup_rows, RowBlock};
+use crate::events::{Event, Reporter, Resplit};
+use crate::face::live_head::RowBlock;
 use crate::face::optimizer_entry::{merge_optimizer, split_optimizer};
 use crate::face::{self as face_state, FaceState, HEAD_SHARD};
 use crate::fault;
+use crate::live_part::{Mirrored, RegroupCounts};
 use crate::metrics::VerificationMetrics;
 use crate::options::{OptimizerKind, Precision, TrainOptions};
 use crate::schedule::RunLength;
@@ -46,24 +47,6 @@ use crate::Step;
 const BUCKET_CAP_MB: f64 = 16.0;
 /// arcface_torch's GradScaler growth interval.
 const GROWTH_INTERVAL: i64 = 100;
-
-/// The head under live recovery: the mirror of the previous rank's rows, and what this rank's
-/// own rows are.
-struct LiveHead {
-    every: u64,
-    mirror: Option<RowBlock>,
-    /// Whether this rank holds rows of its own (a replacement holds none until it joins).
-    holds_rows: bool,
-    /// The step this rank's own rows were last updated at.
-    rows_step: u64,
-    /// The optimizer state without the head's entry that a live load brought; the head's entry
-    /// is put back once the rows are re-split.
-    pending_rest: Option<Value>,
-    /// Mirrors taken, seconds spent in them, and this rank's bytes sent by the last one.
-    mirrors: u64,
-    mirror_secs: f64,
-    mirror_bytes: usize,
-}
 
 /// The backbone under Ddp, the PartialFC head, the optimizer over both, the verification sets
 /// and the per-rank checkpoints.
@@ -80,7 +63,11 @@ pub struct Face<'a> {
     train: Arc<FaceRecDataset>,
     val: Vec<ValSet>,
     ckpt: Checkpointer,
-    live: Option<LiveHead>,
+    /// The head's rows under live recovery: mirrored, and re-split after a regroup.
+    live: Option<Mirrored<RowBlock>>,
+    /// The optimizer state without the head's entry that a live load brought; the head's entry
+    /// is put back once the rows are re-split.
+    pending_rest: Option<Value>,
     /// The head's gradient summed over the batches of the open gradient-accumulation window
     /// (dense: each batch may sample other rows); the backbone's is kept by Ddp's `no_sync`.
     pending_head_grad: Option<candle_core::Tensor>,
@@ -249,16 +236,9 @@ impl<'a> Face<'a> {
             val,
             ckpt: Checkpointer::new(run_dir.join("checkpoints"), cfg.checkpoint.keep_last)
                 .background(cfg.checkpoint.background),
-            live: live.map(|l| LiveHead {
-                every: cfg.comm.mirror_every.max(1),
-                mirror: None,
-                holds_rows: !l.replacement,
-                rows_step: 0,
-                pending_rest: None,
-                mirrors: 0,
-                mirror_secs: 0.0,
-                mirror_bytes: 0,
-            }),
+            // A replacement holds no rows until it joins.
+            live: live.map(|l| Mirrored::new(cfg.comm.mirror_every, !l.replacement)),
+            pending_rest: None,
             pending_head_grad: None,
             reporter: reporter.clone(),
         };
@@ -329,7 +309,7 @@ impl Recipe for Face<'_> {
             };
             let out = step.run(&loss, backward, self.opt.as_mut(), &backbone, n)?;
             if let Some(live) = self.live.as_mut() {
-                live.rows_step = n;
+                live.stepped(n);
             }
             out
         } else {
@@ -416,11 +396,10 @@ impl Recipe for Face<'_> {
     /// Under live recovery, every `--mirror-every` steps: this rank's rows to the next
     /// rank, the previous rank's rows kept here.
     fn after_step(&mut self, group: &ProcessGroup, n: u64) -> Result<()> {
-        let Some(every) = self.live.as_ref().map(|l| l.every) else { return Ok(()) };
-        if !n.is_multiple_of(every) {
-            return Ok(());
+        match &self.live {
+            Some(live) if live.due(n) => self.mirror(group, n),
+            _ => Ok(()),
         }
-        self.mirror(group, n)
     }
 
     /// The replicated state (the head stays on its ranks: [`Recipe::regroup`] re-splits it).
@@ -450,8 +429,8 @@ impl Recipe for Face<'_> {
         )
         .map_err(|(what, why)| TrainError::invalid(format!("the live state: {what}: {why}")))?;
         let rest = value.get("optimizer").cloned().context("the live state: no optimizer")?;
-        if let Some(live) = self.live.as_mut() {
-            live.pending_rest = Some(rest);
+        if self.live.is_some() {
+            self.pending_rest = Some(rest);
         }
         Ok(step)
     }
@@ -460,35 +439,21 @@ impl Recipe for Face<'_> {
     /// (its owner's, else a mirror), else from the last checkpoint, else the initial centres;
     /// then the optimizer is rebuilt over the new rows and a fresh mirror is taken.
     fn regroup(&mut self, group: &ProcessGroup, global_step: u64) -> Result<Option<Resplit>> {
-        let Some(live) = self.live.as_ref() else { return Ok(None) };
+        let Some(mut live) = self.live.take() else { return Ok(None) };
         let head_index = self.ddp.params().len() as i64;
         let own_entry = self.opt.param_state(head_index as usize)?;
-        let own = match live.holds_rows {
-            true => Some(self.own_rows(&own_entry, live.rows_step)?),
-            false => None,
-        };
-        let (classes, e) = (self.head.config().num_classes, self.head.config().embedding_size);
-        let mut fallback = |range: std::ops::Range<usize>| self.reload_rows(range);
-        let (rows, counts) = regroup_rows(
-            group,
-            classes,
-            e,
-            global_step,
-            own.as_ref(),
-            live.mirror.as_ref(),
-            &mut fallback,
-        )
-        .map_err(|err| TrainError::Failed {
-            what: "re-splitting the head".into(),
-            source: Box::new(err),
-        })?;
+        // (Put back whatever happens: a peer lost during the re-split starts another.)
+        let regrouped = self.regroup_rows(&mut live, group, global_step, &own_entry);
+        self.live = Some(live);
+        let (rows, counts) = regrouped?;
+        let e = self.head.config().embedding_size;
         let device = self.head.weight().device().clone();
         let weight = candle_core::Tensor::from_vec(rows.weight.clone(), (rows.len, e), &device)?;
         let var = self.head.regroup(&weight)?;
         self.head.set_steps_taken(global_step);
         // The optimizer over the new rows, with the world's state and the rows' own.
         // The world's optimizer state without the head: the source's, or this rank's own.
-        let rest = match self.live.as_mut().and_then(|l| l.pending_rest.take()) {
+        let rest = match self.pending_rest.take() {
             Some(rest) => rest,
             None => split_optimizer(self.opt.state_dict()?, head_index).0,
         };
@@ -497,11 +462,6 @@ impl Recipe for Face<'_> {
         self.opt = build_optimizer(self.cfg, self.ddp.params(), var)?;
         self.opt.load_state_dict(&merge_optimizer(&rest, head_index, entry))?;
         self.opt.set_group_lrs(&lrs)?;
-        if let Some(live) = self.live.as_mut() {
-            live.holds_rows = true;
-            live.rows_step = global_step;
-            live.mirror = None;
-        }
         // The new rows are this rank's own now: mirrored at once, so the next death is covered.
         self.send_mirror(group, &rows, Instant::now())?;
         Ok(Some(Resplit::HeadRows(counts)))
@@ -512,14 +472,7 @@ impl Recipe for Face<'_> {
         let cfg = self.cfg;
         if let Some(live) = self.live.as_ref().filter(|_| group.rank() == 0) {
             // What the mirror cost this rank (its own bytes; every rank sends one shard).
-            let cost = MirrorCost {
-                what: "head".into(),
-                every: live.every,
-                taken: live.mirrors,
-                bytes_per_rank: live.mirror_bytes as u64,
-                mean_secs: live.mirror_secs / live.mirrors.max(1) as f64,
-            };
-            let reported = self.reporter.report(&Event::MirrorCost(cost));
+            let reported = self.reporter.report(&Event::MirrorCost(live.cost("head")));
             reported.context("reporting to the run's loggers")?;
         }
         if let Some(path) = &cfg.checkpoint.save_final {
@@ -569,18 +522,35 @@ impl Face<'_> {
 
     /// [`Face::mirror`] of the block `own` (this rank's rows), timed from `clock`.
     fn send_mirror(&mut self, group: &ProcessGroup, own: &RowBlock, clock: Instant) -> Result<()> {
-        let (classes, e) = (self.head.config().num_classes, self.head.config().embedding_size);
-        let mirror = exchange_mirror(group, own, classes, e).map_err(|err| TrainError::Failed {
-            what: "mirroring the head's rows".into(),
-            source: Box::new(err),
-        })?;
-        if let Some(live) = self.live.as_mut() {
-            live.mirror = mirror;
-            live.mirrors += 1;
-            live.mirror_secs += clock.elapsed().as_secs_f64();
-            live.mirror_bytes = own.bytes();
+        let classes = self.head.config().num_classes;
+        match self.live.as_mut() {
+            Some(live) => Ok(live.exchange(group, own, classes, clock)?),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// This rank's rows of the new world `group`, each class from the newest copy any rank
+    /// holds, else from [`Face::reload_rows`] (a collective); `own_entry` is the head's entry of
+    /// this rank's optimizer state.
+    fn regroup_rows(
+        &self,
+        live: &mut Mirrored<RowBlock>,
+        group: &ProcessGroup,
+        global_step: u64,
+        own_entry: &Value,
+    ) -> Result<(RowBlock, RegroupCounts)> {
+        let own = live.holds().map(|step| self.own_rows(own_entry, step)).transpose()?;
+        let (classes, world) = (self.head.config().num_classes, group.size());
+        let want = |rank: usize| {
+            let split = ClassSplit::new(classes, world, rank);
+            let rows = split.start..split.start + split.len;
+            vec![rows]
+        };
+        let mut fill = |range: std::ops::Range<usize>| {
+            let rows = self.reload_rows(range).map_err(Box::new)?;
+            Ok(Some(rows))
+        };
+        Ok(live.regroup(group, global_step, classes, own.as_ref(), &want, &mut fill)?)
     }
 
     /// Rows no rank holds after a regroup: from the newest complete checkpoint, else the
