@@ -1,35 +1,40 @@
 //! tandem-train: what a training loop does around the model, written once for every recipe.
 //!
-//! - [`step`]: one optimizer step with optional float16 loss scaling — scale, backward, unscale,
+//! - [`Trainer`] drives a [`Recipe`] (what a user writes: a train step, an evaluation, the
+//!   state it gives) through epochs, checkpoints ([`CheckpointPolicy`]: when and how many),
+//!   resume and live recovery;
+//! - [`Step`]: one optimizer step with optional float16 loss scaling — scale, backward, unscale,
 //!   clip a chosen parameter set, step (skipped on inf/NaN, counted), update the scale, step the
-//!   schedule;
-//! - [`schedule`]: learning-rate schedules by name (constant, poly with warm-up, cosine, step)
-//!   and their checkpoint state;
+//!   schedule; [`LrSchedule`]: learning-rate schedules by name (constant, poly with warm-up,
+//!   cosine, step) and their checkpoint state;
 //! - [`checkpoint`]: one API for a run's training state, replicated and sharded
 //!   ([`Checkpointer`], [`TrainingStateDict`], [`Saved`]): every rank's shards written in
 //!   parallel, the replicated part once, a manifest last, synchronously or in the background,
 //!   loaded on any world size reading only the slices a rank owns;
-//! - [`state`]: the whole training state of a model, its optimizer (ZeRO-1's shards too),
-//!   scheduler, scaler and loader saved and loaded in one call each
+//! - [`TrainingState`]: the whole training state of a model, its optimizer (ZeRO-1's shards
+//!   too), scheduler, scaler and loader saved and loaded in one call each
 //!   ([`save_state`]/[`load_state`], over [`checkpoint`]), resumable on any world size;
-//! - [`live`]: keeping a loop running through a rank's death (`tandem run --live-recovery`);
-//!   [`live_part`]: state one rank holds alone ([`RankPart`](live_part::RankPart): ZeRO's
-//!   shards in [`live_entries`], PartialFC's rows in [`face::live_head`]), mirrored to a buddy
-//!   and re-split after a regroup;
-//!   [`world`]: a rank's place in the job, live or not, that a [`Trainer`] is fitted in;
+//! - [`live`]: keeping a loop running through a rank's death (`tandem run --live-recovery`),
+//!   and state one rank holds alone ([`live::RankPart`]: ZeRO's shards, PartialFC's rows)
+//!   mirrored to a buddy and re-split after a regroup; [`World`]: a rank's place in the job,
+//!   live or not, that a [`Trainer`] is fitted in;
 //! - [`events`]: what a run reports as it happens ([`Event`]), to the [`Logger`]s a
 //!   [`Reporter`] holds; [`metrics`]: a run's typed results ([`EpochMetrics`], [`RunSummary`])
-//!   and the JSON-lines file a script reads them from; [`tfevents`] (TensorBoard scalars) and
-//!   [`training_log`] (arcface_torch's log), all three loggers of the run directory;
+//!   and the JSON-lines file a script reads them from; [`EventWriter`] (TensorBoard scalars)
+//!   and arcface_torch's `training.log`, all three loggers of the run directory;
 //! - [`verification`]: face verification sets (`.bin` pairs), scored by every rank together;
 //!   [`face`]: the face recipe's state (backbone + PartialFC head) as a [`TrainingStateDict`]
-//!   and back, on any world size.
+//!   and back, on any world size; [`ijb`]: IJB-B/C 1:1 verification.
 //!
 //! - [`recipes`]: the built-in recipes run from typed [`options`] — the classifier and the face
 //!   recipe (`tandem train` is a thin shell over [`recipes::train`]).
 //!
-//! It knows nothing of command lines and never prints: the `tandem` binary maps its flags onto
-//! these types and prints the events.
+//! Modules are private behind these re-exports except the namespaces above, so a module can
+//! move without breaking a user. It knows nothing of command lines and never prints: the
+//! `tandem` binary maps its flags onto these types and prints the events.
+// A public item of a private module must be re-exported: a user can name every type they get.
+#![warn(unnameable_types)]
+
 pub mod checkpoint;
 pub mod events;
 pub mod face;
@@ -62,13 +67,13 @@ pub use error::{Context, Result, TrainError};
 pub use events::{Event, Lines, Logger, Reporter};
 pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
 pub use options::TrainOptions;
-pub use schedule::{LrSchedule, RunLength, Scheduler, Warmup};
+pub use schedule::{LrSchedule, RunLength, ScheduleError, Scheduler, Warmup};
 pub use state::{
     load_state, load_state_from, save_state, LoaderPosition, Resumed, StateError, TrainingState,
 };
 pub use step::{Step, StepError, StepOutcome};
 pub use tfevents::EventWriter;
 pub use trainer::{
-    Evaluation, Recipe, ResumeContext, SaveContext, StepReport, Trainer, TrainerOptions,
+    Evaluation, Recipe, ResumeContext, SaveContext, StepReport, StepTimes, Trainer, TrainerOptions,
 };
 pub use world::World;

@@ -68,9 +68,9 @@ pub struct RunSummary {
     /// Optimizer steps the GradScaler skipped (inf/NaN gradients).
     #[serde(default)]
     pub skipped_steps: u64,
-    /// Where rank's step time went (per-step means from [`StepTimes::line`](crate::trainer::StepTimes::line)).
+    /// Where rank's step time went (per-step means from [`StepTimes::line`](crate::StepTimes::line)).
     #[serde(default)]
-    pub step_times: Option<crate::trainer::StepTimes>,
+    pub step_times: Option<crate::StepTimes>,
     /// The last verification of every set (the face recipe).
     #[serde(default)]
     pub verification: Vec<VerificationMetrics>,

@@ -1,13 +1,4 @@
-//! Where a rank trains: the job's process group, or — started by `tandem run --live-recovery` —
-//! a live world that regroups when a rank dies and takes in its replacement. A program written
-//! on [`World`] and the [`Trainer`] runs unchanged under either launcher:
-//!
-//! ```ignore
-//! let world = World::join()?;
-//! let ddp = Ddp::from_varmap(&varmap, &world.collectives(), world.ddp_options(DdpOptions::default()))?;
-//! let trainer = Trainer::new(recipe, loader, step, world.group().clone(), opts)?;
-//! let summary = world.fit(trainer)?;
-//! ```
+//! A rank's place in the job: [`World`].
 use std::sync::Arc;
 
 use tandem_comm::{Collectives, LiveOptions, ProcessGroup};
@@ -18,7 +9,16 @@ use crate::live::LiveTraining;
 use crate::trainer::{Recipe, Trainer};
 use crate::RunSummary;
 
-/// A rank's place in the job (see the [module docs](self)).
+/// Where a rank trains: the job's process group, or — started by `tandem run --live-recovery` —
+/// a live world that regroups when a rank dies and takes in its replacement. A program written
+/// on [`World`] and the [`Trainer`] runs unchanged under either launcher:
+///
+/// ```ignore
+/// let world = World::join()?;
+/// let ddp = Ddp::from_varmap(&varmap, &world.collectives(), world.ddp_options(DdpOptions::default()))?;
+/// let trainer = Trainer::new(recipe, loader, step, world.group().clone(), opts)?;
+/// let summary = world.fit(trainer)?;
+/// ```
 pub struct World {
     group: ProcessGroup,
     live: Option<LiveTraining>,
