@@ -179,7 +179,7 @@ fn public_modules(krate: &Path) -> BTreeSet<String> {
     };
     root.lines()
         .filter_map(|l| l.trim().strip_prefix("pub mod "))
-        .map(|rest| rest.trim_end_matches(|c| c == ';' || c == '{' || c == ' ').to_string())
+        .map(|rest| rest.trim_end_matches([';', '{', ' ']).to_string())
         .collect()
 }
 
