@@ -74,6 +74,7 @@ pub use state::{
 pub use step::{Step, StepError, StepOutcome};
 pub use tfevents::EventWriter;
 pub use trainer::{
-    Evaluation, Recipe, ResumeContext, SaveContext, StepReport, StepTimes, Trainer, TrainerOptions,
+    CustomState, Evaluation, Recipe, ResumeContext, SaveContext, StepReport, StepTimes, Trainer,
+    TrainerOptions,
 };
 pub use world::World;

@@ -1,13 +1,13 @@
 //! The training loop, written once for every recipe (as Lightning's `Trainer` and burn's
 //! `Learner`): epochs and steps with the sampler's epoch, a step budget, the recipe's step
-//! through one [`Step`], evaluation at epoch ends and verification every N steps, the
-//! checkpoint policy (every N steps, at epoch ends, at the end; the recipe writes, synchronously
-//! or in the background), resume, live recovery (`tandem run --live-recovery`: regroup on a
+//! through one [`Step`], evaluation at epoch ends and verification every N steps, checkpoints
+//! as a [`CheckpointPolicy`] says (synchronously or in the background), resume, live recovery (`tandem run --live-recovery`: regroup on a
 //! peer's death or a rank joining, redo at most the failed step), and the run's typed
 //! [`Event`]s to its loggers (the run directory's metrics file, TensorBoard and `training.log`,
 //! and any given through a [`Reporter`]), ending in a typed [`RunSummary`]. It never prints.
 //!
-//! A [`Recipe`] says what one step, an evaluation and a checkpoint are; the built-in ones are
+//! A [`Recipe`] says what one step and an evaluation are and gives its state (a recipe that
+//! keeps its own implements [`CustomState`]); the built-in ones are
 //! [`recipes::classifier`](crate::recipes::classifier) and [`recipes::face`](crate::recipes::face).
 //!
 //! ```ignore
@@ -207,29 +207,10 @@ pub trait Recipe {
 
     /// The model and optimizer the [`Trainer`] saves, resumes and moves between live ranks
     /// itself, with its own part of the state (the schedule, the loss scaler, the loader's
-    /// position, the step count): `Some(TrainingState::new(&self.ddp, &mut self.opt))`. A
-    /// recipe that gives its state writes none of [`Recipe::save`], [`Recipe::resume`],
-    /// [`Recipe::live_state`] or [`Recipe::load_live_state`]; the checkpoints go to
-    /// `DIR/checkpoints` as [`TrainerOptions`] says (keep-last, in the background).
+    /// position, the step count): `Some(TrainingState::new(&self.ddp, &mut self.opt))`. The
+    /// checkpoints go to `DIR/checkpoints` as [`TrainerOptions::checkpoints`] says.
     fn state(&mut self) -> Option<TrainingState<'_>> {
         None
-    }
-
-    /// Writes a checkpoint (a collective); returns what rank 0 wrote. Only for a recipe whose
-    /// [`Recipe::state`] is `None`.
-    fn save(&mut self, _ctx: SaveContext<'_>) -> Result<Option<PathBuf>> {
-        Err(TrainError::invalid(NO_STATE))
-    }
-
-    /// Waits for a background save in flight (its failure is the run's). Every rank calls it.
-    fn settle(&mut self, _group: &ProcessGroup) -> Result<()> {
-        Ok(())
-    }
-
-    /// Restores the newest checkpoint, if there is one (a collective). Only for a recipe whose
-    /// [`Recipe::state`] is `None`.
-    fn resume(&mut self, _ctx: ResumeContext<'_>) -> Result<Option<Resumed>> {
-        Err(TrainError::invalid(NO_STATE))
     }
 
     /// The final outputs after the last checkpoint (weights, ONNX); every rank calls it.
@@ -237,8 +218,31 @@ pub trait Recipe {
         Ok(())
     }
 
-    /// Called after every completed step (`global_step` is its number), on every rank: a
-    /// recipe with per-rank state keeps its live-recovery copies here (a collective).
+    /// For a recipe whose [`Recipe::state`] is `None`: the state it keeps itself
+    /// (`Some(self)`, with an `impl CustomState`).
+    fn custom_state(&mut self) -> Option<&mut dyn CustomState> {
+        None
+    }
+}
+
+/// The state of a recipe that keeps it itself rather than giving it to the [`Trainer`]
+/// ([`Recipe::state`]): it writes and reads its own checkpoints, moves its own state between
+/// live ranks, and keeps the parts each rank holds alone ([`crate::live::RankPart`]) through a
+/// regroup. The built-in classifier and face recipes are such recipes.
+pub trait CustomState {
+    /// Writes a checkpoint (a collective); returns what rank 0 wrote.
+    fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>>;
+
+    /// Waits for a background save in flight (its failure is the run's). Every rank calls it.
+    fn settle(&mut self, _group: &ProcessGroup) -> Result<()> {
+        Ok(())
+    }
+
+    /// Restores the newest checkpoint, if there is one (a collective).
+    fn resume(&mut self, ctx: ResumeContext<'_>) -> Result<Option<Resumed>>;
+
+    /// Called after every completed step (`global_step` is its number), on every rank: the
+    /// live-recovery copies of per-rank state are kept here (a collective).
     fn after_step(&mut self, _group: &ProcessGroup, _global_step: u64) -> Result<()> {
         Ok(())
     }
@@ -255,16 +259,16 @@ pub trait Recipe {
         Err(TrainError::invalid("this recipe cannot move its state between ranks"))
     }
 
-    /// Live recovery: loads a state from [`Recipe::live_state`]; the loader goes to the saved
-    /// position resharded over the new world. Returns the step count it holds.
+    /// Live recovery: loads a state from [`CustomState::live_state`]; the loader goes to the
+    /// saved position resharded over the new world. Returns the step count it holds.
     fn load_live_state(&mut self, _value: &Value, _ctx: ResumeContext<'_>) -> Result<u64> {
         Err(TrainError::invalid("this recipe cannot move its state between ranks"))
     }
 }
 
 /// What a recipe that neither gives its state nor saves it is told when asked to save.
-const NO_STATE: &str = "this recipe neither gives its state (Recipe::state) nor saves and \
-     resumes it itself (Recipe::save, Recipe::resume)";
+const NO_STATE: &str = "this recipe neither gives its state (Recipe::state) nor keeps it \
+     itself (Recipe::custom_state)";
 
 /// How the [`Trainer`] runs.
 #[derive(Clone, Debug)]
@@ -275,7 +279,7 @@ pub struct TrainerOptions {
     pub max_steps: Option<u64>,
     /// When checkpoints are written, how many `DIR/checkpoints` keeps and whether a thread
     /// writes them ([`Periodic`] by default; [`Never`] for none). A recipe that saves itself
-    /// ([`Recipe::save`]) keeps and writes as its own checkpointer says.
+    /// ([`CustomState`]) keeps and writes as its own checkpointer says.
     pub checkpoints: Arc<dyn CheckpointPolicy>,
     /// [`Recipe::validate`] every N steps (0: only at the end).
     pub validate_every: u64,
@@ -497,7 +501,10 @@ impl<R: Recipe> Trainer<R> {
                 step: &mut self.step,
                 epochs: self.opts.epochs,
             };
-            self.recipe.resume(ctx)?
+            match self.recipe.custom_state() {
+                Some(custom) => custom.resume(ctx)?,
+                None => return Err(TrainError::invalid(NO_STATE)),
+            }
         };
         let Some(r) = resumed else { return Ok(()) };
         self.global_step = r.step;
@@ -548,7 +555,10 @@ impl<R: Recipe> Trainer<R> {
     /// Waits for the background saves in flight, the trainer's and the recipe's (a collective).
     fn settle(&mut self) -> Result<()> {
         self.ckpt.settle(&self.group).context("a background checkpoint save failed")?;
-        self.recipe.settle(&self.group)
+        match self.recipe.custom_state() {
+            Some(custom) => custom.settle(&self.group),
+            None => Ok(()),
+        }
     }
 
     /// Trains to the end (regrouping through failures in a live world), writes the last
@@ -708,7 +718,9 @@ impl<R: Recipe> Trainer<R> {
             *in_flight = None;
             self.times.add(data, &report);
             self.global_step = n;
-            recipe.after_step(group, n)?;
+            if let Some(custom) = recipe.custom_state() {
+                custom.after_step(group, n)?;
+            }
             self.samples_seen += batch.len() as u64 * world;
             if n == opts.timing_warmup_steps && n > 0 {
                 losses.settle(0)?;
@@ -929,7 +941,7 @@ impl<R: Recipe> Trainer<R> {
 }
 
 /// Checkpoint `step-NNNNNNNN` of step `n` (a collective): the recipe's [`Recipe::state`] with
-/// the trainer's part, written by `ckpt`, or what the recipe's own [`Recipe::save`] writes.
+/// the trainer's part, written by `ckpt`, or what the recipe's own [`CustomState::save`] writes.
 /// Returns what rank 0 wrote.
 fn checkpoint<R: Recipe>(
     recipe: &mut R,
@@ -943,7 +955,10 @@ fn checkpoint<R: Recipe>(
     let name = format!("step-{n:08}");
     let Some(whole) = whole_state(recipe, step, None, position.epoch, n) else {
         let ctx = SaveContext { group, name: &name, step, position, global_step: n };
-        return recipe.save(ctx);
+        return match recipe.custom_state() {
+            Some(custom) => custom.save(ctx),
+            None => Err(TrainError::invalid(NO_STATE)),
+        };
     };
     // Every rank builds its whole dict: a failure building it is the same on every rank,
     // before anyone waits.
@@ -1044,7 +1059,13 @@ impl<R: Recipe> LiveState for Trainer<R> {
             position: &position,
             global_step: n,
         };
-        let value = self.recipe.live_state(ctx).map_err(|e| LiveError::Other(e.chain_text()))?;
+        let no_state = || TrainError::invalid(NO_STATE);
+        let value = self
+            .recipe
+            .custom_state()
+            .ok_or_else(no_state)
+            .and_then(|custom| custom.live_state(ctx))
+            .map_err(|e| LiveError::Other(e.chain_text()))?;
         tandem_ckpt::to_pt_bytes(&value).map_err(|e| LiveError::Other(e.to_string()))
     }
     fn load(
@@ -1073,12 +1094,16 @@ impl<R: Recipe> LiveState for Trainer<R> {
         };
         self.global_step = self
             .recipe
-            .load_live_state(&value, ctx)
+            .custom_state()
+            .ok_or_else(|| TrainError::invalid(NO_STATE))
+            .and_then(|custom| custom.load_live_state(&value, ctx))
             .map_err(|e| LiveError::Other(e.chain_text()))?;
         Ok(())
     }
     fn reshard(&mut self, group: &ProcessGroup) -> std::result::Result<(), LiveError> {
-        match self.recipe.regroup(group, self.global_step) {
+        let step = self.global_step;
+        let resplit = self.recipe.custom_state().map_or(Ok(None), |c| c.regroup(group, step));
+        match resplit {
             Ok(resplit) => {
                 self.resplit = resplit;
                 Ok(())

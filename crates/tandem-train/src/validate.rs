@@ -51,6 +51,9 @@ impl TrainOptions {
         } else {
             self.validate_classifier(face_data)?;
         }
+        if self.optim.zero && !cfg!(feature = "zero") {
+            bail_option!("zero", None, "this build has no ZeRO (tandem-train's `zero` feature)");
+        }
         if self.comm.mirror_every == 0 {
             bail_option!("mirror_every", None, "must be at least 1");
         }

@@ -10,7 +10,9 @@ use tandem_data::{Batch, DataLoader, DistributedSampler, InMemoryDataset, Loader
 use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd};
 use tandem_train::events::{Event, Recorder, StepEvent};
 use tandem_train::metrics::{read_metrics, MetricsRecord};
-use tandem_train::{Periodic, Recipe, Reporter, Resumed, Step, Trainer, TrainerOptions};
+use tandem_train::{
+    CustomState, Periodic, Recipe, Reporter, Resumed, Step, Trainer, TrainerOptions,
+};
 use tandem_train::{ResumeContext, SaveContext, StepReport};
 
 /// Softmax regression on the digits: the whole recipe a user writes for this loop.
@@ -39,6 +41,12 @@ impl Recipe for Softmax {
         &mut self.opt
     }
 
+    fn custom_state(&mut self) -> Option<&mut dyn CustomState> {
+        Some(self)
+    }
+}
+
+impl CustomState for Softmax {
     /// No files: the checkpoint's name stands for one (what rank 0 "wrote").
     fn save(&mut self, ctx: SaveContext<'_>) -> tandem_train::Result<Option<PathBuf>> {
         Ok(Some(PathBuf::from(ctx.name)))

@@ -5,6 +5,7 @@
 //! drives it.
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+#[cfg(feature = "zero")]
 use std::time::Instant;
 
 use candle_core::Device;
@@ -23,16 +24,22 @@ use super::optimizer::TrainOptimizer;
 use super::LiveComm;
 use crate::checkpoint::{Checkpointer, ShardDict, TrainingStateDict};
 use crate::error::{Context, Result, TrainError};
-use crate::events::{Event, Reporter, Resplit};
+#[cfg(feature = "zero")]
+use crate::events::Resplit;
+use crate::events::{Event, Reporter};
 use crate::fault;
 use crate::live_entries::Entries;
-use crate::live_part::{owned_by, Mirrored};
+#[cfg(feature = "zero")]
+use crate::live_part::owned_by;
+use crate::live_part::Mirrored;
 use crate::options::TrainOptions;
 use crate::schedule::{self, RunLength};
 use crate::state::{
     replicated_with_optimizer, sampler_state_from_value, sampler_value, Resumed, OPTIMIZER_SHARD,
 };
-use crate::trainer::{reshard_message, Evaluation, Recipe, ResumeContext, SaveContext, StepReport};
+use crate::trainer::{
+    reshard_message, CustomState, Evaluation, Recipe, ResumeContext, SaveContext, StepReport,
+};
 use crate::Step;
 
 /// The classifier's model, optimizer, eval data and checkpoint files.
@@ -282,6 +289,37 @@ impl Recipe for Classifier<'_> {
         }))
     }
 
+    /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
+    fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
+        let cfg = self.cfg;
+        if let Some(z) = self.zero_live.as_ref().filter(|_| group.rank() == 0) {
+            let cost = Event::MirrorCost(z.cost("optimizer shard"));
+            self.reporter.report(&cost).context("reporting to the run's loggers")?;
+        }
+        if let Some(path) = &cfg.checkpoint.save_final {
+            if group.rank() == 0 {
+                save_weights(&self.ddp.module(), path)?;
+            }
+            group.barrier()?;
+        }
+        if let Some(path) = &cfg.checkpoint.export_onnx {
+            if group.rank() == 0 {
+                let value = model_value(&self.ddp.module())?;
+                let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
+                    .option("export_onnx", Some(path.display().to_string()))?;
+                super::note(&self.reporter, summary.to_string())?;
+            }
+            group.barrier()?;
+        }
+        Ok(())
+    }
+
+    fn custom_state(&mut self) -> Option<&mut dyn CustomState> {
+        Some(self)
+    }
+}
+
+impl CustomState for Classifier<'_> {
     /// One file rank 0 writes; with `--zero` a directory: the replicated part once and every
     /// rank's optimizer entries in parallel (nothing gathered).
     fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>> {
@@ -336,31 +374,6 @@ impl Recipe for Classifier<'_> {
         Ok(Some(Resumed { path, step: global_step, epoch, world_size, note }))
     }
 
-    /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
-    fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
-        let cfg = self.cfg;
-        if let Some(z) = self.zero_live.as_ref().filter(|_| group.rank() == 0) {
-            let cost = Event::MirrorCost(z.cost("optimizer shard"));
-            self.reporter.report(&cost).context("reporting to the run's loggers")?;
-        }
-        if let Some(path) = &cfg.checkpoint.save_final {
-            if group.rank() == 0 {
-                save_weights(&self.ddp.module(), path)?;
-            }
-            group.barrier()?;
-        }
-        if let Some(path) = &cfg.checkpoint.export_onnx {
-            if group.rank() == 0 {
-                let value = model_value(&self.ddp.module())?;
-                let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
-                    .option("export_onnx", Some(path.display().to_string()))?;
-                super::note(&self.reporter, summary.to_string())?;
-            }
-            group.barrier()?;
-        }
-        Ok(())
-    }
-
     /// Not a collective: only the source builds it (with ZeRO, the shards move in the
     /// re-split that follows).
     fn live_state(&mut self, ctx: SaveContext<'_>) -> Result<Value> {
@@ -369,6 +382,7 @@ impl Recipe for Classifier<'_> {
 
     /// `--zero` under live recovery: every `--mirror-every` steps this rank's optimizer shard
     /// goes to the next rank.
+    #[cfg(feature = "zero")]
     fn after_step(&mut self, group: &ProcessGroup, n: u64) -> Result<()> {
         match &self.zero_live {
             Some(z) if z.due(n) => self.mirror_shard(group, n),
@@ -378,6 +392,7 @@ impl Recipe for Classifier<'_> {
 
     /// `--zero` under live recovery: the optimizer state re-split over the new world's
     /// partition (each parameter's from its newest holder, fresh where nobody holds it).
+    #[cfg(feature = "zero")]
     fn regroup(&mut self, group: &ProcessGroup, global_step: u64) -> Result<Option<Resplit>> {
         let (Some(z), TrainOptimizer::Zero(opt)) = (self.zero_live.as_mut(), &self.opt) else {
             return Ok(None);
@@ -418,6 +433,7 @@ impl Recipe for Classifier<'_> {
 
 impl Classifier<'_> {
     /// Sends this rank's ZeRO shard to the next rank, keeps the previous rank's (a collective).
+    #[cfg(feature = "zero")]
     fn mirror_shard(&mut self, group: &ProcessGroup, step: u64) -> Result<()> {
         let clock = Instant::now();
         let params = self.ddp.params().len();

@@ -39,7 +39,7 @@ use crate::metrics::VerificationMetrics;
 use crate::options::{OptimizerKind, Precision, TrainOptions};
 use crate::schedule::RunLength;
 use crate::state::Resumed;
-use crate::trainer::{Recipe, ResumeContext, SaveContext, StepReport};
+use crate::trainer::{CustomState, Recipe, ResumeContext, SaveContext, StepReport};
 use crate::verification::{self as verify, ValSet};
 use crate::Step;
 
@@ -352,6 +352,39 @@ impl Recipe for Face<'_> {
         verify::evaluate(&self.model, &buffers, &self.val, &self.device, group).option("val", None)
     }
 
+    /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
+    fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
+        let cfg = self.cfg;
+        if let Some(live) = self.live.as_ref().filter(|_| group.rank() == 0) {
+            // What the mirror cost this rank (its own bytes; every rank sends one shard).
+            let reported = self.reporter.report(&Event::MirrorCost(live.cost("head")));
+            reported.context("reporting to the run's loggers")?;
+        }
+        if let Some(path) = &cfg.checkpoint.save_final {
+            if group.rank() == 0 {
+                tandem_nn::weights::save_weights(&*self.ddp.module(), path)
+                    .option("save_final", Some(path.display().to_string()))?;
+            }
+            group.barrier()?;
+        }
+        if let Some(path) = &cfg.checkpoint.export_onnx {
+            if group.rank() == 0 {
+                let value = self.ddp.module().state_dict()?;
+                let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
+                    .option("export_onnx", Some(path.display().to_string()))?;
+                super::note(&self.reporter, summary.to_string())?;
+            }
+            group.barrier()?;
+        }
+        Ok(())
+    }
+
+    fn custom_state(&mut self) -> Option<&mut dyn CustomState> {
+        Some(self)
+    }
+}
+
+impl CustomState for Face<'_> {
     fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>> {
         if self.pending_head_grad.is_some() && ctx.group.rank() == 0 {
             // Gradients are not part of the training state (nor of arcface_torch's).
@@ -402,7 +435,7 @@ impl Recipe for Face<'_> {
         }
     }
 
-    /// The replicated state (the head stays on its ranks: [`Recipe::regroup`] re-splits it).
+    /// The replicated state (the head stays on its ranks: [`CustomState::regroup`] re-splits it).
     fn live_state(&mut self, ctx: SaveContext<'_>) -> Result<Value> {
         let head_index = self.ddp.params().len() as i64;
         let (rest, _) = split_optimizer(self.opt.state_dict()?, head_index);
@@ -465,33 +498,6 @@ impl Recipe for Face<'_> {
         // The new rows are this rank's own now: mirrored at once, so the next death is covered.
         self.send_mirror(group, &rows, Instant::now())?;
         Ok(Some(Resplit::HeadRows(counts)))
-    }
-
-    /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
-    fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
-        let cfg = self.cfg;
-        if let Some(live) = self.live.as_ref().filter(|_| group.rank() == 0) {
-            // What the mirror cost this rank (its own bytes; every rank sends one shard).
-            let reported = self.reporter.report(&Event::MirrorCost(live.cost("head")));
-            reported.context("reporting to the run's loggers")?;
-        }
-        if let Some(path) = &cfg.checkpoint.save_final {
-            if group.rank() == 0 {
-                tandem_nn::weights::save_weights(&*self.ddp.module(), path)
-                    .option("save_final", Some(path.display().to_string()))?;
-            }
-            group.barrier()?;
-        }
-        if let Some(path) = &cfg.checkpoint.export_onnx {
-            if group.rank() == 0 {
-                let value = self.ddp.module().state_dict()?;
-                let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
-                    .option("export_onnx", Some(path.display().to_string()))?;
-                super::note(&self.reporter, summary.to_string())?;
-            }
-            group.barrier()?;
-        }
-        Ok(())
     }
 }
 

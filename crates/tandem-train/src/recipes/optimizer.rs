@@ -6,16 +6,19 @@ use std::sync::Arc;
 use candle_core::Var;
 use tandem_ckpt::Value;
 use tandem_comm::{Collectives, ProcessGroup};
-use tandem_optim::{
-    AdamWConfig, OptimError, SgdConfig, ShardOptimizer, TorchAdamW, TorchOptimizer, TorchSgd,
-    ZeroRedundancyOptimizer,
-};
+#[cfg(feature = "zero")]
+use tandem_optim::ZeroRedundancyOptimizer;
+use tandem_optim::{AdamWConfig, OptimError, SgdConfig, TorchAdamW, TorchOptimizer, TorchSgd};
+
+/// One optimizer over the parameters it is given (all of them, or ZeRO's shard).
+type ShardOptimizer = Box<dyn TorchOptimizer + Send>;
 
 use crate::error::Result;
 use crate::options::{OptimizerKind, TrainOptions};
 
 pub enum TrainOptimizer {
     Plain(ShardOptimizer),
+    #[cfg(feature = "zero")]
     Zero(ZeroRedundancyOptimizer),
 }
 
@@ -50,23 +53,24 @@ impl TrainOptimizer {
 
     /// [`TrainOptimizer::new`] with ZeRO's collectives `comm` (a live world's follow its
     /// regroups).
+    #[cfg_attr(not(feature = "zero"), allow(unused_variables))]
     pub fn with_comm(
         cfg: &TrainOptions,
         params: Vec<Var>,
         comm: Arc<dyn Collectives>,
     ) -> Result<Self> {
-        Ok(if cfg.optim.zero {
-            TrainOptimizer::Zero(ZeroRedundancyOptimizer::new(params, comm, |shard| {
-                plain(cfg, shard)
-            })?)
-        } else {
-            TrainOptimizer::Plain(plain(cfg, params)?)
-        })
+        #[cfg(feature = "zero")]
+        if cfg.optim.zero {
+            let zero = ZeroRedundancyOptimizer::new(params, comm, |shard| plain(cfg, shard))?;
+            return Ok(TrainOptimizer::Zero(zero));
+        }
+        Ok(TrainOptimizer::Plain(plain(cfg, params)?))
     }
 
     pub fn get(&self) -> &dyn TorchOptimizer {
         match self {
             TrainOptimizer::Plain(o) => o.as_ref(),
+            #[cfg(feature = "zero")]
             TrainOptimizer::Zero(z) => z,
         }
     }
@@ -74,6 +78,7 @@ impl TrainOptimizer {
     pub fn get_mut(&mut self) -> &mut dyn TorchOptimizer {
         match self {
             TrainOptimizer::Plain(o) => o.as_mut(),
+            #[cfg(feature = "zero")]
             TrainOptimizer::Zero(z) => z,
         }
     }
@@ -84,12 +89,14 @@ impl TrainOptimizer {
     pub fn live_state(&self) -> Result<Value> {
         match self {
             TrainOptimizer::Plain(o) => Ok(o.state_dict()?),
+            #[cfg(feature = "zero")]
             TrainOptimizer::Zero(z) => Ok(z.hyperparameters()?),
         }
     }
 
     /// ZeRO after a live regroup: this rank's shard of the new world's partition, loaded from
     /// `state` (the entries this rank now owns and the hyperparameters).
+    #[cfg(feature = "zero")]
     pub fn repartition(&mut self, cfg: &TrainOptions, state: &Value) -> Result<()> {
         if let TrainOptimizer::Zero(z) = self {
             z.repartition(state, |shard| plain(cfg, shard))?;
