@@ -97,12 +97,12 @@ enum Net {
 }
 
 impl Net {
-    /// The ParamSet models (the ResNet is built by [`ResNetTrainer`]).
+    /// The ParamSet models (the ResNet is built by [`ResNetSteps`]).
     fn new(kind: ModelKind, dev: &Device) -> anyhow::Result<Net> {
         Ok(match kind {
             ModelKind::Mlp => Net::Mlp(Mlp::new(&[784, 1024, 1024, 10], 0, dev)?),
             ModelKind::Cnn => Net::Cnn(Cnn::new(1, 28, 28, 10, 0, dev)?),
-            ModelKind::ResNet18 => anyhow::bail!("resnet18 is built by ResNetTrainer"),
+            ModelKind::ResNet18 => anyhow::bail!("resnet18 is built by ResNetSteps"),
             face => anyhow::bail!("{face} is a face backbone: `tandem bench face` runs it"),
         })
     }
@@ -118,7 +118,7 @@ impl Net {
 
 /// ResNet-18 as users hold it: candle-nn layers on a VarMap, BatchNorm in training mode; Ddp
 /// (when given a group) wraps its variables.
-struct ResNetTrainer {
+struct ResNetSteps {
     model: ResNet,
     ddp: Option<Ddp<NamedVars>>,
     opt: TorchSgd,
@@ -127,7 +127,7 @@ struct ResNetTrainer {
     scaler: Option<tandem_optim::GradScaler>,
 }
 
-impl ResNetTrainer {
+impl ResNetSteps {
     fn new(
         width: usize,
         comm: Option<&tandem_comm::ProcessGroup>,
@@ -156,11 +156,11 @@ impl ResNetTrainer {
         let scaler = (autocast == Some(candle_core::DType::F16))
             .then(|| tandem_optim::GradScaler::new(tandem_optim::GradScalerConfig::default()))
             .transpose()?;
-        Ok(ResNetTrainer { model, ddp, opt, autocast, scaler })
+        Ok(ResNetSteps { model, ddp, opt, autocast, scaler })
     }
 }
 
-impl Trainer for ResNetTrainer {
+impl StepLoop for ResNetSteps {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
         let model = &self.model;
         let logits = tandem_nn::autocast(self.autocast, || model.forward_t(x, true))?;
@@ -206,7 +206,7 @@ fn batch(kind: ModelKind, n: usize, seed: u64, dev: &Device) -> anyhow::Result<(
 }
 
 /// One training step function, the same for plain and Ddp (Ddp adds its backward).
-trait Trainer {
+trait StepLoop {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()>;
 }
 
@@ -216,7 +216,7 @@ struct Plain<M: ParamModule> {
     opt: TorchSgd,
 }
 
-impl<M: ParamModule> Trainer for Plain<M> {
+impl<M: ParamModule> StepLoop for Plain<M> {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
         let grads = tandem_nn::backward(&(self.loss)(&self.model, x, y)?)?;
         self.opt.step(&grads)?;
@@ -230,7 +230,7 @@ struct Wrapped<M: ParamModule> {
     opt: TorchSgd,
 }
 
-impl<M: ParamModule> Trainer for Wrapped<M> {
+impl<M: ParamModule> StepLoop for Wrapped<M> {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
         let loss = (self.loss)(self.ddp.hooked(), x, y)?;
         let grads = self.ddp.backward(&loss)?;
@@ -248,7 +248,7 @@ struct WrappedVars<M: ParamModule> {
     opt: TorchSgd,
 }
 
-impl<M: ParamModule> Trainer for WrappedVars<M> {
+impl<M: ParamModule> StepLoop for WrappedVars<M> {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
         let loss = (self.loss)(&self.model, x, y)?;
         let grads = self.ddp.backward(&loss)?;
@@ -265,10 +265,10 @@ fn trainer(
     args: &Args,
     comm: Option<&tandem_comm::ProcessGroup>,
     dev: &Device,
-) -> anyhow::Result<Box<dyn Trainer>> {
+) -> anyhow::Result<Box<dyn StepLoop>> {
     let (kind, mode) = (args.model, args.mode.as_str());
     if kind == ModelKind::ResNet18 {
-        return Ok(Box::new(ResNetTrainer::new(args.width, comm, dev, &args.precision)?));
+        return Ok(Box::new(ResNetSteps::new(args.width, comm, dev, &args.precision)?));
     }
     let opts = DdpOptions::default();
     Ok(match (Net::new(kind, dev)?, comm) {
@@ -301,7 +301,7 @@ fn as_varmap<M: ParamModule>(m: &M) -> NamedVars {
 /// Seconds for `steps` steps (after the warm-up steps). A GPU's queued work is waited for at
 /// both ends, so the time is the device's, not only the host's.
 fn timed(
-    t: &mut dyn Trainer,
+    t: &mut dyn StepLoop,
     (x, y): (&Tensor, &Tensor),
     steps: usize,
     sync: &dyn Fn() -> anyhow::Result<()>,

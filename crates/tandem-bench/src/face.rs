@@ -167,7 +167,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 /// One configuration of the recipe on both sides: the data, the initial weights and the
 /// command lines. Shared by `bench face` (rounds at one size) and `bench face-scale` (sizes,
 /// rank counts and the largest head).
-pub(crate) struct Recipe {
+pub(crate) struct FaceRun {
     pub exe: PathBuf,
     pub python: PathBuf,
     pub peer: PathBuf,
@@ -212,7 +212,7 @@ pub(crate) struct RunStats {
     pub device_peak: Option<f64>,
 }
 
-impl Recipe {
+impl FaceRun {
     /// Synthesises `identities` x 8 images under `dir/faces` (kept if there) and writes the
     /// initial weights (the head too when it is at most 256 MiB).
     pub fn prepare(mut self, dir: &Path, identities: usize) -> anyhow::Result<Self> {
@@ -255,7 +255,7 @@ impl Recipe {
     }
 
     pub fn new(python: &Path) -> anyhow::Result<Self> {
-        Ok(Recipe {
+        Ok(FaceRun {
             exe: crate::tandem_exe()?,
             python: python.to_path_buf(),
             peer: crate::report::repo_root().join(crate::PEERS_DIR).join("torch_face_recipe.py"),
@@ -443,7 +443,7 @@ fn run_outcome(cmd: &mut Command, what: &str) -> anyhow::Result<Result<String, S
 
 fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
     let head_rows = args.classes.unwrap_or(args.identities);
-    let recipe = Recipe {
+    let recipe = FaceRun {
         nproc: args.nproc,
         model: args.model.clone(),
         width: args.width,
@@ -458,7 +458,7 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         warmup_steps: args.warmup_steps,
         workers: args.workers,
         profile: args.profile,
-        ..Recipe::new(python)?
+        ..FaceRun::new(python)?
     }
     .prepare(dir, args.identities)?;
     if args.warmup_steps >= args.steps {

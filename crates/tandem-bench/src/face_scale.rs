@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 
-use crate::face::{Outcome, Recipe};
+use crate::face::{FaceRun, Outcome};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -121,7 +121,7 @@ fn point(side: &str, ranks: usize, classes: usize, o: Outcome) -> Point {
     }
 }
 
-fn run_side(recipe: &Recipe, side: &str, dir: &Path) -> anyhow::Result<Point> {
+fn run_side(recipe: &FaceRun, side: &str, dir: &Path) -> anyhow::Result<Point> {
     let out = dir.join(format!("run-{}-{}", recipe.nproc, recipe.classes));
     let outcome = if side == "tandem" { recipe.tandem(&out)? } else { recipe.pytorch()? };
     std::fs::remove_dir_all(&out).ok();
@@ -143,7 +143,7 @@ fn run_side(recipe: &Recipe, side: &str, dir: &Path) -> anyhow::Result<Point> {
 
 /// The side's largest trainable head by geometric bisection between `lo` and `hi`.
 fn search(
-    base: &Recipe,
+    base: &FaceRun,
     side: &str,
     args: &Args,
     dir: &Path,
@@ -191,8 +191,13 @@ fn search(
     })
 }
 
-fn with_size(base: &Recipe, python: &Path, ranks: usize, classes: usize) -> anyhow::Result<Recipe> {
-    Ok(Recipe {
+fn with_size(
+    base: &FaceRun,
+    python: &Path,
+    ranks: usize,
+    classes: usize,
+) -> anyhow::Result<FaceRun> {
+    Ok(FaceRun {
         nproc: ranks,
         classes,
         model: base.model.clone(),
@@ -204,7 +209,7 @@ fn with_size(base: &Recipe, python: &Path, ranks: usize, classes: usize) -> anyh
         torch_workers: 0,
         // A head of millions of classes checkpoints to tens of GiB: the runs measure training.
         checkpoints: false,
-        ..Recipe::new(python)?
+        ..FaceRun::new(python)?
     })
 }
 
@@ -229,14 +234,14 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 }
 
 fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<Results> {
-    let base = Recipe {
+    let base = FaceRun {
         model: args.model.clone(),
         width: args.width,
         embedding: args.embedding,
         sample_rate: args.sample_rate,
         batch: args.batch,
         steps: args.steps,
-        ..Recipe::new(python)?
+        ..FaceRun::new(python)?
     };
     let mut largest = Vec::new();
     if !args.no_search {
