@@ -4,13 +4,13 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use tandem_models::{Cnn, Mlp, ResNet};
-use tandem_nn::{OrderedVarMap, ParamModule};
-use tandem_optim::{SgdConfig, TorchSgd};
+use tandem::models::{Cnn, Mlp, ResNet};
+use tandem::nn::{OrderedVarMap, ParamModule};
+use tandem::optim::{SgdConfig, TorchSgd};
 
 fn main() -> anyhow::Result<()> {
-    tandem_nn::join_compute_pool();
-    tandem_nn::tune_allocator();
+    tandem::nn::join_compute_pool();
+    tandem::nn::tune_allocator();
     let args: Vec<String> = std::env::args().collect();
     let model = args.get(1).map(String::as_str).unwrap_or("mlp");
     let n: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(128);
@@ -47,9 +47,9 @@ fn main() -> anyhow::Result<()> {
         let t0 = Instant::now();
         let logits = fwd(&x)?;
         let t1 = Instant::now();
-        let loss = tandem_nn::functional::cross_entropy(&logits, &y)?;
+        let loss = tandem::nn::functional::cross_entropy(&logits, &y)?;
         let t2 = Instant::now();
-        let grads = tandem_nn::backward(&loss)?;
+        let grads = tandem::nn::backward(&loss)?;
         let t3 = Instant::now();
         opt.step(&grads)?;
         let t4 = Instant::now();

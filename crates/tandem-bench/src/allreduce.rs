@@ -17,7 +17,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use super::local_ranks::{median, LocalRanks};
-use tandem_comm::{ProcessGroup, ReduceOp};
+use tandem::comm::{ProcessGroup, ReduceOp};
 
 const OPS: [&str; 3] = ["all_reduce", "reduce_scatter", "all_to_all"];
 
@@ -153,7 +153,7 @@ impl Buffers {
 }
 
 fn worker(args: &Args, sizes: &[usize], ops: &[&str]) -> anyhow::Result<i32> {
-    let pg = tandem_comm::init().context("worker init")?;
+    let pg = tandem::comm::init().context("worker init")?;
     let n = pg.size();
     // Warm-up: the first size timed cold measured a third of its bandwidth (page faults in
     // fresh buffers and shared-memory rings, the sockets' windows still growing).

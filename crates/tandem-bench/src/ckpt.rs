@@ -17,7 +17,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use tandem_ckpt::{TensorData, Value};
+use tandem::ckpt::{TensorData, Value};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -221,7 +221,7 @@ fn run(args: &Args, dir: &Path) -> anyhow::Result<i32> {
         None => eprintln!("no Python with torch found: torch rows skipped"),
     }
     let mut torch_times: Option<Vec<TorchTimes>> = python.as_ref().map(|_| vec![]);
-    let no_mmap = tandem_ckpt::LoadOptions { mmap: false, ..Default::default() };
+    let no_mmap = tandem::ckpt::LoadOptions { mmap: false, ..Default::default() };
     for r in 0..args.repeat {
         eprintln!("run {}/{}", r + 1, args.repeat);
         if let (Some(py), Some(times)) = (&python, &mut torch_times) {
@@ -235,11 +235,11 @@ fn run(args: &Args, dir: &Path) -> anyhow::Result<i32> {
                     rows[0].1.push(time(|| dd(&ddf, args.size_mib))?);
                     std::fs::remove_file(&ddf).ok();
                 }
-                1 => rows[1].1.push(time(|| Ok(tandem_ckpt::save(&pt, &sd)?))?),
-                _ => rows[2].1.push(time(|| Ok(tandem_ckpt::safetensors::save(&st, &sd)?))?),
+                1 => rows[1].1.push(time(|| Ok(tandem::ckpt::save(&pt, &sd)?))?),
+                _ => rows[2].1.push(time(|| Ok(tandem::ckpt::safetensors::save(&st, &sd)?))?),
             }
         }
-        rows[3].1.push(time(|| Ok(tandem_ckpt::load(&pt)?))?);
+        rows[3].1.push(time(|| Ok(tandem::ckpt::load(&pt)?))?);
         // Times of whole-file reads are scaled to the tensor bytes, as every other row is.
         let file_len = std::fs::metadata(&pt).context("reading the .pt file's size")?.len();
         let per_tensor_byte = total as f64 / file_len as f64;
@@ -247,10 +247,10 @@ fn run(args: &Args, dir: &Path) -> anyhow::Result<i32> {
         let start = Instant::now();
         let held = touch_fresh_memory(file_len as usize)?;
         rows[5].1.push(start.elapsed().as_secs_f64() * per_tensor_byte);
-        rows[6].1.push(time(|| Ok(tandem_ckpt::load_with(&pt, &no_mmap)?))?);
+        rows[6].1.push(time(|| Ok(tandem::ckpt::load_with(&pt, &no_mmap)?))?);
         drop(held);
-        rows[7].1.push(time(|| Ok(tandem_ckpt::load_with(&pt, &no_mmap)?))?);
-        rows[8].1.push(time(|| Ok(tandem_ckpt::safetensors::load(&st)?))?);
+        rows[7].1.push(time(|| Ok(tandem::ckpt::load_with(&pt, &no_mmap)?))?);
+        rows[8].1.push(time(|| Ok(tandem::ckpt::safetensors::load(&st)?))?);
         std::fs::remove_file(&pt).ok();
         std::fs::remove_file(&st).ok();
     }

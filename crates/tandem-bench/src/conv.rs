@@ -17,8 +17,8 @@ use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
 use serde::Serialize;
-use tandem_nn::kernels::conv2d::{conv2d, ConvParams};
-use tandem_nn::kernels::winograd::{applies, MIN_CHANNELS};
+use tandem::nn::kernels::conv2d::{conv2d, ConvParams};
+use tandem::nn::kernels::winograd::{applies, MIN_CHANNELS};
 
 /// Which network's shapes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -216,7 +216,7 @@ fn time_op(
         }
         "batch_norm" => {
             let vm = VarMap::new();
-            let bn = tandem_nn::fast_batch_norm2d(
+            let bn = tandem::nn::fast_batch_norm2d(
                 op.c_in,
                 VarBuilder::from_varmap(&vm, DType::F32, dev),
             )?;
@@ -229,7 +229,7 @@ fn time_op(
         _ => {
             let a = Var::from_tensor(&Tensor::full(0.25f32, op.c_in, dev)?)?;
             let r = Tensor::randn(0f32, 1.0, x.shape(), dev)?.to_dtype(dtype)?;
-            let f = || tandem_nn::kernels::prelu::prelu(&x, a.as_tensor());
+            let f = || tandem::nn::kernels::prelu::prelu(&x, a.as_tensor());
             let fwd_ms = median_ms(dev, repeats, f)?;
             let fwdbwd_ms = median_ms(dev, repeats, || (f()? * &r)?.sum_all()?.backward())?;
             Ok(Timed { fwd_ms, fwdbwd_ms, im2col_fwdbwd_ms: None })

@@ -24,10 +24,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use candle_core::{Device, Tensor};
-use tandem_ddp::{Ddp, DdpOptions};
-use tandem_models::{Cnn, Mlp, ModelKind, ResNet};
-use tandem_nn::{NamedVars, OrderedVarMap, ParamModule};
-use tandem_optim::{SgdConfig, TorchSgd};
+use tandem::ddp::{Ddp, DdpOptions};
+use tandem::models::{Cnn, Mlp, ModelKind, ResNet};
+use tandem::nn::{NamedVars, OrderedVarMap, ParamModule};
+use tandem::optim::{SgdConfig, TorchSgd};
 
 use super::local_ranks::{median, LocalRanks};
 
@@ -36,7 +36,7 @@ pub struct Args {
     /// Ranks for the distributed run.
     #[arg(long, default_value_t = 2)]
     nproc: usize,
-    /// mlp: 784-1024-1024-10 (the peer script's model); cnn: tandem_models::Cnn on 1x28x28;
+    /// mlp: 784-1024-1024-10 (the peer script's model); cnn: tandem::models::Cnn on 1x28x28;
     /// resnet18: ResNet-18 for CIFAR on 3x32x32 (a VarMap model, its fused layers reduced as
     /// backward computes them: `reduce_during_backward`).
     #[arg(long, default_value = "mlp")]
@@ -124,13 +124,13 @@ struct ResNetSteps {
     opt: TorchSgd,
     /// Autocast's type (f16, bf16) on a GPU, with f16's GradScaler.
     autocast: Option<candle_core::DType>,
-    scaler: Option<tandem_optim::GradScaler>,
+    scaler: Option<tandem::optim::GradScaler>,
 }
 
 impl ResNetSteps {
     fn new(
         width: usize,
-        comm: Option<&tandem_comm::ProcessGroup>,
+        comm: Option<&tandem::comm::ProcessGroup>,
         dev: &Device,
         precision: &str,
     ) -> anyhow::Result<Self> {
@@ -154,7 +154,7 @@ impl ResNetSteps {
             "--precision {precision}: mixed precision runs on a GPU (--device cuda)"
         );
         let scaler = (autocast == Some(candle_core::DType::F16))
-            .then(|| tandem_optim::GradScaler::new(tandem_optim::GradScalerConfig::default()))
+            .then(|| tandem::optim::GradScaler::new(tandem::optim::GradScalerConfig::default()))
             .transpose()?;
         Ok(ResNetSteps { model, ddp, opt, autocast, scaler })
     }
@@ -163,16 +163,16 @@ impl ResNetSteps {
 impl StepLoop for ResNetSteps {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
         let model = &self.model;
-        let logits = tandem_nn::autocast(self.autocast, || model.forward_t(x, true))?;
+        let logits = tandem::nn::autocast(self.autocast, || model.forward_t(x, true))?;
         let loss =
-            tandem_nn::functional::cross_entropy(&logits.to_dtype(candle_core::DType::F32)?, y)?;
+            tandem::nn::functional::cross_entropy(&logits.to_dtype(candle_core::DType::F32)?, y)?;
         let loss = match &self.scaler {
             Some(s) => s.scale(&loss)?,
             None => loss,
         };
         let mut grads = match &self.ddp {
             Some(ddp) => ddp.backward(&loss)?,
-            None => tandem_nn::backward(&loss)?,
+            None => tandem::nn::backward(&loss)?,
         };
         match self.scaler.as_mut() {
             Some(s) => {
@@ -218,7 +218,7 @@ struct Plain<M: ParamModule> {
 
 impl<M: ParamModule> StepLoop for Plain<M> {
     fn step(&mut self, x: &Tensor, y: &Tensor) -> anyhow::Result<()> {
-        let grads = tandem_nn::backward(&(self.loss)(&self.model, x, y)?)?;
+        let grads = tandem::nn::backward(&(self.loss)(&self.model, x, y)?)?;
         self.opt.step(&grads)?;
         Ok(())
     }
@@ -263,7 +263,7 @@ fn sgd(params: Vec<candle_core::Var>) -> anyhow::Result<TorchSgd> {
 
 fn trainer(
     args: &Args,
-    comm: Option<&tandem_comm::ProcessGroup>,
+    comm: Option<&tandem::comm::ProcessGroup>,
     dev: &Device,
 ) -> anyhow::Result<Box<dyn StepLoop>> {
     let (kind, mode) = (args.model, args.mode.as_str());
@@ -320,15 +320,15 @@ fn timed(
 /// This rank's device for `--device`.
 fn device(args: &Args, local_rank: usize) -> anyhow::Result<Device> {
     let location = match args.device.as_str() {
-        "cpu" => tandem_ckpt::MapLocation::Cpu,
-        _ => tandem_ckpt::MapLocation::Cuda(local_rank),
+        "cpu" => tandem::ckpt::MapLocation::Cpu,
+        _ => tandem::ckpt::MapLocation::Cuda(local_rank),
     };
-    tandem_nn::convert::map_location_device(location)
+    tandem::nn::convert::map_location_device(location)
         .with_context(|| format!("--device {} (LOCAL_RANK {local_rank})", args.device))
 }
 
 fn worker(args: &Args) -> anyhow::Result<i32> {
-    let pg = tandem_comm::init().context("worker: initialising the process group")?;
+    let pg = tandem::comm::init().context("worker: initialising the process group")?;
     let per_rank = args.batch / pg.size();
     let dev = device(args, pg.local_rank())?;
     #[cfg(feature = "cuda")]
@@ -357,7 +357,7 @@ fn worker(args: &Args) -> anyhow::Result<i32> {
 fn single_process(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
     let dev = device(args, 0)?;
     let (x, y) = batch(args.model, args.batch, 0, &dev)?;
-    let one = tandem_comm::init_from(&tandem_comm::InitMethod::Single)?;
+    let one = tandem::comm::init_from(&tandem::comm::InitMethod::Single)?;
     let mut plain = trainer(args, None, &dev)?;
     let mut ddp = trainer(args, Some(&one), &dev)?;
     for _ in 0..WARMUP {

@@ -320,7 +320,7 @@ impl FaceRun {
             return Ok(Outcome::Failed(why));
         }
         let metrics = out.join("metrics.jsonl");
-        let summary = tandem_train::metrics::last_summary(&metrics)?
+        let summary = tandem::train::metrics::last_summary(&metrics)?
             .with_context(|| format!("no run summary in {}", metrics.display()))?;
         let max = |v: &[u64]| v.iter().map(|&b| b as f64).fold(0.0, f64::max);
         // Training's peak, as the PyTorch side's (which saves no checkpoint); the last save's

@@ -14,8 +14,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use tandem_train::events::{Regroup, Resplit};
-use tandem_train::metrics::{read_metrics, MetricsRecord};
+use tandem::train::events::{Regroup, Resplit};
+use tandem::train::metrics::{read_metrics, MetricsRecord};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 enum Recipe {
@@ -225,7 +225,7 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
     // changed, and every rank 0 appends to the same file).
     let metrics = dir.join("runs/live-bench/metrics.jsonl");
     let records = read_metrics(&metrics)?;
-    let summary = tandem_train::metrics::last_summary(&metrics)?
+    let summary = tandem::train::metrics::last_summary(&metrics)?
         .with_context(|| format!("no run summary in {}", metrics.display()))?;
     result.eval_accuracy = summary.eval_accuracy.unwrap_or(f64::NAN);
     result.verification = summary.verification_accuracy.unwrap_or(f64::NAN);
@@ -266,9 +266,9 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
     // Every sample of every epoch, once (the dataset's size from the run's header is not
     // printed, so count the epochs' samples as epochs × the training set).
     let per_epoch = match a.recipe {
-        Recipe::Mlp => {
-            tandem_data::datasets::digits().map(|(t, _)| tandem_data::Dataset::len(&t)).unwrap_or(0)
-        }
+        Recipe::Mlp => tandem::data::datasets::digits()
+            .map(|(t, _)| tandem::data::Dataset::len(&t))
+            .unwrap_or(0),
         Recipe::Face => 64 * 8,
     };
     result.samples = (a.epochs() * per_epoch) as f64;

@@ -11,8 +11,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use candle_core::Device;
-use tandem_data::datasets::faces::{write_synthetic_faces, FaceFormat, FaceRecDataset};
-use tandem_data::{DataLoader, Dataset, DistributedSampler, LoaderOptions};
+use tandem::data::datasets::faces::{write_synthetic_faces, FaceFormat, FaceRecDataset};
+use tandem::data::{DataLoader, Dataset, DistributedSampler, LoaderOptions};
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -18,7 +18,7 @@ pub struct LocalRanks {
 /// What every rank of job `job` gets, however it is started: this executable, and the store
 /// port, run id and init timeout.
 fn job_basics(job: &str) -> anyhow::Result<(PathBuf, [(&'static str, String); 3])> {
-    let port = tandem_launch::pick_master_port().context("picking a port for rank 0's store")?;
+    let port = tandem::launch::pick_master_port().context("picking a port for rank 0's store")?;
     let exe = crate::bench_exe()?;
     let vars = [
         ("MASTER_PORT", port.to_string()),

@@ -113,8 +113,8 @@ pub(crate) fn bench_exe() -> anyhow::Result<PathBuf> {
 
 fn main() {
     // Benchmarks allocate tensors per step; keep freed memory for reuse (as `tandem` does).
-    tandem_nn::tune_allocator();
-    tandem_nn::join_compute_pool();
+    tandem::nn::tune_allocator();
+    tandem::nn::join_compute_pool();
     let args = Args::parse();
     match run(args) {
         Ok(code) => std::process::exit(code),

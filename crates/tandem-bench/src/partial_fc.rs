@@ -9,11 +9,11 @@ use std::time::Instant;
 
 use anyhow::Context;
 use candle_core::{Device, Tensor};
-use tandem_comm::Collectives;
-use tandem_comm::LocalGroup;
-use tandem_optim::zero::state_bytes;
-use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd};
-use tandem_partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig};
+use tandem::comm::Collectives;
+use tandem::comm::LocalGroup;
+use tandem::optim::zero::state_bytes;
+use tandem::optim::{SgdConfig, TorchOptimizer, TorchSgd};
+use tandem::partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig};
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -12,13 +12,13 @@ use std::time::Instant;
 
 use anyhow::bail;
 use candle_core::{Device, Tensor};
-use tandem_ckpt::{TrainingCheckpoint, Value};
-use tandem_comm::InitMethod;
-use tandem_models::Mlp;
-use tandem_nn::weights::state_dict_value;
-use tandem_nn::ParamModule;
-use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd};
-use tandem_train::checkpoint::{Checkpointer, TrainingStateDict};
+use tandem::ckpt::{TrainingCheckpoint, Value};
+use tandem::comm::InitMethod;
+use tandem::models::Mlp;
+use tandem::nn::weights::state_dict_value;
+use tandem::nn::ParamModule;
+use tandem::optim::{SgdConfig, TorchOptimizer, TorchSgd};
+use tandem::train::checkpoint::{Checkpointer, TrainingStateDict};
 
 use super::local_ranks::median;
 
@@ -105,13 +105,13 @@ fn run_once(
         TorchSgd::new(params, SgdConfig { lr: 1e-3, momentum: 0.9, ..Default::default() })?;
     let x = Tensor::randn(0f32, 1.0, (BATCH, INPUT), &device)?;
     let y = Tensor::from_vec((0..BATCH as u32).map(|i| i % 10).collect(), BATCH, &device)?;
-    let group = tandem_comm::init_from(&InitMethod::Single)?;
+    let group = tandem::comm::init_from(&InitMethod::Single)?;
     let mut ckpt =
         Checkpointer::new(dir.join(format!("{mode:?}")), 2).background(mode == Mode::Background);
     let mut times = RunTimes { steps: vec![], saved: vec![], copy: vec![], drain: 0.0 };
     for step in 1..=args.steps {
         let started = Instant::now();
-        let grads = tandem_nn::backward(&model.loss(&x, &y)?)?;
+        let grads = tandem::nn::backward(&model.loss(&x, &y)?)?;
         opt.step(&grads)?;
         let save = mode != Mode::NoSave && step % args.save_every == 0;
         if save {
@@ -190,7 +190,7 @@ fn face_once(mode: Mode, args: &Args, dir: &std::path::Path) -> anyhow::Result<(
         bail!("tandem train ({mode:?}) failed:\n{}", String::from_utf8_lossy(&result.stderr));
     }
     let metrics = out.join("metrics.jsonl");
-    let summary = tandem_train::metrics::last_summary(&metrics)?
+    let summary = tandem::train::metrics::last_summary(&metrics)?
         .with_context(|| format!("no run summary in {}", metrics.display()))?;
     let t =
         summary.step_times.with_context(|| format!("no step times in {}", metrics.display()))?;

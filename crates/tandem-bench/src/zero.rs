@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use candle_core::{Device, Tensor};
-use tandem_models::{targets, Mlp};
-use tandem_nn::ParamModule;
-use tandem_optim::zero::state_bytes;
-use tandem_optim::{
+use tandem::models::{targets, Mlp};
+use tandem::nn::ParamModule;
+use tandem::optim::zero::state_bytes;
+use tandem::optim::{
     AdamWConfig, ShardOptimizer, TorchAdamW, TorchOptimizer, ZeroRedundancyOptimizer,
 };
 
@@ -53,7 +53,7 @@ fn dims(args: &Args) -> anyhow::Result<Vec<usize>> {
     Ok(d)
 }
 
-fn adamw(params: Vec<candle_core::Var>) -> Result<ShardOptimizer, tandem_optim::OptimError> {
+fn adamw(params: Vec<candle_core::Var>) -> Result<ShardOptimizer, tandem::optim::OptimError> {
     Ok(Box::new(TorchAdamW::new(params, AdamWConfig { lr: 1e-3, ..Default::default() })?))
 }
 
@@ -70,7 +70,7 @@ fn time_steps(model: &Mlp, opt: &mut dyn TorchOptimizer, steps: usize) -> anyhow
     let (x, y) = batch(model.dims())?;
     let mut times = Vec::new();
     for i in 0..steps + 2 {
-        let grads = tandem_nn::backward(&model.loss(&x, &y)?)?;
+        let grads = tandem::nn::backward(&model.loss(&x, &y)?)?;
         let t = Instant::now();
         opt.step(&grads)?;
         if i >= 2 {
@@ -81,7 +81,7 @@ fn time_steps(model: &Mlp, opt: &mut dyn TorchOptimizer, steps: usize) -> anyhow
 }
 
 fn worker(args: &Args) -> anyhow::Result<i32> {
-    let pg = tandem_comm::init().context("worker init")?;
+    let pg = tandem::comm::init().context("worker init")?;
     let model = Mlp::new(&dims(args)?, 0, &Device::Cpu)?;
     let mut opt = ZeroRedundancyOptimizer::new(model.params(), Arc::new(pg.clone()), adamw)?;
     let secs = time_steps(&model, &mut opt, args.steps)?;
