@@ -133,12 +133,10 @@ pub struct TrainConfig {
     /// Leave the first N steps out of the reported samples/s (their one-off costs: cuDNN's
     /// algorithm search, kernel compilation).
     #[arg(long = "timing-warmup-steps", default_value_t = 0)]
-    #[serde(default)]
     pub timing_warmup_steps: u64,
     /// Threads decoding batches ahead of the step (arcface_torch's `num_workers`; default 2
     /// for the face models, 1 for the classifiers; 0 decodes on the training thread).
     #[arg(long = "num-workers")]
-    #[serde(default)]
     pub num_workers: Option<usize>,
     /// Run directory (default runs/<model>-<data>-<timestamp>).
     #[arg(long)]
@@ -152,13 +150,11 @@ pub struct TrainConfig {
     /// Write no checkpoint at all, not even at the end (a benchmark or a throwaway run: there
     /// is nothing to resume from, and --save-final still writes the final weights).
     #[arg(long = "no-checkpoints")]
-    #[serde(default)]
     pub no_checkpoints: bool,
     /// Write checkpoints on a background thread: training waits only while the state is copied
     /// to host memory. At most one save in flight; a failed write stops the run at the next save
     /// or at the end, naming the file.
     #[arg(long = "async-save")]
-    #[serde(default)]
     pub async_save: bool,
     /// Continue from the newest valid checkpoint in --out.
     #[arg(long)]
@@ -168,11 +164,9 @@ pub struct TrainConfig {
     /// read), at most one step is redone. Under `tandem run --live-recovery` it is on by itself;
     /// run plainly, tandem train starts its ranks that way (with --max-restarts).
     #[arg(long = "live-recovery")]
-    #[serde(default)]
     pub live_recovery: bool,
     /// With --live-recovery and no outside launcher: times a dead rank is started again.
     #[arg(long = "max-restarts", default_value_t = 0)]
-    #[serde(default)]
     pub max_restarts: u32,
     /// Initial weights from a PyTorch or tandem checkpoint (any wrapping; strict key check).
     #[arg(long = "init-from")]
@@ -183,17 +177,14 @@ pub struct TrainConfig {
     /// Shard the optimizer state over the ranks (ZeRO-1, PyTorch's ZeroRedundancyOptimizer):
     /// each rank keeps the state of its share of the parameters; same weights as without.
     #[arg(long)]
-    #[serde(default)]
     pub zero: bool,
     /// At the end, rank 0 writes the trained model (eval mode) as ONNX here.
     #[arg(long = "export-onnx", value_name = "FILE")]
-    #[serde(default)]
     pub export_onnx: Option<PathBuf>,
     /// Mixed precision (PyTorch's autocast + GradScaler recipe). The MLP computes in 16 bits;
     /// the convolution nets' kernels compute in f32 inside, their input and output (the face
     /// models: embeddings and PartialFC logits) pass through the 16-bit type.
     #[arg(long, value_parser = choice::<Precision>(), default_value = "f32")]
-    #[serde(default)]
     pub precision: Precision,
     /// Collective backend. nccl reduces CUDA gradients on the GPUs (with --device cuda); the
     /// others stage them through host memory.
@@ -201,88 +192,70 @@ pub struct TrainConfig {
     pub backend: Backend,
     /// Where each rank trains: cpu, or cuda (rank r on GPU LOCAL_RANK).
     #[arg(long, value_parser = choice::<DeviceKind>(), default_value = "cpu")]
-    #[serde(default)]
     pub device: DeviceKind,
     /// Write TensorBoard event files (loss, lr, accuracy, samples/s) into the run directory.
     #[arg(long)]
     pub tensorboard: bool,
     /// Learning-rate schedule, stepped after every optimizer step.
     #[arg(long = "lr-scheduler", value_enum, default_value_t = SchedulerKind::None)]
-    #[serde(default)]
     pub lr_scheduler: SchedulerKind,
     /// Linear warm-up steps of --lr-scheduler poly.
     #[arg(long = "warmup-steps", conflicts_with = "warmup_epochs")]
-    #[serde(default)]
     pub warmup_steps: Option<u64>,
     /// Warm-up in epochs of --lr-scheduler poly (arcface_torch's `warmup_epoch`: this many
     /// times images / global batch steps).
     #[arg(long = "warmup-epochs")]
-    #[serde(default)]
     pub warmup_epochs: Option<u64>,
     /// Epochs between the x0.1 decays of --lr-scheduler step.
     #[arg(long = "lr-step-epochs", default_value_t = 10)]
-    #[serde(default = "default_lr_step_epochs")]
     pub lr_step_epochs: u64,
     /// Clip the gradient norm of the model (the face backbone, not its head, as arcface_torch)
     /// to this value before every step.
     #[arg(long = "clip-grad-norm")]
-    #[serde(default)]
     pub clip_grad_norm: Option<f64>,
     /// GradScaler growth interval with --precision f16 (default: 100 for the face models as
     /// arcface_torch, torch's 2000 otherwise).
     #[arg(long = "grad-scaler-growth-interval")]
-    #[serde(default)]
     pub grad_scaler_growth_interval: Option<i64>,
     /// Face models: the embedding width.
     #[arg(long = "embedding-size", default_value_t = 512)]
-    #[serde(default = "default_embedding_size")]
     pub embedding_size: usize,
     /// Face models: the margin, `arcface` (= 1,0.5,0), `cosface` (= 1,0,0.4) or `M1,M2,M3` of
     /// arcface_torch's CombinedMarginLoss.
     #[arg(long, default_value = "arcface")]
-    #[serde(default = "default_margin")]
     pub margin: String,
     /// Face models: the logit scale s of the margin loss.
     #[arg(long = "margin-scale", default_value_t = 64.0)]
-    #[serde(default = "default_margin_scale")]
     pub margin_scale: f64,
     /// Face models: the fraction of each rank's class centres sampled per step (PartialFC).
     #[arg(long = "sample-rate", default_value_t = 1.0)]
-    #[serde(default = "default_sample_rate")]
     pub sample_rate: f64,
     /// Face models: non-target cosines above this are zeroed (0: off).
     #[arg(long = "interclass-filtering-threshold", default_value_t = 0.0)]
-    #[serde(default)]
     pub interclass_filtering_threshold: f64,
     /// Face models: batches whose gradients are summed before each optimizer step
     /// (arcface_torch's `gradient_acc`); the learning-rate schedule still moves every batch.
     #[arg(long = "gradient-acc", default_value_t = 1)]
-    #[serde(default = "default_gradient_acc")]
     pub gradient_acc: u64,
     /// Face models: the number of identities (default: from the rec's header record).
     #[arg(long = "num-classes")]
-    #[serde(default)]
     pub num_classes: Option<usize>,
     /// Face models: a verification pair set (insightface `.bin`), repeatable; evaluated every
     /// --verbose steps and at the end.
     #[arg(long = "val", value_name = "FILE.bin")]
-    #[serde(default)]
     pub val: Vec<PathBuf>,
     /// Face models: run the verification sets every N steps (0: only at the end).
     #[arg(long, default_value_t = 2000)]
-    #[serde(default = "default_verbose")]
     pub verbose: u64,
     /// Under --live-recovery: state each rank holds alone (the face recipe's class centres
     /// with their optimizer state, --zero's optimizer shard) is mirrored to the next rank every
     /// N steps; a rank's death loses at most N - 1 steps of it. Each mirror sends one shard.
     #[arg(long = "mirror-every", default_value_t = 10, value_name = "N")]
-    #[serde(default = "default_mirror_every")]
     pub mirror_every: u64,
     /// A line in RUN/training.log every N steps, arcface_torch's log (its `frequent`): speed,
     /// loss average, lr, epoch, global step, f16 grad scale, hours left; and the verification
     /// sets' XNorm, Accuracy-Flip and Accuracy-Highest lines. 0: no training.log.
     #[arg(long = "log-every", default_value_t = 10, value_name = "N")]
-    #[serde(default = "default_log_every")]
     pub log_every: u64,
     /// Settings from a TOML file whose keys are these flags' names (`batch-size = 128`), or
     /// arcface_torch's Python config (`configs/ms1mv3_r50.py`: its `config.key = value` lines
@@ -290,35 +263,6 @@ pub struct TrainConfig {
     #[arg(long, value_name = "FILE.toml|FILE.py")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-}
-
-fn default_lr_step_epochs() -> u64 {
-    10
-}
-fn default_embedding_size() -> usize {
-    512
-}
-fn default_margin() -> String {
-    "arcface".into()
-}
-fn default_margin_scale() -> f64 {
-    64.0
-}
-fn default_gradient_acc() -> u64 {
-    1
-}
-
-fn default_sample_rate() -> f64 {
-    1.0
-}
-fn default_mirror_every() -> u64 {
-    10
-}
-fn default_log_every() -> u64 {
-    10
-}
-fn default_verbose() -> u64 {
-    2000
 }
 
 /// arcface_torch's CombinedMarginLoss `(m1, m2, m3)` from `--margin`.
