@@ -64,12 +64,9 @@ impl RankPart for Entries {
         let v = tandem_ckpt::pt::load_from_bytes("optimizer entries", bytes, false)
             .map_err(|e| e.to_string())?;
         let got = Entries::from_state(&v, header.step);
-        if got.header().ranges != header.ranges {
-            return Err(format!(
-                "entries for parameters {:?}, announced {:?}",
-                got.header().ranges,
-                header.ranges
-            ));
+        let held = got.header().ranges;
+        if held != header.ranges {
+            return Err(format!("entries for parameters {held:?}, announced {:?}", header.ranges));
         }
         Ok(got)
     }

@@ -1,8 +1,9 @@
 //! The training loop, written once for every recipe (as Lightning's `Trainer` and burn's
 //! `Learner`): epochs and steps with the sampler's epoch, a step budget, the recipe's step
 //! through one [`Step`], evaluation at epoch ends and verification every N steps, checkpoints
-//! as a [`CheckpointPolicy`] says (synchronously or in the background), resume, live recovery (`tandem run --live-recovery`: regroup on a
-//! peer's death or a rank joining, redo at most the failed step), and the run's typed
+//! as a [`CheckpointPolicy`] says (synchronously or in the background), resume, live recovery
+//! (`tandem run --live-recovery`: regroup on a peer's death or a rank joining, redo at most the
+//! failed step), and the run's typed
 //! [`Event`]s to its loggers (the run directory's metrics file, TensorBoard and `training.log`,
 //! and any given through a [`Reporter`]), ending in a typed [`RunSummary`]. It never prints.
 //!
@@ -270,6 +271,11 @@ pub trait CustomState {
 const NO_STATE: &str = "this recipe neither gives its state (Recipe::state) nor keeps it \
      itself (Recipe::custom_state)";
 
+/// The state `recipe` keeps itself, for a recipe that does not give it to the [`Trainer`].
+fn custom_state_of<R: Recipe>(recipe: &mut R) -> Result<&mut dyn CustomState> {
+    recipe.custom_state().ok_or_else(|| TrainError::invalid(NO_STATE))
+}
+
 /// How the [`Trainer`] runs.
 #[derive(Clone, Debug)]
 pub struct TrainerOptions {
@@ -501,10 +507,7 @@ impl<R: Recipe> Trainer<R> {
                 step: &mut self.step,
                 epochs: self.opts.epochs,
             };
-            match self.recipe.custom_state() {
-                Some(custom) => custom.resume(ctx)?,
-                None => return Err(TrainError::invalid(NO_STATE)),
-            }
+            custom_state_of(&mut self.recipe)?.resume(ctx)?
         };
         let Some(r) = resumed else { return Ok(()) };
         self.global_step = r.step;
@@ -955,10 +958,7 @@ fn checkpoint<R: Recipe>(
     let name = format!("step-{n:08}");
     let Some(whole) = whole_state(recipe, step, None, position.epoch, n) else {
         let ctx = SaveContext { group, name: &name, step, position, global_step: n };
-        return match recipe.custom_state() {
-            Some(custom) => custom.save(ctx),
-            None => Err(TrainError::invalid(NO_STATE)),
-        };
+        return custom_state_of(recipe)?.save(ctx);
     };
     // Every rank builds its whole dict: a failure building it is the same on every rank,
     // before anyone waits.
@@ -1059,11 +1059,7 @@ impl<R: Recipe> LiveState for Trainer<R> {
             position: &position,
             global_step: n,
         };
-        let no_state = || TrainError::invalid(NO_STATE);
-        let value = self
-            .recipe
-            .custom_state()
-            .ok_or_else(no_state)
+        let value = custom_state_of(&mut self.recipe)
             .and_then(|custom| custom.live_state(ctx))
             .map_err(|e| LiveError::Other(e.chain_text()))?;
         tandem_ckpt::to_pt_bytes(&value).map_err(|e| LiveError::Other(e.to_string()))
@@ -1092,10 +1088,7 @@ impl<R: Recipe> LiveState for Trainer<R> {
             step: &mut self.step,
             epochs: self.opts.epochs,
         };
-        self.global_step = self
-            .recipe
-            .custom_state()
-            .ok_or_else(|| TrainError::invalid(NO_STATE))
+        self.global_step = custom_state_of(&mut self.recipe)
             .and_then(|custom| custom.load_live_state(&value, ctx))
             .map_err(|e| LiveError::Other(e.chain_text()))?;
         Ok(())

@@ -26,6 +26,18 @@ fn documented() -> BTreeMap<String, BTreeSet<String>> {
     rows
 }
 
+/// Every crate of the workspace: its directory name and path.
+fn crates() -> Vec<(String, PathBuf)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(repo().join("crates")).unwrap() {
+        let dir = entry.unwrap().path();
+        if dir.join("Cargo.toml").exists() {
+            out.push((dir.file_name().unwrap().to_string_lossy().to_string(), dir));
+        }
+    }
+    out
+}
+
 fn declared(krate: &Path) -> BTreeSet<String> {
     let manifest = std::fs::read_to_string(krate.join("Cargo.toml")).unwrap();
     let manifest: toml::Table = manifest.parse().unwrap();
@@ -40,12 +52,7 @@ fn declared(krate: &Path) -> BTreeSet<String> {
 fn every_crate_depends_on_what_the_architecture_page_says() {
     let rows = documented();
     let mut seen = BTreeSet::new();
-    for entry in std::fs::read_dir(repo().join("crates")).unwrap() {
-        let dir = entry.unwrap().path();
-        if !dir.join("Cargo.toml").exists() {
-            continue;
-        }
-        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+    for (name, dir) in crates() {
         let Some(allowed) = rows.get(&name) else {
             panic!("crates/{name} has no row in docs/architecture.md");
         };
@@ -99,12 +106,7 @@ fn drawn_layers() -> BTreeMap<String, usize> {
 #[test]
 fn every_crate_depends_only_on_layers_drawn_below_it() {
     let layers = drawn_layers();
-    for entry in std::fs::read_dir(repo().join("crates")).unwrap() {
-        let dir = entry.unwrap().path();
-        if !dir.join("Cargo.toml").exists() {
-            continue;
-        }
-        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+    for (name, dir) in crates() {
         let Some(&mine) = layers.get(&name) else {
             panic!("crates/{name} is not in docs/architecture.md's drawing");
         };
@@ -189,12 +191,7 @@ fn every_public_module_is_a_chosen_namespace() {
         .iter()
         .map(|(k, mods)| (*k, mods.iter().map(|m| m.to_string()).collect()))
         .collect();
-    for entry in std::fs::read_dir(repo().join("crates")).unwrap() {
-        let dir = entry.unwrap().path();
-        if !dir.join("Cargo.toml").exists() {
-            continue;
-        }
-        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+    for (name, dir) in crates() {
         let Some(want) = chosen.get(name.as_str()) else {
             panic!("crates/{name} is not in PUBLIC_MODULES (tests/architecture.rs)");
         };

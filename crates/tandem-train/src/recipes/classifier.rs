@@ -24,9 +24,9 @@ use super::optimizer::TrainOptimizer;
 use super::LiveComm;
 use crate::checkpoint::{Checkpointer, ShardDict, TrainingStateDict};
 use crate::error::{Context, Result, TrainError};
+use crate::events::Reporter;
 #[cfg(feature = "zero")]
 use crate::events::Resplit;
-use crate::events::{Event, Reporter};
 use crate::fault;
 use crate::live_entries::Entries;
 #[cfg(feature = "zero")]
@@ -291,27 +291,8 @@ impl Recipe for Classifier<'_> {
 
     /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
     fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
-        let cfg = self.cfg;
-        if let Some(z) = self.zero_live.as_ref().filter(|_| group.rank() == 0) {
-            let cost = Event::MirrorCost(z.cost("optimizer shard"));
-            self.reporter.report(&cost).context("reporting to the run's loggers")?;
-        }
-        if let Some(path) = &cfg.checkpoint.save_final {
-            if group.rank() == 0 {
-                save_weights(&self.ddp.module(), path)?;
-            }
-            group.barrier()?;
-        }
-        if let Some(path) = &cfg.checkpoint.export_onnx {
-            if group.rank() == 0 {
-                let value = model_value(&self.ddp.module())?;
-                let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
-                    .option("export_onnx", Some(path.display().to_string()))?;
-                super::note(&self.reporter, summary.to_string())?;
-            }
-            group.barrier()?;
-        }
-        Ok(())
+        let mirror = self.zero_live.as_ref().map(|z| z.cost("optimizer shard"));
+        super::finish_run(self.cfg, group, &self.reporter, mirror, &*self.ddp.module())
     }
 
     fn custom_state(&mut self) -> Option<&mut dyn CustomState> {
@@ -519,12 +500,6 @@ pub fn load_weights(net: &Net, path: &Path) -> Result<tandem_ckpt::LoadReport> {
 
 fn model_value(net: &Net) -> Result<Value> {
     Ok(tandem_nn::weights::state_dict_value(net)?)
-}
-
-/// Writes the model's weights with canonical keys: safetensors for `.safetensors`, else `.pt`.
-fn save_weights(net: &Net, path: &Path) -> Result<()> {
-    tandem_nn::weights::save_weights(net, path)
-        .with_context(|| format!("saving weights to {}", path.display()))
 }
 
 /// The training state a checkpoint holds beside the model.

@@ -29,7 +29,7 @@ use super::net::Autocast;
 use super::LiveComm;
 use crate::checkpoint::{CheckpointError, Checkpointer};
 use crate::error::{bail_option, Context, Result, TrainError};
-use crate::events::{Event, Reporter, Resplit};
+use crate::events::{Reporter, Resplit};
 use crate::face::live_head::RowBlock;
 use crate::face::optimizer_entry::{merge_optimizer, split_optimizer};
 use crate::face::{self as face_state, FaceState, HEAD_SHARD};
@@ -354,29 +354,9 @@ impl Recipe for Face<'_> {
 
     /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
     fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
-        let cfg = self.cfg;
-        if let Some(live) = self.live.as_ref().filter(|_| group.rank() == 0) {
-            // What the mirror cost this rank (its own bytes; every rank sends one shard).
-            let reported = self.reporter.report(&Event::MirrorCost(live.cost("head")));
-            reported.context("reporting to the run's loggers")?;
-        }
-        if let Some(path) = &cfg.checkpoint.save_final {
-            if group.rank() == 0 {
-                tandem_nn::weights::save_weights(&*self.ddp.module(), path)
-                    .option("save_final", Some(path.display().to_string()))?;
-            }
-            group.barrier()?;
-        }
-        if let Some(path) = &cfg.checkpoint.export_onnx {
-            if group.rank() == 0 {
-                let value = self.ddp.module().state_dict()?;
-                let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
-                    .option("export_onnx", Some(path.display().to_string()))?;
-                super::note(&self.reporter, summary.to_string())?;
-            }
-            group.barrier()?;
-        }
-        Ok(())
+        // What the mirror cost this rank (its own bytes; every rank sends one shard).
+        let mirror = self.live.as_ref().map(|live| live.cost("head"));
+        super::finish_run(self.cfg, group, &self.reporter, mirror, &*self.ddp.module())
     }
 
     fn custom_state(&mut self) -> Option<&mut dyn CustomState> {

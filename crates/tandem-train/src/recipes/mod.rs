@@ -15,7 +15,7 @@ pub mod optimizer;
 use tandem_comm::{LiveOptions, ProcessGroup};
 
 use crate::error::{bail_option, Context, Result, TrainError};
-use crate::events::{Event, Reporter};
+use crate::events::{Event, MirrorCost, Reporter};
 use crate::options::{Backend, DeviceKind, Precision, TrainOptions};
 use crate::world::World;
 use crate::{RunSummary, Step};
@@ -75,6 +75,39 @@ fn trainer<R: crate::Recipe>(
 ) -> Result<crate::Trainer<R>> {
     let opts = crate::TrainerOptions::from_train_options(cfg);
     Ok(crate::Trainer::new(recipe, loader, step, group, opts)?.reporter(reporter.clone()))
+}
+
+/// The end of a built-in recipe's run, after its last checkpoint (every rank calls it): rank 0
+/// reports what the live mirror cost (`mirror`) and writes `--save-final` and `--export-onnx`
+/// from `model`; every rank meets after each file.
+fn finish_run(
+    cfg: &TrainOptions,
+    group: &ProcessGroup,
+    reporter: &Reporter,
+    mirror: Option<MirrorCost>,
+    model: &(impl tandem_nn::ParamModule + ?Sized),
+) -> Result<()> {
+    let rank0 = group.rank() == 0;
+    if let Some(cost) = mirror.filter(|_| rank0) {
+        reporter.report(&Event::MirrorCost(cost)).context("reporting to the run's loggers")?;
+    }
+    if let Some(path) = &cfg.checkpoint.save_final {
+        if rank0 {
+            tandem_nn::weights::save_weights(model, path)
+                .option("save_final", Some(path.display().to_string()))?;
+        }
+        group.barrier()?;
+    }
+    if let Some(path) = &cfg.checkpoint.export_onnx {
+        if rank0 {
+            let value = model.state_dict()?;
+            let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
+                .option("export_onnx", Some(path.display().to_string()))?;
+            note(reporter, summary.to_string())?;
+        }
+        group.barrier()?;
+    }
+    Ok(())
 }
 
 /// Says `text` to the run's loggers (a fact about the run; the caller is rank 0).
