@@ -14,9 +14,10 @@ use tandem::models::IResNet;
 use tandem::nn::{OrderedVarMap, ParamModule};
 use tandem::optim::{GradScaler, GradScalerConfig, SgdConfig, TorchOptimizer, TorchSgd};
 use tandem::partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig};
-use tandem::train::face::{self, FaceState};
+use tandem::recipes::face::{self, FaceState};
+use tandem::recipes::verification;
 use tandem::train::Checkpointer;
-use tandem::train::{verification, LrSchedule, RunLength, Step, Warmup};
+use tandem::train::{LrSchedule, RunLength, Step, Warmup};
 
 const SEED: u64 = 7;
 

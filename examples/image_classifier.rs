@@ -15,9 +15,10 @@ use candle_nn::{conv2d, linear, Conv2d, Conv2dConfig, Linear, VarBuilder, VarMap
 use tandem::data::LoaderOptions;
 use tandem::data::{datasets, Batch, DataLoader, Dataset, DistributedSampler, InMemoryDataset};
 use tandem::ddp::{Ddp, DdpOptions};
+use tandem::nn::Autocast;
 use tandem::nn::NamedVars;
 use tandem::optim::{GradScaler, GradScalerConfig, SgdConfig, TorchOptimizer, TorchSgd};
-use tandem::train::recipes::{classifier::evaluate_logits, net::Autocast};
+use tandem::train::evaluate_logits;
 use tandem::train::{Evaluation, Lines, LrSchedule, Periodic, Recipe, Reporter, RunLength};
 use tandem::train::{Step, StepReport, Trainer, TrainerOptions, TrainingState, World};
 

@@ -149,7 +149,7 @@ mod tests {
         let train = cli.find_subcommand("train").expect("a train subcommand");
         let flags: Vec<String> =
             train.get_arguments().filter_map(|a| a.get_long()).map(|l| format!("--{l}")).collect();
-        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tandem-train/src");
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tandem-recipes/src");
         let mut keys = Vec::new();
         for (path, text) in tandem_testutil::files_with_text(&src) {
             for marker in ["option(\"", "bail_option!(\""] {

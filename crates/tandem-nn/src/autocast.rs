@@ -46,6 +46,44 @@ pub(crate) fn cast(t: &Tensor, device: &Device) -> candle_core::Result<Tensor> {
     }
 }
 
+/// Mixed precision for a model whose CPU kernels compute in f32 (tandem-nn's convolutions): the input and the
+/// logits pass through the 16-bit type (rounded as autocast's f16/bf16 tensors are), and the
+/// GradScaler scales the loss as with any f16 run. `None`: f32 throughout.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Autocast(pub Option<DType>);
+
+impl Autocast {
+    /// Autocast to `dtype` (f32: none).
+    pub fn to(dtype: DType) -> Self {
+        Autocast((dtype != DType::F32).then_some(dtype))
+    }
+
+    /// `x` rounded to the 16-bit type and back (differentiable; the identity without autocast).
+    pub fn round(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self.0 {
+            Some(dt) => x.to_dtype(dt)?.to_dtype(DType::F32),
+            None => Ok(x.clone()),
+        }
+    }
+
+    /// `f(x)` under this precision, as f32. On a GPU, real mixed precision: `f` runs inside
+    /// [`autocast`] (convolutions and matmuls in the 16-bit type on tensor cores).
+    /// On the CPU, whose kernels compute in f32, values are rounded instead: the output, and
+    /// the input too when `round_input`.
+    pub fn apply(
+        &self,
+        x: &Tensor,
+        round_input: bool,
+        f: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        match self.0 {
+            Some(dt) if !x.device().is_cpu() => autocast(Some(dt), || f(x))?.to_dtype(DType::F32),
+            _ if round_input => self.round(&f(&self.round(x)?)?),
+            _ => self.round(&f(x)?),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

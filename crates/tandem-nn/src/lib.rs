@@ -35,7 +35,7 @@ mod vars;
 pub mod weights;
 
 pub use alloc::{allocator_tuned, tune_allocator};
-pub use autocast::{autocast, compute_dtype};
+pub use autocast::{autocast, compute_dtype, Autocast};
 pub use backward::{backward, backward_with_sink, GradSink};
 pub use batch_norm::{fast_batch_norm2d, FastBatchNorm2d, HasBatchNorm, StatsReducer};
 pub use checkpoint::{checkpoint, CheckpointFn};

@@ -21,7 +21,7 @@ pub enum TrainError {
     /// A part each rank holds alone could not be mirrored or re-split (live recovery).
     #[error(transparent)]
     Live(Box<crate::live_part::PartError>),
-    /// An option at fault, named by its key in [`TrainOptions`](crate::TrainOptions) terms
+    /// An option at fault, named by its key in the options' terms
     /// (`lr_scheduler`, `init_from`: the `--config` keys), with the value at fault when it is
     /// worth showing. Shown as `key=value: what`; a binary names its own flag for the key
     /// ([`TrainError::naming_option`]).
@@ -168,33 +168,33 @@ failed_from! {
     tandem_optim::OptimError => "the optimizer",
     tandem_optim::amp::AmpError => "the GradScaler",
     tandem_ddp::DdpError => "Ddp",
-    tandem_partial_fc::PartialFcError => "the PartialFC head",
     crate::StepError => "an optimizer step",
     crate::schedule::ScheduleError => "the learning-rate schedule",
     crate::metrics::MetricsError => "the metrics file",
-    crate::verification::VerificationError => "verification",
-    crate::face::FaceStateError => "the face checkpoint",
     crate::checkpoint::CheckpointError => "a checkpoint",
     crate::live::LiveError => "live recovery",
     crate::state::StateError => "the training state",
     std::io::Error => "I/O",
 }
 
-/// `return Err(TrainError::Invalid(format!(...)))`.
+/// `return Err(TrainError::Invalid(format!(...)))`, as `anyhow::bail!` for a recipe.
+#[macro_export]
 macro_rules! bail {
     ($($arg:tt)*) => {
-        return Err($crate::error::TrainError::Invalid(format!($($arg)*)))
+        return Err($crate::TrainError::Invalid(format!($($arg)*)))
     };
 }
-pub(crate) use bail;
+pub(crate) use crate::bail;
 
 /// `return Err(TrainError::option(key, value, format!(...)))`: option `key` cannot work.
+#[macro_export]
 macro_rules! bail_option {
     ($key:literal, $value:expr, $($arg:tt)*) => {
-        return Err($crate::error::TrainError::option($key, $value, format!($($arg)*)))
+        return Err($crate::TrainError::option($key, $value, format!($($arg)*)))
     };
 }
-pub(crate) use bail_option;
+#[allow(unused_imports)]
+pub(crate) use crate::bail_option;
 
 #[cfg(test)]
 mod tests {

@@ -22,12 +22,9 @@
 //!   [`Reporter`] holds; [`metrics`]: a run's typed results ([`EpochMetrics`], [`RunSummary`])
 //!   and the JSON-lines file a script reads them from; [`EventWriter`] (TensorBoard scalars)
 //!   and arcface_torch's `training.log`, all three loggers of the run directory;
-//! - [`verification`]: face verification sets (`.bin` pairs), scored by every rank together;
-//!   [`face`]: the face recipe's state (backbone + PartialFC head) as a [`TrainingStateDict`]
-//!   and back, on any world size; [`ijb`]: IJB-B/C 1:1 verification.
 //!
-//! - [`recipes`]: the built-in recipes run from typed [`options`] — the classifier and the face
-//!   recipe (`tandem train` is a thin shell over [`recipes::train`]).
+//! It knows no recipe by name: the built-in ones (the classifier, arcface_torch's face recipe)
+//! and the options `tandem train` takes are the `tandem-recipes` crate, a user of this one.
 //!
 //! Modules are private behind these re-exports except the namespaces above, so a module can
 //! move without breaking a user. It knows nothing of command lines and never prints: the
@@ -37,26 +34,21 @@
 
 pub mod checkpoint;
 pub mod events;
-pub mod face;
 #[doc(hidden)]
 pub mod fault;
-pub mod ijb;
 pub mod live;
 pub mod metrics;
-pub mod options;
-pub mod recipes;
-pub mod verification;
+pub mod schedule;
+pub mod state;
 
 mod error;
+mod evaluate;
 mod live_entries;
 mod live_part;
-mod schedule;
-mod state;
 mod step;
 mod tfevents;
 mod trainer;
 mod training_log;
-mod validate;
 mod world;
 
 pub use checkpoint::{
@@ -64,14 +56,14 @@ pub use checkpoint::{
     TrainingStateDict,
 };
 pub use error::{Context, Result, TrainError};
+pub use evaluate::evaluate_logits;
 pub use events::{Event, Lines, Logger, Reporter};
 pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
-pub use options::TrainOptions;
 pub use schedule::{LrSchedule, RunLength, ScheduleError, Scheduler, Warmup};
 pub use state::{
     load_state, load_state_from, save_state, LoaderPosition, Resumed, StateError, TrainingState,
 };
-pub use step::{Step, StepError, StepOutcome};
+pub use step::{phase_end, Step, StepError, StepOutcome};
 pub use tfevents::EventWriter;
 pub use trainer::{
     CustomState, Evaluation, Recipe, ResumeContext, SaveContext, StepReport, StepTimes, Trainer,

@@ -28,7 +28,6 @@ use crate::state::{
 
 pub use tandem_comm::live::is_peer_failure;
 
-pub use crate::face::live_head::RowBlock;
 pub use crate::live_entries::Entries;
 pub use crate::live_part::{
     exchange_mirror, owned_by, regroup, runs, Fill, Mirrored, PartError, PartHeader, RankPart,

@@ -429,3 +429,28 @@ pub fn sampler_state_from_value(v: &Value) -> Result<SamplerState, SamplerKeyErr
         },
     })
 }
+
+/// What a resume on another world size did with the epoch it resumed (rank 0 reports it).
+pub fn reshard_message(saved: &SamplerState, world: usize, loader: &dyn LoaderPosition) -> String {
+    let was =
+        format!("the checkpoint was written by {} ranks, this run has {world}", saved.num_replicas);
+    let now = loader.position();
+    if now.epoch != saved.epoch {
+        format!(
+            "{was}: epoch {} was complete (only padding was left); epoch {} starts with the usual \
+             split over {world} ranks",
+            saved.epoch, now.epoch
+        )
+    } else if now.start == 0 {
+        format!("{was}: epoch {} had not started; it is split over {world} ranks", now.epoch)
+    } else {
+        format!(
+            "{was}: the rest of epoch {} ({} samples not yet seen, after the first {} of its \
+             order) is split over {world} ranks, {} steps; later epochs use the usual split",
+            now.epoch,
+            now.samples_left(),
+            now.start,
+            loader.batches_left()
+        )
+    }
+}

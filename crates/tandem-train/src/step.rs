@@ -231,7 +231,7 @@ impl Step {
 /// Waits for `device`'s queued work when `TANDEM_PROFILE=phases` (or `ops`) asks for phase
 /// times that are the device's: kernels run asynchronously, so without the wait a phase's host
 /// clock measures its queueing and the GPU time lands in whichever later phase waits.
-pub(crate) fn phase_end(device: &candle_core::Device) -> candle_core::Result<()> {
+pub fn phase_end(device: &candle_core::Device) -> candle_core::Result<()> {
     use tandem_cuda::profile::{mode, Profile};
     if !device.is_cpu() && mode() >= Profile::Phases {
         device.synchronize()?;

@@ -9,7 +9,7 @@
 //!
 //! A [`Recipe`] says what one step and an evaluation are and gives its state (a recipe that
 //! keeps its own implements [`CustomState`]); the built-in ones are
-//! [`recipes::classifier`](crate::recipes::classifier) and [`recipes::face`](crate::recipes::face).
+//! tandem-recipes' classifier and face recipe.
 //!
 //! ```ignore
 //! let mut trainer = Trainer::new(my_recipe, loader, step, group, TrainerOptions::new(dir, 10));
@@ -24,7 +24,7 @@ use tandem_comm::{ProcessGroup, ReduceOp};
 use tandem_data::{Batch, DataLoader, Dataset, SamplerState};
 use tandem_optim::{GradScaler, TorchOptimizer};
 
-use crate::checkpoint::{CheckpointPolicy, Checkpointer, Never, Periodic};
+use crate::checkpoint::{CheckpointPolicy, Checkpointer, Periodic};
 use crate::error::{Context, Result, TrainError};
 use crate::events::{Event, Logger, Regroup, Reporter, Resplit, StepEvent};
 use crate::fault;
@@ -312,28 +312,6 @@ impl TrainerOptions {
             log_every: 0,
         }
     }
-
-    pub fn from_train_options(o: &crate::TrainOptions) -> Self {
-        TrainerOptions {
-            dir: o.run.dir.clone(),
-            epochs: o.run.epochs,
-            max_steps: o.run.max_steps,
-            checkpoints: match o.checkpoint.enabled {
-                true => Arc::new(
-                    Periodic::every(o.checkpoint.save_every)
-                        .keeping(o.checkpoint.keep_last)
-                        .in_background(o.checkpoint.background),
-                ),
-                false => Arc::new(Never),
-            },
-            // (A recipe without verification sets returns nothing from `validate`.)
-            validate_every: o.face.verify_every,
-            resume: o.run.resume,
-            tensorboard: o.run.tensorboard,
-            timing_warmup_steps: o.run.timing_warmup_steps,
-            log_every: o.run.log_every,
-        }
-    }
 }
 
 /// How a pass of [`Trainer::train`] ended.
@@ -546,7 +524,7 @@ impl<R: Recipe> Trainer<R> {
             true => {
                 let saved = state::sampler_state_from_value(&ck.sampler)
                     .with_context(|| format!("{what}: checkpoint `sampler`"))?;
-                Some(reshard_message(&saved, world, &self.loader))
+                Some(crate::state::reshard_message(&saved, world, &self.loader))
             }
             false => None,
         };
@@ -986,35 +964,6 @@ fn whole_state<'s, R: Recipe>(
     let given = recipe.state()?;
     let (scaler, scheduler) = step.scaler_and_scheduler_mut();
     Some(TrainingState { scheduler, scaler, loader, step: global_step, epoch, ..given })
-}
-
-/// What a resume on another world size did with the epoch it resumed (rank 0 reports it).
-pub(crate) fn reshard_message(
-    saved: &SamplerState,
-    world: usize,
-    loader: &dyn LoaderPosition,
-) -> String {
-    let was =
-        format!("the checkpoint was written by {} ranks, this run has {world}", saved.num_replicas);
-    let now = loader.position();
-    if now.epoch != saved.epoch {
-        format!(
-            "{was}: epoch {} was complete (only padding was left); epoch {} starts with the usual \
-             split over {world} ranks",
-            saved.epoch, now.epoch
-        )
-    } else if now.start == 0 {
-        format!("{was}: epoch {} had not started; it is split over {world} ranks", now.epoch)
-    } else {
-        format!(
-            "{was}: the rest of epoch {} ({} samples not yet seen, after the first {} of its \
-             order) is split over {world} ranks, {} steps; later epochs use the usual split",
-            now.epoch,
-            now.samples_left(),
-            now.start,
-            loader.batches_left()
-        )
-    }
 }
 
 fn report_to(reporter: &Reporter, event: &Event) -> Result<()> {

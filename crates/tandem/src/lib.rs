@@ -11,9 +11,10 @@
 //! [`data`] (datasets, the sampler, the loader), [`nn`] (layers, kernels, parameter views, state
 //! dicts, autocast; comm-free), [`cuda`] (GPU kernels, cuDNN, device timing; feature `cuda`), [`dist_nn`] (differentiable collectives, SyncBatchNorm), [`optim`] (optimizers, schedulers, GradScaler, clipping, ZeRO), [`models`] (reference
 //! models and `ModelKind`), [`ddp`] (Ddp, DataParallel, comm hooks), [`partial_fc`]
-//! (model-parallel heads), [`train`] (the training loop's parts: one mixed-precision step,
-//! schedules, training state, live recovery, metrics), [`onnx`] (export) and [`launch`] (the
-//! launcher).
+//! (model-parallel heads), [`train`] (the training loop's parts: the `Trainer` and its
+//! `Recipe`, one mixed-precision step, schedules, training state, live recovery, metrics),
+//! [`recipes`] (the built-in recipes `tandem train` runs: the classifier, arcface_torch's face
+//! recipe, verification and IJB), [`onnx`] (export) and [`launch`] (the launcher).
 pub use tandem_ckpt as ckpt;
 pub use tandem_comm as comm;
 pub use tandem_cuda as cuda;
@@ -27,6 +28,7 @@ pub use tandem_onnx as onnx;
 pub use tandem_optim as optim;
 pub use tandem_partial_fc as partial_fc;
 
+pub use tandem_recipes as recipes;
 pub use tandem_train as train;
 pub use tandem_train::live;
 

@@ -11,8 +11,8 @@ use tandem::ckpt::keys::{detect_wrapping, find_state_dicts, load_state_dict, str
 use tandem::ckpt::{CkptError, TensorData, Value};
 
 use tandem::optim::zero::is_zero1_checkpoint;
+use tandem::recipes::face::arcface;
 use tandem::train::checkpoint::{Saved, ShardSlice};
-use tandem::train::face::arcface;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -12,7 +12,7 @@ use anyhow::{bail, Context};
 use tandem::data::datasets::faces::FACE_SIDE;
 use tandem::data::datasets::ijb::IjbSet;
 use tandem::models::ModelKind;
-use tandem::train::ijb;
+use tandem::recipes::ijb;
 
 use super::embed::{Embedder, Runtime};
 

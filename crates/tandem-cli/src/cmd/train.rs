@@ -45,7 +45,7 @@ pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i3
     let run_dir = cfg.run_dir();
     let options = cfg.options(run_dir.clone())?;
     let reporter = Reporter::new().with(Console::new());
-    let summary = tandem::train::recipes::train(&options, &reporter)?;
+    let summary = tandem::recipes::train(&options, &reporter)?;
     if summary.rank == 0 {
         if !summary.verification.is_empty() {
             println!("verification:{}", verification_text(&summary.verification));

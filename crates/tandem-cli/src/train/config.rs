@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 pub use tandem::models::ModelKind;
-pub use tandem::train::options::{Backend, DeviceKind, OptimizerKind, Precision};
-use tandem::train::options::{Choice, TrainOptions};
+pub use tandem::recipes::options::{Backend, DeviceKind, OptimizerKind, Precision};
+use tandem::recipes::options::{Choice, TrainOptions};
 
 /// The `tandem train` flag of a training-library option key (`TrainError::Option`'s): each
 /// key is its `--config` key, and each flag that key with dashes.
@@ -306,7 +306,7 @@ impl TrainConfig {
 
     /// The flags as the library's options, the run directory `dir`.
     pub fn options(&self, dir: PathBuf) -> anyhow::Result<TrainOptions> {
-        use tandem::train::options::*;
+        use tandem::recipes::options::*;
         Ok(TrainOptions {
             run: RunOptions {
                 dir,

@@ -17,7 +17,7 @@ use tandem_data::datasets::faces::{verification_accuracy, VerificationSet};
 use tandem_data::DataError;
 use tandem_models::FACE_SIDE;
 
-use crate::metrics::VerificationMetrics;
+use tandem_train::metrics::VerificationMetrics;
 
 /// Images per forward pass.
 const BATCH: usize = 32;

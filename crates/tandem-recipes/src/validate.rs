@@ -4,8 +4,8 @@
 //! mentions are named by key in backticks.
 use tandem_models::ModelKind;
 
-use crate::error::{bail_option, Result};
 use crate::options::{Backend, DeviceKind, TrainOptions};
+use tandem_train::{bail_option, Result};
 
 impl TrainOptions {
     /// Refuses options that cannot train. The built-in recipes call it first; a binary calls it
@@ -135,7 +135,7 @@ impl TrainOptions {
         ];
         if let Some((_, key, why)) = refused.iter().find(|(on, _, _)| *on) {
             let text = format!("not supported with the `{model}` model ({why})");
-            return Err(crate::error::TrainError::option(key, None, text));
+            return Err(tandem_train::TrainError::option(key, None, text));
         }
         Ok(())
     }

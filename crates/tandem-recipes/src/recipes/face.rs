@@ -25,23 +25,23 @@ use tandem_nn::{NamedVars, OrderedVarMap, ParamModule};
 use tandem_optim::{AdamWConfig, SgdConfig, TorchAdamW, TorchOptimizer, TorchSgd};
 use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConfig};
 
-use super::net::Autocast;
 use super::LiveComm;
-use crate::checkpoint::{CheckpointError, Checkpointer};
-use crate::error::{bail_option, Context, Result, TrainError};
-use crate::events::{Reporter, Resplit};
-use crate::face::live_head::RowBlock;
 use crate::face::optimizer_entry::{merge_optimizer, split_optimizer};
+use crate::face::RowBlock;
 use crate::face::{self as face_state, FaceState, HEAD_SHARD};
-use crate::fault;
-use crate::live_part::{Mirrored, RegroupCounts};
-use crate::metrics::VerificationMetrics;
 use crate::options::{OptimizerKind, Precision, TrainOptions};
-use crate::schedule::RunLength;
-use crate::state::Resumed;
-use crate::trainer::{CustomState, Recipe, ResumeContext, SaveContext, StepReport};
 use crate::verification::{self as verify, ValSet};
-use crate::Step;
+use tandem_nn::Autocast;
+use tandem_train::checkpoint::{CheckpointError, Checkpointer};
+use tandem_train::events::{Reporter, Resplit};
+use tandem_train::fault;
+use tandem_train::live::{Mirrored, RegroupCounts};
+use tandem_train::metrics::VerificationMetrics;
+use tandem_train::Resumed;
+use tandem_train::RunLength;
+use tandem_train::Step;
+use tandem_train::{bail_option, Context, Result, TrainError};
+use tandem_train::{CustomState, Recipe, ResumeContext, SaveContext, StepReport};
 
 /// arcface_torch's DDP settings for the backbone.
 const BUCKET_CAP_MB: f64 = 16.0;
@@ -261,10 +261,10 @@ impl Recipe for Face<'_> {
         model.seed(seed);
         let embeddings = self.autocast.apply(&batch.x, false, |x| model.forward_t(x, true))?;
         fault::hit(fault::Phase::Forward);
-        crate::step::phase_end(&self.device)?;
+        tandem_train::phase_end(&self.device)?;
         let forward_secs = clock.elapsed().as_secs_f64();
-        let loss = self.head.forward(&embeddings, &labels)?;
-        crate::step::phase_end(&self.device)?;
+        let loss = self.head.forward(&embeddings, &labels).context("the PartialFC head")?;
+        tandem_train::phase_end(&self.device)?;
         // On a GPU the loss stays there: the trainer reads it a few steps later.
         let (value, pending_loss) = if loss.device().is_cpu() {
             (loss.to_scalar::<f32>()? as f64, None)
@@ -462,7 +462,7 @@ impl CustomState for Face<'_> {
         let e = self.head.config().embedding_size;
         let device = self.head.weight().device().clone();
         let weight = candle_core::Tensor::from_vec(rows.weight.clone(), (rows.len, e), &device)?;
-        let var = self.head.regroup(&weight)?;
+        let var = self.head.regroup(&weight).context("re-splitting the PartialFC head")?;
         self.head.set_steps_taken(global_step);
         // The optimizer over the new rows, with the world's state and the rows' own.
         // The world's optimizer state without the head: the source's, or this rank's own.
@@ -664,7 +664,7 @@ fn build_head(
         Some(full) => PartialFc::from_full_weight(pcfg, comm, &full.to_device(device)?)
             .context("`partial_fc.weight`")
             .option("init_from", None)?,
-        None => PartialFc::new(pcfg, comm, device)?,
+        None => PartialFc::new(pcfg, comm, device).context("building the PartialFC head")?,
     };
     Ok(head)
 }

@@ -10,7 +10,7 @@
 //! update assume.
 use std::ops::Range;
 
-use crate::live_part::{PartHeader, RankPart};
+use tandem_train::live::{PartHeader, RankPart};
 
 /// Rows `start..start + len` of the head as of `step`: centres and the optimizer's row tensors.
 #[derive(Clone, Debug, PartialEq)]

@@ -6,9 +6,10 @@ use std::ops::Range;
 
 use tandem_comm::ProcessGroup;
 use tandem_partial_fc::ClassSplit;
+use tandem_recipes::face::RowBlock;
 use tandem_testutil::run_tcp_world;
 use tandem_train::checkpoint::CheckpointError;
-use tandem_train::live::{exchange_mirror, regroup, RegroupCounts, RowBlock};
+use tandem_train::live::{exchange_mirror, regroup, RegroupCounts};
 
 const CLASSES: usize = 10;
 const E: usize = 3;

@@ -1,7 +1,7 @@
 //! The classifier recipe (mlp, cnn, resnet18 on digits, MNIST, CIFAR-10 or synthetic data):
 //! the model under Ddp, its optimizer (plain or ZeRO-sharded), per-epoch evaluation on the eval
 //! split, and rank 0's checkpoint files (synchronous or in the background), which resume on any
-//! world size and move between ranks under live recovery. The [`Trainer`](crate::Trainer)
+//! world size and move between ranks under live recovery. The [`Trainer`](tandem_train::Trainer)
 //! drives it.
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -22,25 +22,26 @@ use tandem_optim::TorchOptimizer;
 use super::net::{image_shape, Net, NetSpec};
 use super::optimizer::TrainOptimizer;
 use super::LiveComm;
-use crate::checkpoint::{Checkpointer, ShardDict, TrainingStateDict};
-use crate::error::{Context, Result, TrainError};
-use crate::events::Reporter;
-#[cfg(feature = "zero")]
-use crate::events::Resplit;
-use crate::fault;
-use crate::live_entries::Entries;
-#[cfg(feature = "zero")]
-use crate::live_part::owned_by;
-use crate::live_part::Mirrored;
 use crate::options::TrainOptions;
-use crate::schedule::{self, RunLength};
-use crate::state::{
-    replicated_with_optimizer, sampler_state_from_value, sampler_value, Resumed, OPTIMIZER_SHARD,
+use tandem_train::checkpoint::{Checkpointer, ShardDict, TrainingStateDict};
+use tandem_train::events::Reporter;
+#[cfg(feature = "zero")]
+use tandem_train::events::Resplit;
+use tandem_train::fault;
+#[cfg(feature = "zero")]
+use tandem_train::live::owned_by;
+use tandem_train::live::Entries;
+use tandem_train::live::Mirrored;
+use tandem_train::schedule::{self, RunLength};
+use tandem_train::state::{
+    replicated_with_optimizer, reshard_message, sampler_state_from_value, sampler_value,
+    OPTIMIZER_SHARD,
 };
-use crate::trainer::{
-    reshard_message, CustomState, Evaluation, Recipe, ResumeContext, SaveContext, StepReport,
+use tandem_train::{evaluate_logits, Step};
+use tandem_train::{Context, Result, TrainError};
+use tandem_train::{
+    CustomState, Evaluation, Recipe, ResumeContext, Resumed, SaveContext, StepReport,
 };
-use crate::Step;
 
 /// The classifier's model, optimizer, eval data and checkpoint files.
 pub struct Classifier<'a> {
@@ -237,7 +238,7 @@ impl Recipe for Classifier<'_> {
         let clock = std::time::Instant::now();
         let loss = self.ddp.hooked().loss(&batch.x, &batch.y)?;
         fault::hit(fault::Phase::Forward);
-        crate::step::phase_end(batch.x.device())?;
+        tandem_train::phase_end(batch.x.device())?;
         let forward_secs = clock.elapsed().as_secs_f64();
         let (ddp, params) = (&self.ddp, self.ddp.params());
         let backward = |loss: &candle_core::Tensor| -> Result<_> {
@@ -458,37 +459,6 @@ fn image_transforms(
     let eval_t = ImageTransforms { chw, normalize: normalize.clone(), crop_flip: None };
     let train_t = ImageTransforms { chw, normalize, crop_flip };
     Ok((Transformed::new(train, train_t)?, Transformed::new(eval, eval_t)?))
-}
-
-/// Exact distributed evaluation of a classifier: every sample of `eval` once over the ranks of
-/// `group`, `forward` giving the logits, the cross-entropy and correct counts all-reduced.
-pub fn evaluate_logits<D: Dataset + 'static>(
-    forward: impl Fn(&candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>,
-    eval: &Arc<D>,
-    group: &ProcessGroup,
-    options: &LoaderOptions,
-    device: &Device,
-) -> Result<EvalMetrics> {
-    let mut local = EvalMetrics::default();
-    let batches = tandem_data::eval_batches(
-        Arc::clone(eval),
-        group.size(),
-        group.rank(),
-        options,
-        device.clone(),
-    )?;
-    for batch in batches {
-        let batch = batch?;
-        let logits = forward(&batch.x)?;
-        let n = batch.len();
-        let loss = tandem_nn::functional::cross_entropy(&logits, &batch.y)?.to_scalar::<f32>()?
-            as f64
-            * n as f64;
-        let pred = logits.argmax(1)?.to_vec1::<u32>()?;
-        let correct = pred.iter().zip(&batch.labels).filter(|(p, t)| p == t).count() as i64;
-        local.add_batch(loss, correct, n as i64);
-    }
-    Ok(tandem_data::eval::all_reduce_metrics(group, &local)?)
 }
 
 /// Loads weights from a PyTorch or tandem file (any container, any wrapping) through the

@@ -6,13 +6,13 @@ use candle_core::{DType, Device, Tensor};
 use tandem_comm::Collectives;
 use tandem_dist_nn::convert_sync_batchnorm;
 use tandem_models::{Cnn, Mlp, ResNet};
-use tandem_nn::ParamModule;
 use tandem_nn::ParamSet;
+use tandem_nn::{Autocast, ParamModule};
 use tandem_nn::{NamedVars, OrderedVarMap};
 
 use tandem_models::ModelKind;
 
-use crate::error::{bail_option, Result};
+use tandem_train::{bail_option, Result};
 
 pub enum Net {
     Mlp(Mlp),
@@ -26,45 +26,6 @@ pub struct VarMapNet {
     vars: NamedVars,
     training: AtomicBool,
     autocast: Autocast,
-}
-
-/// Mixed precision for the convolution nets, whose CPU kernels compute in f32: the input and the
-/// logits pass through the 16-bit type (rounded as autocast's f16/bf16 tensors are), and the
-/// GradScaler scales the loss as with any f16 run. `None`: f32 throughout.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Autocast(pub Option<DType>);
-
-impl Autocast {
-    fn new(dtype: DType) -> Self {
-        Autocast((dtype != DType::F32).then_some(dtype))
-    }
-
-    /// `x` rounded to the 16-bit type and back (differentiable; the identity without autocast).
-    pub fn round(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        match self.0 {
-            Some(dt) => x.to_dtype(dt)?.to_dtype(DType::F32),
-            None => Ok(x.clone()),
-        }
-    }
-
-    /// `f(x)` under this precision, as f32. On a GPU, real mixed precision: `f` runs inside
-    /// [`tandem_nn::autocast`] (convolutions and matmuls in the 16-bit type on tensor cores).
-    /// On the CPU, whose kernels compute in f32, values are rounded instead: the output, and
-    /// the input too when `round_input`.
-    pub fn apply(
-        &self,
-        x: &Tensor,
-        round_input: bool,
-        f: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
-    ) -> candle_core::Result<Tensor> {
-        match self.0 {
-            Some(dt) if !x.device().is_cpu() => {
-                tandem_nn::autocast(Some(dt), || f(x))?.to_dtype(DType::F32)
-            }
-            _ if round_input => self.round(&f(&self.round(x)?)?),
-            _ => self.round(&f(x)?),
-        }
-    }
 }
 
 /// What `Net::build` needs beyond the data's shape.
@@ -127,7 +88,7 @@ impl Net {
                     model,
                     vars: vars.named_vars(),
                     training: AtomicBool::new(true),
-                    autocast: Autocast::new(compute_dtype),
+                    autocast: Autocast::to(compute_dtype),
                 }))
             }
             ModelKind::Mlp => Net::Mlp(
@@ -145,7 +106,7 @@ impl Net {
                 };
                 Net::Cnn(
                     Cnn::new(channels, side, side, classes, seed, dev)?,
-                    Autocast::new(compute_dtype),
+                    Autocast::to(compute_dtype),
                 )
             }
             face => bail_option!(

@@ -2,7 +2,7 @@
 //! backbone under Ddp with per-rank BatchNorm statistics (`broadcast_buffers=False`), and a
 //! PartialFC head whose class centres, with their optimizer state, are split over the ranks.
 //!
-//! [`save`] writes it through the one checkpoint API ([`crate::checkpoint`]: the replicated
+//! [`save`] writes it through the one checkpoint API ([`tandem_train::checkpoint`]: the replicated
 //! part once, every rank's `head` row shard (its centres and their optimizer state) and its
 //! `buffers` in parallel, a manifest last) and [`resume`] reads it back on any world size, each
 //! rank reading only the rank files that hold its rows.
@@ -16,7 +16,8 @@
 //! face::save(&mut ckpts, &state, &loader.state(), &group)?;
 //! ```
 pub mod arcface;
-pub(crate) mod live_head;
+mod live_head;
+pub use live_head::RowBlock;
 pub mod optimizer_entry;
 
 use std::path::PathBuf;
@@ -27,11 +28,12 @@ use tandem_nn::ParamModule;
 use tandem_optim::{GradScaler, TorchOptimizer};
 use tandem_partial_fc::PartialFc;
 
-use crate::checkpoint::{CheckpointError, Checkpointer, ShardDict, TrainingStateDict};
-use crate::schedule;
-use crate::state::{sampler_state_from_value, sampler_value, LoaderPosition, Resumed};
-use crate::step::Step;
 use tandem_data::SamplerState;
+use tandem_train::checkpoint::{CheckpointError, Checkpointer, ShardDict, TrainingStateDict};
+use tandem_train::schedule;
+use tandem_train::state::{sampler_state_from_value, sampler_value};
+use tandem_train::Step;
+use tandem_train::{LoaderPosition, Resumed};
 
 /// The name of the head's row shard (centres and their optimizer state) in a checkpoint.
 pub const HEAD_SHARD: &str = "head";

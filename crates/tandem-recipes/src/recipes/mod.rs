@@ -1,11 +1,11 @@
 //! The built-in recipes, run from [`TrainOptions`] on one rank: the classifier (mlp, cnn,
 //! resnet18 on digits, MNIST, CIFAR-10, synthetic data) and the face recipe (insightface's
 //! arcface_torch: IResNet + PartialFC on RecordIO, verification sets). Both take their steps
-//! through one [`Step`], their schedules from [`LrSchedule`](crate::LrSchedule), and report a
+//! through one [`Step`], their schedules from [`LrSchedule`](tandem_train::LrSchedule), and report a
 //! [`RunSummary`] and a metrics file.
 //!
 //! ```ignore
-//! let summary = tandem::train::recipes::train(&options, &Reporter::new().with(my_logger))?;   // on every rank
+//! let summary = tandem::recipes::train(&options, &Reporter::new().with(my_logger))?;   // on every rank
 //! ```
 pub mod classifier;
 pub mod face;
@@ -14,18 +14,20 @@ pub mod optimizer;
 
 use tandem_comm::{LiveOptions, ProcessGroup};
 
-use crate::error::{bail_option, Context, Result, TrainError};
-use crate::events::{Event, MirrorCost, Reporter};
 use crate::options::{Backend, DeviceKind, Precision, TrainOptions};
-use crate::world::World;
-use crate::{RunSummary, Step};
+use std::sync::Arc;
+use tandem_train::events::{Event, MirrorCost, Reporter};
+use tandem_train::World;
+use tandem_train::{bail_option, Context, Result, TrainError};
+
+use tandem_train::{Never, Periodic, RunSummary, Step, TrainerOptions};
 
 /// Trains the recipe `opts.model.kind` names on this rank (every rank calls it; the process
 /// group comes from the environment: `tandem run`, torchrun, Slurm, mpirun, or a world of
 /// one). Under `tandem run --live-recovery` the classifier keeps going through a rank's death.
 /// The run's events go to `reporter`'s loggers.
 pub fn train(opts: &TrainOptions, reporter: &Reporter) -> Result<RunSummary> {
-    crate::fault::check_build()?;
+    tandem_train::fault::check_build()?;
     opts.validate()?;
     let face = opts.model.kind.is_face();
     if let Some(live) = live_options(opts)? {
@@ -50,10 +52,10 @@ pub fn train(opts: &TrainOptions, reporter: &Reporter) -> Result<RunSummary> {
 }
 
 /// What a recipe's build gives the trainer.
-type Built<R> = (R, tandem_data::DataLoader<<R as crate::Recipe>::Data>, Step);
+type Built<R> = (R, tandem_data::DataLoader<<R as tandem_train::Recipe>::Data>, Step);
 
 /// A rank of a job without live recovery: the recipe built on `group`, resumed if asked, trained.
-fn run<R: crate::Recipe>(
+fn run<R: tandem_train::Recipe>(
     cfg: &TrainOptions,
     group: ProcessGroup,
     reporter: &Reporter,
@@ -65,16 +67,39 @@ fn run<R: crate::Recipe>(
 }
 
 /// The trainer of a built recipe, reporting to `reporter`.
-fn trainer<R: crate::Recipe>(
+fn trainer<R: tandem_train::Recipe>(
     cfg: &TrainOptions,
     recipe: R,
     loader: tandem_data::DataLoader<R::Data>,
     step: Step,
     group: ProcessGroup,
     reporter: &Reporter,
-) -> Result<crate::Trainer<R>> {
-    let opts = crate::TrainerOptions::from_train_options(cfg);
-    Ok(crate::Trainer::new(recipe, loader, step, group, opts)?.reporter(reporter.clone()))
+) -> Result<tandem_train::Trainer<R>> {
+    let opts = trainer_options(cfg);
+    Ok(tandem_train::Trainer::new(recipe, loader, step, group, opts)?.reporter(reporter.clone()))
+}
+
+/// The loop's part of the options.
+fn trainer_options(o: &TrainOptions) -> TrainerOptions {
+    TrainerOptions {
+        dir: o.run.dir.clone(),
+        epochs: o.run.epochs,
+        max_steps: o.run.max_steps,
+        checkpoints: match o.checkpoint.enabled {
+            true => Arc::new(
+                Periodic::every(o.checkpoint.save_every)
+                    .keeping(o.checkpoint.keep_last)
+                    .in_background(o.checkpoint.background),
+            ),
+            false => Arc::new(Never),
+        },
+        // (A recipe without verification sets returns nothing from `validate`.)
+        validate_every: o.face.verify_every,
+        resume: o.run.resume,
+        tensorboard: o.run.tensorboard,
+        timing_warmup_steps: o.run.timing_warmup_steps,
+        log_every: o.run.log_every,
+    }
 }
 
 /// The end of a built-in recipe's run, after its last checkpoint (every rank calls it): rank 0
@@ -126,7 +151,7 @@ pub struct LiveComm {
 /// A rank of a live job: an original member forms the first world with the others (and
 /// resumes with them when asked); a replacement builds everything first (on a placeholder
 /// world of one), then joins the running world and receives its state.
-fn run_live<R: crate::Recipe>(
+fn run_live<R: tandem_train::Recipe>(
     cfg: &TrainOptions,
     opts: LiveOptions,
     reporter: &Reporter,
@@ -239,8 +264,8 @@ fn register_comm_hook<M: tandem_nn::ParamModule>(
             bail_option!("comm_hook", Some(name.clone()), "no such hook");
         };
         ddp.register_comm_hook(hook).option("comm_hook", Some(name.clone()))?;
-    } else if crate::fault::armed() {
-        ddp.register_comm_hook(crate::fault::hook()).context("the fault-injection hook")?;
+    } else if tandem_train::fault::armed() {
+        ddp.register_comm_hook(tandem_train::fault::hook()).context("the fault-injection hook")?;
     }
     Ok(())
 }
@@ -251,7 +276,7 @@ fn register_comm_hook<M: tandem_nn::ParamModule>(
 pub fn step_for(
     opts: &TrainOptions,
     default_interval: i64,
-    sched: crate::Scheduler,
+    sched: tandem_train::Scheduler,
 ) -> Result<Step> {
     use tandem_optim::{GradScaler, GradScalerConfig};
     let scaler = match opts.model.precision {

@@ -10,13 +10,13 @@
 //! resumes at epoch boundaries only, so a checkpoint from the middle of an epoch is refused.
 use std::path::{Path, PathBuf};
 
-use crate::error::{bail, Context, Result};
 use tandem_ckpt::Value;
 use tandem_models::IResNet;
+use tandem_train::{bail, Context, Result};
 
-use crate::checkpoint::{self, Saved, ShardDict};
 use crate::face::optimizer_entry::{merge_optimizer, split_optimizer};
 use crate::face::{overlay, BUFFERS_SHARD, HEAD_SHARD};
+use tandem_train::checkpoint::{self, Saved, ShardDict};
 
 /// Final name components of BatchNorm statistics (buffers, never in the optimizer).
 const BUFFERS: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];

@@ -8,8 +8,8 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use tandem_models::ModelKind;
 
-use crate::error::{Context, Result, TrainError};
-use crate::schedule::LrSchedule;
+use tandem_train::LrSchedule;
+use tandem_train::{Context, Result, TrainError};
 
 /// An option with a fixed set of named values (for a command line's parser and help).
 pub trait Choice: FromStr + Copy + Send + Sync + 'static {

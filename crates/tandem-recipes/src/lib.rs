@@ -1,0 +1,45 @@
+//! tandem-recipes: the recipes `tandem train` runs, built on the training library
+//! (`tandem-train`) as any user's recipe is.
+//!
+//! - [`train`]: the recipe [`TrainOptions`] names, trained on this rank (every rank calls it):
+//!   the image classifier (mlp, cnn, resnet18 on digits, MNIST, CIFAR-10, synthetic data) or
+//!   insightface's arcface_torch (IResNet, MobileFaceNet, ViT + PartialFC on RecordIO or a
+//!   folder of images), under a launcher, torchrun, Slurm or mpirun, with live recovery;
+//! - [`options`]: every option of those recipes, typed, with its default and its check
+//!   ([`TrainOptions::validate`]);
+//! - [`face`]: the face recipe's state (backbone + PartialFC head) as a
+//!   [`TrainingStateDict`](tandem_train::TrainingStateDict) and back, on any world size, and
+//!   arcface_torch's own checkpoint layout; [`verification`]: face verification sets (`.bin`
+//!   pairs) scored by every rank together; [`ijb`]: IJB-B/C 1:1 verification.
+//!
+//! Like the library below it, it never prints: its runs report
+//! [`Event`](tandem_train::Event)s to the loggers they are given.
+// A public item of a private module must be re-exported: a user can name every type they get.
+#![warn(unnameable_types)]
+
+pub mod face;
+pub mod ijb;
+pub mod options;
+pub mod verification;
+
+mod recipes;
+mod validate;
+
+pub use options::TrainOptions;
+pub use recipes::train;
+
+/// The recipes' own failures, kept whole as the source of a training error.
+macro_rules! failed_from {
+    ($($ty:ty => $what:literal),* $(,)?) => {$(
+        impl From<$ty> for tandem_train::TrainError {
+            fn from(e: $ty) -> Self {
+                tandem_train::TrainError::Failed { what: $what.into(), source: Box::new(e) }
+            }
+        }
+    )*};
+}
+
+failed_from! {
+    verification::VerificationError => "verification",
+    face::FaceStateError => "the face checkpoint",
+}
