@@ -29,6 +29,9 @@ pub enum CkptError {
     TrainingField { field: String, problem: String },
     #[error("invalid map_location `{0}`: expected `cpu` or `cuda:N`")]
     MapLocation(String),
+    /// A path into a value tree (`ckpt/model`) names a key that is not there.
+    #[error("{path}: no `{missing}` (keys there: {})", there.join(", "))]
+    NoKey { path: String, missing: String, there: Vec<String> },
 }
 
 impl CkptError {

@@ -7,10 +7,12 @@ pub mod atomic;
 pub mod dcp;
 pub mod error;
 pub mod keys;
+pub mod npy;
 mod pickle;
 pub mod pt;
 pub mod safetensors;
 pub mod training;
+pub mod tree;
 pub mod value;
 mod zip_writer;
 

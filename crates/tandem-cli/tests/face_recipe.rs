@@ -1244,5 +1244,5 @@ fn embed_equals_pytorch_inference() {
     let e = fails(&["embed", p(&weights), p(&images), "--model", "mbf", "-o", p(&npy)]);
     assert!(e.contains("features.layers.2.weight") || e.contains("mbf"), "{e}");
     let e = fails(&["embed", p(&weights), p(&images), "-o", p(&npy)]);
-    assert!(e.contains("--model is needed for") && e.contains("model.pt"), "{e}");
+    assert!(e.contains("--model: needed for") && e.contains("model.pt"), "{e}");
 }

@@ -132,7 +132,21 @@ fn every_crate_depends_only_on_layers_drawn_below_it() {
 const PUBLIC_MODULES: &[(&str, &[&str])] = &[
     ("tandem", &[]),
     ("tandem-bench", &[]),
-    ("tandem-ckpt", &["atomic", "dcp", "error", "keys", "pt", "safetensors", "training", "value"]),
+    (
+        "tandem-ckpt",
+        &[
+            "atomic",
+            "dcp",
+            "error",
+            "keys",
+            "npy",
+            "pt",
+            "safetensors",
+            "training",
+            "tree",
+            "value",
+        ],
+    ),
     ("tandem-cli", &[]),
     ("tandem-comm", &["auth", "live", "nccl", "procfs", "slurm"]),
     (

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::Subcommand;
 use serde_json::json;
-use tandem::ckpt::keys::{detect_wrapping, find_state_dicts, load_state_dict, strip_wrappers};
+use tandem::ckpt::keys::{detect_wrapping, find_state_dicts, load_state_dict};
+use tandem::ckpt::tree::{self, keys_of, short_repr, tensor_bytes, LeafDiff};
 use tandem::ckpt::{CkptError, TensorData, Value};
 
 use tandem::optim::zero::is_zero1_checkpoint;
@@ -123,58 +124,6 @@ fn format_name(path: &Path) -> anyhow::Result<&'static str> {
         Some(tandem::ckpt::pt::FileKind::Safetensors) => "safetensors",
         None => "unknown",
     })
-}
-
-/// Every leaf of the tree with its path (`model/features.0.weight`, `misc/3`).
-fn leaves<'a>(v: &'a Value, path: String, out: &mut Vec<(String, &'a Value)>) {
-    let join = |k: &str| if path.is_empty() { k.to_string() } else { format!("{path}/{k}") };
-    match v {
-        Value::Dict(items) | Value::OrderedDict { items, .. } if !items.is_empty() => {
-            for (k, x) in items {
-                let k = match k {
-                    Value::Str(s) => s.clone(),
-                    other => short_repr(other),
-                };
-                leaves(x, join(&k), out);
-            }
-        }
-        Value::List(items) | Value::Tuple(items) if !items.is_empty() => {
-            for (i, x) in items.iter().enumerate() {
-                leaves(x, join(&i.to_string()), out);
-            }
-        }
-        _ => out.push((path, v)),
-    }
-}
-
-fn short_repr(v: &Value) -> String {
-    let s = match v {
-        Value::None => "None".into(),
-        Value::Bool(b) => if *b { "True" } else { "False" }.into(),
-        Value::Int(i) => i.to_string(),
-        Value::Float(f) => format!("{f:?}"),
-        Value::Str(s) => format!("{s:?}"),
-        Value::Bytes(b) => format!("<{} bytes>", b.len()),
-        Value::List(v) if v.is_empty() => "[]".into(),
-        Value::Tuple(v) if v.is_empty() => "()".into(),
-        Value::Dict(v) if v.is_empty() => "{}".into(),
-        Value::List(v) | Value::Tuple(v) => format!("<{} items>", v.len()),
-        Value::Dict(v) => format!("<dict of {}>", v.len()),
-        Value::OrderedDict { items, .. } => format!("<OrderedDict of {}>", items.len()),
-        Value::Tensor(t) => format!("tensor {} {:?}", t.dtype, t.shape),
-    };
-    if s.chars().count() > 80 {
-        format!("{}...", s.chars().take(77).collect::<String>())
-    } else {
-        s
-    }
-}
-
-/// Tensor bytes under `v`.
-fn tensor_bytes(v: &Value) -> usize {
-    let mut all = Vec::new();
-    leaves(v, String::new(), &mut all);
-    all.iter().filter_map(|(_, v)| v.as_tensor()).map(TensorData::nbytes).sum()
 }
 
 fn describe_slice(slice: &ShardSlice) -> String {
@@ -339,10 +288,8 @@ fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
     let v = read(file)?;
     let format = if dcp { "PyTorch distributed checkpoint (dcp.save)" } else { format_name(file)? };
     let chunking = if dcp { dcp_chunking(file)? } else { Vec::new() };
-    let container_keys: Vec<String> =
-        v.as_dict().map(|d| d.iter().map(|(k, _)| short_key(k)).collect()).unwrap_or_default();
-    let mut all = Vec::new();
-    leaves(&v, String::new(), &mut all);
+    let container_keys = keys_of(&v);
+    let all = tree::leaves(&v);
     let tensors: Vec<(&String, &TensorData)> =
         all.iter().filter_map(|(p, x)| Some((p, x.as_tensor()?))).collect();
     let others: Vec<(&String, &Value)> =
@@ -429,72 +376,6 @@ fn dcp_chunking(dir: &Path) -> anyhow::Result<Vec<(String, usize, Vec<String>)>>
         .collect())
 }
 
-fn short_key(k: &Value) -> String {
-    match k {
-        Value::Str(s) => s.clone(),
-        other => short_repr(other),
-    }
-}
-
-fn select<'a>(v: &'a Value, key: &str) -> anyhow::Result<&'a Value> {
-    let mut cur = v;
-    for part in key.split('/') {
-        cur = match cur.get(part) {
-            Some(x) => x,
-            None => {
-                let keys: Vec<String> = cur
-                    .as_dict()
-                    .map(|d| d.iter().map(|(k, _)| short_key(k)).collect())
-                    .unwrap_or_default();
-                bail!("--key {key}: no `{part}` (keys there: {})", keys.join(", "))
-            }
-        };
-    }
-    Ok(cur)
-}
-
-/// `v`'s keys renamed by `f`; an OrderedDict stays one, and the module paths of its
-/// `_metadata` are renamed by `module` (as torch's `consume_prefix_in_state_dict_if_present`
-/// does), so that `load_state_dict` still finds each module's version.
-fn rename_keys(
-    v: &Value,
-    f: &dyn Fn(&str) -> anyhow::Result<String>,
-    module: &dyn Fn(&str) -> String,
-) -> anyhow::Result<Value> {
-    let Some(items) = v.as_dict() else {
-        bail!("key renaming needs a dict, found a {}", v.type_name())
-    };
-    let rename = |items: &[(Value, Value)], f: &dyn Fn(&str) -> anyhow::Result<String>| {
-        items
-            .iter()
-            .map(|(k, x)| {
-                let k = match k {
-                    Value::Str(s) => Value::Str(f(s)?),
-                    other => other.clone(),
-                };
-                Ok((k, x.clone()))
-            })
-            .collect::<anyhow::Result<Vec<_>>>()
-    };
-    let out = rename(items, f)?;
-    Ok(match v {
-        Value::OrderedDict { metadata, .. } => {
-            let metadata = match metadata.as_deref() {
-                Some(m) => match m.as_dict() {
-                    Some(entries) => Some(Box::new(Value::OrderedDict {
-                        items: rename(entries, &|k| Ok(module(k)))?,
-                        metadata: None,
-                    })),
-                    None => Some(Box::new(m.clone())),
-                },
-                None => None,
-            };
-            Value::OrderedDict { items: out, metadata }
-        }
-        _ => Value::Dict(out),
-    })
-}
-
 fn convert(
     input: &Path,
     output: &Path,
@@ -514,7 +395,7 @@ fn convert(
         None => output.extension().is_some_and(|e| e == "safetensors"),
     };
     let mut selected = match key {
-        Some(k) => select(&v, k)?.clone(),
+        Some(k) => tree::select(&v, k).context("--key")?.clone(),
         None => v,
     };
     let is_sd = tandem::ckpt::keys::is_state_dict(&selected);
@@ -525,50 +406,24 @@ fn convert(
             [(at, _)] if at != "(bare)" => {
                 eprintln!("note: converting the state dict under `{at}` (use --key to pick another value)");
                 let path = at.replace('.', "/");
-                selected = select(&selected, &path)?.clone();
+                selected = tree::select(&selected, &path)?.clone();
             }
             _ => bail!(
                 "{}: not a plain state dict; pick one with --key (top-level keys: {})",
                 input.display(),
-                selected
-                    .as_dict()
-                    .map(|d| d.iter().map(|(k, _)| short_key(k)).collect::<Vec<_>>().join(", "))
-                    .unwrap_or_default()
+                keys_of(&selected).join(", ")
             ),
         }
     }
     if let Some(p) = strip {
-        let mut stripped = 0;
-        let counter = std::cell::Cell::new(0usize);
-        // A module path `module` (the wrapper itself, for prefix `module.`) becomes the root.
-        let bare = p.trim_end_matches('.');
-        let module = |k: &str| match k.strip_prefix(p) {
-            Some(rest) => rest.to_string(),
-            None if k == bare => String::new(),
-            None => k.to_string(),
-        };
-        selected = rename_keys(
-            &selected,
-            &|k| {
-                Ok(match k.strip_prefix(p) {
-                    Some(rest) => {
-                        counter.set(counter.get() + 1);
-                        rest.to_string()
-                    }
-                    None => k.to_string(),
-                })
-            },
-            &module,
-        )?;
-        stripped += counter.get();
+        let stripped;
+        (selected, stripped) = tree::strip_prefix(&selected, p)?;
         if stripped == 0 {
             eprintln!("warning: no key starts with `{p}`; nothing stripped");
         }
     }
     if let Some(p) = add {
-        let bare = p.trim_end_matches('.');
-        let module = |k: &str| if k.is_empty() { bare.to_string() } else { format!("{p}{k}") };
-        selected = rename_keys(&selected, &|k| Ok(format!("{p}{k}")), &module)?;
+        selected = tree::add_prefix(&selected, p)?;
     }
     if to == Some("dcp") {
         if !matches!(selected, Value::Dict(_) | Value::OrderedDict { .. }) {
@@ -585,84 +440,33 @@ fn convert(
     Ok(0)
 }
 
-fn canonical_leaves(v: &Value) -> (Vec<(String, &Value)>, bool) {
-    let mut all = Vec::new();
-    leaves(v, String::new(), &mut all);
-    let mut renamed = false;
-    let out = all
-        .into_iter()
-        .map(|(p, x)| {
-            let c = strip_wrappers(&p);
-            renamed |= c != p;
-            (c, x)
-        })
-        .collect();
-    (out, renamed)
-}
-
 fn diff(a: &Path, b: &Path) -> anyhow::Result<i32> {
-    let va = read(a)?;
-    let vb = read(b)?;
-    let (la, ra) = canonical_leaves(&va);
-    let (lb, rb) = canonical_leaves(&vb);
-    if ra || rb {
+    let d = tree::diff(&read(a)?, &read(b)?);
+    if d.unwrapped {
         println!("note: keys compared without wrapper segments (`module.`, `_orig_mod.`)");
     }
-    let mb: std::collections::HashMap<&str, &Value> =
-        lb.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-    let ma: std::collections::HashMap<&str, &Value> =
-        la.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-    let mut differences = 0;
-    let only_a: Vec<&str> =
-        la.iter().map(|(k, _)| k.as_str()).filter(|k| !mb.contains_key(k)).collect();
-    let only_b: Vec<&str> =
-        lb.iter().map(|(k, _)| k.as_str()).filter(|k| !ma.contains_key(k)).collect();
-    for (title, keys, file) in [("only in", &only_a, a), ("only in", &only_b, b)] {
+    for (keys, file) in [(&d.only_in_a, a), (&d.only_in_b, b)] {
         if !keys.is_empty() {
-            println!("{title} {} ({}):", file.display(), keys.len());
+            println!("only in {} ({}):", file.display(), keys.len());
             for k in keys.iter() {
                 println!("  {k}");
             }
-            differences += keys.len();
         }
     }
-    let mut max_abs = 0f64;
-    let mut compared = 0;
-    for (k, x) in &la {
-        let Some(y) = mb.get(k.as_str()) else { continue };
-        match (x, y) {
-            (Value::Tensor(s), Value::Tensor(t)) => {
-                if s.shape != t.shape || s.dtype != t.dtype {
-                    println!("{k}: {} {:?} vs {} {:?}", s.dtype, s.shape, t.dtype, t.shape);
-                    differences += 1;
-                    continue;
-                }
-                compared += 1;
-                let d = s
-                    .to_f64_vec()
-                    .iter()
-                    .zip(t.to_f64_vec())
-                    .map(|(p, q)| if p.is_nan() && q.is_nan() { 0.0 } else { (p - q).abs() })
-                    .fold(0f64, |m, d| if d.is_nan() || d > m { d } else { m });
-                if d != 0.0 {
-                    println!("{k}: max abs difference {d:e}");
-                    differences += 1;
-                }
-                if d.is_nan() || d > max_abs {
-                    max_abs = d;
-                }
-            }
-            (x, y) if x != y => {
-                println!("{k}: {} vs {}", short_repr(x), short_repr(y));
-                differences += 1;
-            }
-            _ => {}
+    for (k, how) in &d.differing {
+        match how {
+            LeafDiff::Layout { a, b } => println!("{k}: {} {:?} vs {} {:?}", a.0, a.1, b.0, b.1),
+            LeafDiff::Values { max_abs } => println!("{k}: max abs difference {max_abs:e}"),
+            LeafDiff::Other { a, b } => println!("{k}: {a} vs {b}"),
         }
     }
     println!(
-        "{compared} tensors compared, max abs difference {max_abs:e}, {differences} differences"
+        "{} tensors compared, max abs difference {:e}, {} differences",
+        d.tensors_compared,
+        d.max_abs,
+        d.differences()
     );
-    Ok(if differences == 0 { 0 } else { 1 })
+    Ok(if d.differences() == 0 { 0 } else { 1 })
 }
 
 fn load_check(file: &Path, reference: &Path, strict: bool) -> anyhow::Result<i32> {

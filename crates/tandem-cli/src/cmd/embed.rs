@@ -6,13 +6,13 @@
 //! first, as inference.py does (bilinear; its OpenCV rounds a little differently).
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+use anyhow::{anyhow, bail, Context};
 use candle_core::{DType, Device, Tensor};
 use tandem::data::datasets::faces::{decode_face_resized, FaceRecDataset, FACE_SIDE};
 use tandem::data::datasets::image_folder::files_under;
 use tandem::data::Dataset;
 use tandem::models::{FaceBackbone, ModelKind};
-use tandem::nn::{OrderedVarMap, ParamModule};
+use tandem::train::TrainError;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -68,7 +68,12 @@ impl Embedder {
     ) -> anyhow::Result<(String, Embedder)> {
         Ok(match runtime {
             Runtime::Tandem => {
-                let (network, model) = load_backbone(network, path, flag)?;
+                // The library names the network's option `model`; this command's flag is `flag`.
+                let (network, model) = tandem::recipes::face::load_backbone(network, path)
+                    .map_err(|e| match e {
+                        TrainError::Option { .. } => anyhow!(e.naming_option(|_| flag.into())),
+                        e => e.into(),
+                    })?;
                 (network.name().to_string(), Embedder::Tandem(Box::new(model)))
             }
             Runtime::Onnxruntime => {
@@ -141,7 +146,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         width = w;
         rows.extend(e);
     }
-    write_npy(&args.out, &rows, (sources.len(), width))?;
+    tandem::ckpt::npy::write_f32_matrix(&args.out, &rows, (sources.len(), width))?;
     let names: String = sources.iter().map(|s| s.name() + "\n").collect();
     let list = args.out.with_extension("txt");
     std::fs::write(&list, names).with_context(|| format!("writing {}", list.display()))?;
@@ -185,136 +190,4 @@ fn list_sources(inputs: &[String]) -> anyhow::Result<Vec<Source>> {
         }
     }
     Ok(out)
-}
-
-/// The backbone with the weights at `path` (a state dict, a training checkpoint or its
-/// directory, or an ONNX model's initializers), its sizes read from them; `kind`, or when
-/// `None` the network a tandem ONNX file names in its metadata (the file is read once).
-pub(crate) fn load_backbone(
-    kind: Option<ModelKind>,
-    path: &Path,
-    flag: &str,
-) -> anyhow::Result<(ModelKind, FaceBackbone)> {
-    let shown = path.display();
-    let is_onnx = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx"));
-    let (arch, value) = if path.is_dir() {
-        (None, super::ckpt::read(path)?)
-    } else if is_onnx {
-        let (arch, tensors) = tandem::onnx::read_weights(path)?;
-        let dict = tensors
-            .into_iter()
-            .map(|(k, mut t)| {
-                // The export stores PReLU slopes as [C, 1, 1] to broadcast over the planes.
-                if t.shape.len() == 3 && t.shape[1..] == [1, 1] {
-                    t = tandem::ckpt::TensorData::from_storage(t.dtype, &t.shape[..1], t.storage);
-                }
-                (tandem::ckpt::Value::Str(k), tandem::ckpt::Value::Tensor(t))
-            })
-            .collect();
-        (arch, tandem::ckpt::Value::Dict(dict))
-    } else {
-        (None, tandem::ckpt::load(path).with_context(|| format!("reading {shown}"))?)
-    };
-    let kind = match (kind, arch) {
-        (Some(kind), _) => kind,
-        (None, Some(arch)) => {
-            arch.parse::<ModelKind>().with_context(|| format!("{shown}: tandem.model"))?
-        }
-        (None, None) if is_onnx => {
-            bail!("{shown}: no tandem.model metadata; name the network with {flag}")
-        }
-        (None, None) => {
-            bail!("{flag} is needed for {shown} (only a tandem ONNX file names its network)")
-        }
-    };
-    // A face checkpoint holds the network under `backbone`.
-    let value = value.get("backbone").cloned().unwrap_or(value);
-    let found = tandem::ckpt::keys::find_state_dicts(&value);
-    let Some((_, tensors)) = found.first() else {
-        bail!("{shown}: no state dict (a dict of tensors, bare or under model/state_dict/module)")
-    };
-    let dim = |suffix: &str| {
-        tensors
-            .iter()
-            .find(|(k, _)| k.ends_with(suffix))
-            .and_then(|(_, t)| t.shape.first())
-            .copied()
-    };
-    let width = match kind.iresnet_depth() {
-        Some(_) => dim("conv1.weight")
-            .with_context(|| format!("{shown}: no conv1.weight (an IResNet's stem)"))?,
-        None => 64,
-    };
-    let embedding = dim("fc.weight")
-        .filter(|_| kind.iresnet_depth().is_some())
-        .or_else(|| dim("features.layers.2.weight"))
-        .or_else(|| dim("feature.2.weight").filter(|_| kind.vit().is_some()))
-        .with_context(|| {
-            format!(
-                "{shown}: no embedding layer of a {kind} (fc.weight, features.layers.2.weight \
-                 or feature.2.weight)"
-            )
-        })?;
-    let vars = OrderedVarMap::new();
-    let model =
-        FaceBackbone::new(kind, width, embedding, 0.0, vars.var_builder(DType::F32, &Device::Cpu))?;
-    let named = vars.named_vars().freeze(FaceBackbone::frozen(kind))?;
-    let value = if is_onnx { with_training_only_keys(value, &vars)? } else { value };
-    named.load_state_dict(&value).with_context(|| {
-        format!("{shown}: the weights of a {kind} (width {width}, {embedding}-d)")
-    })?;
-    Ok((kind, model))
-}
-
-/// An exported inference graph leaves out what only training reads (BatchNorm's
-/// `num_batches_tracked`, a ViT's `mask_token`): those keys come from the freshly built model,
-/// so the strict load still checks every weight the graph holds.
-fn with_training_only_keys(
-    value: tandem::ckpt::Value,
-    vars: &OrderedVarMap,
-) -> anyhow::Result<tandem::ckpt::Value> {
-    let tandem::ckpt::Value::Dict(mut items) = value else { return Ok(value) };
-    let has = |items: &[(tandem::ckpt::Value, tandem::ckpt::Value)], key: &str| {
-        items.iter().any(|(k, _)| matches!(k, tandem::ckpt::Value::Str(s) if s == key))
-    };
-    for (name, var) in vars.named() {
-        let training_only = name.ends_with("num_batches_tracked") || name == "mask_token";
-        if training_only && !has(&items, &name) {
-            let t = tandem::nn::convert::to_ckpt(var.as_tensor())?;
-            items.push((tandem::ckpt::Value::Str(name), tandem::ckpt::Value::Tensor(t)));
-        }
-    }
-    Ok(tandem::ckpt::Value::Dict(items))
-}
-
-/// numpy's `.npy` of a float32 matrix (see [`write_npy_bytes`]).
-fn write_npy(path: &Path, data: &[f32], (rows, cols): (usize, usize)) -> anyhow::Result<()> {
-    let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-    write_npy_bytes(path, "<f4", &format!("({rows}, {cols})"), &bytes)
-}
-
-/// numpy's `.npy` of a float64 vector (what `np.save` writes for eval_ijbc.py's scores).
-pub(crate) fn write_npy_f64(path: &Path, data: &[f64]) -> anyhow::Result<()> {
-    let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-    write_npy_bytes(path, "<f8", &format!("({},)", data.len()), &bytes)
-}
-
-/// numpy's `.npy` (format 1.0): magic, header length, a dict padded so the data starts on a
-/// 64-byte boundary, then the little-endian `data` in C order; written atomically.
-fn write_npy_bytes(path: &Path, descr: &str, shape: &str, data: &[u8]) -> anyhow::Result<()> {
-    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
-    let unpadded = 6 + 2 + 2 + header.len() + 1;
-    header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
-    header.push('\n');
-    let mut bytes = Vec::with_capacity(10 + header.len() + data.len());
-    bytes.extend_from_slice(b"\x93NUMPY\x01\x00");
-    bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
-    bytes.extend_from_slice(header.as_bytes());
-    bytes.extend_from_slice(data);
-    tandem::ckpt::atomic::write_atomic(path, |f| {
-        use std::io::Write;
-        f.write_all(&bytes)
-    })
-    .with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
 }

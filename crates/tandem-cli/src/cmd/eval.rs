@@ -154,7 +154,7 @@ fn write_results(
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let t = target.to_lowercase();
-    super::embed::write_npy_f64(&out.join(format!("{t}.npy")), scores)?;
+    tandem::ckpt::npy::write_f64_vector(&out.join(format!("{t}.npy")), scores)?;
     let svg = out.join(format!("{t}_roc.svg"));
     std::fs::write(&svg, ijb::roc_svg(roc, &format!("{network}-{target}")))
         .with_context(|| format!("writing {}", svg.display()))?;

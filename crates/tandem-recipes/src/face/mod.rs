@@ -17,7 +17,9 @@
 //! ```
 pub mod arcface;
 mod live_head;
+mod weights;
 pub use live_head::RowBlock;
+pub use weights::load_backbone;
 pub mod optimizer_entry;
 
 use std::path::PathBuf;
