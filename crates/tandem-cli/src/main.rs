@@ -168,4 +168,35 @@ mod tests {
             assert!(flags.contains(&flag), "{file}: option `{key}` has no flag {flag}");
         }
     }
+
+    /// Every setting the library reads from arcface_torch's configs (its `configs/` folder,
+    /// as test fixtures) is a `tandem train` flag, so `--config FILE.py` never meets a key it
+    /// cannot place.
+    #[test]
+    fn every_setting_of_an_arcface_config_is_a_train_flag() {
+        use clap::CommandFactory;
+        let cli = super::Cli::command();
+        let train = cli.find_subcommand("train").expect("a train subcommand");
+        let flags: Vec<String> =
+            train.get_arguments().filter_map(|a| a.get_long()).map(|l| format!("--{l}")).collect();
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tandem-recipes/tests/fixtures/arcface_configs");
+        let mut mapped = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "py") || path.ends_with("make_expected.py") {
+                continue;
+            }
+            // (Configs on random images or DALI's augmentation are refused by the library.)
+            let Ok(settings) = tandem::recipes::face::config::read_settings(&path) else {
+                continue;
+            };
+            mapped += 1;
+            for (key, _) in settings {
+                let flag = super::train::flag_of(key);
+                assert!(flags.contains(&flag), "{}: `{key}` has no flag {flag}", path.display());
+            }
+        }
+        assert!(mapped >= 39, "{mapped} configs mapped");
+    }
 }

@@ -505,7 +505,7 @@ fn config_file_sets_flags_and_the_command_line_wins() {
     // arcface_torch's own Python config, as written in its configs/ (r50 on MS1MV3, fp16), with
     // the data and size overridden on the command line.
     let arcface = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/arcface_configs/ms1mv3_r50_onegpu.py");
+        .join("../tandem-recipes/tests/fixtures/arcface_configs/ms1mv3_r50_onegpu.py");
     let run_py = dir.path().join("run-py");
     let out = run(&[
         "train",

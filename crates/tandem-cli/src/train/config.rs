@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 pub use tandem::models::ModelKind;
+use tandem::recipes::face;
 pub use tandem::recipes::options::{Backend, DeviceKind, OptimizerKind, Precision};
 use tandem::recipes::options::{Choice, TrainOptions};
 
@@ -424,9 +425,23 @@ impl TrainConfig {
     }
 }
 
+/// A setting of arcface_torch's config as the TOML value a `--config` file would hold.
+fn toml_value(v: face::config::PyValue) -> toml::Value {
+    use face::config::PyValue;
+    match v {
+        PyValue::Int(i) => toml::Value::Integer(i),
+        PyValue::Float(x) => toml::Value::Float(x),
+        PyValue::Str(s) => toml::Value::String(s),
+        PyValue::Bool(b) => toml::Value::Boolean(b),
+        // (`to_settings` gives no None: an unset option is left out.)
+        PyValue::None => toml::Value::String("None".into()),
+        PyValue::List(items) => toml::Value::Array(items.into_iter().map(toml_value).collect()),
+    }
+}
+
 /// `--config FILE.toml`: settings whose keys are the flags' long names (`batch-size = 128`;
 /// the snake_case names of a run's own `config.toml` work too), or `--config FILE.py`:
-/// arcface_torch's Python config (see [`super::arcface_config`]). A flag given on the command
+/// arcface_torch's Python config (see `tandem::recipes::face::config`). A flag given on the command
 /// line wins over the file; an unknown key, a nested `config` or a value of the wrong type is
 /// an error naming the file and the key.
 pub fn apply_config_file(
@@ -439,10 +454,8 @@ pub fn apply_config_file(
     let text = std::fs::read_to_string(&path).with_context(|| format!("--config {shown}"))?;
     // arcface_torch's Python configs, or TOML whose keys are the flags' names.
     let file: Vec<(String, toml::Value)> = if path.extension().is_some_and(|e| e == "py") {
-        let read = super::arcface_config::parse(&path, &text)
-            .with_context(|| format!("--config {shown}"))?;
-        let merged = super::arcface_config::with_base(&path, read);
-        super::arcface_config::to_flags(&path, &merged).context("--config")?
+        let settings = face::config::read_settings(&path).context("--config")?;
+        settings.into_iter().map(|(key, v)| (key.to_string(), toml_value(v))).collect()
     } else {
         let table: toml::Table =
             text.parse().with_context(|| format!("--config {shown}: not valid TOML"))?;

@@ -16,6 +16,7 @@
 //! face::save(&mut ckpts, &state, &loader.state(), &group)?;
 //! ```
 pub mod arcface;
+pub mod config;
 mod live_head;
 mod weights;
 pub use live_head::RowBlock;

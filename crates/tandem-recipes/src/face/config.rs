@@ -1,6 +1,6 @@
-//! arcface_torch's Python config files (`configs/ms1mv3_r50.py` and the like) as `--config`
-//! input: `config.key = value` lines over `configs/base.py`'s defaults, mapped onto `tandem
-//! train`'s flags.
+//! arcface_torch's Python config files (`configs/ms1mv3_r50.py` and the like) as settings:
+//! `config.key = value` lines over `configs/base.py`'s defaults, mapped onto the recipes' option
+//! keys (`batch_size`, `lr_scheduler`: each a `tandem train` flag with underscores).
 //!
 //! The files are read as data, never run: a line is a comment, blank, the `from easydict import
 //! EasyDict as edict` preamble, `config = edict()`, or `config.key = expression` where the
@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 
-use anyhow::{bail, Context};
+use tandem_train::{bail, Context, Result, TrainError};
 
 /// A value of the config's expression language.
 #[derive(Clone, Debug, PartialEq)]
@@ -80,8 +80,15 @@ const BASE: &[(&str, &str)] = &[
 const WANDB_KEYS: &[&str] =
     &["wandb_key", "wandb_entity", "wandb_project", "wandb_log_all", "suffix_run_name"];
 
+/// The settings arcface_torch's config file at `path` means (see [`to_settings`]): the file
+/// read as data ([`parse`]) over base.py's values ([`with_base`]).
+pub fn read_settings(path: &Path) -> Result<Vec<(&'static str, PyValue)>> {
+    let text = std::fs::read_to_string(path)?;
+    to_settings(path, &with_base(path, parse(path, &text)?))
+}
+
 /// Reads a config file's assignments (without base.py's): key -> value, in file order.
-pub fn parse(path: &Path, text: &str) -> anyhow::Result<BTreeMap<String, PyValue>> {
+pub fn parse(path: &Path, text: &str) -> Result<BTreeMap<String, PyValue>> {
     let shown = path.display();
     let mut values = BTreeMap::new();
     for (i, raw) in text.lines().enumerate() {
@@ -121,63 +128,66 @@ pub fn with_base(path: &Path, file: BTreeMap<String, PyValue>) -> BTreeMap<Strin
     merged
 }
 
-/// The `tandem train` settings (flag name without dashes, TOML value) that a merged config
-/// means, as `train_v2.py` uses them: PolynomialLRWarmup with its warm-up and gradient
+/// The settings (option key, value) that a merged config means, as `train_v2.py` uses them: PolynomialLRWarmup with its warm-up and gradient
 /// clipping at 5 always, the `.bin` verification sets next to the `.rec`.
-pub fn to_flags(
+pub fn to_settings(
     path: &Path,
     config: &BTreeMap<String, PyValue>,
-) -> anyhow::Result<Vec<(String, toml::Value)>> {
+) -> Result<Vec<(&'static str, PyValue)>> {
     let shown = path.display();
-    let mut flags: Vec<(String, toml::Value)> = vec![
-        ("lr-scheduler".into(), "polynomial-warmup".into()),
-        ("clip-grad-norm".into(), toml::Value::Float(5.0)),
+    let mut settings: Vec<(&'static str, PyValue)> = vec![
+        ("lr_scheduler", PyValue::Str("polynomial-warmup".into())),
+        ("clip_grad_norm", PyValue::Float(5.0)),
     ];
     let wandb = config.get("using_wandb") == Some(&PyValue::Bool(true));
     // The network first: a backbone tandem lacks is the first thing to hear about.
     let ordered = config.iter().filter(|(k, _)| *k == "network");
     for (key, value) in ordered.chain(config.iter().filter(|(k, _)| *k != "network")) {
-        let bad = |why: &str| anyhow::anyhow!("{shown}: config.{key} = {value}: {why}");
-        let mut set = |flag: &str, v: toml::Value| flags.push((flag.to_string(), v));
+        let bad =
+            |why: &str| TrainError::invalid(format!("{shown}: config.{key} = {value}: {why}"));
+        let mut set = |key: &'static str, v: PyValue| settings.push((key, v));
         match key.as_str() {
             "network" => {
                 let name = value.as_str().ok_or_else(|| bad("expected a string"))?;
-                name.parse::<tandem::models::ModelKind>().map_err(|e| bad(&e.to_string()))?;
-                set("model", name.into());
+                name.parse::<tandem_models::ModelKind>().map_err(|e| bad(&e.to_string()))?;
+                set("model", PyValue::Str(name.into()));
             }
             "margin_list" => {
                 let m = value.as_floats().filter(|m| m.len() == 3);
                 let m = m.ok_or_else(|| bad("expected three numbers (m1, m2, m3)"))?;
-                set("margin", format!("{},{},{}", m[0], m[1], m[2]).into());
+                set("margin", PyValue::Str(format!("{},{},{}", m[0], m[1], m[2])));
             }
-            "embedding_size" => set("embedding-size", value.as_uint(&bad)?),
-            "sample_rate" => set("sample-rate", value.as_float(&bad)?),
+            "embedding_size" => set("embedding_size", value.as_uint(&bad)?),
+            "sample_rate" => set("sample_rate", value.as_float(&bad)?),
             "interclass_filtering_threshold" => {
-                set("interclass-filtering-threshold", value.as_float(&bad)?)
+                set("interclass_filtering_threshold", value.as_float(&bad)?)
             }
             "fp16" => {
                 let on = value.as_bool().ok_or_else(|| bad("expected True or False"))?;
-                set("precision", if on { "f16" } else { "f32" }.into());
+                set("precision", PyValue::Str(if on { "f16" } else { "f32" }.into()));
             }
-            "batch_size" => set("batch-size", value.as_uint(&bad)?),
+            "batch_size" => set("batch_size", value.as_uint(&bad)?),
             "optimizer" => match value.as_str() {
-                Some(o @ ("sgd" | "adamw")) => set("optimizer", o.into()),
+                Some(o @ ("sgd" | "adamw")) => set("optimizer", PyValue::Str(o.into())),
                 _ => return Err(bad("arcface_torch's optimizers are \"sgd\" and \"adamw\"")),
             },
             "lr" => set("lr", value.as_float(&bad)?),
             "momentum" => set("momentum", value.as_float(&bad)?),
-            "weight_decay" => set("weight-decay", value.as_float(&bad)?),
+            "weight_decay" => set("weight_decay", value.as_float(&bad)?),
             "verbose" => set("verbose", value.as_uint(&bad)?),
             "num_epoch" => set("epochs", value.as_uint(&bad)?),
-            "warmup_epoch" => set("warmup-epochs", value.as_uint(&bad)?),
-            "num_classes" => set("num-classes", value.as_uint(&bad)?),
+            "warmup_epoch" => set("warmup_epochs", value.as_uint(&bad)?),
+            "num_classes" => set("num_classes", value.as_uint(&bad)?),
             "seed" => set("seed", value.as_uint(&bad)?),
-            "num_workers" => set("num-workers", value.as_uint(&bad)?),
-            "frequent" => set("log-every", value.as_uint(&bad)?),
+            "num_workers" => set("num_workers", value.as_uint(&bad)?),
+            "frequent" => set("log_every", value.as_uint(&bad)?),
             "resume" => {
-                set("resume", value.as_bool().ok_or_else(|| bad("expected a bool"))?.into())
+                set("resume", PyValue::Bool(value.as_bool().ok_or_else(|| bad("expected a bool"))?))
             }
-            "output" => set("out", value.as_str().ok_or_else(|| bad("expected a path"))?.into()),
+            "output" => set(
+                "out",
+                PyValue::Str(value.as_str().ok_or_else(|| bad("expected a path"))?.into()),
+            ),
             "rec" => {
                 let dir = value.as_str().ok_or_else(|| bad("expected a directory"))?;
                 if dir == "synthetic" {
@@ -186,19 +196,19 @@ pub fn to_flags(
                          synthetic identity set with `tandem data synth-faces DIR` and name it",
                     ));
                 }
-                set("data", format!("rec:{dir}").into());
+                set("data", PyValue::Str(format!("rec:{dir}")));
                 if let Some(PyValue::List(names)) = config.get("val_targets") {
-                    let files: anyhow::Result<Vec<toml::Value>> = names
+                    let files: Result<Vec<PyValue>> = names
                         .iter()
                         .map(|n| match n.as_str() {
-                            Some(n) => Ok(format!("{dir}/{n}.bin").into()),
+                            Some(n) => Ok(PyValue::Str(format!("{dir}/{n}.bin"))),
                             None => Err(bad("val_targets must be names of .bin sets")),
                         })
                         .collect();
-                    set("val", toml::Value::Array(files?));
+                    set("val", PyValue::List(files?));
                 }
             }
-            "gradient_acc" => set("gradient-acc", value.as_uint(&bad)?),
+            "gradient_acc" => set("gradient_acc", value.as_uint(&bad)?),
             // DALI is only arcface_torch's faster loader of the same .rec: tandem's own loader
             // reads it. Its extra augmentation is another matter.
             "dali" => {}
@@ -222,25 +232,25 @@ pub fn to_flags(
             }
         }
     }
-    Ok(flags)
+    Ok(settings)
 }
 
 impl PyValue {
-    fn as_str(&self) -> Option<&str> {
+    pub fn as_str(&self) -> Option<&str> {
         match self {
             PyValue::Str(s) => Some(s),
             _ => None,
         }
     }
 
-    fn as_bool(&self) -> Option<bool> {
+    pub fn as_bool(&self) -> Option<bool> {
         match self {
             PyValue::Bool(b) => Some(*b),
             _ => None,
         }
     }
 
-    fn as_f64(&self) -> Option<f64> {
+    pub fn as_f64(&self) -> Option<f64> {
         match self {
             PyValue::Int(i) => Some(*i as f64),
             PyValue::Float(x) => Some(*x),
@@ -255,13 +265,13 @@ impl PyValue {
         }
     }
 
-    fn as_float(&self, bad: &dyn Fn(&str) -> anyhow::Error) -> anyhow::Result<toml::Value> {
-        self.as_f64().map(toml::Value::Float).ok_or_else(|| bad("expected a number"))
+    fn as_float(&self, bad: &dyn Fn(&str) -> TrainError) -> Result<PyValue> {
+        self.as_f64().map(PyValue::Float).ok_or_else(|| bad("expected a number"))
     }
 
-    fn as_uint(&self, bad: &dyn Fn(&str) -> anyhow::Error) -> anyhow::Result<toml::Value> {
+    fn as_uint(&self, bad: &dyn Fn(&str) -> TrainError) -> Result<PyValue> {
         match self {
-            PyValue::Int(i) if *i >= 0 => Ok(toml::Value::Integer(*i)),
+            PyValue::Int(i) if *i >= 0 => Ok(PyValue::Int(*i)),
             _ => Err(bad("expected a whole number >= 0")),
         }
     }
@@ -315,7 +325,7 @@ impl<'a> Expr<'a> {
         Expr { text, pos: 0, known, depth: 0 }
     }
 
-    fn parse(mut self) -> anyhow::Result<PyValue> {
+    fn parse(mut self) -> Result<PyValue> {
         let v = self.sum()?;
         self.skip_space();
         if self.pos != self.text.len() {
@@ -344,7 +354,7 @@ impl<'a> Expr<'a> {
         }
     }
 
-    fn sum(&mut self) -> anyhow::Result<PyValue> {
+    fn sum(&mut self) -> Result<PyValue> {
         let mut v = self.product()?;
         loop {
             if self.eat("+") {
@@ -357,7 +367,7 @@ impl<'a> Expr<'a> {
         }
     }
 
-    fn product(&mut self) -> anyhow::Result<PyValue> {
+    fn product(&mut self) -> Result<PyValue> {
         let mut v = self.unary()?;
         loop {
             if self.eat("//") {
@@ -372,7 +382,7 @@ impl<'a> Expr<'a> {
         }
     }
 
-    fn nest<T>(&mut self, f: impl FnOnce(&mut Self) -> anyhow::Result<T>) -> anyhow::Result<T> {
+    fn nest<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         if self.depth >= MAX_DEPTH {
             bail!("nested more than {MAX_DEPTH} deep");
         }
@@ -382,7 +392,7 @@ impl<'a> Expr<'a> {
         out
     }
 
-    fn unary(&mut self) -> anyhow::Result<PyValue> {
+    fn unary(&mut self) -> Result<PyValue> {
         if self.eat("-") {
             let v = self.nest(Self::unary)?;
             return arith(&PyValue::Int(0), &v, '-');
@@ -390,7 +400,7 @@ impl<'a> Expr<'a> {
         self.atom()
     }
 
-    fn atom(&mut self) -> anyhow::Result<PyValue> {
+    fn atom(&mut self) -> Result<PyValue> {
         self.skip_space();
         let rest = self.rest();
         if self.eat("(") || self.eat("[") {
@@ -447,7 +457,7 @@ impl<'a> Expr<'a> {
                 } else {
                     w.parse::<f64>()
                         .map(PyValue::Float)
-                        .map_err(|_| anyhow::anyhow!("bad number `{w}`"))
+                        .map_err(|_| TrainError::invalid(format!("bad number `{w}`")))
                 }
             }
             w => match w.strip_prefix("config.") {
@@ -463,7 +473,7 @@ impl<'a> Expr<'a> {
 }
 
 /// Python's `+ - * / //` on ints and floats (`f`: floor division).
-fn arith(a: &PyValue, b: &PyValue, op: char) -> anyhow::Result<PyValue> {
+fn arith(a: &PyValue, b: &PyValue, op: char) -> Result<PyValue> {
     use PyValue::{Float, Int, Str};
     Ok(match (a, b) {
         (Int(x), Int(y)) => match op {
@@ -503,7 +513,7 @@ fn arith(a: &PyValue, b: &PyValue, op: char) -> anyhow::Result<PyValue> {
 mod tests {
     use super::*;
 
-    fn read(text: &str) -> anyhow::Result<BTreeMap<String, PyValue>> {
+    fn read(text: &str) -> Result<BTreeMap<String, PyValue>> {
         parse(Path::new("configs/x.py"), text)
     }
 
@@ -564,19 +574,24 @@ mod tests {
             let got: serde_json::Map<String, serde_json::Value> =
                 merged.iter().map(|(k, v)| (k.clone(), json_value(v))).collect();
             assert_eq!(&serde_json::Value::Object(got), want, "{name}");
-            match to_flags(&path, &merged) {
-                Ok(flags) => {
+            match to_settings(&path, &merged) {
+                Ok(settings) => {
                     mapped += 1;
-                    let flag = |f: &str| flags.iter().find(|(k, _)| k == f).map(|(_, v)| v.clone());
-                    assert_eq!(
-                        flag("batch-size"),
-                        Some(want["batch_size"].as_i64().unwrap().into())
-                    );
-                    assert_eq!(flag("lr-scheduler"), Some("polynomial-warmup".into()), "{name}");
+                    let setting =
+                        |f: &str| settings.iter().find(|(k, _)| *k == f).map(|(_, v)| v.clone());
+                    let batch = want["batch_size"].as_i64().unwrap();
+                    assert_eq!(setting("batch_size"), Some(PyValue::Int(batch)));
+                    let poly = PyValue::Str("polynomial-warmup".into());
+                    assert_eq!(setting("lr_scheduler"), Some(poly), "{name}");
                     let rec = want["rec"].as_str().unwrap();
-                    assert_eq!(flag("data"), Some(format!("rec:{rec}").into()), "{name}");
+                    let data = PyValue::Str(format!("rec:{rec}"));
+                    assert_eq!(setting("data"), Some(data), "{name}");
                     let vals = want["val_targets"].as_array().unwrap().len();
-                    assert_eq!(flag("val").map(|v| v.as_array().unwrap().len()), Some(vals));
+                    let listed = |v: PyValue| match v {
+                        PyValue::List(items) => items.len(),
+                        other => panic!("{name}: val = {other}"),
+                    };
+                    assert_eq!(setting("val").map(listed), Some(vals));
                 }
                 Err(e) => {
                     let e = e.to_string();
@@ -590,13 +605,13 @@ mod tests {
             }
         }
         eprintln!(
-            "{mapped} configs map onto tandem's flags; {refused} use DALI's augmentation or random images"
+            "{mapped} configs map onto the recipe's options; {refused} use DALI's augmentation or random images"
         );
         assert!(mapped >= 39, "{mapped}");
     }
 
     #[test]
-    fn a_config_maps_onto_the_recipe_s_flags() {
+    fn a_config_maps_onto_the_recipe_s_options() {
         let path = Path::new("configs/wf4m_mbf.py");
         let read = read(
             "config.network = \"mbf\"\nconfig.margin_list = (1.0, 0.0, 0.4)\n\
@@ -606,36 +621,37 @@ mod tests {
              config.output = None\n",
         )
         .unwrap();
-        let flags: BTreeMap<String, toml::Value> =
-            to_flags(path, &with_base(path, read)).unwrap().into_iter().collect();
-        let want: [(&str, toml::Value); 12] = [
-            ("model", "mbf".into()),
-            ("margin", "1,0,0.4".into()),
-            ("precision", "f16".into()),
-            ("optimizer", "adamw".into()),
-            ("lr", 1e-3.into()),
-            ("epochs", 20.into()),
-            ("warmup-epochs", 2.into()),
-            ("data", "rec:/data/WebFace4M".into()),
-            ("val", toml::Value::Array(vec!["/data/WebFace4M/lfw.bin".into()])),
-            ("out", "work_dirs/wf4m_mbf".into()),
-            ("clip-grad-norm", 5.0.into()),
-            ("seed", 2048.into()),
+        let settings: BTreeMap<&str, PyValue> =
+            to_settings(path, &with_base(path, read)).unwrap().into_iter().collect();
+        let text = |s: &str| PyValue::Str(s.into());
+        let want: [(&str, PyValue); 12] = [
+            ("model", text("mbf")),
+            ("margin", text("1,0,0.4")),
+            ("precision", text("f16")),
+            ("optimizer", text("adamw")),
+            ("lr", PyValue::Float(1e-3)),
+            ("epochs", PyValue::Int(20)),
+            ("warmup_epochs", PyValue::Int(2)),
+            ("data", text("rec:/data/WebFace4M")),
+            ("val", PyValue::List(vec![text("/data/WebFace4M/lfw.bin")])),
+            ("out", text("work_dirs/wf4m_mbf")),
+            ("clip_grad_norm", PyValue::Float(5.0)),
+            ("seed", PyValue::Int(2048)),
         ];
         for (k, v) in want {
-            assert_eq!(flags.get(k), Some(&v), "{k}");
+            assert_eq!(settings.get(k), Some(&v), "{k}");
         }
         let acc = read_ok("config.network = \"vit_b_dp005_mask_005\"\nconfig.gradient_acc = 12\n");
-        let flags: BTreeMap<String, toml::Value> =
-            to_flags(path, &with_base(path, acc)).unwrap().into_iter().collect();
-        assert_eq!(flags.get("gradient-acc"), Some(&12.into()));
-        assert_eq!(flags.get("model"), Some(&"vit_b_dp005_mask_005".into()));
+        let settings: BTreeMap<&str, PyValue> =
+            to_settings(path, &with_base(path, acc)).unwrap().into_iter().collect();
+        assert_eq!(settings.get("gradient_acc"), Some(&PyValue::Int(12)));
+        assert_eq!(settings.get("model"), Some(&text("vit_b_dp005_mask_005")));
         for (text, why) in [
             ("config.dali_aug = True\n", "DALI"),
             ("config.lr_typo = 1\n", "not one of"),
             ("config.network = \"r152\"\n", "unknown model"),
         ] {
-            let e = to_flags(path, &with_base(path, read_ok(text))).unwrap_err().to_string();
+            let e = to_settings(path, &with_base(path, read_ok(text))).unwrap_err().to_string();
             assert!(e.contains(why) && e.contains("wf4m_mbf.py"), "{text}: {e}");
         }
     }
@@ -661,7 +677,7 @@ mod tests {
             ("config.a = -9223372036854775807 - 1\nconfig.b = config.a // -1\n", 2),
             ("for i in range(3): config.a = i\n", 1),
         ] {
-            let e = format!("{:#}", read(text).unwrap_err());
+            let e = read(text).unwrap_err().chain_text();
             assert!(e.contains(&format!("configs/x.py:{line}:")), "{text:?}: {e}");
         }
     }
