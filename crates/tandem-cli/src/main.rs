@@ -169,6 +169,19 @@ mod tests {
         }
     }
 
+    /// `tandem train` with no flags is the library's `TrainConfig::default()`, field for field
+    /// (the flags take their defaults from it; a flag without one must agree with it).
+    #[test]
+    fn train_without_flags_is_the_librarys_default_config() {
+        use clap::Parser;
+        let super::Command::Train(args) =
+            super::Cli::try_parse_from(["tandem", "train"]).unwrap().command
+        else {
+            panic!("not the train command")
+        };
+        assert_eq!(args.cfg, tandem::recipes::TrainConfig::default());
+    }
+
     /// Every setting the library reads from arcface_torch's configs (its `configs/` folder,
     /// as test fixtures) is a `tandem train` flag, so `--config FILE.py` never meets a key it
     /// cannot place.

@@ -5,8 +5,9 @@
 //!   the image classifier (mlp, cnn, resnet18 on digits, MNIST, CIFAR-10, synthetic data) or
 //!   insightface's arcface_torch (IResNet, MobileFaceNet, ViT + PartialFC on RecordIO or a
 //!   folder of images), under a launcher, torchrun, Slurm or mpirun, with live recovery;
-//! - [`options`]: every option of those recipes, typed, with its default and its check
-//!   ([`TrainOptions::validate`]);
+//! - [`options`]: every setting of those recipes as a person writes it ([`TrainConfig`]: its
+//!   doc, default and check; `tandem train`'s flags are its `clap` derive, feature `clap`) and
+//!   the typed [`TrainOptions`] the recipes read from it;
 //! - [`face`]: the face recipe's state (backbone + PartialFC head) as a
 //!   [`TrainingStateDict`](tandem_train::TrainingStateDict) and back, on any world size, and
 //!   arcface_torch's own checkpoint layout; [`verification`]: face verification sets (`.bin`
@@ -23,9 +24,10 @@ pub mod options;
 pub mod verification;
 
 mod recipes;
+mod train_config;
 mod validate;
 
-pub use options::TrainOptions;
+pub use options::{TrainConfig, TrainOptions};
 pub use recipes::train;
 
 /// The recipes' own failures, kept whole as the source of a training error.

@@ -11,6 +11,10 @@ use tandem_models::ModelKind;
 use tandem_train::LrSchedule;
 use tandem_train::{Context, Result, TrainError};
 
+#[cfg(feature = "clap")]
+pub use crate::train_config::{choice, ChoiceParser};
+pub use crate::train_config::{parse_margin, SchedulerKind, TrainConfig};
+
 /// An option with a fixed set of named values (for a command line's parser and help).
 pub trait Choice: FromStr + Copy + Send + Sync + 'static {
     /// Every value's name, as parsed.

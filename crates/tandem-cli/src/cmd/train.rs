@@ -11,7 +11,7 @@ use tandem::train::Reporter;
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
-    cfg: TrainConfig,
+    pub(crate) cfg: TrainConfig,
 }
 
 /// Marks a process started by `tandem train` itself (so it trains instead of launching again).
@@ -43,7 +43,8 @@ pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i3
         cfg.out = Some(std::path::PathBuf::from("runs").join(format!("train-{id}")));
     }
     let run_dir = cfg.run_dir();
-    let options = cfg.options(run_dir.clone())?;
+    let mut options = cfg.options(run_dir.clone())?;
+    options.run.record = crate::train::config::to_toml(&cfg)?;
     let reporter = Reporter::new().with(Console::new());
     let summary = tandem::recipes::train(&options, &reporter)?;
     if summary.rank == 0 {
@@ -106,7 +107,8 @@ fn write_config(
     std::fs::create_dir_all(run_dir)
         .with_context(|| format!("creating run directory {}", run_dir.display()))?;
     let path = run_dir.join("config.toml");
-    std::fs::write(&path, cfg.to_toml()?).with_context(|| format!("writing {}", path.display()))?;
+    std::fs::write(&path, crate::train::config::to_toml(cfg)?)
+        .with_context(|| format!("writing {}", path.display()))?;
     Ok(path)
 }
 
