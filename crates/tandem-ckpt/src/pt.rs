@@ -168,6 +168,25 @@ pub enum FileKind {
     Safetensors,
 }
 
+impl FileKind {
+    /// What the file is, in words (`torch.save zip`).
+    pub fn name(self) -> &'static str {
+        match self {
+            FileKind::TorchZip => "torch.save zip",
+            FileKind::TorchLegacy => "torch.save legacy (pre-1.6)",
+            FileKind::Safetensors => "safetensors",
+        }
+    }
+}
+
+/// The kind of the file at `path`, by its first bytes (`None`: not one tandem reads).
+pub fn detect_file(path: &Path) -> Result<Option<FileKind>> {
+    let mut head = [0u8; 64];
+    let n =
+        File::open(path).and_then(|mut f| f.read(&mut head)).map_err(|e| CkptError::io(path, e))?;
+    Ok(detect(&head[..n]))
+}
+
 const LEGACY_MAGIC: &[u8] = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19.";
 
 /// Recognises a file by its first bytes.

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use crate::error::CkptError;
-use crate::keys::strip_wrappers;
+use crate::keys::{detect_wrapping, find_state_dicts, strip_wrappers};
 use crate::value::{TensorData, Value};
 
 /// Every leaf of `v` with its path: dict keys and list indices joined by `/` (`misc/3`); an
@@ -160,6 +160,81 @@ fn rename_keys(
     })
 }
 
+/// What a checkpoint file holds, as `tandem ckpt inspect` shows it (and as JSON).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Summary {
+    /// The top-level dict's keys (nothing when the file is not a dict).
+    pub container_keys: Vec<String>,
+    /// Every state dict found (bare, or under `model`, `state_dict`, ...).
+    pub state_dicts: Vec<StateDictAt>,
+    /// Wrappers its keys show (`DistributedDataParallel (module.)`, ...).
+    pub wrapping: Vec<String>,
+    pub tensors: Vec<TensorLeaf>,
+    /// The leaves that are not tensors.
+    pub values: Vec<ValueLeaf>,
+    pub total_tensor_bytes: usize,
+}
+
+/// A state dict inside a checkpoint: where, and how many tensors.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct StateDictAt {
+    pub at: String,
+    pub tensors: usize,
+}
+
+/// A tensor leaf: its path, torch dtype name, shape and bytes.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct TensorLeaf {
+    pub key: String,
+    pub dtype: &'static str,
+    pub shape: Vec<usize>,
+    pub bytes: usize,
+}
+
+/// Any other leaf: its path, Python type and [`short_repr`].
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct ValueLeaf {
+    pub key: String,
+    #[serde(rename = "type")]
+    pub type_name: &'static str,
+    pub value: String,
+}
+
+/// What `v` holds ([`Summary`]).
+pub fn summarize(v: &Value) -> Summary {
+    let all = leaves(v);
+    let tensors: Vec<TensorLeaf> = all
+        .iter()
+        .filter_map(|(p, x)| x.as_tensor().map(|t| (p, t)))
+        .map(|(p, t)| TensorLeaf {
+            key: p.clone(),
+            dtype: t.dtype.torch_name(),
+            shape: t.shape.clone(),
+            bytes: t.nbytes(),
+        })
+        .collect();
+    let values = all
+        .iter()
+        .filter(|(_, x)| x.as_tensor().is_none())
+        .map(|(p, x)| ValueLeaf { key: p.clone(), type_name: x.type_name(), value: short_repr(x) })
+        .collect();
+    let found = find_state_dicts(v);
+    Summary {
+        container_keys: keys_of(v),
+        state_dicts: found
+            .iter()
+            .map(|(at, t)| StateDictAt { at: at.clone(), tensors: t.len() })
+            .collect(),
+        wrapping: found
+            .iter()
+            .flat_map(|(_, t)| detect_wrapping(t.iter().map(|(k, _)| k.as_str())))
+            .collect(),
+        total_tensor_bytes: tensors.iter().map(|t| t.bytes).sum(),
+        tensors,
+        values,
+    }
+}
+
 /// How one leaf differs between two trees.
 #[derive(Clone, Debug, PartialEq)]
 pub enum LeafDiff {
@@ -278,6 +353,13 @@ mod tests {
         ]);
         let paths: Vec<String> = leaves(&v).into_iter().map(|(p, _)| p).collect();
         assert_eq!(paths, ["model/fc.weight", "misc/0", "misc/1"]);
+        let summary = summarize(&v);
+        assert_eq!(summary.container_keys, ["model", "misc"]);
+        assert_eq!(summary.state_dicts, [StateDictAt { at: "model".into(), tensors: 1 }]);
+        assert_eq!(summary.tensors[0].dtype, "float32");
+        assert_eq!((summary.tensors[0].bytes, summary.total_tensor_bytes), (4, 4));
+        assert_eq!(summary.values.len(), 2);
+        assert_eq!((summary.values[1].type_name, summary.values[1].value.as_str()), ("list", "[]"));
         assert_eq!(tensor_bytes(&v), 4);
         assert_eq!(select(&v, "model/fc.weight").unwrap(), &tensor(&[1.0]));
         let e = select(&v, "model/fc.bias").unwrap_err().to_string();

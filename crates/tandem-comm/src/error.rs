@@ -4,6 +4,9 @@ use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
+    /// A collective finished but its result is not what it must be (`ProcessGroup::self_check`).
+    #[error("{op}: wrong result: {what}")]
+    WrongResult { op: String, what: String },
     /// A bad or inconsistent environment variable (RANK >= WORLD_SIZE, unparsable numbers, ...).
     #[error("environment variable {var}={value:?}: {reason}")]
     Env { var: String, value: String, reason: String },

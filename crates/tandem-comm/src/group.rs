@@ -17,6 +17,7 @@ mod monitored;
 mod objects;
 mod p2p;
 mod reduce;
+mod self_check;
 mod subgroups;
 
 use crate::work::Work;

@@ -8,6 +8,11 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use tandem_comm::ProcessGroup;
+use tandem_data::datasets::faces::FACE_SIDE;
+use tandem_data::datasets::ijb::IjbSet;
+use tandem_train::{bail, Result};
+
 /// The false-acceptance rates of insightface's table.
 pub const FARS: [f64; 6] = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1];
 
@@ -20,6 +25,81 @@ pub enum IjbError {
     Mismatch { what: &'static str, got: usize, want: usize },
     #[error("the pairs hold {0}: TAR@FAR needs genuine and impostor pairs")]
     OneClass(&'static str),
+}
+
+/// What an IJB evaluation found (rank 0's, from [`evaluate`]).
+#[derive(Clone, Debug)]
+pub struct IjbResult {
+    pub images: usize,
+    pub templates: usize,
+    /// Every pair's score, in the pair file's order.
+    pub scores: Vec<f64>,
+    pub roc: Roc,
+    /// TAR at each of [`FARS`].
+    pub tars: Vec<f64>,
+}
+
+/// Scores `set` with `embed` (a batch of `n` 112x112 faces, `[n, 3, 112, 112]` flattened, to
+/// `n` embedding rows and their width). With a `group`, the ranks split the images round
+/// robin, each embeds its share and its mirrors, and rank 0 gathers them and scores (a
+/// collective; the other ranks get `None`).
+pub fn evaluate(
+    set: &IjbSet,
+    embed: &mut dyn FnMut(Vec<f32>, usize) -> Result<(Vec<f32>, usize)>,
+    batch_size: usize,
+    group: Option<&ProcessGroup>,
+) -> Result<Option<IjbResult>> {
+    let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.size()));
+    let mine: Vec<usize> = (rank..set.images.len()).step_by(world).collect();
+    // Per image of `mine`, its embedding then its mirror's.
+    let (mut rows, mut width) = (Vec::new(), 0);
+    for chunk in mine.chunks(batch_size.max(1)) {
+        let mut x = Vec::with_capacity(2 * chunk.len() * 3 * FACE_SIDE * FACE_SIDE);
+        for &i in chunk {
+            let [face, mirror] = set.face_and_mirror(i)?;
+            x.extend(face);
+            x.extend(mirror);
+        }
+        let (e, w) = embed(x, 2 * chunk.len())?;
+        width = w;
+        rows.extend(e);
+    }
+    let all: Vec<Vec<f32>> = match group {
+        None => vec![rows],
+        Some(g) => g
+            .all_gather_bytes(bytemuck::cast_slice(&rows))?
+            .into_iter()
+            .map(|b| bytemuck::pod_collect_to_vec::<u8, f32>(&b))
+            .collect(),
+    };
+    if rank != 0 {
+        return Ok(None);
+    }
+    let width = if width == 0 { all.iter().map(Vec::len).max().unwrap_or(0) / 2 } else { width };
+    let n = set.images.len();
+    let (mut emb, mut flip) = (vec![Vec::new(); n], vec![Vec::new(); n]);
+    for (r, rows) in all.iter().enumerate() {
+        for (k, i) in (r..n).step_by(world).enumerate() {
+            let at = 2 * k * width;
+            let (Some(e), Some(f)) =
+                (rows.get(at..at + width), rows.get(at + width..at + 2 * width))
+            else {
+                bail!("rank {r} sent {} values, short of its images' embeddings", rows.len());
+            };
+            (emb[i], flip[i]) = (e.to_vec(), f.to_vec());
+        }
+    }
+    let scores: Vec<f32> = set.images.iter().map(|im| im.score).collect();
+    let templates: Vec<i64> = set.images.iter().map(|im| im.template).collect();
+    let medias: Vec<i64> = set.images.iter().map(|im| im.media).collect();
+    let feats = image_features(&emb, &flip, &scores)?;
+    let (ids, tfeats) = template_features(&feats, &templates, &medias)?;
+    let pairs: Vec<(i64, i64)> = set.pairs.iter().map(|p| (p.0, p.1)).collect();
+    let labels: Vec<bool> = set.pairs.iter().map(|p| p.2).collect();
+    let scores = pair_scores(&ids, &tfeats, &pairs)?;
+    let roc = roc_curve(&labels, &scores)?;
+    let tars = tar_at_far(&roc, &FARS);
+    Ok(Some(IjbResult { images: n, templates: ids.len(), scores, roc, tars }))
 }
 
 /// Per image: `(embedding + mirrored embedding) · detector score` (`eval_ijbc.py`'s F1, N1, D1).

@@ -44,4 +44,5 @@ macro_rules! failed_from {
 failed_from! {
     verification::VerificationError => "verification",
     face::FaceStateError => "the face checkpoint",
+    ijb::IjbError => "IJB scoring",
 }

@@ -49,6 +49,27 @@ pub fn read_metadata(dir: &Path) -> Result<Metadata> {
     metadata::parse(&path, &bytes)
 }
 
+/// How a DCP directory's tensors are stored: each tensor's key, its number of chunks and the
+/// files holding them (sorted), in the metadata's order.
+pub fn chunking(dir: &Path) -> Result<Vec<(String, usize, Vec<String>)>> {
+    let md = read_metadata(dir)?;
+    let files_of = |fqn: &str| {
+        let mut files: Vec<String> =
+            md.records.iter().filter(|r| r.fqn == fqn).map(|r| r.stored.file.clone()).collect();
+        files.sort();
+        files.dedup();
+        files
+    };
+    Ok(md
+        .items
+        .iter()
+        .filter_map(|(fqn, item)| match item {
+            Item::Tensor { chunks, .. } => Some((fqn.clone(), chunks.len(), files_of(fqn))),
+            Item::Bytes => None,
+        })
+        .collect())
+}
+
 /// The value stored at `stored` (a complete `torch.save` image), its range checked against
 /// the file first.
 fn read_stored(dir: &Path, stored: &Stored) -> Result<Value> {

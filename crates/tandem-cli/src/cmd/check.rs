@@ -102,7 +102,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         println!("{head} MISMATCH (expected {expected})");
         bail!("rank {rank}: all_reduce sum {sum} != {expected} = n(n-1)/2 for n = {size}");
     }
-    if let Err(why) = check_large(&pg).and_then(|()| check_more(&pg)) {
+    if let Err(why) = pg.self_check() {
         println!("{head} MISMATCH ({why})");
         bail!("rank {rank}: {why}");
     }
@@ -123,74 +123,4 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     std::thread::sleep(sleep);
     pg.barrier().context("final barrier")?;
     Ok(0)
-}
-
-/// Sum, average and max of an 8 MiB f32 buffer whose values depend on the rank and the index;
-/// all exact in f32, so any wrong element is a bug, not rounding.
-fn check_large(pg: &tandem::comm::ProcessGroup) -> Result<(), String> {
-    // 8 MiB + 3 elements: several pipeline pieces of the hierarchical all-reduce, the last one
-    // tiny, and a length no local group size divides.
-    const LEN: usize = (1 << 21) + 3;
-    let (rank, size) = (pg.rank() as f32, pg.size() as f32);
-    let value = |i: usize| rank + (i % 7) as f32;
-    let ranks_sum = size * (size - 1.0) / 2.0;
-    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
-        let mut buf: Vec<f32> = (0..LEN).map(value).collect();
-        pg.all_reduce(&mut buf, op).map_err(|e| format!("8 MiB all_reduce({op:?}): {e}"))?;
-        for (i, &got) in buf.iter().enumerate() {
-            let k = (i % 7) as f32;
-            let want = match op {
-                ReduceOp::Sum => ranks_sum + size * k,
-                ReduceOp::Avg => (ranks_sum + size * k) / size,
-                _ => size - 1.0 + k,
-            };
-            if got != want {
-                return Err(format!(
-                    "8 MiB all_reduce({op:?}): element {i} is {got}, expected {want}"
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
-/// reduce, all_to_all_single with uneven splits (some empty), a ring shift by
-/// batch_isend_irecv, all_gather_object and monitored_barrier, with results every rank checks.
-fn check_more(pg: &tandem::comm::ProcessGroup) -> Result<(), String> {
-    let (r, n) = (pg.rank(), pg.size());
-    let fail = |what: &str, e: tandem::comm::CommError| format!("{what}: {e}");
-    let mut v = vec![r as i64 + 1; 1001];
-    pg.reduce(&mut v, ReduceOp::Sum, n - 1).map_err(|e| fail("reduce", e))?;
-    let want = if r == n - 1 { (n * (n + 1) / 2) as i64 } else { r as i64 + 1 };
-    if v.iter().any(|x| *x != want) {
-        return Err(format!("reduce: {} instead of {want}", v[0]));
-    }
-    // Rank f sends (f + t) % 3 elements of value 100 f + t to rank t.
-    let ins: Vec<usize> = (0..n).map(|t| (r + t) % 3).collect();
-    let outs: Vec<usize> = (0..n).map(|f| (f + r) % 3).collect();
-    let input: Vec<i64> = (0..n).flat_map(|t| vec![(100 * r + t) as i64; (r + t) % 3]).collect();
-    let mut output = vec![-1i64; outs.iter().sum()];
-    pg.all_to_all_single(&input, &mut output, Some(&ins), Some(&outs))
-        .map_err(|e| fail("all_to_all_single", e))?;
-    let want: Vec<i64> = (0..n).flat_map(|f| vec![(100 * f + r) as i64; (f + r) % 3]).collect();
-    if output != want {
-        return Err(format!("all_to_all_single: {output:?} instead of {want:?}"));
-    }
-    if n > 1 {
-        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-        let ops = vec![
-            tandem::comm::P2POp::isend(vec![r as f32; 1 << 18], right),
-            tandem::comm::P2POp::irecv(vec![-1f32; 1 << 18], left),
-        ];
-        let done = pg.batch_isend_irecv(ops).wait().map_err(|e| fail("batch_isend_irecv", e))?;
-        if done[1].buf.iter().any(|x| *x != left as f32) {
-            return Err(format!("batch_isend_irecv: got {} from rank {left}", done[1].buf[0]));
-        }
-    }
-    let names =
-        pg.all_gather_object(&format!("rank {r}")).map_err(|e| fail("all_gather_object", e))?;
-    if names.iter().enumerate().any(|(q, s)| *s != format!("rank {q}")) {
-        return Err(format!("all_gather_object: {names:?}"));
-    }
-    pg.monitored_barrier(None).map_err(|e| fail("monitored_barrier", e))
 }

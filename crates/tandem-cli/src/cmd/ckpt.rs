@@ -7,13 +7,13 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::Subcommand;
 use serde_json::json;
-use tandem::ckpt::keys::{detect_wrapping, find_state_dicts, load_state_dict};
-use tandem::ckpt::tree::{self, keys_of, short_repr, tensor_bytes, LeafDiff};
-use tandem::ckpt::{CkptError, TensorData, Value};
+use tandem::ckpt::keys::{find_state_dicts, load_state_dict};
+use tandem::ckpt::tree::{self, keys_of, tensor_bytes, LeafDiff};
+use tandem::ckpt::{CkptError, Value};
 
 use tandem::optim::zero::is_zero1_checkpoint;
 use tandem::recipes::face::arcface;
-use tandem::train::checkpoint::{Saved, ShardSlice};
+use tandem::train::checkpoint::Saved;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -112,30 +112,6 @@ fn read_keeping(path: &Path, keep_ordered_dicts: bool) -> anyhow::Result<Value> 
     Ok(tandem::ckpt::load_with(path, &opts)?)
 }
 
-fn format_name(path: &Path) -> anyhow::Result<&'static str> {
-    use std::io::Read;
-    let mut head = [0u8; 64];
-    let n = std::fs::File::open(path)
-        .and_then(|mut f| f.read(&mut head))
-        .with_context(|| format!("{}", path.display()))?;
-    Ok(match tandem::ckpt::pt::detect(&head[..n]) {
-        Some(tandem::ckpt::pt::FileKind::TorchZip) => "torch.save zip",
-        Some(tandem::ckpt::pt::FileKind::TorchLegacy) => "torch.save legacy (pre-1.6)",
-        Some(tandem::ckpt::pt::FileKind::Safetensors) => "safetensors",
-        None => "unknown",
-    })
-}
-
-fn describe_slice(slice: &ShardSlice) -> String {
-    match slice {
-        ShardSlice::Rows { start, len, total } => {
-            format!("rows {start}..{} of {total}", start + len)
-        }
-        ShardSlice::Entries { indices } => format!("entries {indices:?}"),
-        ShardSlice::Rank => "this rank's own".into(),
-    }
-}
-
 /// A sharded checkpoint: its manifest, the replicated file, and every rank's file with the
 /// slice of each shard it holds and its bytes. The face recipe's also says its head's shape.
 fn inspect_sharded_state(saved: &Saved, as_json: bool) -> anyhow::Result<i32> {
@@ -152,7 +128,7 @@ fn inspect_sharded_state(saved: &Saved, as_json: bool) -> anyhow::Result<i32> {
             .iter()
             .map(|s| {
                 let bytes = v.get(&s.name).map_or_else(|| tensor_bytes(&v), tensor_bytes);
-                (s.name.clone(), describe_slice(&s.slice), bytes)
+                (s.name.clone(), s.slice.to_string(), bytes)
             })
             .collect();
         ranks.push((r, file.file.clone(), file_bytes, shards));
@@ -286,94 +262,55 @@ fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
         return inspect_sharded_state(&Saved::open(file)?, as_json);
     }
     let v = read(file)?;
-    let format = if dcp { "PyTorch distributed checkpoint (dcp.save)" } else { format_name(file)? };
-    let chunking = if dcp { dcp_chunking(file)? } else { Vec::new() };
-    let container_keys = keys_of(&v);
-    let all = tree::leaves(&v);
-    let tensors: Vec<(&String, &TensorData)> =
-        all.iter().filter_map(|(p, x)| Some((p, x.as_tensor()?))).collect();
-    let others: Vec<(&String, &Value)> =
-        all.iter().filter(|(_, x)| x.as_tensor().is_none()).map(|(p, x)| (p, *x)).collect();
-    let state_dicts = find_state_dicts(&v);
-    let wrapping: Vec<String> = state_dicts
-        .iter()
-        .flat_map(|(_, t)| detect_wrapping(t.iter().map(|(k, _)| k.as_str())))
-        .collect();
-    let total: usize = tensors.iter().map(|(_, t)| t.nbytes()).sum();
+    let format = match dcp {
+        true => "PyTorch distributed checkpoint (dcp.save)",
+        false => tandem::ckpt::pt::detect_file(file)?.map_or("unknown", |k| k.name()),
+    };
+    let chunking = if dcp { tandem::ckpt::dcp::chunking(file)? } else { Vec::new() };
+    let summary = tree::summarize(&v);
     if as_json {
-        let j = json!({
-            "file": file.display().to_string(),
-            "format": format,
-            "container_keys": container_keys,
-            "state_dicts": state_dicts.iter().map(|(c, t)| json!({"at": c, "tensors": t.len()})).collect::<Vec<_>>(),
-            "wrapping": wrapping,
-            "tensors": tensors.iter().map(|(p, t)| json!({"key": p, "dtype": t.dtype.torch_name(), "shape": t.shape, "bytes": t.nbytes()})).collect::<Vec<_>>(),
-            "values": others.iter().map(|(p, x)| json!({"key": p, "type": x.type_name(), "value": short_repr(x)})).collect::<Vec<_>>(),
-            "total_tensor_bytes": total,
-            "dcp_chunks": chunking.iter().map(|(k, n, files)| json!({"key": k, "chunks": n, "files": files})).collect::<Vec<_>>(),
-        });
+        let mut j = serde_json::to_value(&summary)?;
+        j["file"] = file.display().to_string().into();
+        j["format"] = format.into();
+        j["dcp_chunks"] = chunking
+            .iter()
+            .map(|(k, n, files)| json!({"key": k, "chunks": n, "files": files}))
+            .collect();
         println!("{}", serde_json::to_string_pretty(&j)?);
         return Ok(0);
     }
     println!("{}: {format}", file.display());
-    if !container_keys.is_empty() {
-        println!("container keys: {}", container_keys.join(", "));
+    if !summary.container_keys.is_empty() {
+        println!("container keys: {}", summary.container_keys.join(", "));
     }
-    for (at, t) in &state_dicts {
-        println!("state dict at {at}: {} tensors", t.len());
+    for sd in &summary.state_dicts {
+        println!("state dict at {}: {} tensors", sd.at, sd.tensors);
     }
-    if wrapping.is_empty() {
-        println!("wrapping detected: none");
-    } else {
-        println!("wrapping detected: {}", wrapping.join(", "));
+    match summary.wrapping.is_empty() {
+        true => println!("wrapping detected: none"),
+        false => println!("wrapping detected: {}", summary.wrapping.join(", ")),
     }
-    println!("tensors ({}, {} bytes):", tensors.len(), total);
-    let width = tensors.iter().map(|(p, _)| p.len()).max().unwrap_or(0);
-    for (p, t) in &tensors {
-        println!(
-            "  {p:width$}  {:<8}  {:<16}  {}",
-            t.dtype.torch_name(),
-            format!("{:?}", t.shape),
-            t.nbytes()
-        );
+    let tensors = &summary.tensors;
+    println!("tensors ({}, {} bytes):", tensors.len(), summary.total_tensor_bytes);
+    let width = tensors.iter().map(|t| t.key.len()).max().unwrap_or(0);
+    for t in tensors {
+        let shape = format!("{:?}", t.shape);
+        println!("  {:width$}  {:<8}  {shape:<16}  {}", t.key, t.dtype, t.bytes);
     }
-    if !others.is_empty() {
-        println!("non-tensor values ({}):", others.len());
-        for (p, x) in &others {
-            println!("  {p} = {}", short_repr(x));
+    if !summary.values.is_empty() {
+        println!("non-tensor values ({}):", summary.values.len());
+        for x in &summary.values {
+            println!("  {} = {}", x.key, x.value);
         }
     }
-    let sharded: Vec<_> = chunking.iter().filter(|(_, n, _)| *n > 1).collect();
     if dcp {
+        let sharded: Vec<_> = chunking.iter().filter(|(_, n, _)| *n > 1).collect();
         println!("sharded tensors ({}, the rest one chunk each):", sharded.len());
         for (k, n, files) in sharded {
             println!("  {k}: {n} chunks in {}", files.join(", "));
         }
     }
     Ok(0)
-}
-
-/// A DCP directory's tensors: (key, chunks, the files holding them).
-fn dcp_chunking(dir: &Path) -> anyhow::Result<Vec<(String, usize, Vec<String>)>> {
-    let md = tandem::ckpt::dcp::read_metadata(dir)?;
-    Ok(md
-        .items
-        .iter()
-        .filter_map(|(fqn, item)| match item {
-            tandem::ckpt::dcp::Item::Tensor { chunks, .. } => {
-                let mut files: Vec<String> = md
-                    .records
-                    .iter()
-                    .filter(|r| &r.fqn == fqn)
-                    .map(|r| r.stored.file.clone())
-                    .collect();
-                files.sort();
-                files.dedup();
-                Some((fqn.clone(), chunks.len(), files))
-            }
-            tandem::ckpt::dcp::Item::Bytes => None,
-        })
-        .collect())
 }
 
 fn convert(

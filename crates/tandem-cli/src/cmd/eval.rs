@@ -9,7 +9,6 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use tandem::data::datasets::faces::FACE_SIDE;
 use tandem::data::datasets::ijb::IjbSet;
 use tandem::models::ModelKind;
 use tandem::recipes::ijb;
@@ -79,66 +78,21 @@ fn ijb_main(a: Ijb) -> anyhow::Result<i32> {
         Ok(w) if w.trim() != "1" => Some(tandem::init().context("joining the job's ranks")?),
         _ => None,
     };
-    let (rank, world) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
-    let mine: Vec<usize> = (rank..set.images.len()).step_by(world).collect();
-    let mut rows: Vec<f32> = Vec::new();
-    let mut width = 0;
-    for chunk in mine.chunks(a.batch_size) {
-        let mut x = Vec::with_capacity(2 * chunk.len() * 3 * FACE_SIDE * FACE_SIDE);
-        for &i in chunk {
-            let [face, mirror] = set.face_and_mirror(i)?;
-            x.extend(face);
-            x.extend(mirror);
-        }
-        let (e, w) = model.embed(x, 2 * chunk.len())?;
-        width = w;
-        rows.extend(e);
-    }
-    // rows: per image of `mine`, its embedding then its mirror's.
-    let all = match &group {
-        None => vec![rows],
-        Some(g) => {
-            let bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
-            g.all_gather_bytes(&bytes)?
-                .into_iter()
-                .map(|b| {
-                    b.chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                        .collect()
-                })
-                .collect()
-        }
+    let mut embed = |x: Vec<f32>, n: usize| {
+        model.embed(x, n).map_err(|e| tandem::train::TrainError::invalid(format!("{e:#}")))
     };
-    if rank != 0 {
+    let Some(found) = ijb::evaluate(&set, &mut embed, a.batch_size, group.as_ref())? else {
         return Ok(0);
-    }
-    let width = if width == 0 { all.iter().map(Vec::len).max().unwrap_or(0) / 2 } else { width };
-    let n = set.images.len();
-    let (mut emb, mut flip) = (vec![Vec::new(); n], vec![Vec::new(); n]);
-    for (r, rows) in all.iter().enumerate() {
-        for (k, i) in (r..n).step_by(world).enumerate() {
-            let at = 2 * k * width;
-            emb[i] = rows[at..at + width].to_vec();
-            flip[i] = rows[at + width..at + 2 * width].to_vec();
-        }
-    }
-    let scores: Vec<f32> = set.images.iter().map(|im| im.score).collect();
-    let templates: Vec<i64> = set.images.iter().map(|im| im.template).collect();
-    let medias: Vec<i64> = set.images.iter().map(|im| im.media).collect();
-    let feats = ijb::image_features(&emb, &flip, &scores)?;
-    let (ids, tfeats) = ijb::template_features(&feats, &templates, &medias)?;
-    let pairs: Vec<(i64, i64)> = set.pairs.iter().map(|p| (p.0, p.1)).collect();
-    let labels: Vec<bool> = set.pairs.iter().map(|p| p.2).collect();
-    let pair_scores = ijb::pair_scores(&ids, &tfeats, &pairs)?;
-    let roc = ijb::roc_curve(&labels, &pair_scores)?;
-    let tars = ijb::tar_at_far(&roc, &ijb::FARS);
+    };
+    let (n, pairs) = (found.images, found.scores.len());
+    let (pair_scores, roc, tars) = (found.scores, found.roc, found.tars);
     write_results(&a.out, &a.target, &label, &pair_scores, &roc, &tars)?;
     print!("{}", ijb::table(&label, &a.target, &tars));
     println!(
         "{} images, {} templates, {} pairs; scores, ROC and table in {}",
         n,
-        ids.len(),
-        pairs.len(),
+        found.templates,
+        pairs,
         a.out.display()
     );
     Ok(0)

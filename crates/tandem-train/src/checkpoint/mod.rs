@@ -78,6 +78,19 @@ pub enum ShardSlice {
     Rank,
 }
 
+impl std::fmt::Display for ShardSlice {
+    /// `rows 0..500 of 1000`, `entries [0, 2]`, `this rank's own`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ShardSlice::Rows { start, len, total } => {
+                write!(f, "rows {start}..{} of {total}", start + len)
+            }
+            ShardSlice::Entries { indices } => write!(f, "entries {indices:?}"),
+            ShardSlice::Rank => f.write_str("this rank's own"),
+        }
+    }
+}
+
 /// One sharded item of a rank's training state.
 #[derive(Clone, Debug)]
 pub struct ShardDict {
