@@ -102,7 +102,7 @@ put("train_config", "classifier.toml", b'model = "cnn"\nepochs = 2\nlr = 0.05\nb
 # arcface_torch's Python configs (`--config FILE.py`): a few of its own, and nesting and
 # arithmetic at the reader's edges.
 for name in ["base.py", "ms1mv3_r50.py", "glint360k_mbf.py", "wf42m_pfc03_40epoch_8gpu_vit_b.py"]:
-    with open(os.path.join(ROOT, "crates", "tandem-cli", "tests", "fixtures", "arcface_configs", name), "rb") as f:
+    with open(os.path.join(ROOT, "crates", "tandem-recipes", "tests", "fixtures", "arcface_configs", name), "rb") as f:
         put("arcface_config", name, f.read())
 put("arcface_config", "edge.py", b"config.a = ((((((1))))))\nconfig.b = config.a // 0\n")
 print("corpora:", sorted(os.listdir(CORPUS)))

@@ -1,6 +1,7 @@
 //! `tandem train --config FILE.toml`: the file's keys merged over the flags' defaults, then
 //! validated and mapped to the library's options. Any bytes give settings or an error naming
-//! the file and key, never a panic. The module is the CLI's own source, included here.
+//! the file and key, never a panic. The module is the CLI's own source, included here; the
+//! settings themselves are the library's `TrainConfig` (its clap derive).
 #![no_main]
 use clap::{CommandFactory, FromArgMatches, Parser};
 use libfuzzer_sys::fuzz_target;
@@ -8,10 +9,6 @@ use libfuzzer_sys::fuzz_target;
 #[allow(dead_code)]
 #[path = "../../crates/tandem-cli/src/train/config.rs"]
 mod config;
-// config.rs reads arcface_torch's Python configs through its sibling module.
-#[allow(dead_code)]
-#[path = "../../crates/tandem-cli/src/train/arcface_config.rs"]
-mod arcface_config;
 
 #[derive(Parser)]
 struct Train {

@@ -127,7 +127,7 @@ pub struct TrainConfig {
     #[cfg_attr(feature = "clap", arg(long))]
     pub augment: bool,
     /// Data: digits (embedded), mnist:DIR (IDX files), cifar10:DIR (binary batches),
-    /// synthetic[:N[:DIM[:CLASSES]]] or synthetic-cifar[:N]; for the face models rec:DIR
+    /// `synthetic[:N[:DIM[:CLASSES]]]` or `synthetic-cifar[:N]`; for the face models rec:DIR
     /// (insightface RecordIO) or folder:DIR (one sub-folder of 112x112 images per identity).
     #[cfg_attr(feature = "clap", arg(long, default_value_t = TrainConfig::default().data))]
     pub data: String,
@@ -145,7 +145,7 @@ pub struct TrainConfig {
     /// for the face models, 1 for the classifiers; 0 decodes on the training thread).
     #[cfg_attr(feature = "clap", arg(long = "num-workers"))]
     pub num_workers: Option<usize>,
-    /// Run directory (default runs/<model>-<data>-<timestamp>).
+    /// Run directory (default `runs/<model>-<data>-<timestamp>`).
     #[cfg_attr(feature = "clap", arg(long))]
     pub out: Option<PathBuf>,
     /// Save a checkpoint every N optimizer steps (0: at the end of each epoch only).
@@ -479,7 +479,7 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// The run directory: `out`, or runs/<model>-<data>-<unix seconds>.
+    /// The run directory: `out`, or `runs/<model>-<data>-<unix seconds>`.
     pub fn run_dir(&self) -> PathBuf {
         if let Some(out) = &self.out {
             return out.clone();

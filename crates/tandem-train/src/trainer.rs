@@ -284,7 +284,7 @@ pub struct TrainerOptions {
     pub epochs: u64,
     pub max_steps: Option<u64>,
     /// When checkpoints are written, how many `DIR/checkpoints` keeps and whether a thread
-    /// writes them ([`Periodic`] by default; [`Never`] for none). A recipe that saves itself
+    /// writes them ([`Periodic`] by default; [`Never`](crate::Never) for none). A recipe that saves itself
     /// ([`CustomState`]) keeps and writes as its own checkpointer says.
     pub checkpoints: Arc<dyn CheckpointPolicy>,
     /// [`Recipe::validate`] every N steps (0: only at the end).

@@ -26,7 +26,7 @@ pub struct Args {
     /// The backbone (r18 .. r200, iresnet18 .. iresnet200, mbf, mbf_large, vit_t ..); sizes are read
     /// from the weights. Not needed for a tandem ONNX file (it names its network) or with
     /// `--runtime onnxruntime`.
-    #[arg(long, value_parser = crate::train::config::choice::<ModelKind>())]
+    #[arg(long, value_parser = tandem::recipes::options::choice::<ModelKind>())]
     model: Option<ModelKind>,
     /// What runs the model: tandem's own backbone with the file's weights, or ONNX Runtime
     /// running an ONNX graph as written (found at run time: ORT_DYLIB_PATH or pip's

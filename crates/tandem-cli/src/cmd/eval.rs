@@ -41,7 +41,7 @@ struct Ijb {
     model: PathBuf,
     /// The backbone (r18 .. r200, mbf, vit_t, ...); read from a tandem ONNX file's metadata
     /// when not given.
-    #[arg(long, value_parser = crate::train::config::choice::<ModelKind>())]
+    #[arg(long, value_parser = tandem::recipes::options::choice::<ModelKind>())]
     network: Option<ModelKind>,
     /// What runs the model: tandem's own backbone with the file's weights, or ONNX Runtime
     /// running the ONNX graph as written (found at run time: ORT_DYLIB_PATH or pip's

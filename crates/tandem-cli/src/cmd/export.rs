@@ -13,7 +13,7 @@ pub struct Args {
     /// dict (.pt or .safetensors; `module.` and other wrappers are fine).
     checkpoint: PathBuf,
     /// The architecture of the weights; layer sizes are read from them.
-    #[arg(long, value_parser = crate::train::config::choice::<ModelKind>())]
+    #[arg(long, value_parser = tandem::recipes::options::choice::<ModelKind>())]
     model: ModelKind,
     /// The ONNX file to write.
     output: PathBuf,

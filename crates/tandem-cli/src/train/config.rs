@@ -3,7 +3,7 @@
 //! settings are written as the run's `config.toml`.
 use anyhow::{bail, Context};
 use tandem::recipes::face;
-pub use tandem::recipes::options::{choice, TrainConfig};
+pub use tandem::recipes::options::TrainConfig;
 
 /// The `tandem train` flag of a training-library option key (`TrainError::Option`'s): each
 /// key is its `--config` key, and each flag that key with dashes.
