@@ -94,10 +94,10 @@ fn main() {
 /// The error and its causes on one line, `outer: inner: ...`, leaving out a cause whose text the
 /// line already holds (an error that both shows its cause and returns it from `source()` would
 /// otherwise print it twice). An option the training library names by its key is named by its
-/// flag (`lr_scheduler=poly` reads `--lr-scheduler poly`).
+/// flag (`lr_scheduler=poly` reads `--lr-scheduler poly`), as are the settings its text names.
 fn error_chain(e: &anyhow::Error) -> String {
     let text_of = |cause: &(dyn std::error::Error + 'static)| match cause.downcast_ref() {
-        Some(e @ tandem::train::TrainError::Option { .. }) => e.naming_option(train::flag_of),
+        Some(e @ tandem::train::TrainError::Option { .. }) => e.naming_option(train::setting_flag),
         _ => cause.to_string(),
     };
     let mut line = String::new();
@@ -164,7 +164,7 @@ mod tests {
         }
         assert!(keys.len() >= 20, "the scan found too few keys: {keys:?}");
         for (key, file) in keys {
-            let flag = super::train::flag_of(&key);
+            let flag = super::train::config::flag_of(&key);
             assert!(flags.contains(&flag), "{file}: option `{key}` has no flag {flag}");
         }
     }
@@ -206,7 +206,7 @@ mod tests {
             };
             mapped += 1;
             for (key, _) in settings {
-                let flag = super::train::flag_of(key);
+                let flag = super::train::config::flag_of(key);
                 assert!(flags.contains(&flag), "{}: `{key}` has no flag {flag}", path.display());
             }
         }

@@ -772,7 +772,7 @@ fn bad_input_is_named() {
     let e = fails(&["train", "--model", "iresnet18", "--nproc-per-node", "1"]);
     assert!(e.contains("--data digits: ") && e.contains("`rec:DIR`"), "{e}");
     let e = fails(&["train", "--model", "mlp", "--data", "rec:x", "--nproc-per-node", "1"]);
-    assert!(e.contains("--data rec:x: ") && e.contains("set `model` to iresnet18"), "{e}");
+    assert!(e.contains("--data rec:x: ") && e.contains("set --model to iresnet18"), "{e}");
     let e = fails(&[
         "train",
         "--model",

@@ -343,7 +343,7 @@ fn bad_flags_and_files_are_named_in_the_error() {
     let o = output_with_deadline(tandem().args(["train", "--backend", "nccl"]), LIMIT);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("--backend nccl: reduces GPU buffers: set `device` to cuda"), "{err}");
+    assert!(err.contains("--backend nccl: reduces GPU buffers: set --device to cuda"), "{err}");
     if !cfg!(feature = "cuda") {
         let o = output_with_deadline(tandem().args(["train", "--device", "cuda"]), LIMIT);
         let err = String::from_utf8_lossy(&o.stderr);

@@ -1,15 +1,14 @@
 //! What a run is asked to do, one typed struct per part: the loop ([`RunOptions`]), checkpoints
 //! ([`CheckpointOptions`]), data ([`DataOptions`]), the model ([`ModelOptions`]), the optimizer
 //! and its step ([`OptimOptions`]), communication ([`CommOptions`]) and the face recipe's head
-//! and verification ([`FaceOptions`]). The `tandem train` flags map onto these one to one.
+//! and verification ([`FaceOptions`]), built by [`TrainConfig::options`] from the settings as a
+//! person writes them (`tandem train`'s flags, a `--config` file).
 use std::path::PathBuf;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 use tandem_models::ModelKind;
-
-use tandem_train::LrSchedule;
-use tandem_train::{Context, Result, TrainError};
+use tandem_train::{Context, LrSchedule, Result, TrainError};
 
 #[cfg(feature = "clap")]
 pub use crate::train_config::{choice, ChoiceParser};

@@ -467,8 +467,8 @@ impl TrainConfig {
             bail_option!(
                 "warmup_steps",
                 None,
-                "a warm-up (steps or epochs) is part of the poly and polynomial-warmup \
-                 lr_scheduler (name one)"
+                "a warm-up (steps or epochs) is part of `lr_scheduler` poly or \
+                 polynomial-warmup (name one)"
             );
         }
         if self.lr_scheduler == SchedulerKind::Step && self.lr_step_epochs == 0 {
@@ -496,8 +496,9 @@ impl TrainConfig {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use tandem_train::TrainError;
+
+    use super::*;
 
     fn key_of(e: TrainError) -> &'static str {
         match e {

@@ -3,9 +3,9 @@
 //! the `--config` keys), which `tandem train` shows as its flag; other options a message
 //! mentions are named by key in backticks.
 use tandem_models::ModelKind;
+use tandem_train::{bail_option, Result};
 
 use crate::options::{Backend, DeviceKind, TrainOptions};
-use tandem_train::{bail_option, Result};
 
 impl TrainOptions {
     /// Refuses options that cannot train. The built-in recipes call it first; a binary calls it
@@ -52,7 +52,11 @@ impl TrainOptions {
             self.validate_classifier(face_data)?;
         }
         if self.optim.zero && !cfg!(feature = "zero") {
-            bail_option!("zero", None, "this build has no ZeRO (tandem-train's `zero` feature)");
+            bail_option!(
+                "zero",
+                None,
+                "this build has no ZeRO (built without tandem-recipes' zero cargo feature)"
+            );
         }
         if self.comm.mirror_every == 0 {
             bail_option!("mirror_every", None, "must be at least 1");

@@ -56,6 +56,24 @@ fn option_line(
     line
 }
 
+/// `text` with each `` `word` `` that `flag` knows as a setting replaced by what it gives.
+fn naming_settings(text: &str, flag: &dyn Fn(&str) -> Option<String>) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(open) = rest.find('`') {
+        let Some(len) = rest[open + 1..].find('`') else { break };
+        let quoted = &rest[open..open + len + 2];
+        out.push_str(&rest[..open]);
+        match flag(&quoted[1..quoted.len() - 1]) {
+            Some(named) => out.push_str(&named),
+            None => out.push_str(quoted),
+        }
+        rest = &rest[open + len + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
 impl From<crate::live_part::PartError> for TrainError {
     fn from(e: crate::live_part::PartError) -> Self {
         TrainError::Live(Box::new(e))
@@ -74,12 +92,16 @@ impl TrainError {
         TrainError::Option { key, value, what: Some(what.into()), source: None }
     }
 
-    /// This error's own line (not its causes') with an option named as `flag(key)` and
-    /// its value after a space, as a command line reads (`--lr-scheduler poly: ...`).
-    pub fn naming_option(&self, flag: impl Fn(&str) -> String) -> String {
+    /// This error's own line (not its causes') as a command line reads it: the option named
+    /// as `flag(key)` with its value after a space (`--lr-scheduler poly: ...`), and every other
+    /// setting its text names in backticks (`` `steps` ``) that `flag` knows likewise. `flag`
+    /// gives `None` for a word that is not a setting.
+    pub fn naming_option(&self, flag: impl Fn(&str) -> Option<String>) -> String {
         match self {
             TrainError::Option { key, value, what, .. } => {
-                option_line(key, value.as_deref(), what.as_deref(), flag, " ")
+                let what = what.as_deref().map(|w| naming_settings(w, &flag));
+                let name = |k: &str| flag(k).unwrap_or_else(|| k.to_string());
+                option_line(key, value.as_deref(), what.as_deref(), name, " ")
             }
             other => other.to_string(),
         }
@@ -214,6 +236,10 @@ mod tests {
         assert!(e.root_cause().contains("all_reduce"), "{}", e.root_cause());
         assert!(e.is_peer_failure());
         let plain: Result<u8> = None.context("no `sampler` entry");
+        let option = TrainError::option("resume", None, "needs `out`, not `model.pt`");
+        let flag = |k: &str| (k == "out" || k == "resume").then(|| format!("--{k}"));
+        assert_eq!(option.naming_option(flag), "--resume: needs --out, not `model.pt`");
+        assert_eq!(option.to_string(), "resume: needs `out`, not `model.pt`");
         assert!(!plain.unwrap_err().is_peer_failure());
     }
 }

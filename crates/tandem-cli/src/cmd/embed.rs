@@ -71,7 +71,9 @@ impl Embedder {
                 // The library names the network's option `model`; this command's flag is `flag`.
                 let (network, model) = tandem::recipes::face::load_backbone(network, path)
                     .map_err(|e| match e {
-                        TrainError::Option { .. } => anyhow!(e.naming_option(|_| flag.into())),
+                        TrainError::Option { .. } => {
+                            anyhow!(e.naming_option(|k| (k == "model").then(|| flag.into())))
+                        }
                         e => e.into(),
                     })?;
                 (network.name().to_string(), Embedder::Tandem(Box::new(model)))

@@ -11,6 +11,14 @@ pub fn flag_of(key: &str) -> String {
     format!("--{}", key.replace('_', "-"))
 }
 
+/// The `tandem train` flag of `key` when it is one of its settings (`None` for any other word).
+pub fn setting_flag(key: &str) -> Option<String> {
+    let command = <TrainConfig as clap::Args>::augment_args(clap::Command::new("train"));
+    let long = key.replace('_', "-");
+    let known = command.get_arguments().any(|a| a.get_long() == Some(long.as_str()));
+    known.then(|| flag_of(key))
+}
+
 /// The settings as the run's `config.toml` (every setting, so a run can be reproduced).
 pub fn to_toml(cfg: &TrainConfig) -> anyhow::Result<String> {
     toml::to_string_pretty(cfg).context("serialising config.toml")

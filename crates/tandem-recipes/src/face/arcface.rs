@@ -12,11 +12,11 @@ use std::path::{Path, PathBuf};
 
 use tandem_ckpt::Value;
 use tandem_models::IResNet;
+use tandem_train::checkpoint::{self, Saved, ShardDict};
 use tandem_train::{bail, Context, Result};
 
 use crate::face::optimizer_entry::{merge_optimizer, split_optimizer};
 use crate::face::{overlay, BUFFERS_SHARD, HEAD_SHARD};
-use tandem_train::checkpoint::{self, Saved, ShardDict};
 
 /// Final name components of BatchNorm statistics (buffers, never in the optimizer).
 const BUFFERS: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];

@@ -27,16 +27,13 @@ use std::path::PathBuf;
 
 use tandem_ckpt::Value;
 use tandem_comm::ProcessGroup;
+use tandem_data::SamplerState;
 use tandem_nn::ParamModule;
 use tandem_optim::{GradScaler, TorchOptimizer};
 use tandem_partial_fc::PartialFc;
-
-use tandem_data::SamplerState;
 use tandem_train::checkpoint::{CheckpointError, Checkpointer, ShardDict, TrainingStateDict};
-use tandem_train::schedule;
 use tandem_train::state::{sampler_state_from_value, sampler_value};
-use tandem_train::Step;
-use tandem_train::{LoaderPosition, Resumed};
+use tandem_train::{schedule, LoaderPosition, Resumed, Step};
 
 /// The name of the head's row shard (centres and their optimizer state) in a checkpoint.
 pub const HEAD_SHARD: &str = "head";

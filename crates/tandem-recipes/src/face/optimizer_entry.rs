@@ -32,8 +32,9 @@ pub fn merge_optimizer(rest: &Value, head: i64, entry: Value) -> Value {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use tandem_ckpt::TensorData;
+
+    use super::*;
 
     fn rows(n: usize, from: f32) -> TensorData {
         let data: Vec<f32> = (0..n * 2).map(|i| from + i as f32).collect();

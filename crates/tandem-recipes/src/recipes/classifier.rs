@@ -18,30 +18,27 @@ use tandem_data::{
 use tandem_ddp::{Ddp, DdpOptions};
 use tandem_optim::amp::GradScaler;
 use tandem_optim::TorchOptimizer;
-
-use super::net::{image_shape, Net, NetSpec};
-use super::optimizer::TrainOptimizer;
-use super::LiveComm;
-use crate::options::TrainOptions;
 use tandem_train::checkpoint::{Checkpointer, ShardDict, TrainingStateDict};
 use tandem_train::events::Reporter;
 #[cfg(feature = "zero")]
 use tandem_train::events::Resplit;
-use tandem_train::fault;
 #[cfg(feature = "zero")]
 use tandem_train::live::owned_by;
-use tandem_train::live::Entries;
-use tandem_train::live::Mirrored;
+use tandem_train::live::{Entries, Mirrored};
 use tandem_train::schedule::{self, RunLength};
 use tandem_train::state::{
     replicated_with_optimizer, reshard_message, sampler_state_from_value, sampler_value,
     OPTIMIZER_SHARD,
 };
-use tandem_train::{evaluate_logits, Step};
-use tandem_train::{Context, Result, TrainError};
 use tandem_train::{
-    CustomState, Evaluation, Recipe, ResumeContext, Resumed, SaveContext, StepReport,
+    evaluate_logits, fault, Context, CustomState, Evaluation, Recipe, Result, ResumeContext,
+    Resumed, SaveContext, Step, StepReport, TrainError,
 };
+
+use super::net::{image_shape, Net, NetSpec};
+use super::optimizer::TrainOptimizer;
+use super::LiveComm;
+use crate::options::TrainOptions;
 
 /// The classifier's model, optimizer, eval data and checkpoint files.
 pub struct Classifier<'a> {

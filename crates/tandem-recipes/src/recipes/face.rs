@@ -21,27 +21,23 @@ use tandem_data::datasets::faces::{keyed_hash, FaceRecDataset};
 use tandem_data::{Batch, DataLoader, Dataset, LoaderOptions};
 use tandem_ddp::{Ddp, DdpOptions};
 use tandem_models::FaceBackbone;
-use tandem_nn::{NamedVars, OrderedVarMap, ParamModule};
+use tandem_nn::{Autocast, NamedVars, OrderedVarMap, ParamModule};
 use tandem_optim::{AdamWConfig, SgdConfig, TorchAdamW, TorchOptimizer, TorchSgd};
 use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConfig};
+use tandem_train::checkpoint::{CheckpointError, Checkpointer};
+use tandem_train::events::{Reporter, Resplit};
+use tandem_train::live::{Mirrored, RegroupCounts};
+use tandem_train::metrics::VerificationMetrics;
+use tandem_train::{
+    bail_option, fault, Context, CustomState, Recipe, Result, ResumeContext, Resumed, RunLength,
+    SaveContext, Step, StepReport, TrainError,
+};
 
 use super::LiveComm;
 use crate::face::optimizer_entry::{merge_optimizer, split_optimizer};
-use crate::face::RowBlock;
-use crate::face::{self as face_state, FaceState, HEAD_SHARD};
+use crate::face::{self as face_state, FaceState, RowBlock, HEAD_SHARD};
 use crate::options::{OptimizerKind, Precision, TrainOptions};
 use crate::verification::{self as verify, ValSet};
-use tandem_nn::Autocast;
-use tandem_train::checkpoint::{CheckpointError, Checkpointer};
-use tandem_train::events::{Reporter, Resplit};
-use tandem_train::fault;
-use tandem_train::live::{Mirrored, RegroupCounts};
-use tandem_train::metrics::VerificationMetrics;
-use tandem_train::Resumed;
-use tandem_train::RunLength;
-use tandem_train::Step;
-use tandem_train::{bail_option, Context, Result, TrainError};
-use tandem_train::{CustomState, Recipe, ResumeContext, SaveContext, StepReport};
 
 /// arcface_torch's DDP settings for the backbone.
 const BUCKET_CAP_MB: f64 = 16.0;

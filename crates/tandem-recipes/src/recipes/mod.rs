@@ -12,15 +12,16 @@ pub mod face;
 pub mod net;
 pub mod optimizer;
 
+use std::sync::Arc;
+
 use tandem_comm::{LiveOptions, ProcessGroup};
+use tandem_train::events::{Event, MirrorCost, Reporter};
+use tandem_train::{
+    bail_option, Context, Never, Periodic, Result, RunSummary, Step, TrainError, TrainerOptions,
+    World,
+};
 
 use crate::options::{Backend, DeviceKind, Precision, TrainOptions};
-use std::sync::Arc;
-use tandem_train::events::{Event, MirrorCost, Reporter};
-use tandem_train::World;
-use tandem_train::{bail_option, Context, Result, TrainError};
-
-use tandem_train::{Never, Periodic, RunSummary, Step, TrainerOptions};
 
 /// Trains the recipe `opts.model.kind` names on this rank (every rank calls it; the process
 /// group comes from the environment: `tandem run`, torchrun, Slurm, mpirun, or a world of

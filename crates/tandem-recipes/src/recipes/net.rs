@@ -5,13 +5,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use tandem_comm::Collectives;
 use tandem_dist_nn::convert_sync_batchnorm;
-use tandem_models::{Cnn, Mlp, ResNet};
-use tandem_nn::ParamSet;
-use tandem_nn::{Autocast, ParamModule};
-use tandem_nn::{NamedVars, OrderedVarMap};
-
-use tandem_models::ModelKind;
-
+use tandem_models::{Cnn, Mlp, ModelKind, ResNet};
+use tandem_nn::{Autocast, NamedVars, OrderedVarMap, ParamModule, ParamSet};
 use tandem_train::{bail_option, Result};
 
 pub enum Net {

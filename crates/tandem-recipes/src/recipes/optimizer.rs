@@ -13,8 +13,9 @@ use tandem_optim::{AdamWConfig, OptimError, SgdConfig, TorchAdamW, TorchOptimize
 /// One optimizer over the parameters it is given (all of them, or ZeRO's shard).
 type ShardOptimizer = Box<dyn TorchOptimizer + Send>;
 
-use crate::options::{OptimizerKind, TrainOptions};
 use tandem_train::Result;
+
+use crate::options::{OptimizerKind, TrainOptions};
 
 pub enum TrainOptimizer {
     Plain(ShardOptimizer),
