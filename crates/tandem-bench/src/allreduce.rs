@@ -11,12 +11,12 @@
 //! median with min–max.
 use anyhow::{bail, Context};
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::local_ranks::{median, LocalRanks};
+use super::local_ranks::{median, run_ranks, LocalRanks};
 use tandem::comm::{ProcessGroup, ReduceOp};
 
 const OPS: [&str; 3] = ["all_reduce", "reduce_scatter", "all_to_all"];
@@ -218,15 +218,25 @@ fn tandem_run(args: &Args, times: &mut Times) -> anyhow::Result<String> {
     ]
     .map(String::from)
     .to_vec();
-    let env = [("TANDEM_TRANSPORT", args.backend.clone())];
-    let (mut ranks, stdout) = if args.backend.as_deref() == Some("mpi") {
-        LocalRanks::spawn_mpirun(args.nproc, "bench-allreduce", &args_vec, &env)?
+    let text = if args.backend.as_deref() == Some("mpi") {
+        let env = [("TANDEM_TRANSPORT", args.backend.clone())];
+        let (mut ranks, mut stdout) =
+            LocalRanks::spawn_mpirun(args.nproc, "bench-allreduce", &args_vec, &env)?;
+        let mut text = String::new();
+        stdout.read_to_string(&mut text)?;
+        if !ranks.reap(Duration::from_secs(60), false)? {
+            bail!("a benchmark rank failed");
+        }
+        text
     } else {
-        LocalRanks::spawn(args.nproc, "bench-allreduce", &args_vec, &env)?
+        // (Without --backend the group picks its transport, as a job's own ranks do.)
+        let env: Vec<(&str, String)> =
+            args.backend.iter().map(|b| ("TANDEM_TRANSPORT", b.clone())).collect();
+        let deadline = Duration::from_secs(600);
+        run_ranks(args.nproc, "bench-allreduce", &args_vec, &env, deadline)?
     };
     let mut transport = String::from("none");
-    for line in BufReader::new(stdout).lines() {
-        let line = line?;
+    for line in text.lines() {
         let Some(rest) = line.strip_prefix("RESULT ") else { continue };
         let f: Vec<&str> = rest.split_whitespace().collect();
         if f.len() < 5 {
@@ -234,9 +244,6 @@ fn tandem_run(args: &Args, times: &mut Times) -> anyhow::Result<String> {
         }
         transport = f[3].to_string();
         times.entry((f[4].to_string(), f[0].parse()?)).or_default().push(f[1].parse()?);
-    }
-    if !ranks.reap(Duration::from_secs(60), false)? {
-        bail!("a benchmark rank failed");
     }
     Ok(transport)
 }

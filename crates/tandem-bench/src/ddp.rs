@@ -17,7 +17,6 @@
 //!   gradients are reduced after backward. Same model code and kernels in both.
 //! * `--model resnet18 [--width N]`: tandem's ResNet-18 for CIFAR (candle-nn layers on an
 //!   OrderedVarMap, always the varmap way) on synthetic 3x32x32 data.
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -29,7 +28,7 @@ use tandem::models::{Cnn, Mlp, ModelKind, ResNet};
 use tandem::nn::{NamedVars, OrderedVarMap, ParamModule};
 use tandem::optim::{SgdConfig, TorchSgd};
 
-use super::local_ranks::{median, LocalRanks};
+use super::local_ranks::{median, run_ranks};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -407,31 +406,11 @@ fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
     if local_only {
         worker_args.push("--local-only".into());
     }
-    let (mut ranks, stdout) = LocalRanks::spawn(
-        args.nproc,
-        "bench-ddp",
-        &worker_args,
-        &[("RAYON_NUM_THREADS", Some(threads.to_string()))],
-    )?;
-    // Read rank 0's answer on a thread so a stuck world cannot hang us past the deadline.
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(v) = line.strip_prefix("RESULT ").and_then(|v| v.trim().parse::<f64>().ok())
-            {
-                let _ = tx.send(v);
-            }
-        }
-    });
-    let budget = Duration::from_secs(600);
-    let result = rx.recv_timeout(budget).ok();
-    let failed = !ranks.reap(Duration::from_secs(30), result.is_none())?;
-    match result {
-        Some(v) if !failed => Ok(v),
-        _ => {
-            bail!("the {}-rank Ddp run did not complete (see the ranks' errors above)", args.nproc)
-        }
-    }
+    let env = [("RAYON_NUM_THREADS", threads.to_string())];
+    let text = run_ranks(args.nproc, "bench-ddp", &worker_args, &env, Duration::from_secs(600))
+        .with_context(|| format!("the {}-rank Ddp run did not complete", args.nproc))?;
+    let result = text.lines().find_map(|line| line.strip_prefix("RESULT ")?.trim().parse().ok());
+    result.with_context(|| format!("the {}-rank Ddp run printed no result", args.nproc))
 }
 
 /// One run of the PyTorch DDP peer: its samples/s.

@@ -1,22 +1,55 @@
-//! What the multi-rank benchmarks share: starting N copies of this executable as the ranks of
-//! one loopback job (torchrun's variables, rank 0's stdout piped back for its `RESULT` lines),
-//! reaping them with a deadline so a stuck world never hangs the benchmark, and the median.
-//! The benchmarks need rank 0's stdout as a stream, so they spawn directly rather than through
-//! tandem-launch's supervisor.
+//! What the multi-rank benchmarks share: running N copies of this executable as the ranks of
+//! one loopback job under tandem-launch (the launcher users run: torchrun's variables, the
+//! job's secret, no rank outliving it), stopped at a deadline so a stuck world never hangs the
+//! benchmark, rank 0's `RESULT` lines read from its log file; the same job under `mpirun`
+//! (OpenMPI starts its ranks itself); and the median.
 use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use anyhow::{bail, Context};
+use tandem::launch::{LaunchConfig, NprocPerNode, StreamSpec, Streams};
 
-/// The ranks of one benchmark job on this host.
-pub struct LocalRanks {
-    children: Vec<Child>,
+/// Runs `nproc` ranks of this executable with `args` as job `job` on this host, `env` on top of
+/// the launcher's variables, and returns what rank 0 printed. Past `deadline` the ranks are
+/// stopped and the run is an error.
+pub fn run_ranks<S: AsRef<OsStr>>(
+    nproc: usize,
+    job: &str,
+    args: &[S],
+    env: &[(&str, String)],
+    deadline: Duration,
+) -> anyhow::Result<String> {
+    let logs = tempfile::tempdir().context("a directory for the ranks' output")?;
+    let mut lc = LaunchConfig::new(crate::bench_exe()?, args.iter().map(|a| a.as_ref()));
+    lc.nproc_per_node = NprocPerNode::Count(nproc as u32);
+    lc.master_addr = "127.0.0.1".into();
+    lc.run_id = format!("{job}-{}", std::process::id());
+    lc.log_dir = Some(logs.path().to_path_buf());
+    // Rank 0's stdout only to its file; every rank's stderr to the console as it comes.
+    lc.redirects = StreamSpec::PerLocalRank([(0, Streams { stdout: true, stderr: false })].into());
+    lc.prefix_output = false;
+    // A library call inside a program: the program keeps its own signal handling.
+    lc.forward_signals = false;
+    lc.deadline = Some(deadline);
+    lc.extra_env.push(("TANDEM_INIT_TIMEOUT".into(), "60".into()));
+    lc.extra_env.extend(env.iter().map(|(k, v)| (k.into(), v.into())));
+    let outcome =
+        tandem::launch::launch(&lc).with_context(|| format!("starting the {job} ranks"))?;
+    if outcome.exit_code != 0 {
+        bail!(
+            "the {nproc} {job} ranks failed (exit code {}; their errors are above)",
+            outcome.exit_code
+        );
+    }
+    let dir = outcome.log_dir.context("the launcher kept no log directory")?;
+    let stdout = dir.join(format!("attempt_{}", outcome.restarts)).join("0").join("stdout.log");
+    std::fs::read_to_string(&stdout).with_context(|| format!("reading {}", stdout.display()))
 }
 
-/// What every rank of job `job` gets, however it is started: this executable, and the store
-/// port, run id and init timeout.
+/// What every rank of an `mpirun` job gets: this executable, and the store port, run id and
+/// init timeout.
 fn job_basics(job: &str) -> anyhow::Result<(PathBuf, [(&'static str, String); 3])> {
     let port = tandem::launch::pick_master_port().context("picking a port for rank 0's store")?;
     let exe = crate::bench_exe()?;
@@ -28,44 +61,14 @@ fn job_basics(job: &str) -> anyhow::Result<(PathBuf, [(&'static str, String); 3]
     Ok((exe, vars))
 }
 
-impl LocalRanks {
-    /// Starts `nproc` ranks of `current_exe() ARGS`, each with RANK/WORLD_SIZE/LOCAL_RANK/
-    /// LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT, a run id naming `job`, and `env` on top.
-    /// Returns rank 0's stdout.
-    pub fn spawn<S: AsRef<OsStr>>(
-        nproc: usize,
-        job: &str,
-        args: &[S],
-        env: &[(&str, Option<String>)],
-    ) -> anyhow::Result<(LocalRanks, ChildStdout)> {
-        let (exe, job_vars) = job_basics(job)?;
-        let mut ranks = LocalRanks { children: Vec::with_capacity(nproc) };
-        for rank in 0..nproc {
-            let mut cmd = Command::new(&exe);
-            cmd.args(args)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", nproc.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", nproc.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .envs(job_vars.iter().map(|(k, v)| (k, v)))
-                .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
-                .stderr(Stdio::inherit());
-            for (key, value) in env {
-                match value {
-                    Some(v) => cmd.env(key, v),
-                    None => cmd.env_remove(key),
-                };
-            }
-            // On an error here, Drop kills the ranks already started.
-            ranks.children.push(cmd.spawn().with_context(|| format!("spawning rank {rank}"))?);
-        }
-        let stdout = ranks.children[0].stdout.take().context("rank 0 stdout")?;
-        Ok((ranks, stdout))
-    }
+/// The ranks of one benchmark job that `mpirun` started.
+pub struct LocalRanks {
+    children: Vec<Child>,
+}
 
-    /// As [`LocalRanks::spawn`], with the ranks started by `mpirun` (OpenMPI's variables name
-    /// them; `env` and a fresh MASTER_PORT are passed on with `-x`). The one child is mpirun;
+impl LocalRanks {
+    /// `nproc` ranks of this executable started by `mpirun` (OpenMPI's variables name them;
+    /// `env` and a fresh MASTER_PORT are passed on with `-x`). The one child is mpirun;
     /// the returned stdout is all ranks' (only rank 0 prints results).
     pub fn spawn_mpirun<S: AsRef<OsStr>>(
         nproc: usize,

@@ -8,7 +8,6 @@
 //! weights; synthetic batches of 64. The default has eight 1024-wide layers (7.3 M parameters),
 //! sizes alike as in most deep models; with a few dominant tensors (`--dims 784,1024,1024,10`)
 //! the split is uneven, since ZeRO-1 (here as in PyTorch) assigns whole parameters.
-use std::io::{BufRead, BufReader};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,7 +20,7 @@ use tandem::optim::{
     AdamWConfig, ShardOptimizer, TorchAdamW, TorchOptimizer, ZeroRedundancyOptimizer,
 };
 
-use super::local_ranks::{median, LocalRanks};
+use super::local_ranks::{median, run_ranks};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -127,17 +126,16 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     for &n in &worlds {
         let steps = args.steps.to_string();
         let worker_args = ["zero", "--worker", "--steps", &steps, "--dims", &args.dims];
-        let (mut ranks, stdout) = LocalRanks::spawn(n, "bench-zero", &worker_args, &[])?;
+        let text = run_ranks(n, "bench-zero", &worker_args, &[], Duration::from_secs(600))?;
         let mut rows = Vec::new();
-        for line in BufReader::new(stdout).lines() {
-            let line = line?;
+        for line in text.lines() {
             let Some(rest) = line.strip_prefix("RESULT ") else { continue };
             let f: Vec<&str> = rest.split_whitespace().collect();
             if f.len() == 4 {
                 rows.push((f[1].parse::<usize>()?, f[2].parse::<usize>()?, f[3].parse::<f64>()?));
             }
         }
-        if !ranks.reap(Duration::from_secs(120), false)? || rows.len() != n {
+        if rows.len() != n {
             bail!("bench zero with {n} ranks: {} of {n} ranks reported", rows.len());
         }
         rows.sort_by_key(|r| r.0);

@@ -275,6 +275,11 @@ pub struct LaunchConfig {
     /// `--insecure`: run with no secret at all; anyone who can reach the job's ports can join
     /// or disturb it (PyTorch's model; docs/security.md).
     pub insecure: bool,
+    /// The job's wall-clock limit (`None`: none): past it, the workers are stopped as on a
+    /// signal (SIGTERM, then SIGKILL after `stop_grace`) and the launch ends with exit code 124,
+    /// as `timeout(1)`'s. For a program that must not hang on a stuck world (a benchmark).
+    /// Not with live recovery.
+    pub deadline: Option<Duration>,
 }
 
 impl LaunchConfig {
@@ -310,6 +315,7 @@ impl LaunchConfig {
             min_nproc_per_node: None,
             secret: None,
             insecure: false,
+            deadline: None,
         }
     }
 
@@ -350,6 +356,12 @@ impl LaunchConfig {
         }
         if self.nnodes == 0 {
             return Err(LaunchError::config("--nnodes", "must be at least 1"));
+        }
+        if self.deadline.is_some() && self.live_recovery {
+            return Err(LaunchError::config(
+                "--live-recovery",
+                "a job with a deadline cannot also be kept alive through failures",
+            ));
         }
         if self.node_rank >= self.nnodes {
             return Err(LaunchError::config(

@@ -32,6 +32,8 @@ enum AttemptEnd {
     Signalled(i32),
     /// The round ended on another node (multi-node jobs).
     Remote(Remote),
+    /// The job ran past `LaunchConfig::deadline`.
+    PastDeadline,
 }
 
 /// How long the exit barrier waits for the other nodes once this node's workers succeeded
@@ -53,6 +55,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         return crate::live::launch_live(cfg);
     }
     let nproc = cfg.nproc_per_node.resolve()?;
+    let deadline = cfg.deadline.map(|limit| Instant::now() + limit);
     let cores = available_cores();
     let signals =
         if cfg.forward_signals { SignalWatch::install()? } else { SignalWatch::disabled() };
@@ -155,15 +158,15 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
             _ => None,
         };
         let mut remote = || round_watch.as_ref().and_then(RoundWatch::seen);
-        let end =
-            match watch(&mut workers, cfg.monitor_interval, &signals, &mut reaper, &mut remote) {
-                Ok(end) => end,
-                Err(e) => {
-                    stop_all(&mut workers, Signal::SIGTERM, cfg.stop_grace, &signals);
-                    drain_output(&mut workers);
-                    return Err(e);
-                }
-            };
+        let polls = Polls { interval: cfg.monitor_interval, deadline };
+        let end = match watch(&mut workers, polls, &signals, &mut reaper, &mut remote) {
+            Ok(end) => end,
+            Err(e) => {
+                stop_all(&mut workers, Signal::SIGTERM, cfg.stop_grace, &signals);
+                drain_output(&mut workers);
+                return Err(e);
+            }
+        };
         let stop_with = match end {
             AttemptEnd::Signalled(sig) => Signal::try_from(sig).unwrap_or(Signal::SIGTERM),
             _ => Signal::SIGTERM,
@@ -193,6 +196,14 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         };
         match end {
             AttemptEnd::Succeeded => return Ok(outcome(0, Vec::new(), None)),
+            AttemptEnd::PastDeadline => {
+                let limit = cfg.deadline.unwrap_or_default().as_secs_f64();
+                eprintln!(
+                    "[launcher] the job ran past its deadline of {limit:.0} s; stopped its \
+                     {nproc} worker(s)"
+                );
+                return Ok(outcome(124, Vec::new(), None));
+            }
             AttemptEnd::Signalled(sig) => {
                 let o = outcome(128 + sig, Vec::new(), Some(sig));
                 eprint!("{}", o.summary(cfg.max_restarts));
@@ -264,11 +275,18 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     }
 }
 
-/// Polls the workers every `interval` until one fails, all succeed, or a signal arrives; keeps
-/// the watchdog alive meanwhile.
+/// How [`watch`] polls: every `interval`, until `deadline` when there is one.
+#[derive(Clone, Copy)]
+struct Polls {
+    interval: Duration,
+    deadline: Option<Instant>,
+}
+
+/// Polls the workers every `polls.interval` until one fails, all succeed, a signal arrives or
+/// the deadline passes; keeps the watchdog alive meanwhile.
 fn watch(
     workers: &mut [Worker],
-    interval: Duration,
+    polls: Polls,
     signals: &SignalWatch,
     reaper: &mut Option<GroupReaper>,
     remote: &mut dyn FnMut() -> Option<Remote>,
@@ -298,10 +316,13 @@ fn watch(
         if running == 0 {
             return Ok(AttemptEnd::Succeeded);
         }
+        if polls.deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(AttemptEnd::PastDeadline);
+        }
         // Sleep in short slices so a signal is acted on promptly even with a long interval.
-        let until = Instant::now() + interval;
+        let until = Instant::now() + polls.interval;
         while Instant::now() < until && signals.received().is_none() {
-            std::thread::sleep(interval.min(Duration::from_millis(50)));
+            std::thread::sleep(polls.interval.min(Duration::from_millis(50)));
         }
     }
 }

@@ -83,6 +83,33 @@ fn failing_rank_stops_the_others_and_sets_the_exit_code() {
 }
 
 #[test]
+fn a_job_past_its_deadline_is_stopped_with_124_and_no_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    // A stuck world: every worker (and a grandchild) would run for a minute.
+    let script = r#"
+        sleep 60 & echo $! > "$OUT/grandchild.$RANK.pid"
+        echo $$ > "$OUT/worker.$RANK.pid"
+        sleep 60
+    "#;
+    let mut cfg = sh(script, 2, dir.path());
+    cfg.deadline = Some(Duration::from_millis(800));
+    cfg.max_restarts = 3;
+    let start = Instant::now();
+    let out = launch(&cfg).unwrap();
+    let took = start.elapsed();
+    assert!(took >= Duration::from_millis(800) && took < Duration::from_secs(8), "{took:?}");
+    assert_eq!((out.exit_code, out.restarts), (124, 0));
+    assert!(out.failures.is_empty(), "{:?}", out.failures);
+    let pids = recorded_pids(dir.path());
+    assert_eq!(pids.len(), 4, "every worker and grandchild recorded its pid");
+    assert_no_survivors(&pids);
+    // A deadline and live recovery are refused together, naming the flag.
+    cfg.live_recovery = true;
+    let e = launch(&cfg).unwrap_err().to_string();
+    assert!(e.contains("--live-recovery") && e.contains("deadline"), "{e}");
+}
+
+#[test]
 fn worker_killed_by_a_signal_gives_128_plus_signal() {
     let dir = tempfile::tempdir().unwrap();
     let out =
