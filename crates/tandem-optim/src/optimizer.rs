@@ -101,6 +101,66 @@ pub trait TorchOptimizer {
     fn shard(&self) -> Result<Option<OptimizerShard>, OptimError> {
         Ok(None)
     }
+    /// For a sharded optimizer: the rank that holds each parameter's state (by global index)
+    /// in a world of `world` ranks, as [`TorchOptimizer::repartition`] would split it. `None`
+    /// (the default): not sharded.
+    fn owners_for(&self, _world: usize) -> Option<Vec<usize>> {
+        None
+    }
+    /// For a sharded optimizer, after its collectives re-formed over another world (a live
+    /// regroup): takes this rank's share and loads `state` (the hyperparameters, and the
+    /// entries this rank now owns under `state`; an entry left out starts afresh). Refused by
+    /// an optimizer that is not sharded.
+    fn repartition(&mut self, _state: &Value) -> Result<(), OptimError> {
+        Err(OptimError::state("(repartition)", "this optimizer is not sharded over the ranks"))
+    }
+}
+
+/// A boxed optimizer is one (`Box<dyn TorchOptimizer + Send>` is what a recipe picking its
+/// optimizer at run time holds), and so an [`OptimizerState`](crate::OptimizerState) too.
+impl<T: TorchOptimizer + ?Sized> TorchOptimizer for Box<T> {
+    fn step(&mut self, grads: &GradStore) -> Result<(), OptimError> {
+        (**self).step(grads)
+    }
+    fn lr(&self) -> f64 {
+        (**self).lr()
+    }
+    fn set_lr(&mut self, lr: f64) {
+        (**self).set_lr(lr)
+    }
+    fn group_lrs(&self) -> Vec<f64> {
+        (**self).group_lrs()
+    }
+    fn set_group_lrs(&mut self, lrs: &[f64]) -> Result<(), OptimError> {
+        (**self).set_group_lrs(lrs)
+    }
+    fn params(&self) -> Vec<candle_core::Var> {
+        (**self).params()
+    }
+    fn state_dict(&self) -> Result<Value, OptimError> {
+        (**self).state_dict()
+    }
+    fn param_state(&self, index: usize) -> Result<Value, OptimError> {
+        (**self).param_state(index)
+    }
+    fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), OptimError> {
+        (**self).load_state_dict(state_dict)
+    }
+    fn set_grad_rows(&mut self, index: usize, rows: Vec<u32>) -> Result<(), OptimError> {
+        (**self).set_grad_rows(index, rows)
+    }
+    fn owned_params(&self) -> Option<Vec<usize>> {
+        (**self).owned_params()
+    }
+    fn shard(&self) -> Result<Option<OptimizerShard>, OptimError> {
+        (**self).shard()
+    }
+    fn owners_for(&self, world: usize) -> Option<Vec<usize>> {
+        (**self).owners_for(world)
+    }
+    fn repartition(&mut self, state: &Value) -> Result<(), OptimError> {
+        (**self).repartition(state)
+    }
 }
 
 /// A rank's part of an optimizer state sharded over the ranks.

@@ -34,6 +34,9 @@ use tandem_comm::Collectives;
 /// The optimizer a rank runs over its shard.
 pub type ShardOptimizer = Box<dyn TorchOptimizer + Send>;
 
+/// Builds the optimizer over a rank's shard (kept: a repartition builds it again).
+type ShardFactory = Arc<dyn Fn(Vec<Var>) -> Result<ShardOptimizer, OptimError> + Send + Sync>;
+
 /// Which rank owns which parameter.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Partition {
@@ -94,6 +97,7 @@ pub struct ZeroRedundancyOptimizer {
     /// This rank's place when the partition was made (a live world's collectives may report a
     /// new rank before [`ZeroRedundancyOptimizer::repartition`] takes the new partition on).
     rank: usize,
+    make: ShardFactory,
 }
 
 /// Names the optimizer's collective that failed.
@@ -103,11 +107,13 @@ fn comm_error(op: &'static str) -> impl FnOnce(tandem_comm::CommSource) -> Optim
 
 impl ZeroRedundancyOptimizer {
     /// Wraps the optimizer `make` builds over this rank's shard of `params` (the model's
-    /// parameters in `named_parameters()` order, identical on every rank).
+    /// parameters in `named_parameters()` order, identical on every rank). `make` is kept: a
+    /// [`repartition`](ZeroRedundancyOptimizer::repartition) builds the new shard's optimizer
+    /// with it.
     pub fn new(
         params: Vec<Var>,
         comm: Arc<dyn Collectives>,
-        make: impl FnOnce(Vec<Var>) -> Result<ShardOptimizer, OptimError>,
+        make: impl Fn(Vec<Var>) -> Result<ShardOptimizer, OptimError> + Send + Sync + 'static,
     ) -> Result<Self, OptimError> {
         if let Some(i) = params.iter().position(|p| p.dtype() != candle_core::DType::F32) {
             return Err(OptimError::InvalidParam {
@@ -136,6 +142,7 @@ impl ZeroRedundancyOptimizer {
             local,
             consolidated: None,
             rank,
+            make: Arc::new(make),
         })
     }
 
@@ -151,14 +158,11 @@ impl ZeroRedundancyOptimizer {
     }
 
     /// After the collectives re-formed over another world (a live regroup): takes this rank's
-    /// share of the new partition, builds its optimizer with `make` and loads `state` (a state
-    /// dict over all parameters; entries of other ranks' parameters may be absent, and a
-    /// parameter without an entry starts with fresh state). Nothing is sent.
-    pub fn repartition(
-        &mut self,
-        state: &Value,
-        make: impl FnOnce(Vec<Var>) -> Result<ShardOptimizer, OptimError>,
-    ) -> Result<(), OptimError> {
+    /// share of the new partition, builds its optimizer as [`ZeroRedundancyOptimizer::new`]'s
+    /// `make` does and loads `state` (a state dict over all parameters; entries of other
+    /// ranks' parameters may be absent, and a parameter without an entry starts with fresh
+    /// state). Nothing is sent.
+    pub fn repartition(&mut self, state: &Value) -> Result<(), OptimError> {
         let world = self.comm.size();
         self.partition = self.partition_for(world);
         self.owned = (0..world).map(|r| self.partition.of(r)).collect();
@@ -167,7 +171,7 @@ impl ZeroRedundancyOptimizer {
         self.local = if mine.is_empty() {
             None
         } else {
-            Some(make(mine.iter().map(|&i| self.params[i].clone()).collect())?)
+            Some((self.make)(mine.iter().map(|&i| self.params[i].clone()).collect())?)
         };
         self.consolidated = None;
         self.load_full(state)
@@ -380,6 +384,12 @@ impl TorchOptimizer for ZeroRedundancyOptimizer {
     }
     fn owned_params(&self) -> Option<Vec<usize>> {
         Some(self.mine().to_vec())
+    }
+    fn owners_for(&self, world: usize) -> Option<Vec<usize>> {
+        Some(self.partition_for(world).owner)
+    }
+    fn repartition(&mut self, state: &Value) -> Result<(), OptimError> {
+        ZeroRedundancyOptimizer::repartition(self, state)
     }
     fn shard(&self) -> Result<Option<crate::OptimizerShard>, OptimError> {
         let entries = self.shard_state_dict()?.get("state").cloned().unwrap_or(Value::new_dict());

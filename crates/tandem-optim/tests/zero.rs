@@ -69,7 +69,7 @@ fn plain(kind: Kind, ps: Vec<Var>) -> ShardOptimizer {
 }
 
 fn zero(kind: Kind, ps: Vec<Var>, comm: Arc<dyn Collectives>) -> ZeroRedundancyOptimizer {
-    ZeroRedundancyOptimizer::new(ps, comm, |shard| Ok(plain(kind, shard))).unwrap()
+    ZeroRedundancyOptimizer::new(ps, comm, move |shard| Ok(plain(kind, shard))).unwrap()
 }
 
 fn values(ps: &[Var]) -> Vec<Vec<f32>> {

@@ -23,7 +23,7 @@ use tandem_comm::live::{Generation, LiveGroup, LiveOptions};
 use tandem_comm::{Collectives, CommError, ProcessGroup};
 
 use crate::state::{
-    apply_checkpoint, sampler_state_from_value, to_value, StateError, TrainingState,
+    apply_checkpoint, sampler_state_from_value, to_value, Restore, StateError, TrainingState,
 };
 
 pub use tandem_comm::live::is_peer_failure;
@@ -277,23 +277,10 @@ impl LiveState for TrainingState<'_> {
         self.step
     }
     fn save(&mut self, world_size: usize) -> Result<Vec<u8>, LiveError> {
-        let value = to_value(self, world_size)?;
-        Ok(tandem_ckpt::to_pt_bytes(&value).map_err(StateError::from)?)
+        state_bytes(self, world_size, false)
     }
     fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<(), LiveError> {
-        let value = tandem_ckpt::pt::load_from_bytes("the live state", bytes, true)
-            .map_err(StateError::from)?;
-        let ck = TrainingCheckpoint::from_value(&value).map_err(StateError::from)?;
-        // The loader is moved to the new world from the source's position instead.
-        apply_checkpoint(self, &ck, std::path::Path::new("<live state>"), false)?;
-        if let Some(loader) = self.loader.as_deref_mut() {
-            let position = sampler_state_from_value(&ck.sampler)
-                .map_err(|p| LiveError::Other(format!("the live state's sampler position: {p}")))?;
-            loader
-                .reshard(rank, size, &position)
-                .map_err(|e| LiveError::Other(format!("resharding the loader: {e}")))?;
-        }
-        Ok(())
+        load_state_bytes(self, bytes, (rank, size), true).map(drop)
     }
     fn enter_world(&mut self, rank: usize, size: usize) -> Result<(), LiveError> {
         if let Some(loader) = self.loader.as_deref_mut() {
@@ -304,4 +291,40 @@ impl LiveState for TrainingState<'_> {
         }
         Ok(())
     }
+}
+
+/// `state` as the bytes a regroup's source sends; a sharded optimizer's entries stay behind
+/// with `entries_apart` (only its hyperparameters go).
+pub(crate) fn state_bytes(
+    state: &TrainingState<'_>,
+    world_size: usize,
+    entries_apart: bool,
+) -> Result<Vec<u8>, LiveError> {
+    let value = to_value(state, world_size, entries_apart)?;
+    Ok(tandem_ckpt::to_pt_bytes(&value).map_err(StateError::from)?)
+}
+
+/// Loads the source's `bytes` into `state` and moves its loader to `world` (rank, size) from
+/// the source's position; the optimizer only with `optimizer`. Returns the checkpoint read.
+pub(crate) fn load_state_bytes(
+    state: &mut TrainingState<'_>,
+    bytes: Vec<u8>,
+    world: (usize, usize),
+    optimizer: bool,
+) -> Result<TrainingCheckpoint, LiveError> {
+    let value = tandem_ckpt::pt::load_from_bytes("the live state", bytes, true)
+        .map_err(StateError::from)?;
+    let ck = TrainingCheckpoint::from_value(&value).map_err(StateError::from)?;
+    // The loader is moved to the new world from the source's position instead; the GradScaler
+    // comes as the source had it (a note about it would be the source's).
+    let what = Restore { loader: false, optimizer };
+    apply_checkpoint(state, &ck, std::path::Path::new("<live state>"), what)?;
+    if let Some(loader) = state.loader.as_deref_mut() {
+        let position = sampler_state_from_value(&ck.sampler)
+            .map_err(|p| LiveError::Other(format!("the live state's sampler position: {p}")))?;
+        loader
+            .reshard(world.0, world.1, &position)
+            .map_err(|e| LiveError::Other(format!("resharding the loader: {e}")))?;
+    }
+    Ok(ck)
 }

@@ -4,11 +4,19 @@
 //! state, counted; the parameters themselves are replicated and never lost.
 //!
 //! Entries travel as a `.pt` image of a torch optimizer state dict's `state` (integer keys).
+//!
+//! [`LiveShards`] is what the [`Trainer`](crate::Trainer) keeps for a recipe whose optimizer is
+//! sharded ([`TorchOptimizer::owned_params`]): the recipe writes nothing for it.
 use std::ops::Range;
+use std::time::Instant;
 
 use tandem_ckpt::Value;
+use tandem_comm::ProcessGroup;
+use tandem_optim::TorchOptimizer;
 
-use crate::live_part::{runs, PartHeader, RankPart};
+use crate::error::{Context, Result};
+use crate::events::{MirrorCost, Resplit};
+use crate::live_part::{owned_by, runs, Mirrored, PartHeader, RankPart};
 
 /// Entries (parameter index → its optimizer state) held as of `step`, by ascending index.
 #[derive(Clone, Debug, PartialEq)]
@@ -84,5 +92,87 @@ impl RankPart for Entries {
         let mut entries: Vec<(usize, Value)> = pieces.into_iter().flat_map(|p| p.entries).collect();
         entries.sort_by_key(|(i, _)| *i);
         Ok(Entries { step, entries })
+    }
+}
+
+/// A sharded optimizer's entries under live recovery: mirrored to the next rank every `K`
+/// steps, re-split over the new world's partition after a regroup (each parameter's from its
+/// newest holder, fresh where nobody holds it), while the hyperparameters move with the
+/// replicated state.
+pub(crate) struct LiveShards {
+    mirror: Mirrored<Entries>,
+    /// The hyperparameters a regroup's source sent (loaded with the re-split entries).
+    pending: Option<Value>,
+}
+
+impl LiveShards {
+    /// A mirror every `every` steps; `holds`: whether this rank starts with a shard (a
+    /// replacement holds none until it joins).
+    pub fn new(every: u64, holds: bool) -> Self {
+        LiveShards { mirror: Mirrored::new(every, holds), pending: None }
+    }
+
+    /// After step `step` (a collective when a mirror is due): this rank's entries as of it.
+    pub fn after_step(
+        &mut self,
+        group: &ProcessGroup,
+        opt: &dyn TorchOptimizer,
+        step: u64,
+    ) -> Result<()> {
+        self.mirror.stepped(step);
+        match self.mirror.due(step) {
+            true => self.send_mirror(group, opt, step),
+            false => Ok(()),
+        }
+    }
+
+    /// The hyperparameters the source sent, kept until the re-split.
+    pub fn keep_hyperparameters(&mut self, groups: Value) {
+        self.pending = Some(groups);
+    }
+
+    /// Re-splits the entries over `group`'s partition, and loads this rank's with the world's
+    /// hyperparameters (a collective); the learning rates stay the schedule's.
+    pub fn regroup(
+        &mut self,
+        group: &ProcessGroup,
+        step: u64,
+        opt: &mut dyn TorchOptimizer,
+    ) -> Result<Resplit> {
+        let shard = opt.shard()?.context("live recovery: the optimizer is no longer sharded")?;
+        let own = self.mirror.holds().map(|at| Entries::from_state(&shard.entries, at));
+        let owner = opt.owners_for(group.size()).unwrap_or_default();
+        let want = |rank: usize| owned_by(&owner, rank);
+        let keys = owner.len();
+        let (entries, counts) =
+            self.mirror.regroup(group, step, keys, own.as_ref(), &want, &mut |_| Ok(None))?;
+        let groups = self.pending.take().unwrap_or(shard.groups);
+        let state = tandem_optim::OptimizerShard::full(&groups, entries.into_state());
+        let lrs = opt.group_lrs();
+        opt.repartition(&state).context("live recovery: taking the new world's optimizer shard")?;
+        if !lrs.is_empty() && opt.group_lrs().len() == lrs.len() {
+            // The schedule's rates (set before the shard changed hands).
+            opt.set_group_lrs(&lrs)?;
+        }
+        // This rank's new shard is mirrored at once, so the next death is covered.
+        self.send_mirror(group, opt, step)?;
+        Ok(Resplit::OptimizerShards(counts))
+    }
+
+    /// What the mirrors cost this rank.
+    pub fn cost(&self) -> MirrorCost {
+        self.mirror.cost("optimizer shard")
+    }
+
+    fn send_mirror(
+        &mut self,
+        group: &ProcessGroup,
+        opt: &dyn TorchOptimizer,
+        step: u64,
+    ) -> Result<()> {
+        let clock = Instant::now();
+        let shard = opt.shard()?.context("live recovery: the optimizer is no longer sharded")?;
+        let own = Entries::from_state(&shard.entries, step);
+        Ok(self.mirror.exchange(group, &own, opt.params().len(), clock)?)
     }
 }

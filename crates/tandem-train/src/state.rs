@@ -148,6 +148,11 @@ pub struct TrainingState<'a> {
     /// `ShardDict::rows("head", ..., head.state_dict()?)`); read back through the [`Saved`]
     /// checkpoint [`load_state_from`] takes.
     pub shards: Vec<ShardDict>,
+    /// The run's settings as text, kept as the checkpoint's `config` entry.
+    pub config: Option<String>,
+    /// The seed every random draw of the run derives from, kept as the checkpoint's `rng`
+    /// entry (`{"seed": S}`).
+    pub seed: Option<u64>,
 }
 
 impl<'a> TrainingState<'a> {
@@ -163,7 +168,19 @@ impl<'a> TrainingState<'a> {
             step: 0,
             epoch: 0,
             shards: Vec::new(),
+            config: None,
+            seed: None,
         }
+    }
+    /// Keeps the run's settings (`text`) as the checkpoint's `config` entry.
+    pub fn config(mut self, text: String) -> Self {
+        self.config = Some(text);
+        self
+    }
+    /// Keeps the run's seed as the checkpoint's `rng` entry.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
     }
     /// Adds a shard this rank holds alone (see [`TrainingState::shards`]).
     pub fn shard(mut self, shard: ShardDict) -> Self {
@@ -252,7 +269,8 @@ pub fn state_dict(
 /// Restores the newest checkpoint in `dir` that verifies into `state` (on every rank; each rank
 /// reads the replicated part and the optimizer entries it owns). `Ok(None)` when there is
 /// none: a fresh start. A checkpoint that does not fit (another model, a missing field) is an
-/// error naming the file and what does not fit.
+/// error naming the file and what does not fit; one without GradScaler state (written without
+/// f16 precision) leaves `state.scaler` fresh, and [`Resumed::note`] says so.
 pub fn load_state(
     dir: impl AsRef<Path>,
     state: &mut TrainingState<'_>,
@@ -269,26 +287,27 @@ pub fn load_state_from(
     saved: &Saved,
     state: &mut TrainingState<'_>,
 ) -> Result<Resumed, StateError> {
-    let ck = restore(saved, state)?;
+    let (ck, note) = restore(saved, state)?;
     Ok(Resumed {
         path: saved.path().to_path_buf(),
         step: state.step,
         epoch: state.epoch,
         world_size: ck.world_size as usize,
-        note: None,
+        note,
     })
 }
 
 /// Restores `saved` into `state` (the replicated part and the optimizer entries `state`'s
-/// optimizer owns; the loader's position too) and returns the checkpoint it read.
+/// optimizer owns; the loader's position too) and returns the checkpoint it read, with what
+/// to tell the user (see [`apply_checkpoint`]).
 pub(crate) fn restore(
     saved: &Saved,
     state: &mut TrainingState<'_>,
-) -> Result<TrainingCheckpoint, StateError> {
+) -> Result<(TrainingCheckpoint, Option<String>), StateError> {
     let value = replicated_with_optimizer(saved, state.optimizer.owned_params().as_deref())?;
     let ck = TrainingCheckpoint::from_value(&value)?;
-    apply_checkpoint(state, &ck, saved.path(), true)?;
-    Ok(ck)
+    let note = apply_checkpoint(state, &ck, saved.path(), Restore::ALL)?;
+    Ok((ck, note))
 }
 
 /// The replicated dict of `saved` with the optimizer entries `owned` (all with `None`) put
@@ -313,51 +332,83 @@ pub fn replicated_with_optimizer(
     Ok(value)
 }
 
-/// Restores `ck` (read from `path`, named in errors) into `state`: model, optimizer, scheduler,
-/// GradScaler, counters, and the loader position unless `!set_loader` (a live regroup moves
-/// the loader to the new world itself).
+/// What [`apply_checkpoint`] restores beside the model, scheduler, GradScaler and counters.
+#[derive(Clone, Copy)]
+pub(crate) struct Restore {
+    /// The loader's position (a live regroup moves the loader to the new world itself).
+    pub loader: bool,
+    /// The optimizer (a live regroup of a sharded optimizer moves its entries apart and loads
+    /// them with the hyperparameters after the re-split).
+    pub optimizer: bool,
+}
+
+impl Restore {
+    pub const ALL: Restore = Restore { loader: true, optimizer: true };
+}
+
+/// Restores `ck` (read from `path`, named in errors) into `state`: model, scheduler, GradScaler,
+/// counters, and the optimizer and loader position as `what` says. Returns what to tell the
+/// user: a checkpoint without GradScaler state (written without f16 precision) leaves the
+/// scaler fresh, and says so.
 pub(crate) fn apply_checkpoint(
     state: &mut TrainingState<'_>,
     ck: &TrainingCheckpoint,
     path: &Path,
-    set_loader: bool,
-) -> Result<(), StateError> {
+    what: Restore,
+) -> Result<Option<String>, StateError> {
     let field = |field: &'static str, problem: String| StateError::Field {
         path: path.to_path_buf(),
         field,
         problem,
     };
     load_weights_from(state.model, &ck.model, true).map_err(|e| field("model", e.to_string()))?;
-    state
-        .optimizer
-        .load_optimizer_state(&ck.optimizer)
-        .map_err(|e| field("optimizer", e.to_string()))?;
+    if what.optimizer {
+        state
+            .optimizer
+            .load_optimizer_state(&ck.optimizer)
+            .map_err(|e| field("optimizer", e.to_string()))?;
+    }
     if let Some(s) = state.scheduler.as_deref_mut() {
         if ck.scheduler == Value::None {
             return Err(field("scheduler", "missing (saved without a scheduler)".into()));
         }
         s.load_state_dict(&ck.scheduler).map_err(|e| field("scheduler", e.to_string()))?;
     }
-    if let Some(s) = state.scaler.as_deref_mut() {
-        if ck.scaler == Value::None {
-            return Err(field("scaler", "missing (saved without a GradScaler)".into()));
+    let mut note = None;
+    match state.scaler.as_deref_mut() {
+        Some(s) if ck.scaler == Value::None => {
+            note = Some(format!(
+                "{}: no GradScaler state (written without f16 precision); the loss scale starts \
+                 at {}",
+                path.display(),
+                s.get_scale()
+            ));
         }
-        s.load_state_dict(&ck.scaler).map_err(|e| field("scaler", e.to_string()))?;
+        Some(s) => s.load_state_dict(&ck.scaler).map_err(|e| field("scaler", e.to_string()))?,
+        None => {}
     }
-    if let Some(l) = state.loader.as_deref_mut().filter(|_| set_loader) {
+    if let Some(l) = state.loader.as_deref_mut().filter(|_| what.loader) {
         let pos =
             sampler_state_from_value(&ck.sampler).map_err(|p| field("sampler", p.to_string()))?;
         l.set_position(&pos).map_err(|e| field("sampler", e.to_string()))?;
     }
     state.step = ck.global_step as u64;
     state.epoch = ck.epoch as u64;
-    Ok(())
+    Ok(note)
 }
 
-/// The whole state as one value (what a live regroup sends; a sharded optimizer cannot be
-/// sent whole and is an error here).
-pub(crate) fn to_value(state: &TrainingState<'_>, world_size: usize) -> Result<Value, StateError> {
-    let optimizer = state.optimizer.save_optimizer_state(state.model.named_parameters().len())?;
+/// The whole state as one value (what a live regroup sends). A sharded optimizer sends its
+/// hyperparameters only with `entries_apart` (the [`crate::Trainer`] re-splits the entries
+/// after the regroup), and cannot be sent whole otherwise: an error.
+pub(crate) fn to_value(
+    state: &TrainingState<'_>,
+    world_size: usize,
+    entries_apart: bool,
+) -> Result<Value, StateError> {
+    let optimizer = match state.optimizer.optimizer_shard()? {
+        Some(shard) if entries_apart => shard.groups,
+        _ => state.optimizer.save_optimizer_state(state.model.named_parameters().len())?,
+    };
     value_with(state, world_size, optimizer)
 }
 
@@ -374,10 +425,11 @@ fn value_with(
         optimizer,
         scheduler: state.scheduler.as_deref().map_or(Value::None, |s| s.state_dict()),
         sampler: state.loader.as_deref().map_or(Value::None, |l| sampler_value(&l.position())),
-        // The loader's shuffle is seeded by (seed, epoch), which the sampler state holds.
-        rng: Value::None,
+        // The loader's shuffle is seeded by (seed, epoch), which the sampler state holds; a
+        // recipe's other draws by the run's seed.
+        rng: state.seed.map_or(Value::None, |s| Value::dict_from([("seed", Value::Int(s as i64))])),
         world_size: world_size as i64,
-        config: Value::None,
+        config: state.config.clone().map_or(Value::None, Value::Str),
         scaler: state.scaler.as_deref().map_or(Value::None, |s| s.state_dict()),
     };
     Ok(ck.to_value()?)

@@ -29,6 +29,7 @@ use crate::error::{Context, Result, TrainError};
 use crate::events::{Event, Logger, Regroup, Reporter, Resplit, StepEvent};
 use crate::fault;
 use crate::live::{LiveError, LiveState, LiveTraining};
+use crate::live_entries::LiveShards;
 use crate::metrics::{MetricsFile, VerificationMetrics};
 use crate::schedule;
 use crate::state::{self, LoaderPosition, Resumed, TrainingState};
@@ -296,6 +297,9 @@ pub struct TrainerOptions {
     pub timing_warmup_steps: u64,
     /// A `training.log` line every N steps, as arcface_torch's `frequent` (0: no file).
     pub log_every: u64,
+    /// Under live recovery, a sharded optimizer's entries (each rank's alone) are mirrored to
+    /// the next rank every N steps: a rank's death loses at most N - 1 steps of them.
+    pub mirror_every: u64,
 }
 
 impl TrainerOptions {
@@ -310,6 +314,7 @@ impl TrainerOptions {
             tensorboard: false,
             timing_warmup_steps: 0,
             log_every: 0,
+            mirror_every: 1,
         }
     }
 }
@@ -345,6 +350,8 @@ pub struct Trainer<R: Recipe> {
     /// Where the step in progress took its batch from (put back if the step fails).
     in_flight: Option<SamplerState>,
     live: Option<LiveTraining>,
+    /// A sharded optimizer's entries under live recovery (mirrored, re-split at a regroup).
+    live_shards: Option<LiveShards>,
     /// How the last regroup re-split the recipe's per-rank state.
     resplit: Option<Resplit>,
     epochs_seen: Vec<EpochMetrics>,
@@ -392,6 +399,7 @@ impl<R: Recipe> Trainer<R> {
             epoch_to_close: None,
             in_flight: None,
             live: None,
+            live_shards: None,
             resplit: None,
             epochs_seen: Vec::new(),
             logs_open: false,
@@ -449,6 +457,11 @@ impl<R: Recipe> Trainer<R> {
     /// joining rank regroups the world instead of ending the run. Call [`Trainer::join_live`]
     /// next (a replacement's group is only a placeholder until it joins).
     pub fn live(mut self, live: LiveTraining) -> Self {
+        if self.recipe.state().is_some() && self.recipe.optimizer().owned_params().is_some() {
+            // A replacement holds no shard until it joins.
+            let holds = !live.is_replacement();
+            self.live_shards = Some(LiveShards::new(self.opts.mirror_every, holds));
+        }
         self.live = Some(live);
         self
     }
@@ -515,12 +528,13 @@ impl<R: Recipe> Trainer<R> {
             whole.scheduler = None;
             state::restore(&saved, &mut whole).with_context(|| format!("reading {what}"))?
         };
+        let (ck, scaler_note) = ck;
         let global_step = ck.global_step as u64;
         let max_steps = Some(global_step + self.loader.steps_to_end(self.opts.epochs));
         let sched = self.step.lr_scheduler_mut();
         schedule::load(sched, &ck.scheduler, self.recipe.optimizer(), max_steps, &what)?;
         let world = self.group.size();
-        let note = match ck.world_size as usize != world {
+        let reshard = match ck.world_size as usize != world {
             true => {
                 let saved = state::sampler_state_from_value(&ck.sampler)
                     .with_context(|| format!("{what}: checkpoint `sampler`"))?;
@@ -528,6 +542,8 @@ impl<R: Recipe> Trainer<R> {
             }
             false => None,
         };
+        let notes: Vec<String> = reshard.into_iter().chain(scaler_note).collect();
+        let note = (!notes.is_empty()).then(|| notes.join("\n"));
         let epoch = self.loader.epoch();
         let world_size = ck.world_size as usize;
         Ok(Some(Resumed { path, step: global_step, epoch, world_size, note }))
@@ -615,6 +631,9 @@ impl<R: Recipe> Trainer<R> {
             self.recipe.set_training(false)?;
             self.last_eval = self.recipe.evaluate(&self.group)?;
         }
+        if let Some(shards) = &self.live_shards {
+            self.emit(Event::MirrorCost(shards.cost()))?;
+        }
         self.recipe.finish(&self.group)?;
         // Every rank agrees the run is over before any reports it.
         let mut done = [1.0f64];
@@ -667,8 +686,19 @@ impl<R: Recipe> Trainer<R> {
     /// batch back.
     fn train_epoch(&mut self, max_steps: u64) -> Result<Option<f64>> {
         let started = Instant::now();
-        let Trainer { recipe, loader, step, group, opts, live, in_flight, reporter, ckpt, .. } =
-            self;
+        let Trainer {
+            recipe,
+            loader,
+            step,
+            group,
+            opts,
+            live,
+            in_flight,
+            reporter,
+            ckpt,
+            live_shards,
+            ..
+        } = self;
         let world = group.size() as u64;
         let rank0 = group.rank() == 0;
         recipe.set_training(true)?;
@@ -699,6 +729,9 @@ impl<R: Recipe> Trainer<R> {
             *in_flight = None;
             self.times.add(data, &report);
             self.global_step = n;
+            if let Some(shards) = live_shards.as_mut() {
+                shards.after_step(group, recipe.optimizer(), n)?;
+            }
             if let Some(custom) = recipe.custom_state() {
                 custom.after_step(group, n)?;
             }
@@ -995,11 +1028,10 @@ impl<R: Recipe> LiveState for Trainer<R> {
         let n = self.global_step;
         let position = self.loader.state();
         let (epoch, loader): (u64, &mut dyn LoaderPosition) = (position.epoch, &mut self.loader);
-        if let Some(mut whole) =
-            whole_state(&mut self.recipe, &mut self.step, Some(loader), epoch, n)
-        {
-            // What a user's own loop sends (`impl LiveState for TrainingState`).
-            return whole.save(world);
+        if let Some(whole) = whole_state(&mut self.recipe, &mut self.step, Some(loader), epoch, n) {
+            // What a user's own loop sends (`impl LiveState for TrainingState`); a sharded
+            // optimizer's entries move in the re-split that follows.
+            return crate::live::state_bytes(&whole, world, self.live_shards.is_some());
         }
         let ctx = SaveContext {
             group: &self.group,
@@ -1022,10 +1054,16 @@ impl<R: Recipe> LiveState for Trainer<R> {
         let loader: &mut dyn LoaderPosition = &mut self.loader;
         if let Some(mut whole) = whole_state(&mut self.recipe, &mut self.step, Some(loader), 0, 0) {
             // As a user's own loop loads it (`impl LiveState for TrainingState`: the loader
-            // moved to this world); the schedule comes as saved, `enter_world` stretches it.
-            whole.load(bytes, rank, size)?;
+            // moved to this world); a sharded optimizer's entries stay until the re-split.
+            let sharded = self.live_shards.as_mut();
+            let ck =
+                crate::live::load_state_bytes(&mut whole, bytes, (rank, size), sharded.is_none())?;
             self.global_step = whole.step;
-            return Ok(());
+            if let Some(shards) = sharded {
+                shards.keep_hyperparameters(ck.optimizer);
+            }
+            // The schedule came as the source saved it: stretched over this world's steps.
+            return self.stretch_schedule().map_err(|e| LiveError::Other(e.chain_text()));
         }
         let what = "the live state";
         let value = tandem_ckpt::pt::load_from_bytes(what, bytes, true)
@@ -1044,7 +1082,10 @@ impl<R: Recipe> LiveState for Trainer<R> {
     }
     fn reshard(&mut self, group: &ProcessGroup) -> std::result::Result<(), LiveError> {
         let step = self.global_step;
-        let resplit = self.recipe.custom_state().map_or(Ok(None), |c| c.regroup(group, step));
+        let resplit = match self.live_shards.as_mut() {
+            Some(shards) => shards.regroup(group, step, self.recipe.optimizer()).map(Some),
+            None => self.recipe.custom_state().map_or(Ok(None), |c| c.regroup(group, step)),
+        };
         match resplit {
             Ok(resplit) => {
                 self.resplit = resplit;
@@ -1057,11 +1098,19 @@ impl<R: Recipe> LiveState for Trainer<R> {
         let fail = |e: TrainError| LiveError::Other(e.chain_text());
         let position = self.loader.state();
         self.loader.reshard(rank, size, &position).map_err(|e| fail(e.into()))?;
+        self.stretch_schedule().map_err(fail)
+    }
+}
+
+impl<R: Recipe> Trainer<R> {
+    /// The schedule stretched over the steps this world has left (after a regroup moved the
+    /// loader to it), the optimizer's rates set from it.
+    fn stretch_schedule(&mut self) -> Result<()> {
         let saved = schedule::state(self.step.lr_scheduler());
         let max_steps = Some(self.global_step + self.loader.steps_to_end(self.opts.epochs));
         let sched = self.step.lr_scheduler_mut();
-        schedule::load(sched, &saved, self.recipe.optimizer(), max_steps, "the live state")
-            .map_err(|e| fail(e.into()))
+        schedule::load(sched, &saved, self.recipe.optimizer(), max_steps, "the live state")?;
+        Ok(())
     }
 }
 

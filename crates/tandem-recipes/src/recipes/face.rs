@@ -22,7 +22,7 @@ use tandem_data::{Batch, DataLoader, Dataset, LoaderOptions};
 use tandem_ddp::{Ddp, DdpOptions};
 use tandem_models::FaceBackbone;
 use tandem_nn::{Autocast, NamedVars, OrderedVarMap, ParamModule};
-use tandem_optim::{AdamWConfig, SgdConfig, TorchAdamW, TorchOptimizer, TorchSgd};
+use tandem_optim::TorchOptimizer;
 use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConfig};
 use tandem_train::checkpoint::{CheckpointError, Checkpointer};
 use tandem_train::events::{Reporter, Resplit};
@@ -33,10 +33,11 @@ use tandem_train::{
     SaveContext, Step, StepReport, TrainError,
 };
 
+use super::optimizer::RunOptimizer;
 use super::LiveComm;
 use crate::face::optimizer_entry::{merge_optimizer, split_optimizer};
 use crate::face::{self as face_state, FaceState, RowBlock, HEAD_SHARD};
-use crate::options::{OptimizerKind, Precision, TrainOptions};
+use crate::options::{Precision, TrainOptions};
 use crate::verification::{self as verify, ValSet};
 
 /// arcface_torch's DDP settings for the backbone.
@@ -54,7 +55,7 @@ pub struct Face<'a> {
     order: Vec<String>,
     ddp: Ddp<NamedVars>,
     head: PartialFc,
-    opt: Box<dyn TorchOptimizer + Send>,
+    opt: RunOptimizer,
     autocast: Autocast,
     train: Arc<FaceRecDataset>,
     val: Vec<ValSet>,
@@ -170,7 +171,9 @@ impl<'a> Face<'a> {
         super::register_comm_hook(&ddp, cfg)?;
 
         let head = build_head(cfg, classes, head_comm, &device, init.and_then(|i| i.centres))?;
-        let mut opt = build_optimizer(cfg, ddp.params(), head.weight().clone())?;
+        // One optimizer over two parameter groups, backbone then head, as arcface_torch.
+        let mut opt =
+            super::optimizer::build(&cfg.optim, vec![ddp.params(), vec![head.weight().clone()]])?;
 
         // PartialFC needs the same batch on every rank: the last partial batch is dropped.
         let options = LoaderOptions {
@@ -468,7 +471,7 @@ impl CustomState for Face<'_> {
         };
         let entry = head_entry(&rows, &own_entry, &rest, e);
         let lrs = self.opt.group_lrs();
-        self.opt = build_optimizer(self.cfg, self.ddp.params(), var)?;
+        self.opt = super::optimizer::build(&self.cfg.optim, vec![self.ddp.params(), vec![var]])?;
         self.opt.load_state_dict(&merge_optimizer(&rest, head_index, entry))?;
         self.opt.set_group_lrs(&lrs)?;
         // The new rows are this rank's own now: mirrored at once, so the next death is covered.
@@ -663,31 +666,4 @@ fn build_head(
         None => PartialFc::new(pcfg, comm, device).context("building the PartialFC head")?,
     };
     Ok(head)
-}
-
-/// One optimizer over two parameter groups, backbone then head, as arcface_torch.
-fn build_optimizer(
-    cfg: &TrainOptions,
-    backbone: Vec<Var>,
-    centres: Var,
-) -> Result<Box<dyn TorchOptimizer + Send>> {
-    Ok(match cfg.optim.kind {
-        OptimizerKind::Sgd => {
-            let c = SgdConfig {
-                lr: cfg.optim.lr,
-                momentum: cfg.optim.momentum,
-                weight_decay: cfg.optim.weight_decay,
-                ..SgdConfig::default()
-            };
-            Box::new(TorchSgd::with_groups(vec![(backbone, c.clone()), (vec![centres], c)])?)
-        }
-        OptimizerKind::Adamw => {
-            let c = AdamWConfig {
-                lr: cfg.optim.lr,
-                weight_decay: cfg.optim.weight_decay,
-                ..AdamWConfig::default()
-            };
-            Box::new(TorchAdamW::with_groups(vec![(backbone, c.clone()), (vec![centres], c)])?)
-        }
-    })
 }

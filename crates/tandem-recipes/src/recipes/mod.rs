@@ -100,6 +100,7 @@ fn trainer_options(o: &TrainOptions) -> TrainerOptions {
         tensorboard: o.run.tensorboard,
         timing_warmup_steps: o.run.timing_warmup_steps,
         log_every: o.run.log_every,
+        mirror_every: o.comm.mirror_every,
     }
 }
 
