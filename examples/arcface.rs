@@ -1,6 +1,7 @@
 //! insightface's arcface_torch trainer as a library user writes it: IResNet under Ddp, a PartialFc
 //! margin head split over the ranks, SGD over two groups, poly warm-up, clipping, float16 with a
-//! GradScaler, verification on a `.bin` set, and per-rank checkpoints that resume on any world size.
+//! GradScaler, verification on a `.bin` set, and per-rank checkpoints that resume on any world size
+//! (the head's rows and each rank's BatchNorm statistics are parts of the one training state).
 //!   tandem data synth-faces DATA --classes 16 --per-class 8
 //!   tandem run --nproc-per-node 2 -- target/release/examples/arcface DATA OUT [EPOCHS]
 use std::{path::PathBuf, sync::Arc};
@@ -14,9 +15,9 @@ use tandem::models::IResNet;
 use tandem::nn::{OrderedVarMap, ParamModule};
 use tandem::optim::{GradScaler, GradScalerConfig, SgdConfig, TorchOptimizer, TorchSgd};
 use tandem::partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig};
-use tandem::recipes::face::{self, FaceState};
+use tandem::recipes::face::{HeadPart, BUFFERS_SHARD};
 use tandem::recipes::verification;
-use tandem::train::Checkpointer;
+use tandem::train::{load_state, save_state, RankBuffers, TrainingState};
 use tandem::train::{LrSchedule, RunLength, Step, Warmup};
 
 const SEED: u64 = 7;
@@ -39,12 +40,15 @@ fn main() -> Result<()> {
     let ddp = Ddp::new(vars.named_vars().freeze(IResNet::FROZEN)?, &group, ddp_opts)?;
     let mut pfc = PartialFcConfig::new(classes, 32, CombinedMarginLoss::arcface(64.0, 0.5));
     (pfc.autocast, pfc.seed) = (Some(DType::F16), SEED);
-    let mut head = PartialFc::new(pfc, Arc::new(group.clone()), &dev)?;
+    let pfc = PartialFc::new(pfc, Arc::new(group.clone()), &dev)?;
     let sgd = SgdConfig { lr: 0.01, momentum: 0.9, weight_decay: 5e-4, ..Default::default() };
     let mut opt = TorchSgd::with_groups(vec![
         (ddp.params(), sgd.clone()),
-        (vec![head.weight().clone()], sgd),
+        (vec![pfc.weight().clone()], sgd),
     ])?;
+    // The head is the optimizer's parameter after the backbone's; its rows are this rank's alone.
+    let mut head = HeadPart::new(pfc, ddp.params().len(), group.size(), None);
+    let mut stats = RankBuffers::new(BUFFERS_SHARD, ddp.module().named_buffers(), rank);
 
     let sampler = DistributedSampler::builder(train.len()).group(&group).seed(SEED).build()?;
     let options = LoaderOptions { drop_last: true, ..LoaderOptions::new(4) };
@@ -55,10 +59,11 @@ fn main() -> Result<()> {
     let scaler = GradScaler::new(GradScalerConfig { growth_interval: 100, ..Default::default() })?;
     let mut step = Step::new().scaler(Some(scaler)).clip_grad_norm(Some(5.0)).scheduler(sched);
 
-    let mut ckpts = Checkpointer::new(out.join("checkpoints"), 2);
-    let mut state = FaceState::new(&ddp, &mut head, &mut opt, &mut step);
+    let ckpts = out.join("checkpoints");
     let mut global_step = 0;
-    if let Some(r) = face::resume(&ckpts, &mut state, &mut loader, epochs, &group)? {
+    let state = TrainingState::new(&ddp, &mut opt).scaler_and_scheduler(&mut step);
+    let mut state = state.loader(&mut loader).part(&mut head).part(&mut stats);
+    if let Some(r) = load_state(&ckpts, &mut state)? {
         global_step = r.step;
         if rank == 0 {
             println!("resumed from {} (step {})", r.path.display(), r.step);
@@ -69,8 +74,8 @@ fn main() -> Result<()> {
         for batch in loader.iter()? {
             let batch = batch?;
             let labels: Vec<i64> = batch.labels.iter().map(|&l| i64::from(l)).collect();
-            let loss = head.forward(&model.forward_t(&batch.x, true)?, &labels)?;
-            let (local, params) = ([head.weight().clone()], ddp.params());
+            let loss = head.head.forward(&model.forward_t(&batch.x, true)?, &labels)?;
+            let (local, params) = ([head.head.weight().clone()], ddp.params());
             let backward = |l: &_| ddp.backward_with_local(l, &local);
             global_step += 1;
             step.run(&loss, backward, &mut opt, &params, global_step)?;
@@ -80,8 +85,10 @@ fn main() -> Result<()> {
             let (epoch, loss) = (loader.epoch(), loss_sum / n as f32);
             println!("epoch {epoch} step {global_step} loss={loss:.4} lr={:.5}", opt.lr());
         }
-        let state = FaceState::new(&ddp, &mut head, &mut opt, &mut step).global_step(global_step);
-        face::save(&mut ckpts, &state.seed(SEED), &loader.state(), &group)?;
+        let epoch = loader.epoch();
+        let state = TrainingState::new(&ddp, &mut opt).scaler_and_scheduler(&mut step);
+        let state = state.loader(&mut loader).part(&mut head).part(&mut stats).seed(SEED);
+        save_state(&group, &ckpts, &state.step(global_step).epoch(epoch))?;
     }
 
     let sets = verification::load(&[data.join("pairs.bin")])?;

@@ -358,7 +358,8 @@ fn background_saves_equal_synchronous_ones_and_resume_on_another_world() {
         assert_eq!(head_rows(&a), head_rows(&b), "{step}: the head differs");
         let load = |d: &Path| tandem::ckpt::load(d.join("replicated.pt")).unwrap();
         let (ra, rb) = (load(&a), load(&b));
-        for key in ["backbone", "optimizer", "scheduler", "sampler", "global_step"] {
+        for key in ["model", "optimizer", "scheduler", "sampler", "global_step"] {
+            assert!(ra.get(key).is_some(), "{step}: no `{key}`");
             assert_eq!(ra.get(key), rb.get(key), "{step}: `{key}` differs");
         }
     }

@@ -27,7 +27,7 @@ pub use tandem_models::ModelKind;
 /// `module`, … (the first one found, as `tandem ckpt` finds them).
 pub fn export_value(arch: ModelKind, value: &tandem_ckpt::Value) -> Result<Exported> {
     let mut found = tandem_ckpt::keys::find_state_dicts(value);
-    // The face recipe's checkpoints hold the network under `backbone`.
+    // The face recipe's checkpoints of earlier builds hold the network under `backbone`.
     if let (true, Some(backbone)) = (found.is_empty(), value.get("backbone")) {
         found = tandem_ckpt::keys::find_state_dicts(backbone);
     }

@@ -457,6 +457,9 @@ impl TorchOptimizer for TorchAdamW {
     fn set_grad_rows(&mut self, index: usize, rows: Vec<u32>) -> Result<(), OptimError> {
         self.inner.set_grad_rows(index, rows)
     }
+    fn set_param(&mut self, index: usize, var: Var) -> Result<(), OptimError> {
+        self.inner.set_param(index, var)
+    }
 }
 
 #[cfg(test)]

@@ -28,6 +28,17 @@ pub trait OptimizerState {
     fn owned_params(&self) -> Option<Vec<usize>> {
         None
     }
+    /// Parameter `index`'s entry of the state alone (`Value::None` before its first step).
+    fn param_entry(&self, _index: usize) -> Result<Value, OptimError> {
+        Ok(Value::None)
+    }
+    /// Parameter `index` becomes `var`, of any shape (see [`TorchOptimizer::set_param`]).
+    fn replace_param(&mut self, index: usize, _var: candle_core::Var) -> Result<(), OptimError> {
+        Err(OptimError::InvalidParam {
+            index,
+            why: "this optimizer cannot replace a parameter".into(),
+        })
+    }
 }
 
 impl<T: TorchOptimizer + ?Sized> OptimizerState for T {
@@ -42,6 +53,12 @@ impl<T: TorchOptimizer + ?Sized> OptimizerState for T {
     }
     fn owned_params(&self) -> Option<Vec<usize>> {
         TorchOptimizer::owned_params(self)
+    }
+    fn param_entry(&self, index: usize) -> Result<Value, OptimError> {
+        self.param_state(index)
+    }
+    fn replace_param(&mut self, index: usize, var: candle_core::Var) -> Result<(), OptimError> {
+        self.set_param(index, var)
     }
 }
 

@@ -151,6 +151,31 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
         Ok(())
     }
 
+    /// Parameter `index` becomes `var` (of any shape), with no state until it is loaded or
+    /// stepped.
+    pub fn set_param(&mut self, index: usize, var: Var) -> Result<(), OptimError> {
+        if !var.dtype().is_float() {
+            return Err(OptimError::InvalidParam {
+                index,
+                why: format!("optimizers need floating-point parameters, found {:?}", var.dtype()),
+            });
+        }
+        let mut at = index;
+        for g in &mut self.groups {
+            if at < g.params.len() {
+                g.params[at] = var;
+                self.state[index] = None;
+                self.rows.remove(&index);
+                return Ok(());
+            }
+            at -= g.params.len();
+        }
+        Err(OptimError::InvalidParam {
+            index,
+            why: format!("no such parameter ({} in all)", self.len()),
+        })
+    }
+
     /// Parameter `i`'s state entry alone (`Value::None` when it has none yet).
     pub fn param_state(&self, i: usize) -> Result<Value, OptimError> {
         match self.state.get(i) {

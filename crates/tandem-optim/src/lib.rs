@@ -85,6 +85,13 @@ macro_rules! impl_optimizer_via_groups {
             ) -> Result<(), $crate::OptimError> {
                 self.groups.set_grad_rows(index, rows)
             }
+            fn set_param(
+                &mut self,
+                index: usize,
+                var: candle_core::Var,
+            ) -> Result<(), $crate::OptimError> {
+                self.groups.set_param(index, var)
+            }
         }
 
         /// candle-nn's optimizer interface: errors come back as `candle_core::Error`s that

@@ -89,6 +89,15 @@ pub trait TorchOptimizer {
             why: "this optimizer takes dense gradients only".into(),
         })
     }
+    /// Parameter `index` becomes `var`, of any shape (a model-parallel part re-split over
+    /// another world: PartialFC's rows), with no state until a state dict is loaded or it is
+    /// stepped. Unsupported by default.
+    fn set_param(&mut self, index: usize, _var: candle_core::Var) -> Result<(), OptimError> {
+        Err(OptimError::InvalidParam {
+            index,
+            why: "this optimizer cannot replace a parameter".into(),
+        })
+    }
     /// For an optimizer whose state is sharded over the ranks (ZeRO-1): the global parameter
     /// indices whose state this rank holds. `None` (the default): it holds all of it, and
     /// [`TorchOptimizer::state_dict`] is the whole state.
@@ -148,6 +157,9 @@ impl<T: TorchOptimizer + ?Sized> TorchOptimizer for Box<T> {
     }
     fn set_grad_rows(&mut self, index: usize, rows: Vec<u32>) -> Result<(), OptimError> {
         (**self).set_grad_rows(index, rows)
+    }
+    fn set_param(&mut self, index: usize, var: candle_core::Var) -> Result<(), OptimError> {
+        (**self).set_param(index, var)
     }
     fn owned_params(&self) -> Option<Vec<usize>> {
         (**self).owned_params()

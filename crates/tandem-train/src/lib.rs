@@ -45,6 +45,7 @@ mod error;
 mod evaluate;
 mod live_entries;
 mod live_part;
+mod rank_state;
 mod step;
 mod tfevents;
 mod trainer;
@@ -59,14 +60,12 @@ pub use error::{Context, Result, TrainError};
 pub use evaluate::evaluate_logits;
 pub use events::{Event, Lines, Logger, Reporter};
 pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
+pub use rank_state::{PartLoaded, RankBuffers, RankState};
 pub use schedule::{LrSchedule, RunLength, ScheduleError, Scheduler, Warmup};
 pub use state::{
     load_state, load_state_from, save_state, LoaderPosition, Resumed, StateError, TrainingState,
 };
 pub use step::{phase_end, Step, StepError, StepOutcome};
 pub use tfevents::EventWriter;
-pub use trainer::{
-    CustomState, Evaluation, Recipe, ResumeContext, SaveContext, StepReport, StepTimes, Trainer,
-    TrainerOptions,
-};
+pub use trainer::{Evaluation, Recipe, StepReport, StepTimes, Trainer, TrainerOptions};
 pub use world::World;

@@ -317,7 +317,7 @@ pub(crate) fn load_state_bytes(
     let ck = TrainingCheckpoint::from_value(&value).map_err(StateError::from)?;
     // The loader is moved to the new world from the source's position instead; the GradScaler
     // comes as the source had it (a note about it would be the source's).
-    let what = Restore { loader: false, optimizer };
+    let what = Restore { model: true, loader: false, optimizer };
     apply_checkpoint(state, &ck, std::path::Path::new("<live state>"), what)?;
     if let Some(loader) = state.loader.as_deref_mut() {
         let position = sampler_state_from_value(&ck.sampler)

@@ -101,15 +101,13 @@ impl RankPart for Entries {
 /// replicated state.
 pub(crate) struct LiveShards {
     mirror: Mirrored<Entries>,
-    /// The hyperparameters a regroup's source sent (loaded with the re-split entries).
-    pending: Option<Value>,
 }
 
 impl LiveShards {
     /// A mirror every `every` steps; `holds`: whether this rank starts with a shard (a
     /// replacement holds none until it joins).
     pub fn new(every: u64, holds: bool) -> Self {
-        LiveShards { mirror: Mirrored::new(every, holds), pending: None }
+        LiveShards { mirror: Mirrored::new(every, holds) }
     }
 
     /// After step `step` (a collective when a mirror is due): this rank's entries as of it.
@@ -126,18 +124,15 @@ impl LiveShards {
         }
     }
 
-    /// The hyperparameters the source sent, kept until the re-split.
-    pub fn keep_hyperparameters(&mut self, groups: Value) {
-        self.pending = Some(groups);
-    }
-
     /// Re-splits the entries over `group`'s partition, and loads this rank's with the world's
-    /// hyperparameters (a collective); the learning rates stay the schedule's.
+    /// hyperparameters (`sent`: what the regroup's source sent, else this rank's own) (a
+    /// collective); the learning rates stay the schedule's.
     pub fn regroup(
         &mut self,
         group: &ProcessGroup,
         step: u64,
         opt: &mut dyn TorchOptimizer,
+        sent: Option<Value>,
     ) -> Result<Resplit> {
         let shard = opt.shard()?.context("live recovery: the optimizer is no longer sharded")?;
         let own = self.mirror.holds().map(|at| Entries::from_state(&shard.entries, at));
@@ -146,7 +141,7 @@ impl LiveShards {
         let keys = owner.len();
         let (entries, counts) =
             self.mirror.regroup(group, step, keys, own.as_ref(), &want, &mut |_| Ok(None))?;
-        let groups = self.pending.take().unwrap_or(shard.groups);
+        let groups = sent.unwrap_or(shard.groups);
         let state = tandem_optim::OptimizerShard::full(&groups, entries.into_state());
         let lrs = opt.group_lrs();
         opt.repartition(&state).context("live recovery: taking the new world's optimizer shard")?;

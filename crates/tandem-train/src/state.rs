@@ -57,6 +57,7 @@ use tandem_optim::{OptimizerShard, OptimizerState};
 use crate::checkpoint::{
     CheckpointError, Checkpointer, Saved, ShardDict, TrainingStateDict, KEEP_LAST,
 };
+use crate::rank_state::RankState;
 
 /// The name of a sharded optimizer's entry shard: a path into the replicated dict, where the
 /// entries go when the checkpoint is consolidated (`optimizer` → `state`, torch's layout).
@@ -78,6 +79,17 @@ pub enum StateError {
     Loader(#[from] tandem_data::DataError),
     #[error("{path}: field `{field}`: {problem}", path = path.display())]
     Field { path: PathBuf, field: &'static str, problem: String },
+    /// A part's own save, load or move failed.
+    #[error(transparent)]
+    Part(Box<crate::error::TrainError>),
+    #[error("a sharded optimizer cannot hand entries to the state's parts")]
+    ShardedWithParts,
+}
+
+impl StateError {
+    fn part(e: crate::error::TrainError) -> Self {
+        StateError::Part(Box::new(e))
+    }
 }
 
 /// A data loader whose position goes into the training state.
@@ -153,6 +165,12 @@ pub struct TrainingState<'a> {
     /// The seed every random draw of the run derives from, kept as the checkpoint's `rng`
     /// entry (`{"seed": S}`).
     pub seed: Option<u64>,
+    /// State this rank holds alone that saves, loads and moves itself ([`RankState`]: a
+    /// PartialFC head's rows, per-rank BatchNorm statistics).
+    pub parts: Vec<&'a mut dyn RankState>,
+    /// The model's state-dict names in the order the checkpoint lists them (torch's module
+    /// order), when the model's own order is another.
+    pub order: Option<&'a [String]>,
 }
 
 impl<'a> TrainingState<'a> {
@@ -170,7 +188,42 @@ impl<'a> TrainingState<'a> {
             shards: Vec::new(),
             config: None,
             seed: None,
+            parts: Vec::new(),
+            order: None,
         }
+    }
+    /// The loss scaler and the schedule of `step` (what a [`crate::Step`] steps with).
+    pub fn scaler_and_scheduler(mut self, step: &'a mut crate::Step) -> Self {
+        (self.scaler, self.scheduler) = step.scaler_and_scheduler_mut();
+        self
+    }
+    /// Adds state this rank holds alone (see [`RankState`]).
+    pub fn part(mut self, part: &'a mut dyn RankState) -> Self {
+        self.parts.push(part);
+        self
+    }
+    /// Lists the model's entries in `order` in the checkpoint (see [`TrainingState::order`]).
+    pub fn order(mut self, order: &'a [String]) -> Self {
+        self.order = Some(order);
+        self
+    }
+    /// The optimizer's entries the parts hold, by parameter index, and which part holds each.
+    pub(crate) fn part_entries(&self) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        for (p, part) in self.parts.iter().enumerate() {
+            out.extend(part.optimizer_entries().into_iter().map(|i| (i, p)));
+        }
+        out
+    }
+    /// The optimizer's state without the entries the parts hold, and those entries by part.
+    pub(crate) fn optimizer_split(&self) -> Result<(Value, Vec<Vec<Value>>), StateError> {
+        let n = self.model.named_parameters().len();
+        let mut full = self.optimizer.save_optimizer_state(n)?;
+        let mut by_part: Vec<Vec<Value>> = vec![Vec::new(); self.parts.len()];
+        for (index, p) in self.part_entries() {
+            by_part[p].push(take_entry(&mut full, index));
+        }
+        Ok((full, by_part))
     }
     /// Keeps the run's settings (`text`) as the checkpoint's `config` entry.
     pub fn config(mut self, text: String) -> Self {
@@ -253,9 +306,10 @@ pub fn state_dict(
     world_size: usize,
 ) -> Result<TrainingStateDict, StateError> {
     let shard = state.optimizer.optimizer_shard()?;
-    let optimizer = match &shard {
-        Some(s) => s.groups.clone(),
-        None => state.optimizer.save_optimizer_state(state.model.named_parameters().len())?,
+    let (optimizer, by_part) = match &shard {
+        Some(_) if !state.part_entries().is_empty() => return Err(StateError::ShardedWithParts),
+        Some(s) => (s.groups.clone(), vec![Vec::new(); state.parts.len()]),
+        None => state.optimizer_split()?,
     };
     let replicated = value_with(state, world_size, optimizer)?;
     let mut dict = TrainingStateDict::new(state.step, state.epoch, replicated);
@@ -263,6 +317,9 @@ pub fn state_dict(
         dict = dict.shard(ShardDict::entries(OPTIMIZER_SHARD, indices, entries));
     }
     dict.shards.extend(state.shards.iter().cloned());
+    for (part, entries) in state.parts.iter().zip(by_part) {
+        dict.shards.extend(part.shards(entries, state.step).map_err(StateError::part)?);
+    }
     Ok(dict)
 }
 
@@ -304,10 +361,58 @@ pub(crate) fn restore(
     saved: &Saved,
     state: &mut TrainingState<'_>,
 ) -> Result<(TrainingCheckpoint, Option<String>), StateError> {
-    let value = replicated_with_optimizer(saved, state.optimizer.owned_params().as_deref())?;
-    let ck = TrainingCheckpoint::from_value(&value)?;
-    let note = apply_checkpoint(state, &ck, saved.path(), Restore::ALL)?;
-    Ok((ck, note))
+    let mut value = replicated_with_optimizer(saved, state.optimizer.owned_params().as_deref())?;
+    if value.get("model").is_none() {
+        // Face checkpoints of earlier builds named the model `backbone`.
+        if let Some(backbone) = value.get("backbone").cloned() {
+            value.insert("model", backbone);
+        }
+    }
+    let mut ck = TrainingCheckpoint::from_value(&value)?;
+    let path = saved.path();
+    // The model first: a part may overwrite some of it (a rank's own BatchNorm statistics).
+    load_weights_from(state.model, &ck.model, true)
+        .map_err(|e| field_error(path, "model", e.to_string()))?;
+    let mut notes = Vec::new();
+    let entries = state.part_entries();
+    let mut loaded = Vec::with_capacity(state.parts.len());
+    for part in state.parts.iter_mut() {
+        let got = part.load(saved).map_err(StateError::part)?;
+        notes.extend(got.note);
+        loaded.push(got.entries.into_iter());
+    }
+    for (index, p) in entries {
+        let entry = loaded[p].next().unwrap_or(Value::None);
+        put_entry(&mut ck.optimizer, index, entry);
+    }
+    let what = Restore { model: false, ..Restore::ALL };
+    notes.extend(apply_checkpoint(state, &ck, path, what)?);
+    Ok((ck, (!notes.is_empty()).then(|| notes.join("\n"))))
+}
+
+/// Removes parameter `index`'s entry from an optimizer state dict's `state` and returns it
+/// (`Value::None` when it has none).
+fn take_entry(optimizer: &mut Value, index: usize) -> Value {
+    let Some(Value::Dict(items)) = optimizer.get_mut("state") else { return Value::None };
+    match items.iter().position(|(k, _)| k.as_int() == Some(index as i64)) {
+        Some(i) => items.remove(i).1,
+        None => Value::None,
+    }
+}
+
+/// Puts `entry` back as parameter `index`'s in an optimizer state dict (nothing for `None`).
+pub(crate) fn put_entry(optimizer: &mut Value, index: usize, entry: Value) {
+    if matches!(entry, Value::None) {
+        return;
+    }
+    if let Some(Value::Dict(items)) = optimizer.get_mut("state") {
+        items.retain(|(k, _)| k.as_int() != Some(index as i64));
+        items.push((Value::Int(index as i64), entry));
+    }
+}
+
+fn field_error(path: &Path, field: &'static str, problem: String) -> StateError {
+    StateError::Field { path: path.to_path_buf(), field, problem }
 }
 
 /// The replicated dict of `saved` with the optimizer entries `owned` (all with `None`) put
@@ -335,6 +440,8 @@ pub fn replicated_with_optimizer(
 /// What [`apply_checkpoint`] restores beside the model, scheduler, GradScaler and counters.
 #[derive(Clone, Copy)]
 pub(crate) struct Restore {
+    /// The model's weights.
+    pub model: bool,
     /// The loader's position (a live regroup moves the loader to the new world itself).
     pub loader: bool,
     /// The optimizer (a live regroup of a sharded optimizer moves its entries apart and loads
@@ -343,7 +450,7 @@ pub(crate) struct Restore {
 }
 
 impl Restore {
-    pub const ALL: Restore = Restore { loader: true, optimizer: true };
+    pub const ALL: Restore = Restore { model: true, loader: true, optimizer: true };
 }
 
 /// Restores `ck` (read from `path`, named in errors) into `state`: model, scheduler, GradScaler,
@@ -361,7 +468,10 @@ pub(crate) fn apply_checkpoint(
         field,
         problem,
     };
-    load_weights_from(state.model, &ck.model, true).map_err(|e| field("model", e.to_string()))?;
+    if what.model {
+        let model = load_weights_from(state.model, &ck.model, true);
+        model.map_err(|e| field("model", e.to_string()))?;
+    }
     if what.optimizer {
         state
             .optimizer
@@ -388,9 +498,15 @@ pub(crate) fn apply_checkpoint(
         None => {}
     }
     if let Some(l) = state.loader.as_deref_mut().filter(|_| what.loader) {
-        let pos =
-            sampler_state_from_value(&ck.sampler).map_err(|p| field("sampler", p.to_string()))?;
-        l.set_position(&pos).map_err(|e| field("sampler", e.to_string()))?;
+        if ck.sampler == Value::None {
+            // Converted from another trainer's checkpoint (arcface_torch's resumes at epoch
+            // boundaries): the start of its epoch, in this run's order.
+            l.set_epoch(ck.epoch as u64);
+        } else {
+            let pos = sampler_state_from_value(&ck.sampler)
+                .map_err(|p| field("sampler", p.to_string()))?;
+            l.set_position(&pos).map_err(|e| field("sampler", e.to_string()))?;
+        }
     }
     state.step = ck.global_step as u64;
     state.epoch = ck.epoch as u64;
@@ -407,7 +523,8 @@ pub(crate) fn to_value(
 ) -> Result<Value, StateError> {
     let optimizer = match state.optimizer.optimizer_shard()? {
         Some(shard) if entries_apart => shard.groups,
-        _ => state.optimizer.save_optimizer_state(state.model.named_parameters().len())?,
+        // The parts' entries move with the parts, in the re-split that follows.
+        _ => state.optimizer_split()?.0,
     };
     value_with(state, world_size, optimizer)
 }
@@ -418,10 +535,14 @@ fn value_with(
     world_size: usize,
     optimizer: Value,
 ) -> Result<Value, StateError> {
+    let model = state_dict_value(state.model)?;
     let ck = TrainingCheckpoint {
         epoch: state.epoch as i64,
         global_step: state.step as i64,
-        model: state_dict_value(state.model)?,
+        model: match state.order {
+            Some(order) => in_order(model, order),
+            None => model,
+        },
         optimizer,
         scheduler: state.scheduler.as_deref().map_or(Value::None, |s| s.state_dict()),
         sampler: state.loader.as_deref().map_or(Value::None, |l| sampler_value(&l.position())),
@@ -433,6 +554,16 @@ fn value_with(
         scaler: state.scaler.as_deref().map_or(Value::None, |s| s.state_dict()),
     };
     Ok(ck.to_value()?)
+}
+
+/// A state dict with its entries in `order` (names not in it keep their place at the end).
+fn in_order(state: Value, order: &[String]) -> Value {
+    let Value::Dict(mut items) = state else { return state };
+    let rank = |k: &Value| {
+        k.as_str().and_then(|k| order.iter().position(|o| o == k)).unwrap_or(usize::MAX)
+    };
+    items.sort_by_key(|(k, _)| rank(k));
+    Value::Dict(items)
 }
 
 /// A sampler position as a checkpoint value (plain ints and bools: torch can read it).

@@ -7,8 +7,9 @@
 //! [`Event`]s to its loggers (the run directory's metrics file, TensorBoard and `training.log`,
 //! and any given through a [`Reporter`]), ending in a typed [`RunSummary`]. It never prints.
 //!
-//! A [`Recipe`] says what one step and an evaluation are and gives its state (a recipe that
-//! keeps its own implements [`CustomState`]); the built-in ones are
+//! A [`Recipe`] says what one step and an evaluation are and gives its state
+//! ([`TrainingState`]: the model, the optimizer, the parts each rank holds alone), which the
+//! trainer saves, resumes and moves between live ranks for it; the built-in recipes are
 //! tandem-recipes' classifier and face recipe.
 //!
 //! ```ignore
@@ -153,25 +154,6 @@ pub struct Evaluation {
     pub accuracy: f64,
 }
 
-/// What a recipe's checkpoint holds beside its own model and optimizer.
-pub struct SaveContext<'a> {
-    pub group: &'a ProcessGroup,
-    /// The checkpoint's name (`step-00000120`).
-    pub name: &'a str,
-    pub step: &'a mut Step,
-    pub position: &'a SamplerState,
-    pub global_step: u64,
-}
-
-/// What a recipe restores besides its own model and optimizer.
-pub struct ResumeContext<'a> {
-    pub group: &'a ProcessGroup,
-    pub loader: &'a mut dyn LoaderPosition,
-    pub step: &'a mut Step,
-    /// The run's epochs (a schedule is stretched over the steps left to their end).
-    pub epochs: u64,
-}
-
 /// One recipe: the model, its optimizer and its data, as the [`Trainer`] drives them.
 pub trait Recipe {
     /// What the loader reads.
@@ -207,10 +189,13 @@ pub trait Recipe {
         Ok(Vec::new())
     }
 
-    /// The model and optimizer the [`Trainer`] saves, resumes and moves between live ranks
-    /// itself, with its own part of the state (the schedule, the loss scaler, the loader's
-    /// position, the step count): `Some(TrainingState::new(&self.ddp, &mut self.opt))`. The
-    /// checkpoints go to `DIR/checkpoints` as [`TrainerOptions::checkpoints`] says.
+    /// The state the [`Trainer`] saves, resumes and moves between live ranks, beside its own
+    /// part (the schedule, the loss scaler, the loader's position, the step count): the model
+    /// and optimizer, and the parts each rank holds alone
+    /// (`Some(TrainingState::new(&self.ddp, &mut self.opt).part(&mut self.head))`). The
+    /// checkpoints go to `DIR/checkpoints` as [`TrainerOptions::checkpoints`] says. `None`
+    /// (the default): nothing to save, which a run without checkpoints, resume or live
+    /// recovery may do.
     fn state(&mut self) -> Option<TrainingState<'_>> {
         None
     }
@@ -219,63 +204,10 @@ pub trait Recipe {
     fn finish(&mut self, _group: &ProcessGroup) -> Result<()> {
         Ok(())
     }
-
-    /// For a recipe whose [`Recipe::state`] is `None`: the state it keeps itself
-    /// (`Some(self)`, with an `impl CustomState`).
-    fn custom_state(&mut self) -> Option<&mut dyn CustomState> {
-        None
-    }
 }
 
-/// The state of a recipe that keeps it itself rather than giving it to the [`Trainer`]
-/// ([`Recipe::state`]): it writes and reads its own checkpoints, moves its own state between
-/// live ranks, and keeps the parts each rank holds alone ([`crate::live::RankPart`]) through a
-/// regroup. The built-in classifier and face recipes are such recipes.
-pub trait CustomState {
-    /// Writes a checkpoint (a collective); returns what rank 0 wrote.
-    fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>>;
-
-    /// Waits for a background save in flight (its failure is the run's). Every rank calls it.
-    fn settle(&mut self, _group: &ProcessGroup) -> Result<()> {
-        Ok(())
-    }
-
-    /// Restores the newest checkpoint, if there is one (a collective).
-    fn resume(&mut self, ctx: ResumeContext<'_>) -> Result<Option<Resumed>>;
-
-    /// Called after every completed step (`global_step` is its number), on every rank: the
-    /// live-recovery copies of per-rank state are kept here (a collective).
-    fn after_step(&mut self, _group: &ProcessGroup, _global_step: u64) -> Result<()> {
-        Ok(())
-    }
-
-    /// Live recovery, after the replicated state moved: every rank of the new world `group`
-    /// re-splits the state each rank holds alone (a collective); `global_step` is the world's.
-    /// Returns how the state moved, for the regroup's report, if it has such state.
-    fn regroup(&mut self, _group: &ProcessGroup, _global_step: u64) -> Result<Option<Resplit>> {
-        Ok(None)
-    }
-
-    /// Live recovery: the whole training state, sent to a re-formed world by its source.
-    fn live_state(&mut self, _ctx: SaveContext<'_>) -> Result<Value> {
-        Err(TrainError::invalid("this recipe cannot move its state between ranks"))
-    }
-
-    /// Live recovery: loads a state from [`CustomState::live_state`]; the loader goes to the
-    /// saved position resharded over the new world. Returns the step count it holds.
-    fn load_live_state(&mut self, _value: &Value, _ctx: ResumeContext<'_>) -> Result<u64> {
-        Err(TrainError::invalid("this recipe cannot move its state between ranks"))
-    }
-}
-
-/// What a recipe that neither gives its state nor saves it is told when asked to save.
-const NO_STATE: &str = "this recipe neither gives its state (Recipe::state) nor keeps it \
-     itself (Recipe::custom_state)";
-
-/// The state `recipe` keeps itself, for a recipe that does not give it to the [`Trainer`].
-fn custom_state_of<R: Recipe>(recipe: &mut R) -> Result<&mut dyn CustomState> {
-    recipe.custom_state().ok_or_else(|| TrainError::invalid(NO_STATE))
-}
+/// What a recipe that gives no state is told when asked to save, resume or move it.
+const NO_STATE: &str = "this recipe gives no state to save, resume or move (Recipe::state)";
 
 /// How the [`Trainer`] runs.
 #[derive(Clone, Debug)]
@@ -285,8 +217,7 @@ pub struct TrainerOptions {
     pub epochs: u64,
     pub max_steps: Option<u64>,
     /// When checkpoints are written, how many `DIR/checkpoints` keeps and whether a thread
-    /// writes them ([`Periodic`] by default; [`Never`](crate::Never) for none). A recipe that saves itself
-    /// ([`CustomState`]) keeps and writes as its own checkpointer says.
+    /// writes them ([`Periodic`] by default; [`Never`](crate::Never) for none).
     pub checkpoints: Arc<dyn CheckpointPolicy>,
     /// [`Recipe::validate`] every N steps (0: only at the end).
     pub validate_every: u64,
@@ -352,6 +283,9 @@ pub struct Trainer<R: Recipe> {
     live: Option<LiveTraining>,
     /// A sharded optimizer's entries under live recovery (mirrored, re-split at a regroup).
     live_shards: Option<LiveShards>,
+    /// The optimizer state a regroup's source sent without the entries ranks hold alone
+    /// (loaded with them once they are re-split).
+    sent_optimizer: Option<Value>,
     /// How the last regroup re-split the recipe's per-rank state.
     resplit: Option<Resplit>,
     epochs_seen: Vec<EpochMetrics>,
@@ -400,6 +334,7 @@ impl<R: Recipe> Trainer<R> {
             in_flight: None,
             live: None,
             live_shards: None,
+            sent_optimizer: None,
             resplit: None,
             epochs_seen: Vec::new(),
             logs_open: false,
@@ -489,17 +424,10 @@ impl<R: Recipe> Trainer<R> {
     /// Restores the newest checkpoint in the recipe's checkpoint directory (a fresh start when
     /// there is none; rank 0 says which).
     pub fn resume(&mut self) -> Result<()> {
-        let resumed = if self.recipe.state().is_some() {
-            self.resume_state()?
-        } else {
-            let ctx = ResumeContext {
-                group: &self.group,
-                loader: &mut self.loader,
-                step: &mut self.step,
-                epochs: self.opts.epochs,
-            };
-            custom_state_of(&mut self.recipe)?.resume(ctx)?
-        };
+        if self.recipe.state().is_none() {
+            return Err(TrainError::invalid(NO_STATE));
+        }
+        let resumed = self.resume_state()?;
         let Some(r) = resumed else { return Ok(()) };
         self.global_step = r.step;
         let (epoch, step) = (self.loader.epoch(), self.global_step);
@@ -546,16 +474,15 @@ impl<R: Recipe> Trainer<R> {
         let note = (!notes.is_empty()).then(|| notes.join("\n"));
         let epoch = self.loader.epoch();
         let world_size = ck.world_size as usize;
+        // Every rank has read what it needs before any goes on (and perhaps saves over it).
+        self.group.barrier().context("barrier after reading the checkpoint")?;
         Ok(Some(Resumed { path, step: global_step, epoch, world_size, note }))
     }
 
     /// Waits for the background saves in flight, the trainer's and the recipe's (a collective).
     fn settle(&mut self) -> Result<()> {
         self.ckpt.settle(&self.group).context("a background checkpoint save failed")?;
-        match self.recipe.custom_state() {
-            Some(custom) => custom.settle(&self.group),
-            None => Ok(()),
-        }
+        Ok(())
     }
 
     /// Trains to the end (regrouping through failures in a live world), writes the last
@@ -631,8 +558,14 @@ impl<R: Recipe> Trainer<R> {
             self.recipe.set_training(false)?;
             self.last_eval = self.recipe.evaluate(&self.group)?;
         }
-        if let Some(shards) = &self.live_shards {
-            self.emit(Event::MirrorCost(shards.cost()))?;
+        let mut costs: Vec<_> = self.live_shards.iter().map(LiveShards::cost).collect();
+        if let Some(whole) = whole_state(&mut self.recipe, &mut self.step, None, 0, 0) {
+            costs.extend(whole.parts.iter().filter_map(|p| p.mirror_cost()));
+        }
+        if self.live.is_some() {
+            for cost in costs {
+                self.emit(Event::MirrorCost(cost))?;
+            }
         }
         self.recipe.finish(&self.group)?;
         // Every rank agrees the run is over before any reports it.
@@ -732,8 +665,12 @@ impl<R: Recipe> Trainer<R> {
             if let Some(shards) = live_shards.as_mut() {
                 shards.after_step(group, recipe.optimizer(), n)?;
             }
-            if let Some(custom) = recipe.custom_state() {
-                custom.after_step(group, n)?;
+            if live.is_some() {
+                if let Some(whole) = whole_state(recipe, step, None, 0, n) {
+                    for part in whole.parts {
+                        part.after_step(group, &*whole.optimizer, n)?;
+                    }
+                }
             }
             self.samples_seen += batch.len() as u64 * world;
             if n == opts.timing_warmup_steps && n > 0 {
@@ -967,10 +904,8 @@ fn checkpoint<R: Recipe>(
 ) -> Result<Option<PathBuf>> {
     fault::hit(fault::Phase::Save);
     let name = format!("step-{n:08}");
-    let Some(whole) = whole_state(recipe, step, None, position.epoch, n) else {
-        let ctx = SaveContext { group, name: &name, step, position, global_step: n };
-        return custom_state_of(recipe)?.save(ctx);
-    };
+    let whole = whole_state(recipe, step, None, position.epoch, n)
+        .ok_or_else(|| TrainError::invalid(NO_STATE))?;
     // Every rank builds its whole dict: a failure building it is the same on every rank,
     // before anyone waits.
     let build = || -> Result<_, state::StateError> {
@@ -1028,22 +963,11 @@ impl<R: Recipe> LiveState for Trainer<R> {
         let n = self.global_step;
         let position = self.loader.state();
         let (epoch, loader): (u64, &mut dyn LoaderPosition) = (position.epoch, &mut self.loader);
-        if let Some(whole) = whole_state(&mut self.recipe, &mut self.step, Some(loader), epoch, n) {
-            // What a user's own loop sends (`impl LiveState for TrainingState`); a sharded
-            // optimizer's entries move in the re-split that follows.
-            return crate::live::state_bytes(&whole, world, self.live_shards.is_some());
-        }
-        let ctx = SaveContext {
-            group: &self.group,
-            name: "the live state",
-            step: &mut self.step,
-            position: &position,
-            global_step: n,
-        };
-        let value = custom_state_of(&mut self.recipe)
-            .and_then(|custom| custom.live_state(ctx))
-            .map_err(|e| LiveError::Other(e.chain_text()))?;
-        tandem_ckpt::to_pt_bytes(&value).map_err(|e| LiveError::Other(e.to_string()))
+        let whole = whole_state(&mut self.recipe, &mut self.step, Some(loader), epoch, n)
+            .ok_or_else(|| LiveError::Other(NO_STATE.into()))?;
+        // What a user's own loop sends (`impl LiveState for TrainingState`), without a sharded
+        // optimizer's entries and the parts' (they move in the re-split that follows).
+        crate::live::state_bytes(&whole, world, self.live_shards.is_some())
     }
     fn load(
         &mut self,
@@ -1052,39 +976,26 @@ impl<R: Recipe> LiveState for Trainer<R> {
         size: usize,
     ) -> std::result::Result<(), LiveError> {
         let loader: &mut dyn LoaderPosition = &mut self.loader;
-        if let Some(mut whole) = whole_state(&mut self.recipe, &mut self.step, Some(loader), 0, 0) {
-            // As a user's own loop loads it (`impl LiveState for TrainingState`: the loader
-            // moved to this world); a sharded optimizer's entries stay until the re-split.
-            let sharded = self.live_shards.as_mut();
-            let ck =
-                crate::live::load_state_bytes(&mut whole, bytes, (rank, size), sharded.is_none())?;
-            self.global_step = whole.step;
-            if let Some(shards) = sharded {
-                shards.keep_hyperparameters(ck.optimizer);
-            }
-            // The schedule came as the source saved it: stretched over this world's steps.
-            return self.stretch_schedule().map_err(|e| LiveError::Other(e.chain_text()));
+        let mut whole = whole_state(&mut self.recipe, &mut self.step, Some(loader), 0, 0)
+            .ok_or_else(|| LiveError::Other(NO_STATE.into()))?;
+        // As a user's own loop loads it (`impl LiveState for TrainingState`: the loader moved
+        // to this world), but the optimizer: a sharded optimizer's entries, and those the parts
+        // hold, are still this rank's own until the re-split, which loads them with what came.
+        let apart = self.live_shards.is_some() || !whole.part_entries().is_empty();
+        let ck = crate::live::load_state_bytes(&mut whole, bytes, (rank, size), !apart)?;
+        self.global_step = whole.step;
+        if apart {
+            self.sent_optimizer = Some(ck.optimizer);
         }
-        let what = "the live state";
-        let value = tandem_ckpt::pt::load_from_bytes(what, bytes, true)
-            .map_err(|e| LiveError::Other(e.to_string()))?;
-        let mut world = WorldLoader { loader: &mut self.loader, world: (rank, size) };
-        let ctx = ResumeContext {
-            group: &self.group,
-            loader: &mut world,
-            step: &mut self.step,
-            epochs: self.opts.epochs,
-        };
-        self.global_step = custom_state_of(&mut self.recipe)
-            .and_then(|custom| custom.load_live_state(&value, ctx))
-            .map_err(|e| LiveError::Other(e.chain_text()))?;
-        Ok(())
+        // The schedule came as the source saved it: stretched over this world's steps.
+        self.stretch_schedule().map_err(|e| LiveError::Other(e.chain_text()))
     }
     fn reshard(&mut self, group: &ProcessGroup) -> std::result::Result<(), LiveError> {
         let step = self.global_step;
+        let sent = self.sent_optimizer.take();
         let resplit = match self.live_shards.as_mut() {
-            Some(shards) => shards.regroup(group, step, self.recipe.optimizer()).map(Some),
-            None => self.recipe.custom_state().map_or(Ok(None), |c| c.regroup(group, step)),
+            Some(shards) => shards.regroup(group, step, self.recipe.optimizer(), sent).map(Some),
+            None => self.regroup_parts(group, sent),
         };
         match resplit {
             Ok(resplit) => {
@@ -1103,6 +1014,52 @@ impl<R: Recipe> LiveState for Trainer<R> {
 }
 
 impl<R: Recipe> Trainer<R> {
+    /// Re-splits the state's parts over the new world `group` (a collective) and loads the
+    /// optimizer with their entries and the world's (`sent` by the regroup's source, else this
+    /// rank's own); the learning rates stay the schedule's. Returns how the first part that
+    /// moved did.
+    fn regroup_parts(
+        &mut self,
+        group: &ProcessGroup,
+        sent: Option<Value>,
+    ) -> Result<Option<Resplit>> {
+        let step = self.global_step;
+        let lrs = self.recipe.optimizer().group_lrs();
+        // Without a readable checkpoint, what no rank holds starts afresh.
+        let last = self.ckpt.latest().unwrap_or(None);
+        let Some(whole) = whole_state(&mut self.recipe, &mut self.step, None, 0, step) else {
+            return Ok(None);
+        };
+        let entries = whole.part_entries();
+        let mut world = match sent {
+            Some(sent) => sent,
+            None if entries.is_empty() => Value::None,
+            None => whole.optimizer_split()?.0,
+        };
+        let TrainingState { parts, optimizer, .. } = whole;
+        let mut resplit = None;
+        let mut moved = Vec::with_capacity(parts.len());
+        for part in parts {
+            let got = part.regroup(group, step, &mut *optimizer, &world, last.as_ref())?;
+            resplit = resplit.or(got.resplit);
+            moved.push(got.entries.into_iter());
+        }
+        if !entries.is_empty() {
+            for (index, p) in entries {
+                state::put_entry(&mut world, index, moved[p].next().unwrap_or(Value::None));
+            }
+            optimizer
+                .load_optimizer_state(&world)
+                .context("live recovery: loading the optimizer with the re-split entries")?;
+        }
+        let opt = self.recipe.optimizer();
+        if !lrs.is_empty() && opt.group_lrs().len() == lrs.len() {
+            // The schedule's rates (set before the parts changed hands).
+            opt.set_group_lrs(&lrs)?;
+        }
+        Ok(resplit)
+    }
+
     /// The schedule stretched over the steps this world has left (after a regroup moved the
     /// loader to it), the optimizer's rates set from it.
     fn stretch_schedule(&mut self) -> Result<()> {
@@ -1111,38 +1068,6 @@ impl<R: Recipe> Trainer<R> {
         let sched = self.step.lr_scheduler_mut();
         schedule::load(sched, &saved, self.recipe.optimizer(), max_steps, "the live state")?;
         Ok(())
-    }
-}
-
-/// A loader whose `set_position` moves it to another world's share (a live regroup's load).
-struct WorldLoader<'a, D: Dataset + 'static> {
-    loader: &'a mut DataLoader<D>,
-    world: (usize, usize),
-}
-
-impl<D: Dataset + 'static> LoaderPosition for WorldLoader<'_, D> {
-    fn position(&self) -> SamplerState {
-        self.loader.state()
-    }
-    fn set_position(&mut self, state: &SamplerState) -> Result<(), tandem_data::DataError> {
-        self.loader.reshard(self.world.0, self.world.1, state)
-    }
-    fn set_epoch(&mut self, epoch: u64) {
-        self.loader.set_epoch(epoch)
-    }
-    fn batches_left(&self) -> usize {
-        self.loader.batches_left()
-    }
-    fn batches_per_epoch(&self) -> usize {
-        self.loader.len()
-    }
-    fn reshard(
-        &mut self,
-        rank: usize,
-        num_replicas: usize,
-        state: &SamplerState,
-    ) -> Result<(), tandem_data::DataError> {
-        self.loader.reshard(rank, num_replicas, state)
     }
 }
 

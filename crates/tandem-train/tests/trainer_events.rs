@@ -1,22 +1,22 @@
 //! The Trainer as a library user drives it: a recipe of a few lines, a world of one, and the
 //! run's events through a `Reporter` — in order, typed, and the same figures the run directory's
 //! metrics file and the returned summary hold.
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
 use tandem_data::datasets::digits;
 use tandem_data::{Batch, DataLoader, DistributedSampler, InMemoryDataset, LoaderOptions};
+use tandem_nn::NamedVars;
 use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd};
 use tandem_train::events::{Event, Recorder, StepEvent};
 use tandem_train::metrics::{read_metrics, MetricsRecord};
 use tandem_train::{
-    CustomState, Periodic, Recipe, Reporter, Resumed, Step, Trainer, TrainerOptions,
+    Periodic, Recipe, Reporter, Step, StepReport, Trainer, TrainerOptions, TrainingState,
 };
-use tandem_train::{ResumeContext, SaveContext, StepReport};
 
 /// Softmax regression on the digits: the whole recipe a user writes for this loop.
 struct Softmax {
+    vars: NamedVars,
     w: Var,
     opt: TorchSgd,
 }
@@ -41,19 +41,8 @@ impl Recipe for Softmax {
         &mut self.opt
     }
 
-    fn custom_state(&mut self) -> Option<&mut dyn CustomState> {
-        Some(self)
-    }
-}
-
-impl CustomState for Softmax {
-    /// No files: the checkpoint's name stands for one (what rank 0 "wrote").
-    fn save(&mut self, ctx: SaveContext<'_>) -> tandem_train::Result<Option<PathBuf>> {
-        Ok(Some(PathBuf::from(ctx.name)))
-    }
-
-    fn resume(&mut self, _ctx: ResumeContext<'_>) -> tandem_train::Result<Option<Resumed>> {
-        Ok(None)
+    fn state(&mut self) -> Option<TrainingState<'_>> {
+        Some(TrainingState::new(&self.vars, &mut self.opt))
     }
 }
 
@@ -72,12 +61,13 @@ fn a_run_reports_its_events_in_order_and_the_files_agree() {
     let loader = DataLoader::new(Arc::clone(&train), sampler, options, Device::Cpu).unwrap();
     let batches = loader.len() as u64;
     let w = Var::from_tensor(&Tensor::zeros((64, 10), DType::F32, &Device::Cpu).unwrap()).unwrap();
+    let vars = NamedVars::new(vec![("w".into(), w.clone())]);
     let opt =
         TorchSgd::new(vec![w.clone()], SgdConfig { lr: 0.05, ..SgdConfig::default() }).unwrap();
     let recorder = Recorder::new();
     let mut opts = TrainerOptions::new(dir.path(), 2);
     opts.checkpoints = Arc::new(Periodic::every(3));
-    let trainer = Trainer::new(Softmax { w, opt }, loader, Step::new(), group, opts).unwrap();
+    let trainer = Trainer::new(Softmax { vars, w, opt }, loader, Step::new(), group, opts).unwrap();
     let summary = trainer.reporter(Reporter::new().with(recorder.clone())).fit().unwrap();
 
     let events = recorder.events();
@@ -104,7 +94,8 @@ fn a_run_reports_its_events_in_order_and_the_files_agree() {
         .iter()
         .filter_map(|e| match e {
             Event::CheckpointSaved { step, path } => {
-                assert_eq!(path.as_deref(), Some(std::path::Path::new(&format!("step-{step:08}"))));
+                let file = dir.path().join(format!("checkpoints/checkpoint-step-{step:08}.pt"));
+                assert_eq!(path.as_deref(), Some(file.as_path()));
                 Some(*step)
             }
             _ => None,

@@ -151,5 +151,5 @@ fn a_recipe_that_neither_gives_nor_saves_its_state_is_told_so() {
     let mut t = trainer(dir.path(), |_| {});
     t.recipe_mut().gives_state = false;
     let err = t.fit().unwrap_err().chain_text();
-    assert!(err.contains("Recipe::state") && err.contains("Recipe::custom_state"), "{err}");
+    assert!(err.contains("gives no state") && err.contains("Recipe::state"), "{err}");
 }

@@ -117,7 +117,11 @@ pub fn to_arcface(dir: &Path, out: &Path) -> Result<Vec<PathBuf>> {
             );
         }
     }
-    let backbone = get("backbone")?;
+    // (Checkpoints of earlier builds name the backbone `backbone`.)
+    let backbone = match rep.get("model") {
+        Some(model) => model,
+        None => get("backbone")?,
+    };
     let (names, ours) = torch_params(backbone)?;
     let head_torch = names.len() as i64;
     let head_ours = ours.len() as i64;
@@ -258,7 +262,7 @@ pub fn from_arcface(dir: &Path, run_dir: &Path) -> Result<PathBuf> {
         ("epoch", Value::Int(epoch)),
         ("global_step", Value::Int(step)),
         ("world_size", Value::Int(world as i64)),
-        ("backbone", backbone0),
+        ("model", backbone0),
         ("optimizer", rest0),
         ("scheduler", scheduler),
         ("scaler", Value::None),

@@ -2,19 +2,12 @@
 //! backbone under Ddp with per-rank BatchNorm statistics (`broadcast_buffers=False`), and a
 //! PartialFC head whose class centres, with their optimizer state, are split over the ranks.
 //!
-//! [`save`] writes it through the one checkpoint API ([`tandem_train::checkpoint`]: the replicated
-//! part once, every rank's `head` row shard (its centres and their optimizer state) and its
-//! `buffers` in parallel, a manifest last) and [`resume`] reads it back on any world size, each
-//! rank reading only the rank files that hold its rows.
-//!
-//! ```ignore
-//! let mut ckpts = Checkpointer::new(out.join("checkpoints"), 2);
-//! let mut state = FaceState::new(&ddp, &mut head, &mut opt, &mut step);
-//! if let Some(r) = face::resume(&ckpts, &mut state, &mut loader, epochs, &group)? { /* r.step */ }
-//! // ... train ...
-//! let state = FaceState::new(&ddp, &mut head, &mut opt, &mut step).global_step(n);
-//! face::save(&mut ckpts, &state, &loader.state(), &group)?;
-//! ```
+//! The [`Trainer`](tandem_train::Trainer) saves, resumes and moves it as it does any recipe's
+//! ([`TrainingState`](tandem_train::TrainingState)): the backbone and the optimizer's other
+//! entries are the replicated part; the head is a [`HeadPart`] (its rows and their optimizer
+//! entry as the `head` row shard, mirrored and re-split under live recovery) and each rank's
+//! statistics a [`RankBuffers`](tandem_train::RankBuffers) (`buffers`). A checkpoint loads on
+//! any world size, each rank reading only the rank files that hold its rows.
 pub mod arcface;
 pub mod config;
 mod live_head;
@@ -23,17 +16,19 @@ pub use live_head::RowBlock;
 pub use weights::load_backbone;
 pub mod optimizer_entry;
 
+use std::ops::Range;
 use std::path::PathBuf;
+use std::time::Instant;
 
-use tandem_ckpt::Value;
+use candle_core::DType;
+use tandem_ckpt::{TensorData, Value};
 use tandem_comm::ProcessGroup;
-use tandem_data::SamplerState;
-use tandem_nn::ParamModule;
-use tandem_optim::{GradScaler, TorchOptimizer};
-use tandem_partial_fc::PartialFc;
-use tandem_train::checkpoint::{CheckpointError, Checkpointer, ShardDict, TrainingStateDict};
-use tandem_train::state::{sampler_state_from_value, sampler_value};
-use tandem_train::{schedule, LoaderPosition, Resumed, Step};
+use tandem_optim::OptimizerState;
+use tandem_partial_fc::{ClassSplit, PartialFc};
+use tandem_train::checkpoint::{CheckpointError, Saved, ShardDict};
+use tandem_train::events::{MirrorCost, Resplit};
+use tandem_train::live::{Mirrored, RegroupCounts};
+use tandem_train::{Context, PartLoaded, RankState, Result};
 
 /// The name of the head's row shard (centres and their optimizer state) in a checkpoint.
 pub const HEAD_SHARD: &str = "head";
@@ -58,275 +53,298 @@ pub enum FaceStateError {
     },
     #[error("{}: {what}: {why}", dir.display())]
     Restore { dir: PathBuf, what: &'static str, why: String },
-    #[error("the face state: {0}")]
-    Save(String),
 }
 
-/// The face recipe's state, borrowed for [`save`] or [`resume`]: the backbone (a `Ddp` or any
-/// [`ParamModule`]; its parameters are the optimizer's first group), the head, the optimizer
-/// over both, the [`Step`] (GradScaler and schedule) and the step count.
-pub struct FaceState<'a> {
-    backbone: &'a dyn ParamModule,
-    head: &'a mut PartialFc,
-    opt: &'a mut dyn TorchOptimizer,
-    step: &'a mut Step,
-    global_step: u64,
-    order: Option<&'a [String]>,
-    config: Option<String>,
-    seed: u64,
+/// The PartialFC head as state its ranks hold alone: this rank's class centres and their
+/// optimizer entry (parameter `index` of the optimizer, after the backbone's), saved as rows
+/// of the `head` shard, loaded on any world size, and under live recovery mirrored to the next
+/// rank and re-split after a regroup (each class from the newest copy any rank holds, else
+/// from the last checkpoint, else its initial centre).
+pub struct HeadPart {
+    pub head: PartialFc,
+    /// The head's parameter index in the optimizer (the backbone's parameter count).
+    index: usize,
+    /// The ranks the rows are split over now.
+    world: usize,
+    /// Under live recovery: the mirror and the re-split.
+    live: Option<Mirrored<RowBlock>>,
+    /// A gradient accumulation window is open (its head gradient is not state).
+    pub window_open: bool,
+    /// The run's accumulation window, for the warning of a save inside one.
+    pub gradient_acc: u64,
 }
 
-impl<'a> FaceState<'a> {
+impl HeadPart {
+    /// `head` at optimizer index `index`, split over `world` ranks; `live`: its mirror.
     pub fn new(
-        backbone: &'a dyn ParamModule,
-        head: &'a mut PartialFc,
-        opt: &'a mut dyn TorchOptimizer,
-        step: &'a mut Step,
+        head: PartialFc,
+        index: usize,
+        world: usize,
+        live: Option<Mirrored<RowBlock>>,
     ) -> Self {
-        FaceState { backbone, head, opt, step, global_step: 0, order: None, config: None, seed: 0 }
+        HeadPart { head, index, world, live, window_open: false, gradient_acc: 1 }
     }
-    /// Optimizer steps done (what a save records).
-    pub fn global_step(mut self, step: u64) -> Self {
-        self.global_step = step;
-        self
-    }
-    /// The backbone's state-dict names in torch's order (the file lists them so).
-    pub fn order(mut self, order: &'a [String]) -> Self {
-        self.order = Some(order);
-        self
-    }
-    /// A text kept in the checkpoint as its `config` entry (the run's settings).
-    pub fn config(mut self, text: String) -> Self {
-        self.config = Some(text);
-        self
-    }
-    /// The run's seed, kept as the checkpoint's `rng` entry (every draw derives from it).
-    pub fn seed(mut self, seed: u64) -> Self {
-        self.seed = seed;
-        self
-    }
-}
 
-/// Saves `state` with the loader at `position` as checkpoint `step-NNNNNNNN` under `ckpts`
-/// (a collective: every rank writes its head rows and BatchNorm statistics, rank 0 the
-/// replicated part and the manifest). Returns the checkpoint's directory.
-pub fn save(
-    ckpts: &mut Checkpointer,
-    state: &FaceState<'_>,
-    position: &SamplerState,
-    group: &ProcessGroup,
-) -> Result<PathBuf, FaceStateError> {
-    let step = state.global_step;
-    let name = format!("step-{step:08}");
-    // A synchronous save writes the head and its momentum from their own memory: a staging
-    // copy would double the head's footprint at every save (at a million classes and more, the
-    // difference between a save and the kernel's OOM killer).
-    let (rank, world) = (group.rank(), group.size());
-    ckpts.save_built(group, &name, || state_dict(state, position, rank, world))
-}
-
-/// This rank's face state as a [`TrainingStateDict`]: the replicated part (built on rank 0
-/// only), the `head` row shard (`{weight, state}`: the centres and the head's optimizer entry)
-/// and the `buffers` rank shard. Copies of the tensors, or inside `tandem_nn::convert::lend`
-/// views of them ([`save`] lends).
-pub fn state_dict(
-    state: &FaceState<'_>,
-    position: &SamplerState,
-    rank: usize,
-    world: usize,
-) -> Result<TrainingStateDict, FaceStateError> {
-    let fail = |e: &dyn std::fmt::Display| FaceStateError::Save(e.to_string());
-    let head_index = state.backbone.params().len() as i64;
-    let full_opt = state.opt.state_dict().map_err(|e| fail(&e))?;
-    let (rest, head_state) = optimizer_entry::split_optimizer(full_opt, head_index);
-    let split = state.head.split();
-    let head_weight = state.head.weight().as_tensor();
-    let weight = tandem_nn::convert::to_ckpt(head_weight).map_err(|e| fail(&e))?;
-    let head = Value::dict_from([("weight", Value::Tensor(weight)), ("state", head_state)]);
-    let buffers = buffers_value(&state.backbone.named_buffers()).map_err(|e| fail(&e))?;
-    let replicated = if rank == 0 {
-        replicated_value(state, rest, position, world).map_err(|e| fail(&e))?
-    } else {
-        Value::None
-    };
-    let classes = state.head.config().num_classes;
-    Ok(TrainingStateDict::new(state.global_step, position.epoch, replicated)
-        .shard(ShardDict::rows(HEAD_SHARD, split.start, split.len, classes, head))
-        .shard(ShardDict::rank(BUFFERS_SHARD, buffers)))
-}
-
-/// The replicated part of the face state: backbone, the optimizer's state without the head's
-/// entry (`rest`), scheduler, GradScaler, sampler position, counters and config. What rank 0
-/// writes as `replicated.pt` and a live regroup's source sends.
-pub fn replicated_value(
-    state: &FaceState<'_>,
-    rest: Value,
-    position: &SamplerState,
-    world: usize,
-) -> tandem_nn::Result<Value> {
-    let backbone = state.backbone.state_dict()?;
-    let backbone = match state.order {
-        Some(order) => in_order(backbone, order),
-        None => backbone,
-    };
-    Ok(Value::dict_from([
-        ("epoch", Value::Int(position.epoch as i64)),
-        ("global_step", Value::Int(state.global_step as i64)),
-        ("world_size", Value::Int(world as i64)),
-        ("backbone", backbone),
-        ("optimizer", rest),
-        ("scheduler", schedule::state(state.step.lr_scheduler())),
-        ("scaler", state.step.grad_scaler().map_or(Value::None, GradScaler::state_dict)),
-        ("sampler", sampler_value(position)),
-        ("rng", Value::dict_from([("seed", Value::Int(state.seed as i64))])),
-        ("config", state.config.clone().map_or(Value::None, Value::Str)),
-    ]))
-}
-
-/// Restores the newest complete checkpoint under `ckpts` into `state` and `loader`, on this
-/// world size or another (the head's rows and their optimizer state re-split), `None` when there
-/// is none. A collective. The schedule is stretched over the steps left to the end of `epochs`
-/// from the restored position.
-pub fn resume(
-    ckpts: &Checkpointer,
-    state: &mut FaceState<'_>,
-    loader: &mut dyn LoaderPosition,
-    epochs: u64,
-    group: &ProcessGroup,
-) -> Result<Option<Resumed>, FaceStateError> {
-    let rank = group.rank();
-    let Some(saved) = ckpts.latest()? else { return Ok(None) };
-    let dir = saved.path().to_path_buf();
-    let cfg = state.head.config();
-    let (classes, embedding) = (cfg.num_classes, cfg.embedding_size);
-    let saved_classes = saved.rows_total(HEAD_SHARD).unwrap_or(0);
-    let shape_error = |saved_embedding: usize| FaceStateError::HeadShape {
-        dir: dir.clone(),
-        saved_classes,
-        saved_embedding,
-        classes,
-        embedding,
-    };
-    if saved_classes != classes {
-        return Err(shape_error(0));
-    }
-    let rep = saved.replicated()?;
-    let split = state.head.split();
-    let rows = saved.read_rows(HEAD_SHARD, split.start..split.start + split.len)?;
-    let own = rank.min(saved.world_size() - 1);
-    let buffers = saved.read_rank(BUFFERS_SHARD, own)?.unwrap_or(Value::None);
-    let label = dir.display().to_string();
-    let restore = |what: &'static str| {
-        let dir = dir.clone();
-        move |why: &dyn std::fmt::Display| FaceStateError::Restore {
-            dir: dir.clone(),
-            what,
-            why: why.to_string(),
+    /// This rank's rows were updated by the optimizer step `step` (live recovery's mirror
+    /// knows what step its copy is as of).
+    pub fn stepped(&mut self, step: u64) {
+        if let Some(live) = self.live.as_mut() {
+            live.stepped(step);
         }
-    };
-    let weight = rows
-        .get("weight")
-        .and_then(Value::as_tensor)
-        .ok_or_else(|| restore("head centres")(&"no `weight` tensor"))?;
-    if weight.shape.get(1) != Some(&embedding) {
-        return Err(shape_error(weight.shape.get(1).copied().unwrap_or(0)));
     }
-    let device = state.head.weight().device().clone();
-    let weight =
-        tandem_nn::convert::from_ckpt(weight, &device).map_err(|e| restore("head centres")(&e))?;
-    state.head.weight().set(&weight).map_err(|e| restore("head centres")(&e))?;
-    let head_index = state.backbone.params().len() as i64;
-    let rest = rep.get("optimizer").ok_or_else(|| restore("optimizer")(&"no such entry"))?;
-    let head_state = rows.get("state").cloned().unwrap_or(Value::None);
-    let full = optimizer_entry::merge_optimizer(rest, head_index, head_state);
-    state.opt.load_state_dict(&full).map_err(|e| restore("optimizer state")(&e))?;
-    if rep.get("sampler") == Some(&Value::None) {
-        // Converted from arcface_torch: the start of `epoch`, in this run's order.
-        loader.set_epoch(saved.epoch());
+
+    /// This rank's rows as a block: centres and the optimizer's row tensors (`entry`, the
+    /// head's entry of the optimizer state), as of `step`.
+    fn own_rows(&self, entry: &Value, step: u64) -> Result<RowBlock> {
+        let split = self.head.split();
+        let e = self.head.config().embedding_size;
+        let weight =
+            self.head.weight().as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(RowBlock {
+            start: split.start,
+            len: split.len,
+            step,
+            weight,
+            state: row_tensors(entry, split.len, e),
+        })
     }
-    let step = restore_replicated(state, &rep, &buffers, loader, epochs, &label, rank == 0)
-        .map_err(|(what, why)| restore(what)(&why))?;
-    // Every rank has read what it needs before any goes on (and perhaps saves over it).
-    group.barrier().map_err(|source| CheckpointError::Comm {
-        what: "barrier after reading the checkpoint".into(),
-        source: Box::new(source),
-    })?;
-    let epoch = loader.position().epoch;
-    let (saved_world, world) = (saved.world_size(), group.size());
-    let note = (saved_world != world).then(|| {
-        format!(
-            "the checkpoint was written by {saved_world} ranks, this run has {world}: the \
-             {classes} class centres and their optimizer state are re-split ({} per rank here)",
-            split.len
-        )
-    });
-    Ok(Some(Resumed { path: dir, step, epoch, world_size: saved_world, note }))
+
+    /// Sends `own` (this rank's rows) to the next rank and keeps the previous rank's (a
+    /// collective), timed from `clock`.
+    fn send_mirror(&mut self, group: &ProcessGroup, own: &RowBlock, clock: Instant) -> Result<()> {
+        let classes = self.head.config().num_classes;
+        match self.live.as_mut() {
+            Some(live) => Ok(live.exchange(group, own, classes, clock)?),
+            None => Ok(()),
+        }
+    }
+
+    /// Rows no rank holds after a regroup: from `last` (the newest checkpoint), else the
+    /// initial centres (step 0, no optimizer state).
+    fn reload_rows(
+        &self,
+        last: Option<&Saved>,
+        range: Range<usize>,
+    ) -> Result<RowBlock, CheckpointError> {
+        let cfg = self.head.config();
+        let (classes, e) = (cfg.num_classes, cfg.embedding_size);
+        if let Some(saved) = last.filter(|s| s.rows_total(HEAD_SHARD) == Some(classes)) {
+            let rows = saved.read_rows(HEAD_SHARD, range.clone())?;
+            let weight = rows.get("weight").and_then(Value::as_tensor);
+            if let Some(weight) = weight.filter(|w| w.shape == [range.len(), e]) {
+                let state = rows.get("state").unwrap_or(&Value::None);
+                return Ok(RowBlock {
+                    start: range.start,
+                    len: range.len(),
+                    step: saved.global_step(),
+                    weight: weight.to_f32_vec(),
+                    state: row_tensors(state, range.len(), e),
+                });
+            }
+        }
+        Ok(RowBlock {
+            start: range.start,
+            len: range.len(),
+            step: 0,
+            weight: self.head.initial_centres(range.clone()),
+            state: Vec::new(),
+        })
+    }
 }
 
-/// Restores the replicated part `rep` (see [`replicated_value`]) but the optimizer: the backbone
-/// with `buffers` (this rank's BatchNorm statistics) over the saved ones, the loader position
-/// (unless the entry is `None`: a converted checkpoint), the step count (also the head's), the
-/// schedule stretched to the end of `epochs`, and the GradScaler. `label` names the source in
-/// messages; `say` lets this rank print the notes. Returns the step; an error names the entry.
-pub fn restore_replicated(
-    state: &mut FaceState<'_>,
-    rep: &Value,
-    buffers: &Value,
-    loader: &mut dyn LoaderPosition,
-    epochs: u64,
-    label: &str,
-    say: bool,
-) -> Result<u64, (&'static str, String)> {
-    let get = |k: &'static str| rep.get(k).ok_or((k, "no such entry".to_string()));
-    let mut backbone = get("backbone")?.clone();
-    overlay(&mut backbone, buffers);
-    state.backbone.load_state_dict(&backbone).map_err(|e| ("backbone", e.to_string()))?;
-    let saved = get("sampler")?;
-    if saved != &Value::None {
-        let position = sampler_state_from_value(saved).map_err(|e| ("sampler", e.to_string()))?;
-        loader.set_position(&position).map_err(|e| ("sampler", e.to_string()))?;
+impl RankState for HeadPart {
+    fn optimizer_entries(&self) -> Vec<usize> {
+        vec![self.index]
     }
-    let step = get("global_step")?.as_int().unwrap_or(0) as u64;
-    state.global_step = step;
-    state.head.set_steps_taken(step);
-    let left = loader.steps_to_end(epochs);
-    schedule::load(
-        state.step.lr_scheduler_mut(),
-        get("scheduler")?,
-        state.opt,
-        Some(step + left),
-        &format!("{label}: scheduler"),
-    )
-    .map_err(|e| ("scheduler", e.to_string()))?;
-    match (state.step.grad_scaler_mut(), get("scaler")?) {
-        (Some(s), Value::None) if say => {
+
+    fn shards(&self, mut entries: Vec<Value>, step: u64) -> Result<Vec<ShardDict>> {
+        if self.window_open && self.head.split().start == 0 {
+            // Gradients are not part of the training state (nor of arcface_torch's).
             tracing::warn!(
-                "{label}: no GradScaler state; the loss scale starts at {}",
-                s.get_scale()
-            )
+                "checkpoint at step {step} is inside a gradient accumulation window of {}: a run \
+                 resumed from it starts the window without this window's earlier batches",
+                self.gradient_acc
+            );
         }
-        (Some(_), Value::None) | (None, _) => {}
-        (Some(s), saved) => s.load_state_dict(saved).map_err(|e| ("GradScaler", e.to_string()))?,
+        let state = entries.pop().unwrap_or(Value::None);
+        let weight = tandem_nn::convert::to_ckpt(self.head.weight().as_tensor())?;
+        let head = Value::dict_from([("weight", Value::Tensor(weight)), ("state", state)]);
+        let (split, classes) = (self.head.split(), self.head.config().num_classes);
+        Ok(vec![ShardDict::rows(HEAD_SHARD, split.start, split.len, classes, head)])
     }
-    Ok(step)
+
+    fn load(&mut self, saved: &Saved) -> Result<PartLoaded> {
+        let dir = saved.path().to_path_buf();
+        let cfg = self.head.config();
+        let (classes, embedding) = (cfg.num_classes, cfg.embedding_size);
+        let saved_classes = saved.rows_total(HEAD_SHARD).unwrap_or(0);
+        let shape_error = |saved_embedding: usize| FaceStateError::HeadShape {
+            dir: dir.clone(),
+            saved_classes,
+            saved_embedding,
+            classes,
+            embedding,
+        };
+        if saved_classes != classes {
+            return Err(shape_error(0).into());
+        }
+        let split = self.head.split();
+        let rows = saved.read_rows(HEAD_SHARD, split.start..split.start + split.len)?;
+        let restore = |why: &dyn std::fmt::Display| FaceStateError::Restore {
+            dir: dir.clone(),
+            what: "head centres",
+            why: why.to_string(),
+        };
+        let weight = rows
+            .get("weight")
+            .and_then(Value::as_tensor)
+            .ok_or_else(|| restore(&"no `weight` tensor"))?;
+        if weight.shape.get(1) != Some(&embedding) {
+            return Err(shape_error(weight.shape.get(1).copied().unwrap_or(0)).into());
+        }
+        let device = self.head.weight().device().clone();
+        let weight = tandem_nn::convert::from_ckpt(weight, &device).map_err(|e| restore(&e))?;
+        self.head.weight().set(&weight).map_err(|e| restore(&e))?;
+        self.head.set_steps_taken(saved.global_step());
+        let (saved_world, world) = (saved.world_size(), self.world);
+        let note = (saved_world != world).then(|| {
+            format!(
+                "the checkpoint was written by {saved_world} ranks, this run has {world}: the \
+                 {classes} class centres and their optimizer state are re-split ({} per rank \
+                 here)",
+                split.len
+            )
+        });
+        let entry = rows.get("state").cloned().unwrap_or(Value::None);
+        Ok(PartLoaded { entries: vec![entry], note, resplit: None })
+    }
+
+    /// Under live recovery, every `--mirror-every` steps: this rank's rows to the next rank,
+    /// the previous rank's rows kept here.
+    fn after_step(
+        &mut self,
+        group: &ProcessGroup,
+        optimizer: &dyn OptimizerState,
+        step: u64,
+    ) -> Result<()> {
+        if !self.live.as_ref().is_some_and(|live| live.due(step)) {
+            return Ok(());
+        }
+        let clock = Instant::now();
+        let entry = optimizer.param_entry(self.index)?;
+        let own = self.own_rows(&entry, step)?;
+        self.send_mirror(group, &own, clock)
+    }
+
+    /// Re-splits the head over the new world: each class from the newest copy any rank holds
+    /// (its owner's, else a mirror), else from the last checkpoint, else the initial centres;
+    /// the optimizer takes the new rows as its parameter, and a fresh mirror is taken.
+    fn regroup(
+        &mut self,
+        group: &ProcessGroup,
+        step: u64,
+        optimizer: &mut dyn OptimizerState,
+        world_optimizer: &Value,
+        last: Option<&Saved>,
+    ) -> Result<PartLoaded> {
+        let Some(mut live) = self.live.take() else { return Ok(PartLoaded::default()) };
+        let own_entry = optimizer.param_entry(self.index)?;
+        // (Put back whatever happens: a peer lost during the re-split starts another.)
+        let regrouped = self.regroup_rows(&mut live, group, step, &own_entry, last);
+        self.live = Some(live);
+        let (rows, counts) = regrouped?;
+        self.world = group.size();
+        let e = self.head.config().embedding_size;
+        let device = self.head.weight().device().clone();
+        let weight = candle_core::Tensor::from_vec(rows.weight.clone(), (rows.len, e), &device)?;
+        let var = self.head.regroup(&weight).context("re-splitting the PartialFC head")?;
+        self.head.set_steps_taken(step);
+        optimizer.replace_param(self.index, var)?;
+        let entry = head_entry(&rows, &own_entry, world_optimizer, e);
+        // The new rows are this rank's own now: mirrored at once, so the next death is covered.
+        self.send_mirror(group, &rows, Instant::now())?;
+        Ok(PartLoaded {
+            entries: vec![entry],
+            note: None,
+            resplit: Some(Resplit::HeadRows(counts)),
+        })
+    }
+
+    fn mirror_cost(&self) -> Option<MirrorCost> {
+        // What the mirror cost this rank (its own bytes; every rank sends one shard).
+        self.live.as_ref().map(|live| live.cost("head"))
+    }
 }
 
-/// A rank's BatchNorm statistics as a state-dict fragment.
-fn buffers_value(buffers: &[(String, candle_core::Var)]) -> tandem_nn::Result<Value> {
-    let mut items = Vec::with_capacity(buffers.len());
-    for (name, var) in buffers {
-        items.push((name.clone(), Value::Tensor(tandem_nn::convert::to_ckpt(var.as_tensor())?)));
+impl HeadPart {
+    /// This rank's rows of the new world `group`, each class from the newest copy any rank
+    /// holds, else from [`HeadPart::reload_rows`] (a collective); `own_entry` is the head's
+    /// entry of this rank's optimizer state.
+    fn regroup_rows(
+        &self,
+        live: &mut Mirrored<RowBlock>,
+        group: &ProcessGroup,
+        step: u64,
+        own_entry: &Value,
+        last: Option<&Saved>,
+    ) -> Result<(RowBlock, RegroupCounts)> {
+        let own = live.holds().map(|at| self.own_rows(own_entry, at)).transpose()?;
+        let (classes, world) = (self.head.config().num_classes, group.size());
+        let want = |rank: usize| {
+            let split = ClassSplit::new(classes, world, rank);
+            vec![split.start..split.start + split.len]
+        };
+        let mut fill = |range: Range<usize>| {
+            let rows = self.reload_rows(last, range).map_err(Box::new)?;
+            Ok(Some(rows))
+        };
+        Ok(live.regroup(group, step, classes, own.as_ref(), &want, &mut fill)?)
     }
-    Ok(Value::dict_from(items))
 }
 
-/// A state dict with its entries in `order` (names not in it keep their place at the end).
-fn in_order(state: Value, order: &[String]) -> Value {
-    let Value::Dict(mut items) = state else { return state };
-    let rank = |k: &Value| {
-        k.as_str().and_then(|k| order.iter().position(|o| o == k)).unwrap_or(usize::MAX)
+/// The row tensors (`[rows, e]`) of a parameter's optimizer state entry, by name.
+fn row_tensors(entry: &Value, rows: usize, e: usize) -> Vec<(String, Vec<f32>)> {
+    let Value::Dict(items) = entry else { return Vec::new() };
+    let mut out: Vec<(String, Vec<f32>)> = items
+        .iter()
+        .filter_map(|(k, v)| {
+            let t = v.as_tensor().filter(|t| t.shape == [rows, e])?;
+            Some((k.as_str()?.to_string(), t.to_f32_vec()))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// The head's optimizer entry for the re-split `rows`: their row tensors, and the other
+/// entries (AdamW's `step`) from this rank's old entry, else from the world's first
+/// parameter's (`world`: the world's optimizer state).
+fn head_entry(rows: &RowBlock, own: &Value, world: &Value, e: usize) -> Value {
+    if rows.state.is_empty() {
+        return Value::None;
+    }
+    let scalars_from = match own {
+        Value::Dict(items) if !items.is_empty() => own.clone(),
+        _ => world
+            .get("state")
+            .and_then(|s| match s {
+                Value::Dict(items) => items.first().map(|(_, v)| v.clone()),
+                _ => None,
+            })
+            .unwrap_or(Value::None),
     };
-    items.sort_by_key(|(k, _)| rank(k));
+    let row_names: Vec<&str> = rows.state.iter().map(|(k, _)| k.as_str()).collect();
+    let mut items: Vec<(Value, Value)> = Vec::new();
+    if let Value::Dict(src) = &scalars_from {
+        for (k, v) in src {
+            if k.as_str().is_some_and(|k| !row_names.contains(&k)) {
+                items.push((k.clone(), v.clone()));
+            }
+        }
+    }
+    for (k, t) in &rows.state {
+        items.push((Value::Str(k.clone()), Value::Tensor(TensorData::from_f32(&[rows.len, e], t))));
+    }
     Value::Dict(items)
 }
 

@@ -50,7 +50,8 @@ pub fn load_backbone(kind: Option<ModelKind>, path: &Path) -> Result<(ModelKind,
             )
         }
     };
-    // A face checkpoint holds the network under `backbone`.
+    // A face checkpoint holds the network under `model` (found below), or under `backbone`
+    // when an earlier build wrote it.
     let value = value.get("backbone").cloned().unwrap_or(value);
     let found = tandem_ckpt::keys::find_state_dicts(&value);
     let Some((_, tensors)) = found.first() else {

@@ -10,12 +10,12 @@
 //! labels); backward (scaled under f16); unscale; clip the backbone's gradient norm; optimizer
 //! step (skipped on inf/NaN under f16); scaler update; scheduler step.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Var};
-use tandem_ckpt::{TensorData, Value};
+use tandem_ckpt::Value;
 use tandem_comm::{Collectives, ProcessGroup};
 use tandem_data::datasets::faces::{keyed_hash, FaceRecDataset};
 use tandem_data::{Batch, DataLoader, Dataset, LoaderOptions};
@@ -24,19 +24,17 @@ use tandem_models::FaceBackbone;
 use tandem_nn::{Autocast, NamedVars, OrderedVarMap, ParamModule};
 use tandem_optim::TorchOptimizer;
 use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConfig};
-use tandem_train::checkpoint::{CheckpointError, Checkpointer};
-use tandem_train::events::{Reporter, Resplit};
-use tandem_train::live::{Mirrored, RegroupCounts};
+use tandem_train::events::Reporter;
+use tandem_train::live::Mirrored;
 use tandem_train::metrics::VerificationMetrics;
 use tandem_train::{
-    bail_option, fault, Context, CustomState, Recipe, Result, ResumeContext, Resumed, RunLength,
-    SaveContext, Step, StepReport, TrainError,
+    bail_option, fault, Context, RankBuffers, Recipe, Result, RunLength, Step, StepReport,
+    TrainingState,
 };
 
 use super::optimizer::RunOptimizer;
 use super::LiveComm;
-use crate::face::optimizer_entry::{merge_optimizer, split_optimizer};
-use crate::face::{self as face_state, FaceState, RowBlock, HEAD_SHARD};
+use crate::face::{HeadPart, BUFFERS_SHARD};
 use crate::options::{Precision, TrainOptions};
 use crate::verification::{self as verify, ValSet};
 
@@ -54,17 +52,14 @@ pub struct Face<'a> {
     /// The backbone's state-dict names in creation order (torch's `state_dict()` order).
     order: Vec<String>,
     ddp: Ddp<NamedVars>,
-    head: PartialFc,
+    /// The PartialFC head, as state its ranks hold alone.
+    head: HeadPart,
+    /// Each rank's BatchNorm statistics (`broadcast_buffers=False`).
+    buffers: RankBuffers,
     opt: RunOptimizer,
     autocast: Autocast,
     train: Arc<FaceRecDataset>,
     val: Vec<ValSet>,
-    ckpt: Checkpointer,
-    /// The head's rows under live recovery: mirrored, and re-split after a regroup.
-    live: Option<Mirrored<RowBlock>>,
-    /// The optimizer state without the head's entry that a live load brought; the head's entry
-    /// is put back once the rows are re-split.
-    pending_rest: Option<Value>,
     /// The head's gradient summed over the batches of the open gradient-accumulation window
     /// (dense: each batch may sample other rows); the backbone's is kept by Ddp's `no_sync`.
     pending_head_grad: Option<candle_core::Tensor>,
@@ -113,7 +108,6 @@ impl<'a> Face<'a> {
         live: Option<LiveComm>,
         reporter: &Reporter,
     ) -> Result<(Self, DataLoader<FaceRecDataset>, Step)> {
-        let run_dir = cfg.run.dir.as_path();
         let rank = group.rank();
         let device = cfg.model.device.device(group.local_rank())?;
         let spec = cfg.data.spec.as_str();
@@ -222,6 +216,11 @@ impl<'a> Face<'a> {
         }
         let autocast =
             (cfg.model.precision != Precision::F32).then(|| cfg.model.precision.compute_dtype());
+        // A replacement holds no rows until it joins.
+        let mirror = live.map(|l| Mirrored::new(cfg.comm.mirror_every, !l.replacement));
+        let mut head = HeadPart::new(head, ddp.params().len(), group.size(), mirror);
+        head.gradient_acc = cfg.face.gradient_acc;
+        let buffers = RankBuffers::new(BUFFERS_SHARD, ddp.module().named_buffers(), rank);
         let recipe = Face {
             cfg,
             device,
@@ -229,15 +228,11 @@ impl<'a> Face<'a> {
             order,
             ddp,
             head,
+            buffers,
             opt,
             autocast: Autocast(autocast),
             train,
             val,
-            ckpt: Checkpointer::new(run_dir.join("checkpoints"), cfg.checkpoint.keep_last)
-                .background(cfg.checkpoint.background),
-            // A replacement holds no rows until it joins.
-            live: live.map(|l| Mirrored::new(cfg.comm.mirror_every, !l.replacement)),
-            pending_rest: None,
             pending_head_grad: None,
             reporter: reporter.clone(),
         };
@@ -262,7 +257,7 @@ impl Recipe for Face<'_> {
         fault::hit(fault::Phase::Forward);
         tandem_train::phase_end(&self.device)?;
         let forward_secs = clock.elapsed().as_secs_f64();
-        let loss = self.head.forward(&embeddings, &labels).context("the PartialFC head")?;
+        let loss = self.head.head.forward(&embeddings, &labels).context("the PartialFC head")?;
         tandem_train::phase_end(&self.device)?;
         // On a GPU the loss stays there: the trainer reads it a few steps later.
         let (value, pending_loss) = if loss.device().is_cpu() {
@@ -271,8 +266,8 @@ impl Recipe for Face<'_> {
             (f64::NAN, Some(loss.detach()))
         };
         let head_secs = clock.elapsed().as_secs_f64() - forward_secs;
-        let (leaf, weight) = (self.head.grad_leaf(), self.head.weight().clone());
-        let rows = self.head.grad_rows();
+        let (leaf, weight) = (self.head.head.grad_leaf(), self.head.head.weight().clone());
+        let rows = self.head.head.grad_rows();
         // arcface_torch's gradient_acc: every batch's gradients are summed, the optimizer steps
         // on the window's last batch (global steps that are multiples of it).
         let window_ends = n.is_multiple_of(self.cfg.face.gradient_acc.max(1));
@@ -307,9 +302,8 @@ impl Recipe for Face<'_> {
                 Ok(grads)
             };
             let out = step.run(&loss, backward, self.opt.as_mut(), &backbone, n)?;
-            if let Some(live) = self.live.as_mut() {
-                live.stepped(n);
-            }
+            self.head.stepped(n);
+            self.head.window_open = false;
             out
         } else {
             let (mut grads, out) =
@@ -321,6 +315,7 @@ impl Recipe for Face<'_> {
                     None => g,
                 });
             }
+            self.head.window_open = true;
             out
         };
         Ok(StepReport {
@@ -351,273 +346,21 @@ impl Recipe for Face<'_> {
         verify::evaluate(&self.model, &buffers, &self.val, &self.device, group).option("val", None)
     }
 
+    /// The backbone and the optimizer (the backbone's entries replicated, in torch's order),
+    /// the head's rows and each rank's statistics as parts; the run's settings and seed go
+    /// into each checkpoint.
+    fn state(&mut self) -> Option<TrainingState<'_>> {
+        let state = TrainingState::new(&self.ddp, &mut self.opt)
+            .order(&self.order)
+            .config(self.cfg.run.record.clone())
+            .seed(self.cfg.run.seed);
+        Some(state.part(&mut self.head).part(&mut self.buffers))
+    }
+
     /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
     fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
-        // What the mirror cost this rank (its own bytes; every rank sends one shard).
-        let mirror = self.live.as_ref().map(|live| live.cost("head"));
-        super::finish_run(self.cfg, group, &self.reporter, mirror, &*self.ddp.module())
+        super::finish_run(self.cfg, group, &self.reporter, None, &*self.ddp.module())
     }
-
-    fn custom_state(&mut self) -> Option<&mut dyn CustomState> {
-        Some(self)
-    }
-}
-
-impl CustomState for Face<'_> {
-    fn save(&mut self, ctx: SaveContext<'_>) -> Result<Option<PathBuf>> {
-        if self.pending_head_grad.is_some() && ctx.group.rank() == 0 {
-            // Gradients are not part of the training state (nor of arcface_torch's).
-            tracing::warn!(
-                "checkpoint at step {} is inside a gradient accumulation window of {}: a run \
-                 resumed from it starts the window without this window's earlier batches",
-                ctx.global_step,
-                self.cfg.face.gradient_acc
-            );
-        }
-        let state = FaceState::new(&self.ddp, &mut self.head, self.opt.as_mut(), ctx.step)
-            .order(&self.order)
-            .global_step(ctx.global_step)
-            .config(self.cfg.run.record.clone())
-            .seed(self.cfg.run.seed);
-        Ok(Some(face_state::save(&mut self.ckpt, &state, ctx.position, ctx.group)?))
-    }
-
-    fn settle(&mut self, group: &ProcessGroup) -> Result<()> {
-        self.ckpt.settle(group)?;
-        Ok(())
-    }
-
-    /// The newest complete checkpoint, on this world size or another (the head's centres and
-    /// their optimizer state re-split over this run's ranks).
-    fn resume(&mut self, ctx: ResumeContext<'_>) -> Result<Option<Resumed>> {
-        let ResumeContext { group, loader, step, epochs } = ctx;
-        let mut state = FaceState::new(&self.ddp, &mut self.head, self.opt.as_mut(), step);
-        let Some(r) = face_state::resume(&self.ckpt, &mut state, loader, epochs, group)? else {
-            if group.rank() == 0 {
-                let dir = self.ckpt.dir().display();
-                super::note(
-                    &self.reporter,
-                    format!("no checkpoint in {dir} to resume; starting fresh"),
-                )?;
-            }
-            return Ok(None);
-        };
-        Ok(Some(r))
-    }
-
-    /// Under live recovery, every `--mirror-every` steps: this rank's rows to the next
-    /// rank, the previous rank's rows kept here.
-    fn after_step(&mut self, group: &ProcessGroup, n: u64) -> Result<()> {
-        match &self.live {
-            Some(live) if live.due(n) => self.mirror(group, n),
-            _ => Ok(()),
-        }
-    }
-
-    /// The replicated state (the head stays on its ranks: [`CustomState::regroup`] re-splits it).
-    fn live_state(&mut self, ctx: SaveContext<'_>) -> Result<Value> {
-        let head_index = self.ddp.params().len() as i64;
-        let (rest, _) = split_optimizer(self.opt.state_dict()?, head_index);
-        let state = FaceState::new(&self.ddp, &mut self.head, self.opt.as_mut(), ctx.step)
-            .order(&self.order)
-            .global_step(ctx.global_step)
-            .config(self.cfg.run.record.clone())
-            .seed(self.cfg.run.seed);
-        Ok(face_state::replicated_value(&state, rest, ctx.position, ctx.group.size())?)
-    }
-
-    fn load_live_state(&mut self, value: &Value, ctx: ResumeContext<'_>) -> Result<u64> {
-        let ResumeContext { loader, step, epochs, .. } = ctx;
-        let buffers = Value::None;
-        let mut state = FaceState::new(&self.ddp, &mut self.head, self.opt.as_mut(), step);
-        let step = face_state::restore_replicated(
-            &mut state,
-            value,
-            &buffers,
-            loader,
-            epochs,
-            "the live state",
-            false,
-        )
-        .map_err(|(what, why)| TrainError::invalid(format!("the live state: {what}: {why}")))?;
-        let rest = value.get("optimizer").cloned().context("the live state: no optimizer")?;
-        if self.live.is_some() {
-            self.pending_rest = Some(rest);
-        }
-        Ok(step)
-    }
-
-    /// Re-splits the head over the new world: each class from the newest copy any rank holds
-    /// (its owner's, else a mirror), else from the last checkpoint, else the initial centres;
-    /// then the optimizer is rebuilt over the new rows and a fresh mirror is taken.
-    fn regroup(&mut self, group: &ProcessGroup, global_step: u64) -> Result<Option<Resplit>> {
-        let Some(mut live) = self.live.take() else { return Ok(None) };
-        let head_index = self.ddp.params().len() as i64;
-        let own_entry = self.opt.param_state(head_index as usize)?;
-        // (Put back whatever happens: a peer lost during the re-split starts another.)
-        let regrouped = self.regroup_rows(&mut live, group, global_step, &own_entry);
-        self.live = Some(live);
-        let (rows, counts) = regrouped?;
-        let e = self.head.config().embedding_size;
-        let device = self.head.weight().device().clone();
-        let weight = candle_core::Tensor::from_vec(rows.weight.clone(), (rows.len, e), &device)?;
-        let var = self.head.regroup(&weight).context("re-splitting the PartialFC head")?;
-        self.head.set_steps_taken(global_step);
-        // The optimizer over the new rows, with the world's state and the rows' own.
-        // The world's optimizer state without the head: the source's, or this rank's own.
-        let rest = match self.pending_rest.take() {
-            Some(rest) => rest,
-            None => split_optimizer(self.opt.state_dict()?, head_index).0,
-        };
-        let entry = head_entry(&rows, &own_entry, &rest, e);
-        let lrs = self.opt.group_lrs();
-        self.opt = super::optimizer::build(&self.cfg.optim, vec![self.ddp.params(), vec![var]])?;
-        self.opt.load_state_dict(&merge_optimizer(&rest, head_index, entry))?;
-        self.opt.set_group_lrs(&lrs)?;
-        // The new rows are this rank's own now: mirrored at once, so the next death is covered.
-        self.send_mirror(group, &rows, Instant::now())?;
-        Ok(Some(Resplit::HeadRows(counts)))
-    }
-}
-
-impl Face<'_> {
-    /// This rank's rows as a block: centres and the optimizer's row tensors (`entry`, the
-    /// head's entry of the optimizer state), as of `step`.
-    fn own_rows(&self, entry: &Value, step: u64) -> Result<RowBlock> {
-        let split = self.head.split();
-        let e = self.head.config().embedding_size;
-        let weight =
-            self.head.weight().as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        Ok(RowBlock {
-            start: split.start,
-            len: split.len,
-            step,
-            weight,
-            state: row_tensors(entry, split.len, e),
-        })
-    }
-
-    /// Sends this rank's rows to the next rank and keeps the previous rank's (a collective).
-    fn mirror(&mut self, group: &ProcessGroup, step: u64) -> Result<()> {
-        let clock = Instant::now();
-        let entry = self.opt.param_state(self.ddp.params().len())?;
-        let own = self.own_rows(&entry, step)?;
-        self.send_mirror(group, &own, clock)
-    }
-
-    /// [`Face::mirror`] of the block `own` (this rank's rows), timed from `clock`.
-    fn send_mirror(&mut self, group: &ProcessGroup, own: &RowBlock, clock: Instant) -> Result<()> {
-        let classes = self.head.config().num_classes;
-        match self.live.as_mut() {
-            Some(live) => Ok(live.exchange(group, own, classes, clock)?),
-            None => Ok(()),
-        }
-    }
-
-    /// This rank's rows of the new world `group`, each class from the newest copy any rank
-    /// holds, else from [`Face::reload_rows`] (a collective); `own_entry` is the head's entry of
-    /// this rank's optimizer state.
-    fn regroup_rows(
-        &self,
-        live: &mut Mirrored<RowBlock>,
-        group: &ProcessGroup,
-        global_step: u64,
-        own_entry: &Value,
-    ) -> Result<(RowBlock, RegroupCounts)> {
-        let own = live.holds().map(|step| self.own_rows(own_entry, step)).transpose()?;
-        let (classes, world) = (self.head.config().num_classes, group.size());
-        let want = |rank: usize| {
-            let split = ClassSplit::new(classes, world, rank);
-            let rows = split.start..split.start + split.len;
-            vec![rows]
-        };
-        let mut fill = |range: std::ops::Range<usize>| {
-            let rows = self.reload_rows(range).map_err(Box::new)?;
-            Ok(Some(rows))
-        };
-        Ok(live.regroup(group, global_step, classes, own.as_ref(), &want, &mut fill)?)
-    }
-
-    /// Rows no rank holds after a regroup: from the newest complete checkpoint, else the
-    /// initial centres (step 0, no optimizer state).
-    fn reload_rows(
-        &self,
-        range: std::ops::Range<usize>,
-    ) -> std::result::Result<RowBlock, CheckpointError> {
-        let cfg = self.head.config();
-        let (classes, e) = (cfg.num_classes, cfg.embedding_size);
-        if let Some(saved) = self.ckpt.latest()? {
-            if saved.rows_total(HEAD_SHARD) == Some(classes) {
-                let rows = saved.read_rows(HEAD_SHARD, range.clone())?;
-                let weight = rows.get("weight").and_then(Value::as_tensor);
-                if let Some(weight) = weight.filter(|w| w.shape == [range.len(), e]) {
-                    return Ok(RowBlock {
-                        start: range.start,
-                        len: range.len(),
-                        step: saved.global_step(),
-                        weight: weight.to_f32_vec(),
-                        state: row_tensors(
-                            rows.get("state").unwrap_or(&Value::None),
-                            range.len(),
-                            e,
-                        ),
-                    });
-                }
-            }
-        }
-        Ok(RowBlock {
-            start: range.start,
-            len: range.len(),
-            step: 0,
-            weight: self.head.initial_centres(range.clone()),
-            state: Vec::new(),
-        })
-    }
-}
-
-/// The row tensors (`[rows, e]`) of a parameter's optimizer state entry, by name.
-fn row_tensors(entry: &Value, rows: usize, e: usize) -> Vec<(String, Vec<f32>)> {
-    let Value::Dict(items) = entry else { return Vec::new() };
-    let mut out: Vec<(String, Vec<f32>)> = items
-        .iter()
-        .filter_map(|(k, v)| {
-            let t = v.as_tensor().filter(|t| t.shape == [rows, e])?;
-            Some((k.as_str()?.to_string(), t.to_f32_vec()))
-        })
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
-
-/// The head's optimizer entry for the re-split `rows`: their row tensors, and the other
-/// entries (AdamW's `step`) from this rank's old entry, else from the first parameter's.
-fn head_entry(rows: &RowBlock, own: &Value, rest: &Value, e: usize) -> Value {
-    if rows.state.is_empty() {
-        return Value::None;
-    }
-    let scalars_from = match own {
-        Value::Dict(items) if !items.is_empty() => own.clone(),
-        _ => rest
-            .get("state")
-            .and_then(|s| match s {
-                Value::Dict(items) => items.first().map(|(_, v)| v.clone()),
-                _ => None,
-            })
-            .unwrap_or(Value::None),
-    };
-    let row_names: Vec<&str> = rows.state.iter().map(|(k, _)| k.as_str()).collect();
-    let mut items: Vec<(Value, Value)> = Vec::new();
-    if let Value::Dict(src) = &scalars_from {
-        for (k, v) in src {
-            if k.as_str().is_some_and(|k| !row_names.contains(&k)) {
-                items.push((k.clone(), v.clone()));
-            }
-        }
-    }
-    for (k, t) in &rows.state {
-        items.push((Value::Str(k.clone()), Value::Tensor(TensorData::from_f32(&[rows.len, e], t))));
-    }
-    Value::Dict(items)
 }
 
 /// The head's gradient `g` as the whole weight's: `g` itself, or for a sampled step (`rows`)

@@ -1,0 +1,139 @@
+//! State one rank holds alone beside the replicated training state — PartialFC's class rows
+//! and their optimizer entries, per-rank BatchNorm statistics, later FSDP's shards — as one
+//! trait the [`TrainingState`](crate::TrainingState) carries ([`TrainingState::part`]) and the
+//! [`Trainer`](crate::Trainer) drives for every recipe: a save writes each part's shards
+//! beside the replicated part, a resume loads each from the shards of any world size, and
+//! under live recovery each part mirrors itself to a buddy after its steps and re-splits
+//! after a regroup ([`crate::live::Mirrored`] does both for a [`crate::live::RankPart`]).
+//!
+//! A part may hold some of the optimizer's entries ([`RankState::optimizer_entries`]: the
+//! head's momentum is split with its rows): they leave the replicated optimizer state, travel
+//! with the part, and come back into the optimizer when the state is loaded.
+//!
+//! [`TrainingState::part`]: crate::TrainingState::part
+use candle_core::Var;
+use tandem_ckpt::Value;
+use tandem_comm::ProcessGroup;
+use tandem_optim::OptimizerState;
+
+use crate::checkpoint::{Saved, ShardDict};
+use crate::error::{Context, Result};
+use crate::events::{MirrorCost, Resplit};
+
+/// What a part restored or re-split.
+#[derive(Debug, Default)]
+pub struct PartLoaded {
+    /// Its optimizer entries, in [`RankState::optimizer_entries`]'s order (`Value::None`: none
+    /// yet).
+    pub entries: Vec<Value>,
+    /// What to tell the user (how the part was re-split over another world size).
+    pub note: Option<String>,
+    /// How a live re-split moved the part, for the regroup's report.
+    pub resplit: Option<Resplit>,
+}
+
+/// State one rank holds alone (see the module docs).
+pub trait RankState {
+    /// The optimizer's parameter indices whose entries this part holds (none by default).
+    fn optimizer_entries(&self) -> Vec<usize> {
+        Vec::new()
+    }
+
+    /// This rank's shards of a checkpoint of step `step`; `entries`: the optimizer's entries
+    /// for [`RankState::optimizer_entries`], in that order. A copy of each tensor, or a view
+    /// of it inside a synchronous save (the save lends the tensors).
+    fn shards(&self, entries: Vec<Value>, step: u64) -> Result<Vec<ShardDict>>;
+
+    /// Restores this rank's part from `saved`, written on any world size.
+    fn load(&mut self, saved: &Saved) -> Result<PartLoaded>;
+
+    /// Live recovery, after every completed step `step` on every rank (a collective when it
+    /// mirrors); `optimizer` as of that step.
+    fn after_step(
+        &mut self,
+        _group: &ProcessGroup,
+        _optimizer: &dyn OptimizerState,
+        _step: u64,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// Live recovery, after the replicated state moved: re-splits the part over the new world
+    /// `group` as of `step` (a collective), from the copies the ranks hold and, for what no
+    /// rank holds, `last` (the newest checkpoint). `optimizer` still holds this rank's own
+    /// entries; `world_optimizer` is the world's optimizer state without the parts' entries
+    /// (what the trainer loads with the returned entries afterwards). A part whose parameters
+    /// change shape puts the new ones into `optimizer` ([`OptimizerState::replace_param`]).
+    fn regroup(
+        &mut self,
+        _group: &ProcessGroup,
+        _step: u64,
+        _optimizer: &mut dyn OptimizerState,
+        _world_optimizer: &Value,
+        _last: Option<&Saved>,
+    ) -> Result<PartLoaded> {
+        Ok(PartLoaded::default())
+    }
+
+    /// What this part's live mirrors cost this rank, if it keeps any.
+    fn mirror_cost(&self) -> Option<MirrorCost> {
+        None
+    }
+}
+
+/// A model's buffers that differ between ranks (BatchNorm statistics under Ddp's
+/// `broadcast_buffers=False`, as arcface_torch trains): the replicated part holds rank 0's,
+/// and each rank's own go into a rank shard. A resume on another world size gives rank `r`
+/// the statistics of rank `min(r, W - 1)` of the `W` that wrote it; a live regroup leaves the
+/// source's (they came with the replicated state).
+pub struct RankBuffers {
+    name: String,
+    buffers: Vec<(String, Var)>,
+    rank: usize,
+}
+
+impl RankBuffers {
+    /// `buffers` (a model's `named_buffers()`) of rank `rank`, saved as shard `name`.
+    pub fn new(name: impl Into<String>, buffers: Vec<(String, Var)>, rank: usize) -> Self {
+        RankBuffers { name: name.into(), buffers, rank }
+    }
+}
+
+impl RankState for RankBuffers {
+    fn shards(&self, _entries: Vec<Value>, _step: u64) -> Result<Vec<ShardDict>> {
+        let mut items = Vec::with_capacity(self.buffers.len());
+        for (name, var) in &self.buffers {
+            let t = tandem_nn::convert::to_ckpt(var.as_tensor())?;
+            items.push((name.clone(), Value::Tensor(t)));
+        }
+        Ok(vec![ShardDict::rank(&self.name, Value::dict_from(items))])
+    }
+
+    fn load(&mut self, saved: &Saved) -> Result<PartLoaded> {
+        let from = self.rank.min(saved.world_size().saturating_sub(1));
+        let Some(value) = saved.read_rank(&self.name, from)? else {
+            return Ok(PartLoaded::default());
+        };
+        for (name, var) in &self.buffers {
+            let Some(t) = value.get(name).and_then(Value::as_tensor) else { continue };
+            let what =
+                || format!("{}: `{}` of rank {from}: {name}", saved.path().display(), self.name);
+            let t = tandem_nn::convert::from_ckpt(t, var.device()).with_context(what)?;
+            let t = t.to_dtype(var.dtype()).with_context(what)?;
+            var.set(&t).with_context(what)?;
+        }
+        Ok(PartLoaded::default())
+    }
+
+    fn regroup(
+        &mut self,
+        group: &ProcessGroup,
+        _step: u64,
+        _optimizer: &mut dyn OptimizerState,
+        _world_optimizer: &Value,
+        _last: Option<&Saved>,
+    ) -> Result<PartLoaded> {
+        self.rank = group.rank();
+        Ok(PartLoaded::default())
+    }
+}
