@@ -12,7 +12,8 @@
 //!   parallel, the replicated part once, a manifest last, synchronously or in the background,
 //!   loaded on any world size reading only the slices a rank owns;
 //! - [`TrainingState`]: the whole training state of a model, its optimizer (ZeRO-1's shards
-//!   too), scheduler, scaler and loader saved and loaded in one call each
+//!   too), scheduler, scaler, loader and the state each rank holds alone ([`RankState`] parts:
+//!   PartialFC's rows, [`RankBuffers`]) saved and loaded in one call each
 //!   ([`save_state`]/[`load_state`], over [`checkpoint`]), resumable on any world size;
 //! - [`live`]: keeping a loop running through a rank's death (`tandem run --live-recovery`),
 //!   and state one rank holds alone ([`live::RankPart`]: ZeRO's shards, PartialFC's rows)

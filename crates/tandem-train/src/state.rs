@@ -3,9 +3,10 @@
 //! checkpoint API ([`crate::checkpoint`]). A replicated state is one torch-loadable file rank 0
 //! writes atomically (keep-last rotation, a `latest` pointer) while every rank meets inside; an
 //! optimizer sharded over the ranks (ZeRO-1) saves each rank's entries in parallel as an entry
-//! shard (nothing is gathered), and extra shards ([`TrainingState::shard`]: a PartialFc's rows)
-//! go beside them. Loading picks the newest checkpoint that verifies and restores everything on
-//! every rank, each rank reading only the optimizer entries it owns.
+//! shard (nothing is gathered), and state each rank holds alone goes beside it as its parts'
+//! shards ([`TrainingState::part`]: a [`RankState`] such as a PartialFC head's rows with their
+//! optimizer entry). Loading picks the newest checkpoint that verifies and restores everything on
+//! every rank, each rank reading only the optimizer entries and the rows it owns.
 //!
 //! ```ignore
 //! let mut state = TrainingState::new(&ddp, &mut opt).loader(&mut loader);
@@ -262,8 +263,8 @@ impl<'a> TrainingState<'a> {
     }
 }
 
-/// Where a resume started from: [`load_state`], the face recipe's `face::resume`, and a
-/// [`Recipe`](crate::trainer::Recipe) that resumes itself all return it.
+/// Where a resume started from: what [`load_state`] returns and the
+/// [`Trainer`](crate::Trainer) reports.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Resumed {
     /// The checkpoint read (a file, or a directory of shards).

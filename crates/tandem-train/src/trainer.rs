@@ -892,8 +892,7 @@ impl<R: Recipe> Trainer<R> {
 }
 
 /// Checkpoint `step-NNNNNNNN` of step `n` (a collective): the recipe's [`Recipe::state`] with
-/// the trainer's part, written by `ckpt`, or what the recipe's own [`CustomState::save`] writes.
-/// Returns what rank 0 wrote.
+/// the trainer's part, written by `ckpt`. Returns what rank 0 wrote.
 fn checkpoint<R: Recipe>(
     recipe: &mut R,
     ckpt: &mut Checkpointer,

@@ -292,7 +292,8 @@ impl HeadPart {
         let (classes, world) = (self.head.config().num_classes, group.size());
         let want = |rank: usize| {
             let split = ClassSplit::new(classes, world, rank);
-            vec![split.start..split.start + split.len]
+            let rows = split.start..split.start + split.len;
+            vec![rows]
         };
         let mut fill = |range: Range<usize>| {
             let rows = self.reload_rows(last, range).map_err(Box::new)?;
