@@ -273,3 +273,127 @@ fn zero_shards_and_a_partial_fc_head_save_on_2_ranks_and_load_on_3() {
         assert_eq!(w, &want_weights, "rank {r}'s weights");
     }
 }
+
+/// What one rank of [`parts_save_on_2_ranks_and_load_on_3`] ends with: its first class, its
+/// head rows, their momentum, its BatchNorm-like statistic and the backbone's momentum.
+type PartsSeen = (usize, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// A backbone parameter, a PartialFc head and a per-rank statistic, the optimizer stepped once
+/// (momentum everywhere), as rank `pg.rank()` of a fresh run.
+fn parts_run(
+    pg: &tandem::comm::ProcessGroup,
+) -> (
+    tandem::nn::NamedVars,
+    candle_core::Var,
+    TorchSgd,
+    tandem::partial_fc::PartialFc,
+    candle_core::Var,
+) {
+    use candle_core::{Tensor, Var};
+    let p0 =
+        Var::from_tensor(&Tensor::ones(4, candle_core::DType::F32, &Device::Cpu).unwrap()).unwrap();
+    let model = tandem::nn::NamedVars::new(vec![("p0".into(), p0.clone())]);
+    let pfc = head(pg);
+    let stat = Var::from_tensor(&Tensor::zeros(3, candle_core::DType::F32, &Device::Cpu).unwrap())
+        .unwrap();
+    let sgd = SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() };
+    let groups = vec![(vec![p0.clone()], sgd.clone()), (vec![pfc.weight().clone()], sgd)];
+    (model, p0, TorchSgd::with_groups(groups).unwrap(), pfc, stat)
+}
+
+/// The flattened values of `v`.
+fn values(v: &candle_core::Tensor) -> Vec<f32> {
+    v.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// `momentum_buffer` of an optimizer state entry, flattened (empty without one).
+fn momentum(entry: &tandem::ckpt::Value) -> Vec<f32> {
+    entry
+        .get("momentum_buffer")
+        .and_then(tandem::ckpt::Value::as_tensor)
+        .map_or(Vec::new(), |t| t.to_f32_vec())
+}
+
+/// State each rank holds alone, as `RankState` parts of the one `TrainingState`: a PartialFC
+/// head's rows with their optimizer entry (`HeadPart`) and a per-rank statistic
+/// (`RankBuffers`), saved by 2 ranks through `save_state` and loaded by 3 through
+/// `load_state`. The head's entry leaves the replicated optimizer state; on 3 ranks every rank
+/// has the rows and momentum the 2 ranks had for its classes, rank r the statistic of rank
+/// min(r, 1), and the resume says the head was re-split.
+#[test]
+fn parts_save_on_2_ranks_and_load_on_3() {
+    use tandem::recipes::face::{HeadPart, BUFFERS_SHARD};
+    use tandem::train::checkpoint::Checkpointer;
+    use tandem::train::RankBuffers;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_path_buf();
+    let before: Vec<PartsSeen> = tandem_testutil::run_tcp_world(2, move |pg| {
+        let (model, p0, mut opt, pfc, stat) = parts_run(&pg);
+        let split = pfc.split();
+        // Distinct centres (row c is c + 0.25), a rank's own statistic, one step of momentum.
+        let rows: Vec<f32> =
+            (split.start..split.start + split.len).flat_map(|c| [c as f32 + 0.25; 4]).collect();
+        let w = candle_core::Tensor::from_vec(rows, (split.len, 4), &Device::Cpu).unwrap();
+        pfc.weight().set(&w).unwrap();
+        stat.set(&stat.affine(0.0, pg.rank() as f64 + 1.0).unwrap()).unwrap();
+        let mut grads = candle_core::backprop::GradStore::default();
+        grads.insert(p0.as_tensor(), p0.as_tensor().ones_like().unwrap());
+        grads.insert(pfc.weight().as_tensor(), pfc.weight().as_tensor().copy().unwrap());
+        opt.step(&grads).unwrap();
+        let seen = (
+            split.start,
+            values(pfc.weight().as_tensor()),
+            momentum(&opt.param_state(1).unwrap()),
+            values(stat.as_tensor()),
+            momentum(&opt.param_state(0).unwrap()),
+        );
+        let mut head = HeadPart::new(pfc, 1, pg.size(), None);
+        let mut stats = RankBuffers::new(BUFFERS_SHARD, vec![("stat".into(), stat)], pg.rank());
+        let state = TrainingState::new(&model, &mut opt).step(1).part(&mut head).part(&mut stats);
+        save_state(&pg, &d, &state).unwrap();
+        seen
+    });
+    let saved = Checkpointer::new(dir.path(), 3).latest().unwrap().unwrap();
+    assert_eq!(saved.shard_names(), ["head", "buffers"]);
+    let rep = saved.replicated().unwrap();
+    let entries = rep.get("optimizer").and_then(|o| o.get("state")).unwrap();
+    let held: Vec<i64> =
+        entries.as_dict().unwrap().iter().filter_map(|(k, _)| k.as_int()).collect();
+    assert_eq!(held, [0], "the head's entry went with its rows, not into the replicated part");
+
+    let d = dir.path().to_path_buf();
+    let after: Vec<(PartsSeen, Option<String>)> = tandem_testutil::run_tcp_world(3, move |pg| {
+        let (model, _p0, mut opt, pfc, stat) = parts_run(&pg);
+        let mut head = HeadPart::new(pfc, 1, pg.size(), None);
+        let mut stats =
+            RankBuffers::new(BUFFERS_SHARD, vec![("stat".into(), stat.clone())], pg.rank());
+        let mut state = TrainingState::new(&model, &mut opt).part(&mut head).part(&mut stats);
+        let resumed = load_state(&d, &mut state).unwrap().expect("a checkpoint");
+        assert_eq!((resumed.step, resumed.world_size), (1, 2));
+        let split = head.head.split();
+        let seen = (
+            split.start,
+            values(head.head.weight().as_tensor()),
+            momentum(&opt.param_state(1).unwrap()),
+            values(stat.as_tensor()),
+            momentum(&opt.param_state(0).unwrap()),
+        );
+        (seen, resumed.note)
+    });
+    // The 2 ranks' rows and momentum, whole.
+    let whole = |f: fn(&PartsSeen) -> &Vec<f32>| -> Vec<f32> {
+        before.iter().flat_map(|s| f(s).clone()).collect()
+    };
+    let (rows, moments) = (whole(|s| &s.1), whole(|s| &s.2));
+    assert_eq!(rows.len(), 40);
+    assert!(moments.iter().any(|&m| m != 0.0), "the head has momentum to carry");
+    for (r, ((start, w, m, stat, m0), note)) in after.iter().enumerate() {
+        let at = 4 * start..4 * start + w.len();
+        assert_eq!(w, &rows[at.clone()], "rank {r}'s head rows");
+        assert_eq!(m, &moments[at], "rank {r}'s head momentum");
+        assert_eq!(stat, &before[r.min(1)].3, "rank {r}'s statistic");
+        assert_eq!(m0, &before[0].4, "rank {r}'s backbone momentum");
+        let note = note.as_deref().unwrap_or_default();
+        assert!(note.contains("re-split"), "rank {r}: {note}");
+    }
+}
