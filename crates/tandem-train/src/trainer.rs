@@ -1024,10 +1024,14 @@ impl<R: Recipe> Trainer<R> {
     ) -> Result<Option<Resplit>> {
         let step = self.global_step;
         let lrs = self.recipe.optimizer().group_lrs();
-        // Without a readable checkpoint, what no rank holds starts afresh.
-        let last = self.ckpt.latest().unwrap_or(None);
         let Some(whole) = whole_state(&mut self.recipe, &mut self.step, None, 0, step) else {
             return Ok(None);
+        };
+        // What no rank holds comes from the newest checkpoint; without a readable one it
+        // starts afresh.
+        let last = match whole.parts.is_empty() {
+            true => None,
+            false => self.ckpt.latest().unwrap_or(None),
         };
         let entries = whole.part_entries();
         let mut world = match sent {
