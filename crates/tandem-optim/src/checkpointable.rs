@@ -28,6 +28,16 @@ pub trait OptimizerState {
     fn owned_params(&self) -> Option<Vec<usize>> {
         None
     }
+    /// For a sharded optimizer: the rank holding each parameter's state in a world of `world`
+    /// ranks (see [`TorchOptimizer::owners_for`]).
+    fn owners_for(&self, _world: usize) -> Option<Vec<usize>> {
+        None
+    }
+    /// For a sharded optimizer after a regroup: takes this rank's share and loads `state` (see
+    /// [`TorchOptimizer::repartition`]).
+    fn repartition(&mut self, _state: &Value) -> Result<(), OptimError> {
+        Err(OptimError::state("(repartition)", "this optimizer is not sharded over the ranks"))
+    }
     /// Parameter `index`'s entry of the state alone (`Value::None` before its first step).
     fn param_entry(&self, _index: usize) -> Result<Value, OptimError> {
         Ok(Value::None)
@@ -53,6 +63,12 @@ impl<T: TorchOptimizer + ?Sized> OptimizerState for T {
     }
     fn owned_params(&self) -> Option<Vec<usize>> {
         TorchOptimizer::owned_params(self)
+    }
+    fn owners_for(&self, world: usize) -> Option<Vec<usize>> {
+        TorchOptimizer::owners_for(self, world)
+    }
+    fn repartition(&mut self, state: &Value) -> Result<(), OptimError> {
+        TorchOptimizer::repartition(self, state)
     }
     fn param_entry(&self, index: usize) -> Result<Value, OptimError> {
         self.param_state(index)

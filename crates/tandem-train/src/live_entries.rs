@@ -5,18 +5,21 @@
 //!
 //! Entries travel as a `.pt` image of a torch optimizer state dict's `state` (integer keys).
 //!
-//! [`LiveShards`] is what the [`Trainer`](crate::Trainer) keeps for a recipe whose optimizer is
-//! sharded ([`TorchOptimizer::owned_params`]): the recipe writes nothing for it.
+//! [`LiveShards`] is the [`RankState`] part the [`Trainer`](crate::Trainer) adds itself under
+//! live recovery for a recipe whose optimizer is sharded
+//! ([`OptimizerState::owned_params`]): the recipe writes nothing for it.
 use std::ops::Range;
 use std::time::Instant;
 
 use tandem_ckpt::Value;
 use tandem_comm::ProcessGroup;
-use tandem_optim::TorchOptimizer;
+use tandem_optim::OptimizerState;
 
+use crate::checkpoint::{Saved, ShardDict};
 use crate::error::{Context, Result};
 use crate::events::{MirrorCost, Resplit};
 use crate::live_part::{owned_by, runs, Mirrored, PartHeader, RankPart};
+use crate::rank_state::{PartLoaded, RankState};
 
 /// Entries (parameter index → its optimizer state) held as of `step`, by ascending index.
 #[derive(Clone, Debug, PartialEq)]
@@ -110,64 +113,84 @@ impl LiveShards {
         LiveShards { mirror: Mirrored::new(every, holds) }
     }
 
-    /// After step `step` (a collective when a mirror is due): this rank's entries as of it.
-    pub fn after_step(
+    /// Sends this rank's entries as of `step` to the next rank and keeps the previous rank's
+    /// (a collective).
+    fn send_mirror(
         &mut self,
         group: &ProcessGroup,
-        opt: &dyn TorchOptimizer,
+        opt: &dyn OptimizerState,
+        step: u64,
+    ) -> Result<()> {
+        let clock = Instant::now();
+        let shard = sharded(opt)?;
+        let own = Entries::from_state(&shard.entries, step);
+        let params = opt.owners_for(1).map_or(0, |owners| owners.len());
+        Ok(self.mirror.exchange(group, &own, params, clock)?)
+    }
+}
+
+/// This rank's part of a sharded optimizer.
+fn sharded(opt: &dyn OptimizerState) -> Result<tandem_optim::OptimizerShard> {
+    opt.optimizer_shard()?.context("live recovery: the optimizer is no longer sharded")
+}
+
+/// Only under live recovery: a sharded optimizer's entries are saved and loaded by the
+/// optimizer itself (its entry shard), so this part has no shards of its own.
+impl RankState for LiveShards {
+    fn shards(&self, _entries: Vec<Value>, _step: u64) -> Result<Vec<ShardDict>> {
+        Ok(Vec::new())
+    }
+
+    fn load(&mut self, _saved: &Saved) -> Result<PartLoaded> {
+        Ok(PartLoaded::default())
+    }
+
+    /// This rank's entries as of `step`, mirrored when due (a collective then).
+    fn after_step(
+        &mut self,
+        group: &ProcessGroup,
+        optimizer: &dyn OptimizerState,
         step: u64,
     ) -> Result<()> {
         self.mirror.stepped(step);
         match self.mirror.due(step) {
-            true => self.send_mirror(group, opt, step),
+            true => self.send_mirror(group, optimizer, step),
             false => Ok(()),
         }
     }
 
-    /// Re-splits the entries over `group`'s partition, and loads this rank's with the world's
-    /// hyperparameters (`sent`: what the regroup's source sent, else this rank's own) (a
-    /// collective); the learning rates stay the schedule's.
-    pub fn regroup(
+    /// Re-splits the entries over `group`'s partition and has the optimizer take this rank's
+    /// with the world's hyperparameters (`world_optimizer`: what the regroup's source sent,
+    /// else `None` for this rank's own) (a collective).
+    fn regroup(
         &mut self,
         group: &ProcessGroup,
         step: u64,
-        opt: &mut dyn TorchOptimizer,
-        sent: Option<Value>,
-    ) -> Result<Resplit> {
-        let shard = opt.shard()?.context("live recovery: the optimizer is no longer sharded")?;
+        optimizer: &mut dyn OptimizerState,
+        world_optimizer: &Value,
+        _last: Option<&Saved>,
+    ) -> Result<PartLoaded> {
+        let shard = sharded(optimizer)?;
         let own = self.mirror.holds().map(|at| Entries::from_state(&shard.entries, at));
-        let owner = opt.owners_for(group.size()).unwrap_or_default();
+        let owner = optimizer.owners_for(group.size()).unwrap_or_default();
         let want = |rank: usize| owned_by(&owner, rank);
         let keys = owner.len();
         let (entries, counts) =
             self.mirror.regroup(group, step, keys, own.as_ref(), &want, &mut |_| Ok(None))?;
-        let groups = sent.unwrap_or(shard.groups);
-        let state = tandem_optim::OptimizerShard::full(&groups, entries.into_state());
-        let lrs = opt.group_lrs();
-        opt.repartition(&state).context("live recovery: taking the new world's optimizer shard")?;
-        if !lrs.is_empty() && opt.group_lrs().len() == lrs.len() {
-            // The schedule's rates (set before the shard changed hands).
-            opt.set_group_lrs(&lrs)?;
-        }
+        let groups = match world_optimizer {
+            Value::None => &shard.groups,
+            sent => sent,
+        };
+        let state = tandem_optim::OptimizerShard::full(groups, entries.into_state());
+        let taking = optimizer.repartition(&state);
+        taking.context("live recovery: taking the new world's optimizer shard")?;
         // This rank's new shard is mirrored at once, so the next death is covered.
-        self.send_mirror(group, opt, step)?;
-        Ok(Resplit::OptimizerShards(counts))
+        self.send_mirror(group, optimizer, step)?;
+        let resplit = Some(Resplit::OptimizerShards(counts));
+        Ok(PartLoaded { resplit, ..PartLoaded::default() })
     }
 
-    /// What the mirrors cost this rank.
-    pub fn cost(&self) -> MirrorCost {
-        self.mirror.cost("optimizer shard")
-    }
-
-    fn send_mirror(
-        &mut self,
-        group: &ProcessGroup,
-        opt: &dyn TorchOptimizer,
-        step: u64,
-    ) -> Result<()> {
-        let clock = Instant::now();
-        let shard = opt.shard()?.context("live recovery: the optimizer is no longer sharded")?;
-        let own = Entries::from_state(&shard.entries, step);
-        Ok(self.mirror.exchange(group, &own, opt.params().len(), clock)?)
+    fn mirror_cost(&self) -> Option<MirrorCost> {
+        Some(self.mirror.cost("optimizer shard"))
     }
 }

@@ -32,6 +32,7 @@ use crate::fault;
 use crate::live::{LiveError, LiveState, LiveTraining};
 use crate::live_entries::LiveShards;
 use crate::metrics::{MetricsFile, VerificationMetrics};
+use crate::rank_state::RankState;
 use crate::schedule;
 use crate::state::{self, LoaderPosition, Resumed, TrainingState};
 use crate::tfevents::STEP_SCALARS_EVERY;
@@ -558,7 +559,7 @@ impl<R: Recipe> Trainer<R> {
             self.recipe.set_training(false)?;
             self.last_eval = self.recipe.evaluate(&self.group)?;
         }
-        let mut costs: Vec<_> = self.live_shards.iter().map(LiveShards::cost).collect();
+        let mut costs: Vec<_> = self.live_shards.iter().filter_map(|s| s.mirror_cost()).collect();
         if let Some(whole) = whole_state(&mut self.recipe, &mut self.step, None, 0, 0) {
             costs.extend(whole.parts.iter().filter_map(|p| p.mirror_cost()));
         }
@@ -662,13 +663,12 @@ impl<R: Recipe> Trainer<R> {
             *in_flight = None;
             self.times.add(data, &report);
             self.global_step = n;
-            if let Some(shards) = live_shards.as_mut() {
-                shards.after_step(group, recipe.optimizer(), n)?;
-            }
             if live.is_some() {
+                // The parts each rank holds alone keep their live copies (mirrors).
                 if let Some(whole) = whole_state(recipe, step, None, 0, n) {
-                    for part in whole.parts {
-                        part.after_step(group, &*whole.optimizer, n)?;
+                    let TrainingState { parts, optimizer, .. } = whole;
+                    for part in parts.into_iter().chain(own_part(live_shards)) {
+                        part.after_step(group, &*optimizer, n)?;
                     }
                 }
             }
@@ -933,6 +933,11 @@ fn whole_state<'s, R: Recipe>(
     Some(TrainingState { scheduler, scaler, loader, step: global_step, epoch, ..given })
 }
 
+/// The part the trainer adds itself under live recovery (a sharded optimizer's entries).
+fn own_part(shards: &mut Option<LiveShards>) -> Option<&mut dyn RankState> {
+    shards.as_mut().map(|s| s as &mut dyn RankState)
+}
+
 fn report_to(reporter: &Reporter, event: &Event) -> Result<()> {
     reporter.report(event).context("reporting to the run's loggers")
 }
@@ -990,12 +995,8 @@ impl<R: Recipe> LiveState for Trainer<R> {
         self.stretch_schedule().map_err(|e| LiveError::Other(e.chain_text()))
     }
     fn reshard(&mut self, group: &ProcessGroup) -> std::result::Result<(), LiveError> {
-        let step = self.global_step;
         let sent = self.sent_optimizer.take();
-        let resplit = match self.live_shards.as_mut() {
-            Some(shards) => shards.regroup(group, step, self.recipe.optimizer(), sent).map(Some),
-            None => self.regroup_parts(group, sent),
-        };
+        let resplit = self.regroup_parts(group, sent);
         match resplit {
             Ok(resplit) => {
                 self.resplit = resplit;
@@ -1042,7 +1043,9 @@ impl<R: Recipe> Trainer<R> {
         let TrainingState { parts, optimizer, .. } = whole;
         let mut resplit = None;
         let mut moved = Vec::with_capacity(parts.len());
-        for part in parts {
+        // The trainer's own part (a sharded optimizer's entries) last: its entries are not
+        // among `entries`, and `moved` keeps the recipe's parts' order.
+        for part in parts.into_iter().chain(own_part(&mut self.live_shards)) {
             let got = part.regroup(group, step, &mut *optimizer, &world, last.as_ref())?;
             resplit = resplit.or(got.resplit);
             moved.push(got.entries.into_iter());
