@@ -84,8 +84,9 @@ pub trait RankState {
 /// A model's buffers that differ between ranks (BatchNorm statistics under Ddp's
 /// `broadcast_buffers=False`, as arcface_torch trains): the replicated part holds rank 0's,
 /// and each rank's own go into a rank shard. A resume on another world size gives rank `r`
-/// the statistics of rank `min(r, W - 1)` of the `W` that wrote it; a live regroup leaves the
-/// source's (they came with the replicated state).
+/// the statistics of rank `min(r, W - 1)` of the `W` that wrote it (a checkpoint without the
+/// shard leaves the replicated part's); a live regroup leaves the source's (they came with the
+/// replicated state).
 pub struct RankBuffers {
     name: String,
     buffers: Vec<(String, Var)>,
