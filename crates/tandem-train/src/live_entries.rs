@@ -104,13 +104,16 @@ impl RankPart for Entries {
 /// replicated state.
 pub(crate) struct LiveShards {
     mirror: Mirrored<Entries>,
+    /// The optimizer's parameters (the keys of the entries).
+    params: usize,
 }
 
 impl LiveShards {
-    /// A mirror every `every` steps; `holds`: whether this rank starts with a shard (a
-    /// replacement holds none until it joins).
-    pub fn new(every: u64, holds: bool) -> Self {
-        LiveShards { mirror: Mirrored::new(every, holds) }
+    /// The entries of an optimizer over `params` parameters, mirrored every `every` steps;
+    /// `holds`: whether this rank starts with a shard (a replacement holds none until it
+    /// joins).
+    pub fn new(params: usize, every: u64, holds: bool) -> Self {
+        LiveShards { mirror: Mirrored::new(every, holds), params }
     }
 
     /// Sends this rank's entries as of `step` to the next rank and keeps the previous rank's
@@ -124,8 +127,7 @@ impl LiveShards {
         let clock = Instant::now();
         let shard = sharded(opt)?;
         let own = Entries::from_state(&shard.entries, step);
-        let params = opt.owners_for(1).map_or(0, |owners| owners.len());
-        Ok(self.mirror.exchange(group, &own, params, clock)?)
+        Ok(self.mirror.exchange(group, &own, self.params, clock)?)
     }
 }
 

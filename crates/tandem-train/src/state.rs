@@ -157,9 +157,10 @@ pub struct TrainingState<'a> {
     pub scaler: Option<&'a mut GradScaler>,
     pub step: u64,
     pub epoch: u64,
-    /// State held by this rank alone, saved beside the replicated part (a `PartialFc`'s rows:
-    /// `ShardDict::rows("head", ..., head.state_dict()?)`); read back through the [`Saved`]
-    /// checkpoint [`load_state_from`] takes.
+    /// Fixed shards of this rank saved beside the replicated part
+    /// (`ShardDict::rows("head", ..., head.state_dict()?)`), read back by the caller through
+    /// the [`Saved`] checkpoint [`load_state_from`] takes; state that loads and moves itself
+    /// is a part instead ([`TrainingState::part`]).
     pub shards: Vec<ShardDict>,
     /// The run's settings as text, kept as the checkpoint's `config` entry.
     pub config: Option<String>,
@@ -391,9 +392,9 @@ pub(crate) fn restore(
     Ok((ck, (!notes.is_empty()).then(|| notes.join("\n"))))
 }
 
-/// Removes parameter `index`'s entry from an optimizer state dict's `state` and returns it
-/// (`Value::None` when it has none).
-fn take_entry(optimizer: &mut Value, index: usize) -> Value {
+/// Removes parameter `index`'s entry from an optimizer state dict's `state` (torch layout) and
+/// returns it (`Value::None` when it has none): the entry moves out, nothing is copied.
+pub fn take_entry(optimizer: &mut Value, index: usize) -> Value {
     let Some(Value::Dict(items)) = optimizer.get_mut("state") else { return Value::None };
     match items.iter().position(|(k, _)| k.as_int() == Some(index as i64)) {
         Some(i) => items.remove(i).1,
@@ -401,8 +402,9 @@ fn take_entry(optimizer: &mut Value, index: usize) -> Value {
     }
 }
 
-/// Puts `entry` back as parameter `index`'s in an optimizer state dict (nothing for `None`).
-pub(crate) fn put_entry(optimizer: &mut Value, index: usize, entry: Value) {
+/// Puts `entry` back as parameter `index`'s in an optimizer state dict (nothing for `None`):
+/// [`take_entry`] undone.
+pub fn put_entry(optimizer: &mut Value, index: usize, entry: Value) {
     if matches!(entry, Value::None) {
         return;
     }
@@ -636,5 +638,33 @@ pub fn reshard_message(saved: &SamplerState, world: usize, loader: &dyn LoaderPo
             now.start,
             loader.batches_left()
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tandem_ckpt::TensorData;
+
+    use super::*;
+
+    fn rows(n: usize, from: f32) -> TensorData {
+        let data: Vec<f32> = (0..n * 2).map(|i| from + i as f32).collect();
+        TensorData::from_f32(&[n, 2], &data)
+    }
+
+    #[test]
+    fn optimizer_state_splits_and_merges_without_loss() {
+        let state = Value::Dict(vec![
+            (Value::Int(0), Value::dict_from([("momentum_buffer", Value::Tensor(rows(1, 0.0)))])),
+            (Value::Int(3), Value::dict_from([("momentum_buffer", Value::Tensor(rows(2, 9.0)))])),
+        ]);
+        let full = Value::dict_from([("state", state), ("param_groups", Value::List(vec![]))]);
+        let mut rest = full.clone();
+        let entry = take_entry(&mut rest, 3);
+        assert_eq!(rest.get("state").unwrap().as_dict().unwrap().len(), 1);
+        assert!(entry.get("momentum_buffer").is_some());
+        let mut back = rest;
+        put_entry(&mut back, 3, entry);
+        assert_eq!(back, full);
     }
 }

@@ -396,7 +396,8 @@ impl<R: Recipe> Trainer<R> {
         if self.recipe.state().is_some() && self.recipe.optimizer().owned_params().is_some() {
             // A replacement holds no shard until it joins.
             let holds = !live.is_replacement();
-            self.live_shards = Some(LiveShards::new(self.opts.mirror_every, holds));
+            let params = self.recipe.optimizer().params().len();
+            self.live_shards = Some(LiveShards::new(params, self.opts.mirror_every, holds));
         }
         self.live = Some(live);
         self

@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use tandem_ckpt::Value;
 use tandem_models::IResNet;
 use tandem_train::checkpoint::{self, Saved, ShardDict};
+use tandem_train::state::{put_entry, take_entry};
 use tandem_train::{bail, Context, Result};
 
-use crate::face::optimizer_entry::{merge_optimizer, split_optimizer};
 use crate::face::{overlay, BUFFERS_SHARD, HEAD_SHARD};
 
 /// Final name components of BatchNorm statistics (buffers, never in the optimizer).
@@ -156,7 +156,8 @@ pub fn to_arcface(dir: &Path, out: &Path) -> Result<Vec<PathBuf>> {
         let hget = |k: &str| head.get(k).with_context(|| format!("{what}: no `{k}`"));
         let mut backbone = backbone.clone();
         overlay(&mut backbone, &saved.read_rank(BUFFERS_SHARD, r)?.unwrap_or(Value::None));
-        let optimizer = merge_optimizer(&rest, head_torch, hget("state")?.clone());
+        let mut optimizer = rest.clone();
+        put_entry(&mut optimizer, head_torch as usize, hget("state")?.clone());
         let ck = Value::dict_from([
             ("epoch", Value::Int(saved.epoch() as i64)),
             ("global_step", Value::Int(saved.global_step() as i64)),
@@ -227,7 +228,8 @@ pub fn from_arcface(dir: &Path, run_dir: &Path) -> Result<PathBuf> {
         if g0.len() as i64 != head_torch || g1 != [head_torch] {
             bail!("{what}: optimizer groups of {} and {:?} parameters; the backbone has {head_torch}, then the head", g0.len(), g1);
         }
-        let (rest, head_state) = split_optimizer(opt, head_torch);
+        let mut rest = opt;
+        let head_state = take_entry(&mut rest, head_torch as usize);
         let rest = renumber(&rest, &inverse, &what)?;
         if r == 0 {
             rest0 = rest;

@@ -14,7 +14,6 @@ mod live_head;
 mod weights;
 pub use live_head::RowBlock;
 pub use weights::load_backbone;
-pub mod optimizer_entry;
 
 use std::ops::Range;
 use std::path::PathBuf;
