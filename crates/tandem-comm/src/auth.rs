@@ -14,6 +14,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use crate::frame::{read_frame_at_most, write_frame, Dec, Enc, FrameError, MAX_HANDSHAKE_FRAME};
+use crate::CommError;
 
 /// The variable naming the job's secret file (`--secret-file` sets it for the workers too).
 pub const SECRET_FILE_VAR: &str = "TANDEM_SECRET_FILE";
@@ -26,19 +27,6 @@ const MIN_SECRET: usize = 16;
 const MAX_SECRET: usize = 4096;
 /// A frame's first byte: "prove yourself" (the server's nonce and its own proof follow).
 pub(crate) const CHALLENGE: u8 = 9;
-
-/// Why a secret could not be had, or a peer was not accepted.
-#[derive(Debug, thiserror::Error)]
-pub enum AuthError {
-    #[error("job secret file {path}: {reason}")]
-    File { path: String, reason: String },
-    #[error("{var}: {reason}")]
-    Var { var: &'static str, reason: String },
-    #[error("cannot draw random bytes: {0}")]
-    Random(String),
-    #[error("job secret: {0}")]
-    Invalid(String),
-}
 
 /// A job's shared secret: at least 16 bytes. Never printed (its `Debug` says only that it is
 /// one).
@@ -59,21 +47,21 @@ pub(crate) enum Role {
 }
 
 /// Fresh random bytes for one handshake.
-pub fn nonce() -> Result<[u8; NONCE_LEN], AuthError> {
+pub fn nonce() -> Result<[u8; NONCE_LEN], CommError> {
     let mut n = [0u8; NONCE_LEN];
-    getrandom::fill(&mut n).map_err(|e| AuthError::Random(e.to_string()))?;
+    getrandom::fill(&mut n).map_err(|e| CommError::Random(e.to_string()))?;
     Ok(n)
 }
 
 impl JobSecret {
     /// 32 fresh random bytes (what a single-node `tandem run` makes for its workers).
-    pub fn generate() -> Result<JobSecret, AuthError> {
+    pub fn generate() -> Result<JobSecret, CommError> {
         Ok(JobSecret(Arc::from(&nonce()?[..])))
     }
 
-    pub fn from_bytes(bytes: &[u8]) -> Result<JobSecret, AuthError> {
+    pub fn from_bytes(bytes: &[u8]) -> Result<JobSecret, CommError> {
         if bytes.len() < MIN_SECRET || bytes.len() > MAX_SECRET {
-            return Err(AuthError::Invalid(format!(
+            return Err(CommError::SecretInvalid(format!(
                 "{} bytes; a secret has {MIN_SECRET} to {MAX_SECRET}",
                 bytes.len()
             )));
@@ -84,9 +72,10 @@ impl JobSecret {
     /// Reads a secret file: refused when anyone but its owner may read or write it (like ssh's
     /// keys), when it holds fewer than 16 bytes, or more than 4096. A trailing newline is not
     /// part of the secret (so `echo`/`openssl rand -hex 32 > file` work).
-    pub fn read_file(path: &Path) -> Result<JobSecret, AuthError> {
+    pub fn read_file(path: &Path) -> Result<JobSecret, CommError> {
         use std::os::unix::fs::PermissionsExt;
-        let fail = |reason: String| AuthError::File { path: path.display().to_string(), reason };
+        let fail =
+            |reason: String| CommError::SecretFile { path: path.display().to_string(), reason };
         let file = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
         let meta = file.metadata().map_err(|e| fail(e.to_string()))?;
         if !meta.is_file() {
@@ -109,16 +98,16 @@ impl JobSecret {
         JobSecret::from_bytes(&bytes).map_err(|e| fail(e.to_string()))
     }
 
-    pub fn from_hex(text: &str) -> Result<JobSecret, AuthError> {
+    pub fn from_hex(text: &str) -> Result<JobSecret, CommError> {
         let text = text.trim();
         if !text.len().is_multiple_of(2) || text.len() > 2 * MAX_SECRET {
-            return Err(AuthError::Invalid("not an even number of hex digits".into()));
+            return Err(CommError::SecretInvalid("not an even number of hex digits".into()));
         }
         let bytes = (0..text.len())
             .step_by(2)
             .map(|i| u8::from_str_radix(&text[i..i + 2], 16))
             .collect::<Result<Vec<u8>, _>>()
-            .map_err(|_| AuthError::Invalid("not hex".into()))?;
+            .map_err(|_| CommError::SecretInvalid("not hex".into()))?;
         JobSecret::from_bytes(&bytes)
     }
 
@@ -129,15 +118,15 @@ impl JobSecret {
 
     /// The job's secret from the environment: [`SECRET_VAR`] (hex, from a launcher), else the
     /// file [`SECRET_FILE_VAR`] names; `None` when neither is set.
-    pub fn from_env() -> Result<Option<JobSecret>, AuthError> {
+    pub fn from_env() -> Result<Option<JobSecret>, CommError> {
         JobSecret::from_vars(|var| std::env::var(var).ok())
     }
 
     /// [`JobSecret::from_env`] over any variable lookup (the one place the two variables are
     /// read; `tandem_comm::init` passes its own view of the environment).
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<JobSecret>, AuthError> {
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<JobSecret>, CommError> {
         if let Some(hex) = var(SECRET_VAR) {
-            return JobSecret::from_hex(&hex).map(Some).map_err(|e| AuthError::Var {
+            return JobSecret::from_hex(&hex).map(Some).map_err(|e| CommError::SecretVar {
                 var: SECRET_VAR,
                 reason: format!("{e} (a launcher sets it)"),
             });

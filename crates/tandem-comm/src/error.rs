@@ -30,9 +30,18 @@ pub enum CommError {
     #[error("{addr} ({var}): the job refused this connection: {reason}")]
     AuthFailed { addr: String, var: String, reason: String },
 
-    /// The job secret could not be read.
-    #[error(transparent)]
-    Secret(#[from] crate::auth::AuthError),
+    /// The job secret file could not be read or is not private.
+    #[error("job secret file {path}: {reason}")]
+    SecretFile { path: String, reason: String },
+    /// The job secret variable `var` holds no valid secret.
+    #[error("{var}: {reason}")]
+    SecretVar { var: &'static str, reason: String },
+    /// A secret of the wrong length or form.
+    #[error("job secret: {0}")]
+    SecretInvalid(String),
+    /// The system's random source failed.
+    #[error("cannot draw random bytes: {0}")]
+    Random(String),
 
     /// A store operation did not complete in time.
     #[error("store {op} {key:?}: timed out after {after:?}")]

@@ -11,7 +11,7 @@ use crate::groups::{
     only_keys, refuse_true, saved_bool, saved_f64, saved_tensor, torch_number, Groups, Hyper,
     ParamState,
 };
-use crate::{non_negative, OptimError, TorchOptimizer};
+use crate::{non_negative, OptimError, Part, TorchOptimizer};
 
 /// Hyperparameters of `torch.optim.Adam` (torch's defaults).
 #[derive(Clone, Debug, PartialEq)]
@@ -68,7 +68,12 @@ impl AdamHyper {
     fn validate(&self) -> Result<(), OptimError> {
         let c = &self.cfg;
         let bad = |name, value: f64, why| {
-            Err(OptimError::InvalidConfig { name, value: value.to_string(), why })
+            Err(OptimError::InvalidConfig {
+                of: Part::Optimizer,
+                name,
+                value: value.to_string(),
+                why,
+            })
         };
         if !non_negative(c.lr) {
             return bad("lr", c.lr, "must be >= 0");

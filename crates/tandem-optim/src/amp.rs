@@ -26,39 +26,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 use tandem_ckpt::Value;
 
-use crate::{OptimError, TorchOptimizer};
-
-#[derive(Debug, thiserror::Error)]
-pub enum AmpError {
-    #[error("invalid GradScaler setting {name}={value}: {why}")]
-    InvalidConfig { name: &'static str, value: String, why: &'static str },
-    #[error("unscale_() has already been called on this optimizer since the last update()")]
-    AlreadyUnscaled,
-    #[error("step() has already been called on this optimizer since the last update()")]
-    AlreadyStepped,
-    #[error(
-        "update() found no inf checks since the last update(): call step() (or unscale_()) first"
-    )]
-    NoInfChecks,
-    /// torch's "Attempting to unscale FP16 gradients.": float16 gradients have too little range to
-    /// be unscaled in place; the parameters should stay float32 (see [`autocast_var_builder`]).
-    #[error("gradient of parameter {index} is float16: GradScaler needs float32 (or bf16) master parameters; build the model with autocast_var_builder to compute in float16")]
-    Fp16Gradient { index: usize },
-    #[error("GradScaler state_dict is empty: it was saved from a disabled GradScaler")]
-    EmptyStateDict,
-    #[error("GradScaler state_dict: {key}: {why}")]
-    StateDict { key: &'static str, why: String },
-    #[error("GradScaler: gradient of parameter {index}: {source}")]
-    Candle {
-        index: usize,
-        #[source]
-        source: candle_core::Error,
-    },
-    #[error("GradScaler: scaling the loss: {0}")]
-    Scale(#[source] candle_core::Error),
-    #[error(transparent)]
-    Optim(#[from] OptimError),
-}
+use crate::{OptimError, Part, TorchOptimizer};
 
 /// `torch.amp.GradScaler(init_scale, growth_factor, backoff_factor, growth_interval, enabled)`.
 #[derive(Clone, Debug, PartialEq)]
@@ -85,8 +53,10 @@ impl Default for GradScalerConfig {
 }
 
 impl GradScalerConfig {
-    fn validate(&self) -> Result<(), AmpError> {
-        let bad = |name, value: String, why| Err(AmpError::InvalidConfig { name, value, why });
+    fn validate(&self) -> Result<(), OptimError> {
+        let bad = |name, value: String, why| {
+            Err(OptimError::InvalidConfig { of: Part::GradScaler, name, value, why })
+        };
         if !valid_scale(self.init_scale) {
             return bad(
                 "init_scale",
@@ -134,7 +104,7 @@ pub struct GradScaler {
 }
 
 impl GradScaler {
-    pub fn new(cfg: GradScalerConfig) -> Result<Self, AmpError> {
+    pub fn new(cfg: GradScalerConfig) -> Result<Self, OptimError> {
         cfg.validate()?;
         Ok(GradScaler {
             scale: cfg.init_scale as f32,
@@ -164,7 +134,7 @@ impl GradScaler {
 
     /// `loss * scale`. As in torch, a half-precision loss comes back as float32 (the scale is a
     /// float32 scalar and type promotion keeps the wider type).
-    pub fn scale(&self, loss: &Tensor) -> Result<Tensor, AmpError> {
+    pub fn scale(&self, loss: &Tensor) -> Result<Tensor, OptimError> {
         if !self.cfg.enabled {
             return Ok(loss.clone());
         }
@@ -174,8 +144,8 @@ impl GradScaler {
         };
         let scale = Tensor::new(self.scale, loss.device())
             .and_then(|s| s.to_dtype(dtype))
-            .map_err(AmpError::Scale)?;
-        loss.to_dtype(dtype).and_then(|l| l.broadcast_mul(&scale)).map_err(AmpError::Scale)
+            .map_err(OptimError::Scale)?;
+        loss.to_dtype(dtype).and_then(|l| l.broadcast_mul(&scale)).map_err(OptimError::Scale)
     }
 
     /// Divides the gradients of `optimizer`'s parameters by the scale, in place in `grads`, and
@@ -184,15 +154,15 @@ impl GradScaler {
         &mut self,
         optimizer: &O,
         grads: &mut GradStore,
-    ) -> Result<(), AmpError> {
+    ) -> Result<(), OptimError> {
         if !self.cfg.enabled {
             return Ok(());
         }
         let params = optimizer.params();
         if let Some(stage) = self.stages.get(&key_of(&params)) {
             return Err(match stage {
-                Stage::Unscaled { .. } => AmpError::AlreadyUnscaled,
-                Stage::Stepped { .. } => AmpError::AlreadyStepped,
+                Stage::Unscaled { .. } => OptimError::AlreadyUnscaled,
+                Stage::Stepped { .. } => OptimError::AlreadyStepped,
             });
         }
         self.unscale_params(&params, grads)?;
@@ -201,7 +171,11 @@ impl GradScaler {
 
     /// Unscales the gradients of `params` and records the stage under their key; returns whether
     /// any held an inf or NaN.
-    fn unscale_params(&mut self, params: &[Var], grads: &mut GradStore) -> Result<bool, AmpError> {
+    fn unscale_params(
+        &mut self,
+        params: &[Var],
+        grads: &mut GradStore,
+    ) -> Result<bool, OptimError> {
         // The reciprocal in f64, rounded to f32, as torch's `_scale.double().reciprocal().float()`.
         let inv_scale = (1.0 / self.scale as f64) as f32;
         let found_inf = unscale_grads(params, grads, inv_scale)?;
@@ -215,7 +189,7 @@ impl GradScaler {
         &mut self,
         optimizer: &mut O,
         grads: &mut GradStore,
-    ) -> Result<bool, AmpError> {
+    ) -> Result<bool, OptimError> {
         if !self.cfg.enabled {
             optimizer.step(grads)?;
             return Ok(true);
@@ -225,7 +199,7 @@ impl GradScaler {
         let found_inf = match self.stages.get(&key) {
             None => self.unscale_params(&params, grads)?,
             Some(Stage::Unscaled { found_inf }) => *found_inf,
-            Some(Stage::Stepped { .. }) => return Err(AmpError::AlreadyStepped),
+            Some(Stage::Stepped { .. }) => return Err(OptimError::AlreadyStepped),
         };
         if !found_inf {
             optimizer.step(grads)?;
@@ -237,12 +211,12 @@ impl GradScaler {
     /// Ends the iteration: backs the scale off if any optimizer found an inf or NaN, else counts
     /// a clean step and grows the scale after `growth_interval` of them (unless the grown scale
     /// overflows float32).
-    pub fn update(&mut self) -> Result<(), AmpError> {
+    pub fn update(&mut self) -> Result<(), OptimError> {
         if !self.cfg.enabled {
             return Ok(());
         }
         if self.stages.is_empty() {
-            return Err(AmpError::NoInfChecks);
+            return Err(OptimError::NoInfChecks);
         }
         let found_inf = self.stages.values().any(|s| s.found_inf());
         self.stages.clear();
@@ -266,12 +240,13 @@ impl GradScaler {
     }
 
     /// Sets the scale by hand (`update(new_scale)` in torch) and ends the iteration.
-    pub fn update_to(&mut self, new_scale: f64) -> Result<(), AmpError> {
+    pub fn update_to(&mut self, new_scale: f64) -> Result<(), OptimError> {
         if !self.cfg.enabled {
             return Ok(());
         }
         if !valid_scale(new_scale) {
-            return Err(AmpError::InvalidConfig {
+            return Err(OptimError::InvalidConfig {
+                of: Part::GradScaler,
                 name: "new_scale",
                 value: new_scale.to_string(),
                 why: "must be > 0 and finite in float32",
@@ -299,36 +274,33 @@ impl GradScaler {
 
     /// Loads a state made by [`GradScaler::state_dict`] or by torch. A no-op when disabled (as
     /// torch); nothing changes when an error is returned.
-    pub fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), AmpError> {
+    pub fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), OptimError> {
         if !self.cfg.enabled {
             return Ok(());
         }
         let Value::Dict(items) = state_dict else {
-            return Err(AmpError::StateDict { key: "(root)", why: "not a dict".into() });
+            return Err(scaler_state("(root)", "not a dict"));
         };
         if items.is_empty() {
-            return Err(AmpError::EmptyStateDict);
+            return Err(OptimError::EmptyStateDict);
         }
-        let get = |key: &'static str| {
-            state_dict.get(key).ok_or_else(|| AmpError::StateDict { key, why: "missing".into() })
-        };
-        let number = |key: &'static str| -> Result<f64, AmpError> {
+        let get =
+            |key: &'static str| state_dict.get(key).ok_or_else(|| scaler_state(key, "missing"));
+        let number = |key: &'static str| -> Result<f64, OptimError> {
             match get(key)? {
                 Value::Float(f) => Ok(*f),
                 Value::Int(i) => Ok(*i as f64),
-                other => Err(AmpError::StateDict {
-                    key,
-                    why: format!("expected a number, got {}", other.type_name()),
-                }),
+                other => {
+                    Err(scaler_state(key, format!("expected a number, got {}", other.type_name())))
+                }
             }
         };
-        let int = |key: &'static str| -> Result<i64, AmpError> {
+        let int = |key: &'static str| -> Result<i64, OptimError> {
             match get(key)? {
                 Value::Int(i) => Ok(*i),
-                other => Err(AmpError::StateDict {
-                    key,
-                    why: format!("expected an int, got {}", other.type_name()),
-                }),
+                other => {
+                    Err(scaler_state(key, format!("expected an int, got {}", other.type_name())))
+                }
             }
         };
         let cfg = GradScalerConfig {
@@ -339,15 +311,14 @@ impl GradScaler {
             enabled: true,
         };
         cfg.validate().map_err(|e| match e {
-            AmpError::InvalidConfig { name, why, .. } => AmpError::StateDict {
-                key: if name == "init_scale" { "scale" } else { name },
-                why: why.into(),
-            },
+            OptimError::InvalidConfig { name, why, .. } => {
+                scaler_state(if name == "init_scale" { "scale" } else { name }, why)
+            }
             other => other,
         })?;
         let tracker = int("_growth_tracker")?;
         if tracker < 0 {
-            return Err(AmpError::StateDict { key: "_growth_tracker", why: "must be >= 0".into() });
+            return Err(scaler_state("_growth_tracker", "must be >= 0"));
         }
         self.scale = cfg.init_scale as f32;
         self.growth_tracker = tracker;
@@ -355,6 +326,11 @@ impl GradScaler {
         self.stages.clear();
         Ok(())
     }
+}
+
+/// The GradScaler's state_dict entry `key` does not fit: `why`.
+fn scaler_state(key: &str, why: impl Into<String>) -> OptimError {
+    OptimError::StateDict { of: Part::GradScaler, key: key.into(), why: why.into() }
 }
 
 /// A loss scale GradScaler can hold: positive and finite as a float32.
@@ -369,13 +345,17 @@ fn key_of(params: &[Var]) -> Vec<TensorId> {
 /// Multiplies every gradient of `params` by `inv_scale` (torch's
 /// `_amp_foreach_non_finite_check_and_unscale_`: in float32 for float32 and bf16 gradients, f64
 /// for f64) and returns whether any held an inf or NaN. One host read for all of them.
-fn unscale_grads(params: &[Var], grads: &mut GradStore, inv_scale: f32) -> Result<bool, AmpError> {
+fn unscale_grads(
+    params: &[Var],
+    grads: &mut GradStore,
+    inv_scale: f32,
+) -> Result<bool, OptimError> {
     let mut non_finite: Option<Tensor> = None;
     for (index, p) in params.iter().enumerate() {
         let Some(g) = grads.get(p.as_tensor()) else { continue };
-        let candle = |source| AmpError::Candle { index, source };
+        let candle = |source| OptimError::Gradient { of: Part::GradScaler, index, source };
         let (compute, back) = match g.dtype() {
-            DType::F16 => return Err(AmpError::Fp16Gradient { index }),
+            DType::F16 => return Err(OptimError::Fp16Gradient { index }),
             DType::BF16 => (DType::F32, Some(DType::BF16)),
             DType::F64 => (DType::F64, None),
             _ => (DType::F32, None),
@@ -398,7 +378,11 @@ fn unscale_grads(params: &[Var], grads: &mut GradStore, inv_scale: f32) -> Resul
     match non_finite {
         None => Ok(false),
         Some(t) => {
-            let v = t.to_scalar::<f64>().map_err(|source| AmpError::Candle { index: 0, source })?;
+            let v = t.to_scalar::<f64>().map_err(|source| OptimError::Gradient {
+                of: Part::GradScaler,
+                index: 0,
+                source,
+            })?;
             Ok(!v.is_finite())
         }
     }

@@ -5,21 +5,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Var};
 
-#[derive(Debug, thiserror::Error)]
-pub enum ClipError {
-    #[error("invalid max_norm {0}: must be a finite number >= 0")]
-    InvalidMaxNorm(f64),
-    /// torch's `error_if_nonfinite=True`: clipping by a NaN/inf norm would zero or poison every
-    /// gradient, so the gradients are left untouched and the caller decides (skip the step).
-    #[error("the total gradient norm is {norm} (non-finite); gradients were left unchanged")]
-    NonFiniteNorm { norm: f64 },
-    #[error("gradient of parameter {index}: {source}")]
-    Candle {
-        index: usize,
-        #[source]
-        source: candle_core::Error,
-    },
-}
+use crate::{OptimError, Part};
 
 /// Clips the gradients of `params` in `grads` to a global L2 norm of at most `max_norm` and
 /// returns the total norm before clipping. Parameters without a gradient are ignored. The norm
@@ -28,9 +14,9 @@ pub fn clip_grad_norm(
     params: &[Var],
     grads: &mut GradStore,
     max_norm: f64,
-) -> Result<f64, ClipError> {
+) -> Result<f64, OptimError> {
     if !(max_norm >= 0.0 && max_norm.is_finite()) {
-        return Err(ClipError::InvalidMaxNorm(max_norm));
+        return Err(OptimError::InvalidMaxNorm(max_norm));
     }
     let total = match device_sum_squares(params, grads)? {
         Some(sum_sq) => sum_sq.sqrt(),
@@ -43,21 +29,24 @@ pub fn clip_grad_norm(
                     .and_then(|g| g.sqr())
                     .and_then(|g| g.sum_all())
                     .and_then(|s| s.to_scalar::<f64>())
-                    .map_err(|source| ClipError::Candle { index, source })?;
+                    .map_err(|source| OptimError::Gradient { of: Part::Clipping, index, source })?;
                 sum_sq += sq;
             }
             sum_sq.sqrt()
         }
     };
     if !total.is_finite() {
-        return Err(ClipError::NonFiniteNorm { norm: total });
+        return Err(OptimError::NonFiniteNorm { norm: total });
     }
     let coef = max_norm / (total + 1e-6);
     if coef < 1.0 {
         for (index, p) in params.iter().enumerate() {
             let Some(g) = grads.get(p.as_tensor()) else { continue };
-            let scaled =
-                g.affine(coef, 0.0).map_err(|source| ClipError::Candle { index, source })?;
+            let scaled = g.affine(coef, 0.0).map_err(|source| OptimError::Gradient {
+                of: Part::Clipping,
+                index,
+                source,
+            })?;
             grads.insert(p.as_tensor(), scaled);
         }
     }
@@ -68,7 +57,7 @@ pub fn clip_grad_norm(
 /// of them by tandem-cuda's kernels with one read-back, instead of one per parameter. `None`
 /// where that does not apply (the CPU computes it per parameter, in f64, as before).
 #[cfg(feature = "cuda")]
-fn device_sum_squares(params: &[Var], grads: &GradStore) -> Result<Option<f64>, ClipError> {
+fn device_sum_squares(params: &[Var], grads: &GradStore) -> Result<Option<f64>, OptimError> {
     let present: Vec<&candle_core::Tensor> =
         params.iter().filter_map(|p| grads.get(p.as_tensor())).collect();
     let Some(first) = present.first() else { return Ok(None) };
@@ -78,13 +67,13 @@ fn device_sum_squares(params: &[Var], grads: &GradStore) -> Result<Option<f64>, 
     if !first.device().is_cuda() || !present.iter().all(same) {
         return Ok(None);
     }
-    let candle = |source| ClipError::Candle { index: 0, source };
+    let candle = |source| OptimError::Candle { index: 0, source };
     let sum = tandem_cuda::reduce::sum_squares(&present).map_err(candle)?;
     let v = sum.to_vec1::<f64>().map_err(candle)?;
     Ok(v.first().copied())
 }
 
 #[cfg(not(feature = "cuda"))]
-fn device_sum_squares(_: &[Var], _: &GradStore) -> Result<Option<f64>, ClipError> {
+fn device_sum_squares(_: &[Var], _: &GradStore) -> Result<Option<f64>, OptimError> {
     Ok(None)
 }

@@ -3,7 +3,7 @@
 use candle_core::{Tensor, Var};
 use tandem_ckpt::Value;
 
-use crate::OptimError;
+use crate::{OptimError, Part};
 
 /// The hyperparameters of one param group.
 pub(crate) trait Hyper: Clone {
@@ -67,6 +67,7 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
         }
         if index == 0 {
             return Err(OptimError::InvalidConfig {
+                of: Part::Optimizer,
                 name: "params",
                 value: "[]".into(),
                 why: "optimizer got an empty parameter list (torch refuses this too)",
@@ -140,6 +141,7 @@ impl<H: Hyper, S: ParamState> Groups<H, S> {
     pub fn set_group_lrs(&mut self, lrs: &[f64]) -> Result<(), OptimError> {
         if lrs.len() != self.groups.len() {
             return Err(OptimError::InvalidConfig {
+                of: Part::Optimizer,
                 name: "lrs",
                 value: format!("{lrs:?}"),
                 why: "needs one learning rate per param group",

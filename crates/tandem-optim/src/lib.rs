@@ -133,10 +133,10 @@ pub mod zero;
 pub use adam::{densify, AdamConfig, AdamWConfig, TorchAdam, TorchAdamW};
 pub use amp::{GradScaler, GradScalerConfig};
 pub use checkpointable::OptimizerState;
-pub use clip::{clip_grad_norm, ClipError};
+pub use clip::clip_grad_norm;
 pub use lr_scheduler::LrScheduler;
 pub(crate) use optimizer::non_negative;
-pub use optimizer::{OptimError, OptimizerShard, TorchOptimizer};
+pub use optimizer::{OptimError, OptimizerShard, Part, TorchOptimizer};
 pub use sgd::{SgdConfig, TorchSgd};
 #[cfg(feature = "zero")]
 pub use zero::{ShardOptimizer, ZeroRedundancyOptimizer};

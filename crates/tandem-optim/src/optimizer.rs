@@ -2,22 +2,31 @@
 use candle_core::backprop::GradStore;
 use tandem_ckpt::Value;
 
-/// What can go wrong building, stepping or (re)loading an optimizer.
+/// What can go wrong building, stepping or (re)loading an optimizer, a learning-rate
+/// scheduler or a GradScaler, or clipping gradients: the crate's one error.
 #[derive(Debug, thiserror::Error)]
 pub enum OptimError {
-    /// A hyperparameter outside its valid range (torch raises `ValueError` for the same).
-    #[error("invalid optimizer setting {name}={value}: {why}")]
-    InvalidConfig { name: &'static str, value: String, why: &'static str },
+    /// A setting outside its valid range (torch raises `ValueError` for the same).
+    #[error("invalid {of} setting {name}={value}: {why}")]
+    InvalidConfig { of: Part, name: &'static str, value: String, why: &'static str },
     /// A parameter the optimizer cannot handle (for example an integer tensor).
     #[error("parameter {index}: {why}")]
     InvalidParam { index: usize, why: String },
-    /// A state_dict that does not fit this optimizer; `key` is the path inside the state_dict,
-    /// for example `state.3.exp_avg` or `param_groups.0.lr`.
-    #[error("optimizer state_dict: {key}: {why}")]
-    StateDict { key: String, why: String },
+    /// A state_dict that does not fit; `key` is the path inside the state_dict, for example
+    /// `state.3.exp_avg`, `param_groups.0.lr` or a scheduler's `last_epoch`.
+    #[error("{of} state_dict: {key}: {why}")]
+    StateDict { of: Part, key: String, why: String },
     /// A tensor operation failed while updating parameter `index`.
     #[error("updating parameter {index}: {source}")]
     Step {
+        index: usize,
+        #[source]
+        source: candle_core::Error,
+    },
+    /// A tensor operation on parameter `index`'s gradient failed (unscaling, clipping).
+    #[error("{of}: gradient of parameter {index}: {source}")]
+    Gradient {
+        of: Part,
         index: usize,
         #[source]
         source: candle_core::Error,
@@ -32,11 +41,55 @@ pub enum OptimError {
     },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    #[error("unscale_() has already been called on this optimizer since the last update()")]
+    AlreadyUnscaled,
+    #[error("step() has already been called on this optimizer since the last update()")]
+    AlreadyStepped,
+    #[error(
+        "update() found no inf checks since the last update(): call step() (or unscale_()) first"
+    )]
+    NoInfChecks,
+    /// torch's "Attempting to unscale FP16 gradients.": float16 gradients have too little range to
+    /// be unscaled in place; the parameters should stay float32 (see
+    /// [`autocast_var_builder`](crate::amp::autocast_var_builder)).
+    #[error("gradient of parameter {index} is float16: GradScaler needs float32 (or bf16) master parameters; build the model with autocast_var_builder to compute in float16")]
+    Fp16Gradient { index: usize },
+    #[error("GradScaler state_dict is empty: it was saved from a disabled GradScaler")]
+    EmptyStateDict,
+    #[error("GradScaler: scaling the loss: {0}")]
+    Scale(#[source] candle_core::Error),
+    #[error("invalid max_norm {0}: must be a finite number >= 0")]
+    InvalidMaxNorm(f64),
+    /// torch's `error_if_nonfinite=True`: clipping by a NaN/inf norm would zero or poison every
+    /// gradient, so the gradients are left untouched and the caller decides (skip the step).
+    #[error("the total gradient norm is {norm} (non-finite); gradients were left unchanged")]
+    NonFiniteNorm { norm: f64 },
+}
+
+/// What an [`OptimError`] is about: the optimizer, a learning-rate scheduler, the GradScaler
+/// or gradient clipping.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    Optimizer,
+    Scheduler,
+    GradScaler,
+    Clipping,
+}
+
+impl std::fmt::Display for Part {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Part::Optimizer => "optimizer",
+            Part::Scheduler => "scheduler",
+            Part::GradScaler => "GradScaler",
+            Part::Clipping => "clipping",
+        })
+    }
 }
 
 impl OptimError {
     pub(crate) fn state(key: impl Into<String>, why: impl Into<String>) -> Self {
-        OptimError::StateDict { key: key.into(), why: why.into() }
+        OptimError::StateDict { of: Part::Optimizer, key: key.into(), why: why.into() }
     }
 }
 

@@ -8,7 +8,7 @@ use tandem_ckpt::Value;
 use crate::groups::{
     only_keys, refuse_true, saved_bool, saved_f64, torch_number, Groups, Hyper, ParamState,
 };
-use crate::{non_negative, OptimError};
+use crate::{non_negative, OptimError, Part};
 
 /// Hyperparameters of `torch.optim.SGD` (defaults as torch: lr 1e-3, everything else off).
 #[derive(Clone, Debug, PartialEq)]
@@ -30,7 +30,12 @@ impl SgdConfig {
     /// torch's constructor checks, with the same conditions.
     fn validate(&self) -> Result<(), OptimError> {
         let bad = |name, value: f64, why| {
-            Err(OptimError::InvalidConfig { name, value: value.to_string(), why })
+            Err(OptimError::InvalidConfig {
+                of: Part::Optimizer,
+                name,
+                value: value.to_string(),
+                why,
+            })
         };
         if !non_negative(self.lr) {
             return bad("lr", self.lr, "must be >= 0");

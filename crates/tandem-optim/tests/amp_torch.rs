@@ -8,8 +8,8 @@ mod torch_json;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use serde_json::Value as Json;
-use tandem_optim::amp::{autocast_var_builder, AmpError, GradScaler, GradScalerConfig};
-use tandem_optim::{clip_grad_norm, ClipError};
+use tandem_optim::amp::{autocast_var_builder, GradScaler, GradScalerConfig};
+use tandem_optim::{clip_grad_norm, OptimError};
 use tandem_optim::{AdamWConfig, SgdConfig, TorchAdamW, TorchOptimizer, TorchSgd};
 
 fn fixture() -> Json {
@@ -101,7 +101,7 @@ fn iterate(
             }
             // torch returns a NaN norm (and scales by it); tandem refuses to clip by it. The
             // step is skipped either way.
-            (Err(ClipError::NonFiniteNorm { .. }), Json::String(s)) if s == "nan" => {}
+            (Err(OptimError::NonFiniteNorm { .. }), Json::String(s)) if s == "nan" => {}
             (got, want) => panic!("{what}: clip_grad_norm gave {got:?}, torch {want}"),
         }
     }
@@ -308,12 +308,12 @@ fn misuse_is_refused_by_name() {
     let cfg = GradScalerConfig { init_scale: 8.0, ..Default::default() };
     let (_, mut opt, mut g) = one_param();
     let mut scaler = GradScaler::new(cfg.clone()).unwrap();
-    assert!(matches!(scaler.update(), Err(AmpError::NoInfChecks)));
+    assert!(matches!(scaler.update(), Err(OptimError::NoInfChecks)));
     scaler.unscale_(&opt, &mut g).unwrap();
-    assert!(matches!(scaler.unscale_(&opt, &mut g), Err(AmpError::AlreadyUnscaled)));
+    assert!(matches!(scaler.unscale_(&opt, &mut g), Err(OptimError::AlreadyUnscaled)));
     assert!(scaler.step(&mut opt, &mut g).unwrap());
-    assert!(matches!(scaler.step(&mut opt, &mut g), Err(AmpError::AlreadyStepped)));
-    assert!(matches!(scaler.unscale_(&opt, &mut g), Err(AmpError::AlreadyStepped)));
+    assert!(matches!(scaler.step(&mut opt, &mut g), Err(OptimError::AlreadyStepped)));
+    assert!(matches!(scaler.unscale_(&opt, &mut g), Err(OptimError::AlreadyStepped)));
     scaler.update().unwrap();
 
     // float16 gradients (float16 parameters) are refused, naming the parameter.
@@ -328,7 +328,7 @@ fn misuse_is_refused_by_name() {
         Tensor::new(&[1.0f32], &Device::Cpu).unwrap().to_dtype(DType::F16).unwrap(),
     );
     let err = scaler.unscale_(&opt16, &mut g16).unwrap_err();
-    assert!(matches!(err, AmpError::Fp16Gradient { index: 0 }), "{err}");
+    assert!(matches!(err, OptimError::Fp16Gradient { index: 0 }), "{err}");
 
     for (bad, name) in [
         (GradScalerConfig { growth_factor: 1.0, ..cfg.clone() }, "growth_factor"),
@@ -344,7 +344,7 @@ fn misuse_is_refused_by_name() {
     // State dicts: empty (from a disabled scaler), a missing key, a wrong type, a bad value.
     let before = scaler.state_dict();
     let err = scaler.load_state_dict(&tandem_ckpt::Value::Dict(vec![])).unwrap_err();
-    assert!(matches!(err, AmpError::EmptyStateDict), "{err}");
+    assert!(matches!(err, OptimError::EmptyStateDict), "{err}");
     let mut missing = before.clone();
     if let tandem_ckpt::Value::Dict(items) = &mut missing {
         items.retain(|(k, _)| k != &tandem_ckpt::Value::Str("_growth_tracker".into()));

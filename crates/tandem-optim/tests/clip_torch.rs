@@ -4,7 +4,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use serde_json::Value as Json;
-use tandem_optim::{clip_grad_norm, ClipError};
+use tandem_optim::{clip_grad_norm, OptimError};
 
 fn fixture() -> Json {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/optim/optimizers.json");
@@ -79,11 +79,11 @@ fn clip_ignores_params_without_grads_and_refuses_non_finite_norms() {
     let before = flat(store.get(a.as_tensor()).unwrap());
     assert!(matches!(
         clip_grad_norm(&[a.clone(), b.clone()], &mut store, 1.0),
-        Err(ClipError::NonFiniteNorm { .. })
+        Err(OptimError::NonFiniteNorm { .. })
     ));
     assert_eq!(flat(store.get(a.as_tensor()).unwrap()), before, "gradients changed on error");
     assert!(matches!(
         clip_grad_norm(&[a], &mut store, f64::NAN),
-        Err(ClipError::InvalidMaxNorm(_))
+        Err(OptimError::InvalidMaxNorm(_))
     ));
 }

@@ -8,7 +8,8 @@ use candle_core::{Device, Tensor, Var};
 use serde_json::Value as Json;
 use tandem_ckpt::Value;
 use tandem_optim::{
-    AdamConfig, AdamWConfig, OptimError, SgdConfig, TorchAdam, TorchAdamW, TorchOptimizer, TorchSgd,
+    AdamConfig, AdamWConfig, OptimError, Part, SgdConfig, TorchAdam, TorchAdamW, TorchOptimizer,
+    TorchSgd,
 };
 
 const TOL: f64 = 1e-6;
@@ -371,7 +372,7 @@ fn sgd_momentum_state(vars: &[Var]) -> (TorchSgd, Value) {
 
 fn state_err(r: Result<(), OptimError>) -> (String, String) {
     match r {
-        Err(OptimError::StateDict { key, why }) => (key, why),
+        Err(OptimError::StateDict { of: Part::Optimizer, key, why }) => (key, why),
         other => panic!("expected a state_dict error, got {other:?}"),
     }
 }

@@ -7,9 +7,9 @@ use candle_core::{Device, Tensor, Var};
 use serde_json::Value as Json;
 use tandem_ckpt::Value;
 use tandem_optim::lr_scheduler::{
-    CosineAnnealingLR, LinearLR, LrScheduler, PolyScheduler, PolynomialLRWarmup, SchedError, StepLR,
+    CosineAnnealingLR, LinearLR, LrScheduler, PolyScheduler, PolynomialLRWarmup, StepLR,
 };
-use tandem_optim::{SgdConfig, TorchOptimizer, TorchSgd};
+use tandem_optim::{OptimError, Part, SgdConfig, TorchOptimizer, TorchSgd};
 
 const REL: f64 = 1e-12;
 
@@ -149,12 +149,15 @@ fn step_optimizer_drives_every_param_group() {
     assert!(close(lrs[0], 0.01) && close(lrs[1], 0.001), "{lrs:?}");
     // A scheduler for one group cannot drive two.
     let one = LinearLR::with_defaults(&[0.1]).unwrap();
-    assert!(matches!(one.apply(&mut opt), Err(SchedError::Optim(_))));
+    assert!(matches!(
+        one.apply(&mut opt),
+        Err(OptimError::InvalidConfig { of: Part::Optimizer, name: "lrs", .. })
+    ));
 }
 
-fn state_key(r: Result<(), SchedError>) -> String {
+fn state_key(r: Result<(), OptimError>) -> String {
     match r {
-        Err(SchedError::StateDict { key, .. }) => key,
+        Err(OptimError::StateDict { of: Part::Scheduler, key, .. }) => key,
         other => panic!("expected a state_dict error, got {other:?}"),
     }
 }
@@ -179,22 +182,22 @@ fn bad_state_dicts_and_settings_are_refused() {
 
     assert!(matches!(
         StepLR::new(&[0.1], 0, 0.5),
-        Err(SchedError::InvalidConfig { name: "step_size", .. })
+        Err(OptimError::InvalidConfig { of: Part::Scheduler, name: "step_size", .. })
     ));
     assert!(matches!(
         StepLR::new(&[], 1, 0.5),
-        Err(SchedError::InvalidConfig { name: "base_lrs", .. })
+        Err(OptimError::InvalidConfig { of: Part::Scheduler, name: "base_lrs", .. })
     ));
     assert!(matches!(
         LinearLR::new(&[0.1], 0.0, 1.0, 5),
-        Err(SchedError::InvalidConfig { name: "start_factor", .. })
+        Err(OptimError::InvalidConfig { of: Part::Scheduler, name: "start_factor", .. })
     ));
     assert!(matches!(
         CosineAnnealingLR::new(&[0.1], 0, 0.0),
-        Err(SchedError::InvalidConfig { name: "T_max", .. })
+        Err(OptimError::InvalidConfig { of: Part::Scheduler, name: "T_max", .. })
     ));
     assert!(matches!(
         PolyScheduler::new(&[0.1], 0.1, 4, 4),
-        Err(SchedError::InvalidConfig { name: "max_steps", .. })
+        Err(OptimError::InvalidConfig { of: Part::Scheduler, name: "max_steps", .. })
     ));
 }

@@ -11,21 +11,10 @@ use std::fmt::Write as _;
 use tandem_comm::ProcessGroup;
 use tandem_data::datasets::faces::FACE_SIDE;
 use tandem_data::datasets::ijb::IjbSet;
-use tandem_train::{bail, Result};
+use tandem_train::{bail, Result, TrainError};
 
 /// The false-acceptance rates of insightface's table.
 pub const FARS: [f64; 6] = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1];
-
-/// Why scoring failed.
-#[derive(Debug, thiserror::Error)]
-pub enum IjbError {
-    #[error("pair {pair}: template {template} has no image")]
-    UnknownTemplate { pair: usize, template: i64 },
-    #[error("{what}: {got} values for {want} images")]
-    Mismatch { what: &'static str, got: usize, want: usize },
-    #[error("the pairs hold {0}: TAR@FAR needs genuine and impostor pairs")]
-    OneClass(&'static str),
-}
 
 /// What an IJB evaluation found (rank 0's, from [`evaluate`]).
 #[derive(Clone, Debug)]
@@ -107,13 +96,13 @@ pub fn image_features(
     embeddings: &[Vec<f32>],
     flipped: &[Vec<f32>],
     detector_scores: &[f32],
-) -> Result<Vec<Vec<f64>>, IjbError> {
+) -> Result<Vec<Vec<f64>>> {
     let n = embeddings.len();
     for (what, got) in
         [("flipped embeddings", flipped.len()), ("detector scores", detector_scores.len())]
     {
         if got != n {
-            return Err(IjbError::Mismatch { what, got, want: n });
+            bail!("{what}: {got} values for {n} images");
         }
     }
     Ok(embeddings
@@ -133,11 +122,11 @@ pub fn template_features(
     features: &[Vec<f64>],
     templates: &[i64],
     medias: &[i64],
-) -> Result<(Vec<i64>, Vec<Vec<f64>>), IjbError> {
+) -> Result<(Vec<i64>, Vec<Vec<f64>>)> {
     let n = features.len();
     for (what, got) in [("templates", templates.len()), ("medias", medias.len())] {
         if got != n {
-            return Err(IjbError::Mismatch { what, got, want: n });
+            bail!("{what}: {got} values for {n} images");
         }
     }
     let width = features.first().map_or(0, Vec::len);
@@ -172,17 +161,16 @@ pub fn pair_scores(
     templates: &[i64],
     features: &[Vec<f64>],
     pairs: &[(i64, i64)],
-) -> Result<Vec<f64>, IjbError> {
+) -> Result<Vec<f64>> {
     let index: BTreeMap<i64, usize> = templates.iter().enumerate().map(|(i, &t)| (t, i)).collect();
     pairs
         .iter()
         .enumerate()
         .map(|(pair, &(a, b))| {
             let get = |template: i64| {
-                index
-                    .get(&template)
-                    .map(|&i| &features[i])
-                    .ok_or(IjbError::UnknownTemplate { pair, template })
+                index.get(&template).map(|&i| &features[i]).ok_or_else(|| {
+                    TrainError::Invalid(format!("pair {pair}: template {template} has no image"))
+                })
             };
             let (fa, fb) = (get(a)?, get(b)?);
             Ok(fa.iter().zip(fb).map(|(x, y)| x * y).sum())
@@ -202,16 +190,16 @@ pub struct Roc {
 /// scikit-learn's `roc_curve`: scores sorted descending (stable), one point per distinct
 /// score, the points that lie on a straight line between their neighbours dropped, and (0, 0)
 /// in front.
-pub fn roc_curve(labels: &[bool], scores: &[f64]) -> Result<Roc, IjbError> {
+pub fn roc_curve(labels: &[bool], scores: &[f64]) -> Result<Roc> {
     if labels.len() != scores.len() {
-        return Err(IjbError::Mismatch { what: "scores", got: scores.len(), want: labels.len() });
+        bail!("scores: {} values for {} pairs", scores.len(), labels.len());
     }
     let positives = labels.iter().filter(|&&l| l).count();
     if positives == 0 {
-        return Err(IjbError::OneClass("no genuine pair"));
+        bail!("the pairs hold no genuine pair: TAR@FAR needs genuine and impostor pairs");
     }
     if positives == labels.len() {
-        return Err(IjbError::OneClass("no impostor pair"));
+        bail!("the pairs hold no impostor pair: TAR@FAR needs genuine and impostor pairs");
     }
     // numpy's argsort(kind="mergesort")[::-1]: ascending stable, then reversed.
     let mut order: Vec<usize> = (0..scores.len()).collect();
@@ -359,7 +347,10 @@ mod tests {
 
     #[test]
     fn one_class_pairs_and_unknown_templates_are_named() {
-        assert!(matches!(roc_curve(&[true, true], &[0.1, 0.2]), Err(IjbError::OneClass(_))));
+        assert!(roc_curve(&[true, true], &[0.1, 0.2])
+            .unwrap_err()
+            .to_string()
+            .contains("no impostor"));
         let e = pair_scores(&[1], &[vec![1.0]], &[(1, 9)]).unwrap_err().to_string();
         assert!(e.contains("template 9"), "{e}");
     }

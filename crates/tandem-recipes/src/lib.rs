@@ -29,20 +29,3 @@ mod validate;
 
 pub use options::{TrainConfig, TrainOptions};
 pub use recipes::train;
-
-/// The recipes' own failures, kept whole as the source of a training error.
-macro_rules! failed_from {
-    ($($ty:ty => $what:literal),* $(,)?) => {$(
-        impl From<$ty> for tandem_train::TrainError {
-            fn from(e: $ty) -> Self {
-                tandem_train::TrainError::Failed { what: $what.into(), source: Box::new(e) }
-            }
-        }
-    )*};
-}
-
-failed_from! {
-    verification::VerificationError => "verification",
-    face::FaceStateError => "the face checkpoint",
-    ijb::IjbError => "IJB scoring",
-}

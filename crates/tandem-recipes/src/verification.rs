@@ -12,12 +12,12 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor, Var};
 use candle_nn::ModuleT;
-use tandem_comm::{CommError, ProcessGroup};
+use tandem_comm::ProcessGroup;
 use tandem_data::datasets::faces::{verification_accuracy, VerificationSet};
-use tandem_data::DataError;
 use tandem_models::FACE_SIDE;
 
 use tandem_train::metrics::VerificationMetrics;
+use tandem_train::{bail, Result, TrainError};
 
 /// Images per forward pass.
 const BATCH: usize = 32;
@@ -25,28 +25,6 @@ const FOLDS: usize = 10;
 /// The collectives of a verification may wait this long for a slower rank's share (a large
 /// set on a loaded machine), instead of the group's usual stall timeout.
 const VERIFY_TIMEOUT: Duration = Duration::from_secs(30 * 60);
-
-/// Why a verification set could not be read or scored.
-#[derive(Debug, thiserror::Error)]
-pub enum VerificationError {
-    #[error(transparent)]
-    Data(#[from] DataError),
-    #[error("{path}: {pairs} pairs, fewer than the {FOLDS} folds")]
-    TooFewPairs { path: PathBuf, pairs: usize },
-    #[error("{path}: {what}")]
-    Comm {
-        path: PathBuf,
-        what: String,
-        #[source]
-        source: Box<CommError>,
-    },
-    #[error("{path}: gathered {got} values for {images} images of {embedding}")]
-    Gathered { path: PathBuf, got: usize, images: usize, embedding: usize },
-    #[error("{path}: {why}")]
-    Accuracy { path: PathBuf, why: String },
-    #[error("verification: {0}")]
-    Tensor(#[from] candle_core::Error),
-}
 
 /// One verification set, named by its file stem (`lfw.bin` is `lfw`), as arcface_torch names
 /// them.
@@ -65,16 +43,14 @@ impl ValSet {
 pub type ValResult = VerificationMetrics;
 
 /// Reads the verification sets at `paths` (each needs at least as many pairs as folds).
-pub fn load(paths: &[PathBuf]) -> Result<Vec<ValSet>, VerificationError> {
+pub fn load(paths: &[PathBuf]) -> Result<Vec<ValSet>> {
     paths
         .iter()
         .map(|p| {
             let set = VerificationSet::load(p)?;
             if set.pairs() < FOLDS {
-                return Err(VerificationError::TooFewPairs {
-                    path: p.to_path_buf(),
-                    pairs: set.pairs(),
-                });
+                let pairs = set.pairs();
+                bail!("{}: {pairs} pairs, fewer than the {FOLDS} folds", p.display());
             }
             Ok(ValSet { name: stem(p), set })
         })
@@ -93,11 +69,7 @@ struct LentStatistics<'a> {
 }
 
 impl<'a> LentStatistics<'a> {
-    fn lend(
-        buffers: &'a [(String, Var)],
-        group: &ProcessGroup,
-        path: &Path,
-    ) -> Result<Self, VerificationError> {
+    fn lend(buffers: &'a [(String, Var)], group: &ProcessGroup, path: &Path) -> Result<Self> {
         let mut own = Vec::with_capacity(buffers.len());
         for (name, var) in buffers {
             let t = var.as_tensor();
@@ -105,10 +77,8 @@ impl<'a> LentStatistics<'a> {
             let dtype = t.dtype();
             let mut values =
                 t.flatten_all()?.to_dtype(candle_core::DType::F64)?.to_vec1::<f64>()?;
-            group.broadcast(&mut values, 0).map_err(|source| VerificationError::Comm {
-                path: path.to_path_buf(),
-                what: format!("lending rank 0's `{name}`"),
-                source: Box::new(source),
+            group.broadcast(&mut values, 0).map_err(|source| {
+                TrainError::comm(format!("{}: lending rank 0's `{name}`", path.display()), source)
             })?;
             let lent = Tensor::from_vec(values, t.shape(), t.device())?.to_dtype(dtype)?;
             var.set(&lent)?;
@@ -136,7 +106,7 @@ pub fn evaluate(
     sets: &[ValSet],
     device: &Device,
     group: &ProcessGroup,
-) -> Result<Vec<ValResult>, VerificationError> {
+) -> Result<Vec<ValResult>> {
     let Some(first) = sets.first() else { return Ok(Vec::new()) };
     let usual = group.timeout();
     group.set_timeout(usual.max(VERIFY_TIMEOUT));
@@ -153,8 +123,8 @@ fn evaluate_set(
     val: &ValSet,
     device: &Device,
     group: &ProcessGroup,
-) -> Result<ValResult, VerificationError> {
-    let path = || val.set.path.clone();
+) -> Result<ValResult> {
+    let path = val.set.path.display();
     let n = val.set.images.len();
     let (rank, world) = (group.rank(), group.size());
     let share = n.div_ceil(world);
@@ -186,11 +156,7 @@ fn evaluate_set(
     }
     let gathered = group
         .all_gather_bytes(&local.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())
-        .map_err(|source| VerificationError::Comm {
-            path: path(),
-            what: "gathering the embeddings".into(),
-            source: Box::new(source),
-        })?;
+        .map_err(|source| TrainError::comm(format!("{path}: gathering the embeddings"), source))?;
     let values: Vec<f32> = gathered
         .iter()
         .flat_map(|b| b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
@@ -198,23 +164,15 @@ fn evaluate_set(
     // The model's embedding width, from what every rank sent (every image has one embedding).
     let e = values.len() / n.max(1);
     if e == 0 || values.len() != n * e {
-        return Err(VerificationError::Gathered {
-            path: path(),
-            got: values.len(),
-            images: n,
-            embedding: e,
-        });
+        let got = values.len();
+        bail!("{path}: gathered {got} values for {n} images of {e}");
     }
     group.all_reduce(&mut norms, tandem_comm::ReduceOp::Sum).map_err(|source| {
-        VerificationError::Comm {
-            path: path(),
-            what: "summing the embedding norms".into(),
-            source: Box::new(source),
-        }
+        TrainError::comm(format!("{path}: summing the embedding norms"), source)
     })?;
     let xnorm = norms[0] / norms[1].max(1.0);
     let embeddings: Vec<Vec<f32>> = values.chunks_exact(e).map(<[f32]>::to_vec).collect();
     let (accuracy, std) = verification_accuracy(&embeddings, &val.set.issame, FOLDS)
-        .map_err(|why| VerificationError::Accuracy { path: path(), why })?;
+        .map_err(|why| TrainError::Invalid(format!("{path}: {why}")))?;
     Ok(ValResult { name: val.name.clone(), accuracy, std, xnorm })
 }

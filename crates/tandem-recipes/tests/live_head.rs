@@ -8,8 +8,8 @@ use tandem_comm::ProcessGroup;
 use tandem_partial_fc::ClassSplit;
 use tandem_recipes::face::RowBlock;
 use tandem_testutil::run_tcp_world;
-use tandem_train::checkpoint::CheckpointError;
 use tandem_train::live::{exchange_mirror, regroup, RegroupCounts};
+use tandem_train::Result;
 
 const CLASSES: usize = 10;
 const E: usize = 3;
@@ -52,7 +52,7 @@ fn expected(world: usize, rank: usize, step: u64, step_of: impl Fn(usize) -> u64
     b
 }
 
-fn no_fallback(r: Range<usize>) -> Result<RowBlock, CheckpointError> {
+fn no_fallback(r: Range<usize>) -> Result<RowBlock> {
     panic!("no rows should be missing, asked for {r:?}")
 }
 
@@ -63,7 +63,7 @@ fn regroup_rows(
     step: u64,
     own: Option<&RowBlock>,
     mirror: Option<&RowBlock>,
-    fallback: &mut dyn FnMut(Range<usize>) -> Result<RowBlock, CheckpointError>,
+    fallback: &mut dyn FnMut(Range<usize>) -> Result<RowBlock>,
 ) -> (RowBlock, RegroupCounts) {
     let world = pg.size();
     let want = |rank: usize| vec![shard(world, rank)];

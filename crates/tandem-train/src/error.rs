@@ -1,14 +1,20 @@
-//! The trainer's error: what failed, in the words of the option, file, rank or step at fault,
-//! with the typed error underneath as its `source()` (a collective's `CommError`, a
-//! checkpoint's `CkptError`, a [`StepError`](crate::StepError), ...), so callers can still ask
+//! The crate's one error: what failed, in the words of the option, file, rank or step at
+//! fault, with the typed error underneath as its `source()` (a collective's `CommError`, a
+//! checkpoint file's `CkptError`, the optimizer's `OptimError`, ...), so callers can still ask
 //! what kind of failure it was (`tandem_comm::live::is_peer_failure` walks the chain).
 use std::error::Error as StdError;
+use std::fmt;
+use std::ops::Range;
+use std::path::PathBuf;
 
-/// A failure of the training loop or of a built-in recipe.
+use tandem_ckpt::CkptError;
+use tandem_comm::CommError;
+
+/// A failure of the training loop, its checkpoints, its state or live recovery.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
-    /// An option that cannot work, named (`--model cnn --data rec:...`, a warm-up longer than
-    /// the run, ...).
+    /// Something that cannot work, said in full: options that do not go together (`--model
+    /// cnn --data rec:...`), a saved state or a peer's message that does not fit, ...
     #[error("{0}")]
     Invalid(String),
     /// `what` failed because of `source`.
@@ -18,9 +24,6 @@ pub enum TrainError {
         #[source]
         source: Box<dyn StdError + Send + Sync>,
     },
-    /// A part each rank holds alone could not be mirrored or re-split (live recovery).
-    #[error(transparent)]
-    Live(Box<crate::live_part::PartError>),
     /// An option at fault, named by its key in the options' terms
     /// (`lr_scheduler`, `init_from`: the `--config` keys), with the value at fault when it is
     /// worth showing. Shown as `key=value: what`; a binary names its own flag for the key
@@ -34,6 +37,103 @@ pub enum TrainError {
         #[source]
         source: Option<Box<dyn StdError + Send + Sync>>,
     },
+    /// A file or directory could not be read or written (`what`: `creating`, `reading`, ...).
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A checkpoint file could not be encoded or decoded.
+    #[error("{}: {source}", path.display())]
+    File {
+        path: PathBuf,
+        #[source]
+        source: CkptError,
+    },
+    /// A checkpoint (file or directory) whose content does not fit: a missing shard, a
+    /// manifest that disagrees with its files, row blocks that do not stack.
+    #[error("{}: {why}", path.display())]
+    Corrupt { path: PathBuf, why: String },
+    /// A field of a saved training state that does not fit this run.
+    #[error("{}: field `{field}`: {problem}", path.display())]
+    Field { path: PathBuf, field: &'static str, problem: String },
+    /// A collective failed while `what` was being done (a dead peer during a save, a mirror,
+    /// a re-split).
+    #[error("{what}: {source}")]
+    Comm {
+        what: String,
+        // Not boxed: `source()` must give the `CommError` itself for `is_peer_failure` to
+        // find it (a `Box<CommError>` is another type to a downcast).
+        #[source]
+        source: CommError,
+    },
+    /// One phase of an optimizer step failed.
+    #[error("{phase} at step {step}")]
+    Step {
+        step: u64,
+        phase: StepPhase,
+        #[source]
+        source: Box<dyn StdError + Send + Sync>,
+    },
+    #[error(
+        "the run has {total_steps} steps, not more than the {warmup} warm-up steps (lower the \
+         warm-up or train longer)"
+    )]
+    WarmupTooLong { total_steps: u64, warmup: u64 },
+    /// A sharded optimizer already holds every entry on its owner; a part cannot take some.
+    #[error("a sharded optimizer cannot hand entries to the state's parts")]
+    ShardedWithParts,
+    #[error("live recovery: this process was not started by `tandem run --live-recovery` ({var} is not set)")]
+    NotLive { var: &'static str },
+    /// A part's re-split needed keys no surviving rank holds, and reading them from the last
+    /// checkpoint failed.
+    #[error("{part}: reading keys {keys:?} that no rank holds")]
+    Fill {
+        part: &'static str,
+        keys: Range<usize>,
+        /// A `TrainError`, boxed as `dyn Error` so that the chain shows it (a
+        /// `Box<TrainError>` would skip to its source).
+        #[source]
+        source: Box<dyn StdError + Send + Sync>,
+    },
+    /// A line of a metrics file that is not a record.
+    #[error("{}:{line}: not a metrics record: {source}", path.display())]
+    Record {
+        path: PathBuf,
+        line: usize,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// The phase of an optimizer step that failed ([`TrainError::Step`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepPhase {
+    /// The caller's backward (a collective inside Ddp, a kernel).
+    Backward,
+    /// Clipping found a non-finite gradient norm with no GradScaler to skip the step, or an
+    /// invalid max norm.
+    Clip,
+    /// The GradScaler's scale, unscale or update.
+    Scaler,
+    /// The optimizer's update.
+    Optimizer,
+    /// The learning-rate schedule's step.
+    Schedule,
+}
+
+impl fmt::Display for StepPhase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StepPhase::Backward => "backward",
+            StepPhase::Clip => "clipping the gradient norm",
+            StepPhase::Scaler => "loss scaling",
+            StepPhase::Optimizer => "the optimizer's update",
+            StepPhase::Schedule => "the learning-rate schedule",
+        })
+    }
 }
 
 /// `name(key)` with the value and what is wrong: `lr_scheduler=poly: unknown schedule`.
@@ -74,17 +174,17 @@ fn naming_settings(text: &str, flag: &dyn Fn(&str) -> Option<String>) -> String 
     out
 }
 
-impl From<crate::live_part::PartError> for TrainError {
-    fn from(e: crate::live_part::PartError) -> Self {
-        TrainError::Live(Box::new(e))
-    }
-}
-
 pub type Result<T, E = TrainError> = std::result::Result<T, E>;
 
 impl TrainError {
     pub fn invalid(why: impl Into<String>) -> Self {
         TrainError::Invalid(why.into())
+    }
+
+    /// A collective's failure while `what` was being done, kept whole (a dead peer in it is a
+    /// peer failure).
+    pub fn comm(what: impl Into<String>, source: CommError) -> Self {
+        TrainError::Comm { what: what.into(), source }
     }
 
     /// Option `key` (its `value`, when shown) cannot work: `what` says why.
@@ -183,19 +283,12 @@ macro_rules! failed_from {
 
 failed_from! {
     candle_core::Error => "a tensor operation",
-    tandem_comm::CommError => "a collective",
-    tandem_ckpt::CkptError => "a checkpoint file",
+    CommError => "a collective",
+    CkptError => "a checkpoint file",
     tandem_data::DataError => "the data",
     tandem_nn::NnError => "the model",
-    tandem_optim::OptimError => "the optimizer",
-    tandem_optim::amp::AmpError => "the GradScaler",
+    tandem_optim::OptimError => "the optimizer, its schedule or its GradScaler",
     tandem_ddp::DdpError => "Ddp",
-    crate::StepError => "an optimizer step",
-    crate::schedule::ScheduleError => "the learning-rate schedule",
-    crate::metrics::MetricsError => "the metrics file",
-    crate::checkpoint::CheckpointError => "a checkpoint",
-    crate::live::LiveError => "live recovery",
-    crate::state::StateError => "the training state",
     std::io::Error => "I/O",
 }
 
@@ -217,6 +310,22 @@ macro_rules! bail_option {
 }
 #[allow(unused_imports)]
 pub(crate) use crate::bail_option;
+
+/// A collective's failure while `what` was being done, kept whole (a dead peer in it is a
+/// peer failure).
+pub(crate) fn comm(what: impl Into<String>) -> impl FnOnce(CommError) -> TrainError {
+    let what = what.into();
+    move |source| TrainError::comm(what, source)
+}
+
+/// An I/O failure on `path` while `what` (`creating`, `reading`, ...) was being done.
+pub(crate) fn io(
+    what: &'static str,
+    path: &std::path::Path,
+) -> impl FnOnce(std::io::Error) -> TrainError {
+    let path = path.to_path_buf();
+    move |source| TrainError::Io { what, path, source }
+}
 
 #[cfg(test)]
 mod tests {
@@ -241,5 +350,29 @@ mod tests {
         assert_eq!(option.naming_option(flag), "--resume: needs --out, not `model.pt`");
         assert_eq!(option.to_string(), "resume: needs `out`, not `model.pt`");
         assert!(!plain.unwrap_err().is_peer_failure());
+    }
+
+    #[test]
+    fn a_peer_failure_is_found_through_every_wrapping_variant() {
+        let peer = || tandem_comm::CommError::Peer {
+            op: "broadcast_bytes",
+            seq: 0,
+            peer: 0,
+            reason: "closed its connection".into(),
+        };
+        let comm = TrainError::comm("live recovery: sending the training state", peer());
+        assert!(comm.is_peer_failure());
+        let fill = TrainError::Fill { part: "rows", keys: 0..4, source: Box::new(comm) };
+        assert!(fill.is_peer_failure());
+        // Every level shows in the chain, the wrapped TrainError's own line included.
+        let text = fill.chain_text();
+        assert!(text.contains("reading keys 0..4") && text.contains("sending the training state"));
+        assert!(text.contains("closed its connection"), "{text}");
+        let step = TrainError::Step { step: 3, phase: StepPhase::Backward, source: peer().into() };
+        assert!(step.is_peer_failure());
+        assert_eq!(step.to_string(), "backward at step 3");
+        let invalid =
+            TrainError::Field { path: "ck".into(), field: "sampler", problem: "x".into() };
+        assert!(!invalid.is_peer_failure());
     }
 }

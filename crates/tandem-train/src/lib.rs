@@ -57,16 +57,14 @@ pub use checkpoint::{
     CheckpointPolicy, Checkpointer, Never, Periodic, Saved, ShardDict, ShardSlice,
     TrainingStateDict,
 };
-pub use error::{Context, Result, TrainError};
+pub use error::{Context, Result, StepPhase, TrainError};
 pub use evaluate::evaluate_logits;
 pub use events::{Event, Lines, Logger, Reporter};
 pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
 pub use rank_state::{PartLoaded, RankBuffers, RankState};
-pub use schedule::{LrSchedule, RunLength, ScheduleError, Scheduler, Warmup};
-pub use state::{
-    load_state, load_state_from, save_state, LoaderPosition, Resumed, StateError, TrainingState,
-};
-pub use step::{phase_end, Step, StepError, StepOutcome};
+pub use schedule::{LrSchedule, RunLength, Scheduler, Warmup};
+pub use state::{load_state, load_state_from, save_state, LoaderPosition, Resumed, TrainingState};
+pub use step::{phase_end, Step, StepOutcome};
 pub use tfevents::EventWriter;
 pub use trainer::{Evaluation, Recipe, StepReport, StepTimes, Trainer, TrainerOptions};
 pub use world::World;

@@ -22,43 +22,20 @@ use tandem_ckpt::TrainingCheckpoint;
 use tandem_comm::live::{Generation, LiveGroup, LiveOptions};
 use tandem_comm::{Collectives, CommError, ProcessGroup};
 
-use crate::state::{
-    apply_checkpoint, sampler_state_from_value, to_value, Restore, StateError, TrainingState,
-};
+use crate::error::{comm, Context};
+use crate::state::{apply_checkpoint, sampler_state_from_value, to_value, Restore, TrainingState};
+use crate::{Result, TrainError};
 
 pub use tandem_comm::live::is_peer_failure;
 
 pub use crate::live_entries::Entries;
 pub use crate::live_part::{
-    exchange_mirror, owned_by, regroup, runs, Fill, Mirrored, PartError, PartHeader, RankPart,
-    RegroupCounts,
+    exchange_mirror, owned_by, regroup, runs, Fill, Mirrored, PartHeader, RankPart, RegroupCounts,
 };
 
 /// How many regroups one call tries while members keep failing (a source that dies while it
 /// sends its state, say) before giving up.
 const MAX_REGROUPS: usize = 8;
-
-#[derive(Debug, thiserror::Error)]
-pub enum LiveError {
-    #[error("live recovery: {0}")]
-    Comm(#[from] CommError),
-    #[error("live recovery: moving the training state: {0}")]
-    State(#[from] StateError),
-    #[error("live recovery: this process was not started by `tandem run --live-recovery` ({var} is not set)")]
-    NotLive { var: &'static str },
-    #[error("live recovery: {0}")]
-    Other(String),
-    /// The recipe's own re-split failed (its error kept whole: a peer's death in it is a
-    /// peer failure, and the world regroups again).
-    #[error("live recovery: {0}")]
-    Recipe(#[source] Box<crate::error::TrainError>),
-}
-
-impl LiveError {
-    pub(crate) fn from_train(e: crate::error::TrainError) -> Self {
-        LiveError::Recipe(Box::new(e))
-    }
-}
 
 /// What a regroup changed.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -105,16 +82,17 @@ impl LiveTraining {
     /// Connects to the live job `tandem run --live-recovery` started this process in: an
     /// original member forms the first world with the others; a replacement only connects
     /// (it joins in [`LiveTraining::start`], once its model is built).
-    pub fn connect() -> Result<LiveTraining, LiveError> {
-        let opts = LiveOptions::from_env()?
-            .ok_or(LiveError::NotLive { var: tandem_comm::live::LIVE_STORE_VAR })?;
+    pub fn connect() -> Result<LiveTraining> {
+        let opts = LiveOptions::from_env()
+            .map_err(comm("live recovery: reading the job's settings"))?
+            .ok_or(TrainError::NotLive { var: tandem_comm::live::LIVE_STORE_VAR })?;
         Self::connect_with(opts)
     }
 
     /// [`LiveTraining::connect`] with explicit options.
-    pub fn connect_with(opts: LiveOptions) -> Result<LiveTraining, LiveError> {
+    pub fn connect_with(opts: LiveOptions) -> Result<LiveTraining> {
         let replacement = opts.replacement;
-        let live = Arc::new(LiveGroup::connect(opts)?);
+        let live = Arc::new(LiveGroup::connect(opts).map_err(comm("live recovery: connecting"))?);
         Ok(LiveTraining { live, pending_start: replacement.into() })
     }
 
@@ -165,18 +143,17 @@ impl LiveTraining {
     /// original member does nothing; a replacement joins the running world, which regroups at
     /// its next step boundary, and receives the whole training state from the rank furthest
     /// along. `Some` change for a replacement.
-    pub fn start(&self, state: &mut impl LiveState) -> Result<Option<WorldChange>, LiveError> {
+    pub fn start(&self, state: &mut impl LiveState) -> Result<Option<WorldChange>> {
         if !self.pending_start.swap(false, std::sync::atomic::Ordering::SeqCst) {
             return Ok(None);
         }
-        let gen = self.live.join_running()?;
+        let gen = self.live.join_running().map_err(comm("live recovery: joining"))?;
         let change = match self.adopt(&gen, &[], state) {
-            Err(LiveError::Comm(e)) if is_peer_failure(&e) => self.regroup(state)?,
-            Err(e @ LiveError::Recipe(_)) if is_peer_failure(&e) => self.regroup(state)?,
+            Err(e) if e.is_peer_failure() => self.regroup(state)?,
             other => other?,
         };
         // From now on this process holds the state like the others.
-        self.live.holds_state()?;
+        self.live.holds_state().map_err(comm("live recovery: after joining"))?;
         Ok(Some(change))
     }
 
@@ -194,7 +171,7 @@ impl LiveTraining {
     /// step starts (after a failed step, put the loader back to where that step began).
     ///
     /// [`regroup_wanted`]: LiveTraining::regroup_wanted
-    pub fn regroup(&self, state: &mut impl LiveState) -> Result<WorldChange, LiveError> {
+    pub fn regroup(&self, state: &mut impl LiveState) -> Result<WorldChange> {
         let before = if self.live.has_joined() {
             self.live.generation().members.clone()
         } else {
@@ -202,19 +179,19 @@ impl LiveTraining {
         };
         let mut last = None;
         for _ in 0..MAX_REGROUPS {
-            let gen = self.live.regroup(state.progress())?;
+            let gen =
+                self.live.regroup(state.progress()).map_err(comm("live recovery: regrouping"))?;
             match self.adopt(&gen, &before, state) {
-                Err(LiveError::Comm(e)) if is_peer_failure(&e) => last = Some(e.to_string()),
-                Err(e @ LiveError::Recipe(_)) if is_peer_failure(&e) => last = Some(e.to_string()),
+                Err(e) if e.is_peer_failure() => last = Some(e.chain_text()),
                 Ok(change) => {
-                    self.live.holds_state()?;
+                    self.live.holds_state().map_err(comm("live recovery: after regrouping"))?;
                     return Ok(change);
                 }
                 other => return other,
             }
         }
-        Err(LiveError::Other(format!(
-            "members kept failing while the state moved ({MAX_REGROUPS} regroups); last: {}",
+        Err(TrainError::Invalid(format!(
+            "live recovery: members kept failing while the state moved ({MAX_REGROUPS} regroups); last: {}",
             last.unwrap_or_default()
         )))
     }
@@ -225,7 +202,7 @@ impl LiveTraining {
         gen: &Generation,
         before: &[usize],
         state: &mut impl LiveState,
-    ) -> Result<WorldChange, LiveError> {
+    ) -> Result<WorldChange> {
         let group = &gen.group;
         let source = gen.source;
         let mut bytes = Vec::new();
@@ -233,7 +210,9 @@ impl LiveTraining {
             bytes = state.save(group.size())?;
         }
         if group.size() > 1 {
-            group.broadcast_bytes(&mut bytes, source)?;
+            group
+                .broadcast_bytes(&mut bytes, source)
+                .map_err(comm("live recovery: sending the training state"))?;
         }
         if group.rank() == source {
             state.enter_world(group.rank(), group.size())?;
@@ -257,15 +236,15 @@ pub trait LiveState {
     /// Completed steps (the rank with the most is the source).
     fn progress(&self) -> u64;
     /// This rank's whole state as bytes, for a world of `world_size` (the source only).
-    fn save(&mut self, world_size: usize) -> Result<Vec<u8>, LiveError>;
+    fn save(&mut self, world_size: usize) -> Result<Vec<u8>>;
     /// Every rank but the source: takes the source's state and becomes `rank` of `size`
     /// (the data resharded from the source's position).
-    fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<(), LiveError>;
+    fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<()>;
     /// The source: becomes `rank` of `size` with its own state (the data resharded).
-    fn enter_world(&mut self, rank: usize, size: usize) -> Result<(), LiveError>;
+    fn enter_world(&mut self, rank: usize, size: usize) -> Result<()>;
     /// Every rank, after `load` or `enter_world`: re-splits over the new world `group` what
     /// each rank holds alone (a model-parallel head), a collective. Nothing by default.
-    fn reshard(&mut self, _group: &ProcessGroup) -> Result<(), LiveError> {
+    fn reshard(&mut self, _group: &ProcessGroup) -> Result<()> {
         Ok(())
     }
 }
@@ -276,18 +255,18 @@ impl LiveState for TrainingState<'_> {
     fn progress(&self) -> u64 {
         self.step
     }
-    fn save(&mut self, world_size: usize) -> Result<Vec<u8>, LiveError> {
+    fn save(&mut self, world_size: usize) -> Result<Vec<u8>> {
         state_bytes(self, world_size, false)
     }
-    fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<(), LiveError> {
+    fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<()> {
         load_state_bytes(self, bytes, (rank, size), true).map(drop)
     }
-    fn enter_world(&mut self, rank: usize, size: usize) -> Result<(), LiveError> {
+    fn enter_world(&mut self, rank: usize, size: usize) -> Result<()> {
         if let Some(loader) = self.loader.as_deref_mut() {
             let position = loader.position();
             loader
                 .reshard(rank, size, &position)
-                .map_err(|e| LiveError::Other(format!("resharding the loader: {e}")))?;
+                .context("live recovery: resharding the loader")?;
         }
         Ok(())
     }
@@ -299,9 +278,9 @@ pub(crate) fn state_bytes(
     state: &TrainingState<'_>,
     world_size: usize,
     entries_apart: bool,
-) -> Result<Vec<u8>, LiveError> {
+) -> Result<Vec<u8>> {
     let value = to_value(state, world_size, entries_apart)?;
-    Ok(tandem_ckpt::to_pt_bytes(&value).map_err(StateError::from)?)
+    tandem_ckpt::to_pt_bytes(&value).context("live recovery: encoding the training state")
 }
 
 /// Loads the source's `bytes` into `state` and moves its loader to `world` (rank, size) from
@@ -311,20 +290,21 @@ pub(crate) fn load_state_bytes(
     bytes: Vec<u8>,
     world: (usize, usize),
     optimizer: bool,
-) -> Result<TrainingCheckpoint, LiveError> {
-    let value = tandem_ckpt::pt::load_from_bytes("the live state", bytes, true)
-        .map_err(StateError::from)?;
-    let ck = TrainingCheckpoint::from_value(&value).map_err(StateError::from)?;
+) -> Result<TrainingCheckpoint> {
+    let decoding = "live recovery: decoding the training state";
+    let value =
+        tandem_ckpt::pt::load_from_bytes("the live state", bytes, true).context(decoding)?;
+    let ck = TrainingCheckpoint::from_value(&value).context(decoding)?;
     // The loader is moved to the new world from the source's position instead; the GradScaler
     // comes as the source had it (a note about it would be the source's).
     let what = Restore { model: true, loader: false, optimizer };
     apply_checkpoint(state, &ck, std::path::Path::new("<live state>"), what)?;
     if let Some(loader) = state.loader.as_deref_mut() {
         let position = sampler_state_from_value(&ck.sampler)
-            .map_err(|p| LiveError::Other(format!("the live state's sampler position: {p}")))?;
+            .context("live recovery: the live state's sampler position")?;
         loader
             .reshard(world.0, world.1, &position)
-            .map_err(|e| LiveError::Other(format!("resharding the loader: {e}")))?;
+            .context("live recovery: resharding the loader")?;
     }
     Ok(ck)
 }

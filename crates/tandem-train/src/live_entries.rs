@@ -20,6 +20,7 @@ use crate::error::{Context, Result};
 use crate::events::{MirrorCost, Resplit};
 use crate::live_part::{owned_by, runs, Mirrored, PartHeader, RankPart};
 use crate::rank_state::{PartLoaded, RankState};
+use crate::TrainError;
 
 /// Entries (parameter index → its optimizer state) held as of `step`, by ascending index.
 #[derive(Clone, Debug, PartialEq)]
@@ -66,23 +67,24 @@ impl RankPart for Entries {
         }
     }
 
-    fn encode(&self, keys: &[Range<usize>]) -> Result<Vec<u8>, String> {
+    fn encode(&self, keys: &[Range<usize>]) -> Result<Vec<u8>> {
         let state = Entries { step: self.step, entries: self.within(keys) }.into_state();
-        tandem_ckpt::to_pt_bytes(&state).map_err(|e| e.to_string())
+        tandem_ckpt::to_pt_bytes(&state).context("encoding optimizer entries")
     }
 
-    fn decode(header: &PartHeader, bytes: Vec<u8>) -> Result<Self, String> {
+    fn decode(header: &PartHeader, bytes: Vec<u8>) -> Result<Self> {
         let v = tandem_ckpt::pt::load_from_bytes("optimizer entries", bytes, false)
-            .map_err(|e| e.to_string())?;
+            .context("decoding optimizer entries")?;
         let got = Entries::from_state(&v, header.step);
         let held = got.header().ranges;
         if held != header.ranges {
-            return Err(format!("entries for parameters {held:?}, announced {:?}", header.ranges));
+            let why = format!("entries for parameters {held:?}, announced {:?}", header.ranges);
+            return Err(TrainError::Invalid(why));
         }
         Ok(got)
     }
 
-    fn take(&self, keys: &Range<usize>) -> Result<Self, String> {
+    fn take(&self, keys: &Range<usize>) -> Result<Self> {
         Ok(Entries { step: self.step, entries: self.within(std::slice::from_ref(keys)) })
     }
 
@@ -91,7 +93,7 @@ impl RankPart for Entries {
         step: u64,
         _labels: &[String],
         pieces: Vec<Self>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self> {
         let mut entries: Vec<(usize, Value)> = pieces.into_iter().flat_map(|p| p.entries).collect();
         entries.sort_by_key(|(i, _)| *i);
         Ok(Entries { step, entries })
@@ -127,7 +129,7 @@ impl LiveShards {
         let clock = Instant::now();
         let shard = sharded(opt)?;
         let own = Entries::from_state(&shard.entries, step);
-        Ok(self.mirror.exchange(group, &own, self.params, clock)?)
+        self.mirror.exchange(group, &own, self.params, clock)
     }
 }
 

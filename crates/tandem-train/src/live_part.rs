@@ -16,14 +16,15 @@
 //! A part covers ranges of keys `0..keys` (parameter indices, class rows); [`RankPart`] says how
 //! its keys travel and how a new part is put together from pieces. [`Mirrored`] is what a recipe
 //! keeps: the mirror, whether it holds a part, as of which step, and what the mirrors cost.
-use std::error::Error;
 use std::ops::Range;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use tandem_comm::{CommError, ProcessGroup};
 
+use crate::error::Context;
 use crate::events::MirrorCost;
+use crate::{Result, TrainError};
 
 /// Bound on one rank's announcement and on a part's header (ranges and labels).
 const MAX_HEADER: usize = 16 << 20;
@@ -54,18 +55,19 @@ impl PartHeader {
 
     /// Checks what a peer sent before it is used: ranges inside `0..keys`, ascending and
     /// disjoint; labels bounded.
-    fn check(&self, keys: usize) -> Result<(), String> {
+    fn check(&self, keys: usize) -> Result<()> {
         let mut end = 0;
         for &(s, e) in &self.ranges {
             if s < end || s >= e || e > keys {
-                return Err(format!(
+                return Err(TrainError::Invalid(format!(
                     "keys {s}..{e} are not ascending, disjoint ranges inside 0..{keys}"
-                ));
+                )));
             }
             end = e;
         }
         if self.labels.len() > MAX_LABELS || self.labels.iter().any(|l| l.len() > MAX_LABEL_LEN) {
-            return Err(format!("{} labels, at most {MAX_LABELS} allowed", self.labels.len()));
+            let many = format!("{} labels, at most {MAX_LABELS} allowed", self.labels.len());
+            return Err(TrainError::Invalid(many));
         }
         Ok(())
     }
@@ -92,14 +94,14 @@ pub trait RankPart: Sized {
     fn header(&self) -> PartHeader;
 
     /// Keys `keys` (inside this part's ranges) as one message.
-    fn encode(&self, keys: &[Range<usize>]) -> Result<Vec<u8>, String>;
+    fn encode(&self, keys: &[Range<usize>]) -> Result<Vec<u8>>;
 
     /// The part [`RankPart::encode`] wrote, as `header` describes it (a peer's bytes: check
     /// them).
-    fn decode(header: &PartHeader, bytes: Vec<u8>) -> Result<Self, String>;
+    fn decode(header: &PartHeader, bytes: Vec<u8>) -> Result<Self>;
 
     /// Keys `keys` of this part, without a trip through bytes.
-    fn take(&self, keys: &Range<usize>) -> Result<Self, String>;
+    fn take(&self, keys: &Range<usize>) -> Result<Self>;
 
     /// This rank's new part: `want` from `pieces` (in key order; keys no piece covers start
     /// afresh), as of `step`, carrying every label of the world (`labels`).
@@ -108,7 +110,7 @@ pub trait RankPart: Sized {
         step: u64,
         labels: &[String],
         pieces: Vec<Self>,
-    ) -> Result<Self, String>;
+    ) -> Result<Self>;
 }
 
 /// How a re-split went, summed over the world; counts are of keys.
@@ -143,49 +145,31 @@ impl RegroupCounts {
     }
 }
 
-/// Why a part could not be mirrored or re-split.
-#[derive(Debug, thiserror::Error)]
-pub enum PartError {
-    /// `what` names the part and what was being done (`the PartialFC head's rows: sending a
-    /// piece to rank 2`).
-    #[error("{what}")]
-    Comm {
-        what: String,
-        #[source]
-        source: CommError,
-    },
-    #[error("{0}")]
-    Invalid(String),
-    #[error("{part}: reading keys {keys:?} that no rank holds")]
-    Fill {
-        part: &'static str,
-        keys: Range<usize>,
-        #[source]
-        source: Box<dyn Error + Send + Sync>,
-    },
+fn invalid<P: RankPart>(what: impl std::fmt::Display) -> TrainError {
+    TrainError::Invalid(format!("{}: {what}", P::WHAT))
 }
 
-fn invalid<P: RankPart>(what: impl std::fmt::Display) -> PartError {
-    PartError::Invalid(format!("{}: {what}", P::WHAT))
+fn comm<P: RankPart>(what: &str) -> impl FnOnce(CommError) -> TrainError {
+    crate::error::comm(format!("{}: {what}", P::WHAT))
 }
 
-fn comm<P: RankPart>(what: String) -> impl FnOnce(CommError) -> PartError {
-    move |source| PartError::Comm { what: format!("{}: {what}", P::WHAT), source }
+/// What `P` was doing, as the context of its failure.
+fn of<P: RankPart>(what: impl std::fmt::Display) -> String {
+    format!("{}: {what}", P::WHAT)
 }
 
 /// What fills keys no rank holds: `Some` part covering exactly them, or `None` (fresh state).
-pub type Fill<'a, P> =
-    dyn FnMut(Range<usize>) -> Result<Option<P>, Box<dyn Error + Send + Sync>> + 'a;
+pub type Fill<'a, P> = dyn FnMut(Range<usize>) -> Result<Option<P>> + 'a;
 
 fn send_bytes<P: RankPart>(
     group: &ProcessGroup,
     bytes: &[u8],
     to: usize,
     what: &str,
-) -> Result<(), PartError> {
+) -> Result<()> {
     let fail = || format!("{what} to rank {to}");
-    group.send(&[bytes.len() as i64], to).map_err(comm::<P>(fail()))?;
-    group.send(bytes, to).map_err(comm::<P>(fail()))
+    group.send(&[bytes.len() as i64], to).map_err(comm::<P>(&fail()))?;
+    group.send(bytes, to).map_err(comm::<P>(&fail()))
 }
 
 /// A length-prefixed message from `from`, its length bounded by `limit` and by the memory
@@ -195,10 +179,10 @@ fn recv_bytes<P: RankPart>(
     from: usize,
     limit: usize,
     what: &str,
-) -> Result<Vec<u8>, PartError> {
+) -> Result<Vec<u8>> {
     let fail = || format!("{what} from rank {from}");
     let mut len = [0i64];
-    group.recv(&mut len, from).map_err(comm::<P>(fail()))?;
+    group.recv(&mut len, from).map_err(comm::<P>(&fail()))?;
     let available = tandem_comm::procfs::mem_available().unwrap_or(u64::MAX);
     let len = usize::try_from(len[0])
         .ok()
@@ -210,7 +194,7 @@ fn recv_bytes<P: RankPart>(
             ))
         })?;
     let mut buf = vec![0u8; len];
-    group.recv(&mut buf, from).map_err(comm::<P>(fail()))?;
+    group.recv(&mut buf, from).map_err(comm::<P>(&fail()))?;
     Ok(buf)
 }
 
@@ -238,7 +222,7 @@ pub fn exchange_mirror<P: RankPart>(
     group: &ProcessGroup,
     own: &P,
     keys: usize,
-) -> Result<Option<P>, PartError> {
+) -> Result<Option<P>> {
     Ok(exchange_counted(group, own, keys)?.map(|(p, _)| p))
 }
 
@@ -247,15 +231,15 @@ fn exchange_counted<P: RankPart>(
     group: &ProcessGroup,
     own: &P,
     keys: usize,
-) -> Result<Option<(P, usize)>, PartError> {
+) -> Result<Option<(P, usize)>> {
     let (me, world) = (group.rank(), group.size());
     if world < 2 {
         return Ok(None);
     }
     let (next, prev) = ((me + 1) % world, (me + world - 1) % world);
     let header = own.header();
-    let bytes = own.encode(&header.ranges()).map_err(invalid::<P>)?;
-    let header_bytes = serde_json::to_vec(&header).map_err(|e| invalid::<P>(e.to_string()))?;
+    let bytes = own.encode(&header.ranges()).with_context(|| P::WHAT)?;
+    let header_bytes = serde_json::to_vec(&header).with_context(|| P::WHAT)?;
     let send = || {
         send_bytes::<P>(group, &header_bytes, next, "sending this rank's part")?;
         send_bytes::<P>(group, &bytes, next, "sending this rank's part")
@@ -264,10 +248,10 @@ fn exchange_counted<P: RankPart>(
         let what = "receiving the previous rank's part";
         let h = recv_bytes::<P>(group, prev, MAX_HEADER, what)?;
         let h: PartHeader = serde_json::from_slice(&h)
-            .map_err(|e| invalid::<P>(format!("rank {prev}'s mirror header: {e}")))?;
-        h.check(keys).map_err(|e| invalid::<P>(format!("rank {prev}'s mirror: {e}")))?;
+            .with_context(|| of::<P>(format!("rank {prev}'s mirror header")))?;
+        h.check(keys).with_context(|| of::<P>(format!("rank {prev}'s mirror")))?;
         let bytes = recv_bytes::<P>(group, prev, usize::MAX, what)?;
-        P::decode(&h, bytes).map_err(|e| invalid::<P>(format!("rank {prev}'s mirror: {e}")))
+        P::decode(&h, bytes).with_context(|| of::<P>(format!("rank {prev}'s mirror")))
     };
     let got = in_ring_order(me, send, recv)?;
     Ok(Some((got, bytes.len())))
@@ -355,23 +339,23 @@ pub fn regroup<P: RankPart>(
     mirror: Option<&P>,
     want: &dyn Fn(usize) -> Vec<Range<usize>>,
     fill: &mut Fill<'_, P>,
-) -> Result<(P, RegroupCounts), PartError> {
+) -> Result<(P, RegroupCounts)> {
     let me = group.rank();
     let mine: Vec<(&P, Held)> = [(own, true), (mirror, false)]
         .into_iter()
         .filter_map(|(p, own)| p.map(|p| (p, Held { header: p.header(), own })))
         .collect();
     let announce: Vec<&Held> = mine.iter().map(|(_, h)| h).collect();
-    let bytes = serde_json::to_vec(&announce).map_err(|e| invalid::<P>(e.to_string()))?;
+    let bytes = serde_json::to_vec(&announce).with_context(|| P::WHAT)?;
     let all = group
         .all_gather_bytes_at_most(&bytes, MAX_HEADER)
-        .map_err(comm::<P>("announcing what each rank holds".into()))?;
+        .map_err(comm::<P>("announcing what each rank holds"))?;
     let mut held: Vec<Vec<Held>> = Vec::with_capacity(all.len());
     for (r, b) in all.iter().enumerate() {
         let h: Vec<Held> = serde_json::from_slice(b)
-            .map_err(|e| invalid::<P>(format!("rank {r}'s announcement: {e}")))?;
+            .with_context(|| of::<P>(format!("rank {r}'s announcement")))?;
         for x in &h {
-            x.header.check(keys).map_err(|e| invalid::<P>(format!("rank {r} announces {e}")))?;
+            x.header.check(keys).with_context(|| of::<P>(format!("rank {r}'s announcement")))?;
         }
         held.push(h);
     }
@@ -389,7 +373,7 @@ pub fn regroup<P: RankPart>(
                 let h = &held[rank][block];
                 if p.dst == me {
                     let piece = if rank == me {
-                        mine[block].0.take(&p.keys).map_err(invalid::<P>)?
+                        mine[block].0.take(&p.keys).with_context(|| P::WHAT)?
                     } else {
                         let what = "receiving a piece";
                         let bytes = recv_bytes::<P>(group, rank, usize::MAX, what)?;
@@ -399,7 +383,7 @@ pub fn regroup<P: RankPart>(
                             labels: h.header.labels.clone(),
                         };
                         P::decode(&header, bytes)
-                            .map_err(|e| invalid::<P>(format!("rank {rank}'s piece: {e}")))?
+                            .with_context(|| of::<P>(format!("rank {rank}'s piece")))?
                     };
                     pieces.push(piece);
                     match (rank == me && h.own, h.own) {
@@ -412,16 +396,16 @@ pub fn regroup<P: RankPart>(
                     let bytes = mine[block]
                         .0
                         .encode(std::slice::from_ref(&p.keys))
-                        .map_err(invalid::<P>)?;
+                        .with_context(|| P::WHAT)?;
                     send_bytes::<P>(group, &bytes, p.dst, "sending a piece")?;
                     counts.bytes_sent += bytes.len() as u64;
                 }
             }
             None if p.dst == me => {
-                let filled = fill(p.keys.clone()).map_err(|source| PartError::Fill {
+                let filled = fill(p.keys.clone()).map_err(|source| TrainError::Fill {
                     part: P::WHAT,
                     keys: p.keys.clone(),
-                    source,
+                    source: Box::new(source),
                 })?;
                 match filled {
                     Some(part) => {
@@ -442,16 +426,15 @@ pub fn regroup<P: RankPart>(
             None => {}
         }
     }
-    let part = P::assemble(&want(me), step, &labels, pieces).map_err(invalid::<P>)?;
+    let part = P::assemble(&want(me), step, &labels, pieces).with_context(|| P::WHAT)?;
     // The world's counts, for the regroup's report.
-    let c = serde_json::to_vec(&counts).map_err(|e| invalid::<P>(e.to_string()))?;
+    let c = serde_json::to_vec(&counts).with_context(|| P::WHAT)?;
     let all = group
         .all_gather_bytes_at_most(&c, 4096)
-        .map_err(comm::<P>("summing the re-split's counts".into()))?;
+        .map_err(comm::<P>("summing the re-split's counts"))?;
     let mut total = RegroupCounts::default();
     for b in all {
-        let c: RegroupCounts =
-            serde_json::from_slice(&b).map_err(|e| invalid::<P>(e.to_string()))?;
+        let c: RegroupCounts = serde_json::from_slice(&b).with_context(|| P::WHAT)?;
         total.add(&c);
     }
     Ok((part, total))
@@ -507,7 +490,7 @@ impl<P: RankPart> Mirrored<P> {
         own: &P,
         keys: usize,
         clock: Instant,
-    ) -> Result<(), PartError> {
+    ) -> Result<()> {
         let got = exchange_counted(group, own, keys)?;
         self.bytes = got.as_ref().map_or(0, |(_, n)| *n as u64);
         self.mirror = got.map(|(p, _)| p);
@@ -526,7 +509,7 @@ impl<P: RankPart> Mirrored<P> {
         own: Option<&P>,
         want: &dyn Fn(usize) -> Vec<Range<usize>>,
         fill: &mut Fill<'_, P>,
-    ) -> Result<(P, RegroupCounts), PartError> {
+    ) -> Result<(P, RegroupCounts)> {
         let out = regroup(group, step, keys, own, self.mirror.as_ref(), want, fill)?;
         self.holds = true;
         self.step = step;

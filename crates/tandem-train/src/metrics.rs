@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::io;
 use crate::events::{Event, Logger, MirrorCost, Regroup};
+use crate::TrainError;
 
 /// One verification set's result (LFW-style 10-fold accuracy).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -103,24 +105,6 @@ pub enum MetricsRecord {
     MirrorCost(MirrorCost),
 }
 
-/// Why a metrics file could not be written or read.
-#[derive(Debug, thiserror::Error)]
-pub enum MetricsError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path}:{line}: not a metrics record: {source}")]
-    Parse {
-        path: PathBuf,
-        line: usize,
-        #[source]
-        source: serde_json::Error,
-    },
-}
-
 /// Appends records to a JSON-lines metrics file.
 pub struct MetricsFile {
     path: PathBuf,
@@ -129,12 +113,15 @@ pub struct MetricsFile {
 
 impl MetricsFile {
     /// Opens `path` for appending (a resumed run continues the file), creating its directory.
-    pub fn append(path: &Path) -> Result<Self, MetricsError> {
-        let io = |source| MetricsError::Io { path: path.to_path_buf(), source };
+    pub fn append(path: &Path) -> crate::Result<Self> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(io)?;
+            std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
         }
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(io)?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(io("opening", path))?;
         Ok(MetricsFile { path: path.to_path_buf(), out: BufWriter::new(file) })
     }
 
@@ -143,10 +130,12 @@ impl MetricsFile {
     }
 
     /// Writes one record as a line and flushes it.
-    pub fn write(&mut self, record: &MetricsRecord) -> Result<(), MetricsError> {
-        let io = |source| MetricsError::Io { path: self.path.clone(), source };
-        let line = serde_json::to_string(record).map_err(|e| io(std::io::Error::other(e)))?;
-        writeln!(self.out, "{line}").and_then(|_| self.out.flush()).map_err(io)
+    pub fn write(&mut self, record: &MetricsRecord) -> crate::Result<()> {
+        let line = serde_json::to_string(record)
+            .map_err(|e| io("writing", &self.path)(std::io::Error::other(e)))?;
+        writeln!(self.out, "{line}")
+            .and_then(|_| self.out.flush())
+            .map_err(io("writing", &self.path))
     }
 }
 
@@ -164,16 +153,15 @@ impl Logger for MetricsFile {
 }
 
 /// Every record of a metrics file, in order.
-pub fn read_metrics(path: &Path) -> Result<Vec<MetricsRecord>, MetricsError> {
-    let io = |source| MetricsError::Io { path: path.to_path_buf(), source };
-    let file = File::open(path).map_err(io)?;
+pub fn read_metrics(path: &Path) -> crate::Result<Vec<MetricsRecord>> {
+    let file = File::open(path).map_err(io("reading", path))?;
     let mut records = Vec::new();
     for (i, line) in BufReader::new(file).lines().enumerate() {
-        let line = line.map_err(io)?;
+        let line = line.map_err(io("reading", path))?;
         if line.trim().is_empty() {
             continue;
         }
-        let record = serde_json::from_str(&line).map_err(|source| MetricsError::Parse {
+        let record = serde_json::from_str(&line).map_err(|source| TrainError::Record {
             path: path.to_path_buf(),
             line: i + 1,
             source,
@@ -184,7 +172,7 @@ pub fn read_metrics(path: &Path) -> Result<Vec<MetricsRecord>, MetricsError> {
 }
 
 /// The last summary of a metrics file (a resumed run's file holds one per run).
-pub fn last_summary(path: &Path) -> Result<Option<RunSummary>, MetricsError> {
+pub fn last_summary(path: &Path) -> crate::Result<Option<RunSummary>> {
     Ok(read_metrics(path)?.into_iter().rev().find_map(|r| match r {
         MetricsRecord::Summary(s) => Some(s),
         _ => None,

@@ -2,10 +2,11 @@
 //! cosine annealing, step decay, or none), built over the optimizer's parameter groups, and
 //! their checkpoint state.
 use tandem_ckpt::Value;
-use tandem_optim::lr_scheduler::{
-    CosineAnnealingLR, PolyScheduler, PolynomialLRWarmup, SchedError, StepLR,
-};
+use tandem_optim::lr_scheduler::{CosineAnnealingLR, PolyScheduler, PolynomialLRWarmup, StepLR};
 use tandem_optim::{LrScheduler, TorchOptimizer};
+
+use crate::error::Context;
+use crate::{Result, TrainError};
 
 /// The run's scheduler (`None` for a constant lr).
 pub type Scheduler = Option<Box<dyn LrScheduler + Send>>;
@@ -54,28 +55,6 @@ impl RunLength {
     }
 }
 
-/// Why a schedule could not be built or restored.
-#[derive(Debug, thiserror::Error)]
-pub enum ScheduleError {
-    #[error(
-        "the run has {total_steps} steps, not more than the {warmup} warm-up steps (lower the \
-         warm-up or train longer)"
-    )]
-    WarmupTooLong { total_steps: u64, warmup: u64 },
-    #[error("{what} was written with a learning-rate schedule; resume with the same schedule")]
-    UnexpectedState { what: String },
-    #[error("{what} has no scheduler state (written without a learning-rate schedule)")]
-    MissingState { what: String },
-    #[error("{what}: scheduler state")]
-    BadState {
-        what: String,
-        #[source]
-        source: SchedError,
-    },
-    #[error(transparent)]
-    Scheduler(#[from] SchedError),
-}
-
 impl LrSchedule {
     /// The scheduler over `opt`'s groups (their current lrs are the base lrs), already applied
     /// to `opt` (poly's warm-up starts at lr 0). `peak_lr` is poly's peak.
@@ -84,7 +63,7 @@ impl LrSchedule {
         opt: &mut dyn TorchOptimizer,
         peak_lr: f64,
         run: RunLength,
-    ) -> Result<Scheduler, ScheduleError> {
+    ) -> Result<Scheduler> {
         let base_lrs = opt.group_lrs();
         let RunLength { steps_per_epoch, total_steps } = run;
         let sched: Box<dyn LrScheduler + Send> = match self {
@@ -96,7 +75,7 @@ impl LrSchedule {
                     Warmup::Epochs(e) => e * steps_per_epoch,
                 };
                 if total_steps <= warmup {
-                    return Err(ScheduleError::WarmupTooLong { total_steps, warmup });
+                    return Err(TrainError::WarmupTooLong { total_steps, warmup });
                 }
                 let (total, warmup) = (total_steps as i64, warmup as i64);
                 match self {
@@ -135,12 +114,15 @@ pub fn load(
     opt: &mut dyn TorchOptimizer,
     max_steps: Option<u64>,
     what: &str,
-) -> Result<(), ScheduleError> {
-    let what = what.to_string();
+) -> Result<()> {
     match (sched.as_mut(), saved) {
         (None, Value::None) => Ok(()),
-        (None, _) => Err(ScheduleError::UnexpectedState { what }),
-        (Some(_), Value::None) => Err(ScheduleError::MissingState { what }),
+        (None, _) => Err(TrainError::Invalid(format!(
+            "{what} was written with a learning-rate schedule; resume with the same schedule"
+        ))),
+        (Some(_), Value::None) => Err(TrainError::Invalid(format!(
+            "{what} has no scheduler state (written without a learning-rate schedule)"
+        ))),
         (Some(s), state) => {
             let mut state = state.clone();
             // (PolyScheduler's length is `max_steps`, PolynomialLRWarmup's `total_iters`.)
@@ -149,7 +131,7 @@ pub fn load(
                     *slot = Value::Int(steps as i64);
                 }
             }
-            s.load_state_dict(&state).map_err(|source| ScheduleError::BadState { what, source })?;
+            s.load_state_dict(&state).with_context(|| format!("{what}: scheduler state"))?;
             s.apply(opt)?;
             Ok(())
         }

@@ -55,43 +55,13 @@ use tandem_optim::amp::GradScaler;
 use tandem_optim::lr_scheduler::LrScheduler;
 use tandem_optim::{OptimizerShard, OptimizerState};
 
-use crate::checkpoint::{
-    CheckpointError, Checkpointer, Saved, ShardDict, TrainingStateDict, KEEP_LAST,
-};
+use crate::checkpoint::{Checkpointer, Saved, ShardDict, TrainingStateDict, KEEP_LAST};
 use crate::rank_state::RankState;
+use crate::{Result, TrainError};
 
 /// The name of a sharded optimizer's entry shard: a path into the replicated dict, where the
 /// entries go when the checkpoint is consolidated (`optimizer` → `state`, torch's layout).
 pub const OPTIMIZER_SHARD: &str = "optimizer/state";
-
-#[derive(Debug, thiserror::Error)]
-pub enum StateError {
-    #[error(transparent)]
-    Checkpoint(#[from] tandem_ckpt::CkptError),
-    #[error(transparent)]
-    Saving(#[from] CheckpointError),
-    #[error("model: {0}")]
-    Model(#[from] tandem_nn::NnError),
-    #[error("optimizer: {0}")]
-    Optimizer(#[from] tandem_optim::OptimError),
-    #[error("scheduler: {0}")]
-    Scheduler(#[from] tandem_optim::lr_scheduler::SchedError),
-    #[error("data loader position: {0}")]
-    Loader(#[from] tandem_data::DataError),
-    #[error("{path}: field `{field}`: {problem}", path = path.display())]
-    Field { path: PathBuf, field: &'static str, problem: String },
-    /// A part's own save, load or move failed.
-    #[error(transparent)]
-    Part(Box<crate::error::TrainError>),
-    #[error("a sharded optimizer cannot hand entries to the state's parts")]
-    ShardedWithParts,
-}
-
-impl StateError {
-    fn part(e: crate::error::TrainError) -> Self {
-        StateError::Part(Box::new(e))
-    }
-}
 
 /// A data loader whose position goes into the training state.
 pub trait LoaderPosition {
@@ -218,7 +188,7 @@ impl<'a> TrainingState<'a> {
         out
     }
     /// The optimizer's state without the entries the parts hold, and those entries by part.
-    pub(crate) fn optimizer_split(&self) -> Result<(Value, Vec<Vec<Value>>), StateError> {
+    pub(crate) fn optimizer_split(&self) -> Result<(Value, Vec<Vec<Value>>)> {
         let n = self.model.named_parameters().len();
         let mut full = self.optimizer.save_optimizer_state(n)?;
         let mut by_part: Vec<Vec<Value>> = vec![Vec::new(); self.parts.len()];
@@ -290,7 +260,7 @@ pub fn save_state(
     group: &ProcessGroup,
     dir: impl AsRef<Path>,
     state: &TrainingState<'_>,
-) -> Result<Option<PathBuf>, StateError> {
+) -> Result<Option<PathBuf>> {
     // Every rank builds the whole value: a failure building it (a dtype the file cannot hold)
     // is then the same on every rank, before anyone waits.
     let name = format!("epoch-{:04}-step-{:08}", state.epoch, state.step);
@@ -303,13 +273,10 @@ pub fn save_state(
 /// caller's: background saves, other retention): the replicated dict, the optimizer's entry
 /// shard when it is sharded, and `state.shards`. Every tensor is a copy, unless built inside
 /// [`Checkpointer::save_built`]'s synchronous save.
-pub fn state_dict(
-    state: &TrainingState<'_>,
-    world_size: usize,
-) -> Result<TrainingStateDict, StateError> {
+pub fn state_dict(state: &TrainingState<'_>, world_size: usize) -> Result<TrainingStateDict> {
     let shard = state.optimizer.optimizer_shard()?;
     let (optimizer, by_part) = match &shard {
-        Some(_) if !state.part_entries().is_empty() => return Err(StateError::ShardedWithParts),
+        Some(_) if !state.part_entries().is_empty() => return Err(TrainError::ShardedWithParts),
         Some(s) => (s.groups.clone(), vec![Vec::new(); state.parts.len()]),
         None => state.optimizer_split()?,
     };
@@ -320,7 +287,7 @@ pub fn state_dict(
     }
     dict.shards.extend(state.shards.iter().cloned());
     for (part, entries) in state.parts.iter().zip(by_part) {
-        dict.shards.extend(part.shards(entries, state.step).map_err(StateError::part)?);
+        dict.shards.extend(part.shards(entries, state.step)?);
     }
     Ok(dict)
 }
@@ -330,10 +297,7 @@ pub fn state_dict(
 /// none: a fresh start. A checkpoint that does not fit (another model, a missing field) is an
 /// error naming the file and what does not fit; one without GradScaler state (written without
 /// f16 precision) leaves `state.scaler` fresh, and [`Resumed::note`] says so.
-pub fn load_state(
-    dir: impl AsRef<Path>,
-    state: &mut TrainingState<'_>,
-) -> Result<Option<Resumed>, StateError> {
+pub fn load_state(dir: impl AsRef<Path>, state: &mut TrainingState<'_>) -> Result<Option<Resumed>> {
     let Some(saved) = Checkpointer::new(dir.as_ref(), KEEP_LAST).latest()? else {
         return Ok(None);
     };
@@ -342,10 +306,7 @@ pub fn load_state(
 
 /// [`load_state`] from a checkpoint found or opened by the caller (whose other shards it can
 /// then read: [`Saved::read_rows`], [`Saved::read_row_parts`]).
-pub fn load_state_from(
-    saved: &Saved,
-    state: &mut TrainingState<'_>,
-) -> Result<Resumed, StateError> {
+pub fn load_state_from(saved: &Saved, state: &mut TrainingState<'_>) -> Result<Resumed> {
     let (ck, note) = restore(saved, state)?;
     Ok(Resumed {
         path: saved.path().to_path_buf(),
@@ -362,7 +323,7 @@ pub fn load_state_from(
 pub(crate) fn restore(
     saved: &Saved,
     state: &mut TrainingState<'_>,
-) -> Result<(TrainingCheckpoint, Option<String>), StateError> {
+) -> Result<(TrainingCheckpoint, Option<String>)> {
     let mut value = replicated_with_optimizer(saved, state.optimizer.owned_params().as_deref())?;
     if value.get("model").is_none() {
         // Face checkpoints of earlier builds named the model `backbone`.
@@ -379,7 +340,7 @@ pub(crate) fn restore(
     let entries = state.part_entries();
     let mut loaded = Vec::with_capacity(state.parts.len());
     for part in state.parts.iter_mut() {
-        let got = part.load(saved).map_err(StateError::part)?;
+        let got = part.load(saved)?;
         notes.extend(got.note);
         loaded.push(got.entries.into_iter());
     }
@@ -414,21 +375,18 @@ pub fn put_entry(optimizer: &mut Value, index: usize, entry: Value) {
     }
 }
 
-fn field_error(path: &Path, field: &'static str, problem: String) -> StateError {
-    StateError::Field { path: path.to_path_buf(), field, problem }
+fn field_error(path: &Path, field: &'static str, problem: String) -> TrainError {
+    TrainError::Field { path: path.to_path_buf(), field, problem }
 }
 
 /// The replicated dict of `saved` with the optimizer entries `owned` (all with `None`) put
 /// back under `optimizer` → `state` when the optimizer was saved sharded.
-pub fn replicated_with_optimizer(
-    saved: &Saved,
-    owned: Option<&[usize]>,
-) -> Result<Value, StateError> {
+pub fn replicated_with_optimizer(saved: &Saved, owned: Option<&[usize]>) -> Result<Value> {
     let mut value = saved.replicated()?;
     if saved.shard_names().contains(&OPTIMIZER_SHARD) {
         let entries = saved.read_entries(OPTIMIZER_SHARD, owned)?;
         let Some(groups) = value.get("optimizer") else {
-            return Err(StateError::Field {
+            return Err(TrainError::Field {
                 path: saved.path().to_path_buf(),
                 field: "optimizer",
                 problem: "missing (the hyperparameters of the sharded optimizer)".into(),
@@ -465,8 +423,8 @@ pub(crate) fn apply_checkpoint(
     ck: &TrainingCheckpoint,
     path: &Path,
     what: Restore,
-) -> Result<Option<String>, StateError> {
-    let field = |field: &'static str, problem: String| StateError::Field {
+) -> Result<Option<String>> {
+    let field = |field: &'static str, problem: String| TrainError::Field {
         path: path.to_path_buf(),
         field,
         problem,
@@ -523,7 +481,7 @@ pub(crate) fn to_value(
     state: &TrainingState<'_>,
     world_size: usize,
     entries_apart: bool,
-) -> Result<Value, StateError> {
+) -> Result<Value> {
     let optimizer = match state.optimizer.optimizer_shard()? {
         Some(shard) if entries_apart => shard.groups,
         // The parts' entries move with the parts, in the re-split that follows.
@@ -533,11 +491,7 @@ pub(crate) fn to_value(
 }
 
 /// The replicated dict of `state` with `optimizer` as its optimizer entry.
-fn value_with(
-    state: &TrainingState<'_>,
-    world_size: usize,
-    optimizer: Value,
-) -> Result<Value, StateError> {
+fn value_with(state: &TrainingState<'_>, world_size: usize, optimizer: Value) -> Result<Value> {
     let model = state_dict_value(state.model)?;
     let ck = TrainingCheckpoint {
         epoch: state.epoch as i64,
@@ -583,24 +537,14 @@ pub fn sampler_value(s: &SamplerState) -> Value {
     ])
 }
 
-/// A saved sampler position without one of its keys (or with one of the wrong type).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("no {kind} `{key}`")]
-pub struct SamplerKeyError {
-    pub key: &'static str,
-    /// `int` or `bool`.
-    pub kind: &'static str,
-}
-
 /// The inverse of [`sampler_value`]; the error names the missing or mistyped key. `start` is
 /// optional (checkpoints from before resharding lack it: 0).
-pub fn sampler_state_from_value(v: &Value) -> Result<SamplerState, SamplerKeyError> {
-    let int = |key: &'static str| {
-        v.get(key).and_then(Value::as_int).ok_or(SamplerKeyError { key, kind: "int" })
-    };
-    let flag = |key: &'static str| {
-        v.get(key).and_then(Value::as_bool).ok_or(SamplerKeyError { key, kind: "bool" })
-    };
+pub fn sampler_state_from_value(v: &Value) -> Result<SamplerState> {
+    let missing = |key: &str, kind: &str| TrainError::Invalid(format!("no {kind} `{key}`"));
+    let int =
+        |key: &'static str| v.get(key).and_then(Value::as_int).ok_or_else(|| missing(key, "int"));
+    let flag =
+        |key: &'static str| v.get(key).and_then(Value::as_bool).ok_or_else(|| missing(key, "bool"));
     Ok(SamplerState {
         epoch: int("epoch")? as u64,
         consumed: int("consumed")? as usize,
@@ -611,7 +555,7 @@ pub fn sampler_state_from_value(v: &Value) -> Result<SamplerState, SamplerKeyErr
         drop_last: flag("drop_last")?,
         start: match v.get("start") {
             None => 0,
-            Some(s) => s.as_int().ok_or(SamplerKeyError { key: "start", kind: "int" })? as usize,
+            Some(s) => s.as_int().ok_or_else(|| missing("start", "int"))? as usize,
         },
     })
 }

@@ -16,48 +16,18 @@ use std::time::Instant;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
-use tandem_optim::amp::AmpError;
-use tandem_optim::lr_scheduler::SchedError;
-use tandem_optim::{clip_grad_norm, ClipError, GradScaler, OptimError, TorchOptimizer};
+use tandem_optim::{clip_grad_norm, GradScaler, OptimError, TorchOptimizer};
 
+use crate::error::StepPhase;
 use crate::schedule::Scheduler;
+use crate::{Result, TrainError};
 
-/// Why a step failed.
-#[derive(Debug, thiserror::Error)]
-pub enum StepError {
-    /// The caller's backward failed (a collective inside Ddp, a kernel).
-    #[error("backward at step {step}")]
-    Backward {
-        step: u64,
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
-    /// Clipping found a non-finite gradient norm with no GradScaler to skip the step, or an
-    /// invalid max norm.
-    #[error("clipping the gradient norm at step {step}")]
-    Clip {
-        step: u64,
-        #[source]
-        source: ClipError,
-    },
-    #[error("loss scaling at step {step}")]
-    Scaler {
-        step: u64,
-        #[source]
-        source: AmpError,
-    },
-    #[error("optimizer step {step}")]
-    Optimizer {
-        step: u64,
-        #[source]
-        source: OptimError,
-    },
-    #[error("learning-rate schedule at step {step}")]
-    Schedule {
-        step: u64,
-        #[source]
-        source: SchedError,
-    },
+/// Phase `phase` of step `step` failed because of the error it is given.
+fn failed<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
+    step: u64,
+    phase: StepPhase,
+) -> impl Fn(E) -> TrainError + Copy {
+    move |e| TrainError::Step { step, phase, source: e.into() }
 }
 
 /// What one step did.
@@ -148,20 +118,19 @@ impl Step {
         opt: &mut dyn TorchOptimizer,
         clip_params: &[Var],
         step: u64,
-    ) -> Result<StepOutcome, StepError>
+    ) -> Result<StepOutcome>
     where
         B: FnOnce(&Tensor) -> Result<GradStore, E>,
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         let clock = Instant::now();
-        let scaler_err = |source| StepError::Scaler { step, source };
-        let backward_err = |e: E| StepError::Backward { step, source: e.into() };
+        let scaler_err = failed(step, StepPhase::Scaler);
+        let backward_err = failed(step, StepPhase::Backward);
         let stepped = match self.scaler.as_mut() {
             Some(s) => {
                 let mut grads =
                     backward(&s.scale(loss).map_err(scaler_err)?).map_err(backward_err)?;
-                phase_end(loss.device())
-                    .map_err(|e| StepError::Backward { step, source: e.into() })?;
+                phase_end(loss.device()).map_err(failed(step, StepPhase::Backward))?;
                 let backward_secs = clock.elapsed().as_secs_f64();
                 // Unscaled before clipping so the norm is the true one; a non-finite norm is
                 // the scaler's to handle (it skips the step and lowers the scale).
@@ -173,11 +142,10 @@ impl Step {
             }
             None => {
                 let mut grads = backward(loss).map_err(backward_err)?;
-                phase_end(loss.device())
-                    .map_err(|e| StepError::Backward { step, source: e.into() })?;
+                phase_end(loss.device()).map_err(failed(step, StepPhase::Backward))?;
                 let backward_secs = clock.elapsed().as_secs_f64();
                 clip(self.clip_grad_norm, clip_params, &mut grads, false, step)?;
-                opt.step(&grads).map_err(|source| StepError::Optimizer { step, source })?;
+                opt.step(&grads).map_err(failed(step, StepPhase::Optimizer))?;
                 (true, backward_secs)
             }
         };
@@ -186,9 +154,9 @@ impl Step {
             self.skipped += 1;
         }
         if let Some(sched) = self.scheduler.as_mut() {
-            sched.step_optimizer(opt).map_err(|source| StepError::Schedule { step, source })?;
+            sched.step_optimizer(opt).map_err(failed(step, StepPhase::Schedule))?;
         }
-        phase_end(loss.device()).map_err(|e| StepError::Backward { step, source: e.into() })?;
+        phase_end(loss.device()).map_err(failed(step, StepPhase::Backward))?;
         let optimizer_secs = clock.elapsed().as_secs_f64() - backward_secs;
         Ok(StepOutcome { stepped, backward_secs, optimizer_secs })
     }
@@ -206,22 +174,21 @@ impl Step {
         backward: B,
         opt: &mut dyn TorchOptimizer,
         step: u64,
-    ) -> Result<(GradStore, StepOutcome), StepError>
+    ) -> Result<(GradStore, StepOutcome)>
     where
         B: FnOnce(&Tensor) -> Result<GradStore, E>,
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         let clock = Instant::now();
         let scaled = match self.scaler.as_ref() {
-            Some(s) => s.scale(loss).map_err(|source| StepError::Scaler { step, source })?,
+            Some(s) => s.scale(loss).map_err(failed(step, StepPhase::Scaler))?,
             None => loss.clone(),
         };
-        let grads =
-            backward(&scaled).map_err(|e| StepError::Backward { step, source: e.into() })?;
-        phase_end(loss.device()).map_err(|e| StepError::Backward { step, source: e.into() })?;
+        let grads = backward(&scaled).map_err(failed(step, StepPhase::Backward))?;
+        phase_end(loss.device()).map_err(failed(step, StepPhase::Backward))?;
         let backward_secs = clock.elapsed().as_secs_f64();
         if let Some(sched) = self.scheduler.as_mut() {
-            sched.step_optimizer(opt).map_err(|source| StepError::Schedule { step, source })?;
+            sched.step_optimizer(opt).map_err(failed(step, StepPhase::Schedule))?;
         }
         let optimizer_secs = clock.elapsed().as_secs_f64() - backward_secs;
         Ok((grads, StepOutcome { stepped: false, backward_secs, optimizer_secs }))
@@ -248,12 +215,12 @@ fn clip(
     grads: &mut GradStore,
     scaled: bool,
     step: u64,
-) -> Result<(), StepError> {
+) -> Result<()> {
     let Some(max_norm) = max_norm else { return Ok(()) };
     match clip_grad_norm(params, grads, max_norm) {
         Ok(_) => Ok(()),
-        Err(ClipError::NonFiniteNorm { .. }) if scaled => Ok(()),
-        Err(source) => Err(StepError::Clip { step, source }),
+        Err(OptimError::NonFiniteNorm { .. }) if scaled => Ok(()),
+        Err(source) => Err(failed(step, StepPhase::Clip)(source)),
     }
 }
 
@@ -312,6 +279,6 @@ mod tests {
         let err = plain
             .run(&inf(&w), |l| l.backward(), &mut sgd(&w), std::slice::from_ref(&w), 7)
             .unwrap_err();
-        assert!(matches!(err, StepError::Clip { step: 7, .. }), "{err}");
+        assert!(matches!(err, TrainError::Step { step: 7, phase: StepPhase::Clip, .. }), "{err}");
     }
 }

@@ -29,7 +29,7 @@ use crate::checkpoint::{CheckpointPolicy, Checkpointer, Periodic};
 use crate::error::{Context, Result, TrainError};
 use crate::events::{Event, Logger, Regroup, Reporter, Resplit, StepEvent};
 use crate::fault;
-use crate::live::{LiveError, LiveState, LiveTraining};
+use crate::live::{LiveState, LiveTraining};
 use crate::live_entries::LiveShards;
 use crate::metrics::{MetricsFile, VerificationMetrics};
 use crate::rank_state::RankState;
@@ -908,7 +908,7 @@ fn checkpoint<R: Recipe>(
         .ok_or_else(|| TrainError::invalid(NO_STATE))?;
     // Every rank builds its whole dict: a failure building it is the same on every rank,
     // before anyone waits.
-    let build = || -> Result<_, state::StateError> {
+    let build = || -> Result<_> {
         let mut dict = state::state_dict(&whole, group.size())?;
         dict.replicated.insert("sampler", state::sampler_value(position));
         Ok(dict)
@@ -963,26 +963,21 @@ impl<R: Recipe> LiveState for Trainer<R> {
     fn progress(&self) -> u64 {
         self.global_step
     }
-    fn save(&mut self, world: usize) -> std::result::Result<Vec<u8>, LiveError> {
+    fn save(&mut self, world: usize) -> Result<Vec<u8>> {
         fault::hit(fault::Phase::Send);
         let n = self.global_step;
         let position = self.loader.state();
         let (epoch, loader): (u64, &mut dyn LoaderPosition) = (position.epoch, &mut self.loader);
         let whole = whole_state(&mut self.recipe, &mut self.step, Some(loader), epoch, n)
-            .ok_or_else(|| LiveError::Other(NO_STATE.into()))?;
+            .ok_or_else(|| TrainError::invalid(NO_STATE))?;
         // What a user's own loop sends (`impl LiveState for TrainingState`), without a sharded
         // optimizer's entries and the parts' (they move in the re-split that follows).
         crate::live::state_bytes(&whole, world, self.live_shards.is_some())
     }
-    fn load(
-        &mut self,
-        bytes: Vec<u8>,
-        rank: usize,
-        size: usize,
-    ) -> std::result::Result<(), LiveError> {
+    fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<()> {
         let loader: &mut dyn LoaderPosition = &mut self.loader;
         let mut whole = whole_state(&mut self.recipe, &mut self.step, Some(loader), 0, 0)
-            .ok_or_else(|| LiveError::Other(NO_STATE.into()))?;
+            .ok_or_else(|| TrainError::invalid(NO_STATE))?;
         // As a user's own loop loads it (`impl LiveState for TrainingState`: the loader moved
         // to this world), but the optimizer: a sharded optimizer's entries, and those the parts
         // hold, are still this rank's own until the re-split, which loads them with what came.
@@ -993,24 +988,17 @@ impl<R: Recipe> LiveState for Trainer<R> {
             self.sent_optimizer = Some(ck.optimizer);
         }
         // The schedule came as the source saved it: stretched over this world's steps.
-        self.stretch_schedule().map_err(|e| LiveError::Other(e.chain_text()))
+        self.stretch_schedule()
     }
-    fn reshard(&mut self, group: &ProcessGroup) -> std::result::Result<(), LiveError> {
+    fn reshard(&mut self, group: &ProcessGroup) -> Result<()> {
         let sent = self.sent_optimizer.take();
-        let resplit = self.regroup_parts(group, sent);
-        match resplit {
-            Ok(resplit) => {
-                self.resplit = resplit;
-                Ok(())
-            }
-            Err(e) => Err(LiveError::from_train(e)),
-        }
+        self.resplit = self.regroup_parts(group, sent)?;
+        Ok(())
     }
-    fn enter_world(&mut self, rank: usize, size: usize) -> std::result::Result<(), LiveError> {
-        let fail = |e: TrainError| LiveError::Other(e.chain_text());
+    fn enter_world(&mut self, rank: usize, size: usize) -> Result<()> {
         let position = self.loader.state();
-        self.loader.reshard(rank, size, &position).map_err(|e| fail(e.into()))?;
-        self.stretch_schedule().map_err(fail)
+        self.loader.reshard(rank, size, &position).context("resharding the loader")?;
+        self.stretch_schedule()
     }
 }
 

@@ -34,9 +34,7 @@ pub use tandem_train::live;
 
 pub use tandem_nn::{allocator_tuned, tune_allocator};
 pub use tandem_nn::{compute_pool_joined, join_compute_pool};
-pub use tandem_train::{
-    load_state, load_state_from, save_state, Resumed, StateError, TrainingState,
-};
+pub use tandem_train::{load_state, load_state_from, save_state, Resumed, TrainingState};
 
 /// Joins the process group the environment describes: `tandem run` / torchrun variables,
 /// Slurm, OpenMPI, or, with none of them, a world of one. A collective on every rank.

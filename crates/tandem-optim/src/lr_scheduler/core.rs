@@ -2,10 +2,10 @@
 //! step count and the state_dict keys), and state_dict field readers.
 use tandem_ckpt::Value;
 
-use super::SchedError;
+use crate::{OptimError, Part};
 
-pub(super) fn bad_state(key: &str, why: impl Into<String>) -> SchedError {
-    SchedError::StateDict { key: key.to_string(), why: why.into() }
+pub(super) fn bad_state(key: &str, why: impl Into<String>) -> OptimError {
+    OptimError::StateDict { of: Part::Scheduler, key: key.to_string(), why: why.into() }
 }
 
 /// The bookkeeping every torch scheduler carries.
@@ -18,16 +18,18 @@ pub(super) struct Core {
 }
 
 impl Core {
-    pub(super) fn new(base_lrs: &[f64]) -> Result<Self, SchedError> {
+    pub(super) fn new(base_lrs: &[f64]) -> Result<Self, OptimError> {
         if base_lrs.is_empty() {
-            return Err(SchedError::InvalidConfig {
+            return Err(OptimError::InvalidConfig {
+                of: Part::Scheduler,
                 name: "base_lrs",
                 value: "[]".into(),
                 why: "needs one learning rate per param group",
             });
         }
         if let Some(&lr) = base_lrs.iter().find(|lr| !lr.is_finite()) {
-            return Err(SchedError::InvalidConfig {
+            return Err(OptimError::InvalidConfig {
+                of: Part::Scheduler,
                 name: "base_lrs",
                 value: lr.to_string(),
                 why: "must be finite",
@@ -63,11 +65,11 @@ impl Core {
         Value::dict_from(items)
     }
 
-    pub(super) fn load(&self, sd: &Value) -> Result<Core, SchedError> {
+    pub(super) fn load(&self, sd: &Value) -> Result<Core, OptimError> {
         if sd.as_dict().is_none() {
             return Err(bad_state("<root>", format!("expected a dict, found {}", sd.type_name())));
         }
-        let lrs = |key: &str| -> Result<Vec<f64>, SchedError> {
+        let lrs = |key: &str| -> Result<Vec<f64>, OptimError> {
             let list = sd
                 .get(key)
                 .ok_or_else(|| bad_state(key, "missing"))?
@@ -98,7 +100,7 @@ impl Core {
     }
 }
 
-pub(super) fn get_int(sd: &Value, key: &str) -> Result<i64, SchedError> {
+pub(super) fn get_int(sd: &Value, key: &str) -> Result<i64, OptimError> {
     match sd.get(key) {
         Some(Value::Int(i)) => Ok(*i),
         Some(other) => Err(bad_state(key, format!("expected an int, found {}", other.type_name()))),
@@ -106,7 +108,7 @@ pub(super) fn get_int(sd: &Value, key: &str) -> Result<i64, SchedError> {
     }
 }
 
-pub(super) fn get_float(sd: &Value, key: &str) -> Result<f64, SchedError> {
+pub(super) fn get_float(sd: &Value, key: &str) -> Result<f64, OptimError> {
     match sd.get(key) {
         Some(Value::Int(i)) => Ok(*i as f64),
         Some(Value::Float(f)) => Ok(*f),
@@ -117,9 +119,14 @@ pub(super) fn get_float(sd: &Value, key: &str) -> Result<f64, SchedError> {
     }
 }
 
-pub(super) fn positive(name: &'static str, v: i64) -> Result<(), SchedError> {
+pub(super) fn positive(name: &'static str, v: i64) -> Result<(), OptimError> {
     if v <= 0 {
-        return Err(SchedError::InvalidConfig { name, value: v.to_string(), why: "must be > 0" });
+        return Err(OptimError::InvalidConfig {
+            of: Part::Scheduler,
+            name,
+            value: v.to_string(),
+            why: "must be > 0",
+        });
     }
     Ok(())
 }

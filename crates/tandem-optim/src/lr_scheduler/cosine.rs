@@ -2,7 +2,8 @@
 use tandem_ckpt::Value;
 
 use super::core::{bad_state, get_float, get_int, positive, Core};
-use super::{LrScheduler, SchedError};
+use super::LrScheduler;
+use crate::OptimError;
 
 /// `torch.optim.lr_scheduler.CosineAnnealingLR` (without restarts; past `t_max` the lr rises
 /// again along the cosine, exactly as torch's recursion does).
@@ -14,7 +15,7 @@ pub struct CosineAnnealingLR {
 }
 
 impl CosineAnnealingLR {
-    pub fn new(base_lrs: &[f64], t_max: i64, eta_min: f64) -> Result<Self, SchedError> {
+    pub fn new(base_lrs: &[f64], t_max: i64, eta_min: f64) -> Result<Self, OptimError> {
         positive("T_max", t_max)?;
         let mut s = CosineAnnealingLR { core: Core::new(base_lrs)?, t_max, eta_min };
         s.advance(true);
@@ -63,7 +64,7 @@ impl LrScheduler for CosineAnnealingLR {
             ("eta_min", Value::Float(self.eta_min)),
         ])
     }
-    fn load_state_dict(&mut self, sd: &Value) -> Result<(), SchedError> {
+    fn load_state_dict(&mut self, sd: &Value) -> Result<(), OptimError> {
         let core = self.core.load(sd)?;
         let t_max = get_int(sd, "T_max")?;
         positive("T_max", t_max).map_err(|e| bad_state("T_max", e.to_string()))?;

@@ -2,7 +2,8 @@
 use tandem_ckpt::Value;
 
 use super::core::{bad_state, get_float, get_int, Core};
-use super::{LrScheduler, SchedError};
+use super::LrScheduler;
+use crate::{OptimError, Part};
 
 /// `torch.optim.lr_scheduler.LinearLR`: the lr factor moves linearly from `start_factor` to
 /// `end_factor` over `total_iters` steps, then stays (torch defaults: 1/3, 1.0, 5).
@@ -20,7 +21,7 @@ impl LinearLR {
         start_factor: f64,
         end_factor: f64,
         total_iters: i64,
-    ) -> Result<Self, SchedError> {
+    ) -> Result<Self, OptimError> {
         Self::check(start_factor, end_factor)?;
         let mut s = LinearLR { core: Core::new(base_lrs)?, start_factor, end_factor, total_iters };
         s.advance(true);
@@ -28,20 +29,22 @@ impl LinearLR {
     }
 
     /// torch's defaults: `start_factor = 1/3`, `end_factor = 1.0`, `total_iters = 5`.
-    pub fn with_defaults(base_lrs: &[f64]) -> Result<Self, SchedError> {
+    pub fn with_defaults(base_lrs: &[f64]) -> Result<Self, OptimError> {
         Self::new(base_lrs, 1.0 / 3.0, 1.0, 5)
     }
 
-    fn check(start_factor: f64, end_factor: f64) -> Result<(), SchedError> {
+    fn check(start_factor: f64, end_factor: f64) -> Result<(), OptimError> {
         if !(start_factor > 0.0 && start_factor <= 1.0) {
-            return Err(SchedError::InvalidConfig {
+            return Err(OptimError::InvalidConfig {
+                of: Part::Scheduler,
                 name: "start_factor",
                 value: start_factor.to_string(),
                 why: "must be in (0, 1]",
             });
         }
         if !(0.0..=1.0).contains(&end_factor) {
-            return Err(SchedError::InvalidConfig {
+            return Err(OptimError::InvalidConfig {
+                of: Part::Scheduler,
                 name: "end_factor",
                 value: end_factor.to_string(),
                 why: "must be in [0, 1]",
@@ -79,7 +82,7 @@ impl LrScheduler for LinearLR {
             ("total_iters", Value::Int(self.total_iters)),
         ])
     }
-    fn load_state_dict(&mut self, sd: &Value) -> Result<(), SchedError> {
+    fn load_state_dict(&mut self, sd: &Value) -> Result<(), OptimError> {
         let core = self.core.load(sd)?;
         let start_factor = get_float(sd, "start_factor")?;
         let end_factor = get_float(sd, "end_factor")?;

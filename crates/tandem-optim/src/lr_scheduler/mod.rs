@@ -22,17 +22,6 @@ use tandem_ckpt::Value;
 
 use crate::{OptimError, TorchOptimizer};
 
-#[derive(Debug, thiserror::Error)]
-pub enum SchedError {
-    #[error("invalid scheduler setting {name}={value}: {why}")]
-    InvalidConfig { name: &'static str, value: String, why: &'static str },
-    /// A state_dict that does not fit this scheduler; `key` names the entry at fault.
-    #[error("scheduler state_dict: {key}: {why}")]
-    StateDict { key: String, why: String },
-    #[error(transparent)]
-    Optim(#[from] OptimError),
-}
-
 /// The learning-rate scheduler interface (as torch's `LRScheduler`).
 pub trait LrScheduler {
     /// Advances one epoch/iteration and computes the new learning rates.
@@ -48,14 +37,14 @@ pub trait LrScheduler {
     fn state_dict(&self) -> Value;
     /// Loads a state made by [`LrScheduler::state_dict`] or by torch for the same scheduler
     /// type and group count. Nothing changes when an error is returned.
-    fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), SchedError>;
+    fn load_state_dict(&mut self, state_dict: &Value) -> Result<(), OptimError>;
 
     /// Sets the optimizer's group learning rates to the scheduler's current ones.
-    fn apply(&self, opt: &mut dyn TorchOptimizer) -> Result<(), SchedError> {
-        Ok(opt.set_group_lrs(self.last_lrs())?)
+    fn apply(&self, opt: &mut dyn TorchOptimizer) -> Result<(), OptimError> {
+        opt.set_group_lrs(self.last_lrs())
     }
     /// `step()` then [`LrScheduler::apply`]: torch's `scheduler.step()` after `optimizer.step()`.
-    fn step_optimizer(&mut self, opt: &mut dyn TorchOptimizer) -> Result<(), SchedError> {
+    fn step_optimizer(&mut self, opt: &mut dyn TorchOptimizer) -> Result<(), OptimError> {
         self.step();
         self.apply(opt)
     }

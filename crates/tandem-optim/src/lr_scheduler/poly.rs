@@ -2,7 +2,8 @@
 use tandem_ckpt::Value;
 
 use super::core::{bad_state, get_float, get_int, Core};
-use super::{LrScheduler, SchedError};
+use super::LrScheduler;
+use crate::{OptimError, Part};
 
 /// insightface arcface_torch's `PolyScheduler` (per-iteration; not part of torch):
 ///
@@ -33,7 +34,7 @@ impl PolyScheduler {
         base_lr: f64,
         max_steps: i64,
         warmup_steps: i64,
-    ) -> Result<Self, SchedError> {
+    ) -> Result<Self, OptimError> {
         Self::check(base_lr, max_steps, warmup_steps)?;
         let mut s = PolyScheduler { core: Core::new(base_lrs)?, base_lr, max_steps, warmup_steps };
         s.advance(true);
@@ -41,23 +42,26 @@ impl PolyScheduler {
         Ok(s)
     }
 
-    fn check(base_lr: f64, max_steps: i64, warmup_steps: i64) -> Result<(), SchedError> {
+    fn check(base_lr: f64, max_steps: i64, warmup_steps: i64) -> Result<(), OptimError> {
         if !base_lr.is_finite() {
-            return Err(SchedError::InvalidConfig {
+            return Err(OptimError::InvalidConfig {
+                of: Part::Scheduler,
                 name: "base_lr",
                 value: base_lr.to_string(),
                 why: "must be finite",
             });
         }
         if warmup_steps < 0 {
-            return Err(SchedError::InvalidConfig {
+            return Err(OptimError::InvalidConfig {
+                of: Part::Scheduler,
                 name: "warmup_steps",
                 value: warmup_steps.to_string(),
                 why: "must be >= 0",
             });
         }
         if max_steps <= warmup_steps {
-            return Err(SchedError::InvalidConfig {
+            return Err(OptimError::InvalidConfig {
+                of: Part::Scheduler,
                 name: "max_steps",
                 value: max_steps.to_string(),
                 why: "must be greater than warmup_steps",
@@ -95,7 +99,7 @@ impl LrScheduler for PolyScheduler {
             ("power", Value::Int(POLY_POWER)),
         ])
     }
-    fn load_state_dict(&mut self, sd: &Value) -> Result<(), SchedError> {
+    fn load_state_dict(&mut self, sd: &Value) -> Result<(), OptimError> {
         let core = self.core.load(sd)?;
         let base_lr = get_float(sd, "base_lr")?;
         let max_steps = get_int(sd, "max_steps")?;

@@ -2,7 +2,8 @@
 use tandem_ckpt::Value;
 
 use super::core::{bad_state, get_float, get_int, Core};
-use super::{LrScheduler, SchedError};
+use super::LrScheduler;
+use crate::{OptimError, Part};
 
 /// insightface arcface_torch's `PolynomialLRWarmup` (`lr_scheduler.py`, the scheduler its
 /// `train_v2.py` steps every iteration today): at step 0 the optimizer's own lr; steps
@@ -24,7 +25,7 @@ impl PolynomialLRWarmup {
         warmup_iters: i64,
         total_iters: i64,
         power: f64,
-    ) -> Result<Self, SchedError> {
+    ) -> Result<Self, OptimError> {
         Self::check(warmup_iters, total_iters, power)?;
         let mut s =
             PolynomialLRWarmup { core: Core::new(base_lrs)?, warmup_iters, total_iters, power };
@@ -32,23 +33,26 @@ impl PolynomialLRWarmup {
         Ok(s)
     }
 
-    fn check(warmup_iters: i64, total_iters: i64, power: f64) -> Result<(), SchedError> {
+    fn check(warmup_iters: i64, total_iters: i64, power: f64) -> Result<(), OptimError> {
         if warmup_iters < 0 {
-            return Err(SchedError::InvalidConfig {
+            return Err(OptimError::InvalidConfig {
+                of: Part::Scheduler,
                 name: "warmup_iters",
                 value: warmup_iters.to_string(),
                 why: "must be >= 0",
             });
         }
         if total_iters <= warmup_iters {
-            return Err(SchedError::InvalidConfig {
+            return Err(OptimError::InvalidConfig {
+                of: Part::Scheduler,
                 name: "total_iters",
                 value: total_iters.to_string(),
                 why: "must be greater than warmup_iters",
             });
         }
         if !(power.is_finite() && power > 0.0) {
-            return Err(SchedError::InvalidConfig {
+            return Err(OptimError::InvalidConfig {
+                of: Part::Scheduler,
                 name: "power",
                 value: power.to_string(),
                 why: "must be a finite number > 0",
@@ -88,7 +92,7 @@ impl LrScheduler for PolynomialLRWarmup {
             ("warmup_iters", Value::Int(self.warmup_iters)),
         ])
     }
-    fn load_state_dict(&mut self, sd: &Value) -> Result<(), SchedError> {
+    fn load_state_dict(&mut self, sd: &Value) -> Result<(), OptimError> {
         let core = self.core.load(sd)?;
         let total_iters = get_int(sd, "total_iters")?;
         let warmup_iters = get_int(sd, "warmup_iters")?;

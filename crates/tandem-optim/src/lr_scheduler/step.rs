@@ -2,7 +2,8 @@
 use tandem_ckpt::Value;
 
 use super::core::{bad_state, get_float, get_int, positive, Core};
-use super::{LrScheduler, SchedError};
+use super::LrScheduler;
+use crate::OptimError;
 
 /// `torch.optim.lr_scheduler.StepLR`: multiplies the lr by `gamma` every `step_size` steps.
 #[derive(Clone, Debug, PartialEq)]
@@ -13,7 +14,7 @@ pub struct StepLR {
 }
 
 impl StepLR {
-    pub fn new(base_lrs: &[f64], step_size: i64, gamma: f64) -> Result<Self, SchedError> {
+    pub fn new(base_lrs: &[f64], step_size: i64, gamma: f64) -> Result<Self, OptimError> {
         positive("step_size", step_size)?;
         let mut s = StepLR { core: Core::new(base_lrs)?, step_size, gamma };
         s.advance(true);
@@ -43,7 +44,7 @@ impl LrScheduler for StepLR {
             ("gamma", Value::Float(self.gamma)),
         ])
     }
-    fn load_state_dict(&mut self, sd: &Value) -> Result<(), SchedError> {
+    fn load_state_dict(&mut self, sd: &Value) -> Result<(), OptimError> {
         let core = self.core.load(sd)?;
         let step_size = get_int(sd, "step_size")?;
         positive("step_size", step_size).map_err(|e| bad_state("step_size", e.to_string()))?;

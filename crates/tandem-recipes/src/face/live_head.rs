@@ -11,6 +11,7 @@
 use std::ops::Range;
 
 use tandem_train::live::{PartHeader, RankPart};
+use tandem_train::{bail, Result};
 
 /// Rows `start..start + len` of the head as of `step`: centres and the optimizer's row tensors.
 #[derive(Clone, Debug, PartialEq)]
@@ -34,9 +35,9 @@ impl RowBlock {
     }
 
     /// The element range of `classes` (inside this block) in each tensor.
-    fn elements(&self, classes: &Range<usize>) -> Result<Range<usize>, String> {
+    fn elements(&self, classes: &Range<usize>) -> Result<Range<usize>> {
         if classes.start < self.start || classes.end > self.start + self.len {
-            return Err(format!("classes {classes:?} are not in rows {:?}", self.classes()));
+            bail!("classes {classes:?} are not in rows {:?}", self.classes());
         }
         let e = self.embedding();
         Ok((classes.start - self.start) * e..(classes.end - self.start) * e)
@@ -54,7 +55,7 @@ impl RankPart for RowBlock {
         }
     }
 
-    fn encode(&self, keys: &[Range<usize>]) -> Result<Vec<u8>, String> {
+    fn encode(&self, keys: &[Range<usize>]) -> Result<Vec<u8>> {
         let mut out = Vec::new();
         for classes in keys {
             let at = self.elements(classes)?;
@@ -66,19 +67,16 @@ impl RankPart for RowBlock {
         Ok(out)
     }
 
-    fn decode(header: &PartHeader, bytes: Vec<u8>) -> Result<Self, String> {
+    fn decode(header: &PartHeader, bytes: Vec<u8>) -> Result<Self> {
         let (start, end) = match header.ranges[..] {
             [] => (0, 0),
             [r] => r,
-            _ => return Err(format!("rows {:?} are not one block", header.ranges)),
+            _ => bail!("rows {:?} are not one block", header.ranges),
         };
         let (len, tensors) = (end - start, 1 + header.labels.len());
         let floats = bytes.len() / 4;
         if !bytes.len().is_multiple_of(4) || (len > 0 && !floats.is_multiple_of(len * tensors)) {
-            return Err(format!(
-                "{} bytes do not hold {tensors} tensors of {len} rows",
-                bytes.len()
-            ));
+            bail!("{} bytes do not hold {tensors} tensors of {len} rows", bytes.len());
         }
         let n = 4 * floats.checked_div(tensors).unwrap_or(0);
         let tensor = |i: usize| bytemuck::pod_collect_to_vec::<u8, f32>(&bytes[i * n..(i + 1) * n]);
@@ -88,7 +86,7 @@ impl RankPart for RowBlock {
         Ok(RowBlock { start, len, step: header.step, weight, state })
     }
 
-    fn take(&self, keys: &Range<usize>) -> Result<Self, String> {
+    fn take(&self, keys: &Range<usize>) -> Result<Self> {
         let at = self.elements(keys)?;
         Ok(RowBlock {
             start: keys.start,
@@ -104,8 +102,8 @@ impl RankPart for RowBlock {
         step: u64,
         labels: &[String],
         pieces: Vec<Self>,
-    ) -> Result<Self, String> {
-        let [want] = want else { return Err(format!("rows {want:?} are not one block")) };
+    ) -> Result<Self> {
+        let [want] = want else { bail!("rows {want:?} are not one block") };
         let e = pieces.iter().map(RowBlock::embedding).find(|&e| e > 0).unwrap_or(0);
         let mut out = RowBlock {
             start: want.start,
@@ -116,11 +114,7 @@ impl RankPart for RowBlock {
         };
         for p in &pieces {
             if p.len > 0 && p.embedding() != e {
-                return Err(format!(
-                    "rows {:?} have {} columns, not {e}",
-                    p.classes(),
-                    p.embedding()
-                ));
+                bail!("rows {:?} have {} columns, not {e}", p.classes(), p.embedding());
             }
             let at = out.elements(&p.classes())?;
             out.weight[at.clone()].copy_from_slice(&p.weight);

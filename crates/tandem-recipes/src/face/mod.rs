@@ -16,7 +16,6 @@ pub use live_head::RowBlock;
 pub use weights::load_backbone;
 
 use std::ops::Range;
-use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::DType;
@@ -24,35 +23,15 @@ use tandem_ckpt::{TensorData, Value};
 use tandem_comm::ProcessGroup;
 use tandem_optim::OptimizerState;
 use tandem_partial_fc::{ClassSplit, PartialFc};
-use tandem_train::checkpoint::{CheckpointError, Saved, ShardDict};
+use tandem_train::checkpoint::{Saved, ShardDict};
 use tandem_train::events::{MirrorCost, Resplit};
 use tandem_train::live::{Mirrored, RegroupCounts};
-use tandem_train::{Context, PartLoaded, RankState, Result};
+use tandem_train::{Context, PartLoaded, RankState, Result, TrainError};
 
 /// The name of the head's row shard (centres and their optimizer state) in a checkpoint.
 pub const HEAD_SHARD: &str = "head";
 /// The name of each rank's BatchNorm statistics in a checkpoint.
 pub const BUFFERS_SHARD: &str = "buffers";
-
-/// Why the face state could not be saved or restored.
-#[derive(Debug, thiserror::Error)]
-pub enum FaceStateError {
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
-    #[error(
-        "{}: the checkpoint's head is {saved_classes} classes x {saved_embedding}, this run's \
-         {classes} x {embedding}", dir.display()
-    )]
-    HeadShape {
-        dir: PathBuf,
-        saved_classes: usize,
-        saved_embedding: usize,
-        classes: usize,
-        embedding: usize,
-    },
-    #[error("{}: {what}: {why}", dir.display())]
-    Restore { dir: PathBuf, what: &'static str, why: String },
-}
 
 /// The PartialFC head as state its ranks hold alone: this rank's class centres and their
 /// optimizer entry (parameter `index` of the optimizer, after the backbone's), saved as rows
@@ -113,18 +92,14 @@ impl HeadPart {
     fn send_mirror(&mut self, group: &ProcessGroup, own: &RowBlock, clock: Instant) -> Result<()> {
         let classes = self.head.config().num_classes;
         match self.live.as_mut() {
-            Some(live) => Ok(live.exchange(group, own, classes, clock)?),
+            Some(live) => live.exchange(group, own, classes, clock),
             None => Ok(()),
         }
     }
 
     /// Rows no rank holds after a regroup: from `last` (the newest checkpoint), else the
     /// initial centres (step 0, no optimizer state).
-    fn reload_rows(
-        &self,
-        last: Option<&Saved>,
-        range: Range<usize>,
-    ) -> Result<RowBlock, CheckpointError> {
+    fn reload_rows(&self, last: Option<&Saved>, range: Range<usize>) -> Result<RowBlock> {
         let cfg = self.head.config();
         let (classes, e) = (cfg.num_classes, cfg.embedding_size);
         if let Some(saved) = last.filter(|s| s.rows_total(HEAD_SHARD) == Some(classes)) {
@@ -177,33 +152,32 @@ impl RankState for HeadPart {
         let cfg = self.head.config();
         let (classes, embedding) = (cfg.num_classes, cfg.embedding_size);
         let saved_classes = saved.rows_total(HEAD_SHARD).unwrap_or(0);
-        let shape_error = |saved_embedding: usize| FaceStateError::HeadShape {
-            dir: dir.clone(),
-            saved_classes,
-            saved_embedding,
-            classes,
-            embedding,
+        let shape_error = |saved_embedding: usize| TrainError::Field {
+            path: dir.clone(),
+            field: "head",
+            problem: format!(
+                "the checkpoint's head is {saved_classes} classes x {saved_embedding}, this \
+                 run's {classes} x {embedding}"
+            ),
         };
         if saved_classes != classes {
-            return Err(shape_error(0).into());
+            return Err(shape_error(0));
         }
         let split = self.head.split();
         let rows = saved.read_rows(HEAD_SHARD, split.start..split.start + split.len)?;
-        let restore = |why: &dyn std::fmt::Display| FaceStateError::Restore {
-            dir: dir.clone(),
-            what: "head centres",
-            why: why.to_string(),
-        };
-        let weight = rows
-            .get("weight")
-            .and_then(Value::as_tensor)
-            .ok_or_else(|| restore(&"no `weight` tensor"))?;
+        let restoring = || format!("{}: restoring the head centres", dir.display());
+        let weight =
+            rows.get("weight").and_then(Value::as_tensor).ok_or_else(|| TrainError::Field {
+                path: dir.clone(),
+                field: "head",
+                problem: "no `weight` tensor".into(),
+            })?;
         if weight.shape.get(1) != Some(&embedding) {
-            return Err(shape_error(weight.shape.get(1).copied().unwrap_or(0)).into());
+            return Err(shape_error(weight.shape.get(1).copied().unwrap_or(0)));
         }
         let device = self.head.weight().device().clone();
-        let weight = tandem_nn::convert::from_ckpt(weight, &device).map_err(|e| restore(&e))?;
-        self.head.weight().set(&weight).map_err(|e| restore(&e))?;
+        let weight = tandem_nn::convert::from_ckpt(weight, &device).with_context(restoring)?;
+        self.head.weight().set(&weight).with_context(restoring)?;
         self.head.set_steps_taken(saved.global_step());
         let (saved_world, world) = (saved.world_size(), self.world);
         let note = (saved_world != world).then(|| {
@@ -294,11 +268,8 @@ impl HeadPart {
             let rows = split.start..split.start + split.len;
             vec![rows]
         };
-        let mut fill = |range: Range<usize>| {
-            let rows = self.reload_rows(last, range).map_err(Box::new)?;
-            Ok(Some(rows))
-        };
-        Ok(live.regroup(group, step, classes, own.as_ref(), &want, &mut fill)?)
+        let mut fill = |range: Range<usize>| Ok(Some(self.reload_rows(last, range)?));
+        live.regroup(group, step, classes, own.as_ref(), &want, &mut fill)
     }
 }
 

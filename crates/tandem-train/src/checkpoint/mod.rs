@@ -53,15 +53,14 @@ mod reader;
 mod rows;
 mod writer;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use tandem_ckpt::{CkptError, Value};
-use tandem_comm::CommError;
 
 pub use manifest::{rank_file_name, Manifest, RankFile, ShardEntry, FORMAT, MANIFEST, REPLICATED};
 pub use policy::{CheckpointPolicy, Never, Periodic, KEEP_LAST};
 pub use reader::Saved;
-pub use rows::{concat_rows, slice_rows, ConcatRowsError};
+pub use rows::slice_rows;
 pub use writer::{write_sharded, Checkpointer, LATEST};
 
 /// Which slice of a global object a shard holds.
@@ -133,59 +132,15 @@ impl TrainingStateDict {
     }
 }
 
-/// Why a checkpoint could not be written or read; each names the file, step or rank at fault.
-#[derive(Debug, thiserror::Error)]
-pub enum CheckpointError {
-    #[error("{what} {}: {source}", path.display())]
-    Io {
-        what: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{}: {source}", path.display())]
-    File {
-        path: PathBuf,
-        #[source]
-        source: CkptError,
-    },
-    #[error("{what}: {source}")]
-    Comm {
-        what: String,
-        #[source]
-        source: Box<CommError>,
-    },
-    #[error("{}: {why}", path.display())]
-    Invalid { path: PathBuf, why: String },
-}
+pub(crate) use crate::error::{comm, io};
+pub(crate) use crate::Result;
+use crate::TrainError;
 
-impl CheckpointError {
-    /// The process-group error inside, if this is one (a dead peer during a save).
-    pub fn comm(&self) -> Option<&CommError> {
-        match self {
-            CheckpointError::Comm { source, .. } => Some(source),
-            _ => None,
-        }
-    }
-}
-
-pub type Result<T> = std::result::Result<T, CheckpointError>;
-
-fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError {
+fn file(path: &Path) -> impl FnOnce(CkptError) -> TrainError {
     let path = path.to_path_buf();
-    move |source| CheckpointError::Io { what, path, source }
+    move |source| TrainError::File { path, source }
 }
 
-fn file(path: &Path) -> impl FnOnce(CkptError) -> CheckpointError {
-    let path = path.to_path_buf();
-    move |source| CheckpointError::File { path, source }
-}
-
-fn comm(what: &str) -> impl FnOnce(CommError) -> CheckpointError {
-    let what = what.to_string();
-    move |source| CheckpointError::Comm { what, source: Box::new(source) }
-}
-
-fn invalid(path: &Path, why: impl Into<String>) -> CheckpointError {
-    CheckpointError::Invalid { path: path.to_path_buf(), why: why.into() }
+fn invalid(path: &Path, why: impl Into<String>) -> TrainError {
+    TrainError::Corrupt { path: path.to_path_buf(), why: why.into() }
 }

@@ -2,7 +2,7 @@
 //! a range held by several saved ranks, over a whole value tree (the centres and every
 //! optimizer tensor of the rows alike).
 use std::ops::Range;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use tandem_ckpt::{TensorData, Value};
 
@@ -18,26 +18,18 @@ pub fn slice_rows(t: &TensorData, rows: Range<usize>) -> TensorData {
     TensorData::from_bytes(t.dtype, &shape, part)
 }
 
-/// Why row blocks do not stack.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-pub enum ConcatRowsError {
-    #[error("no rows")]
-    Empty,
-    #[error("row blocks of different dtypes or shapes ({first}, {other})")]
-    Mismatch { first: String, other: String },
-}
-
-/// Stacks tensors of one dtype and row shape by rows.
-pub fn concat_rows(parts: &[TensorData]) -> std::result::Result<TensorData, ConcatRowsError> {
-    let Some(first) = parts.first() else { return Err(ConcatRowsError::Empty) };
+/// Stacks tensors of one dtype and row shape by rows (`path`: the file named if they do not).
+pub(crate) fn concat_rows(parts: &[TensorData], path: &Path) -> Result<TensorData> {
+    let Some(first) = parts.first() else { return Err(invalid(path, "no rows")) };
     let mut bytes = Vec::new();
     let mut rows = 0;
     for p in parts {
         if p.dtype != first.dtype || p.shape.is_empty() || p.shape[1..] != first.shape[1..] {
-            return Err(ConcatRowsError::Mismatch {
-                first: format!("{:?} {:?}", first.dtype, first.shape),
-                other: format!("{:?} {:?}", p.dtype, p.shape),
-            });
+            let why = format!(
+                "row blocks of different dtypes or shapes ({:?} {:?}, {:?} {:?})",
+                first.dtype, first.shape, p.dtype, p.shape
+            );
+            return Err(invalid(path, why));
         }
         bytes.extend_from_slice(&p.contiguous_bytes());
         rows += p.shape[0];
@@ -83,9 +75,7 @@ fn merge_at<'a>(
                     })?;
                 pieces.push(slice_rows(t, p.rows.clone()));
             }
-            let stacked =
-                concat_rows(&pieces).map_err(|why| invalid(&first.path, why.to_string()))?;
-            Ok(Value::Tensor(stacked))
+            Ok(Value::Tensor(concat_rows(&pieces, &first.path)?))
         }
         Value::Dict(items) => {
             let mut out = Vec::with_capacity(items.len());
@@ -121,10 +111,12 @@ mod tests {
     fn rows_slice_and_concatenate_back() {
         let t = rows(5, 0.0);
         let parts = [slice_rows(&t, 0..2), slice_rows(&t, 2..5)];
-        assert_eq!(concat_rows(&parts).unwrap().to_f32_vec(), t.to_f32_vec());
+        let path = Path::new("rank-0.pt");
+        assert_eq!(concat_rows(&parts, path).unwrap().to_f32_vec(), t.to_f32_vec());
         assert_eq!(slice_rows(&t, 3..4).to_f32_vec(), vec![6.0, 7.0]);
         let odd = TensorData::from_f32(&[1, 3], &[0.0; 3]);
-        assert!(concat_rows(&[t, odd]).unwrap_err().to_string().contains("shapes"));
+        let err = concat_rows(&[t, odd], path).unwrap_err().to_string();
+        assert!(err.starts_with("rank-0.pt: ") && err.contains("shapes"), "{err}");
     }
 
     #[test]

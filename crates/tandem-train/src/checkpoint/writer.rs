@@ -95,12 +95,12 @@ impl Checkpointer {
     /// several GiB be saved without doubling it). A background save builds copies: training
     /// goes on while they are written. Nothing may train the model on another thread during
     /// the call.
-    pub fn save_built<E: From<super::CheckpointError>>(
+    pub fn save_built(
         &mut self,
         group: &ProcessGroup,
         name: &str,
-        build: impl FnOnce() -> std::result::Result<TrainingStateDict, E>,
-    ) -> std::result::Result<PathBuf, E> {
+        build: impl FnOnce() -> Result<TrainingStateDict>,
+    ) -> Result<PathBuf> {
         let state = if self.background {
             build()?
         } else {
@@ -108,7 +108,7 @@ impl Checkpointer {
             // this thread writes the lent tensors in between, and no other thread trains.
             unsafe { tandem_nn::convert::lend(build)? }
         };
-        Ok(self.save(group, name, state)?)
+        self.save(group, name, state)
     }
 
     /// Saves `state` as checkpoint `name` (a collective: every rank calls it with its own
