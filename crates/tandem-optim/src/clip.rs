@@ -67,7 +67,7 @@ fn device_sum_squares(params: &[Var], grads: &GradStore) -> Result<Option<f64>, 
     if !first.device().is_cuda() || !present.iter().all(same) {
         return Ok(None);
     }
-    let candle = |source| OptimError::Candle { index: 0, source };
+    let candle = |source| OptimError::Gradient { of: Part::Clipping, index: 0, source };
     let sum = tandem_cuda::reduce::sum_squares(&present).map_err(candle)?;
     let v = sum.to_vec1::<f64>().map_err(candle)?;
     Ok(v.first().copied())
