@@ -46,7 +46,7 @@ pub enum TrainError {
         source: std::io::Error,
     },
     /// A checkpoint file could not be encoded or decoded.
-    #[error("{}: {source}", path.display())]
+    #[error("{}", file_line(path, source))]
     File {
         path: PathBuf,
         #[source]
@@ -133,6 +133,16 @@ impl fmt::Display for StepPhase {
             StepPhase::Optimizer => "the optimizer's update",
             StepPhase::Schedule => "the learning-rate schedule",
         })
+    }
+}
+
+/// `path: source`, or only `source` when it names the file already (as most of `CkptError`
+/// does).
+fn file_line(path: &std::path::Path, source: &CkptError) -> String {
+    let (path, text) = (path.display().to_string(), source.to_string());
+    match text.contains(&path) {
+        true => text,
+        false => format!("{path}: {text}"),
     }
 }
 
@@ -374,5 +384,16 @@ mod tests {
         let invalid =
             TrainError::Field { path: "ck".into(), field: "sampler", problem: "x".into() };
         assert!(!invalid.is_peer_failure());
+    }
+
+    #[test]
+    fn a_checkpoint_file_is_named_once() {
+        let path = std::path::PathBuf::from("ck/rank-0.pt");
+        let format = CkptError::Format { path: path.clone(), msg: "bad zip".into() };
+        let e = TrainError::File { path: path.clone(), source: format };
+        assert_eq!(e.to_string(), "ck/rank-0.pt: bad zip");
+        let field = CkptError::TrainingField { field: "epoch".into(), problem: "missing".into() };
+        let e = TrainError::File { path, source: field };
+        assert_eq!(e.to_string(), "ck/rank-0.pt: training checkpoint field `epoch`: missing");
     }
 }
