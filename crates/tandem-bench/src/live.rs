@@ -64,6 +64,9 @@ struct RunResult {
     kills: usize,
     /// Seconds from each kill to the first regroup recorded after it.
     recover_s: Vec<f64>,
+    /// Seconds from each kill to the replacement joining (the first join regroup
+    /// after it): while it starts, the survivors train on a smaller world.
+    join_s: Vec<f64>,
     /// Steps redone, per failure regroup.
     redone: Vec<u64>,
     /// Face: verification accuracy at the end.
@@ -277,8 +280,12 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
         if let Some(g) = regroups.iter().find(|g| g.at_unix_s > *k) {
             result.recover_s.push(g.at_unix_s - k);
         }
+        let joined = regroups.iter().find(|g| g.at_unix_s > *k && g.is_join());
+        if let Some(g) = joined {
+            result.join_s.push(g.at_unix_s - k);
+        }
     }
-    for g in regroups.iter().filter(|g| g.cause != "a rank joins") {
+    for g in regroups.iter().filter(|g| !g.is_join()) {
         result.redone.push(g.redone);
     }
     Ok(result)
@@ -384,6 +391,10 @@ pub fn main(a: Args) -> anyhow::Result<i32> {
     println!(
         "  seconds from a kill to training   {}",
         stats(&all(|r| r.recover_s.clone(), &killed))
+    );
+    println!(
+        "  seconds from a kill to the replacement joining  {}",
+        stats(&all(|r| r.join_s.clone(), &killed))
     );
     if a.recipe == Recipe::Face {
         let per = |f: fn(&RunResult) -> u64| {

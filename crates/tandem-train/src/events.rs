@@ -86,7 +86,7 @@ pub struct StepEvent {
 pub struct Regroup {
     /// Seconds since the Unix epoch when the world had re-formed.
     pub at_unix_s: f64,
-    /// `a rank joins`, or the failure that broke the old world.
+    /// [`Regroup::JOINED`], or the failure that broke the old world.
     pub cause: String,
     pub change: WorldChange,
     /// Steps the world takes again (the one in flight when a rank died, unless the state's
@@ -95,6 +95,16 @@ pub struct Regroup {
     /// How the state each rank holds alone was re-split, if the recipe has such state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resplit: Option<Resplit>,
+}
+
+impl Regroup {
+    /// The cause of a regroup that lets a replacement join the running world.
+    pub const JOINED: &'static str = "a rank joins";
+
+    /// Whether a replacement joined (not a failure).
+    pub fn is_join(&self) -> bool {
+        self.cause == Regroup::JOINED
+    }
 }
 
 /// How a regroup re-split the state each rank holds alone (summed over the world).

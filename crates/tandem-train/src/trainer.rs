@@ -812,7 +812,7 @@ impl<R: Recipe> Trainer<R> {
             };
             let cause = match ended {
                 Ok(Ended::Done) => return Ok(()),
-                Ok(Ended::RegroupWanted) => "a rank joins".to_string(),
+                Ok(Ended::RegroupWanted) => Regroup::JOINED.to_string(),
                 // A collective that failed inside a layer may reach here as text only
                 // (candle's errors keep no source); the group knows it broke.
                 Err(e) if e.is_peer_failure() || self.group.failure().is_some() => root_cause(&e),
@@ -876,7 +876,7 @@ impl<R: Recipe> Trainer<R> {
             let event = Event::Joined { member, change: change.clone() };
             report_to(&self.reporter, &event)?;
             // The world re-formed for this member; as its rank 0 it reports the regroup.
-            self.report_regroup("a rank joins".into(), change.clone(), 0)?;
+            self.report_regroup(Regroup::JOINED.into(), change.clone(), 0)?;
         } else {
             self.resplit = None;
         }
