@@ -330,7 +330,7 @@ impl GradScaler {
 
 /// The GradScaler's state_dict entry `key` does not fit: `why`.
 fn scaler_state(key: &str, why: impl Into<String>) -> OptimError {
-    OptimError::StateDict { of: Part::GradScaler, key: key.into(), why: why.into() }
+    OptimError::state_dict(Part::GradScaler, key, why)
 }
 
 /// A loss scale GradScaler can hold: positive and finite as a float32.

@@ -88,8 +88,13 @@ impl std::fmt::Display for Part {
 }
 
 impl OptimError {
+    /// `of`'s state_dict entry `key` does not fit: `why`.
+    pub(crate) fn state_dict(of: Part, key: impl Into<String>, why: impl Into<String>) -> Self {
+        OptimError::StateDict { of, key: key.into(), why: why.into() }
+    }
+
     pub(crate) fn state(key: impl Into<String>, why: impl Into<String>) -> Self {
-        OptimError::StateDict { of: Part::Optimizer, key: key.into(), why: why.into() }
+        OptimError::state_dict(Part::Optimizer, key, why)
     }
 }
 

@@ -22,7 +22,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use tandem_comm::{CommError, ProcessGroup};
 
-use crate::error::Context;
+use crate::error::{bail, Context};
 use crate::events::MirrorCost;
 use crate::{Result, TrainError};
 
@@ -59,15 +59,12 @@ impl PartHeader {
         let mut end = 0;
         for &(s, e) in &self.ranges {
             if s < end || s >= e || e > keys {
-                return Err(TrainError::Invalid(format!(
-                    "keys {s}..{e} are not ascending, disjoint ranges inside 0..{keys}"
-                )));
+                bail!("keys {s}..{e} are not ascending, disjoint ranges inside 0..{keys}");
             }
             end = e;
         }
         if self.labels.len() > MAX_LABELS || self.labels.iter().any(|l| l.len() > MAX_LABEL_LEN) {
-            let many = format!("{} labels, at most {MAX_LABELS} allowed", self.labels.len());
-            return Err(TrainError::Invalid(many));
+            bail!("{} labels, at most {MAX_LABELS} allowed", self.labels.len());
         }
         Ok(())
     }
@@ -145,17 +142,17 @@ impl RegroupCounts {
     }
 }
 
-fn invalid<P: RankPart>(what: impl std::fmt::Display) -> TrainError {
-    TrainError::Invalid(format!("{}: {what}", P::WHAT))
-}
-
-fn comm<P: RankPart>(what: &str) -> impl FnOnce(CommError) -> TrainError {
-    crate::error::comm(format!("{}: {what}", P::WHAT))
-}
-
 /// What `P` was doing, as the context of its failure.
 fn of<P: RankPart>(what: impl std::fmt::Display) -> String {
     format!("{}: {what}", P::WHAT)
+}
+
+fn invalid<P: RankPart>(what: impl std::fmt::Display) -> TrainError {
+    TrainError::Invalid(of::<P>(what))
+}
+
+fn comm<P: RankPart>(what: &str) -> impl FnOnce(CommError) -> TrainError {
+    crate::error::comm(of::<P>(what))
 }
 
 /// What fills keys no rank holds: `Some` part covering exactly them, or `None` (fresh state).

@@ -587,14 +587,8 @@ pub fn reshard_message(saved: &SamplerState, world: usize, loader: &dyn LoaderPo
 
 #[cfg(test)]
 mod tests {
-    use tandem_ckpt::TensorData;
-
     use super::*;
-
-    fn rows(n: usize, from: f32) -> TensorData {
-        let data: Vec<f32> = (0..n * 2).map(|i| from + i as f32).collect();
-        TensorData::from_f32(&[n, 2], &data)
-    }
+    use crate::checkpoint::rows::tests::rows;
 
     #[test]
     fn optimizer_state_splits_and_merges_without_loss() {

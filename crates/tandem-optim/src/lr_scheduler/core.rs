@@ -5,7 +5,7 @@ use tandem_ckpt::Value;
 use crate::{OptimError, Part};
 
 pub(super) fn bad_state(key: &str, why: impl Into<String>) -> OptimError {
-    OptimError::StateDict { of: Part::Scheduler, key: key.to_string(), why: why.into() }
+    OptimError::state_dict(Part::Scheduler, key, why)
 }
 
 /// The bookkeeping every torch scheduler carries.

@@ -50,7 +50,7 @@ mod legacy;
 mod manifest;
 mod policy;
 mod reader;
-mod rows;
+pub(crate) mod rows;
 mod writer;
 
 use std::path::Path;
