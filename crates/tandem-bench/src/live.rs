@@ -64,8 +64,9 @@ struct RunResult {
     kills: usize,
     /// Seconds from each kill to the first regroup recorded after it.
     recover_s: Vec<f64>,
-    /// Seconds from each kill to the replacement joining (the first join regroup
-    /// after it): while it starts, the survivors train on a smaller world.
+    /// Seconds from each kill to the replacement joining (the first regroup after it that
+    /// takes one in, the failure's own when the replacement was already waiting): while it
+    /// starts, the survivors train on a smaller world.
     join_s: Vec<f64>,
     /// Steps redone, per failure regroup.
     redone: Vec<u64>,
@@ -280,7 +281,7 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
         if let Some(g) = regroups.iter().find(|g| g.at_unix_s > *k) {
             result.recover_s.push(g.at_unix_s - k);
         }
-        let joined = regroups.iter().find(|g| g.at_unix_s > *k && g.is_join());
+        let joined = regroups.iter().find(|g| g.at_unix_s > *k && g.has_joiner());
         if let Some(g) = joined {
             result.join_s.push(g.at_unix_s - k);
         }

@@ -141,6 +141,9 @@ pub struct Generation {
     /// The rank whose training state every rank takes: the one furthest along (the lowest
     /// rank among equals).
     pub source: usize,
+    /// Member slots whose process joins with this generation (a replacement, which may take
+    /// the slot of a member lost in the same regroup).
+    pub joining: Vec<usize>,
     /// The generation's process group; this process is rank `group.rank()` in it.
     pub group: ProcessGroup,
     /// `live/wanted` when the generation was committed: a larger value asks for a regroup.
@@ -148,13 +151,17 @@ pub struct Generation {
 }
 
 impl Generation {
-    /// Members of this generation that were not in `before` (joiners).
+    /// Members of this generation that were not in `before`, or whose process is new
+    /// (joiners).
     pub fn joined_since(&self, before: &[usize]) -> Vec<usize> {
-        self.members.iter().copied().filter(|m| !before.contains(m)).collect()
+        let new = |m: &usize| !before.contains(m) || self.joining.contains(m);
+        self.members.iter().copied().filter(new).collect()
     }
-    /// Members of `before` not in this generation (lost).
+    /// Members of `before` not in this generation, or whose process a replacement took over
+    /// (lost).
     pub fn lost_since(&self, before: &[usize]) -> Vec<usize> {
-        before.iter().copied().filter(|m| !self.members.contains(m)).collect()
+        let gone = |m: &usize| !self.members.contains(m) || self.joining.contains(m);
+        before.iter().copied().filter(gone).collect()
     }
 }
 
@@ -179,18 +186,22 @@ struct Record {
     progress: Vec<u64>,
     source: usize,
     wanted: i64,
+    /// Members that joined (ready without progress).
+    joining: Vec<usize>,
 }
 
 impl Record {
     fn encode(&self) -> String {
         let list = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
         let members: Vec<u64> = self.members.iter().map(|&m| m as u64).collect();
+        let joining: Vec<u64> = self.joining.iter().map(|&m| m as u64).collect();
         format!(
-            "members={} source={} progress={} wanted={}",
+            "members={} source={} progress={} wanted={} joining={}",
             list(&members),
             self.source,
             list(&self.progress),
-            self.wanted
+            self.wanted,
+            list(&joining)
         )
     }
 
@@ -219,10 +230,19 @@ impl Record {
             field("source")?.parse().map_err(|_| format!("bad `source` in {text:?}"))?;
         let wanted: i64 =
             field("wanted")?.parse().map_err(|_| format!("bad `wanted` in {text:?}"))?;
-        if members.is_empty() || progress.len() != members.len() || source >= members.len() {
+        // (Absent: nobody joins.)
+        let joining = match field("joining") {
+            Ok(_) => numbers("joining")?.into_iter().map(|m| m as usize).collect(),
+            Err(_) => Vec::new(),
+        };
+        if members.is_empty()
+            || progress.len() != members.len()
+            || source >= members.len()
+            || joining.iter().any(|m| !members.contains(m))
+        {
             return Err(format!("inconsistent record {text:?}"));
         }
-        Ok(Ok(Record { members, progress, source, wanted }))
+        Ok(Ok(Record { members, progress, source, wanted, joining }))
     }
 }
 
@@ -439,6 +459,7 @@ impl LiveGroup {
                         members: record.members,
                         progress: record.progress,
                         source: record.source,
+                        joining: record.joining,
                         group,
                         wanted_at: record.wanted,
                     });
@@ -607,9 +628,11 @@ fn propose(
     // The furthest along; the lowest rank among equals.
     let top = progress.iter().flatten().copied().max().unwrap_or(0);
     let source = progress.iter().position(|&p| p == Some(top)).unwrap_or(0);
+    let joining = ready.iter().zip(&progress).filter(|(_, p)| p.is_none()).map(|(&m, _)| m);
+    let joining = joining.collect();
     let progress: Vec<u64> = progress.into_iter().map(|p| p.unwrap_or(0)).collect();
     let wanted = store.add("wanted", 0)?;
-    Ok(Record { members: ready.to_vec(), progress, source, wanted }.encode())
+    Ok(Record { members: ready.to_vec(), progress, source, wanted, joining }.encode())
 }
 
 /// Connects generation `target`'s group (rank `rank` of `record.members`).
@@ -718,14 +741,21 @@ mod tests {
 
     #[test]
     fn records_round_trip_and_bad_ones_are_named() {
-        let r = Record { members: vec![0, 2, 3], progress: vec![40, 41, 40], source: 1, wanted: 2 };
+        let r = Record {
+            members: vec![0, 2, 3],
+            progress: vec![40, 41, 0],
+            source: 1,
+            wanted: 2,
+            joining: vec![3],
+        };
         let text = r.encode();
-        assert_eq!(text, "members=0,2,3 source=1 progress=40,41,40 wanted=2");
+        assert_eq!(text, "members=0,2,3 source=1 progress=40,41,0 wanted=2 joining=3");
         assert_eq!(Record::decode(&text).unwrap().unwrap(), r);
         assert_eq!(Record::decode("error=too few").unwrap().unwrap_err(), "too few");
         for bad in [
             "members=0,1 source=2 progress=1,1 wanted=0",
-            "members= source=0 progress= wanted=0",
+            "members= source=0 progress= wanted=0 joining=",
+            "members=0,1 source=0 progress=1,1 wanted=0 joining=2",
             "source=0",
         ] {
             assert!(Record::decode(bad).is_err(), "{bad}");

@@ -7,7 +7,6 @@
 //! and `--min-nproc-per-node` on this node (the launcher checks). The launch ends when every
 //! worker has exited: successfully when at least one finished the job.
 use std::ffi::OsString;
-use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use tandem_comm::{host_port, StoreServer};
@@ -240,9 +239,7 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
             eprint!("{}", o.summary(cfg.max_restarts));
             return Ok(o);
         }
-        let until = Instant::now() + cfg.monitor_interval;
-        while Instant::now() < until && signals.received().is_none() {
-            std::thread::sleep(cfg.monitor_interval.min(Duration::from_millis(50)));
-        }
+        // Until the next check, or sooner: a signal or a worker's exit wakes the pause.
+        signals.pause(cfg.monitor_interval);
     }
 }

@@ -282,8 +282,8 @@ struct Polls {
     deadline: Option<Instant>,
 }
 
-/// Polls the workers every `polls.interval` until one fails, all succeed, a signal arrives or
-/// the deadline passes; keeps the watchdog alive meanwhile.
+/// Checks the workers every `polls.interval`, and at once when one exits, until one fails, all
+/// succeed, a signal arrives or the deadline passes; keeps the watchdog alive meanwhile.
 fn watch(
     workers: &mut [Worker],
     polls: Polls,
@@ -291,6 +291,7 @@ fn watch(
     reaper: &mut Option<GroupReaper>,
     remote: &mut dyn FnMut() -> Option<Remote>,
 ) -> Result<AttemptEnd, LaunchError> {
+    let mut grace_until: Option<Instant> = None;
     loop {
         if let Some((sig, _)) = signals.received() {
             return Ok(AttemptEnd::Signalled(sig));
@@ -311,7 +312,16 @@ fn watch(
             }
         }
         if !failed.is_empty() {
-            return Ok(AttemptEnd::Failed(failed));
+            // Ranks that fail together exit within milliseconds of each other, and the first
+            // to exit may only report what another did (a lost peer, a peer's failed save):
+            // the others get one interval to be seen too, so the root cause is chosen among
+            // them all (the pause wakes at each exit).
+            let until = *grace_until.get_or_insert_with(|| Instant::now() + polls.interval);
+            if running == 0 || Instant::now() >= until {
+                return Ok(AttemptEnd::Failed(failed));
+            }
+            signals.pause(until.saturating_duration_since(Instant::now()));
+            continue;
         }
         if running == 0 {
             return Ok(AttemptEnd::Succeeded);
@@ -319,11 +329,8 @@ fn watch(
         if polls.deadline.is_some_and(|d| Instant::now() >= d) {
             return Ok(AttemptEnd::PastDeadline);
         }
-        // Sleep in short slices so a signal is acted on promptly even with a long interval.
-        let until = Instant::now() + polls.interval;
-        while Instant::now() < until && signals.received().is_none() {
-            std::thread::sleep(polls.interval.min(Duration::from_millis(50)));
-        }
+        // Until the next check, or sooner: a signal or a worker's exit wakes the pause.
+        signals.pause(polls.interval);
     }
 }
 

@@ -114,13 +114,38 @@ impl PartialFc {
         comm: Arc<dyn Collectives>,
         device: &Device,
     ) -> Result<Self, PartialFcError> {
+        let seed = cfg.seed;
+        Self::with_rows(cfg, comm, device, |split, e| {
+            let mut rows = Vec::with_capacity(split.len * e);
+            for c in split.start..split.start + split.len {
+                rows.extend(initial_row(seed, c, e));
+            }
+            rows
+        })
+    }
+
+    /// This rank's share of the centres, all zero: for a head whose rows arrive before its
+    /// first step (a live replacement receives them when it joins), without drawing the
+    /// initial centres it would throw away.
+    pub fn zeroed(
+        cfg: PartialFcConfig,
+        comm: Arc<dyn Collectives>,
+        device: &Device,
+    ) -> Result<Self, PartialFcError> {
+        Self::with_rows(cfg, comm, device, |split, e| vec![0.0; split.len * e])
+    }
+
+    /// This rank's share with the rows `rows(split, embedding_size)` gives, row-major.
+    fn with_rows(
+        cfg: PartialFcConfig,
+        comm: Arc<dyn Collectives>,
+        device: &Device,
+        rows: impl FnOnce(&ClassSplit, usize) -> Vec<f32>,
+    ) -> Result<Self, PartialFcError> {
         cfg.check()?;
         let split = ClassSplit::new(cfg.num_classes, comm.size(), comm.rank());
         let e = cfg.embedding_size;
-        let mut rows = Vec::with_capacity(split.len * e);
-        for c in split.start..split.start + split.len {
-            rows.extend(initial_row(cfg.seed, c, e));
-        }
+        let rows = rows(&split, e);
         let weight = Var::from_tensor(&Tensor::from_vec(rows, (split.len, e), device)?)?;
         Ok(Self::with_weight(cfg, comm, split, weight))
     }

@@ -17,7 +17,7 @@ use tandem_data::datasets::faces::{verification_accuracy, VerificationSet};
 use tandem_models::FACE_SIDE;
 
 use tandem_train::metrics::VerificationMetrics;
-use tandem_train::{bail, Result, TrainError};
+use tandem_train::{bail, Context, Result, TrainError};
 
 /// Images per forward pass.
 const BATCH: usize = 32;
@@ -55,6 +55,46 @@ pub fn load(paths: &[PathBuf]) -> Result<Vec<ValSet>> {
             Ok(ValSet { name: stem(p), set })
         })
         .collect()
+}
+
+/// Verification sets read now, or on a thread: a live replacement joins the running job first
+/// (the survivors train on a smaller world until it does) and needs them only at the next
+/// verification.
+pub enum ValSets {
+    Ready(Vec<ValSet>),
+    Reading(Option<std::thread::JoinHandle<Result<Vec<ValSet>>>>),
+}
+
+impl ValSets {
+    /// Reads `paths` now ([`load`]), or with `background` on a thread.
+    pub fn load(paths: &[PathBuf], background: bool) -> Result<ValSets> {
+        if !background || paths.is_empty() {
+            return load(paths).map(ValSets::Ready);
+        }
+        let paths = paths.to_vec();
+        let reader = std::thread::Builder::new()
+            .name("tandem-val-read".into())
+            .spawn(move || load(&paths))
+            .context("starting the verification sets' reader")?;
+        Ok(ValSets::Reading(Some(reader)))
+    }
+
+    /// The sets, waiting for the reader if it is still at work.
+    pub fn get(&mut self) -> Result<&[ValSet]> {
+        if let ValSets::Reading(reader) = self {
+            let reader = reader.take().ok_or_else(|| {
+                TrainError::Invalid("the verification sets' reader failed before".into())
+            })?;
+            let sets = reader.join().map_err(|_| {
+                TrainError::Invalid("the verification sets' reader panicked".into())
+            })??;
+            *self = ValSets::Ready(sets);
+        }
+        match self {
+            ValSets::Ready(sets) => Ok(sets),
+            ValSets::Reading(_) => unreachable!("set to Ready above"),
+        }
+    }
 }
 
 fn stem(p: &Path) -> String {

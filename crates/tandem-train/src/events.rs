@@ -105,6 +105,12 @@ impl Regroup {
     pub fn is_join(&self) -> bool {
         self.cause == Regroup::JOINED
     }
+
+    /// Whether any process joined: a join, or a failure's regroup that took in a replacement
+    /// already waiting (it may hold the slot of the member lost).
+    pub fn has_joiner(&self) -> bool {
+        self.is_join() || !self.change.joined.is_empty()
+    }
 }
 
 /// How a regroup re-split the state each rank holds alone (summed over the world).

@@ -18,6 +18,10 @@
 //!
 //! `TANDEM_TEST_FAULT_SEND_MEMBER=M` adds a `send` fault for member M beside the one above
 //! (a test that kills one rank and then the source of the regroup that follows).
+//!
+//! `TANDEM_TEST_FAULT_HOLD=SECS`: a survivor waits SECS before it regroups after a failure (as
+//! one deep in a long step notices late), so the dead member's replacement is ready first and
+//! joins in the same regroup.
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -79,8 +83,20 @@ pub fn armed() -> bool {
 }
 
 fn asked() -> bool {
-    std::env::var_os("TANDEM_TEST_FAULT").is_some()
-        || std::env::var_os("TANDEM_TEST_FAULT_SEND_MEMBER").is_some()
+    ["TANDEM_TEST_FAULT", "TANDEM_TEST_FAULT_SEND_MEMBER", "TANDEM_TEST_FAULT_HOLD"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
+/// Waits `TANDEM_TEST_FAULT_HOLD` seconds, if set (a survivor before it regroups).
+pub fn hold_before_regroup() {
+    if !cfg!(feature = "fault-injection") {
+        return;
+    }
+    let hold = std::env::var("TANDEM_TEST_FAULT_HOLD").ok().and_then(|s| s.parse::<f64>().ok());
+    if let Some(secs) = hold.filter(|s| s.is_finite() && *s > 0.0) {
+        std::thread::sleep(std::time::Duration::from_secs_f64(secs));
+    }
 }
 
 /// Faults asked for in a build that cannot inject them: a test would wait for a death that

@@ -197,6 +197,8 @@ impl LiveTraining {
     }
 
     /// Moves the state of `gen`'s source to every rank, then every rank enters the world.
+    /// What changed is the source's view (members lost and joined since its last world), sent
+    /// with the state: every rank reports the same change, a replacement too.
     fn adopt(
         &self,
         gen: &Generation,
@@ -208,27 +210,66 @@ impl LiveTraining {
         let mut bytes = Vec::new();
         if group.rank() == source {
             bytes = state.save(group.size())?;
+            let change = WorldChange {
+                generation: gen.number,
+                members: gen.members.clone(),
+                lost: gen.lost_since(before),
+                // (A process joining knows no earlier world: the record says who joins.)
+                joined: match before.is_empty() {
+                    true => gen.joining.clone(),
+                    false => gen.joined_since(before),
+                },
+                source: gen.members[source],
+                step: gen.progress[source],
+            };
+            push_record(&mut bytes, &change, "the world's change")?;
         }
         if group.size() > 1 {
             group
                 .broadcast_bytes(&mut bytes, source)
                 .map_err(comm("live recovery: sending the training state"))?;
         }
+        let change: WorldChange = pop_record(&mut bytes, "the world's change")?;
         if group.rank() == source {
             state.enter_world(group.rank(), group.size())?;
         } else {
             state.load(bytes, group.rank(), group.size())?;
         }
         state.reshard(group)?;
-        Ok(WorldChange {
-            generation: gen.number,
-            members: gen.members.clone(),
-            lost: gen.lost_since(before),
-            joined: if before.is_empty() { Vec::new() } else { gen.joined_since(before) },
-            source: gen.members[source],
-            step: gen.progress[source],
-        })
+        Ok(change)
     }
+}
+
+/// Appends `value` to a regroup's `bytes` as TOML (which, unlike JSON, keeps a NaN loss), its
+/// length after it.
+pub(crate) fn push_record(
+    bytes: &mut Vec<u8>,
+    value: &impl serde::Serialize,
+    what: &str,
+) -> Result<()> {
+    let text = toml::to_string(value)
+        .map_err(|e| TrainError::Invalid(format!("live recovery: {what}: {e}")))?;
+    bytes.extend_from_slice(text.as_bytes());
+    bytes.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    Ok(())
+}
+
+/// Takes the value [`push_record`] appended off the end of `bytes`.
+pub(crate) fn pop_record<T: serde::de::DeserializeOwned>(
+    bytes: &mut Vec<u8>,
+    what: &str,
+) -> Result<T> {
+    let bad = |why: String| TrainError::Invalid(format!("live recovery: {what}: {why}"));
+    let at = bytes.len().checked_sub(8).ok_or_else(|| bad("missing".into()))?;
+    let len = u64::from_le_bytes(bytes[at..].try_into().expect("8 bytes"));
+    let start = usize::try_from(len)
+        .ok()
+        .and_then(|n| at.checked_sub(n))
+        .ok_or_else(|| bad(format!("{len} bytes announced, {at} there")))?;
+    let text = std::str::from_utf8(&bytes[start..at]).map_err(|e| bad(e.to_string()))?;
+    let value = toml::from_str(text).map_err(|e| bad(e.to_string()))?;
+    bytes.truncate(start);
+    Ok(value)
 }
 
 /// What a regroup moves from the rank furthest along to the others.

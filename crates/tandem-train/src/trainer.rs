@@ -149,7 +149,7 @@ impl StepTimes {
 }
 
 /// An end-of-epoch evaluation on held-out data (the world's figures).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Evaluation {
     pub loss: f64,
     pub accuracy: f64,
@@ -300,6 +300,22 @@ pub struct Trainer<R: Recipe> {
     ckpt: Checkpointer,
     /// The step the final verification ran at (a regroup after it does not run it again).
     verified_at: Option<u64>,
+    /// Why the world is regrouping now, until it is reported.
+    regrouping: Option<Regrouping>,
+}
+
+/// Why a live world regroups, and whether the step in flight failed (it is redone).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Regrouping {
+    cause: String,
+    step_failed: bool,
+}
+
+impl Default for Regrouping {
+    /// A process that joins and was told nothing else: the world regroups to let it in.
+    fn default() -> Self {
+        Regrouping { cause: Regroup::JOINED.into(), step_failed: false }
+    }
 }
 
 impl<R: Recipe> Trainer<R> {
@@ -317,6 +333,7 @@ impl<R: Recipe> Trainer<R> {
         let mut trainer = Trainer {
             ckpt,
             verified_at: None,
+            regrouping: None,
             recipe,
             loader,
             step,
@@ -826,7 +843,10 @@ impl<R: Recipe> Trainer<R> {
     /// flight, if any, is put back, background saves end, the state moves from the rank furthest
     /// along, and the new world's rank 0 reports it.
     fn regroup_after(&mut self, cause: String) -> Result<()> {
-        let step_failed = self.in_flight.is_some();
+        if cause != Regroup::JOINED {
+            fault::hold_before_regroup();
+        }
+        self.regrouping = Some(Regrouping { cause, step_failed: self.in_flight.is_some() });
         if let Some(position) = self.in_flight.take() {
             // The failed step did not happen: its batch goes back.
             self.loader.load_state(&position)?;
@@ -837,27 +857,22 @@ impl<R: Recipe> Trainer<R> {
         // (the files before it are intact).
         self.settle()?;
         let live = self.live.take().context("live recovery without a live world")?;
-        let before = self.global_step;
         let changed = live.regroup(self);
         self.group = live.group();
         self.live = Some(live);
         let change = changed.context("regrouping")?;
         self.open_logs()?;
-        // The ranks were in the same step: the world redoes it unless the state's source had
-        // finished it (then the source is ahead of this rank).
-        let redone = u64::from(step_failed && change.step <= before);
-        self.report_regroup(cause, change, redone)
+        self.report_regroup(change)
     }
 
-    /// Reports a regroup, once: by the new world's rank 0 (a survivor, or a member that joins).
-    fn report_regroup(
-        &mut self,
-        cause: String,
-        change: crate::live::WorldChange,
-        redone: u64,
-    ) -> Result<()> {
+    /// Reports a regroup, once: by the new world's rank 0 (a survivor, or a member that joins),
+    /// with the source's cause (every rank took the source's record). The world redoes the
+    /// step the source had in flight.
+    fn report_regroup(&mut self, change: crate::live::WorldChange) -> Result<()> {
+        let Regrouping { cause, step_failed } = self.regrouping.take().unwrap_or_default();
         let resplit = self.resplit.take();
         let at_unix_s = crate::tfevents::unix_secs();
+        let redone = u64::from(step_failed);
         self.emit(Event::Regrouped(Regroup { at_unix_s, cause, change, redone, resplit }))
     }
 
@@ -876,7 +891,7 @@ impl<R: Recipe> Trainer<R> {
             let event = Event::Joined { member, change: change.clone() };
             report_to(&self.reporter, &event)?;
             // The world re-formed for this member; as its rank 0 it reports the regroup.
-            self.report_regroup(Regroup::JOINED.into(), change.clone(), 0)?;
+            self.report_regroup(change.clone())?;
         } else {
             self.resplit = None;
         }
@@ -971,10 +986,14 @@ impl<R: Recipe> LiveState for Trainer<R> {
         let whole = whole_state(&mut self.recipe, &mut self.step, Some(loader), epoch, n)
             .ok_or_else(|| TrainError::invalid(NO_STATE))?;
         // What a user's own loop sends (`impl LiveState for TrainingState`), without a sharded
-        // optimizer's entries and the parts' (they move in the re-split that follows).
-        crate::live::state_bytes(&whole, world, self.live_shards.is_some())
+        // optimizer's entries and the parts' (they move in the re-split that follows); the
+        // loop's record after it, its length last.
+        let mut bytes = crate::live::state_bytes(&whole, world, self.live_shards.is_some())?;
+        crate::live::push_record(&mut bytes, &LoopRecord::of(self), "the loop's record")?;
+        Ok(bytes)
     }
-    fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<()> {
+    fn load(&mut self, mut bytes: Vec<u8>, rank: usize, size: usize) -> Result<()> {
+        let record: LoopRecord = crate::live::pop_record(&mut bytes, "the loop's record")?;
         let loader: &mut dyn LoaderPosition = &mut self.loader;
         let mut whole = whole_state(&mut self.recipe, &mut self.step, Some(loader), 0, 0)
             .ok_or_else(|| TrainError::invalid(NO_STATE))?;
@@ -987,6 +1006,7 @@ impl<R: Recipe> LiveState for Trainer<R> {
         if apart {
             self.sent_optimizer = Some(ck.optimizer);
         }
+        record.apply(self);
         // The schedule came as the source saved it: stretched over this world's steps.
         self.stretch_schedule()
     }
@@ -999,6 +1019,62 @@ impl<R: Recipe> LiveState for Trainer<R> {
         let position = self.loader.state();
         self.loader.reshard(rank, size, &position).context("resharding the loader")?;
         self.stretch_schedule()
+    }
+}
+
+/// The loop's record, which every rank takes from a regroup's source with the state. What is
+/// done at this step — an epoch closed, a checkpoint written, the final verification and
+/// evaluation — decides which collectives come next: a replacement that joins in the same
+/// regroup as a failure (after the last step, say) must neither run what the others already
+/// did nor skip what they will do, or the world calls different collectives. The figures make
+/// its reports, should it become rank 0, the run's.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct LoopRecord {
+    epoch_to_close: Option<(u64, f64)>,
+    saved_at: Option<u64>,
+    last_ckpt: Option<PathBuf>,
+    verified_at: Option<u64>,
+    last_val: Vec<VerificationMetrics>,
+    last_eval: Option<Evaluation>,
+    epochs_seen: Vec<EpochMetrics>,
+    samples_seen: u64,
+    train_time: f64,
+    warm: Option<(f64, u64)>,
+    times: StepTimes,
+    regrouping: Option<Regrouping>,
+}
+
+impl LoopRecord {
+    fn of<R: Recipe>(t: &Trainer<R>) -> LoopRecord {
+        LoopRecord {
+            epoch_to_close: t.epoch_to_close,
+            saved_at: t.saved_at,
+            last_ckpt: t.last_ckpt.clone(),
+            verified_at: t.verified_at,
+            last_val: t.last_val.clone(),
+            last_eval: t.last_eval,
+            epochs_seen: t.epochs_seen.clone(),
+            samples_seen: t.samples_seen,
+            train_time: t.train_time,
+            warm: t.warm,
+            times: t.times,
+            regrouping: t.regrouping.clone(),
+        }
+    }
+
+    fn apply<R: Recipe>(self, t: &mut Trainer<R>) {
+        t.epoch_to_close = self.epoch_to_close;
+        t.saved_at = self.saved_at;
+        t.last_ckpt = self.last_ckpt;
+        t.verified_at = self.verified_at;
+        t.last_val = self.last_val;
+        t.last_eval = self.last_eval;
+        t.epochs_seen = self.epochs_seen;
+        t.samples_seen = self.samples_seen;
+        t.train_time = self.train_time;
+        t.warm = self.warm;
+        t.times = self.times;
+        t.regrouping = self.regrouping;
     }
 }
 
@@ -1073,4 +1149,67 @@ fn device_peak_bytes() -> u64 {
     return tandem_cuda::memory::peak_bytes().unwrap_or(0);
     #[cfg(not(feature = "cuda"))]
     0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::live::{pop_record, push_record};
+
+    #[test]
+    fn the_loop_record_travels_behind_the_state_with_a_nan_loss() {
+        let epoch = EpochMetrics {
+            epoch: 2,
+            step: 20,
+            train_loss: f64::NAN,
+            eval_loss: None,
+            eval_accuracy: Some(0.5),
+            verification: Vec::new(),
+            samples_per_s: 100.0,
+            lr: 0.1,
+            loss_scale: Some(65536.0),
+            skipped_steps: 1,
+        };
+        let val =
+            VerificationMetrics { name: "lfw".into(), accuracy: 0.99, std: 0.01, xnorm: 20.0 };
+        let record = LoopRecord {
+            epoch_to_close: Some((2, f64::NAN)),
+            saved_at: Some(20),
+            last_ckpt: Some(PathBuf::from("runs/x/checkpoints/step-00000020")),
+            verified_at: None,
+            last_val: vec![val.clone()],
+            last_eval: Some(Evaluation { loss: f64::INFINITY, accuracy: 0.5 }),
+            epochs_seen: vec![epoch],
+            samples_seen: 640,
+            train_time: 1.5,
+            warm: Some((0.25, 64)),
+            times: StepTimes::default(),
+            regrouping: Some(Regrouping {
+                cause: "peer \"2\" died\nat once".into(),
+                step_failed: true,
+            }),
+        };
+        let mut bytes = b"the state".to_vec();
+        push_record(&mut bytes, &record, "the loop's record").unwrap();
+        let back: LoopRecord = pop_record(&mut bytes, "the loop's record").unwrap();
+        assert_eq!(bytes, b"the state");
+        assert!(back.epoch_to_close.is_some_and(|(e, l)| e == 2 && l.is_nan()));
+        assert!(back.epochs_seen[0].train_loss.is_nan());
+        assert_eq!(back.last_eval.map(|e| e.loss), Some(f64::INFINITY));
+        assert_eq!(
+            (back.saved_at, back.verified_at, back.warm),
+            (Some(20), None, Some((0.25, 64)))
+        );
+        assert_eq!((back.last_val, back.last_ckpt), (vec![val], record.last_ckpt));
+        let regrouping = back.regrouping.unwrap();
+        assert_eq!(
+            (regrouping.cause.as_str(), regrouping.step_failed),
+            ("peer \"2\" died\nat once", true)
+        );
+        // A length that does not fit what came is an error naming the record, not a panic.
+        for mut bad in [vec![1u8, 2, 3], [b"xx".as_slice(), &1000u64.to_le_bytes()].concat()] {
+            let e = pop_record::<LoopRecord>(&mut bad, "the loop's record").err().unwrap();
+            assert!(e.to_string().contains("the loop's record"), "{e}");
+        }
+    }
 }

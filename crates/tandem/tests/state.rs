@@ -174,6 +174,7 @@ fn a_grad_scaler_is_saved_and_restored() {
 }
 
 /// Four parameters of different sizes, all ones.
+#[cfg(feature = "zero")]
 fn ones_params() -> Vec<candle_core::Var> {
     [&[4usize, 3][..], &[4], &[2, 4], &[2]]
         .iter()
@@ -186,6 +187,7 @@ fn ones_params() -> Vec<candle_core::Var> {
         .collect()
 }
 
+#[cfg(feature = "zero")]
 fn zero_sgd(
     ps: &[candle_core::Var],
     pg: &tandem::comm::ProcessGroup,
@@ -206,6 +208,7 @@ fn head(pg: &tandem::comm::ProcessGroup) -> tandem::partial_fc::PartialFc {
 /// A sharded training state through `save_state` / `load_state_from`: ZeRO-1's optimizer
 /// entries and a PartialFc head's rows (as a row shard) saved by 2 ranks, nothing gathered,
 /// and loaded by 3, each reading only its rows and entries: the 3-rank state is the 2-rank one.
+#[cfg(feature = "zero")]
 #[test]
 fn zero_shards_and_a_partial_fc_head_save_on_2_ranks_and_load_on_3() {
     use tandem::train::checkpoint::{Checkpointer, ShardDict};

@@ -120,7 +120,7 @@ pub struct Args {
     #[arg(long, conflicts_with = "secret_file")]
     insecure: bool,
 
-    /// Seconds between checks of the workers' state.
+    /// Seconds between checks of the workers' state (a worker's exit is seen at once).
     #[arg(
         long = "monitor-interval",
         alias = "monitor_interval",

@@ -36,7 +36,7 @@ use super::optimizer::RunOptimizer;
 use super::LiveComm;
 use crate::face::{HeadPart, BUFFERS_SHARD};
 use crate::options::{Precision, TrainOptions};
-use crate::verification::{self as verify, ValSet};
+use crate::verification::{self as verify, ValSets};
 
 /// arcface_torch's DDP settings for the backbone.
 const BUCKET_CAP_MB: f64 = 16.0;
@@ -59,7 +59,7 @@ pub struct Face<'a> {
     opt: RunOptimizer,
     autocast: Autocast,
     train: Arc<FaceRecDataset>,
-    val: Vec<ValSet>,
+    val: ValSets,
     /// The head's gradient summed over the batches of the open gradient-accumulation window
     /// (dense: each batch may sample other rows); the backbone's is kept by Ddp's `no_sync`.
     pending_head_grad: Option<candle_core::Tensor>,
@@ -164,7 +164,13 @@ impl<'a> Face<'a> {
         .context("wrapping the backbone in Ddp")?;
         super::register_comm_hook(&ddp, cfg)?;
 
-        let head = build_head(cfg, classes, head_comm, &device, init.and_then(|i| i.centres))?;
+        let replacement = live.as_ref().is_some_and(|l| l.replacement);
+        let centres = match replacement {
+            // Its rows come from the running ranks when it joins.
+            true => Centres::Received,
+            false => init.and_then(|i| i.centres).map_or(Centres::Initial, Centres::From),
+        };
+        let head = build_head(cfg, classes, head_comm, &device, centres)?;
         // One optimizer over two parameter groups, backbone then head, as arcface_torch.
         let mut opt =
             super::optimizer::build(&cfg.optim, vec![ddp.params(), vec![head.weight().clone()]])?;
@@ -198,9 +204,9 @@ impl<'a> Face<'a> {
             .build(opt.as_mut(), cfg.optim.lr, RunLength { steps_per_epoch, total_steps })
             .option("lr_scheduler", None)?;
         let stepper = super::step_for(cfg, GROWTH_INTERVAL, sched)?;
-        let val = verify::load(&cfg.face.val).option("val", None)?;
+        let val = ValSets::load(&cfg.face.val, replacement).option("val", None)?;
         // (A live replacement's placeholder world is not the job's: it says nothing.)
-        if rank == 0 && !live.as_ref().is_some_and(|l| l.replacement) {
+        if rank == 0 && !replacement {
             let text = format!(
                 "face: {} width {} embedding {} | {} images, {classes} classes ({} to {} per rank) | {} ranks x batch {} | {steps_per_epoch} steps per epoch",
                 cfg.model.kind,
@@ -339,11 +345,12 @@ impl Recipe for Face<'_> {
 
     /// The verification sets on rank 0's model, the images shared over the ranks.
     fn validate(&mut self, group: &ProcessGroup, _step: u64) -> Result<Vec<VerificationMetrics>> {
-        if self.val.is_empty() {
+        let val = self.val.get().option("val", None)?;
+        if val.is_empty() {
             return Ok(Vec::new());
         }
         let buffers = self.ddp.module().named_buffers();
-        verify::evaluate(&self.model, &buffers, &self.val, &self.device, group).option("val", None)
+        verify::evaluate(&self.model, &buffers, val, &self.device, group).option("val", None)
     }
 
     /// The backbone and the optimizer (the backbone's entries replicated, in torch's order),
@@ -376,13 +383,23 @@ fn dense_rows(
     }
 }
 
-/// The head: this rank's rows of `--init-from`'s centres, or N(0, 0.01) from the seed.
+/// Where the head's first rows come from.
+enum Centres {
+    /// N(0, 0.01) from the seed.
+    Initial,
+    /// `--init-from`'s whole matrix (this rank takes its rows).
+    From(candle_core::Tensor),
+    /// The running ranks, when a live replacement joins: zeros until then.
+    Received,
+}
+
+/// The head, its rows as `centres` says.
 fn build_head(
     cfg: &TrainOptions,
     classes: usize,
     comm: Arc<dyn Collectives>,
     device: &Device,
-    centres: Option<candle_core::Tensor>,
+    centres: Centres,
 ) -> Result<PartialFc> {
     let (m1, m2, m3) = cfg.face.margin;
     let margin = CombinedMarginLoss::new(
@@ -402,11 +419,13 @@ fn build_head(
     if cfg.model.precision != Precision::F32 {
         pcfg.autocast = Some(cfg.model.precision.compute_dtype());
     }
+    let building = "building the PartialFC head";
     let head = match centres {
-        Some(full) => PartialFc::from_full_weight(pcfg, comm, &full.to_device(device)?)
+        Centres::From(full) => PartialFc::from_full_weight(pcfg, comm, &full.to_device(device)?)
             .context("`partial_fc.weight`")
             .option("init_from", None)?,
-        None => PartialFc::new(pcfg, comm, device).context("building the PartialFC head")?,
+        Centres::Initial => PartialFc::new(pcfg, comm, device).context(building)?,
+        Centres::Received => PartialFc::zeroed(pcfg, comm, device).context(building)?,
     };
     Ok(head)
 }
