@@ -214,11 +214,8 @@ impl LiveTraining {
                 generation: gen.number,
                 members: gen.members.clone(),
                 lost: gen.lost_since(before),
-                // (A process joining knows no earlier world: the record says who joins.)
-                joined: match before.is_empty() {
-                    true => gen.joining.clone(),
-                    false => gen.joined_since(before),
-                },
+                // (The source held the state in the world before: it is never joining.)
+                joined: gen.joined_since(before),
                 source: gen.members[source],
                 step: gen.progress[source],
             };
