@@ -138,12 +138,14 @@ impl Block {
         Ok(Block { norm1, norm2, qkv, proj, fc1, fc2, num_heads: cfg.num_heads, drop_path })
     }
 
+    /// Under autocast on a GPU the four linear layers compute in the 16-bit type and the
+    /// residual stream stays f32 (PyTorch promotes `x + branch`), as in arcface_torch.
     fn forward(&self, x: &Tensor, masks: Option<&[Tensor; 2]>) -> candle_core::Result<Tensor> {
         let a = self.attention(&self.norm1.forward(x)?)?;
-        let x = (x + dropped(&a, masks.map(|m| &m[0]))?)?;
+        let x = residual(x, &dropped(&a, masks.map(|m| &m[0]))?)?;
         let h = relu6(&self.fc1.forward(&self.norm2.forward(&x)?)?)?;
         let m = self.fc2.forward(&h)?;
-        x + dropped(&m, masks.map(|m| &m[1]))?
+        residual(&x, &dropped(&m, masks.map(|m| &m[1]))?)
     }
 
     /// The block's variables.
@@ -157,9 +159,17 @@ impl Block {
         out
     }
 
+    /// arcface_torch computes the products and softmax between `qkv` and `proj` in f32 (its
+    /// `autocast(False)` block), whatever the projections' type.
     fn attention(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.proj.forward(&attention(&self.qkv.forward(x)?, self.num_heads)?)
+        let qkv = self.qkv.forward(x)?.to_dtype(DType::F32)?;
+        self.proj.forward(&attention(&qkv, self.num_heads)?)
     }
+}
+
+/// `x + branch` in the stream's type (the branch may come from a 16-bit layer under autocast).
+fn residual(x: &Tensor, branch: &Tensor) -> candle_core::Result<Tensor> {
+    x + branch.to_dtype(x.dtype())?
 }
 
 /// Stochastic depth over a forward: in training each sample's residual branch is kept with
@@ -387,9 +397,22 @@ impl Vit {
                 block.forward(&x, masks.as_ref())?
             };
         }
-        let x = self.norm.forward(&x)?;
-        let x = match &order {
-            Some((_, restore)) => {
+        // arcface_torch leaves autocast here: the final norm and the feature head run in f32.
+        tandem_nn::autocast(None, || self.head(&x, order.as_ref().map(|o| &o.1), train))
+    }
+
+    /// The final LayerNorm, the mask tokens put back (`restore`, in training with masking) and
+    /// the feature head.
+    fn head(
+        &self,
+        x: &Tensor,
+        restore: Option<&Tensor>,
+        train: bool,
+    ) -> candle_core::Result<Tensor> {
+        let (n, d) = (x.dim(0)?, self.cfg.embed_dim);
+        let x = self.norm.forward(&x.to_dtype(DType::F32)?)?;
+        let x = match restore {
+            Some(restore) => {
                 let kept = x.dim(1)?;
                 let tokens = self.mask_token.broadcast_as((n, VIT_PATCHES - kept, d))?;
                 let all = Tensor::cat(&[&x, &tokens.contiguous()?], 1)?;

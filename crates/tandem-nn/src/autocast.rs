@@ -38,6 +38,12 @@ pub fn compute_dtype(device: &Device) -> Option<DType> {
     DTYPE.with(Cell::get)
 }
 
+/// The enclosing [`autocast`] scope's 16-bit type, whatever the device (what a recomputation
+/// must run under to repeat a forward).
+pub(crate) fn scope() -> Option<DType> {
+    DTYPE.with(Cell::get)
+}
+
 /// `t` in the scope's compute type for `device`, or as it is.
 pub(crate) fn cast(t: &Tensor, device: &Device) -> candle_core::Result<Tensor> {
     match compute_dtype(device) {

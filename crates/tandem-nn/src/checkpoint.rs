@@ -9,7 +9,9 @@
 //! [`crate::backward`] the way tandem's fused ops do. That last part needs [`crate::backward`]
 //! (which `Ddp::backward` and the trainer use): under a plain `loss.backward()` the op fails
 //! naming it rather than drop the parameters' gradients. `f` must compute the same values
-//! twice: draw any randomness (dropout masks) before and capture it.
+//! twice: draw any randomness (dropout masks) before and capture it. The recomputation runs
+//! under the [`crate::autocast`] scope of the forward (as torch's checkpoint restores its
+//! autocast state), not under whatever scope the backward happens to run in.
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, Var};
@@ -23,12 +25,14 @@ pub type CheckpointFn = Arc<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + Sen
 /// variables `f` reads, whose gradients the backward hands on.
 pub fn checkpoint(x: &Tensor, f: CheckpointFn, params: Vec<Tensor>) -> candle_core::Result<Tensor> {
     let y = f(&x.detach())?.detach();
-    x.apply_op2(&y, Checkpoint { f, params })
+    x.apply_op2(&y, Checkpoint { f, params, autocast: crate::autocast::scope() })
 }
 
 struct Checkpoint {
     f: CheckpointFn,
     params: Vec<Tensor>,
+    /// The forward's autocast scope, re-entered for the recomputation.
+    autocast: Option<candle_core::DType>,
 }
 
 impl CustomOp2 for Checkpoint {
@@ -76,8 +80,8 @@ impl CustomOp2 for Checkpoint {
             )
         }
         let input = Var::from_tensor(&x.detach())?;
-        let y = (self.f)(input.as_tensor())?;
-        let inner = (y * grad.detach())?.sum_all()?;
+        let y = crate::autocast::autocast(self.autocast, || (self.f)(input.as_tensor()))?;
+        let inner = (&y * grad.to_dtype(y.dtype())?.detach())?.sum_all()?;
         let mut grads = inner.backward()?;
         for p in &self.params {
             if let Some(g) = grads.remove(p) {
@@ -96,4 +100,40 @@ fn contiguous_copy(s: &CpuStorage, l: &Layout) -> candle_core::Result<CpuStorage
     let mut out = s.device().zeros_impl(l.shape(), s.dtype())?;
     s.copy_strided_src(&mut out, 0, l)?;
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use candle_core::{DType, Device};
+
+    use super::*;
+
+    /// The recomputation in backward sees the forward's autocast scope, though the backward
+    /// runs outside it; and the gradients are those of the plain function.
+    #[test]
+    fn the_recomputation_runs_under_the_forwards_autocast_scope() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let w = Var::from_vec(vec![2f32, -1.0, 0.5], 3, &Device::Cpu).unwrap();
+        let f: CheckpointFn = {
+            let (seen, w) = (Arc::clone(&seen), w.as_tensor().clone());
+            Arc::new(move |x: &Tensor| {
+                seen.lock().unwrap().push(crate::autocast::scope());
+                x.mul(&w)?.sqr()
+            })
+        };
+        let x = Var::from_vec(vec![1f32, 2.0, 3.0], 3, &Device::Cpu).unwrap();
+        let y = crate::autocast::autocast(Some(DType::F16), || {
+            checkpoint(x.as_tensor(), Arc::clone(&f), vec![w.as_tensor().clone()])
+        })
+        .unwrap();
+        let grads = crate::backward(&y.sum_all().unwrap()).unwrap();
+        assert_eq!(*seen.lock().unwrap(), [Some(DType::F16), Some(DType::F16)]);
+        // d/dx Σ (x·w)² = 2·x·w², d/dw = 2·x²·w.
+        let gx: Vec<f32> = grads.get(x.as_tensor()).unwrap().to_vec1().unwrap();
+        let gw: Vec<f32> = grads.get(w.as_tensor()).unwrap().to_vec1().unwrap();
+        assert_eq!(gx, [8.0, 4.0, 1.5]);
+        assert_eq!(gw, [4.0, -8.0, 9.0]);
+    }
 }

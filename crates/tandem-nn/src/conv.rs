@@ -2,7 +2,7 @@
 //! `bias`, same names, shapes and initialisation) whose forward and backward run tandem's CPU
 //! kernels ([`crate::kernels::conv2d`]): swap `candle_nn::conv2d` for `tandem::nn::fast_conv2d`
 //! and nothing else changes. Grouped convolutions (depthwise included) run tandem's direct
-//! grouped kernel on CPU ([`crate::kernels::grouped_conv`]); other devices use candle's.
+//! grouped kernel on CPU and cuDNN on a GPU ([`crate::kernels::grouped_conv`]).
 //! Named apart from candle-nn's so both can be imported.
 use candle_core::{Module, Tensor};
 use candle_nn::{Conv2dConfig, Init, VarBuilder};
@@ -31,8 +31,8 @@ impl FastConv2d {
         self.bias.as_ref()
     }
 
-    /// Stride, padding and dilation for tandem's kernels: `None` for a grouped convolution
-    /// (candle's).
+    /// Stride, padding and dilation for tandem's ungrouped kernels: `None` for a grouped
+    /// convolution.
     pub fn kernel_params(&self) -> Option<ConvParams> {
         let c = self.config;
         (c.groups == 1).then_some(ConvParams {

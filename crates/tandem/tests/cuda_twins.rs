@@ -1,8 +1,10 @@
 //! Every CUDA path against its CPU twin, through the public ops a model uses: convolutions
 //! through cuDNN (forward and both backwards, f32 and f16), BatchNorm (+ReLU, +residual add,
-//! eval), PReLU, L2 normalise, the PartialFC head's margin and split cross-entropy, SGD (dense
+//! eval), grouped (depthwise) convolutions through cuDNN, PReLU, L2 normalise, the PartialFC head's margin and split cross-entropy, SGD (dense
 //! and row-sparse) and AdamW in place, clipping's norm, the pinned upload, the phase clock, and
-//! an IResNet training step (f32, and f16 under autocast). Elementwise optimizer updates must
+//! a training step of each face backbone family — IResNet, MobileFaceNet (depthwise
+//! convolutions, PReLU, GDC) and the ViT (LayerNorm, attention, ReLU6, patch masking; with and
+//! without activation checkpointing) — in f32 and in f16 under autocast. Elementwise optimizer updates must
 //! be equal bit for bit; reductions agree within float rounding.
 //!
 //! Needs a `cuda` build and a GPU (`cargo test -p tandem --features cuda --test cuda_twins`;
@@ -19,6 +21,7 @@ fn main() -> ExitCode {
     let tests = tandem_testutil::tests![
         cudnn_loads_and_reports_its_version,
         conv2d_matches_the_cpu_forward_and_both_backwards,
+        grouped_conv2d_matches_the_cpu_forward_and_both_backwards,
         batch_norm_matches_the_cpu_in_every_fused_form,
         prelu_matches_the_cpu,
         normalize_matches_the_cpu,
@@ -29,6 +32,8 @@ fn main() -> ExitCode {
         uploads_are_the_host_values,
         the_phase_clock_times_device_work,
         an_iresnet_training_step_matches_the_cpu,
+        a_mobilefacenet_training_step_matches_the_cpu,
+        a_vit_training_step_matches_the_cpu_with_and_without_checkpointing,
     ];
     harness::main_serial(tests.into_iter().map(|t| t.skip_if(why.clone())).collect())
 }
@@ -177,6 +182,50 @@ fn conv2d_matches_the_cpu_forward_and_both_backwards() {
             let (y, gx, gw) = run(&Device::Cpu, DType::F32);
             let (yg, gxg, gwg) = run(&dev, DType::F32);
             let what = format!("conv {n}x{c}x{h}x{w} -> {o} k{k} s{stride} p{padding} d{dilation}");
+            assert_close(&format!("{what} forward f32"), &yg, &y, 1e-5);
+            assert_close(&format!("{what} input gradient f32"), &gxg, &gx, 1e-5);
+            assert_close(&format!("{what} weight gradient f32"), &gwg, &gw, 1e-5);
+            let (y16, gx16, gw16) = run(&dev, DType::F16);
+            assert_eq!(y16.dtype(), DType::F16);
+            assert_close(&format!("{what} forward f16"), &y16, &y, 2e-2);
+            assert_close(&format!("{what} input gradient f16"), &gx16, &gx, 2e-2);
+            assert_close(&format!("{what} weight gradient f16"), &gw16, &gw, 2e-2);
+        }
+    }
+}
+
+fn grouped_conv2d_matches_the_cpu_forward_and_both_backwards() {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::{DType, Device, Var};
+        use tandem::nn::kernels::grouped_conv::{grouped_conv2d, GroupedConvParams};
+        let dev = gpu();
+        // MobileFaceNet's: depthwise 3x3 strides 1 and 2, the GDC's 7x7 without padding; and
+        // two channels per group with dilation. (n, c, h, o, k, stride, padding, dilation, groups)
+        for (i, &(n, c, h, o, k, stride, padding, dilation, groups)) in [
+            (2, 16, 28, 16, 3, 1, 1, 1, 16),
+            (2, 16, 28, 16, 3, 2, 1, 1, 16),
+            (2, 32, 7, 32, 7, 1, 0, 1, 32),
+            (2, 8, 9, 8, 3, 1, 2, 2, 4),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let p = GroupedConvParams { stride, padding, dilation, groups };
+            let x0 = rand(30 + i as u64, &[n, c, h, h]);
+            let w0 = rand(40 + i as u64, &[o, c / groups, k, k]);
+            let run = |d: &Device, dt: DType| {
+                let x = Var::from_tensor(&x0.to_device(d).unwrap()).unwrap();
+                let wv = Var::from_tensor(&w0.to_device(d).unwrap()).unwrap();
+                let y =
+                    grouped_conv2d(&x.to_dtype(dt).unwrap(), &wv.to_dtype(dt).unwrap(), p).unwrap();
+                let g = tandem::nn::backward(&weighted_sum(&y, 8)).unwrap();
+                (y, grad(&g, x.as_tensor()), grad(&g, wv.as_tensor()))
+            };
+            let (y, gx, gw) = run(&Device::Cpu, DType::F32);
+            let what =
+                format!("grouped conv {n}x{c}x{h}x{h} -> {o} k{k} s{stride} p{padding} d{dilation} g{groups}");
+            let (yg, gxg, gwg) = run(&dev, DType::F32);
             assert_close(&format!("{what} forward f32"), &yg, &y, 1e-5);
             assert_close(&format!("{what} input gradient f32"), &gxg, &gx, 1e-5);
             assert_close(&format!("{what} weight gradient f32"), &gwg, &gw, 1e-5);
@@ -569,6 +618,96 @@ fn an_iresnet_training_step_matches_the_cpu() {
             assert_close(&format!("{what}: conv1.weight gradient"), &g.1, &cpu.1, tol);
             assert_close(&format!("{what}: layer1.0.bn1.weight gradient"), &g.2, &cpu.2, tol);
             assert_close(&format!("{what}: fc.weight gradient"), &g.3, &cpu.3, tol);
+        }
+    }
+}
+
+/// A face backbone's training step on the CPU and on the GPU (f32, then f16 under autocast):
+/// the embeddings and the gradients of the named variables agree. `build` makes the model on a
+/// device from an [`tandem::nn::OrderedVarMap`] and initialises it from a seed; `forward` runs a
+/// training forward.
+#[cfg(feature = "cuda")]
+fn backbone_step_matches<M>(
+    what: &str,
+    build: impl Fn(&tandem::nn::OrderedVarMap, &candle_core::Device) -> M,
+    forward: impl Fn(&M, &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>,
+    watched: &[&str],
+) {
+    use candle_core::{DType, Device};
+    let run = |d: &Device, autocast: Option<DType>| {
+        let vars = tandem::nn::OrderedVarMap::new();
+        let model = build(&vars, d);
+        let x = rand(12, &[2, 3, 112, 112]).to_device(d).unwrap();
+        let emb = tandem::nn::autocast(autocast, || forward(&model, &x)).unwrap();
+        let emb = emb.to_dtype(DType::F32).unwrap();
+        let g = tandem::nn::backward(&weighted_sum(&emb, 13)).unwrap();
+        let named = vars.named();
+        let grads: Vec<_> = watched
+            .iter()
+            .map(|name| {
+                let v =
+                    &named.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("no {name}")).1;
+                grad(&g, v.as_tensor())
+            })
+            .collect();
+        (emb, grads)
+    };
+    let cpu = run(&Device::Cpu, None);
+    for (autocast, tol) in [(None, 1e-3), (Some(DType::F16), 5e-2)] {
+        let g = run(&gpu(), autocast);
+        let what = format!("{what} step, autocast {autocast:?}");
+        assert_close(&format!("{what}: embeddings"), &g.0, &cpu.0, tol);
+        for ((name, gg), gc) in watched.iter().zip(&g.1).zip(&cpu.1) {
+            assert_close(&format!("{what}: {name} gradient"), gg, gc, tol);
+        }
+    }
+}
+
+fn a_mobilefacenet_training_step_matches_the_cpu() {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::DType;
+        use tandem::models::MobileFaceNet;
+        backbone_step_matches(
+            "MobileFaceNet mbf",
+            |vars, d| {
+                let (blocks, scale) = MobileFaceNet::MBF;
+                let m =
+                    MobileFaceNet::new(blocks, scale, 64, vars.var_builder(DType::F32, d)).unwrap();
+                MobileFaceNet::reset_parameters(&vars.named(), 21).unwrap();
+                m
+            },
+            |m, x| candle_nn::ModuleT::forward_t(m, x, true),
+            &[
+                "layers.0.layers.0.weight",
+                "layers.2.layers.1.layers.0.weight",
+                "features.layers.0.layers.0.weight",
+                "features.layers.2.weight",
+            ],
+        );
+    }
+}
+
+fn a_vit_training_step_matches_the_cpu_with_and_without_checkpointing() {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::DType;
+        use tandem::models::{Vit, VitConfig};
+        // Two blocks at width 64 (8 heads of 8), masking on, no stochastic depth: the same
+        // seeded patch mask on both devices.
+        for cfg in [VitConfig::new(64, 2, 0.0, 0.1), VitConfig::new(64, 2, 0.0, 0.1).checkpointed()]
+        {
+            backbone_step_matches(
+                &format!("ViT w64 x2 (checkpointed: {})", cfg.using_checkpoint),
+                |vars, d| {
+                    let m = Vit::new(cfg, 32, vars.var_builder(DType::F32, d)).unwrap();
+                    Vit::reset_parameters(&vars.named(), 31).unwrap();
+                    m.seed(32);
+                    m
+                },
+                |m, x| m.forward_t(x, true),
+                &["patch_embed.proj.weight", "blocks.0.attn.qkv.weight", "blocks.1.mlp.fc1.weight"],
+            );
         }
     }
 }

@@ -639,7 +639,7 @@ pub(crate) fn backward(
 ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        return cuda_backward(p, x, w, gy);
+        return cuda_backward(cudnn_spec(p), x, w, gy);
     }
     let g = Geometry::new(x.dims(), w.dims(), p)?;
     let gy = gy.contiguous()?;
@@ -669,7 +669,7 @@ pub(crate) fn backward(
     Ok((gx, take_param_grad(w, gw)?))
 }
 
-/// cuDNN's description of the convolution (no groups: grouped ones are candle's).
+/// cuDNN's description of an ungrouped convolution.
 #[cfg(feature = "cuda")]
 fn cudnn_spec(p: ConvParams) -> tandem_cuda::cudnn::ConvSpec {
     tandem_cuda::cudnn::ConvSpec {
@@ -680,17 +680,16 @@ fn cudnn_spec(p: ConvParams) -> tandem_cuda::cudnn::ConvSpec {
     }
 }
 
-/// The gradients of a convolution on the GPU, through cuDNN (each only when it is in the
-/// autograd graph; the weight's goes to [`crate::backward`]'s store when inside it).
+/// The gradients of a convolution (grouped or not) on the GPU, through cuDNN (each only when
+/// it is in the autograd graph; the weight's goes to [`crate::backward`]'s store when inside it).
 #[cfg(feature = "cuda")]
-fn cuda_backward(
-    p: ConvParams,
+pub(crate) fn cuda_backward(
+    spec: tandem_cuda::cudnn::ConvSpec,
     x: &Tensor,
     w: &Tensor,
     gy: &Tensor,
 ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
     use tandem_cuda::cudnn::{backward_data, backward_filter};
-    let spec = cudnn_spec(p);
     let gy = gy.to_dtype(x.dtype())?;
     let gx = x.track_op().then(|| backward_data(&gy, w, x.dims(), spec)).transpose()?;
     let gw = w.track_op().then(|| backward_filter(x, &gy, w.dims(), spec)).transpose()?;
@@ -699,7 +698,7 @@ fn cuda_backward(
 
 /// Whether a convolution of `x` by `w` runs through cuDNN: both on a GPU in one float dtype,
 /// in a `cuda` build, unless `TANDEM_CUDNN=0` asks for candle's convolution.
-fn takes_cudnn(x: &Tensor, w: &Tensor) -> bool {
+pub(crate) fn takes_cudnn(x: &Tensor, w: &Tensor) -> bool {
     use candle_core::DType;
     cfg!(feature = "cuda")
         && x.device().is_cuda()

@@ -1,6 +1,7 @@
-//! Grouped convolution (`groups > 1`, depthwise included) on CPU f32 tensors as one custom op,
-//! forward and both gradients, by direct loops over each output plane (on a zero-padded copy of
-//! each input plane, so every tap covers whole rows).
+//! Grouped convolution (`groups > 1`, depthwise included) as one custom op, forward and both
+//! gradients: on CPU f32 tensors by direct loops over each output plane (on a zero-padded copy
+//! of each input plane, so every tap covers whole rows); on a GPU through cuDNN with the group
+//! count (`cuda` builds).
 //!
 //! Why: candle runs a grouped convolution as one convolution per group and a concatenation, so
 //! MobileFaceNet's depthwise layers (128–512 groups of one channel each) become hundreds of tiny
@@ -235,6 +236,19 @@ impl CustomOp2 for GroupedConvOp {
         Ok((CpuStorage::F32(forward(&g, x, k)), g.out_shape()))
     }
 
+    /// On a GPU: cuDNN with the group count, one call for every group (candle's grouped
+    /// convolution is one convolution per group).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ks: &candle_core::CudaStorage,
+        kl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        tandem_cuda::cudnn::forward((xs, xl), (ks, kl), cudnn_spec(self.0))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -242,6 +256,10 @@ impl CustomOp2 for GroupedConvOp {
         _y: &Tensor,
         gy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return crate::kernels::conv2d::cuda_backward(cudnn_spec(self.0), x, k, gy);
+        }
         let g = Geometry::new(x.dims(), k.dims(), self.0)?;
         let gy = gy.contiguous()?;
         let gk = if k.track_op() {
@@ -260,13 +278,25 @@ impl CustomOp2 for GroupedConvOp {
     }
 }
 
+/// cuDNN's description of the grouped convolution.
+#[cfg(feature = "cuda")]
+fn cudnn_spec(p: GroupedConvParams) -> tandem_cuda::cudnn::ConvSpec {
+    tandem_cuda::cudnn::ConvSpec {
+        stride: p.stride,
+        padding: p.padding,
+        dilation: p.dilation,
+        groups: p.groups,
+    }
+}
+
 /// `torch.nn.functional.conv2d(x, w, stride, padding, dilation, groups)` without bias: this
-/// module's op on CPU f32 tensors, candle's (one convolution per group) elsewhere.
+/// module's op on CPU f32 tensors and through cuDNN on a GPU (as the ungrouped convolution),
+/// candle's (one convolution per group) elsewhere.
 pub fn grouped_conv2d(x: &Tensor, w: &Tensor, p: GroupedConvParams) -> candle_core::Result<Tensor> {
     let cpu_f32 = x.device().is_cpu()
         && x.dtype() == candle_core::DType::F32
         && w.dtype() == candle_core::DType::F32;
-    if cpu_f32 {
+    if cpu_f32 || crate::kernels::conv2d::takes_cudnn(x, w) {
         x.contiguous()?.apply_op2(&w.contiguous()?, GroupedConvOp(p))
     } else {
         x.conv2d(w, p.padding, p.stride, p.dilation, p.groups)
