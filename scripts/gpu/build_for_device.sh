@@ -11,7 +11,7 @@
 # shortcut is for compile checks only; pass --quick to use it here too).
 # Output in .gpu/ (small enough to carry): tandem.xz, tandem-bench.xz (`tandem bench` runs it
 # from beside tandem) and cuda_twins.xz (crates/tandem/tests/cuda_twins.rs), for
-# scripts/gpu/device_check.sh. Usage: scripts/gpu/build_for_device.sh [--quick] [CAP]
+# scripts/gpu/validate.sh. Usage: scripts/gpu/build_for_device.sh [--quick] [CAP]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 quick=""

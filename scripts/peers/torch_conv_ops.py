@@ -1,6 +1,8 @@
 # PyTorch per-op timings, the peer of `tandem bench conv`: reads the op list (JSON, from tandem)
 # on stdin and times each op as tandem does — forward, and forward + backward of sum(y * r)
-# (the input gradient only where the op's input_grad says so; the weight's always) — median ms.
+# (the input gradient only where the op's input_grad says so; the weight's always); for
+# convolutions also forward + each backward alone (data: the input's gradient, the weight
+# frozen; filter: the weight's, the input detached) — median ms.
 # Ops: conv2d (c_in -> c_out, kernel, stride, padding kernel // 2), batch_norm (training mode),
 # prelu (one slope per channel).
 # usage: python torch_conv_ops.py BATCH REPEATS THREADS [DEVICE [DTYPE]] < ops.json
@@ -60,4 +62,19 @@ for op in ops:
         (f() * r).sum().backward()
 
     fwd = median_ms(f)
-    print(f"op={op['kind']} name={op['name']} fwd_ms={fwd:.4f} fwdbwd_ms={median_ms(step):.4f}", flush=True)
+    line = f"op={op['kind']} name={op['name']} fwd_ms={fwd:.4f} fwdbwd_ms={median_ms(step):.4f}"
+    if op["kind"] == "conv2d":
+        x_fixed, w_fixed = x.detach(), wt.detach()
+
+        def data():
+            x.grad = None
+            (F.conv2d(x, w_fixed, stride=s, padding=k // 2) * r).sum().backward()
+
+        def filt():
+            wt.grad = None
+            (F.conv2d(x_fixed, wt, stride=s, padding=k // 2) * r).sum().backward()
+
+        if op["input_grad"]:
+            line += f" data_ms={median_ms(data):.4f}"
+        line += f" filter_ms={median_ms(filt):.4f}"
+    print(line, flush=True)

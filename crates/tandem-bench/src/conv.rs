@@ -63,6 +63,9 @@ pub struct Args {
     /// and PReLU parameters in f32).
     #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
     dtype: String,
+    /// Also write the results as JSON to this file (for `tandem bench report --gpu`).
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 /// One op as both sides time it (the peer reads these as JSON).
@@ -153,12 +156,45 @@ fn ops(net: Net, w: usize) -> Vec<OpSpec> {
     v
 }
 
+/// One side's median ms for an op.
+#[derive(Serialize, serde::Deserialize, Clone, Copy, Debug, Default, PartialEq)]
+pub struct Times {
+    pub fwd_ms: f64,
+    /// Forward + backward with every gradient the op's place in a network needs.
+    pub fwdbwd_ms: f64,
+    /// Convolutions: forward + the input's gradient alone (backward-data), when the input
+    /// takes one.
+    pub data_ms: Option<f64>,
+    /// Convolutions: forward + the weight's gradient alone (backward-filter).
+    pub filter_ms: Option<f64>,
+}
+
 struct Timed {
-    fwd_ms: f64,
-    fwdbwd_ms: f64,
+    times: Times,
     /// Convolutions tandem runs by Winograd's algorithm only: forward + backward through
     /// im2col + gemm.
     im2col_fwdbwd_ms: Option<f64>,
+}
+
+/// One op's row of the results (`--json`).
+#[derive(Serialize, serde::Deserialize, Clone, Debug)]
+pub struct OpRow {
+    pub kind: String,
+    pub name: String,
+    pub tandem: Times,
+    pub torch: Option<Times>,
+}
+
+/// What `--json` writes.
+#[derive(Serialize, serde::Deserialize, Clone, Debug)]
+pub struct ConvResults {
+    pub net: String,
+    pub width: usize,
+    pub batch: usize,
+    pub device: String,
+    pub dtype: String,
+    pub repeats: usize,
+    pub ops: Vec<OpRow>,
 }
 
 /// Median ms of `f` over `repeats` runs after one warm-up (its result is dropped), each run
@@ -202,6 +238,20 @@ fn time_op(
             let step = || (conv2d(&x, w.as_tensor(), p)? * &r)?.sum_all()?.backward();
             let fwd_ms = median_ms(dev, repeats, fwd)?;
             let fwdbwd_ms = median_ms(dev, repeats, step)?;
+            // Each backward alone: the other operand out of the graph.
+            let (x_fixed, w_fixed) = (x.detach(), w.as_tensor().detach());
+            let data_ms = op
+                .input_grad
+                .then(|| {
+                    median_ms(dev, repeats, || {
+                        (conv2d(&x, &w_fixed, p)? * &r)?.sum_all()?.backward()
+                    })
+                })
+                .transpose()?;
+            let filter_ms = Some(median_ms(dev, repeats, || {
+                (conv2d(&x_fixed, w.as_tensor(), p)? * &r)?.sum_all()?.backward()
+            })?);
+            let times = Times { fwd_ms, fwdbwd_ms, data_ms, filter_ms };
             let winograd = dev.is_cpu()
                 && applies((op.kernel, op.kernel), op.stride, p.padding, 1, op.c_in, op.c_out);
             let im2col_fwdbwd_ms = if winograd {
@@ -212,7 +262,7 @@ fn time_op(
             } else {
                 None
             };
-            Ok(Timed { fwd_ms, fwdbwd_ms, im2col_fwdbwd_ms })
+            Ok(Timed { times, im2col_fwdbwd_ms })
         }
         "batch_norm" => {
             let vm = VarMap::new();
@@ -224,7 +274,8 @@ fn time_op(
             let fwd_ms = median_ms(dev, repeats, || bn.forward_t(&x, true))?;
             let fwdbwd_ms =
                 median_ms(dev, repeats, || (bn.forward_t(&x, true)? * &r)?.sum_all()?.backward())?;
-            Ok(Timed { fwd_ms, fwdbwd_ms, im2col_fwdbwd_ms: None })
+            let times = Times { fwd_ms, fwdbwd_ms, ..Times::default() };
+            Ok(Timed { times, im2col_fwdbwd_ms: None })
         }
         _ => {
             let a = Var::from_tensor(&Tensor::full(0.25f32, op.c_in, dev)?)?;
@@ -232,7 +283,8 @@ fn time_op(
             let f = || tandem::nn::kernels::prelu::prelu(&x, a.as_tensor());
             let fwd_ms = median_ms(dev, repeats, f)?;
             let fwdbwd_ms = median_ms(dev, repeats, || (f()? * &r)?.sum_all()?.backward())?;
-            Ok(Timed { fwd_ms, fwdbwd_ms, im2col_fwdbwd_ms: None })
+            let times = Times { fwd_ms, fwdbwd_ms, ..Times::default() };
+            Ok(Timed { times, im2col_fwdbwd_ms: None })
         }
     }
 }
@@ -242,7 +294,7 @@ fn torch_ops(
     (batch, repeats): (usize, usize),
     (device, dtype): (&str, &str),
     python: &PathBuf,
-) -> anyhow::Result<HashMap<String, (f64, f64)>> {
+) -> anyhow::Result<HashMap<String, Times>> {
     let script = crate::report::repo_root().join(crate::PEERS_DIR).join("torch_conv_ops.py");
     let threads = rayon::current_num_threads();
     let mut child = Command::new(python)
@@ -264,10 +316,12 @@ fn torch_ops(
     for line in text.lines() {
         let kv: HashMap<&str, &str> =
             line.split_whitespace().filter_map(|w| w.split_once('=')).collect();
-        if let (Some(name), Some(f), Some(fb)) =
-            (kv.get("name"), kv.get("fwd_ms"), kv.get("fwdbwd_ms"))
+        let number = |key: &str| kv.get(key).map(|v| v.parse::<f64>()).transpose();
+        if let (Some(name), Some(fwd_ms), Some(fwdbwd_ms)) =
+            (kv.get("name"), number("fwd_ms")?, number("fwdbwd_ms")?)
         {
-            m.insert(name.to_string(), (f.parse()?, fb.parse()?));
+            let (data_ms, filter_ms) = (number("data_ms")?, number("filter_ms")?);
+            m.insert(name.to_string(), Times { fwd_ms, fwdbwd_ms, data_ms, filter_ms });
         }
     }
     anyhow::ensure!(!m.is_empty(), "{}: no op timings in its output: {text:?}", script.display());
@@ -313,28 +367,51 @@ pub fn main(a: Args) -> anyhow::Result<i32> {
     );
     println!(
         "| op | shape | tandem fwd | torch fwd | × torch | tandem fwd+bwd | torch fwd+bwd | × torch | \
-         tandem fwd+bwd by im2col | Winograd gain |\n|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"
+         tandem fwd+bwd-data | torch | × torch | tandem fwd+bwd-filter | torch | × torch | \
+         tandem fwd+bwd by im2col | Winograd gain |\n\
+         |---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
     );
     let cell = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.4}"));
     // × torch: how many times faster tandem is (torch time / tandem time).
-    let ratio = |ours: f64, theirs: Option<f64>| {
-        theirs.map_or("–".into(), |t| format!("{:.2}", t / ours))
+    let ratio = |ours: Option<f64>, theirs: Option<f64>| match (ours, theirs) {
+        (Some(o), Some(t)) => format!("{:.2}", t / o),
+        _ => "–".into(),
     };
+    let mut rows = Vec::with_capacity(ops.len());
     for (op, t) in ops.iter().zip(&timed) {
         let theirs = torch.as_ref().and_then(|m| m.get(&op.name)).copied();
-        println!(
-            "| {} | {} | {:.4} | {} | {} | {:.4} | {} | {} | {} | {} |",
-            op.kind,
-            op.name,
-            t.fwd_ms,
-            cell(theirs.map(|t| t.0)),
-            ratio(t.fwd_ms, theirs.map(|t| t.0)),
-            t.fwdbwd_ms,
-            cell(theirs.map(|t| t.1)),
-            ratio(t.fwdbwd_ms, theirs.map(|t| t.1)),
-            cell(t.im2col_fwdbwd_ms),
-            t.im2col_fwdbwd_ms.map_or("–".into(), |i| format!("{:.2}", i / t.fwdbwd_ms)),
-        );
+        let mut line = format!("| {} | {} |", op.kind, op.name);
+        for pick in [
+            |t: &Times| Some(t.fwd_ms),
+            |t: &Times| Some(t.fwdbwd_ms),
+            |t: &Times| t.data_ms,
+            |t: &Times| t.filter_ms,
+        ] {
+            let (o, p) = (pick(&t.times), theirs.as_ref().and_then(pick));
+            line += &format!(" {} | {} | {} |", cell(o), cell(p), ratio(o, p));
+        }
+        let gain = t.im2col_fwdbwd_ms.map(|i| format!("{:.2}", i / t.times.fwdbwd_ms));
+        line += &format!(" {} | {} |", cell(t.im2col_fwdbwd_ms), gain.unwrap_or("–".into()));
+        println!("{line}");
+        rows.push(OpRow {
+            kind: op.kind.to_string(),
+            name: op.name.clone(),
+            tandem: t.times,
+            torch: theirs,
+        });
+    }
+    if let Some(path) = &a.json {
+        let results = ConvResults {
+            net: a.net.title().to_string(),
+            width: a.width,
+            batch,
+            device: a.device.clone(),
+            dtype: a.dtype.clone(),
+            repeats: a.repeats,
+            ops: rows,
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&results)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(0)
 }

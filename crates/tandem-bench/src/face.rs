@@ -65,6 +65,9 @@ pub struct Args {
     /// (both wait for the GPU at each phase, which slows them; compare samples/s without it).
     #[arg(long)]
     profile: bool,
+    /// Also write the results as JSON to this file (for `tandem bench report --gpu`).
+    #[arg(long)]
+    json: Option<PathBuf>,
     /// Directory for the data and runs (default: a fresh one under the current directory,
     /// removed after).
     #[arg(long)]
@@ -79,6 +82,36 @@ struct Side {
     name: &'static str,
     samples_per_s: Vec<f64>,
     peak_rss: Vec<f64>,
+}
+
+/// One side's figures per round (`--json`).
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug, Default)]
+pub struct SideResults {
+    pub samples_per_s: Vec<f64>,
+    /// The largest rank's peak resident memory, bytes.
+    pub peak_rss: Vec<f64>,
+    /// Peak GPU memory, bytes (GPU runs).
+    pub device_peak: Vec<f64>,
+    /// The last round's time per step by phase, as the side prints it.
+    pub breakdown: String,
+}
+
+/// What `--json` writes.
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug, Default)]
+pub struct FaceResults {
+    pub device: String,
+    pub precision: String,
+    pub model: String,
+    pub width: usize,
+    pub embedding: usize,
+    pub classes: usize,
+    pub sample_rate: f64,
+    pub nproc: usize,
+    pub batch: usize,
+    pub steps: u64,
+    pub warmup_steps: u64,
+    pub tandem: SideResults,
+    pub torch: SideResults,
 }
 
 /// Floating-point operations of one IResNet forward pass on one 112x112 image, counted from the
@@ -468,6 +501,20 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
             args.steps
         );
     }
+    let mut results = FaceResults {
+        device: args.device.clone(),
+        precision: args.precision.clone(),
+        model: args.model.clone(),
+        width: args.width,
+        embedding: args.embedding,
+        classes: head_rows,
+        sample_rate: args.sample_rate,
+        nproc: args.nproc,
+        batch: args.batch,
+        steps: args.steps,
+        warmup_steps: args.warmup_steps,
+        ..FaceResults::default()
+    };
     let head_in_init = recipe.head_in_init();
     let depth = recipe.depth();
     let mut ours = Side { name: "tandem", samples_per_s: Vec::new(), peak_rss: Vec::new() };
@@ -502,6 +549,22 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
             t.samples_per_s,
             p.samples_per_s
         );
+    }
+    results.tandem = SideResults {
+        samples_per_s: ours.samples_per_s.clone(),
+        peak_rss: ours.peak_rss.clone(),
+        device_peak: device_peaks[0].clone(),
+        breakdown: breakdown.clone(),
+    };
+    results.torch = SideResults {
+        samples_per_s: theirs.samples_per_s.clone(),
+        peak_rss: theirs.peak_rss.clone(),
+        device_peak: device_peaks[1].clone(),
+        breakdown: torch_breakdown.clone(),
+    };
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&results)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     println!(
         "face recipe on {} ({}): {} width {} embedding {}, 112x112, {} ranks x batch {}, a head of {head_rows} classes (data: {} identities) at sample rate {}, {} steps per run ({} warm-up steps untimed), {} rounds{}",

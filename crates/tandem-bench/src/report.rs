@@ -11,6 +11,7 @@ use anyhow::Context;
 use crate::conv::Net;
 
 mod child;
+mod gpu;
 pub(crate) mod machine;
 mod markdown;
 mod measure;
@@ -45,6 +46,10 @@ pub struct Args {
     /// Local ranks for all_reduce (tandem and gloo alike).
     #[arg(long, default_value_t = 2)]
     allreduce_nproc: usize,
+    /// Measure nothing: write the GPU section of BENCHMARKS.md (and gpu_validate.md) in --out
+    /// from the output directory of a `scripts/gpu/validate.sh` run, and its validate.json there.
+    #[arg(long, value_name = "DIR")]
+    gpu: Option<PathBuf>,
 }
 
 /// The repository: the nearest ancestor of the working directory holding crates/tandem, else
@@ -187,8 +192,11 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
     let started = Instant::now();
-    let plan = plan(&args)?;
     let repo = repo_root();
+    if let Some(dir) = &args.gpu {
+        return gpu::main(dir, &args.out.clone().unwrap_or_else(|| repo.join("docs")));
+    }
+    let plan = plan(&args)?;
     let out = args.out.clone().unwrap_or_else(|| repo.join("docs"));
     std::fs::create_dir_all(&out).with_context(|| format!("--out: creating {}", out.display()))?;
     let out = out.canonicalize().with_context(|| format!("--out: resolving {}", out.display()))?;
@@ -279,6 +287,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         retries: &ctx.retries,
         several_hosts: std::fs::read_to_string(out.join("bench_two_hosts.md")).ok(),
         conv_before_after: std::fs::read_to_string(out.join("bench_conv_before_after.md")).ok(),
+        gpu: std::fs::read_to_string(out.join(gpu::SECTION_FILE)).ok().map(|s| gpu::wrapped(&s)),
     };
     let md = out.join("BENCHMARKS.md");
     std::fs::write(&md, markdown::render(&report))

@@ -8,14 +8,20 @@
 //! be equal bit for bit; reductions agree within float rounding.
 //!
 //! Needs a `cuda` build and a GPU (`cargo test -p tandem --features cuda --test cuda_twins`;
-//! scripts/gpu/device_check.sh runs it on the device machine). Skipped, with the reason,
-//! without either, unless TANDEM_REQUIRE_CUDA=1 makes that a failure.
+//! scripts/gpu/validate.sh runs it on the device machine). Skipped, with the reason,
+//! without either, unless TANDEM_REQUIRE_CUDA makes that a failure.
 use std::process::ExitCode;
 
 use tandem_testutil::harness;
 
 fn main() -> ExitCode {
-    let why = harness::skip_unless_required(unavailable(), "TANDEM_REQUIRE_CUDA");
+    // Required but unavailable: a failure (the tests' bodies only exist in a `cuda` build, so
+    // running them anyway would pass them without checking anything).
+    if let (Some(reason), Some(_)) = (unavailable(), std::env::var_os("TANDEM_REQUIRE_CUDA")) {
+        eprintln!("TANDEM_REQUIRE_CUDA is set but: {reason}");
+        return ExitCode::FAILURE;
+    }
+    let why = unavailable();
     // f32 convolutions compared at f32 precision: no TF32 in this process (read once per plan).
     std::env::set_var("TANDEM_ALLOW_TF32", "0");
     let tests = tandem_testutil::tests![

@@ -41,6 +41,8 @@ pub struct Report<'a> {
     /// `docs/bench_conv_before_after.md` as `scripts/conv_before_after.sh` wrote it (it builds
     /// an older revision, so the report includes its last output rather than rerunning it).
     pub conv_before_after: Option<String>,
+    /// The GPU section (`tandem bench report --gpu`'s docs/gpu_validate.md), in its markers.
+    pub gpu: Option<String>,
 }
 
 /// A section `## title` holding a script's saved markdown `body` after `intro`, the body's
@@ -516,6 +518,11 @@ pub fn render(r: &Report) -> String {
              docs/bench_two_hosts.md, instead of rerunning it).",
             hosts,
         );
+    }
+
+    if let Some(gpu) = &r.gpu {
+        out.push_str(gpu);
+        out.push('\n');
     }
 
     if !r.failures.is_empty() || !r.retries.is_empty() {
