@@ -1,41 +1,10 @@
 // In-place optimizer updates on f32 tensors: torch.optim.SGD (dense, and row-sparse for
 // PartialFC's sampled head) and Adam/AdamW. Every element is computed with the same f32
 // operations in the same order as the CPU twins (tandem-optim/src/fused/), rounding each step
-// (`aff(x, m)` is candle's affine, x·m + 0), so a GPU step equals the CPU step bit for bit.
+// (the rules are in optim_rules.cuh, which the host check also compiles), so a GPU step equals
+// the CPU step bit for bit.
 #include "common.cuh"
-
-__device__ __forceinline__ float aff(float x, float m) { return __fadd_rn(__fmul_rn(x, m), 0.0f); }
-__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
-
-struct SgdRule {
-  float neg_lr;
-  float wd;  // used when has_wd
-  float momentum;
-  float keep;  // 1 - dampening, used when has_keep
-  int has_wd;
-  int has_keep;
-  int nesterov;
-  int use_buf;
-};
-
-// The new parameter element (see the CPU twin's with_param_rule).
-__device__ __forceinline__ float sgd_param_rule(const SgdRule& k, float p, float g, float b) {
-  if (!k.use_buf) {
-    const float d = k.has_wd ? add(g, aff(p, k.wd)) : g;
-    return add(p, aff(d, k.neg_lr));
-  }
-  if (!k.nesterov) return add(p, aff(b, k.neg_lr));
-  const float d = k.has_wd ? add(add(g, aff(p, k.wd)), aff(b, k.momentum)) : add(g, aff(b, k.momentum));
-  return add(p, aff(d, k.neg_lr));
-}
-
-// The new momentum buffer element (see with_momentum_rule).
-__device__ __forceinline__ float sgd_momentum_rule(const SgdRule& k, int first, float b, float g,
-                                                   float p) {
-  const float d = k.has_wd ? add(g, aff(p, k.wd)) : g;
-  if (first) return d;
-  return add(aff(b, k.momentum), k.has_keep ? aff(d, k.keep) : d);
-}
+#include "optim_rules.cuh"
 
 extern "C" __global__ void sgd_param(float* p, const float* g, const float* b, size_t n,
                                      SgdRule k) {
@@ -78,25 +47,11 @@ extern "C" __global__ void sgd_momentum_rows(float* b, const float* g_rows, cons
   }
 }
 
-struct AdamRule {
-  float coupled_wd;  // used when has_coupled_wd (Adam's L2 term)
-  float decay;       // used when has_decay (AdamW's 1 - lr·wd)
-  float one_minus_beta1;
-  float beta2;
-  float one_minus_beta2;
-  float inv_bc2_sqrt;
-  float eps;
-  float neg_step_size;
-  int has_coupled_wd;
-  int has_decay;
-};
-
 // exp_avg += (d - exp_avg)·(1 - β1)
 extern "C" __global__ void adam_first_moment(float* m, const float* g, const float* p, size_t n,
                                              AdamRule k) {
   GRID_STRIDE(i, n) {
-    const float d = k.has_coupled_wd ? add(g[i], aff(p[i], k.coupled_wd)) : g[i];
-    m[i] = add(m[i], aff(__fsub_rn(d, m[i]), k.one_minus_beta1));
+    m[i] = adam_first_moment_rule(k, m[i], g[i], p[i]);
   }
 }
 
@@ -104,22 +59,19 @@ extern "C" __global__ void adam_first_moment(float* m, const float* g, const flo
 extern "C" __global__ void adam_second_moment(float* v, const float* g, const float* p, size_t n,
                                               AdamRule k) {
   GRID_STRIDE(i, n) {
-    const float d = k.has_coupled_wd ? add(g[i], aff(p[i], k.coupled_wd)) : g[i];
-    v[i] = add(aff(v[i], k.beta2), aff(__fmul_rn(d, d), k.one_minus_beta2));
+    v[i] = adam_second_moment_rule(k, v[i], g[i], p[i]);
   }
 }
 
 // amsgrad: max = maximum(max, exp_avg_sq) as candle's maximum (NaN in max is kept).
 extern "C" __global__ void adam_running_max(float* mx, const float* v, size_t n) {
-  GRID_STRIDE(i, n) { mx[i] = mx[i] < v[i] ? v[i] : mx[i]; }
+  GRID_STRIDE(i, n) { mx[i] = adam_running_max_rule(mx[i], v[i]); }
 }
 
 // p = decay(p) - step_size·exp_avg / (sqrt(second)·inv_bc2_sqrt + eps)
 extern "C" __global__ void adam_param(float* p, const float* m, const float* s, size_t n,
                                       AdamRule k) {
   GRID_STRIDE(i, n) {
-    const float base = k.has_decay ? aff(p[i], k.decay) : p[i];
-    const float denom = add(__fmul_rn(sqrtf(s[i]), k.inv_bc2_sqrt), k.eps);
-    p[i] = add(base, aff(__fdiv_rn(m[i], denom), k.neg_step_size));
+    p[i] = adam_param_rule(k, p[i], m[i], s[i]);
   }
 }

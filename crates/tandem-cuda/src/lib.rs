@@ -37,6 +37,7 @@ pub mod profile;
 pub mod reduce;
 #[cfg(feature = "cuda")]
 pub mod rows;
+pub mod rules;
 pub mod timing;
 #[cfg(feature = "cuda")]
 pub mod upload;

@@ -15,40 +15,10 @@ use crate::Result;
 pub type Target<'a> = (&'a mut CudaStorage, &'a Layout);
 
 /// torch.optim.SGD's constants for one step (kernels/optim.cu's `SgdRule`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SgdRule {
-    pub neg_lr: f32,
-    pub wd: f32,
-    pub momentum: f32,
-    /// `1 − dampening`.
-    pub keep: f32,
-    pub has_wd: i32,
-    pub has_keep: i32,
-    pub nesterov: i32,
-    pub use_buf: i32,
-}
+pub use crate::rules::{AdamRule, SgdRule};
 
-// SAFETY: a plain C struct of f32 and i32 fields, laid out as the kernels' `SgdRule`.
 unsafe impl DeviceRepr for SgdRule {}
 
-/// Adam/AdamW's constants for one step (kernels/optim.cu's `AdamRule`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamRule {
-    pub coupled_wd: f32,
-    pub decay: f32,
-    pub one_minus_beta1: f32,
-    pub beta2: f32,
-    pub one_minus_beta2: f32,
-    pub inv_bc2_sqrt: f32,
-    pub eps: f32,
-    pub neg_step_size: f32,
-    pub has_coupled_wd: i32,
-    pub has_decay: i32,
-}
-
-// SAFETY: a plain C struct of f32 and i32 fields, laid out as the kernels' `AdamRule`.
 unsafe impl DeviceRepr for AdamRule {}
 
 fn f32_operand<'a>(

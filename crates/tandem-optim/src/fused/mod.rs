@@ -12,6 +12,8 @@ use candle_core::{CpuStorage, DType, Layout, Tensor, Var};
 use rayon::prelude::*;
 
 pub(crate) mod adam;
+#[cfg(test)]
+mod host_rules;
 pub(crate) mod sgd;
 
 /// candle's `affine(mul, 0)` on one f32.

@@ -45,7 +45,7 @@ pub(crate) fn step(
 }
 
 #[derive(Clone, Copy)]
-struct Kernel {
+pub(crate) struct Kernel {
     neg_lr: f32,
     wd: Option<f32>,
     momentum: f32,
@@ -57,9 +57,9 @@ struct Kernel {
 
 impl Kernel {
     /// tandem-cuda's constants of this rule.
-    #[cfg(feature = "cuda")]
-    fn rule(&self) -> tandem_cuda::optim::SgdRule {
-        tandem_cuda::optim::SgdRule {
+    #[cfg(any(test, feature = "cuda"))]
+    pub(crate) fn rule(&self) -> tandem_cuda::rules::SgdRule {
+        tandem_cuda::rules::SgdRule {
             neg_lr: self.neg_lr,
             wd: self.wd.unwrap_or(0.0),
             momentum: self.momentum,
@@ -71,7 +71,7 @@ impl Kernel {
         }
     }
 
-    fn new(h: &SgdConfig) -> Self {
+    pub(crate) fn new(h: &SgdConfig) -> Self {
         Kernel {
             neg_lr: -h.lr as f32,
             wd: (h.weight_decay != 0.0).then_some(h.weight_decay as f32),
