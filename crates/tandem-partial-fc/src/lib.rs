@@ -48,6 +48,6 @@ pub use cross_entropy::dist_cross_entropy;
 pub use error::PartialFcError;
 pub use margin::CombinedMarginLoss;
 pub use partial_fc::{PartialFc, PartialFcConfig, SHARD_FORMAT};
-pub use sample::{SampleRequest, Sampler, UniformNegatives};
+pub use sample::{DrawAhead, SampleRequest, Sampler, UniformNegatives};
 pub use split::ClassSplit;
 pub use tandem_dist_nn::GatherGrad;

@@ -11,7 +11,7 @@ use tandem_dist_nn::{all_gather, GatherGrad};
 use crate::cross_entropy::dist_cross_entropy;
 use crate::error::PartialFcError;
 use crate::margin::CombinedMarginLoss;
-use crate::sample::{self, SampleRequest, Sampler, UniformNegatives};
+use crate::sample::{self, DrawAhead, SampleRequest, Sampler};
 use crate::split::ClassSplit;
 
 mod state;
@@ -177,7 +177,7 @@ impl PartialFc {
         split: ClassSplit,
         weight: Var,
     ) -> Self {
-        let sampler = Box::new(UniformNegatives { seed: cfg.seed });
+        let sampler = Box::new(DrawAhead::new(cfg.seed));
         PartialFc { cfg, split, weight, comm, sampler, last_index: None, sampled: None, step: 0 }
     }
 

@@ -3,6 +3,14 @@
 //! `int(sample_rate * num_local)`, as a sorted index. The draw is arcface_torch's: a uniform
 //! number per centre, positives forced to 2, the top `num_sample`, sorted; when the positives
 //! alone exceed `num_sample`, the index is the positives.
+//!
+//! [`DrawAhead`] gives the same index as [`UniformNegatives`] with the expensive part off the
+//! step's path: the draw does not depend on the batch, so a background thread draws step
+//! `s + 1`'s numbers and selects their `num_sample` largest while step `s` trains; the step
+//! then only leaves out its positives (the index is every positive plus the largest
+//! non-positives, whatever the positives are) and merges two sorted lists.
+use std::thread::JoinHandle;
+
 use rand::{Rng, SeedableRng};
 
 /// One step's question to a [`Sampler`].
@@ -38,29 +46,137 @@ pub struct UniformNegatives {
     pub seed: u64,
 }
 
+/// The draw of a step: one uniform number per centre, from the seed, the rank and the step.
+fn draw(seed: u64, rank: usize, step: u64, num_local: usize) -> Vec<(f32, usize)> {
+    let mix = seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step.rotate_left(32);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(mix);
+    (0..num_local).map(|c| (rng.random::<f32>(), c)).collect()
+}
+
+/// Larger numbers first; ties (never between draws in practice) by index.
+fn largest_first(a: &(f32, usize), b: &(f32, usize)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
+/// Moves the `k` largest of `draw` to its front: a selection in linear time, not a sort of
+/// every centre (a million at arcface_torch's scale, ~80 ms a step); the order is total, so
+/// the set is the one a sort would give.
+fn select_largest(draw: &mut [(f32, usize)], k: usize) {
+    if k > 0 && k < draw.len() {
+        draw.select_nth_unstable_by(k - 1, largest_first);
+    }
+}
+
 impl Sampler for UniformNegatives {
     fn sample(&mut self, req: &SampleRequest<'_>) -> Vec<usize> {
-        let mix = self.seed
-            ^ (req.rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-            ^ req.step.rotate_left(32);
-        let mut rng = rand::rngs::StdRng::seed_from_u64(mix);
-        let mut draw: Vec<(f32, usize)> =
-            (0..req.num_local).map(|c| (rng.random::<f32>(), c)).collect();
+        let mut draw = draw(self.seed, req.rank, req.step, req.num_local);
         for &p in req.positives {
             draw[p].0 = 2.0;
         }
-        // The `num_sample` largest (ties, never between draws in practice, by index): a
-        // selection in linear time, not a sort of every centre (a million at arcface_torch's
-        // scale, ~80 ms a step); the order is total, so the set is the one a sort would give.
-        let largest_first =
-            |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
         let k = req.num_sample.min(draw.len());
-        if k > 0 && k < draw.len() {
-            draw.select_nth_unstable_by(k - 1, largest_first);
-        }
+        select_largest(&mut draw, k);
         let mut index: Vec<usize> = draw[..k].iter().map(|&(_, c)| c).collect();
         index.sort_unstable();
         index
+    }
+}
+
+/// What the step needs of its draw, made ahead: its `num_sample` largest numbers' centres in
+/// order of their numbers, largest first, and the same centres by index with their place in
+/// that order.
+struct Candidates {
+    key: (usize, u64, usize, usize),
+    by_number: Vec<usize>,
+    by_index: Vec<(usize, u32)>,
+}
+
+impl Candidates {
+    fn make(seed: u64, key: (usize, u64, usize, usize)) -> Self {
+        let (rank, step, num_local, num_sample) = key;
+        let mut draw = draw(seed, rank, step, num_local);
+        let k = num_sample.min(num_local);
+        select_largest(&mut draw, k);
+        let mut top = draw;
+        top.truncate(k);
+        top.sort_unstable_by(largest_first);
+        let by_number: Vec<usize> = top.iter().map(|&(_, c)| c).collect();
+        let mut by_index: Vec<(usize, u32)> =
+            by_number.iter().enumerate().map(|(place, &c)| (c, place as u32)).collect();
+        by_index.sort_unstable();
+        Candidates { key, by_number, by_index }
+    }
+
+    /// The index: every positive, and the largest non-positives up to `num_sample` in all. The
+    /// candidates hold enough: at most `P` of the `num_sample` are positives, so at least
+    /// `num_sample − P` are not.
+    fn index(&self, positives: &[usize]) -> Vec<usize> {
+        let is_positive = |c: &usize| positives.binary_search(c).is_ok();
+        let wanted = self.by_number.len().saturating_sub(positives.len());
+        // The place (in number order) of the last non-positive taken.
+        let mut last = None;
+        let mut taken = 0;
+        for (place, c) in self.by_number.iter().enumerate() {
+            if taken == wanted {
+                break;
+            }
+            if !is_positive(c) {
+                taken += 1;
+                last = Some(place as u32);
+            }
+        }
+        let chosen = self
+            .by_index
+            .iter()
+            .filter(|(c, place)| last.is_some_and(|l| *place <= l) && !is_positive(c))
+            .map(|&(c, _)| c);
+        // Two sorted lists, merged.
+        let mut index = Vec::with_capacity(self.by_number.len().max(positives.len()));
+        let mut pos = positives.iter().copied().peekable();
+        for c in chosen {
+            while let Some(p) = pos.next_if(|&p| p < c) {
+                index.push(p);
+            }
+            index.push(c);
+        }
+        index.extend(pos);
+        index
+    }
+}
+
+/// [`UniformNegatives`]' index, drawn a step ahead on a background thread (see the module
+/// docs). A step whose draw was not made ahead (the first, or after the step count or the
+/// class split changed) is drawn on the spot; the index is the same either way.
+pub struct DrawAhead {
+    seed: u64,
+    next: Option<JoinHandle<Candidates>>,
+}
+
+impl DrawAhead {
+    pub fn new(seed: u64) -> Self {
+        DrawAhead { seed, next: None }
+    }
+}
+
+impl std::fmt::Debug for DrawAhead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DrawAhead").field("seed", &self.seed).finish_non_exhaustive()
+    }
+}
+
+impl Sampler for DrawAhead {
+    fn sample(&mut self, req: &SampleRequest<'_>) -> Vec<usize> {
+        let key = (req.rank, req.step, req.num_local, req.num_sample);
+        // The join waits for one bounded computation (a draw and a selection) started a step
+        // ago. A thread that panicked (allocation failure) leaves nothing: draw on the spot.
+        let ahead = self.next.take().and_then(|h| h.join().ok()).filter(|c| c.key == key);
+        let seed = self.seed;
+        let candidates = ahead.unwrap_or_else(|| Candidates::make(seed, key));
+        let next = (req.rank, req.step + 1, req.num_local, req.num_sample);
+        self.next = std::thread::Builder::new()
+            .name("tandem-class-draw".into())
+            .spawn(move || Candidates::make(seed, next))
+            .ok();
+        candidates.index(req.positives)
     }
 }
 
@@ -127,6 +243,35 @@ mod tests {
                 assert_eq!(got, by_sorting(&req, 9), "{num_local} centres, {num_sample} sampled");
                 assert_eq!(check(&got, &req), Ok(()));
             }
+        }
+    }
+
+    /// Drawn ahead or on the spot, the index is UniformNegatives' over a run of steps with
+    /// changing positives (none, few, nearly all of the sample, all of it), a skipped step
+    /// (drawn on the spot) and a world that changed size.
+    #[test]
+    fn drawing_ahead_gives_the_same_index() {
+        let mut ahead = DrawAhead::new(3);
+        let cases: [(u64, usize, usize, Vec<usize>); 7] = [
+            (0, 5000, 500, vec![]),
+            (1, 5000, 500, vec![3, 77, 4999]),
+            (2, 5000, 500, (0..499).map(|i| i * 10).collect()),
+            (3, 5000, 500, (0..500).map(|i| i * 7).collect()),
+            (5, 5000, 500, vec![1, 2, 3]),
+            (6, 3000, 300, vec![2999]),
+            (7, 3000, 3000, vec![0, 5]),
+        ];
+        for (step, num_local, num_sample, positives) in &cases {
+            let req = SampleRequest {
+                rank: 2,
+                step: *step,
+                num_local: *num_local,
+                num_sample: *num_sample,
+                positives,
+            };
+            let got = ahead.sample(&req);
+            assert_eq!(got, UniformNegatives { seed: 3 }.sample(&req), "step {step}");
+            assert_eq!(check(&got, &req), Ok(()), "step {step}");
         }
     }
 

@@ -110,13 +110,7 @@ fn sgd_kernel_rules_equal_the_cpu_step_bit_for_bit() {
     ];
     let program = Program::compile();
     for (c, &(momentum, weight_decay, dampening, nesterov)) in configs.iter().enumerate() {
-        let cfg = SgdConfig {
-            lr: 0.1,
-            momentum,
-            weight_decay,
-            dampening,
-            nesterov,
-        };
+        let cfg = SgdConfig { lr: 0.1, momentum, weight_decay, dampening, nesterov };
         let var = Var::from_vec(values(c as u64, N, 1.0), N, &Device::Cpu).unwrap();
         let mut buf: Option<Tensor> = None;
         for s in 0..3 {
