@@ -3,25 +3,49 @@
 //! parameters to the all-reduce while backward runs (the BatchNorms fused with a convolution
 //! follow after it), and the averaged gradients are the same bits as reducing after backward,
 //! step after step; a model that uses a weight twice gets an error naming it, never a wrong
-//! average.
+//! average. MobileFaceNet and the ViT hand theirs too.
 mod common;
 
 use candle_core::{DType, Device, Tensor};
+use candle_nn::ModuleT;
 use common::run_pg;
 use tandem_comm::TransportKind;
 use tandem_ddp::{Ddp, DdpOptions};
-use tandem_models::IResNet;
+use tandem_models::{IResNet, MobileFaceNet, Vit, VitConfig};
 use tandem_nn::OrderedVarMap;
 
+/// arcface_torch's backbone families, small.
+#[derive(Clone, Copy, Debug)]
+enum Backbone {
+    IResNet,
+    MobileFaceNet,
+    Vit,
+}
+
 /// One step's averaged gradients (in parameter order) and how many arrived during backward.
-fn step(early: bool) -> Vec<(Vec<Vec<f32>>, usize, usize)> {
+fn step(backbone: Backbone, early: bool) -> Vec<(Vec<Vec<f32>>, usize, usize)> {
     run_pg(2, TransportKind::Tcp, move |comm| {
         let rank = comm.rank();
         let vars = OrderedVarMap::new();
-        let model =
-            IResNet::new(18, 4, 8, 0.0, vars.var_builder(DType::F32, &Device::Cpu)).unwrap();
-        IResNet::reset_parameters(&vars.named(), 3).unwrap();
-        let named = vars.named_vars().freeze(IResNet::FROZEN).unwrap();
+        let vb = vars.var_builder(DType::F32, &Device::Cpu);
+        let (model, frozen): (Box<dyn ModuleT>, &[&str]) = match backbone {
+            Backbone::IResNet => {
+                let m = IResNet::new(18, 4, 8, 0.0, vb).unwrap();
+                IResNet::reset_parameters(&vars.named(), 3).unwrap();
+                (Box::new(m), IResNet::FROZEN)
+            }
+            Backbone::MobileFaceNet => {
+                let m = MobileFaceNet::new([1, 1, 1, 1], 1, 8, vb).unwrap();
+                MobileFaceNet::reset_parameters(&vars.named(), 3).unwrap();
+                (Box::new(m), &[])
+            }
+            Backbone::Vit => {
+                let m = Vit::new(VitConfig::new(32, 2, 0.1, 0.1), 8, vb).unwrap();
+                Vit::reset_parameters(&vars.named(), 3).unwrap();
+                (Box::new(m), &[])
+            }
+        };
+        let named = vars.named_vars().freeze(frozen).unwrap();
         // Small buckets: several of them, so some can go while backward still runs.
         let opts = DdpOptions {
             bucket_cap_mb: 0.01,
@@ -59,19 +83,44 @@ fn step(early: bool) -> Vec<(Vec<Vec<f32>>, usize, usize)> {
     })
 }
 
+/// The early count on each rank (equal on both), after checking that reducing during backward
+/// gives the same averaged bits as reducing after it, and every rank holds the average.
+fn early_count(backbone: Backbone) -> (usize, usize) {
+    let after = step(backbone, false);
+    let during = step(backbone, true);
+    assert_eq!(after[0].1, 0, "{backbone:?}: no early gradients unless asked");
+    for rank in 0..2 {
+        assert_eq!(
+            during[rank].0, after[rank].0,
+            "{backbone:?} rank {rank}: the same averaged bits"
+        );
+    }
+    assert_eq!(during[0].0, during[1].0, "{backbone:?}: both ranks hold the average");
+    assert_eq!(during[0].1, during[1].1);
+    (during[0].1, during[0].2)
+}
+
 #[test]
 fn fused_layers_hand_their_gradients_to_the_all_reduce_during_backward() {
-    let after = step(false);
-    let during = step(true);
-    assert_eq!(after[0].1, 0, "no early gradients unless asked");
-    for rank in 0..2 {
-        let (count, params) = (during[rank].1, during[rank].2);
-        // IResNet-18: 21 convolutions, 21 BatchNorms of which 12 fused with a convolution,
-        // 9 PReLUs, fc weight and bias, the features BatchNorm's bias.
-        assert!(count >= params / 2 && count < params, "rank {rank}: {count} of {params} early");
-        assert_eq!(during[rank].0, after[rank].0, "rank {rank}: the same averaged bits");
-    }
-    assert_eq!(during[0].0, during[1].0, "both ranks hold the average");
+    // IResNet-18: 21 convolutions, 21 BatchNorms of which 12 fused with a convolution,
+    // 9 PReLUs, fc weight and bias, the features BatchNorm's bias.
+    let (count, params) = early_count(Backbone::IResNet);
+    assert!(count >= params / 2 && count < params, "IResNet: {count} of {params} early");
+}
+
+#[test]
+fn mobilefacenet_and_vit_reduce_during_backward_too() {
+    // MobileFaceNet: every convolution (depthwise ones included), PReLU and the linear layer,
+    // and the BatchNorms after grouped convolutions. A BatchNorm after an ungrouped one is
+    // fused with it, and that op's BatchNorm gradients are reduced after backward (as
+    // IResNet's): at this size the stem, conv_sep and two in each of the six DepthWise
+    // blocks, 14 BatchNorms, 28 parameters.
+    let (count, params) = early_count(Backbone::MobileFaceNet);
+    assert_eq!(count, params - 28, "MobileFaceNet: {count} of {params} early");
+    // ViT: all but pos_embed, mask_token and the patch convolution's weight (read through a
+    // reshape), which backward reaches last anyway; the LayerNorms' included.
+    let (count, params) = early_count(Backbone::Vit);
+    assert_eq!(count, params - 3, "ViT: {count} of {params} early");
 }
 
 #[test]

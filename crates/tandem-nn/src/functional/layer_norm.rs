@@ -10,6 +10,7 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
 use rayon::prelude::*;
 
+use crate::backward::take_param_grad;
 use crate::contiguous_f32;
 use crate::kernels::with_f32_slice;
 
@@ -97,11 +98,13 @@ impl CustomOp3 for LayerNorm {
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
 
+    /// The weight's and bias's gradients go to [`crate::backward`]'s store (and to a Ddp
+    /// reducing during backward) as the fused layers' do.
     fn bwd(
         &self,
         x: &Tensor,
         w: &Tensor,
-        _b: &Tensor,
+        b: &Tensor,
         _y: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
@@ -113,7 +116,7 @@ impl CustomOp3 for LayerNorm {
         let gx = Tensor::from_vec(gx, x.shape(), x.device())?;
         let gw = Tensor::from_vec(gw, d, x.device())?;
         let gb = Tensor::from_vec(gb, d, x.device())?;
-        Ok((Some(gx), Some(gw), Some(gb)))
+        Ok((Some(gx), take_param_grad(w, Some(gw))?, take_param_grad(b, Some(gb))?))
     }
 }
 
