@@ -11,6 +11,7 @@
 # the device tool brings back), so a stage that times out still leaves the others' data:
 #   env      GPU, driver, CUDA, torch, cuDNN                            env.txt
 #   twins    every CUDA path against its CPU twin (TANDEM_REQUIRE_CUDA=1) twins.log
+#   nccl-fp16  Ddp over NCCL with the fp16 compression hook on the GPU     nccl-fp16.log
 #   face     the face recipe at arcface_torch's setting, tandem and PyTorch in alternating
 #            rounds: IResNet-50 w64, 512-d, PartialFC 1M classes at 0.1, batch 128, f16
 #                                                                       face.json, face.log
@@ -166,6 +167,12 @@ if [ -n "$twins" ] && [ -x "$twins" ]; then
 else
   stage twins 5 sh -c 'echo "no cuda_twins test binary (build the tests first)"; exit 1'
 fi
+# Ddp's NCCL path with arcface_torch's fp16 compression hook (one rank: NCCL's own path all the
+# same), on the classifier; the dry run takes tcp on the CPU.
+backend=nccl
+[ "$dry" = 1 ] && backend=tcp
+stage nccl-fp16 40 "$bin/tandem" train --model mlp --device "$device" --backend "$backend" \
+  --comm-hook fp16 --nproc-per-node 1 --steps 20 --no-checkpoints --out "$work/nccl-run"
 stage face 200 "$bin/tandem-bench" face --device "$device" --nproc 1 "${face[@]}" \
   --dir "$work/face" --json "$out/face.json"
 stage conv 70 "$bin/tandem-bench" conv --net iresnet18 --device "$device" "${conv[@]}" \

@@ -3,17 +3,52 @@
 //! [`FlatReducer`] (NCCL on a GPU), and every parameter's gradient comes back as a view into
 //! its reduced bucket. Engine-side and device-agnostic, so the layout logic is tested on the CPU.
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
+use crate::comm_hooks::DeviceWire;
 use crate::error::{DdpError, Result};
 
 /// Averages flat buckets over the group.
 pub(crate) trait FlatReducer {
-    /// Starts averaging `flat` over the group and returns the tensor that will hold the average
+    /// Starts averaging `flat` over the group and returns the tensor that will hold the result
     /// (`flat` itself when reduced in place). May return before the device has finished.
     fn reduce(&mut self, flat: Tensor) -> Result<Tensor>;
     /// Orders whatever reads the gradients after every reduction started so far.
     fn finish(&mut self) -> Result<()>;
+    /// The f32 average from what [`FlatReducer::reduce`] returned, once [`FlatReducer::finish`]
+    /// has run (a compressed bucket is cast back here). The identity by default.
+    fn restore(&mut self, reduced: Tensor) -> Result<Tensor> {
+        Ok(reduced)
+    }
+}
+
+impl DeviceWire {
+    fn dtype(self) -> DType {
+        match self {
+            DeviceWire::F32 => DType::F32,
+            DeviceWire::F16 => DType::F16,
+            DeviceWire::Bf16 => DType::BF16,
+        }
+    }
+
+    /// What a compressed bucket sends to be summed over `world` ranks: as the host hooks
+    /// compute it (comm_hooks.rs `compressed`), each gradient rounded to the wire type, back to
+    /// f32, divided by the world size (a true division, not a product with its inverse), and
+    /// rounded again. For [`DeviceWire::F32`], `flat` itself (averaged by the all-reduce).
+    pub(crate) fn compress(self, flat: &Tensor, world: usize) -> Result<Tensor> {
+        if self == DeviceWire::F32 {
+            return Ok(flat.clone());
+        }
+        let dt = self.dtype();
+        let n = Tensor::new(world as f32, flat.device())?;
+        let divided = flat.to_dtype(dt)?.to_dtype(DType::F32)?.broadcast_div(&n)?;
+        Ok(divided.to_dtype(dt)?)
+    }
+
+    /// The f32 gradients from a summed wire bucket.
+    pub(crate) fn decompress(self, summed: &Tensor) -> Result<Tensor> {
+        Ok(summed.to_dtype(DType::F32)?)
+    }
 }
 
 /// `grads` (one per var, every one present) averaged by `reducer`, one flat tensor per bucket
@@ -25,6 +60,7 @@ pub(crate) fn reduce_buckets(
     buckets: &[Vec<usize>],
 ) -> Result<GradStore> {
     let mut out = GradStore::default();
+    let mut pending = Vec::with_capacity(buckets.len());
     for bucket in buckets {
         let mut parts = Vec::with_capacity(bucket.len());
         for &i in bucket {
@@ -34,7 +70,11 @@ pub(crate) fn reduce_buckets(
             parts.push(g.flatten_all()?);
         }
         // A fresh contiguous buffer, owned by the returned views.
-        let reduced = reducer.reduce(Tensor::cat(&parts, 0)?)?;
+        pending.push(reducer.reduce(Tensor::cat(&parts, 0)?)?);
+    }
+    reducer.finish()?;
+    for (bucket, reduced) in buckets.iter().zip(pending) {
+        let reduced = reducer.restore(reduced)?;
         let mut off = 0;
         for &i in bucket {
             let v = &vars[i];
@@ -42,7 +82,6 @@ pub(crate) fn reduce_buckets(
             off += v.elem_count();
         }
     }
-    reducer.finish()?;
     Ok(out)
 }
 
@@ -51,6 +90,8 @@ mod tests {
     use super::*;
     use candle_core::Device;
     use tandem_comm::{Collectives, LocalGroup};
+
+    use crate::comm_hooks::BucketParam;
     use tandem_nn::kernels::with_f32_slice;
 
     /// The host stand-in for NCCL: all_reduce_avg over an in-process group.
@@ -65,6 +106,91 @@ mod tests {
         fn finish(&mut self) -> Result<()> {
             self.1 += 1;
             Ok(())
+        }
+    }
+
+    /// The host stand-in for the NCCL path with a compressing hook: the bucket compressed and
+    /// restored by the tensor ops the GPU runs, summed in the wire type over the group.
+    struct CompressingReducer<'a>(&'a LocalGroup, DeviceWire);
+
+    impl FlatReducer for CompressingReducer<'_> {
+        fn reduce(&mut self, flat: Tensor) -> Result<Tensor> {
+            let wire = self.1.compress(&flat, self.0.size())?;
+            let dev = wire.device().clone();
+            let err = |e| DdpError::comm("test", 0, e);
+            Ok(match self.1 {
+                DeviceWire::F16 => {
+                    let mut v = wire.to_vec1::<half::f16>()?;
+                    self.0.all_reduce_sum_f16(&mut v).map_err(err)?;
+                    Tensor::from_vec(v, wire.elem_count(), &dev)?
+                }
+                DeviceWire::Bf16 => {
+                    let mut v = wire.to_vec1::<half::bf16>()?;
+                    self.0.all_reduce_sum_bf16(&mut v).map_err(err)?;
+                    Tensor::from_vec(v, wire.elem_count(), &dev)?
+                }
+                DeviceWire::F32 => unreachable!("HostReducer stands in for f32"),
+            })
+        }
+        fn finish(&mut self) -> Result<()> {
+            Ok(())
+        }
+        fn restore(&mut self, reduced: Tensor) -> Result<Tensor> {
+            self.1.decompress(&reduced)
+        }
+    }
+
+    /// The GPU path's compression gives the host hooks' bits: each rank's buckets through
+    /// CompressingReducer against Fp16Compress / Bf16Compress on the same values, with values
+    /// that round, overflow f16 and underflow it.
+    #[test]
+    fn compressed_buckets_equal_the_host_hooks_bit_for_bit() {
+        use crate::comm_hooks::{Bf16Compress, CommHook, Fp16Compress, GradBucket};
+        for (wire, hook) in [
+            (DeviceWire::F16, std::sync::Arc::new(Fp16Compress) as std::sync::Arc<dyn CommHook>),
+            (DeviceWire::Bf16, std::sync::Arc::new(Bf16Compress)),
+        ] {
+            let handles: Vec<_> = LocalGroup::new(3)
+                .into_iter()
+                .map(|g| {
+                    let hook = hook.clone();
+                    std::thread::spawn(move || {
+                        let dev = Device::Cpu;
+                        let vals: Vec<f32> = (0..200)
+                            .map(|k| {
+                                let x = ((k * 37 + g.rank() * 11) % 101) as f32 - 50.0;
+                                x * [1e-3, 0.123_456_7, 7e4, 1e-8][k % 4]
+                            })
+                            .collect();
+                        let var = Var::zeros(200, candle_core::DType::F32, &dev).unwrap();
+                        let mut grads = GradStore::default();
+                        grads.insert(
+                            var.as_tensor(),
+                            Tensor::from_vec(vals.clone(), 200, &dev).unwrap(),
+                        );
+                        let mut r = CompressingReducer(&g, wire);
+                        let out =
+                            reduce_buckets(&mut r, std::slice::from_ref(&var), &grads, &[vec![0]])
+                                .unwrap();
+                        let got: Vec<f32> = out.get(var.as_tensor()).unwrap().to_vec1().unwrap();
+                        let mut host = vals;
+                        let params = [BucketParam { index: 0, offset: 0, shape: vec![200] }];
+                        hook.reduce(
+                            &g,
+                            GradBucket { index: 0, buffer: &mut host, params: &params },
+                        )
+                        .unwrap();
+                        (got, host)
+                    })
+                })
+                .collect();
+            for h in handles {
+                let (got, host) = h.join().unwrap();
+                let differ =
+                    got.iter().zip(&host).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                assert_eq!(differ, 0, "{wire:?}: {differ} of 200 differ from the host hook");
+                assert!(got.iter().any(|v| v.is_infinite()) == (wire == DeviceWire::F16));
+            }
         }
     }
 

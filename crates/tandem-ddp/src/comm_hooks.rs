@@ -46,6 +46,21 @@ pub trait CommHook: Send + Sync {
     /// Shown in errors, and compared across ranks when the hook is registered.
     fn name(&self) -> &str;
     fn reduce(&self, comm: &dyn Collectives, bucket: GradBucket<'_>) -> Result<(), CommSource>;
+    /// What this hook does to a bucket, when CUDA gradients can do it on the GPU with NCCL
+    /// instead of calling [`CommHook::reduce`] on host memory. `None` (the default): the
+    /// gradients are staged through the host and `reduce` runs there.
+    fn on_device(&self) -> Option<DeviceWire> {
+        None
+    }
+}
+
+/// A built-in hook's reduction on the GPU: the bucket all-reduced as f32 (the average), or
+/// compressed to a 16-bit type as [`Fp16Compress`] and [`Bf16Compress`] do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceWire {
+    F32,
+    F16,
+    Bf16,
 }
 
 /// The default: all-reduce average in f32.
@@ -58,6 +73,9 @@ impl CommHook for AllReduceAvg {
     }
     fn reduce(&self, comm: &dyn Collectives, bucket: GradBucket<'_>) -> Result<(), CommSource> {
         comm.all_reduce_avg(bucket.buffer)
+    }
+    fn on_device(&self) -> Option<DeviceWire> {
+        Some(DeviceWire::F32)
     }
 }
 
@@ -72,6 +90,9 @@ impl CommHook for Fp16Compress {
     }
     fn reduce(&self, comm: &dyn Collectives, bucket: GradBucket<'_>) -> Result<(), CommSource> {
         compressed(comm, bucket.buffer, f16::from_f32, f16::to_f32, |c, w| c.all_reduce_sum_f16(w))
+    }
+    fn on_device(&self) -> Option<DeviceWire> {
+        Some(DeviceWire::F16)
     }
 }
 
@@ -103,6 +124,9 @@ impl CommHook for Bf16Compress {
         compressed(comm, bucket.buffer, bf16::from_f32, bf16::to_f32, |c, w| {
             c.all_reduce_sum_bf16(w)
         })
+    }
+    fn on_device(&self) -> Option<DeviceWire> {
+        Some(DeviceWire::Bf16)
     }
 }
 

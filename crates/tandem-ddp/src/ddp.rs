@@ -702,9 +702,10 @@ impl<M: ParamModule> Ddp<M> {
     }
 
     /// The NCCL path for CUDA gradients (see `device.rs`): a synchronised step with the default
-    /// hook, nothing accumulated, not joining, and every gradient present on the device. Any
-    /// other step (`no_sync`, a comm hook, unused parameters, `join`) takes the host path,
-    /// which handles them all. `None`: not taken.
+    /// hook or a built-in compressing one (fp16, bf16), nothing accumulated, not joining, and
+    /// every gradient present on the device. Any other step (`no_sync`, PowerSGD or your own
+    /// hook, unused parameters, `join`) takes the host path, which handles them all. `None`:
+    /// not taken.
     #[cfg(feature = "cuda")]
     fn reduce_on_device(&self, vars: &[Var], grads: &GradStore) -> Result<Option<GradStore>> {
         let sh = &self.shared;
@@ -714,17 +715,18 @@ impl<M: ParamModule> Ddp<M> {
             && sh.sync.load(Ordering::SeqCst)
             && sh.join_state().is_none()
             && vars.iter().all(|v| grads.get(v.as_tensor()).is_some_and(|g| g.device().is_cuda()));
-        let buckets = {
+        let (buckets, wire) = {
             let r = sh.reducer();
-            if !eligible || !r.has_default_hook() || r.has_accumulated() {
+            let Some(wire) = r.device_wire() else { return Ok(None) };
+            if !eligible || r.has_accumulated() {
                 return Ok(None);
             }
-            r.bucket_params()
+            (r.bucket_params(), wire)
         };
         if sh.broadcast_buffers && sh.comm.size() > 1 && !sh.buffers.is_empty() {
             broadcast_vars(sh.comm.as_ref(), &sh.buffers, 0)?;
         }
-        crate::device::all_reduce_buckets(&comm, vars, grads, &buckets).map(Some)
+        crate::device::all_reduce_buckets(&comm, vars, grads, &buckets, wire).map(Some)
     }
 
     /// Current bucket layout, parameter indices per bucket (diagnostics, tests).

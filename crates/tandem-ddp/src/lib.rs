@@ -20,7 +20,7 @@ pub mod metrics;
 pub mod powersgd;
 mod reducer;
 
-pub use comm_hooks::{BucketParam, CommHook, GradBucket};
+pub use comm_hooks::{BucketParam, CommHook, DeviceWire, GradBucket};
 pub use data_parallel::{chunk_sizes, DataParallel};
 pub use ddp::{Ddp, DdpOptions, JoinOptions, Unhooked};
 pub use error::{DdpError, Result};

@@ -158,6 +158,12 @@ impl Reducer {
         self.default_hook
     }
 
+    /// What the hook does to a bucket on the GPU, when it can be done there.
+    #[cfg(feature = "cuda")]
+    pub fn device_wire(&self) -> Option<crate::DeviceWire> {
+        self.hook.on_device()
+    }
+
     /// The parameters' shapes, handed to comm hooks (PowerSGD needs the matrices).
     pub fn set_param_shapes(&mut self, shapes: Vec<Vec<usize>>) -> Result<()> {
         if shapes.len() != self.numels.len() {
