@@ -37,12 +37,14 @@ pub mod profile;
 pub mod reduce;
 #[cfg(feature = "cuda")]
 pub mod rows;
-pub mod rules;
+mod rules;
 pub mod timing;
 #[cfg(feature = "cuda")]
 pub mod upload;
 
 /// candle's result: the kernels run inside candle's custom ops.
+pub use rules::{AdamRule, SgdRule};
+
 pub type Result<T> = candle_core::Result<T>;
 
 /// Whether this build has the CUDA code (`--features cuda`).

@@ -15,7 +15,7 @@ use crate::Result;
 pub type Target<'a> = (&'a mut CudaStorage, &'a Layout);
 
 /// torch.optim.SGD's constants for one step (kernels/optim.cu's `SgdRule`).
-pub use crate::rules::{AdamRule, SgdRule};
+use crate::{AdamRule, SgdRule};
 
 unsafe impl DeviceRepr for SgdRule {}
 

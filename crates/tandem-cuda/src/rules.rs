@@ -1,6 +1,7 @@
 //! The constants of the optimizer kernels' element rules, laid out as `kernels/optim_rules.cuh`
 //! declares them (`repr(C)`). Compiled in every build: the CPU optimizers build them for their
 //! tests, which check the rules' host compilation against the CPU steps (tandem-optim).
+//! Re-exported at the crate root.
 
 /// `torch.optim.SGD`'s constants for one tensor's step.
 #[repr(C)]

@@ -370,7 +370,8 @@ pub fn render(r: &Report) -> String {
             out,
             "`RAYON_NUM_THREADS=1 tandem bench conv --net {net} --width {w} --batch {b} --torch PYTHON`: each \
              distinct convolution, BatchNorm{prelu} of the network, forward and forward + backward of \
-             sum(y·r), median ms, against PyTorch (`scripts/peers/torch_conv_ops.py`, the same op list, batch \
+             sum(y·r) (for convolutions also forward + each backward alone: bwd-data, the input's \
+             gradient; bwd-filter, the weight's), median ms, against PyTorch (`scripts/peers/torch_conv_ops.py`, the same op list, batch \
              and one thread — what each rank of the 2-rank runs above has). × torch = torch ms / tandem ms \
              (above 1: tandem is faster). The 3x3 stride-1 convolutions, which tandem computes by \
              Winograd's F(2x2, 3x3), are also timed through im2col + gemm; Winograd gain = im2col time / \

@@ -23,8 +23,8 @@ pub(crate) struct AdamStep {
 impl AdamStep {
     /// tandem-cuda's constants of this step.
     #[cfg(any(test, feature = "cuda"))]
-    pub(crate) fn rule(&self) -> tandem_cuda::rules::AdamRule {
-        tandem_cuda::rules::AdamRule {
+    pub(crate) fn rule(&self) -> tandem_cuda::AdamRule {
+        tandem_cuda::AdamRule {
             coupled_wd: self.coupled_wd.unwrap_or(0.0),
             decay: self.decay.unwrap_or(1.0),
             one_minus_beta1: self.one_minus_beta1,

@@ -58,8 +58,8 @@ pub(crate) struct Kernel {
 impl Kernel {
     /// tandem-cuda's constants of this rule.
     #[cfg(any(test, feature = "cuda"))]
-    pub(crate) fn rule(&self) -> tandem_cuda::rules::SgdRule {
-        tandem_cuda::rules::SgdRule {
+    pub(crate) fn rule(&self) -> tandem_cuda::SgdRule {
+        tandem_cuda::SgdRule {
             neg_lr: self.neg_lr,
             wd: self.wd.unwrap_or(0.0),
             momentum: self.momentum,
