@@ -11,13 +11,13 @@
 # the device tool brings back), so a stage that times out still leaves the others' data:
 #   env      GPU, driver, CUDA, torch, cuDNN                            env.txt
 #   twins    every CUDA path against its CPU twin (TANDEM_REQUIRE_CUDA=1) twins.log
-#   nccl-fp16  Ddp over NCCL with the fp16 compression hook on the GPU     nccl-fp16.log
 #   face     the face recipe at arcface_torch's setting, tandem and PyTorch in alternating
 #            rounds: IResNet-50 w64, 512-d, PartialFC 1M classes at 0.1, batch 128, f16
 #                                                                       face.json, face.log
 #   conv     per op: each distinct IResNet-50 convolution (forward, backward-data,
 #            backward-filter), BatchNorm and PReLU, f16 at batch 128, against PyTorch
 #                                                                       conv.json, conv.log
+#   nccl-fp16  Ddp over NCCL with the fp16 hook and gradient accumulation  nccl-fp16.log
 #   busy     tandem's face recipe alone while nvidia-smi samples GPU utilisation
 #            (the share of time a kernel runs)                          busy.txt, busy.log
 #   resnet18-f32, resnet18-f16   CIFAR ResNet-18, batch 256, 1 rank, against PyTorch
@@ -167,17 +167,20 @@ if [ -n "$twins" ] && [ -x "$twins" ]; then
 else
   stage twins 5 sh -c 'echo "no cuda_twins test binary (build the tests first)"; exit 1'
 fi
-# Ddp's NCCL path with arcface_torch's fp16 compression hook (one rank: NCCL's own path all the
-# same), on the classifier; the dry run takes tcp on the CPU.
-backend=nccl
-[ "$dry" = 1 ] && backend=tcp
-stage nccl-fp16 40 "$bin/tandem" train --model mlp --device "$device" --backend "$backend" \
-  --comm-hook fp16 --nproc-per-node 1 --steps 20 --no-checkpoints --out "$work/nccl-run"
 stage face 200 "$bin/tandem-bench" face --device "$device" --nproc 1 "${face[@]}" \
   --dir "$work/face" --json "$out/face.json"
 stage conv 70 "$bin/tandem-bench" conv --net iresnet18 --device "$device" "${conv[@]}" \
   --torch "$py" --json "$out/conv.json"
 if [ -f "$work/face/faces/train.rec" ]; then
+  # Ddp's NCCL path with arcface_torch's fp16 compression hook and gradient accumulation
+  # (no_sync sums kept on the GPU), one rank (NCCL's own path all the same), a small IResNet;
+  # the dry run takes tcp on the CPU.
+  backend=nccl
+  [ "$dry" = 1 ] && backend=tcp
+  stage nccl-fp16 40 "$bin/tandem" train --model iresnet18 --width 16 --embedding-size 128 \
+    --batch-size 16 --device "$device" --backend "$backend" --comm-hook fp16 --gradient-acc 2 \
+    --nproc-per-node 1 --data "rec:$work/face/faces" --epochs 1000 --steps 8 \
+    --no-checkpoints --out "$work/nccl-run"
   stage busy 45 busy
   for precision in f32 f16; do
     p="$precision"

@@ -51,6 +51,77 @@ impl DeviceWire {
     }
 }
 
+/// `no_sync` on the gradients' own device, as the host reducer does it: each no_sync backward
+/// adds its gradients to this rank's sums (a parameter without one adds nothing), and the next
+/// synchronised backward reduces its own gradients plus the sums, which it empties. The same
+/// f32 additions in the same order as the reducer's, so the same bits.
+#[derive(Default)]
+pub(crate) struct LocalSums {
+    sums: Vec<Option<Tensor>>,
+}
+
+impl LocalSums {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.sums.iter().all(Option::is_none)
+    }
+
+    /// A no_sync step: adds `grads` and returns the sums so far (what such a step gives).
+    pub(crate) fn add(&mut self, vars: &[Var], grads: &GradStore) -> Result<GradStore> {
+        self.sums.resize(vars.len(), None);
+        let mut out = GradStore::default();
+        for ((v, sum), i) in vars.iter().zip(&mut self.sums).zip(0..) {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                check_shape(v, g, i)?;
+                *sum = Some(match sum.take() {
+                    Some(s) => (s + g)?,
+                    None => g.clone(),
+                });
+            }
+            if let Some(s) = sum {
+                out.insert(v.as_tensor(), s.clone());
+            }
+        }
+        Ok(out)
+    }
+
+    /// The synchronised step's gradients before reduction: `grads` plus the sums (emptied).
+    pub(crate) fn take_with(&mut self, vars: &[Var], grads: &GradStore) -> Result<GradStore> {
+        let mut out = GradStore::default();
+        for (i, v) in vars.iter().enumerate() {
+            let sum = self.sums.get_mut(i).and_then(Option::take);
+            let g = match (grads.get(v.as_tensor()), sum) {
+                (Some(g), Some(s)) => {
+                    check_shape(v, g, i)?;
+                    (g + s)?
+                }
+                (Some(g), None) => g.clone(),
+                (None, Some(s)) => s,
+                (None, None) => continue,
+            };
+            out.insert(v.as_tensor(), g);
+        }
+        Ok(out)
+    }
+
+    /// The sums, emptied, by parameter index (for the host reducer when a step leaves the
+    /// device path).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn take(&mut self) -> Vec<Option<Tensor>> {
+        std::mem::take(&mut self.sums)
+    }
+}
+
+fn check_shape(v: &Var, g: &Tensor, i: usize) -> Result<()> {
+    if g.dims() != v.dims() {
+        return Err(DdpError::Device(format!(
+            "parameter {i} is {:?}, its gradient {:?}",
+            v.dims(),
+            g.dims()
+        )));
+    }
+    Ok(())
+}
+
 /// `grads` (one per var, every one present) averaged by `reducer`, one flat tensor per bucket
 /// of `buckets` (indices into `vars`), returned as views keyed by the vars.
 pub(crate) fn reduce_buckets(
@@ -95,7 +166,7 @@ mod tests {
     use tandem_nn::kernels::with_f32_slice;
 
     /// The host stand-in for NCCL: all_reduce_avg over an in-process group.
-    struct HostReducer<'a>(&'a LocalGroup, usize);
+    struct HostReducer<'a>(&'a dyn Collectives, usize);
 
     impl FlatReducer for HostReducer<'_> {
         fn reduce(&mut self, flat: Tensor) -> Result<Tensor> {
@@ -137,6 +208,84 @@ mod tests {
         }
         fn restore(&mut self, reduced: Tensor) -> Result<Tensor> {
             self.1.decompress(&reduced)
+        }
+    }
+
+    /// no_sync on the device path (LocalSums, then the buckets) gives the host reducer's bits:
+    /// each no_sync step's sums and the synchronised step's average, a parameter left out of
+    /// one no_sync step and the synchronised one included.
+    #[test]
+    fn device_no_sync_sums_equal_the_host_reducers() {
+        use crate::reducer::{Reducer, ReducerConfig};
+        use std::sync::Arc;
+        let out = LocalGroup::run(2, |comm: Arc<dyn Collectives>| {
+            let dev = Device::Cpu;
+            let rank = comm.rank();
+            let shapes: [&[usize]; 2] = [&[3], &[2, 2]];
+            let vars: Vec<Var> = shapes
+                .iter()
+                .map(|s| Var::zeros(*s, candle_core::DType::F32, &dev).unwrap())
+                .collect();
+            let cfg = ReducerConfig {
+                first_bucket_bytes: 8,
+                bucket_bytes: 8,
+                find_unused_parameters: true,
+                rebuild_buckets: false,
+            };
+            let mut host =
+                Reducer::new(vec!["a".into(), "b".into()], vec![3, 4], comm.clone(), cfg).unwrap();
+            let mut sums = LocalSums::default();
+            let value = |step: usize, i: usize, k: usize| {
+                0.1 * (step * 7 + i * 3 + k) as f32 + 1e-3 * rank as f32 + 1.0 / 3.0
+            };
+            // Steps 0..3 are no_sync (parameter 1 unused in step 1); step 3 synchronises.
+            let mut mismatches = Vec::new();
+            for step in 0..4 {
+                let sync = step == 3;
+                let used: Vec<usize> = if step == 1 { vec![0] } else { vec![0, 1] };
+                let mut grads = GradStore::default();
+                host.prepare_for_backward(sync);
+                for &i in &used {
+                    let v: Vec<f32> =
+                        (0..vars[i].elem_count()).map(|k| value(step, i, k)).collect();
+                    grads.insert(
+                        vars[i].as_tensor(),
+                        Tensor::from_vec(v.clone(), vars[i].shape(), &dev).unwrap(),
+                    );
+                    host.mark_ready(i, &v).unwrap();
+                }
+                host.finalize().unwrap();
+                let device = if sync {
+                    let summed = sums.take_with(&vars, &grads).unwrap();
+                    reduce_buckets(
+                        &mut HostReducer(comm.as_ref(), 0),
+                        &vars,
+                        &summed,
+                        &[vec![0], vec![1]],
+                    )
+                    .unwrap()
+                } else {
+                    sums.add(&vars, &grads).unwrap()
+                };
+                for (i, v) in vars.iter().enumerate() {
+                    let d: Vec<f32> = device
+                        .get(v.as_tensor())
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    let h = host.grad(i).unwrap().to_vec();
+                    if d.iter().map(|x| x.to_bits()).ne(h.iter().map(|x| x.to_bits())) {
+                        mismatches.push((step, i, d, h));
+                    }
+                }
+            }
+            assert!(sums.is_empty(), "the synchronised step empties the sums");
+            mismatches
+        });
+        for (rank, m) in out.iter().enumerate() {
+            assert!(m.is_empty(), "rank {rank}: {m:?}");
         }
     }
 

@@ -134,6 +134,9 @@ struct Shared {
     early: Option<std::collections::HashMap<candle_core::TensorId, usize>>,
     /// Gradients handed to the reducer during the last backward (`reduce_during_backward`).
     early_count: std::sync::atomic::AtomicUsize,
+    /// `no_sync` sums of CUDA gradients kept on the GPU for the NCCL path.
+    #[cfg(feature = "cuda")]
+    device_sums: Mutex<crate::bucketed::LocalSums>,
 }
 
 impl Shared {
@@ -384,6 +387,8 @@ impl<M: ParamModule> Ddp<M> {
                 params.iter().enumerate().map(|(i, (_, v))| (v.as_tensor().id(), i)).collect()
             }),
             early_count: 0.into(),
+            #[cfg(feature = "cuda")]
+            device_sums: Mutex::default(),
         });
         // A world of one has no communication to overlap with backward, so it skips the hooks
         // and with them the copy of every parameter that the identity op costs each forward;
@@ -701,32 +706,61 @@ impl<M: ParamModule> Ddp<M> {
         Ok(grads)
     }
 
-    /// The NCCL path for CUDA gradients (see `device.rs`): a synchronised step with the default
-    /// hook or a built-in compressing one (fp16, bf16), nothing accumulated, not joining, and
-    /// every gradient present on the device. Any other step (`no_sync`, PowerSGD or your own
-    /// hook, unused parameters, `join`) takes the host path, which handles them all. `None`:
-    /// not taken.
+    /// The NCCL path for CUDA gradients (see `device.rs`), for a step with the default hook or
+    /// a built-in compressing one (fp16, bf16), not joining, every gradient on the device and,
+    /// when it synchronises, every parameter with one. A `no_sync` step adds its gradients to
+    /// sums kept on the device ([`LocalSums`](crate::bucketed::LocalSums), the host reducer's
+    /// arithmetic); the next synchronised step reduces its own plus the sums. Any other step
+    /// (PowerSGD or your own hook, an unused parameter, `join`) takes the host path, which
+    /// handles them all, after the device's sums are handed to it. `None`: not taken.
     #[cfg(feature = "cuda")]
     fn reduce_on_device(&self, vars: &[Var], grads: &GradStore) -> Result<Option<GradStore>> {
         let sh = &self.shared;
         let Some(comm) = sh.comm.nccl() else { return Ok(None) };
+        let sync = sh.sync.load(Ordering::SeqCst);
+        let present = |v: &Var| grads.get(v.as_tensor());
         // Every gradient on the GPU implies the parameters are there too.
-        let eligible = !vars.is_empty()
-            && sh.sync.load(Ordering::SeqCst)
+        let on_device = !vars.is_empty()
             && sh.join_state().is_none()
-            && vars.iter().all(|v| grads.get(v.as_tensor()).is_some_and(|g| g.device().is_cuda()));
-        let (buckets, wire) = {
+            && vars.iter().all(|v| present(v).is_none_or(|g| g.device().is_cuda()))
+            && (!sync || vars.iter().all(|v| present(v).is_some()));
+        let mut sums = sh.device_sums.lock().unwrap_or_else(|p| p.into_inner());
+        let plan = {
             let r = sh.reducer();
-            let Some(wire) = r.device_wire() else { return Ok(None) };
-            if !eligible || r.has_accumulated() {
-                return Ok(None);
+            match r.device_wire() {
+                Some(wire) if on_device && !r.has_accumulated() => Some((r.bucket_params(), wire)),
+                _ => None,
             }
-            (r.bucket_params(), wire)
         };
+        let Some((buckets, wire)) = plan else {
+            if !sums.is_empty() {
+                self.hand_sums_to_host(sums.take())?;
+            }
+            return Ok(None);
+        };
+        if !sync {
+            return sums.add(vars, grads).map(Some);
+        }
+        let grads = sums.take_with(vars, grads)?;
         if sh.broadcast_buffers && sh.comm.size() > 1 && !sh.buffers.is_empty() {
             broadcast_vars(sh.comm.as_ref(), &sh.buffers, 0)?;
         }
-        crate::device::all_reduce_buckets(&comm, vars, grads, &buckets, wire).map(Some)
+        crate::device::all_reduce_buckets(&comm, vars, &grads, &buckets, wire).map(Some)
+    }
+
+    /// The device's `no_sync` sums into the host reducer's accumulation (as one no_sync step),
+    /// for a step the host path takes.
+    #[cfg(feature = "cuda")]
+    fn hand_sums_to_host(&self, sums: Vec<Option<Tensor>>) -> Result<()> {
+        let mut r = self.shared.reducer();
+        r.prepare_for_backward(false);
+        for (i, sum) in sums.into_iter().enumerate() {
+            if let Some(s) = sum {
+                let host = s.flatten_all()?.to_device(&candle_core::Device::Cpu)?;
+                with_f32_slice(&host, |v| r.mark_ready(i, v))??;
+            }
+        }
+        r.finalize()
     }
 
     /// Current bucket layout, parameter indices per bucket (diagnostics, tests).
