@@ -5,6 +5,8 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
+use tandem_comm::Collectives;
+
 use crate::comm_hooks::DeviceWire;
 use crate::error::{DdpError, Result};
 
@@ -111,6 +113,36 @@ impl LocalSums {
     }
 }
 
+/// `find_unused_parameters` on the device path, as the host reducer does it: this rank's used
+/// map (a gradient in `this_step`, the step's own, not `no_sync` sums) summed over the group
+/// through `comm`, and the gradients missing from `grads` filled with zeros for the buckets.
+/// Returns the filled gradients and which parameters some rank used: the others keep no
+/// gradient after the reduction, so optimizers skip them. A collective: every rank calls it on
+/// every synchronised step.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn fill_unused(
+    comm: &dyn Collectives,
+    vars: &[Var],
+    this_step: &GradStore,
+    grads: &GradStore,
+) -> Result<(GradStore, Vec<bool>)> {
+    let mut used: Vec<f32> = vars
+        .iter()
+        .map(|v| if this_step.get(v.as_tensor()).is_some() { 1.0 } else { 0.0 })
+        .collect();
+    comm.all_reduce_sum(&mut used)
+        .map_err(|e| DdpError::comm("all_reduce(sum) of the used-parameter map", comm.rank(), e))?;
+    let mut filled = GradStore::default();
+    for v in vars {
+        let g = match grads.get(v.as_tensor()) {
+            Some(g) => g.clone(),
+            None => Tensor::zeros(v.shape(), v.dtype(), v.device())?,
+        };
+        filled.insert(v.as_tensor(), g);
+    }
+    Ok((filled, used.iter().map(|&u| u > 0.0).collect()))
+}
+
 fn check_shape(v: &Var, g: &Tensor, i: usize) -> Result<()> {
     if g.dims() != v.dims() {
         return Err(DdpError::Device(format!(
@@ -160,7 +192,7 @@ pub(crate) fn reduce_buckets(
 mod tests {
     use super::*;
     use candle_core::Device;
-    use tandem_comm::{Collectives, LocalGroup};
+    use tandem_comm::LocalGroup;
 
     use crate::comm_hooks::BucketParam;
     use tandem_nn::kernels::with_f32_slice;
@@ -211,9 +243,11 @@ mod tests {
         }
     }
 
-    /// no_sync on the device path (LocalSums, then the buckets) gives the host reducer's bits:
-    /// each no_sync step's sums and the synchronised step's average, a parameter left out of
-    /// one no_sync step and the synchronised one included.
+    /// no_sync on the device path (LocalSums, then find_unused_parameters' fill and the
+    /// buckets, as `Ddp::reduce_on_device` chains them) gives the host reducer's bits: each
+    /// no_sync step's sums and the synchronised step's average, with a parameter left out of
+    /// one no_sync step, and one used only in no_sync steps (no gradient after the synchronised
+    /// step, as on the host).
     #[test]
     fn device_no_sync_sums_equal_the_host_reducers() {
         use crate::reducer::{Reducer, ReducerConfig};
@@ -221,7 +255,7 @@ mod tests {
         let out = LocalGroup::run(2, |comm: Arc<dyn Collectives>| {
             let dev = Device::Cpu;
             let rank = comm.rank();
-            let shapes: [&[usize]; 2] = [&[3], &[2, 2]];
+            let shapes: [&[usize]; 3] = [&[3], &[2, 2], &[2]];
             let vars: Vec<Var> = shapes
                 .iter()
                 .map(|s| Var::zeros(*s, candle_core::DType::F32, &dev).unwrap())
@@ -232,20 +266,25 @@ mod tests {
                 find_unused_parameters: true,
                 rebuild_buckets: false,
             };
-            let mut host =
-                Reducer::new(vec!["a".into(), "b".into()], vec![3, 4], comm.clone(), cfg).unwrap();
+            let names = vec!["a".into(), "b".into(), "c".into()];
+            let mut host = Reducer::new(names, vec![3, 4, 2], comm.clone(), cfg).unwrap();
             let mut sums = LocalSums::default();
             let value = |step: usize, i: usize, k: usize| {
                 0.1 * (step * 7 + i * 3 + k) as f32 + 1e-3 * rank as f32 + 1.0 / 3.0
             };
-            // Steps 0..3 are no_sync (parameter 1 unused in step 1); step 3 synchronises.
+            // Steps 0..3 are no_sync (parameter 1 unused in step 1); step 3 synchronises
+            // without parameter 2.
             let mut mismatches = Vec::new();
             for step in 0..4 {
                 let sync = step == 3;
-                let used: Vec<usize> = if step == 1 { vec![0] } else { vec![0, 1] };
+                let used: &[usize] = match step {
+                    1 => &[0, 2],
+                    3 => &[0, 1],
+                    _ => &[0, 1, 2],
+                };
                 let mut grads = GradStore::default();
                 host.prepare_for_backward(sync);
-                for &i in &used {
+                for &i in used {
                     let v: Vec<f32> =
                         (0..vars[i].elem_count()).map(|k| value(step, i, k)).collect();
                     grads.insert(
@@ -257,35 +296,93 @@ mod tests {
                 host.finalize().unwrap();
                 let device = if sync {
                     let summed = sums.take_with(&vars, &grads).unwrap();
-                    reduce_buckets(
+                    let (filled, used) =
+                        fill_unused(comm.as_ref(), &vars, &grads, &summed).unwrap();
+                    let mut reduced = reduce_buckets(
                         &mut HostReducer(comm.as_ref(), 0),
                         &vars,
-                        &summed,
-                        &[vec![0], vec![1]],
+                        &filled,
+                        &[vec![0], vec![1], vec![2]],
                     )
-                    .unwrap()
+                    .unwrap();
+                    for (v, _) in vars.iter().zip(&used).filter(|(_, u)| !**u) {
+                        reduced.remove(v.as_tensor());
+                    }
+                    reduced
                 } else {
                     sums.add(&vars, &grads).unwrap()
                 };
                 for (i, v) in vars.iter().enumerate() {
-                    let d: Vec<f32> = device
+                    let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    let d = device
                         .get(v.as_tensor())
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1()
-                        .unwrap();
-                    let h = host.grad(i).unwrap().to_vec();
-                    if d.iter().map(|x| x.to_bits()).ne(h.iter().map(|x| x.to_bits())) {
+                        .map(|t| bits(&t.flatten_all().unwrap().to_vec1::<f32>().unwrap()));
+                    let h = host.grad(i).map(bits);
+                    if d != h {
                         mismatches.push((step, i, d, h));
                     }
                 }
             }
             assert!(sums.is_empty(), "the synchronised step empties the sums");
+            assert!(host.grad(2).is_none(), "no rank used parameter 2 in the synchronised step");
             mismatches
         });
         for (rank, m) in out.iter().enumerate() {
             assert!(m.is_empty(), "rank {rank}: {m:?}");
+        }
+    }
+
+    /// find_unused_parameters on the device path gives the host reducer's result: a parameter
+    /// one rank left out averages its zeros in; one no rank used gets no gradient.
+    #[test]
+    fn device_unused_parameters_equal_the_host_reducers() {
+        use crate::reducer::{Reducer, ReducerConfig};
+        use std::sync::Arc;
+        let out = LocalGroup::run(2, |comm: Arc<dyn Collectives>| {
+            let dev = Device::Cpu;
+            let rank = comm.rank();
+            let vars: Vec<Var> =
+                (0..3).map(|_| Var::zeros(2, candle_core::DType::F32, &dev).unwrap()).collect();
+            let cfg = ReducerConfig {
+                first_bucket_bytes: 8,
+                bucket_bytes: 8,
+                find_unused_parameters: true,
+                rebuild_buckets: false,
+            };
+            let names = vec!["a".into(), "b".into(), "c".into()];
+            let mut host = Reducer::new(names, vec![2; 3], comm.clone(), cfg).unwrap();
+            // Parameter 0 used by both ranks, 1 by rank 0 alone, 2 by none.
+            let used: &[usize] = if rank == 0 { &[0, 1] } else { &[0] };
+            let mut grads = GradStore::default();
+            host.prepare_for_backward(true);
+            for &i in used {
+                let v = vec![1.5 + i as f32 + rank as f32 * 0.25, -0.75 * (rank + 1) as f32];
+                grads.insert(vars[i].as_tensor(), Tensor::from_vec(v.clone(), 2, &dev).unwrap());
+                host.mark_ready(i, &v).unwrap();
+            }
+            host.finalize().unwrap();
+            let (filled, globally) = fill_unused(comm.as_ref(), &vars, &grads, &grads).unwrap();
+            let reduced = reduce_buckets(
+                &mut HostReducer(comm.as_ref(), 0),
+                &vars,
+                &filled,
+                &[vec![0], vec![1], vec![2]],
+            )
+            .unwrap();
+            (0..3)
+                .map(|i| {
+                    let device = globally[i].then(|| {
+                        reduced.get(vars[i].as_tensor()).unwrap().to_vec1::<f32>().unwrap()
+                    });
+                    (device, host.grad(i).map(<[f32]>::to_vec))
+                })
+                .collect::<Vec<_>>()
+        });
+        for (rank, params) in out.iter().enumerate() {
+            for (i, (device, host)) in params.iter().enumerate() {
+                assert_eq!(device, host, "rank {rank}, parameter {i}");
+            }
+            assert!(params[1].1.is_some() && params[2].1.is_none(), "rank {rank}: {params:?}");
         }
     }
 

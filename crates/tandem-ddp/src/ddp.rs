@@ -708,22 +708,25 @@ impl<M: ParamModule> Ddp<M> {
 
     /// The NCCL path for CUDA gradients (see `device.rs`), for a step with the default hook or
     /// a built-in compressing one (fp16, bf16), not joining, every gradient on the device and,
-    /// when it synchronises, every parameter with one. A `no_sync` step adds its gradients to
-    /// sums kept on the device ([`LocalSums`](crate::bucketed::LocalSums), the host reducer's
-    /// arithmetic); the next synchronised step reduces its own plus the sums. Any other step
-    /// (PowerSGD or your own hook, an unused parameter, `join`) takes the host path, which
-    /// handles them all, after the device's sums are handed to it. `None`: not taken.
+    /// when it synchronises, every parameter with one unless `find_unused_parameters` (then the
+    /// used map is summed over the group and the missing ones reduce as zeros, as on the host).
+    /// A `no_sync` step adds its gradients to sums kept on the device
+    /// ([`LocalSums`](crate::bucketed::LocalSums), the host reducer's arithmetic); the next
+    /// synchronised step reduces its own plus the sums. Any other step (PowerSGD or your own
+    /// hook, an unused parameter without `find_unused_parameters` — the host path names it —,
+    /// `join`) takes the host path after the device's sums are handed to it. `None`: not taken.
     #[cfg(feature = "cuda")]
     fn reduce_on_device(&self, vars: &[Var], grads: &GradStore) -> Result<Option<GradStore>> {
         let sh = &self.shared;
         let Some(comm) = sh.comm.nccl() else { return Ok(None) };
         let sync = sh.sync.load(Ordering::SeqCst);
         let present = |v: &Var| grads.get(v.as_tensor());
+        let finds_unused = sh.reducer().finds_unused();
         // Every gradient on the GPU implies the parameters are there too.
         let on_device = !vars.is_empty()
             && sh.join_state().is_none()
             && vars.iter().all(|v| present(v).is_none_or(|g| g.device().is_cuda()))
-            && (!sync || vars.iter().all(|v| present(v).is_some()));
+            && (!sync || finds_unused || vars.iter().all(|v| present(v).is_some()));
         let mut sums = sh.device_sums.lock().unwrap_or_else(|p| p.into_inner());
         let plan = {
             let r = sh.reducer();
@@ -741,11 +744,22 @@ impl<M: ParamModule> Ddp<M> {
         if !sync {
             return sums.add(vars, grads).map(Some);
         }
-        let grads = sums.take_with(vars, grads)?;
+        let summed = sums.take_with(vars, grads)?;
+        // With find_unused_parameters the used map goes round on every synchronised step, as
+        // on the host: every rank makes the same collectives whatever it used.
+        let (grads, used) = if finds_unused {
+            crate::bucketed::fill_unused(sh.comm.as_ref(), vars, grads, &summed)?
+        } else {
+            (summed, vec![true; vars.len()])
+        };
         if sh.broadcast_buffers && sh.comm.size() > 1 && !sh.buffers.is_empty() {
             broadcast_vars(sh.comm.as_ref(), &sh.buffers, 0)?;
         }
-        crate::device::all_reduce_buckets(&comm, vars, &grads, &buckets, wire).map(Some)
+        let mut reduced = crate::device::all_reduce_buckets(&comm, vars, &grads, &buckets, wire)?;
+        for (v, _) in vars.iter().zip(&used).filter(|(_, used)| !**used) {
+            reduced.remove(v.as_tensor());
+        }
+        Ok(Some(reduced))
     }
 
     /// The device's `no_sync` sums into the host reducer's accumulation (as one no_sync step),

@@ -158,6 +158,12 @@ impl Reducer {
         self.default_hook
     }
 
+    /// `DdpOptions::find_unused_parameters`.
+    #[cfg(feature = "cuda")]
+    pub fn finds_unused(&self) -> bool {
+        self.cfg.find_unused_parameters
+    }
+
     /// What the hook does to a bucket on the GPU, when it can be done there.
     #[cfg(feature = "cuda")]
     pub fn device_wire(&self) -> Option<crate::DeviceWire> {
