@@ -113,34 +113,38 @@ impl LocalSums {
     }
 }
 
-/// `find_unused_parameters` on the device path, as the host reducer does it: this rank's used
-/// map (a gradient in `this_step`, the step's own, not `no_sync` sums) summed over the group
-/// through `comm`, and the gradients missing from `grads` filled with zeros for the buckets.
-/// Returns the filled gradients and which parameters some rank used: the others keep no
-/// gradient after the reduction, so optimizers skip them. A collective: every rank calls it on
-/// every synchronised step.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn fill_unused(
+/// A synchronised step on the device path, as the host reducer makes it: this step's `grads`
+/// plus the `no_sync` sums (emptied), averaged by `reducer` one flat tensor per bucket of
+/// `buckets`. With `finds_unused` (`find_unused_parameters`) this rank's used map (a gradient in
+/// this step, not in the sums) is summed over the group through `comm` on every synchronised
+/// step — every rank makes the same collectives whatever it used —, missing gradients reduce as
+/// zeros, and parameters no rank used are left without one, so optimizers skip them.
+pub(crate) fn reduce_step(
+    reducer: &mut dyn FlatReducer,
     comm: &dyn Collectives,
-    vars: &[Var],
-    this_step: &GradStore,
-    grads: &GradStore,
-) -> Result<(GradStore, Vec<bool>)> {
-    let mut used: Vec<f32> = vars
-        .iter()
-        .map(|v| if this_step.get(v.as_tensor()).is_some() { 1.0 } else { 0.0 })
-        .collect();
+    (vars, grads): (&[Var], &GradStore),
+    sums: &mut LocalSums,
+    buckets: &[Vec<usize>],
+    finds_unused: bool,
+) -> Result<GradStore> {
+    let mut summed = sums.take_with(vars, grads)?;
+    if !finds_unused {
+        return reduce_buckets(reducer, vars, &summed, buckets);
+    }
+    let mut used: Vec<f32> =
+        vars.iter().map(|v| if grads.get(v.as_tensor()).is_some() { 1.0 } else { 0.0 }).collect();
     comm.all_reduce_sum(&mut used)
         .map_err(|e| DdpError::comm("all_reduce(sum) of the used-parameter map", comm.rank(), e))?;
-    let mut filled = GradStore::default();
     for v in vars {
-        let g = match grads.get(v.as_tensor()) {
-            Some(g) => g.clone(),
-            None => Tensor::zeros(v.shape(), v.dtype(), v.device())?,
-        };
-        filled.insert(v.as_tensor(), g);
+        if summed.get(v.as_tensor()).is_none() {
+            summed.insert(v.as_tensor(), Tensor::zeros(v.shape(), v.dtype(), v.device())?);
+        }
     }
-    Ok((filled, used.iter().map(|&u| u > 0.0).collect()))
+    let mut reduced = reduce_buckets(reducer, vars, &summed, buckets)?;
+    for (v, _) in vars.iter().zip(&used).filter(|(_, &u)| u == 0.0) {
+        reduced.remove(v.as_tensor());
+    }
+    Ok(reduced)
 }
 
 fn check_shape(v: &Var, g: &Tensor, i: usize) -> Result<()> {
@@ -156,7 +160,7 @@ fn check_shape(v: &Var, g: &Tensor, i: usize) -> Result<()> {
 
 /// `grads` (one per var, every one present) averaged by `reducer`, one flat tensor per bucket
 /// of `buckets` (indices into `vars`), returned as views keyed by the vars.
-pub(crate) fn reduce_buckets(
+fn reduce_buckets(
     reducer: &mut dyn FlatReducer,
     vars: &[Var],
     grads: &GradStore,
@@ -196,6 +200,21 @@ mod tests {
 
     use crate::comm_hooks::BucketParam;
     use tandem_nn::kernels::with_f32_slice;
+
+    /// The host reducer over `numels`, finding unused parameters, in one-parameter buckets.
+    fn host_reducer(
+        comm: &std::sync::Arc<dyn Collectives>,
+        numels: Vec<usize>,
+    ) -> crate::reducer::Reducer {
+        let cfg = crate::reducer::ReducerConfig {
+            first_bucket_bytes: 8,
+            bucket_bytes: 8,
+            find_unused_parameters: true,
+            rebuild_buckets: false,
+        };
+        let names = (0..numels.len()).map(|i| format!("p{i}")).collect();
+        crate::reducer::Reducer::new(names, numels, comm.clone(), cfg).unwrap()
+    }
 
     /// The host stand-in for NCCL: all_reduce_avg over an in-process group.
     struct HostReducer<'a>(&'a dyn Collectives, usize);
@@ -243,14 +262,13 @@ mod tests {
         }
     }
 
-    /// no_sync on the device path (LocalSums, then find_unused_parameters' fill and the
-    /// buckets, as `Ddp::reduce_on_device` chains them) gives the host reducer's bits: each
+    /// no_sync on the device path (LocalSums, then `reduce_step` with find_unused_parameters)
+    /// gives the host reducer's bits: each
     /// no_sync step's sums and the synchronised step's average, with a parameter left out of
     /// one no_sync step, and one used only in no_sync steps (no gradient after the synchronised
     /// step, as on the host).
     #[test]
     fn device_no_sync_sums_equal_the_host_reducers() {
-        use crate::reducer::{Reducer, ReducerConfig};
         use std::sync::Arc;
         let out = LocalGroup::run(2, |comm: Arc<dyn Collectives>| {
             let dev = Device::Cpu;
@@ -260,14 +278,7 @@ mod tests {
                 .iter()
                 .map(|s| Var::zeros(*s, candle_core::DType::F32, &dev).unwrap())
                 .collect();
-            let cfg = ReducerConfig {
-                first_bucket_bytes: 8,
-                bucket_bytes: 8,
-                find_unused_parameters: true,
-                rebuild_buckets: false,
-            };
-            let names = vec!["a".into(), "b".into(), "c".into()];
-            let mut host = Reducer::new(names, vec![3, 4, 2], comm.clone(), cfg).unwrap();
+            let mut host = host_reducer(&comm, vec![3, 4, 2]);
             let mut sums = LocalSums::default();
             let value = |step: usize, i: usize, k: usize| {
                 0.1 * (step * 7 + i * 3 + k) as f32 + 1e-3 * rank as f32 + 1.0 / 3.0
@@ -295,20 +306,15 @@ mod tests {
                 }
                 host.finalize().unwrap();
                 let device = if sync {
-                    let summed = sums.take_with(&vars, &grads).unwrap();
-                    let (filled, used) =
-                        fill_unused(comm.as_ref(), &vars, &grads, &summed).unwrap();
-                    let mut reduced = reduce_buckets(
+                    reduce_step(
                         &mut HostReducer(comm.as_ref(), 0),
-                        &vars,
-                        &filled,
+                        comm.as_ref(),
+                        (&vars, &grads),
+                        &mut sums,
                         &[vec![0], vec![1], vec![2]],
+                        true,
                     )
-                    .unwrap();
-                    for (v, _) in vars.iter().zip(&used).filter(|(_, u)| !**u) {
-                        reduced.remove(v.as_tensor());
-                    }
-                    reduced
+                    .unwrap()
                 } else {
                     sums.add(&vars, &grads).unwrap()
                 };
@@ -336,21 +342,13 @@ mod tests {
     /// one rank left out averages its zeros in; one no rank used gets no gradient.
     #[test]
     fn device_unused_parameters_equal_the_host_reducers() {
-        use crate::reducer::{Reducer, ReducerConfig};
         use std::sync::Arc;
         let out = LocalGroup::run(2, |comm: Arc<dyn Collectives>| {
             let dev = Device::Cpu;
             let rank = comm.rank();
             let vars: Vec<Var> =
                 (0..3).map(|_| Var::zeros(2, candle_core::DType::F32, &dev).unwrap()).collect();
-            let cfg = ReducerConfig {
-                first_bucket_bytes: 8,
-                bucket_bytes: 8,
-                find_unused_parameters: true,
-                rebuild_buckets: false,
-            };
-            let names = vec!["a".into(), "b".into(), "c".into()];
-            let mut host = Reducer::new(names, vec![2; 3], comm.clone(), cfg).unwrap();
+            let mut host = host_reducer(&comm, vec![2; 3]);
             // Parameter 0 used by both ranks, 1 by rank 0 alone, 2 by none.
             let used: &[usize] = if rank == 0 { &[0, 1] } else { &[0] };
             let mut grads = GradStore::default();
@@ -361,19 +359,19 @@ mod tests {
                 host.mark_ready(i, &v).unwrap();
             }
             host.finalize().unwrap();
-            let (filled, globally) = fill_unused(comm.as_ref(), &vars, &grads, &grads).unwrap();
-            let reduced = reduce_buckets(
+            let reduced = reduce_step(
                 &mut HostReducer(comm.as_ref(), 0),
-                &vars,
-                &filled,
+                comm.as_ref(),
+                (&vars, &grads),
+                &mut LocalSums::default(),
                 &[vec![0], vec![1], vec![2]],
+                true,
             )
             .unwrap();
             (0..3)
                 .map(|i| {
-                    let device = globally[i].then(|| {
-                        reduced.get(vars[i].as_tensor()).unwrap().to_vec1::<f32>().unwrap()
-                    });
+                    let device =
+                        reduced.get(vars[i].as_tensor()).map(|t| t.to_vec1::<f32>().unwrap());
                     (device, host.grad(i).map(<[f32]>::to_vec))
                 })
                 .collect::<Vec<_>>()

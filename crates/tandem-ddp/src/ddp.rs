@@ -744,22 +744,17 @@ impl<M: ParamModule> Ddp<M> {
         if !sync {
             return sums.add(vars, grads).map(Some);
         }
-        let summed = sums.take_with(vars, grads)?;
-        // With find_unused_parameters the used map goes round on every synchronised step, as
-        // on the host: every rank makes the same collectives whatever it used.
-        let (grads, used) = if finds_unused {
-            crate::bucketed::fill_unused(sh.comm.as_ref(), vars, grads, &summed)?
-        } else {
-            (summed, vec![true; vars.len()])
-        };
         if sh.broadcast_buffers && sh.comm.size() > 1 && !sh.buffers.is_empty() {
             broadcast_vars(sh.comm.as_ref(), &sh.buffers, 0)?;
         }
-        let mut reduced = crate::device::all_reduce_buckets(&comm, vars, &grads, &buckets, wire)?;
-        for (v, _) in vars.iter().zip(&used).filter(|(_, used)| !**used) {
-            reduced.remove(v.as_tensor());
-        }
-        Ok(Some(reduced))
+        crate::device::all_reduce_step(
+            (&comm, sh.comm.as_ref()),
+            (vars, grads),
+            &mut sums,
+            &buckets,
+            (wire, finds_unused),
+        )
+        .map(Some)
     }
 
     /// The device's `no_sync` sums into the host reducer's accumulation (as one no_sync step),

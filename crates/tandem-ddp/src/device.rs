@@ -18,9 +18,9 @@ use candle_core::backprop::GradStore;
 use candle_core::cuda::cudarc::driver::DevicePtr;
 use candle_core::{DType, Tensor, Var};
 use tandem_comm::nccl::{CudaStream, DeviceBuffer, NcclComm, NcclWork};
-use tandem_comm::{ReduceOp, WireType};
+use tandem_comm::{Collectives, ReduceOp, WireType};
 
-use crate::bucketed::{reduce_buckets, FlatReducer};
+use crate::bucketed::{reduce_step, FlatReducer, LocalSums};
 use crate::comm_hooks::DeviceWire;
 use crate::error::{DdpError, Result};
 
@@ -29,17 +29,19 @@ pub(crate) fn reduces_on_device(comm: Option<&NcclComm>, first: Option<&Var>) ->
     comm.is_some() && first.is_some_and(|v| v.device().is_cuda())
 }
 
-/// Averages `grads` (one per var, every one present, f32 on the device) over the group, one
-/// NCCL all-reduce per bucket of `buckets` (indices into `vars`), as `wire` says: f32 averaged
-/// in place, or compressed to 16 bits, summed, and cast back (the fp16/bf16 hooks).
-pub(crate) fn all_reduce_buckets(
-    comm: &NcclComm,
-    vars: &[Var],
-    grads: &GradStore,
+/// A synchronised step's `grads` (f32 on the device) plus the `no_sync` sums averaged over the
+/// group ([`reduce_step`]), one NCCL all-reduce per bucket of `buckets` (indices into `vars`),
+/// as `wire` says: f32 averaged in place, or compressed to 16 bits, summed, and cast back (the
+/// fp16/bf16 hooks). `group` carries find_unused_parameters' used map.
+pub(crate) fn all_reduce_step(
+    (comm, group): (&NcclComm, &dyn Collectives),
+    step: (&[Var], &GradStore),
+    sums: &mut LocalSums,
     buckets: &[Vec<usize>],
-    wire: DeviceWire,
+    (wire, finds_unused): (DeviceWire, bool),
 ) -> Result<GradStore> {
-    reduce_buckets(&mut NcclReducer { comm, wire, last: None }, vars, grads, buckets)
+    let mut reducer = NcclReducer { comm, wire, last: None };
+    reduce_step(&mut reducer, group, step, sums, buckets, finds_unused)
 }
 
 /// Each bucket all-reduced in place on the communicator's stream.
