@@ -145,6 +145,31 @@ mod twins {
     pub fn forward<M: Module>(m: &M, x: &Tensor) -> Tensor {
         m.forward(x).unwrap()
     }
+
+    /// `conv(x, w)` of `x0` by `w0` on the GPU against the CPU: the output and both gradients
+    /// of `Σ y·r` (`seed` picks `r`), in f32 (relative 1e-5) and in f16 (2e-2).
+    pub fn conv_matches_the_cpu(
+        what: &str,
+        (x0, w0): (&Tensor, &Tensor),
+        seed: u64,
+        conv: impl Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    ) {
+        let run = |d: &Device, dt: DType| {
+            let x = Var::from_tensor(&x0.to_device(d).unwrap()).unwrap();
+            let wv = Var::from_tensor(&w0.to_device(d).unwrap()).unwrap();
+            let y = conv(&x.to_dtype(dt).unwrap(), &wv.to_dtype(dt).unwrap()).unwrap();
+            let g = tandem::nn::backward(&weighted_sum(&y, seed)).unwrap();
+            (y, grad(&g, x.as_tensor()), grad(&g, wv.as_tensor()))
+        };
+        let (y, gx, gw) = run(&Device::Cpu, DType::F32);
+        for (dt, tol) in [(DType::F32, 1e-5), (DType::F16, 2e-2)] {
+            let (yg, gxg, gwg) = run(&gpu(), dt);
+            assert_eq!(yg.dtype(), dt, "{what}: output type");
+            assert_close(&format!("{what} forward {dt:?}"), &yg, &y, tol);
+            assert_close(&format!("{what} input gradient {dt:?}"), &gxg, &gx, tol);
+            assert_close(&format!("{what} weight gradient {dt:?}"), &gwg, &gw, tol);
+        }
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -162,9 +187,7 @@ fn cudnn_loads_and_reports_its_version() {
 fn conv2d_matches_the_cpu_forward_and_both_backwards() {
     #[cfg(feature = "cuda")]
     {
-        use candle_core::{DType, Device, Var};
         use tandem::nn::kernels::conv2d::{conv2d, ConvParams};
-        let dev = gpu();
         // (n, c, h, w, o, k, stride, padding, dilation)
         for (i, &(n, c, h, w, o, k, stride, padding, dilation)) in [
             (2, 8, 14, 14, 16, 3, 1, 1, 1),
@@ -178,24 +201,8 @@ fn conv2d_matches_the_cpu_forward_and_both_backwards() {
         {
             let p = ConvParams { stride, padding, dilation };
             let (x0, w0) = (rand(10 + i as u64, &[n, c, h, w]), rand(20 + i as u64, &[o, c, k, k]));
-            let run = |d: &Device, dt: DType| {
-                let x = Var::from_tensor(&x0.to_device(d).unwrap()).unwrap();
-                let wv = Var::from_tensor(&w0.to_device(d).unwrap()).unwrap();
-                let y = conv2d(&x.to_dtype(dt).unwrap(), &wv.to_dtype(dt).unwrap(), p).unwrap();
-                let g = tandem::nn::backward(&weighted_sum(&y, 7)).unwrap();
-                (y, grad(&g, x.as_tensor()), grad(&g, wv.as_tensor()))
-            };
-            let (y, gx, gw) = run(&Device::Cpu, DType::F32);
-            let (yg, gxg, gwg) = run(&dev, DType::F32);
             let what = format!("conv {n}x{c}x{h}x{w} -> {o} k{k} s{stride} p{padding} d{dilation}");
-            assert_close(&format!("{what} forward f32"), &yg, &y, 1e-5);
-            assert_close(&format!("{what} input gradient f32"), &gxg, &gx, 1e-5);
-            assert_close(&format!("{what} weight gradient f32"), &gwg, &gw, 1e-5);
-            let (y16, gx16, gw16) = run(&dev, DType::F16);
-            assert_eq!(y16.dtype(), DType::F16);
-            assert_close(&format!("{what} forward f16"), &y16, &y, 2e-2);
-            assert_close(&format!("{what} input gradient f16"), &gx16, &gx, 2e-2);
-            assert_close(&format!("{what} weight gradient f16"), &gw16, &gw, 2e-2);
+            conv_matches_the_cpu(&what, (&x0, &w0), 7, |x, w| conv2d(x, w, p));
         }
     }
 }
@@ -203,9 +210,7 @@ fn conv2d_matches_the_cpu_forward_and_both_backwards() {
 fn grouped_conv2d_matches_the_cpu_forward_and_both_backwards() {
     #[cfg(feature = "cuda")]
     {
-        use candle_core::{DType, Device, Var};
         use tandem::nn::kernels::grouped_conv::{grouped_conv2d, GroupedConvParams};
-        let dev = gpu();
         // MobileFaceNet's: depthwise 3x3 strides 1 and 2, the GDC's 7x7 without padding; and
         // two channels per group with dilation. (n, c, h, o, k, stride, padding, dilation, groups)
         for (i, &(n, c, h, o, k, stride, padding, dilation, groups)) in [
@@ -220,26 +225,9 @@ fn grouped_conv2d_matches_the_cpu_forward_and_both_backwards() {
             let p = GroupedConvParams { stride, padding, dilation, groups };
             let x0 = rand(30 + i as u64, &[n, c, h, h]);
             let w0 = rand(40 + i as u64, &[o, c / groups, k, k]);
-            let run = |d: &Device, dt: DType| {
-                let x = Var::from_tensor(&x0.to_device(d).unwrap()).unwrap();
-                let wv = Var::from_tensor(&w0.to_device(d).unwrap()).unwrap();
-                let y =
-                    grouped_conv2d(&x.to_dtype(dt).unwrap(), &wv.to_dtype(dt).unwrap(), p).unwrap();
-                let g = tandem::nn::backward(&weighted_sum(&y, 8)).unwrap();
-                (y, grad(&g, x.as_tensor()), grad(&g, wv.as_tensor()))
-            };
-            let (y, gx, gw) = run(&Device::Cpu, DType::F32);
             let what =
                 format!("grouped conv {n}x{c}x{h}x{h} -> {o} k{k} s{stride} p{padding} d{dilation} g{groups}");
-            let (yg, gxg, gwg) = run(&dev, DType::F32);
-            assert_close(&format!("{what} forward f32"), &yg, &y, 1e-5);
-            assert_close(&format!("{what} input gradient f32"), &gxg, &gx, 1e-5);
-            assert_close(&format!("{what} weight gradient f32"), &gwg, &gw, 1e-5);
-            let (y16, gx16, gw16) = run(&dev, DType::F16);
-            assert_eq!(y16.dtype(), DType::F16);
-            assert_close(&format!("{what} forward f16"), &y16, &y, 2e-2);
-            assert_close(&format!("{what} input gradient f16"), &gx16, &gx, 2e-2);
-            assert_close(&format!("{what} weight gradient f16"), &gw16, &gw, 2e-2);
+            conv_matches_the_cpu(&what, (&x0, &w0), 8, |x, w| grouped_conv2d(x, w, p));
         }
     }
 }
@@ -597,34 +585,18 @@ fn the_phase_clock_times_device_work() {
 fn an_iresnet_training_step_matches_the_cpu() {
     #[cfg(feature = "cuda")]
     {
-        use candle_core::{DType, Device};
+        use candle_core::DType;
         use tandem::models::IResNet;
-        use tandem::nn::OrderedVarMap;
-        let dev = gpu();
-        let run = |d: &Device, autocast: Option<DType>| {
-            let vars = OrderedVarMap::new();
-            let model = IResNet::new(18, 8, 32, 0.0, vars.var_builder(DType::F32, d)).unwrap();
-            IResNet::reset_parameters(&vars.named(), 11).unwrap();
-            let x = rand(12, &[2, 3, 112, 112]).to_device(d).unwrap();
-            let emb = tandem::nn::autocast(autocast, || model.forward_t(&x, true)).unwrap();
-            let emb = emb.to_dtype(DType::F32).unwrap();
-            let g = tandem::nn::backward(&weighted_sum(&emb, 13)).unwrap();
-            let named = vars.named();
-            let pick = |name: &str| {
-                let v = &named.iter().find(|(n, _)| n == name).unwrap().1;
-                grad(&g, v.as_tensor())
-            };
-            (emb, pick("conv1.weight"), pick("layer1.0.bn1.weight"), pick("fc.weight"))
-        };
-        let cpu = run(&Device::Cpu, None);
-        for (autocast, tol) in [(None, 1e-3), (Some(DType::F16), 5e-2)] {
-            let g = run(&dev, autocast);
-            let what = format!("IResNet-18 w8 step, autocast {autocast:?}");
-            assert_close(&format!("{what}: embeddings"), &g.0, &cpu.0, tol);
-            assert_close(&format!("{what}: conv1.weight gradient"), &g.1, &cpu.1, tol);
-            assert_close(&format!("{what}: layer1.0.bn1.weight gradient"), &g.2, &cpu.2, tol);
-            assert_close(&format!("{what}: fc.weight gradient"), &g.3, &cpu.3, tol);
-        }
+        backbone_step_matches(
+            "IResNet-18 w8",
+            |vars, d| {
+                let m = IResNet::new(18, 8, 32, 0.0, vars.var_builder(DType::F32, d)).unwrap();
+                IResNet::reset_parameters(&vars.named(), 11).unwrap();
+                m
+            },
+            |m, x| m.forward_t(x, true),
+            &["conv1.weight", "layer1.0.bn1.weight", "fc.weight"],
+        );
     }
 }
 
