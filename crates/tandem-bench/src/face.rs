@@ -77,14 +77,7 @@ pub struct Args {
     python: Option<PathBuf>,
 }
 
-/// One side's samples/s per round, and its largest rank's peak resident memory per round.
-struct Side {
-    name: &'static str,
-    samples_per_s: Vec<f64>,
-    peak_rss: Vec<f64>,
-}
-
-/// One side's figures per round (`--json`).
+/// One side's figures per round (printed, and written by `--json`).
 #[derive(serde::Serialize, serde::Deserialize, Clone, Debug, Default)]
 pub struct SideResults {
     pub samples_per_s: Vec<f64>,
@@ -94,6 +87,16 @@ pub struct SideResults {
     pub device_peak: Vec<f64>,
     /// The last round's time per step by phase, as the side prints it.
     pub breakdown: String,
+}
+
+impl SideResults {
+    /// One round's run.
+    fn push(&mut self, run: &RunStats) {
+        self.samples_per_s.push(run.samples_per_s);
+        self.peak_rss.push(run.peak_rss);
+        self.device_peak.extend(run.device_peak);
+        self.breakdown.clone_from(&run.breakdown);
+    }
 }
 
 /// What `--json` writes.
@@ -517,31 +520,17 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
     };
     let head_in_init = recipe.head_in_init();
     let depth = recipe.depth();
-    let mut ours = Side { name: "tandem", samples_per_s: Vec::new(), peak_rss: Vec::new() };
-    let mut theirs = Side {
-        name: "PyTorch (gloo DDP + PartialFC v2)",
-        samples_per_s: Vec::new(),
-        peak_rss: Vec::new(),
-    };
-    let (mut breakdown, mut torch_breakdown) = (String::new(), String::new());
     let mut peak_with_save = Vec::new();
-    let mut device_peaks: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
     let ran = |o: Outcome| match o {
         Outcome::Ran(s) => Ok(s),
         Outcome::Failed(why) => Err(anyhow::anyhow!(why)),
     };
     for round in 0..args.rounds {
         let t = ran(recipe.tandem(&dir.join(format!("run-{round}")))?)?;
-        breakdown = t.breakdown;
-        ours.samples_per_s.push(t.samples_per_s);
-        ours.peak_rss.push(t.peak_rss);
+        results.tandem.push(&t);
         peak_with_save.extend(t.peak_with_save);
-        device_peaks[0].extend(t.device_peak);
         let p = ran(recipe.pytorch()?)?;
-        device_peaks[1].extend(p.device_peak);
-        theirs.samples_per_s.push(p.samples_per_s);
-        theirs.peak_rss.push(p.peak_rss);
-        torch_breakdown = p.breakdown;
+        results.torch.push(&p);
         eprintln!(
             "round {}/{}: tandem {:.1}, PyTorch {:.1} samples/s",
             round + 1,
@@ -550,18 +539,6 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
             p.samples_per_s
         );
     }
-    results.tandem = SideResults {
-        samples_per_s: ours.samples_per_s.clone(),
-        peak_rss: ours.peak_rss.clone(),
-        device_peak: device_peaks[0].clone(),
-        breakdown: breakdown.clone(),
-    };
-    results.torch = SideResults {
-        samples_per_s: theirs.samples_per_s.clone(),
-        peak_rss: theirs.peak_rss.clone(),
-        device_peak: device_peaks[1].clone(),
-        breakdown: torch_breakdown.clone(),
-    };
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&results)?)
             .with_context(|| format!("writing {}", path.display()))?;
@@ -583,13 +560,14 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         if head_in_init { "" } else { "; each side draws its own centres" }
     );
     let (mut medians, mut memory) = (Vec::new(), Vec::new());
-    for side in [&ours, &theirs] {
+    let (ours, theirs) = (&results.tandem, &results.torch);
+    for (name, side) in [("tandem", ours), ("PyTorch (gloo DDP + PartialFC v2)", theirs)] {
         let s = crate::report::summary(&side.samples_per_s).context("no measurements")?;
         let m = crate::report::summary(&side.peak_rss).context("no measurements")?;
         let gib = |b: f64| b / (1u64 << 30) as f64;
         println!(
             "  {:<36} samples/s min {:.3} median {:.3} max {:.3} | peak memory of the largest rank (GiB) min {:.2} median {:.2} max {:.2}",
-            side.name, s.min, s.median, s.max, gib(m.min), gib(m.median), gib(m.max)
+            name, s.min, s.median, s.max, gib(m.min), gib(m.median), gib(m.max)
         );
         medians.push(s.median);
         memory.push(m.median);
@@ -600,7 +578,7 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         memory[0] / memory[1].max(1.0)
     );
     if let (Some(a), Some(b)) =
-        (crate::report::summary(&device_peaks[0]), crate::report::summary(&device_peaks[1]))
+        (crate::report::summary(&ours.device_peak), crate::report::summary(&theirs.device_peak))
     {
         let gib = |b: f64| b / (1u64 << 30) as f64;
         println!(
@@ -619,11 +597,11 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
             gib(m.max)
         );
     }
-    if !breakdown.is_empty() {
-        println!("  tandem:  {breakdown}");
+    if !ours.breakdown.is_empty() {
+        println!("  tandem:  {}", ours.breakdown);
     }
-    if !torch_breakdown.is_empty() {
-        println!("  PyTorch: {torch_breakdown}");
+    if !theirs.breakdown.is_empty() {
+        println!("  PyTorch: {}", theirs.breakdown);
     }
     // The work of a step over the world, counted from the layer shapes: the backbone's forward
     // and backward (about twice the forward: input and weight gradients) for every image, and
