@@ -133,6 +133,13 @@ else
          --sample-rate 0.1 --batch-size 128 --precision f16 --num-workers 6 --steps 60)
 fi
 
+# train_face RUN_DIR: tandem's face recipe alone on the face stage's data, under $STAGE_S.
+train_face() {
+  timeout -k 5 "$STAGE_S" "$bin/tandem" train --nproc-per-node 1 "${train[@]}" \
+    --device "$device" --data "rec:$work/face/faces" --epochs 1000 --lr 0.1 \
+    --lr-scheduler poly --clip-grad-norm 5 --no-checkpoints --out "$1"
+}
+
 # The face recipe alone while nvidia-smi samples utilisation every 200 ms; the first third
 # (start-up, data loading) is left out.
 busy() {
@@ -143,9 +150,7 @@ busy() {
     nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 200 > "$samples" &
     sampler=$!
   fi
-  timeout -k 5 "$STAGE_S" "$bin/tandem" train --nproc-per-node 1 "${train[@]}" \
-    --device "$device" --data "rec:$work/face/faces" --epochs 1000 --lr 0.1 \
-    --lr-scheduler poly --clip-grad-norm 5 --no-checkpoints --out "$work/busy-run"
+  train_face "$work/busy-run"
   local rc=$?
   [ -n "$sampler" ] && kill "$sampler" 2> /dev/null
   local n; n=$(wc -l < "$samples")
@@ -154,9 +159,7 @@ busy() {
 }
 
 profile() {
-  TANDEM_PROFILE=ops timeout -k 5 "$STAGE_S" "$bin/tandem" train --nproc-per-node 1 \
-    "${train[@]}" --device "$device" --data "rec:$work/face/faces" --epochs 1000 --lr 0.1 \
-    --lr-scheduler poly --clip-grad-norm 5 --no-checkpoints --out "$work/profile-run"
+  TANDEM_PROFILE=ops train_face "$work/profile-run"
 }
 
 TAIL=8 stage env 20 environment
