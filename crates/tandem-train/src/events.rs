@@ -27,8 +27,8 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
+use crate::live::RegroupCounts;
 use crate::live::WorldChange;
-use crate::live_part::RegroupCounts;
 use crate::metrics::{EpochMetrics, RunSummary, VerificationMetrics};
 
 /// One thing a run reports.
@@ -114,7 +114,7 @@ impl Regroup {
 }
 
 /// How a regroup re-split the state each rank holds alone (summed over the world).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "part", rename_all = "snake_case")]
 pub enum Resplit {
     /// PartialFC's class centres and their optimizer rows.

@@ -44,8 +44,6 @@ pub mod state;
 
 mod error;
 mod evaluate;
-mod live_entries;
-mod live_part;
 mod rank_state;
 mod step;
 mod tfevents;

@@ -1,10 +1,12 @@
 //! State one rank holds alone beside the replicated training state — PartialFC's class rows
 //! and their optimizer entries, per-rank BatchNorm statistics, later FSDP's shards — as one
-//! trait the [`TrainingState`](crate::TrainingState) carries ([`TrainingState::part`]) and the
-//! [`Trainer`](crate::Trainer) drives for every recipe: a save writes each part's shards
-//! beside the replicated part, a resume loads each from the shards of any world size, and
-//! under live recovery each part mirrors itself to a buddy after its steps and re-splits
-//! after a regroup ([`crate::live::Mirrored`] does both for a [`crate::live::RankPart`]).
+//! trait the [`TrainingState`](crate::TrainingState) carries ([`TrainingState::part`]): a save
+//! writes each part's shards beside the replicated part, a resume loads each from the shards of
+//! any world size, and under live recovery each part mirrors itself to a buddy after its steps
+//! and re-splits after a regroup ([`crate::live::Mirrored`] does both for a
+//! [`crate::live::RankPart`]), driven by [`LiveTraining`](crate::live::LiveTraining) the same
+//! way for the [`Trainer`](crate::Trainer) and a user's own loop. A ZeRO-sharded optimizer's
+//! entries are such a part too, one `LiveTraining` adds itself.
 //!
 //! A part may hold some of the optimizer's entries ([`RankState::optimizer_entries`]: the
 //! head's momentum is split with its rows): they leave the replicated optimizer state, travel

@@ -474,18 +474,13 @@ pub(crate) fn apply_checkpoint(
     Ok(note)
 }
 
-/// The whole state as one value (what a live regroup sends). A sharded optimizer sends its
-/// hyperparameters only with `entries_apart` (the [`crate::Trainer`] re-splits the entries
-/// after the regroup), and cannot be sent whole otherwise: an error.
-pub(crate) fn to_value(
-    state: &TrainingState<'_>,
-    world_size: usize,
-    entries_apart: bool,
-) -> Result<Value> {
+/// The replicated part of the whole state as one value (what a live regroup sends): a sharded
+/// optimizer's hyperparameters only, any other's state without the entries the parts hold
+/// (they move with the parts, in the re-split that follows).
+pub(crate) fn to_value(state: &TrainingState<'_>, world_size: usize) -> Result<Value> {
     let optimizer = match state.optimizer.optimizer_shard()? {
-        Some(shard) if entries_apart => shard.groups,
-        // The parts' entries move with the parts, in the re-split that follows.
-        _ => state.optimizer_split()?.0,
+        Some(shard) => shard.groups,
+        None => state.optimizer_split()?.0,
     };
     value_with(state, world_size, optimizer)
 }

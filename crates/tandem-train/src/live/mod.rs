@@ -12,24 +12,37 @@
 //! let (rank, world) = live.rank_and_size();                  // for the sampler
 //! // ... optimizer, loader ...
 //! live.start(&mut TrainingState::new(&ddp, &mut opt).loader(&mut loader))?; // a replacement gets the state
-//! // Each step starts with `live.regroup_wanted()?` (a rank waits to join: regroup now); a step
-//! // that fails with `is_peer_failure` puts the loader back where it began; then:
-//! let change = live.regroup(&mut TrainingState::new(&ddp, &mut opt).loader(&mut loader).step(step))?;
+//! // Each step starts with `live.regroup_wanted()?` (a rank waits to join: regroup now) and
+//! // ends with the state each rank holds alone mirrored when due (ZeRO's shards, the parts):
+//! live.after_step(&mut TrainingState::new(&ddp, &mut opt).part(&mut head).step(step))?;
+//! // A step that fails with `is_peer_failure` puts the loader back where it began; then:
+//! let change = live.regroup(&mut TrainingState::new(&ddp, &mut opt).part(&mut head).loader(&mut loader).step(step))?;
 //! ```
-use std::sync::Arc;
+//!
+//! The [`Trainer`](crate::Trainer) goes through the same calls with its recipe's state
+//! ([`trainer`]: its outer loop and the record that travels with the state), so a loop of your
+//! own keeps ZeRO's shards and a PartialFC head's rows through a regroup exactly as it does.
+mod entries;
+mod part;
+mod parts;
+pub(crate) mod trainer;
+
+use std::sync::{Arc, Mutex};
 
 use tandem_ckpt::TrainingCheckpoint;
 use tandem_comm::live::{Generation, LiveGroup, LiveOptions};
 use tandem_comm::{Collectives, CommError, ProcessGroup};
 
 use crate::error::{comm, Context};
+use crate::events::{MirrorCost, Resplit};
 use crate::state::{apply_checkpoint, sampler_state_from_value, to_value, Restore, TrainingState};
 use crate::{Result, TrainError};
+use parts::LiveParts;
 
 pub use tandem_comm::live::is_peer_failure;
 
-pub use crate::live_entries::Entries;
-pub use crate::live_part::{
+pub use entries::Entries;
+pub use part::{
     exchange_mirror, owned_by, regroup, runs, Fill, Mirrored, PartHeader, RankPart, RegroupCounts,
 };
 
@@ -50,6 +63,9 @@ pub struct WorldChange {
     /// The member whose state everyone took, and its step.
     pub source: usize,
     pub step: u64,
+    /// How the state each rank holds alone was re-split (the first part that moved).
+    #[serde(default)]
+    pub resplit: Option<Resplit>,
 }
 
 impl std::fmt::Display for WorldChange {
@@ -76,6 +92,8 @@ pub struct LiveTraining {
     live: Arc<LiveGroup>,
     /// A replacement has the running world's state still to receive ([`LiveTraining::start`]).
     pending_start: std::sync::atomic::AtomicBool,
+    /// What the state's parts keep between steps (a sharded optimizer's mirror).
+    parts: Mutex<LiveParts>,
 }
 
 impl LiveTraining {
@@ -93,7 +111,29 @@ impl LiveTraining {
     pub fn connect_with(opts: LiveOptions) -> Result<LiveTraining> {
         let replacement = opts.replacement;
         let live = Arc::new(LiveGroup::connect(opts).map_err(comm("live recovery: connecting"))?);
-        Ok(LiveTraining { live, pending_start: replacement.into() })
+        let parts = Mutex::new(LiveParts::new());
+        Ok(LiveTraining { live, pending_start: replacement.into(), parts })
+    }
+
+    /// A sharded optimizer's (ZeRO-1's) entries are mirrored to the next rank every `every`
+    /// steps (1 by default): a rank's death loses at most `every - 1` steps of them. Set before
+    /// [`LiveTraining::start`].
+    pub fn mirror_every(self, every: u64) -> Self {
+        self.lock_parts().set_mirror_every(every);
+        self
+    }
+
+    /// Where the run's checkpoints are (`save_state`'s directory): after two neighbours die at
+    /// once, what neither held any more (their PartialFC rows) is read from the newest one
+    /// instead of starting afresh.
+    pub fn checkpoints(self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.lock_parts().set_checkpoints(dir.into());
+        self
+    }
+
+    fn lock_parts(&self) -> std::sync::MutexGuard<'_, LiveParts> {
+        // (A panic while holding it leaves nothing half-done that a later call trusts.)
+        self.parts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Whether this process is in the world (a replacement is not until [`LiveTraining::start`]
@@ -147,6 +187,12 @@ impl LiveTraining {
         if !self.pending_start.swap(false, std::sync::atomic::Ordering::SeqCst) {
             return Ok(None);
         }
+        // A replacement holds no shard of a sharded optimizer until it joins (an original
+        // member's is tracked at its first step or regroup).
+        state.with_state(&mut |s| {
+            self.lock_parts().track(s, false);
+            Ok(())
+        })?;
         let gen = self.live.join_running().map_err(comm("live recovery: joining"))?;
         let change = match self.adopt(&gen, &[], state) {
             Err(e) if e.is_peer_failure() => self.regroup(state)?,
@@ -155,6 +201,20 @@ impl LiveTraining {
         // From now on this process holds the state like the others.
         self.live.holds_state().map_err(comm("live recovery: after joining"))?;
         Ok(Some(change))
+    }
+
+    /// After every completed step, on every rank (`state.step`: the steps completed): the
+    /// state each rank holds alone — its parts (a PartialFC head's rows) and a sharded
+    /// optimizer's entries — is mirrored to the next rank when due, so a rank's death does not
+    /// lose it. A collective then; an `Err` that [`is_peer_failure`] is a failure like any
+    /// other step's.
+    pub fn after_step(&self, state: &mut TrainingState<'_>) -> Result<()> {
+        self.lock_parts().after_step(&self.live.group(), state)
+    }
+
+    /// What the mirrors of `state`'s parts and of a sharded optimizer cost this rank so far.
+    pub fn mirror_costs(&self, state: &TrainingState<'_>) -> Vec<MirrorCost> {
+        self.lock_parts().mirror_costs(state)
     }
 
     /// Whether the world should regroup at this step boundary (a rank is waiting to join). A
@@ -166,9 +226,11 @@ impl LiveTraining {
 
     /// Regroups — after a step failed on a peer's death, or when [`regroup_wanted`] said so —
     /// and brings `state` to the world's: the rank furthest along ([`LiveState::progress`])
-    /// sends its state to every other, and every rank then enters the new world (a loader is
-    /// resharded: the rest of the epoch split again). The state must stand where the next
-    /// step starts (after a failed step, put the loader back to where that step began).
+    /// sends its replicated state to every other, every rank enters the new world (a loader is
+    /// resharded: the rest of the epoch split again), and the state each rank holds alone (its
+    /// parts, a sharded optimizer's entries) is re-split over it, each piece from its newest
+    /// holder or mirror. The state must stand where the next step starts (after a failed step,
+    /// put the loader back to where that step began).
     ///
     /// [`regroup_wanted`]: LiveTraining::regroup_wanted
     pub fn regroup(&self, state: &mut impl LiveState) -> Result<WorldChange> {
@@ -196,9 +258,10 @@ impl LiveTraining {
         )))
     }
 
-    /// Moves the state of `gen`'s source to every rank, then every rank enters the world.
-    /// What changed is the source's view (members lost and joined since its last world), sent
-    /// with the state: every rank reports the same change, a replacement too.
+    /// Moves the state of `gen`'s source to every rank, every rank enters the world, and the
+    /// parts re-split over it. What changed is the source's view (members lost and joined
+    /// since its last world), sent with the state: every rank reports the same change, a
+    /// replacement too.
     fn adopt(
         &self,
         gen: &Generation,
@@ -206,10 +269,16 @@ impl LiveTraining {
         state: &mut impl LiveState,
     ) -> Result<WorldChange> {
         let group = &gen.group;
-        let source = gen.source;
+        let (source, rank, size) = (gen.source, group.rank(), group.size());
         let mut bytes = Vec::new();
-        if group.rank() == source {
-            bytes = state.save(group.size())?;
+        if rank == source {
+            let record = state.record()?;
+            // The replicated state only: what each rank holds alone moves in the re-split.
+            state.with_state(&mut |s| {
+                bytes = state_bytes(s, size)?;
+                Ok(())
+            })?;
+            push_bytes(&mut bytes, &record);
             let change = WorldChange {
                 generation: gen.number,
                 members: gen.members.clone(),
@@ -218,21 +287,35 @@ impl LiveTraining {
                 joined: gen.joined_since(before),
                 source: gen.members[source],
                 step: gen.progress[source],
+                resplit: None,
             };
             push_record(&mut bytes, &change, "the world's change")?;
         }
-        if group.size() > 1 {
+        if size > 1 {
             group
                 .broadcast_bytes(&mut bytes, source)
                 .map_err(comm("live recovery: sending the training state"))?;
         }
-        let change: WorldChange = pop_record(&mut bytes, "the world's change")?;
-        if group.rank() == source {
-            state.enter_world(group.rank(), group.size())?;
+        let mut change: WorldChange = pop_record(&mut bytes, "the world's change")?;
+        let mut sent = None;
+        if rank == source {
+            state.with_state(&mut |s| enter_world(s, rank, size))?;
         } else {
-            state.load(bytes, group.rank(), group.size())?;
+            let record = pop_bytes(&mut bytes, "the loop's record")?;
+            state.take_record(record)?;
+            state.with_state(&mut |s| {
+                let ck = load_state_bytes(s, std::mem::take(&mut bytes), (rank, size))?;
+                sent = Some(ck.optimizer);
+                Ok(())
+            })?;
         }
-        state.reshard(group)?;
+        let mut parts = self.lock_parts();
+        state.with_state(&mut |s| {
+            change.resplit = parts.regroup(group, s, sent.take())?;
+            Ok(())
+        })?;
+        drop(parts);
+        state.regrouped(&change)?;
         Ok(change)
     }
 }
@@ -269,65 +352,89 @@ pub(crate) fn pop_record<T: serde::de::DeserializeOwned>(
     Ok(value)
 }
 
-/// What a regroup moves from the rank furthest along to the others.
+/// Appends `extra` to a regroup's `bytes`, its length after it.
+fn push_bytes(bytes: &mut Vec<u8>, extra: &[u8]) {
+    bytes.extend_from_slice(extra);
+    bytes.extend_from_slice(&(extra.len() as u64).to_le_bytes());
+}
+
+/// Takes the bytes [`push_bytes`] appended off the end of `bytes`.
+fn pop_bytes(bytes: &mut Vec<u8>, what: &str) -> Result<Vec<u8>> {
+    let bad = |why: String| TrainError::Invalid(format!("live recovery: {what}: {why}"));
+    let at = bytes.len().checked_sub(8).ok_or_else(|| bad("missing".into()))?;
+    let len = u64::from_le_bytes(bytes[at..].try_into().expect("8 bytes"));
+    let start = usize::try_from(len)
+        .ok()
+        .and_then(|n| at.checked_sub(n))
+        .ok_or_else(|| bad(format!("{len} bytes announced, {at} there")))?;
+    let extra = bytes[start..at].to_vec();
+    bytes.truncate(start);
+    Ok(extra)
+}
+
+/// What a regroup moves: a [`TrainingState`] (the model, the optimizer, the parts each rank
+/// holds alone, the loader) — a user's own loop passes its `TrainingState` itself — and, for a
+/// loop that keeps more (the [`Trainer`](crate::Trainer)'s record of what it has done), that
+/// record beside it.
 pub trait LiveState {
     /// Completed steps (the rank with the most is the source).
     fn progress(&self) -> u64;
-    /// This rank's whole state as bytes, for a world of `world_size` (the source only).
-    fn save(&mut self, world_size: usize) -> Result<Vec<u8>>;
-    /// Every rank but the source: takes the source's state and becomes `rank` of `size`
-    /// (the data resharded from the source's position).
-    fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<()>;
-    /// The source: becomes `rank` of `size` with its own state (the data resharded).
-    fn enter_world(&mut self, rank: usize, size: usize) -> Result<()>;
-    /// Every rank, after `load` or `enter_world`: re-splits over the new world `group` what
-    /// each rank holds alone (a model-parallel head), a collective. Nothing by default.
-    fn reshard(&mut self, _group: &ProcessGroup) -> Result<()> {
+    /// Runs `f` on the training state the regroup moves, reads and re-splits.
+    fn with_state(&mut self, f: &mut dyn FnMut(&mut TrainingState<'_>) -> Result<()>)
+        -> Result<()>;
+    /// The source: what travels beside the training state (none by default).
+    fn record(&mut self) -> Result<Vec<u8>> {
+        Ok(Vec::new())
+    }
+    /// Every rank but the source, before it loads the state: the source's [`LiveState::record`].
+    fn take_record(&mut self, _record: Vec<u8>) -> Result<()> {
+        Ok(())
+    }
+    /// Every rank, once the state is the world's and the parts are re-split.
+    fn regrouped(&mut self, _change: &WorldChange) -> Result<()> {
         Ok(())
     }
 }
 
-/// The library's training state moves whole: model, optimizer, scheduler, GradScaler, loader
-/// position and counters, in the checkpoint format (`save_state`'s, in memory).
+/// A user's own loop: its training state moves as it is (model, optimizer, scheduler,
+/// GradScaler, loader position and counters, in the checkpoint format), and its parts re-split.
 impl LiveState for TrainingState<'_> {
     fn progress(&self) -> u64 {
         self.step
     }
-    fn save(&mut self, world_size: usize) -> Result<Vec<u8>> {
-        state_bytes(self, world_size, false)
-    }
-    fn load(&mut self, bytes: Vec<u8>, rank: usize, size: usize) -> Result<()> {
-        load_state_bytes(self, bytes, (rank, size), true).map(drop)
-    }
-    fn enter_world(&mut self, rank: usize, size: usize) -> Result<()> {
-        if let Some(loader) = self.loader.as_deref_mut() {
-            let position = loader.position();
-            loader
-                .reshard(rank, size, &position)
-                .context("live recovery: resharding the loader")?;
-        }
-        Ok(())
+    fn with_state(
+        &mut self,
+        f: &mut dyn FnMut(&mut TrainingState<'_>) -> Result<()>,
+    ) -> Result<()> {
+        f(self)
     }
 }
 
-/// `state` as the bytes a regroup's source sends; a sharded optimizer's entries stay behind
-/// with `entries_apart` (only its hyperparameters go).
-pub(crate) fn state_bytes(
-    state: &TrainingState<'_>,
-    world_size: usize,
-    entries_apart: bool,
-) -> Result<Vec<u8>> {
-    let value = to_value(state, world_size, entries_apart)?;
+/// The source: becomes `rank` of `size` with its own state (the loader resharded from its own
+/// position).
+fn enter_world(state: &mut TrainingState<'_>, rank: usize, size: usize) -> Result<()> {
+    if let Some(loader) = state.loader.as_deref_mut() {
+        let position = loader.position();
+        loader.reshard(rank, size, &position).context("live recovery: resharding the loader")?;
+    }
+    Ok(())
+}
+
+/// `state`'s replicated part as the bytes a regroup's source sends: a sharded optimizer's
+/// hyperparameters only, any other's state without the entries the parts hold (those move in
+/// the re-split).
+pub(crate) fn state_bytes(state: &TrainingState<'_>, world_size: usize) -> Result<Vec<u8>> {
+    let value = to_value(state, world_size)?;
     tandem_ckpt::to_pt_bytes(&value).context("live recovery: encoding the training state")
 }
 
-/// Loads the source's `bytes` into `state` and moves its loader to `world` (rank, size) from
-/// the source's position; the optimizer only with `optimizer`. Returns the checkpoint read.
+/// Loads the source's `bytes` into `state` but the optimizer (the re-split loads it with the
+/// entries held apart) and moves its loader to `world` (rank, size) from the source's
+/// position. Returns the checkpoint read.
 pub(crate) fn load_state_bytes(
     state: &mut TrainingState<'_>,
     bytes: Vec<u8>,
     world: (usize, usize),
-    optimizer: bool,
 ) -> Result<TrainingCheckpoint> {
     let decoding = "live recovery: decoding the training state";
     let value =
@@ -335,7 +442,7 @@ pub(crate) fn load_state_bytes(
     let ck = TrainingCheckpoint::from_value(&value).context(decoding)?;
     // The loader is moved to the new world from the source's position instead; the GradScaler
     // comes as the source had it (a note about it would be the source's).
-    let what = Restore { model: true, loader: false, optimizer };
+    let what = Restore { model: true, loader: false, optimizer: false };
     apply_checkpoint(state, &ck, std::path::Path::new("<live state>"), what)?;
     if let Some(loader) = state.loader.as_deref_mut() {
         let position = sampler_state_from_value(&ck.sampler)
