@@ -20,8 +20,9 @@
 //! ```
 //!
 //! The [`Trainer`](crate::Trainer) goes through the same calls with its recipe's state
-//! ([`trainer`]: its outer loop and the record that travels with the state), so a loop of your
-//! own keeps ZeRO's shards and a PartialFC head's rows through a regroup exactly as it does.
+//! (`live/trainer.rs`: its outer loop and the record that travels with the state), so a loop
+//! of your own keeps ZeRO's shards and a PartialFC head's rows through a regroup exactly as it
+//! does.
 mod entries;
 mod part;
 mod parts;
