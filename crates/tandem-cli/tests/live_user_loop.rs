@@ -20,12 +20,14 @@ use tandem::data::{
 };
 use tandem::ddp::{Ddp, DdpOptions};
 use tandem::live::{is_peer_failure, LiveTraining, Mirrored};
+use tandem::nn::functional::cross_entropy;
 use tandem::nn::NamedVars;
 use tandem::optim::{AdamWConfig, TorchAdamW, TorchOptimizer, ZeroRedundancyOptimizer};
 use tandem::partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig};
 use tandem::recipes::face::{HeadPart, HEAD_SHARD};
 use tandem::train::checkpoint::{Checkpointer, Saved};
 use tandem::train::events::{Event, Logger};
+use tandem::train::fault;
 use tandem::train::state::OPTIMIZER_SHARD;
 use tandem::train::{Recipe, Reporter, Step, StepReport, Trainer, TrainerOptions, TrainingState};
 use tandem_testutil::harness;
@@ -34,7 +36,8 @@ use tandem_testutil::{output_with_deadline, without_world};
 const ROLE: &str = "LIVE_USER_LOOP_ROLE";
 const SETUP: &str = "LIVE_USER_LOOP_SETUP";
 const OUT: &str = "LIVE_USER_LOOP_OUT";
-/// Member 1 dies after the forward pass of this step (its first start only).
+/// Member 1 dies after the forward pass of this step (its first start only: the project's
+/// test-only fault injection, `tandem_train::fault`).
 const KILL_STEP: u64 = 5;
 const EMBEDDING: usize = 16;
 const CLASSES: usize = 10;
@@ -112,6 +115,8 @@ fn run_job(role: &str, setup: &str, out: &Path) -> String {
         .env(ROLE, role)
         .env(SETUP, setup)
         .env(OUT, out)
+        .env("TANDEM_TEST_FAULT", format!("forward@{KILL_STEP}"))
+        .env("TANDEM_TEST_FAULT_MEMBER", "1")
         .env("TANDEM_TIMEOUT", "10")
         .env("TANDEM_LIVE_ARRIVAL_TIMEOUT", "5");
     let run = output_with_deadline(&mut cmd, Duration::from_secs(180));
@@ -234,10 +239,12 @@ impl Job {
                 let logits = embedding
                     .matmul(&params[2].as_tensor().t()?)?
                     .broadcast_add(params[3].as_tensor())?;
-                candle_nn_free_cross_entropy(&logits, &batch.y)?
+                cross_entropy(&logits, &batch.y)?
             }
         };
-        die_if_due(n);
+        // Member 1 dies here at KILL_STEP (TANDEM_TEST_FAULT, set by the test).
+        fault::set_step(n);
+        fault::hit(fault::Phase::Forward);
         let local: Vec<Var> = self.head.iter().map(|h| h.head.weight().clone()).collect();
         let ddp = &self.ddp;
         let backward = |l: &Tensor| ddp.backward_with_local(l, &local);
@@ -254,27 +261,6 @@ impl Job {
             Some(head) => state.part(head),
             None => state,
         }
-    }
-}
-
-/// Mean cross-entropy of `logits` against class indices `y` (candle-nn is not a dependency).
-fn candle_nn_free_cross_entropy(logits: &Tensor, y: &Tensor) -> Result<Tensor> {
-    let max = logits.max_keepdim(1)?;
-    let shifted = logits.broadcast_sub(&max)?;
-    let log_sum = shifted.exp()?.sum_keepdim(1)?.log()?;
-    let log_probs = shifted.broadcast_sub(&log_sum)?;
-    let y = y.to_dtype(DType::U32)?.unsqueeze(1)?;
-    let picked = log_probs.gather(&y, 1)?;
-    Ok(picked.neg()?.mean_all()?)
-}
-
-/// Member 1's first process dies here at step [`KILL_STEP`] (as the OOM killer would).
-fn die_if_due(n: u64) {
-    let member1 = std::env::var("RANK").as_deref() == Ok("1");
-    let replacement = std::env::var_os(tandem::comm::live::LIVE_REPLACEMENT_VAR).is_some();
-    if n == KILL_STEP && member1 && !replacement {
-        // SAFETY: kill(2) on this process's own pid with a valid signal number.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
     }
 }
 

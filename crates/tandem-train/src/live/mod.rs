@@ -321,17 +321,27 @@ impl LiveTraining {
     }
 }
 
-/// Appends `value` to a regroup's `bytes` as TOML (which, unlike JSON, keeps a NaN loss), its
-/// length after it.
+/// `value` as TOML (which, unlike JSON, keeps a NaN loss): what travels beside the state.
+pub(crate) fn encode_record(value: &impl serde::Serialize, what: &str) -> Result<Vec<u8>> {
+    let text = toml::to_string(value)
+        .map_err(|e| TrainError::Invalid(format!("live recovery: {what}: {e}")))?;
+    Ok(text.into_bytes())
+}
+
+/// The value [`encode_record`] wrote.
+pub(crate) fn decode_record<T: serde::de::DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T> {
+    let bad = |why: String| TrainError::Invalid(format!("live recovery: {what}: {why}"));
+    let text = std::str::from_utf8(bytes).map_err(|e| bad(e.to_string()))?;
+    toml::from_str(text).map_err(|e| bad(e.to_string()))
+}
+
+/// Appends `value` to a regroup's `bytes` as a record ([`encode_record`]), its length after it.
 pub(crate) fn push_record(
     bytes: &mut Vec<u8>,
     value: &impl serde::Serialize,
     what: &str,
 ) -> Result<()> {
-    let text = toml::to_string(value)
-        .map_err(|e| TrainError::Invalid(format!("live recovery: {what}: {e}")))?;
-    bytes.extend_from_slice(text.as_bytes());
-    bytes.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    push_bytes(bytes, &encode_record(value, what)?);
     Ok(())
 }
 
@@ -340,17 +350,7 @@ pub(crate) fn pop_record<T: serde::de::DeserializeOwned>(
     bytes: &mut Vec<u8>,
     what: &str,
 ) -> Result<T> {
-    let bad = |why: String| TrainError::Invalid(format!("live recovery: {what}: {why}"));
-    let at = bytes.len().checked_sub(8).ok_or_else(|| bad("missing".into()))?;
-    let len = u64::from_le_bytes(bytes[at..].try_into().expect("8 bytes"));
-    let start = usize::try_from(len)
-        .ok()
-        .and_then(|n| at.checked_sub(n))
-        .ok_or_else(|| bad(format!("{len} bytes announced, {at} there")))?;
-    let text = std::str::from_utf8(&bytes[start..at]).map_err(|e| bad(e.to_string()))?;
-    let value = toml::from_str(text).map_err(|e| bad(e.to_string()))?;
-    bytes.truncate(start);
-    Ok(value)
+    decode_record(&pop_bytes(bytes, what)?, what)
 }
 
 /// Appends `extra` to a regroup's `bytes`, its length after it.
@@ -368,8 +368,8 @@ fn pop_bytes(bytes: &mut Vec<u8>, what: &str) -> Result<Vec<u8>> {
         .ok()
         .and_then(|n| at.checked_sub(n))
         .ok_or_else(|| bad(format!("{len} bytes announced, {at} there")))?;
-    let extra = bytes[start..at].to_vec();
-    bytes.truncate(start);
+    let mut extra = bytes.split_off(start);
+    extra.truncate(at - start);
     Ok(extra)
 }
 

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use crate::error::{Context, Result, TrainError};
 use crate::events::{Event, Regroup};
 use crate::fault;
-use crate::live::{pop_record, push_record, LiveState, LiveTraining, WorldChange};
+use crate::live::{decode_record, encode_record, LiveState, LiveTraining, WorldChange};
 use crate::metrics::VerificationMetrics;
 use crate::schedule;
 use crate::state::{LoaderPosition, TrainingState};
@@ -173,13 +173,11 @@ impl<R: Recipe> LiveState for Trainer<R> {
 
     fn record(&mut self) -> Result<Vec<u8>> {
         fault::hit(fault::Phase::Send);
-        let mut bytes = Vec::new();
-        push_record(&mut bytes, &LoopRecord::of(self), "the loop's record")?;
-        Ok(bytes)
+        encode_record(&LoopRecord::of(self), "the loop's record")
     }
 
-    fn take_record(&mut self, mut record: Vec<u8>) -> Result<()> {
-        let record: LoopRecord = pop_record(&mut record, "the loop's record")?;
+    fn take_record(&mut self, record: Vec<u8>) -> Result<()> {
+        let record: LoopRecord = decode_record(&record, "the loop's record")?;
         record.apply(self);
         Ok(())
     }
@@ -249,6 +247,7 @@ impl LoopRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::live::{pop_record, push_record};
 
     #[test]
     fn the_loop_record_travels_behind_the_state_with_a_nan_loss() {
