@@ -16,7 +16,7 @@ use tandem::nn::{OrderedVarMap, ParamModule};
 use tandem::optim::{GradScaler, GradScalerConfig, SgdConfig, TorchOptimizer, TorchSgd};
 use tandem::partial_fc::{CombinedMarginLoss, PartialFc, PartialFcConfig};
 use tandem::recipes::face::{HeadPart, BUFFERS_SHARD};
-use tandem::recipes::verification;
+use tandem::recipes::face_eval::verification;
 use tandem::train::{load_state, save_state, RankBuffers, TrainingState};
 use tandem::train::{LrSchedule, RunLength, Step, Warmup};
 

@@ -7,6 +7,7 @@ use libfuzzer_sys::fuzz_target;
 use tandem_train::checkpoint::{Saved, ShardSlice, MANIFEST};
 
 fuzz_target!(|data: &[u8]| {
+    tandem_recipes::face::register_checkpoint_formats();
     let dir = tempfile::tempdir().expect("a scratch directory");
     std::fs::write(dir.path().join(MANIFEST), data).expect("writing the input");
     if let Ok(saved) = Saved::open(dir.path()) {

@@ -14,7 +14,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use tandem::train::events::{Regroup, Resplit};
+use tandem::recipes::face::HEAD_ROWS;
+use tandem::train::events::Regroup;
 use tandem::train::metrics::{read_metrics, MetricsRecord};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -241,7 +242,7 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
         })
         .collect();
     for g in &regroups {
-        if let Some(Resplit::HeadRows(c)) = g.resplit {
+        if let Some(c) = g.resplit.as_ref().filter(|r| r.part == HEAD_ROWS).map(|r| r.counts) {
             result.from_mirror += c.from_mirror;
             result.reloaded += c.reloaded;
             result.row_steps_lost += c.stale_steps;

@@ -9,7 +9,7 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use tandem::launch::{LaunchConfig, NprocPerNode, StreamSpec, Streams};
+use tandem::launch::{EventSink, LaunchConfig, NprocPerNode, StreamSpec, Streams};
 
 /// Runs `nproc` ranks of this executable with `args` as job `job` on this host, `env` on top of
 /// the launcher's variables, and returns what rank 0 printed. Past `deadline` the ranks are
@@ -33,6 +33,7 @@ pub fn run_ranks<S: AsRef<OsStr>>(
     // A library call inside a program: the program keeps its own signal handling.
     lc.forward_signals = false;
     lc.deadline = Some(deadline);
+    lc.on_event = EventSink::new(|e| eprintln!("{e}"));
     lc.extra_env.push(("TANDEM_INIT_TIMEOUT".into(), "60".into()));
     lc.extra_env.extend(env.iter().map(|(k, v)| (k.into(), v.into())));
     let outcome =

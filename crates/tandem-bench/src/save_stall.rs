@@ -194,7 +194,7 @@ fn face_once(mode: Mode, args: &Args, dir: &std::path::Path) -> anyhow::Result<(
         .with_context(|| format!("no run summary in {}", metrics.display()))?;
     let t =
         summary.step_times.with_context(|| format!("no step times in {}", metrics.display()))?;
-    let step = (t.data + t.forward + t.head + t.backward + t.optimizer) / t.steps.max(1) as f64;
+    let step = t.total() / t.steps.max(1) as f64;
     Ok((t.save / t.saves.max(1) as f64, step))
 }
 

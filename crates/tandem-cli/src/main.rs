@@ -59,6 +59,8 @@ fn main() {
     // Kernels' parallel loops run in place on this thread instead of being handed to a pool
     // thread one op at a time (see tandem::nn::join_compute_pool).
     tandem::nn::join_compute_pool();
+    // `tandem ckpt` and `tandem train` read the face recipe's earlier checkpoints too.
+    tandem::recipes::face::register_checkpoint_formats();
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if matches!(cli.command, Command::Ckpt(_) | Command::Sampler(_)) {

@@ -492,6 +492,7 @@ fn sigterm_and_sigint_to_the_launcher_reach_every_worker() {
     for (sig, name, code) in [(libc::SIGTERM, "term", 143), (libc::SIGINT, "int", 130)] {
         let dir = tempfile::tempdir().unwrap();
         let mut child = start_signal_job(dir.path(), 3);
+        // SAFETY: kill(2) on our own child.
         unsafe { libc::kill(child.id() as i32, sig) };
         let status = wait_with_deadline(&mut child, Duration::from_secs(20))
             .expect("launcher exits after a signal");

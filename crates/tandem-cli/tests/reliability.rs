@@ -170,8 +170,8 @@ fn lone_survivor_trial(
         (0..2).map(|r| Some(rank(id, r, 2, "127.0.0.1", port, &[], &args))).collect();
     std::thread::sleep(delay);
     let victim_proc = ranks[victim as usize].take().ok_or("no victim")?;
-    // SAFETY: kill(2) on our own child.
     let victim_pid = victim_proc.pid();
+    // SAFETY: kill(2) on our own child.
     let landed = unsafe { libc::kill(victim_pid, signal) } == 0;
     let sent_at = Instant::now();
     // Reap the victim at once, as a shell or launcher would: the shm transport tells a dead peer
@@ -587,6 +587,7 @@ fn free_bytes(p: &Path) -> Option<u64> {
     let c = std::ffi::CString::new(s(p)).ok()?;
     // SAFETY: statvfs fills the zeroed struct we pass; the path is a valid C string.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above: `c` is a valid C string and `st` a writable statvfs.
     (unsafe { libc::statvfs(c.as_ptr(), &mut st) } == 0)
         .then(|| st.f_bavail as u64 * st.f_frsize as u64)
 }

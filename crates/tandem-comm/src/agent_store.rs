@@ -23,7 +23,7 @@ pub(crate) fn join_generation(
     let arrival = per_world.add("arrivals", 1)?;
     let generation = (arrival - 1).max(0) / world_size as i64;
     let scoped = per_world.with_prefix(&format!("g{generation}"));
-    let me = format!("pid {} on {}", std::process::id(), crate::rendezvous::hostname());
+    let me = format!("pid {} on {}", std::process::id(), crate::net::hostname());
     let slot = format!("claim/{rank}");
     let owner = scoped.compare_set(&slot, b"", me.as_bytes())?;
     if owner != me.as_bytes() {

@@ -9,7 +9,7 @@
 use crate::auth::JobSecret;
 use crate::env::InitOptions;
 use crate::error::CommError;
-use crate::rendezvous::host_port;
+use crate::net::host_port;
 use crate::store::{Store, StoreServer};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;

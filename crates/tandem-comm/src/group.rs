@@ -4,7 +4,7 @@
 //! operation, its sequence number and the peer rank. After a failure the group is broken:
 //! later calls fail at once instead of running on desynchronised streams.
 use crate::collectives::{Ctx, ReduceFn, Reduction};
-use crate::element::{reduce_bytes, Element, ReduceOp, WireType};
+use crate::element::{reduce_bytes, Element, ReduceOp};
 use crate::env::InitOptions;
 use crate::error::CommError;
 use crate::order::{CallOrder, Ticket};
@@ -13,6 +13,10 @@ use crate::transport::{FailKind, PeerError, Recv, Transport, TransportKind};
 
 mod all_to_all;
 mod async_ops;
+pub(crate) mod build;
+mod bytes;
+mod desync;
+pub(crate) mod hierarchy;
 mod monitored;
 mod objects;
 mod p2p;
@@ -21,6 +25,8 @@ mod self_check;
 mod subgroups;
 
 use crate::work::Work;
+use bytes::alloc_announced;
+use desync::{desync_check, op_code, Call};
 pub use p2p::{P2PKind, P2POp};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -57,7 +63,7 @@ pub(crate) struct Inner {
     /// Host index (by first appearance) of every group rank.
     pub hosts: Vec<usize>,
     /// Sub-groups for the hierarchical all-reduce, once set up (multi-host groups only).
-    pub hierarchy: std::sync::OnceLock<crate::hierarchy::Hierarchy>,
+    pub hierarchy: std::sync::OnceLock<hierarchy::Hierarchy>,
     /// Issue order of this rank's calls; `state` is locked only by the call whose turn it is.
     pub order: Arc<CallOrder>,
     pub state: Mutex<State>,
@@ -88,84 +94,6 @@ impl Transport for NoPeers {
         Err(PeerError { peer, kind: FailKind::Io("a group of one rank has no peers".into()) })
     }
     fn abort(&mut self) {}
-}
-
-/// What a rank is calling, as compared across ranks by the desync check.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Call {
-    op: &'static str,
-    dtype: Option<WireType>,
-    count: u64,
-    /// Root, peer, or reduce operator code, depending on the op.
-    arg: u64,
-}
-
-const OPS: [&str; 17] = [
-    "all_reduce",
-    "broadcast",
-    "all_gather",
-    "reduce_scatter",
-    "gather",
-    "scatter",
-    "barrier",
-    "broadcast_bytes",
-    "all_gather_bytes",
-    "send",
-    "recv",
-    "reduce",
-    "all_to_all",
-    "all_gather_list",
-    "gather_bytes",
-    "scatter_bytes",
-    "unknown",
-];
-
-impl Call {
-    fn new(op: &'static str, dtype: Option<WireType>, count: usize, arg: u64) -> Call {
-        Call { op, dtype, count: count as u64, arg }
-    }
-    fn encode(&self, seq: u64) -> [u8; 32] {
-        let mut b = [0u8; 32];
-        b[0..8].copy_from_slice(&seq.to_le_bytes());
-        b[8] = OPS.iter().position(|o| *o == self.op).unwrap_or(OPS.len() - 1) as u8;
-        b[9] = self.dtype.map_or(255, |d| d.code());
-        b[16..24].copy_from_slice(&self.count.to_le_bytes());
-        b[24..32].copy_from_slice(&self.arg.to_le_bytes());
-        b
-    }
-    fn describe(b: &[u8]) -> String {
-        let u = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().unwrap_or([0; 8]));
-        let op = OPS.get(b[8] as usize).copied().unwrap_or("unknown");
-        let dtype = WireType::from_code(b[9]).map_or("bytes", |d| d.name());
-        let arg = u(24..32);
-        let arg = match op {
-            "all_reduce" | "reduce_scatter" => format!(", {}", op_name(arg)),
-            "reduce" => format!(", {}, root {}", op_name(arg & 0xff), arg >> 8),
-            "broadcast" | "gather" | "scatter" | "broadcast_bytes" | "gather_bytes"
-            | "scatter_bytes" => format!(", root {arg}"),
-            "send" => format!(", to {arg}"),
-            "recv" => format!(", from {arg}"),
-            _ => String::new(),
-        };
-        format!("{op}(#{}, {dtype}, {} elements{arg})", u(0..8), u(16..24))
-    }
-}
-
-fn op_name(code: u64) -> &'static str {
-    ReduceOp::ALL.get(code as usize).map_or("?", |o| o.name())
-}
-
-fn op_code(op: ReduceOp) -> u64 {
-    match op {
-        ReduceOp::Sum => 0,
-        ReduceOp::Avg => 1,
-        ReduceOp::Max => 2,
-        ReduceOp::Min => 3,
-        ReduceOp::Product => 4,
-        ReduceOp::BitAnd => 5,
-        ReduceOp::BitOr => 6,
-        ReduceOp::BitXor => 7,
-    }
 }
 
 /// Bitwise reductions take integers only (PyTorch's gloo refuses floats too).
@@ -430,7 +358,7 @@ impl ProcessGroup {
     ) -> Result<(), CommError> {
         check_op::<T>("all_reduce", op)?;
         if let Some(h) = self.inner.hierarchy.get() {
-            if std::mem::size_of_val(buf) >= crate::hierarchy::MIN_BYTES {
+            if std::mem::size_of_val(buf) >= hierarchy::MIN_BYTES {
                 let turn = ticket.wait("all_reduce", self.timeout())?;
                 if let Some(first) = self.inner.order.broken() {
                     return Err(CommError::Broken { op: "all_reduce", seq: 0, first });
@@ -668,85 +596,12 @@ impl ProcessGroup {
         self.collective(ticket, Call::new("barrier", None, 0, 0), |c| c.barrier())
     }
 
-    /// Copies root's bytes (any length this host's memory can hold) to every rank; other ranks'
-    /// `data` is replaced.
-    pub fn broadcast_bytes(&self, data: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
-        self.broadcast_bytes_at_most(data, root, usize::MAX)
-    }
-
-    /// [`ProcessGroup::broadcast_bytes`] where the caller knows the most root can send: a
-    /// larger announced length is refused before anything is allocated.
-    pub fn broadcast_bytes_at_most(
-        &self,
-        data: &mut Vec<u8>,
-        root: usize,
-        max_len: usize,
-    ) -> Result<(), CommError> {
-        check_root("broadcast_bytes", root, self.size())?;
-        let len = if self.rank() == root { data.len() } else { 0 };
-        let call = Call::new("broadcast_bytes", None, 0, root as u64);
-        self.collective(self.ticket(), call, |c| {
-            let mut len_buf = (len as u64).to_le_bytes();
-            c.broadcast(&mut len_buf, root)?;
-            let len = u64::from_le_bytes(len_buf);
-            if c.rank != root {
-                data.clear();
-                alloc_announced(data, len, root, max_len as u64)?;
-                data.resize(len as usize, 0);
-            }
-            c.broadcast(data, root)
-        })
-    }
-
-    /// Every rank's bytes (any length per rank this host's memory can hold), indexed by rank.
-    pub fn all_gather_bytes(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        self.all_gather_bytes_at_most(data, usize::MAX)
-    }
-
-    /// [`ProcessGroup::all_gather_bytes`] where the caller knows the most any rank can send: a
-    /// larger announced length is refused before anything is allocated.
-    pub fn all_gather_bytes_at_most(
-        &self,
-        data: &[u8],
-        max_per_rank: usize,
-    ) -> Result<Vec<Vec<u8>>, CommError> {
-        let n = self.size();
-        let call = Call::new("all_gather_bytes", None, 0, 0);
-        let rank = self.rank();
-        self.collective(self.ticket(), call, |c| {
-            let mut lens = vec![0u8; 8 * n];
-            lens[8 * rank..8 * rank + 8].copy_from_slice(&(data.len() as u64).to_le_bytes());
-            let bounds: Vec<_> = (0..n).map(|r| 8 * r..8 * r + 8).collect();
-            c.all_gather_blocks(&mut lens, &bounds)?;
-            let lens: Vec<usize> = lens
-                .chunks_exact(8)
-                .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize)
-                .collect();
-            let mut offs = vec![0usize; n + 1];
-            for r in 0..n {
-                offs[r + 1] = offs[r].saturating_add(lens[r]);
-            }
-            let mut all = Vec::new();
-            let total = lens.iter().fold(0u64, |a, &l| a.saturating_add(l as u64));
-            let biggest = (0..n).max_by_key(|&r| lens[r]).unwrap_or(0);
-            if lens[biggest] > max_per_rank {
-                alloc_announced(&mut all, lens[biggest] as u64, biggest, max_per_rank as u64)?;
-            }
-            alloc_announced(&mut all, total, biggest, u64::MAX)?;
-            all.resize(offs[n], 0);
-            all[offs[rank]..offs[rank + 1]].copy_from_slice(data);
-            let bounds: Vec<_> = (0..n).map(|r| offs[r]..offs[r + 1]).collect();
-            c.all_gather_blocks(&mut all, &bounds)?;
-            Ok(bounds.into_iter().map(|b| all[b].to_vec()).collect())
-        })
-    }
-
     /// Host index of every rank (by first appearance), as the rendezvous found them.
     pub(crate) fn host_indices(&self) -> &[usize] {
         &self.inner.hosts
     }
 
-    pub(crate) fn set_hierarchy(&self, h: crate::hierarchy::Hierarchy) {
+    pub(crate) fn set_hierarchy(&self, h: hierarchy::Hierarchy) {
         let _ = self.inner.hierarchy.set(h);
     }
 
@@ -785,7 +640,7 @@ impl ProcessGroup {
         let world_ranks: Vec<usize> = ranks.iter().map(|&r| self.inner.world_ranks[r]).collect();
         let mut opts = self.inner.opts.clone();
         opts.timeout = self.timeout();
-        crate::rendezvous::build_group(
+        build::build_group(
             self.inner.store.clone(),
             None,
             &name,
@@ -797,51 +652,4 @@ impl ProcessGroup {
         )
         .map(Some)
     }
-}
-
-/// Reserves room for a length a peer announced; an absurd length (a peer in another collective
-/// without TANDEM_DEBUG=detail) is an error instead of an allocation failure.
-/// Reserves `len` bytes a peer announced, after checking them against the caller's `limit` and
-/// the memory this host has available: with overcommit an allocation of any size "succeeds" and
-/// the OOM killer comes later, so the size is checked before, not by the allocator.
-fn alloc_announced(v: &mut Vec<u8>, len: u64, peer: usize, limit: u64) -> Result<(), PeerError> {
-    let fail = |why: String| PeerError {
-        peer,
-        kind: FailKind::Io(format!(
-            "announced {len} bytes, {why} (ranks calling different collectives? run with \
-             TANDEM_DEBUG=detail)"
-        )),
-    };
-    if len > limit {
-        return Err(fail(format!("more than the {limit} this operation can need")));
-    }
-    // Small lengths cannot exhaust a host: /proc/meminfo is read only for large ones.
-    let available = (len > 1 << 26).then(crate::procfs::mem_available).flatten();
-    if let Some(available) = available.filter(|&a| len > a) {
-        return Err(fail(format!("more than the {available} bytes of memory available")));
-    }
-    let len = usize::try_from(len).map_err(|_| fail("more than this host can address".into()))?;
-    v.try_reserve_exact(len).map_err(|_| fail("which cannot be allocated".into()))
-}
-
-/// All ranks exchange (sequence, op, dtype, count, arg); any difference names both ranks.
-fn desync_check(ctx: &mut Ctx<'_>, mine: &[u8; 32]) -> Result<(), PeerError> {
-    let n = ctx.size;
-    let mut all = vec![0u8; 32 * n];
-    all[32 * ctx.rank..32 * ctx.rank + 32].copy_from_slice(mine);
-    let bounds: Vec<_> = (0..n).map(|r| 32 * r..32 * r + 32).collect();
-    ctx.all_gather_blocks(&mut all, &bounds)?;
-    let first = &all[0..32];
-    if let Some(b) = (1..n).find(|&r| &all[32 * r..32 * r + 32] != first) {
-        return Err(PeerError {
-            peer: b,
-            kind: FailKind::Desync {
-                rank_a: 0,
-                call_a: Call::describe(first),
-                rank_b: b,
-                call_b: Call::describe(&all[32 * b..32 * b + 32]),
-            },
-        });
-    }
-    Ok(())
 }

@@ -12,6 +12,7 @@
 mod agent_store;
 pub mod auth;
 mod collectives;
+mod diagnostics;
 mod dyn_collectives;
 mod element;
 mod env;
@@ -19,7 +20,6 @@ mod error;
 mod file_init;
 mod frame;
 mod group;
-mod hierarchy;
 pub mod live;
 mod mesh;
 #[cfg(feature = "nccl")]
@@ -35,6 +35,7 @@ mod transport;
 mod work;
 
 pub use auth::JobSecret;
+pub use diagnostics::debug_line;
 pub use dyn_collectives::{Collectives, CommSource, LocalGroup, SingleProcess};
 pub use element::{Element, ReduceOp, WireType};
 pub use env::{debug_level, job_id_from_env, DebugLevel, InitMethod, InitOptions};
@@ -43,7 +44,8 @@ pub use frame::MAX_FRAME;
 pub use group::{P2PKind, P2POp, ProcessGroup};
 pub use live::{LiveGroup, LiveOptions};
 pub use mesh::DeviceMesh;
-pub use rendezvous::{host_port, init_with};
+pub use net::host_port;
+pub use rendezvous::init_with;
 #[doc(hidden)]
 pub use store::fuzz_store_session;
 pub use store::{Store, StoreServer, StoreWire, HANDSHAKE_LIMIT, SERVER_ID_KEY};

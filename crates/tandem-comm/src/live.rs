@@ -275,7 +275,7 @@ impl std::fmt::Debug for LiveGroup {
 
 /// (Re)writes `member`'s alive key, owned by this process's store connection, with its `role`.
 fn announce_alive(store: &Store, member: usize, role: &str) -> Result<(), CommError> {
-    let me = format!("{role} pid {} on {}", std::process::id(), crate::rendezvous::hostname());
+    let me = format!("{role} pid {} on {}", std::process::id(), crate::net::hostname());
     store.set_owned(&format!("alive/{member}"), me.as_bytes())
 }
 
@@ -649,7 +649,7 @@ fn connect(
     init.init_timeout = init.init_timeout.min(opts.arrival_timeout.max(Duration::from_secs(5)));
     let scoped = store.with_prefix(&format!("g{target}/pg"));
     let name = format!("live{target}");
-    let group = crate::rendezvous::build_group(
+    let group = crate::group::build::build_group(
         Some(scoped),
         None,
         &name,
@@ -660,7 +660,7 @@ fn connect(
         (None, None),
     )?;
     if group.size() > 1 && init.transport != Some(crate::TransportKind::Mpi) {
-        crate::hierarchy::setup(&group, init.hierarchical)?;
+        crate::group::hierarchy::setup(&group, init.hierarchical)?;
     }
     Ok(group)
 }

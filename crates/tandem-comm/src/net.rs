@@ -1,6 +1,7 @@
-//! Which local address a rank uses: the interface TANDEM_SOCKET_IFNAME (or gloo's
-//! GLOO_SOCKET_IFNAME) names, for hosts with several networks; otherwise the caller's default
-//! (the address this host reaches the store from, or for a `file://` rank 0, its hostname's).
+//! This host on the network: its name, `host:port` spelling, and which local address a rank
+//! uses: the interface TANDEM_SOCKET_IFNAME (or gloo's GLOO_SOCKET_IFNAME) names, for hosts
+//! with several networks; otherwise the caller's default (the address this host reaches the
+//! store from, or for a `file://` rank 0, its hostname's).
 use crate::error::CommError;
 use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs};
 
@@ -26,7 +27,7 @@ pub(crate) fn interface_ip(name: &str) -> Result<IpAddr, CommError> {
         name,
         format!(
             "host {} has no interface {name:?} with an address (it has {})",
-            crate::rendezvous::hostname(),
+            hostname(),
             names.join(", ")
         ),
     ))
@@ -39,7 +40,7 @@ pub(crate) fn advertised_ip(ifname: Option<&str>) -> Result<IpAddr, CommError> {
     if let Some(name) = ifname {
         return interface_ip(name);
     }
-    let resolved = (crate::rendezvous::hostname().as_str(), 0)
+    let resolved = (hostname().as_str(), 0)
         .to_socket_addrs()
         .map(|addrs| addrs.map(|a| a.ip()).filter(|ip| !ip.is_loopback()).collect::<Vec<_>>())
         .unwrap_or_default();
@@ -49,6 +50,28 @@ pub(crate) fn advertised_ip(ifname: Option<&str>) -> Result<IpAddr, CommError> {
         .or(resolved.first())
         .copied()
         .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)))
+}
+
+/// This machine's hostname ("unknown-host" when it cannot be read).
+pub(crate) fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) };
+    if rc == 0 {
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        String::from_utf8_lossy(&buf[..end]).to_string()
+    } else {
+        "unknown-host".to_string()
+    }
+}
+
+/// `host:port`, with an IPv6 host in brackets.
+pub fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
 }
 
 #[cfg(test)]

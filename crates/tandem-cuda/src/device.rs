@@ -86,15 +86,17 @@ pub(crate) fn write<'a>(
 
 /// A fresh storage of `len` elements, its contents undefined: the kernel writes them all.
 pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaStorage> {
-    // SAFETY (each arm): the caller's kernel writes every element before anything reads it.
-    let slice = match dtype {
-        DType::F32 => CudaStorageSlice::F32(unsafe { dev.alloc::<f32>(len) }?),
-        DType::F16 => CudaStorageSlice::F16(unsafe { dev.alloc::<half::f16>(len) }?),
-        DType::BF16 => CudaStorageSlice::BF16(unsafe { dev.alloc::<half::bf16>(len) }?),
-        DType::F64 => CudaStorageSlice::F64(unsafe { dev.alloc::<f64>(len) }?),
-        DType::I32 => CudaStorageSlice::I32(unsafe { dev.alloc::<i32>(len) }?),
-        DType::U8 => CudaStorageSlice::U8(unsafe { dev.alloc::<u8>(len) }?),
-        other => candle_core::bail!("tandem-cuda: no fresh storage of {other:?}"),
+    // SAFETY: the caller's kernel writes every element before anything reads it.
+    let slice = unsafe {
+        match dtype {
+            DType::F32 => CudaStorageSlice::F32(dev.alloc::<f32>(len)?),
+            DType::F16 => CudaStorageSlice::F16(dev.alloc::<half::f16>(len)?),
+            DType::BF16 => CudaStorageSlice::BF16(dev.alloc::<half::bf16>(len)?),
+            DType::F64 => CudaStorageSlice::F64(dev.alloc::<f64>(len)?),
+            DType::I32 => CudaStorageSlice::I32(dev.alloc::<i32>(len)?),
+            DType::U8 => CudaStorageSlice::U8(dev.alloc::<u8>(len)?),
+            other => candle_core::bail!("tandem-cuda: no fresh storage of {other:?}"),
+        }
     };
     Ok(CudaStorage { slice, device: dev.clone() })
 }

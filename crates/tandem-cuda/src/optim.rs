@@ -14,11 +14,13 @@ use crate::Result;
 /// An operand updated in place.
 pub type Target<'a> = (&'a mut CudaStorage, &'a Layout);
 
-/// torch.optim.SGD's constants for one step (kernels/optim.cu's `SgdRule`).
 use crate::{AdamRule, SgdRule};
 
+// SAFETY: `#[repr(C)]` plain old data (floats and integers), laid out as kernels/optim.cu's
+// `SgdRule`, which the kernels read by value.
 unsafe impl DeviceRepr for SgdRule {}
 
+// SAFETY: as above, for kernels/optim.cu's `AdamRule`.
 unsafe impl DeviceRepr for AdamRule {}
 
 fn f32_operand<'a>(

@@ -9,6 +9,7 @@ use std::time::Duration;
 use tandem_comm::auth::{JobSecret, SECRET_VAR};
 
 use crate::error::LaunchError;
+use crate::events::EventSink;
 
 /// How many worker processes to start on this node (`--nproc-per-node`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -280,6 +281,9 @@ pub struct LaunchConfig {
     /// as `timeout(1)`'s. For a program that must not hang on a stuck world (a benchmark).
     /// Not with live recovery.
     pub deadline: Option<Duration>,
+    /// Where the launch's events go (restarts, lost ranks, the failure summary); by default
+    /// to `tracing`. The `tandem` binary writes them to stderr.
+    pub on_event: EventSink,
 }
 
 impl LaunchConfig {
@@ -316,6 +320,7 @@ impl LaunchConfig {
             secret: None,
             insecure: false,
             deadline: None,
+            on_event: EventSink::default(),
         }
     }
 

@@ -12,6 +12,7 @@
 mod config;
 mod env;
 mod error;
+mod events;
 mod live;
 mod nodes;
 mod outcome;
@@ -28,6 +29,7 @@ pub use config::{
 };
 pub use env::{threads_per_worker, JobShape, THREAD_VARS};
 pub use error::LaunchError;
+pub use events::{EventSink, LaunchEvent};
 pub use outcome::{LaunchOutcome, WorkerExit, WorkerFailure};
 pub use port::pick_master_port;
 pub use supervisor::launch;

@@ -14,6 +14,7 @@ use tandem_comm::{host_port, StoreServer};
 use crate::config::{available_cores, LaunchConfig};
 use crate::env::JobShape;
 use crate::error::LaunchError;
+use crate::events::LaunchEvent;
 use crate::outcome::{LaunchOutcome, WorkerExit, WorkerFailure};
 use crate::reaper::GroupReaper;
 use crate::signals::SignalWatch;
@@ -173,19 +174,16 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
                 stderr_tail: slot.worker.stderr_lines(),
             };
             if job_over {
-                eprintln!(
-                    "[launcher] rank {} failed ({exit}) after the job finished on the other \
-                     ranks; not started again",
-                    failure.rank
-                );
+                cfg.on_event.emit(LaunchEvent::FailedAfterFinish { rank: failure.rank, exit });
                 slot.lost = Some(failure);
             } else if restarts < cfg.max_restarts {
                 restarts += 1;
-                eprintln!(
-                    "[launcher] rank {} failed ({exit}); starting it again, to join the running \
-                     job (restart {restarts} of {}; the other ranks go on)",
-                    failure.rank, cfg.max_restarts
-                );
+                cfg.on_event.emit(LaunchEvent::Rejoining {
+                    rank: failure.rank,
+                    exit,
+                    restart: restarts,
+                    max_restarts: cfg.max_restarts,
+                });
                 let w = spawn(i as u32, true, restarts)?;
                 if let Some(r) = &mut reaper {
                     r.watch_group(w.pgid);
@@ -193,22 +191,22 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
                 let mut old = std::mem::replace(&mut slot.worker, w);
                 old.join_output();
             } else {
-                eprintln!(
-                    "[launcher] rank {} failed ({exit}); no restarts left (--max-restarts {}): \
-                     the job goes on without it",
-                    failure.rank, cfg.max_restarts
-                );
+                cfg.on_event.emit(LaunchEvent::GoingOnWithout {
+                    rank: failure.rank,
+                    exit,
+                    max_restarts: cfg.max_restarts,
+                });
                 slot.lost = Some(failure);
             }
         }
         let running = slots.iter().filter(|s| !s.done && s.lost.is_none()).count();
         let lost = slots.iter().filter(|s| s.lost.is_some()).count();
         if running > 0 && (nproc as usize - lost) < min_here as usize {
-            eprintln!(
-                "[launcher] only {} of this node's {nproc} rank(s) are left and \
-                 --min-nproc-per-node is {min_here}: stopping the node",
-                nproc as usize - lost
-            );
+            cfg.on_event.emit(LaunchEvent::NodeBelowMinimum {
+                left: nproc as usize - lost,
+                nproc,
+                min: min_here,
+            });
             let failures: Vec<WorkerFailure> =
                 slots.iter().filter_map(|s| s.lost.clone()).collect();
             stop_slots(slots, Signal::SIGTERM, cfg, &signals);
@@ -222,11 +220,11 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
             stop_slots(slots, Signal::SIGTERM, cfg, &signals);
             if finished > 0 {
                 if !failures.is_empty() || restarts > 0 {
-                    let ranks: Vec<u32> = failures.iter().map(|f| f.rank).collect();
-                    eprintln!(
-                        "[launcher] live recovery: the job finished on {finished} rank(s) of this \
-                         node; {restarts} replacement(s) started, rank(s) {ranks:?} lost for good"
-                    );
+                    cfg.on_event.emit(LaunchEvent::FinishedWithLosses {
+                        finished,
+                        replacements: restarts,
+                        lost: failures.iter().map(|f| f.rank).collect(),
+                    });
                 }
                 return Ok(outcome(0, failures, None, restarts));
             }
@@ -236,7 +234,8 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
                 None,
                 restarts,
             );
-            eprint!("{}", o.summary(cfg.max_restarts));
+            let max_restarts = cfg.max_restarts;
+            cfg.on_event.emit(LaunchEvent::Ended { outcome: o.clone(), max_restarts });
             return Ok(o);
         }
         // Until the next check, or sooner: a signal or a worker's exit wakes the pause.

@@ -458,9 +458,9 @@ impl NodeAgent {
 
     /// Tells the other nodes that this round failed here (the first report wins). Best effort,
     /// bounded: a launcher cut off from the host must still end in time.
-    pub fn report_failure(&self, round: &Round, message: &str) {
+    pub fn report_failure(&self, round: &Round, message: &str) -> Result<(), CommError> {
         let pre = format!("r{}", round.index);
-        let r = self.store.add_within(&format!("{pre}/failed"), 1, REPORT_LIMIT).and_then(|n| {
+        self.store.add_within(&format!("{pre}/failed"), 1, REPORT_LIMIT).and_then(|n| {
             if n == 1 {
                 self.store.set_within(
                     &format!("{pre}/failed/msg"),
@@ -470,10 +470,7 @@ impl NodeAgent {
             } else {
                 Ok(())
             }
-        });
-        if let Err(e) = r {
-            eprintln!("[launcher] could not tell the other nodes that this node failed: {e}");
-        }
+        })
     }
 
     /// The exit barrier after this node's workers all succeeded: wait (up to `limit`) for every

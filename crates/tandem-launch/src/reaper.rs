@@ -35,6 +35,8 @@ impl GroupReaper {
         // returns.
         match unsafe { libc::fork() } {
             -1 => Err(std::io::Error::last_os_error()),
+            // SAFETY: in the forked child, `watch` only makes async-signal-safe calls on the
+            // pipe's read end, which this process owns, and exits without returning.
             0 => unsafe { watch(rx.as_raw_fd()) },
             pid => {
                 drop(rx);

@@ -9,6 +9,7 @@ use nix::unistd::Pid;
 use crate::config::{available_cores, LaunchConfig};
 use crate::env::JobShape;
 use crate::error::LaunchError;
+use crate::events::{EventSink, LaunchEvent};
 use crate::nodes::{Finish, NodeAgent, Remote, Round, RoundWatch};
 use crate::outcome::{LaunchOutcome, WorkerExit, WorkerFailure};
 use crate::port::{mentions_addr_in_use, pick_master_port};
@@ -159,14 +160,15 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         };
         let mut remote = || round_watch.as_ref().and_then(RoundWatch::seen);
         let polls = Polls { interval: cfg.monitor_interval, deadline };
-        let end = match watch(&mut workers, polls, &signals, &mut reaper, &mut remote) {
-            Ok(end) => end,
-            Err(e) => {
-                stop_all(&mut workers, Signal::SIGTERM, cfg.stop_grace, &signals);
-                drain_output(&mut workers);
-                return Err(e);
-            }
-        };
+        let end =
+            match watch(&mut workers, polls, &signals, &mut reaper, &mut remote, &cfg.on_event) {
+                Ok(end) => end,
+                Err(e) => {
+                    stop_all(&mut workers, Signal::SIGTERM, cfg.stop_grace, &signals);
+                    drain_output(&mut workers);
+                    return Err(e);
+                }
+            };
         let stop_with = match end {
             AttemptEnd::Signalled(sig) => Signal::try_from(sig).unwrap_or(Signal::SIGTERM),
             _ => Signal::SIGTERM,
@@ -181,7 +183,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         }
 
         let end = match (&agent, &round, &round_watch) {
-            (Some(a), Some(r), Some(w)) => settle_with_nodes(a, r, w, end, &workers)?,
+            (Some(a), Some(r), Some(w)) => settle_with_nodes(a, r, w, end, &workers, cfg)?,
             _ => end,
         };
         drop(round_watch);
@@ -197,37 +199,32 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         match end {
             AttemptEnd::Succeeded => return Ok(outcome(0, Vec::new(), None)),
             AttemptEnd::PastDeadline => {
-                let limit = cfg.deadline.unwrap_or_default().as_secs_f64();
-                eprintln!(
-                    "[launcher] the job ran past its deadline of {limit:.0} s; stopped its \
-                     {nproc} worker(s)"
-                );
+                let limit = cfg.deadline.unwrap_or_default();
+                cfg.on_event.emit(LaunchEvent::PastDeadline { limit, nproc });
                 return Ok(outcome(124, Vec::new(), None));
             }
             AttemptEnd::Signalled(sig) => {
                 let o = outcome(128 + sig, Vec::new(), Some(sig));
-                eprint!("{}", o.summary(cfg.max_restarts));
+                let max_restarts = cfg.max_restarts;
+                cfg.on_event.emit(LaunchEvent::Ended { outcome: o.clone(), max_restarts });
                 return Ok(o);
             }
             AttemptEnd::Remote(remote) => {
                 let fatal = remote.is_fatal(cfg.min_nnodes.is_some());
                 if !fatal && restart_count < cfg.max_restarts {
                     restart_count += 1;
-                    eprintln!(
-                        "[launcher] {remote}; restarting all {nproc} worker(s) of this node \
-                         with the other nodes (restart {restart_count} of {})",
-                        cfg.max_restarts
-                    );
+                    cfg.on_event.emit(LaunchEvent::RestartingWithNodes {
+                        cause: remote.to_string(),
+                        nproc,
+                        restart: restart_count,
+                        max_restarts: cfg.max_restarts,
+                    });
                     continue;
                 }
-                eprintln!(
-                    "[launcher] the job failed: {remote}; stopped this node's workers{}",
-                    match (&remote, fatal) {
-                        (Remote::NodeLost { .. }, true) =>
-                            " (a fixed --nnodes cannot go on without that node)",
-                        _ => "",
-                    }
-                );
+                cfg.on_event.emit(LaunchEvent::FailedOnNodes {
+                    cause: remote.to_string(),
+                    node_needed: fatal && matches!(remote, Remote::NodeLost { .. }),
+                });
                 return Ok(outcome(1, Vec::new(), None));
             }
             AttemptEnd::Failed(failed) => {
@@ -250,25 +247,26 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
                     port_retries += 1;
                     let old = port;
                     port = new_port_other_than(old)?;
-                    eprintln!(
-                        "[launcher] MASTER_PORT {old} was taken before rank 0 could bind it; \
-                         starting again on port {port} (not counted as a restart)"
-                    );
+                    cfg.on_event.emit(LaunchEvent::PortTaken { old, new: port });
                     continue;
                 }
                 if restart_count < cfg.max_restarts {
                     restart_count += 1;
-                    eprintln!(
-                        "[launcher] rank {} failed ({}); restarting all {nproc} worker(s) (restart {restart_count} of {})",
-                        root.rank, root.exit, cfg.max_restarts
-                    );
+                    cfg.on_event.emit(LaunchEvent::Restarting {
+                        rank: root.rank,
+                        exit: root.exit,
+                        nproc,
+                        restart: restart_count,
+                        max_restarts: cfg.max_restarts,
+                    });
                     if cfg.master_port.is_none() {
                         port = new_port_other_than(port)?;
                     }
                     continue;
                 }
                 let o = outcome(root.exit.launcher_exit_code(), failures, None);
-                eprint!("{}", o.summary(cfg.max_restarts));
+                let max_restarts = cfg.max_restarts;
+                cfg.on_event.emit(LaunchEvent::Ended { outcome: o.clone(), max_restarts });
                 return Ok(o);
             }
         }
@@ -290,6 +288,7 @@ fn watch(
     signals: &SignalWatch,
     reaper: &mut Option<GroupReaper>,
     remote: &mut dyn FnMut() -> Option<Remote>,
+    events: &EventSink,
 ) -> Result<AttemptEnd, LaunchError> {
     let mut grace_until: Option<Instant> = None;
     loop {
@@ -299,7 +298,7 @@ fn watch(
         if let Some(r) = remote() {
             return Ok(AttemptEnd::Remote(r));
         }
-        replace_dead_reaper(reaper, workers);
+        replace_dead_reaper(reaper, workers, events);
         let mut failed = Vec::new();
         let mut running = 0;
         for (i, w) in workers.iter_mut().enumerate() {
@@ -342,15 +341,12 @@ fn settle_with_nodes(
     watch: &RoundWatch,
     end: AttemptEnd,
     workers: &[Worker],
+    cfg: &LaunchConfig,
 ) -> Result<AttemptEnd, LaunchError> {
     match end {
         AttemptEnd::Failed(failed) if watch.silent_for() > STORE_SILENT => {
             // Cut off from the host: no report can come in or go out; do not wait for one.
-            eprintln!(
-                "[launcher] the rendezvous host has not answered for {:.1}s; the other nodes \
-                 are not told of this failure",
-                watch.silent_for().as_secs_f64()
-            );
+            cfg.on_event.emit(LaunchEvent::HostSilent { silent: watch.silent_for() });
             Ok(AttemptEnd::Failed(failed))
         }
         AttemptEnd::Failed(failed) => {
@@ -378,7 +374,9 @@ fn settle_with_nodes(
                 round.node_rank,
                 agent.hostname()
             );
-            agent.report_failure(round, &msg);
+            if let Err(e) = agent.report_failure(round, &msg) {
+                cfg.on_event.emit(LaunchEvent::NodesNotTold { error: e.to_string() });
+            }
             Ok(AttemptEnd::Failed(failed))
         }
         AttemptEnd::Succeeded => match agent.finish(round, watch, EXIT_BARRIER)? {
@@ -391,27 +389,18 @@ fn settle_with_nodes(
 
 /// A watchdog that died (somebody killed it) is reaped, reported, and replaced by a new one that
 /// lists the running workers' groups, so the no-orphans guarantee holds again.
-fn replace_dead_reaper(reaper: &mut Option<GroupReaper>, workers: &[Worker]) {
+fn replace_dead_reaper(reaper: &mut Option<GroupReaper>, workers: &[Worker], events: &EventSink) {
     let Some(old) = reaper.as_mut() else { return };
     let old_pid = old.pid();
     let Some(how) = old.check_dead() else { return };
     *reaper = GroupReaper::start().ok();
-    let replaced = match reaper {
-        Some(r) => {
-            for w in workers.iter().filter(|w| w.status.is_none() || group_has_live_members(w.pgid))
-            {
-                r.watch_group(w.pgid);
-            }
-            format!("started a new one (pid {})", r.pid())
+    if let Some(r) = reaper {
+        for w in workers.iter().filter(|w| w.status.is_none() || group_has_live_members(w.pgid)) {
+            r.watch_group(w.pgid);
         }
-        None => "could not start a new one: if this launcher is killed now, processes the \
-                 workers started may outlive it"
-            .to_string(),
-    };
-    eprintln!(
-        "[launcher] the watchdog that stops the workers' process groups if the launcher dies \
-         (pid {old_pid}) {how}; reaped it and {replaced}"
-    );
+    }
+    let new_pid = reaper.as_ref().map(GroupReaper::pid);
+    events.emit(LaunchEvent::WatchdogReplaced { old_pid, how, new_pid });
 }
 
 /// Sends `sig` to every worker's process group, waits up to `grace` for every process in

@@ -44,7 +44,7 @@ pub trait GradSink {
 /// [`backward`], with every parameter gradient a fused op computes (convolution, linear,
 /// BatchNorm, PReLU weights and biases) offered to `sink` as soon as it is computed.
 pub fn backward_with_sink(loss: &Tensor, sink: &dyn GradSink) -> candle_core::Result<GradStore> {
-    // SAFETY (of the lifetime extension): the reference is removed from SINK before this
+    // SAFETY: (the lifetime extension) the reference is removed from SINK before this
     // function returns (the guard below runs however the backward ends), and only code running
     // inside it, on this thread, reads SINK.
     let sink: &'static dyn GradSink = unsafe { std::mem::transmute::<&dyn GradSink, _>(sink) };

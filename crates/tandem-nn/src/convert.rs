@@ -253,6 +253,7 @@ mod tests {
     fn a_lent_tensor_reads_the_storage_in_place_and_equals_a_copy() {
         let t = Tensor::arange(0f32, 12.0, &Device::Cpu).unwrap().reshape((3, 4)).unwrap();
         let copied = to_ckpt(&t).unwrap();
+        // SAFETY: `t` is not written while `lent` lives.
         let lent = unsafe { to_ckpt_view(&t) }.unwrap();
         let own = with_host_bytes(&t, |b| b.as_ptr() as usize).unwrap();
         assert_eq!(lent.storage.bytes().as_ptr() as usize, own, "lent, not copied");
@@ -263,6 +264,7 @@ mod tests {
         assert_eq!(lent.storage.bytes(), copied.storage.bytes(), "the tensor stays alive");
         let strided =
             Tensor::arange(0f32, 12.0, &Device::Cpu).unwrap().reshape((3, 4)).unwrap().t().unwrap();
+        // SAFETY: `strided` is not written while `v` lives.
         let v = unsafe { to_ckpt_view(&strided) }.unwrap();
         assert_eq!(v.to_f64_vec(), to_ckpt(&strided).unwrap().to_f64_vec());
     }
@@ -274,11 +276,13 @@ mod tests {
         let t = Tensor::arange(0f32, 6.0, &Device::Cpu).unwrap().reshape((2, 3)).unwrap();
         let own = with_host_bytes(&t, |b| b.as_ptr() as usize).unwrap();
         let state = vec![("w".to_string(), t.clone())];
+        // SAFETY: no tensor of `state` is written while `lent` lives.
         let lent = unsafe { lend(|| state_dict_to_ckpt(&state)) }.unwrap();
         assert_eq!(lent[0].1.storage.bytes().as_ptr() as usize, own);
         let copied = state_dict_to_ckpt(&state).unwrap();
         assert_ne!(copied[0].1.storage.bytes().as_ptr() as usize, own);
         assert_eq!(lent[0].1.storage.bytes(), copied[0].1.storage.bytes());
+        // SAFETY: nothing is lent inside.
         let unwound = std::panic::catch_unwind(|| unsafe { lend(|| panic!("inside")) });
         assert!(unwound.is_err());
         let after = to_ckpt(&t).unwrap();

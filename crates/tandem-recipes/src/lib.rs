@@ -8,24 +8,23 @@
 //! - [`options`]: every setting of those recipes as a person writes it ([`TrainConfig`]: its
 //!   doc, default and check; `tandem train`'s flags are its `clap` derive, feature `clap`) and
 //!   the typed [`TrainOptions`] the recipes read from it;
-//! - [`face`]: the face recipe's state (backbone + PartialFC head) as a
-//!   [`TrainingStateDict`](tandem_train::TrainingStateDict) and back, on any world size, and
-//!   arcface_torch's own checkpoint layout; [`verification`]: face verification sets (`.bin`
-//!   pairs) scored by every rank together; [`ijb`]: IJB-B/C 1:1 verification.
+//! - [`face`]: the face recipe, in one home: its state (backbone + PartialFC head) as a
+//!   [`TrainingStateDict`](tandem_train::TrainingStateDict) and back, on any world size,
+//!   arcface_torch's config files and checkpoint layout, its own earlier checkpoints;
+//! - [`face_eval`]: face evaluation — verification sets (`.bin` pairs) scored by every rank
+//!   together, IJB-B/C 1:1 verification with its table and ROC plot.
 //!
 //! Like the library below it, it never prints: its runs report
 //! [`Event`](tandem_train::Event)s to the loggers they are given.
 // A public item of a private module must be re-exported: a user can name every type they get.
 #![warn(unnameable_types)]
 
-pub mod face;
-pub mod ijb;
+pub mod face_eval;
 pub mod options;
-pub mod verification;
 
 mod recipes;
 mod train_config;
 mod validate;
 
 pub use options::{TrainConfig, TrainOptions};
-pub use recipes::train;
+pub use recipes::{face, train};

@@ -12,7 +12,8 @@ use tandem_train::{Context, LrSchedule, Result, TrainError};
 
 #[cfg(feature = "clap")]
 pub use crate::train_config::{choice, ChoiceParser};
-pub use crate::train_config::{parse_margin, SchedulerKind, TrainConfig};
+pub use crate::train_config::{SchedulerKind, TrainConfig};
+pub use tandem_data::datasets::DatasetSpec;
 
 /// An option with a fixed set of named values (for a command line's parser and help).
 pub trait Choice: FromStr + Copy + Send + Sync + 'static {
@@ -86,6 +87,142 @@ named_enum! {
     /// library of a job started by mpirun, or NCCL on the GPUs.
     Backend { #[default] Auto = "auto", Tcp = "tcp", Shm = "shm", Mpi = "mpi", Nccl = "nccl" }
 }
+
+named_enum! {
+    /// The communication hook on Ddp's gradient buckets (PyTorch's built-in hooks).
+    CommHook {
+        /// Buckets all-reduced as they are.
+        #[default]
+        #[serde(rename = "none")]
+        Off = "none",
+        Fp16 = "fp16",
+        Bf16 = "bf16",
+        PowerSgd = "powersgd",
+    }
+}
+
+/// The face recipe's margin (arcface_torch's CombinedMarginLoss `(m1, m2, m3)`): `arcface`
+/// (= 1,0.5,0), `cosface` (= 1,0,0.4) or three numbers `M1,M2,M3`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Margin {
+    ArcFace,
+    CosFace,
+    Combined(f64, f64, f64),
+}
+
+impl Margin {
+    /// `(m1, m2, m3)`.
+    pub fn parts(self) -> (f64, f64, f64) {
+        match self {
+            Margin::ArcFace => (1.0, 0.5, 0.0),
+            Margin::CosFace => (1.0, 0.0, 0.4),
+            Margin::Combined(m1, m2, m3) => (m1, m2, m3),
+        }
+    }
+}
+
+impl FromStr for Margin {
+    type Err = TrainError;
+    fn from_str(text: &str) -> Result<Self> {
+        match text {
+            "arcface" => return Ok(Margin::ArcFace),
+            "cosface" => return Ok(Margin::CosFace),
+            _ => {}
+        }
+        let parts: Vec<&str> = text.split(',').map(str::trim).collect();
+        let numbers: Option<Vec<f64>> = parts.iter().map(|p| p.parse::<f64>().ok()).collect();
+        match numbers.as_deref() {
+            Some(&[m1, m2, m3]) if [m1, m2, m3].iter().all(|m| m.is_finite()) => {
+                Ok(Margin::Combined(m1, m2, m3))
+            }
+            _ => tandem_train::bail_option!(
+                "margin",
+                Some(text.to_string()),
+                "expected arcface, cosface or three numbers M1,M2,M3 (arcface = 1.0,0.5,0.0)"
+            ),
+        }
+    }
+}
+
+impl std::fmt::Display for Margin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Margin::ArcFace => f.write_str("arcface"),
+            Margin::CosFace => f.write_str("cosface"),
+            Margin::Combined(m1, m2, m3) => write!(f, "{m1},{m2},{m3}"),
+        }
+    }
+}
+
+/// Where a run's data comes from: a classifier's dataset ([`DatasetSpec`]: `digits`,
+/// `mnist:DIR`, `cifar10:DIR`, `synthetic...`), or the face recipe's insightface RecordIO
+/// (`rec:DIR`) or image folders (`folder:DIR`, a sub-folder of 112x112 images per identity).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum DataSource {
+    Dataset(DatasetSpec),
+    Rec(PathBuf),
+    Folder(PathBuf),
+}
+
+impl DataSource {
+    /// Face data (a RecordIO set or image folders).
+    pub fn is_face(&self) -> bool {
+        matches!(self, DataSource::Rec(_) | DataSource::Folder(_))
+    }
+}
+
+impl FromStr for DataSource {
+    type Err = TrainError;
+    fn from_str(spec: &str) -> Result<Self> {
+        let dir = |kind: &str, dir: &str| {
+            if dir.is_empty() {
+                tandem_train::bail_option!(
+                    "data",
+                    Some(spec.to_string()),
+                    "{kind}: needs a directory after the colon"
+                );
+            }
+            Ok(PathBuf::from(dir))
+        };
+        if let Some(d) = spec.strip_prefix("rec:") {
+            return Ok(DataSource::Rec(dir("rec", d)?));
+        }
+        if let Some(d) = spec.strip_prefix("folder:") {
+            return Ok(DataSource::Folder(dir("folder", d)?));
+        }
+        spec.parse::<DatasetSpec>().map(DataSource::Dataset).option("data", Some(spec.to_string()))
+    }
+}
+
+impl std::fmt::Display for DataSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DataSource::Dataset(spec) => write!(f, "{spec}"),
+            DataSource::Rec(dir) => write!(f, "rec:{}", dir.display()),
+            DataSource::Folder(dir) => write!(f, "folder:{}", dir.display()),
+        }
+    }
+}
+
+/// Serde reads these from their text (`try_from = "String"`) and writes them as it.
+macro_rules! text_serde {
+    ($($name:ident),*) => {$(
+        impl TryFrom<String> for $name {
+            type Error = TrainError;
+            fn try_from(text: String) -> Result<Self> {
+                text.parse()
+            }
+        }
+        impl From<$name> for String {
+            fn from(v: $name) -> String {
+                v.to_string()
+            }
+        }
+    )*};
+}
+text_serde!(Margin, DataSource);
 
 impl Precision {
     /// The dtype the model computes in.
@@ -164,11 +301,10 @@ pub struct CheckpointOptions {
     pub export_onnx: Option<PathBuf>,
 }
 
-/// The data: a dataset spec (`digits`, `mnist:DIR`, `cifar10:DIR`, `synthetic...`, `rec:DIR`)
-/// and how it is fed.
+/// The data: where it comes from and how it is fed.
 #[derive(Clone, Debug)]
 pub struct DataOptions {
-    pub spec: String,
+    pub source: DataSource,
     /// Samples per rank per step.
     pub batch_size: usize,
     pub shuffle: bool,
@@ -215,8 +351,7 @@ pub struct OptimOptions {
 #[derive(Clone, Debug)]
 pub struct CommOptions {
     pub backend: Backend,
-    /// `none`, `fp16`, `bf16` or `powersgd`.
-    pub comm_hook: String,
+    pub comm_hook: CommHook,
     /// Asked for live recovery (it needs `tandem run --live-recovery`'s launcher).
     pub live_recovery: bool,
     /// Under live recovery, state each rank holds alone (the face recipe's PartialFC rows,
@@ -229,8 +364,7 @@ pub struct CommOptions {
 #[derive(Clone, Debug)]
 pub struct FaceOptions {
     pub embedding_size: usize,
-    /// CombinedMarginLoss `(m1, m2, m3)`.
-    pub margin: (f64, f64, f64),
+    pub margin: Margin,
     pub margin_scale: f64,
     pub sample_rate: f64,
     pub interclass_filtering_threshold: f64,

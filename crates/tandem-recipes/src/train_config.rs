@@ -8,8 +8,9 @@ use tandem_models::ModelKind;
 use tandem_train::{bail_option, LrSchedule, Result, Warmup};
 
 use crate::options::{
-    Backend, CheckpointOptions, CommOptions, DataOptions, DeviceKind, FaceOptions, ModelOptions,
-    OptimOptions, OptimizerKind, Precision, RunOptions, TrainOptions,
+    Backend, CheckpointOptions, CommHook, CommOptions, DataOptions, DataSource, DatasetSpec,
+    DeviceKind, FaceOptions, Margin, ModelOptions, OptimOptions, OptimizerKind, Precision,
+    RunOptions, TrainOptions,
 };
 
 /// Parses a flag whose values are a library option's names (listed in `--help` and in the
@@ -117,8 +118,8 @@ pub struct TrainConfig {
     /// What gradient buckets go through: `none` (f32 all-reduce average), `fp16` or `bf16`
     /// (compressed to 16 bits on the wire, PyTorch's fp16/bf16_compress_hook), `powersgd`
     /// (rank-2 PowerSGD with error feedback after 10 plain steps).
-    #[cfg_attr(feature = "clap", arg(long = "comm-hook", value_name = "HOOK", default_value_t = TrainConfig::default().comm_hook, value_parser = ["none", "fp16", "bf16", "powersgd"]))]
-    pub comm_hook: String,
+    #[cfg_attr(feature = "clap", arg(long = "comm-hook", value_name = "HOOK", value_parser = choice::<CommHook>(), default_value_t = TrainConfig::default().comm_hook))]
+    pub comm_hook: CommHook,
     /// Normalise each image channel with the training set's mean and standard deviation.
     #[cfg_attr(feature = "clap", arg(long))]
     pub normalize: bool,
@@ -130,7 +131,7 @@ pub struct TrainConfig {
     /// `synthetic[:N[:DIM[:CLASSES]]]` or `synthetic-cifar[:N]`; for the face models rec:DIR
     /// (insightface RecordIO) or folder:DIR (one sub-folder of 112x112 images per identity).
     #[cfg_attr(feature = "clap", arg(long, default_value_t = TrainConfig::default().data))]
-    pub data: String,
+    pub data: DataSource,
     /// Seed for model init and the sampler's shuffle.
     #[cfg_attr(feature = "clap", arg(long, default_value_t = TrainConfig::default().seed))]
     pub seed: u64,
@@ -230,7 +231,7 @@ pub struct TrainConfig {
     /// Face models: the margin, `arcface` (= 1,0.5,0), `cosface` (= 1,0,0.4) or `M1,M2,M3` of
     /// arcface_torch's CombinedMarginLoss.
     #[cfg_attr(feature = "clap", arg(long, default_value_t = TrainConfig::default().margin))]
-    pub margin: String,
+    pub margin: Margin,
     /// Face models: the logit scale s of the margin loss.
     #[cfg_attr(feature = "clap", arg(long = "margin-scale", default_value_t = TrainConfig::default().margin_scale))]
     pub margin_scale: f64,
@@ -289,10 +290,10 @@ impl Default for TrainConfig {
             hidden: 128,
             width: 64,
             sync_batchnorm: false,
-            comm_hook: "none".into(),
+            comm_hook: CommHook::Off,
             normalize: false,
             augment: false,
-            data: "digits".into(),
+            data: DataSource::Dataset(DatasetSpec::Digits),
             seed: 0,
             no_shuffle: false,
             timing_warmup_steps: 0,
@@ -320,7 +321,7 @@ impl Default for TrainConfig {
             clip_grad_norm: None,
             grad_scaler_growth_interval: None,
             embedding_size: 512,
-            margin: "arcface".into(),
+            margin: Margin::ArcFace,
             margin_scale: 64.0,
             sample_rate: 1.0,
             interclass_filtering_threshold: 0.0,
@@ -332,25 +333,6 @@ impl Default for TrainConfig {
             log_every: 10,
             config: None,
         }
-    }
-}
-
-/// arcface_torch's CombinedMarginLoss `(m1, m2, m3)` from the `margin` setting.
-pub fn parse_margin(text: &str) -> Result<(f64, f64, f64)> {
-    match text {
-        "arcface" => return Ok((1.0, 0.5, 0.0)),
-        "cosface" => return Ok((1.0, 0.0, 0.4)),
-        _ => {}
-    }
-    let parts: Vec<&str> = text.split(',').map(str::trim).collect();
-    let numbers: Option<Vec<f64>> = parts.iter().map(|p| p.parse::<f64>().ok()).collect();
-    match numbers.as_deref() {
-        Some(&[m1, m2, m3]) if [m1, m2, m3].iter().all(|m| m.is_finite()) => Ok((m1, m2, m3)),
-        _ => bail_option!(
-            "margin",
-            Some(text.to_string()),
-            "expected arcface, cosface or three numbers M1,M2,M3 (arcface = 1.0,0.5,0.0)"
-        ),
     }
 }
 
@@ -402,7 +384,7 @@ impl TrainConfig {
                 export_onnx: self.export_onnx.clone(),
             },
             data: DataOptions {
-                spec: self.data.clone(),
+                source: self.data.clone(),
                 batch_size: self.batch_size,
                 shuffle: !self.no_shuffle,
                 augment: self.augment,
@@ -429,17 +411,13 @@ impl TrainConfig {
             },
             comm: CommOptions {
                 backend: self.backend,
-                comm_hook: self.comm_hook.clone(),
+                comm_hook: self.comm_hook,
                 live_recovery: self.live_recovery,
                 mirror_every: self.mirror_every,
             },
             face: FaceOptions {
                 embedding_size: self.embedding_size,
-                margin: if self.model.is_face() {
-                    parse_margin(&self.margin)?
-                } else {
-                    (1.0, 0.5, 0.0)
-                },
+                margin: self.margin,
                 margin_scale: self.margin_scale,
                 sample_rate: self.sample_rate,
                 interclass_filtering_threshold: self.interclass_filtering_threshold,
@@ -484,7 +462,8 @@ impl TrainConfig {
         if let Some(out) = &self.out {
             return out.clone();
         }
-        let data = self.data.split(':').next().unwrap_or("data");
+        let data = self.data.to_string();
+        let data = data.split(':').next().unwrap_or("data");
         let model = self.model.name();
         let secs = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -529,13 +508,24 @@ mod tests {
         };
         let schedule = poly.options(PathBuf::new()).unwrap().optim.schedule;
         assert_eq!(schedule, LrSchedule::Poly { warmup: Warmup::Epochs(2) });
-        let face = TrainConfig {
-            model: ModelKind::IResNet18,
-            margin: "1,2".into(),
-            ..TrainConfig::default()
-        };
-        assert_eq!(refused(face), "margin");
-        assert_eq!(parse_margin("cosface").unwrap(), (1.0, 0.0, 0.4));
-        assert_eq!(parse_margin("1, 0.3, 0.2").unwrap(), (1.0, 0.3, 0.2));
+        // Text becomes a typed value once, at the edge; bad text names its setting there.
+        assert_eq!(key_of("1,2".parse::<Margin>().unwrap_err()), "margin");
+        assert_eq!("cosface".parse::<Margin>().unwrap().parts(), (1.0, 0.0, 0.4));
+        let combined = "1, 0.3, 0.2".parse::<Margin>().unwrap();
+        assert_eq!(combined.parts(), (1.0, 0.3, 0.2));
+        assert_eq!(combined.to_string().parse::<Margin>().unwrap(), combined);
+        assert_eq!(key_of("rec:".parse::<DataSource>().unwrap_err()), "data");
+        assert_eq!(key_of("nosuch".parse::<DataSource>().unwrap_err()), "data");
+        for spec in ["rec:/data/ms1m", "folder:faces", "digits", "synthetic:40:5:3", "mnist:m"] {
+            assert_eq!(spec.parse::<DataSource>().unwrap().to_string(), spec);
+        }
+        assert_eq!("synthetic".parse::<DataSource>().unwrap().to_string(), "synthetic:10000:64:10");
+        assert_eq!("powersgd".parse::<CommHook>().unwrap(), CommHook::PowerSgd);
+        assert!("fp8".parse::<CommHook>().is_err());
+        // A config file holds the same text.
+        let text = r#"{"data": "rec:/d", "margin": "cosface", "comm_hook": "fp16"}"#;
+        let cfg: TrainConfig = serde_json::from_str(text).unwrap();
+        assert_eq!(cfg.data, DataSource::Rec(PathBuf::from("/d")));
+        assert_eq!((cfg.margin, cfg.comm_hook), (Margin::CosFace, CommHook::Fp16));
     }
 }

@@ -45,7 +45,7 @@ impl TrainOptions {
         if self.face.gradient_acc == 0 {
             bail_option!("gradient_acc", None, "must be at least 1 (1: a step per batch)");
         }
-        let face_data = data.spec.starts_with("rec:") || data.spec.starts_with("folder:");
+        let face_data = data.source.is_face();
         if model.kind.is_face() {
             self.validate_face(face_data)?;
         } else {
@@ -100,7 +100,7 @@ impl TrainOptions {
         if !face_data {
             bail_option!(
                 "data",
-                Some(self.data.spec.clone()),
+                Some(self.data.source.to_string()),
                 "the `{model}` model trains on a face identity set: `rec:DIR` (train.rec + \
                  train.idx; `tandem data synth-faces DIR` writes a synthetic one) or \
                  `folder:DIR` (one sub-folder of images per identity)"
@@ -150,7 +150,7 @@ impl TrainOptions {
         if face_data {
             bail_option!(
                 "data",
-                Some(self.data.spec.clone()),
+                Some(self.data.source.to_string()),
                 "a face identity set trains a face backbone; set `model` to iresnet18 (or r50, \
                  mbf, ...)"
             );

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{Device, Tensor};
-use tandem_recipes::ijb::{
+use tandem_recipes::face_eval::ijb::{
     auc, image_features, pair_scores, roc_curve, tar_at_far, template_features, FARS,
 };
 

@@ -26,7 +26,8 @@ pub fn workspace_root() -> PathBuf {
     here.parent().and_then(Path::parent).expect("crates/<name> layout").to_path_buf()
 }
 
-/// Every file under `dir` (at any depth) with its text, for tests that read the sources.
+/// Every text file under `dir` (at any depth) with its text, for tests that read the sources
+/// (binary files, such as a bundled font, are left out).
 pub fn files_with_text(dir: &Path) -> Vec<(PathBuf, String)> {
     let mut files = Vec::new();
     let mut dirs = vec![dir.to_path_buf()];
@@ -37,9 +38,11 @@ pub fn files_with_text(dir: &Path) -> Vec<(PathBuf, String)> {
             if path.is_dir() {
                 dirs.push(path);
             } else {
-                let text = std::fs::read_to_string(&path)
-                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                files.push((path, text));
+                let bytes =
+                    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                if let Ok(text) = String::from_utf8(bytes) {
+                    files.push((path, text));
+                }
             }
         }
     }

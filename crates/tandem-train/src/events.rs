@@ -25,11 +25,10 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use serde::{Deserialize, Serialize};
-
-use crate::live::RegroupCounts;
+pub use crate::live::Regroup;
 use crate::live::WorldChange;
-use crate::metrics::{EpochMetrics, RunSummary, VerificationMetrics};
+use crate::metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
+pub use crate::rank_state::{MirrorCost, RegroupCounts, Resplit};
 
 /// One thing a run reports.
 #[derive(Clone, Debug, PartialEq)]
@@ -79,89 +78,6 @@ pub struct StepEvent {
     pub batch: usize,
     /// The GradScaler's scale when training in f16.
     pub grad_scale: Option<f64>,
-}
-
-/// A live regroup, as the new world's rank 0 reports it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Regroup {
-    /// Seconds since the Unix epoch when the world had re-formed.
-    pub at_unix_s: f64,
-    /// [`Regroup::JOINED`], or the failure that broke the old world.
-    pub cause: String,
-    pub change: WorldChange,
-    /// Steps the world takes again (the one in flight when a rank died, unless the state's
-    /// source had finished it).
-    pub redone: u64,
-    /// How the state each rank holds alone was re-split, if the recipe has such state.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resplit: Option<Resplit>,
-}
-
-impl Regroup {
-    /// The cause of a regroup that lets a replacement join the running world.
-    pub const JOINED: &'static str = "a rank joins";
-
-    /// Whether a replacement joined (not a failure).
-    pub fn is_join(&self) -> bool {
-        self.cause == Regroup::JOINED
-    }
-
-    /// Whether any process joined: a join, or a failure's regroup that took in a replacement
-    /// already waiting (it may hold the slot of the member lost).
-    pub fn has_joiner(&self) -> bool {
-        self.is_join() || !self.change.joined.is_empty()
-    }
-}
-
-/// How a regroup re-split the state each rank holds alone (summed over the world).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "part", rename_all = "snake_case")]
-pub enum Resplit {
-    /// PartialFC's class centres and their optimizer rows.
-    HeadRows(RegroupCounts),
-    /// ZeRO-1's optimizer shards.
-    OptimizerShards(RegroupCounts),
-}
-
-impl std::fmt::Display for Resplit {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Resplit::HeadRows(c) => write!(
-                f,
-                "head rows: {} kept, {} moved, {} restored from mirrors, {} reloaded; {} row-steps of head training lost; {} KiB moved",
-                c.kept,
-                c.moved,
-                c.from_mirror,
-                c.reloaded,
-                c.stale_steps,
-                c.bytes_sent.div_ceil(1024)
-            ),
-            Resplit::OptimizerShards(c) => write!(
-                f,
-                "optimizer shards: {} parameters' state kept, {} moved, {} restored from mirrors, {} started afresh; {} parameter-steps of state lost; {} KiB moved",
-                c.kept,
-                c.moved,
-                c.from_mirror,
-                c.fresh,
-                c.stale_steps,
-                c.bytes_sent.div_ceil(1024)
-            ),
-        }
-    }
-}
-
-/// What live recovery's mirrors cost rank 0 over the run.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct MirrorCost {
-    /// What is mirrored (`head`: PartialFC's rows).
-    pub what: String,
-    /// A mirror every this many steps.
-    pub every: u64,
-    pub taken: u64,
-    /// Bytes each rank sends per mirror.
-    pub bytes_per_rank: u64,
-    /// Mean seconds one mirror took on rank 0.
-    pub mean_secs: f64,
 }
 
 impl Event {
@@ -336,5 +252,19 @@ impl Logger for Recorder {
             events.push(event.clone());
         }
         Ok(())
+    }
+}
+
+/// The run's metrics file (`metrics.jsonl`) logs the events a script reads back.
+impl Logger for MetricsFile {
+    fn log(&mut self, event: &Event) -> std::io::Result<()> {
+        let record = match event {
+            Event::EpochEnded { metrics, .. } => MetricsRecord::Epoch(metrics.clone()),
+            Event::Finished(summary) => MetricsRecord::Summary((**summary).clone()),
+            Event::Regrouped(r) => MetricsRecord::Regrouped(r.clone()),
+            Event::MirrorCost(m) => MetricsRecord::MirrorCost(m.clone()),
+            _ => return Ok(()),
+        };
+        self.write(&record).map_err(std::io::Error::other)
     }
 }

@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::io;
-use crate::events::{Event, Logger, MirrorCost, Regroup};
+use crate::live::Regroup;
+use crate::rank_state::MirrorCost;
 use crate::TrainError;
 
 /// One verification set's result (LFW-style 10-fold accuracy).
@@ -136,19 +137,6 @@ impl MetricsFile {
         writeln!(self.out, "{line}")
             .and_then(|_| self.out.flush())
             .map_err(io("writing", &self.path))
-    }
-}
-
-impl Logger for MetricsFile {
-    fn log(&mut self, event: &Event) -> std::io::Result<()> {
-        let record = match event {
-            Event::EpochEnded { metrics, .. } => MetricsRecord::Epoch(metrics.clone()),
-            Event::Finished(summary) => MetricsRecord::Summary((**summary).clone()),
-            Event::Regrouped(r) => MetricsRecord::Regrouped(r.clone()),
-            Event::MirrorCost(m) => MetricsRecord::MirrorCost(m.clone()),
-            _ => return Ok(()),
-        };
-        self.write(&record).map_err(std::io::Error::other)
     }
 }
 

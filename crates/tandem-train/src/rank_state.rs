@@ -20,7 +20,86 @@ use tandem_optim::OptimizerState;
 
 use crate::checkpoint::{Saved, ShardDict};
 use crate::error::{Context, Result};
-use crate::events::{MirrorCost, Resplit};
+use serde::{Deserialize, Serialize};
+
+/// How a re-split went, summed over the world; counts are of keys.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegroupCounts {
+    /// Keys a rank already held as its own.
+    pub kept: u64,
+    /// Keys received from the rank that owned them.
+    pub moved: u64,
+    /// Keys restored from a mirror (the owner is gone).
+    pub from_mirror: u64,
+    /// Keys no rank held, read by the caller's fill (the last checkpoint, the initial centres).
+    pub reloaded: u64,
+    /// Keys no rank held and nothing filled: their state starts afresh.
+    pub fresh: u64,
+    /// Steps of training lost, summed over the keys whose source was older than the world's
+    /// step (`keys x steps`).
+    pub stale_steps: u64,
+    /// Bytes sent point to point.
+    pub bytes_sent: u64,
+}
+
+impl RegroupCounts {
+    pub(crate) fn add(&mut self, o: &RegroupCounts) {
+        self.kept += o.kept;
+        self.moved += o.moved;
+        self.from_mirror += o.from_mirror;
+        self.reloaded += o.reloaded;
+        self.fresh += o.fresh;
+        self.stale_steps += o.stale_steps;
+        self.bytes_sent += o.bytes_sent;
+    }
+}
+
+/// How a regroup re-split one kind of state each rank holds alone, summed over the world; the
+/// part's owner names it and its units.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resplit {
+    /// What was re-split, as its owner names it (`optimizer shards`; the face recipe's
+    /// `head rows`).
+    pub part: String,
+    /// What a key's lost step is called (`parameter-steps of state`, `row-steps of head
+    /// training`).
+    pub lost_unit: String,
+    #[serde(flatten)]
+    pub counts: RegroupCounts,
+}
+
+impl std::fmt::Display for Resplit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = &self.counts;
+        write!(
+            f,
+            "{}: {} kept, {} moved, {} restored from mirrors, {} reloaded, {} started afresh; {} {} lost; {} KiB moved",
+            self.part,
+            c.kept,
+            c.moved,
+            c.from_mirror,
+            c.reloaded,
+            c.fresh,
+            c.stale_steps,
+            self.lost_unit,
+            c.bytes_sent.div_ceil(1024)
+        )
+    }
+}
+
+/// What live recovery's mirrors cost rank 0 over the run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MirrorCost {
+    /// What is mirrored, as its owner names it (`optimizer shards`; the face recipe's `head`).
+    pub what: String,
+    /// A mirror every this many steps.
+    pub every: u64,
+    pub taken: u64,
+    /// Bytes each rank sends per mirror.
+    pub bytes_per_rank: u64,
+    /// Mean seconds one mirror took on rank 0.
+    pub mean_secs: f64,
+}
 
 /// What a part restored or re-split.
 #[derive(Debug, Default)]

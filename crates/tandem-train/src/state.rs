@@ -57,7 +57,7 @@ use tandem_optim::{OptimizerShard, OptimizerState};
 
 use crate::checkpoint::{Checkpointer, Saved, ShardDict, TrainingStateDict, KEEP_LAST};
 use crate::rank_state::RankState;
-use crate::{Result, TrainError};
+use crate::{Context, Result, TrainError};
 
 /// The name of a sharded optimizer's entry shard: a path into the replicated dict, where the
 /// entries go when the checkpoint is consolidated (`optimizer` → `state`, torch's layout).
@@ -307,14 +307,40 @@ pub fn load_state(dir: impl AsRef<Path>, state: &mut TrainingState<'_>) -> Resul
 /// [`load_state`] from a checkpoint found or opened by the caller (whose other shards it can
 /// then read: [`Saved::read_rows`], [`Saved::read_row_parts`]).
 pub fn load_state_from(saved: &Saved, state: &mut TrainingState<'_>) -> Result<Resumed> {
-    let (ck, note) = restore(saved, state)?;
-    Ok(Resumed {
-        path: saved.path().to_path_buf(),
-        step: state.step,
-        epoch: state.epoch,
-        world_size: ck.world_size as usize,
-        note,
-    })
+    resume_from(saved, state).map(|(resumed, _)| resumed)
+}
+
+/// The one resume path, a user's loop's ([`load_state_from`]) and the
+/// [`Trainer`](crate::Trainer)'s: restores `saved` into `state` and says where it resumed —
+/// the step, the loader's epoch, and notes on a re-split over another world size and on
+/// GradScaler state it did not hold. Also returns the checkpoint read (the Trainer loads its
+/// schedule from it, stretched over the steps this world has left).
+pub(crate) fn resume_from(
+    saved: &Saved,
+    state: &mut TrainingState<'_>,
+) -> Result<(Resumed, TrainingCheckpoint)> {
+    let (ck, scaler_note) = restore(saved, state)?;
+    let path = saved.path();
+    let saved_world = ck.world_size as usize;
+    let mut notes = Vec::new();
+    if let Some(loader) = state.loader.as_deref() {
+        let world = loader.position().num_replicas;
+        if world != saved_world && ck.sampler != Value::None {
+            let sampler = sampler_state_from_value(&ck.sampler)
+                .with_context(|| format!("{}: checkpoint `sampler`", path.display()))?;
+            notes.push(reshard_message(&sampler, world, loader));
+        }
+    }
+    notes.extend(scaler_note);
+    let epoch = state.loader.as_deref().map_or(state.epoch, |l| l.position().epoch);
+    let resumed = Resumed {
+        path: path.to_path_buf(),
+        step: ck.global_step as u64,
+        epoch,
+        world_size: saved_world,
+        note: (!notes.is_empty()).then(|| notes.join("\n")),
+    };
+    Ok((resumed, ck))
 }
 
 /// Restores `saved` into `state` (the replicated part and the optimizer entries `state`'s
@@ -324,13 +350,7 @@ pub(crate) fn restore(
     saved: &Saved,
     state: &mut TrainingState<'_>,
 ) -> Result<(TrainingCheckpoint, Option<String>)> {
-    let mut value = replicated_with_optimizer(saved, state.optimizer.owned_params().as_deref())?;
-    if value.get("model").is_none() {
-        // Face checkpoints of earlier builds named the model `backbone`.
-        if let Some(backbone) = value.get("backbone").cloned() {
-            value.insert("model", backbone);
-        }
-    }
+    let value = replicated_with_optimizer(saved, state.optimizer.owned_params().as_deref())?;
     let mut ck = TrainingCheckpoint::from_value(&value)?;
     let path = saved.path();
     // The model first: a part may overwrite some of it (a rank's own BatchNorm statistics).

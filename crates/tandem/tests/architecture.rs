@@ -67,26 +67,53 @@ fn every_crate_depends_on_what_the_architecture_page_says() {
     assert!(stale.is_empty(), "docs/architecture.md has rows for missing crates: {stale:?}");
 }
 
-/// The training library and its recipes report typed events and `tracing` warnings; only the
-/// binary prints.
+/// A file's code: its lines up to the first `#[cfg(test)]` (its unit tests follow).
+fn code_lines(text: &str) -> impl Iterator<Item = &str> {
+    text.lines().take_while(|l| l.trim() != "#[cfg(test)]")
+}
+
+/// Every library crate reports through typed events and `tracing` (stderr only as
+/// tandem-comm's diagnostics fallback); only the `tandem` binary, the benchmarks and the test
+/// helpers print.
 #[test]
-fn the_training_library_never_prints() {
+fn no_library_crate_prints() {
     let mut found = Vec::new();
-    let sources = ["crates/tandem-train/src", "crates/tandem-recipes/src"]
-        .iter()
-        .flat_map(|dir| tandem_testutil::files_with_text(&repo().join(dir)));
-    for (path, text) in sources {
-        for (i, line) in text.lines().enumerate() {
-            let code = line.split("//").next().unwrap_or("");
-            if ["println!", "eprintln!", "print!", "eprint!", "dbg!"]
-                .iter()
-                .any(|m| code.contains(m))
-            {
-                found.push(format!("{}:{}: {}", path.display(), i + 1, line.trim()));
+    let printing = ["tandem-cli", "tandem-bench", "tandem-testutil"];
+    for (name, dir) in crates().into_iter().filter(|(n, _)| !printing.contains(&n.as_str())) {
+        for (path, text) in tandem_testutil::files_with_text(&dir.join("src")) {
+            for (i, line) in code_lines(&text).enumerate() {
+                let code = line.split("//").next().unwrap_or("");
+                if ["println!", "eprintln!", "print!", "eprint!", "dbg!"]
+                    .iter()
+                    .any(|m| code.contains(m))
+                {
+                    found.push(format!("{name}: {}:{}: {}", path.display(), i + 1, line.trim()));
+                }
             }
         }
     }
-    assert!(found.is_empty(), "the training library prints:\n{}", found.join("\n"));
+    assert!(found.is_empty(), "library crates print:\n{}", found.join("\n"));
+}
+
+/// Small modules with one job: no source file over 800 lines of code (counted up to its unit
+/// tests), except the hand-tuned kernels and the pickle reader, which are one algorithm each.
+#[test]
+fn no_source_file_is_over_800_lines() {
+    const MOST: usize = 800;
+    let exempt = |p: &Path| {
+        let p = p.to_string_lossy();
+        p.contains("/kernels/") || p.ends_with("pickle/read.rs")
+    };
+    let mut long = Vec::new();
+    for (_, dir) in crates() {
+        for (path, text) in tandem_testutil::files_with_text(&dir.join("src")) {
+            let lines = code_lines(&text).count();
+            if path.extension().is_some_and(|e| e == "rs") && lines > MOST && !exempt(&path) {
+                long.push(format!("{} ({lines} lines)", path.display()));
+            }
+        }
+    }
+    assert!(long.is_empty(), "files over {MOST} lines of code:\n{}", long.join("\n"));
 }
 
 /// crate name -> its layer in the doc's drawing (0 at the top).
@@ -174,7 +201,8 @@ const PUBLIC_MODULES: &[(&str, &[&str])] = &[
     ("tandem-onnx", &["error", "graph", "models", "proto"]),
     ("tandem-optim", &["amp", "lr_scheduler", "zero"]),
     ("tandem-partial-fc", &[]),
-    ("tandem-recipes", &["face", "ijb", "options", "verification"]),
+    // (`face`, the face recipe's home, is re-exported from the private `recipes`.)
+    ("tandem-recipes", &["face_eval", "options"]),
     ("tandem-testutil", &["child", "harness", "netns", "procs", "world"]),
     ("tandem-train", &["checkpoint", "events", "fault", "live", "metrics", "schedule", "state"]),
 ];
@@ -207,4 +235,144 @@ fn every_public_module_is_a_chosen_namespace() {
              (re-export an item at the root instead, or add the namespace here)"
         );
     }
+}
+
+/// A crate's modules (by path, `a::b`; the root is ``) and the modules each one names through
+/// `crate::` or `super::` paths in its code, parents and children left out (a module declares
+/// its children and they may use its private items).
+fn module_imports(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let module_of = |path: &Path| {
+        let rel = path.strip_prefix(src).unwrap().with_extension("");
+        let mut parts: Vec<String> =
+            rel.components().map(|c| c.as_os_str().to_string_lossy().to_string()).collect();
+        if matches!(parts.last().map(String::as_str), Some("mod" | "lib")) {
+            parts.pop();
+        }
+        parts.join("::")
+    };
+    let files: Vec<(String, String)> = tandem_testutil::files_with_text(src)
+        .into_iter()
+        .filter(|(p, _)| p.extension().is_some_and(|e| e == "rs"))
+        .map(|(p, text)| (module_of(&p), text))
+        .collect();
+    let modules: BTreeSet<String> = files.iter().map(|(m, _)| m.clone()).collect();
+    // The longest module a path starts with.
+    let resolve = |path: &[&str]| {
+        (1..=path.len()).rev().map(|k| path[..k].join("::")).find(|m| modules.contains(m))
+    };
+    let related = |a: &str, b: &str| {
+        b.is_empty()
+            || a.is_empty()
+            || a.starts_with(&format!("{b}::"))
+            || b.starts_with(&format!("{a}::"))
+    };
+    let mut imports = BTreeMap::new();
+    for (module, text) in &files {
+        let mut named = BTreeSet::new();
+        for line in code_lines(text) {
+            let code = line.split("//").next().unwrap_or("");
+            for (prefix, base) in [
+                ("crate::", Vec::new()),
+                ("super::", {
+                    let mut p: Vec<&str> = module.split("::").collect();
+                    p.pop();
+                    p
+                }),
+            ] {
+                for (at, _) in code.match_indices(prefix) {
+                    let before = code[..at].chars().last();
+                    if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+                        continue;
+                    }
+                    let rest = &code[at + prefix.len()..];
+                    // `use crate::{a, b::c}` names each of a and b.
+                    let heads: Vec<String> = if let Some(list) = rest.strip_prefix('{') {
+                        let list = list.split('}').next().unwrap_or("");
+                        list.split(',').map(|s| s.trim().to_string()).collect()
+                    } else {
+                        vec![rest.to_string()]
+                    };
+                    for head in heads {
+                        let segs: Vec<&str> = head
+                            .split("::")
+                            .map(|s| s.trim_matches(|c: char| !(c.is_alphanumeric() || c == '_')))
+                            .take_while(|s| {
+                                !s.is_empty()
+                                    && s.chars()
+                                        .all(|c| c.is_lowercase() || c.is_ascii_digit() || c == '_')
+                            })
+                            .collect();
+                        let mut full: Vec<&str> = base.clone();
+                        full.extend(segs);
+                        if let Some(m) = resolve(&full) {
+                            if m != *module && !related(module, &m) {
+                                named.insert(m);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        imports.insert(module.clone(), named);
+    }
+    imports
+}
+
+/// The modules that import each other in a circle: every cycle's members, found by following
+/// imports from each module.
+fn import_circles(imports: &BTreeMap<String, BTreeSet<String>>) -> Vec<BTreeSet<String>> {
+    let reach = |from: &str| {
+        let mut seen = BTreeSet::new();
+        let mut todo = vec![from.to_string()];
+        while let Some(m) = todo.pop() {
+            for n in imports.get(&m).into_iter().flatten() {
+                if seen.insert(n.clone()) {
+                    todo.push(n.clone());
+                }
+            }
+        }
+        seen
+    };
+    let reachable: BTreeMap<&String, BTreeSet<String>> =
+        imports.keys().map(|m| (m, reach(m))).collect();
+    let mut circles: Vec<BTreeSet<String>> = Vec::new();
+    for (m, r) in &reachable {
+        if !r.contains(*m) {
+            continue;
+        }
+        let circle: BTreeSet<String> =
+            r.iter().filter(|n| reachable[n].contains(*m)).cloned().collect();
+        if !circles.contains(&circle) {
+            circles.push(circle);
+        }
+    }
+    circles
+}
+
+/// Layers inside a crate too: no two files of tandem-comm or tandem-train import each other,
+/// directly or through others (a module and its own submodules aside).
+#[test]
+fn comm_and_train_files_import_in_one_direction() {
+    for krate in ["tandem-comm", "tandem-train"] {
+        let imports = module_imports(&repo().join("crates").join(krate).join("src"));
+        assert!(imports.len() > 10, "{krate}: only {} modules found", imports.len());
+        let circles = import_circles(&imports);
+        assert!(circles.is_empty(), "{krate}: files import each other in a circle: {circles:?}");
+    }
+}
+
+/// The check above sees a circle where there is one.
+#[test]
+fn an_import_circle_is_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
+    write("lib.rs", "mod a;\nmod b;\nmod c;\n");
+    write("a.rs", "use crate::b::Thing;\n");
+    write("b.rs", "pub struct Thing;\nfn f() { crate::c::g() }\n");
+    write("c.rs", "use crate::{a, d};\n");
+    let circles = import_circles(&module_imports(dir.path()));
+    let want: BTreeSet<String> = ["a", "b", "c"].map(String::from).into();
+    assert_eq!(circles, vec![want]);
+    write("c.rs", "pub fn g() {}\n");
+    assert!(import_circles(&module_imports(dir.path())).is_empty());
 }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use tandem::data::datasets::ijb::IjbSet;
 use tandem::models::ModelKind;
-use tandem::recipes::ijb;
+use tandem::recipes::face_eval::ijb;
 
 use super::embed::{Embedder, Runtime};
 

@@ -11,3 +11,9 @@ pub mod onnxruntime;
 pub mod run;
 pub mod sampler;
 pub mod train;
+
+/// The launcher's events (restarts, lost ranks, the failure summary) on stderr, one line each,
+/// as `tandem run` and `tandem train` show them.
+pub fn launcher_events_on_stderr() -> tandem::launch::EventSink {
+    tandem::launch::EventSink::new(|e| eprintln!("{e}"))
+}

@@ -185,6 +185,7 @@ pub fn config_from_args(args: Args) -> anyhow::Result<LaunchConfig> {
         bail!("PROGRAM: nothing to run (tandem run -- PROGRAM [ARGS])")
     };
     let mut cfg = LaunchConfig::new(program, command);
+    cfg.on_event = super::launcher_events_on_stderr();
     cfg.nnodes = args.nnodes.max;
     cfg.min_nnodes = (args.nnodes.min != args.nnodes.max).then_some(args.nnodes.min);
     cfg.rdzv_timeout = seconds("--rdzv-timeout", args.rdzv_timeout)?;

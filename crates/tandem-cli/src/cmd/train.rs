@@ -134,7 +134,8 @@ fn launch_ranks(mut cfg: TrainConfig) -> anyhow::Result<i32> {
     lc.extra_env.push((WORKER_MARK.into(), "1".into()));
     lc.live_recovery = cfg.live_recovery;
     lc.max_restarts = cfg.max_restarts;
-    // launch() prints the failure summary (rank, exit code or signal, stderr tail) itself.
+    // Restarts and the failure summary (rank, exit code or signal, stderr tail) on stderr.
+    lc.on_event = super::launcher_events_on_stderr();
     let outcome = tandem::launch::launch(&lc).context("starting the training ranks")?;
     Ok(outcome.exit_code)
 }

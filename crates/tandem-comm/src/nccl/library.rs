@@ -261,6 +261,7 @@ pub(crate) fn check_nccl(l: &Libraries, call: &'static str, rc: c_int) -> Result
 pub(crate) fn nccl_reason(l: &Libraries, rc: c_int, comm: RawComm) -> String {
     // SAFETY: both return static, NUL-terminated strings (or null).
     let base = c_text(unsafe { (l.nccl_error_string)(rc) }).unwrap_or_default();
+    // SAFETY: as above.
     match c_text(unsafe { (l.nccl_last_error)(comm) }).filter(|s| !s.is_empty()) {
         Some(last) => format!("NCCL error {rc} ({base}): {last}"),
         None => format!("NCCL error {rc} ({base})"),

@@ -43,6 +43,7 @@ pub struct DeviceBuffer {
 pub struct CudaStream(pub *mut c_void);
 // SAFETY: a stream handle is a process-wide CUDA object, usable from any thread.
 unsafe impl Send for CudaStream {}
+// SAFETY: as above; the handle is only copied, never mutated through a shared reference.
 unsafe impl Sync for CudaStream {}
 
 /// A raw handle shared with the watchdog thread.
@@ -52,6 +53,7 @@ struct Handle(*mut c_void);
 // thread; every use of the communicator is serialised by `Shared::issue` or is ncclCommAbort /
 // ncclCommGetAsyncError, which NCCL allows concurrently.
 unsafe impl Send for Handle {}
+// SAFETY: as above.
 unsafe impl Sync for Handle {}
 
 /// The communicator of one group on one device. Cheap to clone.

@@ -187,12 +187,12 @@ impl MpiTransport {
             }
             if Instant::now() >= deadline {
                 BROKEN.store(true, Ordering::SeqCst);
-                eprintln!(
+                crate::diagnostics::last_words(&format!(
                     "tandem: rank {}: {what} did not complete within {timeout:?} (a rank is \
                      stalled, dead, or called a different collective; MPI does not say which): \
                      aborting the MPI job",
                     self.comm.0.rank()
-                );
+                ));
                 // SAFETY: aborts every process of the job; does not return.
                 unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) };
                 std::process::exit(1);
@@ -223,7 +223,10 @@ impl MpiTransport {
     /// Says why and aborts every process of the MPI job (does not return).
     fn abort_job(&self, why: &str) -> ! {
         BROKEN.store(true, Ordering::SeqCst);
-        eprintln!("tandem: rank {}: {why}: aborting the MPI job", self.comm.0.rank());
+        crate::diagnostics::last_words(&format!(
+            "tandem: rank {}: {why}: aborting the MPI job",
+            self.comm.0.rank()
+        ));
         // SAFETY: aborts every process of the job; does not return.
         unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) };
         std::process::exit(1);

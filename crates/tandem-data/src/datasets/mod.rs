@@ -18,6 +18,10 @@ pub use digits::{digits, digits_all, DIGITS_EVAL_LEN};
 pub use idx::{mnist, read_idx_images, read_idx_labels};
 pub use synthetic::synthetic;
 
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+
 use crate::{DataError, InMemoryDataset};
 
 /// Defaults of the `synthetic` spec.
@@ -27,7 +31,7 @@ pub const SYNTHETIC_DEFAULT_CLASSES: usize = 10;
 /// Seed of the `synthetic` spec's generator (train and eval come from one generated set).
 pub const SYNTHETIC_SPEC_SEED: u64 = 0;
 
-/// Resolves a dataset spec to (train, eval):
+/// A dataset a job names, parsed once from its spec (`--data`) and written back the same way:
 /// * `digits` — the embedded UCI digits, see [`digits`];
 /// * `mnist:DIR` — MNIST or Fashion-MNIST IDX files in `DIR`, see [`mnist`];
 /// * `cifar10:DIR` — CIFAR-10's binary batches in `DIR`, see [`cifar10`];
@@ -36,51 +40,98 @@ pub const SYNTHETIC_SPEC_SEED: u64 = 0;
 /// * `synthetic[:N[:DIM[:CLASSES]]]` — `N` train examples (default 10000) and `N / 5` eval
 ///   examples (at least 1) of `DIM` features (64) in `CLASSES` classes (10), drawn from the
 ///   same class centers with seed 0.
-pub fn from_spec(spec: &str) -> Result<(InMemoryDataset, InMemoryDataset), DataError> {
-    let bad = |reason: String| DataError::BadSpec { spec: spec.to_string(), reason };
-    if spec == "digits" {
-        return digits();
-    }
-    if let Some(dir) = spec.strip_prefix("mnist:") {
-        if dir.is_empty() {
-            return Err(bad("mnist: needs a directory after the colon".into()));
-        }
-        return mnist(dir);
-    }
-    if let Some(dir) = spec.strip_prefix("cifar10:") {
-        if dir.is_empty() {
-            return Err(bad("cifar10: needs a directory after the colon".into()));
-        }
-        return cifar10(dir);
-    }
-    if spec == "synthetic-cifar" || spec.starts_with("synthetic-cifar:") {
-        let n = match spec.strip_prefix("synthetic-cifar:") {
-            None => SYNTHETIC_DEFAULT_LEN,
-            Some(n) => n
-                .parse::<usize>()
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DatasetSpec {
+    Digits,
+    Mnist(PathBuf),
+    Cifar10(PathBuf),
+    SyntheticCifar { n: usize },
+    Synthetic { n: usize, dim: usize, classes: usize },
+}
+
+impl FromStr for DatasetSpec {
+    type Err = DataError;
+
+    fn from_str(spec: &str) -> Result<Self, DataError> {
+        let bad = |reason: String| DataError::BadSpec { spec: spec.to_string(), reason };
+        let dir = |kind: &str, dir: &str| {
+            if dir.is_empty() {
+                return Err(bad(format!("{kind}: needs a directory after the colon")));
+            }
+            Ok(PathBuf::from(dir))
+        };
+        let positive = |name: &str, v: &str| {
+            v.parse::<usize>()
                 .ok()
                 .filter(|&v| v > 0)
-                .ok_or_else(|| bad(format!("N must be a positive integer, got {n:?}")))?,
+                .ok_or_else(|| bad(format!("{name} must be a positive integer, got {v:?}")))
         };
-        return synthetic_cifar(n, SYNTHETIC_SPEC_SEED);
-    }
-    if spec == "synthetic" || spec.starts_with("synthetic:") {
-        let parts: Vec<&str> = spec.split(':').skip(1).collect();
-        if parts.len() > 3 {
-            return Err(bad(format!("synthetic takes at most 3 numbers, got {}", parts.len())));
+        if spec == "digits" {
+            return Ok(DatasetSpec::Digits);
         }
-        let defaults = [SYNTHETIC_DEFAULT_LEN, SYNTHETIC_DEFAULT_DIM, SYNTHETIC_DEFAULT_CLASSES];
-        let names = ["N", "DIM", "CLASSES"];
-        let mut values = defaults;
-        for (i, part) in parts.iter().enumerate() {
-            values[i] = part.parse::<usize>().ok().filter(|&v| v > 0).ok_or_else(|| {
-                bad(format!("{} must be a positive integer, got {part:?}", names[i]))
-            })?;
+        if let Some(d) = spec.strip_prefix("mnist:") {
+            return Ok(DatasetSpec::Mnist(dir("mnist", d)?));
         }
-        let [n, dim, classes] = values;
-        return synthetic_split(n, dim, classes, SYNTHETIC_SPEC_SEED, "synthetic");
+        if let Some(d) = spec.strip_prefix("cifar10:") {
+            return Ok(DatasetSpec::Cifar10(dir("cifar10", d)?));
+        }
+        if spec == "synthetic-cifar" || spec.starts_with("synthetic-cifar:") {
+            let n = match spec.strip_prefix("synthetic-cifar:") {
+                None => SYNTHETIC_DEFAULT_LEN,
+                Some(n) => positive("N", n)?,
+            };
+            return Ok(DatasetSpec::SyntheticCifar { n });
+        }
+        if spec == "synthetic" || spec.starts_with("synthetic:") {
+            let parts: Vec<&str> = spec.split(':').skip(1).collect();
+            if parts.len() > 3 {
+                return Err(bad(format!("synthetic takes at most 3 numbers, got {}", parts.len())));
+            }
+            let mut values =
+                [SYNTHETIC_DEFAULT_LEN, SYNTHETIC_DEFAULT_DIM, SYNTHETIC_DEFAULT_CLASSES];
+            for (i, (part, name)) in parts.iter().zip(["N", "DIM", "CLASSES"]).enumerate() {
+                values[i] = positive(name, part)?;
+            }
+            let [n, dim, classes] = values;
+            return Ok(DatasetSpec::Synthetic { n, dim, classes });
+        }
+        Err(bad("unknown dataset".into()))
     }
-    Err(bad("unknown dataset".into()))
+}
+
+impl fmt::Display for DatasetSpec {
+    /// The spec it was parsed from (defaults written out).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DatasetSpec::Digits => f.write_str("digits"),
+            DatasetSpec::Mnist(dir) => write!(f, "mnist:{}", dir.display()),
+            DatasetSpec::Cifar10(dir) => write!(f, "cifar10:{}", dir.display()),
+            DatasetSpec::SyntheticCifar { n } => write!(f, "synthetic-cifar:{n}"),
+            DatasetSpec::Synthetic { n, dim, classes } => {
+                write!(f, "synthetic:{n}:{dim}:{classes}")
+            }
+        }
+    }
+}
+
+impl DatasetSpec {
+    /// Its (train, eval) pair.
+    pub fn load(&self) -> Result<(InMemoryDataset, InMemoryDataset), DataError> {
+        match self {
+            DatasetSpec::Digits => digits(),
+            DatasetSpec::Mnist(dir) => mnist(dir),
+            DatasetSpec::Cifar10(dir) => cifar10(dir),
+            DatasetSpec::SyntheticCifar { n } => synthetic_cifar(*n, SYNTHETIC_SPEC_SEED),
+            DatasetSpec::Synthetic { n, dim, classes } => {
+                synthetic_split(*n, *dim, *classes, SYNTHETIC_SPEC_SEED, "synthetic")
+            }
+        }
+    }
+}
+
+/// Resolves a dataset spec (see [`DatasetSpec`]) to (train, eval).
+pub fn from_spec(spec: &str) -> Result<(InMemoryDataset, InMemoryDataset), DataError> {
+    spec.parse::<DatasetSpec>()?.load()
 }
 
 /// `n` train and `n / 5` (at least 1) eval examples of [`synthetic`] data, drawn from the same

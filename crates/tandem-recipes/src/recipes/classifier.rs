@@ -24,7 +24,7 @@ use tandem_train::{
 use super::net::{image_shape, Net, NetSpec};
 use super::optimizer::RunOptimizer;
 use super::LiveComm;
-use crate::options::TrainOptions;
+use crate::options::{DataSource, TrainOptions};
 
 /// The classifier's model, optimizer and eval data.
 pub struct Classifier<'a> {
@@ -50,8 +50,14 @@ impl<'a> Classifier<'a> {
     ) -> Result<(Self, DataLoader<TrainData>, Step)> {
         let rank = group.rank();
         let device = cfg.model.device.device(group.local_rank())?;
-        let (train, eval) = tandem_data::datasets::from_spec(&cfg.data.spec)
-            .option("data", Some(cfg.data.spec.clone()))?;
+        let DataSource::Dataset(dataset) = &cfg.data.source else {
+            tandem_train::bail_option!(
+                "data",
+                Some(cfg.data.source.to_string()),
+                "not a classifier's dataset"
+            );
+        };
+        let (train, eval) = dataset.load().option("data", Some(cfg.data.source.to_string()))?;
         let spec = NetSpec {
             kind: cfg.model.kind,
             hidden: cfg.model.hidden,
@@ -153,7 +159,7 @@ impl Recipe for Classifier<'_> {
             pending_loss,
             samples: batch.len(),
             forward_secs,
-            head_secs: 0.0,
+            phases: Vec::new(),
             backward_secs: out.backward_secs,
             optimizer_secs: out.optimizer_secs,
         })
@@ -215,7 +221,7 @@ fn image_transforms(
             format!(
                 "needs square images with 1 or 3 channels; the data ({}) has {} features per \
                  sample",
-                cfg.data.spec,
+                cfg.data.source,
                 train.input_dim()
             ),
         ));

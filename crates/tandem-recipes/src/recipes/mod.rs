@@ -21,7 +21,7 @@ use tandem_train::{
     World,
 };
 
-use crate::options::{Backend, DeviceKind, Precision, TrainOptions};
+use crate::options::{Backend, CommHook, DeviceKind, Precision, TrainOptions};
 
 /// Trains the recipe `opts.model.kind` names on this rank (every rank calls it; the process
 /// group comes from the environment: `tandem run`, torchrun, Slurm, mpirun, or a world of
@@ -30,6 +30,8 @@ use crate::options::{Backend, DeviceKind, Precision, TrainOptions};
 pub fn train(opts: &TrainOptions, reporter: &Reporter) -> Result<RunSummary> {
     tandem_train::fault::check_build()?;
     opts.validate()?;
+    // A run resumes from the face recipe's earlier checkpoints too.
+    crate::face::register_checkpoint_formats();
     let face = opts.model.kind.is_face();
     if let Some(live) = live_options(opts)? {
         // The face recipe's head rows are mirrored every `mirror_every` steps and re-split at
@@ -260,12 +262,12 @@ fn register_comm_hook<M: tandem_nn::ParamModule>(
     ddp: &tandem_ddp::Ddp<M>,
     opts: &TrainOptions,
 ) -> Result<()> {
-    let name = &opts.comm.comm_hook;
-    if name != "none" {
+    let name = opts.comm.comm_hook.name();
+    if opts.comm.comm_hook != CommHook::Off {
         let Some(hook) = tandem_ddp::comm_hooks::builtin(name) else {
-            bail_option!("comm_hook", Some(name.clone()), "no such hook");
+            bail_option!("comm_hook", Some(name.to_string()), "no such hook");
         };
-        ddp.register_comm_hook(hook).option("comm_hook", Some(name.clone()))?;
+        ddp.register_comm_hook(hook).option("comm_hook", Some(name.to_string()))?;
     } else if tandem_train::fault::armed() {
         ddp.register_comm_hook(tandem_train::fault::hook()).context("the fault-injection hook")?;
     }

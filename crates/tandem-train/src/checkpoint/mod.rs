@@ -31,9 +31,9 @@
 //! reads (a file whose checksums fail is skipped with a warning) and reads only what a rank
 //! asks for: [`Saved::read_rows`] opens only the rank files whose rows overlap the range (the
 //! head is re-split on another world size, never assembled on one rank),
-//! [`Saved::read_entries`] only the files holding the wanted indices. Checkpoints of the
-//! formats written before this API (the face recipe's `tandem-partial-fc-1` directories) load
-//! through the same reader.
+//! [`Saved::read_entries`] only the files holding the wanted indices. Directories of a format
+//! a recipe wrote before this API load through the same reader once that recipe registers it
+//! ([`register_dir_format`]).
 //!
 //! ```ignore
 //! let mut ckpt = Checkpointer::new("run/checkpoints", 3).background(true);
@@ -46,7 +46,7 @@
 //!     head.load_state_dict(&saved.read_row_parts("head", my_rows)?.iter().collect::<Vec<_>>())?;
 //! }
 //! ```
-mod legacy;
+mod formats;
 mod manifest;
 mod policy;
 mod reader;
@@ -57,6 +57,7 @@ use std::path::Path;
 
 use tandem_ckpt::{CkptError, Value};
 
+pub use formats::{register_dir_format, DirFormat};
 pub use manifest::{rank_file_name, Manifest, RankFile, ShardEntry, FORMAT, MANIFEST, REPLICATED};
 pub use policy::{CheckpointPolicy, Never, Periodic, KEEP_LAST};
 pub use reader::Saved;

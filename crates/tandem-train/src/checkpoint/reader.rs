@@ -2,15 +2,16 @@
 //! opened by path: its replicated dict and, read on demand, the slices of its shards.
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use tandem_ckpt::{LoadOptions, Value};
 
+use super::formats::{dir_format, DirFormat};
 use super::manifest::{self, Manifest};
 use super::rows::{self, RowPart};
-use super::{file, invalid, legacy, Result, ShardSlice};
+use super::{file, invalid, Result, ShardSlice};
 
 /// A complete checkpoint: a single file, or a directory with its manifest.
-#[derive(Debug)]
 pub struct Saved {
     path: PathBuf,
     global_step: u64,
@@ -19,10 +20,24 @@ pub struct Saved {
     source: Source,
 }
 
-#[derive(Debug)]
 enum Source {
     File(Value),
-    Dir { manifest: Manifest, legacy_face: bool },
+    /// `format`: a registered earlier format it is read as (`None`: `tandem-state-1`).
+    Dir {
+        manifest: Manifest,
+        format: Option<Arc<dyn DirFormat>>,
+    },
+}
+
+impl std::fmt::Debug for Saved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Saved")
+            .field("path", &self.path)
+            .field("format", &self.format())
+            .field("global_step", &self.global_step)
+            .field("world_size", &self.world_size)
+            .finish()
+    }
 }
 
 fn load_verified(path: &Path) -> Result<Value> {
@@ -32,7 +47,7 @@ fn load_verified(path: &Path) -> Result<Value> {
 
 impl Saved {
     /// A checkpoint file (`checkpoint-NAME.pt`) or directory (with `manifest.json`, of this
-    /// format or the face recipe's earlier one).
+    /// format or one registered with [`register_dir_format`](super::register_dir_format)).
     pub fn open(path: &Path) -> Result<Saved> {
         if path.is_dir() {
             Self::open_dir(path)
@@ -56,18 +71,27 @@ impl Saved {
     fn open_dir(dir: &Path) -> Result<Saved> {
         let json = manifest::read_json(dir)?;
         let format = json.get("format").and_then(|f| f.as_str()).unwrap_or("").to_string();
-        let legacy_face = format == legacy::FACE_FORMAT;
-        let manifest = if legacy_face {
-            manifest::check(dir, legacy::face_manifest(dir, json)?)?
-        } else {
-            manifest::parse(dir, json)?
+        let known = (format != manifest::FORMAT).then(|| dir_format(&format)).flatten();
+        if known.is_none() && format != manifest::FORMAT && !format.is_empty() {
+            return Err(invalid(
+                &dir.join(manifest::MANIFEST),
+                format!(
+                    "format `{format}` is neither `{}` nor one registered in this program \
+                     (checkpoint::register_dir_format)",
+                    manifest::FORMAT
+                ),
+            ));
+        }
+        let manifest = match &known {
+            Some(f) => manifest::check(dir, f.manifest(dir, json)?)?,
+            None => manifest::parse(dir, json)?,
         };
         Ok(Saved {
             path: dir.to_path_buf(),
             global_step: manifest.global_step,
             epoch: manifest.epoch,
             world_size: manifest.world_size,
-            source: Source::Dir { manifest, legacy_face },
+            source: Source::Dir { manifest, format: known },
         })
     }
 
@@ -91,12 +115,12 @@ impl Saved {
             Source::File(_) => None,
         }
     }
-    /// `tandem-state-1`, `tandem-partial-fc-1` (read as the first) or `file`.
+    /// `tandem-state-1`, a registered earlier format (read as the first) or `file`.
     pub fn format(&self) -> &'static str {
         match &self.source {
             Source::File(_) => "file",
-            Source::Dir { legacy_face: true, .. } => legacy::FACE_FORMAT,
-            Source::Dir { .. } => manifest::FORMAT,
+            Source::Dir { format: Some(f), .. } => f.name(),
+            Source::Dir { format: None, .. } => manifest::FORMAT,
         }
     }
 
@@ -104,7 +128,13 @@ impl Saved {
     pub fn replicated(&self) -> Result<Value> {
         match &self.source {
             Source::File(v) => Ok(v.clone()),
-            Source::Dir { manifest, .. } => load_verified(&self.path.join(&manifest.replicated)),
+            Source::Dir { manifest, format } => {
+                let value = load_verified(&self.path.join(&manifest.replicated))?;
+                Ok(match format {
+                    Some(f) => f.replicated(value),
+                    None => value,
+                })
+            }
         }
     }
 
@@ -138,11 +168,9 @@ impl Saved {
     }
 
     fn shard_of(&self, file_value: &Value, rank: usize, name: &str) -> Result<Value> {
-        let legacy_face = matches!(self.source, Source::Dir { legacy_face: true, .. });
-        let found = if legacy_face {
-            legacy::face_shard(file_value, name)
-        } else {
-            file_value.get(name).cloned()
+        let found = match &self.source {
+            Source::Dir { format: Some(f), .. } => f.shard(file_value, name),
+            _ => file_value.get(name).cloned(),
         };
         found.ok_or_else(|| {
             let file = &self.manifest().expect("a directory").ranks[rank].file;

@@ -18,7 +18,7 @@ use tandem_optim::OptimizerState;
 use super::part::{owned_by, runs, Mirrored, PartHeader, RankPart};
 use crate::checkpoint::{Saved, ShardDict};
 use crate::error::{Context, Result};
-use crate::events::{MirrorCost, Resplit};
+use crate::rank_state::{MirrorCost, Resplit};
 use crate::rank_state::{PartLoaded, RankState};
 use crate::TrainError;
 
@@ -190,7 +190,11 @@ impl RankState for LiveShards {
         taking.context("live recovery: taking the new world's optimizer shard")?;
         // This rank's new shard is mirrored at once, so the next death is covered.
         self.send_mirror(group, optimizer, step)?;
-        let resplit = Some(Resplit::OptimizerShards(counts));
+        let resplit = Some(Resplit {
+            part: "optimizer shards".into(),
+            lost_unit: "parameter-steps of state".into(),
+            counts,
+        });
         Ok(PartLoaded { resplit, ..PartLoaded::default() })
     }
 

@@ -26,7 +26,6 @@
 mod entries;
 mod part;
 mod parts;
-pub(crate) mod trainer;
 
 use std::sync::{Arc, Mutex};
 
@@ -35,7 +34,8 @@ use tandem_comm::live::{Generation, LiveGroup, LiveOptions};
 use tandem_comm::{Collectives, CommError, ProcessGroup};
 
 use crate::error::{comm, Context};
-use crate::events::{MirrorCost, Resplit};
+pub use crate::rank_state::RegroupCounts;
+use crate::rank_state::{MirrorCost, Resplit};
 use crate::state::{apply_checkpoint, sampler_state_from_value, to_value, Restore, TrainingState};
 use crate::{Result, TrainError};
 use parts::LiveParts;
@@ -43,13 +43,43 @@ use parts::LiveParts;
 pub use tandem_comm::live::is_peer_failure;
 
 pub use entries::Entries;
-pub use part::{
-    exchange_mirror, owned_by, regroup, runs, Fill, Mirrored, PartHeader, RankPart, RegroupCounts,
-};
+pub use part::{exchange_mirror, owned_by, regroup, runs, Fill, Mirrored, PartHeader, RankPart};
 
 /// How many regroups one call tries while members keep failing (a source that dies while it
 /// sends its state, say) before giving up.
 const MAX_REGROUPS: usize = 8;
+
+/// A live regroup, as the new world's rank 0 reports it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Regroup {
+    /// Seconds since the Unix epoch when the world had re-formed.
+    pub at_unix_s: f64,
+    /// [`Regroup::JOINED`], or the failure that broke the old world.
+    pub cause: String,
+    pub change: WorldChange,
+    /// Steps the world takes again (the one in flight when a rank died, unless the state's
+    /// source had finished it).
+    pub redone: u64,
+    /// How the state each rank holds alone was re-split, if the recipe has such state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resplit: Option<Resplit>,
+}
+
+impl Regroup {
+    /// The cause of a regroup that lets a replacement join the running world.
+    pub const JOINED: &'static str = "a rank joins";
+
+    /// Whether a replacement joined (not a failure).
+    pub fn is_join(&self) -> bool {
+        self.cause == Regroup::JOINED
+    }
+
+    /// Whether any process joined: a join, or a failure's regroup that took in a replacement
+    /// already waiting (it may hold the slot of the member lost).
+    pub fn has_joiner(&self) -> bool {
+        self.is_join() || !self.change.joined.is_empty()
+    }
+}
 
 /// What a regroup changed.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

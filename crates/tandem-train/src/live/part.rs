@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use tandem_comm::{CommError, ProcessGroup};
 
 use crate::error::{bail, Context};
-use crate::events::MirrorCost;
+use crate::rank_state::{MirrorCost, RegroupCounts};
 use crate::{Result, TrainError};
 
 /// Bound on one rank's announcement and on a part's header (ranges and labels).
@@ -108,38 +108,6 @@ pub trait RankPart: Sized {
         labels: &[String],
         pieces: Vec<Self>,
     ) -> Result<Self>;
-}
-
-/// How a re-split went, summed over the world; counts are of keys.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RegroupCounts {
-    /// Keys a rank already held as its own.
-    pub kept: u64,
-    /// Keys received from the rank that owned them.
-    pub moved: u64,
-    /// Keys restored from a mirror (the owner is gone).
-    pub from_mirror: u64,
-    /// Keys no rank held, read by the caller's fill (the last checkpoint, the initial centres).
-    pub reloaded: u64,
-    /// Keys no rank held and nothing filled: their state starts afresh.
-    pub fresh: u64,
-    /// Steps of training lost, summed over the keys whose source was older than the world's
-    /// step (`keys x steps`).
-    pub stale_steps: u64,
-    /// Bytes sent point to point.
-    pub bytes_sent: u64,
-}
-
-impl RegroupCounts {
-    fn add(&mut self, o: &RegroupCounts) {
-        self.kept += o.kept;
-        self.moved += o.moved;
-        self.from_mirror += o.from_mirror;
-        self.reloaded += o.reloaded;
-        self.fresh += o.fresh;
-        self.stale_steps += o.stale_steps;
-        self.bytes_sent += o.bytes_sent;
-    }
 }
 
 /// What `P` was doing, as the context of its failure.

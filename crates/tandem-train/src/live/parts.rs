@@ -15,8 +15,8 @@ use tandem_comm::ProcessGroup;
 use super::entries::LiveShards;
 use crate::checkpoint::{Checkpointer, Saved, KEEP_LAST};
 use crate::error::{Context, Result};
-use crate::events::{MirrorCost, Resplit};
 use crate::rank_state::RankState;
+use crate::rank_state::{MirrorCost, Resplit};
 use crate::state::{put_entry, TrainingState};
 
 /// What a live job keeps for a state's parts between steps (see the module docs).

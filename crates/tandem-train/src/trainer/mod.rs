@@ -16,7 +16,9 @@
 //! let mut trainer = Trainer::new(my_recipe, loader, step, group, TrainerOptions::new(dir, 10));
 //! let summary = trainer.fit()?;
 //! ```
+mod live;
 mod recipe;
+mod record;
 mod times;
 
 use std::path::PathBuf;
@@ -31,15 +33,16 @@ use crate::checkpoint::{CheckpointPolicy, Checkpointer, Periodic};
 use crate::error::{Context, Result, TrainError};
 use crate::events::{Event, Logger, Reporter, StepEvent};
 use crate::fault;
-use crate::live::trainer::{root_cause, Regrouping};
 use crate::live::LiveTraining;
-use crate::metrics::{MetricsFile, VerificationMetrics};
+use crate::metrics::MetricsFile;
 use crate::schedule;
 use crate::state::{self, LoaderPosition, Resumed, TrainingState};
 use crate::tfevents::STEP_SCALARS_EVERY;
 use crate::training_log::TrainingLog;
 use crate::{EpochMetrics, EventWriter, RunSummary, Step};
+use live::root_cause;
 pub use recipe::{Evaluation, Recipe, StepReport};
+use record::LoopRecord;
 pub use times::StepTimes;
 use times::{LossQueue, LOSS_READ_LAG};
 
@@ -104,22 +107,11 @@ pub struct Trainer<R: Recipe> {
     pub(crate) group: ProcessGroup,
     pub(crate) opts: TrainerOptions,
     pub(crate) global_step: u64,
-    pub(crate) samples_seen: u64,
-    pub(crate) train_time: f64,
-    /// (training seconds, samples seen) when the timing warm-up ended.
-    pub(crate) warm: Option<(f64, u64)>,
-    pub(crate) times: StepTimes,
-    pub(crate) last_eval: Option<Evaluation>,
-    pub(crate) last_val: Vec<VerificationMetrics>,
-    pub(crate) last_ckpt: Option<PathBuf>,
-    /// The step of the last checkpoint written (the same on every rank).
-    pub(crate) saved_at: Option<u64>,
-    /// An epoch whose steps are done but whose evaluation, line and checkpoint are not.
-    pub(crate) epoch_to_close: Option<(u64, f64)>,
+    /// What the loop has done beyond the recipe's state (moves with it under live recovery).
+    pub(crate) record: LoopRecord,
     /// Where the step in progress took its batch from (put back if the step fails).
     pub(crate) in_flight: Option<SamplerState>,
     pub(crate) live: Option<LiveTraining>,
-    pub(crate) epochs_seen: Vec<EpochMetrics>,
     /// Whether this process opened the run directory's loggers (it is or was rank 0).
     pub(crate) logs_open: bool,
     /// The run's loggers: the run directory's (the metrics file, and `training.log` and
@@ -128,10 +120,6 @@ pub struct Trainer<R: Recipe> {
     pub(crate) reporter: Reporter,
     /// Where the checkpoints of a recipe that gives its [`Recipe::state`] go.
     pub(crate) ckpt: Checkpointer,
-    /// The step the final verification ran at (a regroup after it does not run it again).
-    pub(crate) verified_at: Option<u64>,
-    /// Why the world is regrouping now, until it is reported.
-    pub(crate) regrouping: Option<Regrouping>,
 }
 
 impl<R: Recipe> Trainer<R> {
@@ -148,26 +136,15 @@ impl<R: Recipe> Trainer<R> {
             .background(policy.background());
         let mut trainer = Trainer {
             ckpt,
-            verified_at: None,
-            regrouping: None,
             recipe,
             loader,
             step,
             group,
             opts,
             global_step: 0,
-            samples_seen: 0,
-            train_time: 0.0,
-            warm: None,
-            times: StepTimes::default(),
-            last_eval: None,
-            last_val: Vec::new(),
-            last_ckpt: None,
-            saved_at: None,
-            epoch_to_close: None,
+            record: LoopRecord::default(),
             in_flight: None,
             live: None,
-            epochs_seen: Vec::new(),
             logs_open: false,
             reporter: Reporter::new(),
         };
@@ -264,37 +241,21 @@ impl<R: Recipe> Trainer<R> {
             }
             return Ok(None);
         };
-        let path = saved.path().to_path_buf();
-        let what = path.display().to_string();
-        let ck = {
+        let what = saved.path().display().to_string();
+        let (resumed, ck) = {
             let loader: &mut dyn LoaderPosition = &mut self.loader;
             let mut whole = whole_state(&mut self.recipe, &mut self.step, Some(loader), 0, 0)
                 .context("the recipe stopped giving its state")?;
             // Loaded below, stretched over the steps this world has left.
             whole.scheduler = None;
-            state::restore(&saved, &mut whole).with_context(|| format!("reading {what}"))?
+            state::resume_from(&saved, &mut whole).with_context(|| format!("reading {what}"))?
         };
-        let (ck, scaler_note) = ck;
-        let global_step = ck.global_step as u64;
-        let max_steps = Some(global_step + self.loader.steps_to_end(self.opts.epochs));
+        let max_steps = Some(resumed.step + self.loader.steps_to_end(self.opts.epochs));
         let sched = self.step.lr_scheduler_mut();
         schedule::load(sched, &ck.scheduler, self.recipe.optimizer(), max_steps, &what)?;
-        let world = self.group.size();
-        let reshard = match ck.world_size as usize != world {
-            true => {
-                let saved = state::sampler_state_from_value(&ck.sampler)
-                    .with_context(|| format!("{what}: checkpoint `sampler`"))?;
-                Some(crate::state::reshard_message(&saved, world, &self.loader))
-            }
-            false => None,
-        };
-        let notes: Vec<String> = reshard.into_iter().chain(scaler_note).collect();
-        let note = (!notes.is_empty()).then(|| notes.join("\n"));
-        let epoch = self.loader.epoch();
-        let world_size = ck.world_size as usize;
         // Every rank has read what it needs before any goes on (and perhaps saves over it).
         self.group.barrier().context("barrier after reading the checkpoint")?;
-        Ok(Some(Resumed { path, step: global_step, epoch, world_size, note }))
+        Ok(Some(resumed))
     }
 
     /// Waits for the background saves in flight, the trainer's and the recipe's (a collective).
@@ -339,14 +300,14 @@ impl<R: Recipe> Trainer<R> {
             epochs: self.loader.epoch().min(self.opts.epochs),
             steps: self.global_step,
             samples_per_s: self.samples_per_s(),
-            final_loss: self.epochs_seen.last().map(|e| e.train_loss),
-            eval_accuracy: self.last_eval.map(|e| e.accuracy),
-            verification_accuracy: self.last_val.first().map(|r| r.accuracy),
-            checkpoint: if self.rank() == 0 { self.last_ckpt.clone() } else { None },
+            final_loss: self.record.epochs_seen.last().map(|e| e.train_loss),
+            eval_accuracy: self.record.last_eval.map(|e| e.accuracy),
+            verification_accuracy: self.record.last_val.first().map(|r| r.accuracy),
+            checkpoint: if self.rank() == 0 { self.record.last_ckpt.clone() } else { None },
             skipped_steps: self.step.skipped_steps(),
-            step_times: Some(self.times),
-            verification: self.last_val.clone(),
-            epochs_seen: std::mem::take(&mut self.epochs_seen),
+            step_times: Some(self.record.times.clone()),
+            verification: self.record.last_val.clone(),
+            epochs_seen: std::mem::take(&mut self.record.epochs_seen),
             peak_rss_bytes,
             training_peak_rss_bytes,
             device_peak_bytes,
@@ -363,18 +324,18 @@ impl<R: Recipe> Trainer<R> {
         fault::hit(fault::Phase::Conclude);
         self.settle()?;
         self.group.barrier().context("barrier after the last checkpoint save")?;
-        if self.verified_at != Some(self.global_step) {
+        if self.record.verified_at != Some(self.global_step) {
             let val = self.recipe.validate(&self.group, self.global_step)?;
-            self.verified_at = Some(self.global_step);
+            self.record.verified_at = Some(self.global_step);
             if !val.is_empty() {
                 self.emit(Event::Verified { step: self.global_step, results: val.clone() })?;
-                self.last_val = val;
+                self.record.last_val = val;
             }
         }
-        if self.last_eval.is_none() {
+        if self.record.last_eval.is_none() {
             // Nothing was left to train (a resume at the end): evaluate the model as it is.
             self.recipe.set_training(false)?;
-            self.last_eval = self.recipe.evaluate(&self.group)?;
+            self.record.last_eval = self.recipe.evaluate(&self.group)?;
         }
         if let Some(live) = self.live.as_ref() {
             let costs = match whole_state(&mut self.recipe, &mut self.step, None, 0, 0) {
@@ -398,11 +359,11 @@ impl<R: Recipe> Trainer<R> {
 
     /// Samples per second of training time, after the timing warm-up when one was run.
     fn samples_per_s(&self) -> f64 {
-        let (t0, s0) = match self.warm {
-            Some(w) if self.samples_seen > w.1 => w,
+        let (t0, s0) = match self.record.warm {
+            Some(w) if self.record.samples_seen > w.1 => w,
             _ => (0.0, 0),
         };
-        (self.samples_seen - s0) as f64 / (self.train_time - t0).max(1e-9)
+        (self.record.samples_seen - s0) as f64 / (self.record.train_time - t0).max(1e-9)
     }
 
     /// The step budget from here: `max_steps`, and the steps to the end of the epochs (which
@@ -425,7 +386,7 @@ impl<R: Recipe> Trainer<R> {
             let Some(train_loss) = self.train_epoch(max_steps)? else {
                 return Ok(Ended::RegroupWanted);
             };
-            self.epoch_to_close = Some((epoch, train_loss));
+            self.record.epoch_to_close = Some((epoch, train_loss));
             self.close_epoch()?;
         }
         Ok(Ended::Done)
@@ -467,7 +428,7 @@ impl<R: Recipe> Trainer<R> {
             fault::set_step(n);
             let mut report = recipe.train_step(&batch, step, n)?;
             *in_flight = None;
-            self.times.add(data, &report);
+            self.record.times.add(data, &report);
             self.global_step = n;
             if let Some(live) = live.as_ref() {
                 // The state each rank holds alone keeps its live copies (mirrors).
@@ -475,11 +436,11 @@ impl<R: Recipe> Trainer<R> {
                     live.after_step(&mut whole)?;
                 }
             }
-            self.samples_seen += batch.len() as u64 * world;
+            self.record.samples_seen += batch.len() as u64 * world;
             if n == opts.timing_warmup_steps && n > 0 {
                 losses.settle(0)?;
-                let now = self.train_time + started.elapsed().as_secs_f64() - pause;
-                self.warm = Some((now, self.samples_seen));
+                let now = self.record.train_time + started.elapsed().as_secs_f64() - pause;
+                self.record.warm = Some((now, self.record.samples_seen));
             }
             // A TensorBoard step scalar wants this step's loss now, not a few steps late.
             let tb_due = rank0 && opts.tensorboard && n.is_multiple_of(STEP_SCALARS_EVERY);
@@ -506,7 +467,7 @@ impl<R: Recipe> Trainer<R> {
                         let event = Event::Verified { step: n, results: val.clone() };
                         report_to(reporter, &event)?;
                     }
-                    self.last_val = val;
+                    self.record.last_val = val;
                 }
                 pause += clock.elapsed().as_secs_f64();
             }
@@ -517,12 +478,12 @@ impl<R: Recipe> Trainer<R> {
                     let event = Event::CheckpointSaved { step: n, path: written.clone() };
                     report_to(reporter, &event)?;
                 }
-                self.last_ckpt = written.or(self.last_ckpt.take());
-                self.saved_at = Some(n);
+                self.record.last_ckpt = written.or(self.record.last_ckpt.take());
+                self.record.saved_at = Some(n);
                 let took = clock.elapsed().as_secs_f64();
                 pause += took;
-                self.times.saves += 1;
-                self.times.save += took;
+                self.record.times.saves += 1;
+                self.record.times.save += took;
             }
         }
         if taken == in_epoch {
@@ -531,7 +492,7 @@ impl<R: Recipe> Trainer<R> {
         }
         drop(batches);
         losses.settle(0)?;
-        self.train_time += started.elapsed().as_secs_f64() - pause;
+        self.record.train_time += started.elapsed().as_secs_f64() - pause;
         let mut sums = [losses.sum, losses.samples as f64];
         self.group.all_reduce(&mut sums, ReduceOp::Sum)?;
         Ok(Some(sums[0] / sums[1].max(1.0)))
@@ -541,19 +502,19 @@ impl<R: Recipe> Trainer<R> {
     /// the end-of-epoch checkpoint (unless `save_every` just wrote this step or the run is
     /// over).
     fn close_epoch(&mut self) -> Result<()> {
-        let Some((epoch, train_loss)) = self.epoch_to_close else { return Ok(()) };
+        let Some((epoch, train_loss)) = self.record.epoch_to_close else { return Ok(()) };
         self.recipe.set_training(false)?;
         if let Some(eval) = self.recipe.evaluate(&self.group)? {
-            self.last_eval = Some(eval);
+            self.record.last_eval = Some(eval);
         }
         self.report_epoch(epoch, train_loss)?;
         let (step, max_steps) = (self.global_step, self.max_steps());
-        let just_saved = self.saved_at == Some(step);
+        let just_saved = self.record.saved_at == Some(step);
         let more = step < max_steps && self.loader.epoch() < self.opts.epochs;
         if more && !just_saved && self.opts.checkpoints.at_epoch_end(epoch, step) {
             self.save()?;
         }
-        self.epoch_to_close = None;
+        self.record.epoch_to_close = None;
         Ok(())
     }
 
@@ -565,17 +526,17 @@ impl<R: Recipe> Trainer<R> {
         let (recipe, ckpt, group, step) =
             (&mut self.recipe, &mut self.ckpt, &self.group, &mut self.step);
         let written = checkpoint(recipe, ckpt, group, step, &position, n)?;
-        self.times.saves += 1;
-        self.times.save += clock.elapsed().as_secs_f64();
+        self.record.times.saves += 1;
+        self.record.times.save += clock.elapsed().as_secs_f64();
         self.emit(Event::CheckpointSaved { step: n, path: written.clone() })?;
-        self.last_ckpt = written.or(self.last_ckpt.take());
-        self.saved_at = Some(n);
+        self.record.last_ckpt = written.or(self.record.last_ckpt.take());
+        self.record.saved_at = Some(n);
         Ok(())
     }
 
     /// The final checkpoint of the run (a collective), unless this step's is written.
     pub(crate) fn save_last(&mut self) -> Result<()> {
-        if self.saved_at == Some(self.global_step) || !self.opts.checkpoints.at_end() {
+        if self.record.saved_at == Some(self.global_step) || !self.opts.checkpoints.at_end() {
             return Ok(());
         }
         self.save()
@@ -591,15 +552,15 @@ impl<R: Recipe> Trainer<R> {
             epoch: epoch + 1,
             step: self.global_step,
             train_loss,
-            eval_loss: self.last_eval.map(|e| e.loss),
-            eval_accuracy: self.last_eval.map(|e| e.accuracy),
-            verification: self.last_val.clone(),
+            eval_loss: self.record.last_eval.map(|e| e.loss),
+            eval_accuracy: self.record.last_eval.map(|e| e.accuracy),
+            verification: self.record.last_val.clone(),
             samples_per_s: sps,
             lr,
             loss_scale,
             skipped_steps: skipped,
         };
-        self.epochs_seen.push(metrics.clone());
+        self.record.epochs_seen.push(metrics.clone());
         self.emit(Event::EpochEnded { metrics, epochs: self.opts.epochs })
     }
 }

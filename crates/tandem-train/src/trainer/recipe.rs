@@ -20,8 +20,9 @@ pub struct StepReport {
     pub samples: usize,
     /// Seconds in the forward pass (the backbone's, for a recipe with a head).
     pub forward_secs: f64,
-    /// Seconds in a model-parallel head (PartialFC), 0 otherwise.
-    pub head_secs: f64,
+    /// Seconds in phases the recipe names itself, between forward and backward (the face
+    /// recipe's model-parallel head: `("head", secs)`).
+    pub phases: Vec<(&'static str, f64)>,
     pub backward_secs: f64,
     pub optimizer_secs: f64,
 }

@@ -50,13 +50,15 @@ impl LossQueue {
 }
 
 /// Where a rank's step time goes (seconds summed over the run's steps).
-#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StepTimes {
     pub steps: u64,
     /// Waiting for the next batch (decoding runs ahead on the loader's threads).
     pub data: f64,
     pub forward: f64,
-    pub head: f64,
+    /// The recipe's own phases ([`StepReport::phases`]), by name, in the order first seen.
+    #[serde(default)]
+    pub phases: Vec<(String, f64)>,
     /// Backward, with Ddp's bucketed all-reduce.
     pub backward: f64,
     /// Unscale, clipping, the optimizer step and the schedule.
@@ -74,22 +76,33 @@ impl StepTimes {
         self.steps += 1;
         self.data += data;
         self.forward += r.forward_secs;
-        self.head += r.head_secs;
+        for &(name, secs) in &r.phases {
+            match self.phases.iter_mut().find(|(n, _)| n == name) {
+                Some((_, total)) => *total += secs,
+                None => self.phases.push((name.to_string(), secs)),
+            }
+        }
         self.backward += r.backward_secs;
         self.optimizer += r.optimizer_secs;
     }
 
-    /// `time per step on rank 0: T ms = data .. + forward .. + head .. + backward and
-    /// all-reduce .. + optimizer ..` (`head`: a model-parallel head's, such as PartialFC).
+    /// Seconds of the steps in all (saves apart).
+    pub fn total(&self) -> f64 {
+        let phases: f64 = self.phases.iter().map(|(_, s)| s).sum();
+        self.data + self.forward + phases + self.backward + self.optimizer
+    }
+
+    /// `time per step on rank 0: T ms = data .. + forward .. [+ PHASE .. each] + backward and
+    /// all-reduce .. + optimizer ..`.
     pub fn line(&self) -> String {
         let per = |t: f64| t * 1e3 / self.steps.max(1) as f64;
-        let total = self.data + self.forward + self.head + self.backward + self.optimizer;
+        let phases: String =
+            self.phases.iter().map(|(name, s)| format!(" + {name} {:.1}", per(*s))).collect();
         format!(
-            "time per step on rank 0: {:.1} ms = data {:.1} + forward {:.1} + head {:.1} + backward and all-reduce {:.1} + optimizer {:.1}",
-            per(total),
+            "time per step on rank 0: {:.1} ms = data {:.1} + forward {:.1}{phases} + backward and all-reduce {:.1} + optimizer {:.1}",
+            per(self.total()),
             per(self.data),
             per(self.forward),
-            per(self.head),
             per(self.backward),
             per(self.optimizer)
         )

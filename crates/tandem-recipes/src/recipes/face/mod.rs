@@ -10,6 +10,22 @@
 //! labels); backward (scaled under f16); unscale; clip the backbone's gradient norm; optimizer
 //! step (skipped on inf/NaN under f16); scaler update; scheduler step.
 
+//!
+//! The recipe's one home: its training state ([`HeadPart`], the per-rank buffers: `head.rs`),
+//! the head's live rows (`live_head.rs`), arcface_torch's config files (`config`) and
+//! checkpoint layout (`arcface`), loading a backbone's weights (`weights.rs`) and its own
+//! earlier checkpoint format (`old_checkpoints.rs`). Its evaluation is `face_eval`.
+pub mod arcface;
+pub mod config;
+mod head;
+mod live_head;
+mod old_checkpoints;
+mod weights;
+pub use head::{overlay, HeadPart, BUFFERS_SHARD, HEAD_ROWS, HEAD_SHARD};
+pub use live_head::RowBlock;
+pub use old_checkpoints::{register_checkpoint_formats, FACE_FORMAT};
+pub use weights::load_backbone;
+
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -34,9 +50,8 @@ use tandem_train::{
 
 use super::optimizer::RunOptimizer;
 use super::LiveComm;
-use crate::face::{HeadPart, BUFFERS_SHARD};
-use crate::options::{Precision, TrainOptions};
-use crate::verification::{self as verify, ValSets};
+use crate::face_eval::verification::{self as verify, ValSets};
+use crate::options::{DataSource, Precision, TrainOptions};
 
 /// arcface_torch's DDP settings for the backbone.
 const BUCKET_CAP_MB: f64 = 16.0;
@@ -45,7 +60,7 @@ const GROWTH_INTERVAL: i64 = 100;
 
 /// The backbone under Ddp, the PartialFC head, the optimizer over both, the verification sets
 /// and the per-rank checkpoints.
-pub struct Face<'a> {
+pub(crate) struct Face<'a> {
     cfg: &'a TrainOptions,
     device: Device,
     model: FaceBackbone,
@@ -93,7 +108,7 @@ fn read_init(path: &Path) -> Result<InitFrom> {
 
 impl<'a> Face<'a> {
     /// The recipe on this rank of `group`, its loader and its step.
-    pub fn build(
+    pub(crate) fn build(
         cfg: &'a TrainOptions,
         group: &ProcessGroup,
         reporter: &Reporter,
@@ -102,7 +117,7 @@ impl<'a> Face<'a> {
     }
 
     /// [`Face::build`] in a live world: Ddp and the head on `live`'s collectives.
-    pub fn build_with(
+    pub(crate) fn build_with(
         cfg: &'a TrainOptions,
         group: &ProcessGroup,
         live: Option<LiveComm>,
@@ -110,12 +125,15 @@ impl<'a> Face<'a> {
     ) -> Result<(Self, DataLoader<FaceRecDataset>, Step)> {
         let rank = group.rank();
         let device = cfg.model.device.device(group.local_rank())?;
-        let spec = cfg.data.spec.as_str();
-        let mut train = match spec.strip_prefix("folder:") {
-            Some(dir) => FaceRecDataset::open_folder(Path::new(dir)),
-            None => FaceRecDataset::open(Path::new(spec.strip_prefix("rec:").unwrap_or(spec))),
+        let source = &cfg.data.source;
+        let mut train = match source {
+            DataSource::Folder(dir) => FaceRecDataset::open_folder(dir),
+            DataSource::Rec(dir) => FaceRecDataset::open(dir),
+            DataSource::Dataset(_) => {
+                bail_option!("data", Some(source.to_string()), "not a face identity set")
+            }
         }
-        .option("data", Some(spec.to_string()))?;
+        .option("data", Some(source.to_string()))?;
         if cfg.data.augment {
             train = train.with_flip(cfg.run.seed);
         }
@@ -187,7 +205,7 @@ impl<'a> Face<'a> {
         if loader.is_empty() {
             bail_option!(
                 "data",
-                Some(cfg.data.spec.clone()),
+                Some(cfg.data.source.to_string()),
                 "{} images give rank {rank} fewer than one batch of {} (over {} ranks)",
                 train.len(),
                 cfg.data.batch_size,
@@ -329,7 +347,7 @@ impl Recipe for Face<'_> {
             pending_loss,
             samples: batch.len(),
             forward_secs,
-            head_secs,
+            phases: vec![("head", head_secs)],
             backward_secs: out.backward_secs,
             optimizer_secs: out.optimizer_secs,
         })
@@ -401,7 +419,7 @@ fn build_head(
     device: &Device,
     centres: Centres,
 ) -> Result<PartialFc> {
-    let (m1, m2, m3) = cfg.face.margin;
+    let (m1, m2, m3) = cfg.face.margin.parts();
     let margin = CombinedMarginLoss::new(
         cfg.face.margin_scale,
         m1,

@@ -8,13 +8,8 @@
 //! entry as the `head` row shard, mirrored and re-split under live recovery) and each rank's
 //! statistics a [`RankBuffers`](tandem_train::RankBuffers) (`buffers`). A checkpoint loads on
 //! any world size, each rank reading only the rank files that hold its rows.
-pub mod arcface;
-pub mod config;
-mod live_head;
-mod weights;
-pub use live_head::RowBlock;
-pub use weights::load_backbone;
 
+use super::live_head::RowBlock;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -30,6 +25,8 @@ use tandem_train::{Context, PartLoaded, RankState, Result, TrainError};
 
 /// The name of the head's row shard (centres and their optimizer state) in a checkpoint.
 pub const HEAD_SHARD: &str = "head";
+/// The head's rows as a live regroup's [`Resplit`] names them.
+pub const HEAD_ROWS: &str = "head rows";
 /// The name of each rank's BatchNorm statistics in a checkpoint.
 pub const BUFFERS_SHARD: &str = "buffers";
 
@@ -239,7 +236,11 @@ impl RankState for HeadPart {
         Ok(PartLoaded {
             entries: vec![entry],
             note: None,
-            resplit: Some(Resplit::HeadRows(counts)),
+            resplit: Some(Resplit {
+                part: HEAD_ROWS.into(),
+                lost_unit: "row-steps of head training".into(),
+                counts,
+            }),
         })
     }
 
