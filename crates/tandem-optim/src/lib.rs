@@ -126,6 +126,7 @@ mod groups;
 pub mod lr_scheduler;
 mod optimizer;
 mod sgd;
+mod step;
 mod tensor;
 #[cfg(feature = "zero")]
 pub mod zero;
@@ -138,5 +139,6 @@ pub use lr_scheduler::LrScheduler;
 pub(crate) use optimizer::non_negative;
 pub use optimizer::{OptimError, OptimizerShard, Part, TorchOptimizer};
 pub use sgd::{SgdConfig, TorchSgd};
+pub use step::{phase_end, Step, StepError, StepOutcome, StepPhase};
 #[cfg(feature = "zero")]
 pub use zero::{ShardOptimizer, ZeroRedundancyOptimizer};

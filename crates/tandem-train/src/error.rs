@@ -3,7 +3,6 @@
 //! checkpoint file's `CkptError`, the optimizer's `OptimError`, ...), so callers can still ask
 //! what kind of failure it was (`tandem_comm::live::is_peer_failure` walks the chain).
 use std::error::Error as StdError;
-use std::fmt;
 use std::ops::Range;
 use std::path::PathBuf;
 
@@ -56,6 +55,9 @@ pub enum TrainError {
     /// manifest that disagrees with its files, row blocks that do not stack.
     #[error("{}: {why}", path.display())]
     Corrupt { path: PathBuf, why: String },
+    /// A checkpoint could not be written or read (the file, the directory and why).
+    #[error(transparent)]
+    Checkpoint(#[from] tandem_checkpoint::CheckpointError),
     /// A field of a saved training state that does not fit this run.
     #[error("{}: field `{field}`: {problem}", path.display())]
     Field { path: PathBuf, field: &'static str, problem: String },
@@ -70,18 +72,11 @@ pub enum TrainError {
         source: CommError,
     },
     /// One phase of an optimizer step failed.
-    #[error("{phase} at step {step}")]
-    Step {
-        step: u64,
-        phase: StepPhase,
-        #[source]
-        source: Box<dyn StdError + Send + Sync>,
-    },
-    #[error(
-        "the run has {total_steps} steps, not more than the {warmup} warm-up steps (lower the \
-         warm-up or train longer)"
-    )]
-    WarmupTooLong { total_steps: u64, warmup: u64 },
+    #[error(transparent)]
+    Step(#[from] tandem_optim::StepError),
+    /// A learning-rate schedule could not be built or resumed.
+    #[error(transparent)]
+    Schedule(#[from] tandem_optim::lr_scheduler::schedule::ScheduleError),
     /// A sharded optimizer already holds every entry on its owner; a part cannot take some.
     #[error("a sharded optimizer cannot hand entries to the state's parts")]
     ShardedWithParts,
@@ -106,34 +101,6 @@ pub enum TrainError {
         #[source]
         source: serde_json::Error,
     },
-}
-
-/// The phase of an optimizer step that failed ([`TrainError::Step`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StepPhase {
-    /// The caller's backward (a collective inside Ddp, a kernel).
-    Backward,
-    /// Clipping found a non-finite gradient norm with no GradScaler to skip the step, or an
-    /// invalid max norm.
-    Clip,
-    /// The GradScaler's scale, unscale or update.
-    Scaler,
-    /// The optimizer's update.
-    Optimizer,
-    /// The learning-rate schedule's step.
-    Schedule,
-}
-
-impl fmt::Display for StepPhase {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            StepPhase::Backward => "backward",
-            StepPhase::Clip => "clipping the gradient norm",
-            StepPhase::Scaler => "loss scaling",
-            StepPhase::Optimizer => "the optimizer's update",
-            StepPhase::Schedule => "the learning-rate schedule",
-        })
-    }
 }
 
 /// `path: source`, or only `source` when it names the file already (as most of `CkptError`
@@ -378,7 +345,9 @@ mod tests {
         let text = fill.chain_text();
         assert!(text.contains("reading keys 0..4") && text.contains("sending the training state"));
         assert!(text.contains("closed its connection"), "{text}");
-        let step = TrainError::Step { step: 3, phase: StepPhase::Backward, source: peer().into() };
+        let phase = tandem_optim::StepPhase::Backward;
+        let step =
+            TrainError::from(tandem_optim::StepError { step: 3, phase, source: peer().into() });
         assert!(step.is_peer_failure());
         assert_eq!(step.to_string(), "backward at step 3");
         let invalid =

@@ -3,14 +3,15 @@
 //! - [`Trainer`] drives a [`Recipe`] (what a user writes: a train step, an evaluation, the
 //!   state it gives) through epochs, checkpoints ([`CheckpointPolicy`]: when and how many),
 //!   resume and live recovery;
-//! - [`Step`]: one optimizer step with optional float16 loss scaling — scale, backward, unscale,
-//!   clip a chosen parameter set, step (skipped on inf/NaN, counted), update the scale, step the
-//!   schedule; [`LrSchedule`]: learning-rate schedules by name (constant, poly with warm-up,
-//!   cosine, step) and their checkpoint state;
-//! - [`checkpoint`]: one API for a run's training state, replicated and sharded
-//!   ([`Checkpointer`], [`TrainingStateDict`], [`Saved`]): every rank's shards written in
-//!   parallel, the replicated part once, a manifest last, synchronously or in the background,
-//!   loaded on any world size reading only the slices a rank owns;
+//! - [`Step`] (from tandem-optim): one optimizer step with optional float16 loss scaling —
+//!   scale, backward, unscale, clip a chosen parameter set, step (skipped on inf/NaN, counted),
+//!   update the scale, step the schedule; [`LrSchedule`] (tandem-optim's, as [`schedule`]):
+//!   learning-rate schedules by name (constant, poly with warm-up, cosine, step) and their
+//!   checkpoint state;
+//! - [`checkpoint`] (the `tandem-checkpoint` crate): one API for a run's training state,
+//!   replicated and sharded ([`Checkpointer`], [`TrainingStateDict`], [`Saved`]): every rank's
+//!   shards written in parallel, the replicated part once, a manifest last, synchronously or
+//!   in the background, loaded on any world size reading only the slices a rank owns;
 //! - [`TrainingState`]: the whole training state of a model, its optimizer (ZeRO-1's shards
 //!   too), scheduler, scaler, loader and the state each rank holds alone ([`RankState`] parts:
 //!   PartialFC's rows, [`RankBuffers`]) saved and loaded in one call each
@@ -33,36 +34,35 @@
 // A public item of a private module must be re-exported: a user can name every type they get.
 #![warn(unnameable_types)]
 
-pub mod checkpoint;
 pub mod events;
 #[doc(hidden)]
 pub mod fault;
 pub mod live;
 pub mod metrics;
-pub mod schedule;
 pub mod state;
 
 mod error;
 mod evaluate;
 mod rank_state;
-mod step;
 mod tfevents;
 mod trainer;
 mod training_log;
 mod world;
 
-pub use checkpoint::{
-    CheckpointPolicy, Checkpointer, Never, Periodic, Saved, ShardDict, ShardSlice,
-    TrainingStateDict,
-};
-pub use error::{Context, Result, StepPhase, TrainError};
+pub use error::{Context, Result, TrainError};
 pub use evaluate::evaluate_logits;
 pub use events::{Event, Lines, Logger, Reporter};
 pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
 pub use rank_state::{PartLoaded, RankBuffers, RankState};
-pub use schedule::{LrSchedule, RunLength, Scheduler, Warmup};
 pub use state::{load_state, load_state_from, save_state, LoaderPosition, Resumed, TrainingState};
-pub use step::{phase_end, Step, StepOutcome};
+pub use tandem_checkpoint as checkpoint;
+pub use tandem_checkpoint::{
+    CheckpointPolicy, Checkpointer, Never, Periodic, Saved, ShardDict, ShardSlice,
+    TrainingStateDict,
+};
+pub use tandem_optim::lr_scheduler::schedule;
+pub use tandem_optim::lr_scheduler::schedule::{LrSchedule, RunLength, Scheduler, Warmup};
+pub use tandem_optim::{phase_end, Step, StepOutcome, StepPhase};
 pub use tfevents::EventWriter;
 pub use trainer::{Evaluation, Recipe, StepReport, StepTimes, Trainer, TrainerOptions};
 pub use world::World;

@@ -18,9 +18,9 @@ use tandem_ckpt::Value;
 use tandem_comm::ProcessGroup;
 use tandem_optim::OptimizerState;
 
-use crate::checkpoint::{Saved, ShardDict};
 use crate::error::{Context, Result};
 use serde::{Deserialize, Serialize};
+use tandem_checkpoint::{Saved, ShardDict};
 
 /// How a re-split went, summed over the world; counts are of keys.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -55,9 +55,9 @@ use tandem_optim::amp::GradScaler;
 use tandem_optim::lr_scheduler::LrScheduler;
 use tandem_optim::{OptimizerShard, OptimizerState};
 
-use crate::checkpoint::{Checkpointer, Saved, ShardDict, TrainingStateDict, KEEP_LAST};
 use crate::rank_state::RankState;
 use crate::{Context, Result, TrainError};
+use tandem_checkpoint::{Checkpointer, Saved, ShardDict, TrainingStateDict, KEEP_LAST};
 
 /// The name of a sharded optimizer's entry shard: a path into the replicated dict, where the
 /// entries go when the checkpoint is consolidated (`optimizer` → `state`, torch's layout).
@@ -603,7 +603,12 @@ pub fn reshard_message(saved: &SamplerState, world: usize, loader: &dyn LoaderPo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::rows::tests::rows;
+
+    /// `n` rows of two f32 counting up from `from`.
+    fn rows(n: usize, from: f32) -> tandem_ckpt::TensorData {
+        let data: Vec<f32> = (0..n * 2).map(|i| from + i as f32).collect();
+        tandem_ckpt::TensorData::from_f32(&[n, 2], &data)
+    }
 
     #[test]
     fn optimizer_state_splits_and_merges_without_loss() {

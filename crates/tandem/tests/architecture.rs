@@ -204,7 +204,9 @@ const PUBLIC_MODULES: &[(&str, &[&str])] = &[
     // (`face`, the face recipe's home, is re-exported from the private `recipes`.)
     ("tandem-recipes", &["face_eval", "options"]),
     ("tandem-testutil", &["child", "harness", "netns", "procs", "world"]),
-    ("tandem-train", &["checkpoint", "events", "fault", "live", "metrics", "schedule", "state"]),
+    ("tandem-checkpoint", &[]),
+    // (`checkpoint` is the tandem-checkpoint crate and `schedule` tandem-optim's, re-exported.)
+    ("tandem-train", &["events", "fault", "live", "metrics", "state"]),
 ];
 
 /// The `pub mod` names of a crate's root (`src/lib.rs`; a binary-only crate has none).

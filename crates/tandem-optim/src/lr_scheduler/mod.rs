@@ -74,6 +74,7 @@ mod cosine;
 mod linear;
 mod poly;
 mod poly_warmup;
+pub mod schedule;
 mod step;
 
 pub use cosine::CosineAnnealingLR;

@@ -16,11 +16,11 @@ use tandem_comm::ProcessGroup;
 use tandem_optim::OptimizerState;
 
 use super::part::{owned_by, runs, Mirrored, PartHeader, RankPart};
-use crate::checkpoint::{Saved, ShardDict};
 use crate::error::{Context, Result};
 use crate::rank_state::{MirrorCost, Resplit};
 use crate::rank_state::{PartLoaded, RankState};
 use crate::TrainError;
+use tandem_checkpoint::{Saved, ShardDict};
 
 /// Entries (parameter index → its optimizer state) held as of `step`, by ascending index.
 #[derive(Clone, Debug, PartialEq)]

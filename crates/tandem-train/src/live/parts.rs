@@ -13,11 +13,11 @@ use tandem_ckpt::Value;
 use tandem_comm::ProcessGroup;
 
 use super::entries::LiveShards;
-use crate::checkpoint::{Checkpointer, Saved, KEEP_LAST};
 use crate::error::{Context, Result};
 use crate::rank_state::RankState;
 use crate::rank_state::{MirrorCost, Resplit};
 use crate::state::{put_entry, TrainingState};
+use tandem_checkpoint::{Checkpointer, Saved, KEEP_LAST};
 
 /// What a live job keeps for a state's parts between steps (see the module docs).
 pub(crate) struct LiveParts {

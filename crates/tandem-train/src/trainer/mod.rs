@@ -29,7 +29,6 @@ use tandem_comm::{ProcessGroup, ReduceOp};
 use tandem_data::{DataLoader, SamplerState};
 use tandem_optim::GradScaler;
 
-use crate::checkpoint::{CheckpointPolicy, Checkpointer, Periodic};
 use crate::error::{Context, Result, TrainError};
 use crate::events::{Event, Logger, Reporter, StepEvent};
 use crate::fault;
@@ -43,6 +42,7 @@ use crate::{EpochMetrics, EventWriter, RunSummary, Step};
 use live::root_cause;
 pub use recipe::{Evaluation, Recipe, StepReport};
 use record::LoopRecord;
+use tandem_checkpoint::{CheckpointPolicy, Checkpointer, Periodic};
 pub use times::StepTimes;
 use times::{LossQueue, LOSS_READ_LAG};
 

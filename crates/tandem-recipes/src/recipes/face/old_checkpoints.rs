@@ -9,9 +9,9 @@ use std::sync::Arc;
 use serde::Deserialize;
 use tandem_ckpt::Value;
 use tandem_train::checkpoint::{
-    register_dir_format, DirFormat, Manifest, RankFile, ShardEntry, ShardSlice, FORMAT, MANIFEST,
+    register_dir_format, CheckpointError, DirFormat, Manifest, RankFile, Result, ShardEntry,
+    ShardSlice, FORMAT, MANIFEST,
 };
-use tandem_train::{Result, TrainError};
 
 use super::{BUFFERS_SHARD, HEAD_SHARD};
 
@@ -49,10 +49,11 @@ impl DirFormat for FaceCheckpoints {
     }
 
     fn manifest(&self, dir: &Path, json: serde_json::Value) -> Result<Manifest> {
-        let m: FaceManifest = serde_json::from_value(json).map_err(|e| TrainError::Corrupt {
-            path: dir.join(MANIFEST),
-            why: format!("not a face checkpoint manifest: {e}"),
-        })?;
+        let m: FaceManifest =
+            serde_json::from_value(json).map_err(|e| CheckpointError::Corrupt {
+                path: dir.join(MANIFEST),
+                why: format!("not a face checkpoint manifest: {e}"),
+            })?;
         let ranks = m
             .heads
             .iter()

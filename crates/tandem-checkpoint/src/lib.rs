@@ -1,4 +1,4 @@
-//! One API for a run's training state, replicated and sharded (what
+//! tandem-checkpoint: one API for a run's training state, replicated and sharded (what
 //! `torch.distributed.checkpoint` is to PyTorch): a [`TrainingStateDict`] is the replicated
 //! part (model, its optimizer state, schedulers, GradScaler, sampler, counters: one torch dict,
 //! the same on every rank) plus this rank's [`ShardDict`]s, each saying which slice of a global
@@ -46,17 +46,19 @@
 //!     head.load_state_dict(&saved.read_row_parts("head", my_rows)?.iter().collect::<Vec<_>>())?;
 //! }
 //! ```
+mod error;
 mod formats;
 mod manifest;
 mod policy;
 mod reader;
-pub(crate) mod rows;
+mod rows;
 mod writer;
 
 use std::path::Path;
 
 use tandem_ckpt::{CkptError, Value};
 
+pub use error::{CheckpointError, Result};
 pub use formats::{register_dir_format, DirFormat};
 pub use manifest::{rank_file_name, Manifest, RankFile, ShardEntry, FORMAT, MANIFEST, REPLICATED};
 pub use policy::{CheckpointPolicy, Never, Periodic, KEEP_LAST};
@@ -133,15 +135,13 @@ impl TrainingStateDict {
     }
 }
 
-pub(crate) use crate::error::{comm, io};
-pub(crate) use crate::Result;
-use crate::TrainError;
+pub(crate) use error::{comm, io};
 
-fn file(path: &Path) -> impl FnOnce(CkptError) -> TrainError {
+fn file(path: &Path) -> impl FnOnce(CkptError) -> CheckpointError {
     let path = path.to_path_buf();
-    move |source| TrainError::File { path, source }
+    move |source| CheckpointError::File { path, source }
 }
 
-fn invalid(path: &Path, why: impl Into<String>) -> TrainError {
-    TrainError::Corrupt { path: path.to_path_buf(), why: why.into() }
+fn invalid(path: &Path, why: impl Into<String>) -> CheckpointError {
+    CheckpointError::Corrupt { path: path.to_path_buf(), why: why.into() }
 }

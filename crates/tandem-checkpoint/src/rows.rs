@@ -99,11 +99,11 @@ fn dict_get<'v>(v: &'v Value, key: &Value) -> Option<&'v Value> {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
     /// `n` rows of two f32 counting up from `from`.
-    pub(crate) fn rows(n: usize, from: f32) -> TensorData {
+    fn rows(n: usize, from: f32) -> TensorData {
         let data: Vec<f32> = (0..n * 2).map(|i| from + i as f32).collect();
         TensorData::from_f32(&[n, 2], &data)
     }

@@ -7,10 +7,8 @@
 //! tests/reliability.rs in tandem-cli.)
 use std::path::{Path, PathBuf};
 
+use tandem_checkpoint::{Checkpointer, Saved, ShardDict, TrainingStateDict, LATEST, MANIFEST};
 use tandem_ckpt::{TensorData, Value};
-use tandem_train::checkpoint::{
-    Checkpointer, Saved, ShardDict, TrainingStateDict, LATEST, MANIFEST,
-};
 
 const CLASSES: usize = 5;
 

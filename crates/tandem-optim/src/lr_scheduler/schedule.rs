@@ -2,11 +2,33 @@
 //! cosine annealing, step decay, or none), built over the optimizer's parameter groups, and
 //! their checkpoint state.
 use tandem_ckpt::Value;
-use tandem_optim::lr_scheduler::{CosineAnnealingLR, PolyScheduler, PolynomialLRWarmup, StepLR};
-use tandem_optim::{LrScheduler, TorchOptimizer};
 
-use crate::error::Context;
-use crate::{Result, TrainError};
+use super::{CosineAnnealingLR, LrScheduler, PolyScheduler, PolynomialLRWarmup, StepLR};
+use crate::{OptimError, TorchOptimizer};
+
+/// A schedule that cannot be built or resumed.
+#[derive(Debug, thiserror::Error)]
+pub enum ScheduleError {
+    #[error(
+        "the run has {total_steps} steps, not more than the {warmup} warm-up steps (lower the \
+         warm-up or train longer)"
+    )]
+    WarmupTooLong { total_steps: u64, warmup: u64 },
+    /// A checkpoint's schedule that does not fit this run's (`what`: the checkpoint).
+    #[error("{what} {why}")]
+    Mismatch { what: String, why: &'static str },
+    /// A checkpoint's scheduler state that does not load (`what`: the checkpoint).
+    #[error("{what}: scheduler state")]
+    State {
+        what: String,
+        #[source]
+        source: OptimError,
+    },
+    #[error(transparent)]
+    Optim(#[from] OptimError),
+}
+
+type Result<T> = std::result::Result<T, ScheduleError>;
 
 /// The run's scheduler (`None` for a constant lr).
 pub type Scheduler = Option<Box<dyn LrScheduler + Send>>;
@@ -75,7 +97,7 @@ impl LrSchedule {
                     Warmup::Epochs(e) => e * steps_per_epoch,
                 };
                 if total_steps <= warmup {
-                    return Err(TrainError::WarmupTooLong { total_steps, warmup });
+                    return Err(ScheduleError::WarmupTooLong { total_steps, warmup });
                 }
                 let (total, warmup) = (total_steps as i64, warmup as i64);
                 match self {
@@ -117,12 +139,14 @@ pub fn load(
 ) -> Result<()> {
     match (sched.as_mut(), saved) {
         (None, Value::None) => Ok(()),
-        (None, _) => Err(TrainError::Invalid(format!(
-            "{what} was written with a learning-rate schedule; resume with the same schedule"
-        ))),
-        (Some(_), Value::None) => Err(TrainError::Invalid(format!(
-            "{what} has no scheduler state (written without a learning-rate schedule)"
-        ))),
+        (None, _) => Err(ScheduleError::Mismatch {
+            what: what.into(),
+            why: "was written with a learning-rate schedule; resume with the same schedule",
+        }),
+        (Some(_), Value::None) => Err(ScheduleError::Mismatch {
+            what: what.into(),
+            why: "has no scheduler state (written without a learning-rate schedule)",
+        }),
         (Some(s), state) => {
             let mut state = state.clone();
             // (PolyScheduler's length is `max_steps`, PolynomialLRWarmup's `total_iters`.)
@@ -131,7 +155,8 @@ pub fn load(
                     *slot = Value::Int(steps as i64);
                 }
             }
-            s.load_state_dict(&state).with_context(|| format!("{what}: scheduler state"))?;
+            s.load_state_dict(&state)
+                .map_err(|source| ScheduleError::State { what: what.into(), source })?;
             s.apply(opt)?;
             Ok(())
         }

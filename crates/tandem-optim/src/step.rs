@@ -14,20 +14,60 @@
 //! ```
 use std::time::Instant;
 
+use std::fmt;
+
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
-use tandem_optim::{clip_grad_norm, GradScaler, OptimError, TorchOptimizer};
 
-use crate::error::StepPhase;
-use crate::schedule::Scheduler;
-use crate::{Result, TrainError};
+use crate::lr_scheduler::schedule::Scheduler;
+use crate::{clip_grad_norm, GradScaler, OptimError, TorchOptimizer};
+
+/// Phase `phase` of optimizer step `step` failed because of `source`.
+#[derive(Debug, thiserror::Error)]
+#[error("{phase} at step {step}")]
+pub struct StepError {
+    pub step: u64,
+    pub phase: StepPhase,
+    #[source]
+    pub source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+/// The phase of an optimizer step that failed ([`StepError`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepPhase {
+    /// The caller's backward (a collective inside Ddp, a kernel).
+    Backward,
+    /// Clipping found a non-finite gradient norm with no GradScaler to skip the step, or an
+    /// invalid max norm.
+    Clip,
+    /// The GradScaler's scale, unscale or update.
+    Scaler,
+    /// The optimizer's update.
+    Optimizer,
+    /// The learning-rate schedule's step.
+    Schedule,
+}
+
+impl fmt::Display for StepPhase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StepPhase::Backward => "backward",
+            StepPhase::Clip => "clipping the gradient norm",
+            StepPhase::Scaler => "loss scaling",
+            StepPhase::Optimizer => "the optimizer's update",
+            StepPhase::Schedule => "the learning-rate schedule",
+        })
+    }
+}
+
+type Result<T, E = StepError> = std::result::Result<T, E>;
 
 /// Phase `phase` of step `step` failed because of the error it is given.
 fn failed<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
     step: u64,
     phase: StepPhase,
-) -> impl Fn(E) -> TrainError + Copy {
-    move |e| TrainError::Step { step, phase, source: e.into() }
+) -> impl Fn(E) -> StepError + Copy {
+    move |e| StepError { step, phase, source: e.into() }
 }
 
 /// What one step did.
@@ -87,11 +127,9 @@ impl Step {
     /// The loss scaler and the schedule together (both go into the training state).
     pub fn scaler_and_scheduler_mut(
         &mut self,
-    ) -> (Option<&mut GradScaler>, Option<&mut dyn tandem_optim::lr_scheduler::LrScheduler>) {
-        let scheduler = self
-            .scheduler
-            .as_deref_mut()
-            .map(|s| s as &mut dyn tandem_optim::lr_scheduler::LrScheduler);
+    ) -> (Option<&mut GradScaler>, Option<&mut dyn crate::lr_scheduler::LrScheduler>) {
+        let scheduler =
+            self.scheduler.as_deref_mut().map(|s| s as &mut dyn crate::lr_scheduler::LrScheduler);
         (self.scaler.as_mut(), scheduler)
     }
 
@@ -227,8 +265,8 @@ fn clip(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{GradScalerConfig, SgdConfig, TorchSgd};
     use candle_core::{DType, Device};
-    use tandem_optim::{GradScalerConfig, SgdConfig, TorchSgd};
 
     fn sgd(w: &Var) -> TorchSgd {
         let cfg = SgdConfig {
@@ -279,6 +317,6 @@ mod tests {
         let err = plain
             .run(&inf(&w), |l| l.backward(), &mut sgd(&w), std::slice::from_ref(&w), 7)
             .unwrap_err();
-        assert!(matches!(err, TrainError::Step { step: 7, phase: StepPhase::Clip, .. }), "{err}");
+        assert!(matches!(err, StepError { step: 7, phase: StepPhase::Clip, .. }), "{err}");
     }
 }

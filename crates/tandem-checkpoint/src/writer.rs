@@ -11,7 +11,7 @@ use tandem_comm::{ProcessGroup, ReduceOp};
 
 use super::manifest::{self, rank_file_name, Manifest, ShardEntry, MANIFEST, REPLICATED};
 use super::reader::Saved;
-use super::{comm, file, invalid, io, Result, ShardDict, TrainingStateDict};
+use super::{comm, file, invalid, io, CheckpointError, Result, ShardDict, TrainingStateDict};
 
 /// Name of the file holding the newest checkpoint's name (for people and scripts; loading
 /// looks at the checkpoints themselves).
@@ -95,12 +95,12 @@ impl Checkpointer {
     /// several GiB be saved without doubling it). A background save builds copies: training
     /// goes on while they are written. Nothing may train the model on another thread during
     /// the call.
-    pub fn save_built(
+    pub fn save_built<E: From<CheckpointError>>(
         &mut self,
         group: &ProcessGroup,
         name: &str,
-        build: impl FnOnce() -> Result<TrainingStateDict>,
-    ) -> Result<PathBuf> {
+        build: impl FnOnce() -> Result<TrainingStateDict, E>,
+    ) -> Result<PathBuf, E> {
         let state = if self.background {
             build()?
         } else {
@@ -108,7 +108,7 @@ impl Checkpointer {
             // this thread writes the lent tensors in between, and no other thread trains.
             unsafe { tandem_nn::convert::lend(build)? }
         };
-        self.save(group, name, state)
+        Ok(self.save(group, name, state)?)
     }
 
     /// Saves `state` as checkpoint `name` (a collective: every rank calls it with its own
