@@ -57,7 +57,7 @@ pub enum TrainError {
     Corrupt { path: PathBuf, why: String },
     /// A checkpoint could not be written or read (the file, the directory and why).
     #[error(transparent)]
-    Checkpoint(#[from] tandem_checkpoint::CheckpointError),
+    Checkpoint(Box<tandem_checkpoint::CheckpointError>),
     /// A field of a saved training state that does not fit this run.
     #[error("{}: field `{field}`: {problem}", path.display())]
     Field { path: PathBuf, field: &'static str, problem: String },
@@ -76,7 +76,7 @@ pub enum TrainError {
     Step(#[from] tandem_optim::StepError),
     /// A learning-rate schedule could not be built or resumed.
     #[error(transparent)]
-    Schedule(#[from] tandem_optim::lr_scheduler::schedule::ScheduleError),
+    Schedule(Box<tandem_optim::lr_scheduler::schedule::ScheduleError>),
     /// A sharded optimizer already holds every entry on its owner; a part cannot take some.
     #[error("a sharded optimizer cannot hand entries to the state's parts")]
     ShardedWithParts,
@@ -101,6 +101,18 @@ pub enum TrainError {
         #[source]
         source: serde_json::Error,
     },
+}
+
+impl From<tandem_checkpoint::CheckpointError> for TrainError {
+    fn from(e: tandem_checkpoint::CheckpointError) -> Self {
+        TrainError::Checkpoint(Box::new(e))
+    }
+}
+
+impl From<tandem_optim::lr_scheduler::schedule::ScheduleError> for TrainError {
+    fn from(e: tandem_optim::lr_scheduler::schedule::ScheduleError) -> Self {
+        TrainError::Schedule(Box::new(e))
+    }
 }
 
 /// `path: source`, or only `source` when it names the file already (as most of `CkptError`
