@@ -62,3 +62,19 @@ pub(crate) fn io(
     let path = path.to_path_buf();
     move |source| CheckpointError::Io { what, path, source }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checkpoint_file_is_named_once() {
+        let path = std::path::PathBuf::from("ck/rank-0.pt");
+        let format = CkptError::Format { path: path.clone(), msg: "bad zip".into() };
+        let e = CheckpointError::File { path: path.clone(), source: format };
+        assert_eq!(e.to_string(), "ck/rank-0.pt: bad zip");
+        let field = CkptError::TrainingField { field: "epoch".into(), problem: "missing".into() };
+        let e = CheckpointError::File { path, source: field };
+        assert_eq!(e.to_string(), "ck/rank-0.pt: training checkpoint field `epoch`: missing");
+    }
+}

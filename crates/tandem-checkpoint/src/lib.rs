@@ -48,6 +48,7 @@
 //! ```
 mod error;
 mod formats;
+mod inspect;
 mod manifest;
 mod policy;
 mod reader;
@@ -60,6 +61,7 @@ use tandem_ckpt::{CkptError, Value};
 
 pub use error::{CheckpointError, Result};
 pub use formats::{register_dir_format, DirFormat};
+pub use inspect::{Inspection, RankInspection, ShardInspection};
 pub use manifest::{rank_file_name, Manifest, RankFile, ShardEntry, FORMAT, MANIFEST, REPLICATED};
 pub use policy::{CheckpointPolicy, Never, Periodic, KEEP_LAST};
 pub use reader::Saved;

@@ -200,6 +200,36 @@ pub struct ValueLeaf {
     pub value: String,
 }
 
+impl std::fmt::Display for Summary {
+    /// The lines `tandem ckpt inspect` prints: container keys, state dicts, wrapping, every
+    /// tensor (key, dtype, shape, bytes) and every other value.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if !self.container_keys.is_empty() {
+            writeln!(f, "container keys: {}", self.container_keys.join(", "))?;
+        }
+        for sd in &self.state_dicts {
+            writeln!(f, "state dict at {}: {} tensors", sd.at, sd.tensors)?;
+        }
+        match self.wrapping.is_empty() {
+            true => writeln!(f, "wrapping detected: none")?,
+            false => writeln!(f, "wrapping detected: {}", self.wrapping.join(", "))?,
+        }
+        writeln!(f, "tensors ({}, {} bytes):", self.tensors.len(), self.total_tensor_bytes)?;
+        let width = self.tensors.iter().map(|t| t.key.len()).max().unwrap_or(0);
+        for t in &self.tensors {
+            let shape = format!("{:?}", t.shape);
+            writeln!(f, "  {:width$}  {:<8}  {shape:<16}  {}", t.key, t.dtype, t.bytes)?;
+        }
+        if !self.values.is_empty() {
+            writeln!(f, "non-tensor values ({}):", self.values.len())?;
+            for x in &self.values {
+                writeln!(f, "  {} = {}", x.key, x.value)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// What `v` holds ([`Summary`]).
 pub fn summarize(v: &Value) -> Summary {
     let all = leaves(v);
@@ -235,6 +265,61 @@ pub fn summarize(v: &Value) -> Summary {
     }
 }
 
+/// A checkpoint file (`.pt`, `.safetensors`) or PyTorch distributed checkpoint directory,
+/// inspected: what `tandem ckpt inspect` shows (and as JSON).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct FileInspection {
+    pub file: String,
+    /// The file format by name, or `PyTorch distributed checkpoint (dcp.save)`.
+    pub format: &'static str,
+    #[serde(flatten)]
+    pub summary: Summary,
+    /// A distributed checkpoint's tensors: how many chunks each is in, and in which files.
+    pub dcp_chunks: Vec<DcpChunks>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DcpChunks {
+    pub key: String,
+    pub chunks: usize,
+    pub files: Vec<String>,
+}
+
+/// Inspects the checkpoint `v` read from `path` (a file, or a distributed checkpoint's
+/// directory).
+pub fn inspect(path: &std::path::Path, v: &Value) -> Result<FileInspection, CkptError> {
+    let dcp = crate::dcp::is_dcp_dir(path);
+    let format = match dcp {
+        true => "PyTorch distributed checkpoint (dcp.save)",
+        false => crate::pt::detect_file(path)?.map_or("unknown", |k| k.name()),
+    };
+    let chunking = if dcp { crate::dcp::chunking(path)? } else { Vec::new() };
+    Ok(FileInspection {
+        file: path.display().to_string(),
+        format,
+        summary: summarize(v),
+        dcp_chunks: chunking
+            .into_iter()
+            .map(|(key, chunks, files)| DcpChunks { key, chunks, files })
+            .collect(),
+    })
+}
+
+impl std::fmt::Display for FileInspection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "{}: {}", self.file, self.format)?;
+        write!(f, "{}", self.summary)?;
+        if !self.dcp_chunks.is_empty() {
+            let sharded: Vec<_> = self.dcp_chunks.iter().filter(|c| c.chunks > 1).collect();
+            writeln!(f, "sharded tensors ({}, the rest one chunk each):", sharded.len())?;
+            for c in sharded {
+                writeln!(f, "  {}: {} chunks in {}", c.key, c.chunks, c.files.join(", "))?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// How one leaf differs between two trees.
 #[derive(Clone, Debug, PartialEq)]
 pub enum LeafDiff {
@@ -267,6 +352,42 @@ impl TreeDiff {
     /// Keys held by one side only, plus leaves that differ.
     pub fn differences(&self) -> usize {
         self.only_in_a.len() + self.only_in_b.len() + self.differing.len()
+    }
+
+    /// The comparison as `tandem ckpt diff` prints it, naming the sides `a` and `b`.
+    pub fn report(&self, a: &str, b: &str) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        if self.unwrapped {
+            out.push_str(
+                "note: keys compared without wrapper segments (`module.`, `_orig_mod.`)\n",
+            );
+        }
+        for (keys, side) in [(&self.only_in_a, a), (&self.only_in_b, b)] {
+            if !keys.is_empty() {
+                let _ = writeln!(out, "only in {side} ({}):", keys.len());
+                keys.iter().for_each(|k| _ = writeln!(out, "  {k}"));
+            }
+        }
+        for (k, how) in &self.differing {
+            let _ = match how {
+                LeafDiff::Layout { a, b } => {
+                    writeln!(out, "{k}: {} {:?} vs {} {:?}", a.0, a.1, b.0, b.1)
+                }
+                LeafDiff::Values { max_abs } => {
+                    writeln!(out, "{k}: max abs difference {max_abs:e}")
+                }
+                LeafDiff::Other { a, b } => writeln!(out, "{k}: {a} vs {b}"),
+            };
+        }
+        let _ = writeln!(
+            out,
+            "{} tensors compared, max abs difference {:e}, {} differences",
+            self.tensors_compared,
+            self.max_abs,
+            self.differences()
+        );
+        out
     }
 }
 

@@ -68,6 +68,17 @@ pub(crate) fn time<R>(
     Ok(out)
 }
 
+/// `ops` as lines: the total, then each op's time and calls, as `tandem train` prints them.
+pub fn op_times_text(ops: &[OpTime]) -> String {
+    let total: f64 = ops.iter().map(|o| o.millis).sum();
+    let mut text =
+        format!("device time by op (rank 0, whole run): {total:.1} ms in {} kinds\n", ops.len());
+    for o in ops {
+        text += &format!("  {:>10.2} ms {:>7} calls  {}\n", o.millis, o.calls, o.name);
+    }
+    text
+}
+
 /// The ops timed since the last call, summed by name, slowest first (waits for their events).
 pub fn take_op_times() -> crate::Result<Vec<OpTime>> {
     #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]

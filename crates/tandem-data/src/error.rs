@@ -7,6 +7,8 @@ pub enum DataError {
     NoReplicas,
     #[error("rank {rank} is out of range for num_replicas {num_replicas} (valid ranks are 0..{num_replicas})")]
     InvalidRank { rank: usize, num_replicas: usize },
+    #[error("sampler state: no {kind} `{key}`")]
+    StateField { key: &'static str, kind: &'static str },
     #[error("sampler state does not fit this sampler: saved {field} = {saved}, this sampler has {current}")]
     StateMismatch { field: &'static str, saved: String, current: String },
     #[error("cannot advance the sampler by {requested}: only {remaining} samples are left in epoch {epoch}")]

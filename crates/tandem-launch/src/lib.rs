@@ -9,6 +9,8 @@
 //! std::process::exit(outcome.exit_code);
 //! # Ok::<(), tandem_launch::LaunchError>(())
 //! ```
+#[cfg(feature = "clap")]
+mod args;
 mod config;
 mod env;
 mod error;
@@ -23,6 +25,8 @@ mod signals;
 mod supervisor;
 mod worker;
 
+#[cfg(feature = "clap")]
+pub use args::LaunchArgs;
 pub use config::{
     available_cores, parse_local_ranks, parse_nnodes, random_run_id, LaunchConfig, Nnodes,
     NprocPerNode, StreamSpec, Streams,

@@ -527,6 +527,60 @@ fn check_shapes(m: &ShardManifest, params: &[Var]) -> Result<(), OptimError> {
     Ok(())
 }
 
+/// A sharded checkpoint of this format, inspected ([`inspect_sharded`]): what `tandem ckpt
+/// inspect DIR` shows (and as JSON).
+#[derive(Clone, Debug, Serialize)]
+pub struct ZeroInspection {
+    pub dir: String,
+    pub format: String,
+    pub world_size: usize,
+    pub parameters: usize,
+    pub ranks: Vec<ShardFile>,
+    pub total_state_bytes: usize,
+}
+
+/// A rank's file, the parameters whose state it holds, and its bytes of state.
+#[derive(Clone, Debug, Serialize)]
+pub struct ShardFile {
+    pub rank: usize,
+    pub file: String,
+    pub params: Vec<usize>,
+    pub state_bytes: usize,
+}
+
+/// Reads every rank file of the sharded checkpoint in `dir` and says what each holds.
+pub fn inspect_sharded(dir: &Path) -> Result<ZeroInspection, OptimError> {
+    let m = read_manifest(dir)?;
+    let mut ranks = Vec::new();
+    for (r, f) in m.files.iter().enumerate() {
+        let state_bytes = state_bytes(&read_shard(dir, &m, r)?);
+        ranks.push(ShardFile { rank: r, file: f.clone(), params: m.partition.of(r), state_bytes });
+    }
+    Ok(ZeroInspection {
+        dir: dir.display().to_string(),
+        parameters: m.shapes.len(),
+        total_state_bytes: ranks.iter().map(|r| r.state_bytes).sum(),
+        format: m.format,
+        world_size: m.world_size,
+        ranks,
+    })
+}
+
+impl std::fmt::Display for ZeroInspection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{}: sharded optimizer state ({}), {} ranks, {} parameters, {} bytes of state",
+            self.dir, self.format, self.world_size, self.parameters, self.total_state_bytes
+        )?;
+        for r in &self.ranks {
+            let (rank, file, params, bytes) = (r.rank, &r.file, &r.params, r.state_bytes);
+            writeln!(f, "  rank {rank}: {file}  parameters {params:?}  {bytes} bytes")?;
+        }
+        Ok(())
+    }
+}
+
 /// The whole optimizer state dict of a sharded checkpoint (every rank file read), as
 /// `consolidate_state_dict` gives it: what `tandem ckpt convert DIR out.pt` writes.
 pub fn consolidate_sharded(dir: &Path) -> Result<Value, OptimError> {

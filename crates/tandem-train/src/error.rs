@@ -44,17 +44,6 @@ pub enum TrainError {
         #[source]
         source: std::io::Error,
     },
-    /// A checkpoint file could not be encoded or decoded.
-    #[error("{}", file_line(path, source))]
-    File {
-        path: PathBuf,
-        #[source]
-        source: CkptError,
-    },
-    /// A checkpoint (file or directory) whose content does not fit: a missing shard, a
-    /// manifest that disagrees with its files, row blocks that do not stack.
-    #[error("{}: {why}", path.display())]
-    Corrupt { path: PathBuf, why: String },
     /// A checkpoint could not be written or read (the file, the directory and why).
     #[error(transparent)]
     Checkpoint(Box<tandem_checkpoint::CheckpointError>),
@@ -93,6 +82,10 @@ pub enum TrainError {
         #[source]
         source: Box<dyn StdError + Send + Sync>,
     },
+    /// An error of a recipe's own, kept whole and typed (its `Display` and `source()` are the
+    /// error's: a caller may downcast it).
+    #[error(transparent)]
+    Recipe(Box<dyn StdError + Send + Sync>),
     /// A line of a metrics file that is not a record.
     #[error("{}:{line}: not a metrics record: {source}", path.display())]
     Record {
@@ -112,16 +105,6 @@ impl From<tandem_checkpoint::CheckpointError> for TrainError {
 impl From<tandem_optim::lr_scheduler::schedule::ScheduleError> for TrainError {
     fn from(e: tandem_optim::lr_scheduler::schedule::ScheduleError) -> Self {
         TrainError::Schedule(Box::new(e))
-    }
-}
-
-/// `path: source`, or only `source` when it names the file already (as most of `CkptError`
-/// does).
-fn file_line(path: &std::path::Path, source: &CkptError) -> String {
-    let (path, text) = (path.display().to_string(), source.to_string());
-    match text.contains(&path) {
-        true => text,
-        false => format!("{path}: {text}"),
     }
 }
 
@@ -365,16 +348,5 @@ mod tests {
         let invalid =
             TrainError::Field { path: "ck".into(), field: "sampler", problem: "x".into() };
         assert!(!invalid.is_peer_failure());
-    }
-
-    #[test]
-    fn a_checkpoint_file_is_named_once() {
-        let path = std::path::PathBuf::from("ck/rank-0.pt");
-        let format = CkptError::Format { path: path.clone(), msg: "bad zip".into() };
-        let e = TrainError::File { path: path.clone(), source: format };
-        assert_eq!(e.to_string(), "ck/rank-0.pt: bad zip");
-        let field = CkptError::TrainingField { field: "epoch".into(), problem: "missing".into() };
-        let e = TrainError::File { path, source: field };
-        assert_eq!(e.to_string(), "ck/rank-0.pt: training checkpoint field `epoch`: missing");
     }
 }

@@ -17,24 +17,12 @@ pub fn evaluate_logits<D: Dataset + 'static>(
     options: &LoaderOptions,
     device: &Device,
 ) -> Result<EvalMetrics> {
-    let mut local = EvalMetrics::default();
-    let batches = tandem_data::eval_batches(
-        Arc::clone(eval),
-        group.size(),
-        group.rank(),
-        options,
-        device.clone(),
-    )?;
-    for batch in batches {
-        let batch = batch?;
-        let logits = forward(&batch.x)?;
-        let n = batch.len();
-        let loss = tandem_nn::functional::cross_entropy(&logits, &batch.y)?.to_scalar::<f32>()?
-            as f64
-            * n as f64;
+    let metrics = tandem_data::evaluate(group, Arc::clone(eval), options, device.clone(), |b| {
+        let logits = forward(&b.x)?;
+        let loss = tandem_nn::functional::cross_entropy(&logits, &b.y)?.to_scalar::<f32>()?;
         let pred = logits.argmax(1)?.to_vec1::<u32>()?;
-        let correct = pred.iter().zip(&batch.labels).filter(|(p, t)| p == t).count() as i64;
-        local.add_batch(loss, correct, n as i64);
-    }
-    Ok(tandem_data::eval::all_reduce_metrics(group, &local)?)
+        let correct = pred.iter().zip(&b.labels).filter(|(p, t)| p == t).count() as i64;
+        Ok((loss as f64 * b.len() as f64, correct))
+    })?;
+    Ok(metrics)
 }

@@ -48,7 +48,7 @@ use std::path::{Path, PathBuf};
 
 use tandem_ckpt::{TrainingCheckpoint, Value};
 use tandem_comm::ProcessGroup;
-use tandem_data::{DataLoader, Dataset, SamplerState};
+pub use tandem_data::{reshard_message, sampler_state_from_value, sampler_value, LoaderPosition};
 use tandem_nn::weights::{load_weights_from, state_dict_value};
 use tandem_nn::ParamModule;
 use tandem_optim::amp::GradScaler;
@@ -62,59 +62,6 @@ use tandem_checkpoint::{Checkpointer, Saved, ShardDict, TrainingStateDict, KEEP_
 /// The name of a sharded optimizer's entry shard: a path into the replicated dict, where the
 /// entries go when the checkpoint is consolidated (`optimizer` → `state`, torch's layout).
 pub const OPTIMIZER_SHARD: &str = "optimizer/state";
-
-/// A data loader whose position goes into the training state.
-pub trait LoaderPosition {
-    fn position(&self) -> SamplerState;
-    fn set_position(&mut self, state: &SamplerState) -> Result<(), tandem_data::DataError>;
-    /// Moves to the start of `epoch`.
-    fn set_epoch(&mut self, epoch: u64);
-    /// Batches left in the current epoch, and in a whole epoch.
-    fn batches_left(&self) -> usize;
-    fn batches_per_epoch(&self) -> usize;
-    /// Optimizer steps from here to the end of `epochs` epochs (one per batch; a resumed epoch
-    /// may have been split over another world size, so its batches are counted).
-    fn steps_to_end(&self, epochs: u64) -> u64 {
-        match epochs.saturating_sub(self.position().epoch) {
-            0 => 0,
-            n => self.batches_left() as u64 + (n - 1) * self.batches_per_epoch() as u64,
-        }
-    }
-    /// Moves the loader to `rank` of a world of `num_replicas` from `state` (a position of
-    /// the old world): what a live regroup does (see `DistributedSampler::reshard`).
-    fn reshard(
-        &mut self,
-        rank: usize,
-        num_replicas: usize,
-        state: &SamplerState,
-    ) -> Result<(), tandem_data::DataError>;
-}
-
-impl<D: Dataset + ?Sized + 'static> LoaderPosition for DataLoader<D> {
-    fn position(&self) -> SamplerState {
-        self.state()
-    }
-    fn set_position(&mut self, state: &SamplerState) -> Result<(), tandem_data::DataError> {
-        self.load_state(state)
-    }
-    fn set_epoch(&mut self, epoch: u64) {
-        DataLoader::set_epoch(self, epoch)
-    }
-    fn batches_left(&self) -> usize {
-        DataLoader::batches_left(self)
-    }
-    fn batches_per_epoch(&self) -> usize {
-        self.len()
-    }
-    fn reshard(
-        &mut self,
-        rank: usize,
-        num_replicas: usize,
-        state: &SamplerState,
-    ) -> Result<(), tandem_data::DataError> {
-        DataLoader::reshard(self, rank, num_replicas, state)
-    }
-}
 
 /// What [`save_state`] writes and [`load_state`] restores. `step` and `epoch` are the caller's
 /// counters; the rest is read from (and restored into) the objects themselves.
@@ -536,68 +483,6 @@ fn in_order(state: Value, order: &[String]) -> Value {
     };
     items.sort_by_key(|(k, _)| rank(k));
     Value::Dict(items)
-}
-
-/// A sampler position as a checkpoint value (plain ints and bools: torch can read it).
-pub fn sampler_value(s: &SamplerState) -> Value {
-    Value::dict_from([
-        ("epoch", Value::Int(s.epoch as i64)),
-        ("consumed", Value::Int(s.consumed as i64)),
-        ("seed", Value::Int(s.seed as i64)),
-        ("len", Value::Int(s.len as i64)),
-        ("num_replicas", Value::Int(s.num_replicas as i64)),
-        ("shuffle", Value::Bool(s.shuffle)),
-        ("drop_last", Value::Bool(s.drop_last)),
-        ("start", Value::Int(s.start as i64)),
-    ])
-}
-
-/// The inverse of [`sampler_value`]; the error names the missing or mistyped key. `start` is
-/// optional (checkpoints from before resharding lack it: 0).
-pub fn sampler_state_from_value(v: &Value) -> Result<SamplerState> {
-    let missing = |key: &str, kind: &str| TrainError::Invalid(format!("no {kind} `{key}`"));
-    let int =
-        |key: &'static str| v.get(key).and_then(Value::as_int).ok_or_else(|| missing(key, "int"));
-    let flag =
-        |key: &'static str| v.get(key).and_then(Value::as_bool).ok_or_else(|| missing(key, "bool"));
-    Ok(SamplerState {
-        epoch: int("epoch")? as u64,
-        consumed: int("consumed")? as usize,
-        seed: int("seed")? as u64,
-        len: int("len")? as usize,
-        num_replicas: int("num_replicas")? as usize,
-        shuffle: flag("shuffle")?,
-        drop_last: flag("drop_last")?,
-        start: match v.get("start") {
-            None => 0,
-            Some(s) => s.as_int().ok_or_else(|| missing("start", "int"))? as usize,
-        },
-    })
-}
-
-/// What a resume on another world size did with the epoch it resumed (rank 0 reports it).
-pub fn reshard_message(saved: &SamplerState, world: usize, loader: &dyn LoaderPosition) -> String {
-    let was =
-        format!("the checkpoint was written by {} ranks, this run has {world}", saved.num_replicas);
-    let now = loader.position();
-    if now.epoch != saved.epoch {
-        format!(
-            "{was}: epoch {} was complete (only padding was left); epoch {} starts with the usual \
-             split over {world} ranks",
-            saved.epoch, now.epoch
-        )
-    } else if now.start == 0 {
-        format!("{was}: epoch {} had not started; it is split over {world} ranks", now.epoch)
-    } else {
-        format!(
-            "{was}: the rest of epoch {} ({} samples not yet seen, after the first {} of its \
-             order) is split over {world} ranks, {} steps; later epochs use the usual split",
-            now.epoch,
-            now.samples_left(),
-            now.start,
-            loader.batches_left()
-        )
-    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use anyhow::{bail, Context};
 use clap::Subcommand;
 use serde_json::json;
 use tandem::ckpt::keys::{find_state_dicts, load_state_dict};
-use tandem::ckpt::tree::{self, keys_of, tensor_bytes, LeafDiff};
+use tandem::ckpt::tree::{self, keys_of};
 use tandem::ckpt::{CkptError, Value};
 
 use tandem::optim::zero::is_zero1_checkpoint;
@@ -112,84 +112,28 @@ fn read_keeping(path: &Path, keep_ordered_dicts: bool) -> anyhow::Result<Value> 
     Ok(tandem::ckpt::load_with(path, &opts)?)
 }
 
-/// A sharded checkpoint: its manifest, the replicated file, and every rank's file with the
-/// slice of each shard it holds and its bytes. The face recipe's also says its head's shape.
+/// A sharded checkpoint ([`Saved::inspect`]); the face recipe's also says its head's shape.
 fn inspect_sharded_state(saved: &Saved, as_json: bool) -> anyhow::Result<i32> {
-    let m = saved.manifest().context("not a sharded checkpoint")?;
-    let dir = saved.path();
-    let rep = saved.replicated()?;
-    let kind = |k: &str| rep.get(k).map_or("absent", Value::type_name);
-    let mut ranks = Vec::new();
-    for (r, file) in m.ranks.iter().enumerate() {
-        let v = saved.read_rank_file(r)?;
-        let file_bytes = std::fs::metadata(dir.join(&file.file)).map(|m| m.len()).unwrap_or(0);
-        let shards: Vec<(String, String, usize)> = file
-            .shards
-            .iter()
-            .map(|s| {
-                let bytes = v.get(&s.name).map_or_else(|| tensor_bytes(&v), tensor_bytes);
-                (s.name.clone(), s.slice.to_string(), bytes)
-            })
-            .collect();
-        ranks.push((r, file.file.clone(), file_bytes, shards));
-    }
+    let inspection = saved.inspect()?;
     let head = saved.rows_total("head");
     let embedding = head.and_then(|_| {
         let rows = saved.read_row_parts("head", 0..1).ok()?;
         rows.first()?.get("weight")?.as_tensor()?.shape.get(1).copied()
     });
     if as_json {
-        let j = json!({
-            "dir": dir.display().to_string(),
-            "format": saved.format(),
-            "world_size": m.world_size,
-            "global_step": m.global_step,
-            "epoch": m.epoch,
-            "num_classes": head,
-            "embedding_size": embedding,
-            "replicated": m.replicated,
-            "replicated_bytes": tensor_bytes(&rep),
-            "scheduler": kind("scheduler"),
-            "scaler": kind("scaler"),
-            "ranks": ranks.iter().map(|(r, f, b, sh)| json!({
-                "rank": r, "file": f, "file_bytes": b,
-                "shards": sh.iter().map(|(n, s, b)| json!({"name": n, "slice": s, "bytes": b})).collect::<Vec<_>>(),
-            })).collect::<Vec<_>>(),
-        });
+        let mut j = serde_json::to_value(&inspection)?;
+        (j["num_classes"], j["embedding_size"]) = (json!(head), json!(embedding));
         println!("{}", serde_json::to_string_pretty(&j)?);
         return Ok(0);
     }
-    let what = match (head, embedding) {
-        (Some(c), Some(e)) => format!("face-recipe checkpoint, {c} classes x {e}, "),
-        _ => "sharded checkpoint, ".into(),
-    };
-    println!(
-        "{}: {what}{}, step {} (epoch {}), {} ranks",
-        dir.display(),
-        saved.format(),
-        m.global_step,
-        m.epoch,
-        m.world_size,
-    );
-    println!(
-        "  {}: replicated (model or backbone, its optimizer state but the sharded parts, scheduler: {}, scaler: {}), {} bytes of tensors",
-        m.replicated,
-        kind("scheduler"),
-        kind("scaler"),
-        tensor_bytes(&rep)
-    );
-    for (r, f, b, shards) in &ranks {
-        let parts: Vec<String> =
-            shards.iter().map(|(n, s, b)| format!("{n}: {s} ({b} bytes)")).collect();
-        println!("  rank {r}: {f} ({b} bytes)  {}", parts.join("; "));
-    }
-    if head.is_some() {
-        println!(
-            "(`tandem ckpt convert {} OUT_DIR` writes arcface_torch's checkpoint_gpu_{{rank}}.pt files)",
-            dir.display()
-        );
-    } else {
-        println!("(`tandem ckpt convert {} whole.pt` writes it as one dict)", dir.display());
+    print!("{inspection}");
+    let dir = saved.path().display();
+    match (head, embedding) {
+        (Some(c), Some(e)) => println!(
+            "face-recipe checkpoint: a head of {c} classes x {e} (`tandem ckpt convert {dir} \
+             OUT_DIR` writes arcface_torch's checkpoint_gpu_{{rank}}.pt files)"
+        ),
+        _ => println!("(`tandem ckpt convert {dir} whole.pt` writes it as one dict)"),
     }
     Ok(0)
 }
@@ -212,43 +156,17 @@ fn convert_face(input: &Path, output: &Path) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-/// A ZeRO checkpoint of the earlier format: its manifest, each rank's file, parameters and
-/// state bytes.
+/// A ZeRO checkpoint of the earlier format: each rank's file, parameters and state bytes.
 fn inspect_zero1(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
-    use tandem::optim::zero::{read_manifest, state_bytes};
-    let m = read_manifest(dir)?;
-    let mut ranks = Vec::new();
-    for (r, f) in m.files.iter().enumerate() {
-        let v = read(&dir.join(f))?;
-        let params = m.partition.of(r);
-        ranks.push((r, f, params, state_bytes(&v)));
-    }
-    let total: usize = ranks.iter().map(|r| r.3).sum();
+    let inspection = tandem::optim::zero::inspect_sharded(dir)?;
     if as_json {
-        let j = json!({
-            "dir": dir.display().to_string(),
-            "format": m.format,
-            "world_size": m.world_size,
-            "parameters": m.shapes.len(),
-            "ranks": ranks.iter().map(|(r, f, p, b)| json!({"rank": r, "file": f, "params": p, "state_bytes": b})).collect::<Vec<_>>(),
-            "total_state_bytes": total,
-        });
-        println!("{}", serde_json::to_string_pretty(&j)?);
+        println!("{}", serde_json::to_string_pretty(&inspection)?);
         return Ok(0);
     }
+    print!("{inspection}");
+    let dir = dir.display();
     println!(
-        "{}: sharded optimizer state ({}), {} ranks, {} parameters, {total} bytes of state",
-        dir.display(),
-        m.format,
-        m.world_size,
-        m.shapes.len()
-    );
-    for (r, f, p, b) in &ranks {
-        println!("  rank {r}: {f}  parameters {p:?}  {b} bytes");
-    }
-    println!(
-        "(`tandem ckpt convert {} optim.pt` writes the consolidated, torch-loadable state dict)",
-        dir.display()
+        "(`tandem ckpt convert {dir} optim.pt` writes the consolidated, torch-loadable state dict)"
     );
     Ok(0)
 }
@@ -261,54 +179,10 @@ fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
     if file.is_dir() && !dcp {
         return inspect_sharded_state(&Saved::open(file)?, as_json);
     }
-    let v = read(file)?;
-    let format = match dcp {
-        true => "PyTorch distributed checkpoint (dcp.save)",
-        false => tandem::ckpt::pt::detect_file(file)?.map_or("unknown", |k| k.name()),
-    };
-    let chunking = if dcp { tandem::ckpt::dcp::chunking(file)? } else { Vec::new() };
-    let summary = tree::summarize(&v);
-    if as_json {
-        let mut j = serde_json::to_value(&summary)?;
-        j["file"] = file.display().to_string().into();
-        j["format"] = format.into();
-        j["dcp_chunks"] = chunking
-            .iter()
-            .map(|(k, n, files)| json!({"key": k, "chunks": n, "files": files}))
-            .collect();
-        println!("{}", serde_json::to_string_pretty(&j)?);
-        return Ok(0);
-    }
-    println!("{}: {format}", file.display());
-    if !summary.container_keys.is_empty() {
-        println!("container keys: {}", summary.container_keys.join(", "));
-    }
-    for sd in &summary.state_dicts {
-        println!("state dict at {}: {} tensors", sd.at, sd.tensors);
-    }
-    match summary.wrapping.is_empty() {
-        true => println!("wrapping detected: none"),
-        false => println!("wrapping detected: {}", summary.wrapping.join(", ")),
-    }
-    let tensors = &summary.tensors;
-    println!("tensors ({}, {} bytes):", tensors.len(), summary.total_tensor_bytes);
-    let width = tensors.iter().map(|t| t.key.len()).max().unwrap_or(0);
-    for t in tensors {
-        let shape = format!("{:?}", t.shape);
-        println!("  {:width$}  {:<8}  {shape:<16}  {}", t.key, t.dtype, t.bytes);
-    }
-    if !summary.values.is_empty() {
-        println!("non-tensor values ({}):", summary.values.len());
-        for x in &summary.values {
-            println!("  {} = {}", x.key, x.value);
-        }
-    }
-    if dcp {
-        let sharded: Vec<_> = chunking.iter().filter(|(_, n, _)| *n > 1).collect();
-        println!("sharded tensors ({}, the rest one chunk each):", sharded.len());
-        for (k, n, files) in sharded {
-            println!("  {k}: {n} chunks in {}", files.join(", "));
-        }
+    let inspection = tree::inspect(file, &read(file)?)?;
+    match as_json {
+        true => println!("{}", serde_json::to_string_pretty(&inspection)?),
+        false => print!("{inspection}"),
     }
     Ok(0)
 }
@@ -379,30 +253,7 @@ fn convert(
 
 fn diff(a: &Path, b: &Path) -> anyhow::Result<i32> {
     let d = tree::diff(&read(a)?, &read(b)?);
-    if d.unwrapped {
-        println!("note: keys compared without wrapper segments (`module.`, `_orig_mod.`)");
-    }
-    for (keys, file) in [(&d.only_in_a, a), (&d.only_in_b, b)] {
-        if !keys.is_empty() {
-            println!("only in {} ({}):", file.display(), keys.len());
-            for k in keys.iter() {
-                println!("  {k}");
-            }
-        }
-    }
-    for (k, how) in &d.differing {
-        match how {
-            LeafDiff::Layout { a, b } => println!("{k}: {} {:?} vs {} {:?}", a.0, a.1, b.0, b.1),
-            LeafDiff::Values { max_abs } => println!("{k}: max abs difference {max_abs:e}"),
-            LeafDiff::Other { a, b } => println!("{k}: {a} vs {b}"),
-        }
-    }
-    println!(
-        "{} tensors compared, max abs difference {:e}, {} differences",
-        d.tensors_compared,
-        d.max_abs,
-        d.differences()
-    );
+    print!("{}", d.report(&a.display().to_string(), &b.display().to_string()));
     Ok(if d.differences() == 0 { 0 } else { 1 })
 }
 

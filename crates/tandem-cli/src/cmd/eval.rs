@@ -6,7 +6,7 @@
 //! pair); prints TAR at FAR 1e-6 … 1e-1 and writes `OUT/{target}.npy` (the pair scores),
 //! `OUT/{target}_roc.svg` and `OUT/{target}_tar_far.json`. Under `tandem run` the images are
 //! split over the ranks and rank 0 scores.
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use tandem::data::datasets::ijb::IjbSet;
@@ -84,43 +84,12 @@ fn ijb_main(a: Ijb) -> anyhow::Result<i32> {
     let Some(found) = ijb::evaluate(&set, &mut embed, a.batch_size, group.as_ref())? else {
         return Ok(0);
     };
-    let (n, pairs) = (found.images, found.scores.len());
-    let (pair_scores, roc, tars) = (found.scores, found.roc, found.tars);
-    write_results(&a.out, &a.target, &label, &pair_scores, &roc, &tars)?;
-    print!("{}", ijb::table(&label, &a.target, &tars));
+    found.write(&a.out, &a.target, &label)?;
+    print!("{}", ijb::table(&label, &a.target, &found.tars));
+    let (images, templates, pairs) = (found.images, found.templates, found.scores.len());
+    let out = a.out.display();
     println!(
-        "{} images, {} templates, {} pairs; scores, ROC and table in {}",
-        n,
-        found.templates,
-        pairs,
-        a.out.display()
+        "{images} images, {templates} templates, {pairs} pairs; scores, ROC and table in {out}"
     );
     Ok(0)
-}
-
-fn write_results(
-    out: &Path,
-    target: &str,
-    network: &str,
-    scores: &[f64],
-    roc: &ijb::Roc,
-    tars: &[f64],
-) -> anyhow::Result<()> {
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let t = target.to_lowercase();
-    tandem::ckpt::npy::write_f64_vector(&out.join(format!("{t}.npy")), scores)?;
-    let svg = out.join(format!("{t}_roc.svg"));
-    std::fs::write(&svg, ijb::roc_svg(roc, &format!("{network}-{target}")))
-        .with_context(|| format!("writing {}", svg.display()))?;
-    let json = out.join(format!("{t}_tar_far.json"));
-    let doc = serde_json::json!({
-        "network": network,
-        "target": target,
-        "far": ijb::FARS,
-        "tar": tars,
-        "auc": ijb::auc(roc),
-    });
-    std::fs::write(&json, serde_json::to_string_pretty(&doc)?)
-        .with_context(|| format!("writing {}", json.display()))?;
-    Ok(())
 }

@@ -86,15 +86,9 @@ pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i3
 /// With `TANDEM_PROFILE=ops`: rank 0's device time per kernel (tandem-cuda's kernels and cuDNN
 /// calls), slowest first.
 fn print_op_times() -> anyhow::Result<()> {
-    use tandem::cuda::profile::{mode, take_op_times, Profile};
-    if mode() != Profile::Ops {
-        return Ok(());
-    }
-    let ops = take_op_times()?;
-    let total: f64 = ops.iter().map(|o| o.millis).sum();
-    eprintln!("device time by op (rank 0, whole run): {total:.1} ms in {} kinds", ops.len());
-    for o in ops {
-        eprintln!("  {:>10.2} ms {:>7} calls  {}", o.millis, o.calls, o.name);
+    use tandem::cuda::profile::{mode, op_times_text, take_op_times, Profile};
+    if mode() == Profile::Ops {
+        eprint!("{}", op_times_text(&take_op_times()?));
     }
     Ok(())
 }

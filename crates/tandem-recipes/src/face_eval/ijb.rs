@@ -7,11 +7,33 @@
 //! among equals, as the script reads them.
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::path::Path;
 
 use tandem_comm::ProcessGroup;
 use tandem_data::datasets::faces::FACE_SIDE;
 use tandem_data::datasets::ijb::IjbSet;
-use tandem_train::{bail, Result, TrainError};
+use tandem_train::{Result, TrainError};
+
+/// IJB inputs that do not fit together.
+#[derive(Debug, thiserror::Error)]
+pub enum IjbError {
+    #[error("rank {rank} sent {values} values, short of its images' embeddings")]
+    ShortEmbeddings { rank: usize, values: usize },
+    #[error("{what}: {got} values for {images} images")]
+    Count { what: &'static str, got: usize, images: usize },
+    #[error("pair {pair}: template {template} has no image")]
+    EmptyTemplate { pair: usize, template: i64 },
+    #[error("scores: {scores} values for {pairs} pairs")]
+    Scores { scores: usize, pairs: usize },
+    #[error("the pairs hold no {missing} pair: TAR@FAR needs genuine and impostor pairs")]
+    OneKindOfPair { missing: &'static str },
+}
+
+impl From<IjbError> for TrainError {
+    fn from(e: IjbError) -> Self {
+        TrainError::Recipe(Box::new(e))
+    }
+}
 
 /// The false-acceptance rates of insightface's table.
 pub const FARS: [f64; 6] = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1];
@@ -26,6 +48,33 @@ pub struct IjbResult {
     pub roc: Roc,
     /// TAR at each of [`FARS`].
     pub tars: Vec<f64>,
+}
+
+impl IjbResult {
+    /// Writes the pair scores (`TARGET.npy`), the ROC plot (`TARGET_roc.svg`) and TAR at each
+    /// FAR with the AUC (`TARGET_tar_far.json`) into `out`, naming the curve `network`.
+    pub fn write(&self, out: &Path, target: &str, network: &str) -> Result<()> {
+        fn wrote(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError {
+            let what = format!("writing {}", path.display());
+            move |e| TrainError::Failed { what, source: Box::new(e) }
+        }
+        std::fs::create_dir_all(out).map_err(wrote(out))?;
+        let t = target.to_lowercase();
+        tandem_ckpt::npy::write_f64_vector(&out.join(format!("{t}.npy")), &self.scores)?;
+        let svg = out.join(format!("{t}_roc.svg"));
+        std::fs::write(&svg, roc_svg(&self.roc, &format!("{network}-{target}")))
+            .map_err(wrote(&svg))?;
+        let json = out.join(format!("{t}_tar_far.json"));
+        let doc = serde_json::json!({
+            "network": network,
+            "target": target,
+            "far": FARS,
+            "tar": self.tars,
+            "auc": auc(&self.roc),
+        });
+        std::fs::write(&json, format!("{doc:#}")).map_err(wrote(&json))?;
+        Ok(())
+    }
 }
 
 /// Scores `set` with `embed` (a batch of `n` 112x112 faces, `[n, 3, 112, 112]` flattened, to
@@ -73,7 +122,7 @@ pub fn evaluate(
             let (Some(e), Some(f)) =
                 (rows.get(at..at + width), rows.get(at + width..at + 2 * width))
             else {
-                bail!("rank {r} sent {} values, short of its images' embeddings", rows.len());
+                return Err(IjbError::ShortEmbeddings { rank: r, values: rows.len() }.into());
             };
             (emb[i], flip[i]) = (e.to_vec(), f.to_vec());
         }
@@ -102,7 +151,7 @@ pub fn image_features(
         [("flipped embeddings", flipped.len()), ("detector scores", detector_scores.len())]
     {
         if got != n {
-            bail!("{what}: {got} values for {n} images");
+            return Err(IjbError::Count { what, got, images: n }.into());
         }
     }
     Ok(embeddings
@@ -126,7 +175,7 @@ pub fn template_features(
     let n = features.len();
     for (what, got) in [("templates", templates.len()), ("medias", medias.len())] {
         if got != n {
-            bail!("{what}: {got} values for {n} images");
+            return Err(IjbError::Count { what, got, images: n }.into());
         }
     }
     let width = features.first().map_or(0, Vec::len);
@@ -168,9 +217,10 @@ pub fn pair_scores(
         .enumerate()
         .map(|(pair, &(a, b))| {
             let get = |template: i64| {
-                index.get(&template).map(|&i| &features[i]).ok_or_else(|| {
-                    TrainError::Invalid(format!("pair {pair}: template {template} has no image"))
-                })
+                index
+                    .get(&template)
+                    .map(|&i| &features[i])
+                    .ok_or(IjbError::EmptyTemplate { pair, template })
             };
             let (fa, fb) = (get(a)?, get(b)?);
             Ok(fa.iter().zip(fb).map(|(x, y)| x * y).sum())
@@ -192,14 +242,14 @@ pub struct Roc {
 /// in front.
 pub fn roc_curve(labels: &[bool], scores: &[f64]) -> Result<Roc> {
     if labels.len() != scores.len() {
-        bail!("scores: {} values for {} pairs", scores.len(), labels.len());
+        return Err(IjbError::Scores { scores: scores.len(), pairs: labels.len() }.into());
     }
     let positives = labels.iter().filter(|&&l| l).count();
     if positives == 0 {
-        bail!("the pairs hold no genuine pair: TAR@FAR needs genuine and impostor pairs");
+        return Err(IjbError::OneKindOfPair { missing: "genuine" }.into());
     }
     if positives == labels.len() {
-        bail!("the pairs hold no impostor pair: TAR@FAR needs genuine and impostor pairs");
+        return Err(IjbError::OneKindOfPair { missing: "impostor" }.into());
     }
     // numpy's argsort(kind="mergesort")[::-1]: ascending stable, then reversed.
     let mut order: Vec<usize> = (0..scores.len()).collect();

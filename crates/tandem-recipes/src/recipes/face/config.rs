@@ -11,9 +11,9 @@
 //! parser crate would accept far more than this needs to, and running Python is out.
 use std::collections::BTreeMap;
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use tandem_train::{bail, Context, Result, TrainError};
+use tandem_train::{Result, TrainError};
 
 /// A value of the config's expression language.
 #[derive(Clone, Debug, PartialEq)]
@@ -77,6 +77,56 @@ const BASE: &[(&str, &str)] = &[
 
 /// Keys that only configure Weights & Biases logging: read, and ignored while `using_wandb` is
 /// False.
+/// A line or key of an arcface_torch config file that tandem does not read.
+#[derive(Debug, thiserror::Error)]
+pub enum PyConfigError {
+    /// A line that is not `config.key = value` of literals, arithmetic and earlier keys.
+    #[error("{}:{line}: `{text}`: {why}", path.display())]
+    Line { path: PathBuf, line: usize, text: String, why: Box<ExprError> },
+    /// A key whose value has no tandem setting.
+    #[error("{}: config.{key} = {value}: {why}", path.display())]
+    Key { path: PathBuf, key: String, value: String, why: String },
+}
+
+/// Why a line's right-hand side does not read.
+#[derive(Debug, thiserror::Error)]
+pub enum ExprError {
+    #[error("only `config.key = value` assignments are read")]
+    NotAnAssignment,
+    #[error("unexpected `{0}`")]
+    Unexpected(String),
+    #[error("nested more than {MAX_DEPTH} deep")]
+    TooDeep,
+    #[error("expected `,` or `{close}` at `{at}`")]
+    Separator { close: &'static str, at: String },
+    #[error("unterminated string")]
+    UnterminatedString,
+    #[error("escapes in strings are not read")]
+    Escapes,
+    #[error("expected a value at `{0}`")]
+    NoValue(String),
+    #[error("bad number `{0}`")]
+    BadNumber(String),
+    #[error("`config.{0}` is not set above this line")]
+    NotSetAbove(String),
+    #[error("`{0}`: only literals and earlier config.key values are read")]
+    NotLiteral(String),
+    #[error("overflow")]
+    Overflow,
+    #[error("division by zero")]
+    DivisionByZero,
+    #[error("cannot apply `{op}` to {a} and {b}")]
+    Operands { op: String, a: String, b: String },
+}
+
+type ExprResult<T> = std::result::Result<T, ExprError>;
+
+impl From<PyConfigError> for TrainError {
+    fn from(e: PyConfigError) -> Self {
+        TrainError::Recipe(Box::new(e))
+    }
+}
+
 const WANDB_KEYS: &[&str] =
     &["wandb_key", "wandb_entity", "wandb_project", "wandb_log_all", "suffix_run_name"];
 
@@ -89,11 +139,15 @@ pub fn read_settings(path: &Path) -> Result<Vec<(&'static str, PyValue)>> {
 
 /// Reads a config file's assignments (without base.py's): key -> value, in file order.
 pub fn parse(path: &Path, text: &str) -> Result<BTreeMap<String, PyValue>> {
-    let shown = path.display();
     let mut values = BTreeMap::new();
     for (i, raw) in text.lines().enumerate() {
         let line = strip_comment(raw).trim();
-        let at = || format!("{shown}:{}: `{}`", i + 1, raw.trim());
+        let at = |why| PyConfigError::Line {
+            path: path.to_path_buf(),
+            line: i + 1,
+            text: raw.trim().to_string(),
+            why: Box::new(why),
+        };
         if line.is_empty()
             || line == "from easydict import EasyDict as edict"
             || line.replace(' ', "") == "config=edict()"
@@ -101,12 +155,12 @@ pub fn parse(path: &Path, text: &str) -> Result<BTreeMap<String, PyValue>> {
             continue;
         }
         let Some((lhs, rhs)) = split_assignment(line) else {
-            bail!("{}: only `config.key = value` assignments are read", at());
+            return Err(at(ExprError::NotAnAssignment).into());
         };
         let Some(key) = lhs.trim().strip_prefix("config.").filter(|k| is_identifier(k)) else {
-            bail!("{}: only `config.key = value` assignments are read", at());
+            return Err(at(ExprError::NotAnAssignment).into());
         };
-        let value = Expr::new(rhs, &values).parse().with_context(at)?;
+        let value = Expr::new(rhs, &values).parse().map_err(at)?;
         values.insert(key.to_string(), value);
     }
     Ok(values)
@@ -134,7 +188,6 @@ pub fn to_settings(
     path: &Path,
     config: &BTreeMap<String, PyValue>,
 ) -> Result<Vec<(&'static str, PyValue)>> {
-    let shown = path.display();
     let mut settings: Vec<(&'static str, PyValue)> = vec![
         ("lr_scheduler", PyValue::Str("polynomial-warmup".into())),
         ("clip_grad_norm", PyValue::Float(5.0)),
@@ -143,8 +196,12 @@ pub fn to_settings(
     // The network first: a backbone tandem lacks is the first thing to hear about.
     let ordered = config.iter().filter(|(k, _)| *k == "network");
     for (key, value) in ordered.chain(config.iter().filter(|(k, _)| *k != "network")) {
-        let bad =
-            |why: &str| TrainError::invalid(format!("{shown}: config.{key} = {value}: {why}"));
+        let bad = |why: &str| PyConfigError::Key {
+            path: path.to_path_buf(),
+            key: key.clone(),
+            value: value.to_string(),
+            why: why.to_string(),
+        };
         let mut set = |key: &'static str, v: PyValue| settings.push((key, v));
         match key.as_str() {
             "network" => {
@@ -169,7 +226,7 @@ pub fn to_settings(
             "batch_size" => set("batch_size", value.as_uint(&bad)?),
             "optimizer" => match value.as_str() {
                 Some(o @ ("sgd" | "adamw")) => set("optimizer", PyValue::Str(o.into())),
-                _ => return Err(bad("arcface_torch's optimizers are \"sgd\" and \"adamw\"")),
+                _ => return Err(bad("arcface_torch's optimizers are \"sgd\" and \"adamw\"").into()),
             },
             "lr" => set("lr", value.as_float(&bad)?),
             "momentum" => set("momentum", value.as_float(&bad)?),
@@ -194,11 +251,12 @@ pub fn to_settings(
                     return Err(bad(
                         "arcface_torch's random-image dataset has no tandem counterpart; make a \
                          synthetic identity set with `tandem data synth-faces DIR` and name it",
-                    ));
+                    )
+                    .into());
                 }
                 set("data", PyValue::Str(format!("rec:{dir}")));
                 if let Some(PyValue::List(names)) = config.get("val_targets") {
-                    let files: Result<Vec<PyValue>> = names
+                    let files: std::result::Result<Vec<PyValue>, _> = names
                         .iter()
                         .map(|n| match n.as_str() {
                             Some(n) => Ok(PyValue::Str(format!("{dir}/{n}.bin"))),
@@ -214,11 +272,12 @@ pub fn to_settings(
             "dali" => {}
             "dali_aug" if value == &PyValue::Bool(false) => {}
             "dali_aug" => {
-                return Err(bad("DALI's augmentation is not in tandem's loader (it flips)"))
+                return Err(bad("DALI's augmentation is not in tandem's loader (it flips)").into())
             }
             "using_wandb" if wandb => {
                 return Err(bad("Weights & Biases logging is not in tandem (it writes \
-                     metrics.jsonl and, with --tensorboard, TensorBoard events)"))
+                     metrics.jsonl and, with --tensorboard, TensorBoard events)")
+                .into())
             }
             // Read and checked where they matter: the image count is the .rec's, every state
             // is always saved, W&B settings are not training options.
@@ -228,7 +287,8 @@ pub fn to_settings(
             _ => {
                 return Err(bad(
                     "not one of arcface_torch's config keys (base.py and its configs/)",
-                ))
+                )
+                .into())
             }
         }
     }
@@ -265,11 +325,11 @@ impl PyValue {
         }
     }
 
-    fn as_float(&self, bad: &dyn Fn(&str) -> TrainError) -> Result<PyValue> {
+    fn as_float(&self, bad: &dyn Fn(&str) -> PyConfigError) -> Result<PyValue, PyConfigError> {
         self.as_f64().map(PyValue::Float).ok_or_else(|| bad("expected a number"))
     }
 
-    fn as_uint(&self, bad: &dyn Fn(&str) -> TrainError) -> Result<PyValue> {
+    fn as_uint(&self, bad: &dyn Fn(&str) -> PyConfigError) -> Result<PyValue, PyConfigError> {
         match self {
             PyValue::Int(i) if *i >= 0 => Ok(PyValue::Int(*i)),
             _ => Err(bad("expected a whole number >= 0")),
@@ -325,11 +385,11 @@ impl<'a> Expr<'a> {
         Expr { text, pos: 0, known, depth: 0 }
     }
 
-    fn parse(mut self) -> Result<PyValue> {
+    fn parse(mut self) -> ExprResult<PyValue> {
         let v = self.sum()?;
         self.skip_space();
         if self.pos != self.text.len() {
-            bail!("unexpected `{}`", &self.text[self.pos..]);
+            return Err(ExprError::Unexpected(self.text[self.pos..].into()));
         }
         Ok(v)
     }
@@ -354,7 +414,7 @@ impl<'a> Expr<'a> {
         }
     }
 
-    fn sum(&mut self) -> Result<PyValue> {
+    fn sum(&mut self) -> ExprResult<PyValue> {
         let mut v = self.product()?;
         loop {
             if self.eat("+") {
@@ -367,7 +427,7 @@ impl<'a> Expr<'a> {
         }
     }
 
-    fn product(&mut self) -> Result<PyValue> {
+    fn product(&mut self) -> ExprResult<PyValue> {
         let mut v = self.unary()?;
         loop {
             if self.eat("//") {
@@ -382,9 +442,9 @@ impl<'a> Expr<'a> {
         }
     }
 
-    fn nest<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+    fn nest<T>(&mut self, f: impl FnOnce(&mut Self) -> ExprResult<T>) -> ExprResult<T> {
         if self.depth >= MAX_DEPTH {
-            bail!("nested more than {MAX_DEPTH} deep");
+            return Err(ExprError::TooDeep);
         }
         self.depth += 1;
         let out = f(self);
@@ -392,7 +452,7 @@ impl<'a> Expr<'a> {
         out
     }
 
-    fn unary(&mut self) -> Result<PyValue> {
+    fn unary(&mut self) -> ExprResult<PyValue> {
         if self.eat("-") {
             let v = self.nest(Self::unary)?;
             return arith(&PyValue::Int(0), &v, '-');
@@ -400,7 +460,7 @@ impl<'a> Expr<'a> {
         self.atom()
     }
 
-    fn atom(&mut self) -> Result<PyValue> {
+    fn atom(&mut self) -> ExprResult<PyValue> {
         self.skip_space();
         let rest = self.rest();
         if self.eat("(") || self.eat("[") {
@@ -411,7 +471,7 @@ impl<'a> Expr<'a> {
                 items.push(self.nest(Self::sum)?);
                 trailing_comma = self.eat(",");
                 if !trailing_comma && !self.eat(close) {
-                    bail!("expected `,` or `{close}` at `{}`", self.rest());
+                    return Err(ExprError::Separator { close, at: self.rest().into() });
                 } else if !trailing_comma {
                     break;
                 }
@@ -424,9 +484,9 @@ impl<'a> Expr<'a> {
         }
         if let Some(q) = rest.chars().next().filter(|c| *c == '"' || *c == '\'') {
             let body = &rest[1..];
-            let Some(end) = body.find(q) else { bail!("unterminated string") };
+            let Some(end) = body.find(q) else { return Err(ExprError::UnterminatedString) };
             if body[..end].contains('\\') {
-                bail!("escapes in strings are not read");
+                return Err(ExprError::Escapes);
             }
             self.pos += end + 2;
             return Ok(PyValue::Str(body[..end].to_string()));
@@ -446,7 +506,7 @@ impl<'a> Expr<'a> {
         let word = &rest[..len];
         self.pos += len;
         match word {
-            "" => bail!("expected a value at `{rest}`"),
+            "" => Err(ExprError::NoValue(rest.into())),
             "True" => Ok(PyValue::Bool(true)),
             "False" => Ok(PyValue::Bool(false)),
             "None" => Ok(PyValue::None),
@@ -457,38 +517,36 @@ impl<'a> Expr<'a> {
                 } else {
                     w.parse::<f64>()
                         .map(PyValue::Float)
-                        .map_err(|_| TrainError::invalid(format!("bad number `{w}`")))
+                        .map_err(|_| ExprError::BadNumber(w.clone()))
                 }
             }
             w => match w.strip_prefix("config.") {
-                Some(k) => self
-                    .known
-                    .get(k)
-                    .cloned()
-                    .with_context(|| format!("`config.{k}` is not set above this line")),
-                None => bail!("`{w}`: only literals and earlier config.key values are read"),
+                Some(k) => {
+                    self.known.get(k).cloned().ok_or_else(|| ExprError::NotSetAbove(k.into()))
+                }
+                None => Err(ExprError::NotLiteral(w.into())),
             },
         }
     }
 }
 
 /// Python's `+ - * / //` on ints and floats (`f`: floor division).
-fn arith(a: &PyValue, b: &PyValue, op: char) -> Result<PyValue> {
+fn arith(a: &PyValue, b: &PyValue, op: char) -> ExprResult<PyValue> {
     use PyValue::{Float, Int, Str};
     Ok(match (a, b) {
         (Int(x), Int(y)) => match op {
-            '+' => Int(x.checked_add(*y).context("overflow")?),
-            '-' => Int(x.checked_sub(*y).context("overflow")?),
-            '*' => Int(x.checked_mul(*y).context("overflow")?),
+            '+' => Int(x.checked_add(*y).ok_or(ExprError::Overflow)?),
+            '-' => Int(x.checked_sub(*y).ok_or(ExprError::Overflow)?),
+            '*' => Int(x.checked_mul(*y).ok_or(ExprError::Overflow)?),
             'f' if *y != 0 => {
                 // Python's floor division: Euclid's quotient, one less for a negative divisor
                 // that leaves a remainder.
                 let (q, r) = (x.checked_div_euclid(*y), x.checked_rem_euclid(*y));
-                let (q, r) = q.zip(r).context("overflow")?;
+                let (q, r) = q.zip(r).ok_or(ExprError::Overflow)?;
                 Int(q - i64::from(*y < 0 && r != 0))
             }
             '/' if *y != 0 => Float(*x as f64 / *y as f64),
-            _ => bail!("division by zero"),
+            _ => return Err(ExprError::DivisionByZero),
         },
         (Int(_) | Float(_), Int(_) | Float(_)) => {
             let (x, y) = (a.as_f64().unwrap_or(0.0), b.as_f64().unwrap_or(0.0));
@@ -498,13 +556,13 @@ fn arith(a: &PyValue, b: &PyValue, op: char) -> Result<PyValue> {
                 '*' => Float(x * y),
                 'f' if y != 0.0 => Float((x / y).floor()),
                 '/' if y != 0.0 => Float(x / y),
-                _ => bail!("division by zero"),
+                _ => return Err(ExprError::DivisionByZero),
             }
         }
         (Str(x), Str(y)) if op == '+' => Str(format!("{x}{y}")),
         _ => {
             let op = if op == 'f' { "//".to_string() } else { op.to_string() };
-            bail!("cannot apply `{op}` to {a} and {b}")
+            return Err(ExprError::Operands { op, a: a.to_string(), b: b.to_string() });
         }
     })
 }
