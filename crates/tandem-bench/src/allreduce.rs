@@ -276,6 +276,26 @@ fn gloo_run(python: &Path, args: &Args, times: &mut Times) -> anyhow::Result<()>
     Ok(())
 }
 
+/// One line of `tandem bench allreduce --json`: a collective at one size (what the report
+/// reads back, typed).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct AllreduceRow {
+    pub op: String,
+    pub size_bytes: usize,
+    pub time_s: f64,
+    pub algbw_gbs: f64,
+    pub busbw_gbs: f64,
+    pub busbw_min_gbs: f64,
+    pub busbw_max_gbs: f64,
+    pub memcpy_gbs: f64,
+    pub busbw_over_memcpy: f64,
+    /// gloo's bus bandwidth on the same work, when PyTorch was given.
+    pub gloo_busbw_gbs: Option<f64>,
+    pub nproc: usize,
+    pub transport: String,
+    pub runs: usize,
+}
+
 /// min, median, max.
 fn spread(v: &[f64]) -> (f64, f64, f64) {
     let mut s = v.to_vec();
@@ -333,16 +353,22 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
             let mem = memcpy[i] / 1e9;
             let theirs = gloo.get(&(op.to_string(), bytes)).map(|g| spread(g).1);
             if args.json {
-                println!(
-                    "{}",
-                    serde_json::json!({
-                        "op": op, "size_bytes": bytes, "time_s": secs, "algbw_gbs": algbw,
-                        "busbw_gbs": bus(secs), "busbw_min_gbs": bus(slow), "busbw_max_gbs": bus(fast),
-                        "memcpy_gbs": mem, "busbw_over_memcpy": bus(secs) / mem,
-                        "gloo_busbw_gbs": theirs.map(bus), "nproc": args.nproc,
-                        "transport": transport, "runs": t.len(),
-                    })
-                );
+                let row = AllreduceRow {
+                    op: op.to_string(),
+                    size_bytes: bytes,
+                    time_s: secs,
+                    algbw_gbs: algbw,
+                    busbw_gbs: bus(secs),
+                    busbw_min_gbs: bus(slow),
+                    busbw_max_gbs: bus(fast),
+                    memcpy_gbs: mem,
+                    busbw_over_memcpy: bus(secs) / mem,
+                    gloo_busbw_gbs: theirs.map(bus),
+                    nproc: args.nproc,
+                    transport: transport.clone(),
+                    runs: t.len(),
+                };
+                println!("{}", serde_json::to_string(&row)?);
             } else {
                 let gloo_text = theirs.map_or("-".into(), |g| format!("{:.3}", bus(g)));
                 let ratio = theirs.map_or("-".into(), |g| format!("{:.2}", g / secs));

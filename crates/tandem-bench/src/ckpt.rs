@@ -40,6 +40,17 @@ pub struct Args {
     /// The report runs one repetition per process and passes its run index.
     #[arg(long, default_value_t = 0, hide = true)]
     first_writer: usize,
+    /// One JSON line per row ([`CkptRow`]) instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One row of `tandem bench ckpt --json`: a writer or reader and its throughput, MiB/s.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct CkptRow {
+    pub name: String,
+    pub min_mib_s: f64,
+    pub median_mib_s: f64,
 }
 
 pub(crate) fn find_python(explicit: Option<PathBuf>) -> Option<PathBuf> {
@@ -259,6 +270,14 @@ fn run(args: &Args, dir: &Path) -> anyhow::Result<i32> {
         torch_rows.push(("torch.save + fsync", times.iter().map(|t| t.save).collect()));
         torch_rows.push(("torch.load(mmap=True)", times.iter().map(|t| t.load_mmap).collect()));
         torch_rows.push(("torch.load (read)", times.iter().map(|t| t.load_read).collect()));
+    }
+    if args.json {
+        for (name, v) in rows.iter().chain(torch_rows.iter()) {
+            let (min_mib_s, median_mib_s) = stats(v, bytes);
+            let row = CkptRow { name: name.to_string(), min_mib_s, median_mib_s };
+            println!("{}", serde_json::to_string(&row)?);
+        }
+        return Ok(0);
     }
     println!(
         "checkpoint of {} MiB ({} tensors), {} runs; throughput in MiB/s",

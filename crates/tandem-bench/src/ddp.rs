@@ -413,6 +413,34 @@ fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
     result.with_context(|| format!("the {}-rank Ddp run printed no result", args.nproc))
 }
 
+/// What `tandem bench ddp --json` prints: one line, read back typed by the report.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DdpResult {
+    pub model: String,
+    pub width: usize,
+    pub mode: String,
+    pub global_batch: usize,
+    pub nproc: usize,
+    pub steps: usize,
+    pub rounds: usize,
+    pub cores: usize,
+    pub device: String,
+    pub backend: String,
+    pub plain_samples_per_s: f64,
+    pub ddp1_samples_per_s: f64,
+    pub ddp1_overhead: f64,
+    #[serde(rename = "ddpN_samples_per_s")]
+    pub ddp_n_samples_per_s: f64,
+    pub scaling_efficiency: f64,
+    #[serde(rename = "localN_samples_per_s")]
+    pub local_n_samples_per_s: f64,
+    #[serde(rename = "ddpN_over_localN")]
+    pub ddp_n_over_local_n: f64,
+    pub torch_ddp_samples_per_s: Option<f64>,
+    #[serde(rename = "ddpN_over_torch")]
+    pub ddp_n_over_torch: Option<f64>,
+}
+
 /// One run of the PyTorch DDP peer: its samples/s.
 fn torch_peer(args: &Args, python: &PathBuf) -> anyhow::Result<f64> {
     let script = args.torch_script.clone().unwrap_or_else(|| {
@@ -473,17 +501,28 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let torch = (!tn.is_empty()).then(|| median(tn));
     let efficiency = ddp_n / plain;
     if args.json {
-        println!(
-            "{}",
-            serde_json::json!({
-                "model": args.model, "width": args.width, "mode": mode, "global_batch": args.batch, "nproc": args.nproc, "steps": args.steps,
-                "rounds": args.rounds, "cores": cores, "device": args.device, "backend": args.backend,
-                "plain_samples_per_s": plain, "ddp1_samples_per_s": ddp1, "ddp1_overhead": overhead,
-                "ddpN_samples_per_s": ddp_n, "scaling_efficiency": efficiency,
-                "localN_samples_per_s": local_n, "ddpN_over_localN": ddp_over_local,
-                "torch_ddp_samples_per_s": torch, "ddpN_over_torch": ddp_over_torch,
-            })
-        );
+        let result = DdpResult {
+            model: args.model.name().to_string(),
+            width: args.width,
+            mode: mode.to_string(),
+            global_batch: args.batch,
+            nproc: args.nproc,
+            steps: args.steps,
+            rounds: args.rounds,
+            cores,
+            device: args.device.clone(),
+            backend: args.backend.clone(),
+            plain_samples_per_s: plain,
+            ddp1_samples_per_s: ddp1,
+            ddp1_overhead: overhead,
+            ddp_n_samples_per_s: ddp_n,
+            scaling_efficiency: efficiency,
+            local_n_samples_per_s: local_n,
+            ddp_n_over_local_n: ddp_over_local,
+            torch_ddp_samples_per_s: torch,
+            ddp_n_over_torch: ddp_over_torch,
+        };
+        println!("{}", serde_json::to_string(&result)?);
         return Ok(0);
     }
     let on = match args.device.as_str() {

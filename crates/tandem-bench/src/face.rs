@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context};
+use tandem::recipes::options::{DataSource, SchedulerKind};
+use tandem::recipes::TrainConfig;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -252,20 +254,7 @@ impl FaceRun {
     /// Synthesises `identities` x 8 images under `dir/faces` (kept if there) and writes the
     /// initial weights (the head too when it is at most 256 MiB).
     pub fn prepare(mut self, dir: &Path, identities: usize) -> anyhow::Result<Self> {
-        self.data = dir.join("faces");
-        if !self.data.join("train.rec").is_file() {
-            run(
-                Command::new(&self.exe).args(["data", "synth-faces"]).arg(&self.data).args([
-                    "--classes",
-                    &identities.to_string(),
-                    "--per-class",
-                    "8",
-                    "--pairs",
-                    "20",
-                ]),
-                "tandem data synth-faces",
-            )?;
-        }
+        self.data = crate::train_job::face_set(dir, identities, 20)?;
         self.init = dir.join(format!(
             "init-{}-w{}-e{}-c{}.pt",
             self.model, self.width, self.embedding, self.classes
@@ -327,25 +316,37 @@ impl FaceRun {
 
     /// `tandem train` with the recipe, its run directory `out`.
     pub fn tandem(&self, out: &Path) -> anyhow::Result<Outcome> {
-        let mut c = Command::new(&self.exe);
-        let (nproc, width, emb) =
-            (self.nproc.to_string(), self.width.to_string(), self.embedding.to_string());
-        c.args(["train", "--nproc-per-node", &nproc, "--model", &self.model, "--width", &width]);
-        c.args(["--num-classes", &self.classes.to_string()]);
-        c.args(["--sample-rate", &self.sample_rate.to_string()]);
-        c.args(["--embedding-size", &emb, "--batch-size", &self.batch.to_string()]);
-        c.args(["--epochs", "1000", "--steps", &self.steps.to_string()]);
-        c.args(["--lr", "0.1", "--lr-scheduler", "poly", "--clip-grad-norm", "5", "--seed", "0"]);
-        c.arg("--data").arg(format!("rec:{}", self.data.display()));
-        c.arg("--init-from").arg(&self.init).arg("--out").arg(out);
-        if !self.checkpoints {
-            c.arg("--no-checkpoints");
+        let cfg = TrainConfig {
+            nproc_per_node: self.nproc,
+            model: self.model.parse()?,
+            width: self.width,
+            num_classes: Some(self.classes),
+            sample_rate: self.sample_rate,
+            embedding_size: self.embedding,
+            batch_size: self.batch,
+            epochs: 1000,
+            steps: Some(self.steps),
+            lr: 0.1,
+            lr_scheduler: SchedulerKind::Poly,
+            clip_grad_norm: Some(5.0),
+            seed: 0,
+            data: DataSource::Rec(self.data.clone()),
+            init_from: Some(self.init.clone()),
+            out: Some(out.to_path_buf()),
+            no_checkpoints: !self.checkpoints,
+            device: self.device.parse()?,
+            precision: self.precision.parse()?,
+            timing_warmup_steps: self.warmup_steps,
+            num_workers: self.workers,
+            ..TrainConfig::default()
+        };
+        // Beside the run directory, which `tandem train` makes itself.
+        let file = out.with_extension("settings.toml");
+        if let Some(parent) = file.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("creating {}", parent.display()))?;
         }
-        c.args(["--device", &self.device, "--precision", &self.precision]);
-        c.args(["--timing-warmup-steps", &self.warmup_steps.to_string()]);
-        if let Some(w) = self.workers {
-            c.args(["--num-workers", &w.to_string()]);
-        }
+        let mut c = crate::train_job::train_command(&self.exe, &cfg, &file)?;
         if self.profile {
             c.env("TANDEM_PROFILE", "phases");
         }

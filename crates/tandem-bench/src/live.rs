@@ -9,12 +9,13 @@
 //! restored from mirrors and reloaded, head training lost (row-steps), the mirror's bytes and
 //! time, and the verification accuracy.
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use tandem::recipes::face::HEAD_ROWS;
+use tandem::recipes::TrainConfig;
 use tandem::train::events::Regroup;
 use tandem::train::metrics::{read_metrics, MetricsRecord};
 
@@ -89,72 +90,41 @@ impl Args {
         })
     }
 
-    /// `tandem train` flags of the job (run in `dir`, whose face data it writes first).
-    fn train_args(&self, dir: &std::path::Path) -> anyhow::Result<Vec<String>> {
-        let epochs = self.epochs().to_string();
-        let mut args: Vec<String> = match self.recipe {
-            Recipe::Mlp => {
-                ["--model", "mlp", "--hidden", &self.hidden.to_string(), "--batch-size", "16"]
-                    .map(String::from)
-                    .to_vec()
-            }
+    /// The job's settings (run in `dir`, whose face data it writes first): live recovery on
+    /// `--nproc` ranks, restarts without end.
+    fn train_config(&self, dir: &std::path::Path) -> anyhow::Result<TrainConfig> {
+        let base = match self.recipe {
+            Recipe::Mlp => TrainConfig {
+                model: tandem::models::ModelKind::Mlp,
+                hidden: self.hidden,
+                batch_size: 16,
+                ..TrainConfig::default()
+            },
             Recipe::Face => {
-                let data = dir.join("faces");
-                if !data.join("train.rec").is_file() {
-                    let out = Command::new(crate::tandem_exe()?)
-                        .args(["data", "synth-faces"])
-                        .arg(&data)
-                        .args(["--classes", "64", "--per-class", "8", "--format", "jpeg"])
-                        .args(["--pairs", "200"])
-                        .output()
-                        .context("writing the synthetic face set")?;
-                    anyhow::ensure!(
-                        out.status.success(),
-                        "tandem data synth-faces: {}",
-                        String::from_utf8_lossy(&out.stderr)
-                    );
+                crate::train_job::face_set(dir, 64, 200)?;
+                TrainConfig {
+                    val: vec!["faces/pairs.bin".into()],
+                    mirror_every: self.mirror_every,
+                    ..crate::train_job::small_face(self.classes, 32)
                 }
-                [
-                    "--model",
-                    "iresnet18",
-                    "--width",
-                    "8",
-                    "--embedding-size",
-                    "32",
-                    "--data",
-                    "rec:faces",
-                    "--val",
-                    "faces/pairs.bin",
-                    "--batch-size",
-                    "4",
-                    "--num-classes",
-                    &self.classes.to_string(),
-                    "--mirror-every",
-                    &self.mirror_every.to_string(),
-                ]
-                .map(String::from)
-                .to_vec()
             }
         };
-        args.extend(
-            ["--epochs", &epochs, "--seed", "11", "--out", "runs/live-bench"].map(String::from),
-        );
-        Ok(args)
+        Ok(TrainConfig {
+            epochs: self.epochs(),
+            seed: 11,
+            out: Some("runs/live-bench".into()),
+            nproc_per_node: self.nproc,
+            live_recovery: true,
+            max_restarts: 1000,
+            ..base
+        })
     }
 }
 
 /// Runs the job; with `kill_every`, SIGKILLs one of its live workers that often.
 fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow::Result<RunResult> {
-    let exe = crate::tandem_exe()?;
-    let train = a.train_args(dir)?;
-    let nproc = a.nproc.to_string();
-    let launcher_args =
-        ["run", "--nproc-per-node", &nproc, "--live-recovery", "--max-restarts", "1000", "--"];
-    let mut child = Command::new(&exe)
-        .args(launcher_args)
-        .arg(&exe)
-        .arg("train")
-        .args(&train)
+    let (exe, cfg) = (crate::tandem_exe()?, a.train_config(dir)?);
+    let mut child = crate::train_job::train_command(&exe, &cfg, &dir.join("live-bench.toml"))?
         .current_dir(dir)
         .env("TANDEM_LIVE_ARRIVAL_TIMEOUT", "10")
         .stdout(Stdio::piped())

@@ -26,6 +26,7 @@ mod local_ranks;
 mod partial_fc;
 mod report;
 mod save_stall;
+mod train_job;
 mod zero;
 
 #[derive(Parser)]
@@ -140,4 +141,19 @@ fn run(args: Args) -> anyhow::Result<i32> {
         Which::Live(a) => live::main(a),
         Which::Report(a) => report::main(a),
     }
+}
+
+/// The typed rows a benchmark printed with `--json`, one JSON object per line (`what` names it
+/// in errors; its other lines are not JSON).
+pub(crate) fn json_lines<T: serde::de::DeserializeOwned>(
+    out: &str,
+    what: &str,
+) -> anyhow::Result<Vec<T>> {
+    let rows = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with('{'))
+        .map(|l| serde_json::from_str(l).with_context(|| format!("{what} printed {l:?}")))
+        .collect::<anyhow::Result<Vec<T>>>()?;
+    anyhow::ensure!(!rows.is_empty(), "{what} printed no JSON lines");
+    Ok(rows)
 }

@@ -170,22 +170,21 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 /// One face run's stall per save and its step time (seconds), from its run summary.
 fn face_once(mode: Mode, args: &Args, dir: &std::path::Path) -> anyhow::Result<(f64, f64)> {
     use anyhow::Context;
-    let exe = crate::tandem_exe()?;
     let out = std::path::absolute(dir)?.join(format!("face-{mode:?}"));
     let _ = std::fs::remove_dir_all(&out);
-    let mut cmd = std::process::Command::new(&exe);
-    cmd.current_dir(dir)
-        .args(["train", "--model", "iresnet18", "--width", "8", "--data", "rec:faces"])
-        .args(["--embedding-size", &args.embedding.to_string()])
-        .args(["--num-classes", &args.classes.to_string(), "--batch-size", "4"])
-        .args(["--steps", &args.steps.to_string(), "--nproc-per-node", "2", "--keep-last", "2"])
-        .args(["--save-every", &args.save_every.to_string()])
-        .arg("--out")
-        .arg(&out);
-    if mode == Mode::Background {
-        cmd.arg("--async-save");
-    }
-    let result = cmd.output().context("running tandem train")?;
+    let cfg = tandem::recipes::TrainConfig {
+        steps: Some(args.steps as u64),
+        nproc_per_node: 2,
+        keep_last: 2,
+        save_every: args.save_every as u64,
+        async_save: mode == Mode::Background,
+        out: Some(out.clone()),
+        ..crate::train_job::small_face(args.classes, args.embedding)
+    };
+    let file = dir.join(format!("face-{mode:?}.toml"));
+    let mut cmd = crate::train_job::train_command(&crate::tandem_exe()?, &cfg, &file)?;
+    let result = cmd.current_dir(dir).output();
+    let result = result.context("running tandem train")?;
     if !result.status.success() {
         bail!("tandem train ({mode:?}) failed:\n{}", String::from_utf8_lossy(&result.stderr));
     }
@@ -200,17 +199,7 @@ fn face_once(mode: Mode, args: &Args, dir: &std::path::Path) -> anyhow::Result<(
 
 /// `--face`: the face recipe's checkpoint stall, synchronous against background.
 fn run_face(args: &Args, dir: &std::path::Path) -> anyhow::Result<i32> {
-    let data = dir.join("faces");
-    if !data.join("train.rec").is_file() {
-        let out = std::process::Command::new(crate::tandem_exe()?)
-            .args(["data", "synth-faces"])
-            .arg(&data)
-            .args(["--classes", "64", "--per-class", "8", "--format", "jpeg"])
-            .output()?;
-        if !out.status.success() {
-            bail!("tandem data synth-faces: {}", String::from_utf8_lossy(&out.stderr));
-        }
-    }
+    crate::train_job::face_set(dir, 64, 200)?;
     let head_mib = (args.classes * args.embedding * 4 * 2) as f64 / (1 << 20) as f64;
     eprintln!(
         "face recipe, 2 ranks: IResNet-18 width 8 + PartialFC {} x {} ({head_mib:.0} MiB of centres + momentum, half per rank); {} steps, a save every {} and at the end",

@@ -1,12 +1,15 @@
 //! The three measurements of the report. Each repeat runs every contender once, one after the
 //! other, so a busy phase of the machine hits all of them alike; tandem's figures come from the
 //! `tandem bench ...` subcommands of this same executable, PyTorch's from the peer scripts.
+use crate::allreduce::AllreduceRow;
+use crate::ckpt::CkptRow;
+use crate::ddp::DdpResult;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 
 use super::child::stdout_of;
 use super::stats::Figure;
@@ -280,12 +283,12 @@ pub fn allreduce(ctx: &mut Ctx, plan: &Plan) -> Table {
                     Duration::from_secs(600),
                     &format!("tandem bench allreduce --backend {backend}"),
                 )
-                .and_then(|o| parse_allreduce(&o))
+                .and_then(|o| crate::json_lines::<AllreduceRow>(&o, "bench allreduce"))
             {
                 Ok(rows) => {
-                    for (size, busbw, mem) in rows {
-                        bus.entry((backend, size)).or_default().push(busbw);
-                        memcpy.entry(size).or_default().push(mem);
+                    for r in rows {
+                        bus.entry((backend, r.size_bytes)).or_default().push(r.busbw_gbs);
+                        memcpy.entry(r.size_bytes).or_default().push(r.memcpy_gbs);
                     }
                 }
                 Err(e) => {
@@ -423,14 +426,15 @@ pub fn collectives(ctx: &mut Ctx, plan: &Plan) -> Table {
             );
             match ctx
                 .tandem(&args, Duration::from_secs(900), &what)
-                .and_then(|o| parse_collectives(&o))
+                .and_then(|o| crate::json_lines::<AllreduceRow>(&o, "bench allreduce"))
             {
                 Ok(rows) => {
                     for r in rows {
-                        bus.entry((backend, r.op.clone(), r.size)).or_default().push(r.busbw);
-                        memcpy.entry((r.op.clone(), r.size)).or_default().push(r.memcpy);
-                        if let Some(g) = r.gloo {
-                            bus.entry(("gloo", r.op, r.size)).or_default().push(g);
+                        let (op, size) = (r.op, r.size_bytes);
+                        bus.entry((backend, op.clone(), size)).or_default().push(r.busbw_gbs);
+                        memcpy.entry((op.clone(), size)).or_default().push(r.memcpy_gbs);
+                        if let Some(g) = r.gloo_busbw_gbs {
+                            bus.entry(("gloo", op, size)).or_default().push(g);
                         }
                     }
                 }
@@ -477,59 +481,6 @@ pub fn collectives(ctx: &mut Ctx, plan: &Plan) -> Table {
     Table { unit: "busbw GB/s", reference_name: "memcpy", rows }
 }
 
-/// One JSON line of `tandem bench allreduce --json`.
-struct CollectiveRow {
-    op: String,
-    size: usize,
-    busbw: f64,
-    memcpy: f64,
-    gloo: Option<f64>,
-}
-
-fn parse_collectives(out: &str) -> anyhow::Result<Vec<CollectiveRow>> {
-    let mut rows = Vec::new();
-    for line in out.lines().filter(|l| l.trim_start().starts_with('{')) {
-        let j: serde_json::Value = serde_json::from_str(line)
-            .with_context(|| format!("bench allreduce printed {line:?}"))?;
-        match (
-            j["op"].as_str(),
-            j["size_bytes"].as_u64(),
-            j["busbw_gbs"].as_f64(),
-            j["memcpy_gbs"].as_f64(),
-        ) {
-            (Some(op), Some(s), Some(b), Some(m)) => rows.push(CollectiveRow {
-                op: op.to_string(),
-                size: s as usize,
-                busbw: b,
-                memcpy: m,
-                gloo: j["gloo_busbw_gbs"].as_f64(),
-            }),
-            _ => bail!("bench allreduce: a line lacks op/size_bytes/busbw_gbs/memcpy_gbs: {line}"),
-        }
-    }
-    if rows.is_empty() {
-        bail!("bench allreduce printed no JSON lines");
-    }
-    Ok(rows)
-}
-
-/// (size, busbw GB/s, memcpy GB/s) per JSON line of `tandem bench allreduce --json`.
-fn parse_allreduce(out: &str) -> anyhow::Result<Vec<(usize, f64, f64)>> {
-    let mut rows = Vec::new();
-    for line in out.lines().filter(|l| l.trim_start().starts_with('{')) {
-        let j: serde_json::Value = serde_json::from_str(line)
-            .with_context(|| format!("bench allreduce printed {line:?}"))?;
-        match (j["size_bytes"].as_u64(), j["busbw_gbs"].as_f64(), j["memcpy_gbs"].as_f64()) {
-            (Some(s), Some(b), Some(m)) => rows.push((s as usize, b, m)),
-            _ => bail!("bench allreduce: a line lacks size_bytes/busbw_gbs/memcpy_gbs: {line}"),
-        }
-    }
-    if rows.is_empty() {
-        bail!("bench allreduce printed no JSON lines");
-    }
-    Ok(rows)
-}
-
 /// DDP training samples/s: plain single-process training (the reference, measured by every
 /// `tandem bench ddp` run), tandem Ddp and PyTorch DDP with 1, 2, 4 ranks on the same global batch.
 pub fn ddp(ctx: &mut Ctx, repeats: usize, w: &Workload) -> Table {
@@ -559,19 +510,10 @@ pub fn ddp(ctx: &mut Ctx, repeats: usize, w: &Workload) -> Table {
             .map(String::from);
             let parsed = ctx
                 .tandem(&args, Duration::from_secs(900), &format!("tandem bench ddp --nproc {n}"))
-                .and_then(|o| {
-                    let line = o
-                        .lines()
-                        .rev()
-                        .find(|l| l.trim_start().starts_with('{'))
-                        .context("bench ddp printed no JSON")?;
-                    let j: serde_json::Value = serde_json::from_str(line)?;
-                    match (j["plain_samples_per_s"].as_f64(), j["ddpN_samples_per_s"].as_f64()) {
-                        (Some(p), Some(d)) => Ok((p, d)),
-                        _ => {
-                            bail!("bench ddp: no plain_samples_per_s/ddpN_samples_per_s in {line}")
-                        }
-                    }
+                .and_then(|o| crate::json_lines::<DdpResult>(&o, "bench ddp"))
+                .map(|rows| {
+                    let r = &rows[rows.len() - 1];
+                    (r.plain_samples_per_s, r.ddp_n_samples_per_s)
                 });
             match parsed {
                 Ok((p, d)) => {
@@ -682,18 +624,21 @@ pub fn ckpt(ctx: &mut Ctx, plan: &Plan) -> Table {
         ];
         args.extend(["--repeat".into(), "1".into(), "--dir".into(), dir.display().to_string()]);
         // One repetition per process: rotate which writer goes first across the runs.
-        args.extend(["--first-writer".into(), rep.to_string()]);
+        args.extend(["--first-writer".into(), rep.to_string(), "--json".into()]);
         if let Some(t) = ctx.torch() {
             args.extend(["--python".into(), t.python.display().to_string()]);
         }
         let res = std::fs::create_dir_all(&dir)
             .with_context(|| format!("creating {}", dir.display()))
             .and_then(|_| ctx.tandem(&args, Duration::from_secs(900), "tandem bench ckpt"))
-            .and_then(|o| parse_ckpt(&o));
+            .and_then(|o| crate::json_lines::<CkptRow>(&o, "bench ckpt"));
         match res {
             Ok(rows) => {
-                for (name, gbs) in rows {
-                    samples.entry(name).or_default().push(gbs);
+                for r in rows {
+                    if let Some((name, _, _)) = CKPT_ROWS.iter().find(|(n, ..)| *n == r.name) {
+                        let gbs = r.median_mib_s * MIB as f64 / 1e9;
+                        samples.entry(name).or_default().push(gbs);
+                    }
                 }
             }
             Err(e) => {
@@ -744,54 +689,31 @@ pub fn ckpt(ctx: &mut Ctx, plan: &Plan) -> Table {
     Table { unit: "GB/s", reference_name: "dd", rows }
 }
 
-/// (row, GB/s) from `tandem bench ckpt`'s text table (it has no --json): each row is its name
-/// and then min and median MiB/s; with --repeat 1 both are the one run.
-fn parse_ckpt(out: &str) -> anyhow::Result<Vec<(&'static str, f64)>> {
-    let mut rows = Vec::new();
-    for line in out.lines() {
-        for (name, _, _) in CKPT_ROWS {
-            let Some(rest) = line.strip_prefix(name) else { continue };
-            let nums: Vec<f64> = rest.split_whitespace().filter_map(|w| w.parse().ok()).collect();
-            if let [_min, median] = nums[..] {
-                rows.push((name, median * MIB as f64 / 1e9));
-            }
-        }
-    }
-    if !rows.iter().any(|(n, _)| *n == "tandem save .pt") {
-        bail!("bench ckpt: no 'tandem save .pt' row in its output:\n{out}");
-    }
-    Ok(rows)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn parses_bench_ckpt_text() {
-        let out = "checkpoint of 8 MiB (8 tensors), 1 runs; throughput in MiB/s\n                                    min     median\n\
-dd conv=fsync (write)              500        500\ntandem save .pt                   1000       1000\n\
-tandem load .pt (mmap)            2000       2000\nratios of medians:\n  tandem save .pt / dd conv=fsync (write): 2.00 (target >= 0.80)\n";
-        let rows = parse_ckpt(out).unwrap();
-        assert_eq!(rows.len(), 3);
-        assert_eq!(rows[1].0, "tandem save .pt");
-        assert!((rows[1].1 - 1000.0 * 1048576.0 / 1e9).abs() < 1e-9);
-        assert!(parse_ckpt("nothing").is_err());
-    }
-
-    #[test]
-    fn parses_bench_allreduce_json() {
-        let out = "{\"size_bytes\":4,\"busbw_gbs\":0.001,\"memcpy_gbs\":1.5}\n";
-        assert_eq!(parse_allreduce(out).unwrap(), vec![(4, 0.001, 1.5)]);
-        assert!(parse_allreduce("{\"size_bytes\":4}").is_err());
-        assert!(parse_allreduce("").is_err());
-        let line = r#"{"op":"all_to_all","size_bytes":16,"busbw_gbs":0.5,"memcpy_gbs":2.0,"gloo_busbw_gbs":0.25}"#;
-        let rows = parse_collectives(line).unwrap();
-        assert_eq!(
-            (rows[0].op.as_str(), rows[0].size, rows[0].gloo),
-            ("all_to_all", 16, Some(0.25))
-        );
-        assert!(parse_collectives(r#"{"size_bytes":16,"busbw_gbs":0.5,"memcpy_gbs":2.0}"#).is_err());
+    fn reads_bench_allreduce_rows_typed() {
+        let row = AllreduceRow {
+            op: "all_to_all".into(),
+            size_bytes: 16,
+            time_s: 1e-5,
+            algbw_gbs: 0.4,
+            busbw_gbs: 0.5,
+            busbw_min_gbs: 0.45,
+            busbw_max_gbs: 0.55,
+            memcpy_gbs: 2.0,
+            busbw_over_memcpy: 0.25,
+            gloo_busbw_gbs: Some(0.25),
+            nproc: 2,
+            transport: "shm".into(),
+            runs: 3,
+        };
+        let out = format!("a header line\n{}\n", serde_json::to_string(&row).unwrap());
+        assert_eq!(crate::json_lines::<AllreduceRow>(&out, "x").unwrap(), vec![row]);
+        assert!(crate::json_lines::<AllreduceRow>("{\"size_bytes\":4}", "x").is_err());
+        assert!(crate::json_lines::<AllreduceRow>("", "x").is_err());
     }
 
     #[test]
