@@ -522,9 +522,12 @@ mod tests {
         assert_eq!("synthetic".parse::<DataSource>().unwrap().to_string(), "synthetic:10000:64:10");
         assert_eq!("powersgd".parse::<CommHook>().unwrap(), CommHook::PowerSgd);
         assert!("fp8".parse::<CommHook>().is_err());
-        // A config file holds the same text.
-        let text = r#"{"data": "rec:/d", "margin": "cosface", "comm_hook": "fp16"}"#;
-        let cfg: TrainConfig = serde_json::from_str(text).unwrap();
+        // A config file holds the same text (here over the defaults, as the CLI merges it).
+        let mut file = serde_json::to_value(TrainConfig::default()).unwrap();
+        assert_eq!((&file["data"], &file["margin"]), (&"digits".into(), &"arcface".into()));
+        (file["data"], file["margin"], file["comm_hook"]) =
+            ("rec:/d".into(), "cosface".into(), "fp16".into());
+        let cfg: TrainConfig = serde_json::from_value(file).unwrap();
         assert_eq!(cfg.data, DataSource::Rec(PathBuf::from("/d")));
         assert_eq!((cfg.margin, cfg.comm_hook), (Margin::CosFace, CommHook::Fp16));
     }
