@@ -1,6 +1,6 @@
 //! A run's results as types, and the JSON-lines file a script reads them from: one object per
 //! line, `{"kind":"epoch",...}` after every epoch, `{"kind":"regrouped",...}` when a live world
-//! re-forms and `{"kind":"summary",...}` at the end (rank 0 writes it, as a [`Logger`] of the
+//! re-forms and `{"kind":"summary",...}` at the end (rank 0 writes it, as a [`Logger`](crate::Logger) of the
 //! run's events; every line is flushed as written, so a file cut short by a crash still parses
 //! line by line).
 use std::fs::File;
