@@ -134,7 +134,7 @@ pub struct LaunchArgs {
     #[arg(long = "run-id", alias = "run_id", env = "PET_RDZV_ID", value_name = "ID")]
     run_id: Option<String>,
 
-    /// Write worker output to <DIR>/<run-id>/attempt_<k>/<local_rank>/{stdout,stderr}.log.
+    /// Write worker output to DIR/RUN_ID/attempt_K/LOCAL_RANK/{stdout,stderr}.log.
     #[arg(long = "log-dir", alias = "log_dir", value_name = "DIR")]
     log_dir: Option<PathBuf>,
 
