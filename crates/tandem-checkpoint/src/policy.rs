@@ -1,4 +1,4 @@
-//! When the [`Trainer`](crate::Trainer) writes a checkpoint and how many it keeps: a strategy
+//! When the training loop (tandem-train's `Trainer`) writes a checkpoint and how many it keeps: a strategy
 //! object (what burn's `CheckpointingStrategy` is), so a run's saving schedule is one value a
 //! user can replace rather than flags the loop reads.
 use std::fmt::Debug;
@@ -7,7 +7,7 @@ use std::fmt::Debug;
 pub const KEEP_LAST: usize = 3;
 
 /// When a run's checkpoints are written, how many are kept, and whether a thread writes them.
-/// The [`Trainer`](crate::Trainer) asks it at each moment a save could happen; a save it asks
+/// The training loop (tandem-train's `Trainer`) asks it at each moment a save could happen; a save it asks
 /// for is a collective, so the answers must be the same on every rank.
 pub trait CheckpointPolicy: Debug + Send + Sync {
     /// Whether to save after step `step` (1-based; the run's last step is [`at_end`]'s).
