@@ -1,6 +1,6 @@
-//! When the training loop (tandem-train's `Trainer`) writes a checkpoint and how many it keeps: a strategy
-//! object (what burn's `CheckpointingStrategy` is), so a run's saving schedule is one value a
-//! user can replace rather than flags the loop reads.
+//! When the training loop (tandem-train's `Trainer`) writes a checkpoint and how many it keeps:
+//! a strategy object (what burn's `CheckpointingStrategy` is), so a run's saving schedule is one
+//! value a user can replace rather than flags the loop reads.
 use std::fmt::Debug;
 
 /// Checkpoints kept when nothing says otherwise.
