@@ -66,7 +66,7 @@ pub use manifest::{rank_file_name, Manifest, RankFile, ShardEntry, FORMAT, MANIF
 pub use policy::{CheckpointPolicy, Never, Periodic, KEEP_LAST};
 pub use reader::Saved;
 pub use rows::slice_rows;
-pub use writer::{write_sharded, Checkpointer, LATEST};
+pub use writer::{resolve_latest, write_sharded, Checkpointer, LATEST};
 
 /// Which slice of a global object a shard holds.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

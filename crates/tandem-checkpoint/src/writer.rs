@@ -21,6 +21,25 @@ const FILE_SUFFIX: &str = ".pt";
 /// Bound on one rank's list of shard slices exchanged before a save.
 const MAX_PLAN_BYTES: usize = 64 << 20;
 
+/// `path` itself, or — when it is a run's [`LATEST`] file — the checkpoint it names (in the
+/// same directory), so `RUN/checkpoints/latest` can be given wherever a checkpoint is read. The
+/// name is checked to stay inside that directory.
+pub fn resolve_latest(path: &Path) -> Result<PathBuf> {
+    if path.file_name().is_none_or(|n| n != LATEST) || !path.is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let len = std::fs::metadata(path).map_err(io("reading", path))?.len();
+    if len > 4096 {
+        return Err(invalid(path, format!("{len} bytes, more than a checkpoint's name")));
+    }
+    let text = std::fs::read_to_string(path).map_err(io("reading", path))?;
+    let name = text.trim();
+    if !manifest::plain_name(name) {
+        return Err(invalid(path, format!("{name:?} is not a checkpoint name in its directory")));
+    }
+    Ok(path.with_file_name(name))
+}
+
 /// The checkpoints of one run in a directory; see the [module](super) for the layout.
 #[derive(Debug)]
 pub struct Checkpointer {
@@ -495,4 +514,27 @@ pub fn write_sharded(
     }
     manifest::write(dir, &manifest)?;
     sync(dir.parent().unwrap_or(Path::new(".")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_latest_file_stands_for_the_checkpoint_it_names_inside_its_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let latest = dir.path().join(LATEST);
+        std::fs::write(&latest, "step-00000007\n").unwrap();
+        assert_eq!(resolve_latest(&latest).unwrap(), dir.path().join("step-00000007"));
+        // Any other path is itself, a missing `latest` too (the reader names it).
+        let other = dir.path().join("checkpoint-x.pt");
+        assert_eq!(resolve_latest(&other).unwrap(), other);
+        let absent = dir.path().join("sub").join(LATEST);
+        assert_eq!(resolve_latest(&absent).unwrap(), absent);
+        for bad in ["../../etc/passwd\n", "a/b\n", "\n"] {
+            std::fs::write(&latest, bad).unwrap();
+            let e = resolve_latest(&latest).unwrap_err().to_string();
+            assert!(e.contains("latest") && e.contains("not a checkpoint name"), "{bad:?}: {e}");
+        }
+    }
 }

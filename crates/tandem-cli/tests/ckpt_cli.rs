@@ -264,6 +264,9 @@ fn sharded_checkpoints_inspect_and_convert_to_one_dict() {
             "{row}: {text}"
         );
     }
+    // The run's `latest` file stands for the checkpoint it names.
+    let latest = dir.parent().unwrap().join("latest");
+    assert_eq!(stdout(&tandem(&["ckpt", "inspect", s(&latest)])), text);
     let j: serde_json::Value =
         serde_json::from_str(&stdout(&tandem(&["ckpt", "inspect", "--json", s(&dir)]))).unwrap();
     // Momentum buffers of 12 + 4 + 8 + 2 f32 elements, split over the ranks.

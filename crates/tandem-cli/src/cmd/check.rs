@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use tandem::comm::ReduceOp;
+use tandem::comm::{Element, ProcessGroup, ReduceOp};
 
 /// Variables a launcher sets, printed by `--print-env`.
 const LAUNCHER_VARS: [&str; 12] = [
@@ -80,17 +80,14 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let pg = tandem::comm::init().context("joining the process group")?;
     let (rank, size) = (pg.rank(), pg.size());
     let expected = size * size.saturating_sub(1) / 2;
+    fn sum_of<T: Element + ToString>(pg: &ProcessGroup, x: T) -> anyhow::Result<String> {
+        let mut buf = [x];
+        pg.all_reduce(&mut buf, ReduceOp::Sum).context("all_reduce of the ranks")?;
+        Ok(buf[0].to_string())
+    }
     let sum = match args.dtype {
-        Dtype::I64 => {
-            let mut buf = [rank as i64];
-            pg.all_reduce(&mut buf, ReduceOp::Sum).context("all_reduce of the ranks")?;
-            buf[0].to_string()
-        }
-        Dtype::F64 => {
-            let mut buf = [rank as f64];
-            pg.all_reduce(&mut buf, ReduceOp::Sum).context("all_reduce of the ranks")?;
-            buf[0].to_string()
-        }
+        Dtype::I64 => sum_of(&pg, rank as i64)?,
+        Dtype::F64 => sum_of(&pg, rank as f64)?,
     };
     let algorithm = if pg.is_hierarchical() { "hierarchical" } else { "flat" };
     let head = format!(

@@ -28,6 +28,7 @@ enum Which {
     /// each holds and what each file holds; for a PyTorch distributed checkpoint (a `dcp.save`
     /// directory), its values and how each tensor is chunked over its files.
     Inspect {
+        #[arg(value_parser = checkpoint_path)]
         file: PathBuf,
         /// Print one JSON object instead of text.
         #[arg(long)]
@@ -40,6 +41,7 @@ enum Which {
     /// files (+ model.pt) in the directory OUT; a directory of those becomes a tandem checkpoint
     /// in the run directory OUT (`tandem train --out OUT --resume` continues it).
     Convert {
+        #[arg(value_parser = checkpoint_path)]
         input: PathBuf,
         output: PathBuf,
         /// Remove this prefix from every key of the state dict (e.g. `module.`).
@@ -59,10 +61,16 @@ enum Which {
     },
     /// Keys only in one file, shape/dtype differences and the max abs difference of tensors.
     /// Exits 0 when the files hold the same values, 1 when they differ.
-    Diff { a: PathBuf, b: PathBuf },
+    Diff {
+        #[arg(value_parser = checkpoint_path)]
+        a: PathBuf,
+        #[arg(value_parser = checkpoint_path)]
+        b: PathBuf,
+    },
     /// The load report of loading FILE into a model shaped like REFERENCE's state dict.
     /// Exits 0 when every key fits, 1 otherwise.
     LoadCheck {
+        #[arg(value_parser = checkpoint_path)]
         file: PathBuf,
         #[arg(long = "into")]
         reference: PathBuf,
@@ -70,6 +78,11 @@ enum Which {
         #[arg(long)]
         non_strict: bool,
     },
+}
+
+/// A checkpoint argument; a run's `latest` file stands for the checkpoint it names.
+pub(crate) fn checkpoint_path(arg: &str) -> Result<PathBuf, String> {
+    tandem::train::checkpoint::resolve_latest(Path::new(arg)).map_err(|e| e.to_string())
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
@@ -114,22 +127,18 @@ fn read_keeping(path: &Path, keep_ordered_dicts: bool) -> anyhow::Result<Value> 
 
 /// A sharded checkpoint ([`Saved::inspect`]); the face recipe's also says its head's shape.
 fn inspect_sharded_state(saved: &Saved, as_json: bool) -> anyhow::Result<i32> {
-    let inspection = saved.inspect()?;
-    let head = saved.rows_total("head");
-    let embedding = head.and_then(|_| {
-        let rows = saved.read_row_parts("head", 0..1).ok()?;
-        rows.first()?.get("weight")?.as_tensor()?.shape.get(1).copied()
-    });
+    let (inspection, head) = (saved.inspect()?, tandem::recipes::face::head_shape(saved));
     if as_json {
         let mut j = serde_json::to_value(&inspection)?;
-        (j["num_classes"], j["embedding_size"]) = (json!(head), json!(embedding));
+        (j["num_classes"], j["embedding_size"]) =
+            (json!(head.map(|h| h.0)), json!(head.map(|h| h.1)));
         println!("{}", serde_json::to_string_pretty(&j)?);
         return Ok(0);
     }
     print!("{inspection}");
     let dir = saved.path().display();
-    match (head, embedding) {
-        (Some(c), Some(e)) => println!(
+    match head {
+        Some((c, e)) => println!(
             "face-recipe checkpoint: a head of {c} classes x {e} (`tandem ckpt convert {dir} \
              OUT_DIR` writes arcface_torch's checkpoint_gpu_{{rank}}.pt files)"
         ),
@@ -159,15 +168,11 @@ fn convert_face(input: &Path, output: &Path) -> anyhow::Result<i32> {
 /// A ZeRO checkpoint of the earlier format: each rank's file, parameters and state bytes.
 fn inspect_zero1(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
     let inspection = tandem::optim::zero::inspect_sharded(dir)?;
-    if as_json {
-        println!("{}", serde_json::to_string_pretty(&inspection)?);
-        return Ok(0);
+    let hint = "optim.pt` writes the consolidated, torch-loadable state dict)";
+    match as_json {
+        true => println!("{}", serde_json::to_string_pretty(&inspection)?),
+        false => println!("{inspection}(`tandem ckpt convert {} {hint}", dir.display()),
     }
-    print!("{inspection}");
-    let dir = dir.display();
-    println!(
-        "(`tandem ckpt convert {dir} optim.pt` writes the consolidated, torch-loadable state dict)"
-    );
     Ok(0)
 }
 

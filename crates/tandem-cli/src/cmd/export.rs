@@ -11,6 +11,7 @@ pub struct Args {
     /// A tandem training checkpoint (a file, or a checkpoint directory such as the face
     /// recipe's `RUN/checkpoints/step-N`), a weights file (`--save-final`) or a PyTorch state
     /// dict (.pt or .safetensors; `module.` and other wrappers are fine).
+    #[arg(value_parser = super::ckpt::checkpoint_path)]
     checkpoint: PathBuf,
     /// The architecture of the weights; layer sizes are read from them.
     #[arg(long, value_parser = tandem::recipes::options::choice::<ModelKind>())]
@@ -20,12 +21,9 @@ pub struct Args {
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
-    let value = if args.checkpoint.is_dir() {
-        super::ckpt::read(&args.checkpoint)
-    } else {
-        tandem::ckpt::load(&args.checkpoint).map_err(Into::into)
-    }
-    .with_context(|| format!("reading {}", args.checkpoint.display()))?;
+    // Checksums verified, as `tandem ckpt` reads (a directory put together whole).
+    let value = super::ckpt::read(&args.checkpoint)
+        .with_context(|| format!("reading {}", args.checkpoint.display()))?;
     let summary = write(args.model, &value, &args.output)
         .with_context(|| format!("exporting {}", args.checkpoint.display()))?;
     println!("{summary}");

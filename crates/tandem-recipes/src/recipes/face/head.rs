@@ -320,6 +320,13 @@ fn head_entry(rows: &RowBlock, own: &Value, world: &Value, e: usize) -> Value {
     Value::Dict(items)
 }
 
+/// The head's (classes, embedding width) of a face-recipe checkpoint (`None` for any other).
+pub fn head_shape(saved: &Saved) -> Option<(usize, usize)> {
+    let classes = saved.rows_total(HEAD_SHARD)?;
+    let rows = saved.read_row_parts(HEAD_SHARD, 0..1).ok()?;
+    Some((classes, *rows.first()?.get("weight")?.as_tensor()?.shape.get(1)?))
+}
+
 /// `state` with the entries of `over` replaced (a rank's own statistics over rank 0's).
 pub fn overlay(state: &mut Value, over: &Value) {
     let Value::Dict(items) = over else { return };

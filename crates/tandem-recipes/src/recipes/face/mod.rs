@@ -21,7 +21,7 @@ mod head;
 mod live_head;
 mod old_checkpoints;
 mod weights;
-pub use head::{overlay, HeadPart, BUFFERS_SHARD, HEAD_ROWS, HEAD_SHARD};
+pub use head::{head_shape, overlay, HeadPart, BUFFERS_SHARD, HEAD_ROWS, HEAD_SHARD};
 pub use live_head::RowBlock;
 pub use old_checkpoints::{register_checkpoint_formats, FACE_FORMAT};
 pub use weights::load_backbone;
