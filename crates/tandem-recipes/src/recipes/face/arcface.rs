@@ -14,7 +14,7 @@ use tandem_ckpt::Value;
 use tandem_models::IResNet;
 use tandem_train::checkpoint::{self, Saved, ShardDict};
 use tandem_train::state::{put_entry, take_entry};
-use tandem_train::{bail, Context, Result};
+use tandem_train::{bail, Context, Result, TrainError};
 
 use crate::face::{overlay, BUFFERS_SHARD, HEAD_SHARD};
 
@@ -109,12 +109,15 @@ pub fn to_arcface(dir: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     if let Some(s) = rep.get("sampler").filter(|s| !matches!(s, Value::None)) {
         let consumed = s.get("consumed").and_then(Value::as_int).unwrap_or(0);
         if consumed > 0 {
-            bail!(
-                "{}: step {} is in the middle of epoch {} (arcface_torch resumes at epoch boundaries only); convert a checkpoint written at an epoch's end",
-                dir.display(),
-                saved.global_step(),
-                saved.epoch()
-            );
+            let (step, epoch) = (saved.global_step(), saved.epoch());
+            return Err(TrainError::Field {
+                path: rep_path,
+                field: "sampler",
+                problem: format!(
+                    "step {step} is in the middle of epoch {epoch} (arcface_torch resumes at \
+                     epoch boundaries only); convert a checkpoint written at an epoch's end"
+                ),
+            });
         }
     }
     // (Checkpoints of earlier builds name the backbone `backbone`.)
@@ -149,7 +152,8 @@ pub fn to_arcface(dir: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     let slices = saved.slices(HEAD_SHARD).context("no head shard")?;
     for (r, slice) in slices.into_iter().enumerate() {
         let checkpoint::ShardSlice::Rows { start, len, .. } = *slice else {
-            bail!("{}: the head shard is not a row shard", dir.display())
+            let why = format!("the `{HEAD_SHARD}` shard is not a row shard");
+            return Err(checkpoint::CheckpointError::Corrupt { path: dir.into(), why }.into());
         };
         let head = saved.read_rows(HEAD_SHARD, start..start + len)?;
         let what = format!("{} rank {r}", dir.display());
@@ -221,12 +225,22 @@ pub fn from_arcface(dir: &Path, run_dir: &Path) -> Result<PathBuf> {
     for (r, (path, v)) in files.iter().enumerate() {
         let what = path.display().to_string();
         if int(v, path, "epoch")? != epoch || int(v, path, "global_step")? != step {
-            bail!("{what}: epoch/global_step differ from {}'s", path0.display());
+            let problem = format!("epoch/global_step differ from {}'s", path0.display());
+            return Err(TrainError::Field { path: path.clone(), field: "global_step", problem });
         }
         let opt = get(v, path, "state_optimizer")?;
         let (g0, g1) = group_params(&opt, &what)?;
         if g0.len() as i64 != head_torch || g1 != [head_torch] {
-            bail!("{what}: optimizer groups of {} and {:?} parameters; the backbone has {head_torch}, then the head", g0.len(), g1);
+            let problem = format!(
+                "parameter groups of {} and {g1:?} parameters; the backbone has {head_torch}, \
+                 then the head",
+                g0.len()
+            );
+            return Err(TrainError::Field {
+                path: path.clone(),
+                field: "state_optimizer",
+                problem,
+            });
         }
         let mut rest = opt;
         let head_state = take_entry(&mut rest, head_torch as usize);
@@ -240,7 +254,12 @@ pub fn from_arcface(dir: &Path, run_dir: &Path) -> Result<PathBuf> {
             .cloned()
             .with_context(|| format!("{what}: `state_dict_softmax_fc` has no `weight` tensor"))?;
         let [rows, _] = weight.shape[..] else {
-            bail!("{what}: the head's weight has shape {:?}", weight.shape)
+            let problem = format!("the head's weight has shape {:?}", weight.shape);
+            return Err(TrainError::Field {
+                path: path.clone(),
+                field: "state_dict_softmax_fc",
+                problem,
+            });
         };
         let buffers = buffers_of(&get(v, path, "state_dict_backbone")?);
         let head = Value::dict_from([("weight", Value::Tensor(weight)), ("state", head_state)]);
