@@ -9,33 +9,7 @@ use std::path::{Path, PathBuf};
 
 use tandem_checkpoint::{Checkpointer, Saved, ShardDict, TrainingStateDict, LATEST, MANIFEST};
 use tandem_ckpt::{TensorData, Value};
-
-const CLASSES: usize = 5;
-
-/// Rows `start..start+len` of a 5 x 2 object whose row i holds (10 i + fill, 10 i + fill + 1),
-/// with an optimizer-like entry of the same rows and a step count.
-fn rows(start: usize, len: usize, fill: f32) -> Value {
-    let data: Vec<f32> = (start..start + len)
-        .flat_map(|i| [10.0 * i as f32 + fill, 10.0 * i as f32 + fill + 1.0])
-        .collect();
-    let moment: Vec<f32> = data.iter().map(|x| -x).collect();
-    Value::dict_from([
-        ("weight", Value::Tensor(TensorData::from_f32(&[len, 2], &data))),
-        (
-            "state",
-            Value::dict_from([
-                ("exp_avg", Value::Tensor(TensorData::from_f32(&[len, 2], &moment))),
-                ("step", Value::Tensor(TensorData::from_f32(&[], &[7.0]))),
-            ]),
-        ),
-    ])
-}
-
-/// Rank `rank` of `world`'s even share of the 5 rows.
-fn share(rank: usize, world: usize) -> (usize, usize) {
-    let (base, extra) = (CLASSES / world, CLASSES % world);
-    (base * rank + rank.min(extra), base + usize::from(rank < extra))
-}
+use tandem_testutil::row_fixture::{rows, share, weights, CLASSES};
 
 /// This rank's sharded state at `step`: rows, entries {r, r + 10} and its own value.
 fn sharded_state(rank: usize, world: usize, step: u64, fill: f32) -> TrainingStateDict {
@@ -84,10 +58,6 @@ fn names(dir: &Path) -> Vec<String> {
         .collect();
     n.sort();
     n
-}
-
-fn weights(v: &Value) -> Vec<f32> {
-    v.get("weight").unwrap().as_tensor().unwrap().to_f32_vec()
 }
 
 #[test]

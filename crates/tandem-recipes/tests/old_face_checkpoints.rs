@@ -1,40 +1,10 @@
 //! The face recipe's checkpoints from before the one checkpoint API (`tandem-partial-fc-1`)
 //! read through tandem-train's reader once the recipe registers the format, and are refused by
 //! name before.
-use tandem_ckpt::{TensorData, Value};
+use tandem_ckpt::Value;
 use tandem_recipes::face::{register_checkpoint_formats, FACE_FORMAT};
+use tandem_testutil::row_fixture::{rows, share, weights, CLASSES};
 use tandem_train::checkpoint::{Checkpointer, Saved, MANIFEST};
-
-const CLASSES: usize = 5;
-
-/// Rows `start..start+len` of a 5 x 2 object whose row i holds (10 i + fill, 10 i + fill + 1),
-/// with an optimizer-like entry of the same rows and a step count.
-fn rows(start: usize, len: usize, fill: f32) -> Value {
-    let data: Vec<f32> = (start..start + len)
-        .flat_map(|i| [10.0 * i as f32 + fill, 10.0 * i as f32 + fill + 1.0])
-        .collect();
-    let moment: Vec<f32> = data.iter().map(|x| -x).collect();
-    Value::dict_from([
-        ("weight", Value::Tensor(TensorData::from_f32(&[len, 2], &data))),
-        (
-            "state",
-            Value::dict_from([
-                ("exp_avg", Value::Tensor(TensorData::from_f32(&[len, 2], &moment))),
-                ("step", Value::Tensor(TensorData::from_f32(&[], &[7.0]))),
-            ]),
-        ),
-    ])
-}
-
-/// Rank `rank` of `world`'s even share of the 5 rows.
-fn share(rank: usize, world: usize) -> (usize, usize) {
-    let (base, extra) = (CLASSES / world, CLASSES % world);
-    (base * rank + rank.min(extra), base + usize::from(rank < extra))
-}
-
-fn weights(v: &Value) -> Vec<f32> {
-    v.get("weight").unwrap().as_tensor().unwrap().to_f32_vec()
-}
 
 /// The face recipe's checkpoints from before this API (`tandem-partial-fc-1`) read through
 /// the same reader: its head files as a `head` row shard and a `buffers` rank shard.

@@ -12,6 +12,7 @@ pub mod child;
 pub mod harness;
 pub mod netns;
 pub mod procs;
+pub mod row_fixture;
 pub mod world;
 
 pub use child::{
