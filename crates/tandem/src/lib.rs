@@ -10,7 +10,7 @@
 //! know): [`comm`] (process groups, collectives, the store), [`ckpt`] (checkpoint files),
 //! [`data`] (datasets, the sampler, the loader), [`nn`] (layers, kernels, parameter views, state
 //! dicts, autocast; comm-free), [`cuda`] (GPU kernels, cuDNN, device timing; feature `cuda`), [`dist_nn`] (differentiable collectives, SyncBatchNorm), [`optim`] (optimizers, schedulers, GradScaler, clipping, ZeRO), [`models`] (reference
-//! models and `ModelKind`), [`ddp`] (Ddp, DataParallel, comm hooks), [`partial_fc`]
+//! models and `ModelKind`), [`ddp`] (Ddp, DataParallel, comm hooks), [`fsdp`] (Fsdp: FSDP2's fully sharded data parallelism), [`partial_fc`]
 //! (model-parallel heads), [`train`] (the training loop's parts: the `Trainer` and its
 //! `Recipe`, one mixed-precision step, schedules, training state, live recovery, metrics),
 //! [`recipes`] (the built-in recipes `tandem train` runs: the classifier, arcface_torch's face
@@ -21,6 +21,7 @@ pub use tandem_cuda as cuda;
 pub use tandem_data as data;
 pub use tandem_ddp as ddp;
 pub use tandem_dist_nn as dist_nn;
+pub use tandem_fsdp as fsdp;
 pub use tandem_launch as launch;
 pub use tandem_models as models;
 pub use tandem_nn as nn;

@@ -194,6 +194,7 @@ const PUBLIC_MODULES: &[(&str, &[&str])] = &[
     ("tandem-data", &["datasets", "eval", "face_align", "randperm", "recordio", "transforms"]),
     ("tandem-ddp", &["comm_hooks", "metrics", "powersgd"]),
     ("tandem-dist-nn", &[]),
+    ("tandem-fsdp", &[]),
     ("tandem-dylib", &[]),
     ("tandem-launch", &[]),
     ("tandem-models", &[]),

@@ -1,0 +1,411 @@
+//! The state a sharded model's step runs on, shared by [`crate::Fsdp`] and the unit ops that
+//! candle's backward calls: the shards, which units are gathered, the all-gathers in flight
+//! (prefetches) and the reduce-scatters in flight.
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use candle_core::{Tensor, Var};
+use tandem_comm::{ProcessGroup, ReduceOp, Work};
+
+use crate::error::{comm, tensor, FsdpError, Result};
+use crate::layout::ShardLayout;
+use crate::storage;
+
+/// One parameter: the model's `Var` (full values only while its unit is gathered) and this
+/// rank's rows of it, the `Var` the optimizer steps.
+pub(crate) struct Param {
+    pub name: String,
+    pub full: Var,
+    pub shard: Var,
+    pub layout: ShardLayout,
+    pub trainable: bool,
+    pub unit: usize,
+}
+
+/// A unit's parameters and where each sits in the unit's all-gather block.
+pub(crate) struct Unit {
+    pub name: String,
+    pub params: Vec<usize>,
+    pub offsets: Vec<usize>,
+    /// One rank's block of the unit's all-gather.
+    pub stride: usize,
+}
+
+/// The function a unit computes, kept for its recomputation in backward.
+pub(crate) type UnitFn = Arc<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
+
+/// A reduce-scatter in flight: the parameters whose gradients it reduces, at their offsets in
+/// its output.
+struct Reduction {
+    params: Vec<(usize, usize)>,
+    work: Work<Vec<f32>>,
+}
+
+#[derive(Default)]
+pub(crate) struct State {
+    gathered: Vec<bool>,
+    gathering: Vec<Option<Work<Vec<f32>>>>,
+    /// The units in the order this step's forward ran them; `remaining` of them are still to
+    /// go through backward.
+    order: Vec<usize>,
+    remaining: usize,
+    /// The last step's order: the next unit's all-gather is started before the current one runs.
+    last_order: Vec<usize>,
+    pub in_step: bool,
+    in_unit: Option<usize>,
+    reducing: Vec<Reduction>,
+    shard_grads: Vec<Option<Tensor>>,
+    /// Full gradients kept while gradient sync is off (FSDP2's `set_requires_gradient_sync`).
+    unsynced: Vec<Option<Tensor>>,
+    /// Gradients of the root's parameters computed inside a unit's backward.
+    root_extra: Vec<Option<Tensor>>,
+    pub sync: bool,
+}
+
+pub(crate) struct Engine {
+    pub group: ProcessGroup,
+    pub params: Vec<Param>,
+    pub units: Vec<Unit>,
+    pub reshard_after_forward: bool,
+    state: Mutex<State>,
+}
+
+fn add(slot: &mut Option<Tensor>, g: Tensor) -> candle_core::Result<()> {
+    *slot = Some(match slot.take() {
+        Some(acc) => (acc + g)?,
+        None => g,
+    });
+    Ok(())
+}
+
+impl Engine {
+    pub fn new(
+        group: ProcessGroup,
+        params: Vec<Param>,
+        units: Vec<Unit>,
+        reshard_after_forward: bool,
+    ) -> Engine {
+        let (n, p) = (units.len(), params.len());
+        let state = State {
+            gathered: vec![false; n],
+            gathering: (0..n).map(|_| None).collect(),
+            shard_grads: vec![None; p],
+            unsynced: vec![None; p],
+            root_extra: vec![None; p],
+            sync: true,
+            ..State::default()
+        };
+        Engine { group, params, units, reshard_after_forward, state: Mutex::new(state) }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn root(&self) -> usize {
+        self.units.len() - 1
+    }
+
+    fn shard_values(&self, p: usize) -> Result<Vec<f32>> {
+        let param = &self.params[p];
+        param
+            .shard
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(tensor(format!("reading the shard of `{}`", param.name)))
+    }
+
+    /// Starts unit `u`'s all-gather unless it is gathered or on its way.
+    fn start_gather(&self, st: &mut State, u: usize) -> Result<()> {
+        if st.gathered[u] || st.gathering[u].is_some() {
+            return Ok(());
+        }
+        let unit = &self.units[u];
+        let mut input = Vec::with_capacity(unit.stride);
+        for &p in &unit.params {
+            self.params[p].layout.pack_shard(&self.shard_values(p)?, &mut input);
+        }
+        let output = vec![0f32; unit.stride * self.group.size()];
+        st.gathering[u] = Some(self.group.all_gather_async(input, output));
+        Ok(())
+    }
+
+    /// Starts `u`'s all-gather in the background (a prefetch).
+    pub fn prefetch(&self, u: usize) -> Result<()> {
+        self.start_gather(&mut self.lock(), u)
+    }
+
+    /// Unit `u`'s parameters hold their full values when this returns.
+    pub fn gather(&self, u: usize) -> Result<()> {
+        let work = {
+            let mut st = self.lock();
+            self.start_gather(&mut st, u)?;
+            match st.gathering[u].take() {
+                Some(work) => work,
+                None => return Ok(()), // already gathered
+            }
+        };
+        let gathered = work.wait().map_err(comm("all_gather"))?;
+        let unit = &self.units[u];
+        for (&p, &offset) in unit.params.iter().zip(&unit.offsets) {
+            let param = &self.params[p];
+            let full = param.layout.unpack_full(&gathered, unit.stride, offset);
+            storage::fill(param.full.as_tensor(), full)
+                .map_err(tensor(format!("filling `{}`", param.name)))?;
+        }
+        self.lock().gathered[u] = true;
+        Ok(())
+    }
+
+    /// Frees unit `u`'s full parameters.
+    pub fn reshard(&self, u: usize) -> Result<()> {
+        let mut st = self.lock();
+        if !st.gathered[u] {
+            return Ok(());
+        }
+        for &p in &self.units[u].params {
+            let param = &self.params[p];
+            storage::free(param.full.as_tensor())
+                .map_err(tensor(format!("freeing `{}`", param.name)))?;
+        }
+        st.gathered[u] = false;
+        Ok(())
+    }
+
+    /// Hands unit `u`'s full gradients (by parameter) to the reduce-scatter, or keeps them for
+    /// later while gradient sync is off.
+    pub fn reduce(&self, u: usize, grads: Vec<(usize, Tensor)>) -> Result<()> {
+        let mut st = self.lock();
+        let mut ready = Vec::with_capacity(grads.len());
+        for (p, g) in grads {
+            let name = || format!("accumulating the gradient of `{}`", self.params[p].name);
+            let g = match st.unsynced[p].take() {
+                Some(acc) => (acc + g).map_err(tensor(name()))?,
+                None => g,
+            };
+            if st.sync {
+                ready.push((p, g));
+            } else {
+                st.unsynced[p] = Some(g);
+            }
+        }
+        if ready.is_empty() {
+            return Ok(());
+        }
+        let stride: usize = ready.iter().map(|(p, _)| self.params[*p].layout.padded_len()).sum();
+        let mut input = vec![0f32; stride * self.group.size()];
+        let mut params = Vec::with_capacity(ready.len());
+        let mut offset = 0;
+        for (p, g) in ready {
+            let param = &self.params[p];
+            let full = g
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(tensor(format!("reading the gradient of `{}`", param.name)))?;
+            if full.len() != param.layout.full_len() {
+                return Err(FsdpError::Unsupported {
+                    param: param.name.clone(),
+                    why: format!(
+                        "a gradient of {} elements for {:?}",
+                        full.len(),
+                        param.layout.dims
+                    ),
+                });
+            }
+            param.layout.pack_full(&full, stride, offset, &mut input);
+            params.push((p, offset));
+            offset += param.layout.padded_len();
+        }
+        let _ = u;
+        let work = self.group.reduce_scatter_async(input, vec![0f32; stride], ReduceOp::Avg);
+        st.reducing.push(Reduction { params, work });
+        Ok(())
+    }
+
+    /// Waits for every reduce-scatter in flight and keeps the shard gradients they produce.
+    pub fn finish_reductions(&self) -> Result<()> {
+        let pending = std::mem::take(&mut self.lock().reducing);
+        for Reduction { params, work } in pending {
+            let out = work.wait().map_err(comm("reduce_scatter"))?;
+            for (p, offset) in params {
+                let param = &self.params[p];
+                let n = param.layout.shard_len();
+                let g = Tensor::from_slice(
+                    &out[offset..offset + n],
+                    param.layout.shard_dims(),
+                    param.shard.device(),
+                )
+                .map_err(tensor(format!("the shard gradient of `{}`", param.name)))?;
+                self.lock().shard_grads[p] = Some(g);
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes the finished shard gradients.
+    pub fn take_shard_grads(&self) -> Vec<Option<Tensor>> {
+        let mut st = self.lock();
+        let n = st.shard_grads.len();
+        std::mem::replace(&mut st.shard_grads, vec![None; n])
+    }
+
+    /// Takes the root's gradients computed inside units.
+    pub fn take_root_extra(&self, p: usize) -> Option<Tensor> {
+        self.lock().root_extra[p].take()
+    }
+
+    /// Begins a forward: the root gathered, this step's unit order started afresh.
+    pub fn begin_forward(&self) -> Result<()> {
+        {
+            let mut st = self.lock();
+            if st.in_unit.is_some() {
+                return Err(FsdpError::Order("Fsdp::forward inside a unit's forward".into()));
+            }
+            if !st.order.is_empty() {
+                let order = std::mem::take(&mut st.order);
+                st.last_order = order;
+            }
+            st.remaining = 0;
+            st.in_step = true;
+        }
+        self.gather(self.root())
+    }
+
+    /// Ends a forward: the unit backward reaches first starts gathering while the loss's own
+    /// backward runs.
+    pub fn end_forward(&self) -> Result<()> {
+        let mut st = self.lock();
+        match st.order.last() {
+            Some(&last) if self.reshard_after_forward => self.start_gather(&mut st, last),
+            _ => Ok(()),
+        }
+    }
+
+    /// Ends a backward: nothing gathered, nothing in flight, the order kept for prefetching.
+    pub fn end_step(&self) -> Result<()> {
+        let pending: Vec<_> = {
+            let mut st = self.lock();
+            st.in_step = false;
+            let order = std::mem::take(&mut st.order);
+            if !order.is_empty() {
+                st.last_order = order;
+            }
+            st.gathering.iter_mut().filter_map(Option::take).collect()
+        };
+        for work in pending {
+            work.wait().map_err(comm("all_gather"))?; // a prefetch no unit used
+        }
+        for u in 0..self.units.len() {
+            self.reshard(u)?;
+        }
+        Ok(())
+    }
+
+    /// Unit `u`'s forward: gathered (the next unit's all-gather started meanwhile), run
+    /// without keeping its graph, resharded; the result carries the op that recomputes it in
+    /// backward.
+    pub fn unit_forward(self: &Arc<Self>, u: usize, x: &Tensor, f: UnitFn) -> Result<Tensor> {
+        let anchor = {
+            let mut st = self.lock();
+            if !st.in_step {
+                return Err(FsdpError::Order(format!(
+                    "unit `{}` ran outside Fsdp::forward",
+                    self.units[u].name
+                )));
+            }
+            if let Some(outer) = st.in_unit {
+                return Err(FsdpError::Order(format!(
+                    "unit `{}` ran inside unit `{}`: units do not nest",
+                    self.units[u].name, self.units[outer].name
+                )));
+            }
+            st.order.push(u);
+            st.remaining = st.order.len();
+            let at = st.order.len() - 1;
+            // This unit's all-gather first: the collectives run in the order they are issued.
+            self.start_gather(&mut st, u)?;
+            if let Some(&next) = st.last_order.get(at + 1) {
+                if next != self.root() {
+                    self.start_gather(&mut st, next)?;
+                }
+            }
+            self.params[self.units[u].params[0]].full.as_tensor().clone()
+        };
+        self.gather(u)?;
+        let y = self.run(u, &x.detach(), &f)?.detach();
+        let out = x.apply_op2(&anchor, crate::unit_op::UnitOp::new(Arc::clone(self), u, f, y));
+        if self.reshard_after_forward {
+            self.reshard(u)?;
+        }
+        out.map_err(tensor(format!("the output of unit `{}`", self.units[u].name)))
+    }
+
+    /// Runs `f` as unit `u`.
+    fn run(&self, u: usize, x: &Tensor, f: &UnitFn) -> Result<Tensor> {
+        self.lock().in_unit = Some(u);
+        let y = f(x);
+        self.lock().in_unit = None;
+        y.map_err(|e| {
+            let hint = if storage::read_freed(&e) { storage::FREED_HINT } else { "" };
+            FsdpError::Tensor {
+                context: format!("the forward of unit `{}` {hint}", self.units[u].name),
+                source: Box::new(e),
+            }
+        })
+    }
+
+    /// Unit `u`'s backward (called by candle's backward through [`crate::unit_op::UnitOp`]):
+    /// gathered again (the previous unit's all-gather started meanwhile), recomputed, its
+    /// parameters' gradients sent to the reduce-scatter, resharded; returns the input's gradient.
+    pub fn unit_backward(
+        &self,
+        u: usize,
+        x: &Tensor,
+        grad: &Tensor,
+        f: &UnitFn,
+    ) -> Result<Option<Tensor>> {
+        {
+            let mut st = self.lock();
+            self.start_gather(&mut st, u)?;
+            let remaining = st.remaining;
+            if let Some(at) = st.order[..remaining].iter().rposition(|&v| v == u) {
+                st.remaining = at;
+                if at > 0 {
+                    let previous = st.order[at - 1];
+                    self.start_gather(&mut st, previous)?;
+                }
+            }
+        }
+        self.gather(u)?;
+        let name = &self.units[u].name;
+        let input =
+            Var::from_tensor(&x.detach()).map_err(tensor(format!("the input of unit `{name}`")))?;
+        let y = self.run(u, input.as_tensor(), f)?;
+        let mut grads = grad
+            .detach()
+            .to_dtype(y.dtype())
+            .and_then(|g| y.mul(&g))
+            .and_then(|t| t.sum_all())
+            .and_then(|t| t.backward())
+            .map_err(tensor(format!("the backward of unit `{name}`")))?;
+        let mut mine = Vec::new();
+        for (p, param) in self.params.iter().enumerate() {
+            let Some(g) = grads.remove(param.full.as_tensor()) else { continue };
+            if param.unit == u {
+                if param.trainable {
+                    mine.push((p, g));
+                }
+            } else if param.unit == self.root() {
+                add(&mut self.lock().root_extra[p], g)
+                    .map_err(tensor(format!("the gradient of `{}`", param.name)))?;
+            } else {
+                return Err(FsdpError::ReadOutsideUnit {
+                    param: param.name.clone(),
+                    unit: self.units[param.unit].name.clone(),
+                });
+            }
+        }
+        self.reduce(u, mine)?;
+        self.reshard(u)?;
+        Ok(grads.remove(input.as_tensor()))
+    }
+}

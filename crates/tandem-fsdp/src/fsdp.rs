@@ -1,0 +1,389 @@
+//! [`Fsdp`]: the sharded model's handle (FSDP2's `FSDPModule`), and [`FullyShard`], a unit as a
+//! candle `Module`.
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Module, Tensor, Var};
+use tandem_comm::{ProcessGroup, ReduceOp};
+
+use crate::engine::{Engine, Param, Unit, UnitFn};
+use crate::error::{comm, tensor, FsdpError, Result};
+use crate::layout::ShardLayout;
+use crate::storage;
+use crate::units::{assign, Units};
+
+/// `fully_shard`'s keyword arguments that apply here, and the units.
+#[derive(Clone, Debug)]
+pub struct FsdpOptions {
+    /// The units (the modules `fully_shard` is applied to before the root).
+    pub units: Units,
+    /// Shard the parameters in no unit as the root unit (`fully_shard(model)`); without it
+    /// every parameter must be in a unit.
+    pub shard_root: bool,
+    /// FSDP2's `reshard_after_forward`: free a unit's full parameters after its forward and
+    /// gather them again for its backward (true), or keep them until its backward (false, more
+    /// memory, one all-gather fewer per unit). The root keeps its parameters gathered from
+    /// `Fsdp::forward` to the end of `Fsdp::backward` either way, as FSDP2's root does.
+    pub reshard_after_forward: bool,
+    /// Parameters that take no gradient (PyTorch's `requires_grad=False`): sharded and gathered
+    /// like the others, never reduced, not among [`Fsdp::params`].
+    pub frozen: Vec<String>,
+    /// Broadcast rank 0's parameters before sharding, so ranks that initialised differently
+    /// still train one model (FSDP1's `sync_module_states`; FSDP2 trusts every rank's init).
+    pub sync_module_states: bool,
+}
+
+impl Default for FsdpOptions {
+    fn default() -> Self {
+        FsdpOptions {
+            units: Units::default(),
+            shard_root: true,
+            reshard_after_forward: true,
+            frozen: Vec::new(),
+            sync_module_states: true,
+        }
+    }
+}
+
+/// A model sharded over a process group (see the crate docs).
+#[derive(Clone)]
+pub struct Fsdp {
+    engine: Arc<Engine>,
+}
+
+/// A unit as a candle [`Module`]: FSDP2's `fully_shard(block)` for a block the model calls as
+/// `block.forward(&x)`. Build it with [`Fsdp::fully_shard`].
+pub struct FullyShard<M> {
+    engine: Arc<Engine>,
+    unit: usize,
+    inner: Arc<M>,
+}
+
+impl<M> Clone for FullyShard<M> {
+    fn clone(&self) -> Self {
+        FullyShard {
+            engine: Arc::clone(&self.engine),
+            unit: self.unit,
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<M: Module + Send + Sync + 'static> Module for FullyShard<M> {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let inner = Arc::clone(&self.inner);
+        let f: UnitFn = Arc::new(move |x: &Tensor| inner.forward(x));
+        self.engine.unit_forward(self.unit, x, f).map_err(candle_core::Error::wrap)
+    }
+}
+
+impl<M> FullyShard<M> {
+    /// The wrapped module (its parameters hold values only inside the unit's forward).
+    pub fn inner(&self) -> &M {
+        &self.inner
+    }
+}
+
+fn check_param(name: &str, var: &Var) -> Result<()> {
+    let why = if var.dtype() != DType::F32 {
+        format!("dtype {:?}: FSDP shards f32 parameters", var.dtype())
+    } else if !matches!(var.device(), Device::Cpu) {
+        "on a GPU: FSDP runs on CPU tensors for now".to_string()
+    } else if !var.is_contiguous() || var.layout().start_offset() != 0 {
+        "a strided view, not a whole variable".to_string()
+    } else {
+        return Ok(());
+    };
+    Err(FsdpError::Unsupported { param: name.to_string(), why })
+}
+
+impl Fsdp {
+    /// Shards `named` (the model's parameters, the same names and shapes on every rank) over
+    /// `group`: every rank keeps its rows of each parameter and the model's `Var`s are freed
+    /// until a forward gathers them. A collective on every rank of `group`.
+    pub fn new(named: Vec<(String, Var)>, group: &ProcessGroup, opts: FsdpOptions) -> Result<Fsdp> {
+        let names: Vec<&str> = named.iter().map(|(n, _)| n.as_str()).collect();
+        for frozen in &opts.frozen {
+            if !names.contains(&frozen.as_str()) {
+                return Err(FsdpError::InvalidOption {
+                    what: "frozen",
+                    why: format!("`{frozen}` is not a parameter of this model"),
+                });
+            }
+        }
+        let assignment = assign(&names, &opts.units, opts.shard_root)?;
+        for (name, var) in &named {
+            check_param(name, var)?;
+        }
+        let (rank, world) = (group.rank(), group.size());
+        let mut params = Vec::with_capacity(named.len());
+        for ((name, full), &unit) in named.into_iter().zip(&assignment.of) {
+            let mut values = full
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(tensor(format!("reading `{name}`")))?;
+            if opts.sync_module_states && world > 1 {
+                group.broadcast(&mut values, 0).map_err(comm("broadcast"))?;
+            }
+            let layout = ShardLayout::new(full.dims(), rank, world);
+            let shard =
+                Var::from_slice(layout.my_part(&values), layout.shard_dims(), full.device())
+                    .map_err(tensor(format!("the shard of `{name}`")))?;
+            storage::free(full.as_tensor()).map_err(tensor(format!("freeing `{name}`")))?;
+            let trainable = !opts.frozen.contains(&name);
+            params.push(Param { name, full, shard, layout, trainable, unit });
+        }
+        let units = assignment
+            .names
+            .iter()
+            .enumerate()
+            .map(|(u, name)| {
+                let members: Vec<usize> =
+                    (0..params.len()).filter(|&p| params[p].unit == u).collect();
+                let mut offsets = Vec::with_capacity(members.len());
+                let mut stride = 0;
+                for &p in &members {
+                    offsets.push(stride);
+                    stride += params[p].layout.padded_len();
+                }
+                Unit { name: name.clone(), params: members, offsets, stride }
+            })
+            .collect();
+        let engine = Engine::new(group.clone(), params, units, opts.reshard_after_forward);
+        Ok(Fsdp { engine: Arc::new(engine) })
+    }
+
+    /// [`Fsdp::new`] over every variable of a candle `VarMap`, sorted by name.
+    pub fn from_varmap(
+        varmap: &candle_nn::VarMap,
+        group: &ProcessGroup,
+        opts: FsdpOptions,
+    ) -> Result<Fsdp> {
+        let mut named: Vec<(String, Var)> = {
+            let data = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
+            data.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
+        };
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        Fsdp::new(named, group, opts)
+    }
+
+    fn unit_index(&self, name: &str) -> Result<usize> {
+        let units = &self.engine.units;
+        units[..units.len() - 1]
+            .iter()
+            .position(|u| u.name == name.trim_end_matches('.'))
+            .ok_or_else(|| FsdpError::UnknownUnit {
+                unit: name.to_string(),
+                known: units[..units.len() - 1]
+                    .iter()
+                    .map(|u| format!("`{}`", u.name))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+    }
+
+    /// Unit `name` as a candle `Module` wrapping `module` (PyTorch: `fully_shard(module)`;
+    /// the model then calls the wrapper where it called the module).
+    pub fn fully_shard<M: Module + Send + Sync + 'static>(
+        &self,
+        name: &str,
+        module: M,
+    ) -> Result<FullyShard<M>> {
+        Ok(FullyShard {
+            engine: Arc::clone(&self.engine),
+            unit: self.unit_index(name)?,
+            inner: Arc::new(module),
+        })
+    }
+
+    /// `f(x)` run as unit `name`: gathered, computed, resharded, recomputed in backward. `f`
+    /// must compute the same values when called again (draw dropout masks outside it).
+    pub fn run_unit(
+        &self,
+        name: &str,
+        x: &Tensor,
+        f: impl Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
+    ) -> Result<Tensor> {
+        let u = self.unit_index(name)?;
+        self.engine.unit_forward(u, x, Arc::new(f))
+    }
+
+    /// One forward of the model (PyTorch: calling the root module): the root's parameters
+    /// gathered for `f`, which runs the model with each unit through its wrapper.
+    pub fn forward<R>(&self, f: impl FnOnce() -> candle_core::Result<R>) -> Result<R> {
+        self.engine.begin_forward()?;
+        let out = f().map_err(|e| {
+            let hint = if storage::read_freed(&e) { storage::FREED_HINT } else { "" };
+            FsdpError::Tensor {
+                context: format!("the model's forward {hint}"),
+                source: Box::new(e),
+            }
+        })?;
+        self.engine.end_forward()?;
+        Ok(out)
+    }
+
+    /// Frees every gathered parameter (PyTorch: `model.reshard()`): after an evaluation
+    /// forward that no backward follows, the root's parameters stay gathered until this or the
+    /// next backward.
+    pub fn reshard(&self) -> Result<()> {
+        self.engine.end_step()
+    }
+
+    /// The backward of a loss computed inside [`Fsdp::forward`]: every unit's gradients
+    /// reduce-scattered (averaged over the group) as backward reaches it, the root's after.
+    /// Returns the gradients of this rank's shards, keyed by the [`Fsdp::params`] variables,
+    /// for any tandem or candle optimizer. While gradient sync is off
+    /// ([`Fsdp::set_requires_gradient_sync`]) the full gradients are accumulated instead and
+    /// the store holds none: step after the backward that syncs.
+    pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        let e = &self.engine;
+        if !e.lock().in_step {
+            return Err(FsdpError::Order("Fsdp::backward without Fsdp::forward".into()));
+        }
+        let result = self.backward_in_step(loss);
+        let ended = e.end_step();
+        let grads = result?;
+        ended?;
+        Ok(grads)
+    }
+
+    fn backward_in_step(&self, loss: &Tensor) -> Result<GradStore> {
+        let e = &self.engine;
+        let mut grads = loss.backward().map_err(tensor("backward"))?;
+        let root = e.root();
+        let mut root_grads = Vec::new();
+        for (p, param) in e.params.iter().enumerate() {
+            let g = grads.remove(param.full.as_tensor());
+            if param.unit != root {
+                if g.is_some() {
+                    return Err(FsdpError::ReadOutsideUnit {
+                        param: param.name.clone(),
+                        unit: e.units[param.unit].name.clone(),
+                    });
+                }
+                continue;
+            }
+            let g = match (g, e.take_root_extra(p)) {
+                (Some(a), Some(b)) => {
+                    Some((a + b).map_err(tensor(format!("the gradient of `{}`", param.name)))?)
+                }
+                (a, b) => a.or(b),
+            };
+            if let (Some(g), true) = (g, param.trainable) {
+                root_grads.push((p, g));
+            }
+        }
+        e.reduce(root, root_grads)?;
+        e.finish_reductions()?;
+        for (p, g) in e.take_shard_grads().into_iter().enumerate() {
+            if let Some(g) = g {
+                grads.insert(e.params[p].shard.as_tensor(), g);
+            }
+        }
+        Ok(grads)
+    }
+
+    /// FSDP2's `set_requires_gradient_sync`: with `false`, backward accumulates full gradients
+    /// on each rank without communicating (gradient accumulation); the next backward with
+    /// `true` reduce-scatters the sum.
+    pub fn set_requires_gradient_sync(&self, sync: bool) {
+        self.engine.lock().sync = sync;
+    }
+
+    /// This rank's shards of the trainable parameters: what the optimizer steps (PyTorch:
+    /// `model.parameters()` of a sharded model, `requires_grad` ones).
+    pub fn params(&self) -> Vec<Var> {
+        self.engine.params.iter().filter(|p| p.trainable).map(|p| p.shard.clone()).collect()
+    }
+
+    /// Every parameter's name and this rank's shard of it, frozen ones included.
+    pub fn named_shards(&self) -> Vec<(String, Var)> {
+        self.engine.params.iter().map(|p| (p.name.clone(), p.shard.clone())).collect()
+    }
+
+    /// The units' names, the root last.
+    pub fn units(&self) -> Vec<String> {
+        self.engine.units.iter().map(|u| u.name.clone()).collect()
+    }
+
+    pub fn rank(&self) -> usize {
+        self.engine.group.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.engine.group.size()
+    }
+
+    /// Runs `f` with every parameter gathered (PyTorch: `unshard()`; FSDP1's
+    /// `summon_full_params`): the plain model, for evaluation or export. A collective.
+    pub fn summon_full_params<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
+        let e = &self.engine;
+        if e.lock().in_step {
+            return Err(FsdpError::Order("summon_full_params between forward and backward".into()));
+        }
+        for u in 0..e.units.len() {
+            e.prefetch(u)?;
+        }
+        let gathered = (0..e.units.len()).try_for_each(|u| e.gather(u));
+        let out = gathered.map(|()| f());
+        for u in 0..e.units.len() {
+            e.reshard(u)?;
+        }
+        out
+    }
+
+    /// The full parameters by name, copied out (every rank gets them): the state dict to export.
+    /// A collective.
+    pub fn full_state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        let e = &self.engine;
+        self.summon_full_params(|| {
+            e.params
+                .iter()
+                .map(|p| {
+                    let t = p
+                        .full
+                        .as_tensor()
+                        .copy()
+                        .map_err(tensor(format!("copying `{}`", p.name)))?;
+                    Ok((p.name.clone(), t))
+                })
+                .collect::<Result<Vec<_>>>()
+        })?
+    }
+
+    /// `torch.nn.utils.clip_grad_norm_` over the sharded gradients: the L2 norm over every
+    /// rank's shards (one all-reduce of the squared sums), every gradient scaled by
+    /// `max_norm / (norm + 1e-6)` when that is below 1. Returns the norm before clipping, the
+    /// same on every rank. A collective.
+    pub fn clip_grad_norm(&self, grads: &mut GradStore, max_norm: f64) -> Result<f64> {
+        if !(max_norm >= 0.0 && max_norm.is_finite()) {
+            return Err(FsdpError::InvalidOption {
+                what: "max_norm",
+                why: format!("{max_norm} is not a finite number ≥ 0"),
+            });
+        }
+        let shards = self.params();
+        let mut sum_sq = [0f64];
+        for (var, p) in shards.iter().zip(self.engine.params.iter().filter(|p| p.trainable)) {
+            let Some(g) = grads.get(var.as_tensor()) else { continue };
+            sum_sq[0] += g
+                .to_dtype(DType::F64)
+                .and_then(|g| g.sqr())
+                .and_then(|g| g.sum_all())
+                .and_then(|s| s.to_scalar::<f64>())
+                .map_err(tensor(format!("the gradient norm of `{}`", p.name)))?;
+        }
+        self.engine.group.all_reduce(&mut sum_sq, ReduceOp::Sum).map_err(comm("all_reduce"))?;
+        let norm = sum_sq[0].sqrt();
+        let coef = max_norm / (norm + 1e-6);
+        if coef < 1.0 {
+            for var in &shards {
+                let Some(g) = grads.get(var.as_tensor()) else { continue };
+                let scaled = g.affine(coef, 0.0).map_err(tensor("clipping"))?;
+                grads.insert(var.as_tensor(), scaled);
+            }
+        }
+        Ok(norm)
+    }
+}

@@ -1,0 +1,64 @@
+//! tandem-fsdp: fully sharded data parallelism with FSDP2's semantics
+//! (`torch.distributed.fsdp.fully_shard`) for candle models, a peer of tandem-ddp's `Ddp`.
+//!
+//! Every parameter is cut on its first dimension over the process group as FSDP2's `Shard(0)`
+//! cuts it (`ceil(rows / world)` rows per rank, the last ranks fewer; the padding lives only in
+//! the collectives' buffers). The model is split into *units* named by module prefix, as
+//! FSDP2 applies `fully_shard` to each block and then to the root. A unit's parameters are
+//! all-gathered just before its forward (the next unit's all-gather started meanwhile) and
+//! freed after it; in backward they are gathered again, the unit's gradients are
+//! reduce-scattered (averaged) as soon as backward has computed them, and the optimizer steps
+//! each rank's shards only. A rank holds its shards, their gradients and optimizer state, and
+//! the full parameters of one or two units at a time.
+//!
+//! ```ignore
+//! let varmap = VarMap::new();
+//! let model = Gpt::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?; // candle-nn
+//! let units = Units::prefixes((0..n_blocks).map(|i| format!("blocks.{i}")));
+//! let fsdp = Fsdp::from_varmap(&varmap, &group, FsdpOptions { units, ..Default::default() })?;
+//! let blocks = model.blocks.into_iter().enumerate()
+//!     .map(|(i, b)| fsdp.fully_shard(&format!("blocks.{i}"), b)).collect::<Result<Vec<_>, _>>()?;
+//! let mut opt = TorchAdamW::new(fsdp.params(), AdamWConfig::default())?;
+//! let loss = fsdp.forward(|| model_forward(&blocks, &tokens))?;   // PyTorch: model(tokens)
+//! let mut grads = fsdp.backward(&loss)?;                          // shards' gradients
+//! fsdp.clip_grad_norm(&mut grads, 1.0)?;
+//! opt.step(&grads)?;
+//! ```
+//!
+//! | FSDP2 | tandem |
+//! |---|---|
+//! | `fully_shard(block)` per block | [`Units`] in [`FsdpOptions::units`], [`Fsdp::fully_shard`] / [`Fsdp::run_unit`] where the model calls the block |
+//! | `fully_shard(model)` (root) | [`FsdpOptions::shard_root`] (default), [`Fsdp::forward`] around the model's forward |
+//! | `loss.backward()` | [`Fsdp::backward`] (returns the shards' gradients) |
+//! | `model.parameters()` to the optimizer | [`Fsdp::params`] |
+//! | `reshard_after_forward` | [`FsdpOptions::reshard_after_forward`] |
+//! | `set_requires_gradient_sync(False)` | [`Fsdp::set_requires_gradient_sync`] |
+//! | `clip_grad_norm_` on DTensor grads | [`Fsdp::clip_grad_norm`] |
+//! | `requires_grad_(False)` | [`FsdpOptions::frozen`] |
+//! | `unshard()` / `get_model_state_dict(full_state_dict=True)` | [`Fsdp::summon_full_params`], [`Fsdp::full_state_dict`] |
+//!
+//! **How candle differs, and what it costs.** candle's autograd has no module hooks and keeps
+//! every tensor a graph read, so a unit runs as one op (see `unit_op`): its forward keeps no
+//! graph — neither the gathered parameters nor the activations inside the unit outlive it —
+//! and its backward recomputes the unit before differentiating it. That is FSDP2 with
+//! activation checkpointing per unit (what large models are trained with anyway): one extra
+//! forward per unit, in exchange for a rank holding only the units' inputs between forward and
+//! backward. A unit's function must therefore compute the same values twice (draw dropout masks
+//! outside it). The model's own `Var`s stand for FSDP2's unsharded parameters: they hold values
+//! only while their unit is gathered, and reading one elsewhere is an error from the reading op
+//! (see `storage`), so the model runs inside [`Fsdp::forward`] (or
+//! [`Fsdp::summon_full_params`]). A parameter read by several units belongs to their common
+//! parent, the root; read by the wrong unit it is an error naming it.
+//!
+//! It knows nothing of optimizers, launchers or checkpoint files.
+mod engine;
+mod error;
+mod fsdp;
+mod layout;
+mod storage;
+mod unit_op;
+mod units;
+
+pub use error::{FsdpError, Result};
+pub use fsdp::{Fsdp, FsdpOptions, FullyShard};
+pub use units::{UnitOf, Units};

@@ -1,0 +1,230 @@
+//! Fsdp's behaviour beyond the torch comparison: gradient accumulation without communication,
+//! a model without a sharded root whose first unit reads plain data, parameters that hold
+//! values only while gathered, and the errors for calls out of order and parameters read
+//! outside their unit.
+mod common;
+
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_nn::{Linear, VarBuilder, VarMap};
+use common::*;
+use tandem_fsdp::{Fsdp, FsdpOptions, Units};
+use tandem_optim::{SgdConfig, TorchSgd};
+use tandem_testutil::run_tcp_world;
+
+fn sgd(params: Vec<Var>) -> TorchSgd {
+    let cfg =
+        SgdConfig { lr: 0.1, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
+    TorchSgd::new(params, cfg).unwrap()
+}
+
+/// Two half-batches with gradient sync off for the first, each loss halved, give the weights
+/// of one step on the whole batch.
+#[test]
+fn accumulating_without_sync_equals_one_step_on_the_whole_batch() {
+    let out = run_tcp_world(2, |pg| {
+        let f = fixture(2);
+        let tokens = tokens(&f, 0, pg.rank());
+        let run = |microbatches: usize| {
+            let varmap = VarMap::new();
+            let (fsdp, gpt) = Gpt::new(&varmap, &f).shard(&varmap, &pg, true);
+            let mut opt = sgd(fsdp.params());
+            let mut grads = None;
+            for m in 0..microbatches {
+                fsdp.set_requires_gradient_sync(m + 1 == microbatches);
+                let part = tokens.narrow(0, m * 2 / microbatches, 2 / microbatches).unwrap();
+                let loss = fsdp
+                    .forward(|| gpt.loss(&part)?.affine(1.0 / microbatches as f64, 0.0))
+                    .unwrap();
+                let g = fsdp.backward(&loss).unwrap();
+                let held = fsdp.params().iter().filter(|p| g.get(p.as_tensor()).is_some()).count();
+                if m + 1 < microbatches {
+                    assert_eq!(held, 0, "a backward without sync returned shard gradients");
+                }
+                grads = Some(g);
+            }
+            opt.step(&grads.unwrap()).unwrap();
+            fsdp.full_state_dict().unwrap()
+        };
+        (run(1), run(2))
+    });
+    for (rank, (whole, halves)) in out.iter().enumerate() {
+        for ((name, a), (_, b)) in whole.iter().zip(halves) {
+            let d = max_abs_diff(a, b);
+            assert!(d <= 1e-6, "rank {rank}: `{name}` differs by {d} after accumulation");
+        }
+    }
+}
+
+struct Mlp {
+    l1: Linear,
+    l2: Linear,
+}
+
+fn mlp(varmap: &VarMap) -> Mlp {
+    let vb = VarBuilder::from_varmap(varmap, DType::F32, &Device::Cpu);
+    Mlp {
+        l1: candle_nn::linear(5, 7, vb.pp("l1")).unwrap(),
+        l2: candle_nn::linear(7, 3, vb.pp("l2")).unwrap(),
+    }
+}
+
+fn data(rank: usize) -> Tensor {
+    let v: Vec<f32> = (0..20).map(|i| ((i * 7 + rank * 13) % 11) as f32 / 5.0 - 1.0).collect();
+    Tensor::from_vec(v, (4, 5), &Device::Cpu).unwrap()
+}
+
+fn mlp_loss(l1: &dyn Module, l2: &dyn Module, x: &Tensor) -> candle_core::Result<Tensor> {
+    l2.forward(&l1.forward(x)?.tanh()?)?.sqr()?.mean_all()
+}
+
+/// Every parameter in a unit, the root unsharded, the first unit reading plain data: one SGD
+/// step gives the weights of the plain model stepped with the average of the ranks' gradients.
+#[test]
+fn units_without_a_root_step_as_the_averaged_plain_model() {
+    let out = run_tcp_world(3, |pg| {
+        let varmap = VarMap::new();
+        let model = mlp(&varmap);
+        let opts = FsdpOptions {
+            units: Units::prefixes(["l1", "l2"]),
+            shard_root: false,
+            ..FsdpOptions::default()
+        };
+        // Every rank starts from rank 0's values (sync_module_states): keep them for the check.
+        let init: Vec<(String, Tensor)> = {
+            let mut v: Vec<_> = varmap
+                .data()
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|(n, v)| (n.clone(), v.as_tensor().copy().unwrap()))
+                .collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        let fsdp = Fsdp::from_varmap(&varmap, &pg, opts).unwrap();
+        let (l1, l2) =
+            (fsdp.fully_shard("l1", model.l1).unwrap(), fsdp.fully_shard("l2", model.l2).unwrap());
+        let mut opt = sgd(fsdp.params());
+        let x = data(pg.rank());
+        let loss = fsdp.forward(|| mlp_loss(&l1, &l2, &x)).unwrap();
+        opt.step(&fsdp.backward(&loss).unwrap()).unwrap();
+        (init, fsdp.full_state_dict().unwrap())
+    });
+    // The plain model from rank 0's initial values, its gradient averaged over the 3 ranks' data.
+    let varmap = VarMap::new();
+    let plain = mlp(&varmap);
+    let vars: Vec<(String, Var)> = {
+        let mut v: Vec<_> =
+            varmap.data().lock().unwrap().iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    for ((_, var), (_, t)) in vars.iter().zip(&out[0].0) {
+        var.set(t).unwrap();
+    }
+    let mut avg: Vec<Tensor> = Vec::new();
+    for rank in 0..3 {
+        let grads = mlp_loss(&plain.l1, &plain.l2, &data(rank)).unwrap().backward().unwrap();
+        for (i, (_, var)) in vars.iter().enumerate() {
+            let g = (grads.get(var.as_tensor()).unwrap() / 3.0).unwrap();
+            if rank == 0 {
+                avg.push(g)
+            } else {
+                avg[i] = (&avg[i] + g).unwrap()
+            }
+        }
+    }
+    for (rank, (_, stepped)) in out.iter().enumerate() {
+        for (((name, var), g), (got_name, got)) in vars.iter().zip(&avg).zip(stepped) {
+            assert_eq!(name, got_name);
+            let want = (var.as_tensor() - (g * 0.1).unwrap()).unwrap();
+            let d = max_abs_diff(&want, got);
+            assert!(d <= 1e-6, "rank {rank}: `{name}` is {d} from the plain model's step");
+        }
+    }
+}
+
+/// Between steps the model's variables hold nothing (their storage is freed); inside
+/// `summon_full_params` they hold the full values, those `full_state_dict` returns.
+#[test]
+fn parameters_hold_values_only_while_gathered() {
+    run_tcp_world(2, |pg| {
+        let f = fixture(2);
+        let varmap = VarMap::new();
+        let (fsdp, gpt) = Gpt::new(&varmap, &f).shard(&varmap, &pg, true);
+        let loss = fsdp.forward(|| gpt.loss(&tokens(&f, 0, pg.rank()))).unwrap();
+        fsdp.backward(&loss).unwrap();
+        let var = |name: &str| varmap.data().lock().unwrap()[name].clone();
+        // A freed variable keeps its shape and tensor dtype; its storage is empty, of a dtype
+        // no op computes with, so a read is an error (candle caches the dtype in the tensor).
+        let freed = |name: &str| {
+            let read = var(name).flatten_all().and_then(|t| t.to_vec1::<f32>());
+            read.is_err_and(|e| e.to_string().to_ascii_lowercase().contains("f8e8m0"))
+        };
+        for name in ["wte.weight", "blocks.0.fc1.weight", "blocks.1.ln2.bias", "wpe.weight"] {
+            assert!(freed(name), "`{name}` still holds its values");
+        }
+        let full = fsdp.full_state_dict().unwrap();
+        fsdp.summon_full_params(|| {
+            for (name, t) in &full {
+                assert_eq!(max_abs_diff(var(name).as_tensor(), t), 0.0, "`{name}`");
+            }
+        })
+        .unwrap();
+        assert!(freed("wte.weight"), "summon_full_params left `wte.weight` gathered");
+        let shards = fsdp.named_shards();
+        let wte = &shards.iter().find(|(n, _)| n == "wte.weight").unwrap().1;
+        assert_eq!(wte.dims(), [if pg.rank() == 0 { 19 } else { 18 }, DIM], "37 rows on 2 ranks");
+    });
+}
+
+/// A block that also reads another block's weight: with units resharded after forward the read
+/// fails in the forward, naming the unit and why; with units kept gathered it is caught in
+/// backward, naming the parameter. Calls out of order are errors, not hangs.
+#[test]
+fn misuse_is_an_error_naming_the_unit_or_parameter() {
+    run_tcp_world(2, |pg| {
+        for reshard in [true, false] {
+            let varmap = VarMap::new();
+            let model = mlp(&varmap);
+            let stolen = model.l1.weight().clone();
+            let opts = FsdpOptions {
+                units: Units::prefixes(["l1", "l2"]),
+                reshard_after_forward: reshard,
+                ..FsdpOptions::default()
+            };
+            let fsdp = Fsdp::from_varmap(&varmap, &pg, opts).unwrap();
+            let l1 = fsdp.fully_shard("l1", model.l1).unwrap();
+            let l2 = model.l2;
+            let x = data(pg.rank());
+            let result = fsdp.forward(|| {
+                let h = l1.forward(&x)?;
+                let w = stolen.clone();
+                let l2 = l2.clone();
+                let y = fsdp
+                    .run_unit("l2", &h, move |h| l2.forward(h)?.broadcast_add(&w.sum_all()?))
+                    .map_err(candle_core::Error::wrap)?;
+                y.sqr()?.mean_all()
+            });
+            if reshard {
+                let e = result.unwrap_err().to_string();
+                assert!(e.contains("unit `l2`") && e.contains("f8e8m0"), "{e}");
+                fsdp.reshard().unwrap();
+            } else {
+                let e = fsdp.backward(&result.unwrap()).unwrap_err().to_string();
+                assert!(e.contains("parameter `l1.weight` of unit `l1`"), "{e}");
+            }
+        }
+        let varmap = VarMap::new();
+        let model = mlp(&varmap);
+        let opts = FsdpOptions { units: Units::prefixes(["l1"]), ..FsdpOptions::default() };
+        let fsdp = Fsdp::from_varmap(&varmap, &pg, opts).unwrap();
+        let l1 = fsdp.fully_shard("l1", model.l1).unwrap();
+        let e = l1.forward(&data(0)).unwrap_err().to_string();
+        assert!(e.contains("unit `l1` ran outside Fsdp::forward"), "{e}");
+        let e = fsdp.backward(&Tensor::new(1f32, &Device::Cpu).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("without Fsdp::forward"), "{e}");
+        let e = fsdp.fully_shard("l3", candle_nn::Activation::Relu).err().unwrap().to_string();
+        assert_eq!(e, "no unit named `l3` (the units are `l1`)");
+    });
+}
