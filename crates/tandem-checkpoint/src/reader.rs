@@ -303,7 +303,13 @@ fn put(v: &mut Value, path: &str, value: Value) {
             *here = Value::new_dict();
         }
         if parts.peek().is_none() {
-            here.insert(key, value);
+            match key.parse::<i64>() {
+                // One entry of an optimizer's state (`optimizer/state/3`, an Fsdp model's rows):
+                // torch keys them by int, and a parameter without state has no entry.
+                Ok(index) if !matches!(value, Value::None) => here.insert(Value::Int(index), value),
+                Ok(_) => {}
+                Err(_) => here.insert(key, value),
+            }
             return;
         }
         if here.get(key).is_none() {

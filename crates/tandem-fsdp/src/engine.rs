@@ -120,6 +120,10 @@ impl Engine {
             return Ok(());
         }
         let unit = &self.units[u];
+        if unit.params.is_empty() {
+            st.gathered[u] = true; // a root with every parameter in a unit
+            return Ok(());
+        }
         let mut input = Vec::with_capacity(unit.stride);
         for &p in &unit.params {
             self.params[p].layout.pack_shard(&self.shard_values(p)?, &mut input);

@@ -45,6 +45,27 @@ impl Default for FsdpOptions {
     }
 }
 
+/// One parameter's shard on this rank: what a checkpoint saves of it.
+#[derive(Clone, Debug)]
+pub struct Shard {
+    /// The parameter's name (its state-dict key).
+    pub name: String,
+    /// This rank's rows (the optimizer's parameter when `trainable`).
+    pub var: Var,
+    /// Which rows of the full parameter `var` holds.
+    pub rows: std::ops::Range<usize>,
+    /// The full parameter's shape (a scalar is sharded as one row of one element).
+    pub dims: Vec<usize>,
+    pub trainable: bool,
+}
+
+impl Shard {
+    /// The full parameter's rows.
+    pub fn total_rows(&self) -> usize {
+        self.dims.first().copied().unwrap_or(1)
+    }
+}
+
 /// A model sharded over a process group (see the crate docs).
 #[derive(Clone)]
 pub struct Fsdp {
@@ -300,6 +321,22 @@ impl Fsdp {
     /// Every parameter's name and this rank's shard of it, frozen ones included.
     pub fn named_shards(&self) -> Vec<(String, Var)> {
         self.engine.params.iter().map(|p| (p.name.clone(), p.shard.clone())).collect()
+    }
+
+    /// Every parameter's shard on this rank, in the model's order (frozen ones included; the
+    /// trainable ones in [`Fsdp::params`]'s order).
+    pub fn shards(&self) -> Vec<Shard> {
+        self.engine
+            .params
+            .iter()
+            .map(|p| Shard {
+                name: p.name.clone(),
+                var: p.shard.clone(),
+                rows: p.layout.my_rows(),
+                dims: p.layout.dims.clone(),
+                trainable: p.trainable,
+            })
+            .collect()
     }
 
     /// The units' names, the root last.

@@ -60,5 +60,5 @@ mod unit_op;
 mod units;
 
 pub use error::{FsdpError, Result};
-pub use fsdp::{Fsdp, FsdpOptions, FullyShard};
+pub use fsdp::{Fsdp, FsdpOptions, FullyShard, Shard};
 pub use units::{UnitOf, Units};

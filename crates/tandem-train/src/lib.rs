@@ -14,7 +14,8 @@
 //!   in the background, loaded on any world size reading only the slices a rank owns;
 //! - [`TrainingState`]: the whole training state of a model, its optimizer (ZeRO-1's shards
 //!   too), scheduler, scaler, loader and the state each rank holds alone ([`RankState`] parts:
-//!   PartialFC's rows, [`RankBuffers`]) saved and loaded in one call each
+//!   PartialFC's rows, [`RankBuffers`], an `Fsdp` model's shards as [`FsdpShards`]) saved and
+//!   loaded in one call each
 //!   ([`save_state`]/[`load_state`], over [`checkpoint`]), resumable on any world size;
 //! - [`live`]: keeping a loop running through a rank's death (`tandem run --live-recovery`),
 //!   and state one rank holds alone ([`live::RankPart`]: ZeRO's shards, PartialFC's rows)
@@ -43,6 +44,7 @@ pub mod state;
 
 mod error;
 mod evaluate;
+mod fsdp_state;
 mod rank_state;
 mod tfevents;
 mod trainer;
@@ -52,6 +54,7 @@ mod world;
 pub use error::{Context, Result, TrainError};
 pub use evaluate::evaluate_logits;
 pub use events::{Event, Lines, Logger, Reporter};
+pub use fsdp_state::FsdpShards;
 pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
 pub use rank_state::{PartLoaded, RankBuffers, RankState};
 pub use state::{load_state, load_state_from, save_state, LoaderPosition, Resumed, TrainingState};

@@ -111,6 +111,15 @@ impl<'a> TrainingState<'a> {
             order: None,
         }
     }
+    /// The state of a model sharded by `Fsdp`: its parameters and the optimizer's entries
+    /// (the optimizer steps [`tandem_fsdp::Fsdp::params`]) go to `shards`, saved by rows and
+    /// resumable on any world size; the replicated part holds the rest.
+    pub fn fsdp<O: OptimizerState + 'a>(
+        shards: &'a mut crate::FsdpShards,
+        optimizer: &'a mut O,
+    ) -> Self {
+        TrainingState::new(&*crate::fsdp_state::NO_MODEL, optimizer).part(shards)
+    }
     /// The loss scaler and the schedule of `step` (what a [`crate::Step`] steps with).
     pub fn scaler_and_scheduler(mut self, step: &'a mut crate::Step) -> Self {
         (self.scaler, self.scheduler) = step.scaler_and_scheduler_mut();
@@ -301,8 +310,11 @@ pub(crate) fn restore(
     let mut ck = TrainingCheckpoint::from_value(&value)?;
     let path = saved.path();
     // The model first: a part may overwrite some of it (a rank's own BatchNorm statistics).
-    load_weights_from(state.model, &ck.model, true)
-        .map_err(|e| field_error(path, "model", e.to_string()))?;
+    // A model wholly in a part (an Fsdp model's shards) has no replicated state dict.
+    if !(state.model.param_set().is_empty() && state.model.named_buffers().is_empty()) {
+        load_weights_from(state.model, &ck.model, true)
+            .map_err(|e| field_error(path, "model", e.to_string()))?;
+    }
     let mut notes = Vec::new();
     let entries = state.part_entries();
     let mut loaded = Vec::with_capacity(state.parts.len());
