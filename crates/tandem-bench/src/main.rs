@@ -20,6 +20,7 @@ mod conv;
 mod ddp;
 mod face;
 mod face_scale;
+mod fsdp;
 mod live;
 mod loader;
 mod local_ranks;
@@ -53,6 +54,8 @@ enum Which {
     SaveStall(save_stall::Args),
     /// optimizer-state bytes per rank with ZeroRedundancyOptimizer vs unsharded.
     Zero(zero::Args),
+    /// peak memory and samples/s of Fsdp against Ddp and PyTorch FSDP2 (arcface_torch's ViT).
+    Fsdp(fsdp::Args),
     /// The face-recognition recipe's samples/s against PyTorch running it (same data and init).
     Face(face::Args),
     /// The face recipe as its head and world grow: the largest head each side trains, and
@@ -135,6 +138,7 @@ fn run(args: Args) -> anyhow::Result<i32> {
         Which::Loader(a) => loader::main(a),
         Which::SaveStall(a) => save_stall::main(a),
         Which::Zero(a) => zero::main(a),
+        Which::Fsdp(a) => fsdp::main(a),
         Which::Face(a) => face::main(a),
         Which::FaceScale(a) => face_scale::main(a),
         Which::PartialFc(a) => partial_fc::main(a),

@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{Tensor, Var};
 use tandem_comm::{ProcessGroup, ReduceOp, Work};
+use tandem_nn::kernels::with_f32_slice;
 
 use crate::error::{comm, tensor, FsdpError, Result};
 use crate::layout::ShardLayout;
@@ -105,15 +106,6 @@ impl Engine {
         self.units.len() - 1
     }
 
-    fn shard_values(&self, p: usize) -> Result<Vec<f32>> {
-        let param = &self.params[p];
-        param
-            .shard
-            .flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(tensor(format!("reading the shard of `{}`", param.name)))
-    }
-
     /// Starts unit `u`'s all-gather unless it is gathered or on its way.
     fn start_gather(&self, st: &mut State, u: usize) -> Result<()> {
         if st.gathered[u] || st.gathering[u].is_some() {
@@ -126,7 +118,11 @@ impl Engine {
         }
         let mut input = Vec::with_capacity(unit.stride);
         for &p in &unit.params {
-            self.params[p].layout.pack_shard(&self.shard_values(p)?, &mut input);
+            let param = &self.params[p];
+            with_f32_slice(param.shard.as_tensor(), |shard| {
+                param.layout.pack_shard(shard, &mut input)
+            })
+            .map_err(tensor(format!("reading the shard of `{}`", param.name)))?;
         }
         let output = vec![0f32; unit.stride * self.group.size()];
         st.gathering[u] = Some(self.group.all_gather_async(input, output));
@@ -201,21 +197,20 @@ impl Engine {
         let mut offset = 0;
         for (p, g) in ready {
             let param = &self.params[p];
-            let full = g
-                .flatten_all()
-                .and_then(|t| t.to_vec1::<f32>())
-                .map_err(tensor(format!("reading the gradient of `{}`", param.name)))?;
-            if full.len() != param.layout.full_len() {
+            // Packed straight from the gradient's storage: no copy of a full gradient.
+            let len = with_f32_slice(&g, |full| {
+                if full.len() == param.layout.full_len() {
+                    param.layout.pack_full(full, stride, offset, &mut input);
+                }
+                full.len()
+            })
+            .map_err(tensor(format!("reading the gradient of `{}`", param.name)))?;
+            if len != param.layout.full_len() {
                 return Err(FsdpError::Unsupported {
                     param: param.name.clone(),
-                    why: format!(
-                        "a gradient of {} elements for {:?}",
-                        full.len(),
-                        param.layout.dims
-                    ),
+                    why: format!("a gradient of {len} elements for {:?}", param.layout.dims),
                 });
             }
-            param.layout.pack_full(&full, stride, offset, &mut input);
             params.push((p, offset));
             offset += param.layout.padded_len();
         }
@@ -389,7 +384,7 @@ impl Engine {
             .to_dtype(y.dtype())
             .and_then(|g| y.mul(&g))
             .and_then(|t| t.sum_all())
-            .and_then(|t| t.backward())
+            .and_then(|t| tandem_nn::backward(&t))
             .map_err(tensor(format!("the backward of unit `{name}`")))?;
         let mut mine = Vec::new();
         for (p, param) in self.params.iter().enumerate() {

@@ -174,18 +174,16 @@ impl Fsdp {
         Ok(Fsdp { engine: Arc::new(engine) })
     }
 
-    /// [`Fsdp::new`] over every variable of a candle `VarMap`, sorted by name.
+    /// [`Fsdp::new`] over the parameters of a candle `VarMap`, sorted by name. Its buffers
+    /// (BatchNorm statistics: `*.running_mean`, `*.running_var`, `*.num_batches_tracked`) stay
+    /// whole on every rank, as FSDP2 leaves a module's buffers.
     pub fn from_varmap(
         varmap: &candle_nn::VarMap,
         group: &ProcessGroup,
         opts: FsdpOptions,
     ) -> Result<Fsdp> {
-        let mut named: Vec<(String, Var)> = {
-            let data = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
-            data.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
-        };
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        Fsdp::new(named, group, opts)
+        use tandem_nn::ParamModule;
+        Fsdp::new(tandem_nn::NamedVars::from_varmap(varmap).named_parameters(), group, opts)
     }
 
     fn unit_index(&self, name: &str) -> Result<usize> {

@@ -20,4 +20,4 @@ pub use kind::{ModelKind, UnknownModel};
 pub use mlp::{targets, Mlp};
 pub use mobilefacenet::MobileFaceNet;
 pub use resnet::ResNet;
-pub use vit::{Vit, VitConfig, VIT_PATCHES};
+pub use vit::{UnitRunner, Vit, VitConfig, VIT_PATCHES};

@@ -226,7 +226,15 @@ pub struct Vit {
     embedding: usize,
     /// Masks and stochastic depth in training.
     rng: Mutex<StdRng>,
+    runner: Option<UnitRunner>,
 }
+
+/// Runs one of the model's blocks (named `blocks.{i}`, as its parameters are) on an input: a
+/// sharded model's unit (tandem-fsdp's `Fsdp::run_unit`). The function may be called again in
+/// backward: it computes the same values each time (the block's masks are drawn before).
+pub type UnitRunner = std::sync::Arc<
+    dyn Fn(&str, &Tensor, tandem_nn::CheckpointFn) -> candle_core::Result<Tensor> + Send + Sync,
+>;
 
 impl Vit {
     /// The ViT of `cfg` with an `embedding`-wide output. candle initialises the variables; call
@@ -283,7 +291,14 @@ impl Vit {
             embed_bn,
             embedding,
             rng: Mutex::new(StdRng::seed_from_u64(0)),
+            runner: None,
         })
+    }
+
+    /// Runs every block through `runner` (FSDP2's `fully_shard` per block), in place of the
+    /// activation checkpointing of `using_checkpoint`.
+    pub fn run_blocks_with(&mut self, runner: UnitRunner) {
+        self.runner = Some(runner);
     }
 
     /// The embedding width.
@@ -384,9 +399,16 @@ impl Vit {
             None => x,
         };
         let mut drop = DropPath { rng: drop_rng };
-        for block in &self.blocks {
+        for (i, block) in self.blocks.iter().enumerate() {
             let masks = drop.masks(n, block.drop_path, x.device())?;
-            x = if train && self.cfg.using_checkpoint {
+            x = if let Some(run) = &self.runner {
+                let (b, m) = (std::sync::Arc::clone(block), masks.clone());
+                run(
+                    &format!("blocks.{i}"),
+                    &x,
+                    std::sync::Arc::new(move |x| b.forward(x, m.as_ref())),
+                )?
+            } else if train && self.cfg.using_checkpoint {
                 // arcface_torch's using_checkpoint: the block's activations are recomputed in
                 // backward (with the same masks) instead of kept.
                 let (b, m) = (std::sync::Arc::clone(block), masks.clone());

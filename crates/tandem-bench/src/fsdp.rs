@@ -1,0 +1,267 @@
+//! `tandem bench fsdp`: peak memory and throughput of a model trained under tandem's `Fsdp`
+//! against the same model under tandem's `Ddp` and under PyTorch FSDP2 (`fully_shard` per
+//! block, then the root; gloo), all measured in this run on this host. The model is
+//! arcface_torch's ViT (`--model vit_l`: 255.7 M parameters) with AdamW, synthetic 112x112
+//! images and the mean square of the embedding as the loss; a unit per block.
+//!
+//! Each mode runs `--nproc` local ranks for `--steps` timed steps after one warm-up step; a
+//! rank's peak RSS is its `VmHWM` at the end. The last line (with `--json`) is one JSON object:
+//! `peak_rss_over_ddp` (largest Fsdp rank over largest Ddp rank), `samples_per_s_over_torch`,
+//! `samples_per_s_over_ddp`, and the figures they come from.
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use serde::Serialize;
+use tandem::ddp::{Ddp, DdpOptions};
+use tandem::fsdp::{Fsdp, FsdpOptions, Units};
+use tandem::models::{Vit, VitConfig};
+use tandem::nn::ParamModule;
+use tandem::optim::{AdamWConfig, TorchAdamW};
+
+use super::local_ranks::{median, run_ranks};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// arcface_torch's ViT: vit_t, vit_s, vit_b or vit_l.
+    #[arg(long, default_value = "vit_l")]
+    model: String,
+    /// Ranks of each run.
+    #[arg(long, default_value_t = 2)]
+    nproc: usize,
+    /// Images per rank per step.
+    #[arg(long, default_value_t = 2)]
+    batch: usize,
+    /// Timed steps (after one warm-up step).
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Python with torch for the FSDP2 run (default: $TANDEM_PYTHON, ./.venv-torch/bin/python,
+    /// python3); without one the torch figures are left out, said so.
+    #[arg(long)]
+    python: Option<std::path::PathBuf>,
+    /// End with the figures as one JSON line.
+    #[arg(long)]
+    json: bool,
+    /// Internal: run as one rank of `ddp` or `fsdp` (set by the parent).
+    #[arg(long, hide = true)]
+    worker: Option<String>,
+}
+
+const EMBEDDING: usize = 512;
+
+fn config(name: &str) -> anyhow::Result<VitConfig> {
+    Ok(match name {
+        "vit_t" => VitConfig::VIT_T,
+        "vit_s" => VitConfig::VIT_S,
+        "vit_b" => VitConfig::VIT_B,
+        "vit_l" => VitConfig::VIT_L,
+        other => bail!("--model {other}: expected vit_t, vit_s, vit_b or vit_l"),
+    })
+}
+
+/// This process's peak resident set (`VmHWM`), in bytes.
+fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next().and_then(|n| n.parse::<u64>().ok()));
+    kib.unwrap_or(0) * 1024
+}
+
+/// One rank of mode `mode`: prints (rank 0, for every rank) `RESULT rank peak_rss step_secs`.
+fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
+    let pg = tandem::comm::init().context("worker init")?;
+    let cfg = config(&args.model)?;
+    let varmap = VarMap::new();
+    let mut vit =
+        Vit::new(cfg, EMBEDDING, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+    vit.seed(pg.rank() as u64);
+    let adamw = AdamWConfig { lr: 1e-4, ..Default::default() };
+    let x = Tensor::randn(0f32, 1.0, (args.batch, 3, 112, 112), &Device::Cpu)?;
+    let mut times = Vec::new();
+    match mode {
+        "ddp" => {
+            let ddp = Ddp::from_varmap(&varmap, &pg, DdpOptions::default())?;
+            let mut opt =
+                TorchAdamW::new(tandem::nn::NamedVars::from_varmap(&varmap).params(), adamw)?;
+            for i in 0..=args.steps {
+                let t = Instant::now();
+                let loss = vit.forward_t(&x, true)?.sqr()?.mean_all()?;
+                opt.step(&ddp.backward(&loss)?)?;
+                times.extend((i > 0).then(|| t.elapsed().as_secs_f64()));
+            }
+        }
+        "fsdp" => {
+            let units = Units::prefixes((0..cfg.depth).map(|i| format!("blocks.{i}")));
+            let fsdp =
+                Fsdp::from_varmap(&varmap, &pg, FsdpOptions { units, ..Default::default() })?;
+            let runner = fsdp.clone();
+            vit.run_blocks_with(Arc::new(move |name, x, f| {
+                runner.run_unit(name, x, move |x| f(x)).map_err(candle_core::Error::wrap)
+            }));
+            let mut opt = TorchAdamW::new(fsdp.params(), adamw)?;
+            for i in 0..=args.steps {
+                let t = Instant::now();
+                let loss = fsdp.forward(|| vit.forward_t(&x, true)?.sqr()?.mean_all())?;
+                opt.step(&fsdp.backward(&loss)?)?;
+                times.extend((i > 0).then(|| t.elapsed().as_secs_f64()));
+            }
+        }
+        other => bail!("unknown worker mode {other}"),
+    }
+    let line = format!("{} {} {}", pg.rank(), peak_rss(), median(times));
+    let all = pg.all_gather_bytes(line.as_bytes())?;
+    if pg.rank() == 0 {
+        for l in all {
+            println!("RESULT {}", String::from_utf8_lossy(&l));
+        }
+    }
+    pg.barrier()?;
+    Ok(0)
+}
+
+/// What one run measured: each rank's peak RSS (bytes) and the median step time of rank 0.
+#[derive(Serialize)]
+struct Run {
+    peak_rss: Vec<u64>,
+    step_secs: f64,
+    samples_per_s: f64,
+}
+
+fn parse(text: &str, nproc: usize, batch: usize, what: &str) -> anyhow::Result<Run> {
+    let mut rows: Vec<(usize, u64, f64)> = Vec::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("RESULT ") else { continue };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        if let [rank, rss, secs] = f[..] {
+            rows.push((rank.parse()?, rss.parse()?, secs.parse()?));
+        }
+    }
+    if rows.len() != nproc {
+        bail!("{what}: {} of {nproc} ranks reported", rows.len());
+    }
+    rows.sort_by_key(|r| r.0);
+    let step_secs = rows.iter().map(|r| r.2).fold(0.0, f64::max);
+    Ok(Run {
+        peak_rss: rows.iter().map(|r| r.1).collect(),
+        step_secs,
+        samples_per_s: (nproc * batch) as f64 / step_secs,
+    })
+}
+
+fn tandem_run(args: &Args, mode: &str) -> anyhow::Result<Run> {
+    let (steps, batch) = (args.steps.to_string(), args.batch.to_string());
+    let worker_args =
+        ["fsdp", "--worker", mode, "--model", &args.model, "--steps", &steps, "--batch", &batch];
+    let text = run_ranks(
+        args.nproc,
+        &format!("bench-{mode}"),
+        &worker_args,
+        &[],
+        Duration::from_secs(3600),
+    )?;
+    parse(&text, args.nproc, args.batch, mode)
+}
+
+fn torch_run(args: &Args, python: &std::path::Path) -> anyhow::Result<Run> {
+    let script = std::path::Path::new(crate::PEERS_DIR).join("torch_fsdp_vit.py");
+    let out = Command::new(python)
+        .arg(&script)
+        .args(["--model", &args.model, "--nproc", &args.nproc.to_string()])
+        .args(["--steps", &args.steps.to_string(), "--batch", &args.batch.to_string()])
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        bail!("{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
+    }
+    parse(&String::from_utf8_lossy(&out.stdout), args.nproc, args.batch, "torch FSDP2")
+}
+
+#[derive(Serialize)]
+struct Summary<'a> {
+    model: &'a str,
+    parameters: usize,
+    nproc: usize,
+    batch_per_rank: usize,
+    cpu: String,
+    ddp: Run,
+    fsdp: Run,
+    torch_fsdp2: Option<Run>,
+    peak_rss_over_ddp: f64,
+    samples_per_s_over_ddp: f64,
+    samples_per_s_over_torch: Option<f64>,
+}
+
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    if let Some(mode) = args.worker.clone() {
+        return worker(&args, &mode);
+    }
+    if args.nproc == 0 || args.steps == 0 || args.batch == 0 {
+        bail!("--nproc, --steps and --batch must be at least 1");
+    }
+    let cfg = config(&args.model)?;
+    let parameters = {
+        let varmap = VarMap::new();
+        Vit::new(cfg, EMBEDDING, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+        tandem::nn::NamedVars::from_varmap(&varmap).params().iter().map(|v| v.elem_count()).sum()
+    };
+    let cpu = super::report::machine::Machine::probe(std::path::Path::new(".")).cpu_model;
+    println!(
+        "{} ({:.1} M parameters), AdamW, {} ranks x {} images; {cpu}",
+        args.model,
+        parameters as f64 / 1e6,
+        args.nproc,
+        args.batch
+    );
+    let ddp = tandem_run(&args, "ddp")?;
+    let fsdp = tandem_run(&args, "fsdp")?;
+    let torch = match crate::ckpt::find_python(args.python.clone()) {
+        Some(python) => Some(torch_run(&args, &python)?),
+        None => {
+            println!("torch FSDP2: skipped, no Python with torch (--python, $TANDEM_PYTHON or ./.venv-torch)");
+            None
+        }
+    };
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    println!("{:>14} {:>22} {:>10} {:>10}", "run", "peak RSS GiB per rank", "step s", "samples/s");
+    for (name, run) in
+        [("tandem Ddp", Some(&ddp)), ("tandem Fsdp", Some(&fsdp)), ("torch FSDP2", torch.as_ref())]
+    {
+        let Some(run) = run else { continue };
+        let rss: Vec<String> = run.peak_rss.iter().map(|&b| format!("{:.2}", gib(b))).collect();
+        println!(
+            "{name:>14} {:>22} {:>10.2} {:>10.2}",
+            rss.join(" "),
+            run.step_secs,
+            run.samples_per_s
+        );
+    }
+    let max = |r: &Run| r.peak_rss.iter().copied().max().unwrap_or(0) as f64;
+    let summary = Summary {
+        model: &args.model,
+        parameters,
+        nproc: args.nproc,
+        batch_per_rank: args.batch,
+        cpu,
+        peak_rss_over_ddp: max(&fsdp) / max(&ddp),
+        samples_per_s_over_ddp: fsdp.samples_per_s / ddp.samples_per_s,
+        samples_per_s_over_torch: torch.as_ref().map(|t| fsdp.samples_per_s / t.samples_per_s),
+        ddp,
+        fsdp,
+        torch_fsdp2: torch,
+    };
+    println!(
+        "Fsdp over Ddp: peak RSS {:.3}x, samples/s {:.3}x; over torch FSDP2: samples/s {}",
+        summary.peak_rss_over_ddp,
+        summary.samples_per_s_over_ddp,
+        summary.samples_per_s_over_torch.map_or("-".into(), |r| format!("{r:.3}x"))
+    );
+    if args.json {
+        println!("{}", serde_json::to_string(&summary)?);
+    }
+    Ok(0)
+}
