@@ -482,3 +482,68 @@ fn dcp_directories_inspect_and_convert_both_ways() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     peer(&["load", s(&back), s(&reference)]);
 }
+
+/// An `Fsdp` run's checkpoint (every parameter saved as rows by 2 ranks): `inspect` lists its
+/// row shards, `convert --to dcp` writes PyTorch FSDP2's layout (`model.NAME`,
+/// `optim.state.NAME.FIELD`, the param groups by name), `convert` to `.pt` the full state dict.
+#[test]
+fn an_fsdp_checkpoint_inspects_and_converts() {
+    use candle_core::{DType, Device, Module, Tensor};
+    use tandem::fsdp::{Fsdp, FsdpOptions, Units};
+    use tandem::optim::{SgdConfig, TorchSgd};
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let written = tandem_testutil::run_tcp_world(2, move |pg| {
+        let varmap = candle_nn::VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let l1 = candle_nn::linear(4, 5, vb.pp("l1")).unwrap();
+        let opts = FsdpOptions { units: Units::prefixes(["l1"]), ..FsdpOptions::default() };
+        let fsdp = Fsdp::from_varmap(&varmap, &pg, opts).unwrap();
+        let l1 = fsdp.fully_shard("l1", l1).unwrap();
+        let cfg = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        };
+        let mut opt = TorchSgd::new(fsdp.params(), cfg).unwrap();
+        let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu).unwrap();
+        let loss = fsdp.forward(|| l1.forward(&x)?.sqr()?.mean_all()).unwrap();
+        opt.step(&fsdp.backward(&loss).unwrap()).unwrap();
+        let mut shards = tandem::train::FsdpShards::new(&fsdp);
+        let state = tandem::TrainingState::fsdp(&mut shards, &mut opt).step(1);
+        tandem::save_state(&pg, &run, &state).unwrap()
+    });
+    let ckpt = written[0].clone().expect("rank 0 returns the checkpoint");
+
+    let out = tandem(&["ckpt", "inspect", s(&ckpt)]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout(&out).contains("model/l1.weight"), "{}", stdout(&out));
+
+    let dcp_dir = dir.path().join("dcp");
+    let out = tandem(&["ckpt", "convert", s(&ckpt), s(&dcp_dir), "--to", "dcp"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v = tandem::ckpt::dcp::load(&dcp_dir).unwrap();
+    let weight = v.get("model").and_then(|m| m.get("l1.weight")).and_then(Value::as_tensor);
+    assert_eq!(weight.map(|t| t.shape.clone()), Some(vec![5, 4]));
+    let optim = v.get("optim").unwrap();
+    let momentum =
+        optim.get("state").and_then(|s| s.get("l1.weight")).and_then(|e| e.get("momentum_buffer"));
+    assert_eq!(momentum.and_then(Value::as_tensor).map(|t| t.shape.clone()), Some(vec![5, 4]));
+    let names = optim.get("param_groups").and_then(|g| match g {
+        Value::List(groups) => groups[0].get("params").cloned(),
+        _ => None,
+    });
+    assert_eq!(
+        names,
+        Some(Value::List(vec![Value::Str("l1.bias".into()), Value::Str("l1.weight".into())]))
+    );
+
+    let pt = dir.path().join("whole.pt");
+    let out = tandem(&["ckpt", "convert", s(&ckpt), s(&pt)]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let whole = load(&pt).unwrap();
+    let bias = whole.get("model").and_then(|m| m.get("l1.bias")).and_then(Value::as_tensor);
+    assert_eq!(bias.map(|t| t.shape.clone()), Some(vec![5]));
+}

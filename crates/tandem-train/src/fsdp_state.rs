@@ -29,6 +29,9 @@ impl FsdpShards {
     }
 }
 
+/// The rank shard naming the parameters behind the optimizer's entries.
+const LAYOUT_SHARD: &str = "fsdp";
+
 fn model_shard(name: &str) -> String {
     format!("model/{name}")
 }
@@ -54,9 +57,16 @@ impl RankState for FsdpShards {
             out.push(rows(s, &model_shard(&s.name), Value::Tensor(t)));
         }
         let mut entries = entries.into_iter();
+        let mut trainable = Vec::new();
         for (i, s) in shards.iter().filter(|s| s.trainable).enumerate() {
             out.push(rows(s, &entry_shard(i), entries.next().unwrap_or(Value::None)));
+            trainable.push(Value::Str(s.name.clone()));
         }
+        // Which parameter each optimizer entry is (FSDP2's state dicts key entries by name).
+        out.push(ShardDict::rank(
+            LAYOUT_SHARD,
+            Value::dict_from([("params", Value::List(trainable))]),
+        ));
         Ok(out)
     }
 
@@ -127,4 +137,181 @@ impl RankState for FsdpShards {
         });
         Ok(PartLoaded { entries, note, resplit: None })
     }
+}
+
+/// An `Fsdp` model's checkpoint as PyTorch FSDP2 names its state: `{"model":
+/// get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}` with full
+/// tensors, the optimizer's entries and param groups keyed by parameter name — what `dcp.save`
+/// would have written, for `dcp.load` into an FSDP2 model on any number of ranks followed by
+/// `set_model_state_dict` / `set_optimizer_state_dict`. `None` when `saved` is not of an
+/// `Fsdp` model.
+pub fn fsdp2_state_dict(saved: &Saved) -> Result<Option<Value>> {
+    if !saved.shard_names().contains(&LAYOUT_SHARD) {
+        return Ok(None);
+    }
+    let path = saved.path().display().to_string();
+    let whole = saved.consolidated()?;
+    let bad = |what: &str| TrainError::Invalid(format!("{path}: {what}"));
+    let names: Vec<String> = match whole.get(LAYOUT_SHARD) {
+        Some(Value::List(ranks)) => ranks
+            .first()
+            .and_then(|r| r.get("params"))
+            .and_then(|p| match p {
+                Value::List(items) => items.iter().map(|i| i.as_str().map(String::from)).collect(),
+                _ => None,
+            })
+            .ok_or_else(|| bad("`fsdp` does not list the parameters"))?,
+        _ => return Err(bad("`fsdp` is not a rank shard")),
+    };
+    let name_of = |index: &Value| {
+        let i = index.as_int().ok_or_else(|| bad("an optimizer entry not keyed by an index"))?;
+        names
+            .get(i as usize)
+            .cloned()
+            .ok_or_else(|| bad(&format!("optimizer entry {i} of {}", names.len())))
+    };
+    let model = whole.get("model").cloned().ok_or_else(|| bad("no model"))?;
+    let optimizer = whole.get("optimizer").ok_or_else(|| bad("no optimizer"))?;
+    let mut state = Vec::new();
+    if let Some(Value::Dict(entries)) = optimizer.get("state") {
+        for (index, entry) in entries {
+            state.push((Value::Str(name_of(index)?), entry.clone()));
+        }
+    }
+    let mut groups = Vec::new();
+    if let Some(Value::List(saved_groups)) = optimizer.get("param_groups") {
+        for group in saved_groups {
+            let mut group = group.clone();
+            let params = match group.get("params") {
+                Some(Value::List(ids)) => {
+                    ids.iter().map(|i| name_of(i).map(Value::Str)).collect::<Result<Vec<_>>>()?
+                }
+                _ => return Err(bad("a param group without `params`")),
+            };
+            group.insert("params", Value::List(params));
+            groups.push(group);
+        }
+    }
+    let optim =
+        Value::dict_from([("state", Value::Dict(state)), ("param_groups", Value::List(groups))]);
+    Ok(Some(Value::dict_from([("model", model), ("optim", optim)])))
+}
+
+/// Restores an `Fsdp` model and its optimizer (stepping [`Fsdp::params`]) from a PyTorch FSDP2
+/// distributed checkpoint — `dcp.save({"model": get_model_state_dict(model), "optim":
+/// get_optimizer_state_dict(model, optimizer)}, checkpoint_id=dir)` — written on any number of
+/// ranks: each rank reads only the chunks that hold its rows. The optimizer's hyperparameters
+/// come from the checkpoint's param groups, as `set_optimizer_state_dict` sets them.
+pub fn load_fsdp2_dcp(
+    dir: &std::path::Path,
+    fsdp: &Fsdp,
+    optimizer: &mut dyn tandem_optim::OptimizerState,
+) -> Result<()> {
+    use tandem_ckpt::dcp;
+    let md = dcp::read_metadata(dir)?;
+    let at = dir.display();
+    // A tensor shaped like the parameter: this rank's rows (none on a rank without rows);
+    // anything else (a step count): whole.
+    let rows_of = |key: &str, s: &Shard| -> Result<Option<Value>> {
+        let Some(dcp::Item::Tensor { size, .. }) = md.item(key) else {
+            return Err(TrainError::Invalid(format!("{at}: `{key}` is not a tensor")));
+        };
+        let rows = match size.first() {
+            Some(_) if size[..] == s.dims[..] => s.rows.clone(),
+            first => 0..first.copied().unwrap_or(1),
+        };
+        if size[..] == s.dims[..] && rows.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Value::Tensor(dcp::load_rows(dir, &md, key, rows)?)))
+    };
+    let shards = fsdp.shards();
+    let mut state = Vec::new();
+    for s in &shards {
+        let key = dcp::key_at(&md, &["model", &s.name]).ok_or_else(|| {
+            TrainError::Invalid(format!(
+                "{at}: no `model` entry `{}` (a checkpoint of another model?)",
+                s.name
+            ))
+        })?;
+        match md.item(key) {
+            Some(dcp::Item::Tensor { size, .. }) if size[..] == s.dims[..] => {}
+            _ => {
+                return Err(TrainError::Invalid(format!(
+                    "{at}: `{key}` is not of shape {:?}",
+                    s.dims
+                )))
+            }
+        }
+        if let Some(Value::Tensor(t)) = rows_of(key, s)? {
+            let what = || format!("{at}: `{key}`");
+            let t = tandem_nn::convert::from_ckpt(&t, s.var.device()).with_context(what)?;
+            s.var.set(&t.to_dtype(s.var.dtype()).with_context(what)?).with_context(what)?;
+        }
+    }
+    for (i, s) in shards.iter().filter(|s| s.trainable).enumerate() {
+        let mut entry = Vec::new();
+        for (key, parts) in &md.paths {
+            let field = match &parts[..] {
+                [dcp::PathPart::Key(o), dcp::PathPart::Key(st), dcp::PathPart::Key(n), dcp::PathPart::Key(f)]
+                    if o == "optim" && st == "state" && *n == s.name =>
+                {
+                    f
+                }
+                _ => continue,
+            };
+            let value = match md.item(key) {
+                Some(dcp::Item::Tensor { .. }) => rows_of(key, s)?,
+                _ => Some(dcp::load_object(dir, &md, key)?),
+            };
+            entry.extend(value.map(|v| (field.clone(), v)));
+        }
+        if !entry.is_empty() {
+            state.push((Value::Int(i as i64), Value::dict_from(entry)));
+        }
+    }
+    let names: Vec<&str> = shards.iter().filter(|s| s.trainable).map(|s| s.name.as_str()).collect();
+    // `dcp.save` flattens the param groups: `optim.param_groups.G.FIELD`, one object each.
+    let mut groups: Vec<Vec<(String, Value)>> = Vec::new();
+    for (key, parts) in &md.paths {
+        let (g, field) = match &parts[..] {
+            [dcp::PathPart::Key(o), dcp::PathPart::Key(pg), dcp::PathPart::Index(g), dcp::PathPart::Key(f)]
+                if o == "optim" && pg == "param_groups" && *g >= 0 =>
+            {
+                (*g as usize, f)
+            }
+            _ => continue,
+        };
+        if groups.len() <= g {
+            groups.resize_with(g + 1, Vec::new);
+        }
+        let mut value = dcp::load_object(dir, &md, key)?;
+        if field == "params" {
+            let Value::List(saved) = value else {
+                return Err(TrainError::Invalid(format!("{at}: `{key}` is not a list of names")));
+            };
+            let index = |n: &Value| {
+                let n = n.as_str().unwrap_or_default();
+                let i = names.iter().position(|m| *m == n).ok_or_else(|| {
+                    TrainError::Invalid(format!(
+                        "{at}: `{key}` names `{n}`, not a trainable parameter here"
+                    ))
+                })?;
+                Ok(Value::Int(i as i64))
+            };
+            // By position in this optimizer's parameters, as torch's `load_state_dict` pairs
+            // a group's saved ids with its parameters (FSDP2 lists them in module order).
+            let mut ids: Vec<Value> = saved.iter().map(index).collect::<Result<_>>()?;
+            ids.sort_by_key(|v| v.as_int());
+            value = Value::List(ids);
+        }
+        groups[g].push((field.clone(), value));
+    }
+    if groups.is_empty() {
+        return Err(TrainError::Invalid(format!("{at}: no `optim` param groups")));
+    }
+    let groups: Vec<Value> = groups.into_iter().map(Value::dict_from).collect();
+    let value =
+        Value::dict_from([("state", Value::Dict(state)), ("param_groups", Value::List(groups))]);
+    optimizer.load_optimizer_state(&value).with_context(|| format!("{at}: the optimizer state"))
 }

@@ -266,6 +266,27 @@ fn set_at(root: &mut Value, path: &[PathPart], value: Value) -> std::result::Res
     set_at(child, rest, value)
 }
 
+/// Object `fqn` (a stored non-tensor value: an optimizer's `param_groups`, a step count).
+pub fn load_object(dir: &Path, md: &Metadata, fqn: &str) -> Result<Value> {
+    match md.record(fqn, None) {
+        Some(stored) => read_stored(dir, stored),
+        None => Err(CkptError::format(
+            dir.join(METADATA_FILE),
+            format!("`{fqn}`: no record of its bytes"),
+        )),
+    }
+}
+
+/// The flattened key of the value at `path` in the nested state dict (`["model", "l1.weight"]`
+/// → `model.l1.weight`), if the checkpoint holds one.
+pub fn key_at<'a>(md: &'a Metadata, path: &[&str]) -> Option<&'a str> {
+    md.paths.iter().find_map(|(key, parts)| {
+        let same = parts.len() == path.len()
+            && parts.iter().zip(path).all(|(p, want)| matches!(p, PathPart::Key(k) if k == want));
+        same.then_some(key.as_str())
+    })
+}
+
 /// The whole checkpoint in `dir` as the nested value `dcp.save` was given.
 pub fn load(dir: &Path) -> Result<Value> {
     let md = read_metadata(dir)?;

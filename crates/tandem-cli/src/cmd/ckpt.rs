@@ -205,6 +205,20 @@ fn convert(
         }
         return convert_face(input, output);
     }
+    let sharded = input.is_dir() && !tandem::ckpt::dcp::is_dcp_dir(input);
+    if to == Some("dcp") && key.is_none() && sharded && !is_zero1_checkpoint(input) {
+        if let Some(v) = tandem::train::fsdp2_state_dict(&Saved::open(input)?)? {
+            if strip.is_some() || add.is_some() {
+                bail!("--strip-prefix/--add-prefix: not with an Fsdp checkpoint's --to dcp");
+            }
+            tandem::ckpt::dcp::save(output, &v.into_plain())?;
+            eprintln!(
+                "wrote {} (PyTorch FSDP2's `model` and `optim` state dicts)",
+                output.display()
+            );
+            return Ok(0);
+        }
+    }
     let v = read_keeping(input, true)?;
     let to_safetensors = match to {
         Some(t) => t == "safetensors",
