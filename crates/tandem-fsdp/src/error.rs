@@ -44,6 +44,9 @@ pub enum FsdpError {
         #[source]
         source: Box<CommError>,
     },
+    /// Ranks that were given different models (found before any parameter moves).
+    #[error("rank {rank} and rank 0 were given different models: {why}")]
+    ModelsDiffer { rank: usize, why: String },
     /// A tensor operation failed.
     #[error("{context}: {source}")]
     Tensor {

@@ -118,6 +118,40 @@ fn check_param(name: &str, var: &Var) -> Result<()> {
     Err(FsdpError::Unsupported { param: name.to_string(), why })
 }
 
+/// Every rank holds parameters of the same names and shapes in the same order, or an error
+/// naming the first that differs — found with one small all-gather, before any collective
+/// whose sizes depend on the model could wait for a rank that will never send.
+fn same_model_everywhere(named: &[(String, Var)], group: &ProcessGroup) -> Result<()> {
+    let describe = |named: &[(String, Var)]| -> Vec<String> {
+        named.iter().map(|(n, v)| format!("`{n}` {:?}", v.dims())).collect()
+    };
+    let mine = describe(named).join("\n");
+    let all = group.all_gather_bytes(mine.as_bytes()).map_err(comm("all_gather"))?;
+    let first: Vec<String> = String::from_utf8_lossy(&all[0]).lines().map(String::from).collect();
+    for (rank, theirs) in all.iter().enumerate().skip(1) {
+        let theirs: Vec<String> =
+            String::from_utf8_lossy(theirs).lines().map(String::from).collect();
+        if theirs == first {
+            continue;
+        }
+        let at = first
+            .iter()
+            .zip(&theirs)
+            .position(|(a, b)| a != b)
+            .unwrap_or(first.len().min(theirs.len()));
+        let show = |v: &[String]| v.get(at).cloned().unwrap_or_else(|| "nothing".into());
+        return Err(FsdpError::ModelsDiffer {
+            rank,
+            why: format!(
+                "parameter {at} is {} on rank {rank}, {} on rank 0",
+                show(&theirs),
+                show(&first)
+            ),
+        });
+    }
+    Ok(())
+}
+
 impl Fsdp {
     /// Shards `named` (the model's parameters, the same names and shapes on every rank) over
     /// `group`: every rank keeps its rows of each parameter and the model's `Var`s are freed
@@ -137,6 +171,7 @@ impl Fsdp {
             check_param(name, var)?;
         }
         let (rank, world) = (group.rank(), group.size());
+        same_model_everywhere(&named, group)?;
         let mut params = Vec::with_capacity(named.len());
         for ((name, full), &unit) in named.into_iter().zip(&assignment.of) {
             let mut values = full

@@ -228,3 +228,23 @@ fn misuse_is_an_error_naming_the_unit_or_parameter() {
         assert_eq!(e, "no unit named `l3` (the units are `l1`)");
     });
 }
+
+/// Ranks given different models: every rank gets an error naming the parameter that differs,
+/// before any parameter moves.
+#[test]
+fn ranks_with_different_models_are_told_which_parameter_differs() {
+    let errors = run_tcp_world(2, |pg| {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        candle_nn::linear(5, 7 - pg.rank(), vb.pp("l1")).unwrap();
+        Fsdp::from_varmap(&varmap, &pg, FsdpOptions::default()).err().map(|e| e.to_string())
+    });
+    for e in errors {
+        let e = e.expect("an error on every rank");
+        assert_eq!(
+            e,
+            "rank 1 and rank 0 were given different models: parameter 0 is `l1.bias` [6] on rank \
+             1, `l1.bias` [7] on rank 0"
+        );
+    }
+}

@@ -149,58 +149,6 @@ fn a_checkpoint_of_another_model_is_refused_naming_the_parameter() {
     }
 }
 
-/// What tandem saves of an Fsdp run on 2 ranks, converted to PyTorch's distributed checkpoint
-/// in FSDP2's layout, loads into PyTorch FSDP2 on 4 ranks (`dcp.load`, `set_model_state_dict`,
-/// `set_optimizer_state_dict`), and PyTorch's next step equals tandem's next step resumed on 3
-/// ranks. Skipped without torch (unless TANDEM_REQUIRE_TORCH=1).
-#[test]
-fn an_fsdp_checkpoint_loads_into_torch_fsdp2_on_another_world_size() {
-    let Some(python) = tandem_testutil::torch_python() else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().join("run");
-    let saved = run_tcp_world(2, move |pg| {
-        let mut m = model(&pg, 7);
-        train(&mut m, 0..3);
-        save(&mut m, &pg, &d, 3)
-    });
-    let d = dir.path().join("run");
-    let next = run_tcp_world(3, move |pg| {
-        let mut m = model(&pg, 7);
-        let mut shards = FsdpShards::new(&m.fsdp);
-        tandem_train::load_state(&d, &mut TrainingState::fsdp(&mut shards, &mut m.opt)).unwrap();
-        train(&mut m, 3..4);
-        m.fsdp.full_state_dict().unwrap()
-    });
-    let expected = dir.path().join("next.safetensors");
-    let next: std::collections::HashMap<String, Tensor> = next[0].iter().cloned().collect();
-    candle_core::safetensors::save(&next, &expected).unwrap();
-
-    let saved = Saved::open(saved[0].as_ref().unwrap()).unwrap();
-    let fsdp2 = tandem_train::fsdp2_state_dict(&saved).unwrap().expect("an Fsdp checkpoint");
-    let optim_keys: Vec<String> = match fsdp2.get("optim").and_then(|o| o.get("state")) {
-        Some(Value::Dict(items)) => {
-            items.iter().filter_map(|(k, _)| k.as_str().map(String::from)).collect()
-        }
-        other => panic!("no optim.state: {other:?}"),
-    };
-    assert_eq!(optim_keys, ["l1.bias", "l1.weight", "l2.bias", "l2.weight"]);
-    let dcp_dir = dir.path().join("dcp");
-    tandem_ckpt::dcp::save(&dcp_dir, &fsdp2.into_plain()).unwrap();
-
-    let script =
-        tandem_testutil::workspace_root().join("crates/tandem-train/tests/fixtures/fsdp2_load.py");
-    let out = tandem_testutil::output_with_deadline(
-        std::process::Command::new(python)
-            .arg(script)
-            .arg(&dcp_dir)
-            .args(["4", "3"])
-            .arg(&expected),
-        std::time::Duration::from_secs(300),
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    eprintln!("PyTorch FSDP2's next step on 4 ranks vs tandem's on 3: max |diff| {}", text.trim());
-}
-
 /// Runs fixtures/fsdp2_interop.py (`mode` load or save) on `world` ranks; its output, which
 /// must start with `OK`.
 fn torch(python: &Path, mode: &str, dcp: &Path, world: usize, k: usize, expected: &Path) -> String {
@@ -218,24 +166,34 @@ fn torch(python: &Path, mode: &str, dcp: &Path, world: usize, k: usize, expected
     text
 }
 
-/// PyTorch FSDP2 trains 3 steps on 2 ranks and `dcp.save`s; tandem's Fsdp resumes from that
-/// directory on 3 ranks (each reading only its rows' chunks) and its next step equals
-/// PyTorch's. Skipped without torch (unless TANDEM_REQUIRE_TORCH=1).
+/// The round trip with PyTorch FSDP2 across three world sizes: FSDP2 trains 5 steps on 2 ranks
+/// and `dcp.save`s; tandem's Fsdp resumes from that directory on 3 ranks (each reading only its
+/// rows' chunks), trains 5 steps and saves; `fsdp2_state_dict` (what `tandem ckpt convert
+/// --to dcp` writes) loads into FSDP2 on 4 ranks (`dcp.load`, `set_model_state_dict`,
+/// `set_optimizer_state_dict`), and FSDP2's next step equals tandem's next step. Skipped without
+/// torch (unless TANDEM_REQUIRE_TORCH=1).
 #[test]
-fn a_torch_fsdp2_checkpoint_resumes_in_tandem_on_another_world_size() {
+fn torch_fsdp2_to_tandem_to_torch_fsdp2_across_world_sizes() {
     let Some(python) = tandem_testutil::torch_python() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let (dcp_dir, expected) = (dir.path().join("dcp"), dir.path().join("torch_next.safetensors"));
-    torch(&python, "save", &dcp_dir, 2, 3, &expected);
-    let resumed = run_tcp_world(3, move |pg| {
+    let (from_torch, torch_next) =
+        (dir.path().join("from_torch"), dir.path().join("torch_next.safetensors"));
+    torch(&python, "save", &from_torch, 2, 5, &torch_next);
+    let run = dir.path().join("run");
+    let tandem_run = run_tcp_world(3, move |pg| {
         let mut m = model(&pg, 7);
-        tandem_train::load_fsdp2_dcp(&dcp_dir, &m.fsdp, &mut m.opt).unwrap();
-        train(&mut m, 3..4);
-        m.fsdp.full_state_dict().unwrap()
+        tandem_train::load_fsdp2_dcp(&from_torch, &m.fsdp, &mut m.opt).unwrap();
+        train(&mut m, 5..6);
+        let first = m.fsdp.full_state_dict().unwrap();
+        train(&mut m, 6..10);
+        let saved = save(&mut m, &pg, &run, 10);
+        train(&mut m, 10..11);
+        (saved, m.fsdp.full_state_dict().unwrap(), first)
     });
-    let want = candle_core::safetensors::load(&expected, &Device::Cpu).unwrap();
-    for (rank, weights) in resumed.iter().enumerate() {
-        for (name, got) in weights {
+    // Resumed from PyTorch's checkpoint, tandem's first step is PyTorch's own next one.
+    let want = candle_core::safetensors::load(&torch_next, &Device::Cpu).unwrap();
+    for (rank, (_, _, first)) in tandem_run.iter().enumerate() {
+        for (name, got) in first {
             let d = flat(got)
                 .iter()
                 .zip(flat(&want[name]))
@@ -243,4 +201,14 @@ fn a_torch_fsdp2_checkpoint_resumes_in_tandem_on_another_world_size() {
             assert!(d <= 1e-6, "rank {rank}: `{name}` is {d} from PyTorch FSDP2's next step");
         }
     }
+    let expected = dir.path().join("tandem_next.safetensors");
+    let next: std::collections::HashMap<String, Tensor> = tandem_run[0].1.iter().cloned().collect();
+    candle_core::safetensors::save(&next, &expected).unwrap();
+
+    let saved = Saved::open(tandem_run[0].0.as_ref().unwrap()).unwrap();
+    let fsdp2 = tandem_train::fsdp2_state_dict(&saved).unwrap().expect("an Fsdp checkpoint");
+    let to_torch = dir.path().join("to_torch");
+    tandem_ckpt::dcp::save(&to_torch, &fsdp2.into_plain()).unwrap();
+    let text = torch(&python, "load", &to_torch, 4, 10, &expected);
+    eprintln!("PyTorch FSDP2's next step on 4 ranks vs tandem's on 3: max |diff| {}", text.trim());
 }
