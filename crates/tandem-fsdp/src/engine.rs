@@ -63,7 +63,11 @@ pub(crate) struct State {
 }
 
 pub(crate) struct Engine {
+    /// The ranks a parameter is sharded over.
     pub group: ProcessGroup,
+    /// HSDP: the ranks holding the same shard, across which gradients are averaged after the
+    /// reduce-scatter (`None`: plain FSDP).
+    pub replicate: Option<ProcessGroup>,
     pub params: Vec<Param>,
     pub units: Vec<Unit>,
     pub reshard_after_forward: bool,
@@ -80,7 +84,7 @@ fn add(slot: &mut Option<Tensor>, g: Tensor) -> candle_core::Result<()> {
 
 impl Engine {
     pub fn new(
-        group: ProcessGroup,
+        (group, replicate): (ProcessGroup, Option<ProcessGroup>),
         params: Vec<Param>,
         units: Vec<Unit>,
         reshard_after_forward: bool,
@@ -95,7 +99,7 @@ impl Engine {
             sync: true,
             ..State::default()
         };
-        Engine { group, params, units, reshard_after_forward, state: Mutex::new(state) }
+        Engine { group, replicate, params, units, reshard_after_forward, state: Mutex::new(state) }
     }
 
     pub fn lock(&self) -> MutexGuard<'_, State> {
@@ -224,7 +228,10 @@ impl Engine {
     pub fn finish_reductions(&self) -> Result<()> {
         let pending = std::mem::take(&mut self.lock().reducing);
         for Reduction { params, work } in pending {
-            let out = work.wait().map_err(comm("reduce_scatter"))?;
+            let mut out = work.wait().map_err(comm("reduce_scatter"))?;
+            if let Some(replicas) = &self.replicate {
+                replicas.all_reduce(&mut out, ReduceOp::Avg).map_err(comm("all_reduce"))?;
+            }
             for (p, offset) in params {
                 let param = &self.params[p];
                 let n = param.layout.shard_len();

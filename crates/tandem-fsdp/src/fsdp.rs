@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor, Var};
-use tandem_comm::{ProcessGroup, ReduceOp};
+use tandem_comm::{DeviceMesh, ProcessGroup, ReduceOp};
 
 use crate::engine::{Engine, Param, Unit, UnitFn};
 use crate::error::{comm, tensor, FsdpError, Result};
@@ -157,6 +157,34 @@ impl Fsdp {
     /// `group`: every rank keeps its rows of each parameter and the model's `Var`s are freed
     /// until a forward gathers them. A collective on every rank of `group`.
     pub fn new(named: Vec<(String, Var)>, group: &ProcessGroup, opts: FsdpOptions) -> Result<Fsdp> {
+        Fsdp::build(named, (group.clone(), None), opts)
+    }
+
+    /// FSDP2's `fully_shard(module, mesh=mesh)`: on a 1-D mesh as [`Fsdp::new`] over its group;
+    /// on a 2-D mesh HSDP — each parameter sharded along dimension 1 (the ranks of a row) and
+    /// replicated along dimension 0 (the rows), gradients reduce-scattered within a row and
+    /// then averaged across the rows. A collective on every rank of the mesh.
+    pub fn on_mesh(
+        named: Vec<(String, Var)>,
+        mesh: &DeviceMesh,
+        opts: FsdpOptions,
+    ) -> Result<Fsdp> {
+        let group = |dim| mesh.group(dim).cloned().map_err(comm("device mesh"));
+        match mesh.shape().len() {
+            1 => Fsdp::build(named, (group(0)?, None), opts),
+            2 => Fsdp::build(named, (group(1)?, Some(group(0)?)), opts),
+            n => Err(FsdpError::InvalidOption {
+                what: "mesh",
+                why: format!("a {n}-D mesh: FSDP shards over a 1-D mesh, HSDP over a 2-D one"),
+            }),
+        }
+    }
+
+    fn build(
+        named: Vec<(String, Var)>,
+        (group, replicate): (ProcessGroup, Option<ProcessGroup>),
+        opts: FsdpOptions,
+    ) -> Result<Fsdp> {
         let names: Vec<&str> = named.iter().map(|(n, _)| n.as_str()).collect();
         for frozen in &opts.frozen {
             if !names.contains(&frozen.as_str()) {
@@ -171,15 +199,21 @@ impl Fsdp {
             check_param(name, var)?;
         }
         let (rank, world) = (group.rank(), group.size());
-        same_model_everywhere(&named, group)?;
+        same_model_everywhere(&named, &group)?;
+        if let Some(replicas) = &replicate {
+            same_model_everywhere(&named, replicas)?;
+        }
         let mut params = Vec::with_capacity(named.len());
         for ((name, full), &unit) in named.into_iter().zip(&assignment.of) {
             let mut values = full
                 .flatten_all()
                 .and_then(|t| t.to_vec1::<f32>())
                 .map_err(tensor(format!("reading `{name}`")))?;
-            if opts.sync_module_states && world > 1 {
-                group.broadcast(&mut values, 0).map_err(comm("broadcast"))?;
+            if opts.sync_module_states {
+                // Down the first column, then along every row: rank 0's values everywhere.
+                for g in replicate.iter().chain([&group]).filter(|g| g.size() > 1) {
+                    g.broadcast(&mut values, 0).map_err(comm("broadcast"))?;
+                }
             }
             let layout = ShardLayout::new(full.dims(), rank, world);
             let shard =
@@ -205,7 +239,7 @@ impl Fsdp {
                 Unit { name: name.clone(), params: members, offsets, stride }
             })
             .collect();
-        let engine = Engine::new(group.clone(), params, units, opts.reshard_after_forward);
+        let engine = Engine::new((group, replicate), params, units, opts.reshard_after_forward);
         Ok(Fsdp { engine: Arc::new(engine) })
     }
 
@@ -377,12 +411,21 @@ impl Fsdp {
         self.engine.units.iter().map(|u| u.name.clone()).collect()
     }
 
+    /// This rank's place among the ranks a parameter is sharded over (a row of an HSDP mesh).
     pub fn rank(&self) -> usize {
         self.engine.group.rank()
     }
 
+    /// How many ranks a parameter is sharded over (a row of an HSDP mesh).
     pub fn world_size(&self) -> usize {
         self.engine.group.size()
+    }
+
+    /// Whether this rank's shards are the first copy of them: always under FSDP, on the
+    /// mesh's first row under HSDP (the others hold the same shards). A checkpoint takes each
+    /// shard from its first copy.
+    pub fn is_first_replica(&self) -> bool {
+        self.engine.replicate.as_ref().is_none_or(|g| g.rank() == 0)
     }
 
     /// Runs `f` with every parameter gathered (PyTorch: `unshard()`; FSDP1's

@@ -35,6 +35,7 @@
 //! | `set_requires_gradient_sync(False)` | [`Fsdp::set_requires_gradient_sync`] |
 //! | `clip_grad_norm_` on DTensor grads | [`Fsdp::clip_grad_norm`] |
 //! | `requires_grad_(False)` | [`FsdpOptions::frozen`] |
+//! | `fully_shard(m, mesh=mesh_2d)` (HSDP) | [`Fsdp::on_mesh`] |
 //! | `unshard()` / `get_model_state_dict(full_state_dict=True)` | [`Fsdp::summon_full_params`], [`Fsdp::full_state_dict`] |
 //!
 //! **How candle differs, and what it costs.** candle's autograd has no module hooks and keeps

@@ -248,3 +248,55 @@ fn ranks_with_different_models_are_told_which_parameter_differs() {
         );
     }
 }
+
+/// HSDP on a 2x2 mesh (parameters sharded within a row, replicated across the rows) steps as
+/// FSDP over the 4 ranks: the same averaged gradients, reduced in two stages.
+#[test]
+fn hsdp_on_a_two_by_two_mesh_steps_as_fsdp_over_four_ranks() {
+    let out = run_tcp_world(4, |pg| {
+        let run = |mesh: Option<&tandem_comm::DeviceMesh>| {
+            let varmap = VarMap::new();
+            let model = mlp(&varmap);
+            // The same weights in both runs (candle's CPU initialisers are not seeded).
+            for (n, var) in varmap.data().lock().unwrap().iter() {
+                let v: Vec<f32> = (0..var.elem_count())
+                    .map(|i| ((i * 31 + n.len() * 7) % 17) as f32 / 17.0 - 0.5)
+                    .collect();
+                var.set(&Tensor::from_vec(v, var.shape(), &Device::Cpu).unwrap()).unwrap();
+            }
+            let opts =
+                FsdpOptions { units: Units::prefixes(["l1", "l2"]), ..FsdpOptions::default() };
+            let named = {
+                use tandem_nn::ParamModule;
+                tandem_nn::NamedVars::from_varmap(&varmap).named_parameters()
+            };
+            let fsdp = match mesh {
+                Some(mesh) => Fsdp::on_mesh(named, mesh, opts).unwrap(),
+                None => Fsdp::new(named, &pg, opts).unwrap(),
+            };
+            let (l1, l2) = (
+                fsdp.fully_shard("l1", model.l1).unwrap(),
+                fsdp.fully_shard("l2", model.l2).unwrap(),
+            );
+            let mut opt = sgd(fsdp.params());
+            for step in 0..2 {
+                let x = (data(pg.rank()) * (1.0 + step as f64)).unwrap();
+                let loss = fsdp.forward(|| mlp_loss(&l1, &l2, &x)).unwrap();
+                let mut grads = fsdp.backward(&loss).unwrap();
+                fsdp.clip_grad_norm(&mut grads, 0.05).unwrap();
+                opt.step(&grads).unwrap();
+            }
+            (fsdp.world_size(), fsdp.full_state_dict().unwrap())
+        };
+        let mesh =
+            tandem_comm::DeviceMesh::new(&pg, &[2, 2], Some(&["replicate", "shard"])).unwrap();
+        (run(Some(&mesh)), run(None))
+    });
+    for (rank, ((hsdp_world, hsdp), (fsdp_world, fsdp))) in out.iter().enumerate() {
+        assert_eq!((*hsdp_world, *fsdp_world), (2, 4), "shards over a row of 2, or over all 4");
+        for ((name, a), (_, b)) in hsdp.iter().zip(fsdp) {
+            let d = max_abs_diff(a, b);
+            assert!(d <= 1e-6, "rank {rank}: `{name}` is {d} from FSDP's over 4 ranks");
+        }
+    }
+}

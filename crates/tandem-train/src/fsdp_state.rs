@@ -40,8 +40,11 @@ fn entry_shard(index: usize) -> String {
     format!("optimizer/state/{index}")
 }
 
-fn rows(shard: &Shard, name: &str, value: Value) -> ShardDict {
-    ShardDict::rows(name, shard.rows.start, shard.rows.len(), shard.total_rows(), value)
+/// `shard`'s rows as shard `name`; an HSDP replica other than the first saves none (its copy
+/// is the first's), so the saved rows still tile each parameter once.
+fn rows(shard: &Shard, name: &str, value: Value, first_copy: bool) -> ShardDict {
+    let (len, value) = if first_copy { (shard.rows.len(), value) } else { (0, Value::None) };
+    ShardDict::rows(name, shard.rows.start, len, shard.total_rows(), value)
 }
 
 impl RankState for FsdpShards {
@@ -51,15 +54,16 @@ impl RankState for FsdpShards {
 
     fn shards(&self, entries: Vec<Value>, _step: u64) -> Result<Vec<ShardDict>> {
         let shards = self.fsdp.shards();
+        let first = self.fsdp.is_first_replica();
         let mut out = Vec::with_capacity(shards.len() + entries.len());
         for s in &shards {
             let t = tandem_nn::convert::to_ckpt(s.var.as_tensor())?;
-            out.push(rows(s, &model_shard(&s.name), Value::Tensor(t)));
+            out.push(rows(s, &model_shard(&s.name), Value::Tensor(t), first));
         }
         let mut entries = entries.into_iter();
         let mut trainable = Vec::new();
         for (i, s) in shards.iter().filter(|s| s.trainable).enumerate() {
-            out.push(rows(s, &entry_shard(i), entries.next().unwrap_or(Value::None)));
+            out.push(rows(s, &entry_shard(i), entries.next().unwrap_or(Value::None), first));
             trainable.push(Value::Str(s.name.clone()));
         }
         // Which parameter each optimizer entry is (FSDP2's state dicts key entries by name).

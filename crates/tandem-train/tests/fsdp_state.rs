@@ -22,6 +22,15 @@ struct Model {
 
 /// Two units, no root parameters; `hidden` sets the model's shapes.
 fn model(pg: &tandem_comm::ProcessGroup, hidden: usize) -> Model {
+    model_on(pg, None, hidden)
+}
+
+/// [`model`], sharded HSDP-style on `mesh` when given.
+fn model_on(
+    pg: &tandem_comm::ProcessGroup,
+    mesh: Option<&tandem_comm::DeviceMesh>,
+    hidden: usize,
+) -> Model {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let l1 = candle_nn::linear(5, hidden, vb.pp("l1")).unwrap();
@@ -34,7 +43,14 @@ fn model(pg: &tandem_comm::ProcessGroup, hidden: usize) -> Model {
         var.set(&Tensor::from_vec(v, var.shape(), &Device::Cpu).unwrap()).unwrap();
     }
     let opts = FsdpOptions { units: Units::prefixes(["l1", "l2"]), ..FsdpOptions::default() };
-    let fsdp = Fsdp::from_varmap(&varmap, pg, opts).unwrap();
+    let fsdp = match mesh {
+        Some(mesh) => {
+            use tandem_nn::ParamModule;
+            let named = tandem_nn::NamedVars::from_varmap(&varmap).named_parameters();
+            Fsdp::on_mesh(named, mesh, opts).unwrap()
+        }
+        None => Fsdp::from_varmap(&varmap, pg, opts).unwrap(),
+    };
     let (l1, l2) = (fsdp.fully_shard("l1", l1).unwrap(), fsdp.fully_shard("l2", l2).unwrap());
     let cfg =
         SgdConfig { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: false };
@@ -211,4 +227,31 @@ fn torch_fsdp2_to_tandem_to_torch_fsdp2_across_world_sizes() {
     tandem_ckpt::dcp::save(&to_torch, &fsdp2.into_plain()).unwrap();
     let text = torch(&python, "load", &to_torch, 4, 10, &expected);
     eprintln!("PyTorch FSDP2's next step on 4 ranks vs tandem's on 3: max |diff| {}", text.trim());
+}
+
+/// HSDP's replicas hold the same shards: the checkpoint takes each row once (from the first
+/// row of the mesh), and it resumes under plain FSDP on 3 ranks with the weights it saved.
+#[test]
+fn an_hsdp_checkpoint_holds_each_row_once_and_resumes_on_three_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_path_buf();
+    let saved = run_tcp_world(4, move |pg| {
+        let mesh = tandem_comm::DeviceMesh::new(&pg, &[2, 2], None).unwrap();
+        let mut m = model_on(&pg, Some(&mesh), 7);
+        train(&mut m, 0..2);
+        save(&mut m, &pg, &d, 2);
+        m.fsdp.full_state_dict().unwrap()
+    });
+    let d = dir.path().to_path_buf();
+    let resumed = run_tcp_world(3, move |pg| {
+        let mut m = model(&pg, 7);
+        let mut shards = FsdpShards::new(&m.fsdp);
+        tandem_train::load_state(&d, &mut TrainingState::fsdp(&mut shards, &mut m.opt)).unwrap();
+        m.fsdp.full_state_dict().unwrap()
+    });
+    for (rank, weights) in resumed.iter().enumerate() {
+        for ((name, got), (_, want)) in weights.iter().zip(&saved[0]) {
+            assert_eq!(flat(got), flat(want), "rank {rank}: `{name}`");
+        }
+    }
 }
