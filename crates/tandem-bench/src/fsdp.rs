@@ -82,17 +82,32 @@ fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
     vit.seed(pg.rank() as u64);
     let adamw = AdamWConfig { lr: 1e-4, ..Default::default() };
     let x = Tensor::randn(0f32, 1.0, (args.batch, 3, 112, 112), &Device::Cpu)?;
-    let mut times = Vec::new();
+    // Per timed step: forward, backward, optimizer step, and (Fsdp) the waits for collectives.
+    let mut phases: Vec<[f64; 5]> = Vec::new();
+    let mut timed =
+        |i: usize, f: &mut dyn FnMut() -> anyhow::Result<[f64; 5]>| -> anyhow::Result<()> {
+            let p = f()?;
+            if i > 0 {
+                phases.push(p);
+            }
+            Ok(())
+        };
+    let clock = Instant::now;
     match mode {
         "ddp" => {
             let ddp = Ddp::from_varmap(&varmap, &pg, DdpOptions::default())?;
             let mut opt =
                 TorchAdamW::new(tandem::nn::NamedVars::from_varmap(&varmap).params(), adamw)?;
             for i in 0..=args.steps {
-                let t = Instant::now();
-                let loss = vit.forward_t(&x, true)?.sqr()?.mean_all()?;
-                opt.step(&ddp.backward(&loss)?)?;
-                times.extend((i > 0).then(|| t.elapsed().as_secs_f64()));
+                timed(i, &mut || {
+                    let t = clock();
+                    let loss = vit.forward_t(&x, true)?.sqr()?.mean_all()?;
+                    let fwd = t.elapsed().as_secs_f64();
+                    let grads = ddp.backward(&loss)?;
+                    let bwd = t.elapsed().as_secs_f64() - fwd;
+                    opt.step(&grads)?;
+                    Ok([fwd, bwd, t.elapsed().as_secs_f64() - fwd - bwd, 0.0, 0.0])
+                })?;
             }
         }
         "fsdp" => {
@@ -105,15 +120,35 @@ fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
             }));
             let mut opt = TorchAdamW::new(fsdp.params(), adamw)?;
             for i in 0..=args.steps {
-                let t = Instant::now();
-                let loss = fsdp.forward(|| vit.forward_t(&x, true)?.sqr()?.mean_all())?;
-                opt.step(&fsdp.backward(&loss)?)?;
-                times.extend((i > 0).then(|| t.elapsed().as_secs_f64()));
+                timed(i, &mut || {
+                    fsdp.take_comm_stats();
+                    let t = clock();
+                    let loss = fsdp.forward(|| vit.forward_t(&x, true)?.sqr()?.mean_all())?;
+                    let fwd = t.elapsed().as_secs_f64();
+                    let grads = fsdp.backward(&loss)?;
+                    let bwd = t.elapsed().as_secs_f64() - fwd;
+                    opt.step(&grads)?;
+                    let c = fsdp.take_comm_stats();
+                    let step = t.elapsed().as_secs_f64() - fwd - bwd;
+                    Ok([fwd, bwd, step, c.all_gather_wait_secs, c.reduce_wait_secs])
+                })?;
             }
         }
         other => bail!("unknown worker mode {other}"),
     }
-    let line = format!("{} {} {}", pg.rank(), peak_rss(), median(times));
+    let total: Vec<f64> = phases.iter().map(|p| p[0] + p[1] + p[2]).collect();
+    let phase = |k: usize| median(phases.iter().map(|p| p[k]).collect());
+    let line = format!(
+        "{} {} {} {} {} {} {} {}",
+        pg.rank(),
+        peak_rss(),
+        median(total),
+        phase(0),
+        phase(1),
+        phase(2),
+        phase(3),
+        phase(4)
+    );
     let all = pg.all_gather_bytes(line.as_bytes())?;
     if pg.rank() == 0 {
         for l in all {
@@ -124,21 +159,47 @@ fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-/// What one run measured: each rank's peak RSS (bytes) and the median step time of rank 0.
+/// What one run measured: each rank's peak RSS (bytes), the slowest rank's median step time,
+/// and rank 0's median phases (tandem's runs).
 #[derive(Serialize)]
 struct Run {
     peak_rss: Vec<u64>,
     step_secs: f64,
     samples_per_s: f64,
+    phases: Option<Phases>,
+}
+
+/// Median seconds per step of each phase on rank 0; the waits are the parts of forward and
+/// backward spent waiting for collectives that compute did not hide (Fsdp's; 0 for Ddp, whose
+/// all-reduce waits are inside its backward).
+#[derive(Serialize)]
+struct Phases {
+    forward: f64,
+    backward: f64,
+    optimizer: f64,
+    all_gather_wait: f64,
+    reduce_scatter_wait: f64,
 }
 
 fn parse(text: &str, nproc: usize, batch: usize, what: &str) -> anyhow::Result<Run> {
     let mut rows: Vec<(usize, u64, f64)> = Vec::new();
+    let mut phases = None;
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("RESULT ") else { continue };
         let f: Vec<&str> = rest.split_whitespace().collect();
-        if let [rank, rss, secs] = f[..] {
-            rows.push((rank.parse()?, rss.parse()?, secs.parse()?));
+        if f.len() < 3 {
+            continue;
+        }
+        let rank: usize = f[0].parse()?;
+        rows.push((rank, f[1].parse()?, f[2].parse()?));
+        if let (0, [fwd, bwd, opt, ag, rs]) = (rank, &f[3..]) {
+            phases = Some(Phases {
+                forward: fwd.parse()?,
+                backward: bwd.parse()?,
+                optimizer: opt.parse()?,
+                all_gather_wait: ag.parse()?,
+                reduce_scatter_wait: rs.parse()?,
+            });
         }
     }
     if rows.len() != nproc {
@@ -150,6 +211,7 @@ fn parse(text: &str, nproc: usize, batch: usize, what: &str) -> anyhow::Result<R
         peak_rss: rows.iter().map(|r| r.1).collect(),
         step_secs,
         samples_per_s: (nproc * batch) as f64 / step_secs,
+        phases,
     })
 }
 
@@ -239,6 +301,15 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
             run.step_secs,
             run.samples_per_s
         );
+    }
+    println!("rank 0's median phases, s: forward / backward / optimizer (all-gather wait, reduce-scatter wait)");
+    for (name, run) in [("tandem Ddp", &ddp), ("tandem Fsdp", &fsdp)] {
+        if let Some(p) = &run.phases {
+            println!(
+                "{name:>14} {:.2} / {:.2} / {:.2} ({:.2}, {:.2})",
+                p.forward, p.backward, p.optimizer, p.all_gather_wait, p.reduce_scatter_wait
+            );
+        }
     }
     let max = |r: &Run| r.peak_rss.iter().copied().max().unwrap_or(0) as f64;
     let summary = Summary {

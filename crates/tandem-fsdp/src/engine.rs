@@ -60,6 +60,24 @@ pub(crate) struct State {
     /// Gradients of the root's parameters computed inside a unit's backward.
     root_extra: Vec<Option<Tensor>>,
     pub sync: bool,
+    pub stats: CommStats,
+}
+
+/// Where a sharded step's communication time went, summed since the last
+/// [`crate::Fsdp::take_comm_stats`]: the time the step waited for collectives (what compute
+/// did not hide) and the bytes this rank moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CommStats {
+    /// Seconds spent waiting for all-gathers (a unit's parameters not there yet).
+    pub all_gather_wait_secs: f64,
+    /// Seconds spent waiting for reduce-scatters (and HSDP's all-reduces) at the end of backward.
+    pub reduce_wait_secs: f64,
+    /// Bytes this rank's all-gathers received.
+    pub all_gather_bytes: u64,
+    /// Bytes this rank's reduce-scatters sent.
+    pub reduce_scatter_bytes: u64,
+    pub all_gathers: u64,
+    pub reduce_scatters: u64,
 }
 
 pub(crate) struct Engine {
@@ -148,7 +166,14 @@ impl Engine {
                 None => return Ok(()), // already gathered
             }
         };
+        let waited = std::time::Instant::now();
         let gathered = work.wait().map_err(comm("all_gather"))?;
+        {
+            let stats = &mut self.lock().stats;
+            stats.all_gather_wait_secs += waited.elapsed().as_secs_f64();
+            stats.all_gather_bytes += (gathered.len() * 4) as u64;
+            stats.all_gathers += 1;
+        }
         let unit = &self.units[u];
         for (&p, &offset) in unit.params.iter().zip(&unit.offsets) {
             let param = &self.params[p];
@@ -228,9 +253,16 @@ impl Engine {
     pub fn finish_reductions(&self) -> Result<()> {
         let pending = std::mem::take(&mut self.lock().reducing);
         for Reduction { params, work } in pending {
+            let waited = std::time::Instant::now();
             let mut out = work.wait().map_err(comm("reduce_scatter"))?;
             if let Some(replicas) = &self.replicate {
                 replicas.all_reduce(&mut out, ReduceOp::Avg).map_err(comm("all_reduce"))?;
+            }
+            {
+                let stats = &mut self.lock().stats;
+                stats.reduce_wait_secs += waited.elapsed().as_secs_f64();
+                stats.reduce_scatter_bytes += (out.len() * 4 * self.group.size()) as u64;
+                stats.reduce_scatters += 1;
             }
             for (p, offset) in params {
                 let param = &self.params[p];

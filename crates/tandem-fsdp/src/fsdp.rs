@@ -6,7 +6,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use tandem_comm::{DeviceMesh, ProcessGroup, ReduceOp};
 
-use crate::engine::{Engine, Param, Unit, UnitFn};
+use crate::engine::{CommStats, Engine, Param, Unit, UnitFn};
 use crate::error::{comm, tensor, FsdpError, Result};
 use crate::layout::ShardLayout;
 use crate::storage;
@@ -388,6 +388,11 @@ impl Fsdp {
     /// Every parameter's name and this rank's shard of it, frozen ones included.
     pub fn named_shards(&self) -> Vec<(String, Var)> {
         self.engine.params.iter().map(|p| (p.name.clone(), p.shard.clone())).collect()
+    }
+
+    /// The communication since the last call (see [`CommStats`]), and a fresh count.
+    pub fn take_comm_stats(&self) -> CommStats {
+        std::mem::take(&mut self.engine.lock().stats)
     }
 
     /// Every parameter's shard on this rank, in the model's order (frozen ones included; the

@@ -60,6 +60,7 @@ mod storage;
 mod unit_op;
 mod units;
 
+pub use engine::CommStats;
 pub use error::{FsdpError, Result};
 pub use fsdp::{Fsdp, FsdpOptions, FullyShard, Shard};
 pub use units::{UnitOf, Units};

@@ -9,7 +9,7 @@ use clap::Subcommand;
 use serde_json::json;
 use tandem::ckpt::keys::{find_state_dicts, load_state_dict};
 use tandem::ckpt::tree::{self, keys_of};
-use tandem::ckpt::{CkptError, Value};
+use tandem::ckpt::{dcp, CkptError, LoadOptions, Value};
 
 use tandem::optim::zero::is_zero1_checkpoint;
 use tandem::recipes::face::arcface;
@@ -109,19 +109,15 @@ pub(crate) fn read(path: &Path) -> anyhow::Result<Value> {
 /// `read`, keeping OrderedDicts and their `_metadata` (for `convert`: a faithful re-save).
 fn read_keeping(path: &Path, keep_ordered_dicts: bool) -> anyhow::Result<Value> {
     if path.is_dir() {
-        if tandem::ckpt::dcp::is_dcp_dir(path) {
-            return Ok(tandem::ckpt::dcp::load(path)?);
+        if dcp::is_dcp_dir(path) {
+            return Ok(dcp::load(path)?);
         }
         if is_zero1_checkpoint(path) {
             return Ok(tandem::optim::zero::consolidate_sharded(path)?);
         }
         return Ok(Saved::open(path)?.consolidated()?);
     }
-    let opts = tandem::ckpt::LoadOptions {
-        verify_checksums: true,
-        keep_ordered_dicts,
-        ..Default::default()
-    };
+    let opts = LoadOptions { verify_checksums: true, keep_ordered_dicts, ..Default::default() };
     Ok(tandem::ckpt::load_with(path, &opts)?)
 }
 
@@ -180,8 +176,7 @@ fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
     if file.is_dir() && is_zero1_checkpoint(file) {
         return inspect_zero1(file, as_json);
     }
-    let dcp = tandem::ckpt::dcp::is_dcp_dir(file);
-    if file.is_dir() && !dcp {
+    if file.is_dir() && !dcp::is_dcp_dir(file) {
         return inspect_sharded_state(&Saved::open(file)?, as_json);
     }
     let inspection = tree::inspect(file, &read(file)?)?;
@@ -205,21 +200,13 @@ fn convert(
         }
         return convert_face(input, output);
     }
-    let sharded = input.is_dir() && !tandem::ckpt::dcp::is_dcp_dir(input);
-    if to == Some("dcp") && key.is_none() && sharded && !is_zero1_checkpoint(input) {
-        if let Some(v) = tandem::train::fsdp2_state_dict(&Saved::open(input)?)? {
-            if strip.is_some() || add.is_some() {
-                bail!("--strip-prefix/--add-prefix: not with an Fsdp checkpoint's --to dcp");
-            }
-            tandem::ckpt::dcp::save(output, &v.into_plain())?;
-            eprintln!(
-                "wrote {} (PyTorch FSDP2's `model` and `optim` state dicts)",
-                output.display()
-            );
-            return Ok(0);
-        }
-    }
-    let v = read_keeping(input, true)?;
+    // An Fsdp checkpoint goes to DCP in FSDP2's own layout (`model`, `optim` keyed by name).
+    let state_dir = input.is_dir() && !dcp::is_dcp_dir(input) && !is_zero1_checkpoint(input);
+    let fsdp2 = match to == Some("dcp") && key.is_none() && state_dir {
+        true => tandem::train::fsdp2_state_dict(&Saved::open(input)?)?,
+        false => None,
+    };
+    let v = fsdp2.map_or_else(|| read_keeping(input, true), Ok)?;
     let to_safetensors = match to {
         Some(t) => t == "safetensors",
         None => output.extension().is_some_and(|e| e == "safetensors"),
@@ -259,7 +246,7 @@ fn convert(
         if !matches!(selected, Value::Dict(_) | Value::OrderedDict { .. }) {
             bail!("--to dcp: a distributed checkpoint holds a dict; pick one with --key");
         }
-        tandem::ckpt::dcp::save(output, &selected.into_plain())?;
+        dcp::save(output, &selected.into_plain())?;
     } else if to_safetensors {
         // safetensors holds tensors only: no OrderedDict, no module versions.
         tandem::ckpt::safetensors::save(output, &selected.into_plain())?;
