@@ -200,9 +200,9 @@ impl Engine {
         Ok(())
     }
 
-    /// Hands unit `u`'s full gradients (by parameter) to the reduce-scatter, or keeps them for
+    /// Hands a unit's full gradients (by parameter) to the reduce-scatter, or keeps them for
     /// later while gradient sync is off.
-    pub fn reduce(&self, u: usize, grads: Vec<(usize, Tensor)>) -> Result<()> {
+    pub fn reduce(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
         let mut st = self.lock();
         let mut ready = Vec::with_capacity(grads.len());
         for (p, g) in grads {
@@ -243,7 +243,6 @@ impl Engine {
             params.push((p, offset));
             offset += param.layout.padded_len();
         }
-        let _ = u;
         let work = self.group.reduce_scatter_async(input, vec![0f32; stride], ReduceOp::Avg);
         st.reducing.push(Reduction { params, work });
         Ok(())
@@ -442,7 +441,7 @@ impl Engine {
                 });
             }
         }
-        self.reduce(u, mine)?;
+        self.reduce(mine)?;
         self.reshard(u)?;
         Ok(grads.remove(input.as_tensor()))
     }

@@ -362,7 +362,7 @@ impl Fsdp {
                 root_grads.push((p, g));
             }
         }
-        e.reduce(root, root_grads)?;
+        e.reduce(root_grads)?;
         e.finish_reductions()?;
         for (p, g) in e.take_shard_grads().into_iter().enumerate() {
             if let Some(g) = g {
