@@ -416,7 +416,7 @@ impl Engine {
         let name = &self.units[u].name;
         let input =
             Var::from_tensor(&x.detach()).map_err(tensor(format!("the input of unit `{name}`")))?;
-        let y = self.run(u, input.as_tensor(), f)?;
+        let y = tandem_nn::recompute(|| self.run(u, input.as_tensor(), f))?;
         let mut grads = grad
             .detach()
             .to_dtype(y.dtype())

@@ -300,3 +300,32 @@ fn hsdp_on_a_two_by_two_mesh_steps_as_fsdp_over_four_ranks() {
         }
     }
 }
+
+/// A unit holding a BatchNorm in training mode: its running statistics are updated once per
+/// step, by the forward, not again when backward recomputes the unit.
+#[test]
+fn a_recomputed_unit_updates_batch_norm_statistics_once() {
+    struct Bn(tandem_nn::FastBatchNorm2d);
+    impl Module for Bn {
+        fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+            candle_core::ModuleT::forward_t(&self.0, x, true)
+        }
+    }
+    let tracked = run_tcp_world(2, |pg| {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let lin = candle_nn::linear(5, 3, vb.pp("lin")).unwrap();
+        let bn = Bn(tandem_nn::fast_batch_norm2d(3, vb.pp("bn")).unwrap());
+        let opts = FsdpOptions { units: Units::prefixes(["bn"]), ..FsdpOptions::default() };
+        let fsdp = Fsdp::from_varmap(&varmap, &pg, opts).unwrap();
+        let bn = fsdp.fully_shard("bn", bn).unwrap();
+        let x = data(pg.rank());
+        let loss = fsdp
+            .forward(|| bn.forward(&lin.forward(&x)?.reshape((4, 3, 1, 1))?)?.sqr()?.mean_all())
+            .unwrap();
+        fsdp.backward(&loss).unwrap();
+        let count = bn.inner().0.num_batches_tracked().to_scalar::<i64>().unwrap();
+        count
+    });
+    assert_eq!(tracked, [1, 1], "num_batches_tracked after one step, by rank");
+}

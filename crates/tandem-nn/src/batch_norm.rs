@@ -109,6 +109,11 @@ impl FastBatchNorm2d {
         self.running_var.as_tensor()
     }
 
+    /// The training batches the statistics have seen (PyTorch's `num_batches_tracked`).
+    pub fn num_batches_tracked(&self) -> &Tensor {
+        self.num_batches_tracked.as_tensor()
+    }
+
     /// `relu(self(x))`, fused into one kernel in training mode on the CPU (unsynchronised).
     pub fn forward_t_relu(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
@@ -309,6 +314,9 @@ impl FastBatchNorm2d {
     }
 
     fn update_running(&self, mean: &Tensor, var: &Tensor, count: f64) -> candle_core::Result<()> {
+        if crate::recomputing() {
+            return Ok(()); // this step's forward already counted this batch
+        }
         let unbiased = if count > 1.0 { count / (count - 1.0) } else { 1.0 };
         let blend = |running: &Var, batch: Tensor| -> candle_core::Result<()> {
             running.set(&((running.as_tensor() * (1.0 - MOMENTUM))? + (batch * MOMENTUM)?)?)

@@ -80,7 +80,9 @@ impl CustomOp2 for Checkpoint {
             )
         }
         let input = Var::from_tensor(&x.detach())?;
-        let y = crate::autocast::autocast(self.autocast, || (self.f)(input.as_tensor()))?;
+        let y = crate::recompute(|| {
+            crate::autocast::autocast(self.autocast, || (self.f)(input.as_tensor()))
+        })?;
         let inner = (&y * grad.to_dtype(y.dtype())?.detach())?.sum_all()?;
         let mut grads = inner.backward()?;
         for p in &self.params {
@@ -135,5 +137,25 @@ mod tests {
         let gw: Vec<f32> = grads.get(w.as_tensor()).unwrap().to_vec1().unwrap();
         assert_eq!(gx, [8.0, 4.0, 1.5]);
         assert_eq!(gw, [4.0, -8.0, 9.0]);
+    }
+
+    /// A BatchNorm inside a checkpointed function counts the batch once: the recomputation in
+    /// backward leaves its running statistics alone.
+    #[test]
+    fn a_recomputed_batch_norm_updates_its_statistics_once() {
+        use candle_nn::{VarBuilder, VarMap};
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let bn = Arc::new(crate::fast_batch_norm2d(2, vb).unwrap());
+        let vars = varmap.data().lock().unwrap().clone();
+        let params = vec![vars["weight"].as_tensor().clone(), vars["bias"].as_tensor().clone()];
+        let f: CheckpointFn = {
+            let bn = Arc::clone(&bn);
+            Arc::new(move |x: &Tensor| candle_core::ModuleT::forward_t(&*bn, x, true))
+        };
+        let x = Var::from_vec(vec![1f32, 2.0, 3.0, 5.0], (2, 2, 1, 1), &Device::Cpu).unwrap();
+        let y = checkpoint(x.as_tensor(), f, params).unwrap();
+        crate::backward(&y.sqr().unwrap().sum_all().unwrap()).unwrap();
+        assert_eq!(bn.num_batches_tracked().to_scalar::<i64>().unwrap(), 1);
     }
 }

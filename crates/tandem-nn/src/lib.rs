@@ -29,6 +29,7 @@ mod linear;
 mod module;
 mod params;
 mod prelu;
+mod recompute;
 mod threads;
 pub mod torch_init;
 mod vars;
@@ -46,6 +47,7 @@ pub use linear::{fast_linear, fast_linear_no_bias, FastLinear};
 pub use module::ParamModule;
 pub use params::ParamSet;
 pub use prelu::{fast_prelu, FastPRelu};
+pub use recompute::{recompute, recomputing};
 pub use threads::{compute_pool_joined, join_compute_pool};
 pub use vars::{NamedVars, OrderedVarMap};
 
