@@ -2,7 +2,8 @@
 //! against the same model under tandem's `Ddp` and under PyTorch FSDP2 (`fully_shard` per
 //! block, then the root; gloo), all measured in this run on this host. The model is
 //! arcface_torch's ViT (`--model vit_l`: 255.7 M parameters) with AdamW, synthetic 112x112
-//! images and the mean square of the embedding as the loss; a unit per block.
+//! images and the mean square of the embedding as the loss; a unit per block and one for the
+//! head (the final norm and the feature head).
 //!
 //! Each mode runs `--nproc` local ranks for `--steps` timed steps after one warm-up step; a
 //! rank's peak RSS is its `VmHWM` at the end. The last line (with `--json`) is one JSON object:
@@ -111,7 +112,7 @@ fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
             }
         }
         "fsdp" => {
-            let units = Units::prefixes((0..cfg.depth).map(|i| format!("blocks.{i}")));
+            let units = Units::by_name(Vit::unit_of); // a unit per block, and the head
             let fsdp =
                 Fsdp::from_varmap(&varmap, &pg, FsdpOptions { units, ..Default::default() })?;
             let runner = fsdp.clone();

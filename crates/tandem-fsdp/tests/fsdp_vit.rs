@@ -1,6 +1,7 @@
 //! arcface_torch's ViT (tandem-models, fused linear layers, BatchNorm buffers in its head) with
-//! a unit per block through `Vit::run_blocks_with`: two SGD steps under `Fsdp` on 2 ranks give
-//! the weights two steps under `Ddp` give, from the same seeded weights and batches.
+//! a unit per block and one for the head (its BatchNorm inside) through `Vit::run_blocks_with`:
+//! two SGD steps under `Fsdp` on 2 ranks give the weights two steps under `Ddp` give, from the
+//! same seeded weights and batches, and rank 0's BatchNorm statistics (Ddp broadcasts rank 0's).
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
@@ -51,13 +52,16 @@ fn a_vit_under_fsdp_steps_as_under_ddp() {
             opt.step(&ddp.backward(&loss).unwrap()).unwrap();
         }
         let ddp_weights = NamedVars::from_varmap(&varmap).named_parameters();
-        let ddp_weights: Vec<(String, Vec<f32>)> = ddp_weights
-            .iter()
-            .map(|(n, v)| (n.clone(), v.flatten_all().unwrap().to_vec1().unwrap()))
-            .collect();
+        let values = |named: Vec<(String, candle_core::Var)>| -> Vec<(String, Vec<f32>)> {
+            let f32s =
+                |v: &candle_core::Var| v.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            named.iter().map(|(n, v)| (n.clone(), f32s(v).to_vec1().unwrap())).collect()
+        };
+        let ddp_weights = values(ddp_weights);
+        let ddp_buffers = values(NamedVars::from_varmap(&varmap).named_buffers());
 
         let (varmap, mut vit) = seeded_vit();
-        let units = Units::prefixes((0..CFG.depth).map(|i| format!("blocks.{i}")));
+        let units = Units::by_name(Vit::unit_of);
         let fsdp = Fsdp::from_varmap(&varmap, &pg, FsdpOptions { units, ..FsdpOptions::default() })
             .unwrap();
         let runner = fsdp.clone();
@@ -71,9 +75,18 @@ fn a_vit_under_fsdp_steps_as_under_ddp() {
             opt.step(&fsdp.backward(&loss).unwrap()).unwrap();
         }
         let fsdp_weights = fsdp.full_state_dict().unwrap();
-        (ddp_weights, fsdp_weights)
+        let fsdp_buffers = values(NamedVars::from_varmap(&varmap).named_buffers());
+        (ddp_weights, fsdp_weights, ddp_buffers, fsdp_buffers)
     });
-    for (rank, (ddp, fsdp)) in out.iter().enumerate() {
+    // Rank 0's BatchNorm statistics: Ddp broadcasts them, Fsdp keeps each rank's own; the
+    // head's recomputation in backward must not have counted its batches again.
+    let (_, _, ddp_buffers, fsdp_buffers) = &out[0];
+    assert!(ddp_buffers.iter().any(|(n, _)| n == "feature.1.num_batches_tracked"));
+    for ((name, want), (_, got)) in ddp_buffers.iter().zip(fsdp_buffers) {
+        let d = want.iter().zip(got).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(d <= 1e-5, "rank 0's `{name}` differs from Ddp's by {d}");
+    }
+    for (rank, (ddp, fsdp, _, _)) in out.iter().enumerate() {
         assert_eq!(ddp.len(), fsdp.len());
         for ((name, want), (got_name, got)) in ddp.iter().zip(fsdp) {
             assert_eq!(name, got_name);

@@ -210,28 +210,65 @@ fn dropped(branch: &Tensor, mask: Option<&Tensor>) -> candle_core::Result<Tensor
     }
 }
 
-/// arcface_torch's VisionTransformer at any [`VitConfig`] (see the module docs).
-pub struct Vit {
-    cfg: VitConfig,
-    pos_embed: Tensor,
-    mask_token: Tensor,
-    patch_weight: Tensor,
-    patch_bias: Tensor,
-    blocks: Vec<std::sync::Arc<Block>>,
+/// What follows the blocks: the final LayerNorm, the mask tokens and the feature head.
+struct Head {
     norm: LayerNorm,
+    mask_token: Tensor,
     feature_linear: FastLinear,
     feature_bn: FastBatchNorm2d,
     embed_linear: FastLinear,
     embed_bn: FastBatchNorm2d,
+    embed_dim: usize,
     embedding: usize,
+}
+
+impl Head {
+    /// The final LayerNorm, the mask tokens put back (`restore`, in training with masking) and
+    /// the feature head.
+    fn forward(
+        &self,
+        x: &Tensor,
+        restore: Option<&Tensor>,
+        train: bool,
+    ) -> candle_core::Result<Tensor> {
+        let (n, d) = (x.dim(0)?, self.embed_dim);
+        let x = self.norm.forward(&x.to_dtype(DType::F32)?)?;
+        let x = match restore {
+            Some(restore) => {
+                let kept = x.dim(1)?;
+                let tokens = self.mask_token.broadcast_as((n, VIT_PATCHES - kept, d))?;
+                let all = Tensor::cat(&[&x, &tokens.contiguous()?], 1)?;
+                all.reshape((n * VIT_PATCHES, d))?.index_select(restore, 0)?
+            }
+            None => x,
+        };
+        let x = self.feature_linear.forward(&x.reshape((n, VIT_PATCHES * d))?)?;
+        let x = self.feature_bn.forward_t(&x.reshape((n, d, 1, 1))?, train)?.reshape((n, d))?;
+        let x = self.embed_linear.forward(&x)?;
+        let e = self.embedding;
+        self.embed_bn.forward_t(&x.reshape((n, e, 1, 1))?, train)?.reshape((n, e))
+    }
+}
+
+/// arcface_torch's VisionTransformer at any [`VitConfig`] (see the module docs).
+pub struct Vit {
+    cfg: VitConfig,
+    pos_embed: Tensor,
+    patch_weight: Tensor,
+    patch_bias: Tensor,
+    blocks: Vec<std::sync::Arc<Block>>,
+    head: std::sync::Arc<Head>,
     /// Masks and stochastic depth in training.
     rng: Mutex<StdRng>,
     runner: Option<UnitRunner>,
 }
 
-/// Runs one of the model's blocks (named `blocks.{i}`, as its parameters are) on an input: a
-/// sharded model's unit (tandem-fsdp's `Fsdp::run_unit`). The function may be called again in
-/// backward: it computes the same values each time (the block's masks are drawn before).
+/// Runs a part of the model on an input as a sharded model's unit (tandem-fsdp's
+/// `Fsdp::run_unit`): each block, named `blocks.{i}` as its parameters are, and `head`, the final
+/// norm with the mask tokens and the feature head (`norm.*`, `mask_token`, `feature.*`; a runner
+/// that keeps them in the root calls the function itself). The function may be called again in
+/// backward: it computes the same values each time (the masks are drawn before, and the head's
+/// BatchNorm counts the batch once, under `tandem_nn::recompute`).
 pub type UnitRunner = std::sync::Arc<
     dyn Fn(&str, &Tensor, tandem_nn::CheckpointFn) -> candle_core::Result<Tensor> + Send + Sync,
 >;
@@ -277,33 +314,51 @@ impl Vit {
         let feature_bn = fast_batch_norm2d(d, feature.pp("1"))?.with_eps(FEATURE_BN_EPS);
         let embed_linear = fast_linear_no_bias(d, embedding, feature.pp("2"))?;
         let embed_bn = fast_batch_norm2d(embedding, feature.pp("3"))?.with_eps(FEATURE_BN_EPS);
-        Ok(Vit {
-            cfg,
-            pos_embed,
-            mask_token,
-            patch_weight,
-            patch_bias,
-            blocks,
+        let head = Head {
             norm,
+            mask_token,
             feature_linear,
             feature_bn,
             embed_linear,
             embed_bn,
+            embed_dim: d,
             embedding,
+        };
+        Ok(Vit {
+            cfg,
+            pos_embed,
+            patch_weight,
+            patch_bias,
+            blocks,
+            head: std::sync::Arc::new(head),
             rng: Mutex::new(StdRng::seed_from_u64(0)),
             runner: None,
         })
     }
 
-    /// Runs every block through `runner` (FSDP2's `fully_shard` per block), in place of the
-    /// activation checkpointing of `using_checkpoint`.
+    /// Runs every block and the head through `runner` (FSDP2's `fully_shard` per block), in
+    /// place of the activation checkpointing of `using_checkpoint`.
+    ///
+    /// [`Vit::unit_of`] names each parameter's unit (tandem-fsdp's `Units::by_name`).
     pub fn run_blocks_with(&mut self, runner: UnitRunner) {
         self.runner = Some(runner);
     }
 
+    /// The unit of parameter `param` when the model runs through a [`UnitRunner`]:
+    /// `blocks.{i}` for a block's, `head` for the final norm's, the mask token's and the feature
+    /// head's, `None` (the root) for the patch embedding's and the position embedding's.
+    pub fn unit_of(param: &str) -> Option<String> {
+        if let Some(rest) = param.strip_prefix("blocks.") {
+            return rest.split('.').next().map(|i| format!("blocks.{i}"));
+        }
+        let head =
+            param == "mask_token" || param.starts_with("norm.") || param.starts_with("feature.");
+        head.then(|| "head".to_string())
+    }
+
     /// The embedding width.
     pub fn embedding(&self) -> usize {
-        self.embedding
+        self.head.embedding
     }
 
     pub fn config(&self) -> VitConfig {
@@ -420,33 +475,14 @@ impl Vit {
             };
         }
         // arcface_torch leaves autocast here: the final norm and the feature head run in f32.
-        tandem_nn::autocast(None, || self.head(&x, order.as_ref().map(|o| &o.1), train))
-    }
-
-    /// The final LayerNorm, the mask tokens put back (`restore`, in training with masking) and
-    /// the feature head.
-    fn head(
-        &self,
-        x: &Tensor,
-        restore: Option<&Tensor>,
-        train: bool,
-    ) -> candle_core::Result<Tensor> {
-        let (n, d) = (x.dim(0)?, self.cfg.embed_dim);
-        let x = self.norm.forward(&x.to_dtype(DType::F32)?)?;
-        let x = match restore {
-            Some(restore) => {
-                let kept = x.dim(1)?;
-                let tokens = self.mask_token.broadcast_as((n, VIT_PATCHES - kept, d))?;
-                let all = Tensor::cat(&[&x, &tokens.contiguous()?], 1)?;
-                all.reshape((n * VIT_PATCHES, d))?.index_select(restore, 0)?
-            }
-            None => x,
-        };
-        let x = self.feature_linear.forward(&x.reshape((n, VIT_PATCHES * d))?)?;
-        let x = self.feature_bn.forward_t(&x.reshape((n, d, 1, 1))?, train)?.reshape((n, d))?;
-        let x = self.embed_linear.forward(&x)?;
-        let e = self.embedding;
-        self.embed_bn.forward_t(&x.reshape((n, e, 1, 1))?, train)?.reshape((n, e))
+        let (head, restore) = (std::sync::Arc::clone(&self.head), order.map(|o| o.1));
+        let f: tandem_nn::CheckpointFn = std::sync::Arc::new(move |x| {
+            tandem_nn::autocast(None, || head.forward(x, restore.as_ref(), train))
+        });
+        match &self.runner {
+            Some(run) => run("head", &x, f),
+            None => f(&x),
+        }
     }
 
     /// The patch convolution as one product: stride = kernel, so each output is a patch's 243
