@@ -22,13 +22,10 @@ pub(crate) struct Param {
     pub unit: usize,
 }
 
-/// A unit's parameters and where each sits in the unit's all-gather block.
+/// A unit: its parameters, gathered and reduced together.
 pub(crate) struct Unit {
     pub name: String,
     pub params: Vec<usize>,
-    pub offsets: Vec<usize>,
-    /// One rank's block of the unit's all-gather.
-    pub stride: usize,
 }
 
 /// The function a unit computes, kept for its recomputation in backward.
@@ -44,7 +41,8 @@ struct Reduction {
 #[derive(Default)]
 pub(crate) struct State {
     gathered: Vec<bool>,
-    gathering: Vec<Option<Work<Vec<f32>>>>,
+    /// Each unit's all-gathers in flight, one per parameter.
+    gathering: Vec<Option<Vec<Work<Vec<f32>>>>>,
     /// The units in the order this step's forward ran them; `remaining` of them are still to
     /// go through backward.
     order: Vec<usize>,
@@ -138,16 +136,21 @@ impl Engine {
             st.gathered[u] = true; // a root with every parameter in a unit
             return Ok(());
         }
-        let mut input = Vec::with_capacity(unit.stride);
+        // One all-gather per parameter: its output, rank-major rows with any padding at the
+        // end, is the full parameter once truncated, so it becomes the parameter's storage
+        // without a copy.
+        let mut works = Vec::with_capacity(unit.params.len());
         for &p in &unit.params {
             let param = &self.params[p];
+            let mut input = Vec::with_capacity(param.layout.padded_len());
             with_f32_slice(param.shard.as_tensor(), |shard| {
                 param.layout.pack_shard(shard, &mut input)
             })
             .map_err(tensor(format!("reading the shard of `{}`", param.name)))?;
+            let output = vec![0f32; param.layout.padded_len() * self.group.size()];
+            works.push(self.group.all_gather_async(input, output));
         }
-        let output = vec![0f32; unit.stride * self.group.size()];
-        st.gathering[u] = Some(self.group.all_gather_async(input, output));
+        st.gathering[u] = Some(works);
         Ok(())
     }
 
@@ -167,17 +170,19 @@ impl Engine {
             }
         };
         let waited = std::time::Instant::now();
-        let gathered = work.wait().map_err(comm("all_gather"))?;
+        let mut gathered = Vec::with_capacity(work.len());
+        for w in work {
+            gathered.push(w.wait().map_err(comm("all_gather"))?);
+        }
         {
             let stats = &mut self.lock().stats;
             stats.all_gather_wait_secs += waited.elapsed().as_secs_f64();
-            stats.all_gather_bytes += (gathered.len() * 4) as u64;
-            stats.all_gathers += 1;
+            stats.all_gather_bytes += gathered.iter().map(|g| g.len() as u64 * 4).sum::<u64>();
+            stats.all_gathers += gathered.len() as u64;
         }
-        let unit = &self.units[u];
-        for (&p, &offset) in unit.params.iter().zip(&unit.offsets) {
+        for (&p, mut full) in self.units[u].params.iter().zip(gathered) {
             let param = &self.params[p];
-            let full = param.layout.unpack_full(&gathered, unit.stride, offset);
+            full.truncate(param.layout.full_len());
             storage::fill(param.full.as_tensor(), full)
                 .map_err(tensor(format!("filling `{}`", param.name)))?;
         }
@@ -329,7 +334,9 @@ impl Engine {
             st.gathering.iter_mut().filter_map(Option::take).collect()
         };
         for work in pending {
-            work.wait().map_err(comm("all_gather"))?; // a prefetch no unit used
+            for w in work {
+                w.wait().map_err(comm("all_gather"))?; // a prefetch no unit used
+            }
         }
         for u in 0..self.units.len() {
             self.reshard(u)?;

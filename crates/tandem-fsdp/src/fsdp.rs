@@ -230,13 +230,7 @@ impl Fsdp {
             .map(|(u, name)| {
                 let members: Vec<usize> =
                     (0..params.len()).filter(|&p| params[p].unit == u).collect();
-                let mut offsets = Vec::with_capacity(members.len());
-                let mut stride = 0;
-                for &p in &members {
-                    offsets.push(stride);
-                    stride += params[p].layout.padded_len();
-                }
-                Unit { name: name.clone(), params: members, offsets, stride }
+                Unit { name: name.clone(), params: members }
             })
             .collect();
         let engine = Engine::new((group, replicate), params, units, opts.reshard_after_forward);

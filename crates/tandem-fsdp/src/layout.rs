@@ -72,18 +72,6 @@ impl ShardLayout {
         out.resize(out.len() + self.padded_len() - shard.len(), 0.0);
     }
 
-    /// The full parameter from an all-gather's output: rank `r`'s block of `stride` elements
-    /// holds this parameter's rows at `offset`.
-    pub fn unpack_full(&self, gathered: &[f32], stride: usize, offset: usize) -> Vec<f32> {
-        let mut full = Vec::with_capacity(self.full_len());
-        for r in 0..self.world {
-            let n = self.rows_of(r).len() * self.row_len;
-            let at = r * stride + offset;
-            full.extend_from_slice(&gathered[at..at + n]);
-        }
-        full
-    }
-
     /// Writes a full gradient into a reduce-scatter input: rank `r`'s rows at `offset` of its
     /// block of `stride` elements (the padding stays as it is, zero).
     pub fn pack_full(&self, full: &[f32], stride: usize, offset: usize, input: &mut [f32]) {
@@ -115,9 +103,10 @@ mod tests {
         assert_eq!(ShardLayout::new(&[], 0, 2).shard_dims(), [1]);
     }
 
-    /// Packing every rank's shard and unpacking the gathered blocks gives back the parameter,
-    /// for uneven splits and with another parameter beside it in the same buffer; a gradient
-    /// packed for reduce-scatter puts each rank's rows in its block.
+    /// Every rank's padded shard, concatenated by rank (an all-gather's output), is the
+    /// parameter followed by the padding, for uneven splits: truncated, it is the parameter. A
+    /// gradient packed for reduce-scatter, beside another parameter's, puts each rank's rows in
+    /// its block.
     #[test]
     fn shards_gather_back_to_the_parameter_and_gradients_scatter_by_rank() {
         let world = 3;
@@ -125,16 +114,19 @@ mod tests {
         let other = [100f32, 101.0]; // a 2-element parameter packed first
         let l = |r| ShardLayout::new(&[5, 2], r, world);
         let o = |r| ShardLayout::new(&[2], r, world);
-        let mut gathered = Vec::new();
-        for r in 0..world {
-            o(r).pack_shard(o(r).my_part(&other), &mut gathered);
-            l(r).pack_shard(l(r).my_part(&full), &mut gathered);
+        for (dims, values) in
+            [(vec![5, 2], &full[..]), (vec![2], &other[..]), (vec![4, 2], &full[..8])]
+        {
+            let mut gathered = Vec::new();
+            for r in 0..world {
+                let l = ShardLayout::new(&dims, r, world);
+                l.pack_shard(l.my_part(values), &mut gathered);
+            }
+            assert_eq!(gathered.len(), world * ShardLayout::new(&dims, 0, world).padded_len());
+            gathered.truncate(values.len());
+            assert_eq!(gathered, values, "{dims:?} on {world} ranks");
         }
         let stride = o(0).padded_len() + l(0).padded_len();
-        assert_eq!(gathered.len(), world * stride);
-        assert_eq!(l(1).unpack_full(&gathered, stride, o(0).padded_len()), full);
-        assert_eq!(o(2).unpack_full(&gathered, stride, 0), other);
-
         let mut input = vec![0f32; world * stride];
         l(0).pack_full(&full, stride, o(0).padded_len(), &mut input);
         let block = |r: usize| &input[r * stride + 1..r * stride + stride];
