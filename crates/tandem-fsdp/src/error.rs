@@ -47,6 +47,10 @@ pub enum FsdpError {
     /// Ranks that were given different models (found before any parameter moves).
     #[error("rank {rank} and rank 0 were given different models: {why}")]
     ModelsDiffer { rank: usize, why: String },
+    /// Clipping the sharded gradients failed (a bad `max_norm`, a non-finite norm, a failed
+    /// all-reduce).
+    #[error(transparent)]
+    Clip(Box<tandem_optim::OptimError>),
     /// A tensor operation failed.
     #[error("{context}: {source}")]
     Tensor {

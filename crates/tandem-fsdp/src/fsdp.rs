@@ -464,38 +464,17 @@ impl Fsdp {
         })?
     }
 
-    /// `torch.nn.utils.clip_grad_norm_` over the sharded gradients: the L2 norm over every
-    /// rank's shards (one all-reduce of the squared sums), every gradient scaled by
-    /// `max_norm / (norm + 1e-6)` when that is below 1. Returns the norm before clipping, the
-    /// same on every rank. A collective.
+    /// `torch.nn.utils.clip_grad_norm_` over the sharded gradients (tandem-optim's
+    /// `clip_grad_norm`, the squared norms summed over the ranks by one all-reduce): every
+    /// gradient scaled by `max_norm / (norm + 1e-6)` when that is below 1. Returns the norm
+    /// before clipping, the same on every rank. A collective.
     pub fn clip_grad_norm(&self, grads: &mut GradStore, max_norm: f64) -> Result<f64> {
-        if !(max_norm >= 0.0 && max_norm.is_finite()) {
-            return Err(FsdpError::InvalidOption {
-                what: "max_norm",
-                why: format!("{max_norm} is not a finite number ≥ 0"),
-            });
-        }
-        let shards = self.params();
-        let mut sum_sq = [0f64];
-        for (var, p) in shards.iter().zip(self.engine.params.iter().filter(|p| p.trainable)) {
-            let Some(g) = grads.get(var.as_tensor()) else { continue };
-            sum_sq[0] += g
-                .to_dtype(DType::F64)
-                .and_then(|g| g.sqr())
-                .and_then(|g| g.sum_all())
-                .and_then(|s| s.to_scalar::<f64>())
-                .map_err(tensor(format!("the gradient norm of `{}`", p.name)))?;
-        }
-        self.engine.group.all_reduce(&mut sum_sq, ReduceOp::Sum).map_err(comm("all_reduce"))?;
-        let norm = sum_sq[0].sqrt();
-        let coef = max_norm / (norm + 1e-6);
-        if coef < 1.0 {
-            for var in &shards {
-                let Some(g) = grads.get(var.as_tensor()) else { continue };
-                let scaled = g.affine(coef, 0.0).map_err(tensor("clipping"))?;
-                grads.insert(var.as_tensor(), scaled);
-            }
-        }
-        Ok(norm)
+        let group = &self.engine.group;
+        tandem_optim::clip_grad_norm_over(&self.params(), grads, max_norm, |local| {
+            let mut sum = [local];
+            group.all_reduce(&mut sum, ReduceOp::Sum)?;
+            Ok(sum[0])
+        })
+        .map_err(|e| FsdpError::Clip(Box::new(e)))
     }
 }

@@ -51,7 +51,8 @@
 //! [`Fsdp::summon_full_params`]). A parameter read by several units belongs to their common
 //! parent, the root; read by the wrong unit it is an error naming it.
 //!
-//! It knows nothing of optimizers, launchers or checkpoint files.
+//! It steps no optimizer (the caller's steps [`Fsdp::params`]; clipping is tandem-optim's, the
+//! norm summed over the ranks) and knows nothing of launchers or checkpoint files.
 mod engine;
 mod error;
 mod fsdp;

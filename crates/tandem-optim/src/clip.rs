@@ -15,11 +15,23 @@ pub fn clip_grad_norm(
     grads: &mut GradStore,
     max_norm: f64,
 ) -> Result<f64, OptimError> {
+    clip_grad_norm_over(params, grads, max_norm, Ok)
+}
+
+/// [`clip_grad_norm`] for gradients split over ranks (a sharded model's shards): `sum_over_ranks`
+/// turns this rank's Σ g² into the sum over every rank's (an all-reduce), so every rank clips
+/// by the same total norm, the norm of the whole gradient.
+pub fn clip_grad_norm_over(
+    params: &[Var],
+    grads: &mut GradStore,
+    max_norm: f64,
+    sum_over_ranks: impl FnOnce(f64) -> Result<f64, Box<dyn std::error::Error + Send + Sync>>,
+) -> Result<f64, OptimError> {
     if !(max_norm >= 0.0 && max_norm.is_finite()) {
         return Err(OptimError::InvalidMaxNorm(max_norm));
     }
-    let total = match device_sum_squares(params, grads)? {
-        Some(sum_sq) => sum_sq.sqrt(),
+    let local = match device_sum_squares(params, grads)? {
+        Some(sum_sq) => sum_sq,
         None => {
             let mut sum_sq = 0.0f64;
             for (index, p) in params.iter().enumerate() {
@@ -32,9 +44,10 @@ pub fn clip_grad_norm(
                     .map_err(|source| OptimError::Gradient { of: Part::Clipping, index, source })?;
                 sum_sq += sq;
             }
-            sum_sq.sqrt()
+            sum_sq
         }
     };
+    let total = sum_over_ranks(local).map_err(OptimError::NormOverRanks)?.sqrt();
     if !total.is_finite() {
         return Err(OptimError::NonFiniteNorm { norm: total });
     }

@@ -134,7 +134,7 @@ pub mod zero;
 pub use adam::{densify, AdamConfig, AdamWConfig, TorchAdam, TorchAdamW};
 pub use amp::{GradScaler, GradScalerConfig};
 pub use checkpointable::OptimizerState;
-pub use clip::clip_grad_norm;
+pub use clip::{clip_grad_norm, clip_grad_norm_over};
 pub use lr_scheduler::LrScheduler;
 pub(crate) use optimizer::non_negative;
 pub use optimizer::{OptimError, OptimizerShard, Part, TorchOptimizer};

@@ -64,6 +64,9 @@ pub enum OptimError {
     /// gradient, so the gradients are left untouched and the caller decides (skip the step).
     #[error("the total gradient norm is {norm} (non-finite); gradients were left unchanged")]
     NonFiniteNorm { norm: f64 },
+    /// Summing the squared gradient norms over the ranks (a sharded model's clipping) failed.
+    #[error("clipping: summing the gradient norm over the ranks: {0}")]
+    NormOverRanks(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// What an [`OptimError`] is about: the optimizer, a learning-rate scheduler, the GradScaler
