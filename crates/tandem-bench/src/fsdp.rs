@@ -19,7 +19,7 @@ use candle_nn::{VarBuilder, VarMap};
 use serde::Serialize;
 use tandem::ddp::{Ddp, DdpOptions};
 use tandem::fsdp::{Fsdp, FsdpOptions, Units};
-use tandem::models::{Vit, VitConfig};
+use tandem::models::{ModelKind, Vit, VitConfig};
 use tandem::nn::ParamModule;
 use tandem::optim::{AdamWConfig, TorchAdamW};
 
@@ -53,24 +53,10 @@ pub struct Args {
 
 const EMBEDDING: usize = 512;
 
+/// arcface_torch's ViT of `name` (tandem-models' names and arcface_torch's aliases).
 fn config(name: &str) -> anyhow::Result<VitConfig> {
-    Ok(match name {
-        "vit_t" => VitConfig::VIT_T,
-        "vit_s" => VitConfig::VIT_S,
-        "vit_b" => VitConfig::VIT_B,
-        "vit_l" => VitConfig::VIT_L,
-        other => bail!("--model {other}: expected vit_t, vit_s, vit_b or vit_l"),
-    })
-}
-
-/// This process's peak resident set (`VmHWM`), in bytes.
-fn peak_rss() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let kib = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.split_whitespace().next().and_then(|n| n.parse::<u64>().ok()));
-    kib.unwrap_or(0) * 1024
+    let kind: ModelKind = name.parse().with_context(|| format!("--model {name}"))?;
+    kind.vit().with_context(|| format!("--model {name}: not one of arcface_torch's ViTs"))
 }
 
 /// One rank of mode `mode`: prints (rank 0, for every rank) `RESULT rank peak_rss step_secs`.
@@ -142,7 +128,7 @@ fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
     let line = format!(
         "{} {} {} {} {} {} {} {}",
         pg.rank(),
-        peak_rss(),
+        tandem::comm::procfs::peak_rss().unwrap_or(0),
         median(total),
         phase(0),
         phase(1),

@@ -90,7 +90,8 @@ pub(crate) struct Engine {
     state: Mutex<State>,
 }
 
-fn add(slot: &mut Option<Tensor>, g: Tensor) -> candle_core::Result<()> {
+/// Adds `g` to what `slot` holds (or puts it there).
+pub(crate) fn add(slot: &mut Option<Tensor>, g: Tensor) -> candle_core::Result<()> {
     *slot = Some(match slot.take() {
         Some(acc) => (acc + g)?,
         None => g,
@@ -212,14 +213,9 @@ impl Engine {
         let mut ready = Vec::with_capacity(grads.len());
         for (p, g) in grads {
             let name = || format!("accumulating the gradient of `{}`", self.params[p].name);
-            let g = match st.unsynced[p].take() {
-                Some(acc) => (acc + g).map_err(tensor(name()))?,
-                None => g,
-            };
+            add(&mut st.unsynced[p], g).map_err(tensor(name()))?;
             if st.sync {
-                ready.push((p, g));
-            } else {
-                st.unsynced[p] = Some(g);
+                ready.extend(st.unsynced[p].take().map(|g| (p, g)));
             }
         }
         if ready.is_empty() {

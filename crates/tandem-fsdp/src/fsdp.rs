@@ -6,7 +6,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use tandem_comm::{DeviceMesh, ProcessGroup, ReduceOp};
 
-use crate::engine::{CommStats, Engine, Param, Unit, UnitFn};
+use crate::engine::{add, CommStats, Engine, Param, Unit, UnitFn};
 use crate::error::{comm, tensor, FsdpError, Result};
 use crate::layout::ShardLayout;
 use crate::storage;
@@ -336,7 +336,7 @@ impl Fsdp {
         let root = e.root();
         let mut root_grads = Vec::new();
         for (p, param) in e.params.iter().enumerate() {
-            let g = grads.remove(param.full.as_tensor());
+            let mut g = grads.remove(param.full.as_tensor());
             if param.unit != root {
                 if g.is_some() {
                     return Err(FsdpError::ReadOutsideUnit {
@@ -346,12 +346,9 @@ impl Fsdp {
                 }
                 continue;
             }
-            let g = match (g, e.take_root_extra(p)) {
-                (Some(a), Some(b)) => {
-                    Some((a + b).map_err(tensor(format!("the gradient of `{}`", param.name)))?)
-                }
-                (a, b) => a.or(b),
-            };
+            if let Some(extra) = e.take_root_extra(p) {
+                add(&mut g, extra).map_err(tensor(format!("the gradient of `{}`", param.name)))?;
+            }
             if let (Some(g), true) = (g, param.trainable) {
                 root_grads.push((p, g));
             }
@@ -377,11 +374,6 @@ impl Fsdp {
     /// `model.parameters()` of a sharded model, `requires_grad` ones).
     pub fn params(&self) -> Vec<Var> {
         self.engine.params.iter().filter(|p| p.trainable).map(|p| p.shard.clone()).collect()
-    }
-
-    /// Every parameter's name and this rank's shard of it, frozen ones included.
-    pub fn named_shards(&self) -> Vec<(String, Var)> {
-        self.engine.params.iter().map(|p| (p.name.clone(), p.shard.clone())).collect()
     }
 
     /// The communication since the last call (see [`CommStats`]), and a fresh count.

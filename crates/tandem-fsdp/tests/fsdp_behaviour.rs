@@ -172,8 +172,8 @@ fn parameters_hold_values_only_while_gathered() {
         })
         .unwrap();
         assert!(freed("wte.weight"), "summon_full_params left `wte.weight` gathered");
-        let shards = fsdp.named_shards();
-        let wte = &shards.iter().find(|(n, _)| n == "wte.weight").unwrap().1;
+        let shards = fsdp.shards();
+        let wte = &shards.iter().find(|s| s.name == "wte.weight").unwrap().var;
         assert_eq!(wte.dims(), [if pg.rank() == 0 { 19 } else { 18 }, DIM], "37 rows on 2 ranks");
     });
 }

@@ -47,6 +47,20 @@ fn rows(shard: &Shard, name: &str, value: Value, first_copy: bool) -> ShardDict 
     ShardDict::rows(name, shard.rows.start, len, shard.total_rows(), value)
 }
 
+/// Puts saved rows `t` (this rank's of the parameter) into shard `s`; `what` names them.
+fn set_shard(s: &Shard, t: &tandem_ckpt::TensorData, what: impl Fn() -> String) -> Result<()> {
+    let t = tandem_nn::convert::from_ckpt(t, s.var.device()).with_context(&what)?;
+    if t.dims() != s.var.dims() {
+        return Err(TrainError::Invalid(format!(
+            "{}: rows of shape {:?}, the shard is {:?}",
+            what(),
+            t.dims(),
+            s.var.dims()
+        )));
+    }
+    s.var.set(&t.to_dtype(s.var.dtype()).with_context(&what)?).with_context(&what)
+}
+
 impl RankState for FsdpShards {
     fn optimizer_entries(&self) -> Vec<usize> {
         (0..self.fsdp.params().len()).collect()
@@ -110,16 +124,7 @@ impl RankState for FsdpShards {
             if !s.rows.is_empty() {
                 let value = saved.read_rows(&name, s.rows.clone())?;
                 let t = value.as_tensor().with_context(|| format!("{}: not a tensor", what()))?;
-                let t = tandem_nn::convert::from_ckpt(t, s.var.device()).with_context(what)?;
-                if t.dims() != s.var.dims() {
-                    return Err(TrainError::Invalid(format!(
-                        "{}: rows of shape {:?}, the shard is {:?}",
-                        what(),
-                        t.dims(),
-                        s.var.dims()
-                    )));
-                }
-                s.var.set(&t.to_dtype(s.var.dtype()).with_context(what)?).with_context(what)?;
+                set_shard(s, t, what)?;
             }
             if s.trainable {
                 let name = entry_shard(trainable);
@@ -248,9 +253,7 @@ pub fn load_fsdp2_dcp(
             }
         }
         if let Some(Value::Tensor(t)) = rows_of(key, s)? {
-            let what = || format!("{at}: `{key}`");
-            let t = tandem_nn::convert::from_ckpt(&t, s.var.device()).with_context(what)?;
-            s.var.set(&t.to_dtype(s.var.dtype()).with_context(what)?).with_context(what)?;
+            set_shard(s, &t, || format!("{at}: `{key}`"))?;
         }
     }
     for (i, s) in shards.iter().filter(|s| s.trainable).enumerate() {

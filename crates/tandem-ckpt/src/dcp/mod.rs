@@ -294,16 +294,7 @@ pub fn load(dir: &Path) -> Result<Value> {
     for (fqn, item) in &md.items {
         let value = match item {
             Item::Tensor { .. } => Value::Tensor(load_tensor(dir, &md, fqn)?),
-            Item::Bytes => {
-                let Some(stored) = md.record(fqn, None) else {
-                    let meta = dir.join(METADATA_FILE);
-                    return Err(CkptError::format(
-                        meta,
-                        format!("`{fqn}`: no record of its bytes"),
-                    ));
-                };
-                read_stored(dir, stored)?
-            }
+            Item::Bytes => load_object(dir, &md, fqn)?,
         };
         let path = md
             .paths
