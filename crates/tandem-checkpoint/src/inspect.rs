@@ -92,11 +92,28 @@ impl std::fmt::Display for Inspection {
             self.replicated, self.scheduler, self.scaler, self.replicated_bytes
         )?;
         for r in &self.ranks {
-            let parts: Vec<String> = r
-                .shards
-                .iter()
-                .map(|s| format!("{}: {} ({} bytes)", s.name, s.slice, s.bytes))
-                .collect();
+            // Many shards under one prefix (a sharded model's `model/NAME` rows) as one summary.
+            let mut groups: Vec<(&str, Vec<&ShardInspection>)> = Vec::new();
+            for s in &r.shards {
+                let prefix = s.name.rsplit_once('/').map_or(s.name.as_str(), |(p, _)| p);
+                match groups.iter_mut().find(|(p, _)| *p == prefix) {
+                    Some((_, members)) => members.push(s),
+                    None => groups.push((prefix, vec![s])),
+                }
+            }
+            let mut parts = Vec::new();
+            for (prefix, members) in groups {
+                if members.len() < 4 {
+                    parts.extend(
+                        members
+                            .iter()
+                            .map(|s| format!("{}: {} ({} bytes)", s.name, s.slice, s.bytes)),
+                    );
+                } else {
+                    let bytes: usize = members.iter().map(|s| s.bytes).sum();
+                    parts.push(format!("{prefix}/*: {} shards ({bytes} bytes)", members.len()));
+                }
+            }
             writeln!(
                 f,
                 "  rank {}: {} ({} bytes)  {}",

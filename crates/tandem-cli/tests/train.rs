@@ -773,3 +773,174 @@ fn no_checkpoints_writes_none_and_still_saves_the_final_weights() {
     assert_eq!(written, 0, "{} holds checkpoints", ckpts.display());
     assert!(!weights(&weights_path).is_empty(), "--save-final wrote no weights");
 }
+
+/// The largest difference between two state dicts with the same keys, and where.
+fn max_gap(
+    a: &[(String, tandem::ckpt::TensorData)],
+    b: &[(String, tandem::ckpt::TensorData)],
+) -> (f64, String) {
+    let names = |s: &[(String, tandem::ckpt::TensorData)]| {
+        s.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>()
+    };
+    assert_eq!(names(a), names(b), "the same keys");
+    let mut worst = (0.0f64, String::new());
+    for ((k, x), (_, y)) in a.iter().zip(b) {
+        let gap = x
+            .to_f64_vec()
+            .iter()
+            .zip(y.to_f64_vec())
+            .map(|(p, q)| (p - q).abs())
+            .fold(0.0, f64::max);
+        if gap > worst.0 {
+            worst = (gap, k.clone());
+        }
+    }
+    worst
+}
+
+/// `--fsdp` (the model sharded, FSDP2's `fully_shard`): the cnn (BatchNorm statistics kept per
+/// rank) trains the weights Ddp trains, with AdamW and clipping (the norm summed over the
+/// ranks' shards); its checkpoint holds each rank's rows and resumes on 3 ranks as Ddp's
+/// resumes; `--fsdp-units`/`--hsdp-rows` without `--fsdp`, and `--fsdp` with `--zero`, are
+/// refused by name; a config's `[fsdp]` section is the flags.
+#[test]
+fn fsdp_trains_the_weights_ddp_trains_and_resumes_on_another_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let base = [
+        "train",
+        "--model",
+        "cnn",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.01",
+        "--clip-grad-norm",
+        "0.5",
+    ];
+    let with = |extra: &[&str]| -> Vec<String> {
+        base.iter().chain(extra).map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let runs: [(&str, &[&str]); 5] = [
+        ("fsdp", &["--fsdp"]),
+        ("ddp", &[]),
+        ("fsdp-bf16-reduce", &["--fsdp", "--fsdp-reduce-dtype", "bf16"]),
+        ("ddp-bf16-hook", &["--comm-hook", "bf16"]),
+        ("fsdp-bf16", &["--fsdp", "--fsdp-param-dtype", "bf16"]),
+    ];
+    for (name, extra) in runs {
+        let out = path(name);
+        let fin = path(&format!("{name}.pt"));
+        let mut args = with(&["--steps", "10", "--out", &out, "--save-final", &fin]);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let (o, summary) = train(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let sharded = summary.checkpoint.clone().unwrap().is_dir();
+        let fsdp = name.starts_with("fsdp");
+        assert_eq!(sharded, fsdp, "{name}: a directory of row shards only with --fsdp");
+        if name == "fsdp" {
+            let said = String::from_utf8_lossy(&o.stderr);
+            assert!(said.contains("sharded over 2 ranks"), "{said}");
+        }
+    }
+    let (gap, at) =
+        max_gap(&weights(Path::new(&path("fsdp.pt"))), &weights(Path::new(&path("ddp.pt"))));
+    // Reduce-scatter and all-reduce average the same two gradients: equal but for rounding.
+    assert!(gap < 1e-5, "--fsdp moved `{at}` {gap} away from Ddp's weights");
+    // FSDP2's MixedPrecisionPolicy: gradients reduce-scattered in bf16 are what Ddp's bf16
+    // compression hook (PyTorch's bf16_compress_hook) all-reduces, bit for bit; parameters
+    // all-gathered in bf16 train other weights, within the 10 steps' reach (10 x lr).
+    let final_of = |name: &str| weights(Path::new(&path(&format!("{name}.pt"))));
+    let (gap, at) = max_gap(&final_of("fsdp-bf16-reduce"), &final_of("ddp-bf16-hook"));
+    assert_eq!(gap, 0.0, "bf16 reduce-scatters: `{at}` {gap} from Ddp's bf16 hook");
+    let (gap, at) = max_gap(&final_of("fsdp-bf16"), &final_of("fsdp"));
+    assert!(gap > 0.0 && gap < 0.1, "bf16 all-gathers: `{at}` {gap} from float32's");
+
+    // Each resumed on 1 and on 3 ranks for 4 more steps (in its own mode) ends where the other
+    // does: on 1 rank exactly (no sums to round); on 3 the three-way sums round differently in
+    // a reduce-scatter and an all-reduce, which AdamW magnifies where the gradient is zero but
+    // for rounding — `conv1.bias`, BatchNorm right after it (seen: 2.7e-3, a fraction of one
+    // step, and `bn1.running_mean` following it) — every other weight within 1e-6 (seen: 3e-8).
+    for ranks in ["1", "3"] {
+        for name in ["fsdp", "ddp"] {
+            let out = path(&format!("{name}-on-{ranks}"));
+            let copied = Command::new("cp").args(["-r", &path(name), &out]).status().unwrap();
+            assert!(copied.success());
+            let fin = path(&format!("{name}-on-{ranks}.pt"));
+            let mut args = with(&["--steps", "14", "--out", &out, "--resume"]);
+            args.extend(["--nproc-per-node", ranks, "--save-final", &fin].map(String::from));
+            if name == "fsdp" {
+                args.push("--fsdp".into());
+            }
+            let (o, kv) = train(&args.iter().map(String::as_str).collect::<Vec<_>>());
+            assert_eq!(kv.steps, 14, "{name}");
+            let said = String::from_utf8_lossy(&o.stderr);
+            assert!(said.contains("resumed from"), "{name}: {said}");
+            if name == "fsdp" {
+                assert!(said.contains(&format!("re-split from 2 ranks to {ranks}")), "{said}");
+            }
+        }
+        let resumed = |name: &str| weights(Path::new(&path(&format!("{name}-on-{ranks}.pt"))));
+        let (fsdp, ddp) = (resumed("fsdp"), resumed("ddp"));
+        let washed_out = |k: &str| ranks == "3" && ["conv1.bias", "bn1.running_mean"].contains(&k);
+        let keep = |s: &[(String, tandem::ckpt::TensorData)]| -> Vec<_> {
+            s.iter().filter(|(k, _)| !washed_out(k)).cloned().collect()
+        };
+        let (gap, at) = max_gap(&keep(&fsdp), &keep(&ddp));
+        assert!(gap < 1e-6, "resumed on {ranks} ranks, --fsdp's `{at}` is {gap} from Ddp's");
+        let (gap, at) = max_gap(&fsdp, &ddp);
+        assert!(gap < 0.01, "resumed on {ranks} ranks, `{at}` moved {gap}: more than a step");
+    }
+
+    // A checkpoint resumes in its own arrangement; the other one says how to cross over, and
+    // the converted full state dict starts a Ddp run.
+    for (name, flag, expect) in
+        [("fsdp", None, "resume it sharded"), ("ddp", Some("--fsdp"), "without Fsdp")]
+    {
+        let out = path(&format!("{name}-on-1"));
+        let mut args = with(&["--steps", "16", "--out", &out, "--resume", "--nproc-per-node", "1"]);
+        args.extend(flag.map(String::from));
+        let o = output_with_deadline(tandem().args(&args), LIMIT);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(expect), "{name}: {err}");
+    }
+    let full = path("fsdp-full.pt");
+    let ckpt = dir.path().join("fsdp/checkpoints/step-00000010");
+    run(&["ckpt", "convert", ckpt.to_str().unwrap(), &full]);
+    let (out, fin) = (path("from-fsdp"), path("from-fsdp.pt"));
+    let args = with(&["--steps", "0", "--out", &out, "--init-from", &full, "--save-final", &fin]);
+    train(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let started = weights(Path::new(&fin));
+    let (gap, at) = max_gap(&started, &weights(Path::new(&path("fsdp.pt"))));
+    assert_eq!(gap, 0.0, "`{at}`: the converted checkpoint's weights are the run's");
+
+    // Settings of a sharded model need it; what it shards already is refused by name.
+    for (args, expect) in [
+        (vec!["--fsdp-units", "root"], "--fsdp"),
+        (vec!["--hsdp-rows", "2"], "--fsdp"),
+        (vec!["--fsdp", "--zero"], "--zero"),
+        (vec!["--fsdp", "--comm-hook", "fp16"], "--comm-hook"),
+        (vec!["--fsdp", "--hsdp-rows", "3"], "--hsdp-rows"),
+    ] {
+        let mut all = vec!["train", "--steps", "1", "--no-checkpoints"];
+        all.extend(&args);
+        let o = output_with_deadline(tandem().args(&all), LIMIT);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(expect), "{args:?}: {err}");
+    }
+    // A config file's `[fsdp]` section turns it on with its keys; an unknown key is named.
+    let config = dir.path().join("fsdp.toml");
+    let section =
+        "[fsdp]\nunits = \"root\"\nreshard_after_forward = false\nparam-dtype = \"bf16\"\n";
+    std::fs::write(&config, format!("steps = 2\n{section}")).unwrap();
+    let out = path("from-config");
+    let (o, _) = train(&["train", "--config", config.to_str().unwrap(), "--out", &out]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("sharded over 2 ranks"));
+    let toml = std::fs::read_to_string(dir.path().join("from-config/config.toml")).unwrap();
+    assert!(toml.contains("fsdp = true") && toml.contains("fsdp_reshard_after_forward = false"));
+    assert!(toml.contains("fsdp_param_dtype = \"bf16\""), "{toml}");
+    std::fs::write(&config, "[fsdp]\nshards = 3\n").unwrap();
+    let o =
+        output_with_deadline(tandem().args(["train", "--config", config.to_str().unwrap()]), LIMIT);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("`shards`") && err.contains("[fsdp]"), "{err}");
+}

@@ -4,12 +4,13 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{Tensor, Var};
-use tandem_comm::{ProcessGroup, ReduceOp, Work};
+use tandem_comm::{ProcessGroup, ReduceOp};
 use tandem_nn::kernels::with_f32_slice;
 
 use crate::error::{comm, tensor, FsdpError, Result};
 use crate::layout::ShardLayout;
 use crate::storage;
+use crate::wire::{InFlight, Wire};
 
 /// One parameter: the model's `Var` (full values only while its unit is gathered) and this
 /// rank's rows of it, the `Var` the optimizer steps.
@@ -35,14 +36,14 @@ pub(crate) type UnitFn = Arc<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + Se
 /// its output.
 struct Reduction {
     params: Vec<(usize, usize)>,
-    work: Work<Vec<f32>>,
+    work: InFlight,
 }
 
 #[derive(Default)]
 pub(crate) struct State {
     gathered: Vec<bool>,
     /// Each unit's all-gathers in flight, one per parameter.
-    gathering: Vec<Option<Vec<Work<Vec<f32>>>>>,
+    gathering: Vec<Option<Vec<InFlight>>>,
     /// The units in the order this step's forward ran them; `remaining` of them are still to
     /// go through backward.
     order: Vec<usize>,
@@ -50,6 +51,11 @@ pub(crate) struct State {
     /// The last step's order: the next unit's all-gather is started before the current one runs.
     last_order: Vec<usize>,
     pub in_step: bool,
+    /// Inside [`crate::Fsdp::summon_full_params`]: every unit gathered, units run plainly.
+    pub summoned: bool,
+    /// Gather in float32 whatever the policy's `param_dtype` (the full parameters for export
+    /// are the master weights, not their rounding).
+    pub exact_gathers: bool,
     in_unit: Option<usize>,
     reducing: Vec<Reduction>,
     shard_grads: Vec<Option<Tensor>>,
@@ -87,6 +93,8 @@ pub(crate) struct Engine {
     pub params: Vec<Param>,
     pub units: Vec<Unit>,
     pub reshard_after_forward: bool,
+    /// The dtypes the all-gathers and the reduce-scatters move values in.
+    wires: (Wire, Wire),
     state: Mutex<State>,
 }
 
@@ -105,6 +113,7 @@ impl Engine {
         params: Vec<Param>,
         units: Vec<Unit>,
         reshard_after_forward: bool,
+        wires: (Wire, Wire),
     ) -> Engine {
         let (n, p) = (units.len(), params.len());
         let state = State {
@@ -116,7 +125,8 @@ impl Engine {
             sync: true,
             ..State::default()
         };
-        Engine { group, replicate, params, units, reshard_after_forward, state: Mutex::new(state) }
+        let state = Mutex::new(state);
+        Engine { group, replicate, params, units, reshard_after_forward, wires, state }
     }
 
     pub fn lock(&self) -> MutexGuard<'_, State> {
@@ -148,8 +158,8 @@ impl Engine {
                 param.layout.pack_shard(shard, &mut input)
             })
             .map_err(tensor(format!("reading the shard of `{}`", param.name)))?;
-            let output = vec![0f32; param.layout.padded_len() * self.group.size()];
-            works.push(self.group.all_gather_async(input, output));
+            let wire = if st.exact_gathers { Wire::F32 } else { self.wires.0 };
+            works.push(wire.all_gather(&self.group, input));
         }
         st.gathering[u] = Some(works);
         Ok(())
@@ -173,12 +183,13 @@ impl Engine {
         let waited = std::time::Instant::now();
         let mut gathered = Vec::with_capacity(work.len());
         for w in work {
-            gathered.push(w.wait().map_err(comm("all_gather"))?);
+            gathered.push(w.wait("all_gather")?);
         }
         {
             let stats = &mut self.lock().stats;
             stats.all_gather_wait_secs += waited.elapsed().as_secs_f64();
-            stats.all_gather_bytes += gathered.iter().map(|g| g.len() as u64 * 4).sum::<u64>();
+            let size = self.wires.0.size();
+            stats.all_gather_bytes += gathered.iter().map(|g| g.len() as u64 * size).sum::<u64>();
             stats.all_gathers += gathered.len() as u64;
         }
         for (&p, mut full) in self.units[u].params.iter().zip(gathered) {
@@ -244,7 +255,7 @@ impl Engine {
             params.push((p, offset));
             offset += param.layout.padded_len();
         }
-        let work = self.group.reduce_scatter_async(input, vec![0f32; stride], ReduceOp::Avg);
+        let work = self.wires.1.reduce_scatter(&self.group, input, stride);
         st.reducing.push(Reduction { params, work });
         Ok(())
     }
@@ -254,14 +265,15 @@ impl Engine {
         let pending = std::mem::take(&mut self.lock().reducing);
         for Reduction { params, work } in pending {
             let waited = std::time::Instant::now();
-            let mut out = work.wait().map_err(comm("reduce_scatter"))?;
+            let mut out = work.wait("reduce_scatter")?;
             if let Some(replicas) = &self.replicate {
                 replicas.all_reduce(&mut out, ReduceOp::Avg).map_err(comm("all_reduce"))?;
             }
             {
                 let stats = &mut self.lock().stats;
                 stats.reduce_wait_secs += waited.elapsed().as_secs_f64();
-                stats.reduce_scatter_bytes += (out.len() * 4 * self.group.size()) as u64;
+                let sent = out.len() as u64 * self.wires.1.size() * self.group.size() as u64;
+                stats.reduce_scatter_bytes += sent;
                 stats.reduce_scatters += 1;
             }
             for (p, offset) in params {
@@ -331,7 +343,7 @@ impl Engine {
         };
         for work in pending {
             for w in work {
-                w.wait().map_err(comm("all_gather"))?; // a prefetch no unit used
+                w.wait("all_gather")?; // a prefetch no unit used
             }
         }
         for u in 0..self.units.len() {
@@ -346,6 +358,11 @@ impl Engine {
     pub fn unit_forward(self: &Arc<Self>, u: usize, x: &Tensor, f: UnitFn) -> Result<Tensor> {
         let anchor = {
             let mut st = self.lock();
+            if st.summoned && !st.in_step {
+                drop(st);
+                // FSDP2 after `unshard()`: the full parameters are there, no graph to cut.
+                return self.run(u, x, &f);
+            }
             if !st.in_step {
                 return Err(FsdpError::Order(format!(
                     "unit `{}` ran outside Fsdp::forward",

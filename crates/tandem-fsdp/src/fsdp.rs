@@ -11,6 +11,7 @@ use crate::error::{comm, tensor, FsdpError, Result};
 use crate::layout::ShardLayout;
 use crate::storage;
 use crate::units::{assign, Units};
+use crate::wire::{MixedPrecisionPolicy, Wire};
 
 /// `fully_shard`'s keyword arguments that apply here, and the units.
 #[derive(Clone, Debug)]
@@ -31,6 +32,8 @@ pub struct FsdpOptions {
     /// Broadcast rank 0's parameters before sharding, so ranks that initialised differently
     /// still train one model (FSDP1's `sync_module_states`; FSDP2 trusts every rank's init).
     pub sync_module_states: bool,
+    /// The dtypes the all-gathers and reduce-scatters move values in (FSDP2's `mp_policy`).
+    pub mixed_precision: MixedPrecisionPolicy,
 }
 
 impl Default for FsdpOptions {
@@ -41,6 +44,7 @@ impl Default for FsdpOptions {
             reshard_after_forward: true,
             frozen: Vec::new(),
             sync_module_states: true,
+            mixed_precision: MixedPrecisionPolicy::default(),
         }
     }
 }
@@ -195,6 +199,7 @@ impl Fsdp {
             }
         }
         let assignment = assign(&names, &opts.units, opts.shard_root)?;
+        let wires = Wire::of_policy(&opts.mixed_precision)?;
         for (name, var) in &named {
             check_param(name, var)?;
         }
@@ -233,7 +238,8 @@ impl Fsdp {
                 Unit { name: name.clone(), params: members }
             })
             .collect();
-        let engine = Engine::new((group, replicate), params, units, opts.reshard_after_forward);
+        let engine =
+            Engine::new((group, replicate), params, units, opts.reshard_after_forward, wires);
         Ok(Fsdp { engine: Arc::new(engine) })
     }
 
@@ -420,17 +426,22 @@ impl Fsdp {
     }
 
     /// Runs `f` with every parameter gathered (PyTorch: `unshard()`; FSDP1's
-    /// `summon_full_params`): the plain model, for evaluation or export. A collective.
+    /// `summon_full_params`): the plain model, for evaluation or export; a unit called inside
+    /// `f` runs its function as it is (no graph is cut, nothing is gathered). The parameters
+    /// are gathered in float32 whatever the mixed-precision policy: the master weights. A
+    /// collective.
     pub fn summon_full_params<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
         let e = &self.engine;
         if e.lock().in_step {
             return Err(FsdpError::Order("summon_full_params between forward and backward".into()));
         }
-        for u in 0..e.units.len() {
-            e.prefetch(u)?;
-        }
-        let gathered = (0..e.units.len()).try_for_each(|u| e.gather(u));
+        e.lock().exact_gathers = true;
+        let started = (0..e.units.len()).try_for_each(|u| e.prefetch(u));
+        e.lock().exact_gathers = false;
+        let gathered = started.and_then(|()| (0..e.units.len()).try_for_each(|u| e.gather(u)));
+        e.lock().summoned = true;
         let out = gathered.map(|()| f());
+        e.lock().summoned = false;
         for u in 0..e.units.len() {
             e.reshard(u)?;
         }
@@ -461,12 +472,20 @@ impl Fsdp {
     /// gradient scaled by `max_norm / (norm + 1e-6)` when that is below 1. Returns the norm
     /// before clipping, the same on every rank. A collective.
     pub fn clip_grad_norm(&self, grads: &mut GradStore, max_norm: f64) -> Result<f64> {
-        let group = &self.engine.group;
-        tandem_optim::clip_grad_norm_over(&self.params(), grads, max_norm, |local| {
+        let sum = self.sum_over_ranks();
+        tandem_optim::clip_grad_norm_over(&self.params(), grads, max_norm, |x| sum(x))
+            .map_err(|e| FsdpError::Clip(Box::new(e)))
+    }
+
+    /// Sums a number over the ranks a parameter is sharded over (one all-reduce; a row of an
+    /// HSDP mesh, whose rows hold the same gradients): what a `tandem_optim::Step` stepping
+    /// these shards clips and checks for inf/NaN with (`Step::sharded`).
+    pub fn sum_over_ranks(&self) -> tandem_optim::SumOverRanks {
+        let group = self.engine.group.clone();
+        Arc::new(move |local| {
             let mut sum = [local];
             group.all_reduce(&mut sum, ReduceOp::Sum)?;
             Ok(sum[0])
         })
-        .map_err(|e| FsdpError::Clip(Box::new(e)))
     }
 }

@@ -60,8 +60,10 @@ mod layout;
 mod storage;
 mod unit_op;
 mod units;
+mod wire;
 
 pub use engine::CommStats;
 pub use error::{FsdpError, Result};
 pub use fsdp::{Fsdp, FsdpOptions, FullyShard, Shard};
 pub use units::{UnitOf, Units};
+pub use wire::MixedPrecisionPolicy;

@@ -329,3 +329,97 @@ fn a_recomputed_unit_updates_batch_norm_statistics_once() {
     });
     assert_eq!(tracked, [1, 1], "num_batches_tracked after one step, by rank");
 }
+
+/// FSDP2's `MixedPrecisionPolicy(param_dtype=bf16)`: inside a unit the weights are the master
+/// shards rounded to bf16 (exactly), the all-gathers move half the bytes, gradients are
+/// reduce-scattered in bf16 (one SGD step lands within bf16's rounding of the float32 step),
+/// and the master weights stay float32: `full_state_dict` gathers them exactly.
+#[test]
+fn bf16_collectives_round_the_gathered_weights_and_keep_float32_masters() {
+    use std::sync::{Arc, Mutex};
+    use tandem_fsdp::MixedPrecisionPolicy;
+    let out = run_tcp_world(2, |pg| {
+        let step = |param_dtype: Option<DType>| {
+            let varmap = VarMap::new();
+            let model = mlp(&varmap);
+            // The same weights in both runs, not bf16 values.
+            let mut vars: Vec<(String, Var)> =
+                varmap.data().lock().unwrap().iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+            vars.sort_by(|a, b| a.0.cmp(&b.0));
+            for (k, (_, var)) in vars.iter().enumerate() {
+                let n = var.elem_count();
+                let v: Vec<f32> = (0..n).map(|i| ((i * 7 + k) as f32 * 0.37).sin() * 0.7).collect();
+                var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu).unwrap()).unwrap();
+            }
+            let mixed_precision = MixedPrecisionPolicy { param_dtype, reduce_dtype: None };
+            let opts = FsdpOptions {
+                units: Units::prefixes(["l1", "l2"]),
+                shard_root: false,
+                mixed_precision,
+                ..FsdpOptions::default()
+            };
+            let fsdp = Fsdp::from_varmap(&varmap, &pg, opts).unwrap();
+            let init = fsdp.full_state_dict().unwrap();
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let (w1, l1) = (model.l1.weight().clone(), model.l1);
+            let record = Arc::clone(&seen);
+            let l2 = fsdp.fully_shard("l2", model.l2).unwrap();
+            let x = data(pg.rank());
+            let mut opt = sgd(fsdp.params());
+            let loss = fsdp
+                .forward(|| {
+                    let h = fsdp
+                        .run_unit("l1", &x, move |x| {
+                            record.lock().unwrap().push(w1.flatten_all()?.to_vec1::<f32>()?);
+                            l1.forward(x)
+                        })
+                        .map_err(candle_core::Error::wrap)?;
+                    l2.forward(&h.tanh()?)?.sqr()?.mean_all()
+                })
+                .unwrap();
+            opt.step(&fsdp.backward(&loss).unwrap()).unwrap();
+            let stats = fsdp.take_comm_stats();
+            let seen = seen.lock().unwrap()[0].clone();
+            (init, seen, fsdp.full_state_dict().unwrap(), stats.all_gather_bytes)
+        };
+        (step(None), step(Some(DType::BF16)))
+    });
+    for (rank, ((init, seen32, after32, bytes32), (init16, seen16, after16, bytes16))) in
+        out.iter().enumerate()
+    {
+        let w1 = |sd: &[(String, Tensor)]| {
+            let t = &sd.iter().find(|(n, _)| n == "l1.weight").unwrap().1;
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        };
+        assert_eq!(w1(init), *seen32, "rank {rank}: float32 gathers are the weights");
+        let rounded: Vec<f32> =
+            w1(init16).iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        assert_eq!(rounded, *seen16, "rank {rank}: bf16 gathers are the weights rounded");
+        assert_ne!(w1(init16), rounded, "rank {rank}: the test's weights are not bf16 already");
+        assert_eq!(w1(init), w1(init16), "the same initial weights");
+        assert_eq!(*bytes16 * 2, *bytes32, "rank {rank}: bf16 all-gathers move half the bytes");
+        for ((name, a), (_, b)) in after32.iter().zip(after16) {
+            let d = max_abs_diff(a, b);
+            assert!(d > 0.0 && d < 2e-3, "rank {rank}: `{name}` {d} from the float32 step");
+            // Masters: the stepped values are float32, not bf16 roundings.
+            let v = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(v.iter().any(|&x| half::bf16::from_f32(x).to_f32() != x), "{name}");
+        }
+    }
+}
+
+/// A policy moving a dtype the collectives do not carry is refused by name.
+#[test]
+fn a_mixed_precision_policy_of_another_dtype_is_refused() {
+    run_tcp_world(1, |pg| {
+        let varmap = VarMap::new();
+        let _model = mlp(&varmap);
+        let policy = tandem_fsdp::MixedPrecisionPolicy {
+            param_dtype: Some(DType::BF16),
+            reduce_dtype: Some(DType::U8),
+        };
+        let opts = FsdpOptions { mixed_precision: policy, ..FsdpOptions::default() };
+        let err = Fsdp::from_varmap(&varmap, &pg, opts).err().unwrap().to_string();
+        assert!(err.contains("reduce_dtype") && err.contains("U8"), "{err}");
+    });
+}

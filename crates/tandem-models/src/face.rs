@@ -5,7 +5,7 @@ use candle_core::{Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder};
 use tandem_nn::{FastBatchNorm2d, HasBatchNorm};
 
-use crate::{IResNet, MobileFaceNet, ModelKind, Vit};
+use crate::{IResNet, MobileFaceNet, ModelKind, UnitRunner, Vit};
 
 pub enum FaceBackbone {
     IResNet(IResNet),
@@ -68,6 +68,30 @@ impl FaceBackbone {
     pub fn seed(&self, seed: u64) {
         if let FaceBackbone::Vit(m) = self {
             m.seed(seed);
+        }
+    }
+
+    /// Runs the backbone's blocks through `runner` (FSDP2's `fully_shard` per block: a ViT's
+    /// blocks and head, an IResNet's residual blocks); false for a MobileFaceNet, which has no
+    /// such units (shard it as one root).
+    pub fn run_blocks_with(&mut self, runner: UnitRunner) -> bool {
+        match self {
+            FaceBackbone::IResNet(m) => m.run_blocks_with(runner),
+            FaceBackbone::Vit(m) => m.run_blocks_with(runner),
+            FaceBackbone::MobileFaceNet(_) => return false,
+        }
+        true
+    }
+
+    /// The unit of parameter `param` of a `kind` backbone running its blocks through a
+    /// [`UnitRunner`] (`None`: the root's).
+    pub fn unit_of(kind: ModelKind, param: &str) -> Option<String> {
+        if kind.vit().is_some() {
+            Vit::unit_of(param)
+        } else if kind.iresnet_depth().is_some() {
+            IResNet::unit_of(param)
+        } else {
+            None
         }
     }
 

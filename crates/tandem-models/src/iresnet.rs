@@ -23,6 +23,8 @@ use tandem_nn::{
     FastLinear, FastPRelu, HasBatchNorm,
 };
 
+use crate::UnitRunner;
+
 /// The input side arcface_torch's IResNets take (the last stage is then 7x7).
 pub const FACE_SIDE: usize = 112;
 
@@ -93,12 +95,13 @@ pub struct IResNet {
     conv1: FastConv2d,
     bn1: FastBatchNorm2d,
     prelu: FastPRelu,
-    layers: Vec<Vec<IBasicBlock>>,
+    layers: Vec<Vec<std::sync::Arc<IBasicBlock>>>,
     bn2: FastBatchNorm2d,
     dropout: f32,
     fc: FastLinear,
     features: FastBatchNorm2d,
     embedding: usize,
+    runner: Option<UnitRunner>,
 }
 
 impl IResNet {
@@ -138,9 +141,11 @@ impl IResNet {
         for (stage, (n, mult)) in blocks.into_iter().zip([1, 2, 4, 8]).enumerate() {
             let cout = width * mult;
             let vb = vb.pp(format!("layer{}", stage + 1));
-            let mut stage_blocks = vec![IBasicBlock::new(cin, cout, 2, vb.pp("0"))?];
+            let mut stage_blocks =
+                vec![std::sync::Arc::new(IBasicBlock::new(cin, cout, 2, vb.pp("0"))?)];
             for i in 1..n {
-                stage_blocks.push(IBasicBlock::new(cout, cout, 1, vb.pp(i.to_string()))?);
+                let block = IBasicBlock::new(cout, cout, 1, vb.pp(i.to_string()))?;
+                stage_blocks.push(std::sync::Arc::new(block));
             }
             layers.push(stage_blocks);
             cin = cout;
@@ -149,7 +154,26 @@ impl IResNet {
         let side = FACE_SIDE / 16;
         let fc = fast_linear(cin * side * side, embedding, vb.pp("fc"))?;
         let features = fast_batch_norm2d(embedding, vb.pp("features"))?.with_frozen_weight();
-        Ok(IResNet { conv1, bn1, prelu, layers, bn2, dropout, fc, features, embedding })
+        let runner = None;
+        Ok(IResNet { conv1, bn1, prelu, layers, bn2, dropout, fc, features, embedding, runner })
+    }
+
+    /// Runs every residual block through `runner` (FSDP2's `fully_shard` per block), named
+    /// `layer{stage}.{block}` as its parameters are; [`IResNet::unit_of`] names each
+    /// parameter's unit (tandem-fsdp's `Units::by_name`).
+    pub fn run_blocks_with(&mut self, runner: UnitRunner) {
+        self.runner = Some(runner);
+    }
+
+    /// The unit of parameter `param` when the model runs through a [`UnitRunner`]:
+    /// `layer{s}.{b}` for a residual block's, `None` (the root) for the stem's and the
+    /// embedding head's.
+    pub fn unit_of(param: &str) -> Option<String> {
+        let mut parts = param.split('.');
+        let (stage, block) = (parts.next()?, parts.next()?);
+        let numbered = stage.strip_prefix("layer").is_some_and(|s| s.parse::<usize>().is_ok());
+        (numbered && block.parse::<usize>().is_ok() && parts.next().is_some())
+            .then(|| format!("{stage}.{block}"))
     }
 
     /// The embedding width.
@@ -202,8 +226,18 @@ impl IResNet {
             candle_core::bail!("IResNet takes [N, 3, 112, 112] images, got {:?}", x.dims())
         }
         let mut x = self.prelu.forward(&self.bn1.forward_conv_t(&self.conv1, &x, train)?)?;
-        for block in self.layers.iter().flatten() {
-            x = block.forward_t(&x, train)?;
+        for (stage, blocks) in self.layers.iter().enumerate() {
+            for (i, block) in blocks.iter().enumerate() {
+                x = match &self.runner {
+                    Some(run) => {
+                        let b = std::sync::Arc::clone(block);
+                        let f: tandem_nn::CheckpointFn =
+                            std::sync::Arc::new(move |x| b.forward_t(x, train));
+                        run(&format!("layer{}.{i}", stage + 1), &x, f)?
+                    }
+                    None => block.forward_t(&x, train)?,
+                };
+            }
         }
         let mut x = self.bn2.forward_t(&x, train)?.flatten_from(1)?;
         if train && self.dropout > 0.0 {

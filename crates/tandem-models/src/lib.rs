@@ -11,6 +11,7 @@ mod kind;
 mod mlp;
 mod mobilefacenet;
 mod resnet;
+mod unit_runner;
 mod vit;
 
 pub use cnn::Cnn;
@@ -20,4 +21,5 @@ pub use kind::{ModelKind, UnknownModel};
 pub use mlp::{targets, Mlp};
 pub use mobilefacenet::MobileFaceNet;
 pub use resnet::ResNet;
-pub use vit::{UnitRunner, Vit, VitConfig, VIT_PATCHES};
+pub use unit_runner::UnitRunner;
+pub use vit::{Vit, VitConfig, VIT_PATCHES};

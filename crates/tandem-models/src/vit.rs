@@ -30,7 +30,7 @@ use tandem_nn::{
     fast_batch_norm2d, fast_linear, fast_linear_no_bias, FastBatchNorm2d, FastLinear, HasBatchNorm,
 };
 
-use crate::FACE_SIDE;
+use crate::{UnitRunner, FACE_SIDE};
 
 /// Patch side and patches per side on 112x112 inputs.
 const PATCH: usize = 9;
@@ -262,16 +262,6 @@ pub struct Vit {
     rng: Mutex<StdRng>,
     runner: Option<UnitRunner>,
 }
-
-/// Runs a part of the model on an input as a sharded model's unit (tandem-fsdp's
-/// `Fsdp::run_unit`): each block, named `blocks.{i}` as its parameters are, and `head`, the final
-/// norm with the mask tokens and the feature head (`norm.*`, `mask_token`, `feature.*`; a runner
-/// that keeps them in the root calls the function itself). The function may be called again in
-/// backward: it computes the same values each time (the masks are drawn before, and the head's
-/// BatchNorm counts the batch once, under `tandem_nn::recompute`).
-pub type UnitRunner = std::sync::Arc<
-    dyn Fn(&str, &Tensor, tandem_nn::CheckpointFn) -> candle_core::Result<Tensor> + Send + Sync,
->;
 
 impl Vit {
     /// The ViT of `cfg` with an `embedding`-wide output. candle initialises the variables; call

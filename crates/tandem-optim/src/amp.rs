@@ -169,6 +169,29 @@ impl GradScaler {
         Ok(())
     }
 
+    /// [`GradScaler::unscale_`] for gradients sharded over ranks (PyTorch's
+    /// `ShardedGradScaler`): an inf or NaN in any rank's shard counts on every rank, so all of
+    /// them skip the step together. `sum_over_ranks` sums a number over those ranks (a
+    /// collective: every rank calls this).
+    pub fn unscale_over<O: TorchOptimizer + ?Sized>(
+        &mut self,
+        optimizer: &O,
+        grads: &mut GradStore,
+        sum_over_ranks: impl FnOnce(f64) -> Result<f64, Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Result<(), OptimError> {
+        if !self.cfg.enabled {
+            return Ok(());
+        }
+        self.unscale_(optimizer, grads)?;
+        let key = key_of(&optimizer.params());
+        let mine = self.stages.get(&key).is_some_and(|s| s.found_inf());
+        let anywhere = sum_over_ranks(if mine { 1.0 } else { 0.0 }).map_err(|source| {
+            OptimError::OverRanks { what: "the GradScaler's inf check", source }
+        })? > 0.0;
+        self.stages.insert(key, Stage::Unscaled { found_inf: anywhere });
+        Ok(())
+    }
+
     /// Unscales the gradients of `params` and records the stage under their key; returns whether
     /// any held an inf or NaN.
     fn unscale_params(

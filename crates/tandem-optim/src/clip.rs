@@ -47,7 +47,9 @@ pub fn clip_grad_norm_over(
             sum_sq
         }
     };
-    let total = sum_over_ranks(local).map_err(OptimError::NormOverRanks)?.sqrt();
+    let total = sum_over_ranks(local)
+        .map_err(|source| OptimError::OverRanks { what: "clipping's gradient norm", source })?
+        .sqrt();
     if !total.is_finite() {
         return Err(OptimError::NonFiniteNorm { norm: total });
     }

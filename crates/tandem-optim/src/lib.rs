@@ -139,6 +139,6 @@ pub use lr_scheduler::LrScheduler;
 pub(crate) use optimizer::non_negative;
 pub use optimizer::{OptimError, OptimizerShard, Part, TorchOptimizer};
 pub use sgd::{SgdConfig, TorchSgd};
-pub use step::{phase_end, Step, StepError, StepOutcome, StepPhase};
+pub use step::{phase_end, Step, StepError, StepOutcome, StepPhase, SumOverRanks};
 #[cfg(feature = "zero")]
 pub use zero::{ShardOptimizer, ZeroRedundancyOptimizer};

@@ -64,9 +64,14 @@ pub enum OptimError {
     /// gradient, so the gradients are left untouched and the caller decides (skip the step).
     #[error("the total gradient norm is {norm} (non-finite); gradients were left unchanged")]
     NonFiniteNorm { norm: f64 },
-    /// Summing the squared gradient norms over the ranks (a sharded model's clipping) failed.
-    #[error("clipping: summing the gradient norm over the ranks: {0}")]
-    NormOverRanks(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// Summing a number over the ranks that hold a sharded model's gradients failed (the
+    /// squared gradient norm for clipping, the GradScaler's inf/NaN check).
+    #[error("{what}: summing over the ranks: {source}")]
+    OverRanks {
+        what: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 /// What an [`OptimError`] is about: the optimizer, a learning-rate scheduler, the GradScaler

@@ -90,7 +90,14 @@ pub struct Step {
     clip_grad_norm: Option<f64>,
     scheduler: Scheduler,
     skipped: u64,
+    over_ranks: Option<SumOverRanks>,
 }
+
+/// Sums a number over the ranks that hold a sharded model's gradients (one all-reduce; every
+/// rank calls it at the same point of the step).
+pub type SumOverRanks = std::sync::Arc<
+    dyn Fn(f64) -> Result<f64, Box<dyn std::error::Error + Send + Sync>> + Send + Sync,
+>;
 
 impl Step {
     /// A plain step: no loss scaling, no clipping, a constant learning rate.
@@ -107,6 +114,14 @@ impl Step {
     /// Clips the total gradient norm of the parameters given to [`Step::run`] to `max_norm`.
     pub fn clip_grad_norm(mut self, max_norm: Option<f64>) -> Self {
         self.clip_grad_norm = max_norm;
+        self
+    }
+
+    /// The gradients are shards (a sharded model's, FSDP's): clipping sums the squared norm
+    /// over the ranks through `sum`, and the GradScaler skips a step on every rank when any
+    /// rank's shard holds an inf or NaN (PyTorch's `ShardedGradScaler`).
+    pub fn sharded(mut self, sum: SumOverRanks) -> Self {
+        self.over_ranks = Some(sum);
         self
     }
 
@@ -172,8 +187,13 @@ impl Step {
                 let backward_secs = clock.elapsed().as_secs_f64();
                 // Unscaled before clipping so the norm is the true one; a non-finite norm is
                 // the scaler's to handle (it skips the step and lowers the scale).
-                s.unscale_(opt, &mut grads).map_err(scaler_err)?;
-                clip(self.clip_grad_norm, clip_params, &mut grads, true, step)?;
+                match &self.over_ranks {
+                    Some(sum) => s.unscale_over(opt, &mut grads, |x| sum(x)),
+                    None => s.unscale_(opt, &mut grads),
+                }
+                .map_err(scaler_err)?;
+                let over_ranks = self.over_ranks.as_ref();
+                clip(self.clip_grad_norm, over_ranks, clip_params, &mut grads, true, step)?;
                 let stepped = s.step(opt, &mut grads).map_err(scaler_err)?;
                 s.update().map_err(scaler_err)?;
                 (stepped, backward_secs)
@@ -182,7 +202,8 @@ impl Step {
                 let mut grads = backward(loss).map_err(backward_err)?;
                 phase_end(loss.device()).map_err(failed(step, StepPhase::Backward))?;
                 let backward_secs = clock.elapsed().as_secs_f64();
-                clip(self.clip_grad_norm, clip_params, &mut grads, false, step)?;
+                let over_ranks = self.over_ranks.as_ref();
+                clip(self.clip_grad_norm, over_ranks, clip_params, &mut grads, false, step)?;
                 opt.step(&grads).map_err(failed(step, StepPhase::Optimizer))?;
                 (true, backward_secs)
             }
@@ -244,18 +265,23 @@ pub fn phase_end(device: &candle_core::Device) -> candle_core::Result<()> {
     Ok(())
 }
 
-/// Clips `params`' gradients in `grads` to `max_norm` (torch's `clip_grad_norm_`). A
-/// non-finite norm is left to the GradScaler when the loss was scaled; without one it is an
-/// error naming the step.
+/// Clips `params`' gradients in `grads` to `max_norm` (torch's `clip_grad_norm_`; over the
+/// ranks' shards with `over_ranks`). A non-finite norm is left to the GradScaler when the loss
+/// was scaled; without one it is an error naming the step.
 fn clip(
     max_norm: Option<f64>,
+    over_ranks: Option<&SumOverRanks>,
     params: &[Var],
     grads: &mut GradStore,
     scaled: bool,
     step: u64,
 ) -> Result<()> {
     let Some(max_norm) = max_norm else { return Ok(()) };
-    match clip_grad_norm(params, grads, max_norm) {
+    let clipped = match over_ranks {
+        Some(sum) => crate::clip_grad_norm_over(params, grads, max_norm, |x| sum(x)),
+        None => clip_grad_norm(params, grads, max_norm),
+    };
+    match clipped {
         Ok(_) => Ok(()),
         Err(OptimError::NonFiniteNorm { .. }) if scaled => Ok(()),
         Err(source) => Err(failed(step, StepPhase::Clip)(source)),
@@ -318,5 +344,27 @@ mod tests {
             .run(&inf(&w), |l| l.backward(), &mut sgd(&w), std::slice::from_ref(&w), 7)
             .unwrap_err();
         assert!(matches!(err, StepError { step: 7, phase: StepPhase::Clip, .. }), "{err}");
+    }
+
+    /// A sharded step: the norm is the ranks' together (here another rank's squared norm of 11
+    /// beside this one's 25: 6), and an inf on another rank skips the step here too.
+    #[test]
+    fn a_sharded_step_clips_by_every_rank_and_skips_with_every_rank() {
+        let w = Var::zeros(2, DType::F32, &Device::Cpu).unwrap();
+        let others = |theirs: f64| -> SumOverRanks { std::sync::Arc::new(move |x| Ok(x + theirs)) };
+        let mut step = Step::new().clip_grad_norm(Some(1.0)).sharded(others(11.0));
+        step.run(&loss_of(&w), |l| l.backward(), &mut sgd(&w), std::slice::from_ref(&w), 1)
+            .unwrap();
+        let got: Vec<f32> = w.as_tensor().to_vec1().unwrap();
+        let (x, y) = (-0.5 * 3.0 / 6.0, -0.5 * 4.0 / 6.0);
+        assert!((got[0] - x).abs() < 1e-6 && (got[1] - y).abs() < 1e-6, "{got:?}");
+        let scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
+        let before = w.as_tensor().to_vec1::<f32>().unwrap();
+        let mut step = Step::new().scaler(Some(scaler)).sharded(others(1.0));
+        let out = step
+            .run(&loss_of(&w), |l| l.backward(), &mut sgd(&w), std::slice::from_ref(&w), 2)
+            .unwrap();
+        assert!(!out.stepped, "another rank's inf must skip this rank's step");
+        assert_eq!(w.as_tensor().to_vec1::<f32>().unwrap(), before);
     }
 }

@@ -78,6 +78,20 @@ named_enum! {
 }
 
 named_enum! {
+    /// What `--fsdp` makes units of (the modules FSDP2's `fully_shard` is applied to before
+    /// the whole model).
+    FsdpUnits {
+        /// A unit per block where the model has blocks (a ViT's blocks and its head, an
+        /// IResNet's residual blocks), then the root; a model without them (mlp, cnn,
+        /// resnet18, mbf) is one root unit.
+        #[default]
+        Blocks = "blocks",
+        /// The whole model one unit (`fully_shard(model)` alone).
+        Root = "root",
+    }
+}
+
+named_enum! {
     /// Where each rank trains: the CPU, or GPU `LOCAL_RANK` of its host.
     DeviceKind { #[default] Cpu = "cpu", Cuda = "cuda" }
 }
@@ -317,6 +331,23 @@ pub struct DataOptions {
     pub num_workers: Option<usize>,
 }
 
+/// `--fsdp`: the model's parameters, gradients and optimizer state sharded over the ranks
+/// (PyTorch FSDP2's `fully_shard`; tandem-fsdp).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FsdpRunOptions {
+    pub units: FsdpUnits,
+    /// FSDP2's `reshard_after_forward`.
+    pub reshard_after_forward: bool,
+    /// HSDP: the ranks form this many rows, each holding one copy of the model sharded over
+    /// its ranks (1: plain FSDP over every rank).
+    pub hsdp_rows: usize,
+    /// FSDP2's `MixedPrecisionPolicy`: the dtype parameters are all-gathered in (the weights
+    /// a unit computes with are the float32 masters rounded to it) and the one gradients are
+    /// reduce-scattered in (`None`: `param_dtype`).
+    pub param_dtype: Precision,
+    pub reduce_dtype: Option<Precision>,
+}
+
 /// The model and where it runs.
 #[derive(Clone, Debug)]
 pub struct ModelOptions {
@@ -329,6 +360,8 @@ pub struct ModelOptions {
     pub sync_batchnorm: bool,
     pub precision: Precision,
     pub device: DeviceKind,
+    /// Shard the model (`None`: a replica per rank under Ddp).
+    pub fsdp: Option<FsdpRunOptions>,
 }
 
 /// The optimizer and what happens around each of its steps.

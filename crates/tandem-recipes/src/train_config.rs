@@ -9,8 +9,8 @@ use tandem_train::{bail_option, LrSchedule, Result, Warmup};
 
 use crate::options::{
     Backend, CheckpointOptions, CommHook, CommOptions, DataOptions, DataSource, DatasetSpec,
-    DeviceKind, FaceOptions, Margin, ModelOptions, OptimOptions, OptimizerKind, Precision,
-    RunOptions, TrainOptions,
+    DeviceKind, FaceOptions, FsdpRunOptions, FsdpUnits, Margin, ModelOptions, OptimOptions,
+    OptimizerKind, Precision, RunOptions, TrainOptions,
 };
 
 /// Parses a flag whose values are a library option's names (listed in `--help` and in the
@@ -186,6 +186,33 @@ pub struct TrainConfig {
     /// each rank keeps the state of its share of the parameters; same weights as without.
     #[cfg_attr(feature = "clap", arg(long))]
     pub zero: bool,
+    /// Shard the model over the ranks (PyTorch FSDP2's `fully_shard`): each rank keeps its
+    /// rows of every parameter, their gradients and optimizer state, and gathers a block's
+    /// weights only while the block runs. Checkpoints hold each rank's rows and resume on any
+    /// world size (or under Ddp); `tandem ckpt convert --to dcp` writes FSDP2's layout.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub fsdp: bool,
+    /// With --fsdp: `blocks` (a unit per block where the model has them: a ViT's blocks and
+    /// head, an IResNet's residual blocks; then the root) or `root` (the whole model one unit).
+    #[cfg_attr(feature = "clap", arg(long = "fsdp-units", value_parser = choice::<FsdpUnits>(), default_value_t = TrainConfig::default().fsdp_units))]
+    pub fsdp_units: FsdpUnits,
+    /// With --fsdp: free a unit's gathered weights after its forward and gather them again for
+    /// its backward (true, FSDP2's default), or keep them until its backward (false).
+    #[cfg_attr(feature = "clap", arg(long = "fsdp-reshard-after-forward", action = clap::ArgAction::Set, value_name = "BOOL", default_value_t = TrainConfig::default().fsdp_reshard_after_forward))]
+    pub fsdp_reshard_after_forward: bool,
+    /// With --fsdp: HSDP — the ranks form this many rows, each a copy of the model sharded over
+    /// its ranks (gradients reduce-scattered within a row, averaged across rows); 1: plain FSDP.
+    #[cfg_attr(feature = "clap", arg(long = "hsdp-rows", default_value_t = TrainConfig::default().hsdp_rows, value_name = "R"))]
+    pub hsdp_rows: usize,
+    /// With --fsdp: the dtype parameters are all-gathered in (FSDP2's
+    /// `MixedPrecisionPolicy.param_dtype`; the weights a block computes with are the float32
+    /// master weights rounded to it; what it computes in is --precision's).
+    #[cfg_attr(feature = "clap", arg(long = "fsdp-param-dtype", value_parser = choice::<Precision>(), default_value_t = TrainConfig::default().fsdp_param_dtype))]
+    pub fsdp_param_dtype: Precision,
+    /// With --fsdp: the dtype gradients are reduce-scattered in (`reduce_dtype`; default:
+    /// --fsdp-param-dtype's).
+    #[cfg_attr(feature = "clap", arg(long = "fsdp-reduce-dtype", value_parser = choice::<Precision>()))]
+    pub fsdp_reduce_dtype: Option<Precision>,
     /// At the end, rank 0 writes the trained model (eval mode) as ONNX here.
     #[cfg_attr(feature = "clap", arg(long = "export-onnx", value_name = "FILE"))]
     pub export_onnx: Option<PathBuf>,
@@ -309,6 +336,12 @@ impl Default for TrainConfig {
             init_from: None,
             save_final: None,
             zero: false,
+            fsdp: false,
+            fsdp_units: FsdpUnits::Blocks,
+            fsdp_reshard_after_forward: true,
+            hsdp_rows: 1,
+            fsdp_param_dtype: Precision::F32,
+            fsdp_reduce_dtype: None,
             export_onnx: None,
             precision: Precision::F32,
             backend: Backend::Auto,
@@ -398,6 +431,13 @@ impl TrainConfig {
                 sync_batchnorm: self.sync_batchnorm,
                 precision: self.precision,
                 device: self.device,
+                fsdp: self.fsdp.then_some(FsdpRunOptions {
+                    units: self.fsdp_units,
+                    reshard_after_forward: self.fsdp_reshard_after_forward,
+                    hsdp_rows: self.hsdp_rows,
+                    param_dtype: self.fsdp_param_dtype,
+                    reduce_dtype: self.fsdp_reduce_dtype,
+                }),
             },
             optim: OptimOptions {
                 kind: self.optimizer,
@@ -448,6 +488,23 @@ impl TrainConfig {
                 "a warm-up (steps or epochs) is part of `lr_scheduler` poly or \
                  polynomial-warmup (name one)"
             );
+        }
+        let fsdp_default = TrainConfig::default();
+        let fsdp_set = self.fsdp_units != fsdp_default.fsdp_units
+            || self.fsdp_reshard_after_forward != fsdp_default.fsdp_reshard_after_forward
+            || self.hsdp_rows != fsdp_default.hsdp_rows
+            || self.fsdp_param_dtype != fsdp_default.fsdp_param_dtype
+            || self.fsdp_reduce_dtype.is_some();
+        if fsdp_set && !self.fsdp {
+            bail_option!(
+                "fsdp",
+                None,
+                "`fsdp_units`, `fsdp_reshard_after_forward`, `hsdp_rows` and the `fsdp_*_dtype`s \
+                 are settings of a sharded model: add `fsdp`"
+            );
+        }
+        if self.hsdp_rows == 0 {
+            bail_option!("hsdp_rows", None, "must be at least 1 (1: plain FSDP)");
         }
         if self.lr_scheduler == SchedulerKind::Step && self.lr_step_epochs == 0 {
             bail_option!("lr_step_epochs", None, "must be at least 1");

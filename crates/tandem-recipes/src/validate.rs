@@ -91,7 +91,43 @@ impl TrainOptions {
         if self.comm.live_recovery {
             crate::recipes::refuse_live(self)?;
         }
+        if model.fsdp.is_some() {
+            self.validate_fsdp()?;
+        }
         Ok(())
+    }
+
+    /// What a sharded model (`fsdp`) does not combine with, each refusal naming the other
+    /// setting.
+    fn validate_fsdp(&self) -> Result<()> {
+        let refuse = [
+            (self.optim.zero, "zero", "`fsdp` shards the optimizer state already (ZeRO-3)"),
+            (
+                self.comm.comm_hook != crate::options::CommHook::Off,
+                "comm_hook",
+                "a hook on Ddp's gradient buckets; `fsdp` reduce-scatters each unit's gradients",
+            ),
+            (
+                self.model.sync_batchnorm,
+                "sync_batchnorm",
+                "not with `fsdp` (its BatchNorm statistics stay per rank, as FSDP2 leaves them)",
+            ),
+            (
+                self.comm.live_recovery,
+                "live_recovery",
+                "not with `fsdp` yet: a sharded model resumes from its checkpoints (on any \
+                 world size) after a restart",
+            ),
+            (
+                self.model.device == DeviceKind::Cuda,
+                "device",
+                "`fsdp` shards CPU tensors for now (train on cuda under Ddp)",
+            ),
+        ];
+        match refuse.into_iter().find(|(refused, ..)| *refused) {
+            Some((_, key, why)) => Err(tandem_train::TrainError::option(key, None, why)),
+            None => Ok(()),
+        }
     }
 
     /// The face recipe's own checks (a face backbone + PartialFC on an identity set).

@@ -261,6 +261,7 @@ failed_from! {
     tandem_nn::NnError => "the model",
     tandem_optim::OptimError => "the optimizer, its schedule or its GradScaler",
     tandem_ddp::DdpError => "Ddp",
+    tandem_fsdp::FsdpError => "Fsdp",
     std::io::Error => "I/O",
 }
 

@@ -21,16 +21,39 @@ pub(crate) static NO_MODEL: LazyLock<NamedVars> = LazyLock::new(|| NamedVars::ne
 /// must step [`Fsdp::params`] in that order.
 pub struct FsdpShards {
     fsdp: Fsdp,
+    buffers: Option<String>,
+    order: Vec<String>,
 }
 
 impl FsdpShards {
     pub fn new(fsdp: &Fsdp) -> FsdpShards {
-        FsdpShards { fsdp: fsdp.clone() }
+        FsdpShards { fsdp: fsdp.clone(), buffers: None, order: Vec::new() }
+    }
+
+    /// The full state dict's key order (PyTorch's `state_dict()` order, buffers among the
+    /// parameters; see [`crate::TrainingState::order`]); by default the parameters' order,
+    /// then the buffers.
+    pub fn with_order(mut self, order: Vec<String>) -> FsdpShards {
+        self.order = order;
+        self
+    }
+
+    /// The model's buffers (BatchNorm statistics, kept whole on every rank) are saved by
+    /// another part as rank shard `shard` ([`crate::RankBuffers`]): the full state dict of the
+    /// checkpoint ([`fsdp_consolidated`], `tandem ckpt convert`, FSDP2's layout) takes rank 0's.
+    pub fn with_buffers_in(mut self, shard: impl Into<String>) -> FsdpShards {
+        self.buffers = Some(shard.into());
+        self
     }
 }
 
 /// The rank shard naming the parameters behind the optimizer's entries.
 const LAYOUT_SHARD: &str = "fsdp";
+
+/// Whether `saved` holds an `Fsdp` model's rows (its parameters are not in `model`).
+pub(crate) fn is_fsdp_checkpoint(saved: &Saved) -> bool {
+    saved.shard_names().contains(&LAYOUT_SHARD)
+}
 
 fn model_shard(name: &str) -> String {
     format!("model/{name}")
@@ -81,10 +104,15 @@ impl RankState for FsdpShards {
             trainable.push(Value::Str(s.name.clone()));
         }
         // Which parameter each optimizer entry is (FSDP2's state dicts key entries by name).
-        out.push(ShardDict::rank(
-            LAYOUT_SHARD,
-            Value::dict_from([("params", Value::List(trainable))]),
-        ));
+        let mut layout = vec![("params", Value::List(trainable))];
+        if let Some(shard) = &self.buffers {
+            layout.push(("buffers", Value::Str(shard.clone())));
+        }
+        if !self.order.is_empty() {
+            let order = self.order.iter().map(|n| Value::Str(n.clone())).collect();
+            layout.push(("order", Value::List(order)));
+        }
+        out.push(ShardDict::rank(LAYOUT_SHARD, Value::dict_from(layout)));
         Ok(out)
     }
 
@@ -107,9 +135,15 @@ impl RankState for FsdpShards {
         for s in &shards {
             let name = model_shard(&s.name);
             let Some(total) = saved.rows_total(&name) else {
+                if !is_fsdp_checkpoint(saved) {
+                    return Err(TrainError::Invalid(format!(
+                        "{path}: a replicated model's checkpoint (a Ddp run's), not a sharded \
+                         one: resume it without Fsdp (`--fsdp`), or start a sharded run from \
+                         its weights (`--init-from`)"
+                    )));
+                }
                 return Err(TrainError::Invalid(format!(
-                    "{path}: no parameter `{}` (a checkpoint of another model, or not of an \
-                     Fsdp model?)",
+                    "{path}: no parameter `{}` (a checkpoint of another model?)",
                     s.name
                 )));
             };
@@ -155,23 +189,15 @@ impl RankState for FsdpShards {
 /// `set_model_state_dict` / `set_optimizer_state_dict`. `None` when `saved` is not of an
 /// `Fsdp` model.
 pub fn fsdp2_state_dict(saved: &Saved) -> Result<Option<Value>> {
-    if !saved.shard_names().contains(&LAYOUT_SHARD) {
-        return Ok(None);
-    }
+    let Some(whole) = fsdp_consolidated(saved)? else { return Ok(None) };
     let path = saved.path().display().to_string();
-    let whole = saved.consolidated()?;
     let bad = |what: &str| TrainError::Invalid(format!("{path}: {what}"));
-    let names: Vec<String> = match whole.get(LAYOUT_SHARD) {
-        Some(Value::List(ranks)) => ranks
-            .first()
-            .and_then(|r| r.get("params"))
-            .and_then(|p| match p {
-                Value::List(items) => items.iter().map(|i| i.as_str().map(String::from)).collect(),
-                _ => None,
-            })
-            .ok_or_else(|| bad("`fsdp` does not list the parameters"))?,
-        _ => return Err(bad("`fsdp` is not a rank shard")),
-    };
+    let names: Vec<String> = layout(&whole, "params")
+        .and_then(|p| match p {
+            Value::List(items) => items.iter().map(|i| i.as_str().map(String::from)).collect(),
+            _ => None,
+        })
+        .ok_or_else(|| bad("`fsdp` does not list the parameters"))?;
     let name_of = |index: &Value| {
         let i = index.as_int().ok_or_else(|| bad("an optimizer entry not keyed by an index"))?;
         names
@@ -204,6 +230,51 @@ pub fn fsdp2_state_dict(saved: &Saved) -> Result<Option<Value>> {
     let optim =
         Value::dict_from([("state", Value::Dict(state)), ("param_groups", Value::List(groups))]);
     Ok(Some(Value::dict_from([("model", model), ("optim", optim)])))
+}
+
+/// Entry `key` of the layout rank shard of a consolidated `Fsdp` checkpoint.
+fn layout<'v>(whole: &'v Value, key: &str) -> Option<&'v Value> {
+    match whole.get(LAYOUT_SHARD) {
+        Some(Value::List(ranks)) => ranks.first().and_then(|r| r.get(key)),
+        _ => None,
+    }
+}
+
+/// An `Fsdp` checkpoint as one dict ([`Saved::consolidated`]: every parameter's rows stacked
+/// under `model`, the optimizer's entries under `optimizer`) with rank 0's buffers in `model`
+/// too, so `model` is the full state dict; `None` when `saved` is not of an `Fsdp` model.
+pub fn fsdp_consolidated(saved: &Saved) -> Result<Option<Value>> {
+    if !is_fsdp_checkpoint(saved) {
+        return Ok(None);
+    }
+    let mut whole = saved.consolidated()?;
+    let shard = layout(&whole, "buffers").and_then(Value::as_str).map(String::from);
+    let buffers = match (&shard, &shard.as_ref().and_then(|s| whole.get(s))) {
+        (Some(_), Some(Value::List(ranks))) => ranks.first().cloned(),
+        (Some(s), _) => {
+            let path = saved.path().display();
+            return Err(TrainError::Invalid(format!(
+                "{path}: the buffers' rank shard `{s}` is missing"
+            )));
+        }
+        _ => None,
+    };
+    let order: Vec<String> = match layout(&whole, "order") {
+        Some(Value::List(names)) => {
+            names.iter().filter_map(Value::as_str).map(String::from).collect()
+        }
+        _ => Vec::new(),
+    };
+    if let Some(Value::Dict(model)) = whole.get_mut("model") {
+        if let Some(Value::Dict(items)) = buffers {
+            model.extend(items);
+        }
+        let rank = |k: &Value| {
+            k.as_str().and_then(|k| order.iter().position(|o| o == k)).unwrap_or(usize::MAX)
+        };
+        model.sort_by_key(|(k, _)| rank(k)); // stable: without an order, as saved
+    }
+    Ok(Some(whole))
 }
 
 /// Restores an `Fsdp` model and its optimizer (stepping [`Fsdp::params`]) from a PyTorch FSDP2

@@ -54,7 +54,7 @@ mod world;
 pub use error::{Context, Result, TrainError};
 pub use evaluate::evaluate_logits;
 pub use events::{Event, Lines, Logger, Reporter};
-pub use fsdp_state::{fsdp2_state_dict, load_fsdp2_dcp, FsdpShards};
+pub use fsdp_state::{fsdp2_state_dict, fsdp_consolidated, load_fsdp2_dcp, FsdpShards};
 pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
 pub use rank_state::{PartLoaded, RankBuffers, RankState};
 pub use state::{load_state, load_state_from, save_state, LoaderPosition, Resumed, TrainingState};

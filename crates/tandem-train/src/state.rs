@@ -312,6 +312,16 @@ pub(crate) fn restore(
     // The model first: a part may overwrite some of it (a rank's own BatchNorm statistics).
     // A model wholly in a part (an Fsdp model's shards) has no replicated state dict.
     if !(state.model.param_set().is_empty() && state.model.named_buffers().is_empty()) {
+        if crate::fsdp_state::is_fsdp_checkpoint(saved) {
+            return Err(field_error(
+                path,
+                "model",
+                "a sharded model's rows (an Fsdp run's, `--fsdp`): resume it sharded (on any \
+                 number of ranks), or `tandem ckpt convert` it to a full state dict and start \
+                 from those weights (`--init-from`)"
+                    .into(),
+            ));
+        }
         load_weights_from(state.model, &ck.model, true)
             .map_err(|e| field_error(path, "model", e.to_string()))?;
     }

@@ -115,7 +115,12 @@ fn read_keeping(path: &Path, keep_ordered_dicts: bool) -> anyhow::Result<Value> 
         if is_zero1_checkpoint(path) {
             return Ok(tandem::optim::zero::consolidate_sharded(path)?);
         }
-        return Ok(Saved::open(path)?.consolidated()?);
+        // An Fsdp checkpoint's `model` with its buffers: the full state dict.
+        let saved = Saved::open(path)?;
+        if let Some(whole) = tandem::train::fsdp_consolidated(&saved)? {
+            return Ok(whole);
+        }
+        return Ok(saved.consolidated()?);
     }
     let opts = LoadOptions { verify_checksums: true, keep_ordered_dicts, ..Default::default() };
     Ok(tandem::ckpt::load_with(path, &opts)?)

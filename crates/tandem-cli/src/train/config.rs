@@ -61,6 +61,7 @@ pub fn apply_config_file(
         table.into_iter().collect()
     };
     let command = <TrainConfig as clap::Args>::augment_args(clap::Command::new("train"));
+    let file = flatten_sections(file, &command, &shown)?;
     let mut table = match toml::Value::try_from(&cfg).context("serialising the settings")? {
         toml::Value::Table(t) => t,
         _ => bail!("the settings did not serialise to a table"),
@@ -104,4 +105,48 @@ pub fn apply_config_file(
         toml::Value::Table(table).try_into().with_context(|| format!("--config {shown}"))?;
     merged.config = Some(path);
     Ok(merged)
+}
+
+/// A section of a TOML config (`[fsdp]`) as the flags it stands for: `[fsdp]` alone is `fsdp =
+/// true` (`enabled = false` inside turns it off), and each key inside is the flag
+/// `fsdp-KEY`, or the flag `KEY` itself (`[fsdp] hsdp-rows = 2`).
+fn flatten_sections(
+    file: Vec<(String, toml::Value)>,
+    command: &clap::Command,
+    shown: &str,
+) -> anyhow::Result<Vec<(String, toml::Value)>> {
+    let is_flag = |name: &str| {
+        command
+            .get_arguments()
+            .any(|a| a.get_long() == Some(name) || a.get_id().as_str() == name.replace('-', "_"))
+    };
+    let mut out = Vec::with_capacity(file.len());
+    for (key, value) in file {
+        let toml::Value::Table(section) = value else {
+            out.push((key, value));
+            continue;
+        };
+        if !is_flag(&key) {
+            bail!("--config {shown}: unknown section `[{key}]` (sections: `[fsdp]`)");
+        }
+        let mut enabled = toml::Value::Boolean(true);
+        let mut inside = Vec::new();
+        for (k, v) in section {
+            if k == "enabled" {
+                enabled = v;
+                continue;
+            }
+            let prefixed = format!("{key}-{}", k.replace('_', "-"));
+            let Some(flag) = [prefixed.clone(), k.clone()].into_iter().find(|f| is_flag(f)) else {
+                bail!(
+                    "--config {shown}: unknown key `{k}` in `[{key}]` (it stands for the flag \
+                     `--{prefixed}`, which `tandem train` does not have)"
+                );
+            };
+            inside.push((flag, v));
+        }
+        out.push((key, enabled));
+        out.extend(inside);
+    }
+    Ok(out)
 }

@@ -1,5 +1,5 @@
 //! The classifier recipe (mlp, cnn, resnet18 on digits, MNIST, CIFAR-10 or synthetic data):
-//! the model under Ddp, its optimizer (plain or ZeRO-sharded) and per-epoch evaluation on the
+//! the model under Ddp (or sharded, `--fsdp`: one root unit), its optimizer (plain or ZeRO-sharded) and per-epoch evaluation on the
 //! eval split. Its state is the [`Trainer`](tandem_train::Trainer)'s to save (synchronously or
 //! in the background, one file or with ZeRO a directory of shards), resume on any world size
 //! and move between ranks under live recovery.
@@ -13,16 +13,18 @@ use tandem_data::{
     InMemoryDataset, LoaderOptions, Transformed,
 };
 use tandem_ddp::{Ddp, DdpOptions};
+use tandem_nn::ParamModule;
 use tandem_optim::TorchOptimizer;
 use tandem_train::events::Reporter;
 use tandem_train::schedule::RunLength;
 use tandem_train::{
-    evaluate_logits, fault, Context, Evaluation, Recipe, Result, Step, StepReport, TrainError,
-    TrainingState,
+    evaluate_logits, fault, Context, Evaluation, RankBuffers, Recipe, Result, Step, StepReport,
+    TrainError, TrainingState,
 };
 
 use super::net::{image_shape, Net, NetSpec};
 use super::optimizer::RunOptimizer;
+use super::wrapped::Wrapped;
 use super::LiveComm;
 use crate::options::{DataSource, TrainOptions};
 
@@ -30,7 +32,9 @@ use crate::options::{DataSource, TrainOptions};
 pub struct Classifier<'a> {
     cfg: &'a TrainOptions,
     device: Device,
-    ddp: Ddp<Net>,
+    model: Wrapped<Net>,
+    /// Under `--fsdp`, each rank's BatchNorm statistics (FSDP2 leaves buffers per rank).
+    buffers: Option<RankBuffers>,
     opt: RunOptimizer,
     train: Arc<TrainData>,
     eval: Arc<TrainData>,
@@ -89,17 +93,32 @@ impl<'a> Classifier<'a> {
             && !cfg.model.sync_batchnorm
             && super::overlap_allowed();
         let base = DdpOptions { reduce_during_backward: early, ..DdpOptions::default() };
-        let ddp = match live {
-            Some(l) => {
+        let buffers = cfg
+            .model
+            .fsdp
+            .is_some()
+            .then(|| RankBuffers::new(super::face::BUFFERS_SHARD, net.named_buffers(), rank));
+        let model = match (&cfg.model.fsdp, live) {
+            // (The classifiers have no blocks: the whole model is the root unit.)
+            (Some(fsdp), _) => Wrapped::sharded(net, group, fsdp, None)?,
+            (None, Some(l)) => {
                 // A replacement's parameters come with the state when it joins.
                 let opts = DdpOptions { sync_on_init: !l.replacement, ..base };
-                Ddp::with_comm(net, l.comm, opts)
+                Wrapped::Ddp(
+                    Ddp::with_comm(net, l.comm, opts).context("wrapping the model in Ddp")?,
+                )
             }
-            None => Ddp::new(net, group, base),
+            (None, None) => {
+                Wrapped::Ddp(Ddp::new(net, group, base).context("wrapping the model in Ddp")?)
+            }
+        };
+        if let Wrapped::Ddp(ddp) = &model {
+            super::register_comm_hook(ddp, cfg)?;
         }
-        .context("wrapping the model in Ddp")?;
-        super::register_comm_hook(&ddp, cfg)?;
-        let mut opt = super::optimizer::for_model(&cfg.optim, ddp.params(), comm)?;
+        if let (Some(text), 0) = (model.describe(1), rank) {
+            super::note(reporter, text)?;
+        }
+        let mut opt = super::optimizer::for_model(&cfg.optim, model.params(), comm)?;
         let options = LoaderOptions {
             batch_size: cfg.data.batch_size,
             drop_last: false,
@@ -116,11 +135,12 @@ impl<'a> Classifier<'a> {
             .schedule
             .build(opt.as_mut(), cfg.optim.lr, RunLength { steps_per_epoch, total_steps })
             .option("lr_scheduler", None)?;
-        let stepper = super::step_for(cfg, 2000, sched)?;
+        let stepper = model.step(super::step_for(cfg, 2000, sched)?);
         let recipe = Classifier {
             cfg,
             device,
-            ddp,
+            model,
+            buffers,
             opt,
             train,
             eval: Arc::new(eval),
@@ -137,13 +157,13 @@ impl Recipe for Classifier<'_> {
 
     fn train_step(&mut self, batch: &Batch, step: &mut Step, n: u64) -> Result<StepReport> {
         let clock = std::time::Instant::now();
-        let loss = self.ddp.hooked().loss(&batch.x, &batch.y)?;
+        let loss = self.model.forward(|net| net.loss(&batch.x, &batch.y))?;
         fault::hit(fault::Phase::Forward);
         tandem_train::phase_end(batch.x.device())?;
         let forward_secs = clock.elapsed().as_secs_f64();
-        let (ddp, params) = (&self.ddp, self.ddp.params());
+        let (model, params) = (&self.model, self.model.params());
         let backward = |loss: &candle_core::Tensor| -> Result<_> {
-            let grads = ddp.backward(loss)?;
+            let grads = model.backward(loss, &[])?;
             fault::hit(fault::Phase::Optimizer);
             Ok(grads)
         };
@@ -174,14 +194,16 @@ impl Recipe for Classifier<'_> {
     }
 
     fn set_training(&mut self, training: bool) -> Result<()> {
-        self.ddp.module().set_training(training);
+        self.model.module().set_training(training);
         Ok(())
     }
 
     fn evaluate(&mut self, group: &ProcessGroup) -> Result<Option<Evaluation>> {
-        let net = self.ddp.module();
-        let forward = |x: &candle_core::Tensor| net.forward(x);
-        self.last_eval = evaluate_logits(forward, &self.eval, group, &self.options, &self.device)?;
+        let (eval, options, device) = (&self.eval, &self.options, &self.device);
+        self.last_eval = self.model.summon(|net| {
+            let forward = |x: &candle_core::Tensor| net.forward(x);
+            evaluate_logits(forward, eval, group, options, device)
+        })??;
         Ok(Some(Evaluation {
             loss: self.last_eval.mean_loss(),
             accuracy: self.last_eval.accuracy(),
@@ -190,13 +212,17 @@ impl Recipe for Classifier<'_> {
 
     /// The model and optimizer; the run's settings and seed go into each checkpoint.
     fn state(&mut self) -> Option<TrainingState<'_>> {
-        let state = TrainingState::new(&self.ddp, &mut self.opt);
+        let mut state = self.model.state(&mut self.opt);
+        if let Some(buffers) = &mut self.buffers {
+            state = state.part(buffers);
+        }
         Some(state.config(self.cfg.run.record.clone()).seed(self.cfg.run.seed))
     }
 
     /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
     fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
-        super::finish_run(self.cfg, group, &self.reporter, None, &*self.ddp.module())
+        let (cfg, reporter) = (self.cfg, &self.reporter);
+        self.model.summon(|net| super::finish_run(cfg, group, reporter, None, net))?
     }
 }
 

@@ -11,6 +11,7 @@ pub mod classifier;
 pub mod face;
 pub mod net;
 pub mod optimizer;
+mod wrapped;
 
 use std::sync::Arc;
 

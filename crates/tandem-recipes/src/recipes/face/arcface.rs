@@ -104,7 +104,11 @@ fn group_params(opt: &Value, what: &str) -> Result<(Vec<i64>, Vec<i64>)> {
 pub fn to_arcface(dir: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     let saved = Saved::open(dir)?;
     let rep_path = dir.join(checkpoint::REPLICATED);
-    let rep = saved.replicated()?;
+    // A sharded backbone's (`--fsdp`) rows and optimizer entries, stacked whole.
+    let rep = match tandem_train::fsdp_consolidated(&saved)? {
+        Some(whole) => whole,
+        None => saved.replicated()?,
+    };
     let get = |k: &str| rep.get(k).with_context(|| format!("{}: no `{k}`", rep_path.display()));
     if let Some(s) = rep.get("sampler").filter(|s| !matches!(s, Value::None)) {
         let consumed = s.get("consumed").and_then(Value::as_int).unwrap_or(0);

@@ -1,6 +1,7 @@
 //! The face-recognition recipe (insightface's arcface_torch `train_v2.py`) as one rank of
 //! `tandem train --model iresnet18 .. iresnet200 | mbf | mbf_large --data rec:DIR`: a face backbone under Ddp
-//! (`broadcast_buffers=False`, 16 MB buckets), a PartialFC head whose class centres are split
+//! (`broadcast_buffers=False`, 16 MB buckets) or sharded (`--fsdp`: a unit per ViT or IResNet
+//! block), a PartialFC head whose class centres are split
 //! over the ranks, fed by the all-gathered embeddings, with CombinedMarginLoss; one optimizer
 //! over two parameter groups (backbone, head); clipping of the backbone's gradients; a
 //! per-iteration schedule; f16 with a GradScaler; verification on `.bin` pair sets every
@@ -49,6 +50,7 @@ use tandem_train::{
 };
 
 use super::optimizer::RunOptimizer;
+use super::wrapped::Wrapped;
 use super::LiveComm;
 use crate::face_eval::verification::{self as verify, ValSets};
 use crate::options::{DataSource, Precision, TrainOptions};
@@ -58,7 +60,7 @@ const BUCKET_CAP_MB: f64 = 16.0;
 /// arcface_torch's GradScaler growth interval.
 const GROWTH_INTERVAL: i64 = 100;
 
-/// The backbone under Ddp, the PartialFC head, the optimizer over both, the verification sets
+/// The backbone under Ddp or Fsdp, the PartialFC head, the optimizer over both, the verification sets
 /// and the per-rank checkpoints.
 pub(crate) struct Face<'a> {
     cfg: &'a TrainOptions,
@@ -66,7 +68,8 @@ pub(crate) struct Face<'a> {
     model: FaceBackbone,
     /// The backbone's state-dict names in creation order (torch's `state_dict()` order).
     order: Vec<String>,
-    ddp: Ddp<NamedVars>,
+    backbone: Wrapped<NamedVars>,
+    rank: usize,
     /// The PartialFC head, as state its ranks hold alone.
     head: HeadPart,
     /// Each rank's BatchNorm statistics (`broadcast_buffers=False`).
@@ -140,7 +143,7 @@ impl<'a> Face<'a> {
         let classes = cfg.face.num_classes.unwrap_or(train.num_classes());
         let kind = cfg.model.kind;
         let vars = OrderedVarMap::new();
-        let model = FaceBackbone::new(
+        let mut model = FaceBackbone::new(
             kind,
             cfg.model.width,
             cfg.face.embedding_size,
@@ -172,15 +175,24 @@ impl<'a> Face<'a> {
             Some(l) => Arc::clone(&l.comm),
             None => Arc::new(group.clone()),
         };
-        let ddp = match &live {
-            Some(l) => {
-                let opts = DdpOptions { sync_on_init: !l.replacement, ..opts };
-                Ddp::with_comm(named, Arc::clone(&l.comm), opts)
+        let wrapping = "wrapping the backbone in Ddp";
+        let backbone = match (&cfg.model.fsdp, &live) {
+            (Some(fsdp), _) => {
+                let unit_of = Box::new(move |p: &str| FaceBackbone::unit_of(kind, p));
+                let mut give = |runner| {
+                    model.run_blocks_with(runner);
+                };
+                Wrapped::sharded(named, group, fsdp, Some((unit_of, &mut give)))?.keep_order(&order)
             }
-            None => Ddp::new(named, group, opts),
+            (None, Some(l)) => {
+                let opts = DdpOptions { sync_on_init: !l.replacement, ..opts };
+                Wrapped::Ddp(Ddp::with_comm(named, Arc::clone(&l.comm), opts).context(wrapping)?)
+            }
+            (None, None) => Wrapped::Ddp(Ddp::new(named, group, opts).context(wrapping)?),
+        };
+        if let Wrapped::Ddp(ddp) = &backbone {
+            super::register_comm_hook(ddp, cfg)?;
         }
-        .context("wrapping the backbone in Ddp")?;
-        super::register_comm_hook(&ddp, cfg)?;
 
         let replacement = live.as_ref().is_some_and(|l| l.replacement);
         let centres = match replacement {
@@ -190,8 +202,8 @@ impl<'a> Face<'a> {
         };
         let head = build_head(cfg, classes, head_comm, &device, centres)?;
         // One optimizer over two parameter groups, backbone then head, as arcface_torch.
-        let mut opt =
-            super::optimizer::build(&cfg.optim, vec![ddp.params(), vec![head.weight().clone()]])?;
+        let groups = vec![backbone.params(), vec![head.weight().clone()]];
+        let mut opt = super::optimizer::build(&cfg.optim, groups)?;
 
         // PartialFC needs the same batch on every rank: the last partial batch is dropped.
         let options = LoaderOptions {
@@ -221,7 +233,7 @@ impl<'a> Face<'a> {
             .schedule
             .build(opt.as_mut(), cfg.optim.lr, RunLength { steps_per_epoch, total_steps })
             .option("lr_scheduler", None)?;
-        let stepper = super::step_for(cfg, GROWTH_INTERVAL, sched)?;
+        let stepper = backbone.step(super::step_for(cfg, GROWTH_INTERVAL, sched)?);
         let val = ValSets::load(&cfg.face.val, replacement).option("val", None)?;
         // (A live replacement's placeholder world is not the job's: it says nothing.)
         if rank == 0 && !replacement {
@@ -237,20 +249,26 @@ impl<'a> Face<'a> {
                 cfg.data.batch_size,
             );
             super::note(reporter, text)?;
+            if let Some(text) =
+                backbone.describe(cfg.model.fsdp.as_ref().map_or(1, |f| f.hsdp_rows))
+            {
+                super::note(reporter, text)?;
+            }
         }
         let autocast =
             (cfg.model.precision != Precision::F32).then(|| cfg.model.precision.compute_dtype());
         // A replacement holds no rows until it joins.
         let mirror = live.map(|l| Mirrored::new(cfg.comm.mirror_every, !l.replacement));
-        let mut head = HeadPart::new(head, ddp.params().len(), group.size(), mirror);
+        let mut head = HeadPart::new(head, backbone.params().len(), group.size(), mirror);
         head.gradient_acc = cfg.face.gradient_acc;
-        let buffers = RankBuffers::new(BUFFERS_SHARD, ddp.module().named_buffers(), rank);
+        let buffers = RankBuffers::new(BUFFERS_SHARD, backbone.module().named_buffers(), rank);
         let recipe = Face {
             cfg,
             device,
             model,
             order,
-            ddp,
+            backbone,
+            rank,
             head,
             buffers,
             opt,
@@ -275,9 +293,12 @@ impl Recipe for Face<'_> {
         let model = &self.model;
         // What the forward draws (a ViT's masks and stochastic depth) is keyed by seed, rank
         // and step: a resumed or regrouped run draws what an uninterrupted one would.
-        let seed = keyed_hash(self.cfg.run.seed, self.ddp.rank() as u64, n);
+        let seed = keyed_hash(self.cfg.run.seed, self.rank as u64, n);
         model.seed(seed);
-        let embeddings = self.autocast.apply(&batch.x, false, |x| model.forward_t(x, true))?;
+        let autocast = &self.autocast;
+        let embeddings = self
+            .backbone
+            .forward(|_| autocast.apply(&batch.x, false, |x| model.forward_t(x, true)))?;
         fault::hit(fault::Phase::Forward);
         tandem_train::phase_end(&self.device)?;
         let forward_secs = clock.elapsed().as_secs_f64();
@@ -295,9 +316,9 @@ impl Recipe for Face<'_> {
         // arcface_torch's gradient_acc: every batch's gradients are summed, the optimizer steps
         // on the window's last batch (global steps that are multiples of it).
         let window_ends = n.is_multiple_of(self.cfg.face.gradient_acc.max(1));
-        let (ddp, backbone) = (&self.ddp, self.ddp.params());
+        let (wrapped, backbone) = (&self.backbone, self.backbone.params());
         let backward = |l: &candle_core::Tensor| -> Result<_> {
-            let mut grads = ddp.backward_with_local(l, std::slice::from_ref(&leaf))?;
+            let mut grads = wrapped.backward(l, std::slice::from_ref(&leaf))?;
             if leaf.as_tensor().id() != weight.as_tensor().id() {
                 // Filed under the weight, the parameter the optimizer steps.
                 if let Some(g) = grads.remove(leaf.as_tensor()) {
@@ -312,7 +333,7 @@ impl Recipe for Face<'_> {
             // The head's gradient will hold the sampled rows only (a window's sum is dense:
             // this batch's rows go into it).
             if let (Some(rows), None) = (&rows, &pending) {
-                self.opt.set_grad_rows(self.ddp.params().len(), rows.clone())?;
+                self.opt.set_grad_rows(backbone.len(), rows.clone())?;
             }
             let backward = |l: &candle_core::Tensor| -> Result<_> {
                 let mut grads = backward(l)?;
@@ -331,7 +352,7 @@ impl Recipe for Face<'_> {
             out
         } else {
             let (mut grads, out) =
-                step.accumulate(&loss, |l| ddp.no_sync(|_| backward(l)), self.opt.as_mut(), n)?;
+                step.accumulate(&loss, |l| wrapped.no_sync(|| backward(l)), self.opt.as_mut(), n)?;
             if let Some(g) = grads.remove(weight.as_tensor()) {
                 let g = dense_rows(&weight, rows.as_deref(), &g)?;
                 self.pending_head_grad = Some(match self.pending_head_grad.take() {
@@ -367,15 +388,20 @@ impl Recipe for Face<'_> {
         if val.is_empty() {
             return Ok(Vec::new());
         }
-        let buffers = self.ddp.module().named_buffers();
-        verify::evaluate(&self.model, &buffers, val, &self.device, group).option("val", None)
+        let buffers = self.backbone.module().named_buffers();
+        let (model, device) = (&self.model, &self.device);
+        self.backbone
+            .summon(|_| verify::evaluate(model, &buffers, val, device, group))?
+            .option("val", None)
     }
 
     /// The backbone and the optimizer (the backbone's entries replicated, in torch's order),
     /// the head's rows and each rank's statistics as parts; the run's settings and seed go
     /// into each checkpoint.
     fn state(&mut self) -> Option<TrainingState<'_>> {
-        let state = TrainingState::new(&self.ddp, &mut self.opt)
+        let state = self
+            .backbone
+            .state(&mut self.opt)
             .order(&self.order)
             .config(self.cfg.run.record.clone())
             .seed(self.cfg.run.seed);
@@ -384,7 +410,8 @@ impl Recipe for Face<'_> {
 
     /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
     fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
-        super::finish_run(self.cfg, group, &self.reporter, None, &*self.ddp.module())
+        let (cfg, reporter) = (self.cfg, &self.reporter);
+        self.backbone.summon(|named| super::finish_run(cfg, group, reporter, None, named))?
     }
 }
 

@@ -1,0 +1,192 @@
+//! The model as a recipe trains it: a replica on every rank under Ddp, or sharded over the
+//! ranks under Fsdp (`--fsdp`, FSDP2's `fully_shard`) — one type, so the classifier and the
+//! face recipe write their step, evaluation, checkpoints and export once for both.
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use tandem_comm::{DeviceMesh, ProcessGroup};
+use tandem_ddp::Ddp;
+use tandem_fsdp::{Fsdp, FsdpOptions, MixedPrecisionPolicy, Units};
+use tandem_models::UnitRunner;
+use tandem_nn::ParamModule;
+use tandem_optim::OptimizerState;
+use tandem_train::{bail_option, Context, FsdpShards, Result, Step, TrainingState};
+
+use crate::options::{FsdpRunOptions, FsdpUnits};
+
+/// A model trained by a recipe (see the module docs).
+pub(crate) enum Wrapped<M: ParamModule> {
+    Ddp(Ddp<M>),
+    Fsdp { fsdp: Fsdp, module: M, shards: FsdpShards },
+}
+
+/// Names the unit of each parameter (`None`: the root), for a model that runs its blocks
+/// through a [`UnitRunner`].
+pub(crate) type UnitOf = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;
+
+impl<M: ParamModule> Wrapped<M> {
+    /// `module`'s parameters sharded over `group` as `opts` asks. `blocks`: how the model runs
+    /// its blocks as units, when it has them — the parameters' units and a function that hands
+    /// the model a [`UnitRunner`] (the model calls it per block).
+    pub fn sharded(
+        module: M,
+        group: &ProcessGroup,
+        opts: &FsdpRunOptions,
+        blocks: Option<(UnitOf, &mut dyn FnMut(UnitRunner))>,
+    ) -> Result<Self> {
+        let (units, runner_for) = match (opts.units, blocks) {
+            (FsdpUnits::Blocks, Some((unit_of, give))) => (Units::by_name(unit_of), Some(give)),
+            _ => (Units::default(), None),
+        };
+        let mixed_precision = MixedPrecisionPolicy {
+            param_dtype: Some(opts.param_dtype.compute_dtype()),
+            reduce_dtype: opts.reduce_dtype.map(|d| d.compute_dtype()),
+        };
+        let options = FsdpOptions {
+            units,
+            reshard_after_forward: opts.reshard_after_forward,
+            mixed_precision,
+            ..FsdpOptions::default()
+        };
+        let named = module.named_parameters();
+        let (rows, world) = (opts.hsdp_rows, group.size());
+        let fsdp = if rows == 1 {
+            Fsdp::new(named, group, options)
+        } else {
+            if !world.is_multiple_of(rows) {
+                bail_option!(
+                    "hsdp_rows",
+                    Some(rows.to_string()),
+                    "{world} ranks do not form {rows} rows of equal length"
+                );
+            }
+            let mesh = DeviceMesh::new(group, &[rows, world / rows], None)
+                .context("forming the HSDP mesh")?;
+            Fsdp::on_mesh(named, &mesh, options)
+        }
+        .context("sharding the model")?;
+        if let Some(give) = runner_for {
+            let units = fsdp.clone();
+            give(Arc::new(move |name: &str, x: &Tensor, f: tandem_nn::CheckpointFn| {
+                units.run_unit(name, x, move |x| f(x)).map_err(candle_core::Error::wrap)
+            }));
+        }
+        // (The recipes keep each rank's buffers as this rank shard, Ddp or not.)
+        let shards = FsdpShards::new(&fsdp).with_buffers_in(super::face::BUFFERS_SHARD);
+        Ok(Wrapped::Fsdp { fsdp, module, shards })
+    }
+
+    /// The full state dict's key order in checkpoints (PyTorch's `state_dict()` order): Ddp's
+    /// state takes it from [`TrainingState::order`], Fsdp's shards keep it.
+    pub fn keep_order(self, order: &[String]) -> Self {
+        match self {
+            Wrapped::Fsdp { fsdp, module, shards } => {
+                let shards = shards.with_order(order.to_vec());
+                Wrapped::Fsdp { fsdp, module, shards }
+            }
+            ddp => ddp,
+        }
+    }
+
+    /// The variables the optimizer steps (Ddp: the parameters; Fsdp: this rank's shards).
+    pub fn params(&self) -> Vec<Var> {
+        match self {
+            Wrapped::Ddp(ddp) => ddp.params(),
+            Wrapped::Fsdp { fsdp, .. } => fsdp.params(),
+        }
+    }
+
+    /// A training forward: `f` runs the model (Ddp's hooked module; Fsdp's with the root's
+    /// parameters gathered and the units gathering theirs).
+    pub fn forward<R>(&self, f: impl FnOnce(&M) -> candle_core::Result<R>) -> Result<R> {
+        match self {
+            Wrapped::Ddp(ddp) => Ok(f(ddp.hooked())?),
+            Wrapped::Fsdp { fsdp, module, .. } => Ok(fsdp.forward(|| f(module))?),
+        }
+    }
+
+    /// The backward of a loss from [`Wrapped::forward`]: the gradients the optimizer steps
+    /// with (averaged over the ranks), and those of `local` (state each rank holds alone, such
+    /// as a PartialFC head's rows) as autograd computed them.
+    pub fn backward(&self, loss: &Tensor, local: &[Var]) -> Result<GradStore> {
+        match self {
+            Wrapped::Ddp(ddp) => Ok(ddp.backward_with_local(loss, local)?),
+            // (Fsdp takes its own parameters' gradients out of the store and leaves the rest.)
+            Wrapped::Fsdp { fsdp, .. } => Ok(fsdp.backward(loss)?),
+        }
+    }
+
+    /// `f` with gradient sync off (Ddp's `no_sync`, FSDP2's `set_requires_gradient_sync`):
+    /// its backwards accumulate without communicating, the next backward outside reduces the
+    /// sum.
+    pub fn no_sync<T>(&self, f: impl FnOnce() -> T) -> T {
+        match self {
+            Wrapped::Ddp(ddp) => ddp.no_sync(|_| f()),
+            Wrapped::Fsdp { fsdp, .. } => {
+                fsdp.set_requires_gradient_sync(false);
+                let out = f();
+                fsdp.set_requires_gradient_sync(true);
+                out
+            }
+        }
+    }
+
+    /// `f` on the whole model, outside training (evaluation, export): Ddp's plain module, or
+    /// Fsdp's with every parameter gathered. A collective under Fsdp: every rank calls it.
+    pub fn summon<R>(&self, f: impl FnOnce(&M) -> R) -> Result<R> {
+        match self {
+            Wrapped::Ddp(ddp) => Ok(f(&ddp.module())),
+            Wrapped::Fsdp { fsdp, module, .. } => Ok(fsdp.summon_full_params(|| f(module))?),
+        }
+    }
+
+    /// The model itself, outside any forward (its buffers; under Fsdp its parameters hold no
+    /// values here).
+    pub fn module(&self) -> &M {
+        match self {
+            Wrapped::Ddp(ddp) => ddp.hooked(),
+            Wrapped::Fsdp { module, .. } => module,
+        }
+    }
+
+    /// `step` as this model needs it: under Fsdp clipping and the GradScaler's inf check sum
+    /// over the ranks' shards.
+    pub fn step(&self, step: Step) -> Step {
+        match self {
+            Wrapped::Ddp(_) => step,
+            Wrapped::Fsdp { fsdp, .. } => step.sharded(fsdp.sum_over_ranks()),
+        }
+    }
+
+    /// The model and `optimizer` as training state: replicated under Ddp, the shards (by rows,
+    /// resumable on any world size) under Fsdp.
+    pub fn state<'a, O: OptimizerState + 'a>(
+        &'a mut self,
+        optimizer: &'a mut O,
+    ) -> TrainingState<'a> {
+        match self {
+            Wrapped::Ddp(ddp) => TrainingState::new(&*ddp, optimizer),
+            Wrapped::Fsdp { shards, .. } => TrainingState::fsdp(shards, optimizer),
+        }
+    }
+
+    /// How the model is spread, for the run's first lines (rank 0); `None` under Ddp.
+    pub fn describe(&self, hsdp_rows: usize) -> Option<String> {
+        let Wrapped::Fsdp { fsdp, .. } = self else { return None };
+        let units = fsdp.units();
+        let shown = match units.len() {
+            0..=4 => units.join(", "),
+            n => format!("{}, {} .. {} ({n} with the root)", units[0], units[1], units[n - 1]),
+        };
+        let copies = match hsdp_rows {
+            1 => String::new(),
+            r => format!(" in each of {r} HSDP rows"),
+        };
+        Some(format!(
+            "fsdp: {} parameters sharded over {} ranks{copies}; units {shown}",
+            fsdp.shards().len(),
+            fsdp.world_size(),
+        ))
+    }
+}
