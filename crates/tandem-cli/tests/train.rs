@@ -938,9 +938,9 @@ fn fsdp_trains_the_weights_ddp_trains_and_resumes_on_another_world_size() {
     let toml = std::fs::read_to_string(dir.path().join("from-config/config.toml")).unwrap();
     assert!(toml.contains("fsdp = true") && toml.contains("fsdp_reshard_after_forward = false"));
     assert!(toml.contains("fsdp_param_dtype = \"bf16\""), "{toml}");
-    std::fs::write(&config, "[fsdp]\nshards = 3\n").unwrap();
+    std::fs::write(&config, "[fsdp]\nshards = 3\nhsdp_rows = 1\n").unwrap();
     let o =
         output_with_deadline(tandem().args(["train", "--config", config.to_str().unwrap()]), LIMIT);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.contains("`shards`") && err.contains("[fsdp]"), "{err}");
+    assert!(!o.status.success() && err.contains("unknown key `fsdp-shards`"), "{err}");
 }

@@ -202,8 +202,8 @@ pub struct TrainConfig {
     pub fsdp_reshard_after_forward: bool,
     /// With --fsdp: HSDP — the ranks form this many rows, each a copy of the model sharded over
     /// its ranks (gradients reduce-scattered within a row, averaged across rows); 1: plain FSDP.
-    #[cfg_attr(feature = "clap", arg(long = "hsdp-rows", default_value_t = TrainConfig::default().hsdp_rows, value_name = "R"))]
-    pub hsdp_rows: usize,
+    #[cfg_attr(feature = "clap", arg(long = "hsdp-rows", default_value_t = TrainConfig::default().fsdp_hsdp_rows, value_name = "R"))]
+    pub fsdp_hsdp_rows: usize,
     /// With --fsdp: the dtype parameters are all-gathered in (FSDP2's
     /// `MixedPrecisionPolicy.param_dtype`; the weights a block computes with are the float32
     /// master weights rounded to it; what it computes in is --precision's).
@@ -339,7 +339,7 @@ impl Default for TrainConfig {
             fsdp: false,
             fsdp_units: FsdpUnits::Blocks,
             fsdp_reshard_after_forward: true,
-            hsdp_rows: 1,
+            fsdp_hsdp_rows: 1,
             fsdp_param_dtype: Precision::F32,
             fsdp_reduce_dtype: None,
             export_onnx: None,
@@ -434,7 +434,7 @@ impl TrainConfig {
                 fsdp: self.fsdp.then_some(FsdpRunOptions {
                     units: self.fsdp_units,
                     reshard_after_forward: self.fsdp_reshard_after_forward,
-                    hsdp_rows: self.hsdp_rows,
+                    hsdp_rows: self.fsdp_hsdp_rows,
                     param_dtype: self.fsdp_param_dtype,
                     reduce_dtype: self.fsdp_reduce_dtype,
                 }),
@@ -492,7 +492,7 @@ impl TrainConfig {
         let fsdp_default = TrainConfig::default();
         let fsdp_set = self.fsdp_units != fsdp_default.fsdp_units
             || self.fsdp_reshard_after_forward != fsdp_default.fsdp_reshard_after_forward
-            || self.hsdp_rows != fsdp_default.hsdp_rows
+            || self.fsdp_hsdp_rows != fsdp_default.fsdp_hsdp_rows
             || self.fsdp_param_dtype != fsdp_default.fsdp_param_dtype
             || self.fsdp_reduce_dtype.is_some();
         if fsdp_set && !self.fsdp {
@@ -503,7 +503,7 @@ impl TrainConfig {
                  are settings of a sharded model: add `fsdp`"
             );
         }
-        if self.hsdp_rows == 0 {
+        if self.fsdp_hsdp_rows == 0 {
             bail_option!("hsdp_rows", None, "must be at least 1 (1: plain FSDP)");
         }
         if self.lr_scheduler == SchedulerKind::Step && self.lr_step_epochs == 0 {

@@ -115,12 +115,9 @@ fn read_keeping(path: &Path, keep_ordered_dicts: bool) -> anyhow::Result<Value> 
         if is_zero1_checkpoint(path) {
             return Ok(tandem::optim::zero::consolidate_sharded(path)?);
         }
-        // An Fsdp checkpoint's `model` with its buffers: the full state dict.
-        let saved = Saved::open(path)?;
-        if let Some(whole) = tandem::train::fsdp_consolidated(&saved)? {
-            return Ok(whole);
-        }
-        return Ok(saved.consolidated()?);
+        let saved = Saved::open(path)?; // (an Fsdp model's rows and buffers: a full `model`)
+        let whole = tandem::train::fsdp_consolidated(&saved)?;
+        return Ok(whole.map_or_else(|| saved.consolidated(), Ok)?);
     }
     let opts = LoadOptions { verify_checksums: true, keep_ordered_dicts, ..Default::default() };
     Ok(tandem::ckpt::load_with(path, &opts)?)

@@ -24,20 +24,6 @@ pub fn to_toml(cfg: &TrainConfig) -> anyhow::Result<String> {
     toml::to_string_pretty(cfg).context("serialising config.toml")
 }
 
-/// A setting of arcface_torch's config as the TOML value a `--config` file would hold.
-fn toml_value(v: face::config::PyValue) -> toml::Value {
-    use face::config::PyValue;
-    match v {
-        PyValue::Int(i) => toml::Value::Integer(i),
-        PyValue::Float(x) => toml::Value::Float(x),
-        PyValue::Str(s) => toml::Value::String(s),
-        PyValue::Bool(b) => toml::Value::Boolean(b),
-        // (`to_settings` gives no None: an unset option is left out.)
-        PyValue::None => toml::Value::String("None".into()),
-        PyValue::List(items) => toml::Value::Array(items.into_iter().map(toml_value).collect()),
-    }
-}
-
 /// `--config FILE.toml`: settings whose keys are the flags' long names (`batch-size = 128`;
 /// the snake_case names of a run's own `config.toml` work too), or `--config FILE.py`:
 /// arcface_torch's Python config (see `tandem::recipes::face::config`). A flag given on the command
@@ -54,14 +40,15 @@ pub fn apply_config_file(
     // arcface_torch's Python configs, or TOML whose keys are the flags' names.
     let file: Vec<(String, toml::Value)> = if path.extension().is_some_and(|e| e == "py") {
         let settings = face::config::read_settings(&path).context("--config")?;
-        settings.into_iter().map(|(key, v)| (key.to_string(), toml_value(v))).collect()
+        let toml = |(key, v): (&str, _)| Ok((key.to_string(), toml::Value::try_from(v)?));
+        settings.into_iter().map(toml).collect::<anyhow::Result<_>>().context("--config")?
     } else {
         let table: toml::Table =
             text.parse().with_context(|| format!("--config {shown}: not valid TOML"))?;
         table.into_iter().collect()
     };
     let command = <TrainConfig as clap::Args>::augment_args(clap::Command::new("train"));
-    let file = flatten_sections(file, &command, &shown)?;
+    let file = flatten_sections(file);
     let mut table = match toml::Value::try_from(&cfg).context("serialising the settings")? {
         toml::Value::Table(t) => t,
         _ => bail!("the settings did not serialise to a table"),
@@ -88,16 +75,11 @@ pub fn apply_config_file(
             (Some(toml::Value::Float(_)), toml::Value::Integer(i)) => toml::Value::Float(i as f64),
             (_, v) => v,
         };
-        let check: anyhow::Result<TrainConfig> = {
-            let mut probe = table.clone();
-            probe.insert(id.to_string(), value.clone());
-            toml::Value::Table(probe).try_into().map_err(anyhow::Error::from)
-        };
-        if let Err(e) = check {
-            bail!(
-                "--config {shown}: `{key}`: {}",
-                e.to_string().lines().next().unwrap_or("a value of the wrong type")
-            );
+        let mut probe = table.clone();
+        probe.insert(id.to_string(), value.clone());
+        if let Err(e) = toml::Value::Table(probe).try_into::<TrainConfig>() {
+            let why = e.to_string().lines().next().unwrap_or_default().to_string();
+            bail!("--config {shown}: `{key}`: {why}");
         }
         table.insert(id.to_string(), value);
     }
@@ -107,46 +89,17 @@ pub fn apply_config_file(
     Ok(merged)
 }
 
-/// A section of a TOML config (`[fsdp]`) as the flags it stands for: `[fsdp]` alone is `fsdp =
-/// true` (`enabled = false` inside turns it off), and each key inside is the flag
-/// `fsdp-KEY`, or the flag `KEY` itself (`[fsdp] hsdp-rows = 2`).
-fn flatten_sections(
-    file: Vec<(String, toml::Value)>,
-    command: &clap::Command,
-    shown: &str,
-) -> anyhow::Result<Vec<(String, toml::Value)>> {
-    let is_flag = |name: &str| {
-        command
-            .get_arguments()
-            .any(|a| a.get_long() == Some(name) || a.get_id().as_str() == name.replace('-', "_"))
+/// A TOML config's section (`[fsdp]`) as the flags it stands for: the flag `fsdp` (on, unless
+/// `enabled = false` inside) and each key inside the flag `fsdp-KEY`.
+fn flatten_sections(file: Vec<(String, toml::Value)>) -> Vec<(String, toml::Value)> {
+    let flat = |(key, value): (String, toml::Value)| match value {
+        toml::Value::Table(mut section) => {
+            let on = section.remove("enabled").unwrap_or(toml::Value::Boolean(true));
+            let inside =
+                section.into_iter().map(|(k, v)| (format!("{key}-{}", k.replace('_', "-")), v));
+            std::iter::once((key.clone(), on)).chain(inside.collect::<Vec<_>>()).collect()
+        }
+        value => vec![(key, value)],
     };
-    let mut out = Vec::with_capacity(file.len());
-    for (key, value) in file {
-        let toml::Value::Table(section) = value else {
-            out.push((key, value));
-            continue;
-        };
-        if !is_flag(&key) {
-            bail!("--config {shown}: unknown section `[{key}]` (sections: `[fsdp]`)");
-        }
-        let mut enabled = toml::Value::Boolean(true);
-        let mut inside = Vec::new();
-        for (k, v) in section {
-            if k == "enabled" {
-                enabled = v;
-                continue;
-            }
-            let prefixed = format!("{key}-{}", k.replace('_', "-"));
-            let Some(flag) = [prefixed.clone(), k.clone()].into_iter().find(|f| is_flag(f)) else {
-                bail!(
-                    "--config {shown}: unknown key `{k}` in `[{key}]` (it stands for the flag \
-                     `--{prefixed}`, which `tandem train` does not have)"
-                );
-            };
-            inside.push((flag, v));
-        }
-        out.push((key, enabled));
-        out.extend(inside);
-    }
-    Ok(out)
+    file.into_iter().flat_map(flat).collect()
 }

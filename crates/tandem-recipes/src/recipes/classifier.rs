@@ -115,7 +115,7 @@ impl<'a> Classifier<'a> {
         if let Wrapped::Ddp(ddp) = &model {
             super::register_comm_hook(ddp, cfg)?;
         }
-        if let (Some(text), 0) = (model.describe(1), rank) {
+        if let (Some(text), 0) = (model.describe(), rank) {
             super::note(reporter, text)?;
         }
         let mut opt = super::optimizer::for_model(&cfg.optim, model.params(), comm)?;

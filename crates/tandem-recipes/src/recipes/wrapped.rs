@@ -18,7 +18,13 @@ use crate::options::{FsdpRunOptions, FsdpUnits};
 /// A model trained by a recipe (see the module docs).
 pub(crate) enum Wrapped<M: ParamModule> {
     Ddp(Ddp<M>),
-    Fsdp { fsdp: Fsdp, module: M, shards: FsdpShards },
+    /// `rows`: HSDP's rows (1: plain FSDP).
+    Fsdp {
+        fsdp: Fsdp,
+        module: M,
+        shards: FsdpShards,
+        rows: usize,
+    },
 }
 
 /// Names the unit of each parameter (`None`: the root), for a model that runs its blocks
@@ -74,16 +80,16 @@ impl<M: ParamModule> Wrapped<M> {
         }
         // (The recipes keep each rank's buffers as this rank shard, Ddp or not.)
         let shards = FsdpShards::new(&fsdp).with_buffers_in(super::face::BUFFERS_SHARD);
-        Ok(Wrapped::Fsdp { fsdp, module, shards })
+        Ok(Wrapped::Fsdp { fsdp, module, shards, rows })
     }
 
     /// The full state dict's key order in checkpoints (PyTorch's `state_dict()` order): Ddp's
     /// state takes it from [`TrainingState::order`], Fsdp's shards keep it.
     pub fn keep_order(self, order: &[String]) -> Self {
         match self {
-            Wrapped::Fsdp { fsdp, module, shards } => {
+            Wrapped::Fsdp { fsdp, module, shards, rows } => {
                 let shards = shards.with_order(order.to_vec());
-                Wrapped::Fsdp { fsdp, module, shards }
+                Wrapped::Fsdp { fsdp, module, shards, rows }
             }
             ddp => ddp,
         }
@@ -172,14 +178,14 @@ impl<M: ParamModule> Wrapped<M> {
     }
 
     /// How the model is spread, for the run's first lines (rank 0); `None` under Ddp.
-    pub fn describe(&self, hsdp_rows: usize) -> Option<String> {
-        let Wrapped::Fsdp { fsdp, .. } = self else { return None };
+    pub fn describe(&self) -> Option<String> {
+        let Wrapped::Fsdp { fsdp, rows, .. } = self else { return None };
         let units = fsdp.units();
         let shown = match units.len() {
             0..=4 => units.join(", "),
             n => format!("{}, {} .. {} ({n} with the root)", units[0], units[1], units[n - 1]),
         };
-        let copies = match hsdp_rows {
+        let copies = match rows {
             1 => String::new(),
             r => format!(" in each of {r} HSDP rows"),
         };

@@ -15,8 +15,10 @@ use std::path::{Path, PathBuf};
 
 use tandem_train::{Result, TrainError};
 
-/// A value of the config's expression language.
-#[derive(Clone, Debug, PartialEq)]
+/// A value of the config's expression language (serialised as the plain value it is: the
+/// settings a TOML config would hold).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(untagged)]
 pub enum PyValue {
     Int(i64),
     Float(f64),

@@ -249,9 +249,7 @@ impl<'a> Face<'a> {
                 cfg.data.batch_size,
             );
             super::note(reporter, text)?;
-            if let Some(text) =
-                backbone.describe(cfg.model.fsdp.as_ref().map_or(1, |f| f.hsdp_rows))
-            {
+            if let Some(text) = backbone.describe() {
                 super::note(reporter, text)?;
             }
         }
