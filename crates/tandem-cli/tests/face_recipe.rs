@@ -839,23 +839,36 @@ fn fsdp_backbone_trains_as_ddp_and_resumes_as_hsdp() {
         assert_eq!(backbone(&a), backbone(&b), "{file}: the backbone's tensors");
     }
 
-    for (name, extra) in [("fsdp", &["--fsdp", "--hsdp-rows", "2"][..]), ("ddp", &[][..])] {
+    // (Ddp's checkpoint resumed as HSDP too: each rank cuts its rows out of it.)
+    let hsdp = ["--fsdp", "--hsdp-rows", "2"];
+    for (from, name, extra) in
+        [("fsdp", "fsdp", &hsdp[..]), ("ddp", "ddp-as-hsdp", &hsdp[..]), ("ddp", "ddp", &[][..])]
+    {
         let (out_dir, final_pt) = (run_dir(name), fin(&format!("{name}-on-4")));
+        if from != name {
+            assert!(Command::new("cp")
+                .args(["-r", p(&run_dir(from)), p(&out_dir)])
+                .status()
+                .unwrap()
+                .success());
+        }
         let mut args = vec!["--nproc-per-node", "4", "--steps", "18", "--sample-rate", "0.5"];
         args.extend(["--out", p(&out_dir), "--resume", "--save-final", p(&final_pt)]);
         args.extend(extra);
         let out = train(&data, &args);
         assert!(out.contains("resumed from"), "{out}");
-        if name == "fsdp" {
+        if name != "ddp" {
             assert!(out.contains("in each of 2 HSDP rows"), "{out}");
         }
-        assert_eq!(summary(&run_dir(name)).steps, 18);
+        assert_eq!(summary(&out_dir).steps, 18);
     }
     // Four-way sums round differently in HSDP's reduce-scatter + all-reduce and in Ddp's
     // all-reduce (seen: 1.5e-8 after one step, 5e-7 after two; the margin loss on batches of 4
     // magnifies it over more steps: 2.4e-5 after four, FSDP on 4 ranks the same).
-    let (gap, at) = weight_gap(&fin("fsdp-on-4"), &fin("ddp-on-4"));
-    assert!(gap < 2e-6, "resumed on 4 ranks as HSDP, `{at}` is {gap} from Ddp's");
+    for name in ["fsdp", "ddp-as-hsdp"] {
+        let (gap, at) = weight_gap(&fin(&format!("{name}-on-4")), &fin("ddp-on-4"));
+        assert!(gap < 2e-6, "{name} resumed on 4 ranks as HSDP, `{at}` is {gap} from Ddp's");
+    }
 }
 
 fn bad_input_is_named() {

@@ -6,7 +6,7 @@
 //! under `model`, the entries under `optimizer`'s `state`).
 use std::sync::LazyLock;
 
-use tandem_checkpoint::{Saved, ShardDict};
+use tandem_checkpoint::{slice_rows, Saved, ShardDict};
 use tandem_ckpt::Value;
 use tandem_fsdp::{Fsdp, Shard};
 use tandem_nn::NamedVars;
@@ -117,6 +117,9 @@ impl RankState for FsdpShards {
     }
 
     fn load(&mut self, saved: &Saved) -> Result<PartLoaded> {
+        if !is_fsdp_checkpoint(saved) {
+            return self.load_replicated(saved);
+        }
         let path = saved.path().display().to_string();
         let shards = self.fsdp.shards();
         let ours: Vec<String> = shards.iter().map(|s| model_shard(&s.name)).collect();
@@ -135,13 +138,6 @@ impl RankState for FsdpShards {
         for s in &shards {
             let name = model_shard(&s.name);
             let Some(total) = saved.rows_total(&name) else {
-                if !is_fsdp_checkpoint(saved) {
-                    return Err(TrainError::Invalid(format!(
-                        "{path}: a replicated model's checkpoint (a Ddp run's), not a sharded \
-                         one: resume it without Fsdp (`--fsdp`), or start a sharded run from \
-                         its weights (`--init-from`)"
-                    )));
-                }
                 return Err(TrainError::Invalid(format!(
                     "{path}: no parameter `{}` (a checkpoint of another model?)",
                     s.name
@@ -179,6 +175,71 @@ impl RankState for FsdpShards {
             )
         });
         Ok(PartLoaded { entries, note, resplit: None })
+    }
+}
+
+impl FsdpShards {
+    /// A replicated model's checkpoint (a Ddp run's) resumed sharded: each shard cut from its
+    /// whole parameter, each optimizer entry's tensors cut to the shard's rows.
+    fn load_replicated(&mut self, saved: &Saved) -> Result<PartLoaded> {
+        let path = saved.path().display().to_string();
+        let whole = saved.consolidated()?;
+        let model = whole.get("model");
+        let state = whole.get("optimizer").and_then(|o| o.get("state"));
+        let (mut entries, mut trainable) = (Vec::new(), 0);
+        for s in self.fsdp.shards() {
+            let what = || format!("{path}: parameter `{}`", s.name);
+            let Some(t) = model.and_then(|m| m.get(&s.name)).and_then(Value::as_tensor) else {
+                let why = "not in its model (a checkpoint of another model?)";
+                return Err(TrainError::Invalid(format!("{}: {why}", what())));
+            };
+            if t.shape != s.dims {
+                let why = format!("{:?} saved, the model has {:?}", t.shape, s.dims);
+                return Err(TrainError::Invalid(format!("{}: {why}", what())));
+            }
+            let t = match t.shape.is_empty() {
+                true => tandem_ckpt::TensorData::from_bytes(
+                    t.dtype,
+                    &[1],
+                    t.contiguous_bytes().into_owned(),
+                ),
+                false => t.clone(),
+            };
+            if !s.rows.is_empty() {
+                set_shard(&s, &slice_rows(&t, s.rows.clone()), what)?;
+            }
+            if s.trainable {
+                let entry = state.and_then(|st| entry_of(st, trainable));
+                let rows = s.rows.clone();
+                let cut = |e: &Value| cut_rows(e, s.total_rows(), &rows);
+                entries.push(entry.filter(|_| !rows.is_empty()).map_or(Value::None, cut));
+                trainable += 1;
+            }
+        }
+        let note = format!(
+            "a replicated model's checkpoint, sharded over {} ranks",
+            self.fsdp.world_size()
+        );
+        Ok(PartLoaded { entries, note: Some(note), resplit: None })
+    }
+}
+
+/// Entry `index` of an optimizer's `state` dict.
+fn entry_of(state: &Value, index: usize) -> Option<&Value> {
+    let Value::Dict(items) = state else { return None };
+    items.iter().find(|(k, _)| k.as_int() == Some(index as i64)).map(|(_, v)| v)
+}
+
+/// `entry` with every tensor of `total` rows cut to `rows` (a step count stays whole).
+fn cut_rows(entry: &Value, total: usize, rows: &std::ops::Range<usize>) -> Value {
+    match entry {
+        Value::Tensor(t) if t.shape.first() == Some(&total) => {
+            Value::Tensor(slice_rows(t, rows.clone()))
+        }
+        Value::Dict(items) => {
+            Value::Dict(items.iter().map(|(k, v)| (k.clone(), cut_rows(v, total, rows))).collect())
+        }
+        other => other.clone(),
     }
 }
 

@@ -191,15 +191,22 @@ impl RankState for RankBuffers {
         Ok(vec![ShardDict::rank(&self.name, Value::dict_from(items))])
     }
 
+    /// This rank's buffers (the nearest saved rank's), or, from a checkpoint that kept them in
+    /// its replicated model (a Ddp run's, resumed sharded), the model's.
     fn load(&mut self, saved: &Saved) -> Result<PartLoaded> {
         let from = self.rank.min(saved.world_size().saturating_sub(1));
-        let Some(value) = saved.read_rank(&self.name, from)? else {
-            return Ok(PartLoaded::default());
+        let held = saved.shard_names().contains(&self.name.as_str());
+        let own = if held { saved.read_rank(&self.name, from)? } else { None };
+        let (value, whose) = match own {
+            Some(value) => (value, format!("`{}` of rank {from}", self.name)),
+            None => match saved.replicated()?.get("model") {
+                Some(model) => (model.clone(), "the model".to_string()),
+                None => return Ok(PartLoaded::default()),
+            },
         };
         for (name, var) in &self.buffers {
             let Some(t) = value.get(name).and_then(Value::as_tensor) else { continue };
-            let what =
-                || format!("{}: `{}` of rank {from}: {name}", saved.path().display(), self.name);
+            let what = || format!("{}: {whose}: {name}", saved.path().display());
             let t = tandem_nn::convert::from_ckpt(t, var.device()).with_context(what)?;
             let t = t.to_dtype(var.dtype()).with_context(what)?;
             var.set(&t).with_context(what)?;

@@ -306,22 +306,18 @@ pub(crate) fn restore(
     saved: &Saved,
     state: &mut TrainingState<'_>,
 ) -> Result<(TrainingCheckpoint, Option<String>)> {
-    let value = replicated_with_optimizer(saved, state.optimizer.owned_params().as_deref())?;
+    // A model wholly in a part (an Fsdp model's shards) has no replicated state dict.
+    let replicated =
+        !(state.model.param_set().is_empty() && state.model.named_buffers().is_empty());
+    let value = match crate::fsdp_state::fsdp_consolidated(saved)? {
+        // An Fsdp run's rows stacked: the model and optimizer a replicated run resumes from.
+        Some(whole) if replicated => whole,
+        _ => replicated_with_optimizer(saved, state.optimizer.owned_params().as_deref())?,
+    };
     let mut ck = TrainingCheckpoint::from_value(&value)?;
     let path = saved.path();
     // The model first: a part may overwrite some of it (a rank's own BatchNorm statistics).
-    // A model wholly in a part (an Fsdp model's shards) has no replicated state dict.
-    if !(state.model.param_set().is_empty() && state.model.named_buffers().is_empty()) {
-        if crate::fsdp_state::is_fsdp_checkpoint(saved) {
-            return Err(field_error(
-                path,
-                "model",
-                "a sharded model's rows (an Fsdp run's, `--fsdp`): resume it sharded (on any \
-                 number of ranks), or `tandem ckpt convert` it to a full state dict and start \
-                 from those weights (`--init-from`)"
-                    .into(),
-            ));
-        }
+    if replicated {
         load_weights_from(state.model, &ck.model, true)
             .map_err(|e| field_error(path, "model", e.to_string()))?;
     }
