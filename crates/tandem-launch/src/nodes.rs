@@ -521,21 +521,25 @@ impl NodeAgent {
     }
 }
 
-/// One look at a round from the watcher: a member's launcher gone, or a failure reported.
+/// One look at a round from the watcher: a failure reported, or a member's launcher gone. The
+/// report first: a launcher that reports its workers' failure and exits is gone a moment later,
+/// and its report names the root cause where its absence would not.
 fn check_round(store: &Store, round: &Round) -> Result<Option<Remote>, CommError> {
     let keys: Vec<&str> = round.members.iter().map(|m| m.alive_key.as_str()).collect();
     let gone = store.missing(&keys)?;
+    let pre = format!("r{}", round.index);
+    if store.add(&format!("{pre}/failed"), 0)? > 0 {
+        // (The message follows the count: not there yet, or never from a reporter gone between.)
+        if let Some(msg) = store.get_now(&format!("{pre}/failed/msg"))? {
+            return Ok(Some(Remote::Failed(String::from_utf8_lossy(&msg).into_owned())));
+        }
+    }
     if let Some(key) = gone.first() {
         let node_rank = keys.iter().position(|k| k == key).unwrap_or(0);
         return Ok(Some(Remote::NodeLost {
             node_rank: node_rank as u32,
             hostname: round.members[node_rank].hostname.clone(),
         }));
-    }
-    let pre = format!("r{}", round.index);
-    if store.add(&format!("{pre}/failed"), 0)? > 0 {
-        let msg = store.get(&format!("{pre}/failed/msg"))?;
-        return Ok(Some(Remote::Failed(String::from_utf8_lossy(&msg).into_owned())));
     }
     Ok(None)
 }
