@@ -8,12 +8,13 @@ use tandem_ckpt::{TensorData, Value};
 
 use super::{invalid, Result};
 
-/// Rows `rows` of a tensor of one or more dimensions (a row is everything after dimension 0).
+/// Rows `rows` of a tensor (a row is everything after dimension 0; a scalar is one row of one
+/// element, as a sharded model lays it out).
 pub fn slice_rows(t: &TensorData, rows: Range<usize>) -> TensorData {
-    let row_bytes = t.shape[1..].iter().product::<usize>() * t.dtype.size();
+    let mut shape = if t.shape.is_empty() { vec![1] } else { t.shape.clone() };
+    let row_bytes = shape[1..].iter().product::<usize>() * t.dtype.size();
     let bytes = t.contiguous_bytes();
     let part = bytes[rows.start * row_bytes..rows.end * row_bytes].to_vec();
-    let mut shape = t.shape.clone();
     shape[0] = rows.len();
     TensorData::from_bytes(t.dtype, &shape, part)
 }

@@ -779,23 +779,8 @@ fn max_gap(
     a: &[(String, tandem::ckpt::TensorData)],
     b: &[(String, tandem::ckpt::TensorData)],
 ) -> (f64, String) {
-    let names = |s: &[(String, tandem::ckpt::TensorData)]| {
-        s.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>()
-    };
-    assert_eq!(names(a), names(b), "the same keys");
-    let mut worst = (0.0f64, String::new());
-    for ((k, x), (_, y)) in a.iter().zip(b) {
-        let gap = x
-            .to_f64_vec()
-            .iter()
-            .zip(y.to_f64_vec())
-            .map(|(p, q)| (p - q).abs())
-            .fold(0.0, f64::max);
-        if gap > worst.0 {
-            worst = (gap, k.clone());
-        }
-    }
-    worst
+    let (worst, at, _) = state_dict_gap(a, b, b);
+    (worst, at)
 }
 
 /// `--fsdp` (the model sharded, FSDP2's `fully_shard`): the cnn (BatchNorm statistics kept per

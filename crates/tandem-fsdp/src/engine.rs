@@ -51,11 +51,9 @@ pub(crate) struct State {
     /// The last step's order: the next unit's all-gather is started before the current one runs.
     last_order: Vec<usize>,
     pub in_step: bool,
-    /// Inside [`crate::Fsdp::summon_full_params`]: every unit gathered, units run plainly.
+    /// Inside [`crate::Fsdp::summon_full_params`]: every unit gathered in float32 whatever
+    /// the policy's `param_dtype` (the master weights, for export), units run plainly.
     pub summoned: bool,
-    /// Gather in float32 whatever the policy's `param_dtype` (the full parameters for export
-    /// are the master weights, not their rounding).
-    pub exact_gathers: bool,
     in_unit: Option<usize>,
     reducing: Vec<Reduction>,
     shard_grads: Vec<Option<Tensor>>,
@@ -158,7 +156,7 @@ impl Engine {
                 param.layout.pack_shard(shard, &mut input)
             })
             .map_err(tensor(format!("reading the shard of `{}`", param.name)))?;
-            let wire = if st.exact_gathers { Wire::F32 } else { self.wires.0 };
+            let wire = if st.summoned { Wire::F32 } else { self.wires.0 };
             works.push(wire.all_gather(&self.group, input));
         }
         st.gathering[u] = Some(works);

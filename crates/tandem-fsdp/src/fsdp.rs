@@ -435,11 +435,10 @@ impl Fsdp {
         if e.lock().in_step {
             return Err(FsdpError::Order("summon_full_params between forward and backward".into()));
         }
-        e.lock().exact_gathers = true;
-        let started = (0..e.units.len()).try_for_each(|u| e.prefetch(u));
-        e.lock().exact_gathers = false;
-        let gathered = started.and_then(|()| (0..e.units.len()).try_for_each(|u| e.gather(u)));
+        let units = 0..e.units.len();
         e.lock().summoned = true;
+        let gathered = (units.clone().try_for_each(|u| e.prefetch(u)))
+            .and_then(|()| units.clone().try_for_each(|u| e.gather(u)));
         let out = gathered.map(|()| f());
         e.lock().summoned = false;
         for u in 0..e.units.len() {

@@ -18,15 +18,8 @@ thread_local! {
 /// Runs `f` with autocast to `dtype` (f16 or bf16; `None`: f32, as outside any scope), then
 /// restores the enclosing scope's setting, also when `f` panics.
 pub fn autocast<R>(dtype: Option<DType>, f: impl FnOnce() -> R) -> R {
-    struct Restore(Option<DType>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            DTYPE.with(|d| d.set(self.0));
-        }
-    }
     let dtype = dtype.filter(|d| matches!(d, DType::F16 | DType::BF16));
-    let _restore = Restore(DTYPE.with(|d| d.replace(dtype)));
-    f()
+    crate::scoped::with_cell(&DTYPE, dtype, f)
 }
 
 /// The type a layer computes in for an input on `device`: the scope's 16-bit type on a GPU,

@@ -75,14 +75,7 @@ thread_local! {
 /// value built inside `f` is alive: a synchronous save, which drops them before training goes
 /// on, keeps that promise; a background save must not lend.
 pub unsafe fn lend<R>(f: impl FnOnce() -> R) -> R {
-    struct Reset(bool);
-    impl Drop for Reset {
-        fn drop(&mut self) {
-            LEND.with(|l| l.set(self.0));
-        }
-    }
-    let _reset = Reset(LEND.with(|l| l.replace(true)));
-    f()
+    crate::scoped::with_cell(&LEND, true, f)
 }
 
 /// [`to_ckpt`] without the copy: the checkpoint tensor reads `t`'s own storage (a CPU tensor,

@@ -30,6 +30,7 @@ mod module;
 mod params;
 mod prelu;
 mod recompute;
+mod scoped;
 mod threads;
 pub mod torch_init;
 mod vars;

@@ -11,14 +11,7 @@ thread_local! {
 /// Runs `f` as a recomputation (see the module docs), then restores the enclosing setting,
 /// also when `f` panics.
 pub fn recompute<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            RECOMPUTING.with(|r| r.set(self.0));
-        }
-    }
-    let _restore = Restore(RECOMPUTING.with(|r| r.replace(true)));
-    f()
+    crate::scoped::with_cell(&RECOMPUTING, true, f)
 }
 
 /// Whether this thread is inside [`recompute`].

@@ -391,6 +391,17 @@ impl TrainConfig {
         }
     }
 
+    /// The `fsdp_*` settings (whether or not `fsdp` is on).
+    fn fsdp_settings(&self) -> FsdpRunOptions {
+        FsdpRunOptions {
+            units: self.fsdp_units,
+            reshard_after_forward: self.fsdp_reshard_after_forward,
+            hsdp_rows: self.fsdp_hsdp_rows,
+            param_dtype: self.fsdp_param_dtype,
+            reduce_dtype: self.fsdp_reduce_dtype,
+        }
+    }
+
     /// The settings as the recipes' typed options, the run directory `dir` ([`Self::run_dir`]
     /// picks one). Its `record` (what every checkpoint stores as the run's `config`) is empty:
     /// the caller writes the settings there in its own format.
@@ -431,13 +442,7 @@ impl TrainConfig {
                 sync_batchnorm: self.sync_batchnorm,
                 precision: self.precision,
                 device: self.device,
-                fsdp: self.fsdp.then_some(FsdpRunOptions {
-                    units: self.fsdp_units,
-                    reshard_after_forward: self.fsdp_reshard_after_forward,
-                    hsdp_rows: self.fsdp_hsdp_rows,
-                    param_dtype: self.fsdp_param_dtype,
-                    reduce_dtype: self.fsdp_reduce_dtype,
-                }),
+                fsdp: self.fsdp.then(|| self.fsdp_settings()),
             },
             optim: OptimOptions {
                 kind: self.optimizer,
@@ -489,13 +494,7 @@ impl TrainConfig {
                  polynomial-warmup (name one)"
             );
         }
-        let fsdp_default = TrainConfig::default();
-        let fsdp_set = self.fsdp_units != fsdp_default.fsdp_units
-            || self.fsdp_reshard_after_forward != fsdp_default.fsdp_reshard_after_forward
-            || self.fsdp_hsdp_rows != fsdp_default.fsdp_hsdp_rows
-            || self.fsdp_param_dtype != fsdp_default.fsdp_param_dtype
-            || self.fsdp_reduce_dtype.is_some();
-        if fsdp_set && !self.fsdp {
+        if !self.fsdp && self.fsdp_settings() != TrainConfig::default().fsdp_settings() {
             bail_option!(
                 "fsdp",
                 None,

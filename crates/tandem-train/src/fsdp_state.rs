@@ -197,16 +197,8 @@ impl FsdpShards {
                 let why = format!("{:?} saved, the model has {:?}", t.shape, s.dims);
                 return Err(TrainError::Invalid(format!("{}: {why}", what())));
             }
-            let t = match t.shape.is_empty() {
-                true => tandem_ckpt::TensorData::from_bytes(
-                    t.dtype,
-                    &[1],
-                    t.contiguous_bytes().into_owned(),
-                ),
-                false => t.clone(),
-            };
             if !s.rows.is_empty() {
-                set_shard(&s, &slice_rows(&t, s.rows.clone()), what)?;
+                set_shard(&s, &slice_rows(t, s.rows.clone()), what)?;
             }
             if s.trainable {
                 let entry = state.and_then(|st| entry_of(st, trainable));

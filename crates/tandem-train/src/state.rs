@@ -309,10 +309,12 @@ pub(crate) fn restore(
     // A model wholly in a part (an Fsdp model's shards) has no replicated state dict.
     let replicated =
         !(state.model.param_set().is_empty() && state.model.named_buffers().is_empty());
-    let value = match crate::fsdp_state::fsdp_consolidated(saved)? {
-        // An Fsdp run's rows stacked: the model and optimizer a replicated run resumes from.
-        Some(whole) if replicated => whole,
-        _ => replicated_with_optimizer(saved, state.optimizer.owned_params().as_deref())?,
+    // An Fsdp run's rows stacked: the model and optimizer a replicated run resumes from (a
+    // sharded model reads only its own rows, through its part).
+    let stacked = if replicated { crate::fsdp_state::fsdp_consolidated(saved)? } else { None };
+    let value = match stacked {
+        Some(whole) => whole,
+        None => replicated_with_optimizer(saved, state.optimizer.owned_params().as_deref())?,
     };
     let mut ck = TrainingCheckpoint::from_value(&value)?;
     let path = saved.path();

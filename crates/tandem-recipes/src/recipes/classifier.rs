@@ -1,8 +1,9 @@
 //! The classifier recipe (mlp, cnn, resnet18 on digits, MNIST, CIFAR-10 or synthetic data):
-//! the model under Ddp (or sharded, `--fsdp`: one root unit), its optimizer (plain or ZeRO-sharded) and per-epoch evaluation on the
-//! eval split. Its state is the [`Trainer`](tandem_train::Trainer)'s to save (synchronously or
-//! in the background, one file or with ZeRO a directory of shards), resume on any world size
-//! and move between ranks under live recovery.
+//! the model under Ddp (or sharded, `--fsdp`: one root unit), its optimizer (plain or
+//! ZeRO-sharded) and per-epoch evaluation on the eval split. Its state is the
+//! [`Trainer`](tandem_train::Trainer)'s to save (synchronously or in the background, one file
+//! or with ZeRO a directory of shards), resume on any world size and move between ranks under
+//! live recovery.
 use std::path::Path;
 use std::sync::Arc;
 

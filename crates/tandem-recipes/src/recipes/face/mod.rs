@@ -1,8 +1,8 @@
 //! The face-recognition recipe (insightface's arcface_torch `train_v2.py`) as one rank of
 //! `tandem train --model iresnet18 .. iresnet200 | mbf | mbf_large --data rec:DIR`: a face backbone under Ddp
 //! (`broadcast_buffers=False`, 16 MB buckets) or sharded (`--fsdp`: a unit per ViT or IResNet
-//! block), a PartialFC head whose class centres are split
-//! over the ranks, fed by the all-gathered embeddings, with CombinedMarginLoss; one optimizer
+//! block), a PartialFC head whose class centres are split over the ranks, fed by the
+//! all-gathered embeddings, with CombinedMarginLoss; one optimizer
 //! over two parameter groups (backbone, head); clipping of the backbone's gradients; a
 //! per-iteration schedule; f16 with a GradScaler; verification on `.bin` pair sets every
 //! `--verbose` steps and at the end; per-rank checkpoints that resume on any world size.
@@ -60,8 +60,8 @@ const BUCKET_CAP_MB: f64 = 16.0;
 /// arcface_torch's GradScaler growth interval.
 const GROWTH_INTERVAL: i64 = 100;
 
-/// The backbone under Ddp or Fsdp, the PartialFC head, the optimizer over both, the verification sets
-/// and the per-rank checkpoints.
+/// The backbone under Ddp or Fsdp, the PartialFC head, the optimizer over both, the
+/// verification sets and the per-rank checkpoints.
 pub(crate) struct Face<'a> {
     cfg: &'a TrainOptions,
     device: Device,
