@@ -165,7 +165,10 @@ fn lone_survivor_trial(
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let out = dir.path().join("run");
     let port = tandem_testutil::free_port();
-    let args = ["train", "--epochs", "50", "--hidden", "16", "--batch-size", "4", "--out", s(&out)];
+    // Longer than any delay drawn on any host: 50 epochs of digits end in under a second on a
+    // fast one, and a signal that lands on a finished (zombie) rank tests nothing.
+    let args =
+        ["train", "--epochs", "5000", "--hidden", "16", "--batch-size", "4", "--out", s(&out)];
     let mut ranks: Vec<Option<Running>> =
         (0..2).map(|r| Some(rank(id, r, 2, "127.0.0.1", port, &[], &args))).collect();
     std::thread::sleep(delay);
