@@ -32,6 +32,7 @@ fn main() -> ExitCode {
         face_recipe_two_neighbours_lost_reload_rows_from_the_checkpoint,
         face_recipe_background_saves_through_a_regroup_resume_on_three_ranks,
         zero_shards_come_back_from_the_mirror,
+        fsdp_shards_come_back_from_the_mirror_and_reshard_over_the_survivors,
     ])
 }
 
@@ -519,5 +520,68 @@ fn zero_shards_come_back_from_the_mirror() {
         line.contains("1 restored from mirrors, 0 reloaded, 0 started afresh; 9 parameter-steps"),
         "{line}\n{}",
         run.text
+    );
+}
+
+/// `--fsdp` under live recovery: member 2 is SIGKILLed in step 100's forward. Its shards of
+/// every parameter (4,931 of the MLP's 19,210 elements, with their AdamW state) come back from
+/// the mirror member 3 took at step 90 (9 steps older than the world's step 99). Without a
+/// restart the three survivors re-shard the model over themselves (each its `ceil(rows / 3)`-row
+/// chunk: rows move between them); with one, the replacement receives the dead rank's shards.
+/// Either way the job ends as well as an uninterrupted one, every checkpoint reads back. When
+/// members 1 and 2 die together (in step 65's optimizer step), old rank 1's shards, mirrored
+/// only on rank 2, are read from the checkpoint of step 60 instead.
+fn fsdp_shards_come_back_from_the_mirror_and_reshard_over_the_survivors() {
+    let f = fault("forward@100", "2");
+    let train = ["--fsdp", "--optimizer", "adamw", "--lr", "0.002", "--save-every", "60"];
+    for restarts in ["0", "1"] {
+        let run = live_job(&["--max-restarts", restarts], &train, &env_refs(&f));
+        assert_finished(&run);
+        assert!(run.text.contains("member 2 dies at Forward of step 100"), "{}", run.text);
+        let first = run.regroups().first().copied().unwrap_or_default().to_string();
+        assert!(first.contains("lost [2]") && first.contains("1 step(s) redone"), "{first}");
+        let records =
+            tandem::train::metrics::read_metrics(&run.dir.path().join("runs/live/metrics.jsonl"))
+                .unwrap();
+        let first = records
+            .iter()
+            .find_map(|r| match r {
+                MetricsRecord::Regrouped(g) => Some(g),
+                _ => None,
+            })
+            .expect("no regroup record");
+        let resplit = first.resplit.clone().unwrap_or_else(|| panic!("no re-split: {first:?}"));
+        assert_eq!(resplit.part, "fsdp shards", "{resplit:?}");
+        let c = resplit.counts;
+        assert_eq!(c.kept + c.moved + c.from_mirror, 19_210, "{c:?}");
+        assert_eq!((c.from_mirror, c.reloaded, c.fresh), (4_931, 0, 0), "{c:?}");
+        assert_eq!(c.stale_steps, 9 * 4_931, "{c:?}");
+        match restarts {
+            "0" => {
+                assert_eq!(first.change.members.len(), 3, "{first:?}");
+                assert!(c.moved > 0, "the survivors' rows re-laid over 3: {c:?}");
+                assert!(
+                    run.text.contains("fsdp: 4 parameters sharded over 4 ranks"),
+                    "{}",
+                    run.text
+                );
+            }
+            _ => assert!(run.text.contains("member 2 joined the running job"), "{}", run.text),
+        }
+    }
+    let f = fault("optimizer@65", "1,2");
+    let run = live_job(&["--max-restarts", "2"], &train, &env_refs(&f));
+    assert_finished(&run);
+    let line = run
+        .text
+        .lines()
+        .find(|l| l.contains("live: fsdp shards:"))
+        .unwrap_or_else(|| panic!("no shard line:\n{}", run.text));
+    // Step 65 stands (0 redone): the mirror of step 60 and the checkpoint of step 60 are 5 old.
+    assert!(
+        line.contains(
+            "4931 restored from mirrors, 4931 reloaded, 0 started afresh; 49310 element-steps"
+        ),
+        "{line}"
     );
 }

@@ -24,6 +24,7 @@ pub(crate) struct Param {
 }
 
 /// A unit: its parameters, gathered and reduced together.
+#[derive(Clone)]
 pub(crate) struct Unit {
     pub name: String,
     pub params: Vec<usize>,
@@ -125,6 +126,62 @@ impl Engine {
         };
         let state = Mutex::new(state);
         Engine { group, replicate, params, units, reshard_after_forward, wires, state }
+    }
+
+    /// This model over `group` (plain FSDP), this rank's shards `rows[p]` of each parameter in
+    /// the new layout: a live regroup's engine. The full parameters are freed (a step that
+    /// failed may have left some gathered).
+    pub fn regrouped(&self, group: ProcessGroup, rows: Vec<Tensor>) -> Result<Engine> {
+        if self.replicate.is_some() {
+            return Err(FsdpError::InvalidOption {
+                what: "regroup",
+                why: "an HSDP mesh does not re-form over a new world".into(),
+            });
+        }
+        if rows.len() != self.params.len() {
+            return Err(FsdpError::InvalidOption {
+                what: "regroup",
+                why: format!("{} shards for {} parameters", rows.len(), self.params.len()),
+            });
+        }
+        let (rank, world) = (group.rank(), group.size());
+        let mut params = Vec::with_capacity(rows.len());
+        for (old, t) in self.params.iter().zip(rows) {
+            let layout = ShardLayout::new(&old.layout.dims, rank, world);
+            if t.dims() != layout.shard_dims() {
+                return Err(FsdpError::Unsupported {
+                    param: old.name.clone(),
+                    why: format!(
+                        "rows of shape {:?} for rank {rank} of {world}, whose shard is {:?}",
+                        t.dims(),
+                        layout.shard_dims()
+                    ),
+                });
+            }
+            let what = || format!("the shard of `{}`", old.name);
+            let t = t.to_dtype(candle_core::DType::F32).map_err(tensor(what()))?;
+            let shard = Var::from_tensor(&t).map_err(tensor(what()))?;
+            storage::free(old.full.as_tensor())
+                .map_err(tensor(format!("freeing `{}`", old.name)))?;
+            params.push(Param {
+                name: old.name.clone(),
+                full: old.full.clone(),
+                shard,
+                layout,
+                trainable: old.trainable,
+                unit: old.unit,
+            });
+        }
+        let sync = self.lock().sync;
+        let engine = Engine::new(
+            (group, None),
+            params,
+            self.units.clone(),
+            self.reshard_after_forward,
+            self.wires,
+        );
+        engine.lock().sync = sync;
+        Ok(engine)
     }
 
     pub fn lock(&self) -> MutexGuard<'_, State> {

@@ -1,6 +1,6 @@
 //! [`Fsdp`]: the sharded model's handle (FSDP2's `FSDPModule`), and [`FullyShard`], a unit as a
 //! candle `Module`.
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor, Var};
@@ -70,16 +70,31 @@ impl Shard {
     }
 }
 
+/// The engine a sharded model runs on now: one per world, replaced when a live regroup
+/// re-shards the model ([`Fsdp::regroup`]); the handle and every unit's wrapper read it here.
+#[derive(Clone)]
+struct Current(Arc<RwLock<Arc<Engine>>>);
+
+impl Current {
+    fn get(&self) -> Arc<Engine> {
+        Arc::clone(&self.0.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn set(&self, engine: Engine) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(engine);
+    }
+}
+
 /// A model sharded over a process group (see the crate docs).
 #[derive(Clone)]
 pub struct Fsdp {
-    engine: Arc<Engine>,
+    current: Current,
 }
 
 /// A unit as a candle [`Module`]: FSDP2's `fully_shard(block)` for a block the model calls as
 /// `block.forward(&x)`. Build it with [`Fsdp::fully_shard`].
 pub struct FullyShard<M> {
-    engine: Arc<Engine>,
+    current: Current,
     unit: usize,
     inner: Arc<M>,
 }
@@ -87,7 +102,7 @@ pub struct FullyShard<M> {
 impl<M> Clone for FullyShard<M> {
     fn clone(&self) -> Self {
         FullyShard {
-            engine: Arc::clone(&self.engine),
+            current: self.current.clone(),
             unit: self.unit,
             inner: Arc::clone(&self.inner),
         }
@@ -98,7 +113,7 @@ impl<M: Module + Send + Sync + 'static> Module for FullyShard<M> {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let inner = Arc::clone(&self.inner);
         let f: UnitFn = Arc::new(move |x: &Tensor| inner.forward(x));
-        self.engine.unit_forward(self.unit, x, f).map_err(candle_core::Error::wrap)
+        self.current.get().unit_forward(self.unit, x, f).map_err(candle_core::Error::wrap)
     }
 }
 
@@ -240,7 +255,7 @@ impl Fsdp {
             .collect();
         let engine =
             Engine::new((group, replicate), params, units, opts.reshard_after_forward, wires);
-        Ok(Fsdp { engine: Arc::new(engine) })
+        Ok(Fsdp { current: Current(Arc::new(RwLock::new(Arc::new(engine)))) })
     }
 
     /// [`Fsdp::new`] over the parameters of a candle `VarMap`, sorted by name. Its buffers
@@ -255,8 +270,27 @@ impl Fsdp {
         Fsdp::new(tandem_nn::NamedVars::from_varmap(varmap).named_parameters(), group, opts)
     }
 
+    /// The engine of the current world.
+    fn engine(&self) -> Arc<Engine> {
+        self.current.get()
+    }
+
+    /// Re-shards the model over `group` after a live regroup (`tandem run --live-recovery`):
+    /// `rows[i]` is this rank's rows of parameter `i` (of [`Fsdp::shards`]) in the new layout
+    /// ([`shard_rows`] of the new rank and size), put together by the caller from the copies
+    /// the ranks hold. The shards become new variables: hand [`Fsdp::params`] to the optimizer
+    /// again (`OptimizerState::replace_param`). Not a collective; plain FSDP only (an HSDP mesh
+    /// does not re-form).
+    pub fn regroup(&self, group: &ProcessGroup, rows: Vec<Tensor>) -> Result<()> {
+        let old = self.engine();
+        let engine = old.regrouped(group.clone(), rows)?;
+        self.current.set(engine);
+        Ok(())
+    }
+
     fn unit_index(&self, name: &str) -> Result<usize> {
-        let units = &self.engine.units;
+        let e = self.engine();
+        let units = &e.units;
         units[..units.len() - 1]
             .iter()
             .position(|u| u.name == name.trim_end_matches('.'))
@@ -278,7 +312,7 @@ impl Fsdp {
         module: M,
     ) -> Result<FullyShard<M>> {
         Ok(FullyShard {
-            engine: Arc::clone(&self.engine),
+            current: self.current.clone(),
             unit: self.unit_index(name)?,
             inner: Arc::new(module),
         })
@@ -293,13 +327,14 @@ impl Fsdp {
         f: impl Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
     ) -> Result<Tensor> {
         let u = self.unit_index(name)?;
-        self.engine.unit_forward(u, x, Arc::new(f))
+        self.engine().unit_forward(u, x, Arc::new(f))
     }
 
     /// One forward of the model (PyTorch: calling the root module): the root's parameters
     /// gathered for `f`, which runs the model with each unit through its wrapper.
     pub fn forward<R>(&self, f: impl FnOnce() -> candle_core::Result<R>) -> Result<R> {
-        self.engine.begin_forward()?;
+        let e = self.engine();
+        e.begin_forward()?;
         let out = f().map_err(|e| {
             let hint = if storage::read_freed(&e) { storage::FREED_HINT } else { "" };
             FsdpError::Tensor {
@@ -307,7 +342,7 @@ impl Fsdp {
                 source: Box::new(e),
             }
         })?;
-        self.engine.end_forward()?;
+        e.end_forward()?;
         Ok(out)
     }
 
@@ -315,7 +350,7 @@ impl Fsdp {
     /// forward that no backward follows, the root's parameters stay gathered until this or the
     /// next backward.
     pub fn reshard(&self) -> Result<()> {
-        self.engine.end_step()
+        self.engine().end_step()
     }
 
     /// The backward of a loss computed inside [`Fsdp::forward`]: every unit's gradients
@@ -325,7 +360,7 @@ impl Fsdp {
     /// ([`Fsdp::set_requires_gradient_sync`]) the full gradients are accumulated instead and
     /// the store holds none: step after the backward that syncs.
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
-        let e = &self.engine;
+        let e = &self.engine();
         if !e.lock().in_step {
             return Err(FsdpError::Order("Fsdp::backward without Fsdp::forward".into()));
         }
@@ -337,7 +372,7 @@ impl Fsdp {
     }
 
     fn backward_in_step(&self, loss: &Tensor) -> Result<GradStore> {
-        let e = &self.engine;
+        let e = &self.engine();
         let mut grads = loss.backward().map_err(tensor("backward"))?;
         let root = e.root();
         let mut root_grads = Vec::new();
@@ -373,24 +408,24 @@ impl Fsdp {
     /// on each rank without communicating (gradient accumulation); the next backward with
     /// `true` reduce-scatters the sum.
     pub fn set_requires_gradient_sync(&self, sync: bool) {
-        self.engine.lock().sync = sync;
+        self.engine().lock().sync = sync;
     }
 
     /// This rank's shards of the trainable parameters: what the optimizer steps (PyTorch:
     /// `model.parameters()` of a sharded model, `requires_grad` ones).
     pub fn params(&self) -> Vec<Var> {
-        self.engine.params.iter().filter(|p| p.trainable).map(|p| p.shard.clone()).collect()
+        self.engine().params.iter().filter(|p| p.trainable).map(|p| p.shard.clone()).collect()
     }
 
     /// The communication since the last call (see [`CommStats`]), and a fresh count.
     pub fn take_comm_stats(&self) -> CommStats {
-        std::mem::take(&mut self.engine.lock().stats)
+        std::mem::take(&mut self.engine().lock().stats)
     }
 
     /// Every parameter's shard on this rank, in the model's order (frozen ones included; the
     /// trainable ones in [`Fsdp::params`]'s order).
     pub fn shards(&self) -> Vec<Shard> {
-        self.engine
+        self.engine()
             .params
             .iter()
             .map(|p| Shard {
@@ -405,24 +440,24 @@ impl Fsdp {
 
     /// The units' names, the root last.
     pub fn units(&self) -> Vec<String> {
-        self.engine.units.iter().map(|u| u.name.clone()).collect()
+        self.engine().units.iter().map(|u| u.name.clone()).collect()
     }
 
     /// This rank's place among the ranks a parameter is sharded over (a row of an HSDP mesh).
     pub fn rank(&self) -> usize {
-        self.engine.group.rank()
+        self.engine().group.rank()
     }
 
     /// How many ranks a parameter is sharded over (a row of an HSDP mesh).
     pub fn world_size(&self) -> usize {
-        self.engine.group.size()
+        self.engine().group.size()
     }
 
     /// Whether this rank's shards are the first copy of them: always under FSDP, on the
     /// mesh's first row under HSDP (the others hold the same shards). A checkpoint takes each
     /// shard from its first copy.
     pub fn is_first_replica(&self) -> bool {
-        self.engine.replicate.as_ref().is_none_or(|g| g.rank() == 0)
+        self.engine().replicate.as_ref().is_none_or(|g| g.rank() == 0)
     }
 
     /// Runs `f` with every parameter gathered (PyTorch: `unshard()`; FSDP1's
@@ -431,7 +466,7 @@ impl Fsdp {
     /// are gathered in float32 whatever the mixed-precision policy: the master weights. A
     /// collective.
     pub fn summon_full_params<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
-        let e = &self.engine;
+        let e = &self.engine();
         if e.lock().in_step {
             return Err(FsdpError::Order("summon_full_params between forward and backward".into()));
         }
@@ -450,7 +485,7 @@ impl Fsdp {
     /// The full parameters by name, copied out (every rank gets them): the state dict to export.
     /// A collective.
     pub fn full_state_dict(&self) -> Result<Vec<(String, Tensor)>> {
-        let e = &self.engine;
+        let e = &self.engine();
         self.summon_full_params(|| {
             e.params
                 .iter()
@@ -479,11 +514,12 @@ impl Fsdp {
     /// Sums a number over the ranks a parameter is sharded over (one all-reduce; a row of an
     /// HSDP mesh, whose rows hold the same gradients): what a `tandem_optim::Step` stepping
     /// these shards clips and checks for inf/NaN with (`Step::sharded`).
+    /// It follows the model through a live regroup (the group of the time of each call).
     pub fn sum_over_ranks(&self) -> tandem_optim::SumOverRanks {
-        let group = self.engine.group.clone();
+        let current = self.current.clone();
         Arc::new(move |local| {
             let mut sum = [local];
-            group.all_reduce(&mut sum, ReduceOp::Sum)?;
+            current.get().group.all_reduce(&mut sum, ReduceOp::Sum)?;
             Ok(sum[0])
         })
     }

@@ -5,6 +5,12 @@
 //! those collectives; a shard is exactly its rows.
 use std::ops::Range;
 
+/// The rows of a parameter of shape `dims` that rank `rank` of `world` holds, as FSDP2's
+/// `Shard(0)` places them (`ceil(rows / world)`-row chunks; a scalar is one row).
+pub fn shard_rows(dims: &[usize], rank: usize, world: usize) -> Range<usize> {
+    ShardLayout::new(dims, rank, world).my_rows()
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct ShardLayout {
     /// The parameter's full shape (a scalar counts as one row of one element).

@@ -36,6 +36,7 @@
 //! | `clip_grad_norm_` on DTensor grads | [`Fsdp::clip_grad_norm`] |
 //! | `requires_grad_(False)` | [`FsdpOptions::frozen`] |
 //! | `fully_shard(m, mesh=mesh_2d)` (HSDP) | [`Fsdp::on_mesh`] |
+//! | (torchelastic restarts the job) | [`Fsdp::regroup`]: re-shard over a live world that lost or gained ranks |
 //! | `unshard()` / `get_model_state_dict(full_state_dict=True)` | [`Fsdp::summon_full_params`], [`Fsdp::full_state_dict`] |
 //!
 //! **How candle differs, and what it costs.** candle's autograd has no module hooks and keeps
@@ -65,5 +66,6 @@ mod wire;
 pub use engine::CommStats;
 pub use error::{FsdpError, Result};
 pub use fsdp::{Fsdp, FsdpOptions, FullyShard, Shard};
+pub use layout::shard_rows;
 pub use units::{UnitOf, Units};
 pub use wire::MixedPrecisionPolicy;

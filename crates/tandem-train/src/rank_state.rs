@@ -1,5 +1,5 @@
 //! State one rank holds alone beside the replicated training state — PartialFC's class rows
-//! and their optimizer entries, per-rank BatchNorm statistics, later FSDP's shards — as one
+//! and their optimizer entries, per-rank BatchNorm statistics, FSDP's shards — as one
 //! trait the [`TrainingState`](crate::TrainingState) carries ([`TrainingState::part`]): a save
 //! writes each part's shards beside the replicated part, a resume loads each from the shards of
 //! any world size, and under live recovery each part mirrors itself to a buddy after its steps
@@ -13,7 +13,7 @@
 //! with the part, and come back into the optimizer when the state is loaded.
 //!
 //! [`TrainingState::part`]: crate::TrainingState::part
-use candle_core::Var;
+use candle_core::{DType, Tensor, Var};
 use tandem_ckpt::Value;
 use tandem_comm::ProcessGroup;
 use tandem_optim::OptimizerState;
@@ -172,12 +172,52 @@ pub struct RankBuffers {
     name: String,
     buffers: Vec<(String, Var)>,
     rank: usize,
+    /// Under live recovery without a replicated model to carry them: whether this rank holds
+    /// the run's statistics (a replacement does not until a regroup gives it some).
+    holds: Option<bool>,
 }
 
 impl RankBuffers {
     /// `buffers` (a model's `named_buffers()`) of rank `rank`, saved as shard `name`.
     pub fn new(name: impl Into<String>, buffers: Vec<(String, Var)>, rank: usize) -> Self {
-        RankBuffers { name: name.into(), buffers, rank }
+        RankBuffers { name: name.into(), buffers, rank, holds: None }
+    }
+
+    /// Under live recovery of a sharded model (whose replicated state is empty, so the
+    /// regroup's source sends no buffers): at a regroup, a rank that holds no statistics (a
+    /// replacement: `holds` false) takes those of the lowest rank that does.
+    pub fn live(mut self, holds: bool) -> Self {
+        self.holds = Some(holds);
+        self
+    }
+
+    /// Every rank without statistics takes the lowest holder's (a collective).
+    fn share_with_newcomers(&mut self, group: &ProcessGroup, holds: bool) -> Result<()> {
+        let flags = group
+            .all_gather_bytes_at_most(&[u8::from(holds)], 1)
+            .map_err(crate::error::comm("live recovery: which ranks hold BatchNorm statistics"))?;
+        let (Some(src), true) =
+            (flags.iter().position(|f| f[..] == [1]), flags.iter().any(|f| f[..] == [0]))
+        else {
+            return Ok(());
+        };
+        for (name, var) in &self.buffers {
+            let what = || format!("live recovery: buffer `{name}`");
+            let t = var.as_tensor();
+            let mut v = t
+                .flatten_all()
+                .and_then(|t| t.to_dtype(DType::F64))
+                .and_then(|t| t.to_vec1::<f64>())
+                .with_context(what)?;
+            group.broadcast(&mut v, src).map_err(crate::error::comm(what()))?;
+            if !holds {
+                let got = Tensor::from_vec(v, t.shape(), t.device())
+                    .and_then(|g| g.to_dtype(t.dtype()))
+                    .with_context(what)?;
+                var.set(&got).with_context(what)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -223,6 +263,10 @@ impl RankState for RankBuffers {
         _last: Option<&Saved>,
     ) -> Result<PartLoaded> {
         self.rank = group.rank();
+        if let Some(holds) = self.holds {
+            self.share_with_newcomers(group, holds)?;
+            self.holds = Some(true);
+        }
         Ok(PartLoaded::default())
     }
 }

@@ -98,10 +98,16 @@ impl<'a> Classifier<'a> {
             .model
             .fsdp
             .is_some()
-            .then(|| RankBuffers::new(super::face::BUFFERS_SHARD, net.named_buffers(), rank));
+            .then(|| RankBuffers::new(super::face::BUFFERS_SHARD, net.named_buffers(), rank))
+            .map(|b| match &live {
+                Some(l) => b.live(!l.replacement), // (no replicated model carries them)
+                None => b,
+            });
         let model = match (&cfg.model.fsdp, live) {
             // (The classifiers have no blocks: the whole model is the root unit.)
-            (Some(fsdp), _) => Wrapped::sharded(net, group, fsdp, None)?,
+            (Some(fsdp), live) => {
+                Wrapped::sharded(net, group, fsdp, None)?.live(live.as_ref(), cfg.comm.mirror_every)
+            }
             (None, Some(l)) => {
                 // A replacement's parameters come with the state when it joins.
                 let opts = DdpOptions { sync_on_init: !l.replacement, ..base };

@@ -83,6 +83,19 @@ impl<M: ParamModule> Wrapped<M> {
         Ok(Wrapped::Fsdp { fsdp, module, shards, rows })
     }
 
+    /// Under live recovery (`live`): the shards mirrored to the next rank every `every` steps
+    /// and re-split over the new world after a regroup (a replacement holds none until it
+    /// joins). Ddp's replicas need nothing: the state's source sends them.
+    pub fn live(self, live: Option<&super::LiveComm>, every: u64) -> Self {
+        match (self, live) {
+            (Wrapped::Fsdp { fsdp, module, shards, rows }, Some(l)) => {
+                let shards = shards.live(every, !l.replacement);
+                Wrapped::Fsdp { fsdp, module, shards, rows }
+            }
+            (wrapped, _) => wrapped,
+        }
+    }
+
     /// The full state dict's key order in checkpoints (PyTorch's `state_dict()` order): Ddp's
     /// state takes it from [`TrainingState::order`], Fsdp's shards keep it.
     pub fn keep_order(self, order: &[String]) -> Self {

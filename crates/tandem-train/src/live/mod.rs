@@ -23,6 +23,7 @@
 //! (`live/trainer.rs`: its outer loop and the record that travels with the state), so a loop
 //! of your own keeps ZeRO's shards and a PartialFC head's rows through a regroup exactly as it
 //! does.
+mod elements;
 mod entries;
 mod part;
 mod parts;
@@ -42,6 +43,7 @@ use parts::LiveParts;
 
 pub use tandem_comm::live::is_peer_failure;
 
+pub use elements::{Block, Elements};
 pub use entries::Entries;
 pub use part::{exchange_mirror, owned_by, regroup, runs, Fill, Mirrored, PartHeader, RankPart};
 
@@ -473,7 +475,9 @@ pub(crate) fn load_state_bytes(
     let ck = TrainingCheckpoint::from_value(&value).context(decoding)?;
     // The loader is moved to the new world from the source's position instead; the GradScaler
     // comes as the source had it (a note about it would be the source's).
-    let what = Restore { model: true, loader: false, optimizer: false };
+    // (A sharded model's replicated part is empty: its shards move in the re-split.)
+    let model = !(state.model.params().is_empty() && state.model.named_buffers().is_empty());
+    let what = Restore { model, loader: false, optimizer: false };
     apply_checkpoint(state, &ck, std::path::Path::new("<live state>"), what)?;
     if let Some(loader) = state.loader.as_deref_mut() {
         let position = sampler_state_from_value(&ck.sampler)

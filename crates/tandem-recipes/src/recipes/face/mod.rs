@@ -182,7 +182,9 @@ impl<'a> Face<'a> {
                 let mut give = |runner| {
                     model.run_blocks_with(runner);
                 };
-                Wrapped::sharded(named, group, fsdp, Some((unit_of, &mut give)))?.keep_order(&order)
+                Wrapped::sharded(named, group, fsdp, Some((unit_of, &mut give)))?
+                    .keep_order(&order)
+                    .live(live.as_ref(), cfg.comm.mirror_every)
             }
             (None, Some(l)) => {
                 let opts = DdpOptions { sync_on_init: !l.replacement, ..opts };
@@ -256,10 +258,13 @@ impl<'a> Face<'a> {
         let autocast =
             (cfg.model.precision != Precision::F32).then(|| cfg.model.precision.compute_dtype());
         // A replacement holds no rows until it joins.
+        let mut buffers = RankBuffers::new(BUFFERS_SHARD, backbone.module().named_buffers(), rank);
+        if let (Wrapped::Fsdp { .. }, Some(l)) = (&backbone, &live) {
+            buffers = buffers.live(!l.replacement); // (no replicated model carries them)
+        }
         let mirror = live.map(|l| Mirrored::new(cfg.comm.mirror_every, !l.replacement));
         let mut head = HeadPart::new(head, backbone.params().len(), group.size(), mirror);
         head.gradient_acc = cfg.face.gradient_acc;
-        let buffers = RankBuffers::new(BUFFERS_SHARD, backbone.module().named_buffers(), rank);
         let recipe = Face {
             cfg,
             device,

@@ -3,7 +3,10 @@
 //! shards), saved as row shards `model/NAME` and `optimizer/state/I`. A resume on any world
 //! size reads each parameter's rows of the new layout from whichever ranks wrote them, and
 //! `tandem ckpt convert` stacks the rows back into the full state dict PyTorch loads (the model
-//! under `model`, the entries under `optimizer`'s `state`).
+//! under `model`, the entries under `optimizer`'s `state`). Under live recovery the shards
+//! are mirrored and re-split over a new world (`live`).
+mod live;
+
 use std::sync::LazyLock;
 
 use tandem_checkpoint::{slice_rows, Saved, ShardDict};
@@ -23,11 +26,24 @@ pub struct FsdpShards {
     fsdp: Fsdp,
     buffers: Option<String>,
     order: Vec<String>,
+    /// Under live recovery: the mirror of the previous rank's shards.
+    live: Option<crate::live::Mirrored<crate::live::Elements>>,
 }
 
 impl FsdpShards {
     pub fn new(fsdp: &Fsdp) -> FsdpShards {
-        FsdpShards { fsdp: fsdp.clone(), buffers: None, order: Vec::new() }
+        FsdpShards { fsdp: fsdp.clone(), buffers: None, order: Vec::new(), live: None }
+    }
+
+    /// Under live recovery (`tandem run --live-recovery`): every `every` steps this rank's
+    /// shards and their optimizer state go to the next rank of the ring, and after a regroup
+    /// the shards are re-split over the new world, each element from its newest holder (a
+    /// dead rank's from its mirror), the model re-sharded ([`Fsdp::regroup`]) and the
+    /// optimizer handed the new shards. `holds`: whether this rank holds shards of the running
+    /// job (a replacement holds none until it joins).
+    pub fn live(mut self, every: u64, holds: bool) -> FsdpShards {
+        self.live = Some(crate::live::Mirrored::new(every, holds));
+        self
     }
 
     /// The full state dict's key order (PyTorch's `state_dict()` order, buffers among the
@@ -175,6 +191,30 @@ impl RankState for FsdpShards {
             )
         });
         Ok(PartLoaded { entries, note, resplit: None })
+    }
+
+    fn after_step(
+        &mut self,
+        group: &tandem_comm::ProcessGroup,
+        optimizer: &dyn tandem_optim::OptimizerState,
+        step: u64,
+    ) -> Result<()> {
+        self.mirror_after(group, optimizer, step)
+    }
+
+    fn regroup(
+        &mut self,
+        group: &tandem_comm::ProcessGroup,
+        step: u64,
+        optimizer: &mut dyn tandem_optim::OptimizerState,
+        _world_optimizer: &Value,
+        last: Option<&Saved>,
+    ) -> Result<PartLoaded> {
+        self.regroup_live(group, step, optimizer, last)
+    }
+
+    fn mirror_cost(&self) -> Option<crate::rank_state::MirrorCost> {
+        self.live.as_ref().map(|live| live.cost("fsdp shards"))
     }
 }
 
