@@ -193,8 +193,8 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     if args.nproc == 0 || args.batch == 0 || args.steps == 0 || args.rounds == 0 {
         bail!("--nproc, --batch, --steps and --rounds must be at least 1");
     }
-    if !(args.sample_rate > 0.0 && args.sample_rate <= 1.0) {
-        bail!("--sample-rate must be in (0, 1], got {}", args.sample_rate);
+    if !(0.0..=1.0).contains(&args.sample_rate) {
+        bail!("--sample-rate must be in [0, 1], got {}", args.sample_rate);
     }
     let python = crate::ckpt::find_python(args.python.clone()).context(
         "no Python with torch for the PyTorch side (--python, $TANDEM_PYTHON or ./.venv-torch)",

@@ -550,6 +550,21 @@ fn config_file_sets_flags_and_the_command_line_wins() {
     ] {
         assert!(written.lines().any(|l| l == line), "config.toml lacks `{line}`:\n{written}");
     }
+    // `config.sample_rate = 0` (the wf42m_pfc0008 configs): a batch's positive classes only,
+    // as arcface_torch samples, not a refusal.
+    let pfc0008 = arcface.with_file_name("wf42m_pfc0008_32gpu_r100.py");
+    let run_pfc = dir.path().join("run-pfc0008");
+    let data_flags = ["--data", &rec, "--batch-size", "4", "--steps", "2", "--num-classes", "16"];
+    let out = run(&[
+        &["train", "--config", p(&pfc0008), "--width", "4", "--embedding-size", "16"][..],
+        &data_flags,
+        &["--val", p(&data.join("pairs.bin")), "--epochs", "1", "--warmup-steps", "0"],
+        &["--nproc-per-node", "2", "--out", p(&run_pfc)],
+    ]
+    .concat());
+    assert!(out.contains("final: "), "{out}");
+    let written = std::fs::read_to_string(run_pfc.join("config.toml")).unwrap();
+    assert!(written.lines().any(|l| l == "sample_rate = 0.0"), "{written}");
     let bad = dir.path().join("bad.py");
     std::fs::write(&bad, "config = edict()\nconfig.lr = 0.1\nimport os\n").unwrap();
     let e = fails(&["train", "--config", p(&bad)]);

@@ -24,7 +24,8 @@ pub struct PartialFcConfig {
     pub embedding_size: usize,
     pub margin: CombinedMarginLoss,
     /// Fraction of each rank's centres that take part in a step, positives always included
-    /// (arcface_torch's `sample_rate`; 1.0 = all of them).
+    /// (arcface_torch's `sample_rate`; 1.0 = all of them, 0 = the batch's positive classes
+    /// only, as its `wf42m_pfc0008` configs train).
     pub sample_rate: f64,
     /// The gradient the gathered embeddings send back: arcface_torch's `SumTimesWorld` (the
     /// default) makes Ddp's averaging of the backbone's gradients yield their sum.
@@ -65,8 +66,8 @@ impl PartialFcConfig {
                 self.num_classes, self.embedding_size
             ));
         }
-        if !(self.sample_rate > 0.0 && self.sample_rate <= 1.0) {
-            return bad(format!("sample_rate {} must be in (0, 1]", self.sample_rate));
+        if !(0.0..=1.0).contains(&self.sample_rate) {
+            return bad(format!("sample_rate {} must be in [0, 1]", self.sample_rate));
         }
         if let Some(dt) = self.autocast {
             if !matches!(dt, DType::BF16 | DType::F16) {

@@ -224,6 +224,35 @@ fn sampled_steps_give_gradients_to_the_sampled_centres_only() {
     }
 }
 
+/// arcface_torch's `sample_rate = 0`: each rank's logits are the batch's positive classes it
+/// holds, and a rank that holds none takes part with no centre at all (an empty logits block
+/// in the distributed softmax): the loss is finite, the same on both ranks, and only positive
+/// centres get a gradient.
+#[test]
+fn sample_rate_zero_keeps_the_positives_alone_even_none() {
+    let out = on_ranks(2, |comm| {
+        let mut cfg = PartialFcConfig::new(40, 6, CombinedMarginLoss::arcface(64.0, 0.5));
+        cfg.sample_rate = 0.0;
+        let mut head = PartialFc::new(cfg, comm.clone(), &Device::Cpu).unwrap();
+        let emb = randn(comm.rank() as u64, (3, 6));
+        // Every label lives on rank 0 (classes 0..20): rank 1 holds no positive.
+        let labels = [comm.rank() as i64, 3, 17];
+        let loss = head.forward(&emb, &labels).unwrap();
+        let g = loss.backward().unwrap();
+        let rows: Vec<f32> =
+            g.get(head.weight()).unwrap().abs().unwrap().sum(1).unwrap().to_vec1().unwrap();
+        (loss.to_vec0::<f32>().unwrap(), head.last_index().unwrap().to_vec(), rows)
+    });
+    let (l0, l1) = (out[0].0, out[1].0);
+    assert!(l0.is_finite() && l0 == l1, "losses {l0} and {l1}");
+    assert_eq!(out[0].1, [0, 1, 3, 17], "rank 0: its positives");
+    assert!(out[1].1.is_empty(), "rank 1: no centre");
+    for (c, g) in out[0].2.iter().enumerate() {
+        assert_eq!(*g > 0.0, [0, 1, 3, 17].contains(&c), "rank 0 centre {c}: gradient {g}");
+    }
+    assert!(out[1].2.iter().all(|&g| g == 0.0), "rank 1's centres took no gradient");
+}
+
 #[test]
 fn initial_centres_are_the_same_matrix_for_any_world_size() {
     let whole = |w: usize| -> Vec<Vec<f32>> {

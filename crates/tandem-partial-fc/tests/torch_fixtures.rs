@@ -2,7 +2,8 @@
 //! against PyTorch (tests/fixtures/make_fixtures.py, pip torch over 2 and 3 gloo ranks, C = 10
 //! classes split 5/5 and 4/3/3): the loss, every rank's embedding gradients and centre
 //! gradients at 1e-5, for ArcFace and CosFace, all centres and sampled ones (the fixture records
-//! each rank's sampled index; the test replays it), and inter-class filtering. Ranks are
+//! each rank's sampled index; the test replays it), the positive classes alone (arcface_torch's
+//! `sample_rate = 0`), and inter-class filtering. Ranks are
 //! threads over an in-process group.
 use std::sync::Arc;
 
@@ -152,5 +153,5 @@ fn partial_fc_loss_and_gradients_match_torch() {
             }
         }
     }
-    assert_eq!(checked, 5 * 2 + 5 * 3, "every case on every rank");
+    assert_eq!(checked, 6 * 2 + 6 * 3, "every case on every rank");
 }

@@ -262,7 +262,8 @@ pub struct TrainConfig {
     /// Face models: the logit scale s of the margin loss.
     #[cfg_attr(feature = "clap", arg(long = "margin-scale", default_value_t = TrainConfig::default().margin_scale))]
     pub margin_scale: f64,
-    /// Face models: the fraction of each rank's class centres sampled per step (PartialFC).
+    /// Face models: the fraction of each rank's class centres sampled per step (PartialFC; 0:
+    /// a batch's positive classes only, as arcface_torch).
     #[cfg_attr(feature = "clap", arg(long = "sample-rate", default_value_t = TrainConfig::default().sample_rate))]
     pub sample_rate: f64,
     /// Face models: non-target cosines above this are zeroed (0: off).

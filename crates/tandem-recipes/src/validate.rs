@@ -147,8 +147,9 @@ impl TrainOptions {
             let value = Some(face.margin_scale.to_string());
             bail_option!("margin_scale", value, "must be a positive number");
         }
-        if !(face.sample_rate > 0.0 && face.sample_rate <= 1.0) {
-            bail_option!("sample_rate", Some(face.sample_rate.to_string()), "must be in (0, 1]");
+        if !(0.0..=1.0).contains(&face.sample_rate) {
+            let why = "must be in [0, 1] (0: a batch's positive classes only, as arcface_torch)";
+            bail_option!("sample_rate", Some(face.sample_rate.to_string()), "{why}");
         }
         if face.embedding_size == 0 {
             bail_option!("embedding_size", None, "must be at least 1");
