@@ -1,7 +1,8 @@
 //! A folder of identities (`DIR/IDENTITY/IMAGE`): listed as torchvision's ImageFolder lists it,
 //! trained on directly (`--data folder:DIR`) or packed as mxnet's im2rec packs it, the two
 //! giving the same examples; files that are not images, that do not decode or are not 112x112
-//! are skipped and counted (or, strictly, refused by name), never a crash.
+//! are skipped and counted by both, before any training (or, strictly, refused by name), never
+//! a crash.
 use std::path::Path;
 
 use tandem_data::datasets::faces::{write_synthetic_faces, FaceFormat, FaceRecDataset};
@@ -38,8 +39,8 @@ fn a_folder_trains_as_its_packed_rec_and_as_the_synthetic_set() {
     assert_eq!(listed.classes, ["id_00", "id_01", "id_02", "id_03"]);
     assert_eq!(listed.samples.len(), 12);
     assert_eq!(listed.not_images.len(), 1, "notes.txt");
-    let folder = FaceRecDataset::open_folder(&faces).unwrap();
-    assert_eq!((folder.len(), folder.num_classes()), (12, 4));
+    let (folder, skipped) = FaceRecDataset::open_folder(&faces).unwrap();
+    assert_eq!((folder.len(), folder.num_classes(), skipped.len()), (12, 4, 0));
     let out = d.path().join("packed");
     let mut calls = 0;
     let report = pack(&listed, &out, 112, false, &mut |done, total| {
@@ -86,11 +87,19 @@ fn bad_images_are_skipped_and_counted_or_refused_by_name() {
     let e = pack(&listed, &strict, 112, true, &mut |_, _| {}).unwrap_err().to_string();
     assert!(e.contains("broken.jpg"), "{e}");
     assert!(!strict.join("train.rec").exists() && !strict.join("train.idx").exists());
-    // Training straight from the folder names the file when it reaches it.
-    let folder = FaceRecDataset::open_folder(&faces).unwrap();
-    let bad = (0..folder.len()).find(|&i| folder.get(i).is_err()).expect("a bad image");
-    let e = folder.get(bad).unwrap_err().to_string();
-    assert!(e.contains("broken.jpg"), "{e}");
+    // Training straight from the folder applies the same rule before the first step: the same
+    // images left out, with the same reasons, and every example it keeps reads (the packed
+    // set's, in the same order).
+    let (folder, left_out) = FaceRecDataset::open_folder(&faces).unwrap();
+    let left_out: Vec<String> =
+        left_out.iter().map(|(p, why)| format!("{}: {why}", p.display())).collect();
+    assert_eq!(left_out, skipped);
+    let packed = FaceRecDataset::open(&out).unwrap();
+    assert_eq!(folder.len(), report.images);
+    for i in 0..folder.len() {
+        let (a, b) = (folder.get(i).unwrap(), packed.get(i).unwrap());
+        assert!(a.label == b.label && a.features == b.features, "example {i}");
+    }
 }
 
 #[test]
@@ -107,4 +116,9 @@ fn unusable_folders_are_named() {
     assert!(e.contains("face.webp") && e.contains("JPEG or PNG"), "{e}");
     let e = FaceRecDataset::open_folder(&d.path().join("missing")).err().unwrap().to_string();
     assert!(e.contains("missing"), "{e}");
+    // A folder of nothing but unusable images is refused, naming it.
+    std::fs::remove_file(d.path().join("alice/face.webp")).unwrap();
+    std::fs::write(d.path().join("alice/face.jpg"), "not a jpeg").unwrap();
+    let e = FaceRecDataset::open_folder(d.path()).err().unwrap().to_string();
+    assert!(e.contains("no usable image"), "{e}");
 }

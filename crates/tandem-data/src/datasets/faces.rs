@@ -105,17 +105,21 @@ enum Source {
 
 impl FaceRecDataset {
     /// An image folder of identities (`DIR/IDENTITY/IMAGE.jpg`): classes in sorted folder
-    /// order, each image decoded when read (112x112 aligned crops, JPEG or PNG); a file that
-    /// fails is an error naming it.
-    pub fn open_folder(dir: &Path) -> Result<Self, DataError> {
-        let folder = super::image_folder::ImageFolder::list(dir)?;
-        Ok(FaceRecDataset {
+    /// order, each image decoded when read (112x112 aligned crops, JPEG or PNG). Images that do
+    /// not decode or are not 112x112 are left out at open, as `tandem data pack` leaves them
+    /// out ([`ImageFolder::drop_unusable`](super::image_folder::ImageFolder::drop_unusable)),
+    /// and returned with why beside the dataset.
+    pub fn open_folder(dir: &Path) -> Result<(Self, Vec<(PathBuf, String)>), DataError> {
+        let mut folder = super::image_folder::ImageFolder::list(dir)?;
+        let skipped = folder.drop_unusable(FACE_SIDE)?;
+        let dataset = FaceRecDataset {
             images: (0..folder.samples.len() as u64).collect(),
             num_classes: folder.classes.len(),
             source: Source::Folder(folder),
             flip_seed: None,
             epoch: AtomicU64::new(0),
-        })
+        };
+        Ok((dataset, skipped))
     }
 
     /// Opens `dir/train.rec` with `dir/train.idx`.

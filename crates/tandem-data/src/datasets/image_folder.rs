@@ -88,6 +88,35 @@ impl ImageFolder {
     }
 }
 
+impl ImageFolder {
+    /// Leaves out the images that cannot be trained on — they do not decode, or are not `side`
+    /// x `side` — and returns them with why: the one rule of [`pack`] and of training straight
+    /// from the folder (`--data folder:DIR`), applied before the first step so a run never stops
+    /// at a bad file mid-epoch. Each image is read and decoded once.
+    pub fn drop_unusable(&mut self, side: usize) -> Result<Vec<(PathBuf, String)>, DataError> {
+        let mut skipped = Vec::new();
+        let mut kept = Vec::with_capacity(self.samples.len());
+        for (path, label) in std::mem::take(&mut self.samples) {
+            match usable(&path, side)? {
+                Ok(_) => kept.push((path, label)),
+                Err(why) => skipped.push((path, why)),
+            }
+        }
+        self.samples = kept;
+        if self.samples.is_empty() {
+            return Err(malformed(&self.root, "no usable image (every one was skipped)".into()));
+        }
+        Ok(skipped)
+    }
+}
+
+/// `path`'s bytes when they are a `side` x `side` image tandem decodes, else why not (the rule
+/// [`pack`] and [`ImageFolder::drop_unusable`] share); an unreadable file is an error.
+fn usable(path: &Path, side: usize) -> Result<Result<Vec<u8>, String>, DataError> {
+    let bytes = std::fs::read(path).map_err(io(path))?;
+    Ok(super::faces::decode_face(&bytes, side, false).map(|_| bytes))
+}
+
 /// Every file under `dir`, following symlinked folders, at most 32 folders deep (so a symlink
 /// loop is an error, not a hang); in no particular order.
 pub fn files_under(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
@@ -145,8 +174,7 @@ pub fn pack(
     let mut labels = std::collections::BTreeSet::new();
     let total = folder.samples.len();
     for (i, (path, label)) in folder.samples.iter().enumerate() {
-        let bytes = std::fs::read(path).map_err(io(path))?;
-        match super::faces::decode_face(&bytes, side, false) {
+        match usable(path, side)? {
             Err(why) if strict => {
                 drop(writer);
                 for f in [&idx, &rec, &lst] {
@@ -155,7 +183,7 @@ pub fn pack(
                 return Err(malformed(path, format!("{why} (nothing was written)")));
             }
             Err(why) => report.skipped.push((path.clone(), why)),
-            Ok(_) => {
+            Ok(bytes) => {
                 let key = report.images as u64;
                 let record = IrHeader::scalar(*label as f32, key).pack(&bytes);
                 writer.write(key, &record).map_err(io(&rec))?;

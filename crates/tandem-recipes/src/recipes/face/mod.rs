@@ -129,14 +129,24 @@ impl<'a> Face<'a> {
         let rank = group.rank();
         let device = cfg.model.device.device(group.local_rank())?;
         let source = &cfg.data.source;
-        let mut train = match source {
+        let (mut train, skipped) = match source {
             DataSource::Folder(dir) => FaceRecDataset::open_folder(dir),
-            DataSource::Rec(dir) => FaceRecDataset::open(dir),
+            DataSource::Rec(dir) => FaceRecDataset::open(dir).map(|d| (d, Vec::new())),
             DataSource::Dataset(_) => {
                 bail_option!("data", Some(source.to_string()), "not a face identity set")
             }
         }
         .option("data", Some(source.to_string()))?;
+        if let (Some((first, why)), 0) = (skipped.first(), rank) {
+            let text = format!(
+                "{source}: {} image(s) left out, as `tandem data pack` leaves them out (first: \
+                 {}: {why}); training on the other {}",
+                skipped.len(),
+                first.display(),
+                train.len()
+            );
+            super::note(reporter, text)?;
+        }
         if cfg.data.augment {
             train = train.with_flip(cfg.run.seed);
         }
