@@ -277,7 +277,7 @@ impl Fsdp {
 
     /// Re-shards the model over `group` after a live regroup (`tandem run --live-recovery`):
     /// `rows[i]` is this rank's rows of parameter `i` (of [`Fsdp::shards`]) in the new layout
-    /// ([`shard_rows`] of the new rank and size), put together by the caller from the copies
+    /// ([`shard_rows`](crate::shard_rows) of the new rank and size), put together by the caller from the copies
     /// the ranks hold. The shards become new variables: hand [`Fsdp::params`] to the optimizer
     /// again (`OptimizerState::replace_param`). Not a collective; plain FSDP only (an HSDP mesh
     /// does not re-form).
