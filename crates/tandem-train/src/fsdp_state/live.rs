@@ -21,7 +21,8 @@ use tandem_optim::OptimizerState;
 
 use super::{entry_shard, is_fsdp_checkpoint, model_shard, FsdpShards};
 use crate::error::{bail, comm, Context, Result};
-use crate::live::{Block, Elements, Mirrored};
+use crate::rank_state::elements::{Block, Elements};
+use crate::rank_state::part::Mirrored;
 use crate::rank_state::{PartLoaded, Resplit};
 
 /// What a regroup calls the shards, and a key's lost step.
@@ -198,7 +199,7 @@ impl FsdpShards {
         step: u64,
         optimizer: &dyn OptimizerState,
         last: Option<&Saved>,
-    ) -> Result<(Elements, crate::live::RegroupCounts)> {
+    ) -> Result<(Elements, crate::rank_state::RegroupCounts)> {
         let own = live.holds().map(|at| self.own_part(optimizer, at)).transpose()?;
         let shards = self.fsdp.shards();
         let (offsets, keys) = offsets(&shards);

@@ -27,7 +27,7 @@ pub struct FsdpShards {
     buffers: Option<String>,
     order: Vec<String>,
     /// Under live recovery: the mirror of the previous rank's shards.
-    live: Option<crate::live::Mirrored<crate::live::Elements>>,
+    live: Option<crate::rank_state::part::Mirrored<crate::rank_state::elements::Elements>>,
 }
 
 impl FsdpShards {
@@ -42,7 +42,7 @@ impl FsdpShards {
     /// optimizer handed the new shards. `holds`: whether this rank holds shards of the running
     /// job (a replacement holds none until it joins).
     pub fn live(mut self, every: u64, holds: bool) -> FsdpShards {
-        self.live = Some(crate::live::Mirrored::new(every, holds));
+        self.live = Some(crate::rank_state::part::Mirrored::new(every, holds));
         self
     }
 

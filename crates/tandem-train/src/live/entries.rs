@@ -1,5 +1,5 @@
 //! ZeRO-1's optimizer shards as a [`RankPart`]: each rank holds the optimizer state of the
-//! parameters it owns, keyed by parameter index, and [`super::part`] mirrors and re-splits
+//! parameters it owns, keyed by parameter index, and [`crate::rank_state::part`] mirrors and re-splits
 //! them. A parameter nobody holds (two neighbours lost at once) starts with fresh optimizer
 //! state, counted; the parameters themselves are replicated and never lost.
 //!
@@ -15,8 +15,8 @@ use tandem_ckpt::Value;
 use tandem_comm::ProcessGroup;
 use tandem_optim::OptimizerState;
 
-use super::part::{owned_by, runs, Mirrored, PartHeader, RankPart};
 use crate::error::{Context, Result};
+use crate::rank_state::part::{owned_by, runs, Mirrored, PartHeader, RankPart};
 use crate::rank_state::{MirrorCost, Resplit};
 use crate::rank_state::{PartLoaded, RankState};
 use crate::TrainError;

@@ -23,9 +23,7 @@
 //! (`live/trainer.rs`: its outer loop and the record that travels with the state), so a loop
 //! of your own keeps ZeRO's shards and a PartialFC head's rows through a regroup exactly as it
 //! does.
-mod elements;
 mod entries;
-mod part;
 mod parts;
 
 use std::sync::{Arc, Mutex};
@@ -43,9 +41,11 @@ use parts::LiveParts;
 
 pub use tandem_comm::live::is_peer_failure;
 
-pub use elements::{Block, Elements};
+pub use crate::rank_state::elements::{Block, Elements};
+pub use crate::rank_state::part::{
+    exchange_mirror, owned_by, regroup, runs, Fill, Mirrored, PartHeader, RankPart,
+};
 pub use entries::Entries;
-pub use part::{exchange_mirror, owned_by, regroup, runs, Fill, Mirrored, PartHeader, RankPart};
 
 /// How many regroups one call tries while members keep failing (a source that dies while it
 /// sends its state, say) before giving up.

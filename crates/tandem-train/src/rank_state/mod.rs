@@ -13,6 +13,9 @@
 //! with the part, and come back into the optimizer when the state is loaded.
 //!
 //! [`TrainingState::part`]: crate::TrainingState::part
+pub(crate) mod elements;
+pub(crate) mod part;
+
 use candle_core::{DType, Tensor, Var};
 use tandem_ckpt::Value;
 use tandem_comm::ProcessGroup;

@@ -22,8 +22,8 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use tandem_comm::{CommError, ProcessGroup};
 
+use super::{MirrorCost, RegroupCounts};
 use crate::error::{bail, Context};
-use crate::rank_state::{MirrorCost, RegroupCounts};
 use crate::{Result, TrainError};
 
 /// Bound on one rank's announcement and on a part's header (ranges and labels).
