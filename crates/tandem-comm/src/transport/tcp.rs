@@ -27,8 +27,11 @@ fn tune(s: &TcpStream) -> std::io::Result<()> {
     s.set_nodelay(true)
 }
 
-/// The longest one incoming connection may take over its handshake (a silent peer holds only
-/// its own handshake thread, never the others').
+/// The least time one incoming connection is given for its handshake; it gets all the time
+/// left until the mesh's deadline when that is longer (a silent peer holds only its own
+/// handshake thread, never the others'). Not less: on a lossy link a connection whose SYN was
+/// lost retransmits its data every 3 s, 6 s, ... (Linux's fallback RTO), so two more losses of
+/// the hello alone take 10 s (seen at 10% loss, 1 trial in 12).
 const HELLO_LIMIT: Duration = Duration::from_secs(10);
 /// Incoming connections being handshaken at once; more are closed at once.
 const MAX_PENDING_HELLOS: usize = 64;
@@ -122,9 +125,10 @@ pub(crate) fn connect_mesh(
                 pending += 1;
                 let (done, secret, context) = (done.clone(), secret.cloned(), context.clone());
                 let (run_id, group) = (run_id.to_string(), group.to_string());
+                let limit = deadline.saturating_duration_since(Instant::now()).max(HELLO_LIMIT);
                 std::thread::spawn(move || {
-                    let joined =
-                        admit(s, from, (rank, size), &run_id, &group, secret.as_ref(), &context);
+                    let who = (from, rank, size);
+                    let joined = admit(s, who, limit, &run_id, &group, secret.as_ref(), &context);
                     let _ = done.send(joined);
                 });
             }
@@ -152,21 +156,21 @@ pub(crate) fn connect_mesh(
     Ok(TcpMesh { peers, scratch: Vec::new() })
 }
 
-/// One incoming connection's handshake (on its own thread): the peer's rank if it is a rank of
-/// this group above ours that proved the job's secret; otherwise it is closed and logged with
-/// its address (nothing of ours is sent back but a refusal byte).
+/// One incoming connection's handshake (on its own thread, within `limit`): the peer's rank if
+/// it is a rank of this group above ours that proved the job's secret; otherwise it is closed
+/// and logged with its address (nothing of ours is sent back but a refusal byte).
 fn admit(
     mut s: TcpStream,
-    from: SocketAddr,
-    (rank, size): (usize, usize),
+    (from, rank, size): (SocketAddr, usize, usize),
+    limit: Duration,
     run_id: &str,
     group: &str,
     secret: Option<&crate::auth::JobSecret>,
     context: &str,
 ) -> Option<(usize, TcpStream)> {
     s.set_nonblocking(false).ok()?;
-    s.set_read_timeout(Some(HELLO_LIMIT)).ok()?;
-    s.set_write_timeout(Some(HELLO_LIMIT)).ok()?;
+    s.set_read_timeout(Some(limit)).ok()?;
+    s.set_write_timeout(Some(limit)).ok()?;
     match check_hello(&mut s, (rank, size), run_id, group, secret, context) {
         Ok(r) => Some((r, s)),
         Err(why) => {
