@@ -78,9 +78,10 @@ fn ranks_meet_through_the_file_which_carries_a_secret_and_is_removed() {
 fn a_launchers_secret_stays_out_of_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("rendezvous");
-    let rank1 = start(&path, 1, 2, opts(true));
+    // Rank 1 starts once the file is read: the world cannot form (and remove the file) before.
     let rank0 = start(&path, 0, 2, opts(true));
     let text = wait_for(&path);
+    let rank1 = start(&path, 1, 2, opts(true));
     assert_eq!(line(&text, "secret "), "-", "{text}");
     assert_eq!(rank0.join().unwrap().unwrap(), vec![3.0; 5]);
     assert_eq!(rank1.join().unwrap().unwrap(), vec![3.0; 5]);
