@@ -93,6 +93,12 @@ pub struct TrainingState<'a> {
 }
 
 impl<'a> TrainingState<'a> {
+    /// Whether the model has a replicated state dict: not when it lives wholly in a part (an
+    /// Fsdp model's shards), which a resume or a live regroup then moves alone.
+    pub(crate) fn has_replicated_model(&self) -> bool {
+        !(self.model.param_set().is_empty() && self.model.named_buffers().is_empty())
+    }
+
     /// `model`: a `Ddp`, a `NamedVars`, or any other [`ParamModule`];
     /// `optimizer`: tandem's optimizers or candle-nn's `SGD` (see [`OptimizerState`]).
     pub fn new<O: OptimizerState + 'a>(model: &'a dyn ParamModule, optimizer: &'a mut O) -> Self {
@@ -306,9 +312,7 @@ pub(crate) fn restore(
     saved: &Saved,
     state: &mut TrainingState<'_>,
 ) -> Result<(TrainingCheckpoint, Option<String>)> {
-    // A model wholly in a part (an Fsdp model's shards) has no replicated state dict.
-    let replicated =
-        !(state.model.param_set().is_empty() && state.model.named_buffers().is_empty());
+    let replicated = state.has_replicated_model();
     // An Fsdp run's rows stacked: the model and optimizer a replicated run resumes from (a
     // sharded model reads only its own rows, through its part).
     let stacked = if replicated { crate::fsdp_state::fsdp_consolidated(saved)? } else { None };

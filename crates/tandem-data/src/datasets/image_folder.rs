@@ -86,9 +86,7 @@ impl ImageFolder {
         }
         Ok(ImageFolder { root: root.to_path_buf(), classes, samples, not_images })
     }
-}
 
-impl ImageFolder {
     /// Leaves out the images that cannot be trained on — they do not decode, or are not `side`
     /// x `side` — and returns them with why: the one rule of [`pack`] and of training straight
     /// from the folder (`--data folder:DIR`), applied before the first step so a run never stops

@@ -475,9 +475,7 @@ pub(crate) fn load_state_bytes(
     let ck = TrainingCheckpoint::from_value(&value).context(decoding)?;
     // The loader is moved to the new world from the source's position instead; the GradScaler
     // comes as the source had it (a note about it would be the source's).
-    // (A sharded model's replicated part is empty: its shards move in the re-split.)
-    let model = !(state.model.params().is_empty() && state.model.named_buffers().is_empty());
-    let what = Restore { model, loader: false, optimizer: false };
+    let what = Restore { model: state.has_replicated_model(), loader: false, optimizer: false };
     apply_checkpoint(state, &ck, std::path::Path::new("<live state>"), what)?;
     if let Some(loader) = state.loader.as_deref_mut() {
         let position = sampler_state_from_value(&ck.sampler)

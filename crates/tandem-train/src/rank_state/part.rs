@@ -1,5 +1,6 @@
-//! State that each rank holds alone — ZeRO-1's optimizer shards, PartialFC's class rows — kept
-//! through a live regroup (`tandem run --live-recovery`), written once for every such part:
+//! State that each rank holds alone — ZeRO-1's optimizer shards, PartialFC's class rows, Fsdp's
+//! shards — kept through a live regroup (`tandem run --live-recovery`), written once for every
+//! such part:
 //!
 //! - **The buddy mirror.** Every `K` steps each rank sends its part to the next rank of the ring
 //!   (`r + 1 mod W`), which keeps it in memory: a rank's death loses at most the `K - 1` newest
