@@ -16,7 +16,6 @@ pub const PEERS_DIR: &str = "scripts/peers";
 
 mod allreduce;
 mod ckpt;
-mod conv;
 mod ddp;
 mod face;
 mod face_scale;
@@ -24,6 +23,7 @@ mod fsdp;
 mod live;
 mod loader;
 mod local_ranks;
+mod ops;
 mod partial_fc;
 mod report;
 mod save_stall;
@@ -65,8 +65,10 @@ enum Which {
     Live(live::Args),
     /// PartialFC class-centre memory per rank (centres + momentum) vs C*E*4*2/W.
     PartialFc(partial_fc::Args),
-    /// per-op ms of the conv and BatchNorm kernels on ResNet-18's shapes vs torch.
-    Conv(conv::Args),
+    /// per-op ms of every op of a network's training step (ResNet-18, IResNet-18, ViT-T,
+    /// MobileFaceNet) vs torch on the same shapes and inputs.
+    #[command(visible_alias = "conv")]
+    Ops(ops::Args),
     /// The face input pipeline's decode rate as its worker threads grow, vs PyTorch's DataLoader.
     Loader(loader::Args),
     /// Runs all of the above beside PyTorch and writes docs/BENCHMARKS.md with PNG plots.
@@ -134,7 +136,7 @@ fn run(args: Args) -> anyhow::Result<i32> {
         Which::Allreduce(a) => allreduce::main(a),
         Which::Ddp(a) => ddp::main(a),
         Which::Ckpt(a) => ckpt::main(a),
-        Which::Conv(a) => conv::main(a),
+        Which::Ops(a) => ops::main(a),
         Which::Loader(a) => loader::main(a),
         Which::SaveStall(a) => save_stall::main(a),
         Which::Zero(a) => zero::main(a),

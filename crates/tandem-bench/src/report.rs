@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 
-use crate::conv::Net;
+use crate::ops::Net;
 
 mod child;
 mod gpu;
@@ -115,6 +115,8 @@ fn conv_plan(net: Net, width: usize, batch: usize) -> measure::ConvPlan {
     let cli = match net {
         Net::Resnet18 => "resnet18",
         Net::Iresnet18 => "iresnet18",
+        Net::VitT => "vit_t",
+        Net::Mbf => "mbf",
     };
     measure::ConvPlan { net: cli, title: net.title(), width, batch }
 }
@@ -164,11 +166,14 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
                 workload("resnet18", 16, vec![1, 2], 64, 4, 2),
                 workload("resnet18", 64, vec![1, 2], 64, 3, 2),
             ],
-            // Every op of both ResNets at the DDP benches' per-rank batches.
+            // Every op of both ResNets at the DDP benches' per-rank batches, and of the face
+            // backbones at the face benches'.
             conv: vec![
                 conv_plan(Net::Resnet18, 16, 32),
                 conv_plan(Net::Resnet18, 64, 32),
                 conv_plan(Net::Iresnet18, 16, 8),
+                conv_plan(Net::VitT, 16, 8),
+                conv_plan(Net::Mbf, 16, 16),
             ],
             conv_repeats: 9,
             ckpt_mib: 256,

@@ -21,6 +21,7 @@ fn help_lists_every_benchmark() {
         "face",
         "live",
         "partial-fc",
+        "ops",
         "conv",
         "report",
     ] {

@@ -317,3 +317,81 @@ fn report_rejects_zero_repeats() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The rows of a `bench ops` table: (kind, name, cells after the name).
+fn ops_rows(out: &str) -> Vec<(String, String, Vec<String>)> {
+    out.lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| op "))
+        .map(|l| {
+            let cells: Vec<String> =
+                l.trim_matches('|').split('|').map(|c| c.trim().to_string()).collect();
+            (cells[0].clone(), cells[1].clone(), cells[2..].to_vec())
+        })
+        .collect()
+}
+
+/// `tandem bench ops` on the face backbones: every op of the ViT's and MobileFaceNet's steps
+/// is timed (a number in tandem's columns, PyTorch's beside it when torch is here: the bench
+/// has then checked each op's output sum equal on both sides), and the caption names the CPU
+/// and its vector extensions.
+#[test]
+fn ops_bench_times_every_op_of_the_face_backbones_against_pytorch() {
+    let torch = tandem_testutil::torch_python();
+    if torch.is_none() {
+        eprintln!("SKIPPED the PyTorch columns: no Python with torch (TANDEM_PYTHON)");
+    }
+    for (net, kinds) in [
+        ("vit_t", &["conv2d", "layer_norm", "linear", "attention", "relu6", "sgd", "adamw"][..]),
+        ("mbf", &["conv2d", "batch_norm", "prelu", "linear", "sgd"][..]),
+    ] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem"));
+        // Batch 2: the feature head's BatchNorm1d needs two values a channel in training.
+        cmd.args(["bench", "ops", "--net", net, "--batch", "2", "--repeats", "1"]);
+        if let Some(py) = &torch {
+            cmd.arg("--torch").arg(py);
+        }
+        let out = cmd.env("RAYON_NUM_THREADS", "1").output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{net}: {text}\n{}", String::from_utf8_lossy(&out.stderr));
+        let caption = text.lines().find(|l| l.contains(" ops at width")).expect("a caption");
+        assert!(caption.contains("on cpu: ") && caption.contains('('), "{caption}");
+        let rows = ops_rows(&text);
+        for kind in kinds {
+            assert!(rows.iter().any(|r| r.0 == *kind), "{net}: no {kind} row in\n{text}");
+        }
+        for (kind, name, cells) in &rows {
+            let (ours, theirs) = (&cells[0], &cells[1]);
+            assert!(ours.parse::<f64>().is_ok_and(|v| v > 0.0), "{net} {kind} {name}: {cells:?}");
+            if torch.is_some() {
+                assert!(theirs.parse::<f64>().is_ok_and(|v| v > 0.0), "{net} {name}: {cells:?}");
+            }
+        }
+    }
+}
+
+/// A peer whose values differ from tandem's (a stand-in printing wrong sums) fails the run,
+/// naming the op: the two sides must time the same computation.
+#[test]
+fn ops_bench_refuses_a_peer_that_computes_something_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = dir.path().join("fake-python");
+    // Reads the op list like the real peer and answers every op with a sum of 12345.
+    std::fs::write(
+        &fake,
+        "#!/usr/bin/env python3\nimport json, sys\nfor op in json.load(sys.stdin):\n    \
+         print(f\"op={op['kind']} name={op['name']} fwd_ms=1.0 fwdbwd_ms=2.0 sum=12345 abs_sum=12345\")\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["bench", "ops", "--net", "resnet18", "--width", "2", "--batch", "1"])
+        .args(["--repeats", "1", "--torch"])
+        .arg(&fake)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("op stem_3x3") && err.contains("do not time the same op"), "{err}");
+}

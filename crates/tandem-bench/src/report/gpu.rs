@@ -20,8 +20,8 @@ use std::path::Path;
 use anyhow::Context;
 use serde_json::{json, Value};
 
-use crate::conv::{ConvResults, Times};
 use crate::face::FaceResults;
+use crate::ops::{ConvResults, Times};
 
 use super::stats::Summary;
 

@@ -24,6 +24,7 @@ impl Machine {
             .and_then(|l| l.split_once(':'))
             .map(|(_, v)| v.trim().to_string())
             .unwrap_or_else(|| "unknown".into());
+        let cpu_model = format!("{cpu_model} ({})", isa(&cpuinfo));
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         let memory = std::fs::read_to_string("/proc/meminfo")
             .ok()
@@ -50,6 +51,44 @@ impl Machine {
             git_commit: git_commit(repo),
         }
     }
+}
+
+/// The vector extensions the kernels (and oneDNN) pick from, as /proc/cpuinfo names them:
+/// x86's AVX2 / FMA / AVX-512 family / AMX, Arm's NEON (asimd) / SVE; "ISA unknown" elsewhere.
+pub fn isa(cpuinfo: &str) -> String {
+    const NAMED: [&str; 14] = [
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512dq",
+        "avx512bw",
+        "avx512vl",
+        "avx512_vnni",
+        "avx512_bf16",
+        "avx512_fp16",
+        "amx_tile",
+        "asimd",
+        "sve",
+        "sve2",
+    ];
+    let flags: std::collections::HashSet<&str> = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("flags") || l.starts_with("Features"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.split_whitespace().collect())
+        .unwrap_or_default();
+    let have: Vec<&str> = NAMED.into_iter().filter(|f| flags.contains(f)).collect();
+    if have.is_empty() {
+        "ISA unknown".into()
+    } else {
+        have.join(" ")
+    }
+}
+
+/// "CPU model (ISA)" of this host.
+pub fn host_cpu() -> String {
+    Machine::probe(Path::new(".")).cpu_model
 }
 
 /// The 1, 5 and 15 minute load averages, as /proc/loadavg prints them.

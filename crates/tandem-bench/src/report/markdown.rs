@@ -365,21 +365,37 @@ pub fn render(r: &Report) -> String {
     }
 
     for (plan, result) in r.conv_ops {
-        let _ = writeln!(out, "## Conv-net kernels per op, {} width {}\n", plan.title, plan.width);
+        let (heading, ops) = match plan.net {
+            "vit_t" | "mbf" => (
+                format!("## Kernels per op, {}", plan.title),
+                "each distinct op of its training step (convolutions, linears, attention, \
+                 LayerNorm, BatchNorm, PReLU, ReLU6, the optimizer's step)",
+            ),
+            "iresnet18" => (
+                format!("## Conv-net kernels per op, {} width {}", plan.title, plan.width),
+                "each distinct convolution, BatchNorm and PReLU of the network",
+            ),
+            _ => (
+                format!("## Conv-net kernels per op, {} width {}", plan.title, plan.width),
+                "each distinct convolution and BatchNorm of the network",
+            ),
+        };
+        let _ = writeln!(out, "{heading}\n");
         let _ = writeln!(
             out,
-            "`RAYON_NUM_THREADS=1 tandem bench conv --net {net} --width {w} --batch {b} --torch PYTHON`: each \
-             distinct convolution, BatchNorm{prelu} of the network, forward and forward + backward of \
-             sum(y·r) (for convolutions also forward + each backward alone: bwd-data, the input's \
-             gradient; bwd-filter, the weight's), median ms, against PyTorch (`scripts/peers/torch_conv_ops.py`, the same op list, batch \
-             and one thread — what each rank of the 2-rank runs above has). × torch = torch ms / tandem ms \
-             (above 1: tandem is faster). The 3x3 stride-1 convolutions, which tandem computes by \
-             Winograd's F(2x2, 3x3), are also timed through im2col + gemm; Winograd gain = im2col time / \
-             tandem time.\n",
+            "`RAYON_NUM_THREADS=1 tandem bench ops --net {net} --width {w} --batch {b} --torch PYTHON`: \
+             {ops}, forward and forward + backward of sum(y·r) less that harness's own cost (for \
+             ungrouped convolutions also forward + each backward alone: bwd-data, the input's \
+             gradient; bwd-filter, the weight's), median ms, against PyTorch \
+             (`scripts/peers/torch_ops.py`: the same op list, inputs, batch and one thread — what each \
+             rank of the 2-rank runs above has; each op's output sum is checked equal on both sides). \
+             The table's caption names the CPU and its vector extensions. × torch = torch ms / tandem \
+             ms (above 1: tandem is faster). The 3x3 stride-1 convolutions, which tandem computes by \
+             Winograd's F(2x2, 3x3), are also timed through im2col + gemm; Winograd gain = im2col \
+             time / tandem time.\n",
             net = plan.net,
             w = plan.width,
             b = plan.batch,
-            prelu = if plan.net == "iresnet18" { " and PReLU" } else { "" },
         );
         match result {
             Ok(table) => {

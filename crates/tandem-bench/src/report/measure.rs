@@ -34,12 +34,12 @@ pub struct FacePlan {
     pub rounds: usize,
 }
 
-/// One `tandem bench conv` table: a network's ops at a width and batch.
+/// One `tandem bench ops` table: a network's ops at a width and batch.
 #[derive(Clone, Debug)]
 pub struct ConvPlan {
     /// `--net` value.
     pub net: &'static str,
-    /// How the report names the network (the line `bench conv` starts its table with).
+    /// How the report names the network (the line `bench ops` starts its table with).
     pub title: &'static str,
     pub width: usize,
     pub batch: usize,
@@ -51,7 +51,7 @@ pub struct Plan {
     pub allreduce_sizes: Vec<usize>,
     pub seconds_per_size: f64,
     pub ddp: Vec<Workload>,
-    /// `tandem bench conv` runs (one table each), and their repetitions per op.
+    /// `tandem bench ops` runs (one table each), and their repetitions per op.
     pub conv: Vec<ConvPlan>,
     pub conv_repeats: usize,
     pub ckpt_mib: usize,
@@ -200,24 +200,24 @@ pub fn face(ctx: &mut Ctx, plan: &FacePlan) -> Result<String, String> {
     ctx.tandem(&args, Duration::from_secs(1800), "tandem bench face").map_err(|e| ctx.note(e))
 }
 
-/// `tandem bench conv` (with the PyTorch peer when torch is available) on one thread, as each
+/// `tandem bench ops` (with the PyTorch peer when torch is available) on one thread, as each
 /// rank of the 2-rank DDP runs has: its markdown table (caption line first), or why it failed.
 pub fn conv_ops(ctx: &mut Ctx, plan: &ConvPlan, repeats: usize) -> Result<String, String> {
     let (net, width, batch) = (plan.net, plan.width, plan.batch);
     eprintln!("report: per-op times of {net} at width {width}, batch {batch}");
     let mut args: Vec<String> =
-        ["conv", "--net", net, "--width", &width.to_string()].map(String::from).to_vec();
+        ["ops", "--net", net, "--width", &width.to_string()].map(String::from).to_vec();
     args.extend(["--batch".to_string(), batch.to_string()]);
     args.extend(["--repeats".to_string(), repeats.to_string()]);
     if let Some(t) = ctx.torch() {
         args.extend(["--torch".to_string(), t.python.display().to_string()]);
     }
     let one_thread = [("RAYON_NUM_THREADS", "1")];
-    match ctx.tandem_with_env(&args, &one_thread, Duration::from_secs(900), "tandem bench conv") {
+    match ctx.tandem_with_env(&args, &one_thread, Duration::from_secs(900), "tandem bench ops") {
         Ok(out) => {
             let lines: Vec<&str> = out.lines().skip_while(|l| !l.starts_with(plan.title)).collect();
             if lines.len() < 3 {
-                return Err(ctx.note(anyhow::anyhow!("bench conv printed no table: {out:?}")));
+                return Err(ctx.note(anyhow::anyhow!("bench ops printed no table: {out:?}")));
             }
             Ok(lines.join("\n"))
         }

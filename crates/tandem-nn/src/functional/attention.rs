@@ -20,7 +20,9 @@ use rayon::prelude::*;
 use super::softmax_last_dim;
 use crate::contiguous_f32;
 use crate::kernels::matmul::{matmul, View};
+use crate::kernels::simd::{lane_max, lane_sum, lane_sum2};
 use crate::kernels::with_f32_slice;
+use crate::vectorized_kernel;
 
 /// Multi-head self-attention of `qkv: [N, T, 3·D]` with `heads` heads; returns `[N, T, D]`.
 pub fn attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
@@ -74,12 +76,32 @@ fn probabilities(qkv: &[f32], h: usize, dm: Dims, p: &mut [f32]) {
     let q = View { data: &qkv[h * hd..], rs: 3 * d, cs: 1 };
     let kt = View { data: &qkv[d + h * hd..], rs: 1, cs: 3 * d };
     matmul((t, t, hd), p, t, q, kt, false, 1);
-    for row in p.chunks_exact_mut(t) {
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * scale;
-        // Exponentials first (a loop the compiler vectorises), then their sum in order.
-        row.iter_mut().for_each(|v| *v = exp_nonpositive(*v * scale - max));
-        let sum: f32 = row.iter().sum();
-        row.iter_mut().for_each(|v| *v /= sum);
+    softmax_rows(p, t, scale);
+}
+
+vectorized_kernel! {
+    /// Each `t`-wide row of scores in `p` replaced by `softmax(row · scale)`: the exponentials
+    /// in one vector loop, the max and sum in lanes (see [`lane_sum`]).
+    fn softmax_rows(p: &mut [f32], t: usize, scale: f32) {
+        for row in p.chunks_exact_mut(t) {
+            let max = lane_max(row) * scale;
+            row.iter_mut().for_each(|v| *v = exp_nonpositive(*v * scale - max));
+            let sum = lane_sum(row, |v| v);
+            row.iter_mut().for_each(|v| *v /= sum);
+        }
+    }
+}
+
+vectorized_kernel! {
+    /// The scores' gradient from the probabilities' in place: per row of `dp` (with `p` the
+    /// probabilities), `dS = P ⊙ (dP − Σ dP⊙P) · scale`.
+    fn softmax_backward_rows(dp: &mut [f32], p: &[f32], t: usize, scale: f32) {
+        for (ds, p) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+            let dot = lane_sum2(ds, p, |a, b| a * b);
+            for (v, p) in ds.iter_mut().zip(p) {
+                *v = p * (*v - dot) * scale;
+            }
+        }
     }
 }
 
@@ -178,12 +200,7 @@ impl CustomOp1 for Attention {
                             // dP = dY·Vᵀ; dS = P ⊙ (dP − Σ dP⊙P) · scale
                             let vt = View { data: &qkv[2 * d + h * hd..], rs: 1, cs: 3 * d };
                             matmul((t, t, hd), &mut dp, t, gy, vt, false, 1);
-                            for (ds, p) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
-                                let dot: f32 = ds.iter().zip(p).map(|(a, b)| a * b).sum();
-                                for (v, p) in ds.iter_mut().zip(p) {
-                                    *v = p * (*v - dot) * scale;
-                                }
-                            }
+                            softmax_backward_rows(&mut dp, &p, t, scale);
                             // dQ = dS·K, dK = dSᵀ·Q
                             let ds = View { data: &dp, rs: t, cs: 1 };
                             let k = View { data: &qkv[d + h * hd..], rs: 3 * d, cs: 1 };

@@ -12,7 +12,9 @@ use rayon::prelude::*;
 
 use crate::backward::take_param_grad;
 use crate::contiguous_f32;
+use crate::kernels::simd::{lane_sum, lane_sum2};
 use crate::kernels::with_f32_slice;
+use crate::vectorized_kernel;
 
 /// `(x − mean) / sqrt(var + eps) · weight + bias` over the last dimension of `x` (the biased
 /// variance, as PyTorch's `nn.LayerNorm`).
@@ -57,12 +59,55 @@ struct LayerNorm {
 /// Rows per parallel chunk.
 const ROWS_PER_CHUNK: usize = 32;
 
-/// A row's mean and 1/σ.
+/// A row's mean and 1/σ (sums in lanes: see [`lane_sum`]).
+#[inline(always)]
 fn moments(row: &[f32], eps: f64) -> (f32, f32) {
     let n = row.len() as f32;
-    let mean = row.iter().sum::<f32>() / n;
-    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    let mean = lane_sum(row, |v| v) / n;
+    let var = lane_sum(row, |v| (v - mean) * (v - mean)) / n;
     (mean, 1.0 / (var as f64 + eps).sqrt() as f32)
+}
+
+vectorized_kernel! {
+    /// The rows of `x` (each `w.len()` wide) normalised, scaled and shifted into `y`.
+    fn forward_rows(x: &[f32], w: &[f32], b: &[f32], y: &mut [f32], eps: f64) {
+        let d = w.len();
+        for (y, x) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+            let (mean, rstd) = moments(x, eps);
+            for (((y, x), w), b) in y.iter_mut().zip(x).zip(w).zip(b) {
+                *y = (x - mean) * rstd * w + b;
+            }
+        }
+    }
+}
+
+vectorized_kernel! {
+    /// One chunk of rows' input gradient into `gx`, their weight and bias gradients added
+    /// into `gw` and `gb`; `xhat` and `gh` are row-wide scratch.
+    fn backward_rows(
+        (x, w, g): (&[f32], &[f32], &[f32]),
+        (gx, gw, gb): (&mut [f32], &mut [f32], &mut [f32]),
+        (xhat, gh): (&mut [f32], &mut [f32]),
+        eps: f64,
+    ) {
+        let d = w.len();
+        for ((gx, x), g) in gx.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(g.chunks_exact(d)) {
+            let (mean, rstd) = moments(x, eps);
+            for (((xh, gh), x), (g, w)) in xhat.iter_mut().zip(gh.iter_mut()).zip(x).zip(g.iter().zip(w)) {
+                *xh = (x - mean) * rstd;
+                *gh = g * w;
+            }
+            let mean_gh = lane_sum(gh, |v| v) / d as f32;
+            let mean_gh_xhat = lane_sum2(gh, xhat, |a, b| a * b) / d as f32;
+            for (((gw, gb), g), xh) in gw.iter_mut().zip(gb.iter_mut()).zip(g).zip(xhat.iter()) {
+                *gw += g * xh;
+                *gb += g;
+            }
+            for ((gx, gh), xh) in gx.iter_mut().zip(gh.iter()).zip(xhat.iter()) {
+                *gx = (gh - mean_gh - xh * mean_gh_xhat) * rstd;
+            }
+        }
+    }
 }
 
 impl CustomOp3 for LayerNorm {
@@ -86,14 +131,9 @@ impl CustomOp3 for LayerNorm {
         let mut y = vec![0f32; x.len()];
         if d > 0 {
             let chunk = d * ROWS_PER_CHUNK;
-            y.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).for_each(|(y, x)| {
-                for (y, x) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-                    let (mean, rstd) = moments(x, self.eps);
-                    for (((y, x), w), b) in y.iter_mut().zip(x).zip(w).zip(b) {
-                        *y = (x - mean) * rstd * w + b;
-                    }
-                }
-            });
+            y.par_chunks_mut(chunk)
+                .zip(x.par_chunks(chunk))
+                .for_each(|(y, x)| forward_rows(x, w, b, y, self.eps));
         }
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
@@ -139,24 +179,8 @@ fn layer_norm_backward(
         .zip(x.par_chunks(chunk).zip(g.par_chunks(chunk)))
         .map(|(gx, (x, g))| {
             let (mut gw, mut gb) = (vec![0f32; d], vec![0f32; d]);
-            let mut xhat = vec![0f32; d];
-            for ((gx, x), g) in gx.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(g.chunks_exact(d))
-            {
-                let (mean, rstd) = moments(x, eps);
-                let (mut sum_gh, mut sum_gh_xhat) = (0f32, 0f32);
-                for i in 0..d {
-                    xhat[i] = (x[i] - mean) * rstd;
-                    let gh = g[i] * w[i];
-                    sum_gh += gh;
-                    sum_gh_xhat += gh * xhat[i];
-                    gw[i] += g[i] * xhat[i];
-                    gb[i] += g[i];
-                }
-                let (mean_gh, mean_gh_xhat) = (sum_gh / d as f32, sum_gh_xhat / d as f32);
-                for i in 0..d {
-                    gx[i] = (g[i] * w[i] - mean_gh - xhat[i] * mean_gh_xhat) * rstd;
-                }
-            }
+            let (mut xhat, mut gh) = (vec![0f32; d], vec![0f32; d]);
+            backward_rows((x, w, g), (gx, &mut gw, &mut gb), (&mut xhat, &mut gh), eps);
             (gw, gb)
         })
         .collect();

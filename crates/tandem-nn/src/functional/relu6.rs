@@ -4,11 +4,13 @@
 //! forward, and in backward two comparisons, two selects and the sums of their gradients. Here
 //! each direction is one pass: the gradient passes where `0 < x < 6`, as PyTorch's hardtanh
 //! backward lets it. Other dtypes and devices take `clamp`.
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
-use rayon::prelude::*;
 
 use crate::contiguous_f32;
-use crate::kernels::with_f32_slice;
+use crate::kernels::{par_filled, with_f32_slice};
+use crate::vectorized_kernel;
 
 /// `min(max(x, 0), 6)`.
 pub fn relu6(x: &Tensor) -> candle_core::Result<Tensor> {
@@ -31,29 +33,46 @@ impl CustomOp1 for Relu6 {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = contiguous_f32(s, l, "relu6", "input")?;
-        let mut y = vec![0f32; x.len()];
-        y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| {
-            y.iter_mut().zip(x).for_each(|(y, x)| *y = x.clamp(0.0, 6.0));
-        });
-        Ok((CpuStorage::F32(y), l.shape().clone()))
+        Ok((CpuStorage::F32(clamped(x)), l.shape().clone()))
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let g = g.contiguous()?;
-        let gx = with_f32_slice(x, |x| {
-            with_f32_slice(&g, |g| {
-                let mut gx = vec![0f32; x.len()];
-                gx.par_chunks_mut(CHUNK)
-                    .zip(x.par_chunks(CHUNK).zip(g.par_chunks(CHUNK)))
-                    .for_each(|(gx, (x, g))| {
-                        for ((o, x), g) in gx.iter_mut().zip(x).zip(g) {
-                            *o = if *x > 0.0 && *x < 6.0 { *g } else { 0.0 };
-                        }
-                    });
-                gx
-            })
-        })??;
+        let gx = with_f32_slice(x, |x| with_f32_slice(&g, |g| passed(x, g)))??;
         Ok(Some(Tensor::from_vec(gx, x.shape(), x.device())?))
+    }
+}
+
+/// `clamp(x, 0, 6)`.
+fn clamped(x: &[f32]) -> Vec<f32> {
+    // SAFETY: `clamp_chunk` writes every slot of its chunk (a zip with an input of the chunk's
+    // length).
+    unsafe { par_filled(x.len(), CHUNK, |i, y| clamp_chunk(&x[i * CHUNK..][..y.len()], y)) }
+}
+
+/// `g` where `0 < x < 6`, else 0.
+fn passed(x: &[f32], g: &[f32]) -> Vec<f32> {
+    // SAFETY: `pass_chunk` writes every slot of its chunk (a zip with inputs of its length).
+    unsafe {
+        par_filled(x.len(), CHUNK, |i, out| {
+            pass_chunk(&x[i * CHUNK..][..out.len()], &g[i * CHUNK..][..out.len()], out)
+        })
+    }
+}
+
+// The chunk loops are kernels of their own: a closure does not get the features of the
+// function it is written in.
+vectorized_kernel! {
+    fn clamp_chunk(x: &[f32], y: &mut [MaybeUninit<f32>]) {
+        y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write(x.clamp(0.0, 6.0)));
+    }
+}
+
+vectorized_kernel! {
+    fn pass_chunk(x: &[f32], g: &[f32], out: &mut [MaybeUninit<f32>]) {
+        for (o, (x, g)) in out.iter_mut().zip(x.iter().zip(g)) {
+            _ = o.write(if *x > 0.0 && *x < 6.0 { *g } else { 0.0 });
+        }
     }
 }
 

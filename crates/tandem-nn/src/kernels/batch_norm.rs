@@ -7,6 +7,8 @@
 //! PyTorch's formula `gx = γ·invstd·(gy − mean(gy) − x̂·mean(gy·x̂))`, `gγ = Σ gy·x̂`,
 //! `gβ = Σ gy` (a following ReLU's mask applied inside both), channels spread over the rayon
 //! threads. Sums run in f64 over independent lanes, so that they vectorise (`LaneSums`).
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -21,31 +23,33 @@ fn plane(v: &[f32], p: usize, hw: usize) -> &[f32] {
     &v[p * hw..(p + 1) * hw]
 }
 
+/// Per-channel batch statistics of `x: [N, C, H, W]`: (mean, biased variance, count).
+pub fn batch_stats(x: &[f32], (n, c, hw): (usize, usize, usize)) -> (Vec<f32>, Vec<f32>, usize) {
+    let stats: Vec<(f32, f32)> =
+        (0..c).into_par_iter().map(|ch| channel_stats(x, (n, c, hw), ch)).collect();
+    (stats.iter().map(|s| s.0).collect(), stats.iter().map(|s| s.1).collect(), n * hw)
+}
+
+// Each parallel task's loops are a `vectorized_kernel!` of their own, called from the rayon
+// closure: a closure is compiled as a function of its own, without the features of the
+// function it is written in (these loops ran at SSE width when they were closures).
+
 vectorized_kernel! {
-    /// Per-channel batch statistics of `x: [N, C, H, W]`: (mean, biased variance, count).
-    pub fn batch_stats(
-        x: &[f32],
-        (n, c, hw): (usize, usize, usize),
-    ) -> (Vec<f32>, Vec<f32>, usize) {
+    /// Channel `ch`'s (mean, biased variance) for [`batch_stats`].
+    fn channel_stats(x: &[f32], (n, c, hw): (usize, usize, usize), ch: usize) -> (f32, f32) {
         let m = (n * hw).max(1) as f64;
-        let stats: Vec<(f32, f32)> = (0..c)
-            .into_par_iter()
-            .map(|ch| {
-                let plane = |i: usize| &x[(i * c + ch) * hw..(i * c + ch + 1) * hw];
-                let mut sums = LaneSums::new();
-                (0..n).for_each(|i| sums.add([plane(i)], |[v]| [v, 0.0]));
-                let mean = sums.total().0 / m;
-                let mean32 = mean as f32;
-                let mut squares = LaneSums::new();
-                let d = |v: f32| v - mean32;
-                (0..n).for_each(|i| squares.add([plane(i)], |[v]| [d(v) * d(v), 0.0]));
-                let squares = squares.total().0;
-                // The deviations were taken from the f32-rounded mean; correct for the rounding.
-                let offset = mean32 as f64 - mean;
-                (mean as f32, (squares / m - offset * offset).max(0.0) as f32)
-            })
-            .collect();
-        (stats.iter().map(|s| s.0).collect(), stats.iter().map(|s| s.1).collect(), n * hw)
+        let plane = |i: usize| &x[(i * c + ch) * hw..(i * c + ch + 1) * hw];
+        let mut sums = LaneSums::new();
+        (0..n).for_each(|i| sums.add([plane(i)], |[v]| [v, 0.0]));
+        let mean = sums.total().0 / m;
+        let mean32 = mean as f32;
+        let mut squares = LaneSums::new();
+        let d = |v: f32| v - mean32;
+        (0..n).for_each(|i| squares.add([plane(i)], |[v]| [d(v) * d(v), 0.0]));
+        let squares = squares.total().0;
+        // The deviations were taken from the f32-rounded mean; correct for the rounding.
+        let offset = mean32 as f64 - mean;
+        (mean as f32, (squares / m - offset * offset).max(0.0) as f32)
     }
 }
 
@@ -57,36 +61,47 @@ fn scale_shift(gamma: f32, beta: f32, mean: f32, invstd: f32) -> (f32, f32) {
     (scale, beta - mean * scale)
 }
 
+/// `γ·(x − mean)·invstd + β` of `x: [N, C, HW]`, plus `residual` when given, then clamped
+/// at zero when `relu` (always with a residual).
+pub(crate) fn normalize(
+    x: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    (mean, invstd): (&[f32], &[f32]),
+    (relu, residual): (bool, Option<&[f32]>),
+    (c, hw): (usize, usize),
+) -> Vec<f32> {
+    // SAFETY: `normalize_plane` writes every slot of its chunk (a zip with inputs of the
+    // chunk's length).
+    unsafe {
+        par_filled(x.len(), hw, |plane, y| {
+            let ch = plane % c;
+            let (scale, shift) = scale_shift(gamma[ch], beta[ch], mean[ch], invstd[ch]);
+            let at = plane * hw..(plane + 1) * hw;
+            let residual = residual.map(|r| &r[at.clone()]);
+            normalize_plane(&x[at], residual, relu, (scale, shift), y)
+        })
+    }
+}
+
 vectorized_kernel! {
-    /// `γ·(x − mean)·invstd + β` of `x: [N, C, HW]`, plus `residual` when given, then clamped
-    /// at zero when `relu` (always with a residual).
-    pub(crate) fn normalize(
+    /// One plane of [`normalize`].
+    fn normalize_plane(
         x: &[f32],
-        gamma: &[f32],
-        beta: &[f32],
-        (mean, invstd): (&[f32], &[f32]),
-        (relu, residual): (bool, Option<&[f32]>),
-        (c, hw): (usize, usize),
-    ) -> Vec<f32> {
-        // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
-        // chunk's length).
-        unsafe {
-            par_filled(x.len(), hw, |plane, y| {
-                let ch = plane % c;
-                let (scale, shift) = scale_shift(gamma[ch], beta[ch], mean[ch], invstd[ch]);
-                let x = &x[plane * hw..(plane + 1) * hw];
-                if let Some(r) = residual {
-                    // (x·scale + shift) + r: the unfused BatchNorm's output, then the sum.
-                    let out = |(x, r): (&f32, &f32)| (x * scale + shift + r).max(0.0);
-                    let sums = x.iter().zip(&r[plane * hw..(plane + 1) * hw]);
-                    y.iter_mut().zip(sums).for_each(|(y, xr)| _ = y.write(out(xr)));
-                } else if relu {
-                    let relu = |x: f32| (x * scale + shift).max(0.0);
-                    y.iter_mut().zip(x).for_each(|(y, &x)| _ = y.write(relu(x)));
-                } else {
-                    y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write(x * scale + shift));
-                }
-            })
+        residual: Option<&[f32]>,
+        relu: bool,
+        (scale, shift): (f32, f32),
+        y: &mut [MaybeUninit<f32>],
+    ) {
+        if let Some(r) = residual {
+            // (x·scale + shift) + r: the unfused BatchNorm's output, then the sum.
+            let out = |(x, r): (&f32, &f32)| (x * scale + shift + r).max(0.0);
+            y.iter_mut().zip(x.iter().zip(r)).for_each(|(y, xr)| _ = y.write(out(xr)));
+        } else if relu {
+            let relu = |x: f32| (x * scale + shift).max(0.0);
+            y.iter_mut().zip(x).for_each(|(y, &x)| _ = y.write(relu(x)));
+        } else {
+            y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write(x * scale + shift));
         }
     }
 }
@@ -169,76 +184,98 @@ pub struct Stats<'a> {
     pub beta: &'a [f32],
 }
 
+/// The backward of the op on contiguous `[N, C, H, W]` slices: per channel Σ g and
+/// Σ g·(x − mean) — `gβ` and `gγ / invstd` — and, when `want_gx`, the input gradient; `g`
+/// is `gy` through the ReLU (zero where the output is not positive) when `relu`.
+/// Public for the kernel probes.
+pub fn backward_slices(
+    x: &[f32],
+    gy: &[f32],
+    stats: &Stats,
+    relu: bool,
+    (n, c, hw): (usize, usize, usize),
+    want_gx: bool,
+) -> (Vec<(f64, f64)>, Option<Vec<f32>>) {
+    let m = (n * hw) as f64;
+    let sums: Vec<(f64, f64)> = (0..c)
+        .into_par_iter()
+        .map(|ch| channel_grad_sums((x, gy), stats, relu, (n, c, hw), ch))
+        .collect();
+    let gx = want_gx.then(|| {
+        // SAFETY: `input_grad_plane` writes every slot of its chunk (a zip with inputs of the
+        // chunk's length).
+        unsafe {
+            par_filled(x.len(), hw, |p, out| {
+                let ch = p % c;
+                let planes = (plane(gy, p, hw), plane(x, p, hw));
+                input_grad_plane(planes, stats, relu, (ch, sums[ch], m), out)
+            })
+        }
+    });
+    (sums, gx)
+}
+
 vectorized_kernel! {
-    /// The backward of the op on contiguous `[N, C, H, W]` slices: per channel Σ g and
-    /// Σ g·(x − mean) — `gβ` and `gγ / invstd` — and, when `want_gx`, the input gradient; `g`
-    /// is `gy` through the ReLU (zero where the output is not positive) when `relu`.
-    /// Public for the kernel probes.
-    pub fn backward_slices(
-        x: &[f32],
-        gy: &[f32],
+    /// Channel `ch`'s Σ g and Σ g·(x − mean) for [`backward_slices`].
+    fn channel_grad_sums(
+        (x, gy): (&[f32], &[f32]),
         stats: &Stats,
         relu: bool,
         (n, c, hw): (usize, usize, usize),
-        want_gx: bool,
-    ) -> (Vec<(f64, f64)>, Option<Vec<f32>>) {
-        let m = (n * hw) as f64;
-        let scale_shift = |ch: usize| {
-            scale_shift(stats.gamma[ch], stats.beta[ch], stats.mean[ch], stats.invstd[ch])
-        };
-        let sums: Vec<(f64, f64)> = (0..c)
-            .into_par_iter()
-            .map(|ch| {
-                let mean = stats.mean[ch];
-                let (scale, shift) = scale_shift(ch);
-                let mut sums = LaneSums::new();
-                for i in 0..n {
-                    let p = i * c + ch;
-                    let v = [plane(gy, p, hw), plane(x, p, hw)];
-                    // Two loops, so that the ReLU's test is not made per element.
-                    if relu {
-                        sums.add(v, |[g, x]| {
-                            let g = if x * scale + shift > 0.0 { g } else { 0.0 };
-                            [g, g * (x - mean)]
-                        });
-                    } else {
-                        sums.add(v, |[g, x]| [g, g * (x - mean)]);
-                    }
-                }
-                sums.total()
-            })
-            .collect();
-        let gx = want_gx.then(|| {
-            // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
-            // chunk's length).
-            unsafe {
-                par_filled(x.len(), hw, |p, out| {
-                    let ch = p % c;
-                    let (mean, invstd) = (stats.mean[ch], stats.invstd[ch]);
-                    let k = stats.gamma[ch] * invstd;
-                    let mean_g = (sums[ch].0 / m) as f32;
-                    // mean(g·x̂) = invstd · Σ g·(x − mean) / m.
-                    let mean_gx = (sums[ch].1 / m) as f32 * invstd;
-                    // gx = k·(g − mean_g − x̂·mean(g·x̂)), in this order: the terms cancel over
-                    // the channel, and folding them into k·g + a·x + b loses that (the gradient
-                    // of a bias before a BatchNorm is ~0).
-                    let slope = invstd * mean_gx;
-                    let values = plane(gy, p, hw).iter().zip(plane(x, p, hw));
-                    let gx = |g: f32, x: f32| k * (g - mean_g - (x - mean) * slope);
-                    if relu {
-                        let (scale, shift) = scale_shift(ch);
-                        for (o, (&g, &x)) in out.iter_mut().zip(values) {
-                            o.write(gx(if x * scale + shift > 0.0 { g } else { 0.0 }, x));
-                        }
-                    } else {
-                        for (o, (&g, &x)) in out.iter_mut().zip(values) {
-                            o.write(gx(g, x));
-                        }
-                    }
-                })
+        ch: usize,
+    ) -> (f64, f64) {
+        let mean = stats.mean[ch];
+        let (scale, shift) =
+            scale_shift(stats.gamma[ch], stats.beta[ch], stats.mean[ch], stats.invstd[ch]);
+        let mut sums = LaneSums::new();
+        for i in 0..n {
+            let p = i * c + ch;
+            let v = [plane(gy, p, hw), plane(x, p, hw)];
+            // Two loops, so that the ReLU's test is not made per element.
+            if relu {
+                sums.add(v, |[g, x]| {
+                    let g = if x * scale + shift > 0.0 { g } else { 0.0 };
+                    [g, g * (x - mean)]
+                });
+            } else {
+                sums.add(v, |[g, x]| [g, g * (x - mean)]);
             }
-        });
-        (sums, gx)
+        }
+        sums.total()
+    }
+}
+
+vectorized_kernel! {
+    /// One plane (channel `ch`, its sums, `m` values a channel) of [`backward_slices`]' input
+    /// gradient.
+    fn input_grad_plane(
+        (gy, x): (&[f32], &[f32]),
+        stats: &Stats,
+        relu: bool,
+        (ch, sums, m): (usize, (f64, f64), f64),
+        out: &mut [MaybeUninit<f32>],
+    ) {
+        let (mean, invstd) = (stats.mean[ch], stats.invstd[ch]);
+        let k = stats.gamma[ch] * invstd;
+        let mean_g = (sums.0 / m) as f32;
+        // mean(g·x̂) = invstd · Σ g·(x − mean) / m.
+        let mean_gx = (sums.1 / m) as f32 * invstd;
+        // gx = k·(g − mean_g − x̂·mean(g·x̂)), in this order: the terms cancel over the
+        // channel, and folding them into k·g + a·x + b loses that (the gradient of a bias
+        // before a BatchNorm is ~0).
+        let slope = invstd * mean_gx;
+        let values = gy.iter().zip(x);
+        let gx = |g: f32, x: f32| k * (g - mean_g - (x - mean) * slope);
+        if relu {
+            let (scale, shift) = scale_shift(stats.gamma[ch], stats.beta[ch], mean, invstd);
+            for (o, (&g, &x)) in out.iter_mut().zip(values) {
+                o.write(gx(if x * scale + shift > 0.0 { g } else { 0.0 }, x));
+            }
+        } else {
+            for (o, (&g, &x)) in out.iter_mut().zip(values) {
+                o.write(gx(g, x));
+            }
+        }
     }
 }
 

@@ -1,7 +1,8 @@
 //! Grouped convolution (`groups > 1`, depthwise included) as one custom op, forward and both
 //! gradients: on CPU f32 tensors by direct loops over each output plane (on a zero-padded copy
-//! of each input plane, so every tap covers whole rows); on a GPU through cuDNN with the group
-//! count (`cuda` builds).
+//! of each input plane split into its stride phases, so every tap is one contiguous run over
+//! the whole plane: long vector loops even on MobileFaceNet's 7x7 and stride-2 planes); on a
+//! GPU through cuDNN with the group count (`cuda` builds).
 //!
 //! Why: candle runs a grouped convolution as one convolution per group and a concatenation, so
 //! MobileFaceNet's depthwise layers (128–512 groups of one channel each) become hundreds of tiny
@@ -14,7 +15,9 @@ use rayon::prelude::*;
 
 use crate::backward::take_param_grad;
 use crate::contiguous_f32;
+use crate::kernels::simd::lane_sum2;
 use crate::kernels::with_f32_slice;
+use crate::vectorized_kernel;
 
 /// Stride, padding, dilation (the same on both axes, as candle's `Conv2dConfig`) and groups.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,142 +81,258 @@ impl Geometry {
     }
 }
 
-/// `src` (`h` x `w`) into the middle of `dst` (`h + 2p` x `w + 2p`, zero borders).
-fn pad_into(g: &Geometry, src: &[f32], dst: &mut [f32]) {
-    let (pad, pw) = (g.p.padding, g.padded().1);
-    for (y, row) in src.chunks_exact(g.w).enumerate() {
-        dst[(y + pad) * pw + pad..][..g.w].copy_from_slice(row);
-    }
+/// The zero-padded input plane split into its `stride²` phases, as the taps read it: phase
+/// `(py, px)` holds the padded plane's rows `py, py + s, …` and columns `px, px + s, …`
+/// (`rows x cols`, zeros past the edge), so the tap `(ky, kx)` of every output reads one phase
+/// at one offset — a contiguous run over the whole output in the phases' width, whatever the
+/// stride. One spare row of zeros lets the last run read past its last row (those lanes only
+/// fill the columns past the output's width, which are dropped).
+#[derive(Clone, Copy)]
+struct Phases {
+    s: usize,
+    rows: usize,
+    cols: usize,
 }
 
-/// `out[ox] += a * src[ox * s]` for every `ox` of `out` (`src` long enough).
-#[inline(always)]
-fn axpy_strided(out: &mut [f32], a: f32, src: &[f32], s: usize) {
-    if s == 1 {
-        out.iter_mut().zip(src).for_each(|(o, &v)| *o += a * v);
-    } else {
-        out.iter_mut().zip(src.iter().step_by(s)).for_each(|(o, &v)| *o += a * v);
+impl Phases {
+    fn of(g: &Geometry) -> Phases {
+        let (ph, pw) = g.padded();
+        let s = g.p.stride;
+        Phases { s, rows: ph.div_ceil(s), cols: pw.div_ceil(s) }
     }
-}
 
-/// `y[b, co] = Σ_{ci, ky, kx} w[co, ci, ky, kx] · shift(x[b, group·cpg + ci])`, over a zero-padded
-/// copy of each input plane so every tap covers whole output rows (no bounds in the loops).
-fn forward(g: &Geometry, x: &[f32], k: &[f32]) -> Vec<f32> {
-    let (plane, out_plane) = (g.h * g.w, g.oh * g.ow);
-    let (ph, pw) = g.padded();
-    let mut y = vec![0f32; g.n * g.o * out_plane];
-    let (s, d) = (g.p.stride, g.p.dilation);
-    y.par_chunks_mut(out_plane).enumerate().for_each_init(
-        || vec![0f32; ph * pw],
-        |xp, (idx, yp)| {
-            let (b, co) = (idx / g.o, idx % g.o);
-            let group = co / g.opg;
-            for ci in 0..g.cpg {
-                pad_into(g, &x[(b * g.c + group * g.cpg + ci) * plane..][..plane], xp);
-                for ky in 0..g.kh {
-                    for kx in 0..g.kw {
-                        let wv = k[((co * g.cpg + ci) * g.kh + ky) * g.kw + kx];
-                        for (oy, yr) in yp.chunks_exact_mut(g.ow).enumerate() {
-                            let row = &xp[(oy * s + ky * d) * pw + kx * d..];
-                            axpy_strided(yr, wv, row, s);
-                        }
-                    }
+    /// Floats of one phase (its spare row included), and of all of them.
+    fn len(&self) -> usize {
+        (self.rows + 1) * self.cols
+    }
+
+    fn total(&self) -> usize {
+        self.s * self.s * self.len()
+    }
+
+    /// The phase and the offset in it where tap `(ky, kx)` of output `(0, 0)` reads.
+    #[inline(always)]
+    fn tap(&self, g: &Geometry, ky: usize, kx: usize) -> (usize, usize) {
+        let (dy, dx) = (ky * g.p.dilation, kx * g.p.dilation);
+        let phase = (dy % self.s) * self.s + dx % self.s;
+        (phase * self.len(), (dy / self.s) * self.cols + dx / self.s)
+    }
+
+    /// `plane` (`h x w`) padded and split into `out` (every slot written).
+    #[inline(always)]
+    fn fill(&self, g: &Geometry, plane: &[f32], out: &mut [f32]) {
+        out.fill(0.0);
+        self.each_run(g, |y, x0, at, n| {
+            let src = &plane[y * g.w + x0..(y + 1) * g.w];
+            out[at..at + n].iter_mut().zip(src.iter().step_by(self.s)).for_each(|(d, &v)| *d = v);
+        });
+    }
+
+    /// The unpadded plane (`h x w`) read back out of `phases` into `plane` (`fill`'s inverse).
+    #[inline(always)]
+    fn read(&self, g: &Geometry, phases: &[f32], plane: &mut [f32]) {
+        self.each_run(g, |y, x0, at, n| {
+            let dst = &mut plane[y * g.w + x0..(y + 1) * g.w];
+            dst.iter_mut().step_by(self.s).zip(&phases[at..at + n]).for_each(|(d, &v)| *d = v);
+        });
+    }
+
+    /// For every input row `y` and column phase: `f(y, x0, at, n)` — the row's columns `x0,
+    /// x0 + s, …` (`n` of them) lie at `at, at + 1, …` of the phases.
+    #[inline(always)]
+    fn each_run(&self, g: &Geometry, mut f: impl FnMut(usize, usize, usize, usize)) {
+        let (s, pad) = (self.s, g.p.padding);
+        for y in 0..g.h {
+            let yy = y + pad;
+            let row_start = (yy % s) * s * self.len() + (yy / s) * self.cols;
+            for px in 0..s {
+                // The first column x with (x + pad) % s == px.
+                let x0 = (px + s - pad % s) % s;
+                if x0 < g.w {
+                    let at = row_start + px * self.len() + (x0 + pad) / s;
+                    f(y, x0, at, (g.w - x0).div_ceil(s));
                 }
             }
-        },
+        }
+    }
+}
+
+/// Whether each output plane is a single value over the whole unpadded input plane (the GDC
+/// of MobileFaceNet: a 7x7 kernel on 7x7 maps): then each output is one dot product, which
+/// the phases' width would spread over a row of scratch lanes.
+fn global(g: &Geometry) -> bool {
+    g.oh == 1 && g.ow == 1 && g.p.padding == 0 && g.kh == g.h && g.kw == g.w && g.p.dilation == 1
+}
+
+/// Floats of an output plane in the phases' width (`oh x cols`; columns from `ow` on are
+/// scratch).
+fn wide_len(g: &Geometry, ph: &Phases) -> usize {
+    g.oh * ph.cols
+}
+
+/// `plane` (`oh x ow`) into the phases' width with zeros in the extra columns.
+#[inline(always)]
+fn widen(g: &Geometry, ph: &Phases, plane: &[f32], wide: &mut [f32]) {
+    wide.fill(0.0);
+    for (row, out) in plane.chunks_exact(g.ow).zip(wide.chunks_exact_mut(ph.cols)) {
+        out[..g.ow].copy_from_slice(row);
+    }
+}
+
+// Each task's work is a `vectorized_kernel!` of its own, called from the rayon closure: a
+// closure is compiled as a function of its own, without the features of the function it is
+// written in (the plane loops ran at SSE width when they were closures).
+
+/// `y[b, co] = Σ_{ci, ky, kx} w[co, ci, ky, kx] · shift(x[b, group·cpg + ci])`: each tap
+/// one multiply-add over the whole output plane in the phases' width (see [`Phases`]), in
+/// order ci, ky, kx for every element.
+fn forward(g: &Geometry, x: &[f32], k: &[f32]) -> Vec<f32> {
+    let ph = Phases::of(g);
+    let mut y = vec![0f32; g.n * g.o * g.oh * g.ow];
+    y.par_chunks_mut(g.oh * g.ow).enumerate().for_each_init(
+        || (vec![0f32; ph.total()], vec![0f32; wide_len(g, &ph)]),
+        |(xp, yw), (idx, yp)| forward_plane((g, &ph), (x, k), idx, (xp, yw), yp),
     );
     y
 }
 
-/// `gx[b, c] = Σ_{co in c's group, ky, kx} w[co, ci, ky, kx] · unshift(gy[b, co])`, scattered into a
-/// zero-padded plane whose middle is the gradient.
-fn input_grad(g: &Geometry, k: &[f32], gy: &[f32]) -> Vec<f32> {
-    let (plane, out_plane) = (g.h * g.w, g.oh * g.ow);
-    let (ph, pw) = g.padded();
-    let pad = g.p.padding;
-    let mut gx = vec![0f32; g.n * g.c * plane];
-    let (s, d) = (g.p.stride, g.p.dilation);
-    gx.par_chunks_mut(plane).enumerate().for_each_init(
-        || vec![0f32; ph * pw],
-        |gp, (idx, gxp)| {
-            gp.fill(0.0);
-            let (b, c) = (idx / g.c, idx % g.c);
-            let (group, ci) = (c / g.cpg, c % g.cpg);
-            for co in group * g.opg..(group + 1) * g.opg {
-                let gyp = &gy[(b * g.o + co) * out_plane..][..out_plane];
-                for ky in 0..g.kh {
-                    for kx in 0..g.kw {
-                        let wv = k[((co * g.cpg + ci) * g.kh + ky) * g.kw + kx];
-                        for (oy, gyr) in gyp.chunks_exact(g.ow).enumerate() {
-                            let at = (oy * s + ky * d) * pw + kx * d;
-                            if s == 1 {
-                                gp[at..at + g.ow]
-                                    .iter_mut()
-                                    .zip(gyr)
-                                    .for_each(|(o, &v)| *o += wv * v);
-                            } else {
-                                for (ox, &v) in gyr.iter().enumerate() {
-                                    gp[at + ox * s] += wv * v;
-                                }
-                            }
-                        }
-                    }
+vectorized_kernel! {
+    /// Output plane `idx` (image `idx / o`, channel `idx % o`) of [`forward`] into `yp`.
+    fn forward_plane(
+        (g, ph): (&Geometry, &Phases),
+        (x, k): (&[f32], &[f32]),
+        idx: usize,
+        (xp, yw): (&mut [f32], &mut [f32]),
+        yp: &mut [f32],
+    ) {
+        let plane = g.h * g.w;
+        let (b, co) = (idx / g.o, idx % g.o);
+        let group = co / g.opg;
+        let x = |ci: usize| &x[(b * g.c + group * g.cpg + ci) * plane..][..plane];
+        if global(g) {
+            let k = |ci: usize| &k[(co * g.cpg + ci) * plane..][..plane];
+            yp[0] = (0..g.cpg).fold(0f32, |s, ci| s + lane_sum2(k(ci), x(ci), |a, v| a * v));
+            return;
+        }
+        yw.fill(0.0);
+        for ci in 0..g.cpg {
+            ph.fill(g, x(ci), xp);
+            for ky in 0..g.kh {
+                for kx in 0..g.kw {
+                    let wv = k[((co * g.cpg + ci) * g.kh + ky) * g.kw + kx];
+                    let (phase, off) = ph.tap(g, ky, kx);
+                    let src = &xp[phase + off..][..yw.len()];
+                    yw.iter_mut().zip(src).for_each(|(o, &v)| *o += wv * v);
                 }
             }
-            for (y, row) in gxp.chunks_exact_mut(g.w).enumerate() {
-                row.copy_from_slice(&gp[(y + pad) * pw + pad..][..g.w]);
-            }
-        },
+        }
+        for (out, row) in yp.chunks_exact_mut(g.ow).zip(yw.chunks_exact(ph.cols)) {
+            out.copy_from_slice(&row[..g.ow]);
+        }
+    }
+}
+
+/// `gx[b, c] = Σ_{co in c's group, ky, kx} w[co, ci, ky, kx] · unshift(gy[b, co])`: each tap
+/// scatters the whole (widened) output gradient into the phases at its offset, then the
+/// input's positions are read back out of them.
+fn input_grad(g: &Geometry, k: &[f32], gy: &[f32]) -> Vec<f32> {
+    let ph = Phases::of(g);
+    let mut gx = vec![0f32; g.n * g.c * g.h * g.w];
+    gx.par_chunks_mut(g.h * g.w).enumerate().for_each_init(
+        || (vec![0f32; ph.total()], vec![0f32; wide_len(g, &ph)]),
+        |(gp, gyw), (idx, gxp)| input_grad_plane((g, &ph), (k, gy), idx, (gp, gyw), gxp),
     );
     gx
 }
 
+vectorized_kernel! {
+    /// Input-gradient plane `idx` (image `idx / c`, channel `idx % c`) of [`input_grad`].
+    fn input_grad_plane(
+        (g, ph): (&Geometry, &Phases),
+        (k, gy): (&[f32], &[f32]),
+        idx: usize,
+        (gp, gyw): (&mut [f32], &mut [f32]),
+        gxp: &mut [f32],
+    ) {
+        let (plane, out_plane) = (g.h * g.w, g.oh * g.ow);
+        let (b, c) = (idx / g.c, idx % g.c);
+        let (group, ci) = (c / g.cpg, c % g.cpg);
+        let outputs = group * g.opg..(group + 1) * g.opg;
+        if global(g) {
+            gxp.fill(0.0);
+            for co in outputs {
+                let gyv = gy[b * g.o + co];
+                let kp = &k[(co * g.cpg + ci) * plane..][..plane];
+                gxp.iter_mut().zip(kp).for_each(|(o, &w)| *o += w * gyv);
+            }
+            return;
+        }
+        gp.fill(0.0);
+        for co in outputs {
+            widen(g, ph, &gy[(b * g.o + co) * out_plane..][..out_plane], gyw);
+            for ky in 0..g.kh {
+                for kx in 0..g.kw {
+                    let wv = k[((co * g.cpg + ci) * g.kh + ky) * g.kw + kx];
+                    let (phase, off) = ph.tap(g, ky, kx);
+                    let dst = &mut gp[phase + off..][..gyw.len()];
+                    dst.iter_mut().zip(gyw.iter()).for_each(|(o, &v)| *o += wv * v);
+                }
+            }
+        }
+        ph.read(g, gp, gxp);
+    }
+}
+
 /// `gw[co, ci, ky, kx] = Σ_{b, oy, ox} gy[b, co, oy, ox] · x[b, group·cpg + ci, shifted]`: per
-/// image, each tap's products accumulate in f32 lanes along the output row (so the loop
-/// vectorises), then each lane's sum joins the tap's f64 total, image after image, in a fixed
-/// order (one task per output channel).
+/// image, each tap's dot product of the widened output gradient (zeros past the output's
+/// width) with its phase run, in [`REDUCE_LANES`](super::simd::REDUCE_LANES) f32 partials;
+/// each image's dot then joins the tap's f64 total, image after image, in a fixed order (one
+/// task per output channel).
 fn weight_grad(g: &Geometry, x: &[f32], gy: &[f32]) -> Vec<f32> {
-    let (plane, out_plane) = (g.h * g.w, g.oh * g.ow);
-    let (ph, pw) = g.padded();
+    let ph = Phases::of(g);
     let taps = g.cpg * g.kh * g.kw;
     let mut gw = vec![0f32; g.o * taps];
-    let (s, d) = (g.p.stride, g.p.dilation);
     gw.par_chunks_mut(taps).enumerate().for_each_init(
-        || (vec![0f32; ph * pw], vec![0f32; g.ow]),
-        |(xp, lanes), (co, gwc)| {
-            let group = co / g.opg;
-            let mut acc = vec![0f64; taps];
-            for b in 0..g.n {
-                let gyp = &gy[(b * g.o + co) * out_plane..][..out_plane];
-                for ci in 0..g.cpg {
-                    pad_into(g, &x[(b * g.c + group * g.cpg + ci) * plane..][..plane], xp);
-                    for ky in 0..g.kh {
-                        for kx in 0..g.kw {
-                            lanes.fill(0.0);
-                            for (oy, gyr) in gyp.chunks_exact(g.ow).enumerate() {
-                                let row = &xp[(oy * s + ky * d) * pw + kx * d..];
-                                if s == 1 {
-                                    lanes
-                                        .iter_mut()
-                                        .zip(gyr.iter().zip(row))
-                                        .for_each(|(l, (&a, &v))| *l += a * v);
-                                } else {
-                                    lanes
-                                        .iter_mut()
-                                        .zip(gyr.iter().zip(row.iter().step_by(s)))
-                                        .for_each(|(l, (&a, &v))| *l += a * v);
-                                }
-                            }
-                            let sum: f64 = lanes.iter().map(|&l| f64::from(l)).sum();
-                            acc[(ci * g.kh + ky) * g.kw + kx] += sum;
-                        }
+        || (vec![0f32; ph.total()], vec![0f32; wide_len(g, &ph)], vec![0f64; taps]),
+        |(xp, gyw, acc), (co, gwc)| weight_grad_channel((g, &ph), (x, gy), co, (xp, gyw, acc), gwc),
+    );
+    gw
+}
+
+vectorized_kernel! {
+    /// Output channel `co`'s weight gradient of [`weight_grad`] into `gwc`.
+    fn weight_grad_channel(
+        (g, ph): (&Geometry, &Phases),
+        (x, gy): (&[f32], &[f32]),
+        co: usize,
+        (xp, gyw, acc): (&mut [f32], &mut [f32], &mut [f64]),
+        gwc: &mut [f32],
+    ) {
+        let (plane, out_plane) = (g.h * g.w, g.oh * g.ow);
+        let group = co / g.opg;
+        acc.fill(0.0);
+        for b in 0..g.n {
+            if global(g) {
+                let gyv = gy[b * g.o + co];
+                let xb = &x[(b * g.c + group * g.cpg) * plane..][..g.cpg * plane];
+                acc.iter_mut().zip(xb).for_each(|(a, &v)| *a += f64::from(gyv * v));
+                continue;
+            }
+            widen(g, ph, &gy[(b * g.o + co) * out_plane..][..out_plane], gyw);
+            for ci in 0..g.cpg {
+                ph.fill(g, &x[(b * g.c + group * g.cpg + ci) * plane..][..plane], xp);
+                for ky in 0..g.kh {
+                    for kx in 0..g.kw {
+                        let (phase, off) = ph.tap(g, ky, kx);
+                        let run = &xp[phase + off..][..gyw.len()];
+                        let dot = lane_sum2(gyw, run, |a, v| a * v);
+                        acc[(ci * g.kh + ky) * g.kw + kx] += f64::from(dot);
                     }
                 }
             }
-            gwc.iter_mut().zip(&acc).for_each(|(w, &a)| *w = a as f32);
-        },
-    );
-    gw
+        }
+        gwc.iter_mut().zip(acc.iter()).for_each(|(w, &a)| *w = a as f32);
+    }
 }
 
 struct GroupedConvOp(GroupedConvParams);

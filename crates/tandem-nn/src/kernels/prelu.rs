@@ -7,6 +7,8 @@
 //! Here the forward is one pass, and the backward one pass for the input gradient plus one
 //! per-channel reduction `ga[c] = Σ gy·x` over `x ≤ 0` (f64 sums in vector lanes), as PyTorch
 //! computes it.
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -31,65 +33,70 @@ fn planes(dims: &[usize], slopes: usize) -> candle_core::Result<(usize, usize)> 
     Ok((slopes, dims[2..].iter().product::<usize>().max(1)))
 }
 
+/// `x` where positive, else `slope·x`, over planes of `hw` values (`c` slopes; one for all
+/// when `c == 1`).
+fn forward_slices(x: &[f32], a: &[f32], (c, hw): (usize, usize)) -> Vec<f32> {
+    let chunk = if c == 1 { CHUNK } else { hw };
+    // SAFETY: `prelu_chunk` writes every slot of its chunk (a zip with an input of the
+    // chunk's length).
+    unsafe {
+        par_filled(x.len(), chunk, |plane, y| {
+            let slope = if c == 1 { a[0] } else { a[plane % c] };
+            prelu_chunk(&x[plane * chunk..][..y.len()], None, slope, y)
+        })
+    }
+}
+
+/// The input gradient: `gy` where `x` is positive, else `slope·gy`.
+fn input_grad_slices(x: &[f32], gy: &[f32], slopes: &[f32], (c, hw): (usize, usize)) -> Vec<f32> {
+    let chunk = if c == 1 { CHUNK } else { hw };
+    // SAFETY: `prelu_chunk` writes every slot of its chunk (a zip with inputs of the chunk's
+    // length).
+    unsafe {
+        par_filled(x.len(), chunk, |plane, gx| {
+            let slope = if c == 1 { slopes[0] } else { slopes[plane % c] };
+            let (x, gy) = (&x[plane * chunk..][..gx.len()], &gy[plane * chunk..][..gx.len()]);
+            prelu_chunk(x, Some(gy), slope, gx)
+        })
+    }
+}
+
+// The chunk loops are a `vectorized_kernel!` of their own, called from the rayon closures: a
+// closure is compiled as a function of its own, without the features of the function it is
+// written in (these loops ran at SSE width when they were closures).
 vectorized_kernel! {
-    /// `x` where positive, else `slope·x`, over planes of `hw` values (`c` slopes; one for all
-    /// when `c == 1`).
-    fn forward_slices(x: &[f32], a: &[f32], (c, hw): (usize, usize)) -> Vec<f32> {
-        let chunk = if c == 1 { CHUNK } else { hw };
-        // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
-        // chunk's length).
-        unsafe {
-            par_filled(x.len(), chunk, |plane, y| {
-                let slope = if c == 1 { a[0] } else { a[plane % c] };
-                let x = &x[plane * chunk..][..y.len()];
-                // Selects, not branches, so the loops vectorise.
-                y.iter_mut()
-                    .zip(x)
-                    .for_each(|(y, &v)| _ = y.write(v * if v > 0.0 { 1.0 } else { slope }));
-            })
+    /// `v · (x > 0 ? 1 : slope)` into `out`, with `v` the gradient `gy` when given (the input
+    /// gradient), else `x` itself (the forward). Selects, not branches, so the loops vectorise.
+    fn prelu_chunk(x: &[f32], gy: Option<&[f32]>, slope: f32, out: &mut [MaybeUninit<f32>]) {
+        match gy {
+            Some(gy) => out
+                .iter_mut()
+                .zip(x.iter().zip(gy))
+                .for_each(|(o, (&x, &g))| _ = o.write(g * if x > 0.0 { 1.0 } else { slope })),
+            None => out
+                .iter_mut()
+                .zip(x)
+                .for_each(|(y, &v)| _ = y.write(v * if v > 0.0 { 1.0 } else { slope })),
         }
     }
 }
 
-vectorized_kernel! {
-    /// The input gradient: `gy` where `x` is positive, else `slope·gy`.
-    fn input_grad_slices(
-        x: &[f32],
-        gy: &[f32],
-        slopes: &[f32],
-        (c, hw): (usize, usize),
-    ) -> Vec<f32> {
-        let chunk = if c == 1 { CHUNK } else { hw };
-        // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
-        // chunk's length).
-        unsafe {
-            par_filled(x.len(), chunk, |plane, gx| {
-                let slope = if c == 1 { slopes[0] } else { slopes[plane % c] };
-                let (x, gy) = (&x[plane * chunk..][..gx.len()], &gy[plane * chunk..][..gx.len()]);
-                gx.iter_mut()
-                    .zip(x.iter().zip(gy))
-                    .for_each(|(o, (&x, &g))| _ = o.write(g * if x > 0.0 { 1.0 } else { slope }));
-            })
-        }
-    }
+/// The slopes' gradient: per slope, Σ x·gy over the values where `x` is not positive.
+fn slope_grad_slices(x: &[f32], gy: &[f32], (c, hw): (usize, usize)) -> Vec<f32> {
+    (0..c).into_par_iter().map(|ch| slope_grad(x, gy, (c, hw), ch)).collect()
 }
 
 vectorized_kernel! {
-    /// The slopes' gradient: per slope, Σ x·gy over the values where `x` is not positive.
-    fn slope_grad_slices(x: &[f32], gy: &[f32], (c, hw): (usize, usize)) -> Vec<f32> {
+    /// Slope `ch`'s gradient of [`slope_grad_slices`].
+    fn slope_grad(x: &[f32], gy: &[f32], (c, hw): (usize, usize), ch: usize) -> f32 {
         let planes = x.len() / hw;
-        (0..c)
-            .into_par_iter()
-            .map(|ch| {
-                let mut s = LaneSums::new();
-                for plane in (ch..planes).step_by(c) {
-                    let xs = &x[plane * hw..(plane + 1) * hw];
-                    let gs = &gy[plane * hw..(plane + 1) * hw];
-                    s.add([xs, gs], |[x, g]| [if x <= 0.0 { x * g } else { 0.0 }, 0.0]);
-                }
-                s.total().0 as f32
-            })
-            .collect()
+        let mut s = LaneSums::new();
+        for plane in (ch..planes).step_by(c) {
+            let xs = &x[plane * hw..(plane + 1) * hw];
+            let gs = &gy[plane * hw..(plane + 1) * hw];
+            s.add([xs, gs], |[x, g]| [if x <= 0.0 { x * g } else { 0.0 }, 0.0]);
+        }
+        s.total().0 as f32
     }
 }
 

@@ -1,6 +1,8 @@
 //! ReLU with a one-pass backward: candle's builds a mask tensor (compare, convert) and
 //! multiplies, three full-size passes and two allocations per ReLU; here the gradient is
 //! `gy` where the output is positive, in one pass over the output (which the op keeps).
+use std::mem::MaybeUninit;
+
 use crate::kernels::{par_filled, with_f32_slice};
 use crate::vectorized_kernel;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
@@ -26,49 +28,58 @@ impl CustomOp1 for Relu {
     }
 }
 
-vectorized_kernel! {
-    /// `max(x, 0)`.
-    fn relu_slice(x: &[f32]) -> Vec<f32> {
-        // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
-        // chunk's length).
-        unsafe {
-            par_filled(x.len(), CHUNK, |i, y| {
-                let x = &x[i * CHUNK..][..y.len()];
-                y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write(x.max(0.0)))
-            })
-        }
+/// `max(x, 0)`.
+fn relu_slice(x: &[f32]) -> Vec<f32> {
+    // SAFETY: `relu_chunk` writes every slot of its chunk (a zip with an input of the chunk's
+    // length).
+    unsafe { par_filled(x.len(), CHUNK, |i, y| relu_chunk(&x[i * CHUNK..][..y.len()], None, y)) }
+}
+
+/// `max(a + b, 0)`.
+fn add_relu_slices(a: &[f32], b: &[f32]) -> Vec<f32> {
+    // SAFETY: `relu_chunk` writes every slot of its chunk (a zip with inputs of the chunk's
+    // length).
+    unsafe {
+        par_filled(a.len(), CHUNK, |i, y| {
+            relu_chunk(&a[i * CHUNK..][..y.len()], Some(&b[i * CHUNK..][..y.len()]), y)
+        })
     }
 }
 
+/// `gy` where `y > 0`, else 0.
+fn masked_slice(gy: &[f32], y: &[f32]) -> Vec<f32> {
+    // SAFETY: `mask_chunk` writes every slot of its chunk (a zip with inputs of the chunk's
+    // length).
+    unsafe {
+        par_filled(gy.len(), CHUNK, |i, gx| {
+            mask_chunk(&gy[i * CHUNK..][..gx.len()], &y[i * CHUNK..][..gx.len()], gx)
+        })
+    }
+}
+
+// The chunk loops are `vectorized_kernel!`s of their own, called from the rayon closures: a
+// closure is compiled as a function of its own, without the features of the function it is
+// written in (these loops ran at SSE width when they were closures).
 vectorized_kernel! {
-    /// `max(a + b, 0)`.
-    fn add_relu_slices(a: &[f32], b: &[f32]) -> Vec<f32> {
-        // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
-        // chunk's length).
-        unsafe {
-            par_filled(a.len(), CHUNK, |i, y| {
-                let (a, b) = (&a[i * CHUNK..][..y.len()], &b[i * CHUNK..][..y.len()]);
+    /// `max(a (+ b), 0)` into `y`.
+    fn relu_chunk(a: &[f32], b: Option<&[f32]>, y: &mut [MaybeUninit<f32>]) {
+        match b {
+            Some(b) => {
                 let sums = a.iter().zip(b);
                 y.iter_mut().zip(sums).for_each(|(y, (a, b))| _ = y.write((a + b).max(0.0)))
-            })
+            }
+            None => y.iter_mut().zip(a).for_each(|(y, x)| _ = y.write(x.max(0.0))),
         }
     }
 }
 
 vectorized_kernel! {
-    /// `gy` where `y > 0`, else 0.
-    fn masked_slice(gy: &[f32], y: &[f32]) -> Vec<f32> {
-        // SAFETY: the closure writes every slot of its chunk (a zip with inputs of the
-        // chunk's length).
-        unsafe {
-            par_filled(gy.len(), CHUNK, |i, gx| {
-                let (gy, y) = (&gy[i * CHUNK..][..gx.len()], &y[i * CHUNK..][..gx.len()]);
-                // A select, not a branch: the loop vectorises (a conditional store did not).
-                gx.iter_mut()
-                    .zip(gy.iter().zip(y))
-                    .for_each(|(o, (&g, &y))| _ = o.write(if y > 0.0 { g } else { 0.0 }))
-            })
-        }
+    /// `gy` where `y > 0`, else 0, into `gx`. A select, not a branch: the loop vectorises (a
+    /// conditional store did not).
+    fn mask_chunk(gy: &[f32], y: &[f32], gx: &mut [MaybeUninit<f32>]) {
+        gx.iter_mut()
+            .zip(gy.iter().zip(y))
+            .for_each(|(o, (&g, &y))| _ = o.write(if y > 0.0 { g } else { 0.0 }))
     }
 }
 
