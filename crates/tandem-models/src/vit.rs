@@ -24,7 +24,7 @@ use candle_core::{DType, Tensor, Var};
 use candle_nn::{Init, Module, ModuleT, VarBuilder};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tandem_nn::functional::{attention, fused_linear, layer_norm, relu6};
+use tandem_nn::functional::{attention, fused_linear, layer_norm};
 use tandem_nn::torch_init::standard_normal;
 use tandem_nn::{
     fast_batch_norm2d, fast_linear, fast_linear_no_bias, FastBatchNorm2d, FastLinear, HasBatchNorm,
@@ -143,7 +143,7 @@ impl Block {
     fn forward(&self, x: &Tensor, masks: Option<&[Tensor; 2]>) -> candle_core::Result<Tensor> {
         let a = self.attention(&self.norm1.forward(x)?)?;
         let x = residual(x, &dropped(&a, masks.map(|m| &m[0]))?)?;
-        let h = relu6(&self.fc1.forward(&self.norm2.forward(&x)?)?)?;
+        let h = self.fc1.forward_relu6(&self.norm2.forward(&x)?)?;
         let m = self.fc2.forward(&h)?;
         residual(&x, &dropped(&m, masks.map(|m| &m[1]))?)
     }

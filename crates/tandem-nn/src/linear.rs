@@ -5,7 +5,7 @@
 use candle_core::{Module, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::functional::fused_linear;
+use crate::functional::{fused_linear, fused_linear_relu6};
 
 #[derive(Clone, Debug)]
 pub struct FastLinear {
@@ -38,6 +38,16 @@ impl Module for FastLinear {
             return fused_linear(&cast(x)?, &cast(&self.weight)?, bias.as_ref());
         }
         fused_linear(x, &self.weight, self.bias.as_ref())
+    }
+}
+
+impl FastLinear {
+    /// `relu6(self.forward(x))`, as one op on CPU f32 ([`fused_linear_relu6`]).
+    pub fn forward_relu6(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if crate::autocast::compute_dtype(x.device()).is_some() {
+            return crate::functional::relu6(&self.forward(x)?);
+        }
+        fused_linear_relu6(x, &self.weight, self.bias.as_ref())
     }
 }
 

@@ -23,6 +23,29 @@ use crate::kernels::with_f32_slice;
 /// `x @ wᵀ (+ b)` for `x: [.., in]`, `w: [out, in]`, `b: [out]`, like PyTorch's
 /// `F.linear`; leading dimensions of `x` are kept.
 pub fn fused_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    linear_then(x, w, b, false)
+}
+
+/// `relu6(x @ wᵀ + b)` (a ViT MLP's first layer and its activation): on CPU f32 one op, whose
+/// forward clamps the product in place and whose backward masks the output's gradient (where
+/// `0 < y < 6`, as ReLU6's own backward passes it where `0 < x < 6`: the same elements) before
+/// the product's gradients — no separate activation tensor, its gradient, nor candle's zeroed
+/// accumulator for it. The same values as [`fused_linear`] then [`relu6`](super::relu6).
+pub fn fused_linear_relu6(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+) -> candle_core::Result<Tensor> {
+    linear_then(x, w, b, true)
+}
+
+/// [`fused_linear`], followed by ReLU6 when `relu6`.
+fn linear_then(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    relu6: bool,
+) -> candle_core::Result<Tensor> {
     let (out_features, in_features) = w.dims2()?;
     let x_dims = x.dims().to_vec();
     let Some((&last, lead)) = x_dims.split_last() else {
@@ -42,15 +65,21 @@ pub fn fused_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::
     let all_f32 = [Some(x), Some(w), b].iter().flatten().all(|t| t.dtype() == DType::F32);
     let y = if on_cpu && all_f32 {
         let (x2, w) = (x2.contiguous()?, w.contiguous()?);
+        let op = LinearF32 { relu6 };
         match b {
-            Some(b) => x2.apply_op3(&w, &b.contiguous()?, LinearF32)?,
-            None => x2.apply_op2(&w, LinearF32)?,
+            Some(b) => x2.apply_op3(&w, &b.contiguous()?, op)?,
+            None => x2.apply_op2(&w, op)?,
         }
     } else {
         let y = if on_cpu { x2.apply_op2(w, LinearNoBias)? } else { x2.matmul(&w.t()?)? };
-        match b {
+        let y = match b {
             Some(b) => y.broadcast_add(b)?,
             None => y,
+        };
+        if relu6 {
+            super::relu6(&y)?
+        } else {
+            y
         }
     };
     if x.rank() == 2 {
@@ -62,8 +91,11 @@ pub fn fused_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::
     }
 }
 
-/// `x @ wᵀ (+ b)` for contiguous 2-d f32 operands on the CPU, on the blocked gemm.
-struct LinearF32;
+/// `x @ wᵀ (+ b)` for contiguous 2-d f32 operands on the CPU, on the blocked gemm; clamped to
+/// `[0, 6]` when `relu6`.
+struct LinearF32 {
+    relu6: bool,
+}
 
 fn threads() -> usize {
     rayon::current_num_threads().max(1)
@@ -97,17 +129,33 @@ fn forward_shapes(xl: &Layout, wl: &Layout) -> candle_core::Result<(usize, usize
     Ok((rows, n, k))
 }
 
-/// Both ops' forward: the operands checked and read as f32 slices, then [`linear_forward`].
+/// Both ops' forward: the operands checked and read as f32 slices, then [`linear_forward`]
+/// (and the clamp when `relu6`).
 fn cpu_forward(
     (x, xl): (&CpuStorage, &Layout),
     (w, wl): (&CpuStorage, &Layout),
     bias: Option<(&CpuStorage, &Layout)>,
+    relu6: bool,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
     let dims = forward_shapes(xl, wl)?;
     let (x, w) =
         (contiguous_f32(x, xl, "linear", "input")?, contiguous_f32(w, wl, "linear", "weight")?);
     let b = bias.map(|(b, bl)| contiguous_f32(b, bl, "linear", "bias")).transpose()?;
-    Ok((CpuStorage::F32(linear_forward(x, w, b, dims)), Shape::from((dims.0, dims.1))))
+    let mut y = linear_forward(x, w, b, dims);
+    if relu6 {
+        super::relu6::clamp_in_place(&mut y);
+    }
+    Ok((CpuStorage::F32(y), Shape::from((dims.0, dims.1))))
+}
+
+/// The gradient reaching the product: `g` itself, or with ReLU6 `g` where `0 < y < 6`.
+fn product_grad(relu6: bool, y: &Tensor, g: &Tensor) -> candle_core::Result<Tensor> {
+    if !relu6 {
+        return Ok(g.clone());
+    }
+    let g = g.contiguous()?;
+    let masked = with_f32_slice(y, |y| with_f32_slice(&g, |g| super::relu6::passed(y, g)))??;
+    Tensor::from_vec(masked, y.shape(), y.device())
 }
 
 impl CustomOp2 for LinearF32 {
@@ -122,17 +170,17 @@ impl CustomOp2 for LinearF32 {
         w: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_forward((x, xl), (w, wl), None)
+        cpu_forward((x, xl), (w, wl), None, self.relu6)
     }
 
     fn bwd(
         &self,
         x: &Tensor,
         w: &Tensor,
-        _y: &Tensor,
+        y: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (gx, gw, _) = linear_backward(x, w, None, g)?;
+        let (gx, gw, _) = linear_backward(x, w, None, &product_grad(self.relu6, y, g)?)?;
         Ok((gx, gw))
     }
 }
@@ -151,7 +199,7 @@ impl CustomOp3 for LinearF32 {
         b: &CpuStorage,
         bl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_forward((x, xl), (w, wl), Some((b, bl)))
+        cpu_forward((x, xl), (w, wl), Some((b, bl)), self.relu6)
     }
 
     fn bwd(
@@ -159,10 +207,10 @@ impl CustomOp3 for LinearF32 {
         x: &Tensor,
         w: &Tensor,
         b: &Tensor,
-        _y: &Tensor,
+        y: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        linear_backward(x, w, Some(b), g)
+        linear_backward(x, w, Some(b), &product_grad(self.relu6, y, g)?)
     }
 }
 
@@ -265,7 +313,35 @@ impl CustomOp2 for LinearNoBias {
 mod tests {
     use candle_core::{Device, Tensor, Var};
 
-    use super::fused_linear;
+    use super::{fused_linear, fused_linear_relu6};
+
+    /// The fused ReLU6 gives `relu6(fused_linear(..))`'s output and all three gradients bit
+    /// for bit, inside tandem's backward too, on values that cross both kinks.
+    #[test]
+    fn linear_relu6_is_the_two_ops_bit_for_bit() {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&(Tensor::randn(0f32, 3.0, (2, 5, 24), &dev).unwrap())).unwrap();
+        let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (40, 24), &dev).unwrap()).unwrap();
+        let b = Var::from_tensor(&Tensor::randn(2f32, 2.0, 40, &dev).unwrap()).unwrap();
+        let probe = Tensor::randn(0f32, 1.0, (2, 5, 40), &dev).unwrap();
+        let fused = fused_linear_relu6(&x, &w, Some(&b)).unwrap();
+        let plain = crate::functional::relu6(&fused_linear(&x, &w, Some(&b)).unwrap()).unwrap();
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        assert_eq!(bits(&fused), bits(&plain));
+        let out: Vec<f32> = fused.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(out.contains(&0.0) && out.contains(&6.0), "the probe crosses both kinks");
+        for backward in
+            [|l: &Tensor| crate::backward(l).unwrap(), |l: &Tensor| l.backward().unwrap()]
+        {
+            let g1 = backward(&(&fused * &probe).unwrap().sum_all().unwrap());
+            let g2 = backward(&(&plain * &probe).unwrap().sum_all().unwrap());
+            for v in [&x, &w, &b] {
+                assert_eq!(bits(g1.get(v).unwrap()), bits(g2.get(v).unwrap()));
+            }
+        }
+    }
 
     fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
         let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();

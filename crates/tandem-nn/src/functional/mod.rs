@@ -14,7 +14,7 @@ mod softmax;
 pub use attention::attention;
 pub use cross_entropy::cross_entropy;
 pub use layer_norm::layer_norm;
-pub use linear::fused_linear;
+pub use linear::{fused_linear, fused_linear_relu6};
 pub use normalize::normalize;
 pub use relu6::relu6;
 pub use softmax::softmax_last_dim;

@@ -50,8 +50,14 @@ fn clamped(x: &[f32]) -> Vec<f32> {
     unsafe { par_filled(x.len(), CHUNK, |i, y| clamp_chunk(&x[i * CHUNK..][..y.len()], y)) }
 }
 
+/// `clamp(x, 0, 6)` in place (a fused op's epilogue: `fused_linear_relu6`).
+pub(super) fn clamp_in_place(x: &mut [f32]) {
+    use rayon::prelude::*;
+    x.par_chunks_mut(CHUNK).for_each(clamp_chunk_in_place);
+}
+
 /// `g` where `0 < x < 6`, else 0.
-fn passed(x: &[f32], g: &[f32]) -> Vec<f32> {
+pub(super) fn passed(x: &[f32], g: &[f32]) -> Vec<f32> {
     // SAFETY: `pass_chunk` writes every slot of its chunk (a zip with inputs of its length).
     unsafe {
         par_filled(x.len(), CHUNK, |i, out| {
@@ -65,6 +71,12 @@ fn passed(x: &[f32], g: &[f32]) -> Vec<f32> {
 vectorized_kernel! {
     fn clamp_chunk(x: &[f32], y: &mut [MaybeUninit<f32>]) {
         y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write(x.clamp(0.0, 6.0)));
+    }
+}
+
+vectorized_kernel! {
+    fn clamp_chunk_in_place(x: &mut [f32]) {
+        x.iter_mut().for_each(|x| *x = x.clamp(0.0, 6.0));
     }
 }
 
