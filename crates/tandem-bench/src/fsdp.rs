@@ -258,7 +258,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         Vit::new(cfg, EMBEDDING, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
         tandem::nn::NamedVars::from_varmap(&varmap).params().iter().map(|v| v.elem_count()).sum()
     };
-    let cpu = super::report::machine::Machine::probe(std::path::Path::new(".")).cpu_model;
+    let cpu = super::report::machine::host_cpu();
     println!(
         "{} ({:.1} M parameters), AdamW, {} ranks x {} images; {cpu}",
         args.model,

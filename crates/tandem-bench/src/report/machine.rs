@@ -15,16 +15,7 @@ pub struct Machine {
 
 impl Machine {
     pub fn probe(repo: &Path) -> Machine {
-        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        let cpu_model = cpuinfo
-            .lines()
-            .find(|l| {
-                l.starts_with("model name") || l.starts_with("Model") || l.starts_with("Hardware")
-            })
-            .and_then(|l| l.split_once(':'))
-            .map(|(_, v)| v.trim().to_string())
-            .unwrap_or_else(|| "unknown".into());
-        let cpu_model = format!("{cpu_model} ({})", isa(&cpuinfo));
+        let cpu_model = host_cpu();
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         let memory = std::fs::read_to_string("/proc/meminfo")
             .ok()
@@ -86,9 +77,18 @@ pub fn isa(cpuinfo: &str) -> String {
     }
 }
 
-/// "CPU model (ISA)" of this host.
+/// "CPU model (ISA)" of this host, from /proc/cpuinfo ("unknown" where there is none).
 pub fn host_cpu() -> String {
-    Machine::probe(Path::new(".")).cpu_model
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find(|l| {
+            l.starts_with("model name") || l.starts_with("Model") || l.starts_with("Hardware")
+        })
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_string())
+        .unwrap_or_else(|| "unknown".into());
+    format!("{model} ({})", isa(&cpuinfo))
 }
 
 /// The 1, 5 and 15 minute load averages, as /proc/loadavg prints them.

@@ -110,7 +110,8 @@ fn by_dot_products(m: usize, k: usize, a: View<'_>, b: View<'_>) -> bool {
     m <= DOT_MAX_ROWS && k >= DOT_MIN_INNER && a.cs == 1 && b.rs == 1
 }
 
-/// Rows of `a` and columns of `b` sharing each load: 4 x 4 partial vectors in registers.
+/// Rows of `a` and columns of `b` sharing each load: 4 x 2 partial vectors in registers (4 x 4
+/// spilled them to memory and ran scalar).
 const DOT_ROWS: usize = 4;
 const DOT_COLS: usize = 2;
 /// Inner elements per pass over the columns: `a`'s rows of one pass stay in cache
