@@ -89,7 +89,7 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
     let (store_addr, _server) = live_store(cfg)?;
     let port = store_addr.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(0);
     let job_log_dir = cfg.log_dir.as_ref().map(|d| d.join(&cfg.run_id));
-    let mut reaper = GroupReaper::start().ok();
+    let reaper = GroupReaper::start().ok();
     let shape = JobShape {
         nnodes: cfg.nnodes,
         nproc_per_node: nproc,
@@ -110,20 +110,16 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
         }
         c
     };
-    let spawn = |local_rank: u32, replacement: bool, restart: u32| {
+    // (Each worker lists its own group with the watchdog before it execs.)
+    let spawn = |local_rank: u32, replacement: bool, restart: u32, reaper: Option<&GroupReaper>| {
         let dir = job_log_dir.as_ref().map(|d| d.join(format!("attempt_{restart}")));
-        Worker::spawn(&with_env(replacement), &shape, local_rank, cores, dir.as_deref())
+        Worker::spawn(&with_env(replacement), &shape, local_rank, cores, dir.as_deref(), reaper)
     };
     tracing::info!(nproc, store = %store_addr, "starting workers (live recovery)");
     let mut slots: Vec<Slot> = Vec::with_capacity(nproc as usize);
     for local_rank in 0..nproc {
-        match spawn(local_rank, false, 0) {
-            Ok(w) => {
-                if let Some(r) = &mut reaper {
-                    r.watch_group(w.pgid);
-                }
-                slots.push(Slot { worker: w, done: false, lost: None });
-            }
+        match spawn(local_rank, false, 0, reaper.as_ref()) {
+            Ok(w) => slots.push(Slot { worker: w, done: false, lost: None }),
             Err(e) => {
                 stop_slots(slots, Signal::SIGTERM, cfg, &signals);
                 return Err(e);
@@ -184,10 +180,7 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
                     restart: restarts,
                     max_restarts: cfg.max_restarts,
                 });
-                let w = spawn(i as u32, true, restarts)?;
-                if let Some(r) = &mut reaper {
-                    r.watch_group(w.pgid);
-                }
+                let w = spawn(i as u32, true, restarts, reaper.as_ref())?;
                 let mut old = std::mem::replace(&mut slot.worker, w);
                 old.join_output();
             } else {

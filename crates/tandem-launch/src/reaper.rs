@@ -5,12 +5,16 @@
 //! of file, which the kernel guarantees when the launcher process is gone however it ended,
 //! it SIGKILLs every group still listed and exits.
 //!
+//! A worker lists its own group, between `fork` and `exec` ([`list_own_group`]): listed by the
+//! launcher after `spawn` returned, a worker that had already started a child of its own lost
+//! that child to init when the launcher died in between (PDEATHSIG kills the worker alone).
+//!
 //! Hand-written rather than a crate because it is ~60 lines and must run between `fork` and
 //! `_exit` with only async-signal-safe calls (read, kill, close, signal): no allocation and no
 //! locks, since the launcher may have other threads.
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 /// Largest number of groups the watchdog remembers at once (one per worker of an attempt).
 const CAPACITY: usize = 4096;
@@ -52,6 +56,12 @@ impl GroupReaper {
                 self.tx = None;
             }
         }
+    }
+
+    /// The pipe's write end, for a worker to list its own group before it execs
+    /// ([`list_own_group`]); `None` once the watchdog is known to be gone.
+    pub(crate) fn listing_fd(&self) -> Option<RawFd> {
+        self.tx.as_ref().map(|f| f.as_raw_fd())
     }
 
     /// Lists a worker's process group (`pgid > 0`).
@@ -101,6 +111,26 @@ impl Drop for GroupReaper {
     }
 }
 
+/// Lists the calling process's group with the watchdog behind `fd` ([`GroupReaper::listing_fd`]).
+/// For a worker between `fork` and `exec`: async-signal-safe calls only. A watchdog that is gone
+/// fails the write, not the worker: SIGPIPE is ignored around it (the launcher replaces a dead
+/// watchdog and lists the running groups itself).
+///
+/// # Safety
+/// `fd` must be the pipe's write end inherited from the launcher.
+pub(crate) unsafe fn list_own_group(fd: RawFd) {
+    // Only a group this process leads (`process_group(0)`): never the launcher's own.
+    let pgid = libc::getpgrp();
+    if pgid != libc::getpid() {
+        return;
+    }
+    let pgid = pgid.to_ne_bytes();
+    let previous = libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    // 4 bytes is below PIPE_BUF: written whole or not at all.
+    libc::write(fd, pgid.as_ptr().cast(), pgid.len());
+    libc::signal(libc::SIGPIPE, previous);
+}
+
 /// The watchdog's whole life. Only async-signal-safe calls from here on.
 unsafe fn watch(rx: libc::c_int) -> ! {
     // Stay alive through the terminal's Ctrl-C and a `kill` of the launcher's group: the
@@ -139,6 +169,11 @@ unsafe fn watch(rx: libc::c_int) -> ! {
         have = 0;
         let v = i32::from_ne_bytes(buf);
         if v > 0 {
+            // Listed once, however often it is sent (a replaced watchdog is sent the groups
+            // again): one `forget` must unlist it.
+            if groups.contains(&v) {
+                continue;
+            }
             if let Some(slot) = groups.iter_mut().find(|g| **g == 0) {
                 *slot = v;
             }

@@ -140,13 +140,16 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
 
         let mut workers = Vec::with_capacity(nproc as usize);
         for local_rank in 0..nproc {
-            match Worker::spawn(cfg, &shape, local_rank, cores, attempt_dir.as_deref()) {
-                Ok(w) => {
-                    if let Some(r) = &mut reaper {
-                        r.watch_group(w.pgid);
-                    }
-                    workers.push(w)
-                }
+            // (Each worker lists its own group with the watchdog before it execs.)
+            match Worker::spawn(
+                cfg,
+                &shape,
+                local_rank,
+                cores,
+                attempt_dir.as_deref(),
+                reaper.as_ref(),
+            ) {
+                Ok(w) => workers.push(w),
                 Err(e) => {
                     stop_all(&mut workers, Signal::SIGTERM, cfg.stop_grace, &signals);
                     drain_output(&mut workers);

@@ -12,6 +12,7 @@ use crate::config::{LaunchConfig, Streams};
 use crate::env::{worker_env, JobShape};
 use crate::error::LaunchError;
 use crate::output::{spawn_pump, Console, SharedTail, Sinks, TailBuffer};
+use crate::reaper::GroupReaper;
 
 pub(crate) struct Worker {
     pub rank: u32,
@@ -59,6 +60,7 @@ impl Worker {
         local_rank: u32,
         cores: u32,
         attempt_dir: Option<&Path>,
+        reaper: Option<&GroupReaper>,
     ) -> Result<Worker, LaunchError> {
         let rank = shape.rank(local_rank);
         let mut cmd = Command::new(&cfg.program);
@@ -73,10 +75,17 @@ impl Worker {
         cmd.stdin(Stdio::null()).stdout(stdout).stderr(Stdio::piped());
         cmd.process_group(0);
         let launcher_pid = std::process::id() as libc::pid_t;
+        let listing_fd = reaper.and_then(GroupReaper::listing_fd);
         // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
-        // system calls (prctl, getppid), touching no locks or allocations.
+        // system calls (write, signal, prctl, getppid), touching no locks or allocations;
+        // `listing_fd` is the watchdog pipe's write end, inherited (closed at exec).
         unsafe {
             cmd.pre_exec(move || {
+                // Listed before anything of the worker runs (std has made its process group
+                // by now): the launcher may die the moment `spawn` returns.
+                if let Some(fd) = listing_fd {
+                    crate::reaper::list_own_group(fd);
+                }
                 // If the launcher dies (even by SIGKILL) the worker is killed too. The signal is
                 // tied to the thread that forked: `launch` spawns and waits in one thread.
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0
