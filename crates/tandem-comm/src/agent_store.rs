@@ -9,6 +9,9 @@
 //! kept per world size, arrivals `g*W+1 ..= (g+1)*W` form generation `g`, and each rank claims
 //! its slot in its generation. A slot already claimed means the arrivals lost step (a worker of
 //! an earlier attempt died before it arrived): that is reported by name, never joined.
+//!
+//! An etcd cluster (`TANDEM_RDZV_BACKEND=etcd`) is joined the same way: it outlives every
+//! attempt and every job that shares the run id.
 use crate::error::CommError;
 use crate::store::Store;
 
@@ -30,7 +33,7 @@ pub(crate) fn join_generation(
         return Err(CommError::rendezvous(
             "w",
             format!(
-                "torchrun's agent store at {}: rank {rank} of generation {generation} (run \
+                "the store at {}: rank {rank} of generation {generation} (run \
                  {run_id:?}, world size {world_size}) was already joined by {}: the workers' \
                  arrivals are out of step (a worker of an earlier attempt died before it joined); \
                  start the torchrun job again",

@@ -177,6 +177,7 @@ pub fn job_id_from_env() -> Option<String> {
 
 fn job_id(e: &Env) -> Option<String> {
     e.var("TANDEM_RUN_ID")
+        .or_else(|| e.var("TANDEM_RDZV_ID"))
         .or_else(|| e.var("TORCHELASTIC_RUN_ID"))
         .or_else(|| e.var("SLURM_JOB_ID"))
 }
@@ -261,6 +262,38 @@ pub(crate) enum StoreHost {
     TorchAgent { run_id: String },
     /// `file://`: rank 0 hosts tandem's store and writes its address into the file.
     File { path: std::path::PathBuf },
+    /// `TANDEM_RDZV_BACKEND=etcd`: an etcd cluster at `TANDEM_RDZV_ENDPOINTS` holds the store
+    /// (feature `etcd`); every rank is a client, keys scoped by `run_id` and a generation.
+    Etcd { endpoints: Vec<String>, run_id: String },
+}
+
+/// The etcd cluster named by `TANDEM_RDZV_BACKEND=etcd` and `TANDEM_RDZV_ENDPOINTS`
+/// (torchrun's `--rdzv-backend` / `--rdzv-endpoint` as variables); `None` when no backend is set.
+fn etcd_store(e: &Env) -> Result<Option<StoreHost>, CommError> {
+    let Some(backend) = e.var("TANDEM_RDZV_BACKEND") else { return Ok(None) };
+    match backend.as_str() {
+        "etcd" | "etcd-v2" | "etcd-v3" => {}
+        "static" | "tandem" | "c10d" => return Ok(None),
+        _ => {
+            return Err(CommError::env(
+                "TANDEM_RDZV_BACKEND",
+                &backend,
+                "expected etcd (an etcd v3 cluster holds the store) or static (rank 0 hosts it)",
+            ))
+        }
+    }
+    let raw = e.var("TANDEM_RDZV_ENDPOINTS").unwrap_or_default();
+    let endpoints: Vec<String> =
+        raw.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect();
+    if endpoints.is_empty() {
+        return Err(CommError::env(
+            "TANDEM_RDZV_ENDPOINTS",
+            &raw,
+            "names no etcd member (expected host:port[,host:port...]; TANDEM_RDZV_BACKEND=etcd)",
+        ));
+    }
+    let run_id = job_id(e).unwrap_or_else(|| "none".into());
+    Ok(Some(StoreHost::Etcd { endpoints, run_id }))
 }
 
 fn parse_usize(e: &Env, name: &str) -> Result<Option<usize>, CommError> {
@@ -433,6 +466,16 @@ pub(crate) fn resolve(e: &Env, method: &InitMethod) -> Result<Spec, CommError> {
                 if let (Some(lr), Some(ls)) = (local_rank, local_size) {
                     check_rank("LOCAL_RANK", lr, "LOCAL_WORLD_SIZE", ls)?;
                 }
+                if let Some(store) = etcd_store(e)? {
+                    return Ok(Spec {
+                        rank,
+                        world_size: size,
+                        local_rank,
+                        local_size,
+                        master: None,
+                        store,
+                    });
+                }
                 let master = if size > 1 {
                     let host = e.var("MASTER_ADDR").ok_or_else(|| {
                         CommError::env(
@@ -564,6 +607,27 @@ mod tests {
 
     fn err_text(vars: &[(&str, &str)]) -> String {
         resolve_vars(vars).expect_err("should fail").to_string()
+    }
+
+    #[test]
+    fn an_etcd_backend_makes_every_rank_a_client_and_needs_no_master() {
+        let base = [("RANK", "1"), ("WORLD_SIZE", "3"), ("TANDEM_RDZV_BACKEND", "etcd")];
+        let mut vars = base.to_vec();
+        vars.push(("TANDEM_RDZV_ENDPOINTS", " h1:2379, h2:2379,,h3:2379 "));
+        vars.push(("TANDEM_RDZV_ID", "job9"));
+        let s = resolve_vars(&vars).unwrap();
+        assert_eq!((s.rank, s.world_size, s.master), (1, 3, None));
+        let endpoints = ["h1:2379", "h2:2379", "h3:2379"].map(String::from).to_vec();
+        assert_eq!(s.store, StoreHost::Etcd { endpoints, run_id: "job9".into() });
+        // The static backend is the default one: MASTER_ADDR is needed again.
+        let stat = [("RANK", "1"), ("WORLD_SIZE", "3"), ("TANDEM_RDZV_BACKEND", "static")];
+        assert!(err_text(&stat).contains("MASTER_ADDR"));
+        // No endpoint, or a backend tandem does not know: named.
+        assert!(err_text(&base).contains("TANDEM_RDZV_ENDPOINTS"));
+        let mut zk = base.to_vec();
+        zk[2] = ("TANDEM_RDZV_BACKEND", "zookeeper");
+        let e = err_text(&zk);
+        assert!(e.contains("TANDEM_RDZV_BACKEND") && e.contains("zookeeper"), "{e}");
     }
 
     #[test]

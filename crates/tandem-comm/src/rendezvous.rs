@@ -43,6 +43,15 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
         }
         return world;
     }
+    if let StoreHost::Etcd { endpoints, run_id } = &spec.store {
+        if spec.world_size == 1 {
+            return Ok(single(opts, "w", 0, None, None));
+        }
+        let store = etcd_store(endpoints, opts)?;
+        let store =
+            crate::agent_store::join_generation(&store, run_id, spec.rank, spec.world_size)?;
+        return finish_world(store, None, &spec, world, opts);
+    }
     let Some((host, port, var)) = spec.master.clone() else {
         return Ok(single(opts, "w", spec.rank, None, None));
     };
@@ -80,6 +89,25 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
     finish_world(store, server, &spec, world, opts)
 }
 
+/// A client of the etcd cluster at `endpoints` (`TANDEM_RDZV_ENDPOINTS`).
+#[cfg(feature = "etcd")]
+fn etcd_store(endpoints: &[String], opts: &InitOptions) -> Result<Store, CommError> {
+    Store::connect_etcd(endpoints, opts.secret.as_ref(), opts.init_timeout, "TANDEM_RDZV_ENDPOINTS")
+}
+
+#[cfg(not(feature = "etcd"))]
+fn etcd_store(endpoints: &[String], _: &InitOptions) -> Result<Store, CommError> {
+    Err(CommError::env(
+        "TANDEM_RDZV_BACKEND",
+        "etcd",
+        format!(
+            "this build of tandem has no etcd client (endpoints {}): build it with the `etcd` \
+             feature (cargo build --features etcd; protoc is needed at build time)",
+            endpoints.join(",")
+        ),
+    ))
+}
+
 /// The world group over a connected store: rendezvous, transports, hierarchy.
 fn finish_world(
     store: Store,
@@ -107,4 +135,16 @@ fn finish_world(
         crate::group::hierarchy::setup(&world, opts.hierarchical)?;
     }
     Ok(world)
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(not(feature = "etcd"))]
+    #[test]
+    fn without_the_etcd_feature_an_etcd_backend_says_how_to_get_one() {
+        let e = super::etcd_store(&["h1:2379".into()], &Default::default()).unwrap_err();
+        let e = e.to_string();
+        assert!(e.contains("TANDEM_RDZV_BACKEND") && e.contains("--features etcd"), "{e}");
+        assert!(e.contains("h1:2379"), "{e}");
+    }
 }

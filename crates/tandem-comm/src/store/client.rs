@@ -1,5 +1,6 @@
 //! The store's client, [`Store`]: one connection shared by its clones, every operation bounded
-//! by a timeout; speaks tandem's wire and PyTorch's `TCPStore` (`torch.rs`).
+//! by a timeout; speaks tandem's wire, PyTorch's `TCPStore` (`torch.rs`) and, with the `etcd`
+//! feature, an etcd v3 cluster (`etcd.rs`).
 
 use super::torch;
 use super::wire::*;
@@ -15,13 +16,23 @@ use std::time::{Duration, Instant};
 #[derive(Clone)]
 pub struct Store {
     addr: String,
-    conn: Arc<Mutex<TcpStream>>,
+    link: Link,
     timeout_ms: Arc<AtomicU64>,
     wire: StoreWire,
     /// Prepended to every key (PyTorch's `PrefixStore`); empty by default.
     prefix: Arc<str>,
     /// The job's secret this client proved (the mesh and shared memory prove it again).
     secret: Option<JobSecret>,
+}
+
+/// What a store's requests travel on.
+#[derive(Clone)]
+enum Link {
+    /// One TCP connection to tandem's store or PyTorch's TCPStore, shared by the clones.
+    Tcp(Arc<Mutex<TcpStream>>),
+    /// A client of an etcd cluster.
+    #[cfg(feature = "etcd")]
+    Etcd(Arc<super::etcd::EtcdKv>),
 }
 
 impl std::fmt::Debug for Store {
@@ -90,10 +101,52 @@ impl Store {
         }
     }
 
+    /// Connects to the etcd v3 cluster at `endpoints` ("host:port" each), retrying until a
+    /// member answers or `timeout` passes. etcd cannot check the job's secret: `secret` is kept for the connections built over this store (the mesh,
+    /// shared memory), which prove it to each other.
+    #[cfg(feature = "etcd")]
+    pub fn connect_etcd(
+        endpoints: &[String],
+        secret: Option<&JobSecret>,
+        timeout: Duration,
+        var: &str,
+    ) -> Result<Store, CommError> {
+        let kv = super::etcd::EtcdKv::connect(endpoints, timeout, var)?;
+        Ok(Store {
+            addr: format!("etcd {}", kv.endpoints()),
+            link: Link::Etcd(Arc::new(kv)),
+            timeout_ms: Arc::new(AtomicU64::new(timeout.as_millis() as u64)),
+            wire: StoreWire::Etcd,
+            prefix: Arc::from(""),
+            secret: secret.cloned(),
+        })
+    }
+
+    /// The etcd client behind this store, if it is one.
+    #[cfg(feature = "etcd")]
+    fn etcd(&self) -> Option<&super::etcd::EtcdKv> {
+        match &self.link {
+            Link::Etcd(kv) => Some(kv),
+            Link::Tcp(_) => None,
+        }
+    }
+
+    /// The shared TCP connection, locked (every request of tandem's and torch's wire).
+    fn conn(&self) -> Result<std::sync::MutexGuard<'_, TcpStream>, CommError> {
+        match &self.link {
+            Link::Tcp(conn) => Ok(conn.lock().unwrap_or_else(|p| p.into_inner())),
+            #[cfg(feature = "etcd")]
+            Link::Etcd(_) => Err(CommError::Protocol {
+                from: self.addr.clone(),
+                reason: "a TCP request was sent to an etcd store".into(),
+            }),
+        }
+    }
+
     fn new(addr: &str, s: TcpStream, timeout: Duration, wire: StoreWire) -> Store {
         Store {
             addr: addr.to_string(),
-            conn: Arc::new(Mutex::new(s)),
+            link: Link::Tcp(Arc::new(Mutex::new(s))),
             timeout_ms: Arc::new(AtomicU64::new(timeout.as_millis() as u64)),
             wire,
             prefix: Arc::from(""),
@@ -196,9 +249,26 @@ impl Store {
         key.strip_prefix(&*self.prefix).map(str::to_string).unwrap_or(key)
     }
 
+    /// A timeout naming its keys as the caller named them.
+    #[cfg(feature = "etcd")]
+    fn unprefixed_err(&self, e: CommError) -> CommError {
+        match e {
+            CommError::StoreTimeout { op, key, after } => {
+                let key: Vec<String> =
+                    key.split(',').map(|k| self.unprefixed(k.to_string())).collect();
+                CommError::StoreTimeout { op, key: key.join(","), after }
+            }
+            e => e,
+        }
+    }
+
     /// The local address of the connection to the store: an address the other ranks can reach.
     pub(crate) fn local_ip(&self) -> Option<std::net::IpAddr> {
-        self.conn.lock().unwrap_or_else(|p| p.into_inner()).local_addr().ok().map(|a| a.ip())
+        #[cfg(feature = "etcd")]
+        if let Some(kv) = self.etcd() {
+            return kv.local_ip();
+        }
+        self.conn().ok()?.local_addr().ok().map(|a| a.ip())
     }
 
     pub fn addr(&self) -> &str {
@@ -233,8 +303,7 @@ impl Store {
         wait: Duration,
         io_limit: Duration,
     ) -> Result<Vec<u8>, CommError> {
-        let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        self.request_on(conn, op, key, req, wait, io_limit)
+        self.request_on(self.conn()?, op, key, req, wait, io_limit)
     }
 
     fn request_on(
@@ -311,8 +380,7 @@ impl Store {
         limit: Duration,
         f: impl FnOnce(&mut TcpStream) -> std::io::Result<T>,
     ) -> Result<T, CommError> {
-        let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        self.torch_on(conn, op, key, limit, f)
+        self.torch_on(self.conn()?, op, key, limit, f)
     }
 
     /// Waits for `keys` (already prefixed) on a torch store; on timeout, names the missing ones.
@@ -377,6 +445,10 @@ impl Store {
             ));
         }
         let key = self.key(key);
+        #[cfg(feature = "etcd")]
+        if let Some(kv) = self.etcd() {
+            return kv.set_owned(&key, value);
+        }
         self.request(
             "set_owned",
             &key,
@@ -389,6 +461,10 @@ impl Store {
     /// Which of `keys` do not exist now (does not wait).
     pub fn missing(&self, keys: &[&str]) -> Result<Vec<String>, CommError> {
         let full: Vec<String> = keys.iter().map(|k| self.key(k)).collect();
+        #[cfg(feature = "etcd")]
+        if let Some(kv) = self.etcd() {
+            return Ok(kv.missing(&full)?.into_iter().map(|k| self.unprefixed(k)).collect());
+        }
         if self.wire == StoreWire::Torch {
             let refs: Vec<&str> = full.iter().map(String::as_str).collect();
             return Ok(self
@@ -417,6 +493,10 @@ impl Store {
     pub fn get(&self, key: &str) -> Result<Vec<u8>, CommError> {
         let t = self.timeout();
         let key = self.key(key);
+        #[cfg(feature = "etcd")]
+        if let Some(kv) = self.etcd() {
+            return kv.get(&key, t).map_err(|e| self.unprefixed_err(e));
+        }
         if self.wire == StoreWire::Torch {
             self.torch_wait("get", std::slice::from_ref(&key), t)?;
             return self.torch("get", &key, t, |s| torch::get(s, &key));
@@ -441,6 +521,10 @@ impl Store {
             return self.get(key).map(Some);
         }
         let full = self.key(key);
+        #[cfg(feature = "etcd")]
+        if let Some(kv) = self.etcd() {
+            return kv.get_now(&full);
+        }
         let req = Enc::default().u8(OP_GET).str(&full).u64(0).0;
         match self.request("get", &full, &req, Duration::ZERO) {
             Ok(resp) => {
@@ -454,7 +538,7 @@ impl Store {
     /// The values of `keys` in order, waiting for all of them (up to the store timeout): one
     /// round trip on PyTorch's store (`multi_get`), one per key on tandem's.
     pub fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, CommError> {
-        if self.wire == StoreWire::Tandem {
+        if self.wire != StoreWire::Torch {
             return keys.iter().map(|k| self.get(k)).collect();
         }
         let t = self.timeout();
@@ -466,7 +550,7 @@ impl Store {
 
     /// Sets every pair: one message on PyTorch's store (`multi_set`), one per key on tandem's.
     pub fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<(), CommError> {
-        if self.wire == StoreWire::Tandem {
+        if self.wire != StoreWire::Torch {
             return pairs.iter().try_for_each(|(k, v)| self.set(k, v));
         }
         let full: Vec<(String, &[u8])> = pairs.iter().map(|(k, v)| (self.key(k), *v)).collect();
@@ -482,6 +566,10 @@ impl Store {
 
     pub fn wait_timeout(&self, keys: &[&str], timeout: Duration) -> Result<(), CommError> {
         let full: Vec<String> = keys.iter().map(|k| self.key(k)).collect();
+        #[cfg(feature = "etcd")]
+        if let Some(kv) = self.etcd() {
+            return kv.wait(&full, timeout).map_err(|e| self.unprefixed_err(e));
+        }
         if self.wire == StoreWire::Torch {
             return self.torch_wait("wait", &full, timeout);
         }
@@ -513,6 +601,10 @@ impl Store {
         limit: Duration,
     ) -> Result<i64, CommError> {
         let key = self.key(key);
+        #[cfg(feature = "etcd")]
+        if let Some(kv) = self.etcd() {
+            return kv.add(&key, delta, limit);
+        }
         if self.wire == StoreWire::Torch {
             return self.torch("add", &key, limit, |s| torch::add(s, &key, delta));
         }
@@ -524,6 +616,10 @@ impl Store {
     /// `set` that gives up after `limit` whatever the store timeout (for failure paths).
     pub fn set_within(&self, key: &str, value: &[u8], limit: Duration) -> Result<(), CommError> {
         let key = self.key(key);
+        #[cfg(feature = "etcd")]
+        if let Some(kv) = self.etcd() {
+            return kv.set(&key, value, limit);
+        }
         if self.wire == StoreWire::Torch {
             return self.torch("set", &key, limit, |s| torch::set(s, &key, value));
         }
@@ -540,8 +636,15 @@ impl Store {
         desired: &[u8],
         limit: Duration,
     ) -> Result<Vec<u8>, CommError> {
+        // (One arm without the `etcd` feature.)
+        #[allow(clippy::infallible_destructuring_match)]
+        let conn = match &self.link {
+            Link::Tcp(conn) => conn,
+            #[cfg(feature = "etcd")]
+            Link::Etcd(kv) => return kv.compare_set(&self.key(key), expected, desired, limit),
+        };
         // Never queue behind another thread's long `wait` on the shared connection.
-        let conn = match self.conn.try_lock() {
+        let conn = match conn.try_lock() {
             Ok(c) => c,
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => {
@@ -582,15 +685,22 @@ impl Store {
         expected: &[u8],
         desired: &[u8],
     ) -> Result<Vec<u8>, CommError> {
-        let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
         let t = self.timeout();
-        self.compare_set_on(conn, key, expected, desired, t + Duration::from_secs(5))
+        #[cfg(feature = "etcd")]
+        if let Some(kv) = self.etcd() {
+            return kv.compare_set(&self.key(key), expected, desired, t);
+        }
+        self.compare_set_on(self.conn()?, key, expected, desired, t + Duration::from_secs(5))
     }
 
     /// Deletes `key`; returns whether it existed.
     pub fn delete(&self, key: &str) -> Result<bool, CommError> {
         let key = self.key(key);
         let t = self.timeout();
+        #[cfg(feature = "etcd")]
+        if let Some(kv) = self.etcd() {
+            return kv.delete(&key);
+        }
         if self.wire == StoreWire::Torch {
             return self.torch("delete", &key, t, |s| torch::delete(s, &key));
         }

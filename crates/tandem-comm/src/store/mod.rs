@@ -10,7 +10,12 @@
 //! `frame::MAX_FRAME`), connections, keys and stored bytes are capped, a connection that has not
 //! finished its handshake within [`HANDSHAKE_LIMIT`] is closed, waits are clamped, and accept
 //! errors (out of descriptors) back off instead of spinning.
+//!
+//! The same client also speaks to PyTorch's `TCPStore` (`torch.rs`) and, with the `etcd`
+//! feature, keeps its keys on an etcd v3 cluster instead of any rank's memory (`etcd.rs`).
 mod client;
+#[cfg(feature = "etcd")]
+mod etcd;
 mod server;
 mod torch;
 mod wire;

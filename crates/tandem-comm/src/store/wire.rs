@@ -34,6 +34,8 @@ pub enum StoreWire {
     Tandem,
     /// PyTorch's `TCPStore` (torchrun's agent store): see `store/torch.rs`.
     Torch,
+    /// An etcd v3 cluster (feature `etcd`): see `store/etcd.rs`.
+    Etcd,
 }
 
 /// The longest a connection waits for the server's first answer: a server that speaks another
