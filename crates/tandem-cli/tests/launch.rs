@@ -718,3 +718,34 @@ fn a_launcher_sigkilled_while_starting_workers_leaves_no_process_behind() {
     }
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
+
+#[test]
+fn rdzv_backend_flags_are_checked_and_a_build_without_etcd_says_how_to_get_it() {
+    let run = |args: &[&str]| output_with_deadline(&mut tandem_run(args), LIMIT);
+    let cases: [(&[&str], &[&str]); 3] = [
+        (&["--rdzv-backend", "etcd", "--", "true"], &["--rdzv-endpoints", "is required"]),
+        (&["--rdzv-backend", "zookeeper", "--", "true"], &["--rdzv-backend", "zookeeper"]),
+        (&["--rdzv-endpoints", "e1:2379", "--", "true"], &["--rdzv-endpoints", "etcd"]),
+    ];
+    for (args, expect) in cases {
+        let out = run(args);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {}", describe(&out));
+        assert!(expect.iter().all(|e| err.contains(e)), "{args:?}: {err}");
+    }
+    // This binary is the test build, without the `etcd` feature: the launchers cannot meet.
+    let out = run(&[
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "etcd",
+        "--rdzv-endpoint",
+        "127.0.0.1:9",
+        "--insecure",
+        "--",
+        "true",
+    ]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{}", describe(&out));
+    assert!(err.contains("no etcd client") && err.contains("--features etcd"), "{err}");
+}

@@ -292,7 +292,8 @@ fn etcd_store(e: &Env) -> Result<Option<StoreHost>, CommError> {
             "names no etcd member (expected host:port[,host:port...]; TANDEM_RDZV_BACKEND=etcd)",
         ));
     }
-    let run_id = job_id(e).unwrap_or_else(|| "none".into());
+    // The launcher scopes each attempt by TANDEM_RDZV_ID; the job's id otherwise.
+    let run_id = e.var("TANDEM_RDZV_ID").or_else(|| job_id(e)).unwrap_or_else(|| "none".into());
     Ok(Some(StoreHost::Etcd { endpoints, run_id }))
 }
 

@@ -45,10 +45,7 @@ fn unavailable() -> Option<String> {
             "built without the `etcd` feature (cargo test -p tandem-comm --features etcd)".into(),
         );
     }
-    match std::process::Command::new("etcd").arg("--version").output() {
-        Ok(o) if o.status.success() => None,
-        _ => Some("no etcd on PATH (Debian: apt install etcd-server)".into()),
-    }
+    tandem_testutil::etcd::etcd_missing()
 }
 
 #[cfg(feature = "etcd")]
@@ -58,86 +55,18 @@ mod cluster_tests {
     use std::time::{Duration, Instant};
 
     use tandem_comm::{CommError, ReduceOp, Store};
-    use tandem_testutil::{free_port, tail, wait_with_deadline};
+    use tandem_testutil::etcd::EtcdCluster;
+    use tandem_testutil::{tail, wait_with_deadline};
 
     use super::ROLE;
 
-    /// Three etcd members on loopback; killed and their data removed on drop.
-    struct Cluster {
-        members: Vec<Option<Child>>,
-        endpoints: Vec<String>,
-        _dir: tempfile::TempDir,
+    /// Three etcd members on loopback.
+    fn cluster() -> EtcdCluster {
+        EtcdCluster::on_loopback(3)
     }
 
-    impl Cluster {
-        fn start() -> Cluster {
-            let dir = tempfile::tempdir().unwrap();
-            let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
-            let initial: Vec<String> = ports
-                .iter()
-                .enumerate()
-                .map(|(i, p)| format!("m{i}=http://127.0.0.1:{}", p.1))
-                .collect();
-            let initial = initial.join(",");
-            let token = format!("tandem-test-{}", std::process::id());
-            let members = ports
-                .iter()
-                .enumerate()
-                .map(|(i, (client, peer))| {
-                    let log = std::fs::File::create(dir.path().join(format!("m{i}.log"))).unwrap();
-                    let client_url = format!("http://127.0.0.1:{client}");
-                    let peer_url = format!("http://127.0.0.1:{peer}");
-                    Some(
-                        Command::new("etcd")
-                            .args(["--name", &format!("m{i}")])
-                            .arg("--data-dir")
-                            .arg(dir.path().join(format!("m{i}")))
-                            .args(["--listen-client-urls", &client_url])
-                            .args(["--advertise-client-urls", &client_url])
-                            .args(["--listen-peer-urls", &peer_url])
-                            .args(["--initial-advertise-peer-urls", &peer_url])
-                            .args(["--initial-cluster", &initial])
-                            .args(["--initial-cluster-token", &token])
-                            .args(["--initial-cluster-state", "new"])
-                            // Fast elections: a lost leader is replaced in about a second.
-                            .args(["--heartbeat-interval", "100", "--election-timeout", "1000"])
-                            .stdout(Stdio::null())
-                            .stderr(log)
-                            .spawn()
-                            .expect("start etcd"),
-                    )
-                })
-                .collect();
-            let endpoints = ports.iter().map(|p| format!("127.0.0.1:{}", p.0)).collect();
-            Cluster { members, endpoints, _dir: dir }
-        }
-
-        fn kill(&mut self, member: usize) {
-            if let Some(mut c) = self.members[member].take() {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-        }
-
-        fn store(&self) -> Store {
-            self.store_on(&self.endpoints)
-        }
-
-        fn store_on(&self, endpoints: &[String]) -> Store {
-            Store::connect_etcd(endpoints, None, Duration::from_secs(30), "test endpoints").unwrap()
-        }
-
-        fn joined(&self) -> String {
-            self.endpoints.join(",")
-        }
-    }
-
-    impl Drop for Cluster {
-        fn drop(&mut self) {
-            for m in 0..self.members.len() {
-                self.kill(m);
-            }
-        }
+    fn store_on(endpoints: &[String]) -> Store {
+        Store::connect_etcd(endpoints, None, Duration::from_secs(30), "test endpoints").unwrap()
     }
 
     fn unique(what: &str) -> String {
@@ -149,11 +78,11 @@ mod cluster_tests {
     }
 
     pub fn every_store_operation_works_across_the_members() {
-        let cluster = Cluster::start();
+        let cluster = cluster();
         // Two clients, each on a different member: what one writes, the other reads.
         let scope = unique("ops");
-        let a = cluster.store_on(&cluster.endpoints[..1]).with_prefix(&scope);
-        let b = cluster.store_on(&cluster.endpoints[1..2]).with_prefix(&scope);
+        let a = store_on(&cluster.endpoints()[..1]).with_prefix(&scope);
+        let b = store_on(&cluster.endpoints()[1..2]).with_prefix(&scope);
         a.set("k", b"v1").unwrap();
         assert_eq!(b.get("k").unwrap(), b"v1");
         assert_eq!(b.get_now("nothing").unwrap(), None);
@@ -210,12 +139,12 @@ mod cluster_tests {
     }
 
     pub fn owned_keys_live_with_their_process_and_go_when_it_is_killed() {
-        let cluster = Cluster::start();
-        let store = cluster.store();
+        let cluster = cluster();
+        let store = store_on(cluster.endpoints());
         // Dropping the client revokes its lease: the key goes at once.
         let scope = unique("owned");
         {
-            let owner = cluster.store().with_prefix(&scope);
+            let owner = store_on(cluster.endpoints()).with_prefix(&scope);
             owner.set_owned("mine", b"1").unwrap();
             assert_eq!(store.with_prefix(&scope).get_now("mine").unwrap(), Some(b"1".to_vec()));
         }
@@ -307,7 +236,7 @@ mod cluster_tests {
     }
 
     pub fn a_world_forms_over_etcd_and_again_with_a_member_lost() {
-        let mut cluster = Cluster::start();
+        let mut cluster = cluster();
         let run_id = unique("world");
         let check = |outs: &[String], generation: &str| {
             for (r, out) in outs.iter().enumerate() {
@@ -338,11 +267,11 @@ mod cluster_tests {
     }
 
     pub fn a_cluster_without_quorum_is_a_clear_error_naming_the_endpoints() {
-        let mut cluster = Cluster::start();
+        let mut cluster = cluster();
         // An operation waits out its timeout for a leader (a member may be restarting), then
         // fails naming the cluster.
         let timeout = Duration::from_secs(4);
-        let store = Store::connect_etcd(&cluster.endpoints, None, timeout, "test endpoints")
+        let store = Store::connect_etcd(cluster.endpoints(), None, timeout, "test endpoints")
             .unwrap()
             .with_prefix(&unique("quorum"));
         store.set("before", b"1").unwrap();
@@ -359,7 +288,7 @@ mod cluster_tests {
         cluster.kill(2);
         let start = Instant::now();
         let err = Store::connect_etcd(
-            &cluster.endpoints,
+            cluster.endpoints(),
             None,
             Duration::from_secs(3),
             "TANDEM_RDZV_ENDPOINTS",

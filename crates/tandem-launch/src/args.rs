@@ -35,6 +35,28 @@ pub struct LaunchArgs {
     )]
     rdzv_timeout: f64,
 
+    /// Who holds the rendezvous: `static` (node 0's launcher and rank 0, at --master-addr; also
+    /// `c10d`) or `etcd` (the cluster at --rdzv-endpoints: no node is special; needs a build
+    /// with the `etcd` feature).
+    #[arg(
+        long = "rdzv-backend",
+        alias = "rdzv_backend",
+        env = "PET_RDZV_BACKEND",
+        value_name = "BACKEND",
+        default_value = "static"
+    )]
+    rdzv_backend: String,
+
+    /// The etcd cluster's members, host:port[,host:port...] (with --rdzv-backend etcd).
+    #[arg(
+        long = "rdzv-endpoints",
+        visible_alias = "rdzv-endpoint",
+        alias = "rdzv_endpoint",
+        env = "PET_RDZV_ENDPOINT",
+        value_name = "HOST:PORT,..."
+    )]
+    rdzv_endpoints: Option<String>,
+
     /// Workers on this node: a count, `auto` (one per GPU, else per core), `cpu` or `gpu`.
     #[arg(
         long = "nproc-per-node",
@@ -199,6 +221,34 @@ impl LaunchArgs {
         cfg.node_rank = args.node_rank;
         cfg.master_addr = args.master_addr;
         cfg.master_port = args.master_port;
+        cfg.rdzv_etcd = match (args.rdzv_backend.as_str(), args.rdzv_endpoints) {
+            ("static" | "c10d", None) => None,
+            ("static" | "c10d", Some(_)) => {
+                return Err(config(
+                    "--rdzv-endpoints",
+                    "only applies with --rdzv-backend etcd (node 0 hosts a static rendezvous)",
+                ))
+            }
+            ("etcd" | "etcd-v2", Some(list)) => Some(
+                list.split(',')
+                    .map(str::trim)
+                    .filter(|e| !e.is_empty())
+                    .map(String::from)
+                    .collect(),
+            ),
+            ("etcd" | "etcd-v2", None) => {
+                return Err(config(
+                    "--rdzv-endpoints",
+                    "is required with --rdzv-backend etcd (the cluster's host:port list)",
+                ))
+            }
+            (other, _) => {
+                return Err(config(
+                    "--rdzv-backend",
+                    format!("{other:?}: expected static, c10d or etcd"),
+                ))
+            }
+        };
         cfg.max_restarts = args.max_restarts;
         cfg.live_recovery = args.live_recovery;
         cfg.min_nproc = args.min_nproc;

@@ -232,6 +232,10 @@ pub struct LaunchConfig {
     pub master_addr: String,
     /// MASTER_PORT. `None` picks a free port (allowed only with `nnodes == 1`).
     pub master_port: Option<u16>,
+    /// `--rdzv-backend etcd --rdzv-endpoints H:P,...`: the etcd cluster that holds the
+    /// launchers' rendezvous and the workers' store, so that no node hosts them (`None`: node
+    /// 0's launcher and rank 0 host them, at `master_addr`). Needs the `etcd` feature.
+    pub rdzv_etcd: Option<Vec<String>>,
     /// Whole-group restarts allowed after a worker fails.
     pub max_restarts: u32,
     /// How often workers are polled for exit.
@@ -300,6 +304,7 @@ impl LaunchConfig {
             nproc_per_node: NprocPerNode::Count(1),
             node_rank: 0,
             master_addr: "127.0.0.1".into(),
+            rdzv_etcd: None,
             master_port: None,
             max_restarts: 0,
             monitor_interval: Duration::from_millis(100),
@@ -377,7 +382,22 @@ impl LaunchConfig {
                 ),
             ));
         }
-        if self.nnodes > 1 && self.master_port.is_none() {
+        if let Some(endpoints) = &self.rdzv_etcd {
+            if endpoints.is_empty() {
+                return Err(LaunchError::config(
+                    "--rdzv-endpoints",
+                    "names no etcd member (expected host:port[,host:port...])",
+                ));
+            }
+            if self.live_recovery {
+                return Err(LaunchError::config(
+                    "--rdzv-backend",
+                    "etcd does not hold live recovery's membership yet: node 0's launcher \
+                     does; drop --rdzv-backend etcd or --live-recovery",
+                ));
+            }
+        }
+        if self.nnodes > 1 && self.master_port.is_none() && self.rdzv_etcd.is_none() {
             return Err(LaunchError::config(
                 "--master-port",
                 "is required with --nnodes > 1: every node must agree on rank 0's port",
@@ -487,5 +507,21 @@ mod tests {
         c.redirects = StreamSpec::All(Streams::BOTH);
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("--redirects") && e.contains("--log-dir"), "{e}");
+    }
+
+    #[test]
+    fn an_etcd_rendezvous_needs_no_master_port_but_endpoints_and_no_live_recovery() {
+        let mut c = LaunchConfig::new("true", Vec::<String>::new());
+        c.nnodes = 2;
+        c.insecure = true;
+        c.rdzv_etcd = Some(vec!["e1:2379".into()]);
+        c.validate().unwrap();
+        c.rdzv_etcd = Some(Vec::new());
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("--rdzv-endpoints"), "{e}");
+        c.rdzv_etcd = Some(vec!["e1:2379".into()]);
+        c.live_recovery = true;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("--rdzv-backend") && e.contains("--live-recovery"), "{e}");
     }
 }

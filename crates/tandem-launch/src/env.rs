@@ -13,6 +13,10 @@ pub struct JobShape {
     pub restart_count: u32,
     pub max_restarts: u32,
     pub run_id: String,
+    /// With `--rdzv-backend etcd`: the cluster's endpoints (joined by commas) and the id that
+    /// scopes this attempt's keys there; the workers then rendezvous on etcd, not at
+    /// MASTER_ADDR.
+    pub etcd: Option<(String, String)>,
 }
 
 impl JobShape {
@@ -30,7 +34,7 @@ impl JobShape {
     pub fn launcher_vars(&self, local_rank: u32) -> Vec<(&'static str, String)> {
         let rank = self.rank(local_rank).to_string();
         let world = self.world_size().to_string();
-        vec![
+        let mut vars = vec![
             ("RANK", rank.clone()),
             ("LOCAL_RANK", local_rank.to_string()),
             ("WORLD_SIZE", world.clone()),
@@ -47,7 +51,13 @@ impl JobShape {
             ("TORCHELASTIC_RUN_ID", self.run_id.clone()),
             // The launcher hosts no store: rank 0 of the job does (at MASTER_ADDR:MASTER_PORT).
             ("TORCHELASTIC_USE_AGENT_STORE", "False".into()),
-        ]
+        ];
+        if let Some((endpoints, id)) = &self.etcd {
+            vars.push(("TANDEM_RDZV_BACKEND", "etcd".into()));
+            vars.push(("TANDEM_RDZV_ENDPOINTS", endpoints.clone()));
+            vars.push(("TANDEM_RDZV_ID", id.clone()));
+        }
+        vars
     }
 }
 
@@ -107,6 +117,7 @@ mod tests {
             restart_count: 1,
             max_restarts: 4,
             run_id: "job7".into(),
+            etcd: None,
         }
     }
 

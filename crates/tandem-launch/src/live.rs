@@ -99,6 +99,7 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
         restart_count: 0,
         max_restarts: cfg.max_restarts,
         run_id: cfg.run_id.clone(),
+        etcd: None,
     };
     let min_world = cfg.min_nproc.unwrap_or(1).max(1);
     let with_env = |replacement: bool| {

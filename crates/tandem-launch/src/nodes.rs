@@ -6,9 +6,15 @@
 //! remain. Each launcher holds an owned key (deleted by the store when its connection closes),
 //! so a launcher that dies is seen by the others at once and named.
 //!
+//! With `--rdzv-backend etcd` the store is an etcd cluster instead (keys under
+//! `tandem/<run id>/nodes/`), and no node is special: each round is closed by the launcher that
+//! first claims `r<k>/closer`, whichever node it is, so an elastic job goes on when node 0 is
+//! lost. A launcher's owned key then lives on an etcd lease: its death is seen within the
+//! lease's 3 s.
+//!
 //! Keys: `alive/<id>` (owned), `round` (the newest round opened), and per round `r<k>/count`
-//! (join counter), `r<k>/member/<j>`, `r<k>/closed`, `r<k>/failed` + `r<k>/failed/msg`,
-//! `r<k>/done`, `r<k>/left`.
+//! (join counter), `r<k>/member/<j>`, `r<k>/closer` (etcd), `r<k>/closed`, `r<k>/failed` +
+//! `r<k>/failed/msg`, `r<k>/done`, `r<k>/left`.
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -76,8 +82,8 @@ impl std::fmt::Display for Remote {
             Remote::Failed(m) => write!(f, "{m}"),
             Remote::NodeLost { node_rank, hostname } => write!(
                 f,
-                "node {node_rank} ({hostname}): its launcher is gone (its connection to the \
-                 rendezvous store closed)"
+                "node {node_rank} ({hostname}): its launcher is gone (its key in the \
+                 rendezvous store went with it)"
             ),
             Remote::HostLost(m) => write!(f, "{m}"),
         }
@@ -90,8 +96,18 @@ pub(crate) enum Finish {
     Remote(Remote),
 }
 
+/// Where the launchers meet.
+pub(crate) enum Meeting<'a> {
+    /// Node 0's launcher hosts the store at `--master-addr:--master-port`.
+    Node0 { master_addr: &'a str, port: u16 },
+    /// An etcd cluster holds it (`--rdzv-backend etcd --rdzv-endpoints ...`).
+    Etcd(&'a [String]),
+}
+
 pub(crate) struct NodeAgent {
     store: Store,
+    /// The etcd cluster's endpoints, when it holds the rendezvous.
+    etcd: Option<Vec<String>>,
     _server: Option<StoreServer>,
     run_id: String,
     secret: Option<JobSecret>,
@@ -105,8 +121,13 @@ pub(crate) struct NodeAgent {
     timeout: Duration,
 }
 
-fn lost_message(is_host: bool, endpoint: &str, e: &CommError) -> String {
-    if is_host {
+fn lost_message(is_host: bool, on_etcd: bool, endpoint: &str, e: &CommError) -> String {
+    if on_etcd {
+        format!(
+            "lost the rendezvous: the etcd cluster at {endpoint} does not answer (its quorum \
+             lost, or the network to it cut): {e}"
+        )
+    } else if is_host {
         format!("the rendezvous store on this node failed: {e}")
     } else {
         format!(
@@ -123,18 +144,22 @@ fn hostname() -> String {
 }
 
 impl NodeAgent {
-    /// Hosts the store (node rank 0) or connects to it, and announces this launcher.
+    /// Hosts the store (node rank 0) or connects to it (or to etcd), and announces this
+    /// launcher.
     pub fn start(
-        master_addr: &str,
-        port: u16,
+        meeting: Meeting<'_>,
         run_id: &str,
         secret: Option<&JobSecret>,
         node_rank: u32,
         (min_nodes, max_nodes): (u32, u32),
         timeout: Duration,
     ) -> Result<NodeAgent, LaunchError> {
-        let endpoint = format!("{master_addr}:{port}");
-        let is_host = node_rank == 0;
+        let (endpoint, etcd, is_host, port) = match meeting {
+            Meeting::Node0 { master_addr, port } => {
+                (format!("{master_addr}:{port}"), None, node_rank == 0, port)
+            }
+            Meeting::Etcd(endpoints) => (endpoints.join(","), Some(endpoints.to_vec()), false, 0),
+        };
         let server = if is_host {
             // Every interface: MASTER_ADDR is how the others reach this host, whichever it is.
             let server =
@@ -148,13 +173,13 @@ impl NodeAgent {
         } else {
             None
         };
-        let store =
-            Store::connect(&endpoint, run_id, secret, timeout, "--master-addr/--master-port")
-                .map_err(|e| LaunchError::Rendezvous(format!("node {node_rank}: {e}")))?;
+        let store = connect(etcd.as_deref(), &endpoint, run_id, secret, timeout)
+            .map_err(|e| LaunchError::Rendezvous(format!("node {node_rank}: {e}")))?;
         let hostname = hostname();
         let alive_key = format!("alive/{hostname}/{}", std::process::id());
         let agent = NodeAgent {
             store,
+            etcd,
             _server: server,
             run_id: run_id.to_string(),
             secret: secret.cloned(),
@@ -203,7 +228,7 @@ impl NodeAgent {
 
     /// A store error: for a non-host it almost always means the host's launcher is gone.
     fn lost(&self, e: CommError) -> LaunchError {
-        LaunchError::Rendezvous(lost_message(self.is_host, &self.endpoint, &e))
+        LaunchError::Rendezvous(lost_message(self.is_host, self.etcd.is_some(), &self.endpoint, &e))
     }
 
     fn int(&self, key: &str) -> Result<i64, LaunchError> {
@@ -240,7 +265,16 @@ impl NodeAgent {
                 format!("{rank_claim} {nproc} {} {}", self.alive_key, self.hostname).as_bytes(),
             )
             .map_err(|e| self.lost(e))?;
-        if self.is_host {
+        // On etcd the first launcher to claim the round closes it, whichever node it is.
+        let closer = match &self.etcd {
+            None => self.is_host,
+            Some(_) => {
+                let me = self.alive_key.as_bytes();
+                let key = format!("{pre}/closer");
+                self.store.compare_set(&key, b"", me).map_err(|e| self.lost(e))? == me
+            }
+        };
+        if closer {
             self.close_round(index, pick_port)?;
         }
         let closed = self.wait_text(&format!("{pre}/closed"), self.timeout + LAST_CALL * 2)?;
@@ -250,9 +284,15 @@ impl NodeAgent {
                 let n: u32 = n.parse().unwrap_or(0);
                 let worker_port: u16 = port.parse().unwrap_or(0);
                 if j as u32 > n {
+                    let reused = if self.etcd.is_some() {
+                        " (or an earlier job on this etcd cluster used the same --run-id: each \
+                         job needs its own)"
+                    } else {
+                        ""
+                    };
                     return Err(LaunchError::Rendezvous(format!(
                         "round {index} closed with {n} node(s) before this node joined; the \
-                         job has its nodes (--nnodes max is {})",
+                         job has its nodes (--nnodes max is {}){reused}",
                         self.max_nodes
                     )));
                 }
@@ -412,6 +452,9 @@ impl NodeAgent {
     }
 
     fn host_alive_key(&self, pre: &str, n: u32) -> String {
+        if self.etcd.is_some() {
+            return self.text(&format!("{pre}/closer")).unwrap_or_default();
+        }
         (1..=n)
             .filter_map(|j| self.member(pre, j).ok())
             .find(|m| m.0 == "h")
@@ -422,12 +465,12 @@ impl NodeAgent {
     /// Starts watching `round` on a thread of its own with its own connection, so that a cut
     /// link never blocks the launcher's monitor loop.
     pub fn watch(&self, round: &Round, tick: Duration) -> Result<RoundWatch, LaunchError> {
-        let store = Store::connect(
+        let store = connect(
+            self.etcd.as_deref(),
             &self.endpoint,
             &self.run_id,
             self.secret.as_ref(),
             OP_LIMIT,
-            "--master-addr/--master-port",
         )
         .map_err(|e| self.lost(e))?;
         store.set_timeout(OP_LIMIT);
@@ -436,13 +479,14 @@ impl NodeAgent {
         let stop = Arc::new(AtomicBool::new(false));
         let (seen2, stop2, round2) = (seen.clone(), stop.clone(), round.clone());
         let last_ok2 = last_ok.clone();
-        let (is_host, endpoint) = (self.is_host, self.endpoint.clone());
+        let (is_host, on_etcd, endpoint) =
+            (self.is_host, self.etcd.is_some(), self.endpoint.clone());
         let thread = std::thread::Builder::new()
             .name("tandem-round-watch".into())
             .spawn(move || {
                 while !stop2.load(Ordering::Acquire) {
                     let r = check_round(&store, &round2).unwrap_or_else(|e| {
-                        Some(Remote::HostLost(lost_message(is_host, &endpoint, &e)))
+                        Some(Remote::HostLost(lost_message(is_host, on_etcd, &endpoint, &e)))
                     });
                     if let Some(r) = r {
                         *seen2.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
@@ -519,6 +563,48 @@ impl NodeAgent {
     pub fn hostname(&self) -> &str {
         &self.hostname
     }
+}
+
+/// A client of the launchers' rendezvous: node 0's store at `endpoint`, or the etcd cluster.
+fn connect(
+    etcd: Option<&[String]>,
+    endpoint: &str,
+    run_id: &str,
+    secret: Option<&JobSecret>,
+    timeout: Duration,
+) -> Result<Store, CommError> {
+    match etcd {
+        None => Store::connect(endpoint, run_id, secret, timeout, "--master-addr/--master-port"),
+        Some(endpoints) => connect_etcd(endpoints, run_id, secret, timeout),
+    }
+}
+
+#[cfg(feature = "etcd")]
+fn connect_etcd(
+    endpoints: &[String],
+    run_id: &str,
+    secret: Option<&JobSecret>,
+    timeout: Duration,
+) -> Result<Store, CommError> {
+    let store = Store::connect_etcd(endpoints, secret, timeout, "--rdzv-endpoints")?;
+    Ok(store.with_prefix(&format!("tandem/{run_id}/nodes")))
+}
+
+#[cfg(not(feature = "etcd"))]
+fn connect_etcd(
+    endpoints: &[String],
+    _: &str,
+    _: Option<&JobSecret>,
+    _: Duration,
+) -> Result<Store, CommError> {
+    Err(CommError::InvalidArgument {
+        op: "--rdzv-backend etcd",
+        reason: format!(
+            "this build of tandem has no etcd client (endpoints {}): build it with the `etcd` \
+             feature (cargo build --release --features etcd; protoc is needed at build time)",
+            endpoints.join(",")
+        ),
+    })
 }
 
 /// One look at a round from the watcher: a failure reported, or a member's launcher gone. The

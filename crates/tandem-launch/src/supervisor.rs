@@ -10,7 +10,7 @@ use crate::config::{available_cores, LaunchConfig};
 use crate::env::JobShape;
 use crate::error::LaunchError;
 use crate::events::{EventSink, LaunchEvent};
-use crate::nodes::{Finish, NodeAgent, Remote, Round, RoundWatch};
+use crate::nodes::{Finish, Meeting, NodeAgent, Remote, Round, RoundWatch};
 use crate::outcome::{LaunchOutcome, WorkerExit, WorkerFailure};
 use crate::port::{mentions_addr_in_use, pick_master_port};
 use crate::reaper::GroupReaper;
@@ -92,10 +92,14 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
             None
         }
     };
-    let agent = match (cfg.is_multi_node(), cfg.master_port) {
-        (true, Some(rdzv_port)) => Some(NodeAgent::start(
-            &cfg.master_addr,
-            rdzv_port,
+    let meeting = match (&cfg.rdzv_etcd, cfg.master_port) {
+        (Some(endpoints), _) => Some(Meeting::Etcd(endpoints)),
+        (None, Some(port)) => Some(Meeting::Node0 { master_addr: &cfg.master_addr, port }),
+        (None, None) => None,
+    };
+    let agent = match (cfg.is_multi_node(), meeting) {
+        (true, Some(meeting)) => Some(NodeAgent::start(
+            meeting,
             &cfg.run_id,
             cfg.secret.as_ref(),
             cfg.node_rank,
@@ -134,6 +138,11 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
             restart_count,
             max_restarts: cfg.max_restarts,
             run_id: cfg.run_id.clone(),
+            // Each attempt's workers meet under a key scope of their own.
+            etcd: cfg.rdzv_etcd.as_ref().map(|e| {
+                let round = round.as_ref().map_or(restart_count, |r| r.index);
+                (e.join(","), format!("{}.attempt{round}", cfg.run_id))
+            }),
         };
         let attempt_dir = job_log_dir.as_ref().map(|d| d.join(format!("attempt_{restart_count}")));
         tracing::info!(restart_count, port, nproc, "starting workers");

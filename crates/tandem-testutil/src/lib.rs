@@ -2,6 +2,7 @@
 //! - [`world`]: a world of N ranks as threads over real sockets / shared memory, bounded in time;
 //! - [`child`]: child processes with drained output and a deadline;
 //! - [`procs`]: process checks through /proc (running, children, survivors);
+//! - [`etcd`]: a real etcd cluster, on loopback or across simulated hosts;
 //! - here: the workspace root, a Python with PyTorch for interop tests, loopback ports.
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -9,6 +10,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub mod child;
+pub mod etcd;
 pub mod harness;
 pub mod netns;
 pub mod procs;
