@@ -10,6 +10,8 @@ use tandem_testutil::{
     wait_with_deadline,
 };
 
+mod support;
+
 const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -656,20 +658,6 @@ fn a_launcher_with_another_secret_is_refused_and_the_job_trains_on() {
     assert!(text(&open.stderr).contains("--secret-file: is required"), "{}", describe(&open));
 }
 
-/// Live processes whose environment holds `var=value` (none of this test process).
-fn processes_with_env(var: &str, value: &str) -> Vec<i32> {
-    let needle = format!("{var}={value}").into_bytes();
-    let me = std::process::id() as i32;
-    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
-    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| pid != me && is_running(pid))
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/environ"))
-                .is_ok_and(|env| env.split(|&b| b == 0).any(|kv| kv == needle))
-        })
-        .collect()
-}
-
 /// The cause of the flake "processes of the job outlived it" (#69): a launcher SIGKILLed while
 /// it was still starting workers. A worker that had started a child of its own before the
 /// launcher listed its process group with the watchdog lost that child to init (PDEATHSIG
@@ -678,20 +666,19 @@ fn processes_with_env(var: &str, value: &str) -> Vec<i32> {
 /// kill lands at a different moment of the start-up in each trial.
 #[test]
 fn a_launcher_sigkilled_while_starting_workers_leaves_no_process_behind() {
-    const MARK: &str = "TANDEM_LAUNCH_TEST_MARK";
-    let mut leftovers = Vec::new();
+    let mut left_behind = Vec::new();
     for trial in 0..12u64 {
         let mark = format!("spawn-kill-{}-{trial}", std::process::id());
         let mut launcher =
             tandem_run(&["--nproc-per-node", "16", "--", "sh", "-c", "sleep 60; true"])
-                .env(MARK, &mark)
+                .env(support::MARKER_VAR, &mark)
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
                 .unwrap();
         // The kill lands `trial` x 300 us after the first worker has started its child.
         let deadline = Instant::now() + LIMIT;
-        while !processes_with_env(MARK, &mark).iter().any(|pid| {
+        while !support::marked_processes(&mark).iter().any(|pid| {
             std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.starts_with(b"sleep\0"))
         }) {
             assert!(Instant::now() < deadline, "trial {trial}: no worker started");
@@ -699,24 +686,13 @@ fn a_launcher_sigkilled_while_starting_workers_leaves_no_process_behind() {
         std::thread::sleep(Duration::from_micros(300 * trial));
         launcher.kill().unwrap();
         launcher.wait().unwrap();
-        let settle = Instant::now() + Duration::from_secs(3);
-        let left = loop {
-            let left = processes_with_env(MARK, &mark);
-            if left.is_empty() || Instant::now() > settle {
-                break left;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        for &pid in &left {
-            // SAFETY: SIGKILL to a leftover of this test's own job.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
+        let left = support::leftovers(&mark, Duration::from_secs(3));
         if !left.is_empty() {
-            leftovers
+            left_behind
                 .push(format!("trial {trial}: {} process(es) outlived the launcher", left.len()));
         }
     }
-    assert!(leftovers.is_empty(), "{leftovers:?}");
+    assert!(left_behind.is_empty(), "{left_behind:?}");
 }
 
 #[test]

@@ -47,7 +47,12 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
         if spec.world_size == 1 {
             return Ok(single(opts, "w", 0, None, None));
         }
-        let store = etcd_store(endpoints, opts)?;
+        let store = Store::connect_etcd(
+            endpoints,
+            opts.secret.as_ref(),
+            opts.init_timeout,
+            "TANDEM_RDZV_ENDPOINTS",
+        )?;
         let store =
             crate::agent_store::join_generation(&store, run_id, spec.rank, spec.world_size)?;
         return finish_world(store, None, &spec, world, opts);
@@ -89,25 +94,6 @@ pub fn init_with(method: &InitMethod, opts: &InitOptions) -> Result<ProcessGroup
     finish_world(store, server, &spec, world, opts)
 }
 
-/// A client of the etcd cluster at `endpoints` (`TANDEM_RDZV_ENDPOINTS`).
-#[cfg(feature = "etcd")]
-fn etcd_store(endpoints: &[String], opts: &InitOptions) -> Result<Store, CommError> {
-    Store::connect_etcd(endpoints, opts.secret.as_ref(), opts.init_timeout, "TANDEM_RDZV_ENDPOINTS")
-}
-
-#[cfg(not(feature = "etcd"))]
-fn etcd_store(endpoints: &[String], _: &InitOptions) -> Result<Store, CommError> {
-    Err(CommError::env(
-        "TANDEM_RDZV_BACKEND",
-        "etcd",
-        format!(
-            "this build of tandem has no etcd client (endpoints {}): build it with the `etcd` \
-             feature (cargo build --features etcd; protoc is needed at build time)",
-            endpoints.join(",")
-        ),
-    ))
-}
-
 /// The world group over a connected store: rendezvous, transports, hierarchy.
 fn finish_world(
     store: Store,
@@ -142,8 +128,10 @@ mod tests {
     #[cfg(not(feature = "etcd"))]
     #[test]
     fn without_the_etcd_feature_an_etcd_backend_says_how_to_get_one() {
-        let e = super::etcd_store(&["h1:2379".into()], &Default::default()).unwrap_err();
-        let e = e.to_string();
+        let timeout = std::time::Duration::from_secs(1);
+        let endpoints = ["h1:2379".to_string()];
+        let e = super::Store::connect_etcd(&endpoints, None, timeout, "TANDEM_RDZV_ENDPOINTS");
+        let e = e.unwrap_err().to_string();
         assert!(e.contains("TANDEM_RDZV_BACKEND") && e.contains("--features etcd"), "{e}");
         assert!(e.contains("h1:2379"), "{e}");
     }

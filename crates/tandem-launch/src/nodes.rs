@@ -575,36 +575,9 @@ fn connect(
 ) -> Result<Store, CommError> {
     match etcd {
         None => Store::connect(endpoint, run_id, secret, timeout, "--master-addr/--master-port"),
-        Some(endpoints) => connect_etcd(endpoints, run_id, secret, timeout),
+        Some(endpoints) => Store::connect_etcd(endpoints, secret, timeout, "--rdzv-endpoints")
+            .map(|store| store.with_prefix(&format!("tandem/{run_id}/nodes"))),
     }
-}
-
-#[cfg(feature = "etcd")]
-fn connect_etcd(
-    endpoints: &[String],
-    run_id: &str,
-    secret: Option<&JobSecret>,
-    timeout: Duration,
-) -> Result<Store, CommError> {
-    let store = Store::connect_etcd(endpoints, secret, timeout, "--rdzv-endpoints")?;
-    Ok(store.with_prefix(&format!("tandem/{run_id}/nodes")))
-}
-
-#[cfg(not(feature = "etcd"))]
-fn connect_etcd(
-    endpoints: &[String],
-    _: &str,
-    _: Option<&JobSecret>,
-    _: Duration,
-) -> Result<Store, CommError> {
-    Err(CommError::InvalidArgument {
-        op: "--rdzv-backend etcd",
-        reason: format!(
-            "this build of tandem has no etcd client (endpoints {}): build it with the `etcd` \
-             feature (cargo build --release --features etcd; protoc is needed at build time)",
-            endpoints.join(",")
-        ),
-    })
 }
 
 /// One look at a round from the watcher: a failure reported, or a member's launcher gone. The

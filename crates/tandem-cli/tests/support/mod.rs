@@ -66,6 +66,7 @@ pub fn trials(default: usize) -> usize {
     std::env::var("RELIABILITY_TRIALS").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
 }
 
+#[allow(unused_imports)] // (not every test program that uses this module needs them)
 pub use tandem_testutil::{Finished, Running};
 
 fn environ(pid: i32) -> Vec<String> {

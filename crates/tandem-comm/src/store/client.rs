@@ -102,24 +102,42 @@ impl Store {
     }
 
     /// Connects to the etcd v3 cluster at `endpoints` ("host:port" each), retrying until a
-    /// member answers or `timeout` passes. etcd cannot check the job's secret: `secret` is kept for the connections built over this store (the mesh,
-    /// shared memory), which prove it to each other.
-    #[cfg(feature = "etcd")]
+    /// member answers or `timeout` passes; `var` names the setting they came from. etcd cannot
+    /// check the job's secret: `secret` is kept for the connections built over this store (the
+    /// mesh, shared memory), which prove it to each other. A build without the `etcd` feature
+    /// answers with an error saying how to get one.
     pub fn connect_etcd(
         endpoints: &[String],
         secret: Option<&JobSecret>,
         timeout: Duration,
         var: &str,
     ) -> Result<Store, CommError> {
-        let kv = super::etcd::EtcdKv::connect(endpoints, timeout, var)?;
-        Ok(Store {
-            addr: format!("etcd {}", kv.endpoints()),
-            link: Link::Etcd(Arc::new(kv)),
-            timeout_ms: Arc::new(AtomicU64::new(timeout.as_millis() as u64)),
-            wire: StoreWire::Etcd,
-            prefix: Arc::from(""),
-            secret: secret.cloned(),
-        })
+        #[cfg(feature = "etcd")]
+        {
+            let kv = super::etcd::EtcdKv::connect(endpoints, timeout, var)?;
+            Ok(Store {
+                addr: format!("etcd {}", kv.endpoints()),
+                link: Link::Etcd(Arc::new(kv)),
+                timeout_ms: Arc::new(AtomicU64::new(timeout.as_millis() as u64)),
+                wire: StoreWire::Etcd,
+                prefix: Arc::from(""),
+                secret: secret.cloned(),
+            })
+        }
+        #[cfg(not(feature = "etcd"))]
+        {
+            let _ = (secret, timeout);
+            Err(CommError::InvalidArgument {
+                op: "etcd rendezvous",
+                reason: format!(
+                    "this build of tandem has no etcd client (TANDEM_RDZV_BACKEND=etcd or \
+                     --rdzv-backend etcd; endpoints {} from {var}): build it with the `etcd` \
+                     feature (cargo build --release --features etcd; protoc is needed at build \
+                     time)",
+                    endpoints.join(",")
+                ),
+            })
+        }
     }
 
     /// The etcd client behind this store, if it is one.

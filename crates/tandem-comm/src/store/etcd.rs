@@ -8,8 +8,9 @@
 //!   a [`LEASE_TTL`] of 3 s, kept alive every second by a task of the client's runtime and
 //!   revoked when the last clone of the client is dropped. A process that dies loses its keys
 //!   when the TTL runs out, as tandem's store drops them when the connection closes.
-//! - Waits poll the key, every 5 ms growing to 50 ms, rather than hold a watch stream: a watch
-//!   breaks with the member it was opened on, a poll simply goes to another member.
+//! - Waits poll the keys (all of them in one transaction), every 5 ms growing to 50 ms, rather
+//!   than hold a watch stream: a watch breaks with the member it was opened on, a poll simply
+//!   goes to another member.
 //! - `add` and `compare_set` are etcd transactions (compare a key's revision or value, then
 //!   put), so concurrent clients on different members see one order.
 //! - Every call is bounded by a timeout; one the cluster cannot answer (its quorum lost) fails
@@ -22,7 +23,9 @@
 //! of its own runs it, so every call here is blocking like the rest of `Store`.
 
 use crate::error::CommError;
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
+};
 use std::future::Future;
 use std::net::{IpAddr, TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
@@ -37,6 +40,8 @@ const POLL_MAX: Duration = Duration::from_millis(50);
 /// answers at once: `require_leader`).
 const REQUEST_LIMIT: Duration = Duration::from_secs(10);
 const RETRY_PAUSE: Duration = Duration::from_millis(50);
+/// Operations in one transaction (etcd's default `--max-txn-ops`).
+const MAX_TXN_OPS: usize = 128;
 
 /// A connection to the etcd cluster for one job.
 pub(crate) struct EtcdKv {
@@ -174,30 +179,26 @@ impl EtcdKv {
 
     /// The value of `key`, polling until it is set or `wait` passes.
     pub(crate) fn get(&self, key: &str, wait: Duration) -> Result<Vec<u8>, CommError> {
-        let start = Instant::now();
-        let mut pause = POLL_FIRST;
-        loop {
-            if let Some((v, _)) = self.read("get", key)? {
-                return Ok(v);
-            }
-            if start.elapsed() >= wait {
-                return Err(CommError::StoreTimeout {
-                    op: "get",
-                    key: key.to_string(),
-                    after: wait,
-                });
-            }
-            std::thread::sleep(pause.min(wait.saturating_sub(start.elapsed())));
-            pause = (pause * 2).min(POLL_MAX);
-        }
+        self.poll("get", wait, || Ok(self.read("get", key)?.map(|(v, _)| v).ok_or(key.to_string())))
     }
 
-    /// Which of `keys` do not exist now.
+    /// Which of `keys` do not exist now: one transaction of reads per [`MAX_TXN_OPS`] keys.
     pub(crate) fn missing(&self, keys: &[String]) -> Result<Vec<String>, CommError> {
         let mut out = Vec::new();
-        for k in keys {
-            if self.read("check", k)?.is_none() {
-                out.push(k.clone());
+        for chunk in keys.chunks(MAX_TXN_OPS) {
+            let reads: Vec<TxnOp> = chunk
+                .iter()
+                .map(|k| TxnOp::get(k.as_str(), Some(GetOptions::new().with_keys_only())))
+                .collect();
+            let txn = Txn::new().and_then(reads);
+            let answers = self.call("check", &chunk.join(","), REQUEST_LIMIT, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await.map(|r| r.op_responses()) }
+            })?;
+            for (k, answer) in chunk.iter().zip(answers) {
+                if matches!(answer, TxnOpResponse::Get(r) if r.kvs().is_empty()) {
+                    out.push(k.clone());
+                }
             }
         }
         Ok(out)
@@ -205,20 +206,30 @@ impl EtcdKv {
 
     /// Waits until every key exists, or fails naming those still missing after `wait`.
     pub(crate) fn wait(&self, keys: &[String], wait: Duration) -> Result<(), CommError> {
+        let mut left: Vec<String> = keys.to_vec();
+        self.poll("wait", wait, || {
+            left = self.missing(&left)?;
+            Ok(if left.is_empty() { Ok(()) } else { Err(left.join(",")) })
+        })
+    }
+
+    /// Runs `attempt` every 5 ms growing to 50 ms until it gives a value (`Ok`) or `wait`
+    /// passes; then the timeout names the keys of its last `Err`.
+    fn poll<T>(
+        &self,
+        op: &'static str,
+        wait: Duration,
+        mut attempt: impl FnMut() -> Result<Result<T, String>, CommError>,
+    ) -> Result<T, CommError> {
         let start = Instant::now();
         let mut pause = POLL_FIRST;
-        let mut left: Vec<String> = keys.to_vec();
         loop {
-            left = self.missing(&left)?;
-            if left.is_empty() {
-                return Ok(());
-            }
+            let missing = match attempt()? {
+                Ok(v) => return Ok(v),
+                Err(missing) => missing,
+            };
             if start.elapsed() >= wait {
-                return Err(CommError::StoreTimeout {
-                    op: "wait",
-                    key: left.join(","),
-                    after: wait,
-                });
+                return Err(CommError::StoreTimeout { op, key: missing, after: wait });
             }
             std::thread::sleep(pause.min(wait.saturating_sub(start.elapsed())));
             pause = (pause * 2).min(POLL_MAX);
@@ -276,14 +287,13 @@ impl EtcdKv {
                 }
             };
             let new = current.wrapping_add(delta);
-            let full = key.to_string();
             let unchanged = if now.is_none() {
-                Compare::create_revision(full.clone(), CompareOp::Equal, 0)
+                Compare::create_revision(key, CompareOp::Equal, 0)
             } else {
-                Compare::mod_revision(full.clone(), CompareOp::Equal, rev)
+                Compare::mod_revision(key, CompareOp::Equal, rev)
             };
             let txn =
-                Txn::new().when([unchanged]).and_then([TxnOp::put(full, new.to_string(), None)]);
+                Txn::new().when([unchanged]).and_then([TxnOp::put(key, new.to_string(), None)]);
             let applied = self.call("add", key, REQUEST_LIMIT, |mut c| {
                 let txn = txn.clone();
                 async move { c.txn(txn).await.map(|r| r.succeeded()) }
@@ -310,19 +320,13 @@ impl EtcdKv {
         desired: &[u8],
         limit: Duration,
     ) -> Result<Vec<u8>, CommError> {
-        let full = key.to_string();
-        let mut conditions =
-            vec![Compare::value(full.clone(), CompareOp::Equal, expected.to_vec())];
+        let mut conditions = vec![Compare::value(key, CompareOp::Equal, expected)];
         if expected.is_empty() {
             // etcd's value comparison fails on a missing key: ask for that case first.
-            conditions.insert(0, Compare::create_revision(full.clone(), CompareOp::Equal, 0));
+            conditions.insert(0, Compare::create_revision(key, CompareOp::Equal, 0));
         }
         for condition in conditions {
-            let txn = Txn::new().when([condition]).and_then([TxnOp::put(
-                full.clone(),
-                desired.to_vec(),
-                None,
-            )]);
+            let txn = Txn::new().when([condition]).and_then([TxnOp::put(key, desired, None)]);
             let applied = self.call("compare_set", key, limit, |mut c| {
                 let txn = txn.clone();
                 async move { c.txn(txn).await.map(|r| r.succeeded()) }
