@@ -269,7 +269,7 @@ pub(crate) enum StoreHost {
 
 /// The etcd cluster named by `TANDEM_RDZV_BACKEND=etcd` and `TANDEM_RDZV_ENDPOINTS`
 /// (torchrun's `--rdzv-backend` / `--rdzv-endpoint` as variables); `None` when no backend is set.
-fn etcd_store(e: &Env) -> Result<Option<StoreHost>, CommError> {
+pub(crate) fn etcd_store(e: &Env) -> Result<Option<StoreHost>, CommError> {
     let Some(backend) = e.var("TANDEM_RDZV_BACKEND") else { return Ok(None) };
     match backend.as_str() {
         "etcd" | "etcd-v2" | "etcd-v3" => {}

@@ -42,7 +42,7 @@ pub use env::{debug_level, job_id_from_env, DebugLevel, InitMethod, InitOptions}
 pub use error::CommError;
 pub use frame::MAX_FRAME;
 pub use group::{P2PKind, P2POp, ProcessGroup};
-pub use live::{LiveGroup, LiveOptions};
+pub use live::{LiveGroup, LiveJobState, LiveOptions, LiveStoreAt};
 pub use mesh::DeviceMesh;
 pub use net::host_port;
 pub use rendezvous::init_with;

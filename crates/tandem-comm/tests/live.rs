@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use tandem_comm::live::is_peer_failure;
 use tandem_comm::{
-    CommError, InitOptions, LiveGroup, LiveOptions, ReduceOp, Store, StoreServer, TransportKind,
+    CommError, InitOptions, LiveGroup, LiveOptions, LiveStoreAt, ReduceOp, Store, StoreServer,
+    TransportKind,
 };
 
 const RUN: &str = "live-test";
@@ -21,7 +22,7 @@ fn server() -> (StoreServer, String) {
 
 fn options(addr: &str, member: usize, slots: usize) -> LiveOptions {
     LiveOptions {
-        store_addr: addr.to_string(),
+        store: LiveStoreAt::Launcher(addr.to_string()),
         member,
         slots,
         min_world: 1,

@@ -389,13 +389,6 @@ impl LaunchConfig {
                     "names no etcd member (expected host:port[,host:port...])",
                 ));
             }
-            if self.live_recovery {
-                return Err(LaunchError::config(
-                    "--rdzv-backend",
-                    "etcd does not hold live recovery's membership yet: node 0's launcher \
-                     does; drop --rdzv-backend etcd or --live-recovery",
-                ));
-            }
         }
         if self.nnodes > 1 && self.master_port.is_none() && self.rdzv_etcd.is_none() {
             return Err(LaunchError::config(
@@ -510,7 +503,7 @@ mod tests {
     }
 
     #[test]
-    fn an_etcd_rendezvous_needs_no_master_port_but_endpoints_and_no_live_recovery() {
+    fn an_etcd_rendezvous_needs_no_master_port_but_endpoints() {
         let mut c = LaunchConfig::new("true", Vec::<String>::new());
         c.nnodes = 2;
         c.insecure = true;
@@ -520,8 +513,8 @@ mod tests {
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("--rdzv-endpoints"), "{e}");
         c.rdzv_etcd = Some(vec!["e1:2379".into()]);
+        // Live recovery keeps its membership on the cluster too: still no --master-port.
         c.live_recovery = true;
-        let e = c.validate().unwrap_err().to_string();
-        assert!(e.contains("--rdzv-backend") && e.contains("--live-recovery"), "{e}");
+        c.validate().unwrap();
     }
 }

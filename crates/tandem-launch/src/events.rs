@@ -18,6 +18,9 @@ pub enum LaunchEvent {
     Restarting { rank: u32, exit: WorkerExit, nproc: u32, restart: u32, max_restarts: u32 },
     /// The round ended on another node (`cause`); this node's workers start again with the others.
     RestartingWithNodes { cause: String, nproc: u32, restart: u32, max_restarts: u32 },
+    /// A node not in the round waits to join an elastic job below its `--nnodes` maximum:
+    /// this node's workers start again with it (not counted as a restart).
+    AdmittingNode { hostname: String, nproc: u32 },
     /// The round ended on another node and the job cannot go on; `node_needed`: a fixed
     /// `--nnodes` lost a node.
     FailedOnNodes { cause: String, node_needed: bool },
@@ -33,6 +36,9 @@ pub enum LaunchEvent {
     WatchdogReplaced { old_pid: i32, how: String, new_pid: Option<i32> },
     /// Live recovery: a rank failed after the job had finished on the other ranks.
     FailedAfterFinish { rank: u32, exit: WorkerExit },
+    /// Live recovery on etcd: this launcher found the job running (generation `generation`,
+    /// without this node's ranks) and starts them as joiners: a lost host coming back.
+    JoiningRunningJob { node_rank: u32, ranks: Vec<u32>, generation: u64, alive: usize },
     /// Live recovery: a rank failed and is started again alone, to join the running job.
     Rejoining { rank: u32, exit: WorkerExit, restart: u32, max_restarts: u32 },
     /// Live recovery: a rank failed with no restarts left; the job goes on without it.
@@ -64,6 +70,11 @@ impl fmt::Display for LaunchEvent {
                 f,
                 "[launcher] {cause}; restarting all {nproc} worker(s) of this node with the \
                  other nodes (restart {restart} of {max_restarts})"
+            ),
+            AdmittingNode { hostname, nproc } => write!(
+                f,
+                "[launcher] a node ({hostname}) is waiting to join the job; restarting all \
+                 {nproc} worker(s) of this node with it (not counted as a restart)"
             ),
             FailedOnNodes { cause, node_needed } => write!(
                 f,
@@ -104,6 +115,11 @@ impl fmt::Display for LaunchEvent {
                 f,
                 "[launcher] rank {rank} failed ({exit}) after the job finished on the other \
                  ranks; not started again"
+            ),
+            JoiningRunningJob { node_rank, ranks, generation, alive } => write!(
+                f,
+                "[launcher] the job is running without node {node_rank} (generation \
+                 {generation}, {alive} rank(s) alive): starting ranks {ranks:?} to join it"
             ),
             Rejoining { rank, exit, restart, max_restarts } => write!(
                 f,

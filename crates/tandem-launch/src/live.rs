@@ -6,10 +6,14 @@
 //! that the job goes on without it, down to `--min-nproc` ranks in the job (the workers check)
 //! and `--min-nproc-per-node` on this node (the launcher checks). The launch ends when every
 //! worker has exited: successfully when at least one finished the job.
+//!
+//! With `--rdzv-backend etcd` the membership lives on the etcd cluster instead, so no node is
+//! special: losing any host whole (node 0 included) costs the job that host's ranks, and a
+//! launcher started again there finds the job running and starts its workers as joiners.
 use std::ffi::OsString;
 
 use nix::sys::signal::Signal;
-use tandem_comm::{host_port, StoreServer};
+use tandem_comm::{host_port, LiveJobState, LiveStoreAt, StoreServer};
 
 use crate::config::{available_cores, LaunchConfig};
 use crate::env::JobShape;
@@ -26,6 +30,10 @@ use tandem_comm::live::{
     LIVE_STORE_VAR as STORE_VAR,
 };
 
+/// How long a launcher joining a running job waits for its node's old ranks to be seen gone
+/// (their etcd leases last 3 s).
+const STALE_RANKS_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// One slot's worker and what became of the ones before it.
 struct Slot {
     worker: Worker,
@@ -36,7 +44,11 @@ struct Slot {
 }
 
 /// Where the workers find the store, and the server when this launcher hosts it.
-fn live_store(cfg: &LaunchConfig) -> Result<(String, Option<StoreServer>), LaunchError> {
+fn live_store(cfg: &LaunchConfig) -> Result<(LiveStoreAt, Option<StoreServer>), LaunchError> {
+    if let Some(endpoints) = &cfg.rdzv_etcd {
+        let run_id = cfg.run_id.clone();
+        return Ok((LiveStoreAt::Etcd { endpoints: endpoints.clone(), run_id }, None));
+    }
     let host = &cfg.master_addr;
     if cfg.is_multi_node() {
         let port = cfg.master_port.expect("validated: multi-node needs --master-port");
@@ -51,7 +63,7 @@ fn live_store(cfg: &LaunchConfig) -> Result<(String, Option<StoreServer>), Launc
         } else {
             None
         };
-        return Ok((host_port(host, port), server));
+        return Ok((LiveStoreAt::Launcher(host_port(host, port)), server));
     }
     let bind = host_port(host, cfg.master_port.unwrap_or(0));
     let server = StoreServer::bind(&bind, &cfg.run_id, cfg.secret.as_ref()).map_err(|error| {
@@ -61,7 +73,74 @@ fn live_store(cfg: &LaunchConfig) -> Result<(String, Option<StoreServer>), Launc
         )
     })?;
     let addr = host_port(host, server.local_addr().port());
-    Ok((addr, Some(server)))
+    Ok((LiveStoreAt::Launcher(addr), Some(server)))
+}
+
+/// On etcd, whether this node's workers start as joiners of a job already running: a host lost
+/// whole and started again finds the others training (every other store dies with its host,
+/// so only etcd can tell). Refuses a node whose ranks are alive (a second launcher given the
+/// same `--node-rank`) and a run id whose earlier job has ended.
+fn joins_running_job(
+    cfg: &LaunchConfig,
+    store_at: &LiveStoreAt,
+    nproc: u32,
+) -> Result<bool, LaunchError> {
+    if !matches!(store_at, LiveStoreAt::Etcd { .. }) {
+        return Ok(false);
+    }
+    let unreachable = |e: tandem_comm::CommError| {
+        LaunchError::Rendezvous(format!("live recovery: the store at {store_at}: {e}"))
+    };
+    let store = store_at
+        .connect(&cfg.run_id, cfg.secret.as_ref(), cfg.rdzv_timeout, "--rdzv-endpoints")
+        .map_err(unreachable)?;
+    let slots = (cfg.nnodes * nproc) as usize;
+    let mine: Vec<u32> = (0..nproc).map(|l| cfg.node_rank * nproc + l).collect();
+    let started = std::time::Instant::now();
+    let state = loop {
+        let state = store_at.job_state(&store, slots).map_err(unreachable)?;
+        // A host started again at once may still see its dead ranks' keys until their leases
+        // expire (a few seconds): wait that out before taking them for another launcher's.
+        let LiveJobState::Running { alive, .. } = &state else { break state };
+        if !mine.iter().any(|r| alive.contains(&(*r as usize)))
+            || started.elapsed() >= STALE_RANKS_WAIT
+        {
+            break state;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    match state {
+        LiveJobState::New => Ok(false),
+        LiveJobState::Running { generation, alive } => {
+            let taken: Vec<u32> =
+                mine.iter().copied().filter(|r| alive.contains(&(*r as usize))).collect();
+            if !taken.is_empty() {
+                return Err(LaunchError::config(
+                    "--node-rank",
+                    format!(
+                        "{}: ranks {taken:?} of the running job (run {:?}) are alive, so another \
+                         launcher runs this node; each node needs its own --node-rank",
+                        cfg.node_rank, cfg.run_id
+                    ),
+                ));
+            }
+            cfg.on_event.emit(LaunchEvent::JoiningRunningJob {
+                node_rank: cfg.node_rank,
+                ranks: mine,
+                generation,
+                alive: alive.len(),
+            });
+            Ok(true)
+        }
+        LiveJobState::Ended { generation } => Err(LaunchError::config(
+            "--run-id",
+            format!(
+                "{:?}: the etcd cluster holds an earlier live job under this id (generation \
+                 {generation} committed, no rank alive); give each job its own --run-id",
+                cfg.run_id
+            ),
+        )),
+    }
 }
 
 /// Stops every slot's worker (`sig`, then SIGKILL after the grace period) and collects the
@@ -86,8 +165,14 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
     let cores = available_cores();
     let signals =
         if cfg.forward_signals { SignalWatch::install()? } else { SignalWatch::disabled() };
-    let (store_addr, _server) = live_store(cfg)?;
-    let port = store_addr.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let (store_at, _server) = live_store(cfg)?;
+    let joining = joins_running_job(cfg, &store_at, nproc)?;
+    let port = match &store_at {
+        LiveStoreAt::Launcher(addr) => {
+            addr.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(0)
+        }
+        LiveStoreAt::Etcd { .. } => 0,
+    };
     let job_log_dir = cfg.log_dir.as_ref().map(|d| d.join(&cfg.run_id));
     let reaper = GroupReaper::start().ok();
     let shape = JobShape {
@@ -99,12 +184,19 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
         restart_count: 0,
         max_restarts: cfg.max_restarts,
         run_id: cfg.run_id.clone(),
-        etcd: None,
+        etcd: match &store_at {
+            LiveStoreAt::Etcd { endpoints, run_id } => Some((endpoints.join(","), run_id.clone())),
+            LiveStoreAt::Launcher(_) => None,
+        },
+    };
+    let store_var = match &store_at {
+        LiveStoreAt::Launcher(addr) => addr.clone(),
+        LiveStoreAt::Etcd { .. } => "etcd".into(),
     };
     let min_world = cfg.min_nproc.unwrap_or(1).max(1);
     let with_env = |replacement: bool| {
         let mut c = cfg.clone();
-        c.extra_env.push((STORE_VAR.into(), OsString::from(&store_addr)));
+        c.extra_env.push((STORE_VAR.into(), OsString::from(&store_var)));
         c.extra_env.push((MIN_WORLD_VAR.into(), min_world.to_string().into()));
         if replacement {
             c.extra_env.push((REPLACEMENT_VAR.into(), "1".into()));
@@ -116,10 +208,10 @@ pub(crate) fn launch_live(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchErr
         let dir = job_log_dir.as_ref().map(|d| d.join(format!("attempt_{restart}")));
         Worker::spawn(&with_env(replacement), &shape, local_rank, cores, dir.as_deref(), reaper)
     };
-    tracing::info!(nproc, store = %store_addr, "starting workers (live recovery)");
+    tracing::info!(nproc, store = %store_at, joining, "starting workers (live recovery)");
     let mut slots: Vec<Slot> = Vec::with_capacity(nproc as usize);
     for local_rank in 0..nproc {
-        match spawn(local_rank, false, 0, reaper.as_ref()) {
+        match spawn(local_rank, joining, 0, reaper.as_ref()) {
             Ok(w) => slots.push(Slot { worker: w, done: false, lost: None }),
             Err(e) => {
                 stop_slots(slots, Signal::SIGTERM, cfg, &signals);

@@ -12,8 +12,12 @@
 //! lost. A launcher's owned key then lives on an etcd lease: its death is seen within the
 //! lease's 3 s.
 //!
+//! A launcher that joined a round and died before it closed is left out of it; on etcd a closer
+//! that dies before closing is replaced by the first launcher to claim its place.
+//!
 //! Keys: `alive/<id>` (owned), `round` (the newest round opened), and per round `r<k>/count`
-//! (join counter), `r<k>/member/<j>`, `r<k>/closer` (etcd), `r<k>/closed`, `r<k>/failed` +
+//! (join counter), `r<k>/member/<j>`, `r<k>/closer` (etcd), `r<k>/closed` (`ok N PORT J,J..`:
+//! the joiners taken, by join order), `r<k>/failed` +
 //! `r<k>/failed/msg`, `r<k>/done`, `r<k>/left`.
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -29,6 +33,8 @@ use crate::error::LaunchError;
 /// more) before the host closes the round without waiting for MAX.
 const LAST_CALL: Duration = Duration::from_secs(2);
 const POLL: Duration = Duration::from_millis(50);
+/// How often a launcher waiting for a round on etcd checks that its closer is alive.
+const CLOSER_CHECK: Duration = Duration::from_millis(250);
 /// How long the host keeps the store up for the other launchers to read the job's end.
 const EXIT_LINGER: Duration = Duration::from_secs(10);
 /// Failure reports are best effort and must not hold up a launcher whose link is cut.
@@ -62,6 +68,10 @@ pub(crate) enum Remote {
     NodeLost { node_rank: u32, hostname: String },
     /// The store on node 0 stopped answering: its launcher died or the link to it is cut.
     HostLost(String),
+    /// A launcher that is not in the round waits for the next one (a lost host started
+    /// again), and the round has fewer nodes than `--nnodes` allows: every node starts again
+    /// with it (an elastic scale-up, as torchrun's agents admit a waiting node).
+    NodeWaiting { hostname: String },
 }
 
 impl Remote {
@@ -69,7 +79,7 @@ impl Remote {
     /// without the host.
     pub fn is_fatal(&self, elastic: bool) -> bool {
         match self {
-            Remote::Failed(_) => false,
+            Remote::Failed(_) | Remote::NodeWaiting { .. } => false,
             Remote::NodeLost { .. } => !elastic,
             Remote::HostLost(_) => true,
         }
@@ -86,6 +96,9 @@ impl std::fmt::Display for Remote {
                  rendezvous store went with it)"
             ),
             Remote::HostLost(m) => write!(f, "{m}"),
+            Remote::NodeWaiting { hostname } => {
+                write!(f, "a node ({hostname}) is waiting to join the job")
+            }
         }
     }
 }
@@ -251,7 +264,12 @@ impl NodeAgent {
         pick_port: impl Fn() -> std::io::Result<u16>,
     ) -> Result<Round, LaunchError> {
         let opened = self.int("round")?.max(0) as u32;
-        let index = at_least.max(opened);
+        let mut index = at_least.max(opened);
+        // A round already closed (running without this node, or aborted) is not joined: this
+        // launcher waits in the next one, which the running nodes come to (`NodeWaiting`).
+        while self.store.get_now(&format!("r{index}/closed")).map_err(|e| self.lost(e))?.is_some() {
+            index += 1;
+        }
         let pre = format!("r{index}");
         let j = self.store.add(&format!("{pre}/count"), 1).map_err(|e| self.lost(e))?;
         let rank_claim = match (self.elastic(), self.is_host) {
@@ -266,24 +284,28 @@ impl NodeAgent {
             )
             .map_err(|e| self.lost(e))?;
         // On etcd the first launcher to claim the round closes it, whichever node it is.
+        let closer_key = format!("{pre}/closer");
         let closer = match &self.etcd {
             None => self.is_host,
-            Some(_) => {
-                let me = self.alive_key.as_bytes();
-                let key = format!("{pre}/closer");
-                self.store.compare_set(&key, b"", me).map_err(|e| self.lost(e))? == me
-            }
+            Some(_) => self.claim_closer(&closer_key, b"")?,
         };
         if closer {
-            self.close_round(index, pick_port)?;
+            self.close_round(index, &pick_port)?;
         }
-        let closed = self.wait_text(&format!("{pre}/closed"), self.timeout + LAST_CALL * 2)?;
-        let mut words = closed.splitn(3, ' ');
-        match (words.next(), words.next(), words.next()) {
-            (Some("ok"), Some(n), Some(port)) => {
+        let closed = match &self.etcd {
+            None => self.wait_text(&format!("{pre}/closed"), self.timeout + LAST_CALL * 2)?,
+            Some(_) => self.wait_closed_or_take_over(index, &pick_port)?,
+        };
+        let mut words = closed.splitn(4, ' ');
+        match (words.next(), words.next(), words.next(), words.next()) {
+            (Some("ok"), Some(n), Some(port), joined) => {
                 let n: u32 = n.parse().unwrap_or(0);
                 let worker_port: u16 = port.parse().unwrap_or(0);
-                if j as u32 > n {
+                let joined: Vec<u32> = match joined {
+                    Some(list) => list.split(',').filter_map(|j| j.parse().ok()).collect(),
+                    None => (1..=n).collect(),
+                };
+                if !joined.contains(&(j as u32)) {
                     let reused = if self.etcd.is_some() {
                         " (or an earlier job on this etcd cluster used the same --run-id: each \
                          job needs its own)"
@@ -296,12 +318,84 @@ impl NodeAgent {
                         self.max_nodes
                     )));
                 }
-                self.assemble(index, n, worker_port, j as u32)
+                self.assemble(index, &joined, worker_port, j as u32)
             }
             _ => Err(LaunchError::Rendezvous(
                 closed.strip_prefix("abort ").unwrap_or(&closed).to_string(),
             )),
         }
+    }
+
+    /// Claims closing a round on etcd: sets `key` to this launcher's alive key if it holds
+    /// `holder` (empty: nobody). Whether this launcher now closes the round.
+    fn claim_closer(&self, key: &str, holder: &[u8]) -> Result<bool, LaunchError> {
+        let me = self.alive_key.as_bytes();
+        Ok(self.store.compare_set(key, holder, me).map_err(|e| self.lost(e))? == me)
+    }
+
+    /// Waits for round `index` to close on etcd. A closer that dies before closing it (its
+    /// alive key gone with its lease) is replaced: the first launcher to claim its place
+    /// closes the round, without it.
+    fn wait_closed_or_take_over(
+        &self,
+        index: u32,
+        pick_port: &impl Fn() -> std::io::Result<u16>,
+    ) -> Result<String, LaunchError> {
+        let (pre, start) = (format!("r{index}"), Instant::now());
+        let (closed_key, closer_key) = (format!("{pre}/closed"), format!("{pre}/closer"));
+        // Each takeover starts the round's wait again: a closer that died after most of it.
+        let mut deadline = self.timeout + LAST_CALL * 2;
+        let mut last_look = Instant::now();
+        loop {
+            if let Some(v) = self.store.get_now(&closed_key).map_err(|e| self.lost(e))? {
+                return Ok(String::from_utf8_lossy(&v).into_owned());
+            }
+            if last_look.elapsed() >= CLOSER_CHECK {
+                last_look = Instant::now();
+                let holder = self.store.get_now(&closer_key).map_err(|e| self.lost(e))?;
+                let holder = String::from_utf8_lossy(&holder.unwrap_or_default()).into_owned();
+                let gone = !holder.is_empty()
+                    && !self
+                        .store
+                        .missing(&[holder.as_str()])
+                        .map_err(|e| self.lost(e))?
+                        .is_empty();
+                if gone && self.claim_closer(&closer_key, holder.as_bytes())? {
+                    let who =
+                        holder.strip_prefix("alive/").unwrap_or(&holder).replace('/', " pid ");
+                    tracing::warn!(round = index, closer = %who, "the launcher closing the round is gone; closing it here");
+                    self.close_round(index, pick_port)?;
+                    deadline = start.elapsed() + self.timeout + LAST_CALL * 2;
+                    continue;
+                }
+            }
+            if start.elapsed() >= deadline {
+                return Err(LaunchError::Rendezvous(format!(
+                    "round {index} was not closed within {deadline:?} (the launcher closing it: \
+                     {})",
+                    self.text(&closer_key).unwrap_or_default()
+                )));
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// Of the `count` launchers that joined round `pre`, those whose launcher is still alive
+    /// (its owned key there), in the order they joined. One that has not written its record
+    /// yet is not counted.
+    fn live_members(&self, pre: &str, count: u32) -> Result<Vec<u32>, LaunchError> {
+        let mut keys = Vec::with_capacity(count as usize);
+        for j in 1..=count {
+            let record =
+                self.store.get_now(&format!("{pre}/member/{j}")).map_err(|e| self.lost(e))?;
+            let Some(record) = record else { continue };
+            let record = String::from_utf8_lossy(&record).into_owned();
+            let key = record.split(' ').nth(2).unwrap_or_default().to_string();
+            keys.push((j, key));
+        }
+        let names: Vec<&str> = keys.iter().map(|(_, k)| k.as_str()).collect();
+        let gone = self.store.missing(&names).map_err(|e| self.lost(e))?;
+        Ok(keys.into_iter().filter(|(_, k)| !gone.contains(k)).map(|(j, _)| j).collect())
     }
 
     /// `get` with its own deadline, keeping the store's timeout for everything else.
@@ -313,30 +407,35 @@ impl NodeAgent {
         r
     }
 
-    /// The host's side of a round: wait for the nodes, check they agree, pick the port, close.
+    /// The closer's side of a round: wait for the nodes (a launcher that joined and died
+    /// before the round closed is left out), check they agree, pick the port, close.
     fn close_round(
         &self,
         index: u32,
-        pick_port: impl Fn() -> std::io::Result<u16>,
+        pick_port: &impl Fn() -> std::io::Result<u16>,
     ) -> Result<(), LaunchError> {
         let pre = format!("r{index}");
         let start = Instant::now();
         let (mut last_count, mut changed_at) = (0, Instant::now());
-        let n = loop {
+        let need = if self.elastic() { self.min_nodes } else { self.max_nodes };
+        let joined = loop {
             let count = self.int(&format!("{pre}/count"))?;
             if count != last_count {
                 (last_count, changed_at) = (count, Instant::now());
             }
-            if count >= self.max_nodes as i64 {
-                break self.max_nodes;
-            }
-            if self.elastic() && count >= self.min_nodes as i64 && changed_at.elapsed() >= LAST_CALL
-            {
-                break count as u32;
+            if count >= need as i64 {
+                let mut live = self.live_members(&pre, count as u32)?;
+                live.truncate(self.max_nodes as usize);
+                let full = live.len() as u32 >= self.max_nodes;
+                let last_call = self.elastic()
+                    && live.len() as u32 >= self.min_nodes
+                    && changed_at.elapsed() >= LAST_CALL;
+                if full || last_call {
+                    break live;
+                }
             }
             if start.elapsed() >= self.timeout {
                 let joined = self.member_names(&pre, count as u32);
-                let need = if self.elastic() { self.min_nodes } else { self.max_nodes };
                 let msg = format!(
                     "round {index}: only {count} of {need} node(s) joined within {:?} \
                      (--rdzv-timeout); joined: {joined}",
@@ -347,7 +446,7 @@ impl NodeAgent {
             }
             std::thread::sleep(POLL);
         };
-        if let Err(msg) = self.check_members(&pre, n) {
+        if let Err(msg) = self.check_members(&pre, &joined) {
             let _ = self.store.set(&format!("{pre}/closed"), format!("abort {msg}").as_bytes());
             return Err(LaunchError::Rendezvous(msg));
         }
@@ -356,9 +455,9 @@ impl NodeAgent {
         })?;
         let cur = self.int("round")?;
         self.store.add("round", index as i64 - cur).map_err(|e| self.lost(e))?;
-        self.store
-            .set(&format!("{pre}/closed"), format!("ok {n} {port}").as_bytes())
-            .map_err(|e| self.lost(e))
+        let list: Vec<String> = joined.iter().map(u32::to_string).collect();
+        let closed = format!("ok {} {port} {}", joined.len(), list.join(","));
+        self.store.set(&format!("{pre}/closed"), closed.as_bytes()).map_err(|e| self.lost(e))
     }
 
     fn member(&self, pre: &str, j: u32) -> Result<(String, u32, String, String), LaunchError> {
@@ -386,9 +485,11 @@ impl NodeAgent {
     }
 
     /// Same worker count everywhere; with fixed node ranks, each rank exactly once.
-    fn check_members(&self, pre: &str, n: u32) -> Result<(), String> {
-        let members: Vec<_> = (1..=n)
-            .map(|j| self.member(pre, j))
+    fn check_members(&self, pre: &str, joined: &[u32]) -> Result<(), String> {
+        let n = joined.len();
+        let members: Vec<_> = joined
+            .iter()
+            .map(|&j| self.member(pre, j))
             .collect::<Result<_, _>>()
             .map_err(|e| e.to_string())?;
         let (_, nproc0, _, host0) = &members[0];
@@ -417,20 +518,21 @@ impl NodeAgent {
     fn assemble(
         &self,
         index: u32,
-        n: u32,
+        joined: &[u32],
         worker_port: u16,
         me: u32,
     ) -> Result<Round, LaunchError> {
         let pre = format!("r{index}");
-        let mut ranked = Vec::with_capacity(n as usize);
-        for j in 1..=n {
+        let n = joined.len() as u32;
+        let mut ranked = Vec::with_capacity(joined.len());
+        for &j in joined {
             let (claim, _, alive_key, hostname) = self.member(&pre, j)?;
             let rank = if self.elastic() { None } else { claim.parse::<u32>().ok() };
             ranked.push((rank, j, Member { alive_key, hostname }));
         }
         if self.elastic() {
             // The host first, then the others in the order they joined.
-            let host_key = self.host_alive_key(&pre, n);
+            let host_key = self.host_alive_key(&pre, joined);
             ranked.sort_by_key(|(_, j, m)| (m.alive_key != host_key, *j));
             for (i, r) in ranked.iter_mut().enumerate() {
                 r.0 = Some(i as u32);
@@ -451,12 +553,13 @@ impl NodeAgent {
         })
     }
 
-    fn host_alive_key(&self, pre: &str, n: u32) -> String {
+    fn host_alive_key(&self, pre: &str, joined: &[u32]) -> String {
         if self.etcd.is_some() {
             return self.text(&format!("{pre}/closer")).unwrap_or_default();
         }
-        (1..=n)
-            .filter_map(|j| self.member(pre, j).ok())
+        joined
+            .iter()
+            .filter_map(|&j| self.member(pre, j).ok())
             .find(|m| m.0 == "h")
             .map(|m| m.2)
             .unwrap_or_default()
@@ -481,11 +584,12 @@ impl NodeAgent {
         let last_ok2 = last_ok.clone();
         let (is_host, on_etcd, endpoint) =
             (self.is_host, self.etcd.is_some(), self.endpoint.clone());
+        let max_nodes = self.max_nodes;
         let thread = std::thread::Builder::new()
             .name("tandem-round-watch".into())
             .spawn(move || {
                 while !stop2.load(Ordering::Acquire) {
-                    let r = check_round(&store, &round2).unwrap_or_else(|e| {
+                    let r = check_round(&store, &round2, max_nodes).unwrap_or_else(|e| {
                         Some(Remote::HostLost(lost_message(is_host, on_etcd, &endpoint, &e)))
                     });
                     if let Some(r) = r {
@@ -535,7 +639,9 @@ impl NodeAgent {
             {
                 break;
             }
-            if let Some(remote) = watch.seen() {
+            // (A node waiting to join is admitted only into a round still training.)
+            if let Some(remote) = watch.seen().filter(|r| !matches!(r, Remote::NodeWaiting { .. }))
+            {
                 return Ok(Finish::Remote(remote));
             }
             if start.elapsed() >= limit {
@@ -583,7 +689,7 @@ fn connect(
 /// One look at a round from the watcher: a failure reported, or a member's launcher gone. The
 /// report first: a launcher that reports its workers' failure and exits is gone a moment later,
 /// and its report names the root cause where its absence would not.
-fn check_round(store: &Store, round: &Round) -> Result<Option<Remote>, CommError> {
+fn check_round(store: &Store, round: &Round, max_nodes: u32) -> Result<Option<Remote>, CommError> {
     let keys: Vec<&str> = round.members.iter().map(|m| m.alive_key.as_str()).collect();
     let gone = store.missing(&keys)?;
     let pre = format!("r{}", round.index);
@@ -599,6 +705,20 @@ fn check_round(store: &Store, round: &Round) -> Result<Option<Remote>, CommError
             node_rank: node_rank as u32,
             hostname: round.members[node_rank].hostname.clone(),
         }));
+    }
+    if round.nnodes < max_nodes {
+        // The next round's first joiner, when it is not one of this round's launchers (they
+        // come there only after this round ended, which the checks above see first).
+        let next = format!("r{}/member/1", round.index + 1);
+        if let Some(record) = store.get_now(&next)? {
+            let record = String::from_utf8_lossy(&record).into_owned();
+            let mut words = record.splitn(4, ' ').skip(2);
+            let (key, hostname) =
+                (words.next().unwrap_or_default(), words.next().unwrap_or_default());
+            if !keys.contains(&key) && store.missing(&[key])?.is_empty() {
+                return Ok(Some(Remote::NodeWaiting { hostname: hostname.to_string() }));
+            }
+        }
     }
     Ok(None)
 }

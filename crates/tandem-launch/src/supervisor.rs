@@ -221,6 +221,11 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
                 cfg.on_event.emit(LaunchEvent::Ended { outcome: o.clone(), max_restarts });
                 return Ok(o);
             }
+            AttemptEnd::Remote(Remote::NodeWaiting { hostname }) => {
+                // Not a failure: no restart is spent on admitting a node (as torchrun).
+                cfg.on_event.emit(LaunchEvent::AdmittingNode { hostname, nproc });
+                continue;
+            }
             AttemptEnd::Remote(remote) => {
                 let fatal = remote.is_fatal(cfg.min_nnodes.is_some());
                 if !fatal && restart_count < cfg.max_restarts {

@@ -13,6 +13,8 @@
 //!   goes to another member.
 //! - `add` and `compare_set` are etcd transactions (compare a key's revision or value, then
 //!   put), so concurrent clients on different members see one order.
+//! - Requests go to one member, the last that answered, and move on to the next when it does
+//!   not: a member down costs one failed try, once, not a share of every request.
 //! - Every call is bounded by a timeout; one the cluster cannot answer (its quorum lost) fails
 //!   naming the endpoints.
 //! - The store cannot check the job's secret (etcd's own users and TLS guard the cluster):
@@ -28,6 +30,7 @@ use etcd_client::{
 };
 use std::future::Future;
 use std::net::{IpAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -46,7 +49,12 @@ const MAX_TXN_OPS: usize = 128;
 /// A connection to the etcd cluster for one job.
 pub(crate) struct EtcdKv {
     rt: tokio::runtime::Runtime,
-    client: Client,
+    /// One client per member: a request goes to the member that answered last, and on to the
+    /// next when it cannot. (The crate's one balanced client over every endpoint keeps sending
+    /// a share of the requests to a dead member, each costing a failed try and a pause.)
+    members: Vec<Client>,
+    /// The member requests go to now.
+    current: AtomicUsize,
     /// The endpoints as given, joined by commas (for messages).
     endpoints: String,
     lease: Mutex<Option<i64>>,
@@ -81,12 +89,19 @@ impl EtcdKv {
         let options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             .with_require_leader(true);
-        let client = rt
-            .block_on(Client::connect(endpoints, Some(options)))
+        let members = rt
+            .block_on(async {
+                let mut members = Vec::with_capacity(endpoints.len());
+                for e in endpoints {
+                    members.push(Client::connect([e], Some(options.clone())).await?);
+                }
+                Ok::<_, etcd_client::Error>(members)
+            })
             .map_err(|e| unreachable(start.elapsed(), e.to_string()))?;
         let kv = EtcdKv {
             rt,
-            client,
+            members,
+            current: AtomicUsize::new(0),
             endpoints: joined.clone(),
             lease: Mutex::new(None),
             local_ip: endpoints.iter().find_map(|e| probe_local_ip(e)),
@@ -119,8 +134,9 @@ impl EtcdKv {
     }
 
     /// Runs one request on the runtime, bounded by `limit`. A member that cannot be reached or
-    /// has no leader is answered by trying again (the client's channel goes round the members),
-    /// so one member down costs a retry, not an error; the last error is the one reported.
+    /// has no leader is answered by trying the next one (and this and later requests stay
+    /// there), so one member down costs one retry, not an error; after a round of the members
+    /// without an answer it pauses before the next. The last error is the one reported.
     fn call<T, F, Fut>(
         &self,
         op: &'static str,
@@ -134,12 +150,24 @@ impl EtcdKv {
     {
         let start = Instant::now();
         let mut tries = 0u32;
+        let n = self.members.len();
         let attempts = async {
             loop {
                 tries += 1;
-                match f(self.client.clone()).await {
+                let i = self.current.load(Ordering::Relaxed) % n;
+                match f(self.members[i].clone()).await {
                     Err(e) if retryable(&e) && start.elapsed() + RETRY_PAUSE < limit => {
-                        tokio::time::sleep(RETRY_PAUSE).await
+                        // (Another thread may have moved on already.)
+                        let next = (i + 1) % n;
+                        let _ = self.current.compare_exchange(
+                            i,
+                            next,
+                            Ordering::Relaxed,
+                            Ordering::Relaxed,
+                        );
+                        if (tries as usize).is_multiple_of(n) {
+                            tokio::time::sleep(RETRY_PAUSE).await
+                        }
                     }
                     result => return result,
                 }
@@ -265,7 +293,7 @@ impl EtcdKv {
                 c.lease_grant(ttl, None).await
             })?
             .id();
-        self.rt.spawn(keep_alive(self.client.clone(), id));
+        self.rt.spawn(keep_alive(self.members.clone(), id));
         *held = Some(id);
         Ok(id)
     }
@@ -361,9 +389,11 @@ impl Drop for EtcdKv {
 }
 
 /// Keeps lease `id` alive until the runtime shuts down or the lease is found expired; a broken
-/// stream (its member died) is opened again on another.
-async fn keep_alive(mut client: Client, id: i64) {
-    loop {
+/// stream (its member died) is opened again on the next member.
+async fn keep_alive(mut members: Vec<Client>, id: i64) {
+    let n = members.len();
+    for turn in 0.. {
+        let client = &mut members[turn % n];
         if let Ok((mut keeper, mut stream)) = client.lease_keep_alive(id).await {
             loop {
                 if keeper.keep_alive().await.is_err() {

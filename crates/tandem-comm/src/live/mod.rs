@@ -4,7 +4,9 @@
 //!
 //! Every process holds a member *slot* (its `RANK` when the launcher started it, kept by a
 //! replacement) and is a client of a store that outlives any worker: the live launcher's
-//! (`TANDEM_LIVE_STORE`). A process announces it is alive with a key owned by its store
+//! (`TANDEM_LIVE_STORE=host:port`), or an etcd cluster (`TANDEM_LIVE_STORE=etcd` with
+//! `TANDEM_RDZV_ENDPOINTS`, keys under `tandem/<TANDEM_RDZV_ID>/live/`), which no host's loss
+//! takes down. A process announces it is alive with a key owned by its store
 //! connection, which the store drops when the process dies. The world runs in *generations*:
 //! generation `t` is a list of member slots (rank `r` of the generation is `members[r]`) with a
 //! ProcessGroup of its own. To regroup, a process leaves its generation (aborting its
@@ -38,19 +40,15 @@ use half::{bf16, f16};
 
 use crate::dyn_collectives::{Collectives, CommSource};
 use crate::element::ReduceOp;
-use crate::env::InitOptions;
 use crate::error::CommError;
 use crate::group::ProcessGroup;
 use crate::store::Store;
 
-/// The live launcher's store, `host:port`: its presence is what puts a worker in live mode.
-pub const LIVE_STORE_VAR: &str = "TANDEM_LIVE_STORE";
-/// The fewest ranks the job may go on with (`tandem run --min-nproc`, times the nodes).
-pub const LIVE_MIN_WORLD_VAR: &str = "TANDEM_LIVE_MIN_WORLD";
-/// Set ("1") on a worker the launcher started again in place of one that died.
-pub const LIVE_REPLACEMENT_VAR: &str = "TANDEM_LIVE_REPLACEMENT";
-/// How long a regroup waits for a member that is alive but not yet ready (seconds).
-pub const LIVE_ARRIVAL_VAR: &str = "TANDEM_LIVE_ARRIVAL_TIMEOUT";
+mod options;
+pub use options::{
+    LiveJobState, LiveOptions, LiveStoreAt, LIVE_ARRIVAL_VAR, LIVE_MIN_WORLD_VAR,
+    LIVE_REPLACEMENT_VAR, LIVE_STORE_VAR,
+};
 
 /// An alive key's role: a member holding the training state, or a replacement that has not
 /// received it yet (it never proposes a generation and is never its state's source).
@@ -63,72 +61,6 @@ const POLL: Duration = Duration::from_millis(5);
 const WANTED_POLL: Duration = Duration::from_millis(50);
 /// Generations tried before a regroup gives up (each failed one lost a member meanwhile).
 const MAX_ATTEMPTS: usize = 8;
-
-/// How this process takes part in a live world.
-#[derive(Clone, Debug)]
-pub struct LiveOptions {
-    /// The store (`host:port`) that outlives the workers.
-    pub store_addr: String,
-    /// This process's member slot (its launch `RANK`).
-    pub member: usize,
-    /// Member slots in the job (its launch `WORLD_SIZE`).
-    pub slots: usize,
-    /// The fewest ranks the job may go on with.
-    pub min_world: usize,
-    /// Started in place of a member that died: joins the running world.
-    pub replacement: bool,
-    /// A regroup leaves out a member that is alive but not ready after this long (it is
-    /// stalled; it will come back as a joiner if it ever recovers).
-    pub arrival_timeout: Duration,
-    /// Transport, collective timeout, run id; `init_timeout` bounds joining the store and
-    /// connecting each generation's group.
-    pub init: InitOptions,
-}
-
-impl LiveOptions {
-    /// The live launcher's settings, or `None` when this process was not started by one
-    /// (`TANDEM_LIVE_STORE` unset).
-    pub fn from_env() -> Result<Option<LiveOptions>, CommError> {
-        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-        let Some(store_addr) = var(LIVE_STORE_VAR) else { return Ok(None) };
-        let number = |name: &str, default: Option<usize>| -> Result<usize, CommError> {
-            match (var(name), default) {
-                (Some(v), _) => v
-                    .trim()
-                    .parse()
-                    .map_err(|_| CommError::env(name, &v, "expected a non-negative integer")),
-                (None, Some(d)) => Ok(d),
-                (None, None) => Err(CommError::env(
-                    name,
-                    "",
-                    format!(
-                        "must be set with {LIVE_STORE_VAR} (tandem run --live-recovery sets both)"
-                    ),
-                )),
-            }
-        };
-        let slots = number("WORLD_SIZE", None)?;
-        let member = number("RANK", None)?;
-        if member >= slots {
-            return Err(CommError::env(
-                "RANK",
-                &member.to_string(),
-                format!("must be below WORLD_SIZE={slots}"),
-            ));
-        }
-        let min_world = number(LIVE_MIN_WORLD_VAR, Some(1))?.max(1);
-        let arrival = number(LIVE_ARRIVAL_VAR, Some(30))?;
-        Ok(Some(LiveOptions {
-            store_addr,
-            member,
-            slots,
-            min_world,
-            replacement: var(LIVE_REPLACEMENT_VAR).is_some_and(|v| v != "0"),
-            arrival_timeout: Duration::from_secs(arrival as u64),
-            init: InitOptions::from_env()?,
-        }))
-    }
-}
 
 /// One committed generation of the world.
 #[derive(Debug)]
@@ -290,14 +222,12 @@ impl LiveGroup {
     /// [`LiveGroup::join_running`], once it has built what it trains — the running ranks wait
     /// for it only from then on.
     pub fn connect(opts: LiveOptions) -> Result<LiveGroup, CommError> {
-        let store = Store::connect(
-            &opts.store_addr,
+        let store = opts.store.connect(
             &opts.init.run_id,
             opts.init.secret.as_ref(),
             opts.init.init_timeout,
             LIVE_STORE_VAR,
-        )?
-        .with_prefix("live");
+        )?;
         let local_ip = store.local_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
         announce_alive(&store, opts.member, if opts.replacement { JOINER } else { HOLDER })?;
         let first = if opts.replacement {
