@@ -21,6 +21,9 @@ pub enum LaunchEvent {
     /// A node not in the round waits to join an elastic job below its `--nnodes` maximum:
     /// this node's workers start again with it (not counted as a restart).
     AdmittingNode { hostname: String, nproc: u32 },
+    /// The job finished on its `nnodes` nodes (round `round`) while this launcher waited as a
+    /// spare: it never started workers.
+    SpareNotNeeded { round: u32, nnodes: u32 },
     /// The round ended on another node and the job cannot go on; `node_needed`: a fixed
     /// `--nnodes` lost a node.
     FailedOnNodes { cause: String, node_needed: bool },
@@ -75,6 +78,11 @@ impl fmt::Display for LaunchEvent {
                 f,
                 "[launcher] a node ({hostname}) is waiting to join the job; restarting all \
                  {nproc} worker(s) of this node with it (not counted as a restart)"
+            ),
+            SpareNotNeeded { round, nnodes } => write!(
+                f,
+                "[launcher] the job finished on its {nnodes} node(s) (round {round}) while this \
+                 node waited as a spare; no worker was started here"
             ),
             FailedOnNodes { cause, node_needed } => write!(
                 f,

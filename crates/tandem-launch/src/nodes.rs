@@ -12,12 +12,16 @@
 //! lost. A launcher's owned key then lives on an etcd lease: its death is seen within the
 //! lease's 3 s.
 //!
-//! A launcher that joined a round and died before it closed is left out of it; on etcd a closer
+//! A launcher that comes while the running round has `--nnodes` MAX nodes is a spare: it waits
+//! in the next round without a deadline, joined there by the others when one of them is lost,
+//! and ends successfully, starting nothing, when the job finishes without it. A launcher that
+//! joined a round and died before it closed is left out of it; on etcd a closer
 //! that dies before closing is replaced by the first launcher to claim its place.
 //!
 //! Keys: `alive/<id>` (owned), `round` (the newest round opened), and per round `r<k>/count`
 //! (join counter), `r<k>/member/<j>`, `r<k>/closer` (etcd), `r<k>/closed` (`ok N PORT J,J..`:
-//! the joiners taken, by join order), `r<k>/failed` +
+//! the joiners taken, by join order; `over K N`: the job finished in round K while spares
+//! waited here), `r<k>/failed` +
 //! `r<k>/failed/msg`, `r<k>/done`, `r<k>/left`.
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -101,6 +105,27 @@ impl std::fmt::Display for Remote {
             }
         }
     }
+}
+
+/// What joining a round gave.
+pub(crate) enum Joined {
+    Round(Round),
+    /// The job finished while this launcher waited as a spare (the running round had
+    /// `--nnodes` MAX nodes, none of them lost): nothing left to do.
+    JobOver {
+        round: u32,
+        nnodes: u32,
+    },
+}
+
+/// The round before the one a launcher waits in, as the waiting launcher sees it.
+enum Previous {
+    /// Training on `--nnodes` MAX nodes: the launcher waits as a spare, without a deadline.
+    RunningFull,
+    /// Every node of it passed the exit barrier: the job is over.
+    Finished { nnodes: u32 },
+    /// None, ended, or running below MAX (its nodes come to this round): the usual deadline.
+    Other,
 }
 
 /// How the exit barrier after a local success ended.
@@ -257,12 +282,15 @@ impl NodeAgent {
 
     /// Joins the first round numbered `at_least` or later that is still open, waits until it
     /// closes, and returns it. `pick_port` gives the host a free port for the workers' store.
+    /// While the round before runs on `--nnodes` MAX nodes this launcher is a spare: it waits
+    /// without a deadline, for a node to be lost (the others then come to this round) or the
+    /// job to finish.
     pub fn join(
         &self,
         at_least: u32,
         nproc: u32,
         pick_port: impl Fn() -> std::io::Result<u16>,
-    ) -> Result<Round, LaunchError> {
+    ) -> Result<Joined, LaunchError> {
         let opened = self.int("round")?.max(0) as u32;
         let mut index = at_least.max(opened);
         // A round already closed (running without this node, or aborted) is not joined: this
@@ -290,11 +318,13 @@ impl NodeAgent {
             Some(_) => self.claim_closer(&closer_key, b"")?,
         };
         if closer {
-            self.close_round(index, &pick_port)?;
+            if let Some(over) = self.close_round(index, &pick_port)? {
+                return Ok(over);
+            }
         }
-        let closed = match &self.etcd {
-            None => self.wait_text(&format!("{pre}/closed"), self.timeout + LAST_CALL * 2)?,
-            Some(_) => self.wait_closed_or_take_over(index, &pick_port)?,
+        let closed = match self.wait_closed_or_take_over(index, &pick_port)? {
+            Ok(closed) => closed,
+            Err(over) => return Ok(over),
         };
         let mut words = closed.splitn(4, ' ');
         match (words.next(), words.next(), words.next(), words.next()) {
@@ -318,8 +348,12 @@ impl NodeAgent {
                         self.max_nodes
                     )));
                 }
-                self.assemble(index, &joined, worker_port, j as u32)
+                self.assemble(index, &joined, worker_port, j as u32).map(Joined::Round)
             }
+            (Some("over"), Some(round), Some(nnodes), _) => Ok(Joined::JobOver {
+                round: round.parse().unwrap_or(0),
+                nnodes: nnodes.parse().unwrap_or(0),
+            }),
             _ => Err(LaunchError::Rendezvous(
                 closed.strip_prefix("abort ").unwrap_or(&closed).to_string(),
             )),
@@ -333,51 +367,101 @@ impl NodeAgent {
         Ok(self.store.compare_set(key, holder, me).map_err(|e| self.lost(e))? == me)
     }
 
-    /// Waits for round `index` to close on etcd. A closer that dies before closing it (its
+    /// Waits for round `index` to close. On etcd a closer that dies before closing it (its
     /// alive key gone with its lease) is replaced: the first launcher to claim its place
-    /// closes the round, without it.
+    /// closes the round, without it. `Err(JobOver)`: the job finished while this launcher
+    /// waited as a spare.
     fn wait_closed_or_take_over(
         &self,
         index: u32,
         pick_port: &impl Fn() -> std::io::Result<u16>,
-    ) -> Result<String, LaunchError> {
-        let (pre, start) = (format!("r{index}"), Instant::now());
+    ) -> Result<Result<String, Joined>, LaunchError> {
+        let pre = format!("r{index}");
         let (closed_key, closer_key) = (format!("{pre}/closed"), format!("{pre}/closer"));
-        // Each takeover starts the round's wait again: a closer that died after most of it.
-        let mut deadline = self.timeout + LAST_CALL * 2;
+        let wait = self.timeout + LAST_CALL * 2;
+        // Each takeover, and each look finding this launcher a spare, starts the wait again.
+        let mut deadline = Instant::now() + wait;
         let mut last_look = Instant::now();
         loop {
             if let Some(v) = self.store.get_now(&closed_key).map_err(|e| self.lost(e))? {
-                return Ok(String::from_utf8_lossy(&v).into_owned());
+                return Ok(Ok(String::from_utf8_lossy(&v).into_owned()));
             }
             if last_look.elapsed() >= CLOSER_CHECK {
                 last_look = Instant::now();
-                let holder = self.store.get_now(&closer_key).map_err(|e| self.lost(e))?;
-                let holder = String::from_utf8_lossy(&holder.unwrap_or_default()).into_owned();
-                let gone = !holder.is_empty()
-                    && !self
-                        .store
-                        .missing(&[holder.as_str()])
-                        .map_err(|e| self.lost(e))?
-                        .is_empty();
-                if gone && self.claim_closer(&closer_key, holder.as_bytes())? {
-                    let who =
-                        holder.strip_prefix("alive/").unwrap_or(&holder).replace('/', " pid ");
-                    tracing::warn!(round = index, closer = %who, "the launcher closing the round is gone; closing it here");
+                match self.previous(index)? {
+                    Previous::RunningFull => deadline = Instant::now() + wait,
+                    Previous::Finished { nnodes } => {
+                        return Ok(Err(Joined::JobOver { round: index - 1, nnodes }))
+                    }
+                    Previous::Other => {}
+                }
+                if self.etcd.is_some() && self.closer_gone(&closer_key)? {
                     self.close_round(index, pick_port)?;
-                    deadline = start.elapsed() + self.timeout + LAST_CALL * 2;
+                    deadline = Instant::now() + wait;
                     continue;
                 }
             }
-            if start.elapsed() >= deadline {
+            if Instant::now() >= deadline {
                 return Err(LaunchError::Rendezvous(format!(
-                    "round {index} was not closed within {deadline:?} (the launcher closing it: \
-                     {})",
-                    self.text(&closer_key).unwrap_or_default()
+                    "round {index} was not closed within {wait:?} (the launcher closing it: {})",
+                    self.store
+                        .get_now(&closer_key)
+                        .ok()
+                        .flatten()
+                        .map(|v| String::from_utf8_lossy(&v).into_owned())
+                        .unwrap_or_else(|| "node 0's".into())
                 )));
             }
             std::thread::sleep(POLL);
         }
+    }
+
+    /// Whether round `index`'s closer is gone and this launcher has claimed its place.
+    fn closer_gone(&self, closer_key: &str) -> Result<bool, LaunchError> {
+        let holder = self.store.get_now(closer_key).map_err(|e| self.lost(e))?;
+        let holder = String::from_utf8_lossy(&holder.unwrap_or_default()).into_owned();
+        if holder.is_empty()
+            || self.store.missing(&[holder.as_str()]).map_err(|e| self.lost(e))?.is_empty()
+        {
+            return Ok(false);
+        }
+        let claimed = self.claim_closer(closer_key, holder.as_bytes())?;
+        if claimed {
+            let who = holder.strip_prefix("alive/").unwrap_or(&holder).replace('/', " pid ");
+            tracing::warn!(closer = %who, "the launcher closing the round is gone; closing it here");
+        }
+        Ok(claimed)
+    }
+
+    /// The round before `index`, as a launcher waiting in `index` sees it.
+    fn previous(&self, index: u32) -> Result<Previous, LaunchError> {
+        let Some(k) = index.checked_sub(1) else { return Ok(Previous::Other) };
+        let closed = self.store.get_now(&format!("r{k}/closed")).map_err(|e| self.lost(e))?;
+        let closed = String::from_utf8_lossy(&closed.unwrap_or_default()).into_owned();
+        let mut words = closed.split(' ');
+        let (Some("ok"), Some(n), Some(_port), Some(joined)) =
+            (words.next(), words.next(), words.next(), words.next())
+        else {
+            return Ok(Previous::Other);
+        };
+        let n: u32 = n.parse().unwrap_or(0);
+        let count = |key: &str| -> Result<i64, LaunchError> {
+            self.store.add(&format!("r{k}/{key}"), 0).map_err(|e| self.lost(e))
+        };
+        if n > 0 && count("done")? >= n as i64 {
+            return Ok(Previous::Finished { nnodes: n });
+        }
+        if n < self.max_nodes || count("failed")? > 0 {
+            return Ok(Previous::Other);
+        }
+        // Full, and no failure reported: running, unless one of its launchers is gone.
+        let mut keys = Vec::new();
+        for j in joined.split(',').filter_map(|j| j.parse::<u32>().ok()) {
+            keys.push(self.member(&format!("r{k}"), j)?.2);
+        }
+        let names: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let gone = self.store.missing(&names).map_err(|e| self.lost(e))?;
+        Ok(if gone.is_empty() { Previous::RunningFull } else { Previous::Other })
     }
 
     /// Of the `count` launchers that joined round `pre`, those whose launcher is still alive
@@ -413,9 +497,10 @@ impl NodeAgent {
         &self,
         index: u32,
         pick_port: &impl Fn() -> std::io::Result<u16>,
-    ) -> Result<(), LaunchError> {
+    ) -> Result<Option<Joined>, LaunchError> {
         let pre = format!("r{index}");
-        let start = Instant::now();
+        let mut start = Instant::now();
+        let mut last_look = Instant::now();
         let (mut last_count, mut changed_at) = (0, Instant::now());
         let need = if self.elastic() { self.min_nodes } else { self.max_nodes };
         let joined = loop {
@@ -432,6 +517,20 @@ impl NodeAgent {
                     && changed_at.elapsed() >= LAST_CALL;
                 if full || last_call {
                     break live;
+                }
+            }
+            if last_look.elapsed() >= CLOSER_CHECK {
+                last_look = Instant::now();
+                match self.previous(index)? {
+                    // A spare: no deadline while the nodes it would replace all train.
+                    Previous::RunningFull => start = Instant::now(),
+                    Previous::Finished { nnodes } => {
+                        // (Any other spare waiting in this round reads the same.)
+                        let over = format!("over {} {nnodes}", index - 1);
+                        let _ = self.store.set(&format!("{pre}/closed"), over.as_bytes());
+                        return Ok(Some(Joined::JobOver { round: index - 1, nnodes }));
+                    }
+                    Previous::Other => {}
                 }
             }
             if start.elapsed() >= self.timeout {
@@ -457,7 +556,8 @@ impl NodeAgent {
         self.store.add("round", index as i64 - cur).map_err(|e| self.lost(e))?;
         let list: Vec<String> = joined.iter().map(u32::to_string).collect();
         let closed = format!("ok {} {port} {}", joined.len(), list.join(","));
-        self.store.set(&format!("{pre}/closed"), closed.as_bytes()).map_err(|e| self.lost(e))
+        self.store.set(&format!("{pre}/closed"), closed.as_bytes()).map_err(|e| self.lost(e))?;
+        Ok(None)
     }
 
     fn member(&self, pre: &str, j: u32) -> Result<(String, u32, String, String), LaunchError> {

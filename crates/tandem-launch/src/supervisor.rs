@@ -10,7 +10,7 @@ use crate::config::{available_cores, LaunchConfig};
 use crate::env::JobShape;
 use crate::error::LaunchError;
 use crate::events::{EventSink, LaunchEvent};
-use crate::nodes::{Finish, Meeting, NodeAgent, Remote, Round, RoundWatch};
+use crate::nodes::{Finish, Joined, Meeting, NodeAgent, Remote, Round, RoundWatch};
 use crate::outcome::{LaunchOutcome, WorkerExit, WorkerFailure};
 use crate::port::{mentions_addr_in_use, pick_master_port};
 use crate::reaper::GroupReaper;
@@ -114,7 +114,20 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     loop {
         let round = match &agent {
             Some(a) => {
-                let r = a.join(next_round, nproc, pick_master_port)?;
+                let r = match a.join(next_round, nproc, pick_master_port)? {
+                    Joined::Round(r) => r,
+                    Joined::JobOver { round, nnodes } => {
+                        cfg.on_event.emit(LaunchEvent::SpareNotNeeded { round, nnodes });
+                        return Ok(LaunchOutcome {
+                            exit_code: 0,
+                            restarts: restart_count,
+                            failures: Vec::new(),
+                            signal: None,
+                            master_port: port,
+                            log_dir: job_log_dir.clone(),
+                        });
+                    }
+                };
                 next_round = r.index + 1;
                 tracing::info!(
                     round = r.index,

@@ -25,6 +25,7 @@ fn main() -> ExitCode {
         an_elastic_job_goes_on_when_node_0_is_lost_whole,
         a_launcher_closing_the_round_that_dies_is_replaced_and_left_out,
         a_lost_node_started_again_is_admitted_into_the_running_job,
+        a_spare_replaces_a_lost_node_and_another_ends_with_the_job,
     ];
     harness::main_serial(tests.into_iter().map(|t| t.skip_if(why.clone())).collect())
 }
@@ -51,7 +52,9 @@ fn launcher() -> ExitCode {
     cfg.max_restarts = 2;
     cfg.run_id = var("TANDEM_NODES_TEST_RUN_ID");
     cfg.rdzv_etcd = Some(var("TANDEM_NODES_TEST_ENDPOINTS").split(',').map(String::from).collect());
-    cfg.rdzv_timeout = std::time::Duration::from_secs(30);
+    let rdzv_timeout =
+        std::env::var("TANDEM_NODES_TEST_RDZV_TIMEOUT").map_or(30, |v| v.parse().unwrap());
+    cfg.rdzv_timeout = std::time::Duration::from_secs(rdzv_timeout);
     cfg.monitor_interval = std::time::Duration::from_millis(50);
     cfg.stop_grace = std::time::Duration::from_secs(2);
     cfg.secret = tandem_comm::JobSecret::from_env().unwrap();
@@ -333,6 +336,75 @@ fn a_lost_node_started_again_is_admitted_into_the_running_job() {
         back_at.elapsed()
     );
 }
+
+/// Spares: a job running on its `--nnodes` maximum (3) gets a fourth launcher; it waits in the
+/// next round without a deadline. One node's launcher SIGKILLed: the two left and the spare
+/// start round 1 as a world of 3. A fifth launcher, come while round 1 runs full, waits too and
+/// ends successfully, starting nothing, when the job finishes.
+#[cfg(feature = "etcd")]
+fn a_spare_replaces_a_lost_node_and_another_ends_with_the_job() {
+    use std::time::{Duration, Instant};
+
+    let site = Site::new("nodes-etcd-spare");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().display().to_string();
+    // Round 0 waits (the kill comes then); later rounds finish after a moment.
+    let worker = format!(
+        "echo \"$WORLD_SIZE\" > {out}/$TANDEM_NODES_TEST_TAG.${{TANDEM_RDZV_ID##*.attempt}}; \
+         case \"$TANDEM_RDZV_ID\" in *.attempt0) sleep 60 ;; *) sleep 4 ;; esac"
+    );
+    // A round's deadline of 3 s: a spare waits longer than that, for as long as the round
+    // before it runs full.
+    let launch = |host: usize, tag: &str| {
+        tandem_testutil::Running::spawn(
+            site.command(host, "launcher")
+                .env("TANDEM_NODES_TEST_WORKER", &worker)
+                .env("TANDEM_NODES_TEST_TAG", tag)
+                .env("TANDEM_NODES_TEST_RDZV_TIMEOUT", "3"),
+        )
+    };
+    let file = |tag: &str, k: u32| dir.path().join(format!("{tag}.{k}"));
+    let wait_for = |what: &str, files: &[std::path::PathBuf]| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !files.iter().all(|f| f.exists()) {
+            assert!(Instant::now() < deadline, "{what} never started");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let nodes: Vec<_> = (0..3).map(|h| launch(h, &format!("n{h}"))).collect();
+    wait_for("round 0", &(0..3).map(|h| file(&format!("n{h}"), 0)).collect::<Vec<_>>());
+    let spare = launch(0, "spare");
+    // The spare waits past its round's 3 s deadline before a node is lost (then 3 s more,
+    // the lost launcher's lease).
+    std::thread::sleep(Duration::from_secs(4));
+    let mut nodes = nodes.into_iter();
+    let (n0, n1, n2) = (nodes.next().unwrap(), nodes.next().unwrap(), nodes.next().unwrap());
+    // SAFETY: SIGKILL to a launcher this test started.
+    unsafe { libc::kill(n2.pid(), libc::SIGKILL) };
+    n2.wait(Duration::from_secs(10));
+    wait_for("round 1", &["n0", "n1", "spare"].map(|t| file(t, 1)));
+    let late = launch(1, "late");
+    let finished: Vec<_> =
+        [n0, n1, spare, late].into_iter().map(|r| r.wait(Duration::from_secs(90))).collect();
+    for (f, tag) in finished.iter().zip(["n0", "n1", "spare", "late"]) {
+        assert!(f.status.is_some_and(|s| s.success()), "{tag}: {}", f.describe());
+    }
+    for tag in ["n0", "n1", "spare"] {
+        let seen = std::fs::read_to_string(file(tag, 1)).unwrap();
+        assert_eq!(seen.trim(), "3", "{tag} ran round 1 in a world of {seen}");
+    }
+    assert!(!file("spare", 0).exists(), "the spare ran in the full round 0");
+    assert!(!file("late", 1).exists() && !file("late", 2).exists(), "the late spare ran");
+    assert!(
+        finished[3].stderr.contains("while this node waited as a spare"),
+        "{}",
+        finished[3].stderr
+    );
+    println!("a spare took the lost node's place in round 1; a second spare ended with the job");
+}
+
+#[cfg(not(feature = "etcd"))]
+fn a_spare_replaces_a_lost_node_and_another_ends_with_the_job() {}
 
 #[cfg(not(feature = "etcd"))]
 fn a_lost_node_started_again_is_admitted_into_the_running_job() {}
