@@ -32,6 +32,7 @@ fn main() -> ExitCode {
         a_worker_killed_on_host_1_restarts_every_node_to_identical_weights,
         host_1_launcher_killed_ends_host_0_naming_node_1,
         elastic_job_goes_on_without_a_lost_node,
+        a_lost_node_started_again_is_admitted_into_the_elastic_job,
         two_launchers_claiming_node_rank_0_are_refused_by_name,
         a_cut_link_ends_both_sides_in_time_naming_the_peer,
         live_recovery_goes_on_without_a_host_whose_link_is_cut,
@@ -88,39 +89,48 @@ fn start_on_all(
     marker: &str,
     env: &[(&str, &str)],
 ) -> Vec<Running> {
+    (0..hosts.len()).map(|i| start_on(hosts, i, nproc, run_args, worker, marker, env)).collect()
+}
+
+/// [`start_on_all`]'s launcher on host `i` alone (node rank `i`).
+fn start_on(
+    hosts: &Hosts,
+    i: usize,
+    nproc: usize,
+    run_args: &[&str],
+    worker: &[&str],
+    marker: &str,
+    env: &[(&str, &str)],
+) -> Running {
     let master = hosts.addr(0);
     let nnodes = hosts.len().to_string();
     let nproc = nproc.to_string();
-    (0..hosts.len())
-        .map(|i| {
-            let node_rank = i.to_string();
-            // `--nnodes` in `run_args` replaces the fixed count.
-            let nnodes_flag: &[&str] =
-                if run_args.contains(&"--nnodes") { &[] } else { &["--nnodes", &nnodes] };
-            let mut args = vec!["run"];
-            args.extend(nnodes_flag);
-            args.extend([
-                "--node-rank",
-                &node_rank,
-                "--master-addr",
-                &master,
-                "--master-port",
-                PORT,
-                "--nproc-per-node",
-                &nproc,
-                "--monitor-interval",
-                "0.05",
-            ]);
-            args.extend(run_args);
-            args.push("--");
-            args.extend(worker);
-            let mut cmd = hosts.command(i, tandem(), &args);
-            without_world(&mut cmd);
-            cmd.env(MARKER_VAR, marker).env("TANDEM_TIMEOUT", COLLECTIVE_TIMEOUT_S);
-            cmd.envs(env.iter().copied());
-            Running::spawn(&mut cmd)
-        })
-        .collect()
+    let node_rank = i.to_string();
+    // `--nnodes` in `run_args` replaces the fixed count.
+    let nnodes_flag: &[&str] =
+        if run_args.contains(&"--nnodes") { &[] } else { &["--nnodes", &nnodes] };
+    let mut args = vec!["run"];
+    args.extend(nnodes_flag);
+    args.extend([
+        "--node-rank",
+        &node_rank,
+        "--master-addr",
+        &master,
+        "--master-port",
+        PORT,
+        "--nproc-per-node",
+        &nproc,
+        "--monitor-interval",
+        "0.05",
+    ]);
+    args.extend(run_args);
+    args.push("--");
+    args.extend(worker);
+    let mut cmd = hosts.command(i, tandem(), &args);
+    without_world(&mut cmd);
+    cmd.env(MARKER_VAR, marker).env("TANDEM_TIMEOUT", COLLECTIVE_TIMEOUT_S);
+    cmd.envs(env.iter().copied());
+    Running::spawn(&mut cmd)
 }
 
 /// Collective timeout inside the fault tests (seconds).
@@ -396,6 +406,48 @@ fn elastic_job_goes_on_without_a_lost_node() {
             host0.stdout.lines().any(|l| l.contains(&expect) && l.trim_end().ends_with("ok")),
             "no `{expect}` in:\n{}",
             host0.stdout
+        );
+    }
+    assert_no_leftovers(&marker);
+}
+
+/// Elastic scale-up on the static backend (node 0 hosts the rendezvous): node 1's launcher
+/// SIGKILLed, node 0 goes on alone; node 1's launcher started again waits in the next round,
+/// node 0 sees it waiting and starts again with it without spending a restart; the world of 4
+/// checks out.
+fn a_lost_node_started_again_is_admitted_into_the_elastic_job() {
+    let hosts = Hosts::new(2, None);
+    let marker = format!("mh-admit-{}", std::process::id());
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    // Every round waits until the test says go; then the ranks check the world.
+    let script = format!("while [ ! -e {} ]; do sleep 0.05; done; exec {} check", s(&go), tandem());
+    let worker = ["sh", "-c", &script];
+    let run_args = ["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-timeout", "20"];
+    let mut running = start_on_all(&hosts, 2, &run_args, &worker, &marker, &[]);
+    let _ = kill_host_1_launcher(&marker);
+    let _host1 = running.pop().unwrap().wait(LIMIT);
+    // Node 0 alone (ranks 0 and 1 of a world of 2), then node 1 back.
+    find_process(&marker, &["RANK=1", "WORLD_SIZE=2"], "-c");
+    let again = start_on(&hosts, 1, 2, &run_args, &worker, &marker, &[]);
+    find_process(&marker, &["RANK=3", "WORLD_SIZE=4"], "-c");
+    std::fs::write(&go, b"").unwrap();
+    let finished = [running.pop().unwrap().wait(LIMIT), again.wait(LIMIT)];
+    assert_all_succeeded(&finished);
+    let host0 = &finished[0];
+    assert!(
+        host0.stderr.contains("a node (simhost1) is waiting to join the job")
+            && host0.stderr.contains("restart 1 of 1")
+            && !host0.stderr.contains("restart 2"),
+        "{}",
+        host0.stderr
+    );
+    for (h, rank) in [(0, 0), (0, 1), (1, 2), (1, 3)] {
+        let expect = format!("rank {rank}/4 ");
+        assert!(
+            finished[h].stdout.lines().any(|l| l.contains(&expect) && l.trim_end().ends_with("ok")),
+            "no `{expect}` on host {h}:\n{}",
+            finished[h].stdout
         );
     }
     assert_no_leftovers(&marker);
