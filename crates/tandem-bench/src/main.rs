@@ -88,6 +88,8 @@ pub(crate) fn in_scratch_dir<T>(
         None => (std::path::PathBuf::from(format!("{prefix}-{}", std::process::id())), true),
     };
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    // Absolute: a job started in the directory must still find the files named under it.
+    let dir = std::path::absolute(&dir).with_context(|| format!("resolving {}", dir.display()))?;
     let result = f(&dir);
     // A failed run's directory stays, for its logs.
     if own_dir && result.is_ok() {
