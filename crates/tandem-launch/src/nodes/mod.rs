@@ -429,9 +429,7 @@ impl NodeAgent {
             let record =
                 self.store.get_now(&format!("{pre}/member/{j}")).map_err(|e| self.lost(e))?;
             let Some(record) = record else { continue };
-            let record = String::from_utf8_lossy(&record).into_owned();
-            let key = record.split(' ').nth(2).unwrap_or_default().to_string();
-            keys.push((j, key));
+            keys.push((j, parse_member(&String::from_utf8_lossy(&record)).2));
         }
         let names: Vec<&str> = keys.iter().map(|(_, k)| k.as_str()).collect();
         let gone = self.store.missing(&names).map_err(|e| self.lost(e))?;
@@ -517,15 +515,7 @@ impl NodeAgent {
     }
 
     fn member(&self, pre: &str, j: u32) -> Result<(String, u32, String, String), LaunchError> {
-        let v = self.text(&format!("{pre}/member/{j}"))?;
-        let mut w = v.splitn(4, ' ');
-        let (claim, nproc, key, host) = (w.next(), w.next(), w.next(), w.next());
-        Ok((
-            claim.unwrap_or("-").to_string(),
-            nproc.and_then(|n| n.parse().ok()).unwrap_or(0),
-            key.unwrap_or_default().to_string(),
-            host.unwrap_or_default().to_string(),
-        ))
+        Ok(parse_member(&self.text(&format!("{pre}/member/{j}"))?))
     }
 
     fn member_names(&self, pre: &str, count: u32) -> String {
@@ -686,6 +676,19 @@ impl NodeAgent {
     pub fn hostname(&self) -> &str {
         &self.hostname
     }
+}
+
+/// A member record, `CLAIM NPROC ALIVE_KEY HOSTNAME`: (node-rank claim, worker count, the
+/// launcher's alive key, its hostname).
+fn parse_member(record: &str) -> (String, u32, String, String) {
+    let mut w = record.splitn(4, ' ');
+    let (claim, nproc, key, host) = (w.next(), w.next(), w.next(), w.next());
+    (
+        claim.unwrap_or("-").to_string(),
+        nproc.and_then(|n| n.parse().ok()).unwrap_or(0),
+        key.unwrap_or_default().to_string(),
+        host.unwrap_or_default().to_string(),
+    )
 }
 
 /// A client of the launchers' rendezvous: node 0's store at `endpoint`, or the etcd cluster.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tandem_comm::{CommError, Store};
 
-use super::{connect, lost_message, NodeAgent, Round, OP_LIMIT, POLL};
+use super::{connect, lost_message, parse_member, NodeAgent, Round, OP_LIMIT, POLL};
 use crate::error::LaunchError;
 
 /// How a round ended elsewhere, seen while this node's workers ran.
@@ -121,12 +121,9 @@ fn check_round(store: &Store, round: &Round, max_nodes: u32) -> Result<Option<Re
         // come there only after this round ended, which the checks above see first).
         let next = format!("r{}/member/1", round.index + 1);
         if let Some(record) = store.get_now(&next)? {
-            let record = String::from_utf8_lossy(&record).into_owned();
-            let mut words = record.splitn(4, ' ').skip(2);
-            let (key, hostname) =
-                (words.next().unwrap_or_default(), words.next().unwrap_or_default());
-            if !keys.contains(&key) && store.missing(&[key])?.is_empty() {
-                return Ok(Some(Remote::NodeWaiting { hostname: hostname.to_string() }));
+            let (_, _, key, hostname) = parse_member(&String::from_utf8_lossy(&record));
+            if !keys.contains(&key.as_str()) && store.missing(&[key.as_str()])?.is_empty() {
+                return Ok(Some(Remote::NodeWaiting { hostname }));
             }
         }
     }
