@@ -121,5 +121,6 @@ fn main() -> Result<()> {
     if live.group().rank() == 0 {
         println!("done: {step} steps on {} rank(s)", live.group().size());
     }
+    live.finish()?; // a replacement arriving now is told the job is over
     Ok(())
 }

@@ -87,7 +87,9 @@ fn main() {
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("error: {}", error_chain(&e));
+            // (Written without eprintln!'s panic: stderr may be a file on a full disk.)
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "error: {}", error_chain(&e));
             std::process::exit(1);
         }
     }

@@ -1,8 +1,8 @@
 //! Live recovery end to end: `tandem run --live-recovery -- tandem train` with workers killed
 //! (SIGKILL, self-inflicted at an exact point through the test-only `TANDEM_TEST_FAULT`, or
 //! from outside) in the forward pass, inside the gradient all-reduce, in the optimizer step,
-//! during a checkpoint save, two at once, and the rank that sends the state to a re-formed
-//! world while it sends; without restarts left the job goes on with fewer ranks, or stops at
+//! during a checkpoint save, two at once, all at once (the job starts again from its newest
+//! checkpoint), and the rank that sends the state to a re-formed world while it sends; without restarts left the job goes on with fewer ranks, or stops at
 //! `--min-nproc` naming the reason. Every run must finish training (final line, every
 //! checkpoint readable) with no process left. One test at a time (each starts 4 ranks).
 use std::path::{Path, PathBuf};
@@ -21,6 +21,7 @@ fn main() -> ExitCode {
         killed_in_the_optimizer_step_no_step_is_redone,
         killed_during_a_checkpoint_save_leaves_only_whole_checkpoints,
         two_killed_at_once,
+        every_rank_killed_at_once_the_job_starts_again_from_its_newest_checkpoint,
         killed_after_the_last_step_the_others_still_conclude,
         killed_after_the_last_step_a_waiting_replacement_joins_the_same_regroup,
         the_source_killed_while_sending_its_state,
@@ -210,6 +211,37 @@ fn two_killed_at_once() {
             run.text
         );
     }
+}
+
+/// Every member killed in the same step (as when all fail in one collective before the first
+/// step, or every host is lost): no rank holds the state any more, so the replacements form a
+/// restart generation together and its source starts the job again from the newest checkpoint
+/// (`--save-every 40`), as a restart without live recovery would; the job finishes.
+fn every_rank_killed_at_once_the_job_starts_again_from_its_newest_checkpoint() {
+    let f = fault("forward@100", "0,1,2,3");
+    let run = live_job(&["--max-restarts", "4"], &["--save-every", "40"], &env_refs(&f));
+    assert_finished(&run);
+    let restart = run
+        .regroups()
+        .into_iter()
+        .find(|l| l.contains("restarted from"))
+        .unwrap_or_else(|| panic!("no restart regroup:\n{}", run.text));
+    // The newest checkpoint when the ranks died (before step 100), and the step it holds.
+    let step: u64 = restart
+        .split("checkpoint-step-")
+        .nth(1)
+        .and_then(|rest| rest.get(..8))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no checkpoint named: {restart}"));
+    assert!((40..100).contains(&step), "{restart}");
+    assert!(
+        restart.contains("every member of the world before died")
+            && restart.contains("lost [0, 1, 2, 3]")
+            && restart.contains(&format!("state of member 0 at step {step} ")),
+        "{restart}"
+    );
+    // Steps 81..99 are taken again; nothing before the checkpoint is.
+    assert!(run.text.contains("[launcher] rank 3 failed (signal 9 (SIGKILL))"), "{}", run.text);
 }
 
 fn killed_after_the_last_step_the_others_still_conclude() {

@@ -407,5 +407,6 @@ fn own_loop(
     if group.rank() == 0 {
         println!("done: {} ranks", group.size());
     }
+    live.finish()?;
     Ok(())
 }

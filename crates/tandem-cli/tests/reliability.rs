@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use support::*;
 use tandem_testutil::harness::{self, Test};
+use tandem_testutil::tmpfs::{free_bytes, Tmpfs};
 
 fn main() -> std::process::ExitCode {
     if let Some(dir) = std::env::var_os(SAVER_DIR_VAR) {
@@ -40,6 +41,10 @@ fn main() -> std::process::ExitCode {
         "full_tmpfs_fails_a_background_save_cleanly_and_keeps_the_previous_checkpoint",
         full_tmpfs_fails_a_background_save_cleanly_and_keeps_the_previous_checkpoint,
     );
+    let metrics = Test::new(
+        "a_full_disk_never_leaves_half_a_metrics_record",
+        a_full_disk_never_leaves_half_a_metrics_record,
+    );
     let no_tmpfs = (!Tmpfs::can_mount()).then(|| {
         let reason = "mounting a tmpfs needs root and mount(8) (write-error-efbig covers the \
                       write error without it)";
@@ -48,7 +53,8 @@ fn main() -> std::process::ExitCode {
         reason.to_string()
     });
     tests.push(tmpfs.skip_if(no_tmpfs.clone()));
-    tests.push(tmpfs_async.skip_if(no_tmpfs));
+    tests.push(tmpfs_async.skip_if(no_tmpfs.clone()));
+    tests.push(metrics.skip_if(no_tmpfs));
     harness::main(tests)
 }
 
@@ -553,48 +559,6 @@ fn run_ok(c: &mut Command, what: &str) -> Result<Finished, String> {
     }
 }
 
-/// A tmpfs mounted for one test, unmounted when dropped.
-struct Tmpfs(PathBuf);
-
-impl Tmpfs {
-    /// `None` when not root or mount(8) refuses (containers without CAP_SYS_ADMIN).
-    fn mount(at: &Path, size: &str) -> Option<Tmpfs> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            return None;
-        }
-        std::fs::create_dir_all(at).ok()?;
-        let ok = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tandem-reliability", s(at)])
-            .status();
-        ok.ok()?.success().then(|| Tmpfs(at.to_path_buf()))
-    }
-}
-
-impl Tmpfs {
-    /// Whether this process may mount a tmpfs (tried once, on a scratch directory).
-    fn can_mount() -> bool {
-        let Ok(dir) = tempfile::tempdir() else { return false };
-        Tmpfs::mount(&dir.path().join("probe"), "64k").is_some()
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-    }
-}
-
-/// Free bytes on the filesystem holding `p`.
-fn free_bytes(p: &Path) -> Option<u64> {
-    let c = std::ffi::CString::new(s(p)).ok()?;
-    // SAFETY: statvfs fills the zeroed struct we pass; the path is a valid C string.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: as above: `c` is a valid C string and `st` a writable statvfs.
-    (unsafe { libc::statvfs(c.as_ptr(), &mut st) } == 0)
-        .then(|| st.f_bavail as u64 * st.f_frsize as u64)
-}
-
 enum Squeeze<'a> {
     /// Fill the tmpfs until only this many bytes are free.
     Fill(&'a Path, u64),
@@ -733,6 +697,60 @@ fn full_tmpfs_fails_a_background_save_cleanly_and_keeps_the_previous_checkpoint(
         &["--async-save"],
     ));
     tally.finish();
+}
+
+/// A metrics record the disk fills up part way through (found by `tandem bench chaos`: a
+/// half-written line made every later one unreadable) is cut off again: the file ends with its
+/// last whole record, and a record written once there is room follows it and reads back.
+fn a_full_disk_never_leaves_half_a_metrics_record() {
+    use tandem::train::metrics::{read_metrics, MetricsFile, MetricsRecord};
+    use tandem::train::{EpochMetrics, VerificationMetrics};
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = Tmpfs::mount(&dir.path().join("mnt"), "256k").expect("mount a 256 KiB tmpfs");
+    // `sets` verification sets make a line of about 60 bytes each.
+    let record = |epoch: u64, sets: usize| {
+        let verification = (0..sets)
+            .map(|i| VerificationMetrics {
+                name: format!("set{i}"),
+                accuracy: 0.5,
+                std: 0.1,
+                xnorm: 1.0,
+            })
+            .collect();
+        MetricsRecord::Epoch(EpochMetrics {
+            epoch,
+            step: epoch * 10,
+            train_loss: 1.0,
+            eval_loss: None,
+            eval_accuracy: Some(0.5),
+            verification,
+            samples_per_s: 100.0,
+            lr: 0.1,
+            loss_scale: None,
+            skipped_steps: 0,
+        })
+    };
+    let path = mnt.0.join("metrics.jsonl");
+    let mut file = MetricsFile::append(&path).unwrap();
+    file.write(&record(1, 1)).unwrap();
+    let whole = std::fs::metadata(&path).unwrap().len();
+    // 8 KiB left, a record of about 60 KiB: its write stops part way.
+    let filler = mnt.0.join("filler");
+    tandem_testutil::tmpfs::fill(&filler, 8192).unwrap();
+    let err = file.write(&record(2, 1000)).expect_err("the disk is full").to_string();
+    assert!(err.contains("No space left on device") && err.contains("metrics.jsonl"), "{err}");
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), whole, "half a record was left");
+    std::fs::remove_file(&filler).unwrap();
+    file.write(&record(3, 1)).unwrap();
+    let epochs: Vec<u64> = read_metrics(&path)
+        .unwrap()
+        .iter()
+        .map(|r| match r {
+            MetricsRecord::Epoch(m) => m.epoch,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(epochs, vec![1, 3]);
 }
 
 fn write_error_fails_the_save_cleanly_and_keeps_the_previous_checkpoint() {

@@ -29,6 +29,7 @@ fn main() -> ExitCode {
             owned_keys_live_with_their_process_and_go_when_it_is_killed,
             a_world_forms_over_etcd_and_again_with_a_member_lost,
             a_member_down_does_not_slow_the_requests,
+            a_silent_member_costs_neither_the_owned_keys_nor_the_requests,
             a_cluster_without_quorum_is_a_clear_error_naming_the_endpoints,
         ]
     };
@@ -60,6 +61,9 @@ mod cluster_tests {
     use tandem_testutil::{tail, wait_with_deadline};
 
     use super::ROLE;
+
+    /// The etcd store's lease TTL (store/etcd.rs): an owned key outlives its process this long.
+    const LEASE_TTL: Duration = Duration::from_secs(3);
 
     /// Three etcd members on loopback.
     fn cluster() -> EtcdCluster {
@@ -304,6 +308,43 @@ mod cluster_tests {
             down[100],
             down[190]
         );
+    }
+
+    /// A member that is there but answers nothing — SIGSTOPped, as one behind a cut link (its
+    /// connections stay open, no error comes) — for twice the lease's TTL: the client's owned
+    /// key stays (its keep-alive moved to another member), and no request waits for the
+    /// silent member much longer than one try.
+    pub fn a_silent_member_costs_neither_the_owned_keys_nor_the_requests() {
+        let cluster = cluster();
+        let prefix = unique("silent");
+        let open = || {
+            Store::connect_etcd(cluster.endpoints(), None, Duration::from_secs(10), "test")
+                .unwrap()
+                .with_prefix(&prefix)
+        };
+        // (Both clients talk to member 0 first: the one to be silenced.)
+        let (owner, reader) = (open(), open());
+        owner.set_owned("alive", b"1").unwrap();
+        assert!(cluster.signal(0, libc::SIGSTOP));
+        let start = Instant::now();
+        let mut slowest = Duration::ZERO;
+        while start.elapsed() < LEASE_TTL * 2 {
+            let t = Instant::now();
+            let seen = reader.get_now("alive");
+            slowest = slowest.max(t.elapsed());
+            assert!(
+                seen.as_ref().is_ok_and(|v| v.is_some()),
+                "the owned key went {:?} after member 0 fell silent: {seen:?}",
+                start.elapsed()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert!(cluster.signal(0, libc::SIGCONT));
+        println!(
+            "member 0 silent for {:?}: the owned key stayed; slowest get {slowest:?}",
+            LEASE_TTL * 2
+        );
+        assert!(slowest < Duration::from_secs(4), "a get waited {slowest:?} on the silent member");
     }
 
     pub fn a_cluster_without_quorum_is_a_clear_error_naming_the_endpoints() {

@@ -277,7 +277,12 @@ fn a_newcomer_whose_request_a_commit_without_it_counted_asks_again() {
     let mut o = options(&addr, 1, 2);
     o.replacement = true;
     o.arrival_timeout = Duration::from_millis(300);
-    let joiner = std::thread::spawn(move || LiveGroup::join(o).map(|_| ()));
+    let joiner = std::thread::spawn(move || {
+        LiveGroup::join(o).map(|live| {
+            let gen = live.generation();
+            (gen.number, gen.members.clone(), gen.restart.clone())
+        })
+    });
     let deadline = Instant::now() + Duration::from_secs(10);
     // Its first request (2) is the counted one; the running world sees only a later one.
     while running.add("wanted", 0).unwrap() <= 2 {
@@ -285,8 +290,56 @@ fn a_newcomer_whose_request_a_commit_without_it_counted_asks_again() {
         std::thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(running.get_now("g3/ready/1").unwrap().as_deref(), Some(&b"joiner"[..]));
-    // The running world goes away: the newcomer's wait ends with the reason, not a hang.
+    // The running world goes away with the state: the newcomer does not wait for it for ever
+    // but starts the job again, alone, in a restart generation naming the member that died.
     drop(running);
-    let e = joiner.join().unwrap().expect_err("nobody holds the state").to_string();
-    assert!(e.contains("every member of generation 2 ([0]) died"), "{e}");
+    let gen = joiner.join().unwrap().expect("a restart generation");
+    assert_eq!((gen.0, gen.1.as_slice(), gen.2.as_deref()), (3, &[1][..], Some(&[0][..])));
+}
+
+#[test]
+fn when_every_member_died_the_replacements_form_a_restart_generation_together() {
+    // Generation 1 of slots 0 and 1 is committed, then both die (their alive keys go): their
+    // replacements, which hold no state, agree on generation 2 with both slots, marked a
+    // restart of the members that died, once both are ready (not one alone first).
+    let (_s, addr) = server();
+    let dead = Store::connect(&addr, RUN, None, Duration::from_secs(5), "test")
+        .unwrap()
+        .with_prefix("live");
+    dead.set("g1/members", b"members=0,1 source=0 progress=0,0 wanted=0").unwrap();
+    dead.set("committed", b"1").unwrap();
+    let joiners: Vec<_> = (0..2)
+        .map(|m| {
+            let mut o = options(&addr, m, 2);
+            o.replacement = true;
+            o.arrival_timeout = Duration::from_secs(5);
+            std::thread::spawn(move || {
+                // Member 1 comes a moment later: the restart waits for every slot.
+                std::thread::sleep(Duration::from_millis(300 * m as u64));
+                let live = LiveGroup::join(o).map_err(|e| e.to_string())?;
+                let gen = live.generation();
+                let sum = members_sum(&live).map_err(|e| e.to_string())?;
+                Ok::<_, String>((gen.number, gen.members.clone(), gen.restart.clone(), sum))
+            })
+        })
+        .collect();
+    for j in joiners {
+        let (number, members, restart, sum) = j.join().unwrap().unwrap();
+        assert_eq!((number, members, restart, sum), (2, vec![0, 1], Some(vec![0, 1]), 3.0));
+    }
+}
+
+#[test]
+fn a_replacement_arriving_after_the_job_finished_is_told_it_is_over() {
+    // The members finished (generation 1) and marked the job over; then one of them is
+    // "replaced" (its launcher did not see the end): it must not start the job again.
+    let (_s, addr) = server();
+    world(&addr, 2, |live| live.finish().unwrap());
+    let mut o = options(&addr, 1, 2);
+    o.replacement = true;
+    o.arrival_timeout = Duration::from_millis(300);
+    let started = Instant::now();
+    let e = LiveGroup::join(o).expect_err("the job is over").to_string();
+    assert!(e.contains("the job is over") && e.contains("generation 1"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
 }

@@ -42,6 +42,9 @@ pub enum LaunchEvent {
     /// Live recovery on etcd: this launcher found the job running (generation `generation`,
     /// without this node's ranks) and starts them as joiners: a lost host coming back.
     JoiningRunningJob { node_rank: u32, ranks: Vec<u32>, generation: u64, alive: usize },
+    /// Live recovery on etcd: every rank of the job died (no member finished it); this node's
+    /// ranks start as replacements, which restart it from its newest checkpoint.
+    RestartingDeadJob { node_rank: u32, ranks: Vec<u32>, generation: u64 },
     /// Live recovery: a rank failed and is started again alone, to join the running job.
     Rejoining { rank: u32, exit: WorkerExit, restart: u32, max_restarts: u32 },
     /// Live recovery: a rank failed with no restarts left; the job goes on without it.
@@ -128,6 +131,12 @@ impl fmt::Display for LaunchEvent {
                 f,
                 "[launcher] the job is running without node {node_rank} (generation \
                  {generation}, {alive} rank(s) alive): starting ranks {ranks:?} to join it"
+            ),
+            RestartingDeadJob { node_rank, ranks, generation } => write!(
+                f,
+                "[launcher] every rank of the job died (generation {generation}, none finished \
+                 it): node {node_rank} starts ranks {ranks:?} to restart it from its newest \
+                 checkpoint"
             ),
             Rejoining { rank, exit, restart, max_restarts } => write!(
                 f,

@@ -132,11 +132,20 @@ fn joins_running_job(
             });
             Ok(true)
         }
-        LiveJobState::Ended { generation } => Err(LaunchError::config(
+        LiveJobState::Died { generation } => {
+            // Its ranks, replacements all, form a restart generation from its checkpoint.
+            cfg.on_event.emit(LaunchEvent::RestartingDeadJob {
+                node_rank: cfg.node_rank,
+                ranks: mine,
+                generation,
+            });
+            Ok(true)
+        }
+        LiveJobState::Finished { generation } => Err(LaunchError::config(
             "--run-id",
             format!(
-                "{:?}: the etcd cluster holds an earlier live job under this id (generation \
-                 {generation} committed, no rank alive); give each job its own --run-id",
+                "{:?}: the etcd cluster holds an earlier live job under this id, which finished \
+                 (generation {generation}); give each job its own --run-id",
                 cfg.run_id
             ),
         )),

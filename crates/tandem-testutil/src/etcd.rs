@@ -13,6 +13,8 @@ pub fn etcd_missing() -> Option<String> {
 /// The members of one cluster.
 pub struct EtcdCluster {
     members: Vec<Option<Child>>,
+    /// Each member's arguments, for [`EtcdCluster::restart`].
+    args: Vec<Vec<String>>,
     endpoints: Vec<String>,
     dir: tempfile::TempDir,
 }
@@ -51,7 +53,7 @@ impl EtcdCluster {
             urls.iter().enumerate().map(|(i, (_, peer))| format!("m{i}={peer}")).collect();
         let initial = initial.join(",");
         let token = format!("tandem-test-{}", std::process::id());
-        let members = urls
+        let args: Vec<Vec<String>> = urls
             .iter()
             .enumerate()
             .map(|(i, (client, peer))| {
@@ -83,20 +85,41 @@ impl EtcdCluster {
                     "--election-timeout",
                     "1000",
                 ];
-                let log = std::fs::File::create(dir.path().join(format!("{name}.log")))
-                    .expect("a member's log file");
-                let child = command(i, &args)
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(log)
-                    .spawn()
-                    .expect("start an etcd member");
-                Some(child)
+                args.iter().map(|a| a.to_string()).collect()
             })
             .collect();
-        let endpoints =
-            urls.iter().map(|(c, _)| c.trim_start_matches("http://").to_string()).collect();
-        EtcdCluster { members, endpoints, dir }
+        let mut cluster = EtcdCluster {
+            members: (0..n).map(|_| None).collect(),
+            args,
+            endpoints: urls.iter().map(|(c, _)| c.trim_start_matches("http://").into()).collect(),
+            dir,
+        };
+        for i in 0..n {
+            cluster.restart(i, &command);
+        }
+        cluster
+    }
+
+    /// Starts member `i` (again, after [`EtcdCluster::kill`]: etcd takes its data directory
+    /// back and catches up with the others), its process made by `command` as in
+    /// [`EtcdCluster::start`]. Nothing happens while it runs.
+    pub fn restart(&mut self, i: usize, command: impl Fn(usize, &[&str]) -> Command) {
+        if self.members[i].is_some() {
+            return;
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join(format!("m{i}.log")))
+            .expect("a member's log file");
+        let args: Vec<&str> = self.args[i].iter().map(String::as_str).collect();
+        let child = command(i, &args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start an etcd member");
+        self.members[i] = Some(child);
     }
 
     /// SIGKILLs member `i` (and reaps it).
@@ -105,6 +128,14 @@ impl EtcdCluster {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// Sends `sig` to member `i` (SIGSTOP makes it a member that is there but answers
+    /// nothing, as one behind a cut link; SIGCONT brings it back). False when it is not running.
+    pub fn signal(&self, i: usize, sig: i32) -> bool {
+        let Some(c) = &self.members[i] else { return false };
+        // SAFETY: kill(2) on the pid of a child this cluster started and has not reaped.
+        unsafe { libc::kill(c.id() as i32, sig) == 0 }
     }
 
     /// The members' client addresses, host:port.

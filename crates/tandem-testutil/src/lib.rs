@@ -1,8 +1,11 @@
-//! Test support shared by tandem's crates (a dev-dependency only), one copy of each helper:
+//! Test support shared by tandem's crates (their tests' dev-dependency, and the chaos soak's in
+//! tandem-bench), one copy of each helper:
 //! - [`world`]: a world of N ranks as threads over real sockets / shared memory, bounded in time;
 //! - [`child`]: child processes with drained output and a deadline;
 //! - [`procs`]: process checks through /proc (running, children, survivors);
 //! - [`etcd`]: a real etcd cluster, on loopback or across simulated hosts;
+//! - [`Rng`]: a seeded generator for fault schedules (the seed replays a trial);
+//! - [`tmpfs`]: a disk that can be made full;
 //! - here: the workspace root, a Python with PyTorch for interop tests, loopback ports.
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -14,13 +17,16 @@ pub mod etcd;
 pub mod harness;
 pub mod netns;
 pub mod procs;
+mod rng;
 pub mod row_fixture;
+pub mod tmpfs;
 pub mod world;
 
 pub use child::{
     output_with_deadline, tail, wait_with_deadline, without_world, Finished, Running, WORLD_VARS,
 };
 pub use procs::{assert_no_survivors, children_of, is_running, recorded_pids};
+pub use rng::Rng;
 pub use world::{run_tcp_world, run_world, test_options};
 
 /// The workspace root (the directory holding the top-level Cargo.toml).

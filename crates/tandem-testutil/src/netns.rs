@@ -260,6 +260,19 @@ impl Hosts {
         format!("eth{i}")
     }
 
+    /// Drops `percent` of the packets arriving on host `i`'s link from now on (`None`: none
+    /// again), as [`Netem::loss_percent`] does from the start; returns what was applied.
+    pub fn set_loss(&self, i: usize, percent: Option<f64>) -> Result<String, String> {
+        let (ns, dev) = (&self.names[i], format!("eth{i}"));
+        // Whatever shaped the link before goes first (either kind; the other is absent).
+        let _ = sh(&["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", &dev, "root"]);
+        let _ = sh(&["ip", "netns", "exec", ns, "nft", "delete table inet tdm_shape"]);
+        match percent {
+            None => Ok("none".into()),
+            Some(p) => shape_link(ns, &dev, Netem { loss_percent: p, ..Netem::default() }),
+        }
+    }
+
     /// Cuts (or restores) host `i`'s link.
     pub fn set_link(&self, i: usize, up: bool) -> Result<(), String> {
         let dev = format!("eth{i}");

@@ -1,4 +1,5 @@
-//! Process checks through /proc (one parser: `tandem_comm::procfs`).
+//! Process checks through /proc (one parser: `tandem_comm::procfs`): running, children, survivors,
+//! and a trial's processes found by the marker every one of them inherits.
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -50,4 +51,73 @@ pub fn assert_no_survivors(pids: &[i32]) {
         unsafe { libc::kill(p, libc::SIGKILL) };
     }
     assert!(alive.is_empty(), "processes outlived the launch: {alive:?}");
+}
+
+/// Environment variable holding a trial's unique marker; every process of the trial inherits it.
+pub const MARKER_VAR: &str = "TANDEM_TRIAL_ID";
+
+/// The environment of process `pid` (empty when it cannot be read).
+pub fn environ(pid: i32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .map(|b| b.split(|&c| c == 0).map(|v| String::from_utf8_lossy(v).into_owned()).collect())
+        .unwrap_or_default()
+}
+
+/// Live (non-zombie) processes whose environment has `TANDEM_TRIAL_ID=marker`.
+pub fn marked_processes(marker: &str) -> Vec<i32> {
+    let needle = format!("{MARKER_VAR}={marker}");
+    all_pids()
+        .into_iter()
+        .filter(|&pid| pid != std::process::id() as i32)
+        .filter(|&pid| is_running(pid))
+        .filter(|&pid| environ(pid).contains(&needle))
+        .collect()
+}
+
+/// Live processes of the trial `marker` whose environment also has every `VAR=value` of
+/// `also`, and whose command line contains `arg` (e.g. `train`, `run`).
+pub fn marked_processes_with(marker: &str, also: &[&str], arg: &str) -> Vec<i32> {
+    marked_processes(marker)
+        .into_iter()
+        .filter(|&pid| {
+            let env = environ(pid);
+            also.iter().all(|kv| env.iter().any(|e| e == kv))
+        })
+        .filter(|&pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|b| b.split(|&c| c == 0).any(|a| a == arg.as_bytes()))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+/// Orphan check: waits up to `settle` for every process of the trial to be gone; returns the
+/// survivors after that (and SIGKILLs them so one failed trial cannot disturb the next).
+pub fn leftovers(marker: &str, settle: Duration) -> Vec<i32> {
+    let start = Instant::now();
+    loop {
+        let left = marked_processes(marker);
+        if left.is_empty() {
+            return left;
+        }
+        if start.elapsed() > settle {
+            for &p in &left {
+                sigkill(p);
+            }
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// SIGKILL; false when the process was already gone or going — a zombie, which has exited on
+/// its own but is not reaped yet, or a process already inside exit (`PF_EXITING`): kill(2)
+/// succeeds on both without any effect, and the process still exits with its own status.
+pub fn sigkill(pid: i32) -> bool {
+    let stat = ProcStat::read(pid);
+    if !stat.is_some_and(|s| !s.is_dead() && !s.is_exiting()) {
+        return false;
+    }
+    // SAFETY: kill(2) with a pid we found ourselves; no memory is involved.
+    unsafe { libc::kill(pid, libc::SIGKILL) == 0 }
 }

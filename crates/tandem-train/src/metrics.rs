@@ -4,7 +4,7 @@
 //! run's events; every line is flushed as written, so a file cut short by a crash still parses
 //! line by line).
 use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -106,10 +106,11 @@ pub enum MetricsRecord {
     MirrorCost(MirrorCost),
 }
 
-/// Appends records to a JSON-lines metrics file.
+/// Appends records to a JSON-lines metrics file, whole lines only: a record that cannot be
+/// written whole (the disk full) is cut off again, so the lines after it still read.
 pub struct MetricsFile {
     path: PathBuf,
-    out: BufWriter<File>,
+    file: File,
 }
 
 impl MetricsFile {
@@ -123,20 +124,26 @@ impl MetricsFile {
             .append(true)
             .open(path)
             .map_err(io("opening", path))?;
-        Ok(MetricsFile { path: path.to_path_buf(), out: BufWriter::new(file) })
+        Ok(MetricsFile { path: path.to_path_buf(), file })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Writes one record as a line and flushes it.
+    /// Writes one record as a line, in one write; if it fails part way, the part written is
+    /// cut off again (the file ends with the last whole record) and the error returned.
     pub fn write(&mut self, record: &MetricsRecord) -> crate::Result<()> {
-        let line = serde_json::to_string(record)
+        let mut line = serde_json::to_vec(record)
             .map_err(|e| io("writing", &self.path)(std::io::Error::other(e)))?;
-        writeln!(self.out, "{line}")
-            .and_then(|_| self.out.flush())
-            .map_err(io("writing", &self.path))
+        line.push(b'\n');
+        let end = self.file.metadata().map_err(io("writing", &self.path))?.len();
+        if let Err(e) = self.file.write_all(&line) {
+            // (Appends go to the end, so the next record follows the last whole one.)
+            let _ = self.file.set_len(end);
+            return Err(io("writing", &self.path)(e));
+        }
+        Ok(())
     }
 }
 

@@ -13,7 +13,11 @@ pub mod sampler;
 pub mod train;
 
 /// The launcher's events (restarts, lost ranks, the failure summary) on stderr, one line each,
-/// as `tandem run` and `tandem train` show them.
+/// as `tandem run` and `tandem train` show them. A line that cannot be written (stderr a file
+/// on a full disk) is dropped: the launcher supervises on (`eprintln!` would panic).
 pub fn launcher_events_on_stderr() -> tandem::launch::EventSink {
-    tandem::launch::EventSink::new(|e| eprintln!("{e}"))
+    tandem::launch::EventSink::new(|e| {
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "{e}");
+    })
 }

@@ -7,11 +7,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use std::time::{Duration, Instant};
-use tandem::comm::procfs::all_pids;
 use tandem_testutil::children_of;
-
-/// Environment variable holding a trial's unique marker; every process of the trial inherits it.
-pub const MARKER_VAR: &str = "TANDEM_TRIAL_ID";
+#[allow(unused_imports)] // (not every test program that uses this module needs them)
+pub use tandem_testutil::procs::{
+    environ, leftovers, marked_processes, marked_processes_with, sigkill, MARKER_VAR,
+};
+#[allow(unused_imports)]
+pub use tandem_testutil::Rng;
 
 pub fn tandem_exe() -> &'static str {
     env!("CARGO_BIN_EXE_tandem")
@@ -29,33 +31,6 @@ pub fn clean_env(c: &mut Command) {
     tandem_testutil::without_world(c);
 }
 
-/// SplitMix64: a few lines, and a seed is all it takes to replay a trial (no crate needed for
-/// drawing kill delays and victims).
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    pub fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-    pub fn duration(&mut self, lo: Duration, hi: Duration) -> Duration {
-        lo + (hi - lo).mul_f64(self.unit())
-    }
-}
-
 /// The suite's base seed: `RELIABILITY_SEED` or a fixed default, so CI runs are reproducible.
 pub fn base_seed() -> u64 {
     std::env::var("RELIABILITY_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261121)
@@ -68,12 +43,6 @@ pub fn trials(default: usize) -> usize {
 
 #[allow(unused_imports)] // (not every test program that uses this module needs them)
 pub use tandem_testutil::{Finished, Running};
-
-fn environ(pid: i32) -> Vec<String> {
-    std::fs::read(format!("/proc/{pid}/environ"))
-        .map(|b| b.split(|&c| c == 0).map(|v| String::from_utf8_lossy(v).into_owned()).collect())
-        .unwrap_or_default()
-}
 
 /// The live children of `launcher` that carry a `RANK` variable, as (rank, pid), sorted by rank.
 pub fn rank_pids(launcher: i32) -> Vec<(u32, i32)> {
@@ -100,65 +69,6 @@ pub fn wait_for_ranks(launcher: i32, n: usize, limit: Duration) -> Option<Vec<(u
         std::thread::sleep(Duration::from_millis(5));
     }
     None
-}
-
-/// Live (non-zombie) processes whose environment has `TANDEM_TRIAL_ID=marker`.
-pub fn marked_processes(marker: &str) -> Vec<i32> {
-    let needle = format!("{MARKER_VAR}={marker}");
-    all_pids()
-        .into_iter()
-        .filter(|&pid| pid != std::process::id() as i32)
-        .filter(|&pid| tandem_testutil::is_running(pid))
-        .filter(|&pid| environ(pid).contains(&needle))
-        .collect()
-}
-
-/// Live processes of the trial `marker` whose environment also has every `VAR=value` of
-/// `also`, and whose command line contains `arg` (e.g. `train`, `run`).
-pub fn marked_processes_with(marker: &str, also: &[&str], arg: &str) -> Vec<i32> {
-    marked_processes(marker)
-        .into_iter()
-        .filter(|&pid| {
-            let env = environ(pid);
-            also.iter().all(|kv| env.iter().any(|e| e == kv))
-        })
-        .filter(|&pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|b| b.split(|&c| c == 0).any(|a| a == arg.as_bytes()))
-                .unwrap_or(false)
-        })
-        .collect()
-}
-
-/// Orphan check: waits up to `settle` for every process of the trial to be gone; returns the
-/// survivors after that (and SIGKILLs them so one failed trial cannot disturb the next).
-pub fn leftovers(marker: &str, settle: Duration) -> Vec<i32> {
-    let start = Instant::now();
-    loop {
-        let left = marked_processes(marker);
-        if left.is_empty() {
-            return left;
-        }
-        if start.elapsed() > settle {
-            for &p in &left {
-                sigkill(p);
-            }
-            return left;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// SIGKILL; false when the process was already gone or going — a zombie, which has exited on
-/// its own but is not reaped yet, or a process already inside exit (`PF_EXITING`): kill(2)
-/// succeeds on both without any effect, and the process still exits with its own status.
-pub fn sigkill(pid: i32) -> bool {
-    let stat = tandem::comm::procfs::ProcStat::read(pid);
-    if !stat.is_some_and(|s| !s.is_dead() && !s.is_exiting()) {
-        return false;
-    }
-    // SAFETY: kill(2) with a pid we found ourselves; no memory is involved.
-    unsafe { libc::kill(pid, libc::SIGKILL) == 0 }
 }
 
 /// Counts a scenario's trials, keeps each failure's description (with its seed), prints the

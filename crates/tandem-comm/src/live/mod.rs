@@ -20,6 +20,14 @@
 //! names the reason (too few ranks left, the store unreachable). The committed record also
 //! names the *source*: the member furthest along, whose training state the others take.
 //!
+//! When every member of a generation has died (the training state with them: all failed in
+//! one collective before the first step, say, or every host was lost), the members alive —
+//! replacements, all of them — form a *restart* generation: the lowest proposes once every
+//! slot is ready or the arrival timeout passed, and its source starts the job again from the
+//! newest checkpoint (or from the beginning), as a restart without live recovery would. A job
+//! whose members finished marks the store `over`, so that a replacement arriving after the end
+//! is told so instead of starting the job again.
+//!
 //! At step boundaries [`LiveGroup::regroup_wanted`] asks (rank 0 reads the store, a one-byte
 //! all-reduce tells everyone) whether a process is waiting to join; a failed collective is
 //! the other way in. The store keys live under `live/`:
@@ -29,7 +37,9 @@
 //! live/wanted              counter: a regroup is wanted (joiners, excluded members, failures)
 //! live/committed           the newest committed generation
 //! live/g{t}/ready/{m}      member m's progress, ready for generation t
-//! live/g{t}/members        "members=0,2,3 source=1 progress=40,41,40 wanted=2" (or "error=...")
+//! live/g{t}/members        "members=0,2,3 source=1 progress=40,41,40 wanted=2" (or "error=...";
+//!                          a restart generation adds "restart=0,1,2,3": the members that died)
+//! live/over                the members finished the job (at generation t)
 //! live/g{t}/pg/...         generation t's ProcessGroup rendezvous
 //! ```
 use std::net::{IpAddr, Ipv4Addr};
@@ -54,6 +64,8 @@ pub use options::{
 /// received it yet (it never proposes a generation and is never its state's source).
 const HOLDER: &str = "holder";
 const JOINER: &str = "joiner";
+/// The key a finished job's members set (see [`LiveGroup::finish`]).
+pub(crate) const OVER: &str = "over";
 
 /// How often a waiting member looks at the store.
 const POLL: Duration = Duration::from_millis(5);
@@ -78,6 +90,9 @@ pub struct Generation {
     pub joining: Vec<usize>,
     /// The generation's process group; this process is rank `group.rank()` in it.
     pub group: ProcessGroup,
+    /// A restart generation: every member of the generation before died (these slots), and
+    /// the training state with them; its source starts again from the newest checkpoint.
+    pub restart: Option<Vec<usize>>,
     /// `live/wanted` when the generation was committed: a larger value asks for a regroup.
     wanted_at: i64,
 }
@@ -120,6 +135,8 @@ struct Record {
     wanted: i64,
     /// Members that joined (ready without progress).
     joining: Vec<usize>,
+    /// A restart generation: the members of the one before, which all died.
+    restart: Option<Vec<usize>>,
 }
 
 impl Record {
@@ -127,14 +144,19 @@ impl Record {
         let list = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
         let members: Vec<u64> = self.members.iter().map(|&m| m as u64).collect();
         let joining: Vec<u64> = self.joining.iter().map(|&m| m as u64).collect();
-        format!(
+        let mut text = format!(
             "members={} source={} progress={} wanted={} joining={}",
             list(&members),
             self.source,
             list(&self.progress),
             self.wanted,
             list(&joining)
-        )
+        );
+        if let Some(dead) = &self.restart {
+            let dead: Vec<u64> = dead.iter().map(|&m| m as u64).collect();
+            text.push_str(&format!(" restart={}", list(&dead)));
+        }
+        text
     }
 
     /// The record, or the error a proposer committed instead (`error=...`).
@@ -167,6 +189,10 @@ impl Record {
             Ok(_) => numbers("joining")?.into_iter().map(|m| m as usize).collect(),
             Err(_) => Vec::new(),
         };
+        let restart = match field("restart") {
+            Ok(_) => Some(numbers("restart")?.into_iter().map(|m| m as usize).collect()),
+            Err(_) => None,
+        };
         if members.is_empty()
             || progress.len() != members.len()
             || source >= members.len()
@@ -174,7 +200,7 @@ impl Record {
         {
             return Err(format!("inconsistent record {text:?}"));
         }
-        Ok(Ok(Record { members, progress, source, wanted, joining }))
+        Ok(Ok(Record { members, progress, source, wanted, joining, restart }))
     }
 }
 
@@ -269,6 +295,13 @@ impl LiveGroup {
         announce_alive(&self.store, self.opts.member, HOLDER)
     }
 
+    /// Marks the job over: its members finished (call once the world agreed the run is over). A
+    /// replacement that arrives later is told so instead of starting the job again.
+    pub fn finish(&self) -> Result<(), CommError> {
+        let at = self.current.read().unwrap_or_else(|p| p.into_inner()).as_ref().map(|g| g.number);
+        self.store.set(OVER, at.unwrap_or(0).to_string().as_bytes())
+    }
+
     /// Whether this process has a generation yet (a replacement before `join_running` has not).
     pub fn has_joined(&self) -> bool {
         self.current.read().unwrap_or_else(|p| p.into_inner()).is_some()
@@ -359,6 +392,11 @@ impl LiveGroup {
         for _ in 0..MAX_ATTEMPTS {
             let target = floor.max(committed(store)?) + 1;
             let first = after.is_none() && !opts.replacement && target == 1;
+            if store.get_now(&format!("alive/{}", opts.member))?.is_none() {
+                // Its alive key ran out while it could reach no member of an etcd store (a cut
+                // link): the world went on without it, so it comes back as a joiner.
+                announce_alive(store, opts.member, JOINER)?;
+            }
             // A process that has not received the state reports no progress ("joiner").
             let ready = match committed_holder(store, opts)? {
                 true => progress.to_string(),
@@ -391,6 +429,7 @@ impl LiveGroup {
                         source: record.source,
                         joining: record.joining,
                         group,
+                        restart: record.restart,
                         wanted_at: record.wanted,
                     });
                 }
@@ -463,6 +502,9 @@ fn agree(
     let give_up = patience + opts.arrival_timeout + opts.init.init_timeout;
     let started = Instant::now();
     let mut asked: Option<Instant> = None;
+    // Since when no member of the previous generation has held the state.
+    let mut orphaned: Option<Instant> = None;
+    let mut next_note = Duration::from_secs(1);
     loop {
         if let Some(v) = store.get_now(&members_key)? {
             let text = String::from_utf8_lossy(&v).to_string();
@@ -490,17 +532,54 @@ fn agree(
         let ready: Vec<usize> =
             alive.iter().copied().filter(|&m| is(&missing_ready, &ready_keys[m])).collect();
         let waited = started.elapsed();
+        if waited >= next_note {
+            // (Once a second: who a regroup waits for, when one takes long.)
+            tracing::debug!(
+                generation = target,
+                member = opts.member,
+                ?ready,
+                ?alive,
+                ?holders,
+                ?waited,
+                "live: agreeing"
+            );
+            next_note += Duration::from_secs(1);
+        }
         let proposer = ready.iter().copied().find(|m| holders.contains(m));
         if holders.is_empty() {
-            // Every member of the previous generation is gone, and with them the state.
-            let proposal = format!(
-                "error=every member of generation {} ({previous:?}) died: no rank holds the \
-                 training state any more",
-                target - 1
-            );
-            store.compare_set(&members_key, b"", proposal.as_bytes())?;
+            if let Some(at) = store.get_now(OVER)? {
+                let at = String::from_utf8_lossy(&at).trim().to_string();
+                return Ok(Err(format!(
+                    "the job is over: its members finished it (generation {at}); there is \
+                     nothing to join"
+                )));
+            }
+            // Every member of the previous generation is gone, and with them the state: the
+            // members alive start the job again (from its newest checkpoint), proposed by the
+            // lowest once every slot is ready or the arrival timeout passed.
+            let since = *orphaned.get_or_insert_with(Instant::now);
+            let everyone = ready.len() == opts.slots;
+            if ready.first() == Some(&opts.member)
+                && (everyone || since.elapsed() >= opts.arrival_timeout)
+            {
+                let proposal = propose(store, opts, &ready, target, Some(&previous))?;
+                let won = store.compare_set(&members_key, b"", proposal.as_bytes())?;
+                if won == proposal.as_bytes() {
+                    store.set("committed", target.to_string().as_bytes())?;
+                }
+                continue;
+            }
+            if waited > give_up + opts.arrival_timeout {
+                return Err(live_error(format!(
+                    "generation {target}: every member of generation {} ({previous:?}) died and \
+                     no restart was committed within {waited:?} (ready members {ready:?})",
+                    target - 1
+                )));
+            }
+            std::thread::sleep(POLL);
             continue;
         }
+        orphaned = None;
         if proposer == Some(opts.member) {
             // Every holder of the previous generation (for the first: every slot). A joiner
             // that is ready comes along; one still starting does not hold the world.
@@ -510,7 +589,7 @@ fn agree(
                 holders.iter().all(|m| ready.contains(m))
             };
             if everyone || waited >= patience {
-                let proposal = propose(store, opts, &ready, target)?;
+                let proposal = propose(store, opts, &ready, target, None)?;
                 let won = store.compare_set(&members_key, b"", proposal.as_bytes())?;
                 if won == proposal.as_bytes() {
                     store.set("committed", target.to_string().as_bytes())?;
@@ -534,12 +613,14 @@ fn as_strs(keys: &[String]) -> Vec<&str> {
     keys.iter().map(String::as_str).collect()
 }
 
-/// The proposal for generation `target` with the `ready` members (alive, in slot order).
+/// The proposal for generation `target` with the `ready` members (alive, in slot order); a
+/// restart generation's names the members that died (`restart`).
 fn propose(
     store: &Store,
     opts: &LiveOptions,
     ready: &[usize],
     target: u64,
+    restart: Option<&[usize]>,
 ) -> Result<String, CommError> {
     if ready.len() < opts.min_world {
         return Ok(format!(
@@ -562,7 +643,8 @@ fn propose(
     let joining = joining.collect();
     let progress: Vec<u64> = progress.into_iter().map(|p| p.unwrap_or(0)).collect();
     let wanted = store.add("wanted", 0)?;
-    Ok(Record { members: ready.to_vec(), progress, source, wanted, joining }.encode())
+    let restart = restart.map(<[usize]>::to_vec);
+    Ok(Record { members: ready.to_vec(), progress, source, wanted, joining, restart }.encode())
 }
 
 /// Connects generation `target`'s group (rank `rank` of `record.members`).
@@ -677,9 +759,15 @@ mod tests {
             source: 1,
             wanted: 2,
             joining: vec![3],
+            restart: None,
         };
         let text = r.encode();
         assert_eq!(text, "members=0,2,3 source=1 progress=40,41,0 wanted=2 joining=3");
+        assert_eq!(Record::decode(&text).unwrap().unwrap(), r);
+        // A restart generation names the members that died.
+        let r = Record { restart: Some(vec![0, 1, 2]), joining: vec![0, 2, 3], ..r };
+        let text = r.encode();
+        assert!(text.ends_with(" joining=0,2,3 restart=0,1,2"), "{text}");
         assert_eq!(Record::decode(&text).unwrap().unwrap(), r);
         assert_eq!(Record::decode("error=too few").unwrap().unwrap_err(), "too few");
         for bad in [

@@ -61,10 +61,10 @@ impl LiveStoreAt {
         let keys: Vec<String> = (0..slots).map(|m| format!("alive/{m}")).collect();
         let missing = store.missing(&as_strs(&keys))?;
         let alive: Vec<usize> = (0..slots).filter(|m| !missing.contains(&keys[*m])).collect();
-        Ok(if alive.is_empty() {
-            LiveJobState::Ended { generation }
-        } else {
-            LiveJobState::Running { generation, alive }
+        Ok(match (alive.is_empty(), store.get_now(super::OVER)?.is_some()) {
+            (false, _) => LiveJobState::Running { generation, alive },
+            (true, true) => LiveJobState::Finished { generation },
+            (true, false) => LiveJobState::Died { generation },
         })
     }
 }
@@ -87,8 +87,11 @@ pub enum LiveJobState {
     New,
     /// Generation `generation` is running; the member slots `alive` have a process.
     Running { generation: u64, alive: Vec<usize> },
-    /// Generations were committed, but no member is alive: an earlier job under this id.
-    Ended { generation: u64 },
+    /// Its members finished it: an earlier job under this id.
+    Finished { generation: u64 },
+    /// Generations were committed, no member is alive and none finished: every rank died (all
+    /// hosts lost). Workers started now restart it from its newest checkpoint.
+    Died { generation: u64 },
 }
 
 /// How this process takes part in a live world.

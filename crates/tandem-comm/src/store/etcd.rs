@@ -5,16 +5,19 @@
 //! - Keys are as the caller names them: rendezvous scopes them by run id and generation
 //!   (`agent_store::join_generation`), so jobs sharing a cluster never meet.
 //! - Keys a process owns (`set_owned`) hang on one lease per client, granted on first use with
-//!   a [`LEASE_TTL`] of 3 s, kept alive every second by a task of the client's runtime and
-//!   revoked when the last clone of the client is dropped. A process that dies loses its keys
-//!   when the TTL runs out, as tandem's store drops them when the connection closes.
+//!   a [`LEASE_TTL`] of 3 s, kept alive twice a second by a task of the client's runtime (a
+//!   member silent for half a second is left for the next) and revoked when the last clone of
+//!   the client is dropped. A process that dies loses its keys when the TTL runs out, as
+//!   tandem's store drops them when the connection closes; one cut off from every member for
+//!   the TTL loses them too, and gets a new lease for its next owned key.
 //! - Waits poll the keys (all of them in one transaction), every 5 ms growing to 50 ms, rather
 //!   than hold a watch stream: a watch breaks with the member it was opened on, a poll simply
 //!   goes to another member.
 //! - `add` and `compare_set` are etcd transactions (compare a key's revision or value, then
 //!   put), so concurrent clients on different members see one order.
 //! - Requests go to one member, the last that answered, and move on to the next when it does
-//!   not: a member down costs one failed try, once, not a share of every request.
+//!   not — refuses, or stays silent for [`TRY_LIMIT`] (a cut link): a member down costs one
+//!   failed try, once, not a share of every request.
 //! - Every call is bounded by a timeout; one the cluster cannot answer (its quorum lost) fails
 //!   naming the endpoints.
 //! - The store cannot check the job's secret (etcd's own users and TLS guard the cluster):
@@ -36,7 +39,14 @@ use std::time::{Duration, Instant};
 
 /// How long a dead process's owned keys outlive it (etcd's own minimum is about 2 s).
 pub const LEASE_TTL: Duration = Duration::from_secs(3);
-const KEEPALIVE_EVERY: Duration = Duration::from_secs(1);
+/// Keep-alives go this often, and a member that has not answered one within
+/// [`KEEPALIVE_ANSWER`] is left for the next: a member cut off (silent, not refusing) is
+/// passed over well within the TTL.
+const KEEPALIVE_EVERY: Duration = Duration::from_millis(500);
+const KEEPALIVE_ANSWER: Duration = Duration::from_millis(500);
+/// The longest one try of a request waits for a member before the next member is tried: a
+/// member cut off answers nothing, and a request must not wait for it for its whole limit.
+const TRY_LIMIT: Duration = Duration::from_secs(2);
 const POLL_FIRST: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(50);
 /// The longest one request may take before it counts as unanswered (a member without a leader
@@ -155,7 +165,15 @@ impl EtcdKv {
             loop {
                 tries += 1;
                 let i = self.current.load(Ordering::Relaxed) % n;
-                match f(self.members[i].clone()).await {
+                let answer = tokio::time::timeout(TRY_LIMIT, f(self.members[i].clone())).await;
+                // (A try that outlasts its limit counts as the member unreachable.)
+                let answer = answer.unwrap_or_else(|_| {
+                    Err(etcd_client::Error::IoError(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("member {i} did not answer within {TRY_LIMIT:?}"),
+                    )))
+                });
+                match answer {
                     Err(e) if retryable(&e) && start.elapsed() + RETRY_PAUSE < limit => {
                         // (Another thread may have moved on already.)
                         let next = (i + 1) % n;
@@ -274,11 +292,21 @@ impl EtcdKv {
     }
 
     /// Sets `key` on this client's lease: it goes when the client is dropped or its process dies.
+    /// A lease that ran out meanwhile (the process could reach no member for the TTL: its keys
+    /// are gone) is replaced by a new one.
     pub(crate) fn set_owned(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
-        let lease = self.lease()?;
-        self.call("set_owned", key, REQUEST_LIMIT, |mut c| async move {
-            c.put(key, value, Some(PutOptions::new().with_lease(lease))).await.map(|_| ())
-        })
+        let put = |lease: i64| {
+            self.call("set_owned", key, REQUEST_LIMIT, |mut c| async move {
+                c.put(key, value, Some(PutOptions::new().with_lease(lease))).await.map(|_| ())
+            })
+        };
+        match put(self.lease()?) {
+            Err(e) if e.to_string().contains("lease not found") => {
+                *self.lease.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                put(self.lease()?)
+            }
+            other => other,
+        }
     }
 
     /// This client's lease, granted (and its keep-alive started) on first use.
@@ -293,7 +321,8 @@ impl EtcdKv {
                 c.lease_grant(ttl, None).await
             })?
             .id();
-        self.rt.spawn(keep_alive(self.members.clone(), id));
+        let start = self.current.load(Ordering::Relaxed);
+        self.rt.spawn(keep_alive(self.members.clone(), start, id));
         *held = Some(id);
         Ok(id)
     }
@@ -388,18 +417,21 @@ impl Drop for EtcdKv {
     }
 }
 
-/// Keeps lease `id` alive until the runtime shuts down or the lease is found expired; a broken
-/// stream (its member died) is opened again on the next member.
-async fn keep_alive(mut members: Vec<Client>, id: i64) {
+/// Keeps lease `id` alive until the runtime shuts down or the lease is found expired; a stream
+/// whose member does not answer (dead, or cut off) is opened again on the next member at once,
+/// every step bounded so that the lease never waits on a silent member.
+async fn keep_alive(mut members: Vec<Client>, start: usize, id: i64) {
     let n = members.len();
-    for turn in 0.. {
+    for turn in start.. {
         let client = &mut members[turn % n];
-        if let Ok((mut keeper, mut stream)) = client.lease_keep_alive(id).await {
+        let opened = tokio::time::timeout(KEEPALIVE_ANSWER * 2, client.lease_keep_alive(id)).await;
+        if let Ok(Ok((mut keeper, mut stream))) = opened {
             loop {
-                if keeper.keep_alive().await.is_err() {
+                let sent = tokio::time::timeout(KEEPALIVE_ANSWER, keeper.keep_alive()).await;
+                if !matches!(sent, Ok(Ok(()))) {
                     break;
                 }
-                match tokio::time::timeout(KEEPALIVE_EVERY * 2, stream.message()).await {
+                match tokio::time::timeout(KEEPALIVE_ANSWER, stream.message()).await {
                     Ok(Ok(Some(resp))) if resp.ttl() > 0 => {}
                     // TTL 0: the lease expired (the process was stopped longer than the TTL).
                     Ok(Ok(Some(_))) => return,
@@ -408,7 +440,10 @@ async fn keep_alive(mut members: Vec<Client>, id: i64) {
                 tokio::time::sleep(KEEPALIVE_EVERY).await;
             }
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // A pause only after a round of every member (the cluster may be electing a leader).
+        if (turn + 1 - start).is_multiple_of(n) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 }
 

@@ -99,6 +99,10 @@ pub struct WorldChange {
     /// How the state each rank holds alone was re-split (the first part that moved).
     #[serde(default)]
     pub resplit: Option<Resplit>,
+    /// A restart: every member of the world before died, and the state with them; the source
+    /// started the job again from this checkpoint (or from the beginning, which it names).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restarted_from: Option<String>,
 }
 
 impl std::fmt::Display for WorldChange {
@@ -116,7 +120,11 @@ impl std::fmt::Display for WorldChange {
         if !self.joined.is_empty() {
             write!(f, ", joined {:?}", self.joined)?;
         }
-        write!(f, "; state of member {} at step {}", self.source, self.step)
+        write!(f, "; state of member {} at step {}", self.source, self.step)?;
+        if let Some(from) = &self.restarted_from {
+            write!(f, " (every member of the world before had died: restarted from {from})")?;
+        }
+        Ok(())
     }
 }
 
@@ -245,6 +253,13 @@ impl LiveTraining {
         self.lock_parts().after_step(&self.live.group(), state)
     }
 
+    /// Call once the world agreed the run is over, on every rank (the [`Trainer`](crate::Trainer)
+    /// does): a replacement that arrives after the end is told the job is over instead of
+    /// starting it again from its checkpoint (what it does when every member died).
+    pub fn finish(&self) -> Result<()> {
+        self.live.finish().map_err(comm("live recovery: marking the job over"))
+    }
+
     /// What the mirrors of `state`'s parts and of a sharded optimizer cost this rank so far.
     pub fn mirror_costs(&self, state: &TrainingState<'_>) -> Vec<MirrorCost> {
         self.lock_parts().mirror_costs(state)
@@ -304,6 +319,14 @@ impl LiveTraining {
         let group = &gen.group;
         let (source, rank, size) = (gen.source, group.rank(), group.size());
         let mut bytes = Vec::new();
+        // A restart generation's source starts the job again from its newest checkpoint.
+        let restarted_from = match (&gen.restart, rank == source) {
+            (Some(_), true) => {
+                let dir = self.lock_parts().checkpoints();
+                Some(state.restart_from(dir.as_deref())?)
+            }
+            _ => None,
+        };
         if rank == source {
             let record = state.record()?;
             // The replicated state only: what each rank holds alone moves in the re-split.
@@ -315,12 +338,18 @@ impl LiveTraining {
             let change = WorldChange {
                 generation: gen.number,
                 members: gen.members.clone(),
-                lost: gen.lost_since(before),
+                // (A restart's world before died whole.)
+                lost: gen.restart.clone().unwrap_or_else(|| gen.lost_since(before)),
                 // (The source held the state in the world before: it is never joining.)
                 joined: gen.joined_since(before),
                 source: gen.members[source],
-                step: gen.progress[source],
+                step: if restarted_from.is_some() {
+                    state.progress()
+                } else {
+                    gen.progress[source]
+                },
                 resplit: None,
+                restarted_from,
             };
             push_record(&mut bytes, &change, "the world's change")?;
         }
@@ -427,7 +456,24 @@ pub trait LiveState {
     fn regrouped(&mut self, _change: &WorldChange) -> Result<()> {
         Ok(())
     }
+    /// The source of a restart generation (every member of the world before died, and the
+    /// state with them): restores the newest checkpoint in `dir` (`LiveTraining::checkpoints`)
+    /// and names it; with none, the state stays as built (the job starts from the beginning).
+    fn restart_from(&mut self, dir: Option<&std::path::Path>) -> Result<String> {
+        let Some(dir) = dir else { return Ok(FROM_THE_BEGINNING.into()) };
+        let mut from = None;
+        self.with_state(&mut |s| {
+            from = crate::state::load_state(dir, s)?.map(|r| r.path.display().to_string());
+            Ok(())
+        })?;
+        Ok(from.unwrap_or_else(|| {
+            format!("{FROM_THE_BEGINNING} (no checkpoint in {})", dir.display())
+        }))
+    }
 }
+
+/// What a restart generation started from when no checkpoint was there.
+pub(crate) const FROM_THE_BEGINNING: &str = "the beginning";
 
 /// A user's own loop: its training state moves as it is (model, optimizer, scheduler,
 /// GradScaler, loader position and counters, in the checkpoint format), and its parts re-split.

@@ -42,6 +42,13 @@ impl LiveParts {
         self.checkpoints = Some(dir);
     }
 
+    /// Where the run's checkpoints are, if the loop said ([`LiveTraining::checkpoints`]).
+    ///
+    /// [`LiveTraining::checkpoints`]: super::LiveTraining::checkpoints
+    pub fn checkpoints(&self) -> Option<PathBuf> {
+        self.checkpoints.clone()
+    }
+
     /// Starts keeping `state`'s sharded optimizer entries, if it has any and they are not kept
     /// yet; `holds`: whether this rank holds a shard now (a replacement holds none until it
     /// joins).

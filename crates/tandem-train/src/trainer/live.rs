@@ -18,6 +18,9 @@ pub(crate) struct Regrouping {
     pub(crate) step_failed: bool,
 }
 
+/// The cause of a restart generation's regroup.
+const RESTARTED: &str = "every member of the world before died";
+
 impl Default for Regrouping {
     /// A process that joins and was told nothing else: the world regroups to let it in.
     fn default() -> Self {
@@ -45,7 +48,10 @@ impl<R: Recipe> Trainer<R> {
                 other => other,
             };
             let cause = match ended {
-                Ok(Ended::Done) => return Ok(()),
+                Ok(Ended::Done) => {
+                    let live = self.live.as_ref().context("live recovery without a live world")?;
+                    return live.finish();
+                }
                 Ok(Ended::RegroupWanted) => Regroup::JOINED.to_string(),
                 // A collective that failed inside a layer may reach here as text only
                 // (candle's errors keep no source); the group knows it broke.
@@ -86,7 +92,11 @@ impl<R: Recipe> Trainer<R> {
     /// with the source's cause (every rank took the source's record). The world redoes the
     /// step the source had in flight.
     fn report_regroup(&mut self, change: WorldChange) -> Result<()> {
-        let Regrouping { cause, step_failed } = self.record.regrouping.take().unwrap_or_default();
+        let Regrouping { mut cause, step_failed } =
+            self.record.regrouping.take().unwrap_or_default();
+        if change.restarted_from.is_some() {
+            cause = RESTARTED.into();
+        }
         let resplit = change.resplit.clone();
         let at_unix_s = crate::tfevents::unix_secs();
         let redone = u64::from(step_failed);
@@ -180,5 +190,13 @@ impl<R: Recipe> LiveState for Trainer<R> {
     fn regrouped(&mut self, _change: &WorldChange) -> Result<()> {
         // The schedule came as the source saved it: stretched over this world's steps.
         self.stretch_schedule()
+    }
+
+    fn restart_from(&mut self, _dir: Option<&std::path::Path>) -> Result<String> {
+        // The Trainer's own resume (its checkpoint directory, the schedule stretched).
+        let resumed = self.resume_state()?;
+        let Some(r) = resumed else { return Ok(crate::live::FROM_THE_BEGINNING.into()) };
+        self.global_step = r.step;
+        Ok(r.path.display().to_string())
     }
 }
