@@ -15,6 +15,7 @@ use clap::{Parser, Subcommand};
 pub const PEERS_DIR: &str = "scripts/peers";
 
 mod allreduce;
+mod chaos;
 mod ckpt;
 mod ddp;
 mod face;
@@ -63,6 +64,9 @@ enum Which {
     FaceScale(face_scale::Args),
     /// What live recovery costs: a job with a worker killed every N s against it uninterrupted.
     Live(live::Args),
+    /// A soak of live recovery on 3 simulated hosts under seeded faults (kills, host 0 lost,
+    /// cut links, packet loss, a full disk, etcd members lost): every run must finish cleanly.
+    Chaos(chaos::Args),
     /// PartialFC class-centre memory per rank (centres + momentum) vs C*E*4*2/W.
     PartialFc(partial_fc::Args),
     /// per-op ms of every op of a network's training step (ResNet-18, IResNet-18, ViT-T,
@@ -147,6 +151,7 @@ fn run(args: Args) -> anyhow::Result<i32> {
         Which::FaceScale(a) => face_scale::main(a),
         Which::PartialFc(a) => partial_fc::main(a),
         Which::Live(a) => live::main(a),
+        Which::Chaos(a) => chaos::main(a),
         Which::Report(a) => report::main(a),
     }
 }
