@@ -204,7 +204,10 @@ const PUBLIC_MODULES: &[(&str, &[&str])] = &[
     ("tandem-partial-fc", &[]),
     // (`face`, the face recipe's home, is re-exported from the private `recipes`.)
     ("tandem-recipes", &["face_eval", "options"]),
-    ("tandem-testutil", &["child", "etcd", "harness", "netns", "procs", "row_fixture", "tmpfs", "world"]),
+    (
+        "tandem-testutil",
+        &["child", "etcd", "harness", "netns", "procs", "row_fixture", "tmpfs", "world"],
+    ),
     ("tandem-checkpoint", &[]),
     // (`checkpoint` is the tandem-checkpoint crate and `schedule` tandem-optim's, re-exported.)
     ("tandem-train", &["events", "fault", "live", "metrics", "state"]),
