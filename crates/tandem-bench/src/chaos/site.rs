@@ -2,13 +2,14 @@
 //! and etcd member), the job's launchers on them, its directory on a tmpfs of its own (so that
 //! "the disk is full" can be made true), and the faults applied to them.
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use tandem_testutil::etcd::EtcdCluster;
 use tandem_testutil::netns::Hosts;
 use tandem_testutil::procs::{environ, leftovers, marked_processes, sigkill, MARKER_VAR};
+use tandem_testutil::tmpfs::Tmpfs;
 use tandem_testutil::{children_of, without_world};
 
 use super::plan::{Fault, HOSTS, LOSS_PERCENT, RANKS_PER_HOST};
@@ -40,13 +41,16 @@ pub struct Site {
     running: Vec<Option<Launcher>>,
     ended: Vec<Ended>,
     starts: usize,
+    /// Unmounted when the site is dropped, after its processes are gone (the run's files go
+    /// with it; its logs were copied out by then).
+    _disk: Tmpfs,
 }
 
 impl Site {
     /// Hosts, etcd cluster and the tmpfs at `dir` (`size` like `64m`); nothing runs yet.
     pub fn new(dir: &Path, tandem: &Path, marker: &str, size: &str) -> anyhow::Result<Site> {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        sh("mount", &["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs", &s(dir)])?;
+        let disk = Tmpfs::mount(dir, size)
+            .with_context(|| format!("mounting a {size} tmpfs at {} (root only)", dir.display()))?;
         let hosts = Hosts::new(HOSTS, None);
         let cluster = EtcdCluster::start(
             HOSTS,
@@ -63,6 +67,7 @@ impl Site {
             running: (0..HOSTS).map(|_| None).collect(),
             ended: Vec::new(),
             starts: 0,
+            _disk: disk,
         })
     }
 
@@ -244,24 +249,9 @@ impl Drop for Site {
             let _ = l.child.wait();
         }
         leftovers(&self.marker, Duration::from_secs(1));
-        // The run's files go with the tmpfs; its logs were copied out by then.
-        let _ = sh("umount", &["-l", &s(&self.dir)]);
     }
 }
 
 fn s(p: &Path) -> String {
     p.to_string_lossy().into_owned()
-}
-
-fn sh(program: &str, args: &[&str]) -> anyhow::Result<()> {
-    let out =
-        Command::new(program).args(args).output().with_context(|| format!("running {program}"))?;
-    if !out.status.success() {
-        bail!(
-            "`{program} {}` failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
 }

@@ -545,8 +545,11 @@ fn agree(
             );
             next_note += Duration::from_secs(1);
         }
-        let proposer = ready.iter().copied().find(|m| holders.contains(m));
-        if holders.is_empty() {
+        // Every member of the previous generation gone, and with them the state (the job not
+        // over): a restart generation, proposed as the first one is — by the lowest ready
+        // member, once every slot is ready or the arrival timeout passed since the state went.
+        let restart = holders.is_empty();
+        if restart {
             if let Some(at) = store.get_now(OVER)? {
                 let at = String::from_utf8_lossy(&at).trim().to_string();
                 return Ok(Err(format!(
@@ -554,33 +557,17 @@ fn agree(
                      nothing to join"
                 )));
             }
-            // Every member of the previous generation is gone, and with them the state: the
-            // members alive start the job again (from its newest checkpoint), proposed by the
-            // lowest once every slot is ready or the arrival timeout passed.
-            let since = *orphaned.get_or_insert_with(Instant::now);
-            let everyone = ready.len() == opts.slots;
-            if ready.first() == Some(&opts.member)
-                && (everyone || since.elapsed() >= opts.arrival_timeout)
-            {
-                let proposal = propose(store, opts, &ready, target, Some(&previous))?;
-                let won = store.compare_set(&members_key, b"", proposal.as_bytes())?;
-                if won == proposal.as_bytes() {
-                    store.set("committed", target.to_string().as_bytes())?;
-                }
-                continue;
-            }
-            if waited > give_up + opts.arrival_timeout {
-                return Err(live_error(format!(
-                    "generation {target}: every member of generation {} ({previous:?}) died and \
-                     no restart was committed within {waited:?} (ready members {ready:?})",
-                    target - 1
-                )));
-            }
-            std::thread::sleep(POLL);
-            continue;
         }
-        orphaned = None;
-        if proposer == Some(opts.member) {
+        let (proposer, everyone, waited_here, patience_here) = if restart {
+            let since = *orphaned.get_or_insert_with(Instant::now);
+            (
+                ready.first().copied(),
+                ready.len() == opts.slots,
+                since.elapsed(),
+                opts.arrival_timeout,
+            )
+        } else {
+            orphaned = None;
             // Every holder of the previous generation (for the first: every slot). A joiner
             // that is ready comes along; one still starting does not hold the world.
             let everyone = if first {
@@ -588,18 +575,26 @@ fn agree(
             } else {
                 holders.iter().all(|m| ready.contains(m))
             };
-            if everyone || waited >= patience {
-                let proposal = propose(store, opts, &ready, target, None)?;
-                let won = store.compare_set(&members_key, b"", proposal.as_bytes())?;
-                if won == proposal.as_bytes() {
-                    store.set("committed", target.to_string().as_bytes())?;
-                }
-                continue; // read back the winner
+            (ready.iter().copied().find(|m| holders.contains(m)), everyone, waited, patience)
+        };
+        if proposer == Some(opts.member) && (everyone || waited_here >= patience_here) {
+            let proposal = propose(store, opts, &ready, target, restart.then_some(&previous[..]))?;
+            let won = store.compare_set(&members_key, b"", proposal.as_bytes())?;
+            if won == proposal.as_bytes() {
+                store.set("committed", target.to_string().as_bytes())?;
             }
+            continue; // read back the winner
         }
         // A proposer that died leaves `ready` without it: the next lowest takes over on its
         // own. Only a store that stops answering, or a world that never comes, ends the wait.
-        if waited > give_up {
+        if restart && waited > give_up + opts.arrival_timeout {
+            return Err(live_error(format!(
+                "generation {target}: every member of generation {} ({previous:?}) died and no \
+                 restart was committed within {waited:?} (ready members {ready:?})",
+                target - 1
+            )));
+        }
+        if !restart && waited > give_up {
             return Err(live_error(format!(
                 "generation {target} was not committed within {waited:?} (ready members \
                  {ready:?}, alive {alive:?}, previous generation {previous:?})"
