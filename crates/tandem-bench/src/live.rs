@@ -14,6 +14,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use tandem::launch::WATCHDOG_NAME;
 use tandem::recipes::face::HEAD_ROWS;
 use tandem::recipes::TrainConfig;
 use tandem::train::events::Regroup;
@@ -54,6 +55,10 @@ pub struct Args {
     /// Rounds (each: one uninterrupted run, one with kills).
     #[arg(long, default_value_t = 1)]
     rounds: usize,
+    /// Keep each run's directory under DIR (`round-N-uninterrupted`, `round-N-killed`), its
+    /// output in `job.log` and the kills' times in `kills.txt` (with `TANDEM_LOG`, a timeline).
+    #[arg(long, value_name = "DIR")]
+    keep: Option<std::path::PathBuf>,
 }
 
 /// One run's outcome as read from its output.
@@ -78,6 +83,9 @@ struct RunResult {
     from_mirror: u64,
     reloaded: u64,
     row_steps_lost: u64,
+    /// Seconds the kills cost by the run's own clock ([`lost_in_epochs`]); `None` without
+    /// enough epochs to tell.
+    lost_s: Option<f64>,
     /// Face: the mirror's line (`every K step(s): N taken, B KiB ..., T ms each`).
     mirror_line: String,
 }
@@ -179,6 +187,11 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
         }
     }
     let status = child.wait()?;
+    if a.keep.is_some() {
+        let times: Vec<String> = kills.iter().map(|k| format!("{k:.6}")).collect();
+        std::fs::write(dir.join("job.log"), lines.join("\n"))?;
+        std::fs::write(dir.join("kills.txt"), times.join("\n"))?;
+    }
     if !status.success() {
         // The whole output goes to a file: the first failure is usually far above the tail
         // (the launcher restarts ranks that then fail to join).
@@ -248,6 +261,7 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
     };
     result.samples = (a.epochs() * per_epoch) as f64;
     result.kills = kills.len();
+    result.lost_s = lost_in_epochs(&records, &kills);
     for k in &kills {
         if let Some(g) = regroups.iter().find(|g| g.at_unix_s > *k) {
             result.recover_s.push(g.at_unix_s - k);
@@ -263,16 +277,50 @@ fn run(a: &Args, kill_every: Option<Duration>, dir: &std::path::Path) -> anyhow:
     Ok(result)
 }
 
+/// What the kills cost, measured inside the run (so the machine's drift from one run to the
+/// next, often larger than the cost, does not enter): every epoch trains the same samples, so
+/// an epoch a kill fell in (or up to a second before) took longer than the median epoch no kill
+/// touched by what that kill cost. The first epoch (start-up) is left out; `None` when fewer
+/// than three epochs were untouched.
+fn lost_in_epochs(records: &[MetricsRecord], kills: &[f64]) -> Option<f64> {
+    let mut ends: Vec<(u64, f64)> = records
+        .iter()
+        .filter_map(|r| match r {
+            MetricsRecord::Epoch(e) => Some((e.epoch, e.at_unix_s?)),
+            _ => None,
+        })
+        .collect();
+    // (Each epoch once: under live recovery a later rank 0 appends to the same file.)
+    ends.sort_by_key(|&(epoch, _)| epoch);
+    ends.dedup_by_key(|&mut (epoch, _)| epoch);
+    let (mut clean, mut touched) = (Vec::new(), Vec::new());
+    for w in ends.windows(2) {
+        let (from, to) = (w[0].1, w[1].1);
+        let took = to - from;
+        match kills.iter().any(|&k| k > from - 1.0 && k <= to) {
+            true => touched.push(took),
+            false => clean.push(took),
+        }
+    }
+    if clean.len() < 3 {
+        return None;
+    }
+    clean.sort_by(f64::total_cmp);
+    let median = clean[clean.len() / 2];
+    Some(touched.iter().map(|t| t - median).sum())
+}
+
 fn unix_now() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// A live worker process of the launcher `launcher`: a child whose command is `tandem train`.
-/// (The launcher's watchdog is a child too, forked without exec: its command line is the
-/// launcher's, `tandem run ... -- tandem train ...`. Killing it stops nothing, and a kill
-/// counted against it used to show as a 10 s "recovery": the time to the next real kill.)
+/// A live worker process of the launcher `launcher`: a child whose command is `tandem train`
+/// and that is not the launcher's watchdog. (The watchdog is a child too, forked without exec:
+/// its command line is the launcher's — `tandem train ...` itself when `tandem train` starts
+/// its own ranks — so only its process name tells it apart. Killing it stops nothing: such a
+/// kill was counted with the next real kill's regroup, a 10 s "recovery", and cost nothing.)
 fn a_worker_of(launcher: i32) -> Option<i32> {
     let workers: Vec<i32> = std::fs::read_dir("/proc")
         .ok()?
@@ -284,7 +332,11 @@ fn a_worker_of(launcher: i32) -> Option<i32> {
                 .rfind(')')
                 .and_then(|i| stat[i + 1..].split_whitespace().nth(1)?.parse::<i32>().ok());
             let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            ppid == Some(launcher) && cmd.split(|&b| b == 0).nth(1) == Some(b"train".as_slice())
+            let name = std::fs::read(format!("/proc/{pid}/comm")).unwrap_or_default();
+            let watchdog = name.trim_ascii_end() == WATCHDOG_NAME.to_bytes();
+            ppid == Some(launcher)
+                && !watchdog
+                && cmd.split(|&b| b == 0).nth(1) == Some(b"train".as_slice())
         })
         .collect();
     // A different rank each time, round the ranks.
@@ -318,8 +370,14 @@ pub fn main(a: Args) -> anyhow::Result<i32> {
     let every = Duration::from_secs_f64(a.kill_every);
     let (mut clean, mut killed) = (Vec::new(), Vec::new());
     for round in 0..a.rounds {
-        let c = crate::in_scratch_dir(None, "bench-live", |d| run(&a, None, d))?;
-        let k = crate::in_scratch_dir(None, "bench-live", |d| run(&a, Some(every), d))?;
+        let kept =
+            |what: &str| a.keep.as_ref().map(|d| d.join(format!("round-{}-{what}", round + 1)));
+        let c = crate::in_scratch_dir(kept("uninterrupted").as_deref(), "bench-live", |d| {
+            run(&a, None, d)
+        })?;
+        let k = crate::in_scratch_dir(kept("killed").as_deref(), "bench-live", |d| {
+            run(&a, Some(every), d)
+        })?;
         eprintln!(
             "round {}/{}: uninterrupted {:.1} s, with {} kill(s) {:.1} s",
             round + 1,
@@ -352,6 +410,15 @@ pub fn main(a: Args) -> anyhow::Result<i32> {
     println!("  samples/s uninterrupted           {}", stats_with(&sps(&clean), 0));
     println!("  samples/s with kills              {}", stats_with(&sps(&killed), 0));
     println!("  retained (uninterrupted wall / killed wall)  {}", stats(&retained));
+    // The same cost measured inside each killed run (its epochs with a kill against its
+    // epochs without), free of the drift between runs.
+    let lost: Vec<(f64, &RunResult)> = killed.iter().filter_map(|k| Some((k.lost_s?, k))).collect();
+    if !lost.is_empty() {
+        let per_kill: Vec<f64> = lost.iter().map(|(l, k)| l / k.kills.max(1) as f64).collect();
+        let within: Vec<f64> = lost.iter().map(|(l, k)| (k.wall_s - l) / k.wall_s).collect();
+        println!("  retained within each killed run   {}", stats(&within));
+        println!("  seconds lost per kill (same)      {}", stats(&per_kill));
+    }
     println!(
         "  kills per run                     {}",
         stats(&killed.iter().map(|k| k.kills as f64).collect::<Vec<_>>())
@@ -396,4 +463,43 @@ pub fn main(a: Args) -> anyhow::Result<i32> {
         stats(&killed.iter().map(|r| r.eval_accuracy).collect::<Vec<_>>())
     );
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem::train::metrics::EpochMetrics;
+
+    fn epoch(n: u64, at: f64) -> MetricsRecord {
+        MetricsRecord::Epoch(EpochMetrics {
+            epoch: n,
+            step: 10 * n,
+            train_loss: 1.0,
+            eval_loss: None,
+            eval_accuracy: None,
+            verification: Vec::new(),
+            samples_per_s: 1.0,
+            lr: 0.1,
+            loss_scale: None,
+            skipped_steps: 0,
+            at_unix_s: Some(at),
+        })
+    }
+
+    #[test]
+    fn the_epochs_a_kill_touched_are_measured_against_the_untouched_ones() {
+        // Epochs of 4 s, but the two with a kill (at 9.5 s and 18.2 s) took 4.3 and 4.2 s; epoch
+        // 3 repeated by a later rank 0 counts once.
+        let ends = [0.0, 4.0, 8.0, 12.3, 16.3, 20.5, 24.5, 28.5];
+        let mut records: Vec<MetricsRecord> =
+            ends.iter().enumerate().map(|(i, &t)| epoch(i as u64 + 1, t)).collect();
+        records.push(epoch(3, 8.0));
+        let lost = lost_in_epochs(&records, &[9.5, 18.2]).unwrap();
+        assert!((lost - 0.5).abs() < 1e-9, "{lost}");
+        // A kill up to a second before an epoch's start counts against that epoch.
+        let lost = lost_in_epochs(&records, &[7.5]).unwrap();
+        assert!((lost - 0.3).abs() < 1e-9, "{lost}");
+        // Too few untouched epochs to tell.
+        assert_eq!(lost_in_epochs(&records[..3], &[5.0]), None);
+    }
 }

@@ -54,6 +54,8 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
+    // (A process's start, for a timeline of a replacement: `TANDEM_LOG=tandem::process=debug`.)
+    tracing::debug!(target: "tandem::process", "started");
     // Training and benchmarks allocate tensors per step; keep freed memory for reuse.
     tandem::nn::tune_allocator();
     // Kernels' parallel loops run in place on this thread instead of being handed to a pool

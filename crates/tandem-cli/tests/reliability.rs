@@ -728,6 +728,7 @@ fn a_full_disk_never_leaves_half_a_metrics_record() {
             lr: 0.1,
             loss_scale: None,
             skipped_steps: 0,
+            at_unix_s: None,
         })
     };
     let path = mnt.0.join("metrics.jsonl");

@@ -36,4 +36,5 @@ pub use error::LaunchError;
 pub use events::{EventSink, LaunchEvent};
 pub use outcome::{LaunchOutcome, WorkerExit, WorkerFailure};
 pub use port::pick_master_port;
+pub use reaper::WATCHDOG_NAME;
 pub use supervisor::launch;

@@ -16,6 +16,9 @@ use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
+/// The watchdog's process name (`/proc/PID/comm`; at most 15 bytes).
+pub const WATCHDOG_NAME: &std::ffi::CStr = c"tandem-watchdog";
+
 /// Largest number of groups the watchdog remembers at once (one per worker of an attempt).
 const CAPACITY: usize = 4096;
 
@@ -133,6 +136,9 @@ pub(crate) unsafe fn list_own_group(fd: RawFd) {
 
 /// The watchdog's whole life. Only async-signal-safe calls from here on.
 unsafe fn watch(rx: libc::c_int) -> ! {
+    // Named apart from the launcher it was forked from (same command line): `ps`, `pgrep` and a
+    // benchmark picking a worker to kill by its command tell the two apart by this name.
+    libc::prctl(libc::PR_SET_NAME, WATCHDOG_NAME.as_ptr(), 0, 0, 0);
     // Stay alive through the terminal's Ctrl-C and a `kill` of the launcher's group: the
     // launcher handles those itself; our job starts when it is gone.
     for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT, libc::SIGPIPE] {
@@ -220,6 +226,25 @@ mod tests {
         assert_eq!(forgotten.try_wait().unwrap(), None, "forgotten group was killed");
         forgotten.kill().unwrap();
         forgotten.wait().unwrap();
+    }
+
+    #[test]
+    fn the_watchdog_carries_a_name_of_its_own() {
+        let reaper = GroupReaper::start().unwrap();
+        let comm = format!("/proc/{}/comm", reaper.pid());
+        // (It names itself right after the fork: give it a moment.)
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let want = WATCHDOG_NAME.to_str().unwrap();
+        let mut name = String::new();
+        while Instant::now() < deadline {
+            name = std::fs::read_to_string(&comm).unwrap_or_default().trim_end().to_string();
+            if name == want {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(name, want, "the watchdog's process name");
+        drop(reaper);
     }
 
     #[test]

@@ -1,14 +1,15 @@
 //! The PartialFC head through live regroups, on real process groups (threads over loopback):
 //! the buddy mirror's ring exchange, and the re-split after a rank's death (rows from their
 //! owners, the dead rank's from its mirror), after two neighbours' deaths (the rows nobody
-//! holds from the fallback), and after a replacement joins (it holds nothing and gets its rows).
+//! holds from the fallback), and after a replacement joins (it holds nothing and gets its rows;
+//! the mirror right after it sends again only what the re-split did not already put in place).
 use std::ops::Range;
 
 use tandem_comm::ProcessGroup;
 use tandem_partial_fc::ClassSplit;
 use tandem_recipes::face::RowBlock;
 use tandem_testutil::run_tcp_world;
-use tandem_train::live::{exchange_mirror, regroup, RegroupCounts};
+use tandem_train::live::{exchange_mirror, regroup, Mirrored, RegroupCounts};
 use tandem_train::Result;
 
 const CLASSES: usize = 10;
@@ -174,4 +175,52 @@ fn a_block_without_optimizer_state_gives_zero_momentum() {
     assert_eq!(rows.state.len(), 1, "the world's state names: {:?}", rows.state);
     assert!(rows.state[0].1.iter().all(|&v| v == 0.0), "no state: zero momentum");
     assert_eq!(rows.weight, block(shard(2, 1), 1).weight);
+}
+
+/// A world regroups with `own[r]` held by rank `r` (the joiners none) and takes the mirror
+/// right after it: every rank's mirror must be its predecessor's new rows, as a full exchange
+/// gives; returns each rank's bytes sent by that mirror.
+fn regroup_then_mirror(world: usize, own: fn(usize) -> Option<RowBlock>) -> Vec<u64> {
+    let got = run_tcp_world(world, move |pg| {
+        let mut live = Mirrored::<RowBlock>::new(10, own(pg.rank()).is_some());
+        let want = |rank: usize| vec![shard(world, rank)];
+        let mut fill = |r: Range<usize>| -> Result<Option<RowBlock>> { no_fallback(r).map(Some) };
+        let mine = own(pg.rank());
+        let (rows, _) = live.regroup(&pg, 12, CLASSES, mine.as_ref(), &want, &mut fill).unwrap();
+        live.exchange_regrouped(&pg, &rows, CLASSES, std::time::Instant::now()).unwrap();
+        // The same mirror the long way, for comparison.
+        let full = exchange_mirror(&pg, &rows, CLASSES).unwrap().unwrap();
+        (rows, live.mirror().cloned(), full, live.cost("head").bytes_per_rank)
+    });
+    for (r, (_, mirror, full, _)) in got.iter().enumerate() {
+        let prev = (r + world - 1) % world;
+        let want = expected(world, prev, 12, |_| 12);
+        assert_eq!(mirror.as_ref(), Some(&want), "world {world}: rank {r}'s mirror");
+        assert_eq!(*full, want, "world {world}: rank {r}'s full exchange");
+    }
+    got.into_iter().map(|(.., bytes)| bytes).collect()
+}
+
+#[test]
+fn a_mirror_after_a_join_sends_only_what_the_resplit_did_not_move() {
+    // A survivor alone with every row (step 12); one or two replacements join.
+    let survivor = |r: usize| (r == 0).then(|| block(0..CLASSES, 12));
+    let sent = regroup_then_mirror(2, survivor);
+    // Rank 1 received all of its rows from rank 0, which holds its mirror: it sends nothing,
+    // and rank 0 keeps what it sent as rank 1's mirror.
+    assert_eq!(sent[1], 0, "the replacement sends its rows back: {sent:?}");
+    assert!(sent[0] > 0, "the survivor's own rows must reach the replacement: {sent:?}");
+    let sent = regroup_then_mirror(3, survivor);
+    // Rank 2's rows all came from rank 0, its mirror's holder; rank 1's from rank 0 too, but
+    // its mirror is rank 2's to hold: it sends them.
+    assert_eq!(sent[2], 0, "{sent:?}");
+    assert!(sent[0] > 0 && sent[1] > 0, "{sent:?}");
+}
+
+#[test]
+fn a_mirror_after_a_mixed_resplit_sends_everything() {
+    // Two holders (0..5 and 5..10) and a replacement: every rank's new rows mix sources, so
+    // every rank sends its rows to its buddy.
+    let sent = regroup_then_mirror(3, |r| (r < 2).then(|| block(shard(2, r), 12)));
+    assert!(sent.iter().all(|&b| b > 0), "{sent:?}");
 }

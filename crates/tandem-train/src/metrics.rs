@@ -46,6 +46,10 @@ pub struct EpochMetrics {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
     pub skipped_steps: u64,
+    /// Seconds since the Unix epoch when the epoch ended (after its evaluation): the time
+    /// between two epochs' records is what an epoch took, faults and all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at_unix_s: Option<f64>,
 }
 
 /// What a finished run reports (rank 0 prints it as the `final:` line).
@@ -208,6 +212,7 @@ mod tests {
             samples_per_s: 123.456,
             lr: 0.1,
             loss_scale: None,
+            at_unix_s: Some(1.7e9 + n as f64),
             skipped_steps: 0,
         }
     }

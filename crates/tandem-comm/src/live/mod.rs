@@ -416,8 +416,10 @@ impl LiveGroup {
                     format!("generation {target} was committed without member {}", opts.member);
                 continue;
             };
+            tracing::debug!(generation = target, members = ?record.members, "live: committed");
             match connect(store, opts, local_ip, target, rank, &record) {
                 Ok(group) => {
+                    tracing::debug!(generation = target, "live: connected");
                     // (The proposer sets it too; repeated here in case it died right after.)
                     if committed(store)? < target {
                         store.set("committed", target.to_string().as_bytes())?;

@@ -358,6 +358,7 @@ impl LiveTraining {
                 .broadcast_bytes(&mut bytes, source)
                 .map_err(comm("live recovery: sending the training state"))?;
         }
+        tracing::debug!(generation = gen.number, bytes = bytes.len(), "live: the state moved");
         let mut change: WorldChange = pop_record(&mut bytes, "the world's change")?;
         let mut sent = None;
         if rank == source {
@@ -377,6 +378,7 @@ impl LiveTraining {
             Ok(())
         })?;
         drop(parts);
+        tracing::debug!(generation = gen.number, "live: the parts re-split");
         state.regrouped(&change)?;
         Ok(change)
     }

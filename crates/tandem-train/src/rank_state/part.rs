@@ -198,29 +198,68 @@ fn exchange_counted<P: RankPart>(
     own: &P,
     keys: usize,
 ) -> Result<Option<(P, usize)>> {
+    let got = exchange_parts(group, own, keys, true, true)?;
+    Ok(got.and_then(|(p, n)| Some((p?, n))))
+}
+
+/// The ring exchange of [`exchange_mirror`]; what a re-split already put in place is left out:
+/// with `send_own` false this rank sends nothing (the next rank holds its part), with `receive`
+/// false it receives nothing (it holds the previous rank's; `None` for it then). Returns the
+/// previous rank's part and the bytes sent; `None` in a world of one.
+fn exchange_parts<P: RankPart>(
+    group: &ProcessGroup,
+    own: &P,
+    keys: usize,
+    send_own: bool,
+    receive: bool,
+) -> Result<Option<(Option<P>, usize)>> {
     let (me, world) = (group.rank(), group.size());
     if world < 2 {
         return Ok(None);
     }
     let (next, prev) = ((me + 1) % world, (me + world - 1) % world);
     let header = own.header();
-    let bytes = own.encode(&header.ranges()).with_context(|| P::WHAT)?;
+    let bytes = match send_own {
+        true => own.encode(&header.ranges()).with_context(|| P::WHAT)?,
+        false => Vec::new(),
+    };
     let header_bytes = serde_json::to_vec(&header).with_context(|| P::WHAT)?;
     let send = || {
+        if !send_own {
+            return Ok(());
+        }
         send_bytes::<P>(group, &header_bytes, next, "sending this rank's part")?;
         send_bytes::<P>(group, &bytes, next, "sending this rank's part")
     };
     let recv = || {
+        if !receive {
+            return Ok(None);
+        }
         let what = "receiving the previous rank's part";
         let h = recv_bytes::<P>(group, prev, MAX_HEADER, what)?;
         let h: PartHeader = serde_json::from_slice(&h)
             .with_context(|| of::<P>(format!("rank {prev}'s mirror header")))?;
         h.check(keys).with_context(|| of::<P>(format!("rank {prev}'s mirror")))?;
         let bytes = recv_bytes::<P>(group, prev, usize::MAX, what)?;
-        P::decode(&h, bytes).with_context(|| of::<P>(format!("rank {prev}'s mirror")))
+        P::decode(&h, bytes).map(Some).with_context(|| of::<P>(format!("rank {prev}'s mirror")))
     };
     let got = in_ring_order(me, send, recv)?;
     Ok(Some((got, bytes.len())))
+}
+
+/// What a re-split already put where the mirror taken right after it would: the previous
+/// rank's new part, when this rank sent every piece of it (kept here as its mirror instead of
+/// coming back over the network), and whether the next rank sent this rank every piece of its
+/// new part (it keeps them likewise). Every rank reads both from the same plan.
+pub(crate) struct SentAsMirror<P> {
+    prev: Option<P>,
+    next_has_mine: bool,
+}
+
+impl<P> SentAsMirror<P> {
+    fn none() -> Self {
+        SentAsMirror { prev: None, next_has_mine: false }
+    }
 }
 
 /// What one rank holds, as it announces it.
@@ -306,6 +345,20 @@ pub fn regroup<P: RankPart>(
     want: &dyn Fn(usize) -> Vec<Range<usize>>,
     fill: &mut Fill<'_, P>,
 ) -> Result<(P, RegroupCounts)> {
+    let (part, counts, _) = resplit(group, step, keys, own, mirror, want, fill)?;
+    Ok((part, counts))
+}
+
+/// [`regroup`], and what it already put where the next mirror would ([`SentAsMirror`]).
+fn resplit<P: RankPart>(
+    group: &ProcessGroup,
+    step: u64,
+    keys: usize,
+    own: Option<&P>,
+    mirror: Option<&P>,
+    want: &dyn Fn(usize) -> Vec<Range<usize>>,
+    fill: &mut Fill<'_, P>,
+) -> Result<(P, RegroupCounts, SentAsMirror<P>)> {
     let me = group.rank();
     let mine: Vec<(&P, Held)> = [(own, true), (mirror, false)]
         .into_iter()
@@ -332,7 +385,8 @@ pub fn regroup<P: RankPart>(
     labels.dedup();
     let mut counts = RegroupCounts::default();
     let mut pieces: Vec<P> = Vec::new();
-    for p in plan(&held, want) {
+    let planned = plan(&held, want);
+    for p in &planned {
         let n = p.keys.len() as u64;
         match p.from {
             Some((rank, block)) => {
@@ -393,6 +447,26 @@ pub fn regroup<P: RankPart>(
         }
     }
     let part = P::assemble(&want(me), step, &labels, pieces).with_context(|| P::WHAT)?;
+    let world = group.size();
+    let sent = match world >= 2 {
+        false => SentAsMirror::none(),
+        true => {
+            let (prev, next) = ((me + world - 1) % world, (me + 1) % world);
+            let prev_part = match all_from(&planned, prev, me) {
+                false => None,
+                true => {
+                    let mut taken = Vec::new();
+                    for p in planned.iter().filter(|p| p.dst == prev) {
+                        let block = p.from.map_or(0, |(_, block)| block);
+                        taken.push(mine[block].0.take(&p.keys).with_context(|| P::WHAT)?);
+                    }
+                    let part = P::assemble(&want(prev), step, &labels, taken);
+                    Some(part.with_context(|| P::WHAT)?)
+                }
+            };
+            SentAsMirror { prev: prev_part, next_has_mine: all_from(&planned, me, next) }
+        }
+    };
     // The world's counts, for the regroup's report.
     let c = serde_json::to_vec(&counts).with_context(|| P::WHAT)?;
     let all = group
@@ -403,7 +477,13 @@ pub fn regroup<P: RankPart>(
         let c: RegroupCounts = serde_json::from_slice(&b).with_context(|| P::WHAT)?;
         total.add(&c);
     }
-    Ok((part, total))
+    Ok((part, total, sent))
+}
+
+/// Whether rank `dst`'s new part comes, every piece of it, from rank `rank` (and has any).
+fn all_from(planned: &[Piece], dst: usize, rank: usize) -> bool {
+    let mut pieces = planned.iter().filter(|p| p.dst == dst).peekable();
+    pieces.peek().is_some() && pieces.all(|p| p.from.is_some_and(|(r, _)| r == rank))
 }
 
 /// A recipe's part under live recovery: the mirror of the previous rank's part, whether this
@@ -412,6 +492,9 @@ pub fn regroup<P: RankPart>(
 pub struct Mirrored<P> {
     every: u64,
     mirror: Option<P>,
+    /// What the last re-split already put in place, until the mirror after it.
+    /// (Boxed: a `Mirrored` sits inside models' wrappers, which should stay small.)
+    sent: Option<Box<SentAsMirror<P>>>,
     holds: bool,
     step: u64,
     taken: u64,
@@ -425,6 +508,7 @@ impl<P: RankPart> Mirrored<P> {
         Mirrored {
             every: every.max(1),
             mirror: None,
+            sent: None,
             holds,
             step: 0,
             taken: 0,
@@ -436,6 +520,12 @@ impl<P: RankPart> Mirrored<P> {
     /// Whether a mirror is due after step `step`.
     pub fn due(&self, step: u64) -> bool {
         step.is_multiple_of(self.every)
+    }
+
+    /// The previous rank's part, as of the last exchange (none before the first, nor right
+    /// after a regroup until the exchange that follows it).
+    pub fn mirror(&self) -> Option<&P> {
+        self.mirror.as_ref()
     }
 
     /// Whether this rank holds a part of its own, and as of which step.
@@ -457,9 +547,36 @@ impl<P: RankPart> Mirrored<P> {
         keys: usize,
         clock: Instant,
     ) -> Result<()> {
+        self.sent = None;
         let got = exchange_counted(group, own, keys)?;
         self.bytes = got.as_ref().map_or(0, |(_, n)| *n as u64);
         self.mirror = got.map(|(p, _)| p);
+        self.taken += 1;
+        self.secs += clock.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// [`Mirrored::exchange`] right after [`Mirrored::regroup`], for a part whose `own` is the
+    /// part the re-split returned, unchanged: what the re-split already moved between the two
+    /// neighbours is not sent again (a replacement that received its rows from its buddy sends
+    /// none back; the buddy keeps what it sent as the mirror).
+    pub fn exchange_regrouped(
+        &mut self,
+        group: &ProcessGroup,
+        own: &P,
+        keys: usize,
+        clock: Instant,
+    ) -> Result<()> {
+        let Some(sent) = self.sent.take().map(|s| *s) else {
+            return self.exchange(group, own, keys, clock);
+        };
+        let (send_own, receive) = (!sent.next_has_mine, sent.prev.is_none());
+        if let Some((received, n)) = exchange_parts(group, own, keys, send_own, receive)? {
+            if send_own {
+                self.bytes = n as u64;
+            }
+            self.mirror = sent.prev.or(received);
+        }
         self.taken += 1;
         self.secs += clock.elapsed().as_secs_f64();
         Ok(())
@@ -476,11 +593,13 @@ impl<P: RankPart> Mirrored<P> {
         want: &dyn Fn(usize) -> Vec<Range<usize>>,
         fill: &mut Fill<'_, P>,
     ) -> Result<(P, RegroupCounts)> {
-        let out = regroup(group, step, keys, own, self.mirror.as_ref(), want, fill)?;
+        let (part, counts, sent) =
+            resplit(group, step, keys, own, self.mirror.as_ref(), want, fill)?;
         self.holds = true;
         self.step = step;
         self.mirror = None;
-        Ok(out)
+        self.sent = Some(Box::new(sent));
+        Ok((part, counts))
     }
 
     /// What the mirrors cost this rank (`what`: what is mirrored).

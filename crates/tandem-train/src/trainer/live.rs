@@ -58,7 +58,9 @@ impl<R: Recipe> Trainer<R> {
                 Err(e) if e.is_peer_failure() || self.group.failure().is_some() => root_cause(&e),
                 Err(e) => return Err(e),
             };
+            tracing::debug!(step = self.global_step, %cause, "live: leaving the world");
             self.regroup_after(cause)?;
+            tracing::debug!(step = self.global_step, world = self.group.size(), "live: regrouped");
         }
     }
 
@@ -106,6 +108,9 @@ impl<R: Recipe> Trainer<R> {
     /// A replacement rank (or every member at the start) joins the running world.
     pub fn join_live(&mut self) -> Result<Option<WorldChange>> {
         let Some(live) = self.live.take() else { return Ok(None) };
+        if live.is_replacement() {
+            tracing::debug!("live: built; joining the running world");
+        }
         let change = live.start(self);
         if live.has_joined() {
             self.group = live.group();

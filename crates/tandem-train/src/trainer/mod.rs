@@ -430,6 +430,18 @@ impl<R: Recipe> Trainer<R> {
             *in_flight = None;
             self.record.times.add(data, &report);
             self.global_step = n;
+            // (Per step, for a timeline of a regroup: `TANDEM_LOG=tandem_train::live=debug`.)
+            tracing::debug!(
+                target: "tandem_train::live",
+                step = n,
+                world,
+                data,
+                forward = report.forward_secs,
+                phases = ?report.phases,
+                backward = report.backward_secs,
+                optimizer = report.optimizer_secs,
+                "step done"
+            );
             if let Some(live) = live.as_ref() {
                 // The state each rank holds alone keeps its live copies (mirrors).
                 if let Some(mut whole) = whole_state(recipe, step, None, 0, n) {
@@ -559,6 +571,7 @@ impl<R: Recipe> Trainer<R> {
             lr,
             loss_scale,
             skipped_steps: skipped,
+            at_unix_s: Some(crate::tfevents::unix_secs()),
         };
         self.record.epochs_seen.push(metrics.clone());
         self.emit(Event::EpochEnded { metrics, epochs: self.opts.epochs })

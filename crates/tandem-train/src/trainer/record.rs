@@ -48,6 +48,7 @@ mod tests {
             lr: 0.1,
             loss_scale: Some(65536.0),
             skipped_steps: 1,
+            at_unix_s: Some(1.8e9),
         };
         let val =
             VerificationMetrics { name: "lfw".into(), accuracy: 0.99, std: 0.01, xnorm: 20.0 };

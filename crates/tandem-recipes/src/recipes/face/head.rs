@@ -231,8 +231,12 @@ impl RankState for HeadPart {
         self.head.set_steps_taken(step);
         optimizer.replace_param(self.index, var)?;
         let entry = head_entry(&rows, &own_entry, world_optimizer, e);
-        // The new rows are this rank's own now: mirrored at once, so the next death is covered.
-        self.send_mirror(group, &rows, Instant::now())?;
+        // The new rows are this rank's own now: mirrored at once, so the next death is covered
+        // (what the re-split moved between neighbours stays where it went).
+        let classes = self.head.config().num_classes;
+        if let Some(live) = self.live.as_mut() {
+            live.exchange_regrouped(group, &rows, classes, Instant::now())?;
+        }
         Ok(PartLoaded {
             entries: vec![entry],
             note: None,
