@@ -182,7 +182,8 @@ fn a_block_without_optimizer_state_gives_zero_momentum() {
 /// gives; returns each rank's bytes sent by that mirror.
 fn regroup_then_mirror(world: usize, own: fn(usize) -> Option<RowBlock>) -> Vec<u64> {
     let got = run_tcp_world(world, move |pg| {
-        let mut live = Mirrored::<RowBlock>::new(10, own(pg.rank()).is_some());
+        let mut live =
+            Mirrored::<RowBlock>::new(10, own(pg.rank()).is_some()).keeping_what_it_sends();
         let want = |rank: usize| vec![shard(world, rank)];
         let mut fill = |r: Range<usize>| -> Result<Option<RowBlock>> { no_fallback(r).map(Some) };
         let mine = own(pg.rank());

@@ -345,11 +345,13 @@ pub fn regroup<P: RankPart>(
     want: &dyn Fn(usize) -> Vec<Range<usize>>,
     fill: &mut Fill<'_, P>,
 ) -> Result<(P, RegroupCounts)> {
-    let (part, counts, _) = resplit(group, step, keys, own, mirror, want, fill)?;
+    let (part, counts, _) = resplit(group, step, keys, own, mirror, want, fill, false)?;
     Ok((part, counts))
 }
 
-/// [`regroup`], and what it already put where the next mirror would ([`SentAsMirror`]).
+/// [`regroup`], and with `keep_sent` what it already put where the next mirror would
+/// ([`SentAsMirror`]: a copy of the pieces this rank sent its predecessor, so only when asked).
+#[allow(clippy::too_many_arguments)]
 fn resplit<P: RankPart>(
     group: &ProcessGroup,
     step: u64,
@@ -358,6 +360,7 @@ fn resplit<P: RankPart>(
     mirror: Option<&P>,
     want: &dyn Fn(usize) -> Vec<Range<usize>>,
     fill: &mut Fill<'_, P>,
+    keep_sent: bool,
 ) -> Result<(P, RegroupCounts, SentAsMirror<P>)> {
     let me = group.rank();
     let mine: Vec<(&P, Held)> = [(own, true), (mirror, false)]
@@ -448,7 +451,7 @@ fn resplit<P: RankPart>(
     }
     let part = P::assemble(&want(me), step, &labels, pieces).with_context(|| P::WHAT)?;
     let world = group.size();
-    let sent = match world >= 2 {
+    let sent = match keep_sent && world >= 2 {
         false => SentAsMirror::none(),
         true => {
             let (prev, next) = ((me + world - 1) % world, (me + 1) % world);
@@ -492,6 +495,8 @@ fn all_from(planned: &[Piece], dst: usize, rank: usize) -> bool {
 pub struct Mirrored<P> {
     every: u64,
     mirror: Option<P>,
+    /// Whether a re-split keeps what it sent for [`Mirrored::exchange_regrouped`].
+    keep_sent: bool,
     /// What the last re-split already put in place, until the mirror after it.
     /// (Boxed: a `Mirrored` sits inside models' wrappers, which should stay small.)
     sent: Option<Box<SentAsMirror<P>>>,
@@ -508,6 +513,7 @@ impl<P: RankPart> Mirrored<P> {
         Mirrored {
             every: every.max(1),
             mirror: None,
+            keep_sent: false,
             sent: None,
             holds,
             step: 0,
@@ -515,6 +521,16 @@ impl<P: RankPart> Mirrored<P> {
             secs: 0.0,
             bytes: 0,
         }
+    }
+
+    /// For a part whose mirror right after a regroup is exactly the re-split's result: each
+    /// re-split keeps a copy of what this rank sent its predecessor when that is the whole of
+    /// its new part, and [`Mirrored::exchange_regrouped`] sends nothing the re-split moved.
+    /// (Off by default: a part that rebuilds its own after a re-split would hold the copy for
+    /// nothing.)
+    pub fn keeping_what_it_sends(mut self) -> Self {
+        self.keep_sent = true;
+        self
     }
 
     /// Whether a mirror is due after step `step`.
@@ -593,12 +609,13 @@ impl<P: RankPart> Mirrored<P> {
         want: &dyn Fn(usize) -> Vec<Range<usize>>,
         fill: &mut Fill<'_, P>,
     ) -> Result<(P, RegroupCounts)> {
+        let mirror = self.mirror.as_ref();
         let (part, counts, sent) =
-            resplit(group, step, keys, own, self.mirror.as_ref(), want, fill)?;
+            resplit(group, step, keys, own, mirror, want, fill, self.keep_sent)?;
         self.holds = true;
         self.step = step;
         self.mirror = None;
-        self.sent = Some(Box::new(sent));
+        self.sent = self.keep_sent.then(|| Box::new(sent));
         Ok((part, counts))
     }
 

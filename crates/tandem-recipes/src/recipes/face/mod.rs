@@ -272,7 +272,10 @@ impl<'a> Face<'a> {
         if let (Wrapped::Fsdp { .. }, Some(l)) = (&backbone, &live) {
             buffers = buffers.live(!l.replacement); // (no replicated model carries them)
         }
-        let mirror = live.map(|l| Mirrored::new(cfg.comm.mirror_every, !l.replacement));
+        let mirror = live.map(|l| {
+            // (Its mirror after a regroup is the re-split's rows as they are.)
+            Mirrored::new(cfg.comm.mirror_every, !l.replacement).keeping_what_it_sends()
+        });
         let mut head = HeadPart::new(head, backbone.params().len(), group.size(), mirror);
         head.gradient_acc = cfg.face.gradient_acc;
         let recipe = Face {
