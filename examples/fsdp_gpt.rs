@@ -1,13 +1,14 @@
 //! A GPT-shaped candle-nn model trained under `Fsdp` (FSDP2's `fully_shard` per block, then the
 //! root): a rank holds a shard of each weight, its gradient and its AdamW moments, and gathers a
-//! block's weights only for its forward and backward. It learns to continue counting sequences.
+//! block's weights only for its forward and backward. Built without values (FSDP2's meta device),
+//! each rank draws only its rows. It learns to continue counting sequences.
 //!   cargo build --release --example fsdp_gpt
 //!   tandem run --nproc-per-node 2 -- target/release/examples/fsdp_gpt
 use anyhow::Result;
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{Device, Module, Tensor};
+use candle_nn::VarBuilder;
 use candle_nn::{embedding, layer_norm, linear, linear_no_bias, Embedding, LayerNorm, Linear};
-use candle_nn::{VarBuilder, VarMap};
-use tandem::fsdp::{Fsdp, FsdpOptions, Units};
+use tandem::fsdp::{Fsdp, FsdpOptions, MetaVarMap, Units};
 use tandem::optim::{AdamWConfig, TorchAdamW};
 
 const VOCAB: usize = 61;
@@ -74,8 +75,8 @@ fn batch(rank: usize, step: usize) -> Result<Tensor> {
 fn main() -> Result<()> {
     tandem::tune_allocator();
     let group = tandem::init()?;
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let meta = MetaVarMap::new(0); // the seed of every rank's rows
+    let vb = meta.var_builder();
     let wte: Embedding = embedding(VOCAB, DIM, vb.pp("wte"))?;
     let wpe = vb.get((SEQ, DIM), "wpe.weight")?;
     let names: Vec<String> = (0..BLOCKS).map(|i| format!("blocks.{i}")).collect();
@@ -85,7 +86,7 @@ fn main() -> Result<()> {
 
     // One unit per block; the root (embeddings, tied output head, last norm) is the rest.
     let units = Units::prefixes(names.clone());
-    let fsdp = Fsdp::from_varmap(&varmap, &group, FsdpOptions { units, ..Default::default() })?;
+    let fsdp = Fsdp::from_meta(&meta, &group, FsdpOptions { units, ..Default::default() })?;
     let blocks = blocks.into_iter().zip(&names).map(|(b, n)| fsdp.fully_shard(n, b));
     let blocks = blocks.collect::<Result<Vec<_>, _>>()?;
     let mut opt = TorchAdamW::new(fsdp.params(), AdamWConfig { lr: 3e-3, ..Default::default() })?;

@@ -51,6 +51,10 @@ pub enum FsdpError {
     /// all-reduce).
     #[error(transparent)]
     Clip(Box<tandem_optim::OptimError>),
+    /// A weights file that cannot be read, or that does not fit the model (missing or
+    /// unknown keys, another shape).
+    #[error("{}: {why}", file.display())]
+    Weights { file: std::path::PathBuf, why: String },
     /// A tensor operation failed.
     #[error("{context}: {source}")]
     Tensor {

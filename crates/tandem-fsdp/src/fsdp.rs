@@ -4,11 +4,13 @@ use std::sync::{Arc, RwLock};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_nn::Init;
 use tandem_comm::{DeviceMesh, ProcessGroup, ReduceOp};
 
 use crate::engine::{add, CommStats, Engine, Param, Unit, UnitFn};
 use crate::error::{comm, tensor, FsdpError, Result};
 use crate::layout::ShardLayout;
+use crate::meta::{draw_rows, MetaVarMap};
 use crate::storage;
 use crate::units::{assign, Units};
 use crate::wire::{MixedPrecisionPolicy, Wire};
@@ -124,6 +126,15 @@ impl<M> FullyShard<M> {
     }
 }
 
+/// Where the shards' values come from.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// The model's own full values (rank 0's, with `sync_module_states`).
+    Full,
+    /// Drawn from a [`MetaVarMap`]'s seed, parameter by parameter in the build's order.
+    Meta { seed: u64, inits: &'a [Init] },
+}
+
 fn check_param(name: &str, var: &Var) -> Result<()> {
     let why = if var.dtype() != DType::F32 {
         format!("dtype {:?}: FSDP shards f32 parameters", var.dtype())
@@ -176,7 +187,7 @@ impl Fsdp {
     /// `group`: every rank keeps its rows of each parameter and the model's `Var`s are freed
     /// until a forward gathers them. A collective on every rank of `group`.
     pub fn new(named: Vec<(String, Var)>, group: &ProcessGroup, opts: FsdpOptions) -> Result<Fsdp> {
-        Fsdp::build(named, (group.clone(), None), opts)
+        Fsdp::build(named, (group.clone(), None), opts, Source::Full)
     }
 
     /// FSDP2's `fully_shard(module, mesh=mesh)`: on a 1-D mesh as [`Fsdp::new`] over its group;
@@ -190,8 +201,8 @@ impl Fsdp {
     ) -> Result<Fsdp> {
         let group = |dim| mesh.group(dim).cloned().map_err(comm("device mesh"));
         match mesh.shape().len() {
-            1 => Fsdp::build(named, (group(0)?, None), opts),
-            2 => Fsdp::build(named, (group(1)?, Some(group(0)?)), opts),
+            1 => Fsdp::build(named, (group(0)?, None), opts, Source::Full),
+            2 => Fsdp::build(named, (group(1)?, Some(group(0)?)), opts, Source::Full),
             n => Err(FsdpError::InvalidOption {
                 what: "mesh",
                 why: format!("a {n}-D mesh: FSDP shards over a 1-D mesh, HSDP over a 2-D one"),
@@ -203,6 +214,7 @@ impl Fsdp {
         named: Vec<(String, Var)>,
         (group, replicate): (ProcessGroup, Option<ProcessGroup>),
         opts: FsdpOptions,
+        source: Source,
     ) -> Result<Fsdp> {
         let names: Vec<&str> = named.iter().map(|(n, _)| n.as_str()).collect();
         for frozen in &opts.frozen {
@@ -215,8 +227,10 @@ impl Fsdp {
         }
         let assignment = assign(&names, &opts.units, opts.shard_root)?;
         let wires = Wire::of_policy(&opts.mixed_precision)?;
-        for (name, var) in &named {
-            check_param(name, var)?;
+        if let Source::Full = source {
+            for (name, var) in &named {
+                check_param(name, var)?;
+            }
         }
         let (rank, world) = (group.rank(), group.size());
         same_model_everywhere(&named, &group)?;
@@ -224,21 +238,28 @@ impl Fsdp {
             same_model_everywhere(&named, replicas)?;
         }
         let mut params = Vec::with_capacity(named.len());
-        for ((name, full), &unit) in named.into_iter().zip(&assignment.of) {
-            let mut values = full
-                .flatten_all()
-                .and_then(|t| t.to_vec1::<f32>())
-                .map_err(tensor(format!("reading `{name}`")))?;
-            if opts.sync_module_states {
-                // Down the first column, then along every row: rank 0's values everywhere.
-                for g in replicate.iter().chain([&group]).filter(|g| g.size() > 1) {
-                    g.broadcast(&mut values, 0).map_err(comm("broadcast"))?;
-                }
-            }
+        for (i, ((name, full), &unit)) in named.into_iter().zip(&assignment.of).enumerate() {
             let layout = ShardLayout::new(full.dims(), rank, world);
-            let shard =
-                Var::from_slice(layout.my_part(&values), layout.shard_dims(), full.device())
-                    .map_err(tensor(format!("the shard of `{name}`")))?;
+            let values = match source {
+                Source::Full => {
+                    let mut values = full
+                        .flatten_all()
+                        .and_then(|t| t.to_vec1::<f32>())
+                        .map_err(tensor(format!("reading `{name}`")))?;
+                    if opts.sync_module_states {
+                        // Down the first column, then along every row: rank 0's values everywhere.
+                        for g in replicate.iter().chain([&group]).filter(|g| g.size() > 1) {
+                            g.broadcast(&mut values, 0).map_err(comm("broadcast"))?;
+                        }
+                    }
+                    layout.my_part(&values).to_vec()
+                }
+                Source::Meta { seed, inits } => {
+                    draw_rows(&name, full.shape(), &inits[i], seed, layout.my_rows())
+                }
+            };
+            let shard = Var::from_vec(values, layout.shard_dims(), full.device())
+                .map_err(tensor(format!("the shard of `{name}`")))?;
             storage::free(full.as_tensor()).map_err(tensor(format!("freeing `{name}`")))?;
             let trainable = !opts.frozen.contains(&name);
             params.push(Param { name, full, shard, layout, trainable, unit });
@@ -270,8 +291,23 @@ impl Fsdp {
         Fsdp::new(tandem_nn::NamedVars::from_varmap(varmap).named_parameters(), group, opts)
     }
 
+    /// FSDP2's meta-device init: shards the parameters of a model built on `meta` (which
+    /// hold no values) over `group`, every rank drawing only its rows of each from the init the
+    /// model asked for — a rank never holds the whole model. The values are the map's seeded
+    /// draws, the same on any number of ranks ([`MetaVarMap::materialize`]), so
+    /// `sync_module_states` has nothing to do. The map's buffers stay whole
+    /// ([`MetaVarMap::buffers`]). Load trained weights afterwards with
+    /// [`Fsdp::load_safetensors`]. A collective on every rank of `group`.
+    pub fn from_meta(meta: &MetaVarMap, group: &ProcessGroup, opts: FsdpOptions) -> Result<Fsdp> {
+        let params = meta.params();
+        let inits: Vec<Init> = params.iter().map(|p| p.init).collect();
+        let named = params.into_iter().map(|p| (p.name, p.var)).collect();
+        let source = Source::Meta { seed: meta.seed(), inits: &inits };
+        Fsdp::build(named, (group.clone(), None), opts, source)
+    }
+
     /// The engine of the current world.
-    fn engine(&self) -> Arc<Engine> {
+    pub(crate) fn engine(&self) -> Arc<Engine> {
         self.current.get()
     }
 

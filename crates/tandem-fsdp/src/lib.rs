@@ -28,6 +28,8 @@
 //! | FSDP2 | tandem |
 //! |---|---|
 //! | `fully_shard(block)` per block | [`Units`] in [`FsdpOptions::units`], [`Fsdp::fully_shard`] / [`Fsdp::run_unit`] where the model calls the block |
+//! | `with torch.device("meta")`, then `to_empty()` and `init_weights()` | [`MetaVarMap`], [`Fsdp::from_meta`]: each rank draws only its rows |
+//! | `set_model_state_dict(model, full_sd)` | [`Fsdp::load_safetensors`]: each rank reads only its rows |
 //! | `fully_shard(model)` (root) | [`FsdpOptions::shard_root`] (default), [`Fsdp::forward`] around the model's forward |
 //! | `loss.backward()` | [`Fsdp::backward`] (returns the shards' gradients) |
 //! | `model.parameters()` to the optimizer | [`Fsdp::params`] |
@@ -58,14 +60,17 @@ mod engine;
 mod error;
 mod fsdp;
 mod layout;
+mod meta;
 mod storage;
 mod unit_op;
 mod units;
+mod weights;
 mod wire;
 
 pub use engine::CommStats;
 pub use error::{FsdpError, Result};
 pub use fsdp::{Fsdp, FsdpOptions, FullyShard, Shard};
 pub use layout::shard_rows;
+pub use meta::MetaVarMap;
 pub use units::{UnitOf, Units};
 pub use wire::MixedPrecisionPolicy;

@@ -1,0 +1,278 @@
+//! Building a sharded model without ever holding it whole (FSDP2's meta-device init) and
+//! loading trained weights into it row by row: the values against a whole build, on 1, 2 and
+//! 3 ranks, and the errors a weights file that does not fit the model gets.
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{Embedding, LayerNorm, Linear, VarBuilder};
+use tandem_fsdp::{Fsdp, FsdpOptions, FullyShard, MetaVarMap, Units};
+use tandem_testutil::run_tcp_world;
+
+const VOCAB: usize = 37; // uneven over 2 and 3 ranks
+const DIM: usize = 12;
+
+/// A small transformer-shaped model in stock candle-nn layers and their default inits.
+struct Net<B> {
+    wte: Embedding,
+    wpe: Tensor,
+    blocks: Vec<B>,
+    norm: LayerNorm,
+    head: Linear,
+}
+
+struct Block {
+    fc1: Linear,
+    fc2: Linear,
+}
+
+impl Module for Block {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        x + self.fc2.forward(&self.fc1.forward(x)?.gelu_erf()?)?
+    }
+}
+
+fn build(vb: VarBuilder) -> Net<Block> {
+    let block = |i: usize| {
+        let vb = vb.pp(format!("blocks.{i}"));
+        Block {
+            fc1: candle_nn::linear(DIM, 4 * DIM + 1, vb.pp("fc1")).unwrap(),
+            fc2: candle_nn::linear(4 * DIM + 1, DIM, vb.pp("fc2")).unwrap(),
+        }
+    };
+    Net {
+        wte: candle_nn::embedding(VOCAB, DIM, vb.pp("wte")).unwrap(),
+        wpe: vb
+            .get_with_hints(DIM, "wpe.weight", candle_nn::Init::Randn { mean: 0., stdev: 0.02 })
+            .unwrap(),
+        blocks: (0..2).map(block).collect(),
+        norm: candle_nn::layer_norm(DIM, 1e-5, vb.pp("norm")).unwrap(),
+        head: candle_nn::linear(DIM, VOCAB, vb.pp("head")).unwrap(),
+    }
+}
+
+impl<B: Module> Net<B> {
+    fn loss(&self, tokens: &Tensor) -> candle_core::Result<Tensor> {
+        let mut x = self.wte.forward(tokens)?.broadcast_add(&self.wpe)?;
+        for b in &self.blocks {
+            x = b.forward(&x)?;
+        }
+        // The head plus the embedding read again (a tied weight: two gradients to add).
+        let x = self.norm.forward(&x)?;
+        let tied = x.broadcast_matmul(&self.wte.embeddings().t()?)?;
+        let logits = (self.head.forward(&x)? + tied)?;
+        candle_nn::ops::log_softmax(&logits, D::Minus1)?.mean_all()?.neg()
+    }
+}
+
+fn shard(net: Net<Block>, fsdp: &Fsdp) -> Net<FullyShard<Block>> {
+    let blocks = net.blocks.into_iter().enumerate();
+    Net {
+        wte: net.wte,
+        wpe: net.wpe,
+        blocks: blocks.map(|(i, b)| fsdp.fully_shard(&format!("blocks.{i}"), b).unwrap()).collect(),
+        norm: net.norm,
+        head: net.head,
+    }
+}
+
+fn opts() -> FsdpOptions {
+    FsdpOptions { units: Units::prefixes(["blocks.0", "blocks.1"]), ..FsdpOptions::default() }
+}
+
+fn tokens() -> Tensor {
+    Tensor::from_vec((0..16u32).map(|i| i * 7 % VOCAB as u32).collect(), 16, &Device::Cpu).unwrap()
+}
+
+/// The model whole, as a sharded build from `seed` draws it, and its loss on `tokens()`.
+fn whole(seed: u64) -> (HashMap<String, Vec<f32>>, f32) {
+    let meta = MetaVarMap::new(seed);
+    let net = build(meta.var_builder());
+    let vars = meta.materialize().unwrap();
+    let loss = net.loss(&tokens()).unwrap().to_scalar::<f32>().unwrap();
+    let values = vars
+        .into_iter()
+        .map(|(n, v)| (n, v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect();
+    (values, loss)
+}
+
+/// Built on meta and sharded over 1, 2 and 3 ranks, every rank holds only its rows, the
+/// gathered model is the whole build from the same seed bit for bit, and its loss is that
+/// build's: a sharded init does not depend on the number of ranks.
+#[test]
+fn a_model_built_on_meta_is_the_same_bits_on_one_two_and_three_ranks() {
+    let (want, want_loss) = whole(11);
+    assert_eq!(want.len(), 14, "{:?}", want.keys());
+    for world in 1..=3 {
+        let out = run_tcp_world(world, |pg| {
+            let meta = MetaVarMap::new(11);
+            let net = build(meta.var_builder());
+            let fsdp = Fsdp::from_meta(&meta, &pg, opts()).unwrap();
+            let rows: Vec<(String, usize)> =
+                fsdp.shards().iter().map(|s| (s.name.clone(), s.var.dims()[0])).collect();
+            let state = fsdp.full_state_dict().unwrap();
+            // The model's tensors are f32 while freed: backward's accumulators take their dtype
+            // (the example's tied embedding failed to add a u8 zero to an f32 gradient).
+            for t in [net.wte.embeddings(), &net.wpe, net.head.weight(), net.norm.weight()] {
+                assert_eq!(t.dtype(), DType::F32);
+            }
+            let net = shard(net, &fsdp);
+            let loss = fsdp.forward(|| net.loss(&tokens())).unwrap();
+            fsdp.backward(&loss).unwrap(); // (a step ends with its backward)
+            (rows, state, loss.to_scalar::<f32>().unwrap())
+        });
+        for (rank, (rows, state, loss)) in out.into_iter().enumerate() {
+            let wte = rows.iter().find(|(n, _)| n == "wte.weight").unwrap().1;
+            assert_eq!(wte, tandem_fsdp::shard_rows(&[VOCAB, DIM], rank, world).len());
+            assert_eq!(state.len(), want.len());
+            for (name, t) in state {
+                let got = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert!(got == want[&name], "{world} rank(s), rank {rank}: `{name}` differs");
+            }
+            assert_eq!(loss, want_loss, "{world} rank(s), rank {rank}: the loss");
+        }
+    }
+    // The draws follow the layers' inits: LayerNorm's ones and zeros, Linear's bounds.
+    assert!(want["norm.weight"].iter().all(|&v| v == 1.0));
+    assert!(want["norm.bias"].iter().all(|&v| v == 0.0));
+    let bound = 1.0 / (DIM as f32).sqrt();
+    assert!(want["blocks.0.fc1.bias"].iter().all(|v| v.abs() <= bound));
+    assert_ne!(whole(12).0["head.weight"], want["head.weight"], "another seed, other values");
+}
+
+/// A model read before it is sharded: the read is an error naming the freed parameter, not a
+/// read of memory that is not there.
+#[test]
+fn reading_a_meta_parameter_is_an_error() {
+    let meta = MetaVarMap::new(0);
+    let net = build(meta.var_builder());
+    let err = net.loss(&tokens()).unwrap_err().to_string().to_lowercase();
+    assert!(err.contains("f8e8m0"), "{err}");
+}
+
+fn save(path: &Path, tensors: Vec<(String, Tensor)>) {
+    let map: HashMap<String, Tensor> = tensors.into_iter().collect();
+    candle_core::safetensors::save(&map, path).unwrap();
+}
+
+/// "Trained" weights (another seed), written as DDP's wrapper names them (`module.`), split
+/// over two files, the head's weight stored in f16, with a BatchNorm-style buffer beside them.
+/// Returns the files and the values a load must give (the f16 one widened).
+fn pretrained(dir: &Path) -> (Vec<PathBuf>, HashMap<String, Vec<f32>>) {
+    let (mut values, _) = whole(99);
+    let mut tensors: Vec<(String, Tensor)> = Vec::new();
+    for (n, v) in values.iter_mut() {
+        let mut t = Tensor::from_vec(v.clone(), shape_of(n), &Device::Cpu).unwrap();
+        if n == "head.weight" {
+            t = t.to_dtype(DType::F16).unwrap();
+            *v = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        }
+        tensors.push((format!("module.{n}"), t));
+    }
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let buffer = Tensor::from_vec(vec![0.5f32, 1.5, 2.5], 3, &Device::Cpu).unwrap();
+    tensors.push(("module.bn.running_var".into(), buffer));
+    let second = tensors.split_off(tensors.len() / 2);
+    let paths = vec![dir.join("model-1.safetensors"), dir.join("model-2.safetensors")];
+    save(&paths[0], tensors);
+    save(&paths[1], second);
+    (paths, values)
+}
+
+fn shape_of(name: &str) -> Vec<usize> {
+    let meta = MetaVarMap::new(0);
+    let _ = build(meta.var_builder());
+    meta.materialize()
+        .unwrap()
+        .into_iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.dims().to_vec())
+        .unwrap()
+}
+
+/// Each rank reads its rows of the files into its shards: the gathered model is the files'
+/// values exactly, on 2 and 3 ranks, through the wrapper's `module.` prefix; the buffer comes
+/// back whole for the caller.
+#[test]
+fn trained_weights_load_row_by_row_on_any_number_of_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let (files, want) = pretrained(dir.path());
+    for world in [2, 3] {
+        let files = files.clone();
+        let out = run_tcp_world(world, move |pg| {
+            let meta = MetaVarMap::new(5);
+            let _net = build(meta.var_builder());
+            let fsdp = Fsdp::from_meta(&meta, &pg, opts()).unwrap();
+            let buffers = fsdp.load_safetensors(&files).unwrap();
+            (fsdp.full_state_dict().unwrap(), buffers)
+        });
+        for (rank, (state, buffers)) in out.into_iter().enumerate() {
+            for (name, t) in state {
+                let got = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert!(got == want[&name], "{world} rank(s), rank {rank}: `{name}` not loaded");
+            }
+            assert_eq!(buffers.len(), 1);
+            assert_eq!(buffers[0].0, "bn.running_var");
+            assert_eq!(buffers[0].1.to_vec1::<f32>().unwrap(), [0.5, 1.5, 2.5]);
+        }
+    }
+}
+
+/// Weights that do not fit: a missing parameter, another shape, a key of no parameter, a
+/// truncated file — each an error naming the key or file, and the shards as they were.
+#[test]
+fn weights_that_do_not_fit_are_refused_by_name_and_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (files, want) = pretrained(dir.path());
+    let mut all = Vec::new();
+    for f in &files {
+        all.extend(candle_core::safetensors::load(f, &Device::Cpu).unwrap());
+    }
+    type Tensors = Vec<(String, Tensor)>;
+    let variant = |name: &str, edit: &dyn Fn(&mut Tensors)| -> PathBuf {
+        let mut t = all.clone();
+        edit(&mut t);
+        let path = dir.path().join(name);
+        save(&path, t);
+        path
+    };
+    let missing = variant("missing.safetensors", &|t| t.retain(|(k, _)| k != "module.head.bias"));
+    let reshaped = variant("reshaped.safetensors", &|t| {
+        let at = t.iter().position(|(k, _)| k == "module.head.bias").unwrap();
+        t[at].1 = Tensor::zeros(VOCAB + 1, DType::F32, &Device::Cpu).unwrap();
+    });
+    let extra = variant("extra.safetensors", &|t| {
+        t.push((
+            "module.lm_head.weight".into(),
+            Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap(),
+        ))
+    });
+    let truncated = dir.path().join("truncated.safetensors");
+    let bytes = std::fs::read(&files[0]).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() - 10]).unwrap();
+    let cases: Vec<(PathBuf, Vec<&str>)> = vec![
+        (missing.clone(), vec!["missing.safetensors", "`head.bias`"]),
+        (reshaped.clone(), vec!["reshaped.safetensors", "`module.head.bias`", "[38]", "[37]"]),
+        (extra.clone(), vec!["extra.safetensors", "`module.lm_head.weight`", "no parameter"]),
+        (truncated.clone(), vec!["truncated.safetensors", "truncated"]),
+    ];
+    run_tcp_world(2, move |pg| {
+        let meta = MetaVarMap::new(5);
+        let _net = build(meta.var_builder());
+        let fsdp = Fsdp::from_meta(&meta, &pg, opts()).unwrap();
+        let before = fsdp.full_state_dict().unwrap();
+        for (file, words) in &cases {
+            let err = fsdp.load_safetensors(&[file]).unwrap_err().to_string();
+            for w in words {
+                assert!(err.contains(w), "{}: `{w}` not in: {err}", file.display());
+            }
+            for ((name, a), (_, b)) in before.iter().zip(fsdp.full_state_dict().unwrap()) {
+                let (a, b) = (a.flatten_all().unwrap(), b.flatten_all().unwrap());
+                let same = a.to_vec1::<f32>().unwrap() == b.to_vec1::<f32>().unwrap();
+                assert!(same, "{}: `{name}` changed by a refused load", file.display());
+            }
+        }
+    });
+    assert!(want.contains_key("head.bias"));
+}
