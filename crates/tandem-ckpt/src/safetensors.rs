@@ -1,8 +1,11 @@
 //! safetensors files (weights only), through the `safetensors` crate. A file is a flat
 //! `name -> tensor` map: nested dicts are flattened with `.` on save; tied tensors are written
-//! once per name (the format has no sharing).
+//! once per name (the format has no sharing). [`RowReader`] reads runs of rows where they lie.
+use std::fs::File;
 use std::io::Write;
-use std::path::Path;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
 
 use crate::error::{CkptError, Result};
 use crate::pt::{FileBytes, LoadOptions};
@@ -179,6 +182,124 @@ pub(crate) fn from_bytes(path: &Path, fb: &FileBytes) -> Result<Value> {
     Ok(Value::Dict(items.into_iter().map(|(_, n, t)| (Value::Str(n), Value::Tensor(t))).collect()))
 }
 
+/// The most header bytes a file may announce (the safetensors crate's own limit).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// One file of a [`RowReader`]: its header, and where its data starts.
+struct RowFile {
+    path: PathBuf,
+    file: File,
+    data_start: u64,
+    meta: safetensors::tensor::Metadata,
+}
+
+impl RowFile {
+    fn open(path: &Path) -> Result<RowFile> {
+        let file = File::open(path).map_err(|e| CkptError::io(path, e))?;
+        let len = file.metadata().map_err(|e| CkptError::io(path, e))?.len();
+        let mut n = [0u8; 8];
+        file.read_exact_at(&mut n, 0).map_err(|e| CkptError::io(path, e))?;
+        let n = u64::from_le_bytes(n);
+        if n > MAX_HEADER || n + 8 > len {
+            let why = format!("a header of {n} bytes in a file of {len}: not safetensors");
+            return Err(CkptError::format(path, why));
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact_at(&mut header, 8).map_err(|e| CkptError::io(path, e))?;
+        let meta: safetensors::tensor::Metadata = serde_json::from_slice(&header)
+            .map_err(|e| CkptError::format(path, format!("an unreadable header: {e}")))?;
+        let data_start = 8 + n;
+        for (name, info) in meta.tensors() {
+            let (start, end) = info.data_offsets;
+            let elems = info.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+            let bytes = elems.and_then(|e| e.checked_mul(info.dtype.bitsize() / 8));
+            if bytes != Some(end.saturating_sub(start)) || data_start + end as u64 > len {
+                let why = format!(
+                    "tensor `{name}` ({:?} {:?}) says bytes {start}..{end}, which its shape or \
+                     the file's {len} bytes do not hold (truncated?)",
+                    info.dtype, info.shape
+                );
+                return Err(CkptError::format(path, why));
+            }
+        }
+        Ok(RowFile { path: path.to_path_buf(), file, data_start, meta })
+    }
+}
+
+/// Rows of the tensors of safetensors files, read where they lie: each file's header is
+/// parsed (its announced length bounded, every tensor's bytes checked against its shape and
+/// the file's length) and a run of rows is one positioned read — no file is mapped or read
+/// whole. For a rank that needs only its rows of a model too large for it (tandem-fsdp's
+/// `Fsdp::load_safetensors`). Written here because the `safetensors` crate parses only a
+/// buffer holding the whole file. Several files read as one state dict (a model saved in
+/// shards); a key in two of them is an error.
+pub struct RowReader {
+    files: Vec<RowFile>,
+}
+
+impl RowReader {
+    pub fn open(paths: &[PathBuf]) -> Result<RowReader> {
+        let files = paths.iter().map(|p| RowFile::open(p)).collect::<Result<Vec<_>>>()?;
+        for (i, a) in files.iter().enumerate() {
+            for b in &files[i + 1..] {
+                if let Some(key) = a.meta.tensors().keys().find(|k| b.meta.info(k).is_some()) {
+                    let why = format!("`{key}` is also in {}", a.path.display());
+                    return Err(CkptError::format(&b.path, why));
+                }
+            }
+        }
+        Ok(RowReader { files })
+    }
+
+    /// Every key with its file, sorted by key.
+    pub fn keys(&self) -> Vec<(String, &Path)> {
+        let mut keys: Vec<(String, &Path)> = self
+            .files
+            .iter()
+            .flat_map(|f| f.meta.tensors().into_keys().map(move |k| (k, f.path.as_path())))
+            .collect();
+        keys.sort();
+        keys
+    }
+
+    fn find(&self, key: &str) -> Option<(&RowFile, &safetensors::tensor::TensorInfo)> {
+        self.files.iter().find_map(|f| f.meta.info(key).map(|info| (f, info)))
+    }
+
+    /// The shape `key` is stored with.
+    pub fn shape(&self, key: &str) -> Option<Vec<usize>> {
+        self.find(key).map(|(_, info)| info.shape.clone())
+    }
+
+    /// Rows `rows` of tensor `key` (a scalar is one row) as a contiguous tensor of its stored
+    /// dtype, `rows.len()` rows.
+    pub fn read_rows(&self, key: &str, rows: Range<usize>) -> Result<TensorData> {
+        let Some((f, info)) = self.find(key) else {
+            let path = self.files.first().map(|f| f.path.clone()).unwrap_or_default();
+            return Err(CkptError::format(path, format!("no tensor `{key}`")));
+        };
+        let dtype = from_st(info.dtype).ok_or_else(|| {
+            CkptError::format(&f.path, format!("`{key}` has dtype {:?}", info.dtype))
+        })?;
+        let row_elems: usize = info.shape.iter().skip(1).product();
+        let row_bytes = row_elems * dtype.size();
+        let total = info.shape.first().copied().unwrap_or(1);
+        if rows.start > rows.end || rows.end > total {
+            let why = format!("`{key}` has {total} rows, not {rows:?}");
+            return Err(CkptError::format(&f.path, why));
+        }
+        let mut bytes = vec![0u8; rows.len() * row_bytes];
+        let at = f.data_start + (info.data_offsets.0 + rows.start * row_bytes) as u64;
+        f.file.read_exact_at(&mut bytes, at).map_err(|e| CkptError::io(&f.path, e))?;
+        let mut shape = info.shape.clone();
+        match shape.first_mut() {
+            Some(first) => *first = rows.len(),
+            None => shape.push(rows.len()),
+        }
+        Ok(TensorData::from_bytes(dtype, &shape, bytes))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::borrow::Cow;
@@ -219,5 +340,44 @@ mod tests {
         let meta = Some(std::collections::HashMap::from([("format".into(), "pt".into())]));
         let expected = safetensors::serialize(views, meta).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), expected);
+    }
+
+    /// Runs of rows read in place are those rows of the whole tensor, in the stored dtype, a
+    /// scalar as one row; a header that promises more than the file holds is refused naming
+    /// the file and tensor; a header length beyond the bound is not read.
+    #[test]
+    fn row_reads_are_the_rows_of_the_whole_tensor() {
+        let w: Vec<f32> = (0..20).map(|i| i as f32 * 0.5).collect();
+        let value = Value::dict_from([
+            ("w", Value::Tensor(TensorData::from_f32(&[5, 4], &w))),
+            ("n", Value::Tensor(TensorData::from_i64(&[], &[7]))),
+        ]);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.safetensors");
+        save(&path, &value).unwrap();
+        let reader = RowReader::open(std::slice::from_ref(&path)).unwrap();
+        let keys: Vec<String> = reader.keys().into_iter().map(|(k, _)| k).collect();
+        assert_eq!(keys, ["n", "w"]);
+        for rows in [0..5, 1..3, 4..5, 2..2] {
+            let t = reader.read_rows("w", rows.clone()).unwrap();
+            assert_eq!(t.shape, [rows.len(), 4]);
+            assert_eq!(t.to_f32_vec(), w[rows.start * 4..rows.end * 4]);
+        }
+        let n = reader.read_rows("n", 0..1).unwrap();
+        assert_eq!((n.dtype, n.to_i64_vec()), (ElemType::I64, vec![7]));
+        let err = reader.read_rows("w", 3..6).unwrap_err().to_string();
+        assert!(err.contains("m.safetensors") && err.contains("5 rows"), "{err}");
+
+        let bytes = std::fs::read(&path).unwrap();
+        let cut = dir.path().join("cut.safetensors");
+        std::fs::write(&cut, &bytes[..bytes.len() - 4]).unwrap();
+        let err = RowReader::open(&[cut]).err().unwrap().to_string();
+        assert!(err.contains("cut.safetensors") && err.contains("truncated"), "{err}");
+        let huge = dir.path().join("huge.safetensors");
+        std::fs::write(&huge, u64::MAX.to_le_bytes()).unwrap();
+        let err = RowReader::open(&[huge]).err().unwrap().to_string();
+        assert!(err.contains("huge.safetensors") && err.contains("not safetensors"), "{err}");
+        let twice = RowReader::open(&[path.clone(), path]).err().unwrap().to_string();
+        assert!(twice.contains("is also in"), "{twice}");
     }
 }

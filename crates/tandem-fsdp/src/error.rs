@@ -55,6 +55,9 @@ pub enum FsdpError {
     /// unknown keys, another shape).
     #[error("{}: {why}", file.display())]
     Weights { file: std::path::PathBuf, why: String },
+    /// A weights file that cannot be read (tandem-ckpt's error names it).
+    #[error(transparent)]
+    Read(Box<tandem_ckpt::CkptError>),
     /// A tensor operation failed.
     #[error("{context}: {source}")]
     Tensor {
