@@ -107,23 +107,50 @@ pub fn save(path: &Path, value: &Value) -> Result<()> {
             });
         }
     }
-    // The layout safetensors' own writer uses (descending dtype alignment, then name; header
-    // from the crate's `Metadata`, padded to 8 bytes), written straight into our atomic temp
-    // file: `serialize_to_file` would pre-size a second temp file and rename it over ours.
-    let mut order: Vec<&(String, TensorData)> = tensors.iter().collect();
-    order.sort_by(|(ln, lt), (rn, rt)| to_st(rt.dtype).cmp(&to_st(lt.dtype)).then(ln.cmp(rn)));
+    let specs: Vec<TensorSpec> = tensors
+        .iter()
+        .map(|(name, t)| TensorSpec { name: name.clone(), dtype: t.dtype, shape: t.shape.clone() })
+        .collect();
+    save_streaming(path, &specs, |i, w| w.write_all(&tensors[i].1.contiguous_bytes()))
+}
+
+/// A tensor of a file [`save_streaming`] writes.
+#[derive(Clone, Debug)]
+pub struct TensorSpec {
+    pub name: String,
+    pub dtype: ElemType,
+    pub shape: Vec<usize>,
+}
+
+/// Writes a safetensors file one tensor at a time, atomically (a crash leaves the old file or
+/// none): the header from each tensor's name, dtype and shape, then `write(i, out)` for each
+/// tensor `i` of `tensors` in the file's order, which must write exactly that tensor's bytes
+/// (row-major, little-endian) — for a writer that holds one tensor at a time, such as a sharded
+/// model gathered parameter by parameter. The layout is safetensors' own writer's (descending
+/// dtype alignment, then name; the header the crate's `Metadata`, padded to 8 bytes), written
+/// straight into the atomic temp file.
+pub fn save_streaming(
+    path: &Path,
+    tensors: &[TensorSpec],
+    mut write: impl FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
+) -> Result<()> {
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by(|&l, &r| {
+        let (l, r) = (&tensors[l], &tensors[r]);
+        to_st(r.dtype).cmp(&to_st(l.dtype)).then(l.name.cmp(&r.name))
+    });
+    let size = |t: &TensorSpec| t.shape.iter().product::<usize>() * t.dtype.size();
     let mut infos = Vec::with_capacity(order.len());
     let mut offset = 0;
-    for (name, t) in &order {
-        let n = t.nbytes();
-        infos.push((
-            name.clone(),
-            safetensors::tensor::TensorInfo {
-                dtype: to_st(t.dtype),
-                shape: t.shape.clone(),
-                data_offsets: (offset, offset + n),
-            },
-        ));
+    for &i in &order {
+        let t = &tensors[i];
+        let n = size(t);
+        let info = safetensors::tensor::TensorInfo {
+            dtype: to_st(t.dtype),
+            shape: t.shape.clone(),
+            data_offsets: (offset, offset + n),
+        };
+        infos.push((t.name.clone(), info));
         offset += n;
     }
     let unsupported =
@@ -134,14 +161,39 @@ pub fn save(path: &Path, value: &Value) -> Result<()> {
     let mut header = serde_json::to_vec(&metadata).map_err(|e| unsupported(e.to_string()))?;
     header.resize(header.len().next_multiple_of(8), b' ');
     crate::atomic::write_atomic(path, |f| {
-        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        let mut w = Counted { inner: std::io::BufWriter::with_capacity(1 << 20, f), bytes: 0 };
         w.write_all(&(header.len() as u64).to_le_bytes())?;
         w.write_all(&header)?;
-        for (_, t) in &order {
-            w.write_all(&t.contiguous_bytes())?;
+        for &i in &order {
+            let before = w.bytes;
+            write(i, &mut w)?;
+            let (wrote, want) = (w.bytes - before, size(&tensors[i]));
+            if wrote != want {
+                let name = &tensors[i].name;
+                let why = format!("tensor `{name}`: {wrote} bytes written for {want}");
+                return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, why));
+            }
         }
         w.flush()
     })
+}
+
+/// A writer counting the bytes through it.
+struct Counted<W> {
+    inner: W,
+    bytes: usize,
+}
+
+impl<W: Write> Write for Counted<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.bytes += n;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 /// Reads a safetensors file into a dict `name -> tensor` in file order (memory-mapped when large).

@@ -6,9 +6,12 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 use tandem_ckpt::keys::strip_wrappers;
-use tandem_ckpt::safetensors::RowReader;
+use tandem_ckpt::safetensors::{save_streaming, RowReader, TensorSpec};
+use tandem_ckpt::ElemType;
+use tandem_nn::kernels::with_f32_slice;
 
-use crate::error::{tensor, FsdpError, Result};
+use crate::engine::{Engine, Param};
+use crate::error::{comm, tensor, FsdpError, Result};
 use crate::fsdp::Fsdp;
 use crate::meta::is_buffer;
 
@@ -105,5 +108,116 @@ impl Fsdp {
             out.push((name, whole));
         }
         Ok(out)
+    }
+
+    /// Writes the model whole as one safetensors file (readable by candle, PyTorch's
+    /// `safetensors.torch.load_file` and [`Fsdp::load_safetensors`] on any number of ranks),
+    /// gathered one parameter at a time to rank 0, which writes it atomically: FSDP2's
+    /// `get_model_state_dict(full_state_dict=True, cpu_offload=True)` and `save_file`, without
+    /// a rank ever holding the whole model (PyTorch's gathers it all on rank 0). `buffers` (the
+    /// caller's whole tensors, BatchNorm's statistics) are written from rank 0's values. Every
+    /// rank returns the same result: an error naming the file when rank 0 could not write it. A
+    /// collective on every rank.
+    pub fn save_safetensors(
+        &self,
+        path: impl AsRef<Path>,
+        buffers: &[(String, Tensor)],
+    ) -> Result<()> {
+        let path = path.as_ref();
+        let e = self.engine();
+        // The parameters in file order: all float32, so by name (safetensors' writer orders
+        // by dtype, then name); every rank gathers them in this order.
+        let mut order: Vec<usize> = (0..e.params.len()).collect();
+        order.sort_by(|&a, &b| e.params[a].name.cmp(&e.params[b].name));
+        let writes = e.group.rank() == 0 && self.is_first_replica();
+        let mut gathered = 0;
+        let mut status = Vec::new();
+        if writes {
+            let written = write_file(&e, path, buffers, &order, &mut gathered);
+            if let Err(err) = written {
+                status = err.to_string().into_bytes();
+            }
+        }
+        // A rank that did not write, or a writer that stopped early, gathers the rest: the
+        // collectives stay in step whatever rank 0's disk did.
+        for &p in &order[gathered..] {
+            gather_to_first(&e, &e.params[p])?;
+        }
+        e.group.broadcast_bytes(&mut status, 0).map_err(comm("broadcast"))?;
+        if status.is_empty() {
+            return Ok(());
+        }
+        let why = String::from_utf8_lossy(&status).into_owned();
+        match writes {
+            true => Err(bad(path, why)),
+            false => Err(bad(path, format!("rank 0 could not write it: {why}"))),
+        }
+    }
+}
+
+/// Parameter `p` whole on the group's rank 0 (`None` elsewhere).
+fn gather_to_first(e: &Engine, p: &Param) -> Result<Option<Vec<f32>>> {
+    let mut input = Vec::with_capacity(p.layout.padded_len());
+    with_f32_slice(p.shard.as_tensor(), |shard| p.layout.pack_shard(shard, &mut input))
+        .map_err(tensor(format!("reading the shard of `{}`", p.name)))?;
+    if e.group.rank() != 0 {
+        e.group.gather(&input, None, 0).map_err(comm("gather"))?;
+        return Ok(None);
+    }
+    let mut full = vec![0f32; input.len() * e.group.size()];
+    e.group.gather(&input, Some(&mut full), 0).map_err(comm("gather"))?;
+    full.truncate(p.layout.full_len());
+    Ok(Some(full))
+}
+
+/// Rank 0's side of [`Fsdp::save_safetensors`]: the file, each parameter gathered as the
+/// writer reaches it (`gathered` counts those of `order` taken).
+fn write_file(
+    e: &Engine,
+    path: &Path,
+    buffers: &[(String, Tensor)],
+    order: &[usize],
+    gathered: &mut usize,
+) -> Result<()> {
+    let mut whole = Vec::with_capacity(buffers.len());
+    for (name, t) in buffers {
+        let data = tandem_nn::convert::to_ckpt(t)
+            .map_err(|err| bad(path, format!("buffer `{name}`: {err}")))?;
+        whole.push(data);
+    }
+    let params = e.params.iter().map(|p| TensorSpec {
+        name: p.name.clone(),
+        dtype: ElemType::F32,
+        shape: p.layout.dims.clone(),
+    });
+    let kept = buffers.iter().zip(&whole).map(|((name, _), t)| TensorSpec {
+        name: name.clone(),
+        dtype: t.dtype,
+        shape: t.shape.clone(),
+    });
+    let specs: Vec<TensorSpec> = params.chain(kept).collect();
+    let mut failed = None;
+    let written = save_streaming(path, &specs, |i, out| {
+        let Some(p) = e.params.get(i) else {
+            return out.write_all(&whole[i - e.params.len()].contiguous_bytes());
+        };
+        if order.get(*gathered) != Some(&i) {
+            let why = format!("`{}` out of the gathering order", p.name);
+            return Err(std::io::Error::other(why));
+        }
+        *gathered += 1;
+        match gather_to_first(e, p) {
+            Ok(full) => out.write_all(bytemuck::cast_slice(&full.unwrap_or_default())),
+            Err(err) => {
+                let why = err.to_string();
+                failed = Some(err);
+                Err(std::io::Error::other(why))
+            }
+        }
+    });
+    match (failed, written) {
+        (Some(err), _) => Err(err),
+        (None, Err(err)) => Err(read(err)),
+        (None, Ok(())) => Ok(()),
     }
 }

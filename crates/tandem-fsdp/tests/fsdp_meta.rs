@@ -276,3 +276,71 @@ fn weights_that_do_not_fit_are_refused_by_name_and_change_nothing() {
     });
     assert!(want.contains_key("head.bias"));
 }
+
+/// The model saved whole from 3 ranks, one parameter gathered at a time: the file holds the
+/// loaded values exactly (read by candle, and by PyTorch's `safetensors.torch.load_file` when a
+/// Python with torch is there), with the caller's buffer, and loads on 2 ranks to the same
+/// bits. A file rank 0 cannot write is an error on every rank, naming it, and no rank hangs.
+#[test]
+fn a_sharded_model_saves_one_file_that_loads_on_another_number_of_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let (files, want) = pretrained(dir.path());
+    let out = dir.path().join("finetuned.safetensors");
+    let (target, bad) = (out.clone(), dir.path().join("no-such-dir/model.safetensors"));
+    let errors = run_tcp_world(3, move |pg| {
+        let meta = MetaVarMap::new(5);
+        let _net = build(meta.var_builder());
+        let fsdp = Fsdp::from_meta(&meta, &pg, opts()).unwrap();
+        let buffers = fsdp.load_safetensors(&files).unwrap();
+        fsdp.save_safetensors(&target, &buffers).unwrap();
+        fsdp.save_safetensors(&bad, &buffers).unwrap_err().to_string()
+    });
+    for (rank, err) in errors.iter().enumerate() {
+        assert!(err.contains("no-such-dir/model.safetensors"), "rank {rank}: {err}");
+        if rank > 0 {
+            assert!(err.contains("rank 0 could not write it"), "rank {rank}: {err}");
+        }
+    }
+    let saved = candle_core::safetensors::load(&out, &Device::Cpu).unwrap();
+    assert_eq!(saved.len(), want.len() + 1);
+    for (name, values) in &want {
+        let got = saved[name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(&got == values, "`{name}` in the saved file");
+    }
+    assert_eq!(saved["bn.running_var"].to_vec1::<f32>().unwrap(), [0.5, 1.5, 2.5]);
+    let reload = out.clone();
+    let again = run_tcp_world(2, move |pg| {
+        let meta = MetaVarMap::new(8);
+        let _net = build(meta.var_builder());
+        let fsdp = Fsdp::from_meta(&meta, &pg, opts()).unwrap();
+        fsdp.load_safetensors(&[&reload]).unwrap();
+        fsdp.full_state_dict().unwrap()
+    });
+    for (rank, state) in again.into_iter().enumerate() {
+        for (name, t) in state {
+            let got = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(got == want[&name], "2 ranks, rank {rank}: `{name}` after the round trip");
+        }
+    }
+    // PyTorch reads the file: every tensor's shape, and its values summed in float64.
+    let Some(python) = tandem_testutil::torch_python() else { return };
+    let script = "import sys, torch\nfrom safetensors.torch import load_file\n\
+                  for k, v in sorted(load_file(sys.argv[1]).items()):\n    \
+                  print(k, 'x'.join(map(str, v.shape)), repr(v.double().sum().item()))";
+    let run = std::process::Command::new(python).args(["-c", script]).arg(&out).output().unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let text = String::from_utf8(run.stdout).unwrap();
+    assert_eq!(text.lines().count(), want.len() + 1, "{text}");
+    for line in text.lines() {
+        let [name, shape, sum] = line.split(' ').collect::<Vec<_>>()[..] else { panic!("{line}") };
+        let dims: Vec<String> = saved[name].dims().iter().map(|d| d.to_string()).collect();
+        assert_eq!(shape, dims.join("x"), "{name}: the shape torch reads");
+        let sum: f64 = sum.parse().unwrap();
+        let ours: f64 = match want.get(name) {
+            Some(v) => v.iter().map(|&x| f64::from(x)).sum(),
+            None => 4.5, // the buffer
+        };
+        let close = (sum - ours).abs() <= 1e-9 * ours.abs().max(1.0);
+        assert!(close, "{name}: torch sums {sum}, the values saved {ours}");
+    }
+}
