@@ -18,7 +18,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use serde::Serialize;
 use tandem::ddp::{Ddp, DdpOptions};
-use tandem::fsdp::{Fsdp, FsdpOptions, Units};
+use tandem::fsdp::{Fsdp, FsdpOptions, MetaVarMap, Units};
 use tandem::models::{ModelKind, Vit, VitConfig};
 use tandem::nn::ParamModule;
 use tandem::optim::{AdamWConfig, TorchAdamW};
@@ -63,9 +63,14 @@ fn config(name: &str) -> anyhow::Result<VitConfig> {
 fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
     let pg = tandem::comm::init().context("worker init")?;
     let cfg = config(&args.model)?;
-    let varmap = VarMap::new();
-    let mut vit =
-        Vit::new(cfg, EMBEDDING, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+    // Ddp's model is built whole; Fsdp's on meta (no rank holds it whole, as for a model
+    // larger than one rank), each rank drawing its rows when it is sharded.
+    let (varmap, meta) = (VarMap::new(), MetaVarMap::new(0));
+    let vb = match mode {
+        "fsdp" => meta.var_builder(),
+        _ => VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    };
+    let mut vit = Vit::new(cfg, EMBEDDING, vb)?;
     vit.seed(pg.rank() as u64);
     let adamw = AdamWConfig { lr: 1e-4, ..Default::default() };
     let x = Tensor::randn(0f32, 1.0, (args.batch, 3, 112, 112), &Device::Cpu)?;
@@ -99,8 +104,7 @@ fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
         }
         "fsdp" => {
             let units = Units::by_name(Vit::unit_of); // a unit per block, and the head
-            let fsdp =
-                Fsdp::from_varmap(&varmap, &pg, FsdpOptions { units, ..Default::default() })?;
+            let fsdp = Fsdp::from_meta(&meta, &pg, FsdpOptions { units, ..Default::default() })?;
             let runner = fsdp.clone();
             vit.run_blocks_with(Arc::new(move |name, x, f| {
                 runner.run_unit(name, x, move |x| f(x)).map_err(candle_core::Error::wrap)
