@@ -12,11 +12,52 @@ use tandem_testutil::run_tcp_world;
 
 const STEPS: usize = 10;
 
+/// How the sharded model gets PyTorch's initial weights.
+#[derive(Clone, Copy)]
+enum Start {
+    /// Built whole in a `VarMap` holding them, then sharded.
+    Whole,
+    /// Built on meta (no values), sharded, each rank reading its rows of them from a
+    /// safetensors file (fine-tuning a model no rank holds whole).
+    MetaAndFile,
+}
+
+/// The fixture's initial weights as one safetensors file, as a trained model is shipped.
+fn initial_weights_file(dir: &std::path::Path, world: usize) -> std::path::PathBuf {
+    let f = fixture(world);
+    let init: std::collections::HashMap<String, candle_core::Tensor> = f
+        .iter()
+        .filter_map(|(k, t)| k.strip_prefix("init.").map(|n| (n.to_string(), t.clone())))
+        .collect();
+    let path = dir.join(format!("gpt_w{world}.safetensors"));
+    candle_core::safetensors::save(&init, &path).unwrap();
+    path
+}
+
 fn matches_torch_fsdp2(world: usize, reshard_after_forward: bool) {
+    matches_torch_fsdp2_from(world, reshard_after_forward, Start::Whole);
+}
+
+fn matches_torch_fsdp2_from(world: usize, reshard_after_forward: bool, start: Start) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = initial_weights_file(dir.path(), world);
     let out = run_tcp_world(world, move |pg| {
         let f = fixture(world);
-        let varmap = candle_nn::VarMap::new();
-        let (fsdp, gpt) = Gpt::new(&varmap, &f).shard(&varmap, &pg, reshard_after_forward);
+        let (fsdp, gpt) = match start {
+            Start::Whole => {
+                let varmap = candle_nn::VarMap::new();
+                Gpt::new(&varmap, &f).shard(&varmap, &pg, reshard_after_forward)
+            }
+            Start::MetaAndFile => {
+                let meta = tandem_fsdp::MetaVarMap::new(0);
+                let gpt = Gpt::build(meta.var_builder());
+                let opts = options(reshard_after_forward);
+                let fsdp = tandem_fsdp::Fsdp::from_meta(&meta, &pg, opts).unwrap();
+                assert!(fsdp.load_safetensors(&[&file]).unwrap().is_empty(), "no buffers");
+                let gpt = gpt.wrap(&fsdp);
+                (fsdp, gpt)
+            }
+        };
         let cfg = AdamWConfig { lr: 1e-2, weight_decay: 0.01, ..AdamWConfig::default() };
         let mut opt = TorchAdamW::new(fsdp.params(), cfg).unwrap();
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
@@ -97,4 +138,12 @@ fn three_ranks_match_torch_fsdp2() {
 #[test]
 fn keeping_units_gathered_after_forward_changes_nothing() {
     matches_torch_fsdp2(2, false);
+}
+
+/// The fine-tuning path: a model built on meta, PyTorch's initial weights read row by row from
+/// a safetensors file, then the same 10 steps as PyTorch FSDP2.
+#[test]
+fn a_model_built_on_meta_and_loaded_from_a_file_matches_torch_fsdp2() {
+    matches_torch_fsdp2_from(2, true, Start::MetaAndFile);
+    matches_torch_fsdp2_from(3, true, Start::MetaAndFile);
 }

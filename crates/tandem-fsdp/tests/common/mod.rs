@@ -98,15 +98,19 @@ pub struct Gpt<B> {
 }
 
 impl Gpt<Block> {
-    /// The model on `varmap`, holding the fixture's initial weights.
-    pub fn new(varmap: &VarMap, init: &HashMap<String, Tensor>) -> Gpt<Block> {
-        let vb = VarBuilder::from_varmap(varmap, DType::F32, &Device::Cpu);
-        let gpt = Gpt {
+    /// The model's layers on `vb`, as they come.
+    pub fn build(vb: VarBuilder) -> Gpt<Block> {
+        Gpt {
             wte: vb.get((V, DIM), "wte.weight").unwrap(),
             wpe: vb.get((T, DIM), "wpe.weight").unwrap(),
             blocks: (0..BLOCKS).map(|i| Block::new(vb.pp(format!("blocks.{i}")))).collect(),
             ln_f: Norm::new(vb.pp("ln_f")),
-        };
+        }
+    }
+
+    /// The model on `varmap`, holding the fixture's initial weights.
+    pub fn new(varmap: &VarMap, init: &HashMap<String, Tensor>) -> Gpt<Block> {
+        let gpt = Gpt::build(VarBuilder::from_varmap(varmap, DType::F32, &Device::Cpu));
         for (name, var) in varmap.data().lock().unwrap().iter() {
             let t = init.get(&format!("init.{name}")).unwrap_or_else(|| panic!("init.{name}"));
             var.set(t).unwrap();
@@ -122,20 +126,30 @@ impl Gpt<Block> {
         group: &tandem_comm::ProcessGroup,
         reshard_after_forward: bool,
     ) -> (Fsdp, Gpt<FullyShard<Block>>) {
-        let opts = FsdpOptions {
-            units: Units::prefixes((0..BLOCKS).map(|i| format!("blocks.{i}"))),
-            frozen: vec!["wpe.weight".into()],
-            reshard_after_forward,
-            ..FsdpOptions::default()
-        };
-        let fsdp = Fsdp::from_varmap(varmap, group, opts).unwrap();
+        let fsdp = Fsdp::from_varmap(varmap, group, options(reshard_after_forward)).unwrap();
+        let gpt = self.wrap(&fsdp);
+        (fsdp, gpt)
+    }
+
+    /// Each block behind its unit of `fsdp`.
+    pub fn wrap(self, fsdp: &Fsdp) -> Gpt<FullyShard<Block>> {
         let blocks = self
             .blocks
             .into_iter()
             .enumerate()
             .map(|(i, b)| fsdp.fully_shard(&format!("blocks.{i}"), b).unwrap())
             .collect();
-        (fsdp, Gpt { wte: self.wte, wpe: self.wpe, blocks, ln_f: self.ln_f })
+        Gpt { wte: self.wte, wpe: self.wpe, blocks, ln_f: self.ln_f }
+    }
+}
+
+/// A unit per block, the root the rest, the position embedding frozen.
+pub fn options(reshard_after_forward: bool) -> FsdpOptions {
+    FsdpOptions {
+        units: Units::prefixes((0..BLOCKS).map(|i| format!("blocks.{i}"))),
+        frozen: vec!["wpe.weight".into()],
+        reshard_after_forward,
+        ..FsdpOptions::default()
     }
 }
 
