@@ -6,7 +6,8 @@
 //! head (the final norm and the feature head).
 //!
 //! Each mode runs `--nproc` local ranks for `--steps` timed steps after one warm-up step; a
-//! rank's peak RSS is its `VmHWM` at the end. The last line (with `--json`) is one JSON object:
+//! rank's peak RSS is its `VmHWM` at the end. Fsdp's ranks release freed memory
+//! (`tandem::release_freed_memory`), as `tandem train --fsdp` does; Ddp's keep it for reuse. The last line (with `--json`) is one JSON object:
 //! `peak_rss_over_ddp` (largest Fsdp rank over largest Ddp rank), `samples_per_s_over_torch`,
 //! `samples_per_s_over_ddp`, and the figures they come from.
 use std::process::Command;
@@ -62,6 +63,9 @@ fn config(name: &str) -> anyhow::Result<VitConfig> {
 /// One rank of mode `mode`: prints (rank 0, for every rank) `RESULT rank peak_rss step_secs`.
 fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
     let pg = tandem::comm::init().context("worker init")?;
+    if mode == "fsdp" {
+        tandem::release_freed_memory(); // as `tandem train --fsdp` does
+    }
     let cfg = config(&args.model)?;
     // Ddp's model is built whole; Fsdp's on meta (no rank holds it whole, as for a model
     // larger than one rank), each rank drawing its rows when it is sharded.

@@ -36,7 +36,7 @@ pub mod torch_init;
 mod vars;
 pub mod weights;
 
-pub use alloc::{allocator_tuned, tune_allocator};
+pub use alloc::{allocator_tuned, release_freed_memory, tune_allocator};
 pub use autocast::{autocast, compute_dtype, Autocast};
 pub use backward::{backward, backward_with_sink, GradSink};
 pub use batch_norm::{fast_batch_norm2d, FastBatchNorm2d, HasBatchNorm, StatsReducer};

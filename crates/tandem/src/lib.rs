@@ -33,7 +33,7 @@ pub use tandem_recipes as recipes;
 pub use tandem_train as train;
 pub use tandem_train::live;
 
-pub use tandem_nn::{allocator_tuned, tune_allocator};
+pub use tandem_nn::{allocator_tuned, release_freed_memory, tune_allocator};
 pub use tandem_nn::{compute_pool_joined, join_compute_pool};
 pub use tandem_train::{load_state, load_state_from, save_state, Resumed, TrainingState};
 
@@ -42,7 +42,7 @@ pub use tandem_train::{load_state, load_state_from, save_state, Resumed, Trainin
 ///
 /// It changes nothing else in the process. CPU training with candle runs markedly faster when
 /// glibc keeps freed tensor memory for reuse; opt in with [`tune_allocator()`] at the start of
-/// `main` (the `tandem` binary does).
+/// `main` (the `tandem` binary does) — or, training with `Fsdp`, [`release_freed_memory()`].
 pub fn init() -> Result<comm::ProcessGroup, comm::CommError> {
     tandem_comm::init()
 }

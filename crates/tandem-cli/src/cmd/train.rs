@@ -42,6 +42,9 @@ pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i3
             .unwrap_or_else(|| "job".into());
         cfg.out = Some(std::path::PathBuf::from("runs").join(format!("train-{id}")));
     }
+    if cfg.fsdp {
+        tandem::release_freed_memory(); // a sharded rank's memory follows what it holds
+    }
     let run_dir = cfg.run_dir();
     let mut options = cfg.options(run_dir.clone())?;
     options.run.record = crate::train::config::to_toml(&cfg)?;
