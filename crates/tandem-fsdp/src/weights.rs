@@ -15,6 +15,9 @@ use crate::error::{comm, tensor, FsdpError, Result};
 use crate::fsdp::Fsdp;
 use crate::meta::is_buffer;
 
+/// The most bytes of rank 0's error the others receive after a save.
+const STATUS_MAX: usize = 4096;
+
 fn bad(file: &Path, why: impl Into<String>) -> FsdpError {
     FsdpError::Weights { file: file.to_path_buf(), why: why.into() }
 }
@@ -36,9 +39,10 @@ impl Fsdp {
     /// from `files` (a model saved whole as safetensors, in one file or several): FSDP2's
     /// `set_model_state_dict` with a full state dict, for a model built with
     /// [`Fsdp::from_meta`] too large for one rank. Keys may carry DDP's `module.` or
-    /// `torch.compile`'s `_orig_mod.` (tandem-ckpt's `strip_wrappers`). Strict, as PyTorch's default: a parameter the
-    /// files lack, a tensor of another shape, or a key that is neither a parameter nor a buffer
-    /// is an error naming them, and then no shard has changed. Returns the buffers the files
+    /// `torch.compile`'s `_orig_mod.` (tandem-ckpt's `strip_wrappers`). Strict, as PyTorch's
+    /// default: a parameter the files lack, a tensor of another shape, a key that is neither a
+    /// parameter nor a buffer, or two keys for one name is an error naming them, and then no
+    /// shard has changed. Not between a forward and its backward. Returns the buffers the files
     /// hold (BatchNorm's statistics: FSDP keeps none, they are the caller's), whole, in their
     /// stored dtype. Not a collective: every rank reads the files itself.
     pub fn load_safetensors(&self, files: &[impl AsRef<Path>]) -> Result<Vec<(String, Tensor)>> {
@@ -47,10 +51,19 @@ impl Fsdp {
             let why = "no file given".to_string();
             return Err(FsdpError::InvalidOption { what: "load_safetensors", why });
         };
-        let weights = RowReader::open(&paths).map_err(read)?;
         let engine = self.engine();
+        if engine.lock().in_step {
+            return Err(FsdpError::Order("load_safetensors between forward and backward".into()));
+        }
+        let weights = RowReader::open(&paths).map_err(read)?;
         let keys = weights.keys();
         let plain: Vec<String> = keys.iter().map(|(k, _)| strip_wrappers(k)).collect();
+        for (i, name) in plain.iter().enumerate() {
+            if let Some(j) = plain[..i].iter().position(|n| n == name) {
+                let why = format!("`{}` and `{}` are both `{name}`", keys[j].0, keys[i].0);
+                return Err(bad(keys[i].1, why));
+            }
+        }
         let stored = |name: &str| plain.iter().position(|k| k == name).map(|i| &keys[i]);
         let mut missing = Vec::new();
         for p in &engine.params {
@@ -125,6 +138,9 @@ impl Fsdp {
     ) -> Result<()> {
         let path = path.as_ref();
         let e = self.engine();
+        if e.lock().in_step {
+            return Err(FsdpError::Order("save_safetensors between forward and backward".into()));
+        }
         // The parameters in file order: all float32, so by name (safetensors' writer orders
         // by dtype, then name); every rank gathers them in this order.
         let mut order: Vec<usize> = (0..e.params.len()).collect();
@@ -143,7 +159,9 @@ impl Fsdp {
         for &p in &order[gathered..] {
             gather_to_first(&e, &e.params[p])?;
         }
-        e.group.broadcast_bytes(&mut status, 0).map_err(comm("broadcast"))?;
+        // (An error's text, bounded.)
+        status.truncate(STATUS_MAX);
+        e.group.broadcast_bytes_at_most(&mut status, 0, STATUS_MAX).map_err(comm("broadcast"))?;
         if status.is_empty() {
             return Ok(());
         }

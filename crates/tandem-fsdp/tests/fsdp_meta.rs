@@ -220,7 +220,8 @@ fn trained_weights_load_row_by_row_on_any_number_of_ranks() {
 }
 
 /// Weights that do not fit: a missing parameter, another shape, a key of no parameter, a
-/// truncated file — each an error naming the key or file, and the shards as they were.
+/// truncated file, two keys for one parameter — each an error naming the key or file, and the
+/// shards as they were.
 #[test]
 fn weights_that_do_not_fit_are_refused_by_name_and_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
@@ -248,6 +249,9 @@ fn weights_that_do_not_fit_are_refused_by_name_and_change_nothing() {
             Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap(),
         ))
     });
+    let twice = variant("twice.safetensors", &|t| {
+        t.push(("head.bias".into(), Tensor::zeros(VOCAB, DType::F32, &Device::Cpu).unwrap()))
+    });
     let truncated = dir.path().join("truncated.safetensors");
     let bytes = std::fs::read(&files[0]).unwrap();
     std::fs::write(&truncated, &bytes[..bytes.len() - 10]).unwrap();
@@ -256,6 +260,7 @@ fn weights_that_do_not_fit_are_refused_by_name_and_change_nothing() {
         (reshaped.clone(), vec!["reshaped.safetensors", "`module.head.bias`", "[38]", "[37]"]),
         (extra.clone(), vec!["extra.safetensors", "`module.lm_head.weight`", "no parameter"]),
         (truncated.clone(), vec!["truncated.safetensors", "truncated"]),
+        (twice.clone(), vec!["twice.safetensors", "`module.head.bias`", "are both `head.bias`"]),
     ];
     run_tcp_world(2, move |pg| {
         let meta = MetaVarMap::new(5);
