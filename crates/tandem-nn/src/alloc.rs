@@ -12,10 +12,11 @@
 //! Sharded training wants the opposite: a rank's peak memory is the point of FSDP, and its
 //! large buffers (a unit's gathered parameters and full gradients, the reduce-scatters' inputs
 //! and outputs: hundreds of MiB for ViT-L's head) change size and place every step, so a heap
-//! that keeps them grows with holes. [`release_freed_memory`] maps blocks of 32 MiB and more
+//! that keeps them grows with holes. [`release_freed_memory`] maps blocks of 16 MiB and more
 //! (unmapped on free) and returns a free heap top above glibc's 128 KiB default: ViT-L under
-//! `Fsdp` on 2 ranks peaked at 2.59–2.72 GiB per rank instead of 3.03–3.36, and stepped no
-//! slower (`tandem bench fsdp`, docs/fsdp.md).
+//! `Fsdp` on 2 ranks peaked at 2.58–2.64 GiB per rank instead of 3.15–3.36 (`tandem bench
+//! fsdp`, docs/fsdp.md). Mapping from 8 MiB saved little more and made a step 15% slower
+//! (every block page-faulted afresh).
 use std::sync::OnceLock;
 
 /// Blocks below this come from the heap and are reused after free.
@@ -25,7 +26,7 @@ const MMAP_THRESHOLD_CAPPED: i32 = 32 << 20;
 /// Free memory at the top of the heap is returned to the system only above this.
 const TRIM_THRESHOLD: i32 = 1 << 30;
 /// [`release_freed_memory`]'s: blocks from here up are mapped, and unmapped when freed.
-const SHARDED_MMAP_THRESHOLD: i32 = 32 << 20;
+const SHARDED_MMAP_THRESHOLD: i32 = 16 << 20;
 /// [`release_freed_memory`]'s heap trim threshold (glibc's default).
 const SHARDED_TRIM_THRESHOLD: i32 = 128 << 10;
 
@@ -44,7 +45,7 @@ pub fn tune_allocator() -> bool {
     })
 }
 
-/// For sharded training (FSDP): large blocks (32 MiB and more) are mapped and given back when
+/// For sharded training (FSDP): large blocks (16 MiB and more) are mapped and given back when
 /// freed, and a free heap top above 128 KiB is returned, so a rank's memory follows what it
 /// holds instead of the most it ever held (see the module docs). Call it at the start of a
 /// program that trains with `Fsdp` (`tandem train --fsdp` does), after or instead of
