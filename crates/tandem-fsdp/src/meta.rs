@@ -30,15 +30,9 @@ use candle_nn::{Init, VarBuilder};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use tandem_nn::is_buffer;
+
 use crate::storage;
-
-/// Final name components of the state FSDP keeps whole (as `tandem_nn::NamedVars` tells
-/// buffers from parameters).
-const BUFFER_NAMES: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];
-
-pub(crate) fn is_buffer(name: &str) -> bool {
-    BUFFER_NAMES.contains(&name.rsplit('.').next().unwrap_or(name))
-}
 
 /// A parameter created without values, and how to draw them.
 #[derive(Clone)]

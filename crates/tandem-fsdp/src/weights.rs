@@ -2,18 +2,19 @@
 //! safetensors files (tandem-ckpt's `RowReader`: positioned reads, no file mapped or read
 //! whole): FSDP2's `set_model_state_dict` with a full state dict, without any rank holding the
 //! whole model (PyTorch's answer, `broadcast_from_rank0`, has rank 0 read it all).
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 use tandem_ckpt::keys::strip_wrappers;
 use tandem_ckpt::safetensors::{save_streaming, RowReader, TensorSpec};
 use tandem_ckpt::ElemType;
+use tandem_nn::is_buffer;
 use tandem_nn::kernels::with_f32_slice;
 
 use crate::engine::{Engine, Param};
 use crate::error::{comm, tensor, FsdpError, Result};
 use crate::fsdp::Fsdp;
-use crate::meta::is_buffer;
 
 /// The most bytes of rank 0's error the others receive after a save.
 const STATUS_MAX: usize = 4096;
@@ -56,53 +57,48 @@ impl Fsdp {
             return Err(FsdpError::Order("load_safetensors between forward and backward".into()));
         }
         let weights = RowReader::open(&paths).map_err(read)?;
-        let keys = weights.keys();
-        let plain: Vec<String> = keys.iter().map(|(k, _)| strip_wrappers(k)).collect();
-        for (i, name) in plain.iter().enumerate() {
-            if let Some(j) = plain[..i].iter().position(|n| n == name) {
-                let why = format!("`{}` and `{}` are both `{name}`", keys[j].0, keys[i].0);
-                return Err(bad(keys[i].1, why));
+        // Each stored key under the name it has without wrappers' prefixes.
+        let mut stored: HashMap<String, (String, &Path)> = HashMap::new();
+        for (key, file) in weights.keys() {
+            let name = strip_wrappers(&key);
+            if let Some((other, _)) = stored.get(&name) {
+                return Err(bad(file, format!("`{other}` and `{key}` are both `{name}`")));
             }
+            stored.insert(name, (key, file));
         }
-        let stored = |name: &str| plain.iter().position(|k| k == name).map(|i| &keys[i]);
+        let mut keys = Vec::with_capacity(engine.params.len());
         let mut missing = Vec::new();
         for p in &engine.params {
-            match stored(&p.name) {
-                None => missing.push(p.name.clone()),
-                Some((key, file)) => {
-                    let shape = weights.shape(key).unwrap_or_default();
-                    if shape != p.layout.dims {
-                        let why = format!(
-                            "`{key}` has shape {shape:?}; the model's `{}` is {:?}",
-                            p.name, p.layout.dims
-                        );
-                        return Err(bad(file, why));
-                    }
-                }
+            let Some((key, file)) = stored.remove(&p.name) else {
+                missing.push(p.name.clone());
+                continue;
+            };
+            let shape = weights.shape(&key).unwrap_or_default();
+            if shape != p.layout.dims {
+                let why = format!(
+                    "`{key}` has shape {shape:?}; the model's `{}` is {:?}",
+                    p.name, p.layout.dims
+                );
+                return Err(bad(file, why));
             }
+            keys.push(key);
         }
         if !missing.is_empty() {
             let why = format!("no tensor for the parameter(s) {} in these files", some(&missing));
             return Err(bad(first, why));
         }
-        let (mut buffers, mut unknown) = (Vec::new(), Vec::new());
-        for ((key, _), name) in keys.iter().zip(&plain) {
-            if engine.params.iter().any(|p| &p.name == name) {
-                continue;
-            }
-            match is_buffer(name) {
-                true => buffers.push((key.clone(), name.clone())),
-                false => unknown.push(key.clone()),
-            }
-        }
+        // What is left: the buffers, or keys of nothing in the model.
+        let (buffers, mut unknown): (Vec<_>, Vec<_>) =
+            stored.into_iter().partition(|(name, _)| is_buffer(name));
         if !unknown.is_empty() {
+            unknown.sort();
+            let unknown: Vec<String> = unknown.into_iter().map(|(_, (key, _))| key).collect();
             let why = format!("{} in no parameter or buffer of the model", some(&unknown));
             return Err(bad(first, why));
         }
         // Every shard read before any is set: a failed read leaves the model as it was.
         let mut rows = Vec::with_capacity(engine.params.len());
-        for p in &engine.params {
-            let (key, _) = stored(&p.name).expect("checked above");
+        for (p, key) in engine.params.iter().zip(&keys) {
             let values = weights.read_rows(key, p.layout.my_rows()).map_err(read)?.to_f32_vec();
             let t = Tensor::from_vec(values, p.layout.shard_dims(), &Device::Cpu)
                 .map_err(tensor(format!("the rows of `{key}`")))?;
@@ -112,7 +108,7 @@ impl Fsdp {
             p.shard.set(&t).map_err(tensor(format!("setting the shard of `{}`", p.name)))?;
         }
         let mut out = Vec::with_capacity(buffers.len());
-        for (key, name) in buffers {
+        for (name, (key, _)) in buffers {
             let shape = weights.shape(&key).unwrap_or_default();
             let whole = weights.read_rows(&key, 0..shape.first().copied().unwrap_or(1));
             let whole = tandem_nn::convert::from_ckpt(&whole.map_err(read)?, &Device::Cpu)
@@ -120,6 +116,7 @@ impl Fsdp {
                 .map_err(|e| bad(first, format!("`{key}`: {e}")))?;
             out.push((name, whole));
         }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)
     }
 

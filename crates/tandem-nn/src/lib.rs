@@ -50,7 +50,7 @@ pub use params::ParamSet;
 pub use prelu::{fast_prelu, FastPRelu};
 pub use recompute::{recompute, recomputing};
 pub use threads::{compute_pool_joined, join_compute_pool};
-pub use vars::{NamedVars, OrderedVarMap};
+pub use vars::{is_buffer, NamedVars, OrderedVarMap};
 
 /// The f32 values of a contiguous CPU input of a custom op; `what` and `op` name it in errors.
 #[doc(hidden)]

@@ -36,7 +36,9 @@ use crate::torch_init::copy_vars;
 /// Final name components of non-trainable state kept beside the parameters.
 const BUFFER_NAMES: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];
 
-fn is_buffer(name: &str) -> bool {
+/// Whether `name` is a buffer (BatchNorm's statistics: kept beside the parameters, never
+/// stepped by an optimizer), not a parameter: by its last component, as PyTorch names them.
+pub fn is_buffer(name: &str) -> bool {
     let last = name.rsplit('.').next().unwrap_or(name);
     BUFFER_NAMES.contains(&last)
 }

@@ -12,18 +12,12 @@ use std::path::{Path, PathBuf};
 
 use tandem_ckpt::Value;
 use tandem_models::IResNet;
+use tandem_nn::is_buffer;
 use tandem_train::checkpoint::{self, Saved, ShardDict};
 use tandem_train::state::{put_entry, take_entry};
 use tandem_train::{bail, Context, Result, TrainError};
 
 use crate::face::{overlay, BUFFERS_SHARD, HEAD_SHARD};
-
-/// Final name components of BatchNorm statistics (buffers, never in the optimizer).
-const BUFFERS: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];
-
-fn is_buffer(name: &str) -> bool {
-    BUFFERS.iter().any(|b| name.rsplit('.').next() == Some(*b))
-}
 
 pub fn file_name(rank: usize) -> String {
     format!("checkpoint_gpu_{rank}.pt")
