@@ -5,11 +5,16 @@
 //! images and the mean square of the embedding as the loss; a unit per block and one for the
 //! head (the final norm and the feature head).
 //!
+//! Fsdp runs twice: with FSDP2's defaults (a unit's activations kept from its forward to its
+//! backward, as the PyTorch run keeps them) and with activation checkpointing per unit (no
+//! activations kept inside a unit, each recomputed in backward: less memory, one more forward).
+//!
 //! Each mode runs `--nproc` local ranks for `--steps` timed steps after one warm-up step; a
 //! rank's peak RSS is its `VmHWM` at the end. Fsdp's ranks release freed memory
-//! (`tandem::release_freed_memory`), as `tandem train --fsdp` does; Ddp's keep it for reuse. The last line (with `--json`) is one JSON object:
-//! `peak_rss_over_ddp` (largest Fsdp rank over largest Ddp rank), `samples_per_s_over_torch`,
-//! `samples_per_s_over_ddp`, and the figures they come from.
+//! (`tandem::release_freed_memory`), as `tandem train --fsdp` does; Ddp's keep it for reuse.
+//! The last line (with `--json`) is one JSON object: `peak_rss_over_ddp` (largest Fsdp rank
+//! over largest Ddp rank), `samples_per_s_over_torch`, `samples_per_s_over_ddp` (FSDP2's
+//! defaults), the same three under `activation_checkpointing`, and the figures they come from.
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -63,16 +68,17 @@ fn config(name: &str) -> anyhow::Result<VitConfig> {
 /// One rank of mode `mode`: prints (rank 0, for every rank) `RESULT rank peak_rss step_secs`.
 fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
     let pg = tandem::comm::init().context("worker init")?;
-    if mode == "fsdp" {
+    let sharded = mode.starts_with("fsdp");
+    if sharded {
         tandem::release_freed_memory(); // as `tandem train --fsdp` does
     }
     let cfg = config(&args.model)?;
     // Ddp's model is built whole; Fsdp's on meta (no rank holds it whole, as for a model
     // larger than one rank), each rank drawing its rows when it is sharded.
     let (varmap, meta) = (VarMap::new(), MetaVarMap::new(0));
-    let vb = match mode {
-        "fsdp" => meta.var_builder(),
-        _ => VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    let vb = match sharded {
+        true => meta.var_builder(),
+        false => VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
     };
     let mut vit = Vit::new(cfg, EMBEDDING, vb)?;
     vit.seed(pg.rank() as u64);
@@ -106,9 +112,13 @@ fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
                 })?;
             }
         }
-        "fsdp" => {
-            let units = Units::by_name(Vit::unit_of); // a unit per block, and the head
-            let fsdp = Fsdp::from_meta(&meta, &pg, FsdpOptions { units, ..Default::default() })?;
+        "fsdp" | "fsdp-ac" => {
+            let opts = FsdpOptions {
+                units: Units::by_name(Vit::unit_of), // a unit per block, and the head
+                activation_checkpointing: mode == "fsdp-ac",
+                ..Default::default()
+            };
+            let fsdp = Fsdp::from_meta(&meta, &pg, opts)?;
             let runner = fsdp.clone();
             vit.run_blocks_with(Arc::new(move |name, x, f| {
                 runner.run_unit(name, x, move |x| f(x)).map_err(candle_core::Error::wrap)
@@ -238,6 +248,34 @@ fn torch_run(args: &Args, python: &std::path::Path) -> anyhow::Result<Run> {
     parse(&String::from_utf8_lossy(&out.stdout), args.nproc, args.batch, "torch FSDP2")
 }
 
+/// One Fsdp run against the references.
+#[derive(Serialize)]
+struct Ratios {
+    peak_rss_over_ddp: f64,
+    samples_per_s_over_ddp: f64,
+    samples_per_s_over_torch: Option<f64>,
+}
+
+impl Ratios {
+    fn of(fsdp: &Run, ddp: &Run, torch: Option<&Run>) -> Ratios {
+        let max = |r: &Run| r.peak_rss.iter().copied().max().unwrap_or(0) as f64;
+        Ratios {
+            peak_rss_over_ddp: max(fsdp) / max(ddp),
+            samples_per_s_over_ddp: fsdp.samples_per_s / ddp.samples_per_s,
+            samples_per_s_over_torch: torch.map(|t| fsdp.samples_per_s / t.samples_per_s),
+        }
+    }
+
+    fn line(&self, what: &str) -> String {
+        format!(
+            "{what} over Ddp: peak RSS {:.3}x, samples/s {:.3}x; over torch FSDP2: samples/s {}",
+            self.peak_rss_over_ddp,
+            self.samples_per_s_over_ddp,
+            self.samples_per_s_over_torch.map_or("-".into(), |r| format!("{r:.3}x"))
+        )
+    }
+}
+
 #[derive(Serialize)]
 struct Summary<'a> {
     model: &'a str,
@@ -247,10 +285,11 @@ struct Summary<'a> {
     cpu: String,
     ddp: Run,
     fsdp: Run,
+    fsdp_activation_checkpointing: Run,
     torch_fsdp2: Option<Run>,
-    peak_rss_over_ddp: f64,
-    samples_per_s_over_ddp: f64,
-    samples_per_s_over_torch: Option<f64>,
+    #[serde(flatten)]
+    ratios: Ratios,
+    activation_checkpointing: Ratios,
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
@@ -276,6 +315,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     );
     let ddp = tandem_run(&args, "ddp")?;
     let fsdp = tandem_run(&args, "fsdp")?;
+    let fsdp_ac = tandem_run(&args, "fsdp-ac")?;
     let torch = match crate::ckpt::find_python(args.python.clone()) {
         Some(python) => Some(torch_run(&args, &python)?),
         None => {
@@ -285,9 +325,13 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     };
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     println!("{:>14} {:>22} {:>10} {:>10}", "run", "peak RSS GiB per rank", "step s", "samples/s");
-    for (name, run) in
-        [("tandem Ddp", Some(&ddp)), ("tandem Fsdp", Some(&fsdp)), ("torch FSDP2", torch.as_ref())]
-    {
+    let runs = [
+        ("tandem Ddp", Some(&ddp)),
+        ("tandem Fsdp", Some(&fsdp)),
+        ("Fsdp+AC", Some(&fsdp_ac)),
+        ("torch FSDP2", torch.as_ref()),
+    ];
+    for (name, run) in runs {
         let Some(run) = run else { continue };
         let rss: Vec<String> = run.peak_rss.iter().map(|&b| format!("{:.2}", gib(b))).collect();
         println!(
@@ -298,7 +342,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         );
     }
     println!("rank 0's median phases, s: forward / backward / optimizer (all-gather wait, reduce-scatter wait)");
-    for (name, run) in [("tandem Ddp", &ddp), ("tandem Fsdp", &fsdp)] {
+    for (name, run) in [("tandem Ddp", &ddp), ("tandem Fsdp", &fsdp), ("Fsdp+AC", &fsdp_ac)] {
         if let Some(p) = &run.phases {
             println!(
                 "{name:>14} {:.2} / {:.2} / {:.2} ({:.2}, {:.2})",
@@ -306,26 +350,21 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
             );
         }
     }
-    let max = |r: &Run| r.peak_rss.iter().copied().max().unwrap_or(0) as f64;
     let summary = Summary {
         model: &args.model,
         parameters,
         nproc: args.nproc,
         batch_per_rank: args.batch,
         cpu,
-        peak_rss_over_ddp: max(&fsdp) / max(&ddp),
-        samples_per_s_over_ddp: fsdp.samples_per_s / ddp.samples_per_s,
-        samples_per_s_over_torch: torch.as_ref().map(|t| fsdp.samples_per_s / t.samples_per_s),
+        ratios: Ratios::of(&fsdp, &ddp, torch.as_ref()),
+        activation_checkpointing: Ratios::of(&fsdp_ac, &ddp, torch.as_ref()),
         ddp,
         fsdp,
+        fsdp_activation_checkpointing: fsdp_ac,
         torch_fsdp2: torch,
     };
-    println!(
-        "Fsdp over Ddp: peak RSS {:.3}x, samples/s {:.3}x; over torch FSDP2: samples/s {}",
-        summary.peak_rss_over_ddp,
-        summary.samples_per_s_over_ddp,
-        summary.samples_per_s_over_torch.map_or("-".into(), |r| format!("{r:.3}x"))
-    );
+    println!("{}", summary.ratios.line("Fsdp"));
+    println!("{}", summary.activation_checkpointing.line("Fsdp with activation checkpointing"));
     if args.json {
         println!("{}", serde_json::to_string(&summary)?);
     }

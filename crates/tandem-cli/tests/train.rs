@@ -904,6 +904,7 @@ fn fsdp_trains_the_weights_ddp_trains_and_resumes_on_another_world_size() {
     for (args, expect) in [
         (vec!["--fsdp-units", "root"], "--fsdp"),
         (vec!["--hsdp-rows", "2"], "--fsdp"),
+        (vec!["--fsdp-activation-checkpointing", "true"], "--fsdp"),
         (vec!["--fsdp", "--zero"], "--zero"),
         (vec!["--fsdp", "--comm-hook", "fp16"], "--comm-hook"),
         (vec!["--fsdp", "--hsdp-rows", "3"], "--hsdp-rows"),
@@ -918,7 +919,8 @@ fn fsdp_trains_the_weights_ddp_trains_and_resumes_on_another_world_size() {
     // A config file's `[fsdp]` section turns it on with its keys; an unknown key is named.
     let config = dir.path().join("fsdp.toml");
     let section =
-        "[fsdp]\nunits = \"root\"\nreshard_after_forward = false\nparam-dtype = \"bf16\"\n";
+        "[fsdp]\nunits = \"root\"\nreshard_after_forward = false\nparam-dtype = \"bf16\"\n\
+                   activation_checkpointing = true\n";
     std::fs::write(&config, format!("steps = 2\n{section}")).unwrap();
     let out = path("from-config");
     let (o, _) = train(&["train", "--config", config.to_str().unwrap(), "--out", &out]);
@@ -926,6 +928,7 @@ fn fsdp_trains_the_weights_ddp_trains_and_resumes_on_another_world_size() {
     let toml = std::fs::read_to_string(dir.path().join("from-config/config.toml")).unwrap();
     assert!(toml.contains("fsdp = true") && toml.contains("fsdp_reshard_after_forward = false"));
     assert!(toml.contains("fsdp_param_dtype = \"bf16\""), "{toml}");
+    assert!(toml.contains("fsdp_activation_checkpointing = true"), "{toml}");
     std::fs::write(&config, "[fsdp]\nshards = 3\nhsdp_rows = 1\n").unwrap();
     let o =
         output_with_deadline(tandem().args(["train", "--config", config.to_str().unwrap()]), LIMIT);

@@ -21,6 +21,14 @@ pub(crate) struct Reduction<'a> {
     pub f: ReduceFn<'a>,
 }
 
+/// A reduce-scatter's input: the caller's, which the ring reduces into a copy of, or a buffer
+/// handed over for the ring to reduce into in place (an async reduce-scatter owns its input:
+/// no copy of it, no fresh pages for one).
+pub(crate) enum ScatterInput<'a> {
+    Shared(&'a [u8]),
+    Scratch(&'a mut [u8]),
+}
+
 pub(crate) struct Ctx<'a> {
     pub t: &'a mut dyn Transport,
     pub rank: usize,
@@ -129,24 +137,35 @@ impl Ctx<'_> {
     /// `input` is `size` blocks of `output.len()` bytes; this rank gets the reduction of block `rank`.
     pub fn reduce_scatter(
         &mut self,
-        input: &[u8],
+        input: ScatterInput<'_>,
         output: &mut [u8],
         r: Reduction<'_>,
     ) -> Result<(), PeerError> {
         let m = output.len();
+        let shared: &[u8] = match &input {
+            ScatterInput::Shared(s) => s,
+            ScatterInput::Scratch(s) => s,
+        };
         if self.size == 1 {
-            output.copy_from_slice(input);
+            output.copy_from_slice(shared);
             return Ok(());
         }
         let timeout = self.timeout;
         if let Some(n) = self.t.native() {
-            if n.reduce_scatter(input, output, r.dtype, r.op, timeout)? {
+            if n.reduce_scatter(shared, output, r.dtype, r.op, timeout)? {
                 return Ok(());
             }
         }
-        let mut work = input.to_vec();
+        let mut copy = Vec::new();
+        let work = match input {
+            ScatterInput::Shared(s) => {
+                copy.extend_from_slice(s);
+                &mut copy[..]
+            }
+            ScatterInput::Scratch(s) => s,
+        };
         let bounds: Vec<_> = (0..self.size).map(|i| i * m..(i + 1) * m).collect();
-        self.ring_reduce_scatter(&mut work, &bounds, 0, r.dtype.size(), r.f)?;
+        self.ring_reduce_scatter(work, &bounds, 0, r.dtype.size(), r.f)?;
         output.copy_from_slice(&work[bounds[self.rank].clone()]);
         Ok(())
     }

@@ -3,7 +3,7 @@
 //! the optional desync check, and turning transport failures into errors that name the
 //! operation, its sequence number and the peer rank. After a failure the group is broken:
 //! later calls fail at once instead of running on desynchronised streams.
-use crate::collectives::{Ctx, ReduceFn, Reduction};
+use crate::collectives::{Ctx, ReduceFn, Reduction, ScatterInput};
 use crate::element::{reduce_bytes, Element, ReduceOp};
 use crate::env::InitOptions;
 use crate::error::CommError;
@@ -60,6 +60,8 @@ pub(crate) struct Inner {
     pub local_ip: IpAddr,
     pub timeout_ms: AtomicU64,
     pub subgroups: AtomicU64,
+    /// The groups `new_group` made from this one: aborting this group aborts them too.
+    pub children: Mutex<Vec<std::sync::Weak<Inner>>>,
     /// Host index (by first appearance) of every group rank.
     pub hosts: Vec<usize>,
     /// Sub-groups for the hierarchical all-reduce, once set up (multi-host groups only).
@@ -457,35 +459,40 @@ impl ProcessGroup {
         output: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        self.reduce_scatter_ticket(self.ticket(), input, output, op)
+        self.reduce_scatter_ticket(
+            self.ticket(),
+            ScatterInput::Shared(bytemuck::cast_slice(input)),
+            output,
+            op,
+        )
     }
 
-    fn reduce_scatter_ticket<T: Element>(
+    /// `input`: the elements' bytes, the caller's or handed over to be reduced into.
+    pub(crate) fn reduce_scatter_ticket<T: Element>(
         &self,
         ticket: Ticket,
-        input: &[T],
+        input: ScatterInput<'_>,
         output: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
         check_op::<T>("reduce_scatter", op)?;
+        let len = match &input {
+            ScatterInput::Shared(b) => b.len(),
+            ScatterInput::Scratch(b) => b.len(),
+        } / std::mem::size_of::<T>();
         let (n, m) = (self.size(), output.len());
-        if input.len() != n * m {
+        if len != n * m {
             return Err(CommError::invalid(
                 "reduce_scatter",
-                format!(
-                    "input has {} elements, expected size {n} × output {m} = {}",
-                    input.len(),
-                    n * m
-                ),
+                format!("input has {len} elements, expected size {n} × output {m} = {}", n * m),
             ));
         }
         let call = Call::new("reduce_scatter", Some(T::DTYPE), m, op_code(op));
         let f = move |d: &mut [u8], s: &[u8]| reduce_bytes::<T>(op, d, s);
         let f: ReduceFn<'_> = &f;
-        let inb: &[u8] = bytemuck::cast_slice(input);
         let outb: &mut [u8] = bytemuck::cast_slice_mut(output);
         let r = Reduction { dtype: T::DTYPE, op, f };
-        self.collective(ticket, call, |c| c.reduce_scatter(inb, outb, r))?;
+        self.collective(ticket, call, |c| c.reduce_scatter(input, outb, r))?;
         if op == ReduceOp::Avg {
             divide(output, n);
         }
@@ -577,6 +584,11 @@ impl ProcessGroup {
     /// makes every member leave an old generation. A call in progress on another thread of
     /// this rank fails by itself when its peers abort.
     pub fn abort(&self, reason: &str) {
+        let children =
+            std::mem::take(&mut *self.inner.children.lock().unwrap_or_else(|p| p.into_inner()));
+        for child in children.iter().filter_map(std::sync::Weak::upgrade) {
+            ProcessGroup { inner: child }.abort(reason);
+        }
         self.inner.order.set_broken(reason.to_string());
         for _ in 0..50 {
             if let Ok(mut st) = self.inner.state.try_lock() {
@@ -640,7 +652,7 @@ impl ProcessGroup {
         let world_ranks: Vec<usize> = ranks.iter().map(|&r| self.inner.world_ranks[r]).collect();
         let mut opts = self.inner.opts.clone();
         opts.timeout = self.timeout();
-        build::build_group(
+        let group = build::build_group(
             self.inner.store.clone(),
             None,
             &name,
@@ -649,7 +661,10 @@ impl ProcessGroup {
             &opts,
             self.inner.local_ip,
             (None, None),
-        )
-        .map(Some)
+        )?;
+        let mut children = self.inner.children.lock().unwrap_or_else(|p| p.into_inner());
+        children.retain(|c| c.strong_count() > 0);
+        children.push(Arc::downgrade(&group.inner));
+        Ok(Some(group))
     }
 }

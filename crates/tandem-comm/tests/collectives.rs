@@ -236,6 +236,26 @@ fn sub_groups_run_their_own_collectives() {
     }
 }
 
+/// Aborting a group aborts the groups made from it (a live regroup aborts the old
+/// generation's group: collectives on its sub-groups must fail too, not wait for a peer that
+/// moved on), with the same reason.
+#[test]
+fn aborting_a_group_aborts_its_sub_groups() {
+    let out = run_world(2, TransportKind::Tcp, |pg| {
+        let side = pg.new_group(&[0, 1]).unwrap().expect("a member");
+        let mut v = vec![1.0f32; 4];
+        side.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        assert_eq!((pg.failure(), side.failure()), (None, None));
+        pg.abort("regrouping");
+        let e = side.all_reduce(&mut v, ReduceOp::Sum).unwrap_err().to_string();
+        (side.failure(), e)
+    });
+    for (rank, (failure, e)) in out.iter().enumerate() {
+        assert_eq!(failure.as_deref(), Some("regrouping"), "rank {rank}");
+        assert!(e.contains("regrouping"), "rank {rank}: {e}");
+    }
+}
+
 /// A length a peer announces for variable-size bytes is checked before anything is allocated,
 /// against what the caller says the operation can need (a failed group stays failed, so each
 /// case is a world of its own).

@@ -179,6 +179,15 @@ fn check_async(pg: &ProcessGroup) {
     assert_eq!(g.wait().unwrap(), (0..n).map(|q| vec![q as f32]).collect::<Vec<_>>());
     h.wait().unwrap();
     assert_eq!(i.wait().unwrap(), vec![2.0 * n as f32; 3]);
+    // The async reduce-scatter reduces into the input it was handed: each rank still gets its
+    // own block's average, as from the blocking form (which reduces into a copy).
+    let input: Vec<f32> = (0..3 * n).map(|i| (100 * r + i) as f32).collect();
+    let mine = pg.reduce_scatter_async(input.clone(), vec![0.0; 3], ReduceOp::Avg);
+    let mut blocking = vec![0.0f32; 3];
+    pg.reduce_scatter(&input, &mut blocking, ReduceOp::Avg).unwrap();
+    let want: Vec<f32> = (0..3).map(|j| (50 * (n - 1) + 3 * r + j) as f32).collect();
+    assert_eq!(mine.wait().unwrap(), want, "rank {r}: async reduce-scatter");
+    assert_eq!(blocking, want, "rank {r}: reduce-scatter");
 }
 
 fn check_p2p(pg: &ProcessGroup) {

@@ -1,7 +1,7 @@
 //! The state a sharded model's step runs on, shared by [`crate::Fsdp`] and the unit ops that
 //! candle's backward calls: the shards, which units are gathered, the all-gathers in flight
 //! (prefetches) and the reduce-scatters in flight.
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use candle_core::{Tensor, Var};
 use tandem_comm::{ProcessGroup, ReduceOp};
@@ -10,6 +10,7 @@ use tandem_nn::kernels::with_f32_slice;
 use crate::error::{comm, tensor, FsdpError, Result};
 use crate::layout::ShardLayout;
 use crate::storage;
+use crate::unit_op::UnitOp;
 use crate::wire::{InFlight, Wire};
 
 /// How far ahead of the running unit a large unit's all-gather may start.
@@ -33,7 +34,16 @@ pub(crate) struct Unit {
     pub params: Vec<usize>,
 }
 
-/// The function a unit computes, kept for its recomputation in backward.
+/// What a unit keeps between its forward and its backward.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Schedule {
+    /// Free the unit's full parameters after its forward (FSDP2's `reshard_after_forward`).
+    pub reshard_after_forward: bool,
+    /// Keep no graph inside the unit and recompute it in backward.
+    pub activation_checkpointing: bool,
+}
+
+/// The function a unit computes (run again in backward under activation checkpointing).
 pub(crate) type UnitFn = Arc<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
 
 /// A reduce-scatter in flight: the parameters whose gradients it reduces, at their offsets in
@@ -92,9 +102,16 @@ pub(crate) struct Engine {
     /// HSDP: the ranks holding the same shard, across which gradients are averaged after the
     /// reduce-scatter (`None`: plain FSDP).
     pub replicate: Option<ProcessGroup>,
+    /// `group`'s ranks on connections of their own, made when first needed, for the
+    /// reduce-scatters and the all-gathers started more than one unit ahead. A group's
+    /// collectives run in issue order: on `group` alone, a large unit's reduce-scatter held
+    /// up the all-gathers issued after it (ViT-L's head: the next blocks' by 0.18 s a step),
+    /// and its early all-gather held up the blocks' in between (0.12 s). FSDP2 gives its
+    /// collectives streams of their own likewise.
+    side: OnceLock<ProcessGroup>,
     pub params: Vec<Param>,
     pub units: Vec<Unit>,
-    pub reshard_after_forward: bool,
+    pub schedule: Schedule,
     /// The dtypes the all-gathers and the reduce-scatters move values in.
     wires: (Wire, Wire),
     state: Mutex<State>,
@@ -114,7 +131,7 @@ impl Engine {
         (group, replicate): (ProcessGroup, Option<ProcessGroup>),
         params: Vec<Param>,
         units: Vec<Unit>,
-        reshard_after_forward: bool,
+        schedule: Schedule,
         wires: (Wire, Wire),
     ) -> Engine {
         let (n, p) = (units.len(), params.len());
@@ -128,7 +145,7 @@ impl Engine {
             ..State::default()
         };
         let state = Mutex::new(state);
-        Engine { group, replicate, params, units, reshard_after_forward, wires, state }
+        Engine { group, replicate, side: OnceLock::new(), params, units, schedule, wires, state }
     }
 
     /// This model over `group` (plain FSDP), this rank's shards `rows[p]` of each parameter in
@@ -176,13 +193,8 @@ impl Engine {
             });
         }
         let sync = self.lock().sync;
-        let engine = Engine::new(
-            (group, None),
-            params,
-            self.units.clone(),
-            self.reshard_after_forward,
-            self.wires,
-        );
+        let engine =
+            Engine::new((group, None), params, self.units.clone(), self.schedule, self.wires);
         engine.lock().sync = sync;
         Ok(engine)
     }
@@ -195,8 +207,9 @@ impl Engine {
         self.units.len() - 1
     }
 
-    /// Starts unit `u`'s all-gather unless it is gathered or on its way.
-    fn start_gather(&self, st: &mut State, u: usize) -> Result<()> {
+    /// Starts unit `u`'s all-gather unless it is gathered or on its way; `early`: on the side
+    /// group (a unit more than one ahead).
+    fn start_gather_on(&self, st: &mut State, u: usize, early: bool) -> Result<()> {
         if st.gathered[u] || st.gathering[u].is_some() {
             return Ok(());
         }
@@ -217,10 +230,16 @@ impl Engine {
             })
             .map_err(tensor(format!("reading the shard of `{}`", param.name)))?;
             let wire = if st.summoned { Wire::F32 } else { self.wires.0 };
-            works.push(wire.all_gather(&self.group, input));
+            let group = if early { self.side()? } else { &self.group };
+            works.push(wire.all_gather(group, input));
         }
         st.gathering[u] = Some(works);
         Ok(())
+    }
+
+    /// Starts unit `u`'s all-gather on `group` unless it is gathered or on its way.
+    fn start_gather(&self, st: &mut State, u: usize) -> Result<()> {
+        self.start_gather_on(st, u, false)
     }
 
     /// Starts `u`'s all-gather in the background (a prefetch).
@@ -313,9 +332,21 @@ impl Engine {
             params.push((p, offset));
             offset += param.layout.padded_len();
         }
-        let work = self.wires.1.reduce_scatter(&self.group, input, stride);
+        let work = self.wires.1.reduce_scatter(self.side()?, input, stride);
         st.reducing.push(Reduction { params, work });
         Ok(())
+    }
+
+    /// The side group (made by the first call: every rank makes it at the same point of the
+    /// same step).
+    fn side(&self) -> Result<&ProcessGroup> {
+        if let Some(g) = self.side.get() {
+            return Ok(g);
+        }
+        let ranks: Vec<usize> = (0..self.group.size()).collect();
+        let made = self.group.new_group(&ranks).map_err(comm("forming FSDP's side group"))?;
+        let g = made.ok_or_else(|| FsdpError::Order("this rank is not in its own group".into()))?;
+        Ok(self.side.get_or_init(|| g))
     }
 
     /// Waits for every reduce-scatter in flight and keeps the shard gradients they produce.
@@ -383,7 +414,7 @@ impl Engine {
     pub fn end_forward(&self) -> Result<()> {
         let mut st = self.lock();
         match st.order.last() {
-            Some(&last) if self.reshard_after_forward => self.start_gather(&mut st, last),
+            Some(&last) if self.schedule.reshard_after_forward => self.start_gather(&mut st, last),
             _ => Ok(()),
         }
     }
@@ -410,9 +441,10 @@ impl Engine {
         Ok(())
     }
 
-    /// Unit `u`'s forward: gathered (the next unit's all-gather started meanwhile), run
-    /// without keeping its graph, resharded; the result carries the op that recomputes it in
-    /// backward.
+    /// Unit `u`'s forward: gathered (the next unit's all-gather started meanwhile), run,
+    /// resharded. The result carries the op that runs the unit's backward: on the graph the
+    /// forward kept (FSDP2's default), or on one recomputed then (activation checkpointing, where
+    /// the forward keeps no graph inside the unit).
     pub fn unit_forward(self: &Arc<Self>, u: usize, x: &Tensor, f: UnitFn) -> Result<Tensor> {
         let anchor = {
             let mut st = self.lock();
@@ -446,12 +478,23 @@ impl Engine {
         };
         let (anchor, last) = anchor;
         self.gather(u)?;
-        let y = self.run(u, &x.detach(), &f)?.detach();
-        let out = x.apply_op2(&anchor, crate::unit_op::UnitOp::new(Arc::clone(self), u, f, y));
-        if self.reshard_after_forward && !last {
+        let name = &self.units[u].name;
+        let op = if self.schedule.activation_checkpointing {
+            let y = self.run(u, &x.detach(), &f)?.detach();
+            UnitOp::recomputing(Arc::clone(self), u, f, y)
+        } else {
+            // The unit's graph starts at a variable of its own, whose gradient is the input's.
+            let input = Var::from_tensor(&x.detach())
+                .map_err(tensor(format!("the input of unit `{name}`")))?;
+            let y = self.run(u, input.as_tensor(), &f)?;
+            UnitOp::keeping(Arc::clone(self), u, input, y)
+        };
+        let out = x.apply_op2(&anchor, op);
+        if self.schedule.reshard_after_forward && !last {
+            // The kept graph reads the parameters' storage, refilled before its backward.
             self.reshard(u)?;
         }
-        out.map_err(tensor(format!("the output of unit `{}`", self.units[u].name)))
+        out.map_err(tensor(format!("the output of unit `{name}`")))
     }
 
     /// Starts the all-gathers of the units after position `at` of the last step's order: the
@@ -460,17 +503,20 @@ impl Engine {
     /// several units early and its transfer overlaps their compute instead of one unit's.
     /// Every rank decides the same from the same order and sizes (collectives keep one order).
     fn prefetch_ahead(&self, st: &mut State, at: usize) -> Result<()> {
-        let size = |u: usize| -> usize {
-            self.units[u].params.iter().map(|&p| self.params[p].layout.full_len()).sum()
-        };
+        let size = |u: usize| self.unit_len(u);
         let here = st.last_order.get(at).map_or(0, |&u| size(u)).max(1);
         for k in 1..=PREFETCH_UNITS {
             let Some(&next) = st.last_order.get(at + k) else { break };
             if next != self.root() && (k == 1 || size(next) >= k * here) {
-                self.start_gather(st, next)?;
+                self.start_gather_on(st, next, k > 1)?;
             }
         }
         Ok(())
+    }
+
+    /// The values of unit `u`'s full parameters.
+    fn unit_len(&self, u: usize) -> usize {
+        self.units[u].params.iter().map(|&p| self.params[p].layout.full_len()).sum()
     }
 
     /// Runs `f` as unit `u`.
@@ -487,15 +533,15 @@ impl Engine {
         })
     }
 
-    /// Unit `u`'s backward (called by candle's backward through [`crate::unit_op::UnitOp`]):
-    /// gathered again (the previous unit's all-gather started meanwhile), recomputed, its
-    /// parameters' gradients sent to the reduce-scatter, resharded; returns the input's gradient.
+    /// Unit `u`'s backward (called by candle's backward through [`UnitOp`]): gathered again
+    /// (the previous unit's all-gather started meanwhile), differentiated — on the graph its
+    /// forward kept, or on one recomputed now — its parameters' gradients sent to the
+    /// reduce-scatter, resharded; returns the input's gradient.
     pub fn unit_backward(
         &self,
         u: usize,
-        x: &Tensor,
         grad: &Tensor,
-        f: &UnitFn,
+        graph: UnitGraph,
     ) -> Result<Option<Tensor>> {
         {
             let mut st = self.lock();
@@ -503,30 +549,46 @@ impl Engine {
             let remaining = st.remaining;
             if let Some(at) = st.order[..remaining].iter().rposition(|&v| v == u) {
                 st.remaining = at;
-                if at > 0 {
-                    let previous = st.order[at - 1];
-                    self.start_gather(&mut st, previous)?;
+                // The unit before this one; and, when this one is the larger, the one before
+                // that too: this unit's reduce-scatter, issued at its end, would hold up an
+                // all-gather issued after it (collectives run in issue order) — ViT-L's head
+                // held up the second-to-last block's by 0.19 s a step.
+                let here = self.unit_len(u);
+                for k in 1..=at.min(2) {
+                    let previous = st.order[at - k];
+                    if k == 1 || here >= 2 * self.unit_len(previous) {
+                        self.start_gather(&mut st, previous)?;
+                    }
                 }
             }
         }
         self.gather(u)?;
         let name = &self.units[u].name;
-        let input =
-            Var::from_tensor(&x.detach()).map_err(tensor(format!("the input of unit `{name}`")))?;
-        let mut grads = {
-            // (The recomputed graph, activations and all, ends with this block.)
-            let y = tandem_nn::recompute(|| self.run(u, input.as_tensor(), f))?;
-            grad.detach()
+        let grads = {
+            // (The unit's graph, activations and all, ends with this block.)
+            let (input, y) = match graph {
+                UnitGraph::Kept { input, output } => (input, output),
+                UnitGraph::Recompute { input, f } => {
+                    let input = Var::from_tensor(&input.detach())
+                        .map_err(tensor(format!("the input of unit `{name}`")))?;
+                    let y = tandem_nn::recompute(|| self.run(u, input.as_tensor(), &f))?;
+                    (input, y)
+                }
+            };
+            let grads = grad
+                .detach()
                 .to_dtype(y.dtype())
                 .and_then(|g| y.mul(&g))
                 .and_then(|t| t.sum_all())
                 .and_then(|t| tandem_nn::backward(&t))
-                .map_err(tensor(format!("the backward of unit `{name}`")))?
+                .map_err(tensor(format!("the backward of unit `{name}`")))?;
+            (grads, input)
         };
         // The full parameters are not needed once their gradients exist: freed before the
         // reduce-scatter's input is packed, so a unit's parameters, its full gradients and that
         // input are never all held at once (for ViT-L's 85 M-parameter head, 340 MB less).
         self.reshard(u)?;
+        let (mut grads, input) = grads;
         let mut mine = Vec::new();
         for (p, param) in self.params.iter().enumerate() {
             let Some(g) = grads.remove(param.full.as_tensor()) else { continue };
@@ -547,4 +609,12 @@ impl Engine {
         self.reduce(mine)?;
         Ok(grads.remove(input.as_tensor()))
     }
+}
+
+/// What a unit's backward differentiates.
+pub(crate) enum UnitGraph {
+    /// The graph its forward kept, from its own input variable to its output.
+    Kept { input: Var, output: Tensor },
+    /// Its input; the unit is run again on it (activation checkpointing).
+    Recompute { input: Tensor, f: UnitFn },
 }

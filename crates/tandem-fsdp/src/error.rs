@@ -78,3 +78,19 @@ pub(crate) fn tensor(context: impl Into<String>) -> impl FnOnce(candle_core::Err
 pub(crate) fn comm(op: &'static str) -> impl FnOnce(CommError) -> FsdpError {
     move |source| FsdpError::Comm { op, source: Box::new(source) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Live recovery tells a lost peer from other failures by finding the `CommError` in the
+    /// chain: a boxed one counts.
+    #[test]
+    fn a_peer_failure_inside_is_found_by_live_recovery() {
+        let lost =
+            CommError::Peer { op: "reduce_scatter", seq: 3, peer: 1, reason: "closed".into() };
+        assert!(tandem_comm::live::is_peer_failure(&comm("reduce_scatter")(lost)));
+        let other = FsdpError::Order("unit `b` ran outside Fsdp::forward".into());
+        assert!(!tandem_comm::live::is_peer_failure(&other));
+    }
+}

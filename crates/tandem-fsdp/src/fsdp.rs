@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::Init;
 use tandem_comm::{DeviceMesh, ProcessGroup, ReduceOp};
 
-use crate::engine::{add, CommStats, Engine, Param, Unit, UnitFn};
+use crate::engine::{add, CommStats, Engine, Param, Schedule, Unit, UnitFn};
 use crate::error::{comm, tensor, FsdpError, Result};
 use crate::layout::ShardLayout;
 use crate::meta::{draw_rows, MetaVarMap};
@@ -36,6 +36,13 @@ pub struct FsdpOptions {
     pub sync_module_states: bool,
     /// The dtypes the all-gathers and reduce-scatters move values in (FSDP2's `mp_policy`).
     pub mixed_precision: MixedPrecisionPolicy,
+    /// Activation checkpointing per unit (PyTorch's `checkpoint(block)` under `fully_shard`):
+    /// a unit's forward keeps no graph — neither its activations nor its gathered parameters
+    /// outlive it — and its backward recomputes it, one more forward per step for a rank that
+    /// holds only the units' inputs between forward and backward. Off (FSDP2's default): the
+    /// activations stay until backward, as under `Ddp`. A unit's function must then compute
+    /// the same values twice (draw dropout masks outside it).
+    pub activation_checkpointing: bool,
 }
 
 impl Default for FsdpOptions {
@@ -47,6 +54,7 @@ impl Default for FsdpOptions {
             frozen: Vec::new(),
             sync_module_states: true,
             mixed_precision: MixedPrecisionPolicy::default(),
+            activation_checkpointing: false,
         }
     }
 }
@@ -274,8 +282,11 @@ impl Fsdp {
                 Unit { name: name.clone(), params: members }
             })
             .collect();
-        let engine =
-            Engine::new((group, replicate), params, units, opts.reshard_after_forward, wires);
+        let schedule = Schedule {
+            reshard_after_forward: opts.reshard_after_forward,
+            activation_checkpointing: opts.activation_checkpointing,
+        };
+        let engine = Engine::new((group, replicate), params, units, schedule, wires);
         Ok(Fsdp { current: Current(Arc::new(RwLock::new(Arc::new(engine)))) })
     }
 
@@ -354,8 +365,9 @@ impl Fsdp {
         })
     }
 
-    /// `f(x)` run as unit `name`: gathered, computed, resharded, recomputed in backward. `f`
-    /// must compute the same values when called again (draw dropout masks outside it).
+    /// `f(x)` run as unit `name`: gathered, computed, resharded; in backward gathered again and
+    /// differentiated (recomputed first under activation checkpointing, where `f` must compute
+    /// the same values when called again: draw dropout masks outside it).
     pub fn run_unit(
         &self,
         name: &str,

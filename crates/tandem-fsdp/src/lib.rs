@@ -35,6 +35,7 @@
 //! | `loss.backward()` | [`Fsdp::backward`] (returns the shards' gradients) |
 //! | `model.parameters()` to the optimizer | [`Fsdp::params`] |
 //! | `reshard_after_forward` | [`FsdpOptions::reshard_after_forward`] |
+//! | `checkpoint(block)` / `apply_activation_checkpointing` on the units | [`FsdpOptions::activation_checkpointing`] |
 //! | `set_requires_gradient_sync(False)` | [`Fsdp::set_requires_gradient_sync`] |
 //! | `clip_grad_norm_` on DTensor grads | [`Fsdp::clip_grad_norm`] |
 //! | `requires_grad_(False)` | [`FsdpOptions::frozen`] |
@@ -42,18 +43,19 @@
 //! | (torchelastic restarts the job) | [`Fsdp::regroup`]: re-shard over a live world that lost or gained ranks |
 //! | `unshard()` / `get_model_state_dict(full_state_dict=True)` | [`Fsdp::summon_full_params`], [`Fsdp::full_state_dict`] |
 //!
-//! **How candle differs, and what it costs.** candle's autograd has no module hooks and keeps
-//! every tensor a graph read, so a unit runs as one op (see `unit_op`): its forward keeps no
-//! graph — neither the gathered parameters nor the activations inside the unit outlive it —
-//! and its backward recomputes the unit before differentiating it. That is FSDP2 with
-//! activation checkpointing per unit (what large models are trained with anyway): one extra
-//! forward per unit, in exchange for a rank holding only the units' inputs between forward and
-//! backward. A unit's function must therefore compute the same values twice (draw dropout masks
-//! outside it). The model's own `Var`s stand for FSDP2's unsharded parameters: they hold values
-//! only while their unit is gathered, and reading one elsewhere is an error from the reading op
-//! (see `storage`), so the model runs inside [`Fsdp::forward`] (or
-//! [`Fsdp::summon_full_params`]). A parameter read by several units belongs to their common
-//! parent, the root; read by the wrong unit it is an error naming it.
+//! **How candle differs.** candle's autograd has no module hooks, so a unit runs as one op (see
+//! `unit_op`): its forward gathers the unit, runs it and reshards it; its backward gathers it
+//! again and differentiates the graph the forward kept — whose reads of the parameters see
+//! the refilled storage — then sends the gradients to the reduce-scatter. As in FSDP2, the
+//! activations stay from forward to backward; with [`FsdpOptions::activation_checkpointing`]
+//! a unit keeps no graph and is recomputed in backward instead (PyTorch's `checkpoint` per
+//! block: the memory of the units' inputs, one more forward a step). The model's own `Var`s
+//! stand for FSDP2's unsharded parameters: they hold values only while their unit is
+//! gathered, and reading one elsewhere is an error from the reading op (see `storage`), so
+//! the model runs inside [`Fsdp::forward`] (or [`Fsdp::summon_full_params`]). A parameter
+//! read by several units belongs to their common parent, the root; read by the wrong unit it
+//! is an error naming it. Reduce-scatters and the all-gathers started more than one unit
+//! ahead run on a second group over the same ranks, so neither waits behind the other.
 //!
 //! It steps no optimizer (the caller's steps [`Fsdp::params`]; clipping is tandem-optim's, the
 //! norm summed over the ranks) and knows nothing of launchers or checkpoint files.

@@ -26,7 +26,7 @@ fn accumulating_without_sync_equals_one_step_on_the_whole_batch() {
         let tokens = tokens(&f, 0, pg.rank());
         let run = |microbatches: usize| {
             let varmap = VarMap::new();
-            let (fsdp, gpt) = Gpt::new(&varmap, &f).shard(&varmap, &pg, true);
+            let (fsdp, gpt) = Gpt::new(&varmap, &f).shard(&varmap, &pg, options());
             let mut opt = sgd(fsdp.params());
             let mut grads = None;
             for m in 0..microbatches {
@@ -151,7 +151,7 @@ fn parameters_hold_values_only_while_gathered() {
     run_tcp_world(2, |pg| {
         let f = fixture(2);
         let varmap = VarMap::new();
-        let (fsdp, gpt) = Gpt::new(&varmap, &f).shard(&varmap, &pg, true);
+        let (fsdp, gpt) = Gpt::new(&varmap, &f).shard(&varmap, &pg, options());
         let loss = fsdp.forward(|| gpt.loss(&tokens(&f, 0, pg.rank()))).unwrap();
         fsdp.backward(&loss).unwrap();
         let var = |name: &str| varmap.data().lock().unwrap()[name].clone();
@@ -316,7 +316,11 @@ fn a_recomputed_unit_updates_batch_norm_statistics_once() {
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
         let lin = candle_nn::linear(5, 3, vb.pp("lin")).unwrap();
         let bn = Bn(tandem_nn::fast_batch_norm2d(3, vb.pp("bn")).unwrap());
-        let opts = FsdpOptions { units: Units::prefixes(["bn"]), ..FsdpOptions::default() };
+        let opts = FsdpOptions {
+            units: Units::prefixes(["bn"]),
+            activation_checkpointing: true,
+            ..FsdpOptions::default()
+        };
         let fsdp = Fsdp::from_varmap(&varmap, &pg, opts).unwrap();
         let bn = fsdp.fully_shard("bn", bn).unwrap();
         let x = data(pg.rank());
@@ -495,5 +499,61 @@ fn fixed_weights(varmap: &VarMap) {
         let v: Vec<f32> =
             (0..var.elem_count()).map(|i| ((i * 7 + k) as f32 * 0.37).sin() * 0.7).collect();
         var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu).unwrap()).unwrap();
+    }
+}
+
+/// FSDP2 keeps a unit's graph from its forward to its backward: the unit runs once a step,
+/// and its backward differentiates that graph after the parameters it read were freed and
+/// gathered again. Under activation checkpointing it runs twice (backward recomputes it).
+/// Both give the same weights, bit for bit.
+#[test]
+fn a_unit_runs_once_a_step_unless_activation_checkpointing_recomputes_it() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let out = run_tcp_world(2, |pg| {
+        [false, true].map(|activation_checkpointing| {
+            let varmap = VarMap::new();
+            let model = mlp(&varmap);
+            fixed_weights(&varmap);
+            let opts = FsdpOptions {
+                units: Units::prefixes(["l1", "l2"]),
+                activation_checkpointing,
+                ..FsdpOptions::default()
+            };
+            let fsdp = Fsdp::from_varmap(&varmap, &pg, opts).unwrap();
+            let mut opt = sgd(fsdp.params());
+            let runs = Arc::new(AtomicUsize::new(0));
+            let x = data(pg.rank());
+            for _ in 0..3 {
+                let loss = fsdp
+                    .forward(|| {
+                        let (l1, n) = (model.l1.clone(), Arc::clone(&runs));
+                        let h = fsdp
+                            .run_unit("l1", &x, move |x| {
+                                n.fetch_add(1, Ordering::SeqCst);
+                                l1.forward(x)?.tanh()
+                            })
+                            .map_err(candle_core::Error::wrap)?;
+                        // l1 is resharded by now: its graph holds freed parameters.
+                        let l2 = model.l2.clone();
+                        let y = fsdp
+                            .run_unit("l2", &h, move |h| l2.forward(h))
+                            .map_err(candle_core::Error::wrap)?;
+                        y.sqr()?.mean_all()
+                    })
+                    .unwrap();
+                opt.step(&fsdp.backward(&loss).unwrap()).unwrap();
+            }
+            (runs.load(Ordering::SeqCst), fsdp.full_state_dict().unwrap())
+        })
+    });
+    for (rank, [(kept_runs, kept), (ac_runs, ac)]) in out.iter().enumerate() {
+        assert_eq!((*kept_runs, *ac_runs), (3, 6), "rank {rank}: runs of unit l1 in 3 steps");
+        for ((name, a), (_, b)) in kept.iter().zip(ac) {
+            assert_eq!(max_abs_diff(a, b), 0.0, "rank {rank}: `{name}` differs");
+        }
+        let moved =
+            kept.iter().map(|(_, w)| max_abs_diff(w, &w.zeros_like().unwrap())).sum::<f32>();
+        assert!(moved > 0.0, "rank {rank}: trained weights");
     }
 }

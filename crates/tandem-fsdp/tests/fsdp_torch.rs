@@ -7,6 +7,7 @@
 mod common;
 
 use common::*;
+use tandem_fsdp::FsdpOptions;
 use tandem_optim::{AdamWConfig, TorchAdamW};
 use tandem_testutil::run_tcp_world;
 
@@ -34,11 +35,11 @@ fn initial_weights_file(dir: &std::path::Path, world: usize) -> std::path::PathB
     path
 }
 
-fn matches_torch_fsdp2(world: usize, reshard_after_forward: bool) {
-    matches_torch_fsdp2_from(world, reshard_after_forward, Start::Whole);
+fn matches_torch_fsdp2(world: usize, opts: FsdpOptions) {
+    matches_torch_fsdp2_from(world, opts, Start::Whole);
 }
 
-fn matches_torch_fsdp2_from(world: usize, reshard_after_forward: bool, start: Start) {
+fn matches_torch_fsdp2_from(world: usize, opts: FsdpOptions, start: Start) {
     let dir = tempfile::tempdir().unwrap();
     let file = initial_weights_file(dir.path(), world);
     let out = run_tcp_world(world, move |pg| {
@@ -46,13 +47,12 @@ fn matches_torch_fsdp2_from(world: usize, reshard_after_forward: bool, start: St
         let (fsdp, gpt) = match start {
             Start::Whole => {
                 let varmap = candle_nn::VarMap::new();
-                Gpt::new(&varmap, &f).shard(&varmap, &pg, reshard_after_forward)
+                Gpt::new(&varmap, &f).shard(&varmap, &pg, opts.clone())
             }
             Start::MetaAndFile => {
                 let meta = tandem_fsdp::MetaVarMap::new(0);
                 let gpt = Gpt::build(meta.var_builder());
-                let opts = options(reshard_after_forward);
-                let fsdp = tandem_fsdp::Fsdp::from_meta(&meta, &pg, opts).unwrap();
+                let fsdp = tandem_fsdp::Fsdp::from_meta(&meta, &pg, opts.clone()).unwrap();
                 assert!(fsdp.load_safetensors(&[&file]).unwrap().is_empty(), "no buffers");
                 let gpt = gpt.wrap(&fsdp);
                 (fsdp, gpt)
@@ -127,23 +127,32 @@ fn matches_torch_fsdp2_from(world: usize, reshard_after_forward: bool, start: St
 
 #[test]
 fn two_ranks_match_torch_fsdp2() {
-    matches_torch_fsdp2(2, true);
+    matches_torch_fsdp2(2, options());
 }
 
 #[test]
 fn three_ranks_match_torch_fsdp2() {
-    matches_torch_fsdp2(3, true);
+    matches_torch_fsdp2(3, options());
 }
 
 #[test]
 fn keeping_units_gathered_after_forward_changes_nothing() {
-    matches_torch_fsdp2(2, false);
+    matches_torch_fsdp2(2, FsdpOptions { reshard_after_forward: false, ..options() });
+}
+
+/// Each unit recomputed in backward instead of keeping its graph: the same values, so the
+/// same steps as PyTorch FSDP2 (which keeps the graph).
+#[test]
+fn activation_checkpointing_matches_torch_fsdp2() {
+    let opts = FsdpOptions { activation_checkpointing: true, ..options() };
+    matches_torch_fsdp2(2, opts.clone());
+    matches_torch_fsdp2(3, opts);
 }
 
 /// The fine-tuning path: a model built on meta, PyTorch's initial weights read row by row from
 /// a safetensors file, then the same 10 steps as PyTorch FSDP2.
 #[test]
 fn a_model_built_on_meta_and_loaded_from_a_file_matches_torch_fsdp2() {
-    matches_torch_fsdp2_from(2, true, Start::MetaAndFile);
-    matches_torch_fsdp2_from(3, true, Start::MetaAndFile);
+    matches_torch_fsdp2_from(2, options(), Start::MetaAndFile);
+    matches_torch_fsdp2_from(3, options(), Start::MetaAndFile);
 }

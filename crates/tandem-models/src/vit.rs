@@ -327,7 +327,8 @@ impl Vit {
     }
 
     /// Runs every block and the head through `runner` (FSDP2's `fully_shard` per block), in
-    /// place of the activation checkpointing of `using_checkpoint`.
+    /// place of the activation checkpointing of `using_checkpoint` (the runner's units
+    /// recompute or not, as it is told).
     ///
     /// [`Vit::unit_of`] names each parameter's unit (tandem-fsdp's `Units::by_name`).
     pub fn run_blocks_with(&mut self, runner: UnitRunner) {

@@ -338,6 +338,9 @@ pub struct FsdpRunOptions {
     pub units: FsdpUnits,
     /// FSDP2's `reshard_after_forward`.
     pub reshard_after_forward: bool,
+    /// Recompute each unit in backward instead of keeping its activations (`None`: as the
+    /// model asks — arcface_torch's `using_checkpoint`, on for vit_b and vit_l).
+    pub activation_checkpointing: Option<bool>,
     /// HSDP: the ranks form this many rows, each holding one copy of the model sharded over
     /// its ranks (1: plain FSDP over every rank).
     pub hsdp_rows: usize,

@@ -200,6 +200,11 @@ pub struct TrainConfig {
     /// its backward (true, FSDP2's default), or keep them until its backward (false).
     #[cfg_attr(feature = "clap", arg(long = "fsdp-reshard-after-forward", action = clap::ArgAction::Set, value_name = "BOOL", default_value_t = TrainConfig::default().fsdp_reshard_after_forward))]
     pub fsdp_reshard_after_forward: bool,
+    /// With --fsdp: recompute each unit in backward instead of keeping its activations until
+    /// then (true: the memory of the units' inputs, one more forward a step; false: FSDP2's
+    /// default). Default: as the model asks (arcface_torch's `using_checkpoint`: vit_b, vit_l).
+    #[cfg_attr(feature = "clap", arg(long = "fsdp-activation-checkpointing", action = clap::ArgAction::Set, value_name = "BOOL"))]
+    pub fsdp_activation_checkpointing: Option<bool>,
     /// With --fsdp: HSDP — the ranks form this many rows, each a copy of the model sharded over
     /// its ranks (gradients reduce-scattered within a row, averaged across rows); 1: plain FSDP.
     #[cfg_attr(feature = "clap", arg(long = "hsdp-rows", default_value_t = TrainConfig::default().fsdp_hsdp_rows, value_name = "R"))]
@@ -340,6 +345,7 @@ impl Default for TrainConfig {
             fsdp: false,
             fsdp_units: FsdpUnits::Blocks,
             fsdp_reshard_after_forward: true,
+            fsdp_activation_checkpointing: None,
             fsdp_hsdp_rows: 1,
             fsdp_param_dtype: Precision::F32,
             fsdp_reduce_dtype: None,
@@ -397,6 +403,7 @@ impl TrainConfig {
         FsdpRunOptions {
             units: self.fsdp_units,
             reshard_after_forward: self.fsdp_reshard_after_forward,
+            activation_checkpointing: self.fsdp_activation_checkpointing,
             hsdp_rows: self.fsdp_hsdp_rows,
             param_dtype: self.fsdp_param_dtype,
             reduce_dtype: self.fsdp_reduce_dtype,
@@ -499,7 +506,8 @@ impl TrainConfig {
             bail_option!(
                 "fsdp",
                 None,
-                "`fsdp_units`, `fsdp_reshard_after_forward`, `hsdp_rows` and the `fsdp_*_dtype`s \
+                "`fsdp_units`, `fsdp_reshard_after_forward`, `fsdp_activation_checkpointing`, \
+                 `hsdp_rows` and the `fsdp_*_dtype`s \
                  are settings of a sharded model: add `fsdp`"
             );
         }

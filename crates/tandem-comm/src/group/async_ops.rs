@@ -1,6 +1,7 @@
 //! The `async_op=True` forms of the collectives defined in `group.rs`: each takes its buffers
 //! by value, runs after every call this rank issued before it, and `wait()` gives them back.
 use super::ProcessGroup;
+use crate::collectives::ScatterInput;
 use crate::element::{Element, ReduceOp};
 use crate::work::Work;
 
@@ -13,15 +14,17 @@ impl ProcessGroup {
         })
     }
 
-    /// [`ProcessGroup::reduce_scatter`] in the background; `wait()` returns `output`.
+    /// [`ProcessGroup::reduce_scatter`] in the background; `wait()` returns `output`. The ring
+    /// reduces into `input` itself (it is handed over): no copy of it is made.
     pub fn reduce_scatter_async<T: Element>(
         &self,
-        input: Vec<T>,
+        mut input: Vec<T>,
         mut output: Vec<T>,
         op: ReduceOp,
     ) -> Work<Vec<T>> {
         self.spawn_ordered("reduce_scatter", move |pg, ticket| {
-            pg.reduce_scatter_ticket(ticket, &input, &mut output, op)?;
+            let scratch = ScatterInput::Scratch(bytemuck::cast_slice_mut(&mut input));
+            pg.reduce_scatter_ticket(ticket, scratch, &mut output, op)?;
             Ok(output)
         })
     }

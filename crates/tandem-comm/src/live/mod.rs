@@ -730,7 +730,9 @@ impl Collectives for Current {
 pub fn is_peer_failure(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = cur {
-        if let Some(c) = err.downcast_ref::<CommError>() {
+        // (A boxed CommError, as a library error enum may hold one, is the error itself.)
+        let boxed = err.downcast_ref::<Box<CommError>>().map(|b| &**b);
+        if let Some(c) = err.downcast_ref::<CommError>().or(boxed) {
             return matches!(
                 c,
                 CommError::Peer { .. }

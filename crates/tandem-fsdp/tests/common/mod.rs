@@ -124,9 +124,9 @@ impl Gpt<Block> {
         self,
         varmap: &VarMap,
         group: &tandem_comm::ProcessGroup,
-        reshard_after_forward: bool,
+        opts: FsdpOptions,
     ) -> (Fsdp, Gpt<FullyShard<Block>>) {
-        let fsdp = Fsdp::from_varmap(varmap, group, options(reshard_after_forward)).unwrap();
+        let fsdp = Fsdp::from_varmap(varmap, group, opts).unwrap();
         let gpt = self.wrap(&fsdp);
         (fsdp, gpt)
     }
@@ -144,11 +144,10 @@ impl Gpt<Block> {
 }
 
 /// A unit per block, the root the rest, the position embedding frozen.
-pub fn options(reshard_after_forward: bool) -> FsdpOptions {
+pub fn options() -> FsdpOptions {
     FsdpOptions {
         units: Units::prefixes((0..BLOCKS).map(|i| format!("blocks.{i}"))),
         frozen: vec!["wpe.weight".into()],
-        reshard_after_forward,
         ..FsdpOptions::default()
     }
 }

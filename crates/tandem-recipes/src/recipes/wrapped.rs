@@ -52,6 +52,7 @@ impl<M: ParamModule> Wrapped<M> {
         let options = FsdpOptions {
             units,
             reshard_after_forward: opts.reshard_after_forward,
+            activation_checkpointing: opts.activation_checkpointing.unwrap_or(false),
             mixed_precision,
             ..FsdpOptions::default()
         };

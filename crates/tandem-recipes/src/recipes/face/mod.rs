@@ -53,7 +53,7 @@ use super::optimizer::RunOptimizer;
 use super::wrapped::Wrapped;
 use super::LiveComm;
 use crate::face_eval::verification::{self as verify, ValSets};
-use crate::options::{DataSource, Precision, TrainOptions};
+use crate::options::{DataSource, FsdpRunOptions, Precision, TrainOptions};
 
 /// arcface_torch's DDP settings for the backbone.
 const BUCKET_CAP_MB: f64 = 16.0;
@@ -191,6 +191,12 @@ impl<'a> Face<'a> {
                 let unit_of = Box::new(move |p: &str| FaceBackbone::unit_of(kind, p));
                 let mut give = |runner| {
                     model.run_blocks_with(runner);
+                };
+                // Unless told, a unit recomputes in backward where the model's blocks would.
+                let checkpointed = kind.vit().is_some_and(|v| v.using_checkpoint);
+                let fsdp = &FsdpRunOptions {
+                    activation_checkpointing: fsdp.activation_checkpointing.or(Some(checkpointed)),
+                    ..fsdp.clone()
                 };
                 Wrapped::sharded(named, group, fsdp, Some((unit_of, &mut give)))?
                     .keep_order(&order)
