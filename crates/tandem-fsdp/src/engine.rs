@@ -549,16 +549,9 @@ impl Engine {
             let remaining = st.remaining;
             if let Some(at) = st.order[..remaining].iter().rposition(|&v| v == u) {
                 st.remaining = at;
-                // The unit before this one; and, when this one is the larger, the one before
-                // that too: this unit's reduce-scatter, issued at its end, would hold up an
-                // all-gather issued after it (collectives run in issue order) — ViT-L's head
-                // held up the second-to-last block's by 0.19 s a step.
-                let here = self.unit_len(u);
-                for k in 1..=at.min(2) {
-                    let previous = st.order[at - k];
-                    if k == 1 || here >= 2 * self.unit_len(previous) {
-                        self.start_gather(&mut st, previous)?;
-                    }
+                if at > 0 {
+                    let previous = st.order[at - 1];
+                    self.start_gather(&mut st, previous)?;
                 }
             }
         }
