@@ -76,9 +76,10 @@ fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
     // Ddp's model is built whole; Fsdp's on meta (no rank holds it whole, as for a model
     // larger than one rank), each rank drawing its rows when it is sharded.
     let (varmap, meta) = (VarMap::new(), MetaVarMap::new(0));
-    let vb = match sharded {
-        true => meta.var_builder(),
-        false => VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    let vb = if sharded {
+        meta.var_builder()
+    } else {
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)
     };
     let mut vit = Vit::new(cfg, EMBEDDING, vb)?;
     vit.seed(pg.rank() as u64);

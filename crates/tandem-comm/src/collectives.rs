@@ -29,6 +29,15 @@ pub(crate) enum ScatterInput<'a> {
     Scratch(&'a mut [u8]),
 }
 
+impl ScatterInput<'_> {
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            ScatterInput::Shared(b) => b,
+            ScatterInput::Scratch(b) => b,
+        }
+    }
+}
+
 pub(crate) struct Ctx<'a> {
     pub t: &'a mut dyn Transport,
     pub rank: usize,
@@ -142,17 +151,13 @@ impl Ctx<'_> {
         r: Reduction<'_>,
     ) -> Result<(), PeerError> {
         let m = output.len();
-        let shared: &[u8] = match &input {
-            ScatterInput::Shared(s) => s,
-            ScatterInput::Scratch(s) => s,
-        };
         if self.size == 1 {
-            output.copy_from_slice(shared);
+            output.copy_from_slice(input.bytes());
             return Ok(());
         }
         let timeout = self.timeout;
         if let Some(n) = self.t.native() {
-            if n.reduce_scatter(shared, output, r.dtype, r.op, timeout)? {
+            if n.reduce_scatter(input.bytes(), output, r.dtype, r.op, timeout)? {
                 return Ok(());
             }
         }

@@ -476,10 +476,7 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Result<(), CommError> {
         check_op::<T>("reduce_scatter", op)?;
-        let len = match &input {
-            ScatterInput::Shared(b) => b.len(),
-            ScatterInput::Scratch(b) => b.len(),
-        } / std::mem::size_of::<T>();
+        let len = input.bytes().len() / std::mem::size_of::<T>();
         let (n, m) = (self.size(), output.len());
         if len != n * m {
             return Err(CommError::invalid(

@@ -478,18 +478,15 @@ impl Engine {
         };
         let (anchor, last) = anchor;
         self.gather(u)?;
-        let name = &self.units[u].name;
-        let op = if self.schedule.activation_checkpointing {
-            let y = self.run(u, &x.detach(), &f)?.detach();
-            UnitOp::recomputing(Arc::clone(self), u, f, y)
+        let (y, graph) = if self.schedule.activation_checkpointing {
+            (self.run(u, &x.detach(), &f)?.detach(), UnitGraph::Recompute(f))
         } else {
-            // The unit's graph starts at a variable of its own, whose gradient is the input's.
-            let input = Var::from_tensor(&x.detach())
-                .map_err(tensor(format!("the input of unit `{name}`")))?;
+            let input = self.input_var(u, x)?;
             let y = self.run(u, input.as_tensor(), &f)?;
-            UnitOp::keeping(Arc::clone(self), u, input, y)
+            (y.clone(), UnitGraph::Kept { input, output: y })
         };
-        let out = x.apply_op2(&anchor, op);
+        let out = x.apply_op2(&anchor, UnitOp::new(Arc::clone(self), u, y, graph));
+        let name = &self.units[u].name;
         if self.schedule.reshard_after_forward && !last {
             // The kept graph reads the parameters' storage, refilled before its backward.
             self.reshard(u)?;
@@ -519,6 +516,13 @@ impl Engine {
         self.units[u].params.iter().map(|&p| self.params[p].layout.full_len()).sum()
     }
 
+    /// A variable holding `x`'s values, where unit `u`'s graph starts (its gradient is the
+    /// input's).
+    fn input_var(&self, u: usize, x: &Tensor) -> Result<Var> {
+        Var::from_tensor(&x.detach())
+            .map_err(tensor(format!("the input of unit `{}`", self.units[u].name)))
+    }
+
     /// Runs `f` as unit `u`.
     fn run(&self, u: usize, x: &Tensor, f: &UnitFn) -> Result<Tensor> {
         self.lock().in_unit = Some(u);
@@ -533,13 +537,14 @@ impl Engine {
         })
     }
 
-    /// Unit `u`'s backward (called by candle's backward through [`UnitOp`]): gathered again
-    /// (the previous unit's all-gather started meanwhile), differentiated — on the graph its
-    /// forward kept, or on one recomputed now — its parameters' gradients sent to the
-    /// reduce-scatter, resharded; returns the input's gradient.
+    /// Unit `u`'s backward (called by candle's backward through [`UnitOp`]; `x` its input):
+    /// gathered again (the previous unit's all-gather started meanwhile), differentiated — on
+    /// the graph its forward kept, or on one recomputed now — its parameters' gradients sent to
+    /// the reduce-scatter, resharded; returns the input's gradient.
     pub fn unit_backward(
         &self,
         u: usize,
+        x: &Tensor,
         grad: &Tensor,
         graph: UnitGraph,
     ) -> Result<Option<Tensor>> {
@@ -556,32 +561,26 @@ impl Engine {
             }
         }
         self.gather(u)?;
-        let name = &self.units[u].name;
-        let grads = {
-            // (The unit's graph, activations and all, ends with this block.)
-            let (input, y) = match graph {
-                UnitGraph::Kept { input, output } => (input, output),
-                UnitGraph::Recompute { input, f } => {
-                    let input = Var::from_tensor(&input.detach())
-                        .map_err(tensor(format!("the input of unit `{name}`")))?;
-                    let y = tandem_nn::recompute(|| self.run(u, input.as_tensor(), &f))?;
-                    (input, y)
-                }
-            };
-            let grads = grad
-                .detach()
-                .to_dtype(y.dtype())
-                .and_then(|g| y.mul(&g))
-                .and_then(|t| t.sum_all())
-                .and_then(|t| tandem_nn::backward(&t))
-                .map_err(tensor(format!("the backward of unit `{name}`")))?;
-            (grads, input)
+        let (input, y) = match graph {
+            UnitGraph::Kept { input, output } => (input, output),
+            UnitGraph::Recompute(f) => {
+                let input = self.input_var(u, x)?;
+                let y = tandem_nn::recompute(|| self.run(u, input.as_tensor(), &f))?;
+                (input, y)
+            }
         };
-        // The full parameters are not needed once their gradients exist: freed before the
-        // reduce-scatter's input is packed, so a unit's parameters, its full gradients and that
-        // input are never all held at once (for ViT-L's 85 M-parameter head, 340 MB less).
+        let mut grads = grad
+            .detach()
+            .to_dtype(y.dtype())
+            .and_then(|g| y.mul(&g))
+            .and_then(|t| t.sum_all())
+            .and_then(|t| tandem_nn::backward(&t))
+            .map_err(tensor(format!("the backward of unit `{}`", self.units[u].name)))?;
+        drop(y); // the unit's graph, activations and all, ends here
+                 // The full parameters are not needed once their gradients exist: freed before the
+                 // reduce-scatter's input is packed, so a unit's parameters, its full gradients and that
+                 // input are never all held at once (for ViT-L's 85 M-parameter head, 340 MB less).
         self.reshard(u)?;
-        let (mut grads, input) = grads;
         let mut mine = Vec::new();
         for (p, param) in self.params.iter().enumerate() {
             let Some(g) = grads.remove(param.full.as_tensor()) else { continue };
@@ -608,6 +607,6 @@ impl Engine {
 pub(crate) enum UnitGraph {
     /// The graph its forward kept, from its own input variable to its output.
     Kept { input: Var, output: Tensor },
-    /// Its input; the unit is run again on it (activation checkpointing).
-    Recompute { input: Tensor, f: UnitFn },
+    /// The unit, run again on its input (activation checkpointing).
+    Recompute(UnitFn),
 }

@@ -9,39 +9,23 @@
 //! model), and it is how candle orders the op's backward before the input's producers.
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, Var};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
-use crate::engine::{Engine, UnitFn, UnitGraph};
+use crate::engine::{Engine, UnitGraph};
 
 pub(crate) struct UnitOp {
     engine: Arc<Engine>,
     unit: usize,
     /// The unit's output, until the op's forward takes its values.
     output: Mutex<Option<Tensor>>,
-    /// Its graph or how to recompute it, until the op's backward takes it.
-    graph: Mutex<Option<Graph>>,
-}
-
-enum Graph {
-    Kept(Var),
-    Recompute(UnitFn),
-}
-
-fn taken<T>(slot: &Mutex<Option<T>>) -> Option<T> {
-    slot.lock().unwrap_or_else(|p| p.into_inner()).take()
+    /// What the backward differentiates, until it takes it (a kept graph goes with its
+    /// activations; a recomputation stays for another backward).
+    graph: Mutex<Option<UnitGraph>>,
 }
 
 impl UnitOp {
-    /// A unit whose graph, from `input` to `output`, is kept for backward.
-    pub fn keeping(engine: Arc<Engine>, unit: usize, input: Var, output: Tensor) -> UnitOp {
-        let graph = Mutex::new(Some(Graph::Kept(input)));
-        UnitOp { engine, unit, output: Mutex::new(Some(output)), graph }
-    }
-
-    /// A unit whose `output` has no graph: `f` is run again in backward.
-    pub fn recomputing(engine: Arc<Engine>, unit: usize, f: UnitFn, output: Tensor) -> UnitOp {
-        let graph = Mutex::new(Some(Graph::Recompute(f)));
-        UnitOp { engine, unit, output: Mutex::new(Some(output)), graph }
+    pub fn new(engine: Arc<Engine>, unit: usize, output: Tensor, graph: UnitGraph) -> UnitOp {
+        UnitOp { engine, unit, output: Mutex::new(Some(output)), graph: Mutex::new(Some(graph)) }
     }
 }
 
@@ -68,14 +52,9 @@ impl CustomOp2 for UnitOp {
         _anchor: &CpuStorage,
         _al: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let mut slot = self.output.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(y) = slot.as_ref() else { candle_core::bail!("fsdp-unit: the op ran twice") };
-        let values = (values(y)?, y.shape().clone());
-        // A kept graph's output stays for the backward; a recomputed one's is not needed.
-        if !matches!(*self.graph.lock().unwrap_or_else(|p| p.into_inner()), Some(Graph::Kept(_))) {
-            *slot = None;
-        }
-        Ok(values)
+        let y = self.output.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let Some(y) = y else { candle_core::bail!("fsdp-unit: the op ran twice") };
+        Ok((values(&y)?, y.shape().clone()))
     }
 
     fn bwd(
@@ -88,23 +67,21 @@ impl CustomOp2 for UnitOp {
         let graph = {
             let mut slot = self.graph.lock().unwrap_or_else(|p| p.into_inner());
             match slot.take() {
-                // A kept graph is differentiated once: its activations go with it.
-                Some(Graph::Kept(input)) => match taken(&self.output) {
-                    Some(output) => UnitGraph::Kept { input, output },
-                    None => candle_core::bail!("fsdp-unit: the backward ran before the forward"),
-                },
-                Some(Graph::Recompute(f)) => {
-                    *slot = Some(Graph::Recompute(Arc::clone(&f)));
-                    UnitGraph::Recompute { input: x.clone(), f }
+                Some(UnitGraph::Recompute(f)) => {
+                    *slot = Some(UnitGraph::Recompute(Arc::clone(&f)));
+                    UnitGraph::Recompute(f)
                 }
+                Some(kept) => kept,
                 None => candle_core::bail!(
                     "fsdp-unit: a second backward through one forward (its graph was freed \
                      by the first; recompute with activation checkpointing to differentiate twice)"
                 ),
             }
         };
-        let gx =
-            self.engine.unit_backward(self.unit, grad, graph).map_err(candle_core::Error::wrap)?;
+        let gx = self
+            .engine
+            .unit_backward(self.unit, x, grad, graph)
+            .map_err(candle_core::Error::wrap)?;
         Ok((gx, None))
     }
 }
