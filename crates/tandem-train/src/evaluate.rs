@@ -6,7 +6,7 @@ use candle_core::Device;
 use tandem_comm::ProcessGroup;
 use tandem_data::{Dataset, EvalMetrics, LoaderOptions};
 
-use crate::error::Result;
+use crate::Result;
 
 /// Exact distributed evaluation of a classifier: every sample of `eval` once over the ranks of
 /// `group`, `forward` giving the logits, the cross-entropy and correct counts all-reduced.

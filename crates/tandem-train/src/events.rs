@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 pub use crate::live::Regroup;
 use crate::live::WorldChange;
 use crate::metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
-pub use crate::rank_state::{MirrorCost, RegroupCounts, Resplit};
+pub use tandem_state::{MirrorCost, RegroupCounts, Resplit};
 
 /// One thing a run reports.
 #[derive(Clone, Debug, PartialEq)]

@@ -12,15 +12,15 @@
 //!   replicated and sharded ([`Checkpointer`], [`TrainingStateDict`], [`Saved`]): every rank's
 //!   shards written in parallel, the replicated part once, a manifest last, synchronously or
 //!   in the background, loaded on any world size reading only the slices a rank owns;
-//! - [`TrainingState`]: the whole training state of a model, its optimizer (ZeRO-1's shards
-//!   too), scheduler, scaler, loader and the state each rank holds alone ([`RankState`] parts:
-//!   PartialFC's rows, [`RankBuffers`], an `Fsdp` model's shards as [`FsdpShards`]) saved and
-//!   loaded in one call each
+//! - [`TrainingState`] (the tandem-state crate, re-exported): the whole training state of a
+//!   model, its optimizer (ZeRO-1's shards too), scheduler, scaler, loader and the state each
+//!   rank holds alone ([`RankState`] parts: PartialFC's rows, [`RankBuffers`], an `Fsdp`
+//!   model's shards as [`FsdpShards`]) saved and loaded in one call each
 //!   ([`save_state`]/[`load_state`], over [`checkpoint`]), resumable on any world size;
-//! - [`live`]: keeping a loop running through a rank's death (`tandem run --live-recovery`),
-//!   and state one rank holds alone ([`live::RankPart`]: ZeRO's shards, PartialFC's rows)
-//!   mirrored to a buddy and re-split after a regroup; [`World`]: a rank's place in the job,
-//!   live or not, that a [`Trainer`] is fitted in;
+//!   [`live`]: keeping a loop running through a rank's death (`tandem run --live-recovery`),
+//!   the per-rank parts mirrored to a buddy and re-split after a regroup — the same calls for
+//!   the [`Trainer`] and a user's own loop; [`World`]: a rank's place in the job, live or not,
+//!   that a [`Trainer`] is fitted in;
 //! - [`events`]: what a run reports as it happens ([`Event`]), to the [`Logger`]s a
 //!   [`Reporter`] holds; [`metrics`]: a run's typed results ([`EpochMetrics`], [`RunSummary`])
 //!   and the JSON-lines file a script reads them from; [`EventWriter`] (TensorBoard scalars)
@@ -36,28 +36,17 @@
 #![warn(unnameable_types)]
 
 pub mod events;
-#[doc(hidden)]
-pub mod fault;
-pub mod live;
 pub mod metrics;
-pub mod state;
 
-mod error;
 mod evaluate;
-mod fsdp_state;
-mod rank_state;
 mod tfevents;
 mod trainer;
 mod training_log;
 mod world;
 
-pub use error::{Context, Result, TrainError};
 pub use evaluate::evaluate_logits;
 pub use events::{Event, Lines, Logger, Reporter};
-pub use fsdp_state::{fsdp2_state_dict, fsdp_consolidated, load_fsdp2_dcp, FsdpShards};
 pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
-pub use rank_state::{PartLoaded, RankBuffers, RankState};
-pub use state::{load_state, load_state_from, save_state, LoaderPosition, Resumed, TrainingState};
 pub use tandem_checkpoint as checkpoint;
 pub use tandem_checkpoint::{
     CheckpointPolicy, Checkpointer, Never, Periodic, Saved, ShardDict, ShardSlice,
@@ -66,6 +55,13 @@ pub use tandem_checkpoint::{
 pub use tandem_optim::lr_scheduler::schedule;
 pub use tandem_optim::lr_scheduler::schedule::{LrSchedule, RunLength, Scheduler, Warmup};
 pub use tandem_optim::{phase_end, Step, StepOutcome, StepPhase};
+#[doc(hidden)]
+pub use tandem_state::fault;
+pub use tandem_state::{
+    bail, bail_option, fsdp2_state_dict, fsdp_consolidated, live, load_fsdp2_dcp, load_state,
+    load_state_from, save_state, state, Context, FsdpShards, LoaderPosition, PartLoaded,
+    RankBuffers, RankState, Result, Resumed, TrainError, TrainingState,
+};
 pub use tfevents::EventWriter;
 pub use trainer::{Evaluation, Recipe, StepReport, StepTimes, Trainer, TrainerOptions};
 pub use world::World;

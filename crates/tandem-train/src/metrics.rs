@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::io;
 use crate::live::Regroup;
-use crate::rank_state::MirrorCost;
 use crate::TrainError;
+use tandem_state::io;
+use tandem_state::MirrorCost;
 
 /// One verification set's result (LFW-style 10-fold accuracy).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

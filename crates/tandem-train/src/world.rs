@@ -4,10 +4,10 @@ use std::sync::Arc;
 use tandem_comm::{Collectives, LiveOptions, ProcessGroup};
 use tandem_ddp::DdpOptions;
 
-use crate::error::{Context, Result};
 use crate::live::LiveTraining;
 use crate::trainer::{Recipe, Trainer};
 use crate::RunSummary;
+use crate::{Context, Result};
 
 /// Where a rank trains: the job's process group, or — started by `tandem run --live-recovery` —
 /// a live world that regroups when a rank dies and takes in its replacement. A program written

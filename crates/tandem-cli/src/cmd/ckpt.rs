@@ -10,7 +10,6 @@ use serde_json::json;
 use tandem::ckpt::keys::{find_state_dicts, load_state_dict};
 use tandem::ckpt::tree::{self, keys_of};
 use tandem::ckpt::{dcp, CkptError, LoadOptions, Value};
-
 use tandem::optim::zero::is_zero1_checkpoint;
 use tandem::recipes::face::arcface;
 use tandem::train::checkpoint::Saved;
@@ -101,13 +100,9 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
 
 /// Reads with every zip entry's CRC-32 verified: a tool asked whether a file is sound must not
 /// report a bit-flipped one as fine. A directory is a sharded checkpoint, read whole
-/// (consolidated): tandem's, or the earlier ZeRO-only format's.
-pub(crate) fn read(path: &Path) -> anyhow::Result<Value> {
-    read_keeping(path, false)
-}
-
-/// `read`, keeping OrderedDicts and their `_metadata` (for `convert`: a faithful re-save).
-fn read_keeping(path: &Path, keep_ordered_dicts: bool) -> anyhow::Result<Value> {
+/// (consolidated): tandem's, or the earlier ZeRO-only format's. `keep_ordered_dicts` keeps
+/// OrderedDicts and their `_metadata` (for `convert`: a faithful re-save).
+pub(crate) fn read(path: &Path, keep_ordered_dicts: bool) -> anyhow::Result<Value> {
     if path.is_dir() {
         if dcp::is_dcp_dir(path) {
             return Ok(dcp::load(path)?);
@@ -148,8 +143,7 @@ fn inspect_sharded_state(saved: &Saved, as_json: bool) -> anyhow::Result<i32> {
 /// Face-recipe checkpoints to arcface_torch's per-rank files, or back.
 fn convert_face(input: &Path, output: &Path) -> anyhow::Result<i32> {
     if arcface::is_face_dir(input) {
-        let written = arcface::to_arcface(input, output)?;
-        for w in &written {
+        for w in arcface::to_arcface(input, output)? {
             println!("wrote {}", w.display());
         }
     } else {
@@ -163,28 +157,27 @@ fn convert_face(input: &Path, output: &Path) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-/// A ZeRO checkpoint of the earlier format: each rank's file, parameters and state bytes.
-fn inspect_zero1(dir: &Path, as_json: bool) -> anyhow::Result<i32> {
-    let inspection = tandem::optim::zero::inspect_sharded(dir)?;
-    let hint = "optim.pt` writes the consolidated, torch-loadable state dict)";
-    match as_json {
-        true => println!("{}", serde_json::to_string_pretty(&inspection)?),
-        false => println!("{inspection}(`tandem ckpt convert {} {hint}", dir.display()),
+/// Prints an inspection as JSON or as text.
+fn show<T: serde::Serialize + std::fmt::Display>(inspection: &T, json: bool) -> anyhow::Result<()> {
+    match json {
+        true => println!("{}", serde_json::to_string_pretty(inspection)?),
+        false => print!("{inspection}"),
     }
-    Ok(0)
+    Ok(())
 }
 
 fn inspect(file: &Path, as_json: bool) -> anyhow::Result<i32> {
     if file.is_dir() && is_zero1_checkpoint(file) {
-        return inspect_zero1(file, as_json);
-    }
-    if file.is_dir() && !dcp::is_dcp_dir(file) {
+        // A ZeRO checkpoint of the earlier format: each rank's file, parameters and state bytes.
+        show(&tandem::optim::zero::inspect_sharded(file)?, as_json)?;
+        let (dir, hint) = (file.display(), "the consolidated, torch-loadable state dict");
+        if !as_json {
+            println!("(`tandem ckpt convert {dir} optim.pt` writes {hint})");
+        }
+    } else if file.is_dir() && !dcp::is_dcp_dir(file) {
         return inspect_sharded_state(&Saved::open(file)?, as_json);
-    }
-    let inspection = tree::inspect(file, &read(file)?)?;
-    match as_json {
-        true => println!("{}", serde_json::to_string_pretty(&inspection)?),
-        false => print!("{inspection}"),
+    } else {
+        show(&tree::inspect(file, &read(file, false)?)?, as_json)?;
     }
     Ok(0)
 }
@@ -208,7 +201,7 @@ fn convert(
         true => tandem::train::fsdp2_state_dict(&Saved::open(input)?)?,
         false => None,
     };
-    let v = fsdp2.map_or_else(|| read_keeping(input, true), Ok)?;
+    let v = fsdp2.map_or_else(|| read(input, true), Ok)?;
     let to_safetensors = match to {
         Some(t) => t == "safetensors",
         None => output.extension().is_some_and(|e| e == "safetensors"),
@@ -260,14 +253,13 @@ fn convert(
 }
 
 fn diff(a: &Path, b: &Path) -> anyhow::Result<i32> {
-    let d = tree::diff(&read(a)?, &read(b)?);
+    let d = tree::diff(&read(a, false)?, &read(b, false)?);
     print!("{}", d.report(&a.display().to_string(), &b.display().to_string()));
     Ok(if d.differences() == 0 { 0 } else { 1 })
 }
 
 fn load_check(file: &Path, reference: &Path, strict: bool) -> anyhow::Result<i32> {
-    let src = read(file)?;
-    let rf = read(reference)?;
+    let (src, rf) = (read(file, false)?, read(reference, false)?);
     let found = find_state_dicts(&rf);
     let Some((_, target)) = found.first() else {
         bail!("{}: holds no state dict to check against", reference.display())

@@ -168,9 +168,9 @@ fn synth_faces(a: SynthFaces) -> anyhow::Result<i32> {
     if a.size < 8 {
         bail!("--size {}: images need at least 8 pixels a side", a.size);
     }
-    let format = match a.format {
-        Format::Jpeg => FaceFormat::Jpeg,
-        Format::Png => FaceFormat::Png,
+    let (format, name) = match a.format {
+        Format::Jpeg => (FaceFormat::Jpeg, "jpeg"),
+        Format::Png => (FaceFormat::Png, "png"),
     };
     let w = write_synthetic_faces(&a.dir, a.classes, a.per_class, a.size, format, a.pairs)
         .with_context(|| format!("writing synthetic faces to {}", a.dir.display()))?;
@@ -181,10 +181,7 @@ fn synth_faces(a: SynthFaces) -> anyhow::Result<i32> {
         w.classes,
         a.size,
         a.size,
-        match format {
-            FaceFormat::Jpeg => "jpeg",
-            FaceFormat::Png => "png",
-        },
+        name,
         w.pairs
     );
     Ok(0)

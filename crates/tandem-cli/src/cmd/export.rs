@@ -22,7 +22,7 @@ pub struct Args {
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
     // Checksums verified, as `tandem ckpt` reads (a directory put together whole).
-    let value = super::ckpt::read(&args.checkpoint)
+    let value = super::ckpt::read(&args.checkpoint, false)
         .with_context(|| format!("reading {}", args.checkpoint.display()))?;
     let summary = write(args.model, &value, &args.output)
         .with_context(|| format!("exporting {}", args.checkpoint.display()))?;

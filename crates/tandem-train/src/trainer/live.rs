@@ -4,12 +4,12 @@
 //! re-split by [`LiveTraining`] as a user's own loop's are) and the loop's record of what it
 //! has done.
 use super::{report_to, whole_state, Ended, Recipe, Trainer, NO_STATE};
-use crate::error::{Context, Result, TrainError};
 use crate::events::{Event, Regroup};
 use crate::fault;
 use crate::live::{decode_record, encode_record, LiveState, LiveTraining, WorldChange};
 use crate::schedule;
 use crate::state::{LoaderPosition, TrainingState};
+use crate::{Context, Result, TrainError};
 
 /// Why a live world regroups, and whether the step in flight failed (it is redone).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]

@@ -29,7 +29,6 @@ use tandem_comm::{ProcessGroup, ReduceOp};
 use tandem_data::{DataLoader, SamplerState};
 use tandem_optim::GradScaler;
 
-use crate::error::{Context, Result, TrainError};
 use crate::events::{Event, Logger, Reporter, StepEvent};
 use crate::fault;
 use crate::live::LiveTraining;
@@ -38,6 +37,7 @@ use crate::schedule;
 use crate::state::{self, LoaderPosition, Resumed, TrainingState};
 use crate::tfevents::STEP_SCALARS_EVERY;
 use crate::training_log::TrainingLog;
+use crate::{Context, Result, TrainError};
 use crate::{EpochMetrics, EventWriter, RunSummary, Step};
 use live::root_cause;
 pub use recipe::{Evaluation, Recipe, StepReport};

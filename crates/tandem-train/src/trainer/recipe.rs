@@ -4,9 +4,9 @@ use tandem_comm::ProcessGroup;
 use tandem_data::{Batch, Dataset};
 use tandem_optim::TorchOptimizer;
 
-use crate::error::Result;
 use crate::metrics::VerificationMetrics;
 use crate::state::TrainingState;
+use crate::Result;
 use crate::Step;
 
 /// What one step reported: this rank's mean loss over its `samples`, and where its time went.

@@ -1,8 +1,8 @@
 //! Where a step's time and loss go: [`StepTimes`] (seconds per phase over the run) and the
 //! epoch's loss queue (device losses read a few steps late, so the host never waits for the
 //! GPU inside a step).
-use crate::error::Result;
 use crate::trainer::StepReport;
+use crate::Result;
 
 /// Steps whose loss is read back from the device this many steps later: the host runs ahead of
 /// the GPU by up to that many steps instead of waiting for every step's end.

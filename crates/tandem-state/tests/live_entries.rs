@@ -3,8 +3,8 @@
 //! the others kept or moved to their new owner) and entries nobody holds (fresh state).
 use tandem_ckpt::{TensorData, Value};
 use tandem_comm::ProcessGroup;
+use tandem_state::live::{exchange_mirror, owned_by, regroup, Entries, RegroupCounts};
 use tandem_testutil::run_tcp_world;
-use tandem_train::live::{exchange_mirror, owned_by, regroup, Entries, RegroupCounts};
 
 /// Parameter `i`'s momentum as of `step` (distinct for every parameter and step).
 fn entry(i: usize, step: u64) -> Value {

@@ -19,7 +19,7 @@
 //! let change = live.regroup(&mut TrainingState::new(&ddp, &mut opt).part(&mut head).loader(&mut loader).step(step))?;
 //! ```
 //!
-//! The [`Trainer`](crate::Trainer) goes through the same calls with its recipe's state
+//! The `Trainer` (tandem-train) goes through the same calls with its recipe's state
 //! (`live/trainer.rs`: its outer loop and the record that travels with the state), so a loop
 //! of your own keeps ZeRO's shards and a PartialFC head's rows through a regroup exactly as it
 //! does.
@@ -253,7 +253,7 @@ impl LiveTraining {
         self.lock_parts().after_step(&self.live.group(), state)
     }
 
-    /// Call once the world agreed the run is over, on every rank (the [`Trainer`](crate::Trainer)
+    /// Call once the world agreed the run is over, on every rank (tandem-train's `Trainer`
     /// does): a replacement that arrives after the end is told the job is over instead of
     /// starting it again from its checkpoint (what it does when every member died).
     pub fn finish(&self) -> Result<()> {
@@ -385,34 +385,31 @@ impl LiveTraining {
 }
 
 /// `value` as TOML (which, unlike JSON, keeps a NaN loss): what travels beside the state.
-pub(crate) fn encode_record(value: &impl serde::Serialize, what: &str) -> Result<Vec<u8>> {
+#[doc(hidden)]
+pub fn encode_record(value: &impl serde::Serialize, what: &str) -> Result<Vec<u8>> {
     let text = toml::to_string(value)
         .map_err(|e| TrainError::Invalid(format!("live recovery: {what}: {e}")))?;
     Ok(text.into_bytes())
 }
 
 /// The value [`encode_record`] wrote.
-pub(crate) fn decode_record<T: serde::de::DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T> {
+#[doc(hidden)]
+pub fn decode_record<T: serde::de::DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T> {
     let bad = |why: String| TrainError::Invalid(format!("live recovery: {what}: {why}"));
     let text = std::str::from_utf8(bytes).map_err(|e| bad(e.to_string()))?;
     toml::from_str(text).map_err(|e| bad(e.to_string()))
 }
 
 /// Appends `value` to a regroup's `bytes` as a record ([`encode_record`]), its length after it.
-pub(crate) fn push_record(
-    bytes: &mut Vec<u8>,
-    value: &impl serde::Serialize,
-    what: &str,
-) -> Result<()> {
+#[doc(hidden)]
+pub fn push_record(bytes: &mut Vec<u8>, value: &impl serde::Serialize, what: &str) -> Result<()> {
     push_bytes(bytes, &encode_record(value, what)?);
     Ok(())
 }
 
 /// Takes the value [`push_record`] appended off the end of `bytes`.
-pub(crate) fn pop_record<T: serde::de::DeserializeOwned>(
-    bytes: &mut Vec<u8>,
-    what: &str,
-) -> Result<T> {
+#[doc(hidden)]
+pub fn pop_record<T: serde::de::DeserializeOwned>(bytes: &mut Vec<u8>, what: &str) -> Result<T> {
     decode_record(&pop_bytes(bytes, what)?, what)
 }
 
@@ -438,7 +435,7 @@ fn pop_bytes(bytes: &mut Vec<u8>, what: &str) -> Result<Vec<u8>> {
 
 /// What a regroup moves: a [`TrainingState`] (the model, the optimizer, the parts each rank
 /// holds alone, the loader) — a user's own loop passes its `TrainingState` itself — and, for a
-/// loop that keeps more (the [`Trainer`](crate::Trainer)'s record of what it has done), that
+/// loop that keeps more (tandem-train's `Trainer` and its record of what it has done), that
 /// record beside it.
 pub trait LiveState {
     /// Completed steps (the rank with the most is the source).
@@ -475,7 +472,8 @@ pub trait LiveState {
 }
 
 /// What a restart generation started from when no checkpoint was there.
-pub(crate) const FROM_THE_BEGINNING: &str = "the beginning";
+#[doc(hidden)]
+pub const FROM_THE_BEGINNING: &str = "the beginning";
 
 /// A user's own loop: its training state moves as it is (model, optimizer, scheduler,
 /// GradScaler, loader position and counters, in the checkpoint format), and its parts re-split.

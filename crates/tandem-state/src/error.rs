@@ -292,10 +292,7 @@ pub(crate) fn comm(what: impl Into<String>) -> impl FnOnce(CommError) -> TrainEr
 }
 
 /// An I/O failure on `path` while `what` (`creating`, `reading`, ...) was being done.
-pub(crate) fn io(
-    what: &'static str,
-    path: &std::path::Path,
-) -> impl FnOnce(std::io::Error) -> TrainError {
+pub fn io(what: &'static str, path: &std::path::Path) -> impl FnOnce(std::io::Error) -> TrainError {
     let path = path.to_path_buf();
     move |source| TrainError::Io { what, path, source }
 }

@@ -5,7 +5,7 @@
 //! any world size, and under live recovery each part mirrors itself to a buddy after its steps
 //! and re-splits after a regroup ([`crate::live::Mirrored`] does both for a
 //! [`crate::live::RankPart`]), driven by [`LiveTraining`](crate::live::LiveTraining) the same
-//! way for the [`Trainer`](crate::Trainer) and a user's own loop. A ZeRO-sharded optimizer's
+//! way for the `Trainer` (tandem-train) and a user's own loop. A ZeRO-sharded optimizer's
 //! entries are such a part too, one `LiveTraining` adds itself.
 //!
 //! A part may hold some of the optimizer's entries ([`RankState::optimizer_entries`]: the

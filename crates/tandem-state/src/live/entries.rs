@@ -5,7 +5,7 @@
 //!
 //! Entries travel as a `.pt` image of a torch optimizer state dict's `state` (integer keys).
 //!
-//! [`LiveShards`] is the [`RankState`] part the [`Trainer`](crate::Trainer) adds itself under
+//! [`LiveShards`] is the [`RankState`] part the `Trainer` (tandem-train) adds itself under
 //! live recovery for a recipe whose optimizer is sharded
 //! ([`OptimizerState::owned_params`]): the recipe writes nothing for it.
 use std::ops::Range;

@@ -1,6 +1,6 @@
 //! The whole training state in one call each way, like Accelerate's `save_state`/`load_state`:
 //! model, optimizer, scheduler, loader position, step, epoch and world size, over the one
-//! checkpoint API ([`crate::checkpoint`]). A replicated state is one torch-loadable file rank 0
+//! checkpoint API ([`tandem_checkpoint`]). A replicated state is one torch-loadable file rank 0
 //! writes atomically (keep-last rotation, a `latest` pointer) while every rank meets inside; an
 //! optimizer sharded over the ranks (ZeRO-1) saves each rank's entries in parallel as an entry
 //! shard (nothing is gathered), and state each rank holds alone goes beside it as its parts'
@@ -10,12 +10,12 @@
 //!
 //! ```ignore
 //! let mut state = TrainingState::new(&ddp, &mut opt).loader(&mut loader);
-//! if let Some(r) = tandem_train::load_state("runs/ckpt", &mut state)? {
+//! if let Some(r) = tandem_state::load_state("runs/ckpt", &mut state)? {
 //!     start_epoch = r.epoch;                    // model, optimizer and loader are restored
 //! }
 //! // ... after an epoch:
 //! let state = TrainingState::new(&ddp, &mut opt).loader(&mut loader).epoch(epoch + 1);
-//! tandem_train::save_state(&group, "runs/ckpt", &state)?;
+//! tandem_state::save_state(&group, "runs/ckpt", &state)?;
 //! ```
 //!
 //! The model is anything that is a [`ParamModule`] (a `Ddp`, the `NamedVars` of a candle
@@ -29,7 +29,7 @@
 //! let _w = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu).get(4, "w").unwrap();
 //! let model = tandem_nn::NamedVars::from_varmap(&varmap);
 //! let mut opt = candle_nn::SGD::new(varmap.all_vars(), 0.1).unwrap();
-//! let _state = tandem_train::TrainingState::new(&model, &mut opt);
+//! let _state = tandem_state::TrainingState::new(&model, &mut opt);
 //! ```
 //!
 //! One whose state cannot be saved (candle-nn's `AdamW`) does not compile, with a note naming
@@ -42,7 +42,7 @@
 //! let _w = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu).get(4, "w").unwrap();
 //! let model = tandem_nn::NamedVars::from_varmap(&varmap);
 //! let mut opt = candle_nn::AdamW::new(varmap.all_vars(), ParamsAdamW::default()).unwrap();
-//! let _state = tandem_train::TrainingState::new(&model, &mut opt); // `AdamW` has no state tandem can checkpoint
+//! let _state = tandem_state::TrainingState::new(&model, &mut opt); // `AdamW` has no state tandem can checkpoint
 //! ```
 use std::path::{Path, PathBuf};
 
@@ -126,8 +126,8 @@ impl<'a> TrainingState<'a> {
     ) -> Self {
         TrainingState::new(&*crate::fsdp_state::NO_MODEL, optimizer).part(shards)
     }
-    /// The loss scaler and the schedule of `step` (what a [`crate::Step`] steps with).
-    pub fn scaler_and_scheduler(mut self, step: &'a mut crate::Step) -> Self {
+    /// The loss scaler and the schedule of `step` (what a [`tandem_optim::Step`] steps with).
+    pub fn scaler_and_scheduler(mut self, step: &'a mut tandem_optim::Step) -> Self {
         (self.scaler, self.scheduler) = step.scaler_and_scheduler_mut();
         self
     }
@@ -197,7 +197,7 @@ impl<'a> TrainingState<'a> {
 }
 
 /// Where a resume started from: what [`load_state`] returns and the
-/// [`Trainer`](crate::Trainer) reports.
+/// `Trainer` of tandem-train reports.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Resumed {
     /// The checkpoint read (a file, or a directory of shards).
@@ -273,11 +273,12 @@ pub fn load_state_from(saved: &Saved, state: &mut TrainingState<'_>) -> Result<R
 }
 
 /// The one resume path, a user's loop's ([`load_state_from`]) and the
-/// [`Trainer`](crate::Trainer)'s: restores `saved` into `state` and says where it resumed —
+/// `Trainer`'s of tandem-train: restores `saved` into `state` and says where it resumed —
 /// the step, the loader's epoch, and notes on a re-split over another world size and on
 /// GradScaler state it did not hold. Also returns the checkpoint read (the Trainer loads its
 /// schedule from it, stretched over the steps this world has left).
-pub(crate) fn resume_from(
+#[doc(hidden)]
+pub fn resume_from(
     saved: &Saved,
     state: &mut TrainingState<'_>,
 ) -> Result<(Resumed, TrainingCheckpoint)> {

@@ -1,5 +1,5 @@
 //! The per-rank parts of a [`TrainingState`] under live recovery, run the same way for a
-//! [`Trainer`](crate::Trainer) and a user's own loop: after every step each part mirrors itself
+//! `Trainer` (tandem-train) and a user's own loop: after every step each part mirrors itself
 //! to its buddy when due ([`RankState::after_step`]), and after a regroup moved the replicated
 //! state each part re-splits over the new world ([`RankState::regroup`]) and the optimizer takes
 //! the entries the parts hold back with the world's hyperparameters.

@@ -7,11 +7,12 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, VarBuilder, VarMap};
+use tandem_checkpoint::Saved;
 use tandem_ckpt::Value;
 use tandem_fsdp::{Fsdp, FsdpOptions, FullyShard, Units};
 use tandem_optim::{SgdConfig, TorchSgd};
+use tandem_state::{FsdpShards, TrainingState};
 use tandem_testutil::run_tcp_world;
-use tandem_train::{FsdpShards, Saved, TrainingState};
 
 struct Model {
     fsdp: Fsdp,
@@ -77,7 +78,7 @@ fn train(m: &mut Model, steps: std::ops::Range<usize>) {
 fn save(m: &mut Model, pg: &tandem_comm::ProcessGroup, dir: &Path, step: u64) -> Option<PathBuf> {
     let mut shards = FsdpShards::new(&m.fsdp);
     let state = TrainingState::fsdp(&mut shards, &mut m.opt).step(step);
-    tandem_train::save_state(pg, dir, &state).unwrap()
+    tandem_state::save_state(pg, dir, &state).unwrap()
 }
 
 fn flat(t: &Tensor) -> Vec<f32> {
@@ -104,7 +105,7 @@ fn saved_on_two_ranks_resumed_on_three_continues_as_the_unstopped_run() {
         let mut m = model(&pg, 7);
         let mut shards = FsdpShards::new(&m.fsdp);
         let mut state = TrainingState::fsdp(&mut shards, &mut m.opt);
-        let r = tandem_train::load_state(&d, &mut state).unwrap().expect("a checkpoint");
+        let r = tandem_state::load_state(&d, &mut state).unwrap().expect("a checkpoint");
         let at_load = m.fsdp.full_state_dict().unwrap();
         train(&mut m, 3..5);
         (r, at_load, m.fsdp.full_state_dict().unwrap())
@@ -154,7 +155,7 @@ fn a_checkpoint_of_another_model_is_refused_naming_the_parameter() {
         let mut m = model(&pg, 6);
         let mut shards = FsdpShards::new(&m.fsdp);
         let mut state = TrainingState::fsdp(&mut shards, &mut m.opt);
-        tandem_train::load_state(&d, &mut state).unwrap_err().to_string()
+        tandem_state::load_state(&d, &mut state).unwrap_err().to_string()
     });
     for e in errors {
         assert!(
@@ -169,7 +170,7 @@ fn a_checkpoint_of_another_model_is_refused_naming_the_parameter() {
 /// must start with `OK`.
 fn torch(python: &Path, mode: &str, dcp: &Path, world: usize, k: usize, expected: &Path) -> String {
     let script = tandem_testutil::workspace_root()
-        .join("crates/tandem-train/tests/fixtures/fsdp2_interop.py");
+        .join("crates/tandem-state/tests/fixtures/fsdp2_interop.py");
     let mut cmd = std::process::Command::new(python);
     cmd.arg(script).arg(mode).arg(dcp).args([world.to_string(), k.to_string()]).arg(expected);
     let out = tandem_testutil::output_with_deadline(&mut cmd, std::time::Duration::from_secs(300));
@@ -198,7 +199,7 @@ fn torch_fsdp2_to_tandem_to_torch_fsdp2_across_world_sizes() {
     let run = dir.path().join("run");
     let tandem_run = run_tcp_world(3, move |pg| {
         let mut m = model(&pg, 7);
-        tandem_train::load_fsdp2_dcp(&from_torch, &m.fsdp, &mut m.opt).unwrap();
+        tandem_state::load_fsdp2_dcp(&from_torch, &m.fsdp, &mut m.opt).unwrap();
         train(&mut m, 5..6);
         let first = m.fsdp.full_state_dict().unwrap();
         train(&mut m, 6..10);
@@ -222,7 +223,7 @@ fn torch_fsdp2_to_tandem_to_torch_fsdp2_across_world_sizes() {
     candle_core::safetensors::save(&next, &expected).unwrap();
 
     let saved = Saved::open(tandem_run[0].0.as_ref().unwrap()).unwrap();
-    let fsdp2 = tandem_train::fsdp2_state_dict(&saved).unwrap().expect("an Fsdp checkpoint");
+    let fsdp2 = tandem_state::fsdp2_state_dict(&saved).unwrap().expect("an Fsdp checkpoint");
     let to_torch = dir.path().join("to_torch");
     tandem_ckpt::dcp::save(&to_torch, &fsdp2.into_plain()).unwrap();
     let text = torch(&python, "load", &to_torch, 4, 10, &expected);
@@ -246,7 +247,7 @@ fn an_hsdp_checkpoint_holds_each_row_once_and_resumes_on_three_ranks() {
     let resumed = run_tcp_world(3, move |pg| {
         let mut m = model(&pg, 7);
         let mut shards = FsdpShards::new(&m.fsdp);
-        tandem_train::load_state(&d, &mut TrainingState::fsdp(&mut shards, &mut m.opt)).unwrap();
+        tandem_state::load_state(&d, &mut TrainingState::fsdp(&mut shards, &mut m.opt)).unwrap();
         m.fsdp.full_state_dict().unwrap()
     });
     for (rank, weights) in resumed.iter().enumerate() {
