@@ -134,13 +134,30 @@ impl<M> FullyShard<M> {
     }
 }
 
+/// A model's own initialisation for [`Fsdp::from_meta_with`]: the values of parameter `name` of
+/// shape `dims`, whole, or `None` for the meta map's draw.
+pub type InitialValues<'a> = dyn FnMut(&str, &[usize]) -> Option<Vec<f32>> + 'a;
+
 /// Where the shards' values come from.
-#[derive(Clone, Copy)]
-enum Source<'a> {
+enum Source<'a, 'v> {
     /// The model's own full values (rank 0's, with `sync_module_states`).
     Full,
-    /// Drawn from a [`MetaVarMap`]'s seed, parameter by parameter in the build's order.
-    Meta { seed: u64, inits: &'a [Init] },
+    /// Drawn from a [`MetaVarMap`]'s seed, parameter by parameter in the build's order, where
+    /// `given` (asked in that order) gives no values.
+    Meta { seed: u64, inits: &'a [Init], given: Option<&'a mut InitialValues<'v>> },
+}
+
+/// The groups FSDP shards over and replicates across on `mesh` (1-D: FSDP, 2-D: HSDP).
+fn mesh_groups(mesh: &DeviceMesh) -> Result<(ProcessGroup, Option<ProcessGroup>)> {
+    let group = |dim| mesh.group(dim).cloned().map_err(comm("device mesh"));
+    match mesh.shape().len() {
+        1 => Ok((group(0)?, None)),
+        2 => Ok((group(1)?, Some(group(0)?))),
+        n => Err(FsdpError::InvalidOption {
+            what: "mesh",
+            why: format!("a {n}-D mesh: FSDP shards over a 1-D mesh, HSDP over a 2-D one"),
+        }),
+    }
 }
 
 fn check_param(name: &str, var: &Var) -> Result<()> {
@@ -207,22 +224,14 @@ impl Fsdp {
         mesh: &DeviceMesh,
         opts: FsdpOptions,
     ) -> Result<Fsdp> {
-        let group = |dim| mesh.group(dim).cloned().map_err(comm("device mesh"));
-        match mesh.shape().len() {
-            1 => Fsdp::build(named, (group(0)?, None), opts, Source::Full),
-            2 => Fsdp::build(named, (group(1)?, Some(group(0)?)), opts, Source::Full),
-            n => Err(FsdpError::InvalidOption {
-                what: "mesh",
-                why: format!("a {n}-D mesh: FSDP shards over a 1-D mesh, HSDP over a 2-D one"),
-            }),
-        }
+        Fsdp::build(named, mesh_groups(mesh)?, opts, Source::Full)
     }
 
     fn build(
         named: Vec<(String, Var)>,
         (group, replicate): (ProcessGroup, Option<ProcessGroup>),
         opts: FsdpOptions,
-        source: Source,
+        mut source: Source,
     ) -> Result<Fsdp> {
         let names: Vec<&str> = named.iter().map(|(n, _)| n.as_str()).collect();
         for frozen in &opts.frozen {
@@ -248,7 +257,7 @@ impl Fsdp {
         let mut params = Vec::with_capacity(named.len());
         for (i, ((name, full), &unit)) in named.into_iter().zip(&assignment.of).enumerate() {
             let layout = ShardLayout::new(full.dims(), rank, world);
-            let values = match source {
+            let values = match &mut source {
                 Source::Full => {
                     let mut values = full
                         .flatten_all()
@@ -262,8 +271,21 @@ impl Fsdp {
                     }
                     layout.my_part(&values).to_vec()
                 }
-                Source::Meta { seed, inits } => {
-                    draw_rows(&name, full.shape(), &inits[i], seed, layout.my_rows())
+                Source::Meta { seed, inits, given } => {
+                    match given.as_mut().and_then(|values| values(&name, full.dims())) {
+                        Some(v) if v.len() == full.elem_count() => layout.my_part(&v).to_vec(),
+                        Some(v) => {
+                            return Err(FsdpError::Unsupported {
+                                param: name,
+                                why: format!(
+                                    "{} initial values for its {:?}",
+                                    v.len(),
+                                    full.dims()
+                                ),
+                            })
+                        }
+                        None => draw_rows(&name, full.shape(), &inits[i], *seed, layout.my_rows()),
+                    }
                 }
             };
             let shard = Var::from_vec(values, layout.shard_dims(), full.device())
@@ -313,8 +335,41 @@ impl Fsdp {
         let params = meta.params();
         let inits: Vec<Init> = params.iter().map(|p| p.init).collect();
         let named = params.into_iter().map(|p| (p.name, p.var)).collect();
-        let source = Source::Meta { seed: meta.seed(), inits: &inits };
+        let source = Source::Meta { seed: meta.seed(), inits: &inits, given: None };
         Fsdp::build(named, (group.clone(), None), opts, source)
+    }
+
+    /// [`Fsdp::from_meta`] with the model's own order and initialisation, for a model whose
+    /// init draws parameter after parameter from one seeded stream (tandem's face backbones,
+    /// as arcface_torch's): `named` are parameters of `meta` in the order to shard them (the
+    /// order [`Fsdp::params`] keeps), and `values` gives each one's values whole, asked once per
+    /// parameter in that order (`None`: the map's own draw). A rank keeps its rows and holds
+    /// one parameter whole for a moment, never the model. On `mesh`, HSDP as
+    /// [`Fsdp::on_mesh`] (every row computes the same values); else over `group`. Parameters
+    /// of `meta` left out of `named` keep no values (materialize them with
+    /// [`MetaVarMap::materialize_with`]). A collective on every rank of the group (the mesh).
+    pub fn from_meta_with(
+        named: Vec<(String, Var)>,
+        meta: &MetaVarMap,
+        (group, mesh): (&ProcessGroup, Option<&DeviceMesh>),
+        opts: FsdpOptions,
+        values: &mut InitialValues,
+    ) -> Result<Fsdp> {
+        let inits = named
+            .iter()
+            .map(|(name, _)| {
+                meta.init_of(name).ok_or_else(|| FsdpError::InvalidOption {
+                    what: "named",
+                    why: format!("`{name}` is not a parameter built on the meta map"),
+                })
+            })
+            .collect::<Result<Vec<Init>>>()?;
+        let groups = match mesh {
+            Some(mesh) => mesh_groups(mesh)?,
+            None => (group.clone(), None),
+        };
+        let source = Source::Meta { seed: meta.seed(), inits: &inits, given: Some(values) };
+        Fsdp::build(named, groups, opts, source)
     }
 
     /// The engine of the current world.

@@ -28,7 +28,7 @@
 //! | FSDP2 | tandem |
 //! |---|---|
 //! | `fully_shard(block)` per block | [`Units`] in [`FsdpOptions::units`], [`Fsdp::fully_shard`] / [`Fsdp::run_unit`] where the model calls the block |
-//! | `with torch.device("meta")`, then `to_empty()` and `init_weights()` | [`MetaVarMap`], [`Fsdp::from_meta`]: each rank draws only its rows |
+//! | `with torch.device("meta")`, then `to_empty()` and `init_weights()` | [`MetaVarMap`], [`Fsdp::from_meta`]: each rank draws only its rows; [`Fsdp::from_meta_with`]: the model's own seeded init, one parameter whole at a time |
 //! | `set_model_state_dict(model, full_sd)` | [`Fsdp::load_safetensors`]: each rank reads only its rows |
 //! | `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, `save_file` | [`Fsdp::save_safetensors`]: one parameter gathered at a time |
 //! | `fully_shard(model)` (root) | [`FsdpOptions::shard_root`] (default), [`Fsdp::forward`] around the model's forward |
@@ -72,7 +72,7 @@ mod wire;
 
 pub use engine::CommStats;
 pub use error::{FsdpError, Result};
-pub use fsdp::{Fsdp, FsdpOptions, FullyShard, Shard};
+pub use fsdp::{Fsdp, FsdpOptions, FullyShard, InitialValues, Shard};
 pub use layout::shard_rows;
 pub use meta::MetaVarMap;
 pub use units::{UnitOf, Units};

@@ -49,12 +49,14 @@ pub struct MetaVarMap {
     params: Arc<Mutex<Vec<MetaParam>>>,
     /// Buffers and non-f32 variables, created with their values.
     whole: Arc<Mutex<Vec<(String, Var)>>>,
+    /// Every variable's name in the order the model created them.
+    created: Arc<Mutex<Vec<String>>>,
 }
 
 impl MetaVarMap {
     /// An empty map whose parameters will be drawn from `seed`.
     pub fn new(seed: u64) -> MetaVarMap {
-        MetaVarMap { seed, params: Arc::default(), whole: Arc::default() }
+        MetaVarMap { seed, params: Arc::default(), whole: Arc::default(), created: Arc::default() }
     }
 
     /// A float32 `VarBuilder` on the CPU creating variables in this map (the model's code as
@@ -80,6 +82,13 @@ impl MetaVarMap {
         params
     }
 
+    /// Every variable, parameters and buffers, in the order the model created them (PyTorch's
+    /// `state_dict()` order); the parameters hold no values until sharded or materialized.
+    pub fn named(&self) -> Vec<(String, Var)> {
+        let created = self.created.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        created.into_iter().filter_map(|name| self.known(&name).map(|var| (name, var))).collect()
+    }
+
     /// The variables kept whole (buffers, non-f32 variables), sorted by name: the state the
     /// caller keeps beside the sharded parameters, as with a `VarMap`'s buffers.
     pub fn buffers(&self) -> Vec<(String, Var)> {
@@ -100,6 +109,40 @@ impl MetaVarMap {
             out.push((p.name, p.var));
         }
         Ok(out)
+    }
+
+    /// Gives the parameters named `names` their values whole — parameters a caller keeps
+    /// beside the shards on every rank, as a frozen one kept with the buffers — from `values`
+    /// (`None`: the map's draw). Returns them in `names`' order; a name that is no parameter of
+    /// the map is an error naming it.
+    pub fn materialize_with(
+        &self,
+        names: &[&str],
+        values: &mut crate::InitialValues,
+    ) -> candle_core::Result<Vec<(String, Var)>> {
+        let params = self.params();
+        let mut out = Vec::with_capacity(names.len());
+        for name in names {
+            let Some(p) = params.iter().find(|p| p.name == *name) else {
+                candle_core::bail!("`{name}` is not a parameter built on the meta map")
+            };
+            let rows = p.var.dims().first().copied().unwrap_or(1);
+            let values = match values(name, p.var.dims()) {
+                Some(v) if v.len() == p.var.elem_count() => v,
+                Some(v) => {
+                    candle_core::bail!("{} initial values for `{name}` {:?}", v.len(), p.var.dims())
+                }
+                None => draw_rows(&p.name, p.var.shape(), &p.init, self.seed, 0..rows),
+            };
+            storage::fill(p.var.as_tensor(), values)?;
+            out.push((p.name.clone(), p.var.clone()));
+        }
+        Ok(out)
+    }
+
+    /// The init parameter `name` was built with.
+    pub(crate) fn init_of(&self, name: &str) -> Option<Init> {
+        self.lock_params().iter().find(|p| p.name == name).map(|p| p.init)
     }
 
     fn known(&self, name: &str) -> Option<Var> {
@@ -133,6 +176,7 @@ impl SimpleBackend for MetaVarMap {
         if !matches!(device, Device::Cpu) {
             candle_core::bail!("meta variable `{name}`: FSDP shards CPU parameters for now")
         }
+        self.created.lock().unwrap_or_else(|p| p.into_inner()).push(name.to_string());
         if dtype != DType::F32 || is_buffer(name) {
             // Kept whole on every rank: its values now, drawn as a parameter's would be.
             let rows = shape.dims().first().copied().unwrap_or(1);

@@ -1,6 +1,7 @@
 //! Building a sharded model without ever holding it whole (FSDP2's meta-device init) and
 //! loading trained weights into it row by row: the values against a whole build, on 1, 2 and
-//! 3 ranks, and the errors a weights file that does not fit the model gets.
+//! 3 ranks, a model's own init given one parameter at a time, and the errors a weights file
+//! that does not fit the model gets.
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -143,6 +144,88 @@ fn a_model_built_on_meta_is_the_same_bits_on_one_two_and_three_ranks() {
 
 /// A model read before it is sharded: the read is an error naming the freed parameter, not a
 /// read of memory that is not there.
+/// A model's own init (`Fsdp::from_meta_with`): every parameter is asked for once, in the
+/// order given (creation order here, not the map's sorted one), and kept as that order; each
+/// rank holds its rows of the given values, a parameter given none is the map's draw, and a
+/// frozen one left out is materialized whole afterwards. Wrong input is refused by name.
+#[test]
+fn a_models_own_init_is_asked_once_per_parameter_in_order_and_sharded() {
+    let given = |name: &str, dims: &[usize]| -> Option<Vec<f32>> {
+        let n: usize = dims.iter().product();
+        let salt = name.len() as f32;
+        (name != "norm.weight").then(|| (0..n).map(|i| salt + i as f32 / 1000.0).collect())
+    };
+    let out = run_tcp_world(2, move |pg| {
+        let meta = MetaVarMap::new(3);
+        let net = build(meta.var_builder());
+        let named: Vec<_> =
+            meta.named().into_iter().filter(|(n, _)| n != "blocks.1.fc2.bias").collect();
+        let order: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
+        let mut asked = Vec::new();
+        let mut values = |name: &str, dims: &[usize]| {
+            asked.push(name.to_string());
+            given(name, dims)
+        };
+        let fsdp = Fsdp::from_meta_with(named, &meta, (&pg, None), opts(), &mut values).unwrap();
+        let kept = meta.materialize_with(&["blocks.1.fc2.bias"], &mut values).unwrap();
+        let sharded: Vec<String> = fsdp.shards().iter().map(|s| s.name.clone()).collect();
+        let rows: Vec<usize> = fsdp.shards().iter().map(|s| s.var.dims()[0]).collect();
+        let state = fsdp.full_state_dict().unwrap();
+        let kept = kept[0].1.as_tensor().to_vec1::<f32>().unwrap();
+        // The frozen bias is read by the model: the forward works with it whole.
+        let net = shard(net, &fsdp);
+        fsdp.forward(|| net.loss(&tokens())).unwrap();
+        (order, asked, sharded, rows, state, kept)
+    });
+    for (rank, (order, asked, sharded, rows, state, kept)) in out.into_iter().enumerate() {
+        assert_ne!(
+            order,
+            {
+                let mut o = order.clone();
+                o.sort();
+                o
+            },
+            "not the sorted order"
+        );
+        let mut want_asked = order.clone();
+        want_asked.push("blocks.1.fc2.bias".into());
+        assert_eq!(asked, want_asked, "rank {rank}: each parameter once, in order");
+        assert_eq!(sharded, order, "rank {rank}: the shards keep the given order");
+        let wte = sharded.iter().position(|n| n == "wte.weight").unwrap();
+        assert_eq!(rows[wte], tandem_fsdp::shard_rows(&[VOCAB, DIM], rank, 2).len());
+        for (name, t) in state {
+            let got = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            match given(&name, t.dims()) {
+                Some(want) => assert!(got == want, "rank {rank}: `{name}` is not the given values"),
+                None => assert!(got.iter().all(|&v| v == 1.0), "`{name}`: the map's draw"),
+            }
+        }
+        assert!(kept == given("blocks.1.fc2.bias", &[DIM]).unwrap(), "the frozen bias");
+    }
+    // A parameter the map did not build, and values of the wrong size: named errors, on every
+    // rank before any collective.
+    let errors = run_tcp_world(2, |pg| {
+        let meta = MetaVarMap::new(3);
+        let _net = build(meta.var_builder());
+        let stranger = vec![(
+            "nope.weight".to_string(),
+            candle_core::Var::zeros(3, DType::F32, &Device::Cpu).unwrap(),
+        )];
+        let mut none = |_: &str, _: &[usize]| None;
+        let e1 =
+            Fsdp::from_meta_with(stranger, &meta, (&pg, None), opts(), &mut none).err().unwrap();
+        let mut short = |_: &str, _: &[usize]| Some(vec![0.0; 2]);
+        let e2 = Fsdp::from_meta_with(meta.named(), &meta, (&pg, None), opts(), &mut short)
+            .err()
+            .unwrap();
+        (e1.to_string(), e2.to_string())
+    });
+    for (e1, e2) in errors {
+        assert!(e1.contains("`nope.weight`") && e1.contains("meta"), "{e1}");
+        assert!(e2.contains("2 initial values"), "{e2}");
+    }
+}
+
 #[test]
 fn reading_a_meta_parameter_is_an_error() {
     let meta = MetaVarMap::new(0);

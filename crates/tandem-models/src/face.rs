@@ -3,6 +3,8 @@
 //! and export need not know which.
 use candle_core::{Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
 use tandem_nn::{FastBatchNorm2d, HasBatchNorm};
 
 use crate::{IResNet, MobileFaceNet, ModelKind, UnitRunner, Vit};
@@ -126,6 +128,104 @@ impl HasBatchNorm for FaceBackbone {
             FaceBackbone::IResNet(m) => m.batch_norms(),
             FaceBackbone::MobileFaceNet(m) => m.batch_norms(),
             FaceBackbone::Vit(m) => m.batch_norms(),
+        }
+    }
+}
+
+/// arcface_torch's initialisation of a face backbone one variable at a time — the values
+/// [`FaceBackbone::reset_parameters`] sets, for a model built without values (FSDP's meta
+/// init): [`SeededInit::values`] gives one variable's values whole from one seeded stream, so
+/// it must be asked in the variables' creation order (buffers and constants draw nothing and
+/// may be asked for at any point, or not at all). A sharded build keeps its rows of each and
+/// drops the rest, so no rank holds the model.
+pub struct SeededInit {
+    kind: ModelKind,
+    rng: StdRng,
+    fc_bound: f32,
+}
+
+impl SeededInit {
+    /// The stream of `kind` from `seed`; `shapes` are the model's variables (IResNet's `fc`
+    /// bound is read from them).
+    pub fn new(kind: ModelKind, shapes: &[(&str, &[usize])], seed: u64) -> SeededInit {
+        let fc_bound = IResNet::fc_bound(shapes.iter().copied());
+        SeededInit { kind, rng: StdRng::seed_from_u64(seed), fc_bound }
+    }
+
+    /// The values of variable `name` of shape `dims`, or `None` where the model keeps its
+    /// builder's.
+    pub fn values(&mut self, name: &str, dims: &[usize]) -> Option<Vec<f32>> {
+        let rng = &mut self.rng;
+        if self.kind.mobilefacenet().is_some() {
+            MobileFaceNet::initial_values(name, dims, rng)
+        } else if self.kind.vit().is_some() {
+            Vit::initial_values(name, dims, rng)
+        } else {
+            IResNet::initial_values(name, dims, rng, self.fc_bound)
+        }
+    }
+}
+
+/// A normalisation's defaults by a variable's last name component: weights and running
+/// variances 1, biases and running means 0 (`None` for any other name).
+pub(crate) fn norm_default(last: &str, n: usize) -> Option<Vec<f32>> {
+    match last {
+        "weight" | "running_var" => Some(vec![1.0; n]),
+        "bias" | "running_mean" => Some(vec![0.0; n]),
+        _ => None,
+    }
+}
+
+/// Sets each of `named` (in order: one stream from `seed`) to what `values` gives it.
+pub(crate) fn set_initial_values(
+    named: &[(String, Var)],
+    seed: u64,
+    mut values: impl FnMut(&str, &[usize], &mut StdRng) -> Option<Vec<f32>>,
+) -> candle_core::Result<()> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    for (name, var) in named {
+        if let Some(v) = values(name, var.dims(), &mut rng) {
+            var.set(&Tensor::from_vec(v, var.dims(), var.device())?)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+    use tandem_nn::{is_buffer, OrderedVarMap};
+
+    /// A sharded build asks [`SeededInit`] for the trained parameters in creation order, then
+    /// the frozen ones, never the buffers: it must give what `reset_parameters` sets, bit for
+    /// bit, for every kind of backbone.
+    #[test]
+    fn seeded_init_gives_reset_parameters_values_in_a_sharded_builds_order() {
+        for (kind, width) in [("r18", 8), ("mbf", 0), ("vit_t", 0)] {
+            let kind: ModelKind = kind.parse().unwrap();
+            let vars = OrderedVarMap::new();
+            let vb = vars.var_builder(DType::F32, &Device::Cpu);
+            FaceBackbone::new(kind, width, 16, 0.0, vb).unwrap();
+            let named = vars.named();
+            FaceBackbone::reset_parameters(kind, &named, 5).unwrap();
+            let shapes: Vec<(&str, &[usize])> =
+                named.iter().map(|(n, v)| (n.as_str(), v.dims())).collect();
+            let mut init = SeededInit::new(kind, &shapes, 5);
+            let frozen = FaceBackbone::frozen(kind);
+            let (trained, rest): (Vec<_>, Vec<_>) = named
+                .iter()
+                .filter(|(n, _)| !is_buffer(n))
+                .partition(|(n, _)| !frozen.contains(&n.as_str()));
+            let mut asked = 0;
+            for (name, var) in trained.into_iter().chain(rest) {
+                let want = var.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let got = init.values(name, var.dims());
+                let got = got.unwrap_or_else(|| panic!("{kind}: `{name}` has no initial value"));
+                assert!(want == got, "{kind}: `{name}` differs from reset_parameters'");
+                asked += 1;
+            }
+            assert!(asked > 20, "{kind}: only {asked} parameters");
         }
     }
 }

@@ -15,7 +15,7 @@
 use candle_core::{Tensor, Var};
 use candle_nn::{Conv2dConfig, Module, ModuleT, VarBuilder};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use tandem_nn::torch_init::standard_normal;
 
 use tandem_nn::{
@@ -186,32 +186,37 @@ impl IResNet {
     /// U(-1/sqrt(in), 1/sqrt(in)) for weight and bias. `named` are the model's variables in
     /// creation order ([`tandem_nn::OrderedVarMap::named`]), which fixes the stream.
     pub fn reset_parameters(named: &[(String, Var)], seed: u64) -> candle_core::Result<()> {
-        let mut rng = StdRng::seed_from_u64(seed);
-        let fc_fan_in = named
-            .iter()
-            .find(|(n, _)| n == "fc.weight")
-            .and_then(|(_, v)| v.dims().get(1).copied())
-            .unwrap_or(1);
-        let fc_bound = 1.0 / (fc_fan_in as f32).sqrt();
-        for (name, var) in named {
-            let dims = var.dims().to_vec();
-            let last = name.rsplit('.').next().unwrap_or("");
-            let values: Vec<f32> = if last == "weight" && dims.len() == 4 {
-                (0..var.elem_count()).map(|_| (standard_normal(&mut rng) * 0.1) as f32).collect()
-            } else if name.starts_with("fc.") {
-                (0..var.elem_count()).map(|_| rng.random_range(-fc_bound..=fc_bound)).collect()
-            } else if name.ends_with("prelu.weight") {
-                vec![0.25; var.elem_count()]
-            } else if matches!(last, "weight" | "running_var") {
-                vec![1.0; var.elem_count()]
-            } else if matches!(last, "bias" | "running_mean") {
-                vec![0.0; var.elem_count()]
-            } else {
-                continue;
-            };
-            var.set(&Tensor::from_vec(values, dims, var.device())?)?;
-        }
-        Ok(())
+        let fc_bound = IResNet::fc_bound(named.iter().map(|(n, v)| (n.as_str(), v.dims())));
+        crate::face::set_initial_values(named, seed, |name, dims, rng| {
+            IResNet::initial_values(name, dims, rng, fc_bound)
+        })
+    }
+
+    /// `fc`'s init bound, `1/sqrt(in)`, from the variables' names and shapes.
+    pub(crate) fn fc_bound<'a>(mut shapes: impl Iterator<Item = (&'a str, &'a [usize])>) -> f32 {
+        let fan_in = shapes.find(|(n, _)| *n == "fc.weight").and_then(|(_, d)| d.get(1).copied());
+        1.0 / (fan_in.unwrap_or(1) as f32).sqrt()
+    }
+
+    /// The values [`IResNet::reset_parameters`] gives the variable `name` of shape `dims`,
+    /// drawn from `rng` (`None`: it keeps its builder's).
+    pub(crate) fn initial_values(
+        name: &str,
+        dims: &[usize],
+        rng: &mut StdRng,
+        fc_bound: f32,
+    ) -> Option<Vec<f32>> {
+        let n = dims.iter().product();
+        let last = name.rsplit('.').next().unwrap_or("");
+        Some(if last == "weight" && dims.len() == 4 {
+            (0..n).map(|_| (standard_normal(rng) * 0.1) as f32).collect()
+        } else if name.starts_with("fc.") {
+            (0..n).map(|_| rng.random_range(-fc_bound..=fc_bound)).collect()
+        } else if name.ends_with("prelu.weight") {
+            vec![0.25; n]
+        } else {
+            return crate::face::norm_default(last, n);
+        })
     }
 
     /// Embeddings `[N, E]` for `x: [N, 3, 112, 112]` (or `[N, 3 * 112 * 112]`, reshaped).

@@ -15,7 +15,7 @@ mod unit_runner;
 mod vit;
 
 pub use cnn::Cnn;
-pub use face::FaceBackbone;
+pub use face::{FaceBackbone, SeededInit};
 pub use iresnet::{IResNet, FACE_SIDE};
 pub use kind::{ModelKind, UnknownModel};
 pub use mlp::{targets, Mlp};

@@ -20,7 +20,6 @@
 use candle_core::{Tensor, Var};
 use candle_nn::{Conv2dConfig, Module, ModuleT, VarBuilder};
 use rand::rngs::StdRng;
-use rand::SeedableRng;
 use tandem_nn::torch_init::standard_normal;
 use tandem_nn::{
     fast_batch_norm2d, fast_conv2d_no_bias, fast_linear_no_bias, fast_prelu, FastBatchNorm2d,
@@ -180,27 +179,24 @@ impl MobileFaceNet {
     /// fan_out = `weight.size(0)` x kernel area as torch computes it (groups not divided out);
     /// BatchNorm weight 1 and bias 0; PReLU slopes 0.25 (PyTorch's default).
     pub fn reset_parameters(named: &[(String, Var)], seed: u64) -> candle_core::Result<()> {
-        let mut rng = StdRng::seed_from_u64(seed);
-        for (name, var) in named {
-            let dims = var.dims().to_vec();
-            let last = name.rsplit('.').next().unwrap_or("");
-            let values: Vec<f32> = if last == "weight" && dims.len() >= 2 {
-                // torch's fan_out: dim 0 times the receptive field (dims 2..).
-                let fan_out = dims[0] * dims[2..].iter().product::<usize>();
-                let std = (2.0 / fan_out as f64).sqrt();
-                (0..var.elem_count()).map(|_| (standard_normal(&mut rng) * std) as f32).collect()
-            } else if dims.len() == 1 && is_prelu(name) {
-                vec![0.25; var.elem_count()]
-            } else if matches!(last, "weight" | "running_var") {
-                vec![1.0; var.elem_count()]
-            } else if matches!(last, "bias" | "running_mean") {
-                vec![0.0; var.elem_count()]
-            } else {
-                continue;
-            };
-            var.set(&Tensor::from_vec(values, dims, var.device())?)?;
-        }
-        Ok(())
+        crate::face::set_initial_values(named, seed, MobileFaceNet::initial_values)
+    }
+
+    /// The values [`MobileFaceNet::reset_parameters`] gives the variable `name` of shape
+    /// `dims`, drawn from `rng` (`None`: it keeps its builder's).
+    pub(crate) fn initial_values(name: &str, dims: &[usize], rng: &mut StdRng) -> Option<Vec<f32>> {
+        let n = dims.iter().product();
+        let last = name.rsplit('.').next().unwrap_or("");
+        Some(if last == "weight" && dims.len() >= 2 {
+            // torch's fan_out: dim 0 times the receptive field (dims 2..).
+            let fan_out = dims[0] * dims[2..].iter().product::<usize>();
+            let std = (2.0 / fan_out as f64).sqrt();
+            (0..n).map(|_| (standard_normal(rng) * std) as f32).collect()
+        } else if dims.len() == 1 && is_prelu(name) {
+            vec![0.25; n]
+        } else {
+            return crate::face::norm_default(last, n);
+        })
     }
 
     /// Embeddings `[N, E]` for `x: [N, 3, 112, 112]` (or `[N, 3 * 112 * 112]`, reshaped).

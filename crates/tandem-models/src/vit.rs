@@ -367,32 +367,23 @@ impl Vit {
     /// `mask_token` normal std 0.02, Linear biases 0, LayerNorm and BatchNorm weight 1 and bias
     /// 0; the patch convolution keeps PyTorch's default (uniform within `1/sqrt(fan_in)`).
     pub fn reset_parameters(named: &[(String, Var)], seed: u64) -> candle_core::Result<()> {
-        let mut rng = StdRng::seed_from_u64(seed);
-        let bound = 1.0 / ((3 * PATCH * PATCH) as f32).sqrt();
-        for (name, var) in named {
-            let dims = var.dims().to_vec();
-            let n = var.elem_count();
-            let last = name.rsplit('.').next().unwrap_or("");
-            let normal = |rng: &mut StdRng| -> Vec<f32> {
-                (0..n).map(|_| (standard_normal(rng) * 0.02) as f32).collect()
-            };
-            let values: Vec<f32> = if name.starts_with("patch_embed.") {
-                (0..n).map(|_| rng.random_range(-bound..=bound)).collect()
-            } else if name == "pos_embed"
-                || name == "mask_token"
-                || last == "weight" && dims.len() == 2
-            {
-                normal(&mut rng)
-            } else if matches!(last, "weight" | "running_var") {
-                vec![1.0; n]
-            } else if matches!(last, "bias" | "running_mean") {
-                vec![0.0; n]
-            } else {
-                continue;
-            };
-            var.set(&Tensor::from_vec(values, dims, var.device())?)?;
-        }
-        Ok(())
+        crate::face::set_initial_values(named, seed, Vit::initial_values)
+    }
+
+    /// The values [`Vit::reset_parameters`] gives the variable `name` of shape `dims`, drawn
+    /// from `rng` (`None`: it keeps its builder's).
+    pub(crate) fn initial_values(name: &str, dims: &[usize], rng: &mut StdRng) -> Option<Vec<f32>> {
+        let n = dims.iter().product();
+        let last = name.rsplit('.').next().unwrap_or("");
+        Some(if name.starts_with("patch_embed.") {
+            let bound = 1.0 / ((3 * PATCH * PATCH) as f32).sqrt();
+            (0..n).map(|_| rng.random_range(-bound..=bound)).collect()
+        } else if name == "pos_embed" || name == "mask_token" || last == "weight" && dims.len() == 2
+        {
+            (0..n).map(|_| (standard_normal(rng) * 0.02) as f32).collect()
+        } else {
+            return crate::face::norm_default(last, n);
+        })
     }
 
     /// Embeddings `[N, E]` for `x: [N, 3, 112, 112]` (or `[N, 3 * 112 * 112]`, reshaped); in

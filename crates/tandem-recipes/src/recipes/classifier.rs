@@ -105,9 +105,8 @@ impl<'a> Classifier<'a> {
             });
         let model = match (&cfg.model.fsdp, live) {
             // (The classifiers have no blocks: the whole model is the root unit.)
-            (Some(fsdp), live) => {
-                Wrapped::sharded(net, group, fsdp, None)?.live(live.as_ref(), cfg.comm.mirror_every)
-            }
+            (Some(fsdp), live) => Wrapped::sharded(net, group, fsdp, None, None)?
+                .live(live.as_ref(), cfg.comm.mirror_every),
             (None, Some(l)) => {
                 // A replacement's parameters come with the state when it joins.
                 let opts = DdpOptions { sync_on_init: !l.replacement, ..base };
@@ -229,7 +228,7 @@ impl Recipe for Classifier<'_> {
     /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
     fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
         let (cfg, reporter) = (self.cfg, &self.reporter);
-        self.model.summon(|net| super::finish_run(cfg, group, reporter, None, net))?
+        super::finish_run(cfg, group, reporter, &self.model)
     }
 }
 

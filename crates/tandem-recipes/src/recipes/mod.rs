@@ -16,7 +16,7 @@ mod wrapped;
 use std::sync::Arc;
 
 use tandem_comm::{LiveOptions, ProcessGroup};
-use tandem_train::events::{Event, MirrorCost, Reporter};
+use tandem_train::events::{Event, Reporter};
 use tandem_train::{
     bail_option, Context, Never, Periodic, Result, RunSummary, Step, TrainError, TrainerOptions,
     World,
@@ -108,36 +108,39 @@ fn trainer_options(o: &TrainOptions) -> TrainerOptions {
 }
 
 /// The end of a built-in recipe's run, after its last checkpoint (every rank calls it): rank 0
-/// reports what the live mirror cost (`mirror`) and writes `--save-final` and `--export-onnx`
-/// from `model`; every rank meets after each file.
-fn finish_run(
+/// writes `--save-final` and `--export-onnx` from the whole `model`; every rank meets after
+/// each file. Without either nothing is gathered: a sharded model is never made whole on
+/// every rank for nothing (a model larger than a rank would not fit).
+fn finish_run<M: tandem_nn::ParamModule>(
     cfg: &TrainOptions,
     group: &ProcessGroup,
     reporter: &Reporter,
-    mirror: Option<MirrorCost>,
-    model: &(impl tandem_nn::ParamModule + ?Sized),
+    model: &wrapped::Wrapped<M>,
 ) -> Result<()> {
-    let rank0 = group.rank() == 0;
-    if let Some(cost) = mirror.filter(|_| rank0) {
-        reporter.report(&Event::MirrorCost(cost)).context("reporting to the run's loggers")?;
+    let ckpt = &cfg.checkpoint;
+    if ckpt.save_final.is_none() && ckpt.export_onnx.is_none() {
+        return Ok(());
     }
-    if let Some(path) = &cfg.checkpoint.save_final {
-        if rank0 {
-            tandem_nn::weights::save_weights(model, path)
-                .option("save_final", Some(path.display().to_string()))?;
+    model.summon(|model| {
+        let rank0 = group.rank() == 0;
+        if let Some(path) = &ckpt.save_final {
+            if rank0 {
+                tandem_nn::weights::save_weights(model, path)
+                    .option("save_final", Some(path.display().to_string()))?;
+            }
+            group.barrier()?;
         }
-        group.barrier()?;
-    }
-    if let Some(path) = &cfg.checkpoint.export_onnx {
-        if rank0 {
-            let value = model.state_dict()?;
-            let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
-                .option("export_onnx", Some(path.display().to_string()))?;
-            note(reporter, summary.to_string())?;
+        if let Some(path) = &ckpt.export_onnx {
+            if rank0 {
+                let value = model.state_dict()?;
+                let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
+                    .option("export_onnx", Some(path.display().to_string()))?;
+                note(reporter, summary.to_string())?;
+            }
+            group.barrier()?;
         }
-        group.barrier()?;
-    }
-    Ok(())
+        Ok(())
+    })?
 }
 
 /// Says `text` to the run's loggers (a fact about the run; the caller is rank 0).

@@ -7,7 +7,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use tandem_comm::{DeviceMesh, ProcessGroup};
 use tandem_ddp::Ddp;
-use tandem_fsdp::{Fsdp, FsdpOptions, MixedPrecisionPolicy, Units};
+use tandem_fsdp::{Fsdp, FsdpOptions, InitialValues, MetaVarMap, MixedPrecisionPolicy, Units};
 use tandem_models::UnitRunner;
 use tandem_nn::ParamModule;
 use tandem_optim::OptimizerState;
@@ -34,12 +34,15 @@ pub(crate) type UnitOf = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;
 impl<M: ParamModule> Wrapped<M> {
     /// `module`'s parameters sharded over `group` as `opts` asks. `blocks`: how the model runs
     /// its blocks as units, when it has them — the parameters' units and a function that hands
-    /// the model a [`UnitRunner`] (the model calls it per block).
+    /// the model a [`UnitRunner`] (the model calls it per block). `meta`: the module was built
+    /// on this map without values, and each rank draws its rows of the values given
+    /// ([`Fsdp::from_meta_with`]); else the module holds its values (rank 0's are sharded).
     pub fn sharded(
         module: M,
         group: &ProcessGroup,
         opts: &FsdpRunOptions,
         blocks: Option<(UnitOf, &mut dyn FnMut(UnitRunner))>,
+        meta: Option<(&MetaVarMap, &mut InitialValues)>,
     ) -> Result<Self> {
         let (units, runner_for) = match (opts.units, blocks) {
             (FsdpUnits::Blocks, Some((unit_of, give))) => (Units::by_name(unit_of), Some(give)),
@@ -58,8 +61,8 @@ impl<M: ParamModule> Wrapped<M> {
         };
         let named = module.named_parameters();
         let (rows, world) = (opts.hsdp_rows, group.size());
-        let fsdp = if rows == 1 {
-            Fsdp::new(named, group, options)
+        let mesh = if rows == 1 {
+            None
         } else {
             if !world.is_multiple_of(rows) {
                 bail_option!(
@@ -68,9 +71,15 @@ impl<M: ParamModule> Wrapped<M> {
                     "{world} ranks do not form {rows} rows of equal length"
                 );
             }
-            let mesh = DeviceMesh::new(group, &[rows, world / rows], None)
-                .context("forming the HSDP mesh")?;
-            Fsdp::on_mesh(named, &mesh, options)
+            let mesh = DeviceMesh::new(group, &[rows, world / rows], None);
+            Some(mesh.context("forming the HSDP mesh")?)
+        };
+        let fsdp = match (meta, &mesh) {
+            (Some((meta, values)), mesh) => {
+                Fsdp::from_meta_with(named, meta, (group, mesh.as_ref()), options, values)
+            }
+            (None, Some(mesh)) => Fsdp::on_mesh(named, mesh, options),
+            (None, None) => Fsdp::new(named, group, options),
         }
         .context("sharding the model")?;
         if let Some(give) = runner_for {

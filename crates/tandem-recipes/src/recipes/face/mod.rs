@@ -37,7 +37,8 @@ use tandem_comm::{Collectives, ProcessGroup};
 use tandem_data::datasets::faces::{keyed_hash, FaceRecDataset};
 use tandem_data::{Batch, DataLoader, Dataset, LoaderOptions};
 use tandem_ddp::{Ddp, DdpOptions};
-use tandem_models::FaceBackbone;
+use tandem_fsdp::{InitialValues, MetaVarMap};
+use tandem_models::{FaceBackbone, SeededInit};
 use tandem_nn::{Autocast, NamedVars, OrderedVarMap, ParamModule};
 use tandem_optim::TorchOptimizer;
 use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConfig};
@@ -152,18 +153,31 @@ impl<'a> Face<'a> {
         }
         let classes = cfg.face.num_classes.unwrap_or(train.num_classes());
         let kind = cfg.model.kind;
-        let vars = OrderedVarMap::new();
-        let mut model = FaceBackbone::new(
-            kind,
-            cfg.model.width,
-            cfg.face.embedding_size,
-            0.0,
-            vars.var_builder(DType::F32, &device),
-        )?;
-        FaceBackbone::reset_parameters(kind, &vars.named(), cfg.run.seed)?;
-        let order: Vec<String> = vars.named().into_iter().map(|(n, _)| n).collect();
-        let named = vars.named_vars().freeze(FaceBackbone::frozen(kind))?;
         let init = cfg.checkpoint.init_from.as_deref().map(read_init).transpose()?;
+        // Sharded, the backbone is built without values and each rank keeps only its rows of
+        // the seeded init, drawn one parameter at a time: no rank holds the model (with
+        // --init-from the file's weights are read whole anyway).
+        let on_meta = cfg.model.fsdp.is_some() && init.is_none() && device.is_cpu();
+        let meta = on_meta.then(|| MetaVarMap::new(cfg.run.seed));
+        let vars = OrderedVarMap::new();
+        let vb = match &meta {
+            Some(meta) => meta.var_builder(),
+            None => vars.var_builder(DType::F32, &device),
+        };
+        let mut model = FaceBackbone::new(kind, cfg.model.width, cfg.face.embedding_size, 0.0, vb)?;
+        let all = match &meta {
+            Some(meta) => meta.named(),
+            None => vars.named(),
+        };
+        if meta.is_none() {
+            FaceBackbone::reset_parameters(kind, &all, cfg.run.seed)?;
+        }
+        let shapes: Vec<(&str, &[usize])> =
+            all.iter().map(|(n, v)| (n.as_str(), v.dims())).collect();
+        let mut seeded = SeededInit::new(kind, &shapes, cfg.run.seed);
+        let mut initial_values = |name: &str, dims: &[usize]| seeded.values(name, dims);
+        let order: Vec<String> = all.iter().map(|(n, _)| n.clone()).collect();
+        let named = NamedVars::new(all.clone()).freeze(FaceBackbone::frozen(kind))?;
         if let (Some(init), Some(path)) = (&init, &cfg.checkpoint.init_from) {
             let report = named
                 .load_state_dict(&init.backbone)
@@ -198,9 +212,15 @@ impl<'a> Face<'a> {
                     activation_checkpointing: fsdp.activation_checkpointing.or(Some(checkpointed)),
                     ..fsdp.clone()
                 };
-                Wrapped::sharded(named, group, fsdp, Some((unit_of, &mut give)))?
-                    .keep_order(&order)
-                    .live(live.as_ref(), cfg.comm.mirror_every)
+                let drawn = meta.as_ref().map(|m| (m, &mut initial_values as &mut InitialValues));
+                let wrapped =
+                    Wrapped::sharded(named, group, fsdp, Some((unit_of, &mut give)), drawn)?;
+                // The frozen parameters (kept whole with the buffers) after the trained ones,
+                // as the seeded stream is asked.
+                if let Some(meta) = &meta {
+                    meta.materialize_with(FaceBackbone::frozen(kind), &mut initial_values)?;
+                }
+                wrapped.keep_order(&order).live(live.as_ref(), cfg.comm.mirror_every)
             }
             (None, Some(l)) => {
                 let opts = DdpOptions { sync_on_init: !l.replacement, ..opts };
@@ -433,7 +453,7 @@ impl Recipe for Face<'_> {
     /// `--save-final` and `--export-onnx` (rank 0 writes, every rank meets).
     fn finish(&mut self, group: &ProcessGroup) -> Result<()> {
         let (cfg, reporter) = (self.cfg, &self.reporter);
-        self.backbone.summon(|named| super::finish_run(cfg, group, reporter, None, named))?
+        super::finish_run(cfg, group, reporter, &self.backbone)
     }
 }
 
