@@ -68,6 +68,8 @@ pub(crate) struct State {
     /// Inside [`crate::Fsdp::summon_full_params`]: every unit gathered in float32 whatever
     /// the policy's `param_dtype` (the master weights, for export), units run plainly.
     pub summoned: bool,
+    /// Inside [`crate::Fsdp::forward_no_grad`]: units keep no graph and reshard at once.
+    pub no_grad: bool,
     in_unit: Option<usize>,
     reducing: Vec<Reduction>,
     shard_grads: Vec<Option<Tensor>>,
@@ -413,6 +415,9 @@ impl Engine {
     /// backward runs.
     pub fn end_forward(&self) -> Result<()> {
         let mut st = self.lock();
+        if st.no_grad {
+            return Ok(()); // no backward comes
+        }
         match st.order.last() {
             Some(&last) if self.schedule.reshard_after_forward => self.start_gather(&mut st, last),
             _ => Ok(()),
@@ -478,6 +483,12 @@ impl Engine {
         };
         let (anchor, last) = anchor;
         self.gather(u)?;
+        if self.lock().no_grad {
+            // No backward follows: nothing to keep, nothing to stay gathered for.
+            let y = self.run(u, &x.detach(), &f)?.detach();
+            self.reshard(u)?;
+            return Ok(y);
+        }
         let (y, graph) = if self.schedule.activation_checkpointing {
             (self.run(u, &x.detach(), &f)?.detach(), UnitGraph::Recompute(f))
         } else {

@@ -449,6 +449,28 @@ impl Fsdp {
         Ok(out)
     }
 
+    /// An evaluation forward (PyTorch: `with torch.no_grad(): model(x)` on an FSDP2 model):
+    /// each unit gathered, run and resharded at once, keeping no graph (the result is detached:
+    /// no backward reaches the model from it), every parameter freed again when it returns — a
+    /// rank holds one or two units, never the model. A collective, like every forward: every
+    /// rank runs as many (a rank with fewer samples runs a stand-in batch).
+    pub fn forward_no_grad(
+        &self,
+        f: impl FnOnce() -> candle_core::Result<Tensor>,
+    ) -> Result<Tensor> {
+        let e = self.engine();
+        if e.lock().in_step {
+            return Err(FsdpError::Order("forward_no_grad between forward and backward".into()));
+        }
+        e.lock().no_grad = true;
+        let out = self.forward(f);
+        e.lock().no_grad = false;
+        let ended = e.end_step();
+        let out = out?.detach();
+        ended?;
+        Ok(out)
+    }
+
     /// Frees every gathered parameter (PyTorch: `model.reshard()`): after an evaluation
     /// forward that no backward follows, the root's parameters stay gathered until this or the
     /// next backward.

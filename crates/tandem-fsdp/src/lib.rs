@@ -33,6 +33,7 @@
 //! | `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, `save_file` | [`Fsdp::save_safetensors`]: one parameter gathered at a time |
 //! | `fully_shard(model)` (root) | [`FsdpOptions::shard_root`] (default), [`Fsdp::forward`] around the model's forward |
 //! | `loss.backward()` | [`Fsdp::backward`] (returns the shards' gradients) |
+//! | `with torch.no_grad(): model(x)` (evaluation) | [`Fsdp::forward_no_grad`]: one unit gathered at a time, no graph kept |
 //! | `model.parameters()` to the optimizer | [`Fsdp::params`] |
 //! | `reshard_after_forward` | [`FsdpOptions::reshard_after_forward`] |
 //! | `checkpoint(block)` / `apply_activation_checkpointing` on the units | [`FsdpOptions::activation_checkpointing`] |

@@ -55,6 +55,44 @@ fn accumulating_without_sync_equals_one_step_on_the_whole_batch() {
     }
 }
 
+/// An evaluation forward (`forward_no_grad`: FSDP2's forward under `torch.no_grad()`)
+/// computes what a training forward computes, keeps no graph (its result's backward reaches no
+/// parameter), leaves no step open and every parameter freed; training after it runs as usual.
+#[test]
+fn an_evaluation_forward_computes_the_forward_keeps_no_graph_and_frees_everything() {
+    let out = run_tcp_world(2, |pg| {
+        let f = fixture(2);
+        let tokens = tokens(&f, 0, pg.rank());
+        let varmap = VarMap::new();
+        let (fsdp, gpt) = Gpt::new(&varmap, &f).shard(&varmap, &pg, options());
+        fsdp.take_comm_stats();
+        let eval = fsdp.forward_no_grad(|| gpt.loss(&tokens)).unwrap();
+        let gathers = fsdp.take_comm_stats().all_gathers as usize;
+        let reached = eval.backward().unwrap();
+        let mut vars = varmap.all_vars();
+        vars.extend(fsdp.params());
+        let graph = vars.iter().filter(|v| reached.get(v.as_tensor()).is_some()).count();
+        let freed = varmap.all_vars().iter().all(|v| v.as_tensor().sum_all().is_err());
+        let open = fsdp.backward(&Tensor::new(1f32, &Device::Cpu).unwrap()).is_ok();
+        let loss = fsdp.forward(|| gpt.loss(&tokens)).unwrap();
+        let grads = fsdp.backward(&loss).unwrap();
+        let held = fsdp.params().iter().filter(|p| grads.get(p.as_tensor()).is_some()).count();
+        let losses = (eval.to_scalar::<f32>().unwrap(), loss.to_scalar::<f32>().unwrap());
+        // (Every shard, the frozen one too; the trained ones.)
+        let sizes = (fsdp.shards().len(), fsdp.params().len());
+        (losses, gathers, graph, freed, open, held, sizes)
+    });
+    let rows = out.into_iter().enumerate();
+    for (rank, ((eval, train), gathers, graph, freed, open, held, (shards, n))) in rows {
+        assert_eq!(eval, train, "rank {rank}: the evaluation forward's loss");
+        assert_eq!(gathers, shards, "rank {rank}: every parameter gathered once, no more");
+        assert_eq!(graph, 0, "rank {rank}: the evaluation kept a graph to {graph} variables");
+        assert!(freed, "rank {rank}: a parameter holds values after the evaluation");
+        assert!(!open, "rank {rank}: a backward was accepted after the evaluation");
+        assert_eq!(held, n, "rank {rank}: a training step after it has every shard's gradient");
+    }
+}
+
 struct Mlp {
     l1: Linear,
     l2: Linear,

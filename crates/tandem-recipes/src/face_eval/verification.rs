@@ -137,6 +137,10 @@ impl Drop for LentStatistics<'_> {
     }
 }
 
+/// The model's embeddings of a batch of 112x112 faces in eval mode (`forward_t(x, false)`,
+/// or a sharded model's evaluation forward).
+pub type Embed<'a> = &'a dyn Fn(&Tensor) -> candle_core::Result<Tensor>;
+
 /// The accuracy on every set of the replicas' embedding model (112x112 faces in, embeddings
 /// out) in eval mode with rank 0's statistics `buffers` (a collective: every rank calls it with
 /// the same sets).
@@ -147,19 +151,32 @@ pub fn evaluate(
     device: &Device,
     group: &ProcessGroup,
 ) -> Result<Vec<ValResult>> {
+    evaluate_with(&|x| model.forward_t(x, false), buffers, sets, device, group)
+}
+
+/// [`evaluate`] with the model's forward given: every rank runs as many forwards (a rank whose
+/// share ran out embeds a stand-in batch), so a sharded model's forwards, each a collective,
+/// stay in step.
+pub fn evaluate_with(
+    embed: Embed,
+    buffers: &[(String, Var)],
+    sets: &[ValSet],
+    device: &Device,
+    group: &ProcessGroup,
+) -> Result<Vec<ValResult>> {
     let Some(first) = sets.first() else { return Ok(Vec::new()) };
     let usual = group.timeout();
     group.set_timeout(usual.max(VERIFY_TIMEOUT));
     let result = (|| {
         let _lent = LentStatistics::lend(buffers, group, first.path())?;
-        sets.iter().map(|s| evaluate_set(model, s, device, group)).collect()
+        sets.iter().map(|s| evaluate_set(embed, s, device, group)).collect()
     })();
     group.set_timeout(usual);
     result
 }
 
 fn evaluate_set(
-    model: &dyn ModuleT,
+    embed: Embed,
     val: &ValSet,
     device: &Device,
     group: &ProcessGroup,
@@ -173,18 +190,22 @@ fn evaluate_set(
     let mut local: Vec<f32> = Vec::new();
     // Σ of the embeddings' L2 norms (plain and mirrored, before the sum) and their count.
     let mut norms = [0f64, 0f64];
-    for start in mine.clone().step_by(BATCH) {
+    for batch in 0..share.div_ceil(BATCH) {
+        let start = mine.start + batch * BATCH;
         let end = (start + BATCH).min(mine.end);
+        // (A share that ran out: image 0 as a stand-in, embedded and dropped.)
+        let images = if start < end { start..end } else { 0..1 };
         let (mut plain, mut flipped) = (Vec::new(), Vec::new());
-        for i in start..end {
+        for i in images.clone() {
             let [p, f] = val.set.image(i, FACE_SIDE)?;
             plain.extend(p);
             flipped.extend(f);
         }
-        let embed = |x: Vec<f32>| -> candle_core::Result<Tensor> {
-            model.forward_t(&Tensor::from_vec(x, (end - start, dim), device)?, false)
-        };
+        let embed = |x: Vec<f32>| embed(&Tensor::from_vec(x, (images.len(), dim), device)?);
         let (plain, flipped) = (embed(plain)?, embed(flipped)?);
+        if start >= end {
+            continue;
+        }
         for e in [&plain, &flipped] {
             let n = e.to_dtype(candle_core::DType::F32)?.sqr()?.sum(1)?.sqrt()?;
             let n = n.to_device(&Device::Cpu)?.to_vec1::<f32>()?;

@@ -161,6 +161,19 @@ impl<M: ParamModule> Wrapped<M> {
         }
     }
 
+    /// `f`, a forward of the model for evaluation (its result keeps no graph under Fsdp):
+    /// Ddp's runs plainly, Fsdp's one unit gathered at a time ([`Fsdp::forward_no_grad`]; a
+    /// collective: every rank runs as many).
+    pub fn forward_no_grad(
+        &self,
+        f: impl FnOnce() -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        match self {
+            Wrapped::Ddp(_) => f(),
+            Wrapped::Fsdp { fsdp, .. } => fsdp.forward_no_grad(f).map_err(candle_core::Error::wrap),
+        }
+    }
+
     /// `f` on the whole model, outside training (evaluation, export): Ddp's plain module, or
     /// Fsdp's with every parameter gathered. A collective under Fsdp: every rank calls it.
     pub fn summon<R>(&self, f: impl FnOnce(&M) -> R) -> Result<R> {

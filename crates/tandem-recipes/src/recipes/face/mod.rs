@@ -31,7 +31,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use tandem_ckpt::Value;
 use tandem_comm::{Collectives, ProcessGroup};
 use tandem_data::datasets::faces::{keyed_hash, FaceRecDataset};
@@ -431,10 +431,10 @@ impl Recipe for Face<'_> {
             return Ok(Vec::new());
         }
         let buffers = self.backbone.module().named_buffers();
-        let (model, device) = (&self.model, &self.device);
-        self.backbone
-            .summon(|_| verify::evaluate(model, &buffers, val, device, group))?
-            .option("val", None)
+        let (model, backbone) = (&self.model, &self.backbone);
+        // Sharded, one unit gathered at a time (a rank never holds the model).
+        let embed = |x: &Tensor| backbone.forward_no_grad(|| model.forward_t(x, false));
+        verify::evaluate_with(&embed, &buffers, val, &self.device, group).option("val", None)
     }
 
     /// The backbone and the optimizer (the backbone's entries replicated, in torch's order),
