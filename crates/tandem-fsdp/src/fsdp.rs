@@ -144,7 +144,7 @@ enum Source<'a, 'v> {
     Full,
     /// Drawn from a [`MetaVarMap`]'s seed, parameter by parameter in the build's order, where
     /// `given` (asked in that order) gives no values.
-    Meta { seed: u64, inits: &'a [Init], given: Option<&'a mut InitialValues<'v>> },
+    Meta { seed: u64, inits: &'a [Init], given: &'a mut InitialValues<'v> },
 }
 
 /// The groups FSDP shards over and replicates across on `mesh` (1-D: FSDP, 2-D: HSDP).
@@ -271,22 +271,16 @@ impl Fsdp {
                     }
                     layout.my_part(&values).to_vec()
                 }
-                Source::Meta { seed, inits, given } => {
-                    match given.as_mut().and_then(|values| values(&name, full.dims())) {
-                        Some(v) if v.len() == full.elem_count() => layout.my_part(&v).to_vec(),
-                        Some(v) => {
-                            return Err(FsdpError::Unsupported {
-                                param: name,
-                                why: format!(
-                                    "{} initial values for its {:?}",
-                                    v.len(),
-                                    full.dims()
-                                ),
-                            })
-                        }
-                        None => draw_rows(&name, full.shape(), &inits[i], *seed, layout.my_rows()),
+                Source::Meta { seed, inits, given } => match given(&name, full.dims()) {
+                    Some(v) if v.len() == full.elem_count() => layout.my_part(&v).to_vec(),
+                    Some(v) => {
+                        return Err(FsdpError::Unsupported {
+                            param: name,
+                            why: format!("{} initial values for its {:?}", v.len(), full.dims()),
+                        })
                     }
-                }
+                    None => draw_rows(&name, full.shape(), &inits[i], *seed, layout.my_rows()),
+                },
             };
             let shard = Var::from_vec(values, layout.shard_dims(), full.device())
                 .map_err(tensor(format!("the shard of `{name}`")))?;
@@ -332,11 +326,8 @@ impl Fsdp {
     /// ([`MetaVarMap::buffers`]). Load trained weights afterwards with
     /// [`Fsdp::load_safetensors`]. A collective on every rank of `group`.
     pub fn from_meta(meta: &MetaVarMap, group: &ProcessGroup, opts: FsdpOptions) -> Result<Fsdp> {
-        let params = meta.params();
-        let inits: Vec<Init> = params.iter().map(|p| p.init).collect();
-        let named = params.into_iter().map(|p| (p.name, p.var)).collect();
-        let source = Source::Meta { seed: meta.seed(), inits: &inits, given: None };
-        Fsdp::build(named, (group.clone(), None), opts, source)
+        let named = meta.params().into_iter().map(|p| (p.name, p.var)).collect();
+        Fsdp::from_meta_with(named, meta, (group, None), opts, &mut |_, _| None)
     }
 
     /// [`Fsdp::from_meta`] with the model's own order and initialisation, for a model whose
@@ -368,7 +359,7 @@ impl Fsdp {
             Some(mesh) => mesh_groups(mesh)?,
             None => (group.clone(), None),
         };
-        let source = Source::Meta { seed: meta.seed(), inits: &inits, given: Some(values) };
+        let source = Source::Meta { seed: meta.seed(), inits: &inits, given: values };
         Fsdp::build(named, groups, opts, source)
     }
 

@@ -101,14 +101,9 @@ impl MetaVarMap {
     /// one rank, or to check a sharded one): fills the map's variables. Call it instead of
     /// [`crate::Fsdp::from_meta`], not after it.
     pub fn materialize(&self) -> candle_core::Result<Vec<(String, Var)>> {
-        let mut out = Vec::new();
-        for p in self.params() {
-            let rows = p.var.dims().first().copied().unwrap_or(1);
-            let values = draw_rows(&p.name, p.var.shape(), &p.init, self.seed, 0..rows);
-            storage::fill(p.var.as_tensor(), values)?;
-            out.push((p.name, p.var));
-        }
-        Ok(out)
+        let names: Vec<String> = self.params().into_iter().map(|p| p.name).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        self.materialize_with(&names, &mut |_, _| None)
     }
 
     /// Gives the parameters named `names` their values whole — parameters a caller keeps
