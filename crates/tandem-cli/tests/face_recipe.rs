@@ -640,6 +640,8 @@ fn arcface_layout_round_trip_resumes_bitwise() {
     assert!(e.contains("middle of epoch 0") && e.contains("epoch boundaries"), "{e}");
 }
 
+/// `--export-onnx` writes what `tandem export` makes of `--save-final`'s weights, Ddp or
+/// `--fsdp` (whose final weights are Ddp's, written from shards).
 fn face_onnx_export_equals_the_export_of_the_final_weights() {
     let dir = tempfile::tempdir().unwrap();
     let data = faces(dir.path(), 16, 8, "png");
@@ -671,6 +673,35 @@ fn face_onnx_export_equals_the_export_of_the_final_weights() {
     let step = dir.path().join("r/checkpoints/step-00000003");
     run(&["export", p(&step), "--model", "r18", p(&from_dir)]);
     assert!(std::fs::read(&trained).unwrap() == std::fs::read(&from_dir).unwrap());
+
+    // Under --fsdp the same files, the model gathered to rank 0 one parameter at a time: a
+    // safetensors file written as it is gathered, and the ONNX model of the same weights.
+    let (sharded, sharded_onnx, exported_again) = (
+        dir.path().join("fsdp.safetensors"),
+        dir.path().join("fsdp.onnx"),
+        dir.path().join("fsdp-export.onnx"),
+    );
+    let out = train(
+        &data,
+        &[
+            "--nproc-per-node",
+            "2",
+            "--steps",
+            "3",
+            "--fsdp",
+            "--out",
+            p(&dir.path().join("f")),
+            "--save-final",
+            p(&sharded),
+            "--export-onnx",
+            p(&sharded_onnx),
+        ],
+    );
+    assert!(out.contains("-> embedding [batch, 32]"), "{out}");
+    let (gap, at) = weight_gap(&sharded, &weights);
+    assert!(gap < 1e-6, "--fsdp's final `{at}` is {gap} from Ddp's");
+    run(&["export", p(&sharded), "--model", "iresnet18", p(&exported_again)]);
+    assert!(std::fs::read(&sharded_onnx).unwrap() == std::fs::read(&exported_again).unwrap());
 }
 
 /// `--model mbf` (arcface_torch's MobileFaceNet) through the whole recipe: two ranks train,

@@ -454,7 +454,8 @@ impl Fsdp {
             return Err(FsdpError::Order("forward_no_grad between forward and backward".into()));
         }
         e.lock().no_grad = true;
-        let out = self.forward(f);
+        // (A model that cuts its graph between blocks under `no_grad` does so at the root too.)
+        let out = self.forward(|| tandem_nn::no_grad(f));
         e.lock().no_grad = false;
         let ended = e.end_step();
         let out = out?.detach();

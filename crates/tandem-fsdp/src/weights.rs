@@ -170,6 +170,33 @@ impl Fsdp {
     }
 }
 
+impl Fsdp {
+    /// The parameters whole, by name in the model's order, on rank 0 (the first row's under
+    /// HSDP) and `None` on every other rank: FSDP2's `get_model_state_dict(full_state_dict=True,
+    /// cpu_offload=True)`. Each parameter is gathered to rank 0 alone, one at a time, so the
+    /// other ranks never hold more than their shards (where [`Fsdp::full_state_dict`] gathers
+    /// the whole model on every rank). Float32 on the CPU: the master weights, whatever the
+    /// mixed-precision policy. Not between a forward and its backward. A collective.
+    pub fn full_state_dict_rank0(&self) -> Result<Option<Vec<(String, Tensor)>>> {
+        let e = self.engine();
+        if e.lock().in_step {
+            let why = "full_state_dict_rank0 between forward and backward";
+            return Err(FsdpError::Order(why.into()));
+        }
+        let keeps = self.is_first_replica();
+        let mut whole = Vec::new();
+        for p in &e.params {
+            let Some(full) = gather_to_first(&e, p)? else { continue };
+            if keeps {
+                let t = Tensor::from_vec(full, p.layout.dims.clone(), &Device::Cpu)
+                    .map_err(tensor(format!("`{}` gathered whole", p.name)))?;
+                whole.push((p.name.clone(), t));
+            }
+        }
+        Ok((keeps && e.group.rank() == 0).then_some(whole))
+    }
+}
+
 /// Parameter `p` whole on the group's rank 0 (`None` elsewhere).
 fn gather_to_first(e: &Engine, p: &Param) -> Result<Option<Vec<f32>>> {
     let mut input = Vec::with_capacity(p.layout.padded_len());

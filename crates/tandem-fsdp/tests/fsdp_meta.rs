@@ -366,7 +366,7 @@ fn weights_that_do_not_fit_are_refused_by_name_and_change_nothing() {
 }
 
 /// The model saved whole from 3 ranks, one parameter gathered at a time: the file holds the
-/// loaded values exactly (read by candle, and by PyTorch's `safetensors.torch.load_file` when a
+/// loaded values exactly, as does the state dict gathered to rank 0 alone (read by candle, and by PyTorch's `safetensors.torch.load_file` when a
 /// Python with torch is there), with the caller's buffer, and loads on 2 ranks to the same
 /// bits. A file rank 0 cannot write is an error on every rank, naming it, and no rank hangs.
 #[test]
@@ -381,6 +381,29 @@ fn a_sharded_model_saves_one_file_that_loads_on_another_number_of_ranks() {
         let fsdp = Fsdp::from_meta(&meta, &pg, opts()).unwrap();
         let buffers = fsdp.load_safetensors(&files).unwrap();
         fsdp.save_safetensors(&target, &buffers).unwrap();
+        // The same parameters as tensors, on rank 0 alone: no unit gathered on any rank.
+        fsdp.take_comm_stats();
+        let on_rank0 = fsdp.full_state_dict_rank0().unwrap();
+        assert_eq!(fsdp.take_comm_stats().all_gathers, 0, "rank {}", pg.rank());
+        match (pg.rank(), on_rank0) {
+            (0, Some(state)) => {
+                let everywhere = fsdp.full_state_dict().unwrap();
+                let names = |s: &[(String, Tensor)]| -> Vec<String> {
+                    s.iter().map(|(n, _)| n.clone()).collect()
+                };
+                assert_eq!(names(&state), names(&everywhere), "the model's order");
+                for ((name, a), (_, b)) in state.iter().zip(&everywhere) {
+                    assert_eq!(a.dims(), b.dims(), "`{name}`");
+                    let (a, b) = (a.flatten_all().unwrap(), b.flatten_all().unwrap());
+                    let same = a.to_vec1::<f32>().unwrap() == b.to_vec1::<f32>().unwrap();
+                    assert!(same, "`{name}` gathered to rank 0");
+                }
+            }
+            (rank, got) => {
+                assert_eq!(got.is_some(), rank == 0, "rank {rank}: a state dict only on rank 0");
+                fsdp.full_state_dict().unwrap();
+            }
+        }
         fsdp.save_safetensors(&bad, &buffers).unwrap_err().to_string()
     });
     for (rank, err) in errors.iter().enumerate() {

@@ -228,4 +228,37 @@ mod tests {
             assert!(asked > 20, "{kind}: only {asked} parameters");
         }
     }
+
+    /// An evaluation under `tandem_nn::no_grad` computes the same bits, and keeps no graph
+    /// back past the last block: the stem's parameters are out of reach of its result (each
+    /// block's activations were freed as the next block began), as they are not without it.
+    #[test]
+    fn no_grad_cuts_the_graph_between_blocks_and_keeps_the_values() {
+        for (kind, width) in [("r18", 8), ("mbf", 0), ("vit_t", 0)] {
+            let kind: ModelKind = kind.parse().unwrap();
+            let vars = OrderedVarMap::new();
+            let vb = vars.var_builder(DType::F32, &Device::Cpu);
+            let model = FaceBackbone::new(kind, width, 16, 0.0, vb).unwrap();
+            let named = vars.named();
+            FaceBackbone::reset_parameters(kind, &named, 5).unwrap();
+            let x = Tensor::randn(0f32, 1., (2, 3, 112, 112), &Device::Cpu).unwrap();
+            let reached = |y: &Tensor| -> Vec<String> {
+                let grads = y.sum_all().unwrap().backward().unwrap();
+                let reached = named.iter().filter(|(_, v)| grads.get(v.as_tensor()).is_some());
+                reached.map(|(n, _)| n.clone()).collect()
+            };
+            let whole = model.forward_t(&x, false).unwrap();
+            let cut = tandem_nn::no_grad(|| model.forward_t(&x, false)).unwrap();
+            let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(values(&whole) == values(&cut), "{kind}: no_grad changed the embeddings");
+            let (all, after_cut) = (reached(&whole), reached(&cut));
+            let stem = &named.iter().find(|(n, _)| !is_buffer(n)).unwrap().0;
+            assert!(all.contains(stem), "{kind}: `{stem}` unreached by a plain forward");
+            assert!(!after_cut.contains(stem), "{kind}: `{stem}` still reached under no_grad");
+            assert!(
+                !after_cut.is_empty() && after_cut.len() * 2 < all.len(),
+                "{kind}: {after_cut:?}"
+            );
+        }
+    }
 }

@@ -233,6 +233,7 @@ impl IResNet {
         let mut x = self.prelu.forward(&self.bn1.forward_conv_t(&self.conv1, &x, train)?)?;
         for (stage, blocks) in self.layers.iter().enumerate() {
             for (i, block) in blocks.iter().enumerate() {
+                x = tandem_nn::cut_graph(x);
                 x = match &self.runner {
                     Some(run) => {
                         let b = std::sync::Arc::clone(block);

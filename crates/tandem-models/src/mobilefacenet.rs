@@ -212,10 +212,10 @@ impl MobileFaceNet {
         let mut x = x;
         for stage in &self.stages {
             x = match stage {
-                Stage::Conv(c) => c.forward_t(&x, train)?,
-                Stage::Blocks(blocks) => {
-                    blocks.iter().try_fold(x, |x, b| b.forward_t(&x, train))?
-                }
+                Stage::Conv(c) => c.forward_t(&tandem_nn::cut_graph(x), train)?,
+                Stage::Blocks(blocks) => blocks
+                    .iter()
+                    .try_fold(x, |x, b| b.forward_t(&tandem_nn::cut_graph(x), train))?,
             };
         }
         // arcface_torch leaves its autocast scope here: conv_sep and the head run in f32.

@@ -438,6 +438,7 @@ impl Vit {
         let mut drop = DropPath { rng: drop_rng };
         for (i, block) in self.blocks.iter().enumerate() {
             let masks = drop.masks(n, block.drop_path, x.device())?;
+            x = tandem_nn::cut_graph(x);
             x = if let Some(run) = &self.runner {
                 let (b, m) = (std::sync::Arc::clone(block), masks.clone());
                 run(

@@ -91,7 +91,7 @@ impl Embedder {
         match self {
             Embedder::Tandem(model) => {
                 let x = Tensor::from_vec(x, (n, 3, FACE_SIDE, FACE_SIDE), &Device::Cpu)?;
-                let e = model.forward_t(&x, false)?.to_dtype(DType::F32)?;
+                let e = tandem::nn::no_grad(|| model.forward_t(&x, false))?.to_dtype(DType::F32)?;
                 Ok((e.flatten_all()?.to_vec1::<f32>()?, e.dim(1)?))
             }
             Embedder::Ort(session) => session.embed(x, n, FACE_SIDE),

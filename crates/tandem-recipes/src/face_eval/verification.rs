@@ -151,7 +151,8 @@ pub fn evaluate(
     device: &Device,
     group: &ProcessGroup,
 ) -> Result<Vec<ValResult>> {
-    evaluate_with(&|x| model.forward_t(x, false), buffers, sets, device, group)
+    let embed = |x: &Tensor| Ok(tandem_nn::no_grad(|| model.forward_t(x, false))?.detach());
+    evaluate_with(&embed, buffers, sets, device, group)
 }
 
 /// [`evaluate`] with the model's forward given: every rank runs as many forwards (a rank whose

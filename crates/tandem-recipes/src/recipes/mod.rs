@@ -108,9 +108,9 @@ fn trainer_options(o: &TrainOptions) -> TrainerOptions {
 }
 
 /// The end of a built-in recipe's run, after its last checkpoint (every rank calls it): rank 0
-/// writes `--save-final` and `--export-onnx` from the whole `model`; every rank meets after
-/// each file. Without either nothing is gathered: a sharded model is never made whole on
-/// every rank for nothing (a model larger than a rank would not fit).
+/// writes `--save-final` and `--export-onnx`; every rank meets after each file. A sharded
+/// model is gathered to rank 0 alone, one parameter at a time, and only to be written (a
+/// model larger than a rank never comes whole on any other).
 fn finish_run<M: tandem_nn::ParamModule>(
     cfg: &TrainOptions,
     group: &ProcessGroup,
@@ -121,26 +121,21 @@ fn finish_run<M: tandem_nn::ParamModule>(
     if ckpt.save_final.is_none() && ckpt.export_onnx.is_none() {
         return Ok(());
     }
-    model.summon(|model| {
-        let rank0 = group.rank() == 0;
-        if let Some(path) = &ckpt.save_final {
-            if rank0 {
-                tandem_nn::weights::save_weights(model, path)
-                    .option("save_final", Some(path.display().to_string()))?;
-            }
-            group.barrier()?;
+    let rank = group.rank();
+    if let Some(path) = &ckpt.save_final {
+        let shown = Some(path.display().to_string());
+        model.save_whole(path, rank).option("save_final", shown)?;
+        group.barrier()?;
+    }
+    if let Some(path) = &ckpt.export_onnx {
+        if let Some(value) = model.state_dict_rank0(rank)? {
+            let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
+                .option("export_onnx", Some(path.display().to_string()))?;
+            note(reporter, summary.to_string())?;
         }
-        if let Some(path) = &ckpt.export_onnx {
-            if rank0 {
-                let value = model.state_dict()?;
-                let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
-                    .option("export_onnx", Some(path.display().to_string()))?;
-                note(reporter, summary.to_string())?;
-            }
-            group.barrier()?;
-        }
-        Ok(())
-    })?
+        group.barrier()?;
+    }
+    Ok(())
 }
 
 /// Says `text` to the run's loggers (a fact about the run; the caller is rank 0).

@@ -1,14 +1,17 @@
 //! The model as a recipe trains it: a replica on every rank under Ddp, or sharded over the
 //! ranks under Fsdp (`--fsdp`, FSDP2's `fully_shard`) — one type, so the classifier and the
 //! face recipe write their step, evaluation, checkpoints and export once for both.
+use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
+use tandem_ckpt::Value;
 use tandem_comm::{DeviceMesh, ProcessGroup};
 use tandem_ddp::Ddp;
 use tandem_fsdp::{Fsdp, FsdpOptions, InitialValues, MetaVarMap, MixedPrecisionPolicy, Units};
 use tandem_models::UnitRunner;
+use tandem_nn::convert::to_ckpt;
 use tandem_nn::ParamModule;
 use tandem_optim::OptimizerState;
 use tandem_train::{bail_option, Context, FsdpShards, Result, Step, TrainingState};
@@ -161,15 +164,16 @@ impl<M: ParamModule> Wrapped<M> {
         }
     }
 
-    /// `f`, a forward of the model for evaluation (its result keeps no graph under Fsdp):
-    /// Ddp's runs plainly, Fsdp's one unit gathered at a time ([`Fsdp::forward_no_grad`]; a
-    /// collective: every rank runs as many).
+    /// `f`, a forward of the model for evaluation, under `tandem_nn::no_grad` (the model
+    /// cuts its graph between blocks; the result is detached): Ddp's on its replica, Fsdp's
+    /// one unit gathered at a time ([`Fsdp::forward_no_grad`]; a collective: every rank runs
+    /// as many).
     pub fn forward_no_grad(
         &self,
         f: impl FnOnce() -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Tensor> {
         match self {
-            Wrapped::Ddp(_) => f(),
+            Wrapped::Ddp(_) => Ok(tandem_nn::no_grad(f)?.detach()),
             Wrapped::Fsdp { fsdp, .. } => fsdp.forward_no_grad(f).map_err(candle_core::Error::wrap),
         }
     }
@@ -181,6 +185,51 @@ impl<M: ParamModule> Wrapped<M> {
             Wrapped::Ddp(ddp) => Ok(f(&ddp.module())),
             Wrapped::Fsdp { fsdp, module, .. } => Ok(fsdp.summon_full_params(|| f(module))?),
         }
+    }
+
+    /// The model's state dict (parameters, then buffers, by the module's names) on rank 0 and
+    /// `None` elsewhere: what `--save-final` and `--export-onnx` write. Under Fsdp each
+    /// parameter is gathered to rank 0 alone, one at a time (FSDP2's
+    /// `get_model_state_dict(full_state_dict=True, cpu_offload=True)`), so no other rank ever
+    /// holds the model whole; under Ddp it is rank 0's replica. A collective under Fsdp.
+    pub fn state_dict_rank0(&self, rank: usize) -> Result<Option<Value>> {
+        let params = match self {
+            Wrapped::Ddp(ddp) if rank == 0 => return Ok(Some(ddp.module().state_dict()?)),
+            Wrapped::Ddp(_) => return Ok(None),
+            Wrapped::Fsdp { fsdp, .. } => fsdp.full_state_dict_rank0()?,
+        };
+        let Some(params) = params else { return Ok(None) };
+        let mut entries = Vec::with_capacity(params.len());
+        // Each gathered tensor dropped once converted: one copy of the model at a time.
+        for (name, t) in params {
+            entries.push((name, to_ckpt(&t)?));
+        }
+        for (name, v) in self.module().named_buffers() {
+            entries.push((name, to_ckpt(v.as_tensor())?));
+        }
+        Ok(Some(Value::dict_from(entries.into_iter().map(|(k, t)| (k, Value::Tensor(t))))))
+    }
+
+    /// Writes the model whole to `path` from rank 0 (`--save-final`): safetensors for a
+    /// `.safetensors` path, else torch.save's `.pt`. Under Fsdp a safetensors file is written
+    /// as each parameter is gathered ([`Fsdp::save_safetensors`]: not even rank 0 holds the
+    /// model whole), a `.pt` from [`Wrapped::state_dict_rank0`]. A collective under Fsdp.
+    pub fn save_whole(&self, path: &Path, rank: usize) -> Result<()> {
+        let safetensors = path.extension().is_some_and(|e| e == "safetensors");
+        if let (true, Wrapped::Fsdp { fsdp, module, .. }) = (safetensors, self) {
+            let buffers: Vec<(String, Tensor)> = module
+                .named_buffers()
+                .into_iter()
+                .map(|(n, v)| (n, v.as_tensor().clone()))
+                .collect();
+            return Ok(fsdp.save_safetensors(path, &buffers)?);
+        }
+        let Some(value) = self.state_dict_rank0(rank)? else { return Ok(()) };
+        match safetensors {
+            true => tandem_ckpt::safetensors::save(path, &value)?,
+            false => tandem_ckpt::save(path, &value)?,
+        }
+        Ok(())
     }
 
     /// The model itself, outside any forward (its buffers; under Fsdp its parameters hold no
