@@ -735,6 +735,9 @@ fn mobilefacenet_trains_and_its_checkpoint_exports() {
         "{log}"
     );
     assert!(lines[2].starts_with("[pairs][2]XNorm: "), "{log}");
+    // (The recipe's own figure reaches the log: the embeddings' norm is never 0.)
+    let xnorm: f64 = lines[2]["[pairs][2]XNorm: ".len()..].parse().unwrap();
+    assert!(xnorm > 0.0, "{log}");
     assert!(
         lines[3].starts_with("[pairs][2]Accuracy-Flip: 0.") && lines[3].contains("+-"),
         "{log}"

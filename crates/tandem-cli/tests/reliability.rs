@@ -704,18 +704,13 @@ fn full_tmpfs_fails_a_background_save_cleanly_and_keeps_the_previous_checkpoint(
 /// last whole record, and a record written once there is room follows it and reads back.
 fn a_full_disk_never_leaves_half_a_metrics_record() {
     use tandem::train::metrics::{read_metrics, MetricsFile, MetricsRecord};
-    use tandem::train::{EpochMetrics, VerificationMetrics};
+    use tandem::train::{EpochMetrics, ValidationMetrics};
     let dir = tempfile::tempdir().unwrap();
     let mnt = Tmpfs::mount(&dir.path().join("mnt"), "256k").expect("mount a 256 KiB tmpfs");
     // `sets` verification sets make a line of about 60 bytes each.
     let record = |epoch: u64, sets: usize| {
         let verification = (0..sets)
-            .map(|i| VerificationMetrics {
-                name: format!("set{i}"),
-                accuracy: 0.5,
-                std: 0.1,
-                xnorm: 1.0,
-            })
+            .map(|i| ValidationMetrics::new(format!("set{i}"), 0.5, 0.1).with("xnorm", 1.0))
             .collect();
         MetricsRecord::Epoch(EpochMetrics {
             epoch,

@@ -1,11 +1,11 @@
 //! What a training run reports as it happens, as types: the [`Trainer`](crate::Trainer) and the
 //! recipes report [`Event`]s to the [`Logger`]s they are given (through a [`Reporter`]), and
-//! never print. The run directory's files (`metrics.jsonl`, TensorBoard, `training.log`) are
-//! loggers; so are the `tandem` binary's progress bar and lines, and a benchmark reads the
-//! metrics file's records instead of a program's text.
+//! never print. The run directory's files (`metrics.jsonl`, TensorBoard, a recipe's own opened
+//! through an [`OpenLog`]) are loggers; so are the `tandem` binary's progress bar and lines, and
+//! a benchmark reads the metrics file's records instead of a program's text.
 //!
 //! Each event is reported once, by the rank it concerns: the world's (steps, epochs,
-//! verification, checkpoints, a resume, a regroup, the summary) by rank 0, a member joining a
+//! validation, checkpoints, a resume, a regroup, the summary) by rank 0, a member joining a
 //! live job by that member. Warnings about files a run reads or leaves behind (a checkpoint
 //! skipped, a save left uncommitted) are `tracing` warnings: the binary shows them, a library
 //! user's subscriber decides.
@@ -22,12 +22,12 @@
 //! }
 //! let trainer = Trainer::new(recipe, loader, step, group, options)?.reporter(Reporter::new().with(Lines(std::io::stderr())));
 //! ```
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 pub use crate::live::Regroup;
 use crate::live::WorldChange;
-use crate::metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
+use crate::metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, ValidationMetrics};
 pub use tandem_state::{MirrorCost, RegroupCounts, Resplit};
 
 /// One thing a run reports.
@@ -41,8 +41,8 @@ pub enum Event {
     Step(StepEvent),
     /// An epoch ended: the world's figures, and the run's epoch count.
     EpochEnded { metrics: EpochMetrics, epochs: u64 },
-    /// The verification sets were scored after `step`.
-    Verified { step: u64, results: Vec<VerificationMetrics> },
+    /// The recipe's validation sets were scored after `step` ([`Recipe::validate`](crate::Recipe::validate)).
+    Validated { step: u64, results: Vec<ValidationMetrics> },
     /// A checkpoint of `step` was written (`path` on rank 0; a background save's is where it
     /// lands once committed).
     CheckpointSaved { step: u64, path: Option<PathBuf> },
@@ -88,7 +88,7 @@ impl Event {
             Event::Started { .. } | Event::Step(_) | Event::CheckpointSaved { .. } => return None,
             Event::Finished(_) => return None,
             Event::EpochEnded { metrics, epochs } => epoch_line(metrics, *epochs),
-            Event::Verified { step, results } => results
+            Event::Validated { step, results } => results
                 .iter()
                 .map(|r| format!("[{}][{step}] accuracy-flip: {:.5}+-{:.5}", r.name, r.accuracy, r.std))
                 .collect::<Vec<_>>()
@@ -138,11 +138,11 @@ pub fn epoch_line(m: &EpochMetrics, epochs: u64) -> String {
     if let Some(s) = m.loss_scale {
         line += &format!(" loss_scale={s} skipped_steps={}", m.skipped_steps);
     }
-    line + &verification_text(&m.verification)
+    line + &validation_text(&m.verification)
 }
 
 /// ` verification_accuracy=X NAME=ACC+-STD ...` (empty without results).
-pub fn verification_text(results: &[VerificationMetrics]) -> String {
+pub fn validation_text(results: &[ValidationMetrics]) -> String {
     let Some(first) = results.first() else { return String::new() };
     let mut s = format!(" verification_accuracy={:.4}", first.accuracy);
     for r in results {
@@ -155,6 +155,46 @@ pub fn verification_text(results: &[VerificationMetrics]) -> String {
 /// test. An error ends the run (a metrics file that cannot be written is not silently lost).
 pub trait Logger: Send {
     fn log(&mut self, event: &Event) -> std::io::Result<()>;
+}
+
+/// What an [`OpenLog`] is told: the run directory, and where the run stands.
+#[derive(Clone, Copy, Debug)]
+pub struct LogSetup<'a> {
+    pub dir: &'a Path,
+    /// Ranks in the world.
+    pub world: usize,
+    /// The run's steps in all.
+    pub total_steps: u64,
+    /// The step training (re)starts from.
+    pub start_step: u64,
+}
+
+type OpenFn = dyn Fn(&LogSetup) -> std::io::Result<Box<dyn Logger>> + Send + Sync;
+
+/// A logger of the run directory beside the metrics file and TensorBoard, opened by rank 0
+/// when training starts — and again by whichever process becomes rank 0 under live recovery
+/// (so it should append): a recipe's own file, as tandem-recipes' `training.log` in
+/// arcface_torch's format ([`TrainerOptions::log_files`](crate::TrainerOptions::log_files)).
+#[derive(Clone)]
+pub struct OpenLog(Arc<OpenFn>);
+
+impl OpenLog {
+    pub fn new(
+        open: impl Fn(&LogSetup) -> std::io::Result<Box<dyn Logger>> + Send + Sync + 'static,
+    ) -> Self {
+        OpenLog(Arc::new(open))
+    }
+
+    /// The logger, its file opened in `setup.dir`.
+    pub fn open(&self, setup: &LogSetup) -> std::io::Result<Box<dyn Logger>> {
+        (self.0)(setup)
+    }
+}
+
+impl std::fmt::Debug for OpenLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OpenLog")
+    }
 }
 
 /// Writes each event's [`Event::line`] to `W` (`Lines(std::io::stdout())`: the lines `tandem

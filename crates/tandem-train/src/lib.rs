@@ -23,8 +23,8 @@
 //!   that a [`Trainer`] is fitted in;
 //! - [`events`]: what a run reports as it happens ([`Event`]), to the [`Logger`]s a
 //!   [`Reporter`] holds; [`metrics`]: a run's typed results ([`EpochMetrics`], [`RunSummary`])
-//!   and the JSON-lines file a script reads them from; [`EventWriter`] (TensorBoard scalars)
-//!   and arcface_torch's `training.log`, all three loggers of the run directory;
+//!   and the JSON-lines file a script reads them from; [`EventWriter`] (TensorBoard scalars);
+//!   both loggers of the run directory, beside a recipe's own ([`OpenLog`]);
 //!
 //! It knows no recipe by name: the built-in ones (the classifier, arcface_torch's face recipe)
 //! and the options `tandem train` takes are the `tandem-recipes` crate, a user of this one.
@@ -41,12 +41,11 @@ pub mod metrics;
 mod evaluate;
 mod tfevents;
 mod trainer;
-mod training_log;
 mod world;
 
 pub use evaluate::evaluate_logits;
-pub use events::{Event, Lines, Logger, Reporter};
-pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, VerificationMetrics};
+pub use events::{Event, Lines, LogSetup, Logger, OpenLog, Reporter};
+pub use metrics::{EpochMetrics, MetricsFile, MetricsRecord, RunSummary, ValidationMetrics};
 pub use tandem_checkpoint as checkpoint;
 pub use tandem_checkpoint::{
     CheckpointPolicy, Checkpointer, Never, Periodic, Saved, ShardDict, ShardSlice,

@@ -3,6 +3,7 @@
 //! re-forms and `{"kind":"summary",...}` at the end (rank 0 writes it, as a [`Logger`](crate::Logger) of the
 //! run's events; every line is flushed as written, so a file cut short by a crash still parses
 //! line by line).
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -14,16 +15,36 @@ use crate::TrainError;
 use tandem_state::io;
 use tandem_state::MirrorCost;
 
-/// One verification set's result (LFW-style 10-fold accuracy).
+/// One validation set's result, as a recipe's [`Recipe::validate`](crate::Recipe::validate)
+/// scores it: the fraction it got right, that fraction's spread over the set's folds, and any
+/// further figures the recipe names, which the metrics file keeps beside them: the face
+/// recipe's `{"name":"lfw","accuracy":0.99,"std":0.01,"xnorm":22.5}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct VerificationMetrics {
+pub struct ValidationMetrics {
     pub name: String,
     pub accuracy: f64,
-    pub std: f64,
-    /// The mean L2 norm of the embeddings (each image's and its mirror's), arcface_torch's
-    /// `XNorm`.
     #[serde(default)]
-    pub xnorm: f64,
+    pub std: f64,
+    #[serde(flatten)]
+    pub figures: BTreeMap<String, f64>,
+}
+
+impl ValidationMetrics {
+    /// Set `name`'s accuracy and its spread, with no further figures.
+    pub fn new(name: impl Into<String>, accuracy: f64, std: f64) -> Self {
+        ValidationMetrics { name: name.into(), accuracy, std, figures: BTreeMap::new() }
+    }
+
+    /// With figure `key` too.
+    pub fn with(mut self, key: impl Into<String>, value: f64) -> Self {
+        self.figures.insert(key.into(), value);
+        self
+    }
+
+    /// Figure `key`, if the recipe gave it.
+    pub fn figure(&self, key: &str) -> Option<f64> {
+        self.figures.get(key).copied()
+    }
 }
 
 /// What one epoch measured (the world's figures: losses are means over every rank's samples).
@@ -39,7 +60,7 @@ pub struct EpochMetrics {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_accuracy: Option<f64>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub verification: Vec<VerificationMetrics>,
+    pub verification: Vec<ValidationMetrics>,
     /// Samples per second of training time over the whole world.
     pub samples_per_s: f64,
     pub lr: f64,
@@ -66,7 +87,8 @@ pub struct RunSummary {
     /// The classifiers' accuracy on the eval split.
     #[serde(default)]
     pub eval_accuracy: Option<f64>,
-    /// The face models' accuracy on the first verification set.
+    /// The accuracy on the recipe's first validation set (the face recipe's first
+    /// verification set; the field keeps the name scripts read).
     #[serde(default)]
     pub verification_accuracy: Option<f64>,
     /// The last checkpoint this run wrote (on rank 0).
@@ -78,9 +100,10 @@ pub struct RunSummary {
     /// Where rank's step time went (per-step means from [`StepTimes::line`](crate::StepTimes::line)).
     #[serde(default)]
     pub step_times: Option<crate::StepTimes>,
-    /// The last verification of every set (the face recipe).
+    /// The last validation of every set ([`Recipe::validate`](crate::Recipe::validate); the
+    /// field keeps the name scripts read).
     #[serde(default)]
-    pub verification: Vec<VerificationMetrics>,
+    pub verification: Vec<ValidationMetrics>,
     /// Every epoch this process saw end, in order.
     #[serde(default)]
     pub epochs_seen: Vec<EpochMetrics>,
@@ -203,18 +226,25 @@ mod tests {
             train_loss: 1.0 / n as f64,
             eval_loss: None,
             eval_accuracy: Some(0.5),
-            verification: vec![VerificationMetrics {
-                name: "lfw".into(),
-                accuracy: 0.9,
-                std: 0.01,
-                xnorm: 20.0,
-            }],
+            verification: vec![ValidationMetrics::new("lfw", 0.9, 0.01).with("xnorm", 20.0)],
             samples_per_s: 123.456,
             lr: 0.1,
             loss_scale: None,
             at_unix_s: Some(1.7e9 + n as f64),
             skipped_steps: 0,
         }
+    }
+
+    /// A recipe's own figures sit beside name, accuracy and std in the file, as the face
+    /// recipe's `xnorm` always has: records written before the figures were a map read back.
+    #[test]
+    fn validation_figures_are_fields_of_their_own() {
+        let v = ValidationMetrics::new("lfw", 0.9, 0.01).with("xnorm", 20.5);
+        let text = serde_json::to_string(&v).unwrap();
+        assert_eq!(text, r#"{"name":"lfw","accuracy":0.9,"std":0.01,"xnorm":20.5}"#);
+        let read: ValidationMetrics = serde_json::from_str(&text).unwrap();
+        assert_eq!((read.figure("xnorm"), read.figure("other")), (Some(20.5), None));
+        assert_eq!(read, v);
     }
 
     #[test]

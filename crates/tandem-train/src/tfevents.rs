@@ -100,7 +100,7 @@ impl Logger for EventWriter {
                 }
                 (m.step, values)
             }
-            Event::Verified { step, results } => {
+            Event::Validated { step, results } => {
                 let values =
                     results.iter().map(|r| (format!("verification/{}", r.name), r.accuracy));
                 (*step, values.collect())

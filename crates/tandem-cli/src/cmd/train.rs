@@ -5,7 +5,7 @@ use crate::train::config::TrainConfig;
 use crate::train::console::Console;
 use anyhow::Context;
 use tandem::launch::{LaunchConfig, NprocPerNode};
-use tandem::train::events::verification_text;
+use tandem::train::events::validation_text;
 use tandem::train::Reporter;
 
 #[derive(clap::Args)]
@@ -52,7 +52,7 @@ pub fn main(args: Args, matches: Option<&clap::ArgMatches>) -> anyhow::Result<i3
     let summary = tandem::recipes::train(&options, &reporter)?;
     if summary.rank == 0 {
         if !summary.verification.is_empty() {
-            println!("verification:{}", verification_text(&summary.verification));
+            println!("verification:{}", validation_text(&summary.verification));
         }
         if let (true, Some(times)) = (cfg.model.is_face(), summary.step_times) {
             eprintln!("{}", times.line());

@@ -16,7 +16,7 @@ use tandem_comm::ProcessGroup;
 use tandem_data::datasets::faces::{verification_accuracy, VerificationSet};
 use tandem_models::FACE_SIDE;
 
-use tandem_train::metrics::VerificationMetrics;
+use tandem_train::metrics::ValidationMetrics;
 use tandem_train::{bail, Context, Result, TrainError};
 
 /// Images per forward pass.
@@ -39,8 +39,13 @@ impl ValSet {
     }
 }
 
-/// A set's result: mean accuracy over the folds and its standard deviation.
-pub type ValResult = VerificationMetrics;
+/// A set's result: mean accuracy over the folds and its standard deviation, and the
+/// embeddings' mean L2 norm as the figure [`XNORM`].
+pub type ValResult = ValidationMetrics;
+
+/// The figure of a [`ValResult`] holding the mean L2 norm of the embeddings (each image's and
+/// its mirror's): arcface_torch's `XNorm`, in `training.log`.
+pub const XNORM: &str = "xnorm";
 
 /// Reads the verification sets at `paths` (each needs at least as many pairs as folds).
 pub fn load(paths: &[PathBuf]) -> Result<Vec<ValSet>> {
@@ -236,5 +241,5 @@ fn evaluate_set(
     let embeddings: Vec<Vec<f32>> = values.chunks_exact(e).map(<[f32]>::to_vec).collect();
     let (accuracy, std) = verification_accuracy(&embeddings, &val.set.issame, FOLDS)
         .map_err(|why| TrainError::Invalid(format!("{path}: {why}")))?;
-    Ok(ValResult { name: val.name.clone(), accuracy, std, xnorm })
+    Ok(ValResult::new(val.name.clone(), accuracy, std).with(XNORM, xnorm))
 }

@@ -11,6 +11,7 @@ pub mod classifier;
 pub mod face;
 pub mod net;
 pub mod optimizer;
+mod training_log;
 mod wrapped;
 
 use std::sync::Arc;
@@ -102,7 +103,10 @@ fn trainer_options(o: &TrainOptions) -> TrainerOptions {
         resume: o.run.resume,
         tensorboard: o.run.tensorboard,
         timing_warmup_steps: o.run.timing_warmup_steps,
-        log_every: o.run.log_every,
+        log_files: match o.run.log_every {
+            0 => Vec::new(),
+            every => vec![training_log::open(every)],
+        },
         mirror_every: o.comm.mirror_every,
     }
 }

@@ -1,11 +1,11 @@
 //! The training loop, written once for every recipe (as Lightning's `Trainer` and burn's
 //! `Learner`): epochs and steps with the sampler's epoch, a step budget, the recipe's step
-//! through one [`Step`], evaluation at epoch ends and verification every N steps, checkpoints
+//! through one [`Step`], evaluation at epoch ends and validation every N steps, checkpoints
 //! as a [`CheckpointPolicy`] says (synchronously or in the background), resume, live recovery
 //! (`tandem run --live-recovery`: regroup on a peer's death or a rank joining, redo at most the
 //! failed step), and the run's typed
-//! [`Event`]s to its loggers (the run directory's metrics file, TensorBoard and `training.log`,
-//! and any given through a [`Reporter`]), ending in a typed [`RunSummary`]. It never prints.
+//! [`Event`]s to its loggers (the run directory's metrics file, TensorBoard and the recipe's
+//! own [`OpenLog`]s, and any given through a [`Reporter`]), ending in a typed [`RunSummary`]. It never prints.
 //!
 //! A [`Recipe`] says what one step and an evaluation are and gives its state
 //! ([`TrainingState`]: the model, the optimizer, the parts each rank holds alone), which the
@@ -29,14 +29,13 @@ use tandem_comm::{ProcessGroup, ReduceOp};
 use tandem_data::{DataLoader, SamplerState};
 use tandem_optim::GradScaler;
 
-use crate::events::{Event, Logger, Reporter, StepEvent};
+use crate::events::{Event, LogSetup, Logger, OpenLog, Reporter, StepEvent};
 use crate::fault;
 use crate::live::LiveTraining;
 use crate::metrics::MetricsFile;
 use crate::schedule;
 use crate::state::{self, LoaderPosition, Resumed, TrainingState};
 use crate::tfevents::STEP_SCALARS_EVERY;
-use crate::training_log::TrainingLog;
 use crate::{Context, Result, TrainError};
 use crate::{EpochMetrics, EventWriter, RunSummary, Step};
 use live::root_cause;
@@ -67,8 +66,9 @@ pub struct TrainerOptions {
     /// Steps left out of the summary's samples/s: the first steps carry one-off costs
     /// (cuDNN's algorithm search, kernel compilation, the allocator's growth).
     pub timing_warmup_steps: u64,
-    /// A `training.log` line every N steps, as arcface_torch's `frequent` (0: no file).
-    pub log_every: u64,
+    /// Loggers of the run directory beside the metrics file and TensorBoard (tandem-recipes'
+    /// `training.log`), opened by rank 0.
+    pub log_files: Vec<OpenLog>,
     /// Under live recovery, a sharded optimizer's entries (each rank's alone) are mirrored to
     /// the next rank every N steps: a rank's death loses at most N - 1 steps of them.
     pub mirror_every: u64,
@@ -85,7 +85,7 @@ impl TrainerOptions {
             resume: false,
             tensorboard: false,
             timing_warmup_steps: 0,
-            log_every: 0,
+            log_files: Vec::new(),
             mirror_every: 1,
         }
     }
@@ -114,8 +114,8 @@ pub struct Trainer<R: Recipe> {
     pub(crate) live: Option<LiveTraining>,
     /// Whether this process opened the run directory's loggers (it is or was rank 0).
     pub(crate) logs_open: bool,
-    /// The run's loggers: the run directory's (the metrics file, and `training.log` and
-    /// TensorBoard when asked for), opened by rank 0, and those the run was given; the recipe
+    /// The run's loggers: the run directory's (the metrics file, and TensorBoard and the
+    /// options' `log_files` when asked for), opened by rank 0, and those the run was given; the recipe
     /// holds a clone.
     pub(crate) reporter: Reporter,
     /// Where the checkpoints of a recipe that gives its [`Recipe::state`] go.
@@ -163,11 +163,15 @@ impl<R: Recipe> Trainer<R> {
         let dir = &self.opts.dir;
         let mut files: Vec<Box<dyn Logger>> = Vec::new();
         files.push(Box::new(MetricsFile::append(&dir.join("metrics.jsonl"))?));
-        if self.opts.log_every > 0 {
-            let (every, world) = (self.opts.log_every, self.group.size());
-            let log = TrainingLog::open(dir, every, world, self.max_steps(), self.global_step)
-                .with_context(|| format!("opening {}", dir.join("training.log").display()))?;
-            files.push(Box::new(log));
+        let setup = LogSetup {
+            dir,
+            world: self.group.size(),
+            total_steps: self.max_steps(),
+            start_step: self.global_step,
+        };
+        for open in &self.opts.log_files {
+            let log = open.open(&setup);
+            files.push(log.with_context(|| format!("opening a log in {}", dir.display()))?);
         }
         if self.opts.tensorboard {
             let tb = dir.join("tensorboard");
@@ -328,7 +332,7 @@ impl<R: Recipe> Trainer<R> {
             let val = self.recipe.validate(&self.group, self.global_step)?;
             self.record.verified_at = Some(self.global_step);
             if !val.is_empty() {
-                self.emit(Event::Verified { step: self.global_step, results: val.clone() })?;
+                self.emit(Event::Validated { step: self.global_step, results: val.clone() })?;
                 self.record.last_val = val;
             }
         }
@@ -476,7 +480,7 @@ impl<R: Recipe> Trainer<R> {
                 recipe.set_training(true)?;
                 if !val.is_empty() {
                     if rank0 {
-                        let event = Event::Verified { step: n, results: val.clone() };
+                        let event = Event::Validated { step: n, results: val.clone() };
                         report_to(reporter, &event)?;
                     }
                     self.record.last_val = val;

@@ -4,7 +4,7 @@ use tandem_comm::ProcessGroup;
 use tandem_data::{Batch, Dataset};
 use tandem_optim::TorchOptimizer;
 
-use crate::metrics::VerificationMetrics;
+use crate::metrics::ValidationMetrics;
 use crate::state::TrainingState;
 use crate::Result;
 use crate::Step;
@@ -18,10 +18,10 @@ pub struct StepReport {
     /// the host never waits for the device inside a step; `loss` is then unused.
     pub pending_loss: Option<candle_core::Tensor>,
     pub samples: usize,
-    /// Seconds in the forward pass (the backbone's, for a recipe with a head).
+    /// Seconds in the forward pass (the model's, before any phase below).
     pub forward_secs: f64,
-    /// Seconds in phases the recipe names itself, between forward and backward (the face
-    /// recipe's model-parallel head: `("head", secs)`).
+    /// Seconds in phases the recipe names itself, between forward and backward (a
+    /// model-parallel head: `("head", secs)`).
     pub phases: Vec<(&'static str, f64)>,
     pub backward_secs: f64,
     pub optimizer_secs: f64,
@@ -64,8 +64,9 @@ pub trait Recipe {
         Ok(None)
     }
 
-    /// Verification (a collective) every `validate_every` steps and at the end, if any.
-    fn validate(&mut self, _group: &ProcessGroup, _step: u64) -> Result<Vec<VerificationMetrics>> {
+    /// Its validation sets scored (a collective) every `validate_every` steps and at the end,
+    /// if it has any (the face recipe's verification pairs).
+    fn validate(&mut self, _group: &ProcessGroup, _step: u64) -> Result<Vec<ValidationMetrics>> {
         Ok(Vec::new())
     }
 

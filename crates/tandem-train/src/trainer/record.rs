@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use super::live::Regrouping;
 use super::{Evaluation, StepTimes};
-use crate::metrics::VerificationMetrics;
+use crate::metrics::ValidationMetrics;
 use crate::EpochMetrics;
 
 /// The loop's record, which every rank takes from a regroup's source with the state. What is
@@ -20,7 +20,7 @@ pub(crate) struct LoopRecord {
     pub(crate) saved_at: Option<u64>,
     pub(crate) last_ckpt: Option<PathBuf>,
     pub(crate) verified_at: Option<u64>,
-    pub(crate) last_val: Vec<VerificationMetrics>,
+    pub(crate) last_val: Vec<ValidationMetrics>,
     pub(crate) last_eval: Option<Evaluation>,
     pub(crate) epochs_seen: Vec<EpochMetrics>,
     pub(crate) samples_seen: u64,
@@ -50,8 +50,7 @@ mod tests {
             skipped_steps: 1,
             at_unix_s: Some(1.8e9),
         };
-        let val =
-            VerificationMetrics { name: "lfw".into(), accuracy: 0.99, std: 0.01, xnorm: 20.0 };
+        let val = ValidationMetrics::new("val", 0.99, 0.01).with("spread", 20.0);
         let record = LoopRecord {
             epoch_to_close: Some((2, f64::NAN)),
             saved_at: Some(20),

@@ -44,7 +44,7 @@ use tandem_optim::TorchOptimizer;
 use tandem_partial_fc::{ClassSplit, CombinedMarginLoss, PartialFc, PartialFcConfig};
 use tandem_train::events::Reporter;
 use tandem_train::live::Mirrored;
-use tandem_train::metrics::VerificationMetrics;
+use tandem_train::metrics::ValidationMetrics;
 use tandem_train::{
     bail_option, fault, Context, RankBuffers, Recipe, Result, RunLength, Step, StepReport,
     TrainingState,
@@ -425,7 +425,7 @@ impl Recipe for Face<'_> {
     }
 
     /// The verification sets on rank 0's model, the images shared over the ranks.
-    fn validate(&mut self, group: &ProcessGroup, _step: u64) -> Result<Vec<VerificationMetrics>> {
+    fn validate(&mut self, group: &ProcessGroup, _step: u64) -> Result<Vec<ValidationMetrics>> {
         let val = self.val.get().option("val", None)?;
         if val.is_empty() {
             return Ok(Vec::new());

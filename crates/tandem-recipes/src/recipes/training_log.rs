@@ -5,15 +5,26 @@
 //! LearningRate ..   Epoch: ..   Global Step: ..   [Fp16 Grad Scale: ..   ]Required: .. hours`
 //! with the loss averaged over the steps since the last line; and per verification set
 //! `[NAME][STEP]XNorm: ..`, `Accuracy-Flip: ..+-..` and `Accuracy-Highest: ..`. Written by rank
-//! 0, appended to (a resumed run continues the file).
+//! 0, appended to (a resumed run continues the file); the Trainer opens it through
+//! [`open`] (an `OpenLog` among its options' `log_files`).
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::events::{Event, Logger, StepEvent};
-use crate::metrics::VerificationMetrics;
+use tandem_train::events::{Event, LogSetup, Logger, OpenLog, StepEvent};
+use tandem_train::metrics::ValidationMetrics;
+
+use crate::face_eval::verification::XNORM;
+
+/// `training.log` with a line every `frequent` steps, for the Trainer's `log_files`.
+pub(crate) fn open(frequent: u64) -> OpenLog {
+    OpenLog::new(move |s: &LogSetup| {
+        let log = TrainingLog::open(s.dir, frequent, s.world, s.total_steps, s.start_step)?;
+        Ok(Box::new(log) as Box<dyn Logger>)
+    })
+}
 
 pub struct TrainingLog {
     file: File,
@@ -42,7 +53,8 @@ impl TrainingLog {
         start_step: u64,
     ) -> std::io::Result<TrainingLog> {
         let path = dir.join("training.log");
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(&path)?;
+        let opened = std::fs::OpenOptions::new().create(true).append(true).open(&path);
+        let file = opened.map_err(|e| with_path(&path, e))?;
         let mut log = TrainingLog {
             file,
             path,
@@ -105,10 +117,11 @@ impl TrainingLog {
     pub fn verification(
         &mut self,
         step: u64,
-        results: &[VerificationMetrics],
+        results: &[ValidationMetrics],
     ) -> std::io::Result<()> {
         for r in results {
-            self.line(&format!("[{}][{step}]XNorm: {:.6}", r.name, r.xnorm))?;
+            let xnorm = r.figure(XNORM).unwrap_or(0.0);
+            self.line(&format!("[{}][{step}]XNorm: {xnorm:.6}", r.name))?;
             self.line(&format!(
                 "[{}][{step}]Accuracy-Flip: {:1.5}+-{:1.5}",
                 r.name, r.accuracy, r.std
@@ -128,11 +141,15 @@ impl Logger for TrainingLog {
     fn log(&mut self, event: &Event) -> std::io::Result<()> {
         let logged = match event {
             Event::Step(s) => self.step(s),
-            Event::Verified { step, results } => self.verification(*step, results),
+            Event::Validated { step, results } => self.verification(*step, results),
             _ => Ok(()),
         };
-        logged.map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", self.path.display())))
+        logged.map_err(|e| with_path(&self.path, e))
     }
+}
+
+fn with_path(path: &Path, e: std::io::Error) -> std::io::Error {
+    std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
 }
 
 #[cfg(test)]
@@ -167,12 +184,8 @@ mod tests {
             };
             log.step(&s).unwrap();
         }
-        let v = |name: &str, accuracy| VerificationMetrics {
-            name: name.into(),
-            accuracy,
-            std: 0.01,
-            xnorm: 22.5,
-        };
+        let v =
+            |name: &str, accuracy| ValidationMetrics::new(name, accuracy, 0.01).with(XNORM, 22.5);
         log.verification(6, &[v("lfw", 0.9)]).unwrap();
         log.verification(8, &[v("lfw", 0.8)]).unwrap();
         let l = lines(dir.path());
