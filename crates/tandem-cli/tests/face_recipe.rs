@@ -34,6 +34,7 @@ fn main() -> ExitCode {
         mobilefacenet_trains_and_its_checkpoint_exports,
         a_folder_of_identities_trains_as_its_packed_rec,
         fsdp_backbone_trains_as_ddp_and_resumes_as_hsdp,
+        fsdp_init_from_safetensors_reads_rows_and_trains_as_ddp,
         bad_input_is_named,
     ];
     let torch = tandem_testutil::tests![
@@ -919,6 +920,51 @@ fn fsdp_backbone_trains_as_ddp_and_resumes_as_hsdp() {
         let (gap, at) = weight_gap(&fin(&format!("{name}-on-4")), &fin("ddp-on-4"));
         assert!(gap < 2e-6, "{name} resumed on 4 ranks as HSDP, `{at}` is {gap} from Ddp's");
     }
+}
+
+/// `--init-from FILE.safetensors` under `--fsdp`: each rank reads only its rows of the file
+/// (frozen `features.weight` and the statistics whole) and trains as Ddp does from the same
+/// file; a file short of a tensor is refused naming it.
+fn fsdp_init_from_safetensors_reads_rows_and_trains_as_ddp() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = faces(dir.path(), 16, 8, "png");
+    let at = |name: &str| dir.path().join(name).display().to_string();
+    let two = ["--nproc-per-node", "2", "--steps", "2"];
+    let (pre, pre_dir) = (at("pre.safetensors"), at("pre"));
+    let mut first = two.to_vec();
+    first.extend(["--out", &pre_dir, "--save-final", &pre]);
+    train(&data, &first);
+    for (name, extra) in [("fsdp", &["--fsdp"][..]), ("ddp", &[][..])] {
+        let (out_dir, fin) = (at(name), at(&format!("{name}.pt")));
+        let mut args = two.to_vec();
+        args.extend(["--init-from", &pre, "--out", &out_dir, "--save-final", &fin]);
+        args.extend(extra);
+        let out = train(&data, &args);
+        if name == "fsdp" {
+            assert!(out.contains("tensors, each rank reading its rows"), "{out}");
+        }
+    }
+    let file = |name: &str| dir.path().join(name);
+    let (gap, key) = weight_gap(&file("fsdp.pt"), &file("ddp.pt"));
+    assert!(gap < 1e-6, "--fsdp from the file: `{key}` is {gap} from Ddp's");
+    let (gap, _) = weight_gap(&file("fsdp.pt"), &file("pre.safetensors"));
+    assert!(gap > 0.0, "two steps from the file changed nothing");
+
+    // A running variance left out: named, before any step.
+    let gone = "layer1.0.bn1.running_var";
+    let kept = tandem::ckpt::load(file("pre.safetensors")).unwrap();
+    let kept = kept.as_dict().unwrap().iter().filter(|(k, _)| k.as_str() != Some(gone));
+    let short = Value::Dict(kept.cloned().collect());
+    assert_eq!(short.get(gone), None);
+    tandem::ckpt::safetensors::save(&file("short.safetensors"), &short).unwrap();
+    let mut args: Vec<String> = vec!["train".into()];
+    args.extend(recipe(&data));
+    for a in ["--nproc-per-node", "2", "--fsdp", "--out", &at("short")] {
+        args.push(a.into());
+    }
+    args.extend(["--init-from".into(), at("short.safetensors")]);
+    let e = fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(e.contains("short.safetensors") && e.contains(gone), "{e}");
 }
 
 fn bad_input_is_named() {

@@ -47,6 +47,17 @@ impl Fsdp {
     /// hold (BatchNorm's statistics: FSDP keeps none, they are the caller's), whole, in their
     /// stored dtype. Not a collective: every rank reads the files itself.
     pub fn load_safetensors(&self, files: &[impl AsRef<Path>]) -> Result<Vec<(String, Tensor)>> {
+        self.load_safetensors_with(files, &[])
+    }
+
+    /// [`Fsdp::load_safetensors`], and the model's tensors the caller keeps whole outside the
+    /// sharded parameters (`whole`: frozen parameters, as IResNet's `features.weight`) read
+    /// whole and returned with the buffers — each of them required, as a parameter is.
+    pub fn load_safetensors_with(
+        &self,
+        files: &[impl AsRef<Path>],
+        whole: &[&str],
+    ) -> Result<Vec<(String, Tensor)>> {
         let paths: Vec<PathBuf> = files.iter().map(|f| f.as_ref().to_path_buf()).collect();
         let Some(first) = paths.first().map(PathBuf::as_path) else {
             let why = "no file given".to_string();
@@ -83,13 +94,16 @@ impl Fsdp {
             }
             keys.push(key);
         }
+        missing.extend(whole.iter().filter(|n| !stored.contains_key(**n)).map(|n| n.to_string()));
         if !missing.is_empty() {
             let why = format!("no tensor for the parameter(s) {} in these files", some(&missing));
             return Err(bad(first, why));
         }
-        // What is left: the buffers, or keys of nothing in the model.
-        let (buffers, mut unknown): (Vec<_>, Vec<_>) =
-            stored.into_iter().partition(|(name, _)| is_buffer(name));
+        // What is left: the buffers and what the caller keeps whole, or keys of nothing in
+        // the model.
+        let (buffers, mut unknown): (Vec<_>, Vec<_>) = stored
+            .into_iter()
+            .partition(|(name, _)| is_buffer(name) || whole.contains(&name.as_str()));
         if !unknown.is_empty() {
             unknown.sort();
             let unknown: Vec<String> = unknown.into_iter().map(|(_, (key, _))| key).collect();

@@ -361,6 +361,19 @@ fn weights_that_do_not_fit_are_refused_by_name_and_change_nothing() {
                 assert!(same, "{}: `{name}` changed by a refused load", file.display());
             }
         }
+        // A tensor the caller keeps whole (a frozen parameter) is required as a parameter is,
+        // and comes back whole with the buffers.
+        let err = fsdp.load_safetensors_with(&files, &["frozen.weight"]).unwrap_err().to_string();
+        assert!(err.contains("`frozen.weight`"), "{err}");
+        for ((name, a), (_, b)) in before.iter().zip(fsdp.full_state_dict().unwrap()) {
+            let same = a.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                == b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(same, "`{name}` changed by a load missing a whole tensor");
+        }
+        let got = fsdp.load_safetensors_with(&[&extra], &["lm_head.weight"]).unwrap();
+        let names: Vec<&str> = got.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["bn.running_var", "lm_head.weight"]);
+        assert_eq!(got[1].1.to_vec1::<f32>().unwrap(), [0.0; 3]);
     });
     assert!(want.contains_key("head.bias"));
 }

@@ -176,7 +176,8 @@ pub struct TrainConfig {
     /// With --live-recovery and no outside launcher: times a dead rank is started again.
     #[cfg_attr(feature = "clap", arg(long = "max-restarts", default_value_t = TrainConfig::default().max_restarts))]
     pub max_restarts: u32,
-    /// Initial weights from a PyTorch or tandem checkpoint (any wrapping; strict key check).
+    /// Initial weights from a PyTorch or tandem checkpoint (any wrapping; strict key check). A
+    /// face backbone under --fsdp reads a .safetensors file row by row (each rank its rows).
     #[cfg_attr(feature = "clap", arg(long = "init-from"))]
     pub init_from: Option<PathBuf>,
     /// Write the final model weights here (.pt or .safetensors, canonical keys).

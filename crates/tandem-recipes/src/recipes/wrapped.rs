@@ -232,6 +232,41 @@ impl<M: ParamModule> Wrapped<M> {
         Ok(())
     }
 
+    /// Loads `path`, the whole model's state dict as safetensors (`--init-from` under
+    /// `--fsdp`), each rank reading only its rows of each parameter
+    /// ([`Fsdp::load_safetensors_with`]) and the tensors kept whole (buffers, frozen
+    /// parameters) whole: no rank reads the model whole. Strict, as `load_state_dict`: a
+    /// tensor the model lacks, one it has that the file lacks, or a parameter of another shape
+    /// is an error naming it before anything is set (a buffer of another shape, after the
+    /// parameters). Returns how many tensors it loaded. Not a collective.
+    pub fn load_rows(&self, path: &Path) -> Result<usize> {
+        let shown = || Some(path.display().to_string());
+        let Wrapped::Fsdp { fsdp, module, .. } = self else {
+            bail_option!("init_from", shown(), "read row by row only by a sharded model");
+        };
+        let kept = module.named_buffers();
+        let names: Vec<&str> = kept.iter().map(|(n, _)| n.as_str()).collect();
+        let mut whole: std::collections::HashMap<String, Tensor> = fsdp
+            .load_safetensors_with(&[path], &names)
+            .option("init_from", shown())?
+            .into_iter()
+            .collect();
+        let mut values = Vec::with_capacity(kept.len());
+        for (name, var) in &kept {
+            // (Fsdp required every name given: each is there.)
+            let t = whole.remove(name).option("init_from", shown())?;
+            if t.dims() != var.dims() {
+                let (file, model) = (t.dims(), var.dims());
+                bail_option!("init_from", shown(), "`{name}` is {file:?}; the model's {model:?}");
+            }
+            values.push((var, t.to_dtype(var.dtype())?));
+        }
+        for (var, t) in values {
+            var.set(&t)?;
+        }
+        Ok(fsdp.shards().len() + kept.len())
+    }
+
     /// The model itself, outside any forward (its buffers; under Fsdp its parameters hold no
     /// values here).
     pub fn module(&self) -> &M {

@@ -153,11 +153,15 @@ impl<'a> Face<'a> {
         }
         let classes = cfg.face.num_classes.unwrap_or(train.num_classes());
         let kind = cfg.model.kind;
-        let init = cfg.checkpoint.init_from.as_deref().map(read_init).transpose()?;
         // Sharded, the backbone is built without values and each rank keeps only its rows of
-        // the seeded init, drawn one parameter at a time: no rank holds the model (with
-        // --init-from the file's weights are read whole anyway).
-        let on_meta = cfg.model.fsdp.is_some() && init.is_none() && device.is_cpu();
+        // the seeded init, drawn one parameter at a time, or of a safetensors file's weights,
+        // read row by row: no rank holds the model (a `.pt` file is read whole).
+        let sharded = cfg.model.fsdp.is_some() && device.is_cpu();
+        let init_path = cfg.checkpoint.init_from.as_deref();
+        let rows_from =
+            init_path.filter(|p| sharded && p.extension().is_some_and(|e| e == "safetensors"));
+        let init = init_path.filter(|_| rows_from.is_none()).map(read_init).transpose()?;
+        let on_meta = sharded && init.is_none();
         let meta = on_meta.then(|| MetaVarMap::new(cfg.run.seed));
         let vars = OrderedVarMap::new();
         let vb = match &meta {
@@ -212,13 +216,29 @@ impl<'a> Face<'a> {
                     activation_checkpointing: fsdp.activation_checkpointing.or(Some(checkpointed)),
                     ..fsdp.clone()
                 };
-                let drawn = meta.as_ref().map(|m| (m, &mut initial_values as &mut InitialValues));
+                // (Weights read from a file replace the map's own draw of each rank's rows.)
+                let mut no_values = |_: &str, _: &[usize]| None;
+                let values: &mut InitialValues = match rows_from {
+                    Some(_) => &mut no_values,
+                    None => &mut initial_values,
+                };
+                let drawn = meta.as_ref().map(|m| (m, &mut *values));
                 let wrapped =
                     Wrapped::sharded(named, group, fsdp, Some((unit_of, &mut give)), drawn)?;
                 // The frozen parameters (kept whole with the buffers) after the trained ones,
                 // as the seeded stream is asked.
                 if let Some(meta) = &meta {
-                    meta.materialize_with(FaceBackbone::frozen(kind), &mut initial_values)?;
+                    meta.materialize_with(FaceBackbone::frozen(kind), values)?;
+                }
+                if let Some(path) = rows_from {
+                    let n = wrapped.load_rows(path)?;
+                    if rank == 0 {
+                        let text = format!(
+                            "init-from {}: {n} tensors, each rank reading its rows",
+                            path.display()
+                        );
+                        super::note(reporter, text)?;
+                    }
                 }
                 wrapped.keep_order(&order).live(live.as_ref(), cfg.comm.mirror_every)
             }
