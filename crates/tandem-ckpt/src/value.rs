@@ -266,6 +266,31 @@ impl TensorData {
         Cow::Owned(out)
     }
 
+    /// Rows `rows` of the tensor (its first dimension; a scalar is one row) as a contiguous
+    /// tensor of its dtype, copying only those rows' bytes when the rows lie contiguously in the
+    /// storage (a mapped file's other pages are never touched). `None` past the last row.
+    pub fn rows(&self, rows: std::ops::Range<usize>) -> Option<TensorData> {
+        let total = self.shape.first().copied().unwrap_or(1);
+        if rows.start > rows.end || rows.end > total {
+            return None;
+        }
+        let mut shape = self.shape.clone();
+        match shape.first_mut() {
+            Some(first) => *first = rows.len(),
+            None => shape.push(rows.len()),
+        }
+        let es = self.dtype.size();
+        let row = self.shape.iter().skip(1).product::<usize>();
+        let bytes = match self.is_contiguous() {
+            true => {
+                let start = (self.storage_offset + rows.start * row) * es;
+                self.storage.bytes()[start..start + rows.len() * row * es].to_vec()
+            }
+            false => self.contiguous_bytes()[rows.start * row * es..rows.end * row * es].to_vec(),
+        };
+        Some(TensorData::from_bytes(self.dtype, &shape, bytes))
+    }
+
     /// Elements converted to f64 (any dtype; bool is 0/1).
     pub fn to_f64_vec(&self) -> Vec<f64> {
         let b = self.contiguous_bytes();
@@ -577,6 +602,25 @@ mod tests {
         let t = TensorData { shape: vec![3, 2], stride: vec![1, 3], ..base };
         assert!(!t.is_contiguous());
         assert_eq!(t.to_f32_vec(), vec![0., 3., 1., 4., 2., 5.]);
+    }
+
+    #[test]
+    fn rows_of_contiguous_offset_and_strided_tensors() {
+        let base = TensorData::from_f32(&[4, 2], &[0., 1., 2., 3., 4., 5., 6., 7.]);
+        assert_eq!(base.rows(1..3).unwrap().shape, [2, 2]);
+        assert_eq!(base.rows(1..3).unwrap().to_f32_vec(), [2., 3., 4., 5.]);
+        assert_eq!(base.rows(4..4).unwrap().to_f32_vec(), Vec::<f32>::new());
+        assert!(base.rows(3..5).is_none());
+        // Rows 1.. of the storage as a 3x2 view, and its transpose (2x3, not contiguous).
+        let offset = TensorData { shape: vec![3, 2], storage_offset: 2, ..base.clone() };
+        assert_eq!(offset.rows(2..3).unwrap().to_f32_vec(), [6., 7.]);
+        let t = TensorData { shape: vec![2, 3], stride: vec![1, 2], storage_offset: 2, ..base };
+        assert_eq!(t.rows(1..2).unwrap().to_f32_vec(), [3., 5., 7.]);
+        let scalar = TensorData::scalar_f32(2.5);
+        assert_eq!(
+            (scalar.rows(0..1).unwrap().shape, scalar.rows(0..1).unwrap().to_f32_vec()),
+            (vec![1], vec![2.5])
+        );
     }
 
     #[test]

@@ -922,9 +922,10 @@ fn fsdp_backbone_trains_as_ddp_and_resumes_as_hsdp() {
     }
 }
 
-/// `--init-from FILE.safetensors` under `--fsdp`: each rank reads only its rows of the file
-/// (frozen `features.weight` and the statistics whole) and trains as Ddp does from the same
-/// file; a file short of a tensor is refused naming it.
+/// `--init-from FILE` under `--fsdp`: each rank reads only its rows of the file (frozen
+/// `features.weight` and the statistics whole), a safetensors file by position and a `.pt`
+/// through its mapping, and trains as Ddp does from the same file; a file short of a tensor is
+/// refused naming it.
 fn fsdp_init_from_safetensors_reads_rows_and_trains_as_ddp() {
     let dir = tempfile::tempdir().unwrap();
     let data = faces(dir.path(), 16, 8, "png");
@@ -934,19 +935,26 @@ fn fsdp_init_from_safetensors_reads_rows_and_trains_as_ddp() {
     let mut first = two.to_vec();
     first.extend(["--out", &pre_dir, "--save-final", &pre]);
     train(&data, &first);
-    for (name, extra) in [("fsdp", &["--fsdp"][..]), ("ddp", &[][..])] {
+    let file = |name: &str| dir.path().join(name);
+    let pre_pt = at("pre.pt");
+    tandem::ckpt::save(&pre_pt, &tandem::ckpt::load(&pre).unwrap()).unwrap();
+    let runs =
+        [("fsdp", &pre, &["--fsdp"][..]), ("fsdp-pt", &pre_pt, &["--fsdp"]), ("ddp", &pre, &[])];
+    for (name, init, extra) in runs {
         let (out_dir, fin) = (at(name), at(&format!("{name}.pt")));
         let mut args = two.to_vec();
-        args.extend(["--init-from", &pre, "--out", &out_dir, "--save-final", &fin]);
+        args.extend(["--init-from", init, "--out", &out_dir, "--save-final", &fin]);
         args.extend(extra);
         let out = train(&data, &args);
-        if name == "fsdp" {
+        if name != "ddp" {
             assert!(out.contains("tensors, each rank reading its rows"), "{out}");
         }
     }
-    let file = |name: &str| dir.path().join(name);
     let (gap, key) = weight_gap(&file("fsdp.pt"), &file("ddp.pt"));
     assert!(gap < 1e-6, "--fsdp from the file: `{key}` is {gap} from Ddp's");
+    let (a, b) =
+        (std::fs::read(file("fsdp.pt")).unwrap(), std::fs::read(file("fsdp-pt.pt")).unwrap());
+    assert!(a == b, "--fsdp from the .pt and from the .safetensors differ");
     let (gap, _) = weight_gap(&file("fsdp.pt"), &file("pre.safetensors"));
     assert!(gap > 0.0, "two steps from the file changed nothing");
 

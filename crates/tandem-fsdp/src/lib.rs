@@ -29,7 +29,7 @@
 //! |---|---|
 //! | `fully_shard(block)` per block | [`Units`] in [`FsdpOptions::units`], [`Fsdp::fully_shard`] / [`Fsdp::run_unit`] where the model calls the block |
 //! | `with torch.device("meta")`, then `to_empty()` and `init_weights()` | [`MetaVarMap`], [`Fsdp::from_meta`]: each rank draws only its rows; [`Fsdp::from_meta_with`]: the model's own seeded init, one parameter whole at a time |
-//! | `set_model_state_dict(model, full_sd)` | [`Fsdp::load_safetensors`]: each rank reads only its rows |
+//! | `set_model_state_dict(model, full_sd)` | [`Fsdp::load_safetensors`]: each rank reads only its rows; [`Fsdp::load_state_dict_rows`] from a mapped `.pt` |
 //! | `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, `save_file` | [`Fsdp::full_state_dict_rank0`], [`Fsdp::save_safetensors`]: one parameter gathered to rank 0 at a time |
 //! | `fully_shard(model)` (root) | [`FsdpOptions::shard_root`] (default), [`Fsdp::forward`] around the model's forward |
 //! | `loss.backward()` | [`Fsdp::backward`] (returns the shards' gradients) |

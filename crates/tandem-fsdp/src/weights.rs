@@ -3,12 +3,13 @@
 //! whole): FSDP2's `set_model_state_dict` with a full state dict, without any rank holding the
 //! whole model (PyTorch's answer, `broadcast_from_rank0`, has rank 0 read it all).
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 use tandem_ckpt::keys::strip_wrappers;
 use tandem_ckpt::safetensors::{save_streaming, RowReader, TensorSpec};
-use tandem_ckpt::ElemType;
+use tandem_ckpt::{ElemType, TensorData, Value};
 use tandem_nn::is_buffer;
 use tandem_nn::kernels::with_f32_slice;
 
@@ -33,6 +34,56 @@ fn some(names: &[String]) -> String {
     let more = names.len().saturating_sub(shown.len());
     let more = if more > 0 { format!(" and {more} more") } else { String::new() };
     format!("{}{more}", shown.join(", "))
+}
+
+/// Where a load's rows come from: safetensors files read by position, or a state dict in
+/// memory.
+trait RowSource {
+    /// Every key with the file it is in, sorted by key.
+    fn keys(&self) -> Vec<(String, &Path)>;
+    fn shape(&self, key: &str) -> Option<Vec<usize>>;
+    /// Rows `rows` of `key`, a contiguous tensor of its stored dtype.
+    fn read_rows(&self, key: &str, rows: Range<usize>) -> Result<TensorData>;
+}
+
+impl RowSource for RowReader {
+    fn keys(&self) -> Vec<(String, &Path)> {
+        RowReader::keys(self)
+    }
+    fn shape(&self, key: &str) -> Option<Vec<usize>> {
+        RowReader::shape(self, key)
+    }
+    fn read_rows(&self, key: &str, rows: Range<usize>) -> Result<TensorData> {
+        RowReader::read_rows(self, key, rows).map_err(read)
+    }
+}
+
+/// A state dict's tensors by key (sorted), read from `path`.
+struct DictRows<'a> {
+    path: &'a Path,
+    tensors: Vec<(String, &'a TensorData)>,
+}
+
+impl DictRows<'_> {
+    fn find(&self, key: &str) -> Option<&TensorData> {
+        let at = self.tensors.binary_search_by(|(k, _)| k.as_str().cmp(key)).ok()?;
+        Some(self.tensors[at].1)
+    }
+}
+
+impl RowSource for DictRows<'_> {
+    fn keys(&self) -> Vec<(String, &Path)> {
+        self.tensors.iter().map(|(k, _)| (k.clone(), self.path)).collect()
+    }
+    fn shape(&self, key: &str) -> Option<Vec<usize>> {
+        self.find(key).map(|t| t.shape.clone())
+    }
+    fn read_rows(&self, key: &str, rows: Range<usize>) -> Result<TensorData> {
+        let t = self.find(key).ok_or_else(|| bad(self.path, format!("no tensor `{key}`")))?;
+        let total = t.shape.first().copied().unwrap_or(1);
+        t.rows(rows.clone())
+            .ok_or_else(|| bad(self.path, format!("`{key}` has {total} rows, not {rows:?}")))
+    }
 }
 
 impl Fsdp {
@@ -63,11 +114,53 @@ impl Fsdp {
             let why = "no file given".to_string();
             return Err(FsdpError::InvalidOption { what: "load_safetensors", why });
         };
-        let engine = self.engine();
-        if engine.lock().in_step {
+        if self.engine().lock().in_step {
             return Err(FsdpError::Order("load_safetensors between forward and backward".into()));
         }
         let weights = RowReader::open(&paths).map_err(read)?;
+        self.load_rows_from(&weights, first, whole)
+    }
+
+    /// [`Fsdp::load_safetensors_with`] from a state dict already read — a `.pt` file, which
+    /// `tandem_ckpt::load` maps rather than reads —, each rank copying only its rows of each
+    /// tensor (a mapping's other pages are never touched); `path` names the file in errors.
+    /// FSDP2's `set_model_state_dict` with a full state dict (`mmap=True`), the same rules: any
+    /// wrapping of the keys, strict, nothing set on an error found before the copy.
+    pub fn load_state_dict_rows(
+        &self,
+        path: &Path,
+        state: &Value,
+        whole: &[&str],
+    ) -> Result<Vec<(String, Tensor)>> {
+        if self.engine().lock().in_step {
+            return Err(FsdpError::Order(
+                "load_state_dict_rows between forward and backward".into(),
+            ));
+        }
+        let Some(entries) = state.as_dict() else {
+            return Err(bad(path, "not a dict of tensors (a state dict)"));
+        };
+        let mut tensors = Vec::with_capacity(entries.len());
+        for (k, v) in entries {
+            let key = k.as_str().map(str::to_string).unwrap_or_else(|| format!("{k:?}"));
+            let Some(t) = v.as_tensor() else {
+                return Err(bad(path, format!("`{key}` is not a tensor")));
+            };
+            tensors.push((key, t));
+        }
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        self.load_rows_from(&DictRows { path, tensors }, path, whole)
+    }
+
+    /// The body of both loads: `source`'s keys matched to the parameters (wrappers stripped),
+    /// checked, every shard's rows read, then set; the buffers and `whole` returned whole.
+    fn load_rows_from(
+        &self,
+        weights: &dyn RowSource,
+        first: &Path,
+        whole: &[&str],
+    ) -> Result<Vec<(String, Tensor)>> {
+        let engine = self.engine();
         // Each stored key under the name it has without wrappers' prefixes.
         let mut stored: HashMap<String, (String, &Path)> = HashMap::new();
         for (key, file) in weights.keys() {
@@ -113,7 +206,7 @@ impl Fsdp {
         // Every shard read before any is set: a failed read leaves the model as it was.
         let mut rows = Vec::with_capacity(engine.params.len());
         for (p, key) in engine.params.iter().zip(&keys) {
-            let values = weights.read_rows(key, p.layout.my_rows()).map_err(read)?.to_f32_vec();
+            let values = weights.read_rows(key, p.layout.my_rows())?.to_f32_vec();
             let t = Tensor::from_vec(values, p.layout.shard_dims(), &Device::Cpu)
                 .map_err(tensor(format!("the rows of `{key}`")))?;
             rows.push(t);
@@ -125,7 +218,7 @@ impl Fsdp {
         for (name, (key, _)) in buffers {
             let shape = weights.shape(&key).unwrap_or_default();
             let whole = weights.read_rows(&key, 0..shape.first().copied().unwrap_or(1));
-            let whole = tandem_nn::convert::from_ckpt(&whole.map_err(read)?, &Device::Cpu)
+            let whole = tandem_nn::convert::from_ckpt(&whole?, &Device::Cpu)
                 .and_then(|t| Ok(t.reshape(shape)?))
                 .map_err(|e| bad(first, format!("`{key}`: {e}")))?;
             out.push((name, whole));

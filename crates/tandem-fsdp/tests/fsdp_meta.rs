@@ -276,18 +276,35 @@ fn shape_of(name: &str) -> Vec<usize> {
 
 /// Each rank reads its rows of the files into its shards: the gathered model is the files'
 /// values exactly, on 2 and 3 ranks, through the wrapper's `module.` prefix; the buffer comes
-/// back whole for the caller.
+/// back whole for the caller. The same state dict as one `.pt`, read by tandem-ckpt, loads
+/// the same rows (`load_state_dict_rows`); a value that is not a dict of tensors is refused.
 #[test]
 fn trained_weights_load_row_by_row_on_any_number_of_ranks() {
     let dir = tempfile::tempdir().unwrap();
     let (files, want) = pretrained(dir.path());
-    for world in [2, 3] {
-        let files = files.clone();
+    let mut merged = Vec::new();
+    for f in &files {
+        let v = tandem_ckpt::load(f).unwrap();
+        merged.extend(v.as_dict().unwrap().iter().cloned());
+    }
+    let pt = dir.path().join("model.pt");
+    tandem_ckpt::save(&pt, &tandem_ckpt::Value::Dict(merged)).unwrap();
+    for (world, via_pt) in [(2, false), (3, false), (2, true), (3, true)] {
+        let (files, pt) = (files.clone(), pt.clone());
         let out = run_tcp_world(world, move |pg| {
             let meta = MetaVarMap::new(5);
             let _net = build(meta.var_builder());
             let fsdp = Fsdp::from_meta(&meta, &pg, opts()).unwrap();
-            let buffers = fsdp.load_safetensors(&files).unwrap();
+            let buffers = match via_pt {
+                false => fsdp.load_safetensors(&files).unwrap(),
+                true => {
+                    let state = tandem_ckpt::load(&pt).unwrap();
+                    let list = tandem_ckpt::Value::List(vec![]);
+                    let err = fsdp.load_state_dict_rows(&pt, &list, &[]).unwrap_err();
+                    assert!(err.to_string().contains("not a dict of tensors"), "{err}");
+                    fsdp.load_state_dict_rows(&pt, &state, &[]).unwrap()
+                }
+            };
             (fsdp.full_state_dict().unwrap(), buffers)
         });
         for (rank, (state, buffers)) in out.into_iter().enumerate() {

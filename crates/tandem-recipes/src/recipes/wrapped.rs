@@ -232,25 +232,27 @@ impl<M: ParamModule> Wrapped<M> {
         Ok(())
     }
 
-    /// Loads `path`, the whole model's state dict as safetensors (`--init-from` under
-    /// `--fsdp`), each rank reading only its rows of each parameter
-    /// ([`Fsdp::load_safetensors_with`]) and the tensors kept whole (buffers, frozen
-    /// parameters) whole: no rank reads the model whole. Strict, as `load_state_dict`: a
+    /// Loads `path`, the whole model's state dict (`--init-from` under `--fsdp`), each rank
+    /// reading only its rows of each parameter and the tensors kept whole (buffers, frozen
+    /// parameters) whole: no rank reads the model whole. A safetensors file is read by
+    /// position ([`Fsdp::load_safetensors_with`]); `state`, the file already read (a `.pt`,
+    /// which tandem-ckpt maps), is copied row by row ([`Fsdp::load_state_dict_rows`]). Strict, as `load_state_dict`: a
     /// tensor the model lacks, one it has that the file lacks, or a parameter of another shape
     /// is an error naming it before anything is set (a buffer of another shape, after the
     /// parameters). Returns how many tensors it loaded. Not a collective.
-    pub fn load_rows(&self, path: &Path) -> Result<usize> {
+    pub fn load_rows(&self, path: &Path, state: Option<&Value>) -> Result<usize> {
         let shown = || Some(path.display().to_string());
         let Wrapped::Fsdp { fsdp, module, .. } = self else {
             bail_option!("init_from", shown(), "read row by row only by a sharded model");
         };
         let kept = module.named_buffers();
         let names: Vec<&str> = kept.iter().map(|(n, _)| n.as_str()).collect();
-        let mut whole: std::collections::HashMap<String, Tensor> = fsdp
-            .load_safetensors_with(&[path], &names)
-            .option("init_from", shown())?
-            .into_iter()
-            .collect();
+        let loaded = match state {
+            Some(state) => fsdp.load_state_dict_rows(path, state, &names),
+            None => fsdp.load_safetensors_with(&[path], &names),
+        };
+        let mut whole: std::collections::HashMap<String, Tensor> =
+            loaded.option("init_from", shown())?.into_iter().collect();
         let mut values = Vec::with_capacity(kept.len());
         for (name, var) in &kept {
             // (Fsdp required every name given: each is there.)

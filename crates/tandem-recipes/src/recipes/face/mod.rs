@@ -154,14 +154,14 @@ impl<'a> Face<'a> {
         let classes = cfg.face.num_classes.unwrap_or(train.num_classes());
         let kind = cfg.model.kind;
         // Sharded, the backbone is built without values and each rank keeps only its rows of
-        // the seeded init, drawn one parameter at a time, or of a safetensors file's weights,
-        // read row by row: no rank holds the model (a `.pt` file is read whole).
-        let sharded = cfg.model.fsdp.is_some() && device.is_cpu();
+        // the seeded init, drawn one parameter at a time, or of --init-from's weights, read row
+        // by row (a safetensors file by position, a `.pt` through tandem-ckpt's mapping of
+        // it): no rank holds the model.
+        let on_meta = cfg.model.fsdp.is_some() && device.is_cpu();
         let init_path = cfg.checkpoint.init_from.as_deref();
-        let rows_from =
-            init_path.filter(|p| sharded && p.extension().is_some_and(|e| e == "safetensors"));
-        let init = init_path.filter(|_| rows_from.is_none()).map(read_init).transpose()?;
-        let on_meta = sharded && init.is_none();
+        let by_position = |p: &&Path| on_meta && p.extension().is_some_and(|e| e == "safetensors");
+        let init = init_path.filter(|p| !by_position(p)).map(read_init).transpose()?;
+        let rows_from = init_path.filter(|_| on_meta);
         let meta = on_meta.then(|| MetaVarMap::new(cfg.run.seed));
         let vars = OrderedVarMap::new();
         let vb = match &meta {
@@ -182,7 +182,7 @@ impl<'a> Face<'a> {
         let mut initial_values = |name: &str, dims: &[usize]| seeded.values(name, dims);
         let order: Vec<String> = all.iter().map(|(n, _)| n.clone()).collect();
         let named = NamedVars::new(all.clone()).freeze(FaceBackbone::frozen(kind))?;
-        if let (Some(init), Some(path)) = (&init, &cfg.checkpoint.init_from) {
+        if let (Some(init), Some(path), false) = (&init, &cfg.checkpoint.init_from, on_meta) {
             let report = named
                 .load_state_dict(&init.backbone)
                 .context("the backbone")
@@ -231,7 +231,7 @@ impl<'a> Face<'a> {
                     meta.materialize_with(FaceBackbone::frozen(kind), values)?;
                 }
                 if let Some(path) = rows_from {
-                    let n = wrapped.load_rows(path)?;
+                    let n = wrapped.load_rows(path, init.as_ref().map(|i| &i.backbone))?;
                     if rank == 0 {
                         let text = format!(
                             "init-from {}: {n} tensors, each rank reading its rows",
