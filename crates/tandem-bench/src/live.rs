@@ -1,6 +1,7 @@
 //! `tandem bench live`: what live recovery costs. The same `tandem train` job runs on `--nproc`
 //! ranks under `tandem run --live-recovery`, once uninterrupted and once with a worker killed
-//! (SIGKILL) every `--kill-every` seconds, in alternating rounds. Reported: wall-clock samples/s
+//! (SIGKILL) every `--kill-every` seconds, in rounds of one each (which goes first alternating
+//! from round to round). Reported: wall-clock samples/s
 //! retained (same epochs, so the same samples, both ways), steps redone per failure (from the
 //! regroup lines), the time from each kill to training again (the first regroup line after it,
 //! as this process reads the job's output), and the final eval loss and accuracy beside the
@@ -52,7 +53,7 @@ pub struct Args {
     /// Hidden width of the MLP (a larger one makes steps, and state transfers, longer).
     #[arg(long, default_value_t = 512)]
     hidden: usize,
-    /// Rounds (each: one uninterrupted run, one with kills).
+    /// Rounds (each: one uninterrupted run and one with kills, which first alternating).
     #[arg(long, default_value_t = 1)]
     rounds: usize,
     /// Keep each run's directory under DIR (`round-N-uninterrupted`, `round-N-killed`), its
@@ -372,12 +373,19 @@ pub fn main(a: Args) -> anyhow::Result<i32> {
     for round in 0..a.rounds {
         let kept =
             |what: &str| a.keep.as_ref().map(|d| d.join(format!("round-{}-{what}", round + 1)));
-        let c = crate::in_scratch_dir(kept("uninterrupted").as_deref(), "bench-live", |d| {
-            run(&a, None, d)
-        })?;
-        let k = crate::in_scratch_dir(kept("killed").as_deref(), "bench-live", |d| {
-            run(&a, Some(every), d)
-        })?;
+        let one = |what: &str, kill: Option<Duration>| {
+            crate::in_scratch_dir(kept(what).as_deref(), "bench-live", |d| run(&a, kill, d))
+        };
+        // Which run goes first alternates (ABBA): a machine slower in a round's second run
+        // (seen: the killed run's epochs before its first kill 1.5–5% slower than the
+        // uninterrupted run's, in each of three rounds run in one order) weighs on both alike.
+        let (c, k) = match round % 2 {
+            0 => (one("uninterrupted", None)?, one("killed", Some(every))?),
+            _ => {
+                let k = one("killed", Some(every))?;
+                (one("uninterrupted", None)?, k)
+            }
+        };
         eprintln!(
             "round {}/{}: uninterrupted {:.1} s, with {} kill(s) {:.1} s",
             round + 1,

@@ -646,63 +646,31 @@ fn arcface_layout_round_trip_resumes_bitwise() {
 fn face_onnx_export_equals_the_export_of_the_final_weights() {
     let dir = tempfile::tempdir().unwrap();
     let data = faces(dir.path(), 16, 8, "png");
-    let (weights, trained, exported) = (
-        dir.path().join("model.pt"),
-        dir.path().join("train.onnx"),
-        dir.path().join("export.onnx"),
-    );
-    let out = train(
-        &data,
-        &[
-            "--nproc-per-node",
-            "2",
-            "--steps",
-            "3",
-            "--out",
-            p(&dir.path().join("r")),
-            "--save-final",
-            p(&weights),
-            "--export-onnx",
-            p(&trained),
-        ],
-    );
-    assert!(out.contains("-> embedding [batch, 32]"), "{out}");
-    run(&["export", p(&weights), "--model", "iresnet18", p(&exported)]);
-    assert!(std::fs::read(&trained).unwrap() == std::fs::read(&exported).unwrap());
+    let at = |name: &str| dir.path().join(name).display().to_string();
+    // Under --fsdp the model is gathered to rank 0 one parameter at a time: a safetensors file
+    // written as each arrives, and the ONNX model of the same weights.
+    for (run_dir, weights, extra) in
+        [("r", "model.pt", None), ("f", "fsdp.safetensors", Some("--fsdp"))]
+    {
+        let (out_dir, weights) = (at(run_dir), at(weights));
+        let (trained, exported) =
+            (at(&format!("{run_dir}.onnx")), at(&format!("{run_dir}-export.onnx")));
+        let mut args = vec!["--nproc-per-node", "2", "--steps", "3", "--out", &out_dir];
+        args.extend(["--save-final", &weights, "--export-onnx", &trained]);
+        args.extend(extra);
+        let out = train(&data, &args);
+        assert!(out.contains("-> embedding [batch, 32]"), "{out}");
+        run(&["export", &weights, "--model", "iresnet18", &exported]);
+        let same = std::fs::read(&trained).unwrap() == std::fs::read(&exported).unwrap();
+        assert!(same, "{run_dir}: --export-onnx is not the export of --save-final's weights");
+    }
+    let file = |name: &str| dir.path().join(name);
+    let (gap, key) = weight_gap(&file("fsdp.safetensors"), &file("model.pt"));
+    assert!(gap < 1e-6, "--fsdp's final `{key}` is {gap} from Ddp's");
     // The run's checkpoint directory exports the same model, under arcface_torch's name too.
-    let from_dir = dir.path().join("from_dir.onnx");
-    let step = dir.path().join("r/checkpoints/step-00000003");
-    run(&["export", p(&step), "--model", "r18", p(&from_dir)]);
-    assert!(std::fs::read(&trained).unwrap() == std::fs::read(&from_dir).unwrap());
-
-    // Under --fsdp the same files, the model gathered to rank 0 one parameter at a time: a
-    // safetensors file written as it is gathered, and the ONNX model of the same weights.
-    let (sharded, sharded_onnx, exported_again) = (
-        dir.path().join("fsdp.safetensors"),
-        dir.path().join("fsdp.onnx"),
-        dir.path().join("fsdp-export.onnx"),
-    );
-    let out = train(
-        &data,
-        &[
-            "--nproc-per-node",
-            "2",
-            "--steps",
-            "3",
-            "--fsdp",
-            "--out",
-            p(&dir.path().join("f")),
-            "--save-final",
-            p(&sharded),
-            "--export-onnx",
-            p(&sharded_onnx),
-        ],
-    );
-    assert!(out.contains("-> embedding [batch, 32]"), "{out}");
-    let (gap, at) = weight_gap(&sharded, &weights);
-    assert!(gap < 1e-6, "--fsdp's final `{at}` is {gap} from Ddp's");
-    run(&["export", p(&sharded), "--model", "iresnet18", p(&exported_again)]);
-    assert!(std::fs::read(&sharded_onnx).unwrap() == std::fs::read(&exported_again).unwrap());
+    let from_dir = at("from_dir.onnx");
+    run(&["export", &at("r/checkpoints/step-00000003"), "--model", "r18", &from_dir]);
+    assert!(std::fs::read(at("r.onnx")).unwrap() == std::fs::read(&from_dir).unwrap());
 }
 
 /// `--model mbf` (arcface_torch's MobileFaceNet) through the whole recipe: two ranks train,

@@ -197,18 +197,28 @@ mod tests {
     use candle_core::{DType, Device};
     use tandem_nn::{is_buffer, OrderedVarMap};
 
+    /// Every kind of backbone, at a small width.
+    const KINDS: [(&str, usize); 3] = [("r18", 8), ("mbf", 0), ("vit_t", 0)];
+
+    /// Backbone `kind` with a 16-wide embedding and arcface_torch's init from seed 5, and its
+    /// variables in creation order.
+    fn seeded(kind: &str, width: usize) -> (ModelKind, FaceBackbone, Vec<(String, Var)>) {
+        let kind: ModelKind = kind.parse().unwrap();
+        let vars = OrderedVarMap::new();
+        let vb = vars.var_builder(DType::F32, &Device::Cpu);
+        let model = FaceBackbone::new(kind, width, 16, 0.0, vb).unwrap();
+        let named = vars.named();
+        FaceBackbone::reset_parameters(kind, &named, 5).unwrap();
+        (kind, model, named)
+    }
+
     /// A sharded build asks [`SeededInit`] for the trained parameters in creation order, then
     /// the frozen ones, never the buffers: it must give what `reset_parameters` sets, bit for
     /// bit, for every kind of backbone.
     #[test]
     fn seeded_init_gives_reset_parameters_values_in_a_sharded_builds_order() {
-        for (kind, width) in [("r18", 8), ("mbf", 0), ("vit_t", 0)] {
-            let kind: ModelKind = kind.parse().unwrap();
-            let vars = OrderedVarMap::new();
-            let vb = vars.var_builder(DType::F32, &Device::Cpu);
-            FaceBackbone::new(kind, width, 16, 0.0, vb).unwrap();
-            let named = vars.named();
-            FaceBackbone::reset_parameters(kind, &named, 5).unwrap();
+        for (kind, width) in KINDS {
+            let (kind, _, named) = seeded(kind, width);
             let shapes: Vec<(&str, &[usize])> =
                 named.iter().map(|(n, v)| (n.as_str(), v.dims())).collect();
             let mut init = SeededInit::new(kind, &shapes, 5);
@@ -234,13 +244,8 @@ mod tests {
     /// block's activations were freed as the next block began), as they are not without it.
     #[test]
     fn no_grad_cuts_the_graph_between_blocks_and_keeps_the_values() {
-        for (kind, width) in [("r18", 8), ("mbf", 0), ("vit_t", 0)] {
-            let kind: ModelKind = kind.parse().unwrap();
-            let vars = OrderedVarMap::new();
-            let vb = vars.var_builder(DType::F32, &Device::Cpu);
-            let model = FaceBackbone::new(kind, width, 16, 0.0, vb).unwrap();
-            let named = vars.named();
-            FaceBackbone::reset_parameters(kind, &named, 5).unwrap();
+        for (kind, width) in KINDS {
+            let (kind, model, named) = seeded(kind, width);
             let x = Tensor::randn(0f32, 1., (2, 3, 112, 112), &Device::Cpu).unwrap();
             let reached = |y: &Tensor| -> Vec<String> {
                 let grads = y.sum_all().unwrap().backward().unwrap();
