@@ -396,9 +396,10 @@ fn weights_that_do_not_fit_are_refused_by_name_and_change_nothing() {
 }
 
 /// The model saved whole from 3 ranks, one parameter gathered at a time: the file holds the
-/// loaded values exactly, as does the state dict gathered to rank 0 alone (read by candle, and by PyTorch's `safetensors.torch.load_file` when a
+/// loaded values exactly (read by candle, and by PyTorch's `safetensors.torch.load_file` when a
 /// Python with torch is there), with the caller's buffer, and loads on 2 ranks to the same
-/// bits. A file rank 0 cannot write is an error on every rank, naming it, and no rank hangs.
+/// bits; the state dict gathered to rank 0 alone holds them too. A file rank 0 cannot write
+/// is an error on every rank, naming it, and no rank hangs.
 #[test]
 fn a_sharded_model_saves_one_file_that_loads_on_another_number_of_ranks() {
     let dir = tempfile::tempdir().unwrap();

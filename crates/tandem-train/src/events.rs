@@ -41,7 +41,8 @@ pub enum Event {
     Step(StepEvent),
     /// An epoch ended: the world's figures, and the run's epoch count.
     EpochEnded { metrics: EpochMetrics, epochs: u64 },
-    /// The recipe's validation sets were scored after `step` ([`Recipe::validate`](crate::Recipe::validate)).
+    /// The recipe's validation sets were scored after `step`
+    /// ([`Recipe::validate`](crate::Recipe::validate)).
     Validated { step: u64, results: Vec<ValidationMetrics> },
     /// A checkpoint of `step` was written (`path` on rank 0; a background save's is where it
     /// lands once committed).

@@ -236,10 +236,11 @@ impl<M: ParamModule> Wrapped<M> {
     /// reading only its rows of each parameter and the tensors kept whole (buffers, frozen
     /// parameters) whole: no rank reads the model whole. A safetensors file is read by
     /// position ([`Fsdp::load_safetensors_with`]); `state`, the file already read (a `.pt`,
-    /// which tandem-ckpt maps), is copied row by row ([`Fsdp::load_state_dict_rows`]). Strict, as `load_state_dict`: a
-    /// tensor the model lacks, one it has that the file lacks, or a parameter of another shape
-    /// is an error naming it before anything is set (a buffer of another shape, after the
-    /// parameters). Returns how many tensors it loaded. Not a collective.
+    /// which tandem-ckpt maps), is copied row by row ([`Fsdp::load_state_dict_rows`]).
+    /// Strict, as `load_state_dict`: a tensor the model lacks, one it has that the file lacks,
+    /// or a parameter of another shape is an error naming it before anything is set (a buffer
+    /// of another shape, after the parameters). Returns how many tensors it loaded. Not a
+    /// collective.
     pub fn load_rows(&self, path: &Path, state: Option<&Value>) -> Result<usize> {
         let shown = || Some(path.display().to_string());
         let Wrapped::Fsdp { fsdp, module, .. } = self else {

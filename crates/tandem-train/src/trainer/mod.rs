@@ -3,9 +3,9 @@
 //! through one [`Step`], evaluation at epoch ends and validation every N steps, checkpoints
 //! as a [`CheckpointPolicy`] says (synchronously or in the background), resume, live recovery
 //! (`tandem run --live-recovery`: regroup on a peer's death or a rank joining, redo at most the
-//! failed step), and the run's typed
-//! [`Event`]s to its loggers (the run directory's metrics file, TensorBoard and the recipe's
-//! own [`OpenLog`]s, and any given through a [`Reporter`]), ending in a typed [`RunSummary`]. It never prints.
+//! failed step), and the run's typed [`Event`]s to its loggers (the run directory's metrics
+//! file, TensorBoard and the recipe's own [`OpenLog`]s, and any given through a [`Reporter`]),
+//! ending in a typed [`RunSummary`]. It never prints.
 //!
 //! A [`Recipe`] says what one step and an evaluation are and gives its state
 //! ([`TrainingState`]: the model, the optimizer, the parts each rank holds alone), which the
@@ -115,8 +115,8 @@ pub struct Trainer<R: Recipe> {
     /// Whether this process opened the run directory's loggers (it is or was rank 0).
     pub(crate) logs_open: bool,
     /// The run's loggers: the run directory's (the metrics file, and TensorBoard and the
-    /// options' `log_files` when asked for), opened by rank 0, and those the run was given; the recipe
-    /// holds a clone.
+    /// options' `log_files` when asked for), opened by rank 0, and those the run was given;
+    /// the recipe holds a clone.
     pub(crate) reporter: Reporter,
     /// Where the checkpoints of a recipe that gives its [`Recipe::state`] go.
     pub(crate) ckpt: Checkpointer,
