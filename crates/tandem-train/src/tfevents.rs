@@ -78,7 +78,8 @@ impl Drop for EventWriter {
 }
 
 /// The run's scalars: every 100th step's loss and learning rate, each epoch's figures, each
-/// verification set's accuracy (the tags `tandem train --tensorboard` writes).
+/// validation set's accuracy (tagged `verification/NAME`, as `tandem train --tensorboard` has
+/// always written it).
 impl Logger for EventWriter {
     fn log(&mut self, event: &Event) -> std::io::Result<()> {
         let (step, values) = match event {

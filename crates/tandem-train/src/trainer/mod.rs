@@ -275,7 +275,7 @@ impl<R: Recipe> Trainer<R> {
             loop {
                 self.run_live()?;
                 let peaks = (tandem_comm::procfs::peak_rss().unwrap_or(0), device_peak_bytes());
-                // A rank lost in the final collectives (verification, the final outputs) is
+                // A rank lost in the final collectives (validation, the final outputs) is
                 // regrouped over as one lost in a step; the survivors then conclude again.
                 match self.conclude(peaks) {
                     Ok(gathered) => break gathered,
@@ -321,7 +321,7 @@ impl<R: Recipe> Trainer<R> {
     }
 
     /// What follows the last checkpoint (collectives, every rank): the background saves waited
-    /// for, the final verification (once) and evaluation, the recipe's final outputs, and the
+    /// for, the final validation (once) and evaluation, the recipe's final outputs, and the
     /// world agreeing the run is over. Returns every rank's (peak RSS, training's peak RSS —
     /// `peaks.0` —, the device's peak — `peaks.1`) as 24 bytes.
     pub(crate) fn conclude(&mut self, peaks: (u64, u64)) -> Result<Vec<Vec<u8>>> {

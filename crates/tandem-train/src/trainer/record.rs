@@ -9,7 +9,7 @@ use crate::metrics::ValidationMetrics;
 use crate::EpochMetrics;
 
 /// The loop's record, which every rank takes from a regroup's source with the state. What is
-/// done at this step — an epoch closed, a checkpoint written, the final verification and
+/// done at this step — an epoch closed, a checkpoint written, the final validation and
 /// evaluation — decides which collectives come next: a replacement that joins in the same
 /// regroup as a failure (after the last step, say) must neither run what the others already
 /// did nor skip what they will do, or the world calls different collectives. The figures make
