@@ -900,8 +900,9 @@ fn fsdp_init_from_safetensors_reads_rows_and_trains_as_ddp() {
     let at = |name: &str| dir.path().join(name).display().to_string();
     let two = ["--nproc-per-node", "2", "--steps", "2"];
     let (pre, pre_dir) = (at("pre.safetensors"), at("pre"));
+    // (Written by a sharded run: the file streamed from rank 0 as each parameter is gathered.)
     let mut first = two.to_vec();
-    first.extend(["--out", &pre_dir, "--save-final", &pre]);
+    first.extend(["--fsdp", "--out", &pre_dir, "--save-final", &pre]);
     train(&data, &first);
     let file = |name: &str| dir.path().join(name);
     let pre_pt = at("pre.pt");

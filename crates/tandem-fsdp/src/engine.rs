@@ -205,6 +205,15 @@ impl Engine {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// An error naming `what` when it is called between a forward and its backward (a shard
+    /// read or set there would desync the gathered units).
+    pub fn outside_step(&self, what: &str) -> Result<()> {
+        match self.lock().in_step {
+            true => Err(FsdpError::Order(format!("{what} between forward and backward"))),
+            false => Ok(()),
+        }
+    }
+
     pub fn root(&self) -> usize {
         self.units.len() - 1
     }

@@ -450,9 +450,7 @@ impl Fsdp {
         f: impl FnOnce() -> candle_core::Result<Tensor>,
     ) -> Result<Tensor> {
         let e = self.engine();
-        if e.lock().in_step {
-            return Err(FsdpError::Order("forward_no_grad between forward and backward".into()));
-        }
+        e.outside_step("forward_no_grad")?;
         e.lock().no_grad = true;
         // (A model that cuts its graph between blocks under `no_grad` does so at the root too.)
         let out = self.forward(|| tandem_nn::no_grad(f));
@@ -584,9 +582,7 @@ impl Fsdp {
     /// collective.
     pub fn summon_full_params<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
         let e = &self.engine();
-        if e.lock().in_step {
-            return Err(FsdpError::Order("summon_full_params between forward and backward".into()));
-        }
+        e.outside_step("summon_full_params")?;
         let units = 0..e.units.len();
         e.lock().summoned = true;
         let gathered = (units.clone().try_for_each(|u| e.prefetch(u)))

@@ -114,9 +114,7 @@ impl Fsdp {
             let why = "no file given".to_string();
             return Err(FsdpError::InvalidOption { what: "load_safetensors", why });
         };
-        if self.engine().lock().in_step {
-            return Err(FsdpError::Order("load_safetensors between forward and backward".into()));
-        }
+        self.engine().outside_step("load_safetensors")?;
         let weights = RowReader::open(&paths).map_err(read)?;
         self.load_rows_from(&weights, first, whole)
     }
@@ -132,11 +130,7 @@ impl Fsdp {
         state: &Value,
         whole: &[&str],
     ) -> Result<Vec<(String, Tensor)>> {
-        if self.engine().lock().in_step {
-            return Err(FsdpError::Order(
-                "load_state_dict_rows between forward and backward".into(),
-            ));
-        }
+        self.engine().outside_step("load_state_dict_rows")?;
         let Some(entries) = state.as_dict() else {
             return Err(bad(path, "not a dict of tensors (a state dict)"));
         };
@@ -242,9 +236,7 @@ impl Fsdp {
     ) -> Result<()> {
         let path = path.as_ref();
         let e = self.engine();
-        if e.lock().in_step {
-            return Err(FsdpError::Order("save_safetensors between forward and backward".into()));
-        }
+        e.outside_step("save_safetensors")?;
         // The parameters in file order: all float32, so by name (safetensors' writer orders
         // by dtype, then name); every rank gathers them in this order.
         let mut order: Vec<usize> = (0..e.params.len()).collect();
@@ -286,10 +278,7 @@ impl Fsdp {
     /// mixed-precision policy. Not between a forward and its backward. A collective.
     pub fn full_state_dict_rank0(&self) -> Result<Option<Vec<(String, Tensor)>>> {
         let e = self.engine();
-        if e.lock().in_step {
-            let why = "full_state_dict_rank0 between forward and backward";
-            return Err(FsdpError::Order(why.into()));
-        }
+        e.outside_step("full_state_dict_rank0")?;
         let keeps = self.is_first_replica();
         let mut whole = Vec::new();
         for p in &e.params {

@@ -22,11 +22,16 @@ pub fn state_dict_value(model: &(impl ParamModule + ?Sized)) -> Result<Value> {
 
 /// Writes the model's weights: safetensors for a `.safetensors` path, else `.pt`.
 pub fn save_weights(model: &(impl ParamModule + ?Sized), path: &Path) -> Result<()> {
-    let value = state_dict_value(model)?;
+    save_state_dict(&state_dict_value(model)?, path)
+}
+
+/// Writes a state dict already made (a [`state_dict_value`], a sharded model's gathered one):
+/// safetensors for a `.safetensors` path, else `.pt`.
+pub fn save_state_dict(value: &Value, path: &Path) -> Result<()> {
     if path.extension().is_some_and(|e| e == "safetensors") {
-        tandem_ckpt::safetensors::save(path, &value)?;
+        tandem_ckpt::safetensors::save(path, value)?;
     } else {
-        tandem_ckpt::save(path, &value)?;
+        tandem_ckpt::save(path, value)?;
     }
     Ok(())
 }

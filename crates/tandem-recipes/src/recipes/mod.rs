@@ -113,8 +113,8 @@ fn trainer_options(o: &TrainOptions) -> TrainerOptions {
 
 /// The end of a built-in recipe's run, after its last checkpoint (every rank calls it): rank 0
 /// writes `--save-final` and `--export-onnx`; every rank meets after each file. A sharded
-/// model is gathered to rank 0 alone, one parameter at a time, and only to be written (a
-/// model larger than a rank never comes whole on any other).
+/// model is gathered to rank 0 alone, one parameter at a time, once for both files, and only
+/// to be written (a model larger than a rank never comes whole on any other).
 fn finish_run<M: tandem_nn::ParamModule>(
     cfg: &TrainOptions,
     group: &ProcessGroup,
@@ -125,15 +125,27 @@ fn finish_run<M: tandem_nn::ParamModule>(
     if ckpt.save_final.is_none() && ckpt.export_onnx.is_none() {
         return Ok(());
     }
-    let rank = group.rank();
-    if let Some(path) = &ckpt.save_final {
-        let shown = Some(path.display().to_string());
-        model.save_whole(path, rank).option("save_final", shown)?;
+    let final_path = ckpt.save_final.as_deref();
+    // A file written as it is gathered, unless the ONNX export needs rank 0's state dict
+    // anyway: then one gather serves both (`None` on the other ranks).
+    let onnx = ckpt.export_onnx.is_some();
+    let gathering = !onnx && final_path.is_some_and(|p| model.saves_gathering(p));
+    let value = match onnx || (final_path.is_some() && !gathering) {
+        true => model.state_dict_rank0(group.rank())?,
+        false => None,
+    };
+    if let Some(path) = final_path {
+        let saved = match (gathering, &value) {
+            (true, _) => model.save_gathering(path),
+            (false, Some(value)) => Ok(tandem_nn::weights::save_state_dict(value, path)?),
+            (false, None) => Ok(()),
+        };
+        saved.option("save_final", Some(path.display().to_string()))?;
         group.barrier()?;
     }
     if let Some(path) = &ckpt.export_onnx {
-        if let Some(value) = model.state_dict_rank0(rank)? {
-            let summary = tandem_onnx::export_to_file(cfg.model.kind, &value, path)
+        if let Some(value) = &value {
+            let summary = tandem_onnx::export_to_file(cfg.model.kind, value, path)
                 .option("export_onnx", Some(path.display().to_string()))?;
             note(reporter, summary.to_string())?;
         }

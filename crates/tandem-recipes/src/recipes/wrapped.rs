@@ -210,26 +210,23 @@ impl<M: ParamModule> Wrapped<M> {
         Ok(Some(Value::dict_from(entries.into_iter().map(|(k, t)| (k, Value::Tensor(t))))))
     }
 
-    /// Writes the model whole to `path` from rank 0 (`--save-final`): safetensors for a
-    /// `.safetensors` path, else torch.save's `.pt`. Under Fsdp a safetensors file is written
-    /// as each parameter is gathered ([`Fsdp::save_safetensors`]: not even rank 0 holds the
-    /// model whole), a `.pt` from [`Wrapped::state_dict_rank0`]. A collective under Fsdp.
-    pub fn save_whole(&self, path: &Path, rank: usize) -> Result<()> {
-        let safetensors = path.extension().is_some_and(|e| e == "safetensors");
-        if let (true, Wrapped::Fsdp { fsdp, module, .. }) = (safetensors, self) {
-            let buffers: Vec<(String, Tensor)> = module
-                .named_buffers()
-                .into_iter()
-                .map(|(n, v)| (n, v.as_tensor().clone()))
-                .collect();
-            return Ok(fsdp.save_safetensors(path, &buffers)?);
-        }
-        let Some(value) = self.state_dict_rank0(rank)? else { return Ok(()) };
-        match safetensors {
-            true => tandem_ckpt::safetensors::save(path, &value)?,
-            false => tandem_ckpt::save(path, &value)?,
-        }
-        Ok(())
+    /// Whether `path` is written as the model is gathered, one parameter at a time
+    /// ([`Wrapped::save_gathering`]): a `.safetensors` file of a sharded model. Other files
+    /// are written from [`Wrapped::state_dict_rank0`].
+    pub fn saves_gathering(&self, path: &Path) -> bool {
+        matches!(self, Wrapped::Fsdp { .. }) && path.extension().is_some_and(|e| e == "safetensors")
+    }
+
+    /// Writes `path` from rank 0 as each parameter is gathered ([`Fsdp::save_safetensors`]:
+    /// not even rank 0 holds the model whole), the buffers from rank 0's. A collective; only
+    /// where [`Wrapped::saves_gathering`].
+    pub fn save_gathering(&self, path: &Path) -> Result<()> {
+        let Wrapped::Fsdp { fsdp, module, .. } = self else {
+            bail_option!("save_final", Some(path.display().to_string()), "not a sharded model");
+        };
+        let buffers: Vec<(String, Tensor)> =
+            module.named_buffers().into_iter().map(|(n, v)| (n, v.as_tensor().clone())).collect();
+        Ok(fsdp.save_safetensors(path, &buffers)?)
     }
 
     /// Loads `path`, the whole model's state dict (`--init-from` under `--fsdp`), each rank
