@@ -130,7 +130,8 @@ fn world_of_one_needs_no_network() {
 
 #[test]
 fn unreachable_master_is_an_error_naming_the_address() {
-    let port = tandem_testutil::free_port();
+    // (Held bound, not listening, so no other test of a parallel run can take the port.)
+    let (_held, port) = tandem_testutil::refused_port();
     let mut o = opts(TransportKind::Tcp);
     o.init_timeout = Duration::from_millis(600);
     let t = Instant::now();
