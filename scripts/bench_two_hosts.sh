@@ -88,9 +88,12 @@ for size in 16M 64M; do
   for mode in flat hierarchical; do
     vals=()
     for _ in $(seq "$repeats"); do
-      line=$(on_all "TANDEM_ALLREDUCE=$mode" "$tandem" bench allreduce --worker --sizes "$size" \
-        --seconds-per-size 2 | grep -o 'RESULT .*' | head -1)
-      read -r _ bytes secs _ <<< "$line"
+      # One rank of `tandem bench allreduce` per process, its job as JSON (see
+      # crates/tandem-bench/src/local_ranks.rs); rank 0 prints `RESULT {json}` per size.
+      job="{\"sizes\":[$(( ${size%M} << 20 ))],\"ops\":[\"all_reduce\"],\"seconds_per_size\":2.0,\"warmup_seconds\":0.3}"
+      line=$(on_all "TANDEM_ALLREDUCE=$mode" env "TANDEM_BENCH_JOB=$job" "$tandem" bench worker allreduce \
+        | grep -o 'RESULT .*' | head -1)
+      read -r bytes secs <<< "$(echo "$line" | sed -E 's/.*"bytes":([0-9]+).*"secs":([0-9.eE+-]+).*/\1 \2/')"
       vals+=("$(awk -v b="$bytes" -v s="$secs" -v n="$world" 'BEGIN { printf "%.4f", b / s / 1e9 * 2 * (n - 1) / n }')")
     done
     s=$(printf '%s\n' "${vals[@]}" | stats)

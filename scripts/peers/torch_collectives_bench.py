@@ -3,8 +3,8 @@
 # the median time over enough iterations for SECONDS, the slowest rank's.
 # usage: python torch_collectives_bench.py WORLD OPS SIZES SECONDS WARMUP_SECONDS
 #   OPS: comma-separated all_reduce, reduce_scatter, all_to_all; SIZES: bytes, K/M/G suffixes
-# prints: RESULT OP BYTES SECONDS
-import socket, statistics, sys, time
+# prints: RESULT {"op": OP, "bytes": BYTES, "secs": SECONDS} (JSON), a line per collective and size
+import json, socket, statistics, sys, time
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 
 
@@ -82,7 +82,7 @@ if __name__ == "__main__":
     [p.start() for p in ps]
     # Bounded: a rank that dies leaves the queue empty, and the parent reports it.
     while (item := q.get(timeout=600)) is not None:
-        print(f"RESULT {item[0]} {item[1]} {item[2]:.9g}", flush=True)
+        print("RESULT " + json.dumps({"op": item[0], "bytes": item[1], "secs": item[2]}), flush=True)
     [p.join() for p in ps]
     if any(p.exitcode != 0 for p in ps):
         sys.exit(1)

@@ -1,9 +1,9 @@
 # PyTorch FSDP2's side of `tandem bench fsdp`: arcface_torch's ViT (torch_face_recipe.py's,
 # the one the face benchmarks train) under `fully_shard` per block then the root, gloo ranks on
 # loopback, AdamW, synthetic 112x112 images, the mean square of the embedding as the loss.
-# Prints `RESULT rank peak_rss_bytes median_step_secs` for every rank (rank 0 prints them all).
+# Prints `RESULT {"rank": R, "peak_rss": BYTES, "step_secs": S}` (JSON) for every rank.
 # usage: python torch_fsdp_vit.py --model vit_l --nproc 2 --steps 3 --batch 2
-import argparse, importlib.util, os, resource, socket, statistics, sys, time
+import argparse, importlib.util, json, os, resource, socket, statistics, sys, time
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ def main():
         if pr.exitcode != 0:
             sys.exit(f"a rank exited with {pr.exitcode}")
     for rank, peak, secs in rows:
-        print(f"RESULT {rank} {peak} {secs}")
+        print("RESULT " + json.dumps({"rank": rank, "peak_rss": peak, "step_secs": secs}))
 
 
 if __name__ == "__main__":

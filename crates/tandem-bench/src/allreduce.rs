@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::local_ranks::{median, run_ranks, LocalRanks};
+use super::local_ranks::{emit, median, results, run_workers, Bench, LocalRanks, JOB_VAR};
 use tandem::comm::{ProcessGroup, ReduceOp};
 
 const OPS: [&str; 3] = ["all_reduce", "reduce_scatter", "all_to_all"];
@@ -52,9 +52,6 @@ pub struct Args {
     /// Seconds of warm-up on the largest size before the first size is timed.
     #[arg(long, default_value_t = 0.3)]
     warmup_seconds: f64,
-    /// Internal: run as one rank of the benchmark (set by the parent).
-    #[arg(long, hide = true)]
-    worker: bool,
 }
 
 fn parse_size(s: &str) -> anyhow::Result<usize> {
@@ -152,7 +149,31 @@ impl Buffers {
     }
 }
 
-fn worker(args: &Args, sizes: &[usize], ops: &[&str]) -> anyhow::Result<i32> {
+/// What a worker rank runs: the sizes in bytes and the collectives, timed as the parent asks.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct Job {
+    sizes: Vec<usize>,
+    ops: Vec<String>,
+    seconds_per_size: f64,
+    warmup_seconds: f64,
+}
+
+/// One collective at one size: the slowest rank's median seconds (rank 0 reports it; the
+/// PyTorch peer's lines name no transport).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Timing {
+    op: String,
+    bytes: usize,
+    secs: f64,
+    #[serde(default)]
+    transport: String,
+}
+
+/// One rank: warms up, then times every collective at every size.
+pub fn worker(job: Job) -> anyhow::Result<i32> {
+    let (sizes, args) = (&job.sizes, &job);
+    let ops: Vec<&str> = job.ops.iter().map(String::as_str).collect();
+    let ops = &ops[..];
     let pg = tandem::comm::init().context("worker init")?;
     let n = pg.size();
     // Warm-up: the first size timed cold measured a third of its bandwidth (page faults in
@@ -191,8 +212,8 @@ fn worker(args: &Args, sizes: &[usize], ops: &[&str]) -> anyhow::Result<i32> {
             let mut med = [median(times)];
             pg.all_reduce(&mut med, ReduceOp::Max)?;
             if pg.rank() == 0 {
-                let t = pg.transport().map_or("none", |t| t.name());
-                println!("RESULT {bytes} {} {iters} {t} {op}", med[0]);
+                let transport = pg.transport().map_or("none", |t| t.name()).to_string();
+                emit(&Timing { op: op.to_string(), bytes, secs: med[0], transport })?;
             }
         }
     }
@@ -200,50 +221,35 @@ fn worker(args: &Args, sizes: &[usize], ops: &[&str]) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-/// (op, bytes) -> seconds, from `RESULT bytes secs iters transport op` lines.
+/// (op, bytes) -> seconds of each run.
 type Times = BTreeMap<(String, usize), Vec<f64>>;
 
-fn tandem_run(args: &Args, times: &mut Times) -> anyhow::Result<String> {
-    let args_vec: Vec<String> = [
-        "allreduce",
-        "--worker",
-        "--sizes",
-        &args.sizes,
-        "--ops",
-        &args.ops,
-        "--seconds-per-size",
-        &args.seconds_per_size.to_string(),
-        "--warmup-seconds",
-        &args.warmup_seconds.to_string(),
-    ]
-    .map(String::from)
-    .to_vec();
-    let text = if args.backend.as_deref() == Some("mpi") {
-        let env = [("TANDEM_TRANSPORT", args.backend.clone())];
+/// One run of the tandem ranks over `job`: adds its timings to `times`, returns the transport.
+fn tandem_run(args: &Args, job: &Job, times: &mut Times) -> anyhow::Result<String> {
+    let rows: Vec<Timing> = if args.backend.as_deref() == Some("mpi") {
+        let env = [
+            ("TANDEM_TRANSPORT", args.backend.clone()),
+            (JOB_VAR, Some(serde_json::to_string(job)?)),
+        ];
+        let worker_args = Bench::Allreduce.worker_args();
         let (mut ranks, mut stdout) =
-            LocalRanks::spawn_mpirun(args.nproc, "bench-allreduce", &args_vec, &env)?;
+            LocalRanks::spawn_mpirun(args.nproc, "bench-allreduce", &worker_args, &env)?;
         let mut text = String::new();
         stdout.read_to_string(&mut text)?;
         if !ranks.reap(Duration::from_secs(60), false)? {
             bail!("a benchmark rank failed");
         }
-        text
+        results(&text, "bench-allreduce under mpirun")?
     } else {
         // (Without --backend the group picks its transport, as a job's own ranks do.)
         let env: Vec<(&str, String)> =
             args.backend.iter().map(|b| ("TANDEM_TRANSPORT", b.clone())).collect();
-        let deadline = Duration::from_secs(600);
-        run_ranks(args.nproc, "bench-allreduce", &args_vec, &env, deadline)?
+        run_workers(Bench::Allreduce, args.nproc, job, &env, Duration::from_secs(600))?
     };
     let mut transport = String::from("none");
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix("RESULT ") else { continue };
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        if f.len() < 5 {
-            bail!("a rank printed {line:?}");
-        }
-        transport = f[3].to_string();
-        times.entry((f[4].to_string(), f[0].parse()?)).or_default().push(f[1].parse()?);
+    for t in rows {
+        transport = t.transport;
+        times.entry((t.op, t.bytes)).or_default().push(t.secs);
     }
     Ok(transport)
 }
@@ -265,13 +271,9 @@ fn gloo_run(python: &Path, args: &Args, times: &mut Times) -> anyhow::Result<()>
     if !out.status.success() {
         bail!("{} failed: {}", script.display(), String::from_utf8_lossy(&out.stderr));
     }
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let Some(rest) = line.strip_prefix("RESULT ") else { continue };
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        if f.len() < 3 {
-            bail!("{} printed {line:?}", script.display());
-        }
-        times.entry((f[0].to_string(), f[1].parse()?)).or_default().push(f[2].parse()?);
+    let what = script.display().to_string();
+    for t in results::<Timing>(&String::from_utf8_lossy(&out.stdout), &what)? {
+        times.entry((t.op, t.bytes)).or_default().push(t.secs);
     }
     Ok(())
 }
@@ -306,9 +308,6 @@ fn spread(v: &[f64]) -> (f64, f64, f64) {
 pub fn main(args: Args) -> anyhow::Result<i32> {
     let sizes = args.sizes.split(',').map(parse_size).collect::<anyhow::Result<Vec<_>>>()?;
     let ops = parse_ops(&args.ops)?;
-    if args.worker {
-        return worker(&args, &sizes, &ops);
-    }
     if args.nproc == 0 || args.repeats == 0 {
         bail!("--nproc and --repeats must be at least 1");
     }
@@ -316,9 +315,15 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let memcpy: Vec<f64> =
         sizes.iter().map(|&b| b as f64 / memcpy_seconds(b, iterations(b, 0.2))).collect();
     let (mut ours, mut gloo) = (Times::new(), Times::new());
+    let job = Job {
+        sizes: sizes.clone(),
+        ops: ops.iter().map(|o| o.to_string()).collect(),
+        seconds_per_size: args.seconds_per_size,
+        warmup_seconds: args.warmup_seconds,
+    };
     let mut transport = String::new();
     for _ in 0..args.repeats {
-        transport = tandem_run(&args, &mut ours)?;
+        transport = tandem_run(&args, &job, &mut ours)?;
         if let Some(python) = &args.torch {
             gloo_run(python, &args, &mut gloo)?;
         }

@@ -28,9 +28,9 @@ use tandem::models::{Cnn, Mlp, ModelKind, ResNet};
 use tandem::nn::{NamedVars, OrderedVarMap, ParamModule};
 use tandem::optim::{SgdConfig, TorchSgd};
 
-use super::local_ranks::{median, run_ranks};
+use super::local_ranks::{emit, median, run_workers, Bench};
 
-#[derive(clap::Args)]
+#[derive(clap::Args, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Args {
     /// Ranks for the distributed run.
     #[arg(long, default_value_t = 2)]
@@ -79,11 +79,13 @@ pub struct Args {
     /// the shm/tcp transport — what works for several ranks on one GPU).
     #[arg(long, default_value = "nccl", value_parser = ["nccl", "host"])]
     backend: String,
-    /// Internal: run as one rank of the distributed measurement (set by the parent).
-    #[arg(long, hide = true)]
-    worker: bool,
-    /// Internal: the worker trains without Ddp (no communication), for the upper bound.
-    #[arg(long, hide = true)]
+}
+
+/// What a worker rank runs: the parent's settings, one round, and whether it trains without
+/// Ddp (no communication: the upper bound).
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct Job {
+    args: Args,
     local_only: bool,
 }
 
@@ -326,16 +328,19 @@ fn device(args: &Args, local_rank: usize) -> anyhow::Result<Device> {
         .with_context(|| format!("--device {} (LOCAL_RANK {local_rank})", args.device))
 }
 
-fn worker(args: &Args) -> anyhow::Result<i32> {
+/// One rank of the N-rank run; rank 0 reports the world's samples/s.
+pub fn worker(job: Job) -> anyhow::Result<i32> {
+    let Job { args, local_only } = job;
+    let args = &args;
     let pg = tandem::comm::init().context("worker: initialising the process group")?;
     let per_rank = args.batch / pg.size();
     let dev = device(args, pg.local_rank())?;
     #[cfg(feature = "cuda")]
-    if dev.is_cuda() && args.backend == "nccl" && !args.local_only {
+    if dev.is_cuda() && args.backend == "nccl" && !local_only {
         pg.nccl(pg.local_rank() as i32).context("--backend nccl: making the communicator")?;
     }
     let (x, y) = batch(args.model, per_rank, pg.rank() as u64, &dev)?;
-    let mut t = trainer(args, if args.local_only { None } else { Some(&pg) }, &dev)?;
+    let mut t = trainer(args, if local_only { None } else { Some(&pg) }, &dev)?;
     for _ in 0..WARMUP {
         t.step(&x, &y)?;
     }
@@ -346,7 +351,7 @@ fn worker(args: &Args) -> anyhow::Result<i32> {
         sps.push((args.steps * per_rank * pg.size()) as f64 / secs);
     }
     if pg.rank() == 0 {
-        println!("RESULT {}", median(sps));
+        emit(&median(sps))?;
     }
     pg.barrier()?;
     Ok(0)
@@ -387,30 +392,11 @@ fn single_process(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
 fn distributed(args: &Args, local_only: bool) -> anyhow::Result<f64> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let threads = (cores / args.nproc).max(1);
-    let mut worker_args: Vec<String> =
-        ["ddp", "--worker", "--model", args.model.name(), "--mode", &args.mode]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-    worker_args.extend(["--width".into(), args.width.to_string()]);
-    worker_args.extend(["--device".into(), args.device.clone()]);
-    worker_args.extend(["--backend".into(), args.backend.clone()]);
-    worker_args.extend([
-        "--batch".into(),
-        args.batch.to_string(),
-        "--steps".into(),
-        args.steps.to_string(),
-        "--rounds".into(),
-        "1".into(),
-    ]);
-    if local_only {
-        worker_args.push("--local-only".into());
-    }
+    let job = Job { args: Args { rounds: 1, ..args.clone() }, local_only };
     let env = [("RAYON_NUM_THREADS", threads.to_string())];
-    let text = run_ranks(args.nproc, "bench-ddp", &worker_args, &env, Duration::from_secs(600))
+    let rates: Vec<f64> = run_workers(Bench::Ddp, args.nproc, &job, &env, Duration::from_secs(600))
         .with_context(|| format!("the {}-rank Ddp run did not complete", args.nproc))?;
-    let result = text.lines().find_map(|line| line.strip_prefix("RESULT ")?.trim().parse().ok());
-    result.with_context(|| format!("the {}-rank Ddp run printed no result", args.nproc))
+    Ok(rates[0])
 }
 
 /// What `tandem bench ddp --json` prints: one line, read back typed by the report.
@@ -477,9 +463,6 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     }
     if !args.batch.is_multiple_of(args.nproc) {
         bail!("--batch {} is not divisible by --nproc {}", args.batch, args.nproc);
-    }
-    if args.worker {
-        return worker(&args);
     }
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let (plain, ddp1, overhead) = single_process(&args)?;

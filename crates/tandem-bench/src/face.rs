@@ -117,6 +117,15 @@ pub struct FaceResults {
     pub warmup_steps: u64,
     pub tandem: SideResults,
     pub torch: SideResults,
+    /// Identities in the synthetic set.
+    #[serde(default)]
+    pub identities: usize,
+    /// tandem's largest rank's peak including its last checkpoint save, per round (bytes).
+    #[serde(default)]
+    pub peak_with_save: Vec<f64>,
+    /// This machine's sgemm rate on all cores, FLOP/s (IResNet runs, which are gemm-bound).
+    #[serde(default)]
+    pub sgemm_peak: Option<f64>,
 }
 
 /// Floating-point operations of one IResNet forward pass on one 112x112 image, counted from the
@@ -199,7 +208,15 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let python = crate::ckpt::find_python(args.python.clone()).context(
         "no Python with torch for the PyTorch side (--python, $TANDEM_PYTHON or ./.venv-torch)",
     )?;
-    crate::in_scratch_dir(args.dir.as_deref(), "bench-face", |dir| measure(&args, &python, dir))
+    let results = crate::in_scratch_dir(args.dir.as_deref(), "bench-face", |dir| {
+        measure(&args, &python, dir)
+    })?;
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&results)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    print!("{}", render(&results)?);
+    Ok(0)
 }
 
 /// One configuration of the recipe on both sides: the data, the initial weights and the
@@ -478,7 +495,8 @@ fn run_outcome(cmd: &mut Command, what: &str) -> anyhow::Result<Result<String, S
     Ok(Err(format!("{what}: {how}")))
 }
 
-fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
+/// Runs `args`' rounds (tandem, then PyTorch, each round) in `dir`.
+pub fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<FaceResults> {
     let head_rows = args.classes.unwrap_or(args.identities);
     let recipe = FaceRun {
         nproc: args.nproc,
@@ -517,11 +535,9 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
         batch: args.batch,
         steps: args.steps,
         warmup_steps: args.warmup_steps,
+        identities: args.identities,
         ..FaceResults::default()
     };
-    let head_in_init = recipe.head_in_init();
-    let depth = recipe.depth();
-    let mut peak_with_save = Vec::new();
     let ran = |o: Outcome| match o {
         Outcome::Ran(s) => Ok(s),
         Outcome::Failed(why) => Err(anyhow::anyhow!(why)),
@@ -529,7 +545,7 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
     for round in 0..args.rounds {
         let t = ran(recipe.tandem(&dir.join(format!("run-{round}")))?)?;
         results.tandem.push(&t);
-        peak_with_save.extend(t.peak_with_save);
+        results.peak_with_save.extend(t.peak_with_save);
         let p = ran(recipe.pytorch()?)?;
         results.torch.push(&p);
         eprintln!(
@@ -540,98 +556,111 @@ fn measure(args: &Args, python: &Path, dir: &Path) -> anyhow::Result<i32> {
             p.samples_per_s
         );
     }
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&results)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+    if recipe.depth().is_some() {
+        results.sgemm_peak = Some(sgemm_peak()?);
     }
-    println!(
-        "face recipe on {} ({}): {} width {} embedding {}, 112x112, {} ranks x batch {}, a head of {head_rows} classes (data: {} identities) at sample rate {}, {} steps per run ({} warm-up steps untimed), {} rounds{}",
-        args.device,
-        args.precision,
-        args.model,
-        args.width,
-        args.embedding,
-        args.nproc,
-        args.batch,
-        args.identities,
-        args.sample_rate,
-        args.steps,
-        args.warmup_steps,
-        args.rounds,
+    Ok(results)
+}
+
+/// The results as `tandem bench face` prints them (and the report shows them).
+pub fn render(r: &FaceResults) -> anyhow::Result<String> {
+    use std::fmt::Write;
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    let mut out = String::new();
+    let head_in_init = r.classes * r.embedding * 4 <= 256 << 20;
+    writeln!(
+        out,
+        "face recipe on {} ({}): {} width {} embedding {}, 112x112, {} ranks x batch {}, a head of {} classes (data: {} identities) at sample rate {}, {} steps per run ({} warm-up steps untimed), {} rounds{}",
+        r.device,
+        r.precision,
+        r.model,
+        r.width,
+        r.embedding,
+        r.nproc,
+        r.batch,
+        r.classes,
+        r.identities,
+        r.sample_rate,
+        r.steps,
+        r.warmup_steps,
+        r.tandem.samples_per_s.len(),
         if head_in_init { "" } else { "; each side draws its own centres" }
-    );
+    )?;
     let (mut medians, mut memory) = (Vec::new(), Vec::new());
-    let (ours, theirs) = (&results.tandem, &results.torch);
+    let (ours, theirs) = (&r.tandem, &r.torch);
     for (name, side) in [("tandem", ours), ("PyTorch (gloo DDP + PartialFC v2)", theirs)] {
         let s = crate::report::summary(&side.samples_per_s).context("no measurements")?;
         let m = crate::report::summary(&side.peak_rss).context("no measurements")?;
-        let gib = |b: f64| b / (1u64 << 30) as f64;
-        println!(
+        writeln!(
+            out,
             "  {:<36} samples/s min {:.3} median {:.3} max {:.3} | peak memory of the largest rank (GiB) min {:.2} median {:.2} max {:.2}",
             name, s.min, s.median, s.max, gib(m.min), gib(m.median), gib(m.max)
-        );
+        )?;
         medians.push(s.median);
         memory.push(m.median);
     }
-    println!(
+    writeln!(
+        out,
         "  tandem / PyTorch (medians): samples/s {:.2}x, peak memory per rank {:.2}x",
         medians[0] / medians[1],
         memory[0] / memory[1].max(1.0)
-    );
+    )?;
     if let (Some(a), Some(b)) =
         (crate::report::summary(&ours.device_peak), crate::report::summary(&theirs.device_peak))
     {
-        let gib = |b: f64| b / (1u64 << 30) as f64;
-        println!(
+        writeln!(
+            out,
             "  peak GPU memory (GiB, medians): tandem {:.2}, PyTorch {:.2} (torch.cuda.max_memory_allocated): {:.2}x",
             gib(a.median),
             gib(b.median),
             a.median / b.median.max(1.0)
-        );
+        )?;
     }
-    if let Some(m) = crate::report::summary(&peak_with_save) {
-        let gib = |b: f64| b / (1u64 << 30) as f64;
-        println!(
+    if let Some(m) = crate::report::summary(&r.peak_with_save) {
+        writeln!(
+            out,
             "  tandem with its last checkpoint save (a synchronous save writes each tensor from its own memory; PyTorch's run saves none): peak memory (GiB) min {:.2} median {:.2} max {:.2}",
             gib(m.min),
             gib(m.median),
             gib(m.max)
-        );
+        )?;
     }
     if !ours.breakdown.is_empty() {
-        println!("  tandem:  {}", ours.breakdown);
+        writeln!(out, "  tandem:  {}", ours.breakdown)?;
     }
     if !theirs.breakdown.is_empty() {
-        println!("  PyTorch: {}", theirs.breakdown);
+        writeln!(out, "  PyTorch: {}", theirs.breakdown)?;
     }
     // The work of a step over the world, counted from the layer shapes: the backbone's forward
     // and backward (about twice the forward: input and weight gradients) for every image, and
     // the head's logits and their two gradients over the rows each rank samples. (IResNet
     // only: MobileFaceNet's depthwise layers are not GEMM-bound, so a GEMM peak says little.)
-    if let Some(depth) = depth {
-        let images = (args.batch * args.nproc) as f64;
-        let backbone = 3.0 * iresnet_forward_flops(depth, args.width, args.embedding) * images;
-        let sampled = (args.sample_rate * head_rows as f64 / args.nproc as f64).floor();
-        let head = 3.0 * 2.0 * images * sampled * args.embedding as f64 * args.nproc as f64;
+    let depth = r.model.strip_prefix("iresnet").and_then(|d| d.parse().ok());
+    if let (Some(depth), Some(peak)) = (depth, r.sgemm_peak) {
+        let images = (r.batch * r.nproc) as f64;
+        let backbone = 3.0 * iresnet_forward_flops(depth, r.width, r.embedding) * images;
+        let sampled = (r.sample_rate * r.classes as f64 / r.nproc as f64).floor();
+        let head = 3.0 * 2.0 * images * sampled * r.embedding as f64 * r.nproc as f64;
         let step_flops = backbone + head;
-        let peak = sgemm_peak()?;
-        println!(
+        writeln!(
+            out,
             "  work per step: {:.1} GFLOP (backbone {:.1}, head {:.1}); this machine's sgemm peak (all cores): {:.1} GFLOP/s",
             step_flops / 1e9,
             backbone / 1e9,
             head / 1e9,
             peak / 1e9
-        );
+        )?;
         for (side, sps) in [("tandem", medians[0]), ("PyTorch", medians[1])] {
             let achieved = step_flops * sps / images;
-            println!(
+            writeln!(
+                out,
                 "  {side:<8} achieved {:.1} GFLOP/s = {:.2} of the sgemm peak",
                 achieved / 1e9,
                 achieved / peak
-            );
+            )?;
         }
     }
-    Ok(0)
+    Ok(out)
 }
 
 #[cfg(test)]

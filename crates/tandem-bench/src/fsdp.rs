@@ -29,7 +29,7 @@ use tandem::models::{ModelKind, Vit, VitConfig};
 use tandem::nn::ParamModule;
 use tandem::optim::{AdamWConfig, TorchAdamW};
 
-use super::local_ranks::{median, run_ranks};
+use super::local_ranks::{emit_from_every_rank, median, results, run_workers, Bench};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -52,9 +52,36 @@ pub struct Args {
     /// End with the figures as one JSON line.
     #[arg(long)]
     json: bool,
-    /// Internal: run as one rank of `ddp` or `fsdp` (set by the parent).
-    #[arg(long, hide = true)]
-    worker: Option<String>,
+}
+
+/// How a run holds the model.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum Mode {
+    Ddp,
+    Fsdp,
+    /// Fsdp with activation checkpointing per unit.
+    FsdpAc,
+}
+
+/// What a worker rank runs.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Job {
+    mode: Mode,
+    model: String,
+    batch: usize,
+    steps: usize,
+}
+
+/// One rank's figures (each rank's, from tandem's workers and from the PyTorch peer alike);
+/// `phases`: median seconds per step of forward, backward, optimizer and (Fsdp) the waits for
+/// the all-gathers and the reduce-scatters, tandem's only.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct RankRow {
+    rank: usize,
+    peak_rss: u64,
+    step_secs: f64,
+    #[serde(default)]
+    phases: Option<[f64; 5]>,
 }
 
 const EMBEDDING: usize = 512;
@@ -65,10 +92,11 @@ fn config(name: &str) -> anyhow::Result<VitConfig> {
     kind.vit().with_context(|| format!("--model {name}: not one of arcface_torch's ViTs"))
 }
 
-/// One rank of mode `mode`: prints (rank 0, for every rank) `RESULT rank peak_rss step_secs`.
-fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
+/// One rank of `job.mode`; rank 0 reports every rank's [`RankRow`].
+pub fn worker(job: Job) -> anyhow::Result<i32> {
+    let args = &job;
     let pg = tandem::comm::init().context("worker init")?;
-    let sharded = mode.starts_with("fsdp");
+    let sharded = job.mode != Mode::Ddp;
     if sharded {
         tandem::release_freed_memory(); // as `tandem train --fsdp` does
     }
@@ -96,8 +124,8 @@ fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
             Ok(())
         };
     let clock = Instant::now;
-    match mode {
-        "ddp" => {
+    match job.mode {
+        Mode::Ddp => {
             let ddp = Ddp::from_varmap(&varmap, &pg, DdpOptions::default())?;
             let mut opt =
                 TorchAdamW::new(tandem::nn::NamedVars::from_varmap(&varmap).params(), adamw)?;
@@ -113,10 +141,10 @@ fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
                 })?;
             }
         }
-        "fsdp" | "fsdp-ac" => {
+        Mode::Fsdp | Mode::FsdpAc => {
             let opts = FsdpOptions {
                 units: Units::by_name(Vit::unit_of), // a unit per block, and the head
-                activation_checkpointing: mode == "fsdp-ac",
+                activation_checkpointing: job.mode == Mode::FsdpAc,
                 ..Default::default()
             };
             let fsdp = Fsdp::from_meta(&meta, &pg, opts)?;
@@ -140,28 +168,16 @@ fn worker(args: &Args, mode: &str) -> anyhow::Result<i32> {
                 })?;
             }
         }
-        other => bail!("unknown worker mode {other}"),
     }
     let total: Vec<f64> = phases.iter().map(|p| p[0] + p[1] + p[2]).collect();
     let phase = |k: usize| median(phases.iter().map(|p| p[k]).collect());
-    let line = format!(
-        "{} {} {} {} {} {} {} {}",
-        pg.rank(),
-        tandem::comm::procfs::peak_rss().unwrap_or(0),
-        median(total),
-        phase(0),
-        phase(1),
-        phase(2),
-        phase(3),
-        phase(4)
-    );
-    let all = pg.all_gather_bytes(line.as_bytes())?;
-    if pg.rank() == 0 {
-        for l in all {
-            println!("RESULT {}", String::from_utf8_lossy(&l));
-        }
-    }
-    pg.barrier()?;
+    let row = RankRow {
+        rank: pg.rank(),
+        peak_rss: tandem::comm::procfs::peak_rss().unwrap_or(0),
+        step_secs: median(total),
+        phases: Some([phase(0), phase(1), phase(2), phase(3), phase(4)]),
+    };
+    emit_from_every_rank(&pg, &row)?;
     Ok(0)
 }
 
@@ -187,52 +203,32 @@ struct Phases {
     reduce_scatter_wait: f64,
 }
 
-fn parse(text: &str, nproc: usize, batch: usize, what: &str) -> anyhow::Result<Run> {
-    let mut rows: Vec<(usize, u64, f64)> = Vec::new();
-    let mut phases = None;
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix("RESULT ") else { continue };
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        if f.len() < 3 {
-            continue;
-        }
-        let rank: usize = f[0].parse()?;
-        rows.push((rank, f[1].parse()?, f[2].parse()?));
-        if let (0, [fwd, bwd, opt, ag, rs]) = (rank, &f[3..]) {
-            phases = Some(Phases {
-                forward: fwd.parse()?,
-                backward: bwd.parse()?,
-                optimizer: opt.parse()?,
-                all_gather_wait: ag.parse()?,
-                reduce_scatter_wait: rs.parse()?,
-            });
-        }
-    }
+/// One run from its ranks' rows.
+fn run_of(mut rows: Vec<RankRow>, nproc: usize, batch: usize, what: &str) -> anyhow::Result<Run> {
     if rows.len() != nproc {
         bail!("{what}: {} of {nproc} ranks reported", rows.len());
     }
-    rows.sort_by_key(|r| r.0);
-    let step_secs = rows.iter().map(|r| r.2).fold(0.0, f64::max);
+    rows.sort_by_key(|r| r.rank);
+    let step_secs = rows.iter().map(|r| r.step_secs).fold(0.0, f64::max);
+    let phases = rows[0].phases.map(|[forward, backward, optimizer, ag, rs]| Phases {
+        forward,
+        backward,
+        optimizer,
+        all_gather_wait: ag,
+        reduce_scatter_wait: rs,
+    });
     Ok(Run {
-        peak_rss: rows.iter().map(|r| r.1).collect(),
+        peak_rss: rows.iter().map(|r| r.peak_rss).collect(),
         step_secs,
         samples_per_s: (nproc * batch) as f64 / step_secs,
         phases,
     })
 }
 
-fn tandem_run(args: &Args, mode: &str) -> anyhow::Result<Run> {
-    let (steps, batch) = (args.steps.to_string(), args.batch.to_string());
-    let worker_args =
-        ["fsdp", "--worker", mode, "--model", &args.model, "--steps", &steps, "--batch", &batch];
-    let text = run_ranks(
-        args.nproc,
-        &format!("bench-{mode}"),
-        &worker_args,
-        &[],
-        Duration::from_secs(3600),
-    )?;
-    parse(&text, args.nproc, args.batch, mode)
+fn tandem_run(args: &Args, mode: Mode) -> anyhow::Result<Run> {
+    let job = Job { mode, model: args.model.clone(), batch: args.batch, steps: args.steps };
+    let rows = run_workers(Bench::Fsdp, args.nproc, &job, &[], Duration::from_secs(3600))?;
+    run_of(rows, args.nproc, args.batch, &format!("{mode:?}"))
 }
 
 fn torch_run(args: &Args, python: &std::path::Path) -> anyhow::Result<Run> {
@@ -246,7 +242,8 @@ fn torch_run(args: &Args, python: &std::path::Path) -> anyhow::Result<Run> {
     if !out.status.success() {
         bail!("{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
     }
-    parse(&String::from_utf8_lossy(&out.stdout), args.nproc, args.batch, "torch FSDP2")
+    let rows = results(&String::from_utf8_lossy(&out.stdout), "torch FSDP2")?;
+    run_of(rows, args.nproc, args.batch, "torch FSDP2")
 }
 
 /// One Fsdp run against the references.
@@ -294,9 +291,6 @@ struct Summary<'a> {
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
-    if let Some(mode) = args.worker.clone() {
-        return worker(&args, &mode);
-    }
     if args.nproc == 0 || args.steps == 0 || args.batch == 0 {
         bail!("--nproc, --steps and --batch must be at least 1");
     }
@@ -314,9 +308,9 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
         args.nproc,
         args.batch
     );
-    let ddp = tandem_run(&args, "ddp")?;
-    let fsdp = tandem_run(&args, "fsdp")?;
-    let fsdp_ac = tandem_run(&args, "fsdp-ac")?;
+    let ddp = tandem_run(&args, Mode::Ddp)?;
+    let fsdp = tandem_run(&args, Mode::Fsdp)?;
+    let fsdp_ac = tandem_run(&args, Mode::FsdpAc)?;
     let torch = match crate::ckpt::find_python(args.python.clone()) {
         Some(python) => Some(torch_run(&args, &python)?),
         None => {

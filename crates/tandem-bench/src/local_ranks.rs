@@ -1,15 +1,106 @@
 //! What the multi-rank benchmarks share: running N copies of this executable as the ranks of
 //! one loopback job under tandem-launch (the launcher users run: torchrun's variables, the
 //! job's secret, no rank outliving it), stopped at a deadline so a stuck world never hangs the
-//! benchmark, rank 0's `RESULT` lines read from its log file; the same job under `mpirun`
-//! (OpenMPI starts its ranks itself); and the median.
+//! benchmark; the same job under `mpirun` (OpenMPI starts its ranks itself); and the median.
+//!
+//! A worker rank is `tandem-bench worker BENCH` with its job, the parent's typed settings, as
+//! JSON in [`JOB_VAR`] (no flags spelled twice); it reports typed results as `RESULT {json}`
+//! lines on rank 0's stdout, which [`run_workers`] reads back as values.
 use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tandem::comm::ProcessGroup;
 use tandem::launch::{EventSink, LaunchConfig, NprocPerNode, StreamSpec, Streams};
+
+/// The environment variable a worker rank reads its job from (JSON).
+pub const JOB_VAR: &str = "TANDEM_BENCH_JOB";
+
+/// The prefix of a worker's result line; the rest of the line is one JSON value.
+const RESULT: &str = "RESULT ";
+
+/// The benchmarks whose ranks are this executable (`tandem-bench worker BENCH`).
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Bench {
+    Allreduce,
+    Ddp,
+    Fsdp,
+    Zero,
+}
+
+impl Bench {
+    fn name(self) -> &'static str {
+        match self {
+            Bench::Allreduce => "allreduce",
+            Bench::Ddp => "ddp",
+            Bench::Fsdp => "fsdp",
+            Bench::Zero => "zero",
+        }
+    }
+
+    /// The arguments that start one rank of this benchmark.
+    pub fn worker_args(self) -> [&'static str; 2] {
+        ["worker", self.name()]
+    }
+}
+
+/// Runs `nproc` ranks of `bench` with `job` (as [`run_ranks`], `env` on top) and returns the
+/// results rank 0 reported, in the order it printed them.
+pub fn run_workers<J: Serialize, R: DeserializeOwned>(
+    bench: Bench,
+    nproc: usize,
+    job: &J,
+    env: &[(&str, String)],
+    deadline: Duration,
+) -> anyhow::Result<Vec<R>> {
+    let mut env = env.to_vec();
+    env.push((JOB_VAR, serde_json::to_string(job)?));
+    let what = format!("bench-{}", bench.name());
+    let text = run_ranks(nproc, &what, &bench.worker_args(), &env, deadline)?;
+    results(&text, &what)
+}
+
+/// This worker's job, as the parent wrote it in [`JOB_VAR`].
+pub fn job<J: DeserializeOwned>() -> anyhow::Result<J> {
+    let text = std::env::var(JOB_VAR).with_context(|| {
+        format!("a worker rank needs its job in ${JOB_VAR} (set by the parent)")
+    })?;
+    serde_json::from_str(&text).with_context(|| format!("${JOB_VAR} does not hold this job"))
+}
+
+/// Prints one result line (rank 0 of a worker job).
+pub fn emit<R: Serialize>(result: &R) -> anyhow::Result<()> {
+    println!("{RESULT}{}", serde_json::to_string(result)?);
+    Ok(())
+}
+
+/// Every rank's `result`, printed by rank 0 in rank order; then a barrier.
+pub fn emit_from_every_rank<R: Serialize>(pg: &ProcessGroup, result: &R) -> anyhow::Result<()> {
+    let all = pg.all_gather_bytes(&serde_json::to_vec(result)?)?;
+    if pg.rank() == 0 {
+        for line in all {
+            println!("{RESULT}{}", String::from_utf8_lossy(&line));
+        }
+    }
+    pg.barrier()?;
+    Ok(())
+}
+
+/// The result lines in `text` (its other lines are anything), typed; `what` names the run in
+/// errors.
+pub fn results<R: DeserializeOwned>(text: &str, what: &str) -> anyhow::Result<Vec<R>> {
+    let rows = text
+        .lines()
+        .filter_map(|l| l.strip_prefix(RESULT))
+        .map(|l| serde_json::from_str(l).with_context(|| format!("{what} reported {l:?}")))
+        .collect::<anyhow::Result<Vec<R>>>()?;
+    anyhow::ensure!(!rows.is_empty(), "{what} reported no results");
+    Ok(rows)
+}
 
 /// Runs `nproc` ranks of this executable with `args` as job `job` on this host, `env` on top of
 /// the launcher's variables, and returns what rank 0 printed. Past `deadline` the ranks are
@@ -139,4 +230,31 @@ impl Drop for LocalRanks {
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Row {
+        rank: usize,
+        secs: f64,
+    }
+
+    #[test]
+    fn result_lines_come_back_typed_among_other_output() {
+        let text = "rank 0 warming up\nRESULT {\"rank\":0,\"secs\":0.5}\nnoise RESULT x\n\
+                    RESULT {\"rank\":1,\"secs\":0.25}\n";
+        let rows: Vec<Row> = results(text, "bench-test").unwrap();
+        assert_eq!(rows, [Row { rank: 0, secs: 0.5 }, Row { rank: 1, secs: 0.25 }]);
+    }
+
+    #[test]
+    fn a_malformed_or_missing_result_is_an_error_naming_the_run() {
+        let err = results::<Row>("RESULT 0 0.5\n", "bench-test").unwrap_err();
+        assert!(format!("{err:#}").contains("bench-test reported \"0 0.5\""), "{err:#}");
+        let err = results::<Row>("nothing here\n", "bench-test").unwrap_err();
+        assert!(err.to_string().contains("bench-test reported no results"), "{err}");
+    }
 }

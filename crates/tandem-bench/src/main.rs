@@ -77,6 +77,13 @@ enum Which {
     Loader(loader::Args),
     /// Runs all of the above beside PyTorch and writes docs/BENCHMARKS.md with PNG plots.
     Report(report::Args),
+    /// One rank of a multi-rank benchmark, its job in $TANDEM_BENCH_JOB (started by the
+    /// benchmark itself).
+    #[command(hide = true)]
+    Worker {
+        #[arg(value_enum)]
+        bench: local_ranks::Bench,
+    },
 }
 
 /// Runs `f` in `dir`, or in a fresh `<prefix>-<pid>` directory under the current one that is
@@ -118,7 +125,7 @@ pub(crate) fn tandem_exe() -> anyhow::Result<PathBuf> {
     Ok(exe)
 }
 
-/// This program, for the benchmarks' own worker ranks (`tandem-bench ddp --worker ...`).
+/// This program, for the benchmarks' own worker ranks (`tandem-bench worker ddp`).
 pub(crate) fn bench_exe() -> anyhow::Result<PathBuf> {
     std::env::current_exe().context("locating the tandem-bench executable")
 }
@@ -153,6 +160,15 @@ fn run(args: Args) -> anyhow::Result<i32> {
         Which::Live(a) => live::main(a),
         Which::Chaos(a) => chaos::main(a),
         Which::Report(a) => report::main(a),
+        Which::Worker { bench } => {
+            use local_ranks::{job, Bench};
+            match bench {
+                Bench::Allreduce => allreduce::worker(job()?),
+                Bench::Ddp => ddp::worker(job()?),
+                Bench::Fsdp => fsdp::worker(job()?),
+                Bench::Zero => zero::worker(job()?),
+            }
+        }
     }
 }
 

@@ -387,6 +387,9 @@ pub struct OpRow {
     pub name: String,
     pub tandem: Times,
     pub torch: Option<Times>,
+    /// 3x3 stride-1 convolutions (Winograd's): forward + backward through im2col + gemm.
+    #[serde(default)]
+    pub im2col_fwdbwd_ms: Option<f64>,
 }
 
 /// What `--json` writes.
@@ -399,6 +402,45 @@ pub struct ConvResults {
     pub dtype: String,
     pub repeats: usize,
     pub ops: Vec<OpRow>,
+    /// Where the ops ran (`cpu: <model> (<ISA>)` or the device) and on how many threads.
+    #[serde(default)]
+    pub on: String,
+    #[serde(default)]
+    pub threads: usize,
+}
+
+/// The results as the table `tandem bench ops` prints (and the report shows): a caption line
+/// naming the machine, then a markdown table.
+pub fn render(r: &ConvResults) -> String {
+    let mut out = format!(
+        "{} ops at width {}, batch {}, on {} in {}, {} threads, median of {} (ms)\n",
+        r.net, r.width, r.batch, r.on, r.dtype, r.threads, r.repeats
+    );
+    out += "| op | shape | tandem fwd | torch fwd | × torch | tandem fwd+bwd | torch fwd+bwd | × torch | \
+            tandem fwd+bwd-data | torch | × torch | tandem fwd+bwd-filter | torch | × torch | \
+            tandem fwd+bwd by im2col | Winograd gain |\n\
+            |---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n";
+    let cell = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.4}"));
+    // × torch: how many times faster tandem is (torch time / tandem time).
+    let ratio = |ours: Option<f64>, theirs: Option<f64>| match (ours, theirs) {
+        (Some(o), Some(t)) => format!("{:.2}", t / o),
+        _ => "–".into(),
+    };
+    for row in &r.ops {
+        out += &format!("| {} | {} |", row.kind, row.name);
+        for pick in [
+            |t: &Times| Some(t.fwd_ms),
+            |t: &Times| Some(t.fwdbwd_ms),
+            |t: &Times| t.data_ms,
+            |t: &Times| t.filter_ms,
+        ] {
+            let (o, p) = (pick(&row.tandem), row.torch.as_ref().and_then(pick));
+            out += &format!(" {} | {} | {} |", cell(o), cell(p), ratio(o, p));
+        }
+        let gain = row.im2col_fwdbwd_ms.map(|i| format!("{:.2}", i / row.tandem.fwdbwd_ms));
+        out += &format!(" {} | {} |\n", cell(row.im2col_fwdbwd_ms), gain.unwrap_or("–".into()));
+    }
+    out
 }
 
 /// Median ms of `f` over `repeats` runs after one warm-up (its result is dropped), each run
@@ -724,59 +766,30 @@ pub fn main(a: Args) -> anyhow::Result<i32> {
     } else {
         a.device.clone()
     };
-    println!(
-        "{} ops at width {}, batch {batch}, on {on} in {}, {} threads, median of {} (ms)",
-        a.net.title(),
-        a.width,
-        a.dtype,
-        rayon::current_num_threads(),
-        a.repeats
-    );
-    println!(
-        "| op | shape | tandem fwd | torch fwd | × torch | tandem fwd+bwd | torch fwd+bwd | × torch | \
-         tandem fwd+bwd-data | torch | × torch | tandem fwd+bwd-filter | torch | × torch | \
-         tandem fwd+bwd by im2col | Winograd gain |\n\
-         |---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
-    );
-    let cell = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.4}"));
-    // × torch: how many times faster tandem is (torch time / tandem time).
-    let ratio = |ours: Option<f64>, theirs: Option<f64>| match (ours, theirs) {
-        (Some(o), Some(t)) => format!("{:.2}", t / o),
-        _ => "–".into(),
-    };
-    let mut rows = Vec::with_capacity(ops.len());
-    for (op, t) in ops.iter().zip(&timed) {
-        let theirs = torch.as_ref().and_then(|m| m.get(&op.name)).map(|(t, _)| *t);
-        let mut line = format!("| {} | {} |", op.kind, op.name);
-        for pick in [
-            |t: &Times| Some(t.fwd_ms),
-            |t: &Times| Some(t.fwdbwd_ms),
-            |t: &Times| t.data_ms,
-            |t: &Times| t.filter_ms,
-        ] {
-            let (o, p) = (pick(&t.times), theirs.as_ref().and_then(pick));
-            line += &format!(" {} | {} | {} |", cell(o), cell(p), ratio(o, p));
-        }
-        let gain = t.im2col_fwdbwd_ms.map(|i| format!("{:.2}", i / t.times.fwdbwd_ms));
-        line += &format!(" {} | {} |", cell(t.im2col_fwdbwd_ms), gain.unwrap_or("–".into()));
-        println!("{line}");
-        rows.push(OpRow {
+    let rows = ops
+        .iter()
+        .zip(&timed)
+        .map(|(op, t)| OpRow {
             kind: op.kind.to_string(),
             name: op.name.clone(),
             tandem: t.times,
-            torch: theirs,
-        });
-    }
+            torch: torch.as_ref().and_then(|m| m.get(&op.name)).map(|(t, _)| *t),
+            im2col_fwdbwd_ms: t.im2col_fwdbwd_ms,
+        })
+        .collect();
+    let results = ConvResults {
+        net: a.net.title().to_string(),
+        width: a.width,
+        batch,
+        device: a.device.clone(),
+        dtype: a.dtype.clone(),
+        repeats: a.repeats,
+        ops: rows,
+        on,
+        threads: rayon::current_num_threads(),
+    };
+    print!("{}", render(&results));
     if let Some(path) = &a.json {
-        let results = ConvResults {
-            net: a.net.title().to_string(),
-            width: a.width,
-            batch,
-            device: a.device.clone(),
-            dtype: a.dtype.clone(),
-            repeats: a.repeats,
-            ops: rows,
-        };
         std::fs::write(path, serde_json::to_string_pretty(&results)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }

@@ -149,8 +149,8 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             stall_mib: 8,
             stall_steps: 4,
             stall_every: 2,
-            zero_nproc: "2".into(),
-            zero_dims: "64,32,32,10".into(),
+            zero_nproc: vec![2],
+            zero_dims: vec![64, 32, 32, 10],
             face: vec![face_plan("iresnet18", 2, 4, 16, None, 1.0, 2, 2, 1)],
         }
     } else {
@@ -181,8 +181,8 @@ fn plan(args: &Args) -> anyhow::Result<measure::Plan> {
             stall_mib: 256,
             stall_steps: 12,
             stall_every: 4,
-            zero_nproc: "2,4".into(),
-            zero_dims: "784,1024,1024,1024,1024,1024,1024,1024,1024,10".into(),
+            zero_nproc: vec![2, 4],
+            zero_dims: vec![784, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 10],
             face: vec![
                 // The shape: IResNet-18 at width >= 16 on 2 ranks.
                 face_plan("iresnet18", 2, 16, 128, None, 1.0, 8, 12, repeats),
@@ -248,7 +248,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let collectives = measure::collectives(&mut ctx, &plan);
     let ddp: Vec<(measure::Workload, table::Table)> =
         plan.ddp.iter().map(|w| (w.clone(), measure::ddp(&mut ctx, plan.repeats, w))).collect();
-    let conv_ops: Vec<(measure::ConvPlan, Result<String, String>)> = plan
+    let conv_ops: Vec<(measure::ConvPlan, Result<crate::ops::ConvResults, String>)> = plan
         .conv
         .iter()
         .map(|c| (c.clone(), measure::conv_ops(&mut ctx, c, plan.conv_repeats)))
@@ -256,7 +256,7 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
     let ckpt = measure::ckpt(&mut ctx, &plan);
     let save_stall = measure::save_stall(&mut ctx, &plan);
     let zero = measure::zero(&mut ctx, &plan);
-    let face: Vec<(String, Result<String, String>)> =
+    let face: Vec<(String, Result<crate::face::FaceResults, String>)> =
         plan.face.iter().map(|f| (f.title.clone(), measure::face(&mut ctx, f))).collect();
     let face_scale = std::fs::read_to_string(out.join("face_scale.json"))
         .ok()

@@ -26,31 +26,31 @@ use super::local_ranks::median;
 pub struct Args {
     /// Size of the saved state (weights + momentum buffers), in MiB.
     #[arg(long, default_value_t = 256)]
-    size_mib: usize,
+    pub(crate) size_mib: usize,
     /// Training steps per run.
     #[arg(long, default_value_t = 12)]
-    steps: usize,
+    pub(crate) steps: usize,
     /// A save after every N steps.
     #[arg(long, default_value_t = 4)]
-    save_every: usize,
+    pub(crate) save_every: usize,
     /// Repetitions (min/median/max reported).
     #[arg(long, default_value_t = 3)]
-    repeat: usize,
+    pub(crate) repeat: usize,
     /// Directory for the checkpoints (default: a fresh one under the current directory, removed after).
     #[arg(long)]
-    dir: Option<PathBuf>,
+    pub(crate) dir: Option<PathBuf>,
     /// Measure the face recipe instead: `tandem train --model iresnet18` on 2 ranks with a
     /// PartialFC head of `--classes` x `--embedding` (each rank saves its rows in parallel),
     /// with synchronous saves and with `--async-save`; the stall is the time training stood
     /// still per save, as the trainer measures it (the run summary's `step_times`).
     #[arg(long)]
-    face: bool,
+    pub(crate) face: bool,
     /// Face: rows of the head.
     #[arg(long, default_value_t = 1_000_000)]
-    classes: usize,
+    pub(crate) classes: usize,
     /// Face: embedding size.
     #[arg(long, default_value_t = 128)]
-    embedding: usize,
+    pub(crate) embedding: usize,
 }
 
 const INPUT: usize = 256;
@@ -142,6 +142,25 @@ fn run_once(
     Ok(times)
 }
 
+/// What a run of `tandem bench save-stall` measured: a table of seconds (each row's value in
+/// every repetition) under its title, and the stall of a synchronous save over a background
+/// one (medians).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Results {
+    pub title: String,
+    pub rows: Vec<(String, Vec<f64>)>,
+    pub sync_over_background: f64,
+}
+
+/// The results as the table `tandem bench save-stall` prints (and the report shows).
+pub fn render(r: &Results) -> String {
+    let mut out = format!("{}\n{:<44} {:>8} {:>8} {:>8}\n", r.title, "", "min", "median", "max");
+    for (name, v) in &r.rows {
+        out += &format!("{name:<44} {}\n", min_med_max(v));
+    }
+    out + &format!("stall synchronous / background (medians): {:.1}x\n", r.sync_over_background)
+}
+
 fn min_med_max(v: &[f64]) -> String {
     let mut s = v.to_vec();
     s.sort_by(|a, b| a.total_cmp(b));
@@ -149,6 +168,12 @@ fn min_med_max(v: &[f64]) -> String {
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
+    print!("{}", render(&measure(&args)?));
+    Ok(0)
+}
+
+/// Runs the measurement `args` describes.
+pub fn measure(args: &Args) -> anyhow::Result<Results> {
     if args.size_mib == 0 || args.steps == 0 || args.repeat == 0 || args.save_every == 0 {
         bail!("--size-mib, --steps, --save-every and --repeat must be positive");
     }
@@ -159,12 +184,13 @@ pub fn main(args: Args) -> anyhow::Result<i32> {
             args.steps
         );
     }
-    if args.face {
-        return crate::in_scratch_dir(args.dir.as_deref(), "tandem-bench-save-stall", |dir| {
-            run_face(&args, dir)
-        });
-    }
-    crate::in_scratch_dir(args.dir.as_deref(), "tandem-bench-save-stall", |dir| run(&args, dir))
+    crate::in_scratch_dir(args.dir.as_deref(), "tandem-bench-save-stall", |dir| {
+        if args.face {
+            run_face(args, dir)
+        } else {
+            run(args, dir)
+        }
+    })
 }
 
 /// One face run's stall per save and its step time (seconds), from its run summary.
@@ -198,7 +224,7 @@ fn face_once(mode: Mode, args: &Args, dir: &std::path::Path) -> anyhow::Result<(
 }
 
 /// `--face`: the face recipe's checkpoint stall, synchronous against background.
-fn run_face(args: &Args, dir: &std::path::Path) -> anyhow::Result<i32> {
+fn run_face(args: &Args, dir: &std::path::Path) -> anyhow::Result<Results> {
     crate::train_job::face_set(dir, 64, 200)?;
     let head_mib = (args.classes * args.embedding * 4 * 2) as f64 / (1 << 20) as f64;
     eprintln!(
@@ -214,24 +240,21 @@ fn run_face(args: &Args, dir: &std::path::Path) -> anyhow::Result<i32> {
         bg.push(b);
         step.extend([t, u]);
     }
-    println!(
-        "face checkpoint save stall, PartialFC {} x {} on 2 ranks ({head_mib:.0} MiB of head state), {} runs; seconds per save on rank 0",
-        args.classes, args.embedding, args.repeat
-    );
-    println!("{:<44} {:>8} {:>8} {:>8}", "", "min", "median", "max");
-    for (name, v) in [
-        ("training step (no save)", &step),
-        ("stall of a save: synchronous", &sync),
-        ("stall of a save: background", &bg),
-    ] {
-        println!("{name:<44} {}", min_med_max(v));
-    }
-    let ratio = median(sync.clone()) / median(bg.clone()).max(1e-9);
-    println!("stall synchronous / background (medians): {ratio:.1}x");
-    Ok(0)
+    Ok(Results {
+        title: format!(
+            "face checkpoint save stall, PartialFC {} x {} on 2 ranks ({head_mib:.0} MiB of head state), {} runs; seconds per save on rank 0",
+            args.classes, args.embedding, args.repeat
+        ),
+        sync_over_background: median(sync.clone()) / median(bg.clone()).max(1e-9),
+        rows: vec![
+            ("training step (no save)".into(), step),
+            ("stall of a save: synchronous".into(), sync),
+            ("stall of a save: background".into(), bg),
+        ],
+    })
 }
 
-fn run(args: &Args, dir: &std::path::Path) -> anyhow::Result<i32> {
+fn run(args: &Args, dir: &std::path::Path) -> anyhow::Result<Results> {
     let hidden = hidden_for(args.size_mib << 20);
     let state_mib = state_bytes(hidden) as f64 / (1 << 20) as f64;
     eprintln!(
@@ -268,23 +291,20 @@ fn run(args: &Args, dir: &std::path::Path) -> anyhow::Result<i32> {
         bg_extra.push((bg.total() - none.total()) / saves);
         drain.push(bg.drain);
     }
-    println!(
-        "checkpoint save stall, {state_mib:.0} MiB of state (MLP {INPUT}-{hidden}-{hidden}-10 + momentum), {} runs; seconds",
-        args.repeat
-    );
-    println!("{:<44} {:>8} {:>8} {:>8}", "", "min", "median", "max");
-    for (name, v) in [
-        ("training step without a save", &step),
-        ("stall of a save step: synchronous", &sync_stall),
-        ("stall of a save step: background", &bg_stall),
-        ("  of which copying the state to host memory", &copy),
-        ("run time added per save: synchronous", &sync_extra),
-        ("run time added per save: background", &bg_extra),
-        ("waiting for the last background write", &drain),
-    ] {
-        println!("{name:<44} {}", min_med_max(v));
-    }
-    let ratio = median(sync_stall.clone()) / median(bg_stall.clone()).max(1e-9);
-    println!("stall synchronous / background (medians): {ratio:.1}x");
-    Ok(0)
+    Ok(Results {
+        title: format!(
+            "checkpoint save stall, {state_mib:.0} MiB of state (MLP {INPUT}-{hidden}-{hidden}-10 + momentum), {} runs; seconds",
+            args.repeat
+        ),
+        sync_over_background: median(sync_stall.clone()) / median(bg_stall.clone()).max(1e-9),
+        rows: vec![
+            ("training step without a save".into(), step),
+            ("stall of a save step: synchronous".into(), sync_stall),
+            ("stall of a save step: background".into(), bg_stall),
+            ("  of which copying the state to host memory".into(), copy),
+            ("run time added per save: synchronous".into(), sync_extra),
+            ("run time added per save: background".into(), bg_extra),
+            ("waiting for the last background write".into(), drain),
+        ],
+    })
 }

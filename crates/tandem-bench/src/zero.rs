@@ -20,36 +20,59 @@ use tandem::optim::{
     AdamWConfig, ShardOptimizer, TorchAdamW, TorchOptimizer, ZeroRedundancyOptimizer,
 };
 
-use super::local_ranks::{median, run_ranks};
+use super::local_ranks::{emit_from_every_rank, median, run_workers, Bench};
 
 #[derive(clap::Args)]
 pub struct Args {
     /// World sizes to measure, comma-separated.
-    #[arg(long, default_value = "2,4")]
-    nproc: String,
+    #[arg(long, default_value = "2,4", value_delimiter = ',')]
+    nproc: Vec<usize>,
     /// Layer sizes of the MLP, input to classes.
-    #[arg(long, default_value = "784,1024,1024,1024,1024,1024,1024,1024,1024,10")]
-    dims: String,
+    #[arg(
+        long,
+        default_value = "784,1024,1024,1024,1024,1024,1024,1024,1024,10",
+        value_delimiter = ','
+    )]
+    dims: Vec<usize>,
     /// Timed steps per run (after 2 warm-up steps).
     #[arg(long, default_value_t = 10)]
     steps: usize,
-    /// Internal: run as one rank (set by the parent).
-    #[arg(long, hide = true)]
-    worker: bool,
+}
+
+/// What a worker rank runs (the parent's settings).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Job {
+    pub dims: Vec<usize>,
+    pub steps: usize,
+}
+
+/// One rank's figures.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct RankRow {
+    pub rank: usize,
+    /// Bytes of optimizer state this rank holds.
+    pub state_bytes: usize,
+    /// Median seconds of its optimizer step (the broadcasts included).
+    pub step_secs: f64,
+}
+
+/// What `tandem bench zero` measured: the unsharded reference and each world's ranks.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Results {
+    pub dims: Vec<usize>,
+    pub unsharded_bytes: usize,
+    pub unsharded_step_secs: f64,
+    /// (world size, its ranks in rank order).
+    pub worlds: Vec<(usize, Vec<RankRow>)>,
 }
 
 const BATCH: usize = 64;
 
-fn dims(args: &Args) -> anyhow::Result<Vec<usize>> {
-    let d: Vec<usize> = args
-        .dims
-        .split(',')
-        .map(|s| s.trim().parse().with_context(|| format!("--dims: cannot parse {s:?}")))
-        .collect::<anyhow::Result<_>>()?;
-    if d.len() < 2 || d.contains(&0) {
-        bail!("--dims needs at least two sizes, all positive");
+fn check(job: &Job) -> anyhow::Result<()> {
+    if job.dims.len() < 2 || job.dims.contains(&0) || job.steps == 0 {
+        bail!("--dims needs at least two sizes, all positive, and --steps at least 1");
     }
-    Ok(d)
+    Ok(())
 }
 
 fn adamw(params: Vec<candle_core::Var>) -> Result<ShardOptimizer, tandem::optim::OptimError> {
@@ -79,75 +102,73 @@ fn time_steps(model: &Mlp, opt: &mut dyn TorchOptimizer, steps: usize) -> anyhow
     Ok(median(times))
 }
 
-fn worker(args: &Args) -> anyhow::Result<i32> {
+/// One rank of a world: ZeRO-1 over AdamW, its state bytes and step time reported.
+pub fn worker(job: Job) -> anyhow::Result<i32> {
+    check(&job)?;
     let pg = tandem::comm::init().context("worker init")?;
-    let model = Mlp::new(&dims(args)?, 0, &Device::Cpu)?;
+    let model = Mlp::new(&job.dims, 0, &Device::Cpu)?;
     let mut opt = ZeroRedundancyOptimizer::new(model.params(), Arc::new(pg.clone()), adamw)?;
-    let secs = time_steps(&model, &mut opt, args.steps)?;
-    let line = format!("{} {} {secs}", pg.rank(), opt.local_state_bytes()?);
-    let all = pg.all_gather_bytes(line.as_bytes())?;
-    if pg.rank() == 0 {
-        for l in all {
-            println!("RESULT {} {}", pg.size(), String::from_utf8_lossy(&l));
-        }
-    }
-    pg.barrier()?;
+    let step_secs = time_steps(&model, &mut opt, job.steps)?;
+    let row = RankRow { rank: pg.rank(), state_bytes: opt.local_state_bytes()?, step_secs };
+    emit_from_every_rank(&pg, &row)?;
     Ok(0)
 }
 
-pub fn main(args: Args) -> anyhow::Result<i32> {
-    if args.worker {
-        return worker(&args);
+/// The unsharded reference on this process, then ZeRO-1 on each world size of `worlds`.
+pub fn measure(worlds: &[usize], job: &Job) -> anyhow::Result<Results> {
+    check(job)?;
+    if worlds.is_empty() || worlds.contains(&0) {
+        bail!("--nproc values must be at least 1");
     }
-    let worlds: Vec<usize> = args
-        .nproc
-        .split(',')
-        .map(|s| s.trim().parse().with_context(|| format!("--nproc: cannot parse {s:?}")))
-        .collect::<anyhow::Result<_>>()?;
-    if worlds.contains(&0) || args.steps == 0 {
-        bail!("--nproc values and --steps must be at least 1");
-    }
-    // The reference: the unsharded optimizer on this process.
-    let dims = dims(&args)?;
-    let model = Mlp::new(&dims, 0, &Device::Cpu)?;
+    let model = Mlp::new(&job.dims, 0, &Device::Cpu)?;
     let mut plain = adamw(model.params())?;
-    let plain_secs = time_steps(&model, plain.as_mut(), args.steps)?;
-    let unsharded = state_bytes(&plain.state_dict()?);
-    let mib = |b: usize| b as f64 / (1 << 20) as f64;
-    println!(
-        "MLP {dims:?} + AdamW: unsharded optimizer state {:.2} MiB, step {:.2} ms (one process)",
-        mib(unsharded),
-        plain_secs * 1e3
-    );
-    println!(
-        "{:>6} {:>5} {:>12} {:>13} {:>14} {:>10}",
-        "ranks", "rank", "state MiB", "x unsharded", "x ideal (1/N)", "step ms"
-    );
-    for &n in &worlds {
-        let steps = args.steps.to_string();
-        let worker_args = ["zero", "--worker", "--steps", &steps, "--dims", &args.dims];
-        let text = run_ranks(n, "bench-zero", &worker_args, &[], Duration::from_secs(600))?;
-        let mut rows = Vec::new();
-        for line in text.lines() {
-            let Some(rest) = line.strip_prefix("RESULT ") else { continue };
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            if f.len() == 4 {
-                rows.push((f[1].parse::<usize>()?, f[2].parse::<usize>()?, f[3].parse::<f64>()?));
-            }
-        }
+    let unsharded_step_secs = time_steps(&model, plain.as_mut(), job.steps)?;
+    let unsharded_bytes = state_bytes(&plain.state_dict()?);
+    let mut results =
+        Results { dims: job.dims.clone(), unsharded_bytes, unsharded_step_secs, worlds: vec![] };
+    for &n in worlds {
+        let mut rows: Vec<RankRow> =
+            run_workers(Bench::Zero, n, job, &[], Duration::from_secs(600))?;
         if rows.len() != n {
             bail!("bench zero with {n} ranks: {} of {n} ranks reported", rows.len());
         }
-        rows.sort_by_key(|r| r.0);
-        for (rank, bytes, secs) in rows {
-            println!(
-                "{n:>6} {rank:>5} {:>12.2} {:>13.3} {:>14.3} {:>10.2}",
-                mib(bytes),
-                bytes as f64 / unsharded as f64,
-                bytes as f64 * n as f64 / unsharded as f64,
-                secs * 1e3
+        rows.sort_by_key(|r| r.rank);
+        results.worlds.push((n, rows));
+    }
+    Ok(results)
+}
+
+/// The results as the table `tandem bench zero` prints (and the report shows).
+pub fn render(r: &Results) -> String {
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let mut out = format!(
+        "MLP {:?} + AdamW: unsharded optimizer state {:.2} MiB, step {:.2} ms (one process)\n",
+        r.dims,
+        mib(r.unsharded_bytes),
+        r.unsharded_step_secs * 1e3
+    );
+    out += &format!(
+        "{:>6} {:>5} {:>12} {:>13} {:>14} {:>10}\n",
+        "ranks", "rank", "state MiB", "x unsharded", "x ideal (1/N)", "step ms"
+    );
+    for (n, rows) in &r.worlds {
+        for row in rows {
+            let share = row.state_bytes as f64 / r.unsharded_bytes as f64;
+            out += &format!(
+                "{n:>6} {:>5} {:>12.2} {:>13.3} {:>14.3} {:>10.2}\n",
+                row.rank,
+                mib(row.state_bytes),
+                share,
+                share * *n as f64,
+                row.step_secs * 1e3
             );
         }
     }
+    out
+}
+
+pub fn main(args: Args) -> anyhow::Result<i32> {
+    let job = Job { dims: args.dims, steps: args.steps };
+    print!("{}", render(&measure(&args.nproc, &job)?));
     Ok(0)
 }

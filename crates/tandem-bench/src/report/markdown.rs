@@ -22,14 +22,14 @@ pub struct Report<'a> {
     /// reduce_scatter and all_to_all busbw.
     pub collectives: &'a Table,
     pub ddp: &'a [(Workload, Table)],
-    pub conv_ops: &'a [(ConvPlan, Result<String, String>)],
+    pub conv_ops: &'a [(ConvPlan, Result<crate::ops::ConvResults, String>)],
     pub ckpt: &'a Table,
     pub ckpt_mib: usize,
-    /// `tandem bench save-stall`'s table, or why it failed.
-    pub save_stall: &'a Result<String, String>,
-    pub zero: &'a Result<String, String>,
-    /// `tandem bench face` at each planned size: (what was run, its output or why it failed).
-    pub face: &'a [(String, Result<String, String>)],
+    /// `tandem bench save-stall`'s results, or why it failed.
+    pub save_stall: &'a Result<crate::save_stall::Results, String>,
+    pub zero: &'a Result<crate::zero::Results, String>,
+    /// `tandem bench face` at each planned size: (what was run, its results or why it failed).
+    pub face: &'a [(String, Result<crate::face::FaceResults, String>)],
     /// `docs/face_scale.json` as `tandem bench face-scale` wrote it (an hour of runs, so the
     /// report includes its last output rather than rerunning it).
     pub face_scale: Option<&'a crate::face_scale::Results>,
@@ -398,8 +398,8 @@ pub fn render(r: &Report) -> String {
             b = plan.batch,
         );
         match result {
-            Ok(table) => {
-                let _ = writeln!(out, "{table}\n");
+            Ok(r) => {
+                let _ = writeln!(out, "{}", crate::ops::render(r));
             }
             Err(why) => {
                 let _ = writeln!(out, "Not measured: {why}\n");
@@ -455,7 +455,7 @@ pub fn render(r: &Report) -> String {
     );
     match r.save_stall {
         Ok(t) => {
-            let _ = writeln!(out, "```\n{}\n```\n", t.trim_end());
+            let _ = writeln!(out, "```\n{}```\n", crate::save_stall::render(t));
         }
         Err(why) => {
             let _ = writeln!(out, "Not measured: {why}\n");
@@ -474,7 +474,7 @@ pub fn render(r: &Report) -> String {
     );
     match r.zero {
         Ok(t) => {
-            let _ = writeln!(out, "```\n{}\n```\n", t.trim_end());
+            let _ = writeln!(out, "```\n{}```\n", crate::zero::render(t));
         }
         Err(why) => {
             let _ = writeln!(out, "Not measured: {why}\n");
@@ -495,9 +495,12 @@ pub fn render(r: &Report) -> String {
     );
     for (title, result) in r.face {
         let _ = writeln!(out, "### {title}\n");
-        match result {
-            Ok(t) => {
-                let _ = writeln!(out, "```\n{}\n```\n", t.trim_end());
+        match result.as_ref().map(crate::face::render) {
+            Ok(Ok(t)) => {
+                let _ = writeln!(out, "```\n{t}```\n");
+            }
+            Ok(Err(why)) => {
+                let _ = writeln!(out, "Not rendered: {why:#}\n");
             }
             Err(why) => {
                 let _ = writeln!(out, "Not measured: {why}\n");

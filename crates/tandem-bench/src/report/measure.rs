@@ -60,9 +60,9 @@ pub struct Plan {
     pub stall_mib: usize,
     pub stall_steps: usize,
     pub stall_every: usize,
-    /// `tandem bench zero` settings: world sizes ("2,4") and MLP layer sizes.
-    pub zero_nproc: String,
-    pub zero_dims: String,
+    /// `tandem bench zero` settings: world sizes and MLP layer sizes.
+    pub zero_nproc: Vec<usize>,
+    pub zero_dims: Vec<usize>,
     pub face: Vec<FacePlan>,
 }
 
@@ -134,40 +134,54 @@ impl Ctx {
     }
 }
 
-/// `tandem bench save-stall`: its printed table (min/median/max over the plan's repeats), or
-/// why it failed.
-pub fn save_stall(ctx: &mut Ctx, plan: &Plan) -> Result<String, String> {
+/// `tandem bench save-stall` run here (its typed results), or why it failed.
+pub fn save_stall(ctx: &mut Ctx, plan: &Plan) -> Result<crate::save_stall::Results, String> {
     eprintln!("report: checkpoint save stall, {} MiB of state", plan.stall_mib);
-    let dir = ctx.scratch.join("save-stall");
-    let args: Vec<String> = vec![
-        "save-stall".into(),
-        "--size-mib".into(),
-        plan.stall_mib.to_string(),
-        "--steps".into(),
-        plan.stall_steps.to_string(),
-        "--save-every".into(),
-        plan.stall_every.to_string(),
-        "--repeat".into(),
-        plan.repeats.to_string(),
-        "--dir".into(),
-        dir.display().to_string(),
-    ];
-    let out = ctx.tandem(&args, Duration::from_secs(900), "tandem bench save-stall");
-    std::fs::remove_dir_all(&dir).ok();
-    out.map_err(|e| ctx.note(e))
+    let args = crate::save_stall::Args {
+        size_mib: plan.stall_mib,
+        steps: plan.stall_steps,
+        save_every: plan.stall_every,
+        repeat: plan.repeats,
+        dir: Some(ctx.scratch.join("save-stall")),
+        face: false,
+        classes: 0,
+        embedding: 0,
+    };
+    let results = crate::save_stall::measure(&args);
+    if let Some(dir) = &args.dir {
+        std::fs::remove_dir_all(dir).ok();
+    }
+    results.map_err(|e| ctx.note(e))
 }
 
-/// `tandem bench zero`: its table (optimizer-state bytes per rank vs unsharded), or why it failed.
-pub fn zero(ctx: &mut Ctx, plan: &Plan) -> Result<String, String> {
-    eprintln!("report: ZeRO-1 optimizer state per rank, ranks {}", plan.zero_nproc);
-    let args: Vec<String> =
-        ["zero", "--nproc", &plan.zero_nproc, "--dims", &plan.zero_dims].map(String::from).to_vec();
-    ctx.tandem(&args, Duration::from_secs(600), "tandem bench zero").map_err(|e| ctx.note(e))
+/// `tandem bench zero` run here (its typed results), or why it failed.
+pub fn zero(ctx: &mut Ctx, plan: &Plan) -> Result<crate::zero::Results, String> {
+    eprintln!("report: ZeRO-1 optimizer state per rank, ranks {:?}", plan.zero_nproc);
+    let job = crate::zero::Job { dims: plan.zero_dims.clone(), steps: 10 };
+    crate::zero::measure(&plan.zero_nproc, &job).map_err(|e| ctx.note(e))
 }
 
-/// `tandem bench face`: the face recipe against the PyTorch peer (its printed lines), or why it
-/// was not measured.
-pub fn face(ctx: &mut Ctx, plan: &FacePlan) -> Result<String, String> {
+/// A `tandem bench ...` child (its own process: a deadline, and thread settings of its own)
+/// that writes its typed results with `--json FILE`; the results, read back.
+fn tandem_json<T: serde::de::DeserializeOwned>(
+    ctx: &Ctx,
+    mut args: Vec<String>,
+    env: &[(&str, &str)],
+    limit: Duration,
+    what: &str,
+) -> anyhow::Result<T> {
+    let file = ctx.scratch.join(format!("{}.json", what.replace(' ', "-")));
+    args.extend(["--json".into(), file.display().to_string()]);
+    ctx.tandem_with_env(&args, env, limit, what)?;
+    let text = std::fs::read_to_string(&file)
+        .with_context(|| format!("{what} wrote no {}", file.display()))?;
+    std::fs::remove_file(&file).ok();
+    serde_json::from_str(&text).with_context(|| format!("{what}: {}", file.display()))
+}
+
+/// `tandem bench face`: the face recipe against the PyTorch peer (typed), or why it was not
+/// measured.
+pub fn face(ctx: &mut Ctx, plan: &FacePlan) -> Result<crate::face::FaceResults, String> {
     let Some(python) = ctx.torch().map(|t| t.python.display().to_string()) else {
         return Err("PyTorch not available (the recipe is measured against it)".into());
     };
@@ -197,12 +211,17 @@ pub fn face(ctx: &mut Ctx, plan: &FacePlan) -> Result<String, String> {
     if let Some(c) = plan.classes {
         args.extend(["--classes".into(), n(c)]);
     }
-    ctx.tandem(&args, Duration::from_secs(1800), "tandem bench face").map_err(|e| ctx.note(e))
+    let limit = Duration::from_secs(1800);
+    tandem_json(ctx, args, &[], limit, "tandem bench face").map_err(|e| ctx.note(e))
 }
 
 /// `tandem bench ops` (with the PyTorch peer when torch is available) on one thread, as each
-/// rank of the 2-rank DDP runs has: its markdown table (caption line first), or why it failed.
-pub fn conv_ops(ctx: &mut Ctx, plan: &ConvPlan, repeats: usize) -> Result<String, String> {
+/// rank of the 2-rank DDP runs has: its typed rows, or why it failed.
+pub fn conv_ops(
+    ctx: &mut Ctx,
+    plan: &ConvPlan,
+    repeats: usize,
+) -> Result<crate::ops::ConvResults, String> {
     let (net, width, batch) = (plan.net, plan.width, plan.batch);
     eprintln!("report: per-op times of {net} at width {width}, batch {batch}");
     let mut args: Vec<String> =
@@ -213,16 +232,8 @@ pub fn conv_ops(ctx: &mut Ctx, plan: &ConvPlan, repeats: usize) -> Result<String
         args.extend(["--torch".to_string(), t.python.display().to_string()]);
     }
     let one_thread = [("RAYON_NUM_THREADS", "1")];
-    match ctx.tandem_with_env(&args, &one_thread, Duration::from_secs(900), "tandem bench ops") {
-        Ok(out) => {
-            let lines: Vec<&str> = out.lines().skip_while(|l| !l.starts_with(plan.title)).collect();
-            if lines.len() < 3 {
-                return Err(ctx.note(anyhow::anyhow!("bench ops printed no table: {out:?}")));
-            }
-            Ok(lines.join("\n"))
-        }
-        Err(e) => Err(ctx.note(e)),
-    }
+    let limit = Duration::from_secs(900);
+    tandem_json(ctx, args, &one_thread, limit, "tandem bench ops").map_err(|e| ctx.note(e))
 }
 
 const MIB: usize = 1 << 20;
