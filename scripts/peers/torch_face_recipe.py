@@ -37,6 +37,7 @@ cross-entropy, the combined margin) are those of tandem-partial-fc's fixtures.
 """
 import argparse
 import io
+import json
 import os
 import socket
 import struct
@@ -588,6 +589,13 @@ def worker(rank, args, port):
         if cuda:
             print(f"gpu_peak_bytes={torch.cuda.max_memory_allocated()}", flush=True)
         print(f"steps={step} loss={loss.item():.6f} samples/s={samples / max(elapsed, 1e-9):.3f}", flush=True)
+        # The same figures as one JSON line, what `tandem bench face` reads.
+        print("RESULT " + json.dumps({
+            "samples_per_s": samples / max(elapsed, 1e-9),
+            "peak_rss_bytes": [int(p.item()) for p in peaks],
+            "step_ms": [[k, v] for k, v in per.items()],
+            "gpu_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        }), flush=True)
     dist.destroy_process_group()
 
 

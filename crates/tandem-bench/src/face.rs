@@ -178,12 +178,6 @@ fn sgemm_peak() -> anyhow::Result<f64> {
     Ok(2.0 * (n * n * n) as f64 / best)
 }
 
-/// `key=a,b,...` (the last occurrence) as numbers.
-fn list_after(text: &str, key: &str) -> Option<Vec<f64>> {
-    let v = text.split_whitespace().rev().find_map(|w| w.strip_prefix(key))?;
-    v.split(',').map(|x| x.parse().ok()).collect()
-}
-
 fn run(cmd: &mut Command, what: &str) -> anyhow::Result<String> {
     let out = cmd.output().with_context(|| format!("starting {what}"))?;
     let text =
@@ -192,10 +186,6 @@ fn run(cmd: &mut Command, what: &str) -> anyhow::Result<String> {
         bail!("{what} failed ({}):\n{text}", out.status);
     }
     Ok(text)
-}
-
-fn value_after(text: &str, key: &str) -> Option<f64> {
-    text.split_whitespace().rev().find_map(|w| w.strip_prefix(key).and_then(|v| v.parse().ok()))
 }
 
 pub fn main(args: Args) -> anyhow::Result<i32> {
@@ -246,6 +236,15 @@ pub(crate) struct FaceRun {
     pub warmup_steps: u64,
     pub workers: Option<usize>,
     pub profile: bool,
+}
+
+/// The PyTorch peer's figures (its `RESULT` line); `step_ms` by phase in its order.
+#[derive(serde::Deserialize)]
+struct PeerRun {
+    samples_per_s: f64,
+    peak_rss_bytes: Vec<u64>,
+    step_ms: Vec<(String, f64)>,
+    gpu_peak_bytes: Option<u64>,
 }
 
 /// What one run of one side gave.
@@ -416,22 +415,18 @@ impl FaceRun {
             Ok(text) => text,
             Err(why) => return Ok(Outcome::Failed(why)),
         };
-        let samples_per_s = value_after(&text, "samples/s=")
-            .context("no samples/s in the PyTorch peer's output")?;
-        let peaks = list_after(&text, "peak_rss_bytes=")
-            .context("no peak_rss_bytes in the PyTorch peer's output")?;
-        let breakdown = text
-            .lines()
-            .rev()
-            .find_map(|l| l.strip_prefix("step_ms "))
-            .map(|l| format!("time per step on rank 0 (ms): {l}"))
-            .unwrap_or_default();
+        let [peer]: [PeerRun; 1] = crate::local_ranks::results(&text, "torch_face_recipe.py")?
+            .try_into()
+            .map_err(|rows: Vec<PeerRun>| {
+                anyhow::anyhow!("torch_face_recipe.py reported {} runs, not one", rows.len())
+            })?;
+        let phases: Vec<String> = peer.step_ms.iter().map(|(k, v)| format!("{k}={v:.1}")).collect();
         Ok(Outcome::Ran(RunStats {
-            samples_per_s,
-            peak_rss: peaks.iter().copied().fold(0.0, f64::max),
+            samples_per_s: peer.samples_per_s,
+            peak_rss: peer.peak_rss_bytes.iter().map(|&b| b as f64).fold(0.0, f64::max),
             peak_with_save: None,
-            breakdown,
-            device_peak: value_after(&text, "gpu_peak_bytes="),
+            breakdown: format!("time per step on rank 0 (ms): {}", phases.join(" ")),
+            device_peak: peer.gpu_peak_bytes.map(|b| b as f64),
         }))
     }
 }
