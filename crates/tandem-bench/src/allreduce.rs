@@ -171,7 +171,7 @@ struct Timing {
 
 /// One rank: warms up, then times every collective at every size.
 pub fn worker(job: Job) -> anyhow::Result<i32> {
-    let (sizes, args) = (&job.sizes, &job);
+    let sizes = &job.sizes;
     let ops: Vec<&str> = job.ops.iter().map(String::as_str).collect();
     let ops = &ops[..];
     let pg = tandem::comm::init().context("worker init")?;
@@ -179,7 +179,7 @@ pub fn worker(job: Job) -> anyhow::Result<i32> {
     // Warm-up: the first size timed cold measured a third of its bandwidth (page faults in
     // fresh buffers and shared-memory rings, the sockets' windows still growing).
     if let Some(&largest) = sizes.iter().max() {
-        let until = Instant::now() + Duration::from_secs_f64(args.warmup_seconds);
+        let until = Instant::now() + Duration::from_secs_f64(job.warmup_seconds);
         for op in ops {
             let mut b = Buffers::new(op, largest, n);
             b.run(&pg, op)?;
@@ -201,7 +201,7 @@ pub fn worker(job: Job) -> anyhow::Result<i32> {
                 b.run(&pg, op)?;
             }
             pg.barrier()?;
-            let iters = iterations(bytes, args.seconds_per_size);
+            let iters = iterations(bytes, job.seconds_per_size);
             let mut times = Vec::with_capacity(iters);
             for _ in 0..iters {
                 let t = Instant::now();

@@ -94,13 +94,12 @@ fn config(name: &str) -> anyhow::Result<VitConfig> {
 
 /// One rank of `job.mode`; rank 0 reports every rank's [`RankRow`].
 pub fn worker(job: Job) -> anyhow::Result<i32> {
-    let args = &job;
     let pg = tandem::comm::init().context("worker init")?;
     let sharded = job.mode != Mode::Ddp;
     if sharded {
         tandem::release_freed_memory(); // as `tandem train --fsdp` does
     }
-    let cfg = config(&args.model)?;
+    let cfg = config(&job.model)?;
     // Ddp's model is built whole; Fsdp's on meta (no rank holds it whole, as for a model
     // larger than one rank), each rank drawing its rows when it is sharded.
     let (varmap, meta) = (VarMap::new(), MetaVarMap::new(0));
@@ -112,7 +111,7 @@ pub fn worker(job: Job) -> anyhow::Result<i32> {
     let mut vit = Vit::new(cfg, EMBEDDING, vb)?;
     vit.seed(pg.rank() as u64);
     let adamw = AdamWConfig { lr: 1e-4, ..Default::default() };
-    let x = Tensor::randn(0f32, 1.0, (args.batch, 3, 112, 112), &Device::Cpu)?;
+    let x = Tensor::randn(0f32, 1.0, (job.batch, 3, 112, 112), &Device::Cpu)?;
     // Per timed step: forward, backward, optimizer step, and (Fsdp) the waits for collectives.
     let mut phases: Vec<[f64; 5]> = Vec::new();
     let mut timed =
@@ -129,7 +128,7 @@ pub fn worker(job: Job) -> anyhow::Result<i32> {
             let ddp = Ddp::from_varmap(&varmap, &pg, DdpOptions::default())?;
             let mut opt =
                 TorchAdamW::new(tandem::nn::NamedVars::from_varmap(&varmap).params(), adamw)?;
-            for i in 0..=args.steps {
+            for i in 0..=job.steps {
                 timed(i, &mut || {
                     let t = clock();
                     let loss = vit.forward_t(&x, true)?.sqr()?.mean_all()?;
@@ -153,7 +152,7 @@ pub fn worker(job: Job) -> anyhow::Result<i32> {
                 runner.run_unit(name, x, move |x| f(x)).map_err(candle_core::Error::wrap)
             }));
             let mut opt = TorchAdamW::new(fsdp.params(), adamw)?;
-            for i in 0..=args.steps {
+            for i in 0..=job.steps {
                 timed(i, &mut || {
                     fsdp.take_comm_stats();
                     let t = clock();
