@@ -6,7 +6,8 @@
 # weight frozen; filter: the weight's, the input detached); an optimizer's row is one step() —
 # median ms. Inputs are filled by tandem's formula (`filled` in crates/tandem-bench/src/ops.rs),
 # so each op's forward output sum (an optimizer's parameter sum after one step) is printed for
-# tandem to compare with its own.
+# tandem to compare with its own. Prints one `RESULT {json}` line per op: name, fwd_ms,
+# fwdbwd_ms, data_ms and filter_ms (convolutions), sum, abs_sum.
 # Ops: conv2d (c_in -> c_out, kernel, stride, padding, groups), batch_norm (training mode),
 # prelu (one slope per channel), linear (rows x c_in -> c_out, bias), layer_norm and relu6 over
 # rows x c_in, attention (arcface_torch's ViT Attention between its qkv and proj linears),
@@ -66,7 +67,12 @@ def harness_ms(r):
 
 def checksum(t):
     t = t.detach().double()
-    return f" sum={t.sum().item():.10e} abs_sum={t.abs().sum().item():.10e}"
+    return {"sum": t.sum().item(), "abs_sum": t.abs().sum().item()}
+
+
+def report(row):
+    """One op's figures as the `RESULT {json}` line tandem reads."""
+    print("RESULT " + json.dumps(row), flush=True)
 
 
 def attention(qkv, heads):
@@ -89,7 +95,7 @@ def optimizer_row(op):
     total = sum(p.detach().double().sum().item() for p in params)
     mags = sum(p.detach().double().abs().sum().item() for p in params)
     ms = median_ms(opt.step)
-    return f" fwd_ms={ms:.4f} fwdbwd_ms={ms:.4f} sum={total:.10e} abs_sum={mags:.10e}"
+    return {"fwd_ms": ms, "fwdbwd_ms": ms, "sum": total, "abs_sum": mags}
 
 
 for op in ops:
@@ -97,7 +103,7 @@ for op in ops:
     rows = op["rows"] or b
     c_in, c_out, side = op["c_in"], op["c_out"], op["side"]
     if kind in ("sgd", "adamw"):
-        print(f"op={kind} name={op['name']}" + optimizer_row(op), flush=True)
+        report({"name": op["name"], **optimizer_row(op)})
         continue
     params = []
     if kind == "conv2d":
@@ -147,7 +153,7 @@ for op in ops:
 
     fwd, harness = median_ms(f), harness_ms(r)
     less = lambda t: max(t - harness, fwd)
-    line = f"op={kind} name={op['name']} fwd_ms={fwd:.4f} fwdbwd_ms={less(median_ms(step)):.4f}"
+    row = {"name": op["name"], "fwd_ms": fwd, "fwdbwd_ms": less(median_ms(step))}
     if kind == "conv2d" and groups == 1:
         x_fixed, w_fixed = x.detach(), wt.detach()
 
@@ -160,6 +166,6 @@ for op in ops:
             (F.conv2d(x_fixed, wt, stride=s, padding=pad) * r).sum().backward()
 
         if grad:
-            line += f" data_ms={less(median_ms(data)):.4f}"
-        line += f" filter_ms={less(median_ms(filt)):.4f}"
-    print(line + checksum(y), flush=True)
+            row["data_ms"] = less(median_ms(data))
+        row["filter_ms"] = less(median_ms(filt))
+    report({**row, **checksum(y)})

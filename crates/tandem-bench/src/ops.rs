@@ -658,6 +658,18 @@ fn time_op(
     }
 }
 
+/// One op's row from the PyTorch peer (its `RESULT {json}` line).
+#[derive(serde::Deserialize)]
+struct PeerOp {
+    name: String,
+    fwd_ms: f64,
+    fwdbwd_ms: f64,
+    data_ms: Option<f64>,
+    filter_ms: Option<f64>,
+    sum: f64,
+    abs_sum: f64,
+}
+
 fn torch_ops(
     ops: &[OpSpec],
     (batch, repeats): (usize, usize),
@@ -681,24 +693,19 @@ fn torch_ops(
         child.wait_with_output().with_context(|| format!("waiting for {}", script.display()))?;
     let text = String::from_utf8_lossy(&out.stdout);
     anyhow::ensure!(out.status.success(), "{} failed ({}): {text}", script.display(), out.status);
-    let mut m = HashMap::new();
-    for line in text.lines() {
-        let kv: HashMap<&str, &str> =
-            line.split_whitespace().filter_map(|w| w.split_once('=')).collect();
-        let number = |key: &str| kv.get(key).map(|v| v.parse::<f64>()).transpose();
-        if let (Some(name), Some(fwd_ms), Some(fwdbwd_ms)) =
-            (kv.get("name"), number("fwd_ms")?, number("fwdbwd_ms")?)
-        {
-            let (data_ms, filter_ms) = (number("data_ms")?, number("filter_ms")?);
-            let checksum = Checksum {
-                sum: number("sum")?.unwrap_or(f64::NAN),
-                abs_sum: number("abs_sum")?.unwrap_or(f64::NAN),
+    let rows: Vec<PeerOp> = crate::local_ranks::results(&text, &script.display().to_string())?;
+    let m = rows
+        .into_iter()
+        .map(|r| {
+            let times = Times {
+                fwd_ms: r.fwd_ms,
+                fwdbwd_ms: r.fwdbwd_ms,
+                data_ms: r.data_ms,
+                filter_ms: r.filter_ms,
             };
-            let times = Times { fwd_ms, fwdbwd_ms, data_ms, filter_ms };
-            m.insert(name.to_string(), (times, checksum));
-        }
-    }
-    anyhow::ensure!(!m.is_empty(), "{}: no op timings in its output: {text:?}", script.display());
+            (r.name, (times, Checksum { sum: r.sum, abs_sum: r.abs_sum }))
+        })
+        .collect();
     Ok(m)
 }
 

@@ -388,7 +388,8 @@ fn ops_bench_refuses_a_peer_that_computes_something_else() {
     std::fs::write(
         &fake,
         "#!/usr/bin/env python3\nimport json, sys\nfor op in json.load(sys.stdin):\n    \
-         print(f\"op={op['kind']} name={op['name']} fwd_ms=1.0 fwdbwd_ms=2.0 sum=12345 abs_sum=12345\")\n",
+         print('RESULT ' + json.dumps({'name': op['name'], 'fwd_ms': 1.0, 'fwdbwd_ms': 2.0, \
+         'sum': 12345.0, 'abs_sum': 12345.0}))\n",
     )
     .unwrap();
     use std::os::unix::fs::PermissionsExt;
