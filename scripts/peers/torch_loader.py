@@ -2,7 +2,8 @@
 # insightface RecordIO folder, decoded as arcface_torch's MXFaceDataset does (JPEG -> RGB,
 # random horizontal flip, to float in [-1, 1], CHW), for each worker count.
 # usage: python torch_loader.py FACES_DIR BATCH BATCHES REPEATS W1,W2,...
-import io, os, sys, time
+# prints, per worker count, `workers=W images_per_s=R` and the same as `RESULT {json}` (what tandem reads)
+import io, json, os, sys, time
 
 import numpy as np
 import torch
@@ -44,3 +45,4 @@ for w in (int(v) for v in workers.split(",")):
                     break
         best = max(best, images / (time.perf_counter() - t))
     print(f"workers={w} images_per_s={best:.1f}", flush=True)
+    print("RESULT " + json.dumps({"workers": w, "images_per_s": best}), flush=True)

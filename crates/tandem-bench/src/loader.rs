@@ -88,12 +88,14 @@ fn torch_rates(python: &Path, faces: &Path, a: &Args) -> anyhow::Result<Vec<(usi
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    let rate = |line: &str| -> Option<(usize, f64)> {
-        let w = line.split_whitespace().find_map(|t| t.strip_prefix("workers="))?;
-        let r = line.split_whitespace().find_map(|t| t.strip_prefix("images_per_s="))?;
-        Some((w.parse().ok()?, r.parse().ok()?))
-    };
-    Ok(text.lines().filter_map(rate).collect())
+    /// One worker count's rate (the peer's `RESULT {json}` lines).
+    #[derive(serde::Deserialize)]
+    struct Rate {
+        workers: usize,
+        images_per_s: f64,
+    }
+    let rates: Vec<Rate> = crate::local_ranks::results(&text, &script.display().to_string())?;
+    Ok(rates.into_iter().map(|r| (r.workers, r.images_per_s)).collect())
 }
 
 pub fn main(a: Args) -> anyhow::Result<i32> {
