@@ -662,10 +662,8 @@ fn time_op(
 #[derive(serde::Deserialize)]
 struct PeerOp {
     name: String,
-    fwd_ms: f64,
-    fwdbwd_ms: f64,
-    data_ms: Option<f64>,
-    filter_ms: Option<f64>,
+    #[serde(flatten)]
+    times: Times,
     sum: f64,
     abs_sum: f64,
 }
@@ -694,19 +692,8 @@ fn torch_ops(
     let text = String::from_utf8_lossy(&out.stdout);
     anyhow::ensure!(out.status.success(), "{} failed ({}): {text}", script.display(), out.status);
     let rows: Vec<PeerOp> = crate::local_ranks::results(&text, &script.display().to_string())?;
-    let m = rows
-        .into_iter()
-        .map(|r| {
-            let times = Times {
-                fwd_ms: r.fwd_ms,
-                fwdbwd_ms: r.fwdbwd_ms,
-                data_ms: r.data_ms,
-                filter_ms: r.filter_ms,
-            };
-            (r.name, (times, Checksum { sum: r.sum, abs_sum: r.abs_sum }))
-        })
-        .collect();
-    Ok(m)
+    let checksum = |r: &PeerOp| Checksum { sum: r.sum, abs_sum: r.abs_sum };
+    Ok(rows.into_iter().map(|r| (r.name.clone(), (r.times, checksum(&r)))).collect())
 }
 
 pub fn main(a: Args) -> anyhow::Result<i32> {
