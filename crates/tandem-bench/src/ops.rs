@@ -692,8 +692,8 @@ fn torch_ops(
     let text = String::from_utf8_lossy(&out.stdout);
     anyhow::ensure!(out.status.success(), "{} failed ({}): {text}", script.display(), out.status);
     let rows: Vec<PeerOp> = crate::local_ranks::results(&text, &script.display().to_string())?;
-    let checksum = |r: &PeerOp| Checksum { sum: r.sum, abs_sum: r.abs_sum };
-    Ok(rows.into_iter().map(|r| (r.name.clone(), (r.times, checksum(&r)))).collect())
+    let row = |PeerOp { name, times, sum, abs_sum }| (name, (times, Checksum { sum, abs_sum }));
+    Ok(rows.into_iter().map(row).collect())
 }
 
 pub fn main(a: Args) -> anyhow::Result<i32> {

@@ -35,7 +35,7 @@ pub struct Args {
     )]
     dims: Vec<usize>,
     /// Timed steps per run (after 2 warm-up steps).
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = STEPS)]
     steps: usize,
 }
 
@@ -67,6 +67,9 @@ pub struct Results {
 }
 
 const BATCH: usize = 64;
+
+/// Timed steps per run, unless `--steps` says otherwise (the report's too).
+pub const STEPS: usize = 10;
 
 fn check(job: &Job) -> anyhow::Result<()> {
     if job.dims.len() < 2 || job.dims.contains(&0) || job.steps == 0 {

@@ -143,31 +143,11 @@ pub fn free_port() -> u16 {
 /// A loopback port that refuses connections for as long as the returned socket lives: bound
 /// (so no other test of a parallel run can take it, as one can a [`free_port`] between its
 /// check and its use) but not listening. For tests of "nobody listens there".
-pub fn refused_port() -> (std::os::fd::OwnedFd, u16) {
-    use std::os::fd::FromRawFd;
-    // SAFETY: socket(2) with constant arguments; the descriptor is checked, then owned.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
-    assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
-    // SAFETY: `fd` was just returned by socket(2) and nothing else owns it.
-    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
-    let mut addr: libc::sockaddr_in = zeroed_sockaddr();
-    addr.sin_family = libc::AF_INET as libc::sa_family_t;
-    addr.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
-    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    use std::os::fd::AsRawFd;
-    // SAFETY: `addr` is a valid sockaddr_in of `len` bytes for the whole call.
-    let bound = unsafe { libc::bind(fd.as_raw_fd(), (&raw const addr).cast(), len) };
-    assert_eq!(bound, 0, "bind 127.0.0.1:0: {}", std::io::Error::last_os_error());
-    let mut got_len = len;
-    // SAFETY: `addr` and `got_len` are valid for writes of a sockaddr_in for the whole call.
-    let named =
-        unsafe { libc::getsockname(fd.as_raw_fd(), (&raw mut addr).cast(), &raw mut got_len) };
-    assert_eq!(named, 0, "getsockname: {}", std::io::Error::last_os_error());
-    (fd, u16::from_be(addr.sin_port))
-}
-
-/// A zeroed `sockaddr_in` (all-zero bytes are a valid value of the plain C struct).
-fn zeroed_sockaddr() -> libc::sockaddr_in {
-    // SAFETY: sockaddr_in is a plain C struct of integers, for which all zeros is valid.
-    unsafe { std::mem::zeroed() }
+pub fn refused_port() -> (socket2::Socket, u16) {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).expect("a TCP socket");
+    let loopback = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    socket.bind(&loopback.into()).expect("bind 127.0.0.1:0");
+    let port = socket.local_addr().ok().and_then(|a| a.as_socket()).expect("its address").port();
+    (socket, port)
 }

@@ -157,7 +157,7 @@ pub fn save_stall(ctx: &mut Ctx, plan: &Plan) -> Result<crate::save_stall::Resul
 /// `tandem bench zero` run here (its typed results), or why it failed.
 pub fn zero(ctx: &mut Ctx, plan: &Plan) -> Result<crate::zero::Results, String> {
     eprintln!("report: ZeRO-1 optimizer state per rank, ranks {:?}", plan.zero_nproc);
-    let job = crate::zero::Job { dims: plan.zero_dims.clone(), steps: 10 };
+    let job = crate::zero::Job { dims: plan.zero_dims.clone(), steps: crate::zero::STEPS };
     crate::zero::measure(&plan.zero_nproc, &job).map_err(|e| ctx.note(e))
 }
 

@@ -130,9 +130,10 @@ fn finish_run<M: tandem_nn::ParamModule>(
     // anyway: then one gather serves both (`None` on the other ranks).
     let onnx = ckpt.export_onnx.is_some();
     let gathering = !onnx && final_path.is_some_and(|p| model.saves_gathering(p));
-    let value = match onnx || (final_path.is_some() && !gathering) {
-        true => model.state_dict_rank0(group.rank())?,
-        false => None,
+    let value = if onnx || (final_path.is_some() && !gathering) {
+        model.state_dict_rank0(group.rank())?
+    } else {
+        None
     };
     if let Some(path) = final_path {
         let saved = match (gathering, &value) {
