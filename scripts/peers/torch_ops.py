@@ -9,8 +9,9 @@
 # tandem to compare with its own. Prints one `RESULT {json}` line per op: name, fwd_ms,
 # fwdbwd_ms, data_ms and filter_ms (convolutions), sum, abs_sum.
 # Ops: conv2d (c_in -> c_out, kernel, stride, padding, groups), batch_norm (training mode),
-# prelu (one slope per channel), linear (rows x c_in -> c_out, bias), layer_norm and relu6 over
-# rows x c_in, attention (arcface_torch's ViT Attention between its qkv and proj linears),
+# patch_embed (arcface_torch's ViT PatchEmbed: a c_in -> c_out convolution, kernel = stride, with
+# bias, on data), prelu (one slope per channel), linear (rows x c_in -> c_out, bias), linear_relu6
+# (the ViT's fc1 and its ReLU6), layer_norm over rows x c_in, attention (arcface_torch's ViT Attention between its qkv and proj linears),
 # sgd and adamw over parameters of the listed sizes.
 # usage: python torch_ops.py BATCH REPEATS THREADS [DEVICE [DTYPE]] < ops.json
 # DEVICE cpu (default) or cuda (cudnn.benchmark on, TF32 at PyTorch's defaults, a synchronize
@@ -112,6 +113,13 @@ for op in ops:
         wt = filled([c_out, c_in // groups, k, k], 2, 0.2, True)
         params = [wt]
         f = lambda: F.conv2d(x, wt, stride=s, padding=pad, groups=groups)
+    elif kind == "patch_embed":
+        k = op["kernel"]
+        x = filled([b, c_in, side, side], 1, 2.0)
+        wt = filled([c_out, c_in, k, k], 2, 0.2, True)
+        bias = filled([c_out], 3, 0.2, True)
+        params = [wt, bias]
+        f = lambda: F.conv2d(x, wt, bias, stride=op["stride"])
     elif kind == "batch_norm":
         x = filled([b, c_in, side, side], 1, 2.0, grad)
         m = torch.nn.BatchNorm2d(c_in).train().to(device)
@@ -122,21 +130,21 @@ for op in ops:
         m = torch.nn.PReLU(c_in, init=0.25).to(device)
         params = list(m.parameters())
         f = lambda: m(x) if dtype == torch.float32 else F.prelu(x, m.weight.to(dtype))
-    elif kind == "linear":
+    elif kind in ("linear", "linear_relu6"):
         x = filled([rows, c_in], 1, 2.0, grad)
         wt = filled([c_out, c_in], 2, 0.2, True)
         bias = filled([c_out], 3, 0.2, True) if op["bias"] else None
         params = [wt] + ([bias] if bias is not None else [])
-        f = lambda: F.linear(x, wt, bias)
+        if kind == "linear":
+            f = lambda: F.linear(x, wt, bias)
+        else:
+            f = lambda: F.relu6(F.linear(x, wt, bias))
     elif kind == "layer_norm":
         x = filled([rows, c_in], 1, 2.0, grad)
         wt = (filled([c_in], 2, 0.2) + 1.0).detach().requires_grad_()
         bias = filled([c_in], 3, 0.2, True)
         params = [wt, bias]
         f = lambda: F.layer_norm(x, (c_in,), wt, bias, 1e-5)
-    elif kind == "relu6":
-        x = filled([rows, c_in], 1, 16.0, True)
-        f = lambda: F.relu6(x)
     elif kind == "attention":
         x = filled([b, op["tokens"], 3 * c_in], 1, 2.0, grad)
         f = lambda: attention(x, op["heads"])

@@ -340,7 +340,8 @@ fn ops_rows(out: &str) -> Vec<(String, String, Vec<String>)> {
 }
 
 /// `tandem bench ops` on the face backbones: every op of the ViT's and MobileFaceNet's steps
-/// is timed (a number in tandem's columns, PyTorch's beside it when torch is here: the bench
+/// is timed, as the step runs it (the ViT's patch embedding and fc1 + ReLU6 are tandem ops of
+/// their own) (a number in tandem's columns, PyTorch's beside it when torch is here: the bench
 /// has then checked each op's output sum equal on both sides), and the caption names the CPU
 /// and its vector extensions.
 #[test]
@@ -350,7 +351,10 @@ fn ops_bench_times_every_op_of_the_face_backbones_against_pytorch() {
         eprintln!("SKIPPED the PyTorch columns: no Python with torch (TANDEM_PYTHON)");
     }
     for (net, kinds) in [
-        ("vit_t", &["conv2d", "layer_norm", "linear", "attention", "relu6", "sgd", "adamw"][..]),
+        (
+            "vit_t",
+            &["patch_embed", "layer_norm", "linear", "linear_relu6", "attention", "sgd", "adamw"][..],
+        ),
         ("mbf", &["conv2d", "batch_norm", "prelu", "linear", "sgd"][..]),
     ] {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem"));

@@ -22,4 +22,4 @@ pub use mlp::{targets, Mlp};
 pub use mobilefacenet::MobileFaceNet;
 pub use resnet::ResNet;
 pub use unit_runner::UnitRunner;
-pub use vit::{Vit, VitConfig, VIT_PATCHES};
+pub use vit::{patch_embed, Vit, VitConfig, VIT_PATCHES};

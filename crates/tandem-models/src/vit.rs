@@ -468,20 +468,26 @@ impl Vit {
         }
     }
 
-    /// The patch convolution as one product: stride = kernel, so each output is a patch's 243
-    /// values against the flattened kernel.
     fn patch_embed(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let n = x.dim(0)?;
-        let side = GRID * PATCH;
-        let patches = x
-            .narrow(2, 0, side)?
-            .narrow(3, 0, side)?
-            .reshape((n, 3, GRID, PATCH, GRID, PATCH))?
-            .permute((0, 2, 4, 1, 3, 5))?
-            .reshape((n, VIT_PATCHES, 3 * PATCH * PATCH))?;
-        let w = self.patch_weight.reshape((self.cfg.embed_dim, 3 * PATCH * PATCH))?;
-        fused_linear(&patches, &w, Some(&self.patch_bias))
+        patch_embed(x, &self.patch_weight, &self.patch_bias)
     }
+}
+
+/// arcface_torch's `patch_embed.proj` (a 9x9 stride-9 convolution `3 → D` with bias) of
+/// `x: [N, 3, 112, 112]` as [`Vit`] computes it: stride = kernel, so each output is one
+/// patch's 243 values against the flattened kernel — one product. `[N, 144, D]` (the
+/// convolution's `[N, D, 12, 12]` flattened and transposed, as `PatchEmbed` hands it on).
+pub fn patch_embed(x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+    let n = x.dim(0)?;
+    let side = GRID * PATCH;
+    let patches = x
+        .narrow(2, 0, side)?
+        .narrow(3, 0, side)?
+        .reshape((n, 3, GRID, PATCH, GRID, PATCH))?
+        .permute((0, 2, 4, 1, 3, 5))?
+        .reshape((n, VIT_PATCHES, 3 * PATCH * PATCH))?;
+    let w = weight.reshape((weight.dim(0)?, 3 * PATCH * PATCH))?;
+    fused_linear(&patches, &w, Some(bias))
 }
 
 /// From `noise: [N, 144]`: the rows of the flattened `[N·144, D]` tokens the blocks see (each

@@ -470,21 +470,10 @@ fn weight_grad_product(
 /// `gw[O, K]` from what [`weight_grad_product`] accumulated.
 fn finish_weight_grad(g: &Geometry, gw: Vec<f32>) -> Vec<f32> {
     if weight_grad_transposed(g) {
-        transpose(&gw, g.k(), g.o)
+        super::transposed(&gw, g.k(), g.o)
     } else {
         gw
     }
-}
-
-/// `[rows, cols]` row-major to `[cols, rows]`.
-fn transpose(a: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut t = vec![0f32; a.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            t[c * rows + r] = a[r * cols + c];
-        }
-    }
-    t
 }
 
 fn input_grad_batched(g: &Geometry, w: &[f32], gy: &[f32]) -> Vec<f32> {

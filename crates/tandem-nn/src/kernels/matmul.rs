@@ -106,7 +106,7 @@ const DOT_MIN_INNER: usize = 4096;
 
 /// Whether `a · b` goes by dot products (see the module): few rows, a long inner dimension,
 /// `a`'s rows and `b`'s columns contiguous.
-fn by_dot_products(m: usize, k: usize, a: View<'_>, b: View<'_>) -> bool {
+pub(crate) fn by_dot_products(m: usize, k: usize, a: View<'_>, b: View<'_>) -> bool {
     m <= DOT_MAX_ROWS && k >= DOT_MIN_INNER && a.cs == 1 && b.rs == 1
 }
 

@@ -42,6 +42,38 @@ pub(crate) unsafe fn par_filled(
     v
 }
 
+/// `a[rows × cols]` (row-major) transposed: `[cols × rows]`, by 16x16 tiles (each read as 16
+/// row runs, written as 16 column runs: a column-by-column walk strode a whole row per value),
+/// bands of 16 output rows in parallel.
+pub(crate) fn transposed(a: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    const TILE: usize = 16;
+    assert_eq!(a.len(), rows * cols, "transposed: {rows}x{cols} from {} values", a.len());
+    if rows == 0 || cols == 0 {
+        return Vec::new();
+    }
+    // SAFETY: band `b` is output rows (source columns) `b·TILE..` up to `cols`, and each of
+    // them is written whole: every tile of the band covers all its rows `c0..c1` over the
+    // columns `r0..r1`, and the tiles' `r0..r1` cover `0..rows`.
+    unsafe {
+        par_filled(rows * cols, TILE * rows, |band, out| {
+            let (c0, c1) = (band * TILE, (band * TILE + TILE).min(cols));
+            let mut tile = [[0f32; TILE]; TILE];
+            for r0 in (0..rows).step_by(TILE) {
+                let r1 = (r0 + TILE).min(rows);
+                for (r, t) in (r0..r1).zip(tile.iter_mut()) {
+                    t[..c1 - c0].copy_from_slice(&a[r * cols + c0..r * cols + c1]);
+                }
+                for c in c0..c1 {
+                    let dst = &mut out[(c - c0) * rows + r0..(c - c0) * rows + r1];
+                    for (d, t) in dst.iter_mut().zip(&tile) {
+                        d.write(t[c - c0]);
+                    }
+                }
+            }
+        })
+    }
+}
+
 /// `vec![0f32; len]`, zeroed by the rayon threads when it is large: a kernel's fresh output
 /// or scratch buffer comes back from the allocator dirty, and one thread's memset of a
 /// multi-megabyte buffer ran at half the speed of two.
@@ -130,5 +162,27 @@ impl LaneSums {
     pub(crate) fn total(&self) -> (f64, f64) {
         let [a, b] = &self.lanes;
         (a.iter().sum::<f64>() + self.tail[0], b.iter().sum::<f64>() + self.tail[1])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transposed;
+
+    /// Every element lands at its transposed place, on shapes with partial tiles on both
+    /// sides, a single row or column, and more bands than threads.
+    #[test]
+    fn transposed_moves_every_element() {
+        for (rows, cols) in [(1, 1), (1, 37), (37, 1), (16, 16), (17, 33), (243, 256), (5, 1000)] {
+            let a: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+            let t = transposed(&a, rows, cols);
+            assert_eq!(t.len(), a.len());
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(t[c * rows + r], a[r * cols + c], "{rows}x{cols} at ({r}, {c})");
+                }
+            }
+        }
+        assert!(transposed(&[], 0, 5).is_empty());
     }
 }

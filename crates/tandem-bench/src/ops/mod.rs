@@ -4,10 +4,11 @@
 //! - ResNet-18 for CIFAR (32x32) or arcface_torch's IResNet-18 (112x112) at `--width`: every
 //!   distinct convolution (3x3 stride 1 and 2, 1x1 stride-2 shortcuts, the stem), the BatchNorm
 //!   of each map size and, for the IResNet, its PReLUs;
-//! - arcface_torch's `vit_t`: the patch convolution, LayerNorm, the qkv / proj / fc1 / fc2
-//!   linears at its 129 kept tokens, attention, ReLU6, the feature head's linear and
-//!   BatchNorm1d, and SGD (the face bench's) and AdamW (arcface_torch's config) over its
-//!   parameters;
+//! - arcface_torch's `vit_t`, each op as its step runs it: the patch embedding (one product
+//!   over the patches; PyTorch's `PatchEmbed` convolution on the other side), LayerNorm, the
+//!   qkv / proj / fc2 linears and fc1 with its ReLU6 (one fused op) at its 129 kept tokens,
+//!   attention, the feature head's linear and BatchNorm1d, and SGD (the face bench's) and
+//!   AdamW (arcface_torch's config) over its parameters;
 //! - arcface_torch's `mbf`: every distinct convolution (stem, grouped, expand / depthwise /
 //!   project 1x1 and 3x3 of each stage, the 7x7 GDC), BatchNorm and PReLU, the embedding
 //!   linear, and SGD over its parameters.
@@ -24,17 +25,15 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::atomic::Ordering;
-use std::time::Instant;
 
 use anyhow::Context;
-use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{Conv2dConfig, Module, ModuleT, VarBuilder, VarMap};
+use candle_core::{DType, Device};
+use candle_nn::{VarBuilder, VarMap};
 use serde::Serialize;
-use tandem::nn::functional::{attention, fused_linear, layer_norm, relu6};
-use tandem::nn::kernels::conv2d::{conv2d, ConvParams};
-use tandem::nn::kernels::winograd::{applies, MIN_CHANNELS};
-use tandem::optim::{AdamWConfig, SgdConfig, TorchAdamW, TorchOptimizer, TorchSgd};
+
+mod timing;
+
+use timing::{time_op, Checksum};
 
 /// Which network's shapes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -102,10 +101,12 @@ pub struct Args {
 /// depends on its kind.
 #[derive(Serialize, Clone, Debug, Default)]
 struct OpSpec {
-    /// conv2d, batch_norm, prelu, linear, layer_norm, attention, relu6, sgd or adamw.
+    /// conv2d, patch_embed, batch_norm, prelu, linear, linear_relu6, layer_norm, attention,
+    /// sgd or adamw.
     kind: &'static str,
     name: String,
-    /// Channels (conv2d, batch_norm, prelu); features (linear in / out, layer_norm, relu6);
+    /// Channels (conv2d, patch_embed, batch_norm, prelu); features (linear in / out,
+    /// layer_norm);
     /// width D (attention).
     c_in: usize,
     c_out: usize,
@@ -115,7 +116,7 @@ struct OpSpec {
     groups: usize,
     /// Input height = width (conv2d, batch_norm, prelu).
     side: usize,
-    /// Rows of a `[rows, c_in]` input (linear, layer_norm, relu6); 0: the batch.
+    /// Rows of a `[rows, c_in]` input (linear, linear_relu6, layer_norm); 0: the batch.
     rows: usize,
     /// attention: tokens per sample and heads.
     tokens: usize,
@@ -171,9 +172,9 @@ fn linear(name: &str, rows: usize, (c_in, c_out): (usize, usize), bias: bool) ->
     OpSpec { kind: "linear", name, c_in, c_out, rows, bias, input_grad: true, ..OpSpec::default() }
 }
 
-/// An op over `[rows, c]` rows (layer_norm, relu6).
-fn rowwise(kind: &'static str, rows: usize, c: usize) -> OpSpec {
-    let name = format!("{kind}_{rows}x{c}");
+/// LayerNorm over `[rows, c]`.
+fn layer_norm(rows: usize, c: usize) -> OpSpec {
+    let (kind, name) = ("layer_norm", format!("layer_norm_{rows}x{c}"));
     OpSpec { kind, name, c_in: c, c_out: c, rows, input_grad: true, ..OpSpec::default() }
 }
 
@@ -248,10 +249,17 @@ fn ops(net: Net, w: usize, batch: usize, embedding: usize) -> anyhow::Result<Vec
             // Training keeps int(144 · 0.9) patches of each sample (random masking).
             let kept = tandem::models::VIT_PATCHES * 9 / 10;
             let rows = batch * kept;
-            let mut patch = conv("stem patch 9x9 s9".into(), (3, d), 9, 9, 112);
-            patch.padding = 0;
-            v.push(patch);
-            v.push(rowwise("layer_norm", rows, d));
+            v.push(OpSpec {
+                kind: "patch_embed",
+                name: "stem patch 9x9 s9".into(),
+                c_in: 3,
+                c_out: d,
+                kernel: 9,
+                stride: 9,
+                side: tandem::models::FACE_SIDE,
+                ..OpSpec::default()
+            });
+            v.push(layer_norm(rows, d));
             v.push(linear("qkv", rows, (d, 3 * d), false));
             v.push(OpSpec {
                 kind: "attention",
@@ -263,8 +271,9 @@ fn ops(net: Net, w: usize, batch: usize, embedding: usize) -> anyhow::Result<Vec
                 ..OpSpec::default()
             });
             v.push(linear("proj", rows, (d, d), true));
-            v.push(linear("fc1", rows, (d, cfg.mlp_ratio * d), true));
-            v.push(rowwise("relu6", rows, cfg.mlp_ratio * d));
+            let mut fc1 = linear("fc1_relu6", rows, (d, cfg.mlp_ratio * d), true);
+            fc1.kind = "linear_relu6";
+            v.push(fc1);
             v.push(linear("fc2", rows, (cfg.mlp_ratio * d, d), true));
             v.push(linear("feature", batch, (tandem::models::VIT_PATCHES * d, d), false));
             v.push(per_channel("batch_norm", d, 1));
@@ -345,41 +354,6 @@ pub struct Times {
     pub filter_ms: Option<f64>,
 }
 
-struct Timed {
-    times: Times,
-    /// Convolutions tandem runs by Winograd's algorithm only: forward + backward through
-    /// im2col + gemm.
-    im2col_fwdbwd_ms: Option<f64>,
-    /// The forward output's sum (an optimizer's: its parameters' after one step).
-    checksum: Checksum,
-}
-
-/// A result's sum and the sum of its magnitudes (the scale the two sides' sums are compared at).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-struct Checksum {
-    sum: f64,
-    abs_sum: f64,
-}
-
-impl Checksum {
-    fn of(t: &Tensor) -> candle_core::Result<Self> {
-        let t = t.to_dtype(DType::F64)?;
-        let sum = t.sum_all()?.to_scalar::<f64>()?;
-        Ok(Checksum { sum, abs_sum: t.abs()?.sum_all()?.to_scalar::<f64>()? })
-    }
-
-    fn add(self, o: Checksum) -> Checksum {
-        Checksum { sum: self.sum + o.sum, abs_sum: self.abs_sum + o.abs_sum }
-    }
-
-    /// Whether two sides computed the same values: sums within `rel` of the magnitudes (f32
-    /// rounding in another order moves a sum by far less; another shape, padding or formula
-    /// by far more).
-    fn agrees(self, o: Checksum, rel: f64) -> bool {
-        (self.sum - o.sum).abs() <= rel * self.abs_sum.max(o.abs_sum) + 1e-6
-    }
-}
-
 /// One op's row of the results (`--json`).
 #[derive(Serialize, serde::Deserialize, Clone, Debug)]
 pub struct OpRow {
@@ -441,221 +415,6 @@ pub fn render(r: &ConvResults) -> String {
         out += &format!(" {} | {} |\n", cell(row.im2col_fwdbwd_ms), gain.unwrap_or("–".into()));
     }
     out
-}
-
-/// Median ms of `f` over `repeats` runs after one warm-up (its result is dropped), each run
-/// waiting for `dev` to finish its work.
-fn median_ms<T>(
-    dev: &Device,
-    repeats: usize,
-    mut f: impl FnMut() -> candle_core::Result<T>,
-) -> anyhow::Result<f64> {
-    f()?;
-    dev.synchronize()?;
-    let mut times = Vec::with_capacity(repeats);
-    for _ in 0..repeats.max(1) {
-        let t = Instant::now();
-        f()?;
-        dev.synchronize()?;
-        times.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
-}
-
-/// The inputs both sides fill alike: element `i` of a tensor salted `salt` is
-/// `((i · 7919 + salt) mod 2003) / 2003 − 0.5`, times `scale` (exact integer steps, then one
-/// correctly rounded f32 division, subtraction and product on either side).
-fn filled(
-    shape: &[usize],
-    salt: usize,
-    scale: f32,
-    (dev, dtype): (&Device, DType),
-) -> candle_core::Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> =
-        (0..n).map(|i| (((i * 7919 + salt) % 2003) as f32 / 2003.0 - 0.5) * scale).collect();
-    Tensor::from_vec(v, shape, &Device::Cpu)?.to_device(dev)?.to_dtype(dtype)
-}
-
-fn var(t: Tensor) -> candle_core::Result<Tensor> {
-    Ok(Var::from_tensor(&t)?.as_tensor().clone())
-}
-
-/// Forward and forward + backward of `sum(f() · r)` (`r` filled alike on both sides).
-fn fwd_and_step(
-    dev: &Device,
-    repeats: usize,
-    f: impl Fn() -> candle_core::Result<Tensor>,
-) -> anyhow::Result<(Times, Checksum)> {
-    let y = f()?;
-    let checksum = Checksum::of(&y)?;
-    let r = filled(y.dims(), 5, 2.0, (dev, y.dtype()))?;
-    let fwd_ms = median_ms(dev, repeats, &f)?;
-    let fwdbwd_ms = median_ms(dev, repeats, || tandem::nn::backward(&(f()? * &r)?.sum_all()?))?;
-    let fwdbwd_ms = less_harness(fwdbwd_ms, harness_ms(dev, repeats, &r)?, fwd_ms);
-    Ok((Times { fwd_ms, fwdbwd_ms, ..Times::default() }, checksum))
-}
-
-/// What `sum(y · r)` and its backward cost by themselves, for a `y` of `r`'s shape (a leaf
-/// standing in for the op's output): subtracted from every forward + backward time, on both
-/// sides, so a row times the op and not the harness around it (candle's backward pays more
-/// for the harness than PyTorch's: a zeroed accumulator and an add per tensor).
-fn harness_ms(dev: &Device, repeats: usize, r: &Tensor) -> anyhow::Result<f64> {
-    let leaf = var(r.clone())?;
-    median_ms(dev, repeats, || tandem::nn::backward(&(&leaf * r)?.sum_all()?))
-}
-
-/// `total − harness`, never below the forward alone (medians of a noisy machine).
-fn less_harness(total: f64, harness: f64, fwd: f64) -> f64 {
-    (total - harness).max(fwd)
-}
-
-fn time_op(
-    op: &OpSpec,
-    batch: usize,
-    repeats: usize,
-    (dev, dtype): (&Device, DType),
-) -> anyhow::Result<Timed> {
-    let on = (dev, dtype);
-    let input = |shape: &[usize]| -> candle_core::Result<Tensor> {
-        let x = filled(shape, 1, 2.0, on)?;
-        if op.input_grad {
-            var(x)
-        } else {
-            Ok(x)
-        }
-    };
-    let plain = |(times, checksum)| Timed { times, im2col_fwdbwd_ms: None, checksum };
-    let rows = if op.rows == 0 { batch } else { op.rows };
-    match op.kind {
-        "conv2d" if op.groups > 1 => {
-            let x = input(&[batch, op.c_in, op.side, op.side])?;
-            let w =
-                var(filled(&[op.c_out, op.c_in / op.groups, op.kernel, op.kernel], 2, 0.2, on)?)?;
-            let cfg = Conv2dConfig {
-                padding: op.padding,
-                stride: op.stride,
-                groups: op.groups,
-                ..Default::default()
-            };
-            let layer = tandem::nn::FastConv2d::new(w, None, cfg);
-            Ok(plain(fwd_and_step(dev, repeats, || layer.forward(&x))?))
-        }
-        "conv2d" => {
-            let x = input(&[batch, op.c_in, op.side, op.side])?;
-            let w =
-                Var::from_tensor(&filled(&[op.c_out, op.c_in, op.kernel, op.kernel], 2, 0.2, on)?)?;
-            let p = ConvParams { stride: op.stride, padding: op.padding, dilation: 1 };
-            let y = conv2d(&x, w.as_tensor(), p)?;
-            let checksum = Checksum::of(&y)?;
-            let r = filled(y.dims(), 5, 2.0, (dev, dtype))?;
-            let fwd = || conv2d(&x, w.as_tensor(), p);
-            let step = || tandem::nn::backward(&(conv2d(&x, w.as_tensor(), p)? * &r)?.sum_all()?);
-            let fwd_ms = median_ms(dev, repeats, fwd)?;
-            let fwdbwd_ms = median_ms(dev, repeats, step)?;
-            // Each backward alone: the other operand out of the graph.
-            let (x_fixed, w_fixed) = (x.detach(), w.as_tensor().detach());
-            let data_ms = op
-                .input_grad
-                .then(|| {
-                    median_ms(dev, repeats, || {
-                        tandem::nn::backward(&(conv2d(&x, &w_fixed, p)? * &r)?.sum_all()?)
-                    })
-                })
-                .transpose()?;
-            let filter_ms = Some(median_ms(dev, repeats, || {
-                tandem::nn::backward(&(conv2d(&x_fixed, w.as_tensor(), p)? * &r)?.sum_all()?)
-            })?);
-            let harness = harness_ms(dev, repeats, &r)?;
-            let less = |t: f64| less_harness(t, harness, fwd_ms);
-            let (data_ms, filter_ms) = (data_ms.map(less), filter_ms.map(less));
-            let times = Times { fwd_ms, fwdbwd_ms: less(fwdbwd_ms), data_ms, filter_ms };
-            let winograd = dev.is_cpu()
-                && applies((op.kernel, op.kernel), op.stride, p.padding, 1, op.c_in, op.c_out);
-            let im2col_fwdbwd_ms = if winograd {
-                let default = MIN_CHANNELS.swap(usize::MAX, Ordering::Relaxed);
-                let ms = median_ms(dev, repeats, step);
-                MIN_CHANNELS.store(default, Ordering::Relaxed);
-                Some(less_harness(ms?, harness, fwd_ms))
-            } else {
-                None
-            };
-            Ok(Timed { times, im2col_fwdbwd_ms, checksum })
-        }
-        "batch_norm" => {
-            let vm = VarMap::new();
-            let bn = tandem::nn::fast_batch_norm2d(
-                op.c_in,
-                VarBuilder::from_varmap(&vm, DType::F32, dev),
-            )?;
-            let x = input(&[batch, op.c_in, op.side, op.side])?;
-            Ok(plain(fwd_and_step(dev, repeats, || bn.forward_t(&x, true))?))
-        }
-        "prelu" => {
-            let a = var(Tensor::full(0.25f32, op.c_in, dev)?)?;
-            let x = input(&[batch, op.c_in, op.side, op.side])?;
-            let f = || tandem::nn::kernels::prelu::prelu(&x, &a);
-            Ok(plain(fwd_and_step(dev, repeats, f)?))
-        }
-        "linear" => {
-            let x = input(&[rows, op.c_in])?;
-            let w = var(filled(&[op.c_out, op.c_in], 2, 0.2, on)?)?;
-            let b = op.bias.then(|| var(filled(&[op.c_out], 3, 0.2, on)?)).transpose()?;
-            Ok(plain(fwd_and_step(dev, repeats, || fused_linear(&x, &w, b.as_ref()))?))
-        }
-        "layer_norm" => {
-            let x = input(&[rows, op.c_in])?;
-            let w = var(filled(&[op.c_in], 2, 0.2, on)?.affine(1.0, 1.0)?)?;
-            let b = var(filled(&[op.c_in], 3, 0.2, on)?)?;
-            Ok(plain(fwd_and_step(dev, repeats, || layer_norm(&x, &w, &b, 1e-5))?))
-        }
-        "relu6" => {
-            // Scaled to cross both kinks (0 and 6).
-            let x = var(filled(&[rows, op.c_in], 1, 16.0, on)?)?;
-            Ok(plain(fwd_and_step(dev, repeats, || relu6(&x))?))
-        }
-        "attention" => {
-            let qkv = input(&[batch, op.tokens, 3 * op.c_in])?;
-            Ok(plain(fwd_and_step(dev, repeats, || attention(&qkv, op.heads))?))
-        }
-        "sgd" | "adamw" => {
-            let params: Vec<Var> = op
-                .numels
-                .iter()
-                .enumerate()
-                .map(|(i, &n)| Var::from_tensor(&filled(&[n], 10 + i, 0.2, on)?))
-                .collect::<candle_core::Result<_>>()?;
-            // The store's gradients are the filled tensors: d/dp of sum(p · g) is g.
-            let mut loss = Tensor::zeros((), DType::F32, dev)?;
-            for (i, p) in params.iter().enumerate() {
-                let g = filled(&[op.numels[i]], 1000 + i, 0.02, on)?;
-                loss = (loss + (p.as_tensor() * g)?.sum_all()?)?;
-            }
-            let grads = loss.backward()?;
-            let mut opt: Box<dyn TorchOptimizer> = if op.kind == "sgd" {
-                // The face recipe's SGD (arcface_torch's lr, momentum and weight decay).
-                let c =
-                    SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 5e-4, ..Default::default() };
-                Box::new(TorchSgd::new(params.clone(), c)?)
-            } else {
-                // arcface_torch's ViT config: AdamW, lr 1e-3, weight decay 0.1.
-                let c = AdamWConfig { lr: 1e-3, weight_decay: 0.1, ..Default::default() };
-                Box::new(TorchAdamW::new(params.clone(), c)?)
-            };
-            opt.step(&grads)?;
-            let mut checksum = Checksum::default();
-            for p in &params {
-                checksum = checksum.add(Checksum::of(p.as_tensor())?);
-            }
-            let step_ms = median_ms(dev, repeats, || {
-                opt.step(&grads).map_err(|e| candle_core::Error::Msg(e.to_string()))
-            })?;
-            let times = Times { fwd_ms: step_ms, fwdbwd_ms: step_ms, ..Times::default() };
-            Ok(plain((times, checksum)))
-        }
-        other => anyhow::bail!("op {}: unknown kind {other}", op.name),
-    }
 }
 
 /// One op's row from the PyTorch peer (its `RESULT {json}` line).
