@@ -489,6 +489,20 @@ fn input_grad_batched(g: &Geometry, w: &[f32], gy: &[f32]) -> Vec<f32> {
     gx
 }
 
+/// `w'[c][o][ky][kx] = w[o][c][kh − 1 − ky][kw − 1 − kx]`: the filters of the convolution
+/// that maps a stride-1 "same" convolution's output gradient to its input gradient.
+fn flipped_transposed(g: &Geometry, w: &[f32]) -> Vec<f32> {
+    let taps = g.kh * g.kw;
+    let mut out = vec![0f32; w.len()];
+    for (oi, filters) in w.chunks_exact(g.c * taps).enumerate() {
+        for (ci, filter) in filters.chunks_exact(taps).enumerate() {
+            let to = &mut out[(ci * g.o + oi) * taps..][..taps];
+            to.iter_mut().zip(filter.iter().rev()).for_each(|(t, &v)| *t = v);
+        }
+    }
+    out
+}
+
 /// `y = conv2d(x, w)` into `y` (`[N, O, Ho, Wo]`).
 fn forward(g: &Geometry, x: &[f32], w: &[f32], y: &mut [f32]) {
     if let Some(d) = g.winograd().filter(|_| !g.im2col_forward_is_ahead()) {
@@ -634,9 +648,26 @@ pub(crate) fn backward(
     let gy = gy.contiguous()?;
     if let Some(d) = g.winograd() {
         let (want_gw, want_gx) = (w.track_op(), x.track_op());
+        // A "same" convolution's input gradient is the "same" convolution of `gy` by the
+        // flipped, transposed filters: where im2col computes that forward faster than
+        // Winograd (thin layers, a cached im2col buffer), it computes the gradient too
+        // (ResNet-18's 16-channel stage at batch 32: 1.85 → ~1.1 ms).
+        let transposed = Geometry { c: g.o, o: g.c, ..g };
+        let by_forward = want_gx && transposed.im2col_forward_is_ahead();
         let (gw, gx) = with_f32_slice(x, |xs| {
             with_f32_slice(w, |ws| {
-                with_f32_slice(&gy, |gys| winograd::backward(&d, xs, ws, gys, want_gw, want_gx))
+                with_f32_slice(&gy, |gys| {
+                    let (gw, gx) =
+                        winograd::backward(&d, xs, ws, gys, want_gw, want_gx && !by_forward);
+                    let gx = if by_forward {
+                        let mut gx = zeroed(g.n * g.image_len());
+                        forward(&transposed, gys, &flipped_transposed(&g, ws), &mut gx);
+                        Some(gx)
+                    } else {
+                        gx
+                    };
+                    (gw, gx)
+                })
             })
         })???;
         let gw = gw.map(|v| Tensor::from_vec(v, w.shape(), w.device())).transpose()?;
