@@ -108,7 +108,8 @@ impl Geometry {
     /// there the forward's one gemm over im2col beats Winograd's four-fold transformed tiles
     /// (`conv_strategies`, 2 threads, batch 32: 16 channels at 32x32 0.92 vs 1.18 ms; at
     /// IResNet's 112x112, a 7 MB buffer, 3.7 vs 3.3 ms; 32 channels at 16x16 even). The
-    /// backward stays Winograd's, ahead at every size.
+    /// input gradient, itself such a convolution, follows it (see `backward`); the weight's
+    /// stays Winograd's.
     fn im2col_forward_is_ahead(&self) -> bool {
         const MAX_CHANNELS: usize = 16;
         const MAX_COL_BYTES: usize = 1 << 20;
