@@ -115,13 +115,16 @@ fn linear_forward(
     };
     let xv = View { data: x, rs: k, cs: 1 };
     let wt = View { data: w, rs: 1, cs: k };
-    if rows < TRANSPOSE_FROM_ROWS || by_dot_products(rows, k, xv, wt) {
+    let transpose = rows >= TRANSPOSE_FROM_ROWS
+        && n * k <= TRANSPOSE_MAX_VALUES
+        && !by_dot_products(rows, k, xv, wt);
+    if !transpose {
         matmul((rows, n, k), &mut y, n, xv, wt, bias.is_some(), threads());
     } else {
         // `w` read as `wᵀ` has its columns contiguous along the inner dimension, which gemm
         // packs at a fraction of its speed once per block of rows; one blocked transpose
         // first costs less (ViT-T's fc2, [1032, 1024] · [1024, 256]: 3.05 → 2.35 ms a thread,
-        // the transpose 0.16 ms).
+        // the transpose 0.16 ms) while the weight stays near the cache.
         let w_t = transposed(w, n, k);
         let wt = View { data: &w_t, rs: n, cs: 1 };
         matmul((rows, n, k), &mut y, n, xv, wt, bias.is_some(), threads());
@@ -132,6 +135,12 @@ fn linear_forward(
 /// Rows from which the forward transposes the weight first (a product of fewer rows against a
 /// large weight is closer to a matrix-vector one, where the transpose is most of the work).
 const TRANSPOSE_FROM_ROWS: usize = 8;
+
+/// The largest weight (values) the forward transposes first: past the cache the transpose
+/// runs at memory speed and costs more than gemm's slow packing saves (2 threads, 2-core AMD
+/// EPYC: [256, 4096] · [4096, 1024] 16.0 → 12.5 ms, but [128, 4096] · [4096, 2048] 21.7 →
+/// 29.2 ms and IResNet's feature layer, [128, 25088] · [25088, 512], 27.7 → 39.0 ms).
+const TRANSPOSE_MAX_VALUES: usize = 1 << 22;
 
 fn forward_shapes(xl: &Layout, wl: &Layout) -> candle_core::Result<(usize, usize, usize)> {
     let (rows, k) = xl.shape().dims2()?;
