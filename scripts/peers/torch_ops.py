@@ -4,15 +4,17 @@
 # parameters' always); for
 # ungrouped convolutions also forward + each backward alone (data: the input's gradient, the
 # weight frozen; filter: the weight's, the input detached); an optimizer's row is one step() —
-# median ms. Inputs are filled by tandem's formula (`filled` in crates/tandem-bench/src/ops.rs),
+# median ms. Inputs are filled by tandem's formula (`filled` in
+# crates/tandem-bench/src/ops/timing.rs),
 # so each op's forward output sum (an optimizer's parameter sum after one step) is printed for
 # tandem to compare with its own. Prints one `RESULT {json}` line per op: name, fwd_ms,
 # fwdbwd_ms, data_ms and filter_ms (convolutions), sum, abs_sum.
 # Ops: conv2d (c_in -> c_out, kernel, stride, padding, groups), batch_norm (training mode),
-# patch_embed (arcface_torch's ViT PatchEmbed: a c_in -> c_out convolution, kernel = stride, with
-# bias, on data), prelu (one slope per channel), linear (rows x c_in -> c_out, bias), linear_relu6
-# (the ViT's fc1 and its ReLU6), layer_norm over rows x c_in, attention (arcface_torch's ViT Attention between its qkv and proj linears),
-# sgd and adamw over parameters of the listed sizes.
+# patch_embed (arcface_torch's ViT PatchEmbed: a c_in -> c_out convolution, kernel = stride,
+# with bias, on data), prelu (one slope per channel), linear (rows x c_in -> c_out, bias),
+# linear_relu6 (the ViT's fc1 and its ReLU6), layer_norm over rows x c_in, attention
+# (arcface_torch's ViT Attention between its qkv and proj linears), sgd and adamw over
+# parameters of the listed sizes.
 # usage: python torch_ops.py BATCH REPEATS THREADS [DEVICE [DTYPE]] < ops.json
 # DEVICE cpu (default) or cuda (cudnn.benchmark on, TF32 at PyTorch's defaults, a synchronize
 # after every timed call); DTYPE f32 (default), f16 or bf16 (activations and conv weights;

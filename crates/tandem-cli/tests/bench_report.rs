@@ -340,10 +340,10 @@ fn ops_rows(out: &str) -> Vec<(String, String, Vec<String>)> {
 }
 
 /// `tandem bench ops` on the face backbones: every op of the ViT's and MobileFaceNet's steps
-/// is timed, as the step runs it (the ViT's patch embedding and fc1 + ReLU6 are tandem ops of
-/// their own) (a number in tandem's columns, PyTorch's beside it when torch is here: the bench
-/// has then checked each op's output sum equal on both sides), and the caption names the CPU
-/// and its vector extensions.
+/// is timed as the step runs it — the ViT's patch embedding and its fc1 + ReLU6 are ops of
+/// their own — with a number in tandem's columns and PyTorch's beside it when torch is here
+/// (the bench has then checked each op's output sum equal on both sides), and the caption
+/// names the CPU and its vector extensions.
 #[test]
 fn ops_bench_times_every_op_of_the_face_backbones_against_pytorch() {
     let torch = tandem_testutil::torch_python();
