@@ -187,9 +187,10 @@ impl ModelKind {
     }
 
     /// arcface_torch's ViT (`get_model(name)`'s arguments) for the `vit_*` names; `None` for the
-    /// others.
+    /// others. Each block trains as one autograd node ([`VitConfig::fused`]): the face
+    /// backbones train through tandem's backward, which the checkpointed sizes need anyway.
     pub fn vit(self) -> Option<VitConfig> {
-        match self {
+        let cfg = match self {
             ModelKind::VitT => Some(VitConfig::VIT_T),
             ModelKind::VitS => Some(VitConfig::VIT_S),
             ModelKind::VitB => Some(VitConfig::VIT_B),
@@ -199,7 +200,8 @@ impl ModelKind {
             ModelKind::VitBDp005Mask005 => Some(VitConfig::new(512, 24, 0.05, 0.05).checkpointed()),
             ModelKind::VitH => Some(VitConfig::new(1024, 48, 0.1, 0.0).checkpointed()),
             _ => None,
-        }
+        };
+        cfg.map(VitConfig::fused)
     }
 
     /// Whether this is a face-recognition backbone (embeddings, trained with PartialFC) rather

@@ -24,7 +24,7 @@ use candle_core::{DType, Tensor, Var};
 use candle_nn::{Init, Module, ModuleT, VarBuilder};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tandem_nn::functional::{attention, fused_linear, layer_norm};
+use tandem_nn::functional::{attention, encoder_block, fused_linear, layer_norm, EncoderBlock};
 use tandem_nn::torch_init::standard_normal;
 use tandem_nn::{
     fast_batch_norm2d, fast_linear, fast_linear_no_bias, FastBatchNorm2d, FastLinear, HasBatchNorm,
@@ -59,6 +59,12 @@ pub struct VitConfig {
     /// in backward rather than kept (`tandem_nn::checkpoint`), so deep ViTs train in the memory
     /// of their block inputs. Needs tandem's backward (`Ddp::backward`, the trainer).
     pub using_checkpoint: bool,
+    /// In training on CPU f32, each block is one autograd node
+    /// (`tandem_nn::functional::encoder_block`: the same values, without candle's per-op
+    /// gradient accumulators — ~12% of ViT-T's step), its checkpointed recomputation too.
+    /// Needs tandem's backward, as `using_checkpoint` does; a block run as an FSDP unit is
+    /// composed op by op.
+    pub fused_blocks: bool,
 }
 
 impl VitConfig {
@@ -82,12 +88,18 @@ impl VitConfig {
             drop_path_rate,
             mask_ratio,
             using_checkpoint: false,
+            fused_blocks: false,
         }
     }
 
     /// With activation checkpointing (arcface_torch's `using_checkpoint=True`).
     pub const fn checkpointed(self) -> Self {
         VitConfig { using_checkpoint: true, ..self }
+    }
+
+    /// With each block one autograd node in training (see [`VitConfig::fused_blocks`]).
+    pub const fn fused(self) -> Self {
+        VitConfig { fused_blocks: true, ..self }
     }
 }
 
@@ -146,6 +158,44 @@ impl Block {
         let h = self.fc1.forward_relu6(&self.norm2.forward(&x)?)?;
         let m = self.fc2.forward(&h)?;
         residual(&x, &dropped(&m, masks.map(|m| &m[1]))?)
+    }
+
+    /// A training forward: as one autograd node when `fused` and the node applies (see
+    /// [`VitConfig::fused_blocks`]), else op by op.
+    fn forward_train(
+        &self,
+        x: &Tensor,
+        masks: Option<&[Tensor; 2]>,
+        fused: bool,
+    ) -> candle_core::Result<Tensor> {
+        if fused {
+            if let Some(y) = self.forward_fused(x, masks)? {
+                return Ok(y);
+            }
+        }
+        self.forward(x, masks)
+    }
+
+    /// [`Block::forward`] as one autograd node (`None` where it does not apply).
+    fn forward_fused(
+        &self,
+        x: &Tensor,
+        masks: Option<&[Tensor; 2]>,
+    ) -> candle_core::Result<Option<Tensor>> {
+        fn linear(l: &FastLinear) -> (&Tensor, Option<&Tensor>) {
+            (l.weight(), l.bias())
+        }
+        let block = EncoderBlock {
+            norm1: (&self.norm1.weight, &self.norm1.bias),
+            qkv: linear(&self.qkv),
+            proj: linear(&self.proj),
+            norm2: (&self.norm2.weight, &self.norm2.bias),
+            fc1: linear(&self.fc1),
+            fc2: linear(&self.fc2),
+            heads: self.num_heads,
+            eps: LN_EPS,
+        };
+        encoder_block(x, &block, masks)
     }
 
     /// The block's variables.
@@ -449,10 +499,15 @@ impl Vit {
             } else if train && self.cfg.using_checkpoint {
                 // arcface_torch's using_checkpoint: the block's activations are recomputed in
                 // backward (with the same masks) instead of kept.
-                let (b, m) = (std::sync::Arc::clone(block), masks.clone());
+                // The recomputation runs inside tandem's backward, so a fused block's
+                // parameter gradients reach the store from there too.
+                let (b, m, fused) =
+                    (std::sync::Arc::clone(block), masks.clone(), self.cfg.fused_blocks);
                 let f: tandem_nn::CheckpointFn =
-                    std::sync::Arc::new(move |x| b.forward(x, m.as_ref()));
+                    std::sync::Arc::new(move |x| b.forward_train(x, m.as_ref(), fused));
                 tandem_nn::checkpoint(&x, f, block.params())?
+            } else if train {
+                block.forward_train(&x, masks.as_ref(), self.cfg.fused_blocks)?
             } else {
                 block.forward(&x, masks.as_ref())?
             };

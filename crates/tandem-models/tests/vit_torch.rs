@@ -131,10 +131,11 @@ fn arcface_torch_s_sizes_and_bad_input() {
     assert!(e.unwrap_err().to_string().contains("[2, 144]"));
 }
 
-#[test]
-fn activation_checkpointing_gives_the_same_values_and_gradients() {
-    // The same weights in two models, one recomputing its blocks in backward; masks and
-    // stochastic depth on, drawn from the same seed.
+/// Two models with the same weights, the second built as `cfg` asks, trained one step from the
+/// same seed (masks and stochastic depth on) under tandem's backward: the same embeddings and
+/// every parameter's gradient bit for bit; then the second under candle's own backward fails
+/// naming tandem's.
+fn same_values_and_gradients_as_the_plain_model(variant: impl Fn(VitConfig) -> VitConfig) {
     let cfg = VitConfig { drop_path_rate: 0.5, mask_ratio: 0.1, ..SMALL };
     let build = |cfg: VitConfig| {
         let vars = OrderedVarMap::new();
@@ -147,7 +148,7 @@ fn activation_checkpointing_gives_the_same_values_and_gradients() {
         (vars, model)
     };
     let (plain_vars, plain) = build(cfg);
-    let (ckpt_vars, ckpt) = build(cfg.checkpointed());
+    let (other_vars, other) = build(variant(cfg));
     let x = formula(&[6, 3, 112, 112], 0.5, 1.0);
     let probe = formula(&[6, 16], 1.5, 1.0);
     let run = |model: &Vit| {
@@ -157,9 +158,9 @@ fn activation_checkpointing_gives_the_same_values_and_gradients() {
         (y, tandem_nn::backward(&loss).unwrap())
     };
     let (ya, ga) = run(&plain);
-    let (yb, gb) = run(&ckpt);
+    let (yb, gb) = run(&other);
     assert_eq!(ya.to_vec2::<f32>().unwrap(), yb.to_vec2::<f32>().unwrap());
-    let (na, nb) = (plain_vars.named(), ckpt_vars.named());
+    let (na, nb) = (plain_vars.named(), other_vars.named());
     let mut compared = 0;
     for ((name, a), (_, b)) in na.iter().zip(&nb) {
         let (Some(a), Some(b)) = (ga.get(a.as_tensor()), gb.get(b.as_tensor())) else {
@@ -174,8 +175,25 @@ fn activation_checkpointing_gives_the_same_values_and_gradients() {
         compared += 1;
     }
     assert_eq!(compared, 34, "every parameter's gradient");
-    // Under candle's own backward the recomputed blocks' gradients could not be handed on.
-    let y = ckpt.forward_t(&x, true).unwrap();
+    // Under candle's own backward the block's parameter gradients could not be handed on.
+    let y = other.forward_t(&x, true).unwrap();
     let e = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap_err().to_string();
     assert!(e.contains("tandem_nn::backward"), "{e}");
+}
+
+#[test]
+fn activation_checkpointing_gives_the_same_values_and_gradients() {
+    same_values_and_gradients_as_the_plain_model(VitConfig::checkpointed);
+}
+
+/// Each block as one autograd node (`encoder_block`) computes what the op-by-op blocks do.
+#[test]
+fn fused_blocks_give_the_same_values_and_gradients() {
+    same_values_and_gradients_as_the_plain_model(VitConfig::fused);
+}
+
+/// Fused blocks recomputed in backward (vit_b's and vit_l's training) too.
+#[test]
+fn fused_checkpointed_blocks_give_the_same_values_and_gradients() {
+    same_values_and_gradients_as_the_plain_model(|cfg| cfg.checkpointed().fused());
 }

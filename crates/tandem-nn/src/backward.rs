@@ -93,8 +93,21 @@ pub fn backward(loss: &Tensor) -> candle_core::Result<GradStore> {
 
 /// Whether this thread is inside [`backward`] (where ops may hand parameter gradients to
 /// [`take_param_grad`]).
-pub(crate) fn in_backward_scope() -> bool {
+fn in_backward_scope() -> bool {
     TAKEN.with(|t| t.borrow().is_some())
+}
+
+/// Fails, naming `op`, unless inside [`backward`]: an op whose parameters are not candle
+/// operands hands their gradients to the store, which a plain `loss.backward()` does not have
+/// (`lost`: what would be lost there).
+pub(crate) fn require_backward_scope(op: &str, lost: &str) -> candle_core::Result<()> {
+    if !in_backward_scope() {
+        candle_core::bail!(
+            "{op}: the backward must be tandem's (tandem_nn::backward, Ddp::backward): under a \
+             plain loss.backward() {lost} would be lost"
+        )
+    }
+    Ok(())
 }
 
 /// Called by a fused op's backward with the gradient of its parameter operand `param`: inside

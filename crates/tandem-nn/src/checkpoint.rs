@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, Var};
 
-use crate::backward::{in_backward_scope, take_param_grad};
+use crate::backward::{require_backward_scope, take_param_grad};
 
 /// The function a checkpoint recomputes.
 pub type CheckpointFn = Arc<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
@@ -72,13 +72,7 @@ impl CustomOp2 for Checkpoint {
         _out: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        if !in_backward_scope() {
-            candle_core::bail!(
-                "checkpoint: the backward must be tandem's (tandem_nn::backward, Ddp::backward): \
-                 under a plain loss.backward() the recomputed block's parameter gradients would \
-                 be lost"
-            )
-        }
+        require_backward_scope("checkpoint", "the recomputed block's parameter gradients")?;
         let input = Var::from_tensor(&x.detach())?;
         let y = crate::recompute(|| {
             crate::autocast::autocast(self.autocast, || (self.f)(input.as_tensor()))
@@ -97,7 +91,7 @@ impl CustomOp2 for Checkpoint {
 }
 
 /// A contiguous copy of the storage `s` viewed through `l`.
-fn contiguous_copy(s: &CpuStorage, l: &Layout) -> candle_core::Result<CpuStorage> {
+pub(crate) fn contiguous_copy(s: &CpuStorage, l: &Layout) -> candle_core::Result<CpuStorage> {
     use candle_core::backend::{BackendDevice, BackendStorage};
     let mut out = s.device().zeros_impl(l.shape(), s.dtype())?;
     s.copy_strided_src(&mut out, 0, l)?;

@@ -35,7 +35,7 @@ pub fn attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     }
     let d = three_d / 3;
     if qkv.device().is_cpu() && qkv.dtype() == DType::F32 {
-        return qkv.contiguous()?.apply_op1(Attention { heads, probs: Mutex::new(None) });
+        return qkv.contiguous()?.apply_op1(Attention::new(heads));
     }
     let hd = d / heads;
     let qkv = qkv.reshape((n, t, 3, heads, hd))?.permute((2, 0, 3, 1, 4))?;
@@ -45,7 +45,7 @@ pub fn attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     y.transpose(1, 2)?.reshape((n, t, d))
 }
 
-struct Attention {
+pub(crate) struct Attention {
     heads: usize,
     /// The forward's probabilities, `[N, H, T, T]`, kept for backward (as PyTorch keeps
     /// `attn`): taken by the backward, so they live as long as the graph needs them.
@@ -62,6 +62,11 @@ struct Dims {
 }
 
 impl Attention {
+    /// The CPU f32 op on `heads` heads (a projection's width must split into them).
+    pub(crate) fn new(heads: usize) -> Self {
+        Attention { heads, probs: Mutex::new(None) }
+    }
+
     fn dims(&self, layout: &Layout) -> candle_core::Result<(usize, Dims)> {
         let (n, t, three_d) = layout.shape().dims3()?;
         let d = three_d / 3;

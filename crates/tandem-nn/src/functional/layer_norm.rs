@@ -148,16 +148,29 @@ impl CustomOp3 for LayerNorm {
         _y: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let d = w.elem_count();
-        let g = g.contiguous()?;
-        let (gx, gw, gb) = with_f32_slice(x, |x| {
-            with_f32_slice(w, |w| with_f32_slice(&g, |g| layer_norm_backward(x, w, g, d, self.eps)))
-        })???;
-        let gx = Tensor::from_vec(gx, x.shape(), x.device())?;
-        let gw = Tensor::from_vec(gw, d, x.device())?;
-        let gb = Tensor::from_vec(gb, d, x.device())?;
-        Ok((Some(gx), take_param_grad(w, Some(gw))?, take_param_grad(b, Some(gb))?))
+        let (gx, gw, gb) = grads(x, w, b, g, self.eps)?;
+        Ok((Some(gx), gw, gb))
     }
+}
+
+/// The op's gradients for CPU f32 `x` (contiguous), `w`, `b` and the output's `g`: the input's,
+/// and the weight's and bias's as [`take_param_grad`] leaves them (`None` when taken).
+pub(crate) fn grads(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    g: &Tensor,
+    eps: f64,
+) -> candle_core::Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+    let d = w.elem_count();
+    let g = g.contiguous()?;
+    let (gx, gw, gb) = with_f32_slice(x, |x| {
+        with_f32_slice(w, |w| with_f32_slice(&g, |g| layer_norm_backward(x, w, g, d, eps)))
+    })???;
+    let gx = Tensor::from_vec(gx, x.shape(), x.device())?;
+    let gw = Tensor::from_vec(gw, d, x.device())?;
+    let gb = Tensor::from_vec(gb, d, x.device())?;
+    Ok((gx, take_param_grad(w, Some(gw))?, take_param_grad(b, Some(gb))?))
 }
 
 /// `(∂x, ∂weight, ∂bias)`: per row, with x̂ the normalised input and ĝ = g·weight,

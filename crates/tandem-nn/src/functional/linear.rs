@@ -200,7 +200,8 @@ impl CustomOp2 for LinearF32 {
         y: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (gx, gw, _) = linear_backward(x, w, None, &product_grad(self.relu6, y, g)?)?;
+        let (gx, gw, _) =
+            linear_backward(x, w, None, &product_grad(self.relu6, y, g)?, x.track_op())?;
         Ok((gx, gw))
     }
 }
@@ -230,25 +231,42 @@ impl CustomOp3 for LinearF32 {
         y: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        linear_backward(x, w, Some(b), &product_grad(self.relu6, y, g)?)
+        linear_backward(x, w, Some(b), &product_grad(self.relu6, y, g)?, x.track_op())
     }
 }
 
+/// The gradients of the CPU f32 op (contiguous 2-d `x` and `w`) that made `y`, given the
+/// output's `g`, with the input's always computed; the weight's and bias's as
+/// [`take_param_grad`] leaves them (`None` when taken). `relu6`: `y` was clamped
+/// ([`fused_linear_relu6`]).
+pub(crate) fn grads(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    (y, g): (&Tensor, &Tensor),
+    relu6: bool,
+) -> candle_core::Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+    let (gx, gw, gb) = linear_backward(x, w, b, &product_grad(relu6, y, g)?, true)?;
+    let gx = gx.ok_or_else(|| candle_core::Error::Msg("linear: no input gradient".into()))?;
+    Ok((gx, gw, gb))
+}
+
 /// The gradients of `x @ wᵀ + b` given the output's `g`: only operands in the autograd graph
-/// get one (the first layer's data input needs none). Inside [`crate::backward`] the weight's
-/// and bias's go to the store directly.
+/// get one, and the input only when `want_gx` (the first layer's data input needs none). Inside
+/// [`crate::backward`] the weight's and bias's go to the store directly.
 fn linear_backward(
     x: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
     g: &Tensor,
+    want_gx: bool,
 ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
     let (rows, k) = x.dims2()?;
     let (n, _) = w.dims2()?;
     let dev = x.device();
     let (gx, gw, gb) = with_f32_slice(g, |g| {
         let gv = View { data: g, rs: n, cs: 1 };
-        let gx = if x.track_op() {
+        let gx = if want_gx {
             // gx[rows, k] = g · w
             let gx =
                 with_f32_slice(w, |w| product((rows, k, n), gv, View { data: w, rs: k, cs: 1 }))?;
