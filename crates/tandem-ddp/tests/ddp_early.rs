@@ -3,7 +3,8 @@
 //! parameters to the all-reduce while backward runs (the BatchNorms fused with a convolution
 //! follow after it), and the averaged gradients are the same bits as reducing after backward,
 //! step after step; a model that uses a weight twice gets an error naming it, never a wrong
-//! average. MobileFaceNet and the ViT hand theirs too.
+//! average. MobileFaceNet and the ViT (its blocks composed op by op or each one node) hand theirs
+//! too.
 mod common;
 
 use candle_core::{DType, Device, Tensor};
@@ -20,6 +21,8 @@ enum Backbone {
     IResNet,
     MobileFaceNet,
     Vit,
+    /// The ViT with each block one autograd node (the face recipe's).
+    FusedVit,
 }
 
 /// One step's averaged gradients (in parameter order) and how many arrived during backward.
@@ -39,8 +42,10 @@ fn step(backbone: Backbone, early: bool) -> Vec<(Vec<Vec<f32>>, usize, usize)> {
                 MobileFaceNet::reset_parameters(&vars.named(), 3).unwrap();
                 (Box::new(m), &[])
             }
-            Backbone::Vit => {
-                let m = Vit::new(VitConfig::new(32, 2, 0.1, 0.1), 8, vb).unwrap();
+            Backbone::Vit | Backbone::FusedVit => {
+                let cfg = VitConfig::new(32, 2, 0.1, 0.1);
+                let cfg = if matches!(backbone, Backbone::FusedVit) { cfg.fused() } else { cfg };
+                let m = Vit::new(cfg, 8, vb).unwrap();
                 Vit::reset_parameters(&vars.named(), 3).unwrap();
                 (Box::new(m), &[])
             }
@@ -121,6 +126,12 @@ fn mobilefacenet_and_vit_reduce_during_backward_too() {
     // reshape), which backward reaches last anyway; the LayerNorms' included.
     let (count, params) = early_count(Backbone::Vit);
     assert_eq!(count, params - 3, "ViT: {count} of {params} early");
+    // Each block one autograd node: its parameters' gradients go early all the same, and they
+    // are the op-by-op model's bits.
+    let (fused, _) = early_count(Backbone::FusedVit);
+    assert_eq!(fused, count, "fused ViT: {fused} of {params} early");
+    let (a, b) = (step(Backbone::Vit, true), step(Backbone::FusedVit, true));
+    assert_eq!(a[0].0, b[0].0, "fused ViT: the op-by-op model's averaged gradients");
 }
 
 #[test]
