@@ -178,14 +178,17 @@ struct BlockNode {
     eps: f64,
 }
 
-/// Fails unless every parameter gradient left by an op's backward was taken by the store.
-fn taken(left: [Option<Tensor>; 2]) -> candle_core::Result<()> {
-    if left.iter().any(Option::is_some) {
+/// The input's gradient of an op's backward, whose parameter gradients the store must have
+/// taken (one left over belongs to a parameter that is not a variable: it would have no home).
+fn input_grad(
+    (gx, gw, gb): (Tensor, Option<Tensor>, Option<Tensor>),
+) -> candle_core::Result<Tensor> {
+    if gw.is_some() || gb.is_some() {
         candle_core::bail!(
             "encoder_block: a parameter is not a variable (its gradient has no home)"
         )
     }
-    Ok(())
+    Ok(gx)
 }
 
 impl CustomOp2 for BlockNode {
@@ -218,18 +221,16 @@ impl CustomOp2 for BlockNode {
         let gy = grad.contiguous()?.reshape((rows, d))?;
         // The MLP branch, from its output back to LN2's input.
         let gm = masked(&gy, s.masks[1].as_ref(), self.dims)?;
-        let (gh, gw, gb) = linear_grads(&s.h, &p.fc2.0, p.fc2.1.as_ref(), (&s.m, &gm), false)?;
-        taken([gw, gb])?;
-        let (gln2, gw, gb) = linear_grads(&s.ln2, &p.fc1.0, p.fc1.1.as_ref(), (&s.h, &gh), true)?;
-        taken([gw, gb])?;
-        let (gx1_norm, gw, gb) = layer_norm_grads(&s.x1, &p.norm2.0, &p.norm2.1, &gln2, self.eps)?;
-        taken([gw, gb])?;
+        let gh = input_grad(linear_grads(&s.h, &p.fc2.0, p.fc2.1.as_ref(), (&s.m, &gm), false)?)?;
+        let gln2 =
+            input_grad(linear_grads(&s.ln2, &p.fc1.0, p.fc1.1.as_ref(), (&s.h, &gh), true)?)?;
+        let gx1_norm =
+            input_grad(layer_norm_grads(&s.x1, &p.norm2.0, &p.norm2.1, &gln2, self.eps)?)?;
         let gx1 = (&gy + &gx1_norm)?;
         // The attention branch, back to LN1's input.
         let ga = masked(&gx1, s.masks[0].as_ref(), self.dims)?;
-        let (gatt, gw, gb) =
-            linear_grads(&s.att, &p.proj.0, p.proj.1.as_ref(), (&s.a, &ga), false)?;
-        taken([gw, gb])?;
+        let gatt =
+            input_grad(linear_grads(&s.att, &p.proj.0, p.proj.1.as_ref(), (&s.a, &ga), false)?)?;
         let qkv3 = s.qkv.reshape((n, t, 3 * d))?;
         let att3 = s.att.reshape((n, t, d))?;
         let gqkv = s
@@ -237,13 +238,11 @@ impl CustomOp2 for BlockNode {
             .bwd(&qkv3, &att3, &gatt.reshape((n, t, d))?)?
             .ok_or_else(|| candle_core::Error::Msg("encoder_block: no attention gradient".into()))?
             .reshape((rows, 3 * d))?;
-        let (gln1, gw, gb) =
-            linear_grads(&s.ln1, &p.qkv.0, p.qkv.1.as_ref(), (&s.qkv, &gqkv), false)?;
-        taken([gw, gb])?;
-        let x = x.contiguous()?;
+        let gln1 =
+            input_grad(linear_grads(&s.ln1, &p.qkv.0, p.qkv.1.as_ref(), (&s.qkv, &gqkv), false)?)?;
         let gln1 = gln1.reshape((n, t, d))?;
-        let (gx_norm, gw, gb) = layer_norm_grads(&x, &p.norm1.0, &p.norm1.1, &gln1, self.eps)?;
-        taken([gw, gb])?;
+        let x = x.contiguous()?;
+        let gx_norm = input_grad(layer_norm_grads(&x, &p.norm1.0, &p.norm1.1, &gln1, self.eps)?)?;
         Ok((Some((gx1.reshape((n, t, d))? + gx_norm)?), None))
     }
 }
