@@ -61,17 +61,20 @@ fn check_all_cases(threads: usize) {
 fn outputs_and_gradients_match_pytorch_per_image_batched_and_winograd_on_one_and_three_threads() {
     use std::sync::atomic::Ordering;
     use tandem_nn::kernels::conv2d::BATCHED_BELOW_PIXELS;
-    use tandem_nn::kernels::winograd::MIN_CHANNELS;
+    use tandem_nn::kernels::winograd::{MIN_CHANNELS, WEIGHTS_DECIDE};
     let (batched, winograd) =
         (BATCHED_BELOW_PIXELS.load(Ordering::Relaxed), MIN_CHANNELS.load(Ordering::Relaxed));
     for (below, min_channels) in [(0, usize::MAX), (usize::MAX, usize::MAX), (0, 1)] {
         BATCHED_BELOW_PIXELS.store(below, Ordering::Relaxed);
         MIN_CHANNELS.store(min_channels, Ordering::Relaxed);
+        // Winograd on every eligible shape, the ones whose weights outweigh their tiles too.
+        WEIGHTS_DECIDE.store(min_channels == usize::MAX, Ordering::Relaxed);
         check_all_cases(1);
         check_all_cases(3);
     }
     BATCHED_BELOW_PIXELS.store(batched, Ordering::Relaxed);
     MIN_CHANNELS.store(winograd, Ordering::Relaxed);
+    WEIGHTS_DECIDE.store(true, Ordering::Relaxed);
 }
 
 #[test]

@@ -178,7 +178,12 @@ pub(super) fn time_op(
             let (data_ms, filter_ms) = (data_ms.map(less), filter_ms.map(less));
             let times = Times { fwd_ms, fwdbwd_ms: less(fwdbwd_ms), data_ms, filter_ms };
             let winograd = dev.is_cpu()
-                && applies((op.kernel, op.kernel), op.stride, p.padding, 1, op.c_in, op.c_out);
+                && applies(
+                    (op.kernel, op.kernel),
+                    (op.stride, p.padding, 1),
+                    [batch, op.c_in, op.side, op.side],
+                    op.c_out,
+                );
             let im2col_fwdbwd_ms = if winograd {
                 let default = MIN_CHANNELS.swap(usize::MAX, Ordering::Relaxed);
                 let ms = median_ms(dev, repeats, step);

@@ -100,7 +100,8 @@ impl Geometry {
     /// A 3x3 "same" convolution with enough channels for [`winograd`]: its dimensions there.
     fn winograd(&self) -> Option<winograd::Dims> {
         let p = self.p;
-        winograd::applies((self.kh, self.kw), p.stride, p.padding, p.dilation, self.c, self.o)
+        let input = [self.n, self.c, self.h, self.w];
+        winograd::applies((self.kh, self.kw), (p.stride, p.padding, p.dilation), input, self.o)
             .then_some(winograd::Dims { n: self.n, c: self.c, h: self.h, w: self.w, o: self.o })
     }
 

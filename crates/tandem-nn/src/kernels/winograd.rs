@@ -25,8 +25,9 @@
 //! a 64x64x512 product).
 //! The images are split into one group per rayon thread; each group's blocks run in order on
 //! that thread; a single group runs its gemms on all threads.
+use std::mem::MaybeUninit;
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use rayon::prelude::*;
 
@@ -113,18 +114,37 @@ impl Dims {
 }
 
 /// Whether `conv2d` computes a convolution through this module: 3x3, stride 1, padding 1,
-/// dilation 1, and enough channels on both sides (see [`MIN_CHANNELS`]).
+/// dilation 1, enough channels on both sides (see [`MIN_CHANNELS`]), and transformed weights
+/// no larger than the transformed tiles (see [`WEIGHTS_DECIDE`]). `input` is `[N, C, H, W]`.
 pub fn applies(
     kernel: (usize, usize),
-    stride: usize,
-    padding: usize,
-    dilation: usize,
-    c: usize,
+    (stride, padding, dilation): (usize, usize, usize),
+    input: [usize; 4],
     o: usize,
 ) -> bool {
+    let [n, c, h, w] = input;
     let min = MIN_CHANNELS.load(Ordering::Relaxed);
-    kernel == (3, 3) && stride == 1 && padding == 1 && dilation == 1 && c >= min && o >= min
+    let shape = kernel == (3, 3) && stride == 1 && padding == 1 && dilation == 1;
+    shape
+        && c >= min
+        && o >= min
+        && !(WEIGHTS_DECIDE.load(Ordering::Relaxed) && {
+            let d = Dims { n, c, h, w, o };
+            let (th, tw) = d.tiles_hw();
+            c * o > n * th * tw * (c + o)
+        })
 }
+
+/// Whether a layer whose weights outweigh its activations is left to im2col: where the 16
+/// transformed filters of every channel pair (made twice a step, gathered back once, and
+/// repacked by every block's gemms) outnumber the transformed input and output tiles, they cost
+/// more than Winograd's 1.7–2.25x fewer products save. IResNet-50's 512-channel 7x7 layers at
+/// batch 8 (transformed weights twice the tiles): Winograd's forward and both gradients at
+/// 0.52–1.08x (median 0.75x) im2col's time in ten same-run pairs; ResNet-18's 128-channel 4x4
+/// layers at batch 32 (half the tiles) 1.73x. Settable only so tests can run every eligible
+/// shape through both paths.
+#[doc(hidden)]
+pub static WEIGHTS_DECIDE: AtomicBool = AtomicBool::new(true);
 
 fn threads() -> usize {
     rayon::current_num_threads().max(1)
@@ -250,23 +270,27 @@ fn input_grad_tile(v: &[Lanes; XI], out: &mut [Lanes; XI]) {
 /// 512-channel layer outweigh its 4x4 activations).
 const FILTER_CHUNK: usize = 16;
 
-/// `(G·g·Gᵀ)` of one 3x3 filter, the 16 values in ξ order. G = [1 0 0; ½ ½ ½; ½ -½ ½; 0 0 1].
+/// `(G·g·Gᵀ)` of `LANES` 3x3 filters at once (`g[k][lane]`: value `k` of a filter in
+/// row-major order), the 16 values of each in ξ order. G = [1 0 0; ½ ½ ½; ½ -½ ½; 0 0 1].
 #[inline(always)]
-fn transform_filter(g: &[f32]) -> [f32; XI] {
-    let mut gg = [[0f32; 3]; 4];
-    for col in 0..3 {
-        let (g0, g1, g2) = (g[col], g[3 + col], g[6 + col]);
-        gg[0][col] = g0;
-        gg[1][col] = 0.5 * (g0 + g1 + g2);
-        gg[2][col] = 0.5 * (g0 - g1 + g2);
-        gg[3][col] = g2;
+fn transform_filters(g: &[Lanes; 9], u: &mut [Lanes; XI]) {
+    for l in 0..LANES {
+        let mut gg = [[0f32; 3]; 4];
+        for col in 0..3 {
+            let (g0, g1, g2) = (g[col][l], g[3 + col][l], g[6 + col][l]);
+            gg[0][col] = g0;
+            gg[1][col] = 0.5 * (g0 + g1 + g2);
+            gg[2][col] = 0.5 * (g0 - g1 + g2);
+            gg[3][col] = g2;
+        }
+        for (k, row) in gg.iter().enumerate() {
+            let [a, b, c] = *row;
+            u[k * 4][l] = a;
+            u[k * 4 + 1][l] = 0.5 * (a + b + c);
+            u[k * 4 + 2][l] = 0.5 * (a - b + c);
+            u[k * 4 + 3][l] = c;
+        }
     }
-    let mut u = [0f32; XI];
-    for (k, row) in gg.iter().enumerate() {
-        let [a, b, c] = *row;
-        u[k * 4..k * 4 + 4].copy_from_slice(&[a, 0.5 * (a + b + c), 0.5 * (a - b + c), c]);
-    }
-    u
 }
 
 /// How the transformed weights are laid out.
@@ -279,54 +303,64 @@ enum WeightLayout {
 }
 
 /// `U = G·g·Gᵀ` for every 3x3 filter `g = w[o][c]`, in `layout`; the rows of the layout's
-/// outer index in parallel (serial, this was 7% of a ResNet-18 step at width 64).
+/// outer index in parallel (serial, this was 7% of a ResNet-18 step at width 64). The
+/// transformed weights are 1.8x the weights and made twice a step (forward and input
+/// gradient): written without a memset first, `LANES` filters at a time (a filter at a time,
+/// this was 10% of an IResNet-50 step at batch 8, most of it in its deep 512-channel layers).
 fn transform_weights(d: &Dims, w: &[f32], layout: WeightLayout) -> Vec<f32> {
     let (o_n, c_n) = (d.o, d.c);
     let oc_n = o_n * c_n;
-    let mut u = vec![0f32; XI * oc_n];
+    let mut u: Vec<f32> = Vec::with_capacity(XI * oc_n);
     // A row is the filters of one outer index: one o (output-major, c inner) or one c
     // (input-major, o inner); it is written at the same offset of each of the 16 planes.
     let (outer, inner) = match layout {
         WeightLayout::OutputMajor => (o_n, c_n),
         WeightLayout::InputMajor => (c_n, o_n),
     };
-    let mut rows: Vec<Vec<&mut [f32]>> = (0..outer).map(|_| Vec::with_capacity(XI)).collect();
-    for plane in u.chunks_mut(oc_n) {
-        for (row, part) in rows.iter_mut().zip(plane.chunks_mut(inner)) {
+    let mut rows: Vec<Vec<&mut [MaybeUninit<f32>]>> =
+        (0..outer).map(|_| Vec::with_capacity(XI)).collect();
+    for plane in u.spare_capacity_mut()[..XI * oc_n].chunks_mut(oc_n.max(1)) {
+        for (row, part) in rows.iter_mut().zip(plane.chunks_mut(inner.max(1))) {
             row.push(part);
         }
     }
     rows.into_par_iter().enumerate().for_each(|(a, mut row)| {
         transform_weight_row(w, (a, c_n, inner), layout, &mut row);
     });
+    // SAFETY: the capacity is XI·oc_n, and the 16 planes of oc_n values are the `outer` rows
+    // of `inner` values each, every one of which `transform_weight_row` wrote whole.
+    unsafe { u.set_len(XI * oc_n) };
     u
 }
 
 vectorized_kernel! {
-    /// Row `a` of [`transform_weights`]: its `inner` filters into `row[ξ][..inner]`.
+    /// Row `a` of [`transform_weights`]: its `inner` filters into `row[ξ][..inner]`, `LANES`
+    /// filters at a time (16 runs of contiguous writes instead of 16 scattered writes per
+    /// filter, and the transform's arithmetic in vector registers).
     fn transform_weight_row(
         w: &[f32],
         (a, c_n, inner): (usize, usize, usize),
         layout: WeightLayout,
-        row: &mut [&mut [f32]],
+        row: &mut [&mut [MaybeUninit<f32>]],
     ) {
-        // FILTER_CHUNK filters at a time, neighbours in the row: 16 runs of contiguous writes
-        // instead of 16 scattered writes per filter.
-        let mut chunk = [[0f32; FILTER_CHUNK]; XI];
-        for b0 in (0..inner).step_by(FILTER_CHUNK) {
-            let len = FILTER_CHUNK.min(inner - b0);
+        let mut g = [[0f32; LANES]; 9];
+        let mut u = [[0f32; LANES]; XI];
+        for b0 in (0..inner).step_by(LANES) {
+            let len = LANES.min(inner - b0);
             for (f, b) in (b0..b0 + len).enumerate() {
                 let (o, c) = match layout {
                     WeightLayout::OutputMajor => (a, b),
                     WeightLayout::InputMajor => (b, a),
                 };
-                let values = transform_filter(&w[(o * c_n + c) * 9..][..9]);
-                for (xi, v) in values.into_iter().enumerate() {
-                    chunk[xi][f] = v;
+                for (k, value) in w[(o * c_n + c) * 9..][..9].iter().enumerate() {
+                    g[k][f] = *value;
                 }
             }
-            for (dst, values) in row.iter_mut().zip(&chunk) {
-                dst[b0..b0 + len].copy_from_slice(&values[..len]);
+            transform_filters(&g, &mut u);
+            for (dst, values) in row.iter_mut().zip(&u) {
+                for (d, v) in dst[b0..b0 + len].iter_mut().zip(values) {
+                    d.write(*v);
+                }
             }
         }
     }
@@ -905,6 +939,22 @@ mod tests {
 
     /// Forward and both gradients equal the direct convolution's on odd, tiny and non-square
     /// maps, on one thread and on three (blocks spread over threads vs. gemms on all of them).
+    #[test]
+    fn layers_whose_weights_outweigh_their_tiles_are_left_to_im2col() {
+        let same = (1, 1, 1);
+        // IResNet-50's 512-channel 7x7 layers: at batch 8, 16x16 tiles x 8 images = 128 < 256.
+        assert!(!applies((3, 3), same, [8, 512, 7, 7], 512));
+        assert!(applies((3, 3), same, [16, 512, 7, 7], 512));
+        // Its 256-channel 14x14 layers, and its 256 -> 512 layer at 14x14, stay Winograd's.
+        assert!(applies((3, 3), same, [8, 256, 14, 14], 256));
+        assert!(applies((3, 3), same, [8, 256, 14, 14], 512));
+        // CIFAR ResNet-18's 128-channel 4x4 layers at batch 32: 128 tiles against 64.
+        assert!(applies((3, 3), same, [32, 128, 4, 4], 128));
+        // Not a 3x3 "same" convolution, or too few channels.
+        assert!(!applies((3, 3), (2, 1, 1), [8, 64, 56, 56], 64));
+        assert!(!applies((3, 3), same, [8, 4, 56, 56], 64));
+    }
+
     #[test]
     fn forward_and_gradients_equal_the_direct_convolution() {
         for threads in [1, 3] {
