@@ -139,10 +139,10 @@ pub fn applies(
 /// transformed filters of every channel pair (made twice a step, gathered back once, and
 /// repacked by every block's gemms) outnumber the transformed input and output tiles, they cost
 /// more than Winograd's 1.7–2.25x fewer products save. IResNet-50's 512-channel 7x7 layers at
-/// batch 8 (transformed weights twice the tiles): Winograd's forward and both gradients at
-/// 0.52–1.08x (median 0.75x) im2col's time in ten same-run pairs; ResNet-18's 128-channel 4x4
-/// layers at batch 32 (half the tiles) 1.73x. Settable only so tests can run every eligible
-/// shape through both paths.
+/// batch 8 (transformed weights twice the tiles): Winograd's forward and both gradients ran at
+/// 0.52–1.08x (median 0.75x) of im2col's speed in ten same-run pairs; ResNet-18's 128-channel
+/// 4x4 layers at batch 32 (half the tiles) at 1.73x. Settable only so tests can run every
+/// eligible shape through both paths.
 #[doc(hidden)]
 pub static WEIGHTS_DECIDE: AtomicBool = AtomicBool::new(true);
 
