@@ -160,9 +160,9 @@ impl Block {
         residual(&x, &dropped(&m, masks.map(|m| &m[1]))?)
     }
 
-    /// A training forward: as one autograd node when `fused` and the node applies (see
+    /// The forward as one autograd node when `fused` and the node applies (see
     /// [`VitConfig::fused_blocks`]), else op by op.
-    fn forward_train(
+    fn forward_maybe_fused(
         &self,
         x: &Tensor,
         masks: Option<&[Tensor; 2]>,
@@ -504,12 +504,11 @@ impl Vit {
                 let (b, m, fused) =
                     (std::sync::Arc::clone(block), masks.clone(), self.cfg.fused_blocks);
                 let f: tandem_nn::CheckpointFn =
-                    std::sync::Arc::new(move |x| b.forward_train(x, m.as_ref(), fused));
+                    std::sync::Arc::new(move |x| b.forward_maybe_fused(x, m.as_ref(), fused));
                 tandem_nn::checkpoint(&x, f, block.params())?
-            } else if train {
-                block.forward_train(&x, masks.as_ref(), self.cfg.fused_blocks)?
             } else {
-                block.forward(&x, masks.as_ref())?
+                // (Evaluation composes the block: a node would keep its activations for nothing.)
+                block.forward_maybe_fused(&x, masks.as_ref(), train && self.cfg.fused_blocks)?
             };
         }
         // arcface_torch leaves autocast here: the final norm and the feature head run in f32.
