@@ -54,19 +54,22 @@ fn check_all_cases(threads: usize) {
     });
 }
 
-/// Every case through every strategy (per-image gemms, one batched gemm, and Winograd for each
-/// 3x3 "same" convolution) and thread counts; one test, as the strategy switches are
-/// process-wide.
+/// Every case through every strategy (per-image gemms, one batched gemm, and Winograd with 2x2
+/// and with 4x4 tiles for each 3x3 "same" convolution) and thread counts; one test, as the
+/// strategy switches are process-wide.
 #[test]
 fn outputs_and_gradients_match_pytorch_per_image_batched_and_winograd_on_one_and_three_threads() {
     use std::sync::atomic::Ordering;
     use tandem_nn::kernels::conv2d::BATCHED_BELOW_PIXELS;
-    use tandem_nn::kernels::winograd::{MIN_CHANNELS, WEIGHTS_DECIDE};
+    use tandem_nn::kernels::winograd::{MIN_CHANNELS, TILE_SIDE, WEIGHTS_DECIDE};
     let (batched, winograd) =
         (BATCHED_BELOW_PIXELS.load(Ordering::Relaxed), MIN_CHANNELS.load(Ordering::Relaxed));
-    for (below, min_channels) in [(0, usize::MAX), (usize::MAX, usize::MAX), (0, 1)] {
+    for (below, min_channels, tile) in
+        [(0, usize::MAX, 0), (usize::MAX, usize::MAX, 0), (0, 1, 2), (0, 1, 4)]
+    {
         BATCHED_BELOW_PIXELS.store(below, Ordering::Relaxed);
         MIN_CHANNELS.store(min_channels, Ordering::Relaxed);
+        TILE_SIDE.store(tile, Ordering::Relaxed);
         // Winograd on every eligible shape, the ones whose weights outweigh their tiles too.
         WEIGHTS_DECIDE.store(min_channels == usize::MAX, Ordering::Relaxed);
         check_all_cases(1);
@@ -74,6 +77,7 @@ fn outputs_and_gradients_match_pytorch_per_image_batched_and_winograd_on_one_and
     }
     BATCHED_BELOW_PIXELS.store(batched, Ordering::Relaxed);
     MIN_CHANNELS.store(winograd, Ordering::Relaxed);
+    TILE_SIDE.store(0, Ordering::Relaxed);
     WEIGHTS_DECIDE.store(true, Ordering::Relaxed);
 }
 

@@ -391,7 +391,7 @@ pub fn render(r: &Report) -> String {
              rank of the 2-rank runs above has; each op's output sum is checked equal on both sides). \
              The table's caption names the CPU and its vector extensions. × torch = torch ms / tandem \
              ms (above 1: tandem is faster). The 3x3 stride-1 convolutions, which tandem computes by \
-             Winograd's F(2x2, 3x3), are also timed through im2col + gemm; Winograd gain = im2col \
+             Winograd's F(2x2, 3x3) or F(4x4, 3x3), are also timed through im2col + gemm; Winograd gain = im2col \
              time / tandem time.\n",
             net = plan.net,
             w = plan.width,

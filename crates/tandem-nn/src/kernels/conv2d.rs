@@ -101,14 +101,14 @@ impl Geometry {
     fn winograd(&self) -> Option<winograd::Dims> {
         let p = self.p;
         let input = [self.n, self.c, self.h, self.w];
-        winograd::applies((self.kh, self.kw), (p.stride, p.padding, p.dilation), input, self.o)
-            .then_some(winograd::Dims { n: self.n, c: self.c, h: self.h, w: self.w, o: self.o })
+        winograd::plan((self.kh, self.kw), (p.stride, p.padding, p.dilation), input, self.o)
     }
 
     /// A thin Winograd convolution whose per-image im2col buffer stays in the core's cache:
-    /// there the forward's one gemm over im2col beats Winograd's four-fold transformed tiles
+    /// there the forward's one gemm over im2col beats Winograd's transformed tiles
     /// (`conv_strategies`, 2 threads, batch 32: 16 channels at 32x32 0.92 vs 1.18 ms; at
-    /// IResNet's 112x112, a 7 MB buffer, 3.7 vs 3.3 ms; 32 channels at 16x16 even). The
+    /// IResNet's 112x112, a 7 MB buffer, 3.7 vs 3.3 ms; 32 channels at 16x16 even; with 4x4
+    /// tiles, 16 channels at 32x32 on one thread 2.2–2.5 vs 2.9–3.9 ms). The
     /// input gradient, itself such a convolution, follows it (see `backward`); the weight's
     /// stays Winograd's.
     fn im2col_forward_is_ahead(&self) -> bool {

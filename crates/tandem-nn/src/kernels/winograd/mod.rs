@@ -1,12 +1,17 @@
 //! 3x3, stride-1, padding-1 convolutions — the "same"-size convolutions that make up nearly all
-//! of a ResNet's or an IResNet's work — by Winograd's minimal filtering F(2x2, 3x3) (Lavin and
-//! Gray, "Fast Algorithms for Convolutional Neural Networks", 2015), forward and both gradients.
+//! of a ResNet's or an IResNet's work — by Winograd's minimal filtering F(m x m, 3x3) (Lavin and
+//! Gray, "Fast Algorithms for Convolutional Neural Networks", 2015), forward and both gradients,
+//! with 2x2 or 4x4 output tiles (`tiles`).
 //!
 //! Why: im2col + gemm spends 9 multiply-adds per input channel and output pixel, and on small
 //! maps the gemm's packing of the 9x larger im2col matrix costs as much again. F(2x2, 3x3) makes
-//! each 2x2 output tile from a 4x4 input tile with 16 products per channel pair (4 per pixel,
-//! 2.25x fewer), as 16 independent gemms in the transformed domain. The backward passes are the
-//! exact adjoints of the forward's linear maps, so they are the same 16 gemms transposed:
+//! each 2x2 output tile from a 4x4 input tile with 16 products per channel pair (4 per pixel),
+//! F(4x4, 3x3) each 4x4 tile from a 6x6 one with 36 (2.25 per pixel), as 16 or 36 independent
+//! gemms in the transformed domain. The larger tile makes fewer products and moves less
+//! transformed data per pixel, but its transformed weights are 4x the weights (1.8x for the
+//! smaller) and its tiles hang further over an edge that is not a multiple of 4: `plan`
+//! picks per layer. The backward passes are the exact adjoints of the forward's linear
+//! maps, so they are the same gemms transposed:
 //!
 //! ```text
 //! forward   U = G·g·Gᵀ   V_t = Bᵀ·d_t·B   M[ξ] = V[ξ]·U[ξ]ᵀ   y_t = Aᵀ·M_t·A
@@ -15,9 +20,9 @@
 //!           gV[ξ] = gM[ξ]·U[ξ]        gd_t = B·gV_t·Bᵀ, added onto the overlapping input tiles
 //! ```
 //!
-//! Layout: ξ (the 16 positions of a transformed tile) outermost, then tiles, then channels:
-//! V `[16][T][C]`, M `[16][T][O]`, T the tiles of a block (a run of tile rows, about
-//! `BLOCK_TILE_CHANNELS` / channels tiles, so that a block's buffers stay near the cache).
+//! Layout: ξ (the positions of a transformed tile) outermost, then tiles, then channels:
+//! V `[ξ][T][C]`, M `[ξ][T][O]`, T the tiles of a block (a run of tile rows, about
+//! `BLOCK_VALUES` / ξ / channels tiles, so that a block's buffers stay near the cache).
 //! Channels innermost make every transform a sequence of operations on `LANES` channels at
 //! once (the images are turned channels-innermost a band of rows at a time), and give each of
 //! the three gemms operands that `gemm` packs at full speed (an operand whose reduced
@@ -35,8 +40,8 @@ use super::matmul::{matmul, View};
 use super::zeroed;
 use crate::vectorized_kernel;
 
-/// Positions of a transformed tile (4x4).
-const XI: usize = 16;
+mod tiles;
+use tiles::{Tile, TileBackward, F2, F4};
 
 /// Channels a transform handles at once (one 64-byte line of a tile's channels).
 const LANES: usize = 16;
@@ -44,26 +49,93 @@ const LANES: usize = 16;
 /// One value for each of `LANES` channels.
 type Lanes = [f32; LANES];
 
-/// The distance between the 16 matrices of a transformed block of `len` values: a cache line
-/// more than `len`, so that the 16 streams a transform writes (or reads) at once do not all fall
+/// The most positions a transformed tile has (F(4x4, 3x3)'s 6x6): the size of the tile
+/// buffers on the stack, of which a tile size uses the first `Tile::XI`.
+const MAX_XI: usize = 36;
+
+/// The distance between the matrices of a transformed block of `len` values: a cache line
+/// more than `len`, so that the streams a transform writes (or reads) at once do not all fall
 /// into the same cache set whenever `len` is a multiple of 4 KiB.
 fn xi_stride(len: usize) -> usize {
     len + LANES
 }
 
-/// Tile-channel products a block aims at (tiles x the wider of its input and output channel
-/// counts): enough rows for the gemms to run at full speed and to pay for their call overhead,
-/// few enough that a block's transformed tiles (16 of these, 1 MiB) stay near the cache.
-const BLOCK_TILE_CHANNELS: usize = 128 * 128;
+/// Values of a block's transformed tiles (ξ positions x tiles x the wider of its input and
+/// output channel counts): enough tiles for the gemms to run at full speed and to pay for their
+/// call overhead, few enough that a block's transformed tiles (1 MiB) stay near the cache.
+const BLOCK_VALUES: usize = 16 * 128 * 128;
 
 /// The fewest input (and output) channels for which the Winograd path is taken: with fewer, the
-/// 16 gemms are too thin and the transforms dominate (the 3-channel stem of an image net).
+/// gemms are too thin and the transforms dominate (the 3-channel stem of an image net).
 /// Settable only so tests can run every eligible shape through both paths.
 #[doc(hidden)]
 pub static MIN_CHANNELS: AtomicUsize = AtomicUsize::new(8);
 
+/// The output tile's side every Winograd convolution takes (2 or 4), or 0: the side `plan`
+/// picks. Settable only so tests and benchmarks can run a shape through
+/// either.
+#[doc(hidden)]
+pub static TILE_SIDE: AtomicUsize = AtomicUsize::new(0);
+
+/// The output tile: F(2x2, 3x3) or F(4x4, 3x3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum TileSize {
+    F2,
+    F4,
+}
+
+impl TileSize {
+    /// Outputs along a tile's side.
+    fn m(self) -> usize {
+        match self {
+            TileSize::F2 => F2::M,
+            TileSize::F4 => F4::M,
+        }
+    }
+
+    /// Positions of a transformed tile.
+    fn xi(self) -> usize {
+        match self {
+            TileSize::F2 => F2::XI,
+            TileSize::F4 => F4::XI,
+        }
+    }
+
+    /// The transformed values per channel of an `h x w` map.
+    fn values(self, h: usize, w: usize) -> usize {
+        self.xi() * h.div_ceil(self.m()) * w.div_ceil(self.m())
+    }
+
+    /// The tiles to try for an `h x w` map, in order: 4x4 first where its tiles make at most
+    /// 60% of the transformed values 2x2 tiles make (56% where both cover the map alike: 8x8,
+    /// 28x28, 56x56), then 2x2. On IResNet's 14x14 maps (16 4x4 tiles, 576 values, against 49
+    /// 2x2 ones, 784) the larger tile's costlier transforms and weights ate its saving: the
+    /// 256-channel layer at batch 8 took 14.2 ms forward and 30.4 backward with 4x4 tiles
+    /// against 13.0 and 24.9 with 2x2 (`conv_strategies`, one thread, in-process turns).
+    fn candidates(h: usize, w: usize) -> &'static [TileSize] {
+        match TILE_SIDE.load(Ordering::Relaxed) {
+            2 => &[TileSize::F2],
+            4 => &[TileSize::F4],
+            _ if 10 * TileSize::F4.values(h, w) <= 6 * TileSize::F2.values(h, w) => {
+                &[TileSize::F4, TileSize::F2]
+            }
+            _ => &[TileSize::F2],
+        }
+    }
+}
+
+/// Dispatches `$f::<T>(args)` on the tile size `$tile`.
+macro_rules! by_tile {
+    ($tile:expr, $f:ident($($arg:expr),* $(,)?)) => {
+        match $tile {
+            TileSize::F2 => $f::<F2>($($arg),*),
+            TileSize::F4 => $f::<F4>($($arg),*),
+        }
+    };
+}
+
 /// The shape of one convolution: input `[n, c, h, w]`, weight `[o, c, 3, 3]`, output
-/// `[n, o, h, w]`.
+/// `[n, o, h, w]`, and the tile it is computed by.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Dims {
     pub n: usize,
@@ -71,12 +143,15 @@ pub(super) struct Dims {
     pub h: usize,
     pub w: usize,
     pub o: usize,
+    pub tile: TileSize,
 }
 
 impl Dims {
-    /// Tile rows and columns (2x2 output tiles; the last ones hang over an odd edge).
+    /// Tile rows and columns (the last ones hang over an edge that is not a multiple of the
+    /// tile's side).
     fn tiles_hw(&self) -> (usize, usize) {
-        (self.h.div_ceil(2), self.w.div_ceil(2))
+        let m = self.tile.m();
+        (self.h.div_ceil(m), self.w.div_ceil(m))
     }
 
     fn image_len(&self) -> usize {
@@ -88,9 +163,9 @@ impl Dims {
     }
 
     /// Columns of a padded band row: one left of the image, the rest right of it up to the
-    /// last tile's edge (`2·tw + 2`).
+    /// last tile's edge (`m·tw + 2`).
     fn band_width(&self) -> usize {
-        2 * self.tiles_hw().1 + 2
+        self.tile.m() * self.tiles_hw().1 + 2
     }
 
     /// Images per group for `threads` threads.
@@ -107,42 +182,74 @@ impl Dims {
     fn blocks(&self, images: usize) -> impl Iterator<Item = Range<usize>> {
         let (th, tw) = self.tiles_hw();
         let rows = images * th;
-        let tiles = BLOCK_TILE_CHANNELS / self.c.max(self.o).max(1);
+        let tiles = BLOCK_VALUES / self.tile.xi() / self.c.max(self.o).max(1);
         let per_block = tiles.div_ceil(tw).max(1);
         (0..rows).step_by(per_block).map(move |g| g..(g + per_block).min(rows))
     }
 }
 
-/// Whether `conv2d` computes a convolution through this module: 3x3, stride 1, padding 1,
-/// dilation 1, enough channels on both sides (see [`MIN_CHANNELS`]), and transformed weights
-/// no larger than the transformed tiles (see [`WEIGHTS_DECIDE`]). `input` is `[N, C, H, W]`.
-pub fn applies(
+/// How `conv2d` computes a convolution through this module, if it does: 3x3, stride 1,
+/// padding 1, dilation 1, enough channels on both sides (see [`MIN_CHANNELS`]), fewer products
+/// than im2col's, and transformed weights no larger than the transformed tiles (see
+/// [`WEIGHTS_DECIDE`]). `input` is `[N, C, H, W]`.
+pub(super) fn plan(
     kernel: (usize, usize),
     (stride, padding, dilation): (usize, usize, usize),
     input: [usize; 4],
     o: usize,
-) -> bool {
+) -> Option<Dims> {
     let [n, c, h, w] = input;
     let min = MIN_CHANNELS.load(Ordering::Relaxed);
     let shape = kernel == (3, 3) && stride == 1 && padding == 1 && dilation == 1;
-    shape
-        && c >= min
-        && o >= min
-        && !(WEIGHTS_DECIDE.load(Ordering::Relaxed) && {
-            let d = Dims { n, c, h, w, o };
-            let (th, tw) = d.tiles_hw();
-            c * o > n * th * tw * (c + o)
-        })
+    if !shape || c < min || o < min {
+        return None;
+    }
+    // Each tile's transformed weights against its transformed tiles (see WEIGHTS_DECIDE); the
+    // 4x4 tile's at most half of them, as its weights are 4x the weights, not 1.8x: where they
+    // were as many (CIFAR ResNet-18's 256-channel 8x8 layers at batch 32) 4x4 tiles ran no
+    // faster than 2x2 ones, where they were more (its 128-channel 4x4 layers) slower.
+    let weights_decide = WEIGHTS_DECIDE.load(Ordering::Relaxed);
+    TileSize::candidates(h, w).iter().map(|&tile| Dims { n, c, h, w, o, tile }).find(|d| {
+        let (th, tw) = d.tiles_hw();
+        let tiles = n * th * tw * (c + o);
+        let weights = match d.tile {
+            TileSize::F2 => c * o,
+            TileSize::F4 => 2 * c * o,
+        };
+        let fewer_products = d.tile.values(h, w) < 9 * h * w;
+        fewer_products && !(weights_decide && weights > tiles)
+    })
 }
 
-/// Whether a layer whose weights outweigh its activations is left to im2col: where the 16
+/// Whether `conv2d` computes a convolution through this module (see `plan`).
+pub fn applies(
+    kernel: (usize, usize),
+    params: (usize, usize, usize),
+    input: [usize; 4],
+    o: usize,
+) -> bool {
+    plan(kernel, params, input, o).is_some()
+}
+
+/// The output tile's side `conv2d` takes for a convolution through this module (see
+/// `plan`): 2 or 4.
+pub fn tile_side(
+    kernel: (usize, usize),
+    params: (usize, usize, usize),
+    input: [usize; 4],
+    o: usize,
+) -> Option<usize> {
+    plan(kernel, params, input, o).map(|d| d.tile.m())
+}
+
+/// Whether a layer whose weights outweigh its activations is left to im2col: where the
 /// transformed filters of every channel pair (made twice a step, gathered back once, and
 /// repacked by every block's gemms) outnumber the transformed input and output tiles, they cost
-/// more than Winograd's 1.7–2.25x fewer products save. IResNet-50's 512-channel 7x7 layers at
-/// batch 8 (transformed weights twice the tiles): Winograd's forward and both gradients ran at
-/// 0.52–1.08x (median 0.75x) of im2col's speed in ten same-run pairs; ResNet-18's 128-channel
-/// 4x4 layers at batch 32 (half the tiles) at 1.73x. Settable only so tests can run every
-/// eligible shape through both paths.
+/// more than Winograd's fewer products save. IResNet-50's 512-channel 7x7 layers at batch 8
+/// (transformed weights twice the tiles, with 2x2 tiles): Winograd's forward and both gradients
+/// ran at 0.52–1.08x (median 0.75x) of im2col's speed in ten same-run pairs; ResNet-18's
+/// 128-channel 4x4 layers at batch 32 (half the tiles) at 1.73x. Settable only so tests can
+/// run every eligible shape through both paths.
 #[doc(hidden)]
 pub static WEIGHTS_DECIDE: AtomicBool = AtomicBool::new(true);
 
@@ -155,15 +262,9 @@ fn lane_runs(channels: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..channels).step_by(LANES).map(move |c0| (c0, LANES.min(channels - c0)))
 }
 
-/// The lanes at `band[col]` (a band row holds `LANES` values per column).
+/// Writes `count` lanes of each value of a tile to `dst[at(ξ)..]`.
 #[inline(always)]
-fn lanes_at(band: &[f32], col: usize) -> &Lanes {
-    band[col * LANES..(col + 1) * LANES].try_into().expect("LANES values")
-}
-
-/// Writes `count` lanes of each of the 16 values of a tile to `dst[at(ξ)..]`.
-#[inline(always)]
-fn store_tile(dst: &mut [f32], out: &[Lanes; XI], count: usize, at: impl Fn(usize) -> usize) {
+fn store_tile(dst: &mut [f32], out: &[Lanes], count: usize, at: impl Fn(usize) -> usize) {
     for (xi, value) in out.iter().enumerate() {
         if count == LANES {
             dst[at(xi)..at(xi) + LANES].copy_from_slice(value);
@@ -173,9 +274,10 @@ fn store_tile(dst: &mut [f32], out: &[Lanes; XI], count: usize, at: impl Fn(usiz
     }
 }
 
-/// Reads `count` lanes of each of the 16 values of a tile from `src[at(ξ)..]` (zeros after).
+/// Reads `count` lanes of each value of a tile from `src[at(ξ)..]` (the other lanes are left
+/// as they are).
 #[inline(always)]
-fn load_tile(src: &[f32], tile: &mut [Lanes; XI], count: usize, at: impl Fn(usize) -> usize) {
+fn load_tile(src: &[f32], tile: &mut [Lanes], count: usize, at: impl Fn(usize) -> usize) {
     for (xi, value) in tile.iter_mut().enumerate() {
         if count == LANES {
             value.copy_from_slice(&src[at(xi)..at(xi) + LANES]);
@@ -185,113 +287,10 @@ fn load_tile(src: &[f32], tile: &mut [Lanes; XI], count: usize, at: impl Fn(usiz
     }
 }
 
-// The four tile kernels below loop over the lanes with the same arithmetic in each, so that
-// the compiler turns each lane loop into vector instructions.
-
-/// `Bᵀ·d·B` of a 4x4 tile `d[a][b]` (`d[a * 4 + b]`). Bᵀ = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
-#[inline(always)]
-fn input_tile(d: &[&Lanes; XI], out: &mut [Lanes; XI]) {
-    for l in 0..LANES {
-        let x = |a: usize, b: usize| d[a * 4 + b][l];
-        // Bᵀ·d, column by column: col[b][k] = (Bᵀ·d)[k][b].
-        let col: [[f32; 4]; 4] = std::array::from_fn(|b| {
-            let (d0, d1, d2, d3) = (x(0, b), x(1, b), x(2, b), x(3, b));
-            [d0 - d2, d1 + d2, d2 - d1, d1 - d3]
-        });
-        for k in 0..4 {
-            let rk = |b: usize| col[b][k];
-            out[k * 4][l] = rk(0) - rk(2);
-            out[k * 4 + 1][l] = rk(1) + rk(2);
-            out[k * 4 + 2][l] = rk(2) - rk(1);
-            out[k * 4 + 3][l] = rk(1) - rk(3);
-        }
-    }
-}
-
-/// `Aᵀ·m·A` of a transformed tile: the 2x2 outputs `y[r][c]`. Aᵀ = [1 1 1 0; 0 1 -1 -1].
-#[inline(always)]
-fn output_tile(m: &[Lanes; XI], y: &mut [[Lanes; 2]; 2]) {
-    for l in 0..LANES {
-        let x = |k: usize, c: usize| m[k * 4 + c][l];
-        let s: [[f32; 4]; 2] = [
-            std::array::from_fn(|c| x(0, c) + x(1, c) + x(2, c)),
-            std::array::from_fn(|c| x(1, c) - x(2, c) - x(3, c)),
-        ];
-        for (r, sr) in s.iter().enumerate() {
-            y[r][0][l] = sr[0] + sr[1] + sr[2];
-            y[r][1][l] = sr[1] - sr[2] - sr[3];
-        }
-    }
-}
-
-/// `A·g·Aᵀ` of a 2x2 output-gradient tile `g[r][c]`. A·v over 2 values: (a, a + b, a − b, −b).
-#[inline(always)]
-fn output_grad_tile(g: &[&Lanes; 4], out: &mut [Lanes; XI]) {
-    for l in 0..LANES {
-        let x = |r: usize, c: usize| g[r * 2 + c][l];
-        // A·g, column by column: col[c][k] = (A·g)[k][c].
-        let col: [[f32; 4]; 2] = std::array::from_fn(|c| {
-            let (a, b) = (x(0, c), x(1, c));
-            [a, a + b, a - b, -b]
-        });
-        for k in 0..4 {
-            let (a, b) = (col[0][k], col[1][k]);
-            out[k * 4][l] = a;
-            out[k * 4 + 1][l] = a + b;
-            out[k * 4 + 2][l] = a - b;
-            out[k * 4 + 3][l] = -b;
-        }
-    }
-}
-
-/// `B·v·Bᵀ` of a transformed gradient tile: the 4x4 input-tile gradient `out[a * 4 + b]`.
-/// B·v over 4 values: (v0, v1 − v2 + v3, −v0 + v1 + v2, −v3).
-#[inline(always)]
-fn input_grad_tile(v: &[Lanes; XI], out: &mut [Lanes; XI]) {
-    for l in 0..LANES {
-        let x = |k: usize, c: usize| v[k * 4 + c][l];
-        // B·v, column by column: col[c][a] = (B·v)[a][c].
-        let col: [[f32; 4]; 4] = std::array::from_fn(|c| {
-            let (v0, v1, v2, v3) = (x(0, c), x(1, c), x(2, c), x(3, c));
-            [v0, v1 - v2 + v3, v1 + v2 - v0, -v3]
-        });
-        for a in 0..4 {
-            let pa = |c: usize| col[c][a];
-            out[a * 4][l] = pa(0);
-            out[a * 4 + 1][l] = pa(1) - pa(2) + pa(3);
-            out[a * 4 + 2][l] = pa(1) + pa(2) - pa(0);
-            out[a * 4 + 3][l] = -pa(3);
-        }
-    }
-}
-
-/// Filters transformed (or gathered back) per chunk: 16 runs of this many contiguous values
-/// per chunk instead of 16 writes a filter, each far from the last (the weights of a
-/// 512-channel layer outweigh its 4x4 activations).
+/// Filters transformed (or gathered back) per chunk: a run of this many contiguous values per
+/// position and chunk instead of a write per position and filter, each far from the last (the
+/// weights of a 512-channel layer outweigh its 7x7 activations).
 const FILTER_CHUNK: usize = 16;
-
-/// `(G·g·Gᵀ)` of `LANES` 3x3 filters at once (`g[k][lane]`: value `k` of a filter in
-/// row-major order), the 16 values of each in ξ order. G = [1 0 0; ½ ½ ½; ½ -½ ½; 0 0 1].
-#[inline(always)]
-fn transform_filters(g: &[Lanes; 9], u: &mut [Lanes; XI]) {
-    for l in 0..LANES {
-        let mut gg = [[0f32; 3]; 4];
-        for col in 0..3 {
-            let (g0, g1, g2) = (g[col][l], g[3 + col][l], g[6 + col][l]);
-            gg[0][col] = g0;
-            gg[1][col] = 0.5 * (g0 + g1 + g2);
-            gg[2][col] = 0.5 * (g0 - g1 + g2);
-            gg[3][col] = g2;
-        }
-        for (k, row) in gg.iter().enumerate() {
-            let [a, b, c] = *row;
-            u[k * 4][l] = a;
-            u[k * 4 + 1][l] = 0.5 * (a + b + c);
-            u[k * 4 + 2][l] = 0.5 * (a - b + c);
-            u[k * 4 + 3][l] = c;
-        }
-    }
-}
 
 /// How the transformed weights are laid out.
 #[derive(Clone, Copy)]
@@ -304,63 +303,77 @@ enum WeightLayout {
 
 /// `U = G·g·Gᵀ` for every 3x3 filter `g = w[o][c]`, in `layout`; the rows of the layout's
 /// outer index in parallel (serial, this was 7% of a ResNet-18 step at width 64). The
-/// transformed weights are 1.8x the weights and made twice a step (forward and input
-/// gradient): written without a memset first, `LANES` filters at a time (a filter at a time,
-/// this was 10% of an IResNet-50 step at batch 8, most of it in its deep 512-channel layers).
+/// transformed weights are 1.8x (2x2 tiles) or 4x (4x4) the weights and made twice a step
+/// (forward and input gradient): written without a memset first, `LANES` filters at a time (a
+/// filter at a time, this was 10% of an IResNet-50 step at batch 8, most of it in its deep
+/// 512-channel layers).
 fn transform_weights(d: &Dims, w: &[f32], layout: WeightLayout) -> Vec<f32> {
-    let (o_n, c_n) = (d.o, d.c);
+    let (o_n, c_n, xi_n) = (d.o, d.c, d.tile.xi());
     let oc_n = o_n * c_n;
-    let mut u: Vec<f32> = Vec::with_capacity(XI * oc_n);
+    let mut u: Vec<f32> = Vec::with_capacity(xi_n * oc_n);
     // A row is the filters of one outer index: one o (output-major, c inner) or one c
-    // (input-major, o inner); it is written at the same offset of each of the 16 planes.
+    // (input-major, o inner); it is written at the same offset of each plane.
     let (outer, inner) = match layout {
         WeightLayout::OutputMajor => (o_n, c_n),
         WeightLayout::InputMajor => (c_n, o_n),
     };
     let mut rows: Vec<Vec<&mut [MaybeUninit<f32>]>> =
-        (0..outer).map(|_| Vec::with_capacity(XI)).collect();
-    for plane in u.spare_capacity_mut()[..XI * oc_n].chunks_mut(oc_n.max(1)) {
+        (0..outer).map(|_| Vec::with_capacity(xi_n)).collect();
+    for plane in u.spare_capacity_mut()[..xi_n * oc_n].chunks_mut(oc_n.max(1)) {
         for (row, part) in rows.iter_mut().zip(plane.chunks_mut(inner.max(1))) {
             row.push(part);
         }
     }
     rows.into_par_iter().enumerate().for_each(|(a, mut row)| {
-        transform_weight_row(w, (a, c_n, inner), layout, &mut row);
+        transform_weight_row(d.tile, w, (a, c_n, inner), layout, &mut row);
     });
-    // SAFETY: the capacity is XI·oc_n, and the 16 planes of oc_n values are the `outer` rows
-    // of `inner` values each, every one of which `transform_weight_row` wrote whole.
-    unsafe { u.set_len(XI * oc_n) };
+    // SAFETY: the capacity is xi_n·oc_n, and the xi_n planes of oc_n values are the `outer`
+    // rows of `inner` values each, every one of which `transform_weight_row` wrote whole.
+    unsafe { u.set_len(xi_n * oc_n) };
     u
 }
 
 vectorized_kernel! {
-    /// Row `a` of [`transform_weights`]: its `inner` filters into `row[ξ][..inner]`, `LANES`
-    /// filters at a time (16 runs of contiguous writes instead of 16 scattered writes per
-    /// filter, and the transform's arithmetic in vector registers).
+    /// Row `a` of [`transform_weights`]: its `inner` filters into `row[ξ][..inner]`.
     fn transform_weight_row(
+        tile: TileSize,
         w: &[f32],
-        (a, c_n, inner): (usize, usize, usize),
+        shape: (usize, usize, usize),
         layout: WeightLayout,
         row: &mut [&mut [MaybeUninit<f32>]],
     ) {
-        let mut g = [[0f32; LANES]; 9];
-        let mut u = [[0f32; LANES]; XI];
-        for b0 in (0..inner).step_by(LANES) {
-            let len = LANES.min(inner - b0);
-            for (f, b) in (b0..b0 + len).enumerate() {
-                let (o, c) = match layout {
-                    WeightLayout::OutputMajor => (a, b),
-                    WeightLayout::InputMajor => (b, a),
-                };
-                for (k, value) in w[(o * c_n + c) * 9..][..9].iter().enumerate() {
-                    g[k][f] = *value;
-                }
+        by_tile!(tile, transform_weight_row_with(w, shape, layout, row))
+    }
+}
+
+/// [`transform_weight_row`] for tile `T`, `LANES` filters at a time (one run of contiguous
+/// writes per position instead of scattered writes per filter, and the transform's arithmetic
+/// in vector registers).
+#[inline(always)]
+fn transform_weight_row_with<T: Tile>(
+    w: &[f32],
+    (a, c_n, inner): (usize, usize, usize),
+    layout: WeightLayout,
+    row: &mut [&mut [MaybeUninit<f32>]],
+) {
+    let mut g = [[0f32; LANES]; 9];
+    let mut u = [[0f32; LANES]; MAX_XI];
+    let u = &mut u[..T::XI];
+    for b0 in (0..inner).step_by(LANES) {
+        let len = LANES.min(inner - b0);
+        for (f, b) in (b0..b0 + len).enumerate() {
+            let (o, c) = match layout {
+                WeightLayout::OutputMajor => (a, b),
+                WeightLayout::InputMajor => (b, a),
+            };
+            for (k, value) in w[(o * c_n + c) * 9..][..9].iter().enumerate() {
+                g[k][f] = *value;
             }
-            transform_filters(&g, &mut u);
-            for (dst, values) in row.iter_mut().zip(&u) {
-                for (d, v) in dst[b0..b0 + len].iter_mut().zip(values) {
-                    d.write(*v);
-                }
+        }
+        T::transform_filters(&g, u);
+        for (dst, values) in row.iter_mut().zip(u.iter()) {
+            for (d, v) in dst[b0..b0 + len].iter_mut().zip(values) {
+                d.write(*v);
             }
         }
     }
@@ -380,28 +393,24 @@ fn inverse_transform_weights(d: &Dims, gu: &[f32]) -> Vec<f32> {
 vectorized_kernel! {
     /// The filters `start..` of [`inverse_transform_weights`] into `filters` (9 values each).
     fn inverse_transform_filters(gu: &[f32], oc_n: usize, start: usize, filters: &mut [f32]) {
-        // Gᵀ·u over 4 values: (u0 + ½(u1 + u2), ½(u1 − u2), ½(u1 + u2) + u3).
-        let reduce = |u: [f32; 4]| {
-            let (s, t) = (0.5 * (u[1] + u[2]), 0.5 * (u[1] - u[2]));
-            [u[0] + s, t, s + u[3]]
-        };
-        let len = filters.len() / 9;
-        let mut chunk = [[0f32; FILTER_CHUNK]; XI];
-        for (xi, values) in chunk.iter_mut().enumerate() {
-            values[..len].copy_from_slice(&gu[xi * oc_n + start..][..len]);
-        }
-        for (f, g) in filters.chunks_exact_mut(9).enumerate() {
-            let at = |k: usize, l: usize| chunk[k * 4 + l][f];
-            // Columns first (4 rows of 4 → 4 rows of 3), then rows (→ 3x3).
-            let rows: [[f32; 3]; 4] =
-                std::array::from_fn(|k| reduce([at(k, 0), at(k, 1), at(k, 2), at(k, 3)]));
-            for col in 0..3 {
-                let out = reduce([rows[0][col], rows[1][col], rows[2][col], rows[3][col]]);
-                for (r, v) in out.into_iter().enumerate() {
-                    g[r * 3 + col] = v;
-                }
-            }
-        }
+        inverse_transform_filters_with::<F2>(gu, oc_n, start, filters)
+    }
+}
+
+#[inline(always)]
+fn inverse_transform_filters_with<T: TileBackward>(
+    gu: &[f32],
+    oc_n: usize,
+    start: usize,
+    filters: &mut [f32],
+) {
+    let len = filters.len() / 9;
+    let mut chunk = [[0f32; FILTER_CHUNK]; MAX_XI];
+    for (xi, values) in chunk[..T::XI].iter_mut().enumerate() {
+        values[..len].copy_from_slice(&gu[xi * oc_n + start..][..len]);
+    }
+    for (f, g) in filters.chunks_exact_mut(9).enumerate() {
+        g.copy_from_slice(&T::inverse_filter(|xi| chunk[xi][f]));
     }
 }
 
@@ -539,7 +548,6 @@ fn band_to_row(
 
 vectorized_kernel! {
     /// `V_t = Bᵀ·d_t·B` for the tile rows `rows` of the group `x`, into `V[ξ][t][c]`.
-    /// Bᵀ = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
     fn transform_input(
         d: &Dims,
         x: &[f32],
@@ -547,44 +555,48 @@ vectorized_kernel! {
         v: &mut [f32],
         band: &mut Vec<f32>,
     ) {
-        let (th, tw) = d.tiles_hw();
-        let (c_n, wb) = (d.c, d.band_width());
-        let tb = rows.len() * tw;
-        let sv = xi_stride(tb * c_n);
-        band.resize(4 * wb * LANES, 0.0);
-        for (c0, count) in lane_runs(c_n) {
-            let run = Run { c0, count };
-            let mut previous: Option<usize> = None;
-            for (local, g) in rows.clone().enumerate() {
-                let (n, i) = (g / th, g % th);
-                // Padded rows 2i .. 2i + 4 are image rows 2i − 1 .. 2i + 3; the last two of the
-                // previous tile row are this one's first two.
-                let first_new = if i > 0 && previous == Some(g - 1) {
-                    band.copy_within(2 * wb * LANES..4 * wb * LANES, 0);
-                    2
-                } else {
-                    0
-                };
-                for k in first_new..4 {
-                    let row = (2 * i + k) as isize - 1;
-                    gather_row(
-                        x,
-                        d,
-                        (c_n, n, run),
-                        row,
-                        &mut band[k * wb * LANES..(k + 1) * wb * LANES],
-                    );
-                }
-                previous = Some(g);
-                let mut out = [[0f32; LANES]; XI];
-                for j in 0..tw {
-                    let d: [&Lanes; XI] = std::array::from_fn(|xi| {
-                        lanes_at(&band[(xi / 4) * wb * LANES..], 2 * j + xi % 4)
-                    });
-                    input_tile(&d, &mut out);
-                    let t = local * tw + j;
-                    store_tile(v, &out, count, |xi| xi * sv + t * c_n + c0);
-                }
+        by_tile!(d.tile, transform_input_with(d, x, rows, v, band))
+    }
+}
+
+#[inline(always)]
+fn transform_input_with<T: Tile>(
+    d: &Dims,
+    x: &[f32],
+    rows: Range<usize>,
+    v: &mut [f32],
+    band: &mut Vec<f32>,
+) {
+    let (th, tw) = d.tiles_hw();
+    let c_n = d.c;
+    let row_len = d.band_width() * LANES;
+    let sv = xi_stride(rows.len() * tw * c_n);
+    band.resize(T::ALPHA * row_len, 0.0);
+    let mut out = [[0f32; LANES]; MAX_XI];
+    let out = &mut out[..T::XI];
+    for (c0, count) in lane_runs(c_n) {
+        let run = Run { c0, count };
+        let mut previous: Option<usize> = None;
+        for (local, g) in rows.clone().enumerate() {
+            let (n, i) = (g / th, g % th);
+            // Padded rows m·i .. m·i + α are image rows m·i − 1 .. m·i + α − 1; the last two of
+            // the previous tile row are this one's first two.
+            let first_new = if i > 0 && previous == Some(g - 1) {
+                band.copy_within(T::M * row_len..T::ALPHA * row_len, 0);
+                T::ALPHA - T::M
+            } else {
+                0
+            };
+            for k in first_new..T::ALPHA {
+                let row = (T::M * i + k) as isize - 1;
+                let band_row = &mut band[k * row_len..(k + 1) * row_len];
+                gather_row(x, d, (c_n, n, run), row, band_row);
+            }
+            previous = Some(g);
+            for j in 0..tw {
+                T::input_tile(band, row_len, T::M * j, out);
+                let t = local * tw + j;
+                store_tile(v, out, count, |xi| xi * sv + t * c_n + c0);
             }
         }
     }
@@ -592,7 +604,7 @@ vectorized_kernel! {
 
 vectorized_kernel! {
     /// `y_t = Aᵀ·M_t·A` for the tile rows `rows` of the group `y`, from `M[ξ][t][o]`, cropping
-    /// tiles that hang over an odd edge. Aᵀ = [1 1 1 0; 0 1 -1 -1].
+    /// tiles that hang over the edge.
     fn transform_output(
         d: &Dims,
         m: &[f32],
@@ -600,32 +612,39 @@ vectorized_kernel! {
         y: &mut [f32],
         band: &mut Vec<f32>,
     ) {
-        let (th, tw) = d.tiles_hw();
-        let (o_n, wb) = (d.o, d.band_width());
-        let tb = rows.len() * tw;
-        let sm = xi_stride(tb * o_n);
-        band.resize(2 * wb * LANES, 0.0);
-        for (o0, count) in lane_runs(o_n) {
-            let run = Run { c0: o0, count };
-            for (local, g) in rows.clone().enumerate() {
-                let (n, i) = (g / th, g % th);
-                let (top, bottom) = band.split_at_mut(wb * LANES);
-                let (mut mt, mut yt) = ([[0f32; LANES]; XI], [[[0f32; LANES]; 2]; 2]);
-                for j in 0..tw {
-                    let t = local * tw + j;
-                    load_tile(m, &mut mt, count, |xi| xi * sm + t * o_n + o0);
-                    output_tile(&mt, &mut yt);
-                    // Band column x + 1 holds image column x (the same layout as the inputs').
-                    for (r, out) in [&mut *top, &mut *bottom].into_iter().enumerate() {
-                        out[(2 * j + 1) * LANES..(2 * j + 3) * LANES]
-                            .copy_from_slice(yt[r].as_flattened());
-                    }
-                }
-                for (r, out) in [&*top, &*bottom].into_iter().enumerate() {
-                    let row = (2 * i + r) as isize;
-                    if (row as usize) < d.h {
-                        write_row(y, d, (o_n, n, run), row as usize, out);
-                    }
+        by_tile!(d.tile, transform_output_with(d, m, rows, y, band))
+    }
+}
+
+#[inline(always)]
+fn transform_output_with<T: Tile>(
+    d: &Dims,
+    m: &[f32],
+    rows: Range<usize>,
+    y: &mut [f32],
+    band: &mut Vec<f32>,
+) {
+    let (th, tw) = d.tiles_hw();
+    let o_n = d.o;
+    let row_len = d.band_width() * LANES;
+    let sm = xi_stride(rows.len() * tw * o_n);
+    band.resize(T::M * row_len, 0.0);
+    let mut mt = [[0f32; LANES]; MAX_XI];
+    let mt = &mut mt[..T::XI];
+    for (o0, count) in lane_runs(o_n) {
+        let run = Run { c0: o0, count };
+        for (local, g) in rows.clone().enumerate() {
+            let (n, i) = (g / th, g % th);
+            for j in 0..tw {
+                let t = local * tw + j;
+                load_tile(m, mt, count, |xi| xi * sm + t * o_n + o0);
+                // Band column x + 1 holds image column x (the same layout as the inputs').
+                T::output_tile(mt, band, row_len, T::M * j + 1);
+            }
+            for (r, out) in band.chunks_exact(row_len).enumerate() {
+                let row = T::M * i + r;
+                if row < d.h {
+                    write_row(y, d, (o_n, n, run), row, out);
                 }
             }
         }
@@ -634,7 +653,7 @@ vectorized_kernel! {
 
 vectorized_kernel! {
     /// `gM_t = A·gy_t·Aᵀ` for the tile rows `rows` of the group `gy`, into `gM[ξ][t][o]`, zeros
-    /// standing in for the outputs a tile hangs over. A·v over 2 values: (a, a + b, a − b, −b).
+    /// standing in for the outputs a tile hangs over.
     fn transform_output_grad(
         d: &Dims,
         gy: &[f32],
@@ -642,30 +661,36 @@ vectorized_kernel! {
         gm: &mut [f32],
         band: &mut Vec<f32>,
     ) {
-        let (th, tw) = d.tiles_hw();
-        let (o_n, wb) = (d.o, d.band_width());
-        let tb = rows.len() * tw;
-        let sm = xi_stride(tb * o_n);
-        band.resize(2 * wb * LANES, 0.0);
-        for (o0, count) in lane_runs(o_n) {
-            let run = Run { c0: o0, count };
-            for (local, g) in rows.clone().enumerate() {
-                let (n, i) = (g / th, g % th);
-                let (top, bottom) = band.split_at_mut(wb * LANES);
-                gather_row(gy, d, (o_n, n, run), (2 * i) as isize, top);
-                gather_row(gy, d, (o_n, n, run), (2 * i + 1) as isize, bottom);
-                let mut out = [[0f32; LANES]; XI];
-                for j in 0..tw {
-                    let g = [
-                        lanes_at(top, 2 * j + 1),
-                        lanes_at(top, 2 * j + 2),
-                        lanes_at(bottom, 2 * j + 1),
-                        lanes_at(bottom, 2 * j + 2),
-                    ];
-                    output_grad_tile(&g, &mut out);
-                    let t = local * tw + j;
-                    store_tile(gm, &out, count, |xi| xi * sm + t * o_n + o0);
-                }
+        transform_output_grad_with::<F2>(d, gy, rows, gm, band)
+    }
+}
+
+#[inline(always)]
+fn transform_output_grad_with<T: TileBackward>(
+    d: &Dims,
+    gy: &[f32],
+    rows: Range<usize>,
+    gm: &mut [f32],
+    band: &mut Vec<f32>,
+) {
+    let (th, tw) = d.tiles_hw();
+    let o_n = d.o;
+    let row_len = d.band_width() * LANES;
+    let sm = xi_stride(rows.len() * tw * o_n);
+    band.resize(T::M * row_len, 0.0);
+    let mut out = [[0f32; LANES]; MAX_XI];
+    let out = &mut out[..T::XI];
+    for (o0, count) in lane_runs(o_n) {
+        let run = Run { c0: o0, count };
+        for (local, g) in rows.clone().enumerate() {
+            let (n, i) = (g / th, g % th);
+            for (r, band_row) in band.chunks_exact_mut(row_len).enumerate() {
+                gather_row(gy, d, (o_n, n, run), (T::M * i + r) as isize, band_row);
+            }
+            for j in 0..tw {
+                T::output_grad_tile(band, row_len, T::M * j + 1, out);
+                let t = local * tw + j;
+                store_tile(gm, out, count, |xi| xi * sm + t * o_n + o0);
             }
         }
     }
@@ -673,8 +698,7 @@ vectorized_kernel! {
 
 vectorized_kernel! {
     /// `gx += B·gV_t·Bᵀ` onto the overlapping input tiles of the tile rows `rows` of the group
-    /// `gx`, from `gV[ξ][t][c]`, dropping what falls on the padding. B·v over 4 values:
-    /// (v0, v1 − v2 + v3, −v0 + v1 + v2, −v3).
+    /// `gx`, from `gV[ξ][t][c]`, dropping what falls on the padding.
     fn inverse_transform_input(
         d: &Dims,
         gv: &[f32],
@@ -682,45 +706,51 @@ vectorized_kernel! {
         gx: &mut [f32],
         band: &mut Vec<f32>,
     ) {
-        let (th, tw) = d.tiles_hw();
-        let (c_n, wb) = (d.c, d.band_width());
-        let tb = rows.len() * tw;
-        let sv = xi_stride(tb * c_n);
-        let row_len = wb * LANES;
-        band.resize(4 * row_len, 0.0);
-        for (c0, count) in lane_runs(c_n) {
-            let run = Run { c0, count };
-            band.fill(0.0);
-            for (local, g) in rows.clone().enumerate() {
-                let (n, i) = (g / th, g % th);
-                let (mut vt, mut out) = ([[0f32; LANES]; XI], [[0f32; LANES]; XI]);
-                for j in 0..tw {
-                    let t = local * tw + j;
-                    load_tile(gv, &mut vt, count, |xi| xi * sv + t * c_n + c0);
-                    input_grad_tile(&vt, &mut out);
-                    // Added at band rows 0..4, columns 2j .. 2j + 4.
-                    for (a, band_row) in band.chunks_exact_mut(row_len).enumerate() {
-                        let cells = &mut band_row[2 * j * LANES..(2 * j + 4) * LANES];
-                        let values = out[a * 4..a * 4 + 4].as_flattened();
-                        cells.iter_mut().zip(values).for_each(|(c, v)| *c += v);
-                    }
-                }
-                // Band rows 0 and 1 (image rows 2i − 1, 2i) are complete; 2 and 3 carry into the
-                // next tile row of the same image, or are complete too at an image's end or the
-                // block's.
-                let last_of_image = i + 1 == th || local + 1 == rows.len();
-                let complete = if last_of_image { 4 } else { 2 };
-                for k in 0..complete {
-                    let row = (2 * i + k) as isize - 1;
-                    let band_row = &band[k * row_len..(k + 1) * row_len];
-                    scatter_add_row(gx, d, (c_n, n, run), row, band_row);
-                }
-                if last_of_image {
-                    band.fill(0.0);
-                } else {
-                    band.copy_within(2 * row_len..4 * row_len, 0);
-                    band[2 * row_len..].fill(0.0);
-                }
+        inverse_transform_input_with::<F2>(d, gv, rows, gx, band)
+    }
+}
+
+#[inline(always)]
+fn inverse_transform_input_with<T: TileBackward>(
+    d: &Dims,
+    gv: &[f32],
+    rows: Range<usize>,
+    gx: &mut [f32],
+    band: &mut Vec<f32>,
+) {
+    let (th, tw) = d.tiles_hw();
+    let c_n = d.c;
+    let row_len = d.band_width() * LANES;
+    let sv = xi_stride(rows.len() * tw * c_n);
+    band.resize(T::ALPHA * row_len, 0.0);
+    let mut vt = [[0f32; LANES]; MAX_XI];
+    let vt = &mut vt[..T::XI];
+    for (c0, count) in lane_runs(c_n) {
+        let run = Run { c0, count };
+        band.fill(0.0);
+        for (local, g) in rows.clone().enumerate() {
+            let (n, i) = (g / th, g % th);
+            for j in 0..tw {
+                let t = local * tw + j;
+                load_tile(gv, vt, count, |xi| xi * sv + t * c_n + c0);
+                // Added at band rows 0..α, columns m·j .. m·j + α.
+                T::input_grad_tile(vt, band, row_len, T::M * j);
+            }
+            // Band rows 0..m (image rows m·i − 1 .. m·i + m − 1) are complete; the last two
+            // carry into the next tile row of the same image, or are complete too at an image's
+            // end or the block's.
+            let last_of_image = i + 1 == th || local + 1 == rows.len();
+            let complete = if last_of_image { T::ALPHA } else { T::M };
+            for k in 0..complete {
+                let row = (T::M * i + k) as isize - 1;
+                let band_row = &band[k * row_len..(k + 1) * row_len];
+                scatter_add_row(gx, d, (c_n, n, run), row, band_row);
+            }
+            if last_of_image {
+                band.fill(0.0);
+            } else {
+                band.copy_within(T::M * row_len..T::ALPHA * row_len, 0);
+                band[(T::ALPHA - T::M) * row_len..].fill(0.0);
             }
         }
     }
@@ -750,15 +780,15 @@ fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
 
 /// The forward of one group of images: `x` → `y`, block by block, `ut` = `U[ξ][c][o]`.
 fn forward_group(d: &Dims, ut: &[f32], x: &[f32], y: &mut [f32], s: &mut Scratch, inner: usize) {
-    let (o_n, c_n, tw) = (d.o, d.c, d.tiles_hw().1);
+    let (o_n, c_n, tw, xi_n) = (d.o, d.c, d.tiles_hw().1, d.tile.xi());
     for rows in d.blocks(x.len() / d.image_len()) {
         let tb = rows.len() * tw;
         let (sv, sm) = (xi_stride(tb * c_n), xi_stride(tb * o_n));
-        s.v.resize(XI * sv, 0.0);
-        s.m.resize(XI * sm, 0.0);
+        s.v.resize(xi_n * sv, 0.0);
+        s.m.resize(xi_n * sm, 0.0);
         transform_input(d, x, rows.clone(), &mut s.v, &mut s.band);
         // M[ξ][t][o] = V[ξ][t][c] · U[ξ][c][o].
-        for xi in 0..XI {
+        for xi in 0..xi_n {
             let a = View { data: &s.v[xi * sv..xi * sv + tb * c_n], rs: c_n, cs: 1 };
             let b = View { data: &ut[xi * c_n * o_n..(xi + 1) * c_n * o_n], rs: o_n, cs: 1 };
             let dst = &mut s.m[xi * sm..xi * sm + tb * o_n];
@@ -797,17 +827,17 @@ fn backward_group(
     s: &mut Scratch,
     inner: usize,
 ) {
-    let (o_n, c_n, tw) = (d.o, d.c, d.tiles_hw().1);
+    let (o_n, c_n, tw, xi_n) = (d.o, d.c, d.tiles_hw().1, d.tile.xi());
     for rows in d.blocks(gy.len() / d.out_len()) {
         let tb = rows.len() * tw;
         let (sv, sm) = (xi_stride(tb * c_n), xi_stride(tb * o_n));
-        s.m.resize(XI * sm, 0.0);
-        s.v.resize(XI * sv, 0.0);
+        s.m.resize(xi_n * sm, 0.0);
+        s.v.resize(xi_n * sv, 0.0);
         transform_output_grad(d, gy, rows.clone(), &mut s.m, &mut s.band);
         if let Some(gu) = gu.as_deref_mut() {
             transform_input(d, x, rows.clone(), &mut s.v, &mut s.band);
             // gU[ξ][o][c] += gM[ξ][t][o]ᵀ · V[ξ][t][c].
-            for xi in 0..XI {
+            for xi in 0..xi_n {
                 let a = View { data: &s.m[xi * sm..xi * sm + tb * o_n], rs: 1, cs: o_n };
                 let b = View { data: &s.v[xi * sv..xi * sv + tb * c_n], rs: c_n, cs: 1 };
                 let dst = &mut gu[xi * o_n * c_n..(xi + 1) * o_n * c_n];
@@ -816,7 +846,7 @@ fn backward_group(
         }
         if let Some(gx) = gx.as_deref_mut() {
             // gV[ξ][t][c] = gM[ξ][t][o] · U[ξ][o][c], into `v` (its input values are spent).
-            for xi in 0..XI {
+            for xi in 0..xi_n {
                 let a = View { data: &s.m[xi * sm..xi * sm + tb * o_n], rs: o_n, cs: 1 };
                 let b = View { data: &u[xi * o_n * c_n..(xi + 1) * o_n * c_n], rs: c_n, cs: 1 };
                 let dst = &mut s.v[xi * sv..xi * sv + tb * c_n];
@@ -829,6 +859,14 @@ fn backward_group(
 
 /// The gradients of `y = conv2d(x, w)` given `gy`: the weight's `[O, C, 3, 3]` when
 /// `want_gw`, the input's `[N, C, H, W]` when `want_gx`.
+///
+/// Both by 2x2 tiles, whichever tile the forward took: the weight's transformed gradient is a
+/// sum over every tile of the batch, and 4x4 tiles' transforms (entries up to 8 and 1/24
+/// against 1 and ½) lose enough to rounding in it to miss PyTorch's by 2.2e-4 on a 3-channel
+/// 32x32 layer (conv_torch's measure, |a − b| / max(|b|, 1); 2x2 tiles: 3.1e-5); the input's by 4x4 tiles, in a pass of its own, ran no faster than
+/// both by 2x2 tiles in one (`conv_strategies`: IResNet-50's 56x56 and 28x28 layers 26.0 and
+/// 19.8 ms against 26.8 and 20.8; IResNet-18's 112x112 and 56x56 ones 17.6 and 9.9 against
+/// 17.4 and 9.5).
 pub(super) fn backward(
     d: &Dims,
     x: &[f32],
@@ -837,14 +875,16 @@ pub(super) fn backward(
     want_gw: bool,
     want_gx: bool,
 ) -> (Option<Vec<f32>>, Option<Vec<f32>>) {
+    let d = &Dims { tile: TileSize::F2, ..*d };
     if !want_gw && !want_gx {
         return (None, None);
     }
+    let xi_n = d.tile.xi();
     let u = if want_gx { transform_weights(d, w, WeightLayout::OutputMajor) } else { Vec::new() };
     let t = threads();
     let ipg = d.images_per_group(t);
     let groups_n = d.n.div_ceil(ipg);
-    let gu_len = if want_gw { XI * d.c * d.o } else { 0 };
+    let gu_len = if want_gw { xi_n * d.c * d.o } else { 0 };
     let mut gx = want_gx.then(|| zeroed(d.n * d.image_len()));
     let gx_groups: Vec<Option<&mut [f32]>> = match gx.as_mut() {
         Some(gx) => gx.chunks_mut(ipg * d.image_len()).map(Some).collect(),
@@ -942,14 +982,26 @@ mod tests {
     #[test]
     fn layers_whose_weights_outweigh_their_tiles_are_left_to_im2col() {
         let same = (1, 1, 1);
-        // IResNet-50's 512-channel 7x7 layers: at batch 8, 16x16 tiles x 8 images = 128 < 256.
-        assert!(!applies((3, 3), same, [8, 512, 7, 7], 512));
-        assert!(applies((3, 3), same, [16, 512, 7, 7], 512));
-        // Its 256-channel 14x14 layers, and its 256 -> 512 layer at 14x14, stay Winograd's.
-        assert!(applies((3, 3), same, [8, 256, 14, 14], 256));
-        assert!(applies((3, 3), same, [8, 256, 14, 14], 512));
-        // CIFAR ResNet-18's 128-channel 4x4 layers at batch 32: 128 tiles against 64.
-        assert!(applies((3, 3), same, [32, 128, 4, 4], 128));
+        let side = |input: [usize; 4], o: usize| tile_side((3, 3), same, input, o);
+        // IResNet-50's 512-channel 7x7 layers: at batch 8, 4x4 2x2 tiles x 8 images = 128 <
+        // 256 (and 4x4 tiles' weights outweigh theirs more); at batch 16, 2x2 tiles.
+        assert_eq!(side([8, 512, 7, 7], 512), None);
+        assert_eq!(side([16, 512, 7, 7], 512), Some(2));
+        // Its 256-channel 14x14 layers, and its 256 -> 512 layer at 14x14, stay Winograd's,
+        // with 2x2 tiles (4x4 ones would make 73% of their values: not few enough).
+        assert_eq!(side([8, 256, 14, 14], 256), Some(2));
+        assert_eq!(side([8, 256, 14, 14], 512), Some(2));
+        // Its 128-channel 28x28 layers and 64-channel 56x56 ones: 4x4 tiles.
+        assert_eq!(side([8, 128, 28, 28], 128), Some(4));
+        assert_eq!(side([8, 64, 56, 56], 64), Some(4));
+        // CIFAR ResNet-18's 128-channel 4x4 layers at batch 32: 32 4x4 tiles' weights outweigh
+        // them; 128 2x2 tiles against 64.
+        assert_eq!(side([32, 128, 4, 4], 128), Some(2));
+        // Its 64-channel 8x8 layers: 4x4 tiles' weights a quarter of them; 256 channels: equal.
+        assert_eq!(side([32, 64, 8, 8], 64), Some(4));
+        assert_eq!(side([32, 256, 8, 8], 256), Some(2));
+        // A 1x1 map: a 2x2 tile's 16 products are more than im2col's 9.
+        assert_eq!(side([32, 64, 1, 1], 64), None);
         // Not a 3x3 "same" convolution, or too few channels.
         assert!(!applies((3, 3), (2, 1, 1), [8, 64, 56, 56], 64));
         assert!(!applies((3, 3), same, [8, 4, 56, 56], 64));
@@ -957,7 +1009,9 @@ mod tests {
 
     #[test]
     fn forward_and_gradients_equal_the_direct_convolution() {
-        for threads in [1, 3] {
+        for (threads, tile) in
+            [1, 3].into_iter().flat_map(|t| [(t, TileSize::F2), (t, TileSize::F4)])
+        {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             pool.install(|| {
                 for (n, c, h, w, o) in [
@@ -966,8 +1020,13 @@ mod tests {
                     (1, 2, 2, 2, 3),
                     (3, 4, 6, 3, 5),
                     (5, 2, 9, 4, 1),
+                    // Every remainder of a side by 4, several tile rows in a block and across
+                    // blocks, and channel counts past one run of lanes.
+                    (2, 17, 13, 10, 18),
+                    (1, 20, 11, 15, 33),
+                    (3, 9, 8, 12, 7),
                 ] {
-                    let d = Dims { n, c, h, w, o };
+                    let d = Dims { n, c, h, w, o, tile };
                     let (x, wt, r) =
                         (values(n * c * h * w, 1), values(o * c * 9, 2), values(n * o * h * w, 3));
                     let (want_y, want_gx, want_gw) = direct(&d, &x, &wt, &r);
