@@ -325,7 +325,7 @@ fn transform_weights(d: &Dims, w: &[f32], layout: WeightLayout) -> Vec<f32> {
         }
     }
     rows.into_par_iter().enumerate().for_each(|(a, mut row)| {
-        transform_weight_row(d.tile, w, (a, c_n, inner), layout, &mut row);
+        by_tile!(d.tile, transform_weight_row(w, (a, c_n, inner), layout, &mut row));
     });
     // SAFETY: the capacity is xi_n·oc_n, and the xi_n planes of oc_n values are the `outer`
     // rows of `inner` values each, every one of which `transform_weight_row` wrote whole.
@@ -334,46 +334,34 @@ fn transform_weights(d: &Dims, w: &[f32], layout: WeightLayout) -> Vec<f32> {
 }
 
 vectorized_kernel! {
-    /// Row `a` of [`transform_weights`]: its `inner` filters into `row[ξ][..inner]`.
-    fn transform_weight_row(
-        tile: TileSize,
+    /// Row `a` of [`transform_weights`]: its `inner` filters into `row[ξ][..inner]` for tile
+    /// `T`, `LANES` filters at a time (one run of contiguous writes per position instead of
+    /// scattered writes per filter, and the transform's arithmetic in vector registers).
+    fn transform_weight_row<T: Tile>(
         w: &[f32],
-        shape: (usize, usize, usize),
+        (a, c_n, inner): (usize, usize, usize),
         layout: WeightLayout,
         row: &mut [&mut [MaybeUninit<f32>]],
     ) {
-        by_tile!(tile, transform_weight_row_with(w, shape, layout, row))
-    }
-}
-
-/// [`transform_weight_row`] for tile `T`, `LANES` filters at a time (one run of contiguous
-/// writes per position instead of scattered writes per filter, and the transform's arithmetic
-/// in vector registers).
-#[inline(always)]
-fn transform_weight_row_with<T: Tile>(
-    w: &[f32],
-    (a, c_n, inner): (usize, usize, usize),
-    layout: WeightLayout,
-    row: &mut [&mut [MaybeUninit<f32>]],
-) {
-    let mut g = [[0f32; LANES]; 9];
-    let mut u = [[0f32; LANES]; MAX_XI];
-    let u = &mut u[..T::XI];
-    for b0 in (0..inner).step_by(LANES) {
-        let len = LANES.min(inner - b0);
-        for (f, b) in (b0..b0 + len).enumerate() {
-            let (o, c) = match layout {
-                WeightLayout::OutputMajor => (a, b),
-                WeightLayout::InputMajor => (b, a),
-            };
-            for (k, value) in w[(o * c_n + c) * 9..][..9].iter().enumerate() {
-                g[k][f] = *value;
+        let mut g = [[0f32; LANES]; 9];
+        let mut u = [[0f32; LANES]; MAX_XI];
+        let u = &mut u[..T::XI];
+        for b0 in (0..inner).step_by(LANES) {
+            let len = LANES.min(inner - b0);
+            for (f, b) in (b0..b0 + len).enumerate() {
+                let (o, c) = match layout {
+                    WeightLayout::OutputMajor => (a, b),
+                    WeightLayout::InputMajor => (b, a),
+                };
+                for (k, value) in w[(o * c_n + c) * 9..][..9].iter().enumerate() {
+                    g[k][f] = *value;
+                }
             }
-        }
-        T::transform_filters(&g, u);
-        for (dst, values) in row.iter_mut().zip(u.iter()) {
-            for (d, v) in dst[b0..b0 + len].iter_mut().zip(values) {
-                d.write(*v);
+            T::transform_filters(&g, u);
+            for (dst, values) in row.iter_mut().zip(u.iter()) {
+                for (d, v) in dst[b0..b0 + len].iter_mut().zip(values) {
+                    d.write(*v);
+                }
             }
         }
     }
@@ -385,32 +373,27 @@ fn inverse_transform_weights(d: &Dims, gu: &[f32]) -> Vec<f32> {
     let oc_n = d.o * d.c;
     let mut gw = vec![0f32; oc_n * 9];
     gw.par_chunks_mut(9 * FILTER_CHUNK).enumerate().for_each(|(ci, filters)| {
-        inverse_transform_filters(gu, oc_n, ci * FILTER_CHUNK, filters);
+        inverse_transform_filters::<F2>(gu, oc_n, ci * FILTER_CHUNK, filters);
     });
     gw
 }
 
 vectorized_kernel! {
     /// The filters `start..` of [`inverse_transform_weights`] into `filters` (9 values each).
-    fn inverse_transform_filters(gu: &[f32], oc_n: usize, start: usize, filters: &mut [f32]) {
-        inverse_transform_filters_with::<F2>(gu, oc_n, start, filters)
-    }
-}
-
-#[inline(always)]
-fn inverse_transform_filters_with<T: TileBackward>(
-    gu: &[f32],
-    oc_n: usize,
-    start: usize,
-    filters: &mut [f32],
-) {
-    let len = filters.len() / 9;
-    let mut chunk = [[0f32; FILTER_CHUNK]; MAX_XI];
-    for (xi, values) in chunk[..T::XI].iter_mut().enumerate() {
-        values[..len].copy_from_slice(&gu[xi * oc_n + start..][..len]);
-    }
-    for (f, g) in filters.chunks_exact_mut(9).enumerate() {
-        g.copy_from_slice(&T::inverse_filter(|xi| chunk[xi][f]));
+    fn inverse_transform_filters<T: TileBackward>(
+        gu: &[f32],
+        oc_n: usize,
+        start: usize,
+        filters: &mut [f32],
+    ) {
+        let len = filters.len() / 9;
+        let mut chunk = [[0f32; FILTER_CHUNK]; MAX_XI];
+        for (xi, values) in chunk[..T::XI].iter_mut().enumerate() {
+            values[..len].copy_from_slice(&gu[xi * oc_n + start..][..len]);
+        }
+        for (f, g) in filters.chunks_exact_mut(9).enumerate() {
+            g.copy_from_slice(&T::inverse_filter(|xi| chunk[xi][f]));
+        }
     }
 }
 
@@ -548,55 +531,44 @@ fn band_to_row(
 
 vectorized_kernel! {
     /// `V_t = Bᵀ·d_t·B` for the tile rows `rows` of the group `x`, into `V[ξ][t][c]`.
-    fn transform_input(
+    fn transform_input<T: Tile>(
         d: &Dims,
         x: &[f32],
         rows: Range<usize>,
         v: &mut [f32],
         band: &mut Vec<f32>,
     ) {
-        by_tile!(d.tile, transform_input_with(d, x, rows, v, band))
-    }
-}
-
-#[inline(always)]
-fn transform_input_with<T: Tile>(
-    d: &Dims,
-    x: &[f32],
-    rows: Range<usize>,
-    v: &mut [f32],
-    band: &mut Vec<f32>,
-) {
-    let (th, tw) = d.tiles_hw();
-    let c_n = d.c;
-    let row_len = d.band_width() * LANES;
-    let sv = xi_stride(rows.len() * tw * c_n);
-    band.resize(T::ALPHA * row_len, 0.0);
-    let mut out = [[0f32; LANES]; MAX_XI];
-    let out = &mut out[..T::XI];
-    for (c0, count) in lane_runs(c_n) {
-        let run = Run { c0, count };
-        let mut previous: Option<usize> = None;
-        for (local, g) in rows.clone().enumerate() {
-            let (n, i) = (g / th, g % th);
-            // Padded rows m·i .. m·i + α are image rows m·i − 1 .. m·i + α − 1; the last two of
-            // the previous tile row are this one's first two.
-            let first_new = if i > 0 && previous == Some(g - 1) {
-                band.copy_within(T::M * row_len..T::ALPHA * row_len, 0);
-                T::ALPHA - T::M
-            } else {
-                0
-            };
-            for k in first_new..T::ALPHA {
-                let row = (T::M * i + k) as isize - 1;
-                let band_row = &mut band[k * row_len..(k + 1) * row_len];
-                gather_row(x, d, (c_n, n, run), row, band_row);
-            }
-            previous = Some(g);
-            for j in 0..tw {
-                T::input_tile(band, row_len, T::M * j, out);
-                let t = local * tw + j;
-                store_tile(v, out, count, |xi| xi * sv + t * c_n + c0);
+        let (th, tw) = d.tiles_hw();
+        let c_n = d.c;
+        let row_len = d.band_width() * LANES;
+        let sv = xi_stride(rows.len() * tw * c_n);
+        band.resize(T::ALPHA * row_len, 0.0);
+        let mut out = [[0f32; LANES]; MAX_XI];
+        let out = &mut out[..T::XI];
+        for (c0, count) in lane_runs(c_n) {
+            let run = Run { c0, count };
+            let mut previous: Option<usize> = None;
+            for (local, g) in rows.clone().enumerate() {
+                let (n, i) = (g / th, g % th);
+                // Padded rows m·i .. m·i + α are image rows m·i − 1 .. m·i + α − 1; the last two of
+                // the previous tile row are this one's first two.
+                let first_new = if i > 0 && previous == Some(g - 1) {
+                    band.copy_within(T::M * row_len..T::ALPHA * row_len, 0);
+                    T::ALPHA - T::M
+                } else {
+                    0
+                };
+                for k in first_new..T::ALPHA {
+                    let row = (T::M * i + k) as isize - 1;
+                    let band_row = &mut band[k * row_len..(k + 1) * row_len];
+                    gather_row(x, d, (c_n, n, run), row, band_row);
+                }
+                previous = Some(g);
+                for j in 0..tw {
+                    T::input_tile(band, row_len, T::M * j, out);
+                    let t = local * tw + j;
+                    store_tile(v, out, count, |xi| xi * sv + t * c_n + c0);
+                }
             }
         }
     }
@@ -605,46 +577,35 @@ fn transform_input_with<T: Tile>(
 vectorized_kernel! {
     /// `y_t = Aᵀ·M_t·A` for the tile rows `rows` of the group `y`, from `M[ξ][t][o]`, cropping
     /// tiles that hang over the edge.
-    fn transform_output(
+    fn transform_output<T: Tile>(
         d: &Dims,
         m: &[f32],
         rows: Range<usize>,
         y: &mut [f32],
         band: &mut Vec<f32>,
     ) {
-        by_tile!(d.tile, transform_output_with(d, m, rows, y, band))
-    }
-}
-
-#[inline(always)]
-fn transform_output_with<T: Tile>(
-    d: &Dims,
-    m: &[f32],
-    rows: Range<usize>,
-    y: &mut [f32],
-    band: &mut Vec<f32>,
-) {
-    let (th, tw) = d.tiles_hw();
-    let o_n = d.o;
-    let row_len = d.band_width() * LANES;
-    let sm = xi_stride(rows.len() * tw * o_n);
-    band.resize(T::M * row_len, 0.0);
-    let mut mt = [[0f32; LANES]; MAX_XI];
-    let mt = &mut mt[..T::XI];
-    for (o0, count) in lane_runs(o_n) {
-        let run = Run { c0: o0, count };
-        for (local, g) in rows.clone().enumerate() {
-            let (n, i) = (g / th, g % th);
-            for j in 0..tw {
-                let t = local * tw + j;
-                load_tile(m, mt, count, |xi| xi * sm + t * o_n + o0);
-                // Band column x + 1 holds image column x (the same layout as the inputs').
-                T::output_tile(mt, band, row_len, T::M * j + 1);
-            }
-            for (r, out) in band.chunks_exact(row_len).enumerate() {
-                let row = T::M * i + r;
-                if row < d.h {
-                    write_row(y, d, (o_n, n, run), row, out);
+        let (th, tw) = d.tiles_hw();
+        let o_n = d.o;
+        let row_len = d.band_width() * LANES;
+        let sm = xi_stride(rows.len() * tw * o_n);
+        band.resize(T::M * row_len, 0.0);
+        let mut mt = [[0f32; LANES]; MAX_XI];
+        let mt = &mut mt[..T::XI];
+        for (o0, count) in lane_runs(o_n) {
+            let run = Run { c0: o0, count };
+            for (local, g) in rows.clone().enumerate() {
+                let (n, i) = (g / th, g % th);
+                for j in 0..tw {
+                    let t = local * tw + j;
+                    load_tile(m, mt, count, |xi| xi * sm + t * o_n + o0);
+                    // Band column x + 1 holds image column x (the same layout as the inputs').
+                    T::output_tile(mt, band, row_len, T::M * j + 1);
+                }
+                for (r, out) in band.chunks_exact(row_len).enumerate() {
+                    let row = T::M * i + r;
+                    if row < d.h {
+                        write_row(y, d, (o_n, n, run), row, out);
+                    }
                 }
             }
         }
@@ -654,43 +615,32 @@ fn transform_output_with<T: Tile>(
 vectorized_kernel! {
     /// `gM_t = A·gy_t·Aᵀ` for the tile rows `rows` of the group `gy`, into `gM[ξ][t][o]`, zeros
     /// standing in for the outputs a tile hangs over.
-    fn transform_output_grad(
+    fn transform_output_grad<T: TileBackward>(
         d: &Dims,
         gy: &[f32],
         rows: Range<usize>,
         gm: &mut [f32],
         band: &mut Vec<f32>,
     ) {
-        transform_output_grad_with::<F2>(d, gy, rows, gm, band)
-    }
-}
-
-#[inline(always)]
-fn transform_output_grad_with<T: TileBackward>(
-    d: &Dims,
-    gy: &[f32],
-    rows: Range<usize>,
-    gm: &mut [f32],
-    band: &mut Vec<f32>,
-) {
-    let (th, tw) = d.tiles_hw();
-    let o_n = d.o;
-    let row_len = d.band_width() * LANES;
-    let sm = xi_stride(rows.len() * tw * o_n);
-    band.resize(T::M * row_len, 0.0);
-    let mut out = [[0f32; LANES]; MAX_XI];
-    let out = &mut out[..T::XI];
-    for (o0, count) in lane_runs(o_n) {
-        let run = Run { c0: o0, count };
-        for (local, g) in rows.clone().enumerate() {
-            let (n, i) = (g / th, g % th);
-            for (r, band_row) in band.chunks_exact_mut(row_len).enumerate() {
-                gather_row(gy, d, (o_n, n, run), (T::M * i + r) as isize, band_row);
-            }
-            for j in 0..tw {
-                T::output_grad_tile(band, row_len, T::M * j + 1, out);
-                let t = local * tw + j;
-                store_tile(gm, out, count, |xi| xi * sm + t * o_n + o0);
+        let (th, tw) = d.tiles_hw();
+        let o_n = d.o;
+        let row_len = d.band_width() * LANES;
+        let sm = xi_stride(rows.len() * tw * o_n);
+        band.resize(T::M * row_len, 0.0);
+        let mut out = [[0f32; LANES]; MAX_XI];
+        let out = &mut out[..T::XI];
+        for (o0, count) in lane_runs(o_n) {
+            let run = Run { c0: o0, count };
+            for (local, g) in rows.clone().enumerate() {
+                let (n, i) = (g / th, g % th);
+                for (r, band_row) in band.chunks_exact_mut(row_len).enumerate() {
+                    gather_row(gy, d, (o_n, n, run), (T::M * i + r) as isize, band_row);
+                }
+                for j in 0..tw {
+                    T::output_grad_tile(band, row_len, T::M * j + 1, out);
+                    let t = local * tw + j;
+                    store_tile(gm, out, count, |xi| xi * sm + t * o_n + o0);
+                }
             }
         }
     }
@@ -699,58 +649,47 @@ fn transform_output_grad_with<T: TileBackward>(
 vectorized_kernel! {
     /// `gx += B·gV_t·Bᵀ` onto the overlapping input tiles of the tile rows `rows` of the group
     /// `gx`, from `gV[ξ][t][c]`, dropping what falls on the padding.
-    fn inverse_transform_input(
+    fn inverse_transform_input<T: TileBackward>(
         d: &Dims,
         gv: &[f32],
         rows: Range<usize>,
         gx: &mut [f32],
         band: &mut Vec<f32>,
     ) {
-        inverse_transform_input_with::<F2>(d, gv, rows, gx, band)
-    }
-}
-
-#[inline(always)]
-fn inverse_transform_input_with<T: TileBackward>(
-    d: &Dims,
-    gv: &[f32],
-    rows: Range<usize>,
-    gx: &mut [f32],
-    band: &mut Vec<f32>,
-) {
-    let (th, tw) = d.tiles_hw();
-    let c_n = d.c;
-    let row_len = d.band_width() * LANES;
-    let sv = xi_stride(rows.len() * tw * c_n);
-    band.resize(T::ALPHA * row_len, 0.0);
-    let mut vt = [[0f32; LANES]; MAX_XI];
-    let vt = &mut vt[..T::XI];
-    for (c0, count) in lane_runs(c_n) {
-        let run = Run { c0, count };
-        band.fill(0.0);
-        for (local, g) in rows.clone().enumerate() {
-            let (n, i) = (g / th, g % th);
-            for j in 0..tw {
-                let t = local * tw + j;
-                load_tile(gv, vt, count, |xi| xi * sv + t * c_n + c0);
-                // Added at band rows 0..α, columns m·j .. m·j + α.
-                T::input_grad_tile(vt, band, row_len, T::M * j);
-            }
-            // Band rows 0..m (image rows m·i − 1 .. m·i + m − 1) are complete; the last two
-            // carry into the next tile row of the same image, or are complete too at an image's
-            // end or the block's.
-            let last_of_image = i + 1 == th || local + 1 == rows.len();
-            let complete = if last_of_image { T::ALPHA } else { T::M };
-            for k in 0..complete {
-                let row = (T::M * i + k) as isize - 1;
-                let band_row = &band[k * row_len..(k + 1) * row_len];
-                scatter_add_row(gx, d, (c_n, n, run), row, band_row);
-            }
-            if last_of_image {
-                band.fill(0.0);
-            } else {
-                band.copy_within(T::M * row_len..T::ALPHA * row_len, 0);
-                band[(T::ALPHA - T::M) * row_len..].fill(0.0);
+        let (th, tw) = d.tiles_hw();
+        let c_n = d.c;
+        let row_len = d.band_width() * LANES;
+        let sv = xi_stride(rows.len() * tw * c_n);
+        band.resize(T::ALPHA * row_len, 0.0);
+        let mut vt = [[0f32; LANES]; MAX_XI];
+        let vt = &mut vt[..T::XI];
+        for (c0, count) in lane_runs(c_n) {
+            let run = Run { c0, count };
+            band.fill(0.0);
+            for (local, g) in rows.clone().enumerate() {
+                let (n, i) = (g / th, g % th);
+                for j in 0..tw {
+                    let t = local * tw + j;
+                    load_tile(gv, vt, count, |xi| xi * sv + t * c_n + c0);
+                    // Added at band rows 0..α, columns m·j .. m·j + α.
+                    T::input_grad_tile(vt, band, row_len, T::M * j);
+                }
+                // Band rows 0..m (image rows m·i − 1 .. m·i + m − 1) are complete; the last two
+                // carry into the next tile row of the same image, or are complete too at an image's
+                // end or the block's.
+                let last_of_image = i + 1 == th || local + 1 == rows.len();
+                let complete = if last_of_image { T::ALPHA } else { T::M };
+                for k in 0..complete {
+                    let row = (T::M * i + k) as isize - 1;
+                    let band_row = &band[k * row_len..(k + 1) * row_len];
+                    scatter_add_row(gx, d, (c_n, n, run), row, band_row);
+                }
+                if last_of_image {
+                    band.fill(0.0);
+                } else {
+                    band.copy_within(T::M * row_len..T::ALPHA * row_len, 0);
+                    band[(T::ALPHA - T::M) * row_len..].fill(0.0);
+                }
             }
         }
     }
@@ -786,7 +725,7 @@ fn forward_group(d: &Dims, ut: &[f32], x: &[f32], y: &mut [f32], s: &mut Scratch
         let (sv, sm) = (xi_stride(tb * c_n), xi_stride(tb * o_n));
         s.v.resize(xi_n * sv, 0.0);
         s.m.resize(xi_n * sm, 0.0);
-        transform_input(d, x, rows.clone(), &mut s.v, &mut s.band);
+        by_tile!(d.tile, transform_input(d, x, rows.clone(), &mut s.v, &mut s.band));
         // M[ξ][t][o] = V[ξ][t][c] · U[ξ][c][o].
         for xi in 0..xi_n {
             let a = View { data: &s.v[xi * sv..xi * sv + tb * c_n], rs: c_n, cs: 1 };
@@ -794,7 +733,7 @@ fn forward_group(d: &Dims, ut: &[f32], x: &[f32], y: &mut [f32], s: &mut Scratch
             let dst = &mut s.m[xi * sm..xi * sm + tb * o_n];
             matmul((tb, o_n, c_n), dst, o_n, a, b, false, inner);
         }
-        transform_output(d, &s.m, rows, y, &mut s.band);
+        by_tile!(d.tile, transform_output(d, &s.m, rows, y, &mut s.band));
     }
 }
 
@@ -827,15 +766,16 @@ fn backward_group(
     s: &mut Scratch,
     inner: usize,
 ) {
+    debug_assert_eq!(d.tile, TileSize::F2, "the gradients are computed by 2x2 tiles");
     let (o_n, c_n, tw, xi_n) = (d.o, d.c, d.tiles_hw().1, d.tile.xi());
     for rows in d.blocks(gy.len() / d.out_len()) {
         let tb = rows.len() * tw;
         let (sv, sm) = (xi_stride(tb * c_n), xi_stride(tb * o_n));
         s.m.resize(xi_n * sm, 0.0);
         s.v.resize(xi_n * sv, 0.0);
-        transform_output_grad(d, gy, rows.clone(), &mut s.m, &mut s.band);
+        transform_output_grad::<F2>(d, gy, rows.clone(), &mut s.m, &mut s.band);
         if let Some(gu) = gu.as_deref_mut() {
-            transform_input(d, x, rows.clone(), &mut s.v, &mut s.band);
+            transform_input::<F2>(d, x, rows.clone(), &mut s.v, &mut s.band);
             // gU[ξ][o][c] += gM[ξ][t][o]ᵀ · V[ξ][t][c].
             for xi in 0..xi_n {
                 let a = View { data: &s.m[xi * sm..xi * sm + tb * o_n], rs: 1, cs: o_n };
@@ -852,7 +792,7 @@ fn backward_group(
                 let dst = &mut s.v[xi * sv..xi * sv + tb * c_n];
                 matmul((tb, c_n, o_n), dst, c_n, a, b, false, inner);
             }
-            inverse_transform_input(d, &s.v, rows, gx, &mut s.band);
+            inverse_transform_input::<F2>(d, &s.v, rows, gx, &mut s.band);
         }
     }
 }

@@ -44,7 +44,7 @@ pub(super) trait TileBackward: Tile {
 
 /// The lanes at column `col` of a band row.
 #[inline(always)]
-pub(super) fn lanes_at(band: &[f32], col: usize) -> &Lanes {
+fn lanes_at(band: &[f32], col: usize) -> &Lanes {
     band[col * LANES..(col + 1) * LANES].try_into().expect("LANES values")
 }
 
