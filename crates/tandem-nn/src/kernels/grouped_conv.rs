@@ -1,7 +1,8 @@
 //! Grouped convolution (`groups > 1`, depthwise included) as one custom op, forward and both
 //! gradients: on CPU f32 tensors by direct loops over each output plane (on a zero-padded copy
 //! of each input plane split into its stride phases, so every tap is one contiguous run over
-//! the whole plane: long vector loops even on MobileFaceNet's 7x7 and stride-2 planes); on a
+//! the whole plane: long vector loops even on MobileFaceNet's 7x7 and stride-2 planes, a block
+//! of outputs kept in registers across the taps; the input gradient gathers the same way); on a
 //! GPU through cuDNN with the group count (`cuda` builds).
 //!
 //! Why: candle runs a grouped convolution as one convolution per group and a concatenation, so
@@ -15,7 +16,7 @@ use rayon::prelude::*;
 
 use crate::backward::take_param_grad;
 use crate::contiguous_f32;
-use crate::kernels::simd::lane_sum2;
+use crate::kernels::simd::{lane_sum2, REDUCE_LANES};
 use crate::kernels::with_f32_slice;
 use crate::vectorized_kernel;
 
@@ -87,71 +88,99 @@ impl Geometry {
 /// at one offset — a contiguous run over the whole output in the phases' width, whatever the
 /// stride. One spare row of zeros lets the last run read past its last row (those lanes only
 /// fill the columns past the output's width, which are dropped).
-#[derive(Clone, Copy)]
+///
+/// Where the taps read and where the plane's rows go are worked out once per call: per plane
+/// and tap, the divisions by the stride cost more than the tap's multiply-adds on
+/// MobileFaceNet's 14x14 and 7x7 planes.
 struct Phases {
     s: usize,
     rows: usize,
     cols: usize,
+    /// Per tap `(ky, kx)`, row-major: its phase and the offset in it where output `(0, 0)` reads.
+    taps: Vec<(usize, usize)>,
+    /// The unpadded plane as runs: `(start, at, n)` — the plane's elements `start, start + s,
+    /// …` (`n` of them, one input row's columns of one phase) lie at `at, at + 1, …`.
+    runs: Vec<(usize, usize, usize)>,
+}
+
+/// Floats of a phase of `rows x cols`: its spare row included, then zeros to a whole number
+/// of vectors.
+fn phase_len(rows: usize, cols: usize) -> usize {
+    ((rows + 1) * cols).next_multiple_of(REDUCE_LANES)
 }
 
 impl Phases {
     fn of(g: &Geometry) -> Phases {
         let (ph, pw) = g.padded();
         let s = g.p.stride;
-        Phases { s, rows: ph.div_ceil(s), cols: pw.div_ceil(s) }
+        let (rows, cols) = (ph.div_ceil(s), pw.div_ceil(s));
+        let taps = (0..g.kh * g.kw)
+            .map(|t| {
+                let (dy, dx) = ((t / g.kw) * g.p.dilation, (t % g.kw) * g.p.dilation);
+                ((dy % s) * s + dx % s, (dy / s) * cols + dx / s)
+            })
+            .collect();
+        let (pad, len) = (g.p.padding, phase_len(rows, cols));
+        let mut runs = Vec::with_capacity(g.h * s);
+        for y in 0..g.h {
+            let yy = y + pad;
+            let row_start = (yy % s) * s * len + (yy / s) * cols;
+            for px in 0..s {
+                // The first column x with (x + pad) % s == px.
+                let x0 = (px + s - pad % s) % s;
+                if x0 < g.w {
+                    let at = row_start + px * len + (x0 + pad) / s;
+                    runs.push((y * g.w + x0, at, (g.w - x0).div_ceil(s)));
+                }
+            }
+        }
+        Phases { s, rows, cols, taps, runs }
     }
 
-    /// Floats of one phase (its spare row included), and of all of them.
+    /// Floats of one phase, and of all of them.
     fn len(&self) -> usize {
-        (self.rows + 1) * self.cols
+        phase_len(self.rows, self.cols)
     }
 
     fn total(&self) -> usize {
         self.s * self.s * self.len()
     }
 
-    /// The phase and the offset in it where tap `(ky, kx)` of output `(0, 0)` reads.
-    #[inline(always)]
-    fn tap(&self, g: &Geometry, ky: usize, kx: usize) -> (usize, usize) {
-        let (dy, dx) = (ky * g.p.dilation, kx * g.p.dilation);
-        let phase = (dy % self.s) * self.s + dx % self.s;
-        (phase * self.len(), (dy / self.s) * self.cols + dx / self.s)
+    /// A buffer for the phases, with room for a tap to read a whole number of vectors past the
+    /// output's last element.
+    fn buffer(&self) -> Vec<f32> {
+        vec![0f32; self.total() + REDUCE_LANES]
     }
 
-    /// `plane` (`h x w`) padded and split into `out` (every slot written).
+    /// Where each tap reads in the phases, for output `(0, 0)`.
+    fn tap_offsets(&self) -> Vec<usize> {
+        self.taps.iter().map(|&(phase, off)| phase * self.len() + off).collect()
+    }
+
+    /// `plane` (`h x w`) into its places in `out`. Only the plane's places are written: the
+    /// padding's stay as they are, zero from the buffer's making (no plane writes there).
     #[inline(always)]
-    fn fill(&self, g: &Geometry, plane: &[f32], out: &mut [f32]) {
-        out.fill(0.0);
-        self.each_run(g, |y, x0, at, n| {
-            let src = &plane[y * g.w + x0..(y + 1) * g.w];
-            out[at..at + n].iter_mut().zip(src.iter().step_by(self.s)).for_each(|(d, &v)| *d = v);
-        });
+    fn fill(&self, plane: &[f32], out: &mut [f32]) {
+        for &(start, at, n) in &self.runs {
+            let dst = &mut out[at..at + n];
+            match self.s {
+                1 => copy_run(dst, &plane[start..]),
+                2 => every_other(dst, &plane[start..]),
+                s => {
+                    dst.iter_mut().zip(plane[start..].iter().step_by(s)).for_each(|(d, &v)| *d = v)
+                }
+            }
+        }
     }
 
     /// The unpadded plane (`h x w`) read back out of `phases` into `plane` (`fill`'s inverse).
     #[inline(always)]
-    fn read(&self, g: &Geometry, phases: &[f32], plane: &mut [f32]) {
-        self.each_run(g, |y, x0, at, n| {
-            let dst = &mut plane[y * g.w + x0..(y + 1) * g.w];
-            dst.iter_mut().step_by(self.s).zip(&phases[at..at + n]).for_each(|(d, &v)| *d = v);
-        });
-    }
-
-    /// For every input row `y` and column phase: `f(y, x0, at, n)` — the row's columns `x0,
-    /// x0 + s, …` (`n` of them) lie at `at, at + 1, …` of the phases.
-    #[inline(always)]
-    fn each_run(&self, g: &Geometry, mut f: impl FnMut(usize, usize, usize, usize)) {
-        let (s, pad) = (self.s, g.p.padding);
-        for y in 0..g.h {
-            let yy = y + pad;
-            let row_start = (yy % s) * s * self.len() + (yy / s) * self.cols;
-            for px in 0..s {
-                // The first column x with (x + pad) % s == px.
-                let x0 = (px + s - pad % s) % s;
-                if x0 < g.w {
-                    let at = row_start + px * self.len() + (x0 + pad) / s;
-                    f(y, x0, at, (g.w - x0).div_ceil(s));
-                }
+    fn read(&self, phases: &[f32], plane: &mut [f32]) {
+        for &(start, at, n) in &self.runs {
+            let src = &phases[at..at + n];
+            match self.s {
+                1 => copy_run(&mut plane[start..start + n], src),
+                s => plane[start..].iter_mut().step_by(s).zip(src).for_each(|(d, &v)| *d = v),
             }
         }
     }
@@ -165,17 +194,82 @@ fn global(g: &Geometry) -> bool {
 }
 
 /// Floats of an output plane in the phases' width (`oh x cols`; columns from `ow` on are
-/// scratch).
+/// scratch), then zeros to a whole number of vectors: every loop over it runs in whole
+/// vectors (a 7x7 plane's 63 floats left 15 to a scalar tail per tap).
 fn wide_len(g: &Geometry, ph: &Phases) -> usize {
-    g.oh * ph.cols
+    (g.oh * ph.cols).next_multiple_of(REDUCE_LANES)
 }
 
-/// `plane` (`oh x ow`) into the phases' width with zeros in the extra columns.
+/// `plane` (`oh x ow`) into the phases' width. The scratch columns are not written: they stay
+/// zero from the buffer's making.
 #[inline(always)]
 fn widen(g: &Geometry, ph: &Phases, plane: &[f32], wide: &mut [f32]) {
-    wide.fill(0.0);
     for (row, out) in plane.chunks_exact(g.ow).zip(wide.chunks_exact_mut(ph.cols)) {
-        out[..g.ow].copy_from_slice(row);
+        copy_run(&mut out[..g.ow], row);
+    }
+}
+
+/// Outputs [`correlate`] keeps in registers across its taps (four AVX-512 vectors).
+const BLOCK: usize = 64;
+
+/// `out[i] = (add ? out[i] : 0) + Σ_t w[t] · src[at[t] + i]` for every `i` of `out`, the
+/// taps added one after the other in their order (a separate multiply and add, as everywhere
+/// in these kernels). A block of outputs stays in registers across the taps instead of going
+/// through memory once per tap.
+#[inline(always)]
+fn correlate(out: &mut [f32], src: &[f32], at: &[usize], w: &[f32], add: bool) {
+    let full = out.len() / BLOCK * BLOCK;
+    for start in (0..full).step_by(BLOCK) {
+        let block: &mut [f32; BLOCK] = (&mut out[start..start + BLOCK]).try_into().unwrap();
+        let mut acc = if add { *block } else { [0f32; BLOCK] };
+        for (&a, &wv) in at.iter().zip(w) {
+            let s: &[f32; BLOCK] = src[a + start..a + start + BLOCK].try_into().unwrap();
+            for l in 0..BLOCK {
+                acc[l] += wv * s[l];
+            }
+        }
+        *block = acc;
+    }
+    let rest = &mut out[full..];
+    if !add {
+        rest.iter_mut().for_each(|o| *o = 0.0);
+    }
+    for (&a, &wv) in at.iter().zip(w) {
+        rest.iter_mut().zip(&src[a + full..]).for_each(|(o, &v)| *o += wv * v);
+    }
+}
+
+/// `dst[i] = src[2·i]`: by pairs, which vectorise (a shuffle of two loads); `step_by(2)`
+/// copied one float at a time, most of a stride-2 layer's forward.
+#[inline(always)]
+fn every_other(dst: &mut [f32], src: &[f32]) {
+    let pairs = src.len().min(2 * dst.len()) / 2;
+    for (d, pair) in dst[..pairs].iter_mut().zip(src.chunks_exact(2)) {
+        *d = pair[0];
+    }
+    if pairs < dst.len() {
+        dst[pairs] = src[2 * pairs];
+    }
+}
+
+/// `dst = src` (equal lengths) in fixed-size moves: these kernels copy runs of 3–56 floats
+/// (a plane's rows), where a call to memmove cost more than the copy (10% of MobileFaceNet's
+/// depthwise layers).
+#[inline(always)]
+fn copy_run(dst: &mut [f32], src: &[f32]) {
+    let n = dst.len();
+    let src = &src[..n];
+    if n >= 8 {
+        for (d, s) in dst.chunks_exact_mut(8).zip(src.chunks_exact(8)) {
+            d.copy_from_slice(s);
+        }
+        // The last eight again, overlapping the ones just copied.
+        dst[n - 8..].copy_from_slice(&src[n - 8..]);
+    } else if n >= 4 {
+        dst[..4].copy_from_slice(&src[..4]);
+        dst[n - 4..].copy_from_slice(&src[n - 4..]);
+    } else {
+        dst.iter_mut().zip(src).for_each(|(d, &v)| *d = v);
     }
 }
 
@@ -188,10 +282,11 @@ fn widen(g: &Geometry, ph: &Phases, plane: &[f32], wide: &mut [f32]) {
 /// order ci, ky, kx for every element.
 fn forward(g: &Geometry, x: &[f32], k: &[f32]) -> Vec<f32> {
     let ph = Phases::of(g);
+    let at = ph.tap_offsets();
     let mut y = vec![0f32; g.n * g.o * g.oh * g.ow];
     y.par_chunks_mut(g.oh * g.ow).enumerate().for_each_init(
-        || (vec![0f32; ph.total()], vec![0f32; wide_len(g, &ph)]),
-        |(xp, yw), (idx, yp)| forward_plane((g, &ph), (x, k), idx, (xp, yw), yp),
+        || (ph.buffer(), vec![0f32; wide_len(g, &ph)]),
+        |(xp, yw), (idx, yp)| forward_plane((g, &ph, &at), (x, k), idx, (xp, yw), yp),
     );
     y
 }
@@ -199,7 +294,7 @@ fn forward(g: &Geometry, x: &[f32], k: &[f32]) -> Vec<f32> {
 vectorized_kernel! {
     /// Output plane `idx` (image `idx / o`, channel `idx % o`) of [`forward`] into `yp`.
     fn forward_plane(
-        (g, ph): (&Geometry, &Phases),
+        (g, ph, at): (&Geometry, &Phases, &[usize]),
         (x, k): (&[f32], &[f32]),
         idx: usize,
         (xp, yw): (&mut [f32], &mut [f32]),
@@ -214,33 +309,53 @@ vectorized_kernel! {
             yp[0] = (0..g.cpg).fold(0f32, |s, ci| s + lane_sum2(k(ci), x(ci), |a, v| a * v));
             return;
         }
-        yw.fill(0.0);
+        let taps = g.kh * g.kw;
         for ci in 0..g.cpg {
-            ph.fill(g, x(ci), xp);
-            for ky in 0..g.kh {
-                for kx in 0..g.kw {
-                    let wv = k[((co * g.cpg + ci) * g.kh + ky) * g.kw + kx];
-                    let (phase, off) = ph.tap(g, ky, kx);
-                    let src = &xp[phase + off..][..yw.len()];
-                    yw.iter_mut().zip(src).for_each(|(o, &v)| *o += wv * v);
-                }
-            }
+            ph.fill(x(ci), xp);
+            correlate(yw, xp, at, &k[(co * g.cpg + ci) * taps..][..taps], ci > 0);
         }
         for (out, row) in yp.chunks_exact_mut(g.ow).zip(yw.chunks_exact(ph.cols)) {
-            out.copy_from_slice(&row[..g.ow]);
+            copy_run(out, row);
         }
     }
 }
 
-/// `gx[b, c] = Σ_{co in c's group, ky, kx} w[co, ci, ky, kx] · unshift(gy[b, co])`: each tap
-/// scatters the whole (widened) output gradient into the phases at its offset, then the
-/// input's positions are read back out of them.
+/// The input gradient as [`correlate`]s: tap `t` adds `w_t · gy` into the phases at its offset
+/// `off_t`, so a phase's element `j` is `Σ w_t · gy[j − off_t]` over that phase's taps in their
+/// order — a correlation with the widened output gradient placed `lead` zeros into a buffer
+/// (`lead` = the largest offset), each tap reading it from `lead − off_t`.
+struct InputGradTaps {
+    lead: usize,
+    /// Per phase: its taps (indices into the kernel's taps) and where each reads the buffer.
+    phases: Vec<(Vec<usize>, Vec<usize>)>,
+    /// The buffer's length: up to every position a phase reads, zeros past the gradient.
+    len: usize,
+}
+
+impl InputGradTaps {
+    fn of(g: &Geometry, ph: &Phases) -> InputGradTaps {
+        let lead = ph.taps.iter().map(|&(_, off)| off).max().unwrap_or(0);
+        let phases = (0..ph.s * ph.s)
+            .map(|p| {
+                let taps: Vec<usize> = (0..ph.taps.len()).filter(|&t| ph.taps[t].0 == p).collect();
+                let reads = taps.iter().map(|&t| lead - ph.taps[t].1).collect();
+                (taps, reads)
+            })
+            .collect();
+        InputGradTaps { lead, phases, len: lead + ph.len().max(wide_len(g, ph)) }
+    }
+}
+
+/// `gx[b, c] = Σ_{co in c's group, ky, kx} w[co, ci, ky, kx] · unshift(gy[b, co])`: per phase,
+/// the taps that land in it gather the (widened) output gradient (see [`InputGradTaps`]), then the
+/// input's positions are read back out of the phases.
 fn input_grad(g: &Geometry, k: &[f32], gy: &[f32]) -> Vec<f32> {
     let ph = Phases::of(g);
+    let gt = InputGradTaps::of(g, &ph);
     let mut gx = vec![0f32; g.n * g.c * g.h * g.w];
     gx.par_chunks_mut(g.h * g.w).enumerate().for_each_init(
-        || (vec![0f32; ph.total()], vec![0f32; wide_len(g, &ph)]),
-        |(gp, gyw), (idx, gxp)| input_grad_plane((g, &ph), (k, gy), idx, (gp, gyw), gxp),
+        || (vec![0f32; ph.total()], vec![0f32; gt.len], vec![0f32; g.kh * g.kw]),
+        |(gp, gyw, w), (idx, gxp)| input_grad_plane((g, &ph, &gt), (k, gy), idx, (gp, gyw, w), gxp),
     );
     gx
 }
@@ -248,10 +363,10 @@ fn input_grad(g: &Geometry, k: &[f32], gy: &[f32]) -> Vec<f32> {
 vectorized_kernel! {
     /// Input-gradient plane `idx` (image `idx / c`, channel `idx % c`) of [`input_grad`].
     fn input_grad_plane(
-        (g, ph): (&Geometry, &Phases),
+        (g, ph, gt): (&Geometry, &Phases, &InputGradTaps),
         (k, gy): (&[f32], &[f32]),
         idx: usize,
-        (gp, gyw): (&mut [f32], &mut [f32]),
+        (gp, gyw, w): (&mut [f32], &mut [f32], &mut [f32]),
         gxp: &mut [f32],
     ) {
         let (plane, out_plane) = (g.h * g.w, g.oh * g.ow);
@@ -267,19 +382,17 @@ vectorized_kernel! {
             }
             return;
         }
-        gp.fill(0.0);
-        for co in outputs {
-            widen(g, ph, &gy[(b * g.o + co) * out_plane..][..out_plane], gyw);
-            for ky in 0..g.kh {
-                for kx in 0..g.kw {
-                    let wv = k[((co * g.cpg + ci) * g.kh + ky) * g.kw + kx];
-                    let (phase, off) = ph.tap(g, ky, kx);
-                    let dst = &mut gp[phase + off..][..gyw.len()];
-                    dst.iter_mut().zip(gyw.iter()).for_each(|(o, &v)| *o += wv * v);
-                }
+        let (taps, len) = (g.kh * g.kw, ph.len());
+        for (i, co) in outputs.enumerate() {
+            widen(g, ph, &gy[(b * g.o + co) * out_plane..][..out_plane], &mut gyw[gt.lead..]);
+            let kc = &k[(co * g.cpg + ci) * taps..][..taps];
+            for (p, (phase_taps, reads)) in gt.phases.iter().enumerate() {
+                w.iter_mut().zip(phase_taps).for_each(|(w, &t)| *w = kc[t]);
+                let (out, w) = (&mut gp[p * len..(p + 1) * len], &w[..reads.len()]);
+                correlate(out, gyw, reads, w, i > 0);
             }
         }
-        ph.read(g, gp, gxp);
+        ph.read(gp, gxp);
     }
 }
 
@@ -290,11 +403,14 @@ vectorized_kernel! {
 /// task per output channel).
 fn weight_grad(g: &Geometry, x: &[f32], gy: &[f32]) -> Vec<f32> {
     let ph = Phases::of(g);
+    let at = ph.tap_offsets();
     let taps = g.cpg * g.kh * g.kw;
     let mut gw = vec![0f32; g.o * taps];
     gw.par_chunks_mut(taps).enumerate().for_each_init(
-        || (vec![0f32; ph.total()], vec![0f32; wide_len(g, &ph)], vec![0f64; taps]),
-        |(xp, gyw, acc), (co, gwc)| weight_grad_channel((g, &ph), (x, gy), co, (xp, gyw, acc), gwc),
+        || (ph.buffer(), vec![0f32; wide_len(g, &ph)], vec![0f64; taps]),
+        |(xp, gyw, acc), (co, gwc)| {
+            weight_grad_channel((g, &ph, &at), (x, gy), co, (xp, gyw, acc), gwc)
+        },
     );
     gw
 }
@@ -302,7 +418,7 @@ fn weight_grad(g: &Geometry, x: &[f32], gy: &[f32]) -> Vec<f32> {
 vectorized_kernel! {
     /// Output channel `co`'s weight gradient of [`weight_grad`] into `gwc`.
     fn weight_grad_channel(
-        (g, ph): (&Geometry, &Phases),
+        (g, ph, at): (&Geometry, &Phases, &[usize]),
         (x, gy): (&[f32], &[f32]),
         co: usize,
         (xp, gyw, acc): (&mut [f32], &mut [f32], &mut [f64]),
@@ -320,14 +436,10 @@ vectorized_kernel! {
             }
             widen(g, ph, &gy[(b * g.o + co) * out_plane..][..out_plane], gyw);
             for ci in 0..g.cpg {
-                ph.fill(g, &x[(b * g.c + group * g.cpg + ci) * plane..][..plane], xp);
-                for ky in 0..g.kh {
-                    for kx in 0..g.kw {
-                        let (phase, off) = ph.tap(g, ky, kx);
-                        let run = &xp[phase + off..][..gyw.len()];
-                        let dot = lane_sum2(gyw, run, |a, v| a * v);
-                        acc[(ci * g.kh + ky) * g.kw + kx] += f64::from(dot);
-                    }
+                ph.fill(&x[(b * g.c + group * g.cpg + ci) * plane..][..plane], xp);
+                let acc = &mut acc[ci * at.len()..][..at.len()];
+                for (a, &t) in acc.iter_mut().zip(at) {
+                    *a += f64::from(lane_sum2(gyw, &xp[t..t + gyw.len()], |a, v| a * v));
                 }
             }
         }
@@ -445,7 +557,7 @@ mod tests {
 
     /// Against candle's grouped convolution (per-group convolutions) and its gradients, over
     /// MobileFaceNet's shapes: depthwise 3x3 strides 1 and 2, two channels per group, the GDC's
-    /// 7x7 without padding, and dilation.
+    /// 7x7 without padding, and dilation; and the edges of the kernels' copies and blocks.
     #[test]
     fn matches_candles_grouped_convolution_and_gradients() {
         let cases = [
@@ -455,6 +567,12 @@ mod tests {
             (1, 8, 7, 8, 3, 1, 1, 1, 4),
             (3, 6, 7, 6, 7, 1, 0, 1, 6),
             (2, 4, 10, 8, 3, 2, 2, 2, 2),
+            // Rows shorter than four floats; a 1x1 stride-2 kernel (phases no tap reads);
+            // stride 3; a plane of several blocks of outputs and a remainder.
+            (2, 4, 3, 4, 3, 1, 1, 1, 4),
+            (2, 4, 11, 4, 1, 2, 0, 1, 4),
+            (1, 6, 13, 6, 3, 3, 1, 1, 3),
+            (1, 4, 20, 4, 3, 1, 1, 1, 4),
         ];
         for (i, &(n, c, h, o, k, stride, padding, dilation, groups)) in cases.iter().enumerate() {
             let p = GroupedConvParams { stride, padding, dilation, groups };
