@@ -70,9 +70,8 @@ fn main() -> candle_core::Result<()> {
         for v in [x.as_tensor(), w.as_tensor()] {
             h = bits_hash(grads.get(v).expect("a gradient"), h)?;
         }
-        println!(
-            "[16,{c},{side},{side}] s{stride} g{groups}: fwd {fwd:.3} fwd+bwd {both:.3}  bits {h:016x}"
-        );
+        let layer = format!("[16,{c},{side},{side}] s{stride} g{groups}");
+        println!("{layer}: fwd {fwd:.3} fwd+bwd {both:.3}  bits {h:016x}");
     }
     Ok(())
 }

@@ -253,8 +253,8 @@ fn every_other(dst: &mut [f32], src: &[f32]) {
 }
 
 /// `dst = src` (equal lengths) in fixed-size moves: these kernels copy runs of 3–56 floats
-/// (a plane's rows), where a call to memmove cost more than the copy (10% of MobileFaceNet's
-/// depthwise layers).
+/// (a plane's rows), where a call to memmove cost more than the copy (memmove was ~10% of a
+/// depthwise layer's profile).
 #[inline(always)]
 fn copy_run(dst: &mut [f32], src: &[f32]) {
     let n = dst.len();
@@ -346,9 +346,9 @@ impl InputGradTaps {
     }
 }
 
-/// `gx[b, c] = Σ_{co in c's group, ky, kx} w[co, ci, ky, kx] · unshift(gy[b, co])`: per phase,
-/// the taps that land in it gather the (widened) output gradient (see [`InputGradTaps`]), then the
-/// input's positions are read back out of the phases.
+/// `gx[b, c] = Σ_{co in c's group, ky, kx} w[co, ci, ky, kx] · unshift(gy[b, co])`: per
+/// phase, the taps that land in it gather the (widened) output gradient (see
+/// [`InputGradTaps`]), then the input's positions are read back out of the phases.
 fn input_grad(g: &Geometry, k: &[f32], gy: &[f32]) -> Vec<f32> {
     let ph = Phases::of(g);
     let gt = InputGradTaps::of(g, &ph);
