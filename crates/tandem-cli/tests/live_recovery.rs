@@ -34,6 +34,7 @@ fn main() -> ExitCode {
         face_recipe_background_saves_through_a_regroup_resume_on_three_ranks,
         zero_shards_come_back_from_the_mirror,
         fsdp_shards_come_back_from_the_mirror_and_reshard_over_the_survivors,
+        hsdp_shards_come_back_from_the_replica_and_the_mesh_re_forms,
     ])
 }
 
@@ -616,4 +617,50 @@ fn fsdp_shards_come_back_from_the_mirror_and_reshard_over_the_survivors() {
         ),
         "{line}"
     );
+}
+
+/// The regroup records of a run's metrics, in order.
+fn regroup_records(run: &Run) -> Vec<tandem::live::Regroup> {
+    let path = run.dir.path().join("runs/live/metrics.jsonl");
+    let records = tandem::train::metrics::read_metrics(&path).unwrap();
+    records
+        .into_iter()
+        .filter_map(|r| match r {
+            MetricsRecord::Regrouped(g) => Some(g),
+            _ => None,
+        })
+        .collect()
+}
+
+/// HSDP (`--hsdp-rows 2`: 2 rows of 2 ranks, each row a whole copy of the shards): member 2
+/// SIGKILLed in step 100's forward. Its shards come from its replica in the other row, as new as
+/// the step (nothing from a mirror, no training lost); the 3 survivors make no rows of 2 at
+/// least 2 wide, so they re-shard as plain FSDP over 3 ranks; with a restart the replacement
+/// joins and the mesh is 2x2 again (every element wanted twice: once a row).
+fn hsdp_shards_come_back_from_the_replica_and_the_mesh_re_forms() {
+    let f = fault("forward@100", "2");
+    let train = ["--fsdp", "--hsdp-rows", "2", "--optimizer", "adamw", "--lr", "0.002"];
+    for restarts in ["0", "1"] {
+        let run = live_job(&["--max-restarts", restarts], &train, &env_refs(&f));
+        assert_finished(&run);
+        assert!(run.text.contains("in each of 2 HSDP rows"), "{}", run.text);
+        let records = regroup_records(&run);
+        let first = records.first().unwrap_or_else(|| panic!("no regroup:\n{}", run.text));
+        let resplit = first.resplit.clone().unwrap_or_else(|| panic!("no re-split: {first:?}"));
+        assert_eq!(resplit.part, "fsdp shards", "{resplit:?}");
+        let c = resplit.counts;
+        let (copies, mesh) = match first.change.members.len() {
+            3 => (1, "HSDP mesh now 1x3 (built 2x2)"),
+            _ => (2, "HSDP mesh now 2x2 (built 2x2)"),
+        };
+        assert_eq!(c.kept + c.moved, copies * 19_210, "{c:?}");
+        assert_eq!((c.from_mirror, c.reloaded, c.fresh, c.stale_steps), (0, 0, 0, 0), "{c:?}");
+        assert_eq!(resplit.layout.as_deref(), Some(mesh), "{resplit:?}");
+        if restarts == "1" {
+            assert!(run.text.contains("member 2 joined the running job"), "{}", run.text);
+            let last = records.last().and_then(|r| r.resplit.clone());
+            let last = last.unwrap_or_else(|| panic!("no re-split at the join: {records:?}"));
+            assert_eq!(last.layout.as_deref(), Some("HSDP mesh now 2x2 (built 2x2)"), "{last:?}");
+        }
+    }
 }

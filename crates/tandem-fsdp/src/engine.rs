@@ -150,16 +150,14 @@ impl Engine {
         Engine { group, replicate, side: OnceLock::new(), params, units, schedule, wires, state }
     }
 
-    /// This model over `group` (plain FSDP), this rank's shards `rows[p]` of each parameter in
-    /// the new layout: a live regroup's engine. The full parameters are freed (a step that
-    /// failed may have left some gathered).
-    pub fn regrouped(&self, group: ProcessGroup, rows: Vec<Tensor>) -> Result<Engine> {
-        if self.replicate.is_some() {
-            return Err(FsdpError::InvalidOption {
-                what: "regroup",
-                why: "an HSDP mesh does not re-form over a new world".into(),
-            });
-        }
+    /// This model sharded over `group` (and under HSDP replicated across `replicate`), this
+    /// rank's shards `rows[p]` of each parameter in the new layout: a live regroup's engine.
+    /// The full parameters are freed (a step that failed may have left some gathered).
+    pub fn regrouped(
+        &self,
+        (group, replicate): (ProcessGroup, Option<ProcessGroup>),
+        rows: Vec<Tensor>,
+    ) -> Result<Engine> {
         if rows.len() != self.params.len() {
             return Err(FsdpError::InvalidOption {
                 what: "regroup",
@@ -195,8 +193,8 @@ impl Engine {
             });
         }
         let sync = self.lock().sync;
-        let engine =
-            Engine::new((group, None), params, self.units.clone(), self.schedule, self.wires);
+        let groups = (group, replicate);
+        let engine = Engine::new(groups, params, self.units.clone(), self.schedule, self.wires);
         engine.lock().sync = sync;
         Ok(engine)
     }

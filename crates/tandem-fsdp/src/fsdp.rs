@@ -372,13 +372,29 @@ impl Fsdp {
     /// `rows[i]` is this rank's rows of parameter `i` (of [`Fsdp::shards`]) in the new layout
     /// ([`shard_rows`](crate::shard_rows) of the new rank and size), put together by the caller from the copies
     /// the ranks hold. The shards become new variables: hand [`Fsdp::params`] to the optimizer
-    /// again (`OptimizerState::replace_param`). Not a collective; plain FSDP only (an HSDP mesh
-    /// does not re-form).
+    /// again (`OptimizerState::replace_param`). Not a collective; plain FSDP over the whole
+    /// group (an HSDP model too: [`Fsdp::regroup_on_mesh`] keeps rows).
     pub fn regroup(&self, group: &ProcessGroup, rows: Vec<Tensor>) -> Result<()> {
-        let old = self.engine();
-        let engine = old.regrouped(group.clone(), rows)?;
+        let engine = self.engine().regrouped((group.clone(), None), rows)?;
         self.current.set(engine);
         Ok(())
+    }
+
+    /// [`Fsdp::regroup`] onto a mesh formed over the new world: on a 2-D mesh HSDP again, each
+    /// parameter sharded over this rank's row (`rows[i]`: the rows of parameter `i` for this
+    /// rank's place in its row, [`shard_rows`](crate::shard_rows) of the mesh's second
+    /// coordinate and width) and replicated across the rows. Not a collective (forming the
+    /// mesh is).
+    pub fn regroup_on_mesh(&self, mesh: &DeviceMesh, rows: Vec<Tensor>) -> Result<()> {
+        let engine = self.engine().regrouped(mesh_groups(mesh)?, rows)?;
+        self.current.set(engine);
+        Ok(())
+    }
+
+    /// How many copies of the shards the ranks hold: the rows of an HSDP mesh, 1 under plain
+    /// FSDP.
+    pub fn replicas(&self) -> usize {
+        self.engine().replicate.as_ref().map_or(1, ProcessGroup::size)
     }
 
     fn unit_index(&self, name: &str) -> Result<usize> {

@@ -41,7 +41,7 @@
 //! | `clip_grad_norm_` on DTensor grads | [`Fsdp::clip_grad_norm`] |
 //! | `requires_grad_(False)` | [`FsdpOptions::frozen`] |
 //! | `fully_shard(m, mesh=mesh_2d)` (HSDP) | [`Fsdp::on_mesh`] |
-//! | (torchelastic restarts the job) | [`Fsdp::regroup`]: re-shard over a live world that lost or gained ranks |
+//! | (torchelastic restarts the job) | [`Fsdp::regroup`]: re-shard over a live world that lost or gained ranks ([`Fsdp::regroup_on_mesh`]: HSDP's mesh re-formed) |
 //! | `unshard()` / `get_model_state_dict(full_state_dict=True)` | [`Fsdp::summon_full_params`], [`Fsdp::full_state_dict`] |
 //!
 //! **How candle differs.** candle's autograd has no module hooks, so a unit runs as one op (see

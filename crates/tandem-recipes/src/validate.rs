@@ -113,13 +113,6 @@ impl TrainOptions {
                 "not with `fsdp` (its BatchNorm statistics stay per rank, as FSDP2 leaves them)",
             ),
             (
-                self.comm.live_recovery
-                    && self.model.fsdp.as_ref().is_some_and(|f| f.hsdp_rows > 1),
-                "live_recovery",
-                "not with `hsdp_rows` above 1: an HSDP mesh does not re-form over a new world \
-                 (plain `fsdp` re-shards over the survivors)",
-            ),
-            (
                 self.model.device == DeviceKind::Cuda,
                 "device",
                 "`fsdp` shards CPU tensors for now (train on cuda under Ddp)",

@@ -25,7 +25,7 @@ use tandem_train::{
 
 use super::net::{image_shape, Net, NetSpec};
 use super::optimizer::RunOptimizer;
-use super::wrapped::Wrapped;
+use super::wrapped::{build_options, Wrapped};
 use super::LiveComm;
 use crate::options::{DataSource, TrainOptions};
 
@@ -105,8 +105,11 @@ impl<'a> Classifier<'a> {
             });
         let model = match (&cfg.model.fsdp, live) {
             // (The classifiers have no blocks: the whole model is the root unit.)
-            (Some(fsdp), live) => Wrapped::sharded(net, group, fsdp, None, None)?
-                .live(live.as_ref(), cfg.comm.mirror_every),
+            (Some(fsdp), live) => {
+                let fsdp = build_options(fsdp, live.as_ref());
+                Wrapped::sharded(net, group, &fsdp, None, None)?
+                    .live(live.as_ref(), cfg.comm.mirror_every)
+            }
             (None, Some(l)) => {
                 // A replacement's parameters come with the state when it joins.
                 let opts = DdpOptions { sync_on_init: !l.replacement, ..base };

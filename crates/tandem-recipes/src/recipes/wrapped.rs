@@ -30,6 +30,18 @@ pub(crate) enum Wrapped<M: ParamModule> {
     },
 }
 
+/// `opts` as this rank builds its model with them: a live replacement builds on a placeholder
+/// world of one, where no HSDP mesh forms (the running job's mesh takes it in when it joins).
+pub(crate) fn build_options(
+    opts: &FsdpRunOptions,
+    live: Option<&super::LiveComm>,
+) -> FsdpRunOptions {
+    match live {
+        Some(l) if l.replacement => FsdpRunOptions { hsdp_rows: 1, ..opts.clone() },
+        _ => opts.clone(),
+    }
+}
+
 /// Names the unit of each parameter (`None`: the root), for a model that runs its blocks
 /// through a [`UnitRunner`].
 pub(crate) type UnitOf = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;

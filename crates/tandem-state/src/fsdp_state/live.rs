@@ -4,6 +4,10 @@
 //! [`crate::live::Mirrored`] as the PartialFC rows are. After the re-split the model is
 //! re-sharded over the new world ([`Fsdp::regroup`]) and the optimizer steps the new shards.
 //!
+//! An HSDP model's rows hold the same shards: a dead rank's come from its replica in another
+//! row (as new as the step, nothing lost), and the mesh re-forms over the new world
+//! ([`regroup_rows`]).
+//!
 //! What no rank holds (two neighbours lost at once) is read from the newest `Fsdp` checkpoint;
 //! without one the regroup fails naming the parameter — a parameter never starts afresh.
 //! The optimizer's per-parameter scalars (AdamW's `step`) are the same on every rank: they come
@@ -15,7 +19,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 use tandem_checkpoint::Saved;
 use tandem_ckpt::{TensorData, Value};
-use tandem_comm::ProcessGroup;
+use tandem_comm::{DeviceMesh, ProcessGroup};
 use tandem_fsdp::{shard_rows, Shard};
 use tandem_optim::OptimizerState;
 
@@ -146,19 +150,26 @@ impl FsdpShards {
         optimizer: &mut dyn OptimizerState,
         last: Option<&Saved>,
     ) -> Result<PartLoaded> {
+        let Some(holds) = self.live.as_ref().map(|l| l.holds().is_some()) else {
+            return Ok(PartLoaded::default());
+        };
+        self.built_on = self.world_built_on(group, holds)?;
+        let (world, rows) = (group.size(), regroup_rows(self.built_on, group.size()));
+        let mesh = (rows, world / rows);
         let Some(mut live) = self.live.take() else { return Ok(PartLoaded::default()) };
         // (Put back whatever happens: a peer lost during the re-split starts another.)
-        let resplit = self.resplit(&mut live, group, step, optimizer, last);
+        let resplit = self.resplit(&mut live, group, step, mesh.1, optimizer, last);
         self.live = Some(live);
         let (part, counts) = resplit?;
         let scalars = self.world_scalars(group, optimizer)?;
         let shards = self.fsdp.shards();
         let (offsets, _) = offsets(&shards);
-        let (rank, world) = (group.rank(), group.size());
+        // Row-major, as `DeviceMesh` lays ranks out: a rank's place in its row.
+        let place = group.rank() % mesh.1;
         let mut rows = Vec::with_capacity(shards.len());
         let mut entries = Vec::new();
         for (s, &offset) in shards.iter().zip(&offsets) {
-            let new_rows = shard_rows(&s.dims, rank, world);
+            let new_rows = shard_rows(&s.dims, place, mesh.1);
             let keys = elements(offset, s, &new_rows);
             let mut dims = vec![new_rows.len()];
             dims.extend(s.dims.iter().skip(1));
@@ -182,14 +193,49 @@ impl FsdpShards {
                 });
             }
         }
-        self.fsdp.regroup(group, rows).context("re-sharding the model over the new world")?;
+        let resharded = match mesh.0 {
+            1 => self.fsdp.regroup(group, rows),
+            r => {
+                let mesh = DeviceMesh::new(group, &[r, mesh.1], None)
+                    .map_err(comm("live recovery: forming the HSDP mesh"))?;
+                self.fsdp.regroup_on_mesh(&mesh, rows)
+            }
+        };
+        resharded.context("re-sharding the model over the new world")?;
         for (i, var) in self.fsdp.params().into_iter().enumerate() {
             optimizer.replace_param(i, var)?;
         }
         // The new shards are this rank's own now: mirrored at once, so the next death is covered.
         self.send_mirror(group, &part, Instant::now())?;
-        let resplit = Resplit { part: FSDP_SHARDS.into(), lost_unit: LOST_UNIT.into(), counts };
+        let layout = (self.built_on.0 > 1).then(|| {
+            let (r, w) = self.built_on;
+            format!("HSDP mesh now {}x{} (built {r}x{w})", mesh.0, mesh.1)
+        });
+        let (part_name, lost_unit) = (FSDP_SHARDS.into(), LOST_UNIT.into());
+        let resplit = Resplit { part: part_name, lost_unit, counts, layout };
         Ok(PartLoaded { entries, note: None, resplit: Some(resplit) })
+    }
+
+    /// The mesh the model was built on, as the ranks that hold shards know it (the lowest one's;
+    /// a replacement built on a world of its own knows none): every rank agrees (a collective).
+    fn world_built_on(&self, group: &ProcessGroup, holds: bool) -> Result<(usize, usize)> {
+        let (rows, width) = self.built_on;
+        let mine = match holds {
+            true => [rows as u64, width as u64].map(u64::to_le_bytes).concat(),
+            false => Vec::new(),
+        };
+        let all = group
+            .all_gather_bytes_at_most(&mine, 16)
+            .map_err(comm("live recovery: agreeing on the HSDP mesh"))?;
+        let Some(first) = all.iter().find(|b| b.len() == 16) else {
+            return Ok((1, group.size()));
+        };
+        let word = |i: usize| {
+            let mut w = [0; 8];
+            w.copy_from_slice(&first[8 * i..8 * i + 8]);
+            usize::try_from(u64::from_le_bytes(w)).unwrap_or(usize::MAX)
+        };
+        Ok((word(0).max(1), word(1).max(1)))
     }
 
     fn resplit(
@@ -197,15 +243,17 @@ impl FsdpShards {
         live: &mut Mirrored<Elements>,
         group: &ProcessGroup,
         step: u64,
+        width: usize,
         optimizer: &dyn OptimizerState,
         last: Option<&Saved>,
     ) -> Result<(Elements, crate::rank_state::RegroupCounts)> {
         let own = live.holds().map(|at| self.own_part(optimizer, at)).transpose()?;
         let shards = self.fsdp.shards();
         let (offsets, keys) = offsets(&shards);
-        let world = group.size();
+        // Every row of an HSDP mesh wants the same elements: its own copy of each shard.
         let want = |rank: usize| -> Vec<Range<usize>> {
-            let of = |(s, &o): (&Shard, &usize)| elements(o, s, &shard_rows(&s.dims, rank, world));
+            let rows = |s: &Shard| shard_rows(&s.dims, rank % width, width);
+            let of = |(s, &o): (&Shard, &usize)| elements(o, s, &rows(s));
             shards.iter().zip(&offsets).map(of).filter(|k| !k.is_empty()).collect()
         };
         let mut fill = |keys: Range<usize>| reload(last, &shards, &offsets, keys).map(Some);
@@ -242,6 +290,14 @@ impl FsdpShards {
             .with_context(|| format!("rank {rank}'s optimizer scalars"))?;
         Ok(Some(v))
     }
+}
+
+/// The rows of the mesh an HSDP model built on `rows` rows of `width` ranks re-forms on over
+/// `world` ranks: the most rows up to `rows` that divide `world` and keep each row at least
+/// `width` wide (no rank holds more of the model than it was built to), else 1 — plain FSDP
+/// over every rank. A world that grows back gets the rows back.
+fn regroup_rows((rows, width): (usize, usize), world: usize) -> usize {
+    (1..=rows).rev().find(|&r| world.is_multiple_of(r) && world / r >= width).unwrap_or(1)
 }
 
 /// Elements `keys` (rows of one parameter) no rank holds, from the newest `Fsdp` checkpoint.
@@ -287,4 +343,25 @@ fn reload(
     };
     let labels = held.iter().map(|(k, _)| k.to_string()).collect();
     Ok(Elements { step: saved.global_step(), labels, blocks: vec![block] })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::regroup_rows;
+
+    #[test]
+    fn an_hsdp_mesh_keeps_as_many_rows_as_divide_the_world_without_narrowing_them() {
+        // 2 rows of 2: 3 survivors make no rows of 2, so one row of 3; back to 4, 2 rows again.
+        assert_eq!(regroup_rows((2, 2), 3), 1);
+        assert_eq!(regroup_rows((2, 2), 4), 2);
+        // Two lost: 2 rows of 1 would double each rank's shards; one row of 2 keeps them.
+        assert_eq!(regroup_rows((2, 2), 2), 1);
+        // 4 rows of 2 down to 6 ranks: 3 rows of 2; down to 4: 2 rows of 2, not 4 rows of 1.
+        assert_eq!(regroup_rows((4, 2), 6), 3);
+        assert_eq!(regroup_rows((4, 2), 4), 2);
+        // More ranks than it was built on: never more rows than asked.
+        assert_eq!(regroup_rows((2, 2), 8), 2);
+        // Plain FSDP stays plain.
+        assert_eq!(regroup_rows((1, 4), 3), 1);
+    }
 }

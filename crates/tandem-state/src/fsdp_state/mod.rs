@@ -28,11 +28,15 @@ pub struct FsdpShards {
     order: Vec<String>,
     /// Under live recovery: the mirror of the previous rank's shards.
     live: Option<crate::rank_state::part::Mirrored<crate::rank_state::elements::Elements>>,
+    /// The mesh the model was built on, (rows, ranks a row): what a live regroup re-forms as
+    /// far as the new world allows.
+    built_on: (usize, usize),
 }
 
 impl FsdpShards {
     pub fn new(fsdp: &Fsdp) -> FsdpShards {
-        FsdpShards { fsdp: fsdp.clone(), buffers: None, order: Vec::new(), live: None }
+        let built_on = (fsdp.replicas(), fsdp.world_size());
+        FsdpShards { fsdp: fsdp.clone(), buffers: None, order: Vec::new(), live: None, built_on }
     }
 
     /// Under live recovery (`tandem run --live-recovery`): every `every` steps this rank's
@@ -40,7 +44,11 @@ impl FsdpShards {
     /// the shards are re-split over the new world, each element from its newest holder (a
     /// dead rank's from its mirror), the model re-sharded ([`Fsdp::regroup`]) and the
     /// optimizer handed the new shards. `holds`: whether this rank holds shards of the running
-    /// job (a replacement holds none until it joins).
+    /// job (a replacement holds none until it joins). An HSDP model re-forms its mesh over the
+    /// new world: as many of its rows as divide the world and keep each row as wide as it was
+    /// built (no rank holds more of the model than before), else one row, plain FSDP over
+    /// every rank; a dead rank's shards come from a replica in another row, as new as the
+    /// step.
     pub fn live(mut self, every: u64, holds: bool) -> FsdpShards {
         self.live = Some(crate::rank_state::part::Mirrored::new(every, holds));
         self

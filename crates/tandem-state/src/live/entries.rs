@@ -194,6 +194,7 @@ impl RankState for LiveShards {
             part: "optimizer shards".into(),
             lost_unit: "parameter-steps of state".into(),
             counts,
+            layout: None,
         });
         Ok(PartLoaded { resplit, ..PartLoaded::default() })
     }

@@ -69,6 +69,9 @@ pub struct Resplit {
     pub lost_unit: String,
     #[serde(flatten)]
     pub counts: RegroupCounts,
+    /// How the part lies over the new world, where its owner says (an HSDP model's mesh).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<String>,
 }
 
 impl std::fmt::Display for Resplit {
@@ -86,7 +89,11 @@ impl std::fmt::Display for Resplit {
             c.stale_steps,
             self.lost_unit,
             c.bytes_sent.div_ceil(1024)
-        )
+        )?;
+        match &self.layout {
+            Some(layout) => write!(f, "; {layout}"),
+            None => Ok(()),
+        }
     }
 }
 

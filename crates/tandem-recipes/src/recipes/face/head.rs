@@ -244,6 +244,7 @@ impl RankState for HeadPart {
                 part: HEAD_ROWS.into(),
                 lost_unit: "row-steps of head training".into(),
                 counts,
+                layout: None,
             }),
         })
     }

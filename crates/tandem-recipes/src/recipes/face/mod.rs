@@ -51,7 +51,7 @@ use tandem_train::{
 };
 
 use super::optimizer::RunOptimizer;
-use super::wrapped::Wrapped;
+use super::wrapped::{build_options, Wrapped};
 use super::LiveComm;
 use crate::face_eval::verification::{self as verify, ValSets};
 use crate::options::{DataSource, FsdpRunOptions, Precision, TrainOptions};
@@ -214,7 +214,7 @@ impl<'a> Face<'a> {
                 let checkpointed = kind.vit().is_some_and(|v| v.using_checkpoint);
                 let fsdp = &FsdpRunOptions {
                     activation_checkpointing: fsdp.activation_checkpointing.or(Some(checkpointed)),
-                    ..fsdp.clone()
+                    ..build_options(fsdp, live.as_ref())
                 };
                 // (Weights read from a file replace the map's own draw of each rank's rows.)
                 let mut no_values = |_: &str, _: &[usize]| None;
