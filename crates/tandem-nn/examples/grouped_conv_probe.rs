@@ -4,6 +4,9 @@
 //! backward of `sum(y · r)`, and a hash of the bits of the output and both gradients (the same
 //! hash before and after a change to the kernels: the same bits).
 //!
+//! Each gradient alone is timed too (the other operand a constant), less the forward and what
+//! the `sum(y · r)` harness costs by itself.
+//!
 //!   RAYON_NUM_THREADS=2 cargo run --release -p tandem-nn --example grouped_conv_probe [REPEATS]
 #[path = "common/best_of.rs"]
 mod best_of;
@@ -64,6 +67,23 @@ fn main() -> candle_core::Result<()> {
             let y = grouped_conv2d(x.as_tensor(), w.as_tensor(), p).unwrap();
             (y * &r).unwrap().sum_all().unwrap().backward().unwrap();
         });
+        // Each gradient alone (the other operand a constant), less the forward and what
+        // `sum(y · r)`'s backward costs by itself.
+        let harness = {
+            let leaf = Var::from_tensor(&r)?;
+            best_ms(repeats, || {
+                (leaf.as_tensor() * &r).unwrap().sum_all().unwrap().backward().unwrap();
+            })
+        };
+        let alone = |x: &Tensor, w: &Tensor| {
+            let ms = best_ms(repeats, || {
+                let y = grouped_conv2d(x, w, p).unwrap();
+                (y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+            });
+            ms - fwd - harness
+        };
+        let data = alone(x.as_tensor(), &w.as_tensor().detach());
+        let filter = alone(&x.as_tensor().detach(), w.as_tensor());
         let grads = (y * &r)?.sum_all()?.backward()?;
         let mut h =
             bits_hash(&grouped_conv2d(x.as_tensor(), w.as_tensor(), p)?, 0xcbf2_9ce4_8422_2325)?;
@@ -71,7 +91,8 @@ fn main() -> candle_core::Result<()> {
             h = bits_hash(grads.get(v).expect("a gradient"), h)?;
         }
         let layer = format!("[16,{c},{side},{side}] s{stride} g{groups}");
-        println!("{layer}: fwd {fwd:.3} fwd+bwd {both:.3}  bits {h:016x}");
+        let parts = format!("bwd-data {data:.3} bwd-filter {filter:.3}");
+        println!("{layer}: fwd {fwd:.3} fwd+bwd {both:.3} {parts}  bits {h:016x}");
     }
     Ok(())
 }

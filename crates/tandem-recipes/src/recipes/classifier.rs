@@ -103,6 +103,8 @@ impl<'a> Classifier<'a> {
                 Some(l) => b.live(!l.replacement), // (no replicated model carries them)
                 None => b,
             });
+        // (A live replacement's placeholder world is not the job's: it says nothing of it.)
+        let replacement = live.as_ref().is_some_and(|l| l.replacement);
         let model = match (&cfg.model.fsdp, live) {
             // (The classifiers have no blocks: the whole model is the root unit.)
             (Some(fsdp), live) => {
@@ -124,7 +126,7 @@ impl<'a> Classifier<'a> {
         if let Wrapped::Ddp(ddp) = &model {
             super::register_comm_hook(ddp, cfg)?;
         }
-        if let (Some(text), 0) = (model.describe(), rank) {
+        if let (Some(text), 0, false) = (model.describe(), rank, replacement) {
             super::note(reporter, text)?;
         }
         let mut opt = super::optimizer::for_model(&cfg.optim, model.params(), comm)?;
