@@ -636,7 +636,8 @@ fn regroup_records(run: &Run) -> Vec<tandem::live::Regroup> {
 /// SIGKILLed in step 100's forward. Its shards come from its replica in the other row, as new as
 /// the step (nothing from a mirror, no training lost); the 3 survivors make no rows of 2 at
 /// least 2 wide, so they re-shard as plain FSDP over 3 ranks; with a restart the replacement
-/// joins and the mesh is 2x2 again (every element wanted twice: once a row).
+/// joins and the mesh is 2x2 again (every element wanted twice: once a row). Both copies of a
+/// shard lost at once: it comes from the mirror, as under plain FSDP.
 fn hsdp_shards_come_back_from_the_replica_and_the_mesh_re_forms() {
     let f = fault("forward@100", "2");
     let train = ["--fsdp", "--hsdp-rows", "2", "--optimizer", "adamw", "--lr", "0.002"];
@@ -665,4 +666,16 @@ fn hsdp_shards_come_back_from_the_replica_and_the_mesh_re_forms() {
             assert_eq!(last.layout.as_deref(), Some("HSDP mesh now 2x2 (built 2x2)"), "{last:?}");
         }
     }
+    // Members 0 and 2 die together: both copies of the first half of every parameter. That
+    // half comes from member 1's mirror of step 90 (9 steps old); the two survivors hold one
+    // row of 2.
+    let f = fault("forward@100", "0,2");
+    let run = live_job(&["--max-restarts", "0"], &train, &env_refs(&f));
+    assert_finished(&run);
+    let records = regroup_records(&run);
+    let resplit = records.first().and_then(|r| r.resplit.clone());
+    let resplit = resplit.unwrap_or_else(|| panic!("no re-split:\n{}", run.text));
+    let c = resplit.counts;
+    assert_eq!((c.kept, c.from_mirror, c.stale_steps), (9_605, 9_605, 9 * 9_605), "{c:?}");
+    assert_eq!(resplit.layout.as_deref(), Some("HSDP mesh now 1x2 (built 2x2)"), "{resplit:?}");
 }
