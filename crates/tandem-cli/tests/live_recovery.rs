@@ -573,16 +573,8 @@ fn fsdp_shards_come_back_from_the_mirror_and_reshard_over_the_survivors() {
         assert!(run.text.contains("member 2 dies at Forward of step 100"), "{}", run.text);
         let first = run.regroups().first().copied().unwrap_or_default().to_string();
         assert!(first.contains("lost [2]") && first.contains("1 step(s) redone"), "{first}");
-        let records =
-            tandem::train::metrics::read_metrics(&run.dir.path().join("runs/live/metrics.jsonl"))
-                .unwrap();
-        let first = records
-            .iter()
-            .find_map(|r| match r {
-                MetricsRecord::Regrouped(g) => Some(g),
-                _ => None,
-            })
-            .expect("no regroup record");
+        let records = regroup_records(&run);
+        let first = records.first().expect("no regroup record");
         let resplit = first.resplit.clone().unwrap_or_else(|| panic!("no re-split: {first:?}"));
         assert_eq!(resplit.part, "fsdp shards", "{resplit:?}");
         let c = resplit.counts;

@@ -297,7 +297,9 @@ impl FsdpShards {
 /// `width` wide (no rank holds more of the model than it was built to), else 1 — plain FSDP
 /// over every rank. A world that grows back gets the rows back.
 fn regroup_rows((rows, width): (usize, usize), world: usize) -> usize {
-    (1..=rows).rev().find(|&r| world.is_multiple_of(r) && world / r >= width).unwrap_or(1)
+    // (`rows` came from a peer: never more candidates than ranks.)
+    let most = rows.min(world).max(1);
+    (1..=most).rev().find(|&r| world.is_multiple_of(r) && world / r >= width).unwrap_or(1)
 }
 
 /// Elements `keys` (rows of one parameter) no rank holds, from the newest `Fsdp` checkpoint.
@@ -361,7 +363,8 @@ mod tests {
         assert_eq!(regroup_rows((4, 2), 4), 2);
         // More ranks than it was built on: never more rows than asked.
         assert_eq!(regroup_rows((2, 2), 8), 2);
-        // Plain FSDP stays plain.
+        // Plain FSDP stays plain; a peer's absurd announcement does not loop for long.
         assert_eq!(regroup_rows((1, 4), 3), 1);
+        assert_eq!(regroup_rows((usize::MAX, 1), 6), 6);
     }
 }
