@@ -220,22 +220,18 @@ impl FsdpShards {
     /// a replacement built on a world of its own knows none): every rank agrees (a collective).
     fn world_built_on(&self, group: &ProcessGroup, holds: bool) -> Result<(usize, usize)> {
         let (rows, width) = self.built_on;
+        // (0, 0): a rank that knows none.
         let mine = match holds {
-            true => [rows as u64, width as u64].map(u64::to_le_bytes).concat(),
-            false => Vec::new(),
+            true => [rows, width].map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
+            false => [0, 0],
         };
-        let all = group
-            .all_gather_bytes_at_most(&mine, 16)
+        let mut all = vec![0i64; 2 * group.size()];
+        group
+            .all_gather(&mine, &mut all)
             .map_err(comm("live recovery: agreeing on the HSDP mesh"))?;
-        let Some(first) = all.iter().find(|b| b.len() == 16) else {
-            return Ok((1, group.size()));
-        };
-        let word = |i: usize| {
-            let mut w = [0; 8];
-            w.copy_from_slice(&first[8 * i..8 * i + 8]);
-            usize::try_from(u64::from_le_bytes(w)).unwrap_or(usize::MAX)
-        };
-        Ok((word(0).max(1), word(1).max(1)))
+        let count = |n: i64| usize::try_from(n).unwrap_or(0).max(1);
+        let first = all.chunks_exact(2).find(|m| m[0] > 0);
+        Ok(first.map_or((1, group.size()), |m| (count(m[0]), count(m[1]))))
     }
 
     fn resplit(
