@@ -79,8 +79,8 @@ impl IBasicBlock {
     }
 
     fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
-        let out = self.conv1.forward(&self.bn1.forward_t(x, train)?)?;
-        let out = self.prelu.forward(&self.bn2.forward_t(&out, train)?)?;
+        let out = self.bn1.forward_t(x, train)?;
+        let out = self.bn2.forward_conv_t_prelu(&self.conv1, &out, &self.prelu, train)?;
         let out = self.bn3.forward_conv_t(&self.conv2, &out, train)?;
         let identity = match &self.downsample {
             Some((conv, bn)) => bn.forward_conv_t(conv, x, train)?,
@@ -230,7 +230,7 @@ impl IResNet {
         if x.dims()[1..] != [3, FACE_SIDE, FACE_SIDE] {
             candle_core::bail!("IResNet takes [N, 3, 112, 112] images, got {:?}", x.dims())
         }
-        let mut x = self.prelu.forward(&self.bn1.forward_conv_t(&self.conv1, &x, train)?)?;
+        let mut x = self.bn1.forward_conv_t_prelu(&self.conv1, &x, &self.prelu, train)?;
         for (stage, blocks) in self.layers.iter().enumerate() {
             for (i, block) in blocks.iter().enumerate() {
                 x = tandem_nn::cut_graph(x);

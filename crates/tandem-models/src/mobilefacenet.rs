@@ -51,10 +51,9 @@ impl ConvBn {
     }
 
     fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
-        let y = self.bn.forward_conv_t(&self.conv, x, train)?;
         match &self.prelu {
-            Some(p) => p.forward(&y),
-            None => Ok(y),
+            Some(p) => self.bn.forward_conv_t_prelu(&self.conv, x, p, train),
+            None => self.bn.forward_conv_t(&self.conv, x, train),
         }
     }
 }

@@ -4,7 +4,9 @@
 //!
 //!   cargo run --release -p tandem-nn --example bn_probe [REPEATS]
 use candle_core::{DType, Device, Tensor};
-use tandem_nn::kernels::batch_norm::{backward_slices, batch_norm_train_act, batch_stats, Stats};
+use tandem_nn::kernels::batch_norm::{
+    backward_slices, batch_norm_train_act, batch_stats, Activation, Stats,
+};
 
 #[path = "common/best_of.rs"]
 mod best_of;
@@ -30,14 +32,15 @@ fn main() -> candle_core::Result<()> {
         let beta_v = vec![0f32; c];
         let stats = Stats { mean: &mean, invstd: &invstd, gamma: &gamma_v, beta: &beta_v };
         for relu in [false, true] {
+            let activation = if relu { Activation::Relu } else { Activation::Identity };
             let fwd = best_ms(repeats, || {
                 batch_norm_train_act(&x, &gamma, &beta, 1e-5, relu).unwrap();
             });
             let bwd = best_ms(repeats, || {
-                backward_slices(&xv, &gy, &stats, relu, (n, c, hw), true);
+                backward_slices(&xv, &gy, &stats, activation, (n, c, hw), true);
             });
             let sums = best_ms(repeats, || {
-                backward_slices(&xv, &gy, &stats, relu, (n, c, hw), false);
+                backward_slices(&xv, &gy, &stats, activation, (n, c, hw), false);
             });
             let act = if relu { "+relu" } else { "" };
             println!(

@@ -23,12 +23,13 @@ use candle_nn::{Init, Module, ModuleT, VarBuilder};
 
 use crate::conv::FastConv2d;
 use crate::kernels::batch_norm::{
-    batch_norm_train, batch_norm_train_act, batch_norm_train_add_relu,
+    batch_norm_train, batch_norm_train_act, batch_norm_train_add_relu, batch_norm_train_prelu,
 };
 #[cfg(feature = "cuda")]
 use crate::kernels::batch_norm_cuda::{batch_norm_train_add_relu_cuda, batch_norm_train_cuda};
-use crate::kernels::conv_batch_norm::conv_batch_norm_train;
+use crate::kernels::conv_batch_norm::{conv_batch_norm_train, After};
 use crate::kernels::relu::{add_relu, relu};
+use crate::prelu::FastPRelu;
 
 /// What a synchronised BatchNorm reduces its statistics with: a differentiable sum over the
 /// ranks (forward sums every rank's tensor, backward sums the gradients the same way).
@@ -135,8 +136,33 @@ impl FastBatchNorm2d {
         relu(&self.forward_t(x, train)?)
     }
 
+    /// `prelu(self(x))`, fused into one kernel in training mode on the CPU (unsynchronised, a
+    /// slope per channel): the BatchNorm's output gets no zeroed gradient buffer in backward
+    /// and the PReLU is not a pass of its own; the same values as the two modules apart.
+    pub fn forward_t_prelu(
+        &self,
+        x: &Tensor,
+        prelu: &FastPRelu,
+        train: bool,
+    ) -> candle_core::Result<Tensor> {
+        if self.takes_fused_kernels(x, train) && self.fuses(prelu)? {
+            self.check_input(x)?;
+            let affine = (&self.weight, &self.bias);
+            return self.record_batch(batch_norm_train_prelu(x, affine, prelu.weight(), self.eps)?);
+        }
+        prelu.forward(&self.forward_t(x, train)?)
+    }
+
+    /// Whether `prelu` can run inside the fused kernels after this layer: a CPU f32 slope per
+    /// channel (arcface_torch's `nn.PReLU(channels)`).
+    fn fuses(&self, prelu: &FastPRelu) -> candle_core::Result<bool> {
+        let a = prelu.weight();
+        let channels = self.weight.dim(0)?;
+        Ok(a.dims() == [channels] && a.device().is_cpu() && a.dtype() == DType::F32)
+    }
+
     /// `self(conv(x))`: in training mode on the CPU (unsynchronised, the convolution without
-    /// bias or groups) one op, PyTorch's `ConvBn2d` — the convolution's output gets no zeroed
+    /// bias; grouped or not) one op, PyTorch's `ConvBn2d` — the convolution's output gets no zeroed
     /// gradient buffer in backward (see `kernels::conv_batch_norm`); the same values as the
     /// two modules apart.
     pub fn forward_conv_t(
@@ -145,7 +171,7 @@ impl FastBatchNorm2d {
         x: &Tensor,
         train: bool,
     ) -> candle_core::Result<Tensor> {
-        match self.fused_conv(conv, x, train, false)? {
+        match self.fused_conv(conv, x, train, After::Nothing)? {
             Some(y) => Ok(y),
             None => self.forward_t(&conv.forward(x)?, train),
         }
@@ -158,22 +184,40 @@ impl FastBatchNorm2d {
         x: &Tensor,
         train: bool,
     ) -> candle_core::Result<Tensor> {
-        match self.fused_conv(conv, x, train, true)? {
+        match self.fused_conv(conv, x, train, After::Relu)? {
             Some(y) => Ok(y),
             None => self.forward_t_relu(&conv.forward(x)?, train),
         }
     }
 
-    /// The fused convolution + BatchNorm (+ ReLU), or `None` where it does not apply.
+    /// `prelu(self(conv(x)))`, fused as [`FastBatchNorm2d::forward_conv_t`] is, the PReLU
+    /// inside the same op (arcface_torch's conv → BatchNorm → PReLU blocks).
+    pub fn forward_conv_t_prelu(
+        &self,
+        conv: &FastConv2d,
+        x: &Tensor,
+        prelu: &FastPRelu,
+        train: bool,
+    ) -> candle_core::Result<Tensor> {
+        if !self.fuses(prelu)? {
+            return prelu.forward(&self.forward_conv_t(conv, x, train)?);
+        }
+        match self.fused_conv(conv, x, train, After::PRelu(prelu.weight()))? {
+            Some(y) => Ok(y),
+            None => self.forward_t_prelu(&conv.forward(x)?, prelu, train),
+        }
+    }
+
+    /// The fused convolution + BatchNorm (+ ReLU or PReLU), or `None` where it does not apply.
     fn fused_conv(
         &self,
         conv: &FastConv2d,
         x: &Tensor,
         train: bool,
-        relu: bool,
+        after: After,
     ) -> candle_core::Result<Option<Tensor>> {
-        let params = conv.kernel_params().filter(|_| conv.bias().is_none());
-        let (Some(p), true) = (params, self.takes_fused_kernels(x, train)) else {
+        let kernel = conv.bias().is_none().then(|| conv.fused_kernel());
+        let (Some(p), true) = (kernel, self.takes_fused_kernels(x, train)) else {
             return Ok(None);
         };
         if conv.weight().dim(0)? != self.weight.dim(0)? {
@@ -185,7 +229,7 @@ impl FastBatchNorm2d {
             )
         }
         let affine = (&self.weight, &self.bias);
-        self.record_batch(conv_batch_norm_train(x, conv.weight(), p, affine, self.eps, relu)?)
+        self.record_batch(conv_batch_norm_train(x, conv.weight(), p, affine, self.eps, after)?)
             .map(Some)
     }
 
@@ -392,24 +436,29 @@ mod tests {
     fn fused_conv_batch_norm_equals_the_two_modules() {
         let dev = Device::Cpu;
         let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        for (stride, relu, tandem_backward, x_in_graph) in [
-            (1, true, true, true),
-            (1, false, false, true),
-            (2, true, false, true),
-            (2, false, true, false),
+        for (stride, relu, tandem_backward, x_in_graph, groups) in [
+            (1, true, true, true, 1),
+            (1, false, false, true, 1),
+            (2, true, false, true, 1),
+            (2, false, true, false, 1),
+            // Depthwise, and two channels a group (tandem's grouped kernels).
+            (1, false, true, true, 8),
+            (2, true, false, true, 4),
         ] {
             let run = |fused: bool| {
                 let vm = VarMap::new();
                 let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev);
-                let cfg = candle_nn::Conv2dConfig { padding: 1, stride, ..Default::default() };
+                let cfg =
+                    candle_nn::Conv2dConfig { padding: 1, stride, groups, ..Default::default() };
                 let conv = crate::fast_conv2d_no_bias(8, 8, 3, cfg, vb.pp("conv")).unwrap();
                 let bn = fast_batch_norm2d(8, vb.pp("bn")).unwrap();
                 let vars = vm.data().lock().unwrap().clone();
                 let ramp = |n: usize, a: f32, b: f32| {
                     (0..n).map(|i| ((i * 37) % 11) as f32 * a + b).collect::<Vec<f32>>()
                 };
+                let w = ramp(576 / groups, 0.02, -0.1);
                 vars["conv.weight"]
-                    .set(&Tensor::from_vec(ramp(576, 0.02, -0.1), (8, 8, 3, 3), &dev).unwrap())
+                    .set(&Tensor::from_vec(w, (8, 8 / groups, 3, 3), &dev).unwrap())
                     .unwrap();
                 vars["bn.weight"].set(&Tensor::new(ramp(8, 0.2, 0.5), &dev).unwrap()).unwrap();
                 vars["bn.bias"].set(&Tensor::new(ramp(8, 0.1, -0.4), &dev).unwrap()).unwrap();
@@ -437,7 +486,9 @@ mod tests {
                 out
             };
             let (a, b) = (run(true), run(false));
-            let case = format!("stride {stride} relu {relu} tandem backward {tandem_backward}");
+            let case = format!(
+                "stride {stride} relu {relu} tandem backward {tandem_backward} groups {groups}"
+            );
             assert_eq!(a.len(), b.len(), "{case}");
             let names = ["y", "running_mean", "running_var", "gconv", "ggamma", "gbeta", "gx"];
             for ((p, q), name) in a.iter().zip(&b).zip(names) {
@@ -451,6 +502,81 @@ mod tests {
         let bn = fast_batch_norm2d(3, vb.pp("bn")).unwrap();
         let err = bn.forward_conv_t(&conv, &input(1, 2), true).unwrap_err();
         assert!(err.to_string().contains("makes 4"), "{err}");
+    }
+
+    /// BatchNorm → PReLU fused (after a fused convolution, and alone) equals the modules
+    /// apart: the output, the running statistics and every gradient (input, conv weight, γ,
+    /// β, the slopes), through tandem's backward and candle's. (`==` on the values: only the
+    /// sign of a zero gradient may differ, candle's `0 + g`.)
+    #[test]
+    fn fused_prelu_equals_the_modules_apart() {
+        let dev = Device::Cpu;
+        let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let ramp = |n: usize, a: f32, b: f32| {
+            (0..n).map(|i| ((i * 37) % 11) as f32 * a + b).collect::<Vec<f32>>()
+        };
+        // (a convolution first, tandem's backward, the convolution's groups and side): 1x1
+        // as arcface_torch's expand layers, 3x3 depthwise as its DepthWise blocks.
+        for (with_conv, tandem_backward, groups, k) in [
+            (true, true, 1, 1),
+            (true, false, 1, 1),
+            (true, true, 8, 3),
+            (false, true, 1, 1),
+            (false, false, 1, 1),
+        ] {
+            let run = |fused: bool| {
+                let vm = VarMap::new();
+                let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev);
+                let padding = k / 2;
+                let cfg = candle_nn::Conv2dConfig { padding, groups, ..Default::default() };
+                let conv = crate::fast_conv2d_no_bias(8, 8, k, cfg, vb.pp("conv")).unwrap();
+                let bn = fast_batch_norm2d(8, vb.pp("bn")).unwrap();
+                let prelu = crate::fast_prelu(8, vb.pp("prelu")).unwrap();
+                let vars = vm.data().lock().unwrap().clone();
+                let w = ramp(64 / groups * k * k, 0.05, -0.2);
+                vars["conv.weight"]
+                    .set(&Tensor::from_vec(w, (8, 8 / groups, k, k), &dev).unwrap())
+                    .unwrap();
+                vars["bn.weight"].set(&Tensor::new(ramp(8, 0.2, 0.5), &dev).unwrap()).unwrap();
+                vars["bn.bias"].set(&Tensor::new(ramp(8, 0.1, -0.4), &dev).unwrap()).unwrap();
+                vars["prelu.weight"].set(&Tensor::new(ramp(8, 0.05, 0.1), &dev).unwrap()).unwrap();
+                let x = Var::from_tensor(
+                    &Tensor::from_vec(ramp(3 * 8 * 25, 0.3, -1.2), (3, 8, 5, 5), &dev).unwrap(),
+                )
+                .unwrap();
+                let x_ = x.as_tensor();
+                let y = match (fused, with_conv) {
+                    (true, true) => bn.forward_conv_t_prelu(&conv, x_, &prelu, true),
+                    (true, false) => bn.forward_t_prelu(x_, &prelu, true),
+                    (false, true) => prelu.forward(&bn.forward_conv_t(&conv, x_, true).unwrap()),
+                    (false, false) => prelu.forward(&bn.forward_t(x_, true).unwrap()),
+                }
+                .unwrap();
+                let g = weighted_sum_grads(&y, tandem_backward);
+                let mut out = vec![values(&y), values(bn.running_mean()), values(bn.running_var())];
+                for name in ["bn.weight", "bn.bias", "prelu.weight"] {
+                    out.push(values(g.get(vars[name].as_tensor()).expect(name)));
+                }
+                out.push(values(g.get(x_).expect("the input's gradient")));
+                if with_conv {
+                    out.push(values(g.get(vars["conv.weight"].as_tensor()).expect("conv")));
+                }
+                out
+            };
+            let (a, b) = (run(true), run(false));
+            let case = format!(
+                "with a conv {with_conv} ({k}x{k}, groups {groups}), tandem backward \
+                 {tandem_backward}"
+            );
+            assert_eq!(a.len(), b.len(), "{case}");
+            let names =
+                ["y", "running_mean", "running_var", "ggamma", "gbeta", "gslope", "gx", "gw"];
+            for ((p, q), name) in a.iter().zip(&b).zip(names) {
+                assert_eq!(p, q, "{name}, {case}");
+            }
+            assert!(a[0].iter().any(|&v| v < 0.0), "negative outputs (the slopes at work), {case}");
+            assert!(a[5].iter().all(|&v| v != 0.0), "every slope has a gradient, {case}");
+        }
     }
 
     /// The fused residual tail `relu(bn(x) + r)` equals the BatchNorm then `add_relu` bit for

@@ -9,6 +9,7 @@ use candle_nn::{Conv2dConfig, Init, VarBuilder};
 
 use crate::autocast::cast;
 use crate::kernels::conv2d::{add_channel_bias, conv2d as conv2d_kernel, conv2d_bias, ConvParams};
+use crate::kernels::conv_batch_norm::Conv;
 use crate::kernels::grouped_conv::{grouped_conv2d, GroupedConvParams};
 
 #[derive(Clone, Debug)]
@@ -40,6 +41,22 @@ impl FastConv2d {
             padding: c.padding,
             dilation: c.dilation,
         })
+    }
+}
+
+impl FastConv2d {
+    /// The kernel the fused convolution → BatchNorm op runs for this layer.
+    pub(crate) fn fused_kernel(&self) -> Conv {
+        let c = self.config;
+        match self.kernel_params() {
+            Some(p) => Conv::Plain(p),
+            None => Conv::Grouped(GroupedConvParams {
+                stride: c.stride,
+                padding: c.padding,
+                dilation: c.dilation,
+                groups: c.groups,
+            }),
+        }
     }
 }
 

@@ -5,11 +5,12 @@
 //! tensor and most single-threaded. Here the statistics are two passes (the mean, then the
 //! squared deviations from it), the output one pass, and the backward two passes with
 //! PyTorch's formula `gx = γ·invstd·(gy − mean(gy) − x̂·mean(gy·x̂))`, `gγ = Σ gy·x̂`,
-//! `gβ = Σ gy` (a following ReLU's mask applied inside both), channels spread over the rayon
-//! threads. Sums run in f64 over independent lanes, so that they vectorise (`LaneSums`).
+//! `gβ = Σ gy` (a following ReLU's mask or PReLU's slopes applied inside both), channels spread
+//! over the rayon threads. Sums run in f64 over independent lanes, so that they vectorise
+//! (`LaneSums`).
 use std::mem::MaybeUninit;
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::backward::take_param_grad;
@@ -53,22 +54,51 @@ vectorized_kernel! {
     }
 }
 
-/// The output's `x·scale + shift` per channel. The backward recomputes the ReLU's mask with
-/// it (`x·scale + shift > 0` is `y > 0` bit for bit), reading `x` and `gy` but not `y`.
+/// What follows the BatchNorm inside its kernels: nothing, a ReLU, or a PReLU with one slope
+/// per channel (`z` where `z > 0`, else `slope·z`: `kernels::prelu`'s formula, so the fused
+/// op has the two ops' bits).
+#[derive(Clone, Copy, Debug)]
+pub enum Activation<'a> {
+    Identity,
+    Relu,
+    PRelu(&'a [f32]),
+}
+
+/// An [`Activation`] for one channel.
+#[derive(Clone, Copy)]
+enum Gate {
+    Identity,
+    Relu,
+    Slope(f32),
+}
+
+impl Activation<'_> {
+    fn gate(&self, ch: usize) -> Gate {
+        match self {
+            Activation::Identity => Gate::Identity,
+            Activation::Relu => Gate::Relu,
+            Activation::PRelu(slopes) => Gate::Slope(slopes[ch]),
+        }
+    }
+}
+
+/// The output's `x·scale + shift` per channel. The backward recomputes the ReLU's mask (and
+/// the PReLU's input) with it (`x·scale + shift > 0` is `y > 0` bit for bit), reading `x` and
+/// `gy` but not `y`.
 #[inline(always)]
 fn scale_shift(gamma: f32, beta: f32, mean: f32, invstd: f32) -> (f32, f32) {
     let scale = gamma * invstd;
     (scale, beta - mean * scale)
 }
 
-/// `γ·(x − mean)·invstd + β` of `x: [N, C, HW]`, plus `residual` when given, then clamped
-/// at zero when `relu` (always with a residual).
+/// `γ·(x − mean)·invstd + β` of `x: [N, C, HW]`, plus `residual` when given, then through
+/// `act` (a residual always with a ReLU).
 pub(crate) fn normalize(
     x: &[f32],
     gamma: &[f32],
     beta: &[f32],
     (mean, invstd): (&[f32], &[f32]),
-    (relu, residual): (bool, Option<&[f32]>),
+    (act, residual): (Activation, Option<&[f32]>),
     (c, hw): (usize, usize),
 ) -> Vec<f32> {
     // SAFETY: `normalize_plane` writes every slot of its chunk (a zip with inputs of the
@@ -79,7 +109,7 @@ pub(crate) fn normalize(
             let (scale, shift) = scale_shift(gamma[ch], beta[ch], mean[ch], invstd[ch]);
             let at = plane * hw..(plane + 1) * hw;
             let residual = residual.map(|r| &r[at.clone()]);
-            normalize_plane(&x[at], residual, relu, (scale, shift), y)
+            normalize_plane(&x[at], residual, act.gate(ch), (scale, shift), y)
         })
     }
 }
@@ -89,7 +119,7 @@ vectorized_kernel! {
     fn normalize_plane(
         x: &[f32],
         residual: Option<&[f32]>,
-        relu: bool,
+        gate: Gate,
         (scale, shift): (f32, f32),
         y: &mut [MaybeUninit<f32>],
     ) {
@@ -97,11 +127,20 @@ vectorized_kernel! {
             // (x·scale + shift) + r: the unfused BatchNorm's output, then the sum.
             let out = |(x, r): (&f32, &f32)| (x * scale + shift + r).max(0.0);
             y.iter_mut().zip(x.iter().zip(r)).for_each(|(y, xr)| _ = y.write(out(xr)));
-        } else if relu {
-            let relu = |x: f32| (x * scale + shift).max(0.0);
-            y.iter_mut().zip(x).for_each(|(y, &x)| _ = y.write(relu(x)));
-        } else {
-            y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write(x * scale + shift));
+            return;
+        }
+        match gate {
+            Gate::Relu => {
+                let relu = |x: f32| (x * scale + shift).max(0.0);
+                y.iter_mut().zip(x).for_each(|(y, &x)| _ = y.write(relu(x)));
+            }
+            Gate::Slope(a) => {
+                let prelu = |z: f32| z * if z > 0.0 { 1.0 } else { a };
+                y.iter_mut().zip(x).for_each(|(y, &x)| _ = y.write(prelu(x * scale + shift)));
+            }
+            Gate::Identity => {
+                y.iter_mut().zip(x).for_each(|(y, x)| _ = y.write(x * scale + shift));
+            }
         }
     }
 }
@@ -140,7 +179,8 @@ impl CustomOp3 for BatchNormTrain {
         let gamma = contiguous_f32(gs, gl, "batch_norm", "weight")?;
         let beta = contiguous_f32(bs, bl, "batch_norm", "bias")?;
         let stats = (&self.mean[..], &self.invstd[..]);
-        let y = normalize(x, gamma, beta, stats, (self.relu, None), (c, hw));
+        let act = if self.relu { Activation::Relu } else { Activation::Identity };
+        let y = normalize(x, gamma, beta, stats, (act, None), (c, hw));
         Ok((CpuStorage::F32(y), xl.shape().clone()))
     }
 
@@ -156,12 +196,12 @@ impl CustomOp3 for BatchNormTrain {
         let hw = h * w;
         let (gamma_v, beta_v): (Vec<f32>, Vec<f32>) = (gamma.to_vec1()?, beta.to_vec1()?);
         let gy = gy.contiguous()?;
-        let (relu, want_gx) = (self.relu, x.track_op());
-        let dims = (n, c, hw);
+        let act = if self.relu { Activation::Relu } else { Activation::Identity };
+        let (want_gx, dims) = (x.track_op(), (n, c, hw));
         let stats =
             Stats { mean: &self.mean, invstd: &self.invstd, gamma: &gamma_v, beta: &beta_v };
-        let (sums, gx) = with_f32_slice(x, |x| {
-            with_f32_slice(&gy, |gy| backward_slices(x, gy, &stats, relu, dims, want_gx))
+        let SliceGrads { sums, gx, .. } = with_f32_slice(x, |x| {
+            with_f32_slice(&gy, |gy| backward_slices(x, gy, &stats, act, dims, want_gx))
         })??;
         let dev = x.device();
         let ggamma = gamma
@@ -184,23 +224,39 @@ pub struct Stats<'a> {
     pub beta: &'a [f32],
 }
 
-/// The backward of the op on contiguous `[N, C, H, W]` slices: per channel Σ g and
-/// Σ g·(x − mean) — `gβ` and `gγ / invstd` — and, when `want_gx`, the input gradient; `g`
-/// is `gy` through the ReLU (zero where the output is not positive) when `relu`.
+/// What [`backward_slices`] computes.
+pub struct SliceGrads {
+    /// Per channel Σ g and Σ g·(x − mean): `gβ` and `gγ / invstd`.
+    pub sums: Vec<(f64, f64)>,
+    /// The input gradient, when asked for.
+    pub gx: Option<Vec<f32>>,
+    /// The PReLU's slope gradients (empty for another activation): per channel Σ z·gy over
+    /// the BatchNorm outputs `z ≤ 0`, as `kernels::prelu` sums them.
+    pub slopes: Vec<f32>,
+}
+
+/// The backward of the op on contiguous `[N, C, H, W]` slices: the per-channel sums, the
+/// input gradient when `want_gx`, and the PReLU's slope gradients; `g` is `gy` through `act`
+/// (zero where a ReLU's output is not positive, times the slope where a PReLU's input is not).
 /// Public for the kernel probes.
 pub fn backward_slices(
     x: &[f32],
     gy: &[f32],
     stats: &Stats,
-    relu: bool,
+    act: Activation,
     (n, c, hw): (usize, usize, usize),
     want_gx: bool,
-) -> (Vec<(f64, f64)>, Option<Vec<f32>>) {
+) -> SliceGrads {
     let m = (n * hw) as f64;
-    let sums: Vec<(f64, f64)> = (0..c)
+    let per_channel: Vec<((f64, f64), f64)> = (0..c)
         .into_par_iter()
-        .map(|ch| channel_grad_sums((x, gy), stats, relu, (n, c, hw), ch))
+        .map(|ch| channel_grad_sums((x, gy), stats, act.gate(ch), (n, c, hw), ch))
         .collect();
+    let sums: Vec<(f64, f64)> = per_channel.iter().map(|s| s.0).collect();
+    let slopes = match act {
+        Activation::PRelu(_) => per_channel.iter().map(|s| s.1 as f32).collect(),
+        _ => Vec::new(),
+    };
     let gx = want_gx.then(|| {
         // SAFETY: `input_grad_plane` writes every slot of its chunk (a zip with inputs of the
         // chunk's length).
@@ -208,40 +264,53 @@ pub fn backward_slices(
             par_filled(x.len(), hw, |p, out| {
                 let ch = p % c;
                 let planes = (plane(gy, p, hw), plane(x, p, hw));
-                input_grad_plane(planes, stats, relu, (ch, sums[ch], m), out)
+                input_grad_plane(planes, stats, act.gate(ch), (ch, sums[ch], m), out)
             })
         }
     });
-    (sums, gx)
+    SliceGrads { sums, gx, slopes }
 }
 
 vectorized_kernel! {
-    /// Channel `ch`'s Σ g and Σ g·(x − mean) for [`backward_slices`].
+    /// Channel `ch`'s Σ g and Σ g·(x − mean) for [`backward_slices`], and (through a PReLU)
+    /// its slope's gradient.
     fn channel_grad_sums(
         (x, gy): (&[f32], &[f32]),
         stats: &Stats,
-        relu: bool,
+        gate: Gate,
         (n, c, hw): (usize, usize, usize),
         ch: usize,
-    ) -> (f64, f64) {
+    ) -> ((f64, f64), f64) {
         let mean = stats.mean[ch];
         let (scale, shift) =
             scale_shift(stats.gamma[ch], stats.beta[ch], stats.mean[ch], stats.invstd[ch]);
-        let mut sums = LaneSums::new();
+        let (mut sums, mut slope) = (LaneSums::new(), LaneSums::new());
         for i in 0..n {
             let p = i * c + ch;
             let v = [plane(gy, p, hw), plane(x, p, hw)];
-            // Two loops, so that the ReLU's test is not made per element.
-            if relu {
-                sums.add(v, |[g, x]| {
+            // A loop per activation, so that its test is not made per element.
+            match gate {
+                Gate::Relu => sums.add(v, |[g, x]| {
                     let g = if x * scale + shift > 0.0 { g } else { 0.0 };
                     [g, g * (x - mean)]
-                });
-            } else {
-                sums.add(v, |[g, x]| [g, g * (x - mean)]);
+                }),
+                Gate::Slope(a) => {
+                    // The PReLU's input z and its two gradients, as `kernels::prelu` makes
+                    // them: the slope's Σ z·gy over z ≤ 0 (one plane after another, as it
+                    // walks them), and g = gy·(z > 0 ? 1 : a) for the BatchNorm.
+                    slope.add(v, |[g, x]| {
+                        let z = x * scale + shift;
+                        [if z <= 0.0 { z * g } else { 0.0 }, 0.0]
+                    });
+                    sums.add(v, |[g, x]| {
+                        let g = g * if x * scale + shift > 0.0 { 1.0 } else { a };
+                        [g, g * (x - mean)]
+                    });
+                }
+                Gate::Identity => sums.add(v, |[g, x]| [g, g * (x - mean)]),
             }
         }
-        sums.total()
+        (sums.total(), slope.total().0)
     }
 }
 
@@ -251,7 +320,7 @@ vectorized_kernel! {
     fn input_grad_plane(
         (gy, x): (&[f32], &[f32]),
         stats: &Stats,
-        relu: bool,
+        gate: Gate,
         (ch, sums, m): (usize, (f64, f64), f64),
         out: &mut [MaybeUninit<f32>],
     ) {
@@ -266,14 +335,22 @@ vectorized_kernel! {
         let slope = invstd * mean_gx;
         let values = gy.iter().zip(x);
         let gx = |g: f32, x: f32| k * (g - mean_g - (x - mean) * slope);
-        if relu {
-            let (scale, shift) = scale_shift(stats.gamma[ch], stats.beta[ch], mean, invstd);
-            for (o, (&g, &x)) in out.iter_mut().zip(values) {
-                o.write(gx(if x * scale + shift > 0.0 { g } else { 0.0 }, x));
+        let (scale, shift) = scale_shift(stats.gamma[ch], stats.beta[ch], mean, invstd);
+        match gate {
+            Gate::Relu => {
+                for (o, (&g, &x)) in out.iter_mut().zip(values) {
+                    o.write(gx(if x * scale + shift > 0.0 { g } else { 0.0 }, x));
+                }
             }
-        } else {
-            for (o, (&g, &x)) in out.iter_mut().zip(values) {
-                o.write(gx(g, x));
+            Gate::Slope(a) => {
+                for (o, (&g, &x)) in out.iter_mut().zip(values) {
+                    o.write(gx(g * if x * scale + shift > 0.0 { 1.0 } else { a }, x));
+                }
+            }
+            Gate::Identity => {
+                for (o, (&g, &x)) in out.iter_mut().zip(values) {
+                    o.write(gx(g, x));
+                }
             }
         }
     }
@@ -289,20 +366,107 @@ fn bias_grad(sums: &[(f64, f64)]) -> Vec<f32> {
     sums.iter().map(|s| s.0 as f32).collect()
 }
 
-/// `cat(gγ, gβ)` (the gradient of a fused op's one `[2C]` affine operand) from
-/// [`backward_slices`]' sums, when `params` is in the graph. (It goes back through candle's
-/// `cat`: the operand is not a variable, so candle needs its gradient to reach γ and β.)
-pub(crate) fn affine_grad(
+/// The gradient of a fused op's parameter operand — `cat(γ, β)`, or `cat(γ, β, a)` with a
+/// PReLU's slopes (candle's custom ops take three operands) — from [`backward_slices`]'
+/// results, when it is in the graph. It goes back through candle's `cat` to the parts: the
+/// operand is no variable, and candle's backward wants a gradient for every node between the
+/// loss and a variable, so the parts cannot be handed to the store apart (nor to the early
+/// all-reduce: their gradients are reduced after backward).
+pub(crate) fn params_grad(
     params: &Tensor,
-    sums: &[(f64, f64)],
+    grads: &SliceGrads,
     invstd: &[f32],
 ) -> candle_core::Result<Option<Tensor>> {
     if !params.track_op() {
         return Ok(None);
     }
-    let mut v = weight_grad(sums, invstd);
-    v.extend(bias_grad(sums));
-    Ok(Some(Tensor::from_vec(v, 2 * sums.len(), params.device())?))
+    let mut v = weight_grad(&grads.sums, invstd);
+    v.extend(bias_grad(&grads.sums));
+    v.extend_from_slice(&grads.slopes);
+    let len = v.len();
+    Ok(Some(Tensor::from_vec(v, len, params.device())?))
+}
+
+/// The op: a training BatchNorm then a PReLU, one pass each way; `cat(γ, β, a)` one `[3C]`
+/// operand. The BatchNorm's output never becomes a tensor of candle's graph, so backward
+/// makes no zeroed accumulator for its gradient, and the PReLU is not a pass of its own. The
+/// same bits as the two ops apart (up to the sign of a zero gradient).
+struct BatchNormPRelu {
+    mean: Vec<f32>,
+    invstd: Vec<f32>,
+}
+
+/// `params` as `(γ, β, a)` for `c` channels.
+fn affine_slopes<'a>(
+    params: &'a [f32],
+    c: usize,
+    op: &str,
+) -> candle_core::Result<(&'a [f32], &'a [f32], &'a [f32])> {
+    if params.len() != 3 * c {
+        candle_core::bail!("{op}: {} weight, bias and slope values for {c} channels", params.len())
+    }
+    let (gamma, rest) = params.split_at(c);
+    let (beta, slopes) = rest.split_at(c);
+    Ok((gamma, beta, slopes))
+}
+
+impl CustomOp2 for BatchNormPRelu {
+    fn name(&self) -> &'static str {
+        "tandem-batch-norm-prelu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ps: &CpuStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (_, c, hw) = dims(xl)?;
+        let x = contiguous_f32(xs, xl, "batch_norm_prelu", "input")?;
+        let params = contiguous_f32(ps, pl, "batch_norm_prelu", "weight, bias and slopes")?;
+        let (gamma, beta, slopes) = affine_slopes(params, c, "batch_norm_prelu")?;
+        let stats = (&self.mean[..], &self.invstd[..]);
+        let y = normalize(x, gamma, beta, stats, (Activation::PRelu(slopes), None), (c, hw));
+        Ok((CpuStorage::F32(y), xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        params: &Tensor,
+        _y: &Tensor,
+        gy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (n, c, h, w) = x.dims4()?;
+        let p: Vec<f32> = params.to_vec1()?;
+        let (gamma, beta, slopes) = affine_slopes(&p, c, "batch_norm_prelu")?;
+        let stats = Stats { mean: &self.mean, invstd: &self.invstd, gamma, beta };
+        let (act, dims, want_gx) = (Activation::PRelu(slopes), (n, c, h * w), x.track_op());
+        let gy = gy.contiguous()?;
+        let grads = with_f32_slice(x, |x| {
+            with_f32_slice(&gy, |gy| backward_slices(x, gy, &stats, act, dims, want_gx))
+        })??;
+        let gparams = params_grad(params, &grads, &self.invstd)?;
+        let gx = grads.gx.map(|v| Tensor::from_vec(v, x.shape(), x.device())).transpose()?;
+        Ok((gx, gparams))
+    }
+}
+
+/// `prelu(batch_norm_train(x), a)` as one op (see `BatchNormPRelu`): the output, and the
+/// batch's mean, biased variance and element count.
+pub fn batch_norm_train_prelu(
+    x: &Tensor,
+    (gamma, beta): (&Tensor, &Tensor),
+    slopes: &Tensor,
+    eps: f64,
+) -> candle_core::Result<(Tensor, Vec<f32>, Vec<f32>, usize)> {
+    let x = x.contiguous()?;
+    let (mean, var, count, invstd) = train_stats(&x, eps)?;
+    let op = BatchNormPRelu { mean: mean.clone(), invstd };
+    let params = Tensor::cat(&[gamma, beta, slopes], 0)?;
+    let y = x.apply_op2(&params, op)?;
+    Ok((y, mean, var, count))
 }
 
 /// A residual block's tail, `relu(BatchNorm(x) + residual)`, as one op: the BatchNorm's
@@ -343,7 +507,7 @@ impl CustomOp3 for BatchNormAddRelu {
         }
         let (gamma, beta) = params.split_at(c);
         let stats = (&self.mean[..], &self.invstd[..]);
-        let y = normalize(x, gamma, beta, stats, (true, Some(r)), (c, hw));
+        let y = normalize(x, gamma, beta, stats, (Activation::Relu, Some(r)), (c, hw));
         Ok((CpuStorage::F32(y), xl.shape().clone()))
     }
 
@@ -363,11 +527,12 @@ impl CustomOp3 for BatchNormAddRelu {
         let stats = Stats { mean: &self.mean, invstd: &self.invstd, gamma, beta };
         let dims = (n, c, h * w);
         let want_gx = x.track_op();
-        let (sums, gx) =
-            with_f32_slice(x, |xs| backward_slices(xs, &g, &stats, false, dims, want_gx))?;
+        let grads = with_f32_slice(x, |xs| {
+            backward_slices(xs, &g, &stats, Activation::Identity, dims, want_gx)
+        })?;
         let dev = x.device();
-        let gparams = affine_grad(params, &sums, &self.invstd)?;
-        let gx = gx.map(|v| Tensor::from_vec(v, x.shape(), dev)).transpose()?;
+        let gparams = params_grad(params, &grads, &self.invstd)?;
+        let gx = grads.gx.map(|v| Tensor::from_vec(v, x.shape(), dev)).transpose()?;
         let gr = r.track_op().then(|| Tensor::from_vec(g, r.shape(), dev)).transpose()?;
         Ok((gx, gparams, gr))
     }

@@ -21,7 +21,7 @@ use super::matmul::{matmul, View};
 use super::winograd;
 use crate::backward::take_param_grad;
 use crate::contiguous_f32;
-use crate::kernels::{with_f32_slice, zeroed};
+use crate::kernels::{par_chunks_zeroed, with_f32_slice, zeroed};
 
 /// Stride, padding and dilation, the same in both spatial dimensions (candle-nn's config).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -505,13 +505,17 @@ fn flipped_transposed(g: &Geometry, w: &[f32]) -> Vec<f32> {
     out
 }
 
-/// `y = conv2d(x, w)` into `y` (`[N, O, Ho, Wo]`).
-fn forward(g: &Geometry, x: &[f32], w: &[f32], y: &mut [f32]) {
+/// `y = conv2d(x, w)` (`[N, O, Ho, Wo]`, flat).
+fn forward(g: &Geometry, x: &[f32], w: &[f32]) -> Vec<f32> {
     if let Some(d) = g.winograd().filter(|_| !g.im2col_forward_is_ahead()) {
-        return winograd::forward(&d, x, w, y);
+        let mut y = zeroed(g.n * g.out_len());
+        winograd::forward(&d, x, w, &mut y);
+        return y;
     }
     if batched(g) {
-        return forward_batched(g, x, w, y);
+        let mut y = zeroed(g.n * g.out_len());
+        forward_batched(g, x, w, &mut y);
+        return y;
     }
     let (k, pixels, t) = (g.k(), g.pixels(), threads());
     let weight = View { data: w, rs: k, cs: 1 };
@@ -533,13 +537,20 @@ fn forward(g: &Geometry, x: &[f32], w: &[f32], y: &mut [f32]) {
             inner,
         );
     };
-    let images = x.chunks(g.image_len()).zip(y.chunks_mut(g.out_len()));
     if g.n >= t {
-        images.par_bridge().for_each_init(Vec::new, |col, (image, out)| one(image, out, col, 1));
-    } else {
-        let mut col = Vec::new();
-        images.for_each(|(image, out)| one(image, out, &mut col, t));
+        // An image per task, its output zeroed in cache just before it is written (as
+        // `input_grad`'s).
+        let image = |i: usize| &x[i * g.image_len()..(i + 1) * g.image_len()];
+        return par_chunks_zeroed(g.n * g.out_len(), g.out_len(), Vec::new, |col, i, out| {
+            one(image(i), out, col, 1)
+        });
     }
+    let mut y = zeroed(g.n * g.out_len());
+    let mut col = Vec::new();
+    for (image, out) in x.chunks(g.image_len()).zip(y.chunks_mut(g.out_len())) {
+        one(image, out, &mut col, t);
+    }
+    y
 }
 
 /// `gw[O, K] = Σ gy_n · col_nᵀ`, over chunks of images in parallel (in the orientation of
@@ -586,7 +597,6 @@ fn input_grad(g: &Geometry, w: &[f32], gy: &[f32]) -> Vec<f32> {
         return input_grad_batched(g, w, gy);
     }
     let (k, pixels, t) = (g.k(), g.pixels(), threads());
-    let mut gx = zeroed(g.n * g.image_len());
     let w_t = View { data: w, rs: 1, cs: k };
     let one = |gy_i: &[f32], gx_i: &mut [f32], col: &mut Vec<f32>, inner: usize| {
         let gy_i = View { data: gy_i, rs: pixels, cs: 1 };
@@ -598,12 +608,18 @@ fn input_grad(g: &Geometry, w: &[f32], gy: &[f32]) -> Vec<f32> {
             g.col2im(col, gx_i, pixels);
         }
     };
-    let images = gy.chunks(g.out_len()).zip(gx.chunks_mut(g.image_len()));
     if g.n >= t {
-        images.par_bridge().for_each_init(Vec::new, |col, (gy_i, gx_i)| one(gy_i, gx_i, col, 1));
-    } else {
-        let mut col = Vec::new();
-        images.for_each(|(gy_i, gx_i)| one(gy_i, gx_i, &mut col, t));
+        // An image per task, its gradient zeroed by the task (in cache) just before it is
+        // written (`par_chunks_zeroed`).
+        let gy_i = |i: usize| &gy[i * g.out_len()..(i + 1) * g.out_len()];
+        return par_chunks_zeroed(g.n * g.image_len(), g.image_len(), Vec::new, |col, i, gx_i| {
+            one(gy_i(i), gx_i, col, 1)
+        });
+    }
+    let mut gx = zeroed(g.n * g.image_len());
+    let mut col = Vec::new();
+    for (gy_i, gx_i) in gy.chunks(g.out_len()).zip(gx.chunks_mut(g.image_len())) {
+        one(gy_i, gx_i, &mut col, t);
     }
     gx
 }
@@ -619,9 +635,7 @@ fn cpu_forward(
     let g = Geometry::new(xl.dims(), wl.dims(), p)?;
     let x = contiguous_f32(xs, xl, "conv2d", "input")?;
     let w = contiguous_f32(ws, wl, "conv2d", "weight")?;
-    let mut y = zeroed(g.n * g.out_len());
-    forward(&g, x, w, &mut y);
-    Ok((y, g))
+    Ok((forward(&g, x, w), g))
 }
 
 /// The convolution's output `[N, O, Ho, Wo]` as a flat vector, and its shape.
@@ -663,9 +677,7 @@ pub(crate) fn backward(
                     let (gw, gx) =
                         winograd::backward(&d, xs, ws, gys, want_gw, want_gx && !by_forward);
                     let gx = if by_forward {
-                        let mut gx = zeroed(g.n * g.image_len());
-                        forward(&adjoint, gys, &flipped_transposed(&g, ws), &mut gx);
-                        Some(gx)
+                        Some(forward(&adjoint, gys, &flipped_transposed(&g, ws)))
                     } else {
                         gx
                     };

@@ -1,5 +1,7 @@
-//! A convolution followed by a training-mode BatchNorm (and a ReLU when asked) as one custom
-//! op — PyTorch's `ConvBn2d` / `ConvBnReLU2d` pair of modules, for training.
+//! A convolution (ungrouped, or grouped: depthwise included) followed by a training-mode
+//! BatchNorm (and a ReLU or a PReLU when asked) as one custom op — PyTorch's `ConvBn2d` /
+//! `ConvBnReLU2d` pair of modules, for training (and arcface_torch's conv → BatchNorm → PReLU
+//! blocks).
 //!
 //! Why: apart, the convolution's output is a tensor of candle's graph, and candle's backward
 //! adds the BatchNorm's input gradient into a zeroed accumulator of that size before the
@@ -12,8 +14,11 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
-use super::batch_norm::{affine_grad, backward_slices, batch_stats, inverse_std, normalize, Stats};
+use super::batch_norm::{
+    backward_slices, batch_stats, inverse_std, normalize, params_grad, Activation, Stats,
+};
 use super::conv2d::{self, ConvParams};
+use super::grouped_conv::{self, GroupedConvParams};
 use crate::contiguous_f32;
 use crate::kernels::with_f32_slice;
 
@@ -27,10 +32,81 @@ struct Saved {
     invstd: Vec<f32>,
 }
 
+/// The op's convolution: tandem's ungrouped kernels (`kernels::conv2d`) or its grouped ones
+/// (`kernels::grouped_conv`).
+#[derive(Clone, Copy, Debug)]
+pub enum Conv {
+    Plain(ConvParams),
+    Grouped(GroupedConvParams),
+}
+
+impl Conv {
+    fn forward(
+        self,
+        x: (&CpuStorage, &Layout),
+        w: (&CpuStorage, &Layout),
+    ) -> candle_core::Result<(Vec<f32>, Shape)> {
+        match self {
+            Conv::Plain(p) => conv2d::forward_f32(p, x, w),
+            Conv::Grouped(p) => grouped_conv::forward_f32(p, x, w),
+        }
+    }
+
+    fn backward(
+        self,
+        x: &Tensor,
+        w: &Tensor,
+        gz: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        match self {
+            Conv::Plain(p) => conv2d::backward(p, x, w, gz),
+            Conv::Grouped(p) => grouped_conv::backward(p, x, w, gz),
+        }
+    }
+}
+
+/// What follows the BatchNorm in the op.
+#[derive(Clone, Copy, Debug)]
+pub enum After<'a> {
+    Nothing,
+    Relu,
+    /// A PReLU with these slopes (one per channel).
+    PRelu(&'a Tensor),
+}
+
+/// [`After`] as the op keeps it: its parameter operand is `cat(γ, β)`, or `cat(γ, β, a)` with
+/// a PReLU's slopes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Then {
+    Nothing,
+    Relu,
+    PRelu,
+}
+
+impl Then {
+    /// The activation, its slopes (if any) the parameter operand's third part.
+    fn activation(self, params: &[f32], c: usize) -> Activation<'_> {
+        match self {
+            Then::Nothing => Activation::Identity,
+            Then::Relu => Activation::Relu,
+            Then::PRelu => Activation::PRelu(&params[2 * c..]),
+        }
+    }
+
+    /// Values of the parameter operand for `c` channels.
+    fn params_len(self, c: usize) -> usize {
+        if self == Then::PRelu {
+            3 * c
+        } else {
+            2 * c
+        }
+    }
+}
+
 struct ConvBatchNorm {
-    conv: ConvParams,
+    conv: Conv,
     eps: f64,
-    relu: bool,
+    then: Then,
     /// Set by the forward; shared with [`conv_batch_norm_train`], which reads the statistics.
     saved: Arc<OnceLock<Saved>>,
 }
@@ -49,20 +125,22 @@ impl CustomOp3 for ConvBatchNorm {
         ps: &CpuStorage,
         pl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (z, shape) = conv2d::forward_f32(self.conv, (xs, xl), (ws, wl))?;
+        let (z, shape) = self.conv.forward((xs, xl), (ws, wl))?;
         let &[n, c, h, w] = shape.dims() else { unreachable!("conv2d outputs [N, C, H, W]") };
         let params = contiguous_f32(ps, pl, "conv_batch_norm", "weight and bias")?;
-        if params.len() != 2 * c {
+        if params.len() != self.then.params_len(c) {
             candle_core::bail!(
-                "conv_batch_norm: {} BatchNorm weight and bias values for {c} channels",
-                params.len()
+                "conv_batch_norm: {} BatchNorm parameter values for {c} channels ({:?} after it)",
+                params.len(),
+                self.then
             )
         }
         let dims = (n, c, h * w);
         let (mean, var, _) = batch_stats(&z, dims);
         let invstd = inverse_std(&var, self.eps);
-        let (gamma, beta) = params.split_at(c);
-        let y = normalize(&z, gamma, beta, (&mean, &invstd), (self.relu, None), (c, h * w));
+        let (gamma, beta) = (&params[..c], &params[c..2 * c]);
+        let act = self.then.activation(params, c);
+        let y = normalize(&z, gamma, beta, (&mean, &invstd), (act, None), (c, h * w));
         if self.saved.set(Saved { z, dims, mean, var, invstd }).is_err() {
             candle_core::bail!("conv_batch_norm: the op ran forward twice")
         }
@@ -82,34 +160,37 @@ impl CustomOp3 for ConvBatchNorm {
         };
         let c = saved.dims.1;
         let p: Vec<f32> = params.to_vec1()?;
-        let (gamma, beta) = p.split_at(c);
+        let (gamma, beta) = (&p[..c], &p[c..2 * c]);
         let stats = Stats { mean: &saved.mean, invstd: &saved.invstd, gamma, beta };
+        let act = self.then.activation(&p, c);
         let gy = gy.contiguous()?;
-        let (sums, gz) = with_f32_slice(&gy, |gy| {
-            backward_slices(&saved.z, gy, &stats, self.relu, saved.dims, true)
-        })?;
-        let dev = x.device();
-        let gz = gz.expect("asked for the input gradient");
-        let gz = Tensor::from_vec(gz, gy.shape(), dev)?;
-        let (gx, gw) = conv2d::backward(self.conv, x, w, &gz)?;
-        Ok((gx, gw, affine_grad(params, &sums, &saved.invstd)?))
+        let mut grads =
+            with_f32_slice(&gy, |gy| backward_slices(&saved.z, gy, &stats, act, saved.dims, true))?;
+        let gz = grads.gx.take().expect("asked for the input gradient");
+        let gz = Tensor::from_vec(gz, gy.shape(), x.device())?;
+        let (gx, gw) = self.conv.backward(x, w, &gz)?;
+        Ok((gx, gw, params_grad(params, &grads, &saved.invstd)?))
     }
 }
 
-/// `bn(conv2d(x, w))` in training mode (then `relu` when asked) on CPU f32 tensors, as one op:
-/// the output, and the batch's per-channel mean and biased variance (for the running
-/// statistics) with the element count.
+/// `bn(conv2d(x, w))` in training mode (then a ReLU, or a PReLU with `slopes`, when asked) on
+/// CPU f32 tensors, as one op: the output, and the batch's per-channel mean and biased
+/// variance (for the running statistics) with the element count.
 pub fn conv_batch_norm_train(
     x: &Tensor,
     w: &Tensor,
-    conv: ConvParams,
+    conv: Conv,
     (gamma, beta): (&Tensor, &Tensor),
     eps: f64,
-    relu: bool,
+    after: After,
 ) -> candle_core::Result<(Tensor, Vec<f32>, Vec<f32>, usize)> {
     let saved = Arc::new(OnceLock::new());
-    let op = ConvBatchNorm { conv, eps, relu, saved: saved.clone() };
-    let params = Tensor::cat(&[gamma, beta], 0)?;
+    let (params, then) = match after {
+        After::Nothing => (Tensor::cat(&[gamma, beta], 0)?, Then::Nothing),
+        After::Relu => (Tensor::cat(&[gamma, beta], 0)?, Then::Relu),
+        After::PRelu(slopes) => (Tensor::cat(&[gamma, beta, slopes], 0)?, Then::PRelu),
+    };
+    let op = ConvBatchNorm { conv, eps, then, saved: saved.clone() };
     let y = x.contiguous()?.apply_op3(&w.contiguous()?, &params, op)?;
     let Some(s) = saved.get() else {
         candle_core::bail!("conv_batch_norm: the forward left no statistics")

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use crate::backward::take_param_grad;
 use crate::contiguous_f32;
 use crate::kernels::simd::{lane_sum2, REDUCE_LANES};
-use crate::kernels::with_f32_slice;
+use crate::kernels::{par_chunks_zeroed, with_f32_slice};
 use crate::vectorized_kernel;
 
 /// Stride, padding, dilation (the same on both axes, as candle's `Conv2dConfig`) and groups.
@@ -283,12 +283,12 @@ fn copy_run(dst: &mut [f32], src: &[f32]) {
 fn forward(g: &Geometry, x: &[f32], k: &[f32]) -> Vec<f32> {
     let ph = Phases::of(g);
     let at = ph.tap_offsets();
-    let mut y = vec![0f32; g.n * g.o * g.oh * g.ow];
-    y.par_chunks_mut(g.oh * g.ow).enumerate().for_each_init(
+    par_chunks_zeroed(
+        g.n * g.o * g.oh * g.ow,
+        g.oh * g.ow,
         || (ph.buffer(), vec![0f32; wide_len(g, &ph)]),
-        |(xp, yw), (idx, yp)| forward_plane((g, &ph, &at), (x, k), idx, (xp, yw), yp),
-    );
-    y
+        |(xp, yw), idx, yp| forward_plane((g, &ph, &at), (x, k), idx, (xp, yw), yp),
+    )
 }
 
 vectorized_kernel! {
@@ -352,12 +352,12 @@ impl InputGradTaps {
 fn input_grad(g: &Geometry, k: &[f32], gy: &[f32]) -> Vec<f32> {
     let ph = Phases::of(g);
     let gt = InputGradTaps::of(g, &ph);
-    let mut gx = vec![0f32; g.n * g.c * g.h * g.w];
-    gx.par_chunks_mut(g.h * g.w).enumerate().for_each_init(
+    par_chunks_zeroed(
+        g.n * g.c * g.h * g.w,
+        g.h * g.w,
         || (vec![0f32; ph.total()], vec![0f32; gt.len], vec![0f32; g.kh * g.kw]),
-        |(gp, gyw, w), (idx, gxp)| input_grad_plane((g, &ph, &gt), (k, gy), idx, (gp, gyw, w), gxp),
-    );
-    gx
+        |(gp, gyw, w), idx, gxp| input_grad_plane((g, &ph, &gt), (k, gy), idx, (gp, gyw, w), gxp),
+    )
 }
 
 vectorized_kernel! {
@@ -447,6 +447,44 @@ vectorized_kernel! {
     }
 }
 
+/// The grouped convolution's output on CPU f32 storage, and its shape (also the forward of
+/// the fused convolution → BatchNorm op, `kernels::conv_batch_norm`).
+pub(crate) fn forward_f32(
+    p: GroupedConvParams,
+    (xs, xl): (&CpuStorage, &Layout),
+    (ks, kl): (&CpuStorage, &Layout),
+) -> candle_core::Result<(Vec<f32>, Shape)> {
+    let g = Geometry::new(xl.dims(), kl.dims(), p)?;
+    let x = contiguous_f32(xs, xl, "grouped conv2d", "input")?;
+    let k = contiguous_f32(ks, kl, "grouped conv2d", "weight")?;
+    Ok((forward(&g, x, k), g.out_shape()))
+}
+
+/// The gradients of the input and the weight on the CPU (each only when it is in the autograd
+/// graph; inside [`crate::backward`] the weight's goes to the store directly).
+pub(crate) fn backward(
+    p: GroupedConvParams,
+    x: &Tensor,
+    k: &Tensor,
+    gy: &Tensor,
+) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    let g = Geometry::new(x.dims(), k.dims(), p)?;
+    let gy = gy.contiguous()?;
+    let gk = if k.track_op() {
+        let v = with_f32_slice(x, |x| with_f32_slice(&gy, |gy| weight_grad(&g, x, gy)))??;
+        Some(Tensor::from_vec(v, k.shape(), k.device())?)
+    } else {
+        None
+    };
+    let gx = if x.track_op() {
+        let v = with_f32_slice(k, |k| with_f32_slice(&gy, |gy| input_grad(&g, k, gy)))??;
+        Some(Tensor::from_vec(v, x.shape(), x.device())?)
+    } else {
+        None
+    };
+    Ok((gx, take_param_grad(k, gk)?))
+}
+
 struct GroupedConvOp(GroupedConvParams);
 
 impl CustomOp2 for GroupedConvOp {
@@ -461,10 +499,8 @@ impl CustomOp2 for GroupedConvOp {
         ks: &CpuStorage,
         kl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let g = Geometry::new(xl.dims(), kl.dims(), self.0)?;
-        let x = contiguous_f32(xs, xl, "grouped conv2d", "input")?;
-        let k = contiguous_f32(ks, kl, "grouped conv2d", "weight")?;
-        Ok((CpuStorage::F32(forward(&g, x, k)), g.out_shape()))
+        let (y, shape) = forward_f32(self.0, (xs, xl), (ks, kl))?;
+        Ok((CpuStorage::F32(y), shape))
     }
 
     /// On a GPU: cuDNN with the group count, one call for every group (candle's grouped
@@ -491,21 +527,7 @@ impl CustomOp2 for GroupedConvOp {
         if x.device().is_cuda() {
             return crate::kernels::conv2d::cuda_backward(cudnn_spec(self.0), x, k, gy);
         }
-        let g = Geometry::new(x.dims(), k.dims(), self.0)?;
-        let gy = gy.contiguous()?;
-        let gk = if k.track_op() {
-            let v = with_f32_slice(x, |x| with_f32_slice(&gy, |gy| weight_grad(&g, x, gy)))??;
-            Some(Tensor::from_vec(v, k.shape(), k.device())?)
-        } else {
-            None
-        };
-        let gx = if x.track_op() {
-            let v = with_f32_slice(k, |k| with_f32_slice(&gy, |gy| input_grad(&g, k, gy)))??;
-            Some(Tensor::from_vec(v, x.shape(), x.device())?)
-        } else {
-            None
-        };
-        Ok((gx, take_param_grad(k, gk)?))
+        backward(self.0, x, k, gy)
     }
 }
 
