@@ -216,7 +216,7 @@ impl FastBatchNorm2d {
         train: bool,
         after: After,
     ) -> candle_core::Result<Option<Tensor>> {
-        let kernel = conv.bias().is_none().then(|| conv.fused_kernel());
+        let kernel = conv.bias().is_none().then(|| conv.kernel());
         let (Some(p), true) = (kernel, self.takes_fused_kernels(x, train)) else {
             return Ok(None);
         };

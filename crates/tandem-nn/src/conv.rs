@@ -42,11 +42,10 @@ impl FastConv2d {
             dilation: c.dilation,
         })
     }
-}
 
-impl FastConv2d {
-    /// The kernel the fused convolution → BatchNorm op runs for this layer.
-    pub(crate) fn fused_kernel(&self) -> Conv {
+    /// The CPU kernel this layer runs: tandem's ungrouped convolution or its grouped one (the
+    /// layer's forward, and the fused convolution → BatchNorm op).
+    pub(crate) fn kernel(&self) -> Conv {
         let c = self.config;
         match self.kernel_params() {
             Some(p) => Conv::Plain(p),
@@ -64,26 +63,14 @@ impl Module for FastConv2d {
     /// Under [`crate::autocast`] on a GPU the input, weight and bias are cast to the 16-bit
     /// type first (the cast is differentiable: the f32 weight gets its gradient).
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let c = self.config;
         let dev = x.device();
         let (x, weight) = (cast(x, dev)?, cast(&self.weight, dev)?);
         let bias = self.bias.as_ref().map(|b| cast(b, dev)).transpose()?;
-        if let Some(p) = self.kernel_params() {
-            return match &bias {
-                Some(b) => conv2d_bias(&x, &weight, b, p),
-                None => conv2d_kernel(&x, &weight, p),
-            };
-        }
-        let p = GroupedConvParams {
-            stride: c.stride,
-            padding: c.padding,
-            dilation: c.dilation,
-            groups: c.groups,
-        };
-        let y = grouped_conv2d(&x, &weight, p)?;
-        match &bias {
-            Some(b) => add_channel_bias(&y, b),
-            None => Ok(y),
+        match (self.kernel(), &bias) {
+            (Conv::Plain(p), Some(b)) => conv2d_bias(&x, &weight, b, p),
+            (Conv::Plain(p), None) => conv2d_kernel(&x, &weight, p),
+            (Conv::Grouped(p), Some(b)) => add_channel_bias(&grouped_conv2d(&x, &weight, p)?, b),
+            (Conv::Grouped(p), None) => grouped_conv2d(&x, &weight, p),
         }
     }
 }

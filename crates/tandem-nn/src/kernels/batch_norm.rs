@@ -396,18 +396,41 @@ struct BatchNormPRelu {
     invstd: Vec<f32>,
 }
 
-/// `params` as `(γ, β, a)` for `c` channels.
-fn affine_slopes<'a>(
-    params: &'a [f32],
-    c: usize,
-    op: &str,
-) -> candle_core::Result<(&'a [f32], &'a [f32], &'a [f32])> {
-    if params.len() != 3 * c {
-        candle_core::bail!("{op}: {} weight, bias and slope values for {c} channels", params.len())
+/// What follows the BatchNorm in a fused op whose parameter operand is `cat(γ, β)`, or
+/// `cat(γ, β, a)` with a PReLU's slopes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Then {
+    Nothing,
+    Relu,
+    PRelu,
+}
+
+impl Then {
+    /// The parameter operand's values for `c` channels as γ, β and the activation (a PReLU's
+    /// slopes its third part); `op` names the op in the error for another length.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn split<'a>(
+        self,
+        params: &'a [f32],
+        c: usize,
+        op: &str,
+    ) -> candle_core::Result<(&'a [f32], &'a [f32], Activation<'a>)> {
+        let parts = if self == Then::PRelu { 3 } else { 2 };
+        if params.len() != parts * c {
+            candle_core::bail!(
+                "{op}: {} BatchNorm parameter values for {c} channels ({self:?} after it)",
+                params.len()
+            )
+        }
+        let (gamma, rest) = params.split_at(c);
+        let (beta, slopes) = rest.split_at(c);
+        let act = match self {
+            Then::Nothing => Activation::Identity,
+            Then::Relu => Activation::Relu,
+            Then::PRelu => Activation::PRelu(slopes),
+        };
+        Ok((gamma, beta, act))
     }
-    let (gamma, rest) = params.split_at(c);
-    let (beta, slopes) = rest.split_at(c);
-    Ok((gamma, beta, slopes))
 }
 
 impl CustomOp2 for BatchNormPRelu {
@@ -425,9 +448,9 @@ impl CustomOp2 for BatchNormPRelu {
         let (_, c, hw) = dims(xl)?;
         let x = contiguous_f32(xs, xl, "batch_norm_prelu", "input")?;
         let params = contiguous_f32(ps, pl, "batch_norm_prelu", "weight, bias and slopes")?;
-        let (gamma, beta, slopes) = affine_slopes(params, c, "batch_norm_prelu")?;
+        let (gamma, beta, act) = Then::PRelu.split(params, c, "batch_norm_prelu")?;
         let stats = (&self.mean[..], &self.invstd[..]);
-        let y = normalize(x, gamma, beta, stats, (Activation::PRelu(slopes), None), (c, hw));
+        let y = normalize(x, gamma, beta, stats, (act, None), (c, hw));
         Ok((CpuStorage::F32(y), xl.shape().clone()))
     }
 
@@ -440,9 +463,9 @@ impl CustomOp2 for BatchNormPRelu {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let (n, c, h, w) = x.dims4()?;
         let p: Vec<f32> = params.to_vec1()?;
-        let (gamma, beta, slopes) = affine_slopes(&p, c, "batch_norm_prelu")?;
+        let (gamma, beta, act) = Then::PRelu.split(&p, c, "batch_norm_prelu")?;
         let stats = Stats { mean: &self.mean, invstd: &self.invstd, gamma, beta };
-        let (act, dims, want_gx) = (Activation::PRelu(slopes), (n, c, h * w), x.track_op());
+        let (dims, want_gx) = ((n, c, h * w), x.track_op());
         let gy = gy.contiguous()?;
         let grads = with_f32_slice(x, |x| {
             with_f32_slice(&gy, |gy| backward_slices(x, gy, &stats, act, dims, want_gx))

@@ -537,20 +537,31 @@ fn forward(g: &Geometry, x: &[f32], w: &[f32]) -> Vec<f32> {
             inner,
         );
     };
-    if g.n >= t {
-        // An image per task, its output zeroed in cache just before it is written (as
-        // `input_grad`'s).
-        let image = |i: usize| &x[i * g.image_len()..(i + 1) * g.image_len()];
-        return par_chunks_zeroed(g.n * g.out_len(), g.out_len(), Vec::new, |col, i, out| {
-            one(image(i), out, col, 1)
+    per_image((g.n, t), (x, g.image_len()), g.out_len(), one)
+}
+
+/// `one(src_i, out_i, scratch, threads)` for each of `n` images (`src` `src_len` values an
+/// image, the output `out_len`): an image per task when there are at least as many images as
+/// threads, each output zeroed in cache by its task just before it is written
+/// (`par_chunks_zeroed`); else one image after another, `one` using the `t` threads itself.
+fn per_image(
+    (n, t): (usize, usize),
+    (src, src_len): (&[f32], usize),
+    out_len: usize,
+    one: impl Fn(&[f32], &mut [f32], &mut Vec<f32>, usize) + Sync + Send,
+) -> Vec<f32> {
+    let src_i = |i: usize| &src[i * src_len..(i + 1) * src_len];
+    if n >= t {
+        return par_chunks_zeroed(n * out_len, out_len, Vec::new, |col, i, out| {
+            one(src_i(i), out, col, 1)
         });
     }
-    let mut y = zeroed(g.n * g.out_len());
+    let mut out = zeroed(n * out_len);
     let mut col = Vec::new();
-    for (image, out) in x.chunks(g.image_len()).zip(y.chunks_mut(g.out_len())) {
-        one(image, out, &mut col, t);
+    for (i, out_i) in out.chunks_mut(out_len).enumerate() {
+        one(src_i(i), out_i, &mut col, t);
     }
-    y
+    out
 }
 
 /// `gw[O, K] = Σ gy_n · col_nᵀ`, over chunks of images in parallel (in the orientation of
@@ -608,20 +619,7 @@ fn input_grad(g: &Geometry, w: &[f32], gy: &[f32]) -> Vec<f32> {
             g.col2im(col, gx_i, pixels);
         }
     };
-    if g.n >= t {
-        // An image per task, its gradient zeroed by the task (in cache) just before it is
-        // written (`par_chunks_zeroed`).
-        let gy_i = |i: usize| &gy[i * g.out_len()..(i + 1) * g.out_len()];
-        return par_chunks_zeroed(g.n * g.image_len(), g.image_len(), Vec::new, |col, i, gx_i| {
-            one(gy_i(i), gx_i, col, 1)
-        });
-    }
-    let mut gx = zeroed(g.n * g.image_len());
-    let mut col = Vec::new();
-    for (gy_i, gx_i) in gy.chunks(g.out_len()).zip(gx.chunks_mut(g.image_len())) {
-        one(gy_i, gx_i, &mut col, t);
-    }
-    gx
+    per_image((g.n, t), (gy, g.out_len()), g.image_len(), one)
 }
 
 /// The convolution's output `[N, O, Ho, Wo]` (as a flat vector) and its geometry.

@@ -15,7 +15,7 @@ use std::sync::{Arc, OnceLock};
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
 use super::batch_norm::{
-    backward_slices, batch_stats, inverse_std, normalize, params_grad, Activation, Stats,
+    backward_slices, batch_stats, inverse_std, normalize, params_grad, Stats, Then,
 };
 use super::conv2d::{self, ConvParams};
 use super::grouped_conv::{self, GroupedConvParams};
@@ -74,35 +74,6 @@ pub enum After<'a> {
     PRelu(&'a Tensor),
 }
 
-/// [`After`] as the op keeps it: its parameter operand is `cat(γ, β)`, or `cat(γ, β, a)` with
-/// a PReLU's slopes.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Then {
-    Nothing,
-    Relu,
-    PRelu,
-}
-
-impl Then {
-    /// The activation, its slopes (if any) the parameter operand's third part.
-    fn activation(self, params: &[f32], c: usize) -> Activation<'_> {
-        match self {
-            Then::Nothing => Activation::Identity,
-            Then::Relu => Activation::Relu,
-            Then::PRelu => Activation::PRelu(&params[2 * c..]),
-        }
-    }
-
-    /// Values of the parameter operand for `c` channels.
-    fn params_len(self, c: usize) -> usize {
-        if self == Then::PRelu {
-            3 * c
-        } else {
-            2 * c
-        }
-    }
-}
-
 struct ConvBatchNorm {
     conv: Conv,
     eps: f64,
@@ -127,19 +98,11 @@ impl CustomOp3 for ConvBatchNorm {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (z, shape) = self.conv.forward((xs, xl), (ws, wl))?;
         let &[n, c, h, w] = shape.dims() else { unreachable!("conv2d outputs [N, C, H, W]") };
-        let params = contiguous_f32(ps, pl, "conv_batch_norm", "weight and bias")?;
-        if params.len() != self.then.params_len(c) {
-            candle_core::bail!(
-                "conv_batch_norm: {} BatchNorm parameter values for {c} channels ({:?} after it)",
-                params.len(),
-                self.then
-            )
-        }
+        let params = contiguous_f32(ps, pl, "conv_batch_norm", "BatchNorm parameters")?;
+        let (gamma, beta, act) = self.then.split(params, c, "conv_batch_norm")?;
         let dims = (n, c, h * w);
         let (mean, var, _) = batch_stats(&z, dims);
         let invstd = inverse_std(&var, self.eps);
-        let (gamma, beta) = (&params[..c], &params[c..2 * c]);
-        let act = self.then.activation(params, c);
         let y = normalize(&z, gamma, beta, (&mean, &invstd), (act, None), (c, h * w));
         if self.saved.set(Saved { z, dims, mean, var, invstd }).is_err() {
             candle_core::bail!("conv_batch_norm: the op ran forward twice")
@@ -160,9 +123,8 @@ impl CustomOp3 for ConvBatchNorm {
         };
         let c = saved.dims.1;
         let p: Vec<f32> = params.to_vec1()?;
-        let (gamma, beta) = (&p[..c], &p[c..2 * c]);
+        let (gamma, beta, act) = self.then.split(&p, c, "conv_batch_norm")?;
         let stats = Stats { mean: &saved.mean, invstd: &saved.invstd, gamma, beta };
-        let act = self.then.activation(&p, c);
         let gy = gy.contiguous()?;
         let mut grads =
             with_f32_slice(&gy, |gy| backward_slices(&saved.z, gy, &stats, act, saved.dims, true))?;

@@ -31,11 +31,25 @@ pub(crate) unsafe fn par_filled(
     chunk: usize,
     fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
 ) -> Vec<f32> {
+    // SAFETY: passed on from the caller.
+    unsafe { par_filled_with(len, chunk, || (), |_, i, c| fill(i, c)) }
+}
+
+/// [`par_filled`], each task with its own scratch from `init` (rayon's `for_each_init`).
+///
+/// # Safety
+/// As [`par_filled`]'s.
+unsafe fn par_filled_with<S>(
+    len: usize,
+    chunk: usize,
+    init: impl Fn() -> S + Sync + Send,
+    fill: impl Fn(&mut S, usize, &mut [MaybeUninit<f32>]) + Sync + Send,
+) -> Vec<f32> {
     let mut v = Vec::with_capacity(len);
     v.spare_capacity_mut()[..len]
         .par_chunks_mut(chunk.max(1))
         .enumerate()
-        .for_each(|(i, c)| fill(i, c));
+        .for_each_init(init, |scratch, (i, c)| fill(scratch, i, c));
     // SAFETY: the capacity is `len`, and `fill` wrote each of the first `len` slots (the
     // caller's promise).
     unsafe { v.set_len(len) };
@@ -53,20 +67,15 @@ pub(crate) fn par_chunks_zeroed<S>(
     init: impl Fn() -> S + Sync + Send,
     f: impl Fn(&mut S, usize, &mut [f32]) + Sync + Send,
 ) -> Vec<f32> {
-    let mut v = Vec::with_capacity(len);
-    v.spare_capacity_mut()[..len].par_chunks_mut(chunk.max(1)).enumerate().for_each_init(
-        init,
-        |scratch, (i, slots)| {
-            slots.fill(MaybeUninit::new(0.0));
-            // SAFETY: every slot was initialised by the fill just above, and `MaybeUninit<f32>`
-            // has `f32`'s layout.
-            let chunk = unsafe { &mut *(slots as *mut [MaybeUninit<f32>] as *mut [f32]) };
-            f(scratch, i, chunk)
-        },
-    );
-    // SAFETY: the capacity is `len`, and each of the first `len` slots was zeroed above.
-    unsafe { v.set_len(len) };
-    v
+    let zero_then_f = |scratch: &mut S, i: usize, slots: &mut [MaybeUninit<f32>]| {
+        slots.fill(MaybeUninit::new(0.0));
+        // SAFETY: every slot was initialised by the fill just above, and `MaybeUninit<f32>`
+        // has `f32`'s layout.
+        let chunk = unsafe { &mut *(slots as *mut [MaybeUninit<f32>] as *mut [f32]) };
+        f(scratch, i, chunk)
+    };
+    // SAFETY: `zero_then_f` writes every slot of its chunk (the zeros) before `f` sees it.
+    unsafe { par_filled_with(len, chunk, init, zero_then_f) }
 }
 
 /// `a[rows × cols]` (row-major) transposed: `[cols × rows]`, by 16x16 tiles (each read as 16
